@@ -1,0 +1,124 @@
+/* dsec_native.h - the C entry points of dsecd._native (see docs/native-api.md).
+ *
+ * Error contract (csrc/ERRORS.md): every entry point returns >= 0 on success and
+ * -errno on failure; the spawn helpers also fill a struct dsec_err with the step
+ * that failed and the path it failed on.
+ *
+ * The block between CFFI-BEGIN and CFFI-END is read verbatim by
+ * dsecd/_native_build.py as the cffi cdef, so it holds plain declarations only:
+ * no #if, no macros with expressions, no includes.
+ */
+#ifndef DSEC_NATIVE_H
+#define DSEC_NATIVE_H
+
+#include <stdint.h>
+#include <sys/types.h>
+
+/* CFFI-BEGIN */
+#define DSEC_ERR_PATH_MAX 256
+#define DSEC_MAX_CGROUPS 16
+
+/* Which step of a multi-step helper failed. Python names them by lowercasing
+ * what follows DSEC_STEP_, so renaming one is an API change. */
+enum dsec_step {
+    DSEC_STEP_NONE = 0,
+    /* in the calling thread, before clone */
+    DSEC_STEP_OPEN_INIT = 1,
+    DSEC_STEP_OPEN_CGROUP = 2,
+    DSEC_STEP_STACK = 3,
+    DSEC_STEP_CLONE = 4,
+    DSEC_STEP_WAIT = 5,
+    /* in the container child, in this order */
+    DSEC_STEP_CGROUP_JOIN = 10,
+    DSEC_STEP_CGROUP_NS = 11,
+    DSEC_STEP_MOUNT_PRIVATE = 12,
+    DSEC_STEP_MOUNT_OVERLAY = 13,
+    DSEC_STEP_CHDIR_ROOTFS = 14,
+    DSEC_STEP_MKDIR = 15,
+    DSEC_STEP_MOUNT_PROC = 16,
+    DSEC_STEP_MOUNT_DEV = 17,
+    DSEC_STEP_DEV_NODE = 18,
+    DSEC_STEP_MOUNT_DEVPTS = 19,
+    DSEC_STEP_MOUNT_SHM = 20,
+    DSEC_STEP_DEV_LINK = 21,
+    DSEC_STEP_MOUNT_TMP = 22,
+    DSEC_STEP_HOSTNAME = 23,
+    DSEC_STEP_LOOPBACK = 24,
+    DSEC_STEP_PIVOT_ROOT = 25,
+    DSEC_STEP_STDIO = 26,
+    DSEC_STEP_CLOSE_FDS = 27,
+    DSEC_STEP_NO_NEW_PRIVS = 28,
+    DSEC_STEP_CAPS = 29,
+    DSEC_STEP_EXEC_INIT = 30,
+    /* in the exec helper and the exec child (stdio, close_fds, caps,
+     * no_new_privs above are shared) */
+    DSEC_STEP_SETNS = 40,
+    DSEC_STEP_SETSID = 41,
+    DSEC_STEP_IDS = 42,
+    DSEC_STEP_CHDIR = 43,
+    DSEC_STEP_EXEC = 44,
+    DSEC_STEP_EXEC_INTERP = 45
+};
+
+struct dsec_err {
+    int err;  /* positive errno, 0 = no error */
+    int step; /* enum dsec_step */
+    char path[DSEC_ERR_PATH_MAX];
+};
+
+/* All strings are prepared by native.py: the child may not allocate. */
+struct dsec_container_args {
+    const char *rootfs;       /* empty host dir, the overlay mount point */
+    const char *overlay_opts; /* "lowerdir=a:b,upperdir=u,workdir=w" */
+    const char *init_path;    /* host path of dsec-init */
+    const char *hostname;
+    const char *tmp_opts;  /* tmpfs data for /tmp */
+    const char *shm_opts;  /* tmpfs data for /dev/shm */
+    const char *const *cgroup_procs;
+    int n_cgroups;
+};
+
+struct dsec_exec_args {
+    int pidfd; /* pidfd of the sandbox's PID 1 */
+    const char *const *cgroup_procs;
+    int n_cgroups;
+    const char *const *argv; /* NULL-terminated; argv[0] is searched in PATH */
+    const char *const *envp; /* NULL-terminated */
+    const char *cwd;
+    uint32_t uid;
+    uint32_t gid;
+    int stdin_fd;
+    int stdout_fd;
+    int stderr_fd;
+    uint64_t cap_keep;
+};
+
+struct dsec_kvm_probe {
+    int api;         /* KVM_GET_API_VERSION, or -errno */
+    int open_err;    /* 0 or -errno of open("/dev/kvm") */
+    int create_vm;   /* 0 or -errno */
+    int create_vcpu; /* 0 or -errno */
+};
+
+/* spawn.c */
+int dsec_spawn_container(const struct dsec_container_args *args, struct dsec_err *err);
+int dsec_spawn_exec(const struct dsec_exec_args *args, struct dsec_err *err);
+int dsec_pidfd_open(int pid, unsigned int flags);
+int dsec_pidfd_send_signal(int pidfd, int sig);
+
+/* fileops.c */
+int dsec_file_openat2(int dirfd, const char *path, uint64_t flags, uint64_t mode,
+                      uint64_t resolve);
+
+/* probe.c */
+int dsec_probe_sched_core(void);
+int dsec_probe_landlock_abi(void);
+int dsec_probe_seccomp(void);
+int dsec_probe_bpf_cgroup(const char *cgroup_dir);
+void dsec_probe_kvm(struct dsec_kvm_probe *out);
+int dsec_probe_openat2(void);
+int dsec_probe_pidfd(void);
+int dsec_probe_clone3(void);
+/* CFFI-END */
+
+#endif /* DSEC_NATIVE_H */

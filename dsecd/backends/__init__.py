@@ -1,0 +1,1 @@
+"""dsecd.backends: see docs and DESIGN.md."""

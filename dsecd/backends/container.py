@@ -1,0 +1,235 @@
+"""Container backend: namespaces + cgroups + overlay, one dsec-init per sandbox.
+
+The sandbox's PID 1 (the static `dsec-init`, reaper only) is cloned by the C
+helper into new mount, pid, uts, ipc, net and cgroup namespaces; the overlay
+root is mounted inside the sandbox's own mount namespace, so the host's mount
+table never holds sandbox mounts and they vanish with the sandbox. Commands
+run through the C exec helper, which joins the cgroups and namespaces of the
+init (setns on its pidfd) and execs as a direct child of the daemon.
+
+Every method here blocks (clone, mount, rmdir): the node calls them from
+worker threads, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import cgroup, native
+from ..steps import Steps
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+# Capability numbers from <linux/capability.h> (a stable kernel ABI).
+CAP_NUMBERS = {
+    "CHOWN": 0, "DAC_OVERRIDE": 1, "DAC_READ_SEARCH": 2, "FOWNER": 3, "FSETID": 4, "KILL": 5,
+    "SETGID": 6, "SETUID": 7, "SETPCAP": 8, "LINUX_IMMUTABLE": 9, "NET_BIND_SERVICE": 10,
+    "NET_BROADCAST": 11, "NET_ADMIN": 12, "NET_RAW": 13, "IPC_LOCK": 14, "IPC_OWNER": 15,
+    "SYS_MODULE": 16, "SYS_RAWIO": 17, "SYS_CHROOT": 18, "SYS_PTRACE": 19, "SYS_PACCT": 20,
+    "SYS_ADMIN": 21, "SYS_BOOT": 22, "SYS_NICE": 23, "SYS_RESOURCE": 24, "SYS_TIME": 25,
+    "SYS_TTY_CONFIG": 26, "MKNOD": 27, "LEASE": 28, "AUDIT_WRITE": 29, "AUDIT_CONTROL": 30,
+    "SETFCAP": 31, "MAC_OVERRIDE": 32, "MAC_ADMIN": 33, "SYSLOG": 34, "WAKE_ALARM": 35,
+    "BLOCK_SUSPEND": 36, "AUDIT_READ": 37, "PERFMON": 38, "BPF": 39, "CHECKPOINT_RESTORE": 40,
+}
+
+
+def cap_mask(names: list[str]) -> int:
+    mask = 0
+    for name in names:
+        key = name.upper().removeprefix("CAP_")
+        if key not in CAP_NUMBERS:
+            raise ValueError(f"unknown capability {name!r} in sandbox.capabilities")
+        mask |= 1 << CAP_NUMBERS[key]
+    return mask
+
+
+@dataclass
+class Handle:
+    """A live container: what the node needs to exec in it and destroy it."""
+
+    init_pid: int
+    init_start: int          # /proc/<pid>/stat starttime, to tell a reused pid apart
+    pidfd: int
+    rootfd: int              # O_PATH fd of the sandbox root, for file access
+    group: cgroup.Group
+    dir: Path
+    is_child: bool           # we cloned it (must reap it) vs adopted after a restart
+
+
+def proc_start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # Field 22; the comm field (2) may contain spaces and parentheses.
+    return int(data[data.rindex(b")") + 2:].split()[19])
+
+
+class ContainerBackend:
+    name = "container"
+
+    def __init__(self, layout: cgroup.Layout, sandbox_cfg: dict, state_dir: Path, sizes: dict):
+        self.layout = layout
+        self.cfg = sandbox_cfg
+        self.root = Path(state_dir) / "sandboxes"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.cgroup_root = sandbox_cfg["cgroup_root"]
+        self.sizes = sizes
+        self.caps = cap_mask(sandbox_cfg["capabilities"])
+        self.init_path = native.init_binary_path()
+
+    def group_for(self, sb_id: str) -> cgroup.Group:
+        return cgroup.Group(self.layout, f"{self.cgroup_root}/{sb_id}")
+
+    # ------------------------------------------------------------ create
+
+    def create(self, sb_id: str, lowerdirs: list[str], limits: cgroup.Limits, hostname: str) -> Handle:
+        sbdir = self.root / sb_id
+        group = self.group_for(sb_id)
+        with Steps(f"create sandbox {sb_id}") as steps:
+            # Per-sandbox dirs: overlay upper/work (what pack_diff reads later) and the mountpoint.
+            for sub in ("upper", "work", "rootfs"):
+                os.makedirs(sbdir / sub, exist_ok=True)
+            steps.undo("remove sandbox dir", lambda: shutil.rmtree(sbdir, ignore_errors=True))
+            # Own cgroups, outside the daemon's, so sandboxes outlive a daemon restart.
+            group.create()
+            steps.undo("remove cgroups", lambda: group.remove(self.cfg["destroy_timeout_s"]))
+            group.set_limits(limits)
+            spec = native.ContainerSpec(
+                rootfs=str(sbdir / "rootfs"), lowerdirs=lowerdirs, upperdir=str(sbdir / "upper"),
+                workdir=str(sbdir / "work"), hostname=hostname, init_path=self.init_path,
+                cgroup_procs=group.procs_files(), tmp_size_bytes=self.sizes["tmp"],
+                shm_size_bytes=self.sizes["shm"])
+            pid = native.spawn_container(spec)
+            steps.undo("kill init", lambda: _kill_and_reap(pid))
+            handle = self._open_handle(pid, group, sbdir, is_child=True)
+            _protect_init_from_oom(pid)
+            steps.commit()
+            return handle
+
+    def _open_handle(self, pid: int, group: cgroup.Group, sbdir: Path, is_child: bool) -> Handle:
+        start = proc_start_time(pid)
+        if start is None:
+            raise ProcessLookupError(errno.ESRCH, f"sandbox init {pid} exited during setup")
+        pidfd = native.pidfd_open(pid)
+        try:
+            # The pidfd pins the process; re-check it is the same one we meant.
+            if proc_start_time(pid) != start:
+                raise ProcessLookupError(errno.ESRCH, f"pid {pid} was reused")
+            rootfd = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except BaseException:
+            os.close(pidfd)
+            raise
+        return Handle(pid, start, pidfd, rootfd, group, sbdir, is_child)
+
+    # ------------------------------------------------------------ adopt
+
+    def adopt(self, sb_id: str, init_pid: int, init_start: int) -> Handle | None:
+        """Re-attach to a live sandbox after a daemon restart; None if it died."""
+        if not init_pid or proc_start_time(init_pid) != init_start:
+            return None
+        try:
+            return self._open_handle(init_pid, self.group_for(sb_id), self.root / sb_id, is_child=False)
+        except (ProcessLookupError, FileNotFoundError):
+            return None
+
+    # ------------------------------------------------------------ exec
+
+    def exec_env(self, sandbox_env: dict, exec_env: dict) -> list[str]:
+        env = {"PATH": DEFAULT_PATH, "HOME": "/root", "HOSTNAME": "sandbox"}
+        env.update(sandbox_env)
+        env.update(exec_env)
+        return [f"{k}={v}" for k, v in env.items()]
+
+    def spawn(self, h: Handle, argv: list[str], env: list[str], cwd: str, uid: int,
+              fds: tuple[int, int, int]) -> int:
+        spec = native.ExecSpec(pidfd=h.pidfd, cgroup_procs=h.group.procs_files(), argv=argv, env=env,
+                               cwd=cwd, uid=uid, gid=uid, stdin_fd=fds[0], stdout_fd=fds[1],
+                               stderr_fd=fds[2], cap_keep=self.caps)
+        return native.spawn_exec(spec)
+
+    # ------------------------------------------------------------ destroy
+
+    def destroy(self, sb_id: str, h: Handle | None) -> None:
+        """Kill everything, then remove cgroups and dirs; safe to repeat."""
+        timeout = self.cfg["destroy_timeout_s"]
+        group = h.group if h else self.group_for(sb_id)
+        if h:
+            # SIGKILL to a pid namespace's init kills every process in it.
+            try:
+                native.pidfd_send_signal(h.pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            _wait_exit(h, timeout)
+            close_handle(h)
+        group.kill_all()      # stragglers that joined the cgroup from outside the pidns
+        group.remove(timeout)
+        shutil.rmtree(self.root / sb_id, ignore_errors=True)
+
+    def orphans(self, known: set[str]) -> set[str]:
+        """Sandbox ids that have dirs or cgroups but no journal record."""
+        on_disk = {e.name for e in os.scandir(self.root) if e.is_dir()}
+        in_cgroups = cgroup.list_children(self.layout, self.cgroup_root)
+        return (on_disk | in_cgroups) - known
+
+
+def close_handle(h: Handle) -> None:
+    for fd in (h.rootfd, h.pidfd):
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    h.rootfd = h.pidfd = -1
+
+
+def _wait_exit(h: Handle, timeout: float) -> None:
+    if h.is_child:
+        # Our child: reap it so it does not stay a zombie. waitpid blocks; we are in a thread.
+        try:
+            os.waitpid(h.init_pid, 0)
+        except ChildProcessError:
+            pass
+        return
+    import select
+
+    poller = select.poll()
+    poller.register(h.pidfd, select.POLLIN)
+    poller.poll(int(timeout * 1000))
+
+
+def _kill_and_reap(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
+def _protect_init_from_oom(pid: int) -> None:
+    """The memory limit's OOM killer should pick the workload, not PID 1 (which
+    would end the whole sandbox)."""
+    try:
+        with open(f"/proc/{pid}/oom_score_adj", "w") as f:
+            f.write("-1000")
+    except OSError as err:
+        log.warning("set oom_score_adj of sandbox init %d: %s", pid, err.strerror)
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc_start_time(pid) is None:
+            return True
+        time.sleep(0.005)
+    return False

@@ -1,0 +1,243 @@
+"""cgroups: find the hierarchies, make one group per sandbox, set limits, remove.
+
+cgroups are file writes, so this is plain Python (no C). A host may be pure
+v2, pure v1 or hybrid (v1 controllers plus an empty v2 tree, like this
+project's CI machines). Each controller is used from the v2 tree when that
+tree has it and from its v1 mount otherwise; the v2 tree is used even when it
+has no controllers, because cgroup eBPF programs attach there.
+
+dsecd only ever creates, writes and removes groups below its own subtree
+(`cgroup_root`, default "dsecd") in each hierarchy.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Controllers a sandbox group uses; "freezer" is v1's name for v2's cgroup.freeze.
+CONTROLLERS = ("cpu", "cpuacct", "memory", "pids", "freezer")
+V2 = "unified"
+
+
+class CgroupError(OSError):
+    pass
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each controller lives: {controller: mount dir}; v2 dir under key 'unified'."""
+
+    v2: Path | None
+    v2_controllers: frozenset[str]
+    v1: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def mode(self) -> str:
+        if self.v2 and not self.v1:
+            return "v2"
+        if self.v1 and not self.v2:
+            return "v1"
+        return "hybrid" if self.v1 else "none"
+
+    def hierarchies(self) -> dict[str, Path]:
+        """{key: mount dir} of every hierarchy a sandbox gets a group in."""
+        out: dict[str, Path] = {}
+        for ctrl in CONTROLLERS:
+            # A controller enabled in v2 cannot also be mounted as v1.
+            if ctrl in self.v1 and ctrl not in self.v2_controllers:
+                out[ctrl] = self.v1[ctrl]
+        if self.v2:
+            out[V2] = self.v2
+        # Two v1 controllers may share one mount (e.g. cpu,cpuacct): one group is enough.
+        seen: dict[Path, str] = {}
+        return {k: p for k, p in out.items() if seen.setdefault(p, k) == k}
+
+    def controller_dir(self, ctrl: str) -> tuple[str, Path] | None:
+        """(version, mount) that serves `ctrl`, or None."""
+        if self.v2 and ctrl in self.v2_controllers:
+            return "v2", self.v2
+        if ctrl in self.v1:
+            return "v1", self.v1[ctrl]
+        return None
+
+
+def detect_layout(mountinfo: str = "/proc/self/mountinfo") -> Layout:
+    v2: Path | None = None
+    v1: dict[str, Path] = {}
+    with open(mountinfo) as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fstype, _src, opts = (right.split() + ["", "", ""])[:3]
+            mnt = Path(left.split()[4].replace("\\040", " "))
+            if fstype == "cgroup2" and v2 is None:
+                v2 = mnt
+            elif fstype == "cgroup":
+                for opt in opts.split(","):
+                    if opt in CONTROLLERS:
+                        v1.setdefault(opt, mnt)
+    ctrls: frozenset[str] = frozenset()
+    if v2 is not None:
+        try:
+            ctrls = frozenset((v2 / "cgroup.controllers").read_text().split())
+        except OSError:
+            ctrls = frozenset()
+    return Layout(v2=v2, v2_controllers=ctrls, v1=v1)
+
+
+def _write(path: Path, value: str) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, value.encode())
+        finally:
+            os.close(fd)
+    except OSError as err:
+        hint = ""
+        if err.errno == errno.EBUSY and path.name == "cgroup.subtree_control":
+            hint = "; a v2 group with processes cannot enable controllers for children"
+        raise CgroupError(err.errno, f"write {value!r} to `{path}`: {os.strerror(err.errno)}{hint}") from err
+
+
+@dataclass(frozen=True)
+class Limits:
+    cpu: float            # CPUs: weight, and a hard quota when cpu_hard_quota
+    memory_bytes: int
+    pids: int
+    cpu_hard_quota: bool = False
+    cpu_period_us: int = 100000
+
+
+class Group:
+    """One sandbox's group: the same relative path in every hierarchy."""
+
+    def __init__(self, layout: Layout, rel: str):
+        self.layout = layout
+        self.rel = rel
+        self.dirs = {key: mnt / rel for key, mnt in layout.hierarchies().items()}
+
+    def create(self) -> None:
+        """mkdir in every hierarchy; on failure remove what was made."""
+        made = []
+        try:
+            for d in self.dirs.values():
+                _ensure_parent(d.parent)
+                os.mkdir(d)
+                made.append(d)
+        except OSError as err:
+            for d in reversed(made):
+                _rmdir_quiet(d)
+            raise CgroupError(err.errno, f"create cgroup `{d}`: {os.strerror(err.errno)}") from err
+
+    def procs_files(self) -> list[str]:
+        return [str(d / "cgroup.procs") for d in self.dirs.values()]
+
+    def dir_for(self, ctrl: str) -> tuple[str, Path] | None:
+        where = self.layout.controller_dir(ctrl)
+        if where is None:
+            return None
+        version, mnt = where
+        return version, mnt / self.rel
+
+    def set_limits(self, lim: Limits) -> None:
+        self._set_cpu(lim)
+        mem = self.dir_for("memory")
+        if mem:
+            version, d = mem
+            _write(d / ("memory.max" if version == "v2" else "memory.limit_in_bytes"), str(lim.memory_bytes))
+        pids = self.dir_for("pids")
+        if pids:
+            _write(pids[1] / "pids.max", str(lim.pids))
+
+    def _set_cpu(self, lim: Limits) -> None:
+        cpu = self.dir_for("cpu")
+        if not cpu:
+            return
+        version, d = cpu
+        quota = int(lim.cpu * lim.cpu_period_us)
+        if version == "v2":
+            _write(d / "cpu.weight", str(max(1, min(10000, round(lim.cpu * 100)))))
+            if lim.cpu_hard_quota:
+                _write(d / "cpu.max", f"{quota} {lim.cpu_period_us}")
+        else:
+            _write(d / "cpu.shares", str(max(2, round(lim.cpu * 1024))))
+            if lim.cpu_hard_quota:
+                _write(d / "cpu.cfs_period_us", str(lim.cpu_period_us))
+                _write(d / "cpu.cfs_quota_us", str(quota))
+
+    def pids(self) -> set[int]:
+        out: set[int] = set()
+        for d in self.dirs.values():
+            try:
+                out.update(int(x) for x in (d / "cgroup.procs").read_text().split())
+            except FileNotFoundError:
+                continue
+        return out
+
+    def kill_all(self) -> None:
+        """SIGKILL every process in the group (all are the sandbox's own)."""
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def remove(self, timeout: float = 10.0) -> None:
+        """rmdir in every hierarchy, waiting for exiting tasks to leave (EBUSY)."""
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        for d in self.dirs.values():
+            while True:
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as err:
+                    if err.errno != errno.EBUSY or time.monotonic() > deadline:
+                        raise CgroupError(err.errno, f"remove cgroup `{d}`: {os.strerror(err.errno)}"
+                                          f" (tasks: {sorted(self.pids())[:8]})") from err
+                    self.kill_all()
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.05)
+
+    def exists(self) -> bool:
+        return any(d.is_dir() for d in self.dirs.values())
+
+
+def _ensure_parent(parent: Path) -> None:
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as err:
+        raise CgroupError(err.errno, f"create cgroup `{parent}`: {os.strerror(err.errno)}") from err
+
+
+def _rmdir_quiet(d: Path) -> None:
+    try:
+        os.rmdir(d)
+    except OSError:
+        pass
+
+
+def list_children(layout: Layout, root_rel: str) -> set[str]:
+    """Names of the groups directly below our subtree, in any hierarchy."""
+    names: set[str] = set()
+    for mnt in layout.hierarchies().values():
+        try:
+            names.update(e.name for e in os.scandir(mnt / root_rel) if e.is_dir())
+        except FileNotFoundError:
+            continue
+    return names
+
+
+def count_groups(layout: Layout, root_rel: str) -> int:
+    """Groups below our subtree across hierarchies (the leak tests count these)."""
+    n = 0
+    for mnt in layout.hierarchies().values():
+        for _dirpath, dirnames, _files in os.walk(mnt / root_rel):
+            n += len(dirnames)
+    return n

@@ -1,0 +1,340 @@
+"""Python SDK: an asyncio client, and `SyncClient` for scripts.
+
+    async with dsecd.Client() as c:
+        sb = await c.create(image="busybox", cpu=0.5, memory="256M")
+        r = await sb.exec(["sh", "-c", "echo hi"], timeout=10)
+        async for fd, data in sb.exec_stream(["make"]):   # streaming
+            ...
+        await sb.write_file("/work/a.py", b"print(1)")
+        await sb.destroy()
+
+One connection carries many requests at once (each has its own id); a reader
+task routes every incoming frame to the request that owns its id. Errors from
+the daemon are raised as dsecd.errors.DsecError subclasses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from . import protocol
+from .errors import DsecError, LimitExceeded
+
+DEFAULT_SOCKET = "/run/dsecd/dsecd.sock"
+DEFAULT_CHUNK = 4 << 20
+
+
+def default_socket() -> str:
+    return os.environ.get("DSEC_SOCKET") or DEFAULT_SOCKET
+
+
+@dataclass
+class ExecResult:
+    exit_code: int | None
+    signal: int | None
+    stdout: bytes
+    stderr: bytes
+    truncated: bool
+    timed_out: bool
+    cancelled: bool
+    duration_ms: float
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    @classmethod
+    def from_result(cls, r: dict, stdout: bytes = b"", stderr: bytes = b"") -> ExecResult:
+        return cls(exit_code=r.get("exit_code"), signal=r.get("signal"),
+                   stdout=r.get("stdout", stdout), stderr=r.get("stderr", stderr),
+                   truncated=r.get("truncated", False), timed_out=r.get("timed_out", False),
+                   cancelled=r.get("cancelled", False), duration_ms=r.get("duration_ms", 0.0))
+
+
+class _Pending:
+    """Frames of one request: stream frames queue up, the final one ends it."""
+
+    def __init__(self):
+        self.queue: asyncio.Queue[dict] = asyncio.Queue()
+
+
+class Client:
+    def __init__(self, socket_path: str | None = None, name: str = "dsecd-sdk"):
+        self.socket_path = socket_path or default_socket()
+        self.name = name
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._reader_task: asyncio.Task | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self.server: dict = {}
+        self.max_frame = 16 << 20
+
+    async def __aenter__(self) -> Client:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        try:
+            reader, self._writer = await asyncio.open_unix_connection(self.socket_path, limit=2**20)
+        except (FileNotFoundError, ConnectionRefusedError) as err:
+            raise ConnectionError(f"cannot connect to dsecd at {self.socket_path}: {err.strerror}; "
+                                  "is the daemon running? (set DSEC_SOCKET or --socket)") from err
+        self._reader_task = asyncio.get_running_loop().create_task(self._read_loop(reader))
+        self.server = await self.request("hello", protocol=protocol.PROTOCOL_VERSION, client=self.name)
+        self.max_frame = self.server.get("limits", {}).get("max_frame_bytes", self.max_frame)
+
+    async def close(self) -> None:
+        if self._writer:
+            self._writer.close()
+            try:
+                await self._writer.wait_closed()
+            except (ConnectionError, OSError):
+                pass
+        if self._reader_task:
+            self._reader_task.cancel()
+            try:
+                await self._reader_task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        error: BaseException = ConnectionError("dsecd closed the connection")
+        try:
+            while True:
+                header = await reader.readexactly(protocol.HEADER.size)
+                (size,) = protocol.HEADER.unpack(header)
+                if size > self.max_frame + 4096:
+                    raise LimitExceeded(f"server frame of {size} bytes exceeds the limit")
+                frame = protocol.decode_payload(await reader.readexactly(size))
+                rid = frame.get("id")
+                if rid is None and "error" in frame:
+                    error = DsecError.from_wire(frame["error"])
+                    break
+                pending = self._pending.get(rid)
+                if pending is not None:
+                    pending.queue.put_nowait(frame)
+        except (asyncio.IncompleteReadError, ConnectionError) as err:
+            error = ConnectionError(f"connection to dsecd lost: {err}")
+        except asyncio.CancelledError:
+            error = ConnectionError("client closed")
+        except Exception as err:
+            error = err
+        for pending in self._pending.values():
+            pending.queue.put_nowait({"__lost__": error})
+
+    async def _send(self, rid: int, op: str, args: dict) -> None:
+        if self._writer is None or self._writer.is_closing():
+            raise ConnectionError("not connected to dsecd")
+        self._writer.write(protocol.encode_frame({"id": rid, "op": op, "args": args}, self.max_frame))
+        await self._writer.drain()
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def frames(self, op: str, **args) -> AsyncIterator[dict]:
+        """Send one request; yield its stream payloads; the final result is yielded
+        last as {"__result__": result}. Errors are raised."""
+        return self.frames_with_id(self.new_id(), op, args)
+
+    async def frames_with_id(self, rid: int, op: str, args: dict,
+                             sent: asyncio.Event | None = None) -> AsyncIterator[dict]:
+        pending = self._pending[rid] = _Pending()
+        finished = False
+        try:
+            await self._send(rid, op, args)
+            if sent is not None:
+                sent.set()
+            while True:
+                frame = await pending.queue.get()
+                if "__lost__" in frame:
+                    raise frame["__lost__"]
+                if "stream" in frame:
+                    yield frame["stream"]
+                    continue
+                finished = True
+                if "error" in frame:
+                    raise DsecError.from_wire(frame["error"])
+                yield {"__result__": frame.get("result", {})}
+                return
+        finally:
+            self._pending.pop(rid, None)
+            if not finished and self._writer and not self._writer.is_closing():
+                # Abandoned early (break, exception, cancel): tell the daemon to stop it.
+                try:
+                    await self._send(next(self._ids), "cancel", {"target": rid})
+                except (ConnectionError, DsecError):
+                    pass
+
+    async def request(self, op: str, **args) -> dict:
+        async for frame in self.frames(op, **args):
+            if "__result__" in frame:
+                return frame["__result__"]
+        raise ConnectionError(f"{op}: no final frame")
+
+    # ---------------------------------------------------------------- host and images
+
+    async def info(self) -> dict:
+        return await self.request("info")
+
+    async def import_image(self, path: str, name: str, progress: Callable[[dict], None] | None = None) -> dict:
+        async for frame in self.frames("image_import", path=os.path.abspath(path), name=name):
+            if "__result__" in frame:
+                return frame["__result__"]
+            if progress and "progress" in frame:
+                progress(frame["progress"])
+        raise ConnectionError("image_import: no final frame")
+
+    async def list_images(self) -> list[dict]:
+        return (await self.request("image_list"))["images"]
+
+    async def inspect_image(self, name: str) -> dict:
+        return await self.request("image_inspect", name=name)
+
+    async def remove_image(self, name: str) -> dict:
+        return await self.request("image_rm", name=name)
+
+    # ---------------------------------------------------------------- sandboxes
+
+    async def create(self, image: str, cpu: float | None = None, memory: int | str | None = None,
+                     pids: int | None = None, env: dict | None = None, labels: dict | None = None,
+                     hostname: str | None = None, cwd: str = "/", user: int = 0) -> Sandbox:
+        args = {"image": image, "env": env or {}, "labels": labels or {}, "cwd": cwd, "user": user}
+        for k, v in (("cpu", cpu), ("memory", memory), ("pids", pids), ("hostname", hostname)):
+            if v is not None:
+                args[k] = v
+        info = await self.request("create", **args)
+        return Sandbox(self, info["id"], info)
+
+    async def get(self, sandbox_id: str) -> Sandbox:
+        info = await self.request("inspect", sandbox=sandbox_id)
+        return Sandbox(self, info["id"], info)
+
+    async def list(self, labels: dict | None = None) -> list[dict]:
+        return (await self.request("list", labels=labels or {}))["sandboxes"]
+
+    async def destroy_all(self, force: bool = False, labels: dict | None = None) -> dict:
+        return await self.request("destroy_all", force=force, labels=labels or {})
+
+
+class ExecStream:
+    """Async iterator of (fd, bytes) output chunks; `.result` once it is exhausted."""
+
+    def __init__(self, sb: Sandbox, args: dict, stdin: bytes | AsyncIterator[bytes] | None):
+        self.sb = sb
+        self.args = args
+        self.stdin = stdin
+        self.result: ExecResult | None = None
+
+    async def _feed(self, exec_id: int, sent: asyncio.Event) -> None:
+        c = self.sb.client
+        await sent.wait()      # exec_input must follow the exec request on the wire
+        chunk = c.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
+        if isinstance(self.stdin, (bytes, bytearray, memoryview)):
+            data = bytes(self.stdin)
+            for i in range(0, len(data), chunk):
+                await c.request("exec_input", exec_id=exec_id, data=data[i:i + chunk])
+        elif self.stdin is not None:
+            async for piece in self.stdin:
+                await c.request("exec_input", exec_id=exec_id, data=bytes(piece))
+        await c.request("exec_input", exec_id=exec_id, eof=True)
+
+    async def __aiter__(self):
+        c = self.sb.client
+        feeder = None
+        rid = c.new_id()
+        sent = asyncio.Event()
+        if self.stdin is not None:
+            feeder = asyncio.get_running_loop().create_task(self._feed(rid, sent))
+        try:
+            async for frame in c.frames_with_id(rid, "exec", self.args, sent):
+                if "__result__" in frame:
+                    self.result = ExecResult.from_result(frame["__result__"])
+                    return
+                yield frame["fd"], frame["data"]
+        finally:
+            if feeder:
+                if not feeder.done():
+                    feeder.cancel()
+                try:
+                    await feeder
+                except (asyncio.CancelledError, DsecError, ConnectionError):
+                    pass
+
+
+class Sandbox:
+    def __init__(self, client: Client, sandbox_id: str, info: dict):
+        self.client = client
+        self.id = sandbox_id
+        self.info = info
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.id} {self.info.get('state')}>"
+
+    def _exec_args(self, argv, env, cwd, user, timeout, stdin: bool, stream: bool) -> dict:
+        args = {"sandbox": self.id, "argv": list(argv), "env": env or {}, "stdin": stdin, "stream": stream}
+        for k, v in (("cwd", cwd), ("user", user), ("timeout", timeout)):
+            if v is not None:
+                args[k] = v
+        return args
+
+    async def exec(self, argv: list[str], timeout: float | None = None, env: dict | None = None,
+                   cwd: str | None = None, user: int | None = None, stdin: bytes | None = None) -> ExecResult:
+        """Run a command; return its collected output and status."""
+        if stdin is None:
+            r = await self.client.request("exec", **self._exec_args(argv, env, cwd, user, timeout, False, False))
+            return ExecResult.from_result(r)
+        out: dict[int, list[bytes]] = {1: [], 2: []}
+        stream = self.exec_stream(argv, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin)
+        async for fd, data in stream:
+            out[fd].append(data)
+        assert stream.result is not None
+        stream.result.stdout, stream.result.stderr = b"".join(out[1]), b"".join(out[2])
+        return stream.result
+
+    def exec_stream(self, argv: list[str], timeout: float | None = None, env: dict | None = None,
+                    cwd: str | None = None, user: int | None = None,
+                    stdin: bytes | AsyncIterator[bytes] | None = None) -> ExecStream:
+        return ExecStream(self, self._exec_args(argv, env, cwd, user, timeout, stdin is not None, True), stdin)
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644, parents: bool = True) -> int:
+        chunk = self.client.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
+        view = memoryview(data)
+        first = True
+        size = 0
+        while first or view:
+            piece, view = bytes(view[:chunk]), view[chunk:]
+            r = await self.client.request("file_write", sandbox=self.id, path=path, data=piece,
+                                          append=not first, mode=mode, parents=parents)
+            size = r["size"]
+            first = False
+        return size
+
+    async def read_file(self, path: str) -> bytes:
+        chunk = self.client.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
+        parts, offset = [], 0
+        while True:
+            r = await self.client.request("file_read", sandbox=self.id, path=path, offset=offset, length=chunk)
+            parts.append(r["data"])
+            offset += len(r["data"])
+            if r["eof"] or not r["data"]:
+                return b"".join(parts)
+
+    async def list_files(self, path: str) -> list[dict]:
+        return (await self.client.request("file_list", sandbox=self.id, path=path))["entries"]
+
+    async def stat(self, path: str) -> dict:
+        return await self.client.request("file_stat", sandbox=self.id, path=path)
+
+    async def inspect(self) -> dict:
+        self.info = await self.client.request("inspect", sandbox=self.id)
+        return self.info
+
+    async def destroy(self, force: bool = False) -> dict:
+        return await self.client.request("destroy", sandbox=self.id, force=force)

@@ -1,0 +1,106 @@
+"""Configuration: the embedded defaults (default.toml) overlaid with a user file.
+
+Every key the daemon reads is in default.toml with a comment; a user file may
+only name keys that exist there (a typo is an error at start, not a silently
+ignored knob).
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from 123, "123", "512M", "2G", "1.5GiB"."""
+    if isinstance(value, bool):
+        raise ConfigError(f"size must be a number or a string like '512M', not {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"size must not be negative: {value}")
+        return value
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ConfigError(f"bad size {value!r}: use bytes or a number with K, M, G or T")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _load_defaults() -> dict:
+    text = resources.files("dsecd").joinpath("default.toml").read_text()
+    return tomllib.loads(text)
+
+
+def _overlay(base: dict, extra: dict, where: str = "") -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        name = f"{where}{key}"
+        if key not in base:
+            raise ConfigError(f"unknown config key {name!r} (see dsecd/default.toml)")
+        if isinstance(base[key], dict):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key {name!r} must be a table")
+            out[key] = _overlay(base[key], value, name + ".")
+        else:
+            out[key] = value
+    return out
+
+
+@dataclass(frozen=True)
+class Config:
+    raw: dict
+
+    # Frequently used values, parsed once.
+    @property
+    def socket(self) -> str:
+        return self.raw["daemon"]["socket"]
+
+    @property
+    def state_dir(self) -> Path:
+        return Path(self.raw["daemon"]["state_dir"])
+
+    def section(self, name: str) -> dict:
+        return self.raw[name]
+
+    def size(self, section: str, key: str) -> int:
+        try:
+            return parse_size(self.raw[section][key])
+        except ConfigError as err:
+            raise ConfigError(f"{section}.{key}: {err}") from err
+
+
+def load_config(path: str | None = None, overrides: dict | None = None) -> Config:
+    """Defaults, overlaid with the TOML file at `path`, then with `overrides`."""
+    raw = _load_defaults()
+    if path:
+        try:
+            with open(path, "rb") as f:
+                user = tomllib.load(f)
+        except OSError as err:
+            raise ConfigError(f"read config {path}: {err.strerror}") from err
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"parse config {path}: {err}") from err
+        raw = _overlay(raw, user)
+    if overrides:
+        raw = _overlay(raw, overrides)
+    cfg = Config(raw)
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: Config) -> None:
+    for section, key in (("limits", "max_frame_bytes"), ("limits", "max_file_chunk_bytes"),
+                         ("limits", "max_exec_output_bytes"), ("sandbox", "memory"),
+                         ("sandbox", "tmp_size"), ("sandbox", "shm_size")):
+        cfg.size(section, key)
+    if cfg.size("limits", "max_file_chunk_bytes") + 4096 > cfg.size("limits", "max_frame_bytes"):
+        raise ConfigError("limits.max_file_chunk_bytes must be smaller than limits.max_frame_bytes")

@@ -1,0 +1,1 @@
+"""dsecd.cpu: see docs and DESIGN.md."""

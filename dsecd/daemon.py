@@ -1,0 +1,105 @@
+"""`dsecd`: the daemon's entry point.
+
+Start-up order: config -> logging -> single-instance lock on the state dir ->
+feature probe (stop on a missing required feature) -> node (re-adopt
+sandboxes) -> socket. SIGTERM/SIGINT stop the daemon and leave every sandbox
+running; the next daemon re-adopts them from the journal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import fcntl
+import logging
+import os
+import signal
+import sys
+
+from . import cgroup
+from .config import ConfigError, load_config
+from .features import probe_all
+from .node import Node
+from .server import Server
+
+log = logging.getLogger("dsecd")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="dsecd", description="dsecd: the per-host sandbox daemon")
+    p.add_argument("--config", help="TOML file overlaid on the embedded defaults (dsecd/default.toml)")
+    p.add_argument("--socket", help="unix socket path (daemon.socket)")
+    p.add_argument("--state-dir", help="journal, sandbox and image directory (daemon.state_dir)")
+    p.add_argument("--log-level", help="debug, info, warning or error (daemon.log_level)")
+    p.add_argument("--print-config", action="store_true", help="print the effective config as JSON and exit")
+    return p.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace):
+    daemon = {k: v for k, v in (("socket", args.socket), ("state_dir", args.state_dir),
+                                ("log_level", args.log_level)) if v}
+    return load_config(args.config, {"daemon": daemon} if daemon else None)
+
+
+def lock_state_dir(state_dir: str) -> int:
+    """One daemon per state dir: a second one would fight over the same sandboxes."""
+    os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(state_dir, "dsecd.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise SystemExit(f"dsecd: another daemon uses state dir {state_dir}") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+async def serve(cfg) -> None:
+    feats = probe_all(cfg.section("sandbox")["cgroup_root"])
+    missing = feats.missing_required()
+    if missing:
+        details = "; ".join(f"{m}: {feats.items[m].detail}" for m in missing)
+        raise SystemExit(f"dsecd: required kernel features missing: {details}")
+    node = Node(cfg, feats, cgroup.detect_layout())
+    await node.start()
+    server = Server(node, cfg.socket, cfg.section("daemon")["socket_group"], cfg.section("limits"),
+                    cfg.size("limits", "max_frame_bytes"))
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("dsecd ready: %d sandboxes adopted, pid %d", len(node.sandboxes), os.getpid())
+    await stop.wait()
+    log.info("stopping; sandboxes keep running")
+    await server.stop()
+    await node.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        cfg = build_config(args)
+    except ConfigError as err:
+        raise SystemExit(f"dsecd: {err}") from err
+    if args.print_config:
+        import json
+
+        print(json.dumps(cfg.raw, indent=2))
+        return
+    logging.basicConfig(level=cfg.section("daemon")["log_level"].upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if os.geteuid() != 0:
+        raise SystemExit("dsecd: must run as root (namespaces, cgroups, mounts)")
+    lock_state_dir(str(cfg.state_dir))
+    try:
+        import uvloop
+
+        uvloop.run(serve(cfg))
+    except ImportError:
+        log.warning("uvloop not installed; using the default asyncio loop")
+        asyncio.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""The closed set of protocol error codes, and the exceptions that carry them.
+
+Every failure a client can see is one of these codes; handlers raise a
+`DsecError` subclass and the server turns it into an `error` frame. Anything
+else that escapes a handler is a bug: the server logs the traceback and sends
+`internal` with a one-line message, never the traceback itself.
+
+The set is documented in docs/protocol.md and checked by tests/unit/test_protocol_doc.py.
+"""
+
+from __future__ import annotations
+
+ERROR_CODES: dict[str, str] = {
+    "bad_request": "the request is malformed: unknown op or field, wrong type, bad value",
+    "not_found": "the named sandbox, image, path or request does not exist",
+    "conflict": "the object is in a state that does not accept this request",
+    "busy": "the host is at capacity or the resource is in use; retry later or elsewhere",
+    "limit": "a configured limit was hit (frame size, streams, output, connections)",
+    "unsupported": "this host's kernel or configuration lacks the needed feature",
+    "permission": "the caller may not do this",
+    "io": "a host or in-sandbox file operation failed (errno in detail)",
+    "internal": "a bug in dsecd; the daemon log has the traceback",
+}
+
+
+class DsecError(Exception):
+    """An error with a protocol code, a human message and optional detail."""
+
+    code = "internal"
+
+    def __init__(self, message: str, detail: dict | None = None, code: str | None = None):
+        super().__init__(message)
+        if code is not None:
+            if code not in ERROR_CODES:
+                raise ValueError(f"unknown error code {code!r}")
+            self.code = code
+        self.message = message
+        self.detail = detail or {}
+
+    def to_wire(self) -> dict:
+        return {"code": self.code, "message": self.message, "detail": self.detail}
+
+    @classmethod
+    def from_wire(cls, err: dict) -> DsecError:
+        code = err.get("code", "internal")
+        klass = _BY_CODE.get(code, DsecError)
+        exc = klass(str(err.get("message", "")), err.get("detail") or {})
+        exc.code = code if code in ERROR_CODES else "internal"
+        return exc
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+
+class BadRequest(DsecError):
+    code = "bad_request"
+
+
+class NotFound(DsecError):
+    code = "not_found"
+
+
+class Conflict(DsecError):
+    code = "conflict"
+
+
+class Busy(DsecError):
+    code = "busy"
+
+
+class LimitExceeded(DsecError):
+    code = "limit"
+
+
+class Unsupported(DsecError):
+    code = "unsupported"
+
+
+class PermissionDenied(DsecError):
+    code = "permission"
+
+
+class IOFailure(DsecError):
+    code = "io"
+
+
+class Internal(DsecError):
+    code = "internal"
+
+
+_BY_CODE = {
+    k.code: k
+    for k in (BadRequest, NotFound, Conflict, Busy, LimitExceeded, Unsupported,
+              PermissionDenied, IOFailure, Internal)
+}
+
+
+_ERRNO_CODES = {
+    "ENOENT": NotFound,
+    "ENOTDIR": NotFound,
+    "EISDIR": BadRequest,
+    "ELOOP": BadRequest,
+    "ENAMETOOLONG": BadRequest,
+    "EXDEV": BadRequest,
+    "EACCES": PermissionDenied,
+    "EPERM": PermissionDenied,
+    "EROFS": PermissionDenied,
+    "EEXIST": Conflict,
+    "ENOTEMPTY": Conflict,
+    "EBUSY": Busy,
+}
+
+
+def io_error(verb: str, obj: str, err: OSError) -> DsecError:
+    """The protocol error for an OSError met while doing `verb` on `obj`.
+
+    The errno name always goes into `detail["errno"]` so scripts can branch on
+    it; the code is the closest protocol code (ENOENT -> not_found, ...).
+    """
+    import errno as _errno
+    import os
+
+    num = err.errno or _errno.EIO
+    name = _errno.errorcode.get(num, "EIO")
+    klass = _ERRNO_CODES.get(name, IOFailure)
+    return klass(f"{verb} {obj}: {os.strerror(num)}", {"errno": name, "path": obj})

@@ -1,0 +1,198 @@
+"""One running exec: its pipes, its output cap, its timeout, its exit status.
+
+The process is a direct child of the daemon (the C helper clones it with
+CLONE_PARENT), so its exit is seen on a pidfd registered with the event loop
+and its status collected with waitpid. Output is read from non-blocking pipes
+by one coroutine per stream; each chunk is handed to `emit`, which may await
+(the client's socket drains), so a slow client slows the reader and the pipe
+fills and the process blocks: memory stays bounded.
+
+Output cap: stdout and stderr together may deliver `cap` bytes. Past it both
+read ends are closed, so the process sees EPIPE/SIGPIPE on its next write
+(like `yes | head`) and the result says `truncated`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+
+Emit = Callable[[int, bytes], Awaitable[None]]
+READ_CHUNK = 64 * 1024
+
+
+class ExecIO:
+    def __init__(self, loop: asyncio.AbstractEventLoop, cap: int, emit: Emit, want_stdin: bool):
+        self.loop = loop
+        self.cap = cap
+        self.emit = emit
+        self.delivered = 0
+        self.truncated = False
+        self.timed_out = False
+        self.cancelled = False
+        self.pid: int | None = None
+        self._stdin_q: asyncio.Queue[bytes | None] | None = asyncio.Queue(maxsize=64) if want_stdin else None
+        # Child ends are handed to the spawn helper, parent ends stay here.
+        self.stdin_r, self.stdin_w = os.pipe2(os.O_CLOEXEC) if want_stdin else (os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), -1)
+        self.out_r, self.out_w = os.pipe2(os.O_CLOEXEC)
+        self.err_r, self.err_w = os.pipe2(os.O_CLOEXEC)
+        for fd in (self.out_r, self.err_r) + ((self.stdin_w,) if want_stdin else ()):
+            os.set_blocking(fd, False)
+
+    def child_fds(self) -> tuple[int, int, int]:
+        return self.stdin_r, self.out_w, self.err_w
+
+    def close_child_ends(self) -> None:
+        for name in ("stdin_r", "out_w", "err_w"):
+            _close(getattr(self, name))
+            setattr(self, name, -1)
+
+    @property
+    def takes_stdin(self) -> bool:
+        return self._stdin_q is not None
+
+    async def feed_stdin(self, data: bytes, eof: bool) -> None:
+        """Queue input for the process; blocks (bounded queue) while it is not reading."""
+        if self._stdin_q is None:
+            raise RuntimeError("this exec was started without stdin")
+        if data:
+            await self._stdin_q.put(bytes(data))
+        if eof:
+            await self._stdin_q.put(None)
+
+    async def run(self, pid: int, pidfd: int, timeout: float | None, drain_grace: float) -> dict:
+        """Wait for the process and its output; kill its process group on timeout."""
+        self.pid = pid
+        started = time.monotonic()
+        exited = self.loop.create_future()
+        self.loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+        pumps = [asyncio.ensure_future(self._pump(self.out_r, 1)),
+                 asyncio.ensure_future(self._pump(self.err_r, 2))]
+        feeder = asyncio.ensure_future(self._feed()) if self._stdin_q is not None else None
+        status = None
+        try:
+            try:
+                await asyncio.wait_for(asyncio.shield(exited), timeout)
+            except TimeoutError:
+                self.timed_out = True
+                self.kill()
+                await exited
+            status = _reap(pid)
+            # Background children may hold the pipes open: wait a little, then stop reading.
+            await asyncio.wait(pumps, timeout=drain_grace)
+        finally:
+            self.loop.remove_reader(pidfd)
+            for task in pumps + ([feeder] if feeder else []):
+                task.cancel()
+            await asyncio.gather(*pumps, *([feeder] if feeder else []), return_exceptions=True)
+            if status is None:
+                # Cancelled (client gone, `cancel`, daemon stopping): kill and reap
+                # in a thread, since a dying process may take a moment to exit.
+                self.kill()
+                self.loop.run_in_executor(None, _reap, pid)
+            self.close()
+        code, sig = _decode_status(status)
+        return {"exit_code": code, "signal": sig, "timed_out": self.timed_out,
+                "truncated": self.truncated, "cancelled": self.cancelled,
+                "duration_ms": round((time.monotonic() - started) * 1000, 3)}
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (the process was made a session leader)."""
+        if self.pid is None:
+            return
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    async def _readable(self, fd: int) -> None:
+        fut = self.loop.create_future()
+        self.loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+        try:
+            await fut
+        finally:
+            self.loop.remove_reader(fd)
+
+    async def _pump(self, fd: int, stream: int) -> None:
+        while True:
+            try:
+                data = os.read(fd, READ_CHUNK)
+            except BlockingIOError:
+                await self._readable(fd)
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            room = self.cap - self.delivered
+            if len(data) > room:
+                data = data[:room]
+                self.truncated = True
+            if data:
+                self.delivered += len(data)
+                await self.emit(stream, data)
+            if self.truncated:
+                # Close both read ends: the writer gets EPIPE instead of filling the host.
+                self._close_reads()
+                return
+
+    def _close_reads(self) -> None:
+        for name in ("out_r", "err_r"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                self.loop.remove_reader(fd)
+                _close(fd)
+                setattr(self, name, -1)
+
+    async def _feed(self) -> None:
+        assert self._stdin_q is not None
+        try:
+            while (chunk := await self._stdin_q.get()) is not None:
+                view = memoryview(chunk)
+                while view:
+                    try:
+                        n = os.write(self.stdin_w, view)
+                        view = view[n:]
+                    except BlockingIOError:
+                        fut = self.loop.create_future()
+                        self.loop.add_writer(self.stdin_w, lambda f=fut: f.done() or f.set_result(None))
+                        try:
+                            await fut
+                        finally:
+                            self.loop.remove_writer(self.stdin_w)
+        except (BrokenPipeError, OSError):
+            pass   # the process closed its stdin or exited: drop the rest
+        finally:
+            _close(self.stdin_w)
+            self.stdin_w = -1
+
+    def close(self) -> None:
+        self._close_reads()
+        for name in ("stdin_r", "stdin_w", "out_w", "err_w"):
+            _close(getattr(self, name))
+            setattr(self, name, -1)
+
+
+def _close(fd: int) -> None:
+    if fd >= 0:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _reap(pid: int) -> int:
+    try:
+        _, status = os.waitpid(pid, 0)
+        return status
+    except ChildProcessError:
+        return 0
+
+
+def _decode_status(status: int) -> tuple[int | None, int | None]:
+    if os.WIFSIGNALED(status):
+        return None, os.WTERMSIG(status)
+    return os.WEXITSTATUS(status), None

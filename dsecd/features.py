@@ -1,0 +1,162 @@
+"""Kernel feature probe, run once at daemon start into a frozen `Features`.
+
+Each probe uses the real mechanism (a syscall, a mount type, a sysfs file)
+and records what it found and why; call sites branch on the result and
+`dsec info` prints it. A missing optional feature is logged as a visible
+degradation; a missing required one (namespaces, overlayfs, pidfd, openat2)
+stops the daemon with a clear error.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import cgroup, native
+
+log = logging.getLogger(__name__)
+
+REQUIRED = ("namespaces", "overlayfs", "pidfd", "openat2")
+
+
+@dataclass(frozen=True)
+class Feature:
+    available: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Features:
+    kernel: str
+    cgroup_mode: str
+    cgroup_controllers: dict[str, str]          # controller -> "v1" | "v2"
+    items: dict[str, Feature] = field(default_factory=dict)
+
+    def has(self, name: str) -> bool:
+        f = self.items.get(name)
+        return bool(f and f.available)
+
+    def missing_required(self) -> list[str]:
+        return [n for n in REQUIRED if not self.has(n)]
+
+    def to_dict(self) -> dict:
+        return {"kernel": self.kernel, "cgroup_mode": self.cgroup_mode,
+                "cgroup_controllers": self.cgroup_controllers,
+                "features": {k: asdict(v) for k, v in self.items.items()}}
+
+
+def _filesystems() -> set[str]:
+    try:
+        return {line.split()[-1] for line in Path("/proc/filesystems").read_text().splitlines() if line}
+    except OSError:
+        return set()
+
+
+def _errno_feature(rc: int, ok: str, what: str) -> Feature:
+    if rc == 0:
+        return Feature(True, ok)
+    name = errno.errorcode.get(abs(rc), str(rc))
+    return Feature(False, f"{what}: {name} ({os.strerror(abs(rc))})")
+
+
+def probe_namespaces() -> Feature:
+    missing = [ns for ns in ("mnt", "pid", "uts", "ipc", "net", "cgroup", "user")
+               if not os.path.exists(f"/proc/self/ns/{ns}")]
+    return Feature(not missing, "all of mnt pid uts ipc net cgroup user" if not missing
+                   else f"missing: {' '.join(missing)}")
+
+
+def probe_erofs(fs: set[str]) -> Feature:
+    if "erofs" not in fs:
+        return Feature(False, "erofs not in /proc/filesystems")
+    major, minor = (int(x) for x in platform.release().split(".")[:2])
+    # File-backed mounts (mount -t erofs /path/to/file) arrived in Linux 6.12.
+    if (major, minor) < (6, 12):
+        return Feature(False, "erofs present but kernel < 6.12 has no file-backed mounts")
+    return Feature(True, "erofs registered; kernel >= 6.12 mounts image files directly")
+
+
+def probe_damon(root: str = "/sys/kernel/mm/damon/admin") -> Feature:
+    kd = Path(root) / "kdamonds"
+    if not kd.is_dir():
+        return Feature(False, f"{root} absent (no DAMON sysfs)")
+    try:
+        n = int((kd / "nr_kdamonds").read_text())
+    except (OSError, ValueError) as err:
+        return Feature(False, f"read nr_kdamonds: {err}")
+    running = []
+    for i in range(n):
+        try:
+            if (kd / str(i) / "state").read_text().strip() == "on":
+                running.append(i)
+        except OSError:
+            continue
+    if running:
+        return Feature(False, f"busy: kdamond(s) {running} run and are not ours; "
+                       "dsecd never writes under a kdamond it did not create")
+    return Feature(True, f"free ({n} idle kdamond dirs)")
+
+
+def probe_swap() -> Feature:
+    try:
+        lines = Path("/proc/swaps").read_text().splitlines()[1:]
+    except OSError:
+        return Feature(False, "/proc/swaps unreadable")
+    return Feature(bool(lines), f"{len(lines)} swap device(s) on" if lines else "no swap on")
+
+
+def probe_kvm() -> Feature:
+    r = native.probe_kvm()
+    if r.get("api") is None:
+        return Feature(False, f"/dev/kvm: {r.get('detail', 'unavailable')}")
+    ok = r.get("create_vm") == 0 and r.get("create_vcpu") == 0
+    return Feature(ok, f"api {r['api']}, create_vm {r.get('create_vm')}, create_vcpu {r.get('create_vcpu')}")
+
+
+def probe_bpf_cgroup(layout: cgroup.Layout, scratch_rel: str) -> Feature:
+    if layout.v2 is None:
+        return Feature(False, "no cgroup v2 hierarchy to attach to")
+    d = layout.v2 / scratch_rel
+    try:
+        os.makedirs(d, exist_ok=True)
+        rc = native.probe_bpf_cgroup(str(d))
+    finally:
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
+    return _errno_feature(rc, f"cgroup_skb program loaded and attached under {layout.v2}", "bpf attach")
+
+
+def probe_all(cgroup_root: str = "dsecd") -> Features:
+    layout = cgroup.detect_layout()
+    fs = _filesystems()
+    items: dict[str, Feature] = {
+        "namespaces": probe_namespaces(),
+        "overlayfs": Feature("overlay" in fs, "overlay in /proc/filesystems" if "overlay" in fs else "absent"),
+        "erofs_file_backed": probe_erofs(fs),
+        "fuse": Feature("fuse" in fs and os.path.exists("/dev/fuse"),
+                        "fuse registered, /dev/fuse present" if "fuse" in fs else "fuse absent"),
+        "pidfd": _errno_feature(native.probe_pidfd(), "pidfd_open works", "pidfd_open"),
+        "openat2": _errno_feature(native.probe_openat2(), "openat2 RESOLVE_IN_ROOT works", "openat2"),
+        "clone3": _errno_feature(native.probe_clone3(), "clone3 present", "clone3"),
+        "seccomp": _errno_feature(native.probe_seccomp(), "seccomp filters available", "seccomp"),
+        "sched_core": _errno_feature(native.probe_sched_core(), "PR_SCHED_CORE works", "prctl(PR_SCHED_CORE)"),
+        "damon": probe_damon(),
+        "bpf_cgroup": probe_bpf_cgroup(layout, f"{cgroup_root}-probe-{os.getpid()}"),
+        "kvm": probe_kvm(),
+        "swap": probe_swap(),
+    }
+    abi = native.probe_landlock_abi()
+    items["landlock"] = Feature(abi > 0, f"ABI v{abi}" if abi > 0 else
+                                f"landlock_create_ruleset: {errno.errorcode.get(-abi, abi)}")
+    ctrls = {c: v for c in cgroup.CONTROLLERS if (w := layout.controller_dir(c)) for v in (w[0],)}
+    feats = Features(kernel=platform.release(), cgroup_mode=layout.mode, cgroup_controllers=ctrls, items=items)
+    for name, f in items.items():
+        if not f.available:
+            log.info("feature %s unavailable: %s", name, f.detail)
+    return feats

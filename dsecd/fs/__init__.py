@@ -1,0 +1,1 @@
+"""dsecd.fs: see docs and DESIGN.md."""

@@ -1,0 +1,146 @@
+"""File access inside a sandbox from the host, never escaping it.
+
+Every path is resolved with openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+against a directory fd of the sandbox's root (from /proc/<init>/root), so the
+kernel treats `..`, absolute symlinks and magic links as if the sandbox root
+were `/`: a symlink planted by the sandbox can never lead the daemon to a host
+file. Only regular files are read or written (a FIFO or device would block a
+worker thread or stream forever). All functions block: call them in a thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+from .. import native
+
+RESOLVE = native.RESOLVE_IN_ROOT | native.RESOLVE_NO_MAGICLINKS
+
+
+class PathError(ValueError):
+    """The path itself is unacceptable (not absolute, `..`, NUL, too long)."""
+
+
+def check_path(path: str) -> str:
+    if not path.startswith("/"):
+        raise PathError(f"path {path!r} must be absolute (paths are inside the sandbox)")
+    if "\0" in path:
+        raise PathError("path must not contain NUL bytes")
+    if len(path.encode()) > 4095:
+        raise PathError("path is longer than PATH_MAX (4095 bytes)")
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise PathError(f"path {path!r} must not contain '..' components")
+    return "/" + "/".join(parts)
+
+
+def _open(rootfd: int, path: str, flags: int, mode: int = 0) -> int:
+    return native.openat2(rootfd, path, flags | os.O_CLOEXEC, mode, RESOLVE)
+
+
+def _split(path: str) -> tuple[str, str]:
+    parent, _, name = path.rpartition("/")
+    return parent or "/", name
+
+
+def _require_regular(fd: int, path: str) -> os.stat_result:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(errno.EINVAL, f"{path} is not a regular file", path)
+    return st
+
+
+def read_file(rootfd: int, path: str, offset: int, length: int) -> dict:
+    path = check_path(path)
+    fd = _open(rootfd, path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = _require_regular(fd, path)
+        data = os.pread(fd, length, offset) if length else b""
+        return {"data": data, "size": st.st_size, "eof": offset + len(data) >= st.st_size}
+    finally:
+        os.close(fd)
+
+
+def make_parents(rootfd: int, path: str) -> None:
+    """mkdir -p of the directories above `path` (each step resolved in root)."""
+    current = "/"
+    for part in path.strip("/").split("/")[:-1]:
+        nxt = current.rstrip("/") + "/" + part
+        try:
+            fd = _open(rootfd, nxt, os.O_PATH | os.O_DIRECTORY)
+            os.close(fd)
+        except FileNotFoundError:
+            pfd = _open(rootfd, current, os.O_PATH | os.O_DIRECTORY)
+            try:
+                os.mkdir(part, 0o755, dir_fd=pfd)
+            except FileExistsError:
+                pass
+            finally:
+                os.close(pfd)
+        current = nxt
+
+
+def write_file(rootfd: int, path: str, data: bytes, append: bool, mode: int, parents: bool) -> dict:
+    path = check_path(path)
+    if path == "/":
+        raise PathError("cannot write to /")
+    if parents:
+        make_parents(rootfd, path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | (os.O_APPEND if append else os.O_TRUNC)
+    fd = _open(rootfd, path, flags, mode & 0o7777)
+    try:
+        _require_regular(fd, path)
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        return {"size": os.fstat(fd).st_size}
+    finally:
+        os.close(fd)
+
+
+def _type_of(mode: int) -> str:
+    for test, name in ((stat.S_ISREG, "file"), (stat.S_ISDIR, "dir"), (stat.S_ISLNK, "symlink"),
+                       (stat.S_ISCHR, "char"), (stat.S_ISBLK, "block"), (stat.S_ISFIFO, "fifo"),
+                       (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "unknown"
+
+
+def _stat_dict(st: os.stat_result) -> dict:
+    return {"type": _type_of(st.st_mode), "size": st.st_size, "mode": stat.S_IMODE(st.st_mode),
+            "uid": st.st_uid, "gid": st.st_gid, "mtime": st.st_mtime}
+
+
+def stat_path(rootfd: int, path: str) -> dict:
+    """lstat semantics: a symlink is reported as a symlink, not followed."""
+    path = check_path(path)
+    fd = _open(rootfd, path, os.O_PATH | os.O_NOFOLLOW)
+    try:
+        out = _stat_dict(os.fstat(fd))
+        out["path"] = path
+        return out
+    finally:
+        os.close(fd)
+
+
+def list_dir(rootfd: int, path: str, max_entries: int = 100_000) -> dict:
+    path = check_path(path)
+    fd = _open(rootfd, path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        entries = []
+        truncated = False
+        with os.scandir(fd) as it:
+            for entry in it:
+                if len(entries) >= max_entries:
+                    truncated = True
+                    break
+                st = entry.stat(follow_symlinks=False)
+                entries.append({"name": entry.name, **_stat_dict(st)})
+        entries.sort(key=lambda e: e["name"])
+        return {"path": path, "entries": entries, "truncated": truncated}
+    finally:
+        os.close(fd)

@@ -1,0 +1,1 @@
+"""dsecd.mem: see docs and DESIGN.md."""

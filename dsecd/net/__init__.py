@@ -1,0 +1,1 @@
+"""dsecd.net: see docs and DESIGN.md."""

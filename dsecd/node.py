@@ -1,0 +1,506 @@
+"""The host: admission, the sandbox registry, the journal, and lifecycle.
+
+The node owns all state. Handlers (one per protocol op, named `op_<op>`) take a
+typed request from dsecd.protocol and a per-request context from the server,
+and return a result dict or raise a DsecError. Blocking work (clone, mount,
+cgroup and file I/O, copies) runs in the worker pool, never on the event loop.
+
+Sandbox states:
+    creating -> running -> stopping -> (gone)
+                  |
+                  +-> dead (its init exited on its own; only inspect/destroy accept it)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import __version__, cgroup, protocol
+from .backends.container import ContainerBackend, Handle, close_handle
+from .config import Config, ConfigError, parse_size
+from .errors import (
+    BadRequest,
+    Busy,
+    Conflict,
+    DsecError,
+    LimitExceeded,
+    NotFound,
+    Unsupported,
+    io_error,
+)
+from .execio import ExecIO
+from .features import Features
+from .fs import files as sbfiles
+from .fs.images import ImageError, ImageStore
+from .journal import Journal
+from .native import NativeError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sandbox:
+    id: str
+    image: str
+    state: str
+    created: float
+    limits: dict
+    env: dict = field(default_factory=dict)
+    labels: dict = field(default_factory=dict)
+    hostname: str = ""
+    cwd: str = "/"
+    user: int = 0
+    backend: str = "container"
+    handle: Handle | None = None
+    execs: int = 0
+    exit_status: int | None = None
+    died: float | None = None
+
+    def record(self) -> dict:
+        h = self.handle
+        return {"id": self.id, "image": self.image, "state": self.state, "created": self.created,
+                "limits": self.limits, "env": self.env, "labels": self.labels,
+                "hostname": self.hostname, "cwd": self.cwd, "user": self.user, "backend": self.backend,
+                "init_pid": h.init_pid if h else None, "init_start": h.init_start if h else None,
+                "died": self.died}
+
+    def public(self) -> dict:
+        out = self.record()
+        out.pop("init_start")
+        out["execs_running"] = self.execs
+        return out
+
+
+class Node:
+    def __init__(self, cfg: Config, features: Features, layout: cgroup.Layout):
+        self.cfg = cfg
+        self.features = features
+        self.layout = layout
+        self.limits = cfg.section("limits")
+        self.sb_defaults = cfg.section("sandbox")
+        state = cfg.state_dir
+        self.pool = ThreadPoolExecutor(cfg.section("daemon")["worker_threads"], "dsecd-worker")
+        self.journal = Journal(state / "journal", fsync=cfg.section("journal")["fsync"])
+        self.images = ImageStore(state / "images")
+        self.backend = ContainerBackend(layout, self.sb_defaults, state, {
+            "tmp": cfg.size("sandbox", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")})
+        self.sandboxes: dict[str, Sandbox] = {}
+        self.started = time.time()
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def run_blocking(self, fn, *args):
+        return await self.loop.run_in_executor(self.pool, fn, *args)
+
+    # ------------------------------------------------------------ start / stop
+
+    async def start(self) -> None:
+        """Re-adopt journaled sandboxes, clean up what died or was half-made."""
+        self.loop = asyncio.get_running_loop()
+        records = await self.run_blocking(self.journal.load_all)
+        for sb_id, rec in records.items():
+            await self._recover(sb_id, rec)
+        orphans = await self.run_blocking(self.backend.orphans, set(self.sandboxes))
+        for sb_id in orphans:
+            log.warning("removing orphaned sandbox resources %s (no journal record)", sb_id)
+            await self.run_blocking(self.backend.destroy, sb_id, None)
+
+    async def _recover(self, sb_id: str, rec: dict) -> None:
+        fields = {k: rec[k] for k in ("image", "state", "created", "limits", "env", "labels",
+                                      "hostname", "cwd", "user", "backend", "died") if k in rec}
+        sb = Sandbox(id=sb_id, **fields)
+        if sb.state in ("creating", "stopping"):
+            # Interrupted mid-create or mid-destroy: finish tearing it down.
+            log.info("sandbox %s was %s when the daemon stopped; removing it", sb_id, sb.state)
+            await self.run_blocking(self.backend.destroy, sb_id, None)
+            self.journal.delete(sb_id)
+            return
+        self.sandboxes[sb_id] = sb
+        if sb.state == "dead":
+            return
+        handle = await self.run_blocking(self.backend.adopt, sb_id, rec.get("init_pid"), rec.get("init_start"))
+        if handle is None:
+            log.warning("sandbox %s died while the daemon was down", sb_id)
+            await self._mark_dead(sb, None)
+            return
+        sb.handle = handle
+        self._watch(sb)
+        log.info("re-adopted sandbox %s (init pid %d)", sb_id, handle.init_pid)
+
+    async def close(self) -> None:
+        """Daemon shutdown: stop watching, close fds, leave sandboxes running."""
+        for sb in self.sandboxes.values():
+            if sb.handle and sb.handle.pidfd >= 0:
+                self.loop.remove_reader(sb.handle.pidfd)
+                close_handle(sb.handle)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------ helpers
+
+    def _journal(self, sb: Sandbox) -> None:
+        self.journal.write(sb.id, sb.record())
+
+    def _get(self, sb_id: str, op_cls) -> Sandbox:
+        sb = self.sandboxes.get(sb_id)
+        if sb is None:
+            matches = [s for k, s in self.sandboxes.items() if k.startswith(sb_id)] if len(sb_id) >= 4 else []
+            if len(matches) == 1:
+                sb = matches[0]
+            elif len(matches) > 1:
+                raise BadRequest(f"sandbox prefix {sb_id!r} is ambiguous", {"matches": [s.id for s in matches]})
+            else:
+                raise NotFound(f"no sandbox {sb_id!r} (see `dsec ps`)", {"sandbox": sb_id})
+        if op_cls.STATES and sb.state not in op_cls.STATES:
+            raise Conflict(f"sandbox {sb.id} is {sb.state}; {op_cls.OP} needs it {' or '.join(op_cls.STATES)}",
+                           {"sandbox": sb.id, "state": sb.state})
+        return sb
+
+    def _watch(self, sb: Sandbox) -> None:
+        """Notice when a sandbox's init exits on its own."""
+        h = sb.handle
+        self.loop.add_reader(h.pidfd, lambda: self.loop.create_task(self._on_init_exit(sb)))
+
+    async def _on_init_exit(self, sb: Sandbox) -> None:
+        h = sb.handle
+        if h is None or h.pidfd < 0:
+            return
+        self.loop.remove_reader(h.pidfd)
+        if sb.state in ("stopping",):
+            return
+        log.warning("sandbox %s: init %d exited", sb.id, h.init_pid)
+        await self._mark_dead(sb, h)
+
+    async def _mark_dead(self, sb: Sandbox, h: Handle | None) -> None:
+        """Release the cgroups and fds of a sandbox whose init is gone; keep its record."""
+        sb.state = "dead"
+        sb.died = time.time()
+        sb.handle = None
+
+        def release():
+            if h is not None:
+                if h.is_child:
+                    try:
+                        os.waitpid(h.init_pid, 0)
+                    except ChildProcessError:
+                        pass
+                close_handle(h)
+            grp = self.backend.group_for(sb.id)
+            grp.kill_all()
+            grp.remove(self.sb_defaults["destroy_timeout_s"])
+
+        try:
+            await self.run_blocking(release)
+        finally:
+            self._journal(sb)
+
+    # ------------------------------------------------------------ ops: session and host
+
+    async def op_ping(self, req, ctx) -> dict:
+        return {"time": time.time()}
+
+    def hello_result(self) -> dict:
+        return {"server": "dsecd", "version": __version__, "protocol": protocol.PROTOCOL_VERSION,
+                "capabilities": self.capabilities(), "limits": self.wire_limits()}
+
+    def capabilities(self) -> list[str]:
+        caps = ["exec.stream", "exec.stdin", "files", "backend.container", "image.dir"]
+        return caps
+
+    def wire_limits(self) -> dict:
+        return {"max_frame_bytes": self.cfg.size("limits", "max_frame_bytes"),
+                "max_file_chunk_bytes": self.cfg.size("limits", "max_file_chunk_bytes"),
+                "max_exec_output_bytes": self.cfg.size("limits", "max_exec_output_bytes"),
+                "max_requests_per_client": self.limits["max_requests_per_client"],
+                "max_connections": self.limits["max_connections"],
+                "max_sandboxes": self.limits["max_sandboxes"]}
+
+    async def op_info(self, req, ctx) -> dict:
+        states: dict[str, int] = {}
+        for sb in self.sandboxes.values():
+            states[sb.state] = states.get(sb.state, 0) + 1
+        d = self.cfg.section("daemon")
+        return {"version": __version__, "protocol": protocol.PROTOCOL_VERSION, "pid": os.getpid(),
+                "uptime_s": round(time.time() - self.started, 3), **self.features.to_dict(),
+                "limits": self.wire_limits(), "sandboxes": states,
+                "paths": {"socket": d["socket"], "state_dir": str(self.cfg.state_dir),
+                          "cgroup_root": self.sb_defaults["cgroup_root"],
+                          "cgroup_dirs": {k: str(v / self.sb_defaults["cgroup_root"])
+                                          for k, v in self.layout.hierarchies().items()}}}
+
+    # ------------------------------------------------------------ ops: images
+
+    def _image_error(self, err: ImageError) -> DsecError:
+        return DsecError(str(err), code=err.code)
+
+    async def op_image_import(self, req, ctx) -> dict:
+        def progress(p: dict) -> None:
+            self.loop.call_soon_threadsafe(ctx.emit_nowait, {"progress": p})
+
+        try:
+            image = await self.run_blocking(self.images.import_dir, req.path, req.name, progress)
+        except ImageError as err:
+            raise self._image_error(err) from err
+        return image.to_dict()
+
+    async def op_image_list(self, req, ctx) -> dict:
+        return {"images": [i.to_dict() for i in await self.run_blocking(self.images.list)]}
+
+    async def op_image_inspect(self, req, ctx) -> dict:
+        try:
+            image = self.images.get(req.name)
+        except ImageError as err:
+            raise self._image_error(err) from err
+        users = [s.id for s in self.sandboxes.values() if s.image == req.name]
+        return {**image.to_dict(), "sandboxes": users}
+
+    async def op_image_rm(self, req, ctx) -> dict:
+        users = [s.id for s in self.sandboxes.values() if s.image == req.name]
+        if users:
+            raise Conflict(f"image {req.name!r} is used by {len(users)} sandbox(es); remove them first",
+                           {"sandboxes": users[:20]})
+        try:
+            image = await self.run_blocking(self.images.remove, req.name)
+        except ImageError as err:
+            raise self._image_error(err) from err
+        return image.to_dict()
+
+    # ------------------------------------------------------------ ops: sandboxes
+
+    def _limits_for(self, req) -> cgroup.Limits:
+        d = self.sb_defaults
+        cpu = d["cpu"] if req.cpu is None else req.cpu
+        if not 0.01 <= cpu <= 1024:
+            raise BadRequest(f"cpu must be between 0.01 and 1024, got {cpu}")
+        try:
+            memory = parse_size(d["memory"] if req.memory is None else req.memory)
+        except ConfigError as err:
+            raise BadRequest(f"memory: {err}") from err
+        if memory < 4 << 20:
+            raise BadRequest(f"memory must be at least 4M, got {memory} bytes")
+        pids = d["pids"] if req.pids is None else req.pids
+        if not 8 <= pids <= 1 << 22:
+            raise BadRequest(f"pids must be between 8 and 4194304, got {pids}")
+        return cgroup.Limits(cpu=float(cpu), memory_bytes=memory, pids=pids,
+                             cpu_hard_quota=d["cpu_hard_quota"], cpu_period_us=d["cpu_period_us"])
+
+    def _admit(self) -> None:
+        live = sum(1 for s in self.sandboxes.values() if s.state != "dead")
+        cap = self.limits["max_sandboxes"]
+        if live >= cap:
+            raise Busy(f"host is full: {live} sandboxes of max {cap}; retry later or on another host",
+                       {"sandboxes": live, "max": cap})
+
+    async def op_create(self, req, ctx) -> dict:
+        limits = self._limits_for(req)
+        _check_env(req.env)
+        if not req.cwd.startswith("/"):
+            raise BadRequest(f"cwd must be absolute, got {req.cwd!r}")
+        if not 0 <= req.user < 2**32 - 1:
+            raise BadRequest(f"user must be a uid in [0, 2^32-1), got {req.user}")
+        try:
+            image = self.images.get(req.image)
+        except ImageError as err:
+            raise self._image_error(err) from err
+        self._admit()
+        sb_id = secrets.token_hex(6)
+        hostname = req.hostname or f"sb-{sb_id}"
+        if len(hostname) > 63:
+            raise BadRequest("hostname must be at most 63 characters")
+        sb = Sandbox(id=sb_id, image=req.image, state="creating", created=time.time(),
+                     limits={"cpu": limits.cpu, "memory": limits.memory_bytes, "pids": limits.pids},
+                     env=dict(req.env), labels=dict(req.labels), hostname=hostname, cwd=req.cwd,
+                     user=req.user)
+        self.sandboxes[sb_id] = sb
+        # Journal first: a crash from here on leaves a record that restart cleans up.
+        self._journal(sb)
+        try:
+            sb.handle = await self.run_blocking(self.backend.create, sb_id, [image.rootfs], limits, hostname)
+        except BaseException as err:
+            self.sandboxes.pop(sb_id, None)
+            self.journal.delete(sb_id)
+            if isinstance(err, (NativeError, OSError)):
+                log.error("create sandbox %s failed: %s", sb_id, err)
+                raise DsecError(f"create sandbox: {err}", {"errno": getattr(err, "errno", None),
+                                "step": getattr(err, "step", None)}, code="io") from err
+            raise
+        sb.state = "running"
+        self._journal(sb)
+        self._watch(sb)
+        return sb.public()
+
+    async def op_list(self, req, ctx) -> dict:
+        return {"sandboxes": [s.public() for s in self.sandboxes.values() if _labels_match(s, req.labels)]}
+
+    async def op_inspect(self, req, ctx) -> dict:
+        sb = self._get(req.sandbox, req)
+        out = sb.public()
+        if sb.handle:
+            out["cgroups"] = {k: str(v) for k, v in sb.handle.group.dirs.items()}
+            out["dir"] = str(sb.handle.dir)
+        return out
+
+    async def op_destroy(self, req, ctx) -> dict:
+        sb = self._get(req.sandbox, req)
+        return await self._destroy(sb, req.force)
+
+    async def _destroy(self, sb: Sandbox, force: bool) -> dict:
+        if sb.state == "stopping":
+            raise Conflict(f"sandbox {sb.id} is already being destroyed", {"sandbox": sb.id})
+        if sb.state == "creating":
+            raise Conflict(f"sandbox {sb.id} is still being created; retry", {"sandbox": sb.id})
+        if sb.execs and not force:
+            raise Conflict(f"sandbox {sb.id} has {sb.execs} running exec(s); use force to kill them",
+                           {"sandbox": sb.id, "execs": sb.execs})
+        prev, sb.state = sb.state, "stopping"
+        self._journal(sb)
+        h, sb.handle = sb.handle, None
+        if h and h.pidfd >= 0:
+            self.loop.remove_reader(h.pidfd)
+        try:
+            await self.run_blocking(self.backend.destroy, sb.id, h)
+        except OSError as err:
+            log.error("destroy sandbox %s: %s", sb.id, err)
+            raise io_error("destroy sandbox", sb.id, err) from err
+        self.sandboxes.pop(sb.id, None)
+        self.journal.delete(sb.id)
+        return {"id": sb.id, "previous_state": prev}
+
+    async def op_destroy_all(self, req, ctx) -> dict:
+        targets = [s for s in self.sandboxes.values()
+                   if _labels_match(s, req.labels) and s.state in ("running", "dead")]
+        results = await asyncio.gather(*(self._destroy(s, req.force) for s in targets), return_exceptions=True)
+        destroyed = [r["id"] for r in results if isinstance(r, dict)]
+        failed = {s.id: str(r) for s, r in zip(targets, results, strict=True) if isinstance(r, BaseException)}
+        return {"destroyed": destroyed, "failed": failed}
+
+    # ------------------------------------------------------------ ops: exec
+
+    async def op_exec(self, req, ctx) -> dict:
+        sb = self._get(req.sandbox, req)
+        if not req.argv or not all(req.argv):
+            raise BadRequest("argv must be a non-empty list of non-empty strings")
+        _check_env(req.env)
+        timeout = req.timeout
+        max_t = self.limits["max_exec_timeout_s"]
+        if timeout is not None and not 0 < timeout <= (max_t or float("inf")):
+            raise BadRequest(f"timeout must be in (0, {max_t}] seconds, got {timeout}")
+        cwd = req.cwd or sb.cwd
+        user = sb.user if req.user is None else req.user
+        env = self.backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, req.env)
+        collected: dict[int, list[bytes]] = {1: [], 2: []}
+
+        async def emit(stream: int, data: bytes) -> None:
+            if req.stream:
+                await ctx.emit({"fd": stream, "data": data})
+            else:
+                collected[stream].append(data)
+
+        io = ExecIO(self.loop, self.cfg.size("limits", "max_exec_output_bytes"), emit, req.stdin)
+        sb.execs += 1
+        ctx.register_exec(io)
+        try:
+            try:
+                pid = await self.run_blocking(self.backend.spawn, sb.handle, list(req.argv), env, cwd,
+                                              user, io.child_fds())
+            except NativeError as err:
+                raise _exec_error(err, req.argv[0], cwd) from err
+            finally:
+                io.close_child_ends()
+            pidfd = os.pidfd_open(pid)
+            try:
+                result = await io.run(pid, pidfd, timeout, self.limits["exec_drain_grace_s"])
+            finally:
+                os.close(pidfd)
+        finally:
+            io.close()
+            sb.execs -= 1
+            ctx.unregister_exec()
+        if not req.stream:
+            result["stdout"] = b"".join(collected[1])
+            result["stderr"] = b"".join(collected[2])
+        return result
+
+    async def op_exec_input(self, req, ctx) -> dict:
+        io = ctx.exec_for(req.exec_id)
+        if io is None:
+            raise NotFound(f"no running exec with id {req.exec_id} on this connection")
+        if not io.takes_stdin:
+            raise Conflict(f"exec {req.exec_id} was started without stdin")
+        await io.feed_stdin(req.data, req.eof)
+        return {}
+
+    # ------------------------------------------------------------ ops: files
+
+    async def _file_op(self, req, verb: str, fn, *args):
+        sb = self._get(req.sandbox, req)
+        try:
+            return await self.run_blocking(fn, sb.handle.rootfd, *args)
+        except sbfiles.PathError as err:
+            raise BadRequest(str(err), {"path": req.path}) from err
+        except OSError as err:
+            raise io_error(verb, f"{sb.id}:{req.path}", err) from err
+
+    async def op_file_read(self, req, ctx) -> dict:
+        chunk = self.cfg.size("limits", "max_file_chunk_bytes")
+        length = chunk if req.length is None else req.length
+        if not 0 <= length <= chunk or req.offset < 0:
+            raise LimitExceeded(f"file_read length must be in [0, {chunk}] and offset >= 0; read in chunks",
+                                {"max_file_chunk_bytes": chunk})
+        return await self._file_op(req, "read", sbfiles.read_file, req.path, req.offset, length)
+
+    async def op_file_write(self, req, ctx) -> dict:
+        chunk = self.cfg.size("limits", "max_file_chunk_bytes")
+        if len(req.data) > chunk:
+            raise LimitExceeded(f"file_write data of {len(req.data)} bytes exceeds {chunk}; write in chunks "
+                                "with append=true", {"max_file_chunk_bytes": chunk})
+        if not 0 <= req.mode <= 0o7777:
+            raise BadRequest(f"mode must be in [0, 0o7777], got {req.mode:o}")
+        return await self._file_op(req, "write", sbfiles.write_file, req.path, req.data, req.append,
+                                   req.mode, req.parents)
+
+    async def op_file_list(self, req, ctx) -> dict:
+        return await self._file_op(req, "list", sbfiles.list_dir, req.path)
+
+    async def op_file_stat(self, req, ctx) -> dict:
+        return await self._file_op(req, "stat", sbfiles.stat_path, req.path)
+
+    # ------------------------------------------------------------ counters for tests and bench
+
+    def resource_counts(self) -> dict:
+        return {"sandboxes": len(self.sandboxes),
+                "cgroups": cgroup.count_groups(self.layout, self.sb_defaults["cgroup_root"]),
+                "dirs": len(os.listdir(Path(self.cfg.state_dir) / "sandboxes"))}
+
+
+def _labels_match(sb: Sandbox, labels: dict) -> bool:
+    return all(sb.labels.get(k) == v for k, v in labels.items())
+
+
+def _check_env(env: dict) -> None:
+    for k, v in env.items():
+        if not k or "=" in k or "\0" in k or "\0" in v:
+            raise BadRequest(f"bad environment variable name or value: {k!r}")
+
+
+def _exec_error(err: NativeError, prog: str, cwd: str) -> DsecError:
+    import errno as _e
+
+    if err.errno == _e.ENOENT and "exec" in (err.step or ""):
+        return NotFound(f"exec {prog!r}: no such file or command in the sandbox", {"argv0": prog})
+    if err.errno in (_e.ENOENT, _e.ENOTDIR) and "chdir" in (err.step or ""):
+        return NotFound(f"exec: working directory {cwd!r} does not exist in the sandbox", {"cwd": cwd})
+    if err.errno == _e.EACCES:
+        return DsecError(f"exec {prog!r}: permission denied", {"step": err.step}, code="permission")
+    if err.errno in (_e.ESRCH, _e.EINVAL) and "setns" in (err.step or ""):
+        return Conflict("sandbox is exiting; cannot enter it", {"step": err.step})
+    return DsecError(f"exec {prog!r}: {err}", {"errno": _e.errorcode.get(err.errno or 0), "step": err.step},
+                     code="io")
+
+
+UNSUPPORTED = Unsupported  # re-exported for handlers added by later issues

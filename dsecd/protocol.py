@@ -1,0 +1,293 @@
+"""Wire protocol: length-prefixed msgpack frames and the closed set of typed requests.
+
+A frame is a 4-byte big-endian payload length followed by one msgpack map.
+
+    client -> server  {"id": int, "op": str, "args": {...}}
+    server -> client  {"id": int, "result": {...}}            final
+                      {"id": int, "error": {code, message, detail}}   final
+                      {"id": int, "stream": {...}}            zero or more before the final one
+
+The first request on a connection must be `hello`. Each op's arguments decode
+into a frozen dataclass below; unknown fields, missing required fields and
+wrong types are `bad_request`. docs/protocol.md documents every op and is
+checked against this module by tests/unit/test_protocol_doc.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import types
+import typing
+from dataclasses import dataclass, field
+
+import msgpack
+
+from .errors import BadRequest, LimitExceeded
+
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct(">I")
+MAX_ID = 2**63 - 1
+
+
+# ---------------------------------------------------------------- frame codec
+
+def encode_frame(obj: dict, max_bytes: int | None = None) -> bytes:
+    payload = msgpack.packb(obj, use_bin_type=True)
+    if max_bytes is not None and len(payload) > max_bytes:
+        raise LimitExceeded(f"frame of {len(payload)} bytes exceeds the {max_bytes}-byte limit",
+                            {"size": len(payload), "max": max_bytes})
+    return HEADER.pack(len(payload)) + payload
+
+
+def decode_payload(payload: bytes) -> dict:
+    """One frame's payload -> a dict; anything else is bad_request."""
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as err:  # msgpack raises several unrelated types
+        raise BadRequest(f"frame is not valid msgpack: {type(err).__name__}") from err
+    if not isinstance(obj, dict):
+        raise BadRequest(f"frame must be a msgpack map, got {type(obj).__name__}")
+    return obj
+
+
+class FrameDecoder:
+    """Incremental decoder for a byte stream (used by the client and by tests)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[dict]:
+        self._buf += data
+        out = []
+        while len(self._buf) >= HEADER.size:
+            (size,) = HEADER.unpack_from(self._buf)
+            if size > self.max_bytes:
+                raise LimitExceeded(f"frame of {size} bytes exceeds the {self.max_bytes}-byte limit",
+                                    {"size": size, "max": self.max_bytes})
+            if len(self._buf) < HEADER.size + size:
+                break
+            payload = bytes(self._buf[HEADER.size:HEADER.size + size])
+            del self._buf[:HEADER.size + size]
+            out.append(decode_payload(payload))
+        return out
+
+
+# ---------------------------------------------------------------- typed requests
+
+REQUESTS: dict[str, type] = {}
+
+# Sandbox states (see docs/protocol.md): which states accept each op is in `states`.
+RUNNING = ("running",)
+ANY_STATE = ("creating", "running", "stopping", "dead")
+
+
+def request(op: str, states: tuple[str, ...] = (), stream: bool = False):
+    """Register a request dataclass for `op`; `states` = sandbox states it accepts."""
+
+    def wrap(cls):
+        cls = dataclass(frozen=True)(cls)
+        cls.OP = op
+        cls.STATES = states
+        cls.STREAMS = stream
+        REQUESTS[op] = cls
+        return cls
+
+    return wrap
+
+
+@request("hello")
+class Hello:
+    protocol: int
+    client: str = ""
+
+
+@request("ping")
+class Ping:
+    pass
+
+
+@request("info")
+class Info:
+    pass
+
+
+@request("image_import", stream=True)
+class ImageImport:
+    path: str
+    name: str
+
+
+@request("image_list")
+class ImageList:
+    pass
+
+
+@request("image_inspect")
+class ImageInspect:
+    name: str
+
+
+@request("image_rm")
+class ImageRemove:
+    name: str
+
+
+@request("create")
+class Create:
+    image: str
+    cpu: float | None = None
+    memory: int | str | None = None
+    pids: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    hostname: str | None = None
+    cwd: str = "/"
+    user: int = 0
+
+
+@request("list")
+class List:
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@request("inspect", states=ANY_STATE)
+class Inspect:
+    sandbox: str
+
+
+@request("exec", states=RUNNING, stream=True)
+class Exec:
+    sandbox: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    user: int | None = None
+    timeout: float | None = None
+    stdin: bool = False      # if true, input arrives as exec_input requests
+    stream: bool = True      # stream output frames; else return it in the result
+
+
+@request("exec_input")
+class ExecInput:
+    exec_id: int             # the id of the exec request on this connection
+    data: bytes = b""
+    eof: bool = False
+
+
+@request("cancel")
+class Cancel:
+    target: int              # the id of an in-flight request on this connection
+
+
+@request("file_read", states=RUNNING)
+class FileRead:
+    sandbox: str
+    path: str
+    offset: int = 0
+    length: int | None = None
+
+
+@request("file_write", states=RUNNING)
+class FileWrite:
+    sandbox: str
+    path: str
+    data: bytes
+    append: bool = False
+    mode: int = 0o644
+    parents: bool = False
+
+
+@request("file_list", states=RUNNING)
+class FileList:
+    sandbox: str
+    path: str
+
+
+@request("file_stat", states=RUNNING)
+class FileStat:
+    sandbox: str
+    path: str
+
+
+@request("destroy", states=ANY_STATE)
+class Destroy:
+    sandbox: str
+    force: bool = False
+
+
+@request("destroy_all", states=ANY_STATE)
+class DestroyAll:
+    force: bool = False
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+def _type_ok(value, hint) -> bool:
+    origin = typing.get_origin(hint)
+    if hint is typing.Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+    if origin is dict:
+        k, v = typing.get_args(hint)
+        return isinstance(value, dict) and all(
+            _type_ok(a, k) and _type_ok(b, v) for a, b in value.items())
+    return isinstance(value, hint)
+
+
+def _type_name(hint) -> str:
+    return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
+def parse_request(frame: dict):
+    """A decoded frame -> (id, typed request). Raises BadRequest with what is wrong."""
+    unknown = set(frame) - {"id", "op", "args"}
+    if unknown:
+        raise BadRequest(f"unknown frame fields: {', '.join(sorted(map(str, unknown)))}")
+    rid, op, args = frame.get("id"), frame.get("op"), frame.get("args", {})
+    if not isinstance(rid, int) or isinstance(rid, bool) or not 0 <= rid <= MAX_ID:
+        raise BadRequest("frame needs an integer `id` in [0, 2^63)")
+    if not isinstance(op, str):
+        raise BadRequest("frame needs a string `op`", {"id": rid})
+    cls = REQUESTS.get(op)
+    if cls is None:
+        raise BadRequest(f"unknown op {op!r}", {"id": rid, "ops": sorted(REQUESTS)})
+    if not isinstance(args, dict):
+        raise BadRequest(f"{op}: `args` must be a map", {"id": rid})
+    return rid, build_request(cls, args)
+
+
+def build_request(cls, args: dict):
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(args) - set(fields)
+    if unknown:
+        raise BadRequest(f"{cls.OP}: unknown fields: {', '.join(sorted(map(str, unknown)))}",
+                         {"allowed": sorted(fields)})
+    for name, f in fields.items():
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if name not in args:
+            if required:
+                raise BadRequest(f"{cls.OP}: missing required field {name!r}")
+            continue
+        if not _type_ok(args[name], hints[name]):
+            raise BadRequest(f"{cls.OP}: field {name!r} must be {_type_name(hints[name])}, "
+                             f"got {type(args[name]).__name__}")
+    return cls(**args)
+
+
+def op_fields(op: str) -> dict[str, str]:
+    """{field: type name} for docs and tests."""
+    cls = REQUESTS[op]
+    hints = typing.get_type_hints(cls)
+    return {f.name: _type_name(hints[f.name]) for f in dataclasses.fields(cls)}

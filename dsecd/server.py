@@ -1,0 +1,315 @@
+"""The unix-socket server: connections, frames, request tasks, streams.
+
+One asyncio task reads each connection; every request runs as its own task
+so one connection can have many in flight (up to max_requests_per_client).
+Frames are written whole with one transport write, so frames of concurrent
+requests never interleave. Only root and members of `socket_group` may
+connect (socket mode 0660 and an SO_PEERCRED check on every connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import grp
+import logging
+import os
+import socket
+import struct
+
+from . import protocol
+from .errors import (
+    BadRequest,
+    Conflict,
+    DsecError,
+    Internal,
+    LimitExceeded,
+    PermissionDenied,
+    Unsupported,
+)
+
+log = logging.getLogger(__name__)
+_UCRED = struct.Struct("3i")
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a unix socket."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    return _UCRED.unpack(raw)
+
+
+class RequestContext:
+    """What a handler may do besides returning: stream frames, register an exec."""
+
+    def __init__(self, conn: Connection, rid: int):
+        self.conn = conn
+        self.rid = rid
+
+    async def emit(self, payload: dict) -> None:
+        await self.conn.send({"id": self.rid, "stream": payload})
+
+    def emit_nowait(self, payload: dict) -> None:
+        self.conn.send_nowait({"id": self.rid, "stream": payload})
+
+    def register_exec(self, io) -> None:
+        self.conn.execs[self.rid] = io
+
+    def unregister_exec(self) -> None:
+        self.conn.execs.pop(self.rid, None)
+
+    def exec_for(self, exec_id: int):
+        return self.conn.execs.get(exec_id)
+
+
+class Connection:
+    def __init__(self, server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.server = server
+        self.reader = reader
+        self.writer = writer
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.execs: dict[int, object] = {}
+        self.max_frame = server.max_frame
+        self.peer = "?"
+        self.client = ""
+
+    def send_nowait(self, frame: dict) -> None:
+        if self.writer.is_closing():
+            return
+        try:
+            data = protocol.encode_frame(frame, self.max_frame)
+        except DsecError as err:
+            data = protocol.encode_frame({"id": frame.get("id"), "error": err.to_wire()})
+        self.writer.write(data)
+
+    async def send(self, frame: dict) -> None:
+        self.send_nowait(frame)
+        try:
+            await self.writer.drain()
+        except (ConnectionError, RuntimeError):
+            pass
+
+    async def read_frame(self) -> dict | None:
+        try:
+            header = await self.reader.readexactly(protocol.HEADER.size)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return None
+        (size,) = protocol.HEADER.unpack(header)
+        if size > self.max_frame:
+            # The stream cannot be trusted to resynchronise cheaply: say why, then drop it.
+            raise LimitExceeded(f"frame of {size} bytes exceeds the {self.max_frame}-byte limit; "
+                                "split large files into chunks", {"size": size, "max": self.max_frame})
+        try:
+            payload = await self.reader.readexactly(size)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return None
+        return protocol.decode_payload(payload)
+
+    async def serve(self) -> None:
+        try:
+            if not await self._handshake():
+                return
+            while True:
+                try:
+                    frame = await self.read_frame()
+                except LimitExceeded as err:
+                    await self.send({"id": None, "error": err.to_wire()})
+                    return
+                except BadRequest as err:
+                    await self.send({"id": None, "error": err.to_wire()})
+                    continue
+                if frame is None:
+                    return
+                self._dispatch(frame)
+        finally:
+            await self._close()
+
+    async def _handshake(self) -> bool:
+        try:
+            frame = await self.read_frame()
+        except DsecError as err:
+            await self.send({"id": None, "error": err.to_wire()})
+            return False
+        if frame is None:
+            return False
+        try:
+            rid, req = protocol.parse_request(frame)
+            if not isinstance(req, protocol.Hello):
+                raise BadRequest(f"the first request must be `hello`, got {req.OP!r}")
+            if req.protocol != protocol.PROTOCOL_VERSION:
+                raise Unsupported(f"protocol version {req.protocol} is not supported; this server speaks "
+                                  f"{protocol.PROTOCOL_VERSION}", {"supported": [protocol.PROTOCOL_VERSION]})
+        except DsecError as err:
+            await self.send({"id": frame.get("id") if isinstance(frame.get("id"), int) else None,
+                             "error": err.to_wire()})
+            return False
+        self.client = req.client[:64]
+        log.debug("hello from %s (%s)", self.peer, self.client)
+        await self.send({"id": rid, "result": self.server.node.hello_result()})
+        return True
+
+    def _dispatch(self, frame: dict) -> None:
+        try:
+            rid, req = protocol.parse_request(frame)
+        except DsecError as err:
+            rid = frame.get("id")
+            self.send_nowait({"id": rid if isinstance(rid, int) else None, "error": err.to_wire()})
+            return
+        if rid in self.tasks:
+            self.send_nowait({"id": rid, "error": BadRequest(f"request id {rid} is already in flight").to_wire()})
+            return
+        if len(self.tasks) >= self.server.max_requests:
+            self.send_nowait({"id": rid, "error": LimitExceeded(
+                f"{len(self.tasks)} requests in flight on this connection (max {self.server.max_requests})",
+                {"max": self.server.max_requests}).to_wire()})
+            return
+        task = asyncio.get_running_loop().create_task(self._run(rid, req))
+        self.tasks[rid] = task
+
+    async def _run(self, rid: int, req) -> None:
+        ctx = RequestContext(self, rid)
+        try:
+            if isinstance(req, protocol.Cancel):
+                result = self._cancel(req.target)
+            elif isinstance(req, protocol.Hello):
+                raise BadRequest("hello was already done on this connection")
+            else:
+                handler = getattr(self.server.node, f"op_{req.OP}")
+                result = await handler(req, ctx)
+            await self.send({"id": rid, "result": result})
+        except asyncio.CancelledError:
+            self.send_nowait({"id": rid, "error": Conflict("request cancelled").to_wire()})
+            raise
+        except DsecError as err:
+            await self.send({"id": rid, "error": err.to_wire()})
+        except Exception as err:  # a bug: log it whole, tell the client only that it happened
+            log.exception("internal error in %s (request %d from %s)", req.OP, rid, self.peer)
+            await self.send({"id": rid, "error": Internal(
+                f"{req.OP} failed: {type(err).__name__}: {err}; see the daemon log").to_wire()})
+        finally:
+            self.tasks.pop(rid, None)
+
+    def _cancel(self, target: int) -> dict:
+        task = self.tasks.get(target)
+        if task is None:
+            raise BadRequest(f"no request {target} in flight on this connection")
+        io = self.execs.get(target)
+        if io is not None:
+            io.cancelled = True
+        task.cancel()
+        return {"cancelled": target}
+
+    async def _close(self) -> None:
+        # A vanished client's requests die with it: execs are killed, streams end.
+        for task in list(self.tasks.values()):
+            task.cancel()
+        if self.tasks:
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        self.writer.close()
+        try:
+            await self.writer.wait_closed()
+        except (ConnectionError, OSError):
+            pass
+
+
+class Server:
+    def __init__(self, node, socket_path: str, group: str, limits: dict, max_frame: int):
+        self.node = node
+        self.path = socket_path
+        self.group = group
+        self.gid = _group_id(group)
+        self.max_frame = max_frame
+        self.max_requests = limits["max_requests_per_client"]
+        self.max_connections = limits["max_connections"]
+        self.connections: set[Connection] = set()
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        _remove_stale_socket(self.path)
+        os.makedirs(os.path.dirname(self.path) or ".", mode=0o755, exist_ok=True)
+        old = os.umask(0o117)   # socket created 0660 from the start, no window of 0777
+        try:
+            self._server = await asyncio.start_unix_server(self._on_connect, self.path, limit=2**16)
+        finally:
+            os.umask(old)
+        os.chown(self.path, 0, self.gid if self.gid is not None else 0)
+        os.chmod(self.path, 0o660)
+        log.info("listening on %s (group %s)", self.path, self.group or "root")
+
+    def _allowed(self, uid: int, gid: int) -> bool:
+        if uid == 0 or uid == os.geteuid():
+            return True
+        if self.gid is None:
+            return False
+        if gid == self.gid:
+            return True
+        import pwd
+
+        try:
+            name = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            return False
+        return name in grp.getgrgid(self.gid).gr_mem
+
+    async def _on_connect(self, reader, writer) -> None:
+        conn = Connection(self, reader, writer)
+        sock = writer.get_extra_info("socket")
+        try:
+            pid, uid, gid = peer_credentials(sock)
+        except OSError:
+            pid = uid = gid = -1
+        conn.peer = f"pid={pid} uid={uid} gid={gid}"
+        if not self._allowed(uid, gid):
+            log.warning("refused connection from %s: not root or in group %r", conn.peer, self.group)
+            await conn.send({"id": None, "error": PermissionDenied(
+                f"uid {uid} may not use dsecd; ask for membership of group {self.group or 'root'}").to_wire()})
+            writer.close()
+            return
+        if len(self.connections) >= self.max_connections:
+            await conn.send({"id": None, "error": LimitExceeded(
+                f"{len(self.connections)} connections open (max {self.max_connections})").to_wire()})
+            writer.close()
+            return
+        log.debug("connection from %s", conn.peer)
+        self.connections.add(conn)
+        try:
+            await conn.serve()
+        finally:
+            self.connections.discard(conn)
+
+    async def stop(self) -> None:
+        if self._server:
+            self._server.close()
+        for conn in list(self.connections):
+            for task in conn.tasks.values():
+                task.cancel()
+            conn.writer.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _group_id(group: str) -> int | None:
+    if not group:
+        return None
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise SystemExit(f"dsecd: daemon.socket_group {group!r} does not exist; create it or unset it") from None
+
+
+def _remove_stale_socket(path: str) -> None:
+    """Remove a socket file left by a dead daemon; refuse if one is still listening."""
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError as err:
+        if err.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            os.unlink(path)
+            return
+        raise
+    finally:
+        probe.close()
+    raise SystemExit(f"dsecd: another daemon is listening on {path}; stop it or use --socket")

@@ -1,0 +1,119 @@
+"""A thin synchronous shell over the asyncio client, for scripts and the CLI.
+
+    with dsecd.SyncClient() as c:
+        sb = c.create(image="busybox")
+        print(sb.exec(["echo", "hi"]).stdout)
+        sb.destroy()
+
+It owns a private event loop and runs each call to completion on it; it is
+not thread-safe (use one SyncClient per thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+from .client import Client, ExecResult, Sandbox
+
+
+class SyncSandbox:
+    def __init__(self, owner: SyncClient, sb: Sandbox):
+        self._owner = owner
+        self._sb = sb
+        self.id = sb.id
+        self.info = sb.info
+
+    def __repr__(self) -> str:
+        return f"<SyncSandbox {self.id}>"
+
+    def _run(self, coro):
+        return self._owner._run(coro)
+
+    def exec(self, argv, **kw) -> ExecResult:
+        return self._run(self._sb.exec(argv, **kw))
+
+    def exec_stream(self, argv, **kw) -> Iterator[tuple[int, bytes]]:
+        """Yields (fd, data); the ExecResult is the generator's return value."""
+        stream = self._sb.exec_stream(argv, **kw)
+        it = stream.__aiter__()
+        try:
+            while True:
+                try:
+                    yield self._run(it.__anext__())
+                except StopAsyncIteration:
+                    return stream.result
+        finally:
+            self._run(it.aclose())
+
+    def write_file(self, path: str, data: bytes, **kw) -> int:
+        return self._run(self._sb.write_file(path, data, **kw))
+
+    def read_file(self, path: str) -> bytes:
+        return self._run(self._sb.read_file(path))
+
+    def list_files(self, path: str) -> list[dict]:
+        return self._run(self._sb.list_files(path))
+
+    def stat(self, path: str) -> dict:
+        return self._run(self._sb.stat(path))
+
+    def inspect(self) -> dict:
+        self.info = self._run(self._sb.inspect())
+        return self.info
+
+    def destroy(self, force: bool = False) -> dict:
+        return self._run(self._sb.destroy(force))
+
+
+class SyncClient:
+    def __init__(self, socket_path: str | None = None, name: str = "dsecd-sync"):
+        self._loop = asyncio.new_event_loop()
+        self._client = Client(socket_path, name)
+
+    def _run(self, coro):
+        return self._loop.run_until_complete(coro)
+
+    def __enter__(self) -> SyncClient:
+        self.connect()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def connect(self) -> None:
+        self._run(self._client.connect())
+
+    def close(self) -> None:
+        try:
+            self._run(self._client.close())
+        finally:
+            self._loop.close()
+
+    @property
+    def server(self) -> dict:
+        return self._client.server
+
+    def request(self, op: str, **args) -> dict:
+        return self._run(self._client.request(op, **args))
+
+    def info(self) -> dict:
+        return self._run(self._client.info())
+
+    def create(self, image: str, **kw) -> SyncSandbox:
+        return SyncSandbox(self, self._run(self._client.create(image, **kw)))
+
+    def get(self, sandbox_id: str) -> SyncSandbox:
+        return SyncSandbox(self, self._run(self._client.get(sandbox_id)))
+
+    def list(self, labels: dict | None = None) -> list[dict]:
+        return self._run(self._client.list(labels))
+
+    def destroy_all(self, force: bool = False, labels: dict | None = None) -> dict:
+        return self._run(self._client.destroy_all(force, labels))
+
+    def import_image(self, path: str, name: str, progress=None) -> dict:
+        return self._run(self._client.import_image(path, name, progress))
+
+    def list_images(self) -> list[dict]:
+        return self._run(self._client.list_images())

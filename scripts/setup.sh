@@ -1,0 +1,189 @@
+#!/bin/bash
+# Set up this host for dsecd development, tests and benchmarks: Debian 12, as
+# root, from nothing (nothing installed by hand is assumed).
+#
+#   1. Debian packages: compilers and static libc (dsec-init is static),
+#      libfuse3/libseccomp headers (csrc/), bcc for Python (eBPF), kernel
+#      headers (bcc compiles bpf/*.c against them), the runtimes we benchmark
+#      against (bubblewrap, crun), busybox-static (test rootfs), erofs-utils.
+#   2. Kernel headers where bcc looks for them: /lib/modules/$(uname -r)/build
+#      and .../source. A kernel Debian has no headers package for gets the
+#      newest Debian headers, said on stderr.
+#   3. The venv .venv with the system site-packages (Debian's bcc is not on
+#      PyPI), and the project installed in it, editable, with its test extras.
+#
+# Idempotent and quick when nothing changed: packages are checked with
+# dpkg-query (apt-get update runs only when something is missing), and the pip
+# install is skipped while the build inputs hash to the stamp of the last one.
+# Quiet: details go to build/setup.log, whose tail is shown on failure.
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=$REPO/.venv
+PY=$VENV/bin/python
+LOG=$REPO/build/setup.log
+STAMP=$VENV/.dsecd-setup-stamp
+ARCH=$(dpkg --print-architecture 2>/dev/null || echo amd64)
+KREL=$(uname -r)
+
+PACKAGES=(
+    build-essential pkg-config libc6-dev       # C layer; libc.a for static dsec-init
+    libfuse3-dev fuse3 libseccomp-dev          # the FUSE pager, seccomp filters
+    python3-venv python3-dev                   # the venv; headers for the cffi build
+    python3-bpfcc "linux-headers-$ARCH"        # bcc and headers to compile bpf/*.c
+    busybox-static bubblewrap crun             # test rootfs; peers in bench/peers.py
+    erofs-utils iproute2 util-linux debootstrap
+)
+
+export DEBIAN_FRONTEND=noninteractive PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+
+T0=$SECONDS
+mkdir -p "$(dirname "$LOG")"
+: >"$LOG"
+
+say() { echo "setup: $*"; }
+warn() { echo "setup: $*" >&2; }
+
+# Run a command with its output in the log; on failure show the log's tail.
+run() {
+    echo "+ $*" >>"$LOG"
+    if ! "$@" >>"$LOG" 2>&1 </dev/null; then
+        warn "FAILED: $*"
+        warn "---- last lines of $LOG ----"
+        tail -n 40 "$LOG" >&2
+        exit 1
+    fi
+}
+
+require_root() {
+    if [[ $(id -u) != 0 ]]; then
+        warn "must run as root (installs packages, links kernel headers)"
+        exit 1
+    fi
+}
+
+# Names in PACKAGES that dpkg does not list as installed ("ii").
+missing_packages() {
+    local installed
+    installed=$(dpkg-query -W -f='${Package} ${db:Status-Abbrev}\n' "${PACKAGES[@]}" 2>/dev/null |
+        awk '$2 == "ii" {print $1}')
+    local p
+    for p in "${PACKAGES[@]}"; do
+        grep -qxF -- "$p" <<<"$installed" || echo "$p"
+    done
+}
+
+install_packages() {
+    # A Debian kernel has a headers package of its own: prefer it to the link below.
+    if [[ ! -d /lib/modules/$KREL/build ]] && apt-cache show "linux-headers-$KREL" >/dev/null 2>&1; then
+        PACKAGES+=("linux-headers-$KREL")
+    fi
+    local missing
+    mapfile -t missing < <(missing_packages)
+    ((${#missing[@]})) || return 0
+    say "apt: installing ${missing[*]}"
+    run apt-get update
+    run apt-get install -y --no-install-recommends -o DPkg::Lock::Timeout=120 "${missing[@]}"
+}
+
+# bcc compiles against /lib/modules/$KREL/build (generated headers, .config) and
+# .../source (the rest) when both exist, and runs clang from .../source. Debian
+# splits its headers the same way: linux-headers-<ver>-$ARCH (build) and
+# linux-headers-<ver>-common (source), so link to the newest such pair.
+link_kernel_headers() {
+    local mod=/lib/modules/$KREL
+    [[ -d $mod/build ]] && return 0
+    local build common
+    build=$(ls -d /usr/src/linux-headers-*-"$ARCH" 2>/dev/null | sort -V | tail -n 1)
+    if [[ -z $build ]]; then
+        warn "no kernel headers in /usr/src (linux-headers-$ARCH missing?)"
+        exit 1
+    fi
+    common=${build%-"$ARCH"}-common
+    [[ -d $common ]] || common=$build
+    mkdir -p "$mod"
+    local name target
+    for name in build source; do
+        target=$build
+        [[ $name == source ]] && target=$common
+        # Replace only a dangling link (headers package upgraded), never a tree.
+        [[ -L $mod/$name ]] && rm -f "$mod/$name"
+        [[ -e $mod/$name ]] || ln -s "$target" "$mod/$name"
+    done
+    warn "no Debian headers for kernel $KREL: linked $mod/build -> $build," \
+        "$mod/source -> $common (bcc compiles against these; struct layouts may differ)"
+}
+
+venv_ok() {
+    [[ -x $PY ]] && grep -qx 'include-system-site-packages = true' "$VENV/pyvenv.cfg" &&
+        grep -qx 'home = /usr/bin' "$VENV/pyvenv.cfg" && "$PY" -c '' 2>/dev/null
+}
+
+make_venv() {
+    venv_ok && return 0
+    say "venv: creating $VENV"
+    run /usr/bin/python3 -m venv --clear --system-site-packages "$VENV"
+}
+
+# Hash of what the install builds from: metadata and the C sources. Python
+# sources need no reinstall (editable install).
+build_inputs_hash() {
+    (
+        cd "$REPO"
+        "$PY" -c 'import sys; print(sys.version)'
+        local inputs=() p
+        for p in pyproject.toml setup.py setup.cfg csrc dsecd/_native_build.py; do
+            [[ -e $p ]] && inputs+=("$p")
+        done
+        find "${inputs[@]}" -type f | LC_ALL=C sort | xargs -r sha256sum
+    ) | sha256sum | cut -d' ' -f1
+}
+
+# What an up-to-date install can import; a `git clean` of the build outputs
+# fails here and triggers a reinstall.
+import_check() {
+    local code='import bcc, dsecd'
+    [[ -f $REPO/dsecd/_native_build.py ]] && code+=', dsecd._native'
+    echo "$code"
+}
+
+install_ok() {
+    [[ -f $REPO/csrc/init.c && ! -x $REPO/dsecd/libexec/dsec-init ]] && return 1
+    (cd / && "$PY" -c "$(import_check)") >/dev/null 2>&1
+}
+
+install_project() {
+    local want
+    want=$(build_inputs_hash)
+    if [[ -f $STAMP && $(<"$STAMP") == "$want" ]] && install_ok; then
+        return 0
+    fi
+    say "pip: installing dsecd[test] (editable)"
+    rm -f "$STAMP"
+    # No build isolation: the build uses the venv's setuptools/wheel/cffi
+    # (the same cffi as at run time) instead of fetching them for every build.
+    run "$PY" -m pip install 'setuptools>=64' wheel 'cffi>=1.15'
+    run "$PY" -m pip install --no-build-isolation -e "$REPO[test]"
+    echo "$want" >"$STAMP"
+}
+
+check_imports() {
+    if ! (cd / && "$PY" -c 'import bcc') >>"$LOG" 2>&1; then
+        warn "FAILED: 'import bcc' in $VENV (python3-bpfcc, --system-site-packages)"
+        tail -n 20 "$LOG" >&2
+        exit 1
+    fi
+    if ! install_ok; then
+        warn "FAILED: the installed project does not import ($(import_check)):"
+        (cd / && "$PY" -c "$(import_check)") >&2 || true
+        exit 1
+    fi
+}
+
+require_root
+install_packages
+link_kernel_headers
+make_venv
+install_project
+check_imports
+say "ok ($((SECONDS - T0))s)"

@@ -1,0 +1,34 @@
+#!/bin/bash
+# The whole check, as CI runs it (.ci/run): set the host up, lint, then the
+# test suite (unit and, as root, integration). Exits non-zero if any part
+# fails; pytest's "no tests collected" (exit 5) counts as a failure.
+set -uo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO"
+VENV=$REPO/.venv
+
+bash scripts/setup.sh || exit 1
+
+status=0
+
+lint_dirs=()
+for d in dsecd tests bench; do
+    [[ -d $d ]] && lint_dirs+=("$d")
+done
+echo "test: ruff check ${lint_dirs[*]}"
+if ! "$VENV/bin/ruff" check "${lint_dirs[@]}"; then
+    echo "test: FAILED: ruff check" >&2
+    status=1
+fi
+
+# pytest last, so that its summary line closes the output.
+echo "test: pytest tests"
+"$VENV/bin/pytest" -q tests
+rc=$?
+case $rc in
+    0) ;;
+    5) echo "test: FAILED: pytest collected no tests" >&2; status=1 ;;
+    *) echo "test: FAILED: pytest exited $rc" >&2; status=1 ;;
+esac
+exit $status

@@ -1,0 +1,51 @@
+import pytest
+
+from dsecd.config import ConfigError, load_config, parse_size
+
+
+@pytest.mark.parametrize("text, value", [(0, 0), ("123", 123), ("4K", 4096), ("512M", 512 << 20),
+                                         ("2G", 2 << 30), ("1.5GiB", 3 << 29), ("16m", 16 << 20)])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("bad", ["", "12Q", "-1", "M", True, -5])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ConfigError):
+        parse_size(bad)
+
+
+def test_defaults_load_and_every_size_parses():
+    cfg = load_config()
+    assert cfg.socket == "/run/dsecd/dsecd.sock"
+    assert cfg.size("limits", "max_frame_bytes") == 16 << 20
+
+
+def test_user_file_overrides_only_named_keys(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[limits]\nmax_sandboxes = 7\n[daemon]\nsocket = "/tmp/x.sock"\n')
+    cfg = load_config(str(f))
+    assert cfg.section("limits")["max_sandboxes"] == 7
+    assert cfg.socket == "/tmp/x.sock"
+    assert cfg.section("limits")["max_connections"] == 4096
+
+
+def test_unknown_key_is_an_error_naming_it(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[limits]\nmax_sandbox = 7\n")
+    with pytest.raises(ConfigError, match="limits.max_sandbox"):
+        load_config(str(f))
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[limits\n")
+    with pytest.raises(ConfigError, match="parse config"):
+        load_config(str(f))
+    with pytest.raises(ConfigError, match="read config"):
+        load_config(str(tmp_path / "absent.toml"))
+
+
+def test_chunk_must_fit_in_frame():
+    with pytest.raises(ConfigError, match="max_file_chunk_bytes"):
+        load_config(overrides={"limits": {"max_frame_bytes": "1M", "max_file_chunk_bytes": "1M"}})

@@ -1,0 +1,24 @@
+import errno
+
+from dsecd.errors import ERROR_CODES, BadRequest, DsecError, NotFound, io_error
+
+
+def test_wire_roundtrip_keeps_class_and_detail():
+    e = DsecError.from_wire(NotFound("no sandbox x", {"sandbox": "x"}).to_wire())
+    assert isinstance(e, NotFound) and e.detail == {"sandbox": "x"} and e.code == "not_found"
+
+
+def test_unknown_code_from_wire_becomes_internal():
+    assert DsecError.from_wire({"code": "weird", "message": "m"}).code == "internal"
+
+
+def test_io_error_maps_errno_and_names_it():
+    e = io_error("read", "sb:/x", OSError(errno.ENOENT, "x"))
+    assert isinstance(e, NotFound) and e.detail["errno"] == "ENOENT" and "sb:/x" in e.message
+    assert isinstance(io_error("open", "p", OSError(errno.ELOOP, "x")), BadRequest)
+    assert io_error("write", "p", OSError(errno.ENOSPC, "x")).code == "io"
+
+
+def test_every_class_code_is_in_the_closed_set():
+    for klass in DsecError.__subclasses__():
+        assert klass.code in ERROR_CODES

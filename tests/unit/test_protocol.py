@@ -1,0 +1,101 @@
+"""Frame codec and typed request decoding (no root, no daemon)."""
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsecd import protocol
+from dsecd.errors import BadRequest, LimitExceeded
+
+
+def test_frame_roundtrip_through_incremental_decoder():
+    frames = [{"id": i, "op": "ping", "args": {}} for i in range(5)]
+    data = b"".join(protocol.encode_frame(f) for f in frames)
+    dec = protocol.FrameDecoder(1 << 20)
+    out = []
+    for i in range(0, len(data), 3):   # byte-sized dribbles
+        out += dec.feed(data[i:i + 3])
+    assert out == frames
+
+
+def test_encode_refuses_oversized_frame():
+    with pytest.raises(LimitExceeded) as e:
+        protocol.encode_frame({"data": b"x" * 100}, max_bytes=50)
+    assert e.value.code == "limit"
+
+
+def test_decoder_refuses_oversized_header_before_reading_payload():
+    dec = protocol.FrameDecoder(1024)
+    with pytest.raises(LimitExceeded):
+        dec.feed(protocol.HEADER.pack(1025))
+
+
+@pytest.mark.parametrize("payload", [b"\xc1", msgpack.packb([1, 2]), msgpack.packb("str"), b""])
+def test_non_map_payload_is_bad_request(payload):
+    with pytest.raises(BadRequest):
+        protocol.decode_payload(payload)
+
+
+def test_parse_create_fills_defaults():
+    rid, req = protocol.parse_request({"id": 7, "op": "create", "args": {"image": "busybox"}})
+    assert rid == 7 and isinstance(req, protocol.Create)
+    assert req.env == {} and req.cpu is None and req.cwd == "/"
+
+
+@pytest.mark.parametrize("frame, needle", [
+    ({"op": "ping"}, "id"),
+    ({"id": -1, "op": "ping"}, "id"),
+    ({"id": True, "op": "ping"}, "id"),
+    ({"id": 1}, "op"),
+    ({"id": 1, "op": "nope"}, "unknown op"),
+    ({"id": 1, "op": "ping", "args": []}, "args"),
+    ({"id": 1, "op": "ping", "extra": 1}, "unknown frame fields"),
+    ({"id": 1, "op": "create", "args": {}}, "missing required field 'image'"),
+    ({"id": 1, "op": "create", "args": {"image": 3}}, "field 'image'"),
+    ({"id": 1, "op": "create", "args": {"image": "x", "cpu": "2"}}, "field 'cpu'"),
+    ({"id": 1, "op": "create", "args": {"image": "x", "env": {"A": 1}}}, "field 'env'"),
+    ({"id": 1, "op": "create", "args": {"image": "x", "colour": "red"}}, "unknown fields: colour"),
+    ({"id": 1, "op": "exec", "args": {"sandbox": "a", "argv": "ls"}}, "field 'argv'"),
+    ({"id": 1, "op": "exec", "args": {"sandbox": "a", "argv": ["ls"], "timeout": True}}, "field 'timeout'"),
+    ({"id": 1, "op": "file_write", "args": {"sandbox": "a", "path": "/x", "data": "text"}}, "field 'data'"),
+])
+def test_bad_requests_say_what_is_wrong(frame, needle):
+    with pytest.raises(BadRequest) as e:
+        protocol.parse_request(frame)
+    assert needle in e.value.message
+
+
+def test_int_accepted_for_float_but_bool_is_not_int():
+    _, req = protocol.parse_request({"id": 1, "op": "create", "args": {"image": "x", "cpu": 2}})
+    assert req.cpu == 2
+    with pytest.raises(BadRequest):
+        protocol.parse_request({"id": 1, "op": "create", "args": {"image": "x", "pids": True}})
+
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(op=st.sampled_from(sorted(protocol.REQUESTS) + ["bogus"]),
+       args=st.dictionaries(st.text(max_size=10), _values, max_size=4),
+       rid=st.integers(min_value=-5, max_value=2**64))
+def test_parse_request_never_raises_anything_but_bad_request(op, args, rid):
+    try:
+        protocol.parse_request({"id": rid, "op": op, "args": args})
+    except BadRequest:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64))
+def test_decoder_on_garbage_raises_only_protocol_errors(data):
+    dec = protocol.FrameDecoder(1 << 16)
+    try:
+        dec.feed(data)
+    except (BadRequest, LimitExceeded):
+        pass
