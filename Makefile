@@ -8,9 +8,11 @@ PY := .venv/bin/python
 setup:
 	bash scripts/setup.sh
 
-# Rebuild the cffi extension and dsec-init after a change in csrc/.
-build: setup
-	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+# Rebuild the cffi extension and dsec-init: setup.sh reinstalls the project
+# whenever its stamp is missing (it also does when csrc/ or the metadata changed).
+build:
+	rm -f .venv/.dsecd-setup-stamp
+	bash scripts/setup.sh
 
 test:
 	bash scripts/test.sh

@@ -285,7 +285,7 @@ class BenchDaemon:
         deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
         while not self._socket_answers():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"dsecd exited {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(f"dsecd exited {self.proc.returncode} before its socket was up")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"dsecd socket not up after {DAEMON_START_TIMEOUT_S} s")
             time.sleep(0.05)
@@ -327,9 +327,9 @@ class BenchDaemon:
         if self.proc.poll() is None:
             try:
                 log("removing all sandboxes")
-                self.cli("rm", "--all", timeout=300)
+                self.cli("rm", "--all", "--force", timeout=300)
             except Exception as err:
-                log(f"dsec rm --all failed: {err}")
+                log(f"dsec rm --all --force failed: {err}")
             self.proc.terminate()
             try:
                 self.proc.wait(20)
@@ -454,8 +454,10 @@ def main(argv: list[str] | None = None) -> int:
         daemon.start()
         daemon.import_image(rootfs)
         results = uvloop.run(measure_dsecd(daemon.sock, args))
-    except Exception:
-        log(f"FAILED; daemon log tail:\n{daemon.log_tail()}")
+    except Exception as err:
+        log(f"FAILED: {err!r}")
+        if daemon.proc is not None and daemon.proc.poll() is None:
+            log(f"last lines of the daemon's log:\n{daemon.log_tail()}")
         raise
     finally:
         # Clean-up must finish: later signals are ignored until it has.
@@ -477,4 +479,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        log("interrupted (cleaned up)")
+        sys.exit(130)

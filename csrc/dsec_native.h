@@ -27,7 +27,6 @@ enum dsec_step {
     DSEC_STEP_OPEN_CGROUP = 2,
     DSEC_STEP_STACK = 3,
     DSEC_STEP_CLONE = 4,
-    DSEC_STEP_WAIT = 5,
     /* in the container child, in this order */
     DSEC_STEP_CGROUP_JOIN = 10,
     DSEC_STEP_CGROUP_NS = 11,

@@ -41,6 +41,15 @@ def build_config(args: argparse.Namespace):
     return load_config(args.config, {"daemon": daemon} if daemon else None)
 
 
+def raise_fd_limit() -> None:
+    """Every connection, sandbox (pidfd, root fd) and exec (pipes) holds fds."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def lock_state_dir(state_dir: str) -> int:
     """One daemon per state dir: a second one would fight over the same sandboxes."""
     os.makedirs(state_dir, mode=0o700, exist_ok=True)
@@ -92,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     if os.geteuid() != 0:
         raise SystemExit("dsecd: must run as root (namespaces, cgroups, mounts)")
     lock_state_dir(str(cfg.state_dir))
+    raise_fd_limit()
     try:
         import uvloop
 

@@ -56,11 +56,20 @@ def _filesystems() -> set[str]:
         return set()
 
 
-def _errno_feature(rc: int, ok: str, what: str) -> Feature:
+def _errno_feature(rc: int, ok: str, what: str, hints: dict[int, str] | None = None) -> Feature:
     if rc == 0:
         return Feature(True, ok)
     name = errno.errorcode.get(abs(rc), str(rc))
-    return Feature(False, f"{what}: {name} ({os.strerror(abs(rc))})")
+    hint = (hints or {}).get(abs(rc))
+    return Feature(False, f"{what}: {name} ({os.strerror(abs(rc))})" + (f"; {hint}" if hint else ""))
+
+
+# What the errnos of prctl(PR_SCHED_CORE) mean (they are misleading on their own).
+SCHED_CORE_HINTS = {
+    errno.EINVAL: "the kernel lacks core scheduling (needs CONFIG_SCHED_CORE=y, Linux >= 5.14)",
+    errno.ENODEV: "core scheduling is built in but this CPU has no SMT siblings",
+    errno.EPERM: "not allowed to set core-scheduling cookies (needs CAP_SYS_ADMIN or ptrace access)",
+}
 
 
 def probe_namespaces() -> Feature:
@@ -114,7 +123,11 @@ def probe_kvm() -> Feature:
     if r.get("api") is None:
         return Feature(False, f"/dev/kvm: {r.get('detail', 'unavailable')}")
     ok = r.get("create_vm") == 0 and r.get("create_vcpu") == 0
-    return Feature(ok, f"api {r['api']}, create_vm {r.get('create_vm')}, create_vcpu {r.get('create_vcpu')}")
+    if not ok:
+        return Feature(False, r.get("detail", "KVM_CREATE_VM/VCPU failed"))
+    if "run" not in r:
+        return Feature(True, f"{r['detail']}; running a guest was not probed")
+    return _errno_feature(r["run"], f"{r['detail']}; a test guest ran to HLT", "KVM_RUN of a test guest")
 
 
 def probe_bpf_cgroup(layout: cgroup.Layout, scratch_rel: str) -> Feature:
@@ -145,7 +158,8 @@ def probe_all(cgroup_root: str = "dsecd") -> Features:
         "openat2": _errno_feature(native.probe_openat2(), "openat2 RESOLVE_IN_ROOT works", "openat2"),
         "clone3": _errno_feature(native.probe_clone3(), "clone3 present", "clone3"),
         "seccomp": _errno_feature(native.probe_seccomp(), "seccomp filters available", "seccomp"),
-        "sched_core": _errno_feature(native.probe_sched_core(), "PR_SCHED_CORE works", "prctl(PR_SCHED_CORE)"),
+        "sched_core": _errno_feature(native.probe_sched_core(), "PR_SCHED_CORE works", "prctl(PR_SCHED_CORE)",
+                                     SCHED_CORE_HINTS),
         "damon": probe_damon(),
         "bpf_cgroup": probe_bpf_cgroup(layout, f"{cgroup_root}-probe-{os.getpid()}"),
         "kvm": probe_kvm(),

@@ -228,7 +228,8 @@ class Server:
         os.makedirs(os.path.dirname(self.path) or ".", mode=0o755, exist_ok=True)
         old = os.umask(0o117)   # socket created 0660 from the start, no window of 0777
         try:
-            self._server = await asyncio.start_unix_server(self._on_connect, self.path, limit=2**16)
+            self._server = await asyncio.start_unix_server(
+                self._on_connect, self.path, limit=2**16, backlog=min(self.max_connections, 4096))
         finally:
             os.umask(old)
         os.chown(self.path, 0, self.gid if self.gid is not None else 0)

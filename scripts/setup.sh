@@ -39,6 +39,9 @@ export DEBIAN_FRONTEND=noninteractive PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHE
 
 T0=$SECONDS
 mkdir -p "$(dirname "$LOG")"
+# One set-up at a time (a developer's `make test` beside CI, say).
+exec 9>"$(dirname "$LOG")/setup.lock"
+flock 9
 : >"$LOG"
 
 say() { echo "setup: $*"; }
@@ -74,15 +77,22 @@ missing_packages() {
 }
 
 install_packages() {
-    # A Debian kernel has a headers package of its own: prefer it to the link below.
-    if [[ ! -d /lib/modules/$KREL/build ]] && apt-cache show "linux-headers-$KREL" >/dev/null 2>&1; then
-        PACKAGES+=("linux-headers-$KREL")
-    fi
-    local missing
+    local missing updated=
     mapfile -t missing < <(missing_packages)
+    if ((${#missing[@]})); then
+        say "apt: updating the package lists"
+        run apt-get update
+        updated=1
+    fi
+    # A Debian kernel has a headers package of its own: prefer it to the link
+    # below. Asked only while the headers are missing (the lists are fresh then
+    # on a new machine).
+    if [[ ! -d /lib/modules/$KREL/build ]] && apt-cache show "linux-headers-$KREL" >/dev/null 2>&1; then
+        missing+=("linux-headers-$KREL")
+    fi
     ((${#missing[@]})) || return 0
+    [[ -n $updated ]] || run apt-get update
     say "apt: installing ${missing[*]}"
-    run apt-get update
     run apt-get install -y --no-install-recommends -o DPkg::Lock::Timeout=120 "${missing[@]}"
 }
 
@@ -93,6 +103,9 @@ install_packages() {
 link_kernel_headers() {
     local mod=/lib/modules/$KREL
     [[ -d $mod/build ]] && return 0
+    # bcc unpacks the running kernel's own headers from here (CONFIG_IKHEADERS)
+    # when /lib/modules has none: better than another version's.
+    [[ -f /sys/kernel/kheaders.tar.xz ]] && return 0
     local build common
     build=$(ls -d /usr/src/linux-headers-*-"$ARCH" 2>/dev/null | sort -V | tail -n 1)
     if [[ -z $build ]]; then
@@ -186,4 +199,6 @@ link_kernel_headers
 make_venv
 install_project
 check_imports
+# The busybox rootfs the integration tests and benchmarks import (cached).
+run bash "$REPO/scripts/mkrootfs.sh"
 say "ok ($((SECONDS - T0))s)"

@@ -10,7 +10,6 @@ worker thread or stream forever). All functions block: call them in a thread.
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 
@@ -48,7 +47,7 @@ def _split(path: str) -> tuple[str, str]:
 def _require_regular(fd: int, path: str) -> os.stat_result:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
-        raise OSError(errno.EINVAL, f"{path} is not a regular file", path)
+        raise PathError(f"{path} is a {_type_of(st.st_mode)}, not a regular file")
     return st
 
 

@@ -1,0 +1,34 @@
+/* fileops.c - host-side file access into a sandbox's tree.
+ *
+ * The daemon reads and writes files of a sandbox from the host, where the
+ * sandbox's symlinks would otherwise resolve against the host's root. openat2
+ * with RESOLVE_IN_ROOT makes "/" and ".." of every step (symlink targets
+ * included) stop at dirfd, atomically in the kernel: no userspace walk, no
+ * check-then-open race. Policy (which resolve flags, O_CLOEXEC, retry on
+ * EAGAIN) lives in native.py.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "dsec_native.h"
+#include "missing_defs.h"
+
+/* struct open_how of linux/openat2.h, spelled out for headers older than 5.6.
+ * The kernel takes its size as an argument, so this layout is ABI. */
+struct dsec_open_how {
+    uint64_t flags;
+    uint64_t mode;
+    uint64_t resolve;
+};
+
+int dsec_file_openat2(int dirfd, const char *path, uint64_t flags, uint64_t mode,
+                      uint64_t resolve)
+{
+    struct dsec_open_how how = {.flags = flags, .mode = mode, .resolve = resolve};
+    long fd = syscall(SYS_openat2, dirfd, path, &how, sizeof(how));
+
+    return fd < 0 ? -errno : (int)fd;
+}

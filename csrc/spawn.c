@@ -1,0 +1,659 @@
+/* spawn.c - create a container sandbox, and exec a process inside one.
+ *
+ * Both follow glibc's posix_spawn: clone(CLONE_VM|CLONE_VFORK) on a private
+ * mmap'ed stack, with every signal blocked in the calling thread around the
+ * clone. The child shares the daemon's memory until it execs, so it only makes
+ * raw, async-signal-safe syscalls on memory prepared before the clone: no
+ * malloc, no stdio, no glibc wrappers that take locks or talk to other threads
+ * (setuid() is the trap: glibc broadcasts it to every thread of the *daemon*,
+ * so credentials are changed with syscall(SYS_setres*id)). A failing child
+ * records {errno, step, path} in the caller's struct dsec_err and _exit()s; the
+ * caller sees it as soon as the vfork wait ends. Rules: csrc/ERRORS.md.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/capability.h>
+#include <net/if.h>
+#include <sched.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "dsec_native.h"
+#include "missing_defs.h"
+
+/* Deepest child frame is exec_search's PATH_MAX buffer; 64 KiB leaves room. */
+#define DSEC_STACK_SIZE (64 * 1024)
+
+#define CONTAINER_CLONE_FLAGS                                                                      \
+    (CLONE_VM | CLONE_VFORK | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC |          \
+     CLONE_NEWNET | SIGCHLD)
+#define SANDBOX_NS_FLAGS                                                                           \
+    (CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWCGROUP)
+#define DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+/* ---- error recording (async-signal-safe: runs in the children) ---------- */
+
+static void err_set(struct dsec_err *e, int step, int err, const char *path)
+{
+    size_t i = 0;
+
+    e->err = err;
+    e->step = step;
+    for (; path && path[i] && i < sizeof(e->path) - 1; i++)
+        e->path[i] = path[i];
+    e->path[i] = '\0';
+}
+
+/* Child side: turn a failed syscall (rc < 0, errno set) into a recorded step. */
+static int check(long rc, struct dsec_err *e, int step, const char *path)
+{
+    if (rc < 0) {
+        err_set(e, step, errno, path);
+        return -1;
+    }
+    return 0;
+}
+
+/* Parent side: record and return -errno, the entry points' return value. */
+static int parent_fail(struct dsec_err *e, int step, const char *path, int err)
+{
+    err_set(e, step, err, path);
+    return -err;
+}
+
+/* ---- resources the parent prepares: stacks, fds ------------------------- */
+
+struct stacks {
+    char *base;
+    size_t one; /* guard page + stack */
+    int n;
+};
+
+/* Each stack sits above a PROT_NONE guard page: the child shares the daemon's
+ * memory, so an overflow must fault rather than scribble on a neighbour. */
+static int stacks_map(struct stacks *s, int n, struct dsec_err *e)
+{
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+
+    s->n = n;
+    s->one = page + DSEC_STACK_SIZE;
+    s->base = mmap(NULL, s->one * n, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK | MAP_NORESERVE, -1, 0);
+    if (s->base == MAP_FAILED) {
+        s->base = NULL;
+        return parent_fail(e, DSEC_STEP_STACK, NULL, errno);
+    }
+    for (int i = 0; i < n; i++)
+        if (mprotect(s->base + i * s->one, page, PROT_NONE) < 0)
+            return parent_fail(e, DSEC_STEP_STACK, NULL, errno);
+    return 0;
+}
+
+static void *stack_top(const struct stacks *s, int i)
+{
+    return s->base + (i + 1) * s->one; /* stacks grow down; the top is 16-aligned */
+}
+
+static void stacks_unmap(struct stacks *s)
+{
+    if (s->base)
+        munmap(s->base, s->one * s->n);
+}
+
+/* O_CLOEXEC everywhere: other daemon threads may fork at any moment. */
+static int cgroups_open(const char *const *paths, int n, int *fds, struct dsec_err *e)
+{
+    for (int i = 0; i < DSEC_MAX_CGROUPS; i++)
+        fds[i] = -1;
+    if (n < 0 || n > DSEC_MAX_CGROUPS)
+        return parent_fail(e, DSEC_STEP_OPEN_CGROUP, NULL, E2BIG);
+    for (int i = 0; i < n; i++) {
+        fds[i] = open(paths[i], O_WRONLY | O_CLOEXEC);
+        if (fds[i] < 0)
+            return parent_fail(e, DSEC_STEP_OPEN_CGROUP, paths[i], errno);
+    }
+    return 0;
+}
+
+static void fds_close(int *fds, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (fds[i] >= 0)
+            close(fds[i]);
+}
+
+/* Retry on EINTR: Python installs its handlers without SA_RESTART. */
+static int reap(pid_t pid)
+{
+    int status;
+
+    while (waitpid(pid, &status, 0) < 0)
+        if (errno != EINTR)
+            return -errno;
+    return 0;
+}
+
+/* Block every signal around clone so that no handler of the daemon can run in
+ * the child on the shared memory before the child has reset the dispositions.
+ * errno is not reliable after a successful clone: the child shares our TLS. */
+static pid_t clone_blocked(int (*fn)(void *), void *top, int flags, void *arg,
+                           struct dsec_err *e)
+{
+    sigset_t all, old;
+    pid_t pid;
+    int saved;
+
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pid = clone(fn, top, flags, arg);
+    saved = errno;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (pid < 0)
+        return parent_fail(e, DSEC_STEP_CLONE, NULL, saved);
+    return pid;
+}
+
+/* ---- child steps shared by both spawns ---------------------------------- */
+
+/* Every disposition back to SIG_DFL, ignored ones included: Python ignores
+ * SIGPIPE and SIGXFSZ, and SIG_IGN survives execve, so a sandboxed `yes | head`
+ * would otherwise see EPIPE instead of dying. Signals are still blocked here;
+ * EINVAL for SIGKILL, SIGSTOP and glibc's internal signals is expected. */
+static void signals_reset(void)
+{
+    struct sigaction dfl = {.sa_handler = SIG_DFL};
+
+    for (int sig = 1; sig < _NSIG; sig++)
+        sigaction(sig, &dfl, NULL);
+}
+
+static void signals_unblock(void)
+{
+    sigset_t none;
+
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+}
+
+/* Writing "0" moves the writer; done before CLONE_NEWCGROUP so the namespace
+ * root becomes the sandbox's own cgroup. */
+static int cgroups_join(const int *fds, const char *const *paths, int n, struct dsec_err *e)
+{
+    for (int i = 0; i < n; i++)
+        if (check(write(fds[i], "0", 1), e, DSEC_STEP_CGROUP_JOIN, paths[i]) < 0)
+            return -1;
+    return 0;
+}
+
+/* Drop from the bounding set every capability not in keep. The loop ends at
+ * the first EINVAL, i.e. past the kernel's last capability. */
+static int caps_bound(uint64_t keep, struct dsec_err *e)
+{
+    for (int cap = 0; cap < 64; cap++) {
+        if (keep & (1ULL << cap))
+            continue;
+        if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0) {
+            if (errno == EINVAL)
+                return 0;
+            return check(-1, e, DSEC_STEP_CAPS, NULL);
+        }
+    }
+    return 0;
+}
+
+/* Effective = permitted = inheritable = keep, and keep raised as ambient so a
+ * non-root uid still holds it after execve (without ambient, exec by a
+ * non-root uid clears the permitted set). */
+static int caps_set(uint64_t keep, struct dsec_err *e)
+{
+    struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3};
+    struct __user_cap_data_struct data[2] = {{0}};
+
+    for (int i = 0; i < 2; i++) {
+        uint32_t word = (uint32_t)(keep >> (32 * i));
+        data[i].effective = data[i].permitted = data[i].inheritable = word;
+    }
+    if (check(syscall(SYS_capset, &hdr, data), e, DSEC_STEP_CAPS, NULL) < 0)
+        return -1;
+    for (int cap = 0; cap < 64; cap++)
+        if ((keep & (1ULL << cap)) &&
+            check(prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0), e, DSEC_STEP_CAPS,
+                  NULL) < 0)
+            return -1;
+    return 0;
+}
+
+/* ---- container child ----------------------------------------------------- */
+
+struct container_ctx {
+    const struct dsec_container_args *a;
+    struct dsec_err *err;
+    int init_fd;
+    int cg_fds[DSEC_MAX_CGROUPS];
+};
+
+/* mkdir, but refuse anything that is not a real directory: a symlink named
+ * "dev" in an image would otherwise redirect the next mount to a host path. */
+static int mkdir_strict(const char *name, mode_t mode, struct dsec_err *e)
+{
+    struct stat st;
+
+    if (mkdir(name, mode) == 0)
+        return 0;
+    if (errno != EEXIST)
+        return check(-1, e, DSEC_STEP_MKDIR, name);
+    if (check(fstatat(AT_FDCWD, name, &st, AT_SYMLINK_NOFOLLOW), e, DSEC_STEP_MKDIR, name) < 0)
+        return -1;
+    if (!S_ISDIR(st.st_mode)) {
+        err_set(e, DSEC_STEP_MKDIR, ENOTDIR, name);
+        return -1;
+    }
+    return 0;
+}
+
+/* The overlay is mounted inside the new mount namespace only, after making
+ * every mount private: the host never sees it, and it dies with the sandbox.
+ * From here on the child works relative to the merged root (its cwd). */
+static int rootfs_mount(const struct dsec_container_args *a, struct dsec_err *e)
+{
+    if (check(mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL), e, DSEC_STEP_MOUNT_PRIVATE,
+              "/") < 0 ||
+        check(mount("overlay", a->rootfs, "overlay", MS_NODEV, a->overlay_opts), e,
+              DSEC_STEP_MOUNT_OVERLAY, a->rootfs) < 0 ||
+        check(chdir(a->rootfs), e, DSEC_STEP_CHDIR_ROOTFS, a->rootfs) < 0)
+        return -1;
+    if (mkdir_strict("proc", 0555, e) < 0 || mkdir_strict("dev", 0755, e) < 0 ||
+        mkdir_strict("tmp", 01777, e) < 0)
+        return -1;
+    return check(mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL), e,
+                 DSEC_STEP_MOUNT_PROC, "proc");
+}
+
+/* Host device nodes are bind-mounted, not mknod'ed: the sandbox gets exactly
+ * these, and the overlay itself is nodev. */
+static int dev_nodes(struct dsec_err *e)
+{
+    static const char *const nodes[][2] = {
+        {"/dev/null", "dev/null"},     {"/dev/zero", "dev/zero"},
+        {"/dev/full", "dev/full"},     {"/dev/random", "dev/random"},
+        {"/dev/urandom", "dev/urandom"}, {"/dev/tty", "dev/tty"},
+    };
+
+    for (size_t i = 0; i < sizeof(nodes) / sizeof(nodes[0]); i++) {
+        int fd = open(nodes[i][1], O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+        if (check(fd, e, DSEC_STEP_DEV_NODE, nodes[i][1]) < 0)
+            return -1;
+        close(fd);
+        if (check(mount(nodes[i][0], nodes[i][1], NULL, MS_BIND, NULL), e, DSEC_STEP_DEV_NODE,
+                  nodes[i][1]) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+static int dev_links(struct dsec_err *e)
+{
+    static const char *const links[][2] = {
+        {"pts/ptmx", "dev/ptmx"},          {"/proc/self/fd", "dev/fd"},
+        {"/proc/self/fd/0", "dev/stdin"},  {"/proc/self/fd/1", "dev/stdout"},
+        {"/proc/self/fd/2", "dev/stderr"},
+    };
+
+    for (size_t i = 0; i < sizeof(links) / sizeof(links[0]); i++)
+        if (check(symlink(links[i][0], links[i][1]), e, DSEC_STEP_DEV_LINK, links[i][1]) < 0)
+            return -1;
+    return 0;
+}
+
+/* A small tmpfs (the sandbox's root owns it, so cap it) holding the nodes, a
+ * private devpts instance (its own pty numbering, ptys of no other sandbox),
+ * /dev/shm and the usual links. */
+static int dev_mount(const struct dsec_container_args *a, struct dsec_err *e)
+{
+    if (check(mount("tmpfs", "dev", "tmpfs", MS_NOSUID | MS_NOEXEC,
+                    "mode=755,size=65536,nr_inodes=1024"),
+              e, DSEC_STEP_MOUNT_DEV, "dev") < 0 ||
+        dev_nodes(e) < 0 || mkdir_strict("dev/pts", 0755, e) < 0 ||
+        check(mount("devpts", "dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+                    "newinstance,ptmxmode=0666,mode=0620"),
+              e, DSEC_STEP_MOUNT_DEVPTS, "dev/pts") < 0 ||
+        mkdir_strict("dev/shm", 01777, e) < 0 ||
+        check(mount("shm", "dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, a->shm_opts), e,
+              DSEC_STEP_MOUNT_SHM, "dev/shm") < 0)
+        return -1;
+    return dev_links(e);
+}
+
+/* The sandbox may run as uid 0 (without capabilities). procfs checks many
+ * writes by uid alone (sysctls, sysrq-trigger), so those become read-only,
+ * and a few info leaks are masked with /dev/null, as Docker does. Entries the
+ * kernel lacks (ENOENT) are skipped. */
+static int proc_protect(struct dsec_err *e)
+{
+    static const char *const ro[] = {"proc/sys", "proc/sysrq-trigger", "proc/irq", "proc/bus",
+                                     "proc/fs"};
+    static const char *const masked[] = {"proc/kcore", "proc/keys", "proc/timer_list"};
+    const unsigned long ro_flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV |
+                                   MS_NOEXEC;
+
+    for (size_t i = 0; i < sizeof(ro) / sizeof(ro[0]); i++) {
+        if (mount(ro[i], ro[i], NULL, MS_BIND | MS_REC, NULL) < 0) {
+            if (errno == ENOENT)
+                continue;
+            return check(-1, e, DSEC_STEP_MOUNT_PROC, ro[i]);
+        }
+        if (check(mount(NULL, ro[i], NULL, ro_flags, NULL), e, DSEC_STEP_MOUNT_PROC, ro[i]) < 0)
+            return -1;
+    }
+    for (size_t i = 0; i < sizeof(masked) / sizeof(masked[0]); i++)
+        if (mount("dev/null", masked[i], NULL, MS_BIND, NULL) < 0 && errno != ENOENT)
+            return check(-1, e, DSEC_STEP_MOUNT_PROC, masked[i]);
+    return 0;
+}
+
+/* The interface exists in every new net namespace but starts down. */
+static int loopback_up(struct dsec_err *e)
+{
+    struct ifreq ifr = {.ifr_name = "lo"};
+    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    int rc;
+
+    if (check(fd, e, DSEC_STEP_LOOPBACK, "lo") < 0)
+        return -1;
+    rc = ioctl(fd, SIOCGIFFLAGS, &ifr);
+    if (rc == 0) {
+        ifr.ifr_flags |= IFF_UP;
+        rc = ioctl(fd, SIOCSIFFLAGS, &ifr);
+    }
+    rc = check(rc, e, DSEC_STEP_LOOPBACK, "lo");
+    close(fd);
+    return rc;
+}
+
+/* pivot_root(".", ".") stacks the old root on top of the new one; detaching
+ * it leaves the merged tree as "/" with no path back to the host. */
+static int root_pivot(struct dsec_err *e)
+{
+    if (check(syscall(SYS_pivot_root, ".", "."), e, DSEC_STEP_PIVOT_ROOT, ".") < 0 ||
+        check(umount2(".", MNT_DETACH), e, DSEC_STEP_PIVOT_ROOT, ".") < 0 ||
+        check(chdir("/"), e, DSEC_STEP_PIVOT_ROOT, "/") < 0)
+        return -1;
+    return 0;
+}
+
+/* init talks to nobody: stdio is the sandbox's /dev/null, and every other fd
+ * is marked close-on-exec (not closed: init_fd must survive until execveat). */
+static int init_stdio(struct dsec_err *e)
+{
+    int fd = open("/dev/null", O_RDWR | O_CLOEXEC);
+
+    if (check(fd, e, DSEC_STEP_STDIO, "/dev/null") < 0)
+        return -1;
+    for (int i = 0; i < 3; i++)
+        if (check(dup2(fd, i), e, DSEC_STEP_STDIO, "/dev/null") < 0)
+            return -1;
+    return check(syscall(SYS_close_range, 3, ~0U, CLOSE_RANGE_CLOEXEC), e, DSEC_STEP_CLOSE_FDS,
+                 NULL);
+}
+
+static int container_child(void *arg)
+{
+    struct container_ctx *c = arg;
+    const struct dsec_container_args *a = c->a;
+    struct dsec_err *e = c->err;
+    static const char *const init_argv[] = {"dsec-init", NULL};
+    static const char *const init_envp[] = {NULL};
+
+    signals_reset();
+    if (cgroups_join(c->cg_fds, a->cgroup_procs, a->n_cgroups, e) < 0 ||
+        check(unshare(CLONE_NEWCGROUP), e, DSEC_STEP_CGROUP_NS, NULL) < 0 ||
+        rootfs_mount(a, e) < 0 || dev_mount(a, e) < 0 || proc_protect(e) < 0 ||
+        check(mount("tmpfs", "tmp", "tmpfs", MS_NOSUID | MS_NODEV, a->tmp_opts), e,
+              DSEC_STEP_MOUNT_TMP, "tmp") < 0 ||
+        check(sethostname(a->hostname, strlen(a->hostname)), e, DSEC_STEP_HOSTNAME,
+              a->hostname) < 0 ||
+        loopback_up(e) < 0 || root_pivot(e) < 0 || init_stdio(e) < 0 ||
+        check(prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), e, DSEC_STEP_NO_NEW_PRIVS, NULL) < 0 ||
+        caps_bound(0, e) < 0 || caps_set(0, e) < 0)
+        _exit(127);
+    signals_unblock();
+    syscall(SYS_execveat, c->init_fd, "", init_argv, init_envp, AT_EMPTY_PATH);
+    check(-1, e, DSEC_STEP_EXEC_INIT, a->init_path);
+    _exit(127);
+}
+
+int dsec_spawn_container(const struct dsec_container_args *a, struct dsec_err *err)
+{
+    struct container_ctx c = {.a = a, .err = err, .init_fd = -1};
+    struct stacks st = {0};
+    int rc;
+
+    err_set(err, DSEC_STEP_NONE, 0, NULL);
+    rc = cgroups_open(a->cgroup_procs, a->n_cgroups, c.cg_fds, err);
+    if (rc == 0) {
+        /* O_PATH is enough for execveat, and keeps dsec-init out of the rootfs. */
+        c.init_fd = open(a->init_path, O_PATH | O_CLOEXEC);
+        if (c.init_fd < 0)
+            rc = parent_fail(err, DSEC_STEP_OPEN_INIT, a->init_path, errno);
+    }
+    if (rc == 0)
+        rc = stacks_map(&st, 1, err);
+    if (rc == 0)
+        rc = clone_blocked(container_child, stack_top(&st, 0), CONTAINER_CLONE_FLAGS, &c, err);
+    if (rc > 0 && err->err) {
+        reap(rc); /* the child failed before execveat: collect it */
+        rc = -err->err;
+    }
+    stacks_unmap(&st);
+    fds_close(c.cg_fds, DSEC_MAX_CGROUPS);
+    if (c.init_fd >= 0)
+        close(c.init_fd);
+    return rc;
+}
+
+/* ---- exec in a sandbox --------------------------------------------------- */
+
+struct exec_ctx {
+    const struct dsec_exec_args *a;
+    struct dsec_err *err;
+    void *child_top;
+    pid_t child_pid; /* set by the helper */
+    int cg_fds[DSEC_MAX_CGROUPS];
+};
+
+/* Park the sources above 2 first, so that dup2 onto 0..2 cannot clobber a
+ * source that is itself 0..2; dup2 also clears FD_CLOEXEC on the target. */
+static int stdio_dup(const struct dsec_exec_args *a, struct dsec_err *e)
+{
+    const int src[3] = {a->stdin_fd, a->stdout_fd, a->stderr_fd};
+    int tmp[3];
+
+    for (int i = 0; i < 3; i++) {
+        tmp[i] = fcntl(src[i], F_DUPFD, 3);
+        if (check(tmp[i], e, DSEC_STEP_STDIO, NULL) < 0)
+            return -1;
+    }
+    for (int i = 0; i < 3; i++)
+        if (check(dup2(tmp[i], i), e, DSEC_STEP_STDIO, NULL) < 0)
+            return -1;
+    return 0;
+}
+
+/* Groups and gid before uid (after setresuid we could no longer change them).
+ * KEEPCAPS keeps the permitted set across a change to a non-root uid so that
+ * caps_set can hand cap_keep on. */
+static int ids_set(const struct dsec_exec_args *a, struct dsec_err *e)
+{
+    if (a->cap_keep && check(prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0), e, DSEC_STEP_CAPS, NULL) < 0)
+        return -1;
+    if (check(syscall(SYS_setgroups, 0, NULL), e, DSEC_STEP_IDS, NULL) < 0 ||
+        check(syscall(SYS_setresgid, a->gid, a->gid, a->gid), e, DSEC_STEP_IDS, NULL) < 0 ||
+        check(syscall(SYS_setresuid, a->uid, a->uid, a->uid), e, DSEC_STEP_IDS, NULL) < 0)
+        return -1;
+    return 0;
+}
+
+static const char *env_path(const char *const *envp)
+{
+    for (; *envp; envp++)
+        if (strncmp(*envp, "PATH=", 5) == 0)
+            return *envp + 5;
+    return DEFAULT_PATH;
+}
+
+/* execve, and tell "no such file" from "file exists but its ELF interpreter
+ * or #! interpreter does not": both are ENOENT to execve. */
+static int exec_try(const char *path, const struct dsec_exec_args *a, struct dsec_err *e)
+{
+    execve(path, (char *const *)a->argv, (char *const *)a->envp);
+    if (errno == ENOENT && faccessat(AT_FDCWD, path, F_OK, 0) == 0) {
+        err_set(e, DSEC_STEP_EXEC_INTERP, ENOENT, path);
+        return -1;
+    }
+    return errno;
+}
+
+/* execvpe over the PATH of the sandbox's env, without malloc: candidates are
+ * built in a buffer on the child's stack. Like execvpe, EACCES is remembered
+ * while later directories are tried, and "not there" errors move on. */
+static void exec_search(const struct dsec_exec_args *a, struct dsec_err *e)
+{
+    const char *file = a->argv[0], *dir = env_path(a->envp);
+    size_t flen = strlen(file);
+    char buf[PATH_MAX];
+    int err, eacces = 0;
+
+    if (strchr(file, '/')) {
+        if ((err = exec_try(file, a, e)) > 0)
+            err_set(e, DSEC_STEP_EXEC, err, file);
+        return;
+    }
+    for (;;) {
+        const char *end = strchrnul(dir, ':');
+        size_t dlen = end > dir ? (size_t)(end - dir) : 1; /* empty entry = cwd */
+
+        if (dlen + flen + 2 <= sizeof(buf)) {
+            memcpy(buf, end > dir ? dir : ".", dlen);
+            buf[dlen] = '/';
+            memcpy(buf + dlen + 1, file, flen + 1);
+            err = exec_try(buf, a, e);
+            if (err < 0)
+                return;
+            if (err == EACCES)
+                eacces = 1;
+            else if (err != ENOENT && err != ENOTDIR && err != ESTALE && err != ENODEV &&
+                     err != ETIMEDOUT && err != ELOOP && err != ENAMETOOLONG) {
+                err_set(e, DSEC_STEP_EXEC, err, buf);
+                return;
+            }
+        }
+        if (!*end)
+            break;
+        dir = end + 1;
+    }
+    err_set(e, DSEC_STEP_EXEC, eacces ? EACCES : ENOENT, file);
+}
+
+/* The process the caller asked for: already in the sandbox's namespaces and
+ * cgroups (inherited from the helper), a child of the daemon (CLONE_PARENT). */
+static int exec_child(void *arg)
+{
+    struct exec_ctx *c = arg;
+    const struct dsec_exec_args *a = c->a;
+    struct dsec_err *e = c->err;
+
+    signals_reset();
+    if (check(setsid(), e, DSEC_STEP_SETSID, NULL) < 0 || stdio_dup(a, e) < 0 ||
+        check(syscall(SYS_close_range, 3, ~0U, 0), e, DSEC_STEP_CLOSE_FDS, NULL) < 0 ||
+        caps_bound(a->cap_keep, e) < 0 || ids_set(a, e) < 0 || caps_set(a->cap_keep, e) < 0 ||
+        check(chdir(a->cwd), e, DSEC_STEP_CHDIR, a->cwd) < 0 ||
+        check(prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), e, DSEC_STEP_NO_NEW_PRIVS, NULL) < 0)
+        _exit(127);
+    umask(022);
+    signals_unblock();
+    exec_search(a, e);
+    _exit(127);
+}
+
+/* The helper exists because the calling thread cannot setns() into a mount
+ * namespace (it shares its fs_struct with the daemon's other threads). It has
+ * its own fs_struct (no CLONE_FS) but shares the fd table (CLONE_FILES: saves
+ * one copy of the daemon's table). setns(CLONE_NEWPID) only affects children,
+ * hence the second clone; CLONE_PARENT makes that child the daemon's. */
+static int exec_helper(void *arg)
+{
+    struct exec_ctx *c = arg;
+    const struct dsec_exec_args *a = c->a;
+    pid_t pid;
+
+    if (cgroups_join(c->cg_fds, a->cgroup_procs, a->n_cgroups, c->err) < 0 ||
+        check(setns(a->pidfd, SANDBOX_NS_FLAGS), c->err, DSEC_STEP_SETNS, NULL) < 0)
+        _exit(127);
+    pid = clone(exec_child, c->child_top, CLONE_VM | CLONE_VFORK | CLONE_PARENT | SIGCHLD, c);
+    if (pid < 0)
+        check(-1, c->err, DSEC_STEP_CLONE, NULL);
+    c->child_pid = pid;
+    _exit(0);
+}
+
+/* Reap the helper (its status says nothing that err does not); if the child
+ * failed before execve, it is our child now (CLONE_PARENT): reap it too. */
+static int exec_collect(pid_t helper, struct exec_ctx *c, struct dsec_err *err)
+{
+    reap(helper);
+    if (err->err) {
+        if (c->child_pid > 0)
+            reap(c->child_pid);
+        return -err->err;
+    }
+    if (c->child_pid <= 0) /* helper killed before it could report */
+        return parent_fail(err, DSEC_STEP_CLONE, NULL, ECHILD);
+    return c->child_pid;
+}
+
+int dsec_spawn_exec(const struct dsec_exec_args *a, struct dsec_err *err)
+{
+    struct exec_ctx c = {.a = a, .err = err, .child_pid = -1};
+    struct stacks st = {0};
+    int rc;
+
+    err_set(err, DSEC_STEP_NONE, 0, NULL);
+    rc = cgroups_open(a->cgroup_procs, a->n_cgroups, c.cg_fds, err);
+    if (rc == 0)
+        rc = stacks_map(&st, 2, err);
+    if (rc == 0) {
+        c.child_top = stack_top(&st, 1);
+        rc = clone_blocked(exec_helper, stack_top(&st, 0),
+                           CLONE_VM | CLONE_VFORK | CLONE_FILES | SIGCHLD, &c, err);
+    }
+    if (rc > 0)
+        rc = exec_collect(rc, &c, err);
+    stacks_unmap(&st);
+    fds_close(c.cg_fds, DSEC_MAX_CGROUPS);
+    return rc;
+}
+
+/* ---- pidfds -------------------------------------------------------------- */
+
+int dsec_pidfd_open(int pid, unsigned int flags)
+{
+    long fd = syscall(SYS_pidfd_open, pid, flags);
+
+    return fd < 0 ? -errno : (int)fd;
+}
+
+int dsec_pidfd_send_signal(int pidfd, int sig)
+{
+    return syscall(SYS_pidfd_send_signal, pidfd, sig, NULL, 0) < 0 ? -errno : 0;
+}

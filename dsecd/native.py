@@ -1,0 +1,520 @@
+"""The Python face of dsecd._native: validated specs in, pids and fds out.
+
+The rest of dsecd calls only this module, never ``_native``. C returns
+``-errno`` (and, for the spawns, the failing step and path: see
+csrc/ERRORS.md); here that becomes a `NativeError`, an `OSError` whose
+message reads "verb `object`: strerror; hint". The error's class also derives
+from the builtin OSError subclass of its errno, so ``except
+ProcessLookupError`` or ``except FileNotFoundError`` work as with ``os``.
+
+Every call blocks (clone, mount, exec) and releases the GIL while in C:
+call them from worker threads, never on the event loop. All of them are
+thread-safe and leave no fd or mapping behind, on success or failure.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+from ._native import ffi, lib
+
+__all__ = [
+    "ContainerSpec", "ExecSpec", "NativeError", "spawn_container", "spawn_exec", "openat2",
+    "pidfd_open", "pidfd_send_signal", "probe_sched_core", "probe_landlock_abi",
+    "probe_seccomp", "probe_bpf_cgroup", "probe_kvm", "probe_openat2", "probe_pidfd",
+    "probe_clone3", "describe_errno", "init_binary_path", "STEPS",
+    "RESOLVE_IN_ROOT", "RESOLVE_NO_MAGICLINKS", "RESOLVE_NO_SYMLINKS", "RESOLVE_BENEATH",
+    "RESOLVE_NO_XDEV", "RESOLVE_CACHED",
+]
+
+RESOLVE_NO_XDEV: int = lib.RESOLVE_NO_XDEV
+RESOLVE_NO_MAGICLINKS: int = lib.RESOLVE_NO_MAGICLINKS
+RESOLVE_NO_SYMLINKS: int = lib.RESOLVE_NO_SYMLINKS
+RESOLVE_BENEATH: int = lib.RESOLVE_BENEATH
+RESOLVE_IN_ROOT: int = lib.RESOLVE_IN_ROOT
+RESOLVE_CACHED: int = lib.RESOLVE_CACHED
+
+# enum dsec_step, by number: DSEC_STEP_MOUNT_OVERLAY -> "mount_overlay".
+STEPS: dict[int, str] = dict(sorted({
+    getattr(lib, name): name.removeprefix("DSEC_STEP_").lower()
+    for name in dir(lib) if name.startswith("DSEC_STEP_")
+}.items()))
+
+PATH_MAX = 4096
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+HOSTNAME_MAX = 64
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+# What each step was doing, as the verb of "verb `object`: strerror".
+_VERBS = {
+    "none": "spawn", "open_init": "open init binary", "open_cgroup": "open",
+    "stack": "map clone stack for", "clone": "clone", "cgroup_join": "join cgroup via",
+    "cgroup_ns": "unshare cgroup namespace of", "mount_private": "make mounts private under",
+    "mount_overlay": "mount overlay on", "chdir_rootfs": "enter rootfs",
+    "mkdir": "create directory", "mount_proc": "mount proc on", "mount_dev": "mount /dev tmpfs on",
+    "dev_node": "bind device node", "mount_devpts": "mount devpts on",
+    "mount_shm": "mount /dev/shm tmpfs on", "dev_link": "create symlink",
+    "mount_tmp": "mount /tmp tmpfs on", "hostname": "set hostname", "loopback": "bring up",
+    "pivot_root": "pivot_root into", "stdio": "set up stdio of", "close_fds": "close fds of",
+    "no_new_privs": "set no_new_privs for", "caps": "set capabilities of",
+    "exec_init": "exec", "setns": "enter namespaces of", "setsid": "setsid for",
+    "ids": "set uid/gid to", "chdir": "chdir to", "exec": "exec", "exec_interp": "exec",
+}
+
+_MOUNT_STEPS = {"mount_private", "mount_overlay", "mount_proc", "mount_dev", "dev_node",
+                "mount_devpts", "mount_shm", "mount_tmp", "pivot_root"}
+
+# Errnos that mislead on their own. Looked up as (step, errno), then
+# ("mount", errno) for the mount steps; probes use their own name as step.
+_HINTS: dict[tuple[str, int], str] = {
+    ("open_init", errno.ENOENT): "dsec-init is built into dsecd/libexec/ by `pip install .`",
+    ("open_cgroup", errno.ENOENT): "the cgroup does not exist (not created yet, or removed)",
+    ("cgroup_join", errno.EBUSY): "cgroup v2 'no internal processes' rule: this cgroup has "
+        "controllers in cgroup.subtree_control, so processes must go to a leaf below it",
+    ("cgroup_join", errno.ENOSPC): "a v1 cpuset cgroup with an empty cpuset.cpus or "
+        "cpuset.mems accepts no process: set both first",
+    ("cgroup_join", errno.EOPNOTSUPP): "the cgroup v2 is of type 'domain invalid' "
+        "(see its cgroup.type)",
+    ("clone", errno.EPERM): "new namespaces need CAP_SYS_ADMIN: run dsecd as root",
+    ("clone", errno.ENOSPC): "a namespace count limit was hit (/proc/sys/user/max_*_namespaces)",
+    ("clone", errno.EAGAIN): "a pids.max of a joined cgroup, or RLIMIT_NPROC, was reached",
+    ("clone", errno.ECHILD): "the exec helper died before reporting (killed, OOM?)",
+    ("mount_overlay", errno.EINVAL): "overlayfs refused the options: upperdir and workdir must "
+        "be distinct, on one filesystem that supports xattrs and d_type, and no layer may "
+        "be the upper or work dir of another mounted overlay",
+    ("mount_overlay", errno.ENOENT): "a lowerdir, the upperdir or the workdir does not exist",
+    ("mount_overlay", errno.EBUSY): "upperdir or workdir is in use by another overlay "
+        "(a previous sandbox still dying?)",
+    ("mount", errno.ENOSPC): "too many mounts in the mount namespace (sysctl fs.mount-max)",
+    ("mount", errno.ENODEV): "the kernel lacks this filesystem type (module not loaded?)",
+    ("mount", errno.EPERM): "mounting needs CAP_SYS_ADMIN: run dsecd as root",
+    ("mkdir", errno.ENOTDIR): "the image has a non-directory (a symlink?) where a mount "
+        "point must be; refused so the mount cannot be redirected",
+    ("mkdir", errno.EROFS): "the overlay came up read-only (upperdir on a read-only fs?)",
+    ("pivot_root", errno.EINVAL): "the host root is an initramfs (rootfs), which cannot be "
+        "pivoted away from",
+    ("hostname", errno.EINVAL): f"hostnames are at most {HOSTNAME_MAX} bytes",
+    ("setns", errno.ESRCH): "the sandbox's PID 1 has exited",
+    ("setns", errno.EINVAL): "not a pidfd of a live process (setns on pidfds needs Linux 5.8)",
+    ("setns", errno.EBADF): "the pidfd is closed",
+    ("exec:clone", errno.ENOMEM): "the sandbox's PID namespace is dying: its PID 1 has exited",
+    ("exec_interp", errno.ENOENT): "the file exists, but its ELF interpreter (e.g. "
+        "/lib64/ld-linux-x86-64.so.2) or its #! interpreter is missing in the sandbox",
+    ("exec", errno.EACCES): "not executable for this uid, a directory, or on a noexec mount",
+    ("exec", errno.ENOEXEC): "not an ELF binary and no #! line",
+    ("exec", errno.E2BIG): "argv plus env exceed the kernel's limit (ARG_MAX)",
+    ("exec", errno.ETXTBSY): "the file is open for writing",
+    ("chdir", errno.ENOENT): "the working directory does not exist in the sandbox",
+    ("chdir", errno.EACCES): "the working directory is not searchable by this uid",
+    ("caps", errno.EPERM): "cap_keep asks for a capability dsecd itself does not hold",
+    ("openat2", errno.EXDEV): "the path leaves the root (RESOLVE_BENEATH) or crosses a mount "
+        "(RESOLVE_NO_XDEV)",
+    ("openat2", errno.ELOOP): "a symlink loop, or a symlink or magic link (/proc/*/root, "
+        "/proc/*/fd/*) refused by RESOLVE_NO_SYMLINKS or RESOLVE_NO_MAGICLINKS",
+    ("openat2", errno.EAGAIN): "concurrent renames or mounts kept racing the lookup",
+    ("openat2", errno.ENOSYS): "the kernel lacks openat2 (Linux 5.6)",
+    ("openat2", errno.E2BIG): "the kernel does not know this struct open_how (too old)",
+    ("openat2", errno.EINVAL): "unknown flags or resolve bits, or a mode without O_CREAT",
+    ("pidfd_open", errno.ESRCH): "the process has exited (and been reaped)",
+    ("pidfd_open", errno.EINVAL): "not a thread-group leader, or bad flags",
+    ("pidfd_send_signal", errno.ESRCH): "the process has exited",
+    ("sched_core", errno.EINVAL): "the kernel was built without CONFIG_SCHED_CORE",
+    ("sched_core", errno.ENODEV): "no SMT on this host: core scheduling has nothing to isolate",
+    ("landlock", errno.EOPNOTSUPP): "landlock is built in but disabled: add it to the lsm= "
+        "boot parameter",
+    ("landlock", errno.ENOSYS): "the kernel was built without CONFIG_SECURITY_LANDLOCK",
+    ("seccomp", errno.EINVAL): "the kernel was built without CONFIG_SECCOMP_FILTER",
+    ("seccomp", errno.EOPNOTSUPP): "the kernel lacks SECCOMP_RET_KILL_PROCESS (Linux 4.14)",
+    ("bpf_cgroup", errno.EPERM): "needs CAP_BPF and CAP_NET_ADMIN (or CAP_SYS_ADMIN); on "
+        "kernels before 5.11 also a high enough RLIMIT_MEMLOCK",
+    ("bpf_cgroup", errno.EBADF): "not a cgroup v2 directory",
+    ("kvm", errno.ENOENT): "no /dev/kvm: kvm module not loaded, or no hardware virtualization",
+    ("kvm", errno.EINVAL): "the host refuses this VM type (nested virtualization off?)",
+    ("clone3", errno.ENOSYS): "the kernel is older than 5.3",
+    ("clone3", errno.EPERM): "clone3 is blocked by a seccomp filter (container runtime?)",
+}
+
+
+# ---------------------------------------------------------------- errors
+
+
+class NativeError(OSError):
+    """An errno from csrc/, with the step that failed and the path it failed on.
+
+    ``str(e)`` is the message ("verb `object`: strerror; hint"); ``e.errno``,
+    ``e.step`` (a name from `STEPS`, or the function for single calls) and
+    ``e.path`` are there for code that branches.
+    """
+
+    def __init__(self, err: int, message: str, step: str | None = None,
+                 path: str | None = None):
+        super().__init__(err, message)
+        self.step = step
+        self.path = path
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def _errno_classes() -> dict[int, type[NativeError]]:
+    """errno -> NativeError subclass that is also FileNotFoundError etc."""
+    by_base: dict[type, type[NativeError]] = {}
+    by_errno: dict[int, type[NativeError]] = {}
+    for num in errno.errorcode:
+        base = type(OSError(num, ""))
+        if base is OSError:
+            continue
+        if base not in by_base:
+            by_base[base] = type(f"Native{base.__name__}", (NativeError, base),
+                                 {"__module__": __name__, "__doc__": NativeError.__doc__})
+        by_errno[num] = by_base[base]
+    return by_errno
+
+
+_ERRNO_CLASSES = _errno_classes()
+
+
+def hint_for(step: str, err: int, kind: str = "") -> str | None:
+    """The hint for errno `err` at `step` ("" if none). `kind` narrows it
+    ("exec" or "container") where one step means two things."""
+    return (_HINTS.get((f"{kind}:{step}", err)) or _HINTS.get((step, err))
+            or (_HINTS.get(("mount", err)) if step in _MOUNT_STEPS else None))
+
+
+def describe_errno(step: str, err: int) -> str:
+    """ "strerror; hint" for a probe result or step, for logs and `dsec info`."""
+    err = abs(err)
+    hint = hint_for(step, err)
+    return f"{os.strerror(err)}; {hint}" if hint else os.strerror(err)
+
+
+def native_error(err: int, verb: str, obj: str, step: str | None = None,
+                 path: str | None = None, hint: str | None = None) -> NativeError:
+    """Build the error for a positive errno: "verb `obj`: strerror; hint"."""
+    message = f"{verb} `{obj}`: {os.strerror(err)}"
+    hint = hint or hint_for(step or "", err)
+    if hint:
+        message += f"; {hint}"
+    return _ERRNO_CLASSES.get(err, NativeError)(err, message, step=step, path=path)
+
+
+def _raise(err: int, verb: str, obj: str, step: str, path: str | None = None,
+           hint: str | None = None) -> NoReturn:
+    cause = OSError(err, os.strerror(err))
+    raise native_error(err, verb, obj, step, path, hint) from cause
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _path(name: str, value: str | os.PathLike, forbidden: str = "") -> bytes:
+    text = os.fspath(value)
+    if not isinstance(text, str) or not text.startswith("/"):
+        raise ValueError(f"{name} must be an absolute path, got {value!r}")
+    bad = [c for c in "\0" + forbidden if c in text]
+    if bad:
+        raise ValueError(f"{name} {text!r} contains {bad[0]!r}, which is not allowed there")
+    raw = os.fsencode(text)
+    if len(raw) >= PATH_MAX:
+        raise ValueError(f"{name} is longer than PATH_MAX ({PATH_MAX - 1} bytes)")
+    return raw
+
+
+def _cgroup_files(paths: list[str]) -> list[bytes]:
+    if len(paths) > lib.DSEC_MAX_CGROUPS:
+        raise ValueError(f"at most {lib.DSEC_MAX_CGROUPS} cgroup.procs files, got {len(paths)}")
+    return [_path("cgroup_procs entry", p) for p in paths]
+
+
+def _cstring(name: str, value: str) -> bytes:
+    raw = os.fsencode(value) if isinstance(value, str) else None
+    if raw is None or b"\0" in raw:
+        raise ValueError(f"{name} must be a str without NUL bytes, got {value!r}")
+    return raw
+
+
+def _fd(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an open fd (int >= 0), got {value!r}")
+
+
+def _id(name: str, value: int) -> None:
+    # (u32)-1 means "unchanged" to setresuid, which would silently keep root.
+    if not isinstance(value, int) or not 0 <= value < 2**32 - 1:
+        raise ValueError(f"{name} must be in 0..{2**32 - 2}, got {value!r}")
+
+
+def _string_array(items: list[bytes], keep: list) -> object:
+    """A NULL-terminated char *[]; `keep` holds the strings alive."""
+    cells = [ffi.new("char[]", s) for s in items]
+    array = ffi.new("char *[]", [*cells, ffi.NULL])
+    keep.extend((array, *cells))  # a struct field does not own what it points to
+    return array
+
+
+# ---------------------------------------------------------------- containers
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """A container sandbox to create; see docs/native-api.md."""
+
+    rootfs: str            # empty host dir: the overlay is mounted here, in the sandbox's
+                           # own mount namespace only (the host never sees it)
+    lowerdirs: list[str]   # image layers, top first
+    upperdir: str
+    workdir: str
+    hostname: str
+    init_path: str         # host path of the static dsec-init binary
+    cgroup_procs: list[str]  # cgroup.procs files joined (by writing "0") before the
+                             # cgroup namespace is unshared
+    tmp_size_bytes: int    # size= of the tmpfs on /tmp
+    shm_size_bytes: int    # size= of the tmpfs on /dev/shm
+
+    def __post_init__(self):
+        self.overlay_options()
+        _path("rootfs", self.rootfs)
+        _path("init_path", self.init_path)
+        _cgroup_files(self.cgroup_procs)
+        name = _cstring("hostname", self.hostname)
+        if not 0 < len(name) <= HOSTNAME_MAX:
+            raise ValueError(f"hostname must be 1..{HOSTNAME_MAX} bytes, got {self.hostname!r}")
+        for field in ("tmp_size_bytes", "shm_size_bytes"):
+            value = getattr(self, field)
+            # size=0 means "unlimited" to tmpfs: never what a sandbox should get.
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{field} must be a positive int, got {value!r}")
+
+    def overlay_options(self) -> bytes:
+        """The overlay mount data. ',' ':' and '\\' are refused in layer paths
+        rather than escaped: they are the option syntax of overlayfs."""
+        if not self.lowerdirs:
+            raise ValueError("lowerdirs must name at least one layer")
+        lower = b":".join(_path("lowerdir", d, ",:\\") for d in self.lowerdirs)
+        upper = _path("upperdir", self.upperdir, ",:\\")
+        work = _path("workdir", self.workdir, ",:\\")
+        opts = b"lowerdir=%s,upperdir=%s,workdir=%s" % (lower, upper, work)
+        # mount(2) copies at most one page of data: longer options get cut.
+        if len(opts) >= PAGE_SIZE:
+            raise ValueError(f"overlay options are {len(opts)} bytes; mount(2) takes < {PAGE_SIZE}")
+        return opts
+
+
+def spawn_container(spec: ContainerSpec) -> int:
+    """Create the sandbox; return the host pid of its PID 1 (dsec-init), a
+    child of the caller, which must reap it (waitpid or a pidfd)."""
+    keep: list = []
+    strings = [os.fsencode(spec.rootfs), spec.overlay_options(), os.fsencode(spec.init_path),
+               os.fsencode(spec.hostname), b"mode=1777,size=%d" % spec.tmp_size_bytes,
+               b"mode=1777,size=%d" % spec.shm_size_bytes]
+    cells = [ffi.new("char[]", s) for s in strings]
+    args = ffi.new("struct dsec_container_args *")
+    (args.rootfs, args.overlay_opts, args.init_path, args.hostname, args.tmp_opts,
+     args.shm_opts) = cells
+    cgroups = _cgroup_files(spec.cgroup_procs)
+    args.cgroup_procs, args.n_cgroups = _string_array(cgroups, keep), len(cgroups)
+    err = ffi.new("struct dsec_err *")
+    pid = lib.dsec_spawn_container(args, err)
+    if pid < 0:
+        _raise_step(err, "container", _container_object(spec))
+    return pid
+
+
+def _container_object(spec: ContainerSpec):
+    def obj(step: str, path: str) -> str:
+        if step in ("clone", "stack", "none"):
+            return f"sandbox init for {spec.rootfs}"
+        if step in ("caps", "no_new_privs", "stdio", "close_fds", "cgroup_ns"):
+            return "sandbox init"
+        if path and not path.startswith("/") and step not in ("hostname", "loopback"):
+            return os.path.join(spec.rootfs, path)  # steps inside the merged root
+        return path
+    return obj
+
+
+def _raise_step(err, kind: str, obj) -> NoReturn:
+    """Raise the NativeError described by a filled struct dsec_err."""
+    step = STEPS.get(err.step, f"step {err.step}")
+    path = os.fsdecode(ffi.string(err.path)) or None
+    _raise(err.err, _VERBS.get(step, step), obj(step, path or ""), step, path,
+           hint_for(step, err.err, kind))
+
+
+# ---------------------------------------------------------------- exec
+
+
+@dataclass(frozen=True)
+class ExecSpec:
+    """A process to start in a running sandbox; see docs/native-api.md."""
+
+    pidfd: int             # pidfd of the sandbox's init: setns(pidfd, NS flags)
+    cgroup_procs: list[str]
+    argv: list[str]        # argv[0] is searched in the PATH of env, inside the sandbox
+    env: list[str]         # "K=V"
+    cwd: str
+    uid: int
+    gid: int
+    stdin_fd: int          # host fds dup2'ed onto 0, 1, 2 in the child
+    stdout_fd: int
+    stderr_fd: int
+    cap_keep: int          # bitmask of capabilities kept (bounding, effective, ambient)
+
+    def __post_init__(self):
+        _fd("pidfd", self.pidfd)
+        for name in ("stdin_fd", "stdout_fd", "stderr_fd"):
+            _fd(name, getattr(self, name))
+        _cgroup_files(self.cgroup_procs)
+        if not self.argv or not self.argv[0]:
+            raise ValueError("argv must have a non-empty argv[0]")
+        for arg in self.argv:
+            _cstring("argv entry", arg)
+        for var in self.env:
+            if _cstring("env entry", var).find(b"=") < 1:
+                raise ValueError(f"env entries are 'K=V' with a non-empty K, got {var!r}")
+        _path("cwd", self.cwd)
+        _id("uid", self.uid)
+        _id("gid", self.gid)
+        if not isinstance(self.cap_keep, int) or not 0 <= self.cap_keep < 2**64:
+            raise ValueError(f"cap_keep must be a 64-bit mask, got {self.cap_keep!r}")
+
+
+def spawn_exec(spec: ExecSpec) -> int:
+    """Start argv in the sandbox; return its host pid.
+
+    The process is a direct child of the caller (CLONE_PARENT; reap it),
+    session and process-group leader, in the sandbox's namespaces and
+    cgroups. Failures before execve (ENOENT for a missing program, EACCES, a
+    bad cwd, a dead sandbox) are raised here with their step, never turned
+    into exit status 127.
+    """
+    keep: list = []
+    args = ffi.new("struct dsec_exec_args *")
+    args.pidfd = spec.pidfd
+    cgroups = _cgroup_files(spec.cgroup_procs)
+    args.cgroup_procs, args.n_cgroups = _string_array(cgroups, keep), len(cgroups)
+    args.argv = _string_array([os.fsencode(a) for a in spec.argv], keep)
+    args.envp = _string_array([os.fsencode(v) for v in spec.env], keep)
+    cwd = ffi.new("char[]", os.fsencode(spec.cwd))
+    args.cwd = cwd
+    args.uid, args.gid, args.cap_keep = spec.uid, spec.gid, spec.cap_keep
+    args.stdin_fd, args.stdout_fd, args.stderr_fd = spec.stdin_fd, spec.stdout_fd, spec.stderr_fd
+    err = ffi.new("struct dsec_err *")
+    pid = lib.dsec_spawn_exec(args, err)
+    if pid < 0:
+        _raise_exec(err, spec)
+    return pid
+
+
+def _raise_exec(err, spec: ExecSpec) -> NoReturn:
+    def obj(step: str, path: str) -> str:
+        if step in ("exec", "exec_interp"):
+            return path or spec.argv[0]
+        return {"setns": f"pidfd {spec.pidfd}", "ids": f"uid {spec.uid} gid {spec.gid}",
+                "chdir": spec.cwd}.get(step, path or spec.argv[0])
+
+    if err.step == lib.DSEC_STEP_EXEC and err.err == errno.ENOENT and "/" not in spec.argv[0]:
+        search = next((v[5:] for v in spec.env if v.startswith("PATH=")), DEFAULT_PATH)
+        hint = f"not found in PATH={search} inside the sandbox"
+        step = STEPS[err.step]
+        _raise(err.err, "exec", spec.argv[0], step, os.fsdecode(ffi.string(err.path)), hint)
+    _raise_step(err, "exec", obj)
+
+
+# ---------------------------------------------------------------- files, pidfds
+
+
+def openat2(dirfd: int, path: str, flags: int, mode: int = 0,
+            resolve: int = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS) -> int:
+    """openat2(2); the fd is always O_CLOEXEC. With RESOLVE_IN_ROOT, "/" and
+    ".." (also in symlink targets) stop at dirfd."""
+    raw = _cstring("path", path)
+    # EAGAIN: a rename or mount raced an IN_ROOT/BENEATH walk; the kernel asks
+    # for a retry. RESOLVE_CACHED's EAGAIN means "not cached": no retry.
+    tries = 1 if resolve & RESOLVE_CACHED else 8
+    for _ in range(tries):
+        fd = lib.dsec_file_openat2(dirfd, raw, flags | os.O_CLOEXEC, mode, resolve)
+        if fd != -errno.EAGAIN:
+            break
+    if fd < 0:
+        _raise(-fd, "open", path, "openat2", path)
+    return fd
+
+
+def pidfd_open(pid: int) -> int:
+    """A pidfd (always close-on-exec) for a process; pins its pid against reuse."""
+    fd = lib.dsec_pidfd_open(pid, 0)
+    if fd < 0:
+        _raise(-fd, "pidfd_open", f"pid {pid}", "pidfd_open")
+    return fd
+
+
+def pidfd_send_signal(pidfd: int, sig: int) -> None:
+    rc = lib.dsec_pidfd_send_signal(pidfd, int(sig))
+    if rc < 0:
+        _raise(-rc, f"send signal {int(sig)} via", f"pidfd {pidfd}", "pidfd_send_signal")
+
+
+# ---------------------------------------------------------------- probes
+# 0 = available, else the (positive) errno that says why not; never raise for
+# "absent". describe_errno(name, code) turns a code into text with a hint.
+
+
+def probe_sched_core() -> int:
+    """prctl(PR_SCHED_CORE_GET): EINVAL = kernel lacks it, ENODEV = no SMT."""
+    return -lib.dsec_probe_sched_core()
+
+
+def probe_landlock_abi() -> int:
+    """The landlock ABI version (>= 1), or -errno."""
+    return lib.dsec_probe_landlock_abi()
+
+
+def probe_seccomp() -> int:
+    """Filter mode with SECCOMP_RET_KILL_PROCESS and SECCOMP_RET_ERRNO."""
+    return -lib.dsec_probe_seccomp()
+
+
+def probe_bpf_cgroup(cgroup_dir: str) -> int:
+    """Load a pass-all cgroup_skb program, attach it to `cgroup_dir` (a
+    cgroup v2 dir the caller owns) and detach it again."""
+    return -lib.dsec_probe_bpf_cgroup(_path("cgroup_dir", cgroup_dir))
+
+
+def probe_kvm() -> dict:
+    """{"api": version or None, "open"/"create_vm"/"create_vcpu": 0 or errno,
+    "detail": text}; a VM and a vCPU are really created, then closed."""
+    out = ffi.new("struct dsec_kvm_probe *")
+    lib.dsec_probe_kvm(out)
+    result = {"api": out.api if out.api >= 0 else None, "open": -out.open_err,
+              "create_vm": -out.create_vm, "create_vcpu": -out.create_vcpu}
+    failed = next(((k, v) for k, v in result.items() if k != "api" and v), None)
+    result["detail"] = (f"{failed[0]}: {describe_errno('kvm', failed[1])}" if failed
+                        else f"api {out.api}, VM and vCPU created")
+    return result
+
+
+def probe_openat2() -> int:
+    return -lib.dsec_probe_openat2()
+
+
+def probe_pidfd() -> int:
+    return -lib.dsec_probe_pidfd()
+
+
+def probe_clone3() -> int:
+    return -lib.dsec_probe_clone3()
+
+
+# ---------------------------------------------------------------- dsec-init
+
+
+def init_binary_path() -> str:
+    """Host path of the static dsec-init installed with this package."""
+    path = Path(__file__).resolve().parent / "libexec" / "dsec-init"
+    if not os.access(path, os.X_OK):
+        _raise(errno.ENOENT, "find", str(path), "open_init", str(path))
+    return str(path)

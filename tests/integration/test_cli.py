@@ -1,0 +1,135 @@
+"""The `dsec` CLI against a real daemon: the commands of the README."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from dsecd import protocol
+
+
+def test_create_exec_cp_ps_rm(daemon, tmp_path):
+    r = daemon.cli("create", "--image", "busybox", "--cpu", "0.5", "--memory", "256M", "--pids", "128",
+                   "--env", "K=V", "--label", "job=42")
+    assert r.returncode == 0, r.stderr
+    sb = r.stdout.decode().strip()
+
+    r = daemon.cli("exec", sb, "--", "sh", "-c", "echo out; echo err >&2; exit 3")
+    assert (r.returncode, r.stdout, r.stderr) == (3, b"out\n", b"err\n")
+
+    r = daemon.cli("exec", "--timeout", "1", sb, "--", "sleep", "10")
+    assert r.returncode == 124 and b"timed out" in r.stderr
+
+    r = daemon.cli("exec", "-i", sb, "--", "cat", input=b"data\n")
+    assert (r.returncode, r.stdout) == (0, b"data\n")
+
+    r = daemon.cli("exec", sb, "--", "sh", "-c", "kill -TERM $$")
+    assert r.returncode == 128 + 15
+
+    r = daemon.cli("exec", sb, "--", "no-such-command")
+    assert r.returncode == 125 and b"not_found" in r.stderr
+
+    src = tmp_path / "a.py"
+    src.write_text("print('hi')\n")
+    assert daemon.cli("cp", str(src), f"{sb}:/work/a.py").returncode == 0
+    assert daemon.cli("exec", sb, "--", "sh", "-c", "cat /work/a.py > /work/out.txt").returncode == 0
+    r = daemon.cli("cp", f"{sb}:/work/out.txt", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "out.txt").read_text() == "print('hi')\n"
+
+    r = daemon.cli("--json", "ps")
+    listed = json.loads(r.stdout)
+    assert any(s["id"] == sb and s["labels"] == {"job": "42"} for s in listed)
+    assert sb.encode() in daemon.cli("ps").stdout
+
+    r = daemon.cli("inspect", sb)
+    assert json.loads(r.stdout)["limits"]["pids"] == 128
+
+    assert daemon.cli("rm", sb).returncode == 0
+    r = daemon.cli("rm", sb)
+    assert r.returncode == 1 and b"not_found" in r.stderr
+
+
+def test_rm_all_and_info(daemon):
+    for _ in range(3):
+        assert daemon.cli("create", "--image", "busybox").returncode == 0
+    r = daemon.cli("--json", "rm", "--all")
+    assert len(json.loads(r.stdout)["destroyed"]) >= 3
+    info = json.loads(daemon.cli("--json", "info").stdout)
+    assert info["features"]["sched_core"]["available"] is False or info["features"]["sched_core"]["detail"]
+    assert {"overlayfs", "pidfd", "openat2", "damon", "bpf_cgroup", "landlock", "seccomp", "kvm",
+            "swap", "erofs_file_backed", "fuse"} <= set(info["features"])
+    text = daemon.cli("info").stdout.decode()
+    assert "kernel" in text and "features:" in text
+
+
+def test_bad_cli_input_is_reported(daemon):
+    r = daemon.cli("create", "--image", "busybox", "--env", "NOEQUALS")
+    assert r.returncode != 0 and b"KEY=VALUE" in r.stderr
+    r = daemon.cli("cp", "a", "b")
+    assert r.returncode != 0 and b"SANDBOX" in r.stderr
+
+
+def test_rpc_stdio_bridges_the_protocol(daemon):
+    dsec = Path(sys.executable).parent / "dsec"
+    frames = protocol.encode_frame({"id": 1, "op": "hello", "args": {"protocol": 1}}) + \
+        protocol.encode_frame({"id": 2, "op": "ping", "args": {}})
+    r = subprocess.run([str(dsec), "--socket", daemon.socket, "rpc", "--stdio"], input=frames,
+                       capture_output=True, timeout=20)
+    dec = protocol.FrameDecoder(1 << 24)
+    out = dec.feed(r.stdout)
+    assert [f["id"] for f in out] == [1, 2] and "time" in out[1]["result"]
+
+
+def test_socket_is_0660_root(daemon):
+    import os
+    import stat
+
+    st = os.stat(daemon.socket)
+    assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_uid == 0
+
+
+def _as_nobody(fn) -> int:
+    import os
+
+    pid = os.fork()
+    if pid == 0:
+        code = 99
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            code = fn()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_non_root_peer_is_refused(daemon):
+    import os
+    import socket
+
+    import msgpack
+
+    def connect() -> int:
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect(daemon.socket)
+        except PermissionError:
+            return 10
+        s.settimeout(5)
+        data = s.recv(65536)
+        err = msgpack.unpackb(data[4:], raw=False).get("error", {})
+        return 20 if err.get("code") == "permission" else 30
+
+    # The 0660 root-owned socket keeps non-members out at connect() ...
+    assert _as_nobody(connect) == 10
+    # ... and SO_PEERCRED refuses them even if the file mode is loosened by mistake.
+    # (The test's temp dir is 0700; let nobody traverse it for this check.)
+    os.chmod(daemon.tmp, 0o711)
+    os.chmod(daemon.socket, 0o666)
+    try:
+        assert _as_nobody(connect) == 20
+    finally:
+        os.chmod(daemon.socket, 0o660)
+        os.chmod(daemon.tmp, 0o700)

@@ -1,0 +1,107 @@
+"""exec in a real container sandbox: output, status, timeout, stdin, caps."""
+
+import time
+
+import pytest
+
+from dsecd.errors import Conflict, NotFound
+
+
+def test_streams_both_and_exit_code(sandbox):
+    r = sandbox.exec(["sh", "-c", "echo out; echo err >&2; exit 3"])
+    assert (r.exit_code, r.stdout, r.stderr) == (3, b"out\n", b"err\n")
+    assert not r.timed_out and not r.truncated
+
+
+def test_streaming_iterator_yields_chunks_in_order(sandbox):
+    chunks = list(sandbox.exec_stream(["sh", "-c", "for i in 1 2 3; do echo $i; done; echo e >&2"]))
+    out = b"".join(d for fd, d in chunks if fd == 1)
+    assert out == b"1\n2\n3\n"
+    assert (2, b"e\n") in chunks
+
+
+def test_timeout_kills_the_whole_process_group(sandbox):
+    t0 = time.monotonic()
+    r = sandbox.exec(["sh", "-c", "sleep 30 & sleep 30"], timeout=1)
+    assert r.timed_out and r.signal == 9 and r.exit_code is None
+    assert time.monotonic() - t0 < 5
+    ps = sandbox.exec(["sh", "-c", "ps -o comm | grep -c sleep || true"])
+    assert ps.stdout.strip() == b"0"
+
+
+def test_stdin_is_passed(sandbox):
+    r = sandbox.exec(["cat"], stdin=b"data\n" * 1000)
+    assert r.stdout == b"data\n" * 1000
+
+
+def test_env_cwd_user(sandbox):
+    r = sandbox.exec(["sh", "-c", "echo $FOO; pwd; id -u"], env={"FOO": "bar"}, cwd="/tmp", user=65534)
+    assert r.stdout.split() == [b"bar", b"/tmp", b"65534"]
+
+
+def test_missing_program_and_cwd_are_not_found(sandbox):
+    with pytest.raises(NotFound, match="no-such-prog"):
+        sandbox.exec(["no-such-prog"])
+    with pytest.raises(NotFound, match="working directory"):
+        sandbox.exec(["true"], cwd="/does/not/exist")
+
+
+def test_output_cap_truncates_yes(daemon_factory, busybox_rootfs):
+    d = daemon_factory('[limits]\nmax_exec_output_bytes = "1M"\n')
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox")
+    r = sb.exec(["yes"], timeout=30)
+    assert r.truncated and not r.timed_out
+    assert len(r.stdout) == 1 << 20
+    assert r.signal == 13 or r.exit_code not in (None, 0)   # SIGPIPE / EPIPE
+    sb.destroy()
+    c.close()
+
+
+def test_exec_runs_in_sandbox_namespaces_and_cgroup(sandbox):
+    r = sandbox.exec(["sh", "-c", "echo $$; hostname; cat /proc/1/comm; ls /sys/fs/cgroup 2>&1 | head -1"])
+    lines = r.stdout.decode().split("\n")
+    assert int(lines[0]) > 1           # pid inside the sandbox's own pid namespace
+    assert lines[1].startswith("sb-")
+    assert lines[2] == "dsec-init"
+
+
+def test_pid1_reaps_orphans(sandbox):
+    sandbox.exec(["sh", "-c", "(sleep 0.2 &) ; true"])
+    time.sleep(0.6)
+    r = sandbox.exec(["sh", "-c", "ps -o stat,comm | grep -c '^Z' || true"])
+    assert r.stdout.strip() == b"0"
+
+
+def test_capabilities_are_bounded(sandbox):
+    r = sandbox.exec(["sh", "-c", "grep CapBnd /proc/self/status"])
+    bnd = int(r.stdout.split()[1], 16)
+    assert not bnd & (1 << 21)         # CAP_SYS_ADMIN dropped
+    assert bnd & (1 << 0)              # CAP_CHOWN kept
+    r = sandbox.exec(["sh", "-c", "mount -t tmpfs x /mnt 2>&1; echo rc=$?"])
+    assert b"rc=0" not in r.stdout
+
+
+def test_destroy_with_running_exec_needs_force(client):
+    import threading
+
+    sb = client.create(image="busybox")
+    c2 = __import__("dsecd").SyncClient(client._client.socket_path)
+    c2.connect()
+    t = threading.Thread(target=lambda: c2.get(sb.id).exec(["sleep", "30"]))
+    t.start()
+    deadline = time.monotonic() + 5
+    while client.get(sb.id).info["execs_running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(Conflict, match="force"):
+        sb.destroy()
+    sb.destroy(force=True)
+    t.join(10)
+    c2.close()
+    assert not t.is_alive()
+
+
+def test_exec_on_missing_sandbox(client):
+    with pytest.raises(NotFound):
+        client.request("exec", sandbox="ffffffffffff", argv=["true"])

@@ -1,0 +1,77 @@
+"""File access from the host never leaves the sandbox (openat2 RESOLVE_IN_ROOT)."""
+
+import os
+
+import pytest
+
+from dsecd.errors import BadRequest, NotFound
+
+
+def test_write_read_roundtrip_with_parents(sandbox):
+    sandbox.write_file("/work/dir/a.py", b"print(1)\n", mode=0o755)
+    assert sandbox.read_file("/work/dir/a.py") == b"print(1)\n"
+    st = sandbox.stat("/work/dir/a.py")
+    assert st["type"] == "file" and st["mode"] == 0o755 and st["size"] == 9
+    names = [e["name"] for e in sandbox.list_files("/work/dir")]
+    assert names == ["a.py"]
+    assert sandbox.exec(["cat", "/work/dir/a.py"]).stdout == b"print(1)\n"
+
+
+def test_empty_and_100mib_files(sandbox):
+    sandbox.write_file("/tmp/empty", b"")
+    assert sandbox.read_file("/tmp/empty") == b""
+    big = os.urandom(1 << 20) * 100
+    sandbox.write_file("/work/big", big)
+    assert sandbox.stat("/work/big")["size"] == len(big)
+    assert sandbox.read_file("/work/big") == big
+
+
+def test_dotdot_in_path_is_refused(sandbox):
+    with pytest.raises(BadRequest, match=r"\.\."):
+        sandbox.read_file("/../../etc/hostname")
+    with pytest.raises(BadRequest, match="absolute"):
+        sandbox.read_file("etc/passwd")
+
+
+def test_absolute_symlink_stays_inside(sandbox, tmp_path):
+    host_secret = tmp_path / "secret"
+    host_secret.write_text("host data")
+    sandbox.exec(["sh", "-c", f"echo sandbox data > /tmp/mine; ln -s {host_secret} /tmp/evil; "
+                              "ln -s ../../../../../tmp/mine /tmp/rel"])
+    # The sandbox's /tmp/evil points at a path that exists only on the host.
+    with pytest.raises(NotFound):
+        sandbox.read_file("/tmp/evil")
+    assert sandbox.read_file("/tmp/rel") == b"sandbox data\n"
+    # Writing through the link must not create or touch the host file either.
+    sandbox.exec(["sh", "-c", "ln -s /etc/host-owned /tmp/w"])
+    sandbox.write_file("/tmp/w", b"x")
+    assert not os.path.exists("/etc/host-owned")
+    assert host_secret.read_text() == "host data"
+
+
+def test_symlink_loop_is_bad_request(sandbox):
+    sandbox.exec(["sh", "-c", "ln -s /tmp/l2 /tmp/l1; ln -s /tmp/l1 /tmp/l2"])
+    with pytest.raises(BadRequest) as e:
+        sandbox.read_file("/tmp/l1")
+    assert e.value.detail["errno"] == "ELOOP"
+
+
+def test_proc_magic_links_are_not_followed(sandbox):
+    with pytest.raises(Exception) as e:
+        sandbox.read_file("/proc/1/root/etc/passwd")
+    assert getattr(e.value, "code", "") in ("bad_request", "permission", "not_found", "io")
+
+
+def test_special_files_are_refused(sandbox):
+    with pytest.raises(BadRequest):
+        sandbox.read_file("/dev/zero")
+    sandbox.exec(["mkfifo", "/tmp/fifo"])
+    with pytest.raises(BadRequest):
+        sandbox.read_file("/tmp/fifo")
+
+
+def test_missing_file_and_dir(sandbox):
+    with pytest.raises(NotFound):
+        sandbox.read_file("/nope")
+    with pytest.raises(NotFound):
+        sandbox.list_files("/nope")

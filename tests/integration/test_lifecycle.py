@@ -1,0 +1,214 @@
+"""Create/destroy lifecycle, daemon restarts (SIGTERM and kill -9), and leaks."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from dsecd.errors import BadRequest, Busy, Conflict, NotFound
+
+
+def host_counts(d) -> dict:
+    """What a leak would show: mounts, our cgroups, our dirs, processes."""
+    with open("/proc/self/mountinfo") as f:
+        mounts = sum(1 for _ in f)
+    cgroups = 0
+    for top in d.cgroup_dirs():
+        for _dp, dirnames, _f in os.walk(top):
+            cgroups += len(dirnames)
+    sbdir = d.state / "sandboxes"
+    dirs = len(os.listdir(sbdir)) if sbdir.exists() else 0
+    pids = len([p for p in os.listdir("/proc") if p.isdigit()])
+    return {"mounts": mounts, "cgroups": cgroups, "dirs": dirs, "pids": pids}
+
+
+def wait_counts(d, want: dict, slack_pids: int = 10, timeout: float = 10) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = host_counts(d)
+        ok = (got["mounts"] == want["mounts"] and got["cgroups"] == want["cgroups"]
+              and got["dirs"] == want["dirs"] and got["pids"] <= want["pids"] + slack_pids)
+        if ok or time.monotonic() > deadline:
+            return got
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def fresh(daemon_factory, busybox_rootfs):
+    d = daemon_factory()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    c.close()
+    return d
+
+
+def test_create_options_are_applied(fresh):
+    c = fresh.client()
+    sb = c.create(image="busybox", cpu=0.5, memory="256M", pids=128, env={"K": "V"}, labels={"job": "42"})
+    info = sb.inspect()
+    assert info["limits"] == {"cpu": 0.5, "memory": 256 << 20, "pids": 128}
+    assert info["labels"] == {"job": "42"} and info["state"] == "running"
+    assert sb.exec(["sh", "-c", "echo $K"]).stdout == b"V\n"
+    dirs = {k: v for k, v in info["cgroups"].items()}
+    if "memory" in dirs and os.path.exists(dirs["memory"] + "/memory.limit_in_bytes"):
+        assert open(dirs["memory"] + "/memory.limit_in_bytes").read().strip() == str(256 << 20)
+    if "pids" in dirs:
+        assert open(dirs["pids"] + "/pids.max").read().strip() == "128"
+    assert [s["id"] for s in c.list({"job": "42"})] == [sb.id]
+    assert c.list({"job": "43"}) == []
+    sb.destroy()
+    with pytest.raises(NotFound):
+        sb.inspect()
+    c.close()
+
+
+@pytest.mark.parametrize("kw, needle", [
+    ({"image": "nope"}, "no image"), ({"image": "busybox", "cpu": 0}, "cpu"),
+    ({"image": "busybox", "memory": "1K"}, "memory"), ({"image": "busybox", "memory": "lots"}, "memory"),
+    ({"image": "busybox", "pids": 1}, "pids"), ({"image": "busybox", "env": {"A=B": "x"}}, "environment"),
+])
+def test_bad_create_requests(fresh, kw, needle):
+    c = fresh.client()
+    with pytest.raises((BadRequest, NotFound), match=needle):
+        c.create(**kw)
+    c.close()
+
+
+def test_pids_limit_is_enforced(fresh):
+    c = fresh.client()
+    sb = c.create(image="busybox", pids=16)
+    r = sb.exec(["sh", "-c", "for i in $(seq 40); do sleep 5 & done 2>&1; wait"], timeout=20)
+    assert b"fork" in r.stdout.lower() + r.stderr.lower() or r.exit_code != 0
+    sb.destroy(force=True)
+    c.close()
+
+
+def test_memory_oom_stays_in_the_sandbox(fresh):
+    c = fresh.client()
+    sb = c.create(image="busybox", memory="32M")
+    r = sb.exec(["sh", "-c", "x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo done"], timeout=60)
+    assert r.signal == 9 or r.exit_code != 0
+    assert sb.exec(["true"]).exit_code == 0        # the sandbox (and its init) survived
+    sb.destroy()
+    c.close()
+
+
+def test_admission_says_busy_when_full(daemon_factory, busybox_rootfs):
+    d = daemon_factory("[limits]\nmax_sandboxes = 2\n")
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    a, b = c.create(image="busybox"), c.create(image="busybox")
+    with pytest.raises(Busy) as e:
+        c.create(image="busybox")
+    assert e.value.detail == {"sandboxes": 2, "max": 2}
+    a.destroy()
+    c.create(image="busybox").destroy()
+    b.destroy()
+    c.close()
+
+
+def test_image_in_use_cannot_be_removed(fresh):
+    c = fresh.client()
+    sb = c.create(image="busybox")
+    with pytest.raises(Conflict):
+        c.request("image_rm", name="busybox")
+    sb.destroy()
+    c.close()
+
+
+def test_sandboxes_survive_sigterm_and_are_readopted(fresh):
+    c = fresh.client()
+    sb = c.create(image="busybox")
+    sb.write_file("/work/state", b"kept")
+    pid = sb.inspect()["init_pid"]
+    c.close()
+    fresh.stop(signal.SIGTERM)
+    assert os.path.exists(f"/proc/{pid}")           # sandbox outlived the daemon
+    fresh.start()
+    c = fresh.client()
+    sb2 = c.get(sb.id)
+    assert sb2.info["state"] == "running" and sb2.info["init_pid"] == pid
+    assert sb2.read_file("/work/state") == b"kept"
+    assert sb2.exec(["cat", "/work/state"]).stdout == b"kept"
+    sb2.destroy()
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    c.close()
+
+
+def test_kill9_readopts_and_marks_dead(fresh):
+    c = fresh.client()
+    alive, doomed = c.create(image="busybox"), c.create(image="busybox")
+    doomed_pid = doomed.inspect()["init_pid"]
+    c.close()
+    fresh.stop(signal.SIGKILL)
+    os.kill(doomed_pid, signal.SIGKILL)              # dies while the daemon is down
+    time.sleep(0.2)
+    fresh.start()
+    c = fresh.client()
+    assert c.get(alive.id).exec(["true"]).exit_code == 0
+    info = c.get(doomed.id).info
+    assert info["state"] == "dead"
+    with pytest.raises(Conflict):
+        c.get(doomed.id).exec(["true"])
+    c.get(doomed.id).destroy()
+    c.get(alive.id).destroy()
+    c.close()
+
+
+def test_sandbox_whose_init_dies_is_marked_dead(fresh):
+    c = fresh.client()
+    sb = c.create(image="busybox")
+    os.kill(sb.inspect()["init_pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while sb.inspect()["state"] != "dead" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sb.inspect()["state"] == "dead"
+    sb.destroy()
+    c.close()
+
+
+def test_no_leaks_after_200_cycles_and_a_kill9_mid_burst(fresh):
+    before = host_counts(fresh)
+    c = fresh.client()
+    for _ in range(200):
+        sb = c.create(image="busybox")
+        assert sb.exec(["true"]).exit_code == 0
+        sb.destroy()
+    c.close()
+    after = wait_counts(fresh, before)
+    assert after["mounts"] == before["mounts"], after
+    assert after["cgroups"] == before["cgroups"] == 0, after
+    assert after["dirs"] == before["dirs"] == 0, after
+    assert after["pids"] <= before["pids"] + 10, after
+
+    # A burst of creates from 4 clients, and the daemon killed -9 in the middle of it.
+    stop = threading.Event()
+
+    def burst():
+        try:
+            cc = fresh.client()
+            while not stop.is_set():
+                cc.create(image="busybox")
+        except Exception:
+            pass
+
+    threads = [threading.Thread(target=burst) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    fresh.stop(signal.SIGKILL)
+    stop.set()
+    for t in threads:
+        t.join(10)
+    fresh.start()
+    c = fresh.client()
+    made = c.list()
+    assert made and all(s["state"] == "running" for s in made)
+    c.destroy_all(force=True)
+    c.close()
+    final = wait_counts(fresh, before)
+    assert final["mounts"] == before["mounts"], final
+    assert final["cgroups"] == 0 and final["dirs"] == 0, final
+    assert final["pids"] <= before["pids"] + 10, final

@@ -1,0 +1,607 @@
+"""dsecd.native against the real kernel: container sandboxes on a busybox rootfs.
+
+Needs root (namespaces, mounts, cgroups). Every test gets its own cgroups
+(/sys/fs/cgroup/<ctrl>/dsecd-test-<random>/), its own tmp dir and its own
+sandbox; finalizers kill only the processes the test started (by pidfd), reap
+them, remove only the cgroups the test made and delete the tmp dirs, also when
+the test fails. The overlay lives in the sandbox's mount namespace only, so
+it goes away with the sandbox; nothing is mounted on the host.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from dsecd import native
+
+BUSYBOX = "/bin/busybox"
+NAMESPACES = ("mnt", "pid", "uts", "ipc", "net", "cgroup")
+V1_CONTROLLERS = ("pids", "memory", "cpu")
+CAP_NET_BIND_SERVICE = 10
+
+
+def _skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root: creates namespaces, mounts and cgroups"
+    if not os.access(BUSYBOX, os.X_OK):
+        return f"{BUSYBOX} missing (apt-get install busybox-static)"
+    if "overlay" not in Path("/proc/filesystems").read_text():
+        return "kernel has no overlayfs"
+    if native.probe_pidfd() != 0:
+        return "kernel has no pidfd_open"
+    return None
+
+
+pytestmark = [pytest.mark.root, pytest.mark.skipif(_skip_reason() is not None,
+                                                   reason=str(_skip_reason()))]
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+def _wait_gone(pid: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _rmdir_retry(path: Path, timeout: float = 5.0) -> None:
+    """A cgroup stays busy until its last process is fully released."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError as err:
+            if err.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def _cgroup_dirs(name: str) -> list[Path]:
+    root = Path("/sys/fs/cgroup")
+    if (root / "cgroup.controllers").exists():  # pure cgroup v2 host
+        return [root / name]
+    return [root / c / name for c in V1_CONTROLLERS if (root / c / "cgroup.procs").exists()]
+
+
+@pytest.fixture(scope="module")
+def busybox_lower():
+    """A read-only lower layer: bin/busybox plus a symlink per applet."""
+    top = Path(tempfile.mkdtemp(prefix="dsecd-test-lower-"))
+    try:
+        top.chmod(0o755)  # the sandbox's "/": mkdtemp's 0700 would lock out non-root uids
+        (top / "bin").mkdir()
+        shutil.copy2(BUSYBOX, top / "bin" / "busybox")
+        applets = subprocess.run([BUSYBOX, "--list"], capture_output=True, text=True,
+                                 check=True).stdout.split()
+        for applet in applets:
+            if applet != "busybox":
+                (top / "bin" / applet).symlink_to("busybox")
+        (top / "etc").mkdir()
+        (top / "etc" / "hostname").write_text("image\n")
+        yield top
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.fixture
+def workdir():
+    top = Path(tempfile.mkdtemp(prefix="dsecd-test-"))
+    yield top
+    shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.fixture
+def cgroups():
+    """Fresh cgroups of this test; removed even if the test fails."""
+    name = f"dsecd-test-{secrets.token_hex(4)}"
+    dirs = _cgroup_dirs(name)
+    made: list[Path] = []
+    try:
+        for d in dirs:
+            d.mkdir()
+            made.append(d)
+        yield made
+    finally:
+        for d in reversed(made):
+            _rmdir_retry(d)
+
+
+@dataclass
+class Sandbox:
+    """A live sandbox and everything a test started in it."""
+
+    pid: int
+    pidfd: int
+    cgroups: list[Path]
+    dir: Path
+    hostname: str
+    children: list[int] = field(default_factory=list)
+
+    @property
+    def procs(self) -> list[str]:
+        return [str(d / "cgroup.procs") for d in self.cgroups]
+
+    def spec(self, argv: list[str], **kw) -> native.ExecSpec:
+        fds = kw.pop("fds", (0, 1, 2))
+        base = dict(pidfd=self.pidfd, cgroup_procs=self.procs, argv=argv,
+                    env=["PATH=/bin", "HOME=/"], cwd="/", uid=0, gid=0, stdin_fd=fds[0],
+                    stdout_fd=fds[1], stderr_fd=fds[2], cap_keep=0)
+        base.update(kw)
+        return native.ExecSpec(**base)
+
+    def spawn(self, argv: list[str], **kw) -> int:
+        pid = native.spawn_exec(self.spec(argv, **kw))
+        self.children.append(pid)
+        return pid
+
+    def wait(self, pid: int) -> int:
+        _, status = os.waitpid(pid, 0)
+        self.children.remove(pid)
+        return status
+
+    def run(self, argv: list[str], **kw) -> tuple[int, str]:
+        """Run to completion; (exit code or -signal, stdout+stderr)."""
+        with open(os.devnull, "rb") as stdin, tempfile.TemporaryFile() as out:
+            pid = self.spawn(argv, fds=(stdin.fileno(), out.fileno(), out.fileno()), **kw)
+            status = self.wait(pid)
+            out.seek(0)
+            text = out.read().decode()
+        code = os.waitstatus_to_exitcode(status)
+        return code, text
+
+    def sh(self, script: str, **kw) -> str:
+        code, text = self.run(["sh", "-c", script], **kw)
+        assert code == 0, f"{script!r} exited {code}: {text}"
+        return text
+
+
+def _make_sandbox(lower: Path, top: Path, cgroups: list[Path], hostname: str = "sbx-test"):
+    for sub in ("upper", "work", "rootfs"):
+        (top / sub).mkdir()
+    spec = native.ContainerSpec(
+        rootfs=str(top / "rootfs"), lowerdirs=[str(lower)], upperdir=str(top / "upper"),
+        workdir=str(top / "work"), hostname=hostname, init_path=native.init_binary_path(),
+        cgroup_procs=[str(d / "cgroup.procs") for d in cgroups], tmp_size_bytes=64 << 20,
+        shm_size_bytes=16 << 20)
+    pid = native.spawn_container(spec)
+    try:
+        pidfd = native.pidfd_open(pid)
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    return Sandbox(pid, pidfd, cgroups, top, hostname)
+
+
+def _destroy(sb: Sandbox) -> None:
+    """SIGKILL to a pid namespace's init kills all of it; then reap ours."""
+    try:
+        native.pidfd_send_signal(sb.pidfd, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for pid in [sb.pid, *sb.children]:
+        if pid <= 0:  # already reaped by the test
+            continue
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+    os.close(sb.pidfd)
+
+
+@pytest.fixture
+def sandbox(busybox_lower, workdir, cgroups):
+    sb = _make_sandbox(busybox_lower, workdir, cgroups)
+    try:
+        yield sb
+    finally:
+        _destroy(sb)
+
+
+def _zombie_children_of(ppid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] == "Z" and int(fields[1]) == ppid:
+            found.append(int(entry))
+    return found
+
+
+# ---------------------------------------------------------------- container
+
+
+def test_namespaces_differ_from_host(sandbox):
+    pid = sandbox.spawn(["sleep", "30"])
+    for ns in NAMESPACES:
+        host = os.readlink(f"/proc/self/ns/{ns}")
+        init = os.readlink(f"/proc/{sandbox.pid}/ns/{ns}")
+        assert init != host, ns
+        assert os.readlink(f"/proc/{pid}/ns/{ns}") == init, f"exec not in the sandbox's {ns} ns"
+
+
+def test_pid1_is_dsec_init(sandbox):
+    assert sandbox.sh("cat /proc/1/cmdline") == "dsec-init\0"
+    assert sandbox.sh("cat /proc/1/comm") == "dsec-init\n"
+    host_exe = os.readlink(f"/proc/{sandbox.pid}/exe")
+    assert host_exe == str(Path(native.init_binary_path()).resolve())
+
+
+def test_init_has_no_capabilities_and_no_new_privs(sandbox):
+    status = Path(f"/proc/{sandbox.pid}/status").read_text()
+    fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+    for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(fields[cap], 16) == 0, cap
+    assert fields["NoNewPrivs"].strip() == "1"
+
+
+def test_hostname(sandbox):
+    assert sandbox.sh("hostname") == f"{sandbox.hostname}\n"
+    assert os.uname().nodename != sandbox.hostname
+
+
+def test_proc_shows_the_sandbox_pid_namespace(sandbox):
+    out = sandbox.sh("echo $$; ls /proc | grep -E '^[0-9]+$' | sort -n")
+    own, *pids = [int(x) for x in out.split()]
+    assert 1 < own < 100
+    assert pids[0] == 1 and set(pids) <= {1, *range(own, own + 10)}
+    assert "proc /proc proc" in sandbox.sh("cat /proc/mounts")
+
+
+def test_proc_sysctls_read_only_for_sandbox_root(sandbox):
+    code, text = sandbox.run(["sh", "-c", "echo 1 > /proc/sys/kernel/ns_last_pid"])
+    assert code != 0 and "Read-only file system" in text
+    assert sandbox.sh("cat /proc/sys/kernel/ostype") == "Linux\n"  # reading still works
+
+
+def test_dev_nodes(sandbox):
+    names = set(sandbox.sh("ls -a /dev").split()) - {".", ".."}
+    assert names == {"null", "zero", "full", "random", "urandom", "tty", "pts", "ptmx", "shm",
+                     "fd", "stdin", "stdout", "stderr"}
+    sandbox.sh("for n in null zero full random urandom tty; do test -c /dev/$n; done")
+    assert sandbox.sh("readlink /dev/ptmx; readlink /dev/fd") == "pts/ptmx\n/proc/self/fd\n"
+    assert sandbox.sh("head -c 5 /dev/zero | wc -c").strip() == "5"
+    assert sandbox.sh("head -c 16 /dev/urandom | wc -c").strip() == "16"
+    code, text = sandbox.run(["sh", "-c", "echo x > /dev/full"])
+    assert code != 0 and "No space left on device" in text
+    mounts = sandbox.sh("cat /proc/mounts")
+    assert "devpts /dev/pts devpts" in mounts and "shm /dev/shm tmpfs" in mounts
+
+
+def test_tmp_is_a_private_tmpfs(sandbox):
+    assert sandbox.sh("stat -c %a /tmp") == "1777\n"
+    line = next(m for m in sandbox.sh("cat /proc/mounts").splitlines() if " /tmp " in m)
+    assert line.startswith("tmpfs /tmp tmpfs") and "size=65536k" in line
+    sandbox.sh("echo hi > /tmp/x")
+    assert not (sandbox.dir / "upper" / "tmp" / "x").exists()
+
+
+def test_loopback_is_up(sandbox):
+    out = sandbox.sh("ip -o link show lo")
+    assert "UP" in out.split("<", 1)[1].split(">", 1)[0].split(",")
+    assert sandbox.sh("ip -o link | wc -l").strip() == "1"  # no host interfaces
+
+
+def test_overlay_is_invisible_to_the_host(sandbox):
+    sandbox.sh("echo data > /written")
+    assert (sandbox.dir / "upper" / "written").read_text() == "data\n"
+    assert not (sandbox.dir / "rootfs" / "written").exists()
+    assert str(sandbox.dir) not in Path("/proc/self/mountinfo").read_text()
+
+
+def test_sigterm_to_init_ends_the_sandbox(sandbox):
+    sleeper = sandbox.spawn(["sleep", "100"])
+    native.pidfd_send_signal(sandbox.pidfd, signal.SIGTERM)
+    _, status = os.waitpid(sandbox.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert os.waitstatus_to_exitcode(sandbox.wait(sleeper)) == -signal.SIGKILL
+    sandbox.pid = -1  # reaped here
+
+
+def test_zombies_are_reaped_by_init(sandbox):
+    # The subshell exits at once, so its `sleep` is orphaned to the sandbox's PID 1.
+    sandbox.sh("(sleep 0.3 &) ; true")
+    orphans = [p for p in _children_of(sandbox.pid) if _comm(p) == "sleep"]
+    assert orphans, "the orphan was not re-parented to dsec-init"
+    for pid in orphans:
+        _wait_gone(pid)
+        assert not os.path.exists(f"/proc/{pid}"), "orphan left as a zombie"
+    assert _zombie_children_of(sandbox.pid) == []
+
+
+def _children_of(ppid: int) -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == ppid]
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def test_container_failure_names_the_step(busybox_lower, workdir, cgroups):
+    for sub in ("upper", "work", "rootfs"):
+        (workdir / sub).mkdir()
+    missing = workdir / "no-such-layer"
+    spec = native.ContainerSpec(
+        rootfs=str(workdir / "rootfs"), lowerdirs=[str(missing), str(busybox_lower)],
+        upperdir=str(workdir / "upper"), workdir=str(workdir / "work"), hostname="x",
+        init_path=native.init_binary_path(), cgroup_procs=[str(d / "cgroup.procs") for d in cgroups],
+        tmp_size_bytes=1 << 20, shm_size_bytes=1 << 20)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(native.NativeError) as info:
+        native.spawn_container(spec)
+    err = info.value
+    assert err.step == "mount_overlay" and err.errno == errno.ENOENT
+    assert str(err).startswith(f"mount overlay on `{workdir / 'rootfs'}`: No such file")
+    assert "lowerdir" in str(err)
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    assert _zombie_children_of(os.getpid()) == []  # the failed child was reaped
+
+
+def test_container_refuses_symlinked_mount_point(busybox_lower, workdir, cgroups):
+    # An image whose /dev is a symlink to a host path must not redirect the mount.
+    layer = workdir / "evil-layer"
+    layer.mkdir()
+    (layer / "dev").symlink_to("/")
+    for sub in ("upper", "work", "rootfs"):
+        (workdir / sub).mkdir()
+    spec = native.ContainerSpec(
+        rootfs=str(workdir / "rootfs"), lowerdirs=[str(layer), str(busybox_lower)],
+        upperdir=str(workdir / "upper"), workdir=str(workdir / "work"), hostname="x",
+        init_path=native.init_binary_path(), cgroup_procs=[], tmp_size_bytes=1 << 20,
+        shm_size_bytes=1 << 20)
+    with pytest.raises(NotADirectoryError) as info:
+        native.spawn_container(spec)
+    assert info.value.step == "mkdir" and info.value.path == "dev"
+
+
+# ---------------------------------------------------------------- exec
+
+
+def test_exec_runs_as_uid_in_the_sandbox_cgroups(sandbox):
+    assert sandbox.sh("id -u; id -g; id -G", uid=1000, gid=1001) == "1000\n1001\n1001\n"
+    pid = sandbox.spawn(["sleep", "30"], uid=1000, gid=1001)
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    for d in sandbox.cgroups:
+        assert any(line.endswith(f"/{d.name}") for line in lines), (d, lines)
+    # Inside, the cgroup namespace is rooted at the sandbox's own cgroup.
+    assert all(line.endswith(":/") for line in sandbox.sh("cat /proc/self/cgroup").splitlines())
+
+
+def test_exec_is_session_leader_and_our_child(sandbox):
+    pid = sandbox.spawn(["sleep", "30"])
+    assert os.getsid(pid) == pid and os.getpgid(pid) == pid
+    assert _ppid(pid) == os.getpid()  # CLONE_PARENT: the daemon reaps it
+    assert sandbox.sh("cat /proc/self/stat").split()[5] != "0"  # has a session id
+    os.kill(pid, signal.SIGKILL)
+    assert os.waitstatus_to_exitcode(sandbox.wait(pid)) == -signal.SIGKILL
+
+
+def test_exec_capabilities(sandbox):
+    def caps(**kw) -> dict[str, int]:
+        out = sandbox.sh("grep -E '^(Cap|NoNewPrivs)' /proc/self/status", **kw)
+        return {k: int(v, 16) for k, v in (line.split(":\t") for line in out.splitlines())}
+
+    root = caps()
+    assert root["CapEff"] == root["CapBnd"] == root["CapPrm"] == 0 and root["NoNewPrivs"] == 1
+    keep = 1 << CAP_NET_BIND_SERVICE
+    user = caps(uid=1000, gid=1000, cap_keep=keep)
+    assert user["CapEff"] == user["CapPrm"] == user["CapAmb"] == user["CapBnd"] == keep
+
+
+def test_exec_gets_default_signals_and_only_stdio(sandbox):
+    # Python ignores SIGPIPE; that must not leak into the sandbox.
+    code, out = sandbox.run(["grep", "-E", "^Sig(Ign|Blk|Cgt)", "/proc/self/status"])
+    assert code == 0 and all(int(line.split()[1], 16) == 0 for line in out.splitlines()), out
+    leak = os.open("/dev/null", os.O_RDONLY)  # inheritable on purpose
+    os.set_inheritable(leak, True)
+    try:
+        code, out = sandbox.run(["ls", "/proc/self/fd"])
+        fds = out.split()
+    finally:
+        os.close(leak)
+    assert set(fds) <= {"0", "1", "2", "3"}  # 3 is ls's own directory fd
+
+
+def test_exec_missing_program_raises_enoent(sandbox):
+    with pytest.raises(FileNotFoundError) as info:
+        sandbox.spawn(["no-such-program", "x"])
+    err = info.value
+    assert isinstance(err, native.NativeError) and err.step == "exec"
+    assert str(err) == ("exec `no-such-program`: No such file or directory; "
+                        "not found in PATH=/bin inside the sandbox")
+    with pytest.raises(FileNotFoundError) as info:
+        sandbox.spawn(["/bin/no-such-program"])
+    assert info.value.step == "exec" and info.value.path == "/bin/no-such-program"
+    assert _zombie_children_of(os.getpid()) == []
+
+
+def test_exec_missing_interpreter_is_told_apart(sandbox):
+    sandbox.sh("printf '#!/no/such/interp\\n' > /tmp/script; chmod +x /tmp/script")
+    with pytest.raises(FileNotFoundError) as info:
+        sandbox.spawn(["/tmp/script"])
+    assert info.value.step == "exec_interp"
+    assert "#! interpreter is missing" in str(info.value)
+
+
+def test_exec_bad_cwd_and_permission(sandbox):
+    with pytest.raises(FileNotFoundError) as info:
+        sandbox.spawn(["true"], cwd="/no/such/dir")
+    assert info.value.step == "chdir" and info.value.path == "/no/such/dir"
+    sandbox.sh("mkdir /private && chmod 700 /private")
+    with pytest.raises(PermissionError) as info:
+        sandbox.spawn(["true"], cwd="/private", uid=1000, gid=1000)
+    assert info.value.step == "chdir"
+    assert sandbox.run(["true"], cwd="/private")[0] == 0  # root may (DAC owner)
+
+
+def test_exec_into_a_dead_sandbox(sandbox):
+    native.pidfd_send_signal(sandbox.pidfd, signal.SIGKILL)
+    os.waitpid(sandbox.pid, 0)
+    sandbox.pid = -1
+    with pytest.raises(ProcessLookupError) as info:
+        sandbox.spawn(["true"])
+    assert info.value.step == "setns" and "PID 1 has exited" in str(info.value)
+
+
+def test_exec_from_many_threads_leaks_nothing(sandbox):
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    def maps() -> int:
+        return len(Path("/proc/self/maps").read_text().splitlines())
+
+    errors: list[BaseException] = []
+
+    def worker():
+        try:
+            for _ in range(15):
+                with open(os.devnull, "rb") as null:
+                    spec = sandbox.spec(["true"], fds=(null.fileno(),) * 3)
+                    _, status = os.waitpid(native.spawn_exec(spec), 0)
+                assert os.waitstatus_to_exitcode(status) == 0
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    def round_of_threads():
+        threads = [threading.Thread(target=worker) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+
+    round_of_threads()  # warms glibc's cache of thread stacks
+    fds_before, maps_before = fds(), maps()
+    round_of_threads()
+    assert fds() == fds_before
+    assert maps() <= maps_before + 2  # 120 spawns, 240 clone stacks: all unmapped
+
+
+# ---------------------------------------------------------------- openat2
+
+
+@pytest.fixture
+def tree(workdir):
+    """A fake sandbox root with traps pointing out of it."""
+    root = workdir / "root"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "passwd").write_text("inside\n")
+    (root / "abs").symlink_to("/etc/passwd")
+    (root / "rel").symlink_to("../../../../../../etc/passwd")
+    (root / "loop1").symlink_to("loop2")
+    (root / "loop2").symlink_to("loop1")
+    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    yield root, fd
+    os.close(fd)
+
+
+def _read(dirfd: int, path: str, **kw) -> str:
+    fd = native.openat2(dirfd, path, os.O_RDONLY, **kw)
+    try:
+        assert os.get_inheritable(fd) is False
+        return os.read(fd, 100).decode()
+    finally:
+        os.close(fd)
+
+
+def test_openat2_in_root_cannot_escape(tree):
+    root, fd = tree
+    assert Path("/etc/passwd").read_text() != "inside\n"
+    assert _read(fd, "etc/passwd") == "inside\n"  # the allowed neighbour
+    assert _read(fd, "../../../../etc/passwd") == "inside\n"  # `..` stops at the root
+    assert _read(fd, "/etc/passwd") == "inside\n"
+    assert _read(fd, "abs") == "inside\n"  # absolute symlink resolved in the root
+    assert _read(fd, "rel") == "inside\n"
+    (root / "etc" / "passwd").unlink()
+    for path in ("abs", "rel", "../../etc/passwd"):
+        with pytest.raises(FileNotFoundError):
+            _read(fd, path)  # and never falls back to the host's file
+
+
+def test_openat2_symlink_loops_and_strict_modes(tree):
+    _, fd = tree
+    with pytest.raises(native.NativeError) as info:
+        _read(fd, "loop1")
+    assert info.value.errno == errno.ELOOP and str(info.value).startswith("open `loop1`:")
+    with pytest.raises(native.NativeError) as info:
+        _read(fd, "../etc/passwd", resolve=native.RESOLVE_BENEATH)
+    assert info.value.errno == errno.EXDEV and "leaves the root" in str(info.value)
+    with pytest.raises(native.NativeError) as info:
+        _read(fd, "abs", resolve=native.RESOLVE_IN_ROOT | native.RESOLVE_NO_SYMLINKS)
+    assert info.value.errno == errno.ELOOP
+    assert _read(fd, "etc/passwd", resolve=native.RESOLVE_BENEATH) == "inside\n"
+
+
+def test_openat2_refuses_magic_links():
+    proc = os.open(f"/proc/{os.getpid()}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        with pytest.raises(native.NativeError) as info:
+            _read(proc, "root/etc/hostname", resolve=native.RESOLVE_NO_MAGICLINKS)
+        assert info.value.errno == errno.ELOOP
+        assert _read(proc, "comm", resolve=native.RESOLVE_NO_MAGICLINKS)  # a plain file
+    finally:
+        os.close(proc)
+
+
+def test_openat2_on_a_live_sandbox_root(sandbox):
+    sandbox.sh("ln -s /../../../../etc/hostname /tmp/evil; ln -s /proc/1/root /tmp/magic")
+    root = os.open(f"/proc/{sandbox.pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        assert _read(root, "etc/hostname") == "image\n"
+        assert _read(root, "tmp/evil") == "image\n"  # the sandbox's file, not the host's
+        with pytest.raises(native.NativeError) as info:
+            _read(root, "tmp/magic/etc/hostname")
+        assert info.value.errno == errno.ELOOP
+    finally:
+        os.close(root)
+
+
+# ---------------------------------------------------------------- probes
+
+
+def test_probe_bpf_cgroup_on_own_v2_dir():
+    unified = Path("/sys/fs/cgroup/unified")
+    if not (unified / "cgroup.procs").exists():
+        unified = Path("/sys/fs/cgroup")
+    if not (unified / "cgroup.controllers").exists():
+        pytest.skip("no cgroup v2 hierarchy mounted")
+    d = unified / f"dsecd-test-{secrets.token_hex(4)}"
+    d.mkdir()
+    try:
+        rc = native.probe_bpf_cgroup(str(d))
+        assert rc == 0, native.describe_errno("bpf_cgroup", rc)
+        assert native.probe_bpf_cgroup("/tmp") != 0  # not a cgroup: an errno, no raise
+    finally:
+        _rmdir_retry(d)
