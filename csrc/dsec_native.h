@@ -71,8 +71,8 @@ struct dsec_container_args {
     const char *overlay_opts; /* "lowerdir=a:b,upperdir=u,workdir=w" */
     const char *init_path;    /* host path of dsec-init */
     const char *hostname;
-    const char *tmp_opts;  /* tmpfs data for /tmp */
-    const char *shm_opts;  /* tmpfs data for /dev/shm */
+    const char *tmp_opts; /* tmpfs data for /tmp */
+    const char *shm_opts; /* tmpfs data for /dev/shm */
     const char *const *cgroup_procs;
     int n_cgroups;
 };
@@ -106,8 +106,7 @@ int dsec_pidfd_open(int pid, unsigned int flags);
 int dsec_pidfd_send_signal(int pidfd, int sig);
 
 /* fileops.c */
-int dsec_file_openat2(int dirfd, const char *path, uint64_t flags, uint64_t mode,
-                      uint64_t resolve);
+int dsec_file_openat2(int dirfd, const char *path, uint64_t flags, uint64_t mode, uint64_t resolve);
 
 /* probe.c */
 int dsec_probe_sched_core(void);

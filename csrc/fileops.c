@@ -24,8 +24,7 @@ struct dsec_open_how {
     uint64_t resolve;
 };
 
-int dsec_file_openat2(int dirfd, const char *path, uint64_t flags, uint64_t mode,
-                      uint64_t resolve)
+int dsec_file_openat2(int dirfd, const char *path, uint64_t flags, uint64_t mode, uint64_t resolve)
 {
     struct dsec_open_how how = {.flags = flags, .mode = mode, .resolve = resolve};
     long fd = syscall(SYS_openat2, dirfd, path, &how, sizeof(how));

@@ -71,7 +71,7 @@ static int bpf_load_pass_all(void)
     attr.expected_attach_type = BPF_CGROUP_INET_EGRESS;
     attr.insns = (uint64_t)(uintptr_t)insns;
     attr.insn_cnt = sizeof(insns) / sizeof(insns[0]);
-    attr.license = (uint64_t)(uintptr_t) "GPL";
+    attr.license = (uint64_t)(uintptr_t)"GPL";
     fd = syscall(SYS_bpf, BPF_PROG_LOAD, &attr, sizeof(attr));
     return fd < 0 ? -errno : (int)fd;
 }

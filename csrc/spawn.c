@@ -36,7 +36,7 @@
 #define DSEC_STACK_SIZE (64 * 1024)
 
 #define CONTAINER_CLONE_FLAGS                                                                      \
-    (CLONE_VM | CLONE_VFORK | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC |          \
+    (CLONE_VM | CLONE_VFORK | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC |           \
      CLONE_NEWNET | SIGCHLD)
 #define SANDBOX_NS_FLAGS                                                                           \
     (CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWCGROUP)
@@ -147,8 +147,7 @@ static int reap(pid_t pid)
 /* Block every signal around clone so that no handler of the daemon can run in
  * the child on the shared memory before the child has reset the dispositions.
  * errno is not reliable after a successful clone: the child shares our TLS. */
-static pid_t clone_blocked(int (*fn)(void *), void *top, int flags, void *arg,
-                           struct dsec_err *e)
+static pid_t clone_blocked(int (*fn)(void *), void *top, int flags, void *arg, struct dsec_err *e)
 {
     sigset_t all, old;
     pid_t pid;
@@ -226,11 +225,14 @@ static int caps_set(uint64_t keep, struct dsec_err *e)
     }
     if (check(syscall(SYS_capset, &hdr, data), e, DSEC_STEP_CAPS, NULL) < 0)
         return -1;
-    for (int cap = 0; cap < 64; cap++)
-        if ((keep & (1ULL << cap)) &&
-            check(prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0), e, DSEC_STEP_CAPS,
-                  NULL) < 0)
+    for (int cap = 0; cap < 64; cap++) {
+        if (!(keep & (1ULL << cap)))
+            continue;
+        long rc = prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0);
+
+        if (check(rc, e, DSEC_STEP_CAPS, NULL) < 0)
             return -1;
+    }
     return 0;
 }
 
@@ -262,22 +264,38 @@ static int mkdir_strict(const char *name, mode_t mode, struct dsec_err *e)
     return 0;
 }
 
+/* mount(2), recording the step and target on failure. */
+static int mount_step(int step, const char *src, const char *target, const char *fstype,
+                      unsigned long flags, const char *data, struct dsec_err *e)
+{
+    return check(mount(src, target, fstype, flags, data), e, step, target);
+}
+
+static int cgroups_enter(const struct container_ctx *c)
+{
+    if (cgroups_join(c->cg_fds, c->a->cgroup_procs, c->a->n_cgroups, c->err) < 0)
+        return -1;
+    return check(unshare(CLONE_NEWCGROUP), c->err, DSEC_STEP_CGROUP_NS, NULL);
+}
+
 /* The overlay is mounted inside the new mount namespace only, after making
  * every mount private: the host never sees it, and it dies with the sandbox.
  * From here on the child works relative to the merged root (its cwd). */
-static int rootfs_mount(const struct dsec_container_args *a, struct dsec_err *e)
+static int rootfs_mount(const struct container_ctx *c)
 {
-    if (check(mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL), e, DSEC_STEP_MOUNT_PRIVATE,
-              "/") < 0 ||
-        check(mount("overlay", a->rootfs, "overlay", MS_NODEV, a->overlay_opts), e,
-              DSEC_STEP_MOUNT_OVERLAY, a->rootfs) < 0 ||
+    const struct dsec_container_args *a = c->a;
+    struct dsec_err *e = c->err;
+
+    if (mount_step(DSEC_STEP_MOUNT_PRIVATE, NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL, e) < 0 ||
+        mount_step(DSEC_STEP_MOUNT_OVERLAY, "overlay", a->rootfs, "overlay", MS_NODEV,
+                   a->overlay_opts, e) < 0 ||
         check(chdir(a->rootfs), e, DSEC_STEP_CHDIR_ROOTFS, a->rootfs) < 0)
         return -1;
     if (mkdir_strict("proc", 0555, e) < 0 || mkdir_strict("dev", 0755, e) < 0 ||
         mkdir_strict("tmp", 01777, e) < 0)
         return -1;
-    return check(mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL), e,
-                 DSEC_STEP_MOUNT_PROC, "proc");
+    return mount_step(DSEC_STEP_MOUNT_PROC, "proc", "proc", "proc",
+                      MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL, e);
 }
 
 /* Host device nodes are bind-mounted, not mknod'ed: the sandbox gets exactly
@@ -285,18 +303,18 @@ static int rootfs_mount(const struct dsec_container_args *a, struct dsec_err *e)
 static int dev_nodes(struct dsec_err *e)
 {
     static const char *const nodes[][2] = {
-        {"/dev/null", "dev/null"},     {"/dev/zero", "dev/zero"},
-        {"/dev/full", "dev/full"},     {"/dev/random", "dev/random"},
-        {"/dev/urandom", "dev/urandom"}, {"/dev/tty", "dev/tty"},
+        {"/dev/null", "dev/null"},     {"/dev/zero", "dev/zero"},       {"/dev/full", "dev/full"},
+        {"/dev/random", "dev/random"}, {"/dev/urandom", "dev/urandom"}, {"/dev/tty", "dev/tty"},
     };
 
     for (size_t i = 0; i < sizeof(nodes) / sizeof(nodes[0]); i++) {
-        int fd = open(nodes[i][1], O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
-        if (check(fd, e, DSEC_STEP_DEV_NODE, nodes[i][1]) < 0)
+        const char *host = nodes[i][0], *target = nodes[i][1];
+        int fd = open(target, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+
+        if (check(fd, e, DSEC_STEP_DEV_NODE, target) < 0)
             return -1;
         close(fd);
-        if (check(mount(nodes[i][0], nodes[i][1], NULL, MS_BIND, NULL), e, DSEC_STEP_DEV_NODE,
-                  nodes[i][1]) < 0)
+        if (mount_step(DSEC_STEP_DEV_NODE, host, target, NULL, MS_BIND, NULL, e) < 0)
             return -1;
     }
     return 0;
@@ -319,18 +337,18 @@ static int dev_links(struct dsec_err *e)
 /* A small tmpfs (the sandbox's root owns it, so cap it) holding the nodes, a
  * private devpts instance (its own pty numbering, ptys of no other sandbox),
  * /dev/shm and the usual links. */
-static int dev_mount(const struct dsec_container_args *a, struct dsec_err *e)
+static int dev_mount(const struct container_ctx *c)
 {
-    if (check(mount("tmpfs", "dev", "tmpfs", MS_NOSUID | MS_NOEXEC,
-                    "mode=755,size=65536,nr_inodes=1024"),
-              e, DSEC_STEP_MOUNT_DEV, "dev") < 0 ||
+    struct dsec_err *e = c->err;
+
+    if (mount_step(DSEC_STEP_MOUNT_DEV, "tmpfs", "dev", "tmpfs", MS_NOSUID | MS_NOEXEC,
+                   "mode=755,size=65536,nr_inodes=1024", e) < 0 ||
         dev_nodes(e) < 0 || mkdir_strict("dev/pts", 0755, e) < 0 ||
-        check(mount("devpts", "dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
-                    "newinstance,ptmxmode=0666,mode=0620"),
-              e, DSEC_STEP_MOUNT_DEVPTS, "dev/pts") < 0 ||
+        mount_step(DSEC_STEP_MOUNT_DEVPTS, "devpts", "dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+                   "newinstance,ptmxmode=0666,mode=0620", e) < 0 ||
         mkdir_strict("dev/shm", 01777, e) < 0 ||
-        check(mount("shm", "dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, a->shm_opts), e,
-              DSEC_STEP_MOUNT_SHM, "dev/shm") < 0)
+        mount_step(DSEC_STEP_MOUNT_SHM, "shm", "dev/shm", "tmpfs", MS_NOSUID | MS_NODEV,
+                   c->a->shm_opts, e) < 0)
         return -1;
     return dev_links(e);
 }
@@ -339,13 +357,13 @@ static int dev_mount(const struct dsec_container_args *a, struct dsec_err *e)
  * writes by uid alone (sysctls, sysrq-trigger), so those become read-only,
  * and a few info leaks are masked with /dev/null, as Docker does. Entries the
  * kernel lacks (ENOENT) are skipped. */
-static int proc_protect(struct dsec_err *e)
+static int proc_protect(const struct container_ctx *c)
 {
     static const char *const ro[] = {"proc/sys", "proc/sysrq-trigger", "proc/irq", "proc/bus",
                                      "proc/fs"};
     static const char *const masked[] = {"proc/kcore", "proc/keys", "proc/timer_list"};
-    const unsigned long ro_flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV |
-                                   MS_NOEXEC;
+    const unsigned long ro_flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV;
+    struct dsec_err *e = c->err;
 
     for (size_t i = 0; i < sizeof(ro) / sizeof(ro[0]); i++) {
         if (mount(ro[i], ro[i], NULL, MS_BIND | MS_REC, NULL) < 0) {
@@ -353,7 +371,7 @@ static int proc_protect(struct dsec_err *e)
                 continue;
             return check(-1, e, DSEC_STEP_MOUNT_PROC, ro[i]);
         }
-        if (check(mount(NULL, ro[i], NULL, ro_flags, NULL), e, DSEC_STEP_MOUNT_PROC, ro[i]) < 0)
+        if (mount_step(DSEC_STEP_MOUNT_PROC, NULL, ro[i], NULL, ro_flags | MS_NOEXEC, NULL, e) < 0)
             return -1;
     }
     for (size_t i = 0; i < sizeof(masked) / sizeof(masked[0]); i++)
@@ -362,74 +380,90 @@ static int proc_protect(struct dsec_err *e)
     return 0;
 }
 
+static int tmp_mount(const struct container_ctx *c)
+{
+    return mount_step(DSEC_STEP_MOUNT_TMP, "tmpfs", "tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+                      c->a->tmp_opts, c->err);
+}
+
+static int hostname_set(const struct container_ctx *c)
+{
+    const char *name = c->a->hostname;
+
+    return check(sethostname(name, strlen(name)), c->err, DSEC_STEP_HOSTNAME, name);
+}
+
 /* The interface exists in every new net namespace but starts down. */
-static int loopback_up(struct dsec_err *e)
+static int loopback_up(const struct container_ctx *c)
 {
     struct ifreq ifr = {.ifr_name = "lo"};
     int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     int rc;
 
-    if (check(fd, e, DSEC_STEP_LOOPBACK, "lo") < 0)
+    if (check(fd, c->err, DSEC_STEP_LOOPBACK, "lo") < 0)
         return -1;
     rc = ioctl(fd, SIOCGIFFLAGS, &ifr);
     if (rc == 0) {
         ifr.ifr_flags |= IFF_UP;
         rc = ioctl(fd, SIOCSIFFLAGS, &ifr);
     }
-    rc = check(rc, e, DSEC_STEP_LOOPBACK, "lo");
+    rc = check(rc, c->err, DSEC_STEP_LOOPBACK, "lo");
     close(fd);
     return rc;
 }
 
 /* pivot_root(".", ".") stacks the old root on top of the new one; detaching
  * it leaves the merged tree as "/" with no path back to the host. */
-static int root_pivot(struct dsec_err *e)
+static int root_pivot(const struct container_ctx *c)
 {
-    if (check(syscall(SYS_pivot_root, ".", "."), e, DSEC_STEP_PIVOT_ROOT, ".") < 0 ||
-        check(umount2(".", MNT_DETACH), e, DSEC_STEP_PIVOT_ROOT, ".") < 0 ||
-        check(chdir("/"), e, DSEC_STEP_PIVOT_ROOT, "/") < 0)
+    if (check(syscall(SYS_pivot_root, ".", "."), c->err, DSEC_STEP_PIVOT_ROOT, ".") < 0 ||
+        check(umount2(".", MNT_DETACH), c->err, DSEC_STEP_PIVOT_ROOT, ".") < 0)
         return -1;
-    return 0;
+    return check(chdir("/"), c->err, DSEC_STEP_PIVOT_ROOT, "/");
 }
 
 /* init talks to nobody: stdio is the sandbox's /dev/null, and every other fd
  * is marked close-on-exec (not closed: init_fd must survive until execveat). */
-static int init_stdio(struct dsec_err *e)
+static int init_stdio(const struct container_ctx *c)
 {
     int fd = open("/dev/null", O_RDWR | O_CLOEXEC);
 
-    if (check(fd, e, DSEC_STEP_STDIO, "/dev/null") < 0)
+    if (check(fd, c->err, DSEC_STEP_STDIO, "/dev/null") < 0)
         return -1;
     for (int i = 0; i < 3; i++)
-        if (check(dup2(fd, i), e, DSEC_STEP_STDIO, "/dev/null") < 0)
+        if (check(dup2(fd, i), c->err, DSEC_STEP_STDIO, "/dev/null") < 0)
             return -1;
-    return check(syscall(SYS_close_range, 3, ~0U, CLOSE_RANGE_CLOEXEC), e, DSEC_STEP_CLOSE_FDS,
+    return check(syscall(SYS_close_range, 3, ~0U, CLOSE_RANGE_CLOEXEC), c->err, DSEC_STEP_CLOSE_FDS,
                  NULL);
 }
 
+/* Last: both need privileges that the steps above still use. */
+static int privileges_drop(const struct container_ctx *c)
+{
+    if (check(prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), c->err, DSEC_STEP_NO_NEW_PRIVS, NULL) < 0)
+        return -1;
+    return caps_bound(0, c->err) < 0 ? -1 : caps_set(0, c->err);
+}
+
+/* The container child's checklist, in order (docs/native-api.md). */
+static int (*const container_steps[])(const struct container_ctx *) = {
+    cgroups_enter, rootfs_mount, dev_mount,  proc_protect, tmp_mount,
+    hostname_set,  loopback_up,  root_pivot, init_stdio,   privileges_drop,
+};
+
 static int container_child(void *arg)
 {
-    struct container_ctx *c = arg;
-    const struct dsec_container_args *a = c->a;
-    struct dsec_err *e = c->err;
+    const struct container_ctx *c = arg;
     static const char *const init_argv[] = {"dsec-init", NULL};
     static const char *const init_envp[] = {NULL};
 
     signals_reset();
-    if (cgroups_join(c->cg_fds, a->cgroup_procs, a->n_cgroups, e) < 0 ||
-        check(unshare(CLONE_NEWCGROUP), e, DSEC_STEP_CGROUP_NS, NULL) < 0 ||
-        rootfs_mount(a, e) < 0 || dev_mount(a, e) < 0 || proc_protect(e) < 0 ||
-        check(mount("tmpfs", "tmp", "tmpfs", MS_NOSUID | MS_NODEV, a->tmp_opts), e,
-              DSEC_STEP_MOUNT_TMP, "tmp") < 0 ||
-        check(sethostname(a->hostname, strlen(a->hostname)), e, DSEC_STEP_HOSTNAME,
-              a->hostname) < 0 ||
-        loopback_up(e) < 0 || root_pivot(e) < 0 || init_stdio(e) < 0 ||
-        check(prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), e, DSEC_STEP_NO_NEW_PRIVS, NULL) < 0 ||
-        caps_bound(0, e) < 0 || caps_set(0, e) < 0)
-        _exit(127);
+    for (size_t i = 0; i < sizeof(container_steps) / sizeof(container_steps[0]); i++)
+        if (container_steps[i](c) < 0)
+            _exit(127);
     signals_unblock();
     syscall(SYS_execveat, c->init_fd, "", init_argv, init_envp, AT_EMPTY_PATH);
-    check(-1, e, DSEC_STEP_EXEC_INIT, a->init_path);
+    check(-1, c->err, DSEC_STEP_EXEC_INIT, c->a->init_path);
     _exit(127);
 }
 
@@ -512,31 +546,37 @@ static const char *env_path(const char *const *envp)
     return DEFAULT_PATH;
 }
 
-/* execve, and tell "no such file" from "file exists but its ELF interpreter
- * or #! interpreter does not": both are ENOENT to execve. */
-static int exec_try(const char *path, const struct dsec_exec_args *a, struct dsec_err *e)
+/* execve; returns its errno, or 0 for an ENOENT on a file that exists: then
+ * the ELF interpreter or the #! interpreter is what is missing. */
+static int exec_try(const char *path, const struct dsec_exec_args *a)
 {
     execve(path, (char *const *)a->argv, (char *const *)a->envp);
-    if (errno == ENOENT && faccessat(AT_FDCWD, path, F_OK, 0) == 0) {
-        err_set(e, DSEC_STEP_EXEC_INTERP, ENOENT, path);
-        return -1;
-    }
+    if (errno == ENOENT && faccessat(AT_FDCWD, path, F_OK, 0) == 0)
+        return 0;
     return errno;
 }
 
+/* Errors that mean "not in this PATH directory": go on with the next one. */
+static int exec_try_next(int err)
+{
+    return err == ENOENT || err == ENOTDIR || err == ESTALE || err == ENODEV || err == ETIMEDOUT ||
+           err == ELOOP || err == ENAMETOOLONG;
+}
+
 /* execvpe over the PATH of the sandbox's env, without malloc: candidates are
- * built in a buffer on the child's stack. Like execvpe, EACCES is remembered
- * while later directories are tried, and "not there" errors move on. */
+ * built in a buffer on the child's stack. Like execvpe, a candidate that
+ * exists but cannot run (EACCES, missing interpreter) is remembered while
+ * later directories are tried; the first such one is reported. */
 static void exec_search(const struct dsec_exec_args *a, struct dsec_err *e)
 {
     const char *file = a->argv[0], *dir = env_path(a->envp);
     size_t flen = strlen(file);
     char buf[PATH_MAX];
-    int err, eacces = 0;
+    int err, seen = 0;
 
     if (strchr(file, '/')) {
-        if ((err = exec_try(file, a, e)) > 0)
-            err_set(e, DSEC_STEP_EXEC, err, file);
+        err = exec_try(file, a);
+        err_set(e, err ? DSEC_STEP_EXEC : DSEC_STEP_EXEC_INTERP, err ? err : ENOENT, file);
         return;
     }
     for (;;) {
@@ -547,13 +587,10 @@ static void exec_search(const struct dsec_exec_args *a, struct dsec_err *e)
             memcpy(buf, end > dir ? dir : ".", dlen);
             buf[dlen] = '/';
             memcpy(buf + dlen + 1, file, flen + 1);
-            err = exec_try(buf, a, e);
-            if (err < 0)
-                return;
-            if (err == EACCES)
-                eacces = 1;
-            else if (err != ENOENT && err != ENOTDIR && err != ESTALE && err != ENODEV &&
-                     err != ETIMEDOUT && err != ELOOP && err != ENAMETOOLONG) {
+            err = exec_try(buf, a);
+            if ((err == 0 || err == EACCES) && !seen++)
+                err_set(e, err ? DSEC_STEP_EXEC : DSEC_STEP_EXEC_INTERP, err ? err : ENOENT, buf);
+            else if (err && err != EACCES && !exec_try_next(err)) {
                 err_set(e, DSEC_STEP_EXEC, err, buf);
                 return;
             }
@@ -562,7 +599,8 @@ static void exec_search(const struct dsec_exec_args *a, struct dsec_err *e)
             break;
         dir = end + 1;
     }
-    err_set(e, DSEC_STEP_EXEC, eacces ? EACCES : ENOENT, file);
+    if (!seen)
+        err_set(e, DSEC_STEP_EXEC, ENOENT, file);
 }
 
 /* The process the caller asked for: already in the sandbox's namespaces and

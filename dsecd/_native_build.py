@@ -32,7 +32,6 @@ CONSTANTS = """
 """
 
 PRELUDE = """
-#define _GNU_SOURCE
 #include <sys/prctl.h>
 #include "dsec_native.h"
 #include "missing_defs.h"

@@ -179,8 +179,8 @@ _ERRNO_CLASSES = _errno_classes()
 
 
 def hint_for(step: str, err: int, kind: str = "") -> str | None:
-    """The hint for errno `err` at `step` ("" if none). `kind` narrows it
-    ("exec" or "container") where one step means two things."""
+    """The hint for errno `err` at `step`, or None. `kind` ("exec",
+    "container") narrows it where one step means two things."""
     return (_HINTS.get((f"{kind}:{step}", err)) or _HINTS.get((step, err))
             or (_HINTS.get(("mount", err)) if step in _MOUNT_STEPS else None))
 
@@ -320,28 +320,26 @@ def spawn_container(spec: ContainerSpec) -> int:
     err = ffi.new("struct dsec_err *")
     pid = lib.dsec_spawn_container(args, err)
     if pid < 0:
-        _raise_step(err, "container", _container_object(spec))
+        init = f"sandbox init of {spec.rootfs}"
+        _raise_step(err, "container", {"hostname": spec.hostname, "loopback": "lo",
+                                       "stdio": init}, init, root=spec.rootfs)
     return pid
 
 
-def _container_object(spec: ContainerSpec):
-    def obj(step: str, path: str) -> str:
-        if step in ("clone", "stack", "none"):
-            return f"sandbox init for {spec.rootfs}"
-        if step in ("caps", "no_new_privs", "stdio", "close_fds", "cgroup_ns"):
-            return "sandbox init"
-        if path and not path.startswith("/") and step not in ("hostname", "loopback"):
-            return os.path.join(spec.rootfs, path)  # steps inside the merged root
-        return path
-    return obj
-
-
-def _raise_step(err, kind: str, obj) -> NoReturn:
-    """Raise the NativeError described by a filled struct dsec_err."""
+def _raise_step(err, kind: str, objects: dict[str, str], default: str, root: str = "",
+                hint: str | None = None) -> NoReturn:
+    """Raise the NativeError of a filled struct dsec_err. The object named in
+    the message is objects[step] if given, else the recorded path (a relative
+    one is inside `root`, the merged rootfs), else `default`."""
     step = STEPS.get(err.step, f"step {err.step}")
     path = os.fsdecode(ffi.string(err.path)) or None
-    _raise(err.err, _VERBS.get(step, step), obj(step, path or ""), step, path,
-           hint_for(step, err.err, kind))
+    if step in objects:
+        obj = objects[step]
+    elif path:
+        obj = path if path.startswith("/") or not root else os.path.join(root, path)
+    else:
+        obj = default
+    _raise(err.err, _VERBS.get(step, step), obj, step, path, hint or hint_for(step, err.err, kind))
 
 
 # ---------------------------------------------------------------- exec
@@ -361,7 +359,8 @@ class ExecSpec:
     stdin_fd: int          # host fds dup2'ed onto 0, 1, 2 in the child
     stdout_fd: int
     stderr_fd: int
-    cap_keep: int          # bitmask of capabilities kept (bounding, effective, ambient)
+    cap_keep: int          # capabilities kept: bounding = permitted = effective =
+                           # inheritable = ambient = cap_keep
 
     def __post_init__(self):
         _fd("pidfd", self.pidfd)
@@ -410,18 +409,13 @@ def spawn_exec(spec: ExecSpec) -> int:
 
 
 def _raise_exec(err, spec: ExecSpec) -> NoReturn:
-    def obj(step: str, path: str) -> str:
-        if step in ("exec", "exec_interp"):
-            return path or spec.argv[0]
-        return {"setns": f"pidfd {spec.pidfd}", "ids": f"uid {spec.uid} gid {spec.gid}",
-                "chdir": spec.cwd}.get(step, path or spec.argv[0])
-
+    hint = None
     if err.step == lib.DSEC_STEP_EXEC and err.err == errno.ENOENT and "/" not in spec.argv[0]:
         search = next((v[5:] for v in spec.env if v.startswith("PATH=")), DEFAULT_PATH)
         hint = f"not found in PATH={search} inside the sandbox"
-        step = STEPS[err.step]
-        _raise(err.err, "exec", spec.argv[0], step, os.fsdecode(ffi.string(err.path)), hint)
-    _raise_step(err, "exec", obj)
+    objects = {"setns": f"pidfd {spec.pidfd}", "ids": f"uid {spec.uid} gid {spec.gid}",
+               "chdir": spec.cwd}
+    _raise_step(err, "exec", objects, spec.argv[0], hint=hint)
 
 
 # ---------------------------------------------------------------- files, pidfds

@@ -144,6 +144,9 @@ class Node:
     # ------------------------------------------------------------ helpers
 
     def _journal(self, sb: Sandbox) -> None:
+        # A record is a few hundred bytes written into the page cache: cheap
+        # enough for the event loop. With journal.fsync on, each write waits
+        # for the disk; use a slower but crash-proof config knowingly.
         self.journal.write(sb.id, sb.record())
 
     def _get(self, sb_id: str, op_cls) -> Sandbox:

@@ -16,6 +16,7 @@ checked against this module by tests/unit/test_protocol_doc.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 import types
 import typing
@@ -267,9 +268,14 @@ def parse_request(frame: dict):
     return rid, build_request(cls, args)
 
 
+@functools.cache
+def _schema(cls) -> tuple[dict, dict]:
+    """(type hints, fields) of a request class, computed once: get_type_hints is slow."""
+    return typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
+
+
 def build_request(cls, args: dict):
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints, fields = _schema(cls)
     unknown = set(args) - set(fields)
     if unknown:
         raise BadRequest(f"{cls.OP}: unknown fields: {', '.join(sorted(map(str, unknown)))}",

@@ -270,7 +270,7 @@ class Server:
                 f"{len(self.connections)} connections open (max {self.max_connections})").to_wire()})
             writer.close()
             return
-        log.debug("connection from %s", conn.peer)
+        log.info("connection from %s", conn.peer)
         self.connections.add(conn)
         try:
             await conn.serve()

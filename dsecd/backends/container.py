@@ -193,18 +193,24 @@ def close_handle(h: Handle) -> None:
 
 
 def _wait_exit(h: Handle, timeout: float) -> None:
-    if h.is_child:
-        # Our child: reap it so it does not stay a zombie. waitpid blocks; we are in a thread.
-        try:
-            os.waitpid(h.init_pid, 0)
-        except ChildProcessError:
-            pass
-        return
+    """Wait for a killed init to exit, then reap it if it is our child.
+
+    An init only finishes exiting once every other process of its pid
+    namespace has been reaped; execs are the daemon's children and are reaped
+    on the event loop, so this must never block the loop, and never forever.
+    """
     import select
 
     poller = select.poll()
     poller.register(h.pidfd, select.POLLIN)
-    poller.poll(int(timeout * 1000))
+    if not poller.poll(int(timeout * 1000)):
+        log.error("sandbox init %d did not exit %.0fs after SIGKILL", h.init_pid, timeout)
+        return
+    if h.is_child:
+        try:
+            os.waitpid(h.init_pid, 0)
+        except ChildProcessError:
+            pass
 
 
 def _kill_and_reap(pid: int) -> None:
