@@ -3,7 +3,7 @@
 
 PY := .venv/bin/python
 
-.PHONY: setup build test lint demo bench bench-core rootfs
+.PHONY: setup build test lint demo bench bench-core rootfs fuzz
 
 setup:
 	bash scripts/setup.sh
@@ -28,7 +28,7 @@ rootfs:
 
 # Benchmarks print progress on stderr and one JSON object as the last line of
 # stdout. `make bench-<area>` runs bench/<area>.py; `make bench` runs them all.
-BENCHES := core
+BENCHES := core cpu
 
 bench: $(addprefix bench-,$(BENCHES))
 
@@ -37,3 +37,9 @@ bench-core: setup
 
 bench-%: setup
 	$(PY) bench/$*.py
+
+# The full fuzz campaign (issue 7): >= 100k hostile inputs against a private
+# daemon plus 100k against the in-process decoder; minutes. Last line: JSON.
+# `pytest tests/fuzz` runs a few-second slice of the same code.
+fuzz: setup
+	$(PY) bench/fuzz.py --inputs 100000 --seed 7

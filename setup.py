@@ -1,10 +1,12 @@
 """Build steps pyproject.toml cannot express: the cffi extension dsecd._native
-(from csrc/, see dsecd/_native_build.py) and the static PID 1 of container
-sandboxes, dsecd/libexec/dsec-init (from csrc/init.c).
+(from csrc/, see dsecd/_native_build.py), the static PID 1 of container
+sandboxes, dsecd/libexec/dsec-init (from csrc/init.c), and the lazy pager,
+dsecd/libexec/dsec-pager (from csrc/pager/, linked with libfuse3).
 
-Works for ``pip install .`` (dsec-init goes into the wheel), ``pip install -e .``
-and ``python setup.py build_ext --inplace`` (dsec-init is built in the source
-tree, where dsecd.native.init_binary_path() finds it).
+Works for ``pip install .`` (both binaries go into the wheel), ``pip install -e .``
+and ``python setup.py build_ext --inplace`` (they are built in the source tree,
+where dsecd.native.init_binary_path() and dsecd.fs.pager.pager_binary_path()
+find them).
 """
 
 import os
@@ -18,6 +20,8 @@ from setuptools.command.build_py import build_py
 
 INIT_SOURCE = Path("csrc/init.c")
 INIT_BINARY = Path("dsecd/libexec/dsec-init")
+PAGER_SOURCES = sorted(Path("csrc/pager").glob("*.[ch]"))
+PAGER_BINARY = Path("dsecd/libexec/dsec-pager")
 
 
 def compile_init(dest: Path) -> None:
@@ -31,18 +35,39 @@ def compile_init(dest: Path) -> None:
     subprocess.run(cmd, check=True)
 
 
+def compile_pager(dest: Path) -> None:
+    """Dynamic: it runs on the host, next to the daemon, against its libfuse3."""
+    newest = max(p.stat().st_mtime for p in PAGER_SOURCES)
+    if dest.exists() and dest.stat().st_mtime >= newest:
+        return
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    cc = shlex.split(os.environ.get("CC", "cc"))
+    fuse = subprocess.run(["pkg-config", "--cflags", "--libs", "fuse3"], check=True,
+                          capture_output=True, text=True).stdout.split()
+    sources = [str(p) for p in PAGER_SOURCES if p.suffix == ".c"]
+    cmd = [*cc, "-O2", "-Wall", "-Wextra", "-o", str(dest), *sources, *fuse]
+    print(" ".join(cmd))
+    subprocess.run(cmd, check=True)
+
+
+def compile_binaries(root: Path) -> None:
+    compile_init(root / INIT_BINARY)
+    compile_pager(root / PAGER_BINARY)
+
+
 class BuildPyWithInit(build_py):
     def run(self):
         super().run()
         # An editable install runs from the source tree; a wheel from build_lib.
         root = Path(".") if getattr(self, "editable_mode", False) else Path(self.build_lib)
-        compile_init(root / INIT_BINARY)
+        compile_binaries(root)
 
     def get_outputs(self, include_bytecode=True):
         # Declare the binary so that pip records (and uninstalls) it.
         outputs = super().get_outputs(include_bytecode)
         if not getattr(self, "editable_mode", False):
             outputs.append(str(Path(self.build_lib) / INIT_BINARY))
+            outputs.append(str(Path(self.build_lib) / PAGER_BINARY))
         return outputs
 
 
@@ -50,7 +75,7 @@ class BuildExtWithInit(build_ext):
     def run(self):
         super().run()
         if self.inplace:
-            compile_init(INIT_BINARY)
+            compile_binaries(Path("."))
 
 
 setup(

@@ -31,33 +31,24 @@ import asyncio
 import contextlib
 import json
 import os
-import re
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
+import harness
 import peers
 import uvloop
 
 import dsecd
 
-REPO = Path(__file__).resolve().parent.parent
-BIN = REPO / ".venv" / "bin"
 IMAGE = "busybox"
 CREATE_ARGS = {"image": IMAGE, "cpu": 0.5, "memory": "256M"}
+NO_ADMISSION = "[cpu]\noversubscription = 0\nmemory_oversubscription = 0\n"
 OP_TIMEOUT_S = 120  # one create/exec/destroy; a hung daemon fails the bench instead of hanging it
-DAEMON_START_TIMEOUT_S = 60
 WARMUP = 5
 
 
-def log(msg: str) -> None:
-    print(f"bench: {msg}", file=sys.stderr, flush=True)
+log = harness.log
 
 
 def pct(values: list[float], q: float) -> float:
@@ -259,175 +250,7 @@ def measure_peers(rootfs: str, n: int) -> dict:
     return out
 
 
-# -------------------------------------------------------------------- daemon
-
-
-class BenchDaemon:
-    """A dsecd of the bench's own, in `tmp`: socket, state dir, config, and a
-    cgroup subtree named after this process, so that neither its sandboxes nor
-    its clean-up meet another daemon's on the same host."""
-
-    def __init__(self, tmp: Path, config: str | None):
-        self.tmp = tmp
-        self.sock = str(tmp / "dsecd.sock")
-        self.state = str(tmp / "state")
-        self.log_path = tmp / "dsecd.log"
-        self.cgroup_root = f"dsecd-bench-{os.getpid()}"
-        self.config = config or self._write_config()
-        self.proc: subprocess.Popen | None = None
-
-    def _write_config(self) -> str:
-        path = self.tmp / "bench.toml"
-        path.write_text(f'[sandbox]\ncgroup_root = "{self.cgroup_root}"\n')
-        return str(path)
-
-    def start(self) -> None:
-        argv = [str(BIN / "dsecd"), "--socket", self.sock, "--state-dir", self.state,
-                "--config", self.config]  # fmt: skip
-        log(f"starting {' '.join(argv)}")
-        with open(self.log_path, "wb") as out:
-            # Own session: a Ctrl-C at the terminal reaches the bench, which then
-            # cleans up in order, not the daemon.
-            self.proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
-        deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
-        while not self._socket_answers():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"dsecd exited {self.proc.returncode} before its socket was up")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"dsecd socket not up after {DAEMON_START_TIMEOUT_S} s")
-            time.sleep(0.05)
-
-    def _socket_answers(self) -> bool:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            try:
-                s.connect(self.sock)
-                return True
-            except OSError:
-                return False
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no daemon log)"
-
-    def cli(self, *args: str, timeout: float = 600) -> None:
-        argv = [str(BIN / "dsec"), "--socket", self.sock, *args]
-        proc = subprocess.run(
-            argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout,
-            start_new_session=True,
-        )  # fmt: skip
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr.strip() or proc.stdout}"
-            )
-
-    def import_image(self, rootfs: str) -> None:
-        log(f"importing {rootfs} as image {IMAGE!r}")
-        self.cli("image", "import", rootfs, "--name", IMAGE)
-
-    def stop(self) -> None:
-        """Remove all sandboxes, then SIGTERM (SIGKILL after 20 s). Each step
-        runs even if the one before failed."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            try:
-                log("removing all sandboxes")
-                self.cli("rm", "--all", "--force", timeout=300)
-            except Exception as err:
-                log(f"dsec rm --all --force failed: {err}")
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                log("dsecd ignored SIGTERM for 20 s: SIGKILL")
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.returncode not in (0, -signal.SIGTERM):
-            log(f"dsecd exited {self.proc.returncode}; last lines of its log:\n{self.log_tail()}")
-        self._remove_cgroups()
-
-    def _remove_cgroups(self) -> None:
-        """Remove the bench's cgroup subtree in every hierarchy. Processes
-        still in it are sandboxes of this bench's daemon that `rm --all`
-        missed: they are killed (by pid, from our own subtree only) first."""
-        for mnt in cgroup_mounts():
-            top = Path(mnt) / self.cgroup_root
-            if not top.is_dir():
-                continue
-            for dirpath, _dirs, _files in os.walk(top, topdown=False):
-                leftover = read_pids(Path(dirpath) / "cgroup.procs")
-                if leftover:
-                    log(f"killing leftover sandbox processes in {dirpath}: {sorted(leftover)[:8]}")
-                    for pid in leftover:
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
-                    time.sleep(0.2)
-                try:
-                    os.rmdir(dirpath)
-                except OSError as err:
-                    log(f"cannot remove cgroup {dirpath}: {err.strerror}")
-
-
-def cgroup_mounts() -> list[str]:
-    out = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            parts = line.split()
-            fstype = parts[parts.index("-") + 1]
-            if fstype in ("cgroup", "cgroup2"):
-                out.append(unescape_mount_path(parts[4]))
-    return out
-
-
-def read_pids(path: Path) -> set[int]:
-    try:
-        return {int(x) for x in path.read_text().split()}
-    except OSError:
-        return set()
-
-
-def unescape_mount_path(field: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as \\ooo."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
-def mounts_under(top: Path) -> list[str]:
-    prefix = str(top).rstrip("/") + "/"
-    with open("/proc/self/mountinfo") as f:
-        points = [unescape_mount_path(line.split()[4]) for line in f]
-    return [p for p in points if p == str(top) or p.startswith(prefix)]
-
-
-def remove_tmp(tmp: Path) -> None:
-    """Unmount what the daemon left mounted below tmp (deepest first, lazily),
-    then delete tmp. rmtree never runs while a mount remains: it would walk
-    into the mounted filesystem."""
-    for point in sorted(mounts_under(tmp), key=len, reverse=True):
-        log(f"unmounting leftover {point}")
-        subprocess.run(["umount", "-l", point], stdin=subprocess.DEVNULL, check=False)
-    left = mounts_under(tmp)
-    if left:
-        log(f"NOT removing {tmp}: still mounted: {left}")
-        return
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
 # ---------------------------------------------------------------------- main
-
-
-def build_rootfs() -> str:
-    out = subprocess.run(
-        ["bash", str(REPO / "scripts" / "mkrootfs.sh")],
-        check=True, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    return out.stdout.strip().splitlines()[-1]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -447,38 +270,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def interrupt(signum, _frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if os.geteuid() != 0:
         log("must run as root")
         return 1
-    signal.signal(signal.SIGTERM, interrupt)  # same clean-up path as Ctrl-C
-    rootfs = args.rootfs or build_rootfs()
-    tmp = Path(tempfile.mkdtemp(prefix="dsecd-bench-"))
-    daemon = BenchDaemon(tmp, args.daemon_config)
-    try:
-        daemon.start()
-        daemon.import_image(rootfs)
+    rootfs = args.rootfs or harness.build_rootfs()
+    # Admission off: this bench measures footprint and speed with hundreds of
+    # sandboxes on a small host, past any sane oversubscription of its cores.
+    with harness.private_daemon(rootfs, IMAGE, args.daemon_config, NO_ADMISSION) as daemon:
         results = uvloop.run(measure_dsecd(daemon.sock, args))
-    except Exception as err:
-        log(f"FAILED: {err!r}")
-        if daemon.proc is not None and daemon.proc.poll() is None:
-            log(f"last lines of the daemon's log:\n{daemon.log_tail()}")
-        raise
-    finally:
-        # Clean-up must finish: later signals are ignored until it has.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        try:
-            daemon.stop()
-        finally:
-            remove_tmp(tmp)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.signal(signal.SIGTERM, interrupt)
 
     # The daemon is gone: the peers run on the same quiet host.
     results.update(measure_peers(rootfs, args.n_peers))

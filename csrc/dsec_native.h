@@ -49,6 +49,10 @@ enum dsec_step {
     DSEC_STEP_NO_NEW_PRIVS = 28,
     DSEC_STEP_CAPS = 29,
     DSEC_STEP_EXEC_INIT = 30,
+    /* CPU QoS, in the container child (after cgroup_ns) and in the exec
+     * child (before ids: sharing a cookie needs ptrace access to PID 1) */
+    DSEC_STEP_SCHED_IDLE = 31,
+    DSEC_STEP_SCHED_CORE = 32,
     /* in the exec helper and the exec child (stdio, close_fds, caps,
      * no_new_privs above are shared) */
     DSEC_STEP_SETNS = 40,
@@ -75,6 +79,8 @@ struct dsec_container_args {
     const char *shm_opts; /* tmpfs data for /dev/shm */
     const char *const *cgroup_procs;
     int n_cgroups;
+    int sched_idle; /* nonzero: SCHED_IDLE for init (and what it forks) */
+    int core_sched; /* nonzero: a new core-scheduling cookie for init */
 };
 
 struct dsec_exec_args {
@@ -90,6 +96,8 @@ struct dsec_exec_args {
     int stdout_fd;
     int stderr_fd;
     uint64_t cap_keep;
+    int sched_idle; /* nonzero: SCHED_IDLE before execve (children inherit it) */
+    int core_sched; /* nonzero: share the cookie of the sandbox's PID 1 */
 };
 
 struct dsec_kvm_probe {
@@ -97,6 +105,8 @@ struct dsec_kvm_probe {
     int open_err;    /* 0 or -errno of open("/dev/kvm") */
     int create_vm;   /* 0 or -errno */
     int create_vcpu; /* 0 or -errno */
+    int run;         /* 0: a real-mode test guest ran to HLT; -errno; or the
+                        unexpected KVM_EXIT_* reason (> 0) */
 };
 
 /* spawn.c */
@@ -108,6 +118,11 @@ int dsec_pidfd_send_signal(int pidfd, int sig);
 /* fileops.c */
 int dsec_file_openat2(int dirfd, const char *path, uint64_t flags, uint64_t mode, uint64_t resolve);
 
+/* sched.c */
+int dsec_sched_set_idle(int pid);
+int dsec_sched_core_create(int pid);
+int dsec_sched_core_share_from(int pid);
+
 /* probe.c */
 int dsec_probe_sched_core(void);
 int dsec_probe_landlock_abi(void);
@@ -117,6 +132,32 @@ void dsec_probe_kvm(struct dsec_kvm_probe *out);
 int dsec_probe_openat2(void);
 int dsec_probe_pidfd(void);
 int dsec_probe_clone3(void);
+
+/* madvise.c: advice on / fault-in of ranges of another process */
+struct dsec_madvise_result {
+    uint64_t bytes; /* bytes the kernel accepted advice for */
+    int nr_failed;  /* ranges skipped (unmapped meanwhile: ENOMEM, ...) */
+    int first_err;  /* positive errno of the first skipped range, 0 if none */
+};
+int dsec_process_madvise(int pidfd, const uint64_t *starts, const uint64_t *lens, int n,
+                         int advice, struct dsec_madvise_result *out);
+int dsec_process_populate(int pid, const uint64_t *pages, int n, struct dsec_madvise_result *out);
+
+/* swap.c */
+int dsec_swapon(const char *path, int priority);
+int dsec_swapoff(const char *path);
+/* seccomp.c: the sandbox seccomp profile, built once in the daemon
+ * (dsec_seccomp_build), installed in an exec child just before execve
+ * (dsec_seccomp_install: async-signal-safe, no allocation) */
+#define DSEC_SECCOMP_MAX_INSNS 1024
+#define DSEC_SECCOMP_DEFAULT 0
+int dsec_seccomp_build(int profile);
+int dsec_seccomp_install(int profile);
+int dsec_seccomp_no_new_privs(void);
+int dsec_seccomp_export_pfc(int profile, int fd);
+/* mount.c: host-side layer mounts */
+int dsec_mount_erofs(const char *file, const char *target);
+int dsec_umount(const char *target, int flags);
 /* CFFI-END */
 
 #endif /* DSEC_NATIVE_H */

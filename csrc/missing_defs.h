@@ -59,6 +59,11 @@
 #define PR_SCHED_CORE_GET 0
 #define PR_SCHED_CORE_SCOPE_THREAD 0
 #endif
+#ifndef PR_SCHED_CORE_CREATE
+#define PR_SCHED_CORE_CREATE 1
+#define PR_SCHED_CORE_SHARE_FROM 3
+#define PR_SCHED_CORE_SCOPE_THREAD_GROUP 1
+#endif
 
 /* linux/landlock.h, Linux 5.13 */
 #ifndef LANDLOCK_CREATE_RULESET_VERSION

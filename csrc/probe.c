@@ -11,6 +11,7 @@
 #include <fcntl.h>
 #include <linux/bpf.h>
 #include <linux/kvm.h>
+#include <sys/mman.h>
 #include <linux/seccomp.h>
 #include <stdint.h>
 #include <string.h>
@@ -116,15 +117,57 @@ static int kvm_ioctl(int fd, unsigned long req, unsigned long arg)
     return rc < 0 ? -errno : rc;
 }
 
+/* Run one instruction (HLT) in real mode at guest address 0x1000: some hosts
+ * create VMs and vCPUs but cannot enter a guest. Returns 0 when the guest
+ * exits with KVM_EXIT_HLT, -errno, or the unexpected exit reason. */
+static int kvm_run_hlt(int kvm, int vm, int vcpu)
+{
+    struct kvm_userspace_memory_region region = {.slot = 0, .guest_phys_addr = 0x1000,
+                                                 .memory_size = 0x1000};
+    struct kvm_sregs sregs;
+    struct kvm_regs regs = {.rip = 0x1000, .rflags = 2};
+    struct kvm_run *run = MAP_FAILED;
+    unsigned char *mem;
+    int size, rc;
+
+    mem = mmap(NULL, 0x1000, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (mem == MAP_FAILED)
+        return -errno;
+    mem[0] = 0xf4; /* hlt */
+    region.userspace_addr = (unsigned long)mem;
+    size = kvm_ioctl(kvm, KVM_GET_VCPU_MMAP_SIZE, 0);
+    rc = size < 0 ? size : kvm_ioctl(vm, KVM_SET_USER_MEMORY_REGION, (unsigned long)&region);
+    if (rc >= 0) {
+        run = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, vcpu, 0);
+        rc = run == MAP_FAILED ? -errno : kvm_ioctl(vcpu, KVM_GET_SREGS, (unsigned long)&sregs);
+    }
+    if (rc >= 0) {
+        sregs.cs.base = 0;
+        sregs.cs.selector = 0;
+        rc = kvm_ioctl(vcpu, KVM_SET_SREGS, (unsigned long)&sregs);
+    }
+    if (rc >= 0)
+        rc = kvm_ioctl(vcpu, KVM_SET_REGS, (unsigned long)&regs);
+    if (rc >= 0)
+        rc = kvm_ioctl(vcpu, KVM_RUN, 0);
+    if (rc >= 0)
+        rc = run->exit_reason == KVM_EXIT_HLT ? 0 : (int)run->exit_reason;
+    if (run != MAP_FAILED)
+        munmap(run, size);
+    munmap(mem, 0x1000);
+    return rc;
+}
+
 /* Opening /dev/kvm is not enough: nested or restricted hosts fail at
- * KVM_CREATE_VM or KVM_CREATE_VCPU, so the probe creates one of each. */
+ * KVM_CREATE_VM or KVM_CREATE_VCPU, or cannot enter a guest, so the probe
+ * creates one of each and runs a one-instruction guest. */
 void dsec_probe_kvm(struct dsec_kvm_probe *out)
 {
     int kvm = open("/dev/kvm", O_RDWR | O_CLOEXEC);
     int vm = -1, vcpu = -1;
 
     out->open_err = kvm < 0 ? -errno : 0;
-    out->api = out->create_vm = out->create_vcpu = out->open_err;
+    out->api = out->create_vm = out->create_vcpu = out->run = out->open_err;
     if (kvm < 0)
         return;
     out->api = kvm_ioctl(kvm, KVM_GET_API_VERSION, 0);
@@ -132,6 +175,7 @@ void dsec_probe_kvm(struct dsec_kvm_probe *out)
     out->create_vm = vm < 0 ? vm : 0;
     vcpu = vm < 0 ? vm : kvm_ioctl(vm, KVM_CREATE_VCPU, 0);
     out->create_vcpu = vcpu < 0 ? vcpu : 0;
+    out->run = vcpu < 0 ? vcpu : kvm_run_hlt(kvm, vm, vcpu);
     if (vcpu >= 0)
         close(vcpu);
     if (vm >= 0)

@@ -236,6 +236,16 @@ static int caps_set(uint64_t keep, struct dsec_err *e)
     return 0;
 }
 
+/* A dsec_sched_* result (0 or -errno) as a recorded step. */
+static int sched_step(int rc, struct dsec_err *e, int step)
+{
+    if (rc < 0) {
+        err_set(e, step, -rc, NULL);
+        return -1;
+    }
+    return 0;
+}
+
 /* ---- container child ----------------------------------------------------- */
 
 struct container_ctx {
@@ -276,6 +286,20 @@ static int cgroups_enter(const struct container_ctx *c)
     if (cgroups_join(c->cg_fds, c->a->cgroup_procs, c->a->n_cgroups, c->err) < 0)
         return -1;
     return check(unshare(CLONE_NEWCGROUP), c->err, DSEC_STEP_CGROUP_NS, NULL);
+}
+
+/* CPU QoS of PID 1, set before anything forks so every later process of the
+ * sandbox inherits it: SCHED_IDLE for best-effort sandboxes, and a cookie of
+ * its own for latency-sensitive ones on kernels with core scheduling (execs
+ * copy it from PID 1). */
+static int sched_enter(const struct container_ctx *c)
+{
+    if (c->a->sched_idle && sched_step(dsec_sched_set_idle(0), c->err, DSEC_STEP_SCHED_IDLE) < 0)
+        return -1;
+    if (c->a->core_sched &&
+        sched_step(dsec_sched_core_create(0), c->err, DSEC_STEP_SCHED_CORE) < 0)
+        return -1;
+    return 0;
 }
 
 /* The overlay is mounted inside the new mount namespace only, after making
@@ -447,8 +471,8 @@ static int privileges_drop(const struct container_ctx *c)
 
 /* The container child's checklist, in order (docs/native-api.md). */
 static int (*const container_steps[])(const struct container_ctx *) = {
-    cgroups_enter, rootfs_mount, dev_mount,  proc_protect, tmp_mount,
-    hostname_set,  loopback_up,  root_pivot, init_stdio,   privileges_drop,
+    cgroups_enter, sched_enter, rootfs_mount, dev_mount,  proc_protect,    tmp_mount,
+    hostname_set,  loopback_up, root_pivot,   init_stdio, privileges_drop,
 };
 
 static int container_child(void *arg)
@@ -612,6 +636,11 @@ static int exec_child(void *arg)
     struct dsec_err *e = c->err;
 
     signals_reset();
+    /* QoS first, while still root with every capability: SHARE_FROM needs
+     * ptrace access to the sandbox's PID 1 (pid 1 in our pid namespace). */
+    if ((a->sched_idle && sched_step(dsec_sched_set_idle(0), e, DSEC_STEP_SCHED_IDLE) < 0) ||
+        (a->core_sched && sched_step(dsec_sched_core_share_from(1), e, DSEC_STEP_SCHED_CORE) < 0))
+        _exit(127);
     if (check(setsid(), e, DSEC_STEP_SETSID, NULL) < 0 || stdio_dup(a, e) < 0 ||
         check(syscall(SYS_close_range, 3, ~0U, 0), e, DSEC_STEP_CLOSE_FDS, NULL) < 0 ||
         caps_bound(a->cap_keep, e) < 0 || ids_set(a, e) < 0 || caps_set(a->cap_keep, e) < 0 ||

@@ -16,7 +16,7 @@ from cffi import FFI
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
-SOURCES = ["spawn.c", "fileops.c", "probe.c"]
+SOURCES = ["spawn.c", "fileops.c", "probe.c", "madvise.c", "swap.c", "sched.c", "seccomp.c", "mount.c"]
 HEADERS = ["dsec_native.h", "missing_defs.h"]
 
 # Values filled in by the compiler, never copied by hand.
@@ -29,10 +29,16 @@ CONSTANTS = """
 #define RESOLVE_CACHED ...
 #define PR_SCHED_CORE ...
 #define PR_SCHED_CORE_GET ...
+#define MADV_WILLNEED ...
+#define MNT_DETACH ...
+#define MADV_COLD ...
+#define MADV_PAGEOUT ...
 """
 
 PRELUDE = """
 #include <sys/prctl.h>
+#include <sys/mman.h>
+#include <sys/mount.h>
 #include "dsec_native.h"
 #include "missing_defs.h"
 """
@@ -57,6 +63,7 @@ ffibuilder.set_source(
     PRELUDE,
     sources=[_rel(CSRC / name) for name in SOURCES],
     include_dirs=[_rel(CSRC)],
+    libraries=["seccomp"],  # csrc/seccomp.c builds its filter with libseccomp (in the daemon only)
     depends=[_rel(CSRC / name) for name in HEADERS],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
 )

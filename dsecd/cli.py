@@ -78,35 +78,103 @@ async def cmd_info(c: Client, a) -> int:
     print("paths:")
     for k, v in sorted(info["paths"].items()):
         print(f"  {k:<12} {v}")
+    if "cpu" in info:
+        _print_cpu_info(info["cpu"])
     return 0
 
 
-async def cmd_image(c: Client, a) -> int:
-    if a.image_cmd == "import":
-        last = [0.0]
+def _print_cpu_info(cpu: dict) -> None:
+    adm, used, hint = cpu["admission"], cpu["used"], cpu["placement"]
+    c, m = adm["cpu"], adm["memory"]
+    print(f"cpu: {cpu['cpus']} cores, default qos {cpu['default_qos']}, LS weight x{cpu['ls_weight_factor']:g}, "
+          f"cpu.idle {'yes' if cpu['cpu_idle'] else 'no'}, core scheduling {cpu['core_sched']}")
+    print(f"  admission   {adm['state']}" + (f" (full on {adm['full_on']})" if adm["full_on"] else ""))
+    print(f"  cpu         requested {c['requested']:g} of capacity "
+          + (f"{c['capacity']:g} ({c['cpus']} x {c['ratio']:g})" if c["capacity"] is not None else "unchecked"))
+    print(f"  memory      requested {_human_bytes(m['requested'])} of capacity "
+          + (f"{_human_bytes(m['capacity'])} ({_human_bytes(m['mem_total'])} x {m['ratio']:g})"
+             if m["capacity"] is not None else "unchecked"))
+    cores = used["sandbox_cores"] or {}
+    print(f"  used        host {_pct(used['host_cpu_pct'])}, sandboxes LS {cores.get('ls', 0):.2f} "
+          f"BE {cores.get('be', 0):.2f} cores (sampled every {used['sample_interval_s']:g}s)")
+    if hint.get("ready"):
+        print(f"  placement   LS headroom {hint['ls_headroom_cores']:.2f} cores, BE headroom "
+              f"{hint['be_headroom_cores']:.2f}, BE pressure {_pct(hint['be_pressure_pct'])}, "
+              f"ls_score {hint['ls_score']}")
 
-        def progress(p: dict) -> None:
-            if not a.json and sys.stderr.isatty() and time.monotonic() - last[0] > 0.2:
-                last[0] = time.monotonic()
-                print(f"\rimporting: {p['files']} files, {_human_bytes(p['bytes'])}", end="", file=sys.stderr)
 
-        img = await c.import_image(a.path, a.name, progress)
-        if sys.stderr.isatty() and not a.json:
-            print(file=sys.stderr)
-        if a.json:
-            _print_json(img)
+def _pct(v) -> str:
+    return "-" if v is None else f"{v:.1f}%"
+
+
+async def cmd_top(c: Client, a) -> int:
+    top = await c.top(_kv(a.label, "--label"))
+    if a.json:
+        _print_json(top)
+        return 0
+    h = top["host"] or {}
+    if h:
+        psi = (h.get("psi_cpu") or {}).get("some_avg10")
+        print(f"host: {h['cpus']} cpus, cpu {_pct(h['cpu_pct'])}, load {' '.join(map(str, h['loadavg']))}, "
+              f"mem {_human_bytes(h['mem_total'] - h['mem_available'])}/{_human_bytes(h['mem_total'])}, "
+              f"cpu pressure {_pct(psi)}")
+    else:
+        print("host: no sample yet")
+    rows = [[s["id"], s["qos"], s["state"], f"{s['cpu']:g}", _pct(s["cpu_pct"]), _pct(s["throttled_pct"]),
+             "-" if s["memory"] is None else _human_bytes(s["memory"]), _human_bytes(s["memory_limit"])]
+            for s in sorted(top["sandboxes"], key=lambda s: -(s["cpu_pct"] or 0))]
+    _table(rows, ["ID", "QOS", "STATE", "CPU", "CPU%", "THROTTLED", "MEM", "MEM LIMIT"])
+    return 0
+
+
+class _ProgressBar:
+    """One status line on a tty for long builds; silent otherwise (and with --json)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and sys.stderr.isatty()
+        self.shown = False
+
+    def __call__(self, p: dict) -> None:
+        if not self.enabled:
+            return
+        if p.get("step") == "unpack":
+            text = f"unpacking layer {p['layer']}/{p['of']} ({p['entries']} entries)"
+        elif p.get("step") == "layer":
+            text = f"layer {p['digest'][7:19]} {_human_bytes(p['bytes'])}{'' if p['new'] else ' (exists)'}"
         else:
-            print(f"imported {img['name']}: {img['files']} files, {_human_bytes(img['bytes'])}"
-                  + (f", {img['skipped']} special files skipped" if img["skipped"] else ""))
+            text = f"{p.get('step', 'working')} {p.get('source', '')}"
+        print(f"\r\033[K{text}", end="", file=sys.stderr, flush=True)
+        self.shown = True
+
+    def done(self) -> None:
+        if self.shown:
+            print(file=sys.stderr)
+
+
+def _print_image(img: dict, verb: str) -> None:
+    layers = ", ".join(layer["digest"][7:19] for layer in img["layers"])
+    print(f"{verb} {img['name']}: {len(img['layers'])} layer(s) [{layers}], {_human_bytes(img['bytes'])}, "
+          f"manifest {img['manifest'][:19]}")
+
+
+async def cmd_image(c: Client, a) -> int:
+    if a.image_cmd in ("build", "import"):
+        bar = _ProgressBar(not a.json)
+        config = {"env": _kv(a.env, "--env") or None, "cwd": a.cwd, "user": a.user,
+                  "entrypoint": a.entrypoint}
+        img = await c.build_image(a.path, a.name, getattr(a, "parent", None), bar,
+                                  **{k: v for k, v in config.items() if v is not None})
+        bar.done()
+        _print_json(img) if a.json else _print_image(img, "built")
         return 0
     if a.image_cmd == "ls":
         images = await c.list_images()
         if a.json:
             _print_json(images)
         else:
-            _table([[i["name"], i["kind"], str(i["files"]), _human_bytes(i["bytes"]),
+            _table([[i["name"], str(len(i["layers"])), _human_bytes(i["bytes"]), i["manifest"][7:19],
                      time.strftime("%Y-%m-%d %H:%M", time.localtime(i["created"]))] for i in images],
-                   ["NAME", "KIND", "FILES", "SIZE", "CREATED"])
+                   ["NAME", "LAYERS", "SIZE", "MANIFEST", "CREATED"])
         return 0
     if a.image_cmd == "inspect":
         _print_json(await c.inspect_image(a.name))
@@ -114,14 +182,39 @@ async def cmd_image(c: Client, a) -> int:
     if a.image_cmd == "rm":
         await c.remove_image(a.name)
         if not a.json:
-            print(f"removed image {a.name}")
+            print(f"removed image name {a.name} (its layers go at the next `dsec image gc`)")
         return 0
-    raise SystemExit("dsec image: give a subcommand: import, ls, inspect, rm")
+    if a.image_cmd == "gc":
+        r = await c.image_gc()
+        _print_json(r) if a.json else print(f"removed {len(r['removed'])} blob(s), "
+                                            f"freed {_human_bytes(r['freed_bytes'])}")
+        return 0
+    if a.image_cmd == "du":
+        r = await c.image_du()
+        if a.json:
+            _print_json(r)
+            return 0
+        print(f"{r['blobs']} blobs, {_human_bytes(r['bytes'])} in the store; shared layers "
+              f"{_human_bytes(r['shared_layer_bytes'])}; unreferenced {_human_bytes(r['unreferenced_bytes'])}")
+        _table([[i["name"], str(i["layers"]), _human_bytes(i["bytes"])] for i in r["images"]],
+               ["IMAGE", "LAYERS", "SIZE"])
+        return 0
+    raise SystemExit("dsec image: give a subcommand: build, import, ls, inspect, rm, gc, du")
+
+
+async def cmd_snapshot(c: Client, a) -> int:
+    sb = await c.get(a.sandbox)
+    bar = _ProgressBar(not a.json)
+    img = await sb.snapshot(a.name, a.exclude or [], bar)
+    bar.done()
+    _print_json(img) if a.json else _print_image(img, "snapshot")
+    return 0
 
 
 async def cmd_create(c: Client, a) -> int:
     sb = await c.create(image=a.image, cpu=a.cpu, memory=a.memory, pids=a.pids, env=_kv(a.env, "--env"),
-                        labels=_kv(a.label, "--label"), hostname=a.hostname, cwd=a.cwd, user=a.user)
+                        labels=_kv(a.label, "--label"), hostname=a.hostname, cwd=a.cwd, user=a.user,
+                        qos=a.qos, cpu_quota=a.cpu_quota)
     if a.json:
         _print_json(sb.info)
     else:
@@ -284,13 +377,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    sub.add_parser("info", help="version, kernel features, limits, paths")
+    inf = sub.add_parser("info", help="version, kernel features, limits, paths, CPU capacity")
+    inf.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
 
     img = sub.add_parser("image", help="manage images").add_subparsers(dest="image_cmd", required=True)
-    imp = img.add_parser("import", help="import a root directory as an image")
-    imp.add_argument("path")
-    imp.add_argument("--name", required=True)
+    for verb, text in (("build", "build an image from a directory or a docker-save/OCI tarball"),
+                       ("import", "same as build (a root directory as a one-layer image)")):
+        imp = img.add_parser(verb, help=text)
+        imp.add_argument("path")
+        imp.add_argument("--name", required=True)
+        if verb == "build":
+            imp.add_argument("--from", dest="parent", help="put the new layer on top of this image")
+        imp.add_argument("--env", action="append", metavar="K=V", help="image config: environment")
+        imp.add_argument("--cwd", help="image config: working directory")
+        imp.add_argument("--user", type=int, help="image config: uid")
+        imp.add_argument("--entrypoint", nargs="+", help="image config: command")
     img.add_parser("ls", help="list images")
+    img.add_parser("gc", help="remove blobs no image and no live sandbox uses")
+    img.add_parser("du", help="disk use of the blob store")
     for name in ("inspect", "rm"):
         x = img.add_parser(name)
         x.add_argument("name")
@@ -305,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("--hostname")
     cr.add_argument("--cwd", default="/")
     cr.add_argument("--user", type=int, default=0, help="uid inside the sandbox")
+    cr.add_argument("--qos", choices=["be", "ls"], help="best-effort or latency-sensitive (default: cpu.default_qos)")
+    cr.add_argument("--cpu-quota", action=argparse.BooleanOptionalAction,
+                    help="--cpu is also a hard CFS quota (default: sandbox.cpu_hard_quota)")
 
     ex = sub.add_parser("exec", help="run a command in a sandbox")
     ex.add_argument("-i", "--interactive", action="store_true", help="pass stdin to the command")
@@ -319,8 +426,18 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("src")
     cp.add_argument("dst")
 
+    snap = sub.add_parser("snapshot", help="pack a sandbox's changes as a new image (pack_diff)")
+    snap.add_argument("sandbox")
+    snap.add_argument("--name", required=True)
+    snap.add_argument("--exclude", action="append", metavar="PATH", help="leave out this path (repeatable)")
+
     ps = sub.add_parser("ps", help="list sandboxes")
     ps.add_argument("--label", action="append", metavar="K=V")
+
+    top = sub.add_parser("top", help="sampled CPU, throttling and memory per sandbox; host totals")
+    top.add_argument("--label", action="append", metavar="K=V")
+    # `dsec top --json` as well as `dsec --json top`; SUPPRESS keeps the global flag.
+    top.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
 
     ins = sub.add_parser("inspect", help="one sandbox as JSON")
     ins.add_argument("sandbox")
@@ -336,8 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-COMMANDS = {"info": cmd_info, "image": cmd_image, "create": cmd_create, "exec": cmd_exec, "cp": cmd_cp,
-            "ps": cmd_ps, "inspect": cmd_inspect, "rm": cmd_rm}
+COMMANDS = {"info": cmd_info, "image": cmd_image, "snapshot": cmd_snapshot, "create": cmd_create, "exec": cmd_exec, "cp": cmd_cp,
+            "ps": cmd_ps, "inspect": cmd_inspect, "rm": cmd_rm, "top": cmd_top}
 
 
 async def _run(a) -> int:

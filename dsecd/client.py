@@ -183,13 +183,29 @@ class Client:
     async def info(self) -> dict:
         return await self.request("info")
 
-    async def import_image(self, path: str, name: str, progress: Callable[[dict], None] | None = None) -> dict:
-        async for frame in self.frames("image_import", path=os.path.abspath(path), name=name):
+    async def build_image(self, source: str, name: str, parent: str | None = None,
+                          progress: Callable[[dict], None] | None = None, **config) -> dict:
+        """A directory or image tarball (on the daemon's host) -> image `name`,
+        optionally on top of image `parent`; config: env, cwd, user, entrypoint."""
+        args = {"source": os.path.abspath(source), "name": name, **config}
+        if parent:
+            args["parent"] = parent
+        async for frame in self.frames("image_build", **args):
             if "__result__" in frame:
                 return frame["__result__"]
             if progress and "progress" in frame:
                 progress(frame["progress"])
-        raise ConnectionError("image_import: no final frame")
+        raise ConnectionError("image_build: no final frame")
+
+    async def import_image(self, path: str, name: str, progress: Callable[[dict], None] | None = None) -> dict:
+        """A root directory as a one-layer image (same as build_image without a parent)."""
+        return await self.build_image(path, name, progress=progress)
+
+    async def image_gc(self) -> dict:
+        return await self.request("image_gc")
+
+    async def image_du(self) -> dict:
+        return await self.request("image_du")
 
     async def list_images(self) -> list[dict]:
         return (await self.request("image_list"))["images"]
@@ -204,9 +220,11 @@ class Client:
 
     async def create(self, image: str, cpu: float | None = None, memory: int | str | None = None,
                      pids: int | None = None, env: dict | None = None, labels: dict | None = None,
-                     hostname: str | None = None, cwd: str = "/", user: int = 0) -> Sandbox:
+                     hostname: str | None = None, cwd: str = "/", user: int = 0, qos: str | None = None,
+                     cpu_quota: bool | None = None) -> Sandbox:
         args = {"image": image, "env": env or {}, "labels": labels or {}, "cwd": cwd, "user": user}
-        for k, v in (("cpu", cpu), ("memory", memory), ("pids", pids), ("hostname", hostname)):
+        for k, v in (("cpu", cpu), ("memory", memory), ("pids", pids), ("hostname", hostname), ("qos", qos),
+                     ("cpu_quota", cpu_quota)):
             if v is not None:
                 args[k] = v
         info = await self.request("create", **args)
@@ -221,6 +239,10 @@ class Client:
 
     async def destroy_all(self, force: bool = False, labels: dict | None = None) -> dict:
         return await self.request("destroy_all", force=force, labels=labels or {})
+
+    async def top(self, labels: dict | None = None) -> dict:
+        """Sampled CPU/memory use per sandbox and for the host (see `dsec top`)."""
+        return await self.request("top", labels=labels or {})
 
 
 class ExecStream:
@@ -331,6 +353,16 @@ class Sandbox:
 
     async def stat(self, path: str) -> dict:
         return await self.client.request("file_stat", sandbox=self.id, path=path)
+
+    async def snapshot(self, name: str, exclude: list[str] | None = None,
+                       progress: Callable[[dict], None] | None = None) -> dict:
+        """pack_diff: this sandbox's changes as a new image `name` over its own image."""
+        async for frame in self.client.frames("snapshot", sandbox=self.id, name=name, exclude=exclude or []):
+            if "__result__" in frame:
+                return frame["__result__"]
+            if progress and "progress" in frame:
+                progress(frame["progress"])
+        raise ConnectionError("snapshot: no final frame")
 
     async def inspect(self) -> dict:
         self.info = await self.client.request("inspect", sandbox=self.id)

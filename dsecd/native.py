@@ -26,7 +26,8 @@ __all__ = [
     "ContainerSpec", "ExecSpec", "NativeError", "spawn_container", "spawn_exec", "openat2",
     "pidfd_open", "pidfd_send_signal", "probe_sched_core", "probe_landlock_abi",
     "probe_seccomp", "probe_bpf_cgroup", "probe_kvm", "probe_openat2", "probe_pidfd",
-    "probe_clone3", "describe_errno", "init_binary_path", "STEPS",
+    "probe_clone3", "describe_errno", "init_binary_path", "STEPS", "sched_set_idle",
+    "sched_core_create", "sched_core_share_from",
     "RESOLVE_IN_ROOT", "RESOLVE_NO_MAGICLINKS", "RESOLVE_NO_SYMLINKS", "RESOLVE_BENEATH",
     "RESOLVE_NO_XDEV", "RESOLVE_CACHED",
 ]
@@ -63,6 +64,7 @@ _VERBS = {
     "no_new_privs": "set no_new_privs for", "caps": "set capabilities of",
     "exec_init": "exec", "setns": "enter namespaces of", "setsid": "setsid for",
     "ids": "set uid/gid to", "chdir": "chdir to", "exec": "exec", "exec_interp": "exec",
+    "sched_idle": "set SCHED_IDLE for", "sched_core": "set core-scheduling cookie of",
 }
 
 _MOUNT_STEPS = {"mount_private", "mount_overlay", "mount_proc", "mount_dev", "dev_node",
@@ -124,6 +126,9 @@ _HINTS: dict[tuple[str, int], str] = {
     ("pidfd_send_signal", errno.ESRCH): "the process has exited",
     ("sched_core", errno.EINVAL): "the kernel was built without CONFIG_SCHED_CORE",
     ("sched_core", errno.ENODEV): "no SMT on this host: core scheduling has nothing to isolate",
+    ("sched_core", errno.EPERM): "sharing a cookie needs ptrace access to the source process",
+    ("sched_core", errno.ESRCH): "the process to take the cookie from has exited",
+    ("sched_idle", errno.EPERM): "the target process belongs to another user",
     ("landlock", errno.EOPNOTSUPP): "landlock is built in but disabled: add it to the lsm= "
         "boot parameter",
     ("landlock", errno.ENOSYS): "the kernel was built without CONFIG_SECURITY_LANDLOCK",
@@ -274,6 +279,8 @@ class ContainerSpec:
                              # cgroup namespace is unshared
     tmp_size_bytes: int    # size= of the tmpfs on /tmp
     shm_size_bytes: int    # size= of the tmpfs on /dev/shm
+    sched_idle: bool = False  # PID 1 (and all it forks) runs SCHED_IDLE
+    core_sched: bool = False  # PID 1 gets a core-scheduling cookie of its own
 
     def __post_init__(self):
         self.overlay_options()
@@ -317,6 +324,7 @@ def spawn_container(spec: ContainerSpec) -> int:
      args.shm_opts) = cells
     cgroups = _cgroup_files(spec.cgroup_procs)
     args.cgroup_procs, args.n_cgroups = _string_array(cgroups, keep), len(cgroups)
+    args.sched_idle, args.core_sched = bool(spec.sched_idle), bool(spec.core_sched)
     err = ffi.new("struct dsec_err *")
     pid = lib.dsec_spawn_container(args, err)
     if pid < 0:
@@ -361,6 +369,8 @@ class ExecSpec:
     stderr_fd: int
     cap_keep: int          # capabilities kept: bounding = permitted = effective =
                            # inheritable = ambient = cap_keep
+    sched_idle: bool = False  # SCHED_IDLE before execve; its children inherit it
+    core_sched: bool = False  # copy the core-scheduling cookie of the sandbox's PID 1
 
     def __post_init__(self):
         _fd("pidfd", self.pidfd)
@@ -401,6 +411,7 @@ def spawn_exec(spec: ExecSpec) -> int:
     args.cwd = cwd
     args.uid, args.gid, args.cap_keep = spec.uid, spec.gid, spec.cap_keep
     args.stdin_fd, args.stdout_fd, args.stderr_fd = spec.stdin_fd, spec.stdout_fd, spec.stderr_fd
+    args.sched_idle, args.core_sched = bool(spec.sched_idle), bool(spec.core_sched)
     err = ffi.new("struct dsec_err *")
     pid = lib.dsec_spawn_exec(args, err)
     if pid < 0:
@@ -452,6 +463,32 @@ def pidfd_send_signal(pidfd: int, sig: int) -> None:
         _raise(-rc, f"send signal {int(sig)} via", f"pidfd {pidfd}", "pidfd_send_signal")
 
 
+# ---------------------------------------------------------------- CPU QoS
+# The same C helpers the spawn children run as steps, for one existing process.
+
+
+def sched_set_idle(pid: int) -> None:
+    """sched_setscheduler(pid, SCHED_IDLE); pid 0 = the calling thread."""
+    rc = lib.dsec_sched_set_idle(pid)
+    if rc < 0:
+        _raise(-rc, "set SCHED_IDLE for", f"pid {pid}", "sched_idle")
+
+
+def sched_core_create(pid: int) -> None:
+    """A new core-scheduling cookie for pid's thread group (0 = the caller's).
+    EINVAL: no CONFIG_SCHED_CORE; ENODEV: no SMT (both with a hint)."""
+    rc = lib.dsec_sched_core_create(pid)
+    if rc < 0:
+        _raise(-rc, "create core-scheduling cookie for", f"pid {pid}", "sched_core")
+
+
+def sched_core_share_from(pid: int) -> None:
+    """Copy pid's core-scheduling cookie onto the calling thread."""
+    rc = lib.dsec_sched_core_share_from(pid)
+    if rc < 0:
+        _raise(-rc, "take core-scheduling cookie from", f"pid {pid}", "sched_core")
+
+
 # ---------------------------------------------------------------- probes
 # 0 = available, else the (positive) errno that says why not; never raise for
 # "absent". describe_errno(name, code) turns a code into text with a hint.
@@ -488,6 +525,14 @@ def probe_kvm() -> dict:
     failed = next(((k, v) for k, v in result.items() if k != "api" and v), None)
     result["detail"] = (f"{failed[0]}: {describe_errno('kvm', failed[1])}" if failed
                         else f"api {out.api}, VM and vCPU created")
+    if not failed:
+        # run: 0 = the one-instruction guest reached HLT; < 0 = -errno of an
+        # ioctl; > 0 = it exited for another KVM_EXIT_* reason.
+        result["run"] = out.run
+        if out.run < 0:
+            result["run_detail"] = describe_errno("kvm", -out.run)
+        elif out.run > 0:
+            result["run_detail"] = f"guest exited with KVM_EXIT reason {out.run}, not HLT"
     return result
 
 
@@ -512,3 +557,107 @@ def init_binary_path() -> str:
     if not os.access(path, os.X_OK):
         _raise(errno.ENOENT, "find", str(path), "open_init", str(path))
     return str(path)
+
+
+# ---------------------------------------------------------------- memory (csrc/madvise.c, swap.c)
+
+MADV_WILLNEED: int = lib.MADV_WILLNEED
+MADV_COLD: int = lib.MADV_COLD
+MADV_PAGEOUT: int = lib.MADV_PAGEOUT
+_ADVICE_NAMES = {MADV_WILLNEED: "MADV_WILLNEED", MADV_COLD: "MADV_COLD", MADV_PAGEOUT: "MADV_PAGEOUT"}
+__all__ += ["MADV_WILLNEED", "MADV_COLD", "MADV_PAGEOUT", "MadviseResult", "process_madvise",
+            "process_populate", "swapon", "swapoff"]
+
+_HINTS.update({
+    ("process_madvise", errno.EPERM): "process_madvise needs CAP_SYS_NICE and ptrace read "
+        "access to the target",
+    ("process_madvise", errno.EINVAL): "the kernel refuses this advice for another process "
+        "(process_madvise takes MADV_COLD/PAGEOUT/WILLNEED/COLLAPSE, Linux >= 5.10)",
+    ("process_madvise", errno.ESRCH): "the process has exited",
+    ("process_populate", errno.ESRCH): "the process has exited",
+    ("process_populate", errno.EPERM): "reading another process's memory needs ptrace access",
+    ("swapon", errno.EBUSY): "the device is already swap, or open exclusively (mounted?)",
+    ("swapon", errno.EINVAL): "no valid swap header on the device (mkswap first)",
+    ("swapon", errno.EPERM): "swapon needs CAP_SYS_ADMIN, or MAX_SWAPFILES areas are on",
+    ("swapoff", errno.EINVAL): "the device is not an active swap area",
+    ("swapoff", errno.ENOMEM): "not enough free memory to take the swapped pages back in",
+})
+
+
+@dataclass(frozen=True)
+class MadviseResult:
+    bytes: int        # bytes the kernel took the advice for
+    nr_failed: int    # ranges skipped (unmapped since /proc/<pid>/maps was read)
+    first_err: int    # errno of the first skipped range, 0 if none
+
+
+def process_madvise(pidfd: int, ranges: list[tuple[int, int]], advice: int) -> MadviseResult:
+    """process_madvise(2) of `advice` over (start, length) ranges of the
+    process behind `pidfd`. Ranges that vanished meanwhile are skipped and
+    counted; a dead process or a refused advice raises."""
+    _fd("pidfd", pidfd)
+    if advice not in _ADVICE_NAMES:
+        raise ValueError(f"advice must be one of {sorted(_ADVICE_NAMES.values())}, got {advice!r}")
+    for start, length in ranges:
+        if start < 0 or length <= 0 or start % PAGE_SIZE or start + length >= 2**64:
+            raise ValueError(f"range ({start:#x}, {length}) is not page-aligned and positive")
+    starts = ffi.new("uint64_t[]", [r[0] for r in ranges] or [0])
+    lens = ffi.new("uint64_t[]", [r[1] for r in ranges] or [0])
+    out = ffi.new("struct dsec_madvise_result *")
+    rc = lib.dsec_process_madvise(pidfd, starts, lens, len(ranges), advice, out)
+    if rc < 0:
+        _raise(-rc, f"process_madvise({_ADVICE_NAMES[advice]})", f"pidfd {pidfd}",
+               "process_madvise")
+    return MadviseResult(out.bytes, out.nr_failed, out.first_err)
+
+
+def process_populate(pid: int, ranges: list[tuple[int, int]]) -> MadviseResult:
+    """Fault every page of the ranges in, mapped, in process `pid` (reads one
+    byte per page through process_vm_readv). `bytes` counts pages done times
+    the page size; pages that fail (unmapped, PROT_NONE) are skipped."""
+    pages = []
+    for start, length in ranges:
+        if start < 0 or length <= 0 or start % PAGE_SIZE or start + length >= 2**64:
+            raise ValueError(f"range ({start:#x}, {length}) is not page-aligned and positive")
+        pages.extend(range(start, start + length, PAGE_SIZE))
+    out = ffi.new("struct dsec_madvise_result *")
+    rc = lib.dsec_process_populate(pid, ffi.new("uint64_t[]", pages or [0]), len(pages), out)
+    if rc < 0:
+        _raise(-rc, "populate memory of", f"pid {pid}", "process_populate")
+    return MadviseResult(out.bytes * PAGE_SIZE, out.nr_failed, out.first_err)
+
+
+def swapon(path: str, priority: int = -1) -> None:
+    """swapon(2) of a device with a swap header; priority 0..32767, -1 = kernel default."""
+    if not isinstance(priority, int) or not -1 <= priority <= 32767:
+        raise ValueError(f"swap priority must be -1..32767, got {priority!r}")
+    rc = lib.dsec_swapon(_path("swap device", path), priority)
+    if rc < 0:
+        _raise(-rc, "swapon", path, "swapon", path)
+
+
+def swapoff(path: str) -> None:
+    """swapoff(2): pages every swapped page back in first, which can take seconds."""
+    rc = lib.dsec_swapoff(_path("swap device", path))
+    if rc < 0:
+        _raise(-rc, "swapoff", path, "swapoff", path)
+
+
+# ---------------------------------------------------------------- host mounts (csrc/mount.c)
+
+MNT_DETACH = lib.MNT_DETACH
+
+
+def mount_erofs(file: str, target: str) -> None:
+    """Mount the EROFS image `file` read-only on `target` (file-backed, Linux >= 6.12)."""
+    rc = lib.dsec_mount_erofs(_path("file", file), _path("target", target))
+    if rc < 0:
+        _raise(-rc, "mount erofs", f"{file} on {target}", "mount_erofs", target,
+               "EINVAL/ENOTBLK here usually means the kernel lacks file-backed EROFS (Linux >= 6.12)"
+               if -rc in (errno.EINVAL, errno.ENOTBLK) else None)
+
+
+def umount(target: str, detach: bool = False) -> None:
+    rc = lib.dsec_umount(_path("target", target), MNT_DETACH if detach else 0)
+    if rc < 0:
+        _raise(-rc, "umount", target, "umount", target)

@@ -25,6 +25,7 @@ from pathlib import Path
 from . import __version__, cgroup, protocol
 from .backends.container import ContainerBackend, Handle, close_handle
 from .config import Config, ConfigError, parse_size
+from .cpu.manager import CpuHost
 from .errors import (
     BadRequest,
     Busy,
@@ -38,7 +39,8 @@ from .errors import (
 from .execio import ExecIO
 from .features import Features
 from .fs import files as sbfiles
-from .fs.images import ImageError, ImageStore
+from .fs.images import ImageError
+from .imageops import ImageOps, image_error
 from .journal import Journal
 from .native import NativeError
 
@@ -62,6 +64,10 @@ class Sandbox:
     execs: int = 0
     exit_status: int | None = None
     died: float | None = None
+    manifest: str = ""          # image manifest digest: what snapshot and gc go by
+    layers: list = field(default_factory=list)   # layer digests, bottom first
+    qos: str = "be"             # CPU class (dsecd/cpu/qos.py)
+    core_sched: str = "off"     # on | off | unavailable
 
     def record(self) -> dict:
         h = self.handle
@@ -69,7 +75,8 @@ class Sandbox:
                 "limits": self.limits, "env": self.env, "labels": self.labels,
                 "hostname": self.hostname, "cwd": self.cwd, "user": self.user, "backend": self.backend,
                 "init_pid": h.init_pid if h else None, "init_start": h.init_start if h else None,
-                "died": self.died}
+                "died": self.died, "qos": self.qos, "core_sched": self.core_sched,
+                "manifest": self.manifest, "layers": self.layers}
 
     def public(self) -> dict:
         out = self.record()
@@ -78,7 +85,7 @@ class Sandbox:
         return out
 
 
-class Node:
+class Node(ImageOps):
     def __init__(self, cfg: Config, features: Features, layout: cgroup.Layout):
         self.cfg = cfg
         self.features = features
@@ -88,10 +95,12 @@ class Node:
         state = cfg.state_dir
         self.pool = ThreadPoolExecutor(cfg.section("daemon")["worker_threads"], "dsecd-worker")
         self.journal = Journal(state / "journal", fsync=cfg.section("journal")["fsync"])
-        self.images = ImageStore(state / "images")
+        self.init_images(cfg)
         self.backend = ContainerBackend(layout, self.sb_defaults, state, {
             "tmp": cfg.size("sandbox", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")})
         self.sandboxes: dict[str, Sandbox] = {}
+        self.cpu = CpuHost(cfg.section("cpu"), layout, features, self.sb_defaults["cgroup_root"])
+        self._cpu_task: asyncio.Task | None = None
         self.started = time.time()
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -110,10 +119,21 @@ class Node:
         for sb_id in orphans:
             log.warning("removing orphaned sandbox resources %s (no journal record)", sb_id)
             await self.run_blocking(self.backend.destroy, sb_id, None)
+        self._cpu_task = self.loop.create_task(self.cpu.run(self._cpu_entries, self.run_blocking))
+        self.start_layer_sweeper()
+
+    def _cpu_entries(self) -> dict[str, tuple[str, bool]]:
+        return {s.id: (s.qos, bool(s.limits.get("cpu_quota"))) for s in self.sandboxes.values()
+                if s.state == "running"}
+
+    def _live_limits(self) -> list[dict]:
+        return [s.limits for s in self.sandboxes.values() if s.state != "dead"]
 
     async def _recover(self, sb_id: str, rec: dict) -> None:
         fields = {k: rec[k] for k in ("image", "state", "created", "limits", "env", "labels",
-                                      "hostname", "cwd", "user", "backend", "died") if k in rec}
+                                      "hostname", "cwd", "user", "backend", "died", "qos", "core_sched",
+                                      "manifest", "layers")
+                  if k in rec}
         sb = Sandbox(id=sb_id, **fields)
         if sb.state in ("creating", "stopping"):
             # Interrupted mid-create or mid-destroy: finish tearing it down.
@@ -130,15 +150,26 @@ class Node:
             await self._mark_dead(sb, None)
             return
         sb.handle = handle
+        self.layers.readopt(sb.layers)
+        self.cpu.bind(handle, self.cpu.plan(sb.qos))
         self._watch(sb)
         log.info("re-adopted sandbox %s (init pid %d)", sb_id, handle.init_pid)
 
     async def close(self) -> None:
         """Daemon shutdown: stop watching, close fds, leave sandboxes running."""
+        for task in (self._cpu_task, self._sweep_task):
+            if task:
+                task.cancel()
         for sb in self.sandboxes.values():
             if sb.handle and sb.handle.pidfd >= 0:
                 self.loop.remove_reader(sb.handle.pidfd)
                 close_handle(sb.handle)
+        # Layers no running sandbox uses are unmounted; the others stay for
+        # their sandboxes and are re-counted by the next daemon.
+        try:
+            await self.run_blocking(self.layers.sweep, True)
+        except Exception:
+            log.exception("unmount idle layers at shutdown")
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------ helpers
@@ -184,6 +215,8 @@ class Node:
         sb.state = "dead"
         sb.died = time.time()
         sb.handle = None
+        if h is not None:      # a live sandbox held its layer mounts (re-adopted ones too)
+            self.layers.release(sb.layers)
 
         def release():
             if h is not None:
@@ -231,47 +264,12 @@ class Node:
         return {"version": __version__, "protocol": protocol.PROTOCOL_VERSION, "pid": os.getpid(),
                 "uptime_s": round(time.time() - self.started, 3), **self.features.to_dict(),
                 "limits": self.wire_limits(), "sandboxes": states,
+                "cpu": self.cpu.info(self._live_limits(), self.sb_defaults["cpu"],
+                                     parse_size(self.sb_defaults["memory"])),
                 "paths": {"socket": d["socket"], "state_dir": str(self.cfg.state_dir),
                           "cgroup_root": self.sb_defaults["cgroup_root"],
                           "cgroup_dirs": {k: str(v / self.sb_defaults["cgroup_root"])
                                           for k, v in self.layout.hierarchies().items()}}}
-
-    # ------------------------------------------------------------ ops: images
-
-    def _image_error(self, err: ImageError) -> DsecError:
-        return DsecError(str(err), code=err.code)
-
-    async def op_image_import(self, req, ctx) -> dict:
-        def progress(p: dict) -> None:
-            self.loop.call_soon_threadsafe(ctx.emit_nowait, {"progress": p})
-
-        try:
-            image = await self.run_blocking(self.images.import_dir, req.path, req.name, progress)
-        except ImageError as err:
-            raise self._image_error(err) from err
-        return image.to_dict()
-
-    async def op_image_list(self, req, ctx) -> dict:
-        return {"images": [i.to_dict() for i in await self.run_blocking(self.images.list)]}
-
-    async def op_image_inspect(self, req, ctx) -> dict:
-        try:
-            image = self.images.get(req.name)
-        except ImageError as err:
-            raise self._image_error(err) from err
-        users = [s.id for s in self.sandboxes.values() if s.image == req.name]
-        return {**image.to_dict(), "sandboxes": users}
-
-    async def op_image_rm(self, req, ctx) -> dict:
-        users = [s.id for s in self.sandboxes.values() if s.image == req.name]
-        if users:
-            raise Conflict(f"image {req.name!r} is used by {len(users)} sandbox(es); remove them first",
-                           {"sandboxes": users[:20]})
-        try:
-            image = await self.run_blocking(self.images.remove, req.name)
-        except ImageError as err:
-            raise self._image_error(err) from err
-        return image.to_dict()
 
     # ------------------------------------------------------------ ops: sandboxes
 
@@ -289,8 +287,9 @@ class Node:
         pids = d["pids"] if req.pids is None else req.pids
         if not 8 <= pids <= 1 << 22:
             raise BadRequest(f"pids must be between 8 and 4194304, got {pids}")
+        quota = d["cpu_hard_quota"] if req.cpu_quota is None else req.cpu_quota
         return cgroup.Limits(cpu=float(cpu), memory_bytes=memory, pids=pids,
-                             cpu_hard_quota=d["cpu_hard_quota"], cpu_period_us=d["cpu_period_us"])
+                             cpu_hard_quota=quota, cpu_period_us=d["cpu_period_us"])
 
     def _admit(self) -> None:
         live = sum(1 for s in self.sandboxes.values() if s.state != "dead")
@@ -301,32 +300,44 @@ class Node:
 
     async def op_create(self, req, ctx) -> dict:
         limits = self._limits_for(req)
+        plan = self.cpu.plan(req.qos)
         _check_env(req.env)
         if not req.cwd.startswith("/"):
             raise BadRequest(f"cwd must be absolute, got {req.cwd!r}")
         if not 0 <= req.user < 2**32 - 1:
             raise BadRequest(f"user must be a uid in [0, 2^32-1), got {req.user}")
         try:
-            image = self.images.get(req.image)
+            image = await self.run_blocking(self.images.get, req.image)
         except ImageError as err:
-            raise self._image_error(err) from err
+            raise image_error(err) from err
         self._admit()
+        self.cpu.admit(self._live_limits(), limits.cpu, limits.memory_bytes, plan)
         sb_id = secrets.token_hex(6)
         hostname = req.hostname or f"sb-{sb_id}"
         if len(hostname) > 63:
             raise BadRequest("hostname must be at most 63 characters")
         sb = Sandbox(id=sb_id, image=req.image, state="creating", created=time.time(),
-                     limits={"cpu": limits.cpu, "memory": limits.memory_bytes, "pids": limits.pids},
+                     limits={"cpu": limits.cpu, "memory": limits.memory_bytes, "pids": limits.pids,
+                             "cpu_quota": limits.cpu_hard_quota},
                      env=dict(req.env), labels=dict(req.labels), hostname=hostname, cwd=req.cwd,
-                     user=req.user)
+                     user=req.user, qos=plan.qos, core_sched=plan.core_sched,
+                     manifest=image.manifest, layers=image.layer_digests)
         self.sandboxes[sb_id] = sb
-        # Journal first: a crash from here on leaves a record that restart cleans up.
-        self._journal(sb)
+        # The record is written once the sandbox runs. A crash before that leaves
+        # a directory and cgroups without a record: the next start finds them as
+        # orphans, kills what is in the cgroups and removes them.
         try:
-            sb.handle = await self.run_blocking(self.backend.create, sb_id, [image.rootfs], limits, hostname)
+            # Each layer mounted once per host; overlay wants the top layer first.
+            mounts = await self.run_blocking(self.layers.acquire, sb.layers)
+        except OSError as err:
+            self.sandboxes.pop(sb_id, None)
+            raise io_error("mount layers of image", req.image, err) from err
+        try:
+            sb.handle = await self.run_blocking(self.backend.create, sb_id, mounts[::-1], limits, hostname,
+                                                plan)
         except BaseException as err:
             self.sandboxes.pop(sb_id, None)
-            self.journal.delete(sb_id)
+            self.layers.release(sb.layers)
             if isinstance(err, (NativeError, OSError)):
                 log.error("create sandbox %s failed: %s", sb_id, err)
                 raise DsecError(f"create sandbox: {err}", {"errno": getattr(err, "errno", None),
@@ -336,6 +347,12 @@ class Node:
         self._journal(sb)
         self._watch(sb)
         return sb.public()
+
+    async def op_top(self, req, ctx) -> dict:
+        rows = [{"id": s.id, "state": s.state, "qos": s.qos, "cpu": s.limits["cpu"],
+                 "memory_limit": s.limits["memory"]}
+                for s in self.sandboxes.values() if _labels_match(s, req.labels)]
+        return self.cpu.top(rows)
 
     async def op_list(self, req, ctx) -> dict:
         return {"sandboxes": [s.public() for s in self.sandboxes.values() if _labels_match(s, req.labels)]}
@@ -360,18 +377,24 @@ class Node:
         if sb.execs and not force:
             raise Conflict(f"sandbox {sb.id} has {sb.execs} running exec(s); use force to kill them",
                            {"sandbox": sb.id, "execs": sb.execs})
+        # No journal write for "stopping": a crash mid-destroy leaves the record
+        # as it was, and the next daemon re-adopts the sandbox or marks it dead.
         prev, sb.state = sb.state, "stopping"
-        self._journal(sb)
         h, sb.handle = sb.handle, None
         if h and h.pidfd >= 0:
             self.loop.remove_reader(h.pidfd)
         try:
-            await self.run_blocking(self.backend.destroy, sb.id, h)
+            await self.run_blocking(self.backend.stop, sb.id, h)
         except OSError as err:
             log.error("destroy sandbox %s: %s", sb.id, err)
+            sb.state = prev
+            self._journal(sb)
             raise io_error("destroy sandbox", sb.id, err) from err
         self.sandboxes.pop(sb.id, None)
         self.journal.delete(sb.id)
+        if prev != "dead":          # a dead sandbox gave its layers back already
+            self.layers.release(sb.layers)
+        self.loop.run_in_executor(self.pool, self.backend.release, sb.id, h)
         return {"id": sb.id, "previous_state": prev}
 
     async def op_destroy_all(self, req, ctx) -> dict:
@@ -394,6 +417,10 @@ class Node:
         if timeout is not None and not 0 < timeout <= (max_t or float("inf")):
             raise BadRequest(f"timeout must be in (0, {max_t}] seconds, got {timeout}")
         cwd = req.cwd or sb.cwd
+        if not cwd.startswith("/"):
+            raise BadRequest(f"cwd must be an absolute path inside the sandbox, got {cwd!r}")
+        if any("\0" in a for a in req.argv):
+            raise BadRequest("argv must not contain NUL bytes")
         user = sb.user if req.user is None else req.user
         env = self.backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, req.env)
         collected: dict[int, list[bytes]] = {1: [], 2: []}
@@ -413,6 +440,8 @@ class Node:
                                               user, io.child_fds())
             except NativeError as err:
                 raise _exec_error(err, req.argv[0], cwd) from err
+            except ValueError as err:       # the native layer's argument checks (sizes, NULs)
+                raise BadRequest(f"exec: {err}") from err
             finally:
                 io.close_child_ends()
             pidfd = os.pidfd_open(pid)

@@ -114,10 +114,32 @@ class Info:
     pass
 
 
-@request("image_import", stream=True)
-class ImageImport:
-    path: str
+@request("image_build", stream=True)
+class ImageBuild:
+    source: str                  # a directory, or a docker-save / OCI-layout tarball, on the daemon's host
     name: str
+    parent: str | None = None    # an image whose layers go below the new one
+    env: dict[str, str] | None = None
+    cwd: str | None = None
+    user: int | None = None
+    entrypoint: list[str] | None = None
+
+
+@request("image_gc")
+class ImageGc:
+    pass
+
+
+@request("image_du")
+class ImageDu:
+    pass
+
+
+@request("snapshot", states=RUNNING, stream=True)
+class Snapshot:
+    sandbox: str
+    name: str
+    exclude: list[str] = field(default_factory=list)
 
 
 @request("image_list")
@@ -146,6 +168,13 @@ class Create:
     hostname: str | None = None
     cwd: str = "/"
     user: int = 0
+    qos: str | None = None          # "be" | "ls"; None = cpu.default_qos
+    cpu_quota: bool | None = None   # hard CFS quota of `cpu`; None = sandbox.cpu_hard_quota
+
+
+@request("top")
+class Top:
+    labels: dict[str, str] = field(default_factory=dict)
 
 
 @request("list")

@@ -62,6 +62,9 @@ class SyncSandbox:
         self.info = self._run(self._sb.inspect())
         return self.info
 
+    def snapshot(self, name: str, exclude: list[str] | None = None) -> dict:
+        return self._run(self._sb.snapshot(name, exclude))
+
     def destroy(self, force: bool = False) -> dict:
         return self._run(self._sb.destroy(force))
 
@@ -112,8 +115,14 @@ class SyncClient:
     def destroy_all(self, force: bool = False, labels: dict | None = None) -> dict:
         return self._run(self._client.destroy_all(force, labels))
 
+    def top(self, labels: dict | None = None) -> dict:
+        return self._run(self._client.top(labels))
+
     def import_image(self, path: str, name: str, progress=None) -> dict:
         return self._run(self._client.import_image(path, name, progress))
+
+    def build_image(self, source: str, name: str, parent: str | None = None, progress=None, **config) -> dict:
+        return self._run(self._client.build_image(source, name, parent, progress, **config))
 
     def list_images(self) -> list[dict]:
         return self._run(self._client.list_images())

@@ -41,8 +41,9 @@ async def main(socket: str, rootfs: str, n: int) -> None:
         print(f"dsecd {info['version']} on kernel {info['kernel']} (cgroups {info['cgroup_mode']}); "
               f"unavailable here: {', '.join(sorted(missing)) or 'nothing'}")
         if "busybox" not in {i["name"] for i in await c.list_images()}:
-            img = await c.import_image(rootfs, "busybox")
-            print(f"imported image busybox: {img['files']} files, {img['bytes'] / 1e6:.1f} MB")
+            img = await c.build_image(rootfs, "busybox")
+            print(f"built image busybox: {len(img['layers'])} EROFS layer(s), {img['bytes'] / 1e6:.1f} MB, "
+                  f"manifest {img['manifest'][:19]}")
 
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one_task(c, i) for i in range(n)))

@@ -62,6 +62,8 @@ class Handle:
     group: cgroup.Group
     dir: Path
     is_child: bool           # we cloned it (must reap it) vs adopted after a restart
+    sched_idle: bool = False  # execs run SCHED_IDLE (a BE sandbox, dsecd/cpu/qos.py)
+    core_sched: bool = False  # execs share PID 1's core-scheduling cookie
 
 
 def proc_start_time(pid: int) -> int | None:
@@ -92,7 +94,8 @@ class ContainerBackend:
 
     # ------------------------------------------------------------ create
 
-    def create(self, sb_id: str, lowerdirs: list[str], limits: cgroup.Limits, hostname: str) -> Handle:
+    def create(self, sb_id: str, lowerdirs: list[str], limits: cgroup.Limits, hostname: str,
+               cpu_plan=None) -> Handle:
         sbdir = self.root / sb_id
         group = self.group_for(sb_id)
         with Steps(f"create sandbox {sb_id}") as steps:
@@ -104,14 +107,20 @@ class ContainerBackend:
             group.create()
             steps.undo("remove cgroups", lambda: group.remove(self.cfg["destroy_timeout_s"]))
             group.set_limits(limits)
+            if cpu_plan is not None:
+                # QoS (weight, cpu.idle) before the init joins: dsecd/cpu/qos.py
+                cpu_plan.apply(group)
+            sched_idle = bool(cpu_plan and cpu_plan.sched_idle)
+            core_sched = bool(cpu_plan and cpu_plan.core_sched == "on")
             spec = native.ContainerSpec(
                 rootfs=str(sbdir / "rootfs"), lowerdirs=lowerdirs, upperdir=str(sbdir / "upper"),
                 workdir=str(sbdir / "work"), hostname=hostname, init_path=self.init_path,
                 cgroup_procs=group.procs_files(), tmp_size_bytes=self.sizes["tmp"],
-                shm_size_bytes=self.sizes["shm"])
+                shm_size_bytes=self.sizes["shm"], sched_idle=sched_idle, core_sched=core_sched)
             pid = native.spawn_container(spec)
             steps.undo("kill init", lambda: _kill_and_reap(pid))
             handle = self._open_handle(pid, group, sbdir, is_child=True)
+            handle.sched_idle, handle.core_sched = sched_idle, core_sched
             _protect_init_from_oom(pid)
             steps.commit()
             return handle
@@ -154,13 +163,21 @@ class ContainerBackend:
               fds: tuple[int, int, int]) -> int:
         spec = native.ExecSpec(pidfd=h.pidfd, cgroup_procs=h.group.procs_files(), argv=argv, env=env,
                                cwd=cwd, uid=uid, gid=uid, stdin_fd=fds[0], stdout_fd=fds[1],
-                               stderr_fd=fds[2], cap_keep=self.caps)
+                               stderr_fd=fds[2], cap_keep=self.caps, sched_idle=h.sched_idle,
+                               core_sched=h.core_sched)
         return native.spawn_exec(spec)
 
     # ------------------------------------------------------------ destroy
 
-    def destroy(self, sb_id: str, h: Handle | None) -> None:
-        """Kill everything, then remove cgroups and dirs; safe to repeat."""
+    def stop(self, sb_id: str, h: Handle | None) -> None:
+        """Kill every process and remove the cgroups; safe to repeat.
+
+        This is the part of destroy a client waits for. What is left - the
+        fds that pin the overlay (closing the last one unmounts it, ~1 ms) and
+        the sandbox's directory - is `release`, which the node runs after
+        answering. A daemon that dies in between leaves a directory without a
+        journal record, which the next start removes as an orphan.
+        """
         timeout = self.cfg["destroy_timeout_s"]
         group = h.group if h else self.group_for(sb_id)
         if h:
@@ -170,10 +187,18 @@ class ContainerBackend:
             except ProcessLookupError:
                 pass
             _wait_exit(h, timeout)
+        else:
+            group.kill_all()      # no handle (orphan, half-made): kill by cgroup membership
+        group.remove(timeout)     # kills stragglers itself if the groups are still busy
+
+    def release(self, sb_id: str, h: Handle | None) -> None:
+        if h:
             close_handle(h)
-        group.kill_all()      # stragglers that joined the cgroup from outside the pidns
-        group.remove(timeout)
         shutil.rmtree(self.root / sb_id, ignore_errors=True)
+
+    def destroy(self, sb_id: str, h: Handle | None) -> None:
+        self.stop(sb_id, h)
+        self.release(sb_id, h)
 
     def orphans(self, known: set[str]) -> set[str]:
         """Sandbox ids that have dirs or cgroups but no journal record."""

@@ -1,11 +1,16 @@
-"""Directory images: a named, immutable copy of a root file system on local disk.
+"""Images: ordered EROFS layers in the blob store, a manifest, and a name.
 
-This is the first image kind (the EROFS layer store replaces it in the images
-issue). `import_dir` copies a directory tree into the store - symlinks kept as
-links, special files other than directories, regular files and symlinks
-skipped and counted - then publishes a manifest by atomic rename, so a
-half-copied image is never visible. Sandboxes use the copy as their overlay
-lowerdir, read-only.
+    manifest (a blob, canonical JSON):
+        {"schema": 1, "layers": [{"digest": "sha256:..", "size": n}, ...],   bottom first
+         "config": {"env": {...}, "cwd": "/", "user": 0, "entrypoint": []}}
+    name  -> <store>/refs/<name>: {"manifest": "sha256:..", "created": t}
+
+Names live in the store too, so every host sharing the store sees an image
+built on any of them. A build writes its layer and manifest blobs first and
+publishes the name last (atomic rename), so a failed or interrupted build
+never leaves a half-built image visible under a name.
+
+Everything here blocks (mkfs, hashing, copying): call it from a worker thread.
 """
 
 from __future__ import annotations
@@ -14,18 +19,21 @@ import json
 import os
 import re
 import shutil
-import stat
+import tempfile
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import erofs, oci
+from .store import BlobStore, StoreError, check_digest
+
 NAME_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,127}$")
+Progress = Callable[[dict], None]
 
 
 class ImageError(Exception):
-    """code: 'bad_request' | 'not_found' | 'conflict' | 'io'"""
+    """code: one of the protocol error codes."""
 
     def __init__(self, code: str, message: str):
         super().__init__(message)
@@ -35,27 +43,40 @@ class ImageError(Exception):
 @dataclass
 class Image:
     name: str
-    kind: str
-    rootfs: str
+    manifest: str
+    layers: list[dict]
+    config: dict
     created: float
-    files: int
-    bytes: int
-    skipped: int
+    size: int = 0
+    parent: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def layer_digests(self) -> list[str]:
+        return [layer["digest"] for layer in self.layers]
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {"name": self.name, "manifest": self.manifest, "layers": self.layers,
+                "config": self.config, "created": self.created, "bytes": self.size,
+                "parent": self.parent, "kind": "erofs", **self.extra}
 
 
-Progress = Callable[[dict], None]
+def _canonical(obj: dict) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+DEFAULT_CONFIG = {"env": {}, "cwd": "/", "user": 0, "entrypoint": []}
 
 
 class ImageStore:
-    def __init__(self, root: Path):
-        self.root = Path(root)
-        self.blobs = self.root / "dirs"
-        self.manifests = self.root / "manifests"
-        for d in (self.blobs, self.manifests):
-            d.mkdir(parents=True, exist_ok=True)
+    def __init__(self, store_root: Path, scratch: Path):
+        self.store = BlobStore(store_root)
+        self.refs = Path(store_root) / "refs"
+        self.refs.mkdir(parents=True, exist_ok=True)
+        self.scratch = Path(scratch)      # local disk, for unpacking tarballs
+        self.scratch.mkdir(parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------ names
 
     @staticmethod
     def check_name(name: str) -> None:
@@ -63,101 +84,172 @@ class ImageStore:
             raise ImageError("bad_request", f"bad image name {name!r}: use 1-128 of [A-Za-z0-9._-], "
                              "starting with a letter or digit")
 
-    def _manifest(self, name: str) -> Path:
+    def _ref(self, name: str) -> Path:
         self.check_name(name)
-        return self.manifests / f"{name}.json"
+        return self.refs / name
 
     def get(self, name: str) -> Image:
         try:
-            with open(self._manifest(name)) as f:
-                return Image(**json.load(f))
+            ref = json.loads(self._ref(name).read_text())
         except FileNotFoundError:
             raise ImageError("not_found", f"no image named {name!r} (see `dsec image ls`)") from None
+        manifest = self._manifest(ref["manifest"])
+        size = sum(layer["size"] for layer in manifest["layers"])
+        return Image(name=name, manifest=ref["manifest"], layers=manifest["layers"],
+                     config=manifest["config"], created=ref["created"], size=size,
+                     parent=ref.get("parent"))
+
+    def get_manifest(self, digest: str, name: str = "") -> Image:
+        """The image a manifest digest describes, whatever names point at it now."""
+        manifest = self._manifest(digest)
+        return Image(name=name, manifest=digest, layers=manifest["layers"], config=manifest["config"],
+                     created=0.0, size=sum(layer["size"] for layer in manifest["layers"]))
+
+    def _manifest(self, digest: str) -> dict:
+        try:
+            return json.loads(self.store.read_bytes(digest))
+        except StoreError as err:
+            raise ImageError(err.code, str(err)) from err
 
     def list(self) -> list[Image]:
         out = []
-        for entry in sorted(os.scandir(self.manifests), key=lambda e: e.name):
-            if entry.name.endswith(".json"):
-                with open(entry.path) as f:
-                    out.append(Image(**json.load(f)))
+        for entry in sorted(os.scandir(self.refs), key=lambda e: e.name):
+            if NAME_RE.match(entry.name):
+                try:
+                    out.append(self.get(entry.name))
+                except ImageError:
+                    continue     # a name whose manifest is gone: shown by `gc`, not here
         return out
 
-    def import_dir(self, src: str, name: str, progress: Progress | None = None) -> Image:
-        """Copy `src` into the store as image `name` (blocking: run it in a thread)."""
-        self.check_name(name)
-        if self._manifest(name).exists():
-            raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)")
-        srcp = Path(src)
-        if not srcp.is_absolute():
-            raise ImageError("bad_request", f"image source must be an absolute path, got {src!r}")
-        if not srcp.is_dir():
-            raise ImageError("not_found", f"image source {src!r} is not a directory")
-        dest = self.blobs / f"{name}-{uuid.uuid4().hex[:8]}"
+    def _publish(self, name: str, manifest_digest: str, parent: str | None) -> None:
+        tmp = self.store.temp_path(".ref")
+        tmp.write_text(json.dumps({"manifest": manifest_digest, "created": time.time(), "parent": parent}))
         try:
-            counts = _copy_tree(srcp, dest, progress)
-        except OSError as err:
-            shutil.rmtree(dest, ignore_errors=True)
-            raise ImageError("io", f"copy {err.filename or src}: {err.strerror}") from err
-        image = Image(name=name, kind="dir", rootfs=str(dest), created=time.time(), **counts)
-        tmp = self.manifests / f".{name}.json.tmp"
-        tmp.write_text(json.dumps(image.to_dict()))
-        try:
-            os.link(tmp, self._manifest(name))     # fails if a concurrent import won
+            os.link(tmp, self._ref(name))      # fails if the name exists: no silent overwrite
         except FileExistsError:
-            shutil.rmtree(dest, ignore_errors=True)
-            raise ImageError("conflict", f"image {name!r} was imported concurrently") from None
+            raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)") from None
         finally:
             tmp.unlink(missing_ok=True)
-        return image
 
     def remove(self, name: str) -> Image:
         image = self.get(name)
-        self._manifest(name).unlink()
-        shutil.rmtree(image.rootfs, ignore_errors=True)
+        self._ref(name).unlink()
         return image
 
+    # ------------------------------------------------------------ building
 
-def _copy_tree(src: Path, dest: Path, progress: Progress | None) -> dict:
-    """Copy keeping modes, owners, times and symlinks; skip devices, fifos, sockets."""
-    files = nbytes = skipped = 0
-    last = time.monotonic()
-    os.makedirs(dest)
-    shutil.copystat(src, dest)
-    for dirpath, dirnames, filenames in os.walk(src):
-        rel = os.path.relpath(dirpath, src)
-        target_dir = dest / rel if rel != "." else dest
-        for d in dirnames:
-            s, t = os.path.join(dirpath, d), target_dir / d
-            st = os.lstat(s)
-            if stat.S_ISLNK(st.st_mode):
-                os.symlink(os.readlink(s), t)
+    def build_layer(self, src: Path, exclude: list[str] = (), progress: Progress | None = None) -> dict:
+        """One EROFS layer from a directory tree, stored by digest."""
+        if progress:
+            progress({"step": "mkfs.erofs", "source": str(src)})
+        tmp = self.store.temp_path(".erofs")
+        try:
+            erofs.build(src, tmp, exclude)
+        except erofs.ErofsError as err:
+            tmp.unlink(missing_ok=True)
+            raise ImageError(err.code, str(err)) from err
+        try:
+            digest, added = self.store.ingest(tmp)
+        except StoreError as err:
+            raise ImageError(err.code, str(err)) from err
+        size = self.store.size(digest)
+        if progress:
+            progress({"step": "layer", "digest": digest, "bytes": size, "new": added})
+        return {"digest": digest, "size": size}
+
+    def _commit(self, name: str, layers: list[dict], config: dict, parent: str | None) -> Image:
+        manifest = {"schema": 1, "layers": layers, "config": {**DEFAULT_CONFIG, **config}}
+        digest = self.store.put_bytes(_canonical(manifest))
+        self._publish(name, digest, parent)
+        return self.get(name)
+
+    def build_from_dir(self, src: str, name: str, parent: str | None = None,
+                       config: dict | None = None, progress: Progress | None = None) -> Image:
+        self.check_name(name)
+        if self._ref(name).exists():
+            raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)")
+        path = Path(src)
+        if not path.is_absolute():
+            raise ImageError("bad_request", f"build source must be an absolute path, got {src!r}")
+        base = self.get(parent) if parent else None
+        if path.is_dir():
+            layers = [self.build_layer(path, progress=progress)]
+            base_config = dict(base.config) if base else {}
+        elif path.is_file():
+            layers, tar_config = self._layers_from_tar(path, progress)
+            base_config = {**(base.config if base else {}), **tar_config}
+        else:
+            raise ImageError("not_found", f"build source {src!r} is neither a directory nor a file")
+        all_layers = (base.layers if base else []) + layers
+        return self._commit(name, all_layers, {**base_config, **(config or {})}, parent)
+
+    def _layers_from_tar(self, path: Path, progress: Progress | None) -> tuple[list[dict], dict]:
+        """docker save / OCI layout tarball -> one EROFS layer per tar layer."""
+        work = Path(tempfile.mkdtemp(prefix="unpack-", dir=self.scratch))
+        try:
+            try:
+                layer_dirs, config = oci.unpack_image(path, work, progress)
+            except oci.TarError as err:
+                raise ImageError("bad_request", f"image tarball {path}: {err}") from err
+            return [self.build_layer(d, progress=progress) for d in layer_dirs], config
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def snapshot(self, upper: Path, base: Image, name: str, exclude: list[str],
+                 progress: Progress | None = None) -> Image:
+        """pack_diff: the sandbox's upper dir as a new top layer over `base`."""
+        self.check_name(name)
+        if self._ref(name).exists():
+            raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)")
+        layer = self.build_layer(upper, exclude=exclude, progress=progress)
+        return self._commit(name, base.layers + [layer], base.config, base.name)
+
+    # ------------------------------------------------------------ accounting
+
+    def referenced(self) -> tuple[set[str], set[str]]:
+        """(manifest digests, layer digests) reachable from names."""
+        manifests, layers = set(), set()
+        for entry in os.scandir(self.refs):
+            if not NAME_RE.match(entry.name):
                 continue
-            os.mkdir(t, stat.S_IMODE(st.st_mode))
-            os.chown(t, st.st_uid, st.st_gid)
-        for fname in filenames:
-            s, t = os.path.join(dirpath, fname), target_dir / fname
-            st = os.lstat(s)
-            if stat.S_ISLNK(st.st_mode):
-                os.symlink(os.readlink(s), t)
-                os.chown(t, st.st_uid, st.st_gid, follow_symlinks=False)
-            elif stat.S_ISREG(st.st_mode):
-                shutil.copy2(s, t)
-                os.chown(t, st.st_uid, st.st_gid)
-                nbytes += st.st_size
-            else:
-                skipped += 1
+            try:
+                digest = json.loads(Path(entry.path).read_text())["manifest"]
+                manifests.add(digest)
+                layers.update(layer["digest"] for layer in self._manifest(digest)["layers"])
+            except (OSError, ValueError, KeyError, ImageError):
                 continue
-            files += 1
-            if progress and time.monotonic() - last > 0.25:
-                last = time.monotonic()
-                progress({"files": files, "bytes": nbytes})
-        # Directory modes and times last, after their contents were written.
-    for dirpath, dirnames, _ in os.walk(src):
-        rel = os.path.relpath(dirpath, src)
-        for d in dirnames:
-            s = os.path.join(dirpath, d)
-            if not os.path.islink(s):
-                shutil.copystat(s, dest / rel / d)
-    if progress:
-        progress({"files": files, "bytes": nbytes})
-    return {"files": files, "bytes": nbytes, "skipped": skipped}
+        return manifests, layers
+
+    def gc(self, in_use_layers: set[str], in_use_manifests: set[str]) -> dict:
+        """Remove blobs no name and no live sandbox of this host uses."""
+        manifests, layers = self.referenced()
+        keep = manifests | layers | in_use_layers | in_use_manifests
+        for m in in_use_manifests:
+            try:
+                keep.update(layer["digest"] for layer in self._manifest(m)["layers"])
+            except ImageError:
+                pass
+        removed, freed = [], 0
+        for digest in sorted(self.store.all_digests() - keep):
+            freed += self.store.remove(digest)
+            removed.append(digest)
+        self.store.sweep_tmp()
+        return {"removed": removed, "freed_bytes": freed}
+
+    def du(self) -> dict:
+        manifests, layers = self.referenced()
+        total = shared = 0
+        counts: dict[str, int] = {}
+        for image in self.list():
+            for digest in image.layer_digests:
+                counts[digest] = counts.get(digest, 0) + 1
+        sizes = {d: self.store.size(d) for d in self.store.all_digests()}
+        total = sum(sizes.values())
+        shared = sum(sizes.get(d, 0) for d, n in counts.items() if n > 1)
+        unreferenced = sum(s for d, s in sizes.items() if d not in manifests | layers)
+        return {"blobs": len(sizes), "bytes": total, "shared_layer_bytes": shared,
+                "unreferenced_bytes": unreferenced,
+                "images": [{"name": i.name, "bytes": i.size, "layers": len(i.layers)} for i in self.list()]}
+
+
+__all__ = ["Image", "ImageError", "ImageStore", "check_digest"]

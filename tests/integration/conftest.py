@@ -119,7 +119,22 @@ class Daemon:
             print(f"cleanup: destroy_all failed: {err}", file=sys.stderr)
         self.stop()
         _kill_and_remove_cgroups(self.cgroup_dirs())
+        _unmount_below(self.tmp)
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _unmount_below(top: Path) -> None:
+    """Lazily unmount whatever a failed test left mounted under its temp dir
+    (layer mounts of a daemon killed with sandboxes still running)."""
+    from dsecd import native
+
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f]
+    for point in sorted((p for p in points if p.startswith(str(top) + "/")), key=len, reverse=True):
+        try:
+            native.umount(point, detach=True)
+        except OSError as err:
+            print(f"cleanup: umount {point}: {err}", file=sys.stderr)
 
 
 def _kill_and_remove_cgroups(dirs: list[Path]) -> None:

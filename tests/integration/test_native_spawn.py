@@ -193,14 +193,14 @@ class Sandbox:
         return text
 
 
-def _make_sandbox(lower: Path, top: Path, cgroups: list[Path], hostname: str = "sbx-test"):
+def _make_sandbox(lower: Path, top: Path, cgroups: list[Path], hostname: str = "sbx-test", **spec_kw):
     for sub in ("upper", "work", "rootfs"):
         (top / sub).mkdir()
     spec = native.ContainerSpec(
         rootfs=str(top / "rootfs"), lowerdirs=[str(lower)], upperdir=str(top / "upper"),
         workdir=str(top / "work"), hostname=hostname, init_path=native.init_binary_path(),
         cgroup_procs=[str(d / "cgroup.procs") for d in cgroups], tmp_size_bytes=64 << 20,
-        shm_size_bytes=16 << 20)
+        shm_size_bytes=16 << 20, **spec_kw)
     pid = native.spawn_container(spec)
     try:
         pidfd = native.pidfd_open(pid)
@@ -632,3 +632,47 @@ def test_probe_bpf_cgroup_on_own_v2_dir():
         assert native.probe_bpf_cgroup("/tmp") != 0  # not a cgroup: an errno, no raise
     finally:
         _rmdir_retry(d)
+
+
+# ---------------------------------------------------------------- CPU QoS (dsecd/cpu)
+
+
+def _policy(stat_line: str) -> int:
+    """Field 41 of /proc/PID/stat: the scheduling policy (5 = SCHED_IDLE)."""
+    return int(stat_line[stat_line.rindex(")") + 2:].split()[38])
+
+
+def test_exec_sched_idle_reaches_the_child_and_its_children(sandbox):
+    script = "cat /proc/$$/stat; cat /proc/self/stat"
+    own, child = sandbox.sh(script, sched_idle=True).splitlines()
+    assert (_policy(own), _policy(child)) == (os.SCHED_IDLE, os.SCHED_IDLE)
+    own, child = sandbox.sh(script).splitlines()
+    assert (_policy(own), _policy(child)) == (os.SCHED_OTHER, os.SCHED_OTHER)
+
+
+def test_container_init_sched_idle(busybox_lower, workdir, cgroups):
+    sb = _make_sandbox(busybox_lower, workdir, cgroups, sched_idle=True)
+    try:
+        assert os.sched_getscheduler(sb.pid) == os.SCHED_IDLE
+    finally:
+        _destroy(sb)
+
+
+def test_core_sched_follows_the_kernel(sandbox, busybox_lower, tmp_path, cgroups):
+    """With core scheduling, an exec shares PID 1's cookie; without it (this
+    CI kernel: EINVAL), the exec fails at step sched_core with the hint and
+    leaves no child behind, and so does a container create."""
+    probe = native.probe_sched_core()
+    if probe == 0:
+        assert sandbox.sh("true", core_sched=True) == ""
+        return
+    children = len(_zombie_children_of(os.getpid()))
+    with pytest.raises(native.NativeError) as info:
+        sandbox.spawn(["true"], core_sched=True)
+    err = info.value
+    assert (err.errno, err.step) == (probe, "sched_core")
+    assert native.hint_for("sched_core", probe) in str(err)
+    with pytest.raises(native.NativeError) as info:
+        _make_sandbox(busybox_lower, tmp_path, cgroups, hostname="sbx-core", core_sched=True)
+    assert (info.value.errno, info.value.step) == (probe, "sched_core")
+    assert len(_zombie_children_of(os.getpid())) == children

@@ -1,0 +1,266 @@
+// SPDX-License-Identifier: GPL-2.0
+// Egress allowlists for sandboxes, attached to each sandbox's cgroup v2 dir.
+//
+// Compiled once per daemon by bcc (dsecd/net/policy.py passes the -D sizes) and
+// shared by every sandbox; a sandbox costs map entries and five attaches.
+//
+//   sandboxes   hash      sandbox cgroup id -> {policy id, stats slot}
+//   rules       lpm_trie  {policy id, family, address prefix} -> port/protocol entries
+//   rule_hits   percpu    counter slot -> connects/sends an entry allowed
+//   sb_stats    percpu    stats slot -> what the default-deny refused
+//
+// Atomic updates: user space writes a whole new policy under a fresh policy id,
+// then flips the sandbox's one `sandboxes` entry to it (a single map update),
+// then deletes the old id's entries. A program reads the policy id once per
+// decision, so every decision sees either the old policy or the new one.
+//
+// The trie answers the longest matching prefix only, so user space copies the
+// entries of every covering prefix into each more specific one ("inheritance");
+// one lookup then gives every port/protocol entry that applies to an address.
+
+#include <uapi/linux/bpf.h>
+#include <uapi/linux/if_ether.h>
+#include <uapi/linux/in.h>
+#include <uapi/linux/ip.h>
+#include <uapi/linux/ipv6.h>
+
+#ifndef MAX_SANDBOXES
+#define MAX_SANDBOXES 4096
+#endif
+#ifndef MAX_PREFIXES
+#define MAX_PREFIXES 65536
+#endif
+#ifndef MAX_COUNTERS
+#define MAX_COUNTERS 65536
+#endif
+#define MAX_ENTRIES 16
+
+// Protocol bits of an entry (a rule without /tcp|udp but with a port = TCP|UDP;
+// without a port either = every protocol, ICMP included).
+#define P_TCP 1
+#define P_UDP 2
+#define P_OTHER 4
+
+#define FAM_V4 4
+#define FAM_V6 6
+
+struct sb_val {
+    u32 policy;
+    u32 slot;
+};
+
+struct lpm_key {
+    u32 prefixlen;  // 32 (policy) + 8 (family) + address prefix length
+    u32 policy;
+    u8 family;
+    u8 addr[16];    // IPv4 in the first 4 bytes
+};
+
+struct entry {
+    u16 port_lo;    // host byte order
+    u16 port_hi;
+    u8 protos;      // P_* bits
+    u8 pad[3];
+    u32 counter;    // index into rule_hits
+};
+
+struct rule_val {
+    u32 n;
+    u32 pad;
+    struct entry e[MAX_ENTRIES];
+};
+
+struct sb_stat {
+    u64 denied_connect;
+    u64 denied_sendmsg;
+    u64 dropped_packets;
+};
+
+BPF_ARRAY(config, u32, 1);  // [0]: cgroup level of sandbox dirs (root = 0)
+BPF_HASH(sandboxes, u64, struct sb_val, MAX_SANDBOXES);
+BPF_F_TABLE("lpm_trie", struct lpm_key, struct rule_val, rules, MAX_PREFIXES, BPF_F_NO_PREALLOC);
+BPF_PERCPU_ARRAY(rule_hits, u64, MAX_COUNTERS);
+BPF_PERCPU_ARRAY(sb_stats, struct sb_stat, MAX_SANDBOXES);
+
+static __always_inline u32 sandbox_level(void)
+{
+    int zero = 0;
+    u32 *lvl = config.lookup(&zero);
+    return lvl ? *lvl : 0;
+}
+
+// 1 allow, 0 deny. `count` bumps the matching entry's counter (the hooks count,
+// the per-packet backstop does not: it would cost on every packet).
+static __always_inline int decide(struct sb_val *sb, struct lpm_key *k, u16 port, u8 proto, int count)
+{
+    k->policy = sb->policy;
+    k->prefixlen = 32 + 8 + (k->family == FAM_V4 ? 32 : 128);
+    struct rule_val *v = rules.lookup(k);
+    if (!v)
+        return 0;
+#pragma unroll
+    for (int i = 0; i < MAX_ENTRIES; i++) {
+        if (i >= v->n)
+            break;
+        struct entry *e = &v->e[i];
+        if ((e->protos & proto) && port >= e->port_lo && port <= e->port_hi) {
+            if (count) {
+                u32 c = e->counter;
+                u64 *hits = rule_hits.lookup(&c);
+                if (hits)
+                    *hits += 1;
+            }
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static __always_inline u8 proto_bit(u32 proto)
+{
+    if (proto == IPPROTO_TCP)
+        return P_TCP;
+    if (proto == IPPROTO_UDP)
+        return P_UDP;
+    return P_OTHER;
+}
+
+// The sandbox's own loopback is always reachable (--net none is loopback only).
+static __always_inline int is_loopback(struct lpm_key *k)
+{
+    if (k->family == FAM_V4)
+        return k->addr[0] == 127;
+    u32 acc = 0;
+#pragma unroll
+    for (int i = 0; i < 15; i++)
+        acc |= k->addr[i];
+    return acc == 0 && k->addr[15] == 1;
+}
+
+// An IPv4-mapped IPv6 address (::ffff:a.b.c.d, dual-stack sockets) is IPv4.
+static __always_inline void fold_v4_mapped(struct lpm_key *k)
+{
+    u32 acc = 0;
+#pragma unroll
+    for (int i = 0; i < 10; i++)
+        acc |= k->addr[i];
+    if (acc == 0 && k->addr[10] == 0xff && k->addr[11] == 0xff) {
+        k->family = FAM_V4;
+        __builtin_memcpy(k->addr, &k->addr[12], 4);
+        __builtin_memset(&k->addr[4], 0, 12);
+    }
+}
+
+static __always_inline void bump_denied(u32 slot, int sendmsg)
+{
+    struct sb_stat *st = sb_stats.lookup(&slot);
+    if (!st)
+        return;
+    if (sendmsg)
+        st->denied_sendmsg += 1;
+    else
+        st->denied_connect += 1;
+}
+
+static __always_inline int sock_addr_v4(struct bpf_sock_addr *ctx, int sendmsg)
+{
+    u64 cg = bpf_get_current_ancestor_cgroup_id(sandbox_level());
+    struct sb_val *sb = sandboxes.lookup(&cg);
+    if (!sb)
+        return 0;  // attached but not registered: fail closed
+    struct lpm_key k = {};
+    k.family = FAM_V4;
+    u32 ip = ctx->user_ip4;
+    __builtin_memcpy(k.addr, &ip, 4);
+    if (is_loopback(&k))
+        return 1;
+    u16 port = bpf_ntohs((u16)ctx->user_port);
+    if (decide(sb, &k, port, proto_bit(ctx->protocol), 1))
+        return 1;
+    bump_denied(sb->slot, sendmsg);
+    return 0;
+}
+
+static __always_inline int sock_addr_v6(struct bpf_sock_addr *ctx, int sendmsg)
+{
+    u64 cg = bpf_get_current_ancestor_cgroup_id(sandbox_level());
+    struct sb_val *sb = sandboxes.lookup(&cg);
+    if (!sb)
+        return 0;
+    struct lpm_key k = {};
+    k.family = FAM_V6;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        u32 w = ctx->user_ip6[i];
+        __builtin_memcpy(&k.addr[i * 4], &w, 4);
+    }
+    fold_v4_mapped(&k);
+    if (is_loopback(&k))
+        return 1;
+    u16 port = bpf_ntohs((u16)ctx->user_port);
+    if (decide(sb, &k, port, proto_bit(ctx->protocol), 1))
+        return 1;
+    bump_denied(sb->slot, sendmsg);
+    return 0;
+}
+
+int dsec_connect4(struct bpf_sock_addr *ctx) { return sock_addr_v4(ctx, 0); }
+int dsec_connect6(struct bpf_sock_addr *ctx) { return sock_addr_v6(ctx, 0); }
+int dsec_sendmsg4(struct bpf_sock_addr *ctx) { return sock_addr_v4(ctx, 1); }
+int dsec_sendmsg6(struct bpf_sock_addr *ctx) { return sock_addr_v6(ctx, 1); }
+
+// The backstop: every egress packet of the sandbox's sockets (raw sockets,
+// connected UDP, established TCP) is checked against the same policy. This is
+// also why a removed rule cuts established connections: their next packet drops.
+int dsec_egress(struct __sk_buff *skb)
+{
+    u64 cg = bpf_skb_ancestor_cgroup_id(skb, sandbox_level());
+    struct sb_val *sb = sandboxes.lookup(&cg);
+    if (!sb)
+        return 0;
+    struct lpm_key k = {};
+    u8 proto;
+    u32 l4;
+    if (skb->protocol == bpf_htons(ETH_P_IP)) {
+        struct iphdr ip;
+        if (bpf_skb_load_bytes(skb, 0, &ip, sizeof(ip)) < 0)
+            goto drop;
+        k.family = FAM_V4;
+        __builtin_memcpy(k.addr, &ip.daddr, 4);
+        proto = ip.protocol;
+        l4 = ip.ihl * 4;
+        // A non-first fragment has no ports (egress normally sees whole GSO
+        // packets, fragmented later; this is for IP_HDRINCL raw sockets).
+        if (ip.frag_off & bpf_htons(0x1fff))
+            proto = 0;
+    } else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
+        struct ipv6hdr ip6;
+        if (bpf_skb_load_bytes(skb, 0, &ip6, sizeof(ip6)) < 0)
+            goto drop;
+        k.family = FAM_V6;
+        __builtin_memcpy(k.addr, &ip6.daddr, 16);
+        fold_v4_mapped(&k);
+        proto = ip6.nexthdr;  // extension headers: treated as "other protocol"
+        l4 = sizeof(ip6);
+    } else {
+        return 1;  // not IP (no socket sends these through cgroup egress)
+    }
+    if (is_loopback(&k))
+        return 1;
+    u16 port = 0;
+    u8 bit = proto_bit(proto);
+    if (bit != P_OTHER) {
+        u16 ports[2];
+        if (bpf_skb_load_bytes(skb, l4, ports, sizeof(ports)) < 0)
+            goto drop;
+        port = bpf_ntohs(ports[1]);
+    }
+    if (decide(sb, &k, port, bit, 0))
+        return 1;
+drop:;
+    u32 slot = sb->slot;
+    struct sb_stat *st = sb_stats.lookup(&slot);
+    if (st)
+        st->dropped_packets += 1;
+    return 0;
+}

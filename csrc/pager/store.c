@@ -1,0 +1,181 @@
+/* store.c - reading chunks from the blob store, the optional throttle that
+ * makes a local store behave like a remote one, and the read-ahead workers.
+ *
+ * The throttle models one link to the store shared by all fetches: each fetch
+ * first waits latency_us (fetches overlap in that wait, as requests to a
+ * remote server would), then reserves len / bw_bps seconds of the link after
+ * every transfer already reserved, and sleeps until its transfer would end.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "pager.h"
+
+#define RA_QUEUE_LEN 1024
+
+static pthread_mutex_t g_link_lock = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t g_link_free_ns;
+
+struct ra_item {
+    struct blob *b;
+    uint64_t c;
+};
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    struct ra_item items[RA_QUEUE_LEN];
+    unsigned head, len;
+    int stop;
+    pthread_t *threads;
+    unsigned nthreads;
+} g_ra = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER};
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void sleep_until_ns(uint64_t t)
+{
+    struct timespec ts = {.tv_sec = (time_t)(t / 1000000000ull),
+                          .tv_nsec = (long)(t % 1000000000ull)};
+
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+        ;
+}
+
+static void throttle(uint64_t len)
+{
+    uint64_t start, end;
+
+    if (g_cfg.latency_us)
+        sleep_until_ns(now_ns() + g_cfg.latency_us * 1000ull);
+    if (!g_cfg.bw_bps)
+        return;
+    pthread_mutex_lock(&g_link_lock);
+    start = now_ns();
+    if (g_link_free_ns > start)
+        start = g_link_free_ns;
+    end = start + (uint64_t)((double)len * 1e9 / (double)g_cfg.bw_bps);
+    g_link_free_ns = end;
+    pthread_mutex_unlock(&g_link_lock);
+    sleep_until_ns(end);
+}
+
+/* Read chunk c of b from the store. A short read means the store file is
+ * shorter than when the blob was opened (truncated or being replaced): EIO,
+ * like any store error, so that a reader never sees zeros for missing bytes. */
+int store_fetch(struct blob *b, uint64_t c, char *buf, uint64_t len)
+{
+    uint64_t off = c * g_cfg.chunk_size, done = 0;
+
+    throttle(len);
+    while (done < len) {
+        ssize_t n = pread(b->store_fd, buf + done, len - done, (off_t)(off + done));
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0) {
+            fprintf(stderr, "dsec-pager: read store blob %s at %llu: %s\n", b->hex,
+                    (unsigned long long)(off + done), strerror(errno));
+            return -EIO;
+        }
+        if (n == 0) {
+            fprintf(stderr, "dsec-pager: store blob %s ends at %llu, expected %llu bytes\n", b->hex,
+                    (unsigned long long)(off + done), (unsigned long long)b->size);
+            return -EIO;
+        }
+        done += (uint64_t)n;
+    }
+    return 0;
+}
+
+static void *ra_worker(void *arg)
+{
+    (void)arg;
+    pthread_mutex_lock(&g_ra.lock);
+    for (;;) {
+        while (!g_ra.stop && g_ra.len == 0)
+            pthread_cond_wait(&g_ra.cond, &g_ra.lock);
+        if (g_ra.stop)
+            break;
+        struct ra_item it = g_ra.items[g_ra.head];
+        g_ra.head = (g_ra.head + 1) % RA_QUEUE_LEN;
+        g_ra.len--;
+        pthread_mutex_unlock(&g_ra.lock);
+        chunk_fill(it.b, it.c, 1);
+        pthread_mutex_lock(&g_ra.lock);
+    }
+    pthread_mutex_unlock(&g_ra.lock);
+    return NULL;
+}
+
+/* Queue the absent chunks of [first, first+count). They turn FETCHING here, so
+ * a reader that needs one meanwhile waits for the worker instead of fetching
+ * it a second time. Lock order: blob lock, then queue lock. */
+void readahead_queue(struct blob *b, uint64_t first, uint64_t count)
+{
+    if (!g_ra.nthreads)
+        return;
+    pthread_mutex_lock(&b->lock);
+    pthread_mutex_lock(&g_ra.lock);
+    for (uint64_t c = first; c < first + count && c < b->nchunks; c++) {
+        if (b->state[c] != CHUNK_ABSENT)
+            continue;
+        if (g_ra.len == RA_QUEUE_LEN || g_ra.stop)
+            break;
+        b->state[c] = CHUNK_FETCHING;
+        g_ra.items[(g_ra.head + g_ra.len) % RA_QUEUE_LEN] = (struct ra_item){b, c};
+        g_ra.len++;
+    }
+    pthread_cond_broadcast(&g_ra.cond);
+    pthread_mutex_unlock(&g_ra.lock);
+    pthread_mutex_unlock(&b->lock);
+}
+
+int readahead_start(void)
+{
+    if (!g_cfg.readahead || !g_cfg.ra_threads)
+        return 0;
+    g_ra.threads = calloc(g_cfg.ra_threads, sizeof(pthread_t));
+    if (!g_ra.threads)
+        return -ENOMEM;
+    for (unsigned i = 0; i < g_cfg.ra_threads; i++) {
+        int rc = pthread_create(&g_ra.threads[i], NULL, ra_worker, NULL);
+        if (rc)
+            return -rc;
+        g_ra.nthreads++;
+    }
+    return 0;
+}
+
+/* Stop the workers; chunks still queued go back to ABSENT. */
+void readahead_stop(void)
+{
+    pthread_mutex_lock(&g_ra.lock);
+    g_ra.stop = 1;
+    pthread_cond_broadcast(&g_ra.cond);
+    pthread_mutex_unlock(&g_ra.lock);
+    for (unsigned i = 0; i < g_ra.nthreads; i++)
+        pthread_join(g_ra.threads[i], NULL);
+    while (g_ra.len) {
+        struct ra_item it = g_ra.items[g_ra.head];
+        g_ra.head = (g_ra.head + 1) % RA_QUEUE_LEN;
+        g_ra.len--;
+        pthread_mutex_lock(&it.b->lock);
+        it.b->state[it.c] = CHUNK_ABSENT;
+        pthread_cond_broadcast(&it.b->cond);
+        pthread_mutex_unlock(&it.b->lock);
+    }
+    free(g_ra.threads);
+    g_ra.threads = NULL;
+    g_ra.nthreads = 0;
+}

@@ -1,0 +1,78 @@
+"""Admission by oversubscription: may one more sandbox start on this host?
+
+~90% of sandboxes use <= 5% of the CPU they ask for, so requests are admitted
+against a multiple of the real machine: cores x `cpu.oversubscription` of
+requested CPU, MemTotal x `cpu.memory_oversubscription` of memory limits. A
+create past either is refused at once with the figures, so a fleet layer can
+place it on another host (as DSec's edge does). LS sandboxes are the
+exception that is not oversubscribed: their measured recent use plus the new
+request must fit `ls_max_load` of the cores, because protection only helps
+against BE load, not against other LS tenants.
+
+Pure arithmetic over numbers the caller passes in: unit-testable without a host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Capacity:
+    cpus: int
+    mem_total: int            # bytes
+    cpu_ratio: float          # 0 = unchecked
+    mem_ratio: float          # 0 = unchecked
+    ls_max_load: float        # fraction of cores; 0 = unchecked
+
+    @property
+    def cpu(self) -> float | None:
+        return self.cpus * self.cpu_ratio if self.cpu_ratio > 0 else None
+
+    @property
+    def memory(self) -> int | None:
+        return int(self.mem_total * self.mem_ratio) if self.mem_ratio > 0 else None
+
+
+@dataclass(frozen=True)
+class Requested:
+    """What the live sandboxes ask for (dead ones hold nothing)."""
+
+    cpu: float = 0.0
+    memory: int = 0
+    sandboxes: int = 0
+
+
+def total(limits: list[dict]) -> Requested:
+    """Sum of the `limits` dicts ({"cpu", "memory"}) of live sandboxes."""
+    return Requested(cpu=sum(x["cpu"] for x in limits), memory=sum(x["memory"] for x in limits),
+                     sandboxes=len(limits))
+
+
+def refusal(cap: Capacity, req: Requested, cpu: float, memory: int, ls: bool = False,
+            ls_recent: float = 0.0) -> dict | None:
+    """None if a sandbox asking for (cpu, memory) fits, else the figures of the
+    first dimension it does not fit in (for the `busy` error's detail)."""
+    if cap.cpu is not None and req.cpu + cpu > cap.cpu + 1e-9:
+        return {"resource": "cpu", "requested": round(req.cpu, 3), "asking": cpu,
+                "capacity": round(cap.cpu, 3), "ratio": cap.cpu_ratio, "cpus": cap.cpus}
+    if cap.memory is not None and req.memory + memory > cap.memory:
+        return {"resource": "memory", "requested": req.memory, "asking": memory,
+                "capacity": cap.memory, "ratio": cap.mem_ratio, "mem_total": cap.mem_total}
+    if ls and cap.ls_max_load > 0 and ls_recent + cpu > cap.cpus * cap.ls_max_load + 1e-9:
+        return {"resource": "ls_cpu", "ls_recent": round(ls_recent, 3), "asking": cpu,
+                "capacity": round(cap.cpus * cap.ls_max_load, 3), "ratio": cap.ls_max_load,
+                "cpus": cap.cpus}
+    return None
+
+
+def state(cap: Capacity, req: Requested, probe_cpu: float, probe_memory: int) -> dict:
+    """The admission figures for `dsec info`: "open" while a sandbox of the
+    default size still fits, else "full" and which resource is exhausted."""
+    why = refusal(cap, req, probe_cpu, probe_memory)
+    return {"state": "full" if why else "open", "full_on": why["resource"] if why else None,
+            "cpu": {"requested": round(req.cpu, 3), "capacity": cap.cpu, "ratio": cap.cpu_ratio,
+                    "cpus": cap.cpus},
+            "memory": {"requested": req.memory, "capacity": cap.memory, "ratio": cap.mem_ratio,
+                       "mem_total": cap.mem_total},
+            "ls_max_load": cap.ls_max_load}

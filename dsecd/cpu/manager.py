@@ -1,0 +1,110 @@
+"""The CPU side of the host, as node.py sees it: QoS plans, admission, the
+sampling loop, and the figures of `dsec info` / `dsec top`.
+
+node.py owns the sandbox registry and passes in what this needs (limits of
+live sandboxes, {id: qos}); nothing here holds a reference to a Sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import psutil
+
+from .. import cgroup
+from ..errors import BadRequest, Busy
+from . import admission, qos, sampler
+
+log = logging.getLogger(__name__)
+
+
+class CpuHost:
+    def __init__(self, cfg: dict, layout: cgroup.Layout, features, cgroup_root: str):
+        self.cfg = cfg
+        # Cores this daemon (and so its sandboxes) may run on.
+        self.cpus = len(os.sched_getaffinity(0))
+        core = features.items.get("sched_core")
+        try:
+            self.classes = qos.Classes(cfg, qos.has_cpu_idle(layout), bool(core and core.available),
+                                       core.detail if core else "not probed")
+        except qos.QosError as err:
+            raise ValueError(str(err)) from err
+        for key in ("oversubscription", "memory_oversubscription", "ls_max_load", "sample_interval_s"):
+            if cfg[key] < 0:
+                raise ValueError(f"cpu.{key} must be >= 0, got {cfg[key]}")
+        self.capacity = admission.Capacity(self.cpus, psutil.virtual_memory().total, float(cfg["oversubscription"]),
+                                           float(cfg["memory_oversubscription"]), float(cfg["ls_max_load"]))
+        self.sampler = sampler.Sampler(layout, cgroup_root, float(cfg["recent_half_life_s"]))
+        self.interval = float(cfg["sample_interval_s"])
+
+    # ------------------------------------------------------------ QoS
+
+    def plan(self, name: str | None) -> qos.Plan:
+        try:
+            return self.classes.plan(name)
+        except qos.QosError as err:
+            raise BadRequest(str(err), {"classes": list(qos.CLASSES)}) from err
+
+    @staticmethod
+    def bind(handle, plan: qos.Plan) -> None:
+        """Execs in this sandbox get the plan's policy (see backend.spawn)."""
+        handle.sched_idle = plan.sched_idle
+        handle.core_sched = plan.core_sched == "on"
+
+    # ------------------------------------------------------------ admission
+
+    def admit(self, live_limits: list[dict], cpu: float, memory: int, plan: qos.Plan) -> None:
+        """Raise `busy` with the figures if a sandbox of this size does not fit."""
+        ls_recent = self.sampler.latest.host.get("sandbox_recent_cores", {}).get(qos.LS, 0.0) \
+            if self.sampler.latest.host else 0.0
+        why = admission.refusal(self.capacity, admission.total(live_limits), cpu, memory,
+                                ls=plan.qos == qos.LS, ls_recent=ls_recent)
+        if why:
+            raise Busy(f"host at capacity for {why['resource']}: {why.get('requested', why.get('ls_recent'))} "
+                       f"in use + {why['asking']} asked > {why['capacity']} "
+                       f"(ratio {why['ratio']}); retry later or on another host", why)
+
+    # ------------------------------------------------------------ sampling
+
+    async def run(self, entries, run_blocking) -> None:
+        """Sample every `interval` seconds until cancelled. `entries()` gives
+        {sandbox id: (qos, has quota)} of the sandboxes to sample now."""
+        if self.interval <= 0:
+            return
+        while True:
+            t0 = time.monotonic()
+            try:
+                await run_blocking(self.sampler.sample, entries())
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("cpu sampling pass failed")
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - t0)))
+
+    # ------------------------------------------------------------ reports
+
+    def info(self, live_limits: list[dict], default_cpu: float, default_memory: int) -> dict:
+        snap = self.sampler.latest
+        host = snap.host
+        used = host.get("sandbox_cores") if host else None
+        return {"cpus": self.cpus, **self.classes.info(),
+                "admission": admission.state(self.capacity, admission.total(live_limits), default_cpu,
+                                             default_memory),
+                "used": {"host_cpu_pct": host.get("cpu_pct") if host else None,
+                         "sandbox_cores": used,
+                         "sample_interval_s": self.interval, "last_pass_ms": snap.duration_ms},
+                "placement": sampler.placement_hint(snap, self.cpus)}
+
+    def top(self, sandboxes: list[dict]) -> dict:
+        """`sandboxes`: [{id, state, qos, cpu (requested), memory_limit}]."""
+        snap = self.sampler.latest
+        rows = []
+        for sb in sandboxes:
+            s = snap.sandboxes.get(sb["id"], {})
+            rows.append({**sb, "cpu_pct": s.get("cpu_pct"), "throttled_pct": s.get("throttled_pct"),
+                         "throttled_ms": s.get("throttled_ms"), "memory": s.get("memory")})
+        return {"sampled_at": snap.t or None, "interval_s": self.interval, "host": snap.host,
+                "sandboxes": rows}

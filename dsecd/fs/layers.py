@@ -1,0 +1,103 @@
+"""Layer mounts: each EROFS layer mounted once per host, shared by every sandbox.
+
+A layer in use is mounted read-only at <state>/layers/<hex> straight from
+its blob file (a file-backed EROFS mount), so the page cache of its files is
+shared by all sandboxes stacking it as an overlay lowerdir. Mounts are
+reference counted by sandbox; an unused one is unmounted after a grace
+period (a burst of creates on the same image keeps it mounted). After a
+daemon restart, mounts still present are reused and re-counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+from .. import native
+
+log = logging.getLogger(__name__)
+
+
+class LayerMounts:
+    def __init__(self, mount_root: Path, blob_path, grace_s: float = 60.0):
+        self.root = Path(mount_root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.blob_path = blob_path       # digest -> Path of the blob file
+        self.grace_s = grace_s
+        self._lock = threading.Lock()
+        self._refs: dict[str, int] = {}
+        self._idle_since: dict[str, float] = {}
+
+    def _dir(self, digest: str) -> Path:
+        return self.root / digest.split(":", 1)[1]
+
+    def is_mounted(self, digest: str) -> bool:
+        d = self._dir(digest)
+        return d.is_dir() and os.path.ismount(d)
+
+    def acquire(self, digests: list[str]) -> list[str]:
+        """Mount what is not mounted yet; return the mount dirs, same order."""
+        out = []
+        done: list[str] = []
+        try:
+            with self._lock:
+                for digest in digests:
+                    d = self._dir(digest)
+                    if not self.is_mounted(digest):
+                        d.mkdir(exist_ok=True)
+                        native.mount_erofs(str(self.blob_path(digest)), str(d))
+                    self._refs[digest] = self._refs.get(digest, 0) + 1
+                    self._idle_since.pop(digest, None)
+                    done.append(digest)
+                    out.append(str(d))
+        except BaseException:
+            self.release(done)
+            raise
+        return out
+
+    def release(self, digests: list[str]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for digest in digests:
+                n = self._refs.get(digest, 0) - 1
+                if n > 0:
+                    self._refs[digest] = n
+                else:
+                    self._refs.pop(digest, None)
+                    self._idle_since[digest] = now
+
+    def readopt(self, digests: list[str]) -> None:
+        """Count the layers of a re-adopted sandbox (mounted by an earlier daemon)."""
+        with self._lock:
+            for digest in digests:
+                self._refs[digest] = self._refs.get(digest, 0) + 1
+
+    def sweep(self, force: bool = False) -> list[str]:
+        """Unmount layers idle for longer than the grace period (all idle ones if force)."""
+        now = time.monotonic()
+        removed = []
+        with self._lock:
+            mounted = {"sha256:" + e.name for e in os.scandir(self.root) if e.is_dir()}
+            for digest in mounted:
+                if self._refs.get(digest):
+                    continue
+                since = self._idle_since.setdefault(digest, now)
+                if not force and now - since < self.grace_s:
+                    continue
+                d = self._dir(digest)
+                try:
+                    if os.path.ismount(d):
+                        native.umount(str(d))
+                    os.rmdir(d)
+                    removed.append(digest)
+                    self._idle_since.pop(digest, None)
+                except OSError as err:
+                    log.warning("unmount idle layer %s: %s", digest, err)
+        return removed
+
+    def in_use(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._refs)

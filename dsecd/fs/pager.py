@@ -1,0 +1,364 @@
+"""The lazy pager: start, adopt, supervise and stop dsec-pager (csrc/pager/).
+
+dsec-pager is a FUSE daemon that shows every blob of the store directory as a
+read-only file ``<mountpoint>/<hex>`` and pages it in by chunks through a
+persistent local cache (docs/pager.md). This module runs it for the daemon:
+
+* ``Pager.start()`` spawns it and returns once the mount answers, or adopts a
+  pager a previous daemon left running on the same mountpoint (layers mounted
+  over its files stay valid across daemon restarts);
+* ``Pager.supervise()`` waits for it to die and restarts it on the same
+  mountpoint (lazy-unmounting the dead FUSE mount first), calling back so the
+  daemon can remount the layers that sat on the dead mount;
+* ``Pager.stats()`` reads its counters from ``<mountpoint>/.stats``;
+* ``Pager.stop()`` stops it (SIGTERM: unmount, cache closed cleanly).
+
+Every call blocks (process waits, mounts, file reads on a FUSE mount): call
+them from a worker thread, never from the event loop.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import re
+import select
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from dsecd import native
+
+log = logging.getLogger("dsecd.fs.pager")
+
+FSTYPE = "fuse.dsec-pager"
+HEX_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class PagerError(OSError):
+    """The pager did not start, or its mount cannot be used."""
+
+
+def pager_binary_path() -> str:
+    """dsecd/libexec/dsec-pager, built by setup.py from csrc/pager/."""
+    return str(Path(__file__).resolve().parent.parent / "libexec" / "dsec-pager")
+
+
+def blob_hex(digest: str) -> str:
+    """'sha256:<hex>' or '<hex>' -> '<hex>'; anything else is a ValueError."""
+    hexpart = digest.removeprefix("sha256:")
+    if not HEX_RE.match(hexpart):
+        raise ValueError(f"not a sha256 digest: {digest!r}")
+    return hexpart
+
+
+@dataclass(frozen=True)
+class PagerConfig:
+    store_dir: str          # the blobs, one file per digest: <store_dir>/<hex>
+    cache_dir: str          # chunk cache: <hex>.data (sparse) + <hex>.bitmap
+    mountpoint: str
+    chunk_size: int = 1 << 20
+    cache_max_bytes: int = 0        # 0 = no cap
+    readahead_chunks: int = 4
+    readahead_threads: int = 2
+    threads: int = 16               # FUSE worker threads
+    bandwidth_bps: int = 0          # store throttle (benches): 0 = none
+    latency_us: int = 0             # store throttle per fetch
+    direct_io: bool = True          # no page cache on the FUSE files: the EROFS mount
+                                    # above caches (else the host holds pages twice)
+    log_path: str | None = None     # the pager's stderr (appended); None = the daemon's
+    cgroup_procs: str | None = None  # cgroup.procs the pager is moved to once spawned (a
+                                     # group outside the daemon's, so that it outlives it)
+    start_timeout_s: float = 10.0
+    max_restarts: int = 5           # within restart_window_s, then supervise() gives up
+    restart_window_s: float = 60.0
+
+    def __post_init__(self):
+        for name in ("store_dir", "cache_dir", "mountpoint"):
+            if not os.path.isabs(getattr(self, name)):
+                raise ValueError(f"{name} must be an absolute path: {getattr(self, name)!r}")
+        cs = self.chunk_size
+        if cs < 4096 or cs > 1 << 30 or cs & (cs - 1):
+            raise ValueError(f"chunk_size must be a power of two in [4096, 1 GiB]: {cs}")
+        for name in ("cache_max_bytes", "readahead_threads", "bandwidth_bps", "latency_us"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if not 0 <= self.readahead_chunks <= 1024:
+            raise ValueError("readahead_chunks must be in [0, 1024]")
+        if self.threads < 1:
+            raise ValueError("threads must be >= 1")
+
+    def argv(self, binary: str, ready_fd: int) -> list[str]:
+        return [
+            binary,
+            "--store", self.store_dir,
+            "--cache", self.cache_dir,
+            "--chunk-size", str(self.chunk_size),
+            "--cache-max", str(self.cache_max_bytes),
+            "--readahead", str(self.readahead_chunks),
+            "--readahead-threads", str(self.readahead_threads),
+            "--threads", str(self.threads),
+            "--bandwidth", str(self.bandwidth_bps),
+            "--latency-us", str(self.latency_us),
+            "--ready-fd", str(ready_fd),
+            *(["--direct-io"] if self.direct_io else []),
+            self.mountpoint,
+        ]
+
+
+@dataclass(frozen=True)
+class BlobStats:
+    size: int
+    chunks: int
+    cached_chunks: int
+    kernel_read_bytes: int   # bytes the kernel read through the pager
+    reads: int
+    fetched_bytes: int       # bytes read from the store (misses and read-ahead)
+    fetches: int
+    chunk_hits: int
+    chunk_misses: int
+    readahead_chunks: int
+    evictions: int
+    errors: int
+
+
+@dataclass(frozen=True)
+class PagerStats:
+    pid: int
+    chunk_size: int
+    cache_max: int
+    cache_used: int
+    blobs: dict[str, BlobStats]
+
+
+def parse_stats(text: str) -> PagerStats:
+    """Parse the JSON of <mountpoint>/.stats (version 1)."""
+    doc = json.loads(text)
+    if doc.get("version") != 1:
+        raise ValueError(f"unknown .stats version {doc.get('version')!r}")
+    names = [f.name for f in fields(BlobStats)]
+    blobs = {h: BlobStats(**{n: int(b[n]) for n in names}) for h, b in doc["blobs"].items()}
+    return PagerStats(int(doc["pid"]), int(doc["chunk_size"]), int(doc["cache_max"]),
+                      int(doc["cache_used"]), blobs)
+
+
+def _unescape_mountinfo(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def pager_mounts(mountpoint: str, mountinfo: str = "/proc/self/mountinfo") -> int:
+    """How many dsec-pager FUSE mounts are stacked on mountpoint."""
+    target = os.path.realpath(mountpoint)
+    count = 0
+    with open(mountinfo) as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            parts = left.split()
+            if len(parts) > 4 and _unescape_mountinfo(parts[4]) == target \
+                    and right.split(" ", 1)[0] == FSTYPE:
+                count += 1
+    return count
+
+
+class Pager:
+    """One dsec-pager on one mountpoint. Not thread-safe: one owner thread."""
+
+    def __init__(self, config: PagerConfig, binary: str | None = None):
+        self.config = config
+        self.binary = binary or pager_binary_path()
+        self.generation = 0      # +1 at every (re)start or adoption; layers remember it
+        self.restarts = 0
+        self._proc: subprocess.Popen | None = None
+        self._pidfd: int | None = None   # an adopted pager (not our child)
+        self._pid: int | None = None
+
+    # ---------------------------------------------------------- paths, state
+
+    def blob_path(self, digest: str) -> str:
+        """The file to mount a layer from: <mountpoint>/<hex>."""
+        return os.path.join(self.config.mountpoint, blob_hex(digest))
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid
+
+    def alive(self) -> bool:
+        if self._proc is not None:
+            return self._proc.poll() is None
+        if self._pidfd is not None:
+            return not select.select([self._pidfd], [], [], 0)[0]
+        return False
+
+    def stats(self) -> PagerStats:
+        try:
+            with open(os.path.join(self.config.mountpoint, ".stats")) as f:
+                return parse_stats(f.read())
+        except OSError as err:
+            raise PagerError(err.errno, f"read pager stats `{self.config.mountpoint}/.stats`: "
+                                        f"{os.strerror(err.errno or errno.EIO)}") from err
+
+    # ---------------------------------------------------------- start / stop
+
+    def start(self) -> None:
+        """Adopt a live pager on the mountpoint or start one; return once mounted."""
+        cfg = self.config
+        if self._try_adopt():
+            return
+        # Before touching the mountpoint: stat(2) on a dead FUSE mount is ENOTCONN.
+        self._clear_dead_mounts()
+        os.makedirs(cfg.mountpoint, exist_ok=True)
+        os.makedirs(cfg.cache_dir, mode=0o700, exist_ok=True)
+        if not os.access(self.binary, os.X_OK):
+            raise PagerError(errno.ENOENT, f"exec `{self.binary}`: not built "
+                                           "(setup.py builds it from csrc/pager/)")
+        rfd, wfd = os.pipe2(os.O_CLOEXEC)
+        logf = open(cfg.log_path, "ab") if cfg.log_path else None  # noqa: SIM115
+        try:
+            # Own session: a signal to the daemon's process group (^C) must not
+            # take the pager, and the mounts under it, down too.
+            self._proc = subprocess.Popen(cfg.argv(self.binary, wfd), pass_fds=(wfd,),
+                                          stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                                          start_new_session=True)
+        finally:
+            os.close(wfd)
+            if logf:
+                logf.close()
+        self._pid = self._proc.pid
+        try:
+            if cfg.cgroup_procs:
+                # Before it mounts: the pager allocates little until then.
+                with open(cfg.cgroup_procs, "w") as f:
+                    f.write(str(self._pid))
+            self._wait_ready(rfd)
+        except BaseException:
+            self._kill_child()
+            self._forget_process()
+            self._clear_dead_mounts()   # killed after mounting (timeout)
+            raise
+        finally:
+            os.close(rfd)
+        self.generation += 1
+        log.info("pager pid %d mounted on %s (generation %d)", self._pid, cfg.mountpoint,
+                 self.generation)
+
+    def _wait_ready(self, rfd: int) -> None:
+        deadline = time.monotonic() + self.config.start_timeout_s
+        data = b""
+        while b"\n" not in data:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([rfd], [], [], left)[0]:
+                raise PagerError(errno.ETIMEDOUT, f"start pager on `{self.config.mountpoint}`: "
+                                                  f"not mounted after {self.config.start_timeout_s} s")
+            chunk = os.read(rfd, 64)
+            if not chunk:
+                code = self._proc.wait(timeout=5) if self._proc else None
+                raise PagerError(errno.EIO, f"start pager on `{self.config.mountpoint}`: "
+                                            f"exited with status {code} before mounting "
+                                            f"(its stderr: {self.config.log_path or 'daemon log'})")
+            data += chunk
+
+    def _try_adopt(self) -> bool:
+        """A pager left by a previous daemon answers .stats: keep it (its files
+        back mounted layers). A dead one leaves ENOTCONN: cleared by the caller."""
+        if self.alive() or not pager_mounts(self.config.mountpoint):
+            return self.alive()
+        try:
+            stats = self.stats()
+            pidfd = os.pidfd_open(stats.pid)
+        except (OSError, ValueError):
+            return False
+        if stats.chunk_size != self.config.chunk_size:
+            log.warning("adopted pager on %s runs with chunk size %d, not %d: restart it to "
+                        "change", self.config.mountpoint, stats.chunk_size, self.config.chunk_size)
+        self._pidfd, self._pid, self._proc = pidfd, stats.pid, None
+        self.generation += 1
+        log.info("adopted pager pid %d on %s", stats.pid, self.config.mountpoint)
+        return True
+
+    def _clear_dead_mounts(self) -> None:
+        """Lazy-unmount dead pager mounts: a busy one (layers mounted over its
+        files, open fds) cannot be unmounted otherwise, and lazily it goes once
+        those are gone."""
+        for _ in range(pager_mounts(self.config.mountpoint)):
+            native.umount(self.config.mountpoint, detach=True)
+            log.warning("lazily unmounted a dead pager mount on %s", self.config.mountpoint)
+
+    def _kill_child(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (the pager unmounts and closes its cache cleanly), SIGKILL
+        after timeout, then lazily unmount whatever mount is left."""
+        if self.alive():
+            os.kill(self._pid, signal.SIGTERM)
+            if not self._wait_exit(timeout):
+                log.warning("pager pid %d ignored SIGTERM for %s s: SIGKILL", self._pid, timeout)
+                os.kill(self._pid, signal.SIGKILL)
+                self._wait_exit(None)
+        self._forget_process()
+        self._clear_dead_mounts()
+
+    def restart(self) -> None:
+        """Start again after the pager died (reaped here): clears the dead mount."""
+        if self.alive():
+            raise PagerError(errno.EBUSY, f"restart pager on `{self.config.mountpoint}`: "
+                                          f"pid {self._pid} is alive")
+        self._wait_exit(0)
+        self._forget_process()
+        self.start()
+        self.restarts += 1
+
+    def _wait_exit(self, timeout: float | None) -> bool:
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=timeout)
+                return True
+            except subprocess.TimeoutExpired:
+                return False
+        if self._pidfd is not None:
+            return bool(select.select([self._pidfd], [], [], timeout)[0])
+        return True
+
+    def _forget_process(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+        self._proc = self._pidfd = self._pid = None
+
+    # ---------------------------------------------------------- supervision
+
+    def supervise(self, stop: threading.Event,
+                  on_restart: Callable[[int], None] | None = None,
+                  poll_s: float = 0.5) -> None:
+        """Restart the pager whenever it dies, until stop is set. After each
+        restart, on_restart(generation) runs: the daemon must remount the layers
+        whose EROFS mounts sat on the dead FUSE mount (docs/pager.md). Gives up
+        (PagerError) after max_restarts within restart_window_s.
+
+        The thread running this owns the Pager meanwhile: to shut down, set
+        stop, join the thread, then call stop()."""
+        recent: list[float] = []
+        while not stop.is_set():
+            if not self._wait_exit(poll_s):
+                continue
+            if stop.is_set():
+                break
+            code = self._proc.returncode if self._proc is not None else None
+            log.error("pager pid %s on %s died (status %s): restarting", self._pid,
+                      self.config.mountpoint, code)
+            now = time.monotonic()
+            recent = [t for t in recent if now - t < self.config.restart_window_s] + [now]
+            if len(recent) > self.config.max_restarts:
+                raise PagerError(errno.EIO, f"pager on `{self.config.mountpoint}` died "
+                                            f"{len(recent)} times in "
+                                            f"{self.config.restart_window_s} s: giving up")
+            self.restart()
+            if on_restart is not None:
+                on_restart(self.generation)

@@ -1,0 +1,210 @@
+"""A zram swap device that dsecd makes, owns and removes.
+
+Paused sandboxes can only give back anonymous memory if it has somewhere to
+go; zram is compressed swap in RAM (no disk, and DSec's idle sandboxes hold
+mostly compressible anon pages). Off by default (`[memory.zram] enabled`).
+
+    z = ZramSwap(ZramConfig(enabled=True, size_bytes=4 << 30, algorithm="lz4"))
+    z.setup()          # hot_add -> comp_algorithm -> disksize -> swap header -> swapon
+    z.stats()          # the kernel's mm_stat: stored vs compressed vs used
+    z.teardown()       # swapoff -> reset -> hot_remove; safe to repeat
+
+dsecd only ever touches the device number that `hot_add` handed it (kept in
+`device`, journaled by the node so a restarted daemon can `adopt` or remove
+it): a host's existing /dev/zram0 is never read, reset or swapped on.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import native
+
+log = logging.getLogger(__name__)
+
+SWAP_MAGIC = b"SWAPSPACE2"
+MM_STAT_FIELDS = ("orig_data_size", "compr_data_size", "mem_used_total", "mem_limit",
+                  "mem_used_max", "same_pages", "pages_compacted", "huge_pages")
+
+
+class ZramError(OSError):
+    pass
+
+
+@dataclass(frozen=True)
+class ZramConfig:
+    enabled: bool = False
+    size_bytes: int = 4 << 30        # uncompressed capacity of the swap area
+    algorithm: str = "lz4"           # must be listed in the device's comp_algorithm
+    priority: int = 32767            # above any disk swap: zram is used first
+    mem_limit_bytes: int = 0         # cap on RAM the device may use (0 = none)
+
+    @classmethod
+    def from_section(cls, z: dict) -> ZramConfig:
+        """From the [memory.zram] table of the daemon config (docs/memory.md)."""
+        from ..config import parse_size
+
+        priority = int(z["priority"])
+        if not -1 <= priority <= 32767:
+            raise ValueError(f"memory.zram.priority must be -1..32767, got {priority}")
+        return cls(enabled=bool(z["enabled"]), size_bytes=parse_size(z["size"]),
+                   algorithm=str(z["algorithm"]), priority=priority,
+                   mem_limit_bytes=parse_size(z["mem_limit"]))
+
+
+def swap_header(size_bytes: int, page_size: int = native.PAGE_SIZE) -> bytes:
+    """Page 0 of a v1 swap area, as mkswap(8) writes it (include/linux/swap.h
+    union swap_header): version 1, last_page, no bad pages, magic at the end."""
+    pages = size_bytes // page_size
+    if pages < 10:
+        raise ValueError(f"a swap area needs at least 10 pages, got {size_bytes} bytes")
+    uuid = os.urandom(16)
+    info = struct.pack("<III16s16s", 1, pages - 1, 0, uuid, b"dsecd-zram".ljust(16, b"\0"))
+    page = bytearray(page_size)
+    page[1024:1024 + len(info)] = info
+    page[page_size - len(SWAP_MAGIC):] = SWAP_MAGIC
+    return bytes(page)
+
+
+def active_swaps(proc_swaps: str = "/proc/swaps") -> set[str]:
+    with open(proc_swaps) as f:
+        return {line.split()[0] for line in f.read().splitlines()[1:] if line.strip()}
+
+
+class ZramSwap:
+    def __init__(self, cfg: ZramConfig, sys_root: str | Path = "/sys", dev_root: str | Path = "/dev"):
+        self.cfg = cfg
+        self.sys = Path(sys_root)
+        self.dev_root = Path(dev_root)
+        self.device: int | None = None
+
+    @property
+    def control(self) -> Path:
+        return self.sys / "class" / "zram-control"
+
+    def block(self) -> Path:
+        return self.sys / "block" / f"zram{self.device}"
+
+    def dev_path(self) -> str:
+        return str(self.dev_root / f"zram{self.device}")
+
+    # ------------------------------------------------------------ setup
+
+    def available(self) -> tuple[bool, str]:
+        if not (self.control / "hot_add").exists():
+            return False, f"{self.control}/hot_add missing: zram module not loaded (modprobe zram)"
+        return True, "zram hot_add present"
+
+    def setup(self) -> int:
+        """Make the device and swap on it; returns its number. On any failure
+        what was done is undone (swapoff, reset, hot_remove) before raising."""
+        if self.device is not None:
+            return self.device
+        ok, why = self.available()
+        if not ok:
+            raise ZramError(errno.ENODEV, why)
+        self.device = int(_read(self.control / "hot_add"))
+        try:
+            self._set_algorithm()
+            if self.cfg.mem_limit_bytes:
+                _write(self.block() / "mem_limit", str(self.cfg.mem_limit_bytes))
+            _write(self.block() / "disksize", str(self.cfg.size_bytes))
+            self._write_header()
+            native.swapon(self.dev_path(), self.cfg.priority)
+        except BaseException:
+            self.teardown()
+            raise
+        log.info("zram%d: %d MiB swap (%s), priority %d", self.device, self.cfg.size_bytes >> 20,
+                 self.cfg.algorithm, self.cfg.priority)
+        return self.device
+
+    def _set_algorithm(self) -> None:
+        listed = _read(self.block() / "comp_algorithm").replace("[", "").replace("]", "").split()
+        if self.cfg.algorithm not in listed:
+            raise ZramError(errno.EINVAL, f"zram algorithm {self.cfg.algorithm!r} is not offered "
+                            f"by this kernel (it has: {' '.join(listed)})")
+        _write(self.block() / "comp_algorithm", self.cfg.algorithm)
+
+    def _write_header(self) -> None:
+        path = self.dev_path()
+        deadline = time.monotonic() + 2.0
+        while not os.path.exists(path):        # devtmpfs adds the node asynchronously
+            if time.monotonic() > deadline:
+                raise ZramError(errno.ENOENT, f"`{path}` did not appear after hot_add")
+            time.sleep(0.005)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_EXCL)
+            try:
+                os.pwrite(fd, swap_header(self.cfg.size_bytes), 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise ZramError(err.errno, f"write swap header to `{path}`: {os.strerror(err.errno)}") from err
+
+    # ------------------------------------------------------------ state
+
+    def is_swap_on(self) -> bool:
+        return self.device is not None and self.dev_path() in active_swaps()
+
+    def stats(self) -> dict[str, int]:
+        if self.device is None:
+            return {}
+        values = [int(v) for v in _read(self.block() / "mm_stat").split()]
+        return dict(zip(MM_STAT_FIELDS, values, strict=False))  # newer kernels add fields
+
+    def adopt(self, device: int) -> bool:
+        """Take back a device a previous daemon made (number from the journal)."""
+        self.device = device
+        if not self.block().exists():
+            self.device = None
+            return False
+        return True
+
+    # ------------------------------------------------------------ teardown
+
+    def teardown(self) -> None:
+        """swapoff (pages every swapped page back in), reset, hot_remove.
+        Safe to repeat and to call on a half-made device."""
+        if self.device is None:
+            return
+        if self.is_swap_on():
+            native.swapoff(self.dev_path())
+        if self.block().exists():
+            # reset frees the compressed store; hot_remove refuses a device with
+            # a disksize or an open fd (EBUSY), so retry briefly after swapoff.
+            _write(self.block() / "reset", "1", retry_busy=True)
+            _write(self.control / "hot_remove", str(self.device), retry_busy=True)
+        self.device = None
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError as err:
+        raise ZramError(err.errno, f"read `{path}`: {os.strerror(err.errno)}") from err
+
+
+def _write(path: Path, value: str, retry_busy: bool = False) -> None:
+    deadline = time.monotonic() + (2.0 if retry_busy else 0.0)
+    while True:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.write(fd, value.encode())
+            finally:
+                os.close(fd)
+            return
+        except OSError as err:
+            if err.errno == errno.EBUSY and time.monotonic() < deadline:
+                time.sleep(0.01)
+                continue
+            hint = "; the device is still open or still swap" if err.errno == errno.EBUSY else ""
+            raise ZramError(err.errno, f"write {value!r} to `{path}`: "
+                            f"{os.strerror(err.errno)}{hint}") from err

@@ -1,0 +1,360 @@
+"""Network: what the node calls. One per daemon; every method blocks (worker threads only).
+
+    net = Network(cfg["net"], state_dir, layout.v2, cgroup_root)    # bridge, BPF compile, IPAM
+    view = net.attach(sb_id, init_pid, cgroup_v2_dir, rules, mode)  # on create
+    view = net.update(sb_id, add=, remove=, replace=)               # live, atomic
+    view = net.show(sb_id)
+    net.detach(sb_id)                                               # on destroy / death
+    net.readopt({sb_id: (init_pid, cgroup_v2_dir)})                 # after a restart
+
+Per sandbox: the policy (terms) and BPF bookkeeping are journaled under
+<state_dir>/net/sandboxes/<id>.json, the address lease in <state_dir>/net/leases.json.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import BadRequest, Conflict, NotFound
+from ..journal import Journal
+from . import rules as R
+from .ipam import Ipam, Lease
+from .plumbing import BridgeSpec, Plumbing, host_ifname, netns_path
+from .policy import Engine
+
+log = logging.getLogger(__name__)
+
+MODES = ("default", "none")
+
+
+@dataclass
+class _Sandbox:
+    id: str
+    mode: str
+    cgroup_dir: str
+    cgroup_id: int
+    terms: tuple[str, ...] = ()
+    policy: int = 0
+    slot: int = -1
+    counters: dict = field(default_factory=dict)     # Rule -> counter index
+    prefixes: dict = field(default_factory=dict)      # live policy: (fam, addr, plen) -> entries
+    state: str = "attached"                           # attached | detaching
+
+    def record(self) -> dict:
+        return {"id": self.id, "mode": self.mode, "cgroup_dir": self.cgroup_dir, "cgroup_id": self.cgroup_id,
+                "terms": list(self.terms)}
+
+
+class Network:
+    def __init__(self, cfg: dict, state_dir: Path, cgroup_v2_root: Path, cgroup_root: str = "dsecd",
+                 max_sandboxes: int = 4096):
+        self.cfg = cfg
+        self.v2 = Path(cgroup_v2_root)
+        self.level = len(Path(cgroup_root).parts) + 1
+        self.sets = R.parse_rule_sets(cfg.get("rule_sets", {}))
+        self.essentials = tuple(R.canonical_term(t, self.sets) for t in cfg.get("essentials", []))
+        self.max_rules = int(cfg["max_rules_per_sandbox"])
+        netdir = Path(state_dir) / "net"
+        self.journal = Journal(netdir / "sandboxes", fsync=bool(cfg.get("fsync", False)))
+        self.ipam = Ipam(netdir / "leases.json", cfg["ipv4_subnet"], cfg.get("ipv4_pool", ""),
+                         cfg.get("ipv6_subnet", ""), fsync=bool(cfg.get("fsync", False)))
+        gw6 = f"{self.ipam.gateway6}/{self.ipam.subnet6.prefixlen}" if self.ipam.subnet6 else ""
+        self.plumbing = Plumbing(BridgeSpec(
+            name=cfg["bridge"], mtu=int(cfg["mtu"]), host_netns=cfg.get("host_netns", ""),
+            gateway4=f"{self.ipam.gateway4}/{self.ipam.subnet.prefixlen}", gateway6=gw6,
+            sandbox_ifname=cfg.get("sandbox_ifname", "eth0")))
+        self.engine = Engine.shared(max_sandboxes, int(cfg["max_prefixes"]), int(cfg["max_counters"]))
+        self.engine.set_level(self.level)
+        self._lock = threading.RLock()
+        self._sbs: dict[str, _Sandbox] = {}
+
+    def close(self) -> None:
+        """Daemon shutdown: sandboxes keep their veths and attached programs."""
+        self.plumbing.close()
+
+    # ------------------------------------------------------------ create / destroy
+
+    def attach(self, sb_id: str, netns: int | str, cgroup_dir: str | Path, rules: list[str] | None = None,
+               mode: str = "default") -> dict:
+        """Policy first, then the interface: the sandbox never has a link without its policy."""
+        if mode not in MODES:
+            raise BadRequest(f"net mode must be one of {MODES}, got {mode!r}")
+        if mode == "none" and rules:
+            raise BadRequest("--allow needs --net default (--net none is loopback only)")
+        cgroup_dir = str(cgroup_dir)
+        self._check_level(cgroup_dir)
+        with self._lock:
+            if sb_id in self._sbs:
+                raise Conflict(f"sandbox {sb_id} already has networking", {"sandbox": sb_id})
+            sb = _Sandbox(sb_id, mode, cgroup_dir, os.stat(cgroup_dir).st_ino)
+            self._sbs[sb_id] = sb
+        try:
+            if mode == "default":
+                terms = R.merge((), self.sets, replace=list(rules or []))
+                self._bpf_attach(sb, terms)
+                lease = self.ipam_allocate(sb_id)
+                self.plumbing.add_sandbox(sb_id, netns_path(netns), lease)
+            self.journal.write(sb_id, sb.record())
+        except BaseException:
+            self._teardown(sb)
+            raise
+        with self._lock:
+            return self._view(sb, counters=False)
+
+    def ipam_allocate(self, sb_id: str) -> Lease:
+        with self._lock:
+            return self.ipam.allocate(sb_id)
+
+    def detach(self, sb_id: str) -> None:
+        """Remove the veth, the policy and the lease; safe to repeat, safe on a dead sandbox."""
+        with self._lock:
+            sb = self._sbs.get(sb_id)
+            if sb is None:
+                self._release_leftovers(sb_id)
+                return
+            sb.state = "detaching"           # an update racing with this gets Conflict
+        self._teardown(sb)
+
+    def _teardown(self, sb: _Sandbox) -> None:
+        """Every step runs even if an earlier one failed (one stuck resource must not
+        leak the rest); the first error is raised at the end."""
+        steps = []
+        if sb.mode == "default":
+            steps += [("delete veth", lambda: self.plumbing.remove_sandbox(sb.id)),
+                      ("detach programs", lambda: self.engine.detach(sb.cgroup_dir))]
+        steps += [("free policy, lease", lambda: self._free(sb)),
+                  ("delete record", lambda: self.journal.delete(sb.id))]
+        first = None
+        for what, fn in steps:
+            try:
+                fn()
+            except Exception as err:
+                log.error("sandbox %s: %s: %s", sb.id, what, err)
+                first = first or err
+        if first is not None:
+            raise first
+
+    def _free(self, sb: _Sandbox) -> None:
+        with self._lock:
+            if sb.mode == "default":
+                self._drop_policy(sb)
+                self.ipam.release(sb.id)
+            self._sbs.pop(sb.id, None)
+
+    def _release_leftovers(self, sb_id: str) -> None:
+        if self.ipam.get(sb_id) is not None:
+            self.plumbing.remove_sandbox(sb_id)
+            with self._lock:
+                self.ipam.release(sb_id)
+        self.journal.delete(sb_id)
+
+    # ------------------------------------------------------------ policy
+
+    def _check_level(self, cgroup_dir: str) -> None:
+        try:
+            rel = Path(cgroup_dir).relative_to(self.v2)
+        except ValueError:
+            raise BadRequest(f"cgroup dir {cgroup_dir} is not under the cgroup v2 root {self.v2}") from None
+        if len(rel.parts) != self.level:
+            raise BadRequest(f"cgroup dir {cgroup_dir} is at depth {len(rel.parts)}, sandboxes are at {self.level}")
+
+    def _effective(self, terms: tuple[str, ...]) -> list[R.Rule]:
+        rules = R.expand(list(self.essentials) + [t for t in terms if t not in self.essentials], self.sets)
+        R.check_size(rules, self.max_rules)
+        return rules
+
+    def _bpf_attach(self, sb: _Sandbox, terms: tuple[str, ...]) -> None:
+        eng = self.engine
+        with self._lock:
+            sb.slot = eng.slots.take()[0]
+            eng.reset_stats(sb.slot)
+            self._apply(sb, terms)
+        eng.attach(sb.cgroup_dir)
+
+    def _apply(self, sb: _Sandbox, terms: tuple[str, ...]) -> None:
+        """Make `terms` the sandbox's policy, atomically. Caller holds the lock.
+
+        If the change touches one trie prefix, that prefix is rewritten in place:
+        one map update, atomic by itself, O(1) whatever the policy's size. Otherwise
+        the whole policy is written under a fresh id, the sandbox's entry flips to
+        it (one map update), and the old id's prefixes are deleted. Any failure
+        before the flip leaves the old policy in force and frees what was written.
+        """
+        eng = self.engine
+        rules = self._effective(terms)
+        prefixes = self._compile(sb, rules)
+        fresh = [r for r in rules if r not in sb.counters]
+        idxs = eng.counters.take(len(fresh))
+        counters = {r: sb.counters[r] for r in rules if r in sb.counters}
+        counters.update(zip(fresh, idxs, strict=True))
+        changed = [k for k in prefixes.keys() | sb.prefixes.keys() if prefixes.get(k) != sb.prefixes.get(k)]
+        try:
+            eng.reset_counters(idxs)
+            if sb.policy and len(changed) <= 1:
+                self._apply_in_place(sb, changed, prefixes, counters)
+            else:
+                self._apply_flip(sb, prefixes, counters)
+        except BaseException:
+            eng.counters.give(idxs)
+            raise
+        old_counters = sb.counters
+        sb.terms, sb.prefixes, sb.counters = terms, prefixes, counters
+        eng.counters.give(i for r, i in old_counters.items() if r not in counters)
+
+    def _compile(self, sb: _Sandbox, rules: list[R.Rule]) -> dict:
+        """The new policy's trie entries; when few rules change, only the prefixes
+        they can affect are recomputed (a 1,000-rule policy stays cheap to edit)."""
+        delta = set(rules) ^ set(sb.counters)
+        if not sb.policy or len(delta) > 8:
+            return R.compile_prefixes(rules)
+        keys = sb.prefixes.keys() | {(r.family, r.addr, r.plen) for r in rules}
+        affected = R.affected_prefixes(delta, keys)
+        partial = R.compile_prefixes(rules, only=affected)
+        prefixes = dict(sb.prefixes)
+        for k in affected:
+            if k in partial:
+                prefixes[k] = partial[k]
+            else:
+                prefixes.pop(k, None)
+        return prefixes
+
+    def _apply_in_place(self, sb: _Sandbox, changed: list, prefixes: dict, counters: dict) -> None:
+        for k in changed:
+            if k in prefixes:
+                self.engine.write_prefix(sb.policy, k, prefixes[k], counters, new=k not in sb.prefixes)
+            else:
+                self.engine.delete_policy(sb.policy, [k])
+
+    def _apply_flip(self, sb: _Sandbox, prefixes: dict, counters: dict) -> None:
+        eng = self.engine
+        policy = eng.new_policy_id()
+        eng.write_policy(policy, prefixes, counters)
+        eng.register(sb.cgroup_id, policy, sb.slot)       # the flip
+        old_policy, old_prefixes = sb.policy, sb.prefixes
+        sb.policy = policy
+        if old_policy:
+            eng.delete_policy(old_policy, old_prefixes.keys())
+
+    def _drop_policy(self, sb: _Sandbox) -> None:
+        eng = self.engine
+        eng.unregister(sb.cgroup_id)
+        if sb.policy:
+            eng.delete_policy(sb.policy, sb.prefixes.keys())
+        eng.counters.give(list(sb.counters.values()))
+        if sb.slot >= 0:
+            eng.slots.give([sb.slot])
+        sb.prefixes, sb.counters, sb.slot, sb.policy = {}, {}, -1, 0
+
+    def _get(self, sb_id: str) -> _Sandbox:
+        sb = self._sbs.get(sb_id)
+        if sb is None:
+            raise NotFound(f"sandbox {sb_id} has no networking", {"sandbox": sb_id})
+        if sb.state != "attached":
+            raise Conflict(f"sandbox {sb_id} is being destroyed", {"sandbox": sb_id})
+        return sb
+
+    def update(self, sb_id: str, add: list[str] | None = None, remove: list[str] | None = None,
+               replace: list[str] | None = None) -> dict:
+        """Merge (see rules.py) and apply atomically; on any error the policy is unchanged."""
+        with self._lock:
+            sb = self._get(sb_id)
+            if sb.mode != "default":
+                raise Conflict(f"sandbox {sb_id} has --net {sb.mode}: it has no policy to change")
+            blocked = [t for t in (remove or []) if t in self.essentials]
+            if blocked:
+                raise BadRequest(f"{blocked} are essentials (net.essentials) and cannot be removed")
+            terms = R.merge(sb.terms, self.sets, add=add, remove=remove, replace=replace)
+            old = sb.terms
+            self._apply(sb, terms)
+            try:
+                self.journal.write(sb_id, sb.record())
+            except OSError:
+                self._apply(sb, old)          # keep kernel and journal in agreement
+                raise
+            return self._view(sb, counters=False)
+
+    def show(self, sb_id: str) -> dict:
+        """Terms, rules with their `allowed` counters, and what the default-deny refused."""
+        with self._lock:
+            return self._view(self._get(sb_id), counters=True)
+
+    def _view(self, sb: _Sandbox, counters: bool) -> dict:
+        out = {"sandbox": sb.id, "mode": sb.mode}
+        if sb.mode != "default":
+            return out
+        eng = self.engine
+        sources: dict[R.Rule, list[str]] = {}
+        for t in self.essentials + sb.terms:
+            for r in self.sets[t] if t in self.sets else (R.parse_rule(t),):
+                src = sources.setdefault(r, [])
+                if t not in src:
+                    src.append(t)
+        rules = [{"rule": str(r), "from": sources.get(r, []), **({"allowed": eng.hits(idx)} if counters else {})}
+                 for r, idx in sb.counters.items()]
+        lease = self.ipam.get(sb.id)
+        out.update(interface=host_ifname(sb.id), lease=lease.to_dict() if lease else None,
+                   terms=list(sb.terms), essentials=list(self.essentials), rules=rules)
+        if counters:
+            out["default"] = {"action": "deny", **eng.stats(sb.slot)}
+        return out
+
+    # ------------------------------------------------------------ restart
+
+    def readopt(self, live: dict[str, tuple[int | str, str]]) -> dict:
+        """After a daemon restart. `live` = {sb_id: (netns, cgroup_v2_dir)} of sandboxes still running.
+
+        Rebuilds each live sandbox's policy in this process's maps and re-attaches
+        (an atomic replace of the old daemon's programs, which enforced the old
+        policy meanwhile); recreates a missing veth; frees leases and records of
+        everything else. Counters restart from zero.
+        """
+        records = self.journal.load_all()
+        adopted, released, failed = [], [], {}
+        for sb_id, rec in records.items():
+            if sb_id not in live:
+                self._release_leftovers(sb_id)
+                released.append(sb_id)
+                continue
+            netns, cgroup_dir = live[sb_id]
+            try:
+                self._readopt_one(sb_id, rec, netns, str(cgroup_dir))
+                adopted.append(sb_id)
+            except Exception as err:
+                # Fail closed: no veth, no lease, no record; the node should destroy it.
+                log.error("readopt networking of sandbox %s: %s; cutting it off", sb_id, err)
+                failed[sb_id] = str(err)
+                sb = self._sbs.get(sb_id)
+                try:
+                    if sb is not None:
+                        self._teardown(sb)
+                    else:
+                        self._release_leftovers(sb_id)
+                except Exception as err2:
+                    log.error("tear down networking of sandbox %s: %s", sb_id, err2)
+        with self._lock:
+            for sb_id in self.ipam.retain(set(adopted)):
+                self.plumbing.remove_sandbox(sb_id)
+                released.append(sb_id)
+        return {"adopted": adopted, "released": sorted(set(released)), "failed": failed}
+
+    def _readopt_one(self, sb_id: str, rec: dict, netns, cgroup_dir: str) -> None:
+        sb = _Sandbox(sb_id, rec["mode"], cgroup_dir, os.stat(cgroup_dir).st_ino)
+        with self._lock:
+            self._sbs[sb_id] = sb
+        if sb.mode != "default":
+            return
+        terms = []
+        for t in rec.get("terms", []):
+            try:
+                terms.append(R.canonical_term(t, self.sets))
+            except BadRequest as err:     # a rule set renamed or removed from the config meanwhile
+                log.warning("sandbox %s: dropping rule %r on readopt: %s", sb_id, t, err.message)
+        terms = tuple(terms)
+        self._bpf_attach(sb, terms)
+        if not self.plumbing.has_sandbox(sb_id):
+            self.plumbing.add_sandbox(sb_id, netns_path(netns), self.ipam_allocate(sb_id))
+        self.journal.write(sb_id, sb.record())

@@ -1,0 +1,278 @@
+"""Egress rules: parsing, named rule sets, merge semantics, compilation to trie entries.
+
+Pure Python (no root, no kernel): everything here is unit-tested on its own.
+
+A rule is `CIDR[:port[-port]][/tcp|udp]`; IPv6 takes brackets when it has a
+port (`[2001:db8::/32]:443/tcp`). A bare address is a /32 (or /128). Without a
+port a rule allows every protocol to the CIDR (ICMP included); with a port but
+no protocol it allows TCP and UDP on those ports.
+
+A policy is an ordered list of *terms*: canonical rule texts and rule-set
+names ("pypi", "dns", defined in the daemon's config). Merge semantics:
+  add      appends terms not present yet (present ones are a no-op)
+  remove   removes terms; removing a term that is not in the policy is an error
+           (a typo must not look like a success); removing a literal rule never
+           carves a hole out of a broader rule or out of a set
+  replace  the whole list; exclusive with add/remove
+Any error leaves the policy unchanged (the caller applies nothing).
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import re
+from dataclasses import dataclass
+
+from ..errors import BadRequest, LimitExceeded
+
+P_TCP, P_UDP, P_OTHER = 1, 2, 4
+P_ANY = P_TCP | P_UDP | P_OTHER
+PROTOS = {"tcp": P_TCP, "udp": P_UDP}
+FAM_V4, FAM_V6 = 4, 6
+MAX_ENTRIES = 16          # port/protocol entries per prefix: MAX_ENTRIES in bpf/net_policy.c
+MAX_RULE_TEXT = 128
+
+_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
+_PORTS = re.compile(r"^(\d{1,5})(?:-(\d{1,5}))?$")
+
+
+@dataclass(frozen=True)
+class Rule:
+    family: int           # FAM_V4 | FAM_V6
+    addr: int             # network address as an integer
+    plen: int             # prefix length
+    port_lo: int = 0
+    port_hi: int = 65535
+    protos: int = P_ANY
+
+    @property
+    def network(self) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+        cls = ipaddress.IPv4Network if self.family == FAM_V4 else ipaddress.IPv6Network
+        return cls((self.addr, self.plen))
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __hash__(self) -> int:
+        # Explicit (dataclass keeps it): policies hash thousands of rules per update.
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash((self.family, self.addr, self.plen, self.port_lo, self.port_hi, self.protos))
+
+    @functools.cached_property
+    def text(self) -> str:
+        """Canonical text (cached: frozen dataclass, cached_property writes __dict__ directly)."""
+        net = self.network
+        net = str(net.network_address) if net.prefixlen == net.max_prefixlen else str(net)
+        if self.protos == P_ANY:
+            return net
+        ports = str(self.port_lo) if self.port_lo == self.port_hi else f"{self.port_lo}-{self.port_hi}"
+        host = f"[{net}]" if self.family == FAM_V6 else net
+        proto = {P_TCP: "/tcp", P_UDP: "/udp"}.get(self.protos, "")
+        return f"{host}:{ports}{proto}"
+
+    def covers(self, other: Rule) -> bool:
+        """True if every connection `other` allows is allowed by self (same prefix)."""
+        return (self.protos & other.protos) == other.protos and \
+            self.port_lo <= other.port_lo and other.port_hi <= self.port_hi
+
+
+def _bad(text: str, why: str) -> BadRequest:
+    return BadRequest(f"bad rule {text!r}: {why}", {"rule": text})
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def parse_rule(text: str) -> Rule:
+    """One rule from its text; BadRequest with the reason otherwise (cached: policies
+    are re-expanded from their terms on every update)."""
+    if not isinstance(text, str) or not text.strip():
+        raise _bad(str(text), "empty")
+    if len(text) > MAX_RULE_TEXT:
+        raise _bad(text[:40] + "...", f"longer than {MAX_RULE_TEXT} characters")
+    s = text.strip()
+    proto = None
+    head, slash, tail = s.rpartition("/")
+    if slash and tail.lower() in PROTOS:
+        s, proto = head, tail.lower()
+    elif slash and tail.isalpha():
+        raise _bad(text, f"unknown protocol {tail!r} (use tcp or udp)")
+    ports = None
+    if s.startswith("["):
+        host, sep, rest = s[1:].partition("]")
+        if not sep:
+            raise _bad(text, "missing ']' after an IPv6 address")
+        if rest:
+            if not rest.startswith(":"):
+                raise _bad(text, "expected ':port' after ']'")
+            ports = rest[1:]
+    elif s.count(":") == 1:
+        host, ports = s.split(":")
+    else:
+        host = s          # IPv4 without port, or IPv6 without brackets (no port)
+    net = _parse_net(text, host)
+    lo, hi = (0, 65535) if ports is None else _parse_ports(text, ports)
+    if ports is None and proto is not None:
+        raise _bad(text, "a protocol needs a port or port range (e.g. 10.0.0.0/8:1-65535/tcp)")
+    protos = P_ANY if ports is None else (PROTOS[proto] if proto else P_TCP | P_UDP)
+    family = FAM_V4 if net.version == 4 else FAM_V6
+    return Rule(family, int(net.network_address), net.prefixlen, lo, hi, protos)
+
+
+def _parse_net(text: str, host: str):
+    try:
+        return ipaddress.ip_network(host, strict=True)
+    except ValueError as err:
+        try:
+            loose = ipaddress.ip_network(host, strict=False)
+        except ValueError:
+            raise _bad(text, f"bad CIDR {host!r}: {err}") from err
+        raise _bad(text, f"{host} has host bits set; did you mean {loose}?") from err
+
+
+def _parse_ports(text: str, ports: str) -> tuple[int, int]:
+    m = _PORTS.match(ports)
+    if not m:
+        raise _bad(text, f"bad port {ports!r} (use N or N-M)")
+    lo = int(m.group(1))
+    hi = int(m.group(2)) if m.group(2) else lo
+    for p in (lo, hi):
+        if not 1 <= p <= 65535:
+            raise _bad(text, f"port {p} out of range 1-65535")
+    if lo > hi:
+        raise _bad(text, f"port range {lo}-{hi} is reversed")
+    return lo, hi
+
+
+# ------------------------------------------------------------------ rule sets
+
+
+def parse_rule_sets(table: dict) -> dict[str, tuple[Rule, ...]]:
+    """The config's `[net.rule_sets]`: name -> list of rule texts (sets do not nest)."""
+    out: dict[str, tuple[Rule, ...]] = {}
+    for name, texts in table.items():
+        if not _NAME.match(name):
+            raise ValueError(f"net.rule_sets: bad set name {name!r} (lowercase letters, digits, - and _)")
+        if not isinstance(texts, list) or not texts:
+            raise ValueError(f"net.rule_sets.{name}: must be a non-empty list of rules")
+        try:
+            out[name] = tuple(dict.fromkeys(parse_rule(t) for t in texts))
+        except BadRequest as err:
+            raise ValueError(f"net.rule_sets.{name}: {err.message}") from err
+    return out
+
+
+def canonical_term(text: str, sets: dict[str, tuple[Rule, ...]]) -> str:
+    """A set name as is, a rule in canonical form; unknown names are errors."""
+    if not isinstance(text, str):
+        raise BadRequest(f"a rule must be a string, got {type(text).__name__}")
+    t = text.strip()
+    if _NAME.match(t):
+        if t not in sets:
+            known = ", ".join(sorted(sets)) or "none configured"
+            raise BadRequest(f"unknown rule set {t!r} (known: {known})", {"rule": t})
+        return t
+    return str(parse_rule(t))
+
+
+def expand(terms: list[str] | tuple[str, ...], sets: dict[str, tuple[Rule, ...]]) -> list[Rule]:
+    """Distinct rules of canonical terms, in order of first appearance."""
+    out: dict[Rule, None] = {}
+    for t in terms:
+        for r in sets[t] if t in sets else (parse_rule(t),):
+            out.setdefault(r, None)
+    return list(out)
+
+
+def merge(current: tuple[str, ...], sets: dict[str, tuple[Rule, ...]], *,
+          add: list[str] | None = None, remove: list[str] | None = None,
+          replace: list[str] | None = None) -> tuple[str, ...]:
+    """The new term list, or an error (and the caller keeps `current`)."""
+    add, remove = list(add or []), list(remove or [])
+    if replace is not None:
+        if add or remove:
+            raise BadRequest("replace cannot be combined with add or remove")
+        return tuple(dict.fromkeys(canonical_term(t, sets) for t in replace))
+    add_c = list(dict.fromkeys(canonical_term(t, sets) for t in add))
+    rm_c = list(dict.fromkeys(canonical_term(t, sets) for t in remove))
+    both = set(add_c) & set(rm_c)
+    if both:
+        raise BadRequest(f"rules both added and removed: {sorted(both)}")
+    missing = [t for t in rm_c if t not in current]
+    if missing:
+        raise BadRequest(f"cannot remove {missing}: not in the policy {list(current)}",
+                         {"missing": missing})
+    kept = [t for t in current if t not in set(rm_c)]
+    return tuple(kept + [t for t in add_c if t not in kept])
+
+
+def check_size(rules: list[Rule], max_rules: int) -> None:
+    if len(rules) > max_rules:
+        raise LimitExceeded(f"policy has {len(rules)} rules after expanding sets; net.max_rules_per_sandbox "
+                            f"is {max_rules}", {"rules": len(rules), "max": max_rules})
+
+
+# ------------------------------------------------------------------ compilation
+
+
+@dataclass(frozen=True)
+class Entry:
+    port_lo: int
+    port_hi: int
+    protos: int
+    rule: Rule            # whose counter this entry bumps
+
+
+def compile_prefixes(rules: list[Rule], only: set | None = None) -> dict[tuple[int, int, int], list[Entry]]:
+    """{(family, addr, plen): entries} for the LPM trie (only the keys in `only`, if given).
+
+    The trie returns only the longest matching prefix, so each prefix also
+    carries the entries of every rule on a covering prefix, most specific
+    first (a connection is counted against the most specific rule that allows
+    it). Entries an earlier one already covers are dropped: they could never
+    match first.
+    """
+    by_prefix: dict[tuple[int, int, int], list[Rule]] = {}
+    for r in rules:
+        by_prefix.setdefault((r.family, r.addr, r.plen), []).append(r)
+    # Only prefix lengths the policy uses can cover anything: walk those, not all 32/128.
+    plens: dict[int, list[int]] = {}
+    for fam, _addr, plen in by_prefix:
+        plens.setdefault(fam, []).append(plen)
+    plens = {f: sorted(set(v), reverse=True) for f, v in plens.items()}
+    out: dict[tuple[int, int, int], list[Entry]] = {}
+    keys = by_prefix if only is None else [k for k in only if k in by_prefix]
+    for key in keys:
+        fam, addr, plen = key
+        bits = 32 if fam == FAM_V4 else 128
+        chain = list(by_prefix[key])
+        for p in (q for q in plens[fam] if q < plen):      # covering prefixes, most specific first
+            mask = ((1 << p) - 1) << (bits - p) if p else 0
+            chain.extend(by_prefix.get((fam, addr & mask, p), ()))
+        kept: list[Rule] = []
+        for r in chain:
+            if not any(k.covers(r) for k in kept):
+                kept.append(r)
+        if len(kept) > MAX_ENTRIES:
+            net = Rule(fam, addr, plen).network
+            raise BadRequest(f"{len(kept)} port/protocol entries apply to {net} (its own rules and those "
+                             f"of covering CIDRs); at most {MAX_ENTRIES}: merge port ranges",
+                             {"prefix": str(net)})
+        out[key] = [Entry(r.port_lo, r.port_hi, r.protos, r) for r in kept]
+    return out
+
+
+def affected_prefixes(delta: set[Rule], keys) -> set[tuple[int, int, int]]:
+    """Trie keys whose entries can change when the rules in `delta` come or go:
+    their own prefixes and every prefix in `keys` they cover."""
+    out = {(r.family, r.addr, r.plen) for r in delta}
+    for fam, addr, plen in keys:
+        bits = 32 if fam == FAM_V4 else 128
+        for r in delta:
+            if r.family == fam and r.plen < plen and (addr >> (bits - r.plen) if r.plen else 0) == \
+                    (r.addr >> (bits - r.plen) if r.plen else 0):
+                out.add((fam, addr, plen))
+                break
+    return out

@@ -1,0 +1,239 @@
+"""EROFS images: build, layers, dedup, names, gc, tarballs, and pack_diff snapshots."""
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+
+import pytest
+
+from dsecd.errors import BadRequest, Conflict, NotFound
+
+
+def tree_digest(sb, root="/work"):
+    """A walk of `root` inside the sandbox: path, type, mode and content hash."""
+    script = (f"cd {root} 2>/dev/null || exit 0; find . | sort | while read p; do "
+              "if [ -L \"$p\" ]; then echo \"$p L $(readlink \"$p\")\"; "
+              "elif [ -d \"$p\" ]; then echo \"$p D $(stat -c %a \"$p\")\"; "
+              "else echo \"$p F $(stat -c %a \"$p\") $(md5sum < \"$p\")\"; fi; done")
+    r = sb.exec(["sh", "-c", script])
+    assert r.exit_code == 0, r.stderr
+    return r.stdout.decode()
+
+
+@pytest.fixture
+def images(daemon_factory, busybox_rootfs):
+    d = daemon_factory()
+    c = d.client()
+    c.build_image(busybox_rootfs, "base")
+    yield d, c
+    c.close()
+
+
+def test_build_is_reproducible_and_deduplicated(images, busybox_rootfs):
+    d, c = images
+    again = c.build_image(busybox_rootfs, "base2")
+    base = c.request("image_inspect", name="base")
+    assert again["layers"] == base["layers"] and again["manifest"] == base["manifest"]
+    du = c.request("image_du")
+    assert du["blobs"] == 2          # one layer + one manifest, shared by both names
+
+
+def test_layer_on_top_and_config(images, tmp_path):
+    d, c = images
+    ws = tmp_path / "ws"
+    (ws / "work").mkdir(parents=True)
+    (ws / "work" / "hello.txt").write_text("from the workspace layer\n")
+    img = c.build_image(str(ws), "repo-1", parent="base", env={"PROJECT": "repo-1"}, cwd="/work")
+    assert len(img["layers"]) == 2 and img["config"]["cwd"] == "/work"
+    sb = c.create(image="repo-1")
+    assert sb.exec(["cat", "/work/hello.txt"]).stdout == b"from the workspace layer\n"
+    assert sb.exec(["sh", "-c", "ls /bin/busybox"]).exit_code == 0
+    sb.destroy()
+
+
+def test_layers_mounted_once_and_shared(images):
+    d, c = images
+    sbs = [c.create(image="base") for _ in range(3)]
+    layer = c.request("image_inspect", name="base")["layers"][0]["digest"]
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line for line in f if f"{d.state}/layers/{layer[7:]}" in line and " - erofs " in line]
+    assert len(mounts) == 1
+    assert c.request("image_du")["mounted_layers"][layer] == 3
+    for sb in sbs:
+        sb.destroy()
+
+
+def test_rm_name_keeps_running_sandboxes_and_gc_keeps_their_layers(images):
+    d, c = images
+    sb = c.create(image="base")
+    c.request("image_rm", name="base")
+    with pytest.raises(NotFound):
+        c.request("image_inspect", name="base")
+    gc = c.request("image_gc")
+    assert gc["removed"] == []                      # the live sandbox still uses both blobs
+    assert sb.exec(["true"]).exit_code == 0
+    sb.destroy()
+    gc = c.request("image_gc")
+    assert len(gc["removed"]) == 2 and gc["freed_bytes"] > 0
+    assert c.request("image_du")["blobs"] == 0
+
+
+def test_bad_builds(images, tmp_path):
+    d, c = images
+    with pytest.raises(Conflict):
+        c.build_image("/var/cache/dsecd/rootfs-busybox", "base")
+    with pytest.raises(NotFound):
+        c.build_image(str(tmp_path / "absent"), "x")
+    with pytest.raises(BadRequest):
+        c.build_image(str(tmp_path), "bad/name")
+    with pytest.raises(NotFound):
+        c.build_image(str(tmp_path), "x", parent="no-such-image")
+
+
+def _tar_bytes(members: list[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+            tf.addfile(info, io.BytesIO(data) if data is not None else None)
+    return buf.getvalue()
+
+
+def _file(name, data=b"", mode=0o644):
+    ti = tarfile.TarInfo(name)
+    ti.mode = mode
+    return ti, data
+
+
+def _entry(name, kind, **kw):
+    ti = tarfile.TarInfo(name)
+    ti.type = kind
+    for k, v in kw.items():
+        setattr(ti, k, v)
+    return ti, None
+
+
+def docker_save(path, layers: list[bytes], config: dict | None = None) -> None:
+    members = []
+    names = []
+    for i, data in enumerate(layers):
+        names.append(f"l{i}/layer.tar")
+        members.append(_file(names[-1], data))
+    cfg = json.dumps({"config": config or {}}).encode()
+    members.append(_file("config.json", cfg))
+    members.append(_file("manifest.json", json.dumps(
+        [{"Config": "config.json", "RepoTags": ["t:latest"], "Layers": names}]).encode()))
+    path.write_bytes(_tar_bytes(members))
+
+
+def test_docker_save_tarball_with_whiteouts(images, tmp_path, busybox_rootfs):
+    d, c = images
+    # Layer 0: busybox plus files; layer 1 deletes one file and makes /data opaque.
+    base = io.BytesIO()
+    with tarfile.open(fileobj=base, mode="w") as tf:
+        tf.add(busybox_rootfs, arcname=".")
+    l0 = base.getvalue()
+    extra0 = _tar_bytes([_entry("data", tarfile.DIRTYPE, mode=0o755), _file("data/a", b"a"),
+                         _file("data/b", b"b"), _file("etc/gone", b"x")])
+    l1 = _tar_bytes([_file("etc/.wh.gone"), _entry("data", tarfile.DIRTYPE, mode=0o755),
+                     _file("data/.wh..wh..opq"), _file("data/c", b"c")])
+    tarpath = tmp_path / "img.tar"
+    docker_save(tarpath, [l0, extra0, l1], {"Env": ["LANG=C.UTF-8"], "WorkingDir": "/data"})
+    img = c.build_image(str(tarpath), "from-tar")
+    assert len(img["layers"]) == 3 and img["config"]["env"] == {"LANG": "C.UTF-8"}
+    sb = c.create(image="from-tar")
+    assert sb.exec(["ls", "/data"]).stdout.split() == [b"c"]
+    assert sb.exec(["test", "-e", "/etc/gone"]).exit_code == 1
+    sb.destroy()
+
+
+@pytest.mark.parametrize("evil", ["../escape", "/abs/path"])
+def test_tarball_with_unsafe_names_is_refused(images, tmp_path, evil):
+    d, c = images
+    tarpath = tmp_path / "evil.tar"
+    docker_save(tarpath, [_tar_bytes([_file(evil, b"pwned")])])
+    with pytest.raises(BadRequest, match="absolute|'..'"):
+        c.build_image(str(tarpath), "evil")
+    assert not os.path.exists("/abs/path") and not (tmp_path.parent / "escape").exists()
+    with pytest.raises(NotFound):
+        c.request("image_inspect", name="evil")
+
+
+def test_tarball_writing_through_a_symlink_is_refused(images, tmp_path):
+    d, c = images
+    host_dir = tmp_path / "hostdir"
+    host_dir.mkdir()
+    layer = _tar_bytes([_entry("link", tarfile.SYMTYPE, linkname=str(host_dir)), _file("link/owned", b"x")])
+    tarpath = tmp_path / "sym.tar"
+    docker_save(tarpath, [layer])
+    with pytest.raises(BadRequest, match="not a directory"):
+        c.build_image(str(tarpath), "sym")
+    assert not (host_dir / "owned").exists()
+
+
+def test_corrupt_and_truncated_tarballs(images, tmp_path):
+    d, c = images
+    tarpath = tmp_path / "t.tar"
+    docker_save(tarpath, [_tar_bytes([_file("f", os.urandom(100000))])])
+    data = tarpath.read_bytes()
+    tarpath.write_bytes(data[: len(data) // 2])
+    with pytest.raises(BadRequest):
+        c.build_image(str(tarpath), "trunc")
+    tarpath.write_bytes(b"this is not a tar file" * 100)
+    with pytest.raises(BadRequest):
+        c.build_image(str(tarpath), "junk")
+
+
+def test_snapshot_roundtrip(images):
+    d, c = images
+    sb = c.create(image="base")
+    setup = """
+    set -e
+    mkdir -p /work/keep /work/opaque/sub /work/tmpdir
+    echo one > /work/keep/file; chmod 640 /work/keep/file
+    echo x > /work/opaque/sub/old
+    ln -s keep/file /work/link
+    echo hard > /work/keep/h1; ln /work/keep/h1 /work/keep/h2
+    head -c 300000 /dev/urandom > /work/big.bin
+    rm /etc/hostname 2>/dev/null || true
+    rm -rf /work/opaque && mkdir -p /work/opaque && echo new > /work/opaque/only
+    mv /work/keep/file /work/keep/renamed
+    echo f > /work/was-file; rm /work/was-file; mkdir /work/was-file; echo inside > /work/was-file/x
+    echo residue > /work/tmpdir/junk
+    """
+    assert sb.exec(["sh", "-c", setup]).exit_code == 0
+    before = tree_digest(sb)
+    img = sb.snapshot("snap-1", exclude=["work/tmpdir"])
+    assert len(img["layers"]) == 2
+    sb2 = c.create(image="snap-1")
+    after = tree_digest(sb2)
+    expected = "\n".join(line for line in before.splitlines() if "tmpdir" not in line) + "\n"
+    assert after.replace("./tmpdir D 755\n", "") == expected
+    assert sb2.exec(["test", "-e", "/etc/hostname"]).exit_code == 1     # the deletion survived
+    ino = sb2.exec(["sh", "-c", "stat -c %i /work/keep/h1 /work/keep/h2"]).stdout.split()
+    assert ino[0] == ino[1]                                             # hard link kept
+    assert sb.exec(["true"]).exit_code == 0                             # thawed after the snapshot
+    sb.destroy()
+    sb2.destroy()
+
+
+def test_snapshot_name_conflict_and_missing_sandbox(images):
+    d, c = images
+    sb = c.create(image="base")
+    with pytest.raises(Conflict):
+        sb.snapshot("base")
+    sb.destroy()
+    with pytest.raises(NotFound):
+        c.request("snapshot", sandbox="ffffffffffff", name="n")
+
+
+def test_digest_of_blob_matches_its_name(images):
+    d, c = images
+    img = c.request("image_inspect", name="base")
+    store = d.state / "store" / "blobs" / "sha256"
+    for layer in img["layers"]:
+        data = (store / layer["digest"][7:]).read_bytes()
+        assert "sha256:" + hashlib.sha256(data).hexdigest() == layer["digest"]

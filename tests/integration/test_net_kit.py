@@ -1,0 +1,316 @@
+"""Test-owned network worlds for the net tests and bench/net.py (no tests in this file).
+
+A World is: a cgroup v2 subtree `dsecd-test-<hex>`, a netns holding the bridge
+(`dsec-test-br-<hex>`, never the host's), a netns of servers on that bridge
+(the "package index" 10.x.2.10 and the "reference solution" host 10.x.2.20),
+and a Network whose host_netns is the bridge netns. Sandboxes are an agent
+process (uid nobody, no capabilities unless asked) in its own netns and its own
+cgroup below the subtree. Traffic only ever goes between these namespaces.
+Everything is removed by World.close(), which fixtures call in finalizers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from pyroute2 import IPRoute
+from pyroute2 import netns as pr_netns
+
+from dsecd.net.plumbing import addr_msg, in_netns, link_up_msg, netlink_socket, request
+
+V2 = Path("/sys/fs/cgroup/unified")
+SERVER_TCP_PORTS = (80, 443, 8080)
+
+AGENT = r'''
+import ctypes, errno, json, os, socket, struct, sys, time
+held = {}
+def err(e): return {"errno": errno.errorcode.get(e.errno, str(e.errno))}
+def talk(s, data, timeout):
+    s.settimeout(timeout); s.sendall(data)
+    try: return {"ok": True, "data": s.recv(256).decode()}
+    except socket.timeout: return {"ok": False, "timeout": True}
+for line in sys.stdin:
+    q = json.loads(line); op = q["op"]; r = {}
+    try:
+        if op == "connect":
+            fam = socket.AF_INET6 if ":" in q["host"] else socket.AF_INET
+            s = socket.socket(fam, socket.SOCK_STREAM); s.settimeout(q.get("timeout", 2))
+            s.connect((q["host"], q["port"]))
+            if q.get("hold"): held[q["hold"]] = s; r = talk(s, b"hello", 2)
+            else: r = talk(s, b"hello", 2); s.close()
+        elif op == "talk":
+            r = talk(held[q["hold"]], b"again", q.get("timeout", 1))
+        elif op == "udp":
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(q.get("timeout", 1))
+            s.sendto(b"ping", (q["host"], q["port"]))
+            try: r = {"ok": True, "data": s.recvfrom(256)[0].decode()}
+            except socket.timeout: r = {"ok": False, "timeout": True}
+            s.close()
+        elif op == "icmp":
+            s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP); s.settimeout(q.get("timeout", 1))
+            s.sendto(bytes([8, 0, 0xf7, 0xfe, 0, 1, 0, 0]), (q["host"], 0))
+            try: r = {"ok": True, "n": len(s.recvfrom(256)[0])}
+            except socket.timeout: r = {"ok": False, "timeout": True}
+            s.close()
+        elif op == "bpf":
+            libc = ctypes.CDLL(None, use_errno=True)
+            attr = (ctypes.c_uint32 * 8)(1, 4, 8, 1, 0, 0, 0, 0)     # BPF_MAP_TYPE_HASH, 4-byte key, 8-byte value
+            rc = libc.syscall(321, 0, ctypes.byref(attr), ctypes.sizeof(attr))   # bpf(BPF_MAP_CREATE)
+            r = {"rc": rc, "errno": errno.errorcode.get(ctypes.get_errno(), "")}
+        elif op == "fds":
+            d = "/proc/self/fd"
+            r = {"fds": [os.readlink(f"{d}/{n}") for n in os.listdir(d) if os.path.exists(f"{d}/{n}")]}
+        elif op == "pin":
+            os.sched_setaffinity(0, {q["cpu"]}); r = {"ok": True}
+        elif op == "bulk":        # bench: stream to a sink for `secs`
+            s = socket.create_connection((q["host"], q["port"])); buf = b"x" * 262144; n = 0
+            t0 = time.perf_counter(); end = t0 + q["secs"]
+            while time.perf_counter() < end:
+                s.sendall(buf); n += len(buf)
+            r = {"bytes": n, "secs": time.perf_counter() - t0}; s.close()
+        elif op == "connects":    # bench: connect+close (RST, no TIME_WAIT) for `secs`
+            n = 0; t0 = time.perf_counter(); end = t0 + q["secs"]
+            lg = struct.pack("ii", 1, 0)
+            while time.perf_counter() < end:
+                s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, lg)
+                s.connect((q["host"], q["port"])); s.close(); n += 1
+            r = {"n": n, "secs": time.perf_counter() - t0}
+    except OSError as e:
+        r = err(e)
+    print(json.dumps(r), flush=True)
+'''
+
+
+def _run_server_tcp(sock: socket.socket, stop: threading.Event) -> None:
+    def serve(c: socket.socket, port: int) -> None:
+        with c:
+            while True:
+                try:
+                    data = c.recv(256)
+                except OSError:
+                    return
+                if not data:
+                    return
+                c.sendall(f"srv{port}:".encode() + data)
+
+    port = sock.getsockname()[1]
+    while not stop.is_set():
+        try:
+            c, _ = sock.accept()
+        except (TimeoutError, OSError):
+            continue
+        threading.Thread(target=serve, args=(c, port), daemon=True).start()
+
+
+def _run_server_udp(sock: socket.socket, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            data, peer = sock.recvfrom(256)
+        except (TimeoutError, OSError):
+            continue
+        sock.sendto(b"udp:" + data, peer)
+
+
+class Agent:
+    """A stand-in sandbox: a process in its own netns and cgroup."""
+
+    def __init__(self, world: World, name: str, root: bool = False):
+        self.name = name
+        self.netns = f"{world.prefix}-sb-{name}"
+        pr_netns.create(self.netns)
+        world.netns.append(self.netns)
+        self.cgroup = world.cgroup / name
+        self.cgroup.mkdir()
+        procs = str(self.cgroup / "cgroup.procs")
+        nspath = f"/run/netns/{self.netns}"
+        lo_up(nspath)                       # the spawn helper does this in real sandboxes
+
+        def enter() -> None:
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+            pr_netns.setns(nspath, flags=0)
+            if not root:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)                            # drops every capability
+
+        self.proc = subprocess.Popen([sys.executable, "-c", AGENT], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, preexec_fn=enter)
+
+    def ask(self, **q) -> dict:
+        self.proc.stdin.write(json.dumps(q) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                f.close()
+
+
+class World:
+    def __init__(self, net_overrides: dict | None = None):
+        h = secrets.token_hex(3)
+        self.prefix = f"dsec-test-{h}"
+        self.octet = 200 + secrets.randbelow(50)
+        self.subnet = f"10.{self.octet}.0.0/16"
+        self.pkg = f"10.{self.octet}.2.10"          # the fake package index
+        self.ref = f"10.{self.octet}.2.20"          # the fake reference-solution host
+        self.subnet6 = f"fd00:{self.octet}::/64"    # IPv6 mirrors IPv4 offsets (see ipam.py)
+        self.pkg6 = f"fd00:{self.octet}::20a"
+        self.ref6 = f"fd00:{self.octet}::214"
+        self.tmp = Path(tempfile.mkdtemp(prefix="dsec-net-test-"))
+        self.netns: list[str] = []
+        self.agents: list[Agent] = []
+        self.stop_event = threading.Event()
+        self.server_socks: list[socket.socket] = []
+        self.net = None
+        self.cgroup_root = f"dsecd-test-{h}"
+        self.cgroup = V2 / self.cgroup_root
+        self.cgroup.mkdir()
+        try:
+            self._make_bridge_netns()
+            self._make_servers()
+            from dsecd.net import Network
+            self.cfg = net_config(self)
+            self.cfg.update(net_overrides or {})
+            self.net = Network(self.cfg, self.tmp / "state", V2, self.cgroup_root)
+            self._link_servers()
+        except BaseException:
+            self.close()
+            raise
+
+    def _make_bridge_netns(self) -> None:
+        self.br_ns = f"{self.prefix}-br"
+        pr_netns.create(self.br_ns)
+        self.netns.append(self.br_ns)
+        self.srv_ns = f"{self.prefix}-srv"
+        pr_netns.create(self.srv_ns)
+        self.netns.append(self.srv_ns)
+
+    def _make_servers(self) -> None:
+        lo_up(f"/run/netns/{self.srv_ns}")
+        with in_netns(f"/run/netns/{self.srv_ns}"):
+            socks = []
+            for host in (self.pkg, self.ref):
+                for port in SERVER_TCP_PORTS:
+                    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    s.setsockopt(socket.IPPROTO_IP, 15, 1)   # IP_FREEBIND: addresses come with the veth below
+                    s.bind((host, port))
+                    s.listen(128)
+                    socks.append(("tcp", s))
+                u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                u.setsockopt(socket.IPPROTO_IP, 15, 1)
+                u.bind((host, 53))
+                socks.append(("udp", u))
+            for host in (self.pkg6, self.ref6):
+                for port in (80, 443):
+                    s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+                    s.setsockopt(socket.IPPROTO_IPV6, 78, 1)  # IPV6_FREEBIND
+                    s.bind((host, port))
+                    s.listen(128)
+                    socks.append(("tcp", s))
+        for kind, s in socks:
+            s.settimeout(0.2)
+            self.server_socks.append(s)
+            target = _run_server_tcp if kind == "tcp" else _run_server_udp
+            threading.Thread(target=target, args=(s, self.stop_event), daemon=True).start()
+
+    def _link_servers(self) -> None:
+        """A veth from the bridge into the server netns, addresses outside the IPAM pool."""
+        br = f"/run/netns/{self.br_ns}"
+        srv_fd = os.open(f"/run/netns/{self.srv_ns}", os.O_RDONLY)
+        try:
+            with IPRoute(fileno=netlink_socket(br).detach(), groups=0) as ipr:
+                ipr.link("add", ifname="srv0", kind="veth", peer={"ifname": "eth0", "net_ns_fd": srv_fd})
+                idx = ipr.link_lookup(ifname="srv0")[0]
+                ipr.link("set", index=idx, master=self.net.plumbing.bridge_index, state="up")
+        finally:
+            os.close(srv_fd)
+        with IPRoute(fileno=netlink_socket(f"/run/netns/{self.srv_ns}").detach(), groups=0) as ipr:
+            idx = ipr.link_lookup(ifname="eth0")[0]
+            for host in (self.pkg, self.ref):
+                ipr.addr("add", index=idx, address=host, prefixlen=16)
+            ipr.link("set", index=idx, state="up")
+        s = netlink_socket(f"/run/netns/{self.srv_ns}")
+        try:
+            request(s, [(20, 0x400 | 0x200, addr_msg(idx, ipaddress.ip_interface(f"{h}/64"), True), f"add {h}")
+                        for h in (self.pkg6, self.ref6)])       # RTM_NEWADDR, CREATE|EXCL, no DAD
+        finally:
+            s.close()
+
+    def agent(self, name: str | None = None, root: bool = False) -> Agent:
+        a = Agent(self, name or secrets.token_hex(4), root=root)
+        self.agents.append(a)
+        return a
+
+    def close(self) -> None:
+        self.stop_event.set()
+        if self.net is not None:
+            for sb_id in list(self.net._sbs):
+                with contextlib.suppress(Exception):
+                    self.net.detach(sb_id)
+            self.net.close()
+        for a in self.agents:
+            a.stop()
+        for s in self.server_socks:
+            s.close()
+        for ns in self.netns:
+            with contextlib.suppress(OSError):
+                pr_netns.remove(ns)
+        if self.cgroup.exists():
+            for d in sorted(self.cgroup.rglob("*"), key=lambda p: -len(p.parts)):
+                if d.is_dir():
+                    with contextlib.suppress(OSError):
+                        d.rmdir()
+            with contextlib.suppress(OSError):
+                self.cgroup.rmdir()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def net_config(world: World) -> dict:
+    o = world.octet
+    return {
+        "bridge": "dsec0", "mtu": 1500, "host_netns": world.br_ns, "sandbox_ifname": "eth0",
+        "ipv4_subnet": world.subnet, "ipv4_pool": f"10.{o}.1.0/24", "ipv6_subnet": world.subnet6,
+        "max_rules_per_sandbox": 4096, "max_prefixes": 65536, "max_counters": 65536, "fsync": False,
+        "essentials": [],
+        "rule_sets": {"pypi": [f"{world.pkg}:443/tcp", f"{world.pkg}:80/tcp"],
+                      "refsol": [f"{world.ref}:443/tcp"],
+                      "dns": [f"{world.pkg}:53/udp", f"{world.pkg}:53/tcp"]},
+    }
+
+
+def lo_up(nspath: str) -> None:
+    s = netlink_socket(nspath)
+    try:
+        request(s, [(16, 0, link_up_msg(1), "set lo up")])      # RTM_NEWLINK
+    finally:
+        s.close()
+
+
+def bpf_skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (netns, cgroups, BPF)"
+    if not (V2 / "cgroup.procs").exists():
+        return f"no cgroup v2 hierarchy at {V2}"
+    try:
+        import bcc  # noqa: F401
+    except ImportError as err:
+        return f"bcc unavailable: {err}"
+    return None

@@ -1,0 +1,258 @@
+"""Egress policy with real traffic: test-owned bridge netns, servers in another netns,
+each sandbox an agent process in its own netns + cgroup (see test_net_kit.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dsecd.errors import BadRequest, Conflict, LimitExceeded, NotFound
+
+# The kit sits next to this file; pytest runs with --import-mode=importlib (no rootdir on sys.path).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_net_kit import V2, World, bpf_skip_reason, pr_netns  # noqa: E402
+
+pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None, reason=bpf_skip_reason() or "")
+
+
+@pytest.fixture(scope="module")
+def world():
+    w = World()
+    yield w
+    w.close()
+
+
+@pytest.fixture
+def sandbox(world, request):
+    """An agent with networking attached; detached (and checked gone) afterwards."""
+    made = []
+
+    def make(rules=None, name=None, mode="default", root=False):
+        a = world.agent(name, root=root)
+        world.net.attach(a.name, f"/run/netns/{a.netns}", a.cgroup, rules, mode=mode)
+        made.append(a)
+        return a
+
+    yield make
+    for a in made:
+        world.net.detach(a.name)
+        a.stop()
+
+
+def test_connect_allowed_and_denied_with_counters(world, sandbox):
+    a = sandbox([f"{world.pkg}:443/tcp"])
+    assert a.ask(op="connect", host=world.pkg, port=443) == {"ok": True, "data": "srv443:hello"}
+    assert a.ask(op="connect", host=world.pkg, port=80) == {"errno": "EPERM"}      # same host, other port
+    assert a.ask(op="connect", host=world.ref, port=443) == {"errno": "EPERM"}     # the reference host
+    # IPv6 socket, IPv4-mapped destination: the connect6 hook applies the same IPv4 rules
+    assert a.ask(op="connect", host=f"::ffff:{world.pkg}", port=443)["ok"]
+    assert a.ask(op="connect", host=f"::ffff:{world.ref}", port=443) == {"errno": "EPERM"}
+    assert a.ask(op="connect", host="127.0.0.1", port=9) == {"errno": "ECONNREFUSED"}   # loopback always
+    view = world.net.show(a.name)
+    assert view["rules"] == [{"rule": f"{world.pkg}:443/tcp", "from": [f"{world.pkg}:443/tcp"], "allowed": 2}]
+    assert view["default"]["denied_connect"] == 3
+    assert view["lease"]["ipv4"].startswith(f"10.{world.octet}.1.")
+
+
+def test_ipv6_lease_and_rules(world, sandbox):
+    a = sandbox([f"[{world.pkg6}]:443/tcp"])
+    lease = world.net.show(a.name)["lease"]
+    assert lease["ipv6"].startswith(f"fd00:{world.octet}::") and lease["gateway6"] == f"fd00:{world.octet}::1"
+    assert a.ask(op="connect", host=world.pkg6, port=443) == {"ok": True, "data": "srv443:hello"}
+    assert a.ask(op="connect", host=world.pkg6, port=80) == {"errno": "EPERM"}
+    assert a.ask(op="connect", host=world.ref6, port=443) == {"errno": "EPERM"}
+    assert a.ask(op="connect", host=world.pkg, port=443) == {"errno": "EPERM"}     # no IPv4 rule
+    assert a.ask(op="connect", host="::1", port=9) == {"errno": "ECONNREFUSED"}    # loopback always
+
+
+def test_udp_sendmsg_hook(world, sandbox):
+    a = sandbox(["dns"])
+    assert a.ask(op="udp", host=world.pkg, port=53) == {"ok": True, "data": "udp:ping"}
+    assert a.ask(op="udp", host=world.ref, port=53) == {"errno": "EPERM"}
+    assert world.net.show(a.name)["default"]["denied_sendmsg"] == 1
+
+
+def test_named_sets_and_live_merge(world, sandbox):
+    a = sandbox(["pypi"])
+    assert a.ask(op="connect", host=world.pkg, port=80)["ok"]
+    assert a.ask(op="connect", host=world.ref, port=443) == {"errno": "EPERM"}
+    world.net.update(a.name, add=["refsol"])                # the "solving" phase gets a new host
+    assert a.ask(op="connect", host=world.ref, port=443)["ok"]
+    view = world.net.update(a.name, remove=["pypi"])
+    assert view["terms"] == ["refsol"]
+    assert a.ask(op="connect", host=world.pkg, port=443) == {"errno": "EPERM"}
+    world.net.update(a.name, replace=[f"{world.pkg}:8080/tcp"])
+    assert a.ask(op="connect", host=world.pkg, port=8080)["ok"]
+    assert a.ask(op="connect", host=world.ref, port=443) == {"errno": "EPERM"}
+
+
+def test_failed_updates_leave_policy_unchanged(world, sandbox):
+    a = sandbox(["pypi"])
+    before = world.net.show(a.name)
+    bad = [dict(add=["npm"]), dict(remove=["dns"]), dict(add=[f"{world.ref}:0/tcp"]),
+           dict(add=[f"{world.ref}:443/sctp"]), dict(replace=["pypi"], add=["dns"])]
+    for kw in bad:
+        with pytest.raises(BadRequest):
+            world.net.update(a.name, **kw)
+    big = [f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}:443/tcp" for i in range(100_000)]
+    t = time.monotonic()
+    with pytest.raises(LimitExceeded, match="100000 rules"):
+        world.net.update(a.name, replace=big)
+    assert time.monotonic() - t < 10
+    after = world.net.show(a.name)
+    assert after["terms"] == before["terms"] == ["pypi"]
+    assert a.ask(op="connect", host=world.pkg, port=443)["ok"]
+    assert a.ask(op="connect", host=world.ref, port=443) == {"errno": "EPERM"}
+
+
+def test_established_connection_is_cut_by_removal(world, sandbox):
+    """The egress backstop checks every packet: removing a rule stalls open connections."""
+    a = sandbox(["pypi"])
+    assert a.ask(op="connect", host=world.pkg, port=443, hold="c") == {"ok": True, "data": "srv443:hello"}
+    assert a.ask(op="talk", hold="c") == {"ok": True, "data": "srv443:again"}
+    dropped = world.net.show(a.name)["default"]["dropped_packets"]
+    world.net.update(a.name, remove=["pypi"])
+    assert a.ask(op="talk", hold="c", timeout=0.5) == {"ok": False, "timeout": True}
+    assert world.net.show(a.name)["default"]["dropped_packets"] > dropped
+
+
+def test_egress_backstop_drops_raw_packets(world, sandbox):
+    """Raw sockets bypass the connect/sendmsg hooks; the cgroup_skb program drops them."""
+    a = sandbox([world.ref], root=True)          # root: has CAP_NET_RAW; all protocols to ref only
+    assert a.ask(op="icmp", host=world.ref)["ok"]
+    r = a.ask(op="icmp", host=world.pkg)
+    assert r in ({"errno": "EPERM"}, {"ok": False, "timeout": True})
+    assert world.net.show(a.name)["default"]["dropped_packets"] >= 1
+
+
+def test_sandbox_cannot_touch_its_policy(world, sandbox):
+    a = sandbox(["pypi"])
+    assert a.ask(op="bpf") == {"rc": -1, "errno": "EPERM"}
+    fds = a.ask(op="fds")["fds"]
+    assert not [f for f in fds if "bpf" in f], fds
+    # and none can leak through an exec of the daemon: every BPF fd it holds is O_CLOEXEC
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "bpf" not in os.readlink(f"/proc/self/fd/{fd}"):
+                continue
+            info = open(f"/proc/self/fdinfo/{fd}").read()
+        except OSError:
+            continue
+        held += 1
+        flags = int(next(x for x in info.splitlines() if x.startswith("flags")).split()[1], 8)
+        assert flags & os.O_CLOEXEC, (fd, oct(flags))
+    assert held >= 10          # 5 maps + 5 programs
+
+
+def test_net_none_is_loopback_only(world, sandbox):
+    a = sandbox(mode="none")
+    assert world.net.show(a.name) == {"sandbox": a.name, "mode": "none"}
+    assert a.ask(op="connect", host=world.pkg, port=443) == {"errno": "ENETUNREACH"}
+    with pytest.raises(Conflict):
+        world.net.update(a.name, add=["pypi"])
+    with pytest.raises(BadRequest, match="needs --net default"):
+        world.net.attach("x", f"/run/netns/{a.netns}", a.cgroup, ["pypi"], mode="none")
+
+
+def test_detach_frees_everything(world):
+    eng = world.net.engine
+    base = (eng.prefixes_used, len(eng.counters.used), len(eng.slots.used))
+    a = world.agent()
+    try:
+        world.net.attach(a.name, f"/run/netns/{a.netns}", a.cgroup, ["pypi", "dns"])
+        assert world.net.plumbing.has_sandbox(a.name)
+        world.net.detach(a.name)
+        world.net.detach(a.name)                       # idempotent
+        assert not world.net.plumbing.has_sandbox(a.name)
+        assert world.net.ipam.get(a.name) is None
+        assert (eng.prefixes_used, len(eng.counters.used), len(eng.slots.used)) == base
+        with pytest.raises(NotFound):
+            world.net.show(a.name)
+        assert a.ask(op="connect", host=world.pkg, port=443) == {"errno": "ENETUNREACH"}
+        # the same netns again (the kernel numbers the new peer differently): works
+        world.net.attach(a.name, f"/run/netns/{a.netns}", a.cgroup, ["pypi"])
+        assert a.ask(op="connect", host=world.pkg, port=443)["ok"]
+    finally:
+        world.net.detach(a.name)
+
+
+def test_updates_racing_with_detach(world):
+    eng = world.net.engine
+    base = (eng.prefixes_used, len(eng.counters.used), len(eng.slots.used))
+    a = world.agent()
+    world.net.attach(a.name, f"/run/netns/{a.netns}", a.cgroup, ["pypi"])
+    errors, done = [], threading.Event()
+
+    def churn():
+        i = 0
+        while not done.is_set():
+            try:
+                world.net.update(a.name, replace=["pypi", "dns"] if i % 2 == 0 else ["refsol"])
+                i += 1
+            except (NotFound, Conflict):
+                return
+            except Exception as err:      # anything else is a bug
+                errors.append(err)
+                return
+
+    threads = [threading.Thread(target=churn) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    world.net.detach(a.name)
+    done.set()
+    for t in threads:
+        t.join(10)
+    assert not errors
+    assert (eng.prefixes_used, len(eng.counters.used), len(eng.slots.used)) == base
+
+
+def test_restart_readopts_policy_and_lease(world, tmp_path):
+    """An 'old daemon' process attaches and exits; its programs keep enforcing; a new
+    Network readopts: same lease, same policy, now changeable again; dead ones are freed."""
+    cfg = dict(world.cfg, ipv4_pool=f"10.{world.octet}.3.0/24")
+    state = tmp_path / "state"
+    keep, gone = world.agent(), world.agent()
+    script = (
+        "import json, sys\nfrom pathlib import Path\nfrom dsecd.net import Network\n"
+        "cfg, state, root, sbs = json.loads(sys.argv[1])\n"
+        "net = Network(cfg, Path(state), Path('/sys/fs/cgroup/unified'), root)\n"
+        "for name, ns, cg in sbs: net.attach(name, ns, cg, ['pypi'])\n"
+        "print(json.dumps(net.show(sbs[0][0])['lease']))\n")
+    arg = json.dumps([cfg, str(state), world.cgroup_root,
+                      [[x.name, f"/run/netns/{x.netns}", str(x.cgroup)] for x in (keep, gone)]])
+    out = subprocess.run([sys.executable, "-c", script, arg], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lease = json.loads(out.stdout.splitlines()[-1])
+    # daemon down: the old programs and maps still enforce
+    assert keep.ask(op="connect", host=world.pkg, port=443)["ok"]
+    assert keep.ask(op="connect", host=world.ref, port=443) == {"errno": "EPERM"}
+    gone.stop()
+    pr_netns.remove(gone.netns)
+    world.netns.remove(gone.netns)
+    from dsecd.net import Network
+
+    net2 = Network(cfg, state, V2, world.cgroup_root)
+    try:
+        res = net2.readopt({keep.name: (f"/run/netns/{keep.netns}", str(keep.cgroup))})
+        assert res == {"adopted": [keep.name], "released": [gone.name], "failed": {}}
+        view = net2.show(keep.name)
+        assert view["lease"] == lease and view["terms"] == ["pypi"]
+        assert net2.ipam.get(gone.name) is None
+        assert keep.ask(op="connect", host=world.pkg, port=443)["ok"]
+        assert keep.ask(op="connect", host=world.ref, port=443) == {"errno": "EPERM"}
+        net2.update(keep.name, add=["refsol"])        # only works if the new programs are the attached ones
+        assert keep.ask(op="connect", host=world.ref, port=443)["ok"]
+        assert net2.show(keep.name)["rules"][-1]["allowed"] == 1
+    finally:
+        net2.detach(keep.name)
+        net2.close()
+    assert not os.path.exists(state / "net" / "sandboxes" / f"{keep.name}.json")

@@ -1,0 +1,172 @@
+"""dsecd.mem.pause and dsecd.mem.zram pieces that need no root: freezer state
+machines on fixture cgroup files, the working-set record, the swap header."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import struct
+from pathlib import Path
+
+import pytest
+
+from dsecd import cgroup
+from dsecd.mem import pause as mp
+from dsecd.mem.zram import MM_STAT_FIELDS, SWAP_MAGIC, ZramConfig, ZramError, ZramSwap, swap_header
+
+
+def _group(tmp_path: Path, v2: bool) -> cgroup.Group:
+    if v2:
+        layout = cgroup.Layout(v2=tmp_path / "unified", v2_controllers=frozenset())
+    else:
+        layout = cgroup.Layout(v2=None, v2_controllers=frozenset(), v1={"freezer": tmp_path / "freezer"})
+    g = cgroup.Group(layout, "dsecd/sb1")
+    for d in g.dirs.values():
+        d.mkdir(parents=True)
+    return g
+
+
+def test_v1_freezer_state_and_freeze(tmp_path):
+    g = _group(tmp_path, v2=False)
+    state = g.dirs["freezer"] / "freezer.state"
+    state.write_text("THAWED\n")
+    f = mp.Freezer.of(g)
+    assert f.version == "v1" and f.state() == "THAWED"
+    f.freeze(1.0)                # a plain file "becomes" FROZEN on the write
+    assert state.read_text().strip() == "FROZEN"
+    f.thaw()
+    assert f.state() == "THAWED"
+
+
+def test_v2_freeze_times_out_and_thaws_again(tmp_path):
+    g = _group(tmp_path, v2=True)
+    d = g.dirs[cgroup.V2]
+    (d / "cgroup.freeze").write_text("0\n")
+    (d / "cgroup.events").write_text("populated 1\nfrozen 0\n")
+    f = mp.Freezer.of(g)
+    assert f.version == "v2" and f.state() == "THAWED"
+
+    with pytest.raises(mp.PauseError) as exc:
+        f.freeze(0.05)           # cgroup.events never says frozen 1
+    assert exc.value.errno == errno.EBUSY and "thawed again" in str(exc.value)
+    assert (d / "cgroup.freeze").read_text().strip() == "0"
+    (d / "cgroup.events").write_text("populated 1\nfrozen 1\n")
+    (d / "cgroup.freeze").write_text("1")
+    assert f.state() == "FROZEN"
+
+
+def test_no_freezer_is_eopnotsupp(tmp_path):
+    g = cgroup.Group(cgroup.Layout(v2=None, v2_controllers=frozenset()), "dsecd/x")
+    with pytest.raises(mp.PauseError) as exc:
+        mp.Freezer.of(g)
+    assert exc.value.errno == errno.EOPNOTSUPP
+
+
+def test_resident_ranges_cover_touched_memory():
+    size = 64 * mp.PAGE
+    buf = ctypes.create_string_buffer(size + mp.PAGE)
+    addr = (ctypes.addressof(buf) + mp.PAGE - 1) // mp.PAGE * mp.PAGE
+    ctypes.memset(addr, 1, size)
+    ranges = mp.resident_ranges(os.getpid())
+    assert any(s <= addr and addr + size <= s + n for s, n in ranges)
+    assert all(s % mp.PAGE == 0 and n % mp.PAGE == 0 for s, n in ranges)
+
+
+def test_mappings_skip_special_vmas():
+    names = {name for _s, _e, name in mp.mappings(os.getpid())}
+    assert "[vdso]" not in names and "[vvar]" not in names
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    assert mp.mappings(pid_max + 1) == [] and mp.resident_ranges(pid_max + 1) == []
+
+
+def test_pause_record_json_roundtrip():
+    rec = mp.PauseRecord(frozen_s=0.001, before={"total": 10}, after={"total": 4},
+                         methods={"limit": 6}, working_set={123: [(4096, 8192)]}, notes=["x"])
+    back = mp.PauseRecord.from_json(rec.to_json())
+    assert back.working_set == {123: [(4096, 8192)]} and back.freed == 6 and back.notes == ["x"]
+
+
+def test_swap_header_layout():
+    page = swap_header(64 << 20, 4096)
+    assert len(page) == 4096 and page[-10:] == SWAP_MAGIC
+    version, last_page, nr_bad = struct.unpack_from("<III", page, 1024)
+    assert (version, last_page, nr_bad) == (1, (64 << 20) // 4096 - 1, 0)
+    assert page[:1024] == bytes(1024)
+    with pytest.raises(ValueError):
+        swap_header(4096 * 5, 4096)
+
+
+def test_zram_without_module_is_a_clear_error(tmp_path):
+    z = ZramSwap(ZramConfig(enabled=True), sys_root=tmp_path)
+    ok, why = z.available()
+    assert not ok and "modprobe zram" in why
+    with pytest.raises(ZramError) as exc:
+        z.setup()
+    assert exc.value.errno == errno.ENODEV
+    z.teardown()                 # nothing made: nothing to undo
+
+
+def test_zram_unknown_algorithm_is_refused_and_device_removed(tmp_path):
+    """hot_add hands out device 5; the algorithm is missing; teardown resets
+    and hot_removes device 5 (and only it)."""
+    control = tmp_path / "class" / "zram-control"
+    control.mkdir(parents=True)
+    (control / "hot_add").write_text("5\n")
+    (control / "hot_remove").write_text("")
+    block = tmp_path / "block" / "zram5"
+    block.mkdir(parents=True)
+    for name, value in {"comp_algorithm": "lzo [lzo-rle] lz4", "reset": "", "disksize": "0",
+                        "mm_stat": " ".join(["0"] * len(MM_STAT_FIELDS))}.items():
+        (block / name).write_text(value)
+    z = ZramSwap(ZramConfig(enabled=True, algorithm="zstd"), sys_root=tmp_path, dev_root=tmp_path)
+    with pytest.raises(ZramError) as exc:
+        z.setup()
+    assert exc.value.errno == errno.EINVAL and "lzo lzo-rle lz4" in str(exc.value)
+    assert (control / "hot_remove").read_text() == "5" and (block / "reset").read_text() == "1"
+    assert z.device is None
+
+
+def test_prefetch_mode_is_checked_and_none_does_nothing():
+    with pytest.raises(ValueError):
+        mp.prefetch({1: [(4096, 4096)]}, mode="eager")
+    assert mp.prefetch({1: [(4096, 4096)]}, mode="none") == (0, 0)
+
+
+def test_config_block_in_docs_builds_every_config():
+    """docs/memory.md's TOML for default.toml and the from_section readers agree."""
+    import re
+    import tomllib
+
+    from dsecd.mem.damon import DamonConfig
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "memory.md").read_text()
+    block = re.search(r"```toml\n(.*?)```", doc, re.S).group(1)
+    cfg = tomllib.loads(block)["memory"]
+    pc = mp.PauseConfig.from_section(cfg)
+    assert pc == mp.PauseConfig()                       # the documented defaults are the code's
+    z = ZramConfig.from_section(cfg["zram"])
+    assert z == ZramConfig()
+    d = DamonConfig.from_section(cfg["damon"], "/var/lib/dsecd")
+    assert d.cold_age_us == DamonConfig().cold_age_us and d.quota_bytes == 64 << 20
+    assert d.state_file == "/var/lib/dsecd/damon.json"
+    with pytest.raises(ValueError):
+        mp.PauseConfig.from_section({**cfg, "v1_reclaim": ["soft_limit"]})
+
+
+def test_freeze_all_asks_every_group_first(tmp_path):
+    freezers = []
+    for i in range(3):
+        g = _group(tmp_path / str(i), v2=False)
+        (g.dirs["freezer"] / "freezer.state").write_text("THAWED\n")
+        freezers.append(mp.Freezer.of(g))
+    assert mp.freeze_all(freezers, 1.0) == []
+    assert all(f.state() == "FROZEN" for f in freezers)
+
+
+def test_reclaim_frozen_refuses_a_running_group(tmp_path):
+    g = _group(tmp_path, v2=False)
+    (g.dirs["freezer"] / "freezer.state").write_text("THAWED\n")
+    with pytest.raises(mp.PauseError) as exc:
+        mp.reclaim_frozen(g)
+    assert exc.value.errno == errno.EBUSY and "not FROZEN" in str(exc.value)

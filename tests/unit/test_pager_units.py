@@ -1,0 +1,98 @@
+"""dsecd.fs.pager without FUSE: config validation, argv, digests, the .stats
+format and the mountinfo parser (fixture text)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsecd.fs import pager as pg
+
+HEX = "ab" * 32
+
+
+def cfg(**kw) -> pg.PagerConfig:
+    base = dict(store_dir="/s/blobs/sha256", cache_dir="/c", mountpoint="/m")
+    base.update(kw)
+    return pg.PagerConfig(**base)
+
+
+def test_argv_carries_every_setting():
+    argv = cfg(chunk_size=65536, cache_max_bytes=10, readahead_chunks=3, bandwidth_bps=125,
+               latency_us=1000, threads=4, readahead_threads=1, direct_io=True).argv("/bin/p", 7)
+    assert argv[0] == "/bin/p" and argv[-1] == "/m"
+    pairs = dict(zip(argv[1:-2:2], argv[2:-1:2], strict=False))
+    assert pairs["--store"] == "/s/blobs/sha256" and pairs["--cache"] == "/c"
+    assert pairs["--chunk-size"] == "65536" and pairs["--cache-max"] == "10"
+    assert pairs["--readahead"] == "3" and pairs["--bandwidth"] == "125"
+    assert pairs["--latency-us"] == "1000" and pairs["--ready-fd"] == "7"
+    assert "--direct-io" in argv
+    assert "--direct-io" not in cfg(direct_io=False).argv("/bin/p", 7)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(chunk_size=1000), dict(chunk_size=2048), dict(chunk_size=3 << 20),
+    dict(chunk_size=2 << 30), dict(store_dir="rel"), dict(mountpoint="m"),
+    dict(readahead_chunks=-1), dict(readahead_chunks=2000), dict(threads=0),
+    dict(bandwidth_bps=-1), dict(cache_max_bytes=-5),
+])
+def test_bad_config_is_refused(kw):
+    with pytest.raises(ValueError):
+        cfg(**kw)
+
+
+def test_blob_hex_and_path():
+    assert pg.blob_hex(HEX) == HEX
+    assert pg.blob_hex("sha256:" + HEX) == HEX
+    for bad in ("", "sha512:" + HEX, HEX.upper(), HEX[:-1], HEX + "0", "../" + HEX[3:]):
+        with pytest.raises(ValueError):
+            pg.blob_hex(bad)
+    assert pg.Pager(cfg()).blob_path("sha256:" + HEX) == "/m/" + HEX
+
+
+def stats_doc(**blob) -> str:
+    b = dict(size=10, chunks=1, cached_chunks=1, kernel_read_bytes=10, reads=1,
+             fetched_bytes=10, fetches=1, chunk_hits=0, chunk_misses=1, readahead_chunks=0,
+             evictions=0, errors=0)
+    b.update(blob)
+    return json.dumps({"version": 1, "pid": 42, "chunk_size": 1 << 20, "cache_max": 0,
+                       "cache_used": 10, "readahead": 4, "bandwidth": 0, "latency_us": 0,
+                       "blobs": {HEX: b}})
+
+
+def test_parse_stats():
+    s = pg.parse_stats(stats_doc(chunk_hits=5))
+    assert s.pid == 42 and s.cache_used == 10
+    assert s.blobs[HEX] == pg.BlobStats(10, 1, 1, 10, 1, 10, 1, 5, 1, 0, 0, 0)
+
+
+def test_parse_stats_refuses_other_versions_and_missing_counters():
+    with pytest.raises(ValueError):
+        pg.parse_stats(json.dumps({"version": 2}))
+    doc = json.loads(stats_doc())
+    del doc["blobs"][HEX]["evictions"]
+    with pytest.raises(KeyError):
+        pg.parse_stats(json.dumps(doc))
+
+
+def test_pager_mounts_counts_stacked_pager_mounts_only(tmp_path):
+    mnt = tmp_path / "pager mnt"
+    mnt.mkdir()
+    esc = str(mnt).replace(" ", "\\040")
+    (tmp_path / "mountinfo").write_text(
+        f"30 1 0:25 / / rw - ext4 /dev/vda rw\n"
+        f"58 30 0:88 / {esc} ro,nosuid - fuse.dsec-pager dsec-pager ro,user_id=0\n"
+        f"59 58 0:89 / {esc} ro,nosuid - fuse.dsec-pager dsec-pager ro,user_id=0\n"
+        f"60 30 0:90 / {esc}2 ro - fuse.dsec-pager dsec-pager ro\n"
+        f"61 30 0:91 / {tmp_path} rw - fuse.sshfs host: rw\n")
+    assert pg.pager_mounts(str(mnt), str(tmp_path / "mountinfo")) == 2
+    assert pg.pager_mounts(str(tmp_path), str(tmp_path / "mountinfo")) == 0
+
+
+def test_start_without_binary_says_so(tmp_path):
+    p = pg.Pager(cfg(mountpoint=str(tmp_path / "m"), cache_dir=str(tmp_path / "c"),
+                     store_dir=str(tmp_path)), binary=str(tmp_path / "nope"))
+    with pytest.raises(pg.PagerError) as exc:
+        p.start()
+    assert "not built" in str(exc.value) and exc.value.errno == 2
