@@ -9,12 +9,19 @@ streams their progress to the client.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import errno
 import logging
+import os
+import shutil
+import threading
 from pathlib import Path
 
+from . import cgroup
 from .errors import DsecError
 from .fs.images import ImageError, ImageStore
 from .fs.layers import LayerMounts
+from .fs.pager import Pager, PagerConfig
 
 log = logging.getLogger(__name__)
 
@@ -24,15 +31,85 @@ def image_error(err: ImageError) -> DsecError:
 
 
 class ImageOps:
-    """Needs from Node: cfg, sandboxes, loop, run_blocking, backend, _get."""
+    """Needs from Node: cfg, features, layout, sb_defaults, sandboxes, loop, run_blocking, _get."""
 
     def init_images(self, cfg) -> None:
         section = cfg.section("images")
         store = Path(section["store"]) if section["store"] else cfg.state_dir / "store"
         self.images = ImageStore(store, cfg.state_dir / "scratch")
-        self.layers = LayerMounts(cfg.state_dir / "layers", self.images.store.path, section["layer_grace_s"])
+        self.image_mode = self._pick_mode(section["mode"])
+        self.pager = self._make_pager(cfg) if self.image_mode == "lazy" else None
+        self.eager_dir = cfg.state_dir / "eager"
+        source = {"lazy": lambda d: self.pager.blob_path(d), "eager": self._eager_copy,
+                  "direct": self.images.store.path}[self.image_mode]
+        self.layers = LayerMounts(cfg.state_dir / "layers", source, section["layer_grace_s"])
         self.snapshot_exclude = list(section["snapshot_exclude"])
         self._sweep_task: asyncio.Task | None = None
+        self._pager_stop = threading.Event()
+
+    def _pick_mode(self, wanted: str) -> str:
+        if wanted not in ("lazy", "eager", "direct"):
+            raise ValueError(f"images.mode must be lazy, eager or direct, not {wanted!r}")
+        if wanted == "lazy" and not self.features.has("fuse"):
+            log.warning("images.mode = lazy needs FUSE (%s); layers are mounted straight from the "
+                        "store (direct) instead", self.features.items["fuse"].detail)
+            return "direct"
+        return wanted
+
+    def _make_pager(self, cfg) -> Pager:
+        p = cfg.section("pager")
+        state = cfg.state_dir
+        group = cgroup.Group(self.layout, f"{self.sb_defaults['cgroup_root']}/.pager")
+        self.pager_group = group
+        procs = str(group.dirs[cgroup.V2] / "cgroup.procs") if cgroup.V2 in group.dirs else None
+        return Pager(PagerConfig(
+            store_dir=str(self.images.store.blobs), cache_dir=str(state / "pager-cache"),
+            mountpoint=str(state / "pager"), chunk_size=cfg.size("pager", "chunk_size"),
+            cache_max_bytes=cfg.size("pager", "cache_max_bytes"), readahead_chunks=p["readahead_chunks"],
+            bandwidth_bps=cfg.size("pager", "bandwidth_bps"), latency_us=p["latency_us"],
+            direct_io=p["direct_io"], log_path=str(state / "pager.log"), cgroup_procs=procs))
+
+    def _eager_copy(self, digest: str) -> Path:
+        """eager mode: the whole blob copied to local disk before its first mount."""
+        local = self.eager_dir / digest.split(":", 1)[1]
+        if not local.exists():
+            self.eager_dir.mkdir(parents=True, exist_ok=True)
+            tmp = local.with_name(local.name + ".tmp")
+            shutil.copyfile(self.images.store.path(digest), tmp)
+            os.rename(tmp, local)
+        return local
+
+    def start_images(self) -> None:
+        """Start (or adopt) the pager and its supervisor; blocking, in a thread."""
+        if self.pager is None:
+            return
+        try:
+            self.pager_group.create()
+        except OSError as err:
+            if err.errno != errno.EEXIST:
+                raise
+        self.pager.start()
+        log.info("pager on %s (pid %s, generation %d)", self.pager.config.mountpoint, self.pager.pid,
+                 self.pager.generation)
+
+        def supervise() -> None:
+            try:
+                self.pager.supervise(self._pager_stop, self._on_pager_restart)
+            except Exception:
+                log.exception("pager supervision gave up; lazy layers are unavailable until a restart")
+
+        threading.Thread(target=supervise, name="dsecd-pager-supervisor", daemon=True).start()
+
+    def _on_pager_restart(self, generation: int) -> None:
+        done = self.layers.remount_all()
+        users = [s.id for s in self.sandboxes.values() if set(s.layers) & set(done)]
+        log.error("pager restarted (generation %d): remounted %d layer(s); sandboxes %s may see EIO "
+                  "on pages their layers had not cached", generation, len(done), users)
+
+    def stop_images(self) -> None:
+        """Daemon shutdown: stop supervising; the pager itself keeps serving the
+        layers of running sandboxes and is adopted by the next daemon."""
+        self._pager_stop.set()
 
     def start_layer_sweeper(self) -> None:
         async def sweep() -> None:
@@ -45,6 +122,17 @@ class ImageOps:
                     log.exception("layer sweep failed")
 
         self._sweep_task = self.loop.create_task(sweep())
+
+    def images_info(self) -> dict:
+        out = {"mode": self.image_mode, "store": str(self.images.store.root)}
+        if self.pager is not None:
+            try:
+                stats = self.pager.stats()
+                out["pager"] = {"pid": self.pager.pid, "generation": self.pager.generation,
+                                **dataclasses.asdict(stats)}
+            except OSError as err:
+                out["pager"] = {"error": str(err)}
+        return out
 
     def _progress(self, ctx):
         def progress(p: dict) -> None:
@@ -73,7 +161,15 @@ class ImageOps:
         image = await self._images_call(self.images.get, req.name)
         users = [s.id for s in self.sandboxes.values() if s.manifest == image.manifest]
         mounted = {d: self.layers.is_mounted(d) for d in image.layer_digests}
-        return {**image.to_dict(), "sandboxes": users, "layers_mounted": mounted}
+        out = {**image.to_dict(), "sandboxes": users, "layers_mounted": mounted, "mode": self.image_mode}
+        if self.pager is not None:
+            try:
+                blobs = (await self.run_blocking(self.pager.stats)).blobs
+                out["pager"] = {d: dataclasses.asdict(blobs[d[7:]]) for d in image.layer_digests
+                                if d[7:] in blobs}
+            except OSError as err:
+                out["pager"] = {"error": str(err)}
+        return out
 
     async def op_image_rm(self, req, ctx) -> dict:
         """Removes the name only; layers stay until `image_gc`, which keeps those

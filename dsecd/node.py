@@ -112,6 +112,7 @@ class Node(ImageOps):
     async def start(self) -> None:
         """Re-adopt journaled sandboxes, clean up what died or was half-made."""
         self.loop = asyncio.get_running_loop()
+        await self.run_blocking(self.start_images)
         records = await self.run_blocking(self.journal.load_all)
         for sb_id, rec in records.items():
             await self._recover(sb_id, rec)
@@ -160,6 +161,7 @@ class Node(ImageOps):
         for task in (self._cpu_task, self._sweep_task):
             if task:
                 task.cancel()
+        self.stop_images()
         for sb in self.sandboxes.values():
             if sb.handle and sb.handle.pidfd >= 0:
                 self.loop.remove_reader(sb.handle.pidfd)
@@ -266,6 +268,7 @@ class Node(ImageOps):
                 "limits": self.wire_limits(), "sandboxes": states,
                 "cpu": self.cpu.info(self._live_limits(), self.sb_defaults["cpu"],
                                      parse_size(self.sb_defaults["memory"])),
+                "images": await self.run_blocking(self.images_info),
                 "paths": {"socket": d["socket"], "state_dir": str(self.cfg.state_dir),
                           "cgroup_root": self.sb_defaults["cgroup_root"],
                           "cgroup_dirs": {k: str(v / self.sb_defaults["cgroup_root"])

@@ -203,7 +203,8 @@ class ContainerBackend:
     def orphans(self, known: set[str]) -> set[str]:
         """Sandbox ids that have dirs or cgroups but no journal record."""
         on_disk = {e.name for e in os.scandir(self.root) if e.is_dir()}
-        in_cgroups = cgroup.list_children(self.layout, self.cgroup_root)
+        # Dot-names are the daemon's own helpers' groups (e.g. .pager), not sandboxes.
+        in_cgroups = {n for n in cgroup.list_children(self.layout, self.cgroup_root) if not n.startswith(".")}
         return (on_disk | in_cgroups) - known
 
 

@@ -15,6 +15,7 @@ import time
 import psutil
 
 from .. import cgroup
+from ..config import ConfigError
 from ..errors import BadRequest, Busy
 from . import admission, qos, sampler
 
@@ -31,10 +32,11 @@ class CpuHost:
             self.classes = qos.Classes(cfg, qos.has_cpu_idle(layout), bool(core and core.available),
                                        core.detail if core else "not probed")
         except qos.QosError as err:
-            raise ValueError(str(err)) from err
-        for key in ("oversubscription", "memory_oversubscription", "ls_max_load", "sample_interval_s"):
-            if cfg[key] < 0:
-                raise ValueError(f"cpu.{key} must be >= 0, got {cfg[key]}")
+            raise ConfigError(str(err)) from err
+        for key in ("oversubscription", "memory_oversubscription", "ls_max_load", "sample_interval_s",
+                    "recent_half_life_s"):
+            if not isinstance(cfg[key], (int, float)) or cfg[key] < 0:
+                raise ConfigError(f"cpu.{key} must be a number >= 0, got {cfg[key]!r}")
         self.capacity = admission.Capacity(self.cpus, psutil.virtual_memory().total, float(cfg["oversubscription"]),
                                            float(cfg["memory_oversubscription"]), float(cfg["ls_max_load"]))
         self.sampler = sampler.Sampler(layout, cgroup_root, float(cfg["recent_half_life_s"]))

@@ -22,10 +22,12 @@ log = logging.getLogger(__name__)
 
 
 class LayerMounts:
-    def __init__(self, mount_root: Path, blob_path, grace_s: float = 60.0):
+    def __init__(self, mount_root: Path, source, grace_s: float = 60.0):
         self.root = Path(mount_root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.blob_path = blob_path       # digest -> Path of the blob file
+        # digest -> the file to mount: the store blob (direct), its pager file
+        # (lazy) or a local copy (eager); may block (the eager copy).
+        self.source = source
         self.grace_s = grace_s
         self._lock = threading.Lock()
         self._refs: dict[str, int] = {}
@@ -48,7 +50,7 @@ class LayerMounts:
                     d = self._dir(digest)
                     if not self.is_mounted(digest):
                         d.mkdir(exist_ok=True)
-                        native.mount_erofs(str(self.blob_path(digest)), str(d))
+                        native.mount_erofs(str(self.source(digest)), str(d))
                     self._refs[digest] = self._refs.get(digest, 0) + 1
                     self._idle_since.pop(digest, None)
                     done.append(digest)
@@ -97,6 +99,26 @@ class LayerMounts:
                 except OSError as err:
                     log.warning("unmount idle layer %s: %s", digest, err)
         return removed
+
+    def remount_all(self) -> list[str]:
+        """After the pager restarted, every layer mount sits on a dead FUSE file.
+
+        Each is detached (sandboxes using it keep the old superblock, and see EIO
+        on pages that were never cached) and mounted afresh at the same path, so
+        new sandboxes get a working layer. Returns the digests remounted."""
+        done = []
+        with self._lock:
+            for e in os.scandir(self.root):
+                digest = "sha256:" + e.name
+                if not os.path.ismount(e.path):
+                    continue
+                try:
+                    native.umount(e.path, detach=True)
+                    native.mount_erofs(str(self.source(digest)), e.path)
+                    done.append(digest)
+                except OSError as err:
+                    log.error("remount layer %s after a pager restart: %s", digest, err)
+        return done
 
     def in_use(self) -> dict[str, int]:
         with self._lock:

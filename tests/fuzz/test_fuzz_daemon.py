@@ -9,11 +9,16 @@ failure.
 from __future__ import annotations
 
 import os
+import socket
+import time
 from pathlib import Path
 
 import fuzz_frames as ff
 import fuzz_harness
+import msgpack
 import pytest
+
+from dsecd import protocol
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not Path("/bin/busybox").exists(),
@@ -36,7 +41,7 @@ def _report(findings: fuzz_harness.Findings) -> str:
 
 
 def test_hostile_sessions_get_documented_answers_only(target):
-    findings = fuzz_harness.campaign(target, n_inputs=1200, seed=5, mutants=3, deadline_s=10)
+    findings = fuzz_harness.campaign(target, n_inputs=800, seed=5, mutants=3, deadline_s=10)
     assert findings.inputs >= 1200
     assert findings.answers > findings.sessions        # the daemon did answer
     assert findings.problems() == 0, _report(findings)
@@ -65,36 +70,53 @@ def test_the_oracle_flags_internal_and_malformed_answers():
     assert len(f.malformed) == 3
 
 
-@pytest.mark.xfail(strict=True, reason="fuzz finding: node._destroy is not cancellation-safe; a "
-                   "cancelled destroy strands the sandbox in `stopping` (docs/hardening.md)")
-def test_a_cancelled_destroy_still_finishes():
-    import socket
-    import time
+def _frame(obj) -> bytes:
+    payload = msgpack.packb(obj, use_bin_type=True)
+    return protocol.HEADER.pack(len(payload)) + payload
 
-    import msgpack
 
-    from dsecd import protocol
-
-    def frame(obj) -> bytes:
-        payload = msgpack.packb(obj, use_bin_type=True)
-        return protocol.HEADER.pack(len(payload)) + payload
-
-    t = fuzz_harness.FuzzTarget(fuzz_harness.busybox_rootfs())
-    try:
-        t.start()
-        sb = t.target
-        with socket.socket(socket.AF_UNIX) as s:
-            s.connect(t.daemon.socket)
-            s.sendall(frame({"id": 0, "op": "hello", "args": {"protocol": protocol.PROTOCOL_VERSION}}))
-            s.sendall(frame({"id": 1, "op": "destroy", "args": {"sandbox": sb, "force": True}})
-                      + frame({"id": 2, "op": "cancel", "args": {"target": 1}}))
-            time.sleep(0.5)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            if sb not in {x["id"] for x in t.control("list")["sandboxes"]}:
+def _ask(target, frames: list[dict], wait: float = 5.0) -> list[dict]:
+    """Send hello + frames on a raw connection; the final answers, in order."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(target.daemon.socket)
+        s.settimeout(wait)
+        s.sendall(_frame({"id": 0, "op": "hello",
+                          "args": {"protocol": protocol.PROTOCOL_VERSION}}))
+        s.sendall(b"".join(_frame(f) for f in frames))
+        dec, out = protocol.FrameDecoder(1 << 26), []
+        while len(out) < len(frames) + 1:
+            data = s.recv(1 << 20)
+            if not data:
                 break
-            time.sleep(0.2)
-        # The client gave up on the answer, not on the destroy: it must complete.
-        assert sb not in {x["id"] for x in t.control("list")["sandboxes"]}
-    finally:
-        t.close()
+            out += [f for f in dec.feed(data) if "stream" not in f]
+    return out[1:]
+
+
+# Fuzz findings, reduced to one request each (docs/hardening.md). Strict: when
+# the daemon is fixed they pass, and the marker must go.
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="fuzz finding: exec validates cwd/user only in "
+                   "native.ExecSpec, whose ValueError becomes `internal`")
+@pytest.mark.parametrize("args", [{"cwd": "relative"}, {"user": -9}, {"user": 2**32}],
+                         ids=["relative-cwd", "negative-user", "huge-user"])
+def test_bad_exec_fields_are_bad_request(target, args):
+    target.ensure_target()
+    (answer,) = _ask(target, [{"id": 1, "op": "exec", "args": {
+        "sandbox": target.target, "argv": ["true"], "stream": False, **args}}])
+    assert answer["error"]["code"] == "bad_request", answer
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="fuzz finding: node._destroy is not cancellation-safe; a "
+                   "cancelled destroy strands the sandbox in `stopping` (docs/hardening.md)")
+def test_a_cancelled_destroy_still_finishes(target):
+    # Last in this module: when it fails, the module's daemon keeps a stuck sandbox.
+    target.ensure_target()
+    sb = target.target
+    answers = _ask(target, [{"id": 1, "op": "destroy", "args": {"sandbox": sb, "force": True}},
+                            {"id": 2, "op": "cancel", "args": {"target": 1}}])
+    assert {a["id"] for a in answers} == {1, 2}
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and \
+            sb in {x["id"] for x in target.control("list")["sandboxes"]}:
+        time.sleep(0.2)
+    # The client gave up on the answer, not on the destroy: it must complete.
+    assert sb not in {x["id"] for x in target.control("list")["sandboxes"]}

@@ -17,7 +17,7 @@ def host_counts(d) -> dict:
     cgroups = 0
     for top in d.cgroup_dirs():
         for _dp, dirnames, _f in os.walk(top):
-            cgroups += len(dirnames)
+            cgroups += len([n for n in dirnames if not n.startswith(".")])   # .pager: the daemon's own
     sbdir = d.state / "sandboxes"
     dirs = len(os.listdir(sbdir)) if sbdir.exists() else 0
     pids = len([p for p in os.listdir("/proc") if p.isdigit()])
