@@ -38,6 +38,13 @@ bench-core: setup
 bench-%: setup
 	$(PY) bench/$*.py
 
+# Lazy vs eager images through a private daemon (bench/images.py): a >= 2 GiB
+# image (debootstrap'ed Debian + a seeded synthetic tree, both cached under
+# /var/cache/dsecd/; the first run builds them, ~3-5 min), a throttled store,
+# cold runs with the page cache dropped once per run. ~5-10 min after that.
+bench-images: setup
+	$(PY) bench/images.py
+
 # The full fuzz campaign (issue 7): >= 100k hostile inputs against a private
 # daemon plus 100k against the in-process decoder; minutes. Last line: JSON.
 # `pytest tests/fuzz` runs a few-second slice of the same code.

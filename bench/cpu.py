@@ -120,17 +120,18 @@ class Experiment:
         finally:
             await asyncio.gather(*burners)
 
-    async def be_work(self, bes) -> tuple[int, float]:
+    async def be_work(self, bes) -> tuple[int, float, float]:
         """BE iterations while the LS sandbox sits idle: one always-busy
         process per core in all (pure throughput, no duty-cycle collisions);
         and the foreign load meanwhile (cores busy outside our sandboxes),
-        which a SCHED_IDLE BE yields to and a normal one shares with."""
+        which a SCHED_IDLE BE yields to and a normal one shares with; and
+        the CPU seconds our sandboxes used meanwhile."""
         nproc = max(1, self.ncpu // len(bes))
         t0, h0, s0 = time.monotonic(), host_busy_s(), cpu_sampler.read_group(self.subtree).usage_ns
         burners = await self.burn(bes, nproc * len(bes) / self.ncpu, self.args.be_seconds, nproc)
         work = sum(int(x) for x in await asyncio.gather(*burners))
         ours = (cpu_sampler.read_group(self.subtree).usage_ns - s0) / 1e9
-        return work, max(0.0, (host_busy_s() - h0 - ours) / (time.monotonic() - t0))
+        return work, max(0.0, (host_busy_s() - h0 - ours) / (time.monotonic() - t0)), ours
 
 
 def inflation(loaded: list[float], alone: list[float], q: float) -> float:
@@ -165,9 +166,10 @@ async def measure(sock: str, cgroup_root: str, args, load: bytes, configs: list[
             # BE throughput of the configurations back to back, order
             # alternating, so that other load on a shared host hits both alike.
             for cfg in configs if rep % 2 == 0 else configs[::-1]:
-                work, foreign = await ex.be_work(bes[cfg])
+                work, foreign, cpu_s = await ex.be_work(bes[cfg])
                 per[cfg].setdefault("be_work", []).append(work)
                 per[cfg].setdefault("foreign_cores", []).append(foreign)
+                per[cfg].setdefault("be_work_per_cpu_s", []).append(work / cpu_s if cpu_s > 0 else 0.0)
             log(f"  rep {rep + 1}/{args.reps}: " + "; ".join(
                 f"{cfg} p50 +{per[cfg]['p50_50'][-1]:.3f}/+{per[cfg]['p50_100'][-1]:.3f}" for cfg in configs))
     return per
@@ -182,7 +184,11 @@ def be_retained(per: dict, quiet: float = 0.1) -> dict:
     pairs = list(zip(pro["be_work"], unp["be_work"], pro["foreign_cores"], unp["foreign_cores"], strict=True))
     quiet_ratios = [p / u for p, u, fp, fu in pairs if fp < quiet and fu < quiet]
     log(f"  be_work_retained: {len(quiet_ratios)} of {len(pairs)} repetitions had < {quiet} foreign cores")
+    # Work per CPU-second the BE sandboxes got: what protection costs them in
+    # efficiency (preemptions, cache), independent of how much foreign load took.
+    eff = [p / u for p, u in zip(pro["be_work_per_cpu_s"], unp["be_work_per_cpu_s"], strict=True) if u > 0]
     return {"be_work_retained": round(statistics.median(p / u for p, u, _, _ in pairs), 4),
+            "be_work_per_cpu_retained": round(statistics.median(eff), 4) if eff else None,
             "be_work_retained_quiet": round(statistics.median(quiet_ratios), 4) if quiet_ratios else None,
             "be_foreign_cores_median": round(statistics.median(fp for _, _, fp, _ in pairs), 3)}
 

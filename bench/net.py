@@ -116,6 +116,28 @@ def alternate(world: World, agent, cgroup: str, ask: dict, value) -> dict:
             "ratio": statistics.median(ratios)}
 
 
+def enable_bpf_stats():
+    """bpf(BPF_ENABLE_STATS, BPF_STATS_RUN_TIME): run_time_ns/run_cnt per program in fdinfo
+    while the returned fd stays open (closing it turns the accounting off again)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    attr = (ctypes.c_uint32 * 4)(0, 0, 0, 0)        # union bpf_attr { enable_stats.type = 0 }
+    fd = libc.syscall(321, 32, ctypes.byref(attr), ctypes.sizeof(attr))
+    if fd < 0:
+        raise OSError(ctypes.get_errno(), "bpf(BPF_ENABLE_STATS)")
+    return fd
+
+
+def prog_stats(world: World) -> dict[str, tuple[int, int]]:
+    out = {}
+    for name, (fn, _at) in world.net.engine.fns.items():
+        info = dict(line.split(":\t", 1) for line in open(f"/proc/self/fdinfo/{fn.fd}").read().splitlines()
+                    if ":\t" in line)
+        out[name] = (int(info.get("run_time_ns", 0)), int(info.get("run_cnt", 0)))
+    return out
+
+
 def bench_datapath(world: World) -> dict:
     sink = start_sink(world)
     a = world.agent("bench")
@@ -128,16 +150,33 @@ def bench_datapath(world: World) -> dict:
             a.ask(op="pin", cpu=0)
         # warm up ARP and the path
         a.ask(op="connects", host=world.pkg, port=5002, secs=0.2)
-        log("tcp throughput (bytes/s), 1000-rule allowlist vs none:")
-        tp = alternate(world, a, cg, dict(op="bulk", host=world.pkg, port=5001, secs=SECS),
-                       lambda r: r["bytes"] / r["secs"])
-        log("connect rate (connects/s):")
-        cr = alternate(world, a, cg, dict(op="connects", host=world.pkg, port=5002, secs=SECS),
-                       lambda r: r["n"] / r["secs"])
+        stats_fd = enable_bpf_stats()
+        try:
+            s0 = prog_stats(world)
+            log("tcp throughput (bytes/s), 1000-rule allowlist vs none:")
+            tp = alternate(world, a, cg, dict(op="bulk", host=world.pkg, port=5001, secs=SECS),
+                           lambda r: r["bytes"] / r["secs"])
+            s1 = prog_stats(world)
+            log("connect rate (connects/s):")
+            cr = alternate(world, a, cg, dict(op="connects", host=world.pkg, port=5002, secs=SECS),
+                           lambda r: r["n"] / r["secs"])
+            s2 = prog_stats(world)
+        finally:
+            os.close(stats_fd)
+
+        def per_run(a_, b_, name):
+            dt, dn = b_[name][0] - a_[name][0], b_[name][1] - a_[name][1]
+            return (dt / dn if dn else 0.0), dn
+
+        egress_ns, egress_n = per_run(s0, s1, "dsec_egress")
+        connect_ns, connect_n = per_run(s1, s2, "dsec_connect4")
+        log(f"  in-kernel cost with 1000 rules: egress {egress_ns:.0f} ns/packet ({egress_n:,} packets), "
+            f"connect4 {connect_ns:.0f} ns/call ({connect_n:,} calls)")
         hits = world.net.show(a.name)["rules"][-1]["allowed"]
         log(f"  sink rule counted {hits:,} connects")
         world.net.detach(a.name)
-        return {"tcp": tp, "connect": cr}
+        return {"tcp": tp, "connect": cr, "egress_ns": egress_ns, "connect_ns": connect_ns,
+                "egress_packets": egress_n, "bulk_bytes_policy": tp["policy"] * SECS * ROUNDS}
     finally:
         sink.kill()
         sink.wait()
@@ -235,6 +274,9 @@ def main() -> int:
         "tcp_throughput_ratio": round(dp["tcp"]["ratio"], 4),
         "tcp_throughput_gbit_none": round(dp["tcp"]["none"] * 8 / 1e9, 3),
         "tcp_throughput_gbit_policy": round(dp["tcp"]["policy"] * 8 / 1e9, 3),
+        "egress_prog_ns_per_packet": round(dp["egress_ns"], 1),
+        "connect4_prog_ns_per_call": round(dp["connect_ns"], 1),
+        "egress_prog_ns_per_mb": round(dp["egress_ns"] * dp["egress_packets"] / (dp["bulk_bytes_policy"] / 1e6), 1),
         "connect_rate_ratio": round(dp["connect"]["ratio"], 4),
         "connects_per_s_none": round(dp["connect"]["none"]),
         "connects_per_s_policy": round(dp["connect"]["policy"]),

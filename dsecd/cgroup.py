@@ -169,32 +169,6 @@ class Group:
                 _write(d / "cpu.cfs_period_us", str(lim.cpu_period_us))
                 _write(d / "cpu.cfs_quota_us", str(quota))
 
-    def freeze(self, timeout: float = 10.0) -> None:
-        """Stop every task of the group and wait until the kernel says frozen."""
-        self._set_frozen(True, timeout)
-
-    def thaw(self, timeout: float = 10.0) -> None:
-        self._set_frozen(False, timeout)
-
-    def _set_frozen(self, frozen: bool, timeout: float) -> None:
-        if "freezer" in self.dirs:          # v1: FREEZING until every task stopped
-            path = self.dirs["freezer"] / "freezer.state"
-            want = "FROZEN" if frozen else "THAWED"
-            _write(path, want)
-            done = lambda: path.read_text().strip() == want   # noqa: E731
-        elif V2 in self.dirs and (self.dirs[V2] / "cgroup.freeze").exists():
-            d = self.dirs[V2]
-            _write(d / "cgroup.freeze", "1" if frozen else "0")
-            done = lambda: f"frozen {int(frozen)}" in (d / "cgroup.events").read_text()  # noqa: E731
-        else:
-            raise CgroupError(errno.EOPNOTSUPP, f"freeze cgroup `{self.rel}`: no freezer on this host")
-        deadline = time.monotonic() + timeout
-        while not done():
-            if time.monotonic() > deadline:
-                raise CgroupError(errno.ETIMEDOUT, f"{'freeze' if frozen else 'thaw'} cgroup `{self.rel}`: "
-                                  f"not done after {timeout}s (a task in uninterruptible sleep?)")
-            time.sleep(0.001)
-
     def pids(self) -> set[int]:
         out: set[int] = set()
         for d in self.dirs.values():

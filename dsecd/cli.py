@@ -202,6 +202,54 @@ async def cmd_image(c: Client, a) -> int:
     raise SystemExit("dsec image: give a subcommand: build, import, ls, inspect, rm, gc, du")
 
 
+async def cmd_pause(c: Client, a) -> int:
+    for sb_id in a.sandboxes:
+        r = await c.request("pause", sandbox=sb_id)
+        _print_json(r) if a.json else print(f"{r['id']} paused" + (
+            "" if r.get("already") else f": froze in {r['frozen_s'] * 1000:.0f} ms, "
+                                        f"freed {_human_bytes(r['freed_bytes'])}"))
+    return 0
+
+
+async def cmd_resume(c: Client, a) -> int:
+    for sb_id in a.sandboxes:
+        r = await c.request("resume", sandbox=sb_id)
+        _print_json(r) if a.json else print(f"{r['id']} {r['state']}" + (
+            "" if r.get("already") else f": prefetched {_human_bytes(r['prefetched_bytes'])} in "
+                                        f"{r['prefetch_s'] * 1000:.0f} ms"))
+    return 0
+
+
+async def cmd_job(c: Client, a) -> int:
+    if a.job_cmd == "pause":
+        r = await c.job_pause(a.job)
+    elif a.job_cmd == "resume":
+        r = await c.job_resume(a.job)
+    else:
+        r = await c.job_rm(a.job, a.force)
+    if a.json:
+        _print_json(r)
+    else:
+        done = r.get("paused") or r.get("resumed") or r.get("destroyed") or []
+        print(f"job {a.job}: {a.job_cmd} {len(done)} sandbox(es)")
+        failed = r.get("failed") or {}
+        for sb_id in failed:
+            print(f"dsec job {a.job_cmd}: {sb_id}: {failed[sb_id] if isinstance(failed, dict) else 'failed'}",
+                  file=sys.stderr)
+    return 1 if r.get("failed") else 0
+
+
+async def cmd_events(c: Client, a) -> int:
+    async for ev in c.events(a.sandbox, a.replay):
+        if a.json:
+            print(json.dumps(ev, sort_keys=True), flush=True)
+        else:
+            extra = " ".join(f"{k}={v}" for k, v in ev.items() if k not in ("seq", "time", "event", "sandbox"))
+            print(f"{time.strftime('%H:%M:%S', time.localtime(ev['time']))} {ev['event']:<9} {ev['sandbox']} "
+                  f"{extra}".rstrip(), flush=True)
+    return 0
+
+
 async def cmd_snapshot(c: Client, a) -> int:
     sb = await c.get(a.sandbox)
     bar = _ProgressBar(not a.json)
@@ -214,7 +262,7 @@ async def cmd_snapshot(c: Client, a) -> int:
 async def cmd_create(c: Client, a) -> int:
     sb = await c.create(image=a.image, cpu=a.cpu, memory=a.memory, pids=a.pids, env=_kv(a.env, "--env"),
                         labels=_kv(a.label, "--label"), hostname=a.hostname, cwd=a.cwd, user=a.user,
-                        qos=a.qos, cpu_quota=a.cpu_quota)
+                        qos=a.qos, cpu_quota=a.cpu_quota, ttl=a.ttl, idle_ttl=a.idle_ttl, lease=a.lease)
     if a.json:
         _print_json(sb.info)
     else:
@@ -409,6 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("--hostname")
     cr.add_argument("--cwd", default="/")
     cr.add_argument("--user", type=int, default=0, help="uid inside the sandbox")
+    cr.add_argument("--ttl", help="max lifetime, e.g. 2h")
+    cr.add_argument("--idle-ttl", help="destroy after this long without requests, e.g. 5m (paused time excluded)")
+    cr.add_argument("--lease", help="destroy unless renewed (SDK: Client.hold) within this long")
     cr.add_argument("--qos", choices=["be", "ls"], help="best-effort or latency-sensitive (default: cpu.default_qos)")
     cr.add_argument("--cpu-quota", action=argparse.BooleanOptionalAction,
                     help="--cpu is also a hard CFS quota (default: sandbox.cpu_hard_quota)")
@@ -425,6 +476,22 @@ def build_parser() -> argparse.ArgumentParser:
     cp = sub.add_parser("cp", help="copy a file: LOCAL SB:/path or SB:/path LOCAL ('-' = stdin/stdout)")
     cp.add_argument("src")
     cp.add_argument("dst")
+
+    for verb, text in (("pause", "freeze sandboxes and give their memory back"),
+                       ("resume", "prefetch and thaw paused sandboxes")):
+        x = sub.add_parser(verb, help=text)
+        x.add_argument("sandboxes", nargs="+")
+
+    job = sub.add_parser("job", help="all sandboxes labelled job=JOB").add_subparsers(dest="job_cmd", required=True)
+    for verb in ("pause", "resume", "rm"):
+        x = job.add_parser(verb)
+        x.add_argument("job")
+        if verb == "rm":
+            x.add_argument("--force", "-f", action="store_true")
+
+    ev = sub.add_parser("events", help="stream state changes (one per line with --json)")
+    ev.add_argument("--sandbox")
+    ev.add_argument("--replay", action="store_true", help="first the recent history")
 
     snap = sub.add_parser("snapshot", help="pack a sandbox's changes as a new image (pack_diff)")
     snap.add_argument("sandbox")
@@ -453,7 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-COMMANDS = {"info": cmd_info, "image": cmd_image, "snapshot": cmd_snapshot, "create": cmd_create, "exec": cmd_exec, "cp": cmd_cp,
+COMMANDS = {"info": cmd_info, "image": cmd_image, "snapshot": cmd_snapshot, "pause": cmd_pause,
+            "resume": cmd_resume, "job": cmd_job, "events": cmd_events, "create": cmd_create, "exec": cmd_exec, "cp": cmd_cp,
             "ps": cmd_ps, "inspect": cmd_inspect, "rm": cmd_rm, "top": cmd_top}
 
 

@@ -220,15 +220,48 @@ class Client:
 
     async def create(self, image: str, cpu: float | None = None, memory: int | str | None = None,
                      pids: int | None = None, env: dict | None = None, labels: dict | None = None,
-                     hostname: str | None = None, cwd: str = "/", user: int = 0, qos: str | None = None,
+                     hostname: str | None = None, cwd: str = "/", user: int = 0,
+                     ttl: float | str | None = None, idle_ttl: float | str | None = None,
+                     lease: float | str | None = None, qos: str | None = None,
                      cpu_quota: bool | None = None) -> Sandbox:
         args = {"image": image, "env": env or {}, "labels": labels or {}, "cwd": cwd, "user": user}
-        for k, v in (("cpu", cpu), ("memory", memory), ("pids", pids), ("hostname", hostname), ("qos", qos),
+        for k, v in (("cpu", cpu), ("memory", memory), ("pids", pids), ("hostname", hostname),
+                     ("ttl", ttl), ("idle_ttl", idle_ttl), ("lease", lease), ("qos", qos),
                      ("cpu_quota", cpu_quota)):
             if v is not None:
                 args[k] = v
         info = await self.request("create", **args)
         return Sandbox(self, info["id"], info)
+
+    async def job_pause(self, job: str) -> dict:
+        """Pause every sandbox labelled job=<job>: frozen at once, memory reclaimed after."""
+        return await self.request("job_pause", job=job)
+
+    async def job_resume(self, job: str) -> dict:
+        return await self.request("job_resume", job=job)
+
+    async def job_rm(self, job: str, force: bool = False) -> dict:
+        return await self.request("job_rm", job=job, force=force)
+
+    async def renew(self, sandbox_ids: list[str], lease: float | str | None = None) -> dict:
+        return await self.request("renew", sandboxes=list(sandbox_ids), lease=lease)
+
+    def hold(self, sandbox_ids: list[str], lease: float, every: float | None = None) -> asyncio.Task:
+        """Renew the leases of these sandboxes in the background until the task is
+        cancelled or the client goes away; then they expire after `lease` seconds."""
+        async def renew_forever() -> None:
+            while True:
+                await self.renew(sandbox_ids, lease)
+                await asyncio.sleep(every or lease / 3)
+
+        return asyncio.get_running_loop().create_task(renew_forever())
+
+    async def events(self, sandbox: str | None = None, replay: bool = False) -> AsyncIterator[dict]:
+        """State changes (created, paused, resumed, expired, oom, died, destroyed), as they happen."""
+        async for frame in self.frames("events", sandbox=sandbox, replay=replay):
+            if "__result__" in frame:
+                return
+            yield frame
 
     async def get(self, sandbox_id: str) -> Sandbox:
         info = await self.request("inspect", sandbox=sandbox_id)
@@ -363,6 +396,13 @@ class Sandbox:
             if progress and "progress" in frame:
                 progress(frame["progress"])
         raise ConnectionError("snapshot: no final frame")
+
+    async def pause(self) -> dict:
+        """Freeze and reclaim; any later exec or file op resumes it (auto_resume)."""
+        return await self.client.request("pause", sandbox=self.id)
+
+    async def resume(self) -> dict:
+        return await self.client.request("resume", sandbox=self.id)
 
     async def inspect(self) -> dict:
         self.info = await self.client.request("inspect", sandbox=self.id)

@@ -13,7 +13,6 @@ import dataclasses
 import errno
 import logging
 import os
-import shutil
 import threading
 from pathlib import Path
 
@@ -22,6 +21,8 @@ from .errors import DsecError
 from .fs.images import ImageError, ImageStore
 from .fs.layers import LayerMounts
 from .fs.pager import Pager, PagerConfig
+from .fs.store import StoreError
+from .mem import pause
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,9 @@ class ImageOps:
         self.image_mode = self._pick_mode(section["mode"])
         self.pager = self._make_pager(cfg) if self.image_mode == "lazy" else None
         self.eager_dir = cfg.state_dir / "eager"
+        # The store throttle of [pager] also paces eager copies, so that both
+        # modes see the same emulated remote store.
+        self.store_throttle = (cfg.size("pager", "bandwidth_bps"), cfg.section("pager")["latency_us"])
         source = {"lazy": lambda d: self.pager.blob_path(d), "eager": self._eager_copy,
                   "direct": self.images.store.path}[self.image_mode]
         self.layers = LayerMounts(cfg.state_dir / "layers", source, section["layer_grace_s"])
@@ -75,7 +79,11 @@ class ImageOps:
         if not local.exists():
             self.eager_dir.mkdir(parents=True, exist_ok=True)
             tmp = local.with_name(local.name + ".tmp")
-            shutil.copyfile(self.images.store.path(digest), tmp)
+            try:
+                self.images.store.copy_out(digest, tmp, *self.store_throttle)
+            except StoreError as err:
+                tmp.unlink(missing_ok=True)
+                raise OSError(errno.EIO, str(err)) from err
             os.rename(tmp, local)
         return local
 
@@ -196,11 +204,12 @@ class ImageOps:
         sb = self._get(req.sandbox, req)
         base = await self._images_call(self.images.get_manifest, sb.manifest, sb.image)
         exclude = self.snapshot_exclude + list(req.exclude)
-        group = sb.handle.group
-        await self.run_blocking(group.freeze)
-        try:
-            image = await self._images_call(self.images.snapshot, sb.handle.dir / "upper", base,
-                                            req.name, exclude, self._progress(ctx))
-        finally:
-            await self.run_blocking(group.thaw)
+        freezer = pause.Freezer.of(sb.handle.group)
+        async with sb.lock:      # no pause/resume in between
+            await self.run_blocking(freezer.freeze, self.pause_cfg.freeze_timeout_s)
+            try:
+                image = await self._images_call(self.images.snapshot, sb.handle.dir / "upper", base,
+                                                req.name, exclude, self._progress(ctx))
+            finally:
+                await self.run_blocking(freezer.thaw)
         return image.to_dict()

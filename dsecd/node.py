@@ -42,6 +42,7 @@ from .fs import files as sbfiles
 from .fs.images import ImageError
 from .imageops import ImageOps, image_error
 from .journal import Journal
+from .memops import MemOps, parse_duration
 from .native import NativeError
 
 log = logging.getLogger(__name__)
@@ -61,11 +62,21 @@ class Sandbox:
     user: int = 0
     backend: str = "container"
     handle: Handle | None = None
+    # Runtime only (not journaled): pause/resume/destroy serialisation and clocks.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    last_active: float = 0.0          # monotonic; the idle TTL counts from here
+    paused_at: float | None = None
+    paused_total: float = 0.0
+    lease_deadline: float | None = None
     execs: int = 0
     exit_status: int | None = None
     died: float | None = None
     manifest: str = ""          # image manifest digest: what snapshot and gc go by
     layers: list = field(default_factory=list)   # layer digests, bottom first
+    ttl: float | None = None        # max lifetime, seconds
+    idle_ttl: float | None = None   # stop after this long without requests (paused time excluded)
+    lease: float | None = None      # a client must `renew` within this many seconds
+    pause_record: dict | None = None   # what pause did (dsecd/mem/pause.py), for resume
     qos: str = "be"             # CPU class (dsecd/cpu/qos.py)
     core_sched: str = "off"     # on | off | unavailable
 
@@ -76,16 +87,18 @@ class Sandbox:
                 "hostname": self.hostname, "cwd": self.cwd, "user": self.user, "backend": self.backend,
                 "init_pid": h.init_pid if h else None, "init_start": h.init_start if h else None,
                 "died": self.died, "qos": self.qos, "core_sched": self.core_sched,
-                "manifest": self.manifest, "layers": self.layers}
+                "manifest": self.manifest, "layers": self.layers, "ttl": self.ttl,
+                "idle_ttl": self.idle_ttl, "lease": self.lease, "pause_record": self.pause_record}
 
     def public(self) -> dict:
         out = self.record()
         out.pop("init_start")
+        out.pop("pause_record")
         out["execs_running"] = self.execs
         return out
 
 
-class Node(ImageOps):
+class Node(ImageOps, MemOps):
     def __init__(self, cfg: Config, features: Features, layout: cgroup.Layout):
         self.cfg = cfg
         self.features = features
@@ -96,6 +109,7 @@ class Node(ImageOps):
         self.pool = ThreadPoolExecutor(cfg.section("daemon")["worker_threads"], "dsecd-worker")
         self.journal = Journal(state / "journal", fsync=cfg.section("journal")["fsync"])
         self.init_images(cfg)
+        self.init_memory(cfg)
         self.backend = ContainerBackend(layout, self.sb_defaults, state, {
             "tmp": cfg.size("sandbox", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")})
         self.sandboxes: dict[str, Sandbox] = {}
@@ -122,6 +136,8 @@ class Node(ImageOps):
             await self.run_blocking(self.backend.destroy, sb_id, None)
         self._cpu_task = self.loop.create_task(self.cpu.run(self._cpu_entries, self.run_blocking))
         self.start_layer_sweeper()
+        await self.run_blocking(self.start_memory)
+        self.start_reaper()
 
     def _cpu_entries(self) -> dict[str, tuple[str, bool]]:
         return {s.id: (s.qos, bool(s.limits.get("cpu_quota"))) for s in self.sandboxes.values()
@@ -133,7 +149,7 @@ class Node(ImageOps):
     async def _recover(self, sb_id: str, rec: dict) -> None:
         fields = {k: rec[k] for k in ("image", "state", "created", "limits", "env", "labels",
                                       "hostname", "cwd", "user", "backend", "died", "qos", "core_sched",
-                                      "manifest", "layers")
+                                      "manifest", "layers", "ttl", "idle_ttl", "lease", "pause_record")
                   if k in rec}
         sb = Sandbox(id=sb_id, **fields)
         if sb.state in ("creating", "stopping"):
@@ -151,6 +167,9 @@ class Node(ImageOps):
             await self._mark_dead(sb, None)
             return
         sb.handle = handle
+        sb.last_active = time.monotonic()          # idle and lease clocks restart with the daemon
+        if sb.lease:
+            sb.lease_deadline = sb.last_active + sb.lease
         self.layers.readopt(sb.layers)
         self.cpu.bind(handle, self.cpu.plan(sb.qos))
         self._watch(sb)
@@ -158,7 +177,7 @@ class Node(ImageOps):
 
     async def close(self) -> None:
         """Daemon shutdown: stop watching, close fds, leave sandboxes running."""
-        for task in (self._cpu_task, self._sweep_task):
+        for task in (self._cpu_task, self._sweep_task, self._reaper_task):
             if task:
                 task.cancel()
         self.stop_images()
@@ -216,6 +235,7 @@ class Node(ImageOps):
         """Release the cgroups and fds of a sandbox whose init is gone; keep its record."""
         sb.state = "dead"
         sb.died = time.time()
+        self.events.publish("died", sb.id)
         sb.handle = None
         if h is not None:      # a live sandbox held its layer mounts (re-adopted ones too)
             self.layers.release(sb.layers)
@@ -324,7 +344,11 @@ class Node(ImageOps):
                              "cpu_quota": limits.cpu_hard_quota},
                      env=dict(req.env), labels=dict(req.labels), hostname=hostname, cwd=req.cwd,
                      user=req.user, qos=plan.qos, core_sched=plan.core_sched,
-                     manifest=image.manifest, layers=image.layer_digests)
+                     manifest=image.manifest, layers=image.layer_digests,
+                     ttl=parse_duration(req.ttl, "ttl"), idle_ttl=parse_duration(req.idle_ttl, "idle_ttl"),
+                     lease=parse_duration(req.lease, "lease"))
+        if sb.lease:
+            sb.lease_deadline = time.monotonic() + sb.lease
         self.sandboxes[sb_id] = sb
         # The record is written once the sandbox runs. A crash before that leaves
         # a directory and cgroups without a record: the next start finds them as
@@ -349,6 +373,7 @@ class Node(ImageOps):
         sb.state = "running"
         self._journal(sb)
         self._watch(sb)
+        self.on_created(sb)
         return sb.public()
 
     async def op_top(self, req, ctx) -> dict:
@@ -382,6 +407,7 @@ class Node(ImageOps):
                            {"sandbox": sb.id, "execs": sb.execs})
         # No journal write for "stopping": a crash mid-destroy leaves the record
         # as it was, and the next daemon re-adopts the sandbox or marks it dead.
+        await self.run_blocking(self.before_destroy, sb)
         prev, sb.state = sb.state, "stopping"
         h, sb.handle = sb.handle, None
         if h and h.pidfd >= 0:
@@ -398,11 +424,12 @@ class Node(ImageOps):
         if prev != "dead":          # a dead sandbox gave its layers back already
             self.layers.release(sb.layers)
         self.loop.run_in_executor(self.pool, self.backend.release, sb.id, h)
+        self.events.publish("destroyed", sb.id, previous_state=prev)
         return {"id": sb.id, "previous_state": prev}
 
     async def op_destroy_all(self, req, ctx) -> dict:
         targets = [s for s in self.sandboxes.values()
-                   if _labels_match(s, req.labels) and s.state in ("running", "dead")]
+                   if _labels_match(s, req.labels) and s.state in ("running", "paused", "dead")]
         results = await asyncio.gather(*(self._destroy(s, req.force) for s in targets), return_exceptions=True)
         destroyed = [r["id"] for r in results if isinstance(r, dict)]
         failed = {s.id: str(r) for s, r in zip(targets, results, strict=True) if isinstance(r, BaseException)}
@@ -434,6 +461,7 @@ class Node(ImageOps):
             else:
                 collected[stream].append(data)
 
+        await self.ensure_running(sb, "exec")
         io = ExecIO(self.loop, self.cfg.size("limits", "max_exec_output_bytes"), emit, req.stdin)
         sb.execs += 1
         ctx.register_exec(io)
@@ -455,6 +483,7 @@ class Node(ImageOps):
         finally:
             io.close()
             sb.execs -= 1
+            sb.last_active = time.monotonic()
             ctx.unregister_exec()
         if not req.stream:
             result["stdout"] = b"".join(collected[1])
@@ -474,6 +503,7 @@ class Node(ImageOps):
 
     async def _file_op(self, req, verb: str, fn, *args):
         sb = self._get(req.sandbox, req)
+        await self.ensure_running(sb, f"file {verb}")
         try:
             return await self.run_blocking(fn, sb.handle.rootfd, *args)
         except sbfiles.PathError as err:

@@ -81,7 +81,9 @@ REQUESTS: dict[str, type] = {}
 
 # Sandbox states (see docs/protocol.md): which states accept each op is in `states`.
 RUNNING = ("running",)
-ANY_STATE = ("creating", "running", "stopping", "dead")
+# Exec and file ops on a paused sandbox resume it first (memory.auto_resume).
+ACTIVE = ("running", "paused")
+ANY_STATE = ("creating", "running", "paused", "stopping", "dead")
 
 
 def request(op: str, states: tuple[str, ...] = (), stream: bool = False):
@@ -170,6 +172,9 @@ class Create:
     user: int = 0
     qos: str | None = None          # "be" | "ls"; None = cpu.default_qos
     cpu_quota: bool | None = None   # hard CFS quota of `cpu`; None = sandbox.cpu_hard_quota
+    ttl: float | str | None = None        # max lifetime: seconds or "2h"
+    idle_ttl: float | str | None = None   # destroyed after this long without requests
+    lease: float | str | None = None      # destroyed unless `renew`ed within this long
 
 
 @request("top")
@@ -187,7 +192,7 @@ class Inspect:
     sandbox: str
 
 
-@request("exec", states=RUNNING, stream=True)
+@request("exec", states=ACTIVE, stream=True)
 class Exec:
     sandbox: str
     argv: list[str]
@@ -211,7 +216,7 @@ class Cancel:
     target: int              # the id of an in-flight request on this connection
 
 
-@request("file_read", states=RUNNING)
+@request("file_read", states=ACTIVE)
 class FileRead:
     sandbox: str
     path: str
@@ -219,7 +224,7 @@ class FileRead:
     length: int | None = None
 
 
-@request("file_write", states=RUNNING)
+@request("file_write", states=ACTIVE)
 class FileWrite:
     sandbox: str
     path: str
@@ -229,16 +234,54 @@ class FileWrite:
     parents: bool = False
 
 
-@request("file_list", states=RUNNING)
+@request("file_list", states=ACTIVE)
 class FileList:
     sandbox: str
     path: str
 
 
-@request("file_stat", states=RUNNING)
+@request("file_stat", states=ACTIVE)
 class FileStat:
     sandbox: str
     path: str
+
+
+@request("pause", states=ACTIVE)
+class Pause:
+    sandbox: str
+
+
+@request("resume", states=ACTIVE)
+class Resume:
+    sandbox: str
+
+
+@request("job_pause")
+class JobPause:
+    job: str                 # sandboxes labelled job=<job>
+
+
+@request("job_resume")
+class JobResume:
+    job: str
+
+
+@request("job_rm")
+class JobRemove:
+    job: str
+    force: bool = False
+
+
+@request("renew")
+class Renew:
+    sandboxes: list[str]
+    lease: float | str | None = None   # new lease length; default: each sandbox's own
+
+
+@request("events", stream=True)
+class Events:
+    sandbox: str | None = None   # only this sandbox's events
+    replay: bool = False         # first the recent history the daemon keeps
 
 
 @request("destroy", states=ANY_STATE)

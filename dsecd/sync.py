@@ -62,6 +62,12 @@ class SyncSandbox:
         self.info = self._run(self._sb.inspect())
         return self.info
 
+    def pause(self) -> dict:
+        return self._run(self._sb.pause())
+
+    def resume(self) -> dict:
+        return self._run(self._sb.resume())
+
     def snapshot(self, name: str, exclude: list[str] | None = None) -> dict:
         return self._run(self._sb.snapshot(name, exclude))
 
@@ -88,6 +94,9 @@ class SyncClient:
         self._run(self._client.connect())
 
     def close(self) -> None:
+        """Close the connection; safe to call more than once."""
+        if self._loop.is_closed():
+            return
         try:
             self._run(self._client.close())
         finally:
@@ -123,6 +132,18 @@ class SyncClient:
 
     def build_image(self, source: str, name: str, parent: str | None = None, progress=None, **config) -> dict:
         return self._run(self._client.build_image(source, name, parent, progress, **config))
+
+    def job_pause(self, job: str) -> dict:
+        return self._run(self._client.job_pause(job))
+
+    def job_resume(self, job: str) -> dict:
+        return self._run(self._client.job_resume(job))
+
+    def job_rm(self, job: str, force: bool = False) -> dict:
+        return self._run(self._client.job_rm(job, force))
+
+    def renew(self, sandbox_ids: list[str], lease: float | str | None = None) -> dict:
+        return self._run(self._client.renew(sandbox_ids, lease))
 
     def list_images(self) -> list[dict]:
         return self._run(self._client.list_images())

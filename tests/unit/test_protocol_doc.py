@@ -34,5 +34,9 @@ def test_every_error_code_is_documented():
 
 def test_states_accepted_are_documented():
     for op, cls in protocol.REQUESTS.items():
+        if cls.STATES:
+            assert "States: " in _section(op), op
         if cls.STATES == protocol.RUNNING:
-            assert "States: running" in _section(op), op
+            assert "States: running." in _section(op), op
+        if cls.STATES == protocol.ACTIVE:
+            assert "States: running, paused." in _section(op), op

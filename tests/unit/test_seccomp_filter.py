@@ -1,6 +1,6 @@
 """The seccomp profile as built (no root needed): what it names, not what it does.
 
-What it does on the kernel is tests/integration/test_seccomp.py.
+What it does on the kernel is tests/integration/test_seccomp_kernel.py.
 """
 
 from __future__ import annotations

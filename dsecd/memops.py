@@ -1,0 +1,315 @@
+"""The node's memory and lifecycle ops: pause/resume (with reclaim and
+prefetch), jobs, TTLs and leases, and the events stream.
+
+A mixin of Node (dsecd/node.py). The mechanisms live in dsecd/mem/ (freezer,
+reclaim, prefetch, zram, DAMON); this module decides when to call them and
+keeps the sandbox states, the journal and the event stream in step.
+
+States added here: running <-> paused. A paused sandbox is frozen and its
+memory reclaimed; any exec or file request resumes it first when
+memory.auto_resume is on (else it is refused with `conflict`). Paused time
+does not count towards the idle TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+from .errors import BadRequest, Conflict, DsecError, NotFound
+from .mem import damon, pause, zram
+
+log = logging.getLogger(__name__)
+
+EVENT_KINDS = ("created", "paused", "resumed", "expired", "oom", "died", "destroyed")
+
+
+class EventBus:
+    """Fan-out of state changes to `events` subscribers, each with a bounded queue.
+
+    A subscriber that does not keep up loses the oldest events, and the next
+    event it gets says how many it lost: the daemon never blocks on a reader."""
+
+    def __init__(self, per_subscriber: int = 1024, history: int = 256):
+        self.max = per_subscriber
+        self.subscribers: set[Subscriber] = set()
+        self.recent: deque[dict] = deque(maxlen=history)
+        self.seq = 0
+
+    def publish(self, kind: str, sandbox: str, **detail) -> None:
+        self.seq += 1
+        ev = {"seq": self.seq, "time": time.time(), "event": kind, "sandbox": sandbox, **detail}
+        self.recent.append(ev)
+        for sub in self.subscribers:
+            sub.push(ev)
+
+
+class Subscriber:
+    def __init__(self, bus: EventBus):
+        self.queue: deque[dict] = deque(maxlen=bus.max)
+        self.lost = 0
+        self.wake = asyncio.Event()
+
+    def push(self, ev: dict) -> None:
+        if len(self.queue) == self.queue.maxlen:
+            self.lost += 1
+        self.queue.append(ev)
+        self.wake.set()
+
+
+def parse_duration(value, what: str) -> float | None:
+    """Seconds from 90, 1.5, "90s", "5m", "2h", "1d"; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        text = str(value).strip().lower()
+        units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+        try:
+            seconds = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
+        except (ValueError, KeyError):
+            raise BadRequest(f"{what} must be seconds or a duration like 90s, 5m, 2h; got {value!r}") from None
+    if not 0 < seconds <= 365 * 86400:
+        raise BadRequest(f"{what} must be between 0 and 365 days, got {value!r}")
+    return seconds
+
+
+class MemOps:
+    """Needs from Node: cfg, sandboxes, loop, pool, run_blocking, _get, _journal, _destroy."""
+
+    def init_memory(self, cfg) -> None:
+        mem = cfg.section("memory")
+        self.pause_cfg = pause.PauseConfig.from_section(mem)
+        self.auto_resume = mem["auto_resume"]
+        self.zram = zram.ZramSwap(zram.ZramConfig.from_section(mem["zram"]))
+        self.damon = damon.DamonController(damon.DamonConfig.from_section(mem["damon"], cfg.state_dir))
+        self.damon_running = False
+        self.events = EventBus()
+        self._reaper_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------ start / stop
+
+    def start_memory(self) -> None:
+        """zram and DAMON at start, as configured (blocking; in a thread)."""
+        if self.zram.cfg.enabled:
+            try:
+                dev = self.zram.setup()
+                log.info("zram swap on /dev/zram%d", dev)
+            except OSError as err:
+                log.error("zram swap not set up (memory.zram.enabled): %s", err)
+        if self.damon.cfg.enabled:
+            avail = self.damon.probe()
+            if not avail.available:
+                log.warning("DAMON not used: %s", avail.reason)
+                return
+            live = [s.id for s in self.sandboxes.values() if s.state in ("running", "paused")]
+            self.damon.start([self._scheme(i) for i in live])
+            self.damon_running = True
+
+    def _scheme(self, sb_id: str) -> damon.SandboxScheme:
+        return damon.SandboxScheme(sb_id, f"/{self.sb_defaults['cgroup_root']}/{sb_id}")
+
+    def start_reaper(self) -> None:
+        self._reaper_task = self.loop.create_task(self._reap_loop())
+
+    # ------------------------------------------------------------ hooks called by node.py
+
+    def on_created(self, sb) -> None:
+        sb.last_active = time.monotonic()
+        if self.damon_running:
+            try:
+                self.damon.add(self._scheme(sb.id))
+            except OSError as err:
+                log.error("DAMON scheme for sandbox %s: %s", sb.id, err)
+        self.events.publish("created", sb.id, image=sb.image, labels=sb.labels)
+
+    def before_destroy(self, sb) -> None:
+        """Blocking: drop the DAMON scheme before the memcg goes (else commit is
+        EINVAL), and thaw a frozen sandbox (a frozen v1 task only dies thawed)."""
+        if self.damon_running:
+            try:
+                self.damon.remove(sb.id)
+            except OSError as err:
+                log.error("remove DAMON scheme of sandbox %s: %s", sb.id, err)
+        if sb.state == "paused" and sb.handle is not None:
+            try:
+                pause.Freezer.of(sb.handle.group).thaw()
+            except OSError as err:
+                log.warning("thaw sandbox %s before destroy: %s", sb.id, err)
+
+    async def ensure_running(self, sb, why: str) -> None:
+        """Called before exec and file ops: resume a paused sandbox (or refuse)."""
+        sb.last_active = time.monotonic()
+        if sb.state != "paused":
+            return
+        if not self.auto_resume:
+            raise Conflict(f"sandbox {sb.id} is paused; resume it before {why} (memory.auto_resume is off)",
+                           {"sandbox": sb.id, "state": "paused"})
+        # On demand: thaw first, so the request is not held up by the prefetch,
+        # which then runs behind it.
+        await self._resume(sb, mode="none")
+        rec = pause.PauseRecord.from_json(sb.pause_record or {})
+        if rec.working_set and self.pause_cfg.prefetch_mode != "none":
+            self.loop.run_in_executor(self.pool, pause.prefetch, rec.working_set, self.pause_cfg.prefetch_mode)
+
+    # ------------------------------------------------------------ pause / resume
+
+    async def _pause(self, sb) -> dict:
+        async with sb.lock:
+            if sb.state == "paused":
+                return {"id": sb.id, "state": "paused", "already": True}
+            if sb.state != "running":
+                raise Conflict(f"sandbox {sb.id} is {sb.state}; only a running sandbox can be paused")
+            try:
+                rec = await self.run_blocking(pause.pause, sb.handle.group, self.pause_cfg)
+            except OSError as err:
+                raise DsecError(f"pause sandbox {sb.id}: {err}", code="busy" if err.errno == 16 else "io") from err
+            return self._mark_paused(sb, rec)
+
+    def _mark_paused(self, sb, rec: pause.PauseRecord) -> dict:
+        sb.state = "paused"
+        sb.paused_at = time.monotonic()
+        sb.pause_record = rec.to_json()
+        self._journal(sb)
+        self.events.publish("paused", sb.id, freed_bytes=rec.freed)
+        return {"id": sb.id, "state": "paused", "frozen_s": round(rec.frozen_s, 4),
+                "reclaim_s": round(rec.reclaim_s, 4), "freed_bytes": rec.freed, "methods": rec.methods}
+
+    async def _resume(self, sb, mode: str | None = None) -> dict:
+        async with sb.lock:
+            if sb.state != "paused":
+                return {"id": sb.id, "state": sb.state, "already": True}
+            rec = pause.PauseRecord.from_json(sb.pause_record or {})
+            try:
+                res = await self.run_blocking(pause.resume, sb.handle.group, rec, self.pause_cfg.freeze_timeout_s,
+                                              mode or self.pause_cfg.prefetch_mode)
+            except OSError as err:
+                raise DsecError(f"resume sandbox {sb.id}: {err}", code="io") from err
+            sb.state = "running"
+            if sb.paused_at is not None:
+                sb.paused_total += time.monotonic() - sb.paused_at
+            sb.paused_at = None
+            sb.pause_record = None
+            sb.last_active = time.monotonic()
+            self._journal(sb)
+            self.events.publish("resumed", sb.id, prefetched_bytes=res.prefetched_bytes)
+            return {"id": sb.id, "state": "running", "prefetch_s": round(res.prefetch_s, 4),
+                    "thaw_s": round(res.thaw_s, 4), "prefetched_bytes": res.prefetched_bytes}
+
+    async def op_pause(self, req, ctx) -> dict:
+        return await self._pause(self._get(req.sandbox, req))
+
+    async def op_resume(self, req, ctx) -> dict:
+        return await self._resume(self._get(req.sandbox, req))
+
+    # ------------------------------------------------------------ jobs (label job=<id>)
+
+    def _job(self, job: str, states: tuple[str, ...]) -> list:
+        sbs = [s for s in self.sandboxes.values() if s.labels.get("job") == job and s.state in states]
+        if not sbs and not any(s.labels.get("job") == job for s in self.sandboxes.values()):
+            raise NotFound(f"no sandbox has label job={job}")
+        return sbs
+
+    async def op_job_pause(self, req, ctx) -> dict:
+        """Freeze the whole job at once (what the caller waits for), answer, and
+        reclaim each sandbox's memory behind the answer."""
+        sbs = self._job(req.job, ("running",))
+        freezers = [pause.Freezer.of(s.handle.group) for s in sbs]
+        failed = await self.run_blocking(pause.freeze_all, freezers, self.pause_cfg.freeze_timeout_s)
+        failed_ids = {s.id for s, f in zip(sbs, freezers, strict=True) if f in failed}
+        paused = [s for s in sbs if s.id not in failed_ids]
+        for s in paused:
+            self._mark_paused(s, pause.PauseRecord())
+
+        async def reclaim(s) -> None:
+            try:
+                rec = await self.run_blocking(pause.reclaim_frozen, s.handle.group, self.pause_cfg)
+                if s.state == "paused":
+                    s.pause_record = rec.to_json()
+                    self._journal(s)
+            except OSError as err:
+                log.warning("reclaim of paused sandbox %s: %s", s.id, err)
+
+        for s in paused:
+            self.loop.create_task(reclaim(s))
+        return {"job": req.job, "paused": [s.id for s in paused], "failed": sorted(failed_ids)}
+
+    async def op_job_resume(self, req, ctx) -> dict:
+        sbs = self._job(req.job, ("paused",))
+        results = await asyncio.gather(*(self._resume(s) for s in sbs), return_exceptions=True)
+        return {"job": req.job, "resumed": [s.id for s, r in zip(sbs, results, strict=True) if isinstance(r, dict)],
+                "failed": {s.id: str(r) for s, r in zip(sbs, results, strict=True) if isinstance(r, BaseException)}}
+
+    async def op_job_rm(self, req, ctx) -> dict:
+        sbs = self._job(req.job, ("running", "paused", "dead"))
+        results = await asyncio.gather(*(self._destroy(s, req.force) for s in sbs), return_exceptions=True)
+        return {"job": req.job, "destroyed": [r["id"] for r in results if isinstance(r, dict)],
+                "failed": {s.id: str(r) for s, r in zip(sbs, results, strict=True) if isinstance(r, BaseException)}}
+
+    # ------------------------------------------------------------ TTLs and leases
+
+    async def op_renew(self, req, ctx) -> dict:
+        lease = parse_duration(req.lease, "lease")
+        renewed, missing = [], []
+        for sb_id in req.sandboxes:
+            sb = self.sandboxes.get(sb_id)
+            if sb is None:
+                missing.append(sb_id)
+                continue
+            sb.lease = lease or sb.lease
+            if sb.lease:
+                sb.lease_deadline = time.monotonic() + sb.lease
+                renewed.append(sb_id)
+        return {"renewed": renewed, "missing": missing}
+
+    def _expired(self, sb, now: float) -> str | None:
+        if sb.state not in ("running", "paused"):
+            return None
+        if sb.ttl and time.time() - sb.created > sb.ttl:
+            return "ttl"
+        if sb.lease_deadline and now > sb.lease_deadline:
+            return "lease"
+        if sb.idle_ttl and sb.state == "running" and not sb.execs:
+            if now - sb.last_active > sb.idle_ttl:
+                return "idle_ttl"
+        return None
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for sb in list(self.sandboxes.values()):
+                why = self._expired(sb, now)
+                if why is None:
+                    continue
+                try:
+                    await self._destroy(sb, force=True)
+                    self.events.publish("expired", sb.id, reason=why)
+                    log.info("sandbox %s expired (%s)", sb.id, why)
+                except DsecError as err:
+                    log.warning("expire sandbox %s (%s): %s", sb.id, why, err)
+
+    # ------------------------------------------------------------ events
+
+    async def op_events(self, req, ctx) -> dict:
+        """Stream state changes until the client cancels or disconnects."""
+        sub = Subscriber(self.events)
+        for ev in list(self.events.recent) if req.replay else []:
+            await ctx.emit(ev)
+        self.events.subscribers.add(sub)
+        try:
+            while True:
+                await sub.wake.wait()
+                sub.wake.clear()
+                while sub.queue:
+                    ev = sub.queue.popleft()
+                    if sub.lost:
+                        ev = {**ev, "lost_before": sub.lost}
+                        sub.lost = 0
+                    if not req.sandbox or ev["sandbox"] == req.sandbox:
+                        await ctx.emit(ev)
+        finally:
+            self.events.subscribers.discard(sub)

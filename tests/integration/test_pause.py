@@ -1,0 +1,167 @@
+"""Pause/resume with reclaim, auto-resume, jobs, TTLs, leases and events through the daemon."""
+
+import threading
+import time
+
+import pytest
+
+from dsecd.errors import BadRequest, NotFound
+
+HOLD = "head -c 40000000 /dev/zero | tr '\\\\0' x > /tmp/blob; sleep 3600"
+
+
+@pytest.fixture
+def mem(daemon_factory, busybox_rootfs):
+    d = daemon_factory()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    yield d, c
+    c.close()
+
+
+def _background(sb, cmd):
+    t = threading.Thread(target=lambda: sb.exec(["sh", "-c", cmd]), daemon=True)
+    t.start()
+    return t
+
+
+def test_pause_frees_memory_and_exec_resumes(mem):
+    d, c = mem
+    sb = c.create(image="busybox", memory="256M")
+    sb.exec(["sh", "-c", "head -c 30000000 /dev/urandom > /tmp/data"])      # 30 MB in tmpfs + cache
+    r = sb.pause()
+    assert r["state"] == "paused" and r["frozen_s"] >= 0
+    assert sb.inspect()["state"] == "paused"
+    assert sb.pause()["already"] is True                                   # idempotent
+    # An exec on a paused sandbox resumes it first.
+    assert sb.exec(["sh", "-c", "wc -c < /tmp/data"]).stdout.strip() == b"30000000"
+    assert sb.inspect()["state"] == "running"
+    assert sb.resume()["already"] is True
+    sb.destroy()
+
+
+def test_explicit_resume_and_destroy_while_paused(mem):
+    d, c = mem
+    sb = c.create(image="busybox")
+    sb.pause()
+    r = sb.resume()
+    assert r["state"] == "running"
+    sb.pause()
+    sb.destroy()                           # a paused sandbox is thawed, then killed
+    with pytest.raises(NotFound):
+        sb.inspect()
+
+
+def test_auto_resume_off_refuses(daemon_factory, busybox_rootfs):
+    d = daemon_factory("[memory]\nauto_resume = false\n")
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox")
+    sb.pause()
+    with pytest.raises(Exception) as e:
+        sb.exec(["true"])
+    assert e.value.code == "conflict" and "paused" in e.value.message
+    sb.resume()
+    assert sb.exec(["true"]).exit_code == 0
+    sb.destroy()
+    c.close()
+
+
+def test_job_pause_resume_rm(mem):
+    d, c = mem
+    sbs = [c.create(image="busybox", labels={"job": "run-17"}) for _ in range(4)]
+    other = c.create(image="busybox", labels={"job": "other"})
+    r = c.job_pause("run-17")
+    assert sorted(r["paused"]) == sorted(s.id for s in sbs) and not r["failed"]
+    assert other.inspect()["state"] == "running"
+    assert all(s.inspect()["state"] == "paused" for s in sbs)
+    r = c.job_resume("run-17")
+    assert sorted(r["resumed"]) == sorted(s.id for s in sbs)
+    assert all(s.exec(["true"]).exit_code == 0 for s in sbs)
+    r = c.job_rm("run-17")
+    assert sorted(r["destroyed"]) == sorted(s.id for s in sbs)
+    with pytest.raises(NotFound):
+        c.job_pause("run-17")
+    other.destroy()
+
+
+def test_ttl_idle_ttl_and_lease_expire(mem):
+    d, c = mem
+    ttl = c.create(image="busybox", ttl="2s")
+    idle = c.create(image="busybox", idle_ttl=2)
+    leased = c.create(image="busybox", lease=2)
+    kept = c.create(image="busybox", idle_ttl=3)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        kept.exec(["true"])                 # activity keeps the idle clock at zero
+        c.renew([leased.id])
+        time.sleep(0.5)
+    ids = {s["id"] for s in c.list()}
+    assert ttl.id not in ids and idle.id not in ids
+    assert leased.id in ids and kept.id in ids
+    kept.destroy()
+    time.sleep(3.5)                         # no more renewals: the lease runs out
+    assert leased.id not in {s["id"] for s in c.list()}
+
+
+def test_paused_time_does_not_count_as_idle(mem):
+    d, c = mem
+    sb = c.create(image="busybox", idle_ttl=2)
+    sb.pause()
+    time.sleep(3)
+    assert sb.inspect()["state"] == "paused"
+    sb.resume()
+    sb.destroy()
+
+
+def test_bad_durations(mem):
+    d, c = mem
+    for bad in ("soon", -1, "0s"):
+        with pytest.raises(BadRequest):
+            c.create(image="busybox", ttl=bad)
+
+
+def test_events_stream(mem):
+    d, c = mem
+    import asyncio
+
+    import dsecd
+
+    async def watch(out: list, ready: threading.Event):
+        async with dsecd.Client(d.socket) as ac:
+            ready.set()
+            async for ev in ac.events():
+                out.append(ev)
+                if ev["event"] == "destroyed":
+                    return
+
+    seen: list = []
+    ready = threading.Event()
+    t = threading.Thread(target=lambda: asyncio.run(watch(seen, ready)), daemon=True)
+    t.start()
+    ready.wait(10)
+    time.sleep(0.2)
+    sb = c.create(image="busybox")
+    sb.pause()
+    sb.resume()
+    sb.destroy()
+    t.join(10)
+    kinds = [e["event"] for e in seen if e["sandbox"] == sb.id]
+    assert kinds == ["created", "paused", "resumed", "destroyed"]
+
+
+def test_paused_sandbox_survives_a_daemon_restart(mem):
+    import signal
+
+    d, c = mem
+    sb = c.create(image="busybox")
+    sb.pause()
+    c.close()
+    d.stop(signal.SIGTERM)
+    d.start()
+    c2 = d.client()
+    s2 = c2.get(sb.id)
+    assert s2.info["state"] == "paused"
+    assert s2.exec(["echo", "back"]).stdout == b"back\n"
+    s2.destroy()
+    c2.close()
