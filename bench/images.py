@@ -88,6 +88,7 @@ layer_grace_s = 3600.0
 chunk_size = {chunk}
 bandwidth_bps = {bps}
 latency_us = {latency}
+readahead_chunks = {readahead}
 """
 
 log = harness.log
@@ -257,12 +258,13 @@ def stop_pid(pid: int, timeout: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def daemon_on(tmp: Path, name: str, mode: str, store: Path, chunk: int = 1 << 20, throttle: bool = True):
+def daemon_on(tmp: Path, name: str, mode: str, store: Path, chunk: int = 1 << 20, throttle: bool = True,
+              readahead: int = 4):
     """A daemon on fresh state (tmp/name) over the shared store; all of it gone on exit."""
     run = tmp / name
     run.mkdir()
     cfg = CONFIG.format(mode=mode, store=store, chunk=chunk, bps=LINK_BPS if throttle else 0,
-                        latency=LATENCY_US if throttle else 0)
+                        latency=LATENCY_US if throttle else 0, readahead=readahead)
     d = ImagesDaemon(run, None, cfg)
     try:
         d.start()

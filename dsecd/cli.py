@@ -250,6 +250,36 @@ async def cmd_events(c: Client, a) -> int:
     return 0
 
 
+async def cmd_net(c: Client, a) -> int:
+    sb = await c.get(a.sandbox)
+    if a.net_cmd == "set":
+        if a.replace and (a.add or a.remove):
+            raise SystemExit("dsec net set: --replace takes --allow rules; don't mix it with --add/--remove")
+        if a.replace:
+            view = await sb.net_set(replace=a.allow or [])
+        else:
+            view = await sb.net_set(add=(a.add or []) + (a.allow or []), remove=a.remove or [])
+        if not a.json:
+            print(f"{sb.id}: {len(view.get('rules', []))} rule(s): {' '.join(view.get('terms', [])) or '(none)'}")
+            return 0
+    else:
+        view = await sb.net_show()
+    if a.json:
+        _print_json(view)
+        return 0
+    if view.get("mode") != "default":
+        print(f"{sb.id}: --net none (loopback only)")
+        return 0
+    lease = view.get("lease") or {}
+    print(f"{sb.id}: {view['interface']} {lease.get('ipv4', '')} {lease.get('ipv6', '') or ''}".rstrip())
+    _table([[r["rule"], ",".join(r["from"]), str(r["allowed"])] for r in view["rules"]],
+           ["RULE", "FROM", "ALLOWED"])
+    d = view["default"]
+    print(f"default deny: {d.get('denied_connect', 0)} connects, {d.get('denied_sendmsg', 0)} sends, "
+          f"{d.get('dropped_packets', 0)} packets refused")
+    return 0
+
+
 async def cmd_snapshot(c: Client, a) -> int:
     sb = await c.get(a.sandbox)
     bar = _ProgressBar(not a.json)
@@ -262,7 +292,8 @@ async def cmd_snapshot(c: Client, a) -> int:
 async def cmd_create(c: Client, a) -> int:
     sb = await c.create(image=a.image, cpu=a.cpu, memory=a.memory, pids=a.pids, env=_kv(a.env, "--env"),
                         labels=_kv(a.label, "--label"), hostname=a.hostname, cwd=a.cwd, user=a.user,
-                        qos=a.qos, cpu_quota=a.cpu_quota, ttl=a.ttl, idle_ttl=a.idle_ttl, lease=a.lease)
+                        qos=a.qos, cpu_quota=a.cpu_quota, ttl=a.ttl, idle_ttl=a.idle_ttl, lease=a.lease,
+                        net=a.net, allow=a.allow)
     if a.json:
         _print_json(sb.info)
     else:
@@ -457,6 +488,10 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("--hostname")
     cr.add_argument("--cwd", default="/")
     cr.add_argument("--user", type=int, default=0, help="uid inside the sandbox")
+    cr.add_argument("--net", choices=["none", "default"], help="none: loopback only; default: bridge + "
+                    "address + egress allowlist (default: the daemon's net.default_mode)")
+    cr.add_argument("--allow", action="append", metavar="RULE", help="egress rule (CIDR[:port[-port]][/tcp|udp]) "
+                    "or rule-set name (repeatable)")
     cr.add_argument("--ttl", help="max lifetime, e.g. 2h")
     cr.add_argument("--idle-ttl", help="destroy after this long without requests, e.g. 5m (paused time excluded)")
     cr.add_argument("--lease", help="destroy unless renewed (SDK: Client.hold) within this long")
@@ -488,6 +523,16 @@ def build_parser() -> argparse.ArgumentParser:
         x.add_argument("job")
         if verb == "rm":
             x.add_argument("--force", "-f", action="store_true")
+
+    net = sub.add_parser("net", help="a sandbox's egress policy").add_subparsers(dest="net_cmd", required=True)
+    x = net.add_parser("show", help="rules, allowed counters per rule, and what was denied")
+    x.add_argument("sandbox")
+    x = net.add_parser("set", help="change the policy atomically")
+    x.add_argument("sandbox")
+    x.add_argument("--replace", action="store_true", help="the --allow rules become the whole policy")
+    x.add_argument("--allow", action="append", metavar="RULE", help="with --replace: the new policy")
+    x.add_argument("--add", action="append", metavar="RULE")
+    x.add_argument("--remove", action="append", metavar="RULE")
 
     ev = sub.add_parser("events", help="stream state changes (one per line with --json)")
     ev.add_argument("--sandbox")
@@ -521,7 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"info": cmd_info, "image": cmd_image, "snapshot": cmd_snapshot, "pause": cmd_pause,
-            "resume": cmd_resume, "job": cmd_job, "events": cmd_events, "create": cmd_create, "exec": cmd_exec, "cp": cmd_cp,
+            "resume": cmd_resume, "job": cmd_job, "events": cmd_events, "net": cmd_net, "create": cmd_create, "exec": cmd_exec, "cp": cmd_cp,
             "ps": cmd_ps, "inspect": cmd_inspect, "rm": cmd_rm, "top": cmd_top}
 
 

@@ -223,11 +223,14 @@ class Client:
                      hostname: str | None = None, cwd: str = "/", user: int = 0,
                      ttl: float | str | None = None, idle_ttl: float | str | None = None,
                      lease: float | str | None = None, qos: str | None = None,
-                     cpu_quota: bool | None = None) -> Sandbox:
-        args = {"image": image, "env": env or {}, "labels": labels or {}, "cwd": cwd, "user": user}
+                     cpu_quota: bool | None = None, net: str | None = None,
+                     allow: list[str] | None = None) -> Sandbox:
+        """allow: egress rules ("10.1.2.0/24:443/tcp") and rule-set names ("pypi"), with net="default"."""
+        args = {"image": image, "env": env or {}, "labels": labels or {}, "cwd": cwd, "user": user,
+                "allow": list(allow or [])}
         for k, v in (("cpu", cpu), ("memory", memory), ("pids", pids), ("hostname", hostname),
                      ("ttl", ttl), ("idle_ttl", idle_ttl), ("lease", lease), ("qos", qos),
-                     ("cpu_quota", cpu_quota)):
+                     ("cpu_quota", cpu_quota), ("net", net)):
             if v is not None:
                 args[k] = v
         info = await self.request("create", **args)
@@ -396,6 +399,16 @@ class Sandbox:
             if progress and "progress" in frame:
                 progress(frame["progress"])
         raise ConnectionError("snapshot: no final frame")
+
+    async def net_show(self) -> dict:
+        """The egress policy: rules with allowed counters, and what default-deny refused."""
+        return await self.client.request("net_show", sandbox=self.id)
+
+    async def net_set(self, add: list[str] | None = None, remove: list[str] | None = None,
+                      replace: list[str] | None = None) -> dict:
+        """Change the policy atomically: add/remove (merge), or replace the whole of it."""
+        return await self.client.request("net_set", sandbox=self.id, add=add or [], remove=remove or [],
+                                         replace=replace)
 
     async def pause(self) -> dict:
         """Freeze and reclaim; any later exec or file op resumes it (auto_resume)."""

@@ -40,8 +40,15 @@ def _load_defaults() -> dict:
     return tomllib.loads(text)
 
 
+# Tables whose keys are the user's own names (e.g. rule sets), not knobs.
+FREE_FORM = {"net.rule_sets"}
+
+
 def _overlay(base: dict, extra: dict, where: str = "") -> dict:
     out = dict(base)
+    if where.rstrip(".") in FREE_FORM:
+        out.update(extra)
+        return out
     for key, value in extra.items():
         name = f"{where}{key}"
         if key not in base:

@@ -44,6 +44,7 @@ from .imageops import ImageOps, image_error
 from .journal import Journal
 from .memops import MemOps, parse_duration
 from .native import NativeError
+from .netops import NetOps
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class Sandbox:
     idle_ttl: float | None = None   # stop after this long without requests (paused time excluded)
     lease: float | None = None      # a client must `renew` within this many seconds
     pause_record: dict | None = None   # what pause did (dsecd/mem/pause.py), for resume
+    net: dict | None = None            # {"mode": "default", "lease": {...}}; None = loopback only
     qos: str = "be"             # CPU class (dsecd/cpu/qos.py)
     core_sched: str = "off"     # on | off | unavailable
 
@@ -88,7 +90,8 @@ class Sandbox:
                 "init_pid": h.init_pid if h else None, "init_start": h.init_start if h else None,
                 "died": self.died, "qos": self.qos, "core_sched": self.core_sched,
                 "manifest": self.manifest, "layers": self.layers, "ttl": self.ttl,
-                "idle_ttl": self.idle_ttl, "lease": self.lease, "pause_record": self.pause_record}
+                "idle_ttl": self.idle_ttl, "lease": self.lease, "pause_record": self.pause_record,
+                "net": self.net}
 
     def public(self) -> dict:
         out = self.record()
@@ -98,7 +101,7 @@ class Sandbox:
         return out
 
 
-class Node(ImageOps, MemOps):
+class Node(ImageOps, MemOps, NetOps):
     def __init__(self, cfg: Config, features: Features, layout: cgroup.Layout):
         self.cfg = cfg
         self.features = features
@@ -110,6 +113,7 @@ class Node(ImageOps, MemOps):
         self.journal = Journal(state / "journal", fsync=cfg.section("journal")["fsync"])
         self.init_images(cfg)
         self.init_memory(cfg)
+        self.init_net(cfg)
         self.backend = ContainerBackend(layout, self.sb_defaults, state, {
             "tmp": cfg.size("sandbox", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")})
         self.sandboxes: dict[str, Sandbox] = {}
@@ -137,6 +141,7 @@ class Node(ImageOps, MemOps):
         self._cpu_task = self.loop.create_task(self.cpu.run(self._cpu_entries, self.run_blocking))
         self.start_layer_sweeper()
         await self.run_blocking(self.start_memory)
+        await self.readopt_net()
         self.start_reaper()
 
     def _cpu_entries(self) -> dict[str, tuple[str, bool]]:
@@ -149,7 +154,8 @@ class Node(ImageOps, MemOps):
     async def _recover(self, sb_id: str, rec: dict) -> None:
         fields = {k: rec[k] for k in ("image", "state", "created", "limits", "env", "labels",
                                       "hostname", "cwd", "user", "backend", "died", "qos", "core_sched",
-                                      "manifest", "layers", "ttl", "idle_ttl", "lease", "pause_record")
+                                      "manifest", "layers", "ttl", "idle_ttl", "lease", "pause_record",
+                                      "net")
                   if k in rec}
         sb = Sandbox(id=sb_id, **fields)
         if sb.state in ("creating", "stopping"):
@@ -181,6 +187,7 @@ class Node(ImageOps, MemOps):
             if task:
                 task.cancel()
         self.stop_images()
+        self.close_net()
         for sb in self.sandboxes.values():
             if sb.handle and sb.handle.pidfd >= 0:
                 self.loop.remove_reader(sb.handle.pidfd)
@@ -254,6 +261,7 @@ class Node(ImageOps, MemOps):
 
         try:
             await self.run_blocking(release)
+            await self.detach_net(sb)      # frees its lease and policy; the veth died with the netns
         finally:
             self._journal(sb)
 
@@ -289,6 +297,7 @@ class Node(ImageOps, MemOps):
                 "cpu": self.cpu.info(self._live_limits(), self.sb_defaults["cpu"],
                                      parse_size(self.sb_defaults["memory"])),
                 "images": await self.run_blocking(self.images_info),
+                "net": self.net_info(),
                 "paths": {"socket": d["socket"], "state_dir": str(self.cfg.state_dir),
                           "cgroup_root": self.sb_defaults["cgroup_root"],
                           "cgroup_dirs": {k: str(v / self.sb_defaults["cgroup_root"])
@@ -329,6 +338,7 @@ class Node(ImageOps, MemOps):
             raise BadRequest(f"cwd must be absolute, got {req.cwd!r}")
         if not 0 <= req.user < 2**32 - 1:
             raise BadRequest(f"user must be a uid in [0, 2^32-1), got {req.user}")
+        net_mode = self.net_mode(req)
         try:
             image = await self.run_blocking(self.images.get, req.image)
         except ImageError as err:
@@ -369,6 +379,14 @@ class Node(ImageOps, MemOps):
                 log.error("create sandbox %s failed: %s", sb_id, err)
                 raise DsecError(f"create sandbox: {err}", {"errno": getattr(err, "errno", None),
                                 "step": getattr(err, "step", None)}, code="io") from err
+            raise
+        try:
+            await self.attach_net(sb, net_mode, req.allow)
+        except BaseException:
+            # No sandbox without its network policy: undo the container.
+            self.sandboxes.pop(sb_id, None)
+            await self.run_blocking(self.backend.destroy, sb_id, sb.handle)
+            self.layers.release(sb.layers)
             raise
         sb.state = "running"
         self._journal(sb)
@@ -419,6 +437,7 @@ class Node(ImageOps, MemOps):
             sb.state = prev
             self._journal(sb)
             raise io_error("destroy sandbox", sb.id, err) from err
+        await self.detach_net(sb)
         self.sandboxes.pop(sb.id, None)
         self.journal.delete(sb.id)
         if prev != "dead":          # a dead sandbox gave its layers back already

@@ -175,6 +175,8 @@ class Create:
     ttl: float | str | None = None        # max lifetime: seconds or "2h"
     idle_ttl: float | str | None = None   # destroyed after this long without requests
     lease: float | str | None = None      # destroyed unless `renew`ed within this long
+    net: str | None = None                # "none" (loopback only) | "default"; None = net.default_mode
+    allow: list[str] = field(default_factory=list)   # egress allowlist: rules and rule-set names
 
 
 @request("top")
@@ -282,6 +284,19 @@ class Renew:
 class Events:
     sandbox: str | None = None   # only this sandbox's events
     replay: bool = False         # first the recent history the daemon keeps
+
+
+@request("net_show", states=ACTIVE)
+class NetShow:
+    sandbox: str
+
+
+@request("net_set", states=ACTIVE)
+class NetSet:
+    sandbox: str
+    add: list[str] = field(default_factory=list)
+    remove: list[str] = field(default_factory=list)
+    replace: list[str] | None = None
 
 
 @request("destroy", states=ANY_STATE)

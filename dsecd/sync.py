@@ -62,6 +62,12 @@ class SyncSandbox:
         self.info = self._run(self._sb.inspect())
         return self.info
 
+    def net_show(self) -> dict:
+        return self._run(self._sb.net_show())
+
+    def net_set(self, **kw) -> dict:
+        return self._run(self._sb.net_set(**kw))
+
     def pause(self) -> dict:
         return self._run(self._sb.pause())
 

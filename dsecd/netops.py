@@ -1,0 +1,128 @@
+"""The node's network ops: --net default|none, --allow rules, `net show`, `net set`.
+
+A mixin of Node (dsecd/node.py); the mechanisms (bridge, veth, IPAM, eBPF
+allowlists) are dsecd/net/. Building the Network compiles the BPF programs
+(seconds), so it happens on first need - the first `--net default` create,
+or at start when a journaled sandbox has networking - never on the event
+loop. Where it cannot be built (no bcc, no cgroup v2), `--net none` keeps
+working, `--net default` answers `unsupported`, and `dsec info` says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from .errors import BadRequest, DsecError, Unsupported, io_error
+
+log = logging.getLogger(__name__)
+
+
+class NetOps:
+    """Needs from Node: cfg, layout, limits, sb_defaults, sandboxes, loop, run_blocking, _get, _journal."""
+
+    def init_net(self, cfg) -> None:
+        self.net_cfg = cfg.section("net")
+        self.net = None
+        self.net_error: str | None = None
+        self._net_ready: asyncio.Future | None = None
+
+    async def network(self):
+        """The Network, built once (in a worker thread) on first use."""
+        if self._net_ready is None:
+            self._net_ready = self.loop.create_future()
+            try:
+                self.net = await self.run_blocking(self._build_network)
+                self._net_ready.set_result(self.net)
+            except Exception as err:       # no bcc, no v2 tree, compile error: degrade, say why
+                self.net_error = f"{type(err).__name__}: {err}"
+                log.error("networking unavailable (--net default refused): %s", self.net_error)
+                self._net_ready.set_result(None)
+        net = await asyncio.shield(self._net_ready)
+        if net is None:
+            raise Unsupported(f"--net default is unavailable on this host: {self.net_error}")
+        return net
+
+    def _build_network(self):
+        from .net import Network
+
+        if self.layout.v2 is None:
+            raise RuntimeError("no cgroup v2 hierarchy to attach the eBPF programs to")
+        return Network(self.net_cfg, self.cfg.state_dir, self.layout.v2, self.sb_defaults["cgroup_root"],
+                       max_sandboxes=self.limits["max_sandboxes"])
+
+    def net_mode(self, req) -> str:
+        mode = req.net or self.net_cfg["default_mode"]
+        if mode not in ("none", "default"):
+            raise BadRequest(f"net must be 'none' or 'default', got {mode!r}")
+        if mode == "none" and req.allow:
+            raise BadRequest("--allow needs --net default (--net none is loopback only)")
+        return mode
+
+    async def attach_net(self, sb, mode: str, allow: list[str]) -> None:
+        """After the container exists: policy first, then the veth (never a link without policy)."""
+        if mode == "none":
+            return
+        net = await self.network()
+        h = sb.handle
+        try:
+            view = await self.run_blocking(net.attach, sb.id, h.init_pid, str(h.group.dirs["unified"]),
+                                           list(allow), mode)
+        except OSError as err:
+            raise io_error("attach networking of sandbox", sb.id, err) from err
+        sb.net = {"mode": mode, "lease": view.get("lease")}
+
+    async def detach_net(self, sb) -> None:
+        if self.net is None or not sb.net or sb.net.get("mode") != "default":
+            return
+        try:
+            await self.run_blocking(self.net.detach, sb.id)
+        except (OSError, DsecError) as err:
+            log.error("detach networking of sandbox %s: %s", sb.id, err)
+
+    async def readopt_net(self) -> None:
+        """After _recover: rebuild live sandboxes' policies; free leases of the rest."""
+        with_net = {s.id: s for s in self.sandboxes.values() if s.net and s.net.get("mode") == "default"}
+        if not with_net:
+            return
+        try:
+            net = await self.network()
+        except Unsupported:
+            return
+        live = {i: (s.handle.init_pid, str(s.handle.group.dirs["unified"]))
+                for i, s in with_net.items() if s.handle is not None}
+        res = await self.run_blocking(net.readopt, live)
+        for sb_id, why in res.get("failed", {}).items():
+            log.error("sandbox %s lost its networking across the restart (%s); it keeps loopback only",
+                      sb_id, why)
+
+    def close_net(self) -> None:
+        if self.net is not None:
+            self.net.close()
+
+    def net_info(self) -> dict:
+        if self.net is not None:
+            return {"available": True, "detail": f"bridge {self.net_cfg['bridge']}, "
+                    f"{self.net_cfg['ipv4_subnet']}, eBPF allowlists loaded"}
+        if self.net_error:
+            return {"available": False, "detail": self.net_error}
+        return {"available": None, "detail": "not started yet (on the first --net default create)"}
+
+    async def op_net_show(self, req, ctx) -> dict:
+        sb = self._get(req.sandbox, req)
+        if not sb.net or sb.net.get("mode") != "default":
+            return {"sandbox": sb.id, "mode": "none"}
+        return await self.run_blocking((await self.network()).show, sb.id)
+
+    async def op_net_set(self, req, ctx) -> dict:
+        sb = self._get(req.sandbox, req)
+        if not sb.net or sb.net.get("mode") != "default":
+            raise BadRequest(f"sandbox {sb.id} has --net none: no policy to change")
+        if req.replace is not None and (req.add or req.remove):
+            raise BadRequest("give either replace, or add/remove, not both")
+        net = await self.network()
+        try:
+            return await self.run_blocking(lambda: net.update(sb.id, add=req.add, remove=req.remove,
+                                                              replace=req.replace))
+        except OSError as err:
+            raise io_error("update the policy of sandbox", sb.id, err) from err

@@ -1,0 +1,109 @@
+"""Networking through the daemon: --net default/none, --allow, `net show`, `net set`.
+
+The bridge lives in a test-owned netns (net.host_netns) and the fake package
+index / reference-solution servers in another (test_net_kit.World); traffic
+never leaves namespaces this test made.
+"""
+
+import json
+
+import pytest
+from test_net_kit import World, bpf_skip_reason
+
+from dsecd.errors import BadRequest
+
+pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None, reason=bpf_skip_reason() or "")
+
+
+def _toml_net(cfg: dict) -> str:
+    lines = ["[net]", 'default_mode = "none"']
+    for k in ("bridge", "mtu", "host_netns", "ipv4_subnet", "ipv4_pool", "ipv6_subnet"):
+        lines.append(f"{k} = {json.dumps(cfg[k])}")
+    lines.append("[net.rule_sets]")
+    for name, rules in cfg["rule_sets"].items():
+        lines.append(f"{name} = {json.dumps(rules)}")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def world():
+    w = World()
+    yield w
+    w.close()
+
+
+@pytest.fixture
+def netd(world, daemon_factory, busybox_rootfs):
+    # The daemon's pool must not overlap the World's own Network's pool.
+    cfg = dict(world.cfg, ipv4_pool=f"10.{world.octet}.3.0/24")
+    d = daemon_factory(_toml_net(cfg))
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    yield d, c
+    c.close()
+
+
+def connect(sb, host, port):
+    r = sb.exec(["sh", "-c", f"echo ping | nc -w 2 {host} {port}"], timeout=20)
+    return r.exit_code, (r.stdout + r.stderr).decode()
+
+
+def test_allowlist_enforced_and_changed_live(world, netd):
+    d, c = netd
+    sb = c.create(image="busybox", net="default", allow=["pypi"])
+    code, out = connect(sb, world.pkg, 80)
+    assert code == 0 and "srv80:ping" in out
+    code, out = connect(sb, world.ref, 443)
+    assert code != 0 and "not permitted" in out.lower()
+    view = sb.net_show()
+    assert view["lease"]["ipv4"].startswith(f"10.{world.octet}.3.")
+    assert any(r["allowed"] >= 1 for r in view["rules"] if r["rule"].startswith(world.pkg))
+    assert view["default"]["denied_connect"] >= 1
+
+    sb.net_set(add=["refsol"])
+    assert connect(sb, world.ref, 443)[0] == 0
+    sb.net_set(remove=["refsol"])
+    assert connect(sb, world.ref, 443)[0] != 0
+    sb.net_set(replace=[f"{world.ref}:443/tcp"])
+    assert connect(sb, world.ref, 443)[0] == 0 and connect(sb, world.pkg, 80)[0] != 0
+    # A bad update changes nothing.
+    with pytest.raises(BadRequest):
+        sb.net_set(add=["10.0.0.0/33"])
+    assert connect(sb, world.ref, 443)[0] == 0
+    sb.destroy()
+
+
+def test_net_none_is_loopback_only_and_bad_input(world, netd):
+    d, c = netd
+    sb = c.create(image="busybox")                   # default_mode = none
+    assert connect(sb, world.pkg, 80)[0] != 0
+    assert sb.net_show()["mode"] == "none"
+    with pytest.raises(BadRequest):
+        sb.net_set(add=["pypi"])
+    sb.destroy()
+    with pytest.raises(BadRequest):
+        c.create(image="busybox", net="none", allow=["pypi"])
+    with pytest.raises(BadRequest):
+        c.create(image="busybox", net="default", allow=["no-such-set"])
+    with pytest.raises(BadRequest):
+        c.create(image="busybox", net="default", allow=["10.0.0.1:70000/tcp"])
+    assert c.list() == []                            # failed creates left nothing
+
+
+def test_lease_freed_on_destroy_and_kept_across_restart(world, netd):
+    import signal
+
+    d, c = netd
+    sb = c.create(image="busybox", net="default", allow=["pypi"])
+    ip = sb.net_show()["lease"]["ipv4"]
+    c.close()
+    d.stop(signal.SIGTERM)
+    d.start()
+    c2 = d.client()
+    s2 = c2.get(sb.id)
+    assert s2.net_show()["lease"]["ipv4"] == ip
+    assert connect(s2, world.pkg, 80)[0] == 0 and connect(s2, world.ref, 443)[0] != 0
+    s2.destroy()
+    leases = json.loads((d.state / "net" / "leases.json").read_text())
+    assert sb.id not in json.dumps(leases)
+    c2.close()
