@@ -28,7 +28,7 @@ rootfs:
 
 # Benchmarks print progress on stderr and one JSON object as the last line of
 # stdout. `make bench-<area>` runs bench/<area>.py; `make bench` runs them all.
-BENCHES := core cpu
+BENCHES := core cpu memory
 
 bench: $(addprefix bench-,$(BENCHES))
 

@@ -112,6 +112,20 @@ class MemOps:
     def _scheme(self, sb_id: str) -> damon.SandboxScheme:
         return damon.SandboxScheme(sb_id, f"/{self.sb_defaults['cgroup_root']}/{sb_id}")
 
+    def close_memory(self) -> None:
+        """Shutdown (blocking): stop our kdamond; take zram down only when no
+        sandbox is paused (swapoff would page all their memory back in)."""
+        if self.damon_running:
+            try:
+                self.damon.stop()
+            except OSError as err:
+                log.error("stop DAMON: %s", err)
+        if self.zram.cfg.enabled and not any(s.state == "paused" for s in self.sandboxes.values()):
+            try:
+                self.zram.teardown()
+            except OSError as err:
+                log.error("zram teardown: %s", err)
+
     def start_reaper(self) -> None:
         self._reaper_task = self.loop.create_task(self._reap_loop())
 
@@ -277,9 +291,27 @@ class MemOps:
                 return "idle_ttl"
         return None
 
+    def _oom_check(self) -> list[tuple[str, int]]:
+        """(sandbox, new OOM kills) since the last look; blocking (cgroup reads)."""
+        out = []
+        for sb in list(self.sandboxes.values()):
+            if sb.state != "running" or sb.handle is None:
+                continue
+            try:
+                n = pause.oom_kills(sb.handle.group)
+            except OSError:
+                continue
+            if n > sb.oom_kills:
+                out.append((sb.id, n - sb.oom_kills))
+            sb.oom_kills = n
+        return out
+
     async def _reap_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
+            for sb_id, n in await self.run_blocking(self._oom_check):
+                self.events.publish("oom", sb_id, kills=n)
+                log.info("sandbox %s: %d process(es) killed by its memory limit", sb_id, n)
             now = time.monotonic()
             for sb in list(self.sandboxes.values()):
                 why = self._expired(sb, now)

@@ -69,6 +69,7 @@ class Sandbox:
     paused_at: float | None = None
     paused_total: float = 0.0
     lease_deadline: float | None = None
+    oom_kills: int = 0                # the memory cgroup's OOM-kill count last seen
     execs: int = 0
     exit_status: int | None = None
     died: float | None = None
@@ -188,6 +189,7 @@ class Node(ImageOps, MemOps, NetOps):
                 task.cancel()
         self.stop_images()
         self.close_net()
+        await self.run_blocking(self.close_memory)
         for sb in self.sandboxes.values():
             if sb.handle and sb.handle.pidfd >= 0:
                 self.loop.remove_reader(sb.handle.pidfd)

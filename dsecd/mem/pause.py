@@ -203,6 +203,18 @@ def usage(group: cgroup.Group) -> MemUsage:
                     stat.get("cache", 0), stat.get("swap", 0))
 
 
+def oom_kills(group: cgroup.Group) -> int:
+    """How many processes the memory limit's OOM killer has killed in the group
+    (v2 memory.events `oom_kill`; v1 memory.oom_control `oom_kill`, Linux >= 4.13)."""
+    version, d = memory_dir(group)
+    text = _read(d / ("memory.events" if version == "v2" else "memory.oom_control"))
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            return int(value)
+    return 0
+
+
 def _int_or_zero(path: Path) -> int:
     try:
         return int(path.read_text())

@@ -37,7 +37,7 @@ from dsecd import protocol
 from dsecd.errors import ERROR_CODES
 
 ROOT = Path(__file__).resolve().parents[2]
-LONG_OPS = {"exec", "exec_input"}   # may wait for input that never comes: cancelled by the close
+LONG_OPS = {"exec", "exec_input", "events"}   # may wait (for input, for events): cancelled by the close
 
 
 def _integration_conftest():

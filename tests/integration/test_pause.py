@@ -7,7 +7,6 @@ import pytest
 
 from dsecd.errors import BadRequest, NotFound
 
-HOLD = "head -c 40000000 /dev/zero | tr '\\\\0' x > /tmp/blob; sleep 3600"
 
 
 @pytest.fixture
@@ -165,3 +164,24 @@ def test_paused_sandbox_survives_a_daemon_restart(mem):
     assert s2.exec(["echo", "back"]).stdout == b"back\n"
     s2.destroy()
     c2.close()
+
+
+def test_oom_kill_is_an_event(mem):
+    import asyncio
+
+    import dsecd
+
+    d, c = mem
+    sb = c.create(image="busybox", memory="32M")
+    r = sb.exec(["sh", "-c", "x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo done"], timeout=60)
+    assert r.exit_code != 0 or r.signal
+
+    async def first_oom():
+        async with dsecd.Client(d.socket) as ac:
+            async for ev in ac.events(sandbox=sb.id, replay=True):
+                if ev["event"] == "oom":
+                    return ev
+
+    ev = asyncio.run(asyncio.wait_for(first_oom(), 10))
+    assert ev["kills"] >= 1
+    sb.destroy()

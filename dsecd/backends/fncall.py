@@ -1,0 +1,187 @@
+"""FnCall backend: per-image call sandboxes, each with a pre-imported zygote.
+
+A call sandbox is an ordinary container sandbox (dsecd/backends/container.py:
+mount, pid, uts, ipc, net and cgroup namespaces, an overlay of the image, the
+container's dsec-init as PID 1, cgroup limits from [fncall]) that belongs to
+the daemon, not to a client: it lives under `<cgroup_root>/.fncall/<id>` and
+`<state_dir>/fncall/sandboxes/<id>`, is never journaled, and is destroyed at
+shutdown (a daemon killed with -9 leaves it behind; the next start removes it).
+
+Inside it, if the image has python3, runs the zygote (dsecd/backends/
+zygote_main.py), started by the exec helper with one end of a SOCK_SEQPACKET
+socketpair as its stdin; the daemon keeps the other end. Each call is one
+packet plus SCM_RIGHTS fds (stdin/stdout/stderr pipes, a memfd with the
+code); the zygote forks a child per call and reports its wait status. Output
+flows straight from the child to the daemon's pipes, under the same cap as an
+exec. A zygote that dies, speaks garbage or does not answer a kill in time
+is dropped with its whole call sandbox; the next call makes new ones.
+
+Images without python3 (or with [fncall] zygote = false) take plain argv
+calls only: each is an exec in the call sandbox as `fncall.uid`, in a fresh
+dir under /tmp created and removed by the daemon through the sandbox root.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import cgroup
+from ..fs import files as sbfiles
+from .container import ContainerBackend, Handle
+
+log = logging.getLogger(__name__)
+
+ZYGOTE_SOURCE = (Path(__file__).with_name("zygote_main.py")).read_text()
+
+
+class ZygoteDied(Exception):
+    """The zygote went away (crash, kill, garbage on its socket) mid-call."""
+
+
+@dataclass
+class Zygote:
+    """The daemon's side of one zygote: its socket, its process, its calls."""
+
+    sock: socket.socket
+    pid: int                # host pid (a child of the daemon: CLONE_PARENT)
+    pidfd: int
+    info: dict = field(default_factory=dict)
+    pending: dict = field(default_factory=dict)   # call id -> Future of the exit message
+    calls: int = 0
+    alive: bool = True
+    ready: asyncio.Future | None = None
+
+    def send(self, msg: dict, fds: list[int] = ()) -> None:
+        data = json.dumps(msg).encode()
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        # A blocking send on a SOCK_SEQPACKET pair: the zygote drains it at
+        # once, and the socket buffer holds hundreds of these small packets.
+        self.sock.sendmsg([data], anc)
+
+    def on_readable(self) -> None:
+        try:
+            while True:
+                msg = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
+                if not msg:
+                    raise ConnectionError("zygote closed its socket")
+                self._dispatch(json.loads(msg))
+        except BlockingIOError:
+            return
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            self.fail(f"zygote {self.pid}: {err}")
+
+    def _dispatch(self, msg: dict) -> None:
+        op = msg["op"]
+        if op == "ready":
+            self.info = msg
+            if self.ready and not self.ready.done():
+                self.ready.set_result(msg)
+            return
+        fut = self.pending.pop(msg["id"], None)
+        if fut is None or fut.done():
+            return
+        if op == "exit":
+            fut.set_result(msg)
+        else:
+            fut.set_exception(OSError(msg.get("message", "zygote error")))
+
+    def fail(self, why: str) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        log.warning("fncall %s; the zygote is replaced", why)
+        err = ZygoteDied(why)
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self.pending.clear()
+        if self.ready and not self.ready.done():
+            self.ready.set_exception(err)
+
+
+@dataclass
+class CallBox:
+    """One image's call sandbox."""
+
+    id: str
+    image: str
+    layers: list[str]
+    handle: Handle
+    zygote: Zygote | None = None
+    zygote_error: str | None = None
+    calls: int = 0
+    running: int = 0
+    created: float = field(default_factory=time.time)
+
+
+class FnCallBackend:
+    name = "fncall"
+
+    def __init__(self, layout: cgroup.Layout, sandbox_cfg: dict, fn_cfg: dict, state_dir: Path,
+                 sizes: dict):
+        self.cfg = fn_cfg
+        self.containers = ContainerBackend(layout, {**sandbox_cfg,
+                                                    "cgroup_root": f"{sandbox_cfg['cgroup_root']}/.fncall"},
+                                           Path(state_dir) / "fncall", sizes)
+
+    def leftovers(self) -> list[str]:
+        """Call sandboxes of an earlier daemon (none are ever re-adopted)."""
+        return sorted(self.containers.orphans(set()))
+
+    def create_box(self, box_id: str, lowerdirs: list[str], limits: cgroup.Limits, plan) -> Handle:
+        return self.containers.create(box_id, lowerdirs, limits, "fncall", plan)
+
+    def destroy_box(self, box_id: str, h: Handle | None) -> None:
+        self.containers.destroy(box_id, h)
+
+    def spawn_zygote(self, h: Handle, modules: list[str]) -> tuple[socket.socket, int]:
+        """Start python3 + the zygote source in the call sandbox; (our socket end, host pid)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            argv = [self.cfg["python"], "-I", "-c", ZYGOTE_SOURCE, *modules]
+            env = self.containers.exec_env({"HOSTNAME": "fncall"}, {})
+            pid = self.containers.spawn(h, argv, env, "/", 0, (theirs.fileno(), null, null))
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+            os.close(null)
+        return ours, pid
+
+    def spawn_plain(self, h: Handle, argv: list[str], env: list[str], cwd: str,
+                    fds: tuple[int, int, int]) -> int:
+        return self.containers.spawn(h, argv, env, cwd, self.cfg["uid"], fds)
+
+    # Private dirs for plain argv calls, made and removed through the sandbox
+    # root with RESOLVE_IN_ROOT walks (dsecd/fs/files.py): a sandbox that turns
+    # /tmp into a symlink cannot make the daemon write or delete outside it.
+
+    def make_private_dir(self, h: Handle, name: str) -> str:
+        tmpfd = sbfiles._open(h.rootfd, "/tmp", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.mkdir(name, 0o700, dir_fd=tmpfd)
+            os.chown(name, self.cfg["uid"], self.cfg["uid"], dir_fd=tmpfd, follow_symlinks=False)
+        finally:
+            os.close(tmpfd)
+        return f"/tmp/{name}"
+
+    def remove_private_dir(self, h: Handle, name: str) -> None:
+        try:
+            tmpfd = sbfiles._open(h.rootfd, "/tmp", os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return
+        try:
+            shutil.rmtree(name, dir_fd=tmpfd, ignore_errors=True)
+        finally:
+            os.close(tmpfd)
