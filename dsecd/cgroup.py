@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import sysfs
+
 # Controllers a sandbox group uses; "freezer" is v1's name for v2's cgroup.freeze.
 CONTROLLERS = ("cpu", "cpuacct", "memory", "pids", "freezer")
 V2 = "unified"
@@ -90,17 +92,9 @@ def detect_layout(mountinfo: str = "/proc/self/mountinfo") -> Layout:
 
 
 def _write(path: Path, value: str) -> None:
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            os.write(fd, value.encode())
-        finally:
-            os.close(fd)
-    except OSError as err:
-        hint = ""
-        if err.errno == errno.EBUSY and path.name == "cgroup.subtree_control":
-            hint = "; a v2 group with processes cannot enable controllers for children"
-        raise CgroupError(err.errno, f"write {value!r} to `{path}`: {os.strerror(err.errno)}{hint}") from err
+    sysfs.write(path, value, CgroupError, {
+        errno.EBUSY: "a v2 group with processes cannot enable controllers for children"
+        if path.name == "cgroup.subtree_control" else "the group is busy"})
 
 
 @dataclass(frozen=True)

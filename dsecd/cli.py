@@ -312,6 +312,35 @@ async def _stdin_chunks():
         yield data
 
 
+async def cmd_call(c: Client, a) -> int:
+    code = None
+    if a.code_file:
+        with open(a.code_file) as f:
+            code = f.read()
+    elif not a.argv:
+        raise SystemExit("dsec call: give a command after --, or --code-file FILE")
+    stdin = None
+    if a.stdin:
+        with open(a.stdin, "rb") as f:
+            stdin = f.read()
+    r = await c.call(a.image, argv=None if code is not None else a.argv, code=code,
+                     args=a.argv if code is not None else None, stdin=stdin, env=_kv(a.env, "--env"),
+                     timeout=a.timeout)
+    sys.stdout.buffer.write(r.stdout)
+    sys.stdout.flush()
+    sys.stderr.buffer.write(r.stderr)
+    sys.stderr.flush()
+    if a.json:
+        _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
+                     "truncated": r.truncated, "path": r.path, "run_ms": r.run_ms, "total_ms": r.total_ms})
+    if r.timed_out:
+        print(f"dsec: call timed out after {a.timeout}s; its process group was killed", file=sys.stderr)
+        return EXIT_TIMEOUT
+    if r.signal:
+        return 128 + r.signal
+    return r.exit_code or 0
+
+
 async def cmd_exec(c: Client, a) -> int:
     if not a.argv:
         raise SystemExit("dsec exec: give a command after the sandbox id, e.g. dsec exec SB -- ls /")
@@ -508,6 +537,14 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("sandbox")
     ex.add_argument("argv", nargs=argparse.REMAINDER)
 
+    call = sub.add_parser("call", help="stateless function call (FnCall): dsec call --image IMG -- CMD...")
+    call.add_argument("--image", required=True)
+    call.add_argument("--code-file", help="Python source to run through the image's zygote")
+    call.add_argument("--stdin", metavar="FILE", help="file fed to the call's stdin")
+    call.add_argument("--timeout", type=float, help="seconds; the call's process group is killed after it")
+    call.add_argument("--env", action="append", metavar="K=V")
+    call.add_argument("argv", nargs=argparse.REMAINDER, help="command (or, with --code-file, sys.argv[1:])")
+
     cp = sub.add_parser("cp", help="copy a file: LOCAL SB:/path or SB:/path LOCAL ('-' = stdin/stdout)")
     cp.add_argument("src")
     cp.add_argument("dst")
@@ -566,7 +603,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"info": cmd_info, "image": cmd_image, "snapshot": cmd_snapshot, "pause": cmd_pause,
-            "resume": cmd_resume, "job": cmd_job, "events": cmd_events, "net": cmd_net, "create": cmd_create, "exec": cmd_exec, "cp": cmd_cp,
+            "resume": cmd_resume, "job": cmd_job, "events": cmd_events, "net": cmd_net, "create": cmd_create, "exec": cmd_exec, "call": cmd_call, "cp": cmd_cp,
             "ps": cmd_ps, "inspect": cmd_inspect, "rm": cmd_rm, "top": cmd_top}
 
 
@@ -577,11 +614,11 @@ async def _run(a) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     a = build_parser().parse_args(argv)
-    if a.cmd == "exec" and a.argv and a.argv[0] == "--":
+    if a.cmd in ("exec", "call") and a.argv and a.argv[0] == "--":
         a.argv = a.argv[1:]
     if a.cmd == "rpc":
         sys.exit(cmd_rpc(a))
-    fail = EXIT_DSEC_ERROR if a.cmd == "exec" else 1
+    fail = EXIT_DSEC_ERROR if a.cmd in ("exec", "call") else 1
     try:
         sys.exit(asyncio.run(_run(a)))
     except DsecError as err:

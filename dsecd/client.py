@@ -55,6 +55,21 @@ class ExecResult:
                    cancelled=r.get("cancelled", False), duration_ms=r.get("duration_ms", 0.0))
 
 
+@dataclass
+class CallResult(ExecResult):
+    """A FnCall: an exec's result plus where it ran and how long it took."""
+
+    path: str = ""           # "zygote" (forked from the pre-imported interpreter) or "exec"
+    run_ms: float = 0.0      # the call's process lifetime
+    total_ms: float = 0.0    # the whole request in the daemon
+
+    @classmethod
+    def from_call(cls, r: dict) -> CallResult:
+        base = ExecResult.from_result(r)
+        return cls(**vars(base), path=r.get("path", ""), run_ms=r.get("run_ms", 0.0),
+                   total_ms=r.get("total_ms", 0.0))
+
+
 class _Pending:
     """Frames of one request: stream frames queue up, the final one ends it."""
 
@@ -235,6 +250,17 @@ class Client:
                 args[k] = v
         info = await self.request("create", **args)
         return Sandbox(self, info["id"], info)
+
+    async def call(self, image: str, argv: list[str] | None = None, code: str | None = None,
+                   args: list[str] | None = None, stdin: bytes | None = None, env: dict | None = None,
+                   timeout: float | None = None) -> CallResult:
+        """A stateless function call (FnCall backend): `argv`, or Python `code` run by a fork of
+        the image's pre-imported zygote. Many may be in flight on one client."""
+        req = {"image": image, "env": env or {}}
+        for k, v in (("argv", argv), ("code", code), ("args", args), ("stdin", stdin), ("timeout", timeout)):
+            if v is not None:
+                req[k] = v
+        return CallResult.from_call(await self.request("call", **req))
 
     async def job_pause(self, job: str) -> dict:
         """Pause every sandbox labelled job=<job>: frozen at once, memory reclaimed after."""

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from . import __version__, cgroup, protocol
 from .backends.container import ContainerBackend, Handle, close_handle
+from .callops import CallOps
 from .config import Config, ConfigError, parse_size
 from .cpu.manager import CpuHost
 from .errors import (
@@ -102,7 +103,7 @@ class Sandbox:
         return out
 
 
-class Node(ImageOps, MemOps, NetOps):
+class Node(ImageOps, MemOps, NetOps, CallOps):
     def __init__(self, cfg: Config, features: Features, layout: cgroup.Layout):
         self.cfg = cfg
         self.features = features
@@ -119,6 +120,7 @@ class Node(ImageOps, MemOps, NetOps):
             "tmp": cfg.size("sandbox", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")})
         self.sandboxes: dict[str, Sandbox] = {}
         self.cpu = CpuHost(cfg.section("cpu"), layout, features, self.sb_defaults["cgroup_root"])
+        self.init_calls(cfg)
         self._cpu_task: asyncio.Task | None = None
         self.started = time.time()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -139,6 +141,7 @@ class Node(ImageOps, MemOps, NetOps):
         for sb_id in orphans:
             log.warning("removing orphaned sandbox resources %s (no journal record)", sb_id)
             await self.run_blocking(self.backend.destroy, sb_id, None)
+        await self.start_calls()
         self._cpu_task = self.loop.create_task(self.cpu.run(self._cpu_entries, self.run_blocking))
         self.start_layer_sweeper()
         await self.run_blocking(self.start_memory)
@@ -184,6 +187,7 @@ class Node(ImageOps, MemOps, NetOps):
 
     async def close(self) -> None:
         """Daemon shutdown: stop watching, close fds, leave sandboxes running."""
+        await self.close_calls()      # call sandboxes belong to this daemon: they go
         for task in (self._cpu_task, self._sweep_task, self._reaper_task):
             if task:
                 task.cancel()
@@ -277,7 +281,7 @@ class Node(ImageOps, MemOps, NetOps):
                 "capabilities": self.capabilities(), "limits": self.wire_limits()}
 
     def capabilities(self) -> list[str]:
-        caps = ["exec.stream", "exec.stdin", "files", "backend.container", "image.dir"]
+        caps = ["exec.stream", "exec.stdin", "files", "backend.container", "image.dir", "backend.fncall"]
         return caps
 
     def wire_limits(self) -> dict:
@@ -300,6 +304,7 @@ class Node(ImageOps, MemOps, NetOps):
                                      parse_size(self.sb_defaults["memory"])),
                 "images": await self.run_blocking(self.images_info),
                 "net": self.net_info(),
+                "fncall": self.calls_info(),
                 "paths": {"socket": d["socket"], "state_dir": str(self.cfg.state_dir),
                           "cgroup_root": self.sb_defaults["cgroup_root"],
                           "cgroup_dirs": {k: str(v / self.sb_defaults["cgroup_root"])

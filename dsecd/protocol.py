@@ -299,6 +299,17 @@ class NetSet:
     replace: list[str] | None = None
 
 
+@request("call")
+class Call:
+    image: str
+    argv: list[str] | None = None       # a command; `python3 -c CODE ...` goes through the zygote
+    code: str | None = None             # Python source run by a fork of the image's zygote
+    args: list[str] | None = None       # sys.argv[1:] of a code call
+    stdin: bytes | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    timeout: float | None = None        # seconds; None = fncall.default_timeout_s
+
+
 @request("destroy", states=ANY_STATE)
 class Destroy:
     sandbox: str

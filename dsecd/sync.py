@@ -121,6 +121,10 @@ class SyncClient:
     def create(self, image: str, **kw) -> SyncSandbox:
         return SyncSandbox(self, self._run(self._client.create(image, **kw)))
 
+    def call(self, image: str, **kw):
+        """Client.call: a stateless function call; returns a CallResult."""
+        return self._run(self._client.call(image, **kw))
+
     def get(self, sandbox_id: str) -> SyncSandbox:
         return SyncSandbox(self, self._run(self._client.get(sandbox_id)))
 

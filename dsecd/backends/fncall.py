@@ -138,7 +138,27 @@ class FnCallBackend:
         return sorted(self.containers.orphans(set()))
 
     def create_box(self, box_id: str, lowerdirs: list[str], limits: cgroup.Limits, plan) -> Handle:
-        return self.containers.create(box_id, lowerdirs, limits, "fncall", plan)
+        h = self.containers.create(box_id, lowerdirs, limits, "fncall", plan)
+        try:
+            self.seal_shared_dirs(h)
+        except BaseException:
+            self.containers.destroy(box_id, h)
+            raise
+        return h
+
+    def seal_shared_dirs(self, h: Handle) -> None:
+        """/tmp and /dev/shm of a call sandbox: root-only (0711), so the only
+        place a call (as fncall.uid) can write is its own private dir, and no
+        call leaves a file for the next."""
+        for path in ("/tmp", "/dev/shm"):
+            try:
+                fd = sbfiles._open(h.rootfd, path, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError:
+                continue
+            try:
+                os.fchmod(fd, 0o711)
+            finally:
+                os.close(fd)
 
     def destroy_box(self, box_id: str, h: Handle | None) -> None:
         self.containers.destroy(box_id, h)

@@ -93,7 +93,7 @@ def child(req, fds, tmp):
             status = 1
     except BaseException as e:   # setup failed: say why on the call's stderr
         try:
-            os.write(2, ("fncall: %s: %s\n" % (type(e).__name__, e)).encode())
+            os.write(2, (f"fncall: {type(e).__name__}: {e}\n").encode())
         except OSError:
             pass
     for f in (sys.stdout, sys.stderr):
@@ -115,7 +115,7 @@ def main():
             __import__(name)
             loaded.append(name)
         except BaseException as e:
-            failed[name] = "%s: %s" % (type(e).__name__, e)
+            failed[name] = f"{type(e).__name__}: {e}"
     # Objects imported so far are shared by every fork; keep the GC from
     # touching (and so copying) their pages in the children.
     gc.collect()
@@ -156,7 +156,7 @@ def main():
                             pass
                 continue
             try:
-                tmp = tempfile.mkdtemp(prefix="c%d-" % req["id"], dir=base)
+                tmp = tempfile.mkdtemp(prefix="c{}-".format(req["id"]), dir=base)
                 started = time.monotonic()
                 pid = os.fork()
             except OSError as e:

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import cgroup, native
+from .. import cgroup, native, sysfs
 
 PAGE = native.PAGE_SIZE
 PREFETCH_MODES = ("populate", "willneed", "both", "none")
@@ -55,21 +55,11 @@ def _err(num: int, message: str) -> PauseError:
 
 
 def _write(path: Path, value: str) -> None:
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            os.write(fd, value.encode())
-        finally:
-            os.close(fd)
-    except OSError as err:
-        raise _err(err.errno, f"write {value!r} to `{path}`: {os.strerror(err.errno)}") from err
+    sysfs.write(path, value, PauseError)
 
 
 def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError as err:
-        raise _err(err.errno, f"read `{path}`: {os.strerror(err.errno)}") from err
+    return sysfs.read(path, PauseError)
 
 
 # ---------------------------------------------------------------- freeze / thaw

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import native
+from .. import native, sysfs
 
 log = logging.getLogger(__name__)
 
@@ -185,26 +185,10 @@ class ZramSwap:
 
 
 def _read(path: Path) -> str:
-    try:
-        return path.read_text().strip()
-    except OSError as err:
-        raise ZramError(err.errno, f"read `{path}`: {os.strerror(err.errno)}") from err
+    return sysfs.read(path, ZramError)
 
 
 def _write(path: Path, value: str, retry_busy: bool = False) -> None:
-    deadline = time.monotonic() + (2.0 if retry_busy else 0.0)
-    while True:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-            try:
-                os.write(fd, value.encode())
-            finally:
-                os.close(fd)
-            return
-        except OSError as err:
-            if err.errno == errno.EBUSY and time.monotonic() < deadline:
-                time.sleep(0.01)
-                continue
-            hint = "; the device is still open or still swap" if err.errno == errno.EBUSY else ""
-            raise ZramError(err.errno, f"write {value!r} to `{path}`: "
-                            f"{os.strerror(err.errno)}{hint}") from err
+    # reset and hot_remove answer EBUSY while swapoff's last references drain.
+    sysfs.write(path, value, ZramError, {errno.EBUSY: "the device is still open or still swap"},
+                retry_busy_s=2.0 if retry_busy else 0.0)

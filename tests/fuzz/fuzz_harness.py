@@ -7,7 +7,7 @@ without reading, a header that declares an oversized frame, a frame cut
 short, half a header). Checked for every frame the daemon sends: a msgpack
 map with an `id` and exactly one of result/error/stream, an error's `code`
 in dsecd.errors.ERROR_CODES and never `internal`; every well-formed request
-answered (exec/exec_input may legitimately wait: they are cancelled by the
+answered (exec, exec_input and events may legitimately wait: they are cancelled by the
 close); the daemon process alive after each session. Afterwards nothing
 may be left: no sandboxes beyond what the harness keeps, no cgroups below
 the daemon's subtree, no host mounts under its directories, no fd growth.

@@ -242,3 +242,71 @@ def test_install_needs_no_new_privs_without_cap_sys_admin():
     os.waitpid(pid, 0)
     # 3: refused with a hint; then installed with no_new_privs; 1: it denies.
     assert code == 31
+
+
+# The entry point spawn.c will call, in the context it will call it from: a
+# CLONE_VM|CLONE_VFORK child on its own stack, with the program built in the
+# parent before the clone. Compiled from csrc/seccomp.c with the system cc.
+VFORK_CHILD_C = r"""
+#define _GNU_SOURCE
+#include <errno.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include "dsec_native.h"
+
+static volatile int install_rc = 1, unshare_errno = -1, getpid_ok = 0;
+
+static int child(void *arg)
+{
+    if (syscall(SYS_prctl, PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
+        _exit(2);
+    install_rc = dsec_seccomp_install(DSEC_SECCOMP_DEFAULT);
+    unshare_errno = syscall(SYS_unshare, CLONE_NEWUTS) < 0 ? errno : 0;
+    getpid_ok = syscall(SYS_getpid) > 0;
+    char *argv[] = {"true", NULL}, *envp[] = {NULL};
+    execve("/bin/true", argv, envp);   /* allowed: the child must still exec */
+    _exit(3);
+}
+
+int main(void)
+{
+    int n = dsec_seccomp_build(DSEC_SECCOMP_DEFAULT), status = 0;
+    size_t size = 256 * 1024;
+    char *stack = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    pid_t pid = clone(child, stack + size, CLONE_VM | CLONE_VFORK | SIGCHLD, NULL);
+    waitpid(pid, &status, 0);
+    /* the parent (same memory, no filter) may still unshare */
+    int parent_unshare = syscall(SYS_unshare, CLONE_NEWUTS) < 0 ? errno : 0;
+    printf("%d %d %d %d %d %d\n", n > 0, install_rc, unshare_errno, getpid_ok,
+           WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), parent_unshare);
+    return 0;
+}
+"""
+
+
+def test_install_from_a_clone_vm_vfork_child(tmp_path):
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler (scripts/setup.sh installs build-essential)")
+    csrc = Path(__file__).resolve().parents[2] / "csrc"
+    src = tmp_path / "vfork_child.c"
+    src.write_text(VFORK_CHILD_C)
+    exe = tmp_path / "vfork_child"
+    subprocess.run([cc, "-O2", "-I", str(csrc), "-o", str(exe), str(src), str(csrc / "seccomp.c"),
+                    "-lseccomp", "-lpthread"], check=True, capture_output=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True, timeout=30)
+    built, install_rc, unshare_errno, getpid_ok, exit_code, parent_unshare = map(int, out.stdout.split())
+    assert built == 1 and install_rc == 0
+    assert unshare_errno == errno.EPERM and getpid_ok == 1
+    assert exit_code == 0                 # /bin/true ran under the filter
+    assert parent_unshare == 0            # the filter stayed in the child

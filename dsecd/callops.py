@@ -1,0 +1,365 @@
+"""The node's FnCall op: `call` (stateless function calls, no sandbox to manage).
+
+A mixin of Node (dsecd/node.py); the mechanism is dsecd/backends/fncall.py.
+One call sandbox per image, made on the first call and kept; in it, when the
+image has python3, one zygote. Routing:
+
+- `code`, or argv `python3 -c CODE ARGS...`: forked from the zygote (the
+  interpreter and [fncall] modules already imported); `code` on an image
+  without a zygote is `unsupported`.
+- any other argv: forked from the zygote and exec'ed when there is one (the
+  same fresh tmp dir and uid drop), else a plain exec in the call sandbox
+  (works for any image).
+
+Every call runs as [fncall] uid in a fresh dir under /tmp that is its cwd,
+HOME and TMPDIR and is removed afterwards; its output is capped like an
+exec's; zygote calls also take the per-call rlimits of [fncall]. The whole
+call sandbox is bounded by its cgroup ([fncall] cpu, memory, pids).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import secrets
+import time
+
+from . import cgroup
+from .backends.fncall import CallBox, FnCallBackend, Zygote, ZygoteDied
+from .config import parse_size
+from .errors import BadRequest, Busy, DsecError, IOFailure, LimitExceeded, Unsupported, io_error
+from .execio import ExecIO
+from .fs.images import ImageError
+from .imageops import image_error
+from .native import NativeError
+
+log = logging.getLogger(__name__)
+
+PYTHONS = ("python", "python3")
+
+
+class CallOps:
+    """Needs from Node: cfg, layout, sb_defaults, limits, images, layers, cpu, loop, run_blocking."""
+
+    def init_calls(self, cfg) -> None:
+        self.fn_cfg = cfg.section("fncall")
+        self.fncall = FnCallBackend(self.layout, self.sb_defaults, self.fn_cfg, cfg.state_dir, {
+            "tmp": cfg.size("fncall", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")})
+        self.call_boxes: dict[str, CallBox] = {}
+        self._box_locks: dict[str, asyncio.Lock] = {}
+        self.call_stats = {"calls": 0, "inflight": 0, "zygote_calls": 0, "plain_calls": 0,
+                           "zygotes_started": 0, "zygotes_replaced": 0, "busy": 0}
+
+    async def start_calls(self) -> None:
+        for box_id in await self.run_blocking(self.fncall.leftovers):
+            log.info("removing call sandbox %s of an earlier daemon", box_id)
+            await self.run_blocking(self.fncall.destroy_box, box_id, None)
+
+    async def close_calls(self) -> None:
+        boxes, self.call_boxes = list(self.call_boxes.values()), {}
+        await asyncio.gather(*(self._drop_box(b, "daemon shutdown") for b in boxes), return_exceptions=True)
+
+    def calls_info(self) -> dict:
+        return {**self.call_stats, "boxes": [
+            {"image": b.image, "id": b.id, "calls": b.calls, "running": b.running,
+             "zygote_pid": b.zygote.pid if b.zygote and b.zygote.alive else None,
+             "modules": (b.zygote.info.get("modules") if b.zygote else None),
+             "zygote_error": b.zygote_error} for b in self.call_boxes.values()]}
+
+    # ------------------------------------------------------------ the op
+
+    async def op_call(self, req, ctx) -> dict:
+        started = time.monotonic()
+        argv, code = self._call_route(req)
+        timeout = self._call_timeout(req.timeout)
+        stdin = req.stdin or b""
+        if len(stdin) > self.cfg.size("fncall", "max_stdin_bytes"):
+            raise LimitExceeded(f"stdin of {len(stdin)} bytes exceeds fncall.max_stdin_bytes",
+                                {"max": self.cfg.size("fncall", "max_stdin_bytes")})
+        stats = self.call_stats
+        cap = self.fn_cfg["max_inflight"]
+        if stats["inflight"] >= cap:
+            stats["busy"] += 1
+            raise Busy(f"{stats['inflight']} calls in flight (fncall.max_inflight {cap}); retry shortly",
+                       {"inflight": stats["inflight"], "max": cap, "retry_after_s": 0.05})
+        stats["inflight"] += 1
+        try:
+            box = await self._call_box(req.image)
+            zyg = await self._zygote(box)
+            if zyg is None and code is not None:
+                raise Unsupported(f"image {req.image!r} has no Python zygote ({box.zygote_error}); "
+                                  "code calls need python3 in the image (argv calls work)",
+                                  {"image": req.image})
+            box.running += 1
+            try:
+                if zyg is not None:
+                    result = await self._zygote_call(box, zyg, argv, code, req.env, stdin, timeout)
+                else:
+                    result = await self._plain_call(box, argv, req.env, stdin, timeout)
+            finally:
+                box.running -= 1
+                box.calls += 1
+                if zyg is not None and zyg.calls >= self.fn_cfg["zygote_max_calls"]:
+                    self._retire(box, "recycled after fncall.zygote_max_calls calls")
+        finally:
+            stats["inflight"] -= 1
+        stats["calls"] += 1
+        result["image"] = req.image
+        result["total_ms"] = round((time.monotonic() - started) * 1000, 3)
+        return result
+
+    def _call_route(self, req) -> tuple[list[str], str | None]:
+        """(argv, code): code is None for an argv call; argv is sys.argv for a code call."""
+        if (req.argv is None) == (req.code is None):
+            raise BadRequest("call needs exactly one of argv or code")
+        for k, v in req.env.items():
+            if not k or "=" in k or "\0" in k or "\0" in v:
+                raise BadRequest(f"bad environment variable name or value: {k!r}")
+        if req.code is not None:
+            if len(req.code.encode()) > self.cfg.size("fncall", "max_code_bytes"):
+                raise LimitExceeded("code exceeds fncall.max_code_bytes",
+                                    {"max": self.cfg.size("fncall", "max_code_bytes")})
+            return ["-c", *(req.args or [])], req.code
+        if req.args:
+            raise BadRequest("args go with code (argv calls carry their own arguments)")
+        argv = list(req.argv)
+        if not argv or not all(argv) or any("\0" in a for a in argv):
+            raise BadRequest("argv must be a non-empty list of non-empty strings without NUL bytes")
+        # `python3 -c CODE ARGS...` is a code call: no interpreter start-up.
+        if len(argv) >= 3 and os.path.basename(argv[0]).rstrip("0123456789.") in PYTHONS and argv[1] == "-c":
+            return ["-c", *argv[3:]], argv[2]
+        return argv, None
+
+    def _call_timeout(self, timeout: float | None) -> float:
+        top = self.fn_cfg["max_timeout_s"]
+        if timeout is None:
+            return min(self.fn_cfg["default_timeout_s"], top)
+        if not 0 < timeout <= top:
+            raise BadRequest(f"timeout must be in (0, {top}] seconds (fncall.max_timeout_s), got {timeout}")
+        return float(timeout)
+
+    # ------------------------------------------------------------ call sandboxes and zygotes
+
+    async def _call_box(self, image_name: str) -> CallBox:
+        box = self.call_boxes.get(image_name)
+        if box is not None:
+            return box
+        lock = self._box_locks.setdefault(image_name, asyncio.Lock())
+        async with lock:
+            box = self.call_boxes.get(image_name)
+            if box is None:
+                box = await self._make_box(image_name)
+                self.call_boxes[image_name] = box
+            return box
+
+    async def _make_box(self, image_name: str) -> CallBox:
+        try:
+            image = await self.run_blocking(self.images.get, image_name)
+        except ImageError as err:
+            raise image_error(err) from err
+        fc = self.fn_cfg
+        limits = cgroup.Limits(cpu=float(fc["cpu"]), memory_bytes=parse_size(fc["memory"]), pids=fc["pids"],
+                               cpu_hard_quota=False, cpu_period_us=self.sb_defaults["cpu_period_us"])
+        plan = self.cpu.plan(fc["qos"])
+        box_id = f"fn-{secrets.token_hex(5)}"
+        try:
+            mounts = await self.run_blocking(self.layers.acquire, image.layer_digests)
+        except OSError as err:
+            raise io_error("mount layers of image", image_name, err) from err
+        try:
+            handle = await self.run_blocking(self.fncall.create_box, box_id, mounts[::-1], limits, plan)
+        except BaseException as err:
+            self.layers.release(image.layer_digests)
+            if isinstance(err, (NativeError, OSError)):
+                raise IOFailure(f"create call sandbox for {image_name}: {err}",
+                                {"errno": getattr(err, "errno", None)}) from err
+            raise
+        log.info("call sandbox %s for image %s", box_id, image_name)
+        return CallBox(id=box_id, image=image_name, layers=image.layer_digests, handle=handle)
+
+    async def _zygote(self, box: CallBox) -> Zygote | None:
+        if box.zygote is not None and box.zygote.alive:
+            return box.zygote
+        if not self.fn_cfg["zygote"] or box.zygote_error:
+            box.zygote_error = box.zygote_error or "disabled by fncall.zygote = false"
+            return None
+        lock = self._box_locks.setdefault(box.image, asyncio.Lock())
+        async with lock:
+            if box.zygote is not None and box.zygote.alive:
+                return box.zygote
+            if box.zygote_error:
+                return None
+            try:
+                box.zygote = await self._start_zygote(box)
+            except NativeError as err:
+                if err.errno == errno.ENOENT:     # no python3 in the image: argv calls only
+                    box.zygote_error = f"no {self.fn_cfg['python']} in the image"
+                    return None
+                raise IOFailure(f"start zygote for {box.image}: {err}") from err
+            return box.zygote
+
+    async def _start_zygote(self, box: CallBox) -> Zygote:
+        sock, pid = await self.run_blocking(self.fncall.spawn_zygote, box.handle, list(self.fn_cfg["modules"]))
+        sock.setblocking(False)
+        zyg = Zygote(sock=sock, pid=pid, pidfd=os.pidfd_open(pid), ready=self.loop.create_future())
+        self.loop.add_reader(sock.fileno(), zyg.on_readable)
+        self.loop.add_reader(zyg.pidfd, lambda: self._on_zygote_exit(box, zyg))
+        self.call_stats["zygotes_started"] += 1
+        try:
+            info = await asyncio.wait_for(asyncio.shield(zyg.ready), self.fn_cfg["zygote_start_timeout_s"])
+        except (TimeoutError, ZygoteDied) as err:
+            zyg.fail(f"zygote did not start: {err or 'timeout'}")
+            self._close_zygote(zyg)
+            box.zygote_error = f"the zygote did not start ({err or 'timeout'})"
+            raise IOFailure(f"fncall zygote for {box.image} did not start: {err or 'timeout'}") from err
+        if info.get("failed"):
+            log.warning("zygote for %s could not import %s", box.image, info["failed"])
+        log.info("zygote %d for image %s ready (modules %s)", pid, box.image, info.get("modules"))
+        return zyg
+
+    def _on_zygote_exit(self, box: CallBox, zyg: Zygote) -> None:
+        zyg.fail(f"zygote {zyg.pid} exited")
+        self._close_zygote(zyg)
+        # Its running children now belong to the sandbox's init: only dropping
+        # the whole call sandbox ends them. The next call makes a new one.
+        self._retire(box, "zygote exited")
+
+    def _close_zygote(self, zyg: Zygote) -> None:
+        if zyg.pidfd >= 0:
+            self.loop.remove_reader(zyg.pidfd)
+            os.close(zyg.pidfd)
+            zyg.pidfd = -1
+            self.loop.run_in_executor(self.pool, _reap, zyg.pid)
+        if zyg.sock.fileno() >= 0:
+            self.loop.remove_reader(zyg.sock.fileno())
+            zyg.sock.close()
+
+    def _retire(self, box: CallBox, why: str) -> None:
+        if self.call_boxes.get(box.image) is box:
+            del self.call_boxes[box.image]
+            self.call_stats["zygotes_replaced"] += 1 if box.zygote else 0
+            self.loop.create_task(self._drop_box(box, why))
+
+    async def _drop_box(self, box: CallBox, why: str) -> None:
+        log.info("dropping call sandbox %s of %s: %s", box.id, box.image, why)
+        if box.zygote:
+            box.zygote.fail(why)
+            self._close_zygote(box.zygote)
+        h, box.handle = box.handle, None
+        if h is None:
+            return
+        await self.run_blocking(self.fncall.destroy_box, box.id, h)
+        self.layers.release(box.layers)
+
+    # ------------------------------------------------------------ one call
+
+    def _call_io(self, stdin: bytes) -> tuple[ExecIO, dict]:
+        collected: dict[int, list[bytes]] = {1: [], 2: []}
+
+        async def emit(stream: int, data: bytes) -> None:
+            collected[stream].append(data)
+
+        io = ExecIO(self.loop, self.cfg.size("limits", "max_exec_output_bytes"), emit, bool(stdin))
+        return io, collected
+
+    async def _zygote_call(self, box: CallBox, zyg: Zygote, argv: list[str], code: str | None,
+                           env: dict, stdin: bytes, timeout: float) -> dict:
+        io, out = self._call_io(stdin)
+        call_id = zyg.calls = zyg.calls + 1
+        fds = list(io.child_fds())
+        memfd = -1
+        try:
+            if code is not None:
+                memfd = os.memfd_create("fncall-code", os.MFD_CLOEXEC)
+                os.write(memfd, code.encode())
+                os.lseek(memfd, 0, os.SEEK_SET)
+                fds.append(memfd)
+            exited = self.loop.create_future()
+            zyg.pending[call_id] = exited
+            fc = self.fn_cfg
+            rl = {"as": self.cfg.size("fncall", "rlimit_as"), "fsize": self.cfg.size("fncall", "rlimit_fsize"),
+                  "nofile": fc["rlimit_nofile"], "cpu": int(timeout) + 1, "core": 0}
+            msg = {"op": "call", "id": call_id, "argv": argv, "code": code is not None, "uid": fc["uid"],
+                   "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", **env}, "rlimits": rl}
+            try:
+                zyg.send(msg, fds)
+            except OSError as err:
+                zyg.pending.pop(call_id, None)
+                zyg.fail(f"send to zygote {zyg.pid}: {err}")
+                self._retire(box, "its socket failed")
+                raise IOFailure(f"fncall zygote for {box.image} is gone; retry") from err
+        finally:
+            io.close_child_ends()
+            if memfd >= 0:
+                os.close(memfd)
+        if stdin:
+            await io.feed_stdin(stdin, True)
+
+        def kill() -> None:
+            if zyg.alive:
+                try:
+                    zyg.send({"op": "kill", "id": call_id})
+                except OSError:
+                    pass
+
+        self.call_stats["zygote_calls"] += 1
+        try:
+            result = await io.run_remote(asyncio.ensure_future(_status_of(exited)), kill, timeout,
+                                         self.limits["exec_drain_grace_s"], self.fn_cfg["kill_grace_s"])
+        except TimeoutError as err:
+            zyg.fail(f"zygote {zyg.pid} did not end call {call_id} after a kill")
+            self._retire(box, "unresponsive zygote")
+            raise IOFailure(f"fncall zygote for {box.image} stopped answering; retry") from err
+        except ZygoteDied as err:
+            raise IOFailure(f"fncall zygote for {box.image} died during the call ({err}); retry") from err
+        except OSError as err:        # the zygote could not fork
+            raise DsecError(f"fncall: the zygote could not start the call: {err}", code="io") from err
+        result.update(stdout=b"".join(out[1]), stderr=b"".join(out[2]), path="zygote",
+                      run_ms=round(exited.result().get("run_ms", 0.0), 3))
+        return result
+
+    async def _plain_call(self, box: CallBox, argv: list[str], env: dict, stdin: bytes, timeout: float) -> dict:
+        h = box.handle
+        name = f"call-{secrets.token_hex(6)}"
+        try:
+            cwd = await self.run_blocking(self.fncall.make_private_dir, h, name)
+        except OSError as err:
+            raise io_error("make the private dir of a call in", box.id, err) from err
+        io, out = self._call_io(stdin)
+        try:
+            envl = self.fncall.containers.exec_env({"HOSTNAME": "fncall"}, {"HOME": cwd, "TMPDIR": cwd, **env})
+            try:
+                pid = await self.run_blocking(self.fncall.spawn_plain, h, argv, envl, cwd, io.child_fds())
+            except NativeError as err:
+                from .node import _exec_error
+
+                raise _exec_error(err, argv[0], cwd) from err
+            finally:
+                io.close_child_ends()
+            if stdin:
+                await io.feed_stdin(stdin, True)
+            self.call_stats["plain_calls"] += 1
+            pidfd = os.pidfd_open(pid)
+            try:
+                result = await io.run(pid, pidfd, timeout, self.limits["exec_drain_grace_s"])
+            finally:
+                os.close(pidfd)
+        finally:
+            io.close()
+            self.loop.run_in_executor(self.pool, self.fncall.remove_private_dir, h, name)
+        result.update(stdout=b"".join(out[1]), stderr=b"".join(out[2]), path="exec",
+                      run_ms=result["duration_ms"])
+        return result
+
+
+async def _status_of(exited: asyncio.Future) -> int:
+    return (await exited)["status"]
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
