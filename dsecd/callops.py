@@ -11,10 +11,12 @@ image has python3, one zygote. Routing:
   same fresh tmp dir and uid drop), else a plain exec in the call sandbox
   (works for any image).
 
-Every call runs as [fncall] uid in a fresh dir under /tmp that is its cwd,
-HOME and TMPDIR and is removed afterwards; its output is capped like an
-exec's; zygote calls also take the per-call rlimits of [fncall]. The whole
-call sandbox is bounded by its cgroup ([fncall] cpu, memory, pids).
+Every call runs under a uid of its own (one per running call, from
+[fncall] uid_base) in a fresh dir under /tmp that is its cwd, HOME and
+TMPDIR and is removed afterwards; its output is capped like an exec's;
+zygote calls also take the per-call rlimits of [fncall] (RLIMIT_CPU from the
+timeout). The whole call sandbox is bounded by its cgroup ([fncall] cpu,
+memory, pids).
 """
 
 from __future__ import annotations
@@ -177,7 +179,8 @@ class CallOps:
                                 {"errno": getattr(err, "errno", None)}) from err
             raise
         log.info("call sandbox %s for image %s", box_id, image_name)
-        return CallBox(id=box_id, image=image_name, layers=image.layer_digests, handle=handle)
+        uids = list(range(fc["uid_base"] + fc["uid_count"] - 1, fc["uid_base"] - 1, -1))   # lowest last
+        return CallBox(id=box_id, image=image_name, layers=image.layer_digests, handle=handle, free_uids=uids)
 
     async def _zygote(self, box: CallBox) -> Zygote | None:
         if box.zygote is not None and box.zygote.alive:
@@ -201,7 +204,12 @@ class CallOps:
             return box.zygote
 
     async def _start_zygote(self, box: CallBox) -> Zygote:
-        sock, pid = await self.run_blocking(self.fncall.spawn_zygote, box.handle, list(self.fn_cfg["modules"]))
+        fc = self.fn_cfg
+        conf = {"modules": list(fc["modules"]), "spares": fc["spares"], "uid_base": fc["uid_base"],
+                "uid_count": fc["uid_count"],
+                "rlimits": {"as": self.cfg.size("fncall", "rlimit_as"), "core": 0,
+                            "fsize": self.cfg.size("fncall", "rlimit_fsize"), "nofile": fc["rlimit_nofile"]}}
+        sock, pid = await self.run_blocking(self.fncall.spawn_zygote, box.handle, conf)
         sock.setblocking(False)
         zyg = Zygote(sock=sock, pid=pid, pidfd=os.pidfd_open(pid), ready=self.loop.create_future())
         self.loop.add_reader(sock.fileno(), zyg.on_readable)
@@ -278,11 +286,8 @@ class CallOps:
                 fds.append(memfd)
             exited = self.loop.create_future()
             zyg.pending[call_id] = exited
-            fc = self.fn_cfg
-            rl = {"as": self.cfg.size("fncall", "rlimit_as"), "fsize": self.cfg.size("fncall", "rlimit_fsize"),
-                  "nofile": fc["rlimit_nofile"], "cpu": int(timeout) + 1, "core": 0}
-            msg = {"op": "call", "id": call_id, "argv": argv, "code": code is not None, "uid": fc["uid"],
-                   "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", **env}, "rlimits": rl}
+            msg = {"op": "call", "id": call_id, "argv": argv, "code": code is not None,
+                   "cpu_s": int(timeout) + 1, "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", **env}}
             try:
                 zyg.send(msg, fds)
             except OSError as err:
@@ -323,15 +328,19 @@ class CallOps:
     async def _plain_call(self, box: CallBox, argv: list[str], env: dict, stdin: bytes, timeout: float) -> dict:
         h = box.handle
         name = f"call-{secrets.token_hex(6)}"
+        if not box.free_uids:
+            raise Busy(f"every fncall uid of {box.image} is in use", {"retry_after_s": 0.05})
+        uid = box.free_uids.pop()
         try:
-            cwd = await self.run_blocking(self.fncall.make_private_dir, h, name)
+            cwd = await self.run_blocking(self.fncall.make_private_dir, h, name, uid)
         except OSError as err:
+            box.free_uids.append(uid)
             raise io_error("make the private dir of a call in", box.id, err) from err
         io, out = self._call_io(stdin)
         try:
             envl = self.fncall.containers.exec_env({"HOSTNAME": "fncall"}, {"HOME": cwd, "TMPDIR": cwd, **env})
             try:
-                pid = await self.run_blocking(self.fncall.spawn_plain, h, argv, envl, cwd, io.child_fds())
+                pid = await self.run_blocking(self.fncall.spawn_plain, h, argv, envl, cwd, uid, io.child_fds())
             except NativeError as err:
                 from .node import _exec_error
 
@@ -349,6 +358,7 @@ class CallOps:
         finally:
             io.close()
             self.loop.run_in_executor(self.pool, self.fncall.remove_private_dir, h, name)
+            box.free_uids.append(uid)
         result.update(stdout=b"".join(out[1]), stderr=b"".join(out[2]), path="exec",
                       run_ms=result["duration_ms"])
         return result

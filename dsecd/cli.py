@@ -293,11 +293,29 @@ async def cmd_create(c: Client, a) -> int:
     sb = await c.create(image=a.image, cpu=a.cpu, memory=a.memory, pids=a.pids, env=_kv(a.env, "--env"),
                         labels=_kv(a.label, "--label"), hostname=a.hostname, cwd=a.cwd, user=a.user,
                         qos=a.qos, cpu_quota=a.cpu_quota, ttl=a.ttl, idle_ttl=a.idle_ttl, lease=a.lease,
-                        net=a.net, allow=a.allow)
+                        net=a.net, allow=a.allow, key=a.key)
     if a.json:
         _print_json(sb.info)
     else:
         print(sb.id)
+    return 0
+
+
+async def cmd_pool(c: Client, a) -> int:
+    if a.pool_cmd == "set":
+        p = await c.pool_set(a.image, a.min, a.max, cpu=a.cpu, memory=a.memory)
+        if a.json:
+            _print_json(p)
+        else:
+            print(f"{p['name']}: min {p['min']} max {p['max']}" + (" (removed)" if p.get("removed") else ""))
+        return 0
+    pools = await c.pool_list()
+    if a.json:
+        _print_json(pools)
+        return 0
+    _table([[p["name"], p["image"], f"{p['cpu']:g}", f"{p['memory'] >> 20}M", str(p["min"]), str(p["max"]),
+             str(p["ready"]), str(p["creating"]), str(p["taken"]), p["error"] or ""] for p in pools],
+           ["POOL", "IMAGE", "CPU", "MEMORY", "MIN", "MAX", "READY", "CREATING", "TAKEN", "ERROR"])
     return 0
 
 
@@ -527,6 +545,17 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("--qos", choices=["be", "ls"], help="best-effort or latency-sensitive (default: cpu.default_qos)")
     cr.add_argument("--cpu-quota", action=argparse.BooleanOptionalAction,
                     help="--cpu is also a hard CFS quota (default: sandbox.cpu_hard_quota)")
+    cr.add_argument("--key", help="idempotency key: a retried create with it returns the same sandbox")
+
+    pool = sub.add_parser("pool", help="warm pools of ready sandboxes").add_subparsers(dest="pool_cmd",
+                                                                                      required=True)
+    x = pool.add_parser("set", help="keep MIN..MAX ready sandboxes of (image, shape); --max 0 removes the pool")
+    x.add_argument("--image", required=True)
+    x.add_argument("--min", type=int, required=True)
+    x.add_argument("--max", type=int, required=True)
+    x.add_argument("--cpu", type=float)
+    x.add_argument("--memory", help="e.g. 256M")
+    pool.add_parser("ls", help="pools: shape, bounds, ready, taken")
 
     ex = sub.add_parser("exec", help="run a command in a sandbox")
     ex.add_argument("-i", "--interactive", action="store_true", help="pass stdin to the command")
@@ -603,7 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"info": cmd_info, "image": cmd_image, "snapshot": cmd_snapshot, "pause": cmd_pause,
-            "resume": cmd_resume, "job": cmd_job, "events": cmd_events, "net": cmd_net, "create": cmd_create, "exec": cmd_exec, "call": cmd_call, "cp": cmd_cp,
+            "resume": cmd_resume, "job": cmd_job, "events": cmd_events, "net": cmd_net, "create": cmd_create, "exec": cmd_exec, "call": cmd_call, "pool": cmd_pool, "cp": cmd_cp,
             "ps": cmd_ps, "inspect": cmd_inspect, "rm": cmd_rm, "top": cmd_top}
 
 

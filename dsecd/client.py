@@ -239,13 +239,14 @@ class Client:
                      ttl: float | str | None = None, idle_ttl: float | str | None = None,
                      lease: float | str | None = None, qos: str | None = None,
                      cpu_quota: bool | None = None, net: str | None = None,
-                     allow: list[str] | None = None) -> Sandbox:
-        """allow: egress rules ("10.1.2.0/24:443/tcp") and rule-set names ("pypi"), with net="default"."""
+                     allow: list[str] | None = None, key: str | None = None) -> Sandbox:
+        """allow: egress rules ("10.1.2.0/24:443/tcp") and rule-set names ("pypi"), with net="default".
+        key: idempotency key; a retried create with the same key returns the same sandbox."""
         args = {"image": image, "env": env or {}, "labels": labels or {}, "cwd": cwd, "user": user,
                 "allow": list(allow or [])}
         for k, v in (("cpu", cpu), ("memory", memory), ("pids", pids), ("hostname", hostname),
                      ("ttl", ttl), ("idle_ttl", idle_ttl), ("lease", lease), ("qos", qos),
-                     ("cpu_quota", cpu_quota), ("net", net)):
+                     ("cpu_quota", cpu_quota), ("net", net), ("key", key)):
             if v is not None:
                 args[k] = v
         info = await self.request("create", **args)
@@ -261,6 +262,19 @@ class Client:
             if v is not None:
                 req[k] = v
         return CallResult.from_call(await self.request("call", **req))
+
+    async def pool_set(self, image: str, min: int, max: int, cpu: float | None = None,
+                       memory: int | str | None = None) -> dict:
+        """Keep between min and max warm sandboxes of (image, cpu, memory); max=0 removes the pool."""
+        args = {"image": image, "min": min, "max": max}
+        if cpu is not None:
+            args["cpu"] = cpu
+        if memory is not None:
+            args["memory"] = memory
+        return await self.request("pool_set", **args)
+
+    async def pool_list(self) -> list[dict]:
+        return (await self.request("pool_list"))["pools"]
 
     async def job_pause(self, job: str) -> dict:
         """Pause every sandbox labelled job=<job>: frozen at once, memory reclaimed after."""

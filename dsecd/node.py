@@ -27,6 +27,7 @@ from .backends.container import ContainerBackend, Handle, close_handle
 from .callops import CallOps
 from .config import Config, ConfigError, parse_size
 from .cpu.manager import CpuHost
+from .createops import CreateOps
 from .errors import (
     BadRequest,
     Busy,
@@ -83,6 +84,7 @@ class Sandbox:
     net: dict | None = None            # {"mode": "default", "lease": {...}}; None = loopback only
     qos: str = "be"             # CPU class (dsecd/cpu/qos.py)
     core_sched: str = "off"     # on | off | unavailable
+    key: str | None = None      # idempotency key of the create (dsecd/createops.py)
 
     def record(self) -> dict:
         h = self.handle
@@ -93,7 +95,7 @@ class Sandbox:
                 "died": self.died, "qos": self.qos, "core_sched": self.core_sched,
                 "manifest": self.manifest, "layers": self.layers, "ttl": self.ttl,
                 "idle_ttl": self.idle_ttl, "lease": self.lease, "pause_record": self.pause_record,
-                "net": self.net}
+                "net": self.net, "key": self.key}
 
     def public(self) -> dict:
         out = self.record()
@@ -103,7 +105,7 @@ class Sandbox:
         return out
 
 
-class Node(ImageOps, MemOps, NetOps, CallOps):
+class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
     def __init__(self, cfg: Config, features: Features, layout: cgroup.Layout):
         self.cfg = cfg
         self.features = features
@@ -121,6 +123,7 @@ class Node(ImageOps, MemOps, NetOps, CallOps):
         self.sandboxes: dict[str, Sandbox] = {}
         self.cpu = CpuHost(cfg.section("cpu"), layout, features, self.sb_defaults["cgroup_root"])
         self.init_calls(cfg)
+        self.init_admission(cfg)
         self._cpu_task: asyncio.Task | None = None
         self.started = time.time()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -142,6 +145,7 @@ class Node(ImageOps, MemOps, NetOps, CallOps):
             log.warning("removing orphaned sandbox resources %s (no journal record)", sb_id)
             await self.run_blocking(self.backend.destroy, sb_id, None)
         await self.start_calls()
+        await self.start_admission()
         self._cpu_task = self.loop.create_task(self.cpu.run(self._cpu_entries, self.run_blocking))
         self.start_layer_sweeper()
         await self.run_blocking(self.start_memory)
@@ -159,7 +163,7 @@ class Node(ImageOps, MemOps, NetOps, CallOps):
         fields = {k: rec[k] for k in ("image", "state", "created", "limits", "env", "labels",
                                       "hostname", "cwd", "user", "backend", "died", "qos", "core_sched",
                                       "manifest", "layers", "ttl", "idle_ttl", "lease", "pause_record",
-                                      "net")
+                                      "net", "key")
                   if k in rec}
         sb = Sandbox(id=sb_id, **fields)
         if sb.state in ("creating", "stopping"):
@@ -187,6 +191,7 @@ class Node(ImageOps, MemOps, NetOps, CallOps):
 
     async def close(self) -> None:
         """Daemon shutdown: stop watching, close fds, leave sandboxes running."""
+        self.close_admission()
         await self.close_calls()      # call sandboxes belong to this daemon: they go
         for task in (self._cpu_task, self._sweep_task, self._reaper_task):
             if task:
@@ -305,6 +310,7 @@ class Node(ImageOps, MemOps, NetOps, CallOps):
                 "images": await self.run_blocking(self.images_info),
                 "net": self.net_info(),
                 "fncall": self.calls_info(),
+                "admission": self.admission_info(),
                 "paths": {"socket": d["socket"], "state_dir": str(self.cfg.state_dir),
                           "cgroup_root": self.sb_defaults["cgroup_root"],
                           "cgroup_dirs": {k: str(v / self.sb_defaults["cgroup_root"])
@@ -337,7 +343,8 @@ class Node(ImageOps, MemOps, NetOps, CallOps):
             raise Busy(f"host is full: {live} sandboxes of max {cap}; retry later or on another host",
                        {"sandboxes": live, "max": cap})
 
-    async def op_create(self, req, ctx) -> dict:
+    async def create_now(self, req, ctx) -> dict:
+        """The create itself; op_create (dsecd/createops.py) does keys, pools and the queue first."""
         limits = self._limits_for(req)
         plan = self.cpu.plan(req.qos)
         _check_env(req.env)
@@ -363,7 +370,7 @@ class Node(ImageOps, MemOps, NetOps, CallOps):
                      user=req.user, qos=plan.qos, core_sched=plan.core_sched,
                      manifest=image.manifest, layers=image.layer_digests,
                      ttl=parse_duration(req.ttl, "ttl"), idle_ttl=parse_duration(req.idle_ttl, "idle_ttl"),
-                     lease=parse_duration(req.lease, "lease"))
+                     lease=parse_duration(req.lease, "lease"), key=req.key)
         if sb.lease:
             sb.lease_deadline = time.monotonic() + sb.lease
         self.sandboxes[sb_id] = sb

@@ -177,6 +177,7 @@ class Create:
     lease: float | str | None = None      # destroyed unless `renew`ed within this long
     net: str | None = None                # "none" (loopback only) | "default"; None = net.default_mode
     allow: list[str] = field(default_factory=list)   # egress allowlist: rules and rule-set names
+    key: str | None = None          # idempotency key: a retried create returns the same sandbox
 
 
 @request("top")
@@ -297,6 +298,20 @@ class NetSet:
     add: list[str] = field(default_factory=list)
     remove: list[str] = field(default_factory=list)
     replace: list[str] | None = None
+
+
+@request("pool_set")
+class PoolSet:
+    image: str
+    min: int
+    max: int
+    cpu: float | None = None             # the shape a create must ask for to take from the pool
+    memory: int | str | None = None
+
+
+@request("pool_list")
+class PoolList:
+    pass
 
 
 @request("call")

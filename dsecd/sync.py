@@ -125,6 +125,12 @@ class SyncClient:
         """Client.call: a stateless function call; returns a CallResult."""
         return self._run(self._client.call(image, **kw))
 
+    def pool_set(self, image: str, min: int, max: int, **kw) -> dict:
+        return self._run(self._client.pool_set(image, min, max, **kw))
+
+    def pool_list(self) -> list[dict]:
+        return self._run(self._client.pool_list())
+
     def get(self, sandbox_id: str) -> SyncSandbox:
         return SyncSandbox(self, self._run(self._client.get(sandbox_id)))
 

@@ -214,9 +214,11 @@ static int blob_read(struct open_blob *ob, char *buf, uint64_t off, uint64_t siz
     for (uint64_t c = first; c <= last && rc == 0; c++) {
         uint64_t s = c * cs > off ? c * cs : off;
         uint64_t e = (c + 1) * cs < off + size ? (c + 1) * cs : off + size;
-        if ((rc = chunk_acquire(b, c)) < 0)
+        struct chunk_copy copy = {buf + (s - off), s, e - s, 0};
+        if ((rc = chunk_acquire(b, c, &copy)) < 0)
             break;
-        rc = cache_read(b, buf + (s - off), s, e - s);
+        if (!copy.done)
+            rc = cache_read(b, buf + (s - off), s, e - s);
         chunk_release(b, c);
     }
     if (prev != off)

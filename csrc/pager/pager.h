@@ -86,9 +86,16 @@ struct blob *blob_by_ino(fuse_ino_t ino);
 unsigned blob_count(void);
 struct blob *blob_at(unsigned i);
 uint64_t chunk_len(const struct blob *b, uint64_t c);
-int chunk_acquire(struct blob *b, uint64_t c);
+/* A reader's range of a chunk, copied out of the fetch buffer when that reader
+ * fetches the chunk itself (done = 1), which saves re-reading it from .data. */
+struct chunk_copy {
+    char *dst;
+    uint64_t off, len; /* blob offset and length, within the chunk */
+    int done;
+};
+int chunk_acquire(struct blob *b, uint64_t c, struct chunk_copy *copy);
 void chunk_release(struct blob *b, uint64_t c);
-int chunk_fill(struct blob *b, uint64_t c, int readahead);
+int chunk_fill(struct blob *b, uint64_t c, int readahead, struct chunk_copy *copy);
 int cache_read(struct blob *b, char *dst, uint64_t off, uint64_t len);
 uint64_t cache_used(void);
 void cache_close_all(void);

@@ -17,8 +17,9 @@ exec. A zygote that dies, speaks garbage or does not answer a kill in time
 is dropped with its whole call sandbox; the next call makes new ones.
 
 Images without python3 (or with [fncall] zygote = false) take plain argv
-calls only: each is an exec in the call sandbox as `fncall.uid`, in a fresh
-dir under /tmp created and removed by the daemon through the sandbox root.
+calls only: each is an exec in the call sandbox under a uid of its own (from
+fncall.uid_base), in a fresh dir under /tmp created and removed by the
+daemon through the sandbox root.
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ class CallBox:
     calls: int = 0
     running: int = 0
     created: float = field(default_factory=time.time)
+    free_uids: list = field(default_factory=list)    # plain calls: one uid per running call
 
 
 class FnCallBackend:
@@ -163,12 +165,12 @@ class FnCallBackend:
     def destroy_box(self, box_id: str, h: Handle | None) -> None:
         self.containers.destroy(box_id, h)
 
-    def spawn_zygote(self, h: Handle, modules: list[str]) -> tuple[socket.socket, int]:
+    def spawn_zygote(self, h: Handle, conf: dict) -> tuple[socket.socket, int]:
         """Start python3 + the zygote source in the call sandbox; (our socket end, host pid)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         try:
-            argv = [self.cfg["python"], "-I", "-c", ZYGOTE_SOURCE, *modules]
+            argv = [self.cfg["python"], "-I", "-c", ZYGOTE_SOURCE, json.dumps(conf)]
             env = self.containers.exec_env({"HOSTNAME": "fncall"}, {})
             pid = self.containers.spawn(h, argv, env, "/", 0, (theirs.fileno(), null, null))
         except BaseException:
@@ -179,19 +181,19 @@ class FnCallBackend:
             os.close(null)
         return ours, pid
 
-    def spawn_plain(self, h: Handle, argv: list[str], env: list[str], cwd: str,
+    def spawn_plain(self, h: Handle, argv: list[str], env: list[str], cwd: str, uid: int,
                     fds: tuple[int, int, int]) -> int:
-        return self.containers.spawn(h, argv, env, cwd, self.cfg["uid"], fds)
+        return self.containers.spawn(h, argv, env, cwd, uid, fds)
 
     # Private dirs for plain argv calls, made and removed through the sandbox
     # root with RESOLVE_IN_ROOT walks (dsecd/fs/files.py): a sandbox that turns
     # /tmp into a symlink cannot make the daemon write or delete outside it.
 
-    def make_private_dir(self, h: Handle, name: str) -> str:
+    def make_private_dir(self, h: Handle, name: str, uid: int) -> str:
         tmpfd = sbfiles._open(h.rootfd, "/tmp", os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.mkdir(name, 0o700, dir_fd=tmpfd)
-            os.chown(name, self.cfg["uid"], self.cfg["uid"], dir_fd=tmpfd, follow_symlinks=False)
+            os.chown(name, uid, uid, dir_fd=tmpfd, follow_symlinks=False)
         finally:
             os.close(tmpfd)
         return f"/tmp/{name}"

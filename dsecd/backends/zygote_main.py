@@ -1,7 +1,7 @@
 """The FnCall zygote: runs INSIDE a call sandbox, under the image's own python3.
 
 Not imported by the daemon: dsecd/backends/fncall.py reads this file and
-passes its text as `python3 -I -S -c TEXT MODULE...`, so it must work with
+passes its text as `python3 -I -c TEXT CONFIG-JSON`, so it must work with
 nothing but the stdlib of whatever Python the image has (3.8+).
 
 Fd 0 is one end of a SOCK_SEQPACKET socketpair made by the daemon and handed
@@ -9,17 +9,21 @@ over as the exec's stdin: there is no path in the sandbox that reaches it.
 Messages are JSON, one per packet.
 
     daemon -> zygote  {"op": "call", "id": N, "argv": [...], "env": {...},
-                       "code": bool, "uid": U, "rlimits": {...}}
+                       "code": bool, "cpu_s": S}
                       + SCM_RIGHTS [stdin, stdout, stderr(, code memfd)]
                       {"op": "kill", "id": N}
     zygote -> daemon  {"op": "ready", "pid": P, "modules": [...], "failed": {...}}
                       {"op": "exit", "id": N, "status": wait-status, "run_ms": F}
                       {"op": "error", "id": N, "message": "..."}
 
-Each call is a fork of the zygote (interpreter and modules already imported)
-that never returns to the loop: it gets a fresh tmp dir (its cwd and TMPDIR,
-removed when it exits), drops to an unprivileged uid, takes rlimits, and runs
-the code (or execs argv). The zygote itself never runs caller code, so no
+The zygote imports the configured modules once, then keeps `spares` workers
+forked ahead of need, each already in its own session, in its own fresh dir
+under /tmp (cwd, HOME, TMPDIR; removed when it exits), under its own uid
+(one per live worker, from [uid_base, uid_base + uid_count): calls cannot
+signal, trace or read one another), with the rlimits set. A call goes to an
+idle worker over that worker's own socketpair, so the fork is off the call's
+path; the worker runs the code (or execs argv), reports its status and exits.
+A worker serves exactly one call. The zygote never runs caller code, so no
 call can leave state for the next one.
 """
 
@@ -49,29 +53,67 @@ def recv(sock):
     return msg, list(fds)
 
 
-def child(req, fds, tmp):
-    """In the forked child: never returns."""
+def send(sock, msg, fds=()):
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    sock.sendmsg([json.dumps(msg).encode()], anc)
+
+
+def prefault():
+    """Walk the path a call takes once while idle. After a fork every page
+    the worker writes - reference counts of shared objects included - is
+    copied on its first write; doing that now, while no call waits, takes
+    ~1 ms off the call itself."""
+    sink = open(os.devnull, "w")
+    env = dict(os.environ)
+    json.loads(json.dumps({"op": "call", "id": 0, "argv": ["-c"], "env": env, "code": True}))
+    code = compile("import sys\nprint(sum(range(10)), sys.argv)\n", "<call>", "exec")
+    exec(code, {"__name__": "__main__", "__builtins__": __builtins__, "print": lambda *a: sink.write(str(a))})
+    sink.close()
+
+
+def worker(link, tmp, uid, rlimits):
+    """A pre-forked worker: set up what does not depend on the call, wait for
+    it, run it, report, exit. Never returns."""
     status = 127
     try:
         os.setsid()
+        # Everything but the link to the zygote goes: no other worker's fds.
+        fd = link.detach()
+        if fd != 3:
+            os.dup2(fd, 3)
+        os.closerange(4, 1 << 16)
+        link = socket.socket(fileno=3)
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        os.chdir(tmp)
+        for name, value in rlimits.items():
+            resource.setrlimit(RLIMITS[name], (value, value))
+        # Its own uid: no other call can signal, trace or read it, or its dir.
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+        prefault()
+        msg, fds = recv(link)
+        if not msg:
+            os._exit(0)
+        req = json.loads(msg)
         for i in range(3):
             os.dup2(fds[i], i)
         src = None
         if req.get("code"):
             with os.fdopen(fds[3], "rb") as f:
                 src = f.read()
-        os.closerange(3, 1 << 16)
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-        uid = req["uid"]
-        os.chown(tmp, uid, uid)
-        os.chdir(tmp)
-        for name, value in req.get("rlimits", {}).items():
-            resource.setrlimit(RLIMITS[name], (value, value))
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
+        for fd in fds:
+            if fd > 3:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        cpu = req.get("cpu_s")
+        if cpu:
+            resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
         env = dict(req["env"], TMPDIR=tmp, HOME=tmp)
         if src is None:
+            link.close()
             os.execvpe(req["argv"][0], req["argv"], env)
         os.environ.clear()
         os.environ.update(env)
@@ -91,88 +133,159 @@ def child(req, fds, tmp):
 
             traceback.print_exc()
             status = 1
-    except BaseException as e:   # setup failed: say why on the call's stderr
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except BaseException:
+                pass
+        # Report before the (slower) exit: the output pipes close with it.
+        os.close(1)
+        os.close(2)
         try:
-            os.write(2, (f"fncall: {type(e).__name__}: {e}\n").encode())
+            link.send(json.dumps({"done": status & 0xFF}).encode())
         except OSError:
             pass
-    for f in (sys.stdout, sys.stderr):
+    except BaseException as e:   # setup failed: say why on the call's stderr
         try:
-            f.flush()
-        except BaseException:
+            os.write(2, f"fncall: {type(e).__name__}: {e}\n".encode())
+        except OSError:
             pass
     os._exit(status & 0xFF)
 
 
+class Zygote:
+    def __init__(self, sock, base, spares, uid_base, uid_count, rlimits):
+        self.sock = sock
+        self.base = base
+        self.spares = spares
+        self.uids = list(range(uid_base + uid_count - 1, uid_base - 1, -1))   # free uids, lowest last
+        self.rlimits = rlimits
+        self.poll = select.poll()
+        self.poll.register(sock.fileno(), select.POLLIN)
+        self.idle = []          # workers waiting for a call
+        self.by_fd = {}         # pidfd or link fd -> worker
+        self.by_id = {}         # call id -> worker
+
+    def fork_worker(self):
+        if not self.uids:
+            raise OSError(11, "every fncall uid is in use")
+        uid = self.uids.pop()
+        tmp = tempfile.mkdtemp(prefix=f"w{uid}-", dir=self.base)
+        os.chown(tmp, uid, uid)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            self.sock.close()
+            ours.close()
+            worker(theirs, tmp, uid, self.rlimits)
+        theirs.close()
+        w = {"pid": pid, "pidfd": os.pidfd_open(pid), "link": ours, "uid": uid, "tmp": tmp,
+             "id": None, "started": 0.0, "reported": False}
+        self.by_fd[w["pidfd"]] = w
+        self.by_fd[ours.fileno()] = w
+        self.poll.register(w["pidfd"], select.POLLIN)
+        self.poll.register(ours.fileno(), select.POLLIN)
+        return w
+
+    def report(self, w, status):
+        if w["id"] is not None and not w["reported"]:
+            w["reported"] = True
+            self.by_id.pop(w["id"], None)
+            send(self.sock, {"op": "exit", "id": w["id"], "status": status,
+                             "run_ms": (time.monotonic() - w["started"]) * 1000})
+
+    def on_worker(self, fd, w):
+        if fd == w["link"].fileno():
+            try:
+                msg = w["link"].recv(256)
+            except OSError:
+                msg = b""
+            self.poll.unregister(fd)
+            if msg:
+                self.report(w, (json.loads(msg)["done"] & 0xFF) << 8)
+            return
+        # Its pidfd: the worker is gone; reap it, free its uid and dir.
+        self.poll.unregister(fd)
+        _, status = os.waitpid(w["pid"], 0)
+        self.report(w, status)
+        for f in (w["pidfd"], w["link"].fileno()):
+            self.by_fd.pop(f, None)
+        try:
+            self.poll.unregister(w["link"].fileno())
+        except (KeyError, ValueError):
+            pass
+        os.close(w["pidfd"])
+        w["link"].close()
+        if w in self.idle:
+            self.idle.remove(w)
+        shutil.rmtree(w["tmp"], ignore_errors=True)
+        self.uids.append(w["uid"])
+
+    def on_request(self):
+        msg, fds = recv(self.sock)
+        if not msg:
+            os._exit(0)      # the daemon closed its end
+        req = json.loads(msg)
+        if req["op"] == "kill":
+            w = self.by_id.get(req["id"])
+            if w:
+                try:
+                    os.killpg(w["pid"], signal.SIGKILL)
+                except OSError:
+                    pass
+            return
+        try:
+            w = self.idle.pop() if self.idle else self.fork_worker()
+            w["id"], w["started"] = req["id"], time.monotonic()
+            self.by_id[req["id"]] = w
+            send(w["link"], req, fds)
+        except OSError as e:
+            send(self.sock, {"op": "error", "id": req["id"], "message": str(e)})
+        finally:
+            for f in fds:
+                os.close(f)
+
+    def run(self):
+        while True:
+            for fd, _ev in self.poll.poll():
+                if fd == self.sock.fileno():
+                    self.on_request()
+                elif fd in self.by_fd:
+                    self.on_worker(fd, self.by_fd[fd])
+            # Spares are forked when no call is running, or when fewer than
+            # half are left: a fork blocks this loop for a few ms (page
+            # tables), which would otherwise delay the report of a call that
+            # just finished.
+            while len(self.idle) < self.spares and self.uids:
+                if self.poll.poll(0) or (self.by_id and len(self.idle) >= self.spares // 2):
+                    break
+                self.idle.append(self.fork_worker())
+
+
 def main():
+    conf = json.loads(sys.argv[1])
     sock = socket.socket(fileno=os.dup(0))
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     failed = {}
     loaded = []
-    for name in sys.argv[1:]:
+    for name in conf["modules"]:
         try:
             __import__(name)
             loaded.append(name)
         except BaseException as e:
             failed[name] = f"{type(e).__name__}: {e}"
     # Objects imported so far are shared by every fork; keep the GC from
-    # touching (and so copying) their pages in the children.
+    # touching (and so copying) their pages in the workers.
     gc.collect()
     if hasattr(gc, "freeze"):
         gc.freeze()
     gc.disable()
     base = tempfile.mkdtemp(prefix="fncall-", dir="/tmp")
     os.chmod(base, 0o711)
-    sock.send(json.dumps({"op": "ready", "pid": os.getpid(), "modules": loaded,
-                          "failed": failed}).encode())
-    poll = select.poll()
-    poll.register(sock.fileno(), select.POLLIN)
-    running = {}        # pidfd -> (id, pid, tmp, started)
-    by_id = {}          # id -> pid
-    while True:
-        for fd, _ev in poll.poll():
-            if fd != sock.fileno():
-                call_id, pid, tmp, started = running.pop(fd)
-                poll.unregister(fd)
-                os.close(fd)
-                _, status = os.waitpid(pid, 0)
-                by_id.pop(call_id, None)
-                shutil.rmtree(tmp, ignore_errors=True)
-                sock.send(json.dumps({"op": "exit", "id": call_id, "status": status,
-                                      "run_ms": (time.monotonic() - started) * 1000}).encode())
-                continue
-            msg, fds = recv(sock)
-            if not msg:
-                os._exit(0)      # the daemon closed its end
-            req = json.loads(msg)
-            if req["op"] == "kill":
-                pid = by_id.get(req["id"])
-                if pid:
-                    for kill in (os.killpg, os.kill):    # before its setsid, the group is not its own
-                        try:
-                            kill(pid, signal.SIGKILL)
-                        except OSError:
-                            pass
-                continue
-            try:
-                tmp = tempfile.mkdtemp(prefix="c{}-".format(req["id"]), dir=base)
-                started = time.monotonic()
-                pid = os.fork()
-            except OSError as e:
-                for f in fds:
-                    os.close(f)
-                sock.send(json.dumps({"op": "error", "id": req["id"], "message": str(e)}).encode())
-                continue
-            if pid == 0:
-                sock.close()
-                child(req, fds, tmp)
-            for f in fds:
-                os.close(f)
-            pidfd = os.pidfd_open(pid)
-            running[pidfd] = (req["id"], pid, tmp, started)
-            by_id[req["id"]] = pid
-            poll.register(pidfd, select.POLLIN)
+    z = Zygote(sock, base, conf["spares"], conf["uid_base"], conf["uid_count"], conf["rlimits"])
+    send(sock, {"op": "ready", "pid": os.getpid(), "modules": loaded, "failed": failed})
+    z.run()
 
 
 main()

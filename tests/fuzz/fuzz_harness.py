@@ -188,13 +188,16 @@ class FuzzTarget:
         cgroups = []
         for top in self.daemon.cgroup_dirs():
             if top.exists():
-                cgroups += [str(p) for p in top.rglob("*") if p.is_dir()]
+                # Dot-named groups (".fncall") hold the daemon's own warm pools,
+                # made on first use and kept while it runs: not a sandbox's.
+                cgroups += [str(p) for p in top.rglob("*") if p.is_dir()
+                            and not p.relative_to(top).parts[0].startswith(".")]
         mounts = [line.split()[4] for line in open("/proc/self/mountinfo")
                   if str(self.tmp) in line]
         return {"fds": len(os.listdir(f"/proc/{pid}/fd")),
                 "threads": len(os.listdir(f"/proc/{pid}/task")),
                 "cgroups": sorted(cgroups), "mounts": sorted(mounts),
-                "children": _children(pid)}
+                "children": [c for c in _children(pid) if not _in_pool(c, self.daemon.cgroup_root)]}
 
     def leaks(self) -> dict:
         """Objects left after the target is destroyed, against the baseline."""
@@ -214,6 +217,15 @@ class FuzzTarget:
             # a few fds come and go (executor threads, the log); dozens do not
             "fd_growth": max(0, now["fds"] - base["fds"] - 16),
         }
+
+
+def _in_pool(pid: int, cgroup_root: str) -> bool:
+    """Whether pid lives in one of the daemon's dot-named pool cgroups."""
+    try:
+        text = open(f"/proc/{pid}/cgroup").read()
+    except OSError:
+        return False
+    return f"/{cgroup_root}/." in text
 
 
 def _children(pid: int) -> list[int]:

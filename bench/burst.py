@@ -1,0 +1,250 @@
+"""`make bench-burst`: FnCall, warm pools and burst admission on this host.
+
+It starts a private daemon (bench/harness.py), imports the busybox rootfs as
+"busybox" and the host's python3 (scripts/mkpyrootfs.sh) as "py", and
+measures through the Python SDK:
+
+* fncall_p50_ms / _p99_ms: sequential `call(py, python3 -c 'print(1)')`,
+  through the zygote, client-observed;
+* fresh_python_p50_ms: the same program as an exec in a running container
+  sandbox of the same image (a fresh interpreter each time), and
+  fncall_speedup = fresh / fncall;
+* fncall_per_s: `--clients` clients calling at once, over the batch's wall time;
+* pool_create_p50_ms / _p99_ms: sequential creates served by a warm pool
+  (`pool_set` min `--pool`), client-observed;
+* burst_2000_s: `--burst` creates (with idempotency keys, from `--clients`
+  clients in two jobs, a tenth of them sent twice as a retrying client would)
+  from the first request until every sandbox has answered an exec `true`;
+  burst_creates_per_s: creates answered per second over the same burst;
+  burst_create_p99_ms: one create's latency (queue wait and busy retries
+  included); burst_busy_retries: `busy` answers that were retried after
+  retry_after_s;
+* lost_or_duplicated: keys without exactly one live sandbox, plus sandboxes
+  of the burst that no key owns (must be 0).
+
+Progress goes to stderr; the last line of stdout is one JSON object. Clean-up
+as in bench/core.py. Run as root: `.venv/bin/python bench/burst.py [--quick]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import harness
+import peers
+import uvloop
+
+import dsecd
+from dsecd.errors import Busy
+
+# The burst asks for far more sandboxes than 2 cores x the default
+# oversubscription admit: admission by CPU/memory off, max_sandboxes above it.
+CONFIG = ("[cpu]\noversubscription = 0\nmemory_oversubscription = 0\n"
+          "[limits]\nmax_sandboxes = 8192\nmax_requests_per_client = 1024\n")
+SHAPE = {"cpu": 0.1, "memory": "64M"}
+OP_TIMEOUT_S = 300
+log = harness.log
+
+
+def pct(values: list[float], q: float) -> float:
+    return round(peers.percentile(values, q), 3)
+
+
+def build_py_rootfs() -> str:
+    out = subprocess.run(["bash", str(harness.REPO / "scripts" / "mkpyrootfs.sh")], check=True,
+                         stdout=subprocess.PIPE, text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+async def measure_fncall(sock: str, n: int, clients: int, total: int) -> dict:
+    argv = ["python3", "-c", "print(1)"]
+    async with dsecd.Client(sock) as c:
+        for _ in range(20):                    # call sandbox + zygote start, warm caches
+            r = await c.call("py", argv=argv)
+        if (r.exit_code, r.stdout, r.path) != (0, b"1\n", "zygote"):
+            raise RuntimeError(f"fncall warm-up: {r}")
+        lat = []
+        for _ in range(n):
+            t = time.perf_counter()
+            r = await c.call("py", argv=argv)
+            lat.append((time.perf_counter() - t) * 1000)
+            if r.stdout != b"1\n":
+                raise RuntimeError(f"fncall: {r}")
+        log(f"fncall: p50 {pct(lat, 50)} ms, p99 {pct(lat, 99)} ms")
+        sb = await c.create("py", cpu=1, memory="512M")
+        fresh = []
+        for i in range(max(n // 5, 10) + 3):
+            t = time.perf_counter()
+            r = await sb.exec(argv, timeout=30)
+            if i >= 3:
+                fresh.append((time.perf_counter() - t) * 1000)
+            if r.stdout != b"1\n":
+                raise RuntimeError(f"fresh python exec: {r}")
+        await sb.destroy(force=True)
+        log(f"fresh python exec: p50 {pct(fresh, 50)} ms")
+    conns = [dsecd.Client(sock) for _ in range(clients)]
+    for cl in conns:
+        await cl.connect()
+    left = [total]
+
+    async def worker(cl):
+        while left[0] > 0:
+            left[0] -= 1
+            r = await cl.call("py", argv=argv)
+            if r.stdout != b"1\n":
+                raise RuntimeError(f"fncall (concurrent): {r}")
+
+    t = time.perf_counter()
+    # Four calls in flight per connection: many per connection, as the SDK allows.
+    await asyncio.wait_for(asyncio.gather(*(worker(cl) for cl in conns for _ in range(4))), OP_TIMEOUT_S)
+    wall = time.perf_counter() - t
+    for cl in conns:
+        await cl.close()
+    log(f"fncall: {total} calls from {clients} clients in {wall:.2f} s")
+    return {"fncall_p50_ms": pct(lat, 50), "fncall_p99_ms": pct(lat, 99),
+            "fresh_python_p50_ms": pct(fresh, 50),
+            "fncall_speedup": round(pct(fresh, 50) / max(pct(lat, 50), 1e-6), 1),
+            "fncall_per_s": round(total / wall, 1)}
+
+
+async def measure_pool(sock: str, n: int) -> dict:
+    async with dsecd.Client(sock) as c:
+        pool = await c.pool_set("busybox", n, n * 2, **SHAPE)
+        deadline = time.monotonic() + OP_TIMEOUT_S
+        while (await c.pool_list())[0]["ready"] < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"pool {pool['name']} not filled in {OP_TIMEOUT_S} s")
+            await asyncio.sleep(0.1)
+        lat, taken = [], []
+        for _ in range(n):
+            t = time.perf_counter()
+            sb = await c.create("busybox", labels={"bench": "pool"}, **SHAPE)
+            lat.append((time.perf_counter() - t) * 1000)
+            if sb.info.get("pool") != pool["name"]:
+                raise RuntimeError("a create matching the pool was not served by it")
+            taken.append(sb)
+        r = await taken[-1].exec(["true"], timeout=10)
+        if r.exit_code != 0:
+            raise RuntimeError(f"exec in a pool sandbox: {r}")
+        await c.pool_set("busybox", 0, 0, **SHAPE)
+        await c.destroy_all(force=True, labels={"bench": "pool"})
+    log(f"pool create: p50 {pct(lat, 50)} ms, p99 {pct(lat, 99)} ms")
+    return {"pool_create_p50_ms": pct(lat, 50), "pool_create_p99_ms": pct(lat, 99)}
+
+
+async def measure_burst(sock: str, total: int, clients: int) -> dict:
+    conns = [dsecd.Client(sock) for _ in range(clients)]
+    for cl in conns:
+        await cl.connect()
+    keys = [f"burst-{i}" for i in range(total)]
+    owners: dict[str, set[str]] = {k: set() for k in keys}
+    lat: list[float] = []
+    busy = [0]
+    answered = [0.0]
+    rng = random.Random(7)
+    retried = set(rng.sample(keys, total // 10))
+    queue = list(keys)
+
+    async def create_and_exec(cl, key: str, job: str) -> None:
+        t = time.perf_counter()
+        while True:
+            try:
+                sb = await cl.create("busybox", key=key, labels={"job": job, "bench": "burst"}, **SHAPE)
+                break
+            except Busy as err:
+                busy[0] += 1
+                await asyncio.sleep(err.detail.get("retry_after_s", 0.1))
+        lat.append((time.perf_counter() - t) * 1000)
+        answered[0] = time.perf_counter()
+        owners[key].add(sb.id)
+        r = await sb.exec(["true"], timeout=60)
+        if r.exit_code != 0:
+            raise RuntimeError(f"exec true in {sb.id}: {r}")
+
+    async def worker(i: int, cl) -> None:
+        job = f"job{i % 2}"
+        while queue:
+            key = queue.pop()
+            if key in retried:       # a client that retries without waiting for the answer
+                await asyncio.gather(create_and_exec(cl, key, job), create_and_exec(cl, key, job))
+            else:
+                await create_and_exec(cl, key, job)
+
+    t0 = time.perf_counter()
+    # 8 requests in flight per client connection.
+    await asyncio.wait_for(asyncio.gather(*(worker(i, cl) for i, cl in enumerate(conns) for _ in range(8))),
+                           OP_TIMEOUT_S * 4)
+    done = time.perf_counter() - t0
+    creates_s = answered[0] - t0
+    async with dsecd.Client(sock) as c:
+        live = [s for s in await c.list({"bench": "burst"}) if s["state"] == "running"]
+        info = (await c.info())["admission"]
+    ids = {s["id"] for s in live}
+    owned = set().union(*owners.values())
+    bad = sum(1 for k in keys if len(owners[k]) != 1) + len(ids - owned) + len(owned - ids)
+    log(f"burst: {total} sandboxes answered an exec after {done:.2f} s; creates {total / creates_s:.0f}/s; "
+        f"busy retries {busy[0]}; queue wait p99 {info['wait_p99_ms']} ms; lost or duplicated {bad}")
+    for cl in conns:
+        await cl.close()
+    return {"burst_2000_s": round(done, 3), "burst_creates_per_s": round(total / creates_s, 1),
+            "burst_create_p50_ms": pct(lat, 50), "burst_create_p99_ms": pct(lat, 99),
+            "burst_busy_retries": busy[0], "burst_sandboxes": len(ids), "lost_or_duplicated": bad}
+
+
+async def teardown(sock: str) -> None:
+    async with dsecd.Client(sock) as c:
+        t = time.perf_counter()
+        r = await c.destroy_all(force=True)
+        log(f"destroyed {len(r['destroyed'])} sandboxes in {time.perf_counter() - t:.1f} s")
+
+
+async def measure(sock: str, args) -> dict:
+    out = {}
+    out.update(await measure_fncall(sock, args.n_calls, args.clients, args.n_calls_total))
+    out.update(await measure_pool(sock, args.pool))
+    out.update(await measure_burst(sock, args.burst, args.clients))
+    await teardown(sock)
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n-calls", type=int, default=500, help="sequential fncalls")
+    p.add_argument("--n-calls-total", type=int, default=3000, help="fncalls in the concurrent batch")
+    p.add_argument("--pool", type=int, default=50, help="warm pool size and pool creates measured")
+    p.add_argument("--burst", type=int, default=2000, help="sandboxes in the burst")
+    p.add_argument("--clients", type=int, default=16, help="concurrent clients")
+    p.add_argument("--quick", action="store_true", help="small counts, for a smoke run")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.n_calls, args.n_calls_total, args.pool, args.burst = 50, 300, 10, 200
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if os.geteuid() != 0:
+        log("must run as root")
+        return 1
+    rootfs = harness.build_rootfs()
+    py = build_py_rootfs()
+    with harness.private_daemon(rootfs, "busybox", extra_config=CONFIG) as daemon:
+        daemon.import_image(py, "py")
+        results = uvloop.run(measure(daemon.sock, args))
+    print(json.dumps(results), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        log("interrupted (cleaned up)")
+        sys.exit(130)

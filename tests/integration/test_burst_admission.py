@@ -1,0 +1,155 @@
+"""Burst admission through the daemon: idempotency keys, busy with retry-after,
+the bounded create queue, and warm pools."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from dsecd import Client
+from dsecd.errors import BadRequest, Busy
+
+
+def _live(client) -> list[dict]:
+    return [s for s in client.list() if s["state"] != "dead"]
+
+
+def test_same_key_same_sandbox_even_when_concurrent(daemon):
+    async def run():
+        async with Client(daemon.socket) as c:
+            sbs = await asyncio.gather(*(c.create("busybox", key="k-concurrent", memory="64M")
+                                         for _ in range(8)))
+            again = await c.create("busybox", key="k-concurrent", memory="64M")
+            other = await c.create("busybox", key="k-other", memory="64M")
+            return sbs, again, other
+
+    sbs, again, other = asyncio.run(run())
+    assert len({s.id for s in sbs}) == 1
+    assert again.id == sbs[0].id and again.info.get("existing") is True
+    assert other.id != sbs[0].id
+    c = daemon.client()
+    try:
+        assert sum(1 for s in _live(c) if s["id"] == sbs[0].id) == 1
+        assert c.info()["admission"]["keys"] >= 2
+        c.get(sbs[0].id).destroy(force=True)
+        fresh = c.create("busybox", key="k-concurrent", memory="64M")   # destroyed: the key is free
+        assert fresh.id != sbs[0].id
+        fresh.destroy(force=True)
+        c.get(other.id).destroy(force=True)
+    finally:
+        c.close()
+
+
+def test_key_survives_a_daemon_restart(daemon_factory, busybox_rootfs):
+    d = daemon_factory()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create("busybox", key="job7-task3", memory="64M")
+    c.close()
+    d.stop()
+    d.start()
+    c = d.client()
+    again = c.create("busybox", key="job7-task3", memory="64M")
+    assert again.id == sb.id and again.info["existing"] is True
+    assert len(_live(c)) == 1
+    c.close()
+
+
+def test_full_host_is_busy_at_once_with_retry_after(daemon_factory, busybox_rootfs):
+    d = daemon_factory("[limits]\nmax_sandboxes = 2\n")
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    c.create("busybox", memory="64M")
+    c.create("busybox", memory="64M")
+    t = time.monotonic()
+    with pytest.raises(Busy) as err:
+        c.create("busybox", memory="64M")
+    assert time.monotonic() - t < 1.0
+    assert err.value.detail["retry_after_s"] > 0 and err.value.detail["max"] == 2
+    assert c.info()["admission"]["rejected_busy"] == 1
+    c.close()
+
+
+def test_bounded_queue_rejects_the_overflow_and_admits_the_rest(daemon_factory, busybox_rootfs):
+    d = daemon_factory("[admission]\nmax_active_creates = 1\nmax_queued_creates = 3\n")
+    sync = d.client()
+    sync.import_image(busybox_rootfs, "busybox")
+
+    async def run():
+        async with Client(d.socket) as c:
+            return await asyncio.gather(*(c.create("busybox", memory="64M", labels={"job": f"j{i % 2}"})
+                                          for i in range(12)), return_exceptions=True)
+
+    results = asyncio.run(run())
+    made = [r for r in results if not isinstance(r, BaseException)]
+    busy = [r for r in results if isinstance(r, Busy)]
+    assert len(made) + len(busy) == 12 and busy and len(made) >= 4
+    assert all(b.detail["retry_after_s"] > 0 for b in busy)
+    assert len({s.id for s in made}) == len(made) == len(_live(sync))
+    adm = sync.info()["admission"]
+    assert adm["queued"] == 0 and adm["active"] == 0 and adm["admitted"] == len(made)
+    assert adm["wait_max_ms"] > 0 and adm["rejected_busy"] == len(busy)
+    sync.close()
+
+
+def _wait_ready(c, name: str, n: int, timeout: float = 20) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        pool = next(p for p in c.pool_list() if p["name"] == name)
+        if pool["ready"] >= n or time.monotonic() > deadline:
+            return pool
+        time.sleep(0.05)
+
+
+def test_warm_pool_hands_out_each_sandbox_once(daemon):
+    c = daemon.client()
+    try:
+        p = c.pool_set("busybox", 3, 6, cpu=0.5, memory="96M")
+        name = p["name"]
+        assert _wait_ready(c, name, 3)["ready"] >= 3
+        pool_ids = {s["id"] for s in c.list({"dsec.pool": name})}
+        taken = [c.create("busybox", cpu=0.5, memory="96M", labels={"job": "j"}, env={"A": "1"})
+                 for _ in range(3)]
+        assert all(t.info.get("pool") == name for t in taken)
+        assert len({t.id for t in taken}) == 3 and {t.id for t in taken} <= pool_ids
+        for t in taken:
+            assert t.info["labels"] == {"job": "j"}
+            r = t.exec(["sh", "-c", "echo $A"])
+            assert r.stdout == b"1\n"
+        # Another shape is not served by the pool.
+        other = c.create("busybox", cpu=0.5, memory="64M")
+        assert "pool" not in other.info
+        other.destroy(force=True)
+        with pytest.raises(BadRequest):
+            c.create("busybox", labels={"dsec.pool": name})
+        # Refilled; taken sandboxes never come back.
+        pool = _wait_ready(c, name, 3)
+        assert pool["taken"] == 3 and pool["ready"] >= 3
+        now_in_pool = {s["id"] for s in c.list({"dsec.pool": name})}
+        assert not now_in_pool & {t.id for t in taken}
+        assert c.info()["admission"]["pools"][name]["taken"] == 3
+        removed = c.pool_set("busybox", 0, 0, cpu=0.5, memory="96M")
+        assert removed["removed"] is True
+        deadline = time.monotonic() + 10
+        while c.list({"dsec.pool": name}) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.list({"dsec.pool": name}) == [] and c.pool_list() == []
+        for t in taken:
+            t.destroy(force=True)
+    finally:
+        c.close()
+
+
+def test_cli_pool_and_key(daemon):
+    r = daemon.cli("pool", "set", "--image", "busybox", "--min", "1", "--max", "2", "--memory", "80M")
+    assert r.returncode == 0, r.stderr
+    r = daemon.cli("pool", "ls")
+    assert r.returncode == 0 and b"busybox@" in r.stdout and b"80M" in r.stdout
+    first = daemon.cli("create", "--image", "busybox", "--key", "cli-key")
+    second = daemon.cli("create", "--image", "busybox", "--key", "cli-key")
+    assert first.returncode == 0 and first.stdout == second.stdout
+    assert daemon.cli("rm", "-f", first.stdout.decode().strip()).returncode == 0
+    assert daemon.cli("pool", "set", "--image", "busybox", "--min", "0", "--max", "0",
+                      "--memory", "80M").returncode == 0

@@ -1,0 +1,174 @@
+"""FnCall backend through the daemon: zygote calls, plain argv calls, fresh state,
+timeouts, caps, rlimits, zygote replacement, concurrency, CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from dsecd import Client
+from dsecd.errors import BadRequest, Unsupported
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def py_image(daemon) -> str:
+    """The host's python3 + stdlib as an image (scripts/mkpyrootfs.sh, cached)."""
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "mkpyrootfs.sh")], check=True,
+                         capture_output=True, text=True)
+    c = daemon.client()
+    c.import_image(out.stdout.strip().splitlines()[-1], "py")
+    c.close()
+    return "py"
+
+
+def test_code_call_runs_in_the_zygote(client, py_image):
+    r = client.call(py_image, code="import sys, os\nprint(sum(range(10)), sys.argv[1:], os.getuid())",
+                    args=["a", "b"])
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.startswith(b"45 ['a', 'b'] ")
+    assert 100000 <= int(r.stdout.split()[-1]) < 100000 + 4096      # fncall.uid_base, uid_count
+    assert r.path == "zygote" and r.run_ms > 0 and r.total_ms >= r.run_ms
+
+
+def test_python_c_argv_goes_through_the_zygote(client, py_image):
+    r = client.call(py_image, argv=["python3", "-c", "import sys; print(sys.argv)", "x"])
+    assert (r.exit_code, r.stdout, r.path) == (0, b"['-c', 'x']\n", "zygote")
+    # Other argv are forked and exec'ed by the zygote.
+    r = client.call(py_image, argv=["sh", "-c", "echo $0; exit 3", "hi"])
+    assert (r.exit_code, r.stdout, r.path) == (3, b"hi\n", "zygote")
+
+
+def test_each_call_starts_from_fresh_private_state(client, py_image):
+    first = client.call(py_image, code=(
+        "import os, json\n"
+        "open('mine', 'w').write('x')\n"
+        "json.dumps = None\n"
+        "os.environ['LEAK'] = '1'\n"
+        "try:\n    open('/tmp/shared', 'w')\nexcept PermissionError as e:\n    print('denied', e.errno)\n"
+        "print(os.getcwd())"))
+    assert first.exit_code == 0, first.stderr
+    denied, cwd = first.stdout.decode().split("\n")[:2]
+    assert denied == "denied 13"          # /tmp itself is not writable: no shared scratch
+    second = client.call(py_image, code=(
+        "import os, json\n"
+        f"print(os.path.exists({cwd!r}), os.listdir('.'), json.dumps(1), os.environ.get('LEAK'),"
+        " os.environ['TMPDIR'] == os.getcwd())"))
+    assert second.stdout == b"False [] 1 None True\n", second.stderr
+
+
+def test_a_call_cannot_touch_its_zygote(client, py_image):
+    r = client.call(py_image, code="import os\ntry:\n    os.kill(os.getppid(), 9)\n"
+                                   "except PermissionError as e:\n    print(e.errno)")
+    assert r.stdout == b"1\n"             # EPERM: calls run as another uid than the zygote
+    assert client.call(py_image, code="print(1)").stdout == b"1\n"
+
+
+def test_concurrent_calls_cannot_reach_each_other(daemon, py_image):
+    """Calls run under different uids: one cannot list the dir that holds the
+    others' private dirs, nor signal the other calls' (or idle workers') processes."""
+    probe = ("import os, signal, time\n"
+             "me = os.getuid()\n"
+             "print(me, flush=True)\n"
+             "time.sleep(0.3)\n"
+             "try:\n    os.listdir(os.path.dirname(os.getcwd()))\n    print('listed')\n"
+             "except PermissionError:\n    print('nolist')\n"
+             "others = denied = 0\n"
+             "for p in filter(str.isdigit, os.listdir('/proc')):\n"
+             "    try:\n        uid = os.stat('/proc/' + p).st_uid\n    except OSError:\n        continue\n"
+             "    if uid >= 100000 and uid != me:\n"
+             "        others += 1\n"
+             "        try:\n            os.kill(int(p), signal.SIGKILL)\n"
+             "        except PermissionError:\n            denied += 1\n"
+             "print(others > 0 and denied == others)")
+
+    async def run():
+        async with Client(daemon.socket) as c:
+            return await asyncio.gather(c.call(py_image, code=probe), c.call(py_image, code=probe))
+
+    a, b = asyncio.run(run())
+    assert a.stdout.split()[0] != b.stdout.split()[0]
+    assert a.stdout.split()[1:] == [b"nolist", b"True"], a.stderr
+    assert b.stdout.split()[1:] == [b"nolist", b"True"], b.stderr
+
+
+def test_timeout_kills_the_call(client, py_image):
+    t = time.monotonic()
+    r = client.call(py_image, code="import time\nprint('start', flush=True)\ntime.sleep(30)", timeout=0.5)
+    assert r.timed_out and r.signal == signal.SIGKILL and r.exit_code is None
+    assert r.stdout == b"start\n"
+    assert time.monotonic() - t < 5
+
+
+def test_stdin_exceptions_and_exit_codes(client, py_image):
+    r = client.call(py_image, code="import sys\nprint(sys.stdin.read().upper())", stdin=b"hello")
+    assert r.stdout == b"HELLO\n"
+    r = client.call(py_image, code="raise ValueError('boom')")
+    assert r.exit_code == 1 and b"ValueError: boom" in r.stderr
+    assert client.call(py_image, code="import sys; sys.exit(7)").exit_code == 7
+
+
+def test_rlimit_bounds_a_call(client, py_image):
+    r = client.call(py_image, code="try:\n    b = bytearray(3 << 30)\nexcept MemoryError:\n    print('capped')")
+    assert r.stdout == b"capped\n", r.stderr
+    big = client.call(py_image, code="print(len(bytearray(64 << 20)))")
+    assert big.stdout == b"67108864\n"
+
+
+def test_dead_zygote_is_replaced(client, py_image):
+    assert client.call(py_image, code="print(1)").exit_code == 0
+    info = client.info()["fncall"]
+    box = next(b for b in info["boxes"] if b["image"] == py_image)
+    os.kill(box["zygote_pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while True:
+        info2 = client.info()["fncall"]
+        if info2["zygotes_replaced"] > info["zygotes_replaced"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    r = client.call(py_image, code="print(2)")
+    assert (r.exit_code, r.stdout, r.path) == (0, b"2\n", "zygote")
+    info3 = client.info()["fncall"]
+    box3 = next(b for b in info3["boxes"] if b["image"] == py_image)
+    assert box3["zygote_pid"] != box["zygote_pid"] and box3["id"] != box["id"]
+    assert info3["zygotes_replaced"] == info["zygotes_replaced"] + 1
+
+
+def test_many_calls_in_flight_on_one_connection(daemon, py_image):
+    async def run():
+        async with Client(daemon.socket) as c:
+            return await asyncio.gather(*(c.call(py_image, code=f"print({i} * 2)") for i in range(60)))
+
+    results = asyncio.run(run())
+    assert [r.stdout for r in results] == [f"{i * 2}\n".encode() for i in range(60)]
+
+
+def test_plain_argv_calls_work_on_any_image(client, py_image):
+    r = client.call("busybox", argv=["sh", "-c", "pwd; id -u; touch f; ls; echo $TMPDIR"])
+    assert r.exit_code == 0 and r.path == "exec"
+    pwd, uid, ls, tmpdir = r.stdout.decode().split()
+    assert pwd.startswith("/tmp/call-") and int(uid) >= 100000 and ls == "f" and tmpdir == pwd
+    again = client.call("busybox", argv=["sh", "-c", f"ls {pwd} 2>&1; ls /tmp | wc -l"])
+    assert b"No such file" in again.stdout
+    with pytest.raises(Unsupported):
+        client.call("busybox", code="print(1)")
+    with pytest.raises(BadRequest):
+        client.call("busybox", argv=["true"], code="print(1)")
+
+
+def test_cli_call(daemon, py_image, tmp_path):
+    r = daemon.cli("call", "--image", py_image, "--", "python3", "-c", "print(sum(range(10)))")
+    assert (r.returncode, r.stdout) == (0, b"45\n"), r.stderr
+    code = tmp_path / "judge.py"
+    code.write_text("import sys\nn = int(sys.stdin.read())\nprint(n * n)\nsys.exit(n % 5)\n")
+    inp = tmp_path / "input.txt"
+    inp.write_text("12")
+    r = daemon.cli("call", "--image", py_image, "--code-file", str(code), "--stdin", str(inp), "--timeout", "5")
+    assert (r.returncode, r.stdout) == (2, b"144\n"), r.stderr

@@ -1,0 +1,85 @@
+"""The create queue (dsecd/admission.py): bound, fairness across jobs, cancellation."""
+
+import asyncio
+
+import pytest
+
+from dsecd.admission import CreateQueue
+from dsecd.errors import Busy
+
+
+def test_fair_across_jobs_and_bounded():
+    async def run():
+        q = CreateQueue(max_active=1, max_queued=50)
+        order: list[str] = []
+        gate = asyncio.Event()
+
+        async def create(job: str):
+            async with q.slot(job):
+                order.append(job)
+                await gate.wait()
+
+        # Job "big" queues 30 creates before job "small" queues 5.
+        tasks = [asyncio.create_task(create("big")) for _ in range(30)]
+        await asyncio.sleep(0)
+        tasks += [asyncio.create_task(create("small")) for _ in range(5)]
+        await asyncio.sleep(0)
+        assert q.active == 1 and q.queued == 34
+        assert q.info()["queued_by_job"] == {"big": 29, "small": 5}
+        gate.set()
+        await asyncio.gather(*tasks)
+        return q, order
+
+    q, order = asyncio.run(run())
+    # Round-robin: "small" is done within the first 11 slots, not after all 30 "big".
+    assert max(i for i, j in enumerate(order) if j == "small") <= 11
+    assert q.active == 0 and q.queued == 0 and q.admitted == 35
+    assert q.info()["wait_max_ms"] > 0
+
+
+def test_full_queue_is_busy_at_once_with_retry_after():
+    async def run():
+        q = CreateQueue(max_active=1, max_queued=2)
+        gate = asyncio.Event()
+
+        async def create():
+            async with q.slot("j"):
+                await gate.wait()
+
+        tasks = [asyncio.create_task(create()) for _ in range(3)]
+        await asyncio.sleep(0)
+        with pytest.raises(Busy) as err:
+            async with q.slot("j"):
+                pass
+        gate.set()
+        await asyncio.gather(*tasks)
+        return q, err.value
+
+    q, err = asyncio.run(run())
+    assert err.detail["retry_after_s"] > 0 and err.detail["queued"] == 2
+    assert q.rejected == 1
+
+
+def test_cancelled_waiter_leaves_no_slot_behind():
+    async def run():
+        q = CreateQueue(max_active=1, max_queued=10)
+        gate = asyncio.Event()
+
+        async def create():
+            async with q.slot("j"):
+                await gate.wait()
+
+        first = asyncio.create_task(create())
+        await asyncio.sleep(0)
+        waiter = asyncio.create_task(create())
+        await asyncio.sleep(0)
+        assert q.queued == 1
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        assert q.queued == 0
+        gate.set()
+        await first
+        return q
+
+    q = asyncio.run(run())
+    assert q.active == 0 and q.queued == 0
