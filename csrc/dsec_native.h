@@ -53,6 +53,8 @@ enum dsec_step {
      * child (before ids: sharing a cookie needs ptrace access to PID 1) */
     DSEC_STEP_SCHED_IDLE = 31,
     DSEC_STEP_SCHED_CORE = 32,
+    /* last step before execve / execveat of init, in both children */
+    DSEC_STEP_SECCOMP = 33,
     /* in the exec helper and the exec child (stdio, close_fds, caps,
      * no_new_privs above are shared) */
     DSEC_STEP_SETNS = 40,
@@ -81,6 +83,7 @@ struct dsec_container_args {
     int n_cgroups;
     int sched_idle; /* nonzero: SCHED_IDLE for init (and what it forks) */
     int core_sched; /* nonzero: a new core-scheduling cookie for init */
+    int seccomp_profile; /* >= 0: install this pre-built filter before exec of init; -1: none */
 };
 
 struct dsec_exec_args {
@@ -98,6 +101,7 @@ struct dsec_exec_args {
     uint64_t cap_keep;
     int sched_idle; /* nonzero: SCHED_IDLE before execve (children inherit it) */
     int core_sched; /* nonzero: share the cookie of the sandbox's PID 1 */
+    int seccomp_profile; /* >= 0: install this pre-built filter just before execve; -1: none */
 };
 
 struct dsec_kvm_probe {

@@ -461,12 +461,31 @@ static int init_stdio(const struct container_ctx *c)
                  NULL);
 }
 
-/* Last: both need privileges that the steps above still use. */
+/* The pre-built seccomp filter (csrc/seccomp.c): one syscall, no allocation.
+ * Last before exec: nothing after it may need a call the filter denies. */
+static int seccomp_step(int profile, struct dsec_err *e)
+{
+    int rc;
+
+    if (profile < 0)
+        return 0;
+    rc = dsec_seccomp_install(profile);
+    if (rc < 0) {
+        err_set(e, DSEC_STEP_SECCOMP, -rc, NULL);
+        return -1;
+    }
+    return 0;
+}
+
+/* Last: both need privileges that the steps above still use. Init and all it
+ * ever forks keep the filter (filters survive fork and exec, never removed). */
 static int privileges_drop(const struct container_ctx *c)
 {
     if (check(prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), c->err, DSEC_STEP_NO_NEW_PRIVS, NULL) < 0)
         return -1;
-    return caps_bound(0, c->err) < 0 ? -1 : caps_set(0, c->err);
+    if (caps_bound(0, c->err) < 0 || caps_set(0, c->err) < 0)
+        return -1;
+    return seccomp_step(c->a->seccomp_profile, c->err);
 }
 
 /* The container child's checklist, in order (docs/native-api.md). */
@@ -645,7 +664,8 @@ static int exec_child(void *arg)
         check(syscall(SYS_close_range, 3, ~0U, 0), e, DSEC_STEP_CLOSE_FDS, NULL) < 0 ||
         caps_bound(a->cap_keep, e) < 0 || ids_set(a, e) < 0 || caps_set(a->cap_keep, e) < 0 ||
         check(chdir(a->cwd), e, DSEC_STEP_CHDIR, a->cwd) < 0 ||
-        check(prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), e, DSEC_STEP_NO_NEW_PRIVS, NULL) < 0)
+        check(prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), e, DSEC_STEP_NO_NEW_PRIVS, NULL) < 0 ||
+        seccomp_step(a->seccomp_profile, e) < 0)
         _exit(127);
     umask(022);
     signals_unblock();

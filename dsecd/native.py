@@ -65,6 +65,7 @@ _VERBS = {
     "exec_init": "exec", "setns": "enter namespaces of", "setsid": "setsid for",
     "ids": "set uid/gid to", "chdir": "chdir to", "exec": "exec", "exec_interp": "exec",
     "sched_idle": "set SCHED_IDLE for", "sched_core": "set core-scheduling cookie of",
+    "seccomp": "install seccomp filter for",
 }
 
 _MOUNT_STEPS = {"mount_private", "mount_overlay", "mount_proc", "mount_dev", "dev_node",
@@ -281,6 +282,7 @@ class ContainerSpec:
     shm_size_bytes: int    # size= of the tmpfs on /dev/shm
     sched_idle: bool = False  # PID 1 (and all it forks) runs SCHED_IDLE
     core_sched: bool = False  # PID 1 gets a core-scheduling cookie of its own
+    seccomp_profile: int = -1  # a filter pre-built by dsecd.seccomp.prepare(); -1 = none
 
     def __post_init__(self):
         self.overlay_options()
@@ -325,6 +327,7 @@ def spawn_container(spec: ContainerSpec) -> int:
     cgroups = _cgroup_files(spec.cgroup_procs)
     args.cgroup_procs, args.n_cgroups = _string_array(cgroups, keep), len(cgroups)
     args.sched_idle, args.core_sched = bool(spec.sched_idle), bool(spec.core_sched)
+    args.seccomp_profile = int(spec.seccomp_profile)
     err = ffi.new("struct dsec_err *")
     pid = lib.dsec_spawn_container(args, err)
     if pid < 0:
@@ -371,6 +374,7 @@ class ExecSpec:
                            # inheritable = ambient = cap_keep
     sched_idle: bool = False  # SCHED_IDLE before execve; its children inherit it
     core_sched: bool = False  # copy the core-scheduling cookie of the sandbox's PID 1
+    seccomp_profile: int = -1  # a filter pre-built by dsecd.seccomp.prepare(); -1 = none
 
     def __post_init__(self):
         _fd("pidfd", self.pidfd)
@@ -412,6 +416,7 @@ def spawn_exec(spec: ExecSpec) -> int:
     args.uid, args.gid, args.cap_keep = spec.uid, spec.gid, spec.cap_keep
     args.stdin_fd, args.stdout_fd, args.stderr_fd = spec.stdin_fd, spec.stdout_fd, spec.stderr_fd
     args.sched_idle, args.core_sched = bool(spec.sched_idle), bool(spec.core_sched)
+    args.seccomp_profile = int(spec.seccomp_profile)
     err = ffi.new("struct dsec_err *")
     pid = lib.dsec_spawn_exec(args, err)
     if pid < 0:

@@ -88,6 +88,19 @@ class ContainerBackend:
         self.sizes = sizes
         self.caps = cap_mask(sandbox_cfg["capabilities"])
         self.init_path = native.init_binary_path()
+        self.seccomp = self._prepare_seccomp(sandbox_cfg["seccomp"])
+
+    @staticmethod
+    def _prepare_seccomp(name: str) -> int:
+        """Build the profile once, here, before any spawn child installs it."""
+        if not name:
+            log.warning("sandbox.seccomp is empty: sandboxes run WITHOUT a seccomp filter")
+            return -1
+        from .. import seccomp
+
+        n = seccomp.prepare(name)
+        log.info("seccomp profile %r: %d BPF instructions, installed in every sandbox process", name, n)
+        return seccomp.profile_number(name)
 
     def group_for(self, sb_id: str) -> cgroup.Group:
         return cgroup.Group(self.layout, f"{self.cgroup_root}/{sb_id}")
@@ -116,7 +129,8 @@ class ContainerBackend:
                 rootfs=str(sbdir / "rootfs"), lowerdirs=lowerdirs, upperdir=str(sbdir / "upper"),
                 workdir=str(sbdir / "work"), hostname=hostname, init_path=self.init_path,
                 cgroup_procs=group.procs_files(), tmp_size_bytes=self.sizes["tmp"],
-                shm_size_bytes=self.sizes["shm"], sched_idle=sched_idle, core_sched=core_sched)
+                shm_size_bytes=self.sizes["shm"], sched_idle=sched_idle, core_sched=core_sched,
+                seccomp_profile=self.seccomp)
             pid = native.spawn_container(spec)
             steps.undo("kill init", lambda: _kill_and_reap(pid))
             handle = self._open_handle(pid, group, sbdir, is_child=True)
@@ -164,7 +178,7 @@ class ContainerBackend:
         spec = native.ExecSpec(pidfd=h.pidfd, cgroup_procs=h.group.procs_files(), argv=argv, env=env,
                                cwd=cwd, uid=uid, gid=uid, stdin_fd=fds[0], stdout_fd=fds[1],
                                stderr_fd=fds[2], cap_keep=self.caps, sched_idle=h.sched_idle,
-                               core_sched=h.core_sched)
+                               core_sched=h.core_sched, seccomp_profile=self.seccomp)
         return native.spawn_exec(spec)
 
     # ------------------------------------------------------------ destroy

@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 
+IDLE_MS = 20
 RLIMITS = {"as": resource.RLIMIT_AS, "cpu": resource.RLIMIT_CPU, "fsize": resource.RLIMIT_FSIZE,
            "nofile": resource.RLIMIT_NOFILE, "core": resource.RLIMIT_CORE}
 
@@ -246,19 +247,19 @@ class Zygote:
                 os.close(f)
 
     def run(self):
+        # Spares are forked when the zygote had nothing to do for IDLE_MS, or
+        # at once when fewer than half are left: a fork blocks this loop for
+        # a few ms (page tables), which would delay every call waiting on it.
         while True:
-            for fd, _ev in self.poll.poll():
+            low = len(self.idle) < max(1, self.spares // 2)
+            want = len(self.idle) < self.spares and self.uids
+            events = self.poll.poll(0 if (want and low) else (IDLE_MS if want else None))
+            for fd, _ev in events:
                 if fd == self.sock.fileno():
                     self.on_request()
                 elif fd in self.by_fd:
                     self.on_worker(fd, self.by_fd[fd])
-            # Spares are forked when no call is running, or when fewer than
-            # half are left: a fork blocks this loop for a few ms (page
-            # tables), which would otherwise delay the report of a call that
-            # just finished.
-            while len(self.idle) < self.spares and self.uids:
-                if self.poll.poll(0) or (self.by_id and len(self.idle) >= self.spares // 2):
-                    break
+            if not events and want:
                 self.idle.append(self.fork_worker())
 
 

@@ -105,3 +105,12 @@ def test_destroy_with_running_exec_needs_force(client):
 def test_exec_on_missing_sandbox(client):
     with pytest.raises(NotFound):
         client.request("exec", sandbox="ffffffffffff", argv=["true"])
+
+
+def test_every_sandbox_process_runs_under_the_seccomp_filter(sandbox):
+    # The exec'd process, a child it forks, and the sandbox's PID 1.
+    r = sandbox.exec(["sh", "-c", "grep '^Seccomp:' /proc/self/status; (grep '^Seccomp:' /proc/self/status); "
+                                  "grep '^Seccomp:' /proc/1/status"])
+    assert r.stdout.split(b"\n")[:3] == [b"Seccomp:\t2"] * 3
+    r = sandbox.exec(["sh", "-c", "unshare -u true; echo rc=$?"])
+    assert b"rc=0" not in r.stdout and b"Operation not permitted" in r.stdout + r.stderr
