@@ -361,16 +361,19 @@ async def cmd_call(c: Client, a) -> int:
 
 async def cmd_exec(c: Client, a) -> int:
     if not a.argv:
-        raise SystemExit("dsec exec: give a command after the sandbox id, e.g. dsec exec SB -- ls /")
+        raise SystemExit(f"dsec {a.cmd}: give a command after the sandbox id, e.g. dsec {a.cmd} SB -- ls /")
     sb = await c.get(a.sandbox)
+    tracing = a.cmd == "trace"
     stream = sb.exec_stream(a.argv, timeout=a.timeout, env=_kv(a.env, "--env"), cwd=a.cwd, user=a.user,
-                            stdin=_stdin_chunks() if a.interactive else None)
+                            stdin=_stdin_chunks() if a.interactive else None, trace=tracing)
     outs = {1: sys.stdout.buffer, 2: sys.stderr.buffer}
     async for fd, data in stream:
         outs[fd].write(data)
         outs[fd].flush()
     r = stream.result
-    if a.json:
+    if tracing:
+        _print_trace(r.trace or {}, a.json, a.output)
+    elif a.json:
         _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
                      "truncated": r.truncated, "duration_ms": r.duration_ms})
     if r.truncated:
@@ -382,6 +385,24 @@ async def cmd_exec(c: Client, a) -> int:
     if r.signal:
         return 128 + r.signal
     return r.exit_code or 0
+
+
+def _print_trace(rec: dict, as_json: bool, path: str | None) -> None:
+    """The record of `dsec trace`: to --output, else to stderr (stdout is the command's)."""
+    if "error" in rec:
+        print(f"dsec trace: {rec['error']}", file=sys.stderr)
+        return
+    if as_json:
+        text = json.dumps(rec, sort_keys=True) + "\n"
+    else:
+        from .trace import Trace
+
+        text = Trace(**rec).to_text()
+    if path:
+        with open(path, "w") as f:
+            f.write(text)
+    else:
+        sys.stderr.write(text)
 
 
 def _split_remote(spec: str) -> tuple[str | None, str]:
@@ -497,6 +518,18 @@ def cmd_rpc(a) -> int:
 
 # ---------------------------------------------------------------- parser
 
+def _exec_options(ex: argparse.ArgumentParser, verb: str) -> None:
+    ex.add_argument("-i", "--interactive", action="store_true", help="pass stdin to the command")
+    ex.add_argument("--timeout", type=float, help="seconds; the process group is killed after it")
+    ex.add_argument("--env", action="append", metavar="K=V")
+    ex.add_argument("--cwd")
+    ex.add_argument("--user", type=int)
+    if verb == "trace":
+        ex.add_argument("--output", "-o", metavar="FILE", help="write the record here (default: stderr)")
+    ex.add_argument("sandbox")
+    ex.add_argument("argv", nargs=argparse.REMAINDER)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsec", description="Drive the local dsecd daemon.")
     p.add_argument("--socket", default=default_socket(), help="daemon socket (env DSEC_SOCKET)")
@@ -557,14 +590,11 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--memory", help="e.g. 256M")
     pool.add_parser("ls", help="pools: shape, bounds, ready, taken")
 
-    ex = sub.add_parser("exec", help="run a command in a sandbox")
-    ex.add_argument("-i", "--interactive", action="store_true", help="pass stdin to the command")
-    ex.add_argument("--timeout", type=float, help="seconds; the process group is killed after it")
-    ex.add_argument("--env", action="append", metavar="K=V")
-    ex.add_argument("--cwd")
-    ex.add_argument("--user", type=int)
-    ex.add_argument("sandbox")
-    ex.add_argument("argv", nargs=argparse.REMAINDER)
+    for verb, text in (("exec", "run a command in a sandbox"),
+                       ("trace", "run a command under ptrace and record its execve, opens, connects, signals")):
+        ex = sub.add_parser(verb, help=text)
+        _exec_options(ex, verb)
+
 
     call = sub.add_parser("call", help="stateless function call (FnCall): dsec call --image IMG -- CMD...")
     call.add_argument("--image", required=True)
@@ -632,7 +662,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"info": cmd_info, "image": cmd_image, "snapshot": cmd_snapshot, "pause": cmd_pause,
-            "resume": cmd_resume, "job": cmd_job, "events": cmd_events, "net": cmd_net, "create": cmd_create, "exec": cmd_exec, "call": cmd_call, "pool": cmd_pool, "cp": cmd_cp,
+            "resume": cmd_resume, "job": cmd_job, "events": cmd_events, "net": cmd_net, "trace": cmd_exec, "create": cmd_create, "exec": cmd_exec, "call": cmd_call, "pool": cmd_pool, "cp": cmd_cp,
             "ps": cmd_ps, "inspect": cmd_inspect, "rm": cmd_rm, "top": cmd_top}
 
 

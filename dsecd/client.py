@@ -42,6 +42,7 @@ class ExecResult:
     timed_out: bool
     cancelled: bool
     duration_ms: float
+    trace: dict | None = None        # with exec(trace=True): the ptrace record
 
     @property
     def ok(self) -> bool:
@@ -52,7 +53,8 @@ class ExecResult:
         return cls(exit_code=r.get("exit_code"), signal=r.get("signal"),
                    stdout=r.get("stdout", stdout), stderr=r.get("stderr", stderr),
                    truncated=r.get("truncated", False), timed_out=r.get("timed_out", False),
-                   cancelled=r.get("cancelled", False), duration_ms=r.get("duration_ms", 0.0))
+                   cancelled=r.get("cancelled", False), duration_ms=r.get("duration_ms", 0.0),
+                   trace=r.get("trace"))
 
 
 @dataclass
@@ -375,18 +377,22 @@ class Sandbox:
     def __repr__(self) -> str:
         return f"<Sandbox {self.id} {self.info.get('state')}>"
 
-    def _exec_args(self, argv, env, cwd, user, timeout, stdin: bool, stream: bool) -> dict:
-        args = {"sandbox": self.id, "argv": list(argv), "env": env or {}, "stdin": stdin, "stream": stream}
+    def _exec_args(self, argv, env, cwd, user, timeout, stdin: bool, stream: bool, trace: bool = False) -> dict:
+        args = {"sandbox": self.id, "argv": list(argv), "env": env or {}, "stdin": stdin, "stream": stream,
+                "trace": trace}
         for k, v in (("cwd", cwd), ("user", user), ("timeout", timeout)):
             if v is not None:
                 args[k] = v
         return args
 
     async def exec(self, argv: list[str], timeout: float | None = None, env: dict | None = None,
-                   cwd: str | None = None, user: int | None = None, stdin: bytes | None = None) -> ExecResult:
-        """Run a command; return its collected output and status."""
+                   cwd: str | None = None, user: int | None = None, stdin: bytes | None = None,
+                   trace: bool = False) -> ExecResult:
+        """Run a command; return its collected output and status (and, with
+        trace, the ptrace record of what it executed, opened and connected to)."""
         if stdin is None:
-            r = await self.client.request("exec", **self._exec_args(argv, env, cwd, user, timeout, False, False))
+            r = await self.client.request("exec", **self._exec_args(argv, env, cwd, user, timeout, False, False,
+                                                                   trace))
             return ExecResult.from_result(r)
         out: dict[int, list[bytes]] = {1: [], 2: []}
         stream = self.exec_stream(argv, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin)
@@ -398,8 +404,9 @@ class Sandbox:
 
     def exec_stream(self, argv: list[str], timeout: float | None = None, env: dict | None = None,
                     cwd: str | None = None, user: int | None = None,
-                    stdin: bytes | AsyncIterator[bytes] | None = None) -> ExecStream:
-        return ExecStream(self, self._exec_args(argv, env, cwd, user, timeout, stdin is not None, True), stdin)
+                    stdin: bytes | AsyncIterator[bytes] | None = None, trace: bool = False) -> ExecStream:
+        return ExecStream(self, self._exec_args(argv, env, cwd, user, timeout, stdin is not None, True, trace),
+                          stdin)
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644, parents: bool = True) -> int:
         chunk = self.client.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)

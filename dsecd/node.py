@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import __version__, cgroup, protocol
+from . import __version__, cgroup, protocol, tracing
 from .backends.container import ContainerBackend, Handle, close_handle
 from .callops import CallOps
 from .config import Config, ConfigError, parse_size
@@ -499,18 +499,24 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         sb.execs += 1
         ctx.register_exec(io)
         try:
+            argv = tracing.traced_argv(req.argv) if req.trace else list(req.argv)
             try:
-                pid = await self.run_blocking(self.backend.spawn, sb.handle, list(req.argv), env, cwd,
+                pid = await self.run_blocking(self.backend.spawn, sb.handle, argv, env, cwd,
                                               user, io.child_fds())
             except NativeError as err:
-                raise _exec_error(err, req.argv[0], cwd) from err
+                raise _exec_error(err, argv[0], cwd) from err
             except ValueError as err:       # the native layer's argument checks (sizes, NULs)
                 raise BadRequest(f"exec: {err}") from err
             finally:
                 io.close_child_ends()
             pidfd = os.pidfd_open(pid)
+            tracer = None
             try:
+                if req.trace:
+                    tracer = await self._start_tracer(io, pid, timeout)
                 result = await io.run(pid, pidfd, timeout, self.limits["exec_drain_grace_s"])
+                if tracer is not None:
+                    result["trace"] = await self.run_blocking(tracing.collect, tracer)
             finally:
                 os.close(pidfd)
         finally:
@@ -522,6 +528,15 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             result["stdout"] = b"".join(collected[1])
             result["stderr"] = b"".join(collected[2])
         return result
+
+    async def _start_tracer(self, io: ExecIO, pid: int, timeout: float | None):
+        try:
+            return await self.run_blocking(tracing.start_tracer, pid, timeout,
+                                           self.cfg.size("limits", "max_trace_bytes"))
+        except OSError as err:
+            io.pid = pid
+            io.kill()            # it is stopped, waiting for a tracer that will not come
+            raise io_error("start the tracer for", f"pid {pid}", err) from err
 
     async def op_exec_input(self, req, ctx) -> dict:
         io = ctx.exec_for(req.exec_id)

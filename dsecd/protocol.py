@@ -205,6 +205,7 @@ class Exec:
     timeout: float | None = None
     stdin: bool = False      # if true, input arrives as exec_input requests
     stream: bool = True      # stream output frames; else return it in the result
+    trace: bool = False      # record execve/open/connect/signals under ptrace (result `trace`)
 
 
 @request("exec_input")
