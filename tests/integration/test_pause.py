@@ -8,7 +8,6 @@ import pytest
 from dsecd.errors import BadRequest, NotFound
 
 
-
 @pytest.fixture
 def mem(daemon_factory, busybox_rootfs):
     d = daemon_factory()
