@@ -3,7 +3,7 @@
 
 PY := .venv/bin/python
 
-.PHONY: setup build test lint demo bench bench-core rootfs fuzz
+.PHONY: setup build test lint demo bench bench-core rootfs fuzz stress
 
 setup:
 	bash scripts/setup.sh
@@ -28,7 +28,7 @@ rootfs:
 
 # Benchmarks print progress on stderr and one JSON object as the last line of
 # stdout. `make bench-<area>` runs bench/<area>.py; `make bench` runs them all.
-BENCHES := core cpu memory
+BENCHES := core cpu memory burst
 
 bench: $(addprefix bench-,$(BENCHES))
 
@@ -50,3 +50,10 @@ bench-images: setup
 # `pytest tests/fuzz` runs a few-second slice of the same code.
 fuzz: setup
 	$(PY) bench/fuzz.py --inputs 100000 --seed 7
+
+# 64 clients mixing create, exec, file ops, pause, FnCalls and destroy for two
+# minutes against a private daemon, kill -9 and restart of the daemon half-way;
+# fails on any undocumented error, lost or duplicated sandbox, or leak. Last
+# line: JSON. tests/integration/test_stress_short.py runs a few seconds of it.
+stress: setup
+	$(PY) bench/stress.py --clients 64 --seconds 120

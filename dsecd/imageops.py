@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 from . import cgroup
-from .errors import DsecError
+from .errors import Conflict, DsecError
 from .fs.images import ImageError, ImageStore
 from .fs.layers import LayerMounts
 from .fs.pager import Pager, PagerConfig
@@ -114,10 +114,17 @@ class ImageOps:
         log.error("pager restarted (generation %d): remounted %d layer(s); sandboxes %s may see EIO "
                   "on pages their layers had not cached", generation, len(done), users)
 
-    def stop_images(self) -> None:
-        """Daemon shutdown: stop supervising; the pager itself keeps serving the
-        layers of running sandboxes and is adopted by the next daemon."""
+    def stop_images(self, drained: bool) -> None:
+        """Daemon shutdown (blocking): stop supervising. With sandboxes left, the
+        pager keeps serving their layers and the next daemon adopts it; with none
+        (drained), it is stopped and its mount goes."""
         self._pager_stop.set()
+        if drained and self.pager is not None:
+            try:
+                self.layers.sweep(force=True)
+                self.pager.stop()
+            except OSError as err:
+                log.error("stop the pager: %s", err)
 
     def start_layer_sweeper(self) -> None:
         async def sweep() -> None:
@@ -204,9 +211,15 @@ class ImageOps:
         sb = self._get(req.sandbox, req)
         base = await self._images_call(self.images.get_manifest, sb.manifest, sb.image)
         exclude = self.snapshot_exclude + list(req.exclude)
+        if sb.state != "running" or sb.handle is None:       # changed during the await above
+            raise Conflict(f"sandbox {sb.id} is {sb.state}; snapshot needs it running")
         freezer = pause.Freezer.of(sb.handle.group)
         async with sb.lock:      # no pause/resume in between
-            await self.run_blocking(freezer.freeze, self.pause_cfg.freeze_timeout_s)
+            try:
+                await self.run_blocking(freezer.freeze, self.pause_cfg.freeze_timeout_s)
+            except OSError as err:      # destroyed meanwhile: its cgroup is gone
+                raise Conflict(f"snapshot of sandbox {sb.id}: cannot freeze it ({err}); is it being destroyed?",
+                               {"sandbox": sb.id}) from err
             try:
                 image = await self._images_call(self.images.snapshot, sb.handle.dir / "upper", base,
                                                 req.name, exclude, self._progress(ctx))

@@ -196,9 +196,10 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         for task in (self._cpu_task, self._sweep_task, self._reaper_task):
             if task:
                 task.cancel()
-        self.stop_images()
         self.close_net()
         await self.run_blocking(self.close_memory)
+        drained = not any(s.handle is not None for s in self.sandboxes.values())
+        await self.run_blocking(self.stop_images, drained)
         for sb in self.sandboxes.values():
             if sb.handle and sb.handle.pidfd >= 0:
                 self.loop.remove_reader(sb.handle.pidfd)
@@ -439,8 +440,16 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
                            {"sandbox": sb.id, "execs": sb.execs})
         # No journal write for "stopping": a crash mid-destroy leaves the record
         # as it was, and the next daemon re-adopts the sandbox or marks it dead.
-        await self.run_blocking(self.before_destroy, sb)
         prev, sb.state = sb.state, "stopping"
+        # Once accepted, a destroy finishes even if its request is cancelled
+        # (client gone, `cancel`): the client gave up on the answer, not on the
+        # destroy, and a half-done one would leave the sandbox "stopping" forever.
+        return await asyncio.shield(self._teardown(sb, prev))
+
+    async def _teardown(self, sb: Sandbox, prev: str) -> dict:
+        sb.state = prev                        # before_destroy looks at paused or not
+        await self.run_blocking(self.before_destroy, sb)
+        sb.state = "stopping"
         h, sb.handle = sb.handle, None
         if h and h.pidfd >= 0:
             self.loop.remove_reader(h.pidfd)
@@ -449,6 +458,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         except OSError as err:
             log.error("destroy sandbox %s: %s", sb.id, err)
             sb.state = prev
+            sb.handle = h
             self._journal(sb)
             raise io_error("destroy sandbox", sb.id, err) from err
         await self.detach_net(sb)

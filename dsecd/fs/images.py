@@ -133,7 +133,10 @@ class ImageStore:
 
     def remove(self, name: str) -> Image:
         image = self.get(name)
-        self._ref(name).unlink()
+        try:
+            self._ref(name).unlink()
+        except FileNotFoundError:     # a concurrent rm of the same name won
+            raise ImageError("not_found", f"no image named {name!r} (removed meanwhile)") from None
         return image
 
     # ------------------------------------------------------------ building

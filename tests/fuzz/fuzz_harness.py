@@ -149,6 +149,11 @@ class FuzzTarget:
 
     def ensure_target(self) -> None:
         live = {s["id"]: s for s in self.control("list")["sandboxes"]}
+        if live.get(self.target, {}).get("state") == "paused":   # a fuzzed `pause` or `job_pause`
+            self.control("resume", sandbox=self.target)
+            return
+        if self.target in live and live[self.target]["state"] != "running":
+            self.control("destroy", sandbox=self.target, force=True)
         if self.target not in live or live[self.target]["state"] != "running":
             sb = self.control("create", image="busybox", memory="64M", pids=64,
                               labels={"fuzz": "target"})

@@ -103,9 +103,8 @@ def test_bad_exec_fields_are_bad_request(target, args):
     assert answer["error"]["code"] == "bad_request", answer
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="fuzz finding: a cancel read in the same burst as its target cancels "
-                   "a task that never started: no final frame, id stuck in flight (server.py)")
+# Fuzz finding, fixed: a cancel read in the same burst as its target cancelled a
+# task that never started: no final frame, id stuck in flight (server.py).
 def test_a_request_cancelled_before_it_starts_still_gets_its_final_frame(target):
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(target.daemon.socket)
@@ -125,9 +124,7 @@ def test_a_request_cancelled_before_it_starts_still_gets_its_final_frame(target)
     assert 4 in got, f"request 4 got no final frame; answers: {sorted(got, key=str)}"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="fuzz finding: node._destroy is not cancellation-safe; a cancelled "
-                   "destroy strands the sandbox in `stopping` (docs/hardening.md)")
+# Fuzz finding, fixed: a cancelled destroy stranded the sandbox in `stopping`.
 def test_a_cancelled_destroy_still_finishes(target):
     # Last in this module: when it fails, the module's daemon keeps a stuck sandbox.
     target.ensure_target()

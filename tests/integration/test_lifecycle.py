@@ -12,8 +12,10 @@ from dsecd.errors import BadRequest, Busy, Conflict, NotFound  # noqa: F401
 
 def host_counts(d) -> dict:
     """What a leak would show: mounts, our cgroups, our dirs, processes."""
+    # Only mounts that name this daemon's dirs (as mountpoint, source or overlay
+    # option): other work on the host must not count as our leak.
     with open("/proc/self/mountinfo") as f:
-        mounts = sum(1 for _ in f)
+        mounts = sum(1 for line in f if str(d.tmp) in line)
     cgroups = 0
     for top in d.cgroup_dirs():
         for _dp, dirnames, _f in os.walk(top):
