@@ -139,7 +139,9 @@ if __name__ == "__main__":
     if a.quick:
         a.sandboxes, a.job = 20, 50
     rootfs = harness.build_rootfs()
-    extra = '[memory.zram]\nenabled = true\nsize = "12G"\n[limits]\nmax_sandboxes = 4096\n'
+    # Admission off: 500 idle sandboxes are far past any sane CPU oversubscription of 2 cores.
+    extra = ('[memory.zram]\nenabled = true\nsize = "12G"\n[limits]\nmax_sandboxes = 4096\n'
+             "[cpu]\noversubscription = 0\nmemory_oversubscription = 0\n")
     with harness.private_daemon(rootfs, "busybox", extra_config=extra) as d:
         figures = asyncio.run(main(d.sock, a))
     print(json.dumps(figures))

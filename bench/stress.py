@@ -165,7 +165,15 @@ async def _check_after_restart(clients: list[StressClient], tally: Tally) -> dic
     that was in flight, retried with its key, gives one sandbox."""
     for c in clients:
         await c.close()
-        await c.connect()
+        deadline = time.monotonic() + 60
+        while True:           # the restarted daemon may still be re-adopting: retry, as clients do
+            try:
+                await c.connect()
+                break
+            except ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
         for sb_id in list(c.mine):
             sb = dsecd.Sandbox(c.c, sb_id, {})
             try:

@@ -44,6 +44,7 @@ from .fs import files as sbfiles
 from .fs.images import ImageError
 from .imageops import ImageOps, image_error
 from .journal import Journal
+from .mem import pause
 from .memops import MemOps, parse_duration
 from .native import NativeError
 from .netops import NetOps
@@ -181,6 +182,10 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             await self._mark_dead(sb, None)
             return
         sb.handle = handle
+        if sb.state == "running":
+            # A kill -9 between a pause's freeze and its journal write leaves a
+            # "running" sandbox frozen: thaw it, or its next exec hangs joining it.
+            await self.run_blocking(lambda: pause.Freezer.of(handle.group).thaw())
         sb.last_active = time.monotonic()          # idle and lease clocks restart with the daemon
         if sb.lease:
             sb.lease_deadline = sb.last_active + sb.lease
