@@ -182,8 +182,12 @@ async def _check_after_restart(clients: list[StressClient], tally: Tally) -> dic
                     tally.fail(f"re-adopted {sb_id}: exec {r}")
                 c.mine[sb_id] = sb
             except DsecError as err:
-                if not (err.code == "not_found" and sb_id == c.pending_destroy):
+                # A destroy in flight at the kill may have killed the init
+                # (dead) or finished (not_found): either is that destroy's doing.
+                if sb_id != c.pending_destroy or err.code not in ("not_found", "conflict"):
                     tally.fail(f"sandbox {sb_id} lost across kill -9: {err}")
+                elif err.code == "conflict":
+                    await sb.destroy(force=True)
                 del c.mine[sb_id]
         c.pending_destroy = None
         if c.pending_key:

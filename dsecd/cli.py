@@ -80,6 +80,19 @@ async def cmd_info(c: Client, a) -> int:
         print(f"  {k:<12} {v}")
     if "cpu" in info:
         _print_cpu_info(info["cpu"])
+    if "admission" in info:
+        q = info["admission"]
+        print(f"create queue: {q['active']} running of {q['max_active']}, {q['queued']} queued of "
+              f"{q['max_queued']}, wait p50 {q['wait_p50_ms']} ms p99 {q['wait_p99_ms']} ms "
+              f"max {q['wait_max_ms']} ms, {q['creates_per_s']} creates/s, {q['rejected_busy']} busy"
+              + (", by job: " + ", ".join(f"{j or '-'} {n}" for j, n in q["queued_by_job"].items())
+                 if q["queued_by_job"] else ""))
+        for name, p in q["pools"].items():
+            print(f"  pool {name}: {p['ready']} ready, {p['creating']} creating, {p['taken']} taken")
+    if "fncall" in info:
+        f = info["fncall"]
+        print(f"fncall: {f['calls']} calls ({f['zygote_calls']} zygote, {f['plain_calls']} plain), "
+              f"{f['inflight']} in flight, zygotes started {f['zygotes_started']} replaced {f['zygotes_replaced']}")
     return 0
 
 

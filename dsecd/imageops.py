@@ -27,6 +27,25 @@ from .mem import pause
 log = logging.getLogger(__name__)
 
 
+# Store file systems where paging layers in by chunks pays: each read crosses a
+# network. On local disk the pager only adds FUSE round trips (measured: +9 ms
+# per create+exec+destroy on this host), so auto mounts local blobs directly.
+REMOTE_FS = {"nfs", "nfs4", "ceph", "cifs", "smb3", "9p", "glusterfs", "lustre", "gpfs", "beegfs", "fuse"}
+
+
+def store_fstype(path: Path) -> str:
+    """The type of the file system holding `path` (longest mountpoint prefix)."""
+    best, fstype = "", "unknown"
+    target = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            point = left.split()[4].replace("\\040", " ")
+            if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+                best, fstype = point, right.split()[0]
+    return fstype
+
+
 def image_error(err: ImageError) -> DsecError:
     return DsecError(str(err), code=err.code)
 
@@ -52,8 +71,12 @@ class ImageOps:
         self._pager_stop = threading.Event()
 
     def _pick_mode(self, wanted: str) -> str:
-        if wanted not in ("lazy", "eager", "direct"):
-            raise ValueError(f"images.mode must be lazy, eager or direct, not {wanted!r}")
+        if wanted not in ("auto", "lazy", "eager", "direct"):
+            raise ValueError(f"images.mode must be auto, lazy, eager or direct, not {wanted!r}")
+        if wanted == "auto":
+            fstype = store_fstype(self.images.store.root)
+            wanted = "lazy" if fstype in REMOTE_FS or fstype.startswith("fuse.") else "direct"
+            log.info("images.mode auto: the store is on %s, so layers are mounted %s", fstype, wanted)
         if wanted == "lazy" and not self.features.has("fuse"):
             log.warning("images.mode = lazy needs FUSE (%s); layers are mounted straight from the "
                         "store (direct) instead", self.features.items["fuse"].detail)
@@ -123,6 +146,7 @@ class ImageOps:
             try:
                 self.layers.sweep(force=True)
                 self.pager.stop()
+                self.pager_group.remove()
             except OSError as err:
                 log.error("stop the pager: %s", err)
 

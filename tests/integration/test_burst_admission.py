@@ -151,5 +151,7 @@ def test_cli_pool_and_key(daemon):
     second = daemon.cli("create", "--image", "busybox", "--key", "cli-key")
     assert first.returncode == 0 and first.stdout == second.stdout
     assert daemon.cli("rm", "-f", first.stdout.decode().strip()).returncode == 0
+    info = daemon.cli("info")
+    assert info.returncode == 0 and b"create queue: " in info.stdout and b"wait p50" in info.stdout
     assert daemon.cli("pool", "set", "--image", "busybox", "--min", "0", "--max", "0",
                       "--memory", "80M").returncode == 0

@@ -22,9 +22,11 @@ def tree_digest(sb, root="/work"):
     return r.stdout.decode()
 
 
-@pytest.fixture
-def images(daemon_factory, busybox_rootfs):
-    d = daemon_factory()
+@pytest.fixture(params=["direct", "lazy"])
+def images(request, daemon_factory, busybox_rootfs):
+    """Both ways a layer reaches the host: mounted from the store file, and paged
+    in through dsec-pager (what a store on a distributed file system gets)."""
+    d = daemon_factory(f'[images]\nmode = "{request.param}"\n')
     c = d.client()
     c.build_image(busybox_rootfs, "base")
     yield d, c
@@ -237,3 +239,30 @@ def test_digest_of_blob_matches_its_name(images):
     for layer in img["layers"]:
         data = (store / layer["digest"][7:]).read_bytes()
         assert "sha256:" + hashlib.sha256(data).hexdigest() == layer["digest"]
+
+
+def test_pager_restart_is_survived_by_new_sandboxes(images):
+    """The supervisor restarts a killed pager and remounts the layers, so new
+    sandboxes work again (old ones may see EIO on pages never cached)."""
+    import signal
+    import time
+
+    d, c = images
+    info = c.info()
+    if info["images"]["mode"] != "lazy":
+        pytest.skip("the pager runs in lazy mode only (this is the direct-mode run)")
+    sb = c.create(image="base")
+    assert sb.exec(["true"]).exit_code == 0
+    old_pid = info["images"]["pager"]["pid"]
+    os.kill(old_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        pager = c.info()["images"].get("pager", {})
+        if pager.get("pid") not in (None, old_pid) and "error" not in pager:
+            break
+        time.sleep(0.2)
+    assert pager.get("pid") not in (None, old_pid), pager
+    sb2 = c.create(image="base")
+    assert sb2.exec(["sh", "-c", "ls /bin | wc -l"]).exit_code == 0
+    sb.destroy()
+    sb2.destroy()
