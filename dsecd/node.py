@@ -385,7 +385,8 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         # orphans, kills what is in the cgroups and removes them.
         try:
             # Each layer mounted once per host; overlay wants the top layer first.
-            mounts = await self.run_blocking(self.layers.acquire, sb.layers)
+            mounts = (self.layers.acquire_mounted(sb.layers)
+                      or await self.run_blocking(self.layers.acquire, sb.layers))
         except OSError as err:
             self.sandboxes.pop(sb_id, None)
             raise io_error("mount layers of image", req.image, err) from err
@@ -453,7 +454,8 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
 
     async def _teardown(self, sb: Sandbox, prev: str) -> dict:
         sb.state = prev                        # before_destroy looks at paused or not
-        await self.run_blocking(self.before_destroy, sb)
+        if self.damon_running or sb.state == "paused":     # else before_destroy has nothing to do
+            await self.run_blocking(self.before_destroy, sb)
         sb.state = "stopping"
         h, sb.handle = sb.handle, None
         if h and h.pidfd >= 0:

@@ -60,6 +60,17 @@ class LayerMounts:
             raise
         return out
 
+    def acquire_mounted(self, digests: list[str]) -> list[str] | None:
+        """acquire() without any syscall when every layer is mounted already (the
+        common case: a burst on one image), so the caller can skip a worker-thread
+        hop; None when something must be mounted first."""
+        with self._lock:
+            if not all(self._refs.get(d) for d in digests):
+                return None
+            for d in digests:
+                self._refs[d] += 1
+            return [str(self._dir(d)) for d in digests]
+
     def release(self, digests: list[str]) -> None:
         now = time.monotonic()
         with self._lock:
