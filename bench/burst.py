@@ -34,7 +34,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 import time
 
 import harness
@@ -243,8 +242,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        log("interrupted (cleaned up)")
-        sys.exit(130)
+    harness.run(main)

@@ -32,7 +32,6 @@ import contextlib
 import json
 import os
 import statistics
-import sys
 import time
 
 import harness
@@ -290,8 +289,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        log("interrupted (cleaned up)")
-        sys.exit(130)
+    harness.run(main)

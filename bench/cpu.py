@@ -33,7 +33,6 @@ import os
 import secrets
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -308,8 +307,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        log("interrupted (cleaned up)")
-        sys.exit(130)
+    harness.run(main)

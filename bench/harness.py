@@ -227,3 +227,13 @@ def private_daemon(rootfs: str, image: str, config: str | None = None, extra_con
             remove_tmp(tmp)
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, interrupt)
+
+
+def run(main) -> None:
+    """A bench script's entry point: exit with main()'s status. On Ctrl-C or
+    SIGTERM, private_daemon has already cleaned up by the time this sees it."""
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        log("interrupted (cleaned up)")
+        sys.exit(130)

@@ -54,7 +54,6 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -539,8 +538,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        log("interrupted (cleaned up)")
-        sys.exit(130)
+    harness.run(main)
