@@ -6,7 +6,7 @@ Through a private daemon (bench/harness.py) with its own zram swap device
 * paused_reclaimed_fraction: N idle sandboxes each hold 20 MiB of anonymous
   memory (half runs of one byte, half base64 of random bytes: compressible
   like a real heap, not like zeros) and 20 MiB of page cache (a file they
-  wrote and read). Host memory in use (MemTotal - MemAvailable) before and
+  wrote and read). Host memory in use (MemTotal - MemFree) before and
   after pausing them all, over what their memory cgroups held before;
   zram's compressed store is in "in use", so it is net of swap cost.
 * resume_first_exec_p50_ms / _p99_ms: exec `true` on each paused sandbox
@@ -33,8 +33,9 @@ import harness
 import dsecd
 
 HOLD = ("mkdir -p /work; (x=\"$(head -c 10485760 /dev/zero | tr '\\0' a)$(head -c 7864320 /dev/urandom | base64)\"; "
-        "head -c 20971520 /dev/urandom > /work/f; cat /work/f > /dev/null; "
-        "exec 0<&- 1>&- 2>&-; sleep 100000) > /dev/null 2>&1 &")
+        "head -c 20971520 /dev/urandom > /work/f; cat /work/f > /dev/null; echo ok > /tmp/ready; "
+        # Not `sleep` last: ash would exec it in place of the shell that holds x.
+        "exec 0<&- 1>&- 2>&-; sleep 100000; echo \"${#x}\") > /dev/null 2>&1 &")
 log = harness.log
 
 
@@ -44,7 +45,10 @@ def host_used() -> int:
         for line in f:
             k, v = line.split(":", 1)
             fields[k] = int(v.split()[0]) * 1024
-    return fields["MemTotal"] - fields["MemAvailable"]
+    # MemFree, not MemAvailable: the page cache a pause reclaims is "available"
+    # before and after, so MemAvailable would not see it leave; zram's
+    # compressed store is counted as used, so the figure is net of swap.
+    return fields["MemTotal"] - fields["MemFree"]
 
 
 def cgroup_usage(info: dict) -> int:
@@ -71,12 +75,25 @@ async def gather_limited(coros, limit: int = 16):
     return await asyncio.gather(*(one(c) for c in coros))
 
 
+async def wait_ready(sb, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if await sb.read_file("/tmp/ready") == b"ok\n":
+                return
+        except dsecd.DsecError:
+            pass
+        await asyncio.sleep(0.5)
+    raise TimeoutError(f"sandbox {sb.id} did not finish filling its memory in {timeout}s")
+
+
 async def reclaim_and_resume(sock: str, n: int) -> dict:
     async with dsecd.Client(sock) as c:
         log(f"{n} sandboxes holding 20 MiB anon + 20 MiB page cache each")
         sbs = await gather_limited([c.create(image="busybox", memory="256M") for _ in range(n)])
         await gather_limited([sb.exec(["sh", "-c", HOLD]) for sb in sbs], limit=2)
-        await asyncio.sleep(3)
+        await gather_limited([wait_ready(sb) for sb in sbs])     # the fills run in the background
+        await asyncio.sleep(1)
         infos = await gather_limited([sb.inspect() for sb in sbs])
         held = sum(cgroup_usage(i) for i in infos)
         before = host_used()
@@ -123,7 +140,8 @@ async def job_of(sock: str, n: int) -> dict:
 
 async def main(sock: str, args) -> dict:
     out = {}
-    out.update(await reclaim_and_resume(sock, args.sandboxes))
+    if args.sandboxes:
+        out.update(await reclaim_and_resume(sock, args.sandboxes))
     out.update(await job_of(sock, args.job))
     async with dsecd.Client(sock) as c:
         out["damon_available"] = (await c.info())["features"]["damon"]["available"]

@@ -252,8 +252,16 @@ class MemOps:
         return {"job": req.job, "paused": [s.id for s in paused], "failed": sorted(failed_ids)}
 
     async def op_job_resume(self, req, ctx) -> dict:
+        """Thaw the whole job first (what the caller waits for), then bring each
+        one's working set back behind the answer, as an on-demand resume does."""
         sbs = self._job(req.job, ("paused",))
-        results = await asyncio.gather(*(self._resume(s) for s in sbs), return_exceptions=True)
+        records = {s.id: pause.PauseRecord.from_json(s.pause_record or {}) for s in sbs}
+        results = await asyncio.gather(*(self._resume(s, mode="none") for s in sbs), return_exceptions=True)
+        if self.pause_cfg.prefetch_mode != "none":
+            for s, r in zip(sbs, results, strict=True):
+                if isinstance(r, dict) and records[s.id].working_set:
+                    self.loop.run_in_executor(self.pool, pause.prefetch, records[s.id].working_set,
+                                              self.pause_cfg.prefetch_mode)
         return {"job": req.job, "resumed": [s.id for s, r in zip(sbs, results, strict=True) if isinstance(r, dict)],
                 "failed": {s.id: str(r) for s, r in zip(sbs, results, strict=True) if isinstance(r, BaseException)}}
 

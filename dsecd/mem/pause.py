@@ -561,12 +561,14 @@ def resume(group: cgroup.Group, rec: PauseRecord | None = None, timeout: float =
     if freezer.state() == "THAWED":
         return ResumeResult(0.0, 0.0, 0, 0, already_running=True)
     t0 = time.monotonic()
-    members = group.pids()
-    # Only pids still in the group: a record may outlive its processes (and a
-    # daemon restart), and a pid number may have been reused elsewhere since.
-    ws = ({p: r for p, r in rec.working_set.items() if p in members} if rec and rec.working_set
-          else {p: resident_ranges(p) for p in members})
-    done, skipped = prefetch(ws, mode)
+    done = skipped = 0
+    if mode != "none":       # (thaw-only resumes skip reading the group's pids)
+        members = group.pids()
+        # Only pids still in the group: a record may outlive its processes (and a
+        # daemon restart), and a pid number may have been reused elsewhere since.
+        ws = ({p: r for p, r in rec.working_set.items() if p in members} if rec and rec.working_set
+              else {p: resident_ranges(p) for p in members})
+        done, skipped = prefetch(ws, mode)
     t1 = time.monotonic()
     freezer.thaw(timeout)
     return ResumeResult(t1 - t0, time.monotonic() - t1, done, skipped)
