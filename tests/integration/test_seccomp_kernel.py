@@ -20,6 +20,7 @@ import errno
 import json
 import os
 import platform
+import shutil
 import tempfile
 import threading
 
@@ -161,6 +162,15 @@ ALLOWED = ("getpid", "unshare_files", "fork", "clone_plain", "thread", "ioctl_tc
 
 
 def _run_child(filtered: bool) -> dict[str, str]:
+    # Made and removed here, in the parent: the filtered child may not clean up.
+    scratch = tempfile.mkdtemp(prefix="dsecd-test-seccomp-")
+    try:
+        return _probe_in_child(filtered, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _probe_in_child(filtered: bool, scratch: str) -> dict[str, str]:
     rfd, wfd = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child
@@ -170,7 +180,6 @@ def _run_child(filtered: bool) -> dict[str, str]:
             # MS_REC|MS_PRIVATE on /: nothing mounted here reaches the host.
             assert sys("mount", ctypes.c_char_p(b"none"), ctypes.c_char_p(b"/"),
                              0, 0x40000 | 0x4000, 0) == 0
-            scratch = tempfile.mkdtemp(prefix="dsecd-test-seccomp-")
             if filtered:
                 from dsecd import seccomp
 
