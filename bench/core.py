@@ -156,11 +156,7 @@ def host_used_bytes() -> tuple[int, int]:
     file page cache, so reclaimable slab (dentries, inodes of the sandboxes'
     mounts) counts too - the conservative figure. unreclaimable = MemTotal -
     MemAvailable, what the kernel could not give back under pressure."""
-    fields = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            fields[key] = int(value.split()[0]) * 1024
+    fields = harness.meminfo()
     every = (fields["MemTotal"] - fields["MemFree"] - fields["Buffers"]
              - (fields["Cached"] - fields["Shmem"]))
     return every, fields["MemTotal"] - fields["MemAvailable"]

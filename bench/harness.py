@@ -27,6 +27,16 @@ BIN = REPO / ".venv" / "bin"
 DAEMON_START_TIMEOUT_S = 60
 
 
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes, by field name."""
+    fields = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            fields[key] = int(value.split()[0]) * 1024
+    return fields
+
+
 def log(msg: str) -> None:
     print(f"bench: {msg}", file=sys.stderr, flush=True)
 

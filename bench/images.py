@@ -217,11 +217,7 @@ def drop_caches() -> None:
 
 def meminfo_cached() -> int:
     """Cached - Shmem (file pages, not tmpfs), bytes."""
-    fields = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            fields[key] = int(value.split()[0]) * 1024
+    fields = harness.meminfo()
     return fields["Cached"] - fields["Shmem"]
 
 

@@ -29,6 +29,7 @@ import statistics
 import time
 
 import harness
+import peers
 
 import dsecd
 
@@ -40,11 +41,7 @@ log = harness.log
 
 
 def host_used() -> int:
-    fields = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            k, v = line.split(":", 1)
-            fields[k] = int(v.split()[0]) * 1024
+    fields = harness.meminfo()
     # MemFree, not MemAvailable: the page cache a pause reclaims is "available"
     # before and after, so MemAvailable would not see it leave; zram's
     # compressed store is counted as used, so the figure is net of swap.
@@ -58,11 +55,6 @@ def cgroup_usage(info: dict) -> int:
             return int(f.read())
     with open(f"{info['cgroups']['unified']}/memory.current") as f:
         return int(f.read())
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
 async def gather_limited(coros, limit: int = 16):
@@ -111,12 +103,12 @@ async def reclaim_and_resume(sock: str, n: int) -> dict:
             r = await sb.exec(["true"])
             lat.append((time.perf_counter() - t) * 1000)
             assert r.exit_code == 0, r
-        log(f"  resume + first exec: p50 {statistics.median(lat):.1f} ms, p99 {pct(lat, 99):.1f} ms, "
+        log(f"  resume + first exec: p50 {statistics.median(lat):.1f} ms, p99 {peers.percentile(lat, 99):.1f} ms, "
             f"max {max(lat):.1f} ms")
         await gather_limited([sb.destroy(force=True) for sb in sbs])
         return {"paused_reclaimed_fraction": round(fraction, 3),
                 "resume_first_exec_p50_ms": round(statistics.median(lat), 2),
-                "resume_first_exec_p99_ms": round(pct(lat, 99), 2)}
+                "resume_first_exec_p99_ms": round(peers.percentile(lat, 99), 2)}
 
 
 async def job_of(sock: str, n: int) -> dict:

@@ -215,21 +215,19 @@ async def cmd_image(c: Client, a) -> int:
     raise SystemExit("dsec image: give a subcommand: build, import, ls, inspect, rm, gc, du")
 
 
-async def cmd_pause(c: Client, a) -> int:
-    for sb_id in a.sandboxes:
-        r = await c.request("pause", sandbox=sb_id)
-        _print_json(r) if a.json else print(f"{r['id']} paused" + (
-            "" if r.get("already") else f": froze in {r['frozen_s'] * 1000:.0f} ms, "
-                                        f"freed {_human_bytes(r['freed_bytes'])}"))
-    return 0
+def _pause_summary(r: dict) -> str:
+    if r.get("already"):
+        return ""
+    if r["state"] == "paused":
+        return f": froze in {r['frozen_s'] * 1000:.0f} ms, freed {_human_bytes(r['freed_bytes'])}"
+    return f": prefetched {_human_bytes(r['prefetched_bytes'])} in {r['prefetch_s'] * 1000:.0f} ms"
 
 
-async def cmd_resume(c: Client, a) -> int:
+async def cmd_pause_resume(c: Client, a) -> int:
+    """`dsec pause` and `dsec resume`: the op is the command's name."""
     for sb_id in a.sandboxes:
-        r = await c.request("resume", sandbox=sb_id)
-        _print_json(r) if a.json else print(f"{r['id']} {r['state']}" + (
-            "" if r.get("already") else f": prefetched {_human_bytes(r['prefetched_bytes'])} in "
-                                        f"{r['prefetch_s'] * 1000:.0f} ms"))
+        r = await c.request(a.cmd, sandbox=sb_id)
+        _print_json(r) if a.json else print(f"{r['id']} {r['state']}{_pause_summary(r)}")
     return 0
 
 
@@ -674,8 +672,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-COMMANDS = {"info": cmd_info, "image": cmd_image, "snapshot": cmd_snapshot, "pause": cmd_pause,
-            "resume": cmd_resume, "job": cmd_job, "events": cmd_events, "net": cmd_net, "trace": cmd_exec, "create": cmd_create, "exec": cmd_exec, "call": cmd_call, "pool": cmd_pool, "cp": cmd_cp,
+COMMANDS = {"info": cmd_info, "image": cmd_image, "snapshot": cmd_snapshot, "pause": cmd_pause_resume,
+            "resume": cmd_pause_resume, "job": cmd_job, "events": cmd_events, "net": cmd_net, "trace": cmd_exec, "create": cmd_create, "exec": cmd_exec, "call": cmd_call, "pool": cmd_pool, "cp": cmd_cp,
             "ps": cmd_ps, "inspect": cmd_inspect, "rm": cmd_rm, "top": cmd_top}
 
 

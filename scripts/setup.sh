@@ -162,6 +162,7 @@ import_check() {
 
 install_ok() {
     [[ -f $REPO/csrc/init.c && ! -x $REPO/dsecd/libexec/dsec-init ]] && return 1
+    [[ -d $REPO/csrc/pager && ! -x $REPO/dsecd/libexec/dsec-pager ]] && return 1
     (cd / && "$PY" -c "$(import_check)") >/dev/null 2>&1
 }
 

@@ -75,6 +75,9 @@ class ImageStore:
         self.refs.mkdir(parents=True, exist_ok=True)
         self.scratch = Path(scratch)      # local disk, for unpacking tarballs
         self.scratch.mkdir(parents=True, exist_ok=True)
+        # digest -> parsed manifest. Content-addressed, so never stale: every
+        # create resolves its image, and need not re-read and re-hash the blob.
+        self._manifests: dict[str, dict] = {}
 
     # ------------------------------------------------------------ names
 
@@ -106,10 +109,15 @@ class ImageStore:
                      created=0.0, size=sum(layer["size"] for layer in manifest["layers"]))
 
     def _manifest(self, digest: str) -> dict:
+        cached = self._manifests.get(digest)
+        if cached is not None:
+            return cached
         try:
-            return json.loads(self.store.read_bytes(digest))
+            manifest = json.loads(self.store.read_bytes(digest))
         except StoreError as err:
             raise ImageError(err.code, str(err)) from err
+        self._manifests[digest] = manifest
+        return manifest
 
     def list(self) -> list[Image]:
         out = []
@@ -235,6 +243,7 @@ class ImageStore:
         removed, freed = [], 0
         for digest in sorted(self.store.all_digests() - keep):
             freed += self.store.remove(digest)
+            self._manifests.pop(digest, None)
             removed.append(digest)
         self.store.sweep_tmp()
         return {"removed": removed, "freed_bytes": freed}
