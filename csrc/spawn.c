@@ -377,30 +377,78 @@ static int dev_mount(const struct container_ctx *c)
     return dev_links(e);
 }
 
+/* ---- /proc: read-only knobs, masked kernel views ------------------------- */
+
 /* The sandbox may run as uid 0 (without capabilities). procfs checks many
- * writes by uid alone (sysctls, sysrq-trigger), so those become read-only,
- * and a few info leaks are masked with /dev/null, as Docker does. Entries the
- * kernel lacks (ENOENT) are skipped. */
+ * writes by uid alone (sysctls, sysrq-trigger), so those become read-only: a
+ * write fails with EROFS, visibly (a /dev/null mask would swallow it). */
+static const char *const proc_readonly[] = {
+    "proc/sys", "proc/sysrq-trigger", "proc/irq", "proc/bus", "proc/fs",
+};
+
+/* Files whose content is the kernel's, not the sandbox's, replaced by
+ * /dev/null (reads give EOF, nothing reaches the kernel's handler):
+ * kpage* walk every physical page (DSec's agent crashed a kernel with a
+ * `grep -r` that read kpagecgroup), kcore is physical memory, kallsyms,
+ * vmallocinfo and slabinfo feed exploits, kmsg/keys/key-users/timer_list/
+ * sched_debug/latency_stats leak the host's other tenants. */
+static const char *const proc_masked_files[] = {
+    "proc/kcore",         "proc/kpagecount",  "proc/kpageflags", "proc/kpagecgroup",
+    "proc/kallsyms",      "proc/kmsg",        "proc/keys",       "proc/key-users",
+    "proc/timer_list",    "proc/timer_stats", "proc/sched_debug", "proc/latency_stats",
+    "proc/vmallocinfo",   "proc/slabinfo",    "proc/config.gz",
+};
+
+/* Directories of host hardware, hidden under an empty read-only tmpfs. */
+static const char *const proc_masked_dirs[] = {"proc/acpi", "proc/scsi", "proc/asound"};
+
+#define NELEMS(a) (sizeof(a) / sizeof((a)[0]))
+
+/* A bind of the entry onto itself, then remounted read-only (a bind mount
+ * takes MS_RDONLY only on remount). */
+static int proc_make_readonly(const char *path, struct dsec_err *e)
+{
+    const unsigned long ro_flags =
+        MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC;
+
+    if (mount(path, path, NULL, MS_BIND | MS_REC, NULL) < 0)
+        return errno == ENOENT ? 0 : check(-1, e, DSEC_STEP_MOUNT_PROC, path);
+    return mount_step(DSEC_STEP_MOUNT_PROC, NULL, path, NULL, ro_flags, NULL, e);
+}
+
+static int proc_mask_file(const char *path, struct dsec_err *e)
+{
+    if (mount("dev/null", path, NULL, MS_BIND, NULL) < 0 && errno != ENOENT)
+        return check(-1, e, DSEC_STEP_MOUNT_PROC, path);
+    return 0;
+}
+
+static int proc_mask_dir(const char *path, struct dsec_err *e)
+{
+    const unsigned long flags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC;
+
+    if (mount("none", path, "tmpfs", flags, "mode=0555,size=4096,nr_inodes=2") < 0 &&
+        errno != ENOENT)
+        return check(-1, e, DSEC_STEP_MOUNT_PROC, path);
+    return 0;
+}
+
+/* Entries the kernel lacks (ENOENT) are skipped: the lists cover several
+ * kernel configs. Nothing inside can undo a mask: umount and mount need
+ * CAP_SYS_ADMIN, which no sandbox process holds, and seccomp denies them. */
 static int proc_protect(const struct container_ctx *c)
 {
-    static const char *const ro[] = {"proc/sys", "proc/sysrq-trigger", "proc/irq", "proc/bus",
-                                     "proc/fs"};
-    static const char *const masked[] = {"proc/kcore", "proc/keys", "proc/timer_list"};
-    const unsigned long ro_flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV;
     struct dsec_err *e = c->err;
 
-    for (size_t i = 0; i < sizeof(ro) / sizeof(ro[0]); i++) {
-        if (mount(ro[i], ro[i], NULL, MS_BIND | MS_REC, NULL) < 0) {
-            if (errno == ENOENT)
-                continue;
-            return check(-1, e, DSEC_STEP_MOUNT_PROC, ro[i]);
-        }
-        if (mount_step(DSEC_STEP_MOUNT_PROC, NULL, ro[i], NULL, ro_flags | MS_NOEXEC, NULL, e) < 0)
+    for (size_t i = 0; i < NELEMS(proc_readonly); i++)
+        if (proc_make_readonly(proc_readonly[i], e) < 0)
             return -1;
-    }
-    for (size_t i = 0; i < sizeof(masked) / sizeof(masked[0]); i++)
-        if (mount("dev/null", masked[i], NULL, MS_BIND, NULL) < 0 && errno != ENOENT)
-            return check(-1, e, DSEC_STEP_MOUNT_PROC, masked[i]);
+    for (size_t i = 0; i < NELEMS(proc_masked_files); i++)
+        if (proc_mask_file(proc_masked_files[i], e) < 0)
+            return -1;
+    for (size_t i = 0; i < NELEMS(proc_masked_dirs); i++)
+        if (proc_mask_dir(proc_masked_dirs[i], e) < 0)
+            return -1;
     return 0;
 }
 
