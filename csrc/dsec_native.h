@@ -55,6 +55,8 @@ enum dsec_step {
     DSEC_STEP_SCHED_CORE = 32,
     /* last step before execve / execveat of init, in both children */
     DSEC_STEP_SECCOMP = 33,
+    /* container child, after stdio: the upper tmpfs's fd kept open for init */
+    DSEC_STEP_UPPER_FD = 34,
     /* in the exec helper and the exec child (stdio, close_fds, caps,
      * no_new_privs above are shared) */
     DSEC_STEP_SETNS = 40,
@@ -84,6 +86,7 @@ struct dsec_container_args {
     int sched_idle; /* nonzero: SCHED_IDLE for init (and what it forks) */
     int core_sched; /* nonzero: a new core-scheduling cookie for init */
     int seccomp_profile; /* >= 0: install this pre-built filter before exec of init; -1: none */
+    int upper_fd; /* >= 0: mount fd of the upper tmpfs, left open in init as DSEC_INIT_UPPER_FD */
 };
 
 struct dsec_exec_args {
@@ -159,6 +162,13 @@ int dsec_seccomp_build(int profile);
 int dsec_seccomp_install(int profile);
 int dsec_seccomp_no_new_privs(void);
 int dsec_seccomp_export_pfc(int profile, int fd);
+/* upperfs.c: the writable layer on a detached, size-capped tmpfs */
+#define DSEC_INIT_UPPER_FD 3
+int dsec_upperfs_create(uint64_t size_bytes, uint64_t nr_inodes);
+int dsec_pidfd_getfd(int pidfd, int targetfd);
+int dsec_probe_upperfs(const char *lowerdir);
+int dsec_probe_project_quota(const char *dir);
+int dsec_upperfs_attach(int mfd, const char *target);
 /* mount.c: host-side layer mounts */
 int dsec_mount_erofs(const char *file, const char *target);
 int dsec_umount(const char *target, int flags);

@@ -8,7 +8,8 @@
  * for PID 1 even without a handler), so there is no handler and no race. When
  * it exits, the kernel kills every other process of the sandbox.
  *
- * Nothing else: no arguments, no files, no sockets. It is started by
+ * Nothing else: no arguments, no sockets; the one file it may hold is fd 3,
+ * the sandbox's writable-layer tmpfs, which only the daemon takes back. It is started by
  * execveat() from spawn.c with stdio on /dev/null and no capabilities.
  */
 #define _GNU_SOURCE
@@ -35,6 +36,10 @@ int main(void)
     /* older kernels name an execveat(fd) process after the fd number */
     prctl(PR_SET_NAME, "dsec-init", 0, 0, 0);
     setsid(); /* leave the daemon's session: no SIGHUP from its terminal */
+    /* Non-dumpable: /proc/1/fd (fd 3 may be the sandbox's upper tmpfs, kept
+     * for the daemon) and /proc/1/mem then need CAP_SYS_PTRACE, which no
+     * sandbox process holds. */
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     for (;;) {
         reap_all(); /* also catches children that exited before we blocked */
         if (sigwaitinfo(&all, &info) < 0)

@@ -509,6 +509,22 @@ static int init_stdio(const struct container_ctx *c)
                  NULL);
 }
 
+/* The upper tmpfs (csrc/upperfs.c) stays open in init as fd 3, the one fd
+ * init_stdio did not mark close-on-exec: a restarted daemon takes it back
+ * with pidfd_getfd. Init makes itself non-dumpable, so the sandbox's own
+ * processes (same uid, no CAP_SYS_PTRACE) cannot open /proc/1/fd/3. The
+ * parent made sure init_fd is not fd 3. */
+static int upper_handoff(const struct container_ctx *c)
+{
+    int fd = c->a->upper_fd;
+
+    if (fd < 0)
+        return 0;
+    if (fd == DSEC_INIT_UPPER_FD) /* dup2 onto itself would keep FD_CLOEXEC */
+        return check(fcntl(fd, F_SETFD, 0), c->err, DSEC_STEP_UPPER_FD, NULL);
+    return check(dup2(fd, DSEC_INIT_UPPER_FD), c->err, DSEC_STEP_UPPER_FD, NULL);
+}
+
 /* The pre-built seccomp filter (csrc/seccomp.c): one syscall, no allocation.
  * Last before exec: nothing after it may need a call the filter denies. */
 static int seccomp_step(int profile, struct dsec_err *e)
@@ -538,8 +554,8 @@ static int privileges_drop(const struct container_ctx *c)
 
 /* The container child's checklist, in order (docs/native-api.md). */
 static int (*const container_steps[])(const struct container_ctx *) = {
-    cgroups_enter, sched_enter, rootfs_mount, dev_mount,  proc_protect,    tmp_mount,
-    hostname_set,  loopback_up, root_pivot,   init_stdio, privileges_drop,
+    cgroups_enter, sched_enter, rootfs_mount, dev_mount,     proc_protect,    tmp_mount,
+    hostname_set,  loopback_up, root_pivot,   init_stdio,    upper_handoff,   privileges_drop,
 };
 
 static int container_child(void *arg)
@@ -558,6 +574,17 @@ static int container_child(void *arg)
     _exit(127);
 }
 
+static int init_fd_move(int *fd, struct dsec_err *err)
+{
+    int moved = fcntl(*fd, F_DUPFD_CLOEXEC, DSEC_INIT_UPPER_FD + 1);
+
+    if (moved < 0)
+        return parent_fail(err, DSEC_STEP_OPEN_INIT, NULL, errno);
+    close(*fd);
+    *fd = moved;
+    return 0;
+}
+
 int dsec_spawn_container(const struct dsec_container_args *a, struct dsec_err *err)
 {
     struct container_ctx c = {.a = a, .err = err, .init_fd = -1};
@@ -572,6 +599,8 @@ int dsec_spawn_container(const struct dsec_container_args *a, struct dsec_err *e
         if (c.init_fd < 0)
             rc = parent_fail(err, DSEC_STEP_OPEN_INIT, a->init_path, errno);
     }
+    if (rc == 0 && a->upper_fd >= 0 && c.init_fd == DSEC_INIT_UPPER_FD)
+        rc = init_fd_move(&c.init_fd, err); /* upper_handoff takes fd 3 */
     if (rc == 0)
         rc = stacks_map(&st, 1, err);
     if (rc == 0)

@@ -241,14 +241,16 @@ class Client:
                      ttl: float | str | None = None, idle_ttl: float | str | None = None,
                      lease: float | str | None = None, qos: str | None = None,
                      cpu_quota: bool | None = None, net: str | None = None,
-                     allow: list[str] | None = None, key: str | None = None) -> Sandbox:
+                     allow: list[str] | None = None, key: str | None = None,
+                     disk: int | str | None = None) -> Sandbox:
         """allow: egress rules ("10.1.2.0/24:443/tcp") and rule-set names ("pypi"), with net="default".
-        key: idempotency key; a retried create with the same key returns the same sandbox."""
+        key: idempotency key; a retried create with the same key returns the same sandbox.
+        disk: size cap of the writable layer ("20G"; default sandbox.disk)."""
         args = {"image": image, "env": env or {}, "labels": labels or {}, "cwd": cwd, "user": user,
                 "allow": list(allow or [])}
         for k, v in (("cpu", cpu), ("memory", memory), ("pids", pids), ("hostname", hostname),
                      ("ttl", ttl), ("idle_ttl", idle_ttl), ("lease", lease), ("qos", qos),
-                     ("cpu_quota", cpu_quota), ("net", net), ("key", key)):
+                     ("cpu_quota", cpu_quota), ("net", net), ("key", key), ("disk", disk)):
             if v is not None:
                 args[k] = v
         info = await self.request("create", **args)

@@ -183,6 +183,7 @@ class CreateOps:
 
     def _pool_match(self, req, limits) -> Pool | None:
         if (req.pids is not None or req.cpu_quota is not None or req.hostname is not None or req.allow
+                or req.disk is not None
                 or (req.qos or self.cpu.cfg["default_qos"]) != self.cpu.cfg["default_qos"]
                 or (req.net or self.net_cfg["default_mode"]) != self.net_cfg["default_mode"]):
             return None

@@ -147,7 +147,42 @@ def probe_bpf_cgroup(layout: cgroup.Layout, scratch_rel: str) -> Feature:
     return _errno_feature(rc, f"cgroup_skb program loaded and attached under {layout.v2}", "bpf attach")
 
 
-def probe_all(cgroup_root: str = "dsecd") -> Features:
+# What the errnos of the writable-layer probes mean.
+UPPERFS_HINTS = {
+    errno.EINVAL: "overlayfs refuses an upper dir on a detached mount before Linux 6.15",
+    errno.ENOSYS: "no new mount API (fsopen/fsmount, Linux >= 5.2)",
+}
+PROJECT_QUOTA_HINTS = {
+    errno.ENOSYS: "the kernel is built without CONFIG_QUOTA/CONFIG_QUOTACTL",
+    errno.ESRCH: "project quotas are not on for this file system (a kernel with CONFIG_QUOTA and a prjquota mount are both needed)",
+    errno.ENOTTY: "this file system has no quota support",
+}
+
+
+def probe_upperfs() -> Feature:
+    """A size-capped writable layer: overlayfs over a detached tmpfs (csrc/upperfs.c)."""
+    import tempfile
+
+    lower = tempfile.mkdtemp(prefix="dsecd-upperfs-probe-")
+    try:
+        rc = native.probe_upperfs(lower)
+    finally:
+        os.rmdir(lower)
+    return _errno_feature(rc, "overlay upper on a detached size-capped tmpfs works",
+                          "overlay over a detached tmpfs", UPPERFS_HINTS)
+
+
+def probe_project_quota(state_dir: str | None) -> Feature:
+    """Reported only (dsecd caps the writable layer with upperfs): could project
+    quotas on the state dir's file system do it instead?"""
+    if state_dir is None:
+        return Feature(False, "not probed (no state dir given)")
+    os.makedirs(state_dir, exist_ok=True)
+    return _errno_feature(native.probe_project_quota(state_dir), f"project quotas on for {state_dir}",
+                          f"quotactl_fd(Q_GETINFO, PRJQUOTA) on {state_dir}", PROJECT_QUOTA_HINTS)
+
+
+def probe_all(cgroup_root: str = "dsecd", state_dir: str | None = None) -> Features:
     layout = cgroup.detect_layout()
     fs = _filesystems()
     items: dict[str, Feature] = {
@@ -166,6 +201,8 @@ def probe_all(cgroup_root: str = "dsecd") -> Features:
         "bpf_cgroup": probe_bpf_cgroup(layout, f"{cgroup_root}-probe-{os.getpid()}"),
         "kvm": probe_kvm(),
         "swap": probe_swap(),
+        "upperfs": probe_upperfs(),
+        "project_quota": probe_project_quota(state_dir),
     }
     abi = native.probe_landlock_abi()
     items["landlock"] = Feature(abi > 0, f"ABI v{abi}" if abi > 0 else

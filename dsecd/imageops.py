@@ -245,8 +245,13 @@ class ImageOps:
                 raise Conflict(f"snapshot of sandbox {sb.id}: cannot freeze it ({err}); is it being destroyed?",
                                {"sandbox": sb.id}) from err
             try:
-                image = await self._images_call(self.images.snapshot, sb.handle.dir / "upper", base,
-                                                req.name, exclude, self._progress(ctx))
+                upper, undo = await self.run_blocking(sb.handle.upper_view, self.cfg.state_dir / "scratch")
+                try:
+                    image = await self._images_call(self.images.snapshot, upper, base,
+                                                    req.name, exclude, self._progress(ctx))
+                finally:
+                    if undo is not None:
+                        await self.run_blocking(undo)
             finally:
                 await self.run_blocking(freezer.thaw)
         return image.to_dict()

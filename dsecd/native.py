@@ -65,7 +65,7 @@ _VERBS = {
     "exec_init": "exec", "setns": "enter namespaces of", "setsid": "setsid for",
     "ids": "set uid/gid to", "chdir": "chdir to", "exec": "exec", "exec_interp": "exec",
     "sched_idle": "set SCHED_IDLE for", "sched_core": "set core-scheduling cookie of",
-    "seccomp": "install seccomp filter for",
+    "seccomp": "install seccomp filter for", "upper_fd": "hand the upper tmpfs to",
 }
 
 _MOUNT_STEPS = {"mount_private", "mount_overlay", "mount_proc", "mount_dev", "dev_node",
@@ -283,6 +283,8 @@ class ContainerSpec:
     sched_idle: bool = False  # PID 1 (and all it forks) runs SCHED_IDLE
     core_sched: bool = False  # PID 1 gets a core-scheduling cookie of its own
     seccomp_profile: int = -1  # a filter pre-built by dsecd.seccomp.prepare(); -1 = none
+    upper_fd: int = -1     # mount fd of the upper tmpfs (upperfs_create), kept open in
+                           # init as fd UPPER_FD; upperdir/workdir then lie on it
 
     def __post_init__(self):
         self.overlay_options()
@@ -328,6 +330,7 @@ def spawn_container(spec: ContainerSpec) -> int:
     args.cgroup_procs, args.n_cgroups = _string_array(cgroups, keep), len(cgroups)
     args.sched_idle, args.core_sched = bool(spec.sched_idle), bool(spec.core_sched)
     args.seccomp_profile = int(spec.seccomp_profile)
+    args.upper_fd = int(spec.upper_fd)
     err = ffi.new("struct dsec_err *")
     pid = lib.dsec_spawn_container(args, err)
     if pid < 0:
@@ -375,6 +378,8 @@ class ExecSpec:
     sched_idle: bool = False  # SCHED_IDLE before execve; its children inherit it
     core_sched: bool = False  # copy the core-scheduling cookie of the sandbox's PID 1
     seccomp_profile: int = -1  # a filter pre-built by dsecd.seccomp.prepare(); -1 = none
+    upper_fd: int = -1     # mount fd of the upper tmpfs (upperfs_create), kept open in
+                           # init as fd UPPER_FD; upperdir/workdir then lie on it
 
     def __post_init__(self):
         _fd("pidfd", self.pidfd)
@@ -459,6 +464,14 @@ def pidfd_open(pid: int) -> int:
     fd = lib.dsec_pidfd_open(pid, 0)
     if fd < 0:
         _raise(-fd, "pidfd_open", f"pid {pid}", "pidfd_open")
+    return fd
+
+
+def pidfd_getfd(pidfd: int, targetfd: int) -> int:
+    """A duplicate (close-on-exec) of fd `targetfd` of the process behind `pidfd`."""
+    fd = lib.dsec_pidfd_getfd(pidfd, targetfd)
+    if fd < 0:
+        _raise(-fd, "take fd", f"{targetfd} of pidfd {pidfd}", "pidfd_getfd")
     return fd
 
 
@@ -646,6 +659,41 @@ def swapoff(path: str) -> None:
     rc = lib.dsec_swapoff(_path("swap device", path))
     if rc < 0:
         _raise(-rc, "swapoff", path, "swapoff", path)
+
+
+# ---------------------------------------------------------------- writable layer (csrc/upperfs.c)
+
+UPPER_FD = lib.DSEC_INIT_UPPER_FD
+
+
+def upperfs_create(size_bytes: int, nr_inodes: int) -> int:
+    """A detached tmpfs of at most size_bytes and nr_inodes: its O_PATH mount fd."""
+    if size_bytes <= 0 or nr_inodes <= 0:
+        raise ValueError(f"upper tmpfs needs a positive size and inode count, got {size_bytes}, "
+                         f"{nr_inodes} (0 would mean unlimited)")
+    fd = lib.dsec_upperfs_create(size_bytes, nr_inodes)
+    if fd < 0:
+        _raise(-fd, "create", f"upper tmpfs of {size_bytes} bytes, {nr_inodes} inodes", "upperfs",
+               None, "the kernel lacks the new mount API (fsopen, Linux >= 5.2)"
+               if -fd == errno.ENOSYS else None)
+    return fd
+
+
+def upperfs_attach(fd: int, target: str) -> None:
+    """Mount a clone of the upper tmpfs `fd` on the host directory `target`."""
+    rc = lib.dsec_upperfs_attach(fd, _path("target", target))
+    if rc < 0:
+        _raise(-rc, "attach", f"upper tmpfs fd {fd} on {target}", "upperfs", target)
+
+
+def probe_upperfs(lowerdir: str) -> int:
+    """0 if overlayfs accepts a detached tmpfs as upper (Linux >= 6.15), else the errno."""
+    return -lib.dsec_probe_upperfs(_path("lowerdir", lowerdir, ",:\\"))
+
+
+def probe_project_quota(directory: str) -> int:
+    """0 if project quotas are on for the file system holding `directory`, else the errno."""
+    return -lib.dsec_probe_project_quota(_path("directory", directory))
 
 
 # ---------------------------------------------------------------- host mounts (csrc/mount.c)

@@ -41,6 +41,7 @@ from .errors import (
 from .execio import ExecIO
 from .features import Features
 from .fs import files as sbfiles
+from .fs import upper as upperfs
 from .fs.images import ImageError
 from .imageops import ImageOps, image_error
 from .journal import Journal
@@ -119,8 +120,13 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         self.init_images(cfg)
         self.init_memory(cfg)
         self.init_net(cfg)
+        try:
+            upper_mode = upperfs.pick_mode(self.sb_defaults["writable_layer"], features)
+        except upperfs.UpperError as err:
+            raise ConfigError(str(err)) from err
+        self.disk_default = cfg.size("sandbox", "disk")
         self.backend = ContainerBackend(layout, self.sb_defaults, state, {
-            "tmp": cfg.size("sandbox", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")})
+            "tmp": cfg.size("sandbox", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")}, upper_mode)
         self.sandboxes: dict[str, Sandbox] = {}
         self.cpu = CpuHost(cfg.section("cpu"), layout, features, self.sb_defaults["cgroup_root"])
         self.init_calls(cfg)
@@ -176,7 +182,8 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         self.sandboxes[sb_id] = sb
         if sb.state == "dead":
             return
-        handle = await self.run_blocking(self.backend.adopt, sb_id, rec.get("init_pid"), rec.get("init_start"))
+        handle = await self.run_blocking(self.backend.adopt, sb_id, rec.get("init_pid"), rec.get("init_start"),
+                                         bool(sb.limits.get("disk")))
         if handle is None:
             log.warning("sandbox %s died while the daemon was down", sb_id)
             await self._mark_dead(sb, None)
@@ -342,6 +349,21 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         return cgroup.Limits(cpu=float(cpu), memory_bytes=memory, pids=pids,
                              cpu_hard_quota=quota, cpu_period_us=d["cpu_period_us"])
 
+    def _disk_for(self, req) -> upperfs.Cap | None:
+        """The writable layer's cap, or None where layers are uncapped dirs."""
+        if self.backend.upper_mode != "tmpfs":
+            if req.disk is not None:
+                raise Unsupported("this host cannot cap the writable layer (see `dsec info`, "
+                                  "feature upperfs); create without `disk`")
+            return None
+        try:
+            size = self.disk_default if req.disk is None else parse_size(req.disk)
+        except ConfigError as err:
+            raise BadRequest(f"disk: {err}") from err
+        if not 1 << 20 <= size <= 1 << 50:
+            raise BadRequest(f"disk must be between 1M and 1P, got {size} bytes")
+        return upperfs.Cap(size, self.sb_defaults["disk_inodes"])
+
     def _admit(self) -> None:
         live = sum(1 for s in self.sandboxes.values() if s.state != "dead")
         cap = self.limits["max_sandboxes"]
@@ -359,6 +381,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         if not 0 <= req.user < 2**32 - 1:
             raise BadRequest(f"user must be a uid in [0, 2^32-1), got {req.user}")
         net_mode = self.net_mode(req)
+        disk = self._disk_for(req)
         try:
             image = await self.run_blocking(self.images.get, req.image)
         except ImageError as err:
@@ -371,7 +394,9 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             raise BadRequest("hostname must be at most 63 characters")
         sb = Sandbox(id=sb_id, image=req.image, state="creating", created=time.time(),
                      limits={"cpu": limits.cpu, "memory": limits.memory_bytes, "pids": limits.pids,
-                             "cpu_quota": limits.cpu_hard_quota},
+                             "cpu_quota": limits.cpu_hard_quota,
+                             "disk": disk.disk_bytes if disk else None,
+                             "disk_inodes": disk.inodes if disk else None},
                      env=dict(req.env), labels=dict(req.labels), hostname=hostname, cwd=req.cwd,
                      user=req.user, qos=plan.qos, core_sched=plan.core_sched,
                      manifest=image.manifest, layers=image.layer_digests,
@@ -392,7 +417,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             raise io_error("mount layers of image", req.image, err) from err
         try:
             sb.handle = await self.run_blocking(self.backend.create, sb_id, mounts[::-1], limits, hostname,
-                                                plan)
+                                                plan, disk)
         except BaseException as err:
             self.sandboxes.pop(sb_id, None)
             self.layers.release(sb.layers)
@@ -430,6 +455,8 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         if sb.handle:
             out["cgroups"] = {k: str(v) for k, v in sb.handle.group.dirs.items()}
             out["dir"] = str(sb.handle.dir)
+            if sb.handle.upperfd >= 0:
+                out["disk"] = upperfs.usage(sb.handle.upperfd)
         return out
 
     async def op_destroy(self, req, ctx) -> dict:

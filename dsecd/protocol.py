@@ -178,6 +178,7 @@ class Create:
     net: str | None = None                # "none" (loopback only) | "default"; None = net.default_mode
     allow: list[str] = field(default_factory=list)   # egress allowlist: rules and rule-set names
     key: str | None = None          # idempotency key: a retried create returns the same sandbox
+    disk: int | str | None = None   # size cap of the writable layer ("20G"); None = sandbox.disk
 
 
 @request("top")

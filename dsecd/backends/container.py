@@ -18,10 +18,12 @@ import logging
 import os
 import shutil
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import cgroup, native
+from ..fs import upper as upperfs
 from ..steps import Steps
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,15 @@ class Handle:
     is_child: bool           # we cloned it (must reap it) vs adopted after a restart
     sched_idle: bool = False  # execs run SCHED_IDLE (a BE sandbox, dsecd/cpu/qos.py)
     core_sched: bool = False  # execs share PID 1's core-scheduling cookie
+    upperfd: int = -1        # mount fd of its capped upper tmpfs (dsecd/fs/upper.py); -1 = dir
+
+    def upper_view(self, scratch: Path) -> tuple[Path, Callable[[], None] | None]:
+        """The writable layer's upper dir at a host path (pack_diff), and what
+        undoes the view (None: nothing to undo). Blocking: it may mount."""
+        if self.upperfd < 0:
+            return self.dir / "upper", None
+        os.makedirs(scratch, exist_ok=True)
+        return upperfs.attach(self.upperfd, scratch)
 
 
 def proc_start_time(pid: int) -> int | None:
@@ -79,7 +90,8 @@ def proc_start_time(pid: int) -> int | None:
 class ContainerBackend:
     name = "container"
 
-    def __init__(self, layout: cgroup.Layout, sandbox_cfg: dict, state_dir: Path, sizes: dict):
+    def __init__(self, layout: cgroup.Layout, sandbox_cfg: dict, state_dir: Path, sizes: dict,
+                 upper_mode: str = "dir"):
         self.layout = layout
         self.cfg = sandbox_cfg
         self.root = Path(state_dir) / "sandboxes"
@@ -89,6 +101,7 @@ class ContainerBackend:
         self.caps = cap_mask(sandbox_cfg["capabilities"])
         self.init_path = native.init_binary_path()
         self.seccomp = self._prepare_seccomp(sandbox_cfg["seccomp"])
+        self.upper_mode = upper_mode      # "tmpfs" | "dir" (dsecd/fs/upper.py pick_mode)
 
     @staticmethod
     def _prepare_seccomp(name: str) -> int:
@@ -108,14 +121,23 @@ class ContainerBackend:
     # ------------------------------------------------------------ create
 
     def create(self, sb_id: str, lowerdirs: list[str], limits: cgroup.Limits, hostname: str,
-               cpu_plan=None) -> Handle:
+               cpu_plan=None, disk: upperfs.Cap | None = None) -> Handle:
         sbdir = self.root / sb_id
         group = self.group_for(sb_id)
         with Steps(f"create sandbox {sb_id}") as steps:
-            # Per-sandbox dirs: overlay upper/work (what pack_diff reads later) and the mountpoint.
-            for sub in ("upper", "work", "rootfs"):
+            # Per-sandbox dirs: the mountpoint, and overlay upper/work (what
+            # pack_diff reads later) unless they live on a capped tmpfs.
+            subs = ("rootfs",) if disk else ("upper", "work", "rootfs")
+            for sub in subs:
                 os.makedirs(sbdir / sub, exist_ok=True)
             steps.undo("remove sandbox dir", lambda: shutil.rmtree(sbdir, ignore_errors=True))
+            upperfd = -1
+            if disk:
+                upperfd = upperfs.create_tmpfs(disk)
+                steps.undo("close upper tmpfs", lambda: os.close(upperfd))
+                upper, work = upperfs.overlay_dirs(upperfd)
+            else:
+                upper, work = str(sbdir / "upper"), str(sbdir / "work")
             # Own cgroups, outside the daemon's, so sandboxes outlive a daemon restart.
             group.create()
             steps.undo("remove cgroups", lambda: group.remove(self.cfg["destroy_timeout_s"]))
@@ -126,15 +148,16 @@ class ContainerBackend:
             sched_idle = bool(cpu_plan and cpu_plan.sched_idle)
             core_sched = bool(cpu_plan and cpu_plan.core_sched == "on")
             spec = native.ContainerSpec(
-                rootfs=str(sbdir / "rootfs"), lowerdirs=lowerdirs, upperdir=str(sbdir / "upper"),
-                workdir=str(sbdir / "work"), hostname=hostname, init_path=self.init_path,
+                rootfs=str(sbdir / "rootfs"), lowerdirs=lowerdirs, upperdir=upper,
+                workdir=work, hostname=hostname, init_path=self.init_path,
                 cgroup_procs=group.procs_files(), tmp_size_bytes=self.sizes["tmp"],
                 shm_size_bytes=self.sizes["shm"], sched_idle=sched_idle, core_sched=core_sched,
-                seccomp_profile=self.seccomp)
+                seccomp_profile=self.seccomp, upper_fd=upperfd)
             pid = native.spawn_container(spec)
             steps.undo("kill init", lambda: _kill_and_reap(pid))
             handle = self._open_handle(pid, group, sbdir, is_child=True)
             handle.sched_idle, handle.core_sched = sched_idle, core_sched
+            handle.upperfd = upperfd
             _protect_init_from_oom(pid)
             steps.commit()
             return handle
@@ -156,14 +179,24 @@ class ContainerBackend:
 
     # ------------------------------------------------------------ adopt
 
-    def adopt(self, sb_id: str, init_pid: int, init_start: int) -> Handle | None:
-        """Re-attach to a live sandbox after a daemon restart; None if it died."""
+    def adopt(self, sb_id: str, init_pid: int, init_start: int, upper_tmpfs: bool = False) -> Handle | None:
+        """Re-attach to a live sandbox after a daemon restart; None if it died.
+        upper_tmpfs: its writable layer is a capped tmpfs, whose fd its init holds."""
         if not init_pid or proc_start_time(init_pid) != init_start:
             return None
         try:
-            return self._open_handle(init_pid, self.group_for(sb_id), self.root / sb_id, is_child=False)
+            h = self._open_handle(init_pid, self.group_for(sb_id), self.root / sb_id, is_child=False)
         except (ProcessLookupError, FileNotFoundError):
             return None
+        if upper_tmpfs:
+            try:
+                h.upperfd = upperfs.take_back(h.pidfd)
+            except OSError as err:
+                close_handle(h)
+                log.error("sandbox %s: cannot take back its writable layer from init %d: %s",
+                          sb_id, init_pid, err)
+                return None
+        return h
 
     # ------------------------------------------------------------ exec
 
@@ -201,6 +234,10 @@ class ContainerBackend:
             except ProcessLookupError:
                 pass
             _wait_exit(h, timeout)
+            # The sandbox's mount namespace is gone with its init: our fd is
+            # the last reference to the upper tmpfs. Free its memory now,
+            # before the memory cgroup it is charged to is removed.
+            _close_fd(h, "upperfd")
         else:
             group.kill_all()      # no handle (orphan, half-made): kill by cgroup membership
         group.remove(timeout)     # kills stragglers itself if the groups are still busy
@@ -223,13 +260,18 @@ class ContainerBackend:
 
 
 def close_handle(h: Handle) -> None:
-    for fd in (h.rootfd, h.pidfd):
-        if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-    h.rootfd = h.pidfd = -1
+    for name in ("rootfd", "pidfd", "upperfd"):
+        _close_fd(h, name)
+
+
+def _close_fd(h: Handle, name: str) -> None:
+    fd = getattr(h, name)
+    if fd >= 0:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    setattr(h, name, -1)
 
 
 def _wait_exit(h: Handle, timeout: float) -> None:

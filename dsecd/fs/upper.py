@@ -1,0 +1,113 @@
+"""The writable layer of a container sandbox (overlay upper + work) and its cap.
+
+Two kinds, picked once at daemon start (`sandbox.writable_layer`):
+
+* "tmpfs": a tmpfs of its own per sandbox, capped at `disk` bytes and
+  `disk_inodes` inodes by the kernel: filling it gives ENOSPC inside, and
+  nothing is written to the host's disks. It is made detached (no mount in
+  any namespace; csrc/upperfs.c) and reached through its mount fd: the
+  daemon keeps one (pack_diff reads the layer through it) and the sandbox's
+  PID 1 keeps another as fd 3, so a restarted daemon takes it back with
+  pidfd_getfd. Its pages are memory, charged to the sandbox's memory cgroup
+  as the sandbox writes them: what a sandbox writes counts against its
+  memory limit as well (it can go to swap, never to disk). Needs Linux >= 6.15
+  (probed: feature `upperfs`).
+* "dir": plain directories under state_dir, no cap (what remains where the
+  kernel cannot do the above; project quotas would be the disk-backed cap,
+  and are probed and reported as feature `project_quota`, not used).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import native
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "tmpfs", "dir")
+
+
+class UpperError(Exception):
+    pass
+
+
+def pick_mode(configured: str, features) -> str:
+    """The kind this daemon uses; a refused "tmpfs" stops the daemon with the reason."""
+    if configured not in MODES:
+        raise UpperError(f"sandbox.writable_layer must be one of {', '.join(MODES)}, got {configured!r}")
+    if configured == "dir":
+        log.warning("sandbox.writable_layer = dir: writable layers have NO size cap")
+        return "dir"
+    feat = features.items.get("upperfs")
+    if feat is not None and feat.available:
+        return "tmpfs"
+    detail = feat.detail if feat is not None else "not probed"
+    if configured == "tmpfs":
+        raise UpperError(f"sandbox.writable_layer = tmpfs, but this kernel cannot: {detail}; "
+                         "set it to \"dir\" (no size cap) or \"auto\"")
+    log.warning("writable layers have NO size cap: %s (sandbox.writable_layer = auto falls back "
+                "to dir)", detail)
+    return "dir"
+
+
+@dataclass(frozen=True)
+class Cap:
+    disk_bytes: int
+    inodes: int
+
+
+def create_tmpfs(cap: Cap) -> int:
+    """A detached tmpfs with the overlay's upper/ and work/ in it: its mount fd."""
+    fd = native.upperfs_create(cap.disk_bytes, cap.inodes)
+    try:
+        os.mkdir("upper", 0o755, dir_fd=fd)
+        os.mkdir("work", 0o755, dir_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def overlay_dirs(fd: int) -> tuple[str, str]:
+    """upperdir and workdir as the spawn child resolves them (its own fd table
+    is a copy of ours, and /proc is still the host's when it mounts)."""
+    return f"/proc/self/fd/{fd}/upper", f"/proc/self/fd/{fd}/work"
+
+
+def attach(fd: int, scratch: Path) -> tuple[Path, Callable[[], None]]:
+    """The upper dir at a host path, for programs that need one (mkfs.erofs
+    for pack_diff), and the function that takes it away again. Blocking."""
+    point = Path(tempfile.mkdtemp(prefix="upper-", dir=scratch))
+    try:
+        native.upperfs_attach(fd, str(point))
+    except BaseException:
+        point.rmdir()
+        raise
+
+    def detach() -> None:
+        native.umount(str(point), detach=True)
+        point.rmdir()
+
+    return point / "upper", detach
+
+
+def take_back(pidfd: int) -> int:
+    """After a daemon restart: the mount fd that the sandbox's PID 1 holds."""
+    fd = native.pidfd_getfd(pidfd, native.UPPER_FD)
+    if not os.path.isdir(f"/proc/self/fd/{fd}/upper"):
+        os.close(fd)
+        raise OSError(errno.EBADF, f"fd {native.UPPER_FD} of the sandbox init is not its upper tmpfs")
+    return fd
+
+
+def usage(fd: int) -> dict:
+    st = os.fstatvfs(fd)
+    return {"limit": st.f_blocks * st.f_frsize, "used": (st.f_blocks - st.f_bfree) * st.f_frsize,
+            "inodes_limit": st.f_files, "inodes_used": st.f_files - st.f_ffree}
