@@ -360,12 +360,15 @@ static int dev_links(struct dsec_err *e)
 
 /* A small tmpfs (the sandbox's root owns it, so cap it) holding the nodes, a
  * private devpts instance (its own pty numbering, ptys of no other sandbox),
- * /dev/shm and the usual links. */
+ * /dev/shm and the usual links. nodev: execs keep CAP_MKNOD and there is no
+ * device cgroup, so without it `mknod /dev/x b 254 0` would open the host's
+ * disk; the bound nodes keep working (a bind mount carries its source's
+ * flags, not those of the mount it lands on). */
 static int dev_mount(const struct container_ctx *c)
 {
     struct dsec_err *e = c->err;
 
-    if (mount_step(DSEC_STEP_MOUNT_DEV, "tmpfs", "dev", "tmpfs", MS_NOSUID | MS_NOEXEC,
+    if (mount_step(DSEC_STEP_MOUNT_DEV, "tmpfs", "dev", "tmpfs", MS_NOSUID | MS_NOEXEC | MS_NODEV,
                    "mode=755,size=65536,nr_inodes=1024", e) < 0 ||
         dev_nodes(e) < 0 || mkdir_strict("dev/pts", 0755, e) < 0 ||
         mount_step(DSEC_STEP_MOUNT_DEVPTS, "devpts", "dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,

@@ -167,3 +167,15 @@ def test_host_state_dir_is_unchanged_by_sandbox_writes(daemon, client):
                     assert int(f.read()) >= 16 * MiB
     finally:
         sb.destroy(force=True)
+
+
+@pytest.mark.parametrize("where", ["/dev", "/tmp", "/dev/shm", "/root"])
+def test_device_nodes_made_inside_do_not_open(sandbox, where):
+    """Execs keep CAP_MKNOD and there is no device cgroup: every writable mount is nodev,
+    so a node made inside (here a copy of /dev/null; a disk's numbers work the same) fails to
+    open with EACCES."""
+    r = sh(sandbox, f"mknod {where}/node c 1 3 && echo x > {where}/node")
+    assert r.exit_code != 0 and b"Permission denied" in r.stderr, (r.exit_code, r.stderr)
+    # Neighbour: the allowlisted nodes work.
+    r = sh(sandbox, "echo x > /dev/null && head -c 4 /dev/urandom | wc -c && head -c 3 /dev/zero | wc -c")
+    assert r.exit_code == 0 and r.stdout.split() == [b"4", b"3"], (r.stdout, r.stderr)

@@ -108,9 +108,13 @@ def test_masks_cannot_be_removed_or_bypassed(sandbox):
                    "mount -o remount,rw /proc/sys", "mount --bind /proc/self /proc/kallsyms"):
         r = sh(sandbox, script)
         assert _eperm(r), (script, r.exit_code, r.stderr)
-    # /proc/1/root is the sandbox's own root: the same masks.
-    r = sh(sandbox, "stat -c %t:%T /proc/1/root/proc/kpagecount")
+    # Another way round to the same file: the masks are in the mount namespace
+    # (/proc/self/root is the sandbox's own root), and PID 1 is non-dumpable,
+    # so its /proc entries are closed to the sandbox (EACCES).
+    r = sh(sandbox, "stat -c %t:%T /proc/self/root/proc/kpagecount")
     assert r.stdout.strip() == b"1:3", r.stdout
+    r = sh(sandbox, "ls /proc/1/root/")
+    assert r.exit_code != 0 and b"Permission denied" in r.stderr, r.stderr
     # Neighbour: the mount table itself is readable and lists the masks.
     r = sh(sandbox, "grep -c kpagecount /proc/self/mountinfo")
     assert r.exit_code == 0 and int(r.stdout) == 1

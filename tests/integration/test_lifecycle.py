@@ -52,7 +52,9 @@ def test_create_options_are_applied(fresh):
     c = fresh.client()
     sb = c.create(image="busybox", cpu=0.5, memory="256M", pids=128, env={"K": "V"}, labels={"job": "42"})
     info = sb.inspect()
-    assert info["limits"] == {"cpu": 0.5, "memory": 256 << 20, "pids": 128, "cpu_quota": False}
+    disk = c.info()["features"]["upperfs"]["available"]
+    assert info["limits"] == {"cpu": 0.5, "memory": 256 << 20, "pids": 128, "cpu_quota": False,
+                              "disk": 10 << 30 if disk else None, "disk_inodes": 1 << 20 if disk else None}
     assert info["labels"] == {"job": "42"} and info["state"] == "running"
     assert sb.exec(["sh", "-c", "echo $K"]).stdout == b"V\n"
     dirs = {k: v for k, v in info["cgroups"].items()}
