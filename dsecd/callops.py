@@ -33,6 +33,7 @@ from .backends.fncall import CallBox, FnCallBackend, Zygote, ZygoteDied
 from .config import parse_size
 from .errors import BadRequest, Busy, DsecError, IOFailure, LimitExceeded, Unsupported, io_error
 from .execio import ExecIO
+from .fs import upper as upperfs
 from .fs.images import ImageError
 from .imageops import image_error
 from .native import NativeError
@@ -47,8 +48,11 @@ class CallOps:
 
     def init_calls(self, cfg) -> None:
         self.fn_cfg = cfg.section("fncall")
+        # Call sandboxes get the same writable-layer cap as sandboxes (sandbox.disk).
+        disk = (upperfs.Cap(cfg.size("sandbox", "disk"), self.sb_defaults["disk_inodes"])
+                if self.backend.upper_mode == "tmpfs" else None)
         self.fncall = FnCallBackend(self.layout, self.sb_defaults, self.fn_cfg, cfg.state_dir, {
-            "tmp": cfg.size("fncall", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")})
+            "tmp": cfg.size("fncall", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")}, disk)
         self.call_boxes: dict[str, CallBox] = {}
         self._box_locks: dict[str, asyncio.Lock] = {}
         self.call_stats = {"calls": 0, "inflight": 0, "zygote_calls": 0, "plain_calls": 0,

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from .. import cgroup
 from ..fs import files as sbfiles
+from ..fs import upper as upperfs
 from .container import ContainerBackend, Handle
 
 log = logging.getLogger(__name__)
@@ -129,18 +130,20 @@ class FnCallBackend:
     name = "fncall"
 
     def __init__(self, layout: cgroup.Layout, sandbox_cfg: dict, fn_cfg: dict, state_dir: Path,
-                 sizes: dict):
+                 sizes: dict, disk: upperfs.Cap | None = None):
         self.cfg = fn_cfg
+        self.disk = disk        # writable-layer cap of call sandboxes (None: uncapped dir)
         self.containers = ContainerBackend(layout, {**sandbox_cfg,
                                                     "cgroup_root": f"{sandbox_cfg['cgroup_root']}/.fncall"},
-                                           Path(state_dir) / "fncall", sizes)
+                                           Path(state_dir) / "fncall", sizes,
+                                           "tmpfs" if disk else "dir")
 
     def leftovers(self) -> list[str]:
         """Call sandboxes of an earlier daemon (none are ever re-adopted)."""
         return sorted(self.containers.orphans(set()))
 
     def create_box(self, box_id: str, lowerdirs: list[str], limits: cgroup.Limits, plan) -> Handle:
-        h = self.containers.create(box_id, lowerdirs, limits, "fncall", plan)
+        h = self.containers.create(box_id, lowerdirs, limits, "fncall", plan, self.disk)
         try:
             self.seal_shared_dirs(h)
         except BaseException:
