@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 # network. On local disk the pager only adds FUSE round trips (measured: +9 ms
 # per create+exec+destroy on this host), so auto mounts local blobs directly.
 REMOTE_FS = {"nfs", "nfs4", "ceph", "cifs", "smb3", "9p", "glusterfs", "lustre", "gpfs", "beegfs", "fuse"}
+# File systems the kernel cannot back a file-backed EROFS mount with (shmem has
+# no read_folio: the mount fails with ENOTBLK). A store there is paged through
+# the pager's FUSE files instead.
+NO_FILE_BACKED_EROFS = {"tmpfs", "ramfs"}
 
 
 def store_fstype(path: Path) -> str:
@@ -78,12 +82,18 @@ class ImageOps:
             raise ValueError(f"images.mode must be auto, lazy, eager or direct, not {wanted!r}")
         if wanted == "auto":
             fstype = store_fstype(self.images.store.root)
-            wanted = "lazy" if fstype in REMOTE_FS or fstype.startswith("fuse.") else "direct"
+            remote = fstype in REMOTE_FS or fstype.startswith("fuse.")
+            wanted = "lazy" if remote or fstype in NO_FILE_BACKED_EROFS else "direct"
             log.info("images.mode auto: the store is on %s, so layers are mounted %s", fstype, wanted)
         if wanted == "lazy" and not self.features.has("fuse"):
-            log.warning("images.mode = lazy needs FUSE (%s); layers are mounted straight from the "
-                        "store (direct) instead", self.features.items["fuse"].detail)
-            return "direct"
+            fallback = "eager" if store_fstype(self.images.store.root) in NO_FILE_BACKED_EROFS else "direct"
+            log.warning("images.mode = lazy needs FUSE (%s); layers are mounted %s instead",
+                        self.features.items["fuse"].detail, fallback)
+            return fallback
+        if wanted == "direct" and store_fstype(self.images.store.root) in NO_FILE_BACKED_EROFS:
+            raise ValueError(f"images.mode = direct cannot mount layers from a store on "
+                             f"{store_fstype(self.images.store.root)} ({self.images.store.root}): the "
+                             "kernel cannot back EROFS with such files; use lazy or eager")
         return wanted
 
     def _make_pager(self, cfg) -> Pager:

@@ -147,8 +147,7 @@ def small_store(tmp_path):
 
 
 def test_disk_full_during_build(small_store, daemon_factory, busybox_rootfs, tmp_path):
-    # eager: EROFS cannot be mounted from a tmpfs file (shmem has no read_folio).
-    d = daemon_factory(f'[images]\nstore = "{small_store}"\nmode = "eager"\n')
+    d = daemon_factory(f'[images]\nstore = "{small_store}"\n')      # auto: lazy (tmpfs store)
     c = d.client()
     c.build_image(busybox_rootfs, "base")
     sb = c.create(image="base")
@@ -167,3 +166,10 @@ def test_disk_full_during_build(small_store, daemon_factory, busybox_rootfs, tmp
     sb2.destroy()
     sb.destroy()
     c.close()
+
+
+def test_direct_mode_on_a_tmpfs_store_is_refused_at_start(small_store, daemon_factory):
+    d = daemon_factory(f'[images]\nstore = "{small_store}"\nmode = "direct"\n', start=False)
+    with pytest.raises(RuntimeError) as err:
+        d.start()
+    assert "cannot back EROFS" in str(err.value)
