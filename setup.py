@@ -1,7 +1,7 @@
 """Build steps pyproject.toml cannot express: the cffi extension dsecd._native
 (from csrc/, see dsecd/_native_build.py), the static PID 1 of container
 sandboxes, dsecd/libexec/dsec-init (from csrc/init.c), and the lazy pager,
-dsecd/libexec/dsec-pager (from csrc/pager/, linked with libfuse3).
+dsecd/libexec/dsec-pager (from csrc/pager/, linked with libfuse3 and libcrypto).
 
 Works for ``pip install .`` (both binaries go into the wheel), ``pip install -e .``
 and ``python setup.py build_ext --inplace`` (they are built in the source tree,
@@ -42,7 +42,7 @@ def compile_pager(dest: Path) -> None:
         return
     dest.parent.mkdir(parents=True, exist_ok=True)
     cc = shlex.split(os.environ.get("CC", "cc"))
-    fuse = subprocess.run(["pkg-config", "--cflags", "--libs", "fuse3"], check=True,
+    fuse = subprocess.run(["pkg-config", "--cflags", "--libs", "fuse3", "libcrypto"], check=True,
                           capture_output=True, text=True).stdout.split()
     sources = [str(p) for p in PAGER_SOURCES if p.suffix == ".c"]
     cmd = [*cc, "-O2", "-Wall", "-Wextra", "-o", str(dest), *sources, *fuse]

@@ -123,4 +123,6 @@ def io_error(verb: str, obj: str, err: OSError) -> DsecError:
     num = err.errno or _errno.EIO
     name = _errno.errorcode.get(num, "EIO")
     klass = _ERRNO_CODES.get(name, IOFailure)
-    return klass(f"{verb} {obj}: {os.strerror(num)}", {"errno": name, "path": obj})
+    # An OSError raised by our own code carries a sentence saying what to do; keep it.
+    text = err.strerror if err.strerror and err.strerror != os.strerror(num) else os.strerror(num)
+    return klass(f"{verb} {obj}: {text}", {"errno": name, "path": obj})

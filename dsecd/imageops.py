@@ -21,7 +21,7 @@ from .errors import Conflict, DsecError
 from .fs.images import ImageError, ImageStore
 from .fs.layers import LayerMounts
 from .fs.pager import Pager, PagerConfig
-from .fs.store import StoreError
+from .fs.store import INDEX_BLOCK, StoreError, check_index
 from .mem import pause
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 # network. On local disk the pager only adds FUSE round trips (measured: +9 ms
 # per create+exec+destroy on this host), so auto mounts local blobs directly.
 REMOTE_FS = {"nfs", "nfs4", "ceph", "cifs", "smb3", "9p", "glusterfs", "lustre", "gpfs", "beegfs", "fuse"}
+# File systems the kernel cannot back a file-backed EROFS mount with (shmem has
+# no read_folio: the mount fails with ENOTBLK). A store there is paged through
+# the pager's FUSE files instead.
+NO_FILE_BACKED_EROFS = {"tmpfs", "ramfs"}
 
 
 def store_fstype(path: Path) -> str:
@@ -63,8 +67,11 @@ class ImageOps:
         # The store throttle of [pager] also paces eager copies, so that both
         # modes see the same emulated remote store.
         self.store_throttle = (cfg.size("pager", "bandwidth_bps"), cfg.section("pager")["latency_us"])
-        source = {"lazy": lambda d: self.pager.blob_path(d), "eager": self._eager_copy,
-                  "direct": self.images.store.path}[self.image_mode]
+        self.verify_layers = bool(section["verify"])
+        self._verified: set[str] = set()      # layers hashed whole by this daemon (direct mode)
+        self._verify_lock = threading.Lock()
+        source = {"lazy": self._lazy_source, "eager": self._eager_copy,
+                  "direct": self._direct_source}[self.image_mode]
         self.layers = LayerMounts(cfg.state_dir / "layers", source, section["layer_grace_s"])
         self.snapshot_exclude = list(section["snapshot_exclude"])
         self._sweep_task: asyncio.Task | None = None
@@ -75,17 +82,26 @@ class ImageOps:
             raise ValueError(f"images.mode must be auto, lazy, eager or direct, not {wanted!r}")
         if wanted == "auto":
             fstype = store_fstype(self.images.store.root)
-            wanted = "lazy" if fstype in REMOTE_FS or fstype.startswith("fuse.") else "direct"
+            remote = fstype in REMOTE_FS or fstype.startswith("fuse.")
+            wanted = "lazy" if remote or fstype in NO_FILE_BACKED_EROFS else "direct"
             log.info("images.mode auto: the store is on %s, so layers are mounted %s", fstype, wanted)
         if wanted == "lazy" and not self.features.has("fuse"):
-            log.warning("images.mode = lazy needs FUSE (%s); layers are mounted straight from the "
-                        "store (direct) instead", self.features.items["fuse"].detail)
-            return "direct"
+            fallback = "eager" if store_fstype(self.images.store.root) in NO_FILE_BACKED_EROFS else "direct"
+            log.warning("images.mode = lazy needs FUSE (%s); layers are mounted %s instead",
+                        self.features.items["fuse"].detail, fallback)
+            return fallback
+        if wanted == "direct" and store_fstype(self.images.store.root) in NO_FILE_BACKED_EROFS:
+            raise ValueError(f"images.mode = direct cannot mount layers from a store on "
+                             f"{store_fstype(self.images.store.root)} ({self.images.store.root}): the "
+                             "kernel cannot back EROFS with such files; use lazy or eager")
         return wanted
 
     def _make_pager(self, cfg) -> Pager:
         p = cfg.section("pager")
         state = cfg.state_dir
+        if cfg.section("images")["verify"] and cfg.size("pager", "chunk_size") % INDEX_BLOCK:
+            raise ValueError(f"pager.chunk_size must be a multiple of {INDEX_BLOCK // 1024}K while "
+                             "images.verify is on (chunks are checked in blocks of that size)")
         group = cgroup.Group(self.layout, f"{self.sb_defaults['cgroup_root']}/.pager")
         self.pager_group = group
         procs = str(group.dirs[cgroup.V2] / "cgroup.procs") if cgroup.V2 in group.dirs else None
@@ -96,19 +112,66 @@ class ImageOps:
             bandwidth_bps=cfg.size("pager", "bandwidth_bps"), latency_us=p["latency_us"],
             direct_io=p["direct_io"], log_path=str(state / "pager.log"), cgroup_procs=procs))
 
+    # Layer sources: the file a layer is mounted from, per images.mode. Each
+    # one is where that mode checks the layer against its digest (images.verify;
+    # docs/pager.md, "Integrity"), so a corrupt store copy fails the mount (EIO,
+    # "corrupt" in the message) or, lazily, the read of the damaged chunk.
+
     def _eager_copy(self, digest: str) -> Path:
-        """eager mode: the whole blob copied to local disk before its first mount."""
+        """eager: the whole blob copied to local disk before its first mount,
+        hashed on the way."""
         local = self.eager_dir / digest.split(":", 1)[1]
         if not local.exists():
             self.eager_dir.mkdir(parents=True, exist_ok=True)
             tmp = local.with_name(local.name + ".tmp")
             try:
-                self.images.store.copy_out(digest, tmp, *self.store_throttle)
+                self.images.store.copy_out(digest, tmp, *self.store_throttle, verify=self.verify_layers)
             except StoreError as err:
                 tmp.unlink(missing_ok=True)
-                raise OSError(errno.EIO, str(err)) from err
+                raise OSError(errno.EIO, f"{err}; rebuild the image or repair the store") from err
             os.rename(tmp, local)
         return local
+
+    def _direct_source(self, digest: str) -> Path:
+        """direct: the store file itself, hashed whole before its first mount by
+        this daemon (a local store: one sequential read per layer and daemon)."""
+        if self.verify_layers and digest not in self._verified:
+            with self._verify_lock:
+                if digest not in self._verified:
+                    try:
+                        self.images.store.verify(digest)
+                    except StoreError as err:
+                        raise OSError(errno.EIO, f"{err}; rebuild the image or repair the store") from err
+                    self._verified.add(digest)
+        return self.images.store.path(digest)
+
+    def _lazy_source(self, digest: str) -> str:
+        """lazy: the pager's file, after placing the layer's chunk index where the
+        pager loads it at open (<cache>/<hex>.idx), so each fetch is checked."""
+        if self.verify_layers:
+            self._place_chunk_index(digest)
+        return self.pager.blob_path(digest)
+
+    def _place_chunk_index(self, digest: str) -> None:
+        hexpart = digest.split(":", 1)[1]
+        target = Path(self.pager.config.cache_dir) / f"{hexpart}.idx"
+        if target.exists():        # placed earlier (the cache dir is local and ours)
+            return
+        index = self.images.layer_index(digest)
+        if index is None:
+            log.warning("layer %s has no chunk index (built by an older dsecd): the pager cannot "
+                        "check what it fetches; rebuild the image to get one", digest)
+            return
+        try:
+            data = self.images.store.read_bytes(index)      # checked against its digest
+            check_index(data, self.images.store.size(digest))
+        except (StoreError, OSError) as err:
+            raise OSError(errno.EIO, f"chunk index {index} of layer {digest}: {err}; rebuild the image "
+                          "or repair the store") from err
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f"{target.name}.{threading.get_ident()}.tmp")
+        tmp.write_bytes(data)
+        os.rename(tmp, target)
 
     def start_images(self) -> None:
         """Start (or adopt) the pager and its supervisor; blocking, in a thread."""

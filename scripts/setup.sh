@@ -29,6 +29,7 @@ KREL=$(uname -r)
 PACKAGES=(
     build-essential pkg-config libc6-dev       # C layer; libc.a for static dsec-init
     libfuse3-dev fuse3 libseccomp-dev          # the FUSE pager, seccomp filters
+    libssl-dev                                 # libcrypto: the pager checks chunks (sha256)
     python3-venv python3-dev                   # the venv; headers for the cffi build
     python3-bpfcc "linux-headers-$ARCH"        # bcc and headers to compile bpf/*.c
     busybox-static bubblewrap crun             # test rootfs; peers in bench/peers.py

@@ -120,11 +120,13 @@ static void json_blob(FILE *f, struct blob *b, int first)
         "%s\n  \"%s\": {\"size\": %" PRIu64 ", \"chunks\": %" PRIu64 ", \"cached_chunks\": %" PRIu64
         ", \"kernel_read_bytes\": %" PRIu64 ", \"reads\": %" PRIu64 ", \"fetched_bytes\": %" PRIu64
         ", \"fetches\": %" PRIu64 ", \"chunk_hits\": %" PRIu64 ", \"chunk_misses\": %" PRIu64
-        ", \"readahead_chunks\": %" PRIu64 ", \"evictions\": %" PRIu64 ", \"errors\": %" PRIu64 "}",
+        ", \"readahead_chunks\": %" PRIu64 ", \"evictions\": %" PRIu64 ", \"errors\": %" PRIu64 ", \"verified\": %s"
+        ", \"verified_bytes\": %" PRIu64 ", \"corrupt\": %" PRIu64 "}",
         first ? "" : ",", b->hex, b->size, b->nchunks, (uint64_t)b->cached_chunks,
         (uint64_t)s->kernel_read_bytes, (uint64_t)s->reads, (uint64_t)s->fetched_bytes,
         (uint64_t)s->fetches, (uint64_t)s->hits, (uint64_t)s->misses, (uint64_t)s->readahead,
-        (uint64_t)s->evictions, (uint64_t)s->errors);
+        (uint64_t)s->evictions, (uint64_t)s->errors, b->index ? "true" : "false",
+        (uint64_t)s->verified_bytes, (uint64_t)s->corrupt);
 }
 
 static int stats_snapshot(struct mem_file *m)
@@ -170,6 +172,9 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
         fprintf(stderr, "dsec-pager: attach blob %s: %s\n", b->hex, strerror(-rc));
         return (void)fuse_reply_err(req, rc == -ENOENT ? ENOENT : -rc);
     }
+    /* A bad index fails the open: serving the layer unchecked is not an option. */
+    if ((rc = blob_index_load(b)) < 0)
+        return (void)fuse_reply_err(req, EIO);
     struct open_blob *ob = calloc(1, sizeof(*ob));
     if (!ob)
         return (void)fuse_reply_err(req, ENOMEM);

@@ -51,6 +51,8 @@ struct blob_stats {
     _Atomic uint64_t readahead; /* chunks fetched by read-ahead */
     _Atomic uint64_t evictions; /* chunks evicted */
     _Atomic uint64_t errors;    /* failed fetches (store I/O, truncated blob, cache I/O) */
+    _Atomic uint64_t verified_bytes; /* fetched bytes checked against the chunk index */
+    _Atomic uint64_t corrupt;        /* fetched blocks that did not match it (EIO) */
 };
 
 struct blob {
@@ -72,6 +74,8 @@ struct blob {
     uint8_t *ref;         /* CLOCK reference bit per chunk */
     uint16_t *pins;       /* readers copying the chunk out of the cache file */
     _Atomic uint64_t cached_chunks;
+    uint8_t *_Atomic index; /* sha256 per index_block of the blob (verify.c); NULL = unchecked */
+    uint32_t index_block;
     struct blob_stats st;
 };
 
@@ -100,6 +104,10 @@ int cache_read(struct blob *b, char *dst, uint64_t off, uint64_t len);
 uint64_t cache_used(void);
 void cache_close_all(void);
 int valid_hex(const char *s);
+
+/* verify.c */
+int blob_index_load(struct blob *b);
+int blob_verify(struct blob *b, uint64_t off, const char *buf, uint64_t len);
 
 /* store.c */
 int store_fetch(struct blob *b, uint64_t c, char *buf, uint64_t len);

@@ -103,6 +103,8 @@ int store_fetch(struct blob *b, uint64_t c, char *buf, uint64_t len)
         }
         done += (uint64_t)n;
     }
+    if (blob_verify(b, off, buf, len) < 0)
+        return -EIO;
     /* The chunk now lives in .data (and the EROFS page cache above): with
      * direct_io, the one-copy mode, drop the store file's pages too (a local
      * or NFS-like store keeps them otherwise: ~the fetched bytes again). */

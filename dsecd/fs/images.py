@@ -1,7 +1,8 @@
 """Images: ordered EROFS layers in the blob store, a manifest, and a name.
 
     manifest (a blob, canonical JSON):
-        {"schema": 1, "layers": [{"digest": "sha256:..", "size": n}, ...],   bottom first
+        {"schema": 1, "layers": [{"digest": "sha256:..", "size": n, "index": "sha256:.."}, ...],
+         (bottom first; "index": the layer's chunk index blob, store.py; absent in old images)
          "config": {"env": {...}, "cwd": "/", "user": 0, "entrypoint": []}}
     name  -> <store>/refs/<name>: {"manifest": "sha256:..", "created": t}
 
@@ -78,6 +79,7 @@ class ImageStore:
         # digest -> parsed manifest. Content-addressed, so never stale: every
         # create resolves its image, and need not re-read and re-hash the blob.
         self._manifests: dict[str, dict] = {}
+        self._indexes: dict[str, str] = {}      # layer digest -> its chunk index digest
 
     # ------------------------------------------------------------ names
 
@@ -117,7 +119,20 @@ class ImageStore:
         except StoreError as err:
             raise ImageError(err.code, str(err)) from err
         self._manifests[digest] = manifest
+        for layer in manifest.get("layers", []):
+            if layer.get("index"):
+                self._indexes[layer["digest"]] = layer["index"]
         return manifest
+
+    def layer_index(self, layer_digest: str) -> str | None:
+        """The chunk index digest of a layer of any manifest read so far (a create
+        reads its image's manifest before it mounts the layers); None: it has none."""
+        return self._indexes.get(layer_digest)
+
+    @staticmethod
+    def _blobs_of(manifest: dict) -> set[str]:
+        """Every blob a manifest needs: its layers and their chunk indexes."""
+        return {d for layer in manifest["layers"] for d in (layer["digest"], layer.get("index")) if d}
 
     def list(self) -> list[Image]:
         out = []
@@ -160,13 +175,13 @@ class ImageStore:
             tmp.unlink(missing_ok=True)
             raise ImageError(err.code, str(err)) from err
         try:
-            digest, added = self.store.ingest(tmp)
+            digest, added, index = self.store.ingest_layer(tmp)
         except StoreError as err:
             raise ImageError(err.code, str(err)) from err
         size = self.store.size(digest)
         if progress:
             progress({"step": "layer", "digest": digest, "bytes": size, "new": added})
-        return {"digest": digest, "size": size}
+        return {"digest": digest, "size": size, "index": index}
 
     def _commit(self, name: str, layers: list[dict], config: dict, parent: str | None) -> Image:
         manifest = {"schema": 1, "layers": layers, "config": {**DEFAULT_CONFIG, **config}}
@@ -218,7 +233,7 @@ class ImageStore:
     # ------------------------------------------------------------ accounting
 
     def referenced(self) -> tuple[set[str], set[str]]:
-        """(manifest digests, layer digests) reachable from names."""
+        """(manifest digests, layer and chunk index digests) reachable from names."""
         manifests, layers = set(), set()
         for entry in os.scandir(self.refs):
             if not NAME_RE.match(entry.name):
@@ -226,7 +241,7 @@ class ImageStore:
             try:
                 digest = json.loads(Path(entry.path).read_text())["manifest"]
                 manifests.add(digest)
-                layers.update(layer["digest"] for layer in self._manifest(digest)["layers"])
+                layers.update(self._blobs_of(self._manifest(digest)))
             except (OSError, ValueError, KeyError, ImageError):
                 continue
         return manifests, layers
@@ -237,7 +252,7 @@ class ImageStore:
         keep = manifests | layers | in_use_layers | in_use_manifests
         for m in in_use_manifests:
             try:
-                keep.update(layer["digest"] for layer in self._manifest(m)["layers"])
+                keep.update(self._blobs_of(self._manifest(m)))
             except ImageError:
                 pass
         removed, freed = [], 0

@@ -126,6 +126,9 @@ class BlobStats:
     readahead_chunks: int
     evictions: int
     errors: int
+    verified_bytes: int = 0  # fetched bytes checked against the layer's chunk index
+    corrupt: int = 0         # fetched blocks that did not match it (readers got EIO)
+    verified: bool = False   # the blob has a chunk index loaded: fetches are checked
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,10 @@ def parse_stats(text: str) -> PagerStats:
     if doc.get("version") != 1:
         raise ValueError(f"unknown .stats version {doc.get('version')!r}")
     names = [f.name for f in fields(BlobStats)]
-    blobs = {h: BlobStats(**{n: int(b[n]) for n in names}) for h, b in doc["blobs"].items()}
+    # The integrity fields came later: a pager adopted across an upgrade lacks them.
+    optional = {"verified_bytes", "corrupt", "verified"}
+    blobs = {h: BlobStats(**{n: bool(b[n]) if n == "verified" else int(b[n])
+                             for n in names if n in b or n not in optional}) for h, b in doc["blobs"].items()}
     return PagerStats(int(doc["pid"]), int(doc["chunk_size"]), int(doc["cache_max"]),
                       int(doc["cache_used"]), blobs)
 

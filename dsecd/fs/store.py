@@ -17,12 +17,19 @@ import hashlib
 import os
 import re
 import shutil
+import struct
 import time
 import uuid
 from pathlib import Path
 
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 CHUNK = 1 << 20
+# Chunk index of a layer (csrc/pager/verify.c has the format): the sha256 of
+# every INDEX_BLOCK bytes, so the lazy pager can check each chunk it fetches
+# without reading the whole blob. 64 KiB: the pager's default chunk size.
+INDEX_BLOCK = 64 << 10
+INDEX_MAGIC = b"DSECIDX1"
+INDEX_HEADER = struct.Struct("<8sIIQ")
 
 
 class StoreError(Exception):
@@ -47,6 +54,36 @@ def file_digest(path: str | Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def digest_and_index(path: str | Path) -> tuple[str, bytes]:
+    """One pass over a layer file: its digest and its chunk index."""
+    whole = hashlib.sha256()
+    hashes = []
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            whole.update(chunk)
+            size += len(chunk)
+            view = memoryview(chunk)
+            # CHUNK is a multiple of INDEX_BLOCK, so only the file's last block is short.
+            hashes.extend(hashlib.sha256(view[i:i + INDEX_BLOCK]).digest()
+                          for i in range(0, len(view), INDEX_BLOCK))
+    index = INDEX_HEADER.pack(INDEX_MAGIC, INDEX_BLOCK, 0, size) + b"".join(hashes)
+    return "sha256:" + whole.hexdigest(), index
+
+
+def check_index(index: bytes, blob_size: int) -> None:
+    """Raise StoreError unless `index` is a well-formed chunk index of a blob_size-byte blob."""
+    if len(index) < INDEX_HEADER.size:
+        raise StoreError("io", "chunk index is truncated")
+    magic, block, _, size = INDEX_HEADER.unpack_from(index)
+    if magic != INDEX_MAGIC or block < 4096 or block & (block - 1):
+        raise StoreError("io", "chunk index has a bad header")
+    if size != blob_size:
+        raise StoreError("io", f"chunk index is for a {size}-byte blob, the store blob has {blob_size}")
+    if len(index) != INDEX_HEADER.size + -(-size // block) * 32:
+        raise StoreError("io", "chunk index has the wrong length for its blob size")
+
+
 class BlobStore:
     def __init__(self, root: str | Path):
         self.root = Path(root)
@@ -58,8 +95,10 @@ class BlobStore:
     def path(self, digest: str) -> Path:
         return self.blobs / check_digest(digest).split(":", 1)[1]
 
-    def copy_out(self, digest: str, dst: Path, bandwidth_bps: int = 0, latency_us: int = 0) -> None:
-        """Copy a blob to a local file (images.mode = eager).
+    def copy_out(self, digest: str, dst: Path, bandwidth_bps: int = 0, latency_us: int = 0,
+                 verify: bool = True) -> None:
+        """Copy a blob to a local file (images.mode = eager), checking its digest
+        on the way (verify): a corrupt store copy is an `io` StoreError.
 
         bandwidth_bps/latency_us throttle the copy like dsec-pager throttles
         its fetches ([pager] keys, benches emulating a remote store): one
@@ -67,15 +106,23 @@ class BlobStore:
         it an eager copy from a local store would race a throttled pager."""
         start = time.monotonic() + latency_us / 1e6
         sent = 0
+        h = hashlib.sha256()
         try:
             with open(self.path(digest), "rb") as src, open(dst, "wb") as out:
                 while piece := src.read(4 * CHUNK):
                     out.write(piece)
+                    if verify:
+                        h.update(piece)
                     sent += len(piece)
                     if bandwidth_bps:
                         time.sleep(max(0.0, start + sent / bandwidth_bps - time.monotonic()))
+        except FileNotFoundError:
+            raise StoreError("not_found", f"blob {digest} is missing from the store {self.root}") from None
         except OSError as err:
             raise StoreError("io", f"copy blob {digest} to {dst}: {err.strerror}") from err
+        if verify and "sha256:" + h.hexdigest() != digest:
+            raise StoreError("io", f"blob {digest} in {self.root} is corrupt (content hashes to "
+                             f"sha256:{h.hexdigest()})")
 
     def exists(self, digest: str) -> bool:
         return self.path(digest).exists()
@@ -84,14 +131,32 @@ class BlobStore:
         """A fresh path in the store's file system, for a blob being written."""
         return self.tmp / f"{uuid.uuid4().hex}{suffix}"
 
-    def ingest(self, tmp_file: Path) -> tuple[str, bool]:
+    def ingest_layer(self, tmp_file: Path) -> tuple[str, bool, str]:
+        """ingest() for a layer: also stores its chunk index, written before the
+        layer itself. (digest, newly_added, index digest)."""
+        try:
+            digest, index = digest_and_index(tmp_file)
+        except OSError as err:
+            tmp_file.unlink(missing_ok=True)
+            raise StoreError("io", f"read layer {tmp_file}: {err.strerror}") from err
+        try:
+            index_digest = self.put_bytes(index)
+        except BaseException:
+            tmp_file.unlink(missing_ok=True)
+            raise
+        return (*self.ingest(tmp_file, digest), index_digest)
+
+    def ingest(self, tmp_file: Path, digest: str | None = None) -> tuple[str, bool]:
         """Move a finished temp file in under its digest: (digest, newly_added).
 
-        The file must be in self.tmp (same file system, so rename is atomic)."""
+        The file must be in self.tmp (same file system, so rename is atomic).
+        `digest`: already computed by the caller from the same file."""
         try:
-            digest = file_digest(tmp_file)
+            digest = digest or file_digest(tmp_file)
             final = self.path(digest)
-            if final.exists():
+            # Same digest, same bytes: keep the one in place. Unless its size
+            # shows it was damaged (truncated): then the fresh copy replaces it.
+            if final.exists() and final.stat().st_size == tmp_file.stat().st_size:
                 tmp_file.unlink()
                 return digest, False
             with open(tmp_file, "rb") as f:
@@ -105,8 +170,12 @@ class BlobStore:
 
     def put_bytes(self, data: bytes) -> str:
         tmp = self.temp_path()
-        tmp.write_bytes(data)
-        return self.ingest(tmp)[0]
+        try:
+            tmp.write_bytes(data)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            raise StoreError("io", f"store blob {tmp}: {err.strerror}") from err
+        return self.ingest(tmp, "sha256:" + hashlib.sha256(data).hexdigest())[0]
 
     def read_bytes(self, digest: str) -> bytes:
         try:

@@ -39,7 +39,7 @@ def test_build_is_reproducible_and_deduplicated(images, busybox_rootfs):
     base = c.request("image_inspect", name="base")
     assert again["layers"] == base["layers"] and again["manifest"] == base["manifest"]
     du = c.request("image_du")
-    assert du["blobs"] == 2          # one layer + one manifest, shared by both names
+    assert du["blobs"] == 3          # one layer, its chunk index, one manifest, shared by both names
 
 
 def test_layer_on_top_and_config(images, tmp_path):
@@ -74,11 +74,11 @@ def test_rm_name_keeps_running_sandboxes_and_gc_keeps_their_layers(images):
     with pytest.raises(NotFound):
         c.request("image_inspect", name="base")
     gc = c.request("image_gc")
-    assert gc["removed"] == []                      # the live sandbox still uses both blobs
+    assert gc["removed"] == []          # the live sandbox still uses all three blobs
     assert sb.exec(["true"]).exit_code == 0
     sb.destroy()
     gc = c.request("image_gc")
-    assert len(gc["removed"]) == 2 and gc["freed_bytes"] > 0
+    assert len(gc["removed"]) == 3 and gc["freed_bytes"] > 0     # manifest, layer, chunk index
     assert c.request("image_du")["blobs"] == 0
 
 

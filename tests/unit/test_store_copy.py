@@ -1,11 +1,13 @@
-"""BlobStore.copy_out: the eager mode's whole-blob copy, and its throttle (no root)."""
+"""BlobStore: the eager mode's whole-blob copy and its throttle, digest checks,
+layer chunk indexes (no root)."""
 
+import hashlib
 import os
 import time
 
 import pytest
 
-from dsecd.fs.store import BlobStore, StoreError
+from dsecd.fs.store import CHUNK, INDEX_BLOCK, BlobStore, StoreError, check_index, digest_and_index
 
 
 def test_copy_out_copies_the_blob(tmp_path):
@@ -29,4 +31,58 @@ def test_copy_out_of_a_missing_blob_is_a_store_error(tmp_path):
     store = BlobStore(tmp_path / "store")
     with pytest.raises(StoreError) as err:
         store.copy_out("sha256:" + "0" * 64, tmp_path / "copy")
-    assert err.value.code == "io"
+    assert err.value.code == "not_found"
+
+
+def test_copy_out_checks_the_digest(tmp_path):
+    store = BlobStore(tmp_path / "store")
+    digest = store.put_bytes(b"layer bytes" * 1000)
+    store.copy_out(digest, tmp_path / "good")
+    assert (tmp_path / "good").read_bytes() == b"layer bytes" * 1000
+    path = store.path(digest)
+    path.chmod(0o644)
+    path.write_bytes(b"LAYER bytes" + b"layer bytes" * 999)
+    with pytest.raises(StoreError) as err:
+        store.copy_out(digest, tmp_path / "bad")
+    assert err.value.code == "io" and "corrupt" in str(err.value)
+    store.copy_out(digest, tmp_path / "unchecked", verify=False)     # images.verify = false
+
+
+@pytest.mark.parametrize("size", [0, 1, INDEX_BLOCK - 1, INDEX_BLOCK, 3 * INDEX_BLOCK + 5, CHUNK + 7])
+def test_chunk_index_has_one_hash_per_block(tmp_path, size):
+    data = os.urandom(size)
+    (tmp_path / "layer").write_bytes(data)
+    digest, index = digest_and_index(tmp_path / "layer")
+    assert digest == "sha256:" + hashlib.sha256(data).hexdigest()
+    check_index(index, size)
+    hashes = index[24:]
+    assert len(hashes) == 32 * -(-size // INDEX_BLOCK)
+    for i in range(0, size, INDEX_BLOCK):
+        k = i // INDEX_BLOCK
+        assert hashes[32 * k:32 * k + 32] == hashlib.sha256(data[i:i + INDEX_BLOCK]).digest()
+
+
+def test_check_index_refuses_damaged_or_foreign_indexes(tmp_path):
+    (tmp_path / "layer").write_bytes(os.urandom(2 * INDEX_BLOCK))
+    _, index = digest_and_index(tmp_path / "layer")
+    for bad, size in [(index[:10], 2 * INDEX_BLOCK), (b"X" + index[1:], 2 * INDEX_BLOCK),
+                      (index, 2 * INDEX_BLOCK + 1), (index[:-1], 2 * INDEX_BLOCK)]:
+        with pytest.raises(StoreError):
+            check_index(bad, size)
+
+
+def test_ingest_layer_stores_the_index_and_replaces_a_truncated_copy(tmp_path):
+    store = BlobStore(tmp_path / "store")
+    tmp = store.temp_path()
+    tmp.write_bytes(os.urandom(100_000))
+    data = tmp.read_bytes()
+    digest, added, index = store.ingest_layer(tmp)
+    assert added and store.exists(index)
+    check_index(store.read_bytes(index), 100_000)
+    store.path(digest).chmod(0o644)
+    with open(store.path(digest), "r+b") as f:
+        f.truncate(1000)                       # damaged in the store
+    again = store.temp_path()
+    again.write_bytes(data)
+    assert store.ingest_layer(again)[:2] == (digest, True)
+    assert store.path(digest).read_bytes() == data
