@@ -8,7 +8,7 @@ same load on a shared machine; each figure is over --n rounds per daemon.
 
 Last line of stdout: one JSON object with create_exec_p50_ms_dir,
 create_exec_p50_ms_tmpfs (and p90), delta_p50_ms, and
-write_mib_per_s_dir/_tmpfs (dd of 64 MiB into the writable layer).
+write_mib_per_s_dir/_tmpfs (best of 3 dd runs of 128 MiB into the writable layer).
 
 Run as root: `.venv/bin/python bench/upperfs.py [--n 150]`.
 """
@@ -40,14 +40,18 @@ def one_round(client) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-def write_rate(client) -> float:
-    sb = client.create(image="busybox", memory="512M")
+def write_rate(client, mib: int = 128, tries: int = 3) -> float:
+    """Best of `tries` dd runs of `mib` MiB into the writable layer (exec overhead included)."""
+    sb = client.create(image="busybox", memory="1G")
     try:
-        t0 = time.perf_counter()
-        r = sb.exec(["dd", "if=/dev/zero", "of=/f", "bs=1M", "count=64"])
-        if r.exit_code != 0:
-            raise RuntimeError(f"dd failed: {r.stderr!r}")
-        return 64 / (time.perf_counter() - t0)
+        best = 0.0
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            r = sb.exec(["sh", "-c", f"dd if=/dev/zero of=/f bs=1M count={mib} 2>/dev/null && rm /f"])
+            if r.exit_code != 0:
+                raise RuntimeError(f"dd failed: {r.stderr!r}")
+            best = max(best, mib / (time.perf_counter() - t0))
+        return best
     finally:
         sb.destroy(force=True)
 

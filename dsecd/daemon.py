@@ -69,7 +69,10 @@ async def serve(cfg) -> None:
     if missing:
         details = "; ".join(f"{m}: {feats.items[m].detail}" for m in missing)
         raise SystemExit(f"dsecd: required kernel features missing: {details}")
-    node = Node(cfg, feats, cgroup.detect_layout())
+    try:
+        node = Node(cfg, feats, cgroup.detect_layout())
+    except ConfigError as err:      # a setting this host cannot honour (e.g. sandbox.writable_layer)
+        raise SystemExit(f"dsecd: {err}") from err
     await node.start()
     server = Server(node, cfg.socket, cfg.section("daemon")["socket_group"], cfg.section("limits"),
                     cfg.size("limits", "max_frame_bytes"))

@@ -115,16 +115,20 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         self.limits = cfg.section("limits")
         self.sb_defaults = cfg.section("sandbox")
         state = cfg.state_dir
-        self.pool = ThreadPoolExecutor(cfg.section("daemon")["worker_threads"], "dsecd-worker")
-        self.journal = Journal(state / "journal", fsync=cfg.section("journal")["fsync"])
-        self.init_images(cfg)
-        self.init_memory(cfg)
-        self.init_net(cfg)
+        # First: a setting this host cannot honour stops the daemon before it changes anything.
         try:
             upper_mode = upperfs.pick_mode(self.sb_defaults["writable_layer"], features)
         except upperfs.UpperError as err:
             raise ConfigError(str(err)) from err
         self.disk_default = cfg.size("sandbox", "disk")
+        if upper_mode == "tmpfs" and not (self.disk_default >= 1 << 20 and self.sb_defaults["disk_inodes"] >= 16):
+            raise ConfigError("sandbox.disk must be at least 1M and sandbox.disk_inodes at least 16 "
+                              "(a tmpfs takes 0 as unlimited)")
+        self.pool = ThreadPoolExecutor(cfg.section("daemon")["worker_threads"], "dsecd-worker")
+        self.journal = Journal(state / "journal", fsync=cfg.section("journal")["fsync"])
+        self.init_images(cfg)
+        self.init_memory(cfg)
+        self.init_net(cfg)
         self.backend = ContainerBackend(layout, self.sb_defaults, state, {
             "tmp": cfg.size("sandbox", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")}, upper_mode)
         self.sandboxes: dict[str, Sandbox] = {}
