@@ -18,6 +18,7 @@ from pathlib import Path
 
 from . import cgroup
 from .errors import Conflict, DsecError
+from .fs import upper as upperfs
 from .fs.images import ImageError, ImageStore
 from .fs.layers import LayerMounts
 from .fs.pager import Pager, PagerConfig
@@ -308,7 +309,8 @@ class ImageOps:
                 raise Conflict(f"snapshot of sandbox {sb.id}: cannot freeze it ({err}); is it being destroyed?",
                                {"sandbox": sb.id}) from err
             try:
-                upper, undo = await self.run_blocking(sb.handle.upper_view, self.cfg.state_dir / "scratch")
+                upper, undo = await self.run_blocking(sb.handle.upper_view,
+                                                      self.cfg.state_dir / upperfs.VIEWS_DIR)
                 try:
                     image = await self._images_call(self.images.snapshot, upper, base,
                                                     req.name, exclude, self._progress(ctx))

@@ -147,6 +147,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
     async def start(self) -> None:
         """Re-adopt journaled sandboxes, clean up what died or was half-made."""
         self.loop = asyncio.get_running_loop()
+        await self.run_blocking(upperfs.sweep_views, self.cfg.state_dir / upperfs.VIEWS_DIR)
         await self.run_blocking(self.start_images)
         records = await self.run_blocking(self.journal.load_all)
         for sb_id, rec in records.items():

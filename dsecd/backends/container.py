@@ -68,13 +68,12 @@ class Handle:
     core_sched: bool = False  # execs share PID 1's core-scheduling cookie
     upperfd: int = -1        # mount fd of its capped upper tmpfs (dsecd/fs/upper.py); -1 = dir
 
-    def upper_view(self, scratch: Path) -> tuple[Path, Callable[[], None] | None]:
+    def upper_view(self, views: Path) -> tuple[Path, Callable[[], None] | None]:
         """The writable layer's upper dir at a host path (pack_diff), and what
         undoes the view (None: nothing to undo). Blocking: it may mount."""
         if self.upperfd < 0:
             return self.dir / "upper", None
-        os.makedirs(scratch, exist_ok=True)
-        return upperfs.attach(self.upperfd, scratch)
+        return upperfs.attach(self.upperfd, views)
 
 
 def proc_start_time(pid: int) -> int | None:

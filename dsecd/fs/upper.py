@@ -19,6 +19,7 @@ Two kinds, picked once at daemon start (`sandbox.writable_layer`):
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -81,10 +82,14 @@ def overlay_dirs(fd: int) -> tuple[str, str]:
     return f"/proc/self/fd/{fd}/upper", f"/proc/self/fd/{fd}/work"
 
 
-def attach(fd: int, scratch: Path) -> tuple[Path, Callable[[], None]]:
+VIEWS_DIR = "upper-views"      # under state_dir: where attach() mounts its views
+
+
+def attach(fd: int, views: Path) -> tuple[Path, Callable[[], None]]:
     """The upper dir at a host path, for programs that need one (mkfs.erofs
     for pack_diff), and the function that takes it away again. Blocking."""
-    point = Path(tempfile.mkdtemp(prefix="upper-", dir=scratch))
+    views.mkdir(parents=True, exist_ok=True)
+    point = Path(tempfile.mkdtemp(prefix="upper-", dir=views))
     try:
         native.upperfs_attach(fd, str(point))
     except BaseException:
@@ -96,6 +101,20 @@ def attach(fd: int, scratch: Path) -> tuple[Path, Callable[[], None]]:
         point.rmdir()
 
     return point / "upper", detach
+
+
+def sweep_views(views: Path) -> int:
+    """At start: unmount views a daemon killed mid-snapshot left behind (each
+    pins a sandbox's layer, and its memory, until unmounted). Blocking."""
+    prefix = str(views) + "/"
+    with open("/proc/self/mountinfo") as f:
+        points = [p.replace("\\040", " ") for line in f if (p := line.split()[4]).startswith(prefix)]
+    for point in sorted(points, key=len, reverse=True):
+        native.umount(point, detach=True)
+        log.warning("unmounted a writable-layer view left by an earlier daemon: %s", point)
+        with contextlib.suppress(OSError):
+            os.rmdir(point)
+    return len(points)
 
 
 def take_back(pidfd: int) -> int:
