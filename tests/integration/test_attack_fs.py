@@ -13,6 +13,7 @@ import subprocess
 
 import pytest
 
+import dsecd.errors
 from dsecd.errors import BadRequest
 
 pytestmark = pytest.mark.attack
@@ -179,3 +180,18 @@ def test_device_nodes_made_inside_do_not_open(sandbox, where):
     # Neighbour: the allowlisted nodes work.
     r = sh(sandbox, "echo x > /dev/null && head -c 4 /dev/urandom | wc -c && head -c 3 /dev/zero | wc -c")
     assert r.exit_code == 0 and r.stdout.split() == [b"4", b"3"], (r.stdout, r.stderr)
+
+
+def test_file_api_writes_are_capped_too(daemon, client):
+    """The daemon's file_write goes through the same overlay: past the cap it is an `io`
+    error naming ENOSPC, not an internal one, and the sandbox stays usable."""
+    _require_upperfs(client)
+    sb = client.create(image="busybox", memory="128M", disk="4M")
+    try:
+        sb.write_file("/small", b"y" * 1024)            # neighbour: within the cap
+        with pytest.raises(dsecd.errors.DsecError) as e:
+            sb.write_file("/f", b"x" * (8 << 20))       # the SDK sends it in chunks
+        assert e.value.code == "io" and "No space left" in str(e.value), e.value
+        assert sh(sb, "rm /f && echo ok > /g && cat /g").stdout == b"ok\n"
+    finally:
+        sb.destroy(force=True)
