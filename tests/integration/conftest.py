@@ -212,3 +212,7 @@ def _enough_fds():
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+# Fixtures of the adversarial suite (test_attack_*.py): the probe binary and armed sandboxes.
+from attack_kit import admin, armed, probe_binary  # noqa: E402,F401
