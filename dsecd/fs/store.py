@@ -19,6 +19,7 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -84,12 +85,17 @@ class BlobStore:
         """A fresh path in the store's file system, for a blob being written."""
         return self.tmp / f"{uuid.uuid4().hex}{suffix}"
 
-    def ingest(self, tmp_file: Path) -> tuple[str, bool]:
+    def ingest(self, tmp_file: Path, hold: Callable[[str], None] | None = None) -> tuple[str, bool]:
         """Move a finished temp file in under its digest: (digest, newly_added).
 
-        The file must be in self.tmp (same file system, so rename is atomic)."""
+        The file must be in self.tmp (same file system, so rename is atomic).
+        `hold(digest)` runs once the digest is known and before the blob is
+        looked up or published: a builder pins it there against collection
+        (ImageStore.gc), so a blob found present is still present after."""
         try:
             digest = file_digest(tmp_file)
+            if hold is not None:
+                hold(digest)
             final = self.path(digest)
             if final.exists():
                 tmp_file.unlink()
@@ -103,10 +109,10 @@ class BlobStore:
             tmp_file.unlink(missing_ok=True)
             raise StoreError("io", f"store blob {tmp_file}: {err.strerror}") from err
 
-    def put_bytes(self, data: bytes) -> str:
+    def put_bytes(self, data: bytes, hold: Callable[[str], None] | None = None) -> str:
         tmp = self.temp_path()
         tmp.write_bytes(data)
-        return self.ingest(tmp)[0]
+        return self.ingest(tmp, hold)[0]
 
     def read_bytes(self, digest: str) -> bytes:
         try:
