@@ -317,14 +317,15 @@ static int a_connect(char **v)
     return report(connect(fd, (struct sockaddr *)&sa, sizeof(sa)));
 }
 
-/* Listen on 127.0.0.1:PORT, say so, then accept one connection and print it. */
+/* Listen on PORT of every address of the sandbox, say so, then accept one
+ * connection and say that. */
 static int a_listen(char **v)
 {
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(atoi(v[0]))};
     int fd = socket(AF_INET, SOCK_STREAM, 0), one = 1;
 
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    sa.sin_addr.s_addr = htonl(INADDR_ANY);
     if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(fd, 8) < 0)
         return report(-1);
     printf("listening\n");
