@@ -92,8 +92,8 @@ def strict(busybox_rootfs):
 def test_slow_frame_within_the_deadline_is_served(strict):
     s = connect(strict)
     hello(s)
-    frame = ping_frame(1)                        # ~20 bytes at 20 ms each: inside 1 s
-    trickle(s, frame, 0.02)
+    frame = ping_frame(1)                        # ~30 bytes at 10 ms each: well inside 1 s
+    trickle(s, frame, 0.01)
     r = recv(s)
     assert r["id"] == 1 and "result" in r
 
