@@ -454,6 +454,25 @@ def openat2(dirfd: int, path: str, flags: int, mode: int = 0,
     return fd
 
 
+# Kernel-interface file systems (statfs f_type): a read or write there is not
+# a file operation but a kernel call (procfs, sysfs, cgroupfs, ...).
+KERNEL_FS_MAGICS: dict[int, str] = {
+    lib.PROC_SUPER_MAGIC: "proc", lib.SYSFS_MAGIC: "sysfs", lib.DEBUGFS_MAGIC: "debugfs",
+    lib.TRACEFS_MAGIC: "tracefs", lib.SECURITYFS_MAGIC: "securityfs", lib.CGROUP_SUPER_MAGIC: "cgroup",
+    lib.CGROUP2_SUPER_MAGIC: "cgroup2", lib.BPF_FS_MAGIC: "bpf", lib.DEVPTS_SUPER_MAGIC: "devpts",
+    lib.NSFS_MAGIC: "nsfs", lib.EFIVARFS_MAGIC: "efivarfs", lib.PSTOREFS_MAGIC: "pstore",
+    lib.BINFMTFS_MAGIC: "binfmt_misc", lib.SELINUX_MAGIC: "selinuxfs", lib.SMACK_MAGIC: "smackfs",
+}
+
+
+def fs_magic(fd: int, what: str) -> int:
+    """statfs f_type of the file system holding an open file."""
+    magic = lib.dsec_file_fs_magic(fd)
+    if magic < 0:
+        _raise(-magic, "inspect", what, "fstatfs")
+    return magic & 0xFFFFFFFF
+
+
 def pidfd_open(pid: int) -> int:
     """A pidfd (always close-on-exec) for a process; pins its pid against reuse."""
     fd = lib.dsec_pidfd_open(pid, 0)

@@ -339,8 +339,10 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         if not 8 <= pids <= 1 << 22:
             raise BadRequest(f"pids must be between 8 and 4194304, got {pids}")
         quota = d["cpu_hard_quota"] if req.cpu_quota is None else req.cpu_quota
+        ratio = float(d["swap_per_memory"])
         return cgroup.Limits(cpu=float(cpu), memory_bytes=memory, pids=pids,
-                             cpu_hard_quota=quota, cpu_period_us=d["cpu_period_us"])
+                             cpu_hard_quota=quota, cpu_period_us=d["cpu_period_us"],
+                             swap_bytes=None if ratio < 0 else int(memory * ratio))
 
     def _admit(self) -> None:
         live = sum(1 for s in self.sandboxes.values() if s.state != "dead")
