@@ -143,6 +143,12 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
                               "set sandbox.userns = false or move state_dir to ext4, xfs, btrfs or tmpfs")
         return userns.RangeAllocator(self.sb_defaults["userns_base"], self.sb_defaults["userns_size"])
 
+    def userns_info(self) -> dict:
+        r = self.id_ranges
+        if r is None:
+            return {"enabled": False}
+        return {"enabled": True, "base": r.base, "size": r.size, "slots": r.slots, "used": len(r.used)}
+
     def _allocate_ids(self, sb: Sandbox) -> None:
         if self.id_ranges is None:
             return
@@ -355,6 +361,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
                 "net": self.net_info(),
                 "fncall": self.calls_info(),
                 "admission": self.admission_info(),
+                "userns": self.userns_info(),
                 "paths": {"socket": d["socket"], "state_dir": str(self.cfg.state_dir),
                           "cgroup_root": self.sb_defaults["cgroup_root"],
                           "cgroup_dirs": {k: str(v / self.sb_defaults["cgroup_root"])
