@@ -126,7 +126,7 @@ class ContainerBackend:
                 cpu_plan.apply(group)
             sched_idle = bool(cpu_plan and cpu_plan.sched_idle)
             core_sched = bool(cpu_plan and cpu_plan.core_sched == "on")
-            with _IdmappedLayers(idmap, lowerdirs, sbdir) as layers:
+            with _IdmappedLayers(idmap, lowerdirs, sbdir / "upper", sbdir / "work") as layers:
                 spec = native.ContainerSpec(
                     rootfs=str(sbdir / "rootfs"), lowerdirs=layers.lowerdirs, upperdir=layers.upperdir,
                     workdir=layers.workdir, hostname=hostname, init_path=self.init_path,
@@ -229,15 +229,17 @@ class ContainerBackend:
 class _IdmappedLayers:
     """The overlay's layers as the spawn sees them. Without an id map: the
     paths themselves. With one: a user namespace for the sandbox, and detached
-    idmapped clones of every layer mount and of the sandbox dir (upper and work
-    must share a mount), named /proc/self/fd/N, which the spawn child (a copy
+    idmapped clones of every layer mount and of the directory holding upper and
+    work (they must share a mount), named /proc/self/fd/N, which the spawn child (a copy
     of our fd table) resolves to the same clones. The overlay keeps its own
     references to them, so every fd is closed once the spawn returned."""
 
-    def __init__(self, idmap: userns.IdMap | None, lowerdirs: list[str], sbdir: Path):
-        self.idmap, self.sbdir, self.fds = idmap, sbdir, []
+    def __init__(self, idmap: userns.IdMap | None, lowerdirs: list[str], upperdir: Path, workdir: Path):
+        if upperdir.parent != workdir.parent:
+            raise ValueError(f"overlay upper {upperdir} and work {workdir} must share a directory")
+        self.idmap, self.fds = idmap, []
         self.lowerdirs, self.userns_fd = lowerdirs, -1
-        self.upperdir, self.workdir = str(sbdir / "upper"), str(sbdir / "work")
+        self.upperdir, self.workdir = str(upperdir), str(workdir)
 
     def __enter__(self) -> _IdmappedLayers:
         if self.idmap is None:
@@ -246,8 +248,9 @@ class _IdmappedLayers:
             self.userns_fd = userns.create_namespace(self.idmap)
             self.fds.append(self.userns_fd)
             self.lowerdirs = [self._clone(d) for d in self.lowerdirs]
-            top = self._clone(str(self.sbdir))
-            self.upperdir, self.workdir = f"{top}/upper", f"{top}/work"
+            top = self._clone(os.path.dirname(self.upperdir))
+            self.upperdir = f"{top}/{os.path.basename(self.upperdir)}"
+            self.workdir = f"{top}/{os.path.basename(self.workdir)}"
         except BaseException:
             self.__exit__()
             raise
