@@ -12,7 +12,13 @@ shared host falls on both alike. Measured through the Python SDK:
   the user namespace with one more setns), per mode;
 * *_delta_ms: userns minus host-root, of the p50s;
 
-and, in this process, the two native steps the create adds:
+*_paired_delta_p50_ms: the median of the per-cycle differences (each
+userns cycle minus the host-root cycle next to it), less moved by drift;
+
+and, in this process, without a daemon: spawn_us_p50_{userns,hostroot}
+(namespace + idmapped clones + dsec_spawn_container of a busybox overlay,
+no cgroups, network or journal; alternating) and the two native steps the
+create adds:
 userns_create_us_p50 (clone a holder into a new user namespace, write its
 maps, keep an fd, kill it) and idmap_mount_us_p50 (open_tree clone +
 mount_setattr MOUNT_ATTR_IDMAP of one mount).
@@ -27,15 +33,20 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
+import signal
+import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import harness
 import peers
 import uvloop
 
 import dsecd
-from dsecd import native
+from dsecd import native, userns
+from dsecd.backends.container import _IdmappedLayers
 
 IMAGE = "busybox"
 CREATE_ARGS = {"image": IMAGE, "cpu": 0.5, "memory": "256M"}
@@ -66,6 +77,46 @@ def measure_native(n: int) -> dict:
         ns_us.append((t1 - t0) / 1e3)
         idmap_us.append((t2 - t1) / 1e3)
     out = {"userns_create_us_p50": p(ns_us, 50), "idmap_mount_us_p50": p(idmap_us, 50)}
+    log(f"  {out}")
+    return out
+
+
+def spawn_once(lower: str, top: Path, idmap: userns.IdMap | None) -> float:
+    """µs for namespace + idmapped clones + spawn of one container; then kill it."""
+    for sub in ("upper", "work", "rootfs"):
+        (top / sub).mkdir(parents=True)
+    t0 = time.perf_counter_ns()
+    with _IdmappedLayers(idmap, [lower], top / "upper", top / "work") as layers:
+        spec = native.ContainerSpec(
+            rootfs=str(top / "rootfs"), lowerdirs=layers.lowerdirs, upperdir=layers.upperdir,
+            workdir=layers.workdir, hostname="bench", init_path=native.init_binary_path(),
+            cgroup_procs=[], tmp_size_bytes=64 << 20, shm_size_bytes=16 << 20,
+            userns_fd=layers.userns_fd, userns_uid=idmap.uid if idmap else 0,
+            userns_gid=idmap.gid if idmap else 0)
+        pid = native.spawn_container(spec)
+    elapsed = (time.perf_counter_ns() - t0) / 1e3
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    shutil.rmtree(top)
+    return elapsed
+
+
+def measure_spawn(rootfs: str, n: int) -> dict:
+    log(f"native spawn: {n} per mode, alternating (+{WARMUP} warm-up)")
+    idmap = userns.IdMap(0, 2**32 - 2 - 65536, 2**32 - 2 - 65536, 65536)
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    tmp = Path(tempfile.mkdtemp(prefix="dsecd-bench-userns-"))
+    try:
+        for i in range(-WARMUP, n):
+            for m in (MODES if i % 2 == 0 else MODES[::-1]):
+                us = spawn_once(rootfs, tmp / f"{m}-{i}", idmap if m == "userns" else None)
+                if i >= 0:
+                    times[m].append(us)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    out = {f"spawn_us_p50_{m}": p(times[m], 50) for m in MODES}
+    out["spawn_paired_delta_us_p50"] = round(statistics.median(
+        a - b for a, b in zip(times["userns"], times["hostroot"], strict=True)), 1)
     log(f"  {out}")
     return out
 
@@ -120,6 +171,9 @@ async def measure_daemons(socks: dict[str, str], n: int, n_rtt: int) -> dict:
         out[f"exec_rtt_p50_ms_{m}"] = p(rtt[m], 50)
     for key in ("create_p50_ms", "create_exec_destroy_p50_ms", "exec_rtt_p50_ms"):
         out[key.replace("_ms", "_delta_ms")] = round(out[f"{key}_userns"] - out[f"{key}_hostroot"], 3)
+    for name, series in (("create", create), ("create_exec_destroy", cycle), ("exec_rtt", rtt)):
+        out[f"{name}_paired_delta_p50_ms"] = round(statistics.median(
+            a - b for a, b in zip(series["userns"], series["hostroot"], strict=True)), 3)
     log(f"  {out}")
     return out
 
@@ -139,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     results = measure_native(args.n_native)
     rootfs = args.rootfs or harness.build_rootfs()
+    results.update(measure_spawn(rootfs, args.n))
     with harness.private_daemon(rootfs, IMAGE, None, _config(True), tag="-userns") as on, \
          harness.private_daemon(rootfs, IMAGE, None, _config(False), tag="-hostroot") as off:
         results.update(uvloop.run(measure_daemons({"userns": on.sock, "hostroot": off.sock},
