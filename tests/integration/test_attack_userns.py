@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,17 @@ def run(sb, script: str, **kw):
     return sb.exec(["sh", "-c", script], **kw)
 
 
+def bind_host_root_file(sb, target: str) -> None:
+    """As host root, in the sandbox's mount namespace: a root-owned 0644 file
+    in a root-owned 0755 dir, bind-mounted onto `target` (what a careless
+    volume mount would look like). It dies with the sandbox's namespace."""
+    run(sb, f"touch {target}")
+    script = ("mkdir -m 755 /tmp/.host && echo host > /tmp/.host/file && chmod 644 /tmp/.host/file "
+              f"&& mount --bind /tmp/.host/file {target}")
+    subprocess.run(["nsenter", "-t", str(sb.inspect()["init_pid"]), "-m", "sh", "-c", script],
+                   check=True, capture_output=True)
+
+
 def test_root_inside_is_unprivileged_uid_on_host(sandbox):
     r = run(sandbox, "id -u; id -g; sleep 30 >/dev/null 2>&1 &")
     assert r.stdout.split() == [b"0", b"0"]
@@ -80,6 +92,18 @@ def test_host_device_nodes_cannot_be_changed(sandbox):
                         "touch -d 2001-01-01 /tmp/f").exit_code == 0
     # And the node itself still works for writing.
     assert run(sandbox, "echo x > /dev/null").exit_code == 0
+
+
+def test_host_root_file_bound_in_cannot_be_written(sandbox):
+    bind_host_root_file(sandbox, "/tmp/bound")
+    r = run(sandbox, "cat /tmp/bound; echo x >> /tmp/bound; echo rc=$?; chmod 666 /tmp/bound; echo rc=$?; "
+                     "rm -f /tmp/.host/file; echo rc=$?")
+    out = r.stdout.decode()
+    assert out.startswith("host\n") and out.count("rc=1") == 3, (out, r.stderr)   # readable, no more
+    assert b"Permission denied" in r.stderr and b"not permitted" in r.stderr
+    assert run(sandbox, "cat /tmp/bound").stdout == b"host\n"
+    # Neighbour: sandbox root writes its own files in the same directory.
+    assert run(sandbox, "echo mine > /tmp/own && cat /tmp/own").stdout == b"mine\n"
 
 
 def test_root_work_inside_succeeds_and_keeps_sandbox_ids_on_disk(sandbox):
@@ -163,6 +187,9 @@ def test_userns_off_keeps_host_root(daemon_factory, busybox_rootfs):
     sb = c.create(image="busybox")
     assert host_ids(sb.inspect()["init_pid"])[0] == [0] * 4
     assert Path(f"/proc/{sb.inspect()['init_pid']}/uid_map").read_text().split()[:2] == ["0", "0"]
+    # What the user namespace prevents: host root's DAC_OVERRIDE writes a host-root file.
+    bind_host_root_file(sb, "/tmp/bound")
+    assert sb.exec(["sh", "-c", "echo x >> /tmp/bound && cat /tmp/bound"]).stdout == b"host\nx\n"
     sb.destroy(force=True)
     c.close()
 
