@@ -141,7 +141,10 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         if why:
             raise ConfigError(f"sandbox.userns = true, but the state dir {state} cannot be idmapped: {why}; "
                               "set sandbox.userns = false or move state_dir to ext4, xfs, btrfs or tmpfs")
-        return userns.RangeAllocator(self.sb_defaults["userns_base"], self.sb_defaults["userns_size"])
+        try:
+            return userns.RangeAllocator(int(self.sb_defaults["userns_base"]), int(self.sb_defaults["userns_size"]))
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
 
     def userns_info(self) -> dict:
         r = self.id_ranges
