@@ -125,6 +125,28 @@ def test_root_work_inside_succeeds_and_keeps_sandbox_ids_on_disk(sandbox):
     assert stat.S_IMODE(os.stat(upper / "home/u").st_mode) == 0o700
 
 
+def test_snapshot_records_sandbox_ids_not_host_ids(client):
+    """pack_diff of a userns sandbox, restored into another one (another host
+    range): owners are the in-sandbox ids, as the first sandbox saw them."""
+    sb = client.create(image="busybox")
+    try:
+        script = ("mkdir -p /work/u && touch /work/by-root /work/u/f && chown -R 1000:1001 /work/u && "
+                  "chown 0:0 /work/by-root && rm /etc/hostname 2>/dev/null; true")
+        assert run(sb, script).exit_code == 0
+        sb.snapshot("userns-snap")
+        sb2 = client.create(image="userns-snap")
+        try:
+            assert uid_base(sb2) != uid_base(sb)
+            out = run(sb2, "stat -c %u:%g /work/by-root /work/u /work/u/f").stdout.split()
+            assert out == [b"0:0", b"1000:1001", b"1000:1001"]
+            assert run(sb2, "test -e /etc/hostname").exit_code == 1          # whiteout kept
+        finally:
+            sb2.destroy(force=True)
+    finally:
+        sb.destroy(force=True)
+        client.request("image_rm", name="userns-snap")
+
+
 def test_daemon_file_ops_act_as_sandbox_root(sandbox):
     sandbox.write_file("/etc/written-by-daemon", b"x", parents=True)
     sandbox.write_file("/newdir/sub/f", b"y", parents=True)
