@@ -406,6 +406,9 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             raise BadRequest(f"cwd must be absolute, got {req.cwd!r}")
         if not 0 <= req.user < 2**32 - 1:
             raise BadRequest(f"user must be a uid in [0, 2^32-1), got {req.user}")
+        if self.id_ranges and req.user >= self.id_ranges.size:
+            raise BadRequest(f"user must be below sandbox.userns_size {self.id_ranges.size} (the ids a "
+                             f"sandbox's user namespace maps), got {req.user}")
         net_mode = self.net_mode(req)
         try:
             image = await self.run_blocking(self.images.get, req.image)
@@ -555,6 +558,10 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         if any("\0" in a for a in req.argv):
             raise BadRequest("argv must not contain NUL bytes")
         user = sb.user if req.user is None else req.user
+        idmap = userns.IdMap.from_record(sb.idmap)
+        if idmap and not 0 <= user < idmap.count:
+            raise BadRequest(f"user {user} does not exist in sandbox {sb.id}: its user namespace maps "
+                             f"uids 0..{idmap.count - 1}", {"user": user, "userns_size": idmap.count})
         env = self.backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, req.env)
         collected: dict[int, list[bytes]] = {1: [], 2: []}
 

@@ -78,6 +78,16 @@ def test_exec_as_other_user_maps_into_the_range(sandbox):
     assert any(host_ids(p)[0] == [base + 1000] * 4 for p in sandbox_pids(sandbox))
 
 
+def test_user_outside_the_range_is_a_bad_request(sandbox, client):
+    from dsecd.errors import BadRequest
+
+    with pytest.raises(BadRequest, match="user namespace maps"):
+        sandbox.exec(["true"], user=USERNS_SIZE)
+    with pytest.raises(BadRequest, match="userns_size"):
+        client.create(image="busybox", user=USERNS_SIZE + 5)
+    assert sandbox.exec(["id", "-u"], user=USERNS_SIZE - 1).stdout == b"%d\n" % (USERNS_SIZE - 1)
+
+
 def test_host_device_nodes_cannot_be_changed(sandbox):
     """/dev/null & co. are binds of the host's own nodes: root of the host could
     chmod them for the whole machine; sandbox root must not."""
