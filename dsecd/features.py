@@ -16,7 +16,7 @@ import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import cgroup, native
+from . import cgroup, native, userns
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +167,8 @@ def probe_all(cgroup_root: str = "dsecd") -> Features:
         "kvm": probe_kvm(),
         "swap": probe_swap(),
     }
+    why = userns.probe_idmap("/")
+    items["idmapped_mounts"] = Feature(why is None, why or "user namespace + MOUNT_ATTR_IDMAP of / works")
     abi = native.probe_landlock_abi()
     items["landlock"] = Feature(abi > 0, f"ABI v{abi}" if abi > 0 else
                                 f"landlock_create_ruleset: {errno.errorcode.get(-abi, abi)}")
