@@ -3,7 +3,7 @@
 
 PY := .venv/bin/python
 
-.PHONY: setup build test lint demo bench bench-core rootfs fuzz stress
+.PHONY: setup build test lint demo bench bench-core bench-security rootfs fuzz stress
 
 setup:
 	bash scripts/setup.sh
@@ -57,3 +57,11 @@ fuzz: setup
 # line: JSON. tests/integration/test_stress_short.py runs a few seconds of it.
 stress: setup
 	$(PY) bench/stress.py --clients 64 --seconds 120
+
+# The hardening report (issue 7), a few minutes: the adversarial suite
+# (`pytest -m attack`), a fuzz run (>= 100k inputs: daemon + decoder), kill -9
+# of the daemon mid create burst three times, then leaked mounts, cgroups,
+# netns and processes. Last line: JSON (attacks_tried, attacks_blocked,
+# fuzz_inputs, fuzz_crashes, daemon_restarts_survived, leaked_objects).
+bench-security: setup
+	$(PY) bench/security.py

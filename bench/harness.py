@@ -46,13 +46,13 @@ class BenchDaemon:
     cgroup subtree named after this process, so that neither its sandboxes nor
     its clean-up meet another daemon's on the same host."""
 
-    def __init__(self, tmp: Path, config: str | None, extra_config: str = ""):
+    def __init__(self, tmp: Path, config: str | None, extra_config: str = "", tag: str = ""):
         self.tmp = tmp
         self.extra_config = extra_config
         self.sock = str(tmp / "dsecd.sock")
         self.state = str(tmp / "state")
         self.log_path = tmp / "dsecd.log"
-        self.cgroup_root = f"dsecd-bench-{os.getpid()}"
+        self.cgroup_root = f"dsecd-bench-{os.getpid()}{tag}"   # tag: several daemons at once
         self.config = config or self._write_config()
         self.proc: subprocess.Popen | None = None
 
@@ -213,12 +213,13 @@ def interrupt(signum, _frame):
 
 
 @contextlib.contextmanager
-def private_daemon(rootfs: str, image: str, config: str | None = None, extra_config: str = ""):
+def private_daemon(rootfs: str, image: str, config: str | None = None, extra_config: str = "",
+                   tag: str = ""):
     """A started BenchDaemon with `rootfs` imported as `image`; cleaned up on exit.
     SIGTERM takes the Ctrl-C path, and clean-up ignores further signals until done."""
     signal.signal(signal.SIGTERM, interrupt)
     tmp = Path(tempfile.mkdtemp(prefix="dsecd-bench-"))
-    daemon = BenchDaemon(tmp, config, extra_config)
+    daemon = BenchDaemon(tmp, config, extra_config, tag)
     try:
         daemon.start()
         daemon.import_image(rootfs, image)

@@ -64,7 +64,14 @@ enum dsec_step {
     DSEC_STEP_IDS = 42,
     DSEC_STEP_CHDIR = 43,
     DSEC_STEP_EXEC = 44,
-    DSEC_STEP_EXEC_INTERP = 45
+    DSEC_STEP_EXEC_INTERP = 45,
+    /* user namespaces (csrc/userns.c; docs/hardening.md "User namespaces"):
+     * userns_map in the daemon (dsec_userns_create); fsids, sysctl and
+     * userns_enter in the container child; userns_enter in the exec child */
+    DSEC_STEP_USERNS_MAP = 50,
+    DSEC_STEP_USERNS_FSIDS = 51,
+    DSEC_STEP_USERNS_SYSCTL = 52,
+    DSEC_STEP_USERNS_ENTER = 53
 };
 
 struct dsec_err {
@@ -86,6 +93,9 @@ struct dsec_container_args {
     int sched_idle; /* nonzero: SCHED_IDLE for init (and what it forks) */
     int core_sched; /* nonzero: a new core-scheduling cookie for init */
     int seccomp_profile; /* >= 0: install this pre-built filter before exec of init; -1: none */
+    int userns_fd;       /* >= 0: init enters this user namespace last (dsec_userns_create) */
+    uint32_t userns_uid; /* host uid and gid that in-sandbox 0 maps to: the fs ids of */
+    uint32_t userns_gid; /* the setup steps, so what they create belongs to sandbox root */
     int upper_fd; /* >= 0: mount fd of the upper tmpfs, left open in init as DSEC_INIT_UPPER_FD */
 };
 
@@ -105,6 +115,7 @@ struct dsec_exec_args {
     int sched_idle; /* nonzero: SCHED_IDLE before execve (children inherit it) */
     int core_sched; /* nonzero: share the cookie of the sandbox's PID 1 */
     int seccomp_profile; /* >= 0: install this pre-built filter just before execve; -1: none */
+    int userns;          /* nonzero: join the user namespace of PID 1 (before caps and ids) */
 };
 
 struct dsec_kvm_probe {
@@ -124,6 +135,7 @@ int dsec_pidfd_send_signal(int pidfd, int sig);
 
 /* fileops.c */
 int dsec_file_openat2(int dirfd, const char *path, uint64_t flags, uint64_t mode, uint64_t resolve);
+long dsec_file_fs_magic(int fd);
 
 /* sched.c */
 int dsec_sched_set_idle(int pid);
@@ -172,6 +184,10 @@ int dsec_upperfs_attach(int mfd, const char *target);
 /* mount.c: host-side layer mounts */
 int dsec_mount_erofs(const char *file, const char *target);
 int dsec_umount(const char *target, int flags);
+/* userns.c: user namespaces, idmapped mounts, per-thread fs ids */
+int dsec_userns_create(uint32_t uid, uint32_t gid, uint32_t count, struct dsec_err *err);
+int dsec_mount_idmapped(const char *path, int userns_fd);
+int dsec_fsids_set(uint32_t uid, uint32_t gid);
 /* CFFI-END */
 
 #endif /* DSEC_NATIVE_H */

@@ -11,6 +11,7 @@
 #include <errno.h>
 #include <stdint.h>
 #include <sys/syscall.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include "dsec_native.h"
@@ -30,4 +31,14 @@ int dsec_file_openat2(int dirfd, const char *path, uint64_t flags, uint64_t mode
     long fd = syscall(SYS_openat2, dirfd, path, &how, sizeof(how));
 
     return fd < 0 ? -errno : (int)fd;
+}
+
+/* The file system type (statfs f_type, a *_MAGIC of linux/magic.h) of an
+ * open file, or -errno. The daemon uses it to refuse kernel interfaces
+ * (procfs, sysfs, ...) a sandbox's symlink may lead its file API to. */
+long dsec_file_fs_magic(int fd)
+{
+    struct statfs st;
+
+    return fstatfs(fd, &st) < 0 ? -errno : (long)st.f_type;
 }

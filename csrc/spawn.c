@@ -360,10 +360,10 @@ static int dev_links(struct dsec_err *e)
 
 /* A small tmpfs (the sandbox's root owns it, so cap it) holding the nodes, a
  * private devpts instance (its own pty numbering, ptys of no other sandbox),
- * /dev/shm and the usual links. nodev: execs keep CAP_MKNOD and there is no
- * device cgroup, so without it `mknod /dev/x b 254 0` would open the host's
- * disk; the bound nodes keep working (a bind mount carries its source's
- * flags, not those of the mount it lands on). */
+ * /dev/shm and the usual links. nodev: there is no device cgroup, so with
+ * CAP_MKNOD kept (Docker's default set has it) `mknod /dev/x b 254 0` would
+ * open the host's disk; the bound nodes keep working (a bind mount carries
+ * its source's flags, not those of the mount it lands on). */
 static int dev_mount(const struct container_ctx *c)
 {
     struct dsec_err *e = c->err;
@@ -555,10 +555,72 @@ static int privileges_drop(const struct container_ctx *c)
     return seccomp_step(c->a->seccomp_profile, c->err);
 }
 
+/* ---- user namespace steps (csrc/userns.c; docs/hardening.md) -----------
+ * With a->userns_fd >= 0 the child does all its setup as host root (the
+ * namespaces it made are owned by the host's user namespace, so sandbox root
+ * gets no capability over its own mounts, network or hostname), but under the
+ * fs ids of the sandbox's root: the overlay records its mounter's creds, and
+ * an idmapped upper layer can only store files of ids it maps; tmpfs roots
+ * take the mounter's fsuid as owner. The user namespace is entered last. */
+
+static int userns_fsids(const struct container_ctx *c)
+{
+    int rc;
+
+    if (c->a->userns_fd < 0)
+        return 0;
+    rc = dsec_fsids_set(c->a->userns_uid, c->a->userns_gid);
+    if (rc < 0) {
+        err_set(c->err, DSEC_STEP_USERNS_FSIDS, -rc, NULL);
+        return -1;
+    }
+    return 0;
+}
+
+/* Binding a port < 1024 needs CAP_NET_BIND_SERVICE in the user namespace that
+ * owns the net namespace: the host's, where sandbox root has none. Docker's
+ * answer, per net namespace: no privileged ports at all. Needs /proc (mounted
+ * by rootfs_mount) before proc_protect makes /proc/sys read-only. */
+static int userns_sysctls(const struct container_ctx *c)
+{
+    static const char path[] = "proc/sys/net/ipv4/ip_unprivileged_port_start";
+    int fd;
+
+    if (c->a->userns_fd < 0)
+        return 0;
+    fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (check(fd, c->err, DSEC_STEP_USERNS_SYSCTL, path) < 0)
+        return -1;
+    if (check(write(fd, "0", 1), c->err, DSEC_STEP_USERNS_SYSCTL, path) < 0) {
+        close(fd);
+        return -1;
+    }
+    close(fd);
+    return 0;
+}
+
+/* setns() keeps the host kuid 0, unmapped inside: become the namespace's own
+ * root (the mapped host uid). setns also resets the capability sets to full
+ * (inside the namespace only), so this precedes privileges_drop. */
+static int userns_enter(const struct container_ctx *c)
+{
+    struct dsec_err *e = c->err;
+
+    if (c->a->userns_fd < 0)
+        return 0;
+    if (check(setns(c->a->userns_fd, CLONE_NEWUSER), e, DSEC_STEP_USERNS_ENTER, NULL) < 0 ||
+        check(syscall(SYS_setgroups, 0, NULL), e, DSEC_STEP_USERNS_ENTER, NULL) < 0 ||
+        check(syscall(SYS_setresgid, 0, 0, 0), e, DSEC_STEP_USERNS_ENTER, NULL) < 0 ||
+        check(syscall(SYS_setresuid, 0, 0, 0), e, DSEC_STEP_USERNS_ENTER, NULL) < 0)
+        return -1;
+    return 0;
+}
+
 /* The container child's checklist, in order (docs/native-api.md). */
 static int (*const container_steps[])(const struct container_ctx *) = {
-    cgroups_enter, sched_enter, rootfs_mount, dev_mount,     proc_protect,    tmp_mount,
-    hostname_set,  loopback_up, root_pivot,   init_stdio,    upper_handoff,   privileges_drop,
+    cgroups_enter, sched_enter,  userns_fsids,  rootfs_mount, userns_sysctls,
+    dev_mount,     proc_protect, tmp_mount,     hostname_set, loopback_up,
+    root_pivot,    init_stdio,   upper_handoff, userns_enter, privileges_drop,
 };
 
 static int container_child(void *arg)
@@ -726,6 +788,16 @@ static void exec_search(const struct dsec_exec_args *a, struct dsec_err *e)
         err_set(e, DSEC_STEP_EXEC, ENOENT, file);
 }
 
+/* The user namespace is joined apart from the others, by the child: joined
+ * together with the mount namespace, setns would check the right to enter
+ * that (host-owned) namespace with the new, in-namespace credentials. */
+static int userns_join(const struct dsec_exec_args *a, struct dsec_err *e)
+{
+    if (!a->userns)
+        return 0;
+    return check(setns(a->pidfd, CLONE_NEWUSER), e, DSEC_STEP_USERNS_ENTER, NULL);
+}
+
 /* The process the caller asked for: already in the sandbox's namespaces and
  * cgroups (inherited from the helper), a child of the daemon (CLONE_PARENT). */
 static int exec_child(void *arg)
@@ -740,7 +812,9 @@ static int exec_child(void *arg)
     if ((a->sched_idle && sched_step(dsec_sched_set_idle(0), e, DSEC_STEP_SCHED_IDLE) < 0) ||
         (a->core_sched && sched_step(dsec_sched_core_share_from(1), e, DSEC_STEP_SCHED_CORE) < 0))
         _exit(127);
-    if (check(setsid(), e, DSEC_STEP_SETSID, NULL) < 0 || stdio_dup(a, e) < 0 ||
+    /* The user namespace next, while the pidfd is still open (close_range). */
+    if (userns_join(a, e) < 0 || check(setsid(), e, DSEC_STEP_SETSID, NULL) < 0 ||
+        stdio_dup(a, e) < 0 ||
         check(syscall(SYS_close_range, 3, ~0U, 0), e, DSEC_STEP_CLOSE_FDS, NULL) < 0 ||
         caps_bound(a->cap_keep, e) < 0 || ids_set(a, e) < 0 || caps_set(a->cap_keep, e) < 0 ||
         check(chdir(a->cwd), e, DSEC_STEP_CHDIR, a->cwd) < 0 ||

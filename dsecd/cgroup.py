@@ -104,6 +104,7 @@ class Limits:
     pids: int
     cpu_hard_quota: bool = False
     cpu_period_us: int = 100000
+    swap_bytes: int | None = None   # swap it may hold beyond memory_bytes; None = host swap is the bound
 
 
 class Group:
@@ -143,9 +144,28 @@ class Group:
         if mem:
             version, d = mem
             _write(d / ("memory.max" if version == "v2" else "memory.limit_in_bytes"), str(lim.memory_bytes))
+            if lim.swap_bytes is not None:
+                self._set_swap(version, d, lim)
         pids = self.dir_for("pids")
         if pids:
             _write(pids[1] / "pids.max", str(lim.pids))
+
+    @staticmethod
+    def _set_swap(version: str, d: Path, lim: Limits) -> None:
+        """Bound swap too: without it a sandbox's anonymous memory past its
+        limit goes to swap until the host's swap is full (found by
+        test_memory_oom_stays_in_the_sandbox with a host swap file on). v1
+        caps memory + swap together (memsw, written after the memory limit:
+        it must never be below it); v2 caps swap alone. Pause's reclaim moves
+        at most the memory limit's worth to swap, so swap_bytes >= memory_bytes
+        never gets in its way. Without swap accounting (no memsw files) there
+        is nothing to set."""
+        if version == "v2":
+            target, value = d / "memory.swap.max", lim.swap_bytes
+        else:
+            target, value = d / "memory.memsw.limit_in_bytes", lim.memory_bytes + lim.swap_bytes
+        if target.exists():
+            _write(target, str(value))
 
     def _set_cpu(self, lim: Limits) -> None:
         cpu = self.dir_for("cpu")

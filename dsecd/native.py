@@ -27,7 +27,7 @@ __all__ = [
     "pidfd_open", "pidfd_send_signal", "probe_sched_core", "probe_landlock_abi",
     "probe_seccomp", "probe_bpf_cgroup", "probe_kvm", "probe_openat2", "probe_pidfd",
     "probe_clone3", "describe_errno", "init_binary_path", "STEPS", "sched_set_idle",
-    "sched_core_create", "sched_core_share_from",
+    "sched_core_create", "sched_core_share_from", "userns_create", "mount_idmapped", "fs_ids",
     "RESOLVE_IN_ROOT", "RESOLVE_NO_MAGICLINKS", "RESOLVE_NO_SYMLINKS", "RESOLVE_BENEATH",
     "RESOLVE_NO_XDEV", "RESOLVE_CACHED",
 ]
@@ -66,6 +66,8 @@ _VERBS = {
     "ids": "set uid/gid to", "chdir": "chdir to", "exec": "exec", "exec_interp": "exec",
     "sched_idle": "set SCHED_IDLE for", "sched_core": "set core-scheduling cookie of",
     "seccomp": "install seccomp filter for", "upper_fd": "hand the upper tmpfs to",
+    "userns_map": "write id map of user namespace", "userns_fsids": "set fs uid/gid of",
+    "userns_sysctl": "write sysctl", "userns_enter": "enter user namespace of",
 }
 
 _MOUNT_STEPS = {"mount_private", "mount_overlay", "mount_proc", "mount_dev", "dev_node",
@@ -92,6 +94,9 @@ _HINTS: dict[tuple[str, int], str] = {
     ("mount_overlay", errno.ENOENT): "a lowerdir, the upperdir or the workdir does not exist",
     ("mount_overlay", errno.EBUSY): "upperdir or workdir is in use by another overlay "
         "(a previous sandbox still dying?)",
+    ("mount_idmapped", errno.EINVAL): "this file system cannot be idmapped (no FS_ALLOW_IDMAP "
+        "in this kernel); run sandboxes without user namespaces: [sandbox] userns = false",
+    ("userns_map", errno.EPERM): "writing id maps needs CAP_SETUID/CAP_SETGID: run dsecd as root",
     ("mount", errno.ENOSPC): "too many mounts in the mount namespace (sysctl fs.mount-max)",
     ("mount", errno.ENODEV): "the kernel lacks this filesystem type (module not loaded?)",
     ("mount", errno.EPERM): "mounting needs CAP_SYS_ADMIN: run dsecd as root",
@@ -283,11 +288,17 @@ class ContainerSpec:
     sched_idle: bool = False  # PID 1 (and all it forks) runs SCHED_IDLE
     core_sched: bool = False  # PID 1 gets a core-scheduling cookie of its own
     seccomp_profile: int = -1  # a filter pre-built by dsecd.seccomp.prepare(); -1 = none
+    userns_fd: int = -1    # user namespace init enters last (userns_create); -1 = none
+    userns_uid: int = 0    # host ids in-sandbox 0 maps to: fs ids of the setup steps
+    userns_gid: int = 0
     upper_fd: int = -1     # mount fd of the upper tmpfs (upperfs_create), kept open in
                            # init as fd UPPER_FD; upperdir/workdir then lie on it
 
     def __post_init__(self):
         self.overlay_options()
+        if self.userns_fd >= 0:
+            _id("userns_uid", self.userns_uid)
+            _id("userns_gid", self.userns_gid)
         _path("rootfs", self.rootfs)
         _path("init_path", self.init_path)
         _cgroup_files(self.cgroup_procs)
@@ -330,6 +341,8 @@ def spawn_container(spec: ContainerSpec) -> int:
     args.cgroup_procs, args.n_cgroups = _string_array(cgroups, keep), len(cgroups)
     args.sched_idle, args.core_sched = bool(spec.sched_idle), bool(spec.core_sched)
     args.seccomp_profile = int(spec.seccomp_profile)
+    args.userns_fd = int(spec.userns_fd)
+    args.userns_uid, args.userns_gid = spec.userns_uid, spec.userns_gid
     args.upper_fd = int(spec.upper_fd)
     err = ffi.new("struct dsec_err *")
     pid = lib.dsec_spawn_container(args, err)
@@ -378,8 +391,7 @@ class ExecSpec:
     sched_idle: bool = False  # SCHED_IDLE before execve; its children inherit it
     core_sched: bool = False  # copy the core-scheduling cookie of the sandbox's PID 1
     seccomp_profile: int = -1  # a filter pre-built by dsecd.seccomp.prepare(); -1 = none
-    upper_fd: int = -1     # mount fd of the upper tmpfs (upperfs_create), kept open in
-                           # init as fd UPPER_FD; upperdir/workdir then lie on it
+    userns: bool = False   # join PID 1's user namespace; uid/gid are then in-sandbox ids
 
     def __post_init__(self):
         _fd("pidfd", self.pidfd)
@@ -422,6 +434,7 @@ def spawn_exec(spec: ExecSpec) -> int:
     args.stdin_fd, args.stdout_fd, args.stderr_fd = spec.stdin_fd, spec.stdout_fd, spec.stderr_fd
     args.sched_idle, args.core_sched = bool(spec.sched_idle), bool(spec.core_sched)
     args.seccomp_profile = int(spec.seccomp_profile)
+    args.userns = bool(spec.userns)
     err = ffi.new("struct dsec_err *")
     pid = lib.dsec_spawn_exec(args, err)
     if pid < 0:
@@ -437,6 +450,59 @@ def _raise_exec(err, spec: ExecSpec) -> NoReturn:
     objects = {"setns": f"pidfd {spec.pidfd}", "ids": f"uid {spec.uid} gid {spec.gid}",
                "chdir": spec.cwd}
     _raise_step(err, "exec", objects, spec.argv[0], hint=hint)
+
+
+# ---------------------------------------------------------------- user namespaces
+
+
+def userns_create(uid: int, gid: int, count: int) -> int:
+    """An fd of a new user namespace mapping ids 0..count-1 to uid.. / gid..
+    on the host (close-on-exec). For setns by a spawn, and as mount idmap."""
+    for name, value in (("uid", uid), ("gid", gid)):
+        _id(name, value)
+    if not 0 < count < 2**32 or uid + count > 2**32 - 1 or gid + count > 2**32 - 1:
+        raise ValueError(f"id range {uid}/{gid} + {count} does not fit in 32-bit ids")
+    err = ffi.new("struct dsec_err *")
+    fd = lib.dsec_userns_create(uid, gid, count, err)
+    if fd < 0:
+        _raise_step(err, "userns", {"userns_map": f"user namespace {uid}+{count}"},
+                    "user namespace holder")
+    return fd
+
+
+def mount_idmapped(path: str, userns_fd: int) -> int:
+    """A detached clone of the mount tree at `path`, idmapped through the user
+    namespace `userns_fd` (close-on-exec fd; the clone lives while it is open
+    or used as an overlay layer)."""
+    raw = _cstring("path", path)
+    fd = lib.dsec_mount_idmapped(raw, userns_fd)
+    if fd < 0:
+        _raise(-fd, "make idmapped mount of", path, "mount_idmapped", path)
+    return fd
+
+
+class fs_ids:
+    """Context manager: the calling thread's file-system uid/gid become
+    (uid, gid), capabilities kept, and are set back to 0/0 on exit. Files
+    created meanwhile belong to those ids; other threads are not affected."""
+
+    def __init__(self, uid: int, gid: int):
+        _id("uid", uid)
+        _id("gid", gid)
+        self.uid, self.gid = uid, gid
+
+    def __enter__(self):
+        rc = lib.dsec_fsids_set(self.uid, self.gid)
+        if rc < 0:
+            lib.dsec_fsids_set(0, 0)
+            _raise(-rc, "set fs uid/gid to", f"{self.uid}/{self.gid}", "fsids")
+        return self
+
+    def __exit__(self, *exc):
+        rc = lib.dsec_fsids_set(0, 0)
+        if rc < 0:
+            _raise(-rc, "set fs uid/gid back to", "0/0", "fsids")
+        return False
 
 
 # ---------------------------------------------------------------- files, pidfds
@@ -457,6 +523,25 @@ def openat2(dirfd: int, path: str, flags: int, mode: int = 0,
     if fd < 0:
         _raise(-fd, "open", path, "openat2", path)
     return fd
+
+
+# Kernel-interface file systems (statfs f_type): a read or write there is not
+# a file operation but a kernel call (procfs, sysfs, cgroupfs, ...).
+KERNEL_FS_MAGICS: dict[int, str] = {
+    lib.PROC_SUPER_MAGIC: "proc", lib.SYSFS_MAGIC: "sysfs", lib.DEBUGFS_MAGIC: "debugfs",
+    lib.TRACEFS_MAGIC: "tracefs", lib.SECURITYFS_MAGIC: "securityfs", lib.CGROUP_SUPER_MAGIC: "cgroup",
+    lib.CGROUP2_SUPER_MAGIC: "cgroup2", lib.BPF_FS_MAGIC: "bpf", lib.DEVPTS_SUPER_MAGIC: "devpts",
+    lib.NSFS_MAGIC: "nsfs", lib.EFIVARFS_MAGIC: "efivarfs", lib.PSTOREFS_MAGIC: "pstore",
+    lib.BINFMTFS_MAGIC: "binfmt_misc", lib.SELINUX_MAGIC: "selinuxfs", lib.SMACK_MAGIC: "smackfs",
+}
+
+
+def fs_magic(fd: int, what: str) -> int:
+    """statfs f_type of the file system holding an open file."""
+    magic = lib.dsec_file_fs_magic(fd)
+    if magic < 0:
+        _raise(-magic, "inspect", what, "fstatfs")
+    return magic & 0xFFFFFFFF
 
 
 def pidfd_open(pid: int) -> int:

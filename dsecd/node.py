@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import __version__, cgroup, protocol, tracing
+from . import __version__, cgroup, protocol, tracing, userns
 from .backends.container import ContainerBackend, Handle, close_handle
 from .callops import CallOps
 from .config import Config, ConfigError, parse_size
@@ -87,6 +87,7 @@ class Sandbox:
     qos: str = "be"             # CPU class (dsecd/cpu/qos.py)
     core_sched: str = "off"     # on | off | unavailable
     key: str | None = None      # idempotency key of the create (dsecd/createops.py)
+    idmap: dict | None = None   # user-namespace id range (dsecd/userns.py); None = host ids
 
     def record(self) -> dict:
         h = self.handle
@@ -97,7 +98,7 @@ class Sandbox:
                 "died": self.died, "qos": self.qos, "core_sched": self.core_sched,
                 "manifest": self.manifest, "layers": self.layers, "ttl": self.ttl,
                 "idle_ttl": self.idle_ttl, "lease": self.lease, "pause_record": self.pause_record,
-                "net": self.net, "key": self.key}
+                "net": self.net, "key": self.key, "idmap": self.idmap}
 
     def public(self) -> dict:
         out = self.record()
@@ -132,12 +133,57 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         self.backend = ContainerBackend(layout, self.sb_defaults, state, {
             "tmp": cfg.size("sandbox", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")}, upper_mode)
         self.sandboxes: dict[str, Sandbox] = {}
+        self.id_ranges = self._init_userns(state)
         self.cpu = CpuHost(cfg.section("cpu"), layout, features, self.sb_defaults["cgroup_root"])
         self.init_calls(cfg)
         self.init_admission(cfg)
         self._cpu_task: asyncio.Task | None = None
         self.started = time.time()
         self.loop: asyncio.AbstractEventLoop | None = None
+
+    def _init_userns(self, state: Path) -> userns.RangeAllocator | None:
+        """The id-range allocator, after checking that the upper dirs' file
+        system can be idmapped (a sandbox could not be created otherwise)."""
+        if not self.sb_defaults["userns"]:
+            log.warning("sandbox.userns is false: sandbox root is host root (with reduced capabilities)")
+            return None
+        why = userns.probe_idmap(str(state))
+        if why:
+            raise ConfigError(f"sandbox.userns = true, but the state dir {state} cannot be idmapped: {why}; "
+                              "set sandbox.userns = false or move state_dir to ext4, xfs, btrfs or tmpfs")
+        try:
+            return userns.RangeAllocator(int(self.sb_defaults["userns_base"]), int(self.sb_defaults["userns_size"]))
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+
+    def userns_info(self) -> dict:
+        r = self.id_ranges
+        if r is None:
+            return {"enabled": False}
+        return {"enabled": True, "base": r.base, "size": r.size, "slots": r.slots, "used": len(r.used)}
+
+    def _allocate_ids(self, sb: Sandbox) -> None:
+        if self.id_ranges is None:
+            return
+        try:
+            sb.idmap = self.id_ranges.allocate().record()
+        except userns.RangesExhausted as err:
+            raise Busy(f"{err}; retry once a sandbox is destroyed",
+                       {"userns_slots": self.id_ranges.slots}) from err
+
+    def _release_ids(self, sb: Sandbox) -> None:
+        if self.id_ranges is not None:
+            self.id_ranges.release(userns.IdMap.from_record(sb.idmap))
+
+    def _reserve_ids(self, sb: Sandbox) -> None:
+        idmap = userns.IdMap.from_record(sb.idmap)
+        if idmap is None or self.id_ranges is None:
+            return
+        try:
+            self.id_ranges.reserve(idmap)
+        except ValueError as err:
+            # The sandbox keeps running in its namespace; only new ranges could overlap it.
+            log.error("sandbox %s: %s", sb.id, err)
 
     async def run_blocking(self, fn, *args):
         return await self.loop.run_in_executor(self.pool, fn, *args)
@@ -175,7 +221,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         fields = {k: rec[k] for k in ("image", "state", "created", "limits", "env", "labels",
                                       "hostname", "cwd", "user", "backend", "died", "qos", "core_sched",
                                       "manifest", "layers", "ttl", "idle_ttl", "lease", "pause_record",
-                                      "net", "key")
+                                      "net", "key", "idmap")
                   if k in rec}
         sb = Sandbox(id=sb_id, **fields)
         if sb.state in ("creating", "stopping"):
@@ -185,6 +231,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             self.journal.delete(sb_id)
             return
         self.sandboxes[sb_id] = sb
+        self._reserve_ids(sb)
         if sb.state == "dead":
             return
         handle = await self.run_blocking(self.backend.adopt, sb_id, rec.get("init_pid"), rec.get("init_start"),
@@ -329,6 +376,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
                 "net": self.net_info(),
                 "fncall": self.calls_info(),
                 "admission": self.admission_info(),
+                "userns": self.userns_info(),
                 "paths": {"socket": d["socket"], "state_dir": str(self.cfg.state_dir),
                           "cgroup_root": self.sb_defaults["cgroup_root"],
                           "cgroup_dirs": {k: str(v / self.sb_defaults["cgroup_root"])
@@ -351,8 +399,10 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         if not 8 <= pids <= 1 << 22:
             raise BadRequest(f"pids must be between 8 and 4194304, got {pids}")
         quota = d["cpu_hard_quota"] if req.cpu_quota is None else req.cpu_quota
+        ratio = float(d["swap_per_memory"])
         return cgroup.Limits(cpu=float(cpu), memory_bytes=memory, pids=pids,
-                             cpu_hard_quota=quota, cpu_period_us=d["cpu_period_us"])
+                             cpu_hard_quota=quota, cpu_period_us=d["cpu_period_us"],
+                             swap_bytes=None if ratio < 0 else int(memory * ratio))
 
     def _disk_for(self, req) -> upperfs.Cap | None:
         """The writable layer's cap, or None where layers are uncapped dirs."""
@@ -385,6 +435,9 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             raise BadRequest(f"cwd must be absolute, got {req.cwd!r}")
         if not 0 <= req.user < 2**32 - 1:
             raise BadRequest(f"user must be a uid in [0, 2^32-1), got {req.user}")
+        if self.id_ranges and req.user >= self.id_ranges.size:
+            raise BadRequest(f"user must be below sandbox.userns_size {self.id_ranges.size} (the ids a "
+                             f"sandbox's user namespace maps), got {req.user}")
         net_mode = self.net_mode(req)
         disk = self._disk_for(req)
         try:
@@ -409,6 +462,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
                      lease=parse_duration(req.lease, "lease"), key=req.key)
         if sb.lease:
             sb.lease_deadline = time.monotonic() + sb.lease
+        self._allocate_ids(sb)
         self.sandboxes[sb_id] = sb
         # The record is written once the sandbox runs. A crash before that leaves
         # a directory and cgroups without a record: the next start finds them as
@@ -419,12 +473,14 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
                       or await self.run_blocking(self.layers.acquire, sb.layers))
         except OSError as err:
             self.sandboxes.pop(sb_id, None)
+            self._release_ids(sb)
             raise io_error("mount layers of image", req.image, err) from err
         try:
             sb.handle = await self.run_blocking(self.backend.create, sb_id, mounts[::-1], limits, hostname,
-                                                plan, disk)
+                                                plan, userns.IdMap.from_record(sb.idmap), disk)
         except BaseException as err:
             self.sandboxes.pop(sb_id, None)
+            self._release_ids(sb)
             self.layers.release(sb.layers)
             if isinstance(err, (NativeError, OSError)):
                 log.error("create sandbox %s failed: %s", sb_id, err)
@@ -437,6 +493,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             # No sandbox without its network policy: undo the container.
             self.sandboxes.pop(sb_id, None)
             await self.run_blocking(self.backend.destroy, sb_id, sb.handle)
+            self._release_ids(sb)
             self.layers.release(sb.layers)
             raise
         sb.state = "running"
@@ -503,6 +560,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         await self.detach_net(sb)
         self.sandboxes.pop(sb.id, None)
         self.journal.delete(sb.id)
+        self._release_ids(sb)        # its processes are gone: stop() waited for them
         if prev != "dead":          # a dead sandbox gave its layers back already
             self.layers.release(sb.layers)
         self.loop.run_in_executor(self.pool, self.backend.release, sb.id, h)
@@ -534,6 +592,10 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         if any("\0" in a for a in req.argv):
             raise BadRequest("argv must not contain NUL bytes")
         user = sb.user if req.user is None else req.user
+        idmap = userns.IdMap.from_record(sb.idmap)
+        if idmap and not 0 <= user < idmap.count:
+            raise BadRequest(f"user {user} does not exist in sandbox {sb.id}: its user namespace maps "
+                             f"uids 0..{idmap.count - 1}", {"user": user, "userns_size": idmap.count})
         env = self.backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, req.env)
         collected: dict[int, list[bytes]] = {1: [], 2: []}
 
@@ -602,7 +664,8 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         sb = self._get(req.sandbox, req)
         await self.ensure_running(sb, f"file {verb}")
         try:
-            return await self.run_blocking(fn, sb.handle.rootfd, *args)
+            return await self.run_blocking(userns.file_op, userns.IdMap.from_record(sb.idmap), fn,
+                                           sb.handle.rootfd, *args)
         except sbfiles.PathError as err:
             raise BadRequest(str(err), {"path": req.path}) from err
         except OSError as err:

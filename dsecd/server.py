@@ -32,10 +32,26 @@ log = logging.getLogger(__name__)
 _UCRED = struct.Struct("3i")
 
 
+# <asm-generic/socket.h> (Linux >= 4.13); Python's socket module lacks it.
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+_MAX_PEER_GROUPS = 256       # Python's getsockopt takes at most 1024 bytes
+
+
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process at the other end of a unix socket."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     return _UCRED.unpack(raw)
+
+
+def peer_groups(sock: socket.socket) -> set[int]:
+    """Supplementary gids the peer had when it connected (SO_PEERGROUPS): so a
+    member of socket_group by `usermod -aG` or `sg`/`newgrp` is recognised by
+    what its process holds, not only by /etc/group. Empty if the kernel lacks it."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * _MAX_PEER_GROUPS)
+    except OSError:
+        return set()
+    return set(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
 
 
 class RequestContext:
@@ -88,21 +104,55 @@ class Connection:
         except (ConnectionError, RuntimeError):
             pass
 
-    async def read_frame(self) -> dict | None:
+    async def read_frame(self, idle_timeout: float | None = None) -> dict | None:
+        """The next frame, or None at EOF. A connection may idle between frames
+        (up to `idle_timeout`, None = forever), but once a frame's first byte
+        is in, the whole frame must follow within frame_timeout_s: a client
+        trickling bytes (slowloris) or stopping mid-frame holds a connection
+        slot and a partial buffer, so it is told `limit` and dropped."""
         try:
-            header = await self.reader.readexactly(protocol.HEADER.size)
+            async with asyncio.timeout(idle_timeout):
+                first = await self.reader.readexactly(1)
         except (asyncio.IncompleteReadError, ConnectionError):
             return None
-        (size,) = protocol.HEADER.unpack(header)
-        if size > self.max_frame:
-            # The stream cannot be trusted to resynchronise cheaply: say why, then drop it.
-            raise LimitExceeded(f"frame of {size} bytes exceeds the {self.max_frame}-byte limit; "
-                                "split large files into chunks", {"size": size, "max": self.max_frame})
+        except TimeoutError:
+            raise LimitExceeded(f"no `hello` within {idle_timeout:g} s of connecting",
+                                {"timeout_s": idle_timeout}) from None
         try:
-            payload = await self.reader.readexactly(size)
+            async with asyncio.timeout(self.server.frame_timeout):
+                header = first + await self.reader.readexactly(protocol.HEADER.size - 1)
+                (size,) = protocol.HEADER.unpack(header)
+                if size > self.max_frame:
+                    # The stream cannot be trusted to resynchronise cheaply: say why, then drop it.
+                    raise LimitExceeded(f"frame of {size} bytes exceeds the {self.max_frame}-byte limit; "
+                                        "split large files into chunks", {"size": size, "max": self.max_frame})
+                payload = await self.reader.readexactly(size)
         except (asyncio.IncompleteReadError, ConnectionError):
             return None
+        except TimeoutError:
+            raise LimitExceeded(f"frame not complete {self.server.frame_timeout:g} s after its first byte "
+                                "(limits.frame_timeout_s); closing the connection",
+                                {"timeout_s": self.server.frame_timeout}) from None
         return protocol.decode_payload(payload)
+
+    async def _backpressure(self) -> bool:
+        """Stop reading requests while the client is not reading answers.
+
+        Errors for bad frames are written without waiting (send_nowait), so a
+        client pipelining garbage and never reading would grow the daemon's
+        write buffer without bound. The transport pauses its writer above its
+        high-water mark; until the client drains it, nothing more is read from
+        it. A client that reads nothing for frame_timeout_s is dropped.
+        False: drop the connection."""
+        try:
+            async with asyncio.timeout(self.server.frame_timeout):
+                await self.writer.drain()
+            return True
+        except (ConnectionError, RuntimeError):
+            return False
+        except TimeoutError:
+            log.warning("dropping %s: it has not read its answers for %g s", self.peer, self.server.frame_timeout)
+            return False
 
     async def serve(self) -> None:
         try:
@@ -120,12 +170,14 @@ class Connection:
                 if frame is None:
                     return
                 self._dispatch(frame)
+                if not await self._backpressure():
+                    return
         finally:
             await self._close()
 
     async def _handshake(self) -> bool:
         try:
-            frame = await self.read_frame()
+            frame = await self.read_frame(idle_timeout=self.server.hello_timeout)
         except DsecError as err:
             await self.send({"id": None, "error": err.to_wire()})
             return False
@@ -230,6 +282,8 @@ class Server:
         self.max_frame = max_frame
         self.max_requests = limits["max_requests_per_client"]
         self.max_connections = limits["max_connections"]
+        self.frame_timeout = float(limits["frame_timeout_s"])
+        self.hello_timeout = float(limits["hello_timeout_s"])
         self.connections: set[Connection] = set()
         self._server: asyncio.AbstractServer | None = None
 
@@ -246,12 +300,12 @@ class Server:
         os.chmod(self.path, 0o660)
         log.info("listening on %s (group %s)", self.path, self.group or "root")
 
-    def _allowed(self, uid: int, gid: int) -> bool:
+    def _allowed(self, uid: int, gid: int, groups: set[int]) -> bool:
         if uid == 0 or uid == os.geteuid():
             return True
         if self.gid is None:
             return False
-        if gid == self.gid:
+        if gid == self.gid or self.gid in groups:
             return True
         import pwd
 
@@ -269,7 +323,7 @@ class Server:
         except OSError:
             pid = uid = gid = -1
         conn.peer = f"pid={pid} uid={uid} gid={gid}"
-        if not self._allowed(uid, gid):
+        if not self._allowed(uid, gid, peer_groups(sock) if uid not in (0, -1) else set()):
             log.warning("refused connection from %s: not root or in group %r", conn.peer, self.group)
             await conn.send({"id": None, "error": PermissionDenied(
                 f"uid {uid} may not use dsecd; ask for membership of group {self.group or 'root'}").to_wire()})

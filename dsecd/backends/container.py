@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import cgroup, native
+from .. import cgroup, native, userns
 from ..fs import upper as upperfs
 from ..steps import Steps
 
@@ -66,6 +66,7 @@ class Handle:
     is_child: bool           # we cloned it (must reap it) vs adopted after a restart
     sched_idle: bool = False  # execs run SCHED_IDLE (a BE sandbox, dsecd/cpu/qos.py)
     core_sched: bool = False  # execs share PID 1's core-scheduling cookie
+    userns: bool = False     # PID 1 runs in a user namespace of its own: execs join it
     upperfd: int = -1        # mount fd of its capped upper tmpfs (dsecd/fs/upper.py); -1 = dir
 
     def upper_view(self, views: Path) -> tuple[Path, Callable[[], None] | None]:
@@ -120,7 +121,8 @@ class ContainerBackend:
     # ------------------------------------------------------------ create
 
     def create(self, sb_id: str, lowerdirs: list[str], limits: cgroup.Limits, hostname: str,
-               cpu_plan=None, disk: upperfs.Cap | None = None) -> Handle:
+               cpu_plan=None, idmap: userns.IdMap | None = None,
+               disk: upperfs.Cap | None = None) -> Handle:
         sbdir = self.root / sb_id
         group = self.group_for(sb_id)
         with Steps(f"create sandbox {sb_id}") as steps:
@@ -134,9 +136,6 @@ class ContainerBackend:
             if disk:
                 upperfd = upperfs.create_tmpfs(disk)
                 steps.undo("close upper tmpfs", lambda: os.close(upperfd))
-                upper, work = upperfs.overlay_dirs(upperfd)
-            else:
-                upper, work = str(sbdir / "upper"), str(sbdir / "work")
             # Own cgroups, outside the daemon's, so sandboxes outlive a daemon restart.
             group.create()
             steps.undo("remove cgroups", lambda: group.remove(self.cfg["destroy_timeout_s"]))
@@ -146,13 +145,19 @@ class ContainerBackend:
                 cpu_plan.apply(group)
             sched_idle = bool(cpu_plan and cpu_plan.sched_idle)
             core_sched = bool(cpu_plan and cpu_plan.core_sched == "on")
-            spec = native.ContainerSpec(
-                rootfs=str(sbdir / "rootfs"), lowerdirs=lowerdirs, upperdir=upper,
-                workdir=work, hostname=hostname, init_path=self.init_path,
-                cgroup_procs=group.procs_files(), tmp_size_bytes=self.sizes["tmp"],
-                shm_size_bytes=self.sizes["shm"], sched_idle=sched_idle, core_sched=core_sched,
-                seccomp_profile=self.seccomp, upper_fd=upperfd)
-            pid = native.spawn_container(spec)
+            # Upper and work share a directory: the sandbox's own, or the root
+            # of its capped tmpfs (named through our fd; the child has a copy).
+            top = Path(f"/proc/self/fd/{upperfd}") if upperfd >= 0 else sbdir
+            with _IdmappedLayers(idmap, lowerdirs, top / "upper", top / "work") as layers:
+                spec = native.ContainerSpec(
+                    rootfs=str(sbdir / "rootfs"), lowerdirs=layers.lowerdirs, upperdir=layers.upperdir,
+                    workdir=layers.workdir, hostname=hostname, init_path=self.init_path,
+                    cgroup_procs=group.procs_files(), tmp_size_bytes=self.sizes["tmp"],
+                    shm_size_bytes=self.sizes["shm"], sched_idle=sched_idle, core_sched=core_sched,
+                    seccomp_profile=self.seccomp, userns_fd=layers.userns_fd,
+                    userns_uid=idmap.uid if idmap else 0, userns_gid=idmap.gid if idmap else 0,
+                    upper_fd=upperfd)
+                pid = native.spawn_container(spec)
             steps.undo("kill init", lambda: _kill_and_reap(pid))
             handle = self._open_handle(pid, group, sbdir, is_child=True)
             handle.sched_idle, handle.core_sched = sched_idle, core_sched
@@ -170,11 +175,12 @@ class ContainerBackend:
             # The pidfd pins the process; re-check it is the same one we meant.
             if proc_start_time(pid) != start:
                 raise ProcessLookupError(errno.ESRCH, f"pid {pid} was reused")
+            own_userns = _own_userns(pid)
             rootfd = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except BaseException:
             os.close(pidfd)
             raise
-        return Handle(pid, start, pidfd, rootfd, group, sbdir, is_child)
+        return Handle(pid, start, pidfd, rootfd, group, sbdir, is_child, userns=own_userns)
 
     # ------------------------------------------------------------ adopt
 
@@ -210,7 +216,7 @@ class ContainerBackend:
         spec = native.ExecSpec(pidfd=h.pidfd, cgroup_procs=h.group.procs_files(), argv=argv, env=env,
                                cwd=cwd, uid=uid, gid=uid, stdin_fd=fds[0], stdout_fd=fds[1],
                                stderr_fd=fds[2], cap_keep=self.caps, sched_idle=h.sched_idle,
-                               core_sched=h.core_sched, seccomp_profile=self.seccomp)
+                               core_sched=h.core_sched, seccomp_profile=self.seccomp, userns=h.userns)
         return native.spawn_exec(spec)
 
     # ------------------------------------------------------------ destroy
@@ -256,6 +262,53 @@ class ContainerBackend:
         # Dot-names are the daemon's own helpers' groups (e.g. .pager), not sandboxes.
         in_cgroups = {n for n in cgroup.list_children(self.layout, self.cgroup_root) if not n.startswith(".")}
         return (on_disk | in_cgroups) - known
+
+
+class _IdmappedLayers:
+    """The overlay's layers as the spawn sees them. Without an id map: the
+    paths themselves. With one: a user namespace for the sandbox, and detached
+    idmapped clones of every layer mount and of the directory holding upper and
+    work (they must share a mount), named /proc/self/fd/N, which the spawn child (a copy
+    of our fd table) resolves to the same clones. The overlay keeps its own
+    references to them, so every fd is closed once the spawn returned."""
+
+    def __init__(self, idmap: userns.IdMap | None, lowerdirs: list[str], upperdir: Path, workdir: Path):
+        if upperdir.parent != workdir.parent:
+            raise ValueError(f"overlay upper {upperdir} and work {workdir} must share a directory")
+        self.idmap, self.fds = idmap, []
+        self.lowerdirs, self.userns_fd = lowerdirs, -1
+        self.upperdir, self.workdir = str(upperdir), str(workdir)
+
+    def __enter__(self) -> _IdmappedLayers:
+        if self.idmap is None:
+            return self
+        try:
+            self.userns_fd = userns.create_namespace(self.idmap)
+            self.fds.append(self.userns_fd)
+            self.lowerdirs = [self._clone(d) for d in self.lowerdirs]
+            top = self._clone(os.path.dirname(self.upperdir))
+            self.upperdir = f"{top}/{os.path.basename(self.upperdir)}"
+            self.workdir = f"{top}/{os.path.basename(self.workdir)}"
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _clone(self, path: str) -> str:
+        fd = native.mount_idmapped(path, self.userns_fd)
+        self.fds.append(fd)
+        return f"/proc/self/fd/{fd}"
+
+    def __exit__(self, *exc) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds.clear()
+
+
+def _own_userns(pid: int) -> bool:
+    """True if the process is in another user namespace than the daemon (a
+    sandbox made with userns = true; also right for one adopted after a restart)."""
+    return os.stat(f"/proc/{pid}/ns/user").st_ino != os.stat("/proc/self/ns/user").st_ino
 
 
 def close_handle(h: Handle) -> None:

@@ -45,9 +45,20 @@ def _split(path: str) -> tuple[str, str]:
 
 
 def _require_regular(fd: int, path: str) -> os.stat_result:
+    """An ordinary file: not a FIFO or device (would block or stream forever),
+    and not a kernel interface. procfs and sysfs files are S_IFREG too, but
+    reading or writing them is a kernel call made with the daemon's full
+    privileges: a sandbox that symlinks /work/out.txt to /proc/mtrr, or to
+    /proc/kallsyms (real addresses for root), would have the daemon write or
+    read them the next time a client touches that path (found by
+    tests/integration/test_attack_control.py)."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise PathError(f"{path} is a {_type_of(st.st_mode)}, not a regular file")
+    kind = native.KERNEL_FS_MAGICS.get(native.fs_magic(fd, path))
+    if kind is not None:
+        raise PathError(f"{path} is on {kind}, a kernel interface, not an ordinary file; "
+                        "read it with an exec inside the sandbox")
     return st
 
 

@@ -16,13 +16,16 @@ Everything here blocks (mkfs, hashing, copying): call it from a worker thread.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,6 +83,14 @@ class ImageStore:
         # create resolves its image, and need not re-read and re-hash the blob.
         self._manifests: dict[str, dict] = {}
         self._indexes: dict[str, str] = {}      # layer digest -> its chunk index digest
+        # Blobs a build in progress has written or relies on but no name
+        # reaches yet: gc keeps them. One lock orders pins against a whole gc
+        # pass (found by fuzzing: image_build beside image_gc lost its fresh
+        # layer or manifest and answered `internal` or `not_found`). Pins are
+        # per daemon: hosts sharing a store must not run gc concurrently with
+        # builds elsewhere (a store-level lease is future work).
+        self._gc_lock = threading.Lock()
+        self._pins: Counter[str] = Counter()
 
     # ------------------------------------------------------------ names
 
@@ -164,28 +175,60 @@ class ImageStore:
 
     # ------------------------------------------------------------ building
 
-    def build_layer(self, src: Path, exclude: list[str] = (), progress: Progress | None = None) -> dict:
-        """One EROFS layer from a directory tree, stored by digest."""
+    @contextlib.contextmanager
+    def _pinning(self) -> Iterator[Callable[[str], None]]:
+        """A build's pins: `hold(digest)` keeps a blob from gc until the build
+        ends (by then its name is published, or it failed)."""
+        held: list[str] = []
+
+        def hold(digest: str) -> None:
+            with self._gc_lock:
+                self._pins[digest] += 1
+            held.append(digest)
+
+        try:
+            yield hold
+        finally:
+            with self._gc_lock:
+                self._pins.subtract(held)
+                for digest in held:
+                    if self._pins[digest] <= 0:
+                        del self._pins[digest]
+
+    def _hold_existing(self, hold: Callable[[str], None], layers: list[dict]) -> None:
+        """Pin the layers a build stacks on (its parent's); one collected
+        before the pin (the parent removed meanwhile) is `not_found`."""
+        for layer in layers:
+            hold(layer["digest"])
+            if not self.store.exists(layer["digest"]):
+                raise ImageError("not_found", f"layer {layer['digest']} of the parent image was removed "
+                                 "from the store meanwhile (image_rm + image_gc); build the parent again")
+
+    def build_layer(self, src: Path, exclude: list[str] = (), progress: Progress | None = None,
+                    hold: Callable[[str], None] | None = None) -> dict:
+        """One EROFS layer from a directory tree, stored by digest (and pinned
+        with `hold` until the caller's build is published)."""
         if progress:
             progress({"step": "mkfs.erofs", "source": str(src)})
         tmp = self.store.temp_path(".erofs")
         try:
             erofs.build(src, tmp, exclude)
+            size = tmp.stat().st_size      # of the temp file: the blob may be shared (and collected) later
         except erofs.ErofsError as err:
             tmp.unlink(missing_ok=True)
             raise ImageError(err.code, str(err)) from err
         try:
-            digest, added, index = self.store.ingest_layer(tmp)
+            digest, added, index = self.store.ingest_layer(tmp, hold)
         except StoreError as err:
             raise ImageError(err.code, str(err)) from err
-        size = self.store.size(digest)
         if progress:
             progress({"step": "layer", "digest": digest, "bytes": size, "new": added})
         return {"digest": digest, "size": size, "index": index}
 
-    def _commit(self, name: str, layers: list[dict], config: dict, parent: str | None) -> Image:
+    def _commit(self, name: str, layers: list[dict], config: dict, parent: str | None,
+                hold: Callable[[str], None]) -> Image:
         manifest = {"schema": 1, "layers": layers, "config": {**DEFAULT_CONFIG, **config}}
-        digest = self.store.put_bytes(_canonical(manifest))
+        digest = self.store.put_bytes(_canonical(manifest), hold)
         self._publish(name, digest, parent)
         return self.get(name)
 
@@ -198,18 +241,22 @@ class ImageStore:
         if not path.is_absolute():
             raise ImageError("bad_request", f"build source must be an absolute path, got {src!r}")
         base = self.get(parent) if parent else None
-        if path.is_dir():
-            layers = [self.build_layer(path, progress=progress)]
-            base_config = dict(base.config) if base else {}
-        elif path.is_file():
-            layers, tar_config = self._layers_from_tar(path, progress)
-            base_config = {**(base.config if base else {}), **tar_config}
-        else:
-            raise ImageError("not_found", f"build source {src!r} is neither a directory nor a file")
-        all_layers = (base.layers if base else []) + layers
-        return self._commit(name, all_layers, {**base_config, **(config or {})}, parent)
+        with self._pinning() as hold:
+            if base:
+                self._hold_existing(hold, base.layers)
+            if path.is_dir():
+                layers = [self.build_layer(path, progress=progress, hold=hold)]
+                base_config = dict(base.config) if base else {}
+            elif path.is_file():
+                layers, tar_config = self._layers_from_tar(path, progress, hold)
+                base_config = {**(base.config if base else {}), **tar_config}
+            else:
+                raise ImageError("not_found", f"build source {src!r} is neither a directory nor a file")
+            all_layers = (base.layers if base else []) + layers
+            return self._commit(name, all_layers, {**base_config, **(config or {})}, parent, hold)
 
-    def _layers_from_tar(self, path: Path, progress: Progress | None) -> tuple[list[dict], dict]:
+    def _layers_from_tar(self, path: Path, progress: Progress | None,
+                         hold: Callable[[str], None]) -> tuple[list[dict], dict]:
         """docker save / OCI layout tarball -> one EROFS layer per tar layer."""
         work = Path(tempfile.mkdtemp(prefix="unpack-", dir=self.scratch))
         try:
@@ -217,7 +264,7 @@ class ImageStore:
                 layer_dirs, config = oci.unpack_image(path, work, progress)
             except oci.TarError as err:
                 raise ImageError("bad_request", f"image tarball {path}: {err}") from err
-            return [self.build_layer(d, progress=progress) for d in layer_dirs], config
+            return [self.build_layer(d, progress=progress, hold=hold) for d in layer_dirs], config
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
@@ -227,8 +274,10 @@ class ImageStore:
         self.check_name(name)
         if self._ref(name).exists():
             raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)")
-        layer = self.build_layer(upper, exclude=exclude, progress=progress)
-        return self._commit(name, base.layers + [layer], base.config, base.name)
+        with self._pinning() as hold:
+            self._hold_existing(hold, base.layers)
+            layer = self.build_layer(upper, exclude=exclude, progress=progress, hold=hold)
+            return self._commit(name, base.layers + [layer], base.config, base.name, hold)
 
     # ------------------------------------------------------------ accounting
 
@@ -247,19 +296,23 @@ class ImageStore:
         return manifests, layers
 
     def gc(self, in_use_layers: set[str], in_use_manifests: set[str]) -> dict:
-        """Remove blobs no name and no live sandbox of this host uses."""
-        manifests, layers = self.referenced()
-        keep = manifests | layers | in_use_layers | in_use_manifests
-        for m in in_use_manifests:
-            try:
-                keep.update(self._blobs_of(self._manifest(m)))
-            except ImageError:
-                pass
-        removed, freed = [], 0
-        for digest in sorted(self.store.all_digests() - keep):
-            freed += self.store.remove(digest)
-            self._manifests.pop(digest, None)
-            removed.append(digest)
+        """Remove blobs no name, no live sandbox of this host and no build in
+        progress uses. The whole pass holds the pin lock: a build pins a blob
+        either before it (kept) or after it (and then finds it gone and stores
+        it again), and unpins only after its name is published."""
+        with self._gc_lock:
+            manifests, layers = self.referenced()
+            keep = manifests | layers | in_use_layers | in_use_manifests | set(self._pins)
+            for m in in_use_manifests:
+                try:
+                    keep.update(self._blobs_of(self._manifest(m)))
+                except ImageError:
+                    pass
+            removed, freed = [], 0
+            for digest in sorted(self.store.all_digests() - keep):
+                freed += self.store.remove(digest)
+                self._manifests.pop(digest, None)
+                removed.append(digest)
         self.store.sweep_tmp()
         return {"removed": removed, "freed_bytes": freed}
 
@@ -270,7 +323,12 @@ class ImageStore:
         for image in self.list():
             for digest in image.layer_digests:
                 counts[digest] = counts.get(digest, 0) + 1
-        sizes = {d: self.store.size(d) for d in self.store.all_digests()}
+        sizes = {}
+        for d in self.store.all_digests():
+            try:
+                sizes[d] = self.store.size(d)
+            except FileNotFoundError:     # collected by a gc since the listing
+                continue
         total = sum(sizes.values())
         shared = sum(sizes.get(d, 0) for d, n in counts.items() if n > 1)
         unreferenced = sum(s for d, s in sizes.items() if d not in manifests | layers)

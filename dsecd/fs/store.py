@@ -20,6 +20,7 @@ import shutil
 import struct
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -131,28 +132,35 @@ class BlobStore:
         """A fresh path in the store's file system, for a blob being written."""
         return self.tmp / f"{uuid.uuid4().hex}{suffix}"
 
-    def ingest_layer(self, tmp_file: Path) -> tuple[str, bool, str]:
+    def ingest_layer(self, tmp_file: Path, hold: Callable[[str], None] | None = None
+                     ) -> tuple[str, bool, str]:
         """ingest() for a layer: also stores its chunk index, written before the
-        layer itself. (digest, newly_added, index digest)."""
+        layer itself. (digest, newly_added, index digest); `hold` as for ingest()."""
         try:
             digest, index = digest_and_index(tmp_file)
         except OSError as err:
             tmp_file.unlink(missing_ok=True)
             raise StoreError("io", f"read layer {tmp_file}: {err.strerror}") from err
         try:
-            index_digest = self.put_bytes(index)
+            index_digest = self.put_bytes(index, hold)
         except BaseException:
             tmp_file.unlink(missing_ok=True)
             raise
-        return (*self.ingest(tmp_file, digest), index_digest)
+        return (*self.ingest(tmp_file, hold, digest), index_digest)
 
-    def ingest(self, tmp_file: Path, digest: str | None = None) -> tuple[str, bool]:
+    def ingest(self, tmp_file: Path, hold: Callable[[str], None] | None = None,
+               digest: str | None = None) -> tuple[str, bool]:
         """Move a finished temp file in under its digest: (digest, newly_added).
 
         The file must be in self.tmp (same file system, so rename is atomic).
+        `hold(digest)` runs once the digest is known and before the blob is
+        looked up or published: a builder pins it there against collection
+        (ImageStore.gc), so a blob found present is still present after.
         `digest`: already computed by the caller from the same file."""
         try:
             digest = digest or file_digest(tmp_file)
+            if hold is not None:
+                hold(digest)
             final = self.path(digest)
             # Same digest, same bytes: keep the one in place. Unless its size
             # shows it was damaged (truncated): then the fresh copy replaces it.
@@ -168,14 +176,14 @@ class BlobStore:
             tmp_file.unlink(missing_ok=True)
             raise StoreError("io", f"store blob {tmp_file}: {err.strerror}") from err
 
-    def put_bytes(self, data: bytes) -> str:
+    def put_bytes(self, data: bytes, hold: Callable[[str], None] | None = None) -> str:
         tmp = self.temp_path()
         try:
             tmp.write_bytes(data)
         except OSError as err:
             tmp.unlink(missing_ok=True)
             raise StoreError("io", f"store blob {tmp}: {err.strerror}") from err
-        return self.ingest(tmp, "sha256:" + hashlib.sha256(data).hexdigest())[0]
+        return self.ingest(tmp, hold, "sha256:" + hashlib.sha256(data).hexdigest())[0]
 
     def read_bytes(self, digest: str) -> bytes:
         try:

@@ -76,12 +76,6 @@ def create_tmpfs(cap: Cap) -> int:
     return fd
 
 
-def overlay_dirs(fd: int) -> tuple[str, str]:
-    """upperdir and workdir as the spawn child resolves them (its own fd table
-    is a copy of ours, and /proc is still the host's when it mounts)."""
-    return f"/proc/self/fd/{fd}/upper", f"/proc/self/fd/{fd}/work"
-
-
 VIEWS_DIR = "upper-views"      # under state_dir: where attach() mounts its views
 
 

@@ -212,3 +212,11 @@ def _enough_fds():
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+# Fixtures of the adversarial suite (test_attack_*.py): the probe binary and armed
+# sandboxes. This file is also loaded by path (tests/fuzz, bench/), so its own
+# directory may not be on sys.path yet.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attack_kit import admin, armed, probe_binary  # noqa: E402,F401

@@ -46,6 +46,7 @@ def test_missing_program_and_cwd_are_not_found(sandbox):
         sandbox.exec(["true"], cwd="/does/not/exist")
 
 
+@pytest.mark.attack      # DSec's agents ran `yes` until tens of GB of stdout piled up
 def test_output_cap_truncates_yes(daemon_factory, busybox_rootfs):
     d = daemon_factory('[limits]\nmax_exec_output_bytes = "1M"\n')
     c = d.client()

@@ -82,6 +82,7 @@ def test_bad_create_requests(fresh, kw, needle):
     c.close()
 
 
+@pytest.mark.attack      # fork bomb (with errno and neighbours: test_attack_exhaust.py)
 def test_pids_limit_is_enforced(fresh):
     c = fresh.client()
     sb = c.create(image="busybox", pids=16)
@@ -91,6 +92,7 @@ def test_pids_limit_is_enforced(fresh):
     c.close()
 
 
+@pytest.mark.attack
 def test_memory_oom_stays_in_the_sandbox(fresh):
     c = fresh.client()
     sb = c.create(image="busybox", memory="32M")

@@ -107,3 +107,35 @@ def test_lease_freed_on_destroy_and_kept_across_restart(world, netd):
     leases = json.loads((d.state / "net" / "leases.json").read_text())
     assert sb.id not in json.dumps(leases)
     c2.close()
+
+
+def _listen(sb, port: int) -> None:
+    """A one-shot listener (attack-probe) on `port` of all the sandbox's addresses."""
+    import time
+
+    sb.exec(["sh", "-c", f"setsid attack-probe listen {port} </dev/null >/tmp/listen.out 2>&1 &"])
+    deadline = time.monotonic() + 5
+    while b"listening" not in sb.read_file("/tmp/listen.out") and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@pytest.mark.attack
+def test_sandbox_cannot_reach_another_sandbox_or_the_bridge(world, netd, probe_binary):
+    """Adversarial suite (docs/hardening.md): with networking on, a sandbox's
+    egress allowlist keeps it off its neighbours and the host side of the bridge."""
+    from attack_kit import install_probe, outcome
+
+    d, c = netd
+    a = c.create(image="busybox", memory="64M", net="default", allow=["pypi"])
+    b = c.create(image="busybox", memory="64M", net="default", allow=["pypi"])
+    for sb in (a, b):
+        install_probe(sb, probe_binary)
+    b_ip = b.net_show()["lease"]["ipv4"]
+    gateway = world.cfg["ipv4_subnet"].rsplit(".", 2)[0] + ".0.1"
+    _listen(b, 7777)
+    assert outcome(a, "connect", world.pkg, "80") == "ok"             # neighbour: its allowlist works
+    assert outcome(a, "connect", b_ip, "7777") == "EPERM"             # not on A's allowlist
+    assert outcome(a, "connect", gateway, "22") == "EPERM"            # nor the host side of the bridge
+    assert outcome(a, "socket", "raw_icmp") == "EPERM"                # no raw packets to go around it
+    assert outcome(b, "connect", "127.0.0.1", "7777") == "ok"         # B's one-shot listener was up
+    c.destroy_all(force=True)

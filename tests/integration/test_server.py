@@ -57,6 +57,7 @@ def test_wrong_protocol_version_is_unsupported(daemon):
     assert recv(s)["error"]["code"] == "unsupported"
 
 
+@pytest.mark.attack
 def test_malformed_frames_get_errors_and_connection_keeps_serving(daemon):
     s = raw(daemon)
     hello(s)
@@ -72,6 +73,7 @@ def test_malformed_frames_get_errors_and_connection_keeps_serving(daemon):
     assert "result" in recv(s)
 
 
+@pytest.mark.attack
 def test_oversized_frame_is_refused_and_dropped(daemon):
     s = raw(daemon)
     hello(s)
@@ -97,6 +99,7 @@ def test_concurrent_requests_on_one_connection(daemon, client):
     sb.destroy()
 
 
+@pytest.mark.attack
 def test_client_vanishing_mid_stream_kills_its_exec(daemon, client):
     sb = client.create(image="busybox")
     s = raw(daemon)
@@ -116,6 +119,7 @@ def test_client_vanishing_mid_stream_kills_its_exec(daemon, client):
     sb.destroy()
 
 
+@pytest.mark.attack
 def test_one_thousand_idle_connections(daemon, client):
     socks = []
     try:
@@ -151,6 +155,7 @@ def test_cancel_a_running_exec(daemon, client):
     sb.destroy()
 
 
+@pytest.mark.attack
 def test_daemon_serves_others_while_one_client_hammers(daemon, client):
     stop = threading.Event()
 

@@ -1,0 +1,193 @@
+/* userns.c - user namespaces and idmapped mounts for sandboxes.
+ *
+ * A sandbox's processes run in a user namespace that maps in-sandbox ids
+ * 0..count-1 to an unprivileged host range. The daemon builds that namespace
+ * before the spawn (dsec_userns_create) because its id maps can only be written
+ * from outside, by a process holding CAP_SETUID in the parent namespace, and
+ * the spawn child runs under CLONE_VFORK (its parent is asleep). The same fd
+ * then serves as the idmap of the layer mounts (dsec_mount_idmapped), so files
+ * keep their in-sandbox ids on disk (uid 0 stays 0 in the upper dir and in
+ * pack_diff) while the sandbox's processes see them as their own.
+ *
+ * dsec_fsids_set runs in spawn children too: raw syscalls only.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/capability.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "dsec_native.h"
+#include "missing_defs.h"
+
+#define HOLDER_STACK_SIZE (16 * 1024)
+
+/* struct mount_attr of linux/mount.h (5.12), spelled out like struct open_how
+ * in fileops.c: its size is passed to the kernel, so the layout is ABI. */
+struct dsec_mount_attr {
+    uint64_t attr_set;
+    uint64_t attr_clr;
+    uint64_t propagation;
+    uint64_t userns_fd;
+};
+
+static void err_rec(struct dsec_err *e, int step, int err, const char *path)
+{
+    e->err = err;
+    e->step = step;
+    snprintf(e->path, sizeof(e->path), "%s", path ? path : "");
+}
+
+/* The namespace's first process. It shares the daemon's memory (CLONE_VM: no
+ * page-table copy of a large daemon) but not its thread, so it must touch
+ * nothing: every signal is blocked (inherited from clone_holder), so pause()
+ * never returns and never writes errno into the daemon's TLS; SIGKILL ends it. */
+static int holder_main(void *arg)
+{
+    (void)arg;
+    for (;;)
+        syscall(SYS_pause);
+    return 0;
+}
+
+static pid_t clone_holder(void *stack_top)
+{
+    sigset_t all, old;
+    pid_t pid;
+    int saved;
+
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pid = clone(holder_main, stack_top, CLONE_VM | CLONE_NEWUSER | SIGCHLD, NULL);
+    saved = errno;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    errno = saved;
+    return pid;
+}
+
+/* "0 <host> <count>\n" into /proc/<pid>/<file> (uid_map or gid_map). */
+static int map_write(pid_t pid, const char *file, uint32_t host, uint32_t count)
+{
+    char path[64], line[64];
+    int fd, len, rc = 0;
+
+    snprintf(path, sizeof(path), "/proc/%d/%s", (int)pid, file);
+    len = snprintf(line, sizeof(line), "0 %u %u\n", host, count);
+    fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -errno;
+    if (write(fd, line, (size_t)len) != len)
+        rc = -errno;
+    close(fd);
+    return rc;
+}
+
+static int userns_of(pid_t pid, uint32_t uid, uint32_t gid, uint32_t count, struct dsec_err *err)
+{
+    char path[64];
+    int rc, fd;
+
+    rc = map_write(pid, "uid_map", uid, count);
+    if (rc < 0) {
+        err_rec(err, DSEC_STEP_USERNS_MAP, -rc, "uid_map");
+        return rc;
+    }
+    rc = map_write(pid, "gid_map", gid, count);
+    if (rc < 0) {
+        err_rec(err, DSEC_STEP_USERNS_MAP, -rc, "gid_map");
+        return rc;
+    }
+    snprintf(path, sizeof(path), "/proc/%d/ns/user", (int)pid);
+    fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        rc = -errno;
+        err_rec(err, DSEC_STEP_USERNS_MAP, -rc, path);
+        return rc;
+    }
+    return fd;
+}
+
+/* A user namespace mapping ids 0..count-1 to uid..uid+count-1 (gids alike),
+ * as an fd (setns, MOUNT_ATTR_IDMAP). setgroups stays "allow": apt and sshd
+ * call setgroups inside, and the mapping was written by a privileged
+ * process, so no unmapped group can be dropped to gain access. The holder is
+ * killed right away: the fd keeps the namespace alive. */
+int dsec_userns_create(uint32_t uid, uint32_t gid, uint32_t count, struct dsec_err *err)
+{
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    char *stack;
+    pid_t pid;
+    int rc;
+
+    err_rec(err, DSEC_STEP_NONE, 0, NULL);
+    stack = mmap(NULL, page + HOLDER_STACK_SIZE, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK | MAP_NORESERVE, -1, 0);
+    if (stack == MAP_FAILED) {
+        err_rec(err, DSEC_STEP_STACK, errno, NULL);
+        return -err->err;
+    }
+    mprotect(stack, page, PROT_NONE); /* guard page; a failure only loses the guard */
+    pid = clone_holder(stack + page + HOLDER_STACK_SIZE);
+    if (pid < 0) {
+        err_rec(err, DSEC_STEP_CLONE, errno, NULL);
+        munmap(stack, page + HOLDER_STACK_SIZE);
+        return -err->err;
+    }
+    rc = userns_of(pid, uid, gid, count, err);
+    kill(pid, SIGKILL);
+    while (waitpid(pid, NULL, 0) < 0 && errno == EINTR)
+        ;
+    munmap(stack, page + HOLDER_STACK_SIZE); /* only after the holder is gone */
+    return rc;
+}
+
+/* A detached copy of the mount tree at path (open_tree OPEN_TREE_CLONE), with
+ * the idmap of userns_fd. Usable as an overlay layer via /proc/self/fd/N
+ * (kernel >= 6.15 takes detached mounts as layers). EINVAL from mount_setattr:
+ * the file system lacks FS_ALLOW_IDMAP. */
+int dsec_mount_idmapped(const char *path, int userns_fd)
+{
+    struct dsec_mount_attr attr = {.attr_set = MOUNT_ATTR_IDMAP, .userns_fd = (uint64_t)userns_fd};
+    int fd, saved;
+
+    fd = (int)syscall(SYS_open_tree, AT_FDCWD, path, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+    if (fd < 0)
+        return -errno;
+    if (syscall(SYS_mount_setattr, fd, "", AT_EMPTY_PATH, &attr, sizeof(attr)) < 0) {
+        saved = errno;
+        close(fd);
+        return -saved;
+    }
+    return fd;
+}
+
+/* File-system ids of the calling thread only (raw syscalls: glibc would not
+ * broadcast these anyway, but its wrappers are not async-signal-safe). Moving
+ * fsuid away from 0 clears CAP_DAC_OVERRIDE & co. from the effective set; they
+ * are raised again from the permitted set, so the thread keeps acting with
+ * root's power, under the new ids. setfsuid reports no error: reading the
+ * value back is the check (EPERM if the change did not take). */
+int dsec_fsids_set(uint32_t uid, uint32_t gid)
+{
+    struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3};
+    struct __user_cap_data_struct data[2];
+
+    syscall(SYS_setfsgid, gid);
+    syscall(SYS_setfsuid, uid);
+    if ((uint32_t)syscall(SYS_setfsgid, -1) != gid || (uint32_t)syscall(SYS_setfsuid, -1) != uid)
+        return -EPERM;
+    if (syscall(SYS_capget, &hdr, data) < 0)
+        return -errno;
+    data[0].effective = data[0].permitted;
+    data[1].effective = data[1].permitted;
+    if (syscall(SYS_capset, &hdr, data) < 0)
+        return -errno;
+    return 0;
+}

@@ -1,0 +1,362 @@
+/* attack_probe.c - one attack (or its allowed neighbour) per invocation, run
+ * inside a sandbox by the adversarial suite (tests/integration/test_attack_*.py).
+ *
+ * Busybox's applets report failures as free text, if at all; the suite needs
+ * the exact errno of the one syscall that matters. Each action does that
+ * syscall and prints `ok` or the errno's name (EPERM, ENOENT, ...) as its
+ * last line, sometimes preceded by key=value facts. Built static, so it runs
+ * in any image. Exit status 0 unless the arguments are wrong (2).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/bpf.h>
+#include <linux/io_uring.h>
+#include <linux/perf_event.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/ptrace.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
+#include <termios.h>
+#include <unistd.h>
+
+#define XFS_IOC_SWAPEXT 0xC0C0586Du   /* _IOWR('X', 109, struct xfs_swapext) */
+#define EXT4_IOC_MOVE_EXT 0xC028660Fu /* _IOWR('f', 15, struct move_extent) */
+
+static int report(long rc)
+{
+    if (rc < 0)
+        printf("%s\n", strerrorname_np(errno));
+    else
+        printf("ok\n");
+    return 0;
+}
+
+static int a_mount(char **v) { return report(mount("none", v[0], "tmpfs", 0, NULL)); }
+static int a_umount(char **v) { return report(umount2(v[0], MNT_DETACH)); }
+static int a_pivot_root(char **v) { return report(syscall(SYS_pivot_root, v[0], v[1])); }
+static int a_open(char **v) { return report(open(v[0], O_RDONLY | O_NONBLOCK)); }
+static int a_open_rw(char **v) { return report(open(v[0], O_RDWR | O_NONBLOCK)); }
+static int a_stat(char **v)
+{
+    struct stat st;
+
+    return report(stat(v[0], &st));
+}
+
+/* The classic: chroot into a subdir, walk `..` far past it, chroot there.
+ * Works against a plain chroot(2) jail; a pivot_root'ed sandbox whose old
+ * root is detached has nothing above its /. Prints what the escaped process
+ * sees at v[1] (a host-only path). */
+static int a_chroot_escape(char **v)
+{
+    mkdir(v[0], 0755);
+    if (chroot(v[0]) < 0) {
+        printf("chroot=%s\n", strerrorname_np(errno));
+        return report(-1);
+    }
+    printf("chroot=ok\n");
+    for (int i = 0; i < 256; i++)
+        if (chdir("..") < 0)
+            break;
+    if (chroot(".") < 0)
+        return report(-1);
+    return a_stat(v + 1);
+}
+
+static int a_ptrace(char **v) { return report(ptrace(PTRACE_ATTACH, atoi(v[0]), 0, 0)); }
+
+static int a_vm_read(char **v)
+{
+    char buf[8];
+    struct iovec local = {buf, sizeof(buf)}, remote = {(void *)0x400000, sizeof(buf)};
+
+    return report(process_vm_readv(atoi(v[0]), &local, 1, &remote, 1, 0));
+}
+
+static int a_kill(char **v) { return report(kill(atoi(v[0]), atoi(v[1]))); }
+
+static int a_socket(char **v)
+{
+    static const struct { const char *name; int domain, type, proto; } kinds[] = {
+        {"raw_icmp", AF_INET, SOCK_RAW, IPPROTO_ICMP},
+        {"raw6", AF_INET6, SOCK_RAW, IPPROTO_ICMPV6},
+        {"packet", AF_PACKET, SOCK_RAW, 0},
+        {"udp", AF_INET, SOCK_DGRAM, 0},
+        {"tcp", AF_INET, SOCK_STREAM, 0},
+    };
+
+    for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++)
+        if (!strcmp(v[0], kinds[i].name))
+            return report(socket(kinds[i].domain, kinds[i].type, kinds[i].proto));
+    return 2;
+}
+
+static int a_mknod(char **v)
+{
+    mode_t type = v[1][0] == 'b' ? S_IFBLK : v[1][0] == 'c' ? S_IFCHR : S_IFIFO;
+
+    return report(mknod(v[0], type | 0600, makedev(atoi(v[2]), atoi(v[3]))));
+}
+
+static int a_setns(char **v)
+{
+    int fd = open(v[0], O_RDONLY);
+
+    if (fd < 0)
+        return report(-1);
+    return report(setns(fd, 0));
+}
+
+static int a_unshare(char **v)
+{
+    int flag = !strcmp(v[0], "user") ? CLONE_NEWUSER : !strcmp(v[0], "net") ? CLONE_NEWNET
+             : !strcmp(v[0], "mnt") ? CLONE_NEWNS : !strcmp(v[0], "files") ? CLONE_FILES : -1;
+
+    if (flag < 0)
+        return 2;
+    return report(unshare(flag));
+}
+
+static int a_init_module(char **v)
+{
+    (void)v;
+    return report(syscall(SYS_init_module, "\x7f" "ELF", 4, ""));
+}
+
+static int a_finit_module(char **v)
+{
+    int fd = open("/bin/sh", O_RDONLY);
+
+    (void)v;
+    return report(syscall(SYS_finit_module, fd, "", 0));
+}
+
+static int a_delete_module(char **v) { return report(syscall(SYS_delete_module, v[0], O_NONBLOCK)); }
+
+static int a_bpf(char **v)
+{
+    union bpf_attr attr;
+
+    (void)v;
+    memset(&attr, 0, sizeof(attr));
+    attr.map_type = BPF_MAP_TYPE_ARRAY;
+    attr.key_size = 4;
+    attr.value_size = 4;
+    attr.max_entries = 1;
+    return report(syscall(SYS_bpf, BPF_MAP_CREATE, &attr, sizeof(attr)));
+}
+
+static int a_perf(char **v)
+{
+    struct perf_event_attr attr;
+
+    (void)v;
+    memset(&attr, 0, sizeof(attr));
+    attr.size = sizeof(attr);
+    attr.type = PERF_TYPE_SOFTWARE;
+    attr.config = PERF_COUNT_SW_TASK_CLOCK;
+    attr.exclude_kernel = 1;
+    return report(syscall(SYS_perf_event_open, &attr, 0, -1, -1, 0));
+}
+
+static int a_io_uring(char **v)
+{
+    struct io_uring_params p;
+
+    (void)v;
+    memset(&p, 0, sizeof(p));
+    return report(syscall(SYS_io_uring_setup, 8, &p));
+}
+
+/* A pty of the sandbox's own devpts: TIOCSTI pushes input into it (into
+ * another session's terminal, in the attack); TCGETS is the neighbour. */
+static int a_tty_ioctl(char **v)
+{
+    int fd = open("/dev/ptmx", O_RDWR | O_NOCTTY);
+    struct termios t;
+    char c = 'x';
+
+    if (fd < 0)
+        return report(-1);
+    if (!strcmp(v[0], "tiocsti"))
+        return report(ioctl(fd, TIOCSTI, &c));
+    return report(ioctl(fd, TCGETS, &t));
+}
+
+/* Extent-swapping ioctls on a file of the sandbox: the filter refuses them
+ * before the file system looks at the (garbage) argument; FIONREAD is the
+ * neighbour. */
+static int a_file_ioctl(char **v)
+{
+    char buf[256] = {0};
+    int fd = open(v[1], O_RDWR | O_CREAT, 0600), n;
+
+    if (fd < 0)
+        return report(-1);
+    if (!strcmp(v[0], "xfs_swapext"))
+        return report(ioctl(fd, XFS_IOC_SWAPEXT, buf));
+    if (!strcmp(v[0], "ext4_move_ext"))
+        return report(ioctl(fd, EXT4_IOC_MOVE_EXT, buf));
+    return report(ioctl(fd, FIONREAD, &n));
+}
+
+static int a_open_by_handle(char **v)
+{
+    struct { struct file_handle h; unsigned char bytes[64]; } fh;
+
+    (void)v;
+    memset(&fh, 0, sizeof(fh));
+    fh.h.handle_bytes = 8;
+    fh.h.handle_type = 1;
+    return report(syscall(SYS_open_by_handle_at, AT_FDCWD, &fh, O_RDONLY));
+}
+
+/* File descriptors a sandbox process inherits beyond stdio: any daemon fd
+ * here (its socket, the journal) would be a way to speak for it. */
+static int a_fds(char **v)
+{
+    int extra = 0;
+
+    (void)v;
+    for (int fd = 3; fd < 65536; fd++)
+        if (fcntl(fd, F_GETFD) >= 0) {
+            char link[64], target[512] = "";
+
+            snprintf(link, sizeof(link), "/proc/self/fd/%d", fd);
+            readlink(link, target, sizeof(target) - 1);
+            printf("fd=%d target=%s\n", fd, target);
+            extra++;
+        }
+    printf("extra=%d\n", extra);
+    return report(0);
+}
+
+/* Fork until refused; the children wait for a pipe to close, then exit. */
+static int a_forkbomb(char **v)
+{
+    int max = atoi(v[0]), n = 0, p[2];
+
+    if (pipe(p) < 0)
+        return report(-1);
+    for (; n < max; n++) {
+        pid_t pid = fork();
+
+        if (pid < 0)
+            break;
+        if (pid == 0) {
+            char c;
+
+            close(p[1]);
+            read(p[0], &c, 1);
+            _exit(0);
+        }
+    }
+    int err = errno;
+
+    close(p[1]);
+    while (wait(NULL) > 0)
+        ;
+    printf("forked=%d\n", n);
+    errno = err;
+    return report(n < max ? -1 : 0);
+}
+
+/* Touch MiB of anonymous memory one page at a time. */
+static int a_alloc(char **v)
+{
+    size_t size = (size_t)atol(v[0]) << 20;
+    char *p = malloc(size);
+
+    if (p == NULL)
+        return report(-1);
+    for (size_t i = 0; i < size; i += 4096)
+        p[i] = 1;
+    return report(0);
+}
+
+/* Create empty files in a directory until refused (or max). */
+static int a_files(char **v)
+{
+    int max = atoi(v[1]), n = 0;
+    char path[4096];
+
+    for (; n < max; n++) {
+        snprintf(path, sizeof(path), "%s/f%d", v[0], n);
+        int fd = open(path, O_WRONLY | O_CREAT | O_EXCL, 0600);
+
+        if (fd < 0)
+            break;
+        close(fd);
+    }
+    int err = errno;
+
+    printf("created=%d\n", n);
+    errno = err;
+    return report(n < max ? -1 : 0);
+}
+
+static int a_connect(char **v)
+{
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(atoi(v[1]))};
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+
+    inet_pton(AF_INET, v[0], &sa.sin_addr);
+    return report(connect(fd, (struct sockaddr *)&sa, sizeof(sa)));
+}
+
+/* Listen on PORT of every address of the sandbox, say so, then accept one
+ * connection and say that. */
+static int a_listen(char **v)
+{
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(atoi(v[0]))};
+    int fd = socket(AF_INET, SOCK_STREAM, 0), one = 1;
+
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    sa.sin_addr.s_addr = htonl(INADDR_ANY);
+    if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(fd, 8) < 0)
+        return report(-1);
+    printf("listening\n");
+    fflush(stdout);
+    int c = accept(fd, NULL, NULL);
+
+    printf("accepted\n");
+    return report(c);
+}
+
+static const struct { const char *name; int nargs; int (*fn)(char **); } actions[] = {
+    {"mount", 1, a_mount}, {"umount", 1, a_umount}, {"pivot_root", 2, a_pivot_root},
+    {"open", 1, a_open}, {"open_rw", 1, a_open_rw}, {"stat", 1, a_stat},
+    {"chroot_escape", 2, a_chroot_escape}, {"ptrace", 1, a_ptrace}, {"vm_read", 1, a_vm_read},
+    {"kill", 2, a_kill}, {"socket", 1, a_socket}, {"mknod", 4, a_mknod}, {"setns", 1, a_setns},
+    {"unshare", 1, a_unshare}, {"init_module", 0, a_init_module},
+    {"finit_module", 0, a_finit_module}, {"delete_module", 1, a_delete_module}, {"bpf", 0, a_bpf},
+    {"perf_event_open", 0, a_perf}, {"io_uring", 0, a_io_uring}, {"tty_ioctl", 1, a_tty_ioctl},
+    {"file_ioctl", 2, a_file_ioctl}, {"open_by_handle_at", 0, a_open_by_handle}, {"fds", 0, a_fds},
+    {"forkbomb", 1, a_forkbomb}, {"alloc", 1, a_alloc}, {"files", 2, a_files},
+    {"connect", 2, a_connect}, {"listen", 1, a_listen},
+};
+
+int main(int argc, char **argv)
+{
+    for (size_t i = 0; argc > 1 && i < sizeof(actions) / sizeof(actions[0]); i++)
+        if (!strcmp(argv[1], actions[i].name)) {
+            if (argc - 2 != actions[i].nargs)
+                break;
+            return actions[i].fn(argv + 2);
+        }
+    fprintf(stderr, "usage: attack_probe ACTION ARGS... (see the table in attack_probe.c)\n");
+    return 2;
+}

@@ -1,0 +1,258 @@
+"""Adversarial suite, part 4: hostile clients of the daemon's socket (issue 7).
+
+Slow clients (a frame trickled a byte at a time, or never finished), clients
+that never read their answers, who may connect at all (SO_PEERCRED: root and
+the configured group; anyone else is refused even when the socket file's
+mode would let them in). More in test_server.py (1,000 idle connections,
+clients vanishing mid-stream, oversized frames, one client hammering),
+marked `attack` there too.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from dsecd import protocol
+
+pytestmark = pytest.mark.attack
+
+TIMEOUTS = "[limits]\nframe_timeout_s = 1.0\nhello_timeout_s = 1.0\n"
+
+
+def connect(d) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(d.socket)
+    return s
+
+
+def recv(s) -> dict | None:
+    """One frame, or None if the daemon closed the connection."""
+    buf = b""
+    while len(buf) < 4:
+        chunk = s.recv(4 - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    (n,) = struct.unpack(">I", buf)
+    body = b""
+    while len(body) < n:
+        chunk = s.recv(n - len(body))
+        if not chunk:
+            return None
+        body += chunk
+    return msgpack.unpackb(body, raw=False)
+
+
+def hello(s) -> None:
+    s.sendall(protocol.encode_frame({"id": 0, "op": "hello", "args": {"protocol": 1, "client": "attack"}}))
+    assert "result" in recv(s)
+
+
+def ping_frame(rid: int) -> bytes:
+    return protocol.encode_frame({"id": rid, "op": "ping", "args": {}})
+
+
+def trickle(s, data: bytes, delay: float, stop_after: int | None = None) -> None:
+    for i, byte in enumerate(data):
+        if stop_after is not None and i >= stop_after:
+            return
+        try:
+            s.send(bytes([byte]))
+        except OSError:            # dropped by the daemon meanwhile
+            return
+        time.sleep(delay)
+
+
+@pytest.fixture(scope="module")
+def strict(busybox_rootfs):
+    """A daemon with 1 s frame and hello deadlines."""
+    import tempfile
+
+    from conftest import Daemon
+
+    d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), TIMEOUTS)
+    try:
+        d.start()
+        yield d
+    finally:
+        d.cleanup()
+
+
+def test_slow_frame_within_the_deadline_is_served(strict):
+    s = connect(strict)
+    hello(s)
+    frame = ping_frame(1)                        # ~30 bytes at 10 ms each: well inside 1 s
+    trickle(s, frame, 0.01)
+    r = recv(s)
+    assert r["id"] == 1 and "result" in r
+
+
+def test_slowloris_frame_is_bounded_and_others_are_served(strict):
+    """One byte per 100 ms: the frame cannot finish within frame_timeout_s.
+    Others are answered meanwhile; the slow one gets `limit` and is dropped."""
+    s = connect(strict)
+    hello(s)
+    t = threading.Thread(target=trickle, args=(s, ping_frame(7) + b"\0" * 64, 0.1))
+    t0 = time.monotonic()
+    t.start()
+    other = strict.client()
+    for _ in range(5):                           # answered while the slow frame is open
+        assert other.request("ping")
+        time.sleep(0.05)
+    r = recv(s)
+    assert r is not None and r["error"]["code"] == "limit", r
+    assert "frame_timeout_s" in r["error"]["message"]
+    assert recv(s) is None                       # and dropped
+    assert time.monotonic() - t0 < 5
+    t.join()
+    other.close()
+
+
+def test_frame_that_never_finishes_is_dropped(strict):
+    s = connect(strict)
+    hello(s)
+    s.sendall(struct.pack(">I", 1000) + b"\x82")  # promises 1000 bytes, sends 1, then nothing
+    r = recv(s)
+    assert r["error"]["code"] == "limit"
+    assert recv(s) is None
+    # Half a header, then nothing: the same.
+    s = connect(strict)
+    hello(s)
+    s.sendall(b"\0\0")
+    assert recv(s)["error"]["code"] == "limit"
+
+
+def test_connection_without_hello_is_dropped_but_idle_after_hello_is_kept(strict):
+    silent = connect(strict)
+    idle = connect(strict)
+    hello(idle)
+    time.sleep(1.5)
+    r = recv(silent)
+    assert r["error"]["code"] == "limit" and "hello" in r["error"]["message"]
+    assert recv(silent) is None
+    idle.sendall(ping_frame(3))                  # idle between frames is allowed
+    assert recv(idle)["id"] == 3
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_client_that_never_reads_cannot_grow_the_daemons_buffers(strict):
+    """Every bad frame gets an error frame that echoes its op (~32 KiB here).
+    A client pipelining them without reading would make the daemon buffer
+    every answer; instead it stops reading from that client."""
+    s = connect(strict)
+    hello(s)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    bad = protocol.encode_frame({"id": 1, "op": "x" * 32768, "args": {}})
+    rss0 = _rss_kib(strict.proc.pid)
+    s.settimeout(0.5)
+    sent = 0
+    try:
+        for _ in range(4000):                    # 128 MiB of answers if all were buffered
+            s.sendall(bad)
+            sent += 1
+    except (TimeoutError, OSError):
+        pass                                     # the daemon stopped reading us: the point
+    grown = _rss_kib(strict.proc.pid) - rss0
+    assert sent < 4000, "the daemon kept reading a client that reads nothing"
+    assert grown < 32 * 1024, f"daemon RSS grew {grown} KiB"
+    other = strict.client()                      # neighbour: everybody else is served
+    assert other.request("ping")
+    other.close()
+    s.close()
+
+
+# ---------------------------------------------------------------- who may connect
+
+PEER = r"""
+import json, socket, struct, sys
+sys.path.insert(0, sys.argv[2])
+import msgpack
+from dsecd import protocol
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(10)
+try:
+    s.connect(sys.argv[1])
+except OSError as err:
+    print(json.dumps({"connect": err.errno})); sys.exit()
+try:   # a refused peer may find the connection closed already; the refusal is still readable
+    s.sendall(protocol.encode_frame({"id": 0, "op": "hello", "args": {"protocol": 1, "client": "peer"}}))
+except BrokenPipeError:
+    pass
+hdr = s.recv(4)
+n = struct.unpack(">I", hdr)[0]
+body = b""
+while len(body) < n:
+    body += s.recv(n - len(body))
+print(json.dumps(msgpack.unpackb(body, raw=False), default=str))
+"""
+
+
+def _as_user(d, uid: int, gid: int, groups: list[int]) -> dict:
+    import json
+
+    root = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, "-c", PEER, d.socket, root], user=uid, group=gid,
+                         extra_groups=groups, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.fixture
+def group_daemon(daemon_factory):
+    """A daemon whose socket_group is `nogroup` (gid 65534 on Debian), its
+    socket reachable by others (a 0711 dir), the socket itself 0666 as if an
+    operator had loosened it: only SO_PEERCRED stands between."""
+    import grp
+
+    try:
+        gid = grp.getgrnam("nogroup").gr_gid
+    except KeyError:
+        pytest.skip("no `nogroup` group on this host")
+    d = daemon_factory(start=False)
+    d.config.write_text(d.config.read_text().replace("[daemon]\n", '[daemon]\nsocket_group = "nogroup"\n'))
+    d.start()
+    os.chmod(d.tmp, 0o711)
+    st = os.stat(d.socket)
+    assert (st.st_gid, st.st_mode & 0o777) == (gid, 0o660)    # as the daemon made it
+    os.chmod(d.socket, 0o666)
+    return d, gid
+
+
+def test_root_and_the_group_may_connect_others_are_refused(group_daemon):
+    d, gid = group_daemon
+    nobody = 65534
+    assert "result" in _as_user(d, 0, 0, [])                        # root
+    assert "result" in _as_user(d, nobody, gid, [])                 # primary group
+    assert "result" in _as_user(d, nobody, 1, [gid])                # supplementary (SO_PEERGROUPS)
+    refused = _as_user(d, nobody, 1, [])                             # not in the group
+    assert refused["id"] is None and refused["error"]["code"] == "permission", refused
+    assert "nogroup" in refused["error"]["message"]
+    assert "result" in _as_user(d, 0, 0, [])                        # the daemon goes on
+
+
+def test_root_only_daemon_refuses_everybody_else(daemon_factory):
+    d = daemon_factory()
+    os.chmod(d.tmp, 0o711)
+    os.chmod(d.socket, 0o666)
+    refused = _as_user(d, 65534, 65534, [])
+    assert refused["error"]["code"] == "permission", refused
+    os.chmod(d.socket, 0o660)                   # as the daemon made it: the file mode refuses first
+    assert _as_user(d, 65534, 65534, []) == {"connect": 13}          # EACCES
+    assert "result" in _as_user(d, 0, 0, [])

@@ -1,0 +1,94 @@
+"""Adversarial suite, part 3: exhausting what a sandbox is given (issue 7).
+
+Each flood must end inside the sandbox that started it (an errno, or its
+own memory cgroup's OOM kill) while the daemon and a neighbour sandbox keep
+working. Also marked `attack` elsewhere: test_lifecycle.py (pids limit,
+memory OOM) and test_exec.py (`yes` output cap).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from attack_kit import facts, make_armed, run_probe  # noqa: E402
+
+from dsecd.errors import NotFound  # noqa: E402
+
+pytestmark = pytest.mark.attack
+
+
+@pytest.fixture
+def flooder(admin, probe_binary):
+    sb = make_armed(admin, probe_binary, memory="64M", pids=64)
+    yield sb
+    try:
+        sb.destroy(force=True)
+    except NotFound:          # the test destroyed it itself
+        pass
+
+
+def _others_fine(admin, armed) -> None:
+    assert admin.request("ping")
+    assert armed.exec(["echo", "fine"]).stdout == b"fine\n"
+
+
+def test_fork_bomb_hits_the_pids_limit(flooder, admin, armed):
+    lines = run_probe(flooder, "forkbomb", "100000")
+    assert lines[-1] == "EAGAIN", lines
+    assert int(facts(lines)["forked"]) < 64
+    _others_fine(admin, armed)
+    assert flooder.exec(["echo", "alive"]).stdout == b"alive\n"   # the bomb's children are gone
+
+
+def test_inode_flood_of_dev_is_enospc(flooder, admin, armed):
+    # /dev is a tmpfs capped at 1024 inodes: the flood ends with ENOSPC.
+    lines = run_probe(flooder, "files", "/dev", "1000000")
+    assert lines[-1] == "ENOSPC", lines
+    assert int(facts(lines)["created"]) < 1024
+    assert flooder.exec(["sh", "-c", "echo x > /tmp/still-writable && echo ok"]).stdout == b"ok\n"
+    _others_fine(admin, armed)
+
+
+def test_inode_flood_of_tmp_stays_in_the_sandbox(flooder, admin, armed, daemon):
+    """/tmp is the sandbox's own tmpfs: its inodes are memory charged to the
+    sandbox's memory cgroup, so the flood ends there (ENOSPC, ENOMEM or the
+    group's OOM kill), not on the host's file systems."""
+    host = os.statvfs(daemon.state)
+    r = flooder.exec(["attack-probe", "files", "/tmp", "3000000"], timeout=60)
+    out = r.stdout.decode().split()
+    assert r.signal == 9 or (out and out[-1] in ("ENOSPC", "ENOMEM")), (r.signal, out)
+    after = os.statvfs(daemon.state)
+    assert host.f_ffree - after.f_ffree < 10000, "the flood reached the host's inodes"
+    _others_fine(admin, armed)
+    flooder.destroy(force=True)           # the flooded sandbox can still be torn down
+
+
+def test_output_after_exit_and_on_both_streams_is_bounded(daemon_factory, busybox_rootfs):
+    """`yes` on stdout and stderr, from background processes that outlive the
+    exec's main process: the cap counts both streams, the result comes back,
+    and the writers die of SIGPIPE instead of running on."""
+    d = daemon_factory('[limits]\nmax_exec_output_bytes = "1M"\n')
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", memory="64M")
+    try:
+        r = sb.exec(["sh", "-c", "yes out & yes err >&2 & wait"], timeout=30)
+        assert r.truncated and not r.timed_out
+        assert len(r.stdout) + len(r.stderr) == 1 << 20
+        r = sb.exec(["sh", "-c", "yes & yes >&2 & exit 0"], timeout=30)
+        assert r.exit_code == 0 and len(r.stdout) + len(r.stderr) <= 1 << 20
+        deadline = time.monotonic() + 5
+        while b"yes" in sb.exec(["ps", "-o", "comm"]).stdout and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert b"yes" not in sb.exec(["ps", "-o", "comm"]).stdout       # no writer left running
+        assert sb.exec(["echo", "ok"]).stdout == b"ok\n"                 # neighbour
+    finally:
+        sb.destroy(force=True)
+        c.close()

@@ -1,0 +1,72 @@
+"""Id ranges of sandbox user namespaces (dsecd/userns.py): allocation,
+journaled re-reservation, exhaustion, and ids reported back to clients."""
+
+import pytest
+
+from dsecd import userns
+
+
+def test_slots_are_disjoint_ranges_from_base():
+    r = userns.RangeAllocator(1_000_000_000, 65536)
+    a, b = r.allocate(), r.allocate()
+    assert (a.uid, b.uid) == (1_000_000_000, 1_000_065_536)
+    assert a.gid == a.uid and a.count == 65536
+    assert r.slots == (2**32 - 1 - 1_000_000_000) // 65536
+    assert b.uid + b.count - 1 <= userns.ID_MAX
+
+
+def test_freed_slot_rests_before_reuse_and_exhaustion_is_an_error():
+    r = userns.RangeAllocator(100_000, 65536, max_slots=2)
+    a, b = r.allocate(), r.allocate()
+    with pytest.raises(userns.RangesExhausted, match="all 2 "):
+        r.allocate()
+    r.release(a)
+    assert r.allocate().slot == a.slot      # the only free one
+    r.release(b)
+    r.release(None)                          # a sandbox without a range: nothing to do
+
+
+def test_reserve_restores_journaled_ranges_and_refuses_mismatches():
+    r = userns.RangeAllocator(100_000, 65536)
+    old = userns.IdMap.from_record({"slot": 3, "uid": 100_000 + 3 * 65536,
+                                    "gid": 100_000 + 3 * 65536, "count": 65536})
+    r.reserve(old)
+    assert all(r.allocate().slot != 3 for _ in range(5))
+    with pytest.raises(ValueError, match="twice"):
+        r.reserve(old)
+    other_base = userns.IdMap(4, 5, 5, 65536)
+    with pytest.raises(ValueError, match="does not match"):
+        r.reserve(other_base)
+    assert userns.IdMap.from_record(None) is None
+    assert userns.IdMap.from_record(old.record()) == old
+
+
+def test_bad_configuration_is_refused():
+    with pytest.raises(ValueError):
+        userns.RangeAllocator(2**32 - 10, 65536)
+    with pytest.raises(ValueError):
+        userns.RangeAllocator(0, 65536)
+
+
+def test_host_ids_reported_as_sandbox_ids():
+    m = userns.IdMap(0, 200_000, 300_000, 65536)
+    assert m.to_sandbox(200_000) == 0 and m.to_sandbox(201_000) == 1000
+    assert m.to_sandbox(300_005, gid=True) == 5
+    assert m.to_sandbox(0) == userns.OVERFLOW_ID           # host root: unmapped inside
+    assert m.to_sandbox(200_000 + 65536) == userns.OVERFLOW_ID
+
+
+def test_file_op_translates_stat_and_list_results(monkeypatch):
+    import contextlib
+
+    switched = []
+    # The fs-id switch itself needs root (integration tier); here only the translation.
+    monkeypatch.setattr(userns, "as_sandbox_root",
+                        lambda idmap: switched.append(idmap) or contextlib.nullcontext())
+    m = userns.IdMap(0, 100_000, 100_000, 65536)
+    out = userns.file_op(m, lambda: {"uid": 100_000, "gid": 101_000,
+                                     "entries": [{"uid": 0, "gid": 100_007}]})
+    assert switched == [m]
+    assert (out["uid"], out["gid"]) == (0, 1000)
+    assert out["entries"][0] == {"uid": userns.OVERFLOW_ID, "gid": 7}
+    assert userns.file_op(None, lambda: {"uid": 7, "gid": 8}) == {"uid": 7, "gid": 8}
