@@ -45,6 +45,15 @@ def run_probe(sb, *args, timeout: float = 30) -> list[str]:
     return r.stdout.decode().split()
 
 
+def upper_dir(info: dict) -> Path:
+    """A sandbox's overlay upper dir as the host sees it, from its `inspect`. A
+    capped layer (`disk` in inspect) is a detached tmpfs that the sandbox's PID 1
+    holds as fd 3 (docs/hardening.md section 8): reachable through that fd."""
+    if info.get("disk"):
+        return Path(f"/proc/{info['init_pid']}/fd/3/upper")
+    return Path(info["dir"]) / "upper"
+
+
 def outcome(sb, *args, **kw) -> str:
     """Just the verdict: `ok` or the errno name."""
     return run_probe(sb, *args, **kw)[-1]

@@ -32,8 +32,8 @@ SYSCALL_ATTACKS = [
     ("packet_socket", ["socket", "packet"], "EPERM", ["socket", "udp"]),
     ("mknod_block_device", ["mknod", "/dev/vdx", "b", "254", "0"], "EPERM", ["mknod", "/tmp/fifo1", "p", "0", "0"]),
     ("mknod_kvm", ["mknod", "/tmp/kvm", "c", "10", "232"], "EPERM", ["mknod", "/tmp/fifo2", "p", "0", "0"]),
-    ("setns_net", ["setns", "/proc/1/ns/net"], "EPERM", ["open", "/proc/1/ns/net"]),
-    ("setns_mnt", ["setns", "/proc/1/ns/mnt"], "EPERM", ["open", "/proc/1/ns/mnt"]),
+    ("setns_net", ["setns", "/proc/self/ns/net"], "EPERM", ["open", "/proc/self/ns/net"]),
+    ("setns_mnt", ["setns", "/proc/self/ns/mnt"], "EPERM", ["open", "/proc/self/ns/mnt"]),
     ("unshare_user", ["unshare", "user"], "EPERM", ["unshare", "files"]),
     ("unshare_net", ["unshare", "net"], "EPERM", ["unshare", "files"]),
     ("init_module", ["init_module"], "EPERM", ["open", "/proc/self/status"]),
@@ -71,10 +71,14 @@ def test_chroot_breakout_finds_nothing_above_the_sandbox_root(armed, daemon):
 
 
 def test_proc_1_root_is_the_sandbox_itself(armed, daemon):
-    # PID 1 of the sandbox is its own dsec-init: its root is the sandbox root.
-    assert outcome(armed, "open", "/proc/1/root/etc/passwd") == "ok"
-    assert outcome(armed, "stat", f"/proc/1/root{daemon.state}") == "ENOENT"
-    assert outcome(armed, "stat", f"/proc/1/cwd{daemon.state}") == "ENOENT"
+    # PID 1 of the sandbox is its own dsec-init, non-dumpable (it holds the
+    # writable layer's fd for the daemon): its root, cwd and fds are EACCES.
+    # A process's own root is the sandbox root, with no way out.
+    assert outcome(armed, "open", "/proc/1/root/etc/passwd") == "EACCES"
+    assert outcome(armed, "stat", f"/proc/1/cwd{daemon.state}") == "EACCES"
+    assert outcome(armed, "open", "/proc/self/root/etc/passwd") == "ok"
+    assert outcome(armed, "stat", f"/proc/self/root{daemon.state}") == "ENOENT"
+    assert outcome(armed, "stat", f"/proc/self/cwd{daemon.state}") == "ENOENT"
 
 
 def test_host_pids_are_invisible_untraceable_and_unsignalable(armed, daemon):

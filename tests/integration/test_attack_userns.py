@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from attack_kit import upper_dir
 
 pytestmark = pytest.mark.attack
 
@@ -127,7 +128,7 @@ def test_root_work_inside_succeeds_and_keeps_sandbox_ids_on_disk(sandbox):
     assert r.exit_code == 0, r.stderr
     assert r.stdout.split() == [b"0:0", b"1000:1000"]
     # On disk (the upper dir pack_diff reads) the files carry in-sandbox ids, not host ids.
-    upper = Path(sandbox.inspect()["dir"]) / "upper"
+    upper = upper_dir(sandbox.inspect())
     assert os.stat(upper / "etc/new-by-root").st_uid == 0
     assert os.stat(upper / "etc/passwd").st_uid == 0
     st = os.stat(upper / "home/u/by-root")
@@ -163,7 +164,7 @@ def test_daemon_file_ops_act_as_sandbox_root(sandbox):
     assert sandbox.stat("/etc/written-by-daemon")["uid"] == 0
     assert run(sandbox, "stat -c %u:%g /etc/written-by-daemon /newdir/sub /newdir/sub/f").stdout.split() == \
         [b"0:0"] * 3
-    upper = Path(sandbox.inspect()["dir"]) / "upper"
+    upper = upper_dir(sandbox.inspect())
     assert os.stat(upper / "etc/written-by-daemon").st_uid == 0
     # A file of another in-sandbox user is reported with its in-sandbox id.
     run(sandbox, "touch /tmp/u && chown 1000:1000 /tmp/u")
