@@ -143,7 +143,7 @@ class FnCallBackend:
         return sorted(self.containers.orphans(set()))
 
     def create_box(self, box_id: str, lowerdirs: list[str], limits: cgroup.Limits, plan) -> Handle:
-        h = self.containers.create(box_id, lowerdirs, limits, "fncall", plan, self.disk)
+        h = self.containers.create(box_id, lowerdirs, limits, "fncall", plan, disk=self.disk)
         try:
             self.seal_shared_dirs(h)
         except BaseException:
