@@ -1,38 +1,59 @@
-"""Network benchmarks at the library level (dsecd.net.Network, no daemon).
+"""`make bench-net`: networking figures through a private daemon.
 
-Everything runs in test-owned namespaces (tests/integration/test_net_kit.py):
-a bridge netns, a server netns with a sink, and sandboxes that are agent
-processes in their own netns and cgroup. Progress goes to stderr; the last
-stdout line is one JSON object.
+The bench owns every namespace the traffic crosses (tests/integration/test_net_kit.py
+World, network=False): a netns holding the bridge (the daemon's net.host_netns),
+a netns of servers on that bridge (a sink), and the daemon's sandboxes. Nothing
+is sent to an address outside them. Progress goes to stderr; the last stdout
+line is one JSON object:
 
-  tcp_throughput_ratio     bulk TCP sandbox -> sink, 1,000-rule allowlist / no programs attached
-  connect_rate_ratio       connect+close per second, same two arms
-  rule_update_p99_ms       Network.update (add or remove one rule) on a 10-rule policy, end to end
-                           (merge, kernel maps, journal write); *_apply_* = the kernel-side step alone
-  net_create_overhead_p50_ms  Network.attach(mode=default) - Network.attach(mode=none), netns and
-                           cgroup made beforehand (the sandbox gets both with --net none too)
+  net_create_overhead_p50_ms   p50 of `create --net default` - p50 of `create --net none`
+                               (SDK round trips, alternated), with the netns pool on;
+  net_create_overhead_nopool_p50_ms  the same with net.pool_size = 0 (a second daemon);
+  netns_pool_create_p50_ms     what building one pool entry costs the daemon (in the
+                               background: netns + veth into the bridge + address + routes);
+  rule_update_p50/_p99_ms      `net_set` add or remove of one rule on a 10-rule policy,
+                               SDK round trip; rpc_floor_* = an `inspect` round trip;
+  rule_update_1000_rules_p99_ms the same on a 1,000-rule policy;
+  tcp_throughput_ratio         bulk TCP sandbox -> sink, 1,000-rule allowlist / no policy;
+  connect_rate_ratio           connect+close per second, same two arms.
 
-Arms alternate in ABBA order so drift hits both; ratios are medians of
-per-pair ratios (BENCH_NET_ROUNDS pairs of BENCH_NET_SECS each). On a small
-shared machine the per-pair spread is wide; the stderr log shows every pair.
+For the two ratios, two bench processes join the sandbox's netns (the daemon
+made it: veth, address, route): one in the sandbox's cgroup v2 dir, where the
+daemon attached the programs, one in a bench-owned cgroup without programs.
+Same path, only the eBPF differs. Arms alternate ABBA over BENCH_NET_ROUNDS
+rounds of BENCH_NET_SECS; the ratio is the median of per-pair ratios (the
+machine is shared and noisy: the stderr log shows every pair).
+
+Run as root: `.venv/bin/python bench/net.py [--quick]`.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import contextlib
 import json
 import os
-import secrets
-import signal
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import harness
+import uvloop
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 
-from test_net_kit import World, bpf_skip_reason  # noqa: E402
+from test_net_kit import AGENT, V2, World, bpf_skip_reason  # noqa: E402
+
+import dsecd  # noqa: E402
+
+IMAGE = "busybox"
+NO_ADMISSION = "[cpu]\noversubscription = 0\nmemory_oversubscription = 0\n"
+CPUS = len(os.sched_getaffinity(0))
+log = harness.log
 
 SINK = r'''
 import socket, sys, threading
@@ -55,18 +76,14 @@ print("ready", flush=True)
 closer(b)
 '''
 
-ROUNDS = int(os.environ.get("BENCH_NET_ROUNDS", "16"))
-CPUS = len(os.sched_getaffinity(0))
-SECS = float(os.environ.get("BENCH_NET_SECS", "0.75"))
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
 
 def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def ms(xs: list[float], p: float) -> float:
+    return round(pct(xs, p), 3)
 
 
 def thousand_rules(world: World) -> list[str]:
@@ -77,224 +94,251 @@ def thousand_rules(world: World) -> list[str]:
     return out
 
 
+def daemon_config(world: World, pool_size: int) -> str:
+    cfg = world.cfg
+    lines = [NO_ADMISSION, "[net]", 'default_mode = "none"', f"pool_size = {pool_size}",
+             f'host_netns = "{world.br_ns}"', f'bridge = "{cfg["bridge"]}"',
+             f'ipv4_subnet = "{world.subnet}"', f'ipv4_pool = "10.{world.octet}.64.0/18"',
+             "[net.rule_sets]"]
+    lines += [f"{name} = {json.dumps(rules)}" for name, rules in cfg["rule_sets"].items()]
+    return "\n".join(lines) + "\n"
+
+
+# -------------------------------------------------------------------- processes in the test netns
+
+
 def start_sink(world: World) -> subprocess.Popen:
     from pyroute2 import netns as pr_netns
 
-    ns = f"/run/netns/{world.srv_ns}"
     def enter() -> None:
-        pr_netns.setns(ns, flags=0)
+        pr_netns.setns(f"/run/netns/{world.srv_ns}", flags=0)
         if CPUS > 1:
             os.sched_setaffinity(0, {1})        # sender on CPU 0, sink on CPU 1: less run-to-run noise
 
     p = subprocess.Popen([sys.executable, "-c", SINK, world.pkg], stdout=subprocess.PIPE, text=True,
                          preexec_fn=enter)
-    assert p.stdout.readline().strip() == "ready"
+    if p.stdout.readline().strip() != "ready":
+        raise RuntimeError("the sink did not start")
     return p
 
 
-def alternate(world: World, agent, cgroup: str, ask: dict, value) -> dict:
-    """Rounds of (no programs, policy); returns per-arm values and the median pair ratio."""
-    eng = world.net.engine
+class Joined:
+    """A bench agent (tests/integration/test_net_kit.py AGENT) in a sandbox's netns and in
+    `cgroup_dir` (the sandbox's v2 dir: the daemon's programs apply; a bench one: none)."""
+
+    def __init__(self, init_pid: int, cgroup_dir: Path):
+        from pyroute2 import netns as pr_netns
+
+        procs = str(cgroup_dir / "cgroup.procs")
+        nspath = f"/proc/{init_pid}/ns/net"
+
+        def enter() -> None:
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+            pr_netns.setns(nspath, flags=0)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+
+        self.proc = subprocess.Popen([sys.executable, "-c", AGENT], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, preexec_fn=enter)
+
+    def ask(self, **q) -> dict:
+        self.proc.stdin.write(json.dumps(q) + "\n")
+        self.proc.stdin.flush()
+        r = json.loads(self.proc.stdout.readline())
+        if "errno" in r:
+            raise RuntimeError(f"agent {q['op']}: {r['errno']}")
+        return r
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+# -------------------------------------------------------------------- phases
+
+
+async def measure_create(c, n: int, allow: list[str]) -> dict:
+    """Alternating `--net none` / `--net default` creates (each destroyed after), timed."""
+    t = {"none": [], "default": []}
+    for i in range(-3, n):
+        for mode in (("none", "default") if i % 2 else ("default", "none")):
+            t0 = time.perf_counter()
+            sb = await c.create(image=IMAGE, net=mode, allow=allow if mode == "default" else None)
+            dt = (time.perf_counter() - t0) * 1e3
+            await sb.destroy()
+            if i >= 0:
+                t[mode].append(dt)
+    return {"none_p50": statistics.median(t["none"]), "default_p50": statistics.median(t["default"]),
+            "default_p99": pct(t["default"], 99),
+            "overhead_p50": statistics.median(t["default"]) - statistics.median(t["none"])}
+
+
+async def measure_updates(c, base: list[str], extra: str, n: int) -> tuple[list[float], list[float]]:
+    """net_set add/remove of `extra` on a sandbox whose policy is `base`; and the RPC floor."""
+    sb = await c.create(image=IMAGE, net="default", allow=base)
+    upd, floor = [], []
+    try:
+        for i in range(-10, n):
+            t0 = time.perf_counter()
+            await (sb.net_set(add=[extra]) if i % 2 == 0 else sb.net_set(remove=[extra]))
+            dt = (time.perf_counter() - t0) * 1e3
+            t1 = time.perf_counter()
+            await sb.inspect()
+            df = (time.perf_counter() - t1) * 1e3
+            if i >= 0:
+                upd.append(dt)
+                floor.append(df)
+    finally:
+        await sb.destroy()
+    return upd, floor
+
+
+def alternate(policy: Joined, free: Joined, ask: dict, value, rounds: int) -> dict:
+    """Rounds of (no programs, policy) in ABBA order: a linear drift in load cancels out of the pairs."""
     base, pol, ratios = [], [], []
-    for i in range(ROUNDS):
-        # ABBA order: a linear drift in the machine's load cancels out of the pairs.
+    for i in range(rounds):
         if i % 2 == 0:
-            eng.detach(cgroup)
-            b = value(agent.ask(**ask))
-            eng.attach(cgroup)
-            p = value(agent.ask(**ask))
+            b = value(free.ask(**ask))
+            p = value(policy.ask(**ask))
         else:
-            p = value(agent.ask(**ask))
-            eng.detach(cgroup)
-            b = value(agent.ask(**ask))
-            eng.attach(cgroup)
+            p = value(policy.ask(**ask))
+            b = value(free.ask(**ask))
         base.append(b)
         pol.append(p)
         ratios.append(p / b)
         log(f"  round {i}: none {b:,.0f}  policy {p:,.0f}  ratio {p / b:.3f}")
-    return {"none": statistics.median(base), "policy": statistics.median(pol),
-            "ratio": statistics.median(ratios)}
+    return {"none": statistics.median(base), "policy": statistics.median(pol), "ratio": statistics.median(ratios)}
 
 
-def enable_bpf_stats():
-    """bpf(BPF_ENABLE_STATS, BPF_STATS_RUN_TIME): run_time_ns/run_cnt per program in fdinfo
-    while the returned fd stays open (closing it turns the accounting off again)."""
-    import ctypes
+async def measure_datapath(c, world: World, rounds: int, secs: float) -> dict:
+    sb = await c.create(image=IMAGE, net="default", allow=thousand_rules(world))
+    free_cg = V2 / f"dsecd-bench-net-{os.getpid()}-free"
+    free_cg.mkdir()
+    agents: list[Joined] = []
+    sink = start_sink(world)
+    try:
+        info = await sb.inspect()
+        assert len((await sb.net_show())["rules"]) == 1000
+        pid, cg = info["init_pid"], Path(info["cgroups"]["unified"])
+        policy, free = Joined(pid, cg), Joined(pid, free_cg)
+        agents += [policy, free]
+        for a in agents:
+            if CPUS > 1:
+                a.ask(op="pin", cpu=0)
+            a.ask(op="connects", host=world.pkg, port=5002, secs=0.2)     # warm up ARP and the path
+        log("tcp throughput (bytes/s), 1000-rule allowlist vs none:")
+        tp = await asyncio.to_thread(alternate, policy, free, dict(op="bulk", host=world.pkg, port=5001, secs=secs),
+                                     lambda r: r["bytes"] / r["secs"], rounds)
+        log("connect rate (connects/s):")
+        cr = await asyncio.to_thread(alternate, policy, free, dict(op="connects", host=world.pkg, port=5002,
+                                                                   secs=secs), lambda r: r["n"] / r["secs"], rounds)
+        hits = (await sb.net_show())["rules"]
+        log(f"  sink rule counted {max(r['allowed'] for r in hits):,} connects")
+        return {"tcp": tp, "connect": cr}
+    finally:
+        for a in agents:
+            a.stop()
+        sink.kill()
+        sink.wait()
+        await sb.destroy()
+        with contextlib.suppress(OSError):
+            free_cg.rmdir()
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    attr = (ctypes.c_uint32 * 4)(0, 0, 0, 0)        # union bpf_attr { enable_stats.type = 0 }
-    fd = libc.syscall(321, 32, ctypes.byref(attr), ctypes.sizeof(attr))
-    if fd < 0:
-        raise OSError(ctypes.get_errno(), "bpf(BPF_ENABLE_STATS)")
-    return fd
+
+async def pool_stats(c) -> dict:
+    return ((await c.info()).get("net") or {}).get("pool") or {}
 
 
-def prog_stats(world: World) -> dict[str, tuple[int, int]]:
+async def run_pooled(sock: str, world: World, args) -> dict:
     out = {}
-    for name, (fn, _at) in world.net.engine.fns.items():
-        info = dict(line.split(":\t", 1) for line in open(f"/proc/self/fdinfo/{fn.fd}").read().splitlines()
-                    if ":\t" in line)
-        out[name] = (int(info.get("run_time_ns", 0)), int(info.get("run_cnt", 0)))
+    async with dsecd.Client(sock) as c:
+        # The first --net default create builds the daemon's Network (BPF compile, seconds).
+        t0 = time.perf_counter()
+        sb = await c.create(image=IMAGE, net="default", allow=["pypi"])
+        await sb.destroy()
+        out["bpf_compile_and_first_create_s"] = round(time.perf_counter() - t0, 2)
+        await asyncio.sleep(1.0)              # let the pool fill
+        log(f"create overhead, pool on: {args.n_create} pairs")
+        cr = await measure_create(c, args.n_create, ["pypi", "dns"])
+        log(f"  {cr}")
+        out.update(net_create_default_p50_ms=round(cr["default_p50"], 3),
+                   net_create_none_p50_ms=round(cr["none_p50"], 3),
+                   net_create_overhead_p50_ms=round(cr["overhead_p50"], 3))
+        log(f"rule updates: {args.n_update} on 10 rules, {args.n_update // 4} on 1,000")
+        small = ["pypi", "dns"] + [f"172.16.{i}.0/24:443/tcp" for i in range(6)]
+        upd, floor = await measure_updates(c, small, f"{world.ref}:8080/tcp", args.n_update)
+        big, _ = await measure_updates(c, thousand_rules(world)[:-1], f"{world.ref}:8080/tcp", args.n_update // 4)
+        out.update(rule_update_p50_ms=ms(upd, 50), rule_update_p99_ms=ms(upd, 99),
+                   rpc_floor_p50_ms=ms(floor, 50), rpc_floor_p99_ms=ms(floor, 99),
+                   rule_update_1000_rules_p50_ms=ms(big, 50), rule_update_1000_rules_p99_ms=ms(big, 99))
+        log(f"  10 rules p50 {out['rule_update_p50_ms']} p99 {out['rule_update_p99_ms']} ms "
+            f"(inspect p50 {out['rpc_floor_p50_ms']} p99 {out['rpc_floor_p99_ms']}); "
+            f"1000 rules p99 {out['rule_update_1000_rules_p99_ms']} ms")
+        dp = await measure_datapath(c, world, args.rounds, args.secs)
+        out.update(tcp_throughput_ratio=round(dp["tcp"]["ratio"], 4),
+                   tcp_throughput_gbit_none=round(dp["tcp"]["none"] * 8 / 1e9, 3),
+                   tcp_throughput_gbit_policy=round(dp["tcp"]["policy"] * 8 / 1e9, 3),
+                   connect_rate_ratio=round(dp["connect"]["ratio"], 4),
+                   connects_per_s_none=round(dp["connect"]["none"]),
+                   connects_per_s_policy=round(dp["connect"]["policy"]))
+        pool = await pool_stats(c)
+        log(f"pool: {pool}")
+        out["netns_pool_create_p50_ms"] = pool.get("create_p50_ms")
+        out["netns_pool"] = pool
     return out
 
 
-def bench_datapath(world: World) -> dict:
-    sink = start_sink(world)
-    a = world.agent("bench")
-    try:
-        rules = thousand_rules(world)
-        world.net.attach(a.name, f"/run/netns/{a.netns}", a.cgroup, rules)
-        assert len(world.net.show(a.name)["rules"]) == 1000
-        cg = str(a.cgroup)
-        if CPUS > 1:
-            a.ask(op="pin", cpu=0)
-        # warm up ARP and the path
-        a.ask(op="connects", host=world.pkg, port=5002, secs=0.2)
-        stats_fd = enable_bpf_stats()
-        try:
-            s0 = prog_stats(world)
-            log("tcp throughput (bytes/s), 1000-rule allowlist vs none:")
-            tp = alternate(world, a, cg, dict(op="bulk", host=world.pkg, port=5001, secs=SECS),
-                           lambda r: r["bytes"] / r["secs"])
-            s1 = prog_stats(world)
-            log("connect rate (connects/s):")
-            cr = alternate(world, a, cg, dict(op="connects", host=world.pkg, port=5002, secs=SECS),
-                           lambda r: r["n"] / r["secs"])
-            s2 = prog_stats(world)
-        finally:
-            os.close(stats_fd)
-
-        def per_run(a_, b_, name):
-            dt, dn = b_[name][0] - a_[name][0], b_[name][1] - a_[name][1]
-            return (dt / dn if dn else 0.0), dn
-
-        egress_ns, egress_n = per_run(s0, s1, "dsec_egress")
-        connect_ns, connect_n = per_run(s1, s2, "dsec_connect4")
-        log(f"  in-kernel cost with 1000 rules: egress {egress_ns:.0f} ns/packet ({egress_n:,} packets), "
-            f"connect4 {connect_ns:.0f} ns/call ({connect_n:,} calls)")
-        hits = world.net.show(a.name)["rules"][-1]["allowed"]
-        log(f"  sink rule counted {hits:,} connects")
-        world.net.detach(a.name)
-        return {"tcp": tp, "connect": cr, "egress_ns": egress_ns, "connect_ns": connect_ns,
-                "egress_packets": egress_n, "bulk_bytes_policy": tp["policy"] * SECS * ROUNDS}
-    finally:
-        sink.kill()
-        sink.wait()
+async def run_nopool(sock: str, args) -> dict:
+    async with dsecd.Client(sock) as c:
+        sb = await c.create(image=IMAGE, net="default", allow=["pypi"])
+        await sb.destroy()
+        log(f"create overhead, pool off: {args.n_create} pairs")
+        cr = await measure_create(c, args.n_create, ["pypi", "dns"])
+        log(f"  {cr}")
+    return {"net_create_overhead_nopool_p50_ms": round(cr["overhead_p50"], 3),
+            "net_create_default_nopool_p50_ms": round(cr["default_p50"], 3)}
 
 
-def bench_updates(world: World, base_rules: list[str], n: int) -> tuple[list[float], list[float]]:
-    """(Network.update wall times, the part of each that changes the kernel's policy), ms.
-
-    The second is the `_apply` step (compile, map writes, flip) timed by a wrapper;
-    the rest of update() is the merge and the journal write of the new terms.
-    """
-    a = world.agent()
-    world.net.attach(a.name, f"/run/netns/{a.netns}", a.cgroup, base_rules)
-    extra = f"{world.ref}:8080/tcp"
-    times, applies = [], []
-    real_apply = world.net._apply
-
-    def timed_apply(*args):
-        t = time.perf_counter()
-        try:
-            return real_apply(*args)
-        finally:
-            applies.append((time.perf_counter() - t) * 1e3)
-
-    world.net._apply = timed_apply
-    try:
-        for i in range(n):
-            kw = {"add": [extra]} if i % 2 == 0 else {"remove": [extra]}
-            t = time.perf_counter()
-            world.net.update(a.name, **kw)
-            times.append((time.perf_counter() - t) * 1e3)
-    finally:
-        del world.net._apply
-        world.net.detach(a.name)
-        a.stop()
-    return times, applies
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n-create", type=int, default=40, help="create pairs (none, default) per daemon")
+    p.add_argument("--n-update", type=int, default=1000, help="net_set calls on the 10-rule policy")
+    p.add_argument("--rounds", type=int, default=int(os.environ.get("BENCH_NET_ROUNDS", "16")))
+    p.add_argument("--secs", type=float, default=float(os.environ.get("BENCH_NET_SECS", "0.75")))
+    p.add_argument("--pool-size", type=int, default=8, help="net.pool_size of the pooled daemon")
+    p.add_argument("--no-nopool", action="store_true", help="skip the pool-off daemon")
+    p.add_argument("--rootfs", help="rootfs to import (default: scripts/mkrootfs.sh's cache)")
+    p.add_argument("--quick", action="store_true", help="small counts, for a smoke run")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.n_create, args.n_update, args.rounds, args.secs = 10, 100, 4, 0.3
+    return args
 
 
-def bench_create(world: World, n: int) -> dict:
-    from pyroute2 import netns as pr_netns
-
-    rules = ["pypi", "dns"]
-    t_def, t_none, t_detach = [], [], []
-    for i in range(n):
-        for mode in ("default", "none"):
-            name = f"c{i}{mode[0]}{secrets.token_hex(2)}"
-            ns = f"{world.prefix}-sb-{name}"
-            pr_netns.create(ns)
-            world.netns.append(ns)
-            cg = world.cgroup / name
-            cg.mkdir()
-            try:
-                t = time.perf_counter()
-                world.net.attach(name, f"/run/netns/{ns}", cg, rules if mode == "default" else None, mode=mode)
-                (t_def if mode == "default" else t_none).append((time.perf_counter() - t) * 1e3)
-                t = time.perf_counter()
-                world.net.detach(name)
-                if mode == "default":
-                    t_detach.append((time.perf_counter() - t) * 1e3)
-            finally:
-                cg.rmdir()
-                pr_netns.remove(ns)
-                world.netns.remove(ns)
-    return {"default_p50": statistics.median(t_def), "default_p99": pct(t_def, 99),
-            "none_p50": statistics.median(t_none), "detach_p50": statistics.median(t_detach)}
-
-
-def main() -> int:
-    # SIGTERM (e.g. from `timeout`) must still run the finally below that removes the namespaces.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     reason = bpf_skip_reason()
     if reason:
         print(json.dumps({"error": reason}))
         return 1
-    t = time.perf_counter()
-    world = World()
-    compile_s = time.perf_counter() - t
-    log(f"world up (BPF compile included) in {compile_s:.2f}s")
+    rootfs = args.rootfs or harness.build_rootfs()
+    world = World(network=False)
     try:
-        dp = bench_datapath(world)
-        log("rule updates ...")
-        small, small_apply = bench_updates(world, ["pypi", "dns"] + [f"172.16.{i}.0/24:443/tcp" for i in range(6)],
-                                           1000)
-        big, big_apply = bench_updates(world, thousand_rules(world)[:-1], 300)
-        log(f"  10 rules: p50 {statistics.median(small):.3f} ms p99 {pct(small, 99):.3f} ms "
-            f"(kernel-side apply p99 {pct(small_apply, 99):.3f} ms); "
-            f"1000 rules: p50 {statistics.median(big):.2f} ms p99 {pct(big, 99):.2f} ms")
-        log("attach/detach ...")
-        cr = bench_create(world, 60)
-        log(f"  attach default p50 {cr['default_p50']:.2f} ms, none p50 {cr['none_p50']:.3f} ms, "
-            f"detach p50 {cr['detach_p50']:.2f} ms")
+        results = {}
+        if not args.no_nopool:
+            with harness.private_daemon(rootfs, IMAGE, extra_config=daemon_config(world, 0)) as d:
+                results.update(uvloop.run(run_nopool(d.sock, args)))
+        with harness.private_daemon(rootfs, IMAGE, extra_config=daemon_config(world, args.pool_size)) as d:
+            results.update(uvloop.run(run_pooled(d.sock, world, args)))
     finally:
         world.close()
-    out = {
-        "tcp_throughput_ratio": round(dp["tcp"]["ratio"], 4),
-        "tcp_throughput_gbit_none": round(dp["tcp"]["none"] * 8 / 1e9, 3),
-        "tcp_throughput_gbit_policy": round(dp["tcp"]["policy"] * 8 / 1e9, 3),
-        "egress_prog_ns_per_packet": round(dp["egress_ns"], 1),
-        "connect4_prog_ns_per_call": round(dp["connect_ns"], 1),
-        "egress_prog_ns_per_mb": round(dp["egress_ns"] * dp["egress_packets"] / (dp["bulk_bytes_policy"] / 1e6), 1),
-        "connect_rate_ratio": round(dp["connect"]["ratio"], 4),
-        "connects_per_s_none": round(dp["connect"]["none"]),
-        "connects_per_s_policy": round(dp["connect"]["policy"]),
-        "rule_update_p50_ms": round(statistics.median(small), 4),
-        "rule_update_p99_ms": round(pct(small, 99), 4),
-        "rule_update_apply_p99_ms": round(pct(small_apply, 99), 4),
-        "rule_update_1000_rules_p50_ms": round(statistics.median(big), 3),
-        "rule_update_1000_rules_p99_ms": round(pct(big, 99), 3),
-        "rule_update_1000_rules_apply_p99_ms": round(pct(big_apply, 99), 3),
-        "net_create_overhead_p50_ms": round(cr["default_p50"] - cr["none_p50"], 3),
-        "net_attach_p99_ms": round(cr["default_p99"], 3),
-        "net_detach_p50_ms": round(cr["detach_p50"], 3),
-        "bpf_compile_and_setup_s": round(compile_s, 2),
-        "rounds": ROUNDS, "round_secs": SECS, "cpus": CPUS,
-    }
-    print(json.dumps(out))
+    results.update(rounds=args.rounds, round_secs=args.secs, cpus=CPUS)
+    print(json.dumps(results), flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    harness.run(main)

@@ -163,7 +163,9 @@ class Agent:
 
 
 class World:
-    def __init__(self, net_overrides: dict | None = None):
+    def __init__(self, net_overrides: dict | None = None, network: bool = True):
+        """network=False: the bridge only (made by Plumbing), no Network of this
+        process; bench/net.py gives the bridge netns to a daemon instead."""
         h = secrets.token_hex(3)
         self.prefix = f"dsec-test-{h}"
         self.octet = 200 + secrets.randbelow(50)
@@ -179,16 +181,24 @@ class World:
         self.stop_event = threading.Event()
         self.server_socks: list[socket.socket] = []
         self.net = None
+        self.plumbing = None
         self.cgroup_root = f"dsecd-test-{h}"
         self.cgroup = V2 / self.cgroup_root
         self.cgroup.mkdir()
         try:
             self._make_bridge_netns()
             self._make_servers()
-            from dsecd.net import Network
             self.cfg = net_config(self)
             self.cfg.update(net_overrides or {})
-            self.net = Network(self.cfg, self.tmp / "state", V2, self.cgroup_root)
+            if network:
+                from dsecd.net import Network
+                self.net = Network(self.cfg, self.tmp / "state", V2, self.cgroup_root)
+                self.bridge_index = self.net.plumbing.bridge_index
+            else:
+                from dsecd.net.plumbing import BridgeSpec, Plumbing
+                self.plumbing = Plumbing(BridgeSpec(name=self.cfg["bridge"], mtu=self.cfg["mtu"],
+                                                    host_netns=self.br_ns, gateway4=f"10.{self.octet}.0.1/16"))
+                self.bridge_index = self.plumbing.bridge_index
             self._link_servers()
         except BaseException:
             self.close()
@@ -239,7 +249,7 @@ class World:
             with IPRoute(fileno=netlink_socket(br).detach(), groups=0) as ipr:
                 ipr.link("add", ifname="srv0", kind="veth", peer={"ifname": "eth0", "net_ns_fd": srv_fd})
                 idx = ipr.link_lookup(ifname="srv0")[0]
-                ipr.link("set", index=idx, master=self.net.plumbing.bridge_index, state="up")
+                ipr.link("set", index=idx, master=self.bridge_index, state="up")
         finally:
             os.close(srv_fd)
         with IPRoute(fileno=netlink_socket(f"/run/netns/{self.srv_ns}").detach(), groups=0) as ipr:
@@ -266,6 +276,8 @@ class World:
                 with contextlib.suppress(Exception):
                     self.net.detach(sb_id)
             self.net.close()
+        if self.plumbing is not None:
+            self.plumbing.close()
         for a in self.agents:
             a.stop()
         for s in self.server_socks:
