@@ -24,7 +24,7 @@ from ._native import ffi, lib
 
 __all__ = [
     "ContainerSpec", "ExecSpec", "NativeError", "spawn_container", "spawn_exec", "openat2",
-    "pidfd_open", "pidfd_send_signal", "probe_sched_core", "probe_landlock_abi",
+    "pidfd_open", "pidfd_send_signal", "netns_create", "probe_sched_core", "probe_landlock_abi",
     "probe_seccomp", "probe_bpf_cgroup", "probe_kvm", "probe_openat2", "probe_pidfd",
     "probe_clone3", "describe_errno", "init_binary_path", "STEPS", "sched_set_idle",
     "sched_core_create", "sched_core_share_from",
@@ -65,7 +65,7 @@ _VERBS = {
     "exec_init": "exec", "setns": "enter namespaces of", "setsid": "setsid for",
     "ids": "set uid/gid to", "chdir": "chdir to", "exec": "exec", "exec_interp": "exec",
     "sched_idle": "set SCHED_IDLE for", "sched_core": "set core-scheduling cookie of",
-    "seccomp": "install seccomp filter for",
+    "seccomp": "install seccomp filter for", "netns_join": "join the pooled network namespace of",
 }
 
 _MOUNT_STEPS = {"mount_private", "mount_overlay", "mount_proc", "mount_dev", "dev_node",
@@ -283,6 +283,7 @@ class ContainerSpec:
     sched_idle: bool = False  # PID 1 (and all it forks) runs SCHED_IDLE
     core_sched: bool = False  # PID 1 gets a core-scheduling cookie of its own
     seccomp_profile: int = -1  # a filter pre-built by dsecd.seccomp.prepare(); -1 = none
+    netns_fd: int = -1  # join this network namespace (dsecd/net/pool.py); -1 = a new, empty one
 
     def __post_init__(self):
         self.overlay_options()
@@ -328,6 +329,7 @@ def spawn_container(spec: ContainerSpec) -> int:
     args.cgroup_procs, args.n_cgroups = _string_array(cgroups, keep), len(cgroups)
     args.sched_idle, args.core_sched = bool(spec.sched_idle), bool(spec.core_sched)
     args.seccomp_profile = int(spec.seccomp_profile)
+    args.netns_fd = int(spec.netns_fd)
     err = ffi.new("struct dsec_err *")
     pid = lib.dsec_spawn_container(args, err)
     if pid < 0:
@@ -459,6 +461,15 @@ def pidfd_open(pid: int) -> int:
     fd = lib.dsec_pidfd_open(pid, 0)
     if fd < 0:
         _raise(-fd, "pidfd_open", f"pid {pid}", "pidfd_open")
+    return fd
+
+
+def netns_create() -> int:
+    """An fd (close-on-exec) of a new, empty network namespace, made by the calling
+    thread without leaving its own (csrc/netns.c). Closing the fd frees it."""
+    fd = lib.dsec_netns_create()
+    if fd < 0:
+        _raise(-fd, "create", "network namespace", "netns_create")
     return fd
 
 

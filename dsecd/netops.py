@@ -11,6 +11,7 @@ working, `--net default` answers `unsupported`, and `dsec info` says why.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from .errors import BadRequest, DsecError, Unsupported, io_error
@@ -31,8 +32,11 @@ class NetOps:
         """The Network, built once (in a worker thread) on first use."""
         if self._net_ready is None:
             self._net_ready = self.loop.create_future()
+            live = {s.id: (s.handle.init_pid, str(s.handle.group.dirs["unified"]))
+                    for s in self.sandboxes.values()
+                    if s.net and s.net.get("mode") == "default" and s.handle is not None}
             try:
-                self.net = await self.run_blocking(self._build_network)
+                self.net = await self.run_blocking(self._build_network, live)
                 self._net_ready.set_result(self.net)
             except Exception as err:       # no bcc, no v2 tree, compile error: degrade, say why
                 self.net_error = f"{type(err).__name__}: {err}"
@@ -43,13 +47,24 @@ class NetOps:
             raise Unsupported(f"--net default is unavailable on this host: {self.net_error}")
         return net
 
-    def _build_network(self):
+    def _build_network(self, live: dict):
+        """Build, then re-adopt the live sandboxes' networking and free what the records
+        hold for the rest (also when no live sandbox has networking: leases, veths)."""
         from .net import Network
 
         if self.layout.v2 is None:
             raise RuntimeError("no cgroup v2 hierarchy to attach the eBPF programs to")
-        return Network(self.net_cfg, self.cfg.state_dir, self.layout.v2, self.sb_defaults["cgroup_root"],
-                       max_sandboxes=self.limits["max_sandboxes"])
+        net = Network(self.net_cfg, self.cfg.state_dir, self.layout.v2, self.sb_defaults["cgroup_root"],
+                      max_sandboxes=self.limits["max_sandboxes"])
+        try:
+            res = net.readopt(live)
+        except BaseException:
+            net.close()
+            raise
+        for sb_id, why in res.get("failed", {}).items():
+            log.error("sandbox %s lost its networking across the restart (%s); it keeps loopback only",
+                      sb_id, why)
+        return net
 
     def net_mode(self, req) -> str:
         mode = req.net or self.net_cfg["default_mode"]
@@ -59,15 +74,36 @@ class NetOps:
             raise BadRequest("--allow needs --net default (--net none is loopback only)")
         return mode
 
-    async def attach_net(self, sb, mode: str, allow: list[str]) -> None:
-        """After the container exists: policy first, then the veth (never a link without policy)."""
+    async def take_netns(self, mode: str):
+        """Before the container is spawned: a ready netns from the pool for it to
+        join (dsecd/net/pool.py), or None (--net none, pool off or empty)."""
+        if mode != "default":
+            return None
+        return (await self.network()).take_ready()      # never blocks: a list pop
+
+    def release_netns(self, ready) -> None:
+        """The spawn that was to join `ready` failed: remove it, behind the answer."""
+        if ready is None or self.net is None:
+            return
+
+        def release() -> None:
+            try:
+                self.net.release_ready(ready)
+            except Exception as err:
+                log.error("remove pooled netns %s: %s", ready.name, err)
+
+        self.loop.run_in_executor(self.pool, release)
+
+    async def attach_net(self, sb, mode: str, allow: list[str], ready=None) -> None:
+        """After the container exists: policy first, then the veth (never a link without policy);
+        with `ready`, the netns its PID 1 joined at spawn."""
         if mode == "none":
             return
         net = await self.network()
         h = sb.handle
         try:
             view = await self.run_blocking(net.attach, sb.id, h.init_pid, str(h.group.dirs["unified"]),
-                                           list(allow), mode)
+                                           list(allow), mode, ready)
         except OSError as err:
             raise io_error("attach networking of sandbox", sb.id, err) from err
         sb.net = {"mode": mode, "lease": view.get("lease")}
@@ -81,29 +117,22 @@ class NetOps:
             log.error("detach networking of sandbox %s: %s", sb.id, err)
 
     async def readopt_net(self) -> None:
-        """After _recover: rebuild live sandboxes' policies; free leases of the rest."""
-        with_net = {s.id: s for s in self.sandboxes.values() if s.net and s.net.get("mode") == "default"}
-        if not with_net:
-            return
-        try:
-            net = await self.network()
-        except Unsupported:
-            return
-        live = {i: (s.handle.init_pid, str(s.handle.group.dirs["unified"]))
-                for i, s in with_net.items() if s.handle is not None}
-        res = await self.run_blocking(net.readopt, live)
-        for sb_id, why in res.get("failed", {}).items():
-            log.error("sandbox %s lost its networking across the restart (%s); it keeps loopback only",
-                      sb_id, why)
+        """After _recover: building the Network re-adopts live sandboxes' policies and
+        frees the leases of the rest (_build_network)."""
+        if not any(s.net and s.net.get("mode") == "default" for s in self.sandboxes.values()):
+            return        # records of dead ones are freed whenever the Network is first built
+        with contextlib.suppress(Unsupported):
+            await self.network()
 
-    def close_net(self) -> None:
+    async def close_net(self) -> None:
         if self.net is not None:
-            self.net.close()
+            await self.run_blocking(self.net.close)
 
     def net_info(self) -> dict:
         if self.net is not None:
             return {"available": True, "detail": f"bridge {self.net_cfg['bridge']}, "
-                    f"{self.net_cfg['ipv4_subnet']}, eBPF allowlists loaded"}
+                    f"{self.net_cfg['ipv4_subnet']}, eBPF allowlists loaded",
+                    "pool": self.net.pool.stats()}
         if self.net_error:
             return {"available": False, "detail": self.net_error}
         return {"available": None, "detail": "not started yet (on the first --net default create)"}

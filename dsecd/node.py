@@ -201,7 +201,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         for task in (self._cpu_task, self._sweep_task, self._reaper_task):
             if task:
                 task.cancel()
-        self.close_net()
+        await self.close_net()
         await self.run_blocking(self.close_memory)
         drained = not any(s.handle is not None for s in self.sandboxes.values())
         await self.run_blocking(self.stop_images, drained)
@@ -390,19 +390,22 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         except OSError as err:
             self.sandboxes.pop(sb_id, None)
             raise io_error("mount layers of image", req.image, err) from err
+        ready = None           # a pooled netns (dsecd/net/pool.py) for PID 1 to join
         try:
+            ready = await self.take_netns(net_mode)
             sb.handle = await self.run_blocking(self.backend.create, sb_id, mounts[::-1], limits, hostname,
-                                                plan)
+                                                plan, ready.nsfd if ready else -1)
         except BaseException as err:
             self.sandboxes.pop(sb_id, None)
             self.layers.release(sb.layers)
+            self.release_netns(ready)
             if isinstance(err, (NativeError, OSError)):
                 log.error("create sandbox %s failed: %s", sb_id, err)
                 raise DsecError(f"create sandbox: {err}", {"errno": getattr(err, "errno", None),
                                 "step": getattr(err, "step", None)}, code="io") from err
             raise
         try:
-            await self.attach_net(sb, net_mode, req.allow)
+            await self.attach_net(sb, net_mode, req.allow, ready)
         except BaseException:
             # No sandbox without its network policy: undo the container.
             self.sandboxes.pop(sb_id, None)

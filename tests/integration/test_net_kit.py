@@ -125,16 +125,20 @@ def _run_server_udp(sock: socket.socket, stop: threading.Event) -> None:
 class Agent:
     """A stand-in sandbox: a process in its own netns and cgroup."""
 
-    def __init__(self, world: World, name: str, root: bool = False):
+    def __init__(self, world: World, name: str, root: bool = False, nsfd: int | None = None):
+        """nsfd: join that netns (a pool entry's) instead of making one."""
         self.name = name
-        self.netns = f"{world.prefix}-sb-{name}"
-        pr_netns.create(self.netns)
-        world.netns.append(self.netns)
         self.cgroup = world.cgroup / name
         self.cgroup.mkdir()
         procs = str(self.cgroup / "cgroup.procs")
-        nspath = f"/run/netns/{self.netns}"
-        lo_up(nspath)                       # the spawn helper does this in real sandboxes
+        if nsfd is None:
+            self.netns = f"{world.prefix}-sb-{name}"
+            pr_netns.create(self.netns)
+            world.netns.append(self.netns)
+            nspath = f"/run/netns/{self.netns}"
+            lo_up(nspath)                       # the spawn helper does this in real sandboxes
+        else:
+            self.netns, nspath = None, f"/proc/self/fd/{nsfd}"
 
         def enter() -> None:
             with open(procs, "w") as f:
@@ -264,8 +268,8 @@ class World:
         finally:
             s.close()
 
-    def agent(self, name: str | None = None, root: bool = False) -> Agent:
-        a = Agent(self, name or secrets.token_hex(4), root=root)
+    def agent(self, name: str | None = None, root: bool = False, nsfd: int | None = None) -> Agent:
+        a = Agent(self, name or secrets.token_hex(4), root=root, nsfd=nsfd)
         self.agents.append(a)
         return a
 
@@ -326,3 +330,10 @@ def bpf_skip_reason() -> str | None:
     except ImportError as err:
         return f"bcc unavailable: {err}"
     return None
+
+
+def bridge_links(world: World, prefix: str) -> list[str]:
+    """Links named prefix* in the world's bridge netns."""
+    with IPRoute(fileno=netlink_socket(f"/run/netns/{world.br_ns}").detach(), groups=0) as ipr:
+        names = [link.get_attr("IFLA_IFNAME") or "" for link in ipr.get_links()]
+    return [n for n in names if n.startswith(prefix)]
