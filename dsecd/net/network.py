@@ -85,7 +85,7 @@ class Network:
         self._sbs: dict[str, _Sandbox] = {}
         # Pool entries are `dp<tag><n>`; tag = this state dir, so daemons sharing a
         # bridge netns never take each other's for leftovers.
-        self.tag = hashlib.blake2s(str(Path(state_dir).resolve()).encode(), digest_size=2).hexdigest()
+        self.tag = pool_tag(state_dir)
         self._seq = itertools.count()
         in_use = {r.get("ifname") for r in self.records.records.values()}
         for name in set(self.plumbing.links_with_prefix(f"dp{self.tag}")) - in_use:
@@ -480,6 +480,11 @@ class Network:
         lease = self.ipam_allocate(sb_id)       # the restored one, or a fresh one if it was lost
         sb.ipv4 = str(lease.ipv4)
         self._write_record(sb)
+
+
+def pool_tag(state_dir: Path | str) -> str:
+    """4 hex digits naming this state dir's pool entries (`dp<tag><n>`)."""
+    return hashlib.blake2s(str(Path(state_dir).resolve()).encode(), digest_size=2).hexdigest()
 
 
 def _check_joined(netns: int | str, ready: Ready) -> None:
