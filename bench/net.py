@@ -267,6 +267,10 @@ async def run_pooled(sock: str, world: World, args) -> dict:
         out.update(net_create_default_p50_ms=round(cr["default_p50"], 3),
                    net_create_none_p50_ms=round(cr["none_p50"], 3),
                    net_create_overhead_p50_ms=round(cr["overhead_p50"], 3))
+        if args.only_create:
+            out["netns_pool"] = await pool_stats(c)
+            out["netns_pool_create_p50_ms"] = out["netns_pool"].get("create_p50_ms")
+            return out
         log(f"rule updates: {args.n_update} on 10 rules, {args.n_update // 4} on 1,000")
         small = ["pypi", "dns"] + [f"172.16.{i}.0/24:443/tcp" for i in range(6)]
         upd, floor = await measure_updates(c, small, f"{world.ref}:8080/tcp", args.n_update)
@@ -310,6 +314,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--secs", type=float, default=float(os.environ.get("BENCH_NET_SECS", "0.75")))
     p.add_argument("--pool-size", type=int, default=8, help="net.pool_size of the pooled daemon")
     p.add_argument("--no-nopool", action="store_true", help="skip the pool-off daemon")
+    p.add_argument("--only-create", action="store_true", help="only the create-overhead phases")
     p.add_argument("--rootfs", help="rootfs to import (default: scripts/mkrootfs.sh's cache)")
     p.add_argument("--quick", action="store_true", help="small counts, for a smoke run")
     args = p.parse_args(argv)
