@@ -261,37 +261,48 @@ async def run_pooled(sock: str, world: World, args) -> dict:
         await sb.destroy()
         out["bpf_compile_and_first_create_s"] = round(time.perf_counter() - t0, 2)
         await asyncio.sleep(1.0)              # let the pool fill
-        log(f"create overhead, pool on: {args.n_create} pairs")
-        cr = await measure_create(c, args.n_create, ["pypi", "dns"])
-        log(f"  {cr}")
-        out.update(net_create_default_p50_ms=round(cr["default_p50"], 3),
-                   net_create_none_p50_ms=round(cr["none_p50"], 3),
-                   net_create_overhead_p50_ms=round(cr["overhead_p50"], 3))
-        if args.only_create:
-            out["netns_pool"] = await pool_stats(c)
-            out["netns_pool_create_p50_ms"] = out["netns_pool"].get("create_p50_ms")
-            return out
-        log(f"rule updates: {args.n_update} on 10 rules, {args.n_update // 4} on 1,000")
-        small = ["pypi", "dns"] + [f"172.16.{i}.0/24:443/tcp" for i in range(6)]
-        upd, floor = await measure_updates(c, small, f"{world.ref}:8080/tcp", args.n_update)
-        big, _ = await measure_updates(c, thousand_rules(world)[:-1], f"{world.ref}:8080/tcp", args.n_update // 4)
-        out.update(rule_update_p50_ms=ms(upd, 50), rule_update_p99_ms=ms(upd, 99),
-                   rpc_floor_p50_ms=ms(floor, 50), rpc_floor_p99_ms=ms(floor, 99),
-                   rule_update_1000_rules_p50_ms=ms(big, 50), rule_update_1000_rules_p99_ms=ms(big, 99))
-        log(f"  10 rules p50 {out['rule_update_p50_ms']} p99 {out['rule_update_p99_ms']} ms "
-            f"(inspect p50 {out['rpc_floor_p50_ms']} p99 {out['rpc_floor_p99_ms']}); "
-            f"1000 rules p99 {out['rule_update_1000_rules_p99_ms']} ms")
-        dp = await measure_datapath(c, world, args.rounds, args.secs)
-        out.update(tcp_throughput_ratio=round(dp["tcp"]["ratio"], 4),
-                   tcp_throughput_gbit_none=round(dp["tcp"]["none"] * 8 / 1e9, 3),
-                   tcp_throughput_gbit_policy=round(dp["tcp"]["policy"] * 8 / 1e9, 3),
-                   connect_rate_ratio=round(dp["connect"]["ratio"], 4),
-                   connects_per_s_none=round(dp["connect"]["none"]),
-                   connects_per_s_policy=round(dp["connect"]["policy"]))
+        if "create" in args.phases:
+            log(f"create overhead, pool on: {args.n_create} pairs")
+            cr = await measure_create(c, args.n_create, ["pypi", "dns"])
+            log(f"  {cr}")
+            out.update(net_create_default_p50_ms=round(cr["default_p50"], 3),
+                       net_create_none_p50_ms=round(cr["none_p50"], 3),
+                       net_create_overhead_p50_ms=round(cr["overhead_p50"], 3))
+        if "updates" in args.phases:
+            out.update(await run_updates(c, world, args))
+        if "datapath" in args.phases:
+            out.update(await run_datapath(c, world, args))
         pool = await pool_stats(c)
         log(f"pool: {pool}")
         out["netns_pool_create_p50_ms"] = pool.get("create_p50_ms")
         out["netns_pool"] = pool
+    return out
+
+
+async def run_updates(c, world: World, args) -> dict:
+    out = {}
+    log(f"rule updates: {args.n_update} on 10 rules, {args.n_update // 4} on 1,000")
+    small = ["pypi", "dns"] + [f"172.16.{i}.0/24:443/tcp" for i in range(6)]
+    upd, floor = await measure_updates(c, small, f"{world.ref}:8080/tcp", args.n_update)
+    big, _ = await measure_updates(c, thousand_rules(world)[:-1], f"{world.ref}:8080/tcp", args.n_update // 4)
+    out.update(rule_update_p50_ms=ms(upd, 50), rule_update_p99_ms=ms(upd, 99),
+               rpc_floor_p50_ms=ms(floor, 50), rpc_floor_p99_ms=ms(floor, 99),
+               rule_update_1000_rules_p50_ms=ms(big, 50), rule_update_1000_rules_p99_ms=ms(big, 99))
+    log(f"  10 rules p50 {out['rule_update_p50_ms']} p99 {out['rule_update_p99_ms']} ms "
+        f"(inspect p50 {out['rpc_floor_p50_ms']} p99 {out['rpc_floor_p99_ms']}); "
+        f"1000 rules p99 {out['rule_update_1000_rules_p99_ms']} ms")
+    return out
+
+
+async def run_datapath(c, world: World, args) -> dict:
+    out = {}
+    dp = await measure_datapath(c, world, args.rounds, args.secs)
+    out.update(tcp_throughput_ratio=round(dp["tcp"]["ratio"], 4),
+               tcp_throughput_gbit_none=round(dp["tcp"]["none"] * 8 / 1e9, 3),
+               tcp_throughput_gbit_policy=round(dp["tcp"]["policy"] * 8 / 1e9, 3),
+               connect_rate_ratio=round(dp["connect"]["ratio"], 4),
+               connects_per_s_none=round(dp["connect"]["none"]),
+               connects_per_s_policy=round(dp["connect"]["policy"]))
     return out
 
 
@@ -314,7 +325,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--secs", type=float, default=float(os.environ.get("BENCH_NET_SECS", "0.75")))
     p.add_argument("--pool-size", type=int, default=8, help="net.pool_size of the pooled daemon")
     p.add_argument("--no-nopool", action="store_true", help="skip the pool-off daemon")
-    p.add_argument("--only-create", action="store_true", help="only the create-overhead phases")
+    p.add_argument("--phases", default="create,updates,datapath",
+                   help="comma-separated subset of create,updates,datapath (the pool-off daemon runs with create)")
     p.add_argument("--rootfs", help="rootfs to import (default: scripts/mkrootfs.sh's cache)")
     p.add_argument("--quick", action="store_true", help="small counts, for a smoke run")
     args = p.parse_args(argv)
@@ -333,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     world = World(network=False)
     try:
         results = {}
-        if not args.no_nopool:
+        if not args.no_nopool and "create" in args.phases:
             with harness.private_daemon(rootfs, IMAGE, extra_config=daemon_config(world, 0)) as d:
                 results.update(uvloop.run(run_nopool(d.sock, args)))
         with harness.private_daemon(rootfs, IMAGE, extra_config=daemon_config(world, args.pool_size)) as d:

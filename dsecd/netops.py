@@ -151,6 +151,10 @@ class NetOps:
             raise BadRequest("give either replace, or add/remove, not both")
         net = await self.network()
         try:
+            # Small policies are updated right here (Network.update_now says why and when).
+            view = net.update_now(sb.id, add=req.add, remove=req.remove, replace=req.replace)
+            if view is not None:
+                return view
             return await self.run_blocking(lambda: net.update(sb.id, add=req.add, remove=req.remove,
                                                               replace=req.replace))
         except OSError as err:

@@ -39,6 +39,7 @@ from .records import RecordLog
 log = logging.getLogger(__name__)
 
 MODES = ("default", "none")
+INLINE_MAX_RULES = 64          # update_now(): larger policies go to a worker thread
 
 
 @dataclass
@@ -94,7 +95,7 @@ class Network:
             log.info("removing netns pool entry %s left by a previous daemon", name)
             self.plumbing.remove_sandbox(name)
         self.pool = NetnsPool(int(cfg.get("pool_size", 0)), self._make_ready, self._destroy_ready,
-                              housekeeping=self.records.compact, wanted=self.records.needs_compaction)
+                              housekeeping=self._compact, wanted=self.records.needs_compaction)
 
     def close(self) -> None:
         """Daemon shutdown: sandboxes keep their veths and attached programs; the
@@ -126,6 +127,12 @@ class Network:
                     self.ipam.restore(sb_id, rec["ipv4"])
                 except ValueError as err:     # readopt gives it a fresh one if it is still alive
                     log.error("sandbox %s: %s", sb_id, err)
+
+    def _compact(self) -> None:
+        # Under the Network lock: update_now() then sees it busy and leaves the
+        # event loop alone instead of waiting for the rewrite.
+        with self._lock:
+            self.records.compact()
 
     def _write_record(self, sb: _Sandbox) -> None:
         self.records.put(sb.id, sb.record())
@@ -377,6 +384,35 @@ class Network:
         if sb.state != "attached":
             raise Conflict(f"sandbox {sb_id} is being destroyed", {"sandbox": sb_id})
         return sb
+
+    def update_now(self, sb_id: str, add: list[str] | None = None, remove: list[str] | None = None,
+                   replace: list[str] | None = None) -> dict | None:
+        """update() on the caller's thread (the event loop) when it is known to be short,
+        else None having done nothing (the caller then uses a worker thread).
+
+        Why: through the daemon a `net set` on a 10-rule policy is ~0.1 ms of work
+        (merge, compile, 1-3 map updates, one appended record line), less than
+        the hop to a worker thread and back, which on a loaded 2-core host is
+        two scheduling delays that dominate the p99 (target <= 1 ms). Short
+        means: nobody holds the lock (no attach/readopt/compaction/other update
+        in flight: never wait on the loop), at most INLINE_MAX_RULES rules before
+        and after expanding sets, and no fsync of the record.
+        """
+        if self.records.fsync or not self._lock.acquire(blocking=False):
+            return None
+        try:
+            sb = self._sbs.get(sb_id)
+            if sb is None or sb.state != "attached" or sb.mode != "default":
+                return None                       # the thread path gives the precise error
+            if len(sb.counters) > INLINE_MAX_RULES or self._expanded_size(
+                    (add or []) + (remove or []) + (replace or [])) > INLINE_MAX_RULES:
+                return None
+            return self.update(sb_id, add=add, remove=remove, replace=replace)
+        finally:
+            self._lock.release()
+
+    def _expanded_size(self, terms: list[str]) -> int:
+        return sum(len(self.sets[t]) if t in self.sets else 1 for t in terms)
 
     def update(self, sb_id: str, add: list[str] | None = None, remove: list[str] | None = None,
                replace: list[str] | None = None) -> dict:
