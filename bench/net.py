@@ -15,7 +15,10 @@ line is one JSON object:
                                SDK round trip; rpc_floor_* = an `inspect` round trip;
   rule_update_1000_rules_p99_ms the same on a 1,000-rule policy;
   tcp_throughput_ratio         bulk TCP sandbox -> sink, 1,000-rule allowlist / no policy;
-  connect_rate_ratio           connect+close per second, same two arms.
+  connect_rate_ratio           connect+close per second, same two arms;
+  *_cpu_ratio                  the same per CPU-second of the sending process (user +
+                               system: the eBPF programs run in its syscalls), which a
+                               descheduled sender does not skew: a check on the wall ratios.
 
 For the two ratios, two bench processes join the sandbox's netns (the daemon
 made it: veth, address, route): one in the sandbox's cgroup v2 dir, where the
@@ -157,6 +160,65 @@ class Joined:
         self.proc.wait()
 
 
+# -------------------------------------------------------------------- in-kernel cost of the programs
+# The wall-clock ratios swing by +-3 % even A/A (--null-check) on this shared
+# host; the programs' own run time (BPF_ENABLE_STATS) does not depend on how
+# the sender gets scheduled. ctypes here is bench-only: the daemon never does this.
+
+BPF_PROG_GET_FD_BY_ID, BPF_PROG_QUERY, BPF_ENABLE_STATS = 13, 16, 32
+ATTACH_EGRESS, ATTACH_CONNECT4 = 1, 10
+
+
+def _bpf(cmd: int, attr) -> int:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    rc = libc.syscall(321, cmd, ctypes.byref(attr), ctypes.sizeof(attr))      # x86_64 bpf(2)
+    if rc < 0:
+        raise OSError(ctypes.get_errno(), f"bpf cmd {cmd}")
+    return rc
+
+
+def enable_bpf_stats() -> int:
+    """run_time_ns/run_cnt accounting while the returned fd is open."""
+    import ctypes
+
+    return _bpf(BPF_ENABLE_STATS, (ctypes.c_uint32 * 4)(0, 0, 0, 0))
+
+
+def attached_prog_fds(cgroup_dir: Path) -> dict[str, int]:
+    import ctypes
+
+    out = {}
+    cg = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for name, atype in (("egress", ATTACH_EGRESS), ("connect4", ATTACH_CONNECT4)):
+            ids = (ctypes.c_uint32 * 4)()
+            attr = (ctypes.c_uint8 * 64)()
+            ctypes.memmove(ctypes.byref(attr, 0), (ctypes.c_uint32 * 2)(cg, atype), 8)
+            ctypes.memmove(ctypes.byref(attr, 16), (ctypes.c_uint64 * 1)(ctypes.addressof(ids)), 8)
+            ctypes.memmove(ctypes.byref(attr, 24), (ctypes.c_uint32 * 1)(4), 4)
+            _bpf(BPF_PROG_QUERY, attr)
+            out[name] = _bpf(BPF_PROG_GET_FD_BY_ID, (ctypes.c_uint32 * 4)(ids[0], 0, 0, 0))
+    finally:
+        os.close(cg)
+    return out
+
+
+def prog_stats(fds: dict[str, int]) -> dict[str, tuple[int, int]]:
+    out = {}
+    for name, fd in fds.items():
+        info = dict(line.split(":\t", 1) for line in open(f"/proc/self/fdinfo/{fd}").read().splitlines()
+                    if ":\t" in line)
+        out[name] = (int(info.get("run_time_ns", 0)), int(info.get("run_cnt", 0)))
+    return out
+
+
+def per_run_ns(a: dict, b: dict, name: str) -> float:
+    dt, dn = b[name][0] - a[name][0], b[name][1] - a[name][1]
+    return round(dt / dn, 1) if dn else 0.0
+
+
 # -------------------------------------------------------------------- phases
 
 
@@ -196,56 +258,81 @@ async def measure_updates(c, base: list[str], extra: str, n: int) -> tuple[list[
     return upd, floor
 
 
-def alternate(policy: Joined, free: Joined, ask: dict, value, rounds: int) -> dict:
-    """Rounds of (no programs, policy) in ABBA order: a linear drift in load cancels out of the pairs."""
-    base, pol, ratios = [], [], []
+def alternate(policy: Joined, free: Joined, ask: dict, amount: str, rounds: int) -> dict:
+    """Rounds of (no programs, policy) in ABBA order: a linear drift in load cancels out of the pairs.
+    Per arm: amount per wall second, and per CPU second of the sender."""
+    base, pol, ratios, cpu_ratios = [], [], [], []
     for i in range(rounds):
         if i % 2 == 0:
-            b = value(free.ask(**ask))
-            p = value(policy.ask(**ask))
+            b = free.ask(**ask)
+            p = policy.ask(**ask)
         else:
-            p = value(policy.ask(**ask))
-            b = value(free.ask(**ask))
-        base.append(b)
-        pol.append(p)
-        ratios.append(p / b)
-        log(f"  round {i}: none {b:,.0f}  policy {p:,.0f}  ratio {p / b:.3f}")
-    return {"none": statistics.median(base), "policy": statistics.median(pol), "ratio": statistics.median(ratios)}
+            p = policy.ask(**ask)
+            b = free.ask(**ask)
+        rb, rp = b[amount] / b["secs"], p[amount] / p["secs"]
+        cb, cp = b[amount] / max(b["cpu"], 1e-6), p[amount] / max(p["cpu"], 1e-6)
+        base.append(rb)
+        pol.append(rp)
+        ratios.append(rp / rb)
+        cpu_ratios.append(cp / cb)
+        log(f"  round {i}: none {rb:,.0f}/s  policy {rp:,.0f}/s  ratio {rp / rb:.3f}  per CPU-s {cp / cb:.3f}")
+    return {"none": statistics.median(base), "policy": statistics.median(pol), "ratio": statistics.median(ratios),
+            "cpu_ratio": statistics.median(cpu_ratios)}
 
 
-async def measure_datapath(c, world: World, rounds: int, secs: float) -> dict:
-    sb = await c.create(image=IMAGE, net="default", allow=thousand_rules(world))
+async def measure_datapath(c, world: World, rounds: int, secs: float, null_check: bool = False,
+                           n_rules: int = 1000) -> dict:
+    sb = await c.create(image=IMAGE, net="default", allow=thousand_rules(world)[-n_rules:])
     free_cg = V2 / f"dsecd-bench-net-{os.getpid()}-free"
     free_cg.mkdir()
+    extra_cgs: list[Path] = []
     agents: list[Joined] = []
     sink = start_sink(world)
     try:
         info = await sb.inspect()
-        assert len((await sb.net_show())["rules"]) == 1000
+        assert len((await sb.net_show())["rules"]) == n_rules
         pid, cg = info["init_pid"], Path(info["cgroups"]["unified"])
+        if null_check:           # A/A: both arms without programs, to see the bench's own bias
+            cg = V2 / f"dsecd-bench-net-{os.getpid()}-free2"
+            cg.mkdir()
+            extra_cgs.append(cg)
         policy, free = Joined(pid, cg), Joined(pid, free_cg)
         agents += [policy, free]
         for a in agents:
             if CPUS > 1:
                 a.ask(op="pin", cpu=0)
             a.ask(op="connects", host=world.pkg, port=5002, secs=0.2)     # warm up ARP and the path
+        fds = attached_prog_fds(Path(info["cgroups"]["unified"]))
+        stats_fd = enable_bpf_stats()
+        s0 = prog_stats(fds)
         log("tcp throughput (bytes/s), 1000-rule allowlist vs none:")
         tp = await asyncio.to_thread(alternate, policy, free, dict(op="bulk", host=world.pkg, port=5001, secs=secs),
-                                     lambda r: r["bytes"] / r["secs"], rounds)
+                                     "bytes", rounds)
+        s1 = prog_stats(fds)
         log("connect rate (connects/s):")
         cr = await asyncio.to_thread(alternate, policy, free, dict(op="connects", host=world.pkg, port=5002,
-                                                                   secs=secs), lambda r: r["n"] / r["secs"], rounds)
+                                                                   secs=secs), "n", rounds)
+        s2 = prog_stats(fds)
+        os.close(stats_fd)
+        for fd in fds.values():
+            os.close(fd)
+        kernel = {"egress_prog_ns_per_packet": per_run_ns(s0, s1, "egress"),
+                  "connect4_prog_ns_per_call": per_run_ns(s1, s2, "connect4"),
+                  "egress_packets_per_connect": round((s2["egress"][1] - s1["egress"][1])
+                                                      / max(1, s2["connect4"][1] - s1["connect4"][1]), 2)}
+        log(f"  in-kernel: {kernel}")
         hits = (await sb.net_show())["rules"]
         log(f"  sink rule counted {max(r['allowed'] for r in hits):,} connects")
-        return {"tcp": tp, "connect": cr}
+        return {"tcp": tp, "connect": cr, "kernel": kernel}
     finally:
         for a in agents:
             a.stop()
         sink.kill()
         sink.wait()
         await sb.destroy()
-        with contextlib.suppress(OSError):
-            free_cg.rmdir()
+        for d in [free_cg, *extra_cgs]:
+            with contextlib.suppress(OSError):
+                d.rmdir()
 
 
 async def pool_stats(c) -> dict:
@@ -296,13 +383,15 @@ async def run_updates(c, world: World, args) -> dict:
 
 async def run_datapath(c, world: World, args) -> dict:
     out = {}
-    dp = await measure_datapath(c, world, args.rounds, args.secs)
+    dp = await measure_datapath(c, world, args.rounds, args.secs, args.null_check, args.policy_rules)
     out.update(tcp_throughput_ratio=round(dp["tcp"]["ratio"], 4),
                tcp_throughput_gbit_none=round(dp["tcp"]["none"] * 8 / 1e9, 3),
                tcp_throughput_gbit_policy=round(dp["tcp"]["policy"] * 8 / 1e9, 3),
+               tcp_throughput_cpu_ratio=round(dp["tcp"]["cpu_ratio"], 4),
                connect_rate_ratio=round(dp["connect"]["ratio"], 4),
+               connect_rate_cpu_ratio=round(dp["connect"]["cpu_ratio"], 4),
                connects_per_s_none=round(dp["connect"]["none"]),
-               connects_per_s_policy=round(dp["connect"]["policy"]))
+               connects_per_s_policy=round(dp["connect"]["policy"]), **dp["kernel"])
     return out
 
 
@@ -321,12 +410,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n-create", type=int, default=40, help="create pairs (none, default) per daemon")
     p.add_argument("--n-update", type=int, default=1000, help="net_set calls on the 10-rule policy")
-    p.add_argument("--rounds", type=int, default=int(os.environ.get("BENCH_NET_ROUNDS", "16")))
-    p.add_argument("--secs", type=float, default=float(os.environ.get("BENCH_NET_SECS", "0.75")))
+    p.add_argument("--rounds", type=int, default=int(os.environ.get("BENCH_NET_ROUNDS", "24")))
+    p.add_argument("--secs", type=float, default=float(os.environ.get("BENCH_NET_SECS", "0.5")))
     p.add_argument("--pool-size", type=int, default=8, help="net.pool_size of the pooled daemon")
     p.add_argument("--no-nopool", action="store_true", help="skip the pool-off daemon")
     p.add_argument("--phases", default="create,updates,datapath",
                    help="comma-separated subset of create,updates,datapath (the pool-off daemon runs with create)")
+    p.add_argument("--null-check", action="store_true",
+                   help="datapath A/A: the 'policy' arm also runs without programs (the ratios should be ~1)")
+    p.add_argument("--policy-rules", type=int, default=1000, help="rules of the datapath policy (1..1000)")
     p.add_argument("--rootfs", help="rootfs to import (default: scripts/mkrootfs.sh's cache)")
     p.add_argument("--quick", action="store_true", help="small counts, for a smoke run")
     args = p.parse_args(argv)

@@ -324,3 +324,31 @@ def test_pool_entry_joined_by_a_sandbox_and_nothing_left_at_close(world, tmp_pat
     finally:
         net.close()
     assert bridge_links(world, prefix) == []
+
+
+def test_update_now_only_when_short(world, sandbox):
+    """The event-loop path (Network.update_now) never waits and never takes big policies."""
+    a = sandbox(["pypi"])
+    assert world.net.update_now(a.name, add=["refsol"])["terms"] == ["pypi", "refsol"]
+    assert a.ask(op="connect", host=world.ref, port=443)["ok"]
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with world.net._lock:
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(10)
+    try:
+        assert world.net.update_now(a.name, remove=["refsol"]) is None     # busy: nothing done
+    finally:
+        release.set()
+        t.join()
+    assert world.net.show(a.name)["terms"] == ["pypi", "refsol"]
+    many = [f"10.77.{i}.0/24:443/tcp" for i in range(100)]
+    assert world.net.update_now(a.name, add=many) is None                  # large: a worker's job
+    with pytest.raises(BadRequest):
+        world.net.update_now(a.name, add=["10.0.0.0/33"])                  # errors as update()'s
+    assert world.net.update_now("no-such-sandbox", add=["pypi"]) is None
