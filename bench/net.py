@@ -13,6 +13,8 @@ line is one JSON object:
                                background: netns + veth into the bridge + address + routes);
   rule_update_p50/_p99_ms      `net_set` add or remove of one rule on a 10-rule policy,
                                SDK round trip; rpc_floor_* = an `inspect` round trip;
+                               rule_update_daemon_* = the same updates timed inside the
+                               daemon (Network.update: merge, maps, record; `dsec info`);
   rule_update_1000_rules_p99_ms the same on a 1,000-rule policy;
   tcp_throughput_ratio         bulk TCP sandbox -> sink, 1,000-rule allowlist / no policy;
   connect_rate_ratio           connect+close per second, same two arms;
@@ -371,6 +373,8 @@ async def run_updates(c, world: World, args) -> dict:
     log(f"rule updates: {args.n_update} on 10 rules, {args.n_update // 4} on 1,000")
     small = ["pypi", "dns"] + [f"172.16.{i}.0/24:443/tcp" for i in range(6)]
     upd, floor = await measure_updates(c, small, f"{world.ref}:8080/tcp", args.n_update)
+    daemon_side = ((await c.info()).get("net") or {}).get("updates", {})
+    out.update(rule_update_daemon_p50_ms=daemon_side.get("p50_ms"), rule_update_daemon_p99_ms=daemon_side.get("p99_ms"))
     big, _ = await measure_updates(c, thousand_rules(world)[:-1], f"{world.ref}:8080/tcp", args.n_update // 4)
     out.update(rule_update_p50_ms=ms(upd, 50), rule_update_p99_ms=ms(upd, 99),
                rpc_floor_p50_ms=ms(floor, 50), rpc_floor_p99_ms=ms(floor, 99),

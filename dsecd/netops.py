@@ -132,7 +132,7 @@ class NetOps:
         if self.net is not None:
             return {"available": True, "detail": f"bridge {self.net_cfg['bridge']}, "
                     f"{self.net_cfg['ipv4_subnet']}, eBPF allowlists loaded",
-                    "pool": self.net.pool.stats()}
+                    "pool": self.net.pool.stats(), "updates": self.net.update_stats()}
         if self.net_error:
             return {"available": False, "detail": self.net_error}
         return {"available": None, "detail": "not started yet (on the first --net default create)"}

@@ -15,6 +15,7 @@ record in <state_dir>/net/records.log (records.py: an append-only log, one
 
 from __future__ import annotations
 
+import collections
 import errno
 import functools
 import hashlib
@@ -23,6 +24,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,6 +88,7 @@ class Network:
         self.engine.set_level(self.level)
         self._lock = threading.RLock()
         self._sbs: dict[str, _Sandbox] = {}
+        self._update_ms: collections.deque[float] = collections.deque(maxlen=1024)
         # Pool entries are `dp<tag><n>`; tag = this state dir, so daemons sharing a
         # bridge netns never take each other's for leftovers.
         self.tag = pool_tag(state_dir)
@@ -425,6 +428,22 @@ class Network:
     def update(self, sb_id: str, add: list[str] | None = None, remove: list[str] | None = None,
                replace: list[str] | None = None) -> dict:
         """Merge (see rules.py) and apply atomically; on any error the policy is unchanged."""
+        t0 = time.perf_counter()
+        try:
+            return self._update(sb_id, add, remove, replace)
+        finally:
+            self._update_ms.append((time.perf_counter() - t0) * 1e3)
+
+    def update_stats(self) -> dict:
+        """Wall time of the last 1,024 updates inside the daemon (lock wait, merge, maps,
+        record), for `dsec info`: the part of a `net set` that is this module's."""
+        xs = sorted(self._update_ms)
+        if not xs:
+            return {"count": 0}
+        return {"count": len(xs), "p50_ms": round(xs[len(xs) // 2], 3),
+                "p99_ms": round(xs[min(len(xs) - 1, int(0.99 * (len(xs) - 1) + 0.5))], 3)}
+
+    def _update(self, sb_id: str, add, remove, replace) -> dict:
         with self._lock:
             sb = self._get(sb_id)
             if sb.mode != "default":
