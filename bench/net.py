@@ -7,7 +7,7 @@ is sent to an address outside them. Progress goes to stderr; the last stdout
 line is one JSON object:
 
   net_create_overhead_p50_ms   p50 of `create --net default` - p50 of `create --net none`
-                               (SDK round trips, alternated), with the netns pool on;
+                               (SDK round trips, alternated, --create-gap apart), netns pool on;
   net_create_overhead_nopool_p50_ms  the same with net.pool_size = 0 (a second daemon);
   netns_pool_create_p50_ms     what building one pool entry costs the daemon (in the
                                background: netns + veth into the bridge + address + routes);
@@ -224,11 +224,14 @@ def per_run_ns(a: dict, b: dict, name: str) -> float:
 # -------------------------------------------------------------------- phases
 
 
-async def measure_create(c, n: int, allow: list[str]) -> dict:
-    """Alternating `--net none` / `--net default` creates (each destroyed after), timed."""
+async def measure_create(c, n: int, allow: list[str], gap: float) -> dict:
+    """Alternating `--net none` / `--net default` creates (each destroyed after), timed,
+    `gap` seconds apart (both arms): the pool refills between creates, as it does between
+    bursts smaller than the pool; with gap 0 its refill competes with the create it follows."""
     t = {"none": [], "default": []}
     for i in range(-3, n):
         for mode in (("none", "default") if i % 2 else ("default", "none")):
+            await asyncio.sleep(gap)
             t0 = time.perf_counter()
             sb = await c.create(image=IMAGE, net=mode, allow=allow if mode == "default" else None)
             dt = (time.perf_counter() - t0) * 1e3
@@ -352,7 +355,7 @@ async def run_pooled(sock: str, world: World, args) -> dict:
         await asyncio.sleep(1.0)              # let the pool fill
         if "create" in args.phases:
             log(f"create overhead, pool on: {args.n_create} pairs")
-            cr = await measure_create(c, args.n_create, ["pypi", "dns"])
+            cr = await measure_create(c, args.n_create, ["pypi", "dns"], args.create_gap)
             log(f"  {cr}")
             out.update(net_create_default_p50_ms=round(cr["default_p50"], 3),
                        net_create_none_p50_ms=round(cr["none_p50"], 3),
@@ -404,7 +407,7 @@ async def run_nopool(sock: str, args) -> dict:
         sb = await c.create(image=IMAGE, net="default", allow=["pypi"])
         await sb.destroy()
         log(f"create overhead, pool off: {args.n_create} pairs")
-        cr = await measure_create(c, args.n_create, ["pypi", "dns"])
+        cr = await measure_create(c, args.n_create, ["pypi", "dns"], args.create_gap)
         log(f"  {cr}")
     return {"net_create_overhead_nopool_p50_ms": round(cr["overhead_p50"], 3),
             "net_create_default_nopool_p50_ms": round(cr["default_p50"], 3)}
@@ -417,6 +420,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=int(os.environ.get("BENCH_NET_ROUNDS", "24")))
     p.add_argument("--secs", type=float, default=float(os.environ.get("BENCH_NET_SECS", "0.5")))
     p.add_argument("--pool-size", type=int, default=8, help="net.pool_size of the pooled daemon")
+    p.add_argument("--create-gap", type=float, default=0.1, help="seconds between timed creates (both arms)")
     p.add_argument("--no-nopool", action="store_true", help="skip the pool-off daemon")
     p.add_argument("--phases", default="create,updates,datapath",
                    help="comma-separated subset of create,updates,datapath (the pool-off daemon runs with create)")
@@ -448,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
             results.update(uvloop.run(run_pooled(d.sock, world, args)))
     finally:
         world.close()
-    results.update(rounds=args.rounds, round_secs=args.secs, cpus=CPUS)
+    results.update(rounds=args.rounds, round_secs=args.secs, create_gap_s=args.create_gap, cpus=CPUS,
+                   loadavg_1m=round(os.getloadavg()[0], 1))
     print(json.dumps(results), flush=True)
     return 0
 
