@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 
 from .errors import BadRequest, DsecError, Unsupported, io_error
 
@@ -81,6 +82,43 @@ class NetOps:
             return None
         return (await self.network()).take_ready()      # never blocks: a list pop
 
+    async def spawn_joining(self, create, ready, *args):
+        """backend.create(*args, netns_fd) in a worker, PID 1 joining `ready`'s netns.
+
+        `ready` is removed if the spawn fails, or if the create is cancelled - but
+        never while the worker may still pass its fd to the spawn (a closed, or
+        worse reused, fd number would put the sandbox in some other namespace)."""
+        if ready is None:
+            return await self.run_blocking(create, *args, -1)
+        lock, st = threading.Lock(), {"busy": False, "abandoned": False}
+
+        def work():
+            with lock:
+                if st["abandoned"]:
+                    return None
+                st["busy"] = True
+            try:
+                return create(*args, ready.nsfd)
+            finally:
+                with lock:
+                    st["busy"] = False
+                    release = st["abandoned"]
+                if release:                       # cancelled while we worked
+                    self.net.release_ready(ready)
+
+        try:
+            return await self.run_blocking(work)
+        except asyncio.CancelledError:
+            with lock:
+                st["abandoned"] = True
+                busy = st["busy"]
+            if not busy:
+                self.release_netns(ready)
+            raise
+        except BaseException:
+            self.release_netns(ready)
+            raise
+
     def release_netns(self, ready) -> None:
         """The spawn that was to join `ready` failed: remove it, behind the answer."""
         if ready is None or self.net is None:
@@ -96,16 +134,48 @@ class NetOps:
 
     async def attach_net(self, sb, mode: str, allow: list[str], ready=None) -> None:
         """After the container exists: policy first, then the veth (never a link without policy);
-        with `ready`, the netns its PID 1 joined at spawn."""
+        with `ready`, the netns its PID 1 joined at spawn.
+
+        A create cancelled meanwhile (client gone, `cancel`) must not leave networking
+        behind for a sandbox the node then destroys: the worker undoes its attach if it
+        finishes after the cancellation, and a `ready` nobody consumed is removed."""
         if mode == "none":
             return
-        net = await self.network()
-        h = sb.handle
         try:
-            view = await self.run_blocking(net.attach, sb.id, h.init_pid, str(h.group.dirs["unified"]),
-                                           list(allow), mode, ready)
+            net = await self.network()
+        except BaseException:
+            self.release_netns(ready)
+            raise
+        h = sb.handle
+        args = (sb.id, h.init_pid, str(h.group.dirs["unified"]), list(allow), mode, ready)
+        lock, st = threading.Lock(), {"started": False, "done": False, "abandoned": False}
+
+        def work():
+            with lock:
+                if st["abandoned"]:
+                    return None
+                st["started"] = True
+            view = net.attach(*args)       # on failure it undoes itself (and removes `ready`)
+            with lock:
+                st["done"] = True
+                undo = st["abandoned"]
+            if undo:
+                net.detach(sb.id)
+            return view
+
+        try:
+            view = await self.run_blocking(work)
         except OSError as err:
             raise io_error("attach networking of sandbox", sb.id, err) from err
+        except asyncio.CancelledError:
+            with lock:
+                st["abandoned"] = True
+                started, done = st["started"], st["done"]
+            if not started:
+                self.release_netns(ready)
+            elif done:
+                self.loop.run_in_executor(self.pool, net.detach, sb.id)
+            raise
         sb.net = {"mode": mode, "lease": view.get("lease")}
 
     async def detach_net(self, sb) -> None:

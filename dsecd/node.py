@@ -390,15 +390,13 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         except OSError as err:
             self.sandboxes.pop(sb_id, None)
             raise io_error("mount layers of image", req.image, err) from err
-        ready = None           # a pooled netns (dsecd/net/pool.py) for PID 1 to join
         try:
-            ready = await self.take_netns(net_mode)
-            sb.handle = await self.run_blocking(self.backend.create, sb_id, mounts[::-1], limits, hostname,
-                                                plan, ready.nsfd if ready else -1)
+            ready = await self.take_netns(net_mode)      # a pooled netns for PID 1 to join, or None
+            sb.handle = await self.spawn_joining(self.backend.create, ready, sb_id, mounts[::-1], limits,
+                                                 hostname, plan)
         except BaseException as err:
             self.sandboxes.pop(sb_id, None)
             self.layers.release(sb.layers)
-            self.release_netns(ready)
             if isinstance(err, (NativeError, OSError)):
                 log.error("create sandbox %s failed: %s", sb_id, err)
                 raise DsecError(f"create sandbox: {err}", {"errno": getattr(err, "errno", None),
