@@ -248,7 +248,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         for task in (self._cpu_task, self._sweep_task, self._reaper_task):
             if task:
                 task.cancel()
-        self.close_net()
+        await self.close_net()
         await self.run_blocking(self.close_memory)
         drained = not any(s.handle is not None for s in self.sandboxes.values())
         await self.run_blocking(self.stop_images, drained)
@@ -446,8 +446,9 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             self._release_ids(sb)
             raise io_error("mount layers of image", req.image, err) from err
         try:
-            sb.handle = await self.run_blocking(self.backend.create, sb_id, mounts[::-1], limits, hostname,
-                                                plan, userns.IdMap.from_record(sb.idmap))
+            ready = await self.take_netns(net_mode)      # a pooled netns for PID 1 to join, or None
+            sb.handle = await self.spawn_joining(self.backend.create, ready, sb_id, mounts[::-1], limits,
+                                                 hostname, plan, userns.IdMap.from_record(sb.idmap))
         except BaseException as err:
             self.sandboxes.pop(sb_id, None)
             self._release_ids(sb)
@@ -458,7 +459,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
                                 "step": getattr(err, "step", None)}, code="io") from err
             raise
         try:
-            await self.attach_net(sb, net_mode, req.allow)
+            await self.attach_net(sb, net_mode, req.allow, ready)
         except BaseException:
             # No sandbox without its network policy: undo the container.
             self.sandboxes.pop(sb_id, None)

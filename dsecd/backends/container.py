@@ -109,7 +109,8 @@ class ContainerBackend:
     # ------------------------------------------------------------ create
 
     def create(self, sb_id: str, lowerdirs: list[str], limits: cgroup.Limits, hostname: str,
-               cpu_plan=None, idmap: userns.IdMap | None = None) -> Handle:
+               cpu_plan=None, idmap: userns.IdMap | None = None, netns_fd: int = -1) -> Handle:
+        """netns_fd >= 0: PID 1 joins that network namespace (the netns pool's) instead of a new one."""
         sbdir = self.root / sb_id
         group = self.group_for(sb_id)
         with Steps(f"create sandbox {sb_id}") as steps:
@@ -133,7 +134,8 @@ class ContainerBackend:
                     cgroup_procs=group.procs_files(), tmp_size_bytes=self.sizes["tmp"],
                     shm_size_bytes=self.sizes["shm"], sched_idle=sched_idle, core_sched=core_sched,
                     seccomp_profile=self.seccomp, userns_fd=layers.userns_fd,
-                    userns_uid=idmap.uid if idmap else 0, userns_gid=idmap.gid if idmap else 0)
+                    userns_uid=idmap.uid if idmap else 0, userns_gid=idmap.gid if idmap else 0,
+                    netns_fd=netns_fd)
                 pid = native.spawn_container(spec)
             steps.undo("kill init", lambda: _kill_and_reap(pid))
             handle = self._open_handle(pid, group, sbdir, is_child=True)
