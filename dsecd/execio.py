@@ -68,7 +68,16 @@ class ExecIO:
         self.pid = pid
         started = time.monotonic()
         exited = self.loop.create_future()
-        self.loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+
+        def on_exit() -> None:
+            # Off at the first wake-up: a pidfd stays readable once its process
+            # has exited, and a reader left on it made the loop spin (thousands of
+            # wake-ups per exec) for as long as the drain below waited for EOF.
+            self.loop.remove_reader(pidfd)
+            if not exited.done():
+                exited.set_result(None)
+
+        self.loop.add_reader(pidfd, on_exit)
         pumps = [asyncio.ensure_future(self._pump(self.out_r, 1)),
                  asyncio.ensure_future(self._pump(self.err_r, 2))]
         feeder = asyncio.ensure_future(self._feed()) if self._stdin_q is not None else None
