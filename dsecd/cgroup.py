@@ -119,8 +119,7 @@ class Group:
         made = []
         try:
             for d in self.dirs.values():
-                _ensure_parent(d.parent)
-                os.mkdir(d)
+                _mkdir_group(d)
                 made.append(d)
         except OSError as err:
             for d in reversed(made):
@@ -203,11 +202,31 @@ class Group:
         return any(d.is_dir() for d in self.dirs.values())
 
 
+# Parents known to exist: every create would otherwise stat and re-mkdir the
+# same few dirs in each hierarchy (~10 syscalls of a burst's every sandbox).
+# A parent removed behind our back shows as ENOENT on the child's mkdir,
+# which drops it from here and retries once.
+_parents_made: set[Path] = set()
+
+
 def _ensure_parent(parent: Path) -> None:
+    if parent in _parents_made:
+        return
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as err:
         raise CgroupError(err.errno, f"create cgroup `{parent}`: {os.strerror(err.errno)}") from err
+    _parents_made.add(parent)
+
+
+def _mkdir_group(d: Path) -> None:
+    _ensure_parent(d.parent)
+    try:
+        os.mkdir(d)
+    except FileNotFoundError:
+        _parents_made.discard(d.parent)
+        _ensure_parent(d.parent)
+        os.mkdir(d)
 
 
 def _rmdir_quiet(d: Path) -> None:
