@@ -177,8 +177,9 @@ class Zygote:
         self.forked = 0
 
     def fork_worker(self, warm=False):
-        """A new worker; `warm` ones prefault (only worth it for spares made
-        while idle: under load the prefault is CPU taken from the calls)."""
+        """A new worker; `warm` ones (spares) prefault. A worker forked for a
+        call already waiting does not: its prefault would only delay that
+        call, and under load that is most workers."""
         if not self.uids:
             raise OSError(11, "every fncall uid is in use")
         uid = self.uids.pop()
@@ -277,8 +278,7 @@ class Zygote:
                 elif fd in self.by_fd:
                     self.on_worker(fd, self.by_fd[fd])
             if not events and want:
-                # Only spares made after IDLE_MS without work prefault.
-                self.idle.append(self.fork_worker(warm=not low))
+                self.idle.append(self.fork_worker(warm=True))
 
 
 def main():
