@@ -108,38 +108,6 @@ class ExecIO:
                 "truncated": self.truncated, "cancelled": self.cancelled,
                 "duration_ms": round((time.monotonic() - started) * 1000, 3)}
 
-    async def run_remote(self, exited: asyncio.Future, kill: Callable[[], None], timeout: float | None,
-                         drain_grace: float, kill_grace: float) -> dict:
-        """Like `run`, for a process that is not the daemon's child (a FnCall
-        zygote's fork): `exited` resolves to its wait status, `kill` asks its
-        parent to kill it. TimeoutError if it is still not gone `kill_grace`
-        seconds after a kill (its parent no longer answers)."""
-        started = time.monotonic()
-        pumps = [asyncio.ensure_future(self._pump(self.out_r, 1)),
-                 asyncio.ensure_future(self._pump(self.err_r, 2))]
-        feeder = asyncio.ensure_future(self._feed()) if self._stdin_q is not None else None
-        try:
-            try:
-                status = await asyncio.wait_for(asyncio.shield(exited), timeout)
-            except TimeoutError:
-                self.timed_out = True
-                kill()
-                status = await asyncio.wait_for(asyncio.shield(exited), kill_grace)
-            await asyncio.wait(pumps, timeout=drain_grace)
-        except asyncio.CancelledError:
-            self.cancelled = True
-            kill()
-            raise
-        finally:
-            for task in pumps + ([feeder] if feeder else []):
-                task.cancel()
-            await asyncio.gather(*pumps, *([feeder] if feeder else []), return_exceptions=True)
-            self.close()
-        code, sig = _decode_status(status)
-        return {"exit_code": code, "signal": sig, "timed_out": self.timed_out,
-                "truncated": self.truncated, "cancelled": self.cancelled,
-                "duration_ms": round((time.monotonic() - started) * 1000, 3)}
-
     def kill(self) -> None:
         """SIGKILL the whole process group (the process was made a session leader)."""
         if self.pid is None:
