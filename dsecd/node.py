@@ -124,6 +124,9 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             "tmp": cfg.size("sandbox", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")})
         self.sandboxes: dict[str, Sandbox] = {}
         self.id_ranges = self._init_userns(state)
+        # Dead sandboxes in the registry, so the live count each create checks
+        # is len() - this, not a scan of thousands of sandboxes per create.
+        self._dead = 0
         self.cpu = CpuHost(cfg.section("cpu"), layout, features, self.sb_defaults["cgroup_root"])
         self.init_calls(cfg)
         self.init_admission(cfg)
@@ -203,6 +206,9 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         return {s.id: (s.qos, bool(s.limits.get("cpu_quota"))) for s in self.sandboxes.values()
                 if s.state == "running"}
 
+    def live_count(self) -> int:
+        return len(self.sandboxes) - self._dead
+
     def _live_limits(self) -> list[dict]:
         return [s.limits for s in self.sandboxes.values() if s.state != "dead"]
 
@@ -222,6 +228,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         self.sandboxes[sb_id] = sb
         self._reserve_ids(sb)
         if sb.state == "dead":
+            self._dead += 1
             return
         handle = await self.run_blocking(self.backend.adopt, sb_id, rec.get("init_pid"), rec.get("init_start"))
         if handle is None:
@@ -304,6 +311,8 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
 
     async def _mark_dead(self, sb: Sandbox, h: Handle | None) -> None:
         """Release the cgroups and fds of a sandbox whose init is gone; keep its record."""
+        if sb.state != "dead" and self.sandboxes.get(sb.id) is sb:
+            self._dead += 1
         sb.state = "dead"
         sb.died = time.time()
         self.events.publish("died", sb.id)
@@ -393,7 +402,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
                              swap_bytes=None if ratio < 0 else int(memory * ratio))
 
     def _admit(self) -> None:
-        live = sum(1 for s in self.sandboxes.values() if s.state != "dead")
+        live = self.live_count()
         cap = self.limits["max_sandboxes"]
         if live >= cap:
             raise Busy(f"host is full: {live} sandboxes of max {cap}; retry later or on another host",
@@ -417,7 +426,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         except ImageError as err:
             raise image_error(err) from err
         self._admit()
-        self.cpu.admit(self._live_limits(), limits.cpu, limits.memory_bytes, plan)
+        self.cpu.admit(self._live_limits, limits.cpu, limits.memory_bytes, plan)
         sb_id = secrets.token_hex(6)
         hostname = req.hostname or f"sb-{sb_id}"
         if len(hostname) > 63:
@@ -527,7 +536,8 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             self._journal(sb)
             raise io_error("destroy sandbox", sb.id, err) from err
         await self.detach_net(sb)
-        self.sandboxes.pop(sb.id, None)
+        if self.sandboxes.pop(sb.id, None) is sb and prev == "dead":
+            self._dead -= 1
         self.journal.delete(sb.id)
         self._release_ids(sb)        # its processes are gone: stop() waited for them
         if prev != "dead":          # a dead sandbox gave its layers back already

@@ -115,8 +115,12 @@ class ContainerBackend:
         group = self.group_for(sb_id)
         with Steps(f"create sandbox {sb_id}") as steps:
             # Per-sandbox dirs: overlay upper/work (what pack_diff reads later) and the mountpoint.
+            os.makedirs(sbdir, exist_ok=True)
             for sub in ("upper", "work", "rootfs"):
-                os.makedirs(sbdir / sub, exist_ok=True)
+                try:
+                    os.mkdir(sbdir / sub)
+                except FileExistsError:
+                    pass
             steps.undo("remove sandbox dir", lambda: shutil.rmtree(sbdir, ignore_errors=True))
             # Own cgroups, outside the daemon's, so sandboxes outlive a daemon restart.
             group.create()
