@@ -20,7 +20,13 @@ measures through the Python SDK:
   included); burst_busy_retries: `busy` answers that were retried after
   retry_after_s;
 * lost_or_duplicated: keys without exactly one live sandbox, plus sandboxes
-  of the burst that no key owns (must be 0).
+  of the burst that no key owns (must be 0);
+* fncall_cpu_ms / burst_cpu_ms: where the CPU time of the concurrent fncall
+  batch (per call) and of the burst (per sandbox, create + exec) went: the
+  daemon (all threads, plus the exec and spawn children it reaped), the call
+  sandbox's cgroup (zygote and its workers; also split into the zygote
+  itself and the workers it reaped) and this benchmark's own client process. Other sessions on the host are not in it, so it is comparable
+  across runs where the wall-clock rates are not.
 
 Progress goes to stderr; the last line of stdout is one JSON object. Clean-up
 as in bench/core.py. Run as root: `.venv/bin/python bench/burst.py [--quick]`.
@@ -33,6 +39,7 @@ import asyncio
 import json
 import os
 import random
+import resource
 import subprocess
 import time
 
@@ -54,6 +61,43 @@ log = harness.log
 
 def pct(values: list[float], q: float) -> float:
     return round(peers.percentile(values, q), 3)
+
+
+class CpuMeter:
+    """CPU seconds used by the daemon, a call sandbox's cgroup and this client."""
+
+    def __init__(self, info: dict, below_root: str | None = None, zygote: int | None = None):
+        self.pid = info["pid"]
+        self.zygote = zygote
+        self.usage = None
+        if below_root is not None:
+            for d in info["paths"]["cgroup_dirs"].values():
+                for name in ("cpuacct.usage", "cpu.stat"):
+                    path = f"{d}/{below_root}/{name}"
+                    if os.path.exists(path):
+                        self.usage = path
+
+    def sample(self) -> dict:
+        with open(f"/proc/{self.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        tick = os.sysconf("SC_CLK_TCK")
+        out = {"daemon": sum(int(x) for x in fields[11:15]) / tick}    # utime stime cutime cstime
+        if self.zygote:     # the zygote itself, and the workers it reaped
+            with open(f"/proc/{self.zygote}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out["zygote"] = sum(int(x) for x in fields[11:13]) / tick
+            out["workers"] = sum(int(x) for x in fields[13:15]) / tick
+        if self.usage:
+            text = open(self.usage).read()
+            out["sandbox"] = (int(text) / 1e9 if self.usage.endswith("usage")
+                              else int(text.split("usage_usec")[1].split()[0]) / 1e6)
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        out["client"] = r.ru_utime + r.ru_stime
+        return out
+
+    @staticmethod
+    def per(before: dict, after: dict, n: int) -> dict:
+        return {k: round((after[k] - before[k]) * 1000 / n, 3) for k in before}
 
 
 def build_py_rootfs() -> str:
@@ -92,6 +136,11 @@ async def measure_fncall(sock: str, n: int, clients: int, total: int) -> dict:
     for cl in conns:
         await cl.connect()
     left = [total]
+    async with dsecd.Client(sock) as c:
+        info = await c.info()
+    box = next(b for b in info["fncall"]["boxes"] if b["image"] == "py")
+    # The call sandbox's group sits below `<cgroup_root>/.fncall/` (dsecd/backends/fncall.py).
+    meter = CpuMeter(info, f".fncall/{box['id']}", box["zygote_pid"])
 
     async def worker(cl):
         while left[0] > 0:
@@ -100,17 +149,19 @@ async def measure_fncall(sock: str, n: int, clients: int, total: int) -> dict:
             if r.stdout != b"1\n":
                 raise RuntimeError(f"fncall (concurrent): {r}")
 
+    cpu0 = meter.sample()
     t = time.perf_counter()
     # Four calls in flight per connection: many per connection, as the SDK allows.
     await asyncio.wait_for(asyncio.gather(*(worker(cl) for cl in conns for _ in range(4))), OP_TIMEOUT_S)
     wall = time.perf_counter() - t
+    cpu = meter.per(cpu0, meter.sample(), total)
     for cl in conns:
         await cl.close()
-    log(f"fncall: {total} calls from {clients} clients in {wall:.2f} s")
+    log(f"fncall: {total} calls from {clients} clients in {wall:.2f} s; CPU ms per call {cpu}")
     return {"fncall_p50_ms": pct(lat, 50), "fncall_p99_ms": pct(lat, 99),
             "fresh_python_p50_ms": pct(fresh, 50),
             "fncall_speedup": round(pct(fresh, 50) / max(pct(lat, 50), 1e-6), 1),
-            "fncall_per_s": round(total / wall, 1)}
+            "fncall_per_s": round(total / wall, 1), "fncall_cpu_ms": cpu}
 
 
 async def measure_pool(sock: str, n: int) -> dict:
@@ -150,6 +201,8 @@ async def measure_burst(sock: str, total: int, clients: int) -> dict:
     rng = random.Random(7)
     retried = set(rng.sample(keys, total // 10))
     queue = list(keys)
+    async with dsecd.Client(sock) as c:
+        meter = CpuMeter(await c.info())
 
     async def create_and_exec(cl, key: str, job: str) -> None:
         t = time.perf_counter()
@@ -176,11 +229,13 @@ async def measure_burst(sock: str, total: int, clients: int) -> dict:
             else:
                 await create_and_exec(cl, key, job)
 
+    cpu0 = meter.sample()
     t0 = time.perf_counter()
     # 8 requests in flight per client connection.
     await asyncio.wait_for(asyncio.gather(*(worker(i, cl) for i, cl in enumerate(conns) for _ in range(8))),
                            OP_TIMEOUT_S * 4)
     done = time.perf_counter() - t0
+    cpu = meter.per(cpu0, meter.sample(), total)
     creates_s = answered[0] - t0
     async with dsecd.Client(sock) as c:
         live = [s for s in await c.list({"bench": "burst"}) if s["state"] == "running"]
@@ -189,12 +244,12 @@ async def measure_burst(sock: str, total: int, clients: int) -> dict:
     owned = set().union(*owners.values())
     bad = sum(1 for k in keys if len(owners[k]) != 1) + len(ids - owned) + len(owned - ids)
     log(f"burst: {total} sandboxes answered an exec after {done:.2f} s; creates {total / creates_s:.0f}/s; "
-        f"busy retries {busy[0]}; queue wait p99 {info['wait_p99_ms']} ms; lost or duplicated {bad}")
+        f"busy retries {busy[0]}; queue wait p99 {info['wait_p99_ms']} ms; lost or duplicated {bad}; CPU ms per sandbox {cpu}")
     for cl in conns:
         await cl.close()
     return {"burst_2000_s": round(done, 3), "burst_creates_per_s": round(total / creates_s, 1),
             "burst_create_p50_ms": pct(lat, 50), "burst_create_p99_ms": pct(lat, 99),
-            "burst_busy_retries": busy[0], "burst_sandboxes": len(ids), "lost_or_duplicated": bad}
+            "burst_busy_retries": busy[0], "burst_sandboxes": len(ids), "lost_or_duplicated": bad, "burst_cpu_ms": cpu}
 
 
 async def teardown(sock: str) -> None:

@@ -55,8 +55,10 @@ enum dsec_step {
     DSEC_STEP_SCHED_CORE = 32,
     /* last step before execve / execveat of init, in both children */
     DSEC_STEP_SECCOMP = 33,
+    /* container child, first: join the pooled network namespace (netns_fd) */
+    DSEC_STEP_NETNS_JOIN = 34,
     /* container child, after stdio: the upper tmpfs's fd kept open for init */
-    DSEC_STEP_UPPER_FD = 34,
+    DSEC_STEP_UPPER_FD = 35,
     /* in the exec helper and the exec child (stdio, close_fds, caps,
      * no_new_privs above are shared) */
     DSEC_STEP_SETNS = 40,
@@ -96,6 +98,7 @@ struct dsec_container_args {
     int userns_fd;       /* >= 0: init enters this user namespace last (dsec_userns_create) */
     uint32_t userns_uid; /* host uid and gid that in-sandbox 0 maps to: the fs ids of */
     uint32_t userns_gid; /* the setup steps, so what they create belongs to sandbox root */
+    int netns_fd; /* >= 0: join this network namespace (the netns pool's); -1: a new one */
     int upper_fd; /* >= 0: mount fd of the upper tmpfs, left open in init as DSEC_INIT_UPPER_FD */
 };
 
@@ -126,6 +129,9 @@ struct dsec_kvm_probe {
     int run;         /* 0: a real-mode test guest ran to HLT; -errno; or the
                         unexpected KVM_EXIT_* reason (> 0) */
 };
+
+/* netns.c */
+int dsec_netns_create(void);
 
 /* spawn.c */
 int dsec_spawn_container(const struct dsec_container_args *args, struct dsec_err *err);

@@ -35,9 +35,9 @@
 /* Deepest child frame is exec_search's PATH_MAX buffer; 64 KiB leaves room. */
 #define DSEC_STACK_SIZE (64 * 1024)
 
+/* CLONE_NEWNET is added unless the sandbox joins a ready netns (netns_fd). */
 #define CONTAINER_CLONE_FLAGS                                                                      \
-    (CLONE_VM | CLONE_VFORK | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC |           \
-     CLONE_NEWNET | SIGCHLD)
+    (CLONE_VM | CLONE_VFORK | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC | SIGCHLD)
 #define SANDBOX_NS_FLAGS                                                                           \
     (CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWCGROUP)
 #define DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -279,6 +279,17 @@ static int mount_step(int step, const char *src, const char *target, const char 
                       unsigned long flags, const char *data, struct dsec_err *e)
 {
     return check(mount(src, target, fstype, flags, data), e, step, target);
+}
+
+/* A netns from the pool (csrc/netns.c, dsecd/net/pool.py) already holds the
+ * sandbox's veth end, address and routes: joining it replaces creating one and
+ * configuring it on the create path. First, while the child still has every
+ * capability; the fd is the parent's (O_CLOEXEC, gone at exec of init). */
+static int netns_join(const struct container_ctx *c)
+{
+    if (c->a->netns_fd < 0)
+        return 0;
+    return check(setns(c->a->netns_fd, CLONE_NEWNET), c->err, DSEC_STEP_NETNS_JOIN, NULL);
 }
 
 static int cgroups_enter(const struct container_ctx *c)
@@ -618,9 +629,10 @@ static int userns_enter(const struct container_ctx *c)
 
 /* The container child's checklist, in order (docs/native-api.md). */
 static int (*const container_steps[])(const struct container_ctx *) = {
-    cgroups_enter, sched_enter,  userns_fsids,  rootfs_mount, userns_sysctls,
-    dev_mount,     proc_protect, tmp_mount,     hostname_set, loopback_up,
-    root_pivot,    init_stdio,   upper_handoff, userns_enter, privileges_drop,
+    netns_join,    cgroups_enter, sched_enter,  userns_fsids, rootfs_mount,
+    userns_sysctls, dev_mount,    proc_protect, tmp_mount,    hostname_set,
+    loopback_up,   root_pivot,    init_stdio,   upper_handoff, userns_enter,
+    privileges_drop,
 };
 
 static int container_child(void *arg)
@@ -669,7 +681,8 @@ int dsec_spawn_container(const struct dsec_container_args *a, struct dsec_err *e
     if (rc == 0)
         rc = stacks_map(&st, 1, err);
     if (rc == 0)
-        rc = clone_blocked(container_child, stack_top(&st, 0), CONTAINER_CLONE_FLAGS, &c, err);
+        rc = clone_blocked(container_child, stack_top(&st, 0),
+                           CONTAINER_CLONE_FLAGS | (a->netns_fd >= 0 ? 0 : CLONE_NEWNET), &c, err);
     if (rc > 0 && err->err) {
         reap(rc); /* the child failed before execveat: collect it */
         rc = -err->err;

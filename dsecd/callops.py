@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import os
 import secrets
 import time
 
 from . import cgroup
-from .backends.fncall import CallBox, FnCallBackend, Zygote, ZygoteDied
+from .backends.fncall import CallBox, CallRun, FnCallBackend, Zygote, ZygoteDied
 from .config import parse_size
 from .errors import BadRequest, Busy, DsecError, IOFailure, LimitExceeded, Unsupported, io_error
 from .execio import ExecIO
@@ -41,6 +42,7 @@ from .native import NativeError
 log = logging.getLogger(__name__)
 
 PYTHONS = ("python", "python3")
+INLINE_MAX = 48 * 1024     # a call packet up to this size carries its code itself
 
 
 class CallOps:
@@ -55,6 +57,12 @@ class CallOps:
             "tmp": cfg.size("fncall", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")}, disk)
         self.call_boxes: dict[str, CallBox] = {}
         self._box_locks: dict[str, asyncio.Lock] = {}
+        # Read per call: parsed once here.
+        self._call_sizes = {"output": cfg.size("limits", "max_exec_output_bytes"),
+                            "stdin": cfg.size("fncall", "max_stdin_bytes"),
+                            "code": cfg.size("fncall", "max_code_bytes")}
+        # Calls without stdin share one /dev/null (SCM_RIGHTS gives each a copy).
+        self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self.call_stats = {"calls": 0, "inflight": 0, "zygote_calls": 0, "plain_calls": 0,
                            "zygotes_started": 0, "zygotes_replaced": 0, "busy": 0}
 
@@ -66,6 +74,9 @@ class CallOps:
     async def close_calls(self) -> None:
         boxes, self.call_boxes = list(self.call_boxes.values()), {}
         await asyncio.gather(*(self._drop_box(b, "daemon shutdown") for b in boxes), return_exceptions=True)
+        if self._devnull >= 0:
+            os.close(self._devnull)
+            self._devnull = -1
 
     def calls_info(self) -> dict:
         return {**self.call_stats, "boxes": [
@@ -81,9 +92,9 @@ class CallOps:
         argv, code = self._call_route(req)
         timeout = self._call_timeout(req.timeout)
         stdin = req.stdin or b""
-        if len(stdin) > self.cfg.size("fncall", "max_stdin_bytes"):
+        if len(stdin) > self._call_sizes["stdin"]:
             raise LimitExceeded(f"stdin of {len(stdin)} bytes exceeds fncall.max_stdin_bytes",
-                                {"max": self.cfg.size("fncall", "max_stdin_bytes")})
+                                {"max": self._call_sizes["stdin"]})
         stats = self.call_stats
         cap = self.fn_cfg["max_inflight"]
         if stats["inflight"] >= cap:
@@ -124,9 +135,8 @@ class CallOps:
             if not k or "=" in k or "\0" in k or "\0" in v:
                 raise BadRequest(f"bad environment variable name or value: {k!r}")
         if req.code is not None:
-            if len(req.code.encode()) > self.cfg.size("fncall", "max_code_bytes"):
-                raise LimitExceeded("code exceeds fncall.max_code_bytes",
-                                    {"max": self.cfg.size("fncall", "max_code_bytes")})
+            if len(req.code.encode()) > self._call_sizes["code"]:
+                raise LimitExceeded("code exceeds fncall.max_code_bytes", {"max": self._call_sizes["code"]})
             return ["-c", *(req.args or [])], req.code
         if req.args:
             raise BadRequest("args go with code (argv calls carry their own arguments)")
@@ -278,33 +288,37 @@ class CallOps:
 
     async def _zygote_call(self, box: CallBox, zyg: Zygote, argv: list[str], code: str | None,
                            env: dict, stdin: bytes, timeout: float) -> dict:
-        io, out = self._call_io(stdin)
+        run = CallRun(self.loop, self._call_sizes["output"], self.limits["exec_drain_grace_s"],
+                      self.fn_cfg["kill_grace_s"])
         call_id = zyg.calls = zyg.calls + 1
-        fds = list(io.child_fds())
-        memfd = -1
+        extra = []          # memfds of this call (stdin, large code), closed once sent
         try:
-            if code is not None:
-                memfd = os.memfd_create("fncall-code", os.MFD_CLOEXEC)
-                os.write(memfd, code.encode())
-                os.lseek(memfd, 0, os.SEEK_SET)
-                fds.append(memfd)
-            exited = self.loop.create_future()
-            zyg.pending[call_id] = exited
+            # stdin as a memfd: the whole input is there before the call starts,
+            # so there is no feeder to run and no pipe to keep full.
+            stdin_fd = _memfd("fncall-stdin", stdin, extra) if stdin else self._devnull
+            fds = [stdin_fd, *run.child_ends]
             msg = {"op": "call", "id": call_id, "argv": argv, "code": code is not None,
                    "cpu_s": int(timeout) + 1, "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", **env}}
+            data = json.dumps({**msg, "src": code} if code is not None else msg).encode()
+            if len(data) > INLINE_MAX:       # the zygote reads packets of at most 64 KiB
+                data = json.dumps(msg).encode()
+                fds.append(_memfd("fncall-code", code.encode(), extra))
+            exited = self.loop.create_future()
+            zyg.pending[call_id] = exited
             try:
-                zyg.send(msg, fds)
+                zyg.send_raw(data, fds)
             except OSError as err:
                 zyg.pending.pop(call_id, None)
                 zyg.fail(f"send to zygote {zyg.pid}: {err}")
                 self._retire(box, "its socket failed")
                 raise IOFailure(f"fncall zygote for {box.image} is gone; retry") from err
+        except BaseException:
+            run.close()
+            raise
         finally:
-            io.close_child_ends()
-            if memfd >= 0:
-                os.close(memfd)
-        if stdin:
-            await io.feed_stdin(stdin, True)
+            for fd in extra:
+                os.close(fd)
+        run.close_child_ends()
 
         def kill() -> None:
             if zyg.alive:
@@ -314,9 +328,12 @@ class CallOps:
                     pass
 
         self.call_stats["zygote_calls"] += 1
+        run.start(exited, kill, timeout)
         try:
-            result = await io.run_remote(asyncio.ensure_future(_status_of(exited)), kill, timeout,
-                                         self.limits["exec_drain_grace_s"], self.fn_cfg["kill_grace_s"])
+            return await run.done
+        except asyncio.CancelledError:
+            kill()
+            raise
         except TimeoutError as err:
             zyg.fail(f"zygote {zyg.pid} did not end call {call_id} after a kill")
             self._retire(box, "unresponsive zygote")
@@ -325,9 +342,9 @@ class CallOps:
             raise IOFailure(f"fncall zygote for {box.image} died during the call ({err}); retry") from err
         except OSError as err:        # the zygote could not fork
             raise DsecError(f"fncall: the zygote could not start the call: {err}", code="io") from err
-        result.update(stdout=b"".join(out[1]), stderr=b"".join(out[2]), path="zygote",
-                      run_ms=round(exited.result().get("run_ms", 0.0), 3))
-        return result
+        finally:
+            zyg.pending.pop(call_id, None)
+            run.close()
 
     async def _plain_call(self, box: CallBox, argv: list[str], env: dict, stdin: bytes, timeout: float) -> dict:
         h = box.handle
@@ -368,8 +385,12 @@ class CallOps:
         return result
 
 
-async def _status_of(exited: asyncio.Future) -> int:
-    return (await exited)["status"]
+def _memfd(name: str, data: bytes, opened: list[int]) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    opened.append(fd)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 def _reap(pid: int) -> None:

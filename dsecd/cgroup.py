@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -37,6 +38,11 @@ class Layout:
     v2: Path | None
     v2_controllers: frozenset[str]
     v1: dict[str, Path] = field(default_factory=dict)
+    # v2 groups have `cgroup.freeze` (Linux 5.2+), which pause uses before a
+    # v1 freezer: then a sandbox gets no v1 freezer group (one mkdir, one
+    # rmdir and one cgroup.procs write less per sandbox, all under the
+    # kernel's global cgroup_mutex that a burst queues on).
+    v2_freeze: bool = False
 
     @property
     def mode(self) -> str:
@@ -58,6 +64,12 @@ class Layout:
         # Two v1 controllers may share one mount (e.g. cpu,cpuacct): one group is enough.
         seen: dict[Path, str] = {}
         return {k: p for k, p in out.items() if seen.setdefault(p, k) == k}
+
+    def made_hierarchies(self) -> dict[str, Path]:
+        """The hierarchies a new sandbox group is made in: all but a v1
+        freezer that v2's cgroup.freeze makes redundant. `hierarchies()`
+        still lists it, so leftovers of older daemons are found and removed."""
+        return {k: p for k, p in self.hierarchies().items() if not (k == "freezer" and self.v2_freeze)}
 
     def controller_dir(self, ctrl: str) -> tuple[str, Path] | None:
         """(version, mount) that serves `ctrl`, or None."""
@@ -88,7 +100,20 @@ def detect_layout(mountinfo: str = "/proc/self/mountinfo") -> Layout:
             ctrls = frozenset((v2 / "cgroup.controllers").read_text().split())
         except OSError:
             ctrls = frozenset()
-    return Layout(v2=v2, v2_controllers=ctrls, v1=v1)
+    return Layout(v2=v2, v2_controllers=ctrls, v1=v1, v2_freeze=v2 is not None and _has_v2_freeze(v2))
+
+
+def _has_v2_freeze(v2: Path) -> bool:
+    """Whether non-root v2 groups have cgroup.freeze: looked up in an existing
+    child group (the root has none), else from the kernel version (5.2)."""
+    try:
+        for entry in os.scandir(v2):
+            if entry.is_dir(follow_symlinks=False):
+                return os.path.exists(os.path.join(entry.path, "cgroup.freeze"))
+    except OSError:
+        return False
+    major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", os.uname().release).groups())
+    return (major, minor) >= (5, 2)
 
 
 def _write(path: Path, value: str) -> None:
@@ -113,15 +138,17 @@ class Group:
     def __init__(self, layout: Layout, rel: str):
         self.layout = layout
         self.rel = rel
-        self.dirs = {key: mnt / rel for key, mnt in layout.hierarchies().items()}
+        self.dirs = {key: mnt / rel for key, mnt in layout.made_hierarchies().items()}
+        # Hierarchies this group is not made in but an older daemon's may be:
+        # removal and kills look there too.
+        self.legacy = [mnt / rel for key, mnt in layout.hierarchies().items() if key not in self.dirs]
 
     def create(self) -> None:
         """mkdir in every hierarchy; on failure remove what was made."""
         made = []
         try:
             for d in self.dirs.values():
-                _ensure_parent(d.parent)
-                os.mkdir(d)
+                _mkdir_group(d)
                 made.append(d)
         except OSError as err:
             for d in reversed(made):
@@ -185,7 +212,7 @@ class Group:
 
     def pids(self) -> set[int]:
         out: set[int] = set()
-        for d in self.dirs.values():
+        for d in [*self.dirs.values(), *self.legacy]:
             try:
                 out.update(int(x) for x in (d / "cgroup.procs").read_text().split())
             except FileNotFoundError:
@@ -204,7 +231,7 @@ class Group:
         """rmdir in every hierarchy, waiting for exiting tasks to leave (EBUSY)."""
         deadline = time.monotonic() + timeout
         delay = 0.0005
-        for d in self.dirs.values():
+        for d in [*self.dirs.values(), *self.legacy]:
             while True:
                 try:
                     os.rmdir(d)
@@ -220,14 +247,34 @@ class Group:
                     delay = min(delay * 2, 0.05)
 
     def exists(self) -> bool:
-        return any(d.is_dir() for d in self.dirs.values())
+        return any(d.is_dir() for d in [*self.dirs.values(), *self.legacy])
+
+
+# Parents known to exist: every create would otherwise stat and re-mkdir the
+# same few dirs in each hierarchy (~10 syscalls of a burst's every sandbox).
+# A parent removed behind our back shows as ENOENT on the child's mkdir,
+# which drops it from here and retries once.
+_parents_made: set[Path] = set()
 
 
 def _ensure_parent(parent: Path) -> None:
+    if parent in _parents_made:
+        return
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as err:
         raise CgroupError(err.errno, f"create cgroup `{parent}`: {os.strerror(err.errno)}") from err
+    _parents_made.add(parent)
+
+
+def _mkdir_group(d: Path) -> None:
+    _ensure_parent(d.parent)
+    try:
+        os.mkdir(d)
+    except FileNotFoundError:
+        _parents_made.discard(d.parent)
+        _ensure_parent(d.parent)
+        os.mkdir(d)
 
 
 def _rmdir_quiet(d: Path) -> None:

@@ -80,7 +80,7 @@ def pool_name(image: str, cpu: float, memory: int) -> str:
 
 
 class CreateOps:
-    """Needs from Node: cfg, limits, sb_defaults, sandboxes, loop, create_now, _limits_for, _journal,
+    """Needs from Node: cfg, limits, sb_defaults, sandboxes, live_count, loop, create_now, _limits_for, _journal,
     net_cfg, cpu."""
 
     def init_admission(self, cfg) -> None:
@@ -161,7 +161,7 @@ class CreateOps:
         taken = self._take_from_pool(req, limits)
         if taken is not None:
             return taken
-        live = sum(1 for s in self.sandboxes.values() if s.state != "dead")
+        live = self.live_count()
         cap = self.limits["max_sandboxes"]
         queue = self.admission
         if live + queue.queued >= cap:

@@ -68,7 +68,16 @@ class ExecIO:
         self.pid = pid
         started = time.monotonic()
         exited = self.loop.create_future()
-        self.loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+
+        def on_exit() -> None:
+            # Off at the first wake-up: a pidfd stays readable once its process
+            # has exited, and a reader left on it made the loop spin (thousands of
+            # wake-ups per exec) for as long as the drain below waited for EOF.
+            self.loop.remove_reader(pidfd)
+            if not exited.done():
+                exited.set_result(None)
+
+        self.loop.add_reader(pidfd, on_exit)
         pumps = [asyncio.ensure_future(self._pump(self.out_r, 1)),
                  asyncio.ensure_future(self._pump(self.err_r, 2))]
         feeder = asyncio.ensure_future(self._feed()) if self._stdin_q is not None else None
@@ -93,38 +102,6 @@ class ExecIO:
                 # in a thread, since a dying process may take a moment to exit.
                 self.kill()
                 self.loop.run_in_executor(None, _reap, pid)
-            self.close()
-        code, sig = _decode_status(status)
-        return {"exit_code": code, "signal": sig, "timed_out": self.timed_out,
-                "truncated": self.truncated, "cancelled": self.cancelled,
-                "duration_ms": round((time.monotonic() - started) * 1000, 3)}
-
-    async def run_remote(self, exited: asyncio.Future, kill: Callable[[], None], timeout: float | None,
-                         drain_grace: float, kill_grace: float) -> dict:
-        """Like `run`, for a process that is not the daemon's child (a FnCall
-        zygote's fork): `exited` resolves to its wait status, `kill` asks its
-        parent to kill it. TimeoutError if it is still not gone `kill_grace`
-        seconds after a kill (its parent no longer answers)."""
-        started = time.monotonic()
-        pumps = [asyncio.ensure_future(self._pump(self.out_r, 1)),
-                 asyncio.ensure_future(self._pump(self.err_r, 2))]
-        feeder = asyncio.ensure_future(self._feed()) if self._stdin_q is not None else None
-        try:
-            try:
-                status = await asyncio.wait_for(asyncio.shield(exited), timeout)
-            except TimeoutError:
-                self.timed_out = True
-                kill()
-                status = await asyncio.wait_for(asyncio.shield(exited), kill_grace)
-            await asyncio.wait(pumps, timeout=drain_grace)
-        except asyncio.CancelledError:
-            self.cancelled = True
-            kill()
-            raise
-        finally:
-            for task in pumps + ([feeder] if feeder else []):
-                task.cancel()
-            await asyncio.gather(*pumps, *([feeder] if feeder else []), return_exceptions=True)
             self.close()
         code, sig = _decode_status(status)
         return {"exit_code": code, "signal": sig, "timed_out": self.timed_out,

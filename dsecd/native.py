@@ -24,7 +24,7 @@ from ._native import ffi, lib
 
 __all__ = [
     "ContainerSpec", "ExecSpec", "NativeError", "spawn_container", "spawn_exec", "openat2",
-    "pidfd_open", "pidfd_send_signal", "probe_sched_core", "probe_landlock_abi",
+    "pidfd_open", "pidfd_send_signal", "netns_create", "probe_sched_core", "probe_landlock_abi",
     "probe_seccomp", "probe_bpf_cgroup", "probe_kvm", "probe_openat2", "probe_pidfd",
     "probe_clone3", "describe_errno", "init_binary_path", "STEPS", "sched_set_idle",
     "sched_core_create", "sched_core_share_from", "userns_create", "mount_idmapped", "fs_ids",
@@ -68,6 +68,7 @@ _VERBS = {
     "seccomp": "install seccomp filter for", "upper_fd": "hand the upper tmpfs to",
     "userns_map": "write id map of user namespace", "userns_fsids": "set fs uid/gid of",
     "userns_sysctl": "write sysctl", "userns_enter": "enter user namespace of",
+    "netns_join": "join the pooled network namespace of",
 }
 
 _MOUNT_STEPS = {"mount_private", "mount_overlay", "mount_proc", "mount_dev", "dev_node",
@@ -291,6 +292,7 @@ class ContainerSpec:
     userns_fd: int = -1    # user namespace init enters last (userns_create); -1 = none
     userns_uid: int = 0    # host ids in-sandbox 0 maps to: fs ids of the setup steps
     userns_gid: int = 0
+    netns_fd: int = -1  # join this network namespace (dsecd/net/pool.py); -1 = a new, empty one
     upper_fd: int = -1     # mount fd of the upper tmpfs (upperfs_create), kept open in
                            # init as fd UPPER_FD; upperdir/workdir then lie on it
 
@@ -343,6 +345,7 @@ def spawn_container(spec: ContainerSpec) -> int:
     args.seccomp_profile = int(spec.seccomp_profile)
     args.userns_fd = int(spec.userns_fd)
     args.userns_uid, args.userns_gid = spec.userns_uid, spec.userns_gid
+    args.netns_fd = int(spec.netns_fd)
     args.upper_fd = int(spec.upper_fd)
     err = ffi.new("struct dsec_err *")
     pid = lib.dsec_spawn_container(args, err)
@@ -557,6 +560,15 @@ def pidfd_getfd(pidfd: int, targetfd: int) -> int:
     fd = lib.dsec_pidfd_getfd(pidfd, targetfd)
     if fd < 0:
         _raise(-fd, "take fd", f"{targetfd} of pidfd {pidfd}", "pidfd_getfd")
+    return fd
+
+
+def netns_create() -> int:
+    """An fd (close-on-exec) of a new, empty network namespace, made by the calling
+    thread without leaving its own (csrc/netns.c). Closing the fd frees it."""
+    fd = lib.dsec_netns_create()
+    if fd < 0:
+        _raise(-fd, "create", "network namespace", "netns_create")
     return fd
 
 

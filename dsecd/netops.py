@@ -11,7 +11,9 @@ working, `--net default` answers `unsupported`, and `dsec info` says why.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 
 from .errors import BadRequest, DsecError, Unsupported, io_error
 
@@ -31,8 +33,11 @@ class NetOps:
         """The Network, built once (in a worker thread) on first use."""
         if self._net_ready is None:
             self._net_ready = self.loop.create_future()
+            live = {s.id: (s.handle.init_pid, str(s.handle.group.dirs["unified"]))
+                    for s in self.sandboxes.values()
+                    if s.net and s.net.get("mode") == "default" and s.handle is not None}
             try:
-                self.net = await self.run_blocking(self._build_network)
+                self.net = await self.run_blocking(self._build_network, live)
                 self._net_ready.set_result(self.net)
             except Exception as err:       # no bcc, no v2 tree, compile error: degrade, say why
                 self.net_error = f"{type(err).__name__}: {err}"
@@ -43,13 +48,24 @@ class NetOps:
             raise Unsupported(f"--net default is unavailable on this host: {self.net_error}")
         return net
 
-    def _build_network(self):
+    def _build_network(self, live: dict):
+        """Build, then re-adopt the live sandboxes' networking and free what the records
+        hold for the rest (also when no live sandbox has networking: leases, veths)."""
         from .net import Network
 
         if self.layout.v2 is None:
             raise RuntimeError("no cgroup v2 hierarchy to attach the eBPF programs to")
-        return Network(self.net_cfg, self.cfg.state_dir, self.layout.v2, self.sb_defaults["cgroup_root"],
-                       max_sandboxes=self.limits["max_sandboxes"])
+        net = Network(self.net_cfg, self.cfg.state_dir, self.layout.v2, self.sb_defaults["cgroup_root"],
+                      max_sandboxes=self.limits["max_sandboxes"])
+        try:
+            res = net.readopt(live)
+        except BaseException:
+            net.close()
+            raise
+        for sb_id, why in res.get("failed", {}).items():
+            log.error("sandbox %s lost its networking across the restart (%s); it keeps loopback only",
+                      sb_id, why)
+        return net
 
     def net_mode(self, req) -> str:
         mode = req.net or self.net_cfg["default_mode"]
@@ -59,17 +75,107 @@ class NetOps:
             raise BadRequest("--allow needs --net default (--net none is loopback only)")
         return mode
 
-    async def attach_net(self, sb, mode: str, allow: list[str]) -> None:
-        """After the container exists: policy first, then the veth (never a link without policy)."""
+    async def take_netns(self, mode: str):
+        """Before the container is spawned: a ready netns from the pool for it to
+        join (dsecd/net/pool.py), or None (--net none, pool off or empty)."""
+        if mode != "default":
+            return None
+        return (await self.network()).take_ready()      # never blocks: a list pop
+
+    async def spawn_joining(self, create, ready, *args):
+        """backend.create(*args, netns_fd) in a worker, PID 1 joining `ready`'s netns.
+
+        `ready` is removed if the spawn fails, or if the create is cancelled - but
+        never while the worker may still pass its fd to the spawn (a closed, or
+        worse reused, fd number would put the sandbox in some other namespace)."""
+        if ready is None:
+            return await self.run_blocking(create, *args, -1)
+        lock, st = threading.Lock(), {"busy": False, "abandoned": False}
+
+        def work():
+            with lock:
+                if st["abandoned"]:
+                    return None
+                st["busy"] = True
+            try:
+                return create(*args, ready.nsfd)
+            finally:
+                with lock:
+                    st["busy"] = False
+                    release = st["abandoned"]
+                if release:                       # cancelled while we worked
+                    self.net.release_ready(ready)
+
+        try:
+            return await self.run_blocking(work)
+        except asyncio.CancelledError:
+            with lock:
+                st["abandoned"] = True
+                busy = st["busy"]
+            if not busy:
+                self.release_netns(ready)
+            raise
+        except BaseException:
+            self.release_netns(ready)
+            raise
+
+    def release_netns(self, ready) -> None:
+        """The spawn that was to join `ready` failed: remove it, behind the answer."""
+        if ready is None or self.net is None:
+            return
+
+        def release() -> None:
+            try:
+                self.net.release_ready(ready)
+            except Exception as err:
+                log.error("remove pooled netns %s: %s", ready.name, err)
+
+        self.loop.run_in_executor(self.pool, release)
+
+    async def attach_net(self, sb, mode: str, allow: list[str], ready=None) -> None:
+        """After the container exists: policy first, then the veth (never a link without policy);
+        with `ready`, the netns its PID 1 joined at spawn.
+
+        A create cancelled meanwhile (client gone, `cancel`) must not leave networking
+        behind for a sandbox the node then destroys: the worker undoes its attach if it
+        finishes after the cancellation, and a `ready` nobody consumed is removed."""
         if mode == "none":
             return
-        net = await self.network()
-        h = sb.handle
         try:
-            view = await self.run_blocking(net.attach, sb.id, h.init_pid, str(h.group.dirs["unified"]),
-                                           list(allow), mode)
+            net = await self.network()
+        except BaseException:
+            self.release_netns(ready)
+            raise
+        h = sb.handle
+        args = (sb.id, h.init_pid, str(h.group.dirs["unified"]), list(allow), mode, ready)
+        lock, st = threading.Lock(), {"started": False, "done": False, "abandoned": False}
+
+        def work():
+            with lock:
+                if st["abandoned"]:
+                    return None
+                st["started"] = True
+            view = net.attach(*args)       # on failure it undoes itself (and removes `ready`)
+            with lock:
+                st["done"] = True
+                undo = st["abandoned"]
+            if undo:
+                net.detach(sb.id)
+            return view
+
+        try:
+            view = await self.run_blocking(work)
         except OSError as err:
             raise io_error("attach networking of sandbox", sb.id, err) from err
+        except asyncio.CancelledError:
+            with lock:
+                st["abandoned"] = True
+                started, done = st["started"], st["done"]
+            if not started:
+                self.release_netns(ready)
+            elif done:
+                self.loop.run_in_executor(self.pool, net.detach, sb.id)
+            raise
         sb.net = {"mode": mode, "lease": view.get("lease")}
 
     async def detach_net(self, sb) -> None:
@@ -81,29 +187,22 @@ class NetOps:
             log.error("detach networking of sandbox %s: %s", sb.id, err)
 
     async def readopt_net(self) -> None:
-        """After _recover: rebuild live sandboxes' policies; free leases of the rest."""
-        with_net = {s.id: s for s in self.sandboxes.values() if s.net and s.net.get("mode") == "default"}
-        if not with_net:
-            return
-        try:
-            net = await self.network()
-        except Unsupported:
-            return
-        live = {i: (s.handle.init_pid, str(s.handle.group.dirs["unified"]))
-                for i, s in with_net.items() if s.handle is not None}
-        res = await self.run_blocking(net.readopt, live)
-        for sb_id, why in res.get("failed", {}).items():
-            log.error("sandbox %s lost its networking across the restart (%s); it keeps loopback only",
-                      sb_id, why)
+        """After _recover: building the Network re-adopts live sandboxes' policies and
+        frees the leases of the rest (_build_network)."""
+        if not any(s.net and s.net.get("mode") == "default" for s in self.sandboxes.values()):
+            return        # records of dead ones are freed whenever the Network is first built
+        with contextlib.suppress(Unsupported):
+            await self.network()
 
-    def close_net(self) -> None:
+    async def close_net(self) -> None:
         if self.net is not None:
-            self.net.close()
+            await self.run_blocking(self.net.close)
 
     def net_info(self) -> dict:
         if self.net is not None:
             return {"available": True, "detail": f"bridge {self.net_cfg['bridge']}, "
-                    f"{self.net_cfg['ipv4_subnet']}, eBPF allowlists loaded"}
+                    f"{self.net_cfg['ipv4_subnet']}, eBPF allowlists loaded",
+                    "pool": self.net.pool.stats(), "updates": self.net.update_stats()}
         if self.net_error:
             return {"available": False, "detail": self.net_error}
         return {"available": None, "detail": "not started yet (on the first --net default create)"}
@@ -122,6 +221,10 @@ class NetOps:
             raise BadRequest("give either replace, or add/remove, not both")
         net = await self.network()
         try:
+            # Small policies are updated right here (Network.update_now says why and when).
+            view = net.update_now(sb.id, add=req.add, remove=req.remove, replace=req.replace)
+            if view is not None:
+                return view
             return await self.run_blocking(lambda: net.update(sb.id, add=req.add, remove=req.remove,
                                                               replace=req.replace))
         except OSError as err:

@@ -14,6 +14,7 @@ Sandbox states:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import secrets
@@ -134,6 +135,9 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             "tmp": cfg.size("sandbox", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")}, upper_mode)
         self.sandboxes: dict[str, Sandbox] = {}
         self.id_ranges = self._init_userns(state)
+        # Dead sandboxes in the registry, so the live count each create checks
+        # is len() - this, not a scan of thousands of sandboxes per create.
+        self._dead = 0
         self.cpu = CpuHost(cfg.section("cpu"), layout, features, self.sb_defaults["cgroup_root"])
         self.init_calls(cfg)
         self.init_admission(cfg)
@@ -214,6 +218,9 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         return {s.id: (s.qos, bool(s.limits.get("cpu_quota"))) for s in self.sandboxes.values()
                 if s.state == "running"}
 
+    def live_count(self) -> int:
+        return len(self.sandboxes) - self._dead
+
     def _live_limits(self) -> list[dict]:
         return [s.limits for s in self.sandboxes.values() if s.state != "dead"]
 
@@ -233,6 +240,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         self.sandboxes[sb_id] = sb
         self._reserve_ids(sb)
         if sb.state == "dead":
+            self._dead += 1
             return
         handle = await self.run_blocking(self.backend.adopt, sb_id, rec.get("init_pid"), rec.get("init_start"),
                                          bool(sb.limits.get("disk")))
@@ -260,7 +268,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         for task in (self._cpu_task, self._sweep_task, self._reaper_task):
             if task:
                 task.cancel()
-        self.close_net()
+        await self.close_net()
         await self.run_blocking(self.close_memory)
         drained = not any(s.handle is not None for s in self.sandboxes.values())
         await self.run_blocking(self.stop_images, drained)
@@ -316,6 +324,8 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
 
     async def _mark_dead(self, sb: Sandbox, h: Handle | None) -> None:
         """Release the cgroups and fds of a sandbox whose init is gone; keep its record."""
+        if sb.state != "dead" and self.sandboxes.get(sb.id) is sb:
+            self._dead += 1
         sb.state = "dead"
         sb.died = time.time()
         self.events.publish("died", sb.id)
@@ -420,7 +430,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         return upperfs.Cap(size, self.sb_defaults["disk_inodes"])
 
     def _admit(self) -> None:
-        live = sum(1 for s in self.sandboxes.values() if s.state != "dead")
+        live = self.live_count()
         cap = self.limits["max_sandboxes"]
         if live >= cap:
             raise Busy(f"host is full: {live} sandboxes of max {cap}; retry later or on another host",
@@ -445,7 +455,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         except ImageError as err:
             raise image_error(err) from err
         self._admit()
-        self.cpu.admit(self._live_limits(), limits.cpu, limits.memory_bytes, plan)
+        self.cpu.admit(self._live_limits, limits.cpu, limits.memory_bytes, plan)
         sb_id = secrets.token_hex(6)
         hostname = req.hostname or f"sb-{sb_id}"
         if len(hostname) > 63:
@@ -476,8 +486,10 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             self._release_ids(sb)
             raise io_error("mount layers of image", req.image, err) from err
         try:
-            sb.handle = await self.run_blocking(self.backend.create, sb_id, mounts[::-1], limits, hostname,
-                                                plan, userns.IdMap.from_record(sb.idmap), disk)
+            ready = await self.take_netns(net_mode)      # a pooled netns for PID 1 to join, or None
+            sb.handle = await self.spawn_joining(functools.partial(self.backend.create, disk=disk), ready,
+                                                 sb_id, mounts[::-1], limits, hostname, plan,
+                                                 userns.IdMap.from_record(sb.idmap))
         except BaseException as err:
             self.sandboxes.pop(sb_id, None)
             self._release_ids(sb)
@@ -488,7 +500,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
                                 "step": getattr(err, "step", None)}, code="io") from err
             raise
         try:
-            await self.attach_net(sb, net_mode, req.allow)
+            await self.attach_net(sb, net_mode, req.allow, ready)
         except BaseException:
             # No sandbox without its network policy: undo the container.
             self.sandboxes.pop(sb_id, None)
@@ -558,7 +570,8 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             self._journal(sb)
             raise io_error("destroy sandbox", sb.id, err) from err
         await self.detach_net(sb)
-        self.sandboxes.pop(sb.id, None)
+        if self.sandboxes.pop(sb.id, None) is sb and prev == "dead":
+            self._dead -= 1
         self.journal.delete(sb.id)
         self._release_ids(sb)        # its processes are gone: stop() waited for them
         if prev != "dead":          # a dead sandbox gave its layers back already

@@ -121,16 +121,21 @@ class ContainerBackend:
     # ------------------------------------------------------------ create
 
     def create(self, sb_id: str, lowerdirs: list[str], limits: cgroup.Limits, hostname: str,
-               cpu_plan=None, idmap: userns.IdMap | None = None,
+               cpu_plan=None, idmap: userns.IdMap | None = None, netns_fd: int = -1,
                disk: upperfs.Cap | None = None) -> Handle:
+        """netns_fd >= 0: PID 1 joins that network namespace (the netns pool's) instead of a new one.
+        disk: the writable layer's cap (a tmpfs of its own); None: a dir in the state dir."""
         sbdir = self.root / sb_id
         group = self.group_for(sb_id)
         with Steps(f"create sandbox {sb_id}") as steps:
             # Per-sandbox dirs: the mountpoint, and overlay upper/work (what
             # pack_diff reads later) unless they live on a capped tmpfs.
-            subs = ("rootfs",) if disk else ("upper", "work", "rootfs")
-            for sub in subs:
-                os.makedirs(sbdir / sub, exist_ok=True)
+            os.makedirs(sbdir, exist_ok=True)
+            for sub in ("rootfs",) if disk else ("upper", "work", "rootfs"):
+                try:
+                    os.mkdir(sbdir / sub)
+                except FileExistsError:
+                    pass
             steps.undo("remove sandbox dir", lambda: shutil.rmtree(sbdir, ignore_errors=True))
             upperfd = -1
             if disk:
@@ -156,7 +161,7 @@ class ContainerBackend:
                     shm_size_bytes=self.sizes["shm"], sched_idle=sched_idle, core_sched=core_sched,
                     seccomp_profile=self.seccomp, userns_fd=layers.userns_fd,
                     userns_uid=idmap.uid if idmap else 0, userns_gid=idmap.gid if idmap else 0,
-                    upper_fd=upperfd)
+                    netns_fd=netns_fd, upper_fd=upperfd)
                 pid = native.spawn_container(spec)
             steps.undo("kill init", lambda: _kill_and_reap(pid))
             handle = self._open_handle(pid, group, sbdir, is_child=True)

@@ -9,8 +9,10 @@ over as the exec's stdin: there is no path in the sandbox that reaches it.
 Messages are JSON, one per packet.
 
     daemon -> zygote  {"op": "call", "id": N, "argv": [...], "env": {...},
-                       "code": bool, "cpu_s": S}
+                       "code": bool, "src": "..." (optional), "cpu_s": S}
                       + SCM_RIGHTS [stdin, stdout, stderr(, code memfd)]
+                      (the code travels in "src" when the packet stays small,
+                      else in a memfd as the fourth fd)
                       {"op": "kill", "id": N}
     zygote -> daemon  {"op": "ready", "pid": P, "modules": [...], "failed": {...}}
                       {"op": "exit", "id": N, "status": wait-status, "run_ms": F}
@@ -18,7 +20,8 @@ Messages are JSON, one per packet.
 
 The zygote imports the configured modules once, then keeps `spares` workers
 forked ahead of need, each already in its own session, in its own fresh dir
-under /tmp (cwd, HOME, TMPDIR; removed when it exits), under its own uid
+under /tmp (cwd, HOME, TMPDIR; made by the worker before it drops root,
+removed by the zygote when it exits), under its own uid
 (one per live worker, from [uid_base, uid_base + uid_count): calls cannot
 signal, trace or read one another), with the rlimits set. A call goes to an
 idle worker over that worker's own socketpair, so the fork is off the call's
@@ -72,12 +75,16 @@ def prefault():
     sink.close()
 
 
-def worker(link, tmp, uid, rlimits):
+def worker(link, tmp, uid, rlimits, warm):
     """A pre-forked worker: set up what does not depend on the call, wait for
     it, run it, report, exit. Never returns."""
     status = 127
     try:
         os.setsid()
+        # Made here, not in the zygote: the zygote's loop is the one serial
+        # part of every call, this process runs beside it.
+        os.mkdir(tmp, 0o700)
+        os.chown(tmp, uid, uid)
         # Everything but the link to the zygote goes: no other worker's fds.
         fd = link.detach()
         if fd != 3:
@@ -92,15 +99,16 @@ def worker(link, tmp, uid, rlimits):
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
-        prefault()
+        if warm:
+            prefault()
         msg, fds = recv(link)
         if not msg:
             os._exit(0)
         req = json.loads(msg)
         for i in range(3):
             os.dup2(fds[i], i)
-        src = None
-        if req.get("code"):
+        src = req.get("src")
+        if req.get("code") and src is None:
             with os.fdopen(fds[3], "rb") as f:
                 src = f.read()
         for fd in fds:
@@ -166,19 +174,23 @@ class Zygote:
         self.idle = []          # workers waiting for a call
         self.by_fd = {}         # pidfd or link fd -> worker
         self.by_id = {}         # call id -> worker
+        self.forked = 0
 
-    def fork_worker(self):
+    def fork_worker(self, warm=False):
+        """A new worker; `warm` ones (spares) prefault. A worker forked for a
+        call already waiting does not: its prefault would only delay that
+        call, and under load that is most workers."""
         if not self.uids:
             raise OSError(11, "every fncall uid is in use")
         uid = self.uids.pop()
-        tmp = tempfile.mkdtemp(prefix=f"w{uid}-", dir=self.base)
-        os.chown(tmp, uid, uid)
+        self.forked += 1
+        tmp = f"{self.base}/w{uid}-{self.forked}"    # unique: the counter never repeats
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:
             self.sock.close()
             ours.close()
-            worker(theirs, tmp, uid, self.rlimits)
+            worker(theirs, tmp, uid, self.rlimits, warm)
         theirs.close()
         w = {"pid": pid, "pidfd": os.pidfd_open(pid), "link": ours, "uid": uid, "tmp": tmp,
              "id": None, "started": 0.0, "reported": False}
@@ -219,7 +231,12 @@ class Zygote:
         w["link"].close()
         if w in self.idle:
             self.idle.remove(w)
-        shutil.rmtree(w["tmp"], ignore_errors=True)
+        try:
+            os.rmdir(w["tmp"])          # the usual case: the call left nothing
+        except FileNotFoundError:
+            pass
+        except OSError:
+            shutil.rmtree(w["tmp"], ignore_errors=True)
         self.uids.append(w["uid"])
 
     def on_request(self):
@@ -239,7 +256,8 @@ class Zygote:
             w = self.idle.pop() if self.idle else self.fork_worker()
             w["id"], w["started"] = req["id"], time.monotonic()
             self.by_id[req["id"]] = w
-            send(w["link"], req, fds)
+            # The packet as it came: the worker parses it anyway.
+            w["link"].sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         except OSError as e:
             send(self.sock, {"op": "error", "id": req["id"], "message": str(e)})
         finally:
@@ -260,7 +278,7 @@ class Zygote:
                 elif fd in self.by_fd:
                     self.on_worker(fd, self.by_fd[fd])
             if not events and want:
-                self.idle.append(self.fork_worker())
+                self.idle.append(self.fork_worker(warm=True))
 
 
 def main():

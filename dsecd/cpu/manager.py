@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import psutil
 
@@ -58,11 +59,16 @@ class CpuHost:
 
     # ------------------------------------------------------------ admission
 
-    def admit(self, live_limits: list[dict], cpu: float, memory: int, plan: qos.Plan) -> None:
-        """Raise `busy` with the figures if a sandbox of this size does not fit."""
+    def admit(self, live_limits: Callable[[], list[dict]], cpu: float, memory: int, plan: qos.Plan) -> None:
+        """Raise `busy` with the figures if a sandbox of this size does not fit.
+        `live_limits` is only called (a scan of every sandbox) when a CPU or
+        memory capacity is set: a burst of creates should not pay it for nothing."""
         ls_recent = self.sampler.latest.host.get("sandbox_recent_cores", {}).get(qos.LS, 0.0) \
             if self.sampler.latest.host else 0.0
-        why = admission.refusal(self.capacity, admission.total(live_limits), cpu, memory,
+        cap = self.capacity
+        used = admission.total(live_limits()) if cap.cpu is not None or cap.memory is not None \
+            else admission.Requested()
+        why = admission.refusal(cap, used, cpu, memory,
                                 ls=plan.qos == qos.LS, ls_recent=ls_recent)
         if why:
             raise Busy(f"host at capacity for {why['resource']}: {why.get('requested', why.get('ls_recent'))} "

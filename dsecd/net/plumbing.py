@@ -241,9 +241,9 @@ class Plumbing:
         finally:
             ipr.close()
 
-    def add_sandbox(self, sb_id: str, sandbox_ns: str, lease: Lease) -> str:
-        """veth `ds<id>` on the bridge, its peer `eth0` in the sandbox netns, addressed and routed."""
-        host_if = host_ifname(sb_id)
+    def add_sandbox(self, host_if: str, sandbox_ns: str, lease: Lease) -> str:
+        """veth `host_if` on the bridge, its peer `eth0` in the sandbox netns, addressed and routed
+        (and lo up: a pool netns has nobody else to do it)."""
         nsfd = os.open(sandbox_ns, os.O_RDONLY | os.O_CLOEXEC)
         try:
             m = ifinfmsg()
@@ -266,7 +266,7 @@ class Plumbing:
         try:
             self._configure_inside(sandbox_ns, lease)
         except BaseException:
-            self.remove_sandbox(sb_id)
+            self.remove_sandbox(host_if)
             raise
         return host_if
 
@@ -282,7 +282,8 @@ class Plumbing:
             sock.close()
 
     def _inside_msgs(self, idx: int, lease: Lease) -> list:
-        msgs = [(RTM_NEWADDR, NLM_F_CREATE | NLM_F_EXCL, addr_msg(idx, lease.ipv4, False), f"add {lease.ipv4}"),
+        msgs = [(RTM_NEWLINK, 0, link_up_msg(1), "set lo up"),      # lo is ifindex 1 in every netns
+                (RTM_NEWADDR, NLM_F_CREATE | NLM_F_EXCL, addr_msg(idx, lease.ipv4, False), f"add {lease.ipv4}"),
                 (RTM_NEWLINK, 0, link_up_msg(idx), "set sandbox link up"),
                 (RTM_NEWROUTE, NLM_F_CREATE | NLM_F_EXCL, _default_route_msg(lease.gateway4, idx),
                  f"add default route via {lease.gateway4}")]
@@ -292,10 +293,9 @@ class Plumbing:
                       f"add default route via {lease.gateway6}")]
         return msgs
 
-    def remove_sandbox(self, sb_id: str) -> bool:
-        """Delete the host side (the peer goes with it); False if already gone
+    def remove_sandbox(self, host_if: str) -> bool:
+        """Delete the host side `host_if` (the peer goes with it); False if already gone
         (a netns that died took the pair with it)."""
-        host_if = host_ifname(sb_id)
         m = ifinfmsg()
         m["index"] = 0
         m["attrs"] = [["IFLA_IFNAME", host_if]]
@@ -307,10 +307,10 @@ class Plumbing:
             raise
         return True
 
-    def has_sandbox(self, sb_id: str) -> bool:
+    def has_sandbox(self, host_if: str) -> bool:
         m = ifinfmsg()
         m["index"] = 0
-        m["attrs"] = [["IFLA_IFNAME", host_ifname(sb_id)]]
+        m["attrs"] = [["IFLA_IFNAME", host_if]]
         try:
             # RTM_NEWLINK without CREATE on an existing link with no changes: a cheap existence probe.
             request(self._sock, [(RTM_NEWLINK, 0, m, "probe veth")])
@@ -319,3 +319,12 @@ class Plumbing:
                 return False
             raise
         return True
+
+    def links_with_prefix(self, prefix: str) -> list[str]:
+        """Names of the bridge netns' links starting with `prefix` (a start-up sweep; not hot)."""
+        ipr = IPRoute(fileno=netlink_socket(self.ns_path).detach(), groups=0)
+        try:
+            names = [link.get_attr("IFLA_IFNAME") or "" for link in ipr.get_links()]
+        finally:
+            ipr.close()
+        return [n for n in names if n.startswith(prefix)]

@@ -4,6 +4,7 @@ timeouts, caps, rlimits, zygote replacement, concurrency, CLI."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
 import subprocess
@@ -97,6 +98,42 @@ def test_concurrent_calls_cannot_reach_each_other(daemon, py_image):
     assert a.stdout.split()[0] != b.stdout.split()[0]
     assert a.stdout.split()[1:] == [b"nolist", b"True"], a.stderr
     assert b.stdout.split()[1:] == [b"nolist", b"True"], b.stderr
+
+
+def test_call_workers_run_under_the_seccomp_filter(client, py_image):
+    """The zygote is started by the exec helper with the sandbox profile
+    (sandbox.seccomp) and every worker it forks inherits it: a denied syscall
+    fails with EPERM where an unfiltered process as the same uid succeeds, and
+    its allowed neighbour works. x86_64 numbers, as in test_seccomp_kernel.py."""
+    code = (
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "def call(*a):\n"
+        "    ctypes.set_errno(0)\n"
+        "    rc = libc.syscall(*a)\n"
+        "    return 'ok' if rc >= 0 else ctypes.get_errno()\n"
+        "status = dict(l.split(':', 1) for l in open('/proc/self/status'))\n"
+        "print(status['Seccomp'].strip(), status['NoNewPrivs'].strip())\n"
+        "print(call(250, 0, -3, 0))\n"      # keyctl(KEYCTL_GET_KEYRING_ID, session): denied
+        "print(call(425, 1, 0))\n"          # io_uring_setup: denied
+        "print(call(39))\n"                 # getpid: allowed
+    )
+    r = client.call(py_image, code=code)
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.decode().split("\n")[:4] == ["2 1", str(errno.EPERM), str(errno.EPERM), "ok"]
+    # An argv call (forked by the zygote, then exec'ed) keeps the filter too.
+    r = client.call(py_image, argv=["sh", "-c", "grep '^Seccomp:' /proc/self/status"])
+    assert r.stdout == b"Seccomp:\t2\n", r.stderr
+
+
+def test_large_code_stdin_and_output_cap(client, py_image):
+    """Code past the inline packet size travels in a memfd, stdin in a memfd
+    too; output past limits.max_exec_output_bytes (8M) is cut and flagged."""
+    big = "x = 1\n" * 20000 + "import sys\nprint(len(sys.stdin.read()), x)"
+    r = client.call(py_image, code=big, stdin=b"y" * (1 << 20))
+    assert (r.exit_code, r.stdout) == (0, b"1048576 1\n"), r.stderr
+    r = client.call(py_image, code="import sys\nsys.stdout.buffer.write(b'z' * (9 << 20))")
+    assert r.truncated and len(r.stdout) == 8 << 20
 
 
 def test_timeout_kills_the_call(client, py_image):

@@ -11,6 +11,7 @@ import pytest
 from test_net_kit import World, bpf_skip_reason
 
 from dsecd.errors import BadRequest
+from dsecd.net.records import RecordLog
 
 pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None, reason=bpf_skip_reason() or "")
 
@@ -104,8 +105,7 @@ def test_lease_freed_on_destroy_and_kept_across_restart(world, netd):
     assert s2.net_show()["lease"]["ipv4"] == ip
     assert connect(s2, world.pkg, 80)[0] == 0 and connect(s2, world.ref, 443)[0] != 0
     s2.destroy()
-    leases = json.loads((d.state / "net" / "leases.json").read_text())
-    assert sb.id not in json.dumps(leases)
+    assert RecordLog(d.state / "net" / "records.log").get(sb.id) is None     # lease and record gone
     c2.close()
 
 

@@ -75,17 +75,17 @@ for line in sys.stdin:
             os.sched_setaffinity(0, {q["cpu"]}); r = {"ok": True}
         elif op == "bulk":        # bench: stream to a sink for `secs`
             s = socket.create_connection((q["host"], q["port"])); buf = b"x" * 262144; n = 0
-            t0 = time.perf_counter(); end = t0 + q["secs"]
+            c0 = time.process_time(); t0 = time.perf_counter(); end = t0 + q["secs"]
             while time.perf_counter() < end:
                 s.sendall(buf); n += len(buf)
-            r = {"bytes": n, "secs": time.perf_counter() - t0}; s.close()
+            r = {"bytes": n, "secs": time.perf_counter() - t0, "cpu": time.process_time() - c0}; s.close()
         elif op == "connects":    # bench: connect+close (RST, no TIME_WAIT) for `secs`
-            n = 0; t0 = time.perf_counter(); end = t0 + q["secs"]
+            n = 0; c0 = time.process_time(); t0 = time.perf_counter(); end = t0 + q["secs"]
             lg = struct.pack("ii", 1, 0)
             while time.perf_counter() < end:
                 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, lg)
                 s.connect((q["host"], q["port"])); s.close(); n += 1
-            r = {"n": n, "secs": time.perf_counter() - t0}
+            r = {"n": n, "secs": time.perf_counter() - t0, "cpu": time.process_time() - c0}
     except OSError as e:
         r = err(e)
     print(json.dumps(r), flush=True)
@@ -125,16 +125,20 @@ def _run_server_udp(sock: socket.socket, stop: threading.Event) -> None:
 class Agent:
     """A stand-in sandbox: a process in its own netns and cgroup."""
 
-    def __init__(self, world: World, name: str, root: bool = False):
+    def __init__(self, world: World, name: str, root: bool = False, nsfd: int | None = None):
+        """nsfd: join that netns (a pool entry's) instead of making one."""
         self.name = name
-        self.netns = f"{world.prefix}-sb-{name}"
-        pr_netns.create(self.netns)
-        world.netns.append(self.netns)
         self.cgroup = world.cgroup / name
         self.cgroup.mkdir()
         procs = str(self.cgroup / "cgroup.procs")
-        nspath = f"/run/netns/{self.netns}"
-        lo_up(nspath)                       # the spawn helper does this in real sandboxes
+        if nsfd is None:
+            self.netns = f"{world.prefix}-sb-{name}"
+            pr_netns.create(self.netns)
+            world.netns.append(self.netns)
+            nspath = f"/run/netns/{self.netns}"
+            lo_up(nspath)                       # the spawn helper does this in real sandboxes
+        else:
+            self.netns, nspath = None, f"/proc/self/fd/{nsfd}"
 
         def enter() -> None:
             with open(procs, "w") as f:
@@ -163,7 +167,9 @@ class Agent:
 
 
 class World:
-    def __init__(self, net_overrides: dict | None = None):
+    def __init__(self, net_overrides: dict | None = None, network: bool = True):
+        """network=False: the bridge only (made by Plumbing), no Network of this
+        process; bench/net.py gives the bridge netns to a daemon instead."""
         h = secrets.token_hex(3)
         self.prefix = f"dsec-test-{h}"
         self.octet = 200 + secrets.randbelow(50)
@@ -179,16 +185,24 @@ class World:
         self.stop_event = threading.Event()
         self.server_socks: list[socket.socket] = []
         self.net = None
+        self.plumbing = None
         self.cgroup_root = f"dsecd-test-{h}"
         self.cgroup = V2 / self.cgroup_root
         self.cgroup.mkdir()
         try:
             self._make_bridge_netns()
             self._make_servers()
-            from dsecd.net import Network
             self.cfg = net_config(self)
             self.cfg.update(net_overrides or {})
-            self.net = Network(self.cfg, self.tmp / "state", V2, self.cgroup_root)
+            if network:
+                from dsecd.net import Network
+                self.net = Network(self.cfg, self.tmp / "state", V2, self.cgroup_root)
+                self.bridge_index = self.net.plumbing.bridge_index
+            else:
+                from dsecd.net.plumbing import BridgeSpec, Plumbing
+                self.plumbing = Plumbing(BridgeSpec(name=self.cfg["bridge"], mtu=self.cfg["mtu"],
+                                                    host_netns=self.br_ns, gateway4=f"10.{self.octet}.0.1/16"))
+                self.bridge_index = self.plumbing.bridge_index
             self._link_servers()
         except BaseException:
             self.close()
@@ -239,7 +253,7 @@ class World:
             with IPRoute(fileno=netlink_socket(br).detach(), groups=0) as ipr:
                 ipr.link("add", ifname="srv0", kind="veth", peer={"ifname": "eth0", "net_ns_fd": srv_fd})
                 idx = ipr.link_lookup(ifname="srv0")[0]
-                ipr.link("set", index=idx, master=self.net.plumbing.bridge_index, state="up")
+                ipr.link("set", index=idx, master=self.bridge_index, state="up")
         finally:
             os.close(srv_fd)
         with IPRoute(fileno=netlink_socket(f"/run/netns/{self.srv_ns}").detach(), groups=0) as ipr:
@@ -254,8 +268,8 @@ class World:
         finally:
             s.close()
 
-    def agent(self, name: str | None = None, root: bool = False) -> Agent:
-        a = Agent(self, name or secrets.token_hex(4), root=root)
+    def agent(self, name: str | None = None, root: bool = False, nsfd: int | None = None) -> Agent:
+        a = Agent(self, name or secrets.token_hex(4), root=root, nsfd=nsfd)
         self.agents.append(a)
         return a
 
@@ -266,6 +280,8 @@ class World:
                 with contextlib.suppress(Exception):
                     self.net.detach(sb_id)
             self.net.close()
+        if self.plumbing is not None:
+            self.plumbing.close()
         for a in self.agents:
             a.stop()
         for s in self.server_socks:
@@ -314,3 +330,10 @@ def bpf_skip_reason() -> str | None:
     except ImportError as err:
         return f"bcc unavailable: {err}"
     return None
+
+
+def bridge_links(world: World, prefix: str) -> list[str]:
+    """Links named prefix* in the world's bridge netns."""
+    with IPRoute(fileno=netlink_socket(f"/run/netns/{world.br_ns}").detach(), groups=0) as ipr:
+        names = [link.get_attr("IFLA_IFNAME") or "" for link in ipr.get_links()]
+    return [n for n in names if n.startswith(prefix)]
