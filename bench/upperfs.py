@@ -18,17 +18,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import tempfile
 import time
-from pathlib import Path
 
 import harness
 import peers
 
 import dsecd
 
-CONFIG = ('[sandbox]\ncgroup_root = "dsecd-bench-upperfs-{mode}-{pid}"\nwritable_layer = "{mode}"\n'
-          "[cpu]\noversubscription = 0\nmemory_oversubscription = 0\n")
+# Appended to the harness's [sandbox] section (its own cgroup subtree per tag,
+# removed at exit).
+EXTRA = 'writable_layer = "{mode}"\n[cpu]\noversubscription = 0\nmemory_oversubscription = 0\n'
 MODES = ("dir", "tmpfs")
 
 
@@ -61,15 +60,11 @@ def main() -> int:
     p.add_argument("--n", type=int, default=150, help="create+exec+destroy rounds per daemon")
     args = p.parse_args()
     rootfs = harness.build_rootfs()
-    import os
-
     with contextlib.ExitStack() as stack:
         clients = {}
         for mode in MODES:
-            cfg = Path(tempfile.mkstemp(prefix=f"upperfs-{mode}-", suffix=".toml")[1])
-            stack.callback(cfg.unlink)
-            cfg.write_text(CONFIG.format(mode=mode, pid=os.getpid()))
-            daemon = stack.enter_context(harness.private_daemon(rootfs, "busybox", str(cfg)))
+            daemon = stack.enter_context(harness.private_daemon(
+                rootfs, "busybox", extra_config=EXTRA.format(mode=mode), tag=f"-{mode}"))
             c = dsecd.SyncClient(daemon.sock)
             c.connect()
             stack.callback(c.close)
