@@ -48,6 +48,53 @@ def host_used() -> int:
     return fields["MemTotal"] - fields["MemFree"]
 
 
+STAT_KEYS = ("rss", "cache", "mapped_file", "shmem", "dirty", "writeback", "swap", "inactive_anon",
+             "active_anon", "inactive_file", "active_file", "unevictable")
+MEMINFO_KEYS = ("MemFree", "Cached", "Buffers", "AnonPages", "Shmem", "SwapCached", "Slab", "SReclaimable",
+                "SUnreclaim", "PageTables", "KernelStack", "Dirty", "Writeback", "Mapped")
+
+
+def group_stats(infos: list[dict]) -> dict[str, int]:
+    """Sum over the sandboxes' memory cgroups of memory.stat (v1 names), the
+    usage and the kernel memory charged to them: where the held bytes are."""
+    out = dict.fromkeys(STAT_KEYS + ("usage", "kmem"), 0)
+    for info in infos:
+        d = info["cgroups"].get("memory")
+        if not d:
+            continue
+        with open(f"{d}/memory.stat") as f:
+            for line in f:
+                key, value = line.split()
+                if key in out:
+                    out[key] += int(value)
+        out["usage"] += cgroup_usage(info)
+        try:
+            with open(f"{d}/memory.kmem.usage_in_bytes") as f:
+                out["kmem"] += int(f.read())
+        except OSError:
+            pass
+    return out
+
+
+def swaps() -> str:
+    """/proc/swaps used KiB, and zram's mm_stat (orig, compressed, used) in MiB."""
+    out = []
+    with open("/proc/swaps") as f:
+        for line in f.read().splitlines()[1:]:
+            name, _kind, _size, used, _prio = line.split()
+            extra = ""
+            if name.startswith("/dev/zram"):
+                with open(f"/sys/block/{name[5:]}/mm_stat") as m:
+                    orig, compr, mem_used = (int(x) >> 20 for x in m.read().split()[:3])
+                extra = f" (zram orig {orig} compr {compr} used {mem_used} MiB)"
+            out.append(f"{name} used {int(used) >> 10} MiB{extra}")
+    return "; ".join(out) or "no swap"
+
+
+def breakdown(before: dict, after: dict) -> str:
+    return ", ".join(f"{k} {before[k] / 2**20:.0f}->{after[k] / 2**20:.0f}" for k in before)
+
+
 def cgroup_usage(info: dict) -> int:
     d = info["cgroups"].get("memory")
     if d:
@@ -88,12 +135,18 @@ async def reclaim_and_resume(sock: str, n: int) -> dict:
         await asyncio.sleep(1)
         infos = await gather_limited([sb.inspect() for sb in sbs])
         held = sum(cgroup_usage(i) for i in infos)
+        g_before, m_before = group_stats(infos), harness.meminfo()
         before = host_used()
         t0 = time.perf_counter()
         await gather_limited([sb.pause() for sb in sbs], limit=8)
         pause_s = time.perf_counter() - t0
         await asyncio.sleep(2)
         after = host_used()
+        g_after, m_after = group_stats(infos), harness.meminfo()
+        log(f"  memcgs (MiB, sum): {breakdown(g_before, g_after)}")
+        log("  host (MiB): " + breakdown({k: m_before[k] for k in MEMINFO_KEYS},
+                                        {k: m_after[k] for k in MEMINFO_KEYS}))
+        log(f"  swap: {swaps()}")
         fraction = (before - after) / held
         log(f"  held {held / 2**20:.0f} MiB; host used {before / 2**20:.0f} -> {after / 2**20:.0f} MiB "
             f"after pausing (in {pause_s:.1f} s): fraction {fraction:.3f}")

@@ -19,7 +19,7 @@ import time
 from collections import deque
 
 from .errors import BadRequest, Conflict, DsecError, NotFound
-from .mem import damon, pause, zram
+from .mem import damon, pause, swapfile, zram
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,8 @@ class MemOps:
         self.pause_cfg = pause.PauseConfig.from_section(mem)
         self.auto_resume = mem["auto_resume"]
         self.zram = zram.ZramSwap(zram.ZramConfig.from_section(mem["zram"]))
+        self.swapfile = swapfile.Swapfile(swapfile.SwapfileConfig.from_section(mem["swapfile"], cfg.state_dir))
+        self.swap_errors: dict[str, str] = {}
         self.damon = damon.DamonController(damon.DamonConfig.from_section(mem["damon"], cfg.state_dir))
         self.damon_running = False
         self.events = EventBus()
@@ -93,13 +95,22 @@ class MemOps:
     # ------------------------------------------------------------ start / stop
 
     def start_memory(self) -> None:
-        """zram and DAMON at start, as configured (blocking; in a thread)."""
+        """Swap (zram, swap file) and DAMON at start, as configured (blocking;
+        in a thread). A swap backend that fails is a logged degradation shown
+        in `dsec info`: pause then frees less, it does not fail."""
         if self.zram.cfg.enabled:
             try:
                 dev = self.zram.setup()
                 log.info("zram swap on /dev/zram%d", dev)
             except OSError as err:
+                self.swap_errors["zram"] = str(err)
                 log.error("zram swap not set up (memory.zram.enabled): %s", err)
+        if self.swapfile.cfg.enabled:
+            try:
+                self.swapfile.setup()
+            except OSError as err:
+                self.swap_errors["swapfile"] = str(err)
+                log.error("swap file not set up (memory.swapfile.enabled): %s", err)
         if self.damon.cfg.enabled:
             avail = self.damon.probe()
             if not avail.available:
@@ -113,18 +124,36 @@ class MemOps:
         return damon.SandboxScheme(sb_id, f"/{self.sb_defaults['cgroup_root']}/{sb_id}")
 
     def close_memory(self) -> None:
-        """Shutdown (blocking): stop our kdamond; take zram down only when no
-        sandbox is paused (swapoff would page all their memory back in)."""
+        """Shutdown (blocking): stop our kdamond; take our swap down only when
+        no sandbox is paused (swapoff would page all their memory back in;
+        the next daemon adopts a swap file left on)."""
         if self.damon_running:
             try:
                 self.damon.stop()
             except OSError as err:
                 log.error("stop DAMON: %s", err)
-        if self.zram.cfg.enabled and not any(s.state == "paused" for s in self.sandboxes.values()):
-            try:
-                self.zram.teardown()
-            except OSError as err:
-                log.error("zram teardown: %s", err)
+        if any(s.state == "paused" for s in self.sandboxes.values()):
+            log.warning("swap left on: paused sandboxes hold pages in it")
+            return
+        for name, backend in (("swap file", self.swapfile), ("zram", self.zram)):
+            if backend.cfg.enabled:
+                try:
+                    backend.teardown()
+                except OSError as err:
+                    log.error("%s teardown: %s", name, err)
+
+    def memory_info(self) -> dict:
+        """For `dsec info` (blocking: sysfs and /proc/swaps reads): the swap
+        backends dsecd manages and what they hold."""
+        out = {}
+        z = self.zram
+        out["zram"] = {"enabled": z.cfg.enabled, "device": None if z.device is None else f"/dev/zram{z.device}",
+                       "on": z.is_swap_on(), **({"stats": z.stats()} if z.device is not None else {})}
+        f = self.swapfile
+        out["swapfile"] = {"enabled": f.cfg.enabled, "path": f.path, "on": f.active, **f.usage()}
+        for name, err in self.swap_errors.items():
+            out[name]["error"] = err
+        return out
 
     def start_reaper(self) -> None:
         self._reaper_task = self.loop.create_task(self._reap_loop())

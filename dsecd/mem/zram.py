@@ -58,14 +58,18 @@ class ZramConfig:
                    mem_limit_bytes=parse_size(z["mem_limit"]))
 
 
-def swap_header(size_bytes: int, page_size: int = native.PAGE_SIZE) -> bytes:
+def swap_header(size_bytes: int, page_size: int = native.PAGE_SIZE, label: bytes = b"dsecd-zram") -> bytes:
     """Page 0 of a v1 swap area, as mkswap(8) writes it (include/linux/swap.h
-    union swap_header): version 1, last_page, no bad pages, magic at the end."""
+    union swap_header): version 1, last_page, no bad pages, uuid, a label
+    (volume_name, <= 16 bytes: dsecd's own areas are recognised by it), magic
+    at the end."""
+    if len(label) > 16:
+        raise ValueError(f"a swap label has at most 16 bytes, got {label!r}")
     pages = size_bytes // page_size
     if pages < 10:
         raise ValueError(f"a swap area needs at least 10 pages, got {size_bytes} bytes")
     uuid = os.urandom(16)
-    info = struct.pack("<III16s16s", 1, pages - 1, 0, uuid, b"dsecd-zram".ljust(16, b"\0"))
+    info = struct.pack("<III16s16s", 1, pages - 1, 0, uuid, label.ljust(16, b"\0"))
     page = bytearray(page_size)
     page[1024:1024 + len(info)] = info
     page[page_size - len(SWAP_MAGIC):] = SWAP_MAGIC
