@@ -14,9 +14,12 @@ does not count towards the idle TTL.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 from .errors import BadRequest, Conflict, DsecError, NotFound
 from .mem import damon, pause, swapfile, zram
@@ -87,6 +90,12 @@ class MemOps:
         self.zram = zram.ZramSwap(zram.ZramConfig.from_section(mem["zram"]))
         self.swapfile = swapfile.Swapfile(swapfile.SwapfileConfig.from_section(mem["swapfile"], cfg.state_dir))
         self.swap_errors: dict[str, str] = {}
+        # Work nobody waits for (reclaim after a job pause, prefetch after a
+        # resume) runs on its own small pool: on the request pool, 500
+        # reclaims waiting on swap writeback held a job resume's thaws up
+        # for 8 s, and disk prefetches held on-demand resumes up 200 ms.
+        self.mem_pool = ThreadPoolExecutor(int(mem["background_threads"]), "dsecd-mem")
+        self._behind: dict[str, asyncio.Future] = {}
         self.damon = damon.DamonController(damon.DamonConfig.from_section(mem["damon"], cfg.state_dir))
         self.damon_running = False
         self.events = EventBus()
@@ -100,8 +109,7 @@ class MemOps:
         in `dsec info`: pause then frees less, it does not fail."""
         if self.zram.cfg.enabled:
             try:
-                dev = self.zram.setup()
-                log.info("zram swap on /dev/zram%d", dev)
+                self._start_zram()
             except OSError as err:
                 self.swap_errors["zram"] = str(err)
                 log.error("zram swap not set up (memory.zram.enabled): %s", err)
@@ -120,13 +128,33 @@ class MemOps:
             self.damon.start([self._scheme(i) for i in live])
             self.damon_running = True
 
+    def _start_zram(self) -> None:
+        """Adopt the device a previous daemon left on for its paused sandboxes
+        (its number in <state_dir>/zram.json), else make one and record it:
+        without the record every restart would leave one more device behind."""
+        state = self.cfg.state_dir / "zram.json"
+        try:
+            dev = json.loads(state.read_text())["device"]
+        except (OSError, ValueError, KeyError, TypeError):
+            dev = None
+        if isinstance(dev, int) and self.zram.adopt(dev):
+            log.info("zram swap on /dev/zram%d: adopted from the previous daemon", dev)
+            return
+        dev = self.zram.setup()
+        tmp = state.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"device": dev}))
+        os.replace(tmp, state)
+        log.info("zram swap on /dev/zram%d", dev)
+
     def _scheme(self, sb_id: str) -> damon.SandboxScheme:
         return damon.SandboxScheme(sb_id, f"/{self.sb_defaults['cgroup_root']}/{sb_id}")
 
     def close_memory(self) -> None:
-        """Shutdown (blocking): stop our kdamond; take our swap down only when
-        no sandbox is paused (swapoff would page all their memory back in;
-        the next daemon adopts a swap file left on)."""
+        """Shutdown (blocking): drop background reclaims and prefetches not
+        started, stop our kdamond; take our swap down only when no sandbox
+        is paused (swapoff would page all their memory back in; the next
+        daemon adopts a swap file left on)."""
+        self.mem_pool.shutdown(wait=False, cancel_futures=True)
         if self.damon_running:
             try:
                 self.damon.stop()
@@ -141,6 +169,8 @@ class MemOps:
                     backend.teardown()
                 except OSError as err:
                     log.error("%s teardown: %s", name, err)
+        if self.zram.device is None:
+            (self.cfg.state_dir / "zram.json").unlink(missing_ok=True)
 
     def memory_info(self) -> dict:
         """For `dsec info` (blocking: sysfs and /proc/swaps reads): the swap
@@ -154,6 +184,21 @@ class MemOps:
         for name, err in self.swap_errors.items():
             out[name]["error"] = err
         return out
+
+    def _behind_answer(self, sb, fn, *args) -> asyncio.Future:
+        """Run `fn` on the memory pool for `sb`, behind an answer already given.
+        A newer piece of work for the same sandbox cancels an older one that
+        has not started (a resume makes a pending reclaim pointless)."""
+        self._cancel_behind(sb.id)
+        fut = self.loop.run_in_executor(self.mem_pool, fn, *args)
+        self._behind[sb.id] = fut
+        fut.add_done_callback(lambda f, i=sb.id: self._behind.pop(i) if self._behind.get(i) is f else None)
+        return fut
+
+    def _cancel_behind(self, sb_id: str) -> None:
+        fut = self._behind.pop(sb_id, None)
+        if fut is not None:
+            fut.cancel()        # only takes effect if it has not started
 
     def start_reaper(self) -> None:
         self._reaper_task = self.loop.create_task(self._reap_loop())
@@ -172,6 +217,7 @@ class MemOps:
     def before_destroy(self, sb) -> None:
         """Blocking: drop the DAMON scheme before the memcg goes (else commit is
         EINVAL), and thaw a frozen sandbox (a frozen v1 task only dies thawed)."""
+        self.loop.call_soon_threadsafe(self._cancel_behind, sb.id)
         if self.damon_running:
             try:
                 self.damon.remove(sb.id)
@@ -196,7 +242,7 @@ class MemOps:
         await self._resume(sb, mode="none")
         rec = pause.PauseRecord.from_json(sb.pause_record or {})
         if rec.working_set and self.pause_cfg.prefetch_mode != "none":
-            self.loop.run_in_executor(self.pool, pause.prefetch, rec.working_set, self.pause_cfg.prefetch_mode)
+            self._behind_answer(sb, pause.prefetch, rec.working_set, self.pause_cfg.prefetch_mode)
 
     # ------------------------------------------------------------ pause / resume
 
@@ -206,6 +252,7 @@ class MemOps:
                 return {"id": sb.id, "state": "paused", "already": True}
             if sb.state != "running":
                 raise Conflict(f"sandbox {sb.id} is {sb.state}; only a running sandbox can be paused")
+            self._cancel_behind(sb.id)          # a prefetch still queued would undo the reclaim
             try:
                 rec = await self.run_blocking(pause.pause, sb.handle.group, self.pause_cfg)
             except OSError as err:
@@ -225,6 +272,7 @@ class MemOps:
         async with sb.lock:
             if sb.state != "paused":
                 return {"id": sb.id, "state": sb.state, "already": True}
+            self._cancel_behind(sb.id)          # a reclaim still queued after a job pause
             rec = pause.PauseRecord.from_json(sb.pause_record or {})
             try:
                 res = await self.run_blocking(pause.resume, sb.handle.group, rec, self.pause_cfg.freeze_timeout_s,
@@ -269,14 +317,18 @@ class MemOps:
 
         async def reclaim(s) -> None:
             try:
-                rec = await self.run_blocking(pause.reclaim_frozen, s.handle.group, self.pause_cfg)
-                if s.state == "paused":
-                    s.pause_record = rec.to_json()
-                    self._journal(s)
+                rec = await self._behind_answer(s, pause.reclaim_frozen, s.handle.group, self.pause_cfg)
+            except asyncio.CancelledError:
+                return                          # resumed (or destroyed) before its turn
             except OSError as err:
                 log.warning("reclaim of paused sandbox %s: %s", s.id, err)
+                return
+            if s.state == "paused":
+                s.pause_record = rec.to_json()
+                self._journal(s)
 
         for s in paused:
+            self._cancel_behind(s.id)
             self.loop.create_task(reclaim(s))
         return {"job": req.job, "paused": [s.id for s in paused], "failed": sorted(failed_ids)}
 
@@ -289,8 +341,8 @@ class MemOps:
         if self.pause_cfg.prefetch_mode != "none":
             for s, r in zip(sbs, results, strict=True):
                 if isinstance(r, dict) and records[s.id].working_set:
-                    self.loop.run_in_executor(self.pool, pause.prefetch, records[s.id].working_set,
-                                              self.pause_cfg.prefetch_mode)
+                    self._behind_answer(s, pause.prefetch, records[s.id].working_set,
+                                        self.pause_cfg.prefetch_mode)
         return {"job": req.job, "resumed": [s.id for s, r in zip(sbs, results, strict=True) if isinstance(r, dict)],
                 "failed": {s.id: str(r) for s, r in zip(sbs, results, strict=True) if isinstance(r, BaseException)}}
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import native
-from .zram import active_swaps, swap_header
+from .zram import active_swaps, read_label, swap_header
 
 log = logging.getLogger(__name__)
 
@@ -84,19 +84,6 @@ def fs_type(path: str | Path, mountinfo: str = "/proc/self/mountinfo") -> tuple[
             if inside and len(point) >= len(best):
                 best, best_fs = point, fstype
     return best_fs, best
-
-
-def read_label(path: str | Path) -> bytes | None:
-    """The label of a swap header at `path`, or None if it has none."""
-    try:
-        with open(path, "rb") as f:
-            page = f.read(native.PAGE_SIZE)
-    except FileNotFoundError:
-        return None
-    if len(page) < native.PAGE_SIZE or not page.endswith(b"SWAPSPACE2"):
-        return None
-    # union swap_header: version, last_page, nr_badpages, uuid[16], volume_name[16] at 1024.
-    return page[1024 + 28:1024 + 44].rstrip(b"\0")
 
 
 class Swapfile:

@@ -125,7 +125,9 @@ def test_swapfile_is_made_private_allocated_swapped_on_and_removed(box, swapfile
     assert swapfile.usage()["size"] >= 127 * MIB
     rec = mp.pause(box.group)
     assert rec.before["anon"] - rec.after["anon"] >= 12 * MIB         # anon left RAM for the file
-    assert swapfile.usage()["used"] >= 12 * MIB
+    assert mp.usage(box.group).swap >= 12 * MIB
+    if not active_swaps() - {path}:                 # else another swap area may share the pages
+        assert swapfile.usage()["used"] >= 12 * MIB
     res = mp.resume(box.group, rec)
     assert res.prefetched_bytes >= 12 * MIB
     box.touch()
@@ -183,13 +185,18 @@ def test_pause_with_zram_swaps_anon_out_and_prefetch_brings_it_back(box, zram):
     assert dev != 0 and path in active_swaps()
     rec = mp.pause(box.group)
     assert rec.before["anon"] - rec.after["anon"] >= 12 * MIB         # anon went to zram
-    assert zram.stats()["orig_data_size"] >= 12 * MIB
     assert mp.usage(box.group).swap >= 12 * MIB
+    if not active_swaps() - {path}:                 # else another swap area may share the pages
+        assert zram.stats()["orig_data_size"] >= 12 * MIB
     res = mp.resume(box.group, rec)                                  # mode "populate"
     assert res.prefetched_bytes >= 12 * MIB
     assert mp.usage(box.group).anon >= 12 * MIB                       # mapped again, before any touch
     box.touch()
+    other = ZramSwap(zram.cfg)                                       # a restarted daemon
+    assert not other.adopt(0) and other.device is None               # not ours: never taken
+    assert other.adopt(dev) and other.device == dev
     zram.teardown()
+    assert not ZramSwap(zram.cfg).adopt(dev)                         # gone: nothing to adopt
     assert path not in active_swaps() and not Path(f"/sys/block/zram{dev}").exists()
     assert Path("/sys/block/zram0").exists()                         # the host's device untouched
 

@@ -147,6 +147,9 @@ def test_config_block_in_docs_builds_every_config():
     assert pc == mp.PauseConfig()                       # the documented defaults are the code's
     z = ZramConfig.from_section(cfg["zram"])
     assert z == ZramConfig()
+    from dsecd.mem.swapfile import SwapfileConfig
+
+    assert SwapfileConfig.from_section(cfg["swapfile"], "/var/lib/dsecd") == SwapfileConfig()
     d = DamonConfig.from_section(cfg["damon"], "/var/lib/dsecd")
     assert d.cold_age_us == DamonConfig().cold_age_us and d.quota_bytes == 64 << 20
     assert d.state_file == "/var/lib/dsecd/damon.json"
