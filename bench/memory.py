@@ -1,23 +1,30 @@
 """`make bench-memory`: what pausing gives back, what resuming costs, jobs of 500.
 
-Through a private daemon (bench/harness.py) with its own zram swap device
-(memory.zram.enabled: anonymous pages leave only through swap), it measures:
+Through private daemons (bench/harness.py), one per swap backend: first
+with a swap file of the daemon's own on local disk (memory.swapfile, the
+realistic configuration for a host with a local disk), then with a zram
+device (memory.zram). Anonymous pages leave RAM only through swap.
 
-* paused_reclaimed_fraction: N idle sandboxes each hold 20 MiB of anonymous
-  memory (half runs of one byte, half base64 of random bytes: compressible
-  like a real heap, not like zeros) and 20 MiB of page cache (a file they
-  wrote and read). Host memory in use (MemTotal - MemFree) before and
-  after pausing them all, over what their memory cgroups held before;
-  zram's compressed store is in "in use", so it is net of swap cost.
-* resume_first_exec_p50_ms / _p99_ms: exec `true` on each paused sandbox
-  (the exec resumes it first: thaw, then prefetch behind the request).
-* job_pause_500_s / job_resume_500_s: `job pause` / `job resume` of 500
-  idle sandboxes labelled with one job.
+* paused_reclaimed_fraction (swap file) / paused_reclaimed_fraction_zram:
+  N idle sandboxes each hold 20 MiB of anonymous memory (half runs of one
+  byte, half base64 of random bytes: lz4 gets 2.0:1 out of it) and 20 MiB
+  of page cache (a file they wrote and read). Host memory in use (MemTotal
+  - MemFree - the per-CPU free lists) before and after pausing them all,
+  over what their memory cgroups held before; zram's compressed store is
+  in "in use", so the zram figure is net of swap cost. Host-wide, so other
+  processes on the host move it: `..._accounted` is the same quantity from
+  the owners' counters (what left the sandboxes' memcgs minus what zram
+  grew by in RAM). The log shows where the held memory was and went.
+* resume_first_exec_p50_ms / _p99_ms (swap file): exec `true` on each paused
+  sandbox (the exec resumes it first: thaw, then prefetch behind the request).
+* job_pause_500_s / job_resume_500_s (swap file): `job pause` / `job resume`
+  of 500 idle sandboxes labelled with one job.
 * damon_available: what `dsec info` says (false on a host whose DAMON
   interface another owner's kdamond holds).
+* swap_backend: the backend of the unsuffixed figures.
 
 Last line of stdout: one JSON object with those names.
-Run as root: .venv/bin/python bench/memory.py [--quick]
+Run as root: .venv/bin/python bench/memory.py [--quick] [--swap swapfile|zram|both]
 """
 
 from __future__ import annotations
@@ -146,12 +153,19 @@ async def wait_ready(sb, timeout: float = 600) -> None:
     raise TimeoutError(f"sandbox {sb.id} did not finish filling its memory in {timeout}s")
 
 
-async def swap_ram(c) -> int:
-    """RAM that dsecd's swap backends use now: zram's compressed store and
-    metadata (mem_used_total); a swap file uses none (its swap cache pages
-    are still charged to the sandboxes' memcgs)."""
-    z = (await c.info())["memory"]["zram"]
-    return z.get("stats", {}).get("mem_used_total", 0)
+def swap_ram() -> int:
+    """RAM that swap uses now: every active zram device's compressed store and
+    metadata (mem_used_total; all of them, since the kernel puts pages on the
+    highest-priority area, which need not be our daemon's); a swap file
+    uses none (its swap cache pages stay charged to the sandboxes' memcgs)."""
+    total = 0
+    with open("/proc/swaps") as f:
+        for line in f.read().splitlines()[1:]:
+            name = line.split()[0]
+            if name.startswith("/dev/zram"):
+                with open(f"/sys/block/{name[5:]}/mm_stat") as m:
+                    total += int(m.read().split()[2])
+    return total
 
 
 async def reclaim_and_resume(sock: str, n: int, backend: str, resume: bool = True) -> dict:
@@ -160,9 +174,14 @@ async def reclaim_and_resume(sock: str, n: int, backend: str, resume: bool = Tru
         sbs = await gather_limited([c.create(image="busybox", memory="256M") for _ in range(n)])
         await gather_limited([sb.exec(["sh", "-c", HOLD]) for sb in sbs], limit=2)
         await gather_limited([wait_ready(sb) for sb in sbs])     # the fills run in the background
+        # Read each file once more: with 200 fills taking minutes on a shared
+        # host, the first sandboxes' page cache had partly been dropped by
+        # then (200 x 20 MiB written, 1.8-3.3 GiB still cached), and the figure
+        # is about sandboxes that hold 20 MiB of it each.
+        await gather_limited([sb.exec(["sh", "-c", "cat /work/f > /dev/null"]) for sb in sbs], limit=8)
         await asyncio.sleep(1)
         infos = await gather_limited([sb.inspect() for sb in sbs])
-        g_before, m_before, z_before = group_stats(infos), harness.meminfo(), await swap_ram(c)
+        g_before, m_before, z_before = group_stats(infos), harness.meminfo(), swap_ram()
         held = g_before["usage"]
         before, before_raw = host_used()
         t0 = time.perf_counter()
@@ -170,7 +189,7 @@ async def reclaim_and_resume(sock: str, n: int, backend: str, resume: bool = Tru
         pause_s = time.perf_counter() - t0
         await asyncio.sleep(2)
         after, after_raw = host_used()
-        g_after, m_after, z_after = group_stats(infos), harness.meminfo(), await swap_ram(c)
+        g_after, m_after, z_after = group_stats(infos), harness.meminfo(), swap_ram()
         log(f"  memcgs (MiB, sum): {breakdown(g_before, g_after)}")
         log("  host (MiB): " + breakdown({k: m_before[k] for k in MEMINFO_KEYS},
                                         {k: m_after[k] for k in MEMINFO_KEYS}))
@@ -222,8 +241,10 @@ async def job_of(sock: str, n: int) -> dict:
         return {f"job_pause_{n}_s": round(paused_s, 3), f"job_resume_{n}_s": round(resumed_s, 3)}
 
 
-async def main(sock: str, args, backend: str, first: bool) -> dict:
+async def main(sock: str, args, backend: str, first: bool, made: dict) -> dict:
     out = {}
+    async with dsecd.Client(sock) as c:
+        made.update((await c.info())["memory"]["zram"])
     if args.sandboxes:
         out.update(await reclaim_and_resume(sock, args.sandboxes, backend, resume=first))
     if first:
@@ -256,6 +277,23 @@ def own_swapfile_dir():
         shutil.rmtree(d, ignore_errors=True)
 
 
+def remove_left_zram(z: dict) -> None:
+    """Swap we turn on we turn off: if the daemon stopped without removing the
+    zram device it made (its number from `dsec info`), do it here."""
+    dev = z.get("device")
+    if not dev or not os.path.exists(f"/sys/block/{dev[5:]}"):
+        return
+    with open("/proc/swaps") as f:
+        on = any(line.split()[0] == dev for line in f.read().splitlines()[1:])
+    log(f"daemon left {dev} behind ({'still swap' if on else 'not swap'}): removing it")
+    if on:
+        subprocess.run(["swapoff", dev], check=False)
+    with open(f"/sys/block/{dev[5:]}/reset", "w") as f:
+        f.write("1")
+    with open("/sys/class/zram-control/hot_remove", "w") as f:
+        f.write(dev[len("/dev/zram"):])
+
+
 def backend_config(backend: str, swap_path: str) -> str:
     if backend == "swapfile":
         return f'[memory.swapfile]\nenabled = true\npath = "{swap_path}"\nsize = "8G"\n' + BASE_CONFIG
@@ -277,6 +315,10 @@ if __name__ == "__main__":
     backends = ["swapfile", "zram"] if a.swap == "both" else [a.swap]
     with own_swapfile_dir() as swap_path:
         for i, backend in enumerate(backends):
-            with harness.private_daemon(rootfs, "busybox", extra_config=backend_config(backend, swap_path)) as d:
-                figures.update(asyncio.run(main(d.sock, a, backend, first=i == 0)))
+            made: dict = {}
+            try:
+                with harness.private_daemon(rootfs, "busybox", extra_config=backend_config(backend, swap_path)) as d:
+                    figures.update(asyncio.run(main(d.sock, a, backend, i == 0, made)))
+            finally:
+                remove_left_zram(made)
     print(json.dumps(figures))

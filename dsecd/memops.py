@@ -14,6 +14,7 @@ does not count towards the idle TTL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -279,16 +280,19 @@ class MemOps:
                                               mode or self.pause_cfg.prefetch_mode)
             except OSError as err:
                 raise DsecError(f"resume sandbox {sb.id}: {err}", code="io") from err
-            sb.state = "running"
-            if sb.paused_at is not None:
-                sb.paused_total += time.monotonic() - sb.paused_at
-            sb.paused_at = None
-            sb.pause_record = None
-            sb.last_active = time.monotonic()
-            self._journal(sb)
-            self.events.publish("resumed", sb.id, prefetched_bytes=res.prefetched_bytes)
+            self._mark_resumed(sb, res.prefetched_bytes)
             return {"id": sb.id, "state": "running", "prefetch_s": round(res.prefetch_s, 4),
                     "thaw_s": round(res.thaw_s, 4), "prefetched_bytes": res.prefetched_bytes}
+
+    def _mark_resumed(self, sb, prefetched_bytes: int) -> None:
+        sb.state = "running"
+        if sb.paused_at is not None:
+            sb.paused_total += time.monotonic() - sb.paused_at
+        sb.paused_at = None
+        sb.pause_record = None
+        sb.last_active = time.monotonic()
+        self._journal(sb)
+        self.events.publish("resumed", sb.id, prefetched_bytes=prefetched_bytes)
 
     async def op_pause(self, req, ctx) -> dict:
         return await self._pause(self._get(req.sandbox, req))
@@ -333,18 +337,31 @@ class MemOps:
         return {"job": req.job, "paused": [s.id for s in paused], "failed": sorted(failed_ids)}
 
     async def op_job_resume(self, req, ctx) -> dict:
-        """Thaw the whole job first (what the caller waits for), then bring each
-        one's working set back behind the answer, as an on-demand resume does."""
-        sbs = self._job(req.job, ("paused",))
-        records = {s.id: pause.PauseRecord.from_json(s.pause_record or {}) for s in sbs}
-        results = await asyncio.gather(*(self._resume(s, mode="none") for s in sbs), return_exceptions=True)
-        if self.pause_cfg.prefetch_mode != "none":
-            for s, r in zip(sbs, results, strict=True):
-                if isinstance(r, dict) and records[s.id].working_set:
-                    self._behind_answer(s, pause.prefetch, records[s.id].working_set,
-                                        self.pause_cfg.prefetch_mode)
-        return {"job": req.job, "resumed": [s.id for s, r in zip(sbs, results, strict=True) if isinstance(r, dict)],
-                "failed": {s.id: str(r) for s, r in zip(sbs, results, strict=True) if isinstance(r, BaseException)}}
+        """Thaw the whole job at once (what the caller waits for: one blocking
+        call that asks every group, then waits, as freeze_all does; a thaw per
+        sandbox through the pool took 2.2 s for 500), then bring each one's
+        working set back behind the answer, as an on-demand resume does."""
+        sbs = sorted(self._job(req.job, ("paused",)), key=lambda s: s.id)
+        async with contextlib.AsyncExitStack() as held:
+            for s in sbs:                   # serialised with pause/exec/destroy of each
+                await held.enter_async_context(s.lock)
+            sbs = [s for s in sbs if s.state == "paused" and s.handle is not None]
+            for s in sbs:
+                self._cancel_behind(s.id)   # reclaims still queued after the job pause
+            freezers = [pause.Freezer.of(s.handle.group) for s in sbs]
+            failed = await self.run_blocking(pause.thaw_all, freezers, self.pause_cfg.freeze_timeout_s)
+            failed_ids = {s.id for s, f in zip(sbs, freezers, strict=True) if f in failed}
+            if failed_ids:
+                log.warning("job %s: %d sandbox(es) not thawed within %gs, left paused: %s", req.job,
+                            len(failed_ids), self.pause_cfg.freeze_timeout_s, sorted(failed_ids)[:8])
+            resumed = [s for s in sbs if s.id not in failed_ids]
+            for s in resumed:
+                rec = pause.PauseRecord.from_json(s.pause_record or {})
+                self._mark_resumed(s, 0)
+                if rec.working_set and self.pause_cfg.prefetch_mode != "none":
+                    self._behind_answer(s, pause.prefetch, rec.working_set, self.pause_cfg.prefetch_mode)
+        return {"job": req.job, "resumed": [s.id for s in resumed],
+                "failed": {i: "not thawed in time (see the daemon log)" for i in sorted(failed_ids)}}
 
     async def op_job_rm(self, req, ctx) -> dict:
         sbs = self._job(req.job, ("running", "paused", "dead"))

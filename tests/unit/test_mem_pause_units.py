@@ -167,6 +167,17 @@ def test_freeze_all_asks_every_group_first(tmp_path):
     assert all(f.state() == "FROZEN" for f in freezers)
 
 
+def test_thaw_all_thaws_every_group_and_reports_the_ones_it_could_not(tmp_path):
+    freezers = []
+    for i in range(3):
+        g = _group(tmp_path / str(i), v2=False)
+        (g.dirs["freezer"] / "freezer.state").write_text("FROZEN\n")
+        freezers.append(mp.Freezer.of(g))
+    (freezers[1].dir / "freezer.state").unlink()            # its group vanished meanwhile
+    assert mp.thaw_all(freezers, 1.0) == [freezers[1]]
+    assert freezers[0].state() == "THAWED" and freezers[2].state() == "THAWED"
+
+
 def test_reclaim_frozen_refuses_a_running_group(tmp_path):
     g = _group(tmp_path, v2=False)
     (g.dirs["freezer"] / "freezer.state").write_text("THAWED\n")
