@@ -229,13 +229,16 @@ async def job_of(sock: str, n: int) -> dict:
         t0 = time.perf_counter()
         r = await c.job_pause("bench")
         paused_s = time.perf_counter() - t0
+        freeze_s = r.get("freeze_s")
         assert len(r["paused"]) == n and not r["failed"], r
         await asyncio.sleep(2)              # the reclaim runs behind the answer
         t0 = time.perf_counter()
         r = await c.job_resume("bench")
         resumed_s = time.perf_counter() - t0
+        thaw_s = r.get("thaw_s")
         assert len(r["resumed"]) == n and not r["failed"], r
-        log(f"  job pause {paused_s:.2f} s, job resume {resumed_s:.2f} s")
+        log(f"  job pause {paused_s:.2f} s (freeze_all {freeze_s} s), job resume {resumed_s:.2f} s "
+            f"(thaw_all {thaw_s} s)")
         await c.job_rm("bench", force=True)
         del sbs
         return {f"job_pause_{n}_s": round(paused_s, 3), f"job_resume_{n}_s": round(resumed_s, 3)}

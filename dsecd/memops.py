@@ -313,7 +313,9 @@ class MemOps:
         reclaim each sandbox's memory behind the answer."""
         sbs = self._job(req.job, ("running",))
         freezers = [pause.Freezer.of(s.handle.group) for s in sbs]
+        t0 = time.monotonic()
         failed = await self.run_blocking(pause.freeze_all, freezers, self.pause_cfg.freeze_timeout_s)
+        freeze_s = time.monotonic() - t0
         failed_ids = {s.id for s, f in zip(sbs, freezers, strict=True) if f in failed}
         paused = [s for s in sbs if s.id not in failed_ids]
         for s in paused:
@@ -334,7 +336,8 @@ class MemOps:
         for s in paused:
             self._cancel_behind(s.id)
             self.loop.create_task(reclaim(s))
-        return {"job": req.job, "paused": [s.id for s in paused], "failed": sorted(failed_ids)}
+        return {"job": req.job, "paused": [s.id for s in paused], "failed": sorted(failed_ids),
+                "freeze_s": round(freeze_s, 4)}
 
     async def op_job_resume(self, req, ctx) -> dict:
         """Thaw the whole job at once (what the caller waits for: one blocking
@@ -349,7 +352,9 @@ class MemOps:
             for s in sbs:
                 self._cancel_behind(s.id)   # reclaims still queued after the job pause
             freezers = [pause.Freezer.of(s.handle.group) for s in sbs]
+            t0 = time.monotonic()
             failed = await self.run_blocking(pause.thaw_all, freezers, self.pause_cfg.freeze_timeout_s)
+            thaw_s = time.monotonic() - t0
             failed_ids = {s.id for s, f in zip(sbs, freezers, strict=True) if f in failed}
             if failed_ids:
                 log.warning("job %s: %d sandbox(es) not thawed within %gs, left paused: %s", req.job,
@@ -360,7 +365,7 @@ class MemOps:
                 self._mark_resumed(s, 0)
                 if rec.working_set and self.pause_cfg.prefetch_mode != "none":
                     self._behind_answer(s, pause.prefetch, rec.working_set, self.pause_cfg.prefetch_mode)
-        return {"job": req.job, "resumed": [s.id for s in resumed],
+        return {"job": req.job, "resumed": [s.id for s in resumed], "thaw_s": round(thaw_s, 4),
                 "failed": {i: "not thawed in time (see the daemon log)" for i in sorted(failed_ids)}}
 
     async def op_job_rm(self, req, ctx) -> dict:
