@@ -8,13 +8,14 @@ device (memory.zram). Anonymous pages leave RAM only through swap.
 * paused_reclaimed_fraction (swap file) / paused_reclaimed_fraction_zram:
   N idle sandboxes each hold 20 MiB of anonymous memory (half runs of one
   byte, half base64 of random bytes: lz4 gets 2.0:1 out of it) and 20 MiB
-  of page cache (a file they wrote and read). Host memory in use (MemTotal
-  - MemFree - the per-CPU free lists) before and after pausing them all,
-  over what their memory cgroups held before; zram's compressed store is
-  in "in use", so the zram figure is net of swap cost. Host-wide, so other
-  processes on the host move it: `..._accounted` is the same quantity from
-  the owners' counters (what left the sandboxes' memcgs minus what zram
-  grew by in RAM). The log shows where the held memory was and went.
+  of page cache (a file they wrote and read). Host memory freed by pausing
+  them all over what their memory cgroups held before, from the owners'
+  counters: what left the sandboxes' memcgs minus what every zram device
+  grew by in RAM (a swap file takes none). `..._host` is the same from
+  /proc/meminfo: MemTotal - MemFree - the per-CPU free lists, before and
+  after; it is host-wide, so every other process on the host moves it
+  (0.66-1.19 for the same 0.99 in docs/memory.md). The log shows where the
+  held memory was and went.
 * resume_first_exec_p50_ms / _p99_ms (swap file): exec `true` on each paused
   sandbox (the exec resumes it first: thaw, then prefetch behind the request).
 * job_pause_500_s / job_resume_500_s (swap file): `job pause` / `job resume`
@@ -205,8 +206,8 @@ async def reclaim_and_resume(sock: str, n: int, backend: str, resume: bool = Tru
             f"(memcgs - swap RAM: {(g_before['usage'] - g_after['usage']) / 2**20:.0f} - "
             f"{(z_after - z_before) / 2**20:.0f} MiB)")
         sfx = "" if backend == "swapfile" else f"_{backend}"
-        out = {f"paused_reclaimed_fraction{sfx}": round(fraction, 3),
-               f"paused_reclaimed_fraction{sfx}_accounted": round(accounted, 3)}
+        out = {f"paused_reclaimed_fraction{sfx}": round(accounted, 3),
+               f"paused_reclaimed_fraction{sfx}_host": round(fraction, 3)}
         if resume:
             lat = []
             for sb in sbs:
