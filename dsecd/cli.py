@@ -80,6 +80,11 @@ async def cmd_info(c: Client, a) -> int:
         print(f"  {k:<12} {v}")
     if "cpu" in info:
         _print_cpu_info(info["cpu"])
+    for name, b in info.get("memory", {}).items():
+        where = b.get("device") or b.get("path") or "-"
+        used = f", {_human_bytes(b['used'])} of {_human_bytes(b['size'])} used" if "size" in b else ""
+        print(f"swap {name}: {'on' if b['on'] else 'off'} {where}{used}"
+              + ("" if b["enabled"] else " (not enabled)") + (f"; error: {b['error']}" if "error" in b else ""))
     if "admission" in info:
         q = info["admission"]
         print(f"create queue: {q['active']} running of {q['max_active']}, {q['queued']} queued of "

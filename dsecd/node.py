@@ -384,6 +384,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
                                      parse_size(self.sb_defaults["memory"])),
                 "images": await self.run_blocking(self.images_info),
                 "net": self.net_info(),
+                "memory": await self.run_blocking(self.memory_info),
                 "fncall": self.calls_info(),
                 "admission": self.admission_info(),
                 "userns": self.userns_info(),

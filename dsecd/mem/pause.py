@@ -120,11 +120,15 @@ class Freezer:
                 _write(self.dir / "freezer.state", "FROZEN")
         return time.monotonic() - start
 
-    def thaw(self, timeout: float = 5.0) -> None:
+    def request_thaw(self) -> None:
+        """Ask for the thaw without waiting (see thaw_all)."""
         if self.version == "v2":
             _write(self.dir / "cgroup.freeze", "0")
         else:
             _write(self.dir / "freezer.state", "THAWED")
+
+    def thaw(self, timeout: float = 5.0) -> None:
+        self.request_thaw()
         deadline = time.monotonic() + timeout
         while self.state() != "THAWED":
             if time.monotonic() > deadline:
@@ -143,6 +147,26 @@ def freeze_all(freezers: list[Freezer], timeout: float) -> list[Freezer]:
     for f in freezers:
         try:
             f.freeze(max(0.0, deadline - time.monotonic()))   # re-asks: idempotent
+        except PauseError:
+            failed.append(f)
+    return failed
+
+
+def thaw_all(freezers: list[Freezer], timeout: float) -> list[Freezer]:
+    """Thaw many groups at once (a job resume): ask all, then wait for each.
+    Returns the ones still not thawed at the deadline (or whose files failed)."""
+    failed = []
+    for f in freezers:
+        try:
+            f.request_thaw()
+        except PauseError:
+            failed.append(f)
+    deadline = time.monotonic() + timeout
+    for f in freezers:
+        if f in failed:
+            continue
+        try:
+            f.thaw(max(0.0, deadline - time.monotonic()))     # re-asks: idempotent
         except PauseError:
             failed.append(f)
     return failed

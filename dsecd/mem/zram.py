@@ -29,6 +29,7 @@ from .. import native, sysfs
 log = logging.getLogger(__name__)
 
 SWAP_MAGIC = b"SWAPSPACE2"
+LABEL = b"dsecd-zram"
 MM_STAT_FIELDS = ("orig_data_size", "compr_data_size", "mem_used_total", "mem_limit",
                   "mem_used_max", "same_pages", "pages_compacted", "huge_pages")
 
@@ -58,18 +59,36 @@ class ZramConfig:
                    mem_limit_bytes=parse_size(z["mem_limit"]))
 
 
-def swap_header(size_bytes: int, page_size: int = native.PAGE_SIZE) -> bytes:
+def swap_header(size_bytes: int, page_size: int = native.PAGE_SIZE, label: bytes = LABEL) -> bytes:
     """Page 0 of a v1 swap area, as mkswap(8) writes it (include/linux/swap.h
-    union swap_header): version 1, last_page, no bad pages, magic at the end."""
+    union swap_header): version 1, last_page, no bad pages, uuid, a label
+    (volume_name, <= 16 bytes: dsecd's own areas are recognised by it), magic
+    at the end."""
+    if len(label) > 16:
+        raise ValueError(f"a swap label has at most 16 bytes, got {label!r}")
     pages = size_bytes // page_size
     if pages < 10:
         raise ValueError(f"a swap area needs at least 10 pages, got {size_bytes} bytes")
     uuid = os.urandom(16)
-    info = struct.pack("<III16s16s", 1, pages - 1, 0, uuid, b"dsecd-zram".ljust(16, b"\0"))
+    info = struct.pack("<III16s16s", 1, pages - 1, 0, uuid, label.ljust(16, b"\0"))
     page = bytearray(page_size)
     page[1024:1024 + len(info)] = info
     page[page_size - len(SWAP_MAGIC):] = SWAP_MAGIC
     return bytes(page)
+
+
+def read_label(path: str | Path, page_size: int = native.PAGE_SIZE) -> bytes | None:
+    """The label (volume_name) of the v1 swap header at `path`, or None if
+    there is no swap header (or no file)."""
+    try:
+        with open(path, "rb") as f:
+            page = f.read(page_size)
+    except FileNotFoundError:
+        return None
+    if len(page) < page_size or not page.endswith(SWAP_MAGIC):
+        return None
+    # version, last_page, nr_badpages (3 x u32), uuid[16], then volume_name[16].
+    return page[1024 + 28:1024 + 44].rstrip(b"\0")
 
 
 def active_swaps(proc_swaps: str = "/proc/swaps") -> set[str]:
@@ -160,9 +179,11 @@ class ZramSwap:
         return dict(zip(MM_STAT_FIELDS, values, strict=False))  # newer kernels add fields
 
     def adopt(self, device: int) -> bool:
-        """Take back a device a previous daemon made (number from the journal)."""
+        """Take back a device a previous daemon made and left on (its number
+        from the state file): only if it is still swap and its header carries
+        dsecd's label, since the number may have been reused by someone else."""
         self.device = device
-        if not self.block().exists():
+        if not (self.block().exists() and self.is_swap_on() and read_label(self.dev_path()) == LABEL):
             self.device = None
             return False
         return True

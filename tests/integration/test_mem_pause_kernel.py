@@ -3,7 +3,8 @@
 Each test gets its own cgroup subtree (`dsecd-test-mem-<random>`) with one
 process the test started, which holds anonymous memory and has read a file
 into the page cache. Finalizers thaw, kill that process by pid, remove the
-groups, and turn off and remove any zram swap the test made, even on failure.
+groups, and turn off and remove any zram swap or swap file the test made,
+even on failure.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 
 from dsecd import cgroup, native
 from dsecd.mem import pause as mp
+from dsecd.mem import swapfile as sf
 from dsecd.mem.zram import ZramConfig, ZramSwap, active_swaps
 
 MIB = 1 << 20
@@ -98,6 +100,68 @@ def zram():
         assert z.device is None
 
 
+@pytest.fixture
+def swapfile(tmp_path):
+    """A dsecd swap file in the test's tmp dir; always swapped off and deleted."""
+    s = sf.Swapfile(sf.SwapfileConfig(enabled=True, path=str(tmp_path / "swapfile"), size_bytes=128 * MIB))
+    fstype, _ = sf.fs_type(tmp_path)
+    if fstype in sf.NO_SWAP_FS:
+        pytest.skip(f"{tmp_path} is on {fstype}, which cannot hold swap")
+    try:
+        yield s
+    finally:
+        if s.path in active_swaps():
+            native.swapoff(s.path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(s.path)
+
+
+def test_swapfile_is_made_private_allocated_swapped_on_and_removed(box, swapfile):
+    path = swapfile.setup()
+    st = os.stat(path)
+    assert path in active_swaps() and swapfile.active
+    assert st.st_mode & 0o777 == 0o600 and st.st_blocks * 512 >= 128 * MIB      # no holes
+    assert sf.read_label(path) == sf.LABEL
+    assert swapfile.usage()["size"] >= 127 * MIB
+    rec = mp.pause(box.group)
+    assert rec.before["anon"] - rec.after["anon"] >= 12 * MIB         # anon left RAM for the file
+    assert mp.usage(box.group).swap >= 12 * MIB
+    if not active_swaps() - {path}:                 # else another swap area may share the pages
+        assert swapfile.usage()["used"] >= 12 * MIB
+    res = mp.resume(box.group, rec)
+    assert res.prefetched_bytes >= 12 * MIB
+    box.touch()
+    # A second daemon finds the file still on (paused sandboxes kept it) and adopts it.
+    again = sf.Swapfile(swapfile.cfg)
+    assert again.setup() == path and again.active and path in active_swaps()
+    again.teardown()
+    assert path not in active_swaps() and not os.path.exists(path)
+    again.teardown()                                                   # repeatable
+
+
+def test_swapfile_left_off_by_a_previous_daemon_is_made_afresh(swapfile):
+    swapfile.setup()
+    native.swapoff(swapfile.path)
+    assert os.path.exists(swapfile.path)
+    fresh = sf.Swapfile(swapfile.cfg)
+    fresh.setup()
+    assert fresh.path in active_swaps()
+    fresh.teardown()
+    assert not os.path.exists(fresh.path)
+
+
+def test_swapfile_on_tmpfs_is_refused_before_anything_is_made():
+    fstype, point = sf.fs_type("/dev/shm")
+    if fstype != "tmpfs":
+        pytest.skip(f"/dev/shm is {fstype or 'not mounted'} here")
+    path = f"/dev/shm/dsecd-test-swap-{secrets.token_hex(4)}"
+    s = sf.Swapfile(sf.SwapfileConfig(enabled=True, path=path, size_bytes=16 * MIB))
+    with pytest.raises(sf.SwapfileError) as exc:
+        s.setup()
+    assert exc.value.errno == errno.EINVAL and "tmpfs" in str(exc.value)
+    assert not os.path.exists(path) and path not in active_swaps()
+
+
 def test_pause_freezes_reclaims_cache_and_resume_thaws(box):
     u0 = mp.usage(box.group)
     assert u0.file >= 12 * MIB and u0.anon >= 12 * MIB
@@ -121,13 +185,18 @@ def test_pause_with_zram_swaps_anon_out_and_prefetch_brings_it_back(box, zram):
     assert dev != 0 and path in active_swaps()
     rec = mp.pause(box.group)
     assert rec.before["anon"] - rec.after["anon"] >= 12 * MIB         # anon went to zram
-    assert zram.stats()["orig_data_size"] >= 12 * MIB
     assert mp.usage(box.group).swap >= 12 * MIB
+    if not active_swaps() - {path}:                 # else another swap area may share the pages
+        assert zram.stats()["orig_data_size"] >= 12 * MIB
     res = mp.resume(box.group, rec)                                  # mode "populate"
     assert res.prefetched_bytes >= 12 * MIB
     assert mp.usage(box.group).anon >= 12 * MIB                       # mapped again, before any touch
     box.touch()
+    other = ZramSwap(zram.cfg)                                       # a restarted daemon
+    assert not other.adopt(0) and other.device is None               # not ours: never taken
+    assert other.adopt(dev) and other.device == dev
     zram.teardown()
+    assert not ZramSwap(zram.cfg).adopt(dev)                         # gone: nothing to adopt
     assert path not in active_swaps() and not Path(f"/sys/block/zram{dev}").exists()
     assert Path("/sys/block/zram0").exists()                         # the host's device untouched
 

@@ -184,3 +184,46 @@ def test_oom_kill_is_an_event(mem):
     ev = asyncio.run(asyncio.wait_for(first_oom(), 10))
     assert ev["kills"] >= 1
     sb.destroy()
+
+
+def test_job_pause_is_journaled_for_a_restarted_daemon(mem):
+    import signal
+
+    d, c = mem
+    sbs = [c.create(image="busybox", labels={"job": "run-18"}) for _ in range(3)]
+    assert sorted(c.job_pause("run-18")["paused"]) == sorted(s.id for s in sbs)
+    c.close()
+    d.stop(signal.SIGTERM)            # right after the answer: the journal is written behind it
+    d.start()
+    c2 = d.client()
+    assert all(c2.get(s.id).info["state"] == "paused" for s in sbs)
+    assert sorted(c2.job_resume("run-18")["resumed"]) == sorted(s.id for s in sbs)
+    c2.job_rm("run-18", force=True)
+    c2.close()
+
+
+def test_daemon_swapfile_in_info_and_gone_after_shutdown(daemon_factory, tmp_path):
+    import signal
+
+    from dsecd.mem import swapfile as sf
+
+    fstype, _ = sf.fs_type(tmp_path)
+    if fstype in sf.NO_SWAP_FS:
+        pytest.skip(f"{tmp_path} is on {fstype}, which cannot hold swap")
+    path = str(tmp_path / "swapfile")
+    d = daemon_factory(f'[memory.swapfile]\nenabled = true\npath = "{path}"\nsize = "64M"\n')
+    try:
+        c = d.client()
+        info = c.info()["memory"]["swapfile"]
+        assert info["on"] and info["path"] == path and info["size"] >= 63 << 20 and "error" not in info
+        c.close()
+        d.stop(signal.SIGTERM)        # drained: swapoff and delete
+        with open("/proc/swaps") as f:
+            assert path not in f.read()
+        assert not (tmp_path / "swapfile").exists()
+    finally:
+        with open("/proc/swaps") as f:
+            if path in f.read():
+                from dsecd import native
+
+                native.swapoff(path)

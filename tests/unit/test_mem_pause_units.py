@@ -147,6 +147,9 @@ def test_config_block_in_docs_builds_every_config():
     assert pc == mp.PauseConfig()                       # the documented defaults are the code's
     z = ZramConfig.from_section(cfg["zram"])
     assert z == ZramConfig()
+    from dsecd.mem.swapfile import SwapfileConfig
+
+    assert SwapfileConfig.from_section(cfg["swapfile"], "/var/lib/dsecd") == SwapfileConfig()
     d = DamonConfig.from_section(cfg["damon"], "/var/lib/dsecd")
     assert d.cold_age_us == DamonConfig().cold_age_us and d.quota_bytes == 64 << 20
     assert d.state_file == "/var/lib/dsecd/damon.json"
@@ -162,6 +165,17 @@ def test_freeze_all_asks_every_group_first(tmp_path):
         freezers.append(mp.Freezer.of(g))
     assert mp.freeze_all(freezers, 1.0) == []
     assert all(f.state() == "FROZEN" for f in freezers)
+
+
+def test_thaw_all_thaws_every_group_and_reports_the_ones_it_could_not(tmp_path):
+    freezers = []
+    for i in range(3):
+        g = _group(tmp_path / str(i), v2=False)
+        (g.dirs["freezer"] / "freezer.state").write_text("FROZEN\n")
+        freezers.append(mp.Freezer.of(g))
+    (freezers[1].dir / "freezer.state").unlink()            # its group vanished meanwhile
+    assert mp.thaw_all(freezers, 1.0) == [freezers[1]]
+    assert freezers[0].state() == "THAWED" and freezers[2].state() == "THAWED"
 
 
 def test_reclaim_frozen_refuses_a_running_group(tmp_path):

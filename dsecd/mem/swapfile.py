@@ -1,0 +1,209 @@
+"""A disk swap file that dsecd makes, owns and deletes.
+
+zram keeps swapped pages in RAM (compressed), so a paused sandbox whose
+heap compresses badly gives back little with zram alone. A swap file on
+local disk takes anonymous pages out of RAM entirely; it costs disk space
+and a disk read per page at resume. Off by default (`[memory.swapfile]`).
+
+    s = Swapfile(SwapfileConfig(enabled=True, path="/var/lib/dsecd/swapfile", size_bytes=8 << 30))
+    s.setup()          # check fs -> create 0600 -> fallocate (no holes) -> header -> swapon
+    s.usage()          # size and used bytes from /proc/swaps
+    s.teardown()       # swapoff -> delete; safe to repeat
+
+Only a file dsecd made is ever swapped on, off or deleted: its swap header
+carries the label `dsecd-swap`. A file at the path without that label is
+refused (EEXIST), never overwritten. A file left active by a daemon that
+stopped with paused sandboxes (swapoff would have paged them all back in)
+is adopted by the next setup().
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import native
+from .zram import active_swaps, read_label, swap_header
+
+log = logging.getLogger(__name__)
+
+LABEL = b"dsecd-swap"
+# Filesystems whose files the kernel cannot swap to: no ->swap_activate and
+# no bmap (tmpfs, ramfs and overlay hold no blocks of their own; FUSE and the
+# read-only image filesystems cannot be written or mapped to blocks).
+NO_SWAP_FS = {"tmpfs", "ramfs", "overlay", "fuse", "squashfs", "erofs", "proc", "sysfs",
+              "devtmpfs", "cgroup", "cgroup2", "iso9660", "9p", "virtiofs"}
+SWAP_FS_HINT = "put memory.swapfile.path on a local disk filesystem (ext4, xfs)"
+
+
+class SwapfileError(OSError):
+    pass
+
+
+@dataclass(frozen=True)
+class SwapfileConfig:
+    enabled: bool = False
+    path: str = "/var/lib/dsecd/swapfile"
+    size_bytes: int = 8 << 30
+    priority: int = 10              # below zram's 32767: with both on, zram fills first
+
+    @classmethod
+    def from_section(cls, s: dict, state_dir: str | Path) -> SwapfileConfig:
+        """From the [memory.swapfile] table (docs/memory.md); path "" = <state_dir>/swapfile."""
+        from ..config import parse_size
+
+        priority = int(s["priority"])
+        if not -1 <= priority <= 32767:
+            raise ValueError(f"memory.swapfile.priority must be -1..32767, got {priority}")
+        size = parse_size(s["size"])
+        if size < 10 * native.PAGE_SIZE:
+            raise ValueError(f"memory.swapfile.size must be at least 10 pages, got {s['size']!r}")
+        path = str(s["path"]) or str(Path(state_dir) / "swapfile")
+        if not os.path.isabs(path):
+            raise ValueError(f"memory.swapfile.path must be absolute, got {path!r}")
+        return cls(enabled=bool(s["enabled"]), path=path, size_bytes=size - size % native.PAGE_SIZE,
+                   priority=priority)
+
+
+def fs_type(path: str | Path, mountinfo: str = "/proc/self/mountinfo") -> tuple[str, str]:
+    """(filesystem type, mount point) of the mount that holds `path`: the longest mount point that is a prefix of its real path.
+    The last mount wins on ties: it is the one on top."""
+    real = os.path.realpath(path)
+    best, best_fs = "", ""
+    with open(mountinfo) as f:
+        for line in f:
+            parts = line.split()
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[4])
+            fstype = parts[parts.index("-") + 1]
+            inside = real == point or real.startswith(point.rstrip("/") + "/")
+            if inside and len(point) >= len(best):
+                best, best_fs = point, fstype
+    return best_fs, best
+
+
+class Swapfile:
+    def __init__(self, cfg: SwapfileConfig, mountinfo: str = "/proc/self/mountinfo"):
+        self.cfg = cfg
+        self.path = cfg.path
+        self.mountinfo = mountinfo
+        self.active = False       # swapped on by this object (made or adopted)
+
+    # ------------------------------------------------------------ checks
+
+    def check_fs(self) -> str:
+        """Refuse a directory on a filesystem that cannot hold swap; its type."""
+        parent = os.path.dirname(self.path)
+        fstype, point = fs_type(parent, self.mountinfo)
+        if fstype in NO_SWAP_FS:
+            raise SwapfileError(errno.EINVAL, f"swap file `{self.path}`: `{point}` is {fstype}, which "
+                                f"cannot hold swap (no blocks of its own for the kernel to map); {SWAP_FS_HINT}")
+        if not os.path.isdir(parent):
+            raise SwapfileError(errno.ENOENT, f"swap file `{self.path}`: directory `{parent}` does not exist")
+        return fstype
+
+    # ------------------------------------------------------------ setup
+
+    def setup(self) -> str:
+        """Make the file and swap on it (or adopt ours if it is still on); the
+        path. On any failure after creating the file it is deleted again."""
+        if self.active:
+            return self.path
+        fstype = self.check_fs()
+        if os.path.lexists(self.path):
+            if read_label(self.path) != LABEL:
+                raise SwapfileError(errno.EEXIST, f"swap file `{self.path}`: a file not made by dsecd is "
+                                    "there; dsecd does not touch it (remove it or pick another path)")
+            if self.path in active_swaps():
+                self.active = True          # a previous daemon's, left on for its paused sandboxes
+                log.info("swap file %s: adopted (still on)", self.path)
+                return self.path
+            os.unlink(self.path)            # ours, left off: made afresh (the size may differ)
+        self._create(fstype)                # removes its own half-made file on failure
+        try:
+            self.swapon()
+        except BaseException:
+            self._delete()
+            raise
+        self.active = True
+        log.info("swap file %s: %d MiB on %s, priority %d", self.path, self.cfg.size_bytes >> 20, fstype,
+                 self.cfg.priority)
+        return self.path
+
+    def _create(self, fstype: str) -> None:
+        """The file, allocated and with a swap header (O_EXCL: never someone
+        else's file); deleted again if any step after its creation fails."""
+        # 0600 from the first byte: swapped pages are other processes' memory.
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as err:
+            raise SwapfileError(err.errno, f"create swap file `{self.path}`: {os.strerror(err.errno)}") from err
+        try:
+            self._fill(fd, fstype)
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)
+
+    def _fill(self, fd: int, fstype: str) -> None:
+        os.fchmod(fd, 0o600)            # whatever the umask
+        try:
+            # Real blocks, not a sparse file: the kernel refuses swap files with holes.
+            os.posix_fallocate(fd, 0, self.cfg.size_bytes)
+        except OSError as err:
+            hint = "not enough free disk space" if err.errno == errno.ENOSPC else f"{fstype} refused it"
+            raise SwapfileError(err.errno, f"allocate {self.cfg.size_bytes >> 20} MiB for swap file "
+                                f"`{self.path}`: {os.strerror(err.errno)}; {hint}") from err
+        st = os.fstat(fd)
+        if st.st_blocks * 512 < self.cfg.size_bytes:
+            raise SwapfileError(errno.EINVAL, f"swap file `{self.path}`: {st.st_blocks * 512} of "
+                                f"{self.cfg.size_bytes} bytes allocated (holes); {SWAP_FS_HINT}")
+        os.pwrite(fd, swap_header(self.cfg.size_bytes, label=LABEL), 0)
+        os.fsync(fd)
+
+    def swapon(self) -> None:
+        try:
+            native.swapon(self.path, self.cfg.priority)
+        except OSError as err:
+            if err.errno == errno.EINVAL:
+                raise SwapfileError(errno.EINVAL, f"swapon `{self.path}`: the kernel refused the file "
+                                    f"(a filesystem without swap support, a copy-on-write file, or "
+                                    f"extents it cannot map); {SWAP_FS_HINT}") from err
+            raise
+
+    # ------------------------------------------------------------ state
+
+    def usage(self) -> dict[str, int]:
+        """{"size": bytes, "used": bytes} from /proc/swaps; {} when not on."""
+        with open("/proc/swaps") as f:
+            for line in f.read().splitlines()[1:]:
+                parts = line.split()
+                if parts and parts[0] == self.path:
+                    return {"size": int(parts[2]) * 1024, "used": int(parts[3]) * 1024}
+        return {}
+
+    # ------------------------------------------------------------ teardown
+
+    def teardown(self) -> None:
+        """swapoff (pages every swapped page back in: seconds per GiB) and
+        delete. Safe to repeat; only ever touches a file with our label."""
+        if read_label(self.path) != LABEL:
+            self.active = False
+            return
+        if self.path in active_swaps():
+            native.swapoff(self.path)
+        self.active = False
+        self._delete()
+
+    def _delete(self) -> None:
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if stat.S_ISREG(st.st_mode):
+            os.unlink(self.path)

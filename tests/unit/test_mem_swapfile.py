@@ -1,0 +1,91 @@
+"""dsecd.mem.swapfile pieces that need no root: config, filesystem checks
+against fixture mountinfo, the swap header label, and refusing files that
+are not dsecd's. Swapping on and off is in tests/integration."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from dsecd.mem import swapfile as sf
+from dsecd.mem.zram import SWAP_MAGIC, swap_header
+
+MOUNTINFO = """\
+1 0 253:0 / / rw,relatime shared:1 - ext4 /dev/vda rw
+2 1 0:21 / /dev/shm rw,nosuid shared:2 - tmpfs tmpfs rw
+3 1 0:40 / /var/lib/over rw shared:3 - overlay overlay rw,lowerdir=/a,upperdir=/b,workdir=/c
+4 3 253:1 / /var/lib/over/disk rw shared:4 - xfs /dev/vdb rw
+5 1 0:41 / /mnt/with\\040space rw shared:5 - tmpfs tmpfs rw
+"""
+
+
+@pytest.fixture
+def mountinfo(tmp_path):
+    p = tmp_path / "mountinfo"
+    p.write_text(MOUNTINFO)
+    return str(p)
+
+
+def test_fs_type_is_the_longest_mount_prefix(mountinfo):
+    assert sf.fs_type("/", mountinfo) == ("ext4", "/")
+    assert sf.fs_type("/dev/shm", mountinfo) == ("tmpfs", "/dev/shm")
+    assert sf.fs_type("/var/lib/over", mountinfo) == ("overlay", "/var/lib/over")
+    assert sf.fs_type("/var/lib/over/disk", mountinfo) == ("xfs", "/var/lib/over/disk")
+    assert sf.fs_type("/var/lib/overt", mountinfo) == ("ext4", "/")          # a prefix of a name is not a parent
+    assert sf.fs_type("/mnt/with space", mountinfo) == ("tmpfs", "/mnt/with space")
+
+
+@pytest.mark.parametrize("parent", ["/dev/shm", "/var/lib/over"])
+def test_filesystems_that_cannot_swap_are_refused_by_name(mountinfo, parent):
+    s = sf.Swapfile(sf.SwapfileConfig(enabled=True, path=f"{parent}/swapfile"), mountinfo=mountinfo)
+    with pytest.raises(sf.SwapfileError) as exc:
+        s.setup()
+    assert exc.value.errno == errno.EINVAL
+    assert "cannot hold swap" in str(exc.value) and parent in str(exc.value)
+    assert not os.path.exists(f"{parent}/swapfile")
+
+
+def test_a_missing_directory_is_named(mountinfo, tmp_path):
+    s = sf.Swapfile(sf.SwapfileConfig(enabled=True, path=str(tmp_path / "nodir" / "swap")), mountinfo=mountinfo)
+    with pytest.raises(sf.SwapfileError) as exc:
+        s.setup()
+    assert exc.value.errno == errno.ENOENT and "nodir" in str(exc.value)
+
+
+def test_a_file_that_is_not_ours_is_never_touched(tmp_path, mountinfo):
+    path = tmp_path / "swapfile"
+    path.write_bytes(swap_header(1 << 20, label=b"someone-else"))      # a real swap header, not ours
+    s = sf.Swapfile(sf.SwapfileConfig(enabled=True, path=str(path)), mountinfo=mountinfo)
+    with pytest.raises(sf.SwapfileError) as exc:
+        s.setup()
+    assert exc.value.errno == errno.EEXIST and "not made by dsecd" in str(exc.value)
+    s.teardown()                                                          # refuses silently too
+    assert read_whole(path)[-len(SWAP_MAGIC):] == SWAP_MAGIC
+
+
+def read_whole(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def test_label_round_trip_and_plain_files(tmp_path):
+    p = tmp_path / "h"
+    p.write_bytes(swap_header(64 << 20, label=sf.LABEL))
+    assert sf.read_label(p) == sf.LABEL
+    p.write_bytes(b"\0" * 4096)
+    assert sf.read_label(p) is None
+    assert sf.read_label(tmp_path / "absent") is None
+    with pytest.raises(ValueError):
+        swap_header(1 << 20, label=b"x" * 17)
+
+
+def test_config_from_section():
+    base = {"enabled": True, "path": "", "size": "1G", "priority": 10}
+    c = sf.SwapfileConfig.from_section(base, "/var/lib/dsecd")
+    assert c.path == "/var/lib/dsecd/swapfile" and c.size_bytes == 1 << 30 and c.enabled
+    assert sf.SwapfileConfig.from_section({**base, "size": "100000"}, "/s").size_bytes % 4096 == 0
+    for bad in ({"path": "rel/swap"}, {"priority": 40000}, {"size": "4K"}):
+        with pytest.raises(ValueError):
+            sf.SwapfileConfig.from_section({**base, **bad}, "/s")
