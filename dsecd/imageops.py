@@ -75,6 +75,7 @@ class ImageOps:
                   "direct": self._direct_source}[self.image_mode]
         self.layers = LayerMounts(cfg.state_dir / "layers", source, section["layer_grace_s"])
         self.snapshot_exclude = list(section["snapshot_exclude"])
+        self.max_snapshot_bytes = cfg.size("images", "max_snapshot_bytes")
         self._sweep_task: asyncio.Task | None = None
         self._pager_stop = threading.Event()
 
@@ -313,7 +314,8 @@ class ImageOps:
                                                       self.cfg.state_dir / upperfs.VIEWS_DIR)
                 try:
                     image = await self._images_call(self.images.snapshot, upper, base,
-                                                    req.name, exclude, self._progress(ctx))
+                                                    req.name, exclude, self._progress(ctx),
+                                                    self.max_snapshot_bytes)
                 finally:
                     if undo is not None:
                         await self.run_blocking(undo)

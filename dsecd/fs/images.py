@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -269,11 +270,14 @@ class ImageStore:
             shutil.rmtree(work, ignore_errors=True)
 
     def snapshot(self, upper: Path, base: Image, name: str, exclude: list[str],
-                 progress: Progress | None = None) -> Image:
-        """pack_diff: the sandbox's upper dir as a new top layer over `base`."""
+                 progress: Progress | None = None, max_bytes: int = 0) -> Image:
+        """pack_diff: the sandbox's upper dir as a new top layer over `base`.
+        `max_bytes` (0 = none) bounds the files' apparent size, checked first."""
         self.check_name(name)
         if self._ref(name).exists():
             raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)")
+        if max_bytes:
+            check_apparent_size(upper, exclude, max_bytes)
         with self._pinning() as hold:
             self._hold_existing(hold, base.layers)
             layer = self.build_layer(upper, exclude=exclude, progress=progress, hold=hold)
@@ -335,6 +339,34 @@ class ImageStore:
         return {"blobs": len(sizes), "bytes": total, "shared_layer_bytes": shared,
                 "unreferenced_bytes": unreferenced,
                 "images": [{"name": i.name, "bytes": i.size, "layers": len(i.layers)} for i in self.list()]}
+
+
+def check_apparent_size(top: Path, exclude: list[str], max_bytes: int) -> int:
+    """Sum of st_size of the regular files under `top` (paths in `exclude`
+    left out); `limit` past max_bytes. A sandbox makes a sparse file of any
+    size for free (`truncate -s 1T`), but mkfs.erofs reads and stores every
+    byte of it: measured, a 2 GiB sparse file became a 2 GiB blob in 20 s.
+    Without this bound one snapshot could fill the blob store (shared by
+    every host) and keep a worker thread busy for hours."""
+    skip = {os.path.normpath(os.path.join(top, rel.strip("/"))) for rel in exclude}
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(top):
+        dirnames[:] = [d for d in dirnames if os.path.join(dirpath, d) not in skip]
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            if path in skip:
+                continue
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+                if total > max_bytes:
+                    raise ImageError("limit", f"snapshot: the sandbox's changed files add up to more than "
+                                     f"images.max_snapshot_bytes ({max_bytes} bytes; {path[len(str(top)):]} "
+                                     f"alone is {st.st_size}); remove large or sparse files, or exclude them")
+    return total
 
 
 __all__ = ["Image", "ImageError", "ImageStore", "check_digest"]

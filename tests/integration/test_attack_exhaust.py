@@ -92,3 +92,30 @@ def test_output_after_exit_and_on_both_streams_is_bounded(daemon_factory, busybo
     finally:
         sb.destroy(force=True)
         c.close()
+
+
+def test_sparse_file_cannot_blow_up_a_snapshot(daemon_factory, busybox_rootfs):
+    """`truncate -s 1T` costs the sandbox nothing, but pack_diff's mkfs.erofs
+    would read and store every byte (a 2 GiB sparse file: a 2 GiB blob in
+    20 s). images.max_snapshot_bytes bounds the apparent size up front."""
+    from dsecd.errors import LimitExceeded
+
+    d = daemon_factory('[images]\nmax_snapshot_bytes = "64M"\n')
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", memory="64M")
+    blobs = d.state / "store" / "blobs" / "sha256"
+    store0 = sum(f.stat().st_size for f in blobs.iterdir())
+    try:
+        # 1 GiB, not 1 TiB: were the bound missing, this test must still end.
+        r = sb.exec(["sh", "-c", "truncate -s 1073741824 /work/sparse && echo small > /work/keep"])
+        assert r.exit_code == 0, r.stderr
+        with pytest.raises(LimitExceeded, match="max_snapshot_bytes"):
+            sb.snapshot("attack-sparse")
+        assert sum(f.stat().st_size for f in blobs.iterdir()) - store0 < 1 << 20   # nothing stored
+        assert sb.snapshot("attack-excluded", exclude=["work/sparse"])["name"] == "attack-excluded"
+        sb.exec(["rm", "/work/sparse"])
+        assert sb.snapshot("attack-small")["name"] == "attack-small"               # neighbour
+    finally:
+        sb.destroy(force=True)
+        c.close()

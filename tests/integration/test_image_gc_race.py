@@ -22,36 +22,33 @@ def store(tmp_path):
     return ImageStore(tmp_path / "store", tmp_path / "scratch"), src
 
 
-@pytest.mark.parametrize("when", ["after_index", "after_layer", "after_manifest"])
-def test_gc_at_the_worst_moment_keeps_the_build(store, when):
-    """gc runs right after each blob of a build is stored, before its name is
+@pytest.mark.parametrize("nth", [1, 2, 3])
+def test_gc_at_the_worst_moment_keeps_the_build(store, nth):
+    """gc runs right after the nth blob of a build is stored (its chunk
+    index, its layer, its manifest: in that order today), before its name is
     published: exactly the windows the fuzzer hit, made deterministic."""
     images, src = store
     real = images.store.ingest
     calls = []
 
-    # A build stores the layer's chunk index, then the layer, then the manifest.
-    gc_after = {"after_index": 1, "after_layer": 2, "after_manifest": 3}[when]
-
-    def ingest_then_gc(tmp, hold=None, digest=None):
-        out = real(tmp, hold, digest)
+    def ingest_then_gc(*args, **kw):
+        out = real(*args, **kw)
         calls.append(out[0])
-        if len(calls) == gc_after:
+        if len(calls) == nth:
             images.gc(set(), set())
         return out
 
     images.store.ingest = ingest_then_gc
     image = images.build_from_dir(str(src), "img")
     images.store.ingest = real
-    assert len(calls) == 3                      # the chunk index, the layer, the manifest
-    index = image.layers[0]["index"]
-    assert images.store.exists(image.layer_digests[0]) and images.store.exists(image.manifest)
-    assert images.store.exists(index)
+    assert len(calls) >= nth, calls                         # the window was really hit
+    for digest in calls:                                    # every blob the build stored survived
+        assert images.store.exists(digest), digest
     assert images.get("img").layers == image.layers
     # Once published, the name keeps it; once removed, gc takes it.
     assert images.gc(set(), set())["removed"] == []
     images.remove("img")
-    assert set(images.gc(set(), set())["removed"]) == {image.manifest, index, *image.layer_digests}
+    assert set(calls) <= set(images.gc(set(), set())["removed"])
 
 
 def test_parent_collected_before_the_build_pins_it_is_not_found(store):
