@@ -355,7 +355,7 @@ V1_METHODS = ("pageout", "limit", "force_empty")
 class PauseConfig:
     freeze_timeout_s: float = 5.0
     # v1 methods in order; v2 always uses memory.reclaim.
-    v1_methods: tuple[str, ...] = ("pageout", "limit")
+    v1_methods: tuple[str, ...] = ("pageout", "limit", "force_empty")
     # What the limit is lowered to; the kernel reclaims until it fits or gives up.
     v1_limit_floor_bytes: int = 0
     record_working_set: bool = True
@@ -415,39 +415,19 @@ class _pidfd:
             os.close(self.fd)
 
 
-# A retry of the v1 limit step pays while a try freed at least this much.
-V1_LIMIT_PROGRESS_BYTES = 256 << 10
-
-
-def reclaim_v1_limit(d: Path, floor: int, max_rounds: int = 16, settle_s: float = 0.02) -> str:
+def reclaim_v1_limit(d: Path, floor: int) -> str:
     """Lower memory.limit_in_bytes to `floor` and put it back. The kernel
     reclaims in SWAP_CLUSTER_MAX steps until usage fits and answers EBUSY
-    when a pass frees nothing: the expected end, not an error.
-
-    A pass also frees nothing while the pages it picked are still being
-    written to swap: with many sandboxes pausing at once onto a disk swap
-    file, one write left most of the sandboxes' tmpfs (writable layer) pages
-    in RAM (bench-memory: 3.7 of 4 GiB). So the write is repeated while the
-    usage keeps falling between tries (after a short wait for the writeback)."""
+    when reclaim stops making progress: the expected end, not an error."""
     limit_file = d / "memory.limit_in_bytes"
-    usage_file = d / "memory.usage_in_bytes"
     old = _read(limit_file).strip()
-    outcome = "stopped (EBUSY: nothing more reclaimable)"
     try:
-        before = int(_read(usage_file))
-        for _ in range(max_rounds):
-            try:
-                _write(limit_file, str(floor))
-                outcome = "reached"
-                break
-            except PauseError as err:
-                if err.errno != errno.EBUSY:
-                    raise
-            time.sleep(settle_s)
-            now = int(_read(usage_file))
-            if before - now < V1_LIMIT_PROGRESS_BYTES:
-                break
-            before = now
+        _write(limit_file, str(floor))
+        outcome = "reached"
+    except PauseError as err:
+        if err.errno != errno.EBUSY:
+            raise
+        outcome = "stopped (EBUSY: nothing more reclaimable)"
     finally:
         _write(limit_file, old)
     return outcome

@@ -184,24 +184,3 @@ def test_reclaim_frozen_refuses_a_running_group(tmp_path):
     with pytest.raises(mp.PauseError) as exc:
         mp.reclaim_frozen(g)
     assert exc.value.errno == errno.EBUSY and "not FROZEN" in str(exc.value)
-
-
-def test_v1_limit_step_retries_while_usage_falls(monkeypatch, tmp_path):
-    """EBUSY while pages are still on their way to swap: retried as long as
-    the usage keeps falling, then the old limit is put back."""
-    p = mp
-    usage = iter([100 << 20, 60 << 20, 30 << 20, 30 << 20])
-    writes = []
-
-    def fake_write(path, value):
-        writes.append((path.name, value))
-        if path.name == "memory.limit_in_bytes" and value == "0":
-            raise p.PauseError(errno.EBUSY, "busy")
-
-    def fake_read(path):
-        return "512" if path.name == "memory.limit_in_bytes" else str(next(usage))
-
-    monkeypatch.setattr(p, "_write", fake_write)
-    monkeypatch.setattr(p, "_read", fake_read)
-    assert p.reclaim_v1_limit(tmp_path, 0, settle_s=0).startswith("stopped")
-    assert writes == [("memory.limit_in_bytes", "0")] * 3 + [("memory.limit_in_bytes", "512")]
