@@ -59,8 +59,7 @@ OP_TIMEOUT_S = 300
 log = harness.log
 
 
-def pct(values: list[float], q: float) -> float:
-    return round(peers.percentile(values, q), 3)
+pct = peers.pct
 
 
 class CpuMeter:

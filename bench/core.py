@@ -50,8 +50,7 @@ WARMUP = 5
 log = harness.log
 
 
-def pct(values: list[float], q: float) -> float:
-    return round(peers.percentile(values, q), 3)
+pct = peers.pct
 
 
 async def op(aw):

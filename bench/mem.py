@@ -47,6 +47,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import harness
+
 from dsecd import cgroup
 from dsecd.mem import pause as mp
 from dsecd.mem.zram import ZramConfig, ZramSwap
@@ -74,16 +76,8 @@ for line in sys.stdin:
 """
 
 
-def log(msg: str) -> None:
-    print(f"bench: {msg}", file=sys.stderr, flush=True)
-
-
-def meminfo() -> dict[str, int]:
-    out = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        key, _, rest = line.partition(":")
-        out[key] = int(rest.split()[0]) * 1024
-    return out
+log = harness.log
+meminfo = harness.meminfo
 
 
 def drop_file(path: str) -> None:
@@ -373,7 +367,7 @@ def main() -> int:
         log(f"note: swap already on before the bench: {active_swap}")
     bench = Bench(args)
     # SIGTERM -> exception, so the finally below cleans up.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, harness.interrupt)
     result: dict = {"cgroup_mode": bench.layout.mode, "sandboxes": args.sandboxes,
                     "anon_mib": args.anon_mib, "file_mib": args.file_mib,
                     "zram_algorithm": args.zram_algorithm,

@@ -60,10 +60,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
+def pct(values: list[float], q: float) -> float:
+    """percentile(), rounded to 3 decimals as the benches report it."""
+    return round(percentile(values, q), 3)
+
+
 def summarize(latencies_ms: list[float]) -> dict[str, float]:
     return {
-        "p50_ms": round(percentile(latencies_ms, 50), 3),
-        "p99_ms": round(percentile(latencies_ms, 99), 3),
+        "p50_ms": pct(latencies_ms, 50),
+        "p99_ms": pct(latencies_ms, 99),
         "n": len(latencies_ms),
     }
 

@@ -79,8 +79,8 @@ def main() -> int:
         rates = {m: round(write_rate(clients[m]), 1) for m in MODES}
     out = {}
     for m in MODES:
-        out[f"create_exec_p50_ms_{m}"] = round(peers.percentile(times[m], 50), 3)
-        out[f"create_exec_p90_ms_{m}"] = round(peers.percentile(times[m], 90), 3)
+        out[f"create_exec_p50_ms_{m}"] = peers.pct(times[m], 50)
+        out[f"create_exec_p90_ms_{m}"] = peers.pct(times[m], 90)
     out["delta_p50_ms"] = round(out["create_exec_p50_ms_tmpfs"] - out["create_exec_p50_ms_dir"], 3)
     for m in MODES:
         out[f"write_mib_per_s_{m}"] = rates[m]

@@ -58,8 +58,7 @@ OP_TIMEOUT_S = 120
 log = harness.log
 
 
-def p(values: list[float], q: float) -> float:
-    return round(peers.percentile(values, q), 3)
+p = peers.pct
 
 
 def measure_native(n: int) -> dict:

@@ -162,6 +162,19 @@ static __always_inline void bump_denied(u32 slot, int sendmsg)
         st->denied_connect += 1;
 }
 
+/* Shared tail of the v4/v6 hooks: loopback passes, else the policy decides. */
+static __always_inline int sock_addr_decide(struct bpf_sock_addr *ctx, struct sb_val *sb,
+                                            struct lpm_key *k, int sendmsg)
+{
+    if (is_loopback(k))
+        return 1;
+    u16 port = bpf_ntohs((u16)ctx->user_port);
+    if (decide(sb, k, port, proto_bit(ctx->protocol), 1))
+        return 1;
+    bump_denied(sb->slot, sendmsg);
+    return 0;
+}
+
 static __always_inline int sock_addr_v4(struct bpf_sock_addr *ctx, int sendmsg)
 {
     u64 cg = bpf_get_current_ancestor_cgroup_id(sandbox_level());
@@ -172,13 +185,7 @@ static __always_inline int sock_addr_v4(struct bpf_sock_addr *ctx, int sendmsg)
     k.family = FAM_V4;
     u32 ip = ctx->user_ip4;
     __builtin_memcpy(k.addr, &ip, 4);
-    if (is_loopback(&k))
-        return 1;
-    u16 port = bpf_ntohs((u16)ctx->user_port);
-    if (decide(sb, &k, port, proto_bit(ctx->protocol), 1))
-        return 1;
-    bump_denied(sb->slot, sendmsg);
-    return 0;
+    return sock_addr_decide(ctx, sb, &k, sendmsg);
 }
 
 static __always_inline int sock_addr_v6(struct bpf_sock_addr *ctx, int sendmsg)
@@ -195,13 +202,7 @@ static __always_inline int sock_addr_v6(struct bpf_sock_addr *ctx, int sendmsg)
         __builtin_memcpy(&k.addr[i * 4], &w, 4);
     }
     fold_v4_mapped(&k);
-    if (is_loopback(&k))
-        return 1;
-    u16 port = bpf_ntohs((u16)ctx->user_port);
-    if (decide(sb, &k, port, proto_bit(ctx->protocol), 1))
-        return 1;
-    bump_denied(sb->slot, sendmsg);
-    return 0;
+    return sock_addr_decide(ctx, sb, &k, sendmsg);
 }
 
 int dsec_connect4(struct bpf_sock_addr *ctx) { return sock_addr_v4(ctx, 0); }

@@ -236,8 +236,8 @@ static int caps_set(uint64_t keep, struct dsec_err *e)
     return 0;
 }
 
-/* A dsec_sched_* result (0 or -errno) as a recorded step. */
-static int sched_step(int rc, struct dsec_err *e, int step)
+/* A dsec_* helper's result (0 or -errno) as a recorded step. */
+static int helper_step(int rc, struct dsec_err *e, int step)
 {
     if (rc < 0) {
         err_set(e, step, -rc, NULL);
@@ -305,10 +305,10 @@ static int cgroups_enter(const struct container_ctx *c)
  * copy it from PID 1). */
 static int sched_enter(const struct container_ctx *c)
 {
-    if (c->a->sched_idle && sched_step(dsec_sched_set_idle(0), c->err, DSEC_STEP_SCHED_IDLE) < 0)
+    if (c->a->sched_idle && helper_step(dsec_sched_set_idle(0), c->err, DSEC_STEP_SCHED_IDLE) < 0)
         return -1;
     if (c->a->core_sched &&
-        sched_step(dsec_sched_core_create(0), c->err, DSEC_STEP_SCHED_CORE) < 0)
+        helper_step(dsec_sched_core_create(0), c->err, DSEC_STEP_SCHED_CORE) < 0)
         return -1;
     return 0;
 }
@@ -543,16 +543,7 @@ static int upper_handoff(const struct container_ctx *c)
  * Last before exec: nothing after it may need a call the filter denies. */
 static int seccomp_step(int profile, struct dsec_err *e)
 {
-    int rc;
-
-    if (profile < 0)
-        return 0;
-    rc = dsec_seccomp_install(profile);
-    if (rc < 0) {
-        err_set(e, DSEC_STEP_SECCOMP, -rc, NULL);
-        return -1;
-    }
-    return 0;
+    return profile < 0 ? 0 : helper_step(dsec_seccomp_install(profile), e, DSEC_STEP_SECCOMP);
 }
 
 /* Last: both need privileges that the steps above still use. Init and all it
@@ -576,16 +567,10 @@ static int privileges_drop(const struct container_ctx *c)
 
 static int userns_fsids(const struct container_ctx *c)
 {
-    int rc;
-
     if (c->a->userns_fd < 0)
         return 0;
-    rc = dsec_fsids_set(c->a->userns_uid, c->a->userns_gid);
-    if (rc < 0) {
-        err_set(c->err, DSEC_STEP_USERNS_FSIDS, -rc, NULL);
-        return -1;
-    }
-    return 0;
+    return helper_step(dsec_fsids_set(c->a->userns_uid, c->a->userns_gid), c->err,
+                       DSEC_STEP_USERNS_FSIDS);
 }
 
 /* Binding a port < 1024 needs CAP_NET_BIND_SERVICE in the user namespace that
@@ -822,8 +807,8 @@ static int exec_child(void *arg)
     signals_reset();
     /* QoS first, while still root with every capability: SHARE_FROM needs
      * ptrace access to the sandbox's PID 1 (pid 1 in our pid namespace). */
-    if ((a->sched_idle && sched_step(dsec_sched_set_idle(0), e, DSEC_STEP_SCHED_IDLE) < 0) ||
-        (a->core_sched && sched_step(dsec_sched_core_share_from(1), e, DSEC_STEP_SCHED_CORE) < 0))
+    if ((a->sched_idle && helper_step(dsec_sched_set_idle(0), e, DSEC_STEP_SCHED_IDLE) < 0) ||
+        (a->core_sched && helper_step(dsec_sched_core_share_from(1), e, DSEC_STEP_SCHED_CORE) < 0))
         _exit(127);
     /* The user namespace next, while the pidfd is still open (close_range). */
     if (userns_join(a, e) < 0 || check(setsid(), e, DSEC_STEP_SETSID, NULL) < 0 ||

@@ -191,7 +191,13 @@ class Group:
             target, value = d / "memory.swap.max", lim.swap_bytes
         else:
             target, value = d / "memory.memsw.limit_in_bytes", lim.memory_bytes + lim.swap_bytes
-        if target.exists():
+        # Swap accounting is the same for every group of a boot: looked up once
+        # per parent (all sandboxes share one), not per create.
+        key = (d.parent, target.name)
+        has = _swap_files.get(key)
+        if has is None:
+            has = _swap_files[key] = target.exists()
+        if has:
             _write(target, str(value))
 
     def _set_cpu(self, lim: Limits) -> None:
@@ -249,6 +255,9 @@ class Group:
     def exists(self) -> bool:
         return any(d.is_dir() for d in [*self.dirs.values(), *self.legacy])
 
+
+# Whether the groups under a parent have their swap limit file (swap accounting on).
+_swap_files: dict[tuple[Path, str], bool] = {}
 
 # Parents known to exist: every create would otherwise stat and re-mkdir the
 # same few dirs in each hierarchy (~10 syscalls of a burst's every sandbox).

@@ -367,8 +367,13 @@ async def cmd_call(c: Client, a) -> int:
     if a.json:
         _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
                      "truncated": r.truncated, "path": r.path, "run_ms": r.run_ms, "total_ms": r.total_ms})
+    return _exit_status(r, f"dsec: call timed out after {a.timeout}s; its process group was killed")
+
+
+def _exit_status(r, timeout_msg: str) -> int:
+    """The shell's exit status for a command's result: 124 on timeout, 128+N if killed by signal N."""
     if r.timed_out:
-        print(f"dsec: call timed out after {a.timeout}s; its process group was killed", file=sys.stderr)
+        print(timeout_msg, file=sys.stderr)
         return EXIT_TIMEOUT
     if r.signal:
         return 128 + r.signal
@@ -395,12 +400,7 @@ async def cmd_exec(c: Client, a) -> int:
     if r.truncated:
         print("dsec: output truncated at the daemon's limits.max_exec_output_bytes; "
               "the command's pipes were closed", file=sys.stderr)
-    if r.timed_out:
-        print(f"dsec: timed out after {a.timeout}s; the command's process group was killed", file=sys.stderr)
-        return EXIT_TIMEOUT
-    if r.signal:
-        return 128 + r.signal
-    return r.exit_code or 0
+    return _exit_status(r, f"dsec: timed out after {a.timeout}s; the command's process group was killed")
 
 
 def _print_trace(rec: dict, as_json: bool, path: str | None) -> None:

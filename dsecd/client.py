@@ -32,6 +32,12 @@ def default_socket() -> str:
     return os.environ.get("DSEC_SOCKET") or DEFAULT_SOCKET
 
 
+def _given(args: dict, /, **optional) -> dict:
+    """`args` plus those optional arguments that were given (not None): the daemon applies its defaults."""
+    args.update((k, v) for k, v in optional.items() if v is not None)
+    return args
+
+
 @dataclass
 class ExecResult:
     exit_code: int | None
@@ -246,13 +252,10 @@ class Client:
         """allow: egress rules ("10.1.2.0/24:443/tcp") and rule-set names ("pypi"), with net="default".
         key: idempotency key; a retried create with the same key returns the same sandbox.
         disk: size cap of the writable layer ("20G"; default sandbox.disk)."""
-        args = {"image": image, "env": env or {}, "labels": labels or {}, "cwd": cwd, "user": user,
-                "allow": list(allow or [])}
-        for k, v in (("cpu", cpu), ("memory", memory), ("pids", pids), ("hostname", hostname),
-                     ("ttl", ttl), ("idle_ttl", idle_ttl), ("lease", lease), ("qos", qos),
-                     ("cpu_quota", cpu_quota), ("net", net), ("key", key), ("disk", disk)):
-            if v is not None:
-                args[k] = v
+        args = _given({"image": image, "env": env or {}, "labels": labels or {}, "cwd": cwd, "user": user,
+                       "allow": list(allow or [])},
+                      cpu=cpu, memory=memory, pids=pids, hostname=hostname, ttl=ttl, idle_ttl=idle_ttl,
+                      lease=lease, qos=qos, cpu_quota=cpu_quota, net=net, key=key, disk=disk)
         info = await self.request("create", **args)
         return Sandbox(self, info["id"], info)
 
@@ -261,20 +264,14 @@ class Client:
                    timeout: float | None = None) -> CallResult:
         """A stateless function call (FnCall backend): `argv`, or Python `code` run by a fork of
         the image's pre-imported zygote. Many may be in flight on one client."""
-        req = {"image": image, "env": env or {}}
-        for k, v in (("argv", argv), ("code", code), ("args", args), ("stdin", stdin), ("timeout", timeout)):
-            if v is not None:
-                req[k] = v
+        req = _given({"image": image, "env": env or {}},
+                     argv=argv, code=code, args=args, stdin=stdin, timeout=timeout)
         return CallResult.from_call(await self.request("call", **req))
 
     async def pool_set(self, image: str, min: int, max: int, cpu: float | None = None,
                        memory: int | str | None = None) -> dict:
         """Keep between min and max warm sandboxes of (image, cpu, memory); max=0 removes the pool."""
-        args = {"image": image, "min": min, "max": max}
-        if cpu is not None:
-            args["cpu"] = cpu
-        if memory is not None:
-            args["memory"] = memory
+        args = _given({"image": image, "min": min, "max": max}, cpu=cpu, memory=memory)
         return await self.request("pool_set", **args)
 
     async def pool_list(self) -> list[dict]:
@@ -380,12 +377,8 @@ class Sandbox:
         return f"<Sandbox {self.id} {self.info.get('state')}>"
 
     def _exec_args(self, argv, env, cwd, user, timeout, stdin: bool, stream: bool, trace: bool = False) -> dict:
-        args = {"sandbox": self.id, "argv": list(argv), "env": env or {}, "stdin": stdin, "stream": stream,
-                "trace": trace}
-        for k, v in (("cwd", cwd), ("user", user), ("timeout", timeout)):
-            if v is not None:
-                args[k] = v
-        return args
+        return _given({"sandbox": self.id, "argv": list(argv), "env": env or {}, "stdin": stdin,
+                       "stream": stream, "trace": trace}, cwd=cwd, user=user, timeout=timeout)
 
     async def exec(self, argv: list[str], timeout: float | None = None, env: dict | None = None,
                    cwd: str | None = None, user: int | None = None, stdin: bytes | None = None,

@@ -194,13 +194,9 @@ class CreateOps:
         if pool is None:
             return None
         from .memops import parse_duration
-        from .node import _check_env
+        from .node import _check_process
 
-        _check_env(req.env)
-        if not req.cwd.startswith("/"):
-            raise BadRequest(f"cwd must be absolute, got {req.cwd!r}")
-        if not 0 <= req.user < 2**32 - 1:
-            raise BadRequest(f"user must be a uid in [0, 2^32-1), got {req.user}")
+        _check_process(req)
         ttl, idle_ttl = parse_duration(req.ttl, "ttl"), parse_duration(req.idle_ttl, "idle_ttl")
         lease = parse_duration(req.lease, "lease")
         while pool.ready:

@@ -16,6 +16,19 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+def write_file_atomic(final: Path, data: bytes, fsync: bool) -> None:
+    """Replace `final` with `data`: a temp file beside it (fsync'ed if asked), renamed over it."""
+    tmp = final.with_name(f".{final.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, data)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, final)
+
+
 class Journal:
     def __init__(self, directory: Path, fsync: bool = False):
         self.dir = Path(directory)
@@ -28,17 +41,7 @@ class Journal:
         return self.dir / f"{key}.json"
 
     def write(self, key: str, record: dict) -> None:
-        final = self._path(key)
-        tmp = final.with_name(f".{final.name}.tmp")
-        data = json.dumps(record, sort_keys=True).encode()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, data)
-            if self.fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, final)
+        write_file_atomic(self._path(key), json.dumps(record, sort_keys=True).encode(), self.fsync)
         if self.fsync:
             self._fsync_dir()
 

@@ -706,6 +706,12 @@ class MadviseResult:
     first_err: int    # errno of the first skipped range, 0 if none
 
 
+def _check_ranges(ranges: list[tuple[int, int]]) -> None:
+    for start, length in ranges:
+        if start < 0 or length <= 0 or start % PAGE_SIZE or start + length >= 2**64:
+            raise ValueError(f"range ({start:#x}, {length}) is not page-aligned and positive")
+
+
 def process_madvise(pidfd: int, ranges: list[tuple[int, int]], advice: int) -> MadviseResult:
     """process_madvise(2) of `advice` over (start, length) ranges of the
     process behind `pidfd`. Ranges that vanished meanwhile are skipped and
@@ -713,9 +719,7 @@ def process_madvise(pidfd: int, ranges: list[tuple[int, int]], advice: int) -> M
     _fd("pidfd", pidfd)
     if advice not in _ADVICE_NAMES:
         raise ValueError(f"advice must be one of {sorted(_ADVICE_NAMES.values())}, got {advice!r}")
-    for start, length in ranges:
-        if start < 0 or length <= 0 or start % PAGE_SIZE or start + length >= 2**64:
-            raise ValueError(f"range ({start:#x}, {length}) is not page-aligned and positive")
+    _check_ranges(ranges)
     starts = ffi.new("uint64_t[]", [r[0] for r in ranges] or [0])
     lens = ffi.new("uint64_t[]", [r[1] for r in ranges] or [0])
     out = ffi.new("struct dsec_madvise_result *")
@@ -730,11 +734,8 @@ def process_populate(pid: int, ranges: list[tuple[int, int]]) -> MadviseResult:
     """Fault every page of the ranges in, mapped, in process `pid` (reads one
     byte per page through process_vm_readv). `bytes` counts pages done times
     the page size; pages that fail (unmapped, PROT_NONE) are skipped."""
-    pages = []
-    for start, length in ranges:
-        if start < 0 or length <= 0 or start % PAGE_SIZE or start + length >= 2**64:
-            raise ValueError(f"range ({start:#x}, {length}) is not page-aligned and positive")
-        pages.extend(range(start, start + length, PAGE_SIZE))
+    _check_ranges(ranges)
+    pages = [page for start, length in ranges for page in range(start, start + length, PAGE_SIZE)]
     out = ffi.new("struct dsec_madvise_result *")
     rc = lib.dsec_process_populate(pid, ffi.new("uint64_t[]", pages or [0]), len(pages), out)
     if rc < 0:

@@ -441,11 +441,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         """The create itself; op_create (dsecd/createops.py) does keys, pools and the queue first."""
         limits = self._limits_for(req)
         plan = self.cpu.plan(req.qos)
-        _check_env(req.env)
-        if not req.cwd.startswith("/"):
-            raise BadRequest(f"cwd must be absolute, got {req.cwd!r}")
-        if not 0 <= req.user < 2**32 - 1:
-            raise BadRequest(f"user must be a uid in [0, 2^32-1), got {req.user}")
+        _check_process(req)
         if self.id_ranges and req.user >= self.id_ranges.size:
             raise BadRequest(f"user must be below sandbox.userns_size {self.id_ranges.size} (the ids a "
                              f"sandbox's user namespace maps), got {req.user}")
@@ -725,6 +721,15 @@ def _check_env(env: dict) -> None:
     for k, v in env.items():
         if not k or "=" in k or "\0" in k or "\0" in v:
             raise BadRequest(f"bad environment variable name or value: {k!r}")
+
+
+def _check_process(req) -> None:
+    """A create's settings of the sandbox's processes (env, cwd, user)."""
+    _check_env(req.env)
+    if not req.cwd.startswith("/"):
+        raise BadRequest(f"cwd must be absolute, got {req.cwd!r}")
+    if not 0 <= req.user < 2**32 - 1:
+        raise BadRequest(f"user must be a uid in [0, 2^32-1), got {req.user}")
 
 
 def _exec_error(err: NativeError, prog: str, cwd: str) -> DsecError:

@@ -19,7 +19,7 @@ import errno
 import os
 
 from . import native
-from ._native import lib  # the three seccomp entry points; native.py re-exports them later
+from ._native import lib  # the three seccomp entry points (native.py does not wrap them)
 
 PROFILES: dict[str, int] = {"default": lib.DSEC_SECCOMP_DEFAULT}
 MAX_INSNS: int = lib.DSEC_SECCOMP_MAX_INSNS

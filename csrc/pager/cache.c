@@ -422,12 +422,12 @@ static int pwrite_full(int fd, const char *buf, uint64_t len, uint64_t off)
     return 0;
 }
 
-static int pread_full(int fd, char *buf, uint64_t len, uint64_t off)
+int pread_full(int fd, void *buf, uint64_t len, uint64_t off)
 {
     uint64_t done = 0;
 
     while (done < len) {
-        ssize_t n = pread(fd, buf + done, len - done, (off_t)(off + done));
+        ssize_t n = pread(fd, (char *)buf + done, len - done, (off_t)(off + done));
         if (n < 0 && errno == EINTR)
             continue;
         if (n <= 0)

@@ -101,6 +101,8 @@ int chunk_acquire(struct blob *b, uint64_t c, struct chunk_copy *copy);
 void chunk_release(struct blob *b, uint64_t c);
 int chunk_fill(struct blob *b, uint64_t c, int readahead, struct chunk_copy *copy);
 int cache_read(struct blob *b, char *dst, uint64_t off, uint64_t len);
+/* pread exactly len bytes at off (EINTR retried; EOF: -EIO). */
+int pread_full(int fd, void *buf, uint64_t len, uint64_t off);
 uint64_t cache_used(void);
 void cache_close_all(void);
 int valid_hex(const char *s);

@@ -36,21 +36,6 @@
 #define INDEX_HEADER 24
 #define SHA256_LEN 32
 
-static int read_all(int fd, void *buf, size_t len)
-{
-    size_t done = 0;
-
-    while (done < len) {
-        ssize_t n = read(fd, (char *)buf + done, len - done);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            return n < 0 ? -errno : -EIO;
-        done += (size_t)n;
-    }
-    return 0;
-}
-
 /* Parse a whole index file; on success *out owns the hashes. */
 static int parse_index(struct blob *b, int fd, const char *path, uint8_t **out, uint32_t *block_out)
 {
@@ -63,7 +48,7 @@ static int parse_index(struct blob *b, int fd, const char *path, uint8_t **out, 
 
     if (fstat(fd, &st) < 0)
         return -errno;
-    if ((rc = read_all(fd, head, sizeof(head))) < 0) {
+    if ((rc = pread_full(fd, head, sizeof(head), 0)) < 0) {
         fprintf(stderr, "dsec-pager: chunk index %s: short header\n", path);
         return -EIO;
     }
@@ -94,7 +79,7 @@ static int parse_index(struct blob *b, int fd, const char *path, uint8_t **out, 
     }
     if (!(hashes = malloc(nblocks * SHA256_LEN + 1)))
         return -ENOMEM;
-    if ((rc = read_all(fd, hashes, nblocks * SHA256_LEN)) < 0) {
+    if ((rc = pread_full(fd, hashes, nblocks * SHA256_LEN, INDEX_HEADER)) < 0) {
         free(hashes);
         return -EIO;
     }

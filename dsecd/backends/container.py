@@ -164,23 +164,28 @@ class ContainerBackend:
                     netns_fd=netns_fd, upper_fd=upperfd)
                 pid = native.spawn_container(spec)
             steps.undo("kill init", lambda: _kill_and_reap(pid))
-            handle = self._open_handle(pid, group, sbdir, is_child=True)
+            handle = self._open_handle(pid, group, sbdir, is_child=True, own_userns=idmap is not None)
             handle.sched_idle, handle.core_sched = sched_idle, core_sched
             handle.upperfd = upperfd
             _protect_init_from_oom(pid)
             steps.commit()
             return handle
 
-    def _open_handle(self, pid: int, group: cgroup.Group, sbdir: Path, is_child: bool) -> Handle:
+    def _open_handle(self, pid: int, group: cgroup.Group, sbdir: Path, is_child: bool,
+                     own_userns: bool | None = None) -> Handle:
+        """own_userns: whether PID 1 has a user namespace of its own, when the
+        caller knows (create); None: looked up (adopt)."""
         start = proc_start_time(pid)
         if start is None:
             raise ProcessLookupError(errno.ESRCH, f"sandbox init {pid} exited during setup")
         pidfd = native.pidfd_open(pid)
         try:
-            # The pidfd pins the process; re-check it is the same one we meant.
-            if proc_start_time(pid) != start:
+            # The pidfd pins the process; re-check it is the same one we meant
+            # (our unreaped child's pid cannot have been reused).
+            if not is_child and proc_start_time(pid) != start:
                 raise ProcessLookupError(errno.ESRCH, f"pid {pid} was reused")
-            own_userns = _own_userns(pid)
+            if own_userns is None:
+                own_userns = _own_userns(pid)
             rootfd = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except BaseException:
             os.close(pidfd)

@@ -27,6 +27,8 @@ import os
 import threading
 from pathlib import Path
 
+from ..journal import write_file_atomic
+
 log = logging.getLogger(__name__)
 
 COMPACT_MIN = 1024
@@ -108,17 +110,9 @@ class RecordLog:
     def compact(self) -> None:
         """Rewrite the log with the live records only (temp + rename: atomic)."""
         with self._lock:
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
             body = b"".join(b"\n" + json.dumps({"id": k, "r": v}, separators=(",", ":")).encode()
                             for k, v in self.records.items())
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                os.write(fd, body)
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, self.path)
+            write_file_atomic(self.path, body, self.fsync)
             if self._fd >= 0:
                 os.close(self._fd)
             self._fd = self._open()

@@ -220,3 +220,13 @@ def _enough_fds():
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attack_kit import admin, armed, probe_binary  # noqa: E402,F401
+
+
+@pytest.fixture(scope="module")
+def world():
+    """The net tests' World (test_net_kit.py), one per test module."""
+    from test_net_kit import World
+
+    w = World()
+    yield w
+    w.close()

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from dsecd.errors import BadRequest, Busy, Conflict, NotFound  # noqa: F401
+from dsecd.errors import BadRequest, Busy, Conflict, NotFound
 
 
 def host_counts(d) -> dict:

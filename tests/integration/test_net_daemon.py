@@ -8,7 +8,7 @@ never leaves namespaces this test made.
 import json
 
 import pytest
-from test_net_kit import World, bpf_skip_reason
+from test_net_kit import bpf_skip_reason
 
 from dsecd.errors import BadRequest
 from dsecd.net.records import RecordLog
@@ -24,13 +24,6 @@ def _toml_net(cfg: dict) -> str:
     for name, rules in cfg["rule_sets"].items():
         lines.append(f"{name} = {json.dumps(rules)}")
     return "\n".join(lines) + "\n"
-
-
-@pytest.fixture(scope="module")
-def world():
-    w = World()
-    yield w
-    w.close()
 
 
 @pytest.fixture

@@ -19,16 +19,9 @@ from dsecd.net.records import RecordLog
 
 # The kit sits next to this file; pytest runs with --import-mode=importlib (no rootdir on sys.path).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_net_kit import V2, World, bpf_skip_reason, bridge_links, pr_netns  # noqa: E402
+from test_net_kit import V2, bpf_skip_reason, bridge_links, pr_netns  # noqa: E402
 
 pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None, reason=bpf_skip_reason() or "")
-
-
-@pytest.fixture(scope="module")
-def world():
-    w = World()
-    yield w
-    w.close()
 
 
 @pytest.fixture

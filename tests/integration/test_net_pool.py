@@ -11,20 +11,13 @@ import threading
 import time
 
 import pytest
-from test_net_kit import World, bpf_skip_reason, bridge_links
+from test_net_kit import bpf_skip_reason, bridge_links
 
 from dsecd.errors import Conflict, DsecError, NotFound
 from dsecd.net.network import pool_tag
 from dsecd.net.records import RecordLog
 
 pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None, reason=bpf_skip_reason() or "")
-
-
-@pytest.fixture(scope="module")
-def world():
-    w = World()
-    yield w
-    w.close()
 
 
 def _config(world, pool_size: int) -> str:
