@@ -36,6 +36,7 @@ from pathlib import Path
 
 import dsecd
 from dsecd.errors import DsecError
+from dsecd.journal import read_records
 
 RETRYABLE = {"busy", "conflict", "limit"}
 SHAPE = {"cpu": 0.1, "memory": "48M"}
@@ -212,8 +213,8 @@ async def _check_no_leaks(sock: str, state_dir: Path, cgroup_dirs: list[Path], p
         left = await c.list()
     deadline = time.monotonic() + 10
     while True:
-        dirs = [e for e in os.listdir(state_dir / "sandboxes")]
-        journal = [e for e in os.listdir(state_dir / "journal") if not e.startswith(".")]
+        dirs = [e for e in os.listdir(state_dir / "sandboxes") if not e.startswith(".")]
+        journal = list(read_records(state_dir / "journal.log"))
         groups = [e.name for d in cgroup_dirs if d.is_dir() for e in os.scandir(d)
                   if e.is_dir() and not e.name.startswith(".")]
         with open("/proc/self/mountinfo") as f:

@@ -100,6 +100,7 @@ struct dsec_container_args {
     uint32_t userns_gid; /* the setup steps, so what they create belongs to sandbox root */
     int netns_fd; /* >= 0: join this network namespace (the netns pool's); -1: a new one */
     int upper_fd; /* >= 0: mount fd of the upper tmpfs, left open in init as DSEC_INIT_UPPER_FD */
+    int path_fds_max; /* highest fd named by a /proc/self/fd/N path in rootfs or overlay_opts; -1: none */
 };
 
 struct dsec_exec_args {

@@ -37,7 +37,7 @@
 
 /* CLONE_NEWNET is added unless the sandbox joins a ready netns (netns_fd). */
 #define CONTAINER_CLONE_FLAGS                                                                      \
-    (CLONE_VM | CLONE_VFORK | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC | SIGCHLD)
+    (CLONE_VM | CLONE_VFORK | CLONE_FILES | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC | SIGCHLD)
 #define SANDBOX_NS_FLAGS                                                                           \
     (CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWCGROUP)
 #define DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -236,6 +236,34 @@ static int caps_set(uint64_t keep, struct dsec_err *e)
     return 0;
 }
 
+/* The child's own fd table, holding only the fds below keep_below.
+ *
+ * The daemon holds a few fds per live sandbox (pidfd, root, upper tmpfs):
+ * thousands during a burst. A child cloned without CLONE_FILES copies that
+ * whole table (dup_fd) and closes it again (close_range, close-on-exec at
+ * execve, or exit): O(live sandboxes) of kernel time in every spawn, ~11% of
+ * a burst's CPU at 1,500 sandboxes (docs/burst.md). So the children are
+ * cloned with CLONE_FILES, and their first fd step is this one:
+ * close_range(keep_below, ~0U, CLOSE_RANGE_UNSHARE) on a shared table makes
+ * the kernel copy just [0, keep_below) into a private table (fs/file.c,
+ * __close_range). The daemon keeps its long-lived fds high (dsecd/fds.py), so
+ * the fds a spawn needs, made just before it, are low.
+ *
+ * Until this step a child must not open, close or dup2 any fd: the table is
+ * still the daemon's. */
+static int fd_table_private(int keep_below, struct dsec_err *e)
+{
+    if (keep_below < 3)
+        keep_below = 3;
+    return check(syscall(SYS_close_range, (unsigned int)keep_below, ~0U, CLOSE_RANGE_UNSHARE), e,
+                 DSEC_STEP_CLOSE_FDS, NULL);
+}
+
+static int fd_max(int a, int b)
+{
+    return a > b ? a : b;
+}
+
 /* A dsec_* helper's result (0 or -errno) as a recorded step. */
 static int helper_step(int rc, struct dsec_err *e, int step)
 {
@@ -253,6 +281,7 @@ struct container_ctx {
     struct dsec_err *err;
     int init_fd;
     int cg_fds[DSEC_MAX_CGROUPS];
+    int keep_below; /* 1 + the highest fd the child uses (fd_table_private) */
 };
 
 /* mkdir, but refuse anything that is not a real directory: a symlink named
@@ -285,6 +314,11 @@ static int mount_step(int step, const char *src, const char *target, const char 
  * sandbox's veth end, address and routes: joining it replaces creating one and
  * configuring it on the create path. First, while the child still has every
  * capability; the fd is the parent's (O_CLOEXEC, gone at exec of init). */
+static int fds_own(const struct container_ctx *c)
+{
+    return fd_table_private(c->keep_below, c->err);
+}
+
 static int netns_join(const struct container_ctx *c)
 {
     if (c->a->netns_fd < 0)
@@ -614,7 +648,7 @@ static int userns_enter(const struct container_ctx *c)
 
 /* The container child's checklist, in order (docs/native-api.md). */
 static int (*const container_steps[])(const struct container_ctx *) = {
-    netns_join,    cgroups_enter, sched_enter,  userns_fsids, rootfs_mount,
+    fds_own,       netns_join,    cgroups_enter, sched_enter,  userns_fsids, rootfs_mount,
     userns_sysctls, dev_mount,    proc_protect, tmp_mount,    hostname_set,
     loopback_up,   root_pivot,    init_stdio,   upper_handoff, userns_enter,
     privileges_drop,
@@ -665,9 +699,14 @@ int dsec_spawn_container(const struct dsec_container_args *a, struct dsec_err *e
         rc = init_fd_move(&c.init_fd, err); /* upper_handoff takes fd 3 */
     if (rc == 0)
         rc = stacks_map(&st, 1, err);
-    if (rc == 0)
+    if (rc == 0) {
+        c.keep_below = 1 + fd_max(fd_max(fd_max(c.init_fd, a->netns_fd), fd_max(a->userns_fd, a->upper_fd)),
+                                  a->path_fds_max);
+        for (int i = 0; i < a->n_cgroups; i++)
+            c.keep_below = fd_max(c.keep_below, c.cg_fds[i] + 1);
         rc = clone_blocked(container_child, stack_top(&st, 0),
                            CONTAINER_CLONE_FLAGS | (a->netns_fd >= 0 ? 0 : CLONE_NEWNET), &c, err);
+    }
     if (rc > 0 && err->err) {
         reap(rc); /* the child failed before execveat: collect it */
         rc = -err->err;
@@ -810,8 +849,10 @@ static int exec_child(void *arg)
     if ((a->sched_idle && helper_step(dsec_sched_set_idle(0), e, DSEC_STEP_SCHED_IDLE) < 0) ||
         (a->core_sched && helper_step(dsec_sched_core_share_from(1), e, DSEC_STEP_SCHED_CORE) < 0))
         _exit(127);
-    /* The user namespace next, while the pidfd is still open (close_range). */
+    /* The user namespace next, through the pidfd, a long-lived fd of the
+     * daemon's (parked high): before the child's fd table is its own. */
     if (userns_join(a, e) < 0 || check(setsid(), e, DSEC_STEP_SETSID, NULL) < 0 ||
+        fd_table_private(1 + fd_max(a->stdin_fd, fd_max(a->stdout_fd, a->stderr_fd)), e) < 0 ||
         stdio_dup(a, e) < 0 ||
         check(syscall(SYS_close_range, 3, ~0U, 0), e, DSEC_STEP_CLOSE_FDS, NULL) < 0 ||
         caps_bound(a->cap_keep, e) < 0 || ids_set(a, e) < 0 || caps_set(a->cap_keep, e) < 0 ||
@@ -839,7 +880,8 @@ static int exec_helper(void *arg)
     if (cgroups_join(c->cg_fds, a->cgroup_procs, a->n_cgroups, c->err) < 0 ||
         check(setns(a->pidfd, SANDBOX_NS_FLAGS), c->err, DSEC_STEP_SETNS, NULL) < 0)
         _exit(127);
-    pid = clone(exec_child, c->child_top, CLONE_VM | CLONE_VFORK | CLONE_PARENT | SIGCHLD, c);
+    pid = clone(exec_child, c->child_top, CLONE_VM | CLONE_VFORK | CLONE_FILES | CLONE_PARENT | SIGCHLD,
+                c);
     if (pid < 0)
         check(-1, c->err, DSEC_STEP_CLONE, NULL);
     c->child_pid = pid;

@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 
-from . import cgroup
+from . import cgroup, fds
 from .config import ConfigError, load_config
 from .features import probe_all
 from .node import Node
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("dsecd: must run as root (namespaces, cgroups, mounts)")
     lock_state_dir(str(cfg.state_dir))
     raise_fd_limit()
+    fds.init_parking()
     try:
         import uvloop
 

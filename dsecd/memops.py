@@ -319,9 +319,9 @@ class MemOps:
 
     def _journal_behind(self, sbs: list) -> None:
         """Journal a job's sandboxes after the answer, on one thread of their
-        own (in order). One record is a file create + rename in one directory,
-        2-4 ms each on this host's loaded ext4 and serialised by the directory
-        lock: 500 of them before the answer took 1.3-2.1 s, even from 8 threads.
+        own (in order). When a record was a file create + rename (before the
+        journal became a log), 500 of them before the answer took 1.3-2.1 s on
+        this host's loaded ext4, even from 8 threads.
         Each write takes the sandbox's record as it is then, and skips one
         destroyed meanwhile. A crash before a write leaves the previous state
         in the journal, which recovery handles: a "running" sandbox found

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -328,6 +329,11 @@ class ContainerSpec:
         return opts
 
 
+# Paths through one of our fds (idmapped layers, the upper tmpfs): the spawn
+# child keeps every fd up to the highest one named (csrc/spawn.c fd_table_private).
+_PROC_FD_PATH = re.compile(rb"/proc/self/fd/(\d+)")
+
+
 def spawn_container(spec: ContainerSpec) -> int:
     """Create the sandbox; return the host pid of its PID 1 (dsec-init), a
     child of the caller, which must reap it (waitpid or a pidfd)."""
@@ -347,6 +353,7 @@ def spawn_container(spec: ContainerSpec) -> int:
     args.userns_uid, args.userns_gid = spec.userns_uid, spec.userns_gid
     args.netns_fd = int(spec.netns_fd)
     args.upper_fd = int(spec.upper_fd)
+    args.path_fds_max = max((int(n) for n in _PROC_FD_PATH.findall(b" ".join(strings[:2]))), default=-1)
     err = ffi.new("struct dsec_err *")
     pid = lib.dsec_spawn_container(args, err)
     if pid < 0:

@@ -127,7 +127,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             raise ConfigError("sandbox.disk must be at least 1M and sandbox.disk_inodes at least 16 "
                               "(a tmpfs takes 0 as unlimited)")
         self.pool = ThreadPoolExecutor(cfg.section("daemon")["worker_threads"], "dsecd-worker")
-        self.journal = Journal(state / "journal", fsync=cfg.section("journal")["fsync"])
+        self.journal = Journal(state, fsync=cfg.section("journal")["fsync"], compact_with=self.pool.submit)
         self.init_images(cfg)
         self.init_memory(cfg)
         self.init_net(cfg)
@@ -283,11 +283,12 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         except Exception:
             log.exception("unmount idle layers at shutdown")
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.journal.close()
 
     # ------------------------------------------------------------ helpers
 
     def _journal(self, sb: Sandbox) -> None:
-        # A record is a few hundred bytes written into the page cache: cheap
+        # A record is one line appended to the log (dsecd/journal.py): cheap
         # enough for the event loop. With journal.fsync on, each write waits
         # for the disk; use a slower but crash-proof config knowingly.
         self.journal.write(sb.id, sb.record())
@@ -525,7 +526,8 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         out = sb.public()
         if sb.handle:
             out["cgroups"] = {k: str(v) for k, v in sb.handle.group.dirs.items()}
-            out["dir"] = str(sb.handle.dir)
+            if sb.handle.dir is not None:
+                out["dir"] = str(sb.handle.dir)
             if sb.handle.upperfd >= 0:
                 out["disk"] = upperfs.usage(sb.handle.upperfd)
         return out

@@ -1,7 +1,7 @@
 """IPAM: one address per sandbox from the bridge's subnet.
 
 The table is in memory; what makes it durable is the sandbox's network record
-(dsecd/net/records.py), which carries the address: a restarted daemon rebuilds
+(dsecd/journal.py RecordLog), which carries the address: a restarted daemon rebuilds
 the table from the records (`restore`) and frees the leases of sandboxes that
 are gone. One appended record per create instead of rewriting a whole lease
 file (that was a temp file + rename per change: ~1 ms, and 150 KB at 4,096

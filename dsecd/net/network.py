@@ -9,7 +9,7 @@
     net.readopt({sb_id: (init_pid, cgroup_v2_dir)})                 # after a restart
 
 Per sandbox: the policy (terms), veth name, address and BPF bookkeeping are one
-record in <state_dir>/net/records.log (records.py: an append-only log, one
+record in <state_dir>/net/records.log (dsecd/journal.py: an append-only log, one
 ~5 us write per change instead of a rename).
 """
 
@@ -30,13 +30,12 @@ from pathlib import Path
 
 from .. import native
 from ..errors import BadRequest, Conflict, LimitExceeded, NotFound
-from ..journal import Journal
+from ..journal import RecordLog, read_record_dir
 from . import rules as R
 from .ipam import Ipam, Lease
 from .plumbing import BridgeSpec, Plumbing, host_ifname, netns_path
 from .policy import Engine
 from .pool import NetnsPool, Ready, close_fd
-from .records import RecordLog
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +114,7 @@ class Network:
         if not old.is_dir():
             return
         leases = Ipam.read_legacy(netdir / "leases.json")
-        for sb_id, rec in Journal(old).load_all().items():
+        for sb_id, rec in read_record_dir(old).items():
             rec.setdefault("ifname", host_ifname(sb_id) if rec.get("mode") == "default" else "")
             if sb_id in leases:
                 rec.setdefault("ipv4", f"{leases[sb_id]}/{self.ipam.subnet.prefixlen}")

@@ -43,8 +43,10 @@ def pair(admin, probe_binary):
 
 def test_daemon_files_are_not_visible_inside(armed, daemon):
     assert outcome(armed, "stat", "/etc/passwd") == "ok"         # neighbour
-    journal = daemon.state / "journal"
-    sbdir = daemon.state / "sandboxes" / armed.id
+    journal = daemon.state / "journal.log"
+    # The sandboxes' dir (with a capped writable layer a sandbox has no dir of its
+    # own there: its overlay is mounted on sandboxes/.mnt in its own namespace).
+    sbdir = Path(armed.inspect().get("dir") or daemon.state / "sandboxes" / ".mnt")
     for host_path in (daemon.socket, daemon.state, journal, daemon.log, daemon.config, sbdir,
                       os.path.dirname(daemon.socket)):
         assert os.path.exists(host_path), host_path                 # it is there on the host ...
@@ -245,7 +247,7 @@ def test_sandboxes_cannot_read_each_others_files(pair, daemon):
     assert (upper / "root" / "secret-7f3a").exists()
     r = a.exec(["sh", "-c", "find / -name 'secret-7f3a*' 2>/dev/null; grep -rs 'victim data' /root /tmp /work"])
     assert r.stdout == b"", r.stdout
-    assert outcome(a, "stat", str(daemon.state / "sandboxes" / b.id)) == "ENOENT"
+    assert outcome(a, "stat", str(daemon.state / "sandboxes")) == "ENOENT"
     assert outcome(a, "stat", str(upper)) in ("ENOENT", "EACCES")   # /proc/<host pid>/...: not its pid
     assert outcome(a, "stat", "/root") == "ok"
 

@@ -21,7 +21,7 @@ def host_counts(d) -> dict:
         for _dp, dirnames, _f in os.walk(top):
             cgroups += len([n for n in dirnames if not n.startswith(".")])   # .pager: the daemon's own
     sbdir = d.state / "sandboxes"
-    dirs = len(os.listdir(sbdir)) if sbdir.exists() else 0
+    dirs = len([n for n in os.listdir(sbdir) if not n.startswith(".")]) if sbdir.exists() else 0   # .mnt: shared
     pids = len([p for p in os.listdir("/proc") if p.isdigit()])
     return {"mounts": mounts, "cgroups": cgroups, "dirs": dirs, "pids": pids}
 

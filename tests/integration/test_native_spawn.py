@@ -11,6 +11,7 @@ it goes away with the sandbox; nothing is mounted on the host.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import secrets
 import select
@@ -450,12 +451,35 @@ def test_exec_gets_default_signals_and_only_stdio(sandbox):
     assert code == 0 and all(int(line.split()[1], 16) == 0 for line in out.splitlines()), out
     leak = os.open("/dev/null", os.O_RDONLY)  # inheritable on purpose
     os.set_inheritable(leak, True)
+    # And one far above the fds a spawn uses, where dsecd/fds.py parks the
+    # daemon's long-lived ones: the child's table never holds it at all.
+    high = fcntl.fcntl(leak, fcntl.F_DUPFD, 900)
+    os.set_inheritable(high, True)
     try:
         code, out = sandbox.run(["ls", "/proc/self/fd"])
         fds = out.split()
     finally:
         os.close(leak)
+        os.close(high)
     assert set(fds) <= {"0", "1", "2", "3"}  # 3 is ls's own directory fd
+
+
+def test_container_init_holds_only_stdio(busybox_lower, workdir, cgroups):
+    # Inheritable fds of the daemon, low and parked high (dsecd/fds.py), while
+    # a container is spawned: its PID 1 holds /dev/null on 0-2 and nothing else.
+    low = os.open("/dev/null", os.O_RDONLY)
+    high = fcntl.fcntl(low, fcntl.F_DUPFD, 900)
+    for fd in (low, high):
+        os.set_inheritable(fd, True)
+    try:
+        sb = _make_sandbox(busybox_lower, workdir, cgroups)
+    finally:
+        os.close(low)
+        os.close(high)
+    try:
+        assert sorted(os.listdir(f"/proc/{sb.pid}/fd"), key=int) == ["0", "1", "2"]
+    finally:
+        _destroy(sb)
 
 
 def test_exec_missing_program_raises_enoent(sandbox):

@@ -11,7 +11,7 @@ import pytest
 from test_net_kit import bpf_skip_reason
 
 from dsecd.errors import BadRequest
-from dsecd.net.records import RecordLog
+from dsecd.journal import RecordLog
 
 pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None, reason=bpf_skip_reason() or "")
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from dsecd.errors import BadRequest, Conflict, LimitExceeded, NotFound
+from dsecd.journal import RecordLog
 from dsecd.net.plumbing import host_ifname
-from dsecd.net.records import RecordLog
 
 # The kit sits next to this file; pytest runs with --import-mode=importlib (no rootdir on sys.path).
 sys.path.insert(0, str(Path(__file__).resolve().parent))

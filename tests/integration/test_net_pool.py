@@ -14,8 +14,8 @@ import pytest
 from test_net_kit import bpf_skip_reason, bridge_links
 
 from dsecd.errors import Conflict, DsecError, NotFound
+from dsecd.journal import RecordLog
 from dsecd.net.network import pool_tag
-from dsecd.net.records import RecordLog
 
 pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None, reason=bpf_skip_reason() or "")
 

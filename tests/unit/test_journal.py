@@ -1,10 +1,88 @@
+"""The record logs (dsecd/journal.py): replay, torn writes, compaction, the
+sandbox journal and its migration from a file per record (no root)."""
+
+from __future__ import annotations
+
 import json
+import threading
 
-from dsecd.journal import Journal
+from dsecd import journal
+from dsecd.journal import Journal, RecordLog, read_records
 
 
-def test_write_load_delete(tmp_path):
-    j = Journal(tmp_path / "j", fsync=True)
+def test_last_record_wins_and_deletes_replay(tmp_path):
+    path = tmp_path / "records.log"
+    log = RecordLog(path)
+    log.put("a", {"terms": ["pypi"]})
+    log.put("b", {"terms": []})
+    log.put("a", {"terms": ["dns"]})
+    log.delete("b")
+    log.delete("never-there")          # no line for an unknown id
+    log.close()
+    again = RecordLog(path)
+    assert again.records == {"a": {"terms": ["dns"]}}
+    assert again.lines == 4
+
+
+def test_torn_write_is_skipped_and_does_not_swallow_the_next(tmp_path):
+    path = tmp_path / "records.log"
+    log = RecordLog(path)
+    log.put("a", {"n": 1})
+    log.close()
+    with open(path, "ab") as f:
+        f.write(b'\n{"id":"b","r":{"n":')          # a write cut short by a crash
+    log = RecordLog(path)
+    log.put("c", {"n": 3})                          # starts with its own newline
+    log.close()
+    assert RecordLog(path).records == {"a": {"n": 1}, "c": {"n": 3}}
+
+
+def test_compaction_keeps_live_records_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(journal, "COMPACT_MIN", 10)
+    path = tmp_path / "records.log"
+    log = RecordLog(path)
+    for i in range(12):
+        log.put("a", {"n": i})
+    log.put("b", {"n": 0})
+    assert log.needs_compaction()
+    log.compact()
+    assert not log.needs_compaction() and log.lines == 2
+    log.put("b", {"n": 1})                          # appends to the new file
+    log.close()
+    assert RecordLog(path).records == {"a": {"n": 11}, "b": {"n": 1}}
+    assert not list(tmp_path.glob(".*"))
+
+
+def test_compaction_runs_behind_the_writer_once_needed(tmp_path, monkeypatch):
+    monkeypatch.setattr(journal, "COMPACT_MIN", 10)
+    started: list[threading.Thread] = []
+
+    def in_thread(work):
+        t = threading.Thread(target=work)
+        started.append(t)
+        t.start()
+
+    log = RecordLog(tmp_path / "records.log", compact_with=in_thread)
+    for i in range(11):
+        log.put(f"k{i % 3}", {"n": i})
+    assert len(started) == 1                        # the 11th line crossed max(10, 2 x 3)
+    started[0].join()
+    assert log.lines == 3 and not log.needs_compaction()
+    log.put("k0", {"n": 99})
+    log.close()
+    assert read_records(tmp_path / "records.log") == {"k0": {"n": 99}, "k1": {"n": 10}, "k2": {"n": 8}}
+
+
+def test_compaction_after_close_leaves_the_log_alone(tmp_path):
+    log = RecordLog(tmp_path / "records.log")
+    log.put("a", {"n": 1})
+    log.close()
+    log.compact()                                   # a compaction that lost the race with shutdown
+    assert read_records(tmp_path / "records.log") == {"a": {"n": 1}}
+
+
+def test_journal_write_load_delete(tmp_path):
+    j = Journal(tmp_path, fsync=True)
     j.write("abc", {"state": "running"})
     j.write("abc", {"state": "dead"})
     j.write("def", {"state": "creating"})
@@ -12,20 +90,19 @@ def test_write_load_delete(tmp_path):
     j.delete("abc")
     j.delete("abc")     # idempotent
     assert set(j.load_all()) == {"def"}
+    j.close()
+    assert Journal(tmp_path).load_all() == {"def": {"state": "creating"}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["journal.log"]
 
 
-def test_interrupted_write_leaves_old_record_and_tmp_is_swept(tmp_path):
-    j = Journal(tmp_path / "j")
-    j.write("abc", {"state": "running"})
-    (tmp_path / "j" / ".abc.json.tmp").write_text('{"state": "dea')   # crash before rename
+def test_journal_moves_records_of_a_file_per_record_daemon_into_the_log(tmp_path):
+    old = tmp_path / "journal"
+    old.mkdir()
+    (old / "abc.json").write_text(json.dumps({"state": "running"}))
+    (old / ".def.json.tmp").write_text('{"state": "dea')          # a write that never reached its rename
+    (old / "bad.json").write_text("{not json")
+    j = Journal(tmp_path)
     assert j.load_all() == {"abc": {"state": "running"}}
-    assert not (tmp_path / "j" / ".abc.json.tmp").exists()
-
-
-def test_corrupt_record_is_moved_aside(tmp_path):
-    j = Journal(tmp_path / "j")
-    (tmp_path / "j" / "bad.json").write_text("{not json")
-    j.write("ok", {"a": 1})
-    assert j.load_all() == {"ok": {"a": 1}}
-    assert (tmp_path / "j" / "bad.json.corrupt").exists()
-    assert json.loads((tmp_path / "j" / "ok.json").read_text()) == {"a": 1}
+    assert not old.exists()
+    j.close()
+    assert read_records(tmp_path / "journal.log") == {"abc": {"state": "running"}}
