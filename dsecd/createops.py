@@ -123,6 +123,11 @@ class CreateOps:
             if task:
                 task.cancel()
 
+    def free_key(self, sb) -> None:
+        """A destroyed sandbox's key is free again (a create with it makes a new one)."""
+        if sb.key and self.create_keys.get(sb.key) == sb.id:
+            del self.create_keys[sb.key]
+
     def admission_info(self) -> dict:
         return {**self.admission.info(), "keys": len(self.create_keys),
                 "pools": {n: {"ready": len(p.ready), "creating": p.creating, "taken": p.taken}
@@ -269,9 +274,6 @@ class CreateOps:
         while True:
             await asyncio.sleep(interval)
             budget = min(budget + self.pool_cfg["refill_per_s"] * interval, self.pool_cfg["refill_per_s"])
-            for key, v in list(self.create_keys.items()):     # keys of destroyed sandboxes are free
-                if isinstance(v, str) and v not in self.sandboxes:
-                    del self.create_keys[key]
             for pool in list(self.pools.values()):
                 need = pool.target(self.pool_cfg["demand_window_s"]) - len(pool.ready) - pool.creating
                 while need > 0 and budget >= 1 and self.admission.queued < self.admission.max_queued // 2:

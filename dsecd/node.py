@@ -572,6 +572,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         if self.sandboxes.pop(sb.id, None) is sb and prev == "dead":
             self._dead -= 1
         self.journal.delete(sb.id)
+        self.free_key(sb)
         self._release_ids(sb)        # its processes are gone: stop() waited for them
         if prev != "dead":          # a dead sandbox gave its layers back already
             self.layers.release(sb.layers)

@@ -84,6 +84,11 @@ class ImageStore:
         # create resolves its image, and need not re-read and re-hash the blob.
         self._manifests: dict[str, dict] = {}
         self._indexes: dict[str, str] = {}      # layer digest -> its chunk index digest
+        # name -> ((inode, mtime ns, size) of its ref file, parsed ref). A ref is
+        # replaced by rename (a new inode), possibly by another daemon on the
+        # same store: a stat tells whether the parsed copy is still current,
+        # instead of an open, read and JSON parse on every create.
+        self._refs: dict[str, tuple[tuple[int, int, int], dict]] = {}
         # Blobs a build in progress has written or relies on but no name
         # reaches yet: gc keeps them. One lock orders pins against a whole gc
         # pass (found by fuzzing: image_build beside image_gc lost its fresh
@@ -107,7 +112,7 @@ class ImageStore:
 
     def get(self, name: str) -> Image:
         try:
-            ref = json.loads(self._ref(name).read_text())
+            ref = self._read_ref(name)
         except FileNotFoundError:
             raise ImageError("not_found", f"no image named {name!r} (see `dsec image ls`)") from None
         manifest = self._manifest(ref["manifest"])
@@ -115,6 +120,17 @@ class ImageStore:
         return Image(name=name, manifest=ref["manifest"], layers=manifest["layers"],
                      config=manifest["config"], created=ref["created"], size=size,
                      parent=ref.get("parent"))
+
+    def _read_ref(self, name: str) -> dict:
+        path = self._ref(name)
+        st = os.stat(path)
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        cached = self._refs.get(name)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        ref = json.loads(path.read_text())
+        self._refs[name] = (key, ref)
+        return ref
 
     def get_manifest(self, digest: str, name: str = "") -> Image:
         """The image a manifest digest describes, whatever names point at it now."""
@@ -172,6 +188,8 @@ class ImageStore:
             self._ref(name).unlink()
         except FileNotFoundError:     # a concurrent rm of the same name won
             raise ImageError("not_found", f"no image named {name!r} (removed meanwhile)") from None
+        finally:
+            self._refs.pop(name, None)
         return image
 
     # ------------------------------------------------------------ building
