@@ -142,6 +142,7 @@ class Group:
         # Hierarchies this group is not made in but an older daemon's may be:
         # removal and kills look there too.
         self.legacy = [mnt / rel for key, mnt in layout.hierarchies().items() if key not in self.dirs]
+        self._procs: list[str] | None = None
 
     def create(self) -> None:
         """mkdir in every hierarchy; on failure remove what was made."""
@@ -156,7 +157,10 @@ class Group:
             raise CgroupError(err.errno, f"create cgroup `{d}`: {os.strerror(err.errno)}") from err
 
     def procs_files(self) -> list[str]:
-        return [str(d / "cgroup.procs") for d in self.dirs.values()]
+        # Built once: every exec in the sandbox passes them to the spawn.
+        if self._procs is None:
+            self._procs = [str(d / "cgroup.procs") for d in self.dirs.values()]
+        return self._procs
 
     def dir_for(self, ctrl: str) -> tuple[str, Path] | None:
         where = self.layout.controller_dir(ctrl)

@@ -127,6 +127,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             raise ConfigError("sandbox.disk must be at least 1M and sandbox.disk_inodes at least 16 "
                               "(a tmpfs takes 0 as unlimited)")
         self.pool = ThreadPoolExecutor(cfg.section("daemon")["worker_threads"], "dsecd-worker")
+        self.max_exec_output = cfg.size("limits", "max_exec_output_bytes")     # parsed once, used per exec
         self.journal = Journal(state, fsync=cfg.section("journal")["fsync"], compact_with=self.pool.submit)
         self.init_images(cfg)
         self.init_memory(cfg)
@@ -619,7 +620,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
                 collected[stream].append(data)
 
         await self.ensure_running(sb, "exec")
-        io = ExecIO(self.loop, self.cfg.size("limits", "max_exec_output_bytes"), emit, req.stdin)
+        io = ExecIO(self.loop, self.max_exec_output, emit, req.stdin)
         sb.execs += 1
         ctx.register_exec(io)
         try:
