@@ -30,10 +30,10 @@ import secrets
 import time
 
 from . import cgroup
-from .backends.fncall import CallBox, CallRun, FnCallBackend, Zygote, ZygoteDied
+from .backends.fncall import CallBox, FnCallBackend, Zygote, ZygoteDied
 from .config import parse_size
 from .errors import BadRequest, Busy, DsecError, IOFailure, LimitExceeded, Unsupported, io_error
-from .execio import ExecIO
+from .execio import Collector, ExecIO
 from .fs import upper as upperfs
 from .fs.images import ImageError
 from .imageops import image_error
@@ -288,8 +288,8 @@ class CallOps:
 
     async def _zygote_call(self, box: CallBox, zyg: Zygote, argv: list[str], code: str | None,
                            env: dict, stdin: bytes, timeout: float) -> dict:
-        run = CallRun(self.loop, self._call_sizes["output"], self.limits["exec_drain_grace_s"],
-                      self.fn_cfg["kill_grace_s"])
+        run = Collector(self.loop, self._call_sizes["output"], self.limits["exec_drain_grace_s"],
+                        self.fn_cfg["kill_grace_s"], path="zygote")
         call_id = zyg.calls = zyg.calls + 1
         extra = []          # memfds of this call (stdin, large code), closed once sent
         try:

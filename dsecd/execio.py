@@ -1,4 +1,12 @@
-"""One running exec: its pipes, its output cap, its timeout, its exit status.
+"""A running process's output, cap, timeout and end, seen from the daemon.
+
+Two ways, one cap. `Collector` gathers the whole output with loop callbacks
+alone (a reader per pipe, a timer, a done callback on the exit): no task per
+stream, so it is what most execs (no stdin, no streaming) and every FnCall
+use. `ExecIO` runs a coroutine per stream, for execs that stream their output
+(each chunk awaits the client's socket: backpressure) or take stdin.
+
+ExecIO, one running exec: its pipes, its output cap, its timeout, its exit status.
 
 The process is a direct child of the daemon (the C helper clones it with
 CLONE_PARENT), so its exit is seen on a pidfd registered with the event loop
@@ -15,6 +23,7 @@ read ends are closed, so the process sees EPIPE/SIGPIPE on its next write
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
 import time
@@ -205,3 +214,164 @@ def _decode_status(status: int) -> tuple[int | None, int | None]:
     if os.WIFSIGNALED(status):
         return None, os.WTERMSIG(status)
     return os.WEXITSTATUS(status), None
+
+
+class Collector:
+    """One run's capped output, timeout, kill and end, driven by loop callbacks.
+
+    The process writes to `child_ends` (stdout, stderr pipes). `start` is
+    given a future that resolves to the exit message ({"status": wait
+    status, ...}; the zygote's also carries "run_ms"), a kill function and a
+    timeout. `done` resolves to the result dict once the exit is known and
+    both pipes reached EOF (or `drain_grace` after the exit, when a
+    background child still holds them). It fails with the exit future's
+    error (a dead zygote, OSError) and with TimeoutError when the end does
+    not come `kill_grace` after a kill."""
+
+    takes_stdin = False          # exec_input asks; streams and stdin take ExecIO
+    cancelled = False            # set by a `cancel` of its request (server.py)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, cap: int, drain_grace: float, kill_grace: float,
+                 path: str | None = None):
+        self.loop = loop
+        self.cap = cap
+        self.drain_grace = drain_grace
+        self.kill_grace = kill_grace
+        self.path = path                        # "zygote": named in the result
+        self.delivered = 0
+        self.truncated = self.timed_out = False
+        self.out: dict[int, list[bytes]] = {1: [], 2: []}
+        self.reads: dict[int, int] = {}         # read end -> stream
+        self.child_ends: list[int] = []
+        try:
+            for stream in (1, 2):
+                r, w = os.pipe2(os.O_CLOEXEC)
+                self.reads[r] = stream
+                self.child_ends.append(w)
+                os.set_blocking(r, False)
+        except BaseException:
+            self.close()
+            raise
+        self.exit: dict | None = None
+        self.done: asyncio.Future = loop.create_future()
+        self.started = time.monotonic()
+        self._timers: list[asyncio.TimerHandle] = []
+        self._watching = False
+        self._kill: Callable[[], None] | None = None
+
+    def close_child_ends(self) -> None:
+        for fd in self.child_ends:
+            os.close(fd)
+        self.child_ends = []
+
+    def start(self, exited: asyncio.Future, kill: Callable[[], None], timeout: float | None) -> None:
+        """Watch the pipes, the exit and the clock (timeout None: no limit)."""
+        self._kill = kill
+        self._watching = True
+        for fd, stream in self.reads.items():
+            self.loop.add_reader(fd, self._on_readable, fd, stream)
+        exited.add_done_callback(self._on_exited)
+        if timeout is not None:
+            self._timers.append(self.loop.call_later(timeout, self._on_timeout))
+
+    def _on_readable(self, fd: int, stream: int) -> None:
+        try:
+            data = os.read(fd, READ_CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close_read(fd)
+            self._check()
+            return
+        room = self.cap - self.delivered
+        if len(data) > room:
+            self.truncated = True
+            data = data[:room]
+        self.delivered += len(data)
+        self.out[stream].append(data)
+        if self.truncated:
+            # Past the cap both read ends go: the writer gets EPIPE, the host keeps its memory.
+            self.close_reads()
+            self._check()
+
+    def _on_exited(self, fut: asyncio.Future) -> None:
+        if self.done.done() or fut.cancelled():
+            return
+        err = fut.exception()
+        if err is not None:
+            self.done.set_exception(err)
+            return
+        self.exit = fut.result()
+        if self.reads:
+            self._timers.append(self.loop.call_later(self.drain_grace, self._drained))
+        self._check()
+
+    def _drained(self) -> None:
+        self.close_reads()
+        self._check()
+
+    def _on_timeout(self) -> None:
+        if self.exit is not None or self.done.done():
+            return
+        self.timed_out = True
+        self._kill()
+        self._timers.append(self.loop.call_later(self.kill_grace, self._kill_ignored))
+
+    def _kill_ignored(self) -> None:
+        if self.exit is None and not self.done.done():
+            self.done.set_exception(TimeoutError(errno.ETIMEDOUT, "the run did not end after a kill"))
+
+    def _check(self) -> None:
+        if self.exit is None or self.reads or self.done.done():
+            return
+        code, sig = _decode_status(self.exit["status"])
+        result = {"exit_code": code, "signal": sig, "timed_out": self.timed_out, "truncated": self.truncated,
+                  "cancelled": False, "duration_ms": round((time.monotonic() - self.started) * 1000, 3),
+                  "stdout": b"".join(self.out[1]), "stderr": b"".join(self.out[2])}
+        if self.path is not None:        # the zygote's: where the call ran, its own run time
+            result["path"] = self.path
+            result["run_ms"] = round(self.exit.get("run_ms", 0.0), 3)
+        self.done.set_result(result)
+
+    def _close_read(self, fd: int) -> None:
+        if self.reads.pop(fd, None) is not None:
+            if self._watching:
+                self.loop.remove_reader(fd)
+            os.close(fd)
+
+    def close_reads(self) -> None:
+        for fd in list(self.reads):
+            self._close_read(fd)
+
+    def close(self) -> None:
+        """Everything goes, whatever state the run is in (idempotent)."""
+        for t in self._timers:
+            t.cancel()
+        self._timers = []
+        self.close_reads()
+        self.close_child_ends()
+
+
+def watch_exit(loop: asyncio.AbstractEventLoop, pid: int) -> tuple[asyncio.Future, Callable[[], None]]:
+    """A future of our child `pid`'s exit ({"status": wait status}), seen on a
+    pidfd and reaped at once; and what stops watching (the pidfd's close)."""
+    pidfd = os.pidfd_open(pid)
+    exited = loop.create_future()
+
+    def on_exit() -> None:
+        # Off at the first wake-up: a pidfd stays readable once its process exited.
+        stop()
+        if not exited.done():
+            exited.set_result({"status": _reap(pid)})
+
+    def stop() -> None:
+        nonlocal pidfd
+        if pidfd >= 0:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+            pidfd = -1
+
+    loop.add_reader(pidfd, on_exit)
+    return exited, stop

@@ -18,6 +18,7 @@ import functools
 import logging
 import os
 import secrets
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from .errors import (
     Unsupported,
     io_error,
 )
-from .execio import ExecIO
+from .execio import Collector, ExecIO, watch_exit
 from .features import Features
 from .fs import files as sbfiles
 from .fs import upper as upperfs
@@ -620,6 +621,8 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
                 collected[stream].append(data)
 
         await self.ensure_running(sb, "exec")
+        if not (req.stream or req.stdin or req.trace):
+            return await self._exec_collected(sb, list(req.argv), env, cwd, user, timeout, ctx)
         io = ExecIO(self.loop, self.max_exec_output, emit, req.stdin)
         sb.execs += 1
         ctx.register_exec(io)
@@ -653,6 +656,46 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             result["stdout"] = b"".join(collected[1])
             result["stderr"] = b"".join(collected[2])
         return result
+
+    async def _exec_collected(self, sb: Sandbox, argv: list[str], env: dict, cwd: str, user: int,
+                              timeout: float | None, ctx) -> dict:
+        """An exec whose output comes back whole and that takes no stdin (most
+        of them): collected by loop callbacks (dsecd/execio.py Collector), not
+        by ExecIO's task per pipe; stdin is the daemon's /dev/null."""
+        run = Collector(self.loop, self.max_exec_output, self.limits["exec_drain_grace_s"], EXEC_KILL_GRACE_S)
+        sb.execs += 1
+        ctx.register_exec(run)
+        exited = stop_watching = None
+        pid = None
+        try:
+            try:
+                pid = await self.run_blocking(self.backend.spawn, sb.handle, argv, env, cwd, user,
+                                              (self._devnull, *run.child_ends))
+            except NativeError as err:
+                raise _exec_error(err, argv[0], cwd) from err
+            except ValueError as err:       # the native layer's argument checks (sizes, NULs)
+                raise BadRequest(f"exec: {err}") from err
+            finally:
+                run.close_child_ends()
+            exited, stop_watching = watch_exit(self.loop, pid)
+            run.start(exited, functools.partial(_kill_group, pid), timeout)
+            return await run.done
+        except BaseException:
+            # Cancelled (client gone, `cancel`, daemon stopping): the process
+            # group goes, and is reaped in a thread (a dying process may take a moment).
+            if pid is not None and not (exited is not None and exited.done()):
+                _kill_group(pid)
+                if stop_watching is not None:
+                    stop_watching()
+                self.loop.run_in_executor(None, _reap_quiet, pid)
+            raise
+        finally:
+            if stop_watching is not None:
+                stop_watching()
+            run.close()
+            sb.execs -= 1
+            sb.last_active = time.monotonic()
+            ctx.unregister_exec()
 
     async def _start_tracer(self, io: ExecIO, pid: int, timeout: float | None):
         try:
@@ -734,6 +777,27 @@ def _check_process(req) -> None:
         raise BadRequest(f"cwd must be absolute, got {req.cwd!r}")
     if not 0 <= req.user < 2**32 - 1:
         raise BadRequest(f"user must be a uid in [0, 2^32-1), got {req.user}")
+
+
+# After a timeout's SIGKILL, how long an exec may take to be seen exiting
+# before its request fails (a process in uninterruptible sleep, e.g. on a
+# stuck FUSE read).
+EXEC_KILL_GRACE_S = 30.0
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL an exec's process group (the exec made itself a session leader)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _reap_quiet(pid: int) -> None:
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
 
 
 def _exec_error(err: NativeError, prog: str, cwd: str) -> DsecError:

@@ -14,8 +14,8 @@ packet (the code in it, or in a memfd when large) plus SCM_RIGHTS fds: stdin
 (the daemon's /dev/null, or a memfd holding the caller's stdin) and
 stdout/stderr pipes; the zygote hands it to a pre-forked worker and reports
 its wait status. Output flows straight from the worker to the daemon's pipes,
-under the same cap as an exec; `CallRun` collects it with loop callbacks
-alone (no task or thread per call: tasks were most of a call's daemon CPU). A zygote that dies, speaks garbage or does not answer a kill in time
+under the same cap as an exec; `Collector` (dsecd/execio.py) collects it with
+loop callbacks alone (no task or thread per call: tasks were most of a call's daemon CPU). A zygote that dies, speaks garbage or does not answer a kill in time
 is dropped with its whole call sandbox; the next call makes new ones.
 
 Images without python3 (or with [fncall] zygote = false) take plain argv
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import array
 import asyncio
-import errno
 import json
 import logging
 import os
@@ -113,140 +112,6 @@ class Zygote:
         self.pending.clear()
         if self.ready and not self.ready.done():
             self.ready.set_exception(err)
-
-
-READ_CHUNK = 64 * 1024
-
-
-class CallRun:
-    """One zygote call seen from the daemon: its output pipes (read by loop
-    callbacks, capped like an exec's), its timeout and kill, its end.
-
-    `done` resolves to the result dict once the zygote reported the exit and
-    both pipes reached EOF (or `drain_grace` after the exit, when a
-    background child of the call still holds them). It fails with the
-    zygote's error (ZygoteDied, OSError) and with TimeoutError when the
-    zygote does not report the end `kill_grace` after a kill."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, cap: int, drain_grace: float, kill_grace: float):
-        self.loop = loop
-        self.cap = cap
-        self.drain_grace = drain_grace
-        self.kill_grace = kill_grace
-        self.delivered = 0
-        self.truncated = self.timed_out = False
-        self.out: dict[int, list[bytes]] = {1: [], 2: []}
-        self.reads: dict[int, int] = {}         # read end -> stream
-        self.child_ends: list[int] = []
-        try:
-            for stream in (1, 2):
-                r, w = os.pipe2(os.O_CLOEXEC)
-                self.reads[r] = stream
-                self.child_ends.append(w)
-                os.set_blocking(r, False)
-        except BaseException:
-            self.close()
-            raise
-        self.status: int | None = None
-        self.run_ms = 0.0
-        self.done: asyncio.Future = loop.create_future()
-        self.started = time.monotonic()
-        self._timers: list[asyncio.TimerHandle] = []
-        self._watching = False
-        self._kill = None
-
-    def close_child_ends(self) -> None:
-        for fd in self.child_ends:
-            os.close(fd)
-        self.child_ends = []
-
-    def start(self, exited: asyncio.Future, kill, timeout: float) -> None:
-        """Watch the pipes, the zygote's answer and the clock."""
-        self._kill = kill
-        self._watching = True
-        for fd, stream in self.reads.items():
-            self.loop.add_reader(fd, self._on_readable, fd, stream)
-        exited.add_done_callback(self._on_exited)
-        self._timers.append(self.loop.call_later(timeout, self._on_timeout))
-
-    def _on_readable(self, fd: int, stream: int) -> None:
-        try:
-            data = os.read(fd, READ_CHUNK)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self._close_read(fd)
-            self._check()
-            return
-        room = self.cap - self.delivered
-        if len(data) > room:
-            self.truncated = True
-            data = data[:room]
-        self.delivered += len(data)
-        self.out[stream].append(data)
-        if self.truncated:
-            # Past the cap both read ends go: the writer gets EPIPE, the host keeps its memory.
-            self.close_reads()
-            self._check()
-
-    def _on_exited(self, fut: asyncio.Future) -> None:
-        if self.done.done() or fut.cancelled():
-            return
-        err = fut.exception()
-        if err is not None:
-            self.done.set_exception(err)
-            return
-        msg = fut.result()
-        self.status, self.run_ms = msg["status"], msg.get("run_ms", 0.0)
-        if self.reads:
-            self._timers.append(self.loop.call_later(self.drain_grace, self._drained))
-        self._check()
-
-    def _drained(self) -> None:
-        self.close_reads()
-        self._check()
-
-    def _on_timeout(self) -> None:
-        if self.status is not None or self.done.done():
-            return
-        self.timed_out = True
-        self._kill()
-        self._timers.append(self.loop.call_later(self.kill_grace, self._kill_ignored))
-
-    def _kill_ignored(self) -> None:
-        if self.status is None and not self.done.done():
-            self.done.set_exception(TimeoutError(errno.ETIMEDOUT, "the zygote did not end the call after a kill"))
-
-    def _check(self) -> None:
-        if self.status is None or self.reads or self.done.done():
-            return
-        st = self.status
-        code, sig = (None, os.WTERMSIG(st)) if os.WIFSIGNALED(st) else (os.WEXITSTATUS(st), None)
-        self.done.set_result({
-            "exit_code": code, "signal": sig, "timed_out": self.timed_out, "truncated": self.truncated,
-            "cancelled": False, "duration_ms": round((time.monotonic() - self.started) * 1000, 3),
-            "stdout": b"".join(self.out[1]), "stderr": b"".join(self.out[2]), "path": "zygote",
-            "run_ms": round(self.run_ms, 3)})
-
-    def _close_read(self, fd: int) -> None:
-        if self.reads.pop(fd, None) is not None:
-            if self._watching:
-                self.loop.remove_reader(fd)
-            os.close(fd)
-
-    def close_reads(self) -> None:
-        for fd in list(self.reads):
-            self._close_read(fd)
-
-    def close(self) -> None:
-        """Everything goes, whatever state the call is in (idempotent)."""
-        for t in self._timers:
-            t.cancel()
-        self._timers = []
-        self.close_reads()
-        self.close_child_ends()
 
 
 @dataclass

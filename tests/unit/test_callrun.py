@@ -1,4 +1,4 @@
-"""CallRun (dsecd/backends/fncall.py): one zygote call's output, end, timeout
+"""Collector (dsecd/execio.py) as FnCall uses it: one zygote call's output, end, timeout
 and kill, driven by loop callbacks. Real pipes, a fake zygote answer."""
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ import signal
 
 import pytest
 
-from dsecd.backends.fncall import CallRun, ZygoteDied
+from dsecd.backends.fncall import ZygoteDied
+from dsecd.execio import Collector
 
 
 def _run(cap=1 << 20, drain=0.2, kill_grace=0.2):
-    return CallRun(asyncio.get_running_loop(), cap, drain, kill_grace)
+    return Collector(asyncio.get_running_loop(), cap, drain, kill_grace, path="zygote")
 
 
 def test_output_and_exit_status():
