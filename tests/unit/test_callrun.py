@@ -111,3 +111,27 @@ def test_a_dead_zygote_fails_the_call_and_close_frees_every_fd():
 
     before, after = asyncio.run(go())
     assert after == before
+
+
+def test_an_exec_child_collected_through_its_pidfd():
+    # The plain-exec use (dsecd/node.py _exec_collected): the exit comes from
+    # watch_exit (a pidfd, reaped at once), the output from real pipes.
+    from dsecd.execio import watch_exit
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        run = Collector(loop, 1 << 20, 0.2, 0.2)
+        pid = os.fork()
+        if pid == 0:
+            os.write(run.child_ends[0], b"out")
+            os._exit(7)
+        run.close_child_ends()
+        exited, stop = watch_exit(loop, pid)
+        run.start(exited, lambda: os.kill(pid, signal.SIGKILL), None)
+        result = await run.done
+        stop()
+        run.close()
+        return result
+
+    r = asyncio.run(go())
+    assert (r["exit_code"], r["stdout"], r["stderr"]) == (7, b"out", b"") and "path" not in r
