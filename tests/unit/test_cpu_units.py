@@ -176,6 +176,35 @@ def test_sampler_v1_rates_throttling_and_gone_groups(tmp_path, monkeypatch):
     assert set(s.tracks) == {"b"} and set(s.files) == {"b"}
 
 
+def test_sampler_reads_a_round_robin_share_past_its_budget(tmp_path, monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(sampler.time, "monotonic", clock)
+    monkeypatch.setattr(sampler, "SAMPLE_BUDGET", 3)
+    s = sampler.Sampler(_v1_layout(tmp_path), "root", half_life_s=1.0)
+    names = ["a", "b", "c", "d", "e"]
+    for n in names:
+        _write_v1(tmp_path, n, 0, 100)
+    entries = {n: ("be", False) for n in names} | {"l": ("ls", False)}
+    _write_v1(tmp_path, "l", 0, 100)
+    s.sample(entries)                                  # all new: all read, past the budget
+    reads: list[str] = []
+    real = sampler.read_group
+    monkeypatch.setattr(sampler, "read_group", lambda f, memory=True: reads.append(f) or real(f, memory))
+    seen = set()
+    for n in names:
+        _write_v1(tmp_path, n, 2_000_000_000, 300)     # 2 s of CPU each
+    for _ in range(3):
+        clock.t += 1.0
+        reads.clear()
+        snap = s.sample(entries)
+        assert len(reads) == 3                         # the LS one and two BE ones
+        assert set(snap.sandboxes) == set(entries)     # every sandbox is in every snapshot
+        seen |= {n for n in names if snap.sandboxes[n]["memory"] == 300}
+    assert seen == set(names)                          # each BE one had its turn, memory included
+    # Rates divide by the real interval: "a" was read after 1 s, "e" after 3.
+    assert snap.sandboxes["e"]["cpu_pct"] == pytest.approx(2 / 3 * 100, abs=0.1)
+
+
 def test_sampler_v2_reads_one_cpu_stat(tmp_path, monkeypatch):
     clock = Clock()
     monkeypatch.setattr(sampler.time, "monotonic", clock)
