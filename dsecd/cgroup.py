@@ -68,8 +68,13 @@ class Layout:
     def made_hierarchies(self) -> dict[str, Path]:
         """The hierarchies a new sandbox group is made in: all but a v1
         freezer that v2's cgroup.freeze makes redundant. `hierarchies()`
-        still lists it, so leftovers of older daemons are found and removed."""
-        return {k: p for k, p in self.hierarchies().items() if not (k == "freezer" and self.v2_freeze)}
+        still lists it, so leftovers of older daemons are found and removed.
+        Computed once (every Group asks); do not modify the dict."""
+        made = self.__dict__.get("_made")
+        if made is None:
+            made = {k: p for k, p in self.hierarchies().items() if not (k == "freezer" and self.v2_freeze)}
+            object.__setattr__(self, "_made", made)
+        return made
 
     def controller_dir(self, ctrl: str) -> tuple[str, Path] | None:
         """(version, mount) that serves `ctrl`, or None."""
@@ -116,10 +121,10 @@ def _has_v2_freeze(v2: Path) -> bool:
     return (major, minor) >= (5, 2)
 
 
-def _write(path: Path, value: str) -> None:
+def _write(path: str | Path, value: str) -> None:
     sysfs.write(path, value, CgroupError, {
         errno.EBUSY: "a v2 group with processes cannot enable controllers for children"
-        if path.name == "cgroup.subtree_control" else "the group is busy"})
+        if os.path.basename(path) == "cgroup.subtree_control" else "the group is busy"})
 
 
 @dataclass(frozen=True)
@@ -138,7 +143,10 @@ class Group:
     def __init__(self, layout: Layout, rel: str):
         self.layout = layout
         self.rel = rel
-        self.dirs = {key: mnt / rel for key, mnt in layout.made_hierarchies().items()}
+        # The create path (mkdir, limits, cgroup.procs) works on plain strings:
+        # Path objects were ~10% of the daemon's Python time in a burst.
+        self._sdirs = {key: f"{mnt}/{rel}" for key, mnt in layout.made_hierarchies().items()}
+        self.dirs = {key: Path(d) for key, d in self._sdirs.items()}
         # Hierarchies this group is not made in but an older daemon's may be:
         # removal and kills look there too.
         self.legacy = [mnt / rel for key, mnt in layout.hierarchies().items() if key not in self.dirs]
@@ -148,7 +156,7 @@ class Group:
         """mkdir in every hierarchy; on failure remove what was made."""
         made = []
         try:
-            for d in self.dirs.values():
+            for d in self._sdirs.values():
                 _mkdir_group(d)
                 made.append(d)
         except OSError as err:
@@ -159,8 +167,16 @@ class Group:
     def procs_files(self) -> list[str]:
         # Built once: every exec in the sandbox passes them to the spawn.
         if self._procs is None:
-            self._procs = [str(d / "cgroup.procs") for d in self.dirs.values()]
+            self._procs = [f"{d}/cgroup.procs" for d in self._sdirs.values()]
         return self._procs
+
+    def _sdir_for(self, ctrl: str) -> tuple[str, str] | None:
+        """dir_for as a string (the create path)."""
+        where = self.layout.controller_dir(ctrl)
+        if where is None:
+            return None
+        version, mnt = where
+        return version, f"{mnt}/{self.rel}"
 
     def dir_for(self, ctrl: str) -> tuple[str, Path] | None:
         where = self.layout.controller_dir(ctrl)
@@ -171,18 +187,18 @@ class Group:
 
     def set_limits(self, lim: Limits) -> None:
         self._set_cpu(lim)
-        mem = self.dir_for("memory")
+        mem = self._sdir_for("memory")
         if mem:
             version, d = mem
-            _write(d / ("memory.max" if version == "v2" else "memory.limit_in_bytes"), str(lim.memory_bytes))
+            _write(f"{d}/{'memory.max' if version == 'v2' else 'memory.limit_in_bytes'}", str(lim.memory_bytes))
             if lim.swap_bytes is not None:
                 self._set_swap(version, d, lim)
-        pids = self.dir_for("pids")
+        pids = self._sdir_for("pids")
         if pids:
-            _write(pids[1] / "pids.max", str(lim.pids))
+            _write(f"{pids[1]}/pids.max", str(lim.pids))
 
     @staticmethod
-    def _set_swap(version: str, d: Path, lim: Limits) -> None:
+    def _set_swap(version: str, d: str, lim: Limits) -> None:
         """Bound swap too: without it a sandbox's anonymous memory past its
         limit goes to swap until the host's swap is full (found by
         test_memory_oom_stays_in_the_sandbox with a host swap file on). v1
@@ -191,34 +207,33 @@ class Group:
         at most the memory limit's worth to swap, so swap_bytes >= memory_bytes
         never gets in its way. Without swap accounting (no memsw files) there
         is nothing to set."""
-        if version == "v2":
-            target, value = d / "memory.swap.max", lim.swap_bytes
-        else:
-            target, value = d / "memory.memsw.limit_in_bytes", lim.memory_bytes + lim.swap_bytes
+        name = "memory.swap.max" if version == "v2" else "memory.memsw.limit_in_bytes"
+        target = f"{d}/{name}"
+        value = lim.swap_bytes if version == "v2" else lim.memory_bytes + lim.swap_bytes
         # Swap accounting is the same for every group of a boot: looked up once
         # per parent (all sandboxes share one), not per create.
-        key = (d.parent, target.name)
+        key = (os.path.dirname(d), name)
         has = _swap_files.get(key)
         if has is None:
-            has = _swap_files[key] = target.exists()
+            has = _swap_files[key] = os.path.exists(target)
         if has:
             _write(target, str(value))
 
     def _set_cpu(self, lim: Limits) -> None:
-        cpu = self.dir_for("cpu")
+        cpu = self._sdir_for("cpu")
         if not cpu:
             return
         version, d = cpu
         quota = int(lim.cpu * lim.cpu_period_us)
         if version == "v2":
-            _write(d / "cpu.weight", str(max(1, min(10000, round(lim.cpu * 100)))))
+            _write(f"{d}/cpu.weight", str(max(1, min(10000, round(lim.cpu * 100)))))
             if lim.cpu_hard_quota:
-                _write(d / "cpu.max", f"{quota} {lim.cpu_period_us}")
+                _write(f"{d}/cpu.max", f"{quota} {lim.cpu_period_us}")
         else:
-            _write(d / "cpu.shares", str(max(2, round(lim.cpu * 1024))))
+            _write(f"{d}/cpu.shares", str(max(2, round(lim.cpu * 1024))))
             if lim.cpu_hard_quota:
-                _write(d / "cpu.cfs_period_us", str(lim.cpu_period_us))
-                _write(d / "cpu.cfs_quota_us", str(quota))
+                _write(f"{d}/cpu.cfs_period_us", str(lim.cpu_period_us))
+                _write(f"{d}/cpu.cfs_quota_us", str(quota))
 
     def pids(self) -> set[int]:
         out: set[int] = set()
@@ -261,16 +276,16 @@ class Group:
 
 
 # Whether the groups under a parent have their swap limit file (swap accounting on).
-_swap_files: dict[tuple[Path, str], bool] = {}
+_swap_files: dict[tuple[str, str], bool] = {}
 
 # Parents known to exist: every create would otherwise stat and re-mkdir the
 # same few dirs in each hierarchy (~10 syscalls of a burst's every sandbox).
 # A parent removed behind our back shows as ENOENT on the child's mkdir,
 # which drops it from here and retries once.
-_parents_made: set[Path] = set()
+_parents_made: set[str] = set()
 
 
-def _ensure_parent(parent: Path) -> None:
+def _ensure_parent(parent: str) -> None:
     if parent in _parents_made:
         return
     try:
@@ -280,17 +295,18 @@ def _ensure_parent(parent: Path) -> None:
     _parents_made.add(parent)
 
 
-def _mkdir_group(d: Path) -> None:
-    _ensure_parent(d.parent)
+def _mkdir_group(d: str) -> None:
+    parent = os.path.dirname(d)
+    _ensure_parent(parent)
     try:
         os.mkdir(d)
     except FileNotFoundError:
-        _parents_made.discard(d.parent)
-        _ensure_parent(d.parent)
+        _parents_made.discard(parent)
+        _ensure_parent(parent)
         os.mkdir(d)
 
 
-def _rmdir_quiet(d: Path) -> None:
+def _rmdir_quiet(d: str | Path) -> None:
     try:
         os.rmdir(d)
     except OSError:
