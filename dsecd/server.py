@@ -111,8 +111,11 @@ class Connection:
         trickling bytes (slowloris) or stopping mid-frame holds a connection
         slot and a partial buffer, so it is told `limit` and dropped."""
         try:
-            async with asyncio.timeout(idle_timeout):
+            if idle_timeout is None:         # no timer to arm: the common case, after hello
                 first = await self.reader.readexactly(1)
+            else:
+                async with asyncio.timeout(idle_timeout):
+                    first = await self.reader.readexactly(1)
         except (asyncio.IncompleteReadError, ConnectionError):
             return None
         except TimeoutError:
@@ -144,6 +147,9 @@ class Connection:
         high-water mark; until the client drains it, nothing more is read from
         it. A client that reads nothing for frame_timeout_s is dropped.
         False: drop the connection."""
+        transport = self.writer.transport
+        if not transport.is_closing() and transport.get_write_buffer_size() == 0:
+            return True                      # nothing unread: no wait, no timer
         try:
             async with asyncio.timeout(self.server.frame_timeout):
                 await self.writer.drain()
