@@ -13,6 +13,7 @@ dsecd only ever creates, writes and removes groups below its own subtree
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import re
 import signal
@@ -146,11 +147,18 @@ class Group:
         # The create path (mkdir, limits, cgroup.procs) works on plain strings:
         # Path objects were ~10% of the daemon's Python time in a burst.
         self._sdirs = {key: f"{mnt}/{rel}" for key, mnt in layout.made_hierarchies().items()}
-        self.dirs = {key: Path(d) for key, d in self._sdirs.items()}
-        # Hierarchies this group is not made in but an older daemon's may be:
-        # removal and kills look there too.
-        self.legacy = [mnt / rel for key, mnt in layout.hierarchies().items() if key not in self.dirs]
         self._procs: list[str] | None = None
+
+    @functools.cached_property
+    def dirs(self) -> dict[str, Path]:
+        """{hierarchy key: the group's dir} where it is made."""
+        return {key: Path(d) for key, d in self._sdirs.items()}
+
+    @functools.cached_property
+    def legacy(self) -> list[Path]:
+        """Hierarchies this group is not made in but an older daemon's may
+        be: removal and kills look there too."""
+        return [mnt / self.rel for key, mnt in self.layout.hierarchies().items() if key not in self._sdirs]
 
     def create(self) -> None:
         """mkdir in every hierarchy; on failure remove what was made."""
