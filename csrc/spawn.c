@@ -310,15 +310,17 @@ static int mount_step(int step, const char *src, const char *target, const char 
     return check(mount(src, target, fstype, flags, data), e, step, target);
 }
 
-/* A netns from the pool (csrc/netns.c, dsecd/net/pool.py) already holds the
- * sandbox's veth end, address and routes: joining it replaces creating one and
- * configuring it on the create path. First, while the child still has every
- * capability; the fd is the parent's (O_CLOEXEC, gone at exec of init). */
+/* First of all: the child's own fd table (fd_table_private), before any step
+ * that opens, closes or dup2s an fd. */
 static int fds_own(const struct container_ctx *c)
 {
     return fd_table_private(c->keep_below, c->err);
 }
 
+/* A netns from the pool (csrc/netns.c, dsecd/net/pool.py) already holds the
+ * sandbox's veth end, address and routes: joining it replaces creating one and
+ * configuring it on the create path. Early, while the child still has every
+ * capability; the fd is the parent's (O_CLOEXEC, gone at exec of init). */
 static int netns_join(const struct container_ctx *c)
 {
     if (c->a->netns_fd < 0)

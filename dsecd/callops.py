@@ -33,7 +33,7 @@ from . import cgroup
 from .backends.fncall import CallBox, FnCallBackend, Zygote, ZygoteDied
 from .config import parse_size
 from .errors import BadRequest, Busy, DsecError, IOFailure, LimitExceeded, Unsupported, io_error
-from .execio import Collector, ExecIO
+from .execio import Collector, ExecIO, reap
 from .fs import upper as upperfs
 from .fs.images import ImageError
 from .imageops import image_error
@@ -253,7 +253,7 @@ class CallOps:
             self.loop.remove_reader(zyg.pidfd)
             os.close(zyg.pidfd)
             zyg.pidfd = -1
-            self.loop.run_in_executor(self.pool, _reap, zyg.pid)
+            self.loop.run_in_executor(self.pool, reap, zyg.pid)
         if zyg.sock.fileno() >= 0:
             self.loop.remove_reader(zyg.sock.fileno())
             zyg.sock.close()
@@ -392,9 +392,3 @@ def _memfd(name: str, data: bytes, opened: list[int]) -> int:
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
-
-def _reap(pid: int) -> None:
-    try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass

@@ -187,11 +187,8 @@ class Group:
         return version, f"{mnt}/{self.rel}"
 
     def dir_for(self, ctrl: str) -> tuple[str, Path] | None:
-        where = self.layout.controller_dir(ctrl)
-        if where is None:
-            return None
-        version, mnt = where
-        return version, mnt / self.rel
+        where = self._sdir_for(ctrl)
+        return None if where is None else (where[0], Path(where[1]))
 
     def set_limits(self, lim: Limits) -> None:
         self._set_cpu(lim)

@@ -81,6 +81,7 @@ async def serve(cfg) -> None:
     # What start-up made (modules, config, re-adopted sandboxes) lives as long
     # as the daemon: out of the cyclic GC's reach, so that its full passes
     # during a burst walk only what came after.
+    gc.collect()
     gc.freeze()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

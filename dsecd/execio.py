@@ -6,8 +6,6 @@ stream, so it is what most execs (no stdin, no streaming) and every FnCall
 use. `ExecIO` runs a coroutine per stream, for execs that stream their output
 (each chunk awaits the client's socket: backpressure) or take stdin.
 
-ExecIO, one running exec: its pipes, its output cap, its timeout, its exit status.
-
 The process is a direct child of the daemon (the C helper clones it with
 CLONE_PARENT), so its exit is seen on a pidfd registered with the event loop
 and its status collected with waitpid. Output is read from non-blocking pipes
@@ -59,6 +57,12 @@ class ExecIO:
             _close(getattr(self, name))
             setattr(self, name, -1)
 
+    def take_child_ends(self) -> list[int]:
+        """Hand the child ends over (a spawn still in flight uses them): close() leaves them alone."""
+        ends = [fd for fd in (self.stdin_r, self.out_w, self.err_w) if fd >= 0]
+        self.stdin_r = self.out_w = self.err_w = -1
+        return ends
+
     @property
     def takes_stdin(self) -> bool:
         return self._stdin_q is not None
@@ -98,7 +102,7 @@ class ExecIO:
                 self.timed_out = True
                 self.kill()
                 await exited
-            status = _reap(pid)
+            status = reap(pid)
             # Background children may hold the pipes open: wait a little, then stop reading.
             await asyncio.wait(pumps, timeout=drain_grace)
         finally:
@@ -110,7 +114,7 @@ class ExecIO:
                 # Cancelled (client gone, `cancel`, daemon stopping): kill and reap
                 # in a thread, since a dying process may take a moment to exit.
                 self.kill()
-                self.loop.run_in_executor(None, _reap, pid)
+                self.loop.run_in_executor(None, reap, pid)
             self.close()
         code, sig = _decode_status(status)
         return {"exit_code": code, "signal": sig, "timed_out": self.timed_out,
@@ -119,12 +123,8 @@ class ExecIO:
 
     def kill(self) -> None:
         """SIGKILL the whole process group (the process was made a session leader)."""
-        if self.pid is None:
-            return
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        if self.pid is not None:
+            kill_group(self.pid)
 
     async def _readable(self, fd: int) -> None:
         fut = self.loop.create_future()
@@ -202,7 +202,15 @@ def _close(fd: int) -> None:
             pass
 
 
-def _reap(pid: int) -> int:
+def kill_group(pid: int) -> None:
+    """SIGKILL an exec's process group (the exec made itself a session leader)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def reap(pid: int) -> int:
     try:
         _, status = os.waitpid(pid, 0)
         return status
@@ -231,12 +239,12 @@ class Collector:
     takes_stdin = False          # exec_input asks; streams and stdin take ExecIO
     cancelled = False            # set by a `cancel` of its request (server.py)
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, cap: int, drain_grace: float, kill_grace: float,
+    def __init__(self, loop: asyncio.AbstractEventLoop, cap: int, drain_grace: float, kill_grace: float | None,
                  path: str | None = None):
         self.loop = loop
         self.cap = cap
         self.drain_grace = drain_grace
-        self.kill_grace = kill_grace
+        self.kill_grace = kill_grace            # None: wait for the end after a kill, however long
         self.path = path                        # "zygote": named in the result
         self.delivered = 0
         self.truncated = self.timed_out = False
@@ -258,15 +266,23 @@ class Collector:
         self._timers: list[asyncio.TimerHandle] = []
         self._watching = False
         self._kill: Callable[[], None] | None = None
+        self._exited: asyncio.Future | None = None
 
     def close_child_ends(self) -> None:
         for fd in self.child_ends:
             os.close(fd)
         self.child_ends = []
 
+    def take_child_ends(self) -> list[int]:
+        """Hand the child ends over (a spawn still in flight uses them): close() leaves them alone."""
+        ends, self.child_ends = self.child_ends, []
+        return ends
+
     def start(self, exited: asyncio.Future, kill: Callable[[], None], timeout: float | None) -> None:
         """Watch the pipes, the exit and the clock (timeout None: no limit)."""
+        self.started = time.monotonic()
         self._kill = kill
+        self._exited = exited
         self._watching = True
         for fd, stream in self.reads.items():
             self.loop.add_reader(fd, self._on_readable, fd, stream)
@@ -313,11 +329,14 @@ class Collector:
         self._check()
 
     def _on_timeout(self) -> None:
-        if self.exit is not None or self.done.done():
+        # The exit future, not self.exit: it is set (and the pid reaped) one
+        # loop turn before _on_exited runs.
+        if self._exited.done() or self.done.done():
             return
         self.timed_out = True
         self._kill()
-        self._timers.append(self.loop.call_later(self.kill_grace, self._kill_ignored))
+        if self.kill_grace is not None:
+            self._timers.append(self.loop.call_later(self.kill_grace, self._kill_ignored))
 
     def _kill_ignored(self) -> None:
         if self.exit is None and not self.done.done():
@@ -364,7 +383,7 @@ def watch_exit(loop: asyncio.AbstractEventLoop, pid: int) -> tuple[asyncio.Futur
         # Off at the first wake-up: a pidfd stays readable once its process exited.
         stop()
         if not exited.done():
-            exited.set_result({"status": _reap(pid)})
+            exited.set_result({"status": reap(pid)})
 
     def stop() -> None:
         nonlocal pidfd

@@ -22,9 +22,12 @@ import os
 import resource
 
 # Parked fds start at a quarter of the fd limit, leaving the low quarter to
-# the fds that come and go (connections, exec pipes, spawn fds).
+# the fds that come and go (connections, exec pipes, spawn fds), and at most
+# at _MAX_BASE: the table grows to the highest fd, and every fork of the
+# daemon (pager, mkfs, tracer) copies a table that size.
 _LOW_SHARE = 4
 _MIN_BASE = 64
+_MAX_BASE = 65536
 
 _base: int | None = None
 
@@ -33,7 +36,7 @@ def init_parking() -> int | None:
     """Set the parking base from RLIMIT_NOFILE (call after raising it); the base, or None if too low."""
     global _base
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    base = soft // _LOW_SHARE
+    base = min(soft // _LOW_SHARE, _MAX_BASE)
     _base = base if base >= _MIN_BASE else None
     return _base
 

@@ -45,12 +45,31 @@ def write_file_atomic(final: Path, data: bytes, fsync: bool) -> None:
     tmp = final.with_name(f".{final.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, data)
+        _write_all(fd, data, tmp)
         if fsync:
             os.fsync(fd)
     finally:
         os.close(fd)
     os.rename(tmp, final)
+
+
+def _write_all(fd: int, data: bytes, path: Path) -> None:
+    """Every byte, or OSError naming the file (a short write on a full disk is not success)."""
+    view = memoryview(data)
+    while view:
+        try:
+            n = os.write(fd, view)
+        except OSError as err:
+            raise OSError(err.errno, f"write `{path}`: {err.strerror}") from err
+        view = view[n:]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _line(key: str, record: dict | None) -> bytes:
@@ -103,9 +122,13 @@ class RecordLog:
         self._lock = threading.Lock()
         self.records: dict[str, dict] = {}
         self.lines = _replay(self.path, self.records)
+        # Each live record's line as appended: compaction writes these bytes,
+        # i.e. what callers recorded, not their objects as they are by then.
+        self._encoded = {k: _line(k, v) for k, v in self.records.items()}
         self._fd = self._open()
         self._compact_with = compact_with
         self._compacting = False
+        self._during: list[bytes] | None = None     # lines appended while a compaction copies
 
     def _open(self) -> int:
         return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -131,25 +154,26 @@ class RecordLog:
         with self._lock:
             if self._fd < 0:
                 raise OSError(9, f"write `{self.path}`: the record log is closed")
-            view = memoryview(data)
-            while view:
-                try:
-                    n = os.write(self._fd, view)
-                except OSError as err:
-                    raise OSError(err.errno, f"append to `{self.path}`: {err.strerror}") from err
-                view = view[n:]
+            _write_all(self._fd, data, self.path)
             if self.fsync:
                 os.fdatasync(self._fd)
             self.lines += 1
             if record is None:
                 self.records.pop(key, None)
+                self._encoded.pop(key, None)
             else:
                 self.records[key] = record
+                self._encoded[key] = data
+            if self._during is not None:
+                self._during.append(data)
             start = self._compact_with is not None and not self._compacting and self.needs_compaction()
             if start:
                 self._compacting = True
         if start:
-            self._compact_with(self._compact_behind)
+            try:
+                self._compact_with(self._compact_behind)
+            except RuntimeError:        # the pool is shut down (daemon stopping): the next start replays
+                self._compacting = False
 
     def needs_compaction(self) -> bool:
         return self.lines > max(COMPACT_MIN, 2 * len(self.records))
@@ -163,15 +187,52 @@ class RecordLog:
             self._compacting = False
 
     def compact(self) -> None:
-        """Rewrite the log with the live records only (temp + rename: atomic)."""
+        """Rewrite the log with the live records only: a temp file, fsync'ed,
+        renamed over the log, the directory fsync'ed (a compaction lost in a
+        crash must not lose the registry). The bulk is written outside the
+        lock, so appends go on meanwhile; they are copied in at the end."""
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
         with self._lock:
             if self._fd < 0:
                 return                  # closed (shutdown) meanwhile: the next start replays it
-            body = b"".join(_line(k, v) for k, v in self.records.items())
-            write_file_atomic(self.path, body, self.fsync)
-            os.close(self._fd)
-            self._fd = self._open()
-            self.lines = len(self.records)
+            body = b"".join(self._encoded.values())
+            live = len(self._encoded)
+            self._during = []
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                _write_all(fd, body, tmp)
+                os.fsync(fd)
+                with self._lock:
+                    if self._fd < 0:
+                        return
+                    tail = self._during
+                    _write_all(fd, b"".join(tail), tmp)
+                    os.fsync(fd)
+                    new = self._open_replacement(tmp)
+                    old, self._fd = self._fd, new
+                    os.close(old)
+                    self.lines = live + len(tail)
+            finally:
+                os.close(fd)
+        finally:
+            with self._lock:
+                self._during = None
+            if tmp.exists():
+                tmp.unlink()
+        _fsync_dir(self.path.parent)
+
+    def _open_replacement(self, tmp: Path) -> int:
+        """Rename the compacted copy over the log and open it for appends; the
+        new fd is opened before the old one is given up (an EMFILE here
+        leaves the old log and fd in place)."""
+        fd = os.open(tmp, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        try:
+            os.rename(tmp, self.path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
 
 class Journal(RecordLog):
@@ -198,14 +259,24 @@ class Journal(RecordLog):
     def _migrate(self, old: Path) -> None:
         if not old.is_dir():
             return
-        for key, rec in read_record_dir(old).items():
+        unreadable: list[str] = []
+        for key, rec in read_record_dir(old, unreadable).items():
             self.put(key, rec)
+        with self._lock:
+            os.fsync(self._fd)          # in the log for good before the old copies go
+        if unreadable:                  # kept for a human, as the old journal did
+            aside = old.with_name(old.name + ".corrupt")
+            os.rename(old, aside)
+            log.error("journal records of %s moved into %s; %d unreadable ones kept in %s",
+                      old, self.path, len(unreadable), aside)
+            return
         shutil.rmtree(old)
         log.info("journal records of %s moved into %s", old, self.path)
 
 
-def read_record_dir(old: Path) -> dict[str, dict]:
-    """Records in the format before the logs: a JSON file per record (<id>.json)."""
+def read_record_dir(old: Path, unreadable: list[str] | None = None) -> dict[str, dict]:
+    """Records in the format before the logs: a JSON file per record (<id>.json).
+    The names of files that do not parse go to `unreadable`."""
     out: dict[str, dict] = {}
     for entry in os.scandir(old):
         if entry.name.startswith(".") or not entry.name.endswith(".json"):
@@ -214,5 +285,7 @@ def read_record_dir(old: Path) -> dict[str, dict]:
             with open(entry.path, "rb") as f:
                 out[entry.name[:-5]] = json.load(f)
         except (OSError, ValueError) as err:
-            log.error("old record %s unreadable (%s); dropped", entry.path, err)
+            log.error("old record %s unreadable (%s)", entry.path, err)
+            if unreadable is not None:
+                unreadable.append(entry.name)
     return out

@@ -18,7 +18,6 @@ import functools
 import logging
 import os
 import secrets
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ from .errors import (
     Unsupported,
     io_error,
 )
-from .execio import Collector, ExecIO, watch_exit
+from .execio import Collector, ExecIO, kill_group, reap, watch_exit
 from .features import Features
 from .fs import files as sbfiles
 from .fs import upper as upperfs
@@ -612,6 +611,9 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             raise BadRequest(f"user {user} does not exist in sandbox {sb.id}: its user namespace maps "
                              f"uids 0..{idmap.count - 1}", {"user": user, "userns_size": idmap.count})
         env = self.backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, req.env)
+        await self.ensure_running(sb, "exec")
+        if not (req.stream or req.stdin or req.trace):
+            return await self._exec_collected(sb, list(req.argv), env, cwd, user, timeout, ctx)
         collected: dict[int, list[bytes]] = {1: [], 2: []}
 
         async def emit(stream: int, data: bytes) -> None:
@@ -620,23 +622,12 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             else:
                 collected[stream].append(data)
 
-        await self.ensure_running(sb, "exec")
-        if not (req.stream or req.stdin or req.trace):
-            return await self._exec_collected(sb, list(req.argv), env, cwd, user, timeout, ctx)
         io = ExecIO(self.loop, self.max_exec_output, emit, req.stdin)
         sb.execs += 1
         ctx.register_exec(io)
         try:
             argv = tracing.traced_argv(req.argv) if req.trace else list(req.argv)
-            try:
-                pid = await self.run_blocking(self.backend.spawn, sb.handle, argv, env, cwd,
-                                              user, io.child_fds())
-            except NativeError as err:
-                raise _exec_error(err, argv[0], cwd) from err
-            except ValueError as err:       # the native layer's argument checks (sizes, NULs)
-                raise BadRequest(f"exec: {err}") from err
-            finally:
-                io.close_child_ends()
+            pid = await self._spawn_exec(sb, argv, env, cwd, user, io.child_fds(), io)
             pidfd = os.pidfd_open(pid)
             tracer = None
             try:
@@ -662,32 +653,25 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         """An exec whose output comes back whole and that takes no stdin (most
         of them): collected by loop callbacks (dsecd/execio.py Collector), not
         by ExecIO's task per pipe; stdin is the daemon's /dev/null."""
-        run = Collector(self.loop, self.max_exec_output, self.limits["exec_drain_grace_s"], EXEC_KILL_GRACE_S)
+        # kill_grace None: after a timeout's SIGKILL the exec is waited for, as ExecIO does.
+        run = Collector(self.loop, self.max_exec_output, self.limits["exec_drain_grace_s"], None)
         sb.execs += 1
         ctx.register_exec(run)
         exited = stop_watching = None
         pid = None
         try:
-            try:
-                pid = await self.run_blocking(self.backend.spawn, sb.handle, argv, env, cwd, user,
-                                              (self._devnull, *run.child_ends))
-            except NativeError as err:
-                raise _exec_error(err, argv[0], cwd) from err
-            except ValueError as err:       # the native layer's argument checks (sizes, NULs)
-                raise BadRequest(f"exec: {err}") from err
-            finally:
-                run.close_child_ends()
+            pid = await self._spawn_exec(sb, argv, env, cwd, user, (self._devnull, *run.child_ends), run)
             exited, stop_watching = watch_exit(self.loop, pid)
-            run.start(exited, functools.partial(_kill_group, pid), timeout)
+            run.start(exited, functools.partial(kill_group, pid), timeout)
             return await run.done
         except BaseException:
             # Cancelled (client gone, `cancel`, daemon stopping): the process
             # group goes, and is reaped in a thread (a dying process may take a moment).
             if pid is not None and not (exited is not None and exited.done()):
-                _kill_group(pid)
+                kill_group(pid)
                 if stop_watching is not None:
                     stop_watching()
-                self.loop.run_in_executor(None, _reap_quiet, pid)
+                self.loop.run_in_executor(None, reap, pid)
             raise
         finally:
             if stop_watching is not None:
@@ -696,6 +680,38 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             sb.execs -= 1
             sb.last_active = time.monotonic()
             ctx.unregister_exec()
+
+    async def _spawn_exec(self, sb: Sandbox, argv: list[str], env: dict, cwd: str, user: int,
+                          fds: tuple[int, int, int], io) -> int:
+        """The exec's process, spawned by a worker thread; `io` (ExecIO or
+        Collector) owns the child ends in `fds`, closed once the spawn returned.
+
+        A request cancelled meanwhile (client gone, `cancel`) must not close
+        them while the worker may still hand them to the child: another thread
+        could reuse the numbers and the exec would write into, say, another
+        client's socket. The ends are taken from `io` and closed when the spawn
+        is over, and a process it made anyway is killed and reaped."""
+        fut = self.loop.run_in_executor(self.pool, self.backend.spawn, sb.handle, argv, env, cwd, user, fds)
+        try:
+            pid = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(functools.partial(self._spawn_abandoned, io.take_child_ends()))
+            raise
+        except NativeError as err:
+            raise _exec_error(err, argv[0], cwd) from err
+        except ValueError as err:       # the native layer's argument checks (sizes, NULs)
+            raise BadRequest(f"exec: {err}") from err
+        finally:
+            io.close_child_ends()      # nothing left to close if they were taken
+        return pid
+
+    def _spawn_abandoned(self, ends: list[int], fut: asyncio.Future) -> None:
+        for fd in ends:
+            os.close(fd)
+        if not fut.cancelled() and fut.exception() is None:
+            pid = fut.result()
+            kill_group(pid)
+            self.loop.run_in_executor(None, reap, pid)
 
     async def _start_tracer(self, io: ExecIO, pid: int, timeout: float | None):
         try:
@@ -777,27 +793,6 @@ def _check_process(req) -> None:
         raise BadRequest(f"cwd must be absolute, got {req.cwd!r}")
     if not 0 <= req.user < 2**32 - 1:
         raise BadRequest(f"user must be a uid in [0, 2^32-1), got {req.user}")
-
-
-# After a timeout's SIGKILL, how long an exec may take to be seen exiting
-# before its request fails (a process in uninterruptible sleep, e.g. on a
-# stuck FUSE read).
-EXEC_KILL_GRACE_S = 30.0
-
-
-def _kill_group(pid: int) -> None:
-    """SIGKILL an exec's process group (the exec made itself a session leader)."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _reap_quiet(pid: int) -> None:
-    try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass
 
 
 def _exec_error(err: NativeError, prog: str, cwd: str) -> DsecError:

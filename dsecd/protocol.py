@@ -339,10 +339,6 @@ class DestroyAll:
     labels: dict[str, str] = field(default_factory=dict)
 
 
-def _type_ok(value, hint) -> bool:
-    return _checker(hint)(value)
-
-
 @functools.cache
 def _checker(hint) -> typing.Callable[[object], bool]:
     """A check of values against a field's type hint, built once per hint:

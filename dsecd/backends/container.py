@@ -72,9 +72,11 @@ class Handle:
     def upper_view(self, views: Path) -> tuple[Path, Callable[[], None] | None]:
         """The writable layer's upper dir at a host path (pack_diff), and what
         undoes the view (None: nothing to undo). Blocking: it may mount."""
-        if self.upperfd < 0:
-            return self.dir / "upper", None
-        return upperfs.attach(self.upperfd, views)
+        if self.upperfd >= 0:
+            return upperfs.attach(self.upperfd, views)
+        if self.dir is None:        # its upper tmpfs fd is closed: destroyed meanwhile
+            raise FileNotFoundError(errno.ENOENT, "the sandbox's writable layer is gone (destroyed meanwhile)")
+        return self.dir / "upper", None
 
 
 def proc_start_time(pid: int) -> int | None:

@@ -271,7 +271,9 @@ class Sampler:
             return set(entries)
         chosen = {k for k, (qos, _) in entries.items() if k not in self.tracks or qos != "be"}
         rest = [k for k in entries if k not in chosen]
-        room = max(0, SAMPLE_BUDGET - len(chosen))
+        # A quarter of the budget stays the BE ones' even when new and LS
+        # sandboxes take the rest: no BE figure freezes for good.
+        room = max(SAMPLE_BUDGET // 4, SAMPLE_BUDGET - len(chosen))
         start = self._cursor % len(rest) if rest else 0
         chosen.update((rest[start:] + rest[:start])[:room])
         self._cursor = start + room

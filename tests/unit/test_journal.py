@@ -104,5 +104,61 @@ def test_journal_moves_records_of_a_file_per_record_daemon_into_the_log(tmp_path
     j = Journal(tmp_path)
     assert j.load_all() == {"abc": {"state": "running"}}
     assert not old.exists()
+    assert (tmp_path / "journal.corrupt" / "bad.json").read_text() == "{not json"   # kept for a human
     j.close()
     assert read_records(tmp_path / "journal.log") == {"abc": {"state": "running"}}
+
+
+def test_appends_during_a_compaction_are_kept(tmp_path, monkeypatch):
+    log = RecordLog(tmp_path / "records.log")
+    for i in range(200):
+        log.put(f"k{i}", {"n": i})
+    real_write_all = journal._write_all
+    started = threading.Event()
+    go_on = threading.Event()
+
+    def slow_write_all(fd, data, path):      # the bulk copy waits while writers go on
+        if not started.is_set():
+            started.set()
+            go_on.wait(5)
+        real_write_all(fd, data, path)
+
+    monkeypatch.setattr(journal, "_write_all", slow_write_all)
+    t = threading.Thread(target=log.compact)
+    t.start()
+    started.wait(5)
+    for i in range(0, 200, 2):
+        log.put(f"k{i}", {"n": -i})              # updated while the copy is in flight
+    log.delete("k1")
+    log.put("new", {"n": 1})
+    go_on.set()
+    t.join()
+    log.put("after", {"n": 2})
+    log.close()
+    assert read_records(tmp_path / "records.log") == log.records
+    assert log.records["k0"] == {"n": 0} and log.records["k2"] == {"n": -2} and "k1" not in log.records
+    assert not list(tmp_path.glob(".*"))
+
+
+def test_a_short_write_is_an_error_not_a_truncated_log(tmp_path, monkeypatch):
+    log = RecordLog(tmp_path / "records.log")
+    log.put("a", {"n": 1})
+    calls = []
+
+    def short_then_full(fd, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return len(data)
+
+    monkeypatch.setattr(journal.os, "write", short_then_full)
+    try:
+        log.compact()
+    except OSError as err:
+        assert err.errno == 28 and "records.log" in str(err)
+    else:
+        raise AssertionError("compact must fail on ENOSPC")
+    monkeypatch.undo()
+    log.close()
+    assert read_records(tmp_path / "records.log") == {"a": {"n": 1}}
+    assert not list(tmp_path.glob(".*"))
