@@ -89,7 +89,7 @@ class NetOps:
         never while the worker may still pass its fd to the spawn (a closed, or
         worse reused, fd number would put the sandbox in some other namespace)."""
         if ready is None:
-            return await self.run_blocking(create, *args, -1)
+            return await self._spawn_shielded(args[0], create, *args, -1)
         lock, st = threading.Lock(), {"busy": False, "abandoned": False}
 
         def work():
@@ -107,7 +107,7 @@ class NetOps:
                     self.net.release_ready(ready)
 
         try:
-            return await self.run_blocking(work)
+            return await self._spawn_shielded(args[0], work)
         except asyncio.CancelledError:
             with lock:
                 st["abandoned"] = True
@@ -118,6 +118,30 @@ class NetOps:
         except BaseException:
             self.release_netns(ready)
             raise
+
+    async def _spawn_shielded(self, sb_id: str, fn, *args):
+        """fn(*args) in a worker; if the create is cancelled meanwhile (client
+        gone, `cancel`), the sandbox the worker still makes is destroyed once
+        it exists, instead of running on unrecorded until the next start's
+        orphan sweep."""
+        fut = self.loop.run_in_executor(self.pool, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(lambda f: self._abandoned_create(sb_id, f))
+            raise
+
+    def _abandoned_create(self, sb_id: str, fut: asyncio.Future) -> None:
+        if fut.cancelled() or fut.exception() is not None or fut.result() is None:
+            return
+
+        def destroy() -> None:
+            try:
+                self.backend.destroy(sb_id, fut.result())
+            except Exception as err:
+                log.error("destroy sandbox %s, whose create was cancelled: %s", sb_id, err)
+
+        self.loop.run_in_executor(self.pool, destroy)
 
     def release_netns(self, ready) -> None:
         """The spawn that was to join `ready` failed: remove it, behind the answer."""

@@ -1,0 +1,133 @@
+"""A create cancelled while its spawn runs in a worker (dsecd/netops.py
+_spawn_shielded): the sandbox the worker still makes is destroyed once it
+exists, not left running unrecorded (no root: a fake backend)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from dsecd.netops import NetOps
+
+
+class _Backend:
+    def __init__(self):
+        self.destroyed: list[tuple[str, object]] = []
+        self.done = threading.Event()
+
+    def destroy(self, sb_id, handle):
+        self.destroyed.append((sb_id, handle))
+        self.done.set()
+
+
+def _ops(loop, pool, backend):
+    ops = object.__new__(NetOps)
+    ops.loop, ops.pool, ops.backend = loop, pool, backend
+    return ops
+
+
+def test_a_cancelled_create_destroys_what_its_worker_made():
+    backend = _Backend()
+
+    def slow_create(sb_id):
+        time.sleep(0.2)
+        return f"handle-of-{sb_id}"
+
+    async def go():
+        with ThreadPoolExecutor(2) as pool:
+            ops = _ops(asyncio.get_running_loop(), pool, backend)
+            task = asyncio.ensure_future(ops._spawn_shielded("sb1", slow_create, "sb1"))
+            await asyncio.sleep(0.05)
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            await asyncio.get_running_loop().run_in_executor(None, backend.done.wait, 5)
+
+    asyncio.run(go())
+    assert backend.destroyed == [("sb1", "handle-of-sb1")]
+
+
+def test_an_uncancelled_create_returns_its_handle_and_destroys_nothing():
+    backend = _Backend()
+
+    async def go():
+        with ThreadPoolExecutor(2) as pool:
+            ops = _ops(asyncio.get_running_loop(), pool, backend)
+            return await ops._spawn_shielded("sb2", lambda sb_id: f"handle-of-{sb_id}", "sb2")
+
+    assert asyncio.run(go()) == "handle-of-sb2" and backend.destroyed == []
+
+
+def test_an_exec_cancelled_during_its_spawn_keeps_its_fds_until_the_spawn_is_over():
+    # dsecd/node.py _spawn_exec: the child ends go only once the worker is
+    # done with them, and the process it made anyway is killed and reaped.
+    import os
+    from types import SimpleNamespace
+
+    from dsecd.execio import Collector
+    from dsecd.node import Node
+
+    seen = {}
+
+    class Backend:
+        def spawn(self, handle, argv, env, cwd, user, fds):
+            time.sleep(0.2)                      # the request is cancelled meanwhile
+            seen["fds_open"] = all(_is_open(fd) for fd in fds[1:])
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.setsid()                      # as the exec child does before it execs
+                os.write(w, b"x")
+                time.sleep(30)
+                os._exit(0)
+            os.read(r, 1)                        # the spawn returns once the child is set up
+            os.close(r)
+            os.close(w)
+            seen["pid"] = pid
+            return pid
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(2) as pool:
+            node = object.__new__(Node)
+            node.loop, node.pool, node.backend = loop, pool, Backend()
+            run = Collector(loop, 1 << 20, 0.1, None)
+            fds = (0, *run.child_ends)
+            sb = SimpleNamespace(handle=None)
+            task = asyncio.ensure_future(node._spawn_exec(sb, ["x"], {}, "/", 0, fds, run))
+            await asyncio.sleep(0.05)
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            run.close()                           # the request's own clean-up: must not close the ends
+            for _ in range(100):
+                if "pid" in seen and not _alive(seen["pid"]):
+                    break
+                await asyncio.sleep(0.05)
+
+    asyncio.run(go())
+    assert seen["fds_open"]                       # the worker still had its fds
+    assert not _alive(seen["pid"])                # killed and reaped
+
+
+def _is_open(fd: int) -> bool:
+    import fcntl
+    try:
+        fcntl.fcntl(fd, fcntl.F_GETFD)
+        return True
+    except OSError:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
