@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import re
 import select
@@ -198,7 +199,7 @@ class Pager:
         if self._proc is not None:
             return self._proc.poll() is None
         if self._pidfd is not None:
-            return not select.select([self._pidfd], [], [], 0)[0]
+            return not _readable(self._pidfd, 0)
         return False
 
     def stats(self) -> PagerStats:
@@ -258,7 +259,7 @@ class Pager:
         data = b""
         while b"\n" not in data:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([rfd], [], [], left)[0]:
+            if left <= 0 or not _readable(rfd, left):
                 raise PagerError(errno.ETIMEDOUT, f"start pager on `{self.config.mountpoint}`: "
                                                   f"not mounted after {self.config.start_timeout_s} s")
             chunk = os.read(rfd, 64)
@@ -330,7 +331,7 @@ class Pager:
             except subprocess.TimeoutExpired:
                 return False
         if self._pidfd is not None:
-            return bool(select.select([self._pidfd], [], [], timeout)[0])
+            return _readable(self._pidfd, timeout)
         return True
 
     def _forget_process(self) -> None:
@@ -368,3 +369,12 @@ class Pager:
             self.restart()
             if on_restart is not None:
                 on_restart(self.generation)
+
+
+def _readable(fd: int, timeout: float) -> bool:
+    """Whether fd is readable within timeout seconds. poll, not select: select
+    fails on fd numbers >= 1024, which a daemon holding a few fds per sandbox
+    reaches."""
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(max(0, math.ceil(timeout * 1000))))
