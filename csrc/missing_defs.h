@@ -22,12 +22,6 @@
 #ifndef __NR_close_range
 #define __NR_close_range 436
 #endif
-#ifndef __NR_open_tree
-#define __NR_open_tree 428
-#endif
-#ifndef __NR_mount_setattr
-#define __NR_mount_setattr 442
-#endif
 #ifndef __NR_openat2
 #define __NR_openat2 437
 #endif
@@ -45,20 +39,6 @@
 #endif
 #ifndef RESOLVE_CACHED
 #define RESOLVE_CACHED 0x20
-#endif
-
-/* linux/mount.h, Linux 5.2 (open_tree) and 5.12 (mount_setattr, idmapped mounts) */
-#ifndef OPEN_TREE_CLONE
-#define OPEN_TREE_CLONE 1
-#endif
-#ifndef OPEN_TREE_CLOEXEC
-#define OPEN_TREE_CLOEXEC 02000000 /* O_CLOEXEC */
-#endif
-#ifndef MOUNT_ATTR_IDMAP
-#define MOUNT_ATTR_IDMAP 0x00100000
-#endif
-#ifndef AT_EMPTY_PATH
-#define AT_EMPTY_PATH 0x1000
 #endif
 
 /* linux/close_range.h, Linux 5.9 / 5.11 */

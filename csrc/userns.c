@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -28,15 +29,6 @@
 #include "missing_defs.h"
 
 #define HOLDER_STACK_SIZE (16 * 1024)
-
-/* struct mount_attr of linux/mount.h (5.12), spelled out like struct open_how
- * in fileops.c: its size is passed to the kernel, so the layout is ABI. */
-struct dsec_mount_attr {
-    uint64_t attr_set;
-    uint64_t attr_clr;
-    uint64_t propagation;
-    uint64_t userns_fd;
-};
 
 static void err_rec(struct dsec_err *e, int step, int err, const char *path)
 {
@@ -156,13 +148,13 @@ int dsec_userns_create(uint32_t uid, uint32_t gid, uint32_t count, struct dsec_e
  * the file system lacks FS_ALLOW_IDMAP. */
 int dsec_mount_idmapped(const char *path, int userns_fd)
 {
-    struct dsec_mount_attr attr = {.attr_set = MOUNT_ATTR_IDMAP, .userns_fd = (uint64_t)userns_fd};
+    struct mount_attr attr = {.attr_set = MOUNT_ATTR_IDMAP, .userns_fd = (uint64_t)userns_fd};
     int fd, saved;
 
-    fd = (int)syscall(SYS_open_tree, AT_FDCWD, path, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+    fd = open_tree(AT_FDCWD, path, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
     if (fd < 0)
         return -errno;
-    if (syscall(SYS_mount_setattr, fd, "", AT_EMPTY_PATH, &attr, sizeof(attr)) < 0) {
+    if (mount_setattr(fd, "", AT_EMPTY_PATH, &attr, sizeof(attr)) < 0) {
         saved = errno;
         close(fd);
         return -saved;

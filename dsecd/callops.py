@@ -58,8 +58,7 @@ class CallOps:
         self.call_boxes: dict[str, CallBox] = {}
         self._box_locks: dict[str, asyncio.Lock] = {}
         # Read per call: parsed once here.
-        self._call_sizes = {"output": cfg.size("limits", "max_exec_output_bytes"),
-                            "stdin": cfg.size("fncall", "max_stdin_bytes"),
+        self._call_sizes = {"stdin": cfg.size("fncall", "max_stdin_bytes"),
                             "code": cfg.size("fncall", "max_code_bytes")}
         # Calls without stdin share one /dev/null (SCM_RIGHTS gives each a copy).
         self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
@@ -283,12 +282,12 @@ class CallOps:
         async def emit(stream: int, data: bytes) -> None:
             collected[stream].append(data)
 
-        io = ExecIO(self.loop, self.cfg.size("limits", "max_exec_output_bytes"), emit, bool(stdin))
+        io = ExecIO(self.loop, self.max_exec_output, emit, bool(stdin))
         return io, collected
 
     async def _zygote_call(self, box: CallBox, zyg: Zygote, argv: list[str], code: str | None,
                            env: dict, stdin: bytes, timeout: float) -> dict:
-        run = Collector(self.loop, self._call_sizes["output"], self.limits["exec_drain_grace_s"],
+        run = Collector(self.loop, self.max_exec_output, self.limits["exec_drain_grace_s"],
                         self.fn_cfg["kill_grace_s"], path="zygote")
         call_id = zyg.calls = zyg.calls + 1
         extra = []          # memfds of this call (stdin, large code), closed once sent
@@ -371,11 +370,7 @@ class CallOps:
             if stdin:
                 await io.feed_stdin(stdin, True)
             self.call_stats["plain_calls"] += 1
-            pidfd = os.pidfd_open(pid)
-            try:
-                result = await io.run(pid, pidfd, timeout, self.limits["exec_drain_grace_s"])
-            finally:
-                os.close(pidfd)
+            result = await io.run(pid, timeout, self.limits["exec_drain_grace_s"])
         finally:
             io.close()
             self.loop.run_in_executor(self.pool, self.fncall.remove_private_dir, h, name)

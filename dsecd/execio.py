@@ -27,6 +27,8 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 
+from .fds import close_quietly
+
 Emit = Callable[[int, bytes], Awaitable[None]]
 READ_CHUNK = 64 * 1024
 
@@ -54,7 +56,7 @@ class ExecIO:
 
     def close_child_ends(self) -> None:
         for name in ("stdin_r", "out_w", "err_w"):
-            _close(getattr(self, name))
+            close_quietly(getattr(self, name))
             setattr(self, name, -1)
 
     def take_child_ends(self) -> list[int]:
@@ -76,21 +78,11 @@ class ExecIO:
         if eof:
             await self._stdin_q.put(None)
 
-    async def run(self, pid: int, pidfd: int, timeout: float | None, drain_grace: float) -> dict:
-        """Wait for the process and its output; kill its process group on timeout."""
+    async def run(self, pid: int, timeout: float | None, drain_grace: float) -> dict:
+        """Wait for the process (our child) and its output; kill its process group on timeout."""
         self.pid = pid
         started = time.monotonic()
-        exited = self.loop.create_future()
-
-        def on_exit() -> None:
-            # Off at the first wake-up: a pidfd stays readable once its process
-            # has exited, and a reader left on it made the loop spin (thousands of
-            # wake-ups per exec) for as long as the drain below waited for EOF.
-            self.loop.remove_reader(pidfd)
-            if not exited.done():
-                exited.set_result(None)
-
-        self.loop.add_reader(pidfd, on_exit)
+        exited, stop_watching = watch_exit(self.loop, pid)
         pumps = [asyncio.ensure_future(self._pump(self.out_r, 1)),
                  asyncio.ensure_future(self._pump(self.err_r, 2))]
         feeder = asyncio.ensure_future(self._feed()) if self._stdin_q is not None else None
@@ -102,11 +94,11 @@ class ExecIO:
                 self.timed_out = True
                 self.kill()
                 await exited
-            status = reap(pid)
+            status = exited.result()["status"]
             # Background children may hold the pipes open: wait a little, then stop reading.
             await asyncio.wait(pumps, timeout=drain_grace)
         finally:
-            self.loop.remove_reader(pidfd)
+            stop_watching()
             for task in pumps + ([feeder] if feeder else []):
                 task.cancel()
             await asyncio.gather(*pumps, *([feeder] if feeder else []), return_exceptions=True)
@@ -162,7 +154,7 @@ class ExecIO:
             fd = getattr(self, name)
             if fd >= 0:
                 self.loop.remove_reader(fd)
-                _close(fd)
+                close_quietly(fd)
                 setattr(self, name, -1)
 
     async def _feed(self) -> None:
@@ -184,22 +176,14 @@ class ExecIO:
         except (BrokenPipeError, OSError):
             pass   # the process closed its stdin or exited: drop the rest
         finally:
-            _close(self.stdin_w)
+            close_quietly(self.stdin_w)
             self.stdin_w = -1
 
     def close(self) -> None:
         self._close_reads()
         for name in ("stdin_r", "stdin_w", "out_w", "err_w"):
-            _close(getattr(self, name))
+            close_quietly(getattr(self, name))
             setattr(self, name, -1)
-
-
-def _close(fd: int) -> None:
-    if fd >= 0:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 def kill_group(pid: int) -> None:
@@ -262,7 +246,7 @@ class Collector:
             raise
         self.exit: dict | None = None
         self.done: asyncio.Future = loop.create_future()
-        self.started = time.monotonic()
+        self.started = 0.0                      # set by start()
         self._timers: list[asyncio.TimerHandle] = []
         self._watching = False
         self._kill: Callable[[], None] | None = None

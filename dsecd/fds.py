@@ -32,13 +32,12 @@ _MAX_BASE = 65536
 _base: int | None = None
 
 
-def init_parking() -> int | None:
-    """Set the parking base from RLIMIT_NOFILE (call after raising it); the base, or None if too low."""
+def init_parking() -> None:
+    """Set the parking base from RLIMIT_NOFILE (call after raising it); none if the limit is too low."""
     global _base
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     base = min(soft // _LOW_SHARE, _MAX_BASE)
     _base = base if base >= _MIN_BASE else None
-    return _base
 
 
 def park(fd: int) -> int:
@@ -51,3 +50,12 @@ def park(fd: int) -> int:
         return fd
     os.close(fd)
     return high
+
+
+def close_quietly(fd: int) -> None:
+    """Close fd if it is one (>= 0); an error closing it is nothing to act on."""
+    if fd >= 0:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

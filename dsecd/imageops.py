@@ -16,7 +16,7 @@ import os
 import threading
 from pathlib import Path
 
-from . import cgroup
+from . import cgroup, sysfs
 from .errors import Conflict, DsecError
 from .fs import upper as upperfs
 from .fs.images import ImageError, ImageStore
@@ -39,16 +39,8 @@ NO_FILE_BACKED_EROFS = {"tmpfs", "ramfs"}
 
 
 def store_fstype(path: Path) -> str:
-    """The type of the file system holding `path` (longest mountpoint prefix)."""
-    best, fstype = "", "unknown"
-    target = os.path.realpath(path)
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            point = left.split()[4].replace("\\040", " ")
-            if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-                best, fstype = point, right.split()[0]
-    return fstype
+    """The type of the file system holding `path`."""
+    return sysfs.fs_type(path)[0] or "unknown"
 
 
 def image_error(err: ImageError) -> DsecError:

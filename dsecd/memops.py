@@ -17,12 +17,13 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
+from .cpu.sampler import round_robin
 from .errors import BadRequest, Conflict, DsecError, NotFound
+from .journal import write_file_atomic
 from .mem import damon, pause, swapfile, zram
 
 log = logging.getLogger(__name__)
@@ -147,9 +148,7 @@ class MemOps:
             log.info("zram swap on /dev/zram%d: adopted from the previous daemon", dev)
             return
         dev = self.zram.setup()
-        tmp = state.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"device": dev}))
-        os.replace(tmp, state)
+        write_file_atomic(state, json.dumps({"device": dev}).encode(), fsync=False)
         log.info("zram swap on /dev/zram%d", dev)
 
     def _scheme(self, sb_id: str) -> damon.SandboxScheme:
@@ -442,10 +441,7 @@ class MemOps:
         CPU; past that many sandboxes, an OOM event comes up to
         n / OOM_CHECKS_PER_PASS seconds late instead."""
         out = []
-        sbs = list(self.sandboxes.values())
-        start = self._oom_cursor % len(sbs) if sbs else 0
-        batch = (sbs[start:] + sbs[:start])[:OOM_CHECKS_PER_PASS]
-        self._oom_cursor = start + len(batch)
+        batch, self._oom_cursor = round_robin(list(self.sandboxes.values()), self._oom_cursor, OOM_CHECKS_PER_PASS)
         for sb in batch:
             if sb.state != "running" or sb.handle is None:
                 continue

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 
@@ -21,7 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class NetOps:
-    """Needs from Node: cfg, layout, limits, sb_defaults, sandboxes, loop, run_blocking, _get, _journal."""
+    """Needs from Node: cfg, layout, limits, sb_defaults, sandboxes, loop, run_blocking, run_shielded, _get,
+    _journal."""
 
     def init_net(self, cfg) -> None:
         self.net_cfg = cfg.section("net")
@@ -89,7 +91,7 @@ class NetOps:
         never while the worker may still pass its fd to the spawn (a closed, or
         worse reused, fd number would put the sandbox in some other namespace)."""
         if ready is None:
-            return await self._spawn_shielded(args[0], create, *args, -1)
+            return await self.run_shielded(functools.partial(self._abandoned_create, args[0]), create, *args, -1)
         lock, st = threading.Lock(), {"busy": False, "abandoned": False}
 
         def work():
@@ -107,7 +109,7 @@ class NetOps:
                     self.net.release_ready(ready)
 
         try:
-            return await self._spawn_shielded(args[0], work)
+            return await self.run_shielded(functools.partial(self._abandoned_create, args[0]), work)
         except asyncio.CancelledError:
             with lock:
                 st["abandoned"] = True
@@ -119,19 +121,10 @@ class NetOps:
             self.release_netns(ready)
             raise
 
-    async def _spawn_shielded(self, sb_id: str, fn, *args):
-        """fn(*args) in a worker; if the create is cancelled meanwhile (client
-        gone, `cancel`), the sandbox the worker still makes is destroyed once
-        it exists, instead of running on unrecorded until the next start's
-        orphan sweep."""
-        fut = self.loop.run_in_executor(self.pool, fn, *args)
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            fut.add_done_callback(lambda f: self._abandoned_create(sb_id, f))
-            raise
-
     def _abandoned_create(self, sb_id: str, fut: asyncio.Future) -> None:
+        """A create cancelled during its spawn: the sandbox its worker still
+        made is destroyed, not left running unrecorded until the next start's
+        orphan sweep."""
         if fut.cancelled() or fut.exception() is not None or fut.result() is None:
             return
 

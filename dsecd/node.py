@@ -193,6 +193,18 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
     async def run_blocking(self, fn, *args):
         return await self.loop.run_in_executor(self.pool, fn, *args)
 
+    async def run_shielded(self, on_abandoned, fn, *args):
+        """fn(*args) in a worker, like run_blocking, for work that makes
+        something (a process, a sandbox): the caller may be cancelled (client
+        gone, `cancel`), the work is not, and on_abandoned(future) runs once it
+        is over, to undo what it made."""
+        fut = self.loop.run_in_executor(self.pool, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(on_abandoned)
+            raise
+
     # ------------------------------------------------------------ start / stop
 
     async def start(self) -> None:
@@ -369,7 +381,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
     def wire_limits(self) -> dict:
         return {"max_frame_bytes": self.cfg.size("limits", "max_frame_bytes"),
                 "max_file_chunk_bytes": self.cfg.size("limits", "max_file_chunk_bytes"),
-                "max_exec_output_bytes": self.cfg.size("limits", "max_exec_output_bytes"),
+                "max_exec_output_bytes": self.max_exec_output,
                 "max_requests_per_client": self.limits["max_requests_per_client"],
                 "max_connections": self.limits["max_connections"],
                 "max_sandboxes": self.limits["max_sandboxes"]}
@@ -628,16 +640,10 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         try:
             argv = tracing.traced_argv(req.argv) if req.trace else list(req.argv)
             pid = await self._spawn_exec(sb, argv, env, cwd, user, io.child_fds(), io)
-            pidfd = os.pidfd_open(pid)
-            tracer = None
-            try:
-                if req.trace:
-                    tracer = await self._start_tracer(io, pid, timeout)
-                result = await io.run(pid, pidfd, timeout, self.limits["exec_drain_grace_s"])
-                if tracer is not None:
-                    result["trace"] = await self.run_blocking(tracing.collect, tracer)
-            finally:
-                os.close(pidfd)
+            tracer = await self._start_tracer(io, pid, timeout) if req.trace else None
+            result = await io.run(pid, timeout, self.limits["exec_drain_grace_s"])
+            if tracer is not None:
+                result["trace"] = await self.run_blocking(tracing.collect, tracer)
         finally:
             io.close()
             sb.execs -= 1
@@ -668,9 +674,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             # Cancelled (client gone, `cancel`, daemon stopping): the process
             # group goes, and is reaped in a thread (a dying process may take a moment).
             if pid is not None and not (exited is not None and exited.done()):
-                kill_group(pid)
-                if stop_watching is not None:
-                    stop_watching()
+                kill_group(pid)        # finally below stops watching before the loop can reap
                 self.loop.run_in_executor(None, reap, pid)
             raise
         finally:
@@ -691,11 +695,12 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         could reuse the numbers and the exec would write into, say, another
         client's socket. The ends are taken from `io` and closed when the spawn
         is over, and a process it made anyway is killed and reaped."""
-        fut = self.loop.run_in_executor(self.pool, self.backend.spawn, sb.handle, argv, env, cwd, user, fds)
+        ends: list[int] = []          # filled at a cancel, before the callback can run
         try:
-            pid = await asyncio.shield(fut)
+            pid = await self.run_shielded(functools.partial(self._spawn_abandoned, ends), self.backend.spawn,
+                                          sb.handle, argv, env, cwd, user, fds)
         except asyncio.CancelledError:
-            fut.add_done_callback(functools.partial(self._spawn_abandoned, io.take_child_ends()))
+            ends.extend(io.take_child_ends())
             raise
         except NativeError as err:
             raise _exec_error(err, argv[0], cwd) from err

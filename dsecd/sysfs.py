@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import time
 from pathlib import Path
 
@@ -49,3 +50,24 @@ def read(path: str | Path, exc: type[OSError] = OSError) -> str:
     except OSError as err:
         raise exc(err.errno, f"read `{path}`: {os.strerror(err.errno)}") from err
     return b"".join(chunks).decode()
+
+
+def unescape_mount_field(field: str) -> str:
+    """A path field of /proc/self/mountinfo as the path it is (octal escapes: space, tab, newline, backslash)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def fs_type(path: str | Path, mountinfo: str = "/proc/self/mountinfo") -> tuple[str, str]:
+    """(filesystem type, mount point) of the mount that holds `path`: the longest mount point that is a prefix of its real path.
+    The last mount wins on ties: it is the one on top."""
+    real = os.path.realpath(path)
+    best, best_fs = "", ""
+    with open(mountinfo) as f:
+        for line in f:
+            parts = line.split()
+            point = unescape_mount_field(parts[4])
+            fstype = parts[parts.index("-") + 1]
+            inside = real == point or real.startswith(point.rstrip("/") + "/")
+            if inside and len(point) >= len(best):
+                best, best_fs = point, fstype
+    return best_fs, best

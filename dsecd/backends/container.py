@@ -280,7 +280,8 @@ class ContainerBackend:
     def release(self, sb_id: str, h: Handle | None) -> None:
         if h:
             close_handle(h)
-        shutil.rmtree(self.root / sb_id, ignore_errors=True)
+        if h is None or h.dir is not None:      # a capped sandbox never had a dir of its own
+            shutil.rmtree(self.root / sb_id, ignore_errors=True)
 
     def destroy(self, sb_id: str, h: Handle | None) -> None:
         self.stop(sb_id, h)
@@ -347,12 +348,7 @@ def close_handle(h: Handle) -> None:
 
 
 def _close_fd(h: Handle, name: str) -> None:
-    fd = getattr(h, name)
-    if fd >= 0:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+    fds.close_quietly(getattr(h, name))
     setattr(h, name, -1)
 
 

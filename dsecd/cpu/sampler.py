@@ -183,6 +183,13 @@ def read_psi(path: str = "/proc/pressure/cpu") -> dict | None:
     return None
 
 
+def round_robin(items: list, cursor: int, n: int) -> tuple[list, int]:
+    """Up to n items from `cursor` on, wrapping around; and where the next turn starts."""
+    start = cursor % len(items) if items else 0
+    batch = (items[start:] + items[:start])[:n]
+    return batch, start + len(batch)
+
+
 def _row(qos: str, tr: Track) -> dict:
     """A sandbox's figures in a snapshot, from its latest reading."""
     return {"qos": qos, "cpu_pct": tr.cpu_pct, "recent_cores": round(tr.recent_cores, 4),
@@ -273,10 +280,8 @@ class Sampler:
         rest = [k for k in entries if k not in chosen]
         # A quarter of the budget stays the BE ones' even when new and LS
         # sandboxes take the rest: no BE figure freezes for good.
-        room = max(SAMPLE_BUDGET // 4, SAMPLE_BUDGET - len(chosen))
-        start = self._cursor % len(rest) if rest else 0
-        chosen.update((rest[start:] + rest[:start])[:room])
-        self._cursor = start + room
+        batch, self._cursor = round_robin(rest, self._cursor, max(SAMPLE_BUDGET // 4, SAMPLE_BUDGET - len(chosen)))
+        chosen.update(batch)
         return chosen
 
     def sample_host(self, sbs: dict[str, dict]) -> dict:

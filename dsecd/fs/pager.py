@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from dsecd import native
+from dsecd import native, sysfs
 
 log = logging.getLogger("dsecd.fs.pager")
 
@@ -155,10 +155,6 @@ def parse_stats(text: str) -> PagerStats:
                       int(doc["cache_used"]), blobs)
 
 
-def _unescape_mountinfo(field: str) -> str:
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
 def pager_mounts(mountpoint: str, mountinfo: str = "/proc/self/mountinfo") -> int:
     """How many dsec-pager FUSE mounts are stacked on mountpoint."""
     target = os.path.realpath(mountpoint)
@@ -167,7 +163,7 @@ def pager_mounts(mountpoint: str, mountinfo: str = "/proc/self/mountinfo") -> in
         for line in f:
             left, _, right = line.partition(" - ")
             parts = left.split()
-            if len(parts) > 4 and _unescape_mountinfo(parts[4]) == target \
+            if len(parts) > 4 and sysfs.unescape_mount_field(parts[4]) == target \
                     and right.split(" ", 1)[0] == FSTYPE:
                 count += 1
     return count

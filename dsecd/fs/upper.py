@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import native
+from .. import native, sysfs
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def sweep_views(views: Path) -> int:
     pins a sandbox's layer, and its memory, until unmounted). Blocking."""
     prefix = str(views) + "/"
     with open("/proc/self/mountinfo") as f:
-        points = [p.replace("\\040", " ") for line in f if (p := line.split()[4]).startswith(prefix)]
+        points = [p for line in f if (p := sysfs.unescape_mount_field(line.split()[4])).startswith(prefix)]
     for point in sorted(points, key=len, reverse=True):
         native.umount(point, detach=True)
         log.warning("unmounted a writable-layer view left by an earlier daemon: %s", point)

@@ -129,6 +129,9 @@ class Freezer:
 
     def thaw(self, timeout: float = 5.0) -> None:
         self.request_thaw()
+        self.wait_thawed(timeout)
+
+    def wait_thawed(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while self.state() != "THAWED":
             if time.monotonic() > deadline:
@@ -155,18 +158,17 @@ def freeze_all(freezers: list[Freezer], timeout: float) -> list[Freezer]:
 def thaw_all(freezers: list[Freezer], timeout: float) -> list[Freezer]:
     """Thaw many groups at once (a job resume): ask all, then wait for each.
     Returns the ones still not thawed at the deadline (or whose files failed)."""
-    failed = []
+    failed, asked = [], []
     for f in freezers:
         try:
             f.request_thaw()
+            asked.append(f)
         except PauseError:
             failed.append(f)
     deadline = time.monotonic() + timeout
-    for f in freezers:
-        if f in failed:
-            continue
+    for f in asked:
         try:
-            f.thaw(max(0.0, deadline - time.monotonic()))     # re-asks: idempotent
+            f.wait_thawed(max(0.0, deadline - time.monotonic()))
         except PauseError:
             failed.append(f)
     return failed

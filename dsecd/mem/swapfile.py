@@ -22,12 +22,12 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import native
+from ..sysfs import fs_type  # noqa: F401  (the mount a swap file lands on; tests use it from here)
 from .zram import active_swaps, read_label, swap_header
 
 log = logging.getLogger(__name__)
@@ -68,22 +68,6 @@ class SwapfileConfig:
             raise ValueError(f"memory.swapfile.path must be absolute, got {path!r}")
         return cls(enabled=bool(s["enabled"]), path=path, size_bytes=size - size % native.PAGE_SIZE,
                    priority=priority)
-
-
-def fs_type(path: str | Path, mountinfo: str = "/proc/self/mountinfo") -> tuple[str, str]:
-    """(filesystem type, mount point) of the mount that holds `path`: the longest mount point that is a prefix of its real path.
-    The last mount wins on ties: it is the one on top."""
-    real = os.path.realpath(path)
-    best, best_fs = "", ""
-    with open(mountinfo) as f:
-        for line in f:
-            parts = line.split()
-            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[4])
-            fstype = parts[parts.index("-") + 1]
-            inside = real == point or real.startswith(point.rstrip("/") + "/")
-            if inside and len(point) >= len(best):
-                best, best_fs = point, fstype
-    return best_fs, best
 
 
 class Swapfile:

@@ -30,12 +30,13 @@ from pathlib import Path
 
 from .. import native
 from ..errors import BadRequest, Conflict, LimitExceeded, NotFound
+from ..fds import close_quietly
 from ..journal import RecordLog, read_record_dir
 from . import rules as R
 from .ipam import Ipam, Lease
 from .plumbing import BridgeSpec, Plumbing, host_ifname, netns_path
 from .policy import Engine
-from .pool import NetnsPool, Ready, close_fd
+from .pool import NetnsPool, Ready
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ class Network:
                     self.ipam.release(name)
                 raise
         except BaseException:
-            close_fd(nsfd)
+            close_quietly(nsfd)
             raise
         return Ready(name, nsfd, lease)
 
@@ -174,7 +175,7 @@ class Network:
             self.plumbing.remove_sandbox(r.name)
         finally:
             if r.nsfd >= 0:
-                close_fd(r.nsfd)
+                close_quietly(r.nsfd)
                 r.nsfd = -1
             with self._lock:
                 if self.ipam.get(r.name) is not None:
@@ -224,7 +225,7 @@ class Network:
             raise
         finally:
             if ready is not None and ready.nsfd >= 0:
-                close_fd(ready.nsfd)          # the sandbox's PID 1 holds the netns now
+                close_quietly(ready.nsfd)          # the sandbox's PID 1 holds the netns now
                 ready.nsfd = -1
         with self._lock:
             return self._view(sb, counters=False)

@@ -26,12 +26,11 @@ recorded; the sandbox that takes the entry gets the lease (`Ipam.rekey`).
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .ipam import Lease
 
@@ -55,7 +54,6 @@ class Ready:
     nsfd: int
     lease: Lease
     made_ms: float = 0.0
-    taken: bool = field(default=False, compare=False)
 
 
 class NetnsPool:
@@ -88,7 +86,6 @@ class NetnsPool:
                 self.counts["misses"] += 1
                 return None
             r = self._ready.pop(0)
-            r.taken = True
             self.counts["taken"] += 1
             self._cond.notify()
             return r
@@ -169,10 +166,3 @@ class NetnsPool:
         if self.last_error:
             out["last_error"] = self.last_error
         return out
-
-
-def close_fd(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass

@@ -13,14 +13,10 @@ out of reach (issue 7).
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from attack_kit import facts, make_armed, outcome, run_probe, upper_dir  # noqa: E402
 
 from dsecd.errors import BadRequest, DsecError  # noqa: E402
@@ -99,7 +95,7 @@ done
 """
 
 
-def _race(sb, seconds: float, op, want: set[str]) -> dict:
+def _race(seconds: float, op, want: set[str]) -> dict:
     """Run `op` for `seconds`, longer (up to 5x) until every outcome in `want`
     was seen: on a loaded host the swap loop may get little CPU."""
     counts: dict[str, int] = {}
@@ -151,9 +147,9 @@ def test_file_api_racing_symlink_swaps_stays_inside(admin, tmp_path):
             sb.write_file("/tmp/x", b"sandbox\n")
             return "written"
 
-        reads = _race(sb, 1.0, read, {"sandbox-data", "not_found"})
-        lists = _race(sb, 1.0, listing, {"listed-sandbox", "not_found"})
-        writes = _race(sb, 1.0, write, {"written"})
+        reads = _race(1.0, read, {"sandbox-data", "not_found"})
+        lists = _race(1.0, listing, {"listed-sandbox", "not_found"})
+        writes = _race(1.0, write, {"written"})
         # The race really ran: both sides of each swap were seen.
         assert reads.get("sandbox-data") and reads.get("not_found"), reads
         assert lists.get("listed-sandbox") and lists.get("not_found"), lists

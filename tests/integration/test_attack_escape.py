@@ -11,13 +11,8 @@ sandbox's namespaces, cgroups, capability set and filter together.
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from attack_kit import facts, make_armed, outcome, run_probe  # noqa: E402
 
 pytestmark = pytest.mark.attack

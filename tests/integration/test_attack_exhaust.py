@@ -9,14 +9,9 @@ memory OOM) and test_exec.py (`yes` output cap).
 from __future__ import annotations
 
 import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from attack_kit import facts, make_armed, run_probe  # noqa: E402
 
 from dsecd.errors import NotFound  # noqa: E402

@@ -16,7 +16,7 @@ from dsecd.errors import DsecError
 MARK = b"DSEC-INTEGRITY-CHECK-"
 
 
-def make_tree(root: Path, busybox_rootfs: str, payload_mib: int = 2) -> Path:
+def make_tree(root: Path, payload_mib: int = 2) -> Path:
     """A small workspace: a marker file of payload_mib MiB, whose bytes can be
     found in the layer blob (EROFS stores file data uncompressed by default)."""
     (root / "work").mkdir(parents=True)
@@ -49,7 +49,7 @@ def store_daemon(request, daemon_factory, busybox_rootfs, tmp_path):
     d = daemon_factory(f'[images]\nmode = "{request.param}"\n')
     c = d.client()
     c.build_image(busybox_rootfs, "base")
-    c.build_image(str(make_tree(tmp_path / "ws", busybox_rootfs)), "ws", parent="base")
+    c.build_image(str(make_tree(tmp_path / "ws")), "ws", parent="base")
     yield request.param, d, c
     c.close()
 
@@ -115,7 +115,7 @@ def test_store_gone_mid_read_gives_eio_then_recovers(daemon_factory, busybox_roo
     d = daemon_factory('[images]\nmode = "lazy"\n[pager]\nreadahead_chunks = 0\n')
     c = d.client()
     c.build_image(busybox_rootfs, "base")
-    c.build_image(str(make_tree(tmp_path / "ws", busybox_rootfs)), "ws", parent="base")
+    c.build_image(str(make_tree(tmp_path / "ws")), "ws", parent="base")
     blob = layer_blob(d, c, "ws")
     saved = blob.read_bytes()
     sb = c.create(image="ws")
@@ -151,7 +151,7 @@ def test_disk_full_during_build(small_store, daemon_factory, busybox_rootfs, tmp
     c = d.client()
     c.build_image(busybox_rootfs, "base")
     sb = c.create(image="base")
-    big = make_tree(tmp_path / "big", busybox_rootfs, payload_mib=40)
+    big = make_tree(tmp_path / "big", payload_mib=40)
     with pytest.raises(DsecError) as err:
         c.build_image(str(big), "too-big", parent="base")
     assert err.value.code == "io" and "space" in str(err.value).lower()
@@ -159,7 +159,7 @@ def test_disk_full_during_build(small_store, daemon_factory, busybox_rootfs, tmp
     assert names == ["base"]                              # nothing under the new name
     assert os.listdir(small_store / "tmp") == []          # no half-written blob left
     assert sb.exec(["true"]).exit_code == 0               # the live sandbox carries on
-    small = make_tree(tmp_path / "small", busybox_rootfs, payload_mib=1)
+    small = make_tree(tmp_path / "small", payload_mib=1)
     c.build_image(str(small), "fits", parent="base")      # and the store still works
     sb2 = c.create(image="fits")
     assert sb2.exec(["cat", "/work/other.txt"]).stdout == b"a neighbour file\n"

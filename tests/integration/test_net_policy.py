@@ -9,17 +9,15 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
+
+# The kit sits next to this file; pytest runs with --import-mode=importlib (no rootdir on sys.path).
+from test_net_kit import V2, bpf_skip_reason, bridge_links, pr_netns  # noqa: E402
 
 from dsecd.errors import BadRequest, Conflict, LimitExceeded, NotFound
 from dsecd.journal import RecordLog
 from dsecd.net.plumbing import host_ifname
-
-# The kit sits next to this file; pytest runs with --import-mode=importlib (no rootdir on sys.path).
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_net_kit import V2, bpf_skip_reason, bridge_links, pr_netns  # noqa: E402
 
 pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None, reason=bpf_skip_reason() or "")
 

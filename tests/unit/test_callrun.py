@@ -17,13 +17,20 @@ def _run(cap=1 << 20, drain=0.2, kill_grace=0.2):
     return Collector(asyncio.get_running_loop(), cap, drain, kill_grace, path="zygote")
 
 
+def _started(run, keep: int = 1):
+    """The process's side: copies of the first `keep` pipe ends (stdout,
+    stderr), the run's own closed; the run watching a fresh exit future."""
+    ends = [os.dup(fd) for fd in run.child_ends[:keep]]
+    run.close_child_ends()
+    exited = asyncio.get_running_loop().create_future()
+    run.start(exited, lambda: None, 5)
+    return ends, exited
+
+
 def test_output_and_exit_status():
     async def go():
         run = _run()
-        out_w, err_w = (os.dup(fd) for fd in run.child_ends)
-        run.close_child_ends()
-        exited = asyncio.get_running_loop().create_future()
-        run.start(exited, lambda: None, 5)
+        (out_w, err_w), exited = _started(run, keep=2)
         os.write(out_w, b"hello ")
         os.write(err_w, b"oops")
         await asyncio.sleep(0.01)
@@ -43,10 +50,7 @@ def test_output_and_exit_status():
 def test_output_past_the_cap_is_cut_and_the_pipes_closed():
     async def go():
         run = _run(cap=10)
-        out_w = os.dup(run.child_ends[0])
-        run.close_child_ends()
-        exited = asyncio.get_running_loop().create_future()
-        run.start(exited, lambda: None, 5)
+        (out_w,), exited = _started(run)
         os.write(out_w, b"x" * 25)
         await asyncio.sleep(0.05)
         with pytest.raises(BrokenPipeError):      # the writer sees EPIPE, as `yes | head` would
@@ -81,10 +85,7 @@ def test_a_background_holder_of_the_pipes_does_not_hold_the_answer():
     result comes drain_grace later with what was read so far."""
     async def go():
         run = _run(drain=0.05)
-        holder = os.dup(run.child_ends[0])
-        run.close_child_ends()
-        exited = asyncio.get_running_loop().create_future()
-        run.start(exited, lambda: None, 5)
+        (holder,), exited = _started(run)
         os.write(holder, b"partial")
         exited.set_result({"status": 0})
         result = await asyncio.wait_for(run.done, 2)

@@ -1,6 +1,7 @@
-"""A create cancelled while its spawn runs in a worker (dsecd/netops.py
-_spawn_shielded): the sandbox the worker still makes is destroyed once it
-exists, not left running unrecorded (no root: a fake backend)."""
+"""A create cancelled while its spawn runs in a worker (dsecd/node.py
+run_shielded, netops.py _abandoned_create): the sandbox the worker still
+makes is destroyed once it exists, not left running unrecorded (no root: a
+fake backend)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from dsecd.netops import NetOps
+from dsecd.node import Node
 
 
 class _Backend:
@@ -22,8 +23,18 @@ class _Backend:
         self.done.set()
 
 
+async def _cancel_soon(task: asyncio.Future) -> None:
+    """Cancel the request while its spawn is still in the worker, and let it end."""
+    await asyncio.sleep(0.05)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
 def _ops(loop, pool, backend):
-    ops = object.__new__(NetOps)
+    ops = object.__new__(Node)
     ops.loop, ops.pool, ops.backend = loop, pool, backend
     return ops
 
@@ -31,20 +42,14 @@ def _ops(loop, pool, backend):
 def test_a_cancelled_create_destroys_what_its_worker_made():
     backend = _Backend()
 
-    def slow_create(sb_id):
+    def slow_create(sb_id, netns_fd):
         time.sleep(0.2)
         return f"handle-of-{sb_id}"
 
     async def go():
         with ThreadPoolExecutor(2) as pool:
             ops = _ops(asyncio.get_running_loop(), pool, backend)
-            task = asyncio.ensure_future(ops._spawn_shielded("sb1", slow_create, "sb1"))
-            await asyncio.sleep(0.05)
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+            await _cancel_soon(asyncio.ensure_future(ops.spawn_joining(slow_create, None, "sb1")))
             await asyncio.get_running_loop().run_in_executor(None, backend.done.wait, 5)
 
     asyncio.run(go())
@@ -57,7 +62,7 @@ def test_an_uncancelled_create_returns_its_handle_and_destroys_nothing():
     async def go():
         with ThreadPoolExecutor(2) as pool:
             ops = _ops(asyncio.get_running_loop(), pool, backend)
-            return await ops._spawn_shielded("sb2", lambda sb_id: f"handle-of-{sb_id}", "sb2")
+            return await ops.spawn_joining(lambda sb_id, netns_fd: f"handle-of-{sb_id}", None, "sb2")
 
     assert asyncio.run(go()) == "handle-of-sb2" and backend.destroyed == []
 
@@ -69,7 +74,6 @@ def test_an_exec_cancelled_during_its_spawn_keeps_its_fds_until_the_spawn_is_ove
     from types import SimpleNamespace
 
     from dsecd.execio import Collector
-    from dsecd.node import Node
 
     seen = {}
 
@@ -98,13 +102,7 @@ def test_an_exec_cancelled_during_its_spawn_keeps_its_fds_until_the_spawn_is_ove
             run = Collector(loop, 1 << 20, 0.1, None)
             fds = (0, *run.child_ends)
             sb = SimpleNamespace(handle=None)
-            task = asyncio.ensure_future(node._spawn_exec(sb, ["x"], {}, "/", 0, fds, run))
-            await asyncio.sleep(0.05)
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+            await _cancel_soon(asyncio.ensure_future(node._spawn_exec(sb, ["x"], {}, "/", 0, fds, run)))
             run.close()                           # the request's own clean-up: must not close the ends
             for _ in range(100):
                 if "pid" in seen and not _alive(seen["pid"]):
