@@ -199,9 +199,8 @@ class CreateOps:
         if pool is None:
             return None
         from .memops import parse_duration
-        from .node import _check_process
 
-        _check_process(req)
+        self.check_process(req)
         ttl, idle_ttl = parse_duration(req.ttl, "ttl"), parse_duration(req.idle_ttl, "idle_ttl")
         lease = parse_duration(req.lease, "lease")
         while pool.ready:

@@ -451,14 +451,18 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             raise Busy(f"host is full: {live} sandboxes of max {cap}; retry later or on another host",
                        {"sandboxes": live, "max": cap})
 
-    async def create_now(self, req, ctx) -> dict:
-        """The create itself; op_create (dsecd/createops.py) does keys, pools and the queue first."""
-        limits = self._limits_for(req)
-        plan = self.cpu.plan(req.qos)
+    def check_process(self, req) -> None:
+        """A create's settings of the sandbox's processes, fresh or pooled."""
         _check_process(req)
         if self.id_ranges and req.user >= self.id_ranges.size:
             raise BadRequest(f"user must be below sandbox.userns_size {self.id_ranges.size} (the ids a "
                              f"sandbox's user namespace maps), got {req.user}")
+
+    async def create_now(self, req, ctx) -> dict:
+        """The create itself; op_create (dsecd/createops.py) does keys, pools and the queue first."""
+        limits = self._limits_for(req)
+        plan = self.cpu.plan(req.qos)
+        self.check_process(req)
         net_mode = self.net_mode(req)
         disk = self._disk_for(req)
         try:

@@ -110,6 +110,9 @@ def test_warm_pool_hands_out_each_sandbox_once(daemon):
         name = p["name"]
         assert _wait_ready(c, name, 3)["ready"] >= 3
         pool_ids = {s["id"] for s in c.list({"dsec.pool": name})}
+        # A create that matches the pool is checked before one is taken as a fresh one is (default userns_size 65536).
+        with pytest.raises(BadRequest, match="userns_size"):
+            c.create("busybox", cpu=0.5, memory="96M", user=1 << 20)
         taken = [c.create("busybox", cpu=0.5, memory="96M", labels={"job": "j"}, env={"A": "1"})
                  for _ in range(3)]
         assert all(t.info.get("pool") == name for t in taken)
