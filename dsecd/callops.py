@@ -357,24 +357,34 @@ class CallOps:
             box.free_uids.append(uid)
             raise io_error("make the private dir of a call in", box.id, err) from err
         io, out = self._call_io(stdin)
+
+        def release() -> None:
+            self.loop.run_in_executor(self.pool, self.fncall.remove_private_dir, h, name)
+            box.free_uids.append(uid)
+
+        abandoned = False
         try:
             envl = self.fncall.containers.exec_env({"HOSTNAME": "fncall"}, {"HOME": cwd, "TMPDIR": cwd, **env})
             try:
-                pid = await self.run_blocking(self.fncall.spawn_plain, h, argv, envl, cwd, uid, io.child_fds())
+                pid = await self.spawn_handed_over(io, release, self.fncall.spawn_plain, h, argv, envl, cwd, uid,
+                                                   io.child_fds())
+            except asyncio.CancelledError:
+                # The spawn goes on in its worker: its uid and dir are released
+                # once a process it made anyway is killed and reaped.
+                abandoned = True
+                raise
             except NativeError as err:
                 from .node import _exec_error
 
                 raise _exec_error(err, argv[0], cwd) from err
-            finally:
-                io.close_child_ends()
             if stdin:
                 await io.feed_stdin(stdin, True)
             self.call_stats["plain_calls"] += 1
             result = await io.run(pid, timeout, self.limits["exec_drain_grace_s"])
         finally:
             io.close()
-            self.loop.run_in_executor(self.pool, self.fncall.remove_private_dir, h, name)
-            box.free_uids.append(uid)
+            if not abandoned:
+                release()
         result.update(stdout=b"".join(out[1]), stderr=b"".join(out[2]), path="exec",
                       run_ms=result["duration_ms"])
         return result

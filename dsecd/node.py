@@ -691,36 +691,49 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
 
     async def _spawn_exec(self, sb: Sandbox, argv: list[str], env: dict, cwd: str, user: int,
                           fds: tuple[int, int, int], io) -> int:
-        """The exec's process, spawned by a worker thread; `io` (ExecIO or
-        Collector) owns the child ends in `fds`, closed once the spawn returned.
-
-        A request cancelled meanwhile (client gone, `cancel`) must not close
-        them while the worker may still hand them to the child: another thread
-        could reuse the numbers and the exec would write into, say, another
-        client's socket. The ends are taken from `io` and closed when the spawn
-        is over, and a process it made anyway is killed and reaped."""
-        ends: list[int] = []          # filled at a cancel, before the callback can run
         try:
-            pid = await self.run_shielded(functools.partial(self._spawn_abandoned, ends), self.backend.spawn,
-                                          sb.handle, argv, env, cwd, user, fds)
-        except asyncio.CancelledError:
-            ends.extend(io.take_child_ends())
-            raise
+            return await self.spawn_handed_over(io, None, self.backend.spawn, sb.handle, argv, env, cwd, user, fds)
         except NativeError as err:
             raise _exec_error(err, argv[0], cwd) from err
         except ValueError as err:       # the native layer's argument checks (sizes, NULs)
             raise BadRequest(f"exec: {err}") from err
+
+    async def spawn_handed_over(self, io, after_abandoned, spawn, *args) -> int:
+        """spawn(*args) -> pid in a worker thread; `io` (ExecIO or Collector)
+        owns the child ends passed in args, closed once the spawn returned.
+
+        A request cancelled meanwhile (client gone, `cancel`) must not close
+        them while the worker may still hand them to the child: another thread
+        could reuse the numbers and the process would write into, say, another
+        client's socket. The ends are taken from `io` and closed when the spawn
+        is over, a process it made anyway is killed and reaped, and then
+        after_abandoned() (if given) runs: what the caller must not release
+        before that (a call's uid) is released there."""
+        ends: list[int] = []          # filled at a cancel, before the callback can run
+        try:
+            return await self.run_shielded(functools.partial(self._spawn_abandoned, ends, after_abandoned),
+                                           spawn, *args)
+        except asyncio.CancelledError:
+            ends.extend(io.take_child_ends())
+            raise
         finally:
             io.close_child_ends()      # nothing left to close if they were taken
-        return pid
 
-    def _spawn_abandoned(self, ends: list[int], fut: asyncio.Future) -> None:
+    def _spawn_abandoned(self, ends: list[int], after_abandoned, fut: asyncio.Future) -> None:
         for fd in ends:
             os.close(fd)
-        if not fut.cancelled() and fut.exception() is None:
-            pid = fut.result()
+        pid = None if fut.cancelled() or fut.exception() is not None else fut.result()
+        if pid is not None:
             kill_group(pid)
-            self.loop.run_in_executor(None, reap, pid)
+
+        def reap_then_release() -> None:
+            if pid is not None:
+                reap(pid)
+            if after_abandoned is not None:
+                self.loop.call_soon_threadsafe(after_abandoned)
+
+        if pid is not None or after_abandoned is not None:
+            self.loop.run_in_executor(None, reap_then_release)
 
     async def _start_tracer(self, io: ExecIO, pid: int, timeout: float | None):
         try:

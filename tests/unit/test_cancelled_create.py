@@ -67,10 +67,37 @@ def test_an_uncancelled_create_returns_its_handle_and_destroys_nothing():
     assert asyncio.run(go()) == "handle-of-sb2" and backend.destroyed == []
 
 
-def test_an_exec_cancelled_during_its_spawn_keeps_its_fds_until_the_spawn_is_over():
-    # dsecd/node.py _spawn_exec: the child ends go only once the worker is
-    # done with them, and the process it made anyway is killed and reaped.
+def _slow_spawn(seen: dict, fds) -> int:
+    """A spawn during which the request is cancelled: it notes whether its
+    child ends were still open, then makes a session leader that lives on."""
     import os
+
+    time.sleep(0.2)
+    seen["fds_open"] = all(_is_open(fd) for fd in fds[1:])
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()                      # as the exec child does before it execs
+        os.write(w, b"x")
+        time.sleep(30)
+        os._exit(0)
+    os.read(r, 1)                        # the spawn returns once the child is set up
+    os.close(r)
+    os.close(w)
+    seen["pid"] = pid
+    return pid
+
+
+async def _until(cond) -> None:
+    for _ in range(100):
+        if cond():
+            return
+        await asyncio.sleep(0.05)
+
+
+def test_an_exec_cancelled_during_its_spawn_keeps_its_fds_until_the_spawn_is_over():
+    # dsecd/node.py spawn_handed_over: the child ends go only once the worker
+    # is done with them, and the process it made anyway is killed and reaped.
     from types import SimpleNamespace
 
     from dsecd.execio import Collector
@@ -79,20 +106,7 @@ def test_an_exec_cancelled_during_its_spawn_keeps_its_fds_until_the_spawn_is_ove
 
     class Backend:
         def spawn(self, handle, argv, env, cwd, user, fds):
-            time.sleep(0.2)                      # the request is cancelled meanwhile
-            seen["fds_open"] = all(_is_open(fd) for fd in fds[1:])
-            r, w = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                os.setsid()                      # as the exec child does before it execs
-                os.write(w, b"x")
-                time.sleep(30)
-                os._exit(0)
-            os.read(r, 1)                        # the spawn returns once the child is set up
-            os.close(r)
-            os.close(w)
-            seen["pid"] = pid
-            return pid
+            return _slow_spawn(seen, fds)
 
     async def go():
         loop = asyncio.get_running_loop()
@@ -104,14 +118,52 @@ def test_an_exec_cancelled_during_its_spawn_keeps_its_fds_until_the_spawn_is_ove
             sb = SimpleNamespace(handle=None)
             await _cancel_soon(asyncio.ensure_future(node._spawn_exec(sb, ["x"], {}, "/", 0, fds, run)))
             run.close()                           # the request's own clean-up: must not close the ends
-            for _ in range(100):
-                if "pid" in seen and not _alive(seen["pid"]):
-                    break
-                await asyncio.sleep(0.05)
+            await _until(lambda: "pid" in seen and not _alive(seen["pid"]))
 
     asyncio.run(go())
     assert seen["fds_open"]                       # the worker still had its fds
     assert not _alive(seen["pid"])                # killed and reaped
+
+
+def test_a_plain_call_cancelled_during_its_spawn_frees_its_uid_only_after_the_kill():
+    # dsecd/callops.py _plain_call: the call's uid must not go to the next
+    # call while a process the spawn made anyway may still run under it.
+    from types import SimpleNamespace
+
+    from dsecd.backends.fncall import CallBox
+
+    seen = {"removed": []}
+    box = CallBox(id="box1", image="py", layers=[], handle=None, free_uids=[7001])
+
+    class FnCall:
+        containers = SimpleNamespace(exec_env=lambda base, env: [f"{k}={v}" for k, v in {**base, **env}.items()])
+
+        def make_private_dir(self, h, name, uid):
+            return f"/tmp/{name}"
+
+        def spawn_plain(self, h, argv, env, cwd, uid, fds):
+            pid = _slow_spawn(seen, fds)
+            seen["uid_free_after_spawn"] = uid in box.free_uids
+            return pid
+
+        def remove_private_dir(self, h, name):
+            seen["removed"].append(name)
+            seen["alive_at_release"] = _alive(seen["pid"])
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(2) as pool:
+            node = object.__new__(Node)
+            node.loop, node.pool, node.fncall = loop, pool, FnCall()
+            node.max_exec_output, node.limits, node.call_stats = 1 << 20, {"exec_drain_grace_s": 0.1}, {}
+            await _cancel_soon(asyncio.ensure_future(node._plain_call(box, ["x"], {}, b"", 5)))
+            seen["uid_free_at_cancel"] = 7001 in box.free_uids
+            await _until(lambda: 7001 in box.free_uids and seen["removed"])
+
+    asyncio.run(go())
+    assert seen["fds_open"] and not seen["uid_free_at_cancel"] and not seen["uid_free_after_spawn"]
+    assert box.free_uids == [7001] and len(seen["removed"]) == 1
+    assert seen["alive_at_release"] is False      # the late process was gone before its uid came back
 
 
 def _is_open(fd: int) -> bool:
