@@ -101,7 +101,6 @@ class MemOps:
         # for 8 s, and disk prefetches held on-demand resumes up 200 ms.
         self.mem_pool = ThreadPoolExecutor(int(mem["background_threads"]), "dsecd-mem")
         self._behind: dict[str, asyncio.Future] = {}
-        self.journal_pool = ThreadPoolExecutor(1, "dsecd-journal")
         self._oom_cursor = 0          # where the next OOM check pass starts (_oom_check)
         self.damon = damon.DamonController(damon.DamonConfig.from_section(mem["damon"], cfg.state_dir))
         self.damon_running = False
@@ -160,7 +159,6 @@ class MemOps:
         is paused (swapoff would page all their memory back in; the next
         daemon adopts a swap file left on)."""
         self.mem_pool.shutdown(wait=False, cancel_futures=True)
-        self.journal_pool.shutdown(wait=True)       # records of the last job ops reach the journal
         if self.damon_running:
             try:
                 self.damon.stop()
@@ -320,22 +318,13 @@ class MemOps:
             raise NotFound(f"no sandbox has label job={job}")
         return sbs
 
-    def _journal_behind(self, sbs: list) -> None:
-        """Journal a job's sandboxes after the answer, on one thread of their
-        own (in order). When a record was a file create + rename (before the
-        journal became a log), 500 of them before the answer took 1.3-2.1 s on
-        this host's loaded ext4, even from 8 threads.
-        Each write takes the sandbox's record as it is then, and skips one
-        destroyed meanwhile. A crash before a write leaves the previous state
-        in the journal, which recovery handles: a "running" sandbox found
-        frozen is thawed, a "paused" one found running is resumed (a no-op
-        thaw) by its next request."""
-        def write(batch):
-            for s in batch:
-                if self.sandboxes.get(s.id) is s:
-                    self.journal.write(s.id, s.record())
-
-        self.journal_pool.submit(write, list(sbs))
+    def _journal_job(self, sbs: list) -> None:
+        """Journal a job op's sandboxes before the answer, in one append (one
+        write, one fdatasync with journal.fsync; dsecd/journal.py put_many).
+        Records are taken on the loop, so none can be older than one the
+        loop writes later (a thread writing behind the answer could put a
+        stale "paused" after a resume's "running")."""
+        self.journal.write_many([(s.id, s.record()) for s in sbs])
 
     async def op_job_pause(self, req, ctx) -> dict:
         """Freeze the whole job at once (what the caller waits for), answer, and
@@ -349,7 +338,7 @@ class MemOps:
         paused = [s for s in sbs if s.id not in failed_ids]
         for s in paused:
             self._mark_paused(s, pause.PauseRecord(), journal=False)
-        self._journal_behind(paused)
+        self._journal_job(paused)
 
         async def reclaim(s) -> None:
             try:
@@ -361,7 +350,7 @@ class MemOps:
                 return
             if s.state == "paused":
                 s.pause_record = rec.to_json()
-                self._journal_behind([s])
+                self._journal_job([s])
 
         for s in paused:
             self._cancel_behind(s.id)
@@ -395,7 +384,7 @@ class MemOps:
                 self._mark_resumed(s, 0, journal=False)
                 if rec.working_set and self.pause_cfg.prefetch_mode != "none":
                     self._behind_answer(s, pause.prefetch, rec.working_set, self.pause_cfg.prefetch_mode)
-            self._journal_behind(resumed)
+            self._journal_job(resumed)
         return {"job": req.job, "resumed": [s.id for s in resumed], "thaw_s": round(thaw_s, 4),
                 "failed": {i: "not thawed in time (see the daemon log)" for i in sorted(failed_ids)}}
 

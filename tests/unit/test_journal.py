@@ -162,3 +162,25 @@ def test_a_short_write_is_an_error_not_a_truncated_log(tmp_path, monkeypatch):
     log.close()
     assert read_records(tmp_path / "records.log") == {"a": {"n": 1}}
     assert not list(tmp_path.glob(".*"))
+
+
+def test_many_records_go_in_one_write_and_replay(tmp_path, monkeypatch):
+    j = Journal(tmp_path)
+    writes = []
+    real_write = journal.os.write
+    monkeypatch.setattr(journal.os, "write", lambda fd, data: writes.append(len(data)) or real_write(fd, data))
+    j.write_many([(f"sb{i}", {"state": "paused", "n": i}) for i in range(50)])
+    assert len(writes) == 1
+    j.close()
+    assert Journal(tmp_path).load_all() == {f"sb{i}": {"state": "paused", "n": i} for i in range(50)}
+
+
+def test_a_bad_key_in_a_batch_writes_none_of_it(tmp_path):
+    j = Journal(tmp_path)
+    try:
+        j.write_many([("ok", {"a": 1}), ("bad\nkey", {"a": 2})])
+    except ValueError as err:
+        assert "bad journal key" in str(err)
+    else:
+        raise AssertionError("a key with a newline was accepted")
+    assert j.load_all() == {}
