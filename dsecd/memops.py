@@ -422,13 +422,15 @@ class MemOps:
                 return "idle_ttl"
         return None
 
-    def _oom_check(self) -> list[tuple[str, int]]:
-        """(sandbox, new OOM kills) since the last look; blocking (cgroup reads).
+    def _oom_check(self) -> list[tuple[object, int]]:
+        """(sandbox, its OOM kill count) for each whose count grew; blocking
+        (cgroup reads, in a worker). The loop reports them (_report_oom).
 
         At most OOM_CHECKS_PER_PASS sandboxes a pass, round-robin: one cgroup
         file read per sandbox per second was ~2% of a 2,000-sandbox burst's
         CPU; past that many sandboxes, an OOM event comes up to
-        n / OOM_CHECKS_PER_PASS seconds late instead."""
+        n / OOM_CHECKS_PER_PASS seconds late instead (or at destroy:
+        last_oom_check)."""
         out = []
         batch, self._oom_cursor = round_robin(list(self.sandboxes.values()), self._oom_cursor, OOM_CHECKS_PER_PASS)
         for sb in batch:
@@ -439,16 +441,33 @@ class MemOps:
             except OSError:
                 continue
             if n > sb.oom_kills:
-                out.append((sb.id, n - sb.oom_kills))
-            sb.oom_kills = n
+                out.append((sb, n))
         return out
+
+    def _report_oom(self, sb, n: int) -> None:
+        """Publish the kills past those already reported. Only on the loop, so
+        the reaper and a destroy (last_oom_check) never report one twice."""
+        if n > sb.oom_kills:
+            self.events.publish("oom", sb.id, kills=n - sb.oom_kills)
+            log.info("sandbox %s: %d process(es) killed by its memory limit", sb.id, n - sb.oom_kills)
+            sb.oom_kills = n
+
+    def last_oom_check(self, sb, h) -> None:
+        """At destroy, once its processes are gone: OOM kills the round-robin
+        check had not come round to yet, which a sandbox destroyed before its
+        turn would otherwise take with it. One cgroup file read."""
+        if h is None:
+            return
+        try:
+            self._report_oom(sb, pause.oom_kills(h.group))
+        except OSError:
+            pass
 
     async def _reap_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
-            for sb_id, n in await self.run_blocking(self._oom_check):
-                self.events.publish("oom", sb_id, kills=n)
-                log.info("sandbox %s: %d process(es) killed by its memory limit", sb_id, n)
+            for sb, n in await self.run_blocking(self._oom_check):
+                self._report_oom(sb, n)
             now = time.monotonic()
             for sb in list(self.sandboxes.values()):
                 why = self._expired(sb, now)

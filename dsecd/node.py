@@ -585,6 +585,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             sb.handle = h
             self._journal(sb)
             raise io_error("destroy sandbox", sb.id, err) from err
+        self.last_oom_check(sb, h)
         await self.detach_net(sb)
         if self.sandboxes.pop(sb.id, None) is sb and prev == "dead":
             self._dead -= 1

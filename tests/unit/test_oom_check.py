@@ -12,7 +12,18 @@ from dsecd.memops import MemOps
 def _node(n: int):
     sbs = {f"sb{i}": SimpleNamespace(id=f"sb{i}", state="running", oom_kills=0,
                                      handle=SimpleNamespace(group=f"sb{i}")) for i in range(n)}
-    return SimpleNamespace(sandboxes=sbs, _oom_cursor=0)
+    node = SimpleNamespace(sandboxes=sbs, _oom_cursor=0, published=[])
+    node.events = SimpleNamespace(publish=lambda kind, sb_id, **kw: node.published.append((kind, sb_id, kw)))
+    node._report_oom = lambda sb, n: MemOps._report_oom(node, sb, n)
+    return node
+
+
+def _pass(node) -> list[tuple[str, int]]:
+    """One reaper pass: the check in its worker, then the report on the loop."""
+    before = len(node.published)
+    for sb, n in MemOps._oom_check(node):
+        node._report_oom(sb, n)
+    return [(sb_id, kw["kills"]) for _, sb_id, kw in node.published[before:]]
 
 
 def test_each_pass_reads_a_bounded_slice_and_every_sandbox_comes_round(monkeypatch):
@@ -28,15 +39,38 @@ def test_each_pass_reads_a_bounded_slice_and_every_sandbox_comes_round(monkeypat
     node = _node(10)
     found = []
     for _ in range(3):
-        found += MemOps._oom_check(node)
+        found += _pass(node)
     assert read[:4] == ["sb0", "sb1", "sb2", "sb3"] and len(read) == 12
     assert set(read) == set(node.sandboxes)           # all 10 within 3 passes of 4
     assert found == [("sb7", 2)]
     read.clear()
     kills["sb7"] = 3
-    assert MemOps._oom_check(node) + MemOps._oom_check(node) + MemOps._oom_check(node) == [("sb7", 1)]
+    assert _pass(node) + _pass(node) + _pass(node) == [("sb7", 1)]
 
 
 def test_no_sandboxes_no_reads(monkeypatch):
     monkeypatch.setattr(memops.pause, "oom_kills", lambda g: 1 / 0)
     assert MemOps._oom_check(_node(0)) == []
+
+
+def test_a_destroyed_sandbox_reports_kills_its_turn_had_not_come_to(monkeypatch):
+    monkeypatch.setattr(memops.pause, "oom_kills", lambda group: {"sb1": 3}.get(group, 0))
+    node = _node(2)
+    sb = node.sandboxes["sb1"]
+    sb.oom_kills = 1
+    MemOps.last_oom_check(node, sb, sb.handle)
+    assert node.published == [("oom", "sb1", {"kills": 2})] and sb.oom_kills == 3
+    MemOps.last_oom_check(node, sb, sb.handle)                       # nothing new: nothing published
+    MemOps.last_oom_check(node, node.sandboxes["sb0"], None)
+    assert len(node.published) == 1
+
+
+def test_a_kill_seen_by_both_the_reaper_and_a_destroy_is_reported_once(monkeypatch):
+    monkeypatch.setattr(memops.pause, "oom_kills", lambda group: {"sb1": 2}.get(group, 0))
+    node = _node(2)
+    sb = node.sandboxes["sb1"]
+    seen = MemOps._oom_check(node)              # the reaper's worker read it ...
+    MemOps.last_oom_check(node, sb, sb.handle)   # ... a destroy reported it meanwhile ...
+    for s, n in seen:                            # ... then the reaper's results reach the loop
+        node._report_oom(s, n)
+    assert node.published == [("oom", "sb1", {"kills": 2})]
