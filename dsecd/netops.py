@@ -84,14 +84,18 @@ class NetOps:
             return None
         return (await self.network()).take_ready()      # never blocks: a list pop
 
-    async def spawn_joining(self, create, ready, *args):
+    async def spawn_joining(self, create, ready, after_abandoned, *args):
         """backend.create(*args, netns_fd) in a worker, PID 1 joining `ready`'s netns.
 
         `ready` is removed if the spawn fails, or if the create is cancelled - but
         never while the worker may still pass its fd to the spawn (a closed, or
-        worse reused, fd number would put the sandbox in some other namespace)."""
+        worse reused, fd number would put the sandbox in some other namespace).
+        Once a cancel reached this call, after_abandoned() runs on the loop when
+        the worker is done and what it made is destroyed: what the sandbox
+        uses (its id range, its layers) is released there, not before."""
+        abandoned = functools.partial(self._abandoned_create, args[0], after_abandoned)
         if ready is None:
-            return await self.run_shielded(functools.partial(self._abandoned_create, args[0]), create, *args, -1)
+            return await self.run_shielded(abandoned, create, *args, -1)
         lock, st = threading.Lock(), {"busy": False, "abandoned": False}
 
         def work():
@@ -109,7 +113,7 @@ class NetOps:
                     self.net.release_ready(ready)
 
         try:
-            return await self.run_shielded(functools.partial(self._abandoned_create, args[0]), work)
+            return await self.run_shielded(abandoned, work)
         except asyncio.CancelledError:
             with lock:
                 st["abandoned"] = True
@@ -121,11 +125,12 @@ class NetOps:
             self.release_netns(ready)
             raise
 
-    def _abandoned_create(self, sb_id: str, fut: asyncio.Future) -> None:
+    def _abandoned_create(self, sb_id: str, after_abandoned, fut: asyncio.Future) -> None:
         """A create cancelled during its spawn: the sandbox its worker still
         made is destroyed, not left running unrecorded until the next start's
-        orphan sweep."""
+        orphan sweep; then after_abandoned() runs (on the loop)."""
         if fut.cancelled() or fut.exception() is not None or fut.result() is None:
+            after_abandoned()
             return
 
         def destroy() -> None:
@@ -133,6 +138,7 @@ class NetOps:
                 self.backend.destroy(sb_id, fut.result())
             except Exception as err:
                 log.error("destroy sandbox %s, whose create was cancelled: %s", sb_id, err)
+            self.loop.call_soon_threadsafe(after_abandoned)
 
         self.loop.run_in_executor(self.pool, destroy)
 

@@ -500,15 +500,21 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             self.sandboxes.pop(sb_id, None)
             self._release_ids(sb)
             raise io_error("mount layers of image", req.image, err) from err
+        def release() -> None:
+            self._release_ids(sb)
+            self.layers.release(sb.layers)
+
+        spawning = False
         try:
             ready = await self.take_netns(net_mode)      # a pooled netns for PID 1 to join, or None
-            sb.handle = await self.spawn_joining(functools.partial(self.backend.create, disk=disk), ready,
+            spawning = True
+            sb.handle = await self.spawn_joining(functools.partial(self.backend.create, disk=disk), ready, release,
                                                  sb_id, mounts[::-1], limits, hostname, plan,
                                                  userns.IdMap.from_record(sb.idmap))
         except BaseException as err:
             self.sandboxes.pop(sb_id, None)
-            self._release_ids(sb)
-            self.layers.release(sb.layers)
+            if not (spawning and isinstance(err, asyncio.CancelledError)):
+                release()           # else once the worker is done and its sandbox destroyed (spawn_joining)
             if isinstance(err, (NativeError, OSError)):
                 log.error("create sandbox %s failed: %s", sb_id, err)
                 raise DsecError(f"create sandbox: {err}", {"errno": getattr(err, "errno", None),

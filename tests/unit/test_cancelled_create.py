@@ -46,14 +46,20 @@ def test_a_cancelled_create_destroys_what_its_worker_made():
         time.sleep(0.2)
         return f"handle-of-{sb_id}"
 
+    released = []
+
     async def go():
         with ThreadPoolExecutor(2) as pool:
             ops = _ops(asyncio.get_running_loop(), pool, backend)
-            await _cancel_soon(asyncio.ensure_future(ops.spawn_joining(slow_create, None, "sb1")))
+            after = lambda: released.append(list(backend.destroyed))    # noqa: E731
+            await _cancel_soon(asyncio.ensure_future(ops.spawn_joining(slow_create, None, after, "sb1")))
+            assert released == []                 # its id range and layers: not while the worker runs
             await asyncio.get_running_loop().run_in_executor(None, backend.done.wait, 5)
+            await _until(lambda: released)
 
     asyncio.run(go())
     assert backend.destroyed == [("sb1", "handle-of-sb1")]
+    assert released == [[("sb1", "handle-of-sb1")]]   # released once, after the destroy
 
 
 def test_an_uncancelled_create_returns_its_handle_and_destroys_nothing():
@@ -62,7 +68,8 @@ def test_an_uncancelled_create_returns_its_handle_and_destroys_nothing():
     async def go():
         with ThreadPoolExecutor(2) as pool:
             ops = _ops(asyncio.get_running_loop(), pool, backend)
-            return await ops.spawn_joining(lambda sb_id, netns_fd: f"handle-of-{sb_id}", None, "sb2")
+            return await ops.spawn_joining(lambda sb_id, netns_fd: f"handle-of-{sb_id}", None,
+                                           lambda: 1 / 0, "sb2")
 
     assert asyncio.run(go()) == "handle-of-sb2" and backend.destroyed == []
 
