@@ -383,7 +383,9 @@ class CallOps:
             result = await io.run(pid, timeout, self.limits["exec_drain_grace_s"])
         finally:
             io.close()
-            if not abandoned:
+            if io.reaped is not None:        # cancelled while it ran: killed, reaped in a thread
+                io.reaped.add_done_callback(lambda _fut: release())
+            elif not abandoned:
                 release()
         result.update(stdout=b"".join(out[1]), stderr=b"".join(out[2]), path="exec",
                       run_ms=result["duration_ms"])

@@ -43,6 +43,9 @@ class ExecIO:
         self.timed_out = False
         self.cancelled = False
         self.pid: int | None = None
+        # Set when run() was cancelled: the kill's reap, in a thread; what the
+        # process used (a call's uid) must not be handed on before it is done.
+        self.reaped: asyncio.Future | None = None
         self._stdin_q: asyncio.Queue[bytes | None] | None = asyncio.Queue(maxsize=64) if want_stdin else None
         # Child ends are handed to the spawn helper, parent ends stay here.
         self.stdin_r, self.stdin_w = os.pipe2(os.O_CLOEXEC) if want_stdin else (os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), -1)
@@ -106,7 +109,7 @@ class ExecIO:
                 # Cancelled (client gone, `cancel`, daemon stopping): kill and reap
                 # in a thread, since a dying process may take a moment to exit.
                 self.kill()
-                self.loop.run_in_executor(None, reap, pid)
+                self.reaped = self.loop.run_in_executor(None, reap, pid)
             self.close()
         code, sig = _decode_status(status)
         return {"exit_code": code, "signal": sig, "timed_out": self.timed_out,

@@ -324,7 +324,9 @@ class MemOps:
         Records are taken on the loop, so none can be older than one the
         loop writes later (a thread writing behind the answer could put a
         stale "paused" after a resume's "running")."""
-        self.journal.write_many([(s.id, s.record()) for s in sbs])
+        # One destroyed meanwhile (a destroy does not wait for a job op) is not
+        # written back: a restarted daemon would adopt it as a ghost.
+        self.journal.write_many([(s.id, s.record()) for s in sbs if self.sandboxes.get(s.id) is s])
 
     async def op_job_pause(self, req, ctx) -> dict:
         """Freeze the whole job at once (what the caller waits for), answer, and
@@ -335,7 +337,8 @@ class MemOps:
         failed = await self.run_blocking(pause.freeze_all, freezers, self.pause_cfg.freeze_timeout_s)
         freeze_s = time.monotonic() - t0
         failed_ids = {s.id for s, f in zip(sbs, freezers, strict=True) if f in failed}
-        paused = [s for s in sbs if s.id not in failed_ids]
+        paused = [s for s in sbs if s.id not in failed_ids and self.sandboxes.get(s.id) is s
+                  and s.state == "running"]       # not destroyed or paused alone meanwhile
         for s in paused:
             self._mark_paused(s, pause.PauseRecord(), journal=False)
         self._journal_job(paused)
@@ -350,7 +353,10 @@ class MemOps:
                 return
             if s.state == "paused":
                 s.pause_record = rec.to_json()
-                self._journal_job([s])
+                try:
+                    self._journal_job([s])
+                except OSError as err:      # e.g. the log closed at shutdown: the record stays as it was
+                    log.error("journal paused sandbox %s: %s", s.id, err)
 
         for s in paused:
             self._cancel_behind(s.id)
@@ -378,7 +384,8 @@ class MemOps:
             if failed_ids:
                 log.warning("job %s: %d sandbox(es) not thawed within %gs, left paused: %s", req.job,
                             len(failed_ids), self.pause_cfg.freeze_timeout_s, sorted(failed_ids)[:8])
-            resumed = [s for s in sbs if s.id not in failed_ids]
+            resumed = [s for s in sbs if s.id not in failed_ids and self.sandboxes.get(s.id) is s
+                       and s.state == "paused"]   # not destroyed meanwhile
             for s in resumed:
                 rec = pause.PauseRecord.from_json(s.pause_record or {})
                 self._mark_resumed(s, 0, journal=False)
@@ -429,8 +436,8 @@ class MemOps:
         At most OOM_CHECKS_PER_PASS sandboxes a pass, round-robin: one cgroup
         file read per sandbox per second was ~2% of a 2,000-sandbox burst's
         CPU; past that many sandboxes, an OOM event comes up to
-        n / OOM_CHECKS_PER_PASS seconds late instead (or at destroy:
-        last_oom_check)."""
+        n / OOM_CHECKS_PER_PASS seconds late instead (or at the sandbox's
+        end: oom_count)."""
         out = []
         batch, self._oom_cursor = round_robin(list(self.sandboxes.values()), self._oom_cursor, OOM_CHECKS_PER_PASS)
         for sb in batch:
@@ -446,22 +453,21 @@ class MemOps:
 
     def _report_oom(self, sb, n: int) -> None:
         """Publish the kills past those already reported. Only on the loop, so
-        the reaper and a destroy (last_oom_check) never report one twice."""
+        the reaper and a sandbox's end (oom_count) never report one twice."""
         if n > sb.oom_kills:
             self.events.publish("oom", sb.id, kills=n - sb.oom_kills)
             log.info("sandbox %s: %d process(es) killed by its memory limit", sb.id, n - sb.oom_kills)
             sb.oom_kills = n
 
-    def last_oom_check(self, sb, h) -> None:
-        """At destroy, once its processes are gone: OOM kills the round-robin
-        check had not come round to yet, which a sandbox destroyed before its
-        turn would otherwise take with it. One cgroup file read."""
-        if h is None:
-            return
+    def oom_count(self, group) -> int | None:
+        """A sandbox's OOM kill count, read at its end just before its cgroups
+        are removed (blocking): kills the round-robin check (_oom_check) had
+        not come round to yet are then reported (_report_oom), not lost with
+        the sandbox. None if it cannot be read."""
         try:
-            self._report_oom(sb, pause.oom_kills(h.group))
+            return pause.oom_kills(group)
         except OSError:
-            pass
+            return None
 
     async def _reap_loop(self) -> None:
         while True:

@@ -129,8 +129,14 @@ class NetOps:
         """A create cancelled during its spawn: the sandbox its worker still
         made is destroyed, not left running unrecorded until the next start's
         orphan sweep; then after_abandoned() runs (on the loop)."""
+        def release() -> None:
+            try:
+                after_abandoned()
+            except Exception:
+                log.exception("release what the cancelled create of sandbox %s held", sb_id)
+
         if fut.cancelled() or fut.exception() is not None or fut.result() is None:
-            after_abandoned()
+            release()
             return
 
         def destroy() -> None:
@@ -138,7 +144,7 @@ class NetOps:
                 self.backend.destroy(sb_id, fut.result())
             except Exception as err:
                 log.error("destroy sandbox %s, whose create was cancelled: %s", sb_id, err)
-            self.loop.call_soon_threadsafe(after_abandoned)
+            self.loop.call_soon_threadsafe(release)
 
         self.loop.run_in_executor(self.pool, destroy)
 

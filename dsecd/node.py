@@ -356,11 +356,15 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
                         pass
                 close_handle(h)
             grp = self.backend.group_for(sb.id)
+            kills = self.oom_count(grp)           # PID 1 may have died of its memory limit
             grp.kill_all()
             grp.remove(self.sb_defaults["destroy_timeout_s"])
+            return kills
 
         try:
-            await self.run_blocking(release)
+            kills = await self.run_blocking(release)
+            if kills is not None:
+                self._report_oom(sb, kills)
             await self.detach_net(sb)      # frees its lease and policy; the veth died with the netns
         finally:
             self._journal(sb)
@@ -584,14 +588,15 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         if h and h.pidfd >= 0:
             self.loop.remove_reader(h.pidfd)
         try:
-            await self.run_blocking(self.backend.stop, sb.id, h)
+            kills = await self.run_blocking(self._stop_counting_oom, sb.id, h)
         except OSError as err:
             log.error("destroy sandbox %s: %s", sb.id, err)
             sb.state = prev
             sb.handle = h
             self._journal(sb)
             raise io_error("destroy sandbox", sb.id, err) from err
-        self.last_oom_check(sb, h)
+        if kills is not None:
+            self._report_oom(sb, kills)
         await self.detach_net(sb)
         if self.sandboxes.pop(sb.id, None) is sb and prev == "dead":
             self._dead -= 1
@@ -603,6 +608,12 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         self.loop.run_in_executor(self.pool, self.backend.release, sb.id, h)
         self.events.publish("destroyed", sb.id, previous_state=prev)
         return {"id": sb.id, "previous_state": prev}
+
+    def _stop_counting_oom(self, sb_id: str, h: Handle | None) -> int | None:
+        """backend.stop, with the OOM kill count read before it removes the cgroups."""
+        kills = self.oom_count(h.group) if h is not None else None
+        self.backend.stop(sb_id, h)
+        return kills
 
     async def op_destroy_all(self, req, ctx) -> dict:
         targets = [s for s in self.sandboxes.values()

@@ -23,9 +23,10 @@ class _Backend:
         self.done.set()
 
 
-async def _cancel_soon(task: asyncio.Future) -> None:
-    """Cancel the request while its spawn is still in the worker, and let it end."""
-    await asyncio.sleep(0.05)
+async def _cancel_soon(task: asyncio.Future, after: float = 0.05) -> None:
+    """Cancel the request while its spawn is still in the worker (or `after`
+    seconds in), and let it end."""
+    await asyncio.sleep(after)
     task.cancel()
     try:
         await task
@@ -171,6 +172,60 @@ def test_a_plain_call_cancelled_during_its_spawn_frees_its_uid_only_after_the_ki
     assert seen["fds_open"] and not seen["uid_free_at_cancel"] and not seen["uid_free_after_spawn"]
     assert box.free_uids == [7001] and len(seen["removed"]) == 1
     assert seen["alive_at_release"] is False      # the late process was gone before its uid came back
+
+
+def test_a_plain_call_cancelled_while_it_runs_frees_its_uid_only_once_reaped():
+    # dsecd/execio.py ExecIO.run kills a cancelled run and reaps it in a
+    # thread (`reaped`); _plain_call releases the uid and dir after that.
+    import os
+
+    from dsecd.backends.fncall import CallBox
+
+    seen = {"removed": []}
+
+    class Uids(list):
+        def append(self, uid):
+            seen["reaped_at_uid_back"] = not os.path.exists(f"/proc/{seen['pid']}")
+            super().append(uid)
+
+    box = CallBox(id="box1", image="py", layers=[], handle=None, free_uids=Uids([7002]))
+
+    class FnCall:
+        containers = _plain_call_fncall().containers
+        make_private_dir = staticmethod(lambda h, name, uid: f"/tmp/{name}")
+
+        def spawn_plain(self, h, argv, env, cwd, uid, fds):
+            pid = os.fork()
+            if pid == 0:
+                os.setsid()
+                time.sleep(30)
+                os._exit(0)
+            seen["pid"] = pid
+            return pid
+
+        def remove_private_dir(self, h, name):
+            seen["removed"].append(name)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(2) as pool:
+            node = object.__new__(Node)
+            node.loop, node.pool, node.fncall = loop, pool, FnCall()
+            node.max_exec_output, node.limits, node.call_stats = 1 << 20, {"exec_drain_grace_s": 0.1}, {
+                "plain_calls": 0}
+            await _cancel_soon(asyncio.ensure_future(node._plain_call(box, ["x"], {}, b"", 30)), after=0.3)
+            await _until(lambda: 7002 in box.free_uids and seen["removed"])
+
+    asyncio.run(go())
+    assert box.free_uids == [7002] and len(seen["removed"]) == 1
+    assert seen["reaped_at_uid_back"]             # killed and reaped before the uid came back
+
+
+def _plain_call_fncall():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(containers=SimpleNamespace(
+        exec_env=lambda base, env: [f"{k}={v}" for k, v in {**base, **env}.items()]))
 
 
 def _is_open(fd: int) -> bool:

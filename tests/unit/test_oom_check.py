@@ -53,24 +53,40 @@ def test_no_sandboxes_no_reads(monkeypatch):
     assert MemOps._oom_check(_node(0)) == []
 
 
-def test_a_destroyed_sandbox_reports_kills_its_turn_had_not_come_to(monkeypatch):
-    monkeypatch.setattr(memops.pause, "oom_kills", lambda group: {"sb1": 3}.get(group, 0))
+def test_a_sandbox_at_its_end_reports_kills_its_turn_had_not_come_to(monkeypatch):
+    # dsecd/node.py _stop_counting_oom: the count is read before stop removes the cgroups.
+    from dsecd.node import Node
+
+    calls = []
+    monkeypatch.setattr(memops.pause, "oom_kills", lambda group: calls.append(("read", group)) or 3)
     node = _node(2)
     sb = node.sandboxes["sb1"]
     sb.oom_kills = 1
-    MemOps.last_oom_check(node, sb, sb.handle)
+    ops = SimpleNamespace(backend=SimpleNamespace(stop=lambda sb_id, h: calls.append(("stop", sb_id))),
+                          oom_count=lambda group: MemOps.oom_count(node, group))
+    kills = Node._stop_counting_oom(ops, "sb1", sb.handle)
+    assert calls == [("read", "sb1"), ("stop", "sb1")] and kills == 3
+    MemOps._report_oom(node, sb, kills)
     assert node.published == [("oom", "sb1", {"kills": 2})] and sb.oom_kills == 3
-    MemOps.last_oom_check(node, sb, sb.handle)                       # nothing new: nothing published
-    MemOps.last_oom_check(node, node.sandboxes["sb0"], None)
+    MemOps._report_oom(node, sb, kills)                              # nothing new: nothing published
+    assert Node._stop_counting_oom(ops, "sb0", None) is None         # no handle: nothing to read
     assert len(node.published) == 1
+
+
+def test_an_unreadable_count_is_none_not_an_error(monkeypatch):
+    def gone(group):
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(memops.pause, "oom_kills", gone)
+    assert MemOps.oom_count(_node(1), "sb0") is None
 
 
 def test_a_kill_seen_by_both_the_reaper_and_a_destroy_is_reported_once(monkeypatch):
     monkeypatch.setattr(memops.pause, "oom_kills", lambda group: {"sb1": 2}.get(group, 0))
     node = _node(2)
     sb = node.sandboxes["sb1"]
-    seen = MemOps._oom_check(node)              # the reaper's worker read it ...
-    MemOps.last_oom_check(node, sb, sb.handle)   # ... a destroy reported it meanwhile ...
-    for s, n in seen:                            # ... then the reaper's results reach the loop
+    seen = MemOps._oom_check(node)                                    # the reaper's worker read it ...
+    node._report_oom(sb, MemOps.oom_count(node, sb.handle.group))     # ... a destroy reported it meanwhile ...
+    for s, n in seen:                                                 # ... then the reaper's results arrive
         node._report_oom(s, n)
     assert node.published == [("oom", "sb1", {"kills": 2})]
