@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import signal
 import socket
@@ -21,6 +20,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from dsecd.sysfs import unescape_mount_field
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = REPO / ".venv" / "bin"
@@ -162,7 +163,7 @@ def cgroup_mounts() -> list[str]:
             parts = line.split()
             fstype = parts[parts.index("-") + 1]
             if fstype in ("cgroup", "cgroup2"):
-                out.append(unescape_mount_path(parts[4]))
+                out.append(unescape_mount_field(parts[4]))
     return out
 
 
@@ -173,15 +174,10 @@ def read_pids(path: Path) -> set[int]:
         return set()
 
 
-def unescape_mount_path(field: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as \\ooo."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
 def mounts_under(top: Path) -> list[str]:
     prefix = str(top).rstrip("/") + "/"
     with open("/proc/self/mountinfo") as f:
-        points = [unescape_mount_path(line.split()[4]) for line in f]
+        points = [unescape_mount_field(line.split()[4]) for line in f]
     return [p for p in points if p == str(top) or p.startswith(prefix)]
 
 

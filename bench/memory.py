@@ -37,7 +37,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 
@@ -45,6 +44,8 @@ import harness
 import peers
 
 import dsecd
+from dsecd.mem.swapfile import Swapfile, SwapfileConfig
+from dsecd.mem.zram import ZramConfig, ZramSwap, active_swaps, swap_areas
 
 HOLD = ("mkdir -p /work; (x=\"$(head -c 10485760 /dev/zero | tr '\\0' a)$(head -c 7864320 /dev/urandom | base64)\"; "
         "head -c 20971520 /dev/urandom > /work/f; cat /work/f > /dev/null; echo ok > /tmp/ready; "
@@ -87,6 +88,7 @@ def group_stats(infos: list[dict]) -> dict[str, int]:
     usage and the kernel memory charged to them: where the held bytes are."""
     out = dict.fromkeys(STAT_KEYS + ("usage", "kmem"), 0)
     for info in infos:
+        out["usage"] += cgroup_usage(info)          # v1 or v2
         d = info["cgroups"].get("memory")
         if not d:
             continue
@@ -95,7 +97,6 @@ def group_stats(infos: list[dict]) -> dict[str, int]:
                 key, value = line.split()
                 if key in out:
                     out[key] += int(value)
-        out["usage"] += cgroup_usage(info)
         try:
             with open(f"{d}/memory.kmem.usage_in_bytes") as f:
                 out["kmem"] += int(f.read())
@@ -105,18 +106,20 @@ def group_stats(infos: list[dict]) -> dict[str, int]:
 
 
 def swaps() -> str:
-    """/proc/swaps used KiB, and zram's mm_stat (orig, compressed, used) in MiB."""
+    """Used swap per area, and zram's mm_stat (orig, compressed, used), in MiB."""
     out = []
-    with open("/proc/swaps") as f:
-        for line in f.read().splitlines()[1:]:
-            name, _kind, _size, used, _prio = line.split()
-            extra = ""
-            if name.startswith("/dev/zram"):
-                with open(f"/sys/block/{name[5:]}/mm_stat") as m:
-                    orig, compr, mem_used = (int(x) >> 20 for x in m.read().split()[:3])
-                extra = f" (zram orig {orig} compr {compr} used {mem_used} MiB)"
-            out.append(f"{name} used {int(used) >> 10} MiB{extra}")
+    for name, area in swap_areas().items():
+        extra = ""
+        if name.startswith("/dev/zram"):
+            orig, compr, mem_used = (v >> 20 for v in zram_mm_stat(name)[:3])
+            extra = f" (zram orig {orig} compr {compr} used {mem_used} MiB)"
+        out.append(f"{name} used {area['used'] >> 20} MiB{extra}")
     return "; ".join(out) or "no swap"
+
+
+def zram_mm_stat(dev: str) -> list[int]:
+    with open(f"/sys/block/{dev[5:]}/mm_stat") as f:
+        return [int(x) for x in f.read().split()]
 
 
 def breakdown(before: dict, after: dict) -> str:
@@ -159,14 +162,7 @@ def swap_ram() -> int:
     metadata (mem_used_total; all of them, since the kernel puts pages on the
     highest-priority area, which need not be our daemon's); a swap file
     uses none (its swap cache pages stay charged to the sandboxes' memcgs)."""
-    total = 0
-    with open("/proc/swaps") as f:
-        for line in f.read().splitlines()[1:]:
-            name = line.split()[0]
-            if name.startswith("/dev/zram"):
-                with open(f"/sys/block/{name[5:]}/mm_stat") as m:
-                    total += int(m.read().split()[2])
-    return total
+    return sum(zram_mm_stat(name)[2] for name in active_swaps() if name.startswith("/dev/zram"))
 
 
 async def reclaim_and_resume(sock: str, n: int, backend: str, resume: bool = True) -> dict:
@@ -274,10 +270,9 @@ def own_swapfile_dir():
     try:
         yield path
     finally:
-        with open("/proc/swaps") as f:
-            if any(line.split()[0] == path for line in f.read().splitlines()[1:]):
-                log(f"daemon left {path} on: swapoff")
-                subprocess.run(["swapoff", path], check=False)
+        if path in active_swaps():
+            log(f"daemon left {path} on: swapoff")
+        Swapfile(SwapfileConfig(path=path)).teardown()     # swapoff if on, delete (our label only)
         shutil.rmtree(d, ignore_errors=True)
 
 
@@ -287,15 +282,10 @@ def remove_left_zram(z: dict) -> None:
     dev = z.get("device")
     if not dev or not os.path.exists(f"/sys/block/{dev[5:]}"):
         return
-    with open("/proc/swaps") as f:
-        on = any(line.split()[0] == dev for line in f.read().splitlines()[1:])
-    log(f"daemon left {dev} behind ({'still swap' if on else 'not swap'}): removing it")
-    if on:
-        subprocess.run(["swapoff", dev], check=False)
-    with open(f"/sys/block/{dev[5:]}/reset", "w") as f:
-        f.write("1")
-    with open("/sys/class/zram-control/hot_remove", "w") as f:
-        f.write(dev[len("/dev/zram"):])
+    log(f"daemon left {dev} behind ({'still swap' if dev in active_swaps() else 'not swap'}): removing it")
+    left = ZramSwap(ZramConfig())
+    left.device = int(dev[len("/dev/zram"):])
+    left.teardown()                 # swapoff if on, reset, hot_remove
 
 
 def backend_config(backend: str, swap_path: str) -> str:

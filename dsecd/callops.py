@@ -60,8 +60,6 @@ class CallOps:
         # Read per call: parsed once here.
         self._call_sizes = {"stdin": cfg.size("fncall", "max_stdin_bytes"),
                             "code": cfg.size("fncall", "max_code_bytes")}
-        # Calls without stdin share one /dev/null (SCM_RIGHTS gives each a copy).
-        self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self.call_stats = {"calls": 0, "inflight": 0, "zygote_calls": 0, "plain_calls": 0,
                            "zygotes_started": 0, "zygotes_replaced": 0, "busy": 0}
 
@@ -73,9 +71,6 @@ class CallOps:
     async def close_calls(self) -> None:
         boxes, self.call_boxes = list(self.call_boxes.values()), {}
         await asyncio.gather(*(self._drop_box(b, "daemon shutdown") for b in boxes), return_exceptions=True)
-        if self._devnull >= 0:
-            os.close(self._devnull)
-            self._devnull = -1
 
     def calls_info(self) -> dict:
         return {**self.call_stats, "boxes": [

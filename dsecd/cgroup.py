@@ -66,16 +66,13 @@ class Layout:
         seen: dict[Path, str] = {}
         return {k: p for k, p in out.items() if seen.setdefault(p, k) == k}
 
+    @functools.cached_property
     def made_hierarchies(self) -> dict[str, Path]:
         """The hierarchies a new sandbox group is made in: all but a v1
         freezer that v2's cgroup.freeze makes redundant. `hierarchies()`
         still lists it, so leftovers of older daemons are found and removed.
         Computed once (every Group asks); do not modify the dict."""
-        made = self.__dict__.get("_made")
-        if made is None:
-            made = {k: p for k, p in self.hierarchies().items() if not (k == "freezer" and self.v2_freeze)}
-            object.__setattr__(self, "_made", made)
-        return made
+        return {k: p for k, p in self.hierarchies().items() if not (k == "freezer" and self.v2_freeze)}
 
     def controller_dir(self, ctrl: str) -> tuple[str, Path] | None:
         """(version, mount) that serves `ctrl`, or None."""
@@ -93,7 +90,7 @@ def detect_layout(mountinfo: str = "/proc/self/mountinfo") -> Layout:
         for line in f:
             left, _, right = line.partition(" - ")
             fstype, _src, opts = (right.split() + ["", "", ""])[:3]
-            mnt = Path(left.split()[4].replace("\\040", " "))
+            mnt = Path(sysfs.unescape_mount_field(left.split()[4]))
             if fstype == "cgroup2" and v2 is None:
                 v2 = mnt
             elif fstype == "cgroup":
@@ -146,7 +143,7 @@ class Group:
         self.rel = rel
         # The create path (mkdir, limits, cgroup.procs) works on plain strings:
         # Path objects were ~10% of the daemon's Python time in a burst.
-        self._sdirs = {key: f"{mnt}/{rel}" for key, mnt in layout.made_hierarchies().items()}
+        self._sdirs = {key: f"{mnt}/{rel}" for key, mnt in layout.made_hierarchies.items()}
         self._procs: list[str] | None = None
 
     @functools.cached_property

@@ -105,11 +105,11 @@ class ExecIO:
             for task in pumps + ([feeder] if feeder else []):
                 task.cancel()
             await asyncio.gather(*pumps, *([feeder] if feeder else []), return_exceptions=True)
-            if status is None:
+            if status is None and not exited.done():
                 # Cancelled (client gone, `cancel`, daemon stopping): kill and reap
                 # in a thread, since a dying process may take a moment to exit.
-                self.kill()
-                self.reaped = self.loop.run_in_executor(None, reap, pid)
+                # (Not once the watch reaped it: its pid may be another's by then.)
+                self.reaped = kill_and_reap(self.loop, pid)
             self.close()
         code, sig = _decode_status(status)
         return {"exit_code": code, "signal": sig, "timed_out": self.timed_out,
@@ -203,6 +203,13 @@ def reap(pid: int) -> int:
         return status
     except ChildProcessError:
         return 0
+
+
+def kill_and_reap(loop: asyncio.AbstractEventLoop, pid: int) -> asyncio.Future:
+    """SIGKILL an abandoned exec's process group and reap it in a thread (a
+    dying process may take a moment); the future is done once it is reaped."""
+    kill_group(pid)
+    return loop.run_in_executor(None, reap, pid)
 
 
 def _decode_status(status: int) -> tuple[int | None, int | None]:

@@ -74,19 +74,19 @@ class ImageOps:
     def _pick_mode(self, wanted: str) -> str:
         if wanted not in ("auto", "lazy", "eager", "direct"):
             raise ValueError(f"images.mode must be auto, lazy, eager or direct, not {wanted!r}")
+        fstype = store_fstype(self.images.store.root)       # one mountinfo read for every choice below
         if wanted == "auto":
-            fstype = store_fstype(self.images.store.root)
             remote = fstype in REMOTE_FS or fstype.startswith("fuse.")
             wanted = "lazy" if remote or fstype in NO_FILE_BACKED_EROFS else "direct"
             log.info("images.mode auto: the store is on %s, so layers are mounted %s", fstype, wanted)
         if wanted == "lazy" and not self.features.has("fuse"):
-            fallback = "eager" if store_fstype(self.images.store.root) in NO_FILE_BACKED_EROFS else "direct"
+            fallback = "eager" if fstype in NO_FILE_BACKED_EROFS else "direct"
             log.warning("images.mode = lazy needs FUSE (%s); layers are mounted %s instead",
                         self.features.items["fuse"].detail, fallback)
             return fallback
-        if wanted == "direct" and store_fstype(self.images.store.root) in NO_FILE_BACKED_EROFS:
+        if wanted == "direct" and fstype in NO_FILE_BACKED_EROFS:
             raise ValueError(f"images.mode = direct cannot mount layers from a store on "
-                             f"{store_fstype(self.images.store.root)} ({self.images.store.root}): the "
+                             f"{fstype} ({self.images.store.root}): the "
                              "kernel cannot back EROFS with such files; use lazy or eager")
         return wanted
 

@@ -143,22 +143,21 @@ class RecordLog:
         return self.records.get(key)
 
     def put(self, key: str, record: dict) -> None:
-        self._append(key, record)
+        self.put_many([(key, record)])
 
     def delete(self, key: str) -> None:
         if key in self.records:
-            self._append(key, None)
+            self._append_all([(key, None)])
 
     def put_many(self, items: list[tuple[str, dict]]) -> None:
         """Several records in one write (and one fdatasync with fsync on): a
         job op's hundreds of sandboxes cost one syscall, not one each."""
         if items:
-            self._append_all([(key, record, _line(key, record)) for key, record in items])
+            self._append_all(items)
 
-    def _append(self, key: str, record: dict | None) -> None:
-        self._append_all([(key, record, _line(key, record))])
-
-    def _append_all(self, lines: list[tuple[str, dict | None, bytes]]) -> None:
+    def _append_all(self, items: list[tuple[str, dict | None]]) -> None:
+        """Append records (None = deleted) as one write, and apply them."""
+        lines = [(key, record, _line(key, record)) for key, record in items]
         with self._lock:
             if self._fd < 0:
                 raise OSError(9, f"write `{self.path}`: the record log is closed")
@@ -273,8 +272,7 @@ class Journal(RecordLog):
         if not old.is_dir():
             return
         unreadable: list[str] = []
-        for key, rec in read_record_dir(old, unreadable).items():
-            self.put(key, rec)
+        self.put_many(list(read_record_dir(old, unreadable).items()))
         with self._lock:
             os.fsync(self._fd)          # in the log for good before the old copies go
         if unreadable:                  # kept for a human, as the old journal did

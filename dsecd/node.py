@@ -39,7 +39,8 @@ from .errors import (
     Unsupported,
     io_error,
 )
-from .execio import Collector, ExecIO, kill_group, reap, watch_exit
+from .execio import Collector, ExecIO, kill_and_reap, kill_group, watch_exit
+from .fds import close_quietly
 from .features import Features
 from .fs import files as sbfiles
 from .fs import upper as upperfs
@@ -140,6 +141,9 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         # is len() - this, not a scan of thousands of sandboxes per create.
         self._dead = 0
         self.cpu = CpuHost(cfg.section("cpu"), layout, features, self.sb_defaults["cgroup_root"])
+        # Stdin of every exec and call that takes none: one /dev/null, shared
+        # (a spawn dup2s it, SCM_RIGHTS gives a zygote its own copy).
+        self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self.init_calls(cfg)
         self.init_admission(cfg)
         self._cpu_task: asyncio.Task | None = None
@@ -297,6 +301,8 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             log.exception("unmount idle layers at shutdown")
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.journal.close()
+        close_quietly(self._devnull)
+        self._devnull = -1
 
     # ------------------------------------------------------------ helpers
 
@@ -355,10 +361,8 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
                     except ChildProcessError:
                         pass
                 close_handle(h)
-            grp = self.backend.group_for(sb.id)
-            kills = self.oom_count(grp)           # PID 1 may have died of its memory limit
-            grp.kill_all()
-            grp.remove(self.sb_defaults["destroy_timeout_s"])
+            kills = self.oom_count(self.backend.group_for(sb.id))   # PID 1 may have died of its memory limit
+            self.backend.stop(sb.id, None)        # no handle: kill by cgroup membership, remove the groups
             return kills
 
         try:
@@ -696,8 +700,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             # Cancelled (client gone, `cancel`, daemon stopping): the process
             # group goes, and is reaped in a thread (a dying process may take a moment).
             if pid is not None and not (exited is not None and exited.done()):
-                kill_group(pid)        # finally below stops watching before the loop can reap
-                self.loop.run_in_executor(None, reap, pid)
+                kill_and_reap(self.loop, pid)     # finally below stops watching before the loop can reap
             raise
         finally:
             if stop_watching is not None:
@@ -740,18 +743,14 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
     def _spawn_abandoned(self, ends: list[int], after_abandoned, fut: asyncio.Future) -> None:
         for fd in ends:
             os.close(fd)
-        pid = None if fut.cancelled() or fut.exception() is not None else fut.result()
-        if pid is not None:
-            kill_group(pid)
-
-        def reap_then_release() -> None:
-            if pid is not None:
-                reap(pid)
-            if after_abandoned is not None:
-                self.loop.call_soon_threadsafe(after_abandoned)
-
-        if pid is not None or after_abandoned is not None:
-            self.loop.run_in_executor(None, reap_then_release)
+        made = not (fut.cancelled() or fut.exception() is not None)
+        reaped = kill_and_reap(self.loop, fut.result()) if made else None
+        if after_abandoned is None:
+            return
+        if reaped is None:
+            after_abandoned()
+        else:
+            reaped.add_done_callback(lambda _reaped: after_abandoned())
 
     async def _start_tracer(self, io: ExecIO, pid: int, timeout: float | None):
         try:

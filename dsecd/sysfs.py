@@ -52,6 +52,21 @@ def read(path: str | Path, exc: type[OSError] = OSError) -> str:
     return b"".join(chunks).decode()
 
 
+def read_small(path: str, dir_fd: int | None = None) -> bytes | None:
+    """A small cgroup or /proc file in one read, or None once it is gone (its
+    group destroyed, its process exited: a race, not an error)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+    except (FileNotFoundError, NotADirectoryError, ProcessLookupError):
+        return None
+    try:
+        return os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def unescape_mount_field(field: str) -> str:
     """A path field of /proc/self/mountinfo as the path it is (octal escapes: space, tab, newline, backslash)."""
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)

@@ -80,18 +80,9 @@ class Handle:
 
 
 def proc_start_time(pid: int) -> int | None:
-    # os.open/os.read, not open(): a buffered file object costs an fstat, an
-    # ioctl and an lseek more, on every create's path.
-    try:
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-    except (FileNotFoundError, ProcessLookupError):
+    data = sysfs.read_small(f"/proc/{pid}/stat")       # once per create: no buffered file
+    if data is None:
         return None
-    try:
-        data = os.read(fd, 4096)
-    except ProcessLookupError:
-        return None
-    finally:
-        os.close(fd)
     # Field 22; the comm field (2) may contain spaces and parentheses.
     return int(data[data.rindex(b")") + 2:].split()[19])
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import psutil
 
 from .. import cgroup
+from ..sysfs import read_small
 
-_FLAGS = os.O_RDONLY | os.O_CLOEXEC
 # Memory use is read every this many passes only: it is shown by `top` and
 # changes slowly, while opening a cgroup file is most of a pass's cost (~10 us
 # in kernfs per open on the CI VM), so this saves ~40% of the sampler's CPU.
@@ -39,20 +39,6 @@ MEMORY_EVERY = 5
 # many, a BE sandbox's own figures are up to n / SAMPLE_BUDGET passes old;
 # rates and averages stay right (they divide by the real interval).
 SAMPLE_BUDGET = 500
-
-
-def read_small(path: str, dir_fd: int | None = None) -> bytes | None:
-    """One cgroup/proc file, or None once its group is gone (a race with destroy)."""
-    try:
-        fd = os.open(path, _FLAGS, dir_fd=dir_fd)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    try:
-        return os.read(fd, 4096)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def parse_flat_keyed(data: bytes) -> dict[bytes, int]:

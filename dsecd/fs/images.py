@@ -123,7 +123,11 @@ class ImageStore:
 
     def _read_ref(self, name: str) -> dict:
         path = self._ref(name)
-        st = os.stat(path)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            self._refs.pop(name, None)      # removed, here or by another host's daemon
+            raise
         key = (st.st_ino, st.st_mtime_ns, st.st_size)
         cached = self._refs.get(name)
         if cached is not None and cached[0] == key:
@@ -310,7 +314,7 @@ class ImageStore:
             if not NAME_RE.match(entry.name):
                 continue
             try:
-                digest = json.loads(Path(entry.path).read_text())["manifest"]
+                digest = self._read_ref(entry.name)["manifest"]
                 manifests.add(digest)
                 layers.update(self._blobs_of(self._manifest(digest)))
             except (OSError, ValueError, KeyError, ImageError):

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import native
-from ..sysfs import fs_type  # noqa: F401  (the mount a swap file lands on; tests use it from here)
-from .zram import active_swaps, read_label, swap_header
+from ..sysfs import fs_type
+from .zram import active_swaps, read_label, swap_areas, swap_header
 
 log = logging.getLogger(__name__)
 
@@ -164,12 +164,7 @@ class Swapfile:
 
     def usage(self) -> dict[str, int]:
         """{"size": bytes, "used": bytes} from /proc/swaps; {} when not on."""
-        with open("/proc/swaps") as f:
-            for line in f.read().splitlines()[1:]:
-                parts = line.split()
-                if parts and parts[0] == self.path:
-                    return {"size": int(parts[2]) * 1024, "used": int(parts[3]) * 1024}
-        return {}
+        return swap_areas().get(self.path, {})
 
     # ------------------------------------------------------------ teardown
 

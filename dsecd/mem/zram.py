@@ -91,9 +91,19 @@ def read_label(path: str | Path, page_size: int = native.PAGE_SIZE) -> bytes | N
     return page[1024 + 28:1024 + 44].rstrip(b"\0")
 
 
-def active_swaps(proc_swaps: str = "/proc/swaps") -> set[str]:
+def swap_areas(proc_swaps: str = "/proc/swaps") -> dict[str, dict[str, int]]:
+    """Every active swap area, {name: {"size": bytes, "used": bytes}}, from /proc/swaps."""
+    areas = {}
     with open(proc_swaps) as f:
-        return {line.split()[0] for line in f.read().splitlines()[1:] if line.strip()}
+        for line in f.read().splitlines()[1:]:
+            parts = line.split()
+            if parts:
+                areas[parts[0]] = {"size": int(parts[2]) * 1024, "used": int(parts[3]) * 1024}
+    return areas
+
+
+def active_swaps(proc_swaps: str = "/proc/swaps") -> set[str]:
+    return set(swap_areas(proc_swaps))
 
 
 class ZramSwap:

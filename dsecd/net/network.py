@@ -174,9 +174,8 @@ class Network:
         try:
             self.plumbing.remove_sandbox(r.name)
         finally:
-            if r.nsfd >= 0:
-                close_quietly(r.nsfd)
-                r.nsfd = -1
+            close_quietly(r.nsfd)
+            r.nsfd = -1
             with self._lock:
                 if self.ipam.get(r.name) is not None:
                     self.ipam.release(r.name)
@@ -224,7 +223,7 @@ class Network:
                 self._destroy_ready(ready)
             raise
         finally:
-            if ready is not None and ready.nsfd >= 0:
+            if ready is not None:
                 close_quietly(ready.nsfd)          # the sandbox's PID 1 holds the netns now
                 ready.nsfd = -1
         with self._lock:

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-from attack_kit import facts, make_armed, outcome, run_probe, upper_dir  # noqa: E402
+from attack_kit import facts, make_armed, outcome, run_probe, upper_dir
 
-from dsecd.errors import BadRequest, DsecError  # noqa: E402
+from dsecd.errors import BadRequest, DsecError
 
 pytestmark = pytest.mark.attack
 

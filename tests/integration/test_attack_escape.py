@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from attack_kit import facts, make_armed, outcome, run_probe  # noqa: E402
+from attack_kit import facts, make_armed, outcome, run_probe
 
 pytestmark = pytest.mark.attack
 

@@ -12,9 +12,9 @@ import os
 import time
 
 import pytest
-from attack_kit import facts, make_armed, run_probe  # noqa: E402
+from attack_kit import facts, make_armed, run_probe
 
-from dsecd.errors import NotFound  # noqa: E402
+from dsecd.errors import LimitExceeded, NotFound
 
 pytestmark = pytest.mark.attack
 
@@ -93,8 +93,6 @@ def test_sparse_file_cannot_blow_up_a_snapshot(daemon_factory, busybox_rootfs):
     """`truncate -s 1T` costs the sandbox nothing, but pack_diff's mkfs.erofs
     would read and store every byte (a 2 GiB sparse file: a 2 GiB blob in
     20 s). images.max_snapshot_bytes bounds the apparent size up front."""
-    from dsecd.errors import LimitExceeded
-
     d = daemon_factory('[images]\nmax_snapshot_bytes = "64M"\n')
     c = d.client()
     c.import_image(busybox_rootfs, "busybox")

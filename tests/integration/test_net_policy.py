@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-# The kit sits next to this file; pytest runs with --import-mode=importlib (no rootdir on sys.path).
-from test_net_kit import V2, bpf_skip_reason, bridge_links, pr_netns  # noqa: E402
+# The kit sits next to this file (tests/integration/conftest.py puts that dir on sys.path).
+from test_net_kit import V2, bpf_skip_reason, bridge_links, pr_netns
 
 from dsecd.errors import BadRequest, Conflict, LimitExceeded, NotFound
-from dsecd.journal import RecordLog
+from dsecd.journal import read_records
 from dsecd.net.plumbing import host_ifname
 
 pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None, reason=bpf_skip_reason() or "")
@@ -246,7 +246,7 @@ def test_restart_readopts_policy_and_lease(world, tmp_path):
     finally:
         net2.detach(keep.name)
         net2.close()
-    assert RecordLog(state / "net" / "records.log").records == {}
+    assert read_records(state / "net" / "records.log") == {}
 
 
 def test_kernel_failure_at_the_flip_leaves_policy_unchanged(world, sandbox, monkeypatch):

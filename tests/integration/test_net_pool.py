@@ -14,7 +14,7 @@ import pytest
 from test_net_kit import bpf_skip_reason, bridge_links
 
 from dsecd.errors import Conflict, DsecError, NotFound
-from dsecd.journal import RecordLog
+from dsecd.journal import read_records
 from dsecd.net.network import pool_tag
 
 pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None, reason=bpf_skip_reason() or "")
@@ -97,7 +97,7 @@ def test_kill_9_leaves_no_pool_entry_behind(world, pooled):
     c2.close()
     d.stop(signal.SIGTERM)
     assert bridge_links(world, prefix) == []
-    assert RecordLog(d.state / "net" / "records.log").records == {}
+    assert read_records(d.state / "net" / "records.log") == {}
 
 
 def test_updates_racing_with_destroy(world, pooled):
@@ -137,4 +137,4 @@ def test_updates_racing_with_destroy(world, pooled):
         t.join(20)
     assert not errors, errors
     assert iface not in bridge_links(world, prefix) and iface not in bridge_links(world, "ds")
-    assert sb.id not in RecordLog(d.state / "net" / "records.log").records
+    assert sb.id not in read_records(d.state / "net" / "records.log")

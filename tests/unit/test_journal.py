@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import threading
 
+import pytest
+
 from dsecd import journal
 from dsecd.journal import Journal, RecordLog, read_records
 
@@ -152,12 +154,9 @@ def test_a_short_write_is_an_error_not_a_truncated_log(tmp_path, monkeypatch):
         return len(data)
 
     monkeypatch.setattr(journal.os, "write", short_then_full)
-    try:
+    with pytest.raises(OSError) as exc:
         log.compact()
-    except OSError as err:
-        assert err.errno == 28 and "records.log" in str(err)
-    else:
-        raise AssertionError("compact must fail on ENOSPC")
+    assert exc.value.errno == 28 and "records.log" in str(exc.value)
     monkeypatch.undo()
     log.close()
     assert read_records(tmp_path / "records.log") == {"a": {"n": 1}}
@@ -177,10 +176,6 @@ def test_many_records_go_in_one_write_and_replay(tmp_path, monkeypatch):
 
 def test_a_bad_key_in_a_batch_writes_none_of_it(tmp_path):
     j = Journal(tmp_path)
-    try:
+    with pytest.raises(ValueError, match="bad journal key"):
         j.write_many([("ok", {"a": 1}), ("bad\nkey", {"a": 2})])
-    except ValueError as err:
-        assert "bad journal key" in str(err)
-    else:
-        raise AssertionError("a key with a newline was accepted")
     assert j.load_all() == {}

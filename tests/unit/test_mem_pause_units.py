@@ -157,22 +157,24 @@ def test_config_block_in_docs_builds_every_config():
         mp.PauseConfig.from_section({**cfg, "v1_reclaim": ["soft_limit"]})
 
 
-def test_freeze_all_asks_every_group_first(tmp_path):
+def _v1_freezers(tmp_path, n: int, state: str) -> list:
+    """n v1 freezer groups, each reading `state`."""
     freezers = []
-    for i in range(3):
+    for i in range(n):
         g = _group(tmp_path / str(i), v2=False)
-        (g.dirs["freezer"] / "freezer.state").write_text("THAWED\n")
+        (g.dirs["freezer"] / "freezer.state").write_text(f"{state}\n")
         freezers.append(mp.Freezer.of(g))
+    return freezers
+
+
+def test_freeze_all_asks_every_group_first(tmp_path):
+    freezers = _v1_freezers(tmp_path, 3, "THAWED")
     assert mp.freeze_all(freezers, 1.0) == []
     assert all(f.state() == "FROZEN" for f in freezers)
 
 
 def test_thaw_all_thaws_every_group_and_reports_the_ones_it_could_not(tmp_path):
-    freezers = []
-    for i in range(3):
-        g = _group(tmp_path / str(i), v2=False)
-        (g.dirs["freezer"] / "freezer.state").write_text("FROZEN\n")
-        freezers.append(mp.Freezer.of(g))
+    freezers = _v1_freezers(tmp_path, 3, "FROZEN")
     (freezers[1].dir / "freezer.state").unlink()            # its group vanished meanwhile
     assert mp.thaw_all(freezers, 1.0) == [freezers[1]]
     assert freezers[0].state() == "THAWED" and freezers[2].state() == "THAWED"

@@ -62,12 +62,7 @@ def test_a_file_that_is_not_ours_is_never_touched(tmp_path, mountinfo):
         s.setup()
     assert exc.value.errno == errno.EEXIST and "not made by dsecd" in str(exc.value)
     s.teardown()                                                          # refuses silently too
-    assert read_whole(path)[-len(SWAP_MAGIC):] == SWAP_MAGIC
-
-
-def read_whole(path) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+    assert path.read_bytes()[-len(SWAP_MAGIC):] == SWAP_MAGIC
 
 
 def test_label_round_trip_and_plain_files(tmp_path):
