@@ -247,9 +247,9 @@ class MemOps:
             raise Conflict(f"sandbox {sb.id} is paused; resume it before {why} (memory.auto_resume is off)",
                            {"sandbox": sb.id, "state": "paused"})
         # On demand: thaw first, so the request is not held up by the prefetch,
-        # which then runs behind it.
-        await self._resume(sb, mode="none")
+        # which then runs behind it. The record is read before: resume clears it.
         rec = pause.PauseRecord.from_json(sb.pause_record or {})
+        await self._resume(sb, mode="none")
         if rec.working_set and self.pause_cfg.prefetch_mode != "none":
             self._behind_answer(sb, pause.prefetch, rec.working_set, self.pause_cfg.prefetch_mode)
 
