@@ -19,6 +19,7 @@ from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 INIT_SOURCE = Path("csrc/init.c")
+INIT_HEADERS = [Path("csrc/exec_steps.h"), Path("csrc/dsec_native.h"), Path("csrc/missing_defs.h")]
 INIT_BINARY = Path("dsecd/libexec/dsec-init")
 PAGER_SOURCES = sorted(Path("csrc/pager").glob("*.[ch]"))
 PAGER_BINARY = Path("dsecd/libexec/dsec-pager")
@@ -26,7 +27,8 @@ PAGER_BINARY = Path("dsecd/libexec/dsec-pager")
 
 def compile_init(dest: Path) -> None:
     """Static, so that it runs in any sandbox rootfs (no libc needed there)."""
-    if dest.exists() and dest.stat().st_mtime >= INIT_SOURCE.stat().st_mtime:
+    newest = max(p.stat().st_mtime for p in (INIT_SOURCE, *INIT_HEADERS))
+    if dest.exists() and dest.stat().st_mtime >= newest:
         return
     dest.parent.mkdir(parents=True, exist_ok=True)
     cc = shlex.split(os.environ.get("CC", "cc"))

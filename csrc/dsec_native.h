@@ -59,6 +59,8 @@ enum dsec_step {
     DSEC_STEP_NETNS_JOIN = 34,
     /* container child, after stdio: the upper tmpfs's fd kept open for init */
     DSEC_STEP_UPPER_FD = 35,
+    DSEC_STEP_CTL_FD = 36,     /* the exec channel's end kept open for init */
+    DSEC_STEP_INIT_REQUEST = 46, /* dsec-init refused a malformed exec request */
     /* in the exec helper and the exec child (stdio, close_fds, caps,
      * no_new_privs above are shared) */
     DSEC_STEP_SETNS = 40,
@@ -101,6 +103,8 @@ struct dsec_container_args {
     int netns_fd; /* >= 0: join this network namespace (the netns pool's); -1: a new one */
     int upper_fd; /* >= 0: mount fd of the upper tmpfs, left open in init as DSEC_INIT_UPPER_FD */
     int path_fds_max; /* highest fd named by a /proc/self/fd/N path in rootfs or overlay_opts; -1: none */
+    int ctl_fd;       /* >= 0: init's end of its exec channel, left open in init as DSEC_INIT_CTL_FD */
+    uint64_t init_caps; /* capabilities init keeps permitted (never effective) for the execs it forks */
 };
 
 struct dsec_exec_args {
@@ -181,6 +185,40 @@ int dsec_seccomp_build(int profile);
 int dsec_seccomp_install(int profile);
 int dsec_seccomp_no_new_privs(void);
 int dsec_seccomp_export_pfc(int profile, int fd);
+/* init.c: the exec channel, a SOCK_SEQPACKET socketpair between the daemon
+ * and a sandbox's dsec-init (init's end is its fd DSEC_INIT_CTL_FD), one
+ * packet per message; docs/native-api.md. The daemon sends a request with
+ * exactly three fds (SCM_RIGHTS: the exec's stdin, stdout, stderr); init
+ * answers DSEC_INIT_STARTED (with a pidfd of the exec as the one fd, or
+ * err.err set: it failed before execve) and, once it reaped the exec,
+ * DSEC_INIT_EXITED with its wait status. */
+#define DSEC_INIT_CTL_FD 4
+#define DSEC_INIT_MAGIC 0x64736931
+#define DSEC_INIT_STARTED 1
+#define DSEC_INIT_EXITED 2
+#define DSEC_INIT_MAX_STRINGS 65536
+struct dsec_init_req {
+    uint32_t magic;       /* DSEC_INIT_MAGIC */
+    uint32_t id;          /* the daemon's, echoed in both answers */
+    uint32_t uid;         /* in the sandbox's user namespace */
+    uint32_t gid;
+    uint64_t cap_keep;    /* as dsec_exec_args.cap_keep; within init_caps */
+    uint32_t argc;
+    uint32_t envc;
+    uint32_t strings_len; /* bytes after this header: cwd, argv, envp, each NUL-terminated */
+    uint32_t reserved;
+};
+struct dsec_init_reply {
+    uint32_t magic;
+    uint32_t kind; /* DSEC_INIT_STARTED or DSEC_INIT_EXITED */
+    uint32_t id;
+    int32_t pid;    /* STARTED: the exec's pid in the sandbox's pid namespace */
+    int32_t status; /* EXITED: its wait status */
+    int32_t reserved;
+    struct dsec_err err; /* STARTED: err.err != 0 if it failed before execve */
+};
+int dsec_pidfd_kill_group(int pidfd, int sig);
+int dsec_probe_pidfd_group_signal(void);
 /* upperfs.c: the writable layer on a detached, size-capped tmpfs */
 #define DSEC_INIT_UPPER_FD 3
 int dsec_upperfs_create(uint64_t size_bytes, uint64_t nr_inodes);

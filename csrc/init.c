@@ -4,32 +4,350 @@
  * unreaped they stay zombies holding pids of the sandbox's pids.max. The
  * kernel also gives a namespace's PID 1 no default signal actions, so it would
  * never die from SIGTERM unless it handles it. Both are done with all signals
- * blocked and taken synchronously with sigwaitinfo (blocked signals are queued
- * for PID 1 even without a handler), so there is no handler and no race. When
- * it exits, the kernel kills every other process of the sandbox.
+ * blocked and taken synchronously (signalfd, or sigwaitinfo without a
+ * channel; blocked signals are queued for PID 1 even without a handler), so
+ * there is no handler and no race. When it exits, the kernel kills every
+ * other process of the sandbox.
  *
- * Nothing else: no arguments, no sockets; the one file it may hold is fd 3,
- * the sandbox's writable-layer tmpfs, which only the daemon takes back. It is started by
- * execveat() from spawn.c with stdio on /dev/null and no capabilities.
+ * Started as `dsec-init ctl`, fd 4 is its end of the exec channel
+ * (dsec_native.h, docs/native-api.md): the daemon asks it to start execs, and
+ * it forks them itself. An exec forked here inherits what the daemon's exec
+ * helper would otherwise set up per exec (docs/burst.md round 5): the
+ * sandbox's namespaces, cgroups, CPU QoS and the seccomp filter, compiled
+ * once for init. For that, init keeps in its permitted and bounding sets the
+ * capabilities it hands on (the daemon's cap_keep plus SETUID, SETGID and
+ * SETPCAP, to change ids and drop the rest); none is ever effective in init
+ * itself. The channel carries only what the daemon sends; no sandbox process
+ * can reach it (see PR_SET_DUMPABLE below).
+ *
+ * Otherwise it holds fd 3, the sandbox's writable-layer tmpfs, which only
+ * the daemon takes back. It is started by execveat() from spawn.c with stdio
+ * on /dev/null.
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-static void reap_all(void)
+#include "exec_steps.h"
+#include "missing_defs.h"
+
+/* Execs running at once; a request beyond that is answered EAGAIN (the
+ * sandbox's pids.max usually stops it first). */
+#define MAX_EXECS 4096
+#define MAX_STRINGS_PTRS (DSEC_INIT_MAX_STRINGS + 2)
+
+static struct {
+    pid_t pid;
+    uint32_t id;
+} execs[MAX_EXECS];
+static int n_execs;
+
+/* Static, not on the stack: the strings arrive here and the vfork child
+ * reads them from here. Untouched pages cost no memory. */
+static union {
+    struct dsec_init_req req;
+    char bytes[sizeof(struct dsec_init_req) + DSEC_INIT_MAX_STRINGS];
+} in;
+static const char *ptrs[MAX_STRINGS_PTRS];
+
+struct request {
+    const struct dsec_init_req *req;
+    const char *cwd;
+    const char *const *argv;
+    const char *const *envp;
+    int stdio[3];
+};
+
+/* ---- the exec child (a vfork child: shares init's memory until execve) -- */
+
+/* Effective = permitted: init holds the caps it hands on, never in effect.
+ * *held is that set, which is also init's bounding set (spawn.c). */
+static int caps_raise(uint64_t *held, struct dsec_err *e)
 {
-    while (waitpid(-1, NULL, WNOHANG) > 0)
-        ;
+    struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3};
+    struct __user_cap_data_struct data[2];
+
+    if (check(syscall(SYS_capget, &hdr, data), e, DSEC_STEP_CAPS, NULL) < 0)
+        return -1;
+    for (int i = 0; i < 2; i++)
+        data[i].effective = data[i].permitted;
+    *held = (uint64_t)data[1].permitted << 32 | data[0].permitted;
+    return check(syscall(SYS_capset, &hdr, data), e, DSEC_STEP_CAPS, NULL);
 }
 
-int main(void)
+/* Drop from the bounding set what init holds and the exec may not: one
+ * prctl per cap dropped (usually none), where caps_bound makes 64. */
+static int caps_bound_drop(uint64_t drop, struct dsec_err *e)
+{
+    for (int cap = 0; cap < 64; cap++)
+        if ((drop & (1ULL << cap)) && check(prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), e, DSEC_STEP_CAPS, NULL) < 0)
+            return -1;
+    return 0;
+}
+
+/* The same checklist as spawn.c's exec_child, minus what init already did
+ * for the whole sandbox (namespaces, cgroups, QoS, no_new_privs, seccomp). */
+static void exec_child(const struct request *r, struct dsec_err *e)
+{
+    const struct dsec_init_req *q = r->req;
+    uint64_t held = 0;
+
+    if (check(setsid(), e, DSEC_STEP_SETSID, NULL) < 0 || stdio_dup(r->stdio, e) < 0 ||
+        check(syscall(SYS_close_range, 3, ~0U, 0), e, DSEC_STEP_CLOSE_FDS, NULL) < 0 ||
+        caps_raise(&held, e) < 0 || caps_bound_drop(held & ~q->cap_keep, e) < 0 ||
+        ids_set(q->uid, q->gid, q->cap_keep, e) < 0 || caps_set(q->cap_keep, e) < 0 ||
+        check(chdir(r->cwd), e, DSEC_STEP_CHDIR, r->cwd) < 0)
+        _exit(127);
+    umask(022);
+    signals_unblock();
+    exec_search(r->argv, r->envp, e);
+    _exit(127);
+}
+
+/* ---- the channel ---------------------------------------------------------- */
+
+static int send_reply(int ctl, const struct dsec_init_reply *rep, int fd)
+{
+    char anc[CMSG_SPACE(sizeof(int))];
+    struct iovec iov = {.iov_base = (void *)rep, .iov_len = sizeof(*rep)};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+
+    if (fd >= 0) {
+        struct cmsghdr *cm;
+
+        memset(anc, 0, sizeof(anc));
+        msg.msg_control = anc;
+        msg.msg_controllen = sizeof(anc);
+        cm = CMSG_FIRSTHDR(&msg);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+    }
+    while (sendmsg(ctl, &msg, MSG_NOSIGNAL) < 0)
+        if (errno != EINTR)
+            return -1;
+    return 0;
+}
+
+static int reply_started(int ctl, uint32_t id, pid_t pid, const struct dsec_err *e, int pidfd)
+{
+    struct dsec_init_reply rep = {.magic = DSEC_INIT_MAGIC, .kind = DSEC_INIT_STARTED, .id = id, .pid = pid};
+
+    if (e)
+        rep.err = *e;
+    return send_reply(ctl, &rep, pidfd);
+}
+
+/* Split the strings after the header into cwd, argv and envp; 0 if they
+ * are not exactly 1 + argc + envc NUL-terminated strings, argv[0] non-empty. */
+static int parse(struct request *r, size_t len)
+{
+    const struct dsec_init_req *q = &in.req;
+    size_t want = 1 + (size_t)q->argc + q->envc, n = 0;
+    const char *p = in.bytes + sizeof(*q), *end = in.bytes + len;
+
+    if (len < sizeof(*q) || q->magic != DSEC_INIT_MAGIC || q->strings_len != len - sizeof(*q) ||
+        q->argc < 1 || want + 2 > MAX_STRINGS_PTRS || (len > sizeof(*q) && end[-1] != '\0'))
+        return 0;
+    for (; p < end && n < want; n++) {
+        ptrs[n + (n > q->argc)] = p; /* a NULL after argv */
+        p += strlen(p) + 1;
+    }
+    if (n != want || p != end)
+        return 0;
+    ptrs[1 + q->argc] = NULL;
+    ptrs[want + 1] = NULL;
+    r->req = q;
+    r->cwd = ptrs[0];
+    r->argv = &ptrs[1];
+    r->envp = &ptrs[2 + q->argc];
+    return r->argv[0][0] != '\0';
+}
+
+/* The fds of an SCM_RIGHTS message, into out[max]; returns how many came
+ * (all received ones are closed if more than max came or the message was cut). */
+static int take_fds(struct msghdr *msg, int *out, int max)
+{
+    int n = 0, over = (msg->msg_flags & MSG_CTRUNC) != 0;
+
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(msg); cm; cm = CMSG_NXTHDR(msg, cm)) {
+        if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS)
+            continue;
+        int k = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+        int *fds = (int *)CMSG_DATA(cm);
+
+        for (int i = 0; i < k; i++) {
+            if (n < max)
+                out[n++] = fds[i];
+            else {
+                close(fds[i]);
+                over = 1;
+            }
+        }
+    }
+    if (over) {
+        for (int i = 0; i < n; i++)
+            close(out[i]);
+        return -1;
+    }
+    return n;
+}
+
+static void start(int ctl, struct request *r)
+{
+    struct dsec_err e = {0};
+    pid_t pid;
+    int pidfd;
+
+    if (n_execs == MAX_EXECS) {
+        err_set(&e, DSEC_STEP_CLONE, EAGAIN, NULL);
+        reply_started(ctl, r->req->id, 0, &e, -1);
+        return;
+    }
+    pid = vfork();
+    if (pid == 0)
+        exec_child(r, &e);
+    if (pid < 0)
+        err_set(&e, DSEC_STEP_CLONE, errno, NULL);
+    if (e.err) {
+        if (pid > 0)
+            while (waitpid(pid, NULL, 0) < 0 && errno == EINTR)
+                ;
+        reply_started(ctl, r->req->id, 0, &e, -1);
+        return;
+    }
+    /* Recorded before anything is sent: it can only be reaped by this loop. */
+    execs[n_execs].pid = pid;
+    execs[n_execs].id = r->req->id;
+    n_execs++;
+    pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+    reply_started(ctl, r->req->id, pid, NULL, pidfd);
+    if (pidfd >= 0)
+        close(pidfd);
+}
+
+/* One request; -1 when the channel is gone (the daemon closed it or died). */
+static int serve(int ctl)
+{
+    char anc[CMSG_SPACE(4 * sizeof(int))];
+    struct iovec iov = {.iov_base = in.bytes, .iov_len = sizeof(in.bytes)};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = anc, .msg_controllen = sizeof(anc)};
+    struct request r = {0};
+    ssize_t len = recvmsg(ctl, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    int n;
+
+    if (len < 0)
+        return errno == EINTR || errno == EAGAIN ? 0 : -1;
+    if (len == 0)
+        return -1;
+    n = take_fds(&msg, r.stdio, 3);
+    if (n != 3 || (msg.msg_flags & MSG_TRUNC) || !parse(&r, (size_t)len)) {
+        struct dsec_err e = {0};
+        uint32_t id = (size_t)len >= sizeof(in.req) ? in.req.id : 0;
+
+        for (int i = 0; i < n; i++)
+            close(r.stdio[i]);
+        err_set(&e, DSEC_STEP_INIT_REQUEST, EINVAL, NULL);
+        return reply_started(ctl, id, 0, &e, -1);
+    }
+    start(ctl, &r);
+    for (int i = 0; i < 3; i++)
+        close(r.stdio[i]);
+    return 0;
+}
+
+/* ---- reaping ---------------------------------------------------------------- */
+
+/* Reap every child that exited; an exec's status goes to the daemon. */
+static void reap_all(int *ctl)
+{
+    int status;
+    pid_t pid;
+
+    while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+        for (int i = 0; i < n_execs; i++) {
+            if (execs[i].pid != pid)
+                continue;
+            struct dsec_init_reply rep = {
+                .magic = DSEC_INIT_MAGIC, .kind = DSEC_INIT_EXITED, .id = execs[i].id, .status = status};
+
+            execs[i] = execs[--n_execs];
+            if (*ctl >= 0 && send_reply(*ctl, &rep, -1) < 0) {
+                close(*ctl);
+                *ctl = -1;
+            }
+            break;
+        }
+    }
+}
+
+/* execve gave init, a root of its namespace, every capability of its bounding
+ * set as effective: it keeps them permitted only, to hand to execs. */
+static int caps_lower(void)
+{
+    struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3};
+    struct __user_cap_data_struct data[2];
+
+    if (syscall(SYS_capget, &hdr, data) < 0)
+        return -1;
+    for (int i = 0; i < 2; i++)
+        data[i].effective = data[i].inheritable = 0;
+    return (int)syscall(SYS_capset, &hdr, data);
+}
+
+/* Without a channel: reap and wait for SIGTERM, nothing else. */
+static int reaper_only(const sigset_t *all)
+{
+    siginfo_t info;
+    int none = -1;
+
+    for (;;) {
+        reap_all(&none); /* also catches children that exited before we blocked */
+        if (sigwaitinfo(all, &info) < 0)
+            continue; /* EINTR */
+        if (info.si_signo == SIGTERM || info.si_signo == SIGINT)
+            return EXIT_SUCCESS;
+    }
+}
+
+static int serve_forever(int ctl, const sigset_t *all)
+{
+    int sfd = signalfd(-1, all, SFD_CLOEXEC | SFD_NONBLOCK);
+
+    if (sfd < 0) {
+        close(ctl); /* the daemon sees the channel close and uses its own exec helper */
+        return reaper_only(all);
+    }
+    for (;;) {
+        struct pollfd p[2] = {{.fd = sfd, .events = POLLIN}, {.fd = ctl, .events = POLLIN}};
+        struct signalfd_siginfo si;
+
+        reap_all(&ctl);
+        if (poll(p, ctl >= 0 ? 2 : 1, -1) < 0)
+            continue; /* EINTR */
+        while (read(sfd, &si, sizeof(si)) == sizeof(si))
+            if (si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT)
+                return EXIT_SUCCESS;
+        if (ctl >= 0 && p[1].revents && serve(ctl) < 0) {
+            close(ctl);
+            ctl = -1;
+        }
+    }
+}
+
+int main(int argc, char **argv)
 {
     sigset_t all;
-    siginfo_t info;
 
     sigfillset(&all);
     sigprocmask(SIG_SETMASK, &all, NULL);
@@ -37,14 +355,15 @@ int main(void)
     prctl(PR_SET_NAME, "dsec-init", 0, 0, 0);
     setsid(); /* leave the daemon's session: no SIGHUP from its terminal */
     /* Non-dumpable: /proc/1/fd (fd 3 may be the sandbox's upper tmpfs, kept
-     * for the daemon) and /proc/1/mem then need CAP_SYS_PTRACE, which no
-     * sandbox process holds. */
+     * for the daemon; fd 4 the exec channel) and /proc/1/mem then need
+     * CAP_SYS_PTRACE, which no sandbox process holds; nor can they ptrace
+     * init to use the capabilities it keeps for its execs. */
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
-    for (;;) {
-        reap_all(); /* also catches children that exited before we blocked */
-        if (sigwaitinfo(&all, &info) < 0)
-            continue; /* EINTR */
-        if (info.si_signo == SIGTERM || info.si_signo == SIGINT)
-            return EXIT_SUCCESS;
+    if (caps_lower() < 0) {
+        close(DSEC_INIT_CTL_FD); /* serve nothing: the daemon's helper starts execs */
+        return reaper_only(&all);
     }
+    if (argc > 1 && strcmp(argv[1], "ctl") == 0)
+        return serve_forever(DSEC_INIT_CTL_FD, &all);
+    return reaper_only(&all);
 }

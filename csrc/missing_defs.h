@@ -29,6 +29,11 @@
 #define __NR_landlock_create_ruleset 444
 #endif
 
+/* linux/pidfd.h, Linux 6.9 */
+#ifndef PIDFD_SIGNAL_PROCESS_GROUP
+#define PIDFD_SIGNAL_PROCESS_GROUP (1UL << 2)
+#endif
+
 /* linux/openat2.h, Linux 5.6 */
 #ifndef RESOLVE_NO_XDEV
 #define RESOLVE_NO_XDEV 0x01

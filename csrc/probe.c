@@ -207,6 +207,22 @@ int dsec_probe_pidfd(void)
     return rc;
 }
 
+/* pidfd_send_signal(PIDFD_SIGNAL_PROCESS_GROUP) (6.9): signal 0 to the
+ * process group whose id is our pid only checks. The kernel takes the pidfd's
+ * pid as a process-group id, so ESRCH (we lead no group) also means the flag
+ * is known; EINVAL means it is not. */
+int dsec_probe_pidfd_group_signal(void)
+{
+    int fd = dsec_pidfd_open(getpid(), 0);
+    int rc;
+
+    if (fd < 0)
+        return fd;
+    rc = dsec_pidfd_kill_group(fd, 0);
+    close(fd);
+    return rc == -ESRCH ? 0 : rc;
+}
+
 /* clone3 with a zero size fails with EINVAL when the syscall exists, before
  * anything is created; ENOSYS (absent) or EPERM (filtered) are reported. */
 int dsec_probe_clone3(void)

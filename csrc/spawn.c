@@ -30,6 +30,7 @@
 #include <unistd.h>
 
 #include "dsec_native.h"
+#include "exec_steps.h"
 #include "missing_defs.h"
 
 /* Deepest child frame is exec_search's PATH_MAX buffer; 64 KiB leaves room. */
@@ -40,30 +41,6 @@
     (CLONE_VM | CLONE_VFORK | CLONE_FILES | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC | SIGCHLD)
 #define SANDBOX_NS_FLAGS                                                                           \
     (CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWCGROUP)
-#define DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-/* ---- error recording (async-signal-safe: runs in the children) ---------- */
-
-static void err_set(struct dsec_err *e, int step, int err, const char *path)
-{
-    size_t i = 0;
-
-    e->err = err;
-    e->step = step;
-    for (; path && path[i] && i < sizeof(e->path) - 1; i++)
-        e->path[i] = path[i];
-    e->path[i] = '\0';
-}
-
-/* Child side: turn a failed syscall (rc < 0, errno set) into a recorded step. */
-static int check(long rc, struct dsec_err *e, int step, const char *path)
-{
-    if (rc < 0) {
-        err_set(e, step, errno, path);
-        return -1;
-    }
-    return 0;
-}
 
 /* Parent side: record and return -errno, the entry points' return value. */
 static int parent_fail(struct dsec_err *e, int step, const char *path, int err)
@@ -165,26 +142,6 @@ static pid_t clone_blocked(int (*fn)(void *), void *top, int flags, void *arg, s
 
 /* ---- child steps shared by both spawns ---------------------------------- */
 
-/* Every disposition back to SIG_DFL, ignored ones included: Python ignores
- * SIGPIPE and SIGXFSZ, and SIG_IGN survives execve, so a sandboxed `yes | head`
- * would otherwise see EPIPE instead of dying. Signals are still blocked here;
- * EINVAL for SIGKILL, SIGSTOP and glibc's internal signals is expected. */
-static void signals_reset(void)
-{
-    struct sigaction dfl = {.sa_handler = SIG_DFL};
-
-    for (int sig = 1; sig < _NSIG; sig++)
-        sigaction(sig, &dfl, NULL);
-}
-
-static void signals_unblock(void)
-{
-    sigset_t none;
-
-    sigemptyset(&none);
-    sigprocmask(SIG_SETMASK, &none, NULL);
-}
-
 /* Writing "0" moves the writer; done before CLONE_NEWCGROUP so the namespace
  * root becomes the sandbox's own cgroup. */
 static int cgroups_join(const int *fds, const char *const *paths, int n, struct dsec_err *e)
@@ -192,47 +149,6 @@ static int cgroups_join(const int *fds, const char *const *paths, int n, struct 
     for (int i = 0; i < n; i++)
         if (check(write(fds[i], "0", 1), e, DSEC_STEP_CGROUP_JOIN, paths[i]) < 0)
             return -1;
-    return 0;
-}
-
-/* Drop from the bounding set every capability not in keep. The loop ends at
- * the first EINVAL, i.e. past the kernel's last capability. */
-static int caps_bound(uint64_t keep, struct dsec_err *e)
-{
-    for (int cap = 0; cap < 64; cap++) {
-        if (keep & (1ULL << cap))
-            continue;
-        if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0) {
-            if (errno == EINVAL)
-                return 0;
-            return check(-1, e, DSEC_STEP_CAPS, NULL);
-        }
-    }
-    return 0;
-}
-
-/* Effective = permitted = inheritable = keep, and keep raised as ambient so a
- * non-root uid still holds it after execve (without ambient, exec by a
- * non-root uid clears the permitted set). */
-static int caps_set(uint64_t keep, struct dsec_err *e)
-{
-    struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3};
-    struct __user_cap_data_struct data[2] = {{0}};
-
-    for (int i = 0; i < 2; i++) {
-        uint32_t word = (uint32_t)(keep >> (32 * i));
-        data[i].effective = data[i].permitted = data[i].inheritable = word;
-    }
-    if (check(syscall(SYS_capset, &hdr, data), e, DSEC_STEP_CAPS, NULL) < 0)
-        return -1;
-    for (int cap = 0; cap < 64; cap++) {
-        if (!(keep & (1ULL << cap)))
-            continue;
-        long rc = prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0);
-
-        if (check(rc, e, DSEC_STEP_CAPS, NULL) < 0)
-            return -1;
-    }
     return 0;
 }
 
@@ -280,6 +196,8 @@ struct container_ctx {
     const struct dsec_container_args *a;
     struct dsec_err *err;
     int init_fd;
+    int ctl_fd;    /* the parent's dup of a->ctl_fd above DSEC_INIT_CTL_FD, or -1 */
+    int userns_fd; /* a->userns_fd, or the parent's dup of it above DSEC_INIT_CTL_FD */
     int cg_fds[DSEC_MAX_CGROUPS];
     int keep_below; /* 1 + the highest fd the child uses (fd_table_private) */
 };
@@ -582,13 +500,36 @@ static int seccomp_step(int profile, struct dsec_err *e)
     return profile < 0 ? 0 : helper_step(dsec_seccomp_install(profile), e, DSEC_STEP_SECCOMP);
 }
 
+/* The exec channel (init.c) stays open in init as fd 4, after the upper
+ * tmpfs took fd 3: the parent made sure neither init_fd nor its dup of the
+ * channel is 3 or 4. */
+static int ctl_handoff(const struct container_ctx *c)
+{
+    if (c->ctl_fd < 0)
+        return 0;
+    return check(dup2(c->ctl_fd, DSEC_INIT_CTL_FD), c->err, DSEC_STEP_CTL_FD, NULL);
+}
+
+/* Permitted = bounding = caps, effective and inheritable empty: init runs
+ * with no capability in effect, and can still hand caps to an exec it forks
+ * (exec_steps.h caps_raise). */
+static int caps_permit(uint64_t caps, struct dsec_err *e)
+{
+    struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3};
+    struct __user_cap_data_struct data[2] = {{0}};
+
+    for (int i = 0; i < 2; i++)
+        data[i].permitted = (uint32_t)(caps >> (32 * i));
+    return check(syscall(SYS_capset, &hdr, data), e, DSEC_STEP_CAPS, NULL);
+}
+
 /* Last: both need privileges that the steps above still use. Init and all it
  * ever forks keep the filter (filters survive fork and exec, never removed). */
 static int privileges_drop(const struct container_ctx *c)
 {
     if (check(prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), c->err, DSEC_STEP_NO_NEW_PRIVS, NULL) < 0)
         return -1;
-    if (caps_bound(0, c->err) < 0 || caps_set(0, c->err) < 0)
+    if (caps_bound(c->a->init_caps, c->err) < 0 || caps_permit(c->a->init_caps, c->err) < 0)
         return -1;
     return seccomp_step(c->a->seccomp_profile, c->err);
 }
@@ -640,7 +581,7 @@ static int userns_enter(const struct container_ctx *c)
 
     if (c->a->userns_fd < 0)
         return 0;
-    if (check(setns(c->a->userns_fd, CLONE_NEWUSER), e, DSEC_STEP_USERNS_ENTER, NULL) < 0 ||
+    if (check(setns(c->userns_fd, CLONE_NEWUSER), e, DSEC_STEP_USERNS_ENTER, NULL) < 0 ||
         check(syscall(SYS_setgroups, 0, NULL), e, DSEC_STEP_USERNS_ENTER, NULL) < 0 ||
         check(syscall(SYS_setresgid, 0, 0, 0), e, DSEC_STEP_USERNS_ENTER, NULL) < 0 ||
         check(syscall(SYS_setresuid, 0, 0, 0), e, DSEC_STEP_USERNS_ENTER, NULL) < 0)
@@ -652,14 +593,15 @@ static int userns_enter(const struct container_ctx *c)
 static int (*const container_steps[])(const struct container_ctx *) = {
     fds_own,       netns_join,    cgroups_enter, sched_enter,  userns_fsids, rootfs_mount,
     userns_sysctls, dev_mount,    proc_protect, tmp_mount,    hostname_set,
-    loopback_up,   root_pivot,    init_stdio,   upper_handoff, userns_enter,
-    privileges_drop,
+    loopback_up,   root_pivot,    init_stdio,   upper_handoff, ctl_handoff,
+    userns_enter,  privileges_drop,
 };
 
 static int container_child(void *arg)
 {
     const struct container_ctx *c = arg;
     static const char *const init_argv[] = {"dsec-init", NULL};
+    static const char *const init_argv_ctl[] = {"dsec-init", "ctl", NULL};
     static const char *const init_envp[] = {NULL};
 
     signals_reset();
@@ -667,25 +609,35 @@ static int container_child(void *arg)
         if (container_steps[i](c) < 0)
             _exit(127);
     signals_unblock();
-    syscall(SYS_execveat, c->init_fd, "", init_argv, init_envp, AT_EMPTY_PATH);
+    syscall(SYS_execveat, c->init_fd, "", c->ctl_fd >= 0 ? init_argv_ctl : init_argv, init_envp,
+            AT_EMPTY_PATH);
     check(-1, c->err, DSEC_STEP_EXEC_INIT, c->a->init_path);
     _exit(127);
 }
 
-static int init_fd_move(int *fd, struct dsec_err *err)
+/* upper_handoff and ctl_handoff dup2 onto fds 3 and 4, late in the child:
+ * an fd the child still needs after them (init_fd, the user namespace, the
+ * channel itself) must not be 3 or 4. *dup is a close-on-exec copy of fd
+ * above 4 that the parent closes after the clone (-1 if fd < 0). */
+static int fd_dup_high(int fd, int *dup, int step, struct dsec_err *err)
 {
-    int moved = fcntl(*fd, F_DUPFD_CLOEXEC, DSEC_INIT_UPPER_FD + 1);
+    *dup = -1;
+    if (fd < 0)
+        return 0;
+    *dup = fcntl(fd, F_DUPFD_CLOEXEC, DSEC_INIT_CTL_FD + 1);
+    return *dup < 0 ? parent_fail(err, step, NULL, errno) : 0;
+}
 
-    if (moved < 0)
-        return parent_fail(err, DSEC_STEP_OPEN_INIT, NULL, errno);
-    close(*fd);
-    *fd = moved;
-    return 0;
+static void fd_close_dup(int dup, int original)
+{
+    if (dup >= 0 && dup != original)
+        close(dup);
 }
 
 int dsec_spawn_container(const struct dsec_container_args *a, struct dsec_err *err)
 {
-    struct container_ctx c = {.a = a, .err = err, .init_fd = -1};
+    struct container_ctx c = {.a = a, .err = err, .init_fd = -1, .ctl_fd = -1, .userns_fd = a->userns_fd};
+    int init_fd = -1;
     struct stacks st = {0};
     int rc;
 
@@ -693,17 +645,21 @@ int dsec_spawn_container(const struct dsec_container_args *a, struct dsec_err *e
     rc = cgroups_open(a->cgroup_procs, a->n_cgroups, c.cg_fds, err);
     if (rc == 0) {
         /* O_PATH is enough for execveat, and keeps dsec-init out of the rootfs. */
-        c.init_fd = open(a->init_path, O_PATH | O_CLOEXEC);
-        if (c.init_fd < 0)
+        init_fd = open(a->init_path, O_PATH | O_CLOEXEC);
+        if (init_fd < 0)
             rc = parent_fail(err, DSEC_STEP_OPEN_INIT, a->init_path, errno);
     }
-    if (rc == 0 && a->upper_fd >= 0 && c.init_fd == DSEC_INIT_UPPER_FD)
-        rc = init_fd_move(&c.init_fd, err); /* upper_handoff takes fd 3 */
+    if (rc == 0)
+        rc = fd_dup_high(init_fd, &c.init_fd, DSEC_STEP_OPEN_INIT, err);
+    if (rc == 0)
+        rc = fd_dup_high(a->ctl_fd, &c.ctl_fd, DSEC_STEP_CTL_FD, err);
+    if (rc == 0 && a->userns_fd >= 0 && a->userns_fd <= DSEC_INIT_CTL_FD)
+        rc = fd_dup_high(a->userns_fd, &c.userns_fd, DSEC_STEP_USERNS_ENTER, err);
     if (rc == 0)
         rc = stacks_map(&st, 1, err);
     if (rc == 0) {
-        c.keep_below = 1 + fd_max(fd_max(fd_max(c.init_fd, a->netns_fd), fd_max(a->userns_fd, a->upper_fd)),
-                                  a->path_fds_max);
+        c.keep_below = 1 + fd_max(fd_max(fd_max(c.init_fd, a->netns_fd), fd_max(c.userns_fd, a->upper_fd)),
+                                  fd_max(a->path_fds_max, c.ctl_fd));
         for (int i = 0; i < a->n_cgroups; i++)
             c.keep_below = fd_max(c.keep_below, c.cg_fds[i] + 1);
         rc = clone_blocked(container_child, stack_top(&st, 0),
@@ -715,8 +671,11 @@ int dsec_spawn_container(const struct dsec_container_args *a, struct dsec_err *e
     }
     stacks_unmap(&st);
     fds_close(c.cg_fds, DSEC_MAX_CGROUPS);
-    if (c.init_fd >= 0)
-        close(c.init_fd);
+    if (init_fd >= 0)
+        close(init_fd);
+    fd_close_dup(c.init_fd, init_fd);
+    fd_close_dup(c.ctl_fd, a->ctl_fd);
+    fd_close_dup(c.userns_fd, a->userns_fd);
     return rc;
 }
 
@@ -729,103 +688,6 @@ struct exec_ctx {
     pid_t child_pid; /* set by the helper */
     int cg_fds[DSEC_MAX_CGROUPS];
 };
-
-/* Park the sources above 2 first, so that dup2 onto 0..2 cannot clobber a
- * source that is itself 0..2; dup2 also clears FD_CLOEXEC on the target. */
-static int stdio_dup(const struct dsec_exec_args *a, struct dsec_err *e)
-{
-    const int src[3] = {a->stdin_fd, a->stdout_fd, a->stderr_fd};
-    int tmp[3];
-
-    for (int i = 0; i < 3; i++) {
-        tmp[i] = fcntl(src[i], F_DUPFD, 3);
-        if (check(tmp[i], e, DSEC_STEP_STDIO, NULL) < 0)
-            return -1;
-    }
-    for (int i = 0; i < 3; i++)
-        if (check(dup2(tmp[i], i), e, DSEC_STEP_STDIO, NULL) < 0)
-            return -1;
-    return 0;
-}
-
-/* Groups and gid before uid (after setresuid we could no longer change them).
- * KEEPCAPS keeps the permitted set across a change to a non-root uid so that
- * caps_set can hand cap_keep on. */
-static int ids_set(const struct dsec_exec_args *a, struct dsec_err *e)
-{
-    if (a->cap_keep && check(prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0), e, DSEC_STEP_CAPS, NULL) < 0)
-        return -1;
-    if (check(syscall(SYS_setgroups, 0, NULL), e, DSEC_STEP_IDS, NULL) < 0 ||
-        check(syscall(SYS_setresgid, a->gid, a->gid, a->gid), e, DSEC_STEP_IDS, NULL) < 0 ||
-        check(syscall(SYS_setresuid, a->uid, a->uid, a->uid), e, DSEC_STEP_IDS, NULL) < 0)
-        return -1;
-    return 0;
-}
-
-static const char *env_path(const char *const *envp)
-{
-    for (; *envp; envp++)
-        if (strncmp(*envp, "PATH=", 5) == 0)
-            return *envp + 5;
-    return DEFAULT_PATH;
-}
-
-/* execve; returns its errno, or 0 for an ENOENT on a file that exists: then
- * the ELF interpreter or the #! interpreter is what is missing. */
-static int exec_try(const char *path, const struct dsec_exec_args *a)
-{
-    execve(path, (char *const *)a->argv, (char *const *)a->envp);
-    if (errno == ENOENT && faccessat(AT_FDCWD, path, F_OK, 0) == 0)
-        return 0;
-    return errno;
-}
-
-/* Errors that mean "not in this PATH directory": go on with the next one. */
-static int exec_try_next(int err)
-{
-    return err == ENOENT || err == ENOTDIR || err == ESTALE || err == ENODEV || err == ETIMEDOUT ||
-           err == ELOOP || err == ENAMETOOLONG;
-}
-
-/* execvpe over the PATH of the sandbox's env, without malloc: candidates are
- * built in a buffer on the child's stack. Like execvpe, a candidate that
- * exists but cannot run (EACCES, missing interpreter) is remembered while
- * later directories are tried; the first such one is reported. */
-static void exec_search(const struct dsec_exec_args *a, struct dsec_err *e)
-{
-    const char *file = a->argv[0], *dir = env_path(a->envp);
-    size_t flen = strlen(file);
-    char buf[PATH_MAX];
-    int err, seen = 0;
-
-    if (strchr(file, '/')) {
-        err = exec_try(file, a);
-        err_set(e, err ? DSEC_STEP_EXEC : DSEC_STEP_EXEC_INTERP, err ? err : ENOENT, file);
-        return;
-    }
-    for (;;) {
-        const char *end = strchrnul(dir, ':');
-        size_t dlen = end > dir ? (size_t)(end - dir) : 1; /* empty entry = cwd */
-
-        if (dlen + flen + 2 <= sizeof(buf)) {
-            memcpy(buf, end > dir ? dir : ".", dlen);
-            buf[dlen] = '/';
-            memcpy(buf + dlen + 1, file, flen + 1);
-            err = exec_try(buf, a);
-            if ((err == 0 || err == EACCES) && !seen++)
-                err_set(e, err ? DSEC_STEP_EXEC : DSEC_STEP_EXEC_INTERP, err ? err : ENOENT, buf);
-            else if (err && err != EACCES && !exec_try_next(err)) {
-                err_set(e, DSEC_STEP_EXEC, err, buf);
-                return;
-            }
-        }
-        if (!*end)
-            break;
-        dir = end + 1;
-    }
-    if (!seen)
-        err_set(e, DSEC_STEP_EXEC, ENOENT, file);
-}
 
 /* The user namespace is joined apart from the others, by the child: joined
  * together with the mount namespace, setns would check the right to enter
@@ -844,6 +706,7 @@ static int exec_child(void *arg)
     struct exec_ctx *c = arg;
     const struct dsec_exec_args *a = c->a;
     struct dsec_err *e = c->err;
+    const int stdio[3] = {a->stdin_fd, a->stdout_fd, a->stderr_fd};
 
     signals_reset();
     /* QoS first, while still root with every capability: SHARE_FROM needs
@@ -855,16 +718,16 @@ static int exec_child(void *arg)
      * daemon's (parked high): before the child's fd table is its own. */
     if (userns_join(a, e) < 0 || check(setsid(), e, DSEC_STEP_SETSID, NULL) < 0 ||
         fd_table_private(1 + fd_max(a->stdin_fd, fd_max(a->stdout_fd, a->stderr_fd)), e) < 0 ||
-        stdio_dup(a, e) < 0 ||
+        stdio_dup(stdio, e) < 0 ||
         check(syscall(SYS_close_range, 3, ~0U, 0), e, DSEC_STEP_CLOSE_FDS, NULL) < 0 ||
-        caps_bound(a->cap_keep, e) < 0 || ids_set(a, e) < 0 || caps_set(a->cap_keep, e) < 0 ||
+        caps_bound(a->cap_keep, e) < 0 || ids_set(a->uid, a->gid, a->cap_keep, e) < 0 || caps_set(a->cap_keep, e) < 0 ||
         check(chdir(a->cwd), e, DSEC_STEP_CHDIR, a->cwd) < 0 ||
         check(prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), e, DSEC_STEP_NO_NEW_PRIVS, NULL) < 0 ||
         seccomp_step(a->seccomp_profile, e) < 0)
         _exit(127);
     umask(022);
     signals_unblock();
-    exec_search(a, e);
+    exec_search(a->argv, a->envp, e);
     _exit(127);
 }
 
@@ -939,4 +802,12 @@ int dsec_pidfd_open(int pid, unsigned int flags)
 int dsec_pidfd_send_signal(int pidfd, int sig)
 {
     return syscall(SYS_pidfd_send_signal, pidfd, sig, NULL, 0) < 0 ? -errno : 0;
+}
+
+/* sig to the process group led by pidfd's process (the kernel takes its pid
+ * as the group's id; an exec dsec-init forks leads its own session): Linux
+ * 6.9+, EINVAL before. ESRCH once the leader was reaped. */
+int dsec_pidfd_kill_group(int pidfd, int sig)
+{
+    return syscall(SYS_pidfd_send_signal, pidfd, sig, NULL, PIDFD_SIGNAL_PROCESS_GROUP) < 0 ? -errno : 0;
 }

@@ -194,6 +194,11 @@ def probe_all(cgroup_root: str = "dsecd", state_dir: str | None = None) -> Featu
         "pidfd": _errno_feature(native.probe_pidfd(), "pidfd_open works", "pidfd_open"),
         "openat2": _errno_feature(native.probe_openat2(), "openat2 RESOLVE_IN_ROOT works", "openat2"),
         "clone3": _errno_feature(native.probe_clone3(), "clone3 present", "clone3"),
+        # dsec-init forks execs only where their group can be killed by pidfd (dsecd/initlink.py)
+        "pidfd_group_signal": _errno_feature(native.probe_pidfd_group_signal(),
+                                             "pidfd_send_signal(PIDFD_SIGNAL_PROCESS_GROUP) works",
+                                             "pidfd_send_signal(PIDFD_SIGNAL_PROCESS_GROUP)",
+                                             {errno.EINVAL: "Linux < 6.9: execs use the daemon's helper"}),
         "seccomp": _errno_feature(native.probe_seccomp(), "seccomp filters available", "seccomp"),
         "sched_core": _errno_feature(native.probe_sched_core(), "PR_SCHED_CORE works", "prctl(PR_SCHED_CORE)",
                                      SCHED_CORE_HINTS),

@@ -70,6 +70,7 @@ _VERBS = {
     "userns_map": "write id map of user namespace", "userns_fsids": "set fs uid/gid of",
     "userns_sysctl": "write sysctl", "userns_enter": "enter user namespace of",
     "netns_join": "join the pooled network namespace of",
+    "ctl_fd": "hand the exec channel to", "init_request": "have the sandbox's init start",
 }
 
 _MOUNT_STEPS = {"mount_private", "mount_overlay", "mount_proc", "mount_dev", "dev_node",
@@ -296,9 +297,15 @@ class ContainerSpec:
     netns_fd: int = -1  # join this network namespace (dsecd/net/pool.py); -1 = a new, empty one
     upper_fd: int = -1     # mount fd of the upper tmpfs (upperfs_create), kept open in
                            # init as fd UPPER_FD; upperdir/workdir then lie on it
+    ctl_fd: int = -1       # init's end of its exec channel (dsecd/initlink.py), kept open in
+                           # init as fd INIT_CTL_FD; -1: init forks nothing
+    init_caps: int = 0     # capabilities init keeps permitted (never effective) to hand to
+                           # the execs it forks; only with ctl_fd
 
     def __post_init__(self):
         self.overlay_options()
+        if not isinstance(self.init_caps, int) or not 0 <= self.init_caps < 2**64:
+            raise ValueError(f"init_caps must be a 64-bit mask, got {self.init_caps!r}")
         if self.userns_fd >= 0:
             _id("userns_uid", self.userns_uid)
             _id("userns_gid", self.userns_gid)
@@ -353,6 +360,7 @@ def spawn_container(spec: ContainerSpec) -> int:
     args.userns_uid, args.userns_gid = spec.userns_uid, spec.userns_gid
     args.netns_fd = int(spec.netns_fd)
     args.upper_fd = int(spec.upper_fd)
+    args.ctl_fd, args.init_caps = int(spec.ctl_fd), spec.init_caps if spec.ctl_fd >= 0 else 0
     args.path_fds_max = max((int(n) for n in _PROC_FD_PATH.findall(b" ".join(strings[:2]))), default=-1)
     err = ffi.new("struct dsec_err *")
     pid = lib.dsec_spawn_container(args, err)
@@ -453,13 +461,40 @@ def spawn_exec(spec: ExecSpec) -> int:
 
 
 def _raise_exec(err, spec: ExecSpec) -> NoReturn:
+    _raise_exec_step(err, spec.argv[0], spec.env, f"uid {spec.uid} gid {spec.gid}", spec.cwd, f"pidfd {spec.pidfd}")
+
+
+def _raise_exec_step(err, argv0: str, env: list[str], ids: str, cwd: str, via: str) -> NoReturn:
     hint = None
-    if err.step == lib.DSEC_STEP_EXEC and err.err == errno.ENOENT and "/" not in spec.argv[0]:
-        search = next((v[5:] for v in spec.env if v.startswith("PATH=")), DEFAULT_PATH)
+    if err.step == lib.DSEC_STEP_EXEC and err.err == errno.ENOENT and "/" not in argv0:
+        search = next((v[5:] for v in env if v.startswith("PATH=")), DEFAULT_PATH)
         hint = f"not found in PATH={search} inside the sandbox"
-    objects = {"setns": f"pidfd {spec.pidfd}", "ids": f"uid {spec.uid} gid {spec.gid}",
-               "chdir": spec.cwd}
-    _raise_step(err, "exec", objects, spec.argv[0], hint=hint)
+    objects = {"setns": via, "ids": ids, "chdir": cwd, "init_request": "an exec"}
+    _raise_step(err, "exec", objects, argv0, hint=hint)
+
+
+def init_exec_error(raw_err: bytes, argv0: str, env: list[str], uid: int, cwd: str) -> NativeError:
+    """The error of an exec dsec-init could not start: raw_err is the struct
+    dsec_err of its answer (csrc/init.c), read as untrusted bytes."""
+    err = ffi.new("struct dsec_err *")
+    if len(raw_err) != ffi.sizeof(err[0]):
+        raise ValueError(f"an init answer's error is {len(raw_err)} bytes, not {ffi.sizeof(err[0])}")
+    ffi.memmove(err, raw_err, len(raw_err))
+    err.path[len(err.path) - 1] = b"\0"
+    try:
+        _raise_exec_step(err, argv0, env, f"uid {uid} gid {uid}", cwd, "the sandbox's init")
+    except NativeError as e:
+        return e
+
+
+INIT_CTL_FD: int = lib.DSEC_INIT_CTL_FD
+INIT_MAGIC: int = lib.DSEC_INIT_MAGIC
+INIT_STARTED: int = lib.DSEC_INIT_STARTED
+INIT_EXITED: int = lib.DSEC_INIT_EXITED
+INIT_MAX_STRINGS: int = lib.DSEC_INIT_MAX_STRINGS
+INIT_REQ_SIZE: int = ffi.sizeof("struct dsec_init_req")
+INIT_REPLY_SIZE: int = ffi.sizeof("struct dsec_init_reply")
+INIT_REPLY_ERR_OFFSET: int = ffi.offsetof("struct dsec_init_reply", "err")
 
 
 # ---------------------------------------------------------------- user namespaces
@@ -585,6 +620,13 @@ def pidfd_send_signal(pidfd: int, sig: int) -> None:
         _raise(-rc, f"send signal {int(sig)} via", f"pidfd {pidfd}", "pidfd_send_signal")
 
 
+def pidfd_kill_group(pidfd: int, sig: int) -> None:
+    """sig to the process group of pidfd's process (Linux 6.9+)."""
+    rc = lib.dsec_pidfd_kill_group(pidfd, int(sig))
+    if rc < 0:
+        _raise(-rc, f"send signal {int(sig)} to the process group of", f"pidfd {pidfd}", "pidfd_send_signal")
+
+
 # ---------------------------------------------------------------- CPU QoS
 # The same C helpers the spawn children run as steps, for one existing process.
 
@@ -668,6 +710,10 @@ def probe_pidfd() -> int:
 
 def probe_clone3() -> int:
     return -lib.dsec_probe_clone3()
+
+
+def probe_pidfd_group_signal() -> int:
+    return -lib.dsec_probe_pidfd_group_signal()
 
 
 # ---------------------------------------------------------------- dsec-init

@@ -127,6 +127,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         if upper_mode == "tmpfs" and not (self.disk_default >= 1 << 20 and self.sb_defaults["disk_inodes"] >= 16):
             raise ConfigError("sandbox.disk must be at least 1M and sandbox.disk_inodes at least 16 "
                               "(a tmpfs takes 0 as unlimited)")
+        execs_by_init = self._pick_exec_via(self.sb_defaults["exec_via"], features)
         self.pool = ThreadPoolExecutor(cfg.section("daemon")["worker_threads"], "dsecd-worker")
         self.max_exec_output = cfg.size("limits", "max_exec_output_bytes")     # parsed once, used per exec
         self.journal = Journal(state, fsync=cfg.section("journal")["fsync"], compact_with=self.pool.submit)
@@ -134,7 +135,8 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         self.init_memory(cfg)
         self.init_net(cfg)
         self.backend = ContainerBackend(layout, self.sb_defaults, state, {
-            "tmp": cfg.size("sandbox", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")}, upper_mode)
+            "tmp": cfg.size("sandbox", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")}, upper_mode,
+            execs_by_init)
         self.sandboxes: dict[str, Sandbox] = {}
         self.id_ranges = self._init_userns(state)
         # Dead sandboxes in the registry, so the live count each create checks
@@ -303,6 +305,20 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         self.journal.close()
         close_quietly(self._devnull)
         self._devnull = -1
+
+    @staticmethod
+    def _pick_exec_via(configured: str, features: Features) -> bool:
+        """sandbox.exec_via: whether sandbox inits fork execs (dsecd/initlink.py)."""
+        if configured not in ("init", "helper"):
+            raise ConfigError(f"sandbox.exec_via must be init or helper, got {configured!r}")
+        if configured == "helper":
+            return False
+        if not features.has("pidfd_group_signal"):
+            log.warning("sandbox.exec_via = init, but %s: execs use the daemon's helper",
+                        features.items["pidfd_group_signal"].detail if "pidfd_group_signal" in features.items
+                        else "pidfd_group_signal was not probed")
+            return False
+        return True
 
     # ------------------------------------------------------------ helpers
 
@@ -689,17 +705,36 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         run = Collector(self.loop, self.max_exec_output, self.limits["exec_drain_grace_s"], None)
         sb.execs += 1
         ctx.register_exec(run)
-        exited = stop_watching = None
+        link = sb.handle.init_link if sb.handle is not None else None
+        started = exited = stop_watching = None
         pid = None
         try:
+            if link is not None:
+                started = link.spawn(self.loop, argv, env, cwd, user, self.backend.caps,
+                                     (self._devnull, *run.child_ends))
+            if started is not None:
+                run.close_child_ends()        # sent: init holds them now
+                try:
+                    await started.pidfd
+                except NativeError as err:
+                    raise _exec_error(err, argv[0], cwd) from err
+                except OSError as err:        # the sandbox's init exited or broke the channel
+                    raise Conflict(f"sandbox {sb.id} is exiting; cannot start {argv[0]!r}: {err}") from err
+                run.start(started.exited, started.kill, timeout)
+                return await run.done
+            # No channel (an adopted sandbox, exec_via = helper) or it cannot take
+            # this one (too big, init busy): the daemon's helper enters the sandbox.
             pid = await self._spawn_exec(sb, argv, env, cwd, user, (self._devnull, *run.child_ends), run)
             exited, stop_watching = watch_exit(self.loop, pid)
             run.start(exited, functools.partial(kill_group, pid), timeout)
             return await run.done
         except BaseException:
             # Cancelled (client gone, `cancel`, daemon stopping): the process
-            # group goes, and is reaped in a thread (a dying process may take a moment).
-            if pid is not None and not (exited is not None and exited.done()):
+            # group goes, and is reaped in a thread (a dying process may take a
+            # moment); one init forked is reaped by init.
+            if started is not None:
+                started.abandon()
+            elif pid is not None and not (exited is not None and exited.done()):
                 kill_and_reap(self.loop, pid)     # finally below stops watching before the loop can reap
             raise
         finally:

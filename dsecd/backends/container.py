@@ -18,11 +18,12 @@ import logging
 import os
 import shutil
 import signal
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import cgroup, fds, native, sysfs, userns
+from .. import cgroup, fds, initlink, native, sysfs, userns
 from ..fs import upper as upperfs
 from ..steps import Steps
 
@@ -68,6 +69,7 @@ class Handle:
     core_sched: bool = False  # execs share PID 1's core-scheduling cookie
     userns: bool = False     # PID 1 runs in a user namespace of its own: execs join it
     upperfd: int = -1        # mount fd of its capped upper tmpfs (dsecd/fs/upper.py); -1 = dir
+    init_link: initlink.InitLink | None = None   # its init forks execs (dsecd/initlink.py); None: the helper
 
     def upper_view(self, views: Path) -> tuple[Path, Callable[[], None] | None]:
         """The writable layer's upper dir at a host path (pack_diff), and what
@@ -91,7 +93,7 @@ class ContainerBackend:
     name = "container"
 
     def __init__(self, layout: cgroup.Layout, sandbox_cfg: dict, state_dir: Path, sizes: dict,
-                 upper_mode: str = "dir"):
+                 upper_mode: str = "dir", execs_by_init: bool = False):
         self.layout = layout
         self.cfg = sandbox_cfg
         self.root = Path(state_dir) / "sandboxes"
@@ -109,6 +111,10 @@ class ContainerBackend:
         self.init_path = native.init_binary_path()
         self.seccomp = self._prepare_seccomp(sandbox_cfg["seccomp"])
         self.upper_mode = upper_mode      # "tmpfs" | "dir" (dsecd/fs/upper.py pick_mode)
+        # Init forks execs (dsecd/initlink.py): it keeps permitted what it hands
+        # on, and SETUID/SETGID/SETPCAP to change ids and drop the rest.
+        self.execs_by_init = execs_by_init
+        self.init_caps = self.caps | cap_mask(["SETUID", "SETGID", "SETPCAP"])
 
     @staticmethod
     def _prepare_seccomp(name: str) -> int:
@@ -163,20 +169,30 @@ class ContainerBackend:
             # Upper and work share a directory: the sandbox's own, or the root
             # of its capped tmpfs (named through our fd; the child has a copy).
             top = Path(f"/proc/self/fd/{upperfd}") if upperfd >= 0 else sbdir
-            with _IdmappedLayers(idmap, lowerdirs, top / "upper", top / "work") as layers:
-                spec = native.ContainerSpec(
-                    rootfs=str(rootfs), lowerdirs=layers.lowerdirs, upperdir=layers.upperdir,
-                    workdir=layers.workdir, hostname=hostname, init_path=self.init_path,
-                    cgroup_procs=group.procs_files(), tmp_size_bytes=self.sizes["tmp"],
-                    shm_size_bytes=self.sizes["shm"], sched_idle=sched_idle, core_sched=core_sched,
-                    seccomp_profile=self.seccomp, userns_fd=layers.userns_fd,
-                    userns_uid=idmap.uid if idmap else 0, userns_gid=idmap.gid if idmap else 0,
-                    netns_fd=netns_fd, upper_fd=upperfd)
-                pid = native.spawn_container(spec)
+            ours, theirs = initlink.pair() if self.execs_by_init else (None, None)
+            if ours is not None:
+                steps.undo("close exec channel", ours.close)
+            try:
+                with _IdmappedLayers(idmap, lowerdirs, top / "upper", top / "work") as layers:
+                    spec = native.ContainerSpec(
+                        rootfs=str(rootfs), lowerdirs=layers.lowerdirs, upperdir=layers.upperdir,
+                        workdir=layers.workdir, hostname=hostname, init_path=self.init_path,
+                        cgroup_procs=group.procs_files(), tmp_size_bytes=self.sizes["tmp"],
+                        shm_size_bytes=self.sizes["shm"], sched_idle=sched_idle, core_sched=core_sched,
+                        seccomp_profile=self.seccomp, userns_fd=layers.userns_fd,
+                        userns_uid=idmap.uid if idmap else 0, userns_gid=idmap.gid if idmap else 0,
+                        netns_fd=netns_fd, upper_fd=upperfd,
+                        ctl_fd=theirs.fileno() if theirs else -1, init_caps=self.init_caps)
+                    pid = native.spawn_container(spec)
+            finally:
+                if theirs is not None:
+                    theirs.close()      # init holds its copy now (or there is no init)
             steps.undo("kill init", lambda: _kill_and_reap(pid))
             handle = self._open_handle(pid, group, sbdir, is_child=True, own_userns=idmap is not None)
             handle.sched_idle, handle.core_sched = sched_idle, core_sched
             _protect_init_from_oom(pid)
+            if ours is not None:    # long-lived: parked high like the handle's other fds (dsecd/fds.py)
+                handle.init_link = initlink.InitLink(socket.socket(fileno=fds.park(ours.detach())))
             steps.commit()
         handle.upperfd = fds.park(upperfd)
         return handle
@@ -334,6 +350,8 @@ def _own_userns(pid: int) -> bool:
 
 
 def close_handle(h: Handle) -> None:
+    if h.init_link is not None:
+        h.init_link.close(None)       # from any thread; the sandbox is going or the daemon stops
     for name in ("rootfd", "pidfd", "upperfd"):
         _close_fd(h, name)
 

@@ -1,0 +1,182 @@
+"""Execs forked by the sandbox's dsec-init (sandbox.exec_via = "init", the
+default where the kernel has PIDFD_SIGNAL_PROCESS_GROUP; csrc/init.c,
+dsecd/initlink.py), and the daemon's helper where init cannot take one.
+
+Which path ran shows in the exec's parent pid inside the sandbox: 1 when
+init forked it, 0 when the helper did (its parent, the daemon, is outside
+the sandbox's pid namespace)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import dsecd
+from dsecd import native
+from dsecd.backends.container import cap_mask
+from dsecd.errors import DsecError, NotFound
+
+pytestmark = pytest.mark.skipif(native.probe_pidfd_group_signal() != 0,
+                                reason="no PIDFD_SIGNAL_PROCESS_GROUP (Linux < 6.9): execs use the helper")
+
+PPID = ["sh", "-c", "echo $PPID"]
+
+
+def _caps(status: bytes) -> dict[str, int]:
+    return {k.decode(): int(v, 16) for k, v in (line.split(b":\t") for line in status.splitlines())
+            if k.startswith(b"Cap")}
+
+
+def _configured_caps() -> int:
+    """The embedded default (the test daemons configure no capabilities)."""
+    defaults = tomllib.loads((Path(dsecd.__file__).parent / "default.toml").read_text())
+    return cap_mask(defaults["sandbox"]["capabilities"])
+
+
+def test_a_plain_exec_is_forked_by_init(sandbox):
+    assert sandbox.exec(PPID).stdout == b"1\n"
+
+
+def test_stdin_and_streaming_execs_use_the_helper(sandbox):
+    assert sandbox.exec(PPID, stdin=b"x").stdout == b"0\n"
+    assert b"".join(d for fd, d in sandbox.exec_stream(PPID) if fd == 1) == b"0\n"
+
+
+def test_a_request_too_big_for_one_packet_uses_the_helper(sandbox):
+    big = "x" * (native.INIT_MAX_STRINGS + 1)
+    r = sandbox.exec(["sh", "-c", "echo $PPID ${#1}", "sh", big])
+    assert r.stdout == f"0 {len(big)}\n".encode()
+
+
+def test_the_exec_gets_the_configured_caps_and_init_holds_none_in_effect(sandbox):
+    want = _configured_caps()
+    for user in (0, 65534):
+        caps = _caps(sandbox.exec(["cat", "/proc/self/status"], user=user).stdout)
+        assert (caps["CapEff"], caps["CapPrm"], caps["CapBnd"], caps["CapAmb"]) == (want, want, want, want), user
+    init = _caps(sandbox.exec(["cat", "/proc/1/status"]).stdout)
+    assert init["CapEff"] == 0 and init["CapInh"] == 0 and init["CapAmb"] == 0
+    assert init["CapPrm"] == want | cap_mask(["SETUID", "SETGID", "SETPCAP"]) == init["CapBnd"]
+
+
+def test_ids_cwd_env_umask_and_a_session_of_its_own(sandbox):
+    r = sandbox.exec(["sh", "-c", "id -u; id -g; pwd; echo $FOO; umask; cut -d' ' -f6 /proc/self/stat; echo $$"],
+                     env={"FOO": "bar"}, cwd="/tmp", user=1234)
+    uid, gid, cwd, foo, umask, session, pid = r.stdout.split()
+    assert (uid, gid, cwd, foo, umask) == (b"1234", b"1234", b"/tmp", b"bar", b"0022")
+    assert session == pid                  # setsid: its own session and process group
+
+
+def test_only_stdio_is_open_and_the_seccomp_filter_is_init_s(sandbox):
+    r = sandbox.exec(["sh", "-c", "ls /proc/self/fd; grep -E '^(Seccomp|NoNewPrivs):' /proc/self/status"])
+    lines = r.stdout.split(b"\n")
+    assert sorted(lines[:4]) == [b"0", b"1", b"2", b"3"]   # 3: ls's own directory fd
+    assert b"Seccomp:\t2" in r.stdout and b"NoNewPrivs:\t1" in r.stdout
+    assert sandbox.exec(["unshare", "-U", "true"]).exit_code != 0      # the filter denies new namespaces
+
+
+def test_errors_before_execve_name_their_step(sandbox):
+    with pytest.raises(NotFound, match="no such file or command"):
+        sandbox.exec(["no-such-command"])
+    with pytest.raises(NotFound, match="working directory"):
+        sandbox.exec(["true"], cwd="/no/such/dir")
+    sandbox.exec(["sh", "-c", "echo x > /tmp/f; chmod 644 /tmp/f"])
+    with pytest.raises(DsecError, match="permission denied"):
+        sandbox.exec(["/tmp/f"])
+    assert sandbox.exec(PPID).stdout == b"1\n"           # the channel is still up
+
+
+def test_exit_codes_signals_and_output(sandbox):
+    r = sandbox.exec(["sh", "-c", "echo out; echo err >&2; exit 7"])
+    assert (r.exit_code, r.signal, r.stdout, r.stderr) == (7, None, b"out\n", b"err\n")
+    r = sandbox.exec(["sh", "-c", "kill -TERM $$"])
+    assert (r.exit_code, r.signal) == (None, 15)
+
+
+def test_a_timeout_kills_the_exec_s_whole_group(sandbox):
+    t0 = time.monotonic()
+    r = sandbox.exec(["sh", "-c", "sleep 30 & sleep 30"], timeout=1)
+    assert r.timed_out and r.signal == 9 and time.monotonic() - t0 < 5
+    assert sandbox.exec(["sh", "-c", "ps -o comm | grep -c sleep || true"]).stdout.strip() == b"0"
+
+
+def test_many_execs_at_once_each_get_their_own_answer(daemon):
+    async def go():
+        async with dsecd.Client(daemon.socket) as c:
+            sb = await c.create(image="busybox", memory="128M")
+            try:
+                results = await asyncio.gather(*(sb.exec(["sh", "-c", f"echo {i}; exit {i % 5}"])
+                                                 for i in range(200)))
+                for i, r in enumerate(results):
+                    assert (r.stdout, r.exit_code) == (f"{i}\n".encode(), i % 5)
+            finally:
+                await sb.destroy(force=True)
+    asyncio.run(go())
+
+
+def test_a_cancelled_exec_is_killed(daemon):
+    async def go():
+        async with dsecd.Client(daemon.socket) as c:
+            sb = await c.create(image="busybox", memory="128M")
+            try:
+                other = dsecd.Client(daemon.socket)
+                await other.connect()
+                task = asyncio.create_task(dsecd.client.Sandbox(other, sb.id, {}).exec(["sleep", "1000"]))
+                for _ in range(100):
+                    if (await sb.exec(["sh", "-c", "ps -o comm | grep -c sleep || true"])).stdout == b"1\n":
+                        break
+                    await asyncio.sleep(0.05)
+                await other.close()          # the client goes: its exec is cancelled
+                task.cancel()
+                for _ in range(100):
+                    left = (await sb.exec(["sh", "-c", "ps -o comm | grep -c sleep || true"])).stdout
+                    if left == b"0\n":
+                        break
+                    await asyncio.sleep(0.05)
+                assert left == b"0\n"
+            finally:
+                await sb.destroy(force=True)
+    asyncio.run(go())
+
+
+def test_destroy_ends_a_running_exec_as_killed(daemon):
+    async def go():
+        async with dsecd.Client(daemon.socket) as c:
+            sb = await c.create(image="busybox", memory="128M")
+            run = asyncio.create_task(sb.exec(["sleep", "1000"]))
+            await asyncio.sleep(0.5)
+            await sb.destroy(force=True)
+            r = await asyncio.wait_for(run, 10)
+            assert (r.exit_code, r.signal) == (None, 9)
+    asyncio.run(go())
+
+
+def test_exec_via_helper_and_a_restarted_daemon_use_the_helper(daemon_factory, busybox_rootfs):
+    d = daemon_factory('exec_via = "helper"\n')
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    assert c.create(image="busybox").exec(PPID).stdout == b"0\n"
+    c.close()
+
+    d = daemon_factory()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox")
+    assert sb.exec(PPID).stdout == b"1\n"
+    c.close()
+    d.stop()
+    d.start()                # adopts the sandbox; its init's channel died with the old daemon
+    c = d.client()
+    sb = c.get(sb.id)
+    r = sb.exec(PPID)
+    assert (r.stdout, r.exit_code) == (b"0\n", 0)
+    c.close()
+
+
+def test_a_bad_exec_via_stops_the_daemon(daemon_factory):
+    d = daemon_factory('exec_via = "zygote"\n', start=False)
+    with pytest.raises(RuntimeError, match="exec_via must be init or helper"):
+        d.start()

@@ -1,0 +1,207 @@
+"""InitLink (dsecd/initlink.py), the daemon's side of the exec channel to a
+sandbox's dsec-init: requests as init reads them, answers as init sends them,
+and what a broken or lying init does to pending execs. The test plays init
+on the other end of a real SOCK_SEQPACKET socketpair."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import signal
+import socket
+import struct
+import subprocess
+
+import pytest
+
+from dsecd import native
+from dsecd.initlink import InitLink, pair
+
+REQ = struct.Struct("=IIIIQIIII")
+REPLY_HEAD = struct.Struct("=IIIiii")
+ERR = struct.Struct(f"=ii{native.INIT_REPLY_SIZE - native.INIT_REPLY_ERR_OFFSET - 8}s")
+
+
+def _reply(kind: int, exec_id: int, pid: int = 0, status: int = 0, err: int = 0, step: int = 0,
+           path: bytes = b"", magic: int = native.INIT_MAGIC) -> bytes:
+    return REPLY_HEAD.pack(magic, kind, exec_id, pid, status, 0) + ERR.pack(err, step, path)
+
+
+def _read_request(init: socket.socket) -> tuple[tuple, list[bytes], list[int]]:
+    data, fds, _flags, _addr = socket.recv_fds(init, 1 << 17, 8)
+    head = REQ.unpack_from(data)
+    return head, data[REQ.size:].split(b"\0")[:-1], fds
+
+
+def _stdio() -> tuple[list[int], tuple[int, int, int]]:
+    r, w = os.pipe()
+    return [r, w], (r, w, w)
+
+
+def _close(fds):
+    for fd in fds:
+        os.close(fd)
+
+
+def _link():
+    ours, init = pair()
+    return InitLink(ours), init
+
+
+def test_a_request_carries_ids_caps_strings_and_three_fds():
+    async def go():
+        link, init = _link()
+        mine, stdio = _stdio()
+        started = link.spawn(asyncio.get_running_loop(), ["echo", "hi"], ["PATH=/bin", "A=b"], "/tmp", 1000,
+                             0x5, stdio)
+        _close(mine)
+        head, strings, fds = _read_request(init)
+        magic, exec_id, uid, gid, caps, argc, envc, slen, _ = head
+        assert (magic, exec_id, uid, gid, caps, argc, envc) == (native.INIT_MAGIC, started.id, 1000, 1000, 5, 2, 2)
+        assert strings == [b"/tmp", b"echo", b"hi", b"PATH=/bin", b"A=b"]
+        assert slen == sum(len(s) + 1 for s in strings)
+        assert len(fds) == 3
+        _close(fds)
+        link.close(None)
+        init.close()
+    asyncio.run(go())
+
+
+def test_started_then_exited_resolve_pidfd_and_status():
+    async def go():
+        link, init = _link()
+        mine, stdio = _stdio()
+        started = link.spawn(asyncio.get_running_loop(), ["true"], [], "/", 0, 0, stdio)
+        _close(mine)
+        _close(_read_request(init)[2])
+        r, w = os.pipe()           # any fd stands for the pidfd here
+        socket.send_fds(init, [_reply(native.INIT_STARTED, started.id, pid=7)], [r])
+        fd = await asyncio.wait_for(started.pidfd, 2)
+        assert fd >= 0 and fd != r
+        init.send(_reply(native.INIT_EXITED, started.id, status=3 << 8))
+        assert await asyncio.wait_for(started.exited, 2) == {"status": 3 << 8}
+        assert not link.pending
+        _close([r, w])
+        link.close(None)
+        init.close()
+    asyncio.run(go())
+
+
+def test_a_failed_start_is_the_native_error_of_its_step():
+    async def go():
+        link, init = _link()
+        mine, stdio = _stdio()
+        started = link.spawn(asyncio.get_running_loop(), ["nosuch"], ["PATH=/bin"], "/", 0, 0, stdio)
+        _close(mine)
+        _close(_read_request(init)[2])
+        init.send(_reply(native.INIT_STARTED, started.id, err=errno.ENOENT, step=44, path=b"/bin/nosuch"))
+        with pytest.raises(native.NativeError) as e:
+            await asyncio.wait_for(started.pidfd, 2)
+        assert e.value.errno == errno.ENOENT and e.value.step == "exec"
+        assert "not found in PATH=/bin" in str(e.value)
+        link.close(None)
+        init.close()
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("bad", ["magic", "unknown id", "exited first", "two fds", "short"])
+def test_an_answer_that_breaks_the_protocol_closes_the_channel(bad):
+    async def go():
+        link, init = _link()
+        mine, stdio = _stdio()
+        started = link.spawn(asyncio.get_running_loop(), ["true"], [], "/", 0, 0, stdio)
+        _close(mine)
+        _close(_read_request(init)[2])
+        r, w = os.pipe()
+        if bad == "magic":
+            init.send(_reply(native.INIT_STARTED, started.id, magic=1))
+        elif bad == "unknown id":
+            init.send(_reply(native.INIT_STARTED, started.id + 1))
+        elif bad == "exited first":
+            init.send(_reply(native.INIT_EXITED, started.id))
+        elif bad == "two fds":
+            socket.send_fds(init, [_reply(native.INIT_STARTED, started.id)], [r, w])
+        else:
+            init.send(b"x" * 10)
+        with pytest.raises(OSError) as e:
+            await asyncio.wait_for(started.pidfd, 2)
+        assert e.value.errno == errno.EPIPE
+        assert link.closed and not link.pending
+        # Later execs are refused here: the caller uses the daemon's helper.
+        assert link.spawn(asyncio.get_running_loop(), ["true"], [], "/", 0, 0, stdio) is None
+        _close([r, w])
+        init.close()
+    asyncio.run(go())
+
+
+def test_init_exiting_ends_running_execs_as_killed():
+    async def go():
+        link, init = _link()
+        mine, stdio = _stdio()
+        started = link.spawn(asyncio.get_running_loop(), ["sleep", "9"], [], "/", 0, 0, stdio)
+        waiting = link.spawn(asyncio.get_running_loop(), ["sleep", "9"], [], "/", 0, 0, stdio)
+        _close(mine)
+        _close(_read_request(init)[2])
+        _close(_read_request(init)[2])
+        r, w = os.pipe()
+        socket.send_fds(init, [_reply(native.INIT_STARTED, started.id)], [r])
+        await asyncio.wait_for(started.pidfd, 2)
+        init.close()               # init exits: the kernel kills the sandbox's processes
+        assert await asyncio.wait_for(started.exited, 2) == {"status": signal.SIGKILL}
+        with pytest.raises(OSError) as e:
+            await asyncio.wait_for(waiting.pidfd, 2)
+        assert e.value.errno == errno.ESRCH
+        _close([r, w])
+    asyncio.run(go())
+
+
+def test_an_abandoned_exec_is_killed_when_it_starts():
+    async def go():
+        link, init = _link()
+        mine, stdio = _stdio()
+        started = link.spawn(asyncio.get_running_loop(), ["sleep", "9"], [], "/", 0, 0, stdio)
+        _close(mine)
+        _close(_read_request(init)[2])
+        started.abandon()          # the request was cancelled before init answered
+        victim = subprocess.Popen(["sleep", "30"], start_new_session=True)   # leads its own group, as an exec does
+        pidfd = os.pidfd_open(victim.pid)
+        socket.send_fds(init, [_reply(native.INIT_STARTED, started.id, pid=victim.pid)], [pidfd])
+        os.close(pidfd)
+        assert await asyncio.get_running_loop().run_in_executor(None, victim.wait, 5) == -signal.SIGKILL
+        init.send(_reply(native.INIT_EXITED, started.id, status=signal.SIGKILL))
+        for _ in range(100):
+            if not link.pending:
+                break
+            await asyncio.sleep(0.01)
+        assert not link.pending and not link.closed
+        link.close(None)
+        init.close()
+    asyncio.run(go())
+
+
+def test_a_request_too_big_for_one_packet_is_left_to_the_helper():
+    async def go():
+        link, init = _link()
+        mine, stdio = _stdio()
+        assert link.spawn(asyncio.get_running_loop(), ["echo", "x" * native.INIT_MAX_STRINGS], [], "/", 0, 0,
+                          stdio) is None
+        assert not link.pending and not link.closed
+        _close(mine)
+        link.close(None)
+        init.close()
+    asyncio.run(go())
+
+
+def test_close_from_another_thread_runs_on_the_loop():
+    async def go():
+        link, init = _link()
+        mine, stdio = _stdio()
+        started = link.spawn(asyncio.get_running_loop(), ["true"], [], "/", 0, 0, stdio)
+        _close(mine)
+        await asyncio.get_running_loop().run_in_executor(None, link.close, None)
+        with pytest.raises(OSError):
+            await asyncio.wait_for(started.pidfd, 2)
+        assert link.closed
+        init.close()
+    asyncio.run(go())
