@@ -108,9 +108,10 @@ class InitLink:
         """Ask init to start argv; None if this channel cannot take it (closed,
         too big for one packet, init not reading): use the daemon's helper.
         The stdio fds are in the kernel's hands once this returns: the caller
-        may close its copies."""
+        may close its copies. ValueError for strings or ids execve cannot take."""
         if self.closed:
             return None
+        native.check_exec_request(argv, env, cwd, uid, uid)     # ValueError: as the helper's
         strings = b"\0".join(os.fsencode(s) for s in (cwd, *argv, *env)) + b"\0"
         if len(strings) > native.INIT_MAX_STRINGS:
             return None

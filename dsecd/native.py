@@ -416,18 +416,24 @@ class ExecSpec:
         for name in ("stdin_fd", "stdout_fd", "stderr_fd"):
             _fd(name, getattr(self, name))
         _cgroup_files(self.cgroup_procs)
-        if not self.argv or not self.argv[0]:
-            raise ValueError("argv must have a non-empty argv[0]")
-        for arg in self.argv:
-            _cstring("argv entry", arg)
-        for var in self.env:
-            if _cstring("env entry", var).find(b"=") < 1:
-                raise ValueError(f"env entries are 'K=V' with a non-empty K, got {var!r}")
-        _path("cwd", self.cwd)
-        _id("uid", self.uid)
-        _id("gid", self.gid)
+        check_exec_request(self.argv, self.env, self.cwd, self.uid, self.gid)
         if not isinstance(self.cap_keep, int) or not 0 <= self.cap_keep < 2**64:
             raise ValueError(f"cap_keep must be a 64-bit mask, got {self.cap_keep!r}")
+
+
+def check_exec_request(argv: list[str], env: list[str], cwd: str, uid: int, gid: int) -> None:
+    """ValueError unless the exec's strings and ids can reach execve as given:
+    what both ways of starting an exec (spawn_exec, dsec-init's channel) need."""
+    if not argv or not argv[0]:
+        raise ValueError("argv must have a non-empty argv[0]")
+    for arg in argv:
+        _cstring("argv entry", arg)
+    for var in env:
+        if _cstring("env entry", var).find(b"=") < 1:
+            raise ValueError(f"env entries are 'K=V' with a non-empty K, got {var!r}")
+    _path("cwd", cwd)
+    _id("uid", uid)
+    _id("gid", gid)
 
 
 def spawn_exec(spec: ExecSpec) -> int:

@@ -710,8 +710,11 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         pid = None
         try:
             if link is not None:
-                started = link.spawn(self.loop, argv, env, cwd, user, self.backend.caps,
-                                     (self._devnull, *run.child_ends))
+                try:
+                    started = link.spawn(self.loop, argv, env, cwd, user, self.backend.caps,
+                                         (self._devnull, *run.child_ends))
+                except ValueError as err:     # as the helper's argument checks (_spawn_exec)
+                    raise BadRequest(f"exec: {err}") from err
             if started is not None:
                 run.close_child_ends()        # sent: init holds them now
                 try:

@@ -52,13 +52,18 @@ def test_daemon_files_are_not_visible_inside(armed, daemon):
 def test_no_daemon_socket_or_fd_reaches_the_sandbox(armed, daemon):
     lines = run_probe(armed, "fds")
     assert facts(lines)["extra"] == "0", lines                      # only stdin, stdout, stderr
-    # The sandbox's PID 1 holds /dev/null on 0-2 and, with a capped writable
-    # layer, that layer's own mount as fd 3 (for a restarted daemon); it is
-    # non-dumpable, so no sandbox process can follow that fd.
+    # The sandbox's PID 1 holds /dev/null on 0-2, with a capped writable
+    # layer that layer's own mount as fd 3 (for a restarted daemon), and when
+    # it forks execs (sandbox.exec_via = init) its end of the exec channel as
+    # fd 4 and a signalfd as 5. It is non-dumpable, so no sandbox process can
+    # follow those fds.
     r = armed.exec(["ls", "/proc/1/fd"])
     capped = bool(armed.inspect().get("disk"))
-    assert r.stdout.split() == [b"0", b"1", b"2"] + ([b"3"] if capped else [])
-    assert outcome(armed, "open", "/proc/1/fd/0") == "EACCES"
+    via_init = armed.exec(["sh", "-c", "echo $PPID"]).stdout == b"1\n"
+    assert r.stdout.split() == ([b"0", b"1", b"2"] + ([b"3"] if capped else [])
+                                + ([b"4", b"5"] if via_init else []))
+    for fd in (0, 4):
+        assert outcome(armed, "open", f"/proc/1/fd/{fd}") == "EACCES"
     # Unix sockets in the sandbox's view: none is the daemon's (or any host) socket.
     unix = armed.exec(["cat", "/proc/net/unix"]).stdout.decode()
     assert daemon.socket not in unix and "dsecd" not in unix, unix
