@@ -81,11 +81,19 @@ class ExecIO:
         if eof:
             await self._stdin_q.put(None)
 
-    async def run(self, pid: int, timeout: float | None, drain_grace: float) -> dict:
-        """Wait for the process (our child) and its output; kill its process group on timeout."""
-        self.pid = pid
+    async def run(self, pid: int | None, timeout: float | None, drain_grace: float, by_init=None) -> dict:
+        """Wait for the process and its output; kill its process group on timeout.
+
+        pid: our child (the daemon's helper made it). by_init: instead, an
+        exec the sandbox's init forked (dsecd/initlink.py Started), whose
+        exit and kill come through init's channel."""
         started = time.monotonic()
-        exited, stop_watching = watch_exit(self.loop, pid)
+        if by_init is None:
+            self.pid = pid
+            exited, stop_watching = watch_exit(self.loop, pid)
+            kill = self.kill
+        else:
+            exited, stop_watching, kill = by_init.exited, _nothing, by_init.kill
         pumps = [asyncio.ensure_future(self._pump(self.out_r, 1)),
                  asyncio.ensure_future(self._pump(self.err_r, 2))]
         feeder = asyncio.ensure_future(self._feed()) if self._stdin_q is not None else None
@@ -95,7 +103,7 @@ class ExecIO:
                 await asyncio.wait_for(asyncio.shield(exited), timeout)
             except TimeoutError:
                 self.timed_out = True
-                self.kill()
+                kill()
                 await exited
             status = exited.result()["status"]
             # Background children may hold the pipes open: wait a little, then stop reading.
@@ -109,7 +117,11 @@ class ExecIO:
                 # Cancelled (client gone, `cancel`, daemon stopping): kill and reap
                 # in a thread, since a dying process may take a moment to exit.
                 # (Not once the watch reaped it: its pid may be another's by then.)
-                self.reaped = kill_and_reap(self.loop, pid)
+                # One init forked is init's to reap.
+                if by_init is None:
+                    self.reaped = kill_and_reap(self.loop, pid)
+                else:
+                    by_init.abandon()
             self.close()
         code, sig = _decode_status(status)
         return {"exit_code": code, "signal": sig, "timed_out": self.timed_out,
@@ -187,6 +199,10 @@ class ExecIO:
         for name in ("stdin_r", "stdin_w", "out_w", "err_w"):
             close_quietly(getattr(self, name))
             setattr(self, name, -1)
+
+
+def _nothing() -> None:
+    pass
 
 
 def kill_group(pid: int) -> None:

@@ -681,9 +681,17 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         ctx.register_exec(io)
         try:
             argv = tracing.traced_argv(req.argv) if req.trace else list(req.argv)
-            pid = await self._spawn_exec(sb, argv, env, cwd, user, io.child_fds(), io)
-            tracer = await self._start_tracer(io, pid, timeout) if req.trace else None
-            result = await io.run(pid, timeout, self.limits["exec_drain_grace_s"])
+            # A traced exec needs the daemon's helper: the tracer attaches to the daemon's child.
+            tracer = None
+            started = None if req.trace else await self._start_by_init(sb, argv, env, cwd, user, io,
+                                                                        io.child_fds())
+            if started is not None:
+                result = await io.run(None, timeout, self.limits["exec_drain_grace_s"], started)
+            else:
+                pid = await self._spawn_exec(sb, argv, env, cwd, user, io.child_fds(), io)
+                if req.trace:
+                    tracer = await self._start_tracer(io, pid, timeout)
+                result = await io.run(pid, timeout, self.limits["exec_drain_grace_s"])
             if tracer is not None:
                 result["trace"] = await self.run_blocking(tracing.collect, tracer)
         finally:
@@ -705,28 +713,13 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         run = Collector(self.loop, self.max_exec_output, self.limits["exec_drain_grace_s"], None)
         sb.execs += 1
         ctx.register_exec(run)
-        link = sb.handle.init_link if sb.handle is not None else None
         started = exited = stop_watching = None
         pid = None
         try:
-            if link is not None:
-                try:
-                    started = link.spawn(self.loop, argv, env, cwd, user, self.backend.caps,
-                                         (self._devnull, *run.child_ends))
-                except ValueError as err:     # as the helper's argument checks (_spawn_exec)
-                    raise BadRequest(f"exec: {err}") from err
+            started = await self._start_by_init(sb, argv, env, cwd, user, run, (self._devnull, *run.child_ends))
             if started is not None:
-                run.close_child_ends()        # sent: init holds them now
-                try:
-                    await started.pidfd
-                except NativeError as err:
-                    raise _exec_error(err, argv[0], cwd) from err
-                except OSError as err:        # the sandbox's init exited or broke the channel
-                    raise Conflict(f"sandbox {sb.id} is exiting; cannot start {argv[0]!r}: {err}") from err
                 run.start(started.exited, started.kill, timeout)
                 return await run.done
-            # No channel (an adopted sandbox, exec_via = helper) or it cannot take
-            # this one (too big, init busy): the daemon's helper enters the sandbox.
             pid = await self._spawn_exec(sb, argv, env, cwd, user, (self._devnull, *run.child_ends), run)
             exited, stop_watching = watch_exit(self.loop, pid)
             run.start(exited, functools.partial(kill_group, pid), timeout)
@@ -747,6 +740,33 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             sb.execs -= 1
             sb.last_active = time.monotonic()
             ctx.unregister_exec()
+
+    async def _start_by_init(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int, io,
+                             stdio: tuple[int, int, int]):
+        """The exec started by the sandbox's init (dsecd/initlink.py Started),
+        or None: the daemon's helper must start it (no channel: an adopted
+        sandbox or exec_via = helper; or the channel cannot take this one: too
+        big, init busy). `io` owns the child ends in stdio, closed once sent."""
+        link = sb.handle.init_link if sb.handle is not None else None
+        if link is None:
+            return None
+        try:
+            started = link.spawn(self.loop, argv, env, cwd, user, self.backend.caps, stdio)
+        except ValueError as err:     # as the helper's argument checks (_spawn_exec)
+            raise BadRequest(f"exec: {err}") from err
+        if started is None:
+            return None
+        io.close_child_ends()         # sent: init holds them now
+        try:
+            await started.pidfd
+        except NativeError as err:
+            raise _exec_error(err, argv[0], cwd) from err
+        except OSError as err:        # the sandbox's init exited or broke the channel
+            raise Conflict(f"sandbox {sb.id} is exiting; cannot start {argv[0]!r}: {err}") from err
+        except asyncio.CancelledError:
+            started.abandon()
+            raise
+        return started
 
     async def _spawn_exec(self, sb: Sandbox, argv: list[str], env: dict, cwd: str, user: int,
                           fds: tuple[int, int, int], io) -> int:

@@ -41,9 +41,19 @@ def test_a_plain_exec_is_forked_by_init(sandbox):
     assert sandbox.exec(PPID).stdout == b"1\n"
 
 
-def test_stdin_and_streaming_execs_use_the_helper(sandbox):
-    assert sandbox.exec(PPID, stdin=b"x").stdout == b"0\n"
-    assert b"".join(d for fd, d in sandbox.exec_stream(PPID) if fd == 1) == b"0\n"
+def test_stdin_and_streaming_execs_are_forked_by_init_traced_ones_by_the_helper(sandbox):
+    r = sandbox.exec(["sh", "-c", "cat; echo $PPID"], stdin=b"in\n")
+    assert r.stdout == b"in\n1\n"
+    assert b"".join(d for fd, d in sandbox.exec_stream(PPID) if fd == 1) == b"1\n"
+    r = sandbox.exec(PPID, trace=True)
+    assert r.stdout == b"0\n" and r.trace is not None
+
+
+def test_a_streaming_exec_s_timeout_kills_its_group(sandbox):
+    t0 = time.monotonic()
+    chunks = list(sandbox.exec_stream(["sh", "-c", "echo start; sleep 30 & sleep 30"], timeout=1))
+    assert (1, b"start\n") in chunks and time.monotonic() - t0 < 5
+    assert sandbox.exec(["sh", "-c", "ps -o comm | grep -c sleep || true"]).stdout.strip() == b"0"
 
 
 def test_a_request_too_big_for_one_packet_uses_the_helper(sandbox):
@@ -117,14 +127,15 @@ def test_many_execs_at_once_each_get_their_own_answer(daemon):
     asyncio.run(go())
 
 
-def test_a_cancelled_exec_is_killed(daemon):
+@pytest.mark.parametrize("kw", [{}, {"stdin": b"x"}], ids=["collected", "with-stdin"])
+def test_a_cancelled_exec_is_killed(daemon, kw):
     async def go():
         async with dsecd.Client(daemon.socket) as c:
             sb = await c.create(image="busybox", memory="128M")
             try:
                 other = dsecd.Client(daemon.socket)
                 await other.connect()
-                task = asyncio.create_task(dsecd.client.Sandbox(other, sb.id, {}).exec(["sleep", "1000"]))
+                task = asyncio.create_task(dsecd.client.Sandbox(other, sb.id, {}).exec(["sleep", "1000"], **kw))
                 for _ in range(100):
                     if (await sb.exec(["sh", "-c", "ps -o comm | grep -c sleep || true"])).stdout == b"1\n":
                         break
