@@ -21,11 +21,22 @@ measures through the Python SDK:
   retry_after_s;
 * lost_or_duplicated: keys without exactly one live sandbox, plus sandboxes
   of the burst that no key owns (must be 0);
+* exec_per_s / exec_host_ms: `--execs` execs of `true` from `--clients`
+  clients (4 in flight each) spread over 100 running sandboxes: execs per
+  second and the host's busy CPU ms per exec (every process: execs forked by
+  the sandboxes' inits run outside the daemon). The same work against a
+  second daemon with `sandbox.exec_via = "helper"` (the daemon's spawn helper
+  enters the sandbox for each exec) gives exec_helper_per_s and
+  exec_helper_host_ms; exec_by_init_cpu_ratio = helper / init host CPU per
+  exec (> 1: init's fork is cheaper);
 * fncall_cpu_ms / burst_cpu_ms: where the CPU time of the concurrent fncall
   batch (per call) and of the burst (per sandbox, create + exec) went: the
   daemon (all threads, plus the exec and spawn children it reaped), the call
   sandbox's cgroup (zygote and its workers; also split into the zygote
-  itself and the workers it reaped) and this benchmark's own client process. Other sessions on the host are not in it, so it is comparable
+  itself and the workers it reaped), this benchmark's own client process,
+  and the whole host's busy CPU (`host`, from /proc/stat: everything above
+  plus the sandboxes' own processes, and whatever else runs here). The
+  per-process figures leave other sessions out, so they are comparable
   across runs where the wall-clock rates are not.
 
 Progress goes to stderr; the last line of stdout is one JSON object. Clean-up
@@ -92,11 +103,19 @@ class CpuMeter:
                               else int(text.split("usage_usec")[1].split()[0]) / 1e6)
         r = resource.getrusage(resource.RUSAGE_SELF)
         out["client"] = r.ru_utime + r.ru_stime
+        out["host"] = host_busy_s()
         return out
 
     @staticmethod
     def per(before: dict, after: dict, n: int) -> dict:
         return {k: round((after[k] - before[k]) * 1000 / n, 3) for k in before}
+
+
+def host_busy_s() -> float:
+    """CPU seconds the host spent busy (user, nice, system, irq, softirq), all CPUs."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return (ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6]) / os.sysconf("SC_CLK_TCK")
 
 
 def build_py_rootfs() -> str:
@@ -251,6 +270,37 @@ async def measure_burst(sock: str, total: int, clients: int) -> dict:
             "burst_busy_retries": busy[0], "burst_sandboxes": len(ids), "lost_or_duplicated": bad, "burst_cpu_ms": cpu}
 
 
+async def measure_exec_rate(sock: str, total: int, clients: int, prefix: str = "exec") -> dict:
+    """`total` execs of `true` spread over 100 running sandboxes, `clients`
+    connections with 4 in flight each: execs per second, host CPU per exec."""
+    async with dsecd.Client(sock) as c:
+        sbs = await asyncio.gather(*(c.create("busybox", **SHAPE) for _ in range(100)))
+        meter = CpuMeter(await c.info())
+    conns = [dsecd.Client(sock) for _ in range(clients)]
+    for cl in conns:
+        await cl.connect()
+    left = [total]
+
+    async def worker(cl) -> None:
+        while left[0] > 0:
+            left[0] -= 1
+            sb = dsecd.client.Sandbox(cl, sbs[left[0] % len(sbs)].id, {})
+            r = await sb.exec(["true"], timeout=60)
+            if r.exit_code != 0:
+                raise RuntimeError(f"exec true in {sb.id}: {r}")
+
+    cpu0 = meter.sample()
+    t0 = time.perf_counter()
+    await asyncio.wait_for(asyncio.gather(*(worker(cl) for cl in conns for _ in range(4))), OP_TIMEOUT_S)
+    took = time.perf_counter() - t0
+    cpu = meter.per(cpu0, meter.sample(), total)
+    for cl in conns:
+        await cl.close()
+    log(f"{prefix}: {total} execs in {took:.2f} s, {total / took:.0f}/s; CPU ms per exec {cpu}")
+    await teardown(sock)
+    return {f"{prefix}_per_s": round(total / took, 1), f"{prefix}_host_ms": cpu["host"]}
+
+
 async def teardown(sock: str) -> None:
     async with dsecd.Client(sock) as c:
         t = time.perf_counter()
@@ -274,10 +324,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pool", type=int, default=50, help="warm pool size and pool creates measured")
     p.add_argument("--burst", type=int, default=2000, help="sandboxes in the burst")
     p.add_argument("--clients", type=int, default=16, help="concurrent clients")
+    p.add_argument("--execs", type=int, default=2000, help="execs in the exec-rate batch (each path)")
     p.add_argument("--quick", action="store_true", help="small counts, for a smoke run")
     args = p.parse_args(argv)
     if args.quick:
-        args.n_calls, args.n_calls_total, args.pool, args.burst = 50, 300, 10, 200
+        args.n_calls, args.n_calls_total, args.pool, args.burst, args.execs = 50, 300, 10, 200, 300
     return args
 
 
@@ -291,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     with harness.private_daemon(rootfs, "busybox", extra_config=CONFIG) as daemon:
         daemon.import_image(py, "py")
         results = uvloop.run(measure(daemon.sock, args))
+        results.update(uvloop.run(measure_exec_rate(daemon.sock, args.execs, args.clients)))
+    # The same execs through the daemon's spawn helper, for the ratio.
+    with harness.private_daemon(rootfs, "busybox", extra_config='exec_via = "helper"\n' + CONFIG,
+                                tag="-helper") as daemon:
+        results.update(uvloop.run(measure_exec_rate(daemon.sock, args.execs, args.clients, "exec_helper")))
+    results["exec_by_init_cpu_ratio"] = round(results["exec_helper_host_ms"] / results["exec_host_ms"], 2)
     print(json.dumps(results), flush=True)
     return 0
 

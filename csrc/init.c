@@ -210,6 +210,8 @@ static void start(int ctl, struct request *r)
     int pidfd;
 
     if (n_execs == MAX_EXECS) {
+        for (int i = 0; i < 3; i++)
+            close(r->stdio[i]);
         err_set(&e, DSEC_STEP_CLONE, EAGAIN, NULL);
         reply_started(ctl, r->req->id, 0, &e, -1);
         return;
@@ -217,6 +219,9 @@ static void start(int ctl, struct request *r)
     pid = vfork();
     if (pid == 0)
         exec_child(r, &e);
+    /* The child has its own copies now (or failed): init holds no exec's stdio. */
+    for (int i = 0; i < 3; i++)
+        close(r->stdio[i]);
     if (pid < 0)
         err_set(&e, DSEC_STEP_CLONE, errno, NULL);
     if (e.err) {
@@ -260,9 +265,7 @@ static int serve(int ctl)
         err_set(&e, DSEC_STEP_INIT_REQUEST, EINVAL, NULL);
         return reply_started(ctl, id, 0, &e, -1);
     }
-    start(ctl, &r);
-    for (int i = 0; i < 3; i++)
-        close(r.stdio[i]);
+    start(ctl, &r); /* closes the stdio fds */
     return 0;
 }
 
