@@ -59,8 +59,7 @@ enum dsec_step {
     DSEC_STEP_NETNS_JOIN = 34,
     /* container child, after stdio: the upper tmpfs's fd kept open for init */
     DSEC_STEP_UPPER_FD = 35,
-    DSEC_STEP_CTL_FD = 36,     /* the exec channel's end kept open for init */
-    DSEC_STEP_INIT_REQUEST = 46, /* dsec-init refused a malformed exec request */
+    DSEC_STEP_CTL_FD = 36, /* the exec channel's end kept open for init */
     /* in the exec helper and the exec child (stdio, close_fds, caps,
      * no_new_privs above are shared) */
     DSEC_STEP_SETNS = 40,
@@ -69,6 +68,11 @@ enum dsec_step {
     DSEC_STEP_CHDIR = 43,
     DSEC_STEP_EXEC = 44,
     DSEC_STEP_EXEC_INTERP = 45,
+    /* dsec-init could not take an exec request (malformed, too many execs,
+     * no pidfd for it) */
+    DSEC_STEP_INIT_REQUEST = 46,
+    /* container and exec children: oom_score_adj back to 0 */
+    DSEC_STEP_OOM_SCORE = 47,
     /* user namespaces (csrc/userns.c; docs/hardening.md "User namespaces"):
      * userns_map in the daemon (dsec_userns_create); fsids, sysctl and
      * userns_enter in the container child; userns_enter in the exec child */
@@ -187,15 +191,18 @@ int dsec_seccomp_no_new_privs(void);
 int dsec_seccomp_export_pfc(int profile, int fd);
 /* init.c: the exec channel, a SOCK_SEQPACKET socketpair between the daemon
  * and a sandbox's dsec-init (init's end is its fd DSEC_INIT_CTL_FD), one
- * packet per message; docs/native-api.md. The daemon sends a request with
- * exactly three fds (SCM_RIGHTS: the exec's stdin, stdout, stderr); init
- * answers DSEC_INIT_STARTED (with a pidfd of the exec as the one fd, or
- * err.err set: it failed before execve) and, once it reaped the exec,
- * DSEC_INIT_EXITED with its wait status. */
+ * packet per message; docs/native-api.md. The daemon sends DSEC_INIT_OP_START
+ * with exactly three fds (SCM_RIGHTS: the exec's stdin, stdout, stderr); init
+ * answers DSEC_INIT_STARTED (with a pidfd of the exec as the one fd; no fd if
+ * it ended already; or err.err set: it failed before execve) and, once it
+ * reaped the exec, DSEC_INIT_EXITED with its wait status. DSEC_INIT_OP_KILL
+ * (header only) asks init to SIGKILL an exec the daemon has no pidfd for yet. */
 #define DSEC_INIT_CTL_FD 4
 #define DSEC_INIT_MAGIC 0x64736931
 #define DSEC_INIT_STARTED 1
 #define DSEC_INIT_EXITED 2
+#define DSEC_INIT_OP_START 0
+#define DSEC_INIT_OP_KILL 1
 #define DSEC_INIT_MAX_STRINGS 65536
 struct dsec_init_req {
     uint32_t magic;       /* DSEC_INIT_MAGIC */
@@ -206,7 +213,7 @@ struct dsec_init_req {
     uint32_t argc;
     uint32_t envc;
     uint32_t strings_len; /* bytes after this header: cwd, argv, envp, each NUL-terminated */
-    uint32_t reserved;
+    uint32_t op;          /* DSEC_INIT_OP_START or DSEC_INIT_OP_KILL */
 };
 struct dsec_init_reply {
     uint32_t magic;

@@ -5,7 +5,7 @@
  * Static functions in a header because dsec-init is a separate static binary
  * built from init.c alone. Everything here is async-signal-safe and
  * allocation-free: in spawn.c these run in a CLONE_VM child that shares the
- * daemon's memory, in init.c in a CLONE_VM child of init. Credentials are
+ * daemon's memory, in init.c in a forked child of init. Credentials are
  * changed with raw syscalls (glibc's setuid() broadcasts to every thread of
  * the process whose memory the child shares). Rules: csrc/ERRORS.md.
  */
@@ -68,6 +68,27 @@ static inline void signals_unblock(void)
 
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
+}
+
+/* oom_score_adj back to 0. A child inherits its parent's value and floor
+ * (oom_score_adj_min): the daemon's (systemd gives it -900) or its init's
+ * (-1000: the OOM killer is to pick the workload, not PID 1). Written by a
+ * holder of CAP_SYS_RESOURCE over the host (the spawn children, before they
+ * enter a user namespace), it also resets the floor, so the process cannot
+ * lower itself again; an exec of init inherits floor 0, as init's -1000 is
+ * set through the legacy oom_adj, which leaves the floor alone
+ * (container.py _protect_init_from_oom). */
+static inline int oom_score_reset(struct dsec_err *e)
+{
+    static const char path[] = "/proc/self/oom_score_adj";
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    long rc;
+
+    if (check(fd, e, DSEC_STEP_OOM_SCORE, path) < 0)
+        return -1;
+    rc = write(fd, "0", 1);
+    close(fd);
+    return check(rc, e, DSEC_STEP_OOM_SCORE, path);
 }
 
 /* Drop from the bounding set every capability not in keep. The loop ends at
@@ -170,17 +191,21 @@ static inline int exec_try_next(int err)
 /* execvpe over the PATH of the sandbox's env, without malloc: candidates are
  * built in a buffer on the child's stack. Like execvpe, a candidate that
  * exists but cannot run (EACCES, missing interpreter) is remembered while
- * later directories are tried; the first such one is reported. */
-static inline void exec_search(const char *const *argv, const char *const *envp, struct dsec_err *e)
+ * later directories are tried; the first such one is reported. Returns only
+ * when nothing ran, e filled; e is not touched before that (a caller reading
+ * it meanwhile, a vfork parent, must not see a failure for an exec that went
+ * on to succeed in a later directory). */
+static inline void exec_search(const char *const *argv, const char *const *envp, struct dsec_err *out)
 {
     const char *file = argv[0], *dir = env_path(envp);
     size_t flen = strlen(file);
     char buf[PATH_MAX];
+    struct dsec_err first, *e = &first;
     int err, seen = 0;
 
     if (strchr(file, '/')) {
         err = exec_try(file, argv, envp);
-        err_set(e, err ? DSEC_STEP_EXEC : DSEC_STEP_EXEC_INTERP, err ? err : ENOENT, file);
+        err_set(out, err ? DSEC_STEP_EXEC : DSEC_STEP_EXEC_INTERP, err ? err : ENOENT, file);
         return;
     }
     for (;;) {
@@ -195,7 +220,7 @@ static inline void exec_search(const char *const *argv, const char *const *envp,
             if ((err == 0 || err == EACCES) && !seen++)
                 err_set(e, err ? DSEC_STEP_EXEC : DSEC_STEP_EXEC_INTERP, err ? err : ENOENT, buf);
             else if (err && err != EACCES && !exec_try_next(err)) {
-                err_set(e, DSEC_STEP_EXEC, err, buf);
+                err_set(out, DSEC_STEP_EXEC, err, buf);
                 return;
             }
         }
@@ -203,8 +228,10 @@ static inline void exec_search(const char *const *argv, const char *const *envp,
             break;
         dir = end + 1;
     }
-    if (!seen)
-        err_set(e, DSEC_STEP_EXEC, ENOENT, file);
+    if (seen)
+        *out = first;
+    else
+        err_set(out, DSEC_STEP_EXEC, ENOENT, file);
 }
 
 #endif

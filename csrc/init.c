@@ -40,19 +40,27 @@
 #include "exec_steps.h"
 #include "missing_defs.h"
 
-/* Execs running at once; a request beyond that is answered EAGAIN (the
- * sandbox's pids.max usually stops it first). */
+/* Execs at once; a request beyond that is refused with EAGAIN (the sandbox's
+ * pids.max usually stops it first). */
 #define MAX_EXECS 4096
+/* Execs forked but not yet exec'ed (each with its error pipe in the poll
+ * set); while that many are starting, init reads no further requests. */
+#define MAX_STARTING 64
 #define MAX_STRINGS_PTRS (DSEC_INIT_MAX_STRINGS + 2)
 
-static struct {
+/* An exec init forked. `pipe` >= 0 while it is starting: the read end of a
+ * close-on-exec pipe the child writes its struct dsec_err to if a step before
+ * execve fails; EOF means it exec'ed (or died before writing). */
+struct exec {
     pid_t pid;
     uint32_t id;
-} execs[MAX_EXECS];
-static int n_execs;
+    int pipe;
+};
+static struct exec execs[MAX_EXECS];
+static int n_execs, n_starting;
 
-/* Static, not on the stack: the strings arrive here and the vfork child
- * reads them from here. Untouched pages cost no memory. */
+/* Static, not on the stack: requests are up to 64 KiB. Untouched pages cost
+ * no memory. */
 static union {
     struct dsec_init_req req;
     char bytes[sizeof(struct dsec_init_req) + DSEC_INIT_MAX_STRINGS];
@@ -67,7 +75,7 @@ struct request {
     int stdio[3];
 };
 
-/* ---- the exec child (a vfork child: shares init's memory until execve) -- */
+/* ---- the exec child (forked: its own copy of init's memory) -------------- */
 
 /* Effective = permitted: init holds the caps it hands on, never in effect.
  * *held is that set, which is also init's bounding set (spawn.c). */
@@ -95,22 +103,26 @@ static int caps_bound_drop(uint64_t drop, struct dsec_err *e)
 }
 
 /* The same checklist as spawn.c's exec_child, minus what init already did
- * for the whole sandbox (namespaces, cgroups, QoS, no_new_privs, seccomp). */
+ * for the whole sandbox (namespaces, cgroups, QoS, no_new_privs, seccomp).
+ * Signal dispositions need no reset: init never installs a handler. Every
+ * fd from 3 up (the channel, the upper tmpfs, the signalfd, the error pipe)
+ * is marked close-on-exec rather than closed: the error pipe must stay
+ * writable until execve. Returns only on failure, with e filled. */
 static void exec_child(const struct request *r, struct dsec_err *e)
 {
     const struct dsec_init_req *q = r->req;
     uint64_t held = 0;
 
-    if (check(setsid(), e, DSEC_STEP_SETSID, NULL) < 0 || stdio_dup(r->stdio, e) < 0 ||
-        check(syscall(SYS_close_range, 3, ~0U, 0), e, DSEC_STEP_CLOSE_FDS, NULL) < 0 ||
+    if (check(setsid(), e, DSEC_STEP_SETSID, NULL) < 0 || oom_score_reset(e) < 0 ||
+        stdio_dup(r->stdio, e) < 0 ||
+        check(syscall(SYS_close_range, 3, ~0U, CLOSE_RANGE_CLOEXEC), e, DSEC_STEP_CLOSE_FDS, NULL) < 0 ||
         caps_raise(&held, e) < 0 || caps_bound_drop(held & ~q->cap_keep, e) < 0 ||
         ids_set(q->uid, q->gid, q->cap_keep, e) < 0 || caps_set(q->cap_keep, e) < 0 ||
         check(chdir(r->cwd), e, DSEC_STEP_CHDIR, r->cwd) < 0)
-        _exit(127);
+        return;
     umask(022);
     signals_unblock();
     exec_search(r->argv, r->envp, e);
-    _exit(127);
 }
 
 /* ---- the channel ---------------------------------------------------------- */
@@ -139,13 +151,40 @@ static int send_reply(int ctl, const struct dsec_init_reply *rep, int fd)
     return 0;
 }
 
-static int reply_started(int ctl, uint32_t id, pid_t pid, const struct dsec_err *e, int pidfd)
+/* The channel, or -1 once it is gone: a failed send closes it. */
+static int ctl_fd = -1;
+
+static void reply(const struct dsec_init_reply *rep, int fd)
+{
+    if (ctl_fd >= 0 && send_reply(ctl_fd, rep, fd) < 0) {
+        close(ctl_fd);
+        ctl_fd = -1;
+    }
+}
+
+/* STARTED: with a pidfd (-1: none, the exec ended already) or an error. */
+static void reply_started(uint32_t id, pid_t pid, const struct dsec_err *e, int pidfd)
 {
     struct dsec_init_reply rep = {.magic = DSEC_INIT_MAGIC, .kind = DSEC_INIT_STARTED, .id = id, .pid = pid};
 
     if (e)
         rep.err = *e;
-    return send_reply(ctl, &rep, pidfd);
+    reply(&rep, pidfd);
+}
+
+static void reply_failed(uint32_t id, int step, int err)
+{
+    struct dsec_err e = {0};
+
+    err_set(&e, step, err, NULL);
+    reply_started(id, 0, &e, -1);
+}
+
+static void reply_exited(uint32_t id, int status)
+{
+    struct dsec_init_reply rep = {.magic = DSEC_INIT_MAGIC, .kind = DSEC_INIT_EXITED, .id = id, .status = status};
+
+    reply(&rep, -1);
 }
 
 /* Split the strings after the header into cwd, argv and envp; 0 if they
@@ -156,8 +195,8 @@ static int parse(struct request *r, size_t len)
     size_t want = 1 + (size_t)q->argc + q->envc, n = 0;
     const char *p = in.bytes + sizeof(*q), *end = in.bytes + len;
 
-    if (len < sizeof(*q) || q->magic != DSEC_INIT_MAGIC || q->strings_len != len - sizeof(*q) ||
-        q->argc < 1 || want + 2 > MAX_STRINGS_PTRS || (len > sizeof(*q) && end[-1] != '\0'))
+    if (q->strings_len != len - sizeof(*q) || q->argc < 1 || want + 2 > MAX_STRINGS_PTRS ||
+        (len > sizeof(*q) && end[-1] != '\0'))
         return 0;
     for (; p < end && n < want; n++) {
         ptrs[n + (n > q->argc)] = p; /* a NULL after argv */
@@ -203,52 +242,107 @@ static int take_fds(struct msghdr *msg, int *out, int max)
     return n;
 }
 
-static void start(int ctl, struct request *r)
+static void fds_close(const int *fds, int n)
 {
-    struct dsec_err e = {0};
+    for (int i = 0; i < n; i++)
+        close(fds[i]);
+}
+
+/* Fork the exec; its answer comes when its error pipe reports (started()).
+ * fork, not vfork: a sandbox process may SIGSTOP the child before it execs,
+ * and a vfork parent would then wait with it; init never waits on one. */
+static void start(struct request *r)
+{
+    uint32_t id = r->req->id;
+    int err_pipe[2];
     pid_t pid;
-    int pidfd;
 
     if (n_execs == MAX_EXECS) {
-        for (int i = 0; i < 3; i++)
-            close(r->stdio[i]);
-        err_set(&e, DSEC_STEP_CLONE, EAGAIN, NULL);
-        reply_started(ctl, r->req->id, 0, &e, -1);
+        fds_close(r->stdio, 3);
+        reply_failed(id, DSEC_STEP_INIT_REQUEST, EAGAIN);
         return;
     }
-    pid = vfork();
-    if (pid == 0)
+    if (pipe2(err_pipe, O_CLOEXEC) < 0) {
+        fds_close(r->stdio, 3);
+        reply_failed(id, DSEC_STEP_CLONE, errno);
+        return;
+    }
+    pid = fork();
+    if (pid == 0) {
+        struct dsec_err e = {0};
+
         exec_child(r, &e);
-    /* The child has its own copies now (or failed): init holds no exec's stdio. */
-    for (int i = 0; i < 3; i++)
-        close(r->stdio[i]);
-    if (pid < 0)
-        err_set(&e, DSEC_STEP_CLONE, errno, NULL);
-    if (e.err) {
-        if (pid > 0)
-            while (waitpid(pid, NULL, 0) < 0 && errno == EINTR)
-                ;
-        reply_started(ctl, r->req->id, 0, &e, -1);
+        while (write(err_pipe[1], &e, sizeof(e)) < 0 && errno == EINTR)
+            ;
+        _exit(127);
+    }
+    fds_close(r->stdio, 3); /* the child has its copies */
+    close(err_pipe[1]);
+    if (pid < 0) {
+        close(err_pipe[0]);
+        reply_failed(id, DSEC_STEP_CLONE, errno);
         return;
     }
-    /* Recorded before anything is sent: it can only be reaped by this loop. */
-    execs[n_execs].pid = pid;
-    execs[n_execs].id = r->req->id;
-    n_execs++;
-    pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
-    reply_started(ctl, r->req->id, pid, NULL, pidfd);
+    execs[n_execs++] = (struct exec){.pid = pid, .id = id, .pipe = err_pipe[0]};
+    n_starting++;
+}
+
+/* Starting exec i has exec'ed or failed (its pipe is readable). `status`
+ * >= 0: it was reaped already, with that wait status. */
+static void started(int i, int status)
+{
+    struct exec *x = &execs[i];
+    struct dsec_err e;
+    ssize_t n;
+    int pidfd = -1;
+
+    while ((n = read(x->pipe, &e, sizeof(e))) < 0 && errno == EINTR)
+        ;
+    close(x->pipe);
+    x->pipe = -1;
+    n_starting--;
+    if (n == (ssize_t)sizeof(e) && e.err) { /* a step before execve failed; reaped as an orphan */
+        reply_started(x->id, 0, &e, -1);
+        *x = execs[--n_execs];
+        return;
+    }
+    if (status < 0) {
+        pidfd = (int)syscall(SYS_pidfd_open, x->pid, 0);
+        if (pidfd < 0) { /* no way for the daemon to kill it: it does not run */
+            kill(x->pid, SIGKILL);
+            reply_failed(x->id, DSEC_STEP_INIT_REQUEST, errno);
+            *x = execs[--n_execs];
+            return;
+        }
+    }
+    reply_started(x->id, x->pid, NULL, pidfd);
     if (pidfd >= 0)
         close(pidfd);
+    if (status >= 0) {
+        reply_exited(x->id, status);
+        *x = execs[--n_execs];
+    }
+}
+
+/* DSEC_INIT_OP_KILL: SIGKILL an exec that has not answered STARTED yet (the
+ * daemon has no pidfd for it), or the group of one that runs. */
+static void kill_exec(uint32_t id)
+{
+    for (int i = 0; i < n_execs; i++)
+        if (execs[i].id == id) {
+            kill(execs[i].pipe >= 0 ? execs[i].pid : -execs[i].pid, SIGKILL);
+            return;
+        }
 }
 
 /* One request; -1 when the channel is gone (the daemon closed it or died). */
-static int serve(int ctl)
+static int serve(void)
 {
     char anc[CMSG_SPACE(4 * sizeof(int))];
     struct iovec iov = {.iov_base = in.bytes, .iov_len = sizeof(in.bytes)};
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = anc, .msg_controllen = sizeof(anc)};
     struct request r = {0};
-    ssize_t len = recvmsg(ctl, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    ssize_t len = recvmsg(ctl_fd, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
     int n;
 
     if (len < 0)
@@ -256,23 +350,27 @@ static int serve(int ctl)
     if (len == 0)
         return -1;
     n = take_fds(&msg, r.stdio, 3);
-    if (n != 3 || (msg.msg_flags & MSG_TRUNC) || !parse(&r, (size_t)len)) {
-        struct dsec_err e = {0};
-        uint32_t id = (size_t)len >= sizeof(in.req) ? in.req.id : 0;
-
-        for (int i = 0; i < n; i++)
-            close(r.stdio[i]);
-        err_set(&e, DSEC_STEP_INIT_REQUEST, EINVAL, NULL);
-        return reply_started(ctl, id, 0, &e, -1);
+    if ((size_t)len >= sizeof(in.req) && in.req.magic == DSEC_INIT_MAGIC && in.req.op == DSEC_INIT_OP_KILL &&
+        n == 0) {
+        kill_exec(in.req.id);
+        return 0;
     }
-    start(ctl, &r); /* closes the stdio fds */
+    if ((size_t)len < sizeof(in.req) || in.req.magic != DSEC_INIT_MAGIC || in.req.op != DSEC_INIT_OP_START ||
+        n != 3 || (msg.msg_flags & MSG_TRUNC) || !parse(&r, (size_t)len)) {
+        fds_close(r.stdio, n > 0 ? n : 0);
+        reply_failed((size_t)len >= sizeof(in.req) ? in.req.id : 0, DSEC_STEP_INIT_REQUEST, EINVAL);
+        return 0;
+    }
+    start(&r);
     return 0;
 }
 
 /* ---- reaping ---------------------------------------------------------------- */
 
-/* Reap every child that exited; an exec's status goes to the daemon. */
-static void reap_all(int *ctl)
+/* Reap every child that exited. A running exec's status goes to the daemon;
+ * a starting one is answered first (its pipe is at EOF or holds its error
+ * now that it is gone); others are the sandbox's orphans. */
+static void reap_all(void)
 {
     int status;
     pid_t pid;
@@ -281,13 +379,11 @@ static void reap_all(int *ctl)
         for (int i = 0; i < n_execs; i++) {
             if (execs[i].pid != pid)
                 continue;
-            struct dsec_init_reply rep = {
-                .magic = DSEC_INIT_MAGIC, .kind = DSEC_INIT_EXITED, .id = execs[i].id, .status = status};
-
-            execs[i] = execs[--n_execs];
-            if (*ctl >= 0 && send_reply(*ctl, &rep, -1) < 0) {
-                close(*ctl);
-                *ctl = -1;
+            if (execs[i].pipe >= 0)
+                started(i, status);
+            else {
+                reply_exited(execs[i].id, status);
+                execs[i] = execs[--n_execs];
             }
             break;
         }
@@ -312,10 +408,9 @@ static int caps_lower(void)
 static int reaper_only(const sigset_t *all)
 {
     siginfo_t info;
-    int none = -1;
 
     for (;;) {
-        reap_all(&none); /* also catches children that exited before we blocked */
+        reap_all(); /* also catches children that exited before we blocked */
         if (sigwaitinfo(all, &info) < 0)
             continue; /* EINTR */
         if (info.si_signo == SIGTERM || info.si_signo == SIGINT)
@@ -323,27 +418,57 @@ static int reaper_only(const sigset_t *all)
     }
 }
 
-static int serve_forever(int ctl, const sigset_t *all)
+/* The poll set: the signalfd, the channel (while it is up and fewer than
+ * MAX_STARTING execs are starting) and the error pipe of each starting exec. */
+static int poll_set(struct pollfd *p, int sfd, int *index)
+{
+    int n = 0;
+
+    p[n++] = (struct pollfd){.fd = sfd, .events = POLLIN};
+    if (ctl_fd >= 0 && n_starting < MAX_STARTING)
+        p[n++] = (struct pollfd){.fd = ctl_fd, .events = POLLIN};
+    for (int i = 0; i < n_execs; i++)
+        if (execs[i].pipe >= 0) {
+            index[n] = i;
+            p[n++] = (struct pollfd){.fd = execs[i].pipe, .events = POLLIN};
+        }
+    return n;
+}
+
+static int serve_forever(const sigset_t *all)
 {
     int sfd = signalfd(-1, all, SFD_CLOEXEC | SFD_NONBLOCK);
 
     if (sfd < 0) {
-        close(ctl); /* the daemon sees the channel close and uses its own exec helper */
+        close(ctl_fd); /* the daemon sees the channel close and uses its own exec helper */
+        ctl_fd = -1;
         return reaper_only(all);
     }
     for (;;) {
-        struct pollfd p[2] = {{.fd = sfd, .events = POLLIN}, {.fd = ctl, .events = POLLIN}};
+        struct pollfd p[2 + MAX_STARTING];
+        int index[2 + MAX_STARTING], n, ctl_polled;
         struct signalfd_siginfo si;
 
-        reap_all(&ctl);
-        if (poll(p, ctl >= 0 ? 2 : 1, -1) < 0)
+        reap_all();
+        n = poll_set(p, sfd, index);
+        ctl_polled = n > 1 && p[1].fd == ctl_fd;
+        if (poll(p, (nfds_t)n, -1) < 0)
             continue; /* EINTR */
         while (read(sfd, &si, sizeof(si)) == sizeof(si))
             if (si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT)
                 return EXIT_SUCCESS;
-        if (ctl >= 0 && p[1].revents && serve(ctl) < 0) {
-            close(ctl);
-            ctl = -1;
+        /* Pipes first, from the highest index: started() may move the last
+         * exec into slot i, never one below it. */
+        for (int k = n - 1; k >= 1 + ctl_polled; k--)
+            if (p[k].revents)
+                started(index[k], -1);
+        if (ctl_polled && p[1].revents) {
+            /* The daemon closed its end: what it still queued was for a link
+             * it gave up (it failed those execs), so nothing more starts. */
+            if ((p[1].revents & (POLLHUP | POLLERR)) || serve() < 0) {
+                close(ctl_fd);
+                ctl_fd = -1;
+            }
         }
     }
 }
@@ -366,7 +491,9 @@ int main(int argc, char **argv)
         close(DSEC_INIT_CTL_FD); /* serve nothing: the daemon's helper starts execs */
         return reaper_only(&all);
     }
-    if (argc > 1 && strcmp(argv[1], "ctl") == 0)
-        return serve_forever(DSEC_INIT_CTL_FD, &all);
+    if (argc > 1 && strcmp(argv[1], "ctl") == 0) {
+        ctl_fd = DSEC_INIT_CTL_FD;
+        return serve_forever(&all);
+    }
     return reaper_only(&all);
 }

@@ -512,7 +512,7 @@ static int ctl_handoff(const struct container_ctx *c)
 
 /* Permitted = bounding = caps, effective and inheritable empty: init runs
  * with no capability in effect, and can still hand caps to an exec it forks
- * (exec_steps.h caps_raise). */
+ * (init.c caps_raise). */
 static int caps_permit(uint64_t caps, struct dsec_err *e)
 {
     struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3};
@@ -589,9 +589,15 @@ static int userns_enter(const struct container_ctx *c)
     return 0;
 }
 
+/* Not the daemon's oom_score_adj (and its floor): see exec_steps.h. */
+static int oom_reset(const struct container_ctx *c)
+{
+    return oom_score_reset(c->err);
+}
+
 /* The container child's checklist, in order (docs/native-api.md). */
 static int (*const container_steps[])(const struct container_ctx *) = {
-    fds_own,       netns_join,    cgroups_enter, sched_enter,  userns_fsids, rootfs_mount,
+    fds_own,       oom_reset,     netns_join,    cgroups_enter, sched_enter,  userns_fsids, rootfs_mount,
     userns_sysctls, dev_mount,    proc_protect, tmp_mount,    hostname_set,
     loopback_up,   root_pivot,    init_stdio,   upper_handoff, ctl_handoff,
     userns_enter,  privileges_drop,
@@ -709,9 +715,10 @@ static int exec_child(void *arg)
     const int stdio[3] = {a->stdin_fd, a->stdout_fd, a->stderr_fd};
 
     signals_reset();
-    /* QoS first, while still root with every capability: SHARE_FROM needs
-     * ptrace access to the sandbox's PID 1 (pid 1 in our pid namespace). */
-    if ((a->sched_idle && helper_step(dsec_sched_set_idle(0), e, DSEC_STEP_SCHED_IDLE) < 0) ||
+    /* The OOM score first and QoS next, while still root with every
+     * capability over the host: SHARE_FROM needs ptrace access to the
+     * sandbox's PID 1 (pid 1 in our pid namespace). */
+    if (oom_score_reset(e) < 0 || (a->sched_idle && helper_step(dsec_sched_set_idle(0), e, DSEC_STEP_SCHED_IDLE) < 0) ||
         (a->core_sched && helper_step(dsec_sched_core_share_from(1), e, DSEC_STEP_SCHED_CORE) < 0))
         _exit(127);
     /* The user namespace next, through the pidfd, a long-lived fd of the
@@ -806,7 +813,8 @@ int dsec_pidfd_send_signal(int pidfd, int sig)
 
 /* sig to the process group led by pidfd's process (the kernel takes its pid
  * as the group's id; an exec dsec-init forks leads its own session): Linux
- * 6.9+, EINVAL before. ESRCH once the leader was reaped. */
+ * 6.9+, EINVAL before. The group is found by that pid even after its leader
+ * was reaped; ESRCH once no member is left. */
 int dsec_pidfd_kill_group(int pidfd, int sig)
 {
     return syscall(SYS_pidfd_send_signal, pidfd, sig, NULL, PIDFD_SIGNAL_PROCESS_GROUP) < 0 ? -errno : 0;

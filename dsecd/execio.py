@@ -85,8 +85,9 @@ class ExecIO:
         """Wait for the process and its output; kill its process group on timeout.
 
         pid: our child (the daemon's helper made it). by_init: instead, an
-        exec the sandbox's init forked (dsecd/initlink.py Started), whose
-        exit and kill come through init's channel."""
+        exec sent to the sandbox's init (dsecd/initlink.py InitExec), whose
+        exit and kill come through init's channel; its `exited` fails with
+        the NativeError of a start that failed."""
         started = time.monotonic()
         if by_init is None:
             self.pid = pid

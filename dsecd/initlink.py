@@ -9,15 +9,18 @@ daemon's fd table (docs/burst.md, round 5).
 One SOCK_SEQPACKET socketpair per sandbox, made at create; init's end is its
 fd 4 (csrc/init.c; the message layouts are in csrc/dsec_native.h). This side
 lives on the event loop: `spawn` sends one request, stdio passed with
-SCM_RIGHTS, and returns a `Started` whose `pidfd` future resolves once init
-answered (or fails with the NativeError of a step before execve) and whose
-`exited` future resolves to {"status": wait status} once init reaped it.
+SCM_RIGHTS, and returns an `InitExec` whose `exited` future resolves to
+{"status": wait status} once init reaped the exec, or fails with the
+NativeError of a step before execve. Its `kill` works from the moment it is
+sent: before init said it started, by asking init (OP_KILL); after, through
+the pidfd init sent, on the exec's whole process group.
 
 What init says is believed about its own sandbox only: the one fd it may send
-is used as a pidfd to kill that exec's process group, nothing else. An answer
-that breaks the protocol closes the channel; later execs of that sandbox go
-through the daemon's helper. A sandbox adopted after a daemon restart has no
-channel (its init still holds the old, closed end) and does the same.
+must be a pidfd, and is only used to kill that exec's group, which the kernel
+confines to init's pid namespace. An answer that breaks the protocol closes
+the channel; later execs of that sandbox go through the daemon's helper. A
+sandbox adopted after a daemon restart has no channel (its init still holds
+the old, closed end) and does the same.
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ import os
 import signal
 import socket
 import struct
+import threading
 
 from . import native
 
 log = logging.getLogger(__name__)
 
-# struct dsec_init_req: magic, id, uid, gid, cap_keep, argc, envc, strings_len, reserved
+# struct dsec_init_req: magic, id, uid, gid, cap_keep, argc, envc, strings_len, op
 _REQ = struct.Struct("=IIIIQIIII")
 # struct dsec_init_reply up to its err: magic, kind, id, pid, status, reserved; then err.err
 _REPLY_HEAD = struct.Struct("=IIIiii")
@@ -42,44 +46,39 @@ _ERRNO = struct.Struct("=i")
 assert _REQ.size == native.INIT_REQ_SIZE and _REPLY_HEAD.size == native.INIT_REPLY_ERR_OFFSET
 
 KILLED = signal.SIGKILL        # wait status of a process killed by SIGKILL
+# Send errors that mean init's end is gone (it exited): its execs died with it.
+_GONE = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF)
 
 
-class Started:
-    """One exec sent to init. `pidfd` and `exited` are loop futures."""
+class InitExec:
+    """One exec sent to init; `exited` is a loop future."""
 
-    __slots__ = ("link", "id", "request", "pidfd", "exited", "_fd", "_abandoned")
+    __slots__ = ("link", "id", "request", "exited", "running", "_fd", "_kill_sent")
 
     def __init__(self, link: InitLink, exec_id: int, request: tuple):
         self.link = link
         self.id = exec_id
         self.request = request         # (argv0, env, uid, cwd): what an error names
-        self.pidfd: asyncio.Future = link.loop.create_future()
         self.exited: asyncio.Future = link.loop.create_future()
-        self._fd = -1
-        self._abandoned = False
+        self.running = False           # init answered STARTED
+        self._fd = -1                  # its pidfd, while it may still run
+        self._kill_sent = False
 
     def kill(self) -> None:
         """SIGKILL the exec's process group (it leads its own session)."""
         if self._fd >= 0:
             try:
                 native.pidfd_kill_group(self._fd, signal.SIGKILL)
-            except OSError:       # gone already (ESRCH), or a lying init's non-pidfd
+            except OSError:       # no member left (ESRCH)
                 pass
+        elif not self.running and not self._kill_sent:
+            self._kill_sent = True
+            self.link.send_kill(self.id)
 
     def abandon(self) -> None:
-        """Its request is gone (cancelled): kill it now, or as soon as it
-        starts; nobody waits for its futures any more."""
-        self._abandoned = True
+        """Its request is gone (cancelled): kill it; nobody waits for it any more."""
         self.kill()
-        for fut in (self.pidfd, self.exited):
-            fut.cancel()
-
-    def _on_started(self, fd: int) -> None:
-        self._fd = fd
-        if self._abandoned:
-            self.kill()
-        if not self.pidfd.done():
-            self.pidfd.set_result(fd)
+        self.exited.cancel()
 
     def _close(self) -> None:
         if self._fd >= 0:
@@ -97,40 +96,61 @@ class InitLink:
         self.sock = sock
         self.sock.setblocking(False)
         self.loop: asyncio.AbstractEventLoop | None = None     # set by the first spawn
-        self.pending: dict[int, Started] = {}
+        self.pending: dict[int, InitExec] = {}
         self.next_id = 1
         self.closed = False
+        self._lock = threading.Lock()     # attaching to the loop vs a close from a worker thread
 
     # ------------------------------------------------------------ requests
 
     def spawn(self, loop: asyncio.AbstractEventLoop, argv: list[str], env: list[str], cwd: str, uid: int,
-              cap_keep: int, stdio: tuple[int, int, int]) -> Started | None:
+              cap_keep: int, stdio: tuple[int, int, int]) -> InitExec | None:
         """Ask init to start argv; None if this channel cannot take it (closed,
         too big for one packet, init not reading): use the daemon's helper.
         The stdio fds are in the kernel's hands once this returns: the caller
         may close its copies. ValueError for strings or ids execve cannot take."""
-        if self.closed:
-            return None
-        native.check_exec_request(argv, env, cwd, uid, uid)     # ValueError: as the helper's
+        native.check_exec_request(argv, env, cwd, uid, uid)     # as the helper's
         strings = b"\0".join(os.fsencode(s) for s in (cwd, *argv, *env)) + b"\0"
         if len(strings) > native.INIT_MAX_STRINGS:
             return None
-        if self.loop is None:
-            self.loop = loop
-            loop.add_reader(self.sock.fileno(), self._on_readable)
-        exec_id = self.next_id
-        self.next_id = self.next_id % 0xFFFFFFFF + 1
-        head = _REQ.pack(native.INIT_MAGIC, exec_id, uid, uid, cap_keep, len(argv), len(env), len(strings), 0)
+        with self._lock:
+            if self.closed:
+                return None
+            if self.loop is None:
+                self.loop = loop
+                loop.add_reader(self.sock.fileno(), self._on_readable)
+        exec_id = self._next_id()
+        head = _REQ.pack(native.INIT_MAGIC, exec_id, uid, uid, cap_keep, len(argv), len(env), len(strings),
+                         native.INIT_OP_START)
         try:
             socket.send_fds(self.sock, [head, strings], list(stdio))
         except BlockingIOError:
             return None            # init's queue is full: it is busy or frozen
-        except OSError as err:     # init is gone
-            self.close(f"send: {err}")
-            return None
-        started = Started(self, exec_id, (argv[0], env, uid, cwd))
+        except OSError as err:
+            if err.errno in _GONE:
+                self.close(None)
+            return None            # anything else (ENOBUFS, ...): this one goes through the helper
+        started = InitExec(self, exec_id, (argv[0], env, uid, cwd))
         self.pending[exec_id] = started
         return started
+
+    def _next_id(self) -> int:
+        exec_id = self.next_id
+        self.next_id = self.next_id % 0xFFFFFFFF + 1
+        return exec_id
+
+    def send_kill(self, exec_id: int) -> None:
+        """OP_KILL: init SIGKILLs an exec it has not reported started (retried
+        while init's queue is full)."""
+        if self.closed or exec_id not in self.pending:
+            return
+        head = _REQ.pack(native.INIT_MAGIC, exec_id, 0, 0, 0, 0, 0, 0, native.INIT_OP_KILL)
+        try:
+            self.sock.send(head)
+        except BlockingIOError:
+            self.loop.call_later(0.01, self.send_kill, exec_id)
+        except OSError as err:
+            self.close(None if err.errno in _GONE else f"send: {err}")
 
     # ------------------------------------------------------------ answers
 
@@ -142,12 +162,12 @@ class InitLink:
             except BlockingIOError:
                 return
             except OSError as err:
-                self.close(f"receive: {err}")
+                self.close(None if err.errno in _GONE else f"receive: {err}")
                 return
             if not data:
-                self.close(None)           # init exited: the sandbox is gone
                 for fd in fds:
                     os.close(fd)
+                self.close(None)           # init exited: the sandbox is gone
                 return
             why = self._answer(data, fds, flags)
             if why is not None:
@@ -158,32 +178,34 @@ class InitLink:
                 return
 
     def _answer(self, data: bytes, fds: list[int], flags: int) -> str | None:
-        """Apply one answer; the reason it breaks the protocol, or None."""
+        """Apply one answer; the reason it breaks the protocol, or None. The
+        fds it keeps are taken out of `fds`."""
         if len(data) != native.INIT_REPLY_SIZE or flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
             return f"an answer of {len(data)} bytes"
         magic, kind, exec_id, _pid, status, _ = _REPLY_HEAD.unpack_from(data)
-        started = self.pending.get(exec_id)
-        if magic != native.INIT_MAGIC or started is None:
+        run = self.pending.get(exec_id)
+        if magic != native.INIT_MAGIC or run is None:
             return f"an answer for unknown exec {exec_id}"
-        if kind == native.INIT_STARTED and started._fd < 0:
+        if kind == native.INIT_STARTED and not run.running:
             (err_no,) = _ERRNO.unpack_from(data, native.INIT_REPLY_ERR_OFFSET)
             if err_no:
                 if fds:
                     return "an fd with a failed start"
                 del self.pending[exec_id]
-                if not started.pidfd.done():      # else abandoned: nobody waits
-                    started.pidfd.set_exception(native.init_exec_error(data[native.INIT_REPLY_ERR_OFFSET:],
-                                                                       *started.request))
+                if not run.exited.done():      # else abandoned: nobody waits
+                    run.exited.set_exception(native.init_exec_error(data[native.INIT_REPLY_ERR_OFFSET:],
+                                                                    *run.request))
                 return None
-            if len(fds) != 1:
-                return f"{len(fds)} fds with a start"
-            started._on_started(fds.pop())
+            if fds and not _is_pidfd(fds[0]):
+                return "an fd that is not a pidfd"
+            run.running = True
+            run._fd = fds.pop() if fds else -1      # none: it ended already, EXITED follows
             return None
-        if kind == native.INIT_EXITED and not fds and (started._fd >= 0):
+        if kind == native.INIT_EXITED and not fds and run.running:
             del self.pending[exec_id]
-            started._close()         # its pid is free now: no kill through it any more
-            if not started.exited.done():
-                started.exited.set_result({"status": status})
+            run._close()
+            if not run.exited.done():
+                run.exited.set_result({"status": status})
             return None
         return f"answer kind {kind} out of order for exec {exec_id}"
 
@@ -193,28 +215,44 @@ class InitLink:
         """Stop using the channel. why None: the sandbox is going (init exits
         or is killed), so every exec still running ends by SIGKILL; else the
         channel broke while they may still run: they are killed, and fail."""
-        if self.loop is not None and not _on_loop(self.loop):
-            self.loop.call_soon_threadsafe(self.close, why)
+        with self._lock:
+            loop = self.loop
+            if loop is None:              # never used: no reader, nothing pending
+                if not self.closed:
+                    self.closed = True
+                    self.sock.close()
+                return
+        if not _on_loop(loop):
+            try:
+                loop.call_soon_threadsafe(self.close, why)
+            except RuntimeError:          # the loop is closed: nothing reads the socket any more
+                self.sock.close()
             return
         if self.closed:
             return
         self.closed = True
-        if self.loop is not None:
-            self.loop.remove_reader(self.sock.fileno())
+        loop.remove_reader(self.sock.fileno())
         self.sock.close()
         pending, self.pending = self.pending, {}
-        for started in pending.values():
-            started.kill()
-            started._close()
-            gone = OSError(errno.EPIPE, f"lost the exec channel to the sandbox's init ({why})")
-            if not started.pidfd.done():      # not started: the caller waits on pidfd only
-                started.pidfd.set_exception(gone if why else OSError(errno.ESRCH, "the sandbox's init exited"))
-                started.exited.cancel()
-            elif not started.exited.done():
-                if why is None:
-                    started.exited.set_result({"status": KILLED})
-                else:
-                    started.exited.set_exception(gone)
+        for run in pending.values():
+            run.kill()
+            run._close()
+            if run.exited.done():
+                continue
+            if why is None:
+                run.exited.set_result({"status": KILLED})
+            else:
+                run.exited.set_exception(OSError(errno.EPIPE, f"lost the exec channel to the sandbox's init ({why})"))
+
+
+def _is_pidfd(fd: int) -> bool:
+    """Whether fd is a pidfd ("pidfd:[...]" on pidfs, Linux 6.9+, which the
+    channel needs anyway; "anon_inode:[pidfd]" before)."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return False
+    return target.startswith("pidfd:") or target == "anon_inode:[pidfd]"
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
@@ -227,4 +265,3 @@ def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
 def pair() -> tuple[socket.socket, socket.socket]:
     """(the daemon's end, init's end): close-on-exec, as socketpair makes them."""
     return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-

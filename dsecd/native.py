@@ -71,6 +71,7 @@ _VERBS = {
     "userns_sysctl": "write sysctl", "userns_enter": "enter user namespace of",
     "netns_join": "join the pooled network namespace of",
     "ctl_fd": "hand the exec channel to", "init_request": "have the sandbox's init start",
+    "oom_score": "reset the OOM score of",
 }
 
 _MOUNT_STEPS = {"mount_private", "mount_overlay", "mount_proc", "mount_dev", "dev_node",
@@ -497,6 +498,8 @@ INIT_CTL_FD: int = lib.DSEC_INIT_CTL_FD
 INIT_MAGIC: int = lib.DSEC_INIT_MAGIC
 INIT_STARTED: int = lib.DSEC_INIT_STARTED
 INIT_EXITED: int = lib.DSEC_INIT_EXITED
+INIT_OP_START: int = lib.DSEC_INIT_OP_START
+INIT_OP_KILL: int = lib.DSEC_INIT_OP_KILL
 INIT_MAX_STRINGS: int = lib.DSEC_INIT_MAX_STRINGS
 INIT_REQ_SIZE: int = ffi.sizeof("struct dsec_init_req")
 INIT_REPLY_SIZE: int = ffi.sizeof("struct dsec_init_reply")

@@ -14,6 +14,7 @@ Sandbox states:
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import logging
 import os
@@ -46,6 +47,7 @@ from .fs import files as sbfiles
 from .fs import upper as upperfs
 from .fs.images import ImageError
 from .imageops import ImageOps, image_error
+from .initlink import InitExec
 from .journal import Journal
 from .mem import pause
 from .memops import MemOps, parse_duration
@@ -683,10 +685,12 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             argv = tracing.traced_argv(req.argv) if req.trace else list(req.argv)
             # A traced exec needs the daemon's helper: the tracer attaches to the daemon's child.
             tracer = None
-            started = None if req.trace else await self._start_by_init(sb, argv, env, cwd, user, io,
-                                                                        io.child_fds())
+            started = None if req.trace else self._start_by_init(sb, argv, env, cwd, user, io, io.child_fds())
             if started is not None:
-                result = await io.run(None, timeout, self.limits["exec_drain_grace_s"], started)
+                try:
+                    result = await io.run(None, timeout, self.limits["exec_drain_grace_s"], started)
+                except OSError as err:
+                    raise _init_exec_error(err, sb, argv[0], cwd) from err
             else:
                 pid = await self._spawn_exec(sb, argv, env, cwd, user, io.child_fds(), io)
                 if req.trace:
@@ -716,10 +720,14 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         started = exited = stop_watching = None
         pid = None
         try:
-            started = await self._start_by_init(sb, argv, env, cwd, user, run, (self._devnull, *run.child_ends))
+            started = self._start_by_init(sb, argv, env, cwd, user, run, (self._devnull, *run.child_ends))
             if started is not None:
+                # The timeout counts from here: a start init cannot finish is killed too.
                 run.start(started.exited, started.kill, timeout)
-                return await run.done
+                try:
+                    return await run.done
+                except OSError as err:
+                    raise _init_exec_error(err, sb, argv[0], cwd) from err
             pid = await self._spawn_exec(sb, argv, env, cwd, user, (self._devnull, *run.child_ends), run)
             exited, stop_watching = watch_exit(self.loop, pid)
             run.start(exited, functools.partial(kill_group, pid), timeout)
@@ -741,12 +749,13 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             sb.last_active = time.monotonic()
             ctx.unregister_exec()
 
-    async def _start_by_init(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int, io,
-                             stdio: tuple[int, int, int]):
-        """The exec started by the sandbox's init (dsecd/initlink.py Started),
-        or None: the daemon's helper must start it (no channel: an adopted
-        sandbox or exec_via = helper; or the channel cannot take this one: too
-        big, init busy). `io` owns the child ends in stdio, closed once sent."""
+    def _start_by_init(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int, io,
+                       stdio: tuple[int, int, int]) -> InitExec | None:
+        """The exec sent to the sandbox's init (dsecd/initlink.py), or None:
+        the daemon's helper must start it (no channel: an adopted sandbox or
+        exec_via = helper; or the channel cannot take this one: too big, init
+        busy). `io` owns the child ends in stdio, closed once sent. Whether it
+        started shows in its `exited` (a failed start: _init_exec_error)."""
         link = sb.handle.init_link if sb.handle is not None else None
         if link is None:
             return None
@@ -754,18 +763,8 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             started = link.spawn(self.loop, argv, env, cwd, user, self.backend.caps, stdio)
         except ValueError as err:     # as the helper's argument checks (_spawn_exec)
             raise BadRequest(f"exec: {err}") from err
-        if started is None:
-            return None
-        io.close_child_ends()         # sent: init holds them now
-        try:
-            await started.pidfd
-        except NativeError as err:
-            raise _exec_error(err, argv[0], cwd) from err
-        except OSError as err:        # the sandbox's init exited or broke the channel
-            raise Conflict(f"sandbox {sb.id} is exiting; cannot start {argv[0]!r}: {err}") from err
-        except asyncio.CancelledError:
-            started.abandon()
-            raise
+        if started is not None:
+            io.close_child_ends()     # sent: init holds them now
         return started
 
     async def _spawn_exec(self, sb: Sandbox, argv: list[str], env: dict, cwd: str, user: int,
@@ -890,6 +889,15 @@ def _check_process(req) -> None:
         raise BadRequest(f"cwd must be absolute, got {req.cwd!r}")
     if not 0 <= req.user < 2**32 - 1:
         raise BadRequest(f"user must be a uid in [0, 2^32-1), got {req.user}")
+
+
+def _init_exec_error(err: OSError, sb: Sandbox, prog: str, cwd: str) -> DsecError:
+    """An exec init could not start (NativeError of its step), or whose
+    channel broke (the exec was killed)."""
+    if isinstance(err, NativeError):
+        return _exec_error(err, prog, cwd)
+    return DsecError(f"exec {prog!r} in sandbox {sb.id}: {err}", {"errno": errno.errorcode.get(err.errno or 0)},
+                     code="io")
 
 
 def _exec_error(err: NativeError, prog: str, cwd: str) -> DsecError:

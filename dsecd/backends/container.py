@@ -408,11 +408,17 @@ if not _CAN_LOWER_OOM_SCORE:
 
 def _protect_init_from_oom(pid: int) -> None:
     """The memory limit's OOM killer should pick the workload, not PID 1 (which
-    would end the whole sandbox)."""
+    would end the whole sandbox).
+
+    Through the legacy oom_adj (-17 is oom_score_adj -1000): a write to
+    oom_score_adj by a holder of CAP_SYS_RESOURCE also sets the floor
+    (oom_score_adj_min) to -1000, which every process init forks would
+    inherit and could lower itself back to after resetting its score
+    (csrc/exec_steps.h oom_score_reset), escaping the OOM killer."""
     if not _CAN_LOWER_OOM_SCORE:
         return
     try:
-        sysfs.write(f"/proc/{pid}/oom_score_adj", "-1000")
+        sysfs.write(f"/proc/{pid}/oom_adj", "-17")
     except OSError as err:
-        log.warning("set oom_score_adj of sandbox init %d: %s", pid, err.strerror)
+        log.warning("set oom_adj of sandbox init %d: %s", pid, err.strerror)
 

@@ -88,6 +88,42 @@ def test_only_stdio_is_open_and_the_seccomp_filter_is_init_s(sandbox):
     assert sandbox.exec(["unshare", "-U", "true"]).exit_code != 0      # the filter denies new namespaces
 
 
+def _status_and_more(sandbox, via_helper: bool) -> list[bytes]:
+    """An exec's view of itself: /proc/self/status lines that differ by how a
+    process was set up, its cgroups, its OOM score, umask, parent. A request
+    over init's packet size goes to the helper."""
+    pad = ["x" * (native.INIT_MAX_STRINGS + 1)] if via_helper else []
+    script = ("grep -E '^(Uid|Gid|Groups|NoNewPrivs|Seccomp|SigBlk|SigIgn|Cap[A-Za-z]+):' /proc/self/status; "
+              "cat /proc/self/cgroup; echo oom $(cat /proc/self/oom_score_adj); "
+              "echo ppid $PPID; echo umask $(umask)")
+    return sandbox.exec(["sh", "-c", script, "sh", *pad], user=1234).stdout.splitlines()
+
+
+def test_an_exec_by_init_is_set_up_as_one_by_the_helper(sandbox):
+    by_init, by_helper = _status_and_more(sandbox, False), _status_and_more(sandbox, True)
+    assert b"ppid 1" in by_init and b"ppid 0" in by_helper
+    assert b"oom 0" in by_init and b"umask 0022" in by_init and b"Uid:\t1234\t1234\t1234\t1234" in by_init
+    assert ([x for x in by_init if not x.startswith(b"ppid")] ==
+            [x for x in by_helper if not x.startswith(b"ppid")])
+
+
+def test_an_exec_cannot_lower_its_oom_score(sandbox):
+    for user in (0, 1234):
+        r = sandbox.exec(["sh", "-c", "echo -1 > /proc/self/oom_score_adj"], user=user)
+        assert r.exit_code != 0, user
+
+
+def test_a_path_entry_that_cannot_run_is_skipped_and_init_keeps_serving(sandbox):
+    # A non-executable `true` earlier in PATH: the search goes on to /bin/true.
+    sandbox.exec(["sh", "-c", "mkdir -p /usr/local/bin && echo x > /usr/local/bin/true && chmod 644 /usr/local/bin/true"])
+    try:
+        r = sandbox.exec(["true"])
+        assert (r.exit_code, r.signal) == (0, None)
+        assert sandbox.exec(PPID).stdout == b"1\n"
+    finally:
+        sandbox.exec(["rm", "-f", "/usr/local/bin/true"])
+
+
 def test_errors_before_execve_name_their_step(sandbox):
     with pytest.raises(NotFound, match="no such file or command"):
         sandbox.exec(["no-such-command"])

@@ -68,21 +68,69 @@ def test_a_request_carries_ids_caps_strings_and_three_fds():
     asyncio.run(go())
 
 
-def test_started_then_exited_resolve_pidfd_and_status():
+def _pidfd_of_sleeper() -> tuple[subprocess.Popen, int]:
+    """A process leading its own group, as an exec does, and a pidfd of it."""
+    proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    return proc, os.pidfd_open(proc.pid)
+
+
+async def _reaped(proc: subprocess.Popen) -> int:
+    return await asyncio.get_running_loop().run_in_executor(None, proc.wait, 5)
+
+
+def _sent(link, init, argv=("true",)):
+    mine, stdio = _stdio()
+    run = link.spawn(asyncio.get_running_loop(), list(argv), [], "/", 0, 0, stdio)
+    _close(mine)
+    _close(_read_request(init)[2])
+    return run
+
+
+def test_started_then_exited_resolve_status_and_the_pidfd_kills_the_group():
     async def go():
         link, init = _link()
-        mine, stdio = _stdio()
-        started = link.spawn(asyncio.get_running_loop(), ["true"], [], "/", 0, 0, stdio)
-        _close(mine)
-        _close(_read_request(init)[2])
-        r, w = os.pipe()           # any fd stands for the pidfd here
-        socket.send_fds(init, [_reply(native.INIT_STARTED, started.id, pid=7)], [r])
-        fd = await asyncio.wait_for(started.pidfd, 2)
-        assert fd >= 0 and fd != r
-        init.send(_reply(native.INIT_EXITED, started.id, status=3 << 8))
-        assert await asyncio.wait_for(started.exited, 2) == {"status": 3 << 8}
+        run = _sent(link, init)
+        proc, pidfd = _pidfd_of_sleeper()
+        socket.send_fds(init, [_reply(native.INIT_STARTED, run.id, pid=7)], [pidfd])
+        os.close(pidfd)
+        for _ in range(100):
+            if run.running:
+                break
+            await asyncio.sleep(0.01)
+        run.kill()
+        assert await _reaped(proc) == -signal.SIGKILL
+        init.send(_reply(native.INIT_EXITED, run.id, status=signal.SIGKILL))
+        assert await asyncio.wait_for(run.exited, 2) == {"status": signal.SIGKILL}
         assert not link.pending
-        _close([r, w])
+        link.close(None)
+        init.close()
+    asyncio.run(go())
+
+
+def test_an_exec_that_ended_before_init_answered_comes_without_a_pidfd():
+    async def go():
+        link, init = _link()
+        run = _sent(link, init)
+        init.send(_reply(native.INIT_STARTED, run.id, pid=7))
+        init.send(_reply(native.INIT_EXITED, run.id, status=3 << 8))
+        assert await asyncio.wait_for(run.exited, 2) == {"status": 3 << 8}
+        assert not link.closed
+        link.close(None)
+        init.close()
+    asyncio.run(go())
+
+
+def test_a_kill_before_init_answered_asks_init():
+    async def go():
+        link, init = _link()
+        run = _sent(link, init, ["sleep", "9"])
+        run.kill()
+        run.kill()                     # asked once
+        head, strings, fds = _read_request(init)
+        assert (head[0], head[1], head[-1], strings, fds) == (native.INIT_MAGIC, run.id, native.INIT_OP_KILL, [], [])
+        init.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            init.recv(1)
         link.close(None)
         init.close()
     asyncio.run(go())
@@ -92,84 +140,82 @@ def test_a_failed_start_is_the_native_error_of_its_step():
     async def go():
         link, init = _link()
         mine, stdio = _stdio()
-        started = link.spawn(asyncio.get_running_loop(), ["nosuch"], ["PATH=/bin"], "/", 0, 0, stdio)
+        run = link.spawn(asyncio.get_running_loop(), ["nosuch"], ["PATH=/bin"], "/", 0, 0, stdio)
         _close(mine)
         _close(_read_request(init)[2])
-        init.send(_reply(native.INIT_STARTED, started.id, err=errno.ENOENT, step=44, path=b"/bin/nosuch"))
+        init.send(_reply(native.INIT_STARTED, run.id, err=errno.ENOENT, step=44, path=b"/bin/nosuch"))
         with pytest.raises(native.NativeError) as e:
-            await asyncio.wait_for(started.pidfd, 2)
+            await asyncio.wait_for(run.exited, 2)
         assert e.value.errno == errno.ENOENT and e.value.step == "exec"
         assert "not found in PATH=/bin" in str(e.value)
+        assert not link.pending and not link.closed
         link.close(None)
         init.close()
     asyncio.run(go())
 
 
-@pytest.mark.parametrize("bad", ["magic", "unknown id", "exited first", "two fds", "short"])
+@pytest.mark.parametrize("bad", ["magic", "unknown id", "exited first", "two fds", "not a pidfd", "short"])
 def test_an_answer_that_breaks_the_protocol_closes_the_channel(bad):
     async def go():
         link, init = _link()
-        mine, stdio = _stdio()
-        started = link.spawn(asyncio.get_running_loop(), ["true"], [], "/", 0, 0, stdio)
-        _close(mine)
-        _close(_read_request(init)[2])
+        run = _sent(link, init)
         r, w = os.pipe()
         if bad == "magic":
-            init.send(_reply(native.INIT_STARTED, started.id, magic=1))
+            init.send(_reply(native.INIT_STARTED, run.id, magic=1))
         elif bad == "unknown id":
-            init.send(_reply(native.INIT_STARTED, started.id + 1))
+            init.send(_reply(native.INIT_STARTED, run.id + 1))
         elif bad == "exited first":
-            init.send(_reply(native.INIT_EXITED, started.id))
+            init.send(_reply(native.INIT_EXITED, run.id))
         elif bad == "two fds":
-            socket.send_fds(init, [_reply(native.INIT_STARTED, started.id)], [r, w])
+            socket.send_fds(init, [_reply(native.INIT_STARTED, run.id)], [r, w])
+        elif bad == "not a pidfd":
+            socket.send_fds(init, [_reply(native.INIT_STARTED, run.id)], [r])
         else:
             init.send(b"x" * 10)
         with pytest.raises(OSError) as e:
-            await asyncio.wait_for(started.pidfd, 2)
+            await asyncio.wait_for(run.exited, 2)
         assert e.value.errno == errno.EPIPE
         assert link.closed and not link.pending
         # Later execs are refused here: the caller uses the daemon's helper.
+        mine, stdio = _stdio()
         assert link.spawn(asyncio.get_running_loop(), ["true"], [], "/", 0, 0, stdio) is None
-        _close([r, w])
+        _close(mine + [r, w])
         init.close()
     asyncio.run(go())
 
 
-def test_init_exiting_ends_running_execs_as_killed():
+def test_init_exiting_ends_its_execs_as_killed():
     async def go():
         link, init = _link()
-        mine, stdio = _stdio()
-        started = link.spawn(asyncio.get_running_loop(), ["sleep", "9"], [], "/", 0, 0, stdio)
-        waiting = link.spawn(asyncio.get_running_loop(), ["sleep", "9"], [], "/", 0, 0, stdio)
-        _close(mine)
-        _close(_read_request(init)[2])
-        _close(_read_request(init)[2])
-        r, w = os.pipe()
-        socket.send_fds(init, [_reply(native.INIT_STARTED, started.id)], [r])
-        await asyncio.wait_for(started.pidfd, 2)
+        running = _sent(link, init, ["sleep", "9"])
+        waiting = _sent(link, init, ["sleep", "9"])
+        init.send(_reply(native.INIT_STARTED, running.id))
+        for _ in range(100):
+            if running.running:
+                break
+            await asyncio.sleep(0.01)
         init.close()               # init exits: the kernel kills the sandbox's processes
-        assert await asyncio.wait_for(started.exited, 2) == {"status": signal.SIGKILL}
-        with pytest.raises(OSError) as e:
-            await asyncio.wait_for(waiting.pidfd, 2)
-        assert e.value.errno == errno.ESRCH
-        _close([r, w])
+        assert await asyncio.wait_for(running.exited, 2) == {"status": signal.SIGKILL}
+        assert await asyncio.wait_for(waiting.exited, 2) == {"status": signal.SIGKILL}
+        assert link.closed
     asyncio.run(go())
 
 
-def test_an_abandoned_exec_is_killed_when_it_starts():
+def test_an_abandoned_exec_is_killed_and_forgotten_once_init_reports_it():
     async def go():
         link, init = _link()
-        mine, stdio = _stdio()
-        started = link.spawn(asyncio.get_running_loop(), ["sleep", "9"], [], "/", 0, 0, stdio)
-        _close(mine)
-        _close(_read_request(init)[2])
-        started.abandon()          # the request was cancelled before init answered
-        victim = subprocess.Popen(["sleep", "30"], start_new_session=True)   # leads its own group, as an exec does
-        pidfd = os.pidfd_open(victim.pid)
-        socket.send_fds(init, [_reply(native.INIT_STARTED, started.id, pid=victim.pid)], [pidfd])
+        run = _sent(link, init, ["sleep", "9"])
+        proc, pidfd = _pidfd_of_sleeper()
+        socket.send_fds(init, [_reply(native.INIT_STARTED, run.id, pid=proc.pid)], [pidfd])
         os.close(pidfd)
-        assert await asyncio.get_running_loop().run_in_executor(None, victim.wait, 5) == -signal.SIGKILL
-        init.send(_reply(native.INIT_EXITED, started.id, status=signal.SIGKILL))
+        for _ in range(100):
+            if run.running:
+                break
+            await asyncio.sleep(0.01)
+        run.abandon()              # the request was cancelled
+        assert run.exited.cancelled()
+        assert await _reaped(proc) == -signal.SIGKILL
+        init.send(_reply(native.INIT_EXITED, run.id, status=signal.SIGKILL))
         for _ in range(100):
             if not link.pending:
                 break
@@ -193,15 +239,28 @@ def test_a_request_too_big_for_one_packet_is_left_to_the_helper():
     asyncio.run(go())
 
 
-def test_close_from_another_thread_runs_on_the_loop():
+def test_bad_strings_are_refused_before_anything_is_sent():
     async def go():
         link, init = _link()
         mine, stdio = _stdio()
-        started = link.spawn(asyncio.get_running_loop(), ["true"], [], "/", 0, 0, stdio)
+        for argv, env, cwd in ((["a\0b"], [], "/"), (["true"], ["NOEQUALS"], "/"), (["true"], [], "rel")):
+            with pytest.raises(ValueError):
+                link.spawn(asyncio.get_running_loop(), argv, env, cwd, 0, 0, stdio)
         _close(mine)
+        init.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            init.recv(1)
+        link.close(None)
+        init.close()
+    asyncio.run(go())
+
+
+def test_close_from_another_thread_runs_on_the_loop():
+    async def go():
+        link, init = _link()
+        run = _sent(link, init)
         await asyncio.get_running_loop().run_in_executor(None, link.close, None)
-        with pytest.raises(OSError):
-            await asyncio.wait_for(started.pidfd, 2)
+        assert await asyncio.wait_for(run.exited, 2) == {"status": signal.SIGKILL}
         assert link.closed
         init.close()
     asyncio.run(go())
