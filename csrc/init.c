@@ -43,21 +43,20 @@
 /* Execs at once; a request beyond that is refused with EAGAIN (the sandbox's
  * pids.max usually stops it first). */
 #define MAX_EXECS 4096
-/* Execs forked but not yet exec'ed (each with its error pipe in the poll
- * set); while that many are starting, init reads no further requests. */
-#define MAX_STARTING 64
 #define MAX_STRINGS_PTRS (DSEC_INIT_MAX_STRINGS + 2)
 
-/* An exec init forked. `pipe` >= 0 while it is starting: the read end of a
- * close-on-exec pipe the child writes its struct dsec_err to if a step before
- * execve fails; EOF means it exec'ed (or died before writing). */
-struct exec {
+/* A running exec init forked: the daemon's id for it. */
+static struct {
     pid_t pid;
     uint32_t id;
-    int pipe;
-};
-static struct exec execs[MAX_EXECS];
-static int n_execs, n_starting;
+} execs[MAX_EXECS];
+static int n_execs;
+
+/* Whether an exec must set its oom_score_adj back to 0: init's own is not 0
+ * when the daemon protected it from the OOM killer (-1000, through the
+ * legacy oom_adj), and a fork inherits it. Looked up at the first request:
+ * the daemon sets it before it answers the create. -1: not looked up yet. */
+static int oom_reset_needed = -1;
 
 /* Static, not on the stack: requests are up to 64 KiB. Untouched pages cost
  * no memory. */
@@ -104,18 +103,17 @@ static int caps_bound_drop(uint64_t drop, struct dsec_err *e)
 
 /* The same checklist as spawn.c's exec_child, minus what init already did
  * for the whole sandbox (namespaces, cgroups, QoS, no_new_privs, seccomp).
- * Signal dispositions need no reset: init never installs a handler. Every
- * fd from 3 up (the channel, the upper tmpfs, the signalfd, the error pipe)
- * is marked close-on-exec rather than closed: the error pipe must stay
- * writable until execve. Returns only on failure, with e filled. */
+ * Signal dispositions need no reset: init never installs a handler. A vfork
+ * child: it writes nothing of init's memory but e (exec_search leaves e alone
+ * unless nothing ran). Returns only on failure, with e filled. */
 static void exec_child(const struct request *r, struct dsec_err *e)
 {
     const struct dsec_init_req *q = r->req;
     uint64_t held = 0;
 
-    if (check(setsid(), e, DSEC_STEP_SETSID, NULL) < 0 || oom_score_reset(e) < 0 ||
+    if (check(setsid(), e, DSEC_STEP_SETSID, NULL) < 0 || (oom_reset_needed && oom_score_reset(e) < 0) ||
         stdio_dup(r->stdio, e) < 0 ||
-        check(syscall(SYS_close_range, 3, ~0U, CLOSE_RANGE_CLOEXEC), e, DSEC_STEP_CLOSE_FDS, NULL) < 0 ||
+        check(syscall(SYS_close_range, 3, ~0U, 0), e, DSEC_STEP_CLOSE_FDS, NULL) < 0 ||
         caps_raise(&held, e) < 0 || caps_bound_drop(held & ~q->cap_keep, e) < 0 ||
         ids_set(q->uid, q->gid, q->cap_keep, e) < 0 || caps_set(q->cap_keep, e) < 0 ||
         check(chdir(r->cwd), e, DSEC_STEP_CHDIR, r->cwd) < 0)
@@ -248,89 +246,77 @@ static void fds_close(const int *fds, int n)
         close(fds[i]);
 }
 
-/* Fork the exec; its answer comes when its error pipe reports (started()).
- * fork, not vfork: a sandbox process may SIGSTOP the child before it execs,
- * and a vfork parent would then wait with it; init never waits on one. */
+static int own_oom_score_adj(void)
+{
+    char buf[16] = {0};
+    int fd = open("/proc/self/oom_score_adj", O_RDONLY | O_CLOEXEC);
+
+    if (fd < 0)
+        return 1; /* unknown: reset to be sure */
+    if (read(fd, buf, sizeof(buf) - 1) < 0)
+        buf[0] = '1';
+    close(fd);
+    return atoi(buf);
+}
+
+/* vfork: init waits while the child sets up (tens of microseconds; no page
+ * table copy, no copy-on-write faults after). A sandbox process can SIGSTOP
+ * the child in that window and so stop its own init: execs of that sandbox
+ * then take the daemon's helper (init's queue fills up), a timeout's kill of
+ * one sent to init fails after a grace period, and a destroy still works
+ * (a vfork wait is killable). Nothing outside that sandbox waits on it. */
 static void start(struct request *r)
 {
+    /* Static: the vfork child writes it, and the compiler must not assume
+     * that the parent's copy stayed {0} across vfork (a local would). */
+    static struct dsec_err e;
     uint32_t id = r->req->id;
-    int err_pipe[2];
     pid_t pid;
+    int pidfd;
 
     if (n_execs == MAX_EXECS) {
         fds_close(r->stdio, 3);
         reply_failed(id, DSEC_STEP_INIT_REQUEST, EAGAIN);
         return;
     }
-    if (pipe2(err_pipe, O_CLOEXEC) < 0) {
-        fds_close(r->stdio, 3);
-        reply_failed(id, DSEC_STEP_CLONE, errno);
-        return;
-    }
-    pid = fork();
+    if (oom_reset_needed < 0)
+        oom_reset_needed = own_oom_score_adj() != 0;
+    memset(&e, 0, sizeof(e));
+    pid = vfork();
     if (pid == 0) {
-        struct dsec_err e = {0};
-
         exec_child(r, &e);
-        while (write(err_pipe[1], &e, sizeof(e)) < 0 && errno == EINTR)
-            ;
         _exit(127);
     }
+    if (pid < 0)
+        err_set(&e, DSEC_STEP_CLONE, errno, NULL);
     fds_close(r->stdio, 3); /* the child has its copies */
-    close(err_pipe[1]);
-    if (pid < 0) {
-        close(err_pipe[0]);
-        reply_failed(id, DSEC_STEP_CLONE, errno);
+    /* A set*id of the child to another uid makes the mm it shares with init
+     * dumpable again when fs.suid_dumpable is 1: undo that for init. */
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    if (e.err) { /* it _exit()ed: reaped as an orphan */
+        reply_started(id, 0, &e, -1);
         return;
     }
-    execs[n_execs++] = (struct exec){.pid = pid, .id = id, .pipe = err_pipe[0]};
-    n_starting++;
-}
-
-/* Starting exec i has exec'ed or failed (its pipe is readable). `status`
- * >= 0: it was reaped already, with that wait status. */
-static void started(int i, int status)
-{
-    struct exec *x = &execs[i];
-    struct dsec_err e;
-    ssize_t n;
-    int pidfd = -1;
-
-    while ((n = read(x->pipe, &e, sizeof(e))) < 0 && errno == EINTR)
-        ;
-    close(x->pipe);
-    x->pipe = -1;
-    n_starting--;
-    if (n == (ssize_t)sizeof(e) && e.err) { /* a step before execve failed; reaped as an orphan */
-        reply_started(x->id, 0, &e, -1);
-        *x = execs[--n_execs];
+    pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+    if (pidfd < 0) { /* the daemon could not kill it: it does not run */
+        kill(pid, SIGKILL);
+        reply_failed(id, DSEC_STEP_INIT_REQUEST, errno);
         return;
     }
-    if (status < 0) {
-        pidfd = (int)syscall(SYS_pidfd_open, x->pid, 0);
-        if (pidfd < 0) { /* no way for the daemon to kill it: it does not run */
-            kill(x->pid, SIGKILL);
-            reply_failed(x->id, DSEC_STEP_INIT_REQUEST, errno);
-            *x = execs[--n_execs];
-            return;
-        }
-    }
-    reply_started(x->id, x->pid, NULL, pidfd);
-    if (pidfd >= 0)
-        close(pidfd);
-    if (status >= 0) {
-        reply_exited(x->id, status);
-        *x = execs[--n_execs];
-    }
+    execs[n_execs].pid = pid;
+    execs[n_execs].id = id;
+    n_execs++;
+    reply_started(id, pid, NULL, pidfd);
+    close(pidfd);
 }
 
-/* DSEC_INIT_OP_KILL: SIGKILL an exec that has not answered STARTED yet (the
- * daemon has no pidfd for it), or the group of one that runs. */
+/* DSEC_INIT_OP_KILL: SIGKILL the group of a running exec (the daemon asks
+ * when it has no pidfd for it yet, its STARTED still in flight). */
 static void kill_exec(uint32_t id)
 {
     for (int i = 0; i < n_execs; i++)
         if (execs[i].id == id) {
-            kill(execs[i].pipe >= 0 ? execs[i].pid : -execs[i].pid, SIGKILL);
+            kill(-execs[i].pid, SIGKILL);
             return;
         }
 }
@@ -367,27 +353,22 @@ static int serve(void)
 
 /* ---- reaping ---------------------------------------------------------------- */
 
-/* Reap every child that exited. A running exec's status goes to the daemon;
- * a starting one is answered first (its pipe is at EOF or holds its error
- * now that it is gone); others are the sandbox's orphans. */
+/* Reap every child that exited; an exec's status goes to the daemon, the
+ * others are the sandbox's orphans (or an exec that failed to start). */
 static void reap_all(void)
 {
     int status;
     pid_t pid;
 
-    while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
-        for (int i = 0; i < n_execs; i++) {
-            if (execs[i].pid != pid)
-                continue;
-            if (execs[i].pipe >= 0)
-                started(i, status);
-            else {
-                reply_exited(execs[i].id, status);
+    while ((pid = waitpid(-1, &status, WNOHANG)) > 0)
+        for (int i = 0; i < n_execs; i++)
+            if (execs[i].pid == pid) {
+                uint32_t id = execs[i].id;
+
                 execs[i] = execs[--n_execs];
+                reply_exited(id, status);
+                break;
             }
-            break;
-        }
-    }
 }
 
 /* execve gave init, a root of its namespace, every capability of its bounding
@@ -418,23 +399,6 @@ static int reaper_only(const sigset_t *all)
     }
 }
 
-/* The poll set: the signalfd, the channel (while it is up and fewer than
- * MAX_STARTING execs are starting) and the error pipe of each starting exec. */
-static int poll_set(struct pollfd *p, int sfd, int *index)
-{
-    int n = 0;
-
-    p[n++] = (struct pollfd){.fd = sfd, .events = POLLIN};
-    if (ctl_fd >= 0 && n_starting < MAX_STARTING)
-        p[n++] = (struct pollfd){.fd = ctl_fd, .events = POLLIN};
-    for (int i = 0; i < n_execs; i++)
-        if (execs[i].pipe >= 0) {
-            index[n] = i;
-            p[n++] = (struct pollfd){.fd = execs[i].pipe, .events = POLLIN};
-        }
-    return n;
-}
-
 static int serve_forever(const sigset_t *all)
 {
     int sfd = signalfd(-1, all, SFD_CLOEXEC | SFD_NONBLOCK);
@@ -445,30 +409,22 @@ static int serve_forever(const sigset_t *all)
         return reaper_only(all);
     }
     for (;;) {
-        struct pollfd p[2 + MAX_STARTING];
-        int index[2 + MAX_STARTING], n, ctl_polled;
+        struct pollfd p[2] = {{.fd = sfd, .events = POLLIN}, {.fd = ctl_fd, .events = POLLIN}};
         struct signalfd_siginfo si;
 
         reap_all();
-        n = poll_set(p, sfd, index);
-        ctl_polled = n > 1 && p[1].fd == ctl_fd;
-        if (poll(p, (nfds_t)n, -1) < 0)
+        if (poll(p, ctl_fd >= 0 ? 2 : 1, -1) < 0)
             continue; /* EINTR */
         while (read(sfd, &si, sizeof(si)) == sizeof(si))
             if (si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT)
                 return EXIT_SUCCESS;
-        /* Pipes first, from the highest index: started() may move the last
-         * exec into slot i, never one below it. */
-        for (int k = n - 1; k >= 1 + ctl_polled; k--)
-            if (p[k].revents)
-                started(index[k], -1);
-        if (ctl_polled && p[1].revents) {
-            /* The daemon closed its end: what it still queued was for a link
-             * it gave up (it failed those execs), so nothing more starts. */
-            if ((p[1].revents & (POLLHUP | POLLERR)) || serve() < 0) {
-                close(ctl_fd);
-                ctl_fd = -1;
-            }
+        if (ctl_fd < 0 || !p[1].revents)
+            continue;
+        /* The daemon closed its end: what it still queued was for a link it
+         * gave up (it failed those execs), so nothing more starts. */
+        if ((p[1].revents & (POLLHUP | POLLERR)) || serve() < 0) {
+            close(ctl_fd);
+            ctl_fd = -1;
         }
     }
 }

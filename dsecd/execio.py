@@ -81,13 +81,15 @@ class ExecIO:
         if eof:
             await self._stdin_q.put(None)
 
-    async def run(self, pid: int | None, timeout: float | None, drain_grace: float, by_init=None) -> dict:
+    async def run(self, pid: int | None, timeout: float | None, drain_grace: float, by_init=None,
+                  kill_grace: float | None = None) -> dict:
         """Wait for the process and its output; kill its process group on timeout.
 
         pid: our child (the daemon's helper made it). by_init: instead, an
         exec sent to the sandbox's init (dsecd/initlink.py InitExec), whose
         exit and kill come through init's channel; its `exited` fails with
-        the NativeError of a start that failed."""
+        the NativeError of a start that failed. kill_grace: how long the end
+        may take after a timeout's kill (None: however long; TimeoutError after)."""
         started = time.monotonic()
         if by_init is None:
             self.pid = pid
@@ -105,7 +107,10 @@ class ExecIO:
             except TimeoutError:
                 self.timed_out = True
                 kill()
-                await exited
+                try:
+                    await asyncio.wait_for(asyncio.shield(exited), kill_grace)
+                except TimeoutError:
+                    raise TimeoutError(errno.ETIMEDOUT, "the run did not end after a kill") from None
             status = exited.result()["status"]
             # Background children may hold the pipes open: wait a little, then stop reading.
             await asyncio.wait(pumps, timeout=drain_grace)

@@ -688,7 +688,8 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             started = None if req.trace else self._start_by_init(sb, argv, env, cwd, user, io, io.child_fds())
             if started is not None:
                 try:
-                    result = await io.run(None, timeout, self.limits["exec_drain_grace_s"], started)
+                    result = await io.run(None, timeout, self.limits["exec_drain_grace_s"], started,
+                                          INIT_KILL_GRACE_S)
                 except OSError as err:
                     raise _init_exec_error(err, sb, argv[0], cwd) from err
             else:
@@ -723,6 +724,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             started = self._start_by_init(sb, argv, env, cwd, user, run, (self._devnull, *run.child_ends))
             if started is not None:
                 # The timeout counts from here: a start init cannot finish is killed too.
+                run.kill_grace = INIT_KILL_GRACE_S
                 run.start(started.exited, started.kill, timeout)
                 try:
                     return await run.done
@@ -889,6 +891,12 @@ def _check_process(req) -> None:
         raise BadRequest(f"cwd must be absolute, got {req.cwd!r}")
     if not 0 <= req.user < 2**32 - 1:
         raise BadRequest(f"user must be a uid in [0, 2^32-1), got {req.user}")
+
+
+# How long an exec sent to init may take to end after its kill. Init reaps it
+# and reports; a sandbox that stopped its own init (csrc/init.c start) would
+# otherwise keep the request waiting for good.
+INIT_KILL_GRACE_S = 10.0
 
 
 def _init_exec_error(err: OSError, sb: Sandbox, prog: str, cwd: str) -> DsecError:
