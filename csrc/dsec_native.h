@@ -108,6 +108,7 @@ struct dsec_container_args {
     int upper_fd; /* >= 0: mount fd of the upper tmpfs, left open in init as DSEC_INIT_UPPER_FD */
     int path_fds_max; /* highest fd named by a /proc/self/fd/N path in rootfs or overlay_opts; -1: none */
     int ctl_fd;       /* >= 0: init's end of its exec channel, left open in init as DSEC_INIT_CTL_FD */
+    int oom_reset;    /* nonzero: oom_score_adj back to 0 (the daemon's own is negative) */
     uint64_t init_caps; /* capabilities init keeps permitted (never effective) for the execs it forks */
 };
 
@@ -128,6 +129,7 @@ struct dsec_exec_args {
     int core_sched; /* nonzero: share the cookie of the sandbox's PID 1 */
     int seccomp_profile; /* >= 0: install this pre-built filter just before execve; -1: none */
     int userns;          /* nonzero: join the user namespace of PID 1 (before caps and ids) */
+    int oom_reset;       /* nonzero: oom_score_adj back to 0 (the daemon's own is negative) */
 };
 
 struct dsec_kvm_probe {
@@ -193,8 +195,8 @@ int dsec_seccomp_export_pfc(int profile, int fd);
  * and a sandbox's dsec-init (init's end is its fd DSEC_INIT_CTL_FD), one
  * packet per message; docs/native-api.md. The daemon sends DSEC_INIT_OP_START
  * with exactly three fds (SCM_RIGHTS: the exec's stdin, stdout, stderr); init
- * answers DSEC_INIT_STARTED (with a pidfd of the exec as the one fd; no fd if
- * it ended already; or err.err set: it failed before execve) and, once it
+ * answers DSEC_INIT_STARTED (with a pidfd of the exec as the one fd, or
+ * err.err set and no fd: it failed before execve) and, once it
  * reaped the exec, DSEC_INIT_EXITED with its wait status. DSEC_INIT_OP_KILL
  * (header only) asks init to SIGKILL an exec the daemon has no pidfd for yet. */
 #define DSEC_INIT_CTL_FD 4

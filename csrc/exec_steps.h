@@ -70,13 +70,17 @@ static inline void signals_unblock(void)
     sigprocmask(SIG_SETMASK, &none, NULL);
 }
 
-/* oom_score_adj back to 0. A child inherits its parent's value and floor
+/* oom_score_adj back to 0, done only where the inherited score is negative
+ * (a positive one is left alone: lowering it below its floor would need
+ * CAP_SYS_RESOURCE). A child inherits its parent's value and floor
  * (oom_score_adj_min): the daemon's (systemd gives it -900) or its init's
- * (-1000: the OOM killer is to pick the workload, not PID 1). Written by a
- * holder of CAP_SYS_RESOURCE over the host (the spawn children, before they
- * enter a user namespace), it also resets the floor, so the process cannot
- * lower itself again; an exec of init inherits floor 0, as init's -1000 is
- * set through the legacy oom_adj, which leaves the floor alone
+ * (-1000: the OOM killer is to pick the workload, not PID 1). Raising it
+ * needs no capability. Written by a holder of CAP_SYS_RESOURCE over the host
+ * (the spawn children, before they enter a user namespace), it also resets
+ * the floor, so the process cannot lower itself again; without that
+ * capability the floor stays (the daemon logs it at start). An exec of init
+ * inherits init's floor, which stays that of the container child, as init's
+ * -1000 is set through the legacy oom_adj, which leaves the floor alone
  * (container.py _protect_init_from_oom). */
 static inline int oom_score_reset(struct dsec_err *e)
 {
@@ -200,7 +204,7 @@ static inline void exec_search(const char *const *argv, const char *const *envp,
     const char *file = argv[0], *dir = env_path(envp);
     size_t flen = strlen(file);
     char buf[PATH_MAX];
-    struct dsec_err first, *e = &first;
+    struct dsec_err first = {0}, *e = &first;
     int err, seen = 0;
 
     if (strchr(file, '/')) {

@@ -52,9 +52,9 @@ static struct {
 } execs[MAX_EXECS];
 static int n_execs;
 
-/* Whether an exec must set its oom_score_adj back to 0: init's own is not 0
- * when the daemon protected it from the OOM killer (-1000, through the
- * legacy oom_adj), and a fork inherits it. Looked up at the first request:
+/* Whether an exec must set its oom_score_adj back to 0: init's own is
+ * negative when the daemon protected it from the OOM killer (-1000, through
+ * the legacy oom_adj), and a fork inherits it. Looked up at the first request:
  * the daemon sets it before it answers the create. -1: not looked up yet. */
 static int oom_reset_needed = -1;
 
@@ -246,17 +246,40 @@ static void fds_close(const int *fds, int n)
         close(fds[i]);
 }
 
+/* Init's own oom_score_adj; 0 if it cannot be read (then execs keep it: a
+ * reset that fails would fail every exec). */
 static int own_oom_score_adj(void)
 {
     char buf[16] = {0};
     int fd = open("/proc/self/oom_score_adj", O_RDONLY | O_CLOEXEC);
 
     if (fd < 0)
-        return 1; /* unknown: reset to be sure */
+        return 0;
     if (read(fd, buf, sizeof(buf) - 1) < 0)
-        buf[0] = '1';
+        buf[0] = '\0';
     close(fd);
     return atoi(buf);
+}
+
+/* SIGKILL an exec's process group. Init's caps are permitted, not effective,
+ * and a group of another uid needs CAP_KILL: in effect for this call only. */
+static int kill_group(pid_t pid)
+{
+    struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3};
+    struct __user_cap_data_struct data[2], raised[2];
+    int rc, err;
+
+    if (syscall(SYS_capget, &hdr, data) < 0)
+        return kill(-pid, SIGKILL);
+    memcpy(raised, data, sizeof(raised));
+    for (int i = 0; i < 2; i++)
+        raised[i].effective = raised[i].permitted;
+    syscall(SYS_capset, &hdr, raised);
+    rc = kill(-pid, SIGKILL);
+    err = errno;
+    syscall(SYS_capset, &hdr, data);
+    errno = err;
+    return rc;
 }
 
 /* vfork: init waits while the child sets up (tens of microseconds; no page
@@ -280,7 +303,7 @@ static void start(struct request *r)
         return;
     }
     if (oom_reset_needed < 0)
-        oom_reset_needed = own_oom_score_adj() != 0;
+        oom_reset_needed = own_oom_score_adj() < 0;
     memset(&e, 0, sizeof(e));
     pid = vfork();
     if (pid == 0) {
@@ -299,8 +322,10 @@ static void start(struct request *r)
     }
     pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
     if (pidfd < 0) { /* the daemon could not kill it: it does not run */
-        kill(pid, SIGKILL);
-        reply_failed(id, DSEC_STEP_INIT_REQUEST, errno);
+        int err = errno;
+
+        kill_group(pid); /* it leads its own group; reaped as an orphan */
+        reply_failed(id, DSEC_STEP_INIT_REQUEST, err);
         return;
     }
     execs[n_execs].pid = pid;
@@ -316,7 +341,7 @@ static void kill_exec(uint32_t id)
 {
     for (int i = 0; i < n_execs; i++)
         if (execs[i].id == id) {
-            kill(-execs[i].pid, SIGKILL);
+            kill_group(execs[i].pid);
             return;
         }
 }

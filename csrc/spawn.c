@@ -589,10 +589,10 @@ static int userns_enter(const struct container_ctx *c)
     return 0;
 }
 
-/* Not the daemon's oom_score_adj (and its floor): see exec_steps.h. */
+/* Not the daemon's negative oom_score_adj (and its floor): see exec_steps.h. */
 static int oom_reset(const struct container_ctx *c)
 {
-    return oom_score_reset(c->err);
+    return c->a->oom_reset ? oom_score_reset(c->err) : 0;
 }
 
 /* The container child's checklist, in order (docs/native-api.md). */
@@ -715,10 +715,9 @@ static int exec_child(void *arg)
     const int stdio[3] = {a->stdin_fd, a->stdout_fd, a->stderr_fd};
 
     signals_reset();
-    /* The OOM score first and QoS next, while still root with every
-     * capability over the host: SHARE_FROM needs ptrace access to the
-     * sandbox's PID 1 (pid 1 in our pid namespace). */
-    if (oom_score_reset(e) < 0 || (a->sched_idle && helper_step(dsec_sched_set_idle(0), e, DSEC_STEP_SCHED_IDLE) < 0) ||
+    /* QoS first, while still root with every capability: SHARE_FROM needs
+     * ptrace access to the sandbox's PID 1 (pid 1 in our pid namespace). */
+    if ((a->sched_idle && helper_step(dsec_sched_set_idle(0), e, DSEC_STEP_SCHED_IDLE) < 0) ||
         (a->core_sched && helper_step(dsec_sched_core_share_from(1), e, DSEC_STEP_SCHED_CORE) < 0))
         _exit(127);
     /* The user namespace next, through the pidfd, a long-lived fd of the
@@ -749,7 +748,10 @@ static int exec_helper(void *arg)
     const struct dsec_exec_args *a = c->a;
     pid_t pid;
 
-    if (cgroups_join(c->cg_fds, a->cgroup_procs, a->n_cgroups, c->err) < 0 ||
+    /* The OOM score while /proc is still the host's (the child inherits it,
+     * and its floor, at clone): see exec_steps.h. */
+    if ((a->oom_reset && oom_score_reset(c->err) < 0) ||
+        cgroups_join(c->cg_fds, a->cgroup_procs, a->n_cgroups, c->err) < 0 ||
         check(setns(a->pidfd, SANDBOX_NS_FLAGS), c->err, DSEC_STEP_SETNS, NULL) < 0)
         _exit(127);
     pid = clone(exec_child, c->child_top, CLONE_VM | CLONE_VFORK | CLONE_FILES | CLONE_PARENT | SIGCHLD,

@@ -182,6 +182,25 @@ def probe_project_quota(state_dir: str | None) -> Feature:
                           f"quotactl_fd(Q_GETINFO, PRJQUOTA) on {state_dir}", PROJECT_QUOTA_HINTS)
 
 
+def suid_dumpable_hazard(path: str = "/proc/sys/fs/suid_dumpable") -> str | None:
+    """Why this host is unsafe for dsecd's spawns, or None.
+
+    A spawn child shares the memory of its parent (the daemon's exec helper,
+    dsec-init's vfork) until it execs. When it changes its uid, the kernel
+    makes that shared memory dumpable again as fs.suid_dumpable says: with 1,
+    a sandbox process of the new uid could open /proc/<child>/mem, i.e. the
+    daemon's (host root) or init's memory. 0 and 2 are safe."""
+    try:
+        with open(path) as f:
+            value = f.read().strip()
+    except OSError:
+        return None
+    if value == "1":
+        return (f"{path} is 1: a sandbox process could read and write the daemon's memory through a spawn "
+                "child that changes uid; set it to 0 (or 2): sysctl -w fs.suid_dumpable=0")
+    return None
+
+
 def probe_all(cgroup_root: str = "dsecd", state_dir: str | None = None) -> Features:
     layout = cgroup.detect_layout()
     fs = _filesystems()

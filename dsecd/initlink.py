@@ -12,8 +12,9 @@ lives on the event loop: `spawn` sends one request, stdio passed with
 SCM_RIGHTS, and returns an `InitExec` whose `exited` future resolves to
 {"status": wait status} once init reaped the exec, or fails with the
 NativeError of a step before execve. Its `kill` works from the moment it is
-sent: before init said it started, by asking init (OP_KILL); after, through
-the pidfd init sent, on the exec's whole process group.
+sent: before init said it started, by asking init (OP_KILL) and again through
+the pidfd when init's STARTED comes; after, through that pidfd, on the exec's
+whole process group.
 
 What init says is believed about its own sandbox only: the one fd it may send
 must be a pidfd, and is only used to kill that exec's group, which the kernel
@@ -72,7 +73,7 @@ class InitExec:
             except OSError:       # no member left (ESRCH)
                 pass
         elif not self.running and not self._kill_sent:
-            self._kill_sent = True
+            self._kill_sent = True          # STARTED will kill it through the pidfd too
             self.link.send_kill(self.id)
 
     def abandon(self) -> None:
@@ -140,17 +141,19 @@ class InitLink:
         return exec_id
 
     def send_kill(self, exec_id: int) -> None:
-        """OP_KILL: init SIGKILLs an exec it has not reported started (retried
-        while init's queue is full)."""
+        """OP_KILL: init SIGKILLs an exec whose STARTED the daemon has not read.
+        Not retried when init's queue is full: the STARTED that init sends
+        once it gets to the request kills it through the pidfd."""
         if self.closed or exec_id not in self.pending:
             return
         head = _REQ.pack(native.INIT_MAGIC, exec_id, 0, 0, 0, 0, 0, 0, native.INIT_OP_KILL)
         try:
             self.sock.send(head)
         except BlockingIOError:
-            self.loop.call_later(0.01, self.send_kill, exec_id)
+            pass
         except OSError as err:
-            self.close(None if err.errno in _GONE else f"send: {err}")
+            if err.errno in _GONE:
+                self.close(None)
 
     # ------------------------------------------------------------ answers
 
@@ -196,10 +199,12 @@ class InitLink:
                     run.exited.set_exception(native.init_exec_error(data[native.INIT_REPLY_ERR_OFFSET:],
                                                                     *run.request))
                 return None
-            if fds and not _is_pidfd(fds[0]):
-                return "an fd that is not a pidfd"
+            if len(fds) != 1 or not _is_pidfd(fds[0]):
+                return "a start without a pidfd"
             run.running = True
-            run._fd = fds.pop() if fds else -1      # none: it ended already, EXITED follows
+            run._fd = fds.pop()
+            if run._kill_sent or run.exited.cancelled():    # killed or abandoned before it started
+                run.kill()
             return None
         if kind == native.INIT_EXITED and not fds and run.running:
             del self.pending[exec_id]
@@ -232,6 +237,7 @@ class InitLink:
             return
         self.closed = True
         loop.remove_reader(self.sock.fileno())
+        self._kill_unread()
         self.sock.close()
         pending, self.pending = self.pending, {}
         for run in pending.values():
@@ -239,15 +245,39 @@ class InitLink:
             run._close()
             if run.exited.done():
                 continue
-            if why is None:
+            if not run.running:
+                run.exited.set_exception(OSError(errno.ESRCH, "the sandbox's init did not start it")
+                                         if why is None else
+                                         OSError(errno.EPIPE, f"lost the exec channel to the sandbox's init ({why})"))
+            elif why is None:               # the kernel killed it with the pid namespace
                 run.exited.set_result({"status": KILLED})
             else:
                 run.exited.set_exception(OSError(errno.EPIPE, f"lost the exec channel to the sandbox's init ({why})"))
 
+    def _kill_unread(self) -> None:
+        """Answers still queued when the channel closes: an exec they report
+        started is killed through its pidfd, since nothing will watch it."""
+        for _ in range(4096):
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(self.sock, native.INIT_REPLY_SIZE + 1, 1,
+                                                          socket.MSG_CMSG_CLOEXEC)
+            except OSError:
+                return
+            for fd in fds:
+                if _is_pidfd(fd):
+                    try:
+                        native.pidfd_kill_group(fd, signal.SIGKILL)
+                    except OSError:
+                        pass
+                os.close(fd)
+            if not data:
+                return
+
 
 def _is_pidfd(fd: int) -> bool:
-    """Whether fd is a pidfd ("pidfd:[...]" on pidfs, Linux 6.9+, which the
-    channel needs anyway; "anon_inode:[pidfd]" before)."""
+    """Whether fd is a pidfd: its link reads "anon_inode:[pidfd]" (released
+    kernels through 6.18 at least; "pidfd:[...]" in some 6.9 release
+    candidates)."""
     try:
         target = os.readlink(f"/proc/self/fd/{fd}")
     except OSError:

@@ -302,6 +302,7 @@ class ContainerSpec:
                            # init as fd INIT_CTL_FD; -1: init forks nothing
     init_caps: int = 0     # capabilities init keeps permitted (never effective) to hand to
                            # the execs it forks; only with ctl_fd
+    oom_reset: bool = False  # oom_score_adj back to 0 (the daemon's own is negative)
 
     def __post_init__(self):
         self.overlay_options()
@@ -362,6 +363,7 @@ def spawn_container(spec: ContainerSpec) -> int:
     args.netns_fd = int(spec.netns_fd)
     args.upper_fd = int(spec.upper_fd)
     args.ctl_fd, args.init_caps = int(spec.ctl_fd), spec.init_caps if spec.ctl_fd >= 0 else 0
+    args.oom_reset = bool(spec.oom_reset)
     args.path_fds_max = max((int(n) for n in _PROC_FD_PATH.findall(b" ".join(strings[:2]))), default=-1)
     err = ffi.new("struct dsec_err *")
     pid = lib.dsec_spawn_container(args, err)
@@ -411,6 +413,7 @@ class ExecSpec:
     core_sched: bool = False  # copy the core-scheduling cookie of the sandbox's PID 1
     seccomp_profile: int = -1  # a filter pre-built by dsecd.seccomp.prepare(); -1 = none
     userns: bool = False   # join PID 1's user namespace; uid/gid are then in-sandbox ids
+    oom_reset: bool = False  # oom_score_adj back to 0 (the daemon's own is negative)
 
     def __post_init__(self):
         _fd("pidfd", self.pidfd)
@@ -460,6 +463,7 @@ def spawn_exec(spec: ExecSpec) -> int:
     args.sched_idle, args.core_sched = bool(spec.sched_idle), bool(spec.core_sched)
     args.seccomp_profile = int(spec.seccomp_profile)
     args.userns = bool(spec.userns)
+    args.oom_reset = bool(spec.oom_reset)
     err = ffi.new("struct dsec_err *")
     pid = lib.dsec_spawn_exec(args, err)
     if pid < 0:

@@ -42,7 +42,7 @@ from .errors import (
 )
 from .execio import Collector, ExecIO, kill_and_reap, kill_group, watch_exit
 from .fds import close_quietly
-from .features import Features
+from .features import Features, suid_dumpable_hazard
 from .fs import files as sbfiles
 from .fs import upper as upperfs
 from .fs.images import ImageError
@@ -121,6 +121,9 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         self.sb_defaults = cfg.section("sandbox")
         state = cfg.state_dir
         # First: a setting this host cannot honour stops the daemon before it changes anything.
+        hazard = suid_dumpable_hazard()
+        if hazard:
+            raise ConfigError(hazard)
         try:
             upper_mode = upperfs.pick_mode(self.sb_defaults["writable_layer"], features)
         except upperfs.UpperError as err:
@@ -904,6 +907,8 @@ def _init_exec_error(err: OSError, sb: Sandbox, prog: str, cwd: str) -> DsecErro
     channel broke (the exec was killed)."""
     if isinstance(err, NativeError):
         return _exec_error(err, prog, cwd)
+    if err.errno == errno.ESRCH:          # its init exited first: destroyed or died meanwhile
+        return Conflict(f"sandbox {sb.id} is exiting; cannot start {prog!r}", {"sandbox": sb.id})
     return DsecError(f"exec {prog!r} in sandbox {sb.id}: {err}", {"errno": errno.errorcode.get(err.errno or 0)},
                      code="io")
 

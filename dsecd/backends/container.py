@@ -182,7 +182,8 @@ class ContainerBackend:
                         seccomp_profile=self.seccomp, userns_fd=layers.userns_fd,
                         userns_uid=idmap.uid if idmap else 0, userns_gid=idmap.gid if idmap else 0,
                         netns_fd=netns_fd, upper_fd=upperfd,
-                        ctl_fd=theirs.fileno() if theirs else -1, init_caps=self.init_caps)
+                        ctl_fd=theirs.fileno() if theirs else -1, init_caps=self.init_caps,
+                        oom_reset=_OOM_RESET)
                     pid = native.spawn_container(spec)
             finally:
                 if theirs is not None:
@@ -253,7 +254,8 @@ class ContainerBackend:
         spec = native.ExecSpec(pidfd=h.pidfd, cgroup_procs=h.group.procs_files(), argv=argv, env=env,
                                cwd=cwd, uid=uid, gid=uid, stdin_fd=fds[0], stdout_fd=fds[1],
                                stderr_fd=fds[2], cap_keep=self.caps, sched_idle=h.sched_idle,
-                               core_sched=h.core_sched, seccomp_profile=self.seccomp, userns=h.userns)
+                               core_sched=h.core_sched, seccomp_profile=self.seccomp, userns=h.userns,
+                               oom_reset=_OOM_RESET)
         return native.spawn_exec(spec)
 
     # ------------------------------------------------------------ destroy
@@ -404,6 +406,21 @@ def has_effective_cap(cap: int) -> bool:
 _CAN_LOWER_OOM_SCORE = has_effective_cap(CAP_NUMBERS["SYS_RESOURCE"])
 if not _CAN_LOWER_OOM_SCORE:
     log.info("no CAP_SYS_RESOURCE: sandbox inits keep oom_score_adj 0")
+
+
+def _own_oom_score_adj() -> int:
+    data = sysfs.read_small("/proc/self/oom_score_adj")
+    return int(data) if data else 0
+
+
+# Sandbox processes start from the daemon's oom_score_adj and its floor. A
+# negative one (systemd runs the daemon at -900) is the daemon's protection,
+# not theirs: the spawn children set it back to 0 (csrc/exec_steps.h). A
+# positive one (a container runtime's) is left: lowering it needs the cap.
+_OOM_RESET = _own_oom_score_adj() < 0
+if _OOM_RESET and not _CAN_LOWER_OOM_SCORE:
+    log.warning("oom_score_adj of dsecd is %d but it lacks CAP_SYS_RESOURCE: sandbox processes start at 0 "
+                "but keep dsecd's floor, and may lower their score down to it", _own_oom_score_adj())
 
 
 def _protect_init_from_oom(pid: int) -> None:

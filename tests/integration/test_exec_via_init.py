@@ -163,7 +163,7 @@ def test_many_execs_at_once_each_get_their_own_answer(daemon):
     asyncio.run(go())
 
 
-@pytest.mark.parametrize("kw", [{}, {"stdin": b"x"}], ids=["collected", "with-stdin"])
+@pytest.mark.parametrize("kw", [{}, {"stdin": b"x"}, {"user": 1234}], ids=["collected", "with-stdin", "non-root"])
 def test_a_cancelled_exec_is_killed(daemon, kw):
     async def go():
         async with dsecd.Client(daemon.socket) as c:

@@ -107,20 +107,7 @@ def test_started_then_exited_resolve_status_and_the_pidfd_kills_the_group():
     asyncio.run(go())
 
 
-def test_an_exec_that_ended_before_init_answered_comes_without_a_pidfd():
-    async def go():
-        link, init = _link()
-        run = _sent(link, init)
-        init.send(_reply(native.INIT_STARTED, run.id, pid=7))
-        init.send(_reply(native.INIT_EXITED, run.id, status=3 << 8))
-        assert await asyncio.wait_for(run.exited, 2) == {"status": 3 << 8}
-        assert not link.closed
-        link.close(None)
-        init.close()
-    asyncio.run(go())
-
-
-def test_a_kill_before_init_answered_asks_init():
+def test_a_kill_before_init_answered_asks_init_and_then_uses_the_pidfd():
     async def go():
         link, init = _link()
         run = _sent(link, init, ["sleep", "9"])
@@ -131,6 +118,11 @@ def test_a_kill_before_init_answered_asks_init():
         init.setblocking(False)
         with pytest.raises(BlockingIOError):
             init.recv(1)
+        # Init could not kill it (or had not read the kill): its STARTED does.
+        proc, pidfd = _pidfd_of_sleeper()
+        socket.send_fds(init, [_reply(native.INIT_STARTED, run.id, pid=proc.pid)], [pidfd])
+        os.close(pidfd)
+        assert await _reaped(proc) == -signal.SIGKILL
         link.close(None)
         init.close()
     asyncio.run(go())
@@ -154,7 +146,8 @@ def test_a_failed_start_is_the_native_error_of_its_step():
     asyncio.run(go())
 
 
-@pytest.mark.parametrize("bad", ["magic", "unknown id", "exited first", "two fds", "not a pidfd", "short"])
+@pytest.mark.parametrize("bad", ["magic", "unknown id", "exited first", "two fds", "no fd", "not a pidfd",
+                                 "short"])
 def test_an_answer_that_breaks_the_protocol_closes_the_channel(bad):
     async def go():
         link, init = _link()
@@ -168,6 +161,8 @@ def test_an_answer_that_breaks_the_protocol_closes_the_channel(bad):
             init.send(_reply(native.INIT_EXITED, run.id))
         elif bad == "two fds":
             socket.send_fds(init, [_reply(native.INIT_STARTED, run.id)], [r, w])
+        elif bad == "no fd":
+            init.send(_reply(native.INIT_STARTED, run.id))
         elif bad == "not a pidfd":
             socket.send_fds(init, [_reply(native.INIT_STARTED, run.id)], [r])
         else:
@@ -189,15 +184,21 @@ def test_init_exiting_ends_its_execs_as_killed():
         link, init = _link()
         running = _sent(link, init, ["sleep", "9"])
         waiting = _sent(link, init, ["sleep", "9"])
-        init.send(_reply(native.INIT_STARTED, running.id))
+        proc, pidfd = _pidfd_of_sleeper()
+        socket.send_fds(init, [_reply(native.INIT_STARTED, running.id, pid=proc.pid)], [pidfd])
+        os.close(pidfd)
         for _ in range(100):
             if running.running:
                 break
             await asyncio.sleep(0.01)
         init.close()               # init exits: the kernel kills the sandbox's processes
         assert await asyncio.wait_for(running.exited, 2) == {"status": signal.SIGKILL}
-        assert await asyncio.wait_for(waiting.exited, 2) == {"status": signal.SIGKILL}
+        with pytest.raises(OSError) as e:       # never started: no status to report
+            await asyncio.wait_for(waiting.exited, 2)
+        assert e.value.errno == errno.ESRCH
         assert link.closed
+        proc.kill()
+        proc.wait()
     asyncio.run(go())
 
 
@@ -255,12 +256,42 @@ def test_bad_strings_are_refused_before_anything_is_sent():
     asyncio.run(go())
 
 
+def test_answers_unread_at_close_have_their_exec_killed():
+    async def go():
+        link, init = _link()
+        run = _sent(link, init, ["sleep", "9"])
+        proc, pidfd = _pidfd_of_sleeper()
+        socket.send_fds(init, [_reply(native.INIT_STARTED, run.id, pid=proc.pid)], [pidfd])
+        os.close(pidfd)
+        link.close("test")         # before the loop read the STARTED
+        assert await _reaped(proc) == -signal.SIGKILL
+        with pytest.raises(OSError):
+            await asyncio.wait_for(run.exited, 2)
+        init.close()
+    asyncio.run(go())
+
+
 def test_close_from_another_thread_runs_on_the_loop():
     async def go():
         link, init = _link()
         run = _sent(link, init)
         await asyncio.get_running_loop().run_in_executor(None, link.close, None)
-        assert await asyncio.wait_for(run.exited, 2) == {"status": signal.SIGKILL}
+        with pytest.raises(OSError):
+            await asyncio.wait_for(run.exited, 2)
         assert link.closed
         init.close()
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("value, unsafe", [("0\n", False), ("1\n", True), ("2\n", False), (None, False)])
+def test_a_host_with_suid_dumpable_1_is_refused(tmp_path, value, unsafe):
+    # Spawn children share their parent's memory until execve (dsecd/features.py).
+    from dsecd.features import suid_dumpable_hazard
+
+    path = tmp_path / "suid_dumpable"
+    if value is not None:
+        path.write_text(value)
+    why = suid_dumpable_hazard(str(path))
+    assert (why is not None) == unsafe
+    if unsafe:
+        assert "sysctl -w fs.suid_dumpable=0" in why
