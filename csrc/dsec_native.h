@@ -108,6 +108,7 @@ struct dsec_container_args {
     int upper_fd; /* >= 0: mount fd of the upper tmpfs, left open in init as DSEC_INIT_UPPER_FD */
     int path_fds_max; /* highest fd named by a /proc/self/fd/N path in rootfs or overlay_opts; -1: none */
     int ctl_fd;       /* >= 0: init's end of its exec channel, left open in init as DSEC_INIT_CTL_FD */
+    int ctl_peer_fd;  /* with ctl_fd: the daemon's end, also kept by init (DSEC_INIT_PEER_FD) */
     int oom_reset;    /* nonzero: oom_score_adj back to 0 (the daemon's own is negative) */
     uint64_t init_caps; /* capabilities init keeps permitted (never effective) for the execs it forks */
 };
@@ -198,8 +199,11 @@ int dsec_seccomp_export_pfc(int profile, int fd);
  * answers DSEC_INIT_STARTED (with a pidfd of the exec as the one fd, or
  * err.err set and no fd: it failed before execve) and, once it
  * reaped the exec, DSEC_INIT_EXITED with its wait status. DSEC_INIT_OP_KILL
- * (header only) asks init to SIGKILL an exec the daemon has no pidfd for yet. */
+ * (header only) asks init to SIGKILL an exec the daemon has no pidfd for yet.
+ * Init also keeps the daemon's end, never used, as DSEC_INIT_PEER_FD: a
+ * restarted daemon takes it back with pidfd_getfd. */
 #define DSEC_INIT_CTL_FD 4
+#define DSEC_INIT_PEER_FD 5
 #define DSEC_INIT_MAGIC 0x64736931
 #define DSEC_INIT_STARTED 1
 #define DSEC_INIT_EXITED 2

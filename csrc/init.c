@@ -20,8 +20,10 @@
  * itself. The channel carries only what the daemon sends; no sandbox process
  * can reach it (see PR_SET_DUMPABLE below).
  *
- * Otherwise it holds fd 3, the sandbox's writable-layer tmpfs, which only
- * the daemon takes back. It is started by execveat() from spawn.c with stdio
+ * It also holds the daemon's end of the channel as fd 5, never used here: a
+ * restarted daemon takes it back (pidfd_getfd), so the channel outlives the
+ * daemon that made it. And fd 3, the sandbox's writable-layer tmpfs, which
+ * only the daemon takes back. It is started by execveat() from spawn.c with stdio
  * on /dev/null.
  */
 #define _GNU_SOURCE
@@ -445,8 +447,8 @@ static int serve_forever(const sigset_t *all)
                 return EXIT_SUCCESS;
         if (ctl_fd < 0 || !p[1].revents)
             continue;
-        /* The daemon closed its end: what it still queued was for a link it
-         * gave up (it failed those execs), so nothing more starts. */
+        /* The channel is gone (init keeps the daemon's end too, so this is
+         * a socket error, not the daemon closing it): nothing more starts. */
         if ((p[1].revents & (POLLHUP | POLLERR)) || serve() < 0) {
             close(ctl_fd);
             ctl_fd = -1;

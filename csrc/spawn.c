@@ -196,8 +196,9 @@ struct container_ctx {
     const struct dsec_container_args *a;
     struct dsec_err *err;
     int init_fd;
-    int ctl_fd;    /* the parent's dup of a->ctl_fd above DSEC_INIT_CTL_FD, or -1 */
-    int userns_fd; /* a->userns_fd, or the parent's dup of it above DSEC_INIT_CTL_FD */
+    int ctl_fd;      /* the parent's dup of a->ctl_fd above DSEC_INIT_PEER_FD, or -1 */
+    int ctl_peer_fd; /* the parent's dup of a->ctl_peer_fd above DSEC_INIT_PEER_FD, or -1 */
+    int userns_fd;   /* a->userns_fd, or the parent's dup of it above DSEC_INIT_PEER_FD */
     int cg_fds[DSEC_MAX_CGROUPS];
     int keep_below; /* 1 + the highest fd the child uses (fd_table_private) */
 };
@@ -500,14 +501,17 @@ static int seccomp_step(int profile, struct dsec_err *e)
     return profile < 0 ? 0 : helper_step(dsec_seccomp_install(profile), e, DSEC_STEP_SECCOMP);
 }
 
-/* The exec channel (init.c) stays open in init as fd 4, after the upper
- * tmpfs took fd 3: the parent made sure neither init_fd nor its dup of the
- * channel is 3 or 4. */
+/* The exec channel (init.c) stays open in init as fd 4, and the daemon's
+ * end of it as fd 5 (for a restarted daemon), after the upper tmpfs took
+ * fd 3: the parent made sure that none of init_fd, the user namespace fd
+ * and its dups of the channel is 3, 4 or 5. */
 static int ctl_handoff(const struct container_ctx *c)
 {
     if (c->ctl_fd < 0)
         return 0;
-    return check(dup2(c->ctl_fd, DSEC_INIT_CTL_FD), c->err, DSEC_STEP_CTL_FD, NULL);
+    if (check(dup2(c->ctl_fd, DSEC_INIT_CTL_FD), c->err, DSEC_STEP_CTL_FD, NULL) < 0)
+        return -1;
+    return check(dup2(c->ctl_peer_fd, DSEC_INIT_PEER_FD), c->err, DSEC_STEP_CTL_FD, NULL);
 }
 
 /* Permitted = bounding = caps, effective and inheritable empty: init runs
@@ -621,16 +625,16 @@ static int container_child(void *arg)
     _exit(127);
 }
 
-/* upper_handoff and ctl_handoff dup2 onto fds 3 and 4, late in the child:
+/* upper_handoff and ctl_handoff dup2 onto fds 3 to 5, late in the child:
  * an fd the child still needs after them (init_fd, the user namespace, the
- * channel itself) must not be 3 or 4. *dup is a close-on-exec copy of fd
- * above 4 that the parent closes after the clone (-1 if fd < 0). */
+ * channel's ends) must not be 3 to 5. *dup is a close-on-exec copy of fd
+ * above 5 that the parent closes after the clone (-1 if fd < 0). */
 static int fd_dup_high(int fd, int *dup, int step, struct dsec_err *err)
 {
     *dup = -1;
     if (fd < 0)
         return 0;
-    *dup = fcntl(fd, F_DUPFD_CLOEXEC, DSEC_INIT_CTL_FD + 1);
+    *dup = fcntl(fd, F_DUPFD_CLOEXEC, DSEC_INIT_PEER_FD + 1);
     return *dup < 0 ? parent_fail(err, step, NULL, errno) : 0;
 }
 
@@ -642,7 +646,8 @@ static void fd_close_dup(int dup, int original)
 
 int dsec_spawn_container(const struct dsec_container_args *a, struct dsec_err *err)
 {
-    struct container_ctx c = {.a = a, .err = err, .init_fd = -1, .ctl_fd = -1, .userns_fd = a->userns_fd};
+    struct container_ctx c = {.a = a, .err = err, .init_fd = -1, .ctl_fd = -1, .ctl_peer_fd = -1,
+                              .userns_fd = a->userns_fd};
     int init_fd = -1;
     struct stacks st = {0};
     int rc;
@@ -659,13 +664,15 @@ int dsec_spawn_container(const struct dsec_container_args *a, struct dsec_err *e
         rc = fd_dup_high(init_fd, &c.init_fd, DSEC_STEP_OPEN_INIT, err);
     if (rc == 0)
         rc = fd_dup_high(a->ctl_fd, &c.ctl_fd, DSEC_STEP_CTL_FD, err);
-    if (rc == 0 && a->userns_fd >= 0 && a->userns_fd <= DSEC_INIT_CTL_FD)
+    if (rc == 0 && a->ctl_fd >= 0)
+        rc = fd_dup_high(a->ctl_peer_fd, &c.ctl_peer_fd, DSEC_STEP_CTL_FD, err);
+    if (rc == 0 && a->userns_fd >= 0 && a->userns_fd <= DSEC_INIT_PEER_FD)
         rc = fd_dup_high(a->userns_fd, &c.userns_fd, DSEC_STEP_USERNS_ENTER, err);
     if (rc == 0)
         rc = stacks_map(&st, 1, err);
     if (rc == 0) {
         c.keep_below = 1 + fd_max(fd_max(fd_max(c.init_fd, a->netns_fd), fd_max(c.userns_fd, a->upper_fd)),
-                                  fd_max(a->path_fds_max, c.ctl_fd));
+                                  fd_max(a->path_fds_max, fd_max(c.ctl_fd, c.ctl_peer_fd)));
         for (int i = 0; i < a->n_cgroups; i++)
             c.keep_below = fd_max(c.keep_below, c.cg_fds[i] + 1);
         rc = clone_blocked(container_child, stack_top(&st, 0),
@@ -681,6 +688,7 @@ int dsec_spawn_container(const struct dsec_container_args *a, struct dsec_err *e
         close(init_fd);
     fd_close_dup(c.init_fd, init_fd);
     fd_close_dup(c.ctl_fd, a->ctl_fd);
+    fd_close_dup(c.ctl_peer_fd, a->ctl_peer_fd);
     fd_close_dup(c.userns_fd, a->userns_fd);
     return rc;
 }

@@ -19,9 +19,12 @@ whole process group.
 What init says is believed about its own sandbox only: the one fd it may send
 must be a pidfd, and is only used to kill that exec's group, which the kernel
 confines to init's pid namespace. An answer that breaks the protocol closes
-the channel; later execs of that sandbox go through the daemon's helper. A
-sandbox adopted after a daemon restart has no channel (its init still holds
-the old, closed end) and does the same.
+the channel; later execs of that sandbox go through the daemon's helper.
+
+Init also keeps the daemon's end (its fd 5, never used by init), so a
+restarted daemon takes the channel back with pidfd_getfd (`take_back`).
+Answers for execs of the daemon before (ids this one never used: each link
+starts at a random id) are dropped.
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ import asyncio
 import errno
 import logging
 import os
+import secrets
 import signal
 import socket
 import struct
 import threading
 
+from . import fds as fdtable
 from . import native
 
 log = logging.getLogger(__name__)
@@ -98,7 +103,8 @@ class InitLink:
         self.sock.setblocking(False)
         self.loop: asyncio.AbstractEventLoop | None = None     # set by the first spawn
         self.pending: dict[int, InitExec] = {}
-        self.next_id = 1
+        # Random start: answers still due to a daemon before a restart name ids of its own.
+        self.next_id = secrets.randbits(32) % 0xFFFFFFFF + 1
         self.closed = False
         self._lock = threading.Lock()     # attaching to the loop vs a close from a worker thread
 
@@ -173,9 +179,9 @@ class InitLink:
                 self.close(None)           # init exited: the sandbox is gone
                 return
             why = self._answer(data, fds, flags)
+            for fd in fds:             # what _answer did not keep
+                os.close(fd)
             if why is not None:
-                for fd in fds:
-                    os.close(fd)
                 log.warning("sandbox init channel: %s; execs go through the daemon's helper", why)
                 self.close(f"protocol: {why}")
                 return
@@ -186,9 +192,11 @@ class InitLink:
         if len(data) != native.INIT_REPLY_SIZE or flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
             return f"an answer of {len(data)} bytes"
         magic, kind, exec_id, _pid, status, _ = _REPLY_HEAD.unpack_from(data)
+        if magic != native.INIT_MAGIC:
+            return f"an answer with magic {magic:#x}"
         run = self.pending.get(exec_id)
-        if magic != native.INIT_MAGIC or run is None:
-            return f"an answer for unknown exec {exec_id}"
+        if run is None:        # an exec of the daemon before a restart (or abandoned, long gone)
+            return None
         if kind == native.INIT_STARTED and not run.running:
             (err_no,) = _ERRNO.unpack_from(data, native.INIT_REPLY_ERR_OFFSET)
             if err_no:
@@ -272,6 +280,21 @@ class InitLink:
                 os.close(fd)
             if not data:
                 return
+
+
+def take_back(pidfd: int) -> InitLink | None:
+    """After a daemon restart: the channel of the sandbox whose init `pidfd`
+    names, from the daemon's end init keeps (INIT_PEER_FD); None if it has
+    none (made with exec_via = helper, or by an older daemon)."""
+    try:
+        fd = native.pidfd_getfd(pidfd, native.INIT_PEER_FD)
+    except OSError:
+        return None
+    sock = socket.socket(fileno=fdtable.park(fd))
+    if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_SEQPACKET:
+        sock.close()
+        return None
+    return InitLink(sock)
 
 
 def _is_pidfd(fd: int) -> bool:

@@ -300,6 +300,8 @@ class ContainerSpec:
                            # init as fd UPPER_FD; upperdir/workdir then lie on it
     ctl_fd: int = -1       # init's end of its exec channel (dsecd/initlink.py), kept open in
                            # init as fd INIT_CTL_FD; -1: init forks nothing
+    ctl_peer_fd: int = -1  # with ctl_fd: the daemon's end, which init keeps as INIT_PEER_FD
+                           # for a restarted daemon
     init_caps: int = 0     # capabilities init keeps permitted (never effective) to hand to
                            # the execs it forks; only with ctl_fd
     oom_reset: bool = False  # oom_score_adj back to 0 (the daemon's own is negative)
@@ -363,6 +365,7 @@ def spawn_container(spec: ContainerSpec) -> int:
     args.netns_fd = int(spec.netns_fd)
     args.upper_fd = int(spec.upper_fd)
     args.ctl_fd, args.init_caps = int(spec.ctl_fd), spec.init_caps if spec.ctl_fd >= 0 else 0
+    args.ctl_peer_fd = int(spec.ctl_peer_fd) if spec.ctl_fd >= 0 else -1
     args.oom_reset = bool(spec.oom_reset)
     args.path_fds_max = max((int(n) for n in _PROC_FD_PATH.findall(b" ".join(strings[:2]))), default=-1)
     err = ffi.new("struct dsec_err *")
@@ -499,6 +502,7 @@ def init_exec_error(raw_err: bytes, argv0: str, env: list[str], uid: int, cwd: s
 
 
 INIT_CTL_FD: int = lib.DSEC_INIT_CTL_FD
+INIT_PEER_FD: int = lib.DSEC_INIT_PEER_FD
 INIT_MAGIC: int = lib.DSEC_INIT_MAGIC
 INIT_STARTED: int = lib.DSEC_INIT_STARTED
 INIT_EXITED: int = lib.DSEC_INIT_EXITED

@@ -182,7 +182,8 @@ class ContainerBackend:
                         seccomp_profile=self.seccomp, userns_fd=layers.userns_fd,
                         userns_uid=idmap.uid if idmap else 0, userns_gid=idmap.gid if idmap else 0,
                         netns_fd=netns_fd, upper_fd=upperfd,
-                        ctl_fd=theirs.fileno() if theirs else -1, init_caps=self.init_caps,
+                        ctl_fd=theirs.fileno() if theirs else -1, ctl_peer_fd=ours.fileno() if ours else -1,
+                        init_caps=self.init_caps,
                         oom_reset=_OOM_RESET)
                     pid = native.spawn_container(spec)
             finally:
@@ -231,6 +232,7 @@ class ContainerBackend:
                                   is_child=False)
         except (ProcessLookupError, FileNotFoundError):
             return None
+        h.init_link = initlink.take_back(h.pidfd) if self.execs_by_init else None
         if upper_tmpfs:
             try:
                 h.upperfd = fds.park(upperfs.take_back(h.pidfd))

@@ -54,12 +54,12 @@ def test_no_daemon_socket_or_fd_reaches_the_sandbox(armed, daemon):
     assert facts(lines)["extra"] == "0", lines                      # only stdin, stdout, stderr
     # The sandbox's PID 1 holds /dev/null on 0-2, with a capped writable
     # layer that layer's own mount as fd 3 (for a restarted daemon), and when
-    # it forks execs (sandbox.exec_via = init) its end of the exec channel as
-    # fd 4 and a signalfd as 5. It is non-dumpable, so no sandbox process can
-    # follow those fds.
+    # it forks execs (sandbox.exec_via = init) both ends of the exec channel
+    # as fds 4 and 5 (the daemon's, for a restarted daemon) and a signalfd as
+    # 6. It is non-dumpable, so no sandbox process can follow those fds.
     capped = bool(armed.inspect().get("disk"))
     via_init = armed.exec(["sh", "-c", "echo $PPID"]).stdout == b"1\n"
-    want = [b"0", b"1", b"2"] + ([b"3"] if capped else []) + ([b"4", b"5"] if via_init else [])
+    want = [b"0", b"1", b"2"] + ([b"3"] if capped else []) + ([b"4", b"5", b"6"] if via_init else [])
     # Init closes an exec's stdio once it has exec'ed, which may be just after
     # the exec (here `ls`) looks: what init keeps is what stays.
     for _ in range(50):
@@ -68,7 +68,7 @@ def test_no_daemon_socket_or_fd_reaches_the_sandbox(armed, daemon):
             break
         time.sleep(0.02)
     assert held == want
-    for fd in (0, 4):
+    for fd in (0, 4, 5):
         assert outcome(armed, "open", f"/proc/1/fd/{fd}") == "EACCES"
     # Unix sockets in the sandbox's view: none is the daemon's (or any host) socket.
     unix = armed.exec(["cat", "/proc/net/unix"]).stdout.decode()

@@ -9,6 +9,7 @@ the sandbox's pid namespace)."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 import tomllib
 from pathlib import Path
@@ -201,25 +202,30 @@ def test_destroy_ends_a_running_exec_as_killed(daemon):
     asyncio.run(go())
 
 
-def test_exec_via_helper_and_a_restarted_daemon_use_the_helper(daemon_factory, busybox_rootfs):
+def test_exec_via_helper_uses_the_helper(daemon_factory, busybox_rootfs):
     d = daemon_factory('exec_via = "helper"\n')
     c = d.client()
     c.import_image(busybox_rootfs, "busybox")
     assert c.create(image="busybox").exec(PPID).stdout == b"0\n"
     c.close()
 
+
+def test_a_restarted_daemon_takes_the_channel_back(daemon_factory, busybox_rootfs):
     d = daemon_factory()
     c = d.client()
     c.import_image(busybox_rootfs, "busybox")
     sb = c.create(image="busybox")
     assert sb.exec(PPID).stdout == b"1\n"
     c.close()
-    d.stop()
-    d.start()                # adopts the sandbox; its init's channel died with the old daemon
+    d.stop(signal.SIGKILL)   # the worst case: no clean shutdown
+    d.start()                # adopts the sandbox and takes init's channel back
     c = d.client()
     sb = c.get(sb.id)
-    r = sb.exec(PPID)
-    assert (r.stdout, r.exit_code) == (b"0\n", 0)
+    for _ in range(3):
+        r = sb.exec(PPID)
+        assert (r.stdout, r.exit_code) == (b"1\n", 0)
+    r = sb.exec(["sh", "-c", "sleep 30"], timeout=0.5)
+    assert r.timed_out and r.signal == 9
     c.close()
 
 
