@@ -348,7 +348,7 @@ static void kill_exec(uint32_t id)
         }
 }
 
-/* One request; -1 when the channel is gone (the daemon closed it or died). */
+/* One request; -1 when the channel is gone (the daemon shut it down). */
 static int serve(void)
 {
     char anc[CMSG_SPACE(4 * sizeof(int))];
@@ -432,6 +432,7 @@ static int serve_forever(const sigset_t *all)
 
     if (sfd < 0) {
         close(ctl_fd); /* the daemon sees the channel close and uses its own exec helper */
+        close(DSEC_INIT_PEER_FD);
         ctl_fd = -1;
         return reaper_only(all);
     }
@@ -447,8 +448,9 @@ static int serve_forever(const sigset_t *all)
                 return EXIT_SUCCESS;
         if (ctl_fd < 0 || !p[1].revents)
             continue;
-        /* The channel is gone (init keeps the daemon's end too, so this is
-         * a socket error, not the daemon closing it): nothing more starts. */
+        /* The daemon shut the channel down (it gave it up, or a restarted
+         * daemon will not use it; init keeps the daemon's end too, so a close
+         * alone would not show here): nothing more starts. */
         if ((p[1].revents & (POLLHUP | POLLERR)) || serve() < 0) {
             close(ctl_fd);
             ctl_fd = -1;
@@ -472,6 +474,7 @@ int main(int argc, char **argv)
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     if (caps_lower() < 0) {
         close(DSEC_INIT_CTL_FD); /* serve nothing: the daemon's helper starts execs */
+        close(DSEC_INIT_PEER_FD);
         return reaper_only(&all);
     }
     if (argc > 1 && strcmp(argv[1], "ctl") == 0) {

@@ -36,6 +36,7 @@ import os
 import secrets
 import signal
 import socket
+import stat
 import struct
 import threading
 
@@ -120,12 +121,8 @@ class InitLink:
         strings = b"\0".join(os.fsencode(s) for s in (cwd, *argv, *env)) + b"\0"
         if len(strings) > native.INIT_MAX_STRINGS:
             return None
-        with self._lock:
-            if self.closed:
-                return None
-            if self.loop is None:
-                self.loop = loop
-                loop.add_reader(self.sock.fileno(), self._on_readable)
+        if not self.attach(loop):
+            return None
         exec_id = self._next_id()
         head = _REQ.pack(native.INIT_MAGIC, exec_id, uid, uid, cap_keep, len(argv), len(env), len(strings),
                          native.INIT_OP_START)
@@ -140,6 +137,19 @@ class InitLink:
         started = InitExec(self, exec_id, (argv[0], env, uid, cwd))
         self.pending[exec_id] = started
         return started
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Read init's answers on `loop` from now on (on the loop; again is a
+        no-op); False once closed. A link taken back after a restart is
+        attached at once: answers init sent meanwhile must not fill its
+        buffer (a full one would block init's reaping)."""
+        with self._lock:
+            if self.closed:
+                return False
+            if self.loop is None:
+                self.loop = loop
+                loop.add_reader(self.sock.fileno(), self._on_readable)
+            return True
 
     def _next_id(self) -> int:
         exec_id = self.next_id
@@ -195,7 +205,11 @@ class InitLink:
         if magic != native.INIT_MAGIC:
             return f"an answer with magic {magic:#x}"
         run = self.pending.get(exec_id)
-        if run is None:        # an exec of the daemon before a restart (or abandoned, long gone)
+        if run is None:
+            # An exec the daemon before a restart had sent: nobody watches it
+            # (no timeout, no reader of its output), so it goes.
+            if kind == native.INIT_STARTED and len(fds) == 1 and _is_pidfd(fds[0]):
+                _kill_quietly(fds[0])
             return None
         if kind == native.INIT_STARTED and not run.running:
             (err_no,) = _ERRNO.unpack_from(data, native.INIT_REPLY_ERR_OFFSET)
@@ -246,6 +260,10 @@ class InitLink:
         self.closed = True
         loop.remove_reader(self.sock.fileno())
         self._kill_unread()
+        if why is not None:
+            # Init keeps this end too: only a shutdown makes its end see the
+            # channel gone, so that it starts nothing still queued.
+            _shutdown_quietly(self.sock)
         self.sock.close()
         pending, self.pending = self.pending, {}
         for run in pending.values():
@@ -273,28 +291,52 @@ class InitLink:
                 return
             for fd in fds:
                 if _is_pidfd(fd):
-                    try:
-                        native.pidfd_kill_group(fd, signal.SIGKILL)
-                    except OSError:
-                        pass
+                    _kill_quietly(fd)
                 os.close(fd)
             if not data:
                 return
 
 
-def take_back(pidfd: int) -> InitLink | None:
+def take_back(pidfd: int, use: bool) -> InitLink | None:
     """After a daemon restart: the channel of the sandbox whose init `pidfd`
     names, from the daemon's end init keeps (INIT_PEER_FD); None if it has
-    none (made with exec_via = helper, or by an older daemon)."""
+    none (made with exec_via = helper, or by an older daemon, whose init may
+    hold anything there). use False: this daemon will not use it (its
+    exec_via or capabilities differ): it is shut down, so init stops
+    serving and nothing fills its buffer."""
     try:
         fd = native.pidfd_getfd(pidfd, native.INIT_PEER_FD)
     except OSError:
         return None
-    sock = socket.socket(fileno=fdtable.park(fd))
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            raise OSError(errno.ENOTSOCK, "not the exec channel")
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        os.close(fd)
+        return None
     if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_SEQPACKET:
         sock.close()
         return None
-    return InitLink(sock)
+    if not use:
+        _shutdown_quietly(sock)
+        sock.close()
+        return None
+    return InitLink(socket.socket(fileno=fdtable.park(sock.detach())))
+
+
+def _kill_quietly(pidfd: int) -> None:
+    try:
+        native.pidfd_kill_group(pidfd, signal.SIGKILL)
+    except OSError:         # no member left
+        pass
+
+
+def _shutdown_quietly(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _is_pidfd(fd: int) -> bool:

@@ -310,6 +310,8 @@ class ContainerSpec:
         self.overlay_options()
         if not isinstance(self.init_caps, int) or not 0 <= self.init_caps < 2**64:
             raise ValueError(f"init_caps must be a 64-bit mask, got {self.init_caps!r}")
+        if self.ctl_fd >= 0 and self.ctl_peer_fd < 0:
+            raise ValueError("ctl_fd needs ctl_peer_fd: init keeps both ends of its channel")
         if self.userns_fd >= 0:
             _id("userns_uid", self.userns_uid)
             _id("userns_gid", self.userns_gid)

@@ -272,6 +272,8 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             log.warning("sandbox %s died while the daemon was down", sb_id)
             await self._mark_dead(sb, None)
             return
+        if handle.init_link is not None:
+            handle.init_link.attach(self.loop)      # read what init sent while we were down
         sb.handle = handle
         if sb.state == "running":
             # A kill -9 between a pause's freeze and its journal write leaves a
@@ -757,8 +759,9 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
     def _start_by_init(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int, io,
                        stdio: tuple[int, int, int]) -> InitExec | None:
         """The exec sent to the sandbox's init (dsecd/initlink.py), or None:
-        the daemon's helper must start it (no channel: an adopted sandbox or
-        exec_via = helper; or the channel cannot take this one: too big, init
+        the daemon's helper must start it (no channel: exec_via = helper, a
+        sandbox of an older daemon, or one whose init lacks this daemon's
+        capabilities; or the channel cannot take this one: too big, init
         busy). `io` owns the child ends in stdio, closed once sent. Whether it
         started shows in its `exited` (a failed start: _init_exec_error)."""
         link = sb.handle.init_link if sb.handle is not None else None

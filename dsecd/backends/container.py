@@ -115,6 +115,9 @@ class ContainerBackend:
         # on, and SETUID/SETGID/SETPCAP to change ids and drop the rest.
         self.execs_by_init = execs_by_init
         self.init_caps = self.caps | cap_mask(["SETUID", "SETGID", "SETPCAP"])
+        if execs_by_init and self.caps & cap_mask(["SYS_PTRACE"]):
+            log.warning("sandbox.capabilities has SYS_PTRACE: a sandbox process can then take the fds of its "
+                        "init, the exec channel among them (docs/hardening.md section 9)")
 
     @staticmethod
     def _prepare_seccomp(name: str) -> int:
@@ -232,7 +235,11 @@ class ContainerBackend:
                                   is_child=False)
         except (ProcessLookupError, FileNotFoundError):
             return None
-        h.init_link = initlink.take_back(h.pidfd) if self.execs_by_init else None
+        try:
+            h.init_link = initlink.take_back(h.pidfd, self.execs_by_init and self._init_holds_caps(init_pid))
+        except BaseException:
+            close_handle(h)
+            raise
         if upper_tmpfs:
             try:
                 h.upperfd = fds.park(upperfs.take_back(h.pidfd))
@@ -242,6 +249,20 @@ class ContainerBackend:
                           sb_id, init_pid, err)
                 return None
         return h
+
+    def _init_holds_caps(self, init_pid: int) -> bool:
+        """Whether an adopted sandbox's init can hand on this daemon's
+        capabilities (sandbox.capabilities may have changed since it was made)."""
+        data = sysfs.read_small(f"/proc/{init_pid}/status") or b""
+        for line in data.splitlines():
+            if line.startswith(b"CapPrm:"):
+                held = int(line.split()[1], 16)
+                if self.init_caps & ~held:
+                    log.info("sandbox init %d lacks capabilities %#x of sandbox.capabilities: its execs use "
+                             "the helper", init_pid, self.init_caps & ~held)
+                    return False
+                return True
+        return False
 
     # ------------------------------------------------------------ exec
 

@@ -229,6 +229,28 @@ def test_a_restarted_daemon_takes_the_channel_back(daemon_factory, busybox_rootf
     c.close()
 
 
+def test_a_restart_with_wider_capabilities_leaves_init_to_the_helper(daemon_factory, busybox_rootfs):
+    d = daemon_factory()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox")
+    assert sb.exec(PPID).stdout == b"1\n"
+    c.close()
+    d.stop()
+    wider = tomllib.loads((Path(dsecd.__file__).parent / "default.toml").read_text())["sandbox"]["capabilities"]
+    wider = [*wider, "NET_RAW"]
+    d.config.write_text(d.config.read_text().replace("[sandbox]\n", f"[sandbox]\ncapabilities = {wider!r}\n", 1)
+                        .replace("'", '"'))
+    d.start()
+    c = d.client()
+    sb = c.get(sb.id)
+    r = sb.exec(["sh", "-c", "echo $PPID; grep CapEff /proc/self/status"])
+    ppid, caps = r.stdout.split(b"\n")[:2]
+    assert ppid == b"0"                         # init holds the old set: the helper gives the new one
+    assert _caps(caps + b"\n")["CapEff"] == cap_mask(wider)
+    c.close()
+
+
 def test_a_bad_exec_via_stops_the_daemon(daemon_factory):
     d = daemon_factory('exec_via = "zygote"\n', start=False)
     with pytest.raises(RuntimeError, match="exec_via must be init or helper"):

@@ -310,3 +310,59 @@ def test_a_host_with_suid_dumpable_1_is_refused(tmp_path, value, unsafe):
     assert (why is not None) == unsafe
     if unsafe:
         assert "sysctl -w fs.suid_dumpable=0" in why
+
+
+def _holder(fd_at_5: int) -> tuple[subprocess.Popen, int]:
+    """A process holding `fd_at_5` as its fd 5, as a sandbox's init holds the
+    daemon's end of the channel; and a pidfd of it."""
+    proc = subprocess.Popen(["sleep", "30"], pass_fds=(5,), preexec_fn=lambda: os.dup2(fd_at_5, 5))
+    return proc, os.pidfd_open(proc.pid)
+
+
+@pytest.mark.parametrize("kind", ["pipe", "stream socket", "/dev/null"])
+def test_take_back_refuses_what_is_not_the_channel(kind):
+    # An init made by an older daemon may hold anything at fd 5 (its signalfd).
+    from dsecd.initlink import take_back
+
+    if kind == "pipe":
+        keep = list(os.pipe())
+    elif kind == "stream socket":
+        a, b = socket.socketpair()
+        keep = [a.detach(), b.detach()]
+    else:
+        keep = [os.open("/dev/null", os.O_RDONLY)]
+    proc, pidfd = _holder(keep[0])
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        assert take_back(pidfd, True) is None
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(pidfd)
+        _close(keep)
+
+
+def test_take_back_returns_the_channel_or_shuts_it_down():
+    from dsecd.initlink import take_back
+
+    async def go():
+        for use in (True, False):
+            ours, init = pair()
+            proc, pidfd = _holder(ours.fileno())
+            link = take_back(pidfd, use)
+            if use:
+                assert link is not None and link.attach(asyncio.get_running_loop())
+                run = _sent(link, init)          # a request through the taken end reaches init
+                assert run.id in link.pending
+                link.close("test")               # given up: shut down for init too
+            else:
+                assert link is None
+            init.settimeout(2)
+            assert init.recv(1) == b""           # init's end sees the channel gone
+            proc.kill()
+            proc.wait()
+            os.close(pidfd)
+            ours.close()
+            init.close()
+    asyncio.run(go())
