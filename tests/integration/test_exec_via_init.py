@@ -202,11 +202,21 @@ def test_destroy_ends_a_running_exec_as_killed(daemon):
     asyncio.run(go())
 
 
-def test_exec_via_helper_uses_the_helper(daemon_factory, busybox_rootfs):
+def test_exec_via_helper_uses_the_helper_also_after_a_restart_with_init(daemon_factory, busybox_rootfs):
     d = daemon_factory('exec_via = "helper"\n')
     c = d.client()
     c.import_image(busybox_rootfs, "busybox")
-    assert c.create(image="busybox").exec(PPID).stdout == b"0\n"
+    sb = c.create(image="busybox")
+    assert sb.exec(PPID).stdout == b"0\n"
+    c.close()
+    d.stop()
+    # Restarted with the default exec_via = "init": that init has no channel to take back.
+    d.config.write_text(d.config.read_text().replace('exec_via = "helper"\n', ""))
+    d.start()
+    c = d.client()
+    r = c.get(sb.id).exec(PPID)
+    assert (r.stdout, r.exit_code) == (b"0\n", 0)
+    assert c.create(image="busybox").exec(PPID).stdout == b"1\n"
     c.close()
 
 
