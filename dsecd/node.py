@@ -764,11 +764,10 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         capabilities; or the channel cannot take this one: too big, init
         busy). `io` owns the child ends in stdio, closed once sent. Whether it
         started shows in its `exited` (a failed start: _init_exec_error)."""
-        link = sb.handle.init_link if sb.handle is not None else None
-        if link is None:
+        if sb.handle is None:
             return None
         try:
-            started = link.spawn(self.loop, argv, env, cwd, user, self.backend.caps, stdio)
+            started = self.backend.start_by_init(self.loop, sb.handle, argv, env, cwd, user, stdio)
         except ValueError as err:     # as the helper's argument checks (_spawn_exec)
             raise BadRequest(f"exec: {err}") from err
         if started is not None:

@@ -1,14 +1,16 @@
 """Container backend: namespaces + cgroups + overlay, one dsec-init per sandbox.
 
-The sandbox's PID 1 (the static `dsec-init`, reaper only) is cloned by the C
-helper into new mount, pid, uts, ipc, net and cgroup namespaces; the overlay
-root is mounted inside the sandbox's own mount namespace, so the host's mount
-table never holds sandbox mounts and they vanish with the sandbox. Commands
-run through the C exec helper, which joins the cgroups and namespaces of the
-init (setns on its pidfd) and execs as a direct child of the daemon.
+The sandbox's PID 1 (the static `dsec-init`) is cloned by the C helper into
+new mount, pid, uts, ipc, net and cgroup namespaces; the overlay root is
+mounted inside the sandbox's own mount namespace, so the host's mount table
+never holds sandbox mounts and they vanish with the sandbox. Commands are
+forked by that init, asked over its exec channel (`start_by_init`,
+dsecd/initlink.py), or run through the C exec helper, which joins the cgroups
+and namespaces of the init (setns on its pidfd) and execs as a direct child
+of the daemon (`spawn`: traced execs, sandboxes whose init has no channel).
 
-Every method here blocks (clone, mount, rmdir): the node calls them from
-worker threads, never on the event loop.
+Every method here blocks (clone, mount, rmdir), except `start_by_init`: the
+node calls them from worker threads, never on the event loop.
 """
 
 from __future__ import annotations
@@ -271,6 +273,15 @@ class ContainerBackend:
         env.update(sandbox_env)
         env.update(exec_env)
         return [f"{k}={v}" for k, v in env.items()]
+
+    def start_by_init(self, loop, h: Handle, argv: list[str], env: list[str], cwd: str, uid: int,
+                      fds: tuple[int, int, int]) -> initlink.InitExec | None:
+        """Send the exec to the sandbox's init (on the event loop, does not
+        block); None if it has no channel or the channel cannot take it: then
+        `spawn` it. The same ids and capabilities as `spawn` gives."""
+        if h.init_link is None:
+            return None
+        return h.init_link.spawn(loop, argv, env, cwd, uid, self.caps, fds)
 
     def spawn(self, h: Handle, argv: list[str], env: list[str], cwd: str, uid: int,
               fds: tuple[int, int, int]) -> int:
