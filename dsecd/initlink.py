@@ -102,7 +102,7 @@ class InitLink:
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.sock.setblocking(False)
-        self.loop: asyncio.AbstractEventLoop | None = None     # set by the first spawn
+        self.loop: asyncio.AbstractEventLoop | None = None     # set by attach (first spawn, or adopt)
         self.pending: dict[int, InitExec] = {}
         # Random start: answers still due to a daemon before a restart name ids of its own.
         self.next_id = secrets.randbits(32) % 0xFFFFFFFF + 1
