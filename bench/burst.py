@@ -150,36 +150,47 @@ async def measure_fncall(sock: str, n: int, clients: int, total: int) -> dict:
                 raise RuntimeError(f"fresh python exec: {r}")
         await sb.destroy(force=True)
         log(f"fresh python exec: p50 {pct(fresh, 50)} ms")
-    conns = [dsecd.Client(sock) for _ in range(clients)]
-    for cl in conns:
-        await cl.connect()
-    left = [total]
     async with dsecd.Client(sock) as c:
         info = await c.info()
     box = next(b for b in info["fncall"]["boxes"] if b["image"] == "py")
     # The call sandbox's group sits below `<cgroup_root>/.fncall/` (dsecd/backends/fncall.py).
     meter = CpuMeter(info, f".fncall/{box['id']}", box["zygote_pid"])
 
-    async def worker(cl):
-        while left[0] > 0:
-            left[0] -= 1
-            r = await cl.call("py", argv=argv)
-            if r.stdout != b"1\n":
-                raise RuntimeError(f"fncall (concurrent): {r}")
+    async def one(cl, _i: int) -> None:
+        r = await cl.call("py", argv=argv)
+        if r.stdout != b"1\n":
+            raise RuntimeError(f"fncall (concurrent): {r}")
 
-    cpu0 = meter.sample()
-    t = time.perf_counter()
-    # Four calls in flight per connection: many per connection, as the SDK allows.
-    await asyncio.wait_for(asyncio.gather(*(worker(cl) for cl in conns for _ in range(4))), OP_TIMEOUT_S)
-    wall = time.perf_counter() - t
-    cpu = meter.per(cpu0, meter.sample(), total)
-    for cl in conns:
-        await cl.close()
+    wall, cpu = await run_batch(sock, clients, total, one, meter)
     log(f"fncall: {total} calls from {clients} clients in {wall:.2f} s; CPU ms per call {cpu}")
     return {"fncall_p50_ms": pct(lat, 50), "fncall_p99_ms": pct(lat, 99),
             "fresh_python_p50_ms": pct(fresh, 50),
             "fncall_speedup": round(pct(fresh, 50) / max(pct(lat, 50), 1e-6), 1),
             "fncall_per_s": round(total / wall, 1), "fncall_cpu_ms": cpu}
+
+
+async def run_batch(sock: str, clients: int, total: int, one, meter: CpuMeter) -> tuple[float, dict]:
+    """`total` requests `one(client, i)` from `clients` connections, four in
+    flight on each (many per connection, as the SDK allows): the wall time
+    and the CPU ms per request."""
+    conns = [dsecd.Client(sock) for _ in range(clients)]
+    for cl in conns:
+        await cl.connect()
+    left = [total]
+
+    async def worker(cl) -> None:
+        while left[0] > 0:
+            left[0] -= 1
+            await one(cl, left[0])
+
+    cpu0 = meter.sample()
+    t0 = time.perf_counter()
+    try:
+        await asyncio.wait_for(asyncio.gather(*(worker(cl) for cl in conns for _ in range(4))), OP_TIMEOUT_S)
+        return time.perf_counter() - t0, meter.per(cpu0, meter.sample(), total)
+    finally:
+        for cl in conns:
+            await cl.close()
 
 
 async def measure_pool(sock: str, n: int) -> dict:
@@ -276,26 +287,14 @@ async def measure_exec_rate(sock: str, total: int, clients: int, prefix: str = "
     async with dsecd.Client(sock) as c:
         sbs = await asyncio.gather(*(c.create("busybox", **SHAPE) for _ in range(100)))
         meter = CpuMeter(await c.info())
-    conns = [dsecd.Client(sock) for _ in range(clients)]
-    for cl in conns:
-        await cl.connect()
-    left = [total]
 
-    async def worker(cl) -> None:
-        while left[0] > 0:
-            left[0] -= 1
-            sb = dsecd.client.Sandbox(cl, sbs[left[0] % len(sbs)].id, {})
-            r = await sb.exec(["true"], timeout=60)
-            if r.exit_code != 0:
-                raise RuntimeError(f"exec true in {sb.id}: {r}")
+    async def one(cl, i: int) -> None:
+        sb = dsecd.client.Sandbox(cl, sbs[i % len(sbs)].id, {})
+        r = await sb.exec(["true"], timeout=60)
+        if r.exit_code != 0:
+            raise RuntimeError(f"exec true in {sb.id}: {r}")
 
-    cpu0 = meter.sample()
-    t0 = time.perf_counter()
-    await asyncio.wait_for(asyncio.gather(*(worker(cl) for cl in conns for _ in range(4))), OP_TIMEOUT_S)
-    took = time.perf_counter() - t0
-    cpu = meter.per(cpu0, meter.sample(), total)
-    for cl in conns:
-        await cl.close()
+    took, cpu = await run_batch(sock, clients, total, one, meter)
     log(f"{prefix}: {total} execs in {took:.2f} s, {total / took:.0f}/s; CPU ms per exec {cpu}")
     await teardown(sock)
     return {f"{prefix}_per_s": round(total / took, 1), f"{prefix}_host_ms": cpu["host"]}

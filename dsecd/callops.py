@@ -33,7 +33,7 @@ from . import cgroup
 from .backends.fncall import CallBox, FnCallBackend, Zygote, ZygoteDied
 from .config import parse_size
 from .errors import BadRequest, Busy, DsecError, IOFailure, LimitExceeded, Unsupported, io_error
-from .execio import Collector, ExecIO, reap
+from .execio import ChildWatch, Collector, ExecIO, reap
 from .fs import upper as upperfs
 from .fs.images import ImageError
 from .imageops import image_error
@@ -375,7 +375,7 @@ class CallOps:
             if stdin:
                 await io.feed_stdin(stdin, True)
             self.call_stats["plain_calls"] += 1
-            result = await io.run(pid, timeout, self.limits["exec_drain_grace_s"])
+            result = await io.run(ChildWatch(self.loop, pid), timeout, self.limits["exec_drain_grace_s"])
         finally:
             io.close()
             if io.reaped is not None:        # cancelled while it ran: killed, reaped in a thread

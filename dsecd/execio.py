@@ -6,12 +6,19 @@ stream, so it is what most execs (no stdin, no streaming) and every FnCall
 use. `ExecIO` runs a coroutine per stream, for execs that stream their output
 (each chunk awaits the client's socket: backpressure) or take stdin.
 
-The process is a direct child of the daemon (the C helper clones it with
-CLONE_PARENT), so its exit is seen on a pidfd registered with the event loop
-and its status collected with waitpid. Output is read from non-blocking pipes
-by one coroutine per stream; each chunk is handed to `emit`, which may await
-(the client's socket drains), so a slow client slows the reader and the pipe
-fills and the process blocks: memory stays bounded.
+Both are told how the process ends and is killed by a watch: `ChildWatch`
+for a process the daemon's helper started (our child, CLONE_PARENT: its exit
+seen on a pidfd registered with the event loop, its status collected with
+waitpid), dsecd/initlink.py `InitExec` for one the sandbox's init forked (its
+exit reported by init). Either gives `exited` ({"status": wait status}),
+`kill()` (the process group), `abandon()` (the request is gone: kill it,
+and for our child reap it in a thread), `stop()` and `kill_grace` (how long
+its end may take after a kill; None: however long).
+
+ExecIO reads output from non-blocking pipes by one coroutine per stream; each
+chunk is handed to `emit`, which may await (the client's socket drains), so a
+slow client slows the reader and the pipe fills and the process blocks:
+memory stays bounded.
 
 Output cap: stdout and stderr together may deliver `cap` bytes. Past it both
 read ends are closed, so the process sees EPIPE/SIGPIPE on its next write
@@ -42,7 +49,6 @@ class ExecIO:
         self.truncated = False
         self.timed_out = False
         self.cancelled = False
-        self.pid: int | None = None
         # Set when run() was cancelled: the kill's reap, in a thread; what the
         # process used (a call's uid) must not be handed on before it is done.
         self.reaped: asyncio.Future | None = None
@@ -81,22 +87,13 @@ class ExecIO:
         if eof:
             await self._stdin_q.put(None)
 
-    async def run(self, pid: int | None, timeout: float | None, drain_grace: float, by_init=None,
-                  kill_grace: float | None = None) -> dict:
-        """Wait for the process and its output; kill its process group on timeout.
-
-        pid: our child (the daemon's helper made it). by_init: instead, an
-        exec sent to the sandbox's init (dsecd/initlink.py InitExec), whose
-        exit and kill come through init's channel; its `exited` fails with
-        the NativeError of a start that failed. kill_grace: how long the end
-        may take after a timeout's kill (None: however long; TimeoutError after)."""
+    async def run(self, watch, timeout: float | None, drain_grace: float) -> dict:
+        """Wait for the process (`watch`: ChildWatch or InitExec) and its
+        output; kill its process group on timeout. Raises what its `exited`
+        raises (an exec init could not start: its NativeError), and
+        TimeoutError when the end does not come watch.kill_grace after a kill."""
         started = time.monotonic()
-        if by_init is None:
-            self.pid = pid
-            exited, stop_watching = watch_exit(self.loop, pid)
-            kill = self.kill
-        else:
-            exited, stop_watching, kill = by_init.exited, _nothing, by_init.kill
+        exited = watch.exited
         pumps = [asyncio.ensure_future(self._pump(self.out_r, 1)),
                  asyncio.ensure_future(self._pump(self.err_r, 2))]
         feeder = asyncio.ensure_future(self._feed()) if self._stdin_q is not None else None
@@ -106,38 +103,27 @@ class ExecIO:
                 await asyncio.wait_for(asyncio.shield(exited), timeout)
             except TimeoutError:
                 self.timed_out = True
-                kill()
+                watch.kill()
                 try:
-                    await asyncio.wait_for(asyncio.shield(exited), kill_grace)
+                    await asyncio.wait_for(asyncio.shield(exited), watch.kill_grace)
                 except TimeoutError:
                     raise TimeoutError(errno.ETIMEDOUT, "the run did not end after a kill") from None
             status = exited.result()["status"]
             # Background children may hold the pipes open: wait a little, then stop reading.
             await asyncio.wait(pumps, timeout=drain_grace)
         finally:
-            stop_watching()
+            watch.stop()
             for task in pumps + ([feeder] if feeder else []):
                 task.cancel()
             await asyncio.gather(*pumps, *([feeder] if feeder else []), return_exceptions=True)
             if status is None and not exited.done():
-                # Cancelled (client gone, `cancel`, daemon stopping): kill and reap
-                # in a thread, since a dying process may take a moment to exit.
-                # (Not once the watch reaped it: its pid may be another's by then.)
-                # One init forked is init's to reap.
-                if by_init is None:
-                    self.reaped = kill_and_reap(self.loop, pid)
-                else:
-                    by_init.abandon()
+                # Cancelled (client gone, `cancel`, daemon stopping).
+                self.reaped = watch.abandon()
             self.close()
         code, sig = _decode_status(status)
         return {"exit_code": code, "signal": sig, "timed_out": self.timed_out,
                 "truncated": self.truncated, "cancelled": self.cancelled,
                 "duration_ms": round((time.monotonic() - started) * 1000, 3)}
-
-    def kill(self) -> None:
-        """SIGKILL the whole process group (the process was made a session leader)."""
-        if self.pid is not None:
-            kill_group(self.pid)
 
     async def _readable(self, fd: int) -> None:
         fut = self.loop.create_future()
@@ -205,10 +191,6 @@ class ExecIO:
         for name in ("stdin_r", "stdin_w", "out_w", "err_w"):
             close_quietly(getattr(self, name))
             setattr(self, name, -1)
-
-
-def _nothing() -> None:
-    pass
 
 
 def kill_group(pid: int) -> None:
@@ -387,6 +369,30 @@ class Collector:
         self._timers = []
         self.close_reads()
         self.close_child_ends()
+
+
+class ChildWatch:
+    """How our child `pid` (started by the daemon's helper) ends and is
+    killed; see the module docstring for what a watch gives."""
+
+    kill_grace = None         # our child is reaped here: its end always comes
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, pid: int):
+        self.loop = loop
+        self.pid = pid
+        self.exited, self.stop = watch_exit(loop, pid)
+
+    def kill(self) -> None:
+        kill_group(self.pid)
+
+    def abandon(self) -> asyncio.Future | None:
+        """Kill it and reap it in a thread, since a dying process may take a
+        moment to exit; the future is done once it is reaped. None if the
+        watch reaped it already (its pid may be another's by then)."""
+        self.stop()           # from here the thread reaps it, never the loop
+        if self.exited.done():
+            return None
+        return kill_and_reap(self.loop, self.pid)
 
 
 def watch_exit(loop: asyncio.AbstractEventLoop, pid: int) -> tuple[asyncio.Future, Callable[[], None]]:

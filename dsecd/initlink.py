@@ -57,8 +57,17 @@ KILLED = signal.SIGKILL        # wait status of a process killed by SIGKILL
 _GONE = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF)
 
 
+# How long an exec sent to init may take to end after its kill. Init reaps it
+# and reports; a sandbox that stopped its own init (csrc/init.c start) would
+# otherwise keep the request waiting for good.
+KILL_GRACE_S = 10.0
+
+
 class InitExec:
-    """One exec sent to init; `exited` is a loop future."""
+    """One exec sent to init: a watch as dsecd/execio.py describes
+    (`exited` a loop future, kill, abandon, stop, kill_grace)."""
+
+    kill_grace = KILL_GRACE_S
 
     __slots__ = ("link", "id", "request", "exited", "running", "_fd", "_kill_sent")
 
@@ -83,9 +92,28 @@ class InitExec:
             self.link.send_kill(self.id)
 
     def abandon(self) -> None:
-        """Its request is gone (cancelled): kill it; nobody waits for it any more."""
+        """Its request is gone (cancelled): kill it; nobody waits for it any
+        more. Init reaps it: nothing to wait for here."""
         self.kill()
         self.exited.cancel()
+
+    def stop(self) -> None:
+        """Nothing to stop: the link reads init's answers for every exec."""
+
+    def _started(self, pidfd: int) -> None:
+        self.running = True
+        self._fd = pidfd
+        if self._kill_sent or self.exited.cancelled():    # killed or abandoned before it started
+            self.kill()
+
+    def _failed(self, err: Exception) -> None:
+        if not self.exited.done():          # else abandoned: nobody waits
+            self.exited.set_exception(err)
+
+    def _ended(self, status: int) -> None:
+        self._close()            # it ended: the pidfd is of no more use
+        if not self.exited.done():
+            self.exited.set_result({"status": status})
 
     def _close(self) -> None:
         if self._fd >= 0:
@@ -117,8 +145,8 @@ class InitLink:
         too big for one packet, init not reading): use the daemon's helper.
         The stdio fds are in the kernel's hands once this returns: the caller
         may close its copies. ValueError for strings or ids execve cannot take."""
-        native.check_exec_request(argv, env, cwd, uid, uid)     # as the helper's
-        strings = b"\0".join(os.fsencode(s) for s in (cwd, *argv, *env)) + b"\0"
+        raw_argv, raw_env, raw_cwd = native.check_exec_request(argv, env, cwd, uid, uid)     # as the helper's
+        strings = b"\0".join((raw_cwd, *raw_argv, *raw_env)) + b"\0"
         if len(strings) > native.INIT_MAX_STRINGS:
             return None
         if not self.attach(loop):
@@ -173,11 +201,16 @@ class InitLink:
 
     # ------------------------------------------------------------ answers
 
+    def _receive(self) -> tuple[bytes, list[int], int]:
+        """One answer (one byte more than an answer's size: a longer one shows
+        as too long), at most one fd, close-on-exec."""
+        data, fds, flags, _addr = socket.recv_fds(self.sock, native.INIT_REPLY_SIZE + 1, 1, socket.MSG_CMSG_CLOEXEC)
+        return data, fds, flags
+
     def _on_readable(self) -> None:
         while not self.closed:
             try:
-                data, fds, flags, _addr = socket.recv_fds(self.sock, native.INIT_REPLY_SIZE + 1, 1,
-                                                          socket.MSG_CMSG_CLOEXEC)
+                data, fds, flags = self._receive()
             except BlockingIOError:
                 return
             except OSError as err:
@@ -217,22 +250,15 @@ class InitLink:
                 if fds:
                     return "an fd with a failed start"
                 del self.pending[exec_id]
-                if not run.exited.done():      # else abandoned: nobody waits
-                    run.exited.set_exception(native.init_exec_error(data[native.INIT_REPLY_ERR_OFFSET:],
-                                                                    *run.request))
+                run._failed(native.init_exec_error(data[native.INIT_REPLY_ERR_OFFSET:], *run.request))
                 return None
             if len(fds) != 1 or not _is_pidfd(fds[0]):
                 return "a start without a pidfd"
-            run.running = True
-            run._fd = fds.pop()
-            if run._kill_sent or run.exited.cancelled():    # killed or abandoned before it started
-                run.kill()
+            run._started(fds.pop())
             return None
         if kind == native.INIT_EXITED and not fds and run.running:
             del self.pending[exec_id]
-            run._close()
-            if not run.exited.done():
-                run.exited.set_result({"status": status})
+            run._ended(status)
             return None
         return f"answer kind {kind} out of order for exec {exec_id}"
 
@@ -266,27 +292,23 @@ class InitLink:
             _shutdown_quietly(self.sock)
         self.sock.close()
         pending, self.pending = self.pending, {}
+        lost = OSError(errno.EPIPE, f"lost the exec channel to the sandbox's init ({why})")
         for run in pending.values():
             run.kill()
-            run._close()
-            if run.exited.done():
-                continue
-            if not run.running:
-                run.exited.set_exception(OSError(errno.ESRCH, "the sandbox's init did not start it")
-                                         if why is None else
-                                         OSError(errno.EPIPE, f"lost the exec channel to the sandbox's init ({why})"))
-            elif why is None:               # the kernel killed it with the pid namespace
-                run.exited.set_result({"status": KILLED})
+            if why is not None:
+                run._close()
+                run._failed(lost)
+            elif run.running:               # the kernel killed it with the pid namespace
+                run._ended(KILLED)
             else:
-                run.exited.set_exception(OSError(errno.EPIPE, f"lost the exec channel to the sandbox's init ({why})"))
+                run._failed(OSError(errno.ESRCH, "the sandbox's init did not start it"))
 
     def _kill_unread(self) -> None:
         """Answers still queued when the channel closes: an exec they report
         started is killed through its pidfd, since nothing will watch it."""
         for _ in range(4096):
             try:
-                data, fds, _flags, _addr = socket.recv_fds(self.sock, native.INIT_REPLY_SIZE + 1, 1,
-                                                          socket.MSG_CMSG_CLOEXEC)
+                data, fds, _flags = self._receive()
             except OSError:
                 return
             for fd in fds:

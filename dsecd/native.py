@@ -430,19 +430,22 @@ class ExecSpec:
             raise ValueError(f"cap_keep must be a 64-bit mask, got {self.cap_keep!r}")
 
 
-def check_exec_request(argv: list[str], env: list[str], cwd: str, uid: int, gid: int) -> None:
+def check_exec_request(argv: list[str], env: list[str], cwd: str, uid: int,
+                       gid: int) -> tuple[list[bytes], list[bytes], bytes]:
     """ValueError unless the exec's strings and ids can reach execve as given:
-    what both ways of starting an exec (spawn_exec, dsec-init's channel) need."""
+    what both ways of starting an exec (spawn_exec, dsec-init's channel) need.
+    Returns argv, env and cwd encoded."""
     if not argv or not argv[0]:
         raise ValueError("argv must have a non-empty argv[0]")
-    for arg in argv:
-        _cstring("argv entry", arg)
-    for var in env:
-        if _cstring("env entry", var).find(b"=") < 1:
+    raw_argv = [_cstring("argv entry", arg) for arg in argv]
+    raw_env = [_cstring("env entry", var) for var in env]
+    for var, raw in zip(env, raw_env, strict=True):
+        if raw.find(b"=") < 1:
             raise ValueError(f"env entries are 'K=V' with a non-empty K, got {var!r}")
-    _path("cwd", cwd)
+    raw_cwd = _path("cwd", cwd)
     _id("uid", uid)
     _id("gid", gid)
+    return raw_argv, raw_env, raw_cwd
 
 
 def spawn_exec(spec: ExecSpec) -> int:

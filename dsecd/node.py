@@ -40,7 +40,7 @@ from .errors import (
     Unsupported,
     io_error,
 )
-from .execio import Collector, ExecIO, kill_and_reap, kill_group, watch_exit
+from .execio import ChildWatch, Collector, ExecIO, kill_and_reap
 from .fds import close_quietly
 from .features import Features, suid_dumpable_hazard
 from .fs import files as sbfiles
@@ -321,9 +321,9 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         if configured == "helper":
             return False
         if not features.has("pidfd_group_signal"):
+            probed = features.items.get("pidfd_group_signal")
             log.warning("sandbox.exec_via = init, but %s: execs use the daemon's helper",
-                        features.items["pidfd_group_signal"].detail if "pidfd_group_signal" in features.items
-                        else "pidfd_group_signal was not probed")
+                        probed.detail if probed else "pidfd_group_signal was not probed")
             return False
         return True
 
@@ -690,18 +690,16 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             argv = tracing.traced_argv(req.argv) if req.trace else list(req.argv)
             # A traced exec needs the daemon's helper: the tracer attaches to the daemon's child.
             tracer = None
-            started = None if req.trace else self._start_by_init(sb, argv, env, cwd, user, io, io.child_fds())
-            if started is not None:
-                try:
-                    result = await io.run(None, timeout, self.limits["exec_drain_grace_s"], started,
-                                          INIT_KILL_GRACE_S)
-                except OSError as err:
-                    raise _init_exec_error(err, sb, argv[0], cwd) from err
-            else:
+            watch = None if req.trace else self._start_by_init(sb, argv, env, cwd, user, io, io.child_fds())
+            if watch is None:
                 pid = await self._spawn_exec(sb, argv, env, cwd, user, io.child_fds(), io)
                 if req.trace:
-                    tracer = await self._start_tracer(io, pid, timeout)
-                result = await io.run(pid, timeout, self.limits["exec_drain_grace_s"])
+                    tracer = await self._start_tracer(pid, timeout)
+                watch = ChildWatch(self.loop, pid)
+            try:
+                result = await io.run(watch, timeout, self.limits["exec_drain_grace_s"])
+            except OSError as err:
+                raise _run_error(err, sb, argv[0], cwd) from err
             if tracer is not None:
                 result["trace"] = await self.run_blocking(tracing.collect, tracer)
         finally:
@@ -719,38 +717,31 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         """An exec whose output comes back whole and that takes no stdin (most
         of them): collected by loop callbacks (dsecd/execio.py Collector), not
         by ExecIO's task per pipe; stdin is the daemon's /dev/null."""
-        # kill_grace None: after a timeout's SIGKILL the exec is waited for, as ExecIO does.
+        # kill_grace: the watch's (an exec of our own is waited for however long after its kill).
         run = Collector(self.loop, self.max_exec_output, self.limits["exec_drain_grace_s"], None)
         sb.execs += 1
         ctx.register_exec(run)
-        started = exited = stop_watching = None
-        pid = None
+        watch = None
         try:
-            started = self._start_by_init(sb, argv, env, cwd, user, run, (self._devnull, *run.child_ends))
-            if started is not None:
-                # The timeout counts from here: a start init cannot finish is killed too.
-                run.kill_grace = INIT_KILL_GRACE_S
-                run.start(started.exited, started.kill, timeout)
-                try:
-                    return await run.done
-                except OSError as err:
-                    raise _init_exec_error(err, sb, argv[0], cwd) from err
-            pid = await self._spawn_exec(sb, argv, env, cwd, user, (self._devnull, *run.child_ends), run)
-            exited, stop_watching = watch_exit(self.loop, pid)
-            run.start(exited, functools.partial(kill_group, pid), timeout)
-            return await run.done
+            stdio = (self._devnull, *run.child_ends)
+            watch = self._start_by_init(sb, argv, env, cwd, user, run, stdio)
+            if watch is None:
+                watch = ChildWatch(self.loop, await self._spawn_exec(sb, argv, env, cwd, user, stdio, run))
+            # Sent to init, the timeout counts from the send: a start init cannot finish is killed too.
+            run.kill_grace = watch.kill_grace
+            run.start(watch.exited, watch.kill, timeout)
+            try:
+                return await run.done
+            except OSError as err:
+                raise _run_error(err, sb, argv[0], cwd) from err
         except BaseException:
-            # Cancelled (client gone, `cancel`, daemon stopping): the process
-            # group goes, and is reaped in a thread (a dying process may take a
-            # moment); one init forked is reaped by init.
-            if started is not None:
-                started.abandon()
-            elif pid is not None and not (exited is not None and exited.done()):
-                kill_and_reap(self.loop, pid)     # finally below stops watching before the loop can reap
+            # Cancelled (client gone, `cancel`, daemon stopping): the process group goes.
+            if watch is not None and not watch.exited.done():
+                watch.abandon()
             raise
         finally:
-            if stop_watching is not None:
-                stop_watching()
+            if watch is not None:
+                watch.stop()
             run.close()
             sb.execs -= 1
             sb.last_active = time.monotonic()
@@ -763,7 +754,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         sandbox of an older daemon, or one whose init lacks this daemon's
         capabilities; or the channel cannot take this one: too big, init
         busy). `io` owns the child ends in stdio, closed once sent. Whether it
-        started shows in its `exited` (a failed start: _init_exec_error)."""
+        started shows in its `exited` (a failed start: _run_error)."""
         if sb.handle is None:
             return None
         try:
@@ -816,13 +807,12 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         else:
             reaped.add_done_callback(lambda _reaped: after_abandoned())
 
-    async def _start_tracer(self, io: ExecIO, pid: int, timeout: float | None):
+    async def _start_tracer(self, pid: int, timeout: float | None):
         try:
             return await self.run_blocking(tracing.start_tracer, pid, timeout,
                                            self.cfg.size("limits", "max_trace_bytes"))
         except OSError as err:
-            io.pid = pid
-            io.kill()            # it is stopped, waiting for a tracer that will not come
+            kill_and_reap(self.loop, pid)     # it is stopped, waiting for a tracer that will not come
             raise io_error("start the tracer for", f"pid {pid}", err) from err
 
     async def op_exec_input(self, req, ctx) -> dict:
@@ -898,15 +888,10 @@ def _check_process(req) -> None:
         raise BadRequest(f"user must be a uid in [0, 2^32-1), got {req.user}")
 
 
-# How long an exec sent to init may take to end after its kill. Init reaps it
-# and reports; a sandbox that stopped its own init (csrc/init.c start) would
-# otherwise keep the request waiting for good.
-INIT_KILL_GRACE_S = 10.0
-
-
-def _init_exec_error(err: OSError, sb: Sandbox, prog: str, cwd: str) -> DsecError:
-    """An exec init could not start (NativeError of its step), or whose
-    channel broke (the exec was killed)."""
+def _run_error(err: OSError, sb: Sandbox, prog: str, cwd: str) -> DsecError:
+    """A run that failed after it was handed to its watch: an exec init could
+    not start (NativeError of its step), whose channel broke (the exec was
+    killed), or that did not end after a kill (TimeoutError)."""
     if isinstance(err, NativeError):
         return _exec_error(err, prog, cwd)
     if err.errno == errno.ESRCH:          # its init exited first: destroyed or died meanwhile

@@ -255,16 +255,14 @@ class ContainerBackend:
     def _init_holds_caps(self, init_pid: int) -> bool:
         """Whether an adopted sandbox's init can hand on this daemon's
         capabilities (sandbox.capabilities may have changed since it was made)."""
-        data = sysfs.read_small(f"/proc/{init_pid}/status") or b""
-        for line in data.splitlines():
-            if line.startswith(b"CapPrm:"):
-                held = int(line.split()[1], 16)
-                if self.init_caps & ~held:
-                    log.info("sandbox init %d lacks capabilities %#x of sandbox.capabilities: its execs use "
-                             "the helper", init_pid, self.init_caps & ~held)
-                    return False
-                return True
-        return False
+        held = cap_set(init_pid, "CapPrm")
+        if held is None:
+            return False
+        if self.init_caps & ~held:
+            log.info("sandbox init %d lacks capabilities %#x of sandbox.capabilities: its execs use "
+                     "the helper", init_pid, self.init_caps & ~held)
+            return False
+        return True
 
     # ------------------------------------------------------------ exec
 
@@ -426,12 +424,19 @@ def _kill_and_reap(pid: int) -> None:
         pass
 
 
+def cap_set(pid: int | str, name: str) -> int | None:
+    """A capability set of a process ("CapEff", "CapPrm", ...) from its
+    status file; None if it is gone."""
+    data = sysfs.read_small(f"/proc/{pid}/status") or b""
+    prefix = name.encode() + b":"
+    for line in data.splitlines():
+        if line.startswith(prefix):
+            return int(line.split()[1], 16)
+    return None
+
+
 def has_effective_cap(cap: int) -> bool:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("CapEff:"):
-                return bool(int(line.split()[1], 16) & (1 << cap))
-    return False
+    return bool((cap_set("self", "CapEff") or 0) & (1 << cap))
 
 
 # Lowering oom_score_adj needs CAP_SYS_RESOURCE, which some hosts (and this
@@ -451,10 +456,11 @@ def _own_oom_score_adj() -> int:
 # negative one (systemd runs the daemon at -900) is the daemon's protection,
 # not theirs: the spawn children set it back to 0 (csrc/exec_steps.h). A
 # positive one (a container runtime's) is left: lowering it needs the cap.
-_OOM_RESET = _own_oom_score_adj() < 0
+_DAEMON_OOM_SCORE = _own_oom_score_adj()
+_OOM_RESET = _DAEMON_OOM_SCORE < 0
 if _OOM_RESET and not _CAN_LOWER_OOM_SCORE:
     log.warning("oom_score_adj of dsecd is %d but it lacks CAP_SYS_RESOURCE: sandbox processes start at 0 "
-                "but keep dsecd's floor, and may lower their score down to it", _own_oom_score_adj())
+                "but keep dsecd's floor, and may lower their score down to it", _DAEMON_OOM_SCORE)
 
 
 def _protect_init_from_oom(pid: int) -> None:

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.skipif(native.probe_pidfd_group_signal() != 0,
                                 reason="no PIDFD_SIGNAL_PROCESS_GROUP (Linux < 6.9): execs use the helper")
 
 PPID = ["sh", "-c", "echo $PPID"]
+SLEEPERS = ["sh", "-c", "ps -o comm | grep -c sleep || true"]     # how many `sleep` run in the sandbox
 
 
 def _caps(status: bytes) -> dict[str, int]:
@@ -32,10 +33,25 @@ def _caps(status: bytes) -> dict[str, int]:
             if k.startswith(b"Cap")}
 
 
-def _configured_caps() -> int:
+def _default_cap_names() -> list[str]:
     """The embedded default (the test daemons configure no capabilities)."""
-    defaults = tomllib.loads((Path(dsecd.__file__).parent / "default.toml").read_text())
-    return cap_mask(defaults["sandbox"]["capabilities"])
+    return tomllib.loads((Path(dsecd.__file__).parent / "default.toml").read_text())["sandbox"]["capabilities"]
+
+
+def _configured_caps() -> int:
+    return cap_mask(_default_cap_names())
+
+
+def _sandbox_then_stop(d, rootfs: str, ppid: bytes, sig: int = signal.SIGTERM) -> str:
+    """A sandbox of daemon `d` whose exec has parent pid `ppid` (b"1": forked
+    by init, b"0": by the helper); then `d` is stopped with `sig`."""
+    c = d.client()
+    c.import_image(rootfs, "busybox")
+    sb = c.create(image="busybox")
+    assert sb.exec(PPID).stdout == ppid + b"\n"
+    c.close()
+    d.stop(sig)
+    return sb.id
 
 
 def test_a_plain_exec_is_forked_by_init(sandbox):
@@ -54,7 +70,7 @@ def test_a_streaming_exec_s_timeout_kills_its_group(sandbox):
     t0 = time.monotonic()
     chunks = list(sandbox.exec_stream(["sh", "-c", "echo start; sleep 30 & sleep 30"], timeout=1))
     assert (1, b"start\n") in chunks and time.monotonic() - t0 < 5
-    assert sandbox.exec(["sh", "-c", "ps -o comm | grep -c sleep || true"]).stdout.strip() == b"0"
+    assert sandbox.exec(SLEEPERS).stdout.strip() == b"0"
 
 
 def test_a_request_too_big_for_one_packet_uses_the_helper(sandbox):
@@ -147,7 +163,7 @@ def test_a_timeout_kills_the_exec_s_whole_group(sandbox):
     t0 = time.monotonic()
     r = sandbox.exec(["sh", "-c", "sleep 30 & sleep 30"], timeout=1)
     assert r.timed_out and r.signal == 9 and time.monotonic() - t0 < 5
-    assert sandbox.exec(["sh", "-c", "ps -o comm | grep -c sleep || true"]).stdout.strip() == b"0"
+    assert sandbox.exec(SLEEPERS).stdout.strip() == b"0"
 
 
 def test_many_execs_at_once_each_get_their_own_answer(daemon):
@@ -174,13 +190,13 @@ def test_a_cancelled_exec_is_killed(daemon, kw):
                 await other.connect()
                 task = asyncio.create_task(dsecd.client.Sandbox(other, sb.id, {}).exec(["sleep", "1000"], **kw))
                 for _ in range(100):
-                    if (await sb.exec(["sh", "-c", "ps -o comm | grep -c sleep || true"])).stdout == b"1\n":
+                    if (await sb.exec(SLEEPERS)).stdout == b"1\n":
                         break
                     await asyncio.sleep(0.05)
                 await other.close()          # the client goes: its exec is cancelled
                 task.cancel()
                 for _ in range(100):
-                    left = (await sb.exec(["sh", "-c", "ps -o comm | grep -c sleep || true"])).stdout
+                    left = (await sb.exec(SLEEPERS)).stdout
                     if left == b"0\n":
                         break
                     await asyncio.sleep(0.05)
@@ -204,17 +220,12 @@ def test_destroy_ends_a_running_exec_as_killed(daemon):
 
 def test_exec_via_helper_uses_the_helper_also_after_a_restart_with_init(daemon_factory, busybox_rootfs):
     d = daemon_factory('exec_via = "helper"\n')
-    c = d.client()
-    c.import_image(busybox_rootfs, "busybox")
-    sb = c.create(image="busybox")
-    assert sb.exec(PPID).stdout == b"0\n"
-    c.close()
-    d.stop()
+    sb_id = _sandbox_then_stop(d, busybox_rootfs, b"0")
     # Restarted with the default exec_via = "init": that init has no channel to take back.
     d.config.write_text(d.config.read_text().replace('exec_via = "helper"\n', ""))
     d.start()
     c = d.client()
-    r = c.get(sb.id).exec(PPID)
+    r = c.get(sb_id).exec(PPID)
     assert (r.stdout, r.exit_code) == (b"0\n", 0)
     assert c.create(image="busybox").exec(PPID).stdout == b"1\n"
     c.close()
@@ -222,15 +233,10 @@ def test_exec_via_helper_uses_the_helper_also_after_a_restart_with_init(daemon_f
 
 def test_a_restarted_daemon_takes_the_channel_back(daemon_factory, busybox_rootfs):
     d = daemon_factory()
-    c = d.client()
-    c.import_image(busybox_rootfs, "busybox")
-    sb = c.create(image="busybox")
-    assert sb.exec(PPID).stdout == b"1\n"
-    c.close()
-    d.stop(signal.SIGKILL)   # the worst case: no clean shutdown
+    sb_id = _sandbox_then_stop(d, busybox_rootfs, b"1", signal.SIGKILL)    # the worst case: no clean shutdown
     d.start()                # adopts the sandbox and takes init's channel back
     c = d.client()
-    sb = c.get(sb.id)
+    sb = c.get(sb_id)
     for _ in range(3):
         r = sb.exec(PPID)
         assert (r.stdout, r.exit_code) == (b"1\n", 0)
@@ -241,20 +247,13 @@ def test_a_restarted_daemon_takes_the_channel_back(daemon_factory, busybox_rootf
 
 def test_a_restart_with_wider_capabilities_leaves_init_to_the_helper(daemon_factory, busybox_rootfs):
     d = daemon_factory()
-    c = d.client()
-    c.import_image(busybox_rootfs, "busybox")
-    sb = c.create(image="busybox")
-    assert sb.exec(PPID).stdout == b"1\n"
-    c.close()
-    d.stop()
-    wider = tomllib.loads((Path(dsecd.__file__).parent / "default.toml").read_text())["sandbox"]["capabilities"]
-    wider = [*wider, "NET_RAW"]
+    sb_id = _sandbox_then_stop(d, busybox_rootfs, b"1")
+    wider = [*_default_cap_names(), "NET_RAW"]
     d.config.write_text(d.config.read_text().replace("[sandbox]\n", f"[sandbox]\ncapabilities = {wider!r}\n", 1)
                         .replace("'", '"'))
     d.start()
     c = d.client()
-    sb = c.get(sb.id)
-    r = sb.exec(["sh", "-c", "echo $PPID; grep CapEff /proc/self/status"])
+    r = c.get(sb_id).exec(["sh", "-c", "echo $PPID; grep CapEff /proc/self/status"])
     ppid, caps = r.stdout.split(b"\n")[:2]
     assert ppid == b"0"                         # init holds the old set: the helper gives the new one
     assert _caps(caps + b"\n")["CapEff"] == cap_mask(wider)

@@ -78,6 +78,28 @@ async def _reaped(proc: subprocess.Popen) -> int:
     return await asyncio.get_running_loop().run_in_executor(None, proc.wait, 5)
 
 
+async def _until(cond, tries: int = 100) -> None:
+    for _ in range(tries):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+
+
+def _reported_started(init, run) -> subprocess.Popen:
+    """Play init answering STARTED for `run`: a process leading its own group
+    stands for the exec, its pidfd goes with the answer."""
+    proc, pidfd = _pidfd_of_sleeper()
+    socket.send_fds(init, [_reply(native.INIT_STARTED, run.id, pid=proc.pid)], [pidfd])
+    os.close(pidfd)
+    return proc
+
+
+def _nothing_sent(init) -> None:
+    init.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        init.recv(1)
+
+
 def _sent(link, init, argv=("true",)):
     mine, stdio = _stdio()
     run = link.spawn(asyncio.get_running_loop(), list(argv), [], "/", 0, 0, stdio)
@@ -90,13 +112,8 @@ def test_started_then_exited_resolve_status_and_the_pidfd_kills_the_group():
     async def go():
         link, init = _link()
         run = _sent(link, init)
-        proc, pidfd = _pidfd_of_sleeper()
-        socket.send_fds(init, [_reply(native.INIT_STARTED, run.id, pid=7)], [pidfd])
-        os.close(pidfd)
-        for _ in range(100):
-            if run.running:
-                break
-            await asyncio.sleep(0.01)
+        proc = _reported_started(init, run)
+        await _until(lambda: run.running)
         run.kill()
         assert await _reaped(proc) == -signal.SIGKILL
         init.send(_reply(native.INIT_EXITED, run.id, status=signal.SIGKILL))
@@ -115,13 +132,9 @@ def test_a_kill_before_init_answered_asks_init_and_then_uses_the_pidfd():
         run.kill()                     # asked once
         head, strings, fds = _read_request(init)
         assert (head[0], head[1], head[-1], strings, fds) == (native.INIT_MAGIC, run.id, native.INIT_OP_KILL, [], [])
-        init.setblocking(False)
-        with pytest.raises(BlockingIOError):
-            init.recv(1)
+        _nothing_sent(init)
         # Init could not kill it (or had not read the kill): its STARTED does.
-        proc, pidfd = _pidfd_of_sleeper()
-        socket.send_fds(init, [_reply(native.INIT_STARTED, run.id, pid=proc.pid)], [pidfd])
-        os.close(pidfd)
+        proc = _reported_started(init, run)
         assert await _reaped(proc) == -signal.SIGKILL
         link.close(None)
         init.close()
@@ -199,13 +212,8 @@ def test_init_exiting_ends_its_execs_as_killed():
         link, init = _link()
         running = _sent(link, init, ["sleep", "9"])
         waiting = _sent(link, init, ["sleep", "9"])
-        proc, pidfd = _pidfd_of_sleeper()
-        socket.send_fds(init, [_reply(native.INIT_STARTED, running.id, pid=proc.pid)], [pidfd])
-        os.close(pidfd)
-        for _ in range(100):
-            if running.running:
-                break
-            await asyncio.sleep(0.01)
+        proc = _reported_started(init, running)
+        await _until(lambda: running.running)
         init.close()               # init exits: the kernel kills the sandbox's processes
         assert await asyncio.wait_for(running.exited, 2) == {"status": signal.SIGKILL}
         with pytest.raises(OSError) as e:       # never started: no status to report
@@ -221,21 +229,13 @@ def test_an_abandoned_exec_is_killed_and_forgotten_once_init_reports_it():
     async def go():
         link, init = _link()
         run = _sent(link, init, ["sleep", "9"])
-        proc, pidfd = _pidfd_of_sleeper()
-        socket.send_fds(init, [_reply(native.INIT_STARTED, run.id, pid=proc.pid)], [pidfd])
-        os.close(pidfd)
-        for _ in range(100):
-            if run.running:
-                break
-            await asyncio.sleep(0.01)
+        proc = _reported_started(init, run)
+        await _until(lambda: run.running)
         run.abandon()              # the request was cancelled
         assert run.exited.cancelled()
         assert await _reaped(proc) == -signal.SIGKILL
         init.send(_reply(native.INIT_EXITED, run.id, status=signal.SIGKILL))
-        for _ in range(100):
-            if not link.pending:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: not link.pending)
         assert not link.pending and not link.closed
         link.close(None)
         init.close()
@@ -263,9 +263,7 @@ def test_bad_strings_are_refused_before_anything_is_sent():
             with pytest.raises(ValueError):
                 link.spawn(asyncio.get_running_loop(), argv, env, cwd, 0, 0, stdio)
         _close(mine)
-        init.setblocking(False)
-        with pytest.raises(BlockingIOError):
-            init.recv(1)
+        _nothing_sent(init)
         link.close(None)
         init.close()
     asyncio.run(go())
@@ -275,9 +273,7 @@ def test_answers_unread_at_close_have_their_exec_killed():
     async def go():
         link, init = _link()
         run = _sent(link, init, ["sleep", "9"])
-        proc, pidfd = _pidfd_of_sleeper()
-        socket.send_fds(init, [_reply(native.INIT_STARTED, run.id, pid=proc.pid)], [pidfd])
-        os.close(pidfd)
+        proc = _reported_started(init, run)
         link.close("test")         # before the loop read the STARTED
         assert await _reaped(proc) == -signal.SIGKILL
         with pytest.raises(OSError):
