@@ -62,20 +62,7 @@ def send(sock, msg, fds=()):
     sock.sendmsg([json.dumps(msg).encode()], anc)
 
 
-def prefault():
-    """Walk the path a call takes once while idle. After a fork every page
-    the worker writes - reference counts of shared objects included - is
-    copied on its first write; doing that now, while no call waits, takes
-    ~1 ms off the call itself."""
-    sink = open(os.devnull, "w")
-    env = dict(os.environ)
-    json.loads(json.dumps({"op": "call", "id": 0, "argv": ["-c"], "env": env, "code": True}))
-    code = compile("import sys\nprint(sum(range(10)), sys.argv)\n", "<call>", "exec")
-    exec(code, {"__name__": "__main__", "__builtins__": __builtins__, "print": lambda *a: sink.write(str(a))})
-    sink.close()
-
-
-def worker(link, tmp, uid, rlimits, warm):
+def worker(link, tmp, uid, rlimits):
     """A pre-forked worker: set up what does not depend on the call, wait for
     it, run it, report, exit. Never returns."""
     status = 127
@@ -99,8 +86,6 @@ def worker(link, tmp, uid, rlimits, warm):
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
-        if warm:
-            prefault()
         msg, fds = recv(link)
         if not msg:
             os._exit(0)
@@ -176,10 +161,10 @@ class Zygote:
         self.by_id = {}         # call id -> worker
         self.forked = 0
 
-    def fork_worker(self, warm=False):
-        """A new worker; `warm` ones (spares) prefault. A worker forked for a
-        call already waiting does not: its prefault would only delay that
-        call, and under load that is most workers."""
+    def fork_worker(self):
+        """A new worker. Spares do not walk a call's path ahead of it: that
+        took more CPU from the call running beside it (two cores) than it
+        saved the next one (docs/burst.md round 6)."""
         if not self.uids:
             raise OSError(11, "every fncall uid is in use")
         uid = self.uids.pop()
@@ -190,7 +175,7 @@ class Zygote:
         if pid == 0:
             self.sock.close()
             ours.close()
-            worker(theirs, tmp, uid, self.rlimits, warm)
+            worker(theirs, tmp, uid, self.rlimits)
         theirs.close()
         w = {"pid": pid, "pidfd": os.pidfd_open(pid), "link": ours, "uid": uid, "tmp": tmp,
              "id": None, "started": 0.0, "reported": False}
@@ -278,7 +263,7 @@ class Zygote:
                 elif fd in self.by_fd:
                     self.on_worker(fd, self.by_fd[fd])
             if not events and want:
-                self.idle.append(self.fork_worker(warm=True))
+                self.idle.append(self.fork_worker())
 
 
 def main():
