@@ -674,6 +674,17 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         env = self.backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, req.env)
         await self.ensure_running(sb, "exec")
         if not (req.stream or req.stdin or req.trace):
+            # ETXTBSY: the program is open for writing somewhere, usually a copy
+            # of a write_file fd that a spawn child (a create made meanwhile)
+            # took with the daemon's fd table and holds until it execs. Nothing
+            # ran, so a short wait and a retry are safe.
+            for delay in ETXTBSY_RETRY_S:
+                try:
+                    return await self._exec_collected(sb, list(req.argv), env, cwd, user, timeout, ctx)
+                except DsecError as err:
+                    if err.detail.get("errno") != "ETXTBSY":
+                        raise
+                await asyncio.sleep(delay)
             return await self._exec_collected(sb, list(req.argv), env, cwd, user, timeout, ctx)
         collected: dict[int, list[bytes]] = {1: [], 2: []}
 
@@ -898,6 +909,10 @@ def _run_error(err: OSError, sb: Sandbox, prog: str, cwd: str) -> DsecError:
         return Conflict(f"sandbox {sb.id} is exiting; cannot start {prog!r}", {"sandbox": sb.id})
     return DsecError(f"exec {prog!r} in sandbox {sb.id}: {err}", {"errno": errno.errorcode.get(err.errno or 0)},
                      code="io")
+
+
+# Waits before retrying an exec that failed with ETXTBSY (op_exec).
+ETXTBSY_RETRY_S = (0.002, 0.01, 0.03, 0.1)
 
 
 def _exec_error(err: NativeError, prog: str, cwd: str) -> DsecError:

@@ -1,10 +1,12 @@
 """exec in a real container sandbox: output, status, timeout, stdin, caps."""
 
+import os
+import threading
 import time
 
 import pytest
 
-from dsecd.errors import Conflict, NotFound
+from dsecd.errors import Conflict, DsecError, NotFound
 
 
 def test_streams_both_and_exit_code(sandbox):
@@ -143,3 +145,21 @@ def test_dsec_trace_cli(daemon, sandbox, tmp_path):
 
     rec = json.loads(out.read_text())
     assert rec["events"][0]["kind"] == "exec" and rec["exit_code"] == 0
+
+
+def test_an_exec_waits_out_a_brief_writer_of_its_program(sandbox):
+    """ETXTBSY (the program open for writing elsewhere: e.g. a copy of a
+    write_file fd that a spawn child took with the daemon's fd table) is
+    retried for a short while; a writer that stays is reported."""
+    sandbox.write_file("/bin/job.sh", b"#!/bin/sh\necho ran\n", mode=0o755)
+    host_path = f"/proc/{sandbox.inspect()['init_pid']}/root/bin/job.sh"
+    fd = os.open(host_path, os.O_WRONLY)
+    threading.Timer(0.02, os.close, (fd,)).start()
+    assert sandbox.exec(["/bin/job.sh"]).stdout == b"ran\n"
+    fd = os.open(host_path, os.O_WRONLY)
+    try:
+        with pytest.raises(DsecError) as err:
+            sandbox.exec(["/bin/job.sh"])
+        assert err.value.detail["errno"] == "ETXTBSY"
+    finally:
+        os.close(fd)
