@@ -17,6 +17,8 @@
 /* CFFI-BEGIN */
 #define DSEC_ERR_PATH_MAX 256
 #define DSEC_MAX_CGROUPS 16
+/* fds a container spawn may name by /proc/self/fd/N (idmapped layers, the upper dir) */
+#define DSEC_MAX_PATH_FDS 256
 
 /* Which step of a multi-step helper failed. Python names them by lowercasing
  * what follows DSEC_STEP_, so renaming one is an API change. */
@@ -106,7 +108,8 @@ struct dsec_container_args {
     uint32_t userns_gid; /* the setup steps, so what they create belongs to sandbox root */
     int netns_fd; /* >= 0: join this network namespace (the netns pool's); -1: a new one */
     int upper_fd; /* >= 0: mount fd of the upper tmpfs, left open in init as DSEC_INIT_UPPER_FD */
-    int path_fds_max; /* highest fd named by a /proc/self/fd/N path in rootfs or overlay_opts; -1: none */
+    const int *path_fds; /* the fds named by /proc/self/fd/N paths in rootfs or overlay_opts */
+    int n_path_fds;      /* at most DSEC_MAX_PATH_FDS */
     int ctl_fd;       /* >= 0: init's end of its exec channel, left open in init as DSEC_INIT_CTL_FD */
     int ctl_peer_fd;  /* with ctl_fd: the daemon's end, also kept by init (DSEC_INIT_PEER_FD) */
     int oom_reset;    /* nonzero: oom_score_adj back to 0 (the daemon's own is negative) */

@@ -200,7 +200,9 @@ struct container_ctx {
     int ctl_peer_fd; /* the parent's dup of a->ctl_peer_fd above DSEC_INIT_PEER_FD, or -1 */
     int userns_fd;   /* a->userns_fd, or the parent's dup of it above DSEC_INIT_PEER_FD */
     int cg_fds[DSEC_MAX_CGROUPS];
-    int keep_below; /* 1 + the highest fd the child uses (fd_table_private) */
+    int keep[8 + DSEC_MAX_CGROUPS + DSEC_MAX_PATH_FDS]; /* every fd >= 3 the child uses, sorted */
+    int n_keep;
+    int keep_below; /* 1 + the highest of them (fd_table_private) */
 };
 
 /* mkdir, but refuse anything that is not a real directory: a symlink named
@@ -230,10 +232,25 @@ static int mount_step(int step, const char *src, const char *target, const char 
 }
 
 /* First of all: the child's own fd table (fd_table_private), before any step
- * that opens, closes or dup2s an fd. */
+ * that opens, closes or dup2s an fd; then every fd in it that the child does
+ * not use goes. Below keep_below the copy also holds fds other daemon threads
+ * opened for their own work: kept until execveat (milliseconds of mounts
+ * later), a file one of them wrote for write_file would still be open for
+ * writing, and an exec of it in its sandbox would fail with ETXTBSY. */
 static int fds_own(const struct container_ctx *c)
 {
-    return fd_table_private(c->keep_below, c->err);
+    int low = 3;
+
+    if (fd_table_private(c->keep_below, c->err) < 0)
+        return -1;
+    for (int i = 0; i < c->n_keep; i++) {
+        if (c->keep[i] > low &&
+            check(syscall(SYS_close_range, (unsigned int)low, (unsigned int)c->keep[i] - 1, 0), c->err,
+                  DSEC_STEP_CLOSE_FDS, NULL) < 0)
+            return -1;
+        low = fd_max(low, c->keep[i] + 1);
+    }
+    return 0;
 }
 
 /* A netns from the pool (csrc/netns.c, dsecd/net/pool.py) already holds the
@@ -644,6 +661,38 @@ static void fd_close_dup(int dup, int original)
         close(dup);
 }
 
+/* Adds fd (if >= 3) to the child's keep list, which stays sorted. */
+static void keep_add(struct container_ctx *c, int fd)
+{
+    int i = c->n_keep;
+
+    if (fd < 3)
+        return;
+    for (; i > 0 && c->keep[i - 1] > fd; i--)
+        c->keep[i] = c->keep[i - 1];
+    c->keep[i] = fd;
+    c->n_keep++;
+}
+
+/* The fds the container child uses, and keep_below from them. */
+static void keep_list(struct container_ctx *c)
+{
+    const struct dsec_container_args *a = c->a;
+
+    c->n_keep = 0;
+    keep_add(c, c->init_fd);
+    keep_add(c, a->netns_fd);
+    keep_add(c, c->userns_fd);
+    keep_add(c, a->upper_fd);
+    keep_add(c, c->ctl_fd);
+    keep_add(c, c->ctl_peer_fd);
+    for (int i = 0; i < a->n_cgroups; i++)
+        keep_add(c, c->cg_fds[i]);
+    for (int i = 0; i < a->n_path_fds; i++)
+        keep_add(c, a->path_fds[i]);
+    c->keep_below = c->n_keep ? c->keep[c->n_keep - 1] + 1 : 3;
+}
+
 int dsec_spawn_container(const struct dsec_container_args *a, struct dsec_err *err)
 {
     struct container_ctx c = {.a = a, .err = err, .init_fd = -1, .ctl_fd = -1, .ctl_peer_fd = -1,
@@ -671,10 +720,7 @@ int dsec_spawn_container(const struct dsec_container_args *a, struct dsec_err *e
     if (rc == 0)
         rc = stacks_map(&st, 1, err);
     if (rc == 0) {
-        c.keep_below = 1 + fd_max(fd_max(fd_max(c.init_fd, a->netns_fd), fd_max(c.userns_fd, a->upper_fd)),
-                                  fd_max(a->path_fds_max, fd_max(c.ctl_fd, c.ctl_peer_fd)));
-        for (int i = 0; i < a->n_cgroups; i++)
-            c.keep_below = fd_max(c.keep_below, c.cg_fds[i] + 1);
+        keep_list(&c);
         rc = clone_blocked(container_child, stack_top(&st, 0),
                            CONTAINER_CLONE_FLAGS | (a->netns_fd >= 0 ? 0 : CLONE_NEWNET), &c, err);
     }

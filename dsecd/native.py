@@ -343,7 +343,7 @@ class ContainerSpec:
 
 
 # Paths through one of our fds (idmapped layers, the upper tmpfs): the spawn
-# child keeps every fd up to the highest one named (csrc/spawn.c fd_table_private).
+# child keeps these open until it mounts (csrc/spawn.c fds_own).
 _PROC_FD_PATH = re.compile(rb"/proc/self/fd/(\d+)")
 
 
@@ -369,7 +369,12 @@ def spawn_container(spec: ContainerSpec) -> int:
     args.ctl_fd, args.init_caps = int(spec.ctl_fd), spec.init_caps if spec.ctl_fd >= 0 else 0
     args.ctl_peer_fd = int(spec.ctl_peer_fd) if spec.ctl_fd >= 0 else -1
     args.oom_reset = bool(spec.oom_reset)
-    args.path_fds_max = max((int(n) for n in _PROC_FD_PATH.findall(b" ".join(strings[:2]))), default=-1)
+    path_fds = sorted({int(n) for n in _PROC_FD_PATH.findall(b" ".join(strings[:2]))})
+    if len(path_fds) > lib.DSEC_MAX_PATH_FDS:
+        raise ValueError(f"{len(path_fds)} layers named through fds; a spawn takes at most {lib.DSEC_MAX_PATH_FDS}")
+    keep.append(ffi.new("int[]", path_fds or [-1]))      # owned here until the spawn returns
+    args.path_fds = keep[-1]
+    args.n_path_fds = len(path_fds)
     err = ffi.new("struct dsec_err *")
     pid = lib.dsec_spawn_container(args, err)
     if pid < 0:

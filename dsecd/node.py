@@ -674,10 +674,10 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         env = self.backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, req.env)
         await self.ensure_running(sb, "exec")
         if not (req.stream or req.stdin or req.trace):
-            # ETXTBSY: the program is open for writing somewhere, usually a copy
-            # of a write_file fd that a spawn child (a create made meanwhile)
-            # took with the daemon's fd table and holds until it execs. Nothing
-            # ran, so a short wait and a retry are safe.
+            # ETXTBSY: the program is open for writing somewhere for a moment
+            # (a write_file just answered, whose fd a spawn child copied with the
+            # daemon's fd table before closing it: csrc/spawn.c fds_own; or the
+            # sandbox's own writer). Nothing ran, so a short wait and a retry are safe.
             for delay in ETXTBSY_RETRY_S:
                 try:
                     return await self._exec_collected(sb, list(req.argv), env, cwd, user, timeout, ctx)
