@@ -5,9 +5,10 @@
  * Static functions in a header because dsec-init is a separate static binary
  * built from init.c alone. Everything here is async-signal-safe and
  * allocation-free: in spawn.c these run in a CLONE_VM child that shares the
- * daemon's memory, in init.c in a forked child of init. Credentials are
- * changed with raw syscalls (glibc's setuid() broadcasts to every thread of
- * the process whose memory the child shares). Rules: csrc/ERRORS.md.
+ * daemon's memory, in init.c in a vforked child of init (its memory too,
+ * until execve). Credentials are changed with raw syscalls (glibc's setuid()
+ * broadcasts to every thread of the process whose memory the child shares).
+ * Rules: csrc/ERRORS.md.
  */
 #ifndef DSEC_EXEC_STEPS_H
 #define DSEC_EXEC_STEPS_H

@@ -76,7 +76,7 @@ struct request {
     int stdio[3];
 };
 
-/* ---- the exec child (forked: its own copy of init's memory) -------------- */
+/* ---- the exec child (vforked: shares init's memory until execve) -------- */
 
 /* Effective = permitted: init holds the caps it hands on, never in effect.
  * *held is that set, which is also init's bounding set (spawn.c). */
@@ -263,25 +263,31 @@ static int own_oom_score_adj(void)
     return atoi(buf);
 }
 
-/* SIGKILL an exec's process group. Init's caps are permitted, not effective,
- * and a group of another uid needs CAP_KILL: in effect for this call only. */
-static int kill_group(pid_t pid)
+/* execve gave init, a root of its namespace, every capability of its bounding
+ * set as effective: it keeps them permitted only, to hand to execs. */
+static int caps_lower(void)
 {
     struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3};
-    struct __user_cap_data_struct data[2], raised[2];
-    int rc, err;
+    struct __user_cap_data_struct data[2];
 
     if (syscall(SYS_capget, &hdr, data) < 0)
-        return kill(-pid, SIGKILL);
-    memcpy(raised, data, sizeof(raised));
+        return -1;
     for (int i = 0; i < 2; i++)
-        raised[i].effective = raised[i].permitted;
-    syscall(SYS_capset, &hdr, raised);
-    rc = kill(-pid, SIGKILL);
-    err = errno;
-    syscall(SYS_capset, &hdr, data);
-    errno = err;
-    return rc;
+        data[i].effective = data[i].inheritable = 0;
+    return (int)syscall(SYS_capset, &hdr, data);
+}
+
+/* SIGKILL an exec's process group. Init's caps are permitted, not effective,
+ * and a group of another uid needs CAP_KILL: in effect for this call only
+ * (should raising fail, a group of init's own uid still dies). */
+static void kill_group(pid_t pid)
+{
+    struct dsec_err ignored;
+    uint64_t held;
+
+    caps_raise(&held, &ignored);
+    kill(-pid, SIGKILL);
+    caps_lower();
 }
 
 /* vfork: init waits while the child sets up (tens of microseconds; no page
@@ -396,20 +402,6 @@ static void reap_all(void)
                 reply_exited(id, status);
                 break;
             }
-}
-
-/* execve gave init, a root of its namespace, every capability of its bounding
- * set as effective: it keeps them permitted only, to hand to execs. */
-static int caps_lower(void)
-{
-    struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3};
-    struct __user_cap_data_struct data[2];
-
-    if (syscall(SYS_capget, &hdr, data) < 0)
-        return -1;
-    for (int i = 0; i < 2; i++)
-        data[i].effective = data[i].inheritable = 0;
-    return (int)syscall(SYS_capset, &hdr, data);
 }
 
 /* Without a channel: reap and wait for SIGTERM, nothing else. */

@@ -194,33 +194,44 @@ int dsec_probe_openat2(void)
     return 0;
 }
 
-/* pidfd_open (5.3) and pidfd_send_signal (5.1); signal 0 only checks. */
-int dsec_probe_pidfd(void)
+/* op on a pidfd of our own process; pidfd_open's error if there is none. */
+static int with_own_pidfd(int (*op)(int pidfd))
 {
     int fd = dsec_pidfd_open(getpid(), 0);
     int rc;
 
     if (fd < 0)
         return fd;
-    rc = dsec_pidfd_send_signal(fd, 0);
+    rc = op(fd);
     close(fd);
     return rc;
 }
 
+static int signal_zero(int pidfd)
+{
+    return dsec_pidfd_send_signal(pidfd, 0);
+}
+
+/* The kernel takes the pidfd's pid as a process-group id, so ESRCH (we lead
+ * no group) also means the flag is known; EINVAL means it is not. */
+static int group_signal_zero(int pidfd)
+{
+    int rc = dsec_pidfd_kill_group(pidfd, 0);
+
+    return rc == -ESRCH ? 0 : rc;
+}
+
+/* pidfd_open (5.3) and pidfd_send_signal (5.1); signal 0 only checks. */
+int dsec_probe_pidfd(void)
+{
+    return with_own_pidfd(signal_zero);
+}
+
 /* pidfd_send_signal(PIDFD_SIGNAL_PROCESS_GROUP) (6.9): signal 0 to the
- * process group whose id is our pid only checks. The kernel takes the pidfd's
- * pid as a process-group id, so ESRCH (we lead no group) also means the flag
- * is known; EINVAL means it is not. */
+ * process group whose id is our pid only checks. */
 int dsec_probe_pidfd_group_signal(void)
 {
-    int fd = dsec_pidfd_open(getpid(), 0);
-    int rc;
-
-    if (fd < 0)
-        return fd;
-    rc = dsec_pidfd_kill_group(fd, 0);
-    close(fd);
-    return rc == -ESRCH ? 0 : rc;
+    return with_own_pidfd(group_signal_zero);
 }
 
 /* clone3 with a zero size fails with EINVAL when the syscall exists, before

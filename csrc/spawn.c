@@ -202,7 +202,6 @@ struct container_ctx {
     int cg_fds[DSEC_MAX_CGROUPS];
     int keep[8 + DSEC_MAX_CGROUPS + DSEC_MAX_PATH_FDS]; /* every fd >= 3 the child uses, sorted */
     int n_keep;
-    int keep_below; /* 1 + the highest of them (fd_table_private) */
 };
 
 /* mkdir, but refuse anything that is not a real directory: a symlink named
@@ -241,7 +240,7 @@ static int fds_own(const struct container_ctx *c)
 {
     int low = 3;
 
-    if (fd_table_private(c->keep_below, c->err) < 0)
+    if (fd_table_private(c->n_keep ? c->keep[c->n_keep - 1] + 1 : 3, c->err) < 0)
         return -1;
     for (int i = 0; i < c->n_keep; i++) {
         if (c->keep[i] > low &&
@@ -480,8 +479,9 @@ static int root_pivot(const struct container_ctx *c)
     return check(chdir("/"), c->err, DSEC_STEP_PIVOT_ROOT, "/");
 }
 
-/* init talks to nobody: stdio is the sandbox's /dev/null, and every other fd
- * is marked close-on-exec (not closed: init_fd must survive until execveat). */
+/* init's stdio is the sandbox's /dev/null, and every other fd is marked
+ * close-on-exec (not closed: init_fd must survive until execveat); the
+ * handoffs below then give init its fds 3 to 5 without that mark. */
 static int init_stdio(const struct container_ctx *c)
 {
     int fd = open("/dev/null", O_RDWR | O_CLOEXEC);
@@ -495,8 +495,8 @@ static int init_stdio(const struct container_ctx *c)
                  NULL);
 }
 
-/* The upper tmpfs (csrc/upperfs.c) stays open in init as fd 3, the one fd
- * init_stdio did not mark close-on-exec: a restarted daemon takes it back
+/* The upper tmpfs (csrc/upperfs.c) stays open in init as fd 3 (dup2 clears
+ * the close-on-exec mark init_stdio set): a restarted daemon takes it back
  * with pidfd_getfd. Init makes itself non-dumpable, so the sandbox's own
  * processes (same uid, no CAP_SYS_PTRACE) cannot open /proc/1/fd/3. The
  * parent made sure init_fd is not fd 3. */
@@ -644,12 +644,13 @@ static int container_child(void *arg)
 
 /* upper_handoff and ctl_handoff dup2 onto fds 3 to 5, late in the child:
  * an fd the child still needs after them (init_fd, the user namespace, the
- * channel's ends) must not be 3 to 5. *dup is a close-on-exec copy of fd
- * above 5 that the parent closes after the clone (-1 if fd < 0). */
+ * channel's ends) must not be 3 to 5. *dup is fd itself when it is above 5
+ * (or < 0), else a close-on-exec copy of it above 5 that the parent closes
+ * after the clone (fd_close_dup). */
 static int fd_dup_high(int fd, int *dup, int step, struct dsec_err *err)
 {
-    *dup = -1;
-    if (fd < 0)
+    *dup = fd;
+    if (fd < 0 || fd > DSEC_INIT_PEER_FD)
         return 0;
     *dup = fcntl(fd, F_DUPFD_CLOEXEC, DSEC_INIT_PEER_FD + 1);
     return *dup < 0 ? parent_fail(err, step, NULL, errno) : 0;
@@ -674,7 +675,7 @@ static void keep_add(struct container_ctx *c, int fd)
     c->n_keep++;
 }
 
-/* The fds the container child uses, and keep_below from them. */
+/* The fds the container child uses (fds_own keeps them and closes the rest). */
 static void keep_list(struct container_ctx *c)
 {
     const struct dsec_container_args *a = c->a;
@@ -690,7 +691,6 @@ static void keep_list(struct container_ctx *c)
         keep_add(c, c->cg_fds[i]);
     for (int i = 0; i < a->n_path_fds; i++)
         keep_add(c, a->path_fds[i]);
-    c->keep_below = c->n_keep ? c->keep[c->n_keep - 1] + 1 : 3;
 }
 
 int dsec_spawn_container(const struct dsec_container_args *a, struct dsec_err *err)
@@ -715,7 +715,7 @@ int dsec_spawn_container(const struct dsec_container_args *a, struct dsec_err *e
         rc = fd_dup_high(a->ctl_fd, &c.ctl_fd, DSEC_STEP_CTL_FD, err);
     if (rc == 0 && a->ctl_fd >= 0)
         rc = fd_dup_high(a->ctl_peer_fd, &c.ctl_peer_fd, DSEC_STEP_CTL_FD, err);
-    if (rc == 0 && a->userns_fd >= 0 && a->userns_fd <= DSEC_INIT_PEER_FD)
+    if (rc == 0)
         rc = fd_dup_high(a->userns_fd, &c.userns_fd, DSEC_STEP_USERNS_ENTER, err);
     if (rc == 0)
         rc = stacks_map(&st, 1, err);

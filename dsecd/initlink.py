@@ -344,7 +344,13 @@ def take_back(pidfd: int, use: bool) -> InitLink | None:
         _shutdown_quietly(sock)
         sock.close()
         return None
-    return InitLink(socket.socket(fileno=fdtable.park(sock.detach())))
+    return parked(sock)
+
+
+def parked(sock: socket.socket) -> InitLink:
+    """The daemon's end of a channel as a link, its fd parked (dsecd/fds.py)."""
+    fd = fdtable.park(sock.detach())
+    return InitLink(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, 0, fd))
 
 
 def _kill_quietly(pidfd: int) -> None:

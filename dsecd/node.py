@@ -148,8 +148,8 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         # is len() - this, not a scan of thousands of sandboxes per create.
         self._dead = 0
         self.cpu = CpuHost(cfg.section("cpu"), layout, features, self.sb_defaults["cgroup_root"])
-        # Stdin of every exec and call that takes none: one /dev/null, shared
-        # (a spawn dup2s it, SCM_RIGHTS gives a zygote its own copy).
+        # Stdin of collected execs and zygote calls: one /dev/null, shared (a
+        # spawn dup2s it, SCM_RIGHTS gives init or a zygote its own copy).
         self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self.init_calls(cfg)
         self.init_admission(cfg)
@@ -384,9 +384,9 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
                     except ChildProcessError:
                         pass
                 close_handle(h)
-            kills = self.oom_count(self.backend.group_for(sb.id))   # PID 1 may have died of its memory limit
-            self.backend.stop(sb.id, None)        # no handle: kill by cgroup membership, remove the groups
-            return kills
+            # PID 1 may have died of its memory limit. No handle: stop kills by
+            # cgroup membership and removes the groups.
+            return self._stop_counting_oom(sb.id, None, self.backend.group_for(sb.id))
 
         try:
             kills = await self.run_blocking(release)
@@ -636,9 +636,11 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         self.events.publish("destroyed", sb.id, previous_state=prev)
         return {"id": sb.id, "previous_state": prev}
 
-    def _stop_counting_oom(self, sb_id: str, h: Handle | None) -> int | None:
-        """backend.stop, with the OOM kill count read before it removes the cgroups."""
-        kills = self.oom_count(h.group) if h is not None else None
+    def _stop_counting_oom(self, sb_id: str, h: Handle | None, group=None) -> int | None:
+        """backend.stop, with the OOM kill count read before it removes the
+        cgroups: of `group`, else of the handle's (neither: not read)."""
+        group = group if group is not None else (h.group if h is not None else None)
+        kills = self.oom_count(group) if group is not None else None
         self.backend.stop(sb_id, h)
         return kills
 
@@ -678,14 +680,13 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             # (a write_file just answered, whose fd a spawn child copied with the
             # daemon's fd table before closing it: csrc/spawn.c fds_own; or the
             # sandbox's own writer). Nothing ran, so a short wait and a retry are safe.
-            for delay in ETXTBSY_RETRY_S:
+            for delay in (*ETXTBSY_RETRY_S, None):
                 try:
                     return await self._exec_collected(sb, list(req.argv), env, cwd, user, timeout, ctx)
                 except DsecError as err:
-                    if err.detail.get("errno") != "ETXTBSY":
+                    if delay is None or err.detail.get("errno") != "ETXTBSY":
                         raise
                 await asyncio.sleep(delay)
-            return await self._exec_collected(sb, list(req.argv), env, cwd, user, timeout, ctx)
         collected: dict[int, list[bytes]] = {1: [], 2: []}
 
         async def emit(stream: int, data: bytes) -> None:

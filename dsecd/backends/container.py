@@ -20,7 +20,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,7 +198,7 @@ class ContainerBackend:
             handle.sched_idle, handle.core_sched = sched_idle, core_sched
             _protect_init_from_oom(pid)
             if ours is not None:    # long-lived: parked high like the handle's other fds (dsecd/fds.py)
-                handle.init_link = initlink.InitLink(socket.socket(fileno=fds.park(ours.detach())))
+                handle.init_link = initlink.parked(ours)
             steps.commit()
         handle.upperfd = fds.park(upperfd)
         return handle
@@ -399,8 +398,9 @@ def _wait_exit(h: Handle, timeout: float) -> None:
     """Wait for a killed init to exit, then reap it if it is our child.
 
     An init only finishes exiting once every other process of its pid
-    namespace has been reaped; execs are the daemon's children and are reaped
-    on the event loop, so this must never block the loop, and never forever.
+    namespace has been reaped; execs are reaped elsewhere (by the event loop
+    for the helper's, by init for its own), so this must never block the
+    loop, and never forever.
     """
     import select
 

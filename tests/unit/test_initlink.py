@@ -49,9 +49,21 @@ def _link():
     return InitLink(ours), init
 
 
-def test_a_request_carries_ids_caps_strings_and_three_fds():
+def _on_link(body) -> None:
+    """Run `await body(link, init)` on a fresh InitLink and init's end of its
+    channel; both are closed however the body ends."""
     async def go():
         link, init = _link()
+        try:
+            await body(link, init)
+        finally:
+            link.close(None)
+            init.close()
+    asyncio.run(go())
+
+
+def test_a_request_carries_ids_caps_strings_and_three_fds():
+    async def go(link, init):
         mine, stdio = _stdio()
         started = link.spawn(asyncio.get_running_loop(), ["echo", "hi"], ["PATH=/bin", "A=b"], "/tmp", 1000,
                              0x5, stdio)
@@ -63,9 +75,7 @@ def test_a_request_carries_ids_caps_strings_and_three_fds():
         assert slen == sum(len(s) + 1 for s in strings)
         assert len(fds) == 3
         _close(fds)
-        link.close(None)
-        init.close()
-    asyncio.run(go())
+    _on_link(go)
 
 
 def _pidfd_of_sleeper() -> tuple[subprocess.Popen, int]:
@@ -109,8 +119,7 @@ def _sent(link, init, argv=("true",)):
 
 
 def test_started_then_exited_resolve_status_and_the_pidfd_kills_the_group():
-    async def go():
-        link, init = _link()
+    async def go(link, init):
         run = _sent(link, init)
         proc = _reported_started(init, run)
         await _until(lambda: run.running)
@@ -119,14 +128,11 @@ def test_started_then_exited_resolve_status_and_the_pidfd_kills_the_group():
         init.send(_reply(native.INIT_EXITED, run.id, status=signal.SIGKILL))
         assert await asyncio.wait_for(run.exited, 2) == {"status": signal.SIGKILL}
         assert not link.pending
-        link.close(None)
-        init.close()
-    asyncio.run(go())
+    _on_link(go)
 
 
 def test_a_kill_before_init_answered_asks_init_and_then_uses_the_pidfd():
-    async def go():
-        link, init = _link()
+    async def go(link, init):
         run = _sent(link, init, ["sleep", "9"])
         run.kill()
         run.kill()                     # asked once
@@ -136,14 +142,11 @@ def test_a_kill_before_init_answered_asks_init_and_then_uses_the_pidfd():
         # Init could not kill it (or had not read the kill): its STARTED does.
         proc = _reported_started(init, run)
         assert await _reaped(proc) == -signal.SIGKILL
-        link.close(None)
-        init.close()
-    asyncio.run(go())
+    _on_link(go)
 
 
 def test_a_failed_start_is_the_native_error_of_its_step():
-    async def go():
-        link, init = _link()
+    async def go(link, init):
         mine, stdio = _stdio()
         run = link.spawn(asyncio.get_running_loop(), ["nosuch"], ["PATH=/bin"], "/", 0, 0, stdio)
         _close(mine)
@@ -154,9 +157,7 @@ def test_a_failed_start_is_the_native_error_of_its_step():
         assert e.value.errno == errno.ENOENT and e.value.step == "exec"
         assert "not found in PATH=/bin" in str(e.value)
         assert not link.pending and not link.closed
-        link.close(None)
-        init.close()
-    asyncio.run(go())
+    _on_link(go)
 
 
 @pytest.mark.parametrize("bad", ["magic", "exited first", "two fds", "no fd", "not a pidfd", "short"])
@@ -191,8 +192,7 @@ def test_an_answer_that_breaks_the_protocol_closes_the_channel(bad):
 
 def test_answers_for_ids_it_never_used_are_dropped_with_their_fds():
     # After a restart: the daemon before sent these; this link starts at a random id.
-    async def go():
-        link, init = _link()
+    async def go(link, init):
         run = _sent(link, init)
         r, w = os.pipe()
         before = len(os.listdir("/proc/self/fd"))
@@ -202,9 +202,7 @@ def test_answers_for_ids_it_never_used_are_dropped_with_their_fds():
         assert not link.closed and run.id in link.pending
         assert len(os.listdir("/proc/self/fd")) == before       # the fd that came was closed
         _close([r, w])
-        link.close(None)
-        init.close()
-    asyncio.run(go())
+    _on_link(go)
 
 
 def test_init_exiting_ends_its_execs_as_killed():
@@ -226,8 +224,7 @@ def test_init_exiting_ends_its_execs_as_killed():
 
 
 def test_an_abandoned_exec_is_killed_and_forgotten_once_init_reports_it():
-    async def go():
-        link, init = _link()
+    async def go(link, init):
         run = _sent(link, init, ["sleep", "9"])
         proc = _reported_started(init, run)
         await _until(lambda: run.running)
@@ -237,36 +234,28 @@ def test_an_abandoned_exec_is_killed_and_forgotten_once_init_reports_it():
         init.send(_reply(native.INIT_EXITED, run.id, status=signal.SIGKILL))
         await _until(lambda: not link.pending)
         assert not link.pending and not link.closed
-        link.close(None)
-        init.close()
-    asyncio.run(go())
+    _on_link(go)
 
 
 def test_a_request_too_big_for_one_packet_is_left_to_the_helper():
-    async def go():
-        link, init = _link()
+    async def go(link, init):
         mine, stdio = _stdio()
         assert link.spawn(asyncio.get_running_loop(), ["echo", "x" * native.INIT_MAX_STRINGS], [], "/", 0, 0,
                           stdio) is None
         assert not link.pending and not link.closed
         _close(mine)
-        link.close(None)
-        init.close()
-    asyncio.run(go())
+    _on_link(go)
 
 
 def test_bad_strings_are_refused_before_anything_is_sent():
-    async def go():
-        link, init = _link()
+    async def go(link, init):
         mine, stdio = _stdio()
         for argv, env, cwd in ((["a\0b"], [], "/"), (["true"], ["NOEQUALS"], "/"), (["true"], [], "rel")):
             with pytest.raises(ValueError):
                 link.spawn(asyncio.get_running_loop(), argv, env, cwd, 0, 0, stdio)
         _close(mine)
         _nothing_sent(init)
-        link.close(None)
-        init.close()
-    asyncio.run(go())
+    _on_link(go)
 
 
 def test_answers_unread_at_close_have_their_exec_killed():
