@@ -139,6 +139,10 @@ def worker(link, tmp, uid, rlimits):
             link.send(json.dumps({"done": status & 0xFF}).encode())
         except OSError:
             pass
+        # The send woke the zygote on this CPU (a sync wake-up): let it relay
+        # the report before this process tears its address space down, which
+        # takes longer than the relay (docs/burst.md round 7).
+        os.sched_yield()
     except BaseException as e:   # setup failed: say why on the call's stderr
         try:
             os.write(2, f"fncall: {type(e).__name__}: {e}\n".encode())
