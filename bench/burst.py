@@ -29,6 +29,11 @@ measures through the Python SDK:
   enters the sandbox for each exec) gives exec_helper_per_s and
   exec_helper_host_ms; exec_by_init_cpu_ratio = helper / init host CPU per
   exec (> 1: init's fork is cheaper);
+* burst_destroy_s / burst_destroys_per_s / burst_destroy_host_ms: the
+  burst's sandboxes destroyed with one `destroy_all`: wall time, rate, and
+  the host's busy CPU ms per sandbox, counted until the host is quiet again
+  (the kernel frees a removed cgroup in kworkers, after the rmdir returned:
+  docs/burst.md round 7);
 * fncall_cpu_ms / burst_cpu_ms: where the CPU time of the concurrent fncall
   batch (per call) and of the burst (per sandbox, create + exec) went: the
   daemon (all threads, plus the exec and spawn children it reaped), the call
@@ -116,6 +121,23 @@ def host_busy_s() -> float:
     with open("/proc/stat") as f:
         ticks = [int(x) for x in f.readline().split()[1:]]
     return (ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6]) / os.sysconf("SC_CLK_TCK")
+
+
+def host_busy_until_quiet(busy_below: float = 0.25, window_s: float = 0.5, max_s: float = 30.0) -> float:
+    """host_busy_s() when the host went quiet: at the start of the first
+    `window_s` in which its CPUs were busy less than `busy_below` of the time
+    (or after `max_s`). Work the kernel queued for later is done by then, and
+    the quiet window's own noise is left out."""
+    ncpu = os.cpu_count() or 1
+    end = time.monotonic() + max_s
+    before = host_busy_s()
+    while time.monotonic() < end:
+        time.sleep(window_s)
+        now = host_busy_s()
+        if (now - before) / (window_s * ncpu) < busy_below:
+            break
+        before = now
+    return before
 
 
 def build_py_rootfs() -> str:
@@ -300,11 +322,24 @@ async def measure_exec_rate(sock: str, total: int, clients: int, prefix: str = "
     return {f"{prefix}_per_s": round(total / took, 1), f"{prefix}_host_ms": cpu["host"]}
 
 
-async def teardown(sock: str) -> None:
+async def teardown(sock: str) -> dict:
+    """Destroy every sandbox at once (`destroy_all`): the wall time, the
+    number destroyed and the host's busy CPU ms per sandbox (the daemon's
+    own figure would count each reaped init's whole life)."""
     async with dsecd.Client(sock) as c:
+        busy0 = host_busy_s()
         t = time.perf_counter()
         r = await c.destroy_all(force=True)
-        log(f"destroyed {len(r['destroyed'])} sandboxes in {time.perf_counter() - t:.1f} s")
+        took = time.perf_counter() - t
+        n = len(r["destroyed"])
+        # The kernel frees a removed cgroup in kworkers after rmdir returns:
+        # count their CPU too.
+        busy1 = await asyncio.to_thread(host_busy_until_quiet)
+        host_ms = (busy1 - busy0) * 1000 / max(n, 1)
+        log(f"destroyed {n} sandboxes in {took:.1f} s; host CPU {host_ms:.2f} ms per sandbox")
+        if r["failed"]:
+            raise RuntimeError(f"destroy_all failed for {len(r['failed'])} sandboxes: {r['failed']}")
+        return {"seconds": took, "destroyed": n, "host_ms": round(host_ms, 3)}
 
 
 async def measure(sock: str, args) -> dict:
@@ -312,7 +347,10 @@ async def measure(sock: str, args) -> dict:
     out.update(await measure_fncall(sock, args.n_calls, args.clients, args.n_calls_total))
     out.update(await measure_pool(sock, args.pool))
     out.update(await measure_burst(sock, args.burst, args.clients))
-    await teardown(sock)
+    gone = await teardown(sock)
+    out.update(burst_destroy_s=round(gone["seconds"], 3),
+               burst_destroys_per_s=round(gone["destroyed"] / gone["seconds"], 1),
+               burst_destroy_host_ms=gone["host_ms"])
     return out
 
 
