@@ -96,8 +96,7 @@ struct dsec_container_args {
     const char *overlay_opts; /* "lowerdir=a:b,upperdir=u,workdir=w" */
     const char *init_path;    /* host path of dsec-init */
     const char *hostname;
-    const char *tmp_opts; /* tmpfs data for /tmp */
-    const char *shm_opts; /* tmpfs data for /dev/shm */
+    const char *scratch_opts; /* tmpfs data of the scratch: /dev, /dev/shm, /tmp (spawn.c) */
     const char *const *cgroup_procs;
     int n_cgroups;
     int sched_idle; /* nonzero: SCHED_IDLE for init (and what it forks) */

@@ -304,6 +304,88 @@ static int rootfs_mount(const struct container_ctx *c)
                       MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL, e);
 }
 
+/* ---- the scratch tmpfs: /dev, /dev/shm, /tmp, the masks of /proc dirs -- */
+
+/* One tmpfs per sandbox (its root owns it, so it is capped: tmp + shm sizes)
+ * holds four dirs, each bound where it belongs: dev/ on /dev, shm/ on
+ * /dev/shm, tmp/ on /tmp, and empty/ (read-only) over /proc's hardware dirs.
+ * Not a tmpfs each: every superblock brings two memory-cgroup-aware list_lrus,
+ * and each time a memory cgroup goes the kernel walks every such list_lru on
+ * the host (memcg_reparent_list_lrus, under cgroup_mutex), so a destroy cost
+ * O(live sandboxes x superblocks each): four fewer per sandbox took a quarter
+ * off a destroy's CPU among 2,000 sandboxes (docs/burst.md round 7).
+ *
+ * The scratch is mounted on dev/ for a moment. /tmp and the masks are bound
+ * from there; /dev's and /dev/shm's binds (they land on dev/ itself and under
+ * it) are taken first as detached clones (open_tree), then the scratch leaves
+ * dev/ and they are attached. Its root is then nowhere in the sandbox. */
+static const struct {
+    const char *path;
+    mode_t mode;
+} scratch_dirs[] = {
+    {"dev/dev", 0755}, {"dev/shm", 01777}, {"dev/tmp", 01777}, {"dev/empty", 0555},
+};
+
+/* Directories of host hardware, hidden under the scratch's empty dir. */
+static const char *const proc_masked_dirs[] = {"proc/acpi", "proc/scsi", "proc/asound"};
+
+#define NELEMS(a) (sizeof(a) / sizeof((a)[0]))
+
+/* Per-mount flags of a bind (a bind takes them only on remount). */
+static int bind_flags(int step, const char *target, unsigned long flags, struct dsec_err *e)
+{
+    return mount_step(step, NULL, target, NULL, MS_REMOUNT | MS_BIND | flags, NULL, e);
+}
+
+static int scratch_make_dirs(struct dsec_err *e)
+{
+    for (size_t i = 0; i < NELEMS(scratch_dirs); i++) {
+        const char *path = scratch_dirs[i].path;
+        mode_t mode = scratch_dirs[i].mode;
+
+        /* chmod after mkdir: the umask would drop 1777's write bits */
+        if (check(mkdir(path, mode), e, DSEC_STEP_MKDIR, path) < 0 ||
+            check(chmod(path, mode), e, DSEC_STEP_MKDIR, path) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* proc_masked_dirs the kernel has (ENOENT: skipped) get the empty dir,
+ * read-only. Nothing inside can undo a mask: umount and mount need
+ * CAP_SYS_ADMIN, which no sandbox process holds, and seccomp denies them. */
+static int scratch_mask_proc_dirs(struct dsec_err *e)
+{
+    for (size_t i = 0; i < NELEMS(proc_masked_dirs); i++) {
+        const char *path = proc_masked_dirs[i];
+
+        if (mount("dev/empty", path, NULL, MS_BIND, NULL) < 0) {
+            if (errno == ENOENT)
+                continue;
+            return check(-1, e, DSEC_STEP_MOUNT_PROC, path);
+        }
+        if (bind_flags(DSEC_STEP_MOUNT_PROC, path, MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                       e) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* A detached clone of the scratch dir at `path`, to attach once the scratch
+ * has left dev/. */
+static int scratch_clone(const char *path, int step, struct dsec_err *e)
+{
+    int fd = (int)syscall(SYS_open_tree, AT_FDCWD, path, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+
+    return fd < 0 ? check(-1, e, step, path) : fd;
+}
+
+static int scratch_attach(int fd, const char *target, int step, struct dsec_err *e)
+{
+    return check((int)syscall(SYS_move_mount, fd, "", AT_FDCWD, target, MOVE_MOUNT_F_EMPTY_PATH),
+                 e, step, target);
+}
+
 /* Host device nodes are bind-mounted, not mknod'ed: the sandbox gets exactly
  * these, and the overlay itself is nodev. */
 static int dev_nodes(struct dsec_err *e)
@@ -313,7 +395,7 @@ static int dev_nodes(struct dsec_err *e)
         {"/dev/random", "dev/random"}, {"/dev/urandom", "dev/urandom"}, {"/dev/tty", "dev/tty"},
     };
 
-    for (size_t i = 0; i < sizeof(nodes) / sizeof(nodes[0]); i++) {
+    for (size_t i = 0; i < NELEMS(nodes); i++) {
         const char *host = nodes[i][0], *target = nodes[i][1];
         int fd = open(target, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
 
@@ -334,32 +416,53 @@ static int dev_links(struct dsec_err *e)
         {"/proc/self/fd/2", "dev/stderr"},
     };
 
-    for (size_t i = 0; i < sizeof(links) / sizeof(links[0]); i++)
+    for (size_t i = 0; i < NELEMS(links); i++)
         if (check(symlink(links[i][0], links[i][1]), e, DSEC_STEP_DEV_LINK, links[i][1]) < 0)
             return -1;
     return 0;
 }
 
-/* A small tmpfs (the sandbox's root owns it, so cap it) holding the nodes, a
- * private devpts instance (its own pty numbering, ptys of no other sandbox),
- * /dev/shm and the usual links. nodev: there is no device cgroup, so with
- * CAP_MKNOD kept (Docker's default set has it) `mknod /dev/x b 254 0` would
- * open the host's disk; the bound nodes keep working (a bind mount carries
- * its source's flags, not those of the mount it lands on). */
-static int dev_mount(const struct container_ctx *c)
+/* /dev: the bound nodes, a private devpts instance (its own pty numbering,
+ * ptys of no other sandbox), the /dev/shm mountpoint and the usual links.
+ * noexec and nodev: there is no device cgroup, so with CAP_MKNOD kept
+ * (Docker's default set has it) `mknod /dev/x b 254 0` would open the host's
+ * disk; the bound nodes keep working (a bind mount carries its source's
+ * flags, not those of the mount it lands on). */
+static int dev_fill(int shm_fd, struct dsec_err *e)
 {
-    struct dsec_err *e = c->err;
-
-    if (mount_step(DSEC_STEP_MOUNT_DEV, "tmpfs", "dev", "tmpfs", MS_NOSUID | MS_NOEXEC | MS_NODEV,
-                   "mode=755,size=65536,nr_inodes=1024", e) < 0 ||
+    if (bind_flags(DSEC_STEP_MOUNT_DEV, "dev", MS_NOSUID | MS_NODEV | MS_NOEXEC, e) < 0 ||
         dev_nodes(e) < 0 || mkdir_strict("dev/pts", 0755, e) < 0 ||
         mount_step(DSEC_STEP_MOUNT_DEVPTS, "devpts", "dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
                    "newinstance,ptmxmode=0666,mode=0620", e) < 0 ||
         mkdir_strict("dev/shm", 01777, e) < 0 ||
-        mount_step(DSEC_STEP_MOUNT_SHM, "shm", "dev/shm", "tmpfs", MS_NOSUID | MS_NODEV,
-                   c->a->shm_opts, e) < 0)
+        scratch_attach(shm_fd, "dev/shm", DSEC_STEP_MOUNT_SHM, e) < 0)
         return -1;
     return dev_links(e);
+}
+
+static int scratch_mount(const struct container_ctx *c)
+{
+    struct dsec_err *e = c->err;
+    int dev_fd = -1, shm_fd = -1, rc = -1;
+
+    if (mount_step(DSEC_STEP_MOUNT_DEV, "tmpfs", "dev", "tmpfs", MS_NOSUID | MS_NODEV,
+                   c->a->scratch_opts, e) < 0)
+        return -1;
+    if (scratch_make_dirs(e) < 0 ||
+        mount_step(DSEC_STEP_MOUNT_TMP, "dev/tmp", "tmp", NULL, MS_BIND, NULL, e) < 0 ||
+        scratch_mask_proc_dirs(e) < 0 ||
+        (dev_fd = scratch_clone("dev/dev", DSEC_STEP_MOUNT_DEV, e)) < 0 ||
+        (shm_fd = scratch_clone("dev/shm", DSEC_STEP_MOUNT_SHM, e)) < 0 ||
+        check(umount2("dev", MNT_DETACH), e, DSEC_STEP_MOUNT_DEV, "dev") < 0 ||
+        scratch_attach(dev_fd, "dev", DSEC_STEP_MOUNT_DEV, e) < 0)
+        goto out;
+    rc = dev_fill(shm_fd, e);
+out:
+    if (dev_fd >= 0)
+        close(dev_fd);
+    if (shm_fd >= 0)
+        close(shm_fd);
+    return rc;
 }
 
 /* ---- /proc: read-only knobs, masked kernel views ------------------------- */
@@ -384,11 +487,6 @@ static const char *const proc_masked_files[] = {
     "proc/vmallocinfo",   "proc/slabinfo",    "proc/config.gz",
 };
 
-/* Directories of host hardware, hidden under an empty read-only tmpfs. */
-static const char *const proc_masked_dirs[] = {"proc/acpi", "proc/scsi", "proc/asound"};
-
-#define NELEMS(a) (sizeof(a) / sizeof((a)[0]))
-
 /* A bind of the entry onto itself, then remounted read-only (a bind mount
  * takes MS_RDONLY only on remount). */
 static int proc_make_readonly(const char *path, struct dsec_err *e)
@@ -408,16 +506,6 @@ static int proc_mask_file(const char *path, struct dsec_err *e)
     return 0;
 }
 
-static int proc_mask_dir(const char *path, struct dsec_err *e)
-{
-    const unsigned long flags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC;
-
-    if (mount("none", path, "tmpfs", flags, "mode=0555,size=4096,nr_inodes=2") < 0 &&
-        errno != ENOENT)
-        return check(-1, e, DSEC_STEP_MOUNT_PROC, path);
-    return 0;
-}
-
 /* Entries the kernel lacks (ENOENT) are skipped: the lists cover several
  * kernel configs. Nothing inside can undo a mask: umount and mount need
  * CAP_SYS_ADMIN, which no sandbox process holds, and seccomp denies them. */
@@ -431,16 +519,7 @@ static int proc_protect(const struct container_ctx *c)
     for (size_t i = 0; i < NELEMS(proc_masked_files); i++)
         if (proc_mask_file(proc_masked_files[i], e) < 0)
             return -1;
-    for (size_t i = 0; i < NELEMS(proc_masked_dirs); i++)
-        if (proc_mask_dir(proc_masked_dirs[i], e) < 0)
-            return -1;
     return 0;
-}
-
-static int tmp_mount(const struct container_ctx *c)
-{
-    return mount_step(DSEC_STEP_MOUNT_TMP, "tmpfs", "tmp", "tmpfs", MS_NOSUID | MS_NODEV,
-                      c->a->tmp_opts, c->err);
 }
 
 static int hostname_set(const struct container_ctx *c)
@@ -619,7 +698,7 @@ static int oom_reset(const struct container_ctx *c)
 /* The container child's checklist, in order (docs/native-api.md). */
 static int (*const container_steps[])(const struct container_ctx *) = {
     fds_own,       oom_reset,     netns_join,    cgroups_enter, sched_enter,  userns_fsids, rootfs_mount,
-    userns_sysctls, dev_mount,    proc_protect, tmp_mount,    hostname_set,
+    userns_sysctls, scratch_mount, proc_protect, hostname_set,
     loopback_up,   root_pivot,    init_stdio,   upper_handoff, ctl_handoff,
     userns_enter,  privileges_drop,
 };

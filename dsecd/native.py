@@ -49,6 +49,7 @@ STEPS: dict[int, str] = dict(sorted({
 PATH_MAX = 4096
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 HOSTNAME_MAX = 64
+DEV_SIZE_BYTES = 64 << 10       # what /dev's nodes, links and dirs may take of the scratch tmpfs
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 # What each step was doing, as the verb of "verb `object`: strerror".
@@ -57,10 +58,10 @@ _VERBS = {
     "stack": "map clone stack for", "clone": "clone", "cgroup_join": "join cgroup via",
     "cgroup_ns": "unshare cgroup namespace of", "mount_private": "make mounts private under",
     "mount_overlay": "mount overlay on", "chdir_rootfs": "enter rootfs",
-    "mkdir": "create directory", "mount_proc": "mount proc on", "mount_dev": "mount /dev tmpfs on",
+    "mkdir": "create directory", "mount_proc": "mount proc on", "mount_dev": "mount /dev (scratch tmpfs) on",
     "dev_node": "bind device node", "mount_devpts": "mount devpts on",
-    "mount_shm": "mount /dev/shm tmpfs on", "dev_link": "create symlink",
-    "mount_tmp": "mount /tmp tmpfs on", "hostname": "set hostname", "loopback": "bring up",
+    "mount_shm": "mount /dev/shm (scratch tmpfs) on", "dev_link": "create symlink",
+    "mount_tmp": "mount /tmp (scratch tmpfs) on", "hostname": "set hostname", "loopback": "bring up",
     "pivot_root": "pivot_root into", "stdio": "set up stdio of", "close_fds": "close fds of",
     "no_new_privs": "set no_new_privs for", "caps": "set capabilities of",
     "exec_init": "exec", "setns": "enter namespaces of", "setsid": "setsid for",
@@ -287,8 +288,8 @@ class ContainerSpec:
     init_path: str         # host path of the static dsec-init binary
     cgroup_procs: list[str]  # cgroup.procs files joined (by writing "0") before the
                              # cgroup namespace is unshared
-    tmp_size_bytes: int    # size= of the tmpfs on /tmp
-    shm_size_bytes: int    # size= of the tmpfs on /dev/shm
+    tmp_size_bytes: int    # /tmp and /dev/shm share one tmpfs (with /dev) of
+    shm_size_bytes: int    # tmp + shm + DEV_SIZE_BYTES: scratch_size_bytes()
     sched_idle: bool = False  # PID 1 (and all it forks) runs SCHED_IDLE
     core_sched: bool = False  # PID 1 gets a core-scheduling cookie of its own
     seccomp_profile: int = -1  # a filter pre-built by dsecd.seccomp.prepare(); -1 = none
@@ -327,6 +328,11 @@ class ContainerSpec:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{field} must be a positive int, got {value!r}")
 
+    def scratch_size_bytes(self) -> int:
+        """size= of the sandbox's scratch tmpfs, which holds /dev, /dev/shm and
+        /tmp (csrc/spawn.c scratch_mount): one superblock, not three."""
+        return self.tmp_size_bytes + self.shm_size_bytes + DEV_SIZE_BYTES
+
     def overlay_options(self) -> bytes:
         """The overlay mount data. ',' ':' and '\\' are refused in layer paths
         rather than escaped: they are the option syntax of overlayfs."""
@@ -352,12 +358,10 @@ def spawn_container(spec: ContainerSpec) -> int:
     child of the caller, which must reap it (waitpid or a pidfd)."""
     keep: list = []
     strings = [os.fsencode(spec.rootfs), spec.overlay_options(), os.fsencode(spec.init_path),
-               os.fsencode(spec.hostname), b"mode=1777,size=%d" % spec.tmp_size_bytes,
-               b"mode=1777,size=%d" % spec.shm_size_bytes]
+               os.fsencode(spec.hostname), b"mode=0755,size=%d" % spec.scratch_size_bytes()]
     cells = [ffi.new("char[]", s) for s in strings]
     args = ffi.new("struct dsec_container_args *")
-    (args.rootfs, args.overlay_opts, args.init_path, args.hostname, args.tmp_opts,
-     args.shm_opts) = cells
+    args.rootfs, args.overlay_opts, args.init_path, args.hostname, args.scratch_opts = cells
     cgroups = _cgroup_files(spec.cgroup_procs)
     args.cgroup_procs, args.n_cgroups = _string_array(cgroups, keep), len(cgroups)
     args.sched_idle, args.core_sched = bool(spec.sched_idle), bool(spec.core_sched)
