@@ -54,13 +54,14 @@ class CallOps:
         disk = (upperfs.Cap(cfg.size("sandbox", "disk"), self.sb_defaults["disk_inodes"])
                 if self.backend.upper_mode == "tmpfs" else None)
         self.fncall = FnCallBackend(self.layout, self.sb_defaults, self.fn_cfg, cfg.state_dir, {
-            "tmp": cfg.size("fncall", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")}, disk)
+            "tmp": cfg.size("fncall", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")}, disk,
+            self.backend.execs_by_init)
         self.call_boxes: dict[str, CallBox] = {}
         self._box_locks: dict[str, asyncio.Lock] = {}
         # Read per call: parsed once here.
         self._call_sizes = {"stdin": cfg.size("fncall", "max_stdin_bytes"),
                             "code": cfg.size("fncall", "max_code_bytes")}
-        self.call_stats = {"calls": 0, "inflight": 0, "zygote_calls": 0, "plain_calls": 0,
+        self.call_stats = {"calls": 0, "inflight": 0, "zygote_calls": 0, "plain_calls": 0, "plain_calls_by_init": 0,
                            "zygotes_started": 0, "zygotes_replaced": 0, "busy": 0}
 
     async def start_calls(self) -> None:
@@ -340,6 +341,30 @@ class CallOps:
             zyg.pending.pop(call_id, None)
             run.close()
 
+    async def _start_plain(self, box: CallBox, argv: list[str], envl: list[str], cwd: str, uid: int,
+                           io: ExecIO, release):
+        """The plain call's watch: sent to the call sandbox's init when its
+        channel takes it (no thread, no entering the sandbox), else spawned
+        by the daemon's helper (`release`: see spawn_handed_over)."""
+        try:
+            watch = self.fncall.start_plain_by_init(self.loop, box.handle, argv, envl, cwd, uid, io.child_fds())
+        except ValueError as err:     # strings execve cannot take, as the helper's checks
+            raise BadRequest(f"call: {err}") from err
+        if watch is not None:
+            io.close_child_ends()     # sent: init holds them now
+            self.call_stats["plain_calls_by_init"] += 1
+            return watch
+        try:
+            pid = await self.spawn_handed_over(io, release, self.fncall.spawn_plain, box.handle, argv, envl, cwd,
+                                               uid, io.child_fds())
+        except ValueError as err:
+            raise BadRequest(f"call: {err}") from err
+        except NativeError as err:
+            from .node import _exec_error
+
+            raise _exec_error(err, argv[0], cwd) from err
+        return ChildWatch(self.loop, pid)
+
     async def _plain_call(self, box: CallBox, argv: list[str], env: dict, stdin: bytes, timeout: float) -> dict:
         h = box.handle
         name = f"call-{secrets.token_hex(6)}"
@@ -361,30 +386,38 @@ class CallOps:
         try:
             envl = self.fncall.containers.exec_env({"HOSTNAME": "fncall"}, {"HOME": cwd, "TMPDIR": cwd, **env})
             try:
-                pid = await self.spawn_handed_over(io, release, self.fncall.spawn_plain, h, argv, envl, cwd, uid,
-                                                   io.child_fds())
+                watch = await self._start_plain(box, argv, envl, cwd, uid, io, release)
             except asyncio.CancelledError:
-                # The spawn goes on in its worker: its uid and dir are released
-                # once a process it made anyway is killed and reaped.
+                # Only the helper's spawn awaits: it goes on in its worker, and
+                # `release` runs once a process it made anyway is killed and reaped.
                 abandoned = True
                 raise
-            except NativeError as err:
-                from .node import _exec_error
-
-                raise _exec_error(err, argv[0], cwd) from err
             if stdin:
                 await io.feed_stdin(stdin, True)
             self.call_stats["plain_calls"] += 1
-            result = await io.run(ChildWatch(self.loop, pid), timeout, self.limits["exec_drain_grace_s"])
+            try:
+                result = await io.run(watch, timeout, self.limits["exec_drain_grace_s"])
+            except OSError as err:      # init could not start it, or its channel broke
+                raise _plain_run_error(err, box, argv[0], cwd) from err
         finally:
             io.close()
-            if io.reaped is not None:        # cancelled while it ran: killed, reaped in a thread
+            if io.reaped is not None:        # cancelled while it ran: killed, gone once this is done
                 io.reaped.add_done_callback(lambda _fut: release())
             elif not abandoned:
                 release()
         result.update(stdout=b"".join(out[1]), stderr=b"".join(out[2]), path="exec",
                       run_ms=result["duration_ms"])
         return result
+
+
+def _plain_run_error(err: OSError, box: CallBox, prog: str, cwd: str) -> DsecError:
+    """A plain call that failed after it was handed to its watch (as node's _run_error)."""
+    from .node import _exec_error
+
+    if isinstance(err, NativeError):
+        return _exec_error(err, prog, cwd)
+    return DsecError(f"call {prog!r} in call sandbox {box.id}: {err}",
+                     {"errno": errno.errorcode.get(err.errno or 0)}, code="io")
 
 
 def _memfd(name: str, data: bytes, opened: list[int]) -> int:

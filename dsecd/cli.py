@@ -96,7 +96,8 @@ async def cmd_info(c: Client, a) -> int:
             print(f"  pool {name}: {p['ready']} ready, {p['creating']} creating, {p['taken']} taken")
     if "fncall" in info:
         f = info["fncall"]
-        print(f"fncall: {f['calls']} calls ({f['zygote_calls']} zygote, {f['plain_calls']} plain), "
+        print(f"fncall: {f['calls']} calls ({f['zygote_calls']} zygote, {f['plain_calls']} plain, "
+              f"{f.get('plain_calls_by_init', 0)} of them forked by init), "
               f"{f['inflight']} in flight, zygotes started {f['zygotes_started']} replaced {f['zygotes_replaced']}")
     return 0
 

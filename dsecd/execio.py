@@ -12,8 +12,9 @@ seen on a pidfd registered with the event loop, its status collected with
 waitpid), dsecd/initlink.py `InitExec` for one the sandbox's init forked (its
 exit reported by init). Either gives `exited` ({"status": wait status}),
 `kill()` (the process group), `abandon()` (the request is gone: kill it,
-and for our child reap it in a thread), `stop()` and `kill_grace` (how long
-its end may take after a kill; None: however long).
+and for our child reap it in a thread; returns a future done once it is
+gone, or None if it was already), `stop()` and `kill_grace` (how long its
+end may take after a kill; None: however long).
 
 ExecIO reads output from non-blocking pipes by one coroutine per stream; each
 chunk is handed to `emit`, which may await (the client's socket drains), so a

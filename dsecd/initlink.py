@@ -69,13 +69,17 @@ class InitExec:
 
     kill_grace = KILL_GRACE_S
 
-    __slots__ = ("link", "id", "request", "exited", "running", "_fd", "_kill_sent")
+    __slots__ = ("link", "id", "request", "exited", "over", "running", "_fd", "_kill_sent")
 
     def __init__(self, link: InitLink, exec_id: int, request: tuple):
         self.link = link
         self.id = exec_id
         self.request = request         # (argv0, env, uid, cwd): what an error names
         self.exited: asyncio.Future = link.loop.create_future()
+        # Done once init reported its end (or a failed start, or the channel
+        # closed), even after an abandon: what must wait for the process to be
+        # gone (a call's uid) waits for this.
+        self.over: asyncio.Future = link.loop.create_future()
         self.running = False           # init answered STARTED
         self._fd = -1                  # its pidfd, while it may still run
         self._kill_sent = False
@@ -91,11 +95,13 @@ class InitExec:
             self._kill_sent = True          # STARTED will kill it through the pidfd too
             self.link.send_kill(self.id)
 
-    def abandon(self) -> None:
-        """Its request is gone (cancelled): kill it; nobody waits for it any
-        more. Init reaps it: nothing to wait for here."""
+    def abandon(self) -> asyncio.Future:
+        """Its request is gone (cancelled): kill it; nobody waits for its
+        status any more. Init reaps it; `over` (returned) is done once init
+        says so."""
         self.kill()
         self.exited.cancel()
+        return self.over
 
     def stop(self) -> None:
         """Nothing to stop: the link reads init's answers for every exec."""
@@ -109,11 +115,17 @@ class InitExec:
     def _failed(self, err: Exception) -> None:
         if not self.exited.done():          # else abandoned: nobody waits
             self.exited.set_exception(err)
+        self._over()
 
     def _ended(self, status: int) -> None:
         self._close()            # it ended: the pidfd is of no more use
         if not self.exited.done():
             self.exited.set_result({"status": status})
+        self._over()
+
+    def _over(self) -> None:
+        if not self.over.done():
+            self.over.set_result(None)
 
     def _close(self) -> None:
         if self._fd >= 0:

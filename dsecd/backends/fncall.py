@@ -21,7 +21,9 @@ is dropped with its whole call sandbox; the next call makes new ones.
 Images without python3 (or with [fncall] zygote = false) take plain argv
 calls only: each is an exec in the call sandbox under a uid of its own (from
 fncall.uid_base), in a fresh dir under /tmp created and removed by the
-daemon through the sandbox root.
+daemon through the sandbox root; forked by the call sandbox's init when
+sandbox.exec_via is "init" (else, or when its channel cannot take one, by
+the daemon's helper).
 """
 
 from __future__ import annotations
@@ -134,13 +136,16 @@ class FnCallBackend:
     name = "fncall"
 
     def __init__(self, layout: cgroup.Layout, sandbox_cfg: dict, fn_cfg: dict, state_dir: Path,
-                 sizes: dict, disk: upperfs.Cap | None = None):
+                 sizes: dict, disk: upperfs.Cap | None = None, execs_by_init: bool = False):
         self.cfg = fn_cfg
         self.disk = disk        # writable-layer cap of call sandboxes (None: uncapped dir)
+        # execs_by_init: a call sandbox's init forks its plain calls, as
+        # sandbox inits fork execs (dsecd/initlink.py); the zygote is started
+        # by the helper either way.
         self.containers = ContainerBackend(layout, {**sandbox_cfg,
                                                     "cgroup_root": f"{sandbox_cfg['cgroup_root']}/.fncall"},
                                            Path(state_dir) / "fncall", sizes,
-                                           "tmpfs" if disk else "dir")
+                                           "tmpfs" if disk else "dir", execs_by_init)
 
     def leftovers(self) -> list[str]:
         """Call sandboxes of an earlier daemon (none are ever re-adopted)."""
@@ -187,6 +192,12 @@ class FnCallBackend:
             theirs.close()
             os.close(null)
         return ours, pid
+
+    def start_plain_by_init(self, loop, h: Handle, argv: list[str], env: list[str], cwd: str, uid: int,
+                            fds: tuple[int, int, int]):
+        """A plain call sent to the call sandbox's init (on the loop); None
+        when it has no channel or the channel cannot take it: spawn_plain."""
+        return self.containers.start_by_init(loop, h, argv, env, cwd, uid, fds)
 
     def spawn_plain(self, h: Handle, argv: list[str], env: list[str], cwd: str, uid: int,
                     fds: tuple[int, int, int]) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dsecd import Client
+from dsecd import Client, native
 from dsecd.errors import BadRequest, Unsupported
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,6 +185,34 @@ def test_many_calls_in_flight_on_one_connection(daemon, py_image):
 
     results = asyncio.run(run())
     assert [r.stdout for r in results] == [f"{i * 2}\n".encode() for i in range(60)]
+
+
+@pytest.mark.skipif(native.probe_pidfd_group_signal() != 0,
+                    reason="execs go through the daemon's helper on kernels without PIDFD_SIGNAL_PROCESS_GROUP")
+def test_plain_calls_are_forked_by_the_call_sandboxs_init(client):
+    """With sandbox.exec_via = "init" (the default where the kernel has it), a
+    plain call is forked by its call sandbox's init (parent pid 1 inside),
+    not entered by the daemon's helper (parent outside the pid namespace: 0)."""
+    before = client.info()["fncall"]
+    r = client.call("busybox", argv=["sh", "-c", "echo $PPID; id -u; cat"], stdin=b"in\n")
+    after = client.info()["fncall"]
+    ppid, uid, echoed = r.stdout.decode().split()
+    assert r.exit_code == 0 and ppid == "1" and echoed == "in", r
+    assert int(uid) >= 100000                 # its own uid, as through the helper
+    assert after["plain_calls_by_init"] == before["plain_calls_by_init"] + 1
+    assert after["plain_calls"] == before["plain_calls"] + 1
+
+
+def test_plain_calls_use_the_helper_when_execs_do(daemon_factory, busybox_rootfs):
+    d = daemon_factory('exec_via = "helper"\n')     # lands in [sandbox]
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        r = c.call("busybox", argv=["sh", "-c", "echo $PPID"])
+        assert r.exit_code == 0 and r.stdout == b"0\n"     # entered from outside the pid namespace
+        assert c.info()["fncall"]["plain_calls_by_init"] == 0
+    finally:
+        c.close()
 
 
 def test_plain_argv_calls_work_on_any_image(client, py_image):

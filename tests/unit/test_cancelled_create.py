@@ -149,6 +149,9 @@ def test_a_plain_call_cancelled_during_its_spawn_frees_its_uid_only_after_the_ki
         def make_private_dir(self, h, name, uid):
             return f"/tmp/{name}"
 
+        def start_plain_by_init(self, loop, h, argv, env, cwd, uid, fds):
+            return None           # no exec channel: the helper spawns it
+
         def spawn_plain(self, h, argv, env, cwd, uid, fds):
             pid = _slow_spawn(seen, fds)
             seen["uid_free_after_spawn"] = uid in box.free_uids
@@ -193,6 +196,7 @@ def test_a_plain_call_cancelled_while_it_runs_frees_its_uid_only_once_reaped():
     class FnCall:
         containers = _plain_call_fncall().containers
         make_private_dir = staticmethod(lambda h, name, uid: f"/tmp/{name}")
+        start_plain_by_init = staticmethod(lambda *args: None)     # the helper spawns it
 
         def spawn_plain(self, h, argv, env, cwd, uid, fds):
             pid = os.fork()
@@ -219,6 +223,67 @@ def test_a_plain_call_cancelled_while_it_runs_frees_its_uid_only_once_reaped():
     asyncio.run(go())
     assert box.free_uids == [7002] and len(seen["removed"]) == 1
     assert seen["reaped_at_uid_back"]             # killed and reaped before the uid came back
+
+
+def test_a_plain_call_forked_by_init_and_cancelled_frees_its_uid_only_once_init_says_it_ended():
+    # An InitExec's abandon() returns its `over` future, done when init
+    # reports the end (dsecd/initlink.py): until then the uid stays taken.
+    from dsecd.backends.fncall import CallBox
+
+    seen = {"removed": [], "over_at_uid_back": None}
+    box = CallBox(id="box1", image="busybox", layers=[], handle=None, free_uids=[7003])
+
+    class Watch:                   # what InitExec gives a run
+        kill_grace = 10.0
+
+        def __init__(self, loop):
+            self.exited, self.over = loop.create_future(), loop.create_future()
+            self.killed = False
+
+        def kill(self):
+            self.killed = True
+
+        def abandon(self):
+            self.kill()
+            self.exited.cancel()
+            return self.over
+
+        def stop(self):
+            pass
+
+    class FnCall:
+        containers = _plain_call_fncall().containers
+        make_private_dir = staticmethod(lambda h, name, uid: f"/tmp/{name}")
+
+        def start_plain_by_init(self, loop, h, argv, env, cwd, uid, fds):
+            seen["watch"] = Watch(loop)
+            return seen["watch"]
+
+        def spawn_plain(self, *args):
+            raise AssertionError("a call init took must not go through the helper")
+
+        def remove_private_dir(self, h, name):
+            seen["removed"].append(name)
+            seen["over_at_uid_back"] = seen["watch"].over.done()
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(2) as pool:
+            node = object.__new__(Node)
+            node.loop, node.pool, node.fncall = loop, pool, FnCall()
+            node.max_exec_output, node.limits, node.call_stats = 1 << 20, {"exec_drain_grace_s": 0.1}, {
+                "plain_calls": 0, "plain_calls_by_init": 0}
+            await _cancel_soon(asyncio.ensure_future(node._plain_call(box, ["x"], {}, b"", 30)), after=0.1)
+            await asyncio.sleep(0.2)
+            seen["uid_free_before_end"] = 7003 in box.free_uids
+            seen["watch"].over.set_result(None)       # init: EXITED
+            await _until(lambda: 7003 in box.free_uids and seen["removed"])
+            seen["stats"] = node.call_stats
+
+    asyncio.run(go())
+    assert seen["watch"].killed and not seen["uid_free_before_end"]
+    assert seen["stats"] == {"plain_calls": 1, "plain_calls_by_init": 1}
+    assert box.free_uids == [7003] and seen["removed"] and seen["over_at_uid_back"]
 
 
 def _plain_call_fncall():
