@@ -33,7 +33,7 @@ measures through the Python SDK:
   burst's sandboxes destroyed with one `destroy_all`: wall time, rate, and
   the host's busy CPU ms per sandbox, counted until the host is quiet again
   (the kernel frees a removed cgroup in kworkers, after the rmdir returned:
-  docs/burst.md round 7);
+  docs/burst.md round 7); burst_destroy_failed: destroys that failed (0);
 * fncall_cpu_ms / burst_cpu_ms: where the CPU time of the concurrent fncall
   batch (per call) and of the burst (per sandbox, create + exec) went: the
   daemon (all threads, plus the exec and spawn children it reaped), the call
@@ -123,18 +123,19 @@ def host_busy_s() -> float:
     return (ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6]) / os.sysconf("SC_CLK_TCK")
 
 
-def host_busy_until_quiet(busy_below: float = 0.25, window_s: float = 0.5, max_s: float = 30.0) -> float:
+def host_busy_until_quiet(busy_cpus_below: float = 0.25, window_s: float = 0.5, max_s: float = 30.0) -> float:
     """host_busy_s() when the host went quiet: at the start of the first
-    `window_s` in which its CPUs were busy less than `busy_below` of the time
-    (or after `max_s`). Work the kernel queued for later is done by then, and
-    the quiet window's own noise is left out."""
-    ncpu = os.cpu_count() or 1
+    `window_s` in which less than `busy_cpus_below` CPUs' worth was busy (an
+    absolute amount, not a share of all CPUs: the kernel's deferred cgroup
+    work runs under one mutex, on one CPU at a time), or after `max_s`. Work
+    the kernel queued for later is done by then, and the quiet window's own
+    noise is left out."""
     end = time.monotonic() + max_s
     before = host_busy_s()
     while time.monotonic() < end:
         time.sleep(window_s)
         now = host_busy_s()
-        if (now - before) / (window_s * ncpu) < busy_below:
+        if (now - before) / window_s < busy_cpus_below:
             break
         before = now
     return before
@@ -338,8 +339,8 @@ async def teardown(sock: str) -> dict:
         host_ms = (busy1 - busy0) * 1000 / max(n, 1)
         log(f"destroyed {n} sandboxes in {took:.1f} s; host CPU {host_ms:.2f} ms per sandbox")
         if r["failed"]:
-            raise RuntimeError(f"destroy_all failed for {len(r['failed'])} sandboxes: {r['failed']}")
-        return {"seconds": took, "destroyed": n, "host_ms": round(host_ms, 3)}
+            log(f"destroy_all failed for {len(r['failed'])} sandboxes: {r['failed']}")
+        return {"seconds": took, "destroyed": n, "failed": len(r["failed"]), "host_ms": round(host_ms, 3)}
 
 
 async def measure(sock: str, args) -> dict:
@@ -350,7 +351,7 @@ async def measure(sock: str, args) -> dict:
     gone = await teardown(sock)
     out.update(burst_destroy_s=round(gone["seconds"], 3),
                burst_destroys_per_s=round(gone["destroyed"] / gone["seconds"], 1),
-               burst_destroy_host_ms=gone["host_ms"])
+               burst_destroy_host_ms=gone["host_ms"], burst_destroy_failed=gone["failed"])
     return out
 
 

@@ -21,6 +21,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -37,15 +38,30 @@ static void err_rec(struct dsec_err *e, int step, int err, const char *path)
     snprintf(e->path, sizeof(e->path), "%s", path ? path : "");
 }
 
+/* The daemon's pid, which every holder checks is still its parent. Set
+ * before each clone; the same value from every thread. */
+static pid_t holder_parent;
+
 /* The namespace's first process. It shares the daemon's memory (CLONE_VM: no
  * page-table copy of a large daemon) and fd table (CLONE_FILES: no copy of a
  * few thousand fds made, and closed again when it is killed: ~6% of a burst's
  * CPU) but not its thread, so it must touch nothing: every signal is blocked
  * (inherited from clone_holder), so pause() never returns and never writes
- * errno into the daemon's TLS; SIGKILL ends it. */
+ * errno into the daemon's TLS (nor do the other calls: they cannot fail);
+ * SIGKILL ends it.
+ *
+ * It dies with the daemon too (PR_SET_PDEATHSIG, and the getppid check for a
+ * daemon that died before the prctl): a daemon killed between the clone and
+ * the holder's kill would otherwise leave it pausing for good, keeping the
+ * daemon's memory and every fd it had, the state dir's lock and the listening
+ * socket among them, so that no daemon could start again on that state dir
+ * and clients would connect to a socket nobody answers. */
 static int holder_main(void *arg)
 {
     (void)arg;
+    syscall(SYS_prctl, PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
+    if (syscall(SYS_getppid) != holder_parent)
+        syscall(SYS_exit, 0);
     for (;;)
         syscall(SYS_pause);
     return 0;
@@ -57,6 +73,7 @@ static pid_t clone_holder(void *stack_top)
     pid_t pid;
     int saved;
 
+    holder_parent = getpid();
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
     pid = clone(holder_main, stack_top, CLONE_VM | CLONE_FILES | CLONE_NEWUSER | SIGCHLD, NULL);

@@ -397,7 +397,14 @@ class CallOps:
             self.call_stats["plain_calls"] += 1
             try:
                 result = await io.run(watch, timeout, self.limits["exec_drain_grace_s"])
-            except OSError as err:      # init could not start it, or its channel broke
+            except OSError as err:
+                if not isinstance(err, NativeError):
+                    # Not "init could not start it": its channel broke, or its
+                    # end never came after a kill. It may still run under this
+                    # uid, so the uid is never handed out again: the call
+                    # sandbox goes (and the process with it).
+                    abandoned = True
+                    self._retire(box, f"lost track of a plain call: {err}")
                 raise _plain_run_error(err, box, argv[0], cwd) from err
         finally:
             io.close()
@@ -411,13 +418,15 @@ class CallOps:
 
 
 def _plain_run_error(err: OSError, box: CallBox, prog: str, cwd: str) -> DsecError:
-    """A plain call that failed after it was handed to its watch (as node's _run_error)."""
+    """A plain call that failed after it was handed to its watch: init could
+    not start it (NativeError of its step, as node's _run_error), or the
+    daemon lost track of it (its call sandbox is being replaced: retry)."""
     from .node import _exec_error
 
     if isinstance(err, NativeError):
         return _exec_error(err, prog, cwd)
-    return DsecError(f"call {prog!r} in call sandbox {box.id}: {err}",
-                     {"errno": errno.errorcode.get(err.errno or 0)}, code="io")
+    return IOFailure(f"call {prog!r}: lost track of it in call sandbox {box.id} ({err}); the call sandbox "
+                     f"is replaced, retry", {"errno": errno.errorcode.get(err.errno or 0)})
 
 
 def _memfd(name: str, data: bytes, opened: list[int]) -> int:

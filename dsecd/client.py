@@ -86,9 +86,12 @@ class _Pending:
 
 
 class Client:
-    def __init__(self, socket_path: str | None = None, name: str = "dsecd-sdk"):
+    def __init__(self, socket_path: str | None = None, name: str = "dsecd-sdk", connect_timeout: float = 30.0):
         self.socket_path = socket_path or default_socket()
         self.name = name
+        # How long connect() waits for the daemon's hello: a socket someone
+        # holds open but nobody serves (a wedged daemon) must not hang a client.
+        self.connect_timeout = connect_timeout
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._reader_task: asyncio.Task | None = None
@@ -110,7 +113,13 @@ class Client:
             raise ConnectionError(f"cannot connect to dsecd at {self.socket_path}: {err.strerror}; "
                                   "is the daemon running? (set DSEC_SOCKET or --socket)") from err
         self._reader_task = asyncio.get_running_loop().create_task(self._read_loop(reader))
-        self.server = await self.request("hello", protocol=protocol.PROTOCOL_VERSION, client=self.name)
+        try:
+            self.server = await asyncio.wait_for(
+                self.request("hello", protocol=protocol.PROTOCOL_VERSION, client=self.name), self.connect_timeout)
+        except TimeoutError:
+            await self.close()
+            raise ConnectionError(f"dsecd at {self.socket_path} took the connection but did not answer in "
+                                  f"{self.connect_timeout:g} s: is the daemon stuck?") from None
         self.max_frame = self.server.get("limits", {}).get("max_frame_bytes", self.max_frame)
 
     async def close(self) -> None:

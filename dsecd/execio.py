@@ -50,8 +50,9 @@ class ExecIO:
         self.truncated = False
         self.timed_out = False
         self.cancelled = False
-        # Set when run() was cancelled: the kill's reap, in a thread; what the
-        # process used (a call's uid) must not be handed on before it is done.
+        # Set when run() was cancelled: the watch's abandon(), done once the
+        # process is gone (our child reaped in a thread, or init's report of
+        # its end); what it used (a call's uid) must not be handed on before.
         self.reaped: asyncio.Future | None = None
         self._stdin_q: asyncio.Queue[bytes | None] | None = asyncio.Queue(maxsize=64) if want_stdin else None
         # Child ends are handed to the spawn helper, parent ends stay here.

@@ -49,7 +49,6 @@ STEPS: dict[int, str] = dict(sorted({
 PATH_MAX = 4096
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 HOSTNAME_MAX = 64
-DEV_SIZE_BYTES = 64 << 10       # what /dev's nodes, links and dirs may take of the scratch tmpfs
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 # What each step was doing, as the verb of "verb `object`: strerror".
@@ -289,7 +288,7 @@ class ContainerSpec:
     cgroup_procs: list[str]  # cgroup.procs files joined (by writing "0") before the
                              # cgroup namespace is unshared
     tmp_size_bytes: int    # /tmp and /dev/shm share one tmpfs (with /dev) of
-    shm_size_bytes: int    # tmp + shm + DEV_SIZE_BYTES: scratch_size_bytes()
+    shm_size_bytes: int    # tmp + shm bytes: scratch_size_bytes()
     sched_idle: bool = False  # PID 1 (and all it forks) runs SCHED_IDLE
     core_sched: bool = False  # PID 1 gets a core-scheduling cookie of its own
     seccomp_profile: int = -1  # a filter pre-built by dsecd.seccomp.prepare(); -1 = none
@@ -330,8 +329,9 @@ class ContainerSpec:
 
     def scratch_size_bytes(self) -> int:
         """size= of the sandbox's scratch tmpfs, which holds /dev, /dev/shm and
-        /tmp (csrc/spawn.c scratch_mount): one superblock, not three."""
-        return self.tmp_size_bytes + self.shm_size_bytes + DEV_SIZE_BYTES
+        /tmp (csrc/spawn.c scratch_mount): one superblock, not three. /dev
+        needs no share of it: its nodes, links and dirs hold no data pages."""
+        return self.tmp_size_bytes + self.shm_size_bytes
 
     def overlay_options(self) -> bytes:
         """The overlay mount data. ',' ':' and '\\' are refused in layer paths

@@ -82,9 +82,9 @@ class SyncSandbox:
 
 
 class SyncClient:
-    def __init__(self, socket_path: str | None = None, name: str = "dsecd-sync"):
+    def __init__(self, socket_path: str | None = None, name: str = "dsecd-sync", connect_timeout: float = 30.0):
         self._loop = asyncio.new_event_loop()
-        self._client = Client(socket_path, name)
+        self._client = Client(socket_path, name, connect_timeout)
 
     def _run(self, coro):
         return self._loop.run_until_complete(coro)

@@ -18,6 +18,7 @@ import select
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -317,7 +318,7 @@ def test_dev_nodes(sandbox):
 def test_tmp_is_a_private_tmpfs(sandbox):
     assert sandbox.sh("stat -c %a /tmp") == "1777\n"
     line = next(m for m in sandbox.sh("cat /proc/mounts").splitlines() if " /tmp " in m)
-    size_k = ((64 << 20) + (16 << 20) + native.DEV_SIZE_BYTES) >> 10     # tmp + shm + /dev
+    size_k = ((64 << 20) + (16 << 20)) >> 10      # tmp + shm: one tmpfs for both
     assert line.startswith("tmpfs /tmp tmpfs") and f"size={size_k}k" in line, line
     sandbox.sh("echo hi > /tmp/x")
     assert not (sandbox.dir / "upper" / "tmp" / "x").exists()
@@ -337,13 +338,16 @@ def test_dev_shm_tmp_and_proc_masks_share_one_tmpfs_whose_root_is_nowhere(sandbo
     # Neighbours: what lands in one dir shows in no other; a mask is empty and read-only.
     sandbox.sh("echo a > /tmp/t && echo b > /dev/shm/s")
     assert sandbox.sh("ls -A /tmp; echo -; ls -A /dev/shm") == "t\n-\ns\n"
-    for point in masked:
-        code, text = sandbox.run(["sh", "-c", f"ls -A {point}; touch {point}/x"])
-        assert code != 0 and "Read-only file system" in text, (point, code, text)
-    # /dev stays noexec, /tmp and /dev/shm do not (as before: only nosuid,nodev).
     opts = {f[4]: set(f[5].split(",")) for f in fields}
-    assert {"nosuid", "nodev", "noexec"} <= opts["/dev"]
-    assert {"nosuid", "nodev"} <= opts["/tmp"] and "noexec" not in opts["/tmp"] | opts["/dev/shm"]
+    for point in masked:
+        assert sandbox.sh(f"ls -A {point}") == ""
+        code, text = sandbox.run(["sh", "-c", f"touch {point}/x"])
+        assert code != 0 and "Read-only file system" in text, (point, code, text)
+        assert {"ro", "nosuid", "nodev", "noexec"} <= opts[point], (point, opts[point])
+    # /dev stays noexec, /tmp and /dev/shm do not (as before: only nosuid,nodev).
+    assert {"rw", "nosuid", "nodev", "noexec"} <= opts["/dev"]
+    for point in ("/tmp", "/dev/shm"):
+        assert {"rw", "nosuid", "nodev"} <= opts[point] and "noexec" not in opts[point], (point, opts[point])
 
 
 def test_loopback_is_up(sandbox):
@@ -724,3 +728,56 @@ def test_core_sched_follows_the_kernel(sandbox, busybox_lower, tmp_path, cgroups
         _make_sandbox(busybox_lower, tmp_path, cgroups, hostname="sbx-core", core_sched=True)
     assert (info.value.errno, info.value.step) == (probe, "sched_core")
     assert len(_zombie_children_of(os.getpid())) == children
+
+
+# ---------------------------------------------------------------- userns holder
+
+_HOLDER_MAKER = """
+import os, sys
+from dsecd import native
+os.open(sys.argv[1], os.O_RDONLY)      # stands for the daemon's state-dir lock
+print("ready", flush=True)
+while True:
+    os.close(native.userns_create(1500000000, 1500000000, 65536))
+"""
+
+
+def _holding(path: str) -> list[int]:
+    """Pids of processes with `path` open."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == path for fd in os.listdir(f"/proc/{pid}/fd")):
+                pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+def test_a_userns_holder_dies_with_the_process_that_made_it(tmp_path):
+    """dsec_userns_create's holder shares its maker's memory and fd table
+    (csrc/userns.c). A maker killed between the holder's clone and its kill
+    (a daemon's kill -9 mid-create) must not leave the holder behind with all
+    its fds: a daemon's would keep the state dir locked and its socket open
+    for good. Makers that create namespaces back to back are killed at random
+    moments, most of them inside that window."""
+    marker = str(tmp_path / "lock")
+    Path(marker).write_text("")
+    rng = __import__("random").Random(11)
+    try:
+        for _ in range(30):
+            maker = subprocess.Popen([sys.executable, "-c", _HOLDER_MAKER, marker], stdout=subprocess.PIPE)
+            try:
+                assert maker.stdout.readline() == b"ready\n"
+                time.sleep(rng.uniform(0.002, 0.03))
+            finally:
+                maker.kill()
+                maker.wait()
+                maker.stdout.close()
+        deadline = time.monotonic() + 2
+        while _holding(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _holding(marker) == []
+    finally:
+        for pid in _holding(marker):      # leaked holders: ours, found by our own file
+            os.kill(pid, signal.SIGKILL)

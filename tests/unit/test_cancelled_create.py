@@ -10,6 +10,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from dsecd.node import Node
 
 
@@ -284,6 +286,65 @@ def test_a_plain_call_forked_by_init_and_cancelled_frees_its_uid_only_once_init_
     assert seen["watch"].killed and not seen["uid_free_before_end"]
     assert seen["stats"] == {"plain_calls": 1, "plain_calls_by_init": 1}
     assert box.free_uids == [7003] and seen["removed"] and seen["over_at_uid_back"]
+
+
+def test_a_plain_call_whose_channel_broke_keeps_its_uid_and_retires_its_call_sandbox():
+    # Init's channel broke while the call ran: the process may still run under
+    # its uid, so the uid never comes back; the call sandbox goes instead.
+    import errno
+
+    from dsecd.backends.fncall import CallBox
+    from dsecd.errors import IOFailure
+
+    seen = {"removed": []}
+    box = CallBox(id="box1", image="busybox", layers=[], handle=None, free_uids=[7004])
+
+    class Watch:
+        kill_grace = 10.0
+
+        def __init__(self, loop):
+            self.exited, self.over = loop.create_future(), loop.create_future()
+
+        def kill(self):
+            pass
+
+        def abandon(self):
+            return self.over
+
+        def stop(self):
+            pass
+
+    class FnCall:
+        containers = _plain_call_fncall().containers
+        make_private_dir = staticmethod(lambda h, name, uid: f"/tmp/{name}")
+
+        def start_plain_by_init(self, loop, h, argv, env, cwd, uid, fds):
+            seen["watch"] = Watch(loop)
+            loop.call_later(0.05, seen["watch"].exited.set_exception,
+                            OSError(errno.EPIPE, "lost the exec channel to the sandbox's init (test)"))
+            return seen["watch"]
+
+        def remove_private_dir(self, h, name):
+            seen["removed"].append(name)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(2) as pool:
+            node = object.__new__(Node)
+            node.loop, node.pool, node.fncall = loop, pool, FnCall()
+            node.max_exec_output, node.limits = 1 << 20, {"exec_drain_grace_s": 0.1}
+            node.call_stats = {"plain_calls": 0, "plain_calls_by_init": 0, "zygotes_replaced": 0}
+            node.call_boxes = {"busybox": box}
+            with pytest.raises(IOFailure) as e:
+                await node._plain_call(box, ["x"], {}, b"", 30)
+            seen["error"] = str(e.value)
+            await asyncio.sleep(0.1)
+            seen["boxes"] = dict(node.call_boxes)
+
+    asyncio.run(go())
+    assert "lost track" in seen["error"] and "retry" in seen["error"]
+    assert box.free_uids == [] and seen["removed"] == []      # the uid stays taken
+    assert seen["boxes"] == {}                                 # the call sandbox was retired
 
 
 def _plain_call_fncall():

@@ -125,9 +125,10 @@ def test_started_then_exited_resolve_status_and_the_pidfd_kills_the_group():
         await _until(lambda: run.running)
         run.kill()
         assert await _reaped(proc) == -signal.SIGKILL
+        assert not run.over.done()
         init.send(_reply(native.INIT_EXITED, run.id, status=signal.SIGKILL))
         assert await asyncio.wait_for(run.exited, 2) == {"status": signal.SIGKILL}
-        assert not link.pending
+        assert run.over.done() and not link.pending
     _on_link(go)
 
 
@@ -156,6 +157,7 @@ def test_a_failed_start_is_the_native_error_of_its_step():
             await asyncio.wait_for(run.exited, 2)
         assert e.value.errno == errno.ENOENT and e.value.step == "exec"
         assert "not found in PATH=/bin" in str(e.value)
+        assert run.over.done()             # nothing runs: what waits for its end may go on
         assert not link.pending and not link.closed
     _on_link(go)
 
@@ -217,7 +219,7 @@ def test_init_exiting_ends_its_execs_as_killed():
         with pytest.raises(OSError) as e:       # never started: no status to report
             await asyncio.wait_for(waiting.exited, 2)
         assert e.value.errno == errno.ESRCH
-        assert link.closed
+        assert link.closed and running.over.done() and waiting.over.done()
         proc.kill()
         proc.wait()
     asyncio.run(go())
@@ -228,12 +230,28 @@ def test_an_abandoned_exec_is_killed_and_forgotten_once_init_reports_it():
         run = _sent(link, init, ["sleep", "9"])
         proc = _reported_started(init, run)
         await _until(lambda: run.running)
-        run.abandon()              # the request was cancelled
-        assert run.exited.cancelled()
+        over = run.abandon()       # the request was cancelled
+        assert run.exited.cancelled() and over is run.over
         assert await _reaped(proc) == -signal.SIGKILL
+        # Killed, but gone only once init says so: a call's uid waits for this.
+        await asyncio.sleep(0.05)
+        assert not over.done()
         init.send(_reply(native.INIT_EXITED, run.id, status=signal.SIGKILL))
-        await _until(lambda: not link.pending)
+        await asyncio.wait_for(over, 2)
         assert not link.pending and not link.closed
+    _on_link(go)
+
+
+def test_a_broken_channel_fails_its_execs_and_marks_them_over():
+    async def go(link, init):
+        run = _sent(link, init, ["sleep", "9"])
+        proc = _reported_started(init, run)
+        await _until(lambda: run.running)
+        over = run.abandon()
+        link.close("protocol: test")       # the channel broke while it may still run
+        assert await _reaped(proc) == -signal.SIGKILL      # killed through its pidfd
+        await asyncio.wait_for(over, 2)
+        assert link.closed
     _on_link(go)
 
 

@@ -1,0 +1,42 @@
+"""dsecd.Client.connect against sockets that are not a serving daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+
+from dsecd import Client
+
+
+def test_a_socket_nobody_serves_is_a_connection_error_after_the_timeout(tmp_path):
+    """Held open but never accepted (what a dead daemon's leftover process
+    holding its listening socket looks like): connect() gives up."""
+    path = str(tmp_path / "s.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(8)            # connections queue; nobody ever accepts or answers
+
+    async def go():
+        c = Client(path, connect_timeout=0.3)
+        t = time.monotonic()
+        with pytest.raises(ConnectionError) as e:
+            await c.connect()
+        return time.monotonic() - t, str(e.value)
+
+    try:
+        took, message = asyncio.run(go())
+    finally:
+        listener.close()
+    assert 0.3 <= took < 5 and "did not answer in 0.3 s" in message and path in message
+
+
+def test_no_socket_is_a_connection_error_at_once(tmp_path):
+    async def go():
+        with pytest.raises(ConnectionError) as e:
+            await Client(str(tmp_path / "none.sock")).connect()
+        return str(e.value)
+
+    assert "is the daemon running?" in asyncio.run(go())
