@@ -388,11 +388,11 @@ def spawn_container(spec: ContainerSpec) -> int:
     return pid
 
 
-def _raise_step(err, kind: str, objects: dict[str, str], default: str, root: str = "",
-                hint: str | None = None) -> NoReturn:
-    """Raise the NativeError of a filled struct dsec_err. The object named in
-    the message is objects[step] if given, else the recorded path (a relative
-    one is inside `root`, the merged rootfs), else `default`."""
+def _step_error(err, kind: str, objects: dict[str, str], default: str, root: str = "",
+                hint: str | None = None) -> NativeError:
+    """The NativeError of a filled struct dsec_err. The object named in the
+    message is objects[step] if given, else the recorded path (a relative one
+    is inside `root`, the merged rootfs), else `default`."""
     step = STEPS.get(err.step, f"step {err.step}")
     path = os.fsdecode(ffi.string(err.path)) or None
     if step in objects:
@@ -401,7 +401,14 @@ def _raise_step(err, kind: str, objects: dict[str, str], default: str, root: str
         obj = path if path.startswith("/") or not root else os.path.join(root, path)
     else:
         obj = default
-    _raise(err.err, _VERBS.get(step, step), obj, step, path, hint or hint_for(step, err.err, kind))
+    error = native_error(err.err, _VERBS.get(step, step), obj, step, path, hint or hint_for(step, err.err, kind))
+    error.__cause__ = OSError(err.err, os.strerror(err.err))
+    return error
+
+
+def _raise_step(err, kind: str, objects: dict[str, str], default: str, root: str = "",
+                hint: str | None = None) -> NoReturn:
+    raise _step_error(err, kind, objects, default, root, hint)
 
 
 # ---------------------------------------------------------------- exec
@@ -489,16 +496,17 @@ def spawn_exec(spec: ExecSpec) -> int:
 
 
 def _raise_exec(err, spec: ExecSpec) -> NoReturn:
-    _raise_exec_step(err, spec.argv[0], spec.env, f"uid {spec.uid} gid {spec.gid}", spec.cwd, f"pidfd {spec.pidfd}")
+    raise _exec_step_error(err, spec.argv[0], spec.env, f"uid {spec.uid} gid {spec.gid}", spec.cwd,
+                           f"pidfd {spec.pidfd}")
 
 
-def _raise_exec_step(err, argv0: str, env: list[str], ids: str, cwd: str, via: str) -> NoReturn:
+def _exec_step_error(err, argv0: str, env: list[str], ids: str, cwd: str, via: str) -> NativeError:
     hint = None
     if err.step == lib.DSEC_STEP_EXEC and err.err == errno.ENOENT and "/" not in argv0:
         search = next((v[5:] for v in env if v.startswith("PATH=")), DEFAULT_PATH)
         hint = f"not found in PATH={search} inside the sandbox"
     objects = {"setns": via, "ids": ids, "chdir": cwd, "init_request": "an exec"}
-    _raise_step(err, "exec", objects, argv0, hint=hint)
+    return _step_error(err, "exec", objects, argv0, hint=hint)
 
 
 def init_exec_error(raw_err: bytes, argv0: str, env: list[str], uid: int, cwd: str) -> NativeError:
@@ -509,10 +517,7 @@ def init_exec_error(raw_err: bytes, argv0: str, env: list[str], uid: int, cwd: s
         raise ValueError(f"an init answer's error is {len(raw_err)} bytes, not {ffi.sizeof(err[0])}")
     ffi.memmove(err, raw_err, len(raw_err))
     err.path[len(err.path) - 1] = b"\0"
-    try:
-        _raise_exec_step(err, argv0, env, f"uid {uid} gid {uid}", cwd, "the sandbox's init")
-    except NativeError as e:
-        return e
+    return _exec_step_error(err, argv0, env, f"uid {uid} gid {uid}", cwd, "the sandbox's init")
 
 
 INIT_CTL_FD: int = lib.DSEC_INIT_CTL_FD
