@@ -76,17 +76,17 @@ class Daemon:
                 raise RuntimeError(f"dsecd exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
             if os.path.exists(self.socket):
                 try:
-                    self.client().close()
+                    self.client(connect_timeout=5).close()     # a socket nobody serves must not hang the test
                     return
                 except (ConnectionError, OSError):
                     pass
             time.sleep(0.05)
         raise RuntimeError(f"dsecd did not start in {timeout}s:\n{self.log.read_text()[-3000:]}")
 
-    def client(self):
+    def client(self, connect_timeout: float = 30.0):
         from dsecd import SyncClient
 
-        c = SyncClient(self.socket)
+        c = SyncClient(self.socket, connect_timeout=connect_timeout)
         c.connect()
         return c
 
