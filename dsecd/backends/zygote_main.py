@@ -195,10 +195,6 @@ class Zygote:
             self.by_id.pop(w["id"], None)
             send(self.sock, {"op": "exit", "id": w["id"], "status": status,
                              "run_ms": (time.monotonic() - w["started"]) * 1000})
-            # As the worker does after its report: the daemon was woken on
-            # this CPU; let it answer the call before this loop reaps and
-            # cleans up (docs/burst.md round 7).
-            os.sched_yield()
 
     def on_worker(self, fd, w):
         if fd == w["link"].fileno():
