@@ -319,7 +319,7 @@ async def measure_exec_rate(sock: str, total: int, clients: int, prefix: str = "
 
     took, cpu = await run_batch(sock, clients, total, one, meter)
     log(f"{prefix}: {total} execs in {took:.2f} s, {total / took:.0f}/s; CPU ms per exec {cpu}")
-    await teardown(sock)
+    await teardown(sock)     # its figures unused; it also waits out the kernel's clean-up before the next run
     return {f"{prefix}_per_s": round(total / took, 1), f"{prefix}_host_ms": cpu["host"]}
 
 

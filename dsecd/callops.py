@@ -46,7 +46,8 @@ INLINE_MAX = 48 * 1024     # a call packet up to this size carries its code itse
 
 
 class CallOps:
-    """Needs from Node: cfg, layout, sb_defaults, limits, images, layers, cpu, loop, run_blocking."""
+    """Needs from Node: cfg, layout, sb_defaults, limits, images, layers, cpu, loop, run_blocking,
+    send_to_init, spawn_by_helper."""
 
     def init_calls(self, cfg) -> None:
         self.fn_cfg = cfg.section("fncall")
@@ -346,23 +347,13 @@ class CallOps:
         """The plain call's watch: sent to the call sandbox's init when its
         channel takes it (no thread, no entering the sandbox), else spawned
         by the daemon's helper (`release`: see spawn_handed_over)."""
-        try:
-            watch = self.fncall.start_plain_by_init(self.loop, box.handle, argv, envl, cwd, uid, io.child_fds())
-        except ValueError as err:     # strings execve cannot take, as the helper's checks
-            raise BadRequest(f"call: {err}") from err
+        watch = self.send_to_init(self.fncall.start_plain_by_init, box.handle, argv, envl, cwd, uid, io,
+                                  io.child_fds(), "call")
         if watch is not None:
-            io.close_child_ends()     # sent: init holds them now
             self.call_stats["plain_calls_by_init"] += 1
             return watch
-        try:
-            pid = await self.spawn_handed_over(io, release, self.fncall.spawn_plain, box.handle, argv, envl, cwd,
-                                               uid, io.child_fds())
-        except ValueError as err:
-            raise BadRequest(f"call: {err}") from err
-        except NativeError as err:
-            from .node import _exec_error
-
-            raise _exec_error(err, argv[0], cwd) from err
+        pid = await self.spawn_by_helper(io, release, self.fncall.spawn_plain, box.handle, argv, envl, cwd, uid,
+                                         io.child_fds(), "call")
         return ChildWatch(self.loop, pid)
 
     async def _plain_call(self, box: CallBox, argv: list[str], env: dict, stdin: bytes, timeout: float) -> dict:

@@ -769,22 +769,38 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         started shows in its `exited` (a failed start: _run_error)."""
         if sb.handle is None:
             return None
+        return self.send_to_init(self.backend.start_by_init, sb.handle, argv, env, cwd, user, io, stdio)
+
+    async def _spawn_exec(self, sb: Sandbox, argv: list[str], env: dict, cwd: str, user: int,
+                          fds: tuple[int, int, int], io) -> int:
+        return await self.spawn_by_helper(io, None, self.backend.spawn, sb.handle, argv, env, cwd, user, fds)
+
+    # The two ways a process starts in a sandbox (or a call sandbox: callops.py),
+    # with their argument and start errors as the protocol's.
+
+    def send_to_init(self, start_by_init, handle, argv: list[str], env: list[str], cwd: str, user: int, io,
+                     stdio: tuple[int, int, int], what: str = "exec") -> InitExec | None:
+        """start_by_init(loop, handle, argv, env, cwd, user, stdio) (a
+        backend's): its InitExec, or None when the channel cannot take it.
+        `io` owns the child ends in stdio, closed once sent."""
         try:
-            started = self.backend.start_by_init(self.loop, sb.handle, argv, env, cwd, user, stdio)
-        except ValueError as err:     # as the helper's argument checks (_spawn_exec)
-            raise BadRequest(f"exec: {err}") from err
+            started = start_by_init(self.loop, handle, argv, env, cwd, user, stdio)
+        except ValueError as err:     # as the helper's argument checks (spawn_by_helper)
+            raise BadRequest(f"{what}: {err}") from err
         if started is not None:
             io.close_child_ends()     # sent: init holds them now
         return started
 
-    async def _spawn_exec(self, sb: Sandbox, argv: list[str], env: dict, cwd: str, user: int,
-                          fds: tuple[int, int, int], io) -> int:
+    async def spawn_by_helper(self, io, after_abandoned, spawn, handle, argv: list[str], env: list[str], cwd: str,
+                              user: int, fds: tuple[int, int, int], what: str = "exec") -> int:
+        """spawn(handle, argv, env, cwd, user, fds) (a backend's) through
+        spawn_handed_over: the pid of the daemon's new child."""
         try:
-            return await self.spawn_handed_over(io, None, self.backend.spawn, sb.handle, argv, env, cwd, user, fds)
+            return await self.spawn_handed_over(io, after_abandoned, spawn, handle, argv, env, cwd, user, fds)
         except NativeError as err:
             raise _exec_error(err, argv[0], cwd) from err
         except ValueError as err:       # the native layer's argument checks (sizes, NULs)
-            raise BadRequest(f"exec: {err}") from err
+            raise BadRequest(f"{what}: {err}") from err
 
     async def spawn_handed_over(self, io, after_abandoned, spawn, *args) -> int:
         """spawn(*args) -> pid in a worker thread; `io` (ExecIO or Collector)
@@ -917,17 +933,15 @@ ETXTBSY_RETRY_S = (0.002, 0.01, 0.03, 0.1)
 
 
 def _exec_error(err: NativeError, prog: str, cwd: str) -> DsecError:
-    import errno as _e
-
-    if err.errno == _e.ENOENT and "exec" in (err.step or ""):
+    if err.errno == errno.ENOENT and "exec" in (err.step or ""):
         return NotFound(f"exec {prog!r}: no such file or command in the sandbox", {"argv0": prog})
-    if err.errno in (_e.ENOENT, _e.ENOTDIR) and "chdir" in (err.step or ""):
+    if err.errno in (errno.ENOENT, errno.ENOTDIR) and "chdir" in (err.step or ""):
         return NotFound(f"exec: working directory {cwd!r} does not exist in the sandbox", {"cwd": cwd})
-    if err.errno == _e.EACCES:
+    if err.errno == errno.EACCES:
         return DsecError(f"exec {prog!r}: permission denied", {"step": err.step}, code="permission")
-    if err.errno in (_e.ESRCH, _e.EINVAL) and "setns" in (err.step or ""):
+    if err.errno in (errno.ESRCH, errno.EINVAL) and "setns" in (err.step or ""):
         return Conflict("sandbox is exiting; cannot enter it", {"step": err.step})
-    return DsecError(f"exec {prog!r}: {err}", {"errno": _e.errorcode.get(err.errno or 0), "step": err.step},
+    return DsecError(f"exec {prog!r}: {err}", {"errno": errno.errorcode.get(err.errno or 0), "step": err.step},
                      code="io")
 
 

@@ -166,9 +166,7 @@ def test_a_plain_call_cancelled_during_its_spawn_frees_its_uid_only_after_the_ki
     async def go():
         loop = asyncio.get_running_loop()
         with ThreadPoolExecutor(2) as pool:
-            node = object.__new__(Node)
-            node.loop, node.pool, node.fncall = loop, pool, FnCall()
-            node.max_exec_output, node.limits, node.call_stats = 1 << 20, {"exec_drain_grace_s": 0.1}, {}
+            node = _call_node(loop, pool, FnCall())
             await _cancel_soon(asyncio.ensure_future(node._plain_call(box, ["x"], {}, b"", 5)))
             seen["uid_free_at_cancel"] = 7001 in box.free_uids
             await _until(lambda: 7001 in box.free_uids and seen["removed"])
@@ -215,10 +213,7 @@ def test_a_plain_call_cancelled_while_it_runs_frees_its_uid_only_once_reaped():
     async def go():
         loop = asyncio.get_running_loop()
         with ThreadPoolExecutor(2) as pool:
-            node = object.__new__(Node)
-            node.loop, node.pool, node.fncall = loop, pool, FnCall()
-            node.max_exec_output, node.limits, node.call_stats = 1 << 20, {"exec_drain_grace_s": 0.1}, {
-                "plain_calls": 0}
+            node = _call_node(loop, pool, FnCall())
             await _cancel_soon(asyncio.ensure_future(node._plain_call(box, ["x"], {}, b"", 30)), after=0.3)
             await _until(lambda: 7002 in box.free_uids and seen["removed"])
 
@@ -235,30 +230,12 @@ def test_a_plain_call_forked_by_init_and_cancelled_frees_its_uid_only_once_init_
     seen = {"removed": [], "over_at_uid_back": None}
     box = CallBox(id="box1", image="busybox", layers=[], handle=None, free_uids=[7003])
 
-    class Watch:                   # what InitExec gives a run
-        kill_grace = 10.0
-
-        def __init__(self, loop):
-            self.exited, self.over = loop.create_future(), loop.create_future()
-            self.killed = False
-
-        def kill(self):
-            self.killed = True
-
-        def abandon(self):
-            self.kill()
-            self.exited.cancel()
-            return self.over
-
-        def stop(self):
-            pass
-
     class FnCall:
         containers = _plain_call_fncall().containers
         make_private_dir = staticmethod(lambda h, name, uid: f"/tmp/{name}")
 
         def start_plain_by_init(self, loop, h, argv, env, cwd, uid, fds):
-            seen["watch"] = Watch(loop)
+            seen["watch"] = _FakeInitExec(loop)
             return seen["watch"]
 
         def spawn_plain(self, *args):
@@ -271,10 +248,7 @@ def test_a_plain_call_forked_by_init_and_cancelled_frees_its_uid_only_once_init_
     async def go():
         loop = asyncio.get_running_loop()
         with ThreadPoolExecutor(2) as pool:
-            node = object.__new__(Node)
-            node.loop, node.pool, node.fncall = loop, pool, FnCall()
-            node.max_exec_output, node.limits, node.call_stats = 1 << 20, {"exec_drain_grace_s": 0.1}, {
-                "plain_calls": 0, "plain_calls_by_init": 0}
+            node = _call_node(loop, pool, FnCall())
             await _cancel_soon(asyncio.ensure_future(node._plain_call(box, ["x"], {}, b"", 30)), after=0.1)
             await asyncio.sleep(0.2)
             seen["uid_free_before_end"] = 7003 in box.free_uids
@@ -299,27 +273,12 @@ def test_a_plain_call_whose_channel_broke_keeps_its_uid_and_retires_its_call_san
     seen = {"removed": []}
     box = CallBox(id="box1", image="busybox", layers=[], handle=None, free_uids=[7004])
 
-    class Watch:
-        kill_grace = 10.0
-
-        def __init__(self, loop):
-            self.exited, self.over = loop.create_future(), loop.create_future()
-
-        def kill(self):
-            pass
-
-        def abandon(self):
-            return self.over
-
-        def stop(self):
-            pass
-
     class FnCall:
         containers = _plain_call_fncall().containers
         make_private_dir = staticmethod(lambda h, name, uid: f"/tmp/{name}")
 
         def start_plain_by_init(self, loop, h, argv, env, cwd, uid, fds):
-            seen["watch"] = Watch(loop)
+            seen["watch"] = _FakeInitExec(loop)
             loop.call_later(0.05, seen["watch"].exited.set_exception,
                             OSError(errno.EPIPE, "lost the exec channel to the sandbox's init (test)"))
             return seen["watch"]
@@ -330,10 +289,8 @@ def test_a_plain_call_whose_channel_broke_keeps_its_uid_and_retires_its_call_san
     async def go():
         loop = asyncio.get_running_loop()
         with ThreadPoolExecutor(2) as pool:
-            node = object.__new__(Node)
-            node.loop, node.pool, node.fncall = loop, pool, FnCall()
-            node.max_exec_output, node.limits = 1 << 20, {"exec_drain_grace_s": 0.1}
-            node.call_stats = {"plain_calls": 0, "plain_calls_by_init": 0, "zygotes_replaced": 0}
+            node = _call_node(loop, pool, FnCall())
+            node.call_stats["zygotes_replaced"] = 0
             node.call_boxes = {"busybox": box}
             with pytest.raises(IOFailure) as e:
                 await node._plain_call(box, ["x"], {}, b"", 30)
@@ -345,6 +302,36 @@ def test_a_plain_call_whose_channel_broke_keeps_its_uid_and_retires_its_call_san
     assert "lost track" in seen["error"] and "retry" in seen["error"]
     assert box.free_uids == [] and seen["removed"] == []      # the uid stays taken
     assert seen["boxes"] == {}                                 # the call sandbox was retired
+
+
+class _FakeInitExec:
+    """What dsecd/initlink.py InitExec gives a run: exited, over, kill, abandon, stop."""
+
+    kill_grace = 10.0
+
+    def __init__(self, loop):
+        self.exited, self.over = loop.create_future(), loop.create_future()
+        self.killed = False
+
+    def kill(self):
+        self.killed = True
+
+    def abandon(self):
+        self.kill()
+        self.exited.cancel()
+        return self.over
+
+    def stop(self):
+        pass
+
+
+def _call_node(loop, pool, fncall) -> Node:
+    """A Node with what _plain_call uses, and nothing else."""
+    node = object.__new__(Node)
+    node.loop, node.pool, node.fncall = loop, pool, fncall
+    node.max_exec_output, node.limits = 1 << 20, {"exec_drain_grace_s": 0.1}
+    node.call_stats = {"plain_calls": 0, "plain_calls_by_init": 0}
+    return node
 
 
 def _plain_call_fncall():
