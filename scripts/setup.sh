@@ -48,6 +48,14 @@ flock 9
 say() { echo "setup: $*"; }
 warn() { echo "setup: $*" >&2; }
 
+# Any command that fails outside run() says where, instead of a silent exit.
+on_error() {
+    warn "FAILED (exit $1) at scripts/setup.sh line $2: $3"
+    warn "details may be in $LOG; fix the cause and run scripts/setup.sh again"
+}
+set -E
+trap 'on_error $? $LINENO "$BASH_COMMAND"' ERR
+
 # Run a command with its output in the log; on failure show the log's tail.
 run() {
     echo "+ $*" >>"$LOG"
@@ -66,20 +74,23 @@ require_root() {
     fi
 }
 
-# Names in PACKAGES that dpkg does not list as installed ("ii").
+# Names in PACKAGES that dpkg does not list as installed ("ii"). dpkg-query
+# exits 1 when it has never heard of a name, as on a fresh host: that is an
+# answer (the name is missing), not a failure.
 missing_packages() {
-    local installed
-    installed=$(dpkg-query -W -f='${Package} ${db:Status-Abbrev}\n' "${PACKAGES[@]}" 2>/dev/null |
+    local installed p
+    installed=$({ dpkg-query -W -f='${Package} ${db:Status-Abbrev}\n' "${PACKAGES[@]}" 2>/dev/null || true; } |
         awk '$2 == "ii" {print $1}')
-    local p
     for p in "${PACKAGES[@]}"; do
         grep -qxF -- "$p" <<<"$installed" || echo "$p"
     done
 }
 
 install_packages() {
-    local missing updated=
-    mapfile -t missing < <(missing_packages)
+    local missing=() list updated=
+    # Not `mapfile < <(...)`: a failure inside a process substitution is lost.
+    list=$(missing_packages)
+    [[ -z $list ]] || mapfile -t missing <<<"$list"
     if ((${#missing[@]})); then
         say "apt: updating the package lists"
         run apt-get update
@@ -108,9 +119,11 @@ link_kernel_headers() {
     # when /lib/modules has none: better than another version's.
     [[ -f /sys/kernel/kheaders.tar.xz ]] && return 0
     local build common
-    build=$(ls -d /usr/src/linux-headers-*-"$ARCH" 2>/dev/null | sort -V | tail -n 1)
+    build=$({ ls -d /usr/src/linux-headers-*-"$ARCH" 2>/dev/null || true; } | sort -V | tail -n 1)
     if [[ -z $build ]]; then
-        warn "no kernel headers in /usr/src (linux-headers-$ARCH missing?)"
+        warn "FAILED: no kernel headers for $KREL in /lib/modules/$KREL/build, and none in" \
+            "/usr/src/linux-headers-*-$ARCH to link there; bcc needs them to compile bpf/*.c." \
+            "Install them (apt-get install linux-headers-$ARCH) and run this again."
         exit 1
     fi
     common=${build%-"$ARCH"}-common
