@@ -3,7 +3,7 @@
 
 PY := .venv/bin/python
 
-.PHONY: setup build test lint demo bench bench-core bench-security rootfs fuzz stress
+.PHONY: setup build test lint demo fresh-host bench bench-core bench-security rootfs fuzz stress
 
 setup:
 	bash scripts/setup.sh
@@ -25,6 +25,11 @@ demo: setup
 
 rootfs:
 	bash scripts/mkrootfs.sh
+
+# Set-up, the CLI and the unit tests in a fresh Debian 12 root made by
+# debootstrap (scripts/fresh-host.sh): what a used machine cannot show.
+fresh-host:
+	bash scripts/fresh-host.sh
 
 # Benchmarks print progress on stderr and one JSON object as the last line of
 # stdout. `make bench-<area>` runs bench/<area>.py; `make bench` runs them all.
