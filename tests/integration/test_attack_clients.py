@@ -37,10 +37,14 @@ def connect(d) -> socket.socket:
 
 
 def recv(s) -> dict | None:
-    """One frame, or None if the daemon closed the connection."""
+    """One frame, or None if the daemon closed the connection. A close with
+    bytes of ours still unread in the daemon's buffer arrives as a reset."""
     buf = b""
     while len(buf) < 4:
-        chunk = s.recv(4 - len(buf))
+        try:
+            chunk = s.recv(4 - len(buf))
+        except ConnectionResetError:
+            return None
         if not chunk:
             return None
         buf += chunk
