@@ -81,7 +81,7 @@ def pool_name(image: str, cpu: float, memory: int) -> str:
 
 class CreateOps:
     """Needs from Node: cfg, limits, sb_defaults, sandboxes, live_count, loop, create_now, _limits_for, _journal,
-    net_cfg, cpu."""
+    net_cfg, cpu, check_cwd."""
 
     def init_admission(self, cfg) -> None:
         a = cfg.section("admission")
@@ -163,7 +163,7 @@ class CreateOps:
 
     async def _create_admitted(self, req) -> dict:
         limits = self._limits_for(req)        # a bad request fails before it queues
-        taken = self._take_from_pool(req, limits)
+        taken = await self._take_from_pool(req, limits)
         if taken is not None:
             return taken
         live = self.live_count()
@@ -194,7 +194,7 @@ class CreateOps:
             return None
         return self.pools.get(pool_name(req.image, limits.cpu, limits.memory_bytes))
 
-    def _take_from_pool(self, req, limits) -> dict | None:
+    async def _take_from_pool(self, req, limits) -> dict | None:
         pool = self._pool_match(req, limits)
         if pool is None:
             return None
@@ -206,6 +206,13 @@ class CreateOps:
         while pool.ready:
             sb = self.sandboxes.get(pool.ready.popleft())
             if sb is None or sb.state != "running" or sb.labels.get(POOL_LABEL) != pool.name:
+                continue
+            try:
+                await self.check_cwd(sb, req.cwd)
+            except BaseException:
+                pool.ready.appendleft(sb.id)          # still the pool's
+                raise
+            if sb.state != "running" or sb.id not in self.sandboxes:     # gone while we checked
                 continue
             # Out of the pool for good: the label goes, the caller's settings come.
             sb.labels, sb.env, sb.cwd, sb.user = dict(req.labels), dict(req.env), req.cwd, req.user

@@ -454,6 +454,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         pids = d["pids"] if req.pids is None else req.pids
         if not 8 <= pids <= 1 << 22:
             raise BadRequest(f"pids must be between 8 and 4194304, got {pids}")
+        self.cpu.check_possible(cpu, memory, req.qos)
         quota = d["cpu_hard_quota"] if req.cpu_quota is None else req.cpu_quota
         ratio = float(d["swap_per_memory"])
         return cgroup.Limits(cpu=float(cpu), memory_bytes=memory, pids=pids,
@@ -488,6 +489,21 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         if self.id_ranges and req.user >= self.id_ranges.size:
             raise BadRequest(f"user must be below sandbox.userns_size {self.id_ranges.size} (the ids a "
                              f"sandbox's user namespace maps), got {req.user}")
+
+    async def check_cwd(self, sb: Sandbox, cwd: str) -> None:
+        """A create's cwd must be a directory of the sandbox's image: else every exec in it fails."""
+        if cwd == "/":
+            return
+        try:
+            found = await self.run_blocking(userns.file_op, userns.IdMap.from_record(sb.idmap),
+                                            sbfiles.is_directory, sb.handle.rootfd, cwd)
+        except sbfiles.PathError as err:
+            raise BadRequest(f"cwd: {err}", {"cwd": cwd}) from err
+        except OSError as err:
+            raise io_error("check the cwd of", f"{sb.id}:{cwd}", err) from err
+        if not found:
+            raise BadRequest(f"cwd {cwd!r} is not a directory in image {sb.image!r}: give one that "
+                             "exists, or create without --cwd and make it with an exec", {"cwd": cwd})
 
     async def create_now(self, req, ctx) -> dict:
         """The create itself; op_create (dsecd/createops.py) does keys, pools and the queue first."""
@@ -552,9 +568,14 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
                                 "step": getattr(err, "step", None)}, code="io") from err
             raise
         try:
+            try:
+                await self.check_cwd(sb, sb.cwd)
+            except BaseException:
+                self.release_netns(ready)         # attach_net would have consumed it
+                raise
             await self.attach_net(sb, net_mode, req.allow, ready)
         except BaseException:
-            # No sandbox without its network policy: undo the container.
+            # No sandbox whose execs could not start, nor without its network policy: undo the container.
             self.sandboxes.pop(sb_id, None)
             await self.run_blocking(self.backend.destroy, sb_id, sb.handle)
             self._release_ids(sb)

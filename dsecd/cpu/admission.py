@@ -66,6 +66,23 @@ def refusal(cap: Capacity, req: Requested, cpu: float, memory: int, ls: bool = F
     return None
 
 
+def never_fits(cap: Capacity, cpu: float, memory: int, ls: bool = False) -> dict | None:
+    """None if a sandbox asking for (cpu, memory) could run on this host, else
+    the figures of the first dimension in which it could not even on an empty
+    host: more CPU than the host has cores (or admits), more memory than it
+    has (or admits), or an LS request past `ls_max_load` of the cores. Such a
+    create is a bad request, not `busy`: no retry here can succeed."""
+    cpu_max = cap.cpus if cap.cpu is None else min(cap.cpus, cap.cpu)
+    if ls and cap.ls_max_load > 0:
+        cpu_max = min(cpu_max, cap.cpus * cap.ls_max_load)
+    if cpu > cpu_max + 1e-9:
+        return {"resource": "cpu", "asking": cpu, "max": round(cpu_max, 3), "cpus": cap.cpus}
+    mem_max = cap.mem_total if cap.memory is None else min(cap.mem_total, cap.memory)
+    if memory > mem_max:
+        return {"resource": "memory", "asking": memory, "max": mem_max, "mem_total": cap.mem_total}
+    return None
+
+
 def state(cap: Capacity, req: Requested, probe_cpu: float, probe_memory: int) -> dict:
     """The admission figures for `dsec info`: "open" while a sandbox of the
     default size still fits, else "full" and which resource is exhausted."""

@@ -125,6 +125,15 @@ def _stat_dict(st: os.stat_result) -> dict:
             "uid": st.st_uid, "gid": st.st_gid, "mtime": st.st_mtime}
 
 
+def is_directory(rootfd: int, path: str) -> bool:
+    """Whether `path` (symlinks followed inside the root) is a directory."""
+    try:
+        os.close(_open(rootfd, check_path(path), os.O_PATH | os.O_DIRECTORY))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return True
+
+
 def stat_path(rootfd: int, path: str) -> dict:
     """lstat semantics: a symlink is reported as a symlink, not followed."""
     path = check_path(path)

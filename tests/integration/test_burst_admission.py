@@ -113,14 +113,18 @@ def test_warm_pool_hands_out_each_sandbox_once(daemon):
         # A create that matches the pool is checked before one is taken as a fresh one is (default userns_size 65536).
         with pytest.raises(BadRequest, match="userns_size"):
             c.create("busybox", cpu=0.5, memory="96M", user=1 << 20)
-        taken = [c.create("busybox", cpu=0.5, memory="96M", labels={"job": "j"}, env={"A": "1"})
+        # So is its cwd, against the image; the sandbox stays in the pool.
+        with pytest.raises(BadRequest, match="not a directory in image"):
+            c.create("busybox", cpu=0.5, memory="96M", cwd="/nonexist")
+        assert {s["id"] for s in c.list({"dsec.pool": name})} == pool_ids
+        taken = [c.create("busybox", cpu=0.5, memory="96M", labels={"job": "j"}, env={"A": "1"}, cwd="/work")
                  for _ in range(3)]
         assert all(t.info.get("pool") == name for t in taken)
         assert len({t.id for t in taken}) == 3 and {t.id for t in taken} <= pool_ids
         for t in taken:
             assert t.info["labels"] == {"job": "j"}
-            r = t.exec(["sh", "-c", "echo $A"])
-            assert r.stdout == b"1\n"
+            r = t.exec(["sh", "-c", "echo $A; pwd"])
+            assert r.stdout == b"1\n/work\n"
         # Another shape is not served by the pool.
         other = c.create("busybox", cpu=0.5, memory="64M")
         assert "pool" not in other.info

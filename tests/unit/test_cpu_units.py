@@ -44,6 +44,21 @@ def test_refusal_names_the_full_resource_with_figures():
     assert admission.refusal(_cap(cpu_ratio=0, mem_ratio=0), req, 1000, 100 * GiB) is None
 
 
+def test_a_sandbox_larger_than_the_host_never_fits():
+    cap = _cap()                                 # 2 cores, 4 GiB; admits 16 CPUs and 8 GiB of requests
+    assert admission.never_fits(cap, 2.0, 4 * GiB) is None        # the whole host: possible
+    why = admission.never_fits(cap, 2.5, GiB)
+    assert why == {"resource": "cpu", "asking": 2.5, "max": 2, "cpus": 2}
+    why = admission.never_fits(cap, 1.0, 4 * GiB + 1)
+    assert why["resource"] == "memory" and why["max"] == 4 * GiB
+    # Capacity below the host (ratio < 1) is the bound; so is ls_max_load for LS.
+    assert admission.never_fits(_cap(cpu_ratio=0.25), 0.6, GiB)["max"] == 0.5
+    assert admission.never_fits(_cap(ls=0.75), 1.6, GiB, ls=True)["max"] == 1.5
+    assert admission.never_fits(_cap(ls=0.75), 1.6, GiB) is None
+    # Unchecked capacity still cannot give more than the host has.
+    assert admission.never_fits(_cap(cpu_ratio=0, mem_ratio=0), 1000, GiB)["resource"] == "cpu"
+
+
 def test_ls_admission_uses_measured_ls_load_not_requests():
     cap = _cap(ls=0.75)                                              # 1.5 cores for LS
     req = admission.Requested()
