@@ -309,9 +309,11 @@ class Client:
 
         return asyncio.get_running_loop().create_task(renew_forever())
 
-    async def events(self, sandbox: str | None = None, replay: bool = False) -> AsyncIterator[dict]:
-        """State changes (created, paused, resumed, expired, oom, died, destroyed), as they happen."""
-        async for frame in self.frames("events", sandbox=sandbox, replay=replay):
+    async def events(self, sandbox: str | None = None, replay: bool = False,
+                     follow: bool = True) -> AsyncIterator[dict]:
+        """State changes (created, paused, resumed, expired, oom, died, destroyed), as they happen;
+        with replay, the recent history first; with follow=False, only that history."""
+        async for frame in self.frames("events", sandbox=sandbox, replay=replay, follow=follow):
             if "__result__" in frame:
                 return
             yield frame

@@ -81,7 +81,7 @@ def parse_duration(value, what: str) -> float | None:
         except (ValueError, KeyError):
             raise BadRequest(f"{what} must be seconds or a duration like 90s, 5m, 2h; got {value!r}") from None
     if not 0 < seconds <= 365 * 86400:
-        raise BadRequest(f"{what} must be between 0 and 365 days, got {value!r}")
+        raise BadRequest(f"{what} must be more than 0 s and at most 365 days, got {value!r}")
     return seconds
 
 
@@ -490,9 +490,15 @@ class MemOps:
 
     async def op_events(self, req, ctx) -> dict:
         """Stream state changes until the client cancels or disconnects."""
+        def wanted(ev: dict) -> bool:          # one filter for the replay and the live stream
+            return not req.sandbox or ev["sandbox"] == req.sandbox
+
         sub = Subscriber(self.events)
         for ev in list(self.events.recent) if req.replay else []:
-            await ctx.emit(ev)
+            if wanted(ev):
+                await ctx.emit(ev)
+        if not req.follow:
+            return {}
         self.events.subscribers.add(sub)
         try:
             while True:
@@ -503,7 +509,7 @@ class MemOps:
                     if sub.lost:
                         ev = {**ev, "lost_before": sub.lost}
                         sub.lost = 0
-                    if not req.sandbox or ev["sandbox"] == req.sandbox:
+                    if wanted(ev):
                         await ctx.emit(ev)
         finally:
             self.events.subscribers.discard(sub)

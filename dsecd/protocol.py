@@ -287,6 +287,7 @@ class Renew:
 class Events:
     sandbox: str | None = None   # only this sandbox's events
     replay: bool = False         # first the recent history the daemon keeps
+    follow: bool = True          # then live events; False: end after the replay
 
 
 @request("net_show", states=ACTIVE)
