@@ -2,9 +2,15 @@
 
 It talks to the local daemon socket, so `ssh host dsec ps` works on any host,
 and `dsec rpc --stdio` bridges the raw protocol over stdin/stdout for fleet
-tools. Every listing command takes --json. Exit status: the command's own for
-`exec`; 124 when an exec timed out; 128+N when it died of signal N; 125 when
-dsec itself failed (daemon error, bad input); 1 for a failed non-exec command.
+tools. Every command takes --json, before or after its name. Options of
+`exec`, `trace` and `call` go before or after the sandbox id; the command to
+run follows `--` (or starts at the first word that is not an option).
+
+Exit status: the command's own for `exec`, `trace` and `call`; 124 when it
+timed out; 128+N when it died of signal N; 125 when dsec itself failed for
+them (daemon error, bad input, usage). Other commands: 1 when the daemon
+refused or failed, 2 on a usage error. A closed stdout (`dsec ps | head -1`)
+ends dsec quietly with 141, as SIGPIPE would.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import select
 import socket
 import sys
 import threading
@@ -23,6 +30,16 @@ from .errors import DsecError
 
 EXIT_DSEC_ERROR = 125
 EXIT_TIMEOUT = 124
+EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 128 + 13      # what a shell reports for a process SIGPIPE killed
+
+# Commands that run a command line: their failures and usage errors exit 125,
+# so a caller can tell dsec's own failure from the command's status.
+RUNS_A_COMMAND = ("exec", "trace", "call")
+
+
+class UsageError(Exception):
+    """The command line itself is wrong (exit 2, or 125 for RUNS_A_COMMAND)."""
 
 
 def _kv(items: list[str] | None, what: str) -> dict[str, str]:
@@ -30,7 +47,7 @@ def _kv(items: list[str] | None, what: str) -> dict[str, str]:
     for item in items or []:
         k, sep, v = item.partition("=")
         if not sep or not k:
-            raise SystemExit(f"dsec: {what} must look like KEY=VALUE, got {item!r}")
+            raise UsageError(f"dsec: {what} must look like KEY=VALUE, got {item!r}")
         out[k] = v
     return out
 
@@ -218,7 +235,7 @@ async def cmd_image(c: Client, a) -> int:
         _table([[i["name"], str(i["layers"]), _human_bytes(i["bytes"])] for i in r["images"]],
                ["IMAGE", "LAYERS", "SIZE"])
         return 0
-    raise SystemExit("dsec image: give a subcommand: build, import, ls, inspect, rm, gc, du")
+    raise UsageError("dsec image: give a subcommand: build, import, ls, inspect, rm, gc, du")
 
 
 def _pause_summary(r: dict) -> str:
@@ -257,7 +274,7 @@ async def cmd_job(c: Client, a) -> int:
 
 
 async def cmd_events(c: Client, a) -> int:
-    async for ev in c.events(a.sandbox, a.replay):
+    async for ev in c.events(a.sandbox, a.replay, a.follow):
         if a.json:
             print(json.dumps(ev, sort_keys=True), flush=True)
         else:
@@ -271,7 +288,7 @@ async def cmd_net(c: Client, a) -> int:
     sb = await c.get(a.sandbox)
     if a.net_cmd == "set":
         if a.replace and (a.add or a.remove):
-            raise SystemExit("dsec net set: --replace takes --allow rules; don't mix it with --add/--remove")
+            raise UsageError("dsec net set: --replace takes --allow rules; don't mix it with --add/--remove")
         if a.replace:
             view = await sb.net_set(replace=a.allow or [])
         else:
@@ -352,8 +369,6 @@ async def cmd_call(c: Client, a) -> int:
     if a.code_file:
         with open(a.code_file) as f:
             code = f.read()
-    elif not a.argv:
-        raise SystemExit("dsec call: give a command after --, or --code-file FILE")
     stdin = None
     if a.stdin:
         with open(a.stdin, "rb") as f:
@@ -382,8 +397,6 @@ def _exit_status(r, timeout_msg: str) -> int:
 
 
 async def cmd_exec(c: Client, a) -> int:
-    if not a.argv:
-        raise SystemExit(f"dsec {a.cmd}: give a command after the sandbox id, e.g. dsec {a.cmd} SB -- ls /")
     sb = await c.get(a.sandbox)
     tracing = a.cmd == "trace"
     stream = sb.exec_stream(a.argv, timeout=a.timeout, env=_kv(a.env, "--env"), cwd=a.cwd, user=a.user,
@@ -430,11 +443,17 @@ def _split_remote(spec: str) -> tuple[str | None, str]:
     return None, spec
 
 
-async def cmd_cp(c: Client, a) -> int:
+def _cp_sides(a) -> tuple[str | None, str, str | None, str]:
+    """(source sandbox, source path, destination sandbox, destination path): one side is a sandbox's."""
     src_sb, src = _split_remote(a.src)
     dst_sb, dst = _split_remote(a.dst)
     if (src_sb is None) == (dst_sb is None):
-        raise SystemExit("dsec cp: exactly one side must be SANDBOX:/absolute/path")
+        raise UsageError("dsec cp: exactly one side must be SANDBOX:/absolute/path")
+    return src_sb, src, dst_sb, dst
+
+
+async def cmd_cp(c: Client, a) -> int:
+    src_sb, src, dst_sb, dst = _cp_sides(a)
     if src_sb is None:
         if src == "-":
             data = sys.stdin.buffer.read()
@@ -485,7 +504,7 @@ async def cmd_inspect(c: Client, a) -> int:
 async def cmd_rm(c: Client, a) -> int:
     if a.all:
         if a.sandboxes:
-            raise SystemExit("dsec rm: give sandbox ids or --all, not both")
+            raise UsageError("dsec rm: give sandbox ids or --all, not both")
         r = await c.destroy_all(force=a.force, labels=_kv(a.label, "--label"))
         if a.json:
             _print_json(r)
@@ -495,7 +514,7 @@ async def cmd_rm(c: Client, a) -> int:
                 print(f"dsec: rm {sb_id}: {err}", file=sys.stderr)
         return 1 if r["failed"] else 0
     if not a.sandboxes:
-        raise SystemExit("dsec rm: give sandbox ids, or --all")
+        raise UsageError("dsec rm: give sandbox ids, or --all")
     status = 0
     for sb_id in a.sandboxes:
         try:
@@ -511,12 +530,12 @@ async def cmd_rm(c: Client, a) -> int:
 def cmd_rpc(a) -> int:
     """Bridge stdin/stdout to the daemon socket byte for byte (frames pass through)."""
     if not a.stdio:
-        raise SystemExit("dsec rpc: only --stdio is supported")
+        raise UsageError("dsec rpc: only --stdio is supported")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(a.socket)
     except OSError as err:
-        raise SystemExit(f"dsec rpc: connect {a.socket}: {err.strerror}") from err
+        raise ConnectionError(f"rpc: cannot connect to dsecd at {a.socket}: {err.strerror}") from err
 
     def upstream() -> None:
         fd = sys.stdin.fileno()
@@ -535,6 +554,58 @@ def cmd_rpc(a) -> int:
 
 # ---------------------------------------------------------------- parser
 
+class _Parser(argparse.ArgumentParser):
+    """dsec's parsers: every command and subcommand takes --json, so it may
+    stand before or after the command's name."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # SUPPRESS: a subcommand's parser leaves a --json given before it alone.
+        self.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                          help="machine-readable output")
+
+
+# The options of the commands in RUNS_A_COMMAND that take a value. Splitting
+# `dsec exec SB --timeout 2 sleep 10` into dsec's words and the command must
+# know that "2" belongs to --timeout (tests/unit/test_cli_args.py checks this
+# list against the parser).
+VALUED_OPTIONS = frozenset({"--timeout", "--env", "--cwd", "--user", "--output", "-o",
+                            "--image", "--code-file", "--stdin"})
+
+
+def split_command(words: list[str], positionals: int) -> tuple[list[str], list[str]]:
+    """(dsec's words, the command) of a RUNS_A_COMMAND command's arguments.
+    The command follows `--`, or else starts at the first word past
+    `positionals` positional words (the sandbox id) that is neither an option
+    nor an option's value; options may come before and after the sandbox id."""
+    seen = i = 0
+    while i < len(words):
+        word = words[i]
+        if word == "--":
+            return words[:i], words[i + 1:]
+        if word.startswith("-") and word != "-":
+            i += 2 if word in VALUED_OPTIONS else 1      # "--timeout=2" is one word
+            continue
+        if seen == positionals:
+            return words[:i], words[i:]
+        seen += 1
+        i += 1
+    return words, []
+
+
+def find_verb(argv: list[str]) -> int | None:
+    """Where the command's name stands in dsec's argv, past the global options."""
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--socket":
+            i += 2
+        elif argv[i].startswith("-"):
+            i += 1
+        else:
+            return i
+    return None
+
+
 def _exec_options(ex: argparse.ArgumentParser, verb: str) -> None:
     ex.add_argument("-i", "--interactive", action="store_true", help="pass stdin to the command")
     ex.add_argument("--timeout", type=float, help="seconds; the process group is killed after it")
@@ -544,17 +615,15 @@ def _exec_options(ex: argparse.ArgumentParser, verb: str) -> None:
     if verb == "trace":
         ex.add_argument("--output", "-o", metavar="FILE", help="write the record here (default: stderr)")
     ex.add_argument("sandbox")
-    ex.add_argument("argv", nargs=argparse.REMAINDER)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dsec", description="Drive the local dsecd daemon.")
+    p = _Parser(prog="dsec", description="Drive the local dsecd daemon.")
     p.add_argument("--socket", default=default_socket(), help="daemon socket (env DSEC_SOCKET)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(json=False)
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    inf = sub.add_parser("info", help="version, kernel features, limits, paths, CPU capacity")
-    inf.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
+    sub.add_parser("info", help="version, kernel features, limits, paths, CPU capacity")
 
     img = sub.add_parser("image", help="manage images").add_subparsers(dest="image_cmd", required=True)
     for verb, text in (("build", "build an image from a directory or a docker-save/OCI tarball"),
@@ -609,17 +678,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     for verb, text in (("exec", "run a command in a sandbox"),
                        ("trace", "run a command under ptrace and record its execve, opens, connects, signals")):
-        ex = sub.add_parser(verb, help=text)
+        ex = sub.add_parser(verb, help=text, usage=f"dsec {verb} [options] SANDBOX [--] COMMAND [ARG...]")
         _exec_options(ex, verb)
 
-
-    call = sub.add_parser("call", help="stateless function call (FnCall): dsec call --image IMG -- CMD...")
+    call = sub.add_parser("call", help="stateless function call (FnCall): dsec call --image IMG -- CMD...",
+                          usage="dsec call [options] --image IMAGE [--] COMMAND [ARG...] "
+                                "(with --code-file: the code's sys.argv[1:])")
     call.add_argument("--image", required=True)
     call.add_argument("--code-file", help="Python source to run through the image's zygote")
     call.add_argument("--stdin", metavar="FILE", help="file fed to the call's stdin")
     call.add_argument("--timeout", type=float, help="seconds; the call's process group is killed after it")
     call.add_argument("--env", action="append", metavar="K=V")
-    call.add_argument("argv", nargs=argparse.REMAINDER, help="command (or, with --code-file, sys.argv[1:])")
 
     cp = sub.add_parser("cp", help="copy a file: LOCAL SB:/path or SB:/path LOCAL ('-' = stdin/stdout)")
     cp.add_argument("src")
@@ -650,6 +719,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("events", help="stream state changes (one per line with --json)")
     ev.add_argument("--sandbox")
     ev.add_argument("--replay", action="store_true", help="first the recent history")
+    ev.add_argument("--no-follow", dest="follow", action="store_false",
+                    help="end after the replayed history instead of following live events")
 
     snap = sub.add_parser("snapshot", help="pack a sandbox's changes as a new image (pack_diff)")
     snap.add_argument("sandbox")
@@ -661,8 +732,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     top = sub.add_parser("top", help="sampled CPU, throttling and memory per sandbox; host totals")
     top.add_argument("--label", action="append", metavar="K=V")
-    # `dsec top --json` as well as `dsec --json top`; SUPPRESS keeps the global flag.
-    top.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
 
     ins = sub.add_parser("inspect", help="one sandbox as JSON")
     ins.add_argument("sandbox")
@@ -688,28 +757,87 @@ async def _run(a) -> int:
         return await COMMANDS[a.cmd](c, a)
 
 
-def main(argv: list[str] | None = None) -> None:
-    a = build_parser().parse_args(argv)
-    if a.cmd in ("exec", "call") and a.argv and a.argv[0] == "--":
-        a.argv = a.argv[1:]
-    if a.cmd == "rpc":
-        sys.exit(cmd_rpc(a))
-    fail = EXIT_DSEC_ERROR if a.cmd in ("exec", "call") else 1
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """dsec's arguments; the command of RUNS_A_COMMAND lands in `argv`. A usage
+    error exits 2, or 125 for RUNS_A_COMMAND (argparse's SystemExit)."""
+    at = find_verb(argv)
+    verb = argv[at] if at is not None else None
+    command: list[str] = []
+    if verb in RUNS_A_COMMAND:
+        head, command = split_command(argv[at + 1:], positionals=0 if verb == "call" else 1)
+        argv = [*argv[:at + 1], *head]
     try:
-        sys.exit(asyncio.run(_run(a)))
+        a = build_parser().parse_args(argv)
+    except SystemExit as exit_:
+        if exit_.code == EXIT_USAGE and verb in RUNS_A_COMMAND:
+            raise SystemExit(EXIT_DSEC_ERROR) from None
+        raise
+    a.argv = command
+    return a
+
+
+def check_usage(a: argparse.Namespace) -> None:
+    """What argparse cannot say, checked before the daemon is asked anything."""
+    if a.cmd in ("exec", "trace") and not a.argv:
+        raise UsageError(f"dsec {a.cmd}: give a command after the sandbox id, e.g. dsec {a.cmd} SB -- ls /")
+    if a.cmd == "call" and not a.argv and not a.code_file:
+        raise UsageError("dsec call: give a command after --, or --code-file FILE")
+    for option in ("env", "label"):
+        _kv(getattr(a, option, None), f"--{option}")
+    if a.cmd == "cp":
+        _cp_sides(a)
+
+
+def _stdout_closed() -> bool:
+    """Whether nobody reads our stdout any more (a pipe's write end polls POLLERR then)."""
+    poll = select.poll()
+    poll.register(sys.stdout.fileno(), select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush of a closed
+    pipe raises nothing at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _oserror_text(err: OSError) -> str:
+    where = f": {err.filename}" if err.filename else ""
+    return f"{err.strerror or err}{where}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(sys.argv[1:] if argv is None else list(argv))
+    fail = EXIT_DSEC_ERROR if a.cmd in RUNS_A_COMMAND else 1
+    try:
+        check_usage(a)
+        status = cmd_rpc(a) if a.cmd == "rpc" else asyncio.run(_run(a))
+        sys.stdout.flush()       # a closed pipe shows here, not at the interpreter's exit
+    except BrokenPipeError as err:
+        if not _stdout_closed():         # the daemon's socket broke, not our reader
+            print(f"dsec: connection to dsecd lost: {err.strerror}", file=sys.stderr)
+            sys.exit(fail)
+        _silence_stdout()
+        status = EXIT_BROKEN_PIPE
+    except UsageError as err:
+        print(err, file=sys.stderr)
+        status = EXIT_DSEC_ERROR if a.cmd in RUNS_A_COMMAND else EXIT_USAGE
     except DsecError as err:
         if a.json:
             _print_json({"error": err.to_wire()})
         print(f"dsec {a.cmd}: {err.code}: {err.message}", file=sys.stderr)
-        sys.exit(fail)
+        status = fail
     except ConnectionError as err:
         print(f"dsec: {err}", file=sys.stderr)
-        sys.exit(fail)
+        status = fail
     except OSError as err:
-        print(f"dsec {a.cmd}: {err.strerror or err}: {err.filename or ''}", file=sys.stderr)
-        sys.exit(fail)
+        print(f"dsec {a.cmd}: {_oserror_text(err)}", file=sys.stderr)
+        status = fail
     except KeyboardInterrupt:
-        sys.exit(130)
+        status = 130
+    sys.exit(status)
 
 
 if __name__ == "__main__":

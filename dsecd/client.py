@@ -16,6 +16,7 @@ the daemon are raised as dsecd.errors.DsecError subclasses.
 from __future__ import annotations
 
 import asyncio
+import grp
 import itertools
 import os
 from collections.abc import AsyncIterator, Callable
@@ -30,6 +31,25 @@ DEFAULT_CHUNK = 4 << 20
 
 def default_socket() -> str:
     return os.environ.get("DSEC_SOCKET") or DEFAULT_SOCKET
+
+
+def _who_may_connect(path: str) -> str:
+    """What a refused user needs, from the socket's group (the daemon sets its
+    mode 0660, group `daemon.socket_group`, and checks SO_PEERCRED the same way)."""
+    try:
+        gid = os.stat(path).st_gid
+    except OSError:
+        return (f"this user may not enter {os.path.dirname(path) or '.'}, where the socket is: "
+                "run dsec as root")
+    if gid == 0:
+        return ("the daemon's socket admits root only: run dsec as root, or set daemon.socket_group "
+                "in the daemon's config and join that group")
+    try:
+        group = grp.getgrgid(gid).gr_name
+    except KeyError:
+        group = str(gid)
+    return (f"the daemon's socket admits root and members of group {group!r} "
+            f"(daemon.socket_group): run dsec as root, or `usermod -aG {group} USER` and log in again")
 
 
 def _given(args: dict, /, **optional) -> dict:
@@ -112,6 +132,9 @@ class Client:
         except (FileNotFoundError, ConnectionRefusedError) as err:
             raise ConnectionError(f"cannot connect to dsecd at {self.socket_path}: {err.strerror}; "
                                   "is the daemon running? (set DSEC_SOCKET or --socket)") from err
+        except PermissionError as err:
+            raise ConnectionError(f"cannot connect to dsecd at {self.socket_path}: permission denied; "
+                                  f"{_who_may_connect(self.socket_path)}") from err
         self._reader_task = asyncio.get_running_loop().create_task(self._read_loop(reader))
         try:
             self.server = await asyncio.wait_for(

@@ -172,7 +172,9 @@ def canonical_term(text: str, sets: dict[str, tuple[Rule, ...]]) -> str:
     if _NAME.match(t):
         if t not in sets:
             known = ", ".join(sorted(sets)) or "none configured"
-            raise BadRequest(f"unknown rule set {t!r} (known: {known})", {"rule": t})
+            raise BadRequest(f"unknown rule set {t!r} (known: {known}); give a rule such as "
+                             f"10.1.2.0/24:443/tcp, or define the set in the daemon's config under "
+                             f'[net.rule_sets], e.g. {t} = ["10.1.2.0/24:443/tcp"]', {"rule": t, "known": sorted(sets)})
         return t
     return str(parse_rule(t))
 

@@ -133,3 +133,77 @@ def test_non_root_peer_is_refused(daemon):
     finally:
         os.chmod(daemon.socket, 0o660)
         os.chmod(daemon.tmp, 0o700)
+
+
+def test_options_after_the_sandbox_id(daemon, tmp_path):
+    sb = daemon.cli("create", "--image", "busybox").stdout.decode().strip()
+    try:
+        r = daemon.cli("exec", sb, "--timeout", "1", "--", "sleep", "10")
+        assert r.returncode == 124 and b"timed out" in r.stderr
+        r = daemon.cli("exec", sb, "-i", "--user", "5", "--", "sh", "-c", "id -u; cat", input=b"in\n")
+        assert (r.returncode, r.stdout) == (0, b"5\nin\n"), r.stderr
+        r = daemon.cli("exec", sb, "--env", "A=b", "sh", "-c", "echo $A")       # no `--`: the first word
+        assert (r.returncode, r.stdout) == (0, b"b\n"), r.stderr
+        out = tmp_path / "trace.txt"
+        r = daemon.cli("trace", sb, "-o", str(out), "--", "true")
+        assert r.returncode == 0 and out.stat().st_size > 0, r.stderr
+        r = daemon.cli("exec", sb)
+        assert r.returncode == 125 and b"give a command" in r.stderr
+    finally:
+        daemon.cli("rm", "--force", sb)
+
+
+def test_json_after_the_command(daemon):
+    sb = daemon.cli("create", "--image", "busybox").stdout.decode().strip()
+    try:
+        assert any(s["id"] == sb for s in json.loads(daemon.cli("ps", "--json").stdout))
+        assert any(i["name"] == "busybox" for i in json.loads(daemon.cli("image", "ls", "--json").stdout))
+        assert json.loads(daemon.cli("image", "inspect", "busybox", "--json").stdout)["name"] == "busybox"
+        r = daemon.cli("events", "--replay", "--no-follow", "--json")
+        events = [json.loads(line) for line in r.stdout.splitlines()]
+        assert r.returncode == 0 and any(e["event"] == "created" and e["sandbox"] == sb for e in events)
+    finally:
+        daemon.cli("rm", sb)
+
+
+def test_replayed_events_are_filtered_like_live_ones(daemon):
+    sb = daemon.cli("create", "--image", "busybox").stdout.decode().strip()
+    daemon.cli("rm", sb)
+    r = daemon.cli("events", "--replay", "--no-follow", "--sandbox", "nosuch")
+    assert (r.returncode, r.stdout) == (0, b"")
+    r = daemon.cli("events", "--replay", "--no-follow", "--json", "--sandbox", sb)
+    events = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [e["event"] for e in events] == ["created", "destroyed"] and {e["sandbox"] for e in events} == {sb}
+
+
+def test_a_closed_stdout_ends_quietly(daemon):
+    import os
+
+    for _ in range(3):
+        daemon.cli("create", "--image", "busybox")
+    r_fd, w_fd = os.pipe()
+    os.close(r_fd)                    # nobody reads: the first write fails with EPIPE
+    try:
+        p = subprocess.run([str(Path(sys.executable).parent / "dsec"), "--socket", daemon.socket, "ps"],
+                           stdout=w_fd, stderr=subprocess.PIPE, timeout=30)
+    finally:
+        os.close(w_fd)
+        daemon.cli("rm", "--all")
+    assert (p.returncode, p.stderr) == (141, b"")
+
+
+def test_impossible_creates_are_bad_requests_not_busy(daemon):
+    before = json.loads(daemon.cli("ps", "--json").stdout)
+    for args, words in ((["--cpu", "1000"], b"more than this host can ever give"),
+                        (["--memory", "100T"], b"more than this host can ever give"),
+                        (["--cwd", "/nonexist"], b"'/nonexist' is not a directory in image 'busybox'"),
+                        (["--cwd", "/etc/passwd"], b"is not a directory"),
+                        (["--ttl", "0"], b"more than 0 s")):
+        r = daemon.cli("create", "--image", "busybox", *args)
+        assert r.returncode == 1 and b"bad_request" in r.stderr and words in r.stderr, (args, r.stderr)
+    assert json.loads(daemon.cli("ps", "--json").stdout) == before          # nothing left behind
+    sb = daemon.cli("create", "--image", "busybox", "--cwd", "/work").stdout.decode().strip()
+    try:
+        assert daemon.cli("exec", sb, "--", "pwd").stdout == b"/work\n"
+    finally:
+        daemon.cli("rm", sb)

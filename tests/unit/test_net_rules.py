@@ -63,8 +63,13 @@ def test_rule_sets_from_config():
 
 
 def test_unknown_set_name():
-    with pytest.raises(BadRequest, match=r"unknown rule set 'npm' \(known: dns, pypi\)"):
+    with pytest.raises(BadRequest, match=r"unknown rule set 'npm' \(known: dns, pypi\)") as info:
         R.canonical_term("npm", SETS)
+    # It says how to give a rule instead, and where a set is defined.
+    assert "[net.rule_sets]" in info.value.message and "npm = [" in info.value.message
+    assert info.value.detail["known"] == ["dns", "pypi"]
+    with pytest.raises(BadRequest, match=r"known: none configured.*\[net\.rule_sets\]"):
+        R.canonical_term("pypi", {})
 
 
 def test_merge_add_remove_replace():

@@ -1,0 +1,147 @@
+"""`dsec`'s command line without a daemon: where options may stand, --json
+after any command, usage exit codes, and the messages of a refused socket."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from dsecd import cli
+from dsecd.errors import BadRequest
+from dsecd.memops import parse_duration
+
+DSEC = [sys.executable, "-m", "dsecd.cli"]
+
+
+@pytest.mark.parametrize("words,positionals,want", [
+    (["SB", "--", "ls", "-l"], 1, (["SB"], ["ls", "-l"])),
+    (["SB", "--timeout", "2", "--", "sleep", "10"], 1, (["SB", "--timeout", "2"], ["sleep", "10"])),
+    (["--timeout", "2", "SB", "sleep", "10"], 1, (["--timeout", "2", "SB"], ["sleep", "10"])),
+    (["SB", "-i", "--user", "5", "cat", "-n"], 1, (["SB", "-i", "--user", "5"], ["cat", "-n"])),
+    (["SB", "--timeout=2", "sh", "-c", "x --"], 1, (["SB", "--timeout=2"], ["sh", "-c", "x --"])),
+    (["SB", "-o", "f", "--", "true"], 1, (["SB", "-o", "f"], ["true"])),
+    (["SB", "--env", "--", "--", "true"], 1, (["SB", "--env", "--"], ["true"])),   # "--" as a value
+    (["--image", "img", "--", "echo", "hi"], 0, (["--image", "img"], ["echo", "hi"])),
+    (["--image", "img", "echo", "--image"], 0, (["--image", "img"], ["echo", "--image"])),
+    (["SB"], 1, (["SB"], [])),
+])
+def test_split_command(words, positionals, want):
+    assert cli.split_command(words, positionals) == want
+
+
+def _leaf_parsers(parser: argparse.ArgumentParser, path=()):
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield path, parser
+    for action in subs:
+        for name, child in action.choices.items():
+            yield from _leaf_parsers(child, (*path, name))
+
+
+def test_valued_options_match_the_parser():
+    parser = cli.build_parser()
+    leaves = dict(_leaf_parsers(parser))
+    for verb in cli.RUNS_A_COMMAND:
+        for action in leaves[(verb,)]._actions:
+            for opt in action.option_strings:
+                takes_value = action.nargs != 0
+                assert (opt in cli.VALUED_OPTIONS) == takes_value, f"dsec {verb} {opt}"
+
+
+# A valid argument list per command, to which --json is appended.
+MINIMAL = {("image", "build"): ["d", "--name", "n"], ("image", "import"): ["d", "--name", "n"],
+           ("image", "inspect"): ["n"], ("image", "rm"): ["n"], ("create",): ["--image", "i"],
+           ("pool", "set"): ["--image", "i", "--min", "0", "--max", "1"], ("exec",): ["SB", "--", "true"],
+           ("trace",): ["SB", "--", "true"], ("call",): ["--image", "i", "--", "true"], ("cp",): ["a", "b"],
+           ("pause",): ["SB"], ("resume",): ["SB"], ("job", "pause"): ["j"], ("job", "resume"): ["j"],
+           ("job", "rm"): ["j"], ("net", "show"): ["SB"], ("net", "set"): ["SB"],
+           ("snapshot",): ["SB", "--name", "n"], ("inspect",): ["SB"]}
+
+
+def test_json_is_accepted_before_and_after_every_command():
+    for path, _ in _leaf_parsers(cli.build_parser()):
+        args = [*path, *MINIMAL.get(path, [])]
+        end = args.index("--") if "--" in args else len(args)       # after `--`: the command's words
+        assert cli.parse_args([*args[:end], "--json", *args[end:]]).json is True, path
+        assert cli.parse_args(["--json", *args]).json is True, path
+        assert cli.parse_args(args).json is False, path
+    # After `--` it is the command's, not dsec's.
+    a = cli.parse_args(["exec", "SB", "--", "tool", "--json"])
+    assert a.json is False and a.argv == ["tool", "--json"]
+
+
+def test_exec_options_before_and_after_the_sandbox_id():
+    a = cli.parse_args(["exec", "SB", "--timeout", "2", "-i", "--user", "7", "--", "sleep", "10"])
+    assert (a.sandbox, a.timeout, a.interactive, a.user, a.argv) == ("SB", 2.0, True, 7, ["sleep", "10"])
+    b = cli.parse_args(["exec", "--timeout", "2", "-i", "--user", "7", "SB", "sleep", "10"])
+    assert (b.sandbox, b.timeout, b.interactive, b.user, b.argv) == ("SB", 2.0, True, 7, ["sleep", "10"])
+    t = cli.parse_args(["trace", "SB", "-o", "f", "--", "true"])
+    assert (t.sandbox, t.output, t.argv) == ("SB", "f", ["true"])
+
+
+def _dsec(*args, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*DSEC, "--socket", "/nonexistent/dsecd.sock", *args], capture_output=True,
+                          text=True, timeout=30, **kw)
+
+
+@pytest.mark.parametrize("args", [["exec", "SB"], ["exec", "SB", "--bogus", "--", "true"], ["exec"],
+                                  ["trace", "SB"], ["call", "--image", "i"], ["exec", "SB", "--env", "X", "true"]])
+def test_usage_errors_of_commands_that_run_a_command_exit_125(args):
+    r = _dsec(*args)
+    assert r.returncode == 125, r.stderr
+    assert "cannot connect" not in r.stderr          # said before the daemon is asked anything
+
+
+def test_usage_errors_of_other_commands_exit_2():
+    assert _dsec("ps", "--bogus").returncode == 2
+    r = _dsec("cp", "a", "b")
+    assert r.returncode == 2 and "SANDBOX:/absolute/path" in r.stderr
+
+
+def test_no_daemon_is_a_failure_that_names_the_socket():
+    r = _dsec("ps")
+    assert r.returncode == 1 and "/nonexistent/dsecd.sock" in r.stderr
+    assert _dsec("exec", "SB", "--", "true").returncode == 125
+
+
+def test_zero_duration_message():
+    with pytest.raises(BadRequest, match=r"ttl must be more than 0 s and at most 365 days, got '0'"):
+        parse_duration("0", "ttl")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the client as another user")
+@pytest.mark.parametrize("group", [0, 65534])
+def test_a_refused_socket_says_who_may_connect(group):
+    """A 0660 socket the user cannot open: the message names the socket and
+    what the user needs (root, or the socket's group)."""
+    with tempfile.TemporaryDirectory() as top:      # 0700 like pytest's: open it for the other user
+        os.chmod(top, 0o755)
+        _check_refused_socket(Path(top), group)
+
+
+def _check_refused_socket(tmp_path: Path, group: int) -> None:
+    path = tmp_path / "dsecd.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    listener.listen(1)
+    os.chown(path, 0, group)
+    os.chmod(path, 0o660)
+    try:
+        r = subprocess.run([*DSEC, "--socket", str(path), "ps"], capture_output=True, text=True, timeout=30,
+                           user=65533, group=65533, extra_groups=[],
+                           env={**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])})
+    finally:
+        listener.close()
+    assert r.returncode == 1
+    assert f"cannot connect to dsecd at {path}: permission denied" in r.stderr
+    if group == 0:
+        assert "admits root only" in r.stderr and "socket_group" in r.stderr
+    else:
+        assert "members of group" in r.stderr and "usermod -aG" in r.stderr
