@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = ["scripts/setup.sh", "scripts/test.sh", "scripts/mkrootfs.sh", ".ci/run"]
+SCRIPTS = ["scripts/setup.sh", "scripts/test.sh", "scripts/mkrootfs.sh", "scripts/fresh-host.sh", ".ci/run"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -22,16 +22,54 @@ def test_script_parses(script):
     assert proc.returncode == 0, proc.stderr
 
 
-def test_ci_runs_the_test_script():
+def test_ci_runs_the_fresh_host_check_then_the_test_script():
     text = (REPO / ".ci/run").read_text()
     assert text.startswith("#!/bin/bash\n")
-    assert re.search(r"^exec bash scripts/test\.sh\b", text, re.M)
+    commands = re.findall(r"^bash (scripts/\S+)", text, re.M)
+    assert commands == ["scripts/fresh-host.sh", "scripts/test.sh"]      # pytest's summary last
+    assert re.search(r"^exit \$status$", text, re.M)
     assert os.access(REPO / ".ci/run", os.X_OK)
+
+
+def test_the_readme_test_command_is_what_ci_runs():
+    readme = (REPO / "README.md").read_text()
+    first_block = re.search(r"^```\n(.*?)^```", readme, re.M | re.S).group(1)
+    commands = [line.split("#")[0].strip() for line in first_block.splitlines() if line.strip()]
+    assert commands == ["bash scripts/demo.sh", "bash scripts/test.sh"]
+    assert "bash scripts/test.sh" in (REPO / ".ci/run").read_text()
 
 
 def test_test_script_fails_on_no_tests_collected():
     text = (REPO / "scripts/test.sh").read_text()
     assert re.search(r"^\s*5\).*status=1", text, re.M), "pytest exit 5 must fail the run"
+
+
+def _setup_function(name: str) -> str:
+    text = (REPO / "scripts/setup.sh").read_text()
+    m = re.search(rf"^{name}\(\) {{\n.*?^}}\n", text, re.M | re.S)
+    assert m, f"scripts/setup.sh has no function {name}"
+    return m.group(0)
+
+
+@pytest.mark.skipif(shutil.which("dpkg-query") is None, reason="not a Debian host")
+def test_setup_lists_packages_dpkg_never_heard_of_as_missing():
+    """On a fresh host dpkg-query exits 1 for unknown names; under pipefail
+    that once emptied the list, so nothing was installed."""
+    # Called where errexit holds (not in a $(...), which clears it).
+    script = ("set -euo pipefail\n" + _setup_function("missing_packages")
+              + "PACKAGES=(bash dsecd-no-such-package)\nmissing_packages\necho end\n")
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert (r.returncode, r.stdout) == (0, "dsecd-no-such-package\nend\n"), r.stderr
+
+
+def test_setup_says_what_failed():
+    """No silent exit: an ERR trap names the line and the command."""
+    text = (REPO / "scripts/setup.sh").read_text()
+    assert re.search(r"^set -E$", text, re.M) and "trap 'on_error" in text
+    script = ("set -euo pipefail\nLOG=/dev/null\nwarn() { echo \"setup: $*\" >&2; }\n"
+              + _setup_function("on_error") + "set -E\ntrap 'on_error $? $LINENO \"$BASH_COMMAND\"' ERR\nfalse\n")
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and "FAILED (exit 1)" in r.stderr and ": false" in r.stderr
 
 
 def make_targets() -> set[str]:
@@ -40,7 +78,7 @@ def make_targets() -> set[str]:
 
 
 def test_makefile_targets():
-    assert {"setup", "build", "test", "lint", "demo", "bench-core"} <= make_targets()
+    assert {"setup", "build", "test", "lint", "demo", "fresh-host", "bench-core"} <= make_targets()
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
