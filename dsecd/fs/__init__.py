@@ -1,1 +1,11 @@
-"""dsecd.fs: see docs and DESIGN.md."""
+"""Images and files (docs/architecture.md, docs/pager.md).
+
+store.py   content-addressed blob store: blobs, manifests, names published last
+images.py  image builds: directories and tarballs to EROFS layers, manifests
+oci.py     docker-save and OCI-layout tarballs, entries checked one by one
+erofs.py   mkfs.erofs for reproducible layers
+layers.py  each layer mounted once per host, shared by every sandbox
+pager.py   the FUSE pager (dsec-pager) that fetches a layer by chunks
+upper.py   the writable layer: a capped tmpfs per sandbox
+files.py   host-side file access inside a sandbox (openat2 RESOLVE_IN_ROOT)
+"""
