@@ -50,7 +50,7 @@ bench-%: setup
 bench-images: setup
 	$(PY) bench/images.py
 
-# The full fuzz campaign (issue 7): >= 100k hostile inputs against a private
+# The full fuzz campaign: >= 100k hostile inputs against a private
 # daemon plus 100k against the in-process decoder; minutes. Last line: JSON.
 # `pytest tests/fuzz` runs a few-second slice of the same code.
 fuzz: setup
@@ -63,7 +63,7 @@ fuzz: setup
 stress: setup
 	$(PY) bench/stress.py --clients 64 --seconds 120
 
-# The hardening report (issue 7), a few minutes: the adversarial suite
+# The hardening report, a few minutes: the adversarial suite
 # (`pytest -m attack`), a fuzz run (>= 100k inputs: daemon + decoder), kill -9
 # of the daemon mid create burst three times, then leaked mounts, cgroups,
 # netns and processes. Last line: JSON (attacks_tried, attacks_blocked,

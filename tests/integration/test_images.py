@@ -2,11 +2,11 @@
 
 import hashlib
 import io
-import json
 import os
 import tarfile
 
 import pytest
+from image_kit import _entry, _file, _tar_bytes, docker_save
 
 from dsecd.errors import BadRequest, Conflict, NotFound
 
@@ -92,43 +92,6 @@ def test_bad_builds(images, tmp_path):
         c.build_image(str(tmp_path), "bad/name")
     with pytest.raises(NotFound):
         c.build_image(str(tmp_path), "x", parent="no-such-image")
-
-
-def _tar_bytes(members: list[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tf:
-        for info, data in members:
-            if data is not None:
-                info.size = len(data)
-            tf.addfile(info, io.BytesIO(data) if data is not None else None)
-    return buf.getvalue()
-
-
-def _file(name, data=b"", mode=0o644):
-    ti = tarfile.TarInfo(name)
-    ti.mode = mode
-    return ti, data
-
-
-def _entry(name, kind, **kw):
-    ti = tarfile.TarInfo(name)
-    ti.type = kind
-    for k, v in kw.items():
-        setattr(ti, k, v)
-    return ti, None
-
-
-def docker_save(path, layers: list[bytes], config: dict | None = None) -> None:
-    members = []
-    names = []
-    for i, data in enumerate(layers):
-        names.append(f"l{i}/layer.tar")
-        members.append(_file(names[-1], data))
-    cfg = json.dumps({"config": config or {}}).encode()
-    members.append(_file("config.json", cfg))
-    members.append(_file("manifest.json", json.dumps(
-        [{"Config": "config.json", "RepoTags": ["t:latest"], "Layers": names}]).encode()))
-    path.write_bytes(_tar_bytes(members))
 
 
 def test_docker_save_tarball_with_whiteouts(images, tmp_path, busybox_rootfs):
