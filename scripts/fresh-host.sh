@@ -18,6 +18,14 @@
 #   bash scripts/fresh-host.sh        (or: make fresh-host)
 set -euo pipefail
 
+# In a mount namespace of its own with private propagation: none of its
+# mounts (the root's /proc, /sys, /dev, pip's folders) can reach or unmount
+# the host's, and all of them vanish with the namespace, even on kill -9.
+if [[ -z ${DSECD_FRESH_HOST_NS:-} ]]; then
+    [[ $(id -u) == 0 ]] || { echo "fresh-host: FAILED: must run as root (debootstrap, chroot, mounts)" >&2; exit 1; }
+    DSECD_FRESH_HOST_NS=1 exec unshare --mount --propagation private bash "${BASH_SOURCE[0]}" "$@"
+fi
+
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CACHE=/var/cache/dsecd/fresh-host
 BASE=$CACHE/bookworm-minbase.tar
@@ -28,7 +36,6 @@ T0=$SECONDS
 say() { echo "fresh-host: $*"; }
 die() { echo "fresh-host: FAILED: $*" >&2; exit 1; }
 
-[[ $(id -u) == 0 ]] || die "must run as root (debootstrap, chroot, mounts)"
 command -v debootstrap >/dev/null || die "debootstrap is missing: apt-get install debootstrap (scripts/setup.sh does)"
 git -C "$REPO" rev-parse --verify -q HEAD >/dev/null || die "$REPO is not a git checkout with a commit"
 
@@ -48,10 +55,15 @@ debian_mirror() {
 }
 
 # The minbase root as a tarball, made once: debootstrap takes minutes, an
-# unpack seconds. Made under a temporary name and renamed, so a cache file is
-# always whole.
+# unpack seconds. Made under a temporary name and renamed, under a lock, so a
+# cache file is always whole and two checks at once build it once.
 make_base() {
-    [[ -s $BASE ]] && return 0
+    exec 8>"$CACHE/lock"
+    flock 8
+    if [[ -s $BASE ]]; then
+        flock -u 8
+        return 0
+    fi
     local mirror tmp
     mirror=$(debian_mirror)
     tmp=$(mktemp -d /var/tmp/dsecd-debootstrap.XXXXXX)
@@ -61,11 +73,14 @@ make_base() {
         tail -n 20 "$LOGS/debootstrap.log" >&2
         die "debootstrap from $mirror (log: $LOGS/debootstrap.log)"
     fi
-    tar -C "$tmp/root" -cf "$BASE.tmp" . && mv "$BASE.tmp" "$BASE"
+    TARBALL=$(mktemp "$CACHE/base.XXXXXX")
+    tar -C "$tmp/root" -cf "$TARBALL" . && mv "$TARBALL" "$BASE"
     rm -rf --one-file-system "$tmp"
+    flock -u 8
 }
 
 ROOT=
+TARBALL=
 MOUNTS=()
 cleanup() {
     local i
@@ -73,7 +88,8 @@ cleanup() {
         umount -R -l "${MOUNTS[i]}" 2>/dev/null || true
     done
     [[ -n $ROOT && -d $ROOT ]] && rm -rf --one-file-system "$ROOT"
-    rm -f "$BASE.tmp"
+    [[ -n $TARBALL ]] && rm -f "$TARBALL"
+    return 0
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -146,9 +162,7 @@ package_settings
 pip_settings
 mount -t proc proc "$ROOT/proc" && MOUNTS+=("$ROOT/proc")
 mount --rbind /sys "$ROOT/sys" && MOUNTS+=("$ROOT/sys")
-mount --make-rslave "$ROOT/sys"
 mount --rbind /dev "$ROOT/dev" && MOUNTS+=("$ROOT/dev")
-mount --make-rslave "$ROOT/dev"
 
 say "root $ROOT ready ($((SECONDS - T0))s); running setup, the CLI and the unit tests in it"
 run_in_root setup 'bash scripts/setup.sh'

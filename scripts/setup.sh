@@ -50,6 +50,7 @@ warn() { echo "setup: $*" >&2; }
 
 # Any command that fails outside run() says where, instead of a silent exit.
 on_error() {
+    ((BASH_SUBSHELL == 0)) || return 0       # said once, by the shell that ends
     warn "FAILED (exit $1) at scripts/setup.sh line $2: $3"
     warn "details may be in $LOG; fix the cause and run scripts/setup.sh again"
 }
