@@ -210,7 +210,7 @@ class CreateOps:
             try:
                 await self.check_cwd(sb, req.cwd)
             except BaseException:
-                pool.ready.appendleft(sb.id)          # still the pool's
+                self._return_to_pool(pool, sb)
                 raise
             if sb.state != "running" or sb.id not in self.sandboxes:     # gone while we checked
                 continue
@@ -225,6 +225,15 @@ class CreateOps:
             pool.takes.append(time.monotonic())
             return {**sb.public(), "pool": pool.name}
         return None
+
+    def _return_to_pool(self, pool: Pool, sb) -> None:
+        """A sandbox taken out of `pool` but not handed out goes back, if the
+        pool still exists and has room (it may have been removed or shrunk
+        meanwhile); else it goes."""
+        if self.pools.get(pool.name) is pool and len(pool.ready) < pool.max:
+            pool.ready.appendleft(sb.id)
+        else:
+            self.loop.create_task(self._destroy_quiet(sb))
 
     async def op_pool_set(self, req, ctx) -> dict:
         d = self.sb_defaults

@@ -63,9 +63,12 @@ class CpuHost:
         """Raise `bad_request` for a sandbox this host could never admit."""
         why = admission.never_fits(self.capacity, cpu, memory, ls=self.plan(qos_name).qos == qos.LS)
         if why:
-            unit = "CPUs" if why["resource"] == "cpu" else "bytes of memory"
-            raise BadRequest(f"asks for {why['asking']:g} {unit}, more than this host can ever give a "
-                             f"sandbox ({why['max']:g}); ask for less, or place it on a larger host", why)
+            if why["resource"] == "cpu":
+                asking, most = f"{why['asking']:g} CPUs", f"{why['max']:g}"
+            else:
+                asking, most = f"{why['asking'] >> 20} MiB of memory", f"{why['max'] >> 20} MiB"
+            raise BadRequest(f"asks for {asking}, more than this host can ever give a sandbox ({most}); "
+                             "ask for less, or place it on a larger host", why)
 
     def admit(self, live_limits: Callable[[], list[dict]], cpu: float, memory: int, plan: qos.Plan) -> None:
         """Raise `busy` with the figures if a sandbox of this size does not fit.

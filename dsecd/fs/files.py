@@ -10,6 +10,7 @@ worker thread or stream forever). All functions block: call them in a thread.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -126,11 +127,14 @@ def _stat_dict(st: os.stat_result) -> dict:
 
 
 def is_directory(rootfd: int, path: str) -> bool:
-    """Whether `path` (symlinks followed inside the root) is a directory."""
+    """Whether `path` (symlinks followed inside the root) is a directory that
+    can be reached; a loop, a too-long name or a denied search is a no."""
     try:
         os.close(_open(rootfd, check_path(path), os.O_PATH | os.O_DIRECTORY))
-    except (FileNotFoundError, NotADirectoryError):
-        return False
+    except OSError as err:
+        if err.errno in (errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.ELOOP, errno.ENAMETOOLONG):
+            return False
+        raise
     return True
 
 
