@@ -559,7 +559,8 @@ class _Parser(argparse.ArgumentParser):
     stand before or after the command's name."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        # No abbreviated options: split_command must know every option by its full name.
+        super().__init__(*args, allow_abbrev=False, **kwargs)
         # SUPPRESS: a subcommand's parser leaves a --json given before it alone.
         self.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                           help="machine-readable output")
@@ -809,7 +810,11 @@ def _oserror_text(err: OSError) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    a = parse_args(sys.argv[1:] if argv is None else list(argv))
+    try:
+        a = parse_args(sys.argv[1:] if argv is None else list(argv))
+    except BrokenPipeError:             # --help into a closed pipe
+        _silence_stdout()
+        sys.exit(EXIT_BROKEN_PIPE)
     fail = EXIT_DSEC_ERROR if a.cmd in RUNS_A_COMMAND else 1
     try:
         check_usage(a)

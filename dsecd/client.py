@@ -336,7 +336,9 @@ class Client:
                      follow: bool = True) -> AsyncIterator[dict]:
         """State changes (created, paused, resumed, expired, oom, died, destroyed), as they happen;
         with replay, the recent history first; with follow=False, only that history."""
-        async for frame in self.frames("events", sandbox=sandbox, replay=replay, follow=follow):
+        # `follow` only when it differs from the default, which older daemons do not know.
+        extra = {} if follow else {"follow": False}
+        async for frame in self.frames("events", sandbox=sandbox, replay=replay, **extra):
             if "__result__" in frame:
                 return
             yield frame

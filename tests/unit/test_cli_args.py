@@ -92,6 +92,7 @@ def _dsec(*args, **kw) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("args", [["exec", "SB"], ["exec", "SB", "--bogus", "--", "true"], ["exec"],
+                                  ["exec", "SB", "--time", "5", "sleep", "9"],    # no abbreviations
                                   ["trace", "SB"], ["call", "--image", "i"], ["exec", "SB", "--env", "X", "true"]])
 def test_usage_errors_of_commands_that_run_a_command_exit_125(args):
     r = _dsec(*args)
@@ -103,6 +104,16 @@ def test_usage_errors_of_other_commands_exit_2():
     assert _dsec("ps", "--bogus").returncode == 2
     r = _dsec("cp", "a", "b")
     assert r.returncode == 2 and "SANDBOX:/absolute/path" in r.stderr
+
+
+def test_help_into_a_closed_pipe_is_quiet():
+    r_fd, w_fd = os.pipe()
+    os.close(r_fd)
+    try:
+        r = subprocess.run([*DSEC, "exec", "--help"], stdout=w_fd, stderr=subprocess.PIPE, timeout=30)
+    finally:
+        os.close(w_fd)
+    assert (r.returncode, r.stderr) == (cli.EXIT_BROKEN_PIPE, b"")
 
 
 def test_no_daemon_is_a_failure_that_names_the_socket():
