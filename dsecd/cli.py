@@ -796,6 +796,16 @@ def _stdout_closed() -> bool:
     return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
 
 
+def _flush_stdout() -> bool:
+    """Flush stdout; False (and stdout silenced) if nobody reads it any more."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+        return False
+    return True
+
+
 def _silence_stdout() -> None:
     """Point stdout at /dev/null, so the interpreter's last flush of a closed
     pipe raises nothing at exit."""
@@ -815,6 +825,10 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:             # --help into a closed pipe
         _silence_stdout()
         sys.exit(EXIT_BROKEN_PIPE)
+    except SystemExit:                  # --help or a usage error; its text may still be buffered
+        if not _flush_stdout():
+            sys.exit(EXIT_BROKEN_PIPE)
+        raise
     fail = EXIT_DSEC_ERROR if a.cmd in RUNS_A_COMMAND else 1
     try:
         check_usage(a)
