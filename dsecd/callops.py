@@ -32,11 +32,21 @@ import time
 from . import cgroup
 from .backends.fncall import CallBox, FnCallBackend, Zygote, ZygoteDied
 from .config import parse_size
-from .errors import BadRequest, Busy, DsecError, IOFailure, LimitExceeded, Unsupported, io_error
+from .errors import (
+    BadRequest,
+    Busy,
+    DsecError,
+    IOFailure,
+    LimitExceeded,
+    Unsupported,
+    exec_error,
+    image_error,
+    io_error,
+    started_by_step,
+)
 from .execio import ChildWatch, Collector, ExecIO, reap
 from .fs import upper as upperfs
 from .fs.images import ImageError
-from .imageops import image_error
 from .native import NativeError
 
 log = logging.getLogger(__name__)
@@ -410,12 +420,10 @@ class CallOps:
 
 def _plain_run_error(err: OSError, box: CallBox, prog: str, cwd: str) -> DsecError:
     """A plain call that failed after it was handed to its watch: init could
-    not start it (NativeError of its step, as node's _run_error), or the
+    not start it (NativeError of its step, as errors.run_error), or the
     daemon lost track of it (its call sandbox is being replaced: retry)."""
-    from .node import _exec_error
-
-    if isinstance(err, NativeError):
-        return _exec_error(err, prog, cwd)
+    if started_by_step(err):
+        return exec_error(err, prog, cwd)
     return IOFailure(f"call {prog!r}: lost track of it in call sandbox {box.id} ({err}); the call sandbox "
                      f"is replaced, retry", {"errno": errno.errorcode.get(err.errno or 0)})
 

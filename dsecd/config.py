@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from .errors import BadRequest
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -111,3 +113,21 @@ def _validate(cfg: Config) -> None:
         cfg.size(section, key)
     if cfg.size("limits", "max_file_chunk_bytes") + 4096 > cfg.size("limits", "max_frame_bytes"):
         raise ConfigError("limits.max_file_chunk_bytes must be smaller than limits.max_frame_bytes")
+
+
+def parse_duration(value, what: str) -> float | None:
+    """Seconds from 90, 1.5, "90s", "5m", "2h", "1d"; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        text = str(value).strip().lower()
+        units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+        try:
+            seconds = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
+        except (ValueError, KeyError):
+            raise BadRequest(f"{what} must be seconds or a duration like 90s, 5m, 2h; got {value!r}") from None
+    if not 0 < seconds <= 365 * 86400:
+        raise BadRequest(f"{what} must be more than 0 s and at most 365 days, got {value!r}")
+    return seconds

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from . import protocol
 from .admission import CreateQueue
-from .config import ConfigError, parse_size
+from .config import ConfigError, parse_duration, parse_size
 from .errors import BadRequest, Busy, DsecError, NotFound
 
 log = logging.getLogger(__name__)
@@ -198,8 +198,6 @@ class CreateOps:
         pool = self._pool_match(req, limits)
         if pool is None:
             return None
-        from .memops import parse_duration
-
         self.check_process(req)
         ttl, idle_ttl = parse_duration(req.ttl, "ttl"), parse_duration(req.idle_ttl, "idle_ttl")
         lease = parse_duration(req.lease, "lease")

@@ -126,3 +126,49 @@ def io_error(verb: str, obj: str, err: OSError) -> DsecError:
     # An OSError raised by our own code carries a sentence saying what to do; keep it.
     text = err.strerror if err.strerror and err.strerror != os.strerror(num) else os.strerror(num)
     return klass(f"{verb} {obj}: {text}", {"errno": name, "path": obj})
+
+
+# ---------------------------------------------------------------- exec failures
+# A NativeError (dsecd/native.py) is an OSError with the `step` of csrc/ that
+# failed; these read it by attribute so that this module stays free of the C
+# extension (clients import it too).
+
+def exec_error(err: OSError, prog: str, cwd: str) -> DsecError:
+    """The protocol error for an exec of `prog` in `cwd` that could not start."""
+    import errno
+
+    step = getattr(err, "step", None) or ""
+    if err.errno == errno.ENOENT and "exec" in step:
+        return NotFound(f"exec {prog!r}: no such file or command in the sandbox", {"argv0": prog})
+    if err.errno in (errno.ENOENT, errno.ENOTDIR) and "chdir" in step:
+        return NotFound(f"exec: working directory {cwd!r} does not exist in the sandbox", {"cwd": cwd})
+    if err.errno == errno.EACCES:
+        return DsecError(f"exec {prog!r}: permission denied", {"step": step or None}, code="permission")
+    if err.errno in (errno.ESRCH, errno.EINVAL) and "setns" in step:
+        return Conflict("sandbox is exiting; cannot enter it", {"step": step})
+    return DsecError(f"exec {prog!r}: {err}", {"errno": errno.errorcode.get(err.errno or 0),
+                                               "step": step or None}, code="io")
+
+
+def started_by_step(err: OSError) -> bool:
+    """Whether `err` came from a step of csrc/ (a NativeError), not from the daemon's watch."""
+    return hasattr(err, "step")
+
+
+def run_error(err: OSError, sandbox_id: str, prog: str, cwd: str) -> DsecError:
+    """A run that failed after it was handed to its watch: an exec init could
+    not start (NativeError of its step), whose channel broke (the exec was
+    killed), or that did not end after a kill (TimeoutError)."""
+    import errno
+
+    if started_by_step(err):
+        return exec_error(err, prog, cwd)
+    if err.errno == errno.ESRCH:          # its init exited first: destroyed or died meanwhile
+        return Conflict(f"sandbox {sandbox_id} is exiting; cannot start {prog!r}", {"sandbox": sandbox_id})
+    return DsecError(f"exec {prog!r} in sandbox {sandbox_id}: {err}",
+                     {"errno": errno.errorcode.get(err.errno or 0)}, code="io")
+
+
+def image_error(err: Exception) -> DsecError:
+    """The protocol error of an image store failure (dsecd/fs/images.py ImageError carries its code)."""
+    return DsecError(str(err), code=getattr(err, "code", "internal"))

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 from . import cgroup, sysfs
-from .errors import Conflict, DsecError
+from .errors import Conflict, image_error
 from .fs import upper as upperfs
 from .fs.images import ImageError, ImageStore
 from .fs.layers import LayerMounts
@@ -41,10 +41,6 @@ NO_FILE_BACKED_EROFS = {"tmpfs", "ramfs"}
 def store_fstype(path: Path) -> str:
     """The type of the file system holding `path`."""
     return sysfs.fs_type(path)[0] or "unknown"
-
-
-def image_error(err: ImageError) -> DsecError:
-    return DsecError(str(err), code=err.code)
 
 
 class ImageOps:

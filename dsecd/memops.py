@@ -21,8 +21,9 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
+from .config import parse_duration
 from .cpu.sampler import round_robin
-from .errors import BadRequest, Conflict, DsecError, NotFound
+from .errors import Conflict, DsecError, NotFound
 from .journal import write_file_atomic
 from .mem import damon, pause, swapfile, zram
 
@@ -65,24 +66,6 @@ class Subscriber:
             self.lost += 1
         self.queue.append(ev)
         self.wake.set()
-
-
-def parse_duration(value, what: str) -> float | None:
-    """Seconds from 90, 1.5, "90s", "5m", "2h", "1d"; None stays None."""
-    if value is None:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
-        text = str(value).strip().lower()
-        units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-        try:
-            seconds = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
-        except (ValueError, KeyError):
-            raise BadRequest(f"{what} must be seconds or a duration like 90s, 5m, 2h; got {value!r}") from None
-    if not 0 < seconds <= 365 * 86400:
-        raise BadRequest(f"{what} must be more than 0 s and at most 365 days, got {value!r}")
-    return seconds
 
 
 class MemOps:

@@ -14,7 +14,6 @@ Sandbox states:
 from __future__ import annotations
 
 import asyncio
-import errno
 import functools
 import logging
 import os
@@ -27,7 +26,7 @@ from pathlib import Path
 from . import __version__, cgroup, protocol, tracing, userns
 from .backends.container import ContainerBackend, Handle, close_handle
 from .callops import CallOps
-from .config import Config, ConfigError, parse_size
+from .config import Config, ConfigError, parse_duration, parse_size
 from .cpu.manager import CpuHost
 from .createops import CreateOps
 from .errors import (
@@ -38,7 +37,10 @@ from .errors import (
     LimitExceeded,
     NotFound,
     Unsupported,
+    exec_error,
+    image_error,
     io_error,
+    run_error,
 )
 from .execio import ChildWatch, Collector, ExecIO, kill_and_reap
 from .fds import close_quietly
@@ -46,11 +48,11 @@ from .features import Features, suid_dumpable_hazard
 from .fs import files as sbfiles
 from .fs import upper as upperfs
 from .fs.images import ImageError
-from .imageops import ImageOps, image_error
+from .imageops import ImageOps
 from .initlink import InitExec
 from .journal import Journal
 from .mem import pause
-from .memops import MemOps, parse_duration
+from .memops import MemOps
 from .native import NativeError
 from .netops import NetOps
 
@@ -732,7 +734,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             try:
                 result = await io.run(watch, timeout, self.limits["exec_drain_grace_s"])
             except OSError as err:
-                raise _run_error(err, sb, argv[0], cwd) from err
+                raise run_error(err, sb.id, argv[0], cwd) from err
             if tracer is not None:
                 result["trace"] = await self.run_blocking(tracing.collect, tracer)
         finally:
@@ -766,7 +768,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             try:
                 return await run.done
             except OSError as err:
-                raise _run_error(err, sb, argv[0], cwd) from err
+                raise run_error(err, sb.id, argv[0], cwd) from err
         except BaseException:
             # Cancelled (client gone, `cancel`, daemon stopping): the process group goes.
             if watch is not None and not watch.exited.done():
@@ -787,7 +789,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         sandbox of an older daemon, or one whose init lacks this daemon's
         capabilities; or the channel cannot take this one: too big, init
         busy). `io` owns the child ends in stdio, closed once sent. Whether it
-        started shows in its `exited` (a failed start: _run_error)."""
+        started shows in its `exited` (a failed start: errors.run_error)."""
         if sb.handle is None:
             return None
         return self.send_to_init(self.backend.start_by_init, sb.handle, argv, env, cwd, user, io, stdio)
@@ -819,7 +821,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         try:
             return await self.spawn_handed_over(io, after_abandoned, spawn, handle, argv, env, cwd, user, fds)
         except NativeError as err:
-            raise _exec_error(err, argv[0], cwd) from err
+            raise exec_error(err, argv[0], cwd) from err
         except ValueError as err:       # the native layer's argument checks (sizes, NULs)
             raise BadRequest(f"{what}: {err}") from err
 
@@ -937,33 +939,6 @@ def _check_process(req) -> None:
         raise BadRequest(f"user must be a uid in [0, 2^32-1), got {req.user}")
 
 
-def _run_error(err: OSError, sb: Sandbox, prog: str, cwd: str) -> DsecError:
-    """A run that failed after it was handed to its watch: an exec init could
-    not start (NativeError of its step), whose channel broke (the exec was
-    killed), or that did not end after a kill (TimeoutError)."""
-    if isinstance(err, NativeError):
-        return _exec_error(err, prog, cwd)
-    if err.errno == errno.ESRCH:          # its init exited first: destroyed or died meanwhile
-        return Conflict(f"sandbox {sb.id} is exiting; cannot start {prog!r}", {"sandbox": sb.id})
-    return DsecError(f"exec {prog!r} in sandbox {sb.id}: {err}", {"errno": errno.errorcode.get(err.errno or 0)},
-                     code="io")
-
-
 # Waits before retrying an exec that failed with ETXTBSY (op_exec).
 ETXTBSY_RETRY_S = (0.002, 0.01, 0.03, 0.1)
 
-
-def _exec_error(err: NativeError, prog: str, cwd: str) -> DsecError:
-    if err.errno == errno.ENOENT and "exec" in (err.step or ""):
-        return NotFound(f"exec {prog!r}: no such file or command in the sandbox", {"argv0": prog})
-    if err.errno in (errno.ENOENT, errno.ENOTDIR) and "chdir" in (err.step or ""):
-        return NotFound(f"exec: working directory {cwd!r} does not exist in the sandbox", {"cwd": cwd})
-    if err.errno == errno.EACCES:
-        return DsecError(f"exec {prog!r}: permission denied", {"step": err.step}, code="permission")
-    if err.errno in (errno.ESRCH, errno.EINVAL) and "setns" in (err.step or ""):
-        return Conflict("sandbox is exiting; cannot enter it", {"step": err.step})
-    return DsecError(f"exec {prog!r}: {err}", {"errno": errno.errorcode.get(err.errno or 0), "step": err.step},
-                     code="io")
-
-
-UNSUPPORTED = Unsupported  # re-exported for handlers added by later issues

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from dsecd import cli
+from dsecd.config import parse_duration
 from dsecd.errors import BadRequest
-from dsecd.memops import parse_duration
 
 DSEC = [sys.executable, "-m", "dsecd.cli"]
 
