@@ -57,7 +57,7 @@ INLINE_MAX = 48 * 1024     # a call packet up to this size carries its code itse
 
 class CallOps:
     """Needs from Node: cfg, layout, sb_defaults, limits, images, layers, cpu, loop, run_blocking,
-    send_to_init, spawn_by_helper."""
+    starter (dsecd/engine/starts.py), _devnull."""
 
     def init_calls(self, cfg) -> None:
         self.fn_cfg = cfg.section("fncall")
@@ -357,12 +357,12 @@ class CallOps:
         """The plain call's watch: sent to the call sandbox's init when its
         channel takes it (no thread, no entering the sandbox), else spawned
         by the daemon's helper (`release`: see spawn_handed_over)."""
-        watch = self.send_to_init(self.fncall.start_plain_by_init, box.handle, argv, envl, cwd, uid, io,
+        watch = self.starter.send_to_init(self.fncall.start_plain_by_init, box.handle, argv, envl, cwd, uid, io,
                                   io.child_fds(), "call")
         if watch is not None:
             self.call_stats["plain_calls_by_init"] += 1
             return watch
-        pid = await self.spawn_by_helper(io, release, self.fncall.spawn_plain, box.handle, argv, envl, cwd, uid,
+        pid = await self.starter.spawn_by_helper(io, release, self.fncall.spawn_plain, box.handle, argv, envl, cwd, uid,
                                          io.child_fds(), "call")
         return ChildWatch(self.loop, pid)
 

@@ -1,14 +1,11 @@
-"""The host: admission, the sandbox registry, the journal, and lifecycle.
+"""The host: the composition root of the engine, and the handlers not yet
+moved into a service of dsecd/engine/.
 
-The node owns all state. Handlers (one per protocol op, named `op_<op>`) take a
-typed request from dsecd.protocol and a per-request context from the server,
-and return a result dict or raise a DsecError. Blocking work (clone, mount,
-cgroup and file I/O, copies) runs in the worker pool, never on the event loop.
-
-Sandbox states:
-    creating -> running -> stopping -> (gone)
-                  |
-                  +-> dead (its init exited on its own; only inspect/destroy accept it)
+Handlers (one per protocol op, named `op_<op>`) take a typed request from
+dsecd.protocol and a per-request context from the server, and return a
+result dict or raise a DsecError. Blocking work (clone, mount, cgroup and
+file I/O, copies) runs through Workers, never on the event loop. Sandbox
+states: dsecd/engine/sandboxes.py.
 """
 
 from __future__ import annotations
@@ -19,37 +16,35 @@ import logging
 import os
 import secrets
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
-from . import __version__, cgroup, protocol, tracing, userns
+from . import __version__, cgroup, protocol, userns
 from .backends.container import ContainerBackend, Handle, close_handle
 from .callops import CallOps
 from .config import Config, ConfigError, parse_duration, parse_size
 from .cpu.manager import CpuHost
 from .createops import CreateOps
+from .engine.execs import ExecLimits, ExecService, check_env
+from .engine.files import FileService
+from .engine.sandboxes import Sandbox, SandboxRegistry
+from .engine.starts import ProcessStarter
+from .engine.workers import Workers
 from .errors import (
     BadRequest,
     Busy,
     Conflict,
     DsecError,
-    LimitExceeded,
-    NotFound,
     Unsupported,
-    exec_error,
     image_error,
     io_error,
-    run_error,
 )
-from .execio import ChildWatch, Collector, ExecIO, kill_and_reap
 from .fds import close_quietly
 from .features import Features, suid_dumpable_hazard
 from .fs import files as sbfiles
 from .fs import upper as upperfs
 from .fs.images import ImageError
 from .imageops import ImageOps
-from .initlink import InitExec
 from .journal import Journal
 from .mem import pause
 from .memops import MemOps
@@ -58,60 +53,16 @@ from .netops import NetOps
 
 log = logging.getLogger(__name__)
 
+# Requests the server answers itself (dsecd/server.py), not routed to a service.
+SERVER_OPS = ("hello", "cancel")
 
-@dataclass
-class Sandbox:
-    id: str
-    image: str
-    state: str
-    created: float
-    limits: dict
-    env: dict = field(default_factory=dict)
-    labels: dict = field(default_factory=dict)
-    hostname: str = ""
-    cwd: str = "/"
-    user: int = 0
-    backend: str = "container"
-    handle: Handle | None = None
-    # Runtime only (not journaled): pause/resume/destroy serialisation and clocks.
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
-    last_active: float = 0.0          # monotonic; the idle TTL counts from here
-    paused_at: float | None = None
-    paused_total: float = 0.0
-    lease_deadline: float | None = None
-    oom_kills: int = 0                # the memory cgroup's OOM-kill count last seen
-    execs: int = 0
-    exit_status: int | None = None
-    died: float | None = None
-    manifest: str = ""          # image manifest digest: what snapshot and gc go by
-    layers: list = field(default_factory=list)   # layer digests, bottom first
-    ttl: float | None = None        # max lifetime, seconds
-    idle_ttl: float | None = None   # stop after this long without requests (paused time excluded)
-    lease: float | None = None      # a client must `renew` within this many seconds
-    pause_record: dict | None = None   # what pause did (dsecd/mem/pause.py), for resume
-    net: dict | None = None            # {"mode": "default", "lease": {...}}; None = loopback only
-    qos: str = "be"             # CPU class (dsecd/cpu/qos.py)
-    core_sched: str = "off"     # on | off | unavailable
-    key: str | None = None      # idempotency key of the create (dsecd/createops.py)
-    idmap: dict | None = None   # user-namespace id range (dsecd/userns.py); None = host ids
-
-    def record(self) -> dict:
-        h = self.handle
-        return {"id": self.id, "image": self.image, "state": self.state, "created": self.created,
-                "limits": self.limits, "env": self.env, "labels": self.labels,
-                "hostname": self.hostname, "cwd": self.cwd, "user": self.user, "backend": self.backend,
-                "init_pid": h.init_pid if h else None, "init_start": h.init_start if h else None,
-                "died": self.died, "qos": self.qos, "core_sched": self.core_sched,
-                "manifest": self.manifest, "layers": self.layers, "ttl": self.ttl,
-                "idle_ttl": self.idle_ttl, "lease": self.lease, "pause_record": self.pause_record,
-                "net": self.net, "key": self.key, "idmap": self.idmap}
-
-    def public(self) -> dict:
-        out = self.record()
-        out.pop("init_start")
-        out.pop("pause_record")
-        out["execs_running"] = self.execs
-        return out
+# The service that owns each request type: op -> (the node's attribute holding
+# it, its handler). Ops not listed are still handled by the node's op_<name>.
+SERVICE_ROUTES = {
+    "exec": ("execs", "exec"), "exec_input": ("execs", "exec_input"),
+    "file_read": ("files", "read"), "file_write": ("files", "write"),
+    "file_list": ("files", "list"), "file_stat": ("files", "stat"),
+}
 
 
 class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
@@ -135,24 +86,28 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             raise ConfigError("sandbox.disk must be at least 1M and sandbox.disk_inodes at least 16 "
                               "(a tmpfs takes 0 as unlimited)")
         execs_by_init = self._pick_exec_via(self.sb_defaults["exec_via"], features)
-        self.pool = ThreadPoolExecutor(cfg.section("daemon")["worker_threads"], "dsecd-worker")
+        self.workers = Workers(cfg.section("daemon")["worker_threads"])
+        self.pool = self.workers.pool
         self.max_exec_output = cfg.size("limits", "max_exec_output_bytes")     # parsed once, used per exec
-        self.journal = Journal(state, fsync=cfg.section("journal")["fsync"], compact_with=self.pool.submit)
+        self.journal = Journal(state, fsync=cfg.section("journal")["fsync"], compact_with=self.workers.submit)
+        self.registry = SandboxRegistry(self.journal)
+        self.sandboxes = self.registry.by_id
         self.init_images(cfg)
         self.init_memory(cfg)
         self.init_net(cfg)
         self.backend = ContainerBackend(layout, self.sb_defaults, state, {
             "tmp": cfg.size("sandbox", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")}, upper_mode,
             execs_by_init)
-        self.sandboxes: dict[str, Sandbox] = {}
         self.id_ranges = self._init_userns(state)
-        # Dead sandboxes in the registry, so the live count each create checks
-        # is len() - this, not a scan of thousands of sandboxes per create.
-        self._dead = 0
         self.cpu = CpuHost(cfg.section("cpu"), layout, features, self.sb_defaults["cgroup_root"])
         # Stdin of collected execs and zygote calls: one /dev/null, shared (a
         # spawn dup2s it, SCM_RIGHTS gives init or a zygote its own copy).
         self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        self.starter = ProcessStarter(self.workers)
+        self.execs = ExecService(self.registry, self.workers, self.starter, self.backend, self.ensure_running,
+                                 ExecLimits.from_config(cfg), self._devnull)
+        self.files = FileService(self.registry, self.workers, self.ensure_running,
+                                 cfg.size("limits", "max_file_chunk_bytes"))
         self.init_calls(cfg)
         self.init_admission(cfg)
         self._cpu_task: asyncio.Task | None = None
@@ -204,25 +159,17 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             log.error("sandbox %s: %s", sb.id, err)
 
     async def run_blocking(self, fn, *args):
-        return await self.loop.run_in_executor(self.pool, fn, *args)
+        return await self.workers.run(fn, *args)
 
     async def run_shielded(self, on_abandoned, fn, *args):
-        """fn(*args) in a worker, like run_blocking, for work that makes
-        something (a process, a sandbox): the caller may be cancelled (client
-        gone, `cancel`), the work is not, and on_abandoned(future) runs once it
-        is over, to undo what it made."""
-        fut = self.loop.run_in_executor(self.pool, fn, *args)
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            fut.add_done_callback(on_abandoned)
-            raise
+        return await self.workers.run_shielded(on_abandoned, fn, *args)
 
     # ------------------------------------------------------------ start / stop
 
     async def start(self) -> None:
         """Re-adopt journaled sandboxes, clean up what died or was half-made."""
         self.loop = asyncio.get_running_loop()
+        self.workers.start(self.loop)
         await self.run_blocking(upperfs.sweep_views, self.cfg.state_dir / upperfs.VIEWS_DIR)
         await self.run_blocking(self.start_images)
         records = await self.run_blocking(self.journal.load_all)
@@ -245,10 +192,10 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
                 if s.state == "running"}
 
     def live_count(self) -> int:
-        return len(self.sandboxes) - self._dead
+        return self.registry.live_count()
 
     def _live_limits(self) -> list[dict]:
-        return [s.limits for s in self.sandboxes.values() if s.state != "dead"]
+        return self.registry.live_limits()
 
     async def _recover(self, sb_id: str, rec: dict) -> None:
         fields = {k: rec[k] for k in ("image", "state", "created", "limits", "env", "labels",
@@ -263,10 +210,9 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             await self.run_blocking(self.backend.destroy, sb_id, None)
             self.journal.delete(sb_id)
             return
-        self.sandboxes[sb_id] = sb
+        self.registry.add(sb)
         self._reserve_ids(sb)
         if sb.state == "dead":
-            self._dead += 1
             return
         handle = await self.run_blocking(self.backend.adopt, sb_id, rec.get("init_pid"), rec.get("init_start"),
                                          bool(sb.limits.get("disk")))
@@ -310,7 +256,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             await self.run_blocking(self.layers.sweep, True)
         except Exception:
             log.exception("unmount idle layers at shutdown")
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.workers.shutdown()
         self.journal.close()
         close_quietly(self._devnull)
         self._devnull = -1
@@ -332,25 +278,10 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
     # ------------------------------------------------------------ helpers
 
     def _journal(self, sb: Sandbox) -> None:
-        # A record is one line appended to the log (dsecd/journal.py): cheap
-        # enough for the event loop. With journal.fsync on, each write waits
-        # for the disk; use a slower but crash-proof config knowingly.
-        self.journal.write(sb.id, sb.record())
+        self.registry.save(sb)
 
     def _get(self, sb_id: str, op_cls) -> Sandbox:
-        sb = self.sandboxes.get(sb_id)
-        if sb is None:
-            matches = [s for k, s in self.sandboxes.items() if k.startswith(sb_id)] if len(sb_id) >= 4 else []
-            if len(matches) == 1:
-                sb = matches[0]
-            elif len(matches) > 1:
-                raise BadRequest(f"sandbox prefix {sb_id!r} is ambiguous", {"matches": [s.id for s in matches]})
-            else:
-                raise NotFound(f"no sandbox {sb_id!r} (see `dsec ps`)", {"sandbox": sb_id})
-        if op_cls.STATES and sb.state not in op_cls.STATES:
-            raise Conflict(f"sandbox {sb.id} is {sb.state}; {op_cls.OP} needs it {' or '.join(op_cls.STATES)}",
-                           {"sandbox": sb.id, "state": sb.state})
-        return sb
+        return self.registry.get(sb_id, op_cls)
 
     def _watch(self, sb: Sandbox) -> None:
         """Notice when a sandbox's init exits on its own."""
@@ -369,9 +300,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
 
     async def _mark_dead(self, sb: Sandbox, h: Handle | None) -> None:
         """Release the cgroups and fds of a sandbox whose init is gone; keep its record."""
-        if sb.state != "dead" and self.sandboxes.get(sb.id) is sb:
-            self._dead += 1
-        sb.state = "dead"
+        self.registry.mark_dead(sb)
         sb.died = time.time()
         self.events.publish("died", sb.id)
         sb.handle = None
@@ -397,6 +326,20 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
             await self.detach_net(sb)      # frees its lease and policy; the veth died with the netns
         finally:
             self._journal(sb)
+
+    # ------------------------------------------------------------ routing
+
+    def routes(self) -> dict[str, Callable]:
+        """Each request type's handler, by op name, for dsecd/server.py: the
+        service SERVICE_ROUTES names, or, until it moves into one, this node's
+        op_<name>. `hello` and `cancel` are the server's own."""
+        out = {}
+        for op in protocol.REQUESTS:
+            if op in SERVER_OPS:
+                continue
+            service, method = SERVICE_ROUTES.get(op, (None, f"op_{op}"))
+            out[op] = getattr(getattr(self, service) if service else self, method)
+        return out
 
     # ------------------------------------------------------------ ops: session and host
 
@@ -537,7 +480,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         if sb.lease:
             sb.lease_deadline = time.monotonic() + sb.lease
         self._allocate_ids(sb)
-        self.sandboxes[sb_id] = sb
+        self.registry.add(sb)
         # The record is written once the sandbox runs. A crash before that leaves
         # a directory and cgroups without a record: the next start finds them as
         # orphans, kills what is in the cgroups and removes them.
@@ -648,9 +591,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         if kills is not None:
             self._report_oom(sb, kills)
         await self.detach_net(sb)
-        if self.sandboxes.pop(sb.id, None) is sb and prev == "dead":
-            self._dead -= 1
-        self.journal.delete(sb.id)
+        self.registry.remove(sb, prev)
         self.free_key(sb)
         self._release_ids(sb)        # its processes are gone: stop() waited for them
         if prev != "dead":          # a dead sandbox gave its layers back already
@@ -675,243 +616,6 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         failed = {s.id: str(r) for s, r in zip(targets, results, strict=True) if isinstance(r, BaseException)}
         return {"destroyed": destroyed, "failed": failed}
 
-    # ------------------------------------------------------------ ops: exec
-
-    async def op_exec(self, req, ctx) -> dict:
-        sb = self._get(req.sandbox, req)
-        if not req.argv or not all(req.argv):
-            raise BadRequest("argv must be a non-empty list of non-empty strings")
-        _check_env(req.env)
-        timeout = req.timeout
-        max_t = self.limits["max_exec_timeout_s"]
-        if timeout is not None and not 0 < timeout <= (max_t or float("inf")):
-            raise BadRequest(f"timeout must be in (0, {max_t}] seconds, got {timeout}")
-        cwd = req.cwd or sb.cwd
-        if not cwd.startswith("/"):
-            raise BadRequest(f"cwd must be an absolute path inside the sandbox, got {cwd!r}")
-        if any("\0" in a for a in req.argv):
-            raise BadRequest("argv must not contain NUL bytes")
-        user = sb.user if req.user is None else req.user
-        idmap = userns.IdMap.from_record(sb.idmap)
-        if idmap and not 0 <= user < idmap.count:
-            raise BadRequest(f"user {user} does not exist in sandbox {sb.id}: its user namespace maps "
-                             f"uids 0..{idmap.count - 1}", {"user": user, "userns_size": idmap.count})
-        env = self.backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, req.env)
-        await self.ensure_running(sb, "exec")
-        if not (req.stream or req.stdin or req.trace):
-            # ETXTBSY: the program is open for writing somewhere for a moment
-            # (a write_file just answered, whose fd a spawn child copied with the
-            # daemon's fd table before closing it: csrc/spawn.c fds_own; or the
-            # sandbox's own writer). Nothing ran, so a short wait and a retry are safe.
-            for delay in (*ETXTBSY_RETRY_S, None):
-                try:
-                    return await self._exec_collected(sb, list(req.argv), env, cwd, user, timeout, ctx)
-                except DsecError as err:
-                    if delay is None or err.detail.get("errno") != "ETXTBSY":
-                        raise
-                await asyncio.sleep(delay)
-        collected: dict[int, list[bytes]] = {1: [], 2: []}
-
-        async def emit(stream: int, data: bytes) -> None:
-            if req.stream:
-                await ctx.emit({"fd": stream, "data": data})
-            else:
-                collected[stream].append(data)
-
-        io = ExecIO(self.loop, self.max_exec_output, emit, req.stdin)
-        sb.execs += 1
-        ctx.register_exec(io)
-        try:
-            argv = tracing.traced_argv(req.argv) if req.trace else list(req.argv)
-            # A traced exec needs the daemon's helper: the tracer attaches to the daemon's child.
-            tracer = None
-            watch = None if req.trace else self._start_by_init(sb, argv, env, cwd, user, io, io.child_fds())
-            if watch is None:
-                pid = await self._spawn_exec(sb, argv, env, cwd, user, io.child_fds(), io)
-                if req.trace:
-                    tracer = await self._start_tracer(pid, timeout)
-                watch = ChildWatch(self.loop, pid)
-            try:
-                result = await io.run(watch, timeout, self.limits["exec_drain_grace_s"])
-            except OSError as err:
-                raise run_error(err, sb.id, argv[0], cwd) from err
-            if tracer is not None:
-                result["trace"] = await self.run_blocking(tracing.collect, tracer)
-        finally:
-            io.close()
-            sb.execs -= 1
-            sb.last_active = time.monotonic()
-            ctx.unregister_exec()
-        if not req.stream:
-            result["stdout"] = b"".join(collected[1])
-            result["stderr"] = b"".join(collected[2])
-        return result
-
-    async def _exec_collected(self, sb: Sandbox, argv: list[str], env: dict, cwd: str, user: int,
-                              timeout: float | None, ctx) -> dict:
-        """An exec whose output comes back whole and that takes no stdin (most
-        of them): collected by loop callbacks (dsecd/execio.py Collector), not
-        by ExecIO's task per pipe; stdin is the daemon's /dev/null."""
-        # kill_grace: the watch's (an exec of our own is waited for however long after its kill).
-        run = Collector(self.loop, self.max_exec_output, self.limits["exec_drain_grace_s"], None)
-        sb.execs += 1
-        ctx.register_exec(run)
-        watch = None
-        try:
-            stdio = (self._devnull, *run.child_ends)
-            watch = self._start_by_init(sb, argv, env, cwd, user, run, stdio)
-            if watch is None:
-                watch = ChildWatch(self.loop, await self._spawn_exec(sb, argv, env, cwd, user, stdio, run))
-            # Sent to init, the timeout counts from the send: a start init cannot finish is killed too.
-            run.kill_grace = watch.kill_grace
-            run.start(watch.exited, watch.kill, timeout)
-            try:
-                return await run.done
-            except OSError as err:
-                raise run_error(err, sb.id, argv[0], cwd) from err
-        except BaseException:
-            # Cancelled (client gone, `cancel`, daemon stopping): the process group goes.
-            if watch is not None and not watch.exited.done():
-                watch.abandon()
-            raise
-        finally:
-            if watch is not None:
-                watch.stop()
-            run.close()
-            sb.execs -= 1
-            sb.last_active = time.monotonic()
-            ctx.unregister_exec()
-
-    def _start_by_init(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int, io,
-                       stdio: tuple[int, int, int]) -> InitExec | None:
-        """The exec sent to the sandbox's init (dsecd/initlink.py), or None:
-        the daemon's helper must start it (no channel: exec_via = helper, a
-        sandbox of an older daemon, or one whose init lacks this daemon's
-        capabilities; or the channel cannot take this one: too big, init
-        busy). `io` owns the child ends in stdio, closed once sent. Whether it
-        started shows in its `exited` (a failed start: errors.run_error)."""
-        if sb.handle is None:
-            return None
-        return self.send_to_init(self.backend.start_by_init, sb.handle, argv, env, cwd, user, io, stdio)
-
-    async def _spawn_exec(self, sb: Sandbox, argv: list[str], env: dict, cwd: str, user: int,
-                          fds: tuple[int, int, int], io) -> int:
-        return await self.spawn_by_helper(io, None, self.backend.spawn, sb.handle, argv, env, cwd, user, fds)
-
-    # The two ways a process starts in a sandbox (or a call sandbox: callops.py),
-    # with their argument and start errors as the protocol's.
-
-    def send_to_init(self, start_by_init, handle, argv: list[str], env: list[str], cwd: str, user: int, io,
-                     stdio: tuple[int, int, int], what: str = "exec") -> InitExec | None:
-        """start_by_init(loop, handle, argv, env, cwd, user, stdio) (a
-        backend's): its InitExec, or None when the channel cannot take it.
-        `io` owns the child ends in stdio, closed once sent."""
-        try:
-            started = start_by_init(self.loop, handle, argv, env, cwd, user, stdio)
-        except ValueError as err:     # as the helper's argument checks (spawn_by_helper)
-            raise BadRequest(f"{what}: {err}") from err
-        if started is not None:
-            io.close_child_ends()     # sent: init holds them now
-        return started
-
-    async def spawn_by_helper(self, io, after_abandoned, spawn, handle, argv: list[str], env: list[str], cwd: str,
-                              user: int, fds: tuple[int, int, int], what: str = "exec") -> int:
-        """spawn(handle, argv, env, cwd, user, fds) (a backend's) through
-        spawn_handed_over: the pid of the daemon's new child."""
-        try:
-            return await self.spawn_handed_over(io, after_abandoned, spawn, handle, argv, env, cwd, user, fds)
-        except NativeError as err:
-            raise exec_error(err, argv[0], cwd) from err
-        except ValueError as err:       # the native layer's argument checks (sizes, NULs)
-            raise BadRequest(f"{what}: {err}") from err
-
-    async def spawn_handed_over(self, io, after_abandoned, spawn, *args) -> int:
-        """spawn(*args) -> pid in a worker thread; `io` (ExecIO or Collector)
-        owns the child ends passed in args, closed once the spawn returned.
-
-        A request cancelled meanwhile (client gone, `cancel`) must not close
-        them while the worker may still hand them to the child: another thread
-        could reuse the numbers and the process would write into, say, another
-        client's socket. The ends are taken from `io` and closed when the spawn
-        is over, a process it made anyway is killed and reaped, and then
-        after_abandoned() (if given) runs: what the caller must not release
-        before that (a call's uid) is released there."""
-        ends: list[int] = []          # filled at a cancel, before the callback can run
-        try:
-            return await self.run_shielded(functools.partial(self._spawn_abandoned, ends, after_abandoned),
-                                           spawn, *args)
-        except asyncio.CancelledError:
-            ends.extend(io.take_child_ends())
-            raise
-        finally:
-            io.close_child_ends()      # nothing left to close if they were taken
-
-    def _spawn_abandoned(self, ends: list[int], after_abandoned, fut: asyncio.Future) -> None:
-        for fd in ends:
-            os.close(fd)
-        made = not (fut.cancelled() or fut.exception() is not None)
-        reaped = kill_and_reap(self.loop, fut.result()) if made else None
-        if after_abandoned is None:
-            return
-        if reaped is None:
-            after_abandoned()
-        else:
-            reaped.add_done_callback(lambda _reaped: after_abandoned())
-
-    async def _start_tracer(self, pid: int, timeout: float | None):
-        try:
-            return await self.run_blocking(tracing.start_tracer, pid, timeout,
-                                           self.cfg.size("limits", "max_trace_bytes"))
-        except OSError as err:
-            kill_and_reap(self.loop, pid)     # it is stopped, waiting for a tracer that will not come
-            raise io_error("start the tracer for", f"pid {pid}", err) from err
-
-    async def op_exec_input(self, req, ctx) -> dict:
-        io = ctx.exec_for(req.exec_id)
-        if io is None:
-            raise NotFound(f"no running exec with id {req.exec_id} on this connection")
-        if not io.takes_stdin:
-            raise Conflict(f"exec {req.exec_id} was started without stdin")
-        await io.feed_stdin(req.data, req.eof)
-        return {}
-
-    # ------------------------------------------------------------ ops: files
-
-    async def _file_op(self, req, verb: str, fn, *args):
-        sb = self._get(req.sandbox, req)
-        await self.ensure_running(sb, f"file {verb}")
-        try:
-            return await self.run_blocking(userns.file_op, userns.IdMap.from_record(sb.idmap), fn,
-                                           sb.handle.rootfd, *args)
-        except sbfiles.PathError as err:
-            raise BadRequest(str(err), {"path": req.path}) from err
-        except OSError as err:
-            raise io_error(verb, f"{sb.id}:{req.path}", err) from err
-
-    async def op_file_read(self, req, ctx) -> dict:
-        chunk = self.cfg.size("limits", "max_file_chunk_bytes")
-        length = chunk if req.length is None else req.length
-        if not 0 <= length <= chunk or req.offset < 0:
-            raise LimitExceeded(f"file_read length must be in [0, {chunk}] and offset >= 0; read in chunks",
-                                {"max_file_chunk_bytes": chunk})
-        return await self._file_op(req, "read", sbfiles.read_file, req.path, req.offset, length)
-
-    async def op_file_write(self, req, ctx) -> dict:
-        chunk = self.cfg.size("limits", "max_file_chunk_bytes")
-        if len(req.data) > chunk:
-            raise LimitExceeded(f"file_write data of {len(req.data)} bytes exceeds {chunk}; write in chunks "
-                                "with append=true", {"max_file_chunk_bytes": chunk})
-        if not 0 <= req.mode <= 0o7777:
-            raise BadRequest(f"mode must be in [0, 0o7777], got {req.mode:o}")
-        return await self._file_op(req, "write", sbfiles.write_file, req.path, req.data, req.append,
-                                   req.mode, req.parents)
-
-    async def op_file_list(self, req, ctx) -> dict:
-        return await self._file_op(req, "list", sbfiles.list_dir, req.path)
-
-    async def op_file_stat(self, req, ctx) -> dict:
-        return await self._file_op(req, "stat", sbfiles.stat_path, req.path)
-
     # ------------------------------------------------------------ counters for tests and bench
 
     def resource_counts(self) -> dict:
@@ -924,21 +628,10 @@ def _labels_match(sb: Sandbox, labels: dict) -> bool:
     return all(sb.labels.get(k) == v for k, v in labels.items())
 
 
-def _check_env(env: dict) -> None:
-    for k, v in env.items():
-        if not k or "=" in k or "\0" in k or "\0" in v:
-            raise BadRequest(f"bad environment variable name or value: {k!r}")
-
-
 def _check_process(req) -> None:
     """A create's settings of the sandbox's processes (env, cwd, user)."""
-    _check_env(req.env)
+    check_env(req.env)
     if not req.cwd.startswith("/"):
         raise BadRequest(f"cwd must be absolute, got {req.cwd!r}")
     if not 0 <= req.user < 2**32 - 1:
         raise BadRequest(f"user must be a uid in [0, 2^32-1), got {req.user}")
-
-
-# Waits before retrying an exec that failed with ETXTBSY (op_exec).
-ETXTBSY_RETRY_S = (0.002, 0.01, 0.03, 0.1)
-

@@ -240,7 +240,7 @@ class Connection:
             elif isinstance(req, protocol.Hello):
                 raise BadRequest("hello was already done on this connection")
             else:
-                handler = getattr(self.server.node, f"op_{req.OP}")
+                handler = self.server.routes[req.OP]
                 result = await handler(req, ctx)
             await self.send({"id": rid, "result": result})
         except asyncio.CancelledError:
@@ -282,6 +282,7 @@ class Connection:
 class Server:
     def __init__(self, node, socket_path: str, group: str, limits: dict, max_frame: int):
         self.node = node
+        self.routes = node.routes()       # op name -> the handler of the service that owns it
         self.path = socket_path
         self.group = group
         self.gid = _group_id(group)

@@ -1,17 +1,20 @@
-"""A create cancelled while its spawn runs in a worker (dsecd/node.py
+"""A create cancelled while its spawn runs in a worker (dsecd/engine/workers.py
 run_shielded, netops.py _abandoned_create): the sandbox the worker still
 makes is destroyed once it exists, not left running unrecorded (no root: a
-fake backend)."""
+fake backend). Likewise execs and plain calls (dsecd/engine/starts.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from dsecd.engine.execs import ExecService
+from dsecd.engine.starts import ProcessStarter
+from dsecd.engine.workers import Workers
 from dsecd.node import Node
 
 
@@ -36,9 +39,21 @@ async def _cancel_soon(task: asyncio.Future, after: float = 0.05) -> None:
         pass
 
 
-def _ops(loop, pool, backend):
+@contextlib.contextmanager
+def _workers():
+    """Two worker threads on the running loop, joined at the end."""
+    workers = Workers(2)
+    workers.start(asyncio.get_running_loop())
+    try:
+        yield workers
+    finally:
+        workers.pool.shutdown(wait=True)
+
+
+def _ops(workers, backend):
+    """What NetOps.spawn_joining uses of the node (a mixin, not yet a service)."""
     ops = object.__new__(Node)
-    ops.loop, ops.pool, ops.backend = loop, pool, backend
+    ops.loop, ops.workers, ops.pool, ops.backend = workers.loop, workers, workers.pool, backend
     return ops
 
 
@@ -52,8 +67,8 @@ def test_a_cancelled_create_destroys_what_its_worker_made():
     released = []
 
     async def go():
-        with ThreadPoolExecutor(2) as pool:
-            ops = _ops(asyncio.get_running_loop(), pool, backend)
+        with _workers() as workers:
+            ops = _ops(workers, backend)
             after = lambda: released.append(list(backend.destroyed))    # noqa: E731
             await _cancel_soon(asyncio.ensure_future(ops.spawn_joining(slow_create, None, after, "sb1")))
             assert released == []                 # its id range and layers: not while the worker runs
@@ -69,8 +84,8 @@ def test_an_uncancelled_create_returns_its_handle_and_destroys_nothing():
     backend = _Backend()
 
     async def go():
-        with ThreadPoolExecutor(2) as pool:
-            ops = _ops(asyncio.get_running_loop(), pool, backend)
+        with _workers() as workers:
+            ops = _ops(workers, backend)
             return await ops.spawn_joining(lambda sb_id, netns_fd: f"handle-of-{sb_id}", None,
                                            lambda: 1 / 0, "sb2")
 
@@ -106,7 +121,7 @@ async def _until(cond) -> None:
 
 
 def test_an_exec_cancelled_during_its_spawn_keeps_its_fds_until_the_spawn_is_over():
-    # dsecd/node.py spawn_handed_over: the child ends go only once the worker
+    # dsecd/engine/starts.py spawn_handed_over: the child ends go only once the worker
     # is done with them, and the process it made anyway is killed and reaped.
     from types import SimpleNamespace
 
@@ -120,13 +135,12 @@ def test_an_exec_cancelled_during_its_spawn_keeps_its_fds_until_the_spawn_is_ove
 
     async def go():
         loop = asyncio.get_running_loop()
-        with ThreadPoolExecutor(2) as pool:
-            node = object.__new__(Node)
-            node.loop, node.pool, node.backend = loop, pool, Backend()
+        with _workers() as workers:
+            execs = ExecService(None, workers, ProcessStarter(workers), Backend(), None, None, -1)
             run = Collector(loop, 1 << 20, 0.1, None)
             fds = (0, *run.child_ends)
             sb = SimpleNamespace(handle=None)
-            await _cancel_soon(asyncio.ensure_future(node._spawn_exec(sb, ["x"], {}, "/", 0, fds, run)))
+            await _cancel_soon(asyncio.ensure_future(execs._spawn_exec(sb, ["x"], [], "/", 0, fds, run)))
             run.close()                           # the request's own clean-up: must not close the ends
             await _until(lambda: "pid" in seen and not _alive(seen["pid"]))
 
@@ -164,9 +178,8 @@ def test_a_plain_call_cancelled_during_its_spawn_frees_its_uid_only_after_the_ki
             seen["alive_at_release"] = _alive(seen["pid"])
 
     async def go():
-        loop = asyncio.get_running_loop()
-        with ThreadPoolExecutor(2) as pool:
-            node = _call_node(loop, pool, FnCall())
+        with _workers() as workers:
+            node = _call_node(workers, FnCall())
             await _cancel_soon(asyncio.ensure_future(node._plain_call(box, ["x"], {}, b"", 5)))
             seen["uid_free_at_cancel"] = 7001 in box.free_uids
             await _until(lambda: 7001 in box.free_uids and seen["removed"])
@@ -211,9 +224,8 @@ def test_a_plain_call_cancelled_while_it_runs_frees_its_uid_only_once_reaped():
             seen["removed"].append(name)
 
     async def go():
-        loop = asyncio.get_running_loop()
-        with ThreadPoolExecutor(2) as pool:
-            node = _call_node(loop, pool, FnCall())
+        with _workers() as workers:
+            node = _call_node(workers, FnCall())
             await _cancel_soon(asyncio.ensure_future(node._plain_call(box, ["x"], {}, b"", 30)), after=0.3)
             await _until(lambda: 7002 in box.free_uids and seen["removed"])
 
@@ -246,9 +258,8 @@ def test_a_plain_call_forked_by_init_and_cancelled_frees_its_uid_only_once_init_
             seen["over_at_uid_back"] = seen["watch"].over.done()
 
     async def go():
-        loop = asyncio.get_running_loop()
-        with ThreadPoolExecutor(2) as pool:
-            node = _call_node(loop, pool, FnCall())
+        with _workers() as workers:
+            node = _call_node(workers, FnCall())
             await _cancel_soon(asyncio.ensure_future(node._plain_call(box, ["x"], {}, b"", 30)), after=0.1)
             await asyncio.sleep(0.2)
             seen["uid_free_before_end"] = 7003 in box.free_uids
@@ -287,9 +298,8 @@ def test_a_plain_call_whose_channel_broke_keeps_its_uid_and_retires_its_call_san
             seen["removed"].append(name)
 
     async def go():
-        loop = asyncio.get_running_loop()
-        with ThreadPoolExecutor(2) as pool:
-            node = _call_node(loop, pool, FnCall())
+        with _workers() as workers:
+            node = _call_node(workers, FnCall())
             node.call_stats["zygotes_replaced"] = 0
             node.call_boxes = {"busybox": box}
             with pytest.raises(IOFailure) as e:
@@ -325,10 +335,11 @@ class _FakeInitExec:
         pass
 
 
-def _call_node(loop, pool, fncall) -> Node:
-    """A Node with what _plain_call uses, and nothing else."""
+def _call_node(workers, fncall) -> Node:
+    """A Node with what _plain_call (CallOps, a mixin not yet a service) uses, and nothing else."""
     node = object.__new__(Node)
-    node.loop, node.pool, node.fncall = loop, pool, fncall
+    node.loop, node.pool, node.workers, node.fncall = workers.loop, workers.pool, workers, fncall
+    node.starter = ProcessStarter(workers)
     node.max_exec_output, node.limits = 1 << 20, {"exec_drain_grace_s": 0.1}
     node.call_stats = {"plain_calls": 0, "plain_calls_by_init": 0}
     return node

@@ -1,0 +1,10 @@
+"""The daemon's engine: one service per concern, each given what it needs.
+
+workers.py    Workers: the thread pool blocking work runs in, off the event loop
+sandboxes.py  Sandbox and SandboxRegistry: every sandbox by id, its journal record
+files.py      FileService: read, write, list and stat inside a sandbox
+execs.py      ExecService: execs, their streams and stdin, by init or the helper
+
+dsecd/node.py composes them (and the handlers not yet moved here) and
+dsecd/server.py routes each request type to the service that owns it.
+"""

@@ -1,0 +1,203 @@
+"""Execs in a sandbox: argument checks, the start (by the sandbox's init or
+the daemon's helper: starts.py), output streamed or collected, stdin, the
+timeout, and `dsec trace`'s ptrace record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from .. import tracing, userns
+from ..errors import BadRequest, Conflict, DsecError, NotFound, io_error, run_error
+from ..execio import ChildWatch, Collector, ExecIO, kill_and_reap
+from ..initlink import InitExec
+from .sandboxes import Sandbox, SandboxRegistry
+from .starts import ProcessStarter
+from .workers import Workers
+
+# Waits before retrying an exec that failed with ETXTBSY (ExecService.exec).
+ETXTBSY_RETRY_S = (0.002, 0.01, 0.03, 0.1)
+
+
+def check_env(env: dict) -> None:
+    for k, v in env.items():
+        if not k or "=" in k or "\0" in k or "\0" in v:
+            raise BadRequest(f"bad environment variable name or value: {k!r}")
+
+
+@dataclass(frozen=True)
+class ExecLimits:
+    max_timeout_s: float           # limits.max_exec_timeout_s (0: none)
+    drain_grace_s: float           # limits.exec_drain_grace_s
+    max_output: int                # limits.max_exec_output_bytes
+    max_trace: int                 # limits.max_trace_bytes
+
+    @classmethod
+    def from_config(cls, cfg) -> ExecLimits:
+        limits = cfg.section("limits")
+        return cls(limits["max_exec_timeout_s"], limits["exec_drain_grace_s"],
+                   cfg.size("limits", "max_exec_output_bytes"), cfg.size("limits", "max_trace_bytes"))
+
+
+class ExecService:
+    """`exec` and `exec_input`. `ensure_running(sb, why)` resumes a paused
+    sandbox first (the memory service's); `devnull` is the stdin of collected
+    execs (the daemon's one read-only /dev/null)."""
+
+    def __init__(self, registry: SandboxRegistry, workers: Workers, starter: ProcessStarter, backend,
+                 ensure_running: Callable[[Sandbox, str], Awaitable[None]], limits: ExecLimits, devnull: int):
+        self.registry = registry
+        self.workers = workers
+        self.starter = starter
+        self.backend = backend
+        self.ensure_running = ensure_running
+        self.limits = limits
+        self.devnull = devnull
+
+    async def exec(self, req, ctx) -> dict:
+        sb = self.registry.get(req.sandbox, req)
+        if not req.argv or not all(req.argv):
+            raise BadRequest("argv must be a non-empty list of non-empty strings")
+        check_env(req.env)
+        timeout = req.timeout
+        max_t = self.limits.max_timeout_s
+        if timeout is not None and not 0 < timeout <= (max_t or float("inf")):
+            raise BadRequest(f"timeout must be in (0, {max_t}] seconds, got {timeout}")
+        cwd = req.cwd or sb.cwd
+        if not cwd.startswith("/"):
+            raise BadRequest(f"cwd must be an absolute path inside the sandbox, got {cwd!r}")
+        if any("\0" in a for a in req.argv):
+            raise BadRequest("argv must not contain NUL bytes")
+        user = sb.user if req.user is None else req.user
+        idmap = userns.IdMap.from_record(sb.idmap)
+        if idmap and not 0 <= user < idmap.count:
+            raise BadRequest(f"user {user} does not exist in sandbox {sb.id}: its user namespace maps "
+                             f"uids 0..{idmap.count - 1}", {"user": user, "userns_size": idmap.count})
+        env = self.backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, req.env)
+        await self.ensure_running(sb, "exec")
+        if not (req.stream or req.stdin or req.trace):
+            # ETXTBSY: the program is open for writing somewhere for a moment
+            # (a write_file just answered, whose fd a spawn child copied with the
+            # daemon's fd table before closing it: csrc/spawn.c fds_own; or the
+            # sandbox's own writer). Nothing ran, so a short wait and a retry are safe.
+            for delay in (*ETXTBSY_RETRY_S, None):
+                try:
+                    return await self._exec_collected(sb, list(req.argv), env, cwd, user, timeout, ctx)
+                except DsecError as err:
+                    if delay is None or err.detail.get("errno") != "ETXTBSY":
+                        raise
+                await asyncio.sleep(delay)
+        return await self._exec_streamed(sb, req, env, cwd, user, timeout, ctx)
+
+    async def _exec_streamed(self, sb: Sandbox, req, env: list[str], cwd: str, user: int,
+                             timeout: float | None, ctx) -> dict:
+        """An exec that streams its output, takes stdin or is traced: one ExecIO."""
+        loop = self.workers.loop
+        collected: dict[int, list[bytes]] = {1: [], 2: []}
+
+        async def emit(stream: int, data: bytes) -> None:
+            if req.stream:
+                await ctx.emit({"fd": stream, "data": data})
+            else:
+                collected[stream].append(data)
+
+        io = ExecIO(loop, self.limits.max_output, emit, req.stdin)
+        sb.execs += 1
+        ctx.register_exec(io)
+        try:
+            argv = tracing.traced_argv(req.argv) if req.trace else list(req.argv)
+            # A traced exec needs the daemon's helper: the tracer attaches to the daemon's child.
+            tracer = None
+            watch = None if req.trace else self._start_by_init(sb, argv, env, cwd, user, io, io.child_fds())
+            if watch is None:
+                pid = await self._spawn_exec(sb, argv, env, cwd, user, io.child_fds(), io)
+                if req.trace:
+                    tracer = await self._start_tracer(pid, timeout)
+                watch = ChildWatch(loop, pid)
+            try:
+                result = await io.run(watch, timeout, self.limits.drain_grace_s)
+            except OSError as err:
+                raise run_error(err, sb.id, argv[0], cwd) from err
+            if tracer is not None:
+                result["trace"] = await self.workers.run(tracing.collect, tracer)
+        finally:
+            io.close()
+            sb.execs -= 1
+            sb.last_active = time.monotonic()
+            ctx.unregister_exec()
+        if not req.stream:
+            result["stdout"] = b"".join(collected[1])
+            result["stderr"] = b"".join(collected[2])
+        return result
+
+    async def _exec_collected(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int,
+                              timeout: float | None, ctx) -> dict:
+        """An exec whose output comes back whole and that takes no stdin (most
+        of them): collected by loop callbacks (dsecd/execio.py Collector), not
+        by ExecIO's task per pipe; stdin is the daemon's /dev/null."""
+        # kill_grace: the watch's (an exec of our own is waited for however long after its kill).
+        run = Collector(self.workers.loop, self.limits.max_output, self.limits.drain_grace_s, None)
+        sb.execs += 1
+        ctx.register_exec(run)
+        watch = None
+        try:
+            stdio = (self.devnull, *run.child_ends)
+            watch = self._start_by_init(sb, argv, env, cwd, user, run, stdio)
+            if watch is None:
+                watch = ChildWatch(self.workers.loop,
+                                   await self._spawn_exec(sb, argv, env, cwd, user, stdio, run))
+            # Sent to init, the timeout counts from the send: a start init cannot finish is killed too.
+            run.kill_grace = watch.kill_grace
+            run.start(watch.exited, watch.kill, timeout)
+            try:
+                return await run.done
+            except OSError as err:
+                raise run_error(err, sb.id, argv[0], cwd) from err
+        except BaseException:
+            # Cancelled (client gone, `cancel`, daemon stopping): the process group goes.
+            if watch is not None and not watch.exited.done():
+                watch.abandon()
+            raise
+        finally:
+            if watch is not None:
+                watch.stop()
+            run.close()
+            sb.execs -= 1
+            sb.last_active = time.monotonic()
+            ctx.unregister_exec()
+
+    def _start_by_init(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int, io,
+                       stdio: tuple[int, int, int]) -> InitExec | None:
+        """The exec sent to the sandbox's init (dsecd/initlink.py), or None:
+        the daemon's helper must start it (no channel: exec_via = helper, a
+        sandbox of an older daemon, or one whose init lacks this daemon's
+        capabilities; or the channel cannot take this one: too big, init
+        busy). `io` owns the child ends in stdio, closed once sent. Whether it
+        started shows in its `exited` (a failed start: errors.run_error)."""
+        if sb.handle is None:
+            return None
+        return self.starter.send_to_init(self.backend.start_by_init, sb.handle, argv, env, cwd, user, io, stdio)
+
+    async def _spawn_exec(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int,
+                          fds: tuple[int, int, int], io) -> int:
+        return await self.starter.spawn_by_helper(io, None, self.backend.spawn, sb.handle, argv, env, cwd,
+                                                  user, fds)
+
+    async def _start_tracer(self, pid: int, timeout: float | None):
+        try:
+            return await self.workers.run(tracing.start_tracer, pid, timeout, self.limits.max_trace)
+        except OSError as err:
+            kill_and_reap(self.workers.loop, pid)     # it is stopped, waiting for a tracer that will not come
+            raise io_error("start the tracer for", f"pid {pid}", err) from err
+
+    async def exec_input(self, req, ctx) -> dict:
+        io = ctx.exec_for(req.exec_id)
+        if io is None:
+            raise NotFound(f"no running exec with id {req.exec_id} on this connection")
+        if not io.takes_stdin:
+            raise Conflict(f"exec {req.exec_id} was started without stdin")
+        await io.feed_stdin(req.data, req.eof)
+        return {}

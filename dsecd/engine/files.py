@@ -1,0 +1,64 @@
+"""Files inside a sandbox, from the host side: read, write, list, stat.
+
+Every path is resolved with openat2(RESOLVE_IN_ROOT) against the sandbox's
+root fd (dsecd/fs/files.py), under the sandbox's user-namespace ids
+(dsecd/userns.py file_op), in a worker thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from .. import userns
+from ..errors import BadRequest, LimitExceeded, io_error
+from ..fs import files as sbfiles
+from .sandboxes import Sandbox, SandboxRegistry
+from .workers import Workers
+
+
+class FileService:
+    """`file_read`, `file_write`, `file_list`, `file_stat`. `ensure_running(sb,
+    why)` resumes a paused sandbox first (the memory service's); `max_chunk`
+    is limits.max_file_chunk_bytes, the most one request moves."""
+
+    def __init__(self, registry: SandboxRegistry, workers: Workers,
+                 ensure_running: Callable[[Sandbox, str], Awaitable[None]], max_chunk: int):
+        self.registry = registry
+        self.workers = workers
+        self.ensure_running = ensure_running
+        self.max_chunk = max_chunk
+
+    async def _file_op(self, req, verb: str, fn, *args):
+        sb = self.registry.get(req.sandbox, req)
+        await self.ensure_running(sb, f"file {verb}")
+        try:
+            return await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap), fn,
+                                          sb.handle.rootfd, *args)
+        except sbfiles.PathError as err:
+            raise BadRequest(str(err), {"path": req.path}) from err
+        except OSError as err:
+            raise io_error(verb, f"{sb.id}:{req.path}", err) from err
+
+    async def read(self, req, ctx) -> dict:
+        chunk = self.max_chunk
+        length = chunk if req.length is None else req.length
+        if not 0 <= length <= chunk or req.offset < 0:
+            raise LimitExceeded(f"file_read length must be in [0, {chunk}] and offset >= 0; read in chunks",
+                                {"max_file_chunk_bytes": chunk})
+        return await self._file_op(req, "read", sbfiles.read_file, req.path, req.offset, length)
+
+    async def write(self, req, ctx) -> dict:
+        chunk = self.max_chunk
+        if len(req.data) > chunk:
+            raise LimitExceeded(f"file_write data of {len(req.data)} bytes exceeds {chunk}; write in chunks "
+                                "with append=true", {"max_file_chunk_bytes": chunk})
+        if not 0 <= req.mode <= 0o7777:
+            raise BadRequest(f"mode must be in [0, 0o7777], got {req.mode:o}")
+        return await self._file_op(req, "write", sbfiles.write_file, req.path, req.data, req.append,
+                                   req.mode, req.parents)
+
+    async def list(self, req, ctx) -> dict:
+        return await self._file_op(req, "list", sbfiles.list_dir, req.path)
+
+    async def stat(self, req, ctx) -> dict:
+        return await self._file_op(req, "stat", sbfiles.stat_path, req.path)

@@ -1,0 +1,135 @@
+"""Every sandbox of this daemon, by id, and its journal record.
+
+Sandbox states:
+    creating -> running -> stopping -> (gone)
+                  |  ^
+                  v  |
+                 paused
+                  |
+    running/paused +-> dead (its init exited on its own; only inspect/destroy accept it)
+
+A record (Sandbox.record) is written to the journal (dsecd/journal.py) when
+a sandbox starts running and whenever a journaled field changes, so that the
+next daemon re-adopts it; runtime-only fields are rebuilt then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from ..backends.container import Handle
+from ..errors import BadRequest, Conflict, NotFound
+from ..journal import Journal
+
+
+@dataclass
+class Sandbox:
+    id: str
+    image: str
+    state: str
+    created: float
+    limits: dict
+    env: dict = field(default_factory=dict)
+    labels: dict = field(default_factory=dict)
+    hostname: str = ""
+    cwd: str = "/"
+    user: int = 0
+    backend: str = "container"
+    handle: Handle | None = None
+    # Runtime only (not journaled): pause/resume/destroy serialisation and clocks.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    last_active: float = 0.0          # monotonic; the idle TTL counts from here
+    paused_at: float | None = None
+    paused_total: float = 0.0
+    lease_deadline: float | None = None
+    oom_kills: int = 0                # the memory cgroup's OOM-kill count last seen
+    execs: int = 0
+    exit_status: int | None = None
+    died: float | None = None
+    manifest: str = ""          # image manifest digest: what snapshot and gc go by
+    layers: list = field(default_factory=list)   # layer digests, bottom first
+    ttl: float | None = None        # max lifetime, seconds
+    idle_ttl: float | None = None   # stop after this long without requests (paused time excluded)
+    lease: float | None = None      # a client must `renew` within this many seconds
+    pause_record: dict | None = None   # what pause did (dsecd/mem/pause.py), for resume
+    net: dict | None = None            # {"mode": "default", "lease": {...}}; None = loopback only
+    qos: str = "be"             # CPU class (dsecd/cpu/qos.py)
+    core_sched: str = "off"     # on | off | unavailable
+    key: str | None = None      # idempotency key of the create (dsecd/createops.py)
+    idmap: dict | None = None   # user-namespace id range (dsecd/userns.py); None = host ids
+
+    def record(self) -> dict:
+        h = self.handle
+        return {"id": self.id, "image": self.image, "state": self.state, "created": self.created,
+                "limits": self.limits, "env": self.env, "labels": self.labels,
+                "hostname": self.hostname, "cwd": self.cwd, "user": self.user, "backend": self.backend,
+                "init_pid": h.init_pid if h else None, "init_start": h.init_start if h else None,
+                "died": self.died, "qos": self.qos, "core_sched": self.core_sched,
+                "manifest": self.manifest, "layers": self.layers, "ttl": self.ttl,
+                "idle_ttl": self.idle_ttl, "lease": self.lease, "pause_record": self.pause_record,
+                "net": self.net, "key": self.key, "idmap": self.idmap}
+
+    def public(self) -> dict:
+        out = self.record()
+        out.pop("init_start")
+        out.pop("pause_record")
+        out["execs_running"] = self.execs
+        return out
+
+
+class SandboxRegistry:
+    """The sandboxes by id (live and dead) and the journal their records go to."""
+
+    def __init__(self, journal: Journal):
+        self.journal = journal
+        self.by_id: dict[str, Sandbox] = {}
+        # Dead sandboxes in the registry, so the live count each create checks
+        # is len() - this, not a scan of thousands of sandboxes per create.
+        self.dead = 0
+
+    def get(self, sb_id: str, op_cls) -> Sandbox:
+        """The sandbox `sb_id` (or the one sandbox whose id starts with it, 4
+        characters at least) in a state `op_cls` (a protocol request) accepts."""
+        sb = self.by_id.get(sb_id)
+        if sb is None:
+            matches = [s for k, s in self.by_id.items() if k.startswith(sb_id)] if len(sb_id) >= 4 else []
+            if len(matches) == 1:
+                sb = matches[0]
+            elif len(matches) > 1:
+                raise BadRequest(f"sandbox prefix {sb_id!r} is ambiguous", {"matches": [s.id for s in matches]})
+            else:
+                raise NotFound(f"no sandbox {sb_id!r} (see `dsec ps`)", {"sandbox": sb_id})
+        if op_cls.STATES and sb.state not in op_cls.STATES:
+            raise Conflict(f"sandbox {sb.id} is {sb.state}; {op_cls.OP} needs it {' or '.join(op_cls.STATES)}",
+                           {"sandbox": sb.id, "state": sb.state})
+        return sb
+
+    def add(self, sb: Sandbox) -> None:
+        self.by_id[sb.id] = sb
+        if sb.state == "dead":
+            self.dead += 1
+
+    def live_count(self) -> int:
+        return len(self.by_id) - self.dead
+
+    def live_limits(self) -> list[dict]:
+        return [s.limits for s in self.by_id.values() if s.state != "dead"]
+
+    def save(self, sb: Sandbox) -> None:
+        # A record is one line appended to the log (dsecd/journal.py): cheap
+        # enough for the event loop. With journal.fsync on, each write waits
+        # for the disk; use a slower but crash-proof config knowingly.
+        self.journal.write(sb.id, sb.record())
+
+    def mark_dead(self, sb: Sandbox) -> None:
+        """`sb`'s init is gone: it stays listed, as dead, until destroyed."""
+        if sb.state != "dead" and self.by_id.get(sb.id) is sb:
+            self.dead += 1
+        sb.state = "dead"
+
+    def remove(self, sb: Sandbox, was: str) -> None:
+        """`sb` is destroyed (`was`: its state before): its record goes too."""
+        if self.by_id.pop(sb.id, None) is sb and was == "dead":
+            self.dead -= 1
+        self.journal.delete(sb.id)
