@@ -27,6 +27,7 @@ from .cpu.manager import CpuHost
 from .createops import CreateOps
 from .engine.execs import ExecLimits, ExecService, check_env
 from .engine.files import FileService
+from .engine.images import ImageService
 from .engine.sandboxes import Sandbox, SandboxRegistry
 from .engine.starts import ProcessStarter
 from .engine.workers import Workers
@@ -44,7 +45,6 @@ from .features import Features, suid_dumpable_hazard
 from .fs import files as sbfiles
 from .fs import upper as upperfs
 from .fs.images import ImageError
-from .imageops import ImageOps
 from .journal import Journal
 from .mem import pause
 from .memops import MemOps
@@ -62,10 +62,14 @@ SERVICE_ROUTES = {
     "exec": ("execs", "exec"), "exec_input": ("execs", "exec_input"),
     "file_read": ("files", "read"), "file_write": ("files", "write"),
     "file_list": ("files", "list"), "file_stat": ("files", "stat"),
+    "image_build": ("image_service", "build"), "image_list": ("image_service", "list"),
+    "image_inspect": ("image_service", "inspect"), "image_rm": ("image_service", "rm"),
+    "image_gc": ("image_service", "gc"), "image_du": ("image_service", "du"),
+    "snapshot": ("image_service", "snapshot"),
 }
 
 
-class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
+class Node(CreateOps, MemOps, NetOps, CallOps):
     def __init__(self, cfg: Config, features: Features, layout: cgroup.Layout):
         self.cfg = cfg
         self.features = features
@@ -92,7 +96,10 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         self.journal = Journal(state, fsync=cfg.section("journal")["fsync"], compact_with=self.workers.submit)
         self.registry = SandboxRegistry(self.journal)
         self.sandboxes = self.registry.by_id
-        self.init_images(cfg)
+        self.image_service = ImageService(cfg, features, layout, self.sb_defaults["cgroup_root"], self.registry,
+                                          self.workers, float(cfg.section("memory")["freeze_timeout_s"]))
+        # What the create path and the mixins not yet services use of it.
+        self.images, self.layers = self.image_service.images, self.image_service.layers
         self.init_memory(cfg)
         self.init_net(cfg)
         self.backend = ContainerBackend(layout, self.sb_defaults, state, {
@@ -171,7 +178,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         self.loop = asyncio.get_running_loop()
         self.workers.start(self.loop)
         await self.run_blocking(upperfs.sweep_views, self.cfg.state_dir / upperfs.VIEWS_DIR)
-        await self.run_blocking(self.start_images)
+        await self.run_blocking(self.image_service.start)
         records = await self.run_blocking(self.journal.load_all)
         for sb_id, rec in records.items():
             await self._recover(sb_id, rec)
@@ -182,7 +189,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         await self.start_calls()
         await self.start_admission()
         self._cpu_task = self.loop.create_task(self.cpu.run(self._cpu_entries, self.run_blocking))
-        self.start_layer_sweeper()
+        self.image_service.start_layer_sweeper()
         await self.run_blocking(self.start_memory)
         await self.readopt_net()
         self.start_reaper()
@@ -239,13 +246,14 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
         """Daemon shutdown: stop watching, close fds, leave sandboxes running."""
         self.close_admission()
         await self.close_calls()      # call sandboxes belong to this daemon: they go
-        for task in (self._cpu_task, self._sweep_task, self._reaper_task):
+        self.image_service.stop_layer_sweeper()
+        for task in (self._cpu_task, self._reaper_task):
             if task:
                 task.cancel()
         await self.close_net()
         await self.run_blocking(self.close_memory)
         drained = not any(s.handle is not None for s in self.sandboxes.values())
-        await self.run_blocking(self.stop_images, drained)
+        await self.run_blocking(self.image_service.stop, drained)
         for sb in self.sandboxes.values():
             if sb.handle and sb.handle.pidfd >= 0:
                 self.loop.remove_reader(sb.handle.pidfd)
@@ -372,7 +380,7 @@ class Node(CreateOps, ImageOps, MemOps, NetOps, CallOps):
                 "limits": self.wire_limits(), "sandboxes": states,
                 "cpu": self.cpu.info(self._live_limits(), self.sb_defaults["cpu"],
                                      parse_size(self.sb_defaults["memory"])),
-                "images": await self.run_blocking(self.images_info),
+                "images": await self.run_blocking(self.image_service.info),
                 "net": self.net_info(),
                 "memory": await self.run_blocking(self.memory_info),
                 "fncall": self.calls_info(),

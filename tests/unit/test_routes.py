@@ -9,9 +9,10 @@ import inspect
 from dsecd import node, protocol
 from dsecd.engine.execs import ExecService
 from dsecd.engine.files import FileService
+from dsecd.engine.images import ImageService
 
 # The type of the service each attribute of the node named in SERVICE_ROUTES holds.
-SERVICES = {"execs": ExecService, "files": FileService}
+SERVICES = {"execs": ExecService, "files": FileService, "image_service": ImageService}
 
 
 def test_every_request_type_has_one_handler():

@@ -1,9 +1,9 @@
-"""The node's image ops: build, list, inspect, remove, gc, du, and snapshot.
+"""Images: the image requests (build, list, inspect, rm, gc, du, snapshot)
+and the layer mounts and pager behind every sandbox's image.
 
-A mixin of Node (dsecd/node.py), kept apart so node.py stays about
-sandboxes. The blob store and layer mounts belong to dsecd/fs/; this module
-only turns protocol requests into calls on them, in worker threads, and
-streams their progress to the client.
+The blob store and layer mounts belong to dsecd/fs/; this service turns
+requests into calls on them, in worker threads, streams their progress to
+the client, and picks where each layer is mounted from (images.mode).
 """
 
 from __future__ import annotations
@@ -16,14 +16,17 @@ import os
 import threading
 from pathlib import Path
 
-from . import cgroup, sysfs
-from .errors import Conflict, image_error
-from .fs import upper as upperfs
-from .fs.images import ImageError, ImageStore
-from .fs.layers import LayerMounts
-from .fs.pager import Pager, PagerConfig
-from .fs.store import INDEX_BLOCK, StoreError, check_index
-from .mem import pause
+from .. import cgroup, sysfs
+from ..errors import Conflict, image_error
+from ..features import Features
+from ..fs import upper as upperfs
+from ..fs.images import ImageError, ImageStore
+from ..fs.layers import LayerMounts
+from ..fs.pager import Pager, PagerConfig
+from ..fs.store import INDEX_BLOCK, StoreError, check_index
+from ..mem import pause
+from .sandboxes import SandboxRegistry
+from .workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +46,20 @@ def store_fstype(path: Path) -> str:
     return sysfs.fs_type(path)[0] or "unknown"
 
 
-class ImageOps:
-    """Needs from Node: cfg, features, layout, sb_defaults, sandboxes, loop, run_blocking, _get."""
+class ImageService:
+    """`images` (the store of names and manifests) and `layers` (their mounts)
+    are what sandboxes are made from; `freeze_timeout_s` bounds a snapshot's
+    freeze (memory.freeze_timeout_s)."""
 
-    def init_images(self, cfg) -> None:
+    def __init__(self, cfg, features: Features, layout: cgroup.Layout, cgroup_root: str,
+                 registry: SandboxRegistry, workers: Workers, freeze_timeout_s: float):
+        self.features = features
+        self.layout = layout
+        self.cgroup_root = cgroup_root
+        self.registry = registry
+        self.workers = workers
+        self.freeze_timeout_s = freeze_timeout_s
+        self.state_dir = cfg.state_dir
         section = cfg.section("images")
         store = Path(section["store"]) if section["store"] else cfg.state_dir / "store"
         self.images = ImageStore(store, cfg.state_dir / "scratch")
@@ -92,7 +105,7 @@ class ImageOps:
         if cfg.section("images")["verify"] and cfg.size("pager", "chunk_size") % INDEX_BLOCK:
             raise ValueError(f"pager.chunk_size must be a multiple of {INDEX_BLOCK // 1024}K while "
                              "images.verify is on (chunks are checked in blocks of that size)")
-        group = cgroup.Group(self.layout, f"{self.sb_defaults['cgroup_root']}/.pager")
+        group = cgroup.Group(self.layout, f"{self.cgroup_root}/.pager")
         self.pager_group = group
         procs = str(group.dirs[cgroup.V2] / "cgroup.procs") if cgroup.V2 in group.dirs else None
         return Pager(PagerConfig(
@@ -163,7 +176,7 @@ class ImageOps:
         tmp.write_bytes(data)
         os.rename(tmp, target)
 
-    def start_images(self) -> None:
+    def start(self) -> None:
         """Start (or adopt) the pager and its supervisor; blocking, in a thread."""
         if self.pager is None:
             return
@@ -186,11 +199,11 @@ class ImageOps:
 
     def _on_pager_restart(self, generation: int) -> None:
         done = self.layers.remount_all()
-        users = [s.id for s in self.sandboxes.values() if set(s.layers) & set(done)]
+        users = [s.id for s in self.registry.by_id.values() if set(s.layers) & set(done)]
         log.error("pager restarted (generation %d): remounted %d layer(s); sandboxes %s may see EIO "
                   "on pages their layers had not cached", generation, len(done), users)
 
-    def stop_images(self, drained: bool) -> None:
+    def stop(self, drained: bool) -> None:
         """Daemon shutdown (blocking): stop supervising. With sandboxes left, the
         pager keeps serving their layers and the next daemon adopts it; with none
         (drained), it is stopped and its mount goes."""
@@ -209,13 +222,17 @@ class ImageOps:
             while True:
                 await asyncio.sleep(period)
                 try:
-                    await self.run_blocking(self.layers.sweep)
+                    await self.workers.run(self.layers.sweep)
                 except Exception:
                     log.exception("layer sweep failed")
 
-        self._sweep_task = self.loop.create_task(sweep())
+        self._sweep_task = self.workers.loop.create_task(sweep())
 
-    def images_info(self) -> dict:
+    def stop_layer_sweeper(self) -> None:
+        if self._sweep_task:
+            self._sweep_task.cancel()
+
+    def info(self) -> dict:
         out = {"mode": self.image_mode, "store": str(self.images.store.root)}
         if self.pager is not None:
             try:
@@ -228,64 +245,64 @@ class ImageOps:
 
     def _progress(self, ctx):
         def progress(p: dict) -> None:
-            self.loop.call_soon_threadsafe(ctx.emit_nowait, {"progress": p})
+            self.workers.loop.call_soon_threadsafe(ctx.emit_nowait, {"progress": p})
 
         return progress
 
     async def _images_call(self, fn, *args):
         try:
-            return await self.run_blocking(fn, *args)
+            return await self.workers.run(fn, *args)
         except ImageError as err:
             raise image_error(err) from err
 
-    async def op_image_build(self, req, ctx) -> dict:
+    async def build(self, req, ctx) -> dict:
         config = {k: v for k, v in (("env", req.env), ("cwd", req.cwd), ("user", req.user),
                                     ("entrypoint", req.entrypoint)) if v is not None}
         image = await self._images_call(self.images.build_from_dir, req.source, req.name, req.parent,
                                         config, self._progress(ctx))
         return image.to_dict()
 
-    async def op_image_list(self, req, ctx) -> dict:
+    async def list(self, req, ctx) -> dict:
         images = await self._images_call(self.images.list)
         return {"images": [i.to_dict() for i in images]}
 
-    async def op_image_inspect(self, req, ctx) -> dict:
+    async def inspect(self, req, ctx) -> dict:
         image = await self._images_call(self.images.get, req.name)
-        users = [s.id for s in self.sandboxes.values() if s.manifest == image.manifest]
+        users = [s.id for s in self.registry.by_id.values() if s.manifest == image.manifest]
         mounted = {d: self.layers.is_mounted(d) for d in image.layer_digests}
         out = {**image.to_dict(), "sandboxes": users, "layers_mounted": mounted, "mode": self.image_mode}
         if self.pager is not None:
             try:
-                blobs = (await self.run_blocking(self.pager.stats)).blobs
+                blobs = (await self.workers.run(self.pager.stats)).blobs
                 out["pager"] = {d: dataclasses.asdict(blobs[d[7:]]) for d in image.layer_digests
                                 if d[7:] in blobs}
             except OSError as err:
                 out["pager"] = {"error": str(err)}
         return out
 
-    async def op_image_rm(self, req, ctx) -> dict:
+    async def rm(self, req, ctx) -> dict:
         """Removes the name only; layers stay until `image_gc`, which keeps those
         a live sandbox uses, so sandboxes on the image are unaffected."""
         image = await self._images_call(self.images.remove, req.name)
         return image.to_dict()
 
     def _in_use(self) -> tuple[set[str], set[str]]:
-        live = [s for s in self.sandboxes.values() if s.state != "dead"]
+        live = [s for s in self.registry.by_id.values() if s.state != "dead"]
         return {d for s in live for d in s.layers}, {s.manifest for s in live if s.manifest}
 
-    async def op_image_gc(self, req, ctx) -> dict:
+    async def gc(self, req, ctx) -> dict:
         layers, manifests = self._in_use()
-        await self.run_blocking(self.layers.sweep, True)
+        await self.workers.run(self.layers.sweep, True)
         return await self._images_call(self.images.gc, layers, manifests)
 
-    async def op_image_du(self, req, ctx) -> dict:
+    async def du(self, req, ctx) -> dict:
         out = await self._images_call(self.images.du)
         out["mounted_layers"] = self.layers.in_use()
         return out
 
-    async def op_snapshot(self, req, ctx) -> dict:
+    async def snapshot(self, req, ctx) -> dict:
         """pack_diff: freeze the sandbox, pack its upper dir as a layer, thaw."""
-        sb = self._get(req.sandbox, req)
+        sb = self.registry.get(req.sandbox, req)
         base = await self._images_call(self.images.get_manifest, sb.manifest, sb.image)
         exclude = self.snapshot_exclude + list(req.exclude)
         if sb.state != "running" or sb.handle is None:       # changed during the await above
@@ -293,20 +310,19 @@ class ImageOps:
         freezer = pause.Freezer.of(sb.handle.group)
         async with sb.lock:      # no pause/resume in between
             try:
-                await self.run_blocking(freezer.freeze, self.pause_cfg.freeze_timeout_s)
+                await self.workers.run(freezer.freeze, self.freeze_timeout_s)
             except OSError as err:      # destroyed meanwhile: its cgroup is gone
                 raise Conflict(f"snapshot of sandbox {sb.id}: cannot freeze it ({err}); is it being destroyed?",
                                {"sandbox": sb.id}) from err
             try:
-                upper, undo = await self.run_blocking(sb.handle.upper_view,
-                                                      self.cfg.state_dir / upperfs.VIEWS_DIR)
+                upper, undo = await self.workers.run(sb.handle.upper_view, self.state_dir / upperfs.VIEWS_DIR)
                 try:
                     image = await self._images_call(self.images.snapshot, upper, base,
                                                     req.name, exclude, self._progress(ctx),
                                                     self.max_snapshot_bytes)
                 finally:
                     if undo is not None:
-                        await self.run_blocking(undo)
+                        await self.workers.run(undo)
             finally:
-                await self.run_blocking(freezer.thaw)
+                await self.workers.run(freezer.thaw)
         return image.to_dict()
