@@ -81,7 +81,7 @@ def pool_name(image: str, cpu: float, memory: int) -> str:
 
 class CreateOps:
     """Needs from Node: cfg, limits, sb_defaults, sandboxes, live_count, loop, create_now, _limits_for, _journal,
-    net_cfg, cpu, check_cwd."""
+    net_service, cpu, check_cwd."""
 
     def init_admission(self, cfg) -> None:
         a = cfg.section("admission")
@@ -190,7 +190,8 @@ class CreateOps:
         if (req.pids is not None or req.cpu_quota is not None or req.hostname is not None or req.allow
                 or req.disk is not None
                 or (req.qos or self.cpu.cfg["default_qos"]) != self.cpu.cfg["default_qos"]
-                or (req.net or self.net_cfg["default_mode"]) != self.net_cfg["default_mode"]):
+                or (req.net or self.net_service.net_cfg["default_mode"])
+                != self.net_service.net_cfg["default_mode"]):
             return None
         return self.pools.get(pool_name(req.image, limits.cpu, limits.memory_bytes))
 

@@ -28,6 +28,7 @@ from .createops import CreateOps
 from .engine.execs import ExecLimits, ExecService, check_env
 from .engine.files import FileService
 from .engine.images import ImageService
+from .engine.network import NetworkService
 from .engine.sandboxes import Sandbox, SandboxRegistry
 from .engine.starts import ProcessStarter
 from .engine.workers import Workers
@@ -49,7 +50,6 @@ from .journal import Journal
 from .mem import pause
 from .memops import MemOps
 from .native import NativeError
-from .netops import NetOps
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +59,18 @@ SERVER_OPS = ("hello", "cancel")
 # The service that owns each request type: op -> (the node's attribute holding
 # it, its handler). Ops not listed are still handled by the node's op_<name>.
 SERVICE_ROUTES = {
-    "exec": ("execs", "exec"), "exec_input": ("execs", "exec_input"),
-    "file_read": ("files", "read"), "file_write": ("files", "write"),
-    "file_list": ("files", "list"), "file_stat": ("files", "stat"),
+    "exec": ("exec_service", "exec"), "exec_input": ("exec_service", "exec_input"),
+    "file_read": ("file_service", "read"), "file_write": ("file_service", "write"),
+    "file_list": ("file_service", "list"), "file_stat": ("file_service", "stat"),
     "image_build": ("image_service", "build"), "image_list": ("image_service", "list"),
     "image_inspect": ("image_service", "inspect"), "image_rm": ("image_service", "rm"),
     "image_gc": ("image_service", "gc"), "image_du": ("image_service", "du"),
     "snapshot": ("image_service", "snapshot"),
+    "net_show": ("net_service", "show"), "net_set": ("net_service", "set"),
 }
 
 
-class Node(CreateOps, MemOps, NetOps, CallOps):
+class Node(CreateOps, MemOps, CallOps):
     def __init__(self, cfg: Config, features: Features, layout: cgroup.Layout):
         self.cfg = cfg
         self.features = features
@@ -101,7 +102,6 @@ class Node(CreateOps, MemOps, NetOps, CallOps):
         # What the create path and the mixins not yet services use of it.
         self.images, self.layers = self.image_service.images, self.image_service.layers
         self.init_memory(cfg)
-        self.init_net(cfg)
         self.backend = ContainerBackend(layout, self.sb_defaults, state, {
             "tmp": cfg.size("sandbox", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")}, upper_mode,
             execs_by_init)
@@ -110,10 +110,12 @@ class Node(CreateOps, MemOps, NetOps, CallOps):
         # Stdin of collected execs and zygote calls: one /dev/null, shared (a
         # spawn dup2s it, SCM_RIGHTS gives init or a zygote its own copy).
         self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        self.net_service = NetworkService(cfg, layout, self.sb_defaults["cgroup_root"],
+                                          self.limits["max_sandboxes"], self.registry, self.workers, self.backend)
         self.starter = ProcessStarter(self.workers)
-        self.execs = ExecService(self.registry, self.workers, self.starter, self.backend, self.ensure_running,
+        self.exec_service = ExecService(self.registry, self.workers, self.starter, self.backend, self.ensure_running,
                                  ExecLimits.from_config(cfg), self._devnull)
-        self.files = FileService(self.registry, self.workers, self.ensure_running,
+        self.file_service = FileService(self.registry, self.workers, self.ensure_running,
                                  cfg.size("limits", "max_file_chunk_bytes"))
         self.init_calls(cfg)
         self.init_admission(cfg)
@@ -191,7 +193,7 @@ class Node(CreateOps, MemOps, NetOps, CallOps):
         self._cpu_task = self.loop.create_task(self.cpu.run(self._cpu_entries, self.run_blocking))
         self.image_service.start_layer_sweeper()
         await self.run_blocking(self.start_memory)
-        await self.readopt_net()
+        await self.net_service.readopt_net()
         self.start_reaper()
 
     def _cpu_entries(self) -> dict[str, tuple[str, bool]]:
@@ -250,7 +252,7 @@ class Node(CreateOps, MemOps, NetOps, CallOps):
         for task in (self._cpu_task, self._reaper_task):
             if task:
                 task.cancel()
-        await self.close_net()
+        await self.net_service.close_net()
         await self.run_blocking(self.close_memory)
         drained = not any(s.handle is not None for s in self.sandboxes.values())
         await self.run_blocking(self.image_service.stop, drained)
@@ -331,7 +333,7 @@ class Node(CreateOps, MemOps, NetOps, CallOps):
             kills = await self.run_blocking(release)
             if kills is not None:
                 self._report_oom(sb, kills)
-            await self.detach_net(sb)      # frees its lease and policy; the veth died with the netns
+            await self.net_service.detach_net(sb)      # frees its lease and policy; the veth died with the netns
         finally:
             self._journal(sb)
 
@@ -381,7 +383,7 @@ class Node(CreateOps, MemOps, NetOps, CallOps):
                 "cpu": self.cpu.info(self._live_limits(), self.sb_defaults["cpu"],
                                      parse_size(self.sb_defaults["memory"])),
                 "images": await self.run_blocking(self.image_service.info),
-                "net": self.net_info(),
+                "net": self.net_service.net_info(),
                 "memory": await self.run_blocking(self.memory_info),
                 "fncall": self.calls_info(),
                 "admission": self.admission_info(),
@@ -463,7 +465,7 @@ class Node(CreateOps, MemOps, NetOps, CallOps):
         limits = self._limits_for(req)
         plan = self.cpu.plan(req.qos)
         self.check_process(req)
-        net_mode = self.net_mode(req)
+        net_mode = self.net_service.net_mode(req)
         disk = self._disk_for(req)
         try:
             image = await self.run_blocking(self.images.get, req.image)
@@ -506,9 +508,9 @@ class Node(CreateOps, MemOps, NetOps, CallOps):
 
         spawning = False
         try:
-            ready = await self.take_netns(net_mode)      # a pooled netns for PID 1 to join, or None
+            ready = await self.net_service.take_netns(net_mode)      # a pooled netns for PID 1 to join, or None
             spawning = True
-            sb.handle = await self.spawn_joining(functools.partial(self.backend.create, disk=disk), ready, release,
+            sb.handle = await self.net_service.spawn_joining(functools.partial(self.backend.create, disk=disk), ready, release,
                                                  sb_id, mounts[::-1], limits, hostname, plan,
                                                  userns.IdMap.from_record(sb.idmap))
         except BaseException as err:
@@ -524,9 +526,9 @@ class Node(CreateOps, MemOps, NetOps, CallOps):
             try:
                 await self.check_cwd(sb, sb.cwd)
             except BaseException:
-                self.release_netns(ready)         # attach_net would have consumed it
+                self.net_service.release_netns(ready)     # attach_net would have consumed it
                 raise
-            await self.attach_net(sb, net_mode, req.allow, ready)
+            await self.net_service.attach_net(sb, net_mode, req.allow, ready)
         except BaseException:
             # No sandbox whose execs could not start, nor without its network policy: undo the container.
             self.sandboxes.pop(sb_id, None)
@@ -598,7 +600,7 @@ class Node(CreateOps, MemOps, NetOps, CallOps):
             raise io_error("destroy sandbox", sb.id, err) from err
         if kills is not None:
             self._report_oom(sb, kills)
-        await self.detach_net(sb)
+        await self.net_service.detach_net(sb)
         self.registry.remove(sb, prev)
         self.free_key(sb)
         self._release_ids(sb)        # its processes are gone: stop() waited for them

@@ -6,6 +6,7 @@ files.py      FileService: read, write, list and stat inside a sandbox
 starts.py     ProcessStarter: a process started by a sandbox's init or the exec helper
 execs.py      ExecService: execs, their streams and stdin, by init or the helper
 images.py     ImageService: image requests, snapshots, layer mounts and the pager
+network.py    NetworkService: a sandbox's network at create and destroy, net_show/net_set
 
 dsecd/node.py composes them (and the handlers not yet moved here) and
 dsecd/server.py routes each request type to the service that owns it.

@@ -9,10 +9,12 @@ import asyncio
 import contextlib
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from dsecd.engine.execs import ExecService
+from dsecd.engine.network import NetworkService
 from dsecd.engine.starts import ProcessStarter
 from dsecd.engine.workers import Workers
 from dsecd.node import Node
@@ -50,11 +52,10 @@ def _workers():
         workers.pool.shutdown(wait=True)
 
 
-def _ops(workers, backend):
-    """What NetOps.spawn_joining uses of the node (a mixin, not yet a service)."""
-    ops = object.__new__(Node)
-    ops.loop, ops.workers, ops.pool, ops.backend = workers.loop, workers, workers.pool, backend
-    return ops
+def _ops(workers, backend) -> NetworkService:
+    """The network service, whose spawn_joining a create goes through."""
+    cfg = SimpleNamespace(section=lambda name: {}, state_dir=None)
+    return NetworkService(cfg, None, "dsecd-test", 1, None, workers, backend)
 
 
 def test_a_cancelled_create_destroys_what_its_worker_made():

@@ -10,9 +10,11 @@ from dsecd import node, protocol
 from dsecd.engine.execs import ExecService
 from dsecd.engine.files import FileService
 from dsecd.engine.images import ImageService
+from dsecd.engine.network import NetworkService
 
 # The type of the service each attribute of the node named in SERVICE_ROUTES holds.
-SERVICES = {"execs": ExecService, "files": FileService, "image_service": ImageService}
+SERVICES = {"exec_service": ExecService, "file_service": FileService, "image_service": ImageService,
+            "net_service": NetworkService}
 
 
 def test_every_request_type_has_one_handler():

@@ -1,0 +1,272 @@
+"""Sandbox networking as the engine sees it: --net default|none, --allow
+rules, `net show`, `net set`, and a sandbox's network at create and destroy.
+
+The mechanisms (bridge, veth, IPAM, eBPF allowlists) are dsecd/net/. Building the Network compiles the BPF programs
+(seconds), so it happens on first need - the first `--net default` create,
+or at start when a journaled sandbox has networking - never on the event
+loop. Where it cannot be built (no bcc, no cgroup v2), `--net none` keeps
+working, `--net default` answers `unsupported`, and `dsec info` says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import threading
+
+from .. import cgroup
+from ..errors import BadRequest, DsecError, Unsupported, io_error
+from .sandboxes import SandboxRegistry
+from .workers import Workers
+
+log = logging.getLogger(__name__)
+
+
+class NetworkService:
+    """`backend` destroys a sandbox whose create was cancelled mid-spawn
+    (spawn_joining); `cgroup_root` and `max_sandboxes` size and place the
+    eBPF programs and maps."""
+
+    def __init__(self, cfg, layout: cgroup.Layout, cgroup_root: str, max_sandboxes: int,
+                 registry: SandboxRegistry, workers: Workers, backend):
+        self.net_cfg = cfg.section("net")
+        self.state_dir = cfg.state_dir
+        self.layout = layout
+        self.cgroup_root = cgroup_root
+        self.max_sandboxes = max_sandboxes
+        self.registry = registry
+        self.workers = workers
+        self.backend = backend
+        self.net = None
+        self.net_error: str | None = None
+        self._net_ready: asyncio.Future | None = None
+
+    async def network(self):
+        """The Network, built once (in a worker thread) on first use."""
+        if self._net_ready is None:
+            self._net_ready = self.workers.loop.create_future()
+            live = {s.id: (s.handle.init_pid, str(s.handle.group.dirs["unified"]))
+                    for s in self.registry.by_id.values()
+                    if s.net and s.net.get("mode") == "default" and s.handle is not None}
+            try:
+                self.net = await self.workers.run(self._build_network, live)
+                self._net_ready.set_result(self.net)
+            except Exception as err:       # no bcc, no v2 tree, compile error: degrade, say why
+                self.net_error = f"{type(err).__name__}: {err}"
+                log.error("networking unavailable (--net default refused): %s", self.net_error)
+                self._net_ready.set_result(None)
+        net = await asyncio.shield(self._net_ready)
+        if net is None:
+            raise Unsupported(f"--net default is unavailable on this host: {self.net_error}")
+        return net
+
+    def _build_network(self, live: dict):
+        """Build, then re-adopt the live sandboxes' networking and free what the records
+        hold for the rest (also when no live sandbox has networking: leases, veths)."""
+        from ..net import Network
+
+        if self.layout.v2 is None:
+            raise RuntimeError("no cgroup v2 hierarchy to attach the eBPF programs to")
+        net = Network(self.net_cfg, self.state_dir, self.layout.v2, self.cgroup_root,
+                      max_sandboxes=self.max_sandboxes)
+        try:
+            res = net.readopt(live)
+        except BaseException:
+            net.close()
+            raise
+        for sb_id, why in res.get("failed", {}).items():
+            log.error("sandbox %s lost its networking across the restart (%s); it keeps loopback only",
+                      sb_id, why)
+        return net
+
+    def net_mode(self, req) -> str:
+        mode = req.net or self.net_cfg["default_mode"]
+        if mode not in ("none", "default"):
+            raise BadRequest(f"net must be 'none' or 'default', got {mode!r}")
+        if mode == "none" and req.allow:
+            raise BadRequest("--allow needs --net default (--net none is loopback only)")
+        return mode
+
+    async def take_netns(self, mode: str):
+        """Before the container is spawned: a ready netns from the pool for it to
+        join (dsecd/net/pool.py), or None (--net none, pool off or empty)."""
+        if mode != "default":
+            return None
+        return (await self.network()).take_ready()      # never blocks: a list pop
+
+    async def spawn_joining(self, create, ready, after_abandoned, *args):
+        """backend.create(*args, netns_fd) in a worker, PID 1 joining `ready`'s netns.
+
+        `ready` is removed if the spawn fails, or if the create is cancelled - but
+        never while the worker may still pass its fd to the spawn (a closed, or
+        worse reused, fd number would put the sandbox in some other namespace).
+        Once a cancel reached this call, after_abandoned() runs on the loop when
+        the worker is done and what it made is destroyed: what the sandbox
+        uses (its id range, its layers) is released there, not before."""
+        abandoned = functools.partial(self._abandoned_create, args[0], after_abandoned)
+        if ready is None:
+            return await self.workers.run_shielded(abandoned, create, *args, -1)
+        lock, st = threading.Lock(), {"busy": False, "abandoned": False}
+
+        def work():
+            with lock:
+                if st["abandoned"]:
+                    return None
+                st["busy"] = True
+            try:
+                return create(*args, ready.nsfd)
+            finally:
+                with lock:
+                    st["busy"] = False
+                    release = st["abandoned"]
+                if release:                       # cancelled while we worked
+                    self.net.release_ready(ready)
+
+        try:
+            return await self.workers.run_shielded(abandoned, work)
+        except asyncio.CancelledError:
+            with lock:
+                st["abandoned"] = True
+                busy = st["busy"]
+            if not busy:
+                self.release_netns(ready)
+            raise
+        except BaseException:
+            self.release_netns(ready)
+            raise
+
+    def _abandoned_create(self, sb_id: str, after_abandoned, fut: asyncio.Future) -> None:
+        """A create cancelled during its spawn: the sandbox its worker still
+        made is destroyed, not left running unrecorded until the next start's
+        orphan sweep; then after_abandoned() runs (on the loop)."""
+        def release() -> None:
+            try:
+                after_abandoned()
+            except Exception:
+                log.exception("release what the cancelled create of sandbox %s held", sb_id)
+
+        if fut.cancelled() or fut.exception() is not None or fut.result() is None:
+            release()
+            return
+
+        def destroy() -> None:
+            try:
+                self.backend.destroy(sb_id, fut.result())
+            except Exception as err:
+                log.error("destroy sandbox %s, whose create was cancelled: %s", sb_id, err)
+            self.workers.loop.call_soon_threadsafe(release)
+
+        self.workers.behind(destroy)
+
+    def release_netns(self, ready) -> None:
+        """The spawn that was to join `ready` failed: remove it, behind the answer."""
+        if ready is None or self.net is None:
+            return
+
+        def release() -> None:
+            try:
+                self.net.release_ready(ready)
+            except Exception as err:
+                log.error("remove pooled netns %s: %s", ready.name, err)
+
+        self.workers.behind(release)
+
+    async def attach_net(self, sb, mode: str, allow: list[str], ready=None) -> None:
+        """After the container exists: policy first, then the veth (never a link without policy);
+        with `ready`, the netns its PID 1 joined at spawn.
+
+        A create cancelled meanwhile (client gone, `cancel`) must not leave networking
+        behind for a sandbox the node then destroys: the worker undoes its attach if it
+        finishes after the cancellation, and a `ready` nobody consumed is removed."""
+        if mode == "none":
+            return
+        try:
+            net = await self.network()
+        except BaseException:
+            self.release_netns(ready)
+            raise
+        h = sb.handle
+        args = (sb.id, h.init_pid, str(h.group.dirs["unified"]), list(allow), mode, ready)
+        lock, st = threading.Lock(), {"started": False, "done": False, "abandoned": False}
+
+        def work():
+            with lock:
+                if st["abandoned"]:
+                    return None
+                st["started"] = True
+            view = net.attach(*args)       # on failure it undoes itself (and removes `ready`)
+            with lock:
+                st["done"] = True
+                undo = st["abandoned"]
+            if undo:
+                net.detach(sb.id)
+            return view
+
+        try:
+            view = await self.workers.run(work)
+        except OSError as err:
+            raise io_error("attach networking of sandbox", sb.id, err) from err
+        except asyncio.CancelledError:
+            with lock:
+                st["abandoned"] = True
+                started, done = st["started"], st["done"]
+            if not started:
+                self.release_netns(ready)
+            elif done:
+                self.workers.behind(net.detach, sb.id)
+            raise
+        sb.net = {"mode": mode, "lease": view.get("lease")}
+
+    async def detach_net(self, sb) -> None:
+        if self.net is None or not sb.net or sb.net.get("mode") != "default":
+            return
+        try:
+            await self.workers.run(self.net.detach, sb.id)
+        except (OSError, DsecError) as err:
+            log.error("detach networking of sandbox %s: %s", sb.id, err)
+
+    async def readopt_net(self) -> None:
+        """After the journal's sandboxes were re-adopted: building the Network re-adopts live sandboxes' policies and
+        frees the leases of the rest (_build_network)."""
+        if not any(s.net and s.net.get("mode") == "default" for s in self.registry.by_id.values()):
+            return        # records of dead ones are freed whenever the Network is first built
+        with contextlib.suppress(Unsupported):
+            await self.network()
+
+    async def close_net(self) -> None:
+        if self.net is not None:
+            await self.workers.run(self.net.close)
+
+    def net_info(self) -> dict:
+        if self.net is not None:
+            return {"available": True, "detail": f"bridge {self.net_cfg['bridge']}, "
+                    f"{self.net_cfg['ipv4_subnet']}, eBPF allowlists loaded",
+                    "pool": self.net.pool.stats(), "updates": self.net.update_stats()}
+        if self.net_error:
+            return {"available": False, "detail": self.net_error}
+        return {"available": None, "detail": "not started yet (on the first --net default create)"}
+
+    async def show(self, req, ctx) -> dict:
+        sb = self.registry.get(req.sandbox, req)
+        if not sb.net or sb.net.get("mode") != "default":
+            return {"sandbox": sb.id, "mode": "none"}
+        return await self.workers.run((await self.network()).show, sb.id)
+
+    async def set(self, req, ctx) -> dict:
+        sb = self.registry.get(req.sandbox, req)
+        if not sb.net or sb.net.get("mode") != "default":
+            raise BadRequest(f"sandbox {sb.id} has --net none: no policy to change")
+        if req.replace is not None and (req.add or req.remove):
+            raise BadRequest("give either replace, or add/remove, not both")
+        net = await self.network()
+        try:
+            # Small policies are updated right here (Network.update_now says why and when).
+            view = net.update_now(sb.id, add=req.add, remove=req.remove, replace=req.replace)
+            if view is not None:
+                return view
+            return await self.workers.run(lambda: net.update(sb.id, add=req.add, remove=req.remove,
+                                                              replace=req.replace))
+        except OSError as err:
+            raise io_error("update the policy of sandbox", sb.id, err) from err
