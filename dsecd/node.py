@@ -25,9 +25,12 @@ from .callops import CallOps
 from .config import Config, ConfigError, parse_duration, parse_size
 from .cpu.manager import CpuHost
 from .createops import CreateOps
+from .engine.events import EventBus
 from .engine.execs import ExecLimits, ExecService, check_env
 from .engine.files import FileService
 from .engine.images import ImageService
+from .engine.lifetimes import LifetimeService
+from .engine.memory import MemoryService
 from .engine.network import NetworkService
 from .engine.sandboxes import Sandbox, SandboxRegistry
 from .engine.starts import ProcessStarter
@@ -48,7 +51,6 @@ from .fs import upper as upperfs
 from .fs.images import ImageError
 from .journal import Journal
 from .mem import pause
-from .memops import MemOps
 from .native import NativeError
 
 log = logging.getLogger(__name__)
@@ -67,10 +69,13 @@ SERVICE_ROUTES = {
     "image_gc": ("image_service", "gc"), "image_du": ("image_service", "du"),
     "snapshot": ("image_service", "snapshot"),
     "net_show": ("net_service", "show"), "net_set": ("net_service", "set"),
+    "pause": ("memory", "pause"), "resume": ("memory", "resume"),
+    "job_pause": ("memory", "job_pause"), "job_resume": ("memory", "job_resume"),
+    "renew": ("lifetimes", "renew"), "events": ("events", "stream"),
 }
 
 
-class Node(CreateOps, MemOps, CallOps):
+class Node(CreateOps, CallOps):
     def __init__(self, cfg: Config, features: Features, layout: cgroup.Layout):
         self.cfg = cfg
         self.features = features
@@ -101,7 +106,9 @@ class Node(CreateOps, MemOps, CallOps):
                                           self.workers, float(cfg.section("memory")["freeze_timeout_s"]))
         # What the create path and the mixins not yet services use of it.
         self.images, self.layers = self.image_service.images, self.image_service.layers
-        self.init_memory(cfg)
+        self.events = EventBus()
+        self.memory = MemoryService(cfg, self.sb_defaults["cgroup_root"], self.registry, self.workers, self.events)
+        self.lifetimes = LifetimeService(self.registry, self.workers, self.events, self.memory, self._destroy)
         self.backend = ContainerBackend(layout, self.sb_defaults, state, {
             "tmp": cfg.size("sandbox", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")}, upper_mode,
             execs_by_init)
@@ -113,9 +120,10 @@ class Node(CreateOps, MemOps, CallOps):
         self.net_service = NetworkService(cfg, layout, self.sb_defaults["cgroup_root"],
                                           self.limits["max_sandboxes"], self.registry, self.workers, self.backend)
         self.starter = ProcessStarter(self.workers)
-        self.exec_service = ExecService(self.registry, self.workers, self.starter, self.backend, self.ensure_running,
+        self.exec_service = ExecService(self.registry, self.workers, self.starter, self.backend,
+                                        self.memory.ensure_running,
                                  ExecLimits.from_config(cfg), self._devnull)
-        self.file_service = FileService(self.registry, self.workers, self.ensure_running,
+        self.file_service = FileService(self.registry, self.workers, self.memory.ensure_running,
                                  cfg.size("limits", "max_file_chunk_bytes"))
         self.init_calls(cfg)
         self.init_admission(cfg)
@@ -192,9 +200,9 @@ class Node(CreateOps, MemOps, CallOps):
         await self.start_admission()
         self._cpu_task = self.loop.create_task(self.cpu.run(self._cpu_entries, self.run_blocking))
         self.image_service.start_layer_sweeper()
-        await self.run_blocking(self.start_memory)
+        await self.run_blocking(self.memory.start)
         await self.net_service.readopt_net()
-        self.start_reaper()
+        self.lifetimes.start()
 
     def _cpu_entries(self) -> dict[str, tuple[str, bool]]:
         return {s.id: (s.qos, bool(s.limits.get("cpu_quota"))) for s in self.sandboxes.values()
@@ -249,11 +257,12 @@ class Node(CreateOps, MemOps, CallOps):
         self.close_admission()
         await self.close_calls()      # call sandboxes belong to this daemon: they go
         self.image_service.stop_layer_sweeper()
-        for task in (self._cpu_task, self._reaper_task):
+        self.lifetimes.stop()
+        for task in (self._cpu_task,):
             if task:
                 task.cancel()
         await self.net_service.close_net()
-        await self.run_blocking(self.close_memory)
+        await self.run_blocking(self.memory.close)
         drained = not any(s.handle is not None for s in self.sandboxes.values())
         await self.run_blocking(self.image_service.stop, drained)
         for sb in self.sandboxes.values():
@@ -332,7 +341,7 @@ class Node(CreateOps, MemOps, CallOps):
         try:
             kills = await self.run_blocking(release)
             if kills is not None:
-                self._report_oom(sb, kills)
+                self.memory.report_oom(sb, kills)
             await self.net_service.detach_net(sb)      # frees its lease and policy; the veth died with the netns
         finally:
             self._journal(sb)
@@ -384,7 +393,7 @@ class Node(CreateOps, MemOps, CallOps):
                                      parse_size(self.sb_defaults["memory"])),
                 "images": await self.run_blocking(self.image_service.info),
                 "net": self.net_service.net_info(),
-                "memory": await self.run_blocking(self.memory_info),
+                "memory": await self.run_blocking(self.memory.info),
                 "fncall": self.calls_info(),
                 "admission": self.admission_info(),
                 "userns": self.userns_info(),
@@ -539,7 +548,7 @@ class Node(CreateOps, MemOps, CallOps):
         sb.state = "running"
         self._journal(sb)
         self._watch(sb)
-        self.on_created(sb)
+        self.memory.on_created(sb)
         return sb.public()
 
     async def op_top(self, req, ctx) -> dict:
@@ -584,8 +593,8 @@ class Node(CreateOps, MemOps, CallOps):
 
     async def _teardown(self, sb: Sandbox, prev: str) -> dict:
         sb.state = prev                        # before_destroy looks at paused or not
-        if self.damon_running or sb.state == "paused":     # else before_destroy has nothing to do
-            await self.run_blocking(self.before_destroy, sb)
+        if self.memory.damon_running or sb.state == "paused":     # else before_destroy has nothing to do
+            await self.run_blocking(self.memory.before_destroy, sb)
         sb.state = "stopping"
         h, sb.handle = sb.handle, None
         if h and h.pidfd >= 0:
@@ -599,7 +608,7 @@ class Node(CreateOps, MemOps, CallOps):
             self._journal(sb)
             raise io_error("destroy sandbox", sb.id, err) from err
         if kills is not None:
-            self._report_oom(sb, kills)
+            self.memory.report_oom(sb, kills)
         await self.net_service.detach_net(sb)
         self.registry.remove(sb, prev)
         self.free_key(sb)
@@ -614,9 +623,15 @@ class Node(CreateOps, MemOps, CallOps):
         """backend.stop, with the OOM kill count read before it removes the
         cgroups: of `group`, else of the handle's (neither: not read)."""
         group = group if group is not None else (h.group if h is not None else None)
-        kills = self.oom_count(group) if group is not None else None
+        kills = self.memory.oom_count(group) if group is not None else None
         self.backend.stop(sb_id, h)
         return kills
+
+    async def op_job_rm(self, req, ctx) -> dict:
+        sbs = self.registry.of_job(req.job, ("running", "paused", "dead"))
+        results = await asyncio.gather(*(self._destroy(s, req.force) for s in sbs), return_exceptions=True)
+        return {"job": req.job, "destroyed": [r["id"] for r in results if isinstance(r, dict)],
+                "failed": {s.id: str(r) for s, r in zip(sbs, results, strict=True) if isinstance(r, BaseException)}}
 
     async def op_destroy_all(self, req, ctx) -> dict:
         targets = [s for s in self.sandboxes.values()

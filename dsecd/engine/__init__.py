@@ -7,6 +7,9 @@ starts.py     ProcessStarter: a process started by a sandbox's init or the exec 
 execs.py      ExecService: execs, their streams and stdin, by init or the helper
 images.py     ImageService: image requests, snapshots, layer mounts and the pager
 network.py    NetworkService: a sandbox's network at create and destroy, net_show/net_set
+events.py     EventBus: state changes published, streamed (`events`) and kept for replay
+memory.py     MemoryService: pause, resume, job pause/resume, swap, DAMON, OOM kills
+lifetimes.py  LifetimeService: TTL, idle TTL and leases (`renew`), the reaper
 
 dsecd/node.py composes them (and the handlers not yet moved here) and
 dsecd/server.py routes each request type to the service that owns it.

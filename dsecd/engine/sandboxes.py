@@ -110,6 +110,13 @@ class SandboxRegistry:
         if sb.state == "dead":
             self.dead += 1
 
+    def of_job(self, job: str, states: tuple[str, ...]) -> list[Sandbox]:
+        """The sandboxes labelled job=`job` in one of `states`; not_found if none has the label."""
+        sbs = [s for s in self.by_id.values() if s.labels.get("job") == job and s.state in states]
+        if not sbs and not any(s.labels.get("job") == job for s in self.by_id.values()):
+            raise NotFound(f"no sandbox has label job={job}")
+        return sbs
+
     def live_count(self) -> int:
         return len(self.by_id) - self.dead
 

@@ -189,12 +189,12 @@ def test_reclaim_frozen_refuses_a_running_group(tmp_path):
 
 
 def test_an_on_demand_resume_prefetches_the_working_set_behind_the_request():
-    # dsecd/memops.py ensure_running: the pause record is read before the
+    # dsecd/engine/memory.py ensure_running: the pause record is read before the
     # resume, which clears it (it was read after, so no prefetch ever ran).
     import asyncio
     from types import SimpleNamespace
 
-    from dsecd.memops import MemOps
+    from dsecd.engine.memory import MemoryService
 
     rec = mp.PauseRecord(working_set={42: [(4096, 8192)]})
     sb = SimpleNamespace(id="sb1", state="paused", pause_record=rec.to_json(), last_active=0.0)
@@ -206,5 +206,5 @@ def test_an_on_demand_resume_prefetches_the_working_set_behind_the_request():
 
     node = SimpleNamespace(auto_resume=True, _resume=resume, pause_cfg=SimpleNamespace(prefetch_mode="populate"),
                            _behind_answer=lambda s, fn, *args: behind.append((s.id, fn, args)))
-    asyncio.run(MemOps.ensure_running(node, sb, "exec"))
+    asyncio.run(MemoryService.ensure_running(node, sb, "exec"))
     assert behind == [("sb1", mp.prefetch, ({42: [(4096, 8192)]}, "populate"))]

@@ -1,33 +1,33 @@
-"""The reaper's OOM-kill check (dsecd/memops.py): round-robin, a bounded
+"""The reaper's OOM-kill check (dsecd/engine/memory.py): round-robin, a bounded
 number of cgroup reads per pass, every sandbox seen in turn (no root)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from dsecd import memops
-from dsecd.memops import MemOps
+from dsecd.engine import memory
+from dsecd.engine.memory import MemoryService
 
 
 def _node(n: int):
     sbs = {f"sb{i}": SimpleNamespace(id=f"sb{i}", state="running", oom_kills=0,
                                      handle=SimpleNamespace(group=f"sb{i}")) for i in range(n)}
-    node = SimpleNamespace(sandboxes=sbs, _oom_cursor=0, published=[])
+    node = SimpleNamespace(registry=SimpleNamespace(by_id=sbs), sandboxes=sbs, _oom_cursor=0, published=[])
     node.events = SimpleNamespace(publish=lambda kind, sb_id, **kw: node.published.append((kind, sb_id, kw)))
-    node._report_oom = lambda sb, n: MemOps._report_oom(node, sb, n)
+    node.report_oom = lambda sb, n: MemoryService.report_oom(node, sb, n)
     return node
 
 
 def _pass(node) -> list[tuple[str, int]]:
     """One reaper pass: the check in its worker, then the report on the loop."""
     before = len(node.published)
-    for sb, n in MemOps._oom_check(node):
-        node._report_oom(sb, n)
+    for sb, n in MemoryService.oom_check(node):
+        node.report_oom(sb, n)
     return [(sb_id, kw["kills"]) for _, sb_id, kw in node.published[before:]]
 
 
 def test_each_pass_reads_a_bounded_slice_and_every_sandbox_comes_round(monkeypatch):
-    monkeypatch.setattr(memops, "OOM_CHECKS_PER_PASS", 4)
+    monkeypatch.setattr(memory, "OOM_CHECKS_PER_PASS", 4)
     kills = {"sb7": 2}
     read: list[str] = []
 
@@ -35,7 +35,7 @@ def test_each_pass_reads_a_bounded_slice_and_every_sandbox_comes_round(monkeypat
         read.append(group)
         return kills.get(group, 0)
 
-    monkeypatch.setattr(memops.pause, "oom_kills", oom_kills)
+    monkeypatch.setattr(memory.pause, "oom_kills", oom_kills)
     node = _node(10)
     found = []
     for _ in range(3):
@@ -49,8 +49,8 @@ def test_each_pass_reads_a_bounded_slice_and_every_sandbox_comes_round(monkeypat
 
 
 def test_no_sandboxes_no_reads(monkeypatch):
-    monkeypatch.setattr(memops.pause, "oom_kills", lambda g: 1 / 0)
-    assert MemOps._oom_check(_node(0)) == []
+    monkeypatch.setattr(memory.pause, "oom_kills", lambda g: 1 / 0)
+    assert MemoryService.oom_check(_node(0)) == []
 
 
 def test_a_sandbox_at_its_end_reports_kills_its_turn_had_not_come_to(monkeypatch):
@@ -58,17 +58,17 @@ def test_a_sandbox_at_its_end_reports_kills_its_turn_had_not_come_to(monkeypatch
     from dsecd.node import Node
 
     calls = []
-    monkeypatch.setattr(memops.pause, "oom_kills", lambda group: calls.append(("read", group)) or 3)
+    monkeypatch.setattr(memory.pause, "oom_kills", lambda group: calls.append(("read", group)) or 3)
     node = _node(2)
     sb = node.sandboxes["sb1"]
     sb.oom_kills = 1
     ops = SimpleNamespace(backend=SimpleNamespace(stop=lambda sb_id, h: calls.append(("stop", sb_id))),
-                          oom_count=lambda group: MemOps.oom_count(node, group))
+                          memory=SimpleNamespace(oom_count=lambda group: MemoryService.oom_count(node, group)))
     kills = Node._stop_counting_oom(ops, "sb1", sb.handle)
     assert calls == [("read", "sb1"), ("stop", "sb1")] and kills == 3
-    MemOps._report_oom(node, sb, kills)
+    MemoryService.report_oom(node, sb, kills)
     assert node.published == [("oom", "sb1", {"kills": 2})] and sb.oom_kills == 3
-    MemOps._report_oom(node, sb, kills)                              # nothing new: nothing published
+    MemoryService.report_oom(node, sb, kills)                              # nothing new: nothing published
     assert Node._stop_counting_oom(ops, "sb0", None) is None         # no handle: nothing to read
     assert len(node.published) == 1
 
@@ -77,16 +77,16 @@ def test_an_unreadable_count_is_none_not_an_error(monkeypatch):
     def gone(group):
         raise FileNotFoundError(2, "No such file or directory")
 
-    monkeypatch.setattr(memops.pause, "oom_kills", gone)
-    assert MemOps.oom_count(_node(1), "sb0") is None
+    monkeypatch.setattr(memory.pause, "oom_kills", gone)
+    assert MemoryService.oom_count(_node(1), "sb0") is None
 
 
 def test_a_kill_seen_by_both_the_reaper_and_a_destroy_is_reported_once(monkeypatch):
-    monkeypatch.setattr(memops.pause, "oom_kills", lambda group: {"sb1": 2}.get(group, 0))
+    monkeypatch.setattr(memory.pause, "oom_kills", lambda group: {"sb1": 2}.get(group, 0))
     node = _node(2)
     sb = node.sandboxes["sb1"]
-    seen = MemOps._oom_check(node)                                    # the reaper's worker read it ...
-    node._report_oom(sb, MemOps.oom_count(node, sb.handle.group))     # ... a destroy reported it meanwhile ...
+    seen = MemoryService.oom_check(node)                                    # the reaper's worker read it ...
+    node.report_oom(sb, MemoryService.oom_count(node, sb.handle.group))     # ... a destroy reported it meanwhile ...
     for s, n in seen:                                                 # ... then the reaper's results arrive
-        node._report_oom(s, n)
+        node.report_oom(s, n)
     assert node.published == [("oom", "sb1", {"kills": 2})]

@@ -7,14 +7,18 @@ from __future__ import annotations
 import inspect
 
 from dsecd import node, protocol
+from dsecd.engine.events import EventBus
 from dsecd.engine.execs import ExecService
 from dsecd.engine.files import FileService
 from dsecd.engine.images import ImageService
+from dsecd.engine.lifetimes import LifetimeService
+from dsecd.engine.memory import MemoryService
 from dsecd.engine.network import NetworkService
 
 # The type of the service each attribute of the node named in SERVICE_ROUTES holds.
 SERVICES = {"exec_service": ExecService, "file_service": FileService, "image_service": ImageService,
-            "net_service": NetworkService}
+            "net_service": NetworkService, "memory": MemoryService, "lifetimes": LifetimeService,
+            "events": EventBus}
 
 
 def test_every_request_type_has_one_handler():

@@ -1,0 +1,70 @@
+"""Sandbox state changes as events: published by the services that make
+them, streamed to `events` subscribers, the recent ones kept for replay."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+
+EVENT_KINDS = ("created", "paused", "resumed", "expired", "oom", "died", "destroyed")
+
+
+class EventBus:
+    """Fan-out of state changes to `events` subscribers, each with a bounded queue;
+    the `events` request (stream) is one subscriber.
+
+    A subscriber that does not keep up loses the oldest events, and the next
+    event it gets says how many it lost: the daemon never blocks on a reader."""
+
+    def __init__(self, per_subscriber: int = 1024, history: int = 256):
+        self.max = per_subscriber
+        self.subscribers: set[Subscriber] = set()
+        self.recent: deque[dict] = deque(maxlen=history)
+        self.seq = 0
+
+    def publish(self, kind: str, sandbox: str, **detail) -> None:
+        self.seq += 1
+        ev = {"seq": self.seq, "time": time.time(), "event": kind, "sandbox": sandbox, **detail}
+        self.recent.append(ev)
+        for sub in self.subscribers:
+            sub.push(ev)
+
+    async def stream(self, req, ctx) -> dict:
+        """Stream state changes until the client cancels or disconnects."""
+        def wanted(ev: dict) -> bool:          # one filter for the replay and the live stream
+            return not req.sandbox or ev["sandbox"] == req.sandbox
+
+        sub = Subscriber(self)
+        for ev in list(self.recent) if req.replay else []:
+            if wanted(ev):
+                await ctx.emit(ev)
+        if not req.follow:
+            return {}
+        self.subscribers.add(sub)
+        try:
+            while True:
+                await sub.wake.wait()
+                sub.wake.clear()
+                while sub.queue:
+                    ev = sub.queue.popleft()
+                    if sub.lost:
+                        ev = {**ev, "lost_before": sub.lost}
+                        sub.lost = 0
+                    if wanted(ev):
+                        await ctx.emit(ev)
+        finally:
+            self.subscribers.discard(sub)
+
+
+class Subscriber:
+    def __init__(self, bus: EventBus):
+        self.queue: deque[dict] = deque(maxlen=bus.max)
+        self.lost = 0
+        self.wake = asyncio.Event()
+
+    def push(self, ev: dict) -> None:
+        if len(self.queue) == self.queue.maxlen:
+            self.lost += 1
+        self.queue.append(ev)
+        self.wake.set()

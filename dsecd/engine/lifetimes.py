@@ -1,0 +1,86 @@
+"""How long a sandbox lives: its TTL (max lifetime), idle TTL (paused time
+excluded) and lease (a client must `renew` it), checked once a second by a
+reaper that destroys what expired; the same pass reports new OOM kills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from ..config import parse_duration
+from ..errors import DsecError
+from .events import EventBus
+from .memory import MemoryService
+from .sandboxes import Sandbox, SandboxRegistry
+from .workers import Workers
+
+log = logging.getLogger(__name__)
+
+
+class LifetimeService:
+    """`renew`, and the reaper. `destroy(sb, force)` is the lifecycle's
+    destroy; `memory` counts OOM kills (its oom_check, report_oom)."""
+
+    def __init__(self, registry: SandboxRegistry, workers: Workers, events: EventBus, memory: MemoryService,
+                 destroy: Callable[[Sandbox, bool], Awaitable[dict]]):
+        self.registry = registry
+        self.workers = workers
+        self.events = events
+        self.memory = memory
+        self.destroy = destroy
+        self._reaper_task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._reaper_task = self.workers.loop.create_task(self._reap_loop())
+
+    def stop(self) -> None:
+        if self._reaper_task:
+            self._reaper_task.cancel()
+
+    async def renew(self, req, ctx) -> dict:
+        lease = parse_duration(req.lease, "lease")
+        renewed, missing = [], []
+        for sb_id in req.sandboxes:
+            sb = self.registry.by_id.get(sb_id)
+            if sb is None:
+                missing.append(sb_id)
+                continue
+            sb.lease = lease or sb.lease
+            if sb.lease:
+                sb.lease_deadline = time.monotonic() + sb.lease
+                renewed.append(sb_id)
+        return {"renewed": renewed, "missing": missing}
+
+    @staticmethod
+    def expired(sb: Sandbox, now: float) -> str | None:
+        """Why `sb` must go now (ttl, lease, idle_ttl), or None."""
+        if sb.state not in ("running", "paused"):
+            return None
+        if sb.ttl and time.time() - sb.created > sb.ttl:
+            return "ttl"
+        if sb.lease_deadline and now > sb.lease_deadline:
+            return "lease"
+        if sb.idle_ttl and sb.state == "running" and not sb.execs:
+            if now - sb.last_active > sb.idle_ttl:
+                return "idle_ttl"
+        return None
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            for sb, n in await self.workers.run(self.memory.oom_check):
+                self.memory.report_oom(sb, n)
+            now = time.monotonic()
+            for sb in list(self.registry.by_id.values()):
+                why = self.expired(sb, now)
+                if why is None:
+                    continue
+                try:
+                    await self.destroy(sb, True)
+                    self.events.publish("expired", sb.id, reason=why)
+                    log.info("sandbox %s expired (%s)", sb.id, why)
+                except DsecError as err:
+                    log.warning("expire sandbox %s (%s): %s", sb.id, why, err)
