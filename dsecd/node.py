@@ -21,10 +21,10 @@ from pathlib import Path
 
 from . import __version__, cgroup, protocol, userns
 from .backends.container import ContainerBackend, Handle, close_handle
-from .callops import CallOps
 from .config import Config, ConfigError, parse_duration, parse_size
 from .cpu.manager import CpuHost
 from .createops import CreateOps
+from .engine.calls import CallService, fncall_backend
 from .engine.events import EventBus
 from .engine.execs import ExecLimits, ExecService, check_env
 from .engine.files import FileService
@@ -72,10 +72,11 @@ SERVICE_ROUTES = {
     "pause": ("memory", "pause"), "resume": ("memory", "resume"),
     "job_pause": ("memory", "job_pause"), "job_resume": ("memory", "job_resume"),
     "renew": ("lifetimes", "renew"), "events": ("events", "stream"),
+    "call": ("call_service", "call"),
 }
 
 
-class Node(CreateOps, CallOps):
+class Node(CreateOps):
     def __init__(self, cfg: Config, features: Features, layout: cgroup.Layout):
         self.cfg = cfg
         self.features = features
@@ -120,12 +121,15 @@ class Node(CreateOps, CallOps):
         self.net_service = NetworkService(cfg, layout, self.sb_defaults["cgroup_root"],
                                           self.limits["max_sandboxes"], self.registry, self.workers, self.backend)
         self.starter = ProcessStarter(self.workers)
+        exec_limits = ExecLimits.from_config(cfg)
         self.exec_service = ExecService(self.registry, self.workers, self.starter, self.backend,
-                                        self.memory.ensure_running,
-                                 ExecLimits.from_config(cfg), self._devnull)
+                                        self.memory.ensure_running, exec_limits, self._devnull)
         self.file_service = FileService(self.registry, self.workers, self.memory.ensure_running,
                                  cfg.size("limits", "max_file_chunk_bytes"))
-        self.init_calls(cfg)
+        self.call_service = CallService(fncall_backend(cfg, layout, self.backend), cfg.section("fncall"),
+                                        CallService.sizes_from(cfg), self.sb_defaults["cpu_period_us"],
+                                        self.image_service, self.cpu, self.workers, self.starter,
+                                        exec_limits, self._devnull)
         self.init_admission(cfg)
         self._cpu_task: asyncio.Task | None = None
         self.started = time.time()
@@ -196,7 +200,7 @@ class Node(CreateOps, CallOps):
         for sb_id in orphans:
             log.warning("removing orphaned sandbox resources %s (no journal record)", sb_id)
             await self.run_blocking(self.backend.destroy, sb_id, None)
-        await self.start_calls()
+        await self.call_service.start()
         await self.start_admission()
         self._cpu_task = self.loop.create_task(self.cpu.run(self._cpu_entries, self.run_blocking))
         self.image_service.start_layer_sweeper()
@@ -255,7 +259,7 @@ class Node(CreateOps, CallOps):
     async def close(self) -> None:
         """Daemon shutdown: stop watching, close fds, leave sandboxes running."""
         self.close_admission()
-        await self.close_calls()      # call sandboxes belong to this daemon: they go
+        await self.call_service.close()      # call sandboxes belong to this daemon: they go
         self.image_service.stop_layer_sweeper()
         self.lifetimes.stop()
         for task in (self._cpu_task,):
@@ -394,7 +398,7 @@ class Node(CreateOps, CallOps):
                 "images": await self.run_blocking(self.image_service.info),
                 "net": self.net_service.net_info(),
                 "memory": await self.run_blocking(self.memory.info),
-                "fncall": self.calls_info(),
+                "fncall": self.call_service.info(),
                 "admission": self.admission_info(),
                 "userns": self.userns_info(),
                 "paths": {"socket": d["socket"], "state_dir": str(self.cfg.state_dir),

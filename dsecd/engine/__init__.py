@@ -10,6 +10,7 @@ network.py    NetworkService: a sandbox's network at create and destroy, net_sho
 events.py     EventBus: state changes published, streamed (`events`) and kept for replay
 memory.py     MemoryService: pause, resume, job pause/resume, swap, DAMON, OOM kills
 lifetimes.py  LifetimeService: TTL, idle TTL and leases (`renew`), the reaper
+calls.py      CallService: stateless function calls in call sandboxes and zygotes
 
 dsecd/node.py composes them (and the handlers not yet moved here) and
 dsecd/server.py routes each request type to the service that owns it.

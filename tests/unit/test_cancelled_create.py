@@ -13,11 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from dsecd.engine.execs import ExecService
+from dsecd.engine.calls import CallService
+from dsecd.engine.execs import ExecLimits, ExecService
 from dsecd.engine.network import NetworkService
 from dsecd.engine.starts import ProcessStarter
 from dsecd.engine.workers import Workers
-from dsecd.node import Node
 
 
 class _Backend:
@@ -270,7 +270,7 @@ def test_a_plain_call_forked_by_init_and_cancelled_frees_its_uid_only_once_init_
 
     asyncio.run(go())
     assert seen["watch"].killed and not seen["uid_free_before_end"]
-    assert seen["stats"] == {"plain_calls": 1, "plain_calls_by_init": 1}
+    assert (seen["stats"]["plain_calls"], seen["stats"]["plain_calls_by_init"]) == (1, 1)
     assert box.free_uids == [7003] and seen["removed"] and seen["over_at_uid_back"]
 
 
@@ -336,14 +336,10 @@ class _FakeInitExec:
         pass
 
 
-def _call_node(workers, fncall) -> Node:
-    """A Node with what _plain_call (CallOps, a mixin not yet a service) uses, and nothing else."""
-    node = object.__new__(Node)
-    node.loop, node.pool, node.workers, node.fncall = workers.loop, workers.pool, workers, fncall
-    node.starter = ProcessStarter(workers)
-    node.max_exec_output, node.limits = 1 << 20, {"exec_drain_grace_s": 0.1}
-    node.call_stats = {"plain_calls": 0, "plain_calls_by_init": 0}
-    return node
+def _call_node(workers, fncall) -> CallService:
+    """A call service with what _plain_call uses (a fake fncall backend), and nothing else."""
+    limits = ExecLimits(max_timeout_s=0, drain_grace_s=0.1, max_output=1 << 20, max_trace=0)
+    return CallService(fncall, {}, {}, 100_000, None, None, workers, ProcessStarter(workers), limits, -1)
 
 
 def _plain_call_fncall():

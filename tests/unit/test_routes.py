@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 
 from dsecd import node, protocol
+from dsecd.engine.calls import CallService
 from dsecd.engine.events import EventBus
 from dsecd.engine.execs import ExecService
 from dsecd.engine.files import FileService
@@ -18,7 +19,7 @@ from dsecd.engine.network import NetworkService
 # The type of the service each attribute of the node named in SERVICE_ROUTES holds.
 SERVICES = {"exec_service": ExecService, "file_service": FileService, "image_service": ImageService,
             "net_service": NetworkService, "memory": MemoryService, "lifetimes": LifetimeService,
-            "events": EventBus}
+            "events": EventBus, "call_service": CallService}
 
 
 def test_every_request_type_has_one_handler():

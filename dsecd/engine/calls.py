@@ -1,6 +1,6 @@
-"""The node's FnCall op: `call` (stateless function calls, no sandbox to manage).
+"""FnCall: the `call` request (stateless function calls, no sandbox to manage).
 
-A mixin of Node (dsecd/node.py); the mechanism is dsecd/backends/fncall.py.
+The mechanism is dsecd/backends/fncall.py.
 One call sandbox per image, made on the first call and kept; in it, when the
 image has python3, one zygote. Routing:
 
@@ -29,10 +29,11 @@ import os
 import secrets
 import time
 
-from . import cgroup
-from .backends.fncall import CallBox, FnCallBackend, Zygote, ZygoteDied
-from .config import parse_size
-from .errors import (
+from .. import cgroup
+from ..backends.fncall import CallBox, FnCallBackend, Zygote, ZygoteDied
+from ..config import parse_size
+from ..cpu.manager import CpuHost
+from ..errors import (
     BadRequest,
     Busy,
     DsecError,
@@ -44,10 +45,14 @@ from .errors import (
     io_error,
     started_by_step,
 )
-from .execio import ChildWatch, Collector, ExecIO, reap
-from .fs import upper as upperfs
-from .fs.images import ImageError
-from .native import NativeError
+from ..execio import ChildWatch, Collector, ExecIO, reap
+from ..fs import upper as upperfs
+from ..fs.images import ImageError
+from ..native import NativeError
+from .execs import ExecLimits
+from .images import ImageService
+from .starts import ProcessStarter
+from .workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -55,36 +60,58 @@ PYTHONS = ("python", "python3")
 INLINE_MAX = 48 * 1024     # a call packet up to this size carries its code itself
 
 
-class CallOps:
-    """Needs from Node: cfg, layout, sb_defaults, limits, images, layers, cpu, loop, run_blocking,
-    starter (dsecd/engine/starts.py), _devnull."""
+def fncall_backend(cfg, layout: cgroup.Layout, containers) -> FnCallBackend:
+    """The call sandboxes' backend, from the config and the container backend
+    (`containers`: its writable-layer mode and exec route)."""
+    sb_defaults = cfg.section("sandbox")
+    # Call sandboxes get the same writable-layer cap as sandboxes (sandbox.disk).
+    disk = (upperfs.Cap(cfg.size("sandbox", "disk"), sb_defaults["disk_inodes"])
+            if containers.upper_mode == "tmpfs" else None)
+    return FnCallBackend(layout, sb_defaults, cfg.section("fncall"), cfg.state_dir, {
+        "tmp": cfg.size("fncall", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")}, disk,
+        containers.execs_by_init)
 
-    def init_calls(self, cfg) -> None:
-        self.fn_cfg = cfg.section("fncall")
-        # Call sandboxes get the same writable-layer cap as sandboxes (sandbox.disk).
-        disk = (upperfs.Cap(cfg.size("sandbox", "disk"), self.sb_defaults["disk_inodes"])
-                if self.backend.upper_mode == "tmpfs" else None)
-        self.fncall = FnCallBackend(self.layout, self.sb_defaults, self.fn_cfg, cfg.state_dir, {
-            "tmp": cfg.size("fncall", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")}, disk,
-            self.backend.execs_by_init)
+
+class CallService:
+    """`call`. `fncall` makes call sandboxes and zygotes (fncall_backend);
+    `sizes` are the byte limits of [fncall] (CallService.sizes_from);
+    `images` gives their layers, `cpu` their QoS plan; `devnull` is the stdin
+    of calls that take none."""
+
+    def __init__(self, fncall: FnCallBackend, fn_cfg: dict, sizes: dict, cpu_period_us: int,
+                 images: ImageService, cpu: CpuHost, workers: Workers, starter: ProcessStarter,
+                 exec_limits: ExecLimits, devnull: int):
+        self.fncall = fncall
+        self.fn_cfg = fn_cfg
+        self._call_sizes = sizes
+        self.cpu_period_us = cpu_period_us
+        self.image_service = images
+        self.cpu = cpu
+        self.workers = workers
+        self.starter = starter
+        self.exec_limits = exec_limits
+        self.devnull = devnull
         self.call_boxes: dict[str, CallBox] = {}
         self._box_locks: dict[str, asyncio.Lock] = {}
-        # Read per call: parsed once here.
-        self._call_sizes = {"stdin": cfg.size("fncall", "max_stdin_bytes"),
-                            "code": cfg.size("fncall", "max_code_bytes")}
         self.call_stats = {"calls": 0, "inflight": 0, "zygote_calls": 0, "plain_calls": 0, "plain_calls_by_init": 0,
                            "zygotes_started": 0, "zygotes_replaced": 0, "busy": 0}
 
-    async def start_calls(self) -> None:
-        for box_id in await self.run_blocking(self.fncall.leftovers):
-            log.info("removing call sandbox %s of an earlier daemon", box_id)
-            await self.run_blocking(self.fncall.destroy_box, box_id, None)
+    @staticmethod
+    def sizes_from(cfg) -> dict:
+        """[fncall]'s byte sizes, read per call: parsed once."""
+        return {"stdin": cfg.size("fncall", "max_stdin_bytes"), "code": cfg.size("fncall", "max_code_bytes"),
+                "rlimit_as": cfg.size("fncall", "rlimit_as"), "rlimit_fsize": cfg.size("fncall", "rlimit_fsize")}
 
-    async def close_calls(self) -> None:
+    async def start(self) -> None:
+        for box_id in await self.workers.run(self.fncall.leftovers):
+            log.info("removing call sandbox %s of an earlier daemon", box_id)
+            await self.workers.run(self.fncall.destroy_box, box_id, None)
+
+    async def close(self) -> None:
         boxes, self.call_boxes = list(self.call_boxes.values()), {}
         await asyncio.gather(*(self._drop_box(b, "daemon shutdown") for b in boxes), return_exceptions=True)
 
-    def calls_info(self) -> dict:
+    def info(self) -> dict:
         return {**self.call_stats, "boxes": [
             {"image": b.image, "id": b.id, "calls": b.calls, "running": b.running,
              "zygote_pid": b.zygote.pid if b.zygote and b.zygote.alive else None,
@@ -93,7 +120,7 @@ class CallOps:
 
     # ------------------------------------------------------------ the op
 
-    async def op_call(self, req, ctx) -> dict:
+    async def call(self, req, ctx) -> dict:
         started = time.monotonic()
         argv, code = self._call_route(req)
         timeout = self._call_timeout(req.timeout)
@@ -178,22 +205,22 @@ class CallOps:
 
     async def _make_box(self, image_name: str) -> CallBox:
         try:
-            image = await self.run_blocking(self.images.get, image_name)
+            image = await self.workers.run(self.image_service.images.get, image_name)
         except ImageError as err:
             raise image_error(err) from err
         fc = self.fn_cfg
         limits = cgroup.Limits(cpu=float(fc["cpu"]), memory_bytes=parse_size(fc["memory"]), pids=fc["pids"],
-                               cpu_hard_quota=False, cpu_period_us=self.sb_defaults["cpu_period_us"])
+                               cpu_hard_quota=False, cpu_period_us=self.cpu_period_us)
         plan = self.cpu.plan(fc["qos"])
         box_id = f"fn-{secrets.token_hex(5)}"
         try:
-            mounts = await self.run_blocking(self.layers.acquire, image.layer_digests)
+            mounts = await self.workers.run(self.image_service.layers.acquire, image.layer_digests)
         except OSError as err:
             raise io_error("mount layers of image", image_name, err) from err
         try:
-            handle = await self.run_blocking(self.fncall.create_box, box_id, mounts[::-1], limits, plan)
+            handle = await self.workers.run(self.fncall.create_box, box_id, mounts[::-1], limits, plan)
         except BaseException as err:
-            self.layers.release(image.layer_digests)
+            self.image_service.layers.release(image.layer_digests)
             if isinstance(err, (NativeError, OSError)):
                 raise IOFailure(f"create call sandbox for {image_name}: {err}",
                                 {"errno": getattr(err, "errno", None)}) from err
@@ -227,13 +254,13 @@ class CallOps:
         fc = self.fn_cfg
         conf = {"modules": list(fc["modules"]), "spares": fc["spares"], "uid_base": fc["uid_base"],
                 "uid_count": fc["uid_count"],
-                "rlimits": {"as": self.cfg.size("fncall", "rlimit_as"), "core": 0,
-                            "fsize": self.cfg.size("fncall", "rlimit_fsize"), "nofile": fc["rlimit_nofile"]}}
-        sock, pid = await self.run_blocking(self.fncall.spawn_zygote, box.handle, conf)
+                "rlimits": {"as": self._call_sizes["rlimit_as"], "core": 0,
+                            "fsize": self._call_sizes["rlimit_fsize"], "nofile": fc["rlimit_nofile"]}}
+        sock, pid = await self.workers.run(self.fncall.spawn_zygote, box.handle, conf)
         sock.setblocking(False)
-        zyg = Zygote(sock=sock, pid=pid, pidfd=os.pidfd_open(pid), ready=self.loop.create_future())
-        self.loop.add_reader(sock.fileno(), zyg.on_readable)
-        self.loop.add_reader(zyg.pidfd, lambda: self._on_zygote_exit(box, zyg))
+        zyg = Zygote(sock=sock, pid=pid, pidfd=os.pidfd_open(pid), ready=self.workers.loop.create_future())
+        self.workers.loop.add_reader(sock.fileno(), zyg.on_readable)
+        self.workers.loop.add_reader(zyg.pidfd, lambda: self._on_zygote_exit(box, zyg))
         self.call_stats["zygotes_started"] += 1
         try:
             info = await asyncio.wait_for(asyncio.shield(zyg.ready), self.fn_cfg["zygote_start_timeout_s"])
@@ -256,19 +283,19 @@ class CallOps:
 
     def _close_zygote(self, zyg: Zygote) -> None:
         if zyg.pidfd >= 0:
-            self.loop.remove_reader(zyg.pidfd)
+            self.workers.loop.remove_reader(zyg.pidfd)
             os.close(zyg.pidfd)
             zyg.pidfd = -1
-            self.loop.run_in_executor(self.pool, reap, zyg.pid)
+            self.workers.behind(reap, zyg.pid)
         if zyg.sock.fileno() >= 0:
-            self.loop.remove_reader(zyg.sock.fileno())
+            self.workers.loop.remove_reader(zyg.sock.fileno())
             zyg.sock.close()
 
     def _retire(self, box: CallBox, why: str) -> None:
         if self.call_boxes.get(box.image) is box:
             del self.call_boxes[box.image]
             self.call_stats["zygotes_replaced"] += 1 if box.zygote else 0
-            self.loop.create_task(self._drop_box(box, why))
+            self.workers.loop.create_task(self._drop_box(box, why))
 
     async def _drop_box(self, box: CallBox, why: str) -> None:
         log.info("dropping call sandbox %s of %s: %s", box.id, box.image, why)
@@ -278,8 +305,8 @@ class CallOps:
         h, box.handle = box.handle, None
         if h is None:
             return
-        await self.run_blocking(self.fncall.destroy_box, box.id, h)
-        self.layers.release(box.layers)
+        await self.workers.run(self.fncall.destroy_box, box.id, h)
+        self.image_service.layers.release(box.layers)
 
     # ------------------------------------------------------------ one call
 
@@ -289,19 +316,19 @@ class CallOps:
         async def emit(stream: int, data: bytes) -> None:
             collected[stream].append(data)
 
-        io = ExecIO(self.loop, self.max_exec_output, emit, bool(stdin))
+        io = ExecIO(self.workers.loop, self.exec_limits.max_output, emit, bool(stdin))
         return io, collected
 
     async def _zygote_call(self, box: CallBox, zyg: Zygote, argv: list[str], code: str | None,
                            env: dict, stdin: bytes, timeout: float) -> dict:
-        run = Collector(self.loop, self.max_exec_output, self.limits["exec_drain_grace_s"],
+        run = Collector(self.workers.loop, self.exec_limits.max_output, self.exec_limits.drain_grace_s,
                         self.fn_cfg["kill_grace_s"], path="zygote")
         call_id = zyg.calls = zyg.calls + 1
         extra = []          # memfds of this call (stdin, large code), closed once sent
         try:
             # stdin as a memfd: the whole input is there before the call starts,
             # so there is no feeder to run and no pipe to keep full.
-            stdin_fd = _memfd("fncall-stdin", stdin, extra) if stdin else self._devnull
+            stdin_fd = _memfd("fncall-stdin", stdin, extra) if stdin else self.devnull
             fds = [stdin_fd, *run.child_ends]
             msg = {"op": "call", "id": call_id, "argv": argv, "code": code is not None,
                    "cpu_s": int(timeout) + 1, "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", **env}}
@@ -309,7 +336,7 @@ class CallOps:
             if len(data) > INLINE_MAX:       # the zygote reads packets of at most 64 KiB
                 data = json.dumps(msg).encode()
                 fds.append(_memfd("fncall-code", code.encode(), extra))
-            exited = self.loop.create_future()
+            exited = self.workers.loop.create_future()
             zyg.pending[call_id] = exited
             try:
                 zyg.send_raw(data, fds)
@@ -364,7 +391,7 @@ class CallOps:
             return watch
         pid = await self.starter.spawn_by_helper(io, release, self.fncall.spawn_plain, box.handle, argv, envl, cwd, uid,
                                          io.child_fds(), "call")
-        return ChildWatch(self.loop, pid)
+        return ChildWatch(self.workers.loop, pid)
 
     async def _plain_call(self, box: CallBox, argv: list[str], env: dict, stdin: bytes, timeout: float) -> dict:
         h = box.handle
@@ -373,14 +400,14 @@ class CallOps:
             raise Busy(f"every fncall uid of {box.image} is in use", {"retry_after_s": 0.05})
         uid = box.free_uids.pop()
         try:
-            cwd = await self.run_blocking(self.fncall.make_private_dir, h, name, uid)
+            cwd = await self.workers.run(self.fncall.make_private_dir, h, name, uid)
         except OSError as err:
             box.free_uids.append(uid)
             raise io_error("make the private dir of a call in", box.id, err) from err
         io, out = self._call_io(stdin)
 
         def release() -> None:
-            self.loop.run_in_executor(self.pool, self.fncall.remove_private_dir, h, name)
+            self.workers.behind(self.fncall.remove_private_dir, h, name)
             box.free_uids.append(uid)
 
         abandoned = False
@@ -397,7 +424,7 @@ class CallOps:
                 await io.feed_stdin(stdin, True)
             self.call_stats["plain_calls"] += 1
             try:
-                result = await io.run(watch, timeout, self.limits["exec_drain_grace_s"])
+                result = await io.run(watch, timeout, self.exec_limits.drain_grace_s)
             except OSError as err:
                 if not isinstance(err, NativeError):
                     # Not "init could not start it": its channel broke, or its
