@@ -33,7 +33,7 @@ measures through the Python SDK:
   burst's sandboxes destroyed with one `destroy_all`: wall time, rate, and
   the host's busy CPU ms per sandbox, counted until the host is quiet again
   (the kernel frees a removed cgroup in kworkers, after the rmdir returned:
-  docs/burst.md round 7); burst_destroy_failed: destroys that failed (0);
+  docs/burst.md, 'A destroy'); burst_destroy_failed: destroys that failed (0);
 * fncall_cpu_ms / burst_cpu_ms: where the CPU time of the concurrent fncall
   batch (per call) and of the burst (per sandbox, create + exec) went: the
   daemon (all threads, plus the exec and spawn children it reaped), the call

@@ -1,4 +1,4 @@
-"""`make bench-security`: the hardening report of issue 7, in a few minutes.
+"""`make bench-security`: the hardening report (docs/hardening.md), in a few minutes.
 
     .venv/bin/python bench/security.py [--cycles 3] [--daemon-inputs 25000]
                                        [--decoder-inputs 75000] [--skip-attacks]

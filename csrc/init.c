@@ -12,7 +12,7 @@
  * Started as `dsec-init ctl`, fd 4 is its end of the exec channel
  * (dsec_native.h, docs/native-api.md): the daemon asks it to start execs, and
  * it forks them itself. An exec forked here inherits what the daemon's exec
- * helper would otherwise set up per exec (docs/burst.md round 5): the
+ * helper would otherwise set up per exec (docs/burst.md, "Execs by init"): the
  * sandbox's namespaces, cgroups, CPU QoS and the seccomp filter, compiled
  * once for init. For that, init keeps in its permitted and bounding sets the
  * capabilities it hands on (the daemon's cap_keep plus SETUID, SETGID and

@@ -315,7 +315,7 @@ static int rootfs_mount(const struct container_ctx *c)
  * under cgroup_mutex), so a destroy cost O(live sandboxes x superblocks
  * each). On this host (one masked dir) that is 6 superblocks per sandbox
  * instead of 9, and 13-25% less host CPU per destroy among 2,000 sandboxes
- * (docs/burst.md round 7).
+ * (docs/burst.md, "A destroy").
  *
  * The scratch is mounted on dev/ for a moment. /tmp and the masks are bound
  * from there; /dev's and /dev/shm's binds (they land on dev/ itself and under

@@ -4,7 +4,7 @@ Why: an exec forked by the sandbox's PID 1 inherits its namespaces, cgroups,
 CPU QoS and the seccomp filter compiled once for init. The daemon's exec
 helper (csrc/spawn.c) sets each of these up again per exec: setns, a
 cgroup.procs write per hierarchy, a JIT compile of the filter, a copy of the
-daemon's fd table (docs/burst.md, round 5).
+daemon's fd table (docs/burst.md, "Execs by init").
 
 One SOCK_SEQPACKET socketpair per sandbox, made at create; init's end is its
 fd 4 (csrc/init.c; the message layouts are in csrc/dsec_native.h). This side

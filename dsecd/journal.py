@@ -4,8 +4,8 @@ Two logs use this: the sandbox registry (`Journal`, <state_dir>/journal.log,
 a record per sandbox, written at each state change) and the network's
 records (dsecd/net/network.py, <state_dir>/net/records.log).
 
-Why a log and not a file per record replaced by rename (what the journal was
-until issue 8): creating a file is a metadata change on the host's
+Why a log and not a file per record replaced by rename (what the journal
+once was): creating a file is a metadata change on the host's
 filesystem. On ext4 every new inode is searched for past the inodes deleted
 in the last 5 minutes (ext4's `recently_deleted`), so after a burst of
 destroys each create paid a scan: 10% of a 1,500-sandbox burst's CPU went to

@@ -1,6 +1,6 @@
 """Forensics for reward hacking: run one command under ptrace and record what it did.
 
-`dsec trace SB -- CMD` (issue 7) records, for the command and everything it
+`dsec trace SB -- CMD` (docs/hardening.md, section 3) records, for the command and everything it
 forks: every execve/execveat (path and argv), open/openat/openat2/creat
 path, connect target (AF_INET, AF_INET6 and AF_UNIX decoded), signal
 delivered, fork and exit, each with the pid, the time since the start and

@@ -141,7 +141,8 @@ def worker(link, tmp, uid, rlimits):
             pass
         # The send woke the zygote on this CPU (a sync wake-up): let it relay
         # the report before this process tears its address space down, which
-        # takes longer than the relay (docs/burst.md round 7).
+        # takes longer than the relay (docs/burst.md, 'One call through the
+        # zygote').
         os.sched_yield()
     except BaseException as e:   # setup failed: say why on the call's stderr
         try:
@@ -168,7 +169,7 @@ class Zygote:
     def fork_worker(self):
         """A new worker. Spares do not walk a call's path ahead of it: that
         took more CPU from the call running beside it (two cores) than it
-        saved the next one (docs/burst.md round 6)."""
+        saved the next one (docs/burst.md, 'One call through the zygote')."""
         if not self.uids:
             raise OSError(11, "every fncall uid is in use")
         uid = self.uids.pop()

@@ -1,4 +1,4 @@
-"""Adversarial suite, part 4: hostile clients of the daemon's socket (issue 7).
+"""Adversarial suite, part 4: hostile clients of the daemon's socket.
 
 Slow clients (a frame trickled a byte at a time, or never finished), clients
 that never read their answers, who may connect at all (SO_PEERCRED: root and

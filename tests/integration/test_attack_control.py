@@ -1,5 +1,5 @@
 """Adversarial suite, part 2: the control plane and the other sandboxes are
-out of reach (issue 7).
+out of reach.
 
 * Nothing of the daemon is visible or reachable inside: its socket, state
   dir, journal, log and config do not exist there, no fd of it is inherited,

@@ -1,5 +1,5 @@
 """Adversarial suite, part 1: classic container escapes from inside a real
-sandbox (issue 7). Each attack must fail with the expected errno while an
+sandbox. Each attack must fail with the expected errno while an
 allowed neighbour, run in the same sandbox just before, succeeds: so no
 attack "passes" because the probe or the sandbox is broken.
 

@@ -1,4 +1,4 @@
-"""Adversarial suite, part 3: exhausting what a sandbox is given (issue 7).
+"""Adversarial suite, part 3: exhausting what a sandbox is given.
 
 Each flood must end inside the sandbox that started it (an errno, or its
 own memory cgroup's OOM kill) while the daemon and a neighbour sandbox keep

@@ -1,4 +1,4 @@
-"""Attacks on the file systems of a container sandbox (issue 7, part 1):
+"""Attacks on the file systems of a container sandbox (part 1):
 filling the writable layer, exhausting its inodes, reaching the fd of the
 layer that PID 1 holds, /sys and the cgroup files.
 

@@ -1,4 +1,4 @@
-"""Attacks on /proc from inside a container sandbox (issue 7, part 1).
+"""Attacks on /proc from inside a container sandbox (part 1).
 
 Each forbidden read or write must fail (or read nothing from the kernel)
 beside an allowed neighbour that must work. The sandbox runs busybox as uid 0

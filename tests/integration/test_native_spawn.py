@@ -326,7 +326,7 @@ def test_tmp_is_a_private_tmpfs(sandbox):
 
 def test_dev_shm_tmp_and_proc_masks_share_one_tmpfs_whose_root_is_nowhere(sandbox):
     """One superblock per sandbox for all four, not four (each one slows every memory cgroup
-    removal on the host: docs/burst.md round 7), and the scratch's own root is not mounted
+    removal on the host: docs/burst.md, "A destroy"), and the scratch's own root is not mounted
     anywhere in the sandbox: each place sees only its own dir of it."""
     fields = [line.split() for line in sandbox.sh("cat /proc/self/mountinfo").splitlines()]
     by_point = {f[4]: f for f in fields}
