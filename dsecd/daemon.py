@@ -87,7 +87,7 @@ async def serve(cfg) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("dsecd ready: %d sandboxes adopted, pid %d", len(node.sandboxes), os.getpid())
+    log.info("dsecd ready: %d sandboxes adopted, pid %d", len(node.registry.by_id), os.getpid())
     await stop.wait()
     log.info("stopping; sandboxes keep running")
     await server.stop()

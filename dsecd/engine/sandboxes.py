@@ -79,11 +79,16 @@ class Sandbox:
 
 
 class SandboxRegistry:
-    """The sandboxes by id (live and dead) and the journal their records go to."""
+    """The sandboxes by id (live and dead), by idempotency key, and the
+    journal their records go to."""
 
     def __init__(self, journal: Journal):
         self.journal = journal
         self.by_id: dict[str, Sandbox] = {}
+        # Idempotency key -> the id of the sandbox a create with it made, or
+        # the future of the create still making it (dsecd/engine/creates.py).
+        # A key is free again once its sandbox is destroyed.
+        self.keys: dict[str, str | asyncio.Future] = {}
         # Dead sandboxes in the registry, so the live count each create checks
         # is len() - this, not a scan of thousands of sandboxes per create.
         self.dead = 0
@@ -135,8 +140,14 @@ class SandboxRegistry:
             self.dead += 1
         sb.state = "dead"
 
+    def forget(self, sb_id: str) -> None:
+        """A sandbox whose create failed: it was never journaled."""
+        self.by_id.pop(sb_id, None)
+
     def remove(self, sb: Sandbox, was: str) -> None:
-        """`sb` is destroyed (`was`: its state before): its record goes too."""
+        """`sb` is destroyed (`was`: its state before): its record and its key go too."""
         if self.by_id.pop(sb.id, None) is sb and was == "dead":
             self.dead -= 1
+        if sb.key and self.keys.get(sb.key) == sb.id:
+            del self.keys[sb.key]
         self.journal.delete(sb.id)

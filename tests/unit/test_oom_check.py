@@ -54,8 +54,8 @@ def test_no_sandboxes_no_reads(monkeypatch):
 
 
 def test_a_sandbox_at_its_end_reports_kills_its_turn_had_not_come_to(monkeypatch):
-    # dsecd/node.py _stop_counting_oom: the count is read before stop removes the cgroups.
-    from dsecd.node import Node
+    # dsecd/engine/lifecycle.py stop_counting_oom: the count is read before stop removes the cgroups.
+    from dsecd.engine.lifecycle import LifecycleService
 
     calls = []
     monkeypatch.setattr(memory.pause, "oom_kills", lambda group: calls.append(("read", group)) or 3)
@@ -64,12 +64,12 @@ def test_a_sandbox_at_its_end_reports_kills_its_turn_had_not_come_to(monkeypatch
     sb.oom_kills = 1
     ops = SimpleNamespace(backend=SimpleNamespace(stop=lambda sb_id, h: calls.append(("stop", sb_id))),
                           memory=SimpleNamespace(oom_count=lambda group: MemoryService.oom_count(node, group)))
-    kills = Node._stop_counting_oom(ops, "sb1", sb.handle)
+    kills = LifecycleService.stop_counting_oom(ops, "sb1", sb.handle)
     assert calls == [("read", "sb1"), ("stop", "sb1")] and kills == 3
     MemoryService.report_oom(node, sb, kills)
     assert node.published == [("oom", "sb1", {"kills": 2})] and sb.oom_kills == 3
     MemoryService.report_oom(node, sb, kills)                              # nothing new: nothing published
-    assert Node._stop_counting_oom(ops, "sb0", None) is None         # no handle: nothing to read
+    assert LifecycleService.stop_counting_oom(ops, "sb0", None) is None         # no handle: nothing to read
     assert len(node.published) == 1
 
 

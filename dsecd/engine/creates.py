@@ -1,7 +1,5 @@
-"""The node's create path: idempotency keys, burst admission, warm pools.
-
-A mixin of Node (dsecd/node.py), whose `create_now` does the actual create.
-`op_create` here, in order:
+"""Creates: idempotency keys, burst admission, warm pools, and the create
+itself (create_now). `create` here, in order:
 
 1. **key**: a create with an idempotency key that was seen before answers
    with the same sandbox (or waits for the create still making it); the key
@@ -25,17 +23,32 @@ their share.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
+import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from . import protocol
-from .admission import CreateQueue
-from .config import ConfigError, parse_duration, parse_size
-from .errors import BadRequest, Busy, DsecError, NotFound
+from .. import cgroup, protocol, userns
+from ..admission import CreateQueue
+from ..config import ConfigError, parse_duration, parse_size
+from ..cpu.manager import CpuHost
+from ..errors import BadRequest, Busy, DsecError, NotFound, Unsupported, image_error, io_error
+from ..fs import files as sbfiles
+from ..fs import upper as upperfs
+from ..fs.images import ImageError
+from ..native import NativeError
+from .execs import check_env
+from .idranges import IdRanges
+from .images import ImageService
+from .lifecycle import LifecycleService
+from .memory import MemoryService
+from .network import NetworkService
+from .sandboxes import Sandbox, SandboxRegistry
+from .workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -79,26 +92,39 @@ def pool_name(image: str, cpu: float, memory: int) -> str:
     return f"{image}@{cpu:g}cpu-{memory >> 20}M"
 
 
-class CreateOps:
-    """Needs from Node: cfg, limits, sb_defaults, sandboxes, live_count, loop, create_now, _limits_for, _journal,
-    net_service, cpu, check_cwd."""
+class CreateService:
+    """`create`, `pool_set`, `pool_list`. `disk_default` is sandbox.disk, the
+    writable layer's cap when a create names none."""
 
-    def init_admission(self, cfg) -> None:
+    def __init__(self, cfg, registry: SandboxRegistry, workers: Workers, backend, images: ImageService,
+                 net: NetworkService, memory: MemoryService, cpu: CpuHost, id_ranges: IdRanges,
+                 lifecycle: LifecycleService, disk_default: int):
+        self.sb_defaults = cfg.section("sandbox")
+        self.limits = cfg.section("limits")
+        self.registry = registry
+        self.workers = workers
+        self.backend = backend
+        self.image_service = images
+        self.net = net
+        self.memory = memory
+        self.cpu = cpu
+        self.id_ranges = id_ranges
+        self.lifecycle = lifecycle
+        self.disk_default = disk_default
         a = cfg.section("admission")
         self.admission = CreateQueue(a["max_active_creates"], a["max_queued_creates"])
         self.adm_cfg = a
         self.pool_cfg = cfg.section("pool")
         self.pools: dict[str, Pool] = {}
-        self.create_keys: dict[str, str | asyncio.Future] = {}
         self._pools_path = cfg.state_dir / "pools.json"
         self._pool_task: asyncio.Task | None = None
         self._refills: set[asyncio.Task] = set()
 
-    async def start_admission(self) -> None:
+    async def start(self) -> None:
         """After the journal was re-adopted: keys and pool membership from the records."""
-        for sb in self.sandboxes.values():
+        for sb in self.registry.by_id.values():
             if sb.key:
-                self.create_keys[sb.key] = sb.id
+                self.registry.keys[sb.key] = sb.id
         try:
             saved = json.loads(self._pools_path.read_text())
         except FileNotFoundError:
@@ -108,56 +134,52 @@ class CreateOps:
             saved = {}
         for name, conf in saved.items():
             self.pools[name] = Pool(name=name, **conf)
-        for sb in sorted(self.sandboxes.values(), key=lambda s: s.created):
+        for sb in sorted(self.registry.by_id.values(), key=lambda s: s.created):
             name = sb.labels.get(POOL_LABEL)
             if name is None or sb.state != "running":
                 continue
             if name in self.pools:
                 self.pools[name].ready.append(sb.id)
             else:        # its pool was removed meanwhile
-                self.loop.create_task(self._destroy_quiet(sb))
-        self._pool_task = self.loop.create_task(self._refill_loop())
+                self.workers.loop.create_task(self._destroy_quiet(sb))
+        self._pool_task = self.workers.loop.create_task(self._refill_loop())
 
-    def close_admission(self) -> None:
+    def close(self) -> None:
         for task in (self._pool_task, *self._refills):
             if task:
                 task.cancel()
 
-    def free_key(self, sb) -> None:
-        """A destroyed sandbox's key is free again (a create with it makes a new one)."""
-        if sb.key and self.create_keys.get(sb.key) == sb.id:
-            del self.create_keys[sb.key]
-
-    def admission_info(self) -> dict:
-        return {**self.admission.info(), "keys": len(self.create_keys),
+    def info(self) -> dict:
+        return {**self.admission.info(), "keys": len(self.registry.keys),
                 "pools": {n: {"ready": len(p.ready), "creating": p.creating, "taken": p.taken}
                           for n, p in self.pools.items()}}
 
     # ------------------------------------------------------------ create
 
-    async def op_create(self, req, ctx) -> dict:
+    async def create(self, req, ctx) -> dict:
         if req.key is not None and not 1 <= len(req.key) <= 256:
             raise BadRequest("key must be 1 to 256 characters")
         if req.labels.get(POOL_LABEL) is not None:
             raise BadRequest(f"label {POOL_LABEL} is reserved for warm pools")
         if not req.key:
             return await self._create_admitted(req)
-        known = self.create_keys.get(req.key)
-        if isinstance(known, str) and known in self.sandboxes:
-            return {**self.sandboxes[known].public(), "existing": True}
+        keys = self.registry.keys
+        known = keys.get(req.key)
+        if isinstance(known, str) and known in self.registry.by_id:
+            return {**self.registry.by_id[known].public(), "existing": True}
         if isinstance(known, asyncio.Future):
             return {**await asyncio.shield(known), "existing": True}
-        fut = self.loop.create_future()
-        self.create_keys[req.key] = fut
+        fut = self.workers.loop.create_future()
+        keys[req.key] = fut
         try:
             result = await self._create_admitted(req)
         except BaseException as err:
-            self.create_keys.pop(req.key, None)
+            keys.pop(req.key, None)
             fut.set_exception(err if isinstance(err, Exception) else DsecError("create cancelled",
                                                                             code="conflict"))
             fut.exception()      # retrieved: nobody else may be waiting
             raise
-        self.create_keys[req.key] = result["id"]
+        keys[req.key] = result["id"]
         fut.set_result(result)
         return result
 
@@ -166,7 +188,7 @@ class CreateOps:
         taken = await self._take_from_pool(req, limits)
         if taken is not None:
             return taken
-        live = self.live_count()
+        live = self.registry.live_count()
         cap = self.limits["max_sandboxes"]
         queue = self.admission
         if live + queue.queued >= cap:
@@ -190,8 +212,7 @@ class CreateOps:
         if (req.pids is not None or req.cpu_quota is not None or req.hostname is not None or req.allow
                 or req.disk is not None
                 or (req.qos or self.cpu.cfg["default_qos"]) != self.cpu.cfg["default_qos"]
-                or (req.net or self.net_service.net_cfg["default_mode"])
-                != self.net_service.net_cfg["default_mode"]):
+                or (req.net or self.net.net_cfg["default_mode"]) != self.net.net_cfg["default_mode"]):
             return None
         return self.pools.get(pool_name(req.image, limits.cpu, limits.memory_bytes))
 
@@ -203,7 +224,7 @@ class CreateOps:
         ttl, idle_ttl = parse_duration(req.ttl, "ttl"), parse_duration(req.idle_ttl, "idle_ttl")
         lease = parse_duration(req.lease, "lease")
         while pool.ready:
-            sb = self.sandboxes.get(pool.ready.popleft())
+            sb = self.registry.by_id.get(pool.ready.popleft())
             if sb is None or sb.state != "running" or sb.labels.get(POOL_LABEL) != pool.name:
                 continue
             try:
@@ -211,7 +232,7 @@ class CreateOps:
             except BaseException:
                 self._return_to_pool(pool, sb)
                 raise
-            if sb.state != "running" or sb.id not in self.sandboxes:     # gone while we checked
+            if sb.state != "running" or sb.id not in self.registry.by_id:     # gone while we checked
                 continue
             # Out of the pool for good: the label goes, the caller's settings come.
             sb.labels, sb.env, sb.cwd, sb.user = dict(req.labels), dict(req.env), req.cwd, req.user
@@ -219,7 +240,7 @@ class CreateOps:
             sb.created = time.time()
             sb.last_active = time.monotonic()
             sb.lease_deadline = sb.last_active + lease if lease else None
-            self._journal(sb)
+            self.registry.save(sb)
             pool.taken += 1
             pool.takes.append(time.monotonic())
             return {**sb.public(), "pool": pool.name}
@@ -232,9 +253,9 @@ class CreateOps:
         if self.pools.get(pool.name) is pool and len(pool.ready) < pool.max:
             pool.ready.appendleft(sb.id)
         else:
-            self.loop.create_task(self._destroy_quiet(sb))
+            self.workers.loop.create_task(self._destroy_quiet(sb))
 
-    async def op_pool_set(self, req, ctx) -> dict:
+    async def pool_set(self, req, ctx) -> dict:
         d = self.sb_defaults
         cpu = float(d["cpu"] if req.cpu is None else req.cpu)
         try:
@@ -247,7 +268,7 @@ class CreateOps:
         # Same validation as a create of this shape.
         self._limits_for(protocol.Create(image=req.image, cpu=cpu, memory=memory))
         try:
-            await self.run_blocking(self.images.get, req.image)
+            await self.workers.run(self.image_service.images.get, req.image)
         except Exception as err:
             raise NotFound(f"no image {req.image!r}", {"image": req.image}) from err
         name = pool_name(req.image, cpu, memory)
@@ -259,16 +280,16 @@ class CreateOps:
         self._save_pools()
         # Shrink now: ready sandboxes past max go (a pool with max 0 is removed).
         while len(pool.ready) > pool.max:
-            sb = self.sandboxes.get(pool.ready.pop())
+            sb = self.registry.by_id.get(pool.ready.pop())
             if sb is not None:
-                self.loop.create_task(self._destroy_quiet(sb))
+                self.workers.loop.create_task(self._destroy_quiet(sb))
         if pool.max == 0:
             del self.pools[name]
             self._save_pools()
             return {**pool.public(self.pool_cfg["demand_window_s"]), "removed": True}
         return pool.public(self.pool_cfg["demand_window_s"])
 
-    async def op_pool_list(self, req, ctx) -> dict:
+    async def pool_list(self, req, ctx) -> dict:
         return {"pools": [p.public(self.pool_cfg["demand_window_s"]) for p in self.pools.values()]}
 
     def _save_pools(self) -> None:
@@ -278,7 +299,7 @@ class CreateOps:
 
     async def _destroy_quiet(self, sb) -> None:
         try:
-            await self._destroy(sb, True)
+            await self.lifecycle.destroy_sandbox(sb, True)
         except DsecError as err:
             log.warning("destroy pool sandbox %s: %s", sb.id, err)
 
@@ -294,7 +315,7 @@ class CreateOps:
                     need -= 1
                     budget -= 1
                     pool.creating += 1
-                    task = self.loop.create_task(self._refill_one(pool))
+                    task = self.workers.loop.create_task(self._refill_one(pool))
                     self._refills.add(task)
                     task.add_done_callback(self._refills.discard)
 
@@ -318,6 +339,160 @@ class CreateOps:
         if self.pools.get(pool.name) is pool and len(pool.ready) < pool.max:
             pool.ready.append(result["id"])
         else:
-            sb = self.sandboxes.get(result["id"])
+            sb = self.registry.by_id.get(result["id"])
             if sb is not None:
                 await self._destroy_quiet(sb)
+
+    # ------------------------------------------------------------ the create itself
+
+    def _limits_for(self, req) -> cgroup.Limits:
+        d = self.sb_defaults
+        cpu = d["cpu"] if req.cpu is None else req.cpu
+        if not 0.01 <= cpu <= 1024:
+            raise BadRequest(f"cpu must be between 0.01 and 1024, got {cpu}")
+        try:
+            memory = parse_size(d["memory"] if req.memory is None else req.memory)
+        except ConfigError as err:
+            raise BadRequest(f"memory: {err}") from err
+        if memory < 4 << 20:
+            raise BadRequest(f"memory must be at least 4M, got {memory} bytes")
+        pids = d["pids"] if req.pids is None else req.pids
+        if not 8 <= pids <= 1 << 22:
+            raise BadRequest(f"pids must be between 8 and 4194304, got {pids}")
+        self.cpu.check_possible(cpu, memory, req.qos)
+        quota = d["cpu_hard_quota"] if req.cpu_quota is None else req.cpu_quota
+        ratio = float(d["swap_per_memory"])
+        return cgroup.Limits(cpu=float(cpu), memory_bytes=memory, pids=pids,
+                             cpu_hard_quota=quota, cpu_period_us=d["cpu_period_us"],
+                             swap_bytes=None if ratio < 0 else int(memory * ratio))
+
+    def _disk_for(self, req) -> upperfs.Cap | None:
+        """The writable layer's cap, or None where layers are uncapped dirs."""
+        if self.backend.upper_mode != "tmpfs":
+            if req.disk is not None:
+                raise Unsupported("this host cannot cap the writable layer (see `dsec info`, "
+                                  "feature upperfs); create without `disk`")
+            return None
+        try:
+            size = self.disk_default if req.disk is None else parse_size(req.disk)
+        except ConfigError as err:
+            raise BadRequest(f"disk: {err}") from err
+        if not 1 << 20 <= size <= 1 << 50:
+            raise BadRequest(f"disk must be between 1M and 1P, got {size} bytes")
+        return upperfs.Cap(size, self.sb_defaults["disk_inodes"])
+
+    def _admit(self) -> None:
+        live = self.registry.live_count()
+        cap = self.limits["max_sandboxes"]
+        if live >= cap:
+            raise Busy(f"host is full: {live} sandboxes of max {cap}; retry later or on another host",
+                       {"sandboxes": live, "max": cap})
+
+    def check_process(self, req) -> None:
+        """A create's settings of the sandbox's processes, fresh or pooled."""
+        check_env(req.env)
+        if not req.cwd.startswith("/"):
+            raise BadRequest(f"cwd must be absolute, got {req.cwd!r}")
+        if not 0 <= req.user < 2**32 - 1:
+            raise BadRequest(f"user must be a uid in [0, 2^32-1), got {req.user}")
+        size = self.id_ranges.size
+        if size is not None and req.user >= size:
+            raise BadRequest(f"user must be below sandbox.userns_size {size} (the ids a "
+                             f"sandbox's user namespace maps), got {req.user}")
+
+    async def check_cwd(self, sb: Sandbox, cwd: str) -> None:
+        """A create's cwd must be a directory of the sandbox's image: else every exec in it fails."""
+        if cwd == "/":
+            return
+        try:
+            found = await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap),
+                                            sbfiles.is_directory, sb.handle.rootfd, cwd)
+        except sbfiles.PathError as err:
+            raise BadRequest(f"cwd: {err}", {"cwd": cwd}) from err
+        except OSError as err:
+            raise io_error("check the cwd of", f"{sb.id}:{cwd}", err) from err
+        if not found:
+            raise BadRequest(f"cwd {cwd!r} is not a directory in image {sb.image!r}: give one that "
+                             "exists, or create without --cwd and make it with an exec", {"cwd": cwd})
+
+    async def create_now(self, req, ctx) -> dict:
+        """The create itself; `create` does keys, pools and the queue first."""
+        limits = self._limits_for(req)
+        plan = self.cpu.plan(req.qos)
+        self.check_process(req)
+        net_mode = self.net.net_mode(req)
+        disk = self._disk_for(req)
+        try:
+            image = await self.workers.run(self.image_service.images.get, req.image)
+        except ImageError as err:
+            raise image_error(err) from err
+        self._admit()
+        self.cpu.admit(self.registry.live_limits, limits.cpu, limits.memory_bytes, plan)
+        sb_id = secrets.token_hex(6)
+        hostname = req.hostname or f"sb-{sb_id}"
+        if len(hostname) > 63:
+            raise BadRequest("hostname must be at most 63 characters")
+        sb = Sandbox(id=sb_id, image=req.image, state="creating", created=time.time(),
+                     limits={"cpu": limits.cpu, "memory": limits.memory_bytes, "pids": limits.pids,
+                             "cpu_quota": limits.cpu_hard_quota,
+                             "disk": disk.disk_bytes if disk else None,
+                             "disk_inodes": disk.inodes if disk else None},
+                     env=dict(req.env), labels=dict(req.labels), hostname=hostname, cwd=req.cwd,
+                     user=req.user, qos=plan.qos, core_sched=plan.core_sched,
+                     manifest=image.manifest, layers=image.layer_digests,
+                     ttl=parse_duration(req.ttl, "ttl"), idle_ttl=parse_duration(req.idle_ttl, "idle_ttl"),
+                     lease=parse_duration(req.lease, "lease"), key=req.key)
+        if sb.lease:
+            sb.lease_deadline = time.monotonic() + sb.lease
+        self.id_ranges.allocate(sb)
+        self.registry.add(sb)
+        # The record is written once the sandbox runs. A crash before that leaves
+        # a directory and cgroups without a record: the next start finds them as
+        # orphans, kills what is in the cgroups and removes them.
+        try:
+            # Each layer mounted once per host; overlay wants the top layer first.
+            layers = self.image_service.layers
+            mounts = layers.acquire_mounted(sb.layers) or await self.workers.run(layers.acquire, sb.layers)
+        except OSError as err:
+            self.registry.forget(sb_id)
+            self.id_ranges.release(sb)
+            raise io_error("mount layers of image", req.image, err) from err
+        def release() -> None:
+            self.id_ranges.release(sb)
+            self.image_service.layers.release(sb.layers)
+
+        spawning = False
+        try:
+            ready = await self.net.take_netns(net_mode)      # a pooled netns for PID 1 to join, or None
+            spawning = True
+            sb.handle = await self.net.spawn_joining(functools.partial(self.backend.create, disk=disk), ready, release,
+                                                 sb_id, mounts[::-1], limits, hostname, plan,
+                                                 userns.IdMap.from_record(sb.idmap))
+        except BaseException as err:
+            self.registry.forget(sb_id)
+            if not (spawning and isinstance(err, asyncio.CancelledError)):
+                release()           # else once the worker is done and its sandbox destroyed (spawn_joining)
+            if isinstance(err, (NativeError, OSError)):
+                log.error("create sandbox %s failed: %s", sb_id, err)
+                raise DsecError(f"create sandbox: {err}", {"errno": getattr(err, "errno", None),
+                                "step": getattr(err, "step", None)}, code="io") from err
+            raise
+        try:
+            try:
+                await self.check_cwd(sb, sb.cwd)
+            except BaseException:
+                self.net.release_netns(ready)     # attach_net would have consumed it
+                raise
+            await self.net.attach_net(sb, net_mode, req.allow, ready)
+        except BaseException:
+            # No sandbox whose execs could not start, nor without its network policy: undo the container.
+            self.registry.forget(sb_id)
+            await self.workers.run(self.backend.destroy, sb_id, sb.handle)
+            self.id_ranges.release(sb)
+            self.image_service.layers.release(sb.layers)
+            raise
+        sb.state = "running"
+        self.registry.save(sb)
+        self.lifecycle.watch(sb)
+        self.memory.on_created(sb)
+        return sb.public()

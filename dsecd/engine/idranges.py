@@ -1,0 +1,74 @@
+"""The user-namespace id ranges of sandboxes (dsecd/userns.py): one range
+per sandbox, allocated at create, released at destroy, reserved again for
+the sandboxes a restarted daemon re-adopts.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from .. import userns
+from ..config import ConfigError
+from ..errors import Busy
+from .sandboxes import Sandbox
+
+log = logging.getLogger(__name__)
+
+
+class IdRanges:
+    """`allocator` is None where sandbox.userns is off: sandboxes then run
+    with host ids and every method here does nothing."""
+
+    def __init__(self, allocator: userns.RangeAllocator | None):
+        self.allocator = allocator
+
+    @classmethod
+    def from_config(cls, sb_defaults: dict, state: Path) -> IdRanges:
+        """The allocator, after checking that the upper dirs' file system can be
+        idmapped (a sandbox could not be created otherwise)."""
+        if not sb_defaults["userns"]:
+            log.warning("sandbox.userns is false: sandbox root is host root (with reduced capabilities)")
+            return cls(None)
+        why = userns.probe_idmap(str(state))
+        if why:
+            raise ConfigError(f"sandbox.userns = true, but the state dir {state} cannot be idmapped: {why}; "
+                              "set sandbox.userns = false or move state_dir to ext4, xfs, btrfs or tmpfs")
+        try:
+            return cls(userns.RangeAllocator(int(sb_defaults["userns_base"]), int(sb_defaults["userns_size"])))
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+
+    @property
+    def size(self) -> int | None:
+        """Ids in each sandbox's range (None: host ids)."""
+        return self.allocator.size if self.allocator else None
+
+    def info(self) -> dict:
+        r = self.allocator
+        if r is None:
+            return {"enabled": False}
+        return {"enabled": True, "base": r.base, "size": r.size, "slots": r.slots, "used": len(r.used)}
+
+    def allocate(self, sb: Sandbox) -> None:
+        if self.allocator is None:
+            return
+        try:
+            sb.idmap = self.allocator.allocate().record()
+        except userns.RangesExhausted as err:
+            raise Busy(f"{err}; retry once a sandbox is destroyed",
+                       {"userns_slots": self.allocator.slots}) from err
+
+    def release(self, sb: Sandbox) -> None:
+        if self.allocator is not None:
+            self.allocator.release(userns.IdMap.from_record(sb.idmap))
+
+    def reserve(self, sb: Sandbox) -> None:
+        idmap = userns.IdMap.from_record(sb.idmap)
+        if idmap is None or self.allocator is None:
+            return
+        try:
+            self.allocator.reserve(idmap)
+        except ValueError as err:
+            # The sandbox keeps running in its namespace; only new ranges could overlap it.
+            log.error("sandbox %s: %s", sb.id, err)

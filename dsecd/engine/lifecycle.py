@@ -1,0 +1,247 @@
+"""A sandbox's life after its create: watched until its init exits (then
+dead), destroyed on request (alone, all, a job's) or when it expires, listed
+and inspected, and re-adopted from the journal when a daemon starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from ..backends.container import Handle, close_handle
+from ..cpu.manager import CpuHost
+from ..errors import Conflict, io_error
+from ..fs import upper as upperfs
+from ..fs.layers import LayerMounts
+from ..mem import pause
+from .events import EventBus
+from .idranges import IdRanges
+from .memory import MemoryService
+from .network import NetworkService
+from .sandboxes import Sandbox, SandboxRegistry
+from .workers import Workers
+
+log = logging.getLogger(__name__)
+
+# The journaled fields a re-adopted sandbox is rebuilt from (Sandbox.record).
+RECORD_FIELDS = ("image", "state", "created", "limits", "env", "labels", "hostname", "cwd", "user", "backend",
+                 "died", "qos", "core_sched", "manifest", "layers", "ttl", "idle_ttl", "lease", "pause_record",
+                 "net", "key", "idmap")
+
+
+def labels_match(sb: Sandbox, labels: dict) -> bool:
+    return all(sb.labels.get(k) == v for k, v in labels.items())
+
+
+class LifecycleService:
+    """`destroy`, `destroy_all`, `job_rm`, `list`, `inspect`, `top`; the watch
+    on every sandbox's init; re-adoption at start (recover_all)."""
+
+    def __init__(self, registry: SandboxRegistry, workers: Workers, backend, layers: LayerMounts,
+                 net: NetworkService, memory: MemoryService, events: EventBus, cpu: CpuHost, id_ranges: IdRanges):
+        self.registry = registry
+        self.workers = workers
+        self.backend = backend
+        self.layers = layers
+        self.net = net
+        self.memory = memory
+        self.events = events
+        self.cpu = cpu
+        self.id_ranges = id_ranges
+
+    # ------------------------------------------------------------ start / stop
+
+    async def recover_all(self) -> None:
+        """Re-adopt journaled sandboxes; clean up what died or was half-made,
+        and what no record names (orphans of a crash mid-create)."""
+        records = await self.workers.run(self.registry.journal.load_all)
+        for sb_id, rec in records.items():
+            await self._recover(sb_id, rec)
+        orphans = await self.workers.run(self.backend.orphans, set(self.registry.by_id))
+        for sb_id in orphans:
+            log.warning("removing orphaned sandbox resources %s (no journal record)", sb_id)
+            await self.workers.run(self.backend.destroy, sb_id, None)
+
+    async def _recover(self, sb_id: str, rec: dict) -> None:
+        sb = Sandbox(id=sb_id, **{k: rec[k] for k in RECORD_FIELDS if k in rec})
+        if sb.state in ("creating", "stopping"):
+            # Interrupted mid-create or mid-destroy: finish tearing it down.
+            log.info("sandbox %s was %s when the daemon stopped; removing it", sb_id, sb.state)
+            await self.workers.run(self.backend.destroy, sb_id, None)
+            self.registry.journal.delete(sb_id)
+            return
+        self.registry.add(sb)
+        self.id_ranges.reserve(sb)
+        if sb.state == "dead":
+            return
+        handle = await self.workers.run(self.backend.adopt, sb_id, rec.get("init_pid"), rec.get("init_start"),
+                                        bool(sb.limits.get("disk")))
+        if handle is None:
+            log.warning("sandbox %s died while the daemon was down", sb_id)
+            await self._mark_dead(sb, None)
+            return
+        if handle.init_link is not None:
+            handle.init_link.attach(self.workers.loop)      # read what init sent while we were down
+        sb.handle = handle
+        if sb.state == "running":
+            # A kill -9 between a pause's freeze and its journal write leaves a
+            # "running" sandbox frozen: thaw it, or its next exec hangs joining it.
+            await self.workers.run(lambda: pause.Freezer.of(handle.group).thaw())
+        sb.last_active = time.monotonic()          # idle and lease clocks restart with the daemon
+        if sb.lease:
+            sb.lease_deadline = sb.last_active + sb.lease
+        self.layers.readopt(sb.layers)
+        self.cpu.bind(handle, self.cpu.plan(sb.qos))
+        self.watch(sb)
+        log.info("re-adopted sandbox %s (init pid %d)", sb_id, handle.init_pid)
+
+    def close(self) -> None:
+        """Daemon shutdown: stop watching and close the handles' fds; the
+        sandboxes keep running for the next daemon."""
+        for sb in self.registry.by_id.values():
+            if sb.handle and sb.handle.pidfd >= 0:
+                self.workers.loop.remove_reader(sb.handle.pidfd)
+                close_handle(sb.handle)
+
+    # ------------------------------------------------------------ init exits
+
+    def watch(self, sb: Sandbox) -> None:
+        """Notice when a sandbox's init exits on its own."""
+        loop = self.workers.loop
+        loop.add_reader(sb.handle.pidfd, lambda: loop.create_task(self._on_init_exit(sb)))
+
+    async def _on_init_exit(self, sb: Sandbox) -> None:
+        h = sb.handle
+        if h is None or h.pidfd < 0:
+            return
+        self.workers.loop.remove_reader(h.pidfd)
+        if sb.state in ("stopping",):
+            return
+        log.warning("sandbox %s: init %d exited", sb.id, h.init_pid)
+        await self._mark_dead(sb, h)
+
+    async def _mark_dead(self, sb: Sandbox, h: Handle | None) -> None:
+        """Release the cgroups and fds of a sandbox whose init is gone; keep its record."""
+        self.registry.mark_dead(sb)
+        sb.died = time.time()
+        self.events.publish("died", sb.id)
+        sb.handle = None
+        if h is not None:      # a live sandbox held its layer mounts (re-adopted ones too)
+            self.layers.release(sb.layers)
+
+        def release():
+            if h is not None:
+                if h.is_child:
+                    try:
+                        os.waitpid(h.init_pid, 0)
+                    except ChildProcessError:
+                        pass
+                close_handle(h)
+            # PID 1 may have died of its memory limit. No handle: stop kills by
+            # cgroup membership and removes the groups.
+            return self.stop_counting_oom(sb.id, None, self.backend.group_for(sb.id))
+
+        try:
+            kills = await self.workers.run(release)
+            if kills is not None:
+                self.memory.report_oom(sb, kills)
+            await self.net.detach_net(sb)      # frees its lease and policy; the veth died with the netns
+        finally:
+            self.registry.save(sb)
+
+    # ------------------------------------------------------------ views
+
+    async def top(self, req, ctx) -> dict:
+        rows = [{"id": s.id, "state": s.state, "qos": s.qos, "cpu": s.limits["cpu"],
+                 "memory_limit": s.limits["memory"]}
+                for s in self.registry.by_id.values() if labels_match(s, req.labels)]
+        return self.cpu.top(rows)
+
+    async def list(self, req, ctx) -> dict:
+        return {"sandboxes": [s.public() for s in self.registry.by_id.values() if labels_match(s, req.labels)]}
+
+    async def inspect(self, req, ctx) -> dict:
+        sb = self.registry.get(req.sandbox, req)
+        out = sb.public()
+        if sb.handle:
+            out["cgroups"] = {k: str(v) for k, v in sb.handle.group.dirs.items()}
+            if sb.handle.dir is not None:
+                out["dir"] = str(sb.handle.dir)
+            if sb.handle.upperfd >= 0:
+                out["disk"] = upperfs.usage(sb.handle.upperfd)
+        return out
+
+    # ------------------------------------------------------------ destroy
+
+    async def destroy(self, req, ctx) -> dict:
+        return await self.destroy_sandbox(self.registry.get(req.sandbox, req), req.force)
+
+    async def destroy_sandbox(self, sb: Sandbox, force: bool) -> dict:
+        if sb.state == "stopping":
+            raise Conflict(f"sandbox {sb.id} is already being destroyed", {"sandbox": sb.id})
+        if sb.state == "creating":
+            raise Conflict(f"sandbox {sb.id} is still being created; retry", {"sandbox": sb.id})
+        if sb.execs and not force:
+            raise Conflict(f"sandbox {sb.id} has {sb.execs} running exec(s); use force to kill them",
+                           {"sandbox": sb.id, "execs": sb.execs})
+        # No journal write for "stopping": a crash mid-destroy leaves the record
+        # as it was, and the next daemon re-adopts the sandbox or marks it dead.
+        prev, sb.state = sb.state, "stopping"
+        # Once accepted, a destroy finishes even if its request is cancelled
+        # (client gone, `cancel`): the client gave up on the answer, not on the
+        # destroy, and a half-done one would leave the sandbox "stopping" forever.
+        return await asyncio.shield(self._teardown(sb, prev))
+
+    async def _teardown(self, sb: Sandbox, prev: str) -> dict:
+        sb.state = prev                        # before_destroy looks at paused or not
+        if self.memory.damon_running or sb.state == "paused":     # else before_destroy has nothing to do
+            await self.workers.run(self.memory.before_destroy, sb)
+        sb.state = "stopping"
+        h, sb.handle = sb.handle, None
+        if h and h.pidfd >= 0:
+            self.workers.loop.remove_reader(h.pidfd)
+        try:
+            kills = await self.workers.run(self.stop_counting_oom, sb.id, h)
+        except OSError as err:
+            log.error("destroy sandbox %s: %s", sb.id, err)
+            sb.state = prev
+            sb.handle = h
+            self.registry.save(sb)
+            raise io_error("destroy sandbox", sb.id, err) from err
+        if kills is not None:
+            self.memory.report_oom(sb, kills)
+        await self.net.detach_net(sb)
+        self.registry.remove(sb, prev)       # its record, and its idempotency key
+        self.id_ranges.release(sb)        # its processes are gone: stop() waited for them
+        if prev != "dead":          # a dead sandbox gave its layers back already
+            self.layers.release(sb.layers)
+        self.workers.behind(self.backend.release, sb.id, h)
+        self.events.publish("destroyed", sb.id, previous_state=prev)
+        return {"id": sb.id, "previous_state": prev}
+
+    def stop_counting_oom(self, sb_id: str, h: Handle | None, group=None) -> int | None:
+        """backend.stop, with the OOM kill count read before it removes the
+        cgroups: of `group`, else of the handle's (neither: not read)."""
+        group = group if group is not None else (h.group if h is not None else None)
+        kills = self.memory.oom_count(group) if group is not None else None
+        self.backend.stop(sb_id, h)
+        return kills
+
+    async def _destroy_many(self, sbs: list[Sandbox], force: bool) -> tuple[list[str], dict[str, str]]:
+        results = await asyncio.gather(*(self.destroy_sandbox(s, force) for s in sbs), return_exceptions=True)
+        destroyed = [r["id"] for r in results if isinstance(r, dict)]
+        failed = {s.id: str(r) for s, r in zip(sbs, results, strict=True) if isinstance(r, BaseException)}
+        return destroyed, failed
+
+    async def job_rm(self, req, ctx) -> dict:
+        destroyed, failed = await self._destroy_many(
+            self.registry.of_job(req.job, ("running", "paused", "dead")), req.force)
+        return {"job": req.job, "destroyed": destroyed, "failed": failed}
+
+    async def destroy_all(self, req, ctx) -> dict:
+        targets = [s for s in self.registry.by_id.values()
+                   if labels_match(s, req.labels) and s.state in ("running", "paused", "dead")]
+        destroyed, failed = await self._destroy_many(targets, req.force)
+        return {"destroyed": destroyed, "failed": failed}
