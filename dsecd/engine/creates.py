@@ -41,6 +41,7 @@ from ..fs import files as sbfiles
 from ..fs import upper as upperfs
 from ..fs.images import ImageError
 from ..native import NativeError
+from ..steps import AsyncSteps
 from .execs import check_env
 from .idranges import IdRanges
 from .images import ImageService
@@ -51,6 +52,11 @@ from .sandboxes import Sandbox, SandboxRegistry
 from .workers import Workers
 
 log = logging.getLogger(__name__)
+
+# Undo steps of a create that other steps refer to by name (AsyncSteps).
+UNDO_IDS = "release its id range"
+UNDO_LAYERS = "release its layers"
+UNDO_NETNS = "release the pooled netns"
 
 POOL_LABEL = "dsec.pool"
 POOL_JOB = "dsec.pool"
@@ -415,6 +421,38 @@ class CreateService:
             raise BadRequest(f"cwd {cwd!r} is not a directory in image {sb.image!r}: give one that "
                              "exists, or create without --cwd and make it with an exec", {"cwd": cwd})
 
+    async def _mount_layers(self, sb: Sandbox) -> list:
+        """The image's layers mounted (each once per host), top layer first for overlay."""
+        layers = self.image_service.layers
+        try:
+            mounts = layers.acquire_mounted(sb.layers) or await self.workers.run(layers.acquire, sb.layers)
+        except OSError as err:
+            raise io_error("mount layers of image", sb.image, err) from err
+        return mounts[::-1]
+
+    async def _spawn(self, steps: AsyncSteps, sb: Sandbox, ready, mounts: list, limits: cgroup.Limits,
+                     hostname: str, plan, disk: upperfs.Cap | None):
+        """The container itself (backend.create, PID 1 joining `ready`'s netns).
+        A request cancelled meanwhile leaves its id range and layers to the
+        spawn's abandon handler, which releases them once the worker is done
+        and what it made is destroyed (NetworkService.spawn_joining)."""
+        release = steps.hand_over(UNDO_IDS, UNDO_LAYERS)
+        try:
+            handle = await self.net.spawn_joining(functools.partial(self.backend.create, disk=disk), ready, release,
+                                                  sb.id, mounts, limits, hostname, plan,
+                                                  userns.IdMap.from_record(sb.idmap))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:
+            release()
+            if isinstance(err, (NativeError, OSError)):
+                log.error("create sandbox %s failed: %s", sb.id, err)
+                raise DsecError(f"create sandbox: {err}", {"errno": getattr(err, "errno", None),
+                                "step": getattr(err, "step", None)}, code="io") from err
+            raise
+        steps.undo("release its id range and layers", release)
+        return handle
+
     async def create_now(self, req, ctx) -> dict:
         """The create itself; `create` does keys, pools and the queue first."""
         limits = self._limits_for(req)
@@ -444,53 +482,24 @@ class CreateService:
                      lease=parse_duration(req.lease, "lease"), key=req.key)
         if sb.lease:
             sb.lease_deadline = time.monotonic() + sb.lease
-        self.id_ranges.allocate(sb)
-        self.registry.add(sb)
         # The record is written once the sandbox runs. A crash before that leaves
         # a directory and cgroups without a record: the next start finds them as
         # orphans, kills what is in the cgroups and removes them.
-        try:
-            # Each layer mounted once per host; overlay wants the top layer first.
-            layers = self.image_service.layers
-            mounts = layers.acquire_mounted(sb.layers) or await self.workers.run(layers.acquire, sb.layers)
-        except OSError as err:
-            self.registry.forget(sb_id)
-            self.id_ranges.release(sb)
-            raise io_error("mount layers of image", req.image, err) from err
-        def release() -> None:
-            self.id_ranges.release(sb)
-            self.image_service.layers.release(sb.layers)
-
-        spawning = False
-        try:
+        async with AsyncSteps(f"create sandbox {sb_id}") as steps:
+            self.id_ranges.allocate(sb)
+            steps.undo(UNDO_IDS, lambda: self.id_ranges.release(sb))
+            self.registry.add(sb)
+            steps.undo("forget the sandbox", lambda: self.registry.forget(sb_id))
+            mounts = await self._mount_layers(sb)
+            steps.undo(UNDO_LAYERS, lambda: self.image_service.layers.release(sb.layers))
             ready = await self.net.take_netns(net_mode)      # a pooled netns for PID 1 to join, or None
-            spawning = True
-            sb.handle = await self.net.spawn_joining(functools.partial(self.backend.create, disk=disk), ready, release,
-                                                 sb_id, mounts[::-1], limits, hostname, plan,
-                                                 userns.IdMap.from_record(sb.idmap))
-        except BaseException as err:
-            self.registry.forget(sb_id)
-            if not (spawning and isinstance(err, asyncio.CancelledError)):
-                release()           # else once the worker is done and its sandbox destroyed (spawn_joining)
-            if isinstance(err, (NativeError, OSError)):
-                log.error("create sandbox %s failed: %s", sb_id, err)
-                raise DsecError(f"create sandbox: {err}", {"errno": getattr(err, "errno", None),
-                                "step": getattr(err, "step", None)}, code="io") from err
-            raise
-        try:
-            try:
-                await self.check_cwd(sb, sb.cwd)
-            except BaseException:
-                self.net.release_netns(ready)     # attach_net would have consumed it
-                raise
+            sb.handle = await self._spawn(steps, sb, ready, mounts, limits, hostname, plan, disk)
+            steps.undo("destroy the container", lambda: self.workers.run(self.backend.destroy, sb_id, sb.handle))
+            steps.undo(UNDO_NETNS, lambda: self.net.release_netns(ready))
+            await self.check_cwd(sb, sb.cwd)
+            steps.drop(UNDO_NETNS)       # attach_net consumes it, and removes it if it fails
             await self.net.attach_net(sb, net_mode, req.allow, ready)
-        except BaseException:
-            # No sandbox whose execs could not start, nor without its network policy: undo the container.
-            self.registry.forget(sb_id)
-            await self.workers.run(self.backend.destroy, sb_id, sb.handle)
-            self.id_ranges.release(sb)
-            self.image_service.layers.release(sb.layers)
-            raise
+            steps.commit()
         sb.state = "running"
         self.registry.save(sb)
         self.lifecycle.watch(sb)
