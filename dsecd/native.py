@@ -23,14 +23,30 @@ from typing import NoReturn
 
 from ._native import ffi, lib
 
+# What the rest of the daemon may use (tests/unit/test_import_graph.py checks
+# that nothing else, and nothing private, is used from outside).
 __all__ = [
-    "ContainerSpec", "ExecSpec", "NativeError", "spawn_container", "spawn_exec", "openat2",
-    "pidfd_open", "pidfd_send_signal", "netns_create", "probe_sched_core", "probe_landlock_abi",
-    "probe_seccomp", "probe_bpf_cgroup", "probe_kvm", "probe_openat2", "probe_pidfd",
-    "probe_clone3", "describe_errno", "init_binary_path", "STEPS", "sched_set_idle",
-    "sched_core_create", "sched_core_share_from", "userns_create", "mount_idmapped", "fs_ids",
-    "RESOLVE_IN_ROOT", "RESOLVE_NO_MAGICLINKS", "RESOLVE_NO_SYMLINKS", "RESOLVE_BENEATH",
-    "RESOLVE_NO_XDEV", "RESOLVE_CACHED",
+    # errors
+    "NativeError", "native_error", "raise_error", "add_hints", "describe_errno", "STEPS",
+    # container spawn and execs (spawn.c, init.c)
+    "ContainerSpec", "ExecSpec", "spawn_container", "spawn_exec", "check_exec_request", "init_exec_error",
+    "init_binary_path", "INIT_MAGIC", "INIT_OP_START", "INIT_OP_KILL", "INIT_STARTED", "INIT_EXITED",
+    "INIT_MAX_STRINGS", "INIT_PEER_FD", "INIT_REQ_SIZE", "INIT_REPLY_SIZE", "INIT_REPLY_ERR_OFFSET",
+    "UPPER_FD",
+    # files, mounts, the writable layer
+    "openat2", "fs_magic", "KERNEL_FS_MAGICS", "mount_erofs", "umount", "mount_idmapped",
+    "upperfs_create", "upperfs_attach", "RESOLVE_IN_ROOT", "RESOLVE_NO_MAGICLINKS", "RESOLVE_NO_SYMLINKS",
+    "RESOLVE_BENEATH", "RESOLVE_NO_XDEV", "RESOLVE_CACHED",
+    # processes and namespaces
+    "pidfd_open", "pidfd_getfd", "pidfd_send_signal", "pidfd_kill_group", "netns_create", "userns_create",
+    "fs_ids", "sched_set_idle", "sched_core_create", "sched_core_share_from", "PAGE_SIZE",
+    # memory
+    "MADV_WILLNEED", "MADV_COLD", "MADV_PAGEOUT", "MadviseResult", "process_madvise", "process_populate",
+    "swapon", "swapoff",
+    # probes: each returns 0 or -errno (probe_kvm: a dict; see its docstring)
+    "probe_sched_core", "probe_landlock_abi", "probe_seccomp", "probe_bpf_cgroup", "probe_kvm",
+    "probe_openat2", "probe_pidfd", "probe_clone3", "probe_pidfd_group_signal", "probe_project_quota",
+    "probe_upperfs",
 ]
 
 RESOLVE_NO_XDEV: int = lib.RESOLVE_NO_XDEV
@@ -200,6 +216,11 @@ def hint_for(step: str, err: int, kind: str = "") -> str | None:
             or (_HINTS.get(("mount", err)) if step in _MOUNT_STEPS else None))
 
 
+def add_hints(hints: dict[tuple[str, int], str]) -> None:
+    """Hints for the steps of another module's C calls (seccomp.py): (step, errno) -> what to do."""
+    _HINTS.update(hints)
+
+
 def describe_errno(step: str, err: int) -> str:
     """ "strerror; hint" for a probe result or step, for logs and `dsec info`."""
     err = abs(err)
@@ -217,8 +238,9 @@ def native_error(err: int, verb: str, obj: str, step: str | None = None,
     return _ERRNO_CLASSES.get(err, NativeError)(err, message, step=step, path=path)
 
 
-def _raise(err: int, verb: str, obj: str, step: str, path: str | None = None,
-           hint: str | None = None) -> NoReturn:
+def raise_error(err: int, verb: str, obj: str, step: str, path: str | None = None,
+                hint: str | None = None) -> NoReturn:
+    """Raise native_error(...) for a positive errno, chained to the plain OSError."""
     cause = OSError(err, os.strerror(err))
     raise native_error(err, verb, obj, step, path, hint) from cause
 
@@ -558,7 +580,7 @@ def mount_idmapped(path: str, userns_fd: int) -> int:
     raw = _cstring("path", path)
     fd = lib.dsec_mount_idmapped(raw, userns_fd)
     if fd < 0:
-        _raise(-fd, "make idmapped mount of", path, "mount_idmapped", path)
+        raise_error(-fd, "make idmapped mount of", path, "mount_idmapped", path)
     return fd
 
 
@@ -576,13 +598,13 @@ class fs_ids:
         rc = lib.dsec_fsids_set(self.uid, self.gid)
         if rc < 0:
             lib.dsec_fsids_set(0, 0)
-            _raise(-rc, "set fs uid/gid to", f"{self.uid}/{self.gid}", "fsids")
+            raise_error(-rc, "set fs uid/gid to", f"{self.uid}/{self.gid}", "fsids")
         return self
 
     def __exit__(self, *exc):
         rc = lib.dsec_fsids_set(0, 0)
         if rc < 0:
-            _raise(-rc, "set fs uid/gid back to", "0/0", "fsids")
+            raise_error(-rc, "set fs uid/gid back to", "0/0", "fsids")
         return False
 
 
@@ -602,7 +624,7 @@ def openat2(dirfd: int, path: str, flags: int, mode: int = 0,
         if fd != -errno.EAGAIN:
             break
     if fd < 0:
-        _raise(-fd, "open", path, "openat2", path)
+        raise_error(-fd, "open", path, "openat2", path)
     return fd
 
 
@@ -621,7 +643,7 @@ def fs_magic(fd: int, what: str) -> int:
     """statfs f_type of the file system holding an open file."""
     magic = lib.dsec_file_fs_magic(fd)
     if magic < 0:
-        _raise(-magic, "inspect", what, "fstatfs")
+        raise_error(-magic, "inspect", what, "fstatfs")
     return magic & 0xFFFFFFFF
 
 
@@ -629,7 +651,7 @@ def pidfd_open(pid: int) -> int:
     """A pidfd (always close-on-exec) for a process; pins its pid against reuse."""
     fd = lib.dsec_pidfd_open(pid, 0)
     if fd < 0:
-        _raise(-fd, "pidfd_open", f"pid {pid}", "pidfd_open")
+        raise_error(-fd, "pidfd_open", f"pid {pid}", "pidfd_open")
     return fd
 
 
@@ -637,7 +659,7 @@ def pidfd_getfd(pidfd: int, targetfd: int) -> int:
     """A duplicate (close-on-exec) of fd `targetfd` of the process behind `pidfd`."""
     fd = lib.dsec_pidfd_getfd(pidfd, targetfd)
     if fd < 0:
-        _raise(-fd, "take fd", f"{targetfd} of pidfd {pidfd}", "pidfd_getfd")
+        raise_error(-fd, "take fd", f"{targetfd} of pidfd {pidfd}", "pidfd_getfd")
     return fd
 
 
@@ -646,21 +668,21 @@ def netns_create() -> int:
     thread without leaving its own (csrc/netns.c). Closing the fd frees it."""
     fd = lib.dsec_netns_create()
     if fd < 0:
-        _raise(-fd, "create", "network namespace", "netns_create")
+        raise_error(-fd, "create", "network namespace", "netns_create")
     return fd
 
 
 def pidfd_send_signal(pidfd: int, sig: int) -> None:
     rc = lib.dsec_pidfd_send_signal(pidfd, int(sig))
     if rc < 0:
-        _raise(-rc, f"send signal {int(sig)} via", f"pidfd {pidfd}", "pidfd_send_signal")
+        raise_error(-rc, f"send signal {int(sig)} via", f"pidfd {pidfd}", "pidfd_send_signal")
 
 
 def pidfd_kill_group(pidfd: int, sig: int) -> None:
     """sig to the process group of pidfd's process (Linux 6.9+)."""
     rc = lib.dsec_pidfd_kill_group(pidfd, int(sig))
     if rc < 0:
-        _raise(-rc, f"send signal {int(sig)} to the process group of", f"pidfd {pidfd}", "pidfd_send_signal")
+        raise_error(-rc, f"send signal {int(sig)} to the process group of", f"pidfd {pidfd}", "pidfd_send_signal")
 
 
 # ---------------------------------------------------------------- CPU QoS
@@ -671,7 +693,7 @@ def sched_set_idle(pid: int) -> None:
     """sched_setscheduler(pid, SCHED_IDLE); pid 0 = the calling thread."""
     rc = lib.dsec_sched_set_idle(pid)
     if rc < 0:
-        _raise(-rc, "set SCHED_IDLE for", f"pid {pid}", "sched_idle")
+        raise_error(-rc, "set SCHED_IDLE for", f"pid {pid}", "sched_idle")
 
 
 def sched_core_create(pid: int) -> None:
@@ -679,14 +701,14 @@ def sched_core_create(pid: int) -> None:
     EINVAL: no CONFIG_SCHED_CORE; ENODEV: no SMT (both with a hint)."""
     rc = lib.dsec_sched_core_create(pid)
     if rc < 0:
-        _raise(-rc, "create core-scheduling cookie for", f"pid {pid}", "sched_core")
+        raise_error(-rc, "create core-scheduling cookie for", f"pid {pid}", "sched_core")
 
 
 def sched_core_share_from(pid: int) -> None:
     """Copy pid's core-scheduling cookie onto the calling thread."""
     rc = lib.dsec_sched_core_share_from(pid)
     if rc < 0:
-        _raise(-rc, "take core-scheduling cookie from", f"pid {pid}", "sched_core")
+        raise_error(-rc, "take core-scheduling cookie from", f"pid {pid}", "sched_core")
 
 
 # ---------------------------------------------------------------- probes
@@ -759,7 +781,7 @@ def init_binary_path() -> str:
     """Host path of the static dsec-init installed with this package."""
     path = Path(__file__).resolve().parent / "libexec" / "dsec-init"
     if not os.access(path, os.X_OK):
-        _raise(errno.ENOENT, "find", str(path), "open_init", str(path))
+        raise_error(errno.ENOENT, "find", str(path), "open_init", str(path))
     return str(path)
 
 
@@ -769,8 +791,6 @@ MADV_WILLNEED: int = lib.MADV_WILLNEED
 MADV_COLD: int = lib.MADV_COLD
 MADV_PAGEOUT: int = lib.MADV_PAGEOUT
 _ADVICE_NAMES = {MADV_WILLNEED: "MADV_WILLNEED", MADV_COLD: "MADV_COLD", MADV_PAGEOUT: "MADV_PAGEOUT"}
-__all__ += ["MADV_WILLNEED", "MADV_COLD", "MADV_PAGEOUT", "MadviseResult", "process_madvise",
-            "process_populate", "swapon", "swapoff"]
 
 _HINTS.update({
     ("process_madvise", errno.EPERM): "process_madvise needs CAP_SYS_NICE and ptrace read "
@@ -814,7 +834,7 @@ def process_madvise(pidfd: int, ranges: list[tuple[int, int]], advice: int) -> M
     out = ffi.new("struct dsec_madvise_result *")
     rc = lib.dsec_process_madvise(pidfd, starts, lens, len(ranges), advice, out)
     if rc < 0:
-        _raise(-rc, f"process_madvise({_ADVICE_NAMES[advice]})", f"pidfd {pidfd}",
+        raise_error(-rc, f"process_madvise({_ADVICE_NAMES[advice]})", f"pidfd {pidfd}",
                "process_madvise")
     return MadviseResult(out.bytes, out.nr_failed, out.first_err)
 
@@ -828,7 +848,7 @@ def process_populate(pid: int, ranges: list[tuple[int, int]]) -> MadviseResult:
     out = ffi.new("struct dsec_madvise_result *")
     rc = lib.dsec_process_populate(pid, ffi.new("uint64_t[]", pages or [0]), len(pages), out)
     if rc < 0:
-        _raise(-rc, "populate memory of", f"pid {pid}", "process_populate")
+        raise_error(-rc, "populate memory of", f"pid {pid}", "process_populate")
     return MadviseResult(out.bytes * PAGE_SIZE, out.nr_failed, out.first_err)
 
 
@@ -838,14 +858,14 @@ def swapon(path: str, priority: int = -1) -> None:
         raise ValueError(f"swap priority must be -1..32767, got {priority!r}")
     rc = lib.dsec_swapon(_path("swap device", path), priority)
     if rc < 0:
-        _raise(-rc, "swapon", path, "swapon", path)
+        raise_error(-rc, "swapon", path, "swapon", path)
 
 
 def swapoff(path: str) -> None:
     """swapoff(2): pages every swapped page back in first, which can take seconds."""
     rc = lib.dsec_swapoff(_path("swap device", path))
     if rc < 0:
-        _raise(-rc, "swapoff", path, "swapoff", path)
+        raise_error(-rc, "swapoff", path, "swapoff", path)
 
 
 # ---------------------------------------------------------------- writable layer (csrc/upperfs.c)
@@ -860,7 +880,7 @@ def upperfs_create(size_bytes: int, nr_inodes: int) -> int:
                          f"{nr_inodes} (0 would mean unlimited)")
     fd = lib.dsec_upperfs_create(size_bytes, nr_inodes)
     if fd < 0:
-        _raise(-fd, "create", f"upper tmpfs of {size_bytes} bytes, {nr_inodes} inodes", "upperfs",
+        raise_error(-fd, "create", f"upper tmpfs of {size_bytes} bytes, {nr_inodes} inodes", "upperfs",
                None, "the kernel lacks the new mount API (fsopen, Linux >= 5.2)"
                if -fd == errno.ENOSYS else None)
     return fd
@@ -870,7 +890,7 @@ def upperfs_attach(fd: int, target: str) -> None:
     """Mount a clone of the upper tmpfs `fd` on the host directory `target`."""
     rc = lib.dsec_upperfs_attach(fd, _path("target", target))
     if rc < 0:
-        _raise(-rc, "attach", f"upper tmpfs fd {fd} on {target}", "upperfs", target)
+        raise_error(-rc, "attach", f"upper tmpfs fd {fd} on {target}", "upperfs", target)
 
 
 def probe_upperfs(lowerdir: str) -> int:
@@ -892,7 +912,7 @@ def mount_erofs(file: str, target: str) -> None:
     """Mount the EROFS image `file` read-only on `target` (file-backed, Linux >= 6.12)."""
     rc = lib.dsec_mount_erofs(_path("file", file), _path("target", target))
     if rc < 0:
-        _raise(-rc, "mount erofs", f"{file} on {target}", "mount_erofs", target,
+        raise_error(-rc, "mount erofs", f"{file} on {target}", "mount_erofs", target,
                "EINVAL/ENOTBLK here usually means the kernel lacks file-backed EROFS (Linux >= 6.12)"
                if -rc in (errno.EINVAL, errno.ENOTBLK) else None)
 
@@ -900,4 +920,4 @@ def mount_erofs(file: str, target: str) -> None:
 def umount(target: str, detach: bool = False) -> None:
     rc = lib.dsec_umount(_path("target", target), MNT_DETACH if detach else 0)
     if rc < 0:
-        _raise(-rc, "umount", target, "umount", target)
+        raise_error(-rc, "umount", target, "umount", target)

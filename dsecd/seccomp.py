@@ -41,7 +41,7 @@ DENIED_IOCTLS = ("XFS_IOC_SWAPEXT", "XFS_IOC_EXCHANGE_RANGE", "FIFREEZE", "FITHA
                  "EXT4_IOC_MOVE_EXT", "EXT4_IOC_SWAP_BOOT", "TIOCSTI", "TIOCLINUX", "TIOCCONS",
                  "TIOCSETD")
 
-native._HINTS.update({
+native.add_hints({
     ("seccomp_build", errno.EINVAL): "libseccomp does not know a syscall of the deny list "
         "(libseccomp older than the kernel's syscall table?)",
     ("seccomp_build", errno.E2BIG): f"the filter has more than {MAX_INSNS} BPF instructions",
@@ -66,7 +66,7 @@ def prepare(name: str = "default") -> int:
     daemon at start, before any exec child may install it."""
     rc = lib.dsec_seccomp_build(profile_number(name))
     if rc < 0:
-        native._raise(-rc, "build seccomp profile", name, "seccomp_build")
+        native.raise_error(-rc, "build seccomp profile", name, "seccomp_build")
     return rc
 
 
@@ -79,10 +79,10 @@ def apply(name: str = "default", no_new_privs: bool = True) -> None:
     if no_new_privs:
         rc = lib.dsec_seccomp_no_new_privs()
         if rc < 0:
-            native._raise(-rc, "set no_new_privs for", f"pid {os.getpid()}", "no_new_privs")
+            native.raise_error(-rc, "set no_new_privs for", f"pid {os.getpid()}", "no_new_privs")
     rc = lib.dsec_seccomp_install(profile_number(name))
     if rc < 0:
-        native._raise(-rc, "install seccomp profile", name, "seccomp_install")
+        native.raise_error(-rc, "install seccomp profile", name, "seccomp_install")
 
 
 def export_pfc(name: str = "default") -> str:
@@ -90,6 +90,6 @@ def export_pfc(name: str = "default") -> str:
     with open(os.memfd_create("dsec-pfc", os.MFD_CLOEXEC), "w+b") as out:
         rc = lib.dsec_seccomp_export_pfc(profile_number(name), out.fileno())
         if rc < 0:
-            native._raise(-rc, "export seccomp profile", name, "seccomp_build")
+            native.raise_error(-rc, "export seccomp profile", name, "seccomp_build")
         out.seek(0)
         return out.read().decode()

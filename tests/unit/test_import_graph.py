@@ -95,3 +95,26 @@ def test_every_package_is_in_the_distribution():
     listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(PACKAGE.parent).parts) for p in PACKAGE.rglob("__init__.py")}
     assert found == listed
+
+
+def test_modules_use_only_what_native_exports():
+    """native.py is the C layer's one face: others use the names in its
+    __all__ and none of its private ones (read with ast: the module needs
+    the built extension to import)."""
+    tree = ast.parse((PACKAGE / "native.py").read_text())
+    exported: set[str] = set()
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(target, ast.Name) and target.id == "__all__":
+            exported |= {e.value for e in node.value.elts}
+    used: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "native.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "native":
+                used.setdefault(node.attr, set()).add(path.name)
+    private = {name: files for name, files in used.items() if name.startswith("_")}
+    assert not private, f"private names of native.py used elsewhere: {private}"
+    missing = {name: files for name, files in used.items() if name not in exported}
+    assert not missing, f"used but not in native.__all__: {missing}"
