@@ -39,13 +39,18 @@ class Steps:
         if self._committed or exc_type is None:
             return
         for name, fn in reversed(self._undos):
-            try:
-                fn()
-            except Exception:
-                log.exception("%s: undo step %r failed", self.what, name)
+            self._run_undo(name, fn)
+
+    def _run_undo(self, name: str, fn: Callable[[], object]) -> object:
+        """fn()'s result; its failure logged, not raised, so the other undos still run."""
+        try:
+            return fn()
+        except Exception:
+            log.exception("%s: undo step %r failed", self.what, name)
+            return None
 
 
-class AsyncSteps:
+class AsyncSteps(Steps):
     """Steps for an async setup (a create): an undo may return an awaitable,
     and some undos can be handed over to work that outlives the request.
 
@@ -59,14 +64,6 @@ class AsyncSteps:
     one's failure is logged, not raised, and the original error propagates.
     A cancelled request runs them too, shielded from a second cancel.
     """
-
-    def __init__(self, what: str):
-        self.what = what
-        self._undos: list[tuple[str, Callable[[], object]]] = []
-        self._committed = False
-
-    def undo(self, name: str, fn: Callable[[], object]) -> None:
-        self._undos.append((name, fn))
 
     def drop(self, name: str) -> None:
         """The step's undo is no longer this checklist's (another step took the thing over)."""
@@ -90,15 +87,9 @@ class AsyncSteps:
                 return
             done = True
             for name, fn in reversed(taken):
-                try:
-                    fn()
-                except Exception:
-                    log.exception("%s: undo step %r failed", self.what, name)
+                self._run_undo(name, fn)
 
         return run
-
-    def commit(self) -> None:
-        self._committed = True
 
     async def __aenter__(self) -> AsyncSteps:
         return self
@@ -110,9 +101,9 @@ class AsyncSteps:
 
     async def _rollback(self) -> None:
         for name, fn in reversed(self._undos):
-            try:
-                result = fn()
-                if inspect.isawaitable(result):
+            result = self._run_undo(name, fn)
+            if inspect.isawaitable(result):
+                try:
                     await result
-            except Exception:
-                log.exception("%s: undo step %r failed", self.what, name)
+                except Exception:
+                    log.exception("%s: undo step %r failed", self.what, name)
