@@ -16,6 +16,7 @@ the daemon are raised as dsecd.errors.DsecError subclasses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import grp
 import itertools
 import os
@@ -23,10 +24,15 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from . import protocol
-from .errors import DsecError, LimitExceeded
+from .errors import DsecError, LimitExceeded, NotFound
 
 DEFAULT_SOCKET = "/run/dsecd/dsecd.sock"
 DEFAULT_CHUNK = 4 << 20
+# Requests that steer others (stdin for an exec, a cancel) never wait for a
+# slot: the requests they serve may hold every slot. This many of the
+# daemon's per-connection limit are kept for them.
+CONTROL_OPS = ("exec_input", "cancel")
+CONTROL_SLOTS = 8
 
 
 def default_socket() -> str:
@@ -50,6 +56,33 @@ def _who_may_connect(path: str) -> str:
         group = str(gid)
     return (f"the daemon's socket admits root and members of group {group!r} "
             f"(daemon.socket_group): run dsec as root, or `usermod -aG {group} USER` and log in again")
+
+
+def command_argv(command) -> list[str]:
+    """A command as the daemon's argv: a list (or tuple) of strings as it is,
+    a string run by /bin/sh -c (as `docker exec SB sh -c '...'` would)."""
+    if isinstance(command, str):
+        return ["/bin/sh", "-c", command]
+    if isinstance(command, (list, tuple)) and all(isinstance(a, str) for a in command):
+        return list(command)
+    raise TypeError(f"a command must be a list of strings or a shell string, got {type(command).__name__}"
+                    + (f" holding {type(next(a for a in command if not isinstance(a, str))).__name__}"
+                       if isinstance(command, (list, tuple)) else ""))
+
+
+def string_map(values: dict | None, what: str) -> dict[str, str]:
+    """`values` (env, labels) checked to be str -> str, with the key and type that is not."""
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise TypeError(f"{what} must be a dict of str to str, got {type(values).__name__}")
+    for key, value in values.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{what} keys must be str, got {type(key).__name__} {key!r}")
+        if not isinstance(value, str):
+            raise TypeError(f"{what}[{key!r}] must be a str, got {type(value).__name__} {value!r}; "
+                            f"convert it, e.g. str({value!r})")
+    return dict(values)
 
 
 def _given(args: dict, /, **optional) -> dict:
@@ -118,6 +151,9 @@ class Client:
         self._writer: asyncio.StreamWriter | None = None
         self.server: dict = {}
         self.max_frame = 16 << 20
+        # Requests past the daemon's limits.max_requests_per_client wait here
+        # for a slot instead of failing; set from the hello's limits.
+        self._slots: asyncio.Semaphore | None = None
 
     async def __aenter__(self) -> Client:
         await self.connect()
@@ -143,7 +179,10 @@ class Client:
             await self.close()
             raise ConnectionError(f"dsecd at {self.socket_path} took the connection but did not answer in "
                                   f"{self.connect_timeout:g} s: is the daemon stuck?") from None
-        self.max_frame = self.server.get("limits", {}).get("max_frame_bytes", self.max_frame)
+        limits = self.server.get("limits", {})
+        self.max_frame = limits.get("max_frame_bytes", self.max_frame)
+        cap = limits.get("max_requests_per_client", 256)
+        self._slots = asyncio.Semaphore(max(1, cap - CONTROL_SLOTS))
 
     async def close(self) -> None:
         if self._writer:
@@ -200,6 +239,20 @@ class Client:
 
     async def frames_with_id(self, rid: int, op: str, args: dict,
                              sent: asyncio.Event | None = None) -> AsyncIterator[dict]:
+        # aclosing: a caller that stops early (break, cancel) closes the inner
+        # generator at once, so the daemon is told to cancel the request now.
+        if self._slots is None or op in CONTROL_OPS:
+            async with contextlib.aclosing(self._frames_with_id(rid, op, args, sent)) as frames:
+                async for frame in frames:
+                    yield frame
+            return
+        async with self._slots:             # queued here past the daemon's in-flight limit
+            async with contextlib.aclosing(self._frames_with_id(rid, op, args, sent)) as frames:
+                async for frame in frames:
+                    yield frame
+
+    async def _frames_with_id(self, rid: int, op: str, args: dict,
+                              sent: asyncio.Event | None) -> AsyncIterator[dict]:
         pending = self._pending[rid] = _Pending()
         finished = False
         try:
@@ -284,20 +337,26 @@ class Client:
         """allow: egress rules ("10.1.2.0/24:443/tcp") and rule-set names ("pypi"), with net="default".
         key: idempotency key; a retried create with the same key returns the same sandbox.
         disk: size cap of the writable layer ("20G"; default sandbox.disk)."""
-        args = _given({"image": image, "env": env or {}, "labels": labels or {}, "cwd": cwd, "user": user,
-                       "allow": list(allow or [])},
+        args = _given({"image": image, "env": string_map(env, "env"), "labels": string_map(labels, "labels"),
+                       "cwd": cwd, "user": user, "allow": list(allow or [])},
                       cpu=cpu, memory=memory, pids=pids, hostname=hostname, ttl=ttl, idle_ttl=idle_ttl,
                       lease=lease, qos=qos, cpu_quota=cpu_quota, net=net, key=key, disk=disk)
         info = await self.request("create", **args)
         return Sandbox(self, info["id"], info)
+
+    def sandbox(self, image: str, **create_args) -> _SandboxContext:
+        """`async with client.sandbox(image=...) as sb:` creates a sandbox
+        (create's arguments) and destroys it on the way out, killing its execs."""
+        return _SandboxContext(self, image, create_args)
 
     async def call(self, image: str, argv: list[str] | None = None, code: str | None = None,
                    args: list[str] | None = None, stdin: bytes | None = None, env: dict | None = None,
                    timeout: float | None = None) -> CallResult:
         """A stateless function call (FnCall backend): `argv`, or Python `code` run by a fork of
         the image's pre-imported zygote. Many may be in flight on one client."""
-        req = _given({"image": image, "env": env or {}},
-                     argv=argv, code=code, args=args, stdin=stdin, timeout=timeout)
+        req = _given({"image": image, "env": string_map(env, "env")},
+                     argv=None if argv is None else command_argv(argv), code=code, args=args, stdin=stdin,
+                     timeout=timeout)
         return CallResult.from_call(await self.request("call", **req))
 
     async def pool_set(self, image: str, min: int, max: int, cpu: float | None = None,
@@ -358,6 +417,27 @@ class Client:
         return await self.request("top", labels=labels or {})
 
 
+class _SandboxContext:
+    """Client.sandbox(): create on enter, destroy (force) on exit."""
+
+    def __init__(self, client: Client, image: str, create_args: dict):
+        self.client = client
+        self.image = image
+        self.create_args = create_args
+        self.sandbox: Sandbox | None = None
+
+    async def __aenter__(self) -> Sandbox:
+        self.sandbox = await self.client.create(self.image, **self.create_args)
+        return self.sandbox
+
+    async def __aexit__(self, *exc) -> None:
+        if self.sandbox is not None:
+            try:
+                await self.sandbox.destroy(force=True)
+            except NotFound:
+                pass                        # destroyed inside the block already
+
+
 class ExecStream:
     """Async iterator of (fd, bytes) output chunks; `.result` once it is exhausted."""
 
@@ -413,27 +493,35 @@ class Sandbox:
         return f"<Sandbox {self.id} {self.info.get('state')}>"
 
     def _exec_args(self, argv, env, cwd, user, timeout, stdin: bool, stream: bool, trace: bool = False) -> dict:
-        return _given({"sandbox": self.id, "argv": list(argv), "env": env or {}, "stdin": stdin,
-                       "stream": stream, "trace": trace}, cwd=cwd, user=user, timeout=timeout)
+        return _given({"sandbox": self.id, "argv": command_argv(argv), "env": string_map(env, "env"),
+                       "stdin": stdin, "stream": stream, "trace": trace}, cwd=cwd, user=user, timeout=timeout)
 
-    async def exec(self, argv: list[str], timeout: float | None = None, env: dict | None = None,
+    async def exec(self, argv: list[str] | str, timeout: float | None = None, env: dict | None = None,
                    cwd: str | None = None, user: int | None = None, stdin: bytes | None = None,
-                   trace: bool = False) -> ExecResult:
-        """Run a command; return its collected output and status (and, with
-        trace, the ptrace record of what it executed, opened and connected to)."""
-        if stdin is None:
+                   trace: bool = False, on_stdout: Callable[[bytes], object] | None = None,
+                   on_stderr: Callable[[bytes], object] | None = None) -> ExecResult:
+        """Run a command (an argv list, or a string run by /bin/sh -c); return
+        its collected output and status (and, with trace, the ptrace record of
+        what it executed, opened and connected to). on_stdout / on_stderr get
+        each chunk as it arrives (a coroutine function is awaited)."""
+        if stdin is None and on_stdout is None and on_stderr is None:
             r = await self.client.request("exec", **self._exec_args(argv, env, cwd, user, timeout, False, False,
                                                                    trace))
             return ExecResult.from_result(r)
         out: dict[int, list[bytes]] = {1: [], 2: []}
-        stream = self.exec_stream(argv, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin)
+        callbacks = {1: on_stdout, 2: on_stderr}
+        stream = self.exec_stream(argv, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin, trace=trace)
         async for fd, data in stream:
             out[fd].append(data)
+            if callbacks[fd] is not None:
+                result = callbacks[fd](data)
+                if asyncio.iscoroutine(result):
+                    await result
         assert stream.result is not None
         stream.result.stdout, stream.result.stderr = b"".join(out[1]), b"".join(out[2])
         return stream.result
 
-    def exec_stream(self, argv: list[str], timeout: float | None = None, env: dict | None = None,
+    def exec_stream(self, argv: list[str] | str, timeout: float | None = None, env: dict | None = None,
                     cwd: str | None = None, user: int | None = None,
                     stdin: bytes | AsyncIterator[bytes] | None = None, trace: bool = False) -> ExecStream:
         return ExecStream(self, self._exec_args(argv, env, cwd, user, timeout, stdin is not None, True, trace),

@@ -5,16 +5,20 @@
         print(sb.exec(["echo", "hi"]).stdout)
         sb.destroy()
 
-It owns a private event loop and runs each call to completion on it; it is
-not thread-safe (use one SyncClient per thread).
+It owns a private event loop in a thread of its own and hands each call to
+it, so one SyncClient can be shared by many threads: their calls run
+concurrently over its one connection (queued past the daemon's per-client
+limit, as the async client's are).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 
 from .client import Client, ExecResult, Sandbox
+from .errors import NotFound
 
 
 class SyncSandbox:
@@ -81,13 +85,25 @@ class SyncSandbox:
         return self._run(self._sb.destroy(force))
 
 
+async def _awaited(awaitable):
+    """A coroutine for any awaitable (an async generator's __anext__ is not one)."""
+    return await awaitable
+
+
 class SyncClient:
     def __init__(self, socket_path: str | None = None, name: str = "dsecd-sync", connect_timeout: float = 30.0):
         self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="dsecd-sync-loop", daemon=True)
+        self._thread.start()
         self._client = Client(socket_path, name, connect_timeout)
 
-    def _run(self, coro):
-        return self._loop.run_until_complete(coro)
+    def _run(self, awaitable):
+        """Run `awaitable` on the client's loop and wait for it, from any thread."""
+        if self._loop.is_closed():
+            if asyncio.iscoroutine(awaitable):
+                awaitable.close()
+            raise ConnectionError("this SyncClient is closed")
+        return asyncio.run_coroutine_threadsafe(_awaited(awaitable), self._loop).result()
 
     def __enter__(self) -> SyncClient:
         self.connect()
@@ -100,13 +116,19 @@ class SyncClient:
         self._run(self._client.connect())
 
     def close(self) -> None:
-        """Close the connection; safe to call more than once."""
+        """Close the connection and stop the loop's thread; safe to call more than once."""
         if self._loop.is_closed():
             return
         try:
             self._run(self._client.close())
         finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
             self._loop.close()
+
+    def sandbox(self, image: str, **create_args) -> _SyncSandboxContext:
+        """`with client.sandbox(image=...) as sb:` creates a sandbox and destroys it on the way out."""
+        return _SyncSandboxContext(self, image, create_args)
 
     @property
     def server(self) -> dict:
@@ -163,3 +185,22 @@ class SyncClient:
 
     def list_images(self) -> list[dict]:
         return self._run(self._client.list_images())
+
+
+class _SyncSandboxContext:
+    def __init__(self, client: SyncClient, image: str, create_args: dict):
+        self.client = client
+        self.image = image
+        self.create_args = create_args
+        self.sandbox: SyncSandbox | None = None
+
+    def __enter__(self) -> SyncSandbox:
+        self.sandbox = self.client.create(self.image, **self.create_args)
+        return self.sandbox
+
+    def __exit__(self, *exc) -> None:
+        if self.sandbox is not None:
+            try:
+                self.sandbox.destroy(force=True)
+            except NotFound:
+                pass                        # destroyed inside the block already

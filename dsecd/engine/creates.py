@@ -117,6 +117,10 @@ class CreateService:
         self.id_ranges = id_ranges
         self.lifecycle = lifecycle
         self.disk_default = disk_default
+        try:
+            self.default_ttl = parse_duration(self.sb_defaults["default_ttl"] or None, "sandbox.default_ttl")
+        except BadRequest as err:
+            raise ConfigError(err.message) from err
         a = cfg.section("admission")
         self.admission = CreateQueue(a["max_active_creates"], a["max_queued_creates"])
         self.adm_cfg = a
@@ -227,7 +231,7 @@ class CreateService:
         if pool is None:
             return None
         self.check_process(req)
-        ttl, idle_ttl = parse_duration(req.ttl, "ttl"), parse_duration(req.idle_ttl, "idle_ttl")
+        ttl, idle_ttl = self._ttl(req), parse_duration(req.idle_ttl, "idle_ttl")
         lease = parse_duration(req.lease, "lease")
         while pool.ready:
             sb = self.registry.by_id.get(pool.ready.popleft())
@@ -421,6 +425,10 @@ class CreateService:
             raise BadRequest(f"cwd {cwd!r} is not a directory in image {sb.image!r}: give one that "
                              "exists, or create without --cwd and make it with an exec", {"cwd": cwd})
 
+    def _ttl(self, req) -> float | None:
+        """The create's ttl, or sandbox.default_ttl when it names none."""
+        return self.default_ttl if req.ttl is None else parse_duration(req.ttl, "ttl")
+
     async def _mount_layers(self, sb: Sandbox) -> list:
         """The image's layers mounted (each once per host), top layer first for overlay."""
         layers = self.image_service.layers
@@ -478,7 +486,7 @@ class CreateService:
                      env=dict(req.env), labels=dict(req.labels), hostname=hostname, cwd=req.cwd,
                      user=req.user, qos=plan.qos, core_sched=plan.core_sched,
                      manifest=image.manifest, layers=image.layer_digests,
-                     ttl=parse_duration(req.ttl, "ttl"), idle_ttl=parse_duration(req.idle_ttl, "idle_ttl"),
+                     ttl=self._ttl(req), idle_ttl=parse_duration(req.idle_ttl, "idle_ttl"),
                      lease=parse_duration(req.lease, "lease"), key=req.key)
         if sb.lease:
             sb.lease_deadline = time.monotonic() + sb.lease

@@ -1,0 +1,118 @@
+"""The SDK the way agent scaffolds use it: shell strings, output callbacks,
+sandboxes scoped to a `with` block, many requests on one client, one
+SyncClient shared by threads, and a daemon-wide default TTL."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+import dsecd
+
+
+def test_a_string_command_runs_through_the_shell(client, sandbox):
+    r = sandbox.exec("echo hi; echo err >&2; exit 3")
+    assert (r.exit_code, r.stdout, r.stderr) == (3, b"hi\n", b"err\n")
+    assert sandbox.exec(["echo", "$HOME;"]).stdout == b"$HOME;\n"      # a list is not a shell line
+    call = client.call("busybox", argv="echo from a call | tr a-z A-Z")
+    assert call.stdout == b"FROM A CALL\n"
+
+
+def test_env_of_the_wrong_type_says_which_key(sandbox):
+    with pytest.raises(TypeError, match=r"env\['A'\] must be a str, got int"):
+        sandbox.exec(["true"], env={"A": 1})
+
+
+def test_output_callbacks_get_each_chunk(daemon):
+    async def go():
+        async with dsecd.Client(daemon.socket) as c:
+            async with c.sandbox(image="busybox", memory="64M") as sb:
+                out, err = [], []
+
+                async def on_err(chunk):
+                    err.append(chunk)
+
+                r = await sb.exec("for i in 1 2 3; do echo $i; echo e$i >&2; done", on_stdout=out.append,
+                                  on_stderr=on_err)
+                return r, b"".join(out), b"".join(err), sb.id
+
+    r, out, err, sb_id = asyncio.run(go())
+    assert (r.exit_code, r.stdout, r.stderr) == (0, b"1\n2\n3\n", b"e1\ne2\ne3\n")
+    assert (out, err) == (r.stdout, r.stderr)
+    c = daemon.client()
+    try:
+        assert sb_id not in {s["id"] for s in c.list()}            # the with block destroyed it
+    finally:
+        c.close()
+
+
+def test_sync_sandbox_context_destroys_on_exit_even_after_an_error(client):
+    with pytest.raises(RuntimeError), client.sandbox(image="busybox", memory="64M") as sb:
+        assert sb.exec("true").exit_code == 0
+        sb_id = sb.id
+        raise RuntimeError("the agent failed")
+    assert sb_id not in {s["id"] for s in client.list()}
+    with client.sandbox(image="busybox", memory="64M") as sb:
+        sb.destroy()                        # destroyed inside: leaving the block is fine
+
+
+def test_more_requests_than_the_daemon_takes_at_once_queue_in_the_client(daemon, sandbox):
+    """300 execs on one client against limits.max_requests_per_client = 256."""
+    async def go():
+        async with dsecd.Client(daemon.socket) as c:
+            assert c.server["limits"]["max_requests_per_client"] < 300
+            sb = await c.get(sandbox.id)
+            return await asyncio.gather(*(sb.exec(["echo", str(i)]) for i in range(300)))
+
+    results = asyncio.run(go())
+    assert [r.stdout for r in results] == [f"{i}\n".encode() for i in range(300)]
+
+
+def test_one_sync_client_shared_by_threads(daemon, sandbox):
+    c = daemon.client()
+    sb = c.get(sandbox.id)
+    seen: dict[int, list[bytes]] = {}
+    errors: list[BaseException] = []
+
+    def work(n: int) -> None:
+        try:
+            seen[n] = [sb.exec(["echo", f"{n}-{i}"]).stdout for i in range(20)]
+        except BaseException as err:          # reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        c.close()
+    assert not errors
+    assert seen == {n: [f"{n}-{i}\n".encode() for i in range(20)] for n in range(8)}
+
+
+def test_a_default_ttl_ends_forgotten_sandboxes(daemon_factory, busybox_rootfs):
+    d = daemon_factory('default_ttl = "2s"\n')        # the test config's [sandbox] table goes on
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        forgotten = c.create("busybox", memory="64M")
+        kept = c.create("busybox", memory="64M", ttl="1h")
+        assert forgotten.info["ttl"] == 2 and kept.info["ttl"] == 3600
+        deadline = time.monotonic() + 15
+        while forgotten.id in {s["id"] for s in c.list()} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ids = {s["id"] for s in c.list()}
+        assert forgotten.id not in ids and kept.id in ids
+    finally:
+        c.close()
+
+
+def test_a_bad_default_ttl_stops_the_daemon_at_start(daemon_factory):
+    d = daemon_factory('default_ttl = "soon"\n', start=False)
+    with pytest.raises(RuntimeError, match="sandbox.default_ttl must be seconds or a duration"):
+        d.start(timeout=10)
