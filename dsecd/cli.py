@@ -501,7 +501,54 @@ async def cmd_inspect(c: Client, a) -> int:
     return 0
 
 
+def _remote_path(spec: str, verb: str) -> tuple[str, str]:
+    sb_id, path = _split_remote(spec)
+    if sb_id is None:
+        raise UsageError(f"dsec {verb}: give SANDBOX:/absolute/path, got {spec!r}")
+    return sb_id, path
+
+
+async def cmd_ls(c: Client, a) -> int:
+    sb_id, path = _remote_path(a.target, "ls")
+    entries = await (await c.get(sb_id)).list_files(path)
+    if a.json:
+        _print_json(entries)
+        return 0
+    _table([[e["type"], f"{e['mode']:04o}", str(e["size"]), time.strftime("%Y-%m-%d %H:%M", time.localtime(e["mtime"])),
+             e["name"]] for e in entries], ["TYPE", "MODE", "SIZE", "MODIFIED", "NAME"])
+    return 0
+
+
+async def cmd_cat(c: Client, a) -> int:
+    for spec in a.targets:
+        sb_id, path = _remote_path(spec, "cat")
+        sys.stdout.buffer.write(await (await c.get(sb_id)).read_file(path))
+    sys.stdout.flush()
+    return 0
+
+
+async def _rm_paths(c: Client, a) -> int:
+    status = 0
+    for spec in a.sandboxes:
+        sb_id, path = _remote_path(spec, "rm")
+        try:
+            r = await (await c.get(sb_id)).remove(path, recursive=a.recursive)
+            if a.json:
+                _print_json(r)
+        except DsecError as err:
+            print(f"dsec: rm {spec}: {err.code}: {err.message}", file=sys.stderr)
+            status = 1
+    return status
+
+
 async def cmd_rm(c: Client, a) -> int:
+    paths = [s for s in a.sandboxes if _split_remote(s)[0] is not None]
+    if paths and len(paths) != len(a.sandboxes):
+        raise UsageError("dsec rm: give sandbox ids or SANDBOX:/paths, not both")
+    if paths:
+        return await _rm_paths(c, a)
+    if a.recursive:
+        raise UsageError("dsec rm: -r goes with SANDBOX:/paths (a sandbox is removed whole)")
     if a.all:
         if a.sandboxes:
             raise UsageError("dsec rm: give sandbox ids or --all, not both")
@@ -734,11 +781,17 @@ def build_parser() -> argparse.ArgumentParser:
     top = sub.add_parser("top", help="sampled CPU, throttling and memory per sandbox; host totals")
     top.add_argument("--label", action="append", metavar="K=V")
 
+    ls = sub.add_parser("ls", help="list a directory in a sandbox: dsec ls SB:/path")
+    ls.add_argument("target", metavar="SANDBOX:/path")
+    cat = sub.add_parser("cat", help="print files of a sandbox: dsec cat SB:/file ...")
+    cat.add_argument("targets", nargs="+", metavar="SANDBOX:/path")
+
     ins = sub.add_parser("inspect", help="one sandbox as JSON")
     ins.add_argument("sandbox")
 
-    rm = sub.add_parser("rm", help="destroy sandboxes")
-    rm.add_argument("sandboxes", nargs="*")
+    rm = sub.add_parser("rm", help="destroy sandboxes, or remove SANDBOX:/paths inside one")
+    rm.add_argument("sandboxes", nargs="*", metavar="SANDBOX|SANDBOX:/path")
+    rm.add_argument("--recursive", "-r", action="store_true", help="with SANDBOX:/path: a directory and its contents")
     rm.add_argument("--all", action="store_true")
     rm.add_argument("--force", "-f", action="store_true", help="kill running execs")
     rm.add_argument("--label", action="append", metavar="K=V", help="with --all: only these")
@@ -750,7 +803,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 COMMANDS = {"info": cmd_info, "image": cmd_image, "snapshot": cmd_snapshot, "pause": cmd_pause_resume,
             "resume": cmd_pause_resume, "job": cmd_job, "events": cmd_events, "net": cmd_net, "trace": cmd_exec, "create": cmd_create, "exec": cmd_exec, "call": cmd_call, "pool": cmd_pool, "cp": cmd_cp,
-            "ps": cmd_ps, "inspect": cmd_inspect, "rm": cmd_rm, "top": cmd_top}
+            "ps": cmd_ps, "inspect": cmd_inspect, "rm": cmd_rm, "top": cmd_top, "ls": cmd_ls, "cat": cmd_cat}
 
 
 async def _run(a) -> int:

@@ -556,6 +556,25 @@ class Sandbox:
     async def stat(self, path: str) -> dict:
         return await self.client.request("file_stat", sandbox=self.id, path=path)
 
+    async def exists(self, path: str) -> bool:
+        """Whether `path` exists in the sandbox (a dangling symlink does)."""
+        try:
+            await self.stat(path)
+        except NotFound:
+            return False
+        return True
+
+    async def mkdir(self, path: str, parents: bool = True, mode: int = 0o755) -> dict:
+        """mkdir -p by default: the missing parents too, and no error if it exists."""
+        return await self.client.request("file_mkdir", sandbox=self.id, path=path, parents=parents, mode=mode)
+
+    async def remove(self, path: str, recursive: bool = False) -> dict:
+        """rm, or rm -r with recursive; symlinks are removed, never followed."""
+        return await self.client.request("file_remove", sandbox=self.id, path=path, recursive=recursive)
+
+    async def rename(self, src: str, dst: str, overwrite: bool = False) -> dict:
+        return await self.client.request("file_rename", sandbox=self.id, src=src, dst=dst, overwrite=overwrite)
+
     async def snapshot(self, name: str, exclude: list[str] | None = None,
                        progress: Callable[[dict], None] | None = None) -> dict:
         """pack_diff: this sandbox's changes as a new image `name` over its own image."""

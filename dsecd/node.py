@@ -58,6 +58,8 @@ SERVICE_ROUTES = {
     "exec": ("exec_service", "exec"), "exec_input": ("exec_service", "exec_input"),
     "file_read": ("file_service", "read"), "file_write": ("file_service", "write"),
     "file_list": ("file_service", "list"), "file_stat": ("file_service", "stat"),
+    "file_mkdir": ("file_service", "mkdir"), "file_remove": ("file_service", "remove"),
+    "file_rename": ("file_service", "rename"),
     "image_build": ("image_service", "build"), "image_list": ("image_service", "list"),
     "image_inspect": ("image_service", "inspect"), "image_rm": ("image_service", "rm"),
     "image_gc": ("image_service", "gc"), "image_du": ("image_service", "du"),

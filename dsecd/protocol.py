@@ -251,6 +251,29 @@ class FileStat:
     path: str
 
 
+@request("file_mkdir", states=ACTIVE)
+class FileMkdir:
+    sandbox: str
+    path: str
+    parents: bool = False        # mkdir -p: missing parents too, and no error if it exists
+    mode: int = 0o755
+
+
+@request("file_remove", states=ACTIVE)
+class FileRemove:
+    sandbox: str
+    path: str
+    recursive: bool = False      # rm -r: a directory and everything in it
+
+
+@request("file_rename", states=ACTIVE)
+class FileRename:
+    sandbox: str
+    src: str
+    dst: str
+    overwrite: bool = False      # replace an existing dst
+
+
 @request("pause", states=ACTIVE)
 class Pause:
     sandbox: str

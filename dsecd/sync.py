@@ -62,6 +62,18 @@ class SyncSandbox:
     def stat(self, path: str) -> dict:
         return self._run(self._sb.stat(path))
 
+    def exists(self, path: str) -> bool:
+        return self._run(self._sb.exists(path))
+
+    def mkdir(self, path: str, **kw) -> dict:
+        return self._run(self._sb.mkdir(path, **kw))
+
+    def remove(self, path: str, **kw) -> dict:
+        return self._run(self._sb.remove(path, **kw))
+
+    def rename(self, src: str, dst: str, **kw) -> dict:
+        return self._run(self._sb.rename(src, dst, **kw))
+
     def inspect(self) -> dict:
         self.info = self._run(self._sb.inspect())
         return self.info

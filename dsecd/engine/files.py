@@ -1,4 +1,5 @@
-"""Files inside a sandbox, from the host side: read, write, list, stat.
+"""Files inside a sandbox, from the host side: read, write, list, stat,
+mkdir, remove, rename.
 
 Every path is resolved with openat2(RESOLVE_IN_ROOT) against the sandbox's
 root fd (dsecd/fs/files.py), under the sandbox's user-namespace ids
@@ -17,7 +18,8 @@ from .workers import Workers
 
 
 class FileService:
-    """`file_read`, `file_write`, `file_list`, `file_stat`. `ensure_running(sb,
+    """`file_read`, `file_write`, `file_list`, `file_stat`, `file_mkdir`,
+    `file_remove`, `file_rename`. `ensure_running(sb,
     why)` resumes a paused sandbox first (the memory service's); `max_chunk`
     is limits.max_file_chunk_bytes, the most one request moves."""
 
@@ -35,9 +37,9 @@ class FileService:
             return await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap), fn,
                                           sb.handle.rootfd, *args)
         except sbfiles.PathError as err:
-            raise BadRequest(str(err), {"path": req.path}) from err
+            raise BadRequest(str(err), {"path": _where(req)}) from err
         except OSError as err:
-            raise io_error(verb, f"{sb.id}:{req.path}", err) from err
+            raise io_error(verb, f"{sb.id}:{_where(req)}", err) from err
 
     async def read(self, req, ctx) -> dict:
         chunk = self.max_chunk
@@ -62,3 +64,19 @@ class FileService:
 
     async def stat(self, req, ctx) -> dict:
         return await self._file_op(req, "stat", sbfiles.stat_path, req.path)
+
+    async def mkdir(self, req, ctx) -> dict:
+        if not 0 <= req.mode <= 0o7777:
+            raise BadRequest(f"mode must be in [0, 0o7777], got {req.mode:o}")
+        return await self._file_op(req, "mkdir", sbfiles.make_dir, req.path, req.parents, req.mode)
+
+    async def remove(self, req, ctx) -> dict:
+        return await self._file_op(req, "remove", sbfiles.remove, req.path, req.recursive)
+
+    async def rename(self, req, ctx) -> dict:
+        return await self._file_op(req, "rename", sbfiles.rename, req.src, req.dst, req.overwrite)
+
+
+def _where(req) -> str:
+    """The path(s) a file request names, for its errors."""
+    return req.path if hasattr(req, "path") else f"{req.src} -> {req.dst}"

@@ -167,3 +167,95 @@ def list_dir(rootfd: int, path: str, max_entries: int = 100_000) -> dict:
         return {"path": path, "entries": entries, "truncated": truncated}
     finally:
         os.close(fd)
+
+
+def make_dir(rootfd: int, path: str, parents: bool, mode: int) -> dict:
+    """mkdir (-p with `parents`: the missing ones above it too, and no error
+    if it exists as a directory)."""
+    path = check_path(path)
+    if path == "/":
+        if parents:
+            return {"path": path, "created": False}
+        raise FileExistsError(errno.EEXIST, "/ exists")
+    if parents:
+        make_parents(rootfd, path)
+    parent, name = _split(path)
+    pfd = _open(rootfd, parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        try:
+            os.mkdir(name, mode & 0o7777, dir_fd=pfd)
+        except FileExistsError:
+            if not parents or not stat.S_ISDIR(os.stat(name, dir_fd=pfd, follow_symlinks=False).st_mode):
+                raise
+            return {"path": path, "created": False}
+        return {"path": path, "created": True}
+    finally:
+        os.close(pfd)
+
+
+def remove(rootfd: int, path: str, recursive: bool) -> dict:
+    """rm (-r with `recursive`). A symlink is removed, never followed, at any
+    depth: what a sandbox points elsewhere is not the daemon's to delete."""
+    path = check_path(path)
+    if path == "/":
+        raise PathError("refusing to remove / (remove what is under it instead)")
+    parent, name = _split(path)
+    pfd = _open(rootfd, parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        return {"path": path, "removed": _remove_at(pfd, name, recursive, path)}
+    finally:
+        os.close(pfd)
+
+
+def _remove_at(dirfd: int, name: str, recursive: bool, shown: str) -> int:
+    """Remove `name` in `dirfd`; the number of entries removed."""
+    st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=dirfd)
+        return 1
+    if not recursive:
+        try:
+            os.rmdir(name, dir_fd=dirfd)
+        except OSError as err:
+            if err.errno == errno.ENOTEMPTY:
+                raise OSError(errno.ENOTEMPTY, f"{shown} is a directory that is not empty; remove it "
+                              "recursively") from err
+            raise
+        return 1
+    # O_NOFOLLOW: a directory swapped for a symlink meanwhile is not entered.
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+    removed = 0
+    try:
+        for entry in os.listdir(fd):
+            removed += _remove_at(fd, entry, True, f"{shown}/{entry}")
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dirfd)
+    return removed + 1
+
+
+def rename(rootfd: int, src: str, dst: str, overwrite: bool) -> dict:
+    """mv within the sandbox. Without `overwrite` an existing destination is an
+    error; it is checked just before the rename, so a file the sandbox makes
+    in between is replaced (the sandbox's own doing)."""
+    src, dst = check_path(src), check_path(dst)
+    if "/" in (src, dst):
+        raise PathError("cannot rename / or onto /")
+    (sparent, sname), (dparent, dname) = _split(src), _split(dst)
+    sfd = _open(rootfd, sparent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        dfd = _open(rootfd, dparent, os.O_PATH | os.O_DIRECTORY)
+        try:
+            if not overwrite:
+                try:
+                    os.stat(dname, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    pass
+                else:
+                    raise FileExistsError(errno.EEXIST, f"{dst} exists; rename with overwrite to replace it")
+            os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
+            return {"src": src, "dst": dst}
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(sfd)

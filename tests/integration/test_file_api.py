@@ -1,0 +1,60 @@
+"""mkdir, remove, rename and exists inside a sandbox, from the SDK and the CLI,
+with the escapes a sandbox could plant (symlinks out of it) refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsecd.errors import BadRequest, Conflict, NotFound
+
+
+def test_mkdir_rename_remove(sandbox):
+    assert sandbox.mkdir("/work/a/b/c")["created"] is True
+    assert sandbox.mkdir("/work/a/b/c")["created"] is False            # -p: no error
+    with pytest.raises(Conflict):
+        sandbox.mkdir("/work/a/b/c", parents=False)
+    sandbox.write_file("/work/a/b/c/f.txt", b"x")
+    sandbox.write_file("/work/a/top.txt", b"y")
+    assert sandbox.exists("/work/a/b/c/f.txt") and not sandbox.exists("/work/nope")
+    sandbox.rename("/work/a/top.txt", "/work/a/b/moved.txt")
+    assert sandbox.read_file("/work/a/b/moved.txt") == b"y" and not sandbox.exists("/work/a/top.txt")
+    sandbox.write_file("/work/a/other.txt", b"z")
+    with pytest.raises(Conflict, match="exists"):
+        sandbox.rename("/work/a/other.txt", "/work/a/b/moved.txt")
+    sandbox.rename("/work/a/other.txt", "/work/a/b/moved.txt", overwrite=True)
+    assert sandbox.read_file("/work/a/b/moved.txt") == b"z"
+    with pytest.raises(Conflict, match="not empty"):
+        sandbox.remove("/work/a")
+    assert sandbox.remove("/work/a", recursive=True)["removed"] == 5     # a, b, c, f.txt, moved.txt
+    assert not sandbox.exists("/work/a")
+    with pytest.raises(NotFound):
+        sandbox.remove("/work/a")
+    with pytest.raises(BadRequest):
+        sandbox.remove("/", recursive=True)
+
+
+def test_remove_never_follows_a_symlink_out_of_its_tree(sandbox):
+    """A sandbox points a link inside the tree at a directory elsewhere: the
+    link goes, what it points at stays."""
+    sandbox.exec(["sh", "-c", "mkdir -p /keep /work/t && echo kept > /keep/f && ln -s /keep /work/t/link"])
+    assert sandbox.remove("/work/t", recursive=True)["removed"] == 2       # t and the link
+    assert sandbox.exec(["cat", "/keep/f"]).stdout == b"kept\n"
+
+
+def test_cli_ls_cat_rm(daemon, sandbox):
+    sandbox.write_file("/work/d/one.txt", b"hello\n")
+    sandbox.mkdir("/work/d/sub")
+    r = daemon.cli("ls", f"{sandbox.id}:/work/d")
+    assert r.returncode == 0 and b"one.txt" in r.stdout and b"sub" in r.stdout, r.stderr
+    names = {e["name"]: e["type"] for e in json.loads(daemon.cli("ls", f"{sandbox.id}:/work/d", "--json").stdout)}
+    assert names == {"one.txt": "file", "sub": "dir"}
+    assert daemon.cli("cat", f"{sandbox.id}:/work/d/one.txt").stdout == b"hello\n"
+    r = daemon.cli("rm", f"{sandbox.id}:/work/d")
+    assert r.returncode == 1 and b"not empty" in r.stderr
+    assert daemon.cli("rm", "-r", f"{sandbox.id}:/work/d").returncode == 0
+    assert not sandbox.exists("/work/d")
+    r = daemon.cli("rm", sandbox.id, f"{sandbox.id}:/work")
+    assert r.returncode == 2 and b"not both" in r.stderr
+    assert daemon.cli("ls", "/local/path").returncode == 2
