@@ -17,16 +17,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import cgroup, native, userns
+from .feature import Feature
 
 log = logging.getLogger(__name__)
 
 REQUIRED = ("namespaces", "overlayfs", "pidfd", "openat2")
-
-
-@dataclass(frozen=True)
-class Feature:
-    available: bool
-    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -228,8 +223,7 @@ def probe_all(cgroup_root: str = "dsecd", state_dir: str | None = None) -> Featu
         "upperfs": probe_upperfs(),
         "project_quota": probe_project_quota(state_dir),
     }
-    why = userns.probe_idmap("/")
-    items["idmapped_mounts"] = Feature(why is None, why or "user namespace + MOUNT_ATTR_IDMAP of / works")
+    items["idmapped_mounts"] = userns.probe_idmap("/")
     abi = native.probe_landlock_abi()
     items["landlock"] = Feature(abi > 0, f"ABI v{abi}" if abi > 0 else
                                 f"landlock_create_ruleset: {errno.errorcode.get(-abi, abi)}")

@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass
 
 from . import native
+from .feature import Feature
 
 ID_MAX = 2**32 - 2          # (u32)-1 is "no id" to the kernel
 OVERFLOW_ID = 65534         # what the kernel shows for an unmapped id (overflowuid)
@@ -104,19 +105,20 @@ def create_namespace(idmap: IdMap) -> int:
     return native.userns_create(idmap.uid, idmap.gid, idmap.count)
 
 
-def probe_idmap(path: str) -> str | None:
-    """None if a mount holding `path` can be idmapped here, else why not."""
+def probe_idmap(path: str) -> Feature:
+    """Whether a mount holding `path` can be idmapped here (a user namespace
+    is made and a real idmapped clone of the mount taken), or why not."""
     try:
         ns = native.userns_create(ID_MAX - 65536, ID_MAX - 65536, 65536)
     except OSError as err:
-        return f"user namespace: {err}"
+        return Feature(False, f"user namespace: {err}")
     try:
         os.close(native.mount_idmapped(path, ns))
     except OSError as err:
-        return str(err)
+        return Feature(False, str(err))
     finally:
         os.close(ns)
-    return None
+    return Feature(True, f"user namespace + MOUNT_ATTR_IDMAP of {path} works")
 
 
 def as_sandbox_root(idmap: IdMap | None):

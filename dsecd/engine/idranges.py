@@ -30,9 +30,10 @@ class IdRanges:
         if not sb_defaults["userns"]:
             log.warning("sandbox.userns is false: sandbox root is host root (with reduced capabilities)")
             return cls(None)
-        why = userns.probe_idmap(str(state))
-        if why:
-            raise ConfigError(f"sandbox.userns = true, but the state dir {state} cannot be idmapped: {why}; "
+        idmap = userns.probe_idmap(str(state))
+        if not idmap.available:
+            raise ConfigError(f"sandbox.userns = true, but the state dir {state} cannot be idmapped: "
+                              f"{idmap.detail}; "
                               "set sandbox.userns = false or move state_dir to ext4, xfs, btrfs or tmpfs")
         try:
             return cls(userns.RangeAllocator(int(sb_defaults["userns_base"]), int(sb_defaults["userns_size"])))

@@ -82,7 +82,7 @@ class MemoryService:
         if self.damon.cfg.enabled:
             avail = self.damon.probe()
             if not avail.available:
-                log.warning("DAMON not used: %s", avail.reason)
+                log.warning("DAMON not used: %s", avail.detail)
                 return
             live = [s.id for s in self.registry.by_id.values() if s.state in ("running", "paused")]
             self.damon.start([self._scheme(i) for i in live])

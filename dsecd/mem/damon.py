@@ -41,6 +41,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..feature import Feature
+
 DEFAULT_ROOT = "/sys/kernel/mm/damon/admin"
 OPERATIONS = ("paddr", "vaddr")
 STAT_FIELDS = ("nr_tried", "sz_tried", "nr_applied", "sz_applied", "qt_exceeds",
@@ -140,9 +142,9 @@ class SandboxScheme:
 
 
 @dataclass(frozen=True)
-class Availability:
-    available: bool
-    reason: str
+class Availability(Feature):
+    """Feature, plus what the probe found of DAMON's kdamonds."""
+
     foreign: tuple[int, ...] = ()           # kdamond indexes dsecd did not create
     operations: tuple[str, ...] = ()        # avail_operations, where readable
 
@@ -235,7 +237,7 @@ class DamonController:
             return
         avail = self.probe()
         if not avail.available:
-            raise DamonUnavailable(errno.EBUSY, avail.reason)
+            raise DamonUnavailable(errno.EBUSY, avail.detail)
         recorded = self._recorded()
         n = int(self._read(self.kdamonds / "nr_kdamonds"))
         if n and recorded is not None:                   # our kdamond from a previous daemon

@@ -41,12 +41,12 @@ def damon(tmp_path):
 
 def test_busy_interface_is_reported_and_left_alone(damon):
     if not (ROOT / "kdamonds" / "nr_kdamonds").exists():
-        pytest.skip(damon.probe().reason)
+        pytest.skip(damon.probe().detail)
     before = _snapshot()
     a = damon.probe()
     if a.available:
         pytest.skip("DAMON is free on this host; the busy path cannot be exercised")
-    assert a.reason.startswith("DAMON interface busy") and a.foreign
+    assert a.detail.startswith("DAMON interface busy") and a.foreign
     with pytest.raises(DamonUnavailable):
         damon.start([])
     assert _snapshot() == before
@@ -55,7 +55,7 @@ def test_busy_interface_is_reported_and_left_alone(damon):
 def test_own_kdamond_on_real_kernel(damon):
     a = damon.probe()
     if not a.available:
-        pytest.skip(f"DAMON unavailable here: {a.reason}")
+        pytest.skip(f"DAMON unavailable here: {a.detail}")
     memcg = Path("/sys/fs/cgroup/memory")
     rel = f"dsecd-test-damon-{os.getpid()}"
     made = None

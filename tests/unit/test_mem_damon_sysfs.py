@@ -242,7 +242,7 @@ def test_free_interface_is_available(tmp_path, iomem):
 def test_missing_sysfs_is_unavailable_with_reason(tmp_path, iomem):
     d = DamonController(DamonConfig(sysfs_root=str(tmp_path / "nope"), iomem=iomem))
     a = d.probe()
-    assert not a.available and "CONFIG_DAMON_SYSFS" in a.reason
+    assert not a.available and "CONFIG_DAMON_SYSFS" in a.detail
 
 
 def test_foreign_running_kdamond_makes_damon_unavailable_and_nothing_is_written(tmp_path, iomem):
@@ -250,7 +250,7 @@ def test_foreign_running_kdamond_makes_damon_unavailable_and_nothing_is_written(
     kernel.add_foreign(on=True)
     a = d.probe()
     assert not a.available and a.foreign == (0,) and a.operations == ("paddr", "vaddr")
-    assert "kdamond 0 is on (pid 71)" in a.reason and "EBUSY" in a.reason
+    assert "kdamond 0 is on (pid 71)" in a.detail and "EBUSY" in a.detail
     with pytest.raises(DamonUnavailable) as exc:
         d.start(SB[:1])
     assert exc.value.errno == errno.EBUSY
@@ -262,7 +262,7 @@ def test_foreign_stopped_kdamond_is_not_discarded(tmp_path, iomem):
     kernel, d = make(tmp_path, iomem)
     kernel.add_foreign(on=False)
     a = d.probe()
-    assert not a.available and "kdamond 0 is off" in a.reason and "EBUSY" not in a.reason
+    assert not a.available and "kdamond 0 is off" in a.detail and "EBUSY" not in a.detail
     with pytest.raises(DamonUnavailable):
         d.start([])
     assert kernel.writes == [] and read(kernel, "kdamonds/0/contexts/0/operations") == "paddr"
