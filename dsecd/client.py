@@ -20,6 +20,7 @@ import contextlib
 import grp
 import itertools
 import os
+import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -527,7 +528,28 @@ class Sandbox:
         return ExecStream(self, self._exec_args(argv, env, cwd, user, timeout, stdin is not None, True, trace),
                           stdin)
 
-    async def write_file(self, path: str, data: bytes, mode: int = 0o644, parents: bool = True) -> int:
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644, parents: bool = True,
+                         atomic: bool = True) -> int:
+        """Write `data` to `path` (any size: chunked under the frame limit).
+        Atomic by default: written under a temporary name beside it and
+        renamed over it, so a write that fails (ENOSPC, a lost connection)
+        leaves the old file or none, never a part; the file is a new one
+        with `mode`, and a symlink at `path` is replaced, not written
+        through. atomic=False writes into the file in place."""
+        if not atomic:
+            return await self._write_chunks(path, data, mode, parents)
+        parent, _, name = path.rpartition("/")
+        tmp = f"{parent}/.{name}.dsec-{secrets.token_hex(4)}"
+        try:
+            size = await self._write_chunks(tmp, data, mode, parents)
+            await self.rename(tmp, path, overwrite=True)
+        except BaseException:
+            with contextlib.suppress(DsecError, ConnectionError):
+                await asyncio.shield(self.remove(tmp))
+            raise
+        return size
+
+    async def _write_chunks(self, path: str, data: bytes, mode: int, parents: bool) -> int:
         chunk = self.client.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
         view = memoryview(data)
         first = True

@@ -189,8 +189,10 @@ def test_file_api_does_not_read_or_write_kernel_interfaces(admin):
         sb.write_file("/root/plain", b"data")                          # neighbour
         assert sb.read_file("/root/plain") == b"data"
         with pytest.raises(BadRequest, match="kernel interface"):
-            sb.write_file("/root/out", b"pwned")
+            sb.write_file("/root/out", b"pwned", atomic=False)          # in place: refused
+        sb.write_file("/root/out", b"pwned")        # atomic (the default): the link is replaced
         assert sb.exec(["cat", "/proc/1/comm"]).stdout == b"dsec-init\n"
+        assert sb.stat("/root/out")["type"] == "file" and sb.read_file("/root/out") == b"pwned"
         for path in ("/root/ks", "/root/st", "/proc/1/environ", "/proc/meminfo"):
             with pytest.raises(BadRequest, match="kernel interface"):
                 sb.read_file(path)
@@ -210,7 +212,7 @@ def test_hardlinks_cannot_reach_the_host_or_the_image(admin):
     try:
         r = sb.exec(["sh", "-c", "ln /etc/passwd /root/pw && echo ok; ln /etc/passwd /tmp/pw 2>&1; echo rc=$?"])
         assert r.stdout.startswith(b"ok\n") and b"rc=0" not in r.stdout       # EXDEV across mounts
-        sb.write_file("/root/pw", b"owned::0:0::/:/bin/sh\n")
+        sb.write_file("/root/pw", b"owned::0:0::/:/bin/sh\n", atomic=False)   # in place, through the link
         assert sb.read_file("/etc/passwd") == b"owned::0:0::/:/bin/sh\n"
         other = admin.create(image="busybox", memory="64M")
         assert b"owned" not in other.read_file("/etc/passwd")

@@ -210,7 +210,8 @@ def test_device_nodes_made_inside_do_not_open(mknod_sandbox, where):
 
 def test_file_api_writes_are_capped_too(daemon, client):
     """The daemon's file_write goes through the same overlay: past the cap it is an `io`
-    error naming ENOSPC, not an internal one, and the sandbox stays usable."""
+    error naming ENOSPC, not an internal one, and the sandbox stays usable. The
+    SDK's atomic write leaves nothing behind; an in-place one leaves its part."""
     _require_upperfs(client)
     sb = client.create(image="busybox", memory="128M", disk="4M")
     try:
@@ -218,6 +219,9 @@ def test_file_api_writes_are_capped_too(daemon, client):
         with pytest.raises(dsecd.errors.DsecError) as e:
             sb.write_file("/f", b"x" * (8 << 20))       # the SDK sends it in chunks
         assert e.value.code == "io" and "No space left" in str(e.value), e.value
+        assert sh(sb, "ls -a / | grep -c f.dsec- || true").stdout == b"0\n" and not sb.exists("/f")
+        with pytest.raises(dsecd.errors.DsecError, match="No space left"):
+            sb.write_file("/f", b"x" * (8 << 20), atomic=False)
         assert sh(sb, "rm /f && echo ok > /g && cat /g").stdout == b"ok\n"
     finally:
         sb.destroy(force=True)
