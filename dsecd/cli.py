@@ -510,7 +510,7 @@ def _remote_path(spec: str, verb: str) -> tuple[str, str]:
 
 async def cmd_ls(c: Client, a) -> int:
     sb_id, path = _remote_path(a.target, "ls")
-    entries = await (await c.get(sb_id)).list_files(path)
+    entries = await (await c.get(sb_id)).list_files(path, a.depth)
     if a.json:
         _print_json(entries)
         return 0
@@ -783,6 +783,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("ls", help="list a directory in a sandbox: dsec ls SB:/path")
     ls.add_argument("target", metavar="SANDBOX:/path")
+    ls.add_argument("--depth", type=int, default=1, help="subdirectories too, down to this depth")
     cat = sub.add_parser("cat", help="print files of a sandbox: dsec cat SB:/file ...")
     cat.add_argument("targets", nargs="+", metavar="SANDBOX:/path")
 

@@ -572,8 +572,12 @@ class Sandbox:
             if r["eof"] or not r["data"]:
                 return b"".join(parts)
 
-    async def list_files(self, path: str) -> list[dict]:
-        return (await self.client.request("file_list", sandbox=self.id, path=path))["entries"]
+    async def list_files(self, path: str, depth: int = 1) -> list[dict]:
+        """A directory's entries; with depth > 1 its subdirectories' too ("a/b")."""
+        args = {"sandbox": self.id, "path": path}
+        if depth != 1:          # sent only when asked: older daemons do not know the field
+            args["depth"] = depth
+        return (await self.client.request("file_list", **args))["entries"]
 
     async def stat(self, path: str) -> dict:
         return await self.client.request("file_stat", sandbox=self.id, path=path)

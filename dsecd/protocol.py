@@ -243,6 +243,7 @@ class FileWrite:
 class FileList:
     sandbox: str
     path: str
+    depth: int = 1               # > 1: subdirectories too, down to this depth
 
 
 @request("file_stat", states=ACTIVE)

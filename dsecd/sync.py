@@ -56,8 +56,8 @@ class SyncSandbox:
     def read_file(self, path: str) -> bytes:
         return self._run(self._sb.read_file(path))
 
-    def list_files(self, path: str) -> list[dict]:
-        return self._run(self._sb.list_files(path))
+    def list_files(self, path: str, depth: int = 1) -> list[dict]:
+        return self._run(self._sb.list_files(path, depth))
 
     def stat(self, path: str) -> dict:
         return self._run(self._sb.stat(path))

@@ -60,7 +60,9 @@ class FileService:
                                    req.mode, req.parents)
 
     async def list(self, req, ctx) -> dict:
-        return await self._file_op(req, "list", sbfiles.list_dir, req.path)
+        if not 1 <= req.depth <= 64:
+            raise BadRequest(f"depth must be between 1 and 64, got {req.depth}")
+        return await self._file_op(req, "list", sbfiles.list_dir, req.path, req.depth)
 
     async def stat(self, req, ctx) -> dict:
         return await self._file_op(req, "stat", sbfiles.stat_path, req.path)

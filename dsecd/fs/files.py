@@ -150,23 +150,43 @@ def stat_path(rootfd: int, path: str) -> dict:
         os.close(fd)
 
 
-def list_dir(rootfd: int, path: str, max_entries: int = 100_000) -> dict:
+def list_dir(rootfd: int, path: str, depth: int = 1, max_entries: int = 100_000) -> dict:
+    """The entries of a directory, and with depth > 1 of its subdirectories
+    down to that depth (names relative to `path`: "a/b"). Symlinks are listed,
+    not followed. At most max_entries, then `truncated`."""
     path = check_path(path)
     fd = _open(rootfd, path, os.O_RDONLY | os.O_DIRECTORY)
+    entries: list[dict] = []
     try:
-        entries = []
-        truncated = False
-        with os.scandir(fd) as it:
-            for entry in it:
-                if len(entries) >= max_entries:
-                    truncated = True
-                    break
-                st = entry.stat(follow_symlinks=False)
-                entries.append({"name": entry.name, **_stat_dict(st)})
-        entries.sort(key=lambda e: e["name"])
-        return {"path": path, "entries": entries, "truncated": truncated}
+        truncated = _list_into(fd, "", depth, max_entries, entries)
     finally:
         os.close(fd)
+    entries.sort(key=lambda e: e["name"])
+    return {"path": path, "entries": entries, "truncated": truncated}
+
+
+def _list_into(fd: int, prefix: str, depth: int, max_entries: int, entries: list[dict]) -> bool:
+    """Add the entries under directory `fd` (named prefix + name); True if max_entries cut it short."""
+    subdirs = []
+    with os.scandir(fd) as it:
+        for entry in it:
+            if len(entries) >= max_entries:
+                return True
+            st = entry.stat(follow_symlinks=False)
+            entries.append({"name": prefix + entry.name, **_stat_dict(st)})
+            if depth > 1 and stat.S_ISDIR(st.st_mode):
+                subdirs.append(entry.name)
+    for name in subdirs:
+        try:
+            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        except OSError:
+            continue            # gone, or made a symlink meanwhile: not entered
+        try:
+            if _list_into(sub, f"{prefix}{name}/", depth - 1, max_entries, entries):
+                return True
+        finally:
+            os.close(sub)
+    return False
 
 
 def make_dir(rootfd: int, path: str, parents: bool, mode: int) -> dict:

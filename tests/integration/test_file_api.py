@@ -35,6 +35,18 @@ def test_mkdir_rename_remove(sandbox):
         sandbox.remove("/", recursive=True)
 
 
+def test_list_to_a_depth(sandbox):
+    sandbox.exec(["sh", "-c", "mkdir -p /work/l/a/b/c /keep && touch /work/l/top /work/l/a/b/c/deep "
+                              "&& ln -s /keep /work/l/link"])
+    assert [e["name"] for e in sandbox.list_files("/work/l")] == ["a", "link", "top"]
+    two = {e["name"]: e["type"] for e in sandbox.list_files("/work/l", depth=2)}
+    assert two == {"a": "dir", "a/b": "dir", "link": "symlink", "top": "file"}
+    deep = {e["name"] for e in sandbox.list_files("/work/l", depth=10)}
+    assert "a/b/c/deep" in deep and not any(n.startswith("link/") for n in deep)
+    with pytest.raises(BadRequest, match="depth"):
+        sandbox.list_files("/work/l", depth=0)
+
+
 def test_remove_never_follows_a_symlink_out_of_its_tree(sandbox):
     """A sandbox points a link inside the tree at a directory elsewhere: the
     link goes, what it points at stays."""
@@ -50,6 +62,9 @@ def test_cli_ls_cat_rm(daemon, sandbox):
     assert r.returncode == 0 and b"one.txt" in r.stdout and b"sub" in r.stdout, r.stderr
     names = {e["name"]: e["type"] for e in json.loads(daemon.cli("ls", f"{sandbox.id}:/work/d", "--json").stdout)}
     assert names == {"one.txt": "file", "sub": "dir"}
+    sandbox.write_file("/work/d/sub/two.txt", b"2")
+    r = daemon.cli("ls", "--depth", "2", f"{sandbox.id}:/work/d")
+    assert r.returncode == 0 and b"sub/two.txt" in r.stdout, r.stderr
     assert daemon.cli("cat", f"{sandbox.id}:/work/d/one.txt").stdout == b"hello\n"
     r = daemon.cli("rm", f"{sandbox.id}:/work/d")
     assert r.returncode == 1 and b"not empty" in r.stderr
