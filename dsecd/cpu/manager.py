@@ -1,8 +1,8 @@
-"""The CPU side of the host, as node.py sees it: QoS plans, admission, the
-sampling loop, and the figures of `dsec info` / `dsec top`.
+"""The CPU side of the host, as the engine sees it: QoS plans, admission,
+the sampling loop, and the figures of `dsec info` / `dsec top`.
 
-node.py owns the sandbox registry and passes in what this needs (limits of
-live sandboxes, {id: qos}); nothing here holds a reference to a Sandbox.
+The engine owns the sandbox registry and passes in what this needs (limits
+of live sandboxes, {id: qos}); nothing here holds a reference to a Sandbox.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ class Sandbox:
     net: dict | None = None            # {"mode": "default", "lease": {...}}; None = loopback only
     qos: str = "be"             # CPU class (dsecd/cpu/qos.py)
     core_sched: str = "off"     # on | off | unavailable
-    key: str | None = None      # idempotency key of the create (dsecd/createops.py)
+    key: str | None = None      # idempotency key of the create (dsecd/engine/creates.py)
     idmap: dict | None = None   # user-namespace id range (dsecd/userns.py); None = host ids
 
     def record(self) -> dict:

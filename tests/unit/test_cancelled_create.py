@@ -1,5 +1,5 @@
 """A create cancelled while its spawn runs in a worker (dsecd/engine/workers.py
-run_shielded, netops.py _abandoned_create): the sandbox the worker still
+run_shielded, engine/network.py _abandoned_create): the sandbox the worker still
 makes is destroyed once it exists, not left running unrecorded (no root: a
 fake backend). Likewise execs and plain calls (dsecd/engine/starts.py)."""
 
@@ -151,7 +151,7 @@ def test_an_exec_cancelled_during_its_spawn_keeps_its_fds_until_the_spawn_is_ove
 
 
 def test_a_plain_call_cancelled_during_its_spawn_frees_its_uid_only_after_the_kill():
-    # dsecd/callops.py _plain_call: the call's uid must not go to the next
+    # dsecd/engine/calls.py _plain_call: the call's uid must not go to the next
     # call while a process the spawn made anyway may still run under it.
     from types import SimpleNamespace
 
