@@ -465,7 +465,7 @@ async def cmd_cp(c: Client, a) -> int:
         sb = await c.get(dst_sb)
         if dst.endswith("/"):
             dst += os.path.basename(src)
-        await sb.write_file(dst, data, mode=mode)
+        await sb.write_file(dst, data, mode=mode, atomic=True)    # a failed copy leaves nothing
         return 0
     sb = await c.get(src_sb)
     data = await sb.read_file(src)

@@ -16,10 +16,12 @@ the daemon are raised as dsecd.errors.DsecError subclasses.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import grp
 import itertools
 import os
+import posixpath
 import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -132,6 +134,40 @@ class CallResult(ExecResult):
                    total_ms=r.get("total_ms", 0.0))
 
 
+class _Budget:
+    """Units of the daemon's per-connection request limit, handed out first
+    come first served; acquire(n) takes n units at once, never part of them
+    (an exec with stdin needs two: itself and its exec_input)."""
+
+    def __init__(self, units: int):
+        self.free = units
+        self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+
+    async def acquire(self, n: int) -> None:
+        if not self._waiters and self.free >= n:
+            self.free -= n
+            return
+        fut = asyncio.get_running_loop().create_future()
+        entry = (n, fut)
+        self._waiters.append(entry)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release(n)             # granted just as we were cancelled
+            else:
+                self._waiters.remove(entry)
+            raise
+
+    def release(self, n: int) -> None:
+        self.free += n
+        while self._waiters and self._waiters[0][0] <= self.free:
+            m, fut = self._waiters.popleft()
+            if not fut.done():
+                self.free -= m
+                fut.set_result(None)
+
+
 class _Pending:
     """Frames of one request: stream frames queue up, the final one ends it."""
 
@@ -154,7 +190,8 @@ class Client:
         self.max_frame = 16 << 20
         # Requests past the daemon's limits.max_requests_per_client wait here
         # for a slot instead of failing; set from the hello's limits.
-        self._slots: asyncio.Semaphore | None = None
+        self._slots: _Budget | None = None
+        self._lost: BaseException | None = None      # why the connection ended, once it has
 
     async def __aenter__(self) -> Client:
         await self.connect()
@@ -183,7 +220,7 @@ class Client:
         limits = self.server.get("limits", {})
         self.max_frame = limits.get("max_frame_bytes", self.max_frame)
         cap = limits.get("max_requests_per_client", 256)
-        self._slots = asyncio.Semaphore(max(1, cap - CONTROL_SLOTS))
+        self._slots = _Budget(max(2, cap - CONTROL_SLOTS))
 
     async def close(self) -> None:
         if self._writer:
@@ -221,6 +258,10 @@ class Client:
             error = ConnectionError("client closed")
         except Exception as err:
             error = err
+        # Set before the broadcast: a request that registers after it fails at once.
+        self._lost = error
+        if self._writer is not None:
+            self._writer.close()
         for pending in self._pending.values():
             pending.queue.put_nowait({"__lost__": error})
 
@@ -247,13 +288,21 @@ class Client:
                 async for frame in frames:
                     yield frame
             return
-        async with self._slots:             # queued here past the daemon's in-flight limit
+        # Queued here past the daemon's in-flight limit; an exec with stdin
+        # also holds the slot of its exec_input requests.
+        units = 2 if op == "exec" and args.get("stdin") else 1
+        await self._slots.acquire(units)
+        try:
             async with contextlib.aclosing(self._frames_with_id(rid, op, args, sent)) as frames:
                 async for frame in frames:
                     yield frame
+        finally:
+            self._slots.release(units)
 
     async def _frames_with_id(self, rid: int, op: str, args: dict,
                               sent: asyncio.Event | None) -> AsyncIterator[dict]:
+        if self._lost is not None:
+            raise ConnectionError(f"{op}: {self._lost}") from self._lost
         pending = self._pending[rid] = _Pending()
         finished = False
         try:
@@ -282,9 +331,10 @@ class Client:
                     pass
 
     async def request(self, op: str, **args) -> dict:
-        async for frame in self.frames(op, **args):
-            if "__result__" in frame:
-                return frame["__result__"]
+        async with contextlib.aclosing(self.frames(op, **args)) as frames:
+            async for frame in frames:
+                if "__result__" in frame:
+                    return frame["__result__"]
         raise ConnectionError(f"{op}: no final frame")
 
     # ---------------------------------------------------------------- host and images
@@ -299,11 +349,12 @@ class Client:
         args = {"source": os.path.abspath(source), "name": name, **config}
         if parent:
             args["parent"] = parent
-        async for frame in self.frames("image_build", **args):
-            if "__result__" in frame:
-                return frame["__result__"]
-            if progress and "progress" in frame:
-                progress(frame["progress"])
+        async with contextlib.aclosing(self.frames("image_build", **args)) as frames:
+            async for frame in frames:
+                if "__result__" in frame:
+                    return frame["__result__"]
+                if progress and "progress" in frame:
+                    progress(frame["progress"])
         raise ConnectionError("image_build: no final frame")
 
     async def import_image(self, path: str, name: str, progress: Callable[[dict], None] | None = None) -> dict:
@@ -398,10 +449,11 @@ class Client:
         with replay, the recent history first; with follow=False, only that history."""
         # `follow` only when it differs from the default, which older daemons do not know.
         extra = {} if follow else {"follow": False}
-        async for frame in self.frames("events", sandbox=sandbox, replay=replay, **extra):
-            if "__result__" in frame:
-                return
-            yield frame
+        async with contextlib.aclosing(self.frames("events", sandbox=sandbox, replay=replay, **extra)) as frames:
+            async for frame in frames:
+                if "__result__" in frame:
+                    return
+                yield frame
 
     async def get(self, sandbox_id: str) -> Sandbox:
         info = await self.request("inspect", sandbox=sandbox_id)
@@ -469,11 +521,12 @@ class ExecStream:
         if self.stdin is not None:
             feeder = asyncio.get_running_loop().create_task(self._feed(rid, sent))
         try:
-            async for frame in c.frames_with_id(rid, "exec", self.args, sent):
-                if "__result__" in frame:
-                    self.result = ExecResult.from_result(frame["__result__"])
-                    return
-                yield frame["fd"], frame["data"]
+            async with contextlib.aclosing(c.frames_with_id(rid, "exec", self.args, sent)) as frames:
+                async for frame in frames:
+                    if "__result__" in frame:
+                        self.result = ExecResult.from_result(frame["__result__"])
+                        return
+                    yield frame["fd"], frame["data"]
         finally:
             if feeder:
                 if not feeder.done():
@@ -529,17 +582,21 @@ class Sandbox:
                           stdin)
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644, parents: bool = True,
-                         atomic: bool = True) -> int:
-        """Write `data` to `path` (any size: chunked under the frame limit).
-        Atomic by default: written under a temporary name beside it and
-        renamed over it, so a write that fails (ENOSPC, a lost connection)
-        leaves the old file or none, never a part; the file is a new one
-        with `mode`, and a symlink at `path` is replaced, not written
-        through. atomic=False writes into the file in place."""
+                         atomic: bool = False) -> int:
+        """Write `data` to `path` (any size: chunked under the frame limit),
+        into the file in place: an existing file keeps its owner and mode.
+        With atomic=True (what `dsec cp` does) it is written under a
+        temporary name beside the target and renamed over it, so a write
+        that fails (ENOSPC, a lost connection) leaves the old file or none,
+        never a part; the file is then a new one, owned by the sandbox's
+        root, with `mode`, and a symlink at `path` is replaced, not written
+        through."""
         if not atomic:
             return await self._write_chunks(path, data, mode, parents)
-        parent, _, name = path.rpartition("/")
-        tmp = f"{parent}/.{name}.dsec-{secrets.token_hex(4)}"
+        parent, _, name = posixpath.normpath(path).rpartition("/")
+        if not path.startswith("/") or not name:
+            raise ValueError(f"write_file: give an absolute path of a file, got {path!r}")
+        tmp = f"{parent}/.dsec-{secrets.token_hex(6)}"         # short: the target's name may be 255 bytes
         try:
             size = await self._write_chunks(tmp, data, mode, parents)
             await self.rename(tmp, path, overwrite=True)
@@ -604,11 +661,12 @@ class Sandbox:
     async def snapshot(self, name: str, exclude: list[str] | None = None,
                        progress: Callable[[dict], None] | None = None) -> dict:
         """pack_diff: this sandbox's changes as a new image `name` over its own image."""
-        async for frame in self.client.frames("snapshot", sandbox=self.id, name=name, exclude=exclude or []):
-            if "__result__" in frame:
-                return frame["__result__"]
-            if progress and "progress" in frame:
-                progress(frame["progress"])
+        async with contextlib.aclosing(self.client.frames("snapshot", sandbox=self.id, name=name, exclude=exclude or [])) as frames:
+            async for frame in frames:
+                if "__result__" in frame:
+                    return frame["__result__"]
+                if progress and "progress" in frame:
+                    progress(frame["progress"])
         raise ConnectionError("snapshot: no final frame")
 
     async def net_show(self) -> dict:

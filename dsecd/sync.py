@@ -111,6 +111,13 @@ class SyncClient:
 
     def _run(self, awaitable):
         """Run `awaitable` on the client's loop and wait for it, from any thread."""
+        if threading.current_thread() is self._thread:
+            if asyncio.iscoroutine(awaitable):
+                awaitable.close()
+            # A callback (on_stdout, progress) runs on the client's loop: a blocking
+            # call from there would wait for the loop it blocks.
+            raise RuntimeError("a SyncClient cannot be called from its own callbacks; use the "
+                               "async Client there, or collect and call after the request")
         if self._loop.is_closed():
             if asyncio.iscoroutine(awaitable):
                 awaitable.close()

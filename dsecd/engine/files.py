@@ -38,6 +38,9 @@ class FileService:
                                           sb.handle.rootfd, *args)
         except sbfiles.PathError as err:
             raise BadRequest(str(err), {"path": _where(req)}) from err
+        except RecursionError as err:        # a tree deeper than a walk goes (remove, list)
+            raise LimitExceeded(f"{verb} {sb.id}:{_where(req)}: the tree is deeper than this request "
+                                "walks; remove or list its deeper parts first", {"path": _where(req)}) from err
         except OSError as err:
             raise io_error(verb, f"{sb.id}:{_where(req)}", err) from err
 

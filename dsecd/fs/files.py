@@ -205,7 +205,8 @@ def make_dir(rootfd: int, path: str, parents: bool, mode: int) -> dict:
         try:
             os.mkdir(name, mode & 0o7777, dir_fd=pfd)
         except FileExistsError:
-            if not parents or not stat.S_ISDIR(os.stat(name, dir_fd=pfd, follow_symlinks=False).st_mode):
+            # -p: an existing directory, or a link to one inside the sandbox, is fine.
+            if not parents or not is_directory(rootfd, path):
                 raise
             return {"path": path, "created": False}
         return {"path": path, "created": True}

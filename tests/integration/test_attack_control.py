@@ -190,7 +190,7 @@ def test_file_api_does_not_read_or_write_kernel_interfaces(admin):
         assert sb.read_file("/root/plain") == b"data"
         with pytest.raises(BadRequest, match="kernel interface"):
             sb.write_file("/root/out", b"pwned", atomic=False)          # in place: refused
-        sb.write_file("/root/out", b"pwned")        # atomic (the default): the link is replaced
+        sb.write_file("/root/out", b"pwned", atomic=True)          # atomic: the link is replaced
         assert sb.exec(["cat", "/proc/1/comm"]).stdout == b"dsec-init\n"
         assert sb.stat("/root/out")["type"] == "file" and sb.read_file("/root/out") == b"pwned"
         for path in ("/root/ks", "/root/st", "/proc/1/environ", "/proc/meminfo"):

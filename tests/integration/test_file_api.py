@@ -15,6 +15,9 @@ def test_mkdir_rename_remove(sandbox):
     assert sandbox.mkdir("/work/a/b/c")["created"] is False            # -p: no error
     with pytest.raises(Conflict):
         sandbox.mkdir("/work/a/b/c", parents=False)
+    sandbox.exec(["ln", "-s", "/work/a/b", "/work/blink"])
+    assert sandbox.mkdir("/work/blink")["created"] is False            # -p: a link to a directory is fine
+    sandbox.remove("/work/blink")
     sandbox.write_file("/work/a/b/c/f.txt", b"x")
     sandbox.write_file("/work/a/top.txt", b"y")
     assert sandbox.exists("/work/a/b/c/f.txt") and not sandbox.exists("/work/nope")

@@ -116,3 +116,40 @@ def test_a_bad_default_ttl_stops_the_daemon_at_start(daemon_factory):
     d = daemon_factory('default_ttl = "soon"\n', start=False)
     with pytest.raises(RuntimeError, match="sandbox.default_ttl must be seconds or a duration"):
         d.start(timeout=10)
+
+
+def test_many_execs_with_stdin_on_one_client_all_finish(daemon, sandbox):
+    """Each holds two of the daemon's per-client slots (itself and its stdin)."""
+    async def go():
+        async with dsecd.Client(daemon.socket) as c:
+            sb = await c.get(sandbox.id)
+            return await asyncio.gather(*(asyncio.wait_for(sb.exec(["cat"], stdin=f"{i}".encode()), 120)
+                                          for i in range(300)))
+
+    results = asyncio.run(go())
+    assert [r.stdout for r in results] == [f"{i}".encode() for i in range(300)]
+
+
+def test_a_sync_client_called_from_its_own_callback_says_so(client, sandbox):
+    errors = []
+
+    def on_stdout(chunk):
+        try:
+            client.list()
+        except RuntimeError as err:
+            errors.append(str(err))
+
+    r = sandbox.exec("echo hi", on_stdout=on_stdout)
+    assert r.exit_code == 0 and errors and "cannot be called from its own callbacks" in errors[0]
+
+
+def test_write_file_in_place_keeps_owner_and_mode_atomic_replaces(sandbox):
+    sandbox.exec(["sh", "-c", "echo old > /work/owned && chown 1000:1000 /work/owned && chmod 600 /work/owned"])
+    sandbox.write_file("/work/owned", b"new\n")                       # in place (the default)
+    st = sandbox.stat("/work/owned")
+    assert (st["uid"], st["mode"], sandbox.read_file("/work/owned")) == (1000, 0o600, b"new\n")
+    sandbox.write_file("/work/owned", b"newer\n", mode=0o640, atomic=True)
+    st = sandbox.stat("/work/owned")
+    assert (st["uid"], st["mode"], sandbox.read_file("/work/owned")) == (0, 0o640, b"newer\n")
+    with pytest.raises(ValueError, match="absolute path of a file"):
+        sandbox.write_file("relative.txt", b"x", atomic=True)
