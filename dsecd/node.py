@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 SERVER_OPS = ("hello", "cancel")
 
 # The service that owns each request type: op -> (the node's attribute holding
-# it, its handler). `node` is the node itself, for the host-wide requests.
+# it, its handler). "node" is the node itself, for the host-wide requests.
 SERVICE_ROUTES = {
     "ping": ("node", "ping"), "info": ("node", "info"),
     "create": ("create_service", "create"), "pool_set": ("create_service", "pool_set"),
@@ -129,7 +129,6 @@ class Node:
         self.call_service = CallService(fncall_backend(cfg, layout, self.backend), cfg.section("fncall"),
                                         CallService.sizes_from(cfg), sb["cpu_period_us"], self.image_service,
                                         self.cpu, self.workers, self.starter, exec_limits, self._devnull)
-        self.node = self            # the owner of the host-wide requests in SERVICE_ROUTES
         self._cpu_task: asyncio.Task | None = None
         self.started = time.time()
 
@@ -139,7 +138,8 @@ class Node:
         for op in protocol.REQUESTS:
             if op not in SERVER_OPS:
                 service, method = SERVICE_ROUTES[op]
-                out[op] = getattr(getattr(self, service), method)
+                owner = self if service == "node" else getattr(self, service)
+                out[op] = getattr(owner, method)
         return out
 
     # ------------------------------------------------------------ start / stop

@@ -49,7 +49,7 @@ from ..execio import ChildWatch, Collector, ExecIO, reap
 from ..fs import upper as upperfs
 from ..fs.images import ImageError
 from ..native import NativeError
-from .execs import ExecLimits
+from .execs import ExecLimits, check_env
 from .images import ImageService
 from .starts import ProcessStarter
 from .workers import Workers
@@ -164,9 +164,7 @@ class CallService:
         """(argv, code): code is None for an argv call; argv is sys.argv for a code call."""
         if (req.argv is None) == (req.code is None):
             raise BadRequest("call needs exactly one of argv or code")
-        for k, v in req.env.items():
-            if not k or "=" in k or "\0" in k or "\0" in v:
-                raise BadRequest(f"bad environment variable name or value: {k!r}")
+        check_env(req.env)
         if req.code is not None:
             if len(req.code.encode()) > self._call_sizes["code"]:
                 raise LimitExceeded("code exceeds fncall.max_code_bytes", {"max": self._call_sizes["code"]})
