@@ -202,7 +202,12 @@ int dsec_seccomp_export_pfc(int profile, int fd);
  * err.err set and no fd: it failed before execve) and, once it
  * reaped the exec, DSEC_INIT_EXITED with its wait status. DSEC_INIT_OP_KILL
  * (header only) asks init to SIGKILL an exec the daemon has no pidfd for yet.
- * Init also keeps the daemon's end, never used, as DSEC_INIT_PEER_FD: a
+ * DSEC_INIT_OP_COPY (header only, exactly two fds: a source and a
+ * destination) has init fork a child that copies the source to its end into
+ * the destination and exits with 0 or the errno that stopped it; answered like
+ * a START. The daemon writes files into the sandbox that way, so that the
+ * pages they take are charged to the sandbox's memory cgroup, not the
+ * daemon's. Init also keeps the daemon's end, never used, as DSEC_INIT_PEER_FD: a
  * restarted daemon takes it back with pidfd_getfd. */
 #define DSEC_INIT_CTL_FD 4
 #define DSEC_INIT_PEER_FD 5
@@ -211,6 +216,7 @@ int dsec_seccomp_export_pfc(int profile, int fd);
 #define DSEC_INIT_EXITED 2
 #define DSEC_INIT_OP_START 0
 #define DSEC_INIT_OP_KILL 1
+#define DSEC_INIT_OP_COPY 2
 #define DSEC_INIT_MAX_STRINGS 65536
 struct dsec_init_req {
     uint32_t magic;       /* DSEC_INIT_MAGIC */
@@ -221,7 +227,7 @@ struct dsec_init_req {
     uint32_t argc;
     uint32_t envc;
     uint32_t strings_len; /* bytes after this header: cwd, argv, envp, each NUL-terminated */
-    uint32_t op;          /* DSEC_INIT_OP_START or DSEC_INIT_OP_KILL */
+    uint32_t op;          /* DSEC_INIT_OP_START, _KILL or _COPY */
 };
 struct dsec_init_reply {
     uint32_t magic;

@@ -32,6 +32,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -290,6 +291,8 @@ static void kill_group(pid_t pid)
     caps_lower();
 }
 
+static void track(uint32_t id, pid_t pid);
+
 /* vfork: init waits while the child sets up (tens of microseconds; no page
  * table copy, no copy-on-write faults after). A sandbox process can SIGSTOP
  * the child in that window and so stop its own init: execs of that sandbox
@@ -303,7 +306,6 @@ static void start(struct request *r)
     static struct dsec_err e;
     uint32_t id = r->req->id;
     pid_t pid;
-    int pidfd;
 
     if (n_execs == MAX_EXECS) {
         fds_close(r->stdio, 3);
@@ -328,7 +330,14 @@ static void start(struct request *r)
         reply_started(id, 0, &e, -1);
         return;
     }
-    pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+    track(id, pid);
+}
+
+/* A started child: the daemon gets its pidfd, init reports its end. */
+static void track(uint32_t id, pid_t pid)
+{
+    int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+
     if (pidfd < 0) { /* the daemon could not kill it: it does not run */
         int err = errno;
 
@@ -341,6 +350,95 @@ static void start(struct request *r)
     n_execs++;
     reply_started(id, pid, NULL, pidfd);
     close(pidfd);
+}
+
+/* ---- the copy child (forked: a file the daemon writes into the sandbox) -- */
+
+/* Copy fd 0 to its end into fd 1; 0 or the errno that stopped it. splice
+ * moves the pipe's pages without a copy through user memory; a source or
+ * destination it cannot take (EINVAL) is copied with read and write. */
+static int copy_all(void)
+{
+    static char buf[65536];
+    ssize_t n;
+
+    while ((n = splice(0, NULL, 1, NULL, 1 << 20, SPLICE_F_MOVE)) != 0) {
+        if (n > 0)
+            continue;
+        if (errno == EINTR)
+            continue;
+        if (errno != EINVAL)
+            return errno;
+        goto by_read;
+    }
+    return 0;
+by_read:
+    while ((n = read(0, buf, sizeof(buf))) != 0) {
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return errno;
+        }
+        for (ssize_t done = 0; done < n;) {
+            ssize_t w = write(1, buf + done, (size_t)(n - done));
+
+            if (w < 0 && errno != EINTR)
+                return errno;
+            done += w > 0 ? w : 0;
+        }
+    }
+    return 0;
+}
+
+/* The copier runs as a fork of init, so it is in the sandbox's memory
+ * cgroup: the page cache and tmpfs pages its writes allocate are charged
+ * there, to the sandbox's limit, as if the sandbox had written them. It
+ * needs no privilege to write an fd it was given, so it drops init's
+ * capabilities; its oom_score_adj is the highest, so that a copy which takes
+ * the sandbox past its memory limit is what the OOM killer ends, not the
+ * sandbox's own processes. Exits with 0 or the errno that stopped it. */
+static void copy_child(const int fds[2])
+{
+    struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3};
+    struct __user_cap_data_struct none[2] = {{0}};
+    int fd;
+
+    setsid();
+    if (dup2(fds[0], 0) < 0 || dup2(fds[1], 1) < 0)
+        _exit(errno);
+    syscall(SYS_close_range, 2, ~0U, 0);
+    if (syscall(SYS_capset, &hdr, none) < 0)
+        _exit(errno);
+    fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    if (fd >= 0) { /* no /proc in the sandbox: the copy keeps init's score */
+        ssize_t ignored = write(fd, "1000", 4);
+
+        (void)ignored;
+        close(fd);
+    }
+    signals_unblock();
+    _exit(copy_all());
+}
+
+/* DSEC_INIT_OP_COPY: fork the copier (not vfork: it runs here, no execve). */
+static void start_copy(uint32_t id, const int fds[2])
+{
+    pid_t pid;
+
+    if (n_execs == MAX_EXECS) {
+        fds_close(fds, 2);
+        reply_failed(id, DSEC_STEP_INIT_REQUEST, EAGAIN);
+        return;
+    }
+    pid = fork();
+    if (pid == 0)
+        copy_child(fds);
+    fds_close(fds, 2);
+    if (pid < 0) {
+        reply_failed(id, DSEC_STEP_CLONE, errno);
+        return;
+    }
+    track(id, pid);
 }
 
 /* DSEC_INIT_OP_KILL: SIGKILL the group of a running exec (the daemon asks
@@ -372,6 +470,11 @@ static int serve(void)
     if ((size_t)len >= sizeof(in.req) && in.req.magic == DSEC_INIT_MAGIC && in.req.op == DSEC_INIT_OP_KILL &&
         n == 0) {
         kill_exec(in.req.id);
+        return 0;
+    }
+    if ((size_t)len == sizeof(in.req) && in.req.magic == DSEC_INIT_MAGIC && in.req.op == DSEC_INIT_OP_COPY &&
+        n == 2 && !(msg.msg_flags & MSG_TRUNC)) {
+        start_copy(in.req.id, r.stdio);
         return 0;
     }
     if ((size_t)len < sizeof(in.req) || in.req.magic != DSEC_INIT_MAGIC || in.req.op != DSEC_INIT_OP_START ||

@@ -178,6 +178,27 @@ class InitLink:
         self.pending[exec_id] = started
         return started
 
+    def copy(self, loop: asyncio.AbstractEventLoop, src: int, dst: int) -> InitExec | None:
+        """OP_COPY: init forks a child (in the sandbox's cgroups) that copies
+        src to its end into dst and exits with 0 or an errno; None if this
+        channel cannot take it. src and dst are in the kernel's hands once
+        this returns: the caller may close its copies."""
+        if not self.attach(loop):
+            return None
+        exec_id = self._next_id()
+        head = _REQ.pack(native.INIT_MAGIC, exec_id, 0, 0, 0, 0, 0, 0, native.INIT_OP_COPY)
+        try:
+            socket.send_fds(self.sock, [head], [src, dst])
+        except BlockingIOError:
+            return None
+        except OSError as err:
+            if err.errno in _GONE:
+                self.close(None)
+            return None
+        started = InitExec(self, exec_id, ("(the daemon's file copy)", [], 0, "/"))
+        self.pending[exec_id] = started
+        return started
+
     def attach(self, loop: asyncio.AbstractEventLoop) -> bool:
         """Read init's answers on `loop` from now on (on the loop; again is a
         no-op); False once closed. A link taken back after a restart is

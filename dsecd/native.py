@@ -30,7 +30,7 @@ __all__ = [
     "NativeError", "native_error", "raise_error", "add_hints", "describe_errno", "STEPS",
     # container spawn and execs (spawn.c, init.c)
     "ContainerSpec", "ExecSpec", "spawn_container", "spawn_exec", "check_exec_request", "init_exec_error",
-    "init_binary_path", "INIT_MAGIC", "INIT_OP_START", "INIT_OP_KILL", "INIT_STARTED", "INIT_EXITED",
+    "init_binary_path", "INIT_MAGIC", "INIT_OP_START", "INIT_OP_KILL", "INIT_OP_COPY", "INIT_STARTED", "INIT_EXITED",
     "INIT_MAX_STRINGS", "INIT_PEER_FD", "INIT_REQ_SIZE", "INIT_REPLY_SIZE", "INIT_REPLY_ERR_OFFSET",
     "UPPER_FD",
     # files, mounts, the writable layer
@@ -549,6 +549,7 @@ INIT_STARTED: int = lib.DSEC_INIT_STARTED
 INIT_EXITED: int = lib.DSEC_INIT_EXITED
 INIT_OP_START: int = lib.DSEC_INIT_OP_START
 INIT_OP_KILL: int = lib.DSEC_INIT_OP_KILL
+INIT_OP_COPY: int = lib.DSEC_INIT_OP_COPY
 INIT_MAX_STRINGS: int = lib.DSEC_INIT_MAX_STRINGS
 INIT_REQ_SIZE: int = ffi.sizeof("struct dsec_init_req")
 INIT_REPLY_SIZE: int = ffi.sizeof("struct dsec_init_reply")

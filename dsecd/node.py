@@ -125,7 +125,7 @@ class Node:
         self.exec_service = ExecService(self.registry, self.workers, self.starter, self.backend,
                                         self.memory.ensure_running, exec_limits, self._devnull)
         self.file_service = FileService(self.registry, self.workers, self.memory.ensure_running,
-                                        cfg.size("limits", "max_file_chunk_bytes"))
+                                        cfg.size("limits", "max_file_chunk_bytes"), self.backend.copy_by_init)
         self.call_service = CallService(fncall_backend(cfg, layout, self.backend), cfg.section("fncall"),
                                         CallService.sizes_from(cfg), sb["cpu_period_us"], self.image_service,
                                         self.cpu, self.workers, self.starter, exec_limits, self._devnull)

@@ -280,6 +280,14 @@ class ContainerBackend:
             return None
         return h.init_link.spawn(loop, argv, env, cwd, uid, self.caps, fds)
 
+    def copy_by_init(self, loop, h: Handle, src: int, dst: int) -> initlink.InitExec | None:
+        """Have the sandbox's init copy src into dst from a child in the
+        sandbox's cgroups (on the event loop, does not block); None if it has
+        no channel or the channel cannot take it."""
+        if h.init_link is None:
+            return None
+        return h.init_link.copy(loop, src, dst)
+
     def spawn(self, h: Handle, argv: list[str], env: list[str], cwd: str, uid: int,
               fds: tuple[int, int, int]) -> int:
         spec = native.ExecSpec(pidfd=h.pidfd, cgroup_procs=h.group.procs_files(), argv=argv, env=env,

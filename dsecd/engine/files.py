@@ -3,32 +3,43 @@ mkdir, remove, rename.
 
 Every path is resolved with openat2(RESOLVE_IN_ROOT) against the sandbox's
 root fd (dsecd/fs/files.py), under the sandbox's user-namespace ids
-(dsecd/userns.py file_op), in a worker thread.
+(dsecd/userns.py file_op), in a worker thread. The bytes of a write are
+written by a copier of the sandbox (dsecd/engine/copier.py), so that they are
+charged to its memory cgroup.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable
 
 from .. import userns
 from ..errors import BadRequest, LimitExceeded, io_error
 from ..fs import files as sbfiles
+from ..initlink import InitExec
+from . import copier
 from .sandboxes import Sandbox, SandboxRegistry
 from .workers import Workers
+
+# copy_by_init(loop, handle, src, dst): the backend's (dsecd/backends/container.py).
+CopyByInit = Callable[[object, object, int, int], "InitExec | None"]
 
 
 class FileService:
     """`file_read`, `file_write`, `file_list`, `file_stat`, `file_mkdir`,
     `file_remove`, `file_rename`. `ensure_running(sb,
     why)` resumes a paused sandbox first (the memory service's); `max_chunk`
-    is limits.max_file_chunk_bytes, the most one request moves."""
+    is limits.max_file_chunk_bytes, the most one request moves;
+    `copy_by_init` starts a sandbox's copier."""
 
     def __init__(self, registry: SandboxRegistry, workers: Workers,
-                 ensure_running: Callable[[Sandbox, str], Awaitable[None]], max_chunk: int):
+                 ensure_running: Callable[[Sandbox, str], Awaitable[None]], max_chunk: int,
+                 copy_by_init: CopyByInit):
         self.registry = registry
         self.workers = workers
         self.ensure_running = ensure_running
         self.max_chunk = max_chunk
+        self.copy_by_init = copy_by_init
 
     async def _file_op(self, req, verb: str, fn, *args):
         sb = self.registry.get(req.sandbox, req)
@@ -59,8 +70,29 @@ class FileService:
                                 "with append=true", {"max_file_chunk_bytes": chunk})
         if not 0 <= req.mode <= 0o7777:
             raise BadRequest(f"mode must be in [0, 0o7777], got {req.mode:o}")
-        return await self._file_op(req, "write", sbfiles.write_file, req.path, req.data, req.append,
-                                   req.mode, req.parents)
+        fd = await self._file_op(req, "write", sbfiles.open_for_write, req.path, req.append, req.mode,
+                                 req.parents)
+        try:
+            await self._write_data(self.registry.get(req.sandbox, req), fd, req.data, f"{req.sandbox}:{req.path}")
+            return {"size": os.fstat(fd).st_size}
+        finally:
+            os.close(fd)
+
+    async def _write_data(self, sb: Sandbox, fd: int, data: bytes, where: str) -> None:
+        """data into the open file fd: by the sandbox's copier, charged to the
+        sandbox; by a worker of the daemon if the sandbox has none."""
+        if not data:
+            return
+        handle = sb.handle
+
+        def start(src: int, dst: int) -> InitExec | None:
+            return None if handle is None else self.copy_by_init(self.workers.loop, handle, src, dst)
+
+        if not await copier.copy_into(start, fd, data, where):
+            try:
+                await self.workers.run(sbfiles.write_data, fd, data)
+            except OSError as err:
+                raise io_error("write", where, err) from err
 
     async def list(self, req, ctx) -> dict:
         if not 1 <= req.depth <= 64:

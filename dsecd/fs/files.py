@@ -93,23 +93,34 @@ def make_parents(rootfd: int, path: str) -> None:
         current = nxt
 
 
-def write_file(rootfd: int, path: str, data: bytes, append: bool, mode: int, parents: bool) -> dict:
+def open_for_write(rootfd: int, path: str, append: bool, mode: int, parents: bool) -> int:
+    """An fd of the regular file at `path`, created (with `mode`) if missing,
+    emptied unless `append`: what write_data or a copier then fills. The
+    truncation waits for the checks, so a FIFO or a kernel file is never
+    truncated."""
     path = check_path(path)
     if path == "/":
         raise PathError("cannot write to /")
     if parents:
         make_parents(rootfd, path)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | (os.O_APPEND if append else os.O_TRUNC)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | (os.O_APPEND if append else 0)
     fd = _open(rootfd, path, flags, mode & 0o7777)
     try:
         _require_regular(fd, path)
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        return {"size": os.fstat(fd).st_size}
-    finally:
+        if not append:
+            os.ftruncate(fd, 0)
+        return fd
+    except BaseException:
         os.close(fd)
+        raise
+
+
+def write_data(fd: int, data: bytes) -> None:
+    """All of data into fd, by the daemon itself (charged to the daemon)."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
 
 
 def _type_of(mode: int) -> str:

@@ -1,0 +1,46 @@
+"""Bytes a client writes into a sandbox are the sandbox's: charged to its
+memory cgroup (written by a copier its init forks, dsecd/engine/copier.py),
+so a client cannot fill the host past a sandbox's --memory with files."""
+
+import os
+
+import pytest
+
+from dsecd.errors import LimitExceeded
+
+MiB = 1 << 20
+
+
+def _memcg_file(sb, name: str) -> int:
+    groups = [g for k, g in sb.inspect()["cgroups"].items() if "memory" in k]
+    assert groups, sb.inspect()["cgroups"]
+    with open(os.path.join(groups[0], name)) as f:
+        return int(f.read().split()[0])
+
+
+def test_written_bytes_are_charged_to_the_sandbox(client):
+    sb = client.create(image="busybox", memory="128M")
+    try:
+        before = _memcg_file(sb, "memory.usage_in_bytes")
+        sb.write_file("/tmp/data", os.urandom(4 * MiB) * 8)
+        after = _memcg_file(sb, "memory.usage_in_bytes")
+        # 32 MiB of tmpfs pages, in the sandbox's group (the daemon's own
+        # write left it at a few hundred KiB).
+        assert after - before >= 30 * MiB, (before, after)
+        assert sb.stat("/tmp/data")["size"] == 32 * MiB
+    finally:
+        sb.destroy(force=True)
+
+
+def test_a_copy_larger_than_memory_fails_in_the_sandbox_and_leaves_nothing(client):
+    sb = client.create(image="busybox", memory="64M")
+    try:
+        with pytest.raises(LimitExceeded, match="memory limit"):
+            sb.write_file("/tmp/big", os.urandom(4 * MiB) * 40, atomic=True)    # 160 MiB
+        # It hit the sandbox's limit, not the host's memory.
+        assert _memcg_file(sb, "memory.max_usage_in_bytes") >= 60 * MiB
+        assert _memcg_file(sb, "memory.usage_in_bytes") <= 64 * MiB
+        assert sb.list_files("/tmp") == []            # no partial file, no temporary
+        assert sb.exec(["true"]).exit_code == 0                  # and the sandbox lives on
+    finally:
+        sb.destroy(force=True)
