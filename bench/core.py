@@ -8,6 +8,8 @@ Python SDK:
 * creates_per_s: 16 concurrent clients creating and destroying a fixed
   number of sandboxes, over the wall time of the whole batch;
 * exec_rtt_p50_ms / _p99_ms: exec `true` in one running sandbox;
+* pty_roundtrip_p50_ms / _p99_ms: one keystroke into `cat` on a pty exec
+  until its echo comes back (bench/core_pty.py);
 * idle_host_mib_per_sandbox: host memory per idle sandbox, reclaimable
   kernel memory included (method at `host_used_bytes`), and
   idle_host_mib_per_sandbox_unreclaimable without it;
@@ -34,6 +36,7 @@ import os
 import statistics
 import time
 
+import core_pty
 import harness
 import peers
 import uvloop
@@ -229,6 +232,7 @@ async def measure_dsecd(sock: str, args) -> dict:
     results = {}
     results.update(await measure_create_exec(sock, args.n_seq))
     results.update(await measure_exec_rtt(sock, args.n_rtt))
+    results.update(await core_pty.measure_pty_roundtrip(sock, args.n_pty, CREATE_ARGS))
     results.update(await measure_create_rate(sock, args.clients, args.n_rate))
     results.update(await measure_idle_memory(sock, args.clients, args.n_idle))
     return results
@@ -251,6 +255,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n-seq", type=int, default=200, help="sequential create+exec+destroy")
     p.add_argument("--n-rtt", type=int, default=300, help="execs in one sandbox")
+    p.add_argument("--n-pty", type=int, default=2000, help="keystrokes into a pty exec")
     p.add_argument("--n-rate", type=int, default=400, help="creates in the concurrent batch")
     p.add_argument("--n-idle", type=int, default=500, help="idle sandboxes for the memory figure")
     p.add_argument("--n-peers", type=int, default=200, help="runs per peer")
@@ -261,6 +266,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.n_seq, args.n_rtt, args.n_rate, args.n_idle, args.n_peers = 20, 30, 64, 50, 20
+        args.n_pty = 300
     return args
 
 

@@ -75,6 +75,8 @@ enum dsec_step {
     DSEC_STEP_INIT_REQUEST = 46,
     /* container and exec children: oom_score_adj back to 0 */
     DSEC_STEP_OOM_SCORE = 47,
+    /* exec children of a pty exec: ioctl(0, TIOCSCTTY) after setsid and stdio */
+    DSEC_STEP_CTTY = 48,
     /* user namespaces (csrc/userns.c; docs/hardening.md "User namespaces"):
      * userns_map in the daemon (dsec_userns_create); fsids, sysctl and
      * userns_enter in the container child; userns_enter in the exec child */
@@ -133,6 +135,7 @@ struct dsec_exec_args {
     int seccomp_profile; /* >= 0: install this pre-built filter just before execve; -1: none */
     int userns;          /* nonzero: join the user namespace of PID 1 (before caps and ids) */
     int oom_reset;       /* nonzero: oom_score_adj back to 0 (the daemon's own is negative) */
+    int ctty;            /* nonzero: stdin is a tty slave that becomes the controlling terminal */
 };
 
 struct dsec_kvm_probe {
@@ -207,7 +210,11 @@ int dsec_seccomp_export_pfc(int profile, int fd);
  * the destination and exits with 0 or the errno that stopped it; answered like
  * a START. The daemon writes files into the sandbox that way, so that the
  * pages they take are charged to the sandbox's memory cgroup, not the
- * daemon's. Init also keeps the daemon's end, never used, as DSEC_INIT_PEER_FD: a
+ * daemon's.
+ * A START's op may carry flags: DSEC_INIT_START_CTTY makes the exec's
+ * stdin (a pty slave) its controlling terminal; an init that predates a
+ * flag refuses the request (EINVAL, step init_request).
+ * Init also keeps the daemon's end, never used, as DSEC_INIT_PEER_FD: a
  * restarted daemon takes it back with pidfd_getfd. */
 #define DSEC_INIT_CTL_FD 4
 #define DSEC_INIT_PEER_FD 5
@@ -217,6 +224,7 @@ int dsec_seccomp_export_pfc(int profile, int fd);
 #define DSEC_INIT_OP_START 0
 #define DSEC_INIT_OP_KILL 1
 #define DSEC_INIT_OP_COPY 2
+#define DSEC_INIT_START_CTTY 256
 #define DSEC_INIT_MAX_STRINGS 65536
 struct dsec_init_req {
     uint32_t magic;       /* DSEC_INIT_MAGIC */
@@ -227,7 +235,7 @@ struct dsec_init_req {
     uint32_t argc;
     uint32_t envc;
     uint32_t strings_len; /* bytes after this header: cwd, argv, envp, each NUL-terminated */
-    uint32_t op;          /* DSEC_INIT_OP_START, _KILL or _COPY */
+    uint32_t op;          /* DSEC_INIT_OP_START (| DSEC_INIT_START_CTTY), _KILL or _COPY */
 };
 struct dsec_init_reply {
     uint32_t magic;

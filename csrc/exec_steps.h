@@ -20,6 +20,7 @@
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -152,6 +153,16 @@ static inline int stdio_dup(const int src[3], struct dsec_err *e)
         if (check(dup2(tmp[i], i), e, DSEC_STEP_STDIO, NULL) < 0)
             return -1;
     return 0;
+}
+
+/* After setsid, with stdio in place: stdin, a pty slave no session owns
+ * yet, becomes the controlling terminal of the new session (arg 0: never
+ * steal one another session holds). The line discipline then turns ^C, ^Z
+ * and ^\ typed into the master into signals to the foreground process
+ * group, and shells can do job control. */
+static inline int ctty_take(struct dsec_err *e)
+{
+    return check(ioctl(0, TIOCSCTTY, 0), e, DSEC_STEP_CTTY, NULL);
 }
 
 /* Groups and gid before uid (after setresuid we could no longer change them).

@@ -115,7 +115,7 @@ static void exec_child(const struct request *r, struct dsec_err *e)
     uint64_t held = 0;
 
     if (check(setsid(), e, DSEC_STEP_SETSID, NULL) < 0 || (oom_reset_needed && oom_score_reset(e) < 0) ||
-        stdio_dup(r->stdio, e) < 0 ||
+        stdio_dup(r->stdio, e) < 0 || ((q->op & DSEC_INIT_START_CTTY) && ctty_take(e) < 0) ||
         check(syscall(SYS_close_range, 3, ~0U, 0), e, DSEC_STEP_CLOSE_FDS, NULL) < 0 ||
         caps_raise(&held, e) < 0 || caps_bound_drop(held & ~q->cap_keep, e) < 0 ||
         ids_set(q->uid, q->gid, q->cap_keep, e) < 0 || caps_set(q->cap_keep, e) < 0 ||
@@ -477,7 +477,8 @@ static int serve(void)
         start_copy(in.req.id, r.stdio);
         return 0;
     }
-    if ((size_t)len < sizeof(in.req) || in.req.magic != DSEC_INIT_MAGIC || in.req.op != DSEC_INIT_OP_START ||
+    if ((size_t)len < sizeof(in.req) || in.req.magic != DSEC_INIT_MAGIC ||
+        (in.req.op & ~(uint32_t)DSEC_INIT_START_CTTY) != DSEC_INIT_OP_START ||
         n != 3 || (msg.msg_flags & MSG_TRUNC) || !parse(&r, (size_t)len)) {
         fds_close(r.stdio, n > 0 ? n : 0);
         reply_failed((size_t)len >= sizeof(in.req) ? in.req.id : 0, DSEC_STEP_INIT_REQUEST, EINVAL);

@@ -859,7 +859,7 @@ static int exec_child(void *arg)
      * daemon's (parked high): before the child's fd table is its own. */
     if (userns_join(a, e) < 0 || check(setsid(), e, DSEC_STEP_SETSID, NULL) < 0 ||
         fd_table_private(1 + fd_max(a->stdin_fd, fd_max(a->stdout_fd, a->stderr_fd)), e) < 0 ||
-        stdio_dup(stdio, e) < 0 ||
+        stdio_dup(stdio, e) < 0 || (a->ctty && ctty_take(e) < 0) ||
         check(syscall(SYS_close_range, 3, ~0U, 0), e, DSEC_STEP_CLOSE_FDS, NULL) < 0 ||
         caps_bound(a->cap_keep, e) < 0 || ids_set(a->uid, a->gid, a->cap_keep, e) < 0 || caps_set(a->cap_keep, e) < 0 ||
         check(chdir(a->cwd), e, DSEC_STEP_CHDIR, a->cwd) < 0 ||

@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import select
+import signal
 import socket
 import sys
+import termios
 import threading
 import time
+import tty
 
 from .client import Client, default_socket
 from .errors import DsecError
@@ -398,6 +402,8 @@ def _exit_status(r, timeout_msg: str) -> int:
 
 async def cmd_exec(c: Client, a) -> int:
     sb = await c.get(a.sandbox)
+    if getattr(a, "tty", False):
+        return await _exec_on_terminal(sb, a)
     tracing = a.cmd == "trace"
     stream = sb.exec_stream(a.argv, timeout=a.timeout, env=_kv(a.env, "--env"), cwd=a.cwd, user=a.user,
                             stdin=_stdin_chunks() if a.interactive else None, trace=tracing)
@@ -415,6 +421,110 @@ async def cmd_exec(c: Client, a) -> int:
         print("dsec: output truncated at the daemon's limits.max_exec_output_bytes; "
               "the command's pipes were closed", file=sys.stderr)
     return _exit_status(r, f"dsec: timed out after {a.timeout}s; the command's process group was killed")
+
+
+async def _exec_on_terminal(sb, a) -> int:
+    """`dsec exec -t`: the command on a pty in the sandbox, our terminal in
+    raw mode (with -i) so that every key, ^C included, goes to the sandbox's
+    terminal as typed; its window size follows ours (SIGWINCH)."""
+    fd = sys.stdin.fileno()
+    rows, cols = _window_size(fd)
+    stream = sb.exec_stream(a.argv, timeout=a.timeout, env=_kv(a.env, "--env"), cwd=a.cwd, user=a.user,
+                            pty=True, rows=rows, cols=cols)
+    with _raw_terminal(fd) if a.interactive else contextlib.nullcontext():
+        loop = asyncio.get_running_loop()
+        main = asyncio.current_task()
+        killed: list[int] = []
+
+        def on_signal(signum: int) -> None:
+            killed.append(signum)
+            main.cancel()
+
+        for signum in _ENDING_SIGNALS:
+            loop.add_signal_handler(signum, on_signal, signum)
+        loop.add_signal_handler(signal.SIGWINCH, _follow_window, loop, stream, fd)
+        keys = loop.create_task(_forward_keys(stream, fd)) if a.interactive else None
+        try:
+            async for _fd, data in stream:
+                sys.stdout.buffer.write(data)
+                sys.stdout.buffer.flush()
+        except asyncio.CancelledError:
+            if not killed:
+                raise
+            return 128 + killed[0]
+        finally:
+            for signum in (*_ENDING_SIGNALS, signal.SIGWINCH):
+                loop.remove_signal_handler(signum)
+            if keys is not None:
+                keys.cancel()
+                with contextlib.suppress(asyncio.CancelledError, DsecError, ConnectionError):
+                    await keys
+    r = stream.result
+    if a.json:
+        _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
+                     "duration_ms": r.duration_ms})
+    return _exit_status(r, f"dsec: timed out after {a.timeout}s; the command's process group was killed")
+
+
+# Signals that end `dsec exec -t` (its terminal restored, the exec cancelled).
+_ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT)
+
+
+def _window_size(fd: int) -> tuple[int, int]:
+    """(rows, cols) of the terminal on fd; 24 x 80 where it says 0 (a serial line, some emulators)."""
+    cols, rows = os.get_terminal_size(fd)
+    return rows or 24, cols or 80
+
+
+def _follow_window(loop: asyncio.AbstractEventLoop, stream, fd: int) -> None:
+    """SIGWINCH: our window changed; the sandbox's terminal gets the new size."""
+    rows, cols = _window_size(fd)
+    task = loop.create_task(stream.resize(rows, cols))
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())    # the exec may have ended meanwhile
+
+
+async def _forward_keys(stream, fd: int) -> None:
+    """Our stdin's bytes, as they come, into the sandbox's terminal (in order,
+    what arrived meanwhile in one exec_input). Our end of input (the terminal
+    hung up) stops the forwarding only: the sandbox's terminal reads ^D as its end."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[bytes] = asyncio.Queue()
+
+    def on_readable() -> None:
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            loop.remove_reader(fd)
+        queue.put_nowait(data)
+
+    loop.add_reader(fd, on_readable)
+    try:
+        while True:
+            chunks = [await queue.get()]
+            while not queue.empty():
+                chunks.append(queue.get_nowait())
+            if data := b"".join(chunks):
+                await stream.write(data)
+            if not chunks[-1]:
+                return
+    finally:
+        loop.remove_reader(fd)
+
+
+@contextlib.contextmanager
+def _raw_terminal(fd: int):
+    """The terminal on fd in raw mode (no echo, no line editing, no signals
+    from keys) for the block; its settings back however the block ends."""
+    saved = termios.tcgetattr(fd)
+    tty.setraw(fd, termios.TCSANOW)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
 def _print_trace(rec: dict, as_json: bool, path: str | None) -> None:
@@ -656,6 +766,9 @@ def find_verb(argv: list[str]) -> int | None:
 
 def _exec_options(ex: argparse.ArgumentParser, verb: str) -> None:
     ex.add_argument("-i", "--interactive", action="store_true", help="pass stdin to the command")
+    if verb == "exec":
+        ex.add_argument("-t", "--tty", action="store_true",
+                        help="run the command on a terminal (with -i: ours, in raw mode, is its keyboard)")
     ex.add_argument("--timeout", type=float, help="seconds; the process group is killed after it")
     ex.add_argument("--env", action="append", metavar="K=V")
     ex.add_argument("--cwd")
@@ -835,6 +948,9 @@ def check_usage(a: argparse.Namespace) -> None:
     """What argparse cannot say, checked before the daemon is asked anything."""
     if a.cmd in ("exec", "trace") and not a.argv:
         raise UsageError(f"dsec {a.cmd}: give a command after the sandbox id, e.g. dsec {a.cmd} SB -- ls /")
+    if getattr(a, "tty", False) and not (sys.stdin is not None and os.isatty(0)):
+        raise UsageError("dsec exec: -t needs a terminal, but the input device is not a TTY; "
+                         "drop -t (with -i alone the command reads piped input)")
     if a.cmd == "call" and not a.argv and not a.code_file:
         raise UsageError("dsec call: give a command after --, or --code-file FILE")
     for option in ("env", "label"):

@@ -34,7 +34,7 @@ DEFAULT_CHUNK = 4 << 20
 # Requests that steer others (stdin for an exec, a cancel) never wait for a
 # slot: the requests they serve may hold every slot. This many of the
 # daemon's per-connection limit are kept for them.
-CONTROL_OPS = ("exec_input", "cancel")
+CONTROL_OPS = ("exec_input", "exec_resize", "cancel")
 CONTROL_SLOTS = 8
 
 
@@ -289,8 +289,9 @@ class Client:
                     yield frame
             return
         # Queued here past the daemon's in-flight limit; an exec with stdin
-        # also holds the slot of its exec_input requests.
-        units = 2 if op == "exec" and args.get("stdin") else 1
+        # also holds the slot of its exec_input requests, a pty exec that of
+        # its exec_resize requests too.
+        units = 1 + bool(op == "exec" and args.get("stdin")) + bool(op == "exec" and args.get("pty"))
         await self._slots.acquire(units)
         try:
             async with contextlib.aclosing(self._frames_with_id(rid, op, args, sent)) as frames:
@@ -492,13 +493,31 @@ class _SandboxContext:
 
 
 class ExecStream:
-    """Async iterator of (fd, bytes) output chunks; `.result` once it is exhausted."""
+    """Async iterator of (fd, bytes) output chunks; `.result` once it is exhausted.
+
+    Iterating sends the exec. While it runs, `write` sends input (to a pty
+    exec: typed into its terminal, b"\\x03" is ^C) and `resize` sets a pty
+    exec's window size; both wait until the exec request is on the wire, so
+    they are called from another task than the one iterating (or between
+    its chunks)."""
 
     def __init__(self, sb: Sandbox, args: dict, stdin: bytes | AsyncIterator[bytes] | None):
         self.sb = sb
         self.args = args
         self.stdin = stdin
         self.result: ExecResult | None = None
+        self.exec_id = sb.client.new_id()        # the exec request's id: exec_input and exec_resize name it
+        self._sent = asyncio.Event()
+
+    async def write(self, data: bytes) -> None:
+        """Input for the running exec (one exec_input; waits while it does not read)."""
+        await self._sent.wait()
+        await self.sb.client.request("exec_input", exec_id=self.exec_id, data=bytes(data))
+
+    async def resize(self, rows: int, cols: int) -> None:
+        """A pty exec's window size; its foreground process group gets SIGWINCH."""
+        await self._sent.wait()
+        await self.sb.client.request("exec_resize", exec_id=self.exec_id, rows=rows, cols=cols)
 
     async def _feed(self, exec_id: int, sent: asyncio.Event) -> None:
         c = self.sb.client
@@ -516,8 +535,7 @@ class ExecStream:
     async def __aiter__(self):
         c = self.sb.client
         feeder = None
-        rid = c.new_id()
-        sent = asyncio.Event()
+        rid, sent = self.exec_id, self._sent
         if self.stdin is not None:
             feeder = asyncio.get_running_loop().create_task(self._feed(rid, sent))
         try:
@@ -546,25 +564,35 @@ class Sandbox:
     def __repr__(self) -> str:
         return f"<Sandbox {self.id} {self.info.get('state')}>"
 
-    def _exec_args(self, argv, env, cwd, user, timeout, stdin: bool, stream: bool, trace: bool = False) -> dict:
-        return _given({"sandbox": self.id, "argv": command_argv(argv), "env": string_map(env, "env"),
+    def _exec_args(self, argv, env, cwd, user, timeout, stdin: bool, stream: bool, trace: bool = False,
+                   pty: bool = False, rows: int | None = None, cols: int | None = None) -> dict:
+        args = _given({"sandbox": self.id, "argv": command_argv(argv), "env": string_map(env, "env"),
                        "stdin": stdin, "stream": stream, "trace": trace}, cwd=cwd, user=user, timeout=timeout)
+        if pty:            # sent only when asked: older daemons do not know the fields
+            args.update(_given({"pty": True, "stdin": True}, rows=rows, cols=cols))
+        elif rows is not None or cols is not None:
+            raise ValueError("rows and cols are a terminal's window size: give them with pty=True")
+        return args
 
     async def exec(self, argv: list[str] | str, timeout: float | None = None, env: dict | None = None,
                    cwd: str | None = None, user: int | None = None, stdin: bytes | None = None,
                    trace: bool = False, on_stdout: Callable[[bytes], object] | None = None,
-                   on_stderr: Callable[[bytes], object] | None = None) -> ExecResult:
+                   on_stderr: Callable[[bytes], object] | None = None, pty: bool = False,
+                   rows: int | None = None, cols: int | None = None) -> ExecResult:
         """Run a command (an argv list, or a string run by /bin/sh -c); return
         its collected output and status (and, with trace, the ptrace record of
         what it executed, opened and connected to). on_stdout / on_stderr get
-        each chunk as it arrives (a coroutine function is awaited)."""
-        if stdin is None and on_stdout is None and on_stderr is None:
+        each chunk as it arrives (a coroutine function is awaited). With pty,
+        it runs on a terminal (rows x cols, default 24 x 80): `stdin` is typed
+        into it, and everything it shows (echo included) is in stdout."""
+        if stdin is None and on_stdout is None and on_stderr is None and not pty:
             r = await self.client.request("exec", **self._exec_args(argv, env, cwd, user, timeout, False, False,
-                                                                   trace))
+                                                                   trace, pty, rows, cols))
             return ExecResult.from_result(r)
         out: dict[int, list[bytes]] = {1: [], 2: []}
         callbacks = {1: on_stdout, 2: on_stderr}
-        stream = self.exec_stream(argv, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin, trace=trace)
+        stream = self.exec_stream(argv, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin, trace=trace,
+                                  pty=pty, rows=rows, cols=cols)
         async for fd, data in stream:
             out[fd].append(data)
             if callbacks[fd] is not None:
@@ -577,9 +605,14 @@ class Sandbox:
 
     def exec_stream(self, argv: list[str] | str, timeout: float | None = None, env: dict | None = None,
                     cwd: str | None = None, user: int | None = None,
-                    stdin: bytes | AsyncIterator[bytes] | None = None, trace: bool = False) -> ExecStream:
-        return ExecStream(self, self._exec_args(argv, env, cwd, user, timeout, stdin is not None, True, trace),
-                          stdin)
+                    stdin: bytes | AsyncIterator[bytes] | None = None, trace: bool = False, pty: bool = False,
+                    rows: int | None = None, cols: int | None = None) -> ExecStream:
+        """The exec as an ExecStream of (fd, data). With pty, it runs on a
+        terminal of rows x cols (default 24 x 80), its output one stream (fd
+        1); send keystrokes with `write`, the window size with `resize`. An
+        end of `stdin` does not end a terminal's input: send b"\\x04" (^D)."""
+        args = self._exec_args(argv, env, cwd, user, timeout, stdin is not None, True, trace, pty, rows, cols)
+        return ExecStream(self, args, stdin)
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644, parents: bool = True,
                          atomic: bool = False) -> int:

@@ -30,8 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import os
 import signal
+import struct
+import sys
+import termios
 import time
 from collections.abc import Awaitable, Callable
 
@@ -42,6 +46,8 @@ READ_CHUNK = 64 * 1024
 
 
 class ExecIO:
+    has_tty = False              # exec_resize asks: only PtyIO has a window size
+
     def __init__(self, loop: asyncio.AbstractEventLoop, cap: int, emit: Emit, want_stdin: bool):
         self.loop = loop
         self.cap = cap
@@ -55,7 +61,15 @@ class ExecIO:
         # its end); what it used (a call's uid) must not be handed on before.
         self.reaped: asyncio.Future | None = None
         self._stdin_q: asyncio.Queue[bytes | None] | None = asyncio.Queue(maxsize=64) if want_stdin else None
-        # Child ends are handed to the spawn helper, parent ends stay here.
+        self.stdin_r = self.stdin_w = self.out_r = self.out_w = self.err_r = self.err_w = -1
+        try:
+            self._open_ends(want_stdin)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_ends(self, want_stdin: bool) -> None:
+        """The pipes: child ends are handed to the start, parent ends stay here."""
         self.stdin_r, self.stdin_w = os.pipe2(os.O_CLOEXEC) if want_stdin else (os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), -1)
         self.out_r, self.out_w = os.pipe2(os.O_CLOEXEC)
         self.err_r, self.err_w = os.pipe2(os.O_CLOEXEC)
@@ -96,8 +110,8 @@ class ExecIO:
         TimeoutError when the end does not come watch.kill_grace after a kill."""
         started = time.monotonic()
         exited = watch.exited
-        pumps = [asyncio.ensure_future(self._pump(self.out_r, 1)),
-                 asyncio.ensure_future(self._pump(self.err_r, 2))]
+        pumps = [asyncio.ensure_future(self._pump(fd, stream))
+                 for fd, stream in ((self.out_r, 1), (self.err_r, 2)) if fd >= 0]
         feeder = asyncio.ensure_future(self._feed()) if self._stdin_q is not None else None
         status = None
         try:
@@ -195,6 +209,54 @@ class ExecIO:
             setattr(self, name, -1)
 
 
+class PtyIO(ExecIO):
+    """ExecIO over a pseudo-terminal: the slave is the process's stdin,
+    stdout and stderr (and, by the start's ctty flag, its controlling
+    terminal); the daemon keeps the master. What the process writes comes
+    back as one stream (1), echo and line editing included; exec_input data
+    is typed into the master, so ^C (0x03) reaches the foreground process
+    group as SIGINT through the line discipline.
+
+    The master is read through `out_r` and written through `stdin_w`, a
+    second fd of the same open file, so ExecIO's pump, feeder and close work
+    unchanged. Its read fails with EIO once no process holds the slave any
+    more: that is the end of the output. An `eof` from the client only stops
+    the input (the terminal stays; a program that wants an end of input is
+    sent ^D as data).
+
+    No output cap: a terminal session streams with backpressure (each chunk
+    awaits the client's socket), so the daemon's memory stays bounded, and
+    a cap would hang up a long interactive session."""
+
+    has_tty = True
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, emit: Emit, rows: int, cols: int):
+        self.window = (rows, cols)
+        super().__init__(loop, sys.maxsize, emit, True)
+
+    def _open_ends(self, want_stdin: bool) -> None:
+        # Both close-on-exec; glibc opens the slave O_NOCTTY, so it never
+        # becomes the daemon's own controlling terminal.
+        self.out_r, self.stdin_r = os.openpty()
+        set_window_size(self.out_r, *self.window)
+        self.stdin_w = os.dup(self.out_r)                 # close-on-exec, as os.dup makes it
+        os.set_blocking(self.out_r, False)       # one open file: stdin_w is non-blocking too
+
+    def child_fds(self) -> tuple[int, int, int]:
+        return self.stdin_r, self.stdin_r, self.stdin_r
+
+    def resize(self, rows: int, cols: int) -> None:
+        """TIOCSWINSZ on the master; the kernel sends SIGWINCH to the
+        terminal's foreground process group when the size changed."""
+        if self.out_r < 0:
+            raise OSError(errno.EBADF, "the terminal is closed: the exec has ended")
+        set_window_size(self.out_r, rows, cols)
+
+
+def set_window_size(fd: int, rows: int, cols: int) -> None:
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+
 def kill_group(pid: int) -> None:
     """SIGKILL an exec's process group (the exec made itself a session leader)."""
     try:
@@ -237,6 +299,7 @@ class Collector:
     not come `kill_grace` after a kill."""
 
     takes_stdin = False          # exec_input asks; streams and stdin take ExecIO
+    has_tty = False              # exec_resize asks; pty execs take PtyIO
     cancelled = False            # set by a `cancel` of its request (server.py)
 
     def __init__(self, loop: asyncio.AbstractEventLoop, cap: int, drain_grace: float, kill_grace: float | None,

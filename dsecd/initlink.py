@@ -152,11 +152,12 @@ class InitLink:
     # ------------------------------------------------------------ requests
 
     def spawn(self, loop: asyncio.AbstractEventLoop, argv: list[str], env: list[str], cwd: str, uid: int,
-              cap_keep: int, stdio: tuple[int, int, int]) -> InitExec | None:
+              cap_keep: int, stdio: tuple[int, int, int], ctty: bool = False) -> InitExec | None:
         """Ask init to start argv; None if this channel cannot take it (closed,
         too big for one packet, init not reading): use the daemon's helper.
         The stdio fds are in the kernel's hands once this returns: the caller
-        may close its copies. ValueError for strings or ids execve cannot take."""
+        may close its copies. ctty: stdin is a pty slave the exec takes as its
+        controlling terminal. ValueError for strings or ids execve cannot take."""
         raw_argv, raw_env, raw_cwd = native.check_exec_request(argv, env, cwd, uid, uid)     # as the helper's
         strings = b"\0".join((raw_cwd, *raw_argv, *raw_env)) + b"\0"
         if len(strings) > native.INIT_MAX_STRINGS:
@@ -164,8 +165,8 @@ class InitLink:
         if not self.attach(loop):
             return None
         exec_id = self._next_id()
-        head = _REQ.pack(native.INIT_MAGIC, exec_id, uid, uid, cap_keep, len(argv), len(env), len(strings),
-                         native.INIT_OP_START)
+        op = native.INIT_OP_START | (native.INIT_START_CTTY if ctty else 0)
+        head = _REQ.pack(native.INIT_MAGIC, exec_id, uid, uid, cap_keep, len(argv), len(env), len(strings), op)
         try:
             socket.send_fds(self.sock, [head, strings], list(stdio))
         except BlockingIOError:

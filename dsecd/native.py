@@ -30,8 +30,9 @@ __all__ = [
     "NativeError", "native_error", "raise_error", "add_hints", "describe_errno", "STEPS",
     # container spawn and execs (spawn.c, init.c)
     "ContainerSpec", "ExecSpec", "spawn_container", "spawn_exec", "check_exec_request", "init_exec_error",
-    "init_binary_path", "INIT_MAGIC", "INIT_OP_START", "INIT_OP_KILL", "INIT_OP_COPY", "INIT_STARTED", "INIT_EXITED",
-    "INIT_MAX_STRINGS", "INIT_PEER_FD", "INIT_REQ_SIZE", "INIT_REPLY_SIZE", "INIT_REPLY_ERR_OFFSET",
+    "init_binary_path", "INIT_MAGIC", "INIT_OP_START", "INIT_OP_KILL", "INIT_OP_COPY", "INIT_START_CTTY",
+    "INIT_STARTED", "INIT_EXITED", "INIT_MAX_STRINGS", "INIT_PEER_FD", "INIT_REQ_SIZE", "INIT_REPLY_SIZE",
+    "INIT_REPLY_ERR_OFFSET",
     "UPPER_FD",
     # files, mounts, the writable layer
     "openat2", "fs_magic", "KERNEL_FS_MAGICS", "mount_erofs", "umount", "mount_idmapped",
@@ -88,6 +89,7 @@ _VERBS = {
     "netns_join": "join the pooled network namespace of",
     "ctl_fd": "hand the exec channel to", "init_request": "have the sandbox's init start",
     "oom_score": "reset the OOM score of",
+    "ctty": "make the pty the controlling terminal of",
 }
 
 _MOUNT_STEPS = {"mount_private", "mount_overlay", "mount_proc", "mount_dev", "dev_node",
@@ -457,6 +459,7 @@ class ExecSpec:
     seccomp_profile: int = -1  # a filter pre-built by dsecd.seccomp.prepare(); -1 = none
     userns: bool = False   # join PID 1's user namespace; uid/gid are then in-sandbox ids
     oom_reset: bool = False  # oom_score_adj back to 0 (the daemon's own is negative)
+    ctty: bool = False     # stdin_fd is a pty slave: it becomes the controlling terminal
 
     def __post_init__(self):
         _fd("pidfd", self.pidfd)
@@ -510,6 +513,7 @@ def spawn_exec(spec: ExecSpec) -> int:
     args.seccomp_profile = int(spec.seccomp_profile)
     args.userns = bool(spec.userns)
     args.oom_reset = bool(spec.oom_reset)
+    args.ctty = bool(spec.ctty)
     err = ffi.new("struct dsec_err *")
     pid = lib.dsec_spawn_exec(args, err)
     if pid < 0:
@@ -550,6 +554,7 @@ INIT_EXITED: int = lib.DSEC_INIT_EXITED
 INIT_OP_START: int = lib.DSEC_INIT_OP_START
 INIT_OP_KILL: int = lib.DSEC_INIT_OP_KILL
 INIT_OP_COPY: int = lib.DSEC_INIT_OP_COPY
+INIT_START_CTTY: int = lib.DSEC_INIT_START_CTTY
 INIT_MAX_STRINGS: int = lib.DSEC_INIT_MAX_STRINGS
 INIT_REQ_SIZE: int = ffi.sizeof("struct dsec_init_req")
 INIT_REPLY_SIZE: int = ffi.sizeof("struct dsec_init_reply")

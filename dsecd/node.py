@@ -56,6 +56,7 @@ SERVICE_ROUTES = {
     "destroy": ("lifecycle", "destroy"), "destroy_all": ("lifecycle", "destroy_all"),
     "job_rm": ("lifecycle", "job_rm"),
     "exec": ("exec_service", "exec"), "exec_input": ("exec_service", "exec_input"),
+    "exec_resize": ("exec_service", "exec_resize"),
     "file_read": ("file_service", "read"), "file_write": ("file_service", "write"),
     "file_list": ("file_service", "list"), "file_stat": ("file_service", "stat"),
     "file_mkdir": ("file_service", "mkdir"), "file_remove": ("file_service", "remove"),

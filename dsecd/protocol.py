@@ -207,6 +207,9 @@ class Exec:
     stdin: bool = False      # if true, input arrives as exec_input requests
     stream: bool = True      # stream output frames; else return it in the result
     trace: bool = False      # record execve/open/connect/signals under ptrace (result `trace`)
+    pty: bool = False        # a terminal as stdin/stdout/stderr: output is one stream (fd 1), input by exec_input
+    rows: int | None = None  # with pty: the initial window size (default 24 x 80)
+    cols: int | None = None
 
 
 @request("exec_input")
@@ -214,6 +217,13 @@ class ExecInput:
     exec_id: int             # the id of the exec request on this connection
     data: bytes = b""
     eof: bool = False
+
+
+@request("exec_resize")
+class ExecResize:
+    exec_id: int             # the id of a pty exec request on this connection
+    rows: int
+    cols: int
 
 
 @request("cancel")

@@ -17,7 +17,7 @@ import asyncio
 import threading
 from collections.abc import Iterator
 
-from .client import Client, ExecResult, Sandbox
+from .client import Client, ExecResult, ExecStream, Sandbox
 from .errors import NotFound
 
 
@@ -37,18 +37,11 @@ class SyncSandbox:
     def exec(self, argv, **kw) -> ExecResult:
         return self._run(self._sb.exec(argv, **kw))
 
-    def exec_stream(self, argv, **kw) -> Iterator[tuple[int, bytes]]:
-        """Yields (fd, data); the ExecResult is the generator's return value."""
-        stream = self._sb.exec_stream(argv, **kw)
-        it = stream.__aiter__()
-        try:
-            while True:
-                try:
-                    yield self._run(it.__anext__())
-                except StopAsyncIteration:
-                    return stream.result
-        finally:
-            self._run(it.aclose())
+    def exec_stream(self, argv, **kw) -> SyncExecStream:
+        """Iterate it for (fd, data); then `.result` (also the value of
+        `yield from` it). With pty=True: `write` and `resize` from another
+        thread while one iterates (Sandbox.exec_stream)."""
+        return SyncExecStream(self._owner, self._sb.exec_stream(argv, **kw))
 
     def write_file(self, path: str, data: bytes, **kw) -> int:
         return self._run(self._sb.write_file(path, data, **kw))
@@ -95,6 +88,36 @@ class SyncSandbox:
 
     def destroy(self, force: bool = False) -> dict:
         return self._run(self._sb.destroy(force))
+
+
+class SyncExecStream:
+    """A running exec's output, input and window size, over an ExecStream."""
+
+    def __init__(self, owner: SyncClient, stream: ExecStream):
+        self._owner = owner
+        self._stream = stream
+        self.exec_id = stream.exec_id
+
+    @property
+    def result(self) -> ExecResult | None:
+        return self._stream.result
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        it = self._stream.__aiter__()
+        try:
+            while True:
+                try:
+                    yield self._owner._run(it.__anext__())
+                except StopAsyncIteration:
+                    return self._stream.result
+        finally:
+            self._owner._run(it.aclose())
+
+    def write(self, data: bytes) -> None:
+        self._owner._run(self._stream.write(data))
+
+    def resize(self, rows: int, cols: int) -> None:
+        self._owner._run(self._stream.resize(rows, cols))
 
 
 async def _awaited(awaitable):

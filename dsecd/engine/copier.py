@@ -12,8 +12,9 @@ limit like a `dd` inside it; the tmpfs size cap of its writable layer holds
 either way. A copy that takes the sandbox past its memory limit is OOM-killed
 first (its oom_score_adj is 1000) and fails with limit_exceeded.
 
-A sandbox without an init channel (exec_via = "helper", or one whose init
-cannot serve) has its files written by the daemon, uncharged.
+A sandbox without an init channel (exec_via = "helper", one whose init
+cannot serve, or one whose init predates the copier) has its files written
+by the daemon, uncharged.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ async def copy_into(start_copy: Callable[[int, int], InitExec | None], dst: int,
     try:
         out = await copier.exited
     except OSError as err:      # it did not start, or the channel broke
+        if getattr(err, "step", None) == "init_request" and err.errno == errno.EINVAL:
+            return False        # an init older than the copier (a sandbox adopted after an upgrade)
         raise io_error("write", where, err) from err
     _check_status(out["status"], where)
     return True

@@ -6,13 +6,14 @@ timeout, and `dsec trace`'s ptrace record.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from .. import tracing, userns
 from ..errors import BadRequest, Conflict, DsecError, NotFound, io_error, run_error
-from ..execio import ChildWatch, Collector, ExecIO, kill_and_reap
+from ..execio import ChildWatch, Collector, ExecIO, PtyIO, kill_and_reap
 from ..initlink import InitExec
 from .sandboxes import Sandbox, SandboxRegistry
 from .starts import ProcessStarter
@@ -20,6 +21,36 @@ from .workers import Workers
 
 # Waits before retrying an exec that failed with ETXTBSY (ExecService.exec).
 ETXTBSY_RETRY_S = (0.002, 0.01, 0.03, 0.1)
+
+
+# A pty exec's window size when the request gives none, and the bound of
+# each side (struct winsize holds unsigned shorts).
+DEFAULT_WINDOW = (24, 80)
+MAX_WINDOW_SIDE = 65535
+
+
+def check_window(rows: int, cols: int) -> None:
+    for name, value in (("rows", rows), ("cols", cols)):
+        if not 1 <= value <= MAX_WINDOW_SIDE:
+            raise BadRequest(f"{name} must be in [1, {MAX_WINDOW_SIDE}], got {value}",
+                             {name: value, "max": MAX_WINDOW_SIDE})
+
+
+def check_pty(req) -> None:
+    """A pty exec's options: it streams, is not traced; rows and cols go with pty, together."""
+    if not req.pty:
+        if req.rows is not None or req.cols is not None:
+            raise BadRequest("rows and cols are the window size of a terminal: give them with pty=true")
+        return
+    if not req.stream:
+        raise BadRequest("a pty exec streams its output (one stream, fd 1): drop stream=false")
+    if req.trace:
+        raise BadRequest("a pty exec cannot be traced: the tracer's start-up stub has no terminal; "
+                         "drop trace=true or pty=true")
+    if (req.rows is None) != (req.cols is None):
+        raise BadRequest("give both rows and cols of the window, or neither (default 24 x 80)")
+    if req.rows is not None:
+        check_window(req.rows, req.cols)
 
 
 def check_env(env: dict) -> None:
@@ -43,7 +74,7 @@ class ExecLimits:
 
 
 class ExecService:
-    """`exec` and `exec_input`. `ensure_running(sb, why)` resumes a paused
+    """`exec`, `exec_input` and `exec_resize`. `ensure_running(sb, why)` resumes a paused
     sandbox first (the memory service's); `devnull` is the stdin of collected
     execs (the daemon's one read-only /dev/null)."""
 
@@ -62,6 +93,7 @@ class ExecService:
         if not req.argv or not all(req.argv):
             raise BadRequest("argv must be a non-empty list of non-empty strings")
         check_env(req.env)
+        check_pty(req)
         timeout = req.timeout
         max_t = self.limits.max_timeout_s
         if timeout is not None and not 0 < timeout <= (max_t or float("inf")):
@@ -78,7 +110,7 @@ class ExecService:
                              f"uids 0..{idmap.count - 1}", {"user": user, "userns_size": idmap.count})
         env = self.backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, req.env)
         await self.ensure_running(sb, "exec")
-        if not (req.stream or req.stdin or req.trace):
+        if not (req.stream or req.stdin or req.trace or req.pty):
             # ETXTBSY: the program is open for writing somewhere for a moment
             # (a write_file just answered, whose fd a spawn child copied with the
             # daemon's fd table before closing it: csrc/spawn.c fds_own; or the
@@ -94,7 +126,8 @@ class ExecService:
 
     async def _exec_streamed(self, sb: Sandbox, req, env: list[str], cwd: str, user: int,
                              timeout: float | None, ctx) -> dict:
-        """An exec that streams its output, takes stdin or is traced: one ExecIO."""
+        """An exec that streams its output, takes stdin, is traced or has a
+        terminal: one ExecIO (PtyIO for a terminal)."""
         loop = self.workers.loop
         collected: dict[int, list[bytes]] = {1: [], 2: []}
 
@@ -104,16 +137,21 @@ class ExecService:
             else:
                 collected[stream].append(data)
 
-        io = ExecIO(loop, self.limits.max_output, emit, req.stdin)
+        if req.pty:
+            rows, cols = DEFAULT_WINDOW if req.rows is None else (req.rows, req.cols)
+            io = PtyIO(loop, emit, rows, cols)
+        else:
+            io = ExecIO(loop, self.limits.max_output, emit, req.stdin)
         sb.execs += 1
         ctx.register_exec(io)
         try:
             argv = tracing.traced_argv(req.argv) if req.trace else list(req.argv)
             # A traced exec needs the daemon's helper: the tracer attaches to the daemon's child.
             tracer = None
-            watch = None if req.trace else self._start_by_init(sb, argv, env, cwd, user, io, io.child_fds())
+            watch = None if req.trace else self._start_by_init(sb, argv, env, cwd, user, io, io.child_fds(),
+                                                               req.pty)
             if watch is None:
-                pid = await self._spawn_exec(sb, argv, env, cwd, user, io.child_fds(), io)
+                pid = await self._spawn_exec(sb, argv, env, cwd, user, io.child_fds(), io, req.pty)
                 if req.trace:
                     tracer = await self._start_tracer(pid, timeout)
                 watch = ChildWatch(loop, pid)
@@ -170,21 +208,23 @@ class ExecService:
             ctx.unregister_exec()
 
     def _start_by_init(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int, io,
-                       stdio: tuple[int, int, int]) -> InitExec | None:
+                       stdio: tuple[int, int, int], ctty: bool = False) -> InitExec | None:
         """The exec sent to the sandbox's init (dsecd/initlink.py), or None:
         the daemon's helper must start it (no channel: exec_via = helper, a
         sandbox of an older daemon, or one whose init lacks this daemon's
         capabilities; or the channel cannot take this one: too big, init
         busy). `io` owns the child ends in stdio, closed once sent. Whether it
-        started shows in its `exited` (a failed start: errors.run_error)."""
+        started shows in its `exited` (a failed start: errors.run_error).
+        ctty: stdin is a pty slave, the exec's controlling terminal."""
         if sb.handle is None:
             return None
-        return self.starter.send_to_init(self.backend.start_by_init, sb.handle, argv, env, cwd, user, io, stdio)
+        start = functools.partial(self.backend.start_by_init, ctty=True) if ctty else self.backend.start_by_init
+        return self.starter.send_to_init(start, sb.handle, argv, env, cwd, user, io, stdio)
 
     async def _spawn_exec(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int,
-                          fds: tuple[int, int, int], io) -> int:
-        return await self.starter.spawn_by_helper(io, None, self.backend.spawn, sb.handle, argv, env, cwd,
-                                                  user, fds)
+                          fds: tuple[int, int, int], io, ctty: bool = False) -> int:
+        spawn = functools.partial(self.backend.spawn, ctty=True) if ctty else self.backend.spawn
+        return await self.starter.spawn_by_helper(io, None, spawn, sb.handle, argv, env, cwd, user, fds)
 
     async def _start_tracer(self, pid: int, timeout: float | None):
         try:
@@ -200,4 +240,17 @@ class ExecService:
         if not io.takes_stdin:
             raise Conflict(f"exec {req.exec_id} was started without stdin")
         await io.feed_stdin(req.data, req.eof)
+        return {}
+
+    async def exec_resize(self, req, ctx) -> dict:
+        check_window(req.rows, req.cols)
+        io = ctx.exec_for(req.exec_id)
+        if io is None:
+            raise NotFound(f"no running exec with id {req.exec_id} on this connection")
+        if not io.has_tty:
+            raise Conflict(f"exec {req.exec_id} has no terminal to resize: start it with pty=true")
+        try:
+            io.resize(req.rows, req.cols)
+        except OSError as err:
+            raise Conflict(f"exec {req.exec_id}: cannot resize its terminal: {err.strerror}") from err
         return {}
