@@ -26,11 +26,13 @@ import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from . import protocol
+from . import framing, protocol
 from .errors import DsecError, LimitExceeded, NotFound
 
 DEFAULT_SOCKET = "/run/dsecd/dsecd.sock"
 DEFAULT_CHUNK = 4 << 20
+# A server frame may exceed max_frame_bytes by its envelope (id, field names).
+FRAME_SLACK = 4096
 # Requests that steer others (stdin for an exec, a cancel) never wait for a
 # slot: the requests they serve may hold every slot. This many of the
 # daemon's per-connection limit are kept for them.
@@ -202,14 +204,17 @@ class Client:
 
     async def connect(self) -> None:
         try:
-            reader, self._writer = await asyncio.open_unix_connection(self.socket_path, limit=2**20)
+            loop = asyncio.get_running_loop()
+            transport, frames = await loop.create_unix_connection(
+                lambda: framing.FrameProtocol(self.max_frame + FRAME_SLACK), self.socket_path)
+            self._writer = asyncio.StreamWriter(transport, frames, None, loop)
         except (FileNotFoundError, ConnectionRefusedError) as err:
             raise ConnectionError(f"cannot connect to dsecd at {self.socket_path}: {err.strerror}; "
                                   "is the daemon running? (set DSEC_SOCKET or --socket)") from err
         except PermissionError as err:
             raise ConnectionError(f"cannot connect to dsecd at {self.socket_path}: permission denied; "
                                   f"{_who_may_connect(self.socket_path)}") from err
-        self._reader_task = asyncio.get_running_loop().create_task(self._read_loop(reader))
+        self._reader_task = asyncio.get_running_loop().create_task(self._read_loop(frames))
         try:
             self.server = await asyncio.wait_for(
                 self.request("hello", protocol=protocol.PROTOCOL_VERSION, client=self.name), self.connect_timeout)
@@ -219,6 +224,7 @@ class Client:
                                   f"{self.connect_timeout:g} s: is the daemon stuck?") from None
         limits = self.server.get("limits", {})
         self.max_frame = limits.get("max_frame_bytes", self.max_frame)
+        frames.max_frame = self.max_frame + FRAME_SLACK
         cap = limits.get("max_requests_per_client", 256)
         self._slots = _Budget(max(2, cap - CONTROL_SLOTS))
 
@@ -236,15 +242,18 @@ class Client:
             except (asyncio.CancelledError, Exception):
                 pass
 
-    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+    async def _read_loop(self, frames: framing.FrameProtocol) -> None:
         error: BaseException = ConnectionError("dsecd closed the connection")
         try:
             while True:
-                header = await reader.readexactly(protocol.HEADER.size)
-                (size,) = protocol.HEADER.unpack(header)
-                if size > self.max_frame + 4096:
-                    raise LimitExceeded(f"server frame of {size} bytes exceeds the limit")
-                frame = protocol.decode_payload(await reader.readexactly(size))
+                try:
+                    payload = await frames.read_payload()
+                except framing.FrameTooBig as err:
+                    raise LimitExceeded(f"server frame of {err.size} bytes exceeds the limit") from None
+                if payload is None:
+                    error = ConnectionError("connection to dsecd lost: the daemon closed it")
+                    break
+                frame = protocol.decode_payload(payload)
                 rid = frame.get("id")
                 if rid is None and "error" in frame:
                     error = DsecError.from_wire(frame["error"])

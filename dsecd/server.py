@@ -17,7 +17,7 @@ import os
 import socket
 import struct
 
-from . import protocol
+from . import framing, protocol
 from .errors import (
     BadRequest,
     Conflict,
@@ -78,9 +78,9 @@ class RequestContext:
 
 
 class Connection:
-    def __init__(self, server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    def __init__(self, server: Server, frames: framing.FrameProtocol, writer: asyncio.StreamWriter):
         self.server = server
-        self.reader = reader
+        self.frames = frames
         self.writer = writer
         self.tasks: dict[int, asyncio.Task] = {}
         self.execs: dict[int, object] = {}
@@ -111,31 +111,20 @@ class Connection:
         trickling bytes (slowloris) or stopping mid-frame holds a connection
         slot and a partial buffer, so it is told `limit` and dropped."""
         try:
-            if idle_timeout is None:         # no timer to arm: the common case, after hello
-                first = await self.reader.readexactly(1)
-            else:
-                async with asyncio.timeout(idle_timeout):
-                    first = await self.reader.readexactly(1)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            return None
-        except TimeoutError:
+            payload = await self.frames.read_payload(idle_timeout, self.server.frame_timeout)
+        except framing.IdleTimeout:
             raise LimitExceeded(f"no `hello` within {idle_timeout:g} s of connecting",
                                 {"timeout_s": idle_timeout}) from None
-        try:
-            async with asyncio.timeout(self.server.frame_timeout):
-                header = first + await self.reader.readexactly(protocol.HEADER.size - 1)
-                (size,) = protocol.HEADER.unpack(header)
-                if size > self.max_frame:
-                    # The stream cannot be trusted to resynchronise cheaply: say why, then drop it.
-                    raise LimitExceeded(f"frame of {size} bytes exceeds the {self.max_frame}-byte limit; "
-                                        "split large files into chunks", {"size": size, "max": self.max_frame})
-                payload = await self.reader.readexactly(size)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            return None
-        except TimeoutError:
+        except framing.FrameTimeout:
             raise LimitExceeded(f"frame not complete {self.server.frame_timeout:g} s after its first byte "
                                 "(limits.frame_timeout_s); closing the connection",
                                 {"timeout_s": self.server.frame_timeout}) from None
+        except framing.FrameTooBig as err:
+            # The stream cannot be trusted to resynchronise cheaply: say why, then drop it.
+            raise LimitExceeded(f"frame of {err.size} bytes exceeds the {err.limit}-byte limit; "
+                                "split large files into chunks", {"size": err.size, "max": err.limit}) from None
+        if payload is None:
+            return None
         return protocol.decode_payload(payload)
 
     async def _backpressure(self) -> bool:
@@ -293,14 +282,15 @@ class Server:
         self.hello_timeout = float(limits["hello_timeout_s"])
         self.connections: set[Connection] = set()
         self._server: asyncio.AbstractServer | None = None
+        self._connecting: set[asyncio.Task] = set()      # connection tasks (a strong reference each)
 
     async def start(self) -> None:
         _remove_stale_socket(self.path)
         os.makedirs(os.path.dirname(self.path) or ".", mode=0o755, exist_ok=True)
         old = os.umask(0o117)   # socket created 0660 from the start, no window of 0777
         try:
-            self._server = await asyncio.start_unix_server(
-                self._on_connect, self.path, limit=2**16, backlog=min(self.max_connections, 4096))
+            self._server = await asyncio.get_running_loop().create_unix_server(
+                self._new_protocol, self.path, backlog=min(self.max_connections, 4096))
         finally:
             os.umask(old)
         os.chown(self.path, 0, self.gid if self.gid is not None else 0)
@@ -322,8 +312,19 @@ class Server:
             return False
         return name in grp.getgrgid(self.gid).gr_mem
 
-    async def _on_connect(self, reader, writer) -> None:
-        conn = Connection(self, reader, writer)
+    def _new_protocol(self) -> framing.FrameProtocol:
+        """A connection's protocol; serving it starts once it is connected."""
+        return framing.FrameProtocol(self.max_frame, self._connected)
+
+    def _connected(self, frames: framing.FrameProtocol) -> None:
+        loop = asyncio.get_running_loop()
+        writer = asyncio.StreamWriter(frames.transport, frames, None, loop)
+        task = loop.create_task(self._on_connect(frames, writer))
+        self._connecting.add(task)
+        task.add_done_callback(self._connecting.discard)
+
+    async def _on_connect(self, frames: framing.FrameProtocol, writer: asyncio.StreamWriter) -> None:
+        conn = Connection(self, frames, writer)
         sock = writer.get_extra_info("socket")
         try:
             pid, uid, gid = peer_credentials(sock)

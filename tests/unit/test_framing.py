@@ -1,0 +1,88 @@
+"""dsecd/framing.py: frames cut out of a byte stream, under asyncio and uvloop."""
+
+import asyncio
+import os
+import socket
+
+import pytest
+import uvloop
+
+from dsecd import framing
+
+
+def _frame(payload: bytes) -> bytes:
+    return framing.HEADER.pack(len(payload)) + payload
+
+
+async def _connected(max_frame: int):
+    """(our socket, the protocol reading the other end)."""
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    loop = asyncio.get_running_loop()
+    _transport, proto = await loop.connect_accepted_socket(lambda: framing.FrameProtocol(max_frame), theirs)
+    return ours, proto
+
+
+async def _send(sock: socket.socket, data: bytes) -> None:
+    await asyncio.get_running_loop().sock_sendall(sock, data)
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def run(request):
+    return asyncio.run if request.param == "asyncio" else uvloop.run
+
+
+def test_many_small_frames_in_one_read_and_big_ones_across_reads(run):
+    small = [os.urandom(n) for n in (0, 1, 100, 5000)]
+    big = os.urandom(3 * framing.SCRATCH_BYTES + 7)
+
+    async def main():
+        sock, proto = await _connected(1 << 24)
+        stream = b"".join(_frame(p) for p in small) + _frame(big) + _frame(b"after")
+        sender = asyncio.ensure_future(_send(sock, stream))
+        got = [await proto.read_payload() for _ in range(len(small) + 2)]
+        await sender
+        sock.close()
+        assert await proto.read_payload() is None          # end of stream
+        return got
+
+    got = run(main())
+    assert [bytes(p) for p in got] == [*small, big, b"after"]
+
+
+def test_a_frame_split_byte_by_byte(run):
+    async def main():
+        sock, proto = await _connected(1 << 20)
+        for byte in _frame(b"slow"):
+            await _send(sock, bytes([byte]))
+        payload = await proto.read_payload()
+        sock.close()
+        return payload
+
+    assert bytes(run(main())) == b"slow"
+
+
+def test_a_frame_over_the_limit_is_refused(run):
+    async def main():
+        sock, proto = await _connected(1000)
+        await _send(sock, framing.HEADER.pack(1001) + b"x" * 10)
+        with pytest.raises(framing.FrameTooBig) as err:
+            await proto.read_payload()
+        sock.close()
+        return err.value
+
+    err = run(main())
+    assert (err.size, err.limit) == (1001, 1000)
+
+
+def test_idle_and_frame_timeouts(run):
+    async def main():
+        sock, proto = await _connected(1 << 20)
+        with pytest.raises(framing.IdleTimeout):
+            await proto.read_payload(idle_timeout=0.05, frame_timeout=5)
+        await _send(sock, framing.HEADER.pack(10) + b"abc")       # a frame begins, then stops
+        with pytest.raises(framing.FrameTimeout):
+            await proto.read_payload(idle_timeout=5, frame_timeout=0.1)
+        sock.close()
+
+    run(main())
