@@ -10,13 +10,18 @@ Python SDK:
 * exec_rtt_p50_ms / _p99_ms: exec `true` in one running sandbox;
 * pty_roundtrip_p50_ms / _p99_ms: one keystroke into `cat` on a pty exec
   until its echo comes back (bench/core_pty.py);
+* write_file_mib_s / read_file_mib_s: 64 MiB into and out of a sandbox's
+  /tmp, and write_small_p50_ms: one 4 KiB write (bench/core_copy.py);
 * idle_host_mib_per_sandbox: host memory per idle sandbox, reclaimable
   kernel memory included (method at `host_used_bytes`), and
   idle_host_mib_per_sandbox_unreclaimable without it;
 
 then, with the daemon stopped, the same unit of work in bubblewrap and crun
 (bench/peers.py): bwrap_p50_ms, crun_p50_ms, and the ratios
-create_exec_p50_ms / peer_p50_ms (bwrap_ratio, crun_ratio; > 1 = dsecd slower).
+create_exec_p50_ms / peer_p50_ms (bwrap_ratio, crun_ratio; > 1 = dsecd slower),
+and the same 64 MiB through `tar | bwrap ... tar -x` and back (a `docker cp`
+peer: peer_write_mib_s, peer_read_mib_s; write_file_ratio, read_file_ratio,
+> 1 = dsecd faster).
 
 Progress goes to stderr; the last line of stdout is one JSON object with those
 names. Whatever happens (failure, Ctrl-C, SIGTERM), the bench removes its
@@ -36,6 +41,7 @@ import os
 import statistics
 import time
 
+import core_copy
 import core_pty
 import harness
 import peers
@@ -233,6 +239,7 @@ async def measure_dsecd(sock: str, args) -> dict:
     results.update(await measure_create_exec(sock, args.n_seq))
     results.update(await measure_exec_rtt(sock, args.n_rtt))
     results.update(await core_pty.measure_pty_roundtrip(sock, args.n_pty, CREATE_ARGS))
+    results.update(await core_copy.measure_dsecd_copy(sock, args.n_copy, args.n_small))
     results.update(await measure_create_rate(sock, args.clients, args.n_rate))
     results.update(await measure_idle_memory(sock, args.clients, args.n_idle))
     return results
@@ -256,6 +263,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--n-seq", type=int, default=200, help="sequential create+exec+destroy")
     p.add_argument("--n-rtt", type=int, default=300, help="execs in one sandbox")
     p.add_argument("--n-pty", type=int, default=2000, help="keystrokes into a pty exec")
+    p.add_argument("--n-copy", type=int, default=5, help="64 MiB copies each way (and per peer)")
+    p.add_argument("--n-small", type=int, default=300, help="4 KiB write_file calls")
     p.add_argument("--n-rate", type=int, default=400, help="creates in the concurrent batch")
     p.add_argument("--n-idle", type=int, default=500, help="idle sandboxes for the memory figure")
     p.add_argument("--n-peers", type=int, default=200, help="runs per peer")
@@ -266,7 +275,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.n_seq, args.n_rtt, args.n_rate, args.n_idle, args.n_peers = 20, 30, 64, 50, 20
-        args.n_pty = 300
+        args.n_pty, args.n_copy, args.n_small = 300, 2, 50
     return args
 
 
@@ -283,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # The daemon is gone: the peers run on the same quiet host.
     results.update(measure_peers(rootfs, args.n_peers))
+    results.update(core_copy.measure_peer_copy(rootfs, args.n_copy))
+    results.update(core_copy.ratios(results))
     results["bwrap_ratio"] = round(results["create_exec_p50_ms"] / results["bwrap_p50_ms"], 2)
     results["crun_ratio"] = round(results["create_exec_p50_ms"] / results["crun_p50_ms"], 2)
     print(json.dumps(results), flush=True)

@@ -661,6 +661,12 @@ class Sandbox:
             first = False
         return size
 
+    async def write_at(self, path: str, offset: int, data: bytes) -> int:
+        """Write `data` at `offset` of an existing file (up to one chunk),
+        neither truncating nor appending; the file's size after it."""
+        r = await self.client.request("file_write", sandbox=self.id, path=path, data=data, offset=offset)
+        return r["size"]
+
     async def read_file(self, path: str) -> bytes:
         chunk = self.client.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
         parts, offset = [], 0

@@ -247,6 +247,7 @@ class FileWrite:
     append: bool = False
     mode: int = 0o644
     parents: bool = False
+    offset: int | None = None       # write at this offset, neither truncating nor appending
 
 
 @request("file_list", states=ACTIVE)

@@ -46,6 +46,9 @@ class SyncSandbox:
     def write_file(self, path: str, data: bytes, **kw) -> int:
         return self._run(self._sb.write_file(path, data, **kw))
 
+    def write_at(self, path: str, offset: int, data: bytes) -> int:
+        return self._run(self._sb.write_at(path, offset, data))
+
     def read_file(self, path: str) -> bytes:
         return self._run(self._sb.read_file(path))
 

@@ -70,9 +70,15 @@ class FileService:
                                 "with append=true", {"max_file_chunk_bytes": chunk})
         if not 0 <= req.mode <= 0o7777:
             raise BadRequest(f"mode must be in [0, 0o7777], got {req.mode:o}")
-        fd = await self._file_op(req, "write", sbfiles.open_for_write, req.path, req.append, req.mode,
+        if req.offset is not None and (req.append or req.offset < 0):
+            raise BadRequest(f"offset must be >= 0 and not given with append, got offset {req.offset} "
+                             f"append {req.append}")
+        keep = req.append or req.offset is not None
+        fd = await self._file_op(req, "write", sbfiles.open_for_write, req.path, req.append, keep, req.mode,
                                  req.parents)
         try:
+            if req.offset is not None:
+                os.lseek(fd, req.offset, os.SEEK_SET)        # the copier writes from the fd's position
             await self._write_data(self.registry.get(req.sandbox, req), fd, req.data, f"{req.sandbox}:{req.path}")
             return {"size": os.fstat(fd).st_size}
         finally:

@@ -93,11 +93,11 @@ def make_parents(rootfd: int, path: str) -> None:
         current = nxt
 
 
-def open_for_write(rootfd: int, path: str, append: bool, mode: int, parents: bool) -> int:
+def open_for_write(rootfd: int, path: str, append: bool, keep: bool, mode: int, parents: bool) -> int:
     """An fd of the regular file at `path`, created (with `mode`) if missing,
-    emptied unless `append`: what write_data or a copier then fills. The
-    truncation waits for the checks, so a FIFO or a kernel file is never
-    truncated."""
+    O_APPEND if `append`, emptied unless `keep`: what write_data or a copier
+    then fills. The truncation waits for the checks, so a FIFO or a kernel
+    file is never truncated."""
     path = check_path(path)
     if path == "/":
         raise PathError("cannot write to /")
@@ -107,7 +107,7 @@ def open_for_write(rootfd: int, path: str, append: bool, mode: int, parents: boo
     fd = _open(rootfd, path, flags, mode & 0o7777)
     try:
         _require_regular(fd, path)
-        if not append:
+        if not keep:
             os.ftruncate(fd, 0)
         return fd
     except BaseException:

@@ -44,3 +44,18 @@ def test_a_copy_larger_than_memory_fails_in_the_sandbox_and_leaves_nothing(clien
         assert sb.exec(["true"]).exit_code == 0                  # and the sandbox lives on
     finally:
         sb.destroy(force=True)
+
+
+def test_write_at_an_offset_keeps_the_rest(client):
+    sb = client.create(image="busybox", memory="64M")
+    try:
+        sb.write_file("/tmp/f", b"0123456789")
+        assert sb.write_at("/tmp/f", 3, b"abc") == 10
+        assert sb.read_file("/tmp/f") == b"012abc6789"
+        assert sb.write_at("/tmp/f", 12, b"Z") == 13              # past the end: a hole of zeros
+        assert sb.read_file("/tmp/f") == b"012abc6789\0\0Z"
+        from dsecd.errors import BadRequest
+        with pytest.raises(BadRequest, match="offset"):
+            client.request("file_write", sandbox=sb.id, path="/tmp/f", data=b"x", offset=-1)
+    finally:
+        sb.destroy(force=True)
