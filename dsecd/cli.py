@@ -519,6 +519,23 @@ async def cmd_ls(c: Client, a) -> int:
     return 0
 
 
+async def cmd_watch(c: Client, a) -> int:
+    """Print changes under a directory until interrupted, or until it or its sandbox goes."""
+    sb_id, path = _remote_path(a.target, "watch")
+    sb = await c.get(sb_id)
+    async for ev in sb.watch(path, recursive=a.recursive):
+        if a.json:
+            print(json.dumps(ev, sort_keys=True), flush=True)
+        elif ev["kind"] == "stopped":
+            print(f"dsec watch: stopped: {ev['reason']}", file=sys.stderr)
+        elif ev["kind"] == "ready":
+            print(f"dsec watch: watching {ev['dirs']} director{'y' if ev['dirs'] == 1 else 'ies'} "
+                  f"under {ev['path']}", file=sys.stderr)
+        else:
+            print(f"{ev['kind']:<9} {ev['path']}{'/' if ev['is_dir'] else ''}", flush=True)
+    return 0
+
+
 async def cmd_cat(c: Client, a) -> int:
     for spec in a.targets:
         sb_id, path = _remote_path(spec, "cat")
@@ -742,6 +759,10 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("src")
     cp.add_argument("dst")
 
+    watch = sub.add_parser("watch", help="print changes under a directory: SB:/path (until interrupted)")
+    watch.add_argument("target", metavar="SB:/path")
+    watch.add_argument("-r", "--recursive", action="store_true", help="subdirectories too, new ones included")
+
     for verb, text in (("pause", "freeze sandboxes and give their memory back"),
                        ("resume", "prefetch and thaw paused sandboxes")):
         x = sub.add_parser(verb, help=text)
@@ -804,7 +825,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 COMMANDS = {"info": cmd_info, "image": cmd_image, "snapshot": cmd_snapshot, "pause": cmd_pause_resume,
             "resume": cmd_pause_resume, "job": cmd_job, "events": cmd_events, "net": cmd_net, "trace": cmd_exec, "create": cmd_create, "exec": cmd_exec, "call": cmd_call, "pool": cmd_pool, "cp": cmd_cp,
-            "ps": cmd_ps, "inspect": cmd_inspect, "rm": cmd_rm, "top": cmd_top, "ls": cmd_ls, "cat": cmd_cat}
+            "ps": cmd_ps, "inspect": cmd_inspect, "rm": cmd_rm, "top": cmd_top, "ls": cmd_ls, "cat": cmd_cat,
+            "watch": cmd_watch}
 
 
 async def _run(a) -> int:

@@ -658,6 +658,20 @@ class Sandbox:
     async def rename(self, src: str, dst: str, overwrite: bool = False) -> dict:
         return await self.client.request("file_rename", sandbox=self.id, src=src, dst=dst, overwrite=overwrite)
 
+    async def watch(self, path: str, recursive: bool = False) -> AsyncIterator[dict]:
+        """Changes under directory `path` as they happen: dicts with `kind`
+        (create, modify, attrib, delete, move_from, move_to; overflow when
+        the kernel lost events; ready first, once every directory is
+        watched; stopped last, with a `reason`), `path` (in the sandbox) and
+        `is_dir`. Runs until the loop stops (break) or the directory or the
+        sandbox goes; with `recursive`, subdirectories too, new ones included."""
+        args = {"sandbox": self.id, "path": path, "recursive": recursive}
+        async with contextlib.aclosing(self.client.frames("file_watch", **args)) as frames:
+            async for frame in frames:
+                if "__result__" in frame:
+                    return
+                yield frame
+
     async def snapshot(self, name: str, exclude: list[str] | None = None,
                        progress: Callable[[dict], None] | None = None) -> dict:
         """pack_diff: this sandbox's changes as a new image `name` over its own image."""

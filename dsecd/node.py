@@ -35,6 +35,7 @@ from .engine.memory import MemoryService
 from .engine.network import NetworkService
 from .engine.sandboxes import SandboxRegistry
 from .engine.starts import ProcessStarter
+from .engine.watches import WatchService
 from .engine.workers import Workers
 from .fds import close_quietly
 from .features import Features, suid_dumpable_hazard
@@ -59,7 +60,7 @@ SERVICE_ROUTES = {
     "file_read": ("file_service", "read"), "file_write": ("file_service", "write"),
     "file_list": ("file_service", "list"), "file_stat": ("file_service", "stat"),
     "file_mkdir": ("file_service", "mkdir"), "file_remove": ("file_service", "remove"),
-    "file_rename": ("file_service", "rename"),
+    "file_rename": ("file_service", "rename"), "file_watch": ("watch_service", "watch"),
     "image_build": ("image_service", "build"), "image_list": ("image_service", "list"),
     "image_inspect": ("image_service", "inspect"), "image_rm": ("image_service", "rm"),
     "image_gc": ("image_service", "gc"), "image_du": ("image_service", "du"),
@@ -126,6 +127,8 @@ class Node:
                                         self.memory.ensure_running, exec_limits, self._devnull)
         self.file_service = FileService(self.registry, self.workers, self.memory.ensure_running,
                                         cfg.size("limits", "max_file_chunk_bytes"))
+        self.watch_service = WatchService(self.registry, self.workers, self.events, self.memory.ensure_running,
+                                          self.limits["max_watches"], self.limits["max_watch_dirs"])
         self.call_service = CallService(fncall_backend(cfg, layout, self.backend), cfg.section("fncall"),
                                         CallService.sizes_from(cfg), sb["cpu_period_us"], self.image_service,
                                         self.cpu, self.workers, self.starter, exec_limits, self._devnull)
@@ -198,7 +201,7 @@ class Node:
                 "capabilities": self.capabilities(), "limits": self.wire_limits()}
 
     def capabilities(self) -> list[str]:
-        return ["exec.stream", "exec.stdin", "files", "backend.container", "image.dir", "backend.fncall"]
+        return ["exec.stream", "exec.stdin", "files", "files.watch", "backend.container", "image.dir", "backend.fncall"]
 
     def wire_limits(self) -> dict:
         return {"max_frame_bytes": self.cfg.size("limits", "max_frame_bytes"),

@@ -275,6 +275,13 @@ class FileRename:
     overwrite: bool = False      # replace an existing dst
 
 
+@request("file_watch", states=ACTIVE, stream=True)
+class FileWatch:
+    sandbox: str
+    path: str                    # a directory
+    recursive: bool = False      # its whole tree, directories made later included
+
+
 @request("pause", states=ACTIVE)
 class Pause:
     sandbox: str
