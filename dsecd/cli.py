@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import posixpath
 import select
 import socket
 import sys
@@ -27,6 +28,8 @@ import time
 
 from .client import Client, default_socket
 from .errors import DsecError
+from .localcopy import LocalCopyError
+from .tarsafe import Refused, TooLarge
 
 EXIT_DSEC_ERROR = 125
 EXIT_TIMEOUT = 124
@@ -452,8 +455,31 @@ def _cp_sides(a) -> tuple[str | None, str, str | None, str]:
     return src_sb, src, dst_sb, dst
 
 
+async def _cp_dir(c: Client, src_sb: str | None, src: str, dst_sb: str | None, dst: str) -> int:
+    """cp -r: a directory as a tar stream. Like cp -r, an existing directory
+    as the destination receives the copy under the source's name."""
+    if src_sb is None:
+        sb = await c.get(dst_sb)
+        if await sb.exists(dst) and (await sb.stat(dst))["type"] == "dir":
+            dst = posixpath.join(dst, os.path.basename(os.path.normpath(src)))
+        await sb.upload_dir(src, dst)
+        return 0
+    sb = await c.get(src_sb)
+    if os.path.isdir(dst):
+        dst = os.path.join(dst, posixpath.basename(posixpath.normpath(src)) or "root")
+    r = await sb.download_dir(src, dst)
+    for item in r.get("skipped", []):
+        print(f"dsec cp: not copied: {src.rstrip('/')}/{item['path']} ({item['type']}): {item['reason']}",
+              file=sys.stderr)
+    return 0
+
+
 async def cmd_cp(c: Client, a) -> int:
     src_sb, src, dst_sb, dst = _cp_sides(a)
+    if a.recursive:
+        return await _cp_dir(c, src_sb, src, dst_sb, dst)
+    if src_sb is None and os.path.isdir(src):
+        raise UsageError(f"dsec cp: {src} is a directory; copy it with dsec cp -r")
     if src_sb is None:
         if src == "-":
             data = sys.stdin.buffer.read()
@@ -755,7 +781,10 @@ def build_parser() -> argparse.ArgumentParser:
     call.add_argument("--timeout", type=float, help="seconds; the call's process group is killed after it")
     call.add_argument("--env", action="append", metavar="K=V")
 
-    cp = sub.add_parser("cp", help="copy a file: LOCAL SB:/path or SB:/path LOCAL ('-' = stdin/stdout)")
+    cp = sub.add_parser("cp", help="copy a file: LOCAL SB:/path or SB:/path LOCAL ('-' = stdin/stdout); "
+                                   "-r: a directory")
+    cp.add_argument("-r", "--recursive", action="store_true",
+                    help="copy a directory tree (symlinks as symlinks; FIFOs and devices are not copied)")
     cp.add_argument("src")
     cp.add_argument("dst")
 
@@ -926,6 +955,9 @@ def main(argv: list[str] | None = None) -> None:
         status = fail
     except ConnectionError as err:
         print(f"dsec: {err}", file=sys.stderr)
+        status = fail
+    except (LocalCopyError, Refused, TooLarge) as err:      # a directory copy's local side
+        print(f"dsec {a.cmd}: {err}", file=sys.stderr)
         status = fail
     except OSError as err:
         print(f"dsec {a.cmd}: {_oserror_text(err)}", file=sys.stderr)

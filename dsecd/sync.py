@@ -75,6 +75,15 @@ class SyncSandbox:
     def rename(self, src: str, dst: str, **kw) -> dict:
         return self._run(self._sb.rename(src, dst, **kw))
 
+    def upload_dir(self, local: str, remote: str) -> dict:
+        return self._run(self._sb.upload_dir(local, remote))
+
+    def upload_tar(self, fileobj, remote: str) -> dict:
+        return self._run(self._sb.upload_tar(fileobj, remote))
+
+    def download_dir(self, remote: str, local: str) -> dict:
+        return self._run(self._sb.download_dir(remote, local))
+
     def watch(self, path: str, recursive: bool = False) -> SyncWatch:
         """Changes under `path` (see Sandbox.watch), as an iterator; its
         close() ends the watch, from any thread (the one iterating sees the

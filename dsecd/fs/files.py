@@ -99,15 +99,25 @@ def write_file(rootfd: int, path: str, data: bytes, append: bool, mode: int, par
         raise PathError("cannot write to /")
     if parents:
         make_parents(rootfd, path)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | (os.O_APPEND if append else os.O_TRUNC)
-    fd = _open(rootfd, path, flags, mode & 0o7777)
+    flags = os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+    return {"size": write_regular(rootfd, path, (data,), mode, flags)}
+
+
+def write_regular(dirfd: int, name: str, data_chunks, mode: int, flags: int = os.O_CREAT | os.O_EXCL) -> int:
+    """The one place that writes file bytes into a sandbox (file_write, the
+    files of a directory copy): `name` resolved against `dirfd` as root,
+    opened with `flags` (O_CREAT | O_EXCL: a new file, never through a
+    symlink), refused unless a regular file on an ordinary filesystem, then
+    every chunk of `data_chunks` written in order. Returns the file's size."""
+    fd = _open(dirfd, name, os.O_WRONLY | os.O_NONBLOCK | flags, mode & 0o7777)
     try:
-        _require_regular(fd, path)
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        return {"size": os.fstat(fd).st_size}
+        _require_regular(fd, name)
+        for chunk in data_chunks:
+            view = memoryview(chunk)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+        return os.fstat(fd).st_size
     finally:
         os.close(fd)
 

@@ -9,6 +9,7 @@ import inspect
 from dsecd import node, protocol
 from dsecd.engine.calls import CallService
 from dsecd.engine.creates import CreateService
+from dsecd.engine.dircopies import DirCopyService
 from dsecd.engine.events import EventBus
 from dsecd.engine.execs import ExecService
 from dsecd.engine.files import FileService
@@ -23,7 +24,8 @@ from dsecd.engine.watches import WatchService
 SERVICES = {"node": node.Node, "create_service": CreateService, "lifecycle": LifecycleService,
             "exec_service": ExecService, "file_service": FileService, "image_service": ImageService,
             "net_service": NetworkService, "memory": MemoryService, "lifetimes": LifetimeService,
-            "events": EventBus, "call_service": CallService, "watch_service": WatchService}
+            "events": EventBus, "call_service": CallService, "watch_service": WatchService,
+            "dir_copies": DirCopyService}
 
 
 def test_every_request_type_has_one_handler():
