@@ -15,6 +15,9 @@ Python SDK:
 * idle_host_mib_per_sandbox: host memory per idle sandbox, reclaimable
   kernel memory included (method at `host_used_bytes`), and
   idle_host_mib_per_sandbox_unreclaimable without it;
+* list_10k_files_ms: median file_list of a 10,000-file directory, and
+  watch_event_lag_p50_ms / _p99_ms: file_write to its file_watch event
+  (bench/core_files.py, which says how each is measured);
 
 then, with the daemon stopped, the same unit of work in bubblewrap and crun
 (bench/peers.py): bwrap_p50_ms, crun_p50_ms, and the ratios
@@ -42,6 +45,7 @@ import statistics
 import time
 
 import core_copy
+import core_files
 import core_pty
 import harness
 import peers
@@ -242,6 +246,7 @@ async def measure_dsecd(sock: str, args) -> dict:
     results.update(await core_copy.measure_dsecd_copy(sock, args.n_copy, args.n_small))
     results.update(await measure_create_rate(sock, args.clients, args.n_rate))
     results.update(await measure_idle_memory(sock, args.clients, args.n_idle))
+    results.update(await core_files.measure_files(sock, CREATE_ARGS, args.quick))
     return results
 
 

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import os
+import posixpath
 import select
 import signal
 import socket
@@ -31,6 +32,8 @@ import tty
 
 from .client import Client, default_socket
 from .errors import DsecError
+from .localcopy import LocalCopyError
+from .tarsafe import Refused, TooLarge
 
 EXIT_DSEC_ERROR = 125
 EXIT_TIMEOUT = 124
@@ -562,8 +565,31 @@ def _cp_sides(a) -> tuple[str | None, str, str | None, str]:
     return src_sb, src, dst_sb, dst
 
 
+async def _cp_dir(c: Client, src_sb: str | None, src: str, dst_sb: str | None, dst: str) -> int:
+    """cp -r: a directory as a tar stream. Like cp -r, an existing directory
+    as the destination receives the copy under the source's name."""
+    if src_sb is None:
+        sb = await c.get(dst_sb)
+        if await sb.exists(dst) and (await sb.stat(dst))["type"] == "dir":
+            dst = posixpath.join(dst, os.path.basename(os.path.normpath(src)))
+        await sb.upload_dir(src, dst)
+        return 0
+    sb = await c.get(src_sb)
+    if os.path.isdir(dst):
+        dst = os.path.join(dst, posixpath.basename(posixpath.normpath(src)) or "root")
+    r = await sb.download_dir(src, dst)
+    for item in r.get("skipped", []):
+        print(f"dsec cp: not copied: {src.rstrip('/')}/{item['path']} ({item['type']}): {item['reason']}",
+              file=sys.stderr)
+    return 0
+
+
 async def cmd_cp(c: Client, a) -> int:
     src_sb, src, dst_sb, dst = _cp_sides(a)
+    if a.recursive:
+        return await _cp_dir(c, src_sb, src, dst_sb, dst)
+    if src_sb is None and os.path.isdir(src):
+        raise UsageError(f"dsec cp: {src} is a directory; copy it with dsec cp -r")
     if src_sb is None:
         if src == "-":
             data = sys.stdin.buffer.read()
@@ -626,6 +652,23 @@ async def cmd_ls(c: Client, a) -> int:
         return 0
     _table([[e["type"], f"{e['mode']:04o}", str(e["size"]), time.strftime("%Y-%m-%d %H:%M", time.localtime(e["mtime"])),
              e["name"]] for e in entries], ["TYPE", "MODE", "SIZE", "MODIFIED", "NAME"])
+    return 0
+
+
+async def cmd_watch(c: Client, a) -> int:
+    """Print changes under a directory until interrupted, or until it or its sandbox goes."""
+    sb_id, path = _remote_path(a.target, "watch")
+    sb = await c.get(sb_id)
+    async for ev in sb.watch(path, recursive=a.recursive):
+        if a.json:
+            print(json.dumps(ev, sort_keys=True), flush=True)
+        elif ev["kind"] == "stopped":
+            print(f"dsec watch: stopped: {ev['reason']}", file=sys.stderr)
+        elif ev["kind"] == "ready":
+            print(f"dsec watch: watching {ev['dirs']} director{'y' if ev['dirs'] == 1 else 'ies'} "
+                  f"under {ev['path']}", file=sys.stderr)
+        else:
+            print(f"{ev['kind']:<9} {ev['path']}{'/' if ev['is_dir'] else ''}", flush=True)
     return 0
 
 
@@ -851,9 +894,16 @@ def build_parser() -> argparse.ArgumentParser:
     call.add_argument("--timeout", type=float, help="seconds; the call's process group is killed after it")
     call.add_argument("--env", action="append", metavar="K=V")
 
-    cp = sub.add_parser("cp", help="copy a file: LOCAL SB:/path or SB:/path LOCAL ('-' = stdin/stdout)")
+    cp = sub.add_parser("cp", help="copy a file: LOCAL SB:/path or SB:/path LOCAL ('-' = stdin/stdout); "
+                                   "-r: a directory")
+    cp.add_argument("-r", "--recursive", action="store_true",
+                    help="copy a directory tree (symlinks as symlinks; FIFOs and devices are not copied)")
     cp.add_argument("src")
     cp.add_argument("dst")
+
+    watch = sub.add_parser("watch", help="print changes under a directory: SB:/path (until interrupted)")
+    watch.add_argument("target", metavar="SB:/path")
+    watch.add_argument("-r", "--recursive", action="store_true", help="subdirectories too, new ones included")
 
     for verb, text in (("pause", "freeze sandboxes and give their memory back"),
                        ("resume", "prefetch and thaw paused sandboxes")):
@@ -917,7 +967,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 COMMANDS = {"info": cmd_info, "image": cmd_image, "snapshot": cmd_snapshot, "pause": cmd_pause_resume,
             "resume": cmd_pause_resume, "job": cmd_job, "events": cmd_events, "net": cmd_net, "trace": cmd_exec, "create": cmd_create, "exec": cmd_exec, "call": cmd_call, "pool": cmd_pool, "cp": cmd_cp,
-            "ps": cmd_ps, "inspect": cmd_inspect, "rm": cmd_rm, "top": cmd_top, "ls": cmd_ls, "cat": cmd_cat}
+            "ps": cmd_ps, "inspect": cmd_inspect, "rm": cmd_rm, "top": cmd_top, "ls": cmd_ls, "cat": cmd_cat,
+            "watch": cmd_watch}
 
 
 async def _run(a) -> int:
@@ -1020,6 +1071,9 @@ def main(argv: list[str] | None = None) -> None:
         status = fail
     except ConnectionError as err:
         print(f"dsec: {err}", file=sys.stderr)
+        status = fail
+    except (LocalCopyError, Refused, TooLarge) as err:      # a directory copy's local side
+        print(f"dsec {a.cmd}: {err}", file=sys.stderr)
         status = fail
     except OSError as err:
         print(f"dsec {a.cmd}: {_oserror_text(err)}", file=sys.stderr)

@@ -23,10 +23,11 @@ import itertools
 import os
 import posixpath
 import secrets
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from . import framing, protocol
+from . import framing, localcopy, protocol
 from .errors import DsecError, LimitExceeded, NotFound
 
 DEFAULT_SOCKET = "/run/dsecd/dsecd.sock"
@@ -36,7 +37,7 @@ FRAME_SLACK = 4096
 # Requests that steer others (stdin for an exec, a cancel) never wait for a
 # slot: the requests they serve may hold every slot. This many of the
 # daemon's per-connection limit are kept for them.
-CONTROL_OPS = ("exec_input", "exec_resize", "cancel")
+CONTROL_OPS = ("exec_input", "exec_resize", "file_tar_input", "cancel")
 CONTROL_SLOTS = 8
 
 
@@ -705,6 +706,89 @@ class Sandbox:
 
     async def rename(self, src: str, dst: str, overwrite: bool = False) -> dict:
         return await self.client.request("file_rename", sandbox=self.id, src=src, dst=dst, overwrite=overwrite)
+
+    async def upload_dir(self, local: str, remote: str) -> dict:
+        """Copy local directory `local` as the new directory `remote` in the
+        sandbox (which must not exist), as a tar stream: symlinks stay
+        symlinks, modes and mtimes are kept, owners become the sandbox's
+        root. The daemon checks every entry and extracts beside `remote`,
+        renaming into place at the end: a refused or failed copy leaves
+        nothing. A FIFO, socket or device in `local` is refused before
+        anything is sent. Result: path, count (entries), bytes."""
+        with tempfile.TemporaryFile() as spool:
+            await asyncio.to_thread(localcopy.pack, local, spool)
+            spool.seek(0)
+            return await self.upload_tar(spool, remote)
+
+    async def upload_tar(self, fileobj, remote: str) -> dict:
+        """Extract an uncompressed tar read from binary file `fileobj` as the
+        new directory `remote` in the sandbox (see upload_dir: the daemon
+        checks every entry; a refused archive leaves nothing)."""
+        c = self.client
+        chunk = c.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
+        rid, sent = c.new_id(), asyncio.Event()
+        feeder = asyncio.get_running_loop().create_task(self._feed_tar(rid, sent, fileobj, chunk))
+        try:
+            async with contextlib.aclosing(c.frames_with_id(rid, "file_tar_put",
+                                                            {"sandbox": self.id, "path": remote}, sent)) as frames:
+                async for frame in frames:
+                    if "__result__" in frame:
+                        return frame["__result__"]
+        finally:
+            if not feeder.done():
+                feeder.cancel()
+            with contextlib.suppress(asyncio.CancelledError, DsecError, ConnectionError):
+                await feeder
+        raise ConnectionError("file_tar_put: no final frame")
+
+    async def _feed_tar(self, rid: int, sent: asyncio.Event, fileobj, chunk: int) -> None:
+        """The tar, a chunk per file_tar_input; the last one says eof."""
+        await sent.wait()          # the inputs must follow their put on the wire
+        while True:
+            data = await asyncio.to_thread(fileobj.read, chunk)
+            last = len(data) < chunk
+            await self.client.request("file_tar_input", put_id=rid, data=data, eof=last)
+            if last:
+                return
+
+    async def download_dir(self, remote: str, local: str) -> dict:
+        """Copy directory `remote` of the sandbox as the new local directory
+        `local` (which must not exist). Symlinks come as symlinks, never
+        followed; FIFOs, sockets, devices and kernel filesystems are left out
+        and listed in the result's `skipped`. Every entry is checked again
+        here, extracted beside `local` and renamed into place at the end.
+        Result: path, count (entries), bytes, skipped."""
+        local = os.path.abspath(local)
+        if os.path.lexists(local):
+            raise localcopy.LocalCopyError(f"{local} exists; remove it first or copy to a new path")
+        with tempfile.TemporaryFile(dir=os.path.dirname(local)) as spool:
+            result = None
+            args = {"sandbox": self.id, "path": remote}
+            async with contextlib.aclosing(self.client.frames("file_tar_get", **args)) as frames:
+                async for frame in frames:
+                    if "__result__" in frame:
+                        result = frame["__result__"]
+                    else:
+                        spool.write(frame["data"])
+            if result is None:
+                raise ConnectionError("file_tar_get: no final frame")
+            spool.seek(0)
+            await asyncio.to_thread(localcopy.unpack, spool, local)
+        return result
+
+    async def watch(self, path: str, recursive: bool = False) -> AsyncIterator[dict]:
+        """Changes under directory `path` as they happen: dicts with `kind`
+        (create, modify, attrib, delete, move_from, move_to; overflow when
+        the kernel lost events; ready first, once every directory is
+        watched; stopped last, with a `reason`), `path` (in the sandbox) and
+        `is_dir`. Runs until the loop stops (break) or the directory or the
+        sandbox goes; with `recursive`, subdirectories too, new ones included."""
+        args = {"sandbox": self.id, "path": path, "recursive": recursive}
+        async with contextlib.aclosing(self.client.frames("file_watch", **args)) as frames:
+            async for frame in frames:
+                if "__result__" in frame:
+                    return
+                yield frame
 
     async def snapshot(self, name: str, exclude: list[str] | None = None,
                        progress: Callable[[dict], None] | None = None) -> dict:

@@ -103,7 +103,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def eof_received(self) -> bool:
         self._eof = True
         self._wake()
-        return False                        # close the transport
+        # Keep the transport open: the peer only stopped sending (a half
+        # close) and still reads the answers to what it sent; whoever reads
+        # the None closes the writer when it is done.
+        return True
 
     def connection_lost(self, exc) -> None:
         self._eof = True

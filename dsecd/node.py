@@ -24,6 +24,7 @@ from .config import Config, ConfigError, parse_size
 from .cpu.manager import CpuHost
 from .engine.calls import CallService, fncall_backend
 from .engine.creates import CreateService
+from .engine.dircopies import DirCopyService
 from .engine.events import EventBus
 from .engine.execs import ExecLimits, ExecService
 from .engine.files import FileService
@@ -35,6 +36,7 @@ from .engine.memory import MemoryService
 from .engine.network import NetworkService
 from .engine.sandboxes import SandboxRegistry
 from .engine.starts import ProcessStarter
+from .engine.watches import WatchService
 from .engine.workers import Workers
 from .fds import close_quietly
 from .features import Features, suid_dumpable_hazard
@@ -60,7 +62,9 @@ SERVICE_ROUTES = {
     "file_read": ("file_service", "read"), "file_write": ("file_service", "write"),
     "file_list": ("file_service", "list"), "file_stat": ("file_service", "stat"),
     "file_mkdir": ("file_service", "mkdir"), "file_remove": ("file_service", "remove"),
-    "file_rename": ("file_service", "rename"),
+    "file_rename": ("file_service", "rename"), "file_watch": ("watch_service", "watch"),
+    "file_tar_put": ("dir_copies", "put"), "file_tar_input": ("dir_copies", "put_input"),
+    "file_tar_get": ("dir_copies", "get"),
     "image_build": ("image_service", "build"), "image_list": ("image_service", "list"),
     "image_inspect": ("image_service", "inspect"), "image_rm": ("image_service", "rm"),
     "image_gc": ("image_service", "gc"), "image_du": ("image_service", "du"),
@@ -127,6 +131,12 @@ class Node:
                                         self.memory.ensure_running, exec_limits, self._devnull)
         self.file_service = FileService(self.registry, self.workers, self.memory.ensure_running,
                                         cfg.size("limits", "max_file_chunk_bytes"), self.backend.copy_by_init)
+        self.watch_service = WatchService(self.registry, self.workers, self.events, self.memory.ensure_running,
+                                          self.limits["max_watches"], self.limits["max_watch_dirs"])
+        self.dir_copies = DirCopyService(self.registry, self.workers, self.memory.ensure_running,
+                                         cfg.size("limits", "max_file_chunk_bytes"), self.limits["max_tar_entries"],
+                                         cfg.size("limits", "max_tar_bytes"), self.limits["max_tar_puts"],
+                                         float(self.limits["frame_timeout_s"]), self.backend.copy_by_init)
         self.call_service = CallService(fncall_backend(cfg, layout, self.backend), cfg.section("fncall"),
                                         CallService.sizes_from(cfg), sb["cpu_period_us"], self.image_service,
                                         self.cpu, self.workers, self.starter, exec_limits, self._devnull)
@@ -199,7 +209,7 @@ class Node:
                 "capabilities": self.capabilities(), "limits": self.wire_limits()}
 
     def capabilities(self) -> list[str]:
-        return ["exec.stream", "exec.stdin", "files", "backend.container", "image.dir", "backend.fncall"]
+        return ["exec.stream", "exec.stdin", "files", "files.watch", "files.tar", "backend.container", "image.dir", "backend.fncall"]
 
     def wire_limits(self) -> dict:
         return {"max_frame_bytes": self.cfg.size("limits", "max_frame_bytes"),

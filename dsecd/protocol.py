@@ -286,6 +286,32 @@ class FileRename:
     overwrite: bool = False      # replace an existing dst
 
 
+@request("file_watch", states=ACTIVE, stream=True)
+class FileWatch:
+    sandbox: str
+    path: str                    # a directory
+    recursive: bool = False      # its whole tree, directories made later included
+
+
+@request("file_tar_put", states=ACTIVE)
+class FileTarPut:
+    sandbox: str
+    path: str                    # the new directory; must not exist
+
+
+@request("file_tar_input")
+class FileTarInput:
+    put_id: int                  # the id of the file_tar_put request on this connection
+    data: bytes = b""
+    eof: bool = False
+
+
+@request("file_tar_get", states=ACTIVE, stream=True)
+class FileTarGet:
+    sandbox: str
+    path: str                    # a directory
+
+
 @request("pause", states=ACTIVE)
 class Pause:
     sandbox: str

@@ -76,6 +76,16 @@ class RequestContext:
     def exec_for(self, exec_id: int):
         return self.conn.execs.get(exec_id)
 
+    def register_input(self, sink) -> None:
+        """This request takes data from later requests naming its id (file_tar_input)."""
+        self.conn.inputs[self.rid] = sink
+
+    def unregister_input(self) -> None:
+        self.conn.inputs.pop(self.rid, None)
+
+    def input_for(self, rid: int):
+        return self.conn.inputs.get(rid)
+
 
 class Connection:
     def __init__(self, server: Server, frames: framing.FrameProtocol, writer: asyncio.StreamWriter):
@@ -84,6 +94,7 @@ class Connection:
         self.writer = writer
         self.tasks: dict[int, asyncio.Task] = {}
         self.execs: dict[int, object] = {}
+        self.inputs: dict[int, object] = {}
         self.max_frame = server.max_frame
         self.peer = "?"
         self.client = ""

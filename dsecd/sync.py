@@ -14,6 +14,7 @@ limit, as the async client's are).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Iterator
 
@@ -70,6 +71,21 @@ class SyncSandbox:
     def rename(self, src: str, dst: str, **kw) -> dict:
         return self._run(self._sb.rename(src, dst, **kw))
 
+    def upload_dir(self, local: str, remote: str) -> dict:
+        return self._run(self._sb.upload_dir(local, remote))
+
+    def upload_tar(self, fileobj, remote: str) -> dict:
+        return self._run(self._sb.upload_tar(fileobj, remote))
+
+    def download_dir(self, remote: str, local: str) -> dict:
+        return self._run(self._sb.download_dir(remote, local))
+
+    def watch(self, path: str, recursive: bool = False) -> SyncWatch:
+        """Changes under `path` (see Sandbox.watch), as an iterator; its
+        close() ends the watch, from any thread (the one iterating sees the
+        iteration end)."""
+        return SyncWatch(self._owner, self._sb.watch(path, recursive))
+
     def inspect(self) -> dict:
         self.info = self._run(self._sb.inspect())
         return self.info
@@ -123,6 +139,48 @@ class SyncExecStream:
         self._owner._run(self._stream.resize(rows, cols))
 
 
+class SyncWatch:
+    """Iterator over a Sandbox.watch run on the SyncClient's loop."""
+
+    def __init__(self, owner: SyncClient, agen):
+        self._owner = owner
+        self._agen = agen
+        self._pending: concurrent.futures.Future | None = None
+        self._closed = False
+        # Between close() and a __next__ on another thread: no __anext__ may
+        # start once close() has looked at the one pending.
+        self._lock = threading.Lock()
+
+    def __iter__(self) -> SyncWatch:
+        return self
+
+    def __next__(self) -> dict:
+        with self._lock:
+            if self._closed:
+                raise StopIteration
+            self._pending = self._owner._submit(self._agen.__anext__())
+        try:
+            return self._pending.result()
+        except (StopAsyncIteration, concurrent.futures.CancelledError):
+            self._closed = True
+            raise StopIteration from None
+
+    def close(self) -> None:
+        """Stop watching: the daemon is told to cancel the request."""
+        with self._lock:
+            self._closed = True
+            pending = self._pending
+        if pending is not None and pending.cancel():
+            return                          # the waiting __next__ ends; aclosing cancels the request
+        self._owner._run(self._agen.aclose())
+
+    def __enter__(self) -> SyncWatch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 async def _awaited(awaitable):
     """A coroutine for any awaitable (an async generator's __anext__ is not one)."""
     return await awaitable
@@ -148,7 +206,11 @@ class SyncClient:
             if asyncio.iscoroutine(awaitable):
                 awaitable.close()
             raise ConnectionError("this SyncClient is closed")
-        return asyncio.run_coroutine_threadsafe(_awaited(awaitable), self._loop).result()
+        return self._submit(awaitable).result()
+
+    def _submit(self, awaitable) -> concurrent.futures.Future:
+        """Start `awaitable` on the client's loop; its future."""
+        return asyncio.run_coroutine_threadsafe(_awaited(awaitable), self._loop)
 
     def __enter__(self) -> SyncClient:
         self.connect()

@@ -23,6 +23,7 @@ import asyncio
 import errno
 import fcntl
 import os
+import select
 import signal
 from collections.abc import Callable
 
@@ -108,6 +109,68 @@ async def _feed(wr: int, data: bytes, copier: InitExec, where: str) -> None:
             raise LimitExceeded(f"write {where}: the sandbox's copier took no bytes for {STALL_S:.0f} s with "
                                 f"{len(view)} left (is the sandbox frozen, or stopping it?); the write was "
                                 "stopped", {"path": where, "stall_s": STALL_S})
+
+
+def copy_chunks_from_thread(loop: asyncio.AbstractEventLoop, start_copy: Callable[[int, int], InitExec | None],
+                            dst: int, chunks, where: str) -> bool:
+    """copy_into for a worker thread whose bytes come as an iterable of
+    chunks read on that thread (a file of a tar stream): the copier is
+    started and waited for on `loop`, the pipe is filled here, blocking,
+    each write given STALL_S. False if no copier could be started."""
+    rd, wr = os.pipe2(os.O_CLOEXEC)
+    try:
+        fcntl.fcntl(wr, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        copier = asyncio.run_coroutine_threadsafe(_start(start_copy, rd, dst), loop).result()
+    except BaseException:
+        os.close(wr)
+        raise
+    finally:
+        os.close(rd)
+    if copier is None:
+        os.close(wr)
+        return False
+    try:
+        _fill_blocking(wr, chunks, where)
+    except BaseException:
+        loop.call_soon_threadsafe(copier.kill)
+        raise
+    finally:
+        os.close(wr)
+    try:
+        out = asyncio.run_coroutine_threadsafe(_exited(copier), loop).result()
+    except OSError as err:
+        raise io_error("write", where, err) from err
+    _check_status(out["status"], where)
+    return True
+
+
+async def _start(start_copy, rd: int, dst: int) -> InitExec | None:
+    return start_copy(rd, dst)           # on the loop: the init link is the loop's
+
+
+async def _exited(copier: InitExec) -> dict:
+    return await copier.exited
+
+
+def _fill_blocking(wr: int, chunks, where: str) -> None:
+    """Every chunk into the pipe; stops early (quietly) if the copier is
+    gone: its status then says why."""
+    poller = select.poll()
+    poller.register(wr, select.POLLOUT)
+    os.set_blocking(wr, False)
+    for chunk in chunks:
+        view = memoryview(chunk)
+        while view:
+            if not poller.poll(STALL_S * 1000):
+                raise LimitExceeded(f"write {where}: the sandbox's copier took no bytes for {STALL_S:.0f} s "
+                                    "(is the sandbox frozen, or stopping it?); the copy was stopped",
+                                    {"path": where, "stall_s": STALL_S})
+            try:
+                view = view[os.write(wr, view[:PIPE_BYTES]):]
+            except BlockingIOError:
+                continue
+            except BrokenPipeError:
+                return
 
 
 def _check_status(status: int, where: str) -> None:

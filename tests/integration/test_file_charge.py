@@ -59,3 +59,27 @@ def test_write_at_an_offset_keeps_the_rest(client):
             client.request("file_write", sandbox=sb.id, path="/tmp/f", data=b"x", offset=-1)
     finally:
         sb.destroy(force=True)
+
+
+def test_a_directory_copy_is_charged_to_the_sandbox(client, tmp_path):
+    src = tmp_path / "tree"
+    (src / "sub").mkdir(parents=True)
+    for i in range(4):
+        (src / "sub" / f"f{i}").write_bytes(os.urandom(8 * MiB))
+    sb = client.create(image="busybox", memory="128M")
+    try:
+        before = _memcg_file(sb, "memory.usage_in_bytes")
+        assert sb.upload_dir(str(src), "/tmp/tree")["bytes"] >= 32 * MiB
+        assert _memcg_file(sb, "memory.usage_in_bytes") - before >= 30 * MiB
+    finally:
+        sb.destroy(force=True)
+    for i in range(4, 12):                                        # 96 MiB: past a 64M sandbox
+        (src / "sub" / f"f{i}").write_bytes(os.urandom(8 * MiB))
+    sb = client.create(image="busybox", memory="64M")
+    try:
+        with pytest.raises(LimitExceeded, match="memory limit"):
+            sb.upload_dir(str(src), "/tmp/tree")
+        assert _memcg_file(sb, "memory.max_usage_in_bytes") >= 60 * MiB
+        assert sb.list_files("/tmp") == []                        # the half-made copy is gone
+    finally:
+        sb.destroy(force=True)

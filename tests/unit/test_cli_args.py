@@ -62,7 +62,8 @@ MINIMAL = {("image", "build"): ["d", "--name", "n"], ("image", "import"): ["d", 
            ("trace",): ["SB", "--", "true"], ("call",): ["--image", "i", "--", "true"], ("cp",): ["a", "b"],
            ("pause",): ["SB"], ("resume",): ["SB"], ("job", "pause"): ["j"], ("job", "resume"): ["j"],
            ("job", "rm"): ["j"], ("net", "show"): ["SB"], ("net", "set"): ["SB"],
-           ("snapshot",): ["SB", "--name", "n"], ("inspect",): ["SB"], ("ls",): ["SB:/x"], ("cat",): ["SB:/x"]}
+           ("snapshot",): ["SB", "--name", "n"], ("inspect",): ["SB"], ("ls",): ["SB:/x"], ("cat",): ["SB:/x"],
+           ("watch",): ["SB:/x"]}
 
 
 def test_json_is_accepted_before_and_after_every_command():

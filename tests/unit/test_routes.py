@@ -9,6 +9,7 @@ import inspect
 from dsecd import node, protocol
 from dsecd.engine.calls import CallService
 from dsecd.engine.creates import CreateService
+from dsecd.engine.dircopies import DirCopyService
 from dsecd.engine.events import EventBus
 from dsecd.engine.execs import ExecService
 from dsecd.engine.files import FileService
@@ -17,12 +18,14 @@ from dsecd.engine.lifecycle import LifecycleService
 from dsecd.engine.lifetimes import LifetimeService
 from dsecd.engine.memory import MemoryService
 from dsecd.engine.network import NetworkService
+from dsecd.engine.watches import WatchService
 
 # The type of what each attribute of the node named in SERVICE_ROUTES holds.
 SERVICES = {"node": node.Node, "create_service": CreateService, "lifecycle": LifecycleService,
             "exec_service": ExecService, "file_service": FileService, "image_service": ImageService,
             "net_service": NetworkService, "memory": MemoryService, "lifetimes": LifetimeService,
-            "events": EventBus, "call_service": CallService}
+            "events": EventBus, "call_service": CallService, "watch_service": WatchService,
+            "dir_copies": DirCopyService}
 
 
 def test_every_request_type_has_one_handler():

@@ -1,0 +1,192 @@
+"""Directory copies as tar streams: `file_tar_put` (a client's tar becomes a
+new directory in a sandbox; its bytes come in `file_tar_input` requests)
+and `file_tar_get` (a directory of a sandbox streamed out as a tar).
+
+The archive is read and written in a worker as the sandbox's root
+(dsecd/fs/tarcopy.py). A put holds its worker for as long as the client
+sends (the tar is parsed as it arrives, never spooled), so at most
+limits.max_tar_puts run at once, and one whose client sends nothing for
+limits.frame_timeout_s is dropped. A get holds no worker between chunks.
+The bytes of the files a put makes are written by the sandbox's copier, so
+they are charged to its memory cgroup (dsecd/engine/copier.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import queue
+
+from .. import tarsafe, userns
+from ..errors import BadRequest, Conflict, LimitExceeded, NotFound, io_error
+from ..fs import files as sbfiles
+from ..fs import tarcopy
+from ..initlink import InitExec
+from . import copier
+from .files import CopyByInit
+from .sandboxes import Sandbox, SandboxRegistry
+from .workers import Workers
+
+
+class Aborted(Exception):
+    """The put ended before its archive did (cancel, error, silence)."""
+
+
+class ChunkPipe:
+    """Bytes from `file_tar_input` requests (event loop) to the extracting
+    worker (`read`). One chunk at most waits: a client is answered only once
+    its previous chunk is taken, which is the put's flow control."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, idle_timeout: float):
+        self.loop = loop
+        self.idle_timeout = idle_timeout
+        self._q: queue.Queue = queue.Queue()
+        self._buf = b""
+        self._eof = False
+        self.taken = asyncio.Event()
+        self.taken.set()
+        self.ended: str | None = None          # why no more input is wanted
+
+    async def feed(self, data: bytes, eof: bool) -> None:
+        await self.taken.wait()
+        if self.ended:
+            raise Conflict(f"the directory copy is over ({self.ended}); this input was not used")
+        self.taken.clear()
+        self._q.put(data)
+        if eof:
+            self._q.put(None)
+
+    def end(self, why: str) -> None:
+        """No more input: a worker waiting in read() stops, feeders are told."""
+        self.ended = why
+        self._q.put(Aborted(why))
+        self.taken.set()
+
+    def read(self, n: int = -1) -> bytes:
+        """Up to n bytes (tarfile's stream mode asks for what it needs); b"" at eof."""
+        while not self._buf and not self._eof:
+            try:
+                item = self._q.get(timeout=self.idle_timeout)
+            except queue.Empty:
+                raise Aborted(f"no input for {self.idle_timeout:g} s (limits.frame_timeout_s)") from None
+            if isinstance(item, Aborted):
+                raise item
+            self.loop.call_soon_threadsafe(self.taken.set)
+            if item is None:
+                self._eof = True
+            else:
+                self._buf = item
+        if n < 0 or n >= len(self._buf):
+            out, self._buf = self._buf, b""
+        else:
+            out, self._buf = self._buf[:n], self._buf[n:]
+        return out
+
+
+class DirCopyService:
+    """`file_tar_put`, `file_tar_input`, `file_tar_get`. `ensure_running(sb,
+    why)` resumes a paused sandbox first; `max_chunk` is
+    limits.max_file_chunk_bytes, the most one frame carries; `copy_by_init`
+    starts a sandbox's copier (the backend's)."""
+
+    def __init__(self, registry: SandboxRegistry, workers: Workers, ensure_running, max_chunk: int,
+                 max_entries: int, max_bytes: int, max_puts: int, idle_timeout: float, copy_by_init: CopyByInit):
+        self.registry = registry
+        self.copy_by_init = copy_by_init
+        self.workers = workers
+        self.ensure_running = ensure_running
+        self.max_chunk = max_chunk
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.max_puts = max_puts
+        self.idle_timeout = idle_timeout
+        self.puts = 0
+
+    def _error(self, verb: str, where: str, err: BaseException):
+        """The protocol error for what a copy raised."""
+        if isinstance(err, sbfiles.PathError):
+            return BadRequest(f"{verb} {where}: {err}", {"path": where})
+        if isinstance(err, tarsafe.TooLarge):
+            return LimitExceeded(f"{verb} {where}: {err} (limits.max_tar_entries, limits.max_tar_bytes)",
+                                 {"max_entries": self.max_entries, "max_bytes": self.max_bytes})
+        if isinstance(err, RecursionError):
+            return LimitExceeded(f"{verb} {where}: the tree is deeper than a copy walks", {"path": where})
+        if isinstance(err, Aborted):
+            return Conflict(f"{verb} {where}: {err}; nothing was left behind")
+        if isinstance(err, OSError):
+            return io_error(verb, where, err)
+        return None
+
+    async def put(self, req, ctx) -> dict:
+        sb = self.registry.get(req.sandbox, req)
+        await self.ensure_running(sb, "directory copy")
+        if self.puts >= self.max_puts:
+            raise LimitExceeded(f"{self.puts} directory copies into sandboxes are running (limits.max_tar_puts); "
+                                "wait for one to end", {"max_tar_puts": self.max_puts})
+        where = f"{sb.id}:{req.path}"
+        pipe = ChunkPipe(asyncio.get_running_loop(), self.idle_timeout)
+        self.puts += 1
+        ctx.register_input(pipe)
+        try:
+            return await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap), tarcopy.put_tree,
+                                          sb.handle.rootfd, req.path, pipe, self.max_entries, self.max_bytes,
+                                          self._filler(sb, where))
+        except Exception as err:
+            mapped = self._error("copy into", where, err)
+            if mapped is None:
+                raise
+            raise mapped from err
+        finally:
+            # A cancelled put's worker is still reading: this stops it, and it removes what it made.
+            pipe.end("the copy request ended")
+            ctx.unregister_input()
+            self.puts -= 1
+
+    def _filler(self, sb: Sandbox, where: str):
+        """fill(fd, chunks) for the files of a copy into `sb`: written by its
+        copier, charged to its memory cgroup (dsecd/engine/copier.py)."""
+        loop, handle = self.workers.loop, sb.handle
+
+        def start(src: int, dst: int) -> InitExec | None:
+            return None if handle is None else self.copy_by_init(loop, handle, src, dst)
+
+        return functools.partial(copier.copy_chunks_from_thread, loop, start, where=where)
+
+    async def put_input(self, req, ctx) -> dict:
+        if len(req.data) > self.max_chunk:
+            raise LimitExceeded(f"file_tar_input data of {len(req.data)} bytes exceeds {self.max_chunk}; "
+                                "send smaller chunks", {"max_file_chunk_bytes": self.max_chunk})
+        pipe = ctx.input_for(req.put_id)
+        if not isinstance(pipe, ChunkPipe):
+            raise NotFound(f"no file_tar_put with id {req.put_id} running on this connection")
+        await pipe.feed(req.data, req.eof)
+        return {}
+
+    async def get(self, req, ctx) -> dict:
+        sb = self.registry.get(req.sandbox, req)
+        await self.ensure_running(sb, "directory copy")
+        where = f"{sb.id}:{req.path}"
+        idmap = userns.IdMap.from_record(sb.idmap)
+        tar = tarcopy.TreeTar(sb.handle.rootfd, req.path, self.max_chunk, self.max_entries, self.max_bytes)
+        reading = False             # a worker is in tar.read: only it may close the tar (close_later)
+
+        def close_later(_fut) -> None:
+            tar.close()
+
+        try:
+            while True:
+                reading = True
+                data = await self.workers.run_shielded(close_later, userns.file_op, idmap, tar.read)
+                reading = False
+                if not data:
+                    return tar.result()
+                await ctx.emit({"data": data})
+        except Exception as err:
+            reading = False
+            mapped = self._error("copy out of", where, err)
+            if mapped is None:
+                raise
+            raise mapped from err
+        finally:
+            if not reading:
+                tar.close()

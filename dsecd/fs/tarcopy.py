@@ -1,0 +1,280 @@
+"""Directory copies into and out of a sandbox as tar streams, from the host.
+
+Into the sandbox (`put_tree`): the client's tar is read entry by entry and
+each entry checked (dsecd/tarsafe.py) before it touches the disk. It is
+extracted into a new directory beside the destination, opened with openat2
+(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS below it, so no symlink, the
+archive's or one the sandbox plants meanwhile, is ever followed), and
+renamed into place with RENAME_NOREPLACE at the end; on any failure it is
+removed, so a refused or broken copy leaves nothing. File bytes go through
+files.write_regular.
+
+Out of the sandbox (`TreeTar`): a tar of the tree, walked with
+O_NOFOLLOW fds: symlinks are stored as symlinks, never followed; FIFOs,
+sockets, devices and kernel filesystems are skipped and listed in the result.
+All functions block: run them in a worker, as the sandbox's root.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+import tarfile
+
+from .. import native, tarsafe
+from . import libc
+from .files import PathError, _open, _remove_at, _split, check_path, write_regular
+
+BENEATH = native.RESOLVE_BENEATH | native.RESOLVE_NO_SYMLINKS | native.RESOLVE_NO_MAGICLINKS
+BLOCK = tarfile.BLOCKSIZE
+READ = 1 << 20
+
+
+# ---------------------------------------------------------------- into the sandbox
+
+def put_tree(rootfd: int, dst: str, fileobj, max_entries: int, max_bytes: int, fill=None) -> dict:
+    """Extract the tar read from `fileobj` as the new directory `dst`; the
+    bytes of its files are written by fill(fd, chunks) (files.write_regular)."""
+    dst = check_path(dst)
+    if dst == "/":
+        raise PathError("cannot copy a directory onto /; name a new directory below it")
+    parent, name = _split(dst)
+    pfd = _open(rootfd, parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        try:
+            os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        except FileNotFoundError:
+            pass
+        else:
+            raise FileExistsError(errno.EEXIST, f"{dst} exists; remove it first or copy to a new path")
+        tmp = f".dsec-put-{secrets.token_hex(6)}"
+        os.mkdir(tmp, 0o700, dir_fd=pfd)
+        try:
+            counts = _extract_into(pfd, tmp, fileobj, tarsafe.Seen(max_entries, max_bytes), fill)
+            libc.rename_noreplace(pfd, tmp, pfd, name)
+        except BaseException:
+            _remove_at(pfd, tmp, True, f"{parent.rstrip('/')}/{tmp}")
+            raise
+        return {"path": dst, **counts}
+    finally:
+        os.close(pfd)
+
+
+def _extract_into(pfd: int, tmp: str, fileobj, seen: tarsafe.Seen, fill) -> dict:
+    topfd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+    dir_modes: dict[str, tuple[int, float]] = {"": (0o755, -1.0)}
+    made = {""}
+    try:
+        with tarfile.open(fileobj=fileobj, mode="r|", errorlevel=2) as tf:
+            for m in tf:
+                rel = tarsafe.check(m, seen)
+                if m.isdir():
+                    dir_modes[rel] = (m.mode & tarsafe.KEPT_MODE, m.mtime)
+                    _make_dirs(topfd, rel, made)
+                    continue
+                _make_dirs(topfd, rel.rpartition("/")[0], made)
+                _extract_one(topfd, rel, m, tf, fill)
+        while fileobj.read(READ):               # the zero padding after the archive, up to the input's end
+            pass
+        # Last, deepest first: a read-only directory must not stop what goes in it.
+        for rel, (mode, mtime) in sorted(dir_modes.items(), key=lambda kv: -kv[0].count("/") - bool(kv[0])):
+            if rel in made:
+                _set_dir(topfd, rel, mode, mtime)
+    except tarsafe.Refused as err:
+        raise PathError(str(err)) from err
+    except (tarfile.TarError, EOFError) as err:
+        raise PathError(f"the tar stream is not a valid archive: {err}") from err
+    finally:
+        os.close(topfd)
+    return {"count": seen.entries, "bytes": seen.bytes}
+
+
+def _parent_fd(topfd: int, rel: str) -> tuple[int, str]:
+    """(an fd of the directory holding `rel`, its last name); no symlink followed."""
+    parent, _, leaf = rel.rpartition("/")
+    if not parent:
+        return os.dup(topfd), leaf
+    return native.openat2(topfd, parent, os.O_PATH | os.O_DIRECTORY, 0, BENEATH), leaf
+
+
+def _make_dirs(topfd: int, rel: str, made: set[str]) -> None:
+    """mkdir each missing directory of `rel` (mode 0700 until the end)."""
+    path = ""
+    for part in rel.split("/") if rel else ():
+        path = f"{path}/{part}" if path else part
+        if path in made:
+            continue
+        dfd, leaf = _parent_fd(topfd, path)
+        try:
+            os.mkdir(leaf, 0o700, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        made.add(path)
+
+
+def _extract_one(topfd: int, rel: str, m: tarfile.TarInfo, tf: tarfile.TarFile, fill) -> None:
+    dfd, leaf = _parent_fd(topfd, rel)
+    try:
+        if m.isreg():
+            src = tf.extractfile(m)
+            write_regular(dfd, leaf, iter(lambda: src.read(READ), b""), m.mode & tarsafe.KEPT_MODE,
+                          fill=fill if m.size else None)
+        elif m.issym():
+            os.symlink(m.linkname, leaf, dir_fd=dfd)
+        else:                                   # a hard link to a file made earlier (tarsafe checked)
+            sfd, sleaf = _parent_fd(topfd, tarsafe.entry_name(m.linkname))
+            try:
+                os.link(sleaf, leaf, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
+            finally:
+                os.close(sfd)
+            return
+        os.utime(leaf, ns=(int(m.mtime * 1e9),) * 2, dir_fd=dfd, follow_symlinks=False)
+    finally:
+        os.close(dfd)
+
+
+def _set_dir(topfd: int, rel: str, mode: int, mtime: float) -> None:
+    fd = os.dup(topfd) if not rel else native.openat2(topfd, rel, os.O_RDONLY | os.O_DIRECTORY, 0, BENEATH)
+    try:
+        os.fchmod(fd, mode)
+        if mtime >= 0:
+            os.utime(fd, ns=(int(mtime * 1e9),) * 2)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- out of the sandbox
+
+class TreeTar:
+    """A tar of directory `path` made a piece at a time: each `read()` returns
+    up to `chunk` bytes of it, b"" at the end; `close()` releases its fds.
+    `skipped` lists what was left out and why."""
+
+    def __init__(self, rootfd: int, path: str, chunk: int, max_entries: int, max_bytes: int):
+        self.path = check_path(path)
+        self.chunk = chunk
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.entries = 0
+        self.bytes = 0
+        self.skipped: list[dict] = []
+        self._buf = bytearray()
+        self._gen = self._blocks(rootfd)
+
+    def read(self) -> bytes:
+        while len(self._buf) < self.chunk:
+            piece = next(self._gen, None)
+            if piece is None:
+                break
+            self._buf += piece
+        out = bytes(self._buf[:self.chunk])
+        del self._buf[:self.chunk]
+        return out
+
+    def close(self) -> None:
+        self._gen.close()
+
+    def result(self) -> dict:
+        return {"path": self.path, "count": self.entries, "bytes": self.bytes, "skipped": self.skipped}
+
+    def _blocks(self, rootfd: int):
+        top = _open(rootfd, self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            self._count("", 0)
+            yield self._header("", os.fstat(top), tarfile.DIRTYPE)
+            yield from self._dir(top, "")
+        finally:
+            os.close(top)
+        yield b"\0" * (2 * BLOCK)
+
+    def _dir(self, fd: int, prefix: str):
+        """The entries under directory `fd`, depth first (as many fds open as the tree is deep)."""
+        for name in sorted(os.listdir(fd)):
+            rel = f"{prefix}/{name}" if prefix else name
+            sub = yield from self._entry(fd, name, rel)
+            if sub is not None:
+                try:
+                    yield from self._dir(sub, rel)
+                finally:
+                    os.close(sub)
+
+    def _count(self, rel: str, size: int) -> None:
+        self.entries += 1
+        self.bytes += size
+        if self.entries > self.max_entries or self.bytes > self.max_bytes:
+            raise tarsafe.TooLarge(f"at {rel or '.'}: the tree has more than {self.max_entries} entries or "
+                                   f"{self.max_bytes} bytes (limits.max_tar_entries, limits.max_tar_bytes)")
+
+    def _header(self, rel: str, st: os.stat_result, kind: bytes, size: int = 0, link: str = "") -> bytes:
+        info = tarfile.TarInfo(rel or ".")
+        info.type, info.size, info.linkname = kind, size, link
+        info.mode = stat.S_IMODE(st.st_mode) & tarsafe.KEPT_MODE
+        info.mtime = int(st.st_mtime)
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+
+    def _entry(self, dirfd: int, name: str, rel: str):
+        """The tar blocks of one entry; returns a subdirectory's fd, to walk next."""
+        try:
+            st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None                         # removed while we walked
+        if stat.S_ISLNK(st.st_mode):
+            self._count(rel, 0)
+            yield self._header(rel, st, tarfile.SYMTYPE, link=os.readlink(name, dir_fd=dirfd))
+        elif stat.S_ISDIR(st.st_mode):
+            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+            kind = native.KERNEL_FS_MAGICS.get(native.fs_magic(sub, rel))
+            if kind is not None:
+                os.close(sub)
+                self.skipped.append({"path": rel, "type": "dir", "reason": f"on {kind}, a kernel interface"})
+                return
+            try:
+                self._count(rel, 0)
+                yield self._header(rel, st, tarfile.DIRTYPE)
+            except BaseException:               # refused, or the copy abandoned here
+                os.close(sub)
+                raise
+            return sub
+        elif stat.S_ISREG(st.st_mode):
+            yield from self._file(dirfd, name, rel)
+        else:
+            self.skipped.append({"path": rel, "type": _type_name(st.st_mode),
+                                 "reason": "not a file, directory or symlink: not copied"})
+
+    def _file(self, dirfd: int, name: str, rel: str):
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dirfd)
+        try:
+            st = os.fstat(fd)
+            kind = native.KERNEL_FS_MAGICS.get(native.fs_magic(fd, rel))
+            if not stat.S_ISREG(st.st_mode) or kind is not None:
+                self.skipped.append({"path": rel, "type": "file", "reason": f"on {kind}, a kernel interface"
+                                     if kind else "replaced while copied"})
+                return
+            self._count(rel, st.st_size)
+            yield self._header(rel, st, tarfile.REGTYPE, size=st.st_size)
+            left = st.st_size
+            while left:
+                data = os.read(fd, min(READ, left))
+                if not data:                    # shrank while copied: the header's size still holds
+                    self.skipped.append({"path": rel, "type": "file", "reason": "shrank while copied: "
+                                         "zero-padded"})
+                    data = b"\0" * left
+                left -= len(data)
+                yield data
+            pad = -st.st_size % BLOCK
+            if pad:
+                yield b"\0" * pad
+        finally:
+            os.close(fd)
+
+
+def _type_name(mode: int) -> str:
+    for test, kind in ((stat.S_ISFIFO, "fifo"), (stat.S_ISCHR, "char"), (stat.S_ISBLK, "block"),
+                       (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return kind
+    return "unknown"

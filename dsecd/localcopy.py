@@ -1,0 +1,125 @@
+"""The client's side of directory copies: a local tree packed as a tar
+(`pack`), a sandbox's tar unpacked as a new local directory (`unpack`).
+Blocking: the async SDK runs them in a thread.
+
+`unpack` checks every entry with dsecd/tarsafe.py (the daemon's rules) and
+is as strict as tarfile's 'data' filter or more: nothing absolute, no `..`,
+nothing written through a symlink (each directory is opened with
+O_NOFOLLOW), no devices or FIFOs, no setuid/setgid, owners not kept. It
+extracts into a temporary directory beside the destination and renames it
+into place at the end; on failure it is removed.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import stat
+import tarfile
+
+from . import tarsafe
+
+READ = 1 << 20
+
+
+class LocalCopyError(ValueError):
+    """A local tree that cannot be copied as asked (a FIFO in it, an existing destination)."""
+
+
+def pack(top: str, out) -> int:
+    """Write a tar of directory `top` to binary file `out`; the number of entries.
+    Symlinks are stored as symlinks; FIFOs, sockets and devices are refused."""
+    if not os.path.isdir(top) or os.path.islink(top):
+        raise LocalCopyError(f"{top} is not a directory; copy a single file without -r")
+    with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tf:
+        tf.addfile(_info(tf, top, "."))
+        n = 1
+        for dirpath, dirnames, filenames in os.walk(top):      # symlinked directories: entries, not entered
+            dirnames.sort()
+            rel_dir = os.path.relpath(dirpath, top)
+            for name in sorted(dirnames + filenames):
+                path = os.path.join(dirpath, name)
+                rel = os.path.normpath(os.path.join(rel_dir, name))
+                info = _info(tf, path, rel)
+                if info.isreg():
+                    with open(path, "rb") as f:
+                        tf.addfile(info, f)
+                else:
+                    tf.addfile(info)
+                n += 1
+    return n
+
+
+def _info(tf: tarfile.TarFile, path: str, rel: str) -> tarfile.TarInfo:
+    st = os.lstat(path)
+    if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+        raise LocalCopyError(f"{path} is not a file, directory or symlink (a FIFO, socket or device): "
+                             "it cannot be copied; remove it or copy the files around it")
+    info = tf.gettarinfo(path, rel)
+    if info.islnk():                # a second name of a file: copied as a file of its own
+        info.type, info.linkname, info.size = tarfile.REGTYPE, "", st.st_size
+    info.mode &= tarsafe.KEPT_MODE
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info
+
+
+def unpack(src, dst: str, max_entries: int = 10**7, max_bytes: int = 1 << 62) -> int:
+    """Extract the tar in binary file `src` as the new directory `dst`; the number of entries."""
+    dst = os.path.abspath(dst)
+    if os.path.lexists(dst):
+        raise LocalCopyError(f"{dst} exists; remove it first or copy to a new path")
+    parent = os.path.dirname(dst)
+    tmp = os.path.join(parent, f".dsec-get-{secrets.token_hex(6)}")
+    os.mkdir(tmp, 0o700)
+    seen = tarsafe.Seen(max_entries, max_bytes)
+    dir_modes: dict[str, tuple[int, float]] = {}
+    try:
+        with tarfile.open(fileobj=src, mode="r|") as tf:
+            for m in tf:
+                rel = tarsafe.check(m, seen)
+                path = _below(tmp, rel)
+                if m.isdir():
+                    os.makedirs(path, 0o700, exist_ok=True)
+                    dir_modes[rel] = (m.mode & tarsafe.KEPT_MODE, m.mtime)
+                    continue
+                os.makedirs(os.path.dirname(path), 0o700, exist_ok=True)
+                if m.issym():
+                    os.symlink(m.linkname, path)
+                    os.utime(path, (m.mtime, m.mtime), follow_symlinks=False)
+                elif m.islnk():
+                    os.link(_below(tmp, tarsafe.entry_name(m.linkname)), path, follow_symlinks=False)
+                else:
+                    _write(tf.extractfile(m), path, m)
+        for rel, (mode, mtime) in sorted(dir_modes.items(), key=lambda kv: -kv[0].count("/") - bool(kv[0])):
+            path = _below(tmp, rel)
+            os.chmod(path, mode)
+            os.utime(path, (mtime, mtime))
+        if "" not in dir_modes:
+            os.chmod(tmp, 0o755)
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return seen.entries
+
+
+def _below(tmp: str, rel: str) -> str:
+    """The path of `rel` under `tmp`, after checking no directory on the way
+    is a symlink (tarsafe already refuses entries below the archive's own
+    symlinks; this also covers a link someone else put there meanwhile)."""
+    path = tmp
+    for part in rel.split("/")[:-1] if rel else ():
+        path = os.path.join(path, part)
+        if os.path.islink(path):
+            raise tarsafe.Refused(f"entry {rel!r}: {path} is a symlink; nothing is written through one")
+    return os.path.join(path, rel.rpartition("/")[2]) if rel else tmp
+
+
+def _write(data, path: str, m: tarfile.TarInfo) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 m.mode & tarsafe.KEPT_MODE)
+    with os.fdopen(fd, "wb") as out:
+        shutil.copyfileobj(data, out, READ)
+    os.utime(path, (m.mtime, m.mtime))

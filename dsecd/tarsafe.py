@@ -1,0 +1,115 @@
+"""The rules a tar entry must pass before it is extracted, on either side
+of a directory copy: the daemon extracting a client's tar into a sandbox
+(dsecd/fs/tarcopy.py), the SDK extracting a sandbox's tar on the client's
+host (dsecd/client.py). Pure Python, no I/O: clients import it too.
+
+An archive may make directories, regular files, symlinks, and hard links to
+regular files it made before. Refused: absolute names, `..`, NUL, names past
+PATH_MAX/NAME_MAX, an entry whose parent is a symlink or file of the archive
+(it could redirect the write out of the tree), devices, FIFOs, sparse files,
+setuid and setgid bits, a name that comes twice (but directories).
+"""
+
+from __future__ import annotations
+
+import stat
+import tarfile
+from dataclasses import dataclass, field
+
+KEPT_MODE = 0o1777          # permission bits and sticky; setuid/setgid are refused
+
+
+class Refused(ValueError):
+    """An entry breaks a rule: its name and why are in the message."""
+
+
+class TooLarge(ValueError):
+    """The archive has more entries or bytes than allowed."""
+
+
+@dataclass
+class Seen:
+    """What the archive made so far, by name relative to the top ("" is the top)."""
+
+    max_entries: int
+    max_bytes: int
+    dirs: set[str] = field(default_factory=lambda: {""})
+    files: set[str] = field(default_factory=set)
+    others: set[str] = field(default_factory=set)      # symlinks
+    entries: int = 0
+    bytes: int = 0
+
+
+def entry_name(name: str) -> str:
+    """A member's name as a relative path without "." parts; "" for the top."""
+    if "\0" in name:
+        raise Refused(f"entry {name!r} has a NUL byte in its name")
+    if name.startswith("/"):
+        raise Refused(f"entry {name!r} has an absolute name; entries must be relative to the copied directory")
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise Refused(f"entry {name!r} has a '..' component, which would leave the copied directory")
+    if len(name.encode(errors="surrogateescape")) > 4095 or any(len(p.encode(errors="surrogateescape")) > 255
+                                                                  for p in parts):
+        raise Refused(f"entry {name[:80]!r}...: name longer than PATH_MAX (4095) or a part past NAME_MAX (255)")
+    return "/".join(parts)
+
+
+def _kind(m: tarfile.TarInfo) -> str:
+    if m.ischr():
+        return "character device"
+    if m.isblk():
+        return "block device"
+    if m.isfifo():
+        return "FIFO"
+    if m.issparse():
+        return "sparse file"
+    return f"entry of type {m.type!r}"
+
+
+def check(m: tarfile.TarInfo, seen: Seen) -> str:
+    """Check member `m` against the rules and what came before it; record it
+    in `seen` and return its relative name. Raises Refused or TooLarge."""
+    rel = entry_name(m.name)
+    seen.entries += 1
+    if seen.entries > seen.max_entries:
+        raise TooLarge(f"the archive has more than {seen.max_entries} entries")
+    if not (m.isdir() or (m.isreg() and not m.issparse()) or m.issym() or m.islnk()):
+        raise Refused(f"entry {m.name!r} is a {_kind(m)}; only directories, regular files and symlinks copy")
+    if m.mode & (stat.S_ISUID | stat.S_ISGID):
+        raise Refused(f"entry {m.name!r} has the setuid or setgid bit (mode {m.mode:o}); clear it to copy it")
+    if m.isreg():
+        seen.bytes += m.size
+        if seen.bytes > seen.max_bytes:
+            raise TooLarge(f"the archive's files add up to more than {seen.max_bytes} bytes")
+    if rel == "":
+        if not m.isdir():
+            raise Refused(f"entry {m.name!r} names the copied directory itself but is not a directory")
+        return rel
+    parent = rel.rpartition("/")[0]
+    _check_parent(m.name, parent, seen)
+    if rel in seen.dirs or rel in seen.files or rel in seen.others:
+        if m.isdir() and rel in seen.dirs:
+            return rel
+        raise Refused(f"entry {m.name!r} comes twice in the archive")
+    if m.issym() and ("\0" in m.linkname or len(m.linkname.encode(errors="surrogateescape")) > 4095):
+        raise Refused(f"symlink {m.name!r} has a target with a NUL byte or past PATH_MAX")
+    if m.islnk():
+        target = entry_name(m.linkname)
+        if target not in seen.files:
+            raise Refused(f"hard link {m.name!r} -> {m.linkname!r}: the target is not a regular file "
+                          "earlier in the archive")
+    (seen.dirs if m.isdir() else seen.files if m.isreg() or m.islnk() else seen.others).add(rel)
+    return rel
+
+
+def _check_parent(name: str, parent: str, seen: Seen) -> None:
+    """Every directory above an entry is one the archive made (or will make
+    implicitly), never a symlink or file of it."""
+    path = ""
+    for part in parent.split("/") if parent else ():
+        path = f"{path}/{part}" if path else part
+        if path in seen.others or path in seen.files:
+            raise Refused(f"entry {name!r} is below {path!r}, which the archive made a symlink or file: "
+                          "writing through it could leave the copied directory")
+        seen.dirs.add(path)

@@ -1,0 +1,195 @@
+"""Directory copies (file_tar_put / file_tar_get; SDK upload_dir,
+download_dir, upload_tar; dsec cp -r): trees round-trip with their
+symlinks, empty files and modes; hostile archives are refused with the entry
+named and leave nothing behind; FIFOs and devices are neither copied nor
+copied onto; symlinks planted in the sandbox never lead a copy out."""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import tarfile
+
+import pytest
+
+from dsecd.errors import BadRequest, Conflict, DsecError, LimitExceeded, NotFound
+from dsecd.localcopy import LocalCopyError
+
+
+def make_tree(top):
+    (top / "a" / "b").mkdir(parents=True)
+    (top / "a" / "b" / "deep.txt").write_bytes(b"deep\n" * 1000)
+    (top / "empty").write_bytes(b"")
+    (top / "run.sh").write_bytes(b"#!/bin/sh\necho hi\n")
+    os.chmod(top / "run.sh", 0o750)
+    (top / "sticky").mkdir()
+    os.chmod(top / "sticky", 0o1777)
+    (top / "big.bin").write_bytes(os.urandom(9 << 20))          # more than one 4M chunk
+    os.symlink("a/b/deep.txt", top / "rel-link")
+    os.symlink("/etc/passwd", top / "abs-link")
+    os.symlink("nowhere", top / "dangling")
+    os.chmod(top / "a" / "b", 0o500)                            # read-only dir: filled before its mode is set
+
+
+def describe(top) -> dict:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            rel = os.path.relpath(path, top)
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = ("link", os.readlink(path))
+            elif stat.S_ISDIR(st.st_mode):
+                out[rel] = ("dir", stat.S_IMODE(st.st_mode))
+            else:
+                out[rel] = ("file", stat.S_IMODE(st.st_mode), open(path, "rb").read(), int(st.st_mtime))
+    return out
+
+
+def leftovers(sb, parent="/work") -> list[str]:
+    return [e["name"] for e in sb.list_files(parent) if e["name"].startswith(".dsec-")]
+
+
+def test_round_trip_keeps_tree_links_and_modes(sandbox, tmp_path):
+    make_tree(tmp_path / "src")
+    r = sandbox.upload_dir(str(tmp_path / "src"), "/work/copy")
+    assert r["count"] == 11 and r["path"] == "/work/copy"
+    ls = sandbox.exec(["sh", "-c", "cat /work/copy/rel-link; readlink /work/copy/abs-link; "
+                                   "stat -c %a /work/copy/run.sh /work/copy/sticky /work/copy/a/b"])
+    assert ls.stdout.decode().split() == ["deep"] * 1000 + ["/etc/passwd", "750", "1777", "500"]
+    back = sandbox.download_dir("/work/copy", str(tmp_path / "back"))
+    assert back["skipped"] == [] and back["count"] == 11
+    assert describe(tmp_path / "back") == describe(tmp_path / "src")
+    with pytest.raises(Conflict, match="exists"):
+        sandbox.upload_dir(str(tmp_path / "src"), "/work/copy")
+    with pytest.raises(LocalCopyError, match="exists"):
+        sandbox.download_dir("/work/copy", str(tmp_path / "back"))
+    assert leftovers(sandbox) == []
+
+
+def tar_of(*members) -> io.BytesIO:
+    """A tar of (TarInfo fields, data) pairs, crafted as an attacker would."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for fields, data in members:
+            fields = dict(fields)
+            info = tarfile.TarInfo(fields.pop("name"))
+            for key, value in fields.items():
+                setattr(info, key, value)
+            if data is not None:
+                info.size = len(data)
+            tf.addfile(info, io.BytesIO(data) if data is not None else None)
+    buf.seek(0)
+    return buf
+
+
+OK_FILE = ({"name": "ok.txt"}, b"fine")      # comes first: the refusal must undo it too
+
+HOSTILE = {
+    "absolute": [({"name": "/etc/evil"}, b"x")],
+    "dotdot": [({"name": "a/../../evil"}, b"x")],
+    "through its own symlink": [({"name": "l", "type": tarfile.SYMTYPE, "linkname": "/"}, None),
+                                ({"name": "l/etc/evil"}, b"x")],
+    "through a symlink to a directory above": [({"name": "up", "type": tarfile.SYMTYPE, "linkname": ".."}, None),
+                                               ({"name": "up/evil"}, b"x")],
+    "char device": [({"name": "null", "type": tarfile.CHRTYPE, "devmajor": 1, "devminor": 3}, None)],
+    "block device": [({"name": "sda", "type": tarfile.BLKTYPE, "devmajor": 8, "devminor": 0}, None)],
+    "fifo": [({"name": "pipe", "type": tarfile.FIFOTYPE}, None)],
+    "hard link out": [({"name": "h", "type": tarfile.LNKTYPE, "linkname": "../../etc/passwd"}, None)],
+    "hard link to nothing": [({"name": "h", "type": tarfile.LNKTYPE, "linkname": "missing"}, None)],
+    "setuid": [({"name": "suid", "mode": 0o4755}, b"#!/bin/sh\n")],
+    "twice": [({"name": "dup"}, b"1"), ({"name": "dup"}, b"2")],
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_archives_are_refused_and_leave_nothing(sandbox, case):
+    with pytest.raises(BadRequest) as err:
+        sandbox.upload_tar(tar_of(OK_FILE, *HOSTILE[case]), "/work/hostile")
+    assert "entry" in err.value.message or "link" in err.value.message
+    assert not sandbox.exists("/work/hostile") and leftovers(sandbox) == []
+    assert not sandbox.exists("/etc/evil") and not sandbox.exists("/evil") and not sandbox.exists("/work/evil")
+
+
+def test_a_truncated_archive_leaves_nothing(sandbox):
+    data = tar_of(OK_FILE, ({"name": "big"}, b"x" * 100_000)).getvalue()[:20_000]
+    with pytest.raises(BadRequest, match="not a valid archive"):
+        sandbox.upload_tar(io.BytesIO(data), "/work/cut")
+    assert not sandbox.exists("/work/cut") and leftovers(sandbox) == []
+
+
+def test_entry_and_byte_caps(daemon_factory, busybox_rootfs, tmp_path):
+    d = daemon_factory('[limits]\nmax_tar_entries = 5\nmax_tar_bytes = "1K"\n')
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        sb = c.create(image="busybox", memory="64M")
+        many = [({"name": f"f{i}"}, b"") for i in range(10)]
+        with pytest.raises(LimitExceeded, match="entries"):
+            sb.upload_tar(tar_of(*many), "/work/many")
+        with pytest.raises(LimitExceeded, match="bytes"):
+            sb.upload_tar(tar_of(({"name": "big"}, b"x" * 2000)), "/work/big")
+        assert leftovers(sb) == [] and not sb.exists("/work/many")
+        sb.exec(["sh", "-c", "mkdir /work/t && touch /work/t/1 /work/t/2 /work/t/3 /work/t/4 /work/t/5"])
+        with pytest.raises(LimitExceeded, match="entries"):
+            sb.download_dir("/work/t", str(tmp_path / "t"))
+        assert not (tmp_path / "t").exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".dsec")]
+    finally:
+        c.close()
+
+
+def test_fifos_and_devices_are_not_copied(sandbox, tmp_path):
+    src = tmp_path / "withfifo"
+    src.mkdir()
+    os.mkfifo(src / "pipe")
+    with pytest.raises(LocalCopyError, match="FIFO"):
+        sandbox.upload_dir(str(src), "/work/f")
+    assert not sandbox.exists("/work/f")
+    sandbox.exec(["sh", "-c", "mkdir -p /work/dev && mkfifo /work/dev/pipe && echo x > /work/dev/file"])
+    r = sandbox.download_dir("/work/dev", str(tmp_path / "dev"))
+    assert r["skipped"] == [{"path": "pipe", "type": "fifo", "reason": "not a file, directory or symlink: "
+                                                                       "not copied"}]
+    assert sorted(os.listdir(tmp_path / "dev")) == ["file"]
+    r = sandbox.download_dir("/dev", str(tmp_path / "devices"))
+    kinds = {s["type"] for s in r["skipped"]}
+    assert "char" in kinds and not any(stat.S_ISCHR(os.lstat(os.path.join(p, f)).st_mode)
+                                       for p, _, fs in os.walk(tmp_path / "devices") for f in fs)
+    with pytest.raises(Conflict, match="exists"):                 # a FIFO as the target
+        sandbox.upload_dir(str(tmp_path / "dev"), "/work/dev/pipe")
+    os.mkfifo(tmp_path / "localpipe")
+    with pytest.raises(LocalCopyError, match="exists"):
+        sandbox.download_dir("/work/dev", str(tmp_path / "localpipe"))
+    with pytest.raises(NotFound):                                # a FIFO as the source
+        sandbox.download_dir("/work/dev/pipe", str(tmp_path / "p2"))
+
+
+def test_symlinks_in_the_sandbox_never_lead_out(sandbox, tmp_path):
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "f").write_bytes(b"x")
+    sandbox.exec(["sh", "-c", "ln -s /proc/self/root /work/magic && ln -s / /work/rootlink"])
+    with pytest.raises(DsecError):
+        sandbox.upload_dir(str(tmp_path / "s"), "/work/magic/evil")
+    with pytest.raises(DsecError):
+        sandbox.download_dir("/work/magic", str(tmp_path / "m"))
+    # An absolute link resolves inside the sandbox: /work/rootlink/x is the sandbox's /x.
+    sandbox.upload_dir(str(tmp_path / "s"), "/work/rootlink/inside")
+    assert sandbox.read_file("/inside/f") == b"x" and not os.path.exists("/inside")
+
+
+def test_cli_cp_recursive(daemon, sandbox, tmp_path):
+    make_tree(tmp_path / "src")
+    up = daemon.cli("cp", "-r", str(tmp_path / "src"), f"{sandbox.id}:/work")      # into a dir: /work/src
+    assert up.returncode == 0, up.stderr
+    assert sandbox.read_file("/work/src/rel-link") == b"deep\n" * 1000
+    down = daemon.cli("cp", "-r", f"{sandbox.id}:/work/src", str(tmp_path / "out"))
+    assert down.returncode == 0, down.stderr
+    assert describe(tmp_path / "out") == describe(tmp_path / "src")
+    again = daemon.cli("cp", "-r", f"{sandbox.id}:/work/src", str(tmp_path / "out"))   # lands in out/src
+    assert again.returncode == 0 and (tmp_path / "out" / "src" / "empty").exists()
+    no_r = daemon.cli("cp", str(tmp_path / "src"), f"{sandbox.id}:/work/x")
+    assert no_r.returncode != 0 and b"cp -r" in no_r.stderr
+    os.mkfifo(tmp_path / "src" / "fifo")
+    bad = daemon.cli("cp", "-r", str(tmp_path / "src"), f"{sandbox.id}:/work/y")
+    assert bad.returncode == 1 and b"FIFO" in bad.stderr

@@ -1,0 +1,181 @@
+"""file_watch from the SDK and the CLI: changes made inside a sandbox arrive
+as events, recursive watches follow new directories and never symlinks, the
+watch ends when its directory or sandbox goes, caps are `limit`, and no fd
+is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import threading
+import time
+
+import pytest
+
+from dsecd.errors import BadRequest, LimitExceeded
+
+
+class Watcher:
+    """A SyncSandbox.watch drained by a thread into a queue (errors too)."""
+
+    def __init__(self, sb, path: str, recursive: bool = False):
+        self.q: queue.Queue = queue.Queue()
+        self.gen = sb.watch(path, recursive)
+        self.thread = threading.Thread(target=self._drain, daemon=True)
+        self.thread.start()
+        self.ready = self.next()
+        assert self.ready["kind"] == "ready", self.ready
+
+    def _drain(self) -> None:
+        try:
+            for ev in self.gen:
+                self.q.put(ev)
+        except Exception as err:
+            self.q.put(err)
+
+    def next(self, timeout: float = 10) -> dict:
+        item = self.q.get(timeout=timeout)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def until(self, pred, timeout: float = 10) -> list[dict]:
+        """Events up to and including the first for which pred is true."""
+        out, deadline = [], time.monotonic() + timeout
+        while True:
+            ev = self.next(max(0.01, deadline - time.monotonic()))
+            out.append(ev)
+            if pred(ev):
+                return out
+
+    def quiet(self, seconds: float = 0.5) -> list[dict]:
+        out = []
+        try:
+            while True:
+                out.append(self.next(seconds))
+        except queue.Empty:
+            return out
+
+
+def pairs(events):
+    return [(e["kind"], e["path"]) for e in events]
+
+
+def test_create_modify_delete_rename(sandbox):
+    sandbox.mkdir("/work/w")
+    w = Watcher(sandbox, "/work/w")
+    sandbox.exec(["sh", "-c", "echo a > /work/w/f && chmod 600 /work/w/f && mv /work/w/f /work/w/g "
+                              "&& rm /work/w/g && mkdir /work/w/sub && touch /work/w/sub/not-seen"])
+    got = w.until(lambda e: e["kind"] == "create" and e["path"] == "/work/w/sub")
+    assert pairs(got) == [("create", "/work/w/f"), ("modify", "/work/w/f"), ("attrib", "/work/w/f"),
+                          ("move_from", "/work/w/f"), ("move_to", "/work/w/g"), ("delete", "/work/w/g"),
+                          ("create", "/work/w/sub")]
+    assert got[3]["cookie"] == got[4]["cookie"] and got[-1]["is_dir"] is True
+    assert w.quiet() == []                     # not recursive: nothing from inside sub
+    sandbox.write_file("/work/w/host.txt", b"from the host")
+    assert ("create", "/work/w/host.txt") in pairs(w.until(lambda e: e["kind"] == "modify"))
+    w.gen.close()
+
+
+def test_recursive_follows_new_directories_not_symlinks(sandbox):
+    sandbox.exec(["sh", "-c", "mkdir -p /work/r/old /outside && ln -s /outside /work/r/link"])
+    w = Watcher(sandbox, "/work/r", recursive=True)
+    assert w.ready["dirs"] == 2                # r and old; the link is not entered
+    sandbox.exec(["sh", "-c", "touch /work/r/old/a /outside/secret && mkdir -p /work/r/n/m "
+                              "&& echo x > /work/r/n/m/deep"])
+    got = w.until(lambda e: e["path"] == "/work/r/n/m/deep" and e["kind"] in ("modify", "create")
+                  and e.get("scanned", e["kind"] == "modify"))
+    paths = {e["path"] for e in got} | {e["path"] for e in w.quiet()}
+    assert {"/work/r/old/a", "/work/r/n", "/work/r/n/m", "/work/r/n/m/deep"} <= paths
+    assert not any("secret" in p or p.startswith("/work/r/link/") for p in paths)
+    sandbox.exec(["sh", "-c", "echo later > /work/r/n/m/later"])
+    assert ("create", "/work/r/n/m/later") in pairs(w.until(lambda e: e["path"].endswith("later")))
+    w.gen.close()
+
+
+def test_watch_stops_when_its_directory_or_sandbox_goes(client, sandbox):
+    sandbox.mkdir("/work/gone")
+    w = Watcher(sandbox, "/work/gone")
+    sandbox.exec(["rmdir", "/work/gone"])
+    last = w.until(lambda e: e["kind"] == "stopped")[-1]
+    assert last["reason"] == "deleted"
+    other = client.create(image="busybox", memory="64M")
+    other.mkdir("/work/x")
+    w2 = Watcher(other, "/work/x", recursive=True)
+    other.destroy(force=True)
+    assert w2.until(lambda e: e["kind"] == "stopped")[-1]["reason"] == "sandbox destroyed"
+
+
+def test_refusals(sandbox):
+    sandbox.write_file("/work/file", b"x")
+    with pytest.raises(Exception, match="not a directory|Not a directory"):
+        next(sandbox.watch("/work/file"))
+    with pytest.raises(BadRequest, match="kernel interface"):
+        next(sandbox.watch("/proc"))
+    with pytest.raises(BadRequest, match="absolute"):
+        next(sandbox.watch("work"))
+
+
+def test_directory_cap_is_a_limit(daemon_factory, busybox_rootfs):
+    d = daemon_factory("[limits]\nmax_watch_dirs = 4\nmax_watches = 2\n")
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        sb = c.create(image="busybox", memory="64M")
+        sb.exec(["mkdir", "-p", "/work/big/a", "/work/big/b", "/work/big/c", "/work/big/d"])
+        with pytest.raises(LimitExceeded, match="max_watch_dirs"):
+            next(sb.watch("/work/big", recursive=True))
+        sb.exec(["mkdir", "-p", "/work/small/a"])
+        w = Watcher(sb, "/work/small", recursive=True)
+        sb.exec(["mkdir", "-p", "/work/small/b/c/d"])       # 2 + 3 directories: past the cap
+        with pytest.raises(LimitExceeded, match="max_watch_dirs"):
+            w.until(lambda e: False)
+        w1, w2 = Watcher(sb, "/work/small"), Watcher(sb, "/work/small")
+        with pytest.raises(LimitExceeded, match="max_watches"):
+            next(sb.watch("/work/small"))
+        w1.gen.close()
+        w2.gen.close()
+    finally:
+        c.close()
+
+
+def test_no_fd_is_left_behind(daemon, sandbox):
+    fds = f"/proc/{daemon.proc.pid}/fd"
+    sandbox.exec(["mkdir", "-p", "/work/fd/a/b"])
+    Watcher(sandbox, "/work/fd", recursive=True).gen.close()      # warm up (worker threads, caches)
+    time.sleep(0.3)
+    before = len(os.listdir(fds))
+    for _ in range(5):
+        w = Watcher(sandbox, "/work/fd", recursive=True)
+        sandbox.exec(["mkdir", "-p", "/work/fd/a/b/c"])
+        w.until(lambda e: e["path"] == "/work/fd/a/b/c")
+        w.gen.close()
+        sandbox.exec(["rmdir", "/work/fd/a/b/c"])
+    time.sleep(0.3)
+    assert len(os.listdir(fds)) == before
+
+
+def test_cli_watch(daemon, sandbox):
+    sandbox.mkdir("/work/cli")
+    p = subprocess.Popen([str(daemon_bin()), "--socket", daemon.socket, "watch", f"{sandbox.id}:/work/cli", "-r",
+                          "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert json.loads(p.stdout.readline())["kind"] == "ready"
+        sandbox.exec(["mkdir", "/work/cli/d"])
+        assert json.loads(p.stdout.readline()) == {"kind": "create", "path": "/work/cli/d", "is_dir": True}
+        sandbox.exec(["rmdir", "/work/cli/d", "/work/cli"])
+        lines = [json.loads(x) for x in p.stdout.read().splitlines()]
+        assert lines[-1]["kind"] == "stopped" and p.wait(10) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def daemon_bin():
+    import sys
+    from pathlib import Path
+
+    return Path(sys.executable).parent / "dsec"
