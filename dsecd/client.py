@@ -625,15 +625,17 @@ class Sandbox:
         return ExecStream(self, args, stdin)
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644, parents: bool = True,
-                         atomic: bool = False) -> int:
-        """Write `data` to `path` (any size: chunked under the frame limit),
-        into the file in place: an existing file keeps its owner and mode.
-        With atomic=True (what `dsec cp` does) it is written under a
-        temporary name beside the target and renamed over it, so a write
-        that fails (ENOSPC, a lost connection) leaves the old file or none,
-        never a part; the file is then a new one, owned by the sandbox's
-        root, with `mode`, and a symlink at `path` is replaced, not written
-        through."""
+                         atomic: bool = True) -> int:
+        """Write `data` to `path` (any size: chunked under the frame limit).
+        Atomic (the default): written under a temporary name beside the
+        target and renamed over it, so a write that fails (ENOSPC, the
+        sandbox's memory limit, a lost connection) leaves the old file or
+        none, never a part, and readers in the sandbox see the old bytes or
+        the new ones. A file it replaces passes on its owner, group and mode;
+        a new file gets `mode`. A symlink at `path` is replaced, not written
+        through, and hard links to the old file keep the old bytes. With
+        atomic=False the bytes go into the file in place (through a symlink,
+        keeping the inode), and a failure leaves what was written so far."""
         if not atomic:
             return await self._write_chunks(path, data, mode, parents)
         parent, _, name = posixpath.normpath(path).rpartition("/")
@@ -642,7 +644,8 @@ class Sandbox:
         tmp = f"{parent}/.dsec-{secrets.token_hex(6)}"         # short: the target's name may be 255 bytes
         try:
             size = await self._write_chunks(tmp, data, mode, parents)
-            await self.rename(tmp, path, overwrite=True)
+            await self.client.request("file_rename", sandbox=self.id, src=tmp, dst=path, overwrite=True,
+                                      keep_attrs=True)
         except BaseException:
             with contextlib.suppress(DsecError, ConnectionError):
                 await asyncio.shield(self.remove(tmp))

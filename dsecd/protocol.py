@@ -284,6 +284,7 @@ class FileRename:
     src: str
     dst: str
     overwrite: bool = False      # replace an existing dst
+    keep_attrs: bool = False     # a file replacing a file takes its owner, group and mode
 
 
 @request("file_watch", states=ACTIVE, stream=True)

@@ -117,7 +117,10 @@ class FileService:
         return await self._file_op(req, "remove", sbfiles.remove, req.path, req.recursive)
 
     async def rename(self, req, ctx) -> dict:
-        return await self._file_op(req, "rename", sbfiles.rename, req.src, req.dst, req.overwrite)
+        if req.keep_attrs and not req.overwrite:
+            raise BadRequest("keep_attrs applies to a file replaced by the rename: give overwrite too")
+        return await self._file_op(req, "rename", sbfiles.rename, req.src, req.dst, req.overwrite,
+                                   req.keep_attrs)
 
 
 def _where(req) -> str:

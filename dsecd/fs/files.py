@@ -15,6 +15,7 @@ import os
 import stat
 
 from .. import native
+from . import libc
 
 RESOLVE = native.RESOLVE_IN_ROOT | native.RESOLVE_NO_MAGICLINKS
 
@@ -285,10 +286,12 @@ def _remove_at(dirfd: int, name: str, recursive: bool, shown: str) -> int:
     return removed + 1
 
 
-def rename(rootfd: int, src: str, dst: str, overwrite: bool) -> dict:
-    """mv within the sandbox. Without `overwrite` an existing destination is an
-    error; it is checked just before the rename, so a file the sandbox makes
-    in between is replaced (the sandbox's own doing)."""
+def rename(rootfd: int, src: str, dst: str, overwrite: bool, keep_attrs: bool = False) -> dict:
+    """mv within the sandbox. Without `overwrite` an existing destination is
+    an error (renameat2 RENAME_NOREPLACE: no window for one to appear). With
+    `keep_attrs`, a regular file `src` that replaces a regular file takes its
+    owner, group and mode first: what an atomic write_file needs to look,
+    from the sandbox, like a write in place."""
     src, dst = check_path(src), check_path(dst)
     if "/" in (src, dst):
         raise PathError("cannot rename / or onto /")
@@ -299,14 +302,35 @@ def rename(rootfd: int, src: str, dst: str, overwrite: bool) -> dict:
         try:
             if not overwrite:
                 try:
-                    os.stat(dname, dir_fd=dfd, follow_symlinks=False)
-                except FileNotFoundError:
-                    pass
-                else:
-                    raise FileExistsError(errno.EEXIST, f"{dst} exists; rename with overwrite to replace it")
+                    libc.rename_noreplace(sfd, sname, dfd, dname)
+                except FileExistsError as err:
+                    raise FileExistsError(errno.EEXIST, f"{dst} exists; rename with overwrite to replace it") \
+                        from err
+                return {"src": src, "dst": dst}
+            if keep_attrs:
+                _take_attrs(sfd, sname, dfd, dname)
             os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
             return {"src": src, "dst": dst}
         finally:
             os.close(dfd)
     finally:
         os.close(sfd)
+
+
+def _take_attrs(sfd: int, sname: str, dfd: int, dname: str) -> None:
+    """Give regular file sname the owner, group and mode of regular file
+    dname, if both are; chown first, as it clears set-id bits."""
+    try:
+        target = os.stat(dname, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(target.st_mode):
+        return
+    fd = os.open(sname, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=sfd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return
+        os.fchown(fd, target.st_uid, target.st_gid)
+        os.fchmod(fd, stat.S_IMODE(target.st_mode))
+    finally:
+        os.close(fd)

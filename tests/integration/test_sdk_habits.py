@@ -143,13 +143,19 @@ def test_a_sync_client_called_from_its_own_callback_says_so(client, sandbox):
     assert r.exit_code == 0 and errors and "cannot be called from its own callbacks" in errors[0]
 
 
-def test_write_file_in_place_keeps_owner_and_mode_atomic_replaces(sandbox):
+def test_write_file_keeps_owner_and_mode_both_ways(sandbox):
     sandbox.exec(["sh", "-c", "echo old > /work/owned && chown 1000:1000 /work/owned && chmod 600 /work/owned"])
-    sandbox.write_file("/work/owned", b"new\n")                       # in place (the default)
+    ino = sandbox.exec(["stat", "-c", "%i", "/work/owned"]).stdout
+    sandbox.write_file("/work/owned", b"new\n", atomic=False)          # in place: the same inode
     st = sandbox.stat("/work/owned")
-    assert (st["uid"], st["mode"], sandbox.read_file("/work/owned")) == (1000, 0o600, b"new\n")
-    sandbox.write_file("/work/owned", b"newer\n", mode=0o640, atomic=True)
+    assert (st["uid"], st["gid"], st["mode"], sandbox.read_file("/work/owned")) == (1000, 1000, 0o600, b"new\n")
+    assert sandbox.exec(["stat", "-c", "%i", "/work/owned"]).stdout == ino
+    sandbox.write_file("/work/owned", b"newer\n", mode=0o644)          # atomic (the default): a new inode
     st = sandbox.stat("/work/owned")
-    assert (st["uid"], st["mode"], sandbox.read_file("/work/owned")) == (0, 0o640, b"newer\n")
+    assert (st["uid"], st["gid"], st["mode"], sandbox.read_file("/work/owned")) == (1000, 1000, 0o600, b"newer\n")
+    assert sandbox.exec(["stat", "-c", "%i", "/work/owned"]).stdout != ino
+    sandbox.write_file("/work/fresh", b"x", mode=0o640)                # a new file gets `mode`
+    assert (sandbox.stat("/work/fresh")["uid"], sandbox.stat("/work/fresh")["mode"]) == (0, 0o640)
+    assert [e["name"] for e in sandbox.list_files("/work")] == ["fresh", "owned"]     # no temporary left
     with pytest.raises(ValueError, match="absolute path of a file"):
         sandbox.write_file("relative.txt", b"x", atomic=True)
