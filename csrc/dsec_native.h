@@ -159,6 +159,7 @@ int dsec_pidfd_send_signal(int pidfd, int sig);
 /* fileops.c */
 int dsec_file_openat2(int dirfd, const char *path, uint64_t flags, uint64_t mode, uint64_t resolve);
 long dsec_file_fs_magic(int fd);
+long dsec_vmsplice(int fd, const void *buf, size_t len);
 
 /* sched.c */
 int dsec_sched_set_idle(int pid);

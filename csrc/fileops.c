@@ -10,7 +10,9 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdint.h>
+#include <fcntl.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <sys/vfs.h>
 #include <unistd.h>
 
@@ -41,4 +43,16 @@ long dsec_file_fs_magic(int fd)
     struct statfs st;
 
     return fstatfs(fd, &st) < 0 ? -errno : (long)st.f_type;
+}
+
+/* Map len bytes at buf into pipe fd without copying them (vmsplice, no
+ * SPLICE_F_GIFT: the pipe refers to the caller's pages, which must stay
+ * unchanged until the reader consumed them). Blocks while the pipe is full
+ * (unless fd is O_NONBLOCK). Bytes mapped, or -errno. */
+long dsec_vmsplice(int fd, const void *buf, size_t len)
+{
+    struct iovec iov = {.iov_base = (void *)buf, .iov_len = len};
+    ssize_t n = vmsplice(fd, &iov, 1, 0);
+
+    return n < 0 ? -errno : (long)n;
 }

@@ -355,8 +355,9 @@ static void track(uint32_t id, pid_t pid)
 /* ---- the copy child (forked: a file the daemon writes into the sandbox) -- */
 
 /* Copy fd 0 to its end into fd 1; 0 or the errno that stopped it. splice
- * moves the pipe's pages without a copy through user memory; a source or
- * destination it cannot take (EINVAL) is copied with read and write. */
+ * moves the pipe's pages into the file without a copy through user memory;
+ * a destination it cannot take (an O_APPEND file: EINVAL) is written with
+ * read and write. */
 static int copy_all(void)
 {
     static char buf[65536];

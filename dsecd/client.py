@@ -32,6 +32,11 @@ from .errors import DsecError, LimitExceeded, NotFound
 
 DEFAULT_SOCKET = "/run/dsecd/dsecd.sock"
 DEFAULT_CHUNK = 4 << 20
+# File chunks in flight at once in write_file: two overlap one chunk's trip
+# with the sandbox copier's work on the other; more only contend for a small
+# host's cores (64 MiB written: 249-463 MiB/s one at a time, 337-558 two,
+# 326-416 three, on 2 cores).
+PIPELINE = 2
 # A server frame may exceed max_frame_bytes by its envelope (id, field names).
 FRAME_SLACK = 4096
 # Requests that steer others (stdin for an exec, a cancel) never wait for a
@@ -653,17 +658,34 @@ class Sandbox:
         return size
 
     async def _write_chunks(self, path: str, data: bytes, mode: int, parents: bool) -> int:
+        """The first chunk truncates (or creates) the file; the others go at
+        their offsets, PIPELINE requests at once, so that one chunk travels
+        while the sandbox's copier writes the one before."""
         chunk = self.client.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
         view = memoryview(data)
-        first = True
-        size = 0
-        while first or view:
-            piece, view = bytes(view[:chunk]), view[chunk:]
-            r = await self.client.request("file_write", sandbox=self.id, path=path, data=piece,
-                                          append=not first, mode=mode, parents=parents)
-            size = r["size"]
-            first = False
-        return size
+        r = await self.client.request("file_write", sandbox=self.id, path=path, data=bytes(view[:chunk]),
+                                      mode=mode, parents=parents)
+        offsets = iter(range(chunk, len(data), chunk))
+        failed: list[Exception] = []
+
+        async def writer() -> None:
+            for offset in offsets:
+                if failed:
+                    return
+                try:
+                    await self.client.request("file_write", sandbox=self.id, path=path, offset=offset,
+                                              data=bytes(view[offset:offset + chunk]))
+                except Exception as err:
+                    failed.append(err)
+
+        if len(data) <= chunk:
+            return r["size"]
+        # A failure stops new chunks but lets the one in flight end: whoever
+        # then removes the file must not race a write still going on.
+        await asyncio.gather(*(writer() for _ in range(PIPELINE)))
+        if failed:
+            raise failed[0]
+        return len(data)
 
     async def write_at(self, path: str, offset: int, data: bytes) -> int:
         """Write `data` at `offset` of an existing file (up to one chunk),
@@ -672,6 +694,9 @@ class Sandbox:
         return r["size"]
 
     async def read_file(self, path: str) -> bytes:
+        """The whole file, a chunk at a time (reads gain nothing from
+        several in flight on a small host: 312-321 MiB/s two at a time
+        against 371-396 one at a time for 64 MiB on 2 cores)."""
         chunk = self.client.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
         parts, offset = [], 0
         while True:

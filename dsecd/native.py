@@ -35,7 +35,7 @@ __all__ = [
     "INIT_REPLY_ERR_OFFSET",
     "UPPER_FD",
     # files, mounts, the writable layer
-    "openat2", "fs_magic", "KERNEL_FS_MAGICS", "mount_erofs", "umount", "mount_idmapped",
+    "openat2", "fs_magic", "vmsplice", "KERNEL_FS_MAGICS", "mount_erofs", "umount", "mount_idmapped",
     "upperfs_create", "upperfs_attach", "RESOLVE_IN_ROOT", "RESOLVE_NO_MAGICLINKS", "RESOLVE_NO_SYMLINKS",
     "RESOLVE_BENEATH", "RESOLVE_NO_XDEV", "RESOLVE_CACHED",
     # processes and namespaces
@@ -651,6 +651,17 @@ def fs_magic(fd: int, what: str) -> int:
     if magic < 0:
         raise_error(-magic, "inspect", what, "fstatfs")
     return magic & 0xFFFFFFFF
+
+
+def vmsplice(fd: int, data) -> int:
+    """Map the bytes of `data` (bytes or a memoryview of them) into pipe fd
+    without a copy; how many were mapped. The pipe refers to data's memory:
+    it must stay alive and unchanged until the reader consumed it."""
+    buf = ffi.from_buffer(data)
+    n = lib.dsec_vmsplice(fd, buf, len(buf))
+    if n < 0:
+        raise OSError(-n, f"vmsplice: {os.strerror(-n)}")
+    return n
 
 
 def pidfd_open(pid: int) -> int:

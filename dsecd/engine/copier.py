@@ -6,8 +6,10 @@ the daemon's cgroup, outside the sandbox's `--memory`: a client could fill a
 host with files no sandbox limit sees. So the daemon opens the file itself
 (every path check stays in dsecd/fs/files.py) and hands the fd to a copier
 that the sandbox's init forks (csrc/init.c, DSEC_INIT_OP_COPY): a process in
-the sandbox's cgroups that splices a pipe, which the daemon fills from the
-event loop, into the file. Its pages are the sandbox's, counted against its
+the sandbox's cgroups that splices a pipe into the file, while a worker of
+the daemon fills the pipe: with a request's bytes mapped in (vmsplice, no
+copy), or with the chunks of a file of a tar stream as it reads them. The
+written pages are the sandbox's, counted against its
 limit like a `dd` inside it; the tmpfs size cap of its writable layer holds
 either way. A copy that takes the sandbox past its memory limit is OOM-killed
 first (its oom_score_adj is 1000) and fails with limit_exceeded.
@@ -27,96 +29,98 @@ import select
 import signal
 from collections.abc import Callable
 
+from .. import native
 from ..errors import LimitExceeded, io_error
 from ..initlink import InitExec
+from ..mem import pause
 
-# Pipe buffer between the daemon and the copier: fewer wakeups per MiB than
-# the 64 KiB default. The most an unprivileged pipe gets (fs.pipe-max-size).
+# Pipe buffer between a worker and the copier: the most fs.pipe-max-size
+# allows by default, for fewer wakeups per MiB than the 64 KiB default.
 PIPE_BYTES = 1 << 20
+# What a write must leave free of the memory limit, for the sandbox's own
+# processes: a 16th of the limit, within these bounds.
+RESERVE_MIN = 2 << 20
+RESERVE_MAX = 64 << 20
 # A copier that takes no bytes for this long is stopped (the sandbox froze or
 # SIGSTOPped it) and the write fails: a worker of the daemon must not wait on
 # a sandbox for ever.
 STALL_S = 30.0
 
 
-async def copy_into(start_copy: Callable[[int, int], InitExec | None], dst: int, data: bytes,
-                    where: str) -> bool:
-    """Write `data` into the open file `dst` through a copier of the sandbox.
-    start_copy(src, dst) sends the request (the backend's copy_by_init for
-    this sandbox). False if no copier could be started (the caller writes
-    itself); raises the protocol error (DsecError) if the copy failed."""
+def check_room(group, size: int, where: str) -> None:
+    """Refuse (limit_exceeded) a write of `size` bytes that would take the
+    sandbox's memory group past its limit, less a reserve. A write the
+    copier starts and the limit stops would leave the group full of tmpfs
+    pages no OOM kill frees: the next allocation of any of its processes,
+    init's included, would be killed, until the file is removed. The
+    sandbox's own concurrent allocations can still fill it; then the OOM
+    killer picks the copier first."""
+    room = pause.room_for_files(group)
+    if room is None:
+        return
+    left, limit = room
+    reserve = min(max(RESERVE_MIN, limit // 16), RESERVE_MAX)
+    if size > left - reserve:
+        raise LimitExceeded(f"write {where}: {size} bytes would take the sandbox past its memory limit "
+                            f"({limit} bytes; {max(0, left)} left, less {reserve} kept for its processes). "
+                            "What the daemon writes into a sandbox counts against its --memory: write less, "
+                            "free memory in the sandbox, or create it with more --memory",
+                            {"path": where, "size": size, "left": max(0, left), "reserve": reserve})
+
+
+async def copy_small(start_copy: Callable[[int, int], InitExec | None], dst: int, data: bytes,
+                     where: str) -> bool:
+    """copy_chunks_from_thread for data that fits in the pipe (at most
+    PIPE_BYTES), on the loop: the pipe is filled at once, before the copier
+    starts, with no worker and no wait for room. Same results."""
     rd, wr = os.pipe2(os.O_CLOEXEC)
     try:
-        if data:
-            fcntl.fcntl(wr, fcntl.F_SETPIPE_SZ, min(PIPE_BYTES, max(len(data), 4096)))
-        os.set_blocking(wr, False)
+        try:
+            fcntl.fcntl(wr, fcntl.F_SETPIPE_SZ, max(len(data), 4096))
+            os.write(wr, data)             # fits: the pipe holds it all
+        finally:
+            os.close(wr)
         copier = start_copy(rd, dst)
-    except BaseException:
-        os.close(wr)
-        raise
     finally:
-        os.close(rd)            # sent, or not: the copier has its own
+        os.close(rd)
     if copier is None:
-        os.close(wr)
         return False
     try:
-        await _feed(wr, data, copier, where)
+        out = await asyncio.wait_for(asyncio.shield(copier.exited), STALL_S)
     except asyncio.CancelledError:
         copier.abandon()
         raise
-    finally:
-        _close_quietly(wr)
-    try:
-        out = await copier.exited
-    except OSError as err:      # it did not start, or the channel broke
-        if getattr(err, "step", None) == "init_request" and err.errno == errno.EINVAL:
-            return False        # an init older than the copier (a sandbox adopted after an upgrade)
-        raise io_error("write", where, err) from err
+    except TimeoutError:
+        copier.kill()
+        raise LimitExceeded(f"write {where}: the sandbox's copier did not finish {len(data)} bytes in "
+                            f"{STALL_S:.0f} s (is the sandbox frozen, or stopping it?); the write was stopped",
+                            {"path": where, "stall_s": STALL_S}) from None
+    except OSError as err:
+        return _start_failed(err, where)
     _check_status(out["status"], where)
     return True
 
 
-async def _feed(wr: int, data: bytes, copier: InitExec, where: str) -> None:
-    """Write data into the pipe as the copier drains it; return when all is
-    in the pipe or the copier ended early (its status then says why).
-    Closing `wr` afterwards is the copier's end of file."""
-    loop = asyncio.get_running_loop()
-    view = memoryview(data)
-    progress = loop.create_future()
-
-    def writable() -> None:
-        nonlocal view
-        try:
-            while view:
-                view = view[os.write(wr, view[:PIPE_BYTES]):]
-        except BlockingIOError:
-            pass
-        except OSError:          # EPIPE: the copier is gone; its status says why
-            view = view[:0]
-        if not progress.done():
-            progress.set_result(None)
-
-    while view and not copier.exited.done():
-        progress = loop.create_future()
-        loop.add_writer(wr, writable)
-        try:
-            done, _ = await asyncio.wait({progress, copier.exited}, timeout=STALL_S,
-                                       return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            loop.remove_writer(wr)
-        if not done:
-            copier.kill()
-            raise LimitExceeded(f"write {where}: the sandbox's copier took no bytes for {STALL_S:.0f} s with "
-                                f"{len(view)} left (is the sandbox frozen, or stopping it?); the write was "
-                                "stopped", {"path": where, "stall_s": STALL_S})
+def _start_failed(err: OSError, where: str) -> bool:
+    """A copier that did not start or whose channel broke: False (the caller
+    writes itself) for an init older than the copier (a sandbox adopted
+    after an upgrade refuses the op with EINVAL); else the error."""
+    if getattr(err, "step", None) == "init_request" and err.errno == errno.EINVAL:
+        return False
+    raise io_error("write", where, err) from err
 
 
 def copy_chunks_from_thread(loop: asyncio.AbstractEventLoop, start_copy: Callable[[int, int], InitExec | None],
-                            dst: int, chunks, where: str) -> bool:
-    """copy_into for a worker thread whose bytes come as an iterable of
-    chunks read on that thread (a file of a tar stream): the copier is
-    started and waited for on `loop`, the pipe is filled here, blocking,
-    each write given STALL_S. False if no copier could be started."""
+                            dst: int, chunks, where: str, mapped: bool = False) -> bool:
+    """Write the bytes of `chunks` (an iterable, read on this worker thread:
+    a request's data, the file of a tar stream) into the open file `dst`
+    through a copier of the sandbox. start_copy(src, dst) sends the request
+    (the backend's copy_by_init for this sandbox); the copier is started and
+    waited for on `loop`, the pipe is filled here, each write given STALL_S.
+    `mapped`: the chunks are vmspliced, not copied, into the pipe (they must
+    stay unchanged until this returns). False if no copier could be started
+    (the caller writes itself); raises the protocol error (DsecError) if the
+    copy failed."""
     rd, wr = os.pipe2(os.O_CLOEXEC)
     try:
         fcntl.fcntl(wr, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
@@ -130,7 +134,7 @@ def copy_chunks_from_thread(loop: asyncio.AbstractEventLoop, start_copy: Callabl
         os.close(wr)
         return False
     try:
-        _fill_blocking(wr, chunks, where)
+        _fill_blocking(wr, chunks, where, native.vmsplice if mapped else os.write)
     except BaseException:
         loop.call_soon_threadsafe(copier.kill)
         raise
@@ -138,8 +142,8 @@ def copy_chunks_from_thread(loop: asyncio.AbstractEventLoop, start_copy: Callabl
         os.close(wr)
     try:
         out = asyncio.run_coroutine_threadsafe(_exited(copier), loop).result()
-    except OSError as err:
-        raise io_error("write", where, err) from err
+    except OSError as err:      # it did not start, or the channel broke
+        return _start_failed(err, where)
     _check_status(out["status"], where)
     return True
 
@@ -152,9 +156,9 @@ async def _exited(copier: InitExec) -> dict:
     return await copier.exited
 
 
-def _fill_blocking(wr: int, chunks, where: str) -> None:
-    """Every chunk into the pipe; stops early (quietly) if the copier is
-    gone: its status then says why."""
+def _fill_blocking(wr: int, chunks, where: str, write) -> None:
+    """Every chunk into the pipe by write(fd, view) -> count; stops early
+    (quietly) if the copier is gone: its status then says why."""
     poller = select.poll()
     poller.register(wr, select.POLLOUT)
     os.set_blocking(wr, False)
@@ -166,7 +170,7 @@ def _fill_blocking(wr: int, chunks, where: str) -> None:
                                     "(is the sandbox frozen, or stopping it?); the copy was stopped",
                                     {"path": where, "stall_s": STALL_S})
             try:
-                view = view[os.write(wr, view[:PIPE_BYTES]):]
+                view = view[write(wr, view):]
             except BlockingIOError:
                 continue
             except BrokenPipeError:
@@ -201,10 +205,3 @@ def _killed(where: str) -> LimitExceeded:
                          "this write took the sandbox past its memory limit (it is charged to the sandbox); the "
                          "file is partly written. Write less, free memory in the sandbox, or create it with more "
                          "--memory", {"path": where})
-
-
-def _close_quietly(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass

@@ -14,7 +14,6 @@ they are charged to its memory cgroup (dsecd/engine/copier.py).
 from __future__ import annotations
 
 import asyncio
-import functools
 import queue
 
 from .. import tarsafe, userns
@@ -143,14 +142,20 @@ class DirCopyService:
             self.puts -= 1
 
     def _filler(self, sb: Sandbox, where: str):
-        """fill(fd, chunks) for the files of a copy into `sb`: written by its
-        copier, charged to its memory cgroup (dsecd/engine/copier.py)."""
+        """fill(fd, chunks, size) for the files of a copy into `sb`: written
+        by its copier, charged to its memory cgroup, refused if they would
+        take it past its limit (dsecd/engine/copier.py)."""
         loop, handle = self.workers.loop, sb.handle
 
         def start(src: int, dst: int) -> InitExec | None:
             return None if handle is None else self.copy_by_init(loop, handle, src, dst)
 
-        return functools.partial(copier.copy_chunks_from_thread, loop, start, where=where)
+        def fill(fd: int, chunks, size: int) -> bool:
+            if handle is not None:
+                copier.check_room(handle.group, size, where)
+            return copier.copy_chunks_from_thread(loop, start, fd, chunks, where)
+
+        return fill
 
     async def put_input(self, req, ctx) -> dict:
         if len(req.data) > self.max_chunk:

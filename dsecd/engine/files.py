@@ -10,6 +10,7 @@ charged to its memory cgroup.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Awaitable, Callable
 
@@ -86,19 +87,47 @@ class FileService:
 
     async def _write_data(self, sb: Sandbox, fd: int, data: bytes, where: str) -> None:
         """data into the open file fd: by the sandbox's copier, charged to the
-        sandbox; by a worker of the daemon if the sandbox has none."""
+        sandbox; by a worker of the daemon if the sandbox has none. Returns
+        only once nothing uses fd any more (the caller closes it), even when
+        cancelled."""
         if not data:
             return
-        handle = sb.handle
+        async with sb.copy_lock:
+            if sb.handle is not None:
+                copier.check_room(sb.handle.group, len(data), where)
+            await self._copy(sb, fd, data, where)
+
+    async def _copy(self, sb: Sandbox, fd: int, data: bytes, where: str) -> None:
+        loop, handle = self.workers.loop, sb.handle
+        started: list[InitExec] = []
 
         def start(src: int, dst: int) -> InitExec | None:
-            return None if handle is None else self.copy_by_init(self.workers.loop, handle, src, dst)
+            run = None if handle is None else self.copy_by_init(loop, handle, src, dst)
+            if run is not None:
+                started.append(run)
+            return run
 
-        if not await copier.copy_into(start, fd, data, where):
+        if len(data) <= copier.PIPE_BYTES:
+            if await copier.copy_small(start, fd, data, where):
+                return
+        else:
+            work = asyncio.ensure_future(
+                self.workers.run(copier.copy_chunks_from_thread, loop, start, fd, (data,), where, True))
             try:
-                await self.workers.run(sbfiles.write_data, fd, data)
-            except OSError as err:
-                raise io_error("write", where, err) from err
+                if await asyncio.shield(work):
+                    return
+            except asyncio.CancelledError:
+                # The worker may still be about to hand fd to init: it must be
+                # done before the caller closes fd (whose number could then
+                # name another file). The copier's kill ends it soon.
+                for run in started:
+                    run.kill()
+                await asyncio.wait({work})
+                raise
+        try:
+            await self.workers.run(sbfiles.write_data, fd, data)
+        except OSError as err:
+            raise io_error("write", where, err) from err
 
     async def list(self, req, ctx) -> dict:
         if not 1 <= req.depth <= 64:

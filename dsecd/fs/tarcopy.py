@@ -18,6 +18,7 @@ All functions block: run them in a worker, as the sandbox's root.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import secrets
 import stat
@@ -36,7 +37,8 @@ READ = 1 << 20
 
 def put_tree(rootfd: int, dst: str, fileobj, max_entries: int, max_bytes: int, fill=None) -> dict:
     """Extract the tar read from `fileobj` as the new directory `dst`; the
-    bytes of its files are written by fill(fd, chunks) (files.write_regular)."""
+    bytes of its files are written by fill(fd, chunks, size=) (see
+    files.write_regular)."""
     dst = check_path(dst)
     if dst == "/":
         raise PathError("cannot copy a directory onto /; name a new directory below it")
@@ -120,7 +122,7 @@ def _extract_one(topfd: int, rel: str, m: tarfile.TarInfo, tf: tarfile.TarFile, 
         if m.isreg():
             src = tf.extractfile(m)
             write_regular(dfd, leaf, iter(lambda: src.read(READ), b""), m.mode & tarsafe.KEPT_MODE,
-                          fill=fill if m.size else None)
+                          fill=functools.partial(fill, size=m.size) if fill and m.size else None)
         elif m.issym():
             os.symlink(m.linkname, leaf, dir_fd=dfd)
         else:                                   # a hard link to a file made earlier (tarsafe checked)

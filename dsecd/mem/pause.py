@@ -219,6 +219,26 @@ def usage(group: cgroup.Group) -> MemUsage:
                     stat.get("cache", 0), stat.get("swap", 0))
 
 
+def room_for_files(group: cgroup.Group) -> tuple[int, int] | None:
+    """(bytes a file may still take, the memory limit) in the group, or None
+    without a limit: the limit, less what is charged, plus the page cache
+    reclaim can drop (file pages that are not shmem: tmpfs pages stay)."""
+    version, d = memory_dir(group)
+    raw = _read(d / ("memory.max" if version == "v2" else "memory.limit_in_bytes")).strip()
+    if raw == "max" or int(raw) >= 1 << 60:       # v1 says "no limit" with a page-rounded 2**63-1
+        return None
+    stat = {}
+    for line in _read(d / "memory.stat").splitlines():
+        key, _, value = line.partition(" ")
+        stat[key] = int(value)
+    if version == "v2":
+        used, droppable = int(_read(d / "memory.current")), stat.get("file", 0) - stat.get("shmem", 0)
+    else:
+        used = int(_read(d / "memory.usage_in_bytes"))
+        droppable = stat.get("total_cache", 0) - stat.get("total_shmem", 0)
+    return int(raw) - used + max(0, droppable), int(raw)
+
+
 def oom_kills(group: cgroup.Group) -> int:
     """How many processes the memory limit's OOM killer has killed in the group
     (v2 memory.events `oom_kill`; v1 memory.oom_control `oom_kill`, Linux >= 4.13)."""
