@@ -17,12 +17,13 @@ from dsecd.engine.lifecycle import LifecycleService
 from dsecd.engine.lifetimes import LifetimeService
 from dsecd.engine.memory import MemoryService
 from dsecd.engine.network import NetworkService
+from dsecd.engine.procs import ProcessService
 
 # The type of what each attribute of the node named in SERVICE_ROUTES holds.
 SERVICES = {"node": node.Node, "create_service": CreateService, "lifecycle": LifecycleService,
             "exec_service": ExecService, "file_service": FileService, "image_service": ImageService,
             "net_service": NetworkService, "memory": MemoryService, "lifetimes": LifetimeService,
-            "events": EventBus, "call_service": CallService}
+            "events": EventBus, "call_service": CallService, "procs": ProcessService}
 
 
 def test_every_request_type_has_one_handler():
