@@ -12,6 +12,9 @@ Python SDK:
   until its echo comes back (bench/core_pty.py);
 * write_file_mib_s / read_file_mib_s: 64 MiB into and out of a sandbox's
   /tmp, and write_small_p50_ms: one 4 KiB write (bench/core_copy.py);
+* spawn_p50_ms / _p99_ms: a background process's start until its pid, and
+  logs_follow_lag_p50_ms / _p99_ms: a line written by a background process
+  until a following client has it (bench/core_proc.py);
 * idle_host_mib_per_sandbox: host memory per idle sandbox, reclaimable
   kernel memory included (method at `host_used_bytes`), and
   idle_host_mib_per_sandbox_unreclaimable without it;
@@ -46,6 +49,7 @@ import time
 
 import core_copy
 import core_files
+import core_proc
 import core_pty
 import harness
 import peers
@@ -244,6 +248,8 @@ async def measure_dsecd(sock: str, args) -> dict:
     results.update(await measure_exec_rtt(sock, args.n_rtt))
     results.update(await core_pty.measure_pty_roundtrip(sock, args.n_pty, CREATE_ARGS))
     results.update(await core_copy.measure_dsecd_copy(sock, args.n_copy, args.n_small))
+    results.update(await core_proc.measure_spawn(sock, args.n_spawn, CREATE_ARGS))
+    results.update(await core_proc.measure_follow_lag(sock, args.n_follow, CREATE_ARGS))
     results.update(await measure_create_rate(sock, args.clients, args.n_rate))
     results.update(await measure_idle_memory(sock, args.clients, args.n_idle))
     results.update(await core_files.measure_files(sock, CREATE_ARGS, args.quick))
@@ -270,6 +276,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--n-pty", type=int, default=2000, help="keystrokes into a pty exec")
     p.add_argument("--n-copy", type=int, default=5, help="64 MiB copies each way (and per peer)")
     p.add_argument("--n-small", type=int, default=300, help="4 KiB write_file calls")
+    p.add_argument("--n-spawn", type=int, default=1000, help="background processes started in one sandbox")
+    p.add_argument("--n-follow", type=int, default=2000, help="lines of a followed background process")
     p.add_argument("--n-rate", type=int, default=400, help="creates in the concurrent batch")
     p.add_argument("--n-idle", type=int, default=500, help="idle sandboxes for the memory figure")
     p.add_argument("--n-peers", type=int, default=200, help="runs per peer")
@@ -281,6 +289,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.n_seq, args.n_rtt, args.n_rate, args.n_idle, args.n_peers = 20, 30, 64, 50, 20
         args.n_pty, args.n_copy, args.n_small = 300, 2, 50
+        args.n_spawn, args.n_follow = 200, 500
     return args
 
 

@@ -215,6 +215,14 @@ int dsec_seccomp_export_pfc(int profile, int fd);
  * A START's op may carry flags: DSEC_INIT_START_CTTY makes the exec's
  * stdin (a pty slave) its controlling terminal; an init that predates a
  * flag refuses the request (EINVAL, step init_request).
+ * DSEC_INIT_START_HOLD: the START carries three more fds (six in all): the
+ * daemon's own ends of the exec's stdio pipes, which init holds for it until
+ * the daemon asks it to let them go (DSEC_INIT_OP_RELEASE, header only, its
+ * `uid` a mask: 1 stdin, 2 stdout, 4 stderr), even past the exec's end. A
+ * background process thus keeps its pipes while no daemon runs (it blocks on
+ * a full pipe instead of dying of SIGPIPE; what it wrote stays in the pipe),
+ * and a restarted daemon takes the ends back with pidfd_getfd. A RELEASE of
+ * an id init holds nothing for is ignored.
  * Init also keeps the daemon's end, never used, as DSEC_INIT_PEER_FD: a
  * restarted daemon takes it back with pidfd_getfd. */
 #define DSEC_INIT_CTL_FD 4
@@ -225,7 +233,10 @@ int dsec_seccomp_export_pfc(int profile, int fd);
 #define DSEC_INIT_OP_START 0
 #define DSEC_INIT_OP_KILL 1
 #define DSEC_INIT_OP_COPY 2
+#define DSEC_INIT_OP_RELEASE 3
 #define DSEC_INIT_START_CTTY 256
+#define DSEC_INIT_START_HOLD 512
+#define DSEC_INIT_MAX_HELD 1024
 #define DSEC_INIT_MAX_STRINGS 65536
 struct dsec_init_req {
     uint32_t magic;       /* DSEC_INIT_MAGIC */
@@ -236,7 +247,7 @@ struct dsec_init_req {
     uint32_t argc;
     uint32_t envc;
     uint32_t strings_len; /* bytes after this header: cwd, argv, envp, each NUL-terminated */
-    uint32_t op;          /* DSEC_INIT_OP_START (| DSEC_INIT_START_CTTY), _KILL or _COPY */
+    uint32_t op;          /* DSEC_INIT_OP_START (| _START_CTTY | _START_HOLD), _KILL, _COPY or _RELEASE */
 };
 struct dsec_init_reply {
     uint32_t magic;

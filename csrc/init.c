@@ -23,7 +23,9 @@
  * It also holds the daemon's end of the channel as fd 5, never used here: a
  * restarted daemon takes it back (pidfd_getfd), so the channel outlives the
  * daemon that made it. And fd 3, the sandbox's writable-layer tmpfs, which
- * only the daemon takes back. It is started by execveat() from spawn.c with stdio
+ * only the daemon takes back. For a background exec it holds the daemon's ends
+ * of that exec's pipes too (DSEC_INIT_START_HOLD), until the daemon releases
+ * them: they outlive a daemon restart like the channel. It is started by execveat() from spawn.c with stdio
  * on /dev/null.
  */
 #define _GNU_SOURCE
@@ -54,6 +56,16 @@ static struct {
     uint32_t id;
 } execs[MAX_EXECS];
 static int n_execs;
+
+/* The daemon's ends of a background exec's stdio pipes (DSEC_INIT_START_HOLD),
+ * held until the daemon releases them (DSEC_INIT_OP_RELEASE); -1: released.
+ * Kept past the exec's end: what it wrote last is still in its pipes for a
+ * daemon that was not running when it ended. */
+static struct {
+    uint32_t id;
+    int fd[3];
+} held[DSEC_INIT_MAX_HELD];
+static int n_held;
 
 /* Whether an exec must set its oom_score_adj back to 0: init's own is
  * negative when the daemon protected it from the OOM killer (-1000, through
@@ -291,7 +303,7 @@ static void kill_group(pid_t pid)
     caps_lower();
 }
 
-static void track(uint32_t id, pid_t pid);
+static int track(uint32_t id, pid_t pid);
 
 /* vfork: init waits while the child sets up (tens of microseconds; no page
  * table copy, no copy-on-write faults after). A sandbox process can SIGSTOP
@@ -299,7 +311,7 @@ static void track(uint32_t id, pid_t pid);
  * then take the daemon's helper (init's queue fills up), a timeout's kill of
  * one sent to init fails after a grace period, and a destroy still works
  * (a vfork wait is killable). Nothing outside that sandbox waits on it. */
-static void start(struct request *r)
+static int start(struct request *r)
 {
     /* Static: the vfork child writes it, and the compiler must not assume
      * that the parent's copy stayed {0} across vfork (a local would). */
@@ -310,7 +322,7 @@ static void start(struct request *r)
     if (n_execs == MAX_EXECS) {
         fds_close(r->stdio, 3);
         reply_failed(id, DSEC_STEP_INIT_REQUEST, EAGAIN);
-        return;
+        return 0;
     }
     if (oom_reset_needed < 0)
         oom_reset_needed = own_oom_score_adj() < 0;
@@ -328,13 +340,14 @@ static void start(struct request *r)
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     if (e.err) { /* it _exit()ed: reaped as an orphan */
         reply_started(id, 0, &e, -1);
-        return;
+        return 0;
     }
-    track(id, pid);
+    return track(id, pid);
 }
 
-/* A started child: the daemon gets its pidfd, init reports its end. */
-static void track(uint32_t id, pid_t pid)
+/* A started child: the daemon gets its pidfd, init reports its end. 1 if
+ * it is tracked, 0 if it was killed for want of a pidfd. */
+static int track(uint32_t id, pid_t pid)
 {
     int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
 
@@ -343,13 +356,55 @@ static void track(uint32_t id, pid_t pid)
 
         kill_group(pid); /* it leads its own group; reaped as an orphan */
         reply_failed(id, DSEC_STEP_INIT_REQUEST, err);
-        return;
+        return 0;
     }
     execs[n_execs].pid = pid;
     execs[n_execs].id = id;
     n_execs++;
     reply_started(id, pid, NULL, pidfd);
     close(pidfd);
+    return 1;
+}
+
+/* A START with DSEC_INIT_START_HOLD: start it, and hold the daemon's ends
+ * of its pipes if it started (else they go: there is nothing to hold them for). */
+static void start_holding(struct request *r, const int ends[3])
+{
+    if (n_held == DSEC_INIT_MAX_HELD) {
+        fds_close(r->stdio, 3);
+        fds_close(ends, 3);
+        reply_failed(r->req->id, DSEC_STEP_INIT_REQUEST, EAGAIN);
+        return;
+    }
+    held[n_held].id = r->req->id;
+    if (!start(r)) {
+        fds_close(ends, 3);
+        return;
+    }
+    memcpy(held[n_held].fd, ends, sizeof(held[n_held].fd));
+    n_held++;
+}
+
+/* DSEC_INIT_OP_RELEASE: close the held ends of exec `id` that `mask` names
+ * (1 stdin, 2 stdout, 4 stderr); the entry goes once all three are closed. */
+static void release_held(uint32_t id, uint32_t mask)
+{
+    for (int i = 0; i < n_held; i++) {
+        if (held[i].id != id)
+            continue;
+        int left = 0;
+
+        for (int k = 0; k < 3; k++) {
+            if ((mask & (1U << k)) && held[i].fd[k] >= 0) {
+                close(held[i].fd[k]);
+                held[i].fd[k] = -1;
+            }
+            left |= held[i].fd[k] >= 0;
+        }
+        if (!left)
+            held[i] = held[--n_held];
+        return;
+    }
 }
 
 /* ---- the copy child (forked: a file the daemon writes into the sandbox) -- */
@@ -456,7 +511,8 @@ static void kill_exec(uint32_t id)
 /* One request; -1 when the channel is gone (the daemon shut it down). */
 static int serve(void)
 {
-    char anc[CMSG_SPACE(4 * sizeof(int))];
+    char anc[CMSG_SPACE(8 * sizeof(int))];
+    int fds[6];
     struct iovec iov = {.iov_base = in.bytes, .iov_len = sizeof(in.bytes)};
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = anc, .msg_controllen = sizeof(anc)};
     struct request r = {0};
@@ -467,25 +523,36 @@ static int serve(void)
         return errno == EINTR || errno == EAGAIN ? 0 : -1;
     if (len == 0)
         return -1;
-    n = take_fds(&msg, r.stdio, 3);
+    n = take_fds(&msg, fds, 6);
     if ((size_t)len >= sizeof(in.req) && in.req.magic == DSEC_INIT_MAGIC && in.req.op == DSEC_INIT_OP_KILL &&
         n == 0) {
         kill_exec(in.req.id);
         return 0;
     }
-    if ((size_t)len == sizeof(in.req) && in.req.magic == DSEC_INIT_MAGIC && in.req.op == DSEC_INIT_OP_COPY &&
-        n == 2 && !(msg.msg_flags & MSG_TRUNC)) {
-        start_copy(in.req.id, r.stdio);
+    if ((size_t)len >= sizeof(in.req) && in.req.magic == DSEC_INIT_MAGIC && in.req.op == DSEC_INIT_OP_RELEASE &&
+        n == 0) {
+        release_held(in.req.id, in.req.uid);
         return 0;
     }
+    if ((size_t)len == sizeof(in.req) && in.req.magic == DSEC_INIT_MAGIC && in.req.op == DSEC_INIT_OP_COPY &&
+        n == 2 && !(msg.msg_flags & MSG_TRUNC)) {
+        start_copy(in.req.id, fds);
+        return 0;
+    }
+    int hold = (size_t)len >= sizeof(in.req) && (in.req.op & DSEC_INIT_START_HOLD);
+
     if ((size_t)len < sizeof(in.req) || in.req.magic != DSEC_INIT_MAGIC ||
-        (in.req.op & ~(uint32_t)DSEC_INIT_START_CTTY) != DSEC_INIT_OP_START ||
-        n != 3 || (msg.msg_flags & MSG_TRUNC) || !parse(&r, (size_t)len)) {
-        fds_close(r.stdio, n > 0 ? n : 0);
+        (in.req.op & ~(uint32_t)(DSEC_INIT_START_CTTY | DSEC_INIT_START_HOLD)) != DSEC_INIT_OP_START ||
+        n != (hold ? 6 : 3) || (msg.msg_flags & MSG_TRUNC) || !parse(&r, (size_t)len)) {
+        fds_close(fds, n > 0 ? n : 0);
         reply_failed((size_t)len >= sizeof(in.req) ? in.req.id : 0, DSEC_STEP_INIT_REQUEST, EINVAL);
         return 0;
     }
-    start(&r);
+    memcpy(r.stdio, fds, sizeof(r.stdio));
+    if (hold)
+        start_holding(&r, fds + 3);
+    else
+        start(&r);
     return 0;
 }
 

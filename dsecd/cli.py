@@ -6,9 +6,10 @@ tools. Every command takes --json, before or after its name. Options of
 `exec`, `trace` and `call` go before or after the sandbox id; the command to
 run follows `--` (or starts at the first word that is not an option).
 
-Exit status: the command's own for `exec`, `trace` and `call`; 124 when it
-timed out; 128+N when it died of signal N; 125 when dsec itself failed for
-them (daemon error, bad input, usage). Other commands: 1 when the daemon
+Exit status: the command's own for `exec`, `trace` and `call` (and for
+`wait` and `attach`, the background process's); 124 when it timed out;
+128+N when it died of signal N; 125 when dsec itself failed for them
+(daemon error, bad input, usage). Other commands: 1 when the daemon
 refused or failed, 2 on a usage error. A closed stdout (`dsec ps | head -1`)
 ends dsec quietly with 141, as SIGPIPE would.
 """
@@ -43,6 +44,8 @@ EXIT_BROKEN_PIPE = 128 + 13      # what a shell reports for a process SIGPIPE ki
 # Commands that run a command line: their failures and usage errors exit 125,
 # so a caller can tell dsec's own failure from the command's status.
 RUNS_A_COMMAND = ("exec", "trace", "call")
+# Commands whose exit status is a background process's: their own failures exit 125 too.
+GIVES_A_STATUS = (*RUNS_A_COMMAND, "wait", "attach")
 
 
 class UsageError(Exception):
@@ -405,6 +408,10 @@ def _exit_status(r, timeout_msg: str) -> int:
 
 async def cmd_exec(c: Client, a) -> int:
     sb = await c.get(a.sandbox)
+    if getattr(a, "detach", False):
+        proc = await sb.spawn(a.argv, env=_kv(a.env, "--env"), cwd=a.cwd, user=a.user)
+        _print_json({"pid": proc.pid, "sandbox": sb.id}) if a.json else print(proc.pid)
+        return 0
     if getattr(a, "tty", False):
         return await _exec_on_terminal(sb, a)
     tracing = a.cmd == "trace"
@@ -528,6 +535,159 @@ def _raw_terminal(fd: int):
         yield
     finally:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+# ---------------------------------------------------------------- background processes
+
+def parse_since(text: str, now: float | None = None) -> float:
+    """--since: a duration back from now ("90s", "5m", "2h", "1d", or seconds
+    below 10^9), a Unix timestamp, or an ISO 8601 time; seconds since the epoch."""
+    from datetime import datetime
+
+    from .config import parse_duration
+
+    now = time.time() if now is None else now
+    try:
+        value = float(text)
+    except ValueError:
+        pass
+    else:
+        return value if value >= 1e9 else now - value
+    try:
+        return now - parse_duration(text, "--since")
+    except DsecError:
+        pass
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise UsageError(f"dsec logs: --since takes a duration (90s, 5m, 2h), a Unix timestamp or an "
+                         f"ISO 8601 time (2024-05-01T12:00:00), got {text!r}") from None
+
+
+def _when(ts: float | None) -> str:
+    return "-" if ts is None else time.strftime("%H:%M:%S", time.localtime(ts))
+
+
+def _proc_state(p) -> str:
+    if p.state == "running":
+        return "running"
+    if not p.signal:
+        return "exited"
+    try:
+        return f"killed ({signal.Signals(p.signal).name})"
+    except ValueError:
+        return f"killed (signal {p.signal})"
+
+
+async def cmd_proc(c: Client, a) -> int:
+    sb = await c.get(a.sandbox)
+    procs = await sb.processes()
+    if a.json:
+        _print_json([vars(p) for p in procs])
+        return 0
+    _table([[str(p.pid), _proc_state(p), "-" if p.exit_code is None else str(p.exit_code), _when(p.started),
+             _human_bytes(p.output_bytes), _human_bytes(p.dropped), " ".join(p.argv)] for p in procs],
+           ["PID", "STATE", "EXIT", "STARTED", "KEPT", "DROPPED", "COMMAND"])
+    return 0
+
+
+def _write_output(chunk, pid: int) -> None:
+    """A chunk of a process's output to our stdout or stderr, or the notice of what fell out."""
+    if chunk.dropped:
+        print(f"dsec: {chunk.dropped} bytes of the output of process {pid} fell out of the daemon's buffer "
+              "(limits.proc_output_bytes) before this", file=sys.stderr, flush=True)
+        return
+    out = sys.stdout.buffer if chunk.fd == 1 else sys.stderr.buffer
+    out.write(chunk.data)
+    out.flush()
+
+
+async def cmd_logs(c: Client, a) -> int:
+    proc = (await c.get(a.sandbox)).process(a.pid)
+    async for chunk in proc.output(follow=a.follow, since=a.since_ts):
+        _write_output(chunk, a.pid)
+    return 0
+
+
+def _exit_of(st) -> int:
+    """A background process's status as a shell's: its exit code, 128+N if signal N killed it."""
+    if st.signal:
+        return 128 + st.signal
+    return st.exit_code or 0
+
+
+async def cmd_wait(c: Client, a) -> int:
+    st = await (await c.get(a.sandbox)).process(a.pid).wait()
+    if a.json:
+        _print_json(vars(st))
+    return _exit_of(st)
+
+
+async def cmd_kill(c: Client, a) -> int:
+    r = await (await c.get(a.sandbox)).process(a.pid).kill(a.signal)
+    if a.json:
+        _print_json(r)
+    return 0
+
+
+async def cmd_attach(c: Client, a) -> int:
+    """Our stdin to the process's (our end of input closes its stdin), its
+    output to ours as `logs -f`; Ctrl-C detaches and leaves it running."""
+    proc = (await c.get(a.sandbox)).process(a.pid)
+    feeder = asyncio.get_running_loop().create_task(_feed_stdin(proc))
+    try:
+        async for chunk in proc.output(follow=True):
+            _write_output(chunk, a.pid)
+    except asyncio.CancelledError:
+        print(f"dsec: detached from process {a.pid}; it keeps running", file=sys.stderr)
+        raise
+    finally:
+        feeder.cancel()
+        with contextlib.suppress(asyncio.CancelledError, DsecError, ConnectionError):
+            await feeder
+    return _exit_of(await proc.wait())
+
+
+async def _feed_stdin(proc) -> None:
+    """Our stdin, as it comes, to the process; at its end the process's stdin
+    is closed. Stops quietly where the process takes no more input."""
+    try:
+        async for data in _stdin_as_it_comes():
+            await proc.write(data)
+        await proc.close_stdin()
+    except DsecError:
+        pass          # exited, stdin closed or never open: the output still shows
+
+
+async def _stdin_as_it_comes():
+    """Chunks of our stdin: by the event loop for a pipe or a terminal; a
+    regular file (never blocks for long) is read by a thread."""
+    loop = asyncio.get_running_loop()
+    fd = sys.stdin.fileno()
+    queue: asyncio.Queue[bytes] = asyncio.Queue()
+
+    def on_readable() -> None:
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            loop.remove_reader(fd)
+        queue.put_nowait(data)
+
+    try:
+        loop.add_reader(fd, on_readable)
+    except PermissionError:            # epoll takes no regular file
+        async for data in _stdin_chunks():
+            yield data
+        return
+    try:
+        while data := await queue.get():
+            yield data
+    finally:
+        loop.remove_reader(fd)
 
 
 def _print_trace(rec: dict, as_json: bool, path: str | None) -> None:
@@ -812,6 +972,8 @@ def _exec_options(ex: argparse.ArgumentParser, verb: str) -> None:
     if verb == "exec":
         ex.add_argument("-t", "--tty", action="store_true",
                         help="run the command on a terminal (with -i: ours, in raw mode, is its keyboard)")
+        ex.add_argument("-d", "--detach", action="store_true",
+                        help="run it in the background and print its pid (see dsec proc, logs, attach, kill, wait)")
     ex.add_argument("--timeout", type=float, help="seconds; the process group is killed after it")
     ex.add_argument("--env", action="append", metavar="K=V")
     ex.add_argument("--cwd")
@@ -938,6 +1100,29 @@ def build_parser() -> argparse.ArgumentParser:
     snap.add_argument("--name", required=True)
     snap.add_argument("--exclude", action="append", metavar="PATH", help="leave out this path (repeatable)")
 
+    proc = sub.add_parser("proc", help="background processes (dsec exec -d)").add_subparsers(dest="proc_cmd",
+                                                                                          required=True)
+    x = proc.add_parser("ls", help="pid, state, exit code, command, start, output kept and dropped")
+    x.add_argument("sandbox")
+    x = sub.add_parser("logs", help="a background process's output: stdout to ours, stderr to ours")
+    x.add_argument("sandbox")
+    x.add_argument("pid", type=int)
+    x.add_argument("-f", "--follow", action="store_true", help="then new output, until the process ended")
+    x.add_argument("--since", metavar="DURATION|TIME",
+                   help="only output since then: 90s, 5m, 2h back, a Unix timestamp or an ISO 8601 time")
+    x = sub.add_parser("attach", help="our stdin to a background process, its output to ours (Ctrl-D: its "
+                       "end of input; Ctrl-C detaches, it keeps running); exits with its status")
+    x.add_argument("sandbox")
+    x.add_argument("pid", type=int)
+    x = sub.add_parser("kill", help="signal a background process's group")
+    x.add_argument("sandbox")
+    x.add_argument("pid", type=int)
+    x.add_argument("--signal", "-s", default="KILL", help="a name (TERM, INT, HUP, KILL) or number (default KILL)")
+    x = sub.add_parser("wait", help="wait for a background process; exit with its exit code (128+N if "
+                       "signal N killed it)")
+    x.add_argument("sandbox")
+    x.add_argument("pid", type=int)
+
     ps = sub.add_parser("ps", help="list sandboxes")
     ps.add_argument("--label", action="append", metavar="K=V")
 
@@ -968,7 +1153,8 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS = {"info": cmd_info, "image": cmd_image, "snapshot": cmd_snapshot, "pause": cmd_pause_resume,
             "resume": cmd_pause_resume, "job": cmd_job, "events": cmd_events, "net": cmd_net, "trace": cmd_exec, "create": cmd_create, "exec": cmd_exec, "call": cmd_call, "pool": cmd_pool, "cp": cmd_cp,
             "ps": cmd_ps, "inspect": cmd_inspect, "rm": cmd_rm, "top": cmd_top, "ls": cmd_ls, "cat": cmd_cat,
-            "watch": cmd_watch}
+            "watch": cmd_watch, "proc": cmd_proc, "logs": cmd_logs, "attach": cmd_attach, "kill": cmd_kill,
+            "wait": cmd_wait}
 
 
 async def _run(a) -> int:
@@ -988,7 +1174,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     try:
         a = build_parser().parse_args(argv)
     except SystemExit as exit_:
-        if exit_.code == EXIT_USAGE and verb in RUNS_A_COMMAND:
+        if exit_.code == EXIT_USAGE and verb in GIVES_A_STATUS:
             raise SystemExit(EXIT_DSEC_ERROR) from None
         raise
     a.argv = command
@@ -999,6 +1185,11 @@ def check_usage(a: argparse.Namespace) -> None:
     """What argparse cannot say, checked before the daemon is asked anything."""
     if a.cmd in ("exec", "trace") and not a.argv:
         raise UsageError(f"dsec {a.cmd}: give a command after the sandbox id, e.g. dsec {a.cmd} SB -- ls /")
+    if getattr(a, "detach", False) and (a.tty or a.interactive or a.timeout is not None):
+        raise UsageError("dsec exec: -d runs the command in the background: drop -t, -i and --timeout "
+                         "(send input with dsec attach, end it with dsec kill)")
+    if a.cmd == "logs":
+        a.since_ts = None if a.since is None else parse_since(a.since)
     if getattr(a, "tty", False) and not (sys.stdin is not None and os.isatty(0)):
         raise UsageError("dsec exec: -t needs a terminal, but the input device is not a TTY; "
                          "drop -t (with -i alone the command reads piped input)")
@@ -1050,7 +1241,7 @@ def main(argv: list[str] | None = None) -> None:
         if not _flush_stdout():
             sys.exit(EXIT_BROKEN_PIPE)
         raise
-    fail = EXIT_DSEC_ERROR if a.cmd in RUNS_A_COMMAND else 1
+    fail = EXIT_DSEC_ERROR if a.cmd in GIVES_A_STATUS else 1
     try:
         check_usage(a)
         status = cmd_rpc(a) if a.cmd == "rpc" else asyncio.run(_run(a))
@@ -1063,7 +1254,7 @@ def main(argv: list[str] | None = None) -> None:
         status = EXIT_BROKEN_PIPE
     except UsageError as err:
         print(err, file=sys.stderr)
-        status = EXIT_DSEC_ERROR if a.cmd in RUNS_A_COMMAND else EXIT_USAGE
+        status = EXIT_DSEC_ERROR if a.cmd in GIVES_A_STATUS else EXIT_USAGE
     except DsecError as err:
         if a.json:
             _print_json({"error": err.to_wire()})

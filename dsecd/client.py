@@ -570,6 +570,90 @@ class ExecStream:
                     pass
 
 
+@dataclass
+class ProcOutput:
+    """A chunk of a background process's output: `fd` 1 or 2, `data`, and
+    `time` (seconds since the epoch) when the daemon read it. A notice that
+    output fell out of the daemon's ring has fd 0, no data and `dropped` > 0."""
+
+    fd: int
+    data: bytes
+    time: float = 0.0
+    dropped: int = 0
+
+
+@dataclass
+class ProcStatus:
+    """A background process as `proc_list` shows it."""
+
+    pid: int
+    state: str               # "running" or "exited"
+    exit_code: int | None
+    signal: int | None
+    argv: list[str]
+    started: float
+    ended: float | None
+    output_bytes: int        # kept in the daemon's ring
+    dropped: int             # fell out of it
+    stdin_open: bool
+
+    @classmethod
+    def from_wire(cls, r: dict) -> ProcStatus:
+        return cls(**{k: r.get(k) for k in cls.__dataclass_fields__})
+
+
+class Process:
+    """A background process in a sandbox (Sandbox.spawn, Sandbox.process):
+    named by its pid in the sandbox, so any client may take it up again."""
+
+    def __init__(self, sb: Sandbox, pid: int):
+        self.sb = sb
+        self.pid = pid
+
+    def __repr__(self) -> str:
+        return f"<Process {self.pid} in {self.sb.id}>"
+
+    def _args(self, **more) -> dict:
+        return {"sandbox": self.sb.id, "pid": self.pid, **more}
+
+    async def status(self) -> ProcStatus:
+        for p in await self.sb.processes():
+            if p.pid == self.pid:
+                return p
+        raise NotFound(f"no background process with pid {self.pid} in sandbox {self.sb.id}")
+
+    async def wait(self) -> ProcStatus:
+        """Its status once it exited (`exit_code`, or `signal` if killed)."""
+        return ProcStatus.from_wire(await self.sb.client.request("proc_wait", **self._args()))
+
+    async def output(self, follow: bool = True, since: float | None = None) -> AsyncIterator[ProcOutput]:
+        """Its output kept by the daemon, then (follow) new output as it
+        comes, until it exited and its output drained; since: only chunks
+        read at or after this time (seconds since the epoch)."""
+        args = self._args(follow=follow, **({"since": since} if since is not None else {}))
+        async with contextlib.aclosing(self.sb.client.frames("proc_logs", **args)) as frames:
+            async for frame in frames:
+                if "__result__" in frame:
+                    return
+                if "dropped" in frame:
+                    if frame["dropped"]:
+                        yield ProcOutput(0, b"", 0.0, frame["dropped"])
+                    continue
+                yield ProcOutput(frame["fd"], frame["data"], frame["time"])
+
+    async def write(self, data: bytes) -> None:
+        """Input for its stdin (waits while it does not read)."""
+        await self.sb.client.request("proc_input", **self._args(data=bytes(data)))
+
+    async def close_stdin(self) -> None:
+        await self.sb.client.request("proc_input", **self._args(eof=True))
+
+    async def kill(self, signal: int | str = "KILL") -> dict:
+        """Signal its process group: a number or a name ("TERM", "SIGINT")."""
+        sig = int(signal) if not isinstance(signal, str) else signal
+        return await self.sb.client.request("proc_kill", **self._args(signal=sig))
+
+
 class Sandbox:
     def __init__(self, client: Client, sandbox_id: str, info: dict):
         self.client = client
@@ -628,6 +712,26 @@ class Sandbox:
         end of `stdin` does not end a terminal's input: send b"\\x04" (^D)."""
         args = self._exec_args(argv, env, cwd, user, timeout, stdin is not None, True, trace, pty, rows, cols)
         return ExecStream(self, args, stdin)
+
+    async def spawn(self, argv: list[str] | str, env: dict | None = None, cwd: str | None = None,
+                    user: int | None = None, stdin: bool = True) -> Process:
+        """Start a background process (an argv list, or a string run by
+        /bin/sh -c); returns once it runs. It outlives this client and a
+        daemon restart; take it up again with `process(pid)`. stdin: a pipe
+        fed by Process.write until close_stdin (False: /dev/null)."""
+        args = _given({"sandbox": self.id, "argv": command_argv(argv), "env": string_map(env, "env"),
+                       "stdin": stdin}, cwd=cwd, user=user)
+        r = await self.client.request("proc_start", **args)
+        return Process(self, r["pid"])
+
+    def process(self, pid: int) -> Process:
+        """A background process of this sandbox by its pid (from spawn, processes() or `dsec proc ls`)."""
+        return Process(self, pid)
+
+    async def processes(self) -> list[ProcStatus]:
+        """Its background processes, running and exited (kept until evicted), oldest first."""
+        r = await self.client.request("proc_list", sandbox=self.id)
+        return [ProcStatus.from_wire(p) for p in r["processes"]]
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644, parents: bool = True,
                          atomic: bool = True) -> int:

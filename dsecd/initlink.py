@@ -24,7 +24,12 @@ the channel; later execs of that sandbox go through the daemon's helper.
 Init also keeps the daemon's end (its fd 5, never used by init), so a
 restarted daemon takes the channel back with pidfd_getfd (`take_back`).
 Answers for execs of the daemon before (ids this one never used: each link
-starts at a random id) are dropped.
+starts at a random id) are dropped, except for the background processes the
+daemon before journaled, which the new one registers again (`adopt`).
+
+A background process (`spawn` with `hold`) is a detached exec: init also
+holds the daemon's ends of its pipes until `release`, and a daemon that stops
+leaves it running (close(None) at shutdown does not kill it).
 """
 
 from __future__ import annotations
@@ -69,7 +74,8 @@ class InitExec:
 
     kill_grace = KILL_GRACE_S
 
-    __slots__ = ("link", "id", "request", "exited", "over", "running", "_fd", "_kill_sent")
+    __slots__ = ("link", "id", "request", "exited", "over", "running", "pid", "detached", "_fd", "_kill_sent",
+                 "_started_fut")
 
     def __init__(self, link: InitLink, exec_id: int, request: tuple):
         self.link = link
@@ -81,8 +87,37 @@ class InitExec:
         # gone (a call's uid) waits for this.
         self.over: asyncio.Future = link.loop.create_future()
         self.running = False           # init answered STARTED
+        self.pid = 0                   # its pid in the sandbox's pid namespace, once STARTED
+        # A background process: it outlives the daemon (close(None) at
+        # shutdown leaves it running; init holds its pipes).
+        self.detached = False
         self._fd = -1                  # its pidfd, while it may still run
         self._kill_sent = False
+        self._started_fut: asyncio.Future | None = None
+
+    def started(self) -> asyncio.Future:
+        """A future of its pid in the sandbox once init started it; it fails
+        as `exited` does when it could not start."""
+        if self._started_fut is None:
+            self._started_fut = self.link.loop.create_future()
+            if self.running:
+                self._started_fut.set_result(self.pid)
+        return self._started_fut
+
+    @property
+    def pidfd(self) -> int:
+        """Its pidfd while it may still run, else -1 (the link owns it)."""
+        return self._fd
+
+    def signal(self, signum: int) -> bool:
+        """Send signum to its process group; False if it has ended (or has no pidfd yet)."""
+        if self._fd < 0:
+            return False
+        try:
+            native.pidfd_kill_group(self._fd, signum)
+        except OSError:       # no member left (ESRCH)
+            return False
+        return True
 
     def kill(self) -> None:
         """SIGKILL the exec's process group (it leads its own session)."""
@@ -106,15 +141,20 @@ class InitExec:
     def stop(self) -> None:
         """Nothing to stop: the link reads init's answers for every exec."""
 
-    def _started(self, pidfd: int) -> None:
+    def _started(self, pidfd: int, pid: int = 0) -> None:
         self.running = True
         self._fd = pidfd
+        self.pid = pid
+        if self._started_fut is not None and not self._started_fut.done():
+            self._started_fut.set_result(pid)
         if self._kill_sent or self.exited.cancelled():    # killed or abandoned before it started
             self.kill()
 
     def _failed(self, err: Exception) -> None:
         if not self.exited.done():          # else abandoned: nobody waits
             self.exited.set_exception(err)
+        if self._started_fut is not None and not self._started_fut.done():
+            self._started_fut.set_exception(err)
         self._over()
 
     def _ended(self, status: int) -> None:
@@ -152,12 +192,15 @@ class InitLink:
     # ------------------------------------------------------------ requests
 
     def spawn(self, loop: asyncio.AbstractEventLoop, argv: list[str], env: list[str], cwd: str, uid: int,
-              cap_keep: int, stdio: tuple[int, int, int], ctty: bool = False) -> InitExec | None:
+              cap_keep: int, stdio: tuple[int, int, int], ctty: bool = False,
+              hold: tuple[int, int, int] | None = None) -> InitExec | None:
         """Ask init to start argv; None if this channel cannot take it (closed,
         too big for one packet, init not reading): use the daemon's helper.
         The stdio fds are in the kernel's hands once this returns: the caller
         may close its copies. ctty: stdin is a pty slave the exec takes as its
-        controlling terminal. ValueError for strings or ids execve cannot take."""
+        controlling terminal. hold: the daemon's ends of the stdio pipes, which
+        init holds until `release` (a background process: detached). ValueError
+        for strings or ids execve cannot take."""
         raw_argv, raw_env, raw_cwd = native.check_exec_request(argv, env, cwd, uid, uid)     # as the helper's
         strings = b"\0".join((raw_cwd, *raw_argv, *raw_env)) + b"\0"
         if len(strings) > native.INIT_MAX_STRINGS:
@@ -165,10 +208,11 @@ class InitLink:
         if not self.attach(loop):
             return None
         exec_id = self._next_id()
-        op = native.INIT_OP_START | (native.INIT_START_CTTY if ctty else 0)
+        op = (native.INIT_OP_START | (native.INIT_START_CTTY if ctty else 0)
+              | (native.INIT_START_HOLD if hold is not None else 0))
         head = _REQ.pack(native.INIT_MAGIC, exec_id, uid, uid, cap_keep, len(argv), len(env), len(strings), op)
         try:
-            socket.send_fds(self.sock, [head, strings], list(stdio))
+            socket.send_fds(self.sock, [head, strings], list(stdio) + list(hold or ()))
         except BlockingIOError:
             return None            # init's queue is full: it is busy or frozen
         except OSError as err:
@@ -176,8 +220,43 @@ class InitLink:
                 self.close(None)
             return None            # anything else (ENOBUFS, ...): this one goes through the helper
         started = InitExec(self, exec_id, (argv[0], env, uid, cwd))
+        started.detached = hold is not None
         self.pending[exec_id] = started
         return started
+
+    def adopt(self, exec_id: int, pid: int, pidfd: int, argv0: str) -> InitExec | None:
+        """A background process the daemon before this one started (journaled):
+        init's answers for its id are this link's again (its EXITED, maybe
+        queued while no daemon ran). pidfd: -1 if it ended meanwhile (its
+        EXITED is then due), else owned by the returned exec. None once closed."""
+        if self.closed or self.loop is None:
+            if pidfd >= 0:
+                os.close(pidfd)
+            return None
+        run = InitExec(self, exec_id, (argv0, [], 0, "/"))
+        run.running = True
+        run.detached = True
+        run.pid = pid
+        run._fd = pidfd
+        self.pending[exec_id] = run
+        return run
+
+    def release(self, exec_id: int, mask: int) -> None:
+        """OP_RELEASE: init closes the ends it holds of a background process's
+        pipes (mask: 1 stdin, 2 stdout, 4 stderr). Blocking only when init's
+        queue is full, which a frozen init (a paused sandbox) can make: then
+        it is retried from the loop until init reads it or the channel closes."""
+        if self.closed:
+            return
+        head = _REQ.pack(native.INIT_MAGIC, exec_id, mask, 0, 0, 0, 0, 0, native.INIT_OP_RELEASE)
+        try:
+            self.sock.send(head)
+        except BlockingIOError:
+            assert self.loop is not None
+            self.loop.call_later(0.1, self.release, exec_id, mask)
+        except OSError as err:
+            if err.errno in _GONE:
+                self.close(None)
 
     def copy(self, loop: asyncio.AbstractEventLoop, src: int, dst: int) -> InitExec | None:
         """OP_COPY: init forks a child (in the sandbox's cgroups) that copies
@@ -216,6 +295,8 @@ class InitLink:
     def _next_id(self) -> int:
         exec_id = self.next_id
         self.next_id = self.next_id % 0xFFFFFFFF + 1
+        while exec_id in self.pending:         # an adopted background process holds it
+            exec_id, self.next_id = self.next_id, self.next_id % 0xFFFFFFFF + 1
         return exec_id
 
     def send_kill(self, exec_id: int) -> None:
@@ -268,7 +349,7 @@ class InitLink:
         fds it keeps are taken out of `fds`."""
         if len(data) != native.INIT_REPLY_SIZE or flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
             return f"an answer of {len(data)} bytes"
-        magic, kind, exec_id, _pid, status, _ = _REPLY_HEAD.unpack_from(data)
+        magic, kind, exec_id, pid, status, _ = _REPLY_HEAD.unpack_from(data)
         if magic != native.INIT_MAGIC:
             return f"an answer with magic {magic:#x}"
         run = self.pending.get(exec_id)
@@ -288,7 +369,7 @@ class InitLink:
                 return None
             if len(fds) != 1 or not _is_pidfd(fds[0]):
                 return "a start without a pidfd"
-            run._started(fds.pop())
+            run._started(fds.pop(), pid)
             return None
         if kind == native.INIT_EXITED and not fds and run.running:
             del self.pending[exec_id]
@@ -328,6 +409,13 @@ class InitLink:
         pending, self.pending = self.pending, {}
         lost = OSError(errno.EPIPE, f"lost the exec channel to the sandbox's init ({why})")
         for run in pending.values():
+            if why is None and run.detached and run.running:
+                # The daemon stops (or the sandbox goes, and the kernel kills
+                # it with the pid namespace): a background process outlives
+                # the daemon, init keeps its pipes for the next one.
+                run._close()
+                run._ended(KILLED)
+                continue
             run.kill()
             if why is not None:
                 run._close()

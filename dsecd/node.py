@@ -34,6 +34,7 @@ from .engine.lifecycle import LifecycleService
 from .engine.lifetimes import LifetimeService
 from .engine.memory import MemoryService
 from .engine.network import NetworkService
+from .engine.procs import ProcessService, ProcLimits
 from .engine.sandboxes import SandboxRegistry
 from .engine.starts import ProcessStarter
 from .engine.watches import WatchService
@@ -59,6 +60,8 @@ SERVICE_ROUTES = {
     "job_rm": ("lifecycle", "job_rm"),
     "exec": ("exec_service", "exec"), "exec_input": ("exec_service", "exec_input"),
     "exec_resize": ("exec_service", "exec_resize"),
+    "proc_start": ("procs", "start"), "proc_list": ("procs", "list"), "proc_logs": ("procs", "logs"),
+    "proc_input": ("procs", "input"), "proc_kill": ("procs", "kill"), "proc_wait": ("procs", "wait"),
     "file_read": ("file_service", "read"), "file_write": ("file_service", "write"),
     "file_list": ("file_service", "list"), "file_stat": ("file_service", "stat"),
     "file_mkdir": ("file_service", "mkdir"), "file_remove": ("file_service", "remove"),
@@ -118,8 +121,11 @@ class Node:
         self.memory = MemoryService(cfg, root, self.registry, self.workers, self.events)
         self.net_service = NetworkService(cfg, layout, root, self.limits["max_sandboxes"], self.registry,
                                           self.workers, self.backend)
+        self.procs = ProcessService(self.registry, self.workers, self.backend, self.memory.ensure_running,
+                                    ProcLimits.from_config(cfg))
         self.lifecycle = LifecycleService(self.registry, self.workers, self.backend, self.image_service.layers,
-                                          self.net_service, self.memory, self.events, self.cpu, self.id_ranges)
+                                          self.net_service, self.memory, self.events, self.cpu, self.id_ranges,
+                                          self.procs)
         self.lifetimes = LifetimeService(self.registry, self.workers, self.events, self.memory,
                                          self.lifecycle.destroy_sandbox)
         self.create_service = CreateService(cfg, self.registry, self.workers, self.backend, self.image_service,
@@ -185,6 +191,7 @@ class Node:
             self._cpu_task.cancel()
         await self.net_service.close_net()
         await self.workers.run(self.memory.close)
+        self.procs.close()          # before the handles: their processes run on for the next daemon
         drained = not any(s.handle is not None for s in self.registry.by_id.values())
         await self.workers.run(self.image_service.stop, drained)
         self.lifecycle.close()
@@ -209,7 +216,8 @@ class Node:
                 "capabilities": self.capabilities(), "limits": self.wire_limits()}
 
     def capabilities(self) -> list[str]:
-        return ["exec.stream", "exec.stdin", "files", "files.watch", "files.tar", "backend.container", "image.dir", "backend.fncall"]
+        return ["exec.stream", "exec.stdin", "files", "files.watch", "files.tar", "backend.container",
+                "image.dir", "backend.fncall", "proc"]
 
     def wire_limits(self) -> dict:
         return {"max_frame_bytes": self.cfg.size("limits", "max_frame_bytes"),

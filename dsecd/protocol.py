@@ -226,6 +226,55 @@ class ExecResize:
     cols: int
 
 
+# Background processes (dsecd/engine/procs.py): started detached, named by
+# their pid in the sandbox; their output is kept in a ring per process.
+PROC_STATES = ("running", "paused", "dead")
+
+
+@request("proc_start", states=ACTIVE)
+class ProcStart:
+    sandbox: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    user: int | None = None
+    stdin: bool = True       # a pipe fed by proc_input (open until eof); false: /dev/null
+
+
+@request("proc_list", states=PROC_STATES)
+class ProcList:
+    sandbox: str
+
+
+@request("proc_logs", states=PROC_STATES, stream=True)
+class ProcLogs:
+    sandbox: str
+    pid: int
+    follow: bool = False         # then new output as it comes, until the process ended and its output drained
+    since: float | None = None   # only chunks read at or after this time (seconds since the epoch)
+
+
+@request("proc_input", states=PROC_STATES)
+class ProcInput:
+    sandbox: str
+    pid: int
+    data: bytes = b""
+    eof: bool = False        # close its stdin after data
+
+
+@request("proc_kill", states=PROC_STATES)
+class ProcKill:
+    sandbox: str
+    pid: int
+    signal: int | str = "KILL"   # a number, or a name with or without SIG ("TERM", "SIGINT")
+
+
+@request("proc_wait", states=PROC_STATES)
+class ProcWait:
+    sandbox: str
+    pid: int
+
+
 @request("cancel")
 class Cancel:
     target: int              # the id of an in-flight request on this connection

@@ -18,7 +18,7 @@ import concurrent.futures
 import threading
 from collections.abc import Iterator
 
-from .client import Client, ExecResult, ExecStream, Sandbox
+from .client import Client, ExecResult, ExecStream, Process, ProcOutput, ProcStatus, Sandbox
 from .errors import NotFound
 
 
@@ -43,6 +43,16 @@ class SyncSandbox:
         `yield from` it). With pty=True: `write` and `resize` from another
         thread while one iterates (Sandbox.exec_stream)."""
         return SyncExecStream(self._owner, self._sb.exec_stream(argv, **kw))
+
+    def spawn(self, argv, **kw) -> SyncProcess:
+        """Sandbox.spawn: a background process; returns once it runs."""
+        return SyncProcess(self._owner, self._run(self._sb.spawn(argv, **kw)))
+
+    def process(self, pid: int) -> SyncProcess:
+        return SyncProcess(self._owner, self._sb.process(pid))
+
+    def processes(self) -> list[ProcStatus]:
+        return self._run(self._sb.processes())
 
     def write_file(self, path: str, data: bytes, **kw) -> int:
         return self._run(self._sb.write_file(path, data, **kw))
@@ -179,6 +189,44 @@ class SyncWatch:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class SyncProcess:
+    """A background process (client.Process), for scripts."""
+
+    def __init__(self, owner: SyncClient, proc: Process):
+        self._owner = owner
+        self._proc = proc
+        self.pid = proc.pid
+
+    def __repr__(self) -> str:
+        return f"<SyncProcess {self.pid}>"
+
+    def status(self) -> ProcStatus:
+        return self._owner._run(self._proc.status())
+
+    def wait(self) -> ProcStatus:
+        return self._owner._run(self._proc.wait())
+
+    def output(self, follow: bool = True, since: float | None = None) -> Iterator[ProcOutput]:
+        it = self._proc.output(follow, since).__aiter__()
+        try:
+            while True:
+                try:
+                    yield self._owner._run(it.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._owner._run(it.aclose())
+
+    def write(self, data: bytes) -> None:
+        self._owner._run(self._proc.write(data))
+
+    def close_stdin(self) -> None:
+        self._owner._run(self._proc.close_stdin())
+
+    def kill(self, signal: int | str = "KILL") -> dict:
+        return self._owner._run(self._proc.kill(signal))
 
 
 async def _awaited(awaitable):

@@ -272,14 +272,16 @@ class ContainerBackend:
         return [f"{k}={v}" for k, v in env.items()]
 
     def start_by_init(self, loop, h: Handle, argv: list[str], env: list[str], cwd: str, uid: int,
-                      fds: tuple[int, int, int], ctty: bool = False) -> initlink.InitExec | None:
+                      fds: tuple[int, int, int], ctty: bool = False,
+                      hold: tuple[int, int, int] | None = None) -> initlink.InitExec | None:
         """Send the exec to the sandbox's init (on the event loop, does not
         block); None if it has no channel or the channel cannot take it: then
         `spawn` it. The same ids and capabilities as `spawn` gives. ctty:
-        fds[0] is a pty slave, the exec's controlling terminal."""
+        fds[0] is a pty slave, the exec's controlling terminal. hold: the
+        daemon's ends of its pipes, for init to hold (a background process)."""
         if h.init_link is None:
             return None
-        return h.init_link.spawn(loop, argv, env, cwd, uid, self.caps, fds, ctty)
+        return h.init_link.spawn(loop, argv, env, cwd, uid, self.caps, fds, ctty, hold)
 
     def copy_by_init(self, loop, h: Handle, src: int, dst: int) -> initlink.InitExec | None:
         """Have the sandbox's init copy src into dst from a child in the

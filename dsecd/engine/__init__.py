@@ -12,6 +12,7 @@ images.py     ImageService: image requests, snapshots, layer mounts and the page
 network.py    NetworkService: a sandbox's network at create and destroy, net_show/net_set
 starts.py     ProcessStarter: a process started by a sandbox's init or the exec helper
 execs.py      ExecService: execs, their streams and stdin, by init or the helper
+procs.py      ProcessService: background processes, their output rings, restarts survived
 files.py      FileService: read, write, list and stat inside a sandbox
 calls.py      CallService: stateless function calls in call sandboxes and zygotes
 

@@ -59,6 +59,25 @@ def check_env(env: dict) -> None:
             raise BadRequest(f"bad environment variable name or value: {k!r}")
 
 
+def exec_target(sb: Sandbox, req, backend) -> tuple[list[str], str, int]:
+    """(env, cwd, user) of an exec or background process request (argv,
+    env, cwd, user) in `sb`, checked: BadRequest names what is wrong."""
+    if not req.argv or not all(req.argv):
+        raise BadRequest("argv must be a non-empty list of non-empty strings")
+    if any("\0" in a for a in req.argv):
+        raise BadRequest("argv must not contain NUL bytes")
+    check_env(req.env)
+    cwd = req.cwd or sb.cwd
+    if not cwd.startswith("/"):
+        raise BadRequest(f"cwd must be an absolute path inside the sandbox, got {cwd!r}")
+    user = sb.user if req.user is None else req.user
+    idmap = userns.IdMap.from_record(sb.idmap)
+    if idmap and not 0 <= user < idmap.count:
+        raise BadRequest(f"user {user} does not exist in sandbox {sb.id}: its user namespace maps "
+                         f"uids 0..{idmap.count - 1}", {"user": user, "userns_size": idmap.count})
+    return backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, req.env), cwd, user
+
+
 @dataclass(frozen=True)
 class ExecLimits:
     max_timeout_s: float           # limits.max_exec_timeout_s (0: none)
@@ -90,25 +109,12 @@ class ExecService:
 
     async def exec(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
-        if not req.argv or not all(req.argv):
-            raise BadRequest("argv must be a non-empty list of non-empty strings")
-        check_env(req.env)
         check_pty(req)
         timeout = req.timeout
         max_t = self.limits.max_timeout_s
         if timeout is not None and not 0 < timeout <= (max_t or float("inf")):
             raise BadRequest(f"timeout must be in (0, {max_t}] seconds, got {timeout}")
-        cwd = req.cwd or sb.cwd
-        if not cwd.startswith("/"):
-            raise BadRequest(f"cwd must be an absolute path inside the sandbox, got {cwd!r}")
-        if any("\0" in a for a in req.argv):
-            raise BadRequest("argv must not contain NUL bytes")
-        user = sb.user if req.user is None else req.user
-        idmap = userns.IdMap.from_record(sb.idmap)
-        if idmap and not 0 <= user < idmap.count:
-            raise BadRequest(f"user {user} does not exist in sandbox {sb.id}: its user namespace maps "
-                             f"uids 0..{idmap.count - 1}", {"user": user, "userns_size": idmap.count})
-        env = self.backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, req.env)
+        env, cwd, user = exec_target(sb, req, self.backend)
         await self.ensure_running(sb, "exec")
         if not (req.stream or req.stdin or req.trace or req.pty):
             # ETXTBSY: the program is open for writing somewhere for a moment

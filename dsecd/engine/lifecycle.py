@@ -20,6 +20,7 @@ from .events import EventBus
 from .idranges import IdRanges
 from .memory import MemoryService
 from .network import NetworkService
+from .procs import ProcessService
 from .sandboxes import Sandbox, SandboxRegistry
 from .workers import Workers
 
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 # The journaled fields a re-adopted sandbox is rebuilt from (Sandbox.record).
 RECORD_FIELDS = ("image", "state", "created", "limits", "env", "labels", "hostname", "cwd", "user", "backend",
                  "died", "qos", "core_sched", "manifest", "layers", "ttl", "idle_ttl", "lease", "pause_record",
-                 "net", "key", "idmap")
+                 "net", "key", "idmap", "procs")
 
 
 def labels_match(sb: Sandbox, labels: dict) -> bool:
@@ -40,7 +41,8 @@ class LifecycleService:
     on every sandbox's init; re-adoption at start (recover_all)."""
 
     def __init__(self, registry: SandboxRegistry, workers: Workers, backend, layers: LayerMounts,
-                 net: NetworkService, memory: MemoryService, events: EventBus, cpu: CpuHost, id_ranges: IdRanges):
+                 net: NetworkService, memory: MemoryService, events: EventBus, cpu: CpuHost, id_ranges: IdRanges,
+                 procs: ProcessService):
         self.registry = registry
         self.workers = workers
         self.backend = backend
@@ -50,6 +52,7 @@ class LifecycleService:
         self.events = events
         self.cpu = cpu
         self.id_ranges = id_ranges
+        self.procs = procs
 
     # ------------------------------------------------------------ start / stop
 
@@ -82,9 +85,11 @@ class LifecycleService:
             log.warning("sandbox %s died while the daemon was down", sb_id)
             await self._mark_dead(sb, None)
             return
+        taken = await self.workers.run(self.procs.take_back, sb, handle)
         if handle.init_link is not None:
             handle.init_link.attach(self.workers.loop)      # read what init sent while we were down
         sb.handle = handle
+        self.procs.readopt(sb, handle, taken)    # before the loop reads init's answers: no await between
         if sb.state == "running":
             # A kill -9 between a pause's freeze and its journal write leaves a
             # "running" sandbox frozen: thaw it, or its next exec hangs joining it.
@@ -214,6 +219,7 @@ class LifecycleService:
             self.memory.report_oom(sb, kills)
         await self.net.detach_net(sb)
         self.registry.remove(sb, prev)       # its record, and its idempotency key
+        self.procs.forget(sb.id)             # its background processes died with it
         self.id_ranges.release(sb)        # its processes are gone: stop() waited for them
         if prev != "dead":          # a dead sandbox gave its layers back already
             self.layers.release(sb.layers)

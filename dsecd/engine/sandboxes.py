@@ -62,6 +62,7 @@ class Sandbox:
     core_sched: str = "off"     # on | off | unavailable
     key: str | None = None      # idempotency key of the create (dsecd/engine/creates.py)
     idmap: dict | None = None   # user-namespace id range (dsecd/userns.py); None = host ids
+    procs: list = field(default_factory=list)   # background processes' records (dsecd/engine/procs.py)
 
     def record(self) -> dict:
         h = self.handle
@@ -72,12 +73,13 @@ class Sandbox:
                 "died": self.died, "qos": self.qos, "core_sched": self.core_sched,
                 "manifest": self.manifest, "layers": self.layers, "ttl": self.ttl,
                 "idle_ttl": self.idle_ttl, "lease": self.lease, "pause_record": self.pause_record,
-                "net": self.net, "key": self.key, "idmap": self.idmap}
+                "net": self.net, "key": self.key, "idmap": self.idmap, "procs": self.procs}
 
     def public(self) -> dict:
         out = self.record()
         out.pop("init_start")
         out.pop("pause_record")
+        out.pop("procs")
         out["execs_running"] = self.execs
         return out
 

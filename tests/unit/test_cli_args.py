@@ -63,7 +63,9 @@ MINIMAL = {("image", "build"): ["d", "--name", "n"], ("image", "import"): ["d", 
            ("pause",): ["SB"], ("resume",): ["SB"], ("job", "pause"): ["j"], ("job", "resume"): ["j"],
            ("job", "rm"): ["j"], ("net", "show"): ["SB"], ("net", "set"): ["SB"],
            ("snapshot",): ["SB", "--name", "n"], ("inspect",): ["SB"], ("ls",): ["SB:/x"], ("cat",): ["SB:/x"],
-           ("watch",): ["SB:/x"]}
+           ("watch",): ["SB:/x"],
+           ("proc", "ls"): ["SB"], ("logs",): ["SB", "7"], ("attach",): ["SB", "7"], ("kill",): ["SB", "7"],
+           ("wait",): ["SB", "7"]}
 
 
 def test_json_is_accepted_before_and_after_every_command():
@@ -85,6 +87,24 @@ def test_exec_options_before_and_after_the_sandbox_id():
     assert (b.sandbox, b.timeout, b.interactive, b.user, b.argv) == ("SB", 2.0, True, 7, ["sleep", "10"])
     t = cli.parse_args(["trace", "SB", "-o", "f", "--", "true"])
     assert (t.sandbox, t.output, t.argv) == ("SB", "f", ["true"])
+
+
+def test_since_takes_durations_timestamps_and_iso_times():
+    now = 1_700_000_000.0
+    assert cli.parse_since("90s", now) == now - 90
+    assert cli.parse_since("5m", now) == now - 300
+    assert cli.parse_since("30", now) == now - 30
+    assert cli.parse_since("1700000123.5", now) == 1700000123.5
+    assert cli.parse_since("2024-05-01T12:00:00+00:00", now) == 1714564800.0
+    with pytest.raises(cli.UsageError, match="--since"):
+        cli.parse_since("yesterday", now)
+
+
+def test_detach_takes_no_terminal_input_or_timeout():
+    for extra in (["-t"], ["-i"], ["--timeout", "3"]):
+        a = cli.parse_args(["exec", "-d", *extra, "SB", "--", "true"])
+        with pytest.raises(cli.UsageError, match="-d runs the command in the background"):
+            cli.check_usage(a)
 
 
 def _dsec(*args, **kw) -> subprocess.CompletedProcess:

@@ -1,0 +1,590 @@
+"""Background processes: started detached in a sandbox (`dsec exec -d`,
+`sb.spawn`), named by their pid in the sandbox, their output kept in a
+bounded ring per process for `proc_logs`, fed stdin by `proc_input`,
+signalled by `proc_kill` and waited for by `proc_wait`.
+
+Each one is an exec the sandbox's init forks (dsecd/initlink.py), with
+stdin, stdout and stderr pipes whose other ends the daemon reads and writes.
+The daemon also sends init its own ends, which init holds until the daemon
+releases them (csrc/init.c, DSEC_INIT_START_HOLD). So when the daemon stops,
+the pipes stay open: the process blocks on a full pipe instead of dying of
+SIGPIPE, and what it writes meanwhile stays in the pipe (1 MiB each,
+F_SETPIPE_SZ). Each process is journaled with its sandbox (its exec id, pid,
+host pid and start time, and the inode numbers of its pipes); a restarted
+daemon takes the ends back from init by those inodes (pidfd_getfd) and
+registers the exec ids with the sandbox's channel, so init's report of the
+end (queued while no daemon ran) is read. What the old daemon's ring held is
+lost with it.
+
+A process's record lives until it is evicted: at most
+limits.max_procs_per_sandbox per sandbox, exited ones evicted oldest first,
+so `proc_wait` and `proc_logs` work after the end. They end with their
+sandbox (the kernel kills them with its pid namespace); pause and resume
+leave them alone (frozen with the sandbox).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import errno
+import fcntl
+import logging
+import os
+import signal as signals
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from .. import native
+from ..backends.container import proc_start_time
+from ..errors import BadRequest, Conflict, LimitExceeded, NotFound, io_error, run_error
+from ..execio import READ_CHUNK, _decode_status
+from ..fds import close_quietly
+from ..initlink import KILLED, InitExec
+from .execs import exec_target
+from .sandboxes import Sandbox, SandboxRegistry
+from .workers import Workers
+
+log = logging.getLogger(__name__)
+
+PIPE_SIZE = 1 << 20           # what a process may write while no daemon reads (F_SETPIPE_SZ)
+STDIN, STDOUT, STDERR = 1, 2, 4      # init's release mask (csrc/init.c release_held)
+# How long after a restart a process found gone may wait for init's report
+# of its end (queued on the channel, read as soon as the loop runs).
+LOST_END_S = 1.0
+
+
+@dataclass(frozen=True)
+class ProcLimits:
+    output_bytes: int          # limits.proc_output_bytes: the ring of each process
+    max_per_sandbox: int       # limits.max_procs_per_sandbox: records kept, running or exited
+    drain_grace_s: float       # limits.exec_drain_grace_s: output read after the end
+
+    @classmethod
+    def from_config(cls, cfg) -> ProcLimits:
+        limits = cfg.section("limits")
+        return cls(cfg.size("limits", "proc_output_bytes"), limits["max_procs_per_sandbox"],
+                   limits["exec_drain_grace_s"])
+
+
+class Ring:
+    """A process's latest output, at most `cap` bytes: chunks (offset, time,
+    fd, data), where offset counts every byte the process wrote before it.
+    What falls out of the front is counted in `dropped`."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.chunks: collections.deque[tuple[int, float, int, bytes]] = collections.deque()
+        self.size = 0
+        self.written = 0           # offset past the last byte read from the process
+        self.dropped = 0           # bytes that fell out (= the offset of the oldest kept byte)
+
+    def append(self, fd: int, data: bytes, at: float) -> None:
+        offset = self.written
+        self.written += len(data)
+        if len(data) > self.cap:            # only its tail fits
+            offset += len(data) - self.cap
+            data = data[-self.cap:]
+        self.chunks.append((offset, at, fd, data))
+        self.size += len(data)
+        while self.size > self.cap:
+            _, _, _, old = self.chunks.popleft()
+            self.size -= len(old)
+        self.dropped = self.chunks[0][0] if self.chunks else self.written
+
+    def after(self, pos: int) -> tuple[int, list[tuple[int, float, int, bytes]]]:
+        """(bytes lost past `pos` because they fell out, the chunks from `pos` on)."""
+        out = []
+        for chunk in reversed(self.chunks):          # a follower near the end reads few
+            if chunk[0] < pos:
+                break
+            out.append(chunk)
+        out.reverse()
+        return max(0, self.dropped - pos), out
+
+
+class BgProc:
+    """One background process: its pipes, ring and end; `tick` is done (and
+    replaced) at each change, which followers await (no polling)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, rec: dict, ring_bytes: int):
+        self.loop = loop
+        self.rec = rec             # its journal record (dsecd/engine/sandboxes.py Sandbox.procs)
+        self.pid: int = rec["pid"]
+        self.ring = Ring(ring_bytes)
+        self.run: InitExec | None = None
+        self.fds = {"stdin": -1, "stdout": -1, "stderr": -1}
+        self.over = loop.create_future()        # done once exited and its output drained
+        self.ended = loop.create_future()       # done at its exit: the status (None: unknown)
+        self.tick = loop.create_future()
+        self.stdin_lock = asyncio.Lock()
+        self._grace: asyncio.TimerHandle | None = None
+        if rec["state"] == "exited":
+            self.ended.set_result(rec.get("status"))
+            self.over.set_result(None)
+
+    @property
+    def running(self) -> bool:
+        return not self.ended.done()
+
+    def wake(self) -> None:
+        tick, self.tick = self.tick, self.loop.create_future()
+        tick.set_result(None)
+
+    def public(self) -> dict:
+        code, sig = self.exit_status()
+        return {"pid": self.pid, "state": "running" if self.running else "exited", "exit_code": code,
+                "signal": sig, "argv": self.rec["argv"], "started": self.rec["started"],
+                "ended": self.rec.get("ended"), "output_bytes": self.ring.size, "dropped": self.ring.dropped,
+                "stdin_open": self.fds["stdin"] >= 0}
+
+    def exit_status(self) -> tuple[int | None, int | None]:
+        if self.running or self.ended.result() is None:
+            return None, None
+        return _decode_status(self.ended.result())
+
+
+class ProcessService:
+    """`proc_start`, `proc_list`, `proc_logs`, `proc_input`, `proc_kill`,
+    `proc_wait`; re-adoption after a restart (take_back, readopt) and the end
+    of a sandbox's processes (forget). `ensure_running(sb, why)` resumes a
+    paused sandbox first (the memory service's)."""
+
+    def __init__(self, registry: SandboxRegistry, workers: Workers, backend,
+                 ensure_running: Callable[[Sandbox, str], Awaitable[None]], limits: ProcLimits):
+        self.registry = registry
+        self.workers = workers
+        self.backend = backend
+        self.ensure_running = ensure_running
+        self.limits = limits
+        self.tables: dict[str, dict[int, BgProc]] = {}      # sandbox id -> pid -> process, oldest first
+        self.closing = False
+
+    # ------------------------------------------------------------ start
+
+    async def start(self, req, ctx) -> dict:
+        sb = self.registry.get(req.sandbox, req)
+        env, cwd, user = exec_target(sb, req, self.backend)
+        table = self.tables.setdefault(sb.id, {})
+        self._make_room(sb, table)
+        h = sb.handle
+        if h is None or h.init_link is None or h.init_link.closed:
+            raise Conflict(f"sandbox {sb.id} cannot start background processes: its init takes no requests "
+                           "(made with sandbox.exec_via = helper, or by an older daemon); use exec, or "
+                           "create a new sandbox", {"sandbox": sb.id})
+        await self.ensure_running(sb, "proc_start")
+        ours, theirs = _open_pipes(req.stdin)
+        try:
+            # Without stdin init holds a copy of the process's /dev/null in its place.
+            hold = (ours["stdin"] if ours["stdin"] >= 0 else theirs[0], ours["stdout"], ours["stderr"])
+            run = self.backend.start_by_init(self.workers.loop, h, list(req.argv), env, cwd, user, theirs,
+                                             hold=hold)
+        except ValueError as err:
+            _close_all(ours.values())
+            raise BadRequest(f"proc_start: {err}") from err
+        finally:
+            _close_all(theirs)
+        if run is None:
+            _close_all(ours.values())
+            raise Conflict(f"sandbox {sb.id}: its init did not take the request (busy, or the request is "
+                           "larger than one message of 64 KiB); retry, or use a shorter command or environment",
+                           {"sandbox": sb.id})
+        try:
+            pid = await asyncio.shield(run.started())
+        except OSError as err:
+            _close_all(ours.values())
+            raise run_error(err, sb.id, req.argv[0], cwd) from err
+        except asyncio.CancelledError:
+            run.kill()
+            run.link.release(run.id, STDIN | STDOUT | STDERR)
+            _close_all(ours.values())
+            raise
+        rec = {"id": run.id, "pid": pid, "argv": list(req.argv), "started": time.time(), "state": "running",
+               "inodes": [os.fstat(ours[k]).st_ino if ours[k] >= 0 else 0 for k in ("stdin", "stdout", "stderr")]}
+        rec["host_pid"], rec["host_start"] = _host_identity(run.pidfd)
+        proc = BgProc(self.workers.loop, rec, self.limits.output_bytes)
+        old = table.pop(pid, None)              # an exited record of a pid the sandbox reused
+        if old is not None:
+            self._drop(old)
+        table[pid] = proc
+        self._watch(sb, proc, run, ours)
+        self._save(sb)
+        sb.last_active = time.monotonic()
+        return {"pid": pid, "started": rec["started"]}
+
+    def _make_room(self, sb: Sandbox, table: dict[int, BgProc]) -> None:
+        """Evict exited records, oldest first, until a new one fits."""
+        while len(table) >= self.limits.max_per_sandbox:
+            oldest = next((p for p in table.values() if not p.running), None)
+            if oldest is None:
+                raise LimitExceeded(f"sandbox {sb.id} has {len(table)} background processes running, the "
+                                    "most limits.max_procs_per_sandbox allows; kill or wait for one first",
+                                    {"sandbox": sb.id, "max": self.limits.max_per_sandbox})
+            del table[oldest.pid]
+            self._drop(oldest)
+
+    def _watch(self, sb: Sandbox, proc: BgProc, run: InitExec, fds: dict[str, int]) -> None:
+        """Read its output into the ring and watch its end."""
+        proc.run = run
+        proc.fds.update(fds)
+        loop = self.workers.loop
+        for name, stream in (("stdout", 1), ("stderr", 2)):
+            fd = proc.fds[name]
+            if fd >= 0:
+                os.set_blocking(fd, False)
+                loop.add_reader(fd, self._on_output, sb, proc, name, stream)
+        if proc.fds["stdin"] >= 0:
+            os.set_blocking(proc.fds["stdin"], False)
+        run.exited.add_done_callback(lambda fut: self._on_exit(sb, proc, fut))
+        self._maybe_over(sb, proc)
+
+    # ------------------------------------------------------------ output and end
+
+    def _on_output(self, sb: Sandbox, proc: BgProc, name: str, stream: int) -> None:
+        fd = proc.fds[name]
+        try:
+            data = os.read(fd, READ_CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            proc.ring.append(stream, data, time.time())
+        else:
+            self._close_end(proc, name)
+            self._maybe_over(sb, proc)
+        proc.wake()
+
+    def _on_exit(self, sb: Sandbox, proc: BgProc, fut: asyncio.Future) -> None:
+        if self.closing or proc.ended.done():
+            return              # the daemon stops: the process goes on, the next daemon watches it
+        status = None if fut.cancelled() or fut.exception() is not None else fut.result()["status"]
+        self._ended(sb, proc, status)
+
+    def _ended(self, sb: Sandbox, proc: BgProc, status: int | None) -> None:
+        proc.ended.set_result(status)
+        proc.rec.update(state="exited", status=status, ended=time.time())
+        self._close_end(proc, "stdin")
+        self._save(sb)
+        if proc.fds["stdout"] >= 0 or proc.fds["stderr"] >= 0:
+            # Its children may hold the pipes open: read a little longer, then stop.
+            proc._grace = self.workers.loop.call_later(self.limits.drain_grace_s, self._stop_reading, sb, proc)
+        self._maybe_over(sb, proc)
+        proc.wake()
+
+    def _stop_reading(self, sb: Sandbox, proc: BgProc) -> None:
+        for name in ("stdout", "stderr"):
+            self._close_end(proc, name)
+        self._maybe_over(sb, proc)
+        proc.wake()
+
+    def _maybe_over(self, sb: Sandbox, proc: BgProc) -> None:
+        """Exited and drained: init lets go of the pipes it held, followers end."""
+        if proc.over.done() or proc.running or proc.fds["stdout"] >= 0 or proc.fds["stderr"] >= 0:
+            return
+        if proc._grace is not None:
+            proc._grace.cancel()
+        if proc.run is not None and not self.closing:
+            proc.run.link.release(proc.run.id, STDIN | STDOUT | STDERR)
+        proc.over.set_result(None)
+
+    def _close_end(self, proc: BgProc, name: str) -> None:
+        fd = proc.fds[name]
+        if fd < 0:
+            return
+        if name != "stdin":
+            self.workers.loop.remove_reader(fd)
+        close_quietly(fd)
+        proc.fds[name] = -1
+
+    def _drop(self, proc: BgProc) -> None:
+        """An evicted or forgotten record: its fds go, its followers end."""
+        for name in proc.fds:
+            self._close_end(proc, name)
+        if proc._grace is not None:
+            proc._grace.cancel()
+        if not proc.ended.done():
+            proc.ended.set_result(KILLED)
+        if not proc.over.done():
+            proc.over.set_result(None)
+        proc.wake()
+
+    def _save(self, sb: Sandbox) -> None:
+        """Journal the sandbox's process records (not once it is going: its record is gone)."""
+        if self.registry.by_id.get(sb.id) is not sb or sb.state not in ("running", "paused", "dead"):
+            return
+        sb.procs = [p.rec for p in self.tables.get(sb.id, {}).values()]
+        self.registry.save(sb)
+
+    # ------------------------------------------------------------ views and verbs
+
+    def _find(self, req) -> tuple[Sandbox, BgProc]:
+        sb = self.registry.get(req.sandbox, req)
+        proc = self.tables.get(sb.id, {}).get(req.pid)
+        if proc is None:
+            raise NotFound(f"no background process with pid {req.pid} in sandbox {sb.id} (see `dsec proc ls "
+                           f"{sb.id}`; exited ones are kept until limits.max_procs_per_sandbox newer ones "
+                           "push them out)", {"sandbox": sb.id, "pid": req.pid})
+        return sb, proc
+
+    async def list(self, req, ctx) -> dict:
+        sb = self.registry.get(req.sandbox, req)
+        return {"processes": [p.public() for p in self.tables.get(sb.id, {}).values()]}
+
+    async def wait(self, req, ctx) -> dict:
+        _sb, proc = self._find(req)
+        await asyncio.shield(proc.ended)
+        return proc.public()
+
+    async def kill(self, req, ctx) -> dict:
+        sb, proc = self._find(req)
+        signum = parse_signal(req.signal)
+        if not proc.running:
+            code, sig = proc.exit_status()
+            how = f"exit code {code}" if sig is None else f"signal {sig}"
+            raise Conflict(f"process {proc.pid} in sandbox {sb.id} has already exited ({how}); nothing to signal",
+                           {"sandbox": sb.id, "pid": proc.pid, "state": "exited", "exit_code": code,
+                            "signal": sig})
+        sent = proc.run is not None and proc.run.signal(signum)
+        return {"pid": proc.pid, "signal": signum, "sent": sent}
+
+    async def input(self, req, ctx) -> dict:
+        sb, proc = self._find(req)
+        async with proc.stdin_lock:
+            fd = proc.fds["stdin"]
+            if fd < 0:
+                why = "has exited" if not proc.running else "has no stdin open (closed, or started without it)"
+                raise Conflict(f"process {proc.pid} in sandbox {sb.id} {why}: cannot write to its stdin",
+                               {"sandbox": sb.id, "pid": proc.pid, "state": "running" if proc.running else "exited"})
+            try:
+                await self._write_all(proc, fd, req.data)
+            except BrokenPipeError as err:
+                self._close_stdin(proc)
+                raise Conflict(f"process {proc.pid} in sandbox {sb.id} closed its stdin; nothing more reaches it",
+                               {"sandbox": sb.id, "pid": proc.pid}) from err
+            except OSError as err:
+                raise io_error("write to the stdin of", f"process {proc.pid} in sandbox {sb.id}", err) from err
+            if req.eof:
+                self._close_stdin(proc)
+        return {"pid": proc.pid, "written": len(req.data)}
+
+    async def _write_all(self, proc: BgProc, fd: int, data: bytes) -> None:
+        view = memoryview(data)
+        loop = self.workers.loop
+        while view:
+            try:
+                view = view[os.write(fd, view):]
+                continue
+            except BlockingIOError:
+                pass
+            writable = loop.create_future()
+            loop.add_writer(fd, _set_once, writable)
+            try:
+                await asyncio.wait({writable, proc.ended}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                loop.remove_writer(fd)
+            if proc.ended.done():
+                raise BrokenPipeError(errno.EPIPE, "the process exited")
+
+    def _close_stdin(self, proc: BgProc) -> None:
+        self._close_end(proc, "stdin")
+        if proc.run is not None:
+            proc.run.link.release(proc.run.id, STDIN)
+
+    async def logs(self, req, ctx) -> dict:
+        """Stream {"dropped": n} first (bytes that fell out before the first
+        chunk), then {"fd", "data", "time"} chunks, and {"dropped": n} again
+        where a slow follower lost some; the result is the process's state."""
+        _sb, proc = self._find(req)
+        pos = 0
+        first = True
+        while True:
+            tick = proc.tick            # taken before the read: nothing between them is missed
+            over = proc.over.done()
+            base = proc.ring.dropped
+            lost, chunks = proc.ring.after(pos)
+            if lost or first:
+                await ctx.emit({"dropped": lost})
+                first = False
+            pos = max(pos, base)
+            for offset, at, fd, data in chunks:       # a copy: the ring may move on while we emit
+                pos = offset + len(data)
+                if req.since is None or at >= req.since:
+                    await ctx.emit({"fd": fd, "data": data, "time": at})
+            if over or not req.follow:
+                return proc.public()
+            await tick
+
+    # ------------------------------------------------------------ sandbox ends, daemon stops, restarts
+
+    def forget(self, sb_id: str) -> None:
+        """The sandbox is destroyed: its processes died with it."""
+        for proc in self.tables.pop(sb_id, {}).values():
+            self._drop(proc)
+
+    def close(self) -> None:
+        """Daemon shutdown: stop reading, close our ends; init holds its own,
+        so the processes run on for the next daemon."""
+        self.closing = True
+        for table in self.tables.values():
+            for proc in table.values():
+                for name in proc.fds:
+                    self._close_end(proc, name)
+                if proc._grace is not None:
+                    proc._grace.cancel()
+
+    def take_back(self, sb: Sandbox, h) -> dict[int, dict]:
+        """After a restart, in a worker thread: for each journaled running
+        process, its pipe ends held by init (found by inode among init's
+        fds, taken with pidfd_getfd) and a pidfd if it still runs. Exec id ->
+        {"fds": {name: fd}, "pidfd": fd or -1}."""
+        running = [r for r in sb.procs if r.get("state") == "running"]
+        if not running:
+            return {}
+        by_inode = _pipes_of(h.init_pid)
+        out = {}
+        for rec in running:
+            fds = {}
+            for name, ino in zip(("stdin", "stdout", "stderr"), rec.get("inodes", ()), strict=False):
+                fds[name] = -1
+                if ino and ino in by_inode:
+                    try:
+                        fds[name] = native.pidfd_getfd(h.pidfd, by_inode[ino])
+                    except OSError as err:
+                        log.warning("sandbox %s: cannot take back the %s of process %d from init: %s",
+                                    sb.id, name, rec["pid"], err)
+            out[rec["id"]] = {"fds": fds, "pidfd": _pidfd_if_same(rec.get("host_pid"), rec.get("host_start"))}
+        return out
+
+    def readopt(self, sb: Sandbox, h, taken: dict[int, dict]) -> None:
+        """After a restart, on the loop, right after the sandbox's channel is
+        attached (before any answer of init is read): the journaled processes
+        again, their exec ids registered with the channel. A process this
+        daemon cannot watch (no channel) is recorded as exited, status unknown."""
+        table = self.tables.setdefault(sb.id, {})
+        link = h.init_link if h is not None else None
+        for rec in sb.procs:
+            proc = BgProc(self.workers.loop, dict(rec), self.limits.output_bytes)
+            table[proc.pid] = proc
+            if not proc.running:
+                if link is not None:
+                    link.release(rec["id"], STDIN | STDOUT | STDERR)   # held still if the daemon died mid-end
+                continue
+            got = taken.get(rec["id"], {"fds": {}, "pidfd": -1})
+            run = link.adopt(rec["id"], rec["pid"], got["pidfd"], rec["argv"][0]) if link is not None else None
+            if run is None:
+                _close_all(got["fds"].values())
+                if got["pidfd"] >= 0 and link is None:
+                    os.close(got["pidfd"])
+                self._lost(sb, proc, "no exec channel to its init")
+                continue
+            self._watch(sb, proc, run, got["fds"])
+            if got["pidfd"] < 0:
+                # It ended while no daemon ran: init's report is queued on the
+                # channel, read at once; unless the daemon before read it and
+                # stopped before journaling it.
+                self.workers.loop.call_later(LOST_END_S, self._lost, sb, proc, "its end was not reported")
+        self._save(sb)
+
+    def _lost(self, sb: Sandbox, proc: BgProc, why: str) -> None:
+        """A re-adopted process whose end this daemon cannot know: exited, status unknown."""
+        if not proc.running:
+            return
+        log.warning("sandbox %s: background process %d: %s; recorded as exited, status unknown",
+                    sb.id, proc.pid, why)
+        self._ended(sb, proc, None)
+
+
+def parse_signal(value: int | str) -> int:
+    """A signal number from 9, "9", "KILL", "SIGKILL" (any case); BadRequest otherwise."""
+    text = str(value).strip()
+    try:
+        if text.isdigit():
+            return signals.Signals(int(text)).value
+        name = text.upper()
+        return signals.Signals[name if name.startswith("SIG") else "SIG" + name].value
+    except (KeyError, ValueError):
+        raise BadRequest(f"unknown signal {value!r}: give a number (9) or a name (KILL, TERM, INT, HUP, ...)",
+                         {"signal": value}) from None
+
+
+def _open_pipes(want_stdin: bool) -> tuple[dict[str, int], tuple[int, int, int]]:
+    """({name: the daemon's end}, the process's (stdin, stdout, stderr));
+    without stdin, the process's is /dev/null and the daemon has none."""
+    made: list[int] = []
+    try:
+        if want_stdin:
+            in_r, in_w = os.pipe2(os.O_CLOEXEC)
+            made += [in_r, in_w]
+        else:
+            in_r, in_w = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), -1
+            made.append(in_r)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        made += [out_r, out_w]
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        made += [err_r, err_w]
+    except BaseException:
+        _close_all(made)
+        raise
+    for fd in (out_r, err_r):
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+        except OSError:         # past fs.pipe-max-size for this user: the default 64 KiB
+            pass
+    return {"stdin": in_w, "stdout": out_r, "stderr": err_r}, (in_r, out_w, err_w)
+
+
+def _set_once(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _close_all(fds) -> None:
+    for fd in fds:
+        close_quietly(fd)
+
+
+def _host_identity(pidfd: int) -> tuple[int | None, int | None]:
+    """(host pid, start time) of a pidfd's process, to find it again after a restart."""
+    if pidfd < 0:
+        return None, None
+    try:
+        with open(f"/proc/self/fdinfo/{pidfd}") as f:
+            pid = next(int(line.split()[1]) for line in f if line.startswith("Pid:"))
+    except (OSError, StopIteration, ValueError):
+        return None, None
+    if pid <= 0:
+        return None, None
+    return pid, proc_start_time(pid)
+
+
+def _pidfd_if_same(pid: int | None, start: int | None) -> int:
+    """A pidfd of `pid` if it is still the process that started at `start`; else -1."""
+    if not pid or start is None:
+        return -1
+    try:
+        fd = native.pidfd_open(pid)
+    except OSError:
+        return -1
+    if proc_start_time(pid) != start:
+        os.close(fd)
+        return -1
+    return fd
+
+
+def _pipes_of(pid: int) -> dict[int, int]:
+    """Inode -> fd number of the pipes process `pid` holds."""
+    out = {}
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("pipe:["):
+            out[int(target[6:-1])] = int(name)
+    return out

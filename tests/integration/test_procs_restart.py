@@ -1,0 +1,88 @@
+"""Background processes survive a daemon restart (dsecd/engine/procs.py):
+init holds their pipes while no daemon runs, and the next daemon takes them
+back and reads on, and learns their end from init's queued report."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+
+TICKER = "i=0; while [ $i -lt 40 ]; do echo line $i; i=$((i+1)); sleep 0.1; done; exit 4"
+
+
+def _wait_for_output(proc, least: int, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while proc.status().output_bytes < least:
+        assert time.monotonic() < deadline, "no output"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_a_process_survives_a_restart(daemon_factory, busybox_rootfs, how):
+    d = daemon_factory()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", memory="128M")
+    ticker = sb.spawn(TICKER)
+    short = sb.spawn("sleep 0.5; echo while-down; exit 6")       # ends while no daemon runs
+    reader = sb.spawn("read l; echo got $l")
+    _wait_for_output(ticker, len("line 0\n"))
+    c.close()
+    d.stop(how)
+    time.sleep(1.0)                  # output piles up in the pipes meanwhile
+    d.start()
+    c = d.client()
+    sb = c.get(sb.id)
+    by_pid = {p.pid: p for p in sb.processes()}
+    assert set(by_pid) >= {ticker.pid, short.pid, reader.pid}
+    # The process that ended while the daemon was down: its status, and its output still in the pipe.
+    short = sb.process(short.pid)
+    assert short.wait().exit_code == 6
+    assert b"".join(ch.data for ch in short.output()) == b"while-down\n"
+    # Stdin still reaches the reader.
+    reader = sb.process(reader.pid)
+    reader.write(b"again\n")
+    assert reader.wait().exit_code == 0
+    assert b"".join(ch.data for ch in reader.output()) == b"got again\n"
+    # The ticker: what it wrote while no daemon ran, then new lines, then its exit code.
+    ticker = sb.process(ticker.pid)
+    text = b"".join(ch.data for ch in ticker.output(follow=True)).decode()
+    numbers = [int(n) for n in re.findall(r"line (\d+)", text)]
+    assert numbers == list(range(numbers[0], 40)), text     # in order, none lost since the restart
+    assert numbers[0] <= 10            # lines written while the daemon was down are there
+    st = ticker.wait()
+    assert (st.state, st.exit_code) == ("exited", 4)
+    # A new daemon's processes work as before; init let go of every pipe it held.
+    assert sb.spawn("echo fresh").wait().exit_code == 0
+    init_pid = sb.inspect()["init_pid"]
+    deadline = time.monotonic() + 5
+    while _pipes_held(init_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _pipes_held(init_pid) == []
+    c.close()
+
+
+def _pipes_held(pid: int) -> list[str]:
+    fds = os.listdir(f"/proc/{pid}/fd")
+    return [t for t in (os.readlink(f"/proc/{pid}/fd/{fd}") for fd in fds) if t.startswith("pipe:")]
+
+
+def test_destroy_after_a_restart_kills_them(daemon_factory, busybox_rootfs):
+    d = daemon_factory()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", memory="128M")
+    proc = sb.spawn("sleep 300")
+    c.close()
+    d.stop()
+    d.start()
+    c = d.client()
+    sb = c.get(sb.id)
+    assert [p.state for p in sb.processes() if p.pid == proc.pid] == ["running"]
+    sb.process(proc.pid).kill("TERM")
+    assert sb.process(proc.pid).wait().signal == signal.SIGTERM
+    c.close()

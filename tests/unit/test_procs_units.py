@@ -1,0 +1,49 @@
+"""The pieces of dsecd/engine/procs.py that need no sandbox: the output
+ring's bounds and drop counts, and signal names."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from dsecd.engine.procs import Ring, parse_signal
+from dsecd.errors import BadRequest
+
+
+def test_ring_keeps_the_latest_bytes_and_counts_the_rest():
+    ring = Ring(10)
+    for i in range(5):
+        ring.append(1, b"%d%d%d" % (i, i, i), float(i))
+    assert ring.size <= 10 and ring.written == 15
+    lost, chunks = ring.after(0)
+    assert lost == ring.dropped == 15 - ring.size == 6
+    assert b"".join(c[3] for c in chunks) == b"222333444"
+
+
+def test_ring_keeps_the_tail_of_a_chunk_larger_than_itself():
+    ring = Ring(4)
+    ring.append(2, b"abcdefgh", 1.0)
+    lost, chunks = ring.after(0)
+    assert (lost, [c[3] for c in chunks], ring.dropped) == (4, [b"efgh"], 4)
+
+
+def test_a_follower_reads_from_where_it_was():
+    ring = Ring(100)
+    ring.append(1, b"one\n", 1.0)
+    _, chunks = ring.after(0)
+    pos = chunks[-1][0] + len(chunks[-1][3])
+    ring.append(2, b"two\n", 2.0)
+    lost, chunks = ring.after(pos)
+    assert (lost, [(c[2], c[3]) for c in chunks]) == (0, [(2, b"two\n")])
+
+
+@pytest.mark.parametrize("given, want", [("KILL", 9), ("sigterm", 15), ("9", 9), (2, 2), (" HUP ", 1)])
+def test_signals_by_name_or_number(given, want):
+    assert parse_signal(given) == signal.Signals(want)
+
+
+@pytest.mark.parametrize("given", ["NOPE", "0x9", "999", "", "SIG"])
+def test_unknown_signals_are_bad_requests(given):
+    with pytest.raises(BadRequest, match="unknown signal"):
+        parse_signal(given)
