@@ -88,7 +88,7 @@ async def watch_while_writing(sb_id: str, writer, watcher, n: int) -> list[float
     for i in range(n):
         path = f"/work/w/sub/f{i}"
         sent[path] = time.perf_counter()
-        await wsb_writer.write_file(path, b"x")
+        await wsb_writer.write_file(path, b"x", atomic=False)     # in place: `create` names the path
         await asyncio.sleep(0.005)
     await asyncio.wait_for(done.wait(), 30)
     await task

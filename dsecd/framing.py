@@ -25,7 +25,11 @@ import collections
 import struct
 
 HEADER = struct.Struct(">I")
-SCRATCH_BYTES = 256 << 10
+SCRATCH_BYTES = 64 << 10
+# A big frame's buffer starts at this and doubles as its bytes come, so that
+# a header alone (4 bytes announcing 16 MiB) makes the daemon hold no more
+# than what was sent.
+BIG_START = 1 << 20
 # Frames read but not yet taken, in bytes, above which the transport stops
 # reading: a peer that sends faster than its frames are handled waits in its
 # own socket buffer, not in this process's memory.
@@ -61,7 +65,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._on_connected = on_connected
         self._scratch = bytearray(SCRATCH_BYTES)
         self._fill = 0                      # bytes of the scratch in use
-        self._big: bytearray | None = None  # the buffer of a big frame being read
+        self._big: bytearray | None = None  # the buffer of a big frame being read (grows)
+        self._size = 0                      # that frame's size
         self._got = 0                       # bytes of it read
         self._frames: collections.deque = collections.deque()
         self._queued = 0
@@ -91,10 +96,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self._started_at = self._loop.time()
         if self._big is not None:
             self._got += nbytes
-            if self._got == len(self._big):
+            if self._got == self._size:
                 big, self._big = self._big, None
                 self._push(big)
                 self._started_at = None
+            elif self._got == len(self._big):
+                self._grow_big()
         else:
             self._fill += nbytes
             self._cut_frames()
@@ -166,8 +173,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 pos = start + size
                 continue
             if HEADER.size + size > len(buf):
-                self._big = bytearray(size)
-                self._got = end - start
+                self._size, self._got = size, end - start
+                self._big = bytearray(min(size, max(BIG_START, self._got)))
                 self._big[:self._got] = buf[start:end]
                 pos = end
             break
@@ -177,6 +184,13 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._fill = rest
         if not rest and self._big is None:
             self._started_at = None
+
+    def _grow_big(self) -> None:
+        """Twice the room (at most the frame's size), the bytes read kept. A
+        new buffer, not a resize: the transport may still hold a view."""
+        bigger = bytearray(min(self._size, 2 * len(self._big)))
+        bigger[:self._got] = self._big
+        self._big = bigger
 
     def _push(self, payload) -> None:
         self._frames.append(payload)

@@ -31,7 +31,7 @@ __all__ = [
     # container spawn and execs (spawn.c, init.c)
     "ContainerSpec", "ExecSpec", "spawn_container", "spawn_exec", "check_exec_request", "init_exec_error",
     "init_binary_path", "INIT_MAGIC", "INIT_OP_START", "INIT_OP_KILL", "INIT_OP_COPY", "INIT_OP_RELEASE", "INIT_START_CTTY",
-    "INIT_START_HOLD", "INIT_MAX_HELD",
+    "INIT_START_HOLD",
     "INIT_STARTED", "INIT_EXITED", "INIT_MAX_STRINGS", "INIT_PEER_FD", "INIT_REQ_SIZE", "INIT_REPLY_SIZE",
     "INIT_REPLY_ERR_OFFSET",
     "UPPER_FD",
@@ -558,7 +558,6 @@ INIT_OP_COPY: int = lib.DSEC_INIT_OP_COPY
 INIT_START_CTTY: int = lib.DSEC_INIT_START_CTTY
 INIT_OP_RELEASE: int = lib.DSEC_INIT_OP_RELEASE
 INIT_START_HOLD: int = lib.DSEC_INIT_START_HOLD
-INIT_MAX_HELD: int = lib.DSEC_INIT_MAX_HELD
 INIT_MAX_STRINGS: int = lib.DSEC_INIT_MAX_STRINGS
 INIT_REQ_SIZE: int = ffi.sizeof("struct dsec_init_req")
 INIT_REPLY_SIZE: int = ffi.sizeof("struct dsec_init_reply")

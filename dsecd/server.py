@@ -30,6 +30,10 @@ from .errors import (
 
 log = logging.getLogger(__name__)
 _UCRED = struct.Struct("3i")
+# The largest frame before a connection's hello is done: a hello is a few
+# dozen bytes, and an unauthenticated peer must not make the daemon hold
+# max_frame_bytes per connection.
+HELLO_MAX_FRAME = 64 << 10
 
 
 # <asm-generic/socket.h> (Linux >= 4.13); Python's socket module lacks it.
@@ -164,6 +168,7 @@ class Connection:
         try:
             if not await self._handshake():
                 return
+            self.frames.max_frame = self.max_frame        # past hello: the configured limit
             while True:
                 try:
                     frame = await self.read_frame()
@@ -324,8 +329,9 @@ class Server:
         return name in grp.getgrgid(self.gid).gr_mem
 
     def _new_protocol(self) -> framing.FrameProtocol:
-        """A connection's protocol; serving it starts once it is connected."""
-        return framing.FrameProtocol(self.max_frame, self._connected)
+        """A connection's protocol; serving it starts once it is connected.
+        Frames are capped at HELLO_MAX_FRAME until its hello is done."""
+        return framing.FrameProtocol(HELLO_MAX_FRAME, self._connected)
 
     def _connected(self, frames: framing.FrameProtocol) -> None:
         loop = asyncio.get_running_loop()

@@ -11,8 +11,10 @@ the daemon fills the pipe: with a request's bytes mapped in (vmsplice, no
 copy), or with the chunks of a file of a tar stream as it reads them. The
 written pages are the sandbox's, counted against its
 limit like a `dd` inside it; the tmpfs size cap of its writable layer holds
-either way. A copy that takes the sandbox past its memory limit is OOM-killed
-first (its oom_score_adj is 1000) and fails with limit_exceeded.
+either way. A write that would not fit under the limit (less a reserve for
+the sandbox's processes) is refused before it starts (`check_room`); one
+that gets there all the same, the sandbox allocating meanwhile, is
+OOM-killed first (its oom_score_adj is 1000). Both fail with `limit`.
 
 A sandbox without an init channel (exec_via = "helper", one whose init
 cannot serve, or one whose init predates the copier) has its files written
@@ -24,15 +26,18 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
+import logging
 import os
 import select
 import signal
 from collections.abc import Callable
 
 from .. import native
-from ..errors import LimitExceeded, io_error
+from ..errors import Conflict, DsecError, LimitExceeded, io_error
 from ..initlink import InitExec
 from ..mem import pause
+
+log = logging.getLogger(__name__)
 
 # Pipe buffer between a worker and the copier: the most fs.pipe-max-size
 # allows by default, for fewer wakeups per MiB than the 64 KiB default.
@@ -48,7 +53,7 @@ STALL_S = 30.0
 
 
 def check_room(group, size: int, where: str) -> None:
-    """Refuse (limit_exceeded) a write of `size` bytes that would take the
+    """Refuse (`limit`) a write of `size` bytes that would take the
     sandbox's memory group past its limit, less a reserve. A write the
     copier starts and the limit stops would leave the group full of tmpfs
     pages no OOM kill frees: the next allocation of any of its processes,
@@ -92,9 +97,7 @@ async def copy_small(start_copy: Callable[[int, int], InitExec | None], dst: int
         raise
     except TimeoutError:
         copier.kill()
-        raise LimitExceeded(f"write {where}: the sandbox's copier did not finish {len(data)} bytes in "
-                            f"{STALL_S:.0f} s (is the sandbox frozen, or stopping it?); the write was stopped",
-                            {"path": where, "stall_s": STALL_S}) from None
+        raise _stalled(where) from None
     except OSError as err:
         return _start_failed(err, where)
     _check_status(out["status"], where)
@@ -116,11 +119,13 @@ def copy_chunks_from_thread(loop: asyncio.AbstractEventLoop, start_copy: Callabl
     a request's data, the file of a tar stream) into the open file `dst`
     through a copier of the sandbox. start_copy(src, dst) sends the request
     (the backend's copy_by_init for this sandbox); the copier is started and
-    waited for on `loop`, the pipe is filled here, each write given STALL_S.
-    `mapped`: the chunks are vmspliced, not copied, into the pipe (they must
-    stay unchanged until this returns). False if no copier could be started
-    (the caller writes itself); raises the protocol error (DsecError) if the
-    copy failed."""
+    waited for on `loop`, the pipe is filled here. A copier that takes no
+    bytes for STALL_S, or does not end STALL_S after the last, is killed.
+    `mapped`: the chunks are vmspliced, not copied, into the pipe; this
+    returns only once the copier is over, so the caller may then free them.
+    False if no copier could be started and nothing was taken from `chunks`
+    (a tuple: the caller writes them itself); raises the protocol error
+    (DsecError) if the copy failed."""
     rd, wr = os.pipe2(os.O_CLOEXEC)
     try:
         fcntl.fcntl(wr, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
@@ -136,13 +141,17 @@ def copy_chunks_from_thread(loop: asyncio.AbstractEventLoop, start_copy: Callabl
     try:
         _fill_blocking(wr, chunks, where, native.vmsplice if mapped else os.write)
     except BaseException:
-        loop.call_soon_threadsafe(copier.kill)
-        raise
-    finally:
         os.close(wr)
+        asyncio.run_coroutine_threadsafe(_end(copier), loop).result()
+        raise
+    os.close(wr)
     try:
-        out = asyncio.run_coroutine_threadsafe(_exited(copier), loop).result()
+        out = asyncio.run_coroutine_threadsafe(_exited(copier, where), loop).result()
     except OSError as err:      # it did not start, or the channel broke
+        if not isinstance(chunks, tuple):
+            # Chunks went into the pipe of a copier that never ran: they are
+            # gone from an iterator, so the caller cannot write them itself.
+            raise io_error("write", where, err) from err
         return _start_failed(err, where)
     _check_status(out["status"], where)
     return True
@@ -152,8 +161,31 @@ async def _start(start_copy, rd: int, dst: int) -> InitExec | None:
     return start_copy(rd, dst)           # on the loop: the init link is the loop's
 
 
-async def _exited(copier: InitExec) -> dict:
-    return await copier.exited
+async def _exited(copier: InitExec, where: str) -> dict:
+    """The copier's end, given STALL_S once its input is complete."""
+    try:
+        return await asyncio.wait_for(asyncio.shield(copier.exited), STALL_S)
+    except TimeoutError:
+        await _end(copier)
+        raise _stalled(where) from None
+
+
+async def _end(copier: InitExec) -> None:
+    """Kill the copier and wait (within its kill grace) until it is over:
+    nothing may still read pages of the request's bytes mapped into its pipe
+    once the caller lets them go."""
+    copier.kill()
+    try:
+        await asyncio.wait_for(asyncio.shield(copier.over), copier.kill_grace)
+    except TimeoutError:
+        log.warning("a copier did not end %g s after its kill (is its sandbox's init stopped?)",
+                    copier.kill_grace)
+
+
+def _stalled(where: str) -> DsecError:
+    return Conflict(f"write {where}: the sandbox's copier made no progress for {STALL_S:.0f} s (is the "
+                    "sandbox frozen, or a process of it stopping the copier?); the write was stopped",
+                    {"path": where, "stall_s": STALL_S})
 
 
 def _fill_blocking(wr: int, chunks, where: str, write) -> None:
@@ -166,9 +198,7 @@ def _fill_blocking(wr: int, chunks, where: str, write) -> None:
         view = memoryview(chunk)
         while view:
             if not poller.poll(STALL_S * 1000):
-                raise LimitExceeded(f"write {where}: the sandbox's copier took no bytes for {STALL_S:.0f} s "
-                                    "(is the sandbox frozen, or stopping it?); the copy was stopped",
-                                    {"path": where, "stall_s": STALL_S})
+                raise _stalled(where)
             try:
                 view = view[write(wr, view):]
             except BlockingIOError:

@@ -151,9 +151,15 @@ class DirCopyService:
             return None if handle is None else self.copy_by_init(loop, handle, src, dst)
 
         def fill(fd: int, chunks, size: int) -> bool:
-            if handle is not None:
-                copier.check_room(handle.group, size, where)
-            return copier.copy_chunks_from_thread(loop, start, fd, chunks, where)
+            # The sandbox's copy lock (file_write holds it on the loop), taken
+            # from this worker: one copier at a time, its room checked under it.
+            asyncio.run_coroutine_threadsafe(sb.copy_lock.acquire(), loop).result()
+            try:
+                if handle is not None:
+                    copier.check_room(handle.group, size, where)
+                return copier.copy_chunks_from_thread(loop, start, fd, chunks, where)
+            finally:
+                loop.call_soon_threadsafe(sb.copy_lock.release)
 
         return fill
 

@@ -293,15 +293,23 @@ class ProcessService:
         fd = proc.fds[name]
         if fd < 0:
             return
-        if name != "stdin":
+        # Off the loop before the close: init holds a copy of each end, so
+        # the kernel's registration would outlive the number, and a later fd
+        # of that number would never be watched.
+        if name == "stdin":
+            self.workers.loop.remove_writer(fd)
+        else:
             self.workers.loop.remove_reader(fd)
         close_quietly(fd)
         proc.fds[name] = -1
 
     def _drop(self, proc: BgProc) -> None:
-        """An evicted or forgotten record: its fds go, its followers end."""
+        """An evicted or forgotten record: its fds go, init lets go of the
+        pipe ends it held for it, its followers end."""
         for name in proc.fds:
             self._close_end(proc, name)
+        if proc.run is not None and not self.closing and not proc.over.done():
+            proc.run.link.release(proc.run.id, STDIN | STDOUT | STDERR)
         if proc._grace is not None:
             proc._grace.cancel()
         if not proc.ended.done():
@@ -383,7 +391,8 @@ class ProcessService:
             try:
                 await asyncio.wait({writable, proc.ended}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                loop.remove_writer(fd)
+                if proc.fds["stdin"] == fd:      # else _close_end took it off and closed it
+                    loop.remove_writer(fd)
             if proc.ended.done():
                 raise BrokenPipeError(errno.EPIPE, "the process exited")
 

@@ -39,9 +39,9 @@ class Sandbox:
     handle: Handle | None = None
     # Runtime only (not journaled): pause/resume/destroy serialisation and clocks.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
-    # file_write copiers one at a time (dsecd/engine/copier.py): two that take the
-    # sandbox past its memory limit together leave the OOM killer a second
-    # pick after the first copier, which can be init.
+    # Copiers one at a time (file_write, directory copies: dsecd/engine/
+    # copier.py), each checking the room under the memory limit: two at once
+    # could both pass the check and fill it together.
     copy_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     last_active: float = 0.0          # monotonic; the idle TTL counts from here
     paused_at: float | None = None

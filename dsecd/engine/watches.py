@@ -104,6 +104,9 @@ class WatchService:
             raise
         except fswatch.WatchLimit as err:
             raise LimitExceeded(str(err), {"max_watch_dirs": self.max_dirs}) from err
+        except RecursionError as err:       # a chain of directories deeper than the walk goes
+            raise LimitExceeded(f"watch {where}: the tree is deeper than a recursive watch walks; watch a "
+                                "directory further down", {"path": where}) from err
         except OSError as err:
             raise io_error("watch", where, err) from err
 
@@ -112,7 +115,6 @@ class WatchService:
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
         gone = _SandboxGone(sandbox, wake)
-        reading = False
 
         def readable() -> None:
             # Off until these events are sent: the loop must not spin on a
@@ -126,10 +128,11 @@ class WatchService:
             await ctx.emit({"kind": "ready", "path": tree.top, "is_dir": True, "dirs": len(tree.paths)})
             while True:
                 loop.add_reader(tree.ifd, readable)
-                reading = True
                 await wake.wait()
                 wake.clear()
-                reading = False
+                # Woken by the sandbox's end, not by `readable`: the reader is
+                # still registered. remove_reader is a no-op when it is not.
+                loop.remove_reader(tree.ifd)
                 if gone.gone:
                     tree.stopped = gone.gone
                 else:
@@ -139,7 +142,9 @@ class WatchService:
                     return {"reason": tree.stopped}
         finally:
             self.events.subscribers.discard(gone)
-            if reading and tree.ifd >= 0:
+            if tree.ifd >= 0:
+                # Before the fd is closed: a registration left on a closed fd
+                # would swallow the next add_reader of the same number.
                 loop.remove_reader(tree.ifd)
             if not tree.close_deferred:
                 tree.close()

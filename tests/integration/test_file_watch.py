@@ -74,8 +74,10 @@ def test_create_modify_delete_rename(sandbox):
                           ("create", "/work/w/sub")]
     assert got[3]["cookie"] == got[4]["cookie"] and got[-1]["is_dir"] is True
     assert w.quiet() == []                     # not recursive: nothing from inside sub
-    sandbox.write_file("/work/w/host.txt", b"from the host")
+    sandbox.write_file("/work/w/host.txt", b"from the host", atomic=False)      # in place: create, modify
     assert ("create", "/work/w/host.txt") in pairs(w.until(lambda e: e["kind"] == "modify"))
+    sandbox.write_file("/work/w/host.txt", b"again")           # atomic: a temporary renamed over it
+    assert ("move_to", "/work/w/host.txt") in pairs(w.until(lambda e: e["kind"] == "move_to"))
     w.gen.close()
 
 

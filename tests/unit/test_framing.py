@@ -86,3 +86,20 @@ def test_idle_and_frame_timeouts(run):
         sock.close()
 
     run(main())
+
+
+def test_a_big_frame_grows_its_buffer_as_its_bytes_come(run):
+    async def main():
+        sock, proto = await _connected(1 << 26)
+        await _send(sock, framing.HEADER.pack(48 << 20) + b"x" * 1000)     # 48 MiB announced, 1000 sent
+        await asyncio.sleep(0.05)
+        held = len(proto._big)
+        body = os.urandom(48 << 20)
+        sender = asyncio.ensure_future(_send(sock, body[1000:]))
+        got = await proto.read_payload()
+        await sender
+        sock.close()
+        return held, bytes(got[:1000]), len(got), bytes(got[1000:]) == body[1000:]
+
+    held, head, size, rest_ok = run(main())
+    assert held <= framing.BIG_START and head == b"x" * 1000 and size == 48 << 20 and rest_ok
