@@ -225,10 +225,19 @@ class TreeTar:
         except FileNotFoundError:
             return None                         # removed while we walked
         if stat.S_ISLNK(st.st_mode):
+            try:
+                link = os.readlink(name, dir_fd=dirfd)
+            except OSError as err:
+                self._replaced(rel, err)
+                return
             self._count(rel, 0)
-            yield self._header(rel, st, tarfile.SYMTYPE, link=os.readlink(name, dir_fd=dirfd))
+            yield self._header(rel, st, tarfile.SYMTYPE, link=link)
         elif stat.S_ISDIR(st.st_mode):
-            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+            try:
+                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+            except OSError as err:
+                self._replaced(rel, err)
+                return
             kind = native.KERNEL_FS_MAGICS.get(native.fs_magic(sub, rel))
             if kind is not None:
                 os.close(sub)
@@ -247,8 +256,19 @@ class TreeTar:
             self.skipped.append({"path": rel, "type": _type_name(st.st_mode),
                                  "reason": "not a file, directory or symlink: not copied"})
 
+    def _replaced(self, rel: str, err: OSError) -> None:
+        """An entry the sandbox swapped (or removed) between its lstat and its
+        open is skipped, as one replaced while copied; any other error stands."""
+        if err.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EINVAL):
+            raise err
+        self.skipped.append({"path": rel, "type": "unknown", "reason": "replaced while copied"})
+
     def _file(self, dirfd: int, name: str, rel: str):
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dirfd)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dirfd)
+        except OSError as err:
+            self._replaced(rel, err)
+            return
         try:
             st = os.fstat(fd)
             kind = native.KERNEL_FS_MAGICS.get(native.fs_magic(fd, rel))
