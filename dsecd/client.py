@@ -283,7 +283,7 @@ class Client:
     async def _send(self, rid: int, op: str, args: dict) -> None:
         if self._writer is None or self._writer.is_closing():
             raise ConnectionError("not connected to dsecd")
-        self._writer.write(protocol.encode_frame({"id": rid, "op": op, "args": args}, self.max_frame))
+        self._writer.writelines(protocol.encode_frame_parts({"id": rid, "op": op, "args": args}, self.max_frame))
         await self._writer.drain()
 
     def new_id(self) -> int:
@@ -778,7 +778,7 @@ class Sandbox:
                     return
                 try:
                     await self.client.request("file_write", sandbox=self.id, path=path, offset=offset,
-                                              data=bytes(view[offset:offset + chunk]))
+                                              data=view[offset:offset + chunk])     # packed as is
                 except Exception as err:
                     failed.append(err)
 

@@ -34,11 +34,18 @@ MAX_ID = 2**63 - 1
 # ---------------------------------------------------------------- frame codec
 
 def encode_frame(obj: dict, max_bytes: int | None = None) -> bytes:
+    return b"".join(encode_frame_parts(obj, max_bytes))
+
+
+def encode_frame_parts(obj: dict, max_bytes: int | None = None) -> tuple[bytes, bytes]:
+    """(header, payload) of a frame, for a writer's writelines: joining them
+    would copy the payload (4 MiB of a file chunk: ~1.4 ms, four times the
+    encoding itself, most of it page faults on the new buffer)."""
     payload = msgpack.packb(obj, use_bin_type=True)
     if max_bytes is not None and len(payload) > max_bytes:
         raise LimitExceeded(f"frame of {len(payload)} bytes exceeds the {max_bytes}-byte limit",
                             {"size": len(payload), "max": max_bytes})
-    return HEADER.pack(len(payload)) + payload
+    return HEADER.pack(len(payload)), payload
 
 
 def decode_payload(payload: bytes) -> dict:

@@ -14,6 +14,7 @@ import errno
 import grp
 import logging
 import os
+import select
 import socket
 import struct
 
@@ -34,6 +35,9 @@ _UCRED = struct.Struct("3i")
 # dozen bytes, and an unauthenticated peer must not make the daemon hold
 # max_frame_bytes per connection.
 HELLO_MAX_FRAME = 64 << 10
+# How often a half-closed connection's running requests look whether the
+# client has gone altogether.
+HANGUP_POLL_S = 1.0
 
 
 # <asm-generic/socket.h> (Linux >= 4.13); Python's socket module lacks it.
@@ -107,10 +111,10 @@ class Connection:
         if self.writer.is_closing():
             return
         try:
-            data = protocol.encode_frame(frame, self.max_frame)
+            parts = protocol.encode_frame_parts(frame, self.max_frame)
         except DsecError as err:
-            data = protocol.encode_frame({"id": frame.get("id"), "error": err.to_wire()})
-        self.writer.write(data)
+            parts = protocol.encode_frame_parts({"id": frame.get("id"), "error": err.to_wire()})
+        self.writer.writelines(parts)
 
     async def send(self, frame: dict) -> None:
         self.send_nowait(frame)
@@ -179,12 +183,33 @@ class Connection:
                     await self.send({"id": None, "error": err.to_wire()})
                     continue
                 if frame is None:
+                    await self._finish_after_half_close()
                     return
                 self._dispatch(frame)
                 if not await self._backpressure():
                     return
         finally:
             await self._close()
+
+    async def _finish_after_half_close(self) -> None:
+        """The client sent its last request. A client that only shut down its
+        sending side (`dsec rpc --stdio` at the end of its input, a script
+        that sends and then reads) still reads: its requests run to their
+        answers. One that is gone (the socket hung up) does not: _close
+        cancels them, so a vanished client's execs die with it. Checked every
+        HANGUP_POLL_S while they run."""
+        while self.tasks and not self._hung_up():
+            await asyncio.wait(list(self.tasks.values()), timeout=HANGUP_POLL_S)
+
+    def _hung_up(self) -> bool:
+        """Whether the peer closed its socket (POLLHUP: both directions shut),
+        not just its sending side."""
+        sock = self.writer.get_extra_info("socket")
+        if sock is None or self.writer.is_closing():
+            return True
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        return any(ev & (select.POLLHUP | select.POLLERR) for _fd, ev in poller.poll(0))
 
     async def _handshake(self) -> bool:
         try:

@@ -57,6 +57,27 @@ def test_wrong_protocol_version_is_unsupported(daemon):
     assert recv(s)["error"]["code"] == "unsupported"
 
 
+def test_a_half_closed_client_gets_its_answers_a_gone_one_loses_its_exec(daemon, client):
+    sb = client.create(image="busybox")
+    s = raw(daemon)
+    hello(s)
+    send(s, {"id": 1, "op": "exec", "args": {"sandbox": sb.id, "argv": ["sh", "-c", "sleep 0.5; echo done"], "stream": False}})
+    s.shutdown(socket.SHUT_WR)                     # no more requests; still reading
+    r = recv(s)
+    assert r.get("id") == 1 and r.get("result", {}).get("stdout") == b"done\n", r
+    s.close()
+    s = raw(daemon)
+    hello(s)
+    send(s, {"id": 1, "op": "exec", "args": {"sandbox": sb.id, "argv": ["sleep", "100"]}})
+    time.sleep(0.3)
+    s.close()                                      # gone: its exec goes too
+    deadline = time.monotonic() + 10
+    while client.get(sb.id).info["execs_running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.get(sb.id).info["execs_running"] == 0
+    sb.destroy()
+
+
 @pytest.mark.attack
 def test_malformed_frames_get_errors_and_connection_keeps_serving(daemon):
     s = raw(daemon)
