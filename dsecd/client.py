@@ -200,6 +200,7 @@ class Client:
         # for a slot instead of failing; set from the hello's limits.
         self._slots: _Budget | None = None
         self._lost: BaseException | None = None      # why the connection ended, once it has
+        self._tails = False          # the daemon takes file_write data as a frame's tail (protocol.TAILED)
 
     async def __aenter__(self) -> Client:
         await self.connect()
@@ -231,6 +232,7 @@ class Client:
         limits = self.server.get("limits", {})
         self.max_frame = limits.get("max_frame_bytes", self.max_frame)
         frames.max_frame = self.max_frame + FRAME_SLACK
+        self._tails = "frame.tail" in self.server.get("capabilities", ())
         cap = limits.get("max_requests_per_client", 256)
         self._slots = _Budget(max(2, cap - CONTROL_SLOTS))
 
@@ -283,7 +285,11 @@ class Client:
     async def _send(self, rid: int, op: str, args: dict) -> None:
         if self._writer is None or self._writer.is_closing():
             raise ConnectionError("not connected to dsecd")
-        self._writer.writelines(protocol.encode_frame_parts({"id": rid, "op": op, "args": args}, self.max_frame))
+        frame = {"id": rid, "op": op, "args": args}
+        if self._tails:
+            self._writer.writelines(protocol.encode_tailed_request(frame, self.max_frame))
+        else:
+            self._writer.writelines(protocol.encode_frame_parts(frame, self.max_frame))
         await self._writer.drain()
 
     def new_id(self) -> int:
@@ -803,8 +809,11 @@ class Sandbox:
         against 371-396 one at a time for 64 MiB on 2 cores)."""
         chunk = self.client.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
         parts, offset = [], 0
+        # As frame tails (memoryviews of the frames), joined once below.
+        tail = {"tail": True} if self.client._tails else {}
         while True:
-            r = await self.client.request("file_read", sandbox=self.id, path=path, offset=offset, length=chunk)
+            r = await self.client.request("file_read", sandbox=self.id, path=path, offset=offset, length=chunk,
+                                          **tail)
             parts.append(r["data"])
             offset += len(r["data"])
             if r["eof"] or not r["data"]:

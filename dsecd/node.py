@@ -217,7 +217,7 @@ class Node:
 
     def capabilities(self) -> list[str]:
         return ["exec.stream", "exec.stdin", "files", "files.watch", "files.tar", "backend.container",
-                "image.dir", "backend.fncall", "proc"]
+                "image.dir", "backend.fncall", "proc", "frame.tail"]
 
     def wire_limits(self) -> dict:
         return {"max_frame_bytes": self.cfg.size("limits", "max_frame_bytes"),

@@ -33,29 +33,128 @@ MAX_ID = 2**63 - 1
 
 # ---------------------------------------------------------------- frame codec
 
+# A payload may carry the bytes of a file_write's `data`, or of a
+# file_read's answer, raw after its map instead of inside it (a "tail"):
+# the daemon then hands the frame's own buffer to the sandbox's copier, and
+# the client joins the chunks of a file straight from its frames, where
+# decoding or encoding a msgpack bin would copy them. Such a payload starts
+# with TAILED (0xc1, a byte msgpack never uses), then the map's length (4
+# bytes, big-endian), the map, whose tailed value is the extension
+# TAIL_EXT, and the bytes. A client sends one, or asks for one (file_read's
+# `tail`), only of a daemon whose hello lists the capability "frame.tail";
+# the daemon takes one for file_write's data alone.
+TAILED = 0xC1
+TAIL_EXT = 1
+TAIL_MIN = 64 << 10          # smaller values stay in the map: a tail saves a copy, not a frame
+TAIL_FIELDS = {("file_write", "data")}
+_MAP_LEN = struct.Struct(">I")
+
+
+class _Tail:
+    """Where the tail goes, in a decoded map."""
+
+
+_TAIL = _Tail()
+
+
+class AsTail:
+    """An answer's `data` to send as the frame's tail (encode_frame_parts)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data):
+        self.data = data
+
+
 def encode_frame(obj: dict, max_bytes: int | None = None) -> bytes:
     return b"".join(encode_frame_parts(obj, max_bytes))
 
 
-def encode_frame_parts(obj: dict, max_bytes: int | None = None) -> tuple[bytes, bytes]:
+def encode_frame_parts(obj: dict, max_bytes: int | None = None) -> tuple[bytes, ...]:
     """(header, payload) of a frame, for a writer's writelines: joining them
     would copy the payload (4 MiB of a file chunk: ~1.4 ms, four times the
     encoding itself, most of it page faults on the new buffer)."""
+    result = obj.get("result")
+    if isinstance(result, dict) and isinstance(result.get("data"), AsTail):
+        data = result["data"].data
+        if len(data) >= TAIL_MIN:
+            marked = {**obj, "result": {**result, "data": msgpack.ExtType(TAIL_EXT, b"")}}
+            return _tailed(marked, data, max_bytes)
+        obj = {**obj, "result": {**result, "data": data}}
     payload = msgpack.packb(obj, use_bin_type=True)
-    if max_bytes is not None and len(payload) > max_bytes:
-        raise LimitExceeded(f"frame of {len(payload)} bytes exceeds the {max_bytes}-byte limit",
-                            {"size": len(payload), "max": max_bytes})
+    _check_size(len(payload), max_bytes)
     return HEADER.pack(len(payload)), payload
 
 
-def decode_payload(payload: bytes) -> dict:
-    """One frame's payload -> a dict; anything else is bad_request."""
+def _tailed(marked: dict, data, max_bytes: int | None) -> tuple[bytes, ...]:
+    """(header, head, data) of a tailed frame whose map `marked` holds the
+    TAIL_EXT extension where `data` goes."""
+    head = msgpack.packb(marked, use_bin_type=True)
+    size = 1 + _MAP_LEN.size + len(head) + len(data)
+    _check_size(size, max_bytes)
+    return HEADER.pack(size), bytes((TAILED,)) + _MAP_LEN.pack(len(head)) + head, data
+
+
+def encode_tailed_request(obj: dict, max_bytes: int | None = None) -> tuple[bytes, ...]:
+    """encode_frame_parts of a request whose args' `data` goes as a tail
+    (one of TAIL_FIELDS, at least TAIL_MIN bytes; else as usual):
+    (header, head, data), data neither copied nor encoded."""
+    data = obj["args"].get("data")
+    if (obj.get("op"), "data") not in TAIL_FIELDS or data is None or len(data) < TAIL_MIN:
+        return encode_frame_parts(obj, max_bytes)
+    return _tailed({**obj, "args": {**obj["args"], "data": msgpack.ExtType(TAIL_EXT, b"")}}, data, max_bytes)
+
+
+def _check_size(size: int, max_bytes: int | None) -> None:
+    if max_bytes is not None and size > max_bytes:
+        raise LimitExceeded(f"frame of {size} bytes exceeds the {max_bytes}-byte limit",
+                            {"size": size, "max": max_bytes})
+
+
+def decode_payload(payload) -> dict:
+    """One frame's payload (bytes, or a bytearray a frame reader filled) ->
+    a dict; anything else is bad_request. A tailed payload's tail comes as a
+    memoryview of the payload, in the field its extension marks."""
+    if payload[:1] == bytes((TAILED,)):
+        return _decode_tailed(payload)
+    return _decode_map(payload)
+
+
+def _decode_map(payload, ext_hook=None) -> dict:
     try:
-        obj = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        if ext_hook is None:
+            obj = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        else:
+            obj = msgpack.unpackb(payload, raw=False, strict_map_key=True, ext_hook=ext_hook)
     except Exception as err:  # msgpack raises several unrelated types
         raise BadRequest(f"frame is not valid msgpack: {type(err).__name__}") from err
     if not isinstance(obj, dict):
         raise BadRequest(f"frame must be a msgpack map, got {type(obj).__name__}")
+    return obj
+
+
+def _decode_tailed(payload) -> dict:
+    view = memoryview(payload)
+    if len(view) < 1 + _MAP_LEN.size:
+        raise BadRequest("tailed frame shorter than its map length")
+    (head_len,) = _MAP_LEN.unpack_from(view, 1)
+    start = 1 + _MAP_LEN.size
+    if head_len > len(view) - start:
+        raise BadRequest(f"tailed frame: its map of {head_len} bytes is longer than the frame")
+
+    def ext_hook(code: int, data: bytes):
+        if code != TAIL_EXT or data:
+            raise ValueError(f"unknown msgpack extension {code}")
+        return _TAIL
+
+    obj = _decode_map(view[start:start + head_len], ext_hook)
+    # A request's tail is file_write's data; an answer's, its result's data.
+    holder = obj.get("args") if "op" in obj else obj.get("result")
+    if not (isinstance(holder, dict) and holder.get("data") is _TAIL
+            and ("op" not in obj or (obj["op"], "data") in TAIL_FIELDS)
+            and sum(v is _TAIL for v in holder.values()) == 1):
+        raise BadRequest("a frame's tail is only for the data of a file_write request or of an answer")
+    holder["data"] = view[start + head_len:]
     return obj
 
 
@@ -293,6 +392,7 @@ class FileRead:
     path: str
     offset: int = 0
     length: int | None = None
+    tail: bool = False              # the answer's data may come as the frame's tail (TAILED)
 
 
 @request("file_write", states=ACTIVE)
@@ -481,6 +581,8 @@ def _checker(hint) -> typing.Callable[[object], bool]:
     if origin is dict:
         ka, va = (_checker(h) for h in typing.get_args(hint))
         return lambda v: isinstance(v, dict) and all(ka(a) and va(b) for a, b in v.items())
+    if hint is bytes:       # a tail (see TAILED) is a memoryview of its frame
+        return lambda v: isinstance(v, (bytes, memoryview))
     return lambda v: isinstance(v, hint)
 
 

@@ -14,7 +14,7 @@ import asyncio
 import os
 from collections.abc import Awaitable, Callable
 
-from .. import userns
+from .. import protocol, userns
 from ..errors import BadRequest, LimitExceeded, io_error
 from ..fs import files as sbfiles
 from ..initlink import InitExec
@@ -62,7 +62,10 @@ class FileService:
         if not 0 <= length <= chunk or req.offset < 0:
             raise LimitExceeded(f"file_read length must be in [0, {chunk}] and offset >= 0; read in chunks",
                                 {"max_file_chunk_bytes": chunk})
-        return await self._file_op(req, "read", sbfiles.read_file, req.path, req.offset, length)
+        out = await self._file_op(req, "read", sbfiles.read_file, req.path, req.offset, length)
+        if req.tail:
+            out["data"] = protocol.AsTail(out["data"])
+        return out
 
     async def write(self, req, ctx) -> dict:
         chunk = self.max_chunk

@@ -103,3 +103,53 @@ def test_a_big_frame_grows_its_buffer_as_its_bytes_come(run):
 
     held, head, size, rest_ok = run(main())
     assert held <= framing.BIG_START and head == b"x" * 1000 and size == 48 << 20 and rest_ok
+
+
+# ---------------------------------------------------------------- tails (protocol.TAILED)
+
+def _payload(parts) -> bytes:
+    return b"".join(bytes(p) for p in parts)[framing.HEADER.size:]
+
+
+def test_a_file_write_sends_its_data_as_a_tail_and_decodes_to_a_view():
+    from dsecd import protocol
+
+    data = os.urandom(protocol.TAIL_MIN)
+    parts = protocol.encode_tailed_request({"id": 3, "op": "file_write", "args": {"sandbox": "s", "path": "/p",
+                                                                                   "data": data}})
+    assert len(parts) == 3 and parts[2] is data                      # neither copied nor encoded
+    got = protocol.decode_payload(bytearray(_payload(parts)))
+    assert isinstance(got["args"]["data"], memoryview) and bytes(got["args"]["data"]) == data
+    assert got["args"]["path"] == "/p"
+    rid, req = protocol.parse_request(got)
+    assert rid == 3 and bytes(req.data) == data
+    small = protocol.encode_tailed_request({"id": 4, "op": "file_write", "args": {"data": b"x"}})
+    assert len(small) == 2 and protocol.decode_payload(small[1])["args"]["data"] == b"x"
+
+
+def test_an_answer_tail_and_refused_tails():
+    import msgpack
+
+    from dsecd import protocol
+    from dsecd.errors import BadRequest
+
+    data = os.urandom(protocol.TAIL_MIN + 1)
+    parts = protocol.encode_frame_parts({"id": 1, "result": {"data": protocol.AsTail(data), "eof": True}})
+    got = protocol.decode_payload(_payload(parts))
+    assert bytes(got["result"]["data"]) == data and got["result"]["eof"] is True
+    short = protocol.encode_frame_parts({"id": 1, "result": {"data": protocol.AsTail(b"ab")}})
+    assert protocol.decode_payload(short[1])["result"]["data"] == b"ab"
+
+    def tailed(obj, tail=b"t" * 10):
+        head = msgpack.packb(obj, use_bin_type=True)
+        return bytes((protocol.TAILED,)) + len(head).to_bytes(4, "big") + head + tail
+
+    marker = msgpack.ExtType(protocol.TAIL_EXT, b"")
+    with pytest.raises(BadRequest, match="only for"):
+        protocol.decode_payload(tailed({"id": 1, "op": "exec_input", "args": {"data": marker}}))
+    with pytest.raises(BadRequest, match="only for"):
+        protocol.decode_payload(tailed({"id": 1, "op": "file_write", "args": {"data": marker, "path": marker}}))
+    with pytest.raises(BadRequest, match="longer than the frame"):
+        protocol.decode_payload(bytes((protocol.TAILED,)) + (1 << 20).to_bytes(4, "big") + b"\x80")
+    with pytest.raises(BadRequest, match="not valid msgpack"):
+        protocol.decode_payload(tailed({"id": 1, "op": "file_write", "args": {"data": msgpack.ExtType(7, b"")}}))
