@@ -161,6 +161,12 @@ def run_error(err: OSError, sandbox_id: str, prog: str, cwd: str) -> DsecError:
     killed), or that did not end after a kill (TimeoutError)."""
     import errno
 
+    if getattr(err, "step", None) == "init_request" and err.errno == errno.EINVAL:
+        # This daemon sends init only well-formed requests: one refused is one
+        # whose kind (a terminal, a background process) init does not know.
+        return Conflict(f"cannot start {prog!r} in sandbox {sandbox_id}: its init is older than this dsecd and "
+                        "does not know the request (a pty exec or a background process); recreate the sandbox "
+                        "to use them", {"sandbox": sandbox_id})
     if started_by_step(err):
         return exec_error(err, prog, cwd)
     if err.errno == errno.ESRCH:          # its init exited first: destroyed or died meanwhile

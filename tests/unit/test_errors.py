@@ -22,3 +22,14 @@ def test_io_error_maps_errno_and_names_it():
 def test_every_class_code_is_in_the_closed_set():
     for klass in DsecError.__subclasses__():
         assert klass.code in ERROR_CODES
+
+
+def test_a_request_an_older_init_refuses_says_to_recreate_the_sandbox():
+    import errno
+
+    from dsecd.errors import Conflict, run_error
+    from dsecd.native import NativeError
+
+    err = run_error(NativeError(errno.EINVAL, "have the sandbox's init start an exec: Invalid argument",
+                                step="init_request"), "sb1", "sh", "/")
+    assert isinstance(err, Conflict) and "recreate the sandbox" in str(err) and "older than this dsecd" in str(err)
