@@ -204,7 +204,7 @@ def test_no_daemon_fds_leak(daemon, sandbox):
     deadline = time.monotonic() + 5
     while daemon_fds(daemon) > before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert daemon_fds(daemon) == before
+    assert daemon_fds(daemon) <= before      # none left (one of before may have closed meanwhile)
 
 
 def test_async_sdk_and_a_second_client(daemon):

@@ -156,7 +156,7 @@ def test_timeout_and_end_leave_no_daemon_fds(daemon, sandbox, client):
     deadline = time.monotonic() + WAIT_S
     while _daemon_fds(daemon) > before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _daemon_fds(daemon) == before
+    assert _daemon_fds(daemon) <= before      # none left (one of before may have closed meanwhile)
 
 
 def test_bad_pty_requests_say_what_is_wrong(sandbox, client):
