@@ -40,6 +40,8 @@ DEFAULT_CHUNK = 4 << 20
 PIPELINE = 2
 # A server frame may exceed max_frame_bytes by its envelope (id, field names).
 FRAME_SLACK = 4096
+# Big-frame buffers a connection keeps for reuse (framing.FrameProtocol).
+FRAME_BUFFERS_KEPT = 4
 # Requests that steer others (stdin for an exec, a cancel) never wait for a
 # slot: the requests they serve may hold every slot. This many of the
 # daemon's per-connection limit are kept for them.
@@ -214,7 +216,8 @@ class Client:
         try:
             loop = asyncio.get_running_loop()
             transport, frames = await loop.create_unix_connection(
-                lambda: framing.FrameProtocol(self.max_frame + FRAME_SLACK), self.socket_path)
+                lambda: framing.FrameProtocol(self.max_frame + FRAME_SLACK, recycle=FRAME_BUFFERS_KEPT),
+                self.socket_path)
             self._writer = asyncio.StreamWriter(transport, frames, None, loop)
         except (FileNotFoundError, ConnectionRefusedError) as err:
             raise ConnectionError(f"cannot connect to dsecd at {self.socket_path}: {err.strerror}; "

@@ -153,3 +153,27 @@ def test_an_answer_tail_and_refused_tails():
         protocol.decode_payload(bytes((protocol.TAILED,)) + (1 << 20).to_bytes(4, "big") + b"\x80")
     with pytest.raises(BadRequest, match="not valid msgpack"):
         protocol.decode_payload(tailed({"id": 1, "op": "file_write", "args": {"data": msgpack.ExtType(7, b"")}}))
+
+
+def test_a_big_buffer_is_filled_again_only_once_nothing_refers_to_it(run):
+    async def main():
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        loop = asyncio.get_running_loop()
+        _t, proto = await loop.connect_accepted_socket(lambda: framing.FrameProtocol(1 << 24, recycle=2), theirs)
+        one, two, three = (os.urandom(framing.SCRATCH_BYTES * 4) for _ in range(3))
+        await _send(ours, _frame(one))
+        first = await proto.read_payload()
+        await _send(ours, _frame(two))
+        second = await proto.read_payload()             # `first` is alive: a buffer of its own
+        assert bytes(first) == one and bytes(second) == two
+        first_id = id(first.obj if isinstance(first, memoryview) else first)
+        del first
+        await _send(ours, _frame(three))
+        third = await proto.read_payload()              # `first` is gone: its buffer is filled again
+        third_id = id(third.obj if isinstance(third, memoryview) else third)
+        ours.close()
+        return bytes(second) == two and bytes(third) == three, third_id == first_id
+
+    intact, reused = run(main())
+    assert intact and reused
