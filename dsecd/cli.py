@@ -493,26 +493,43 @@ def _follow_window(loop: asyncio.AbstractEventLoop, stream, fd: int) -> None:
     task.add_done_callback(lambda t: t.cancelled() or t.exception())    # the exec may have ended meanwhile
 
 
-async def _forward_keys(stream, fd: int) -> None:
-    """Our stdin's bytes, as they come, into the sandbox's terminal (in order,
-    what arrived meanwhile in one exec_input). Our end of input (the terminal
-    hung up) stops the forwarding only: the sandbox's terminal reads ^D as its end."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[bytes] = asyncio.Queue()
+class _ReadQueue:
+    """The chunks of fd as the event loop reads them (b"" last, at its end or
+    on an error), queued; `watch` raises PermissionError for an fd epoll does
+    not take (a regular file). Use as a context: the reader goes at its end."""
 
-    def on_readable() -> None:
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[bytes] = asyncio.Queue()
+
+    def watch(self) -> _ReadQueue:
+        self.loop.add_reader(self.fd, self._on_readable)
+        return self
+
+    def _on_readable(self) -> None:
         try:
-            data = os.read(fd, 1 << 16)
+            data = os.read(self.fd, 1 << 16)
         except BlockingIOError:
             return
         except OSError:
             data = b""
         if not data:
-            loop.remove_reader(fd)
-        queue.put_nowait(data)
+            self.loop.remove_reader(self.fd)
+        self.queue.put_nowait(data)
 
-    loop.add_reader(fd, on_readable)
-    try:
+    def __enter__(self) -> asyncio.Queue[bytes]:
+        return self.queue
+
+    def __exit__(self, *exc) -> None:
+        self.loop.remove_reader(self.fd)
+
+
+async def _forward_keys(stream, fd: int) -> None:
+    """Our stdin's bytes, as they come, into the sandbox's terminal (in order,
+    what arrived meanwhile in one exec_input). Our end of input (the terminal
+    hung up) stops the forwarding only: the sandbox's terminal reads ^D as its end."""
+    with _ReadQueue(fd).watch() as queue:
         while True:
             chunks = [await queue.get()]
             while not queue.empty():
@@ -521,8 +538,6 @@ async def _forward_keys(stream, fd: int) -> None:
                 await stream.write(data)
             if not chunks[-1]:
                 return
-    finally:
-        loop.remove_reader(fd)
 
 
 @contextlib.contextmanager
@@ -662,32 +677,15 @@ async def _feed_stdin(proc) -> None:
 async def _stdin_as_it_comes():
     """Chunks of our stdin: by the event loop for a pipe or a terminal; a
     regular file (never blocks for long) is read by a thread."""
-    loop = asyncio.get_running_loop()
-    fd = sys.stdin.fileno()
-    queue: asyncio.Queue[bytes] = asyncio.Queue()
-
-    def on_readable() -> None:
-        try:
-            data = os.read(fd, 1 << 16)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            loop.remove_reader(fd)
-        queue.put_nowait(data)
-
     try:
-        loop.add_reader(fd, on_readable)
+        reads = _ReadQueue(sys.stdin.fileno()).watch()
     except PermissionError:            # epoll takes no regular file
         async for data in _stdin_chunks():
             yield data
         return
-    try:
+    with reads as queue:
         while data := await queue.get():
             yield data
-    finally:
-        loop.remove_reader(fd)
 
 
 def _print_trace(rec: dict, as_json: bool, path: str | None) -> None:
