@@ -16,6 +16,13 @@ line is one JSON object:
                                rule_update_daemon_* = the same updates timed inside the
                                daemon (Network.update: merge, maps, record; `dsec info`);
   rule_update_1000_rules_p99_ms the same on a 1,000-rule policy;
+  first_net_create_cold_ms     the first `create --net default` right after a daemon start
+                               whose BPF object cache is empty (the programs compile in a
+                               helper process, started in the background at daemon start);
+  first_net_create_warm_ms     the same after a second start on the same cache (no compile);
+  first_net_create_ms          = the warm figure (what every restart but the first sees);
+  daemon_rss_mib               the daemon's resident memory after its programs are loaded
+                               (after the first --net default create of the pooled daemon);
   tcp_throughput_ratio         bulk TCP sandbox -> sink, 1,000-rule allowlist / no policy;
   connect_rate_ratio           connect+close per second, same two arms;
   *_cpu_ratio                  the same per CPU-second of the sending process (user +
@@ -344,14 +351,56 @@ async def pool_stats(c) -> dict:
     return ((await c.info()).get("net") or {}).get("pool") or {}
 
 
-async def run_pooled(sock: str, world: World, args) -> dict:
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    return 0.0
+
+
+async def first_create(sock: str) -> tuple[float, dict]:
+    """ms of the first --net default create of a daemon; its `dsec info` net section."""
+    async with dsecd.Client(sock) as c:
+        t0 = time.perf_counter()
+        sb = await c.create(image=IMAGE, net="default", allow=["pypi"])
+        dt = (time.perf_counter() - t0) * 1e3
+        await sb.destroy()
+        return dt, (await c.info()).get("net") or {}
+
+
+def run_first(rootfs: str, world: World) -> dict:
+    """Two daemon starts on one BPF cache dir, emptied before the first."""
+    import shutil
+    import tempfile
+
+    cache = Path(tempfile.mkdtemp(prefix="dsecd-bench-bpf-"))
+    out = {}
+    try:
+        for arm in ("cold", "warm"):
+            cfg = daemon_config(world, 8).replace("[net]\n", f'[net]\nbpf_cache_dir = "{cache}"\n', 1)
+            with harness.private_daemon(rootfs, IMAGE, extra_config=cfg) as d:
+                dt, net = uvloop.run(first_create(d.sock))
+                log(f"first --net default create, {arm} BPF cache: {dt:.1f} ms; bpf {net.get('bpf')}")
+                out[f"first_net_create_{arm}_ms"] = round(dt, 1)
+                out[f"first_net_create_{arm}_bpf"] = net.get("bpf")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    out["first_net_create_ms"] = out.get("first_net_create_warm_ms")
+    return out
+
+
+async def run_pooled(sock: str, world: World, args, pid: int) -> dict:
     out = {}
     async with dsecd.Client(sock) as c:
-        # The first --net default create builds the daemon's Network (BPF compile, seconds).
+        # The first --net default create builds the daemon's Network (and, with a
+        # bcc-era daemon, compiled the programs: seconds).
         t0 = time.perf_counter()
         sb = await c.create(image=IMAGE, net="default", allow=["pypi"])
         await sb.destroy()
         out["bpf_compile_and_first_create_s"] = round(time.perf_counter() - t0, 2)
+        out["daemon_rss_mib"] = rss_mib(pid)
+        log(f"daemon RSS after its programs are loaded: {out['daemon_rss_mib']} MiB")
         await asyncio.sleep(1.0)              # let the pool fill
         if "create" in args.phases:
             log(f"create overhead, pool on: {args.n_create} pairs")
@@ -422,8 +471,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pool-size", type=int, default=8, help="net.pool_size of the pooled daemon")
     p.add_argument("--create-gap", type=float, default=0.1, help="seconds between timed creates (both arms)")
     p.add_argument("--no-nopool", action="store_true", help="skip the pool-off daemon")
-    p.add_argument("--phases", default="create,updates,datapath",
-                   help="comma-separated subset of create,updates,datapath (the pool-off daemon runs with create)")
+    p.add_argument("--phases", default="create,updates,datapath,first",
+                   help="comma-separated subset of create,updates,datapath,first (the pool-off daemon runs "
+                        "with create; first: two more daemon starts, cold then warm BPF cache)")
     p.add_argument("--null-check", action="store_true",
                    help="datapath A/A: the 'policy' arm also runs without programs (the ratios should be ~1)")
     p.add_argument("--policy-rules", type=int, default=1000, help="rules of the datapath policy (1..1000)")
@@ -449,7 +499,9 @@ def main(argv: list[str] | None = None) -> int:
             with harness.private_daemon(rootfs, IMAGE, extra_config=daemon_config(world, 0)) as d:
                 results.update(uvloop.run(run_nopool(d.sock, args)))
         with harness.private_daemon(rootfs, IMAGE, extra_config=daemon_config(world, args.pool_size)) as d:
-            results.update(uvloop.run(run_pooled(d.sock, world, args)))
+            results.update(uvloop.run(run_pooled(d.sock, world, args, d.proc.pid)))
+        if "first" in args.phases:
+            results.update(run_first(rootfs, world))
     finally:
         world.close()
     results.update(rounds=args.rounds, round_secs=args.secs, create_gap_s=args.create_gap, cpus=CPUS,

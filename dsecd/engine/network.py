@@ -1,11 +1,15 @@
 """Sandbox networking as the engine sees it: --net default|none, --allow
 rules, `net show`, `net set`, and a sandbox's network at create and destroy.
 
-The mechanisms (bridge, veth, IPAM, eBPF allowlists) are dsecd/net/. Building the Network compiles the BPF programs
-(seconds), so it happens on first need - the first `--net default` create,
-or at start when a journaled sandbox has networking - never on the event
-loop. Where it cannot be built (no bcc, no cgroup v2), `--net none` keeps
-working, `--net default` answers `unsupported`, and `dsec info` says why.
+The mechanisms (bridge, veth, IPAM, eBPF allowlists) are dsecd/net/. The
+eBPF programs are loaded at daemon start in a background thread (net.preload:
+from the cached compiled object, ~0.2 s; the first start compiles it in a
+helper process, seconds), never on the event loop. The Network itself (bridge,
+IPAM, netns pool) is built on first need - the first `--net default` create,
+or at start when a journaled sandbox has networking - and waits for that load
+only while it is not done. Where it cannot be built (no bcc and no cached
+object, no cgroup v2), `--net none` keeps working, `--net default` answers
+`unsupported`, and `dsec info` says why.
 """
 
 from __future__ import annotations
@@ -227,9 +231,20 @@ class NetworkService:
         except (OSError, DsecError) as err:
             log.error("detach networking of sandbox %s: %s", sb.id, err)
 
+    def preload(self) -> None:
+        """Daemon start: load (or first compile) the eBPF programs in the background."""
+        if self.layout.v2 is None or not self.net_cfg.get("preload", True):
+            return
+        from ..net.network import bpf_cache_dir
+        from ..net.policy import Engine
+
+        Engine.prepare(self.max_sandboxes, int(self.net_cfg["max_prefixes"]), int(self.net_cfg["max_counters"]),
+                       bpf_cache_dir(self.net_cfg, self.state_dir))
+
     async def readopt_net(self) -> None:
         """After the journal's sandboxes were re-adopted: building the Network re-adopts live sandboxes' policies and
         frees the leases of the rest (_build_network)."""
+        self.preload()
         if not any(s.net and s.net.get("mode") == "default" for s in self.registry.by_id.values()):
             return        # records of dead ones are freed whenever the Network is first built
         with contextlib.suppress(Unsupported):
@@ -243,10 +258,17 @@ class NetworkService:
         if self.net is not None:
             return {"available": True, "detail": f"bridge {self.net_cfg['bridge']}, "
                     f"{self.net_cfg['ipv4_subnet']}, eBPF allowlists loaded",
-                    "pool": self.net.pool.stats(), "updates": self.net.update_stats()}
+                    "pool": self.net.pool.stats(), "updates": self.net.update_stats(),
+                    "bpf": dict(self.net.engine.load_stats)}
         if self.net_error:
             return {"available": False, "detail": self.net_error}
-        return {"available": None, "detail": "not started yet (on the first --net default create)"}
+        from ..net.policy import Engine
+
+        out = {"available": None, "detail": "not started yet (on the first --net default create)"}
+        loaded = Engine.loaded_stats()
+        if loaded:
+            out["bpf"] = loaded
+        return out
 
     async def show(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)

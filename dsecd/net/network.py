@@ -1,6 +1,6 @@
 """Network: what the node calls. One per daemon; every method blocks (worker threads only).
 
-    net = Network(cfg["net"], state_dir, layout.v2, cgroup_root)    # bridge, BPF compile, IPAM, pool
+    net = Network(cfg["net"], state_dir, layout.v2, cgroup_root)    # bridge, BPF load, IPAM, pool
     ready = net.take_ready()                                        # a pooled netns, or None
     view = net.attach(sb_id, init_pid, cgroup_v2_dir, rules, mode, ready)  # on create
     view = net.update(sb_id, add=, remove=, replace=)               # live, atomic
@@ -84,7 +84,8 @@ class Network:
             name=cfg["bridge"], mtu=int(cfg["mtu"]), host_netns=cfg.get("host_netns", ""),
             gateway4=f"{self.ipam.gateway4}/{self.ipam.subnet.prefixlen}", gateway6=gw6,
             sandbox_ifname=cfg.get("sandbox_ifname", "eth0")))
-        self.engine = Engine.shared(max_sandboxes, int(cfg["max_prefixes"]), int(cfg["max_counters"]))
+        self.engine = Engine.shared(max_sandboxes, int(cfg["max_prefixes"]), int(cfg["max_counters"]),
+                                    bpf_cache_dir(cfg, state_dir))
         self.engine.set_level(self.level)
         self._lock = threading.RLock()
         self._sbs: dict[str, _Sandbox] = {}
@@ -553,6 +554,11 @@ class Network:
 def _parse_term(term: str) -> R.Rule:
     """Canonical terms repeat across updates and views; parsing one is ~30 us (regex, ipaddress)."""
     return R.parse_rule(term)
+
+
+def bpf_cache_dir(cfg: dict, state_dir: Path | str) -> Path:
+    """Where the compiled BPF object is cached (net.bpf_cache_dir, "" = <state_dir>/cache/bpf)."""
+    return Path(cfg.get("bpf_cache_dir") or Path(state_dir) / "cache" / "bpf")
 
 
 def pool_tag(state_dir: Path | str) -> str:

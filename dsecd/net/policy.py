@@ -1,9 +1,13 @@
-"""The BPF side: bpf/net_policy.c compiled once per process with bcc, its maps, attaches.
+"""The BPF side: bpf/net_policy.c's programs and maps in this process, and their attaches.
 
-Compiling takes seconds (clang), so `Engine.shared()` compiles once per
-process and every Network shares the programs and maps; a sandbox then costs
-map updates and five BPF_PROG_ATTACH calls. Never call into this module from
-the event loop.
+The programs come from a compiled object cached on disk (bpfobj.py): compiled
+by bcc in a helper process the first time, and loaded with plain bpf(2) calls
+(bpfsys.py) by every daemon start after that; this process never imports bcc.
+`Engine.shared()` loads once per process and every Network shares the programs
+and maps; a sandbox then costs map updates and five BPF_PROG_ATTACH calls.
+`prepare()` runs that load in a background thread at daemon start, so a create
+waits for it only while it is not done. Never call into this module from the
+event loop, except for the map updates of a small policy change (update_now).
 
 Attaches use no flags (not BPF_F_ALLOW_MULTI): a second attach of the same
 type to the same cgroup *replaces* the program atomically. A restarted daemon
@@ -18,36 +22,31 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import struct
 import threading
+import time
 from pathlib import Path
 
 from ..errors import LimitExceeded
+from . import bpfobj, bpfsys
+from .bpfsys import BpfError
 from .rules import FAM_V4, MAX_ENTRIES, Entry
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parents[2] / "bpf" / "net_policy.c"
+SOURCE = bpfobj.SOURCE
+HOOKS = bpfobj.HOOKS
+DEFAULT_CACHE_DIR = "cache/bpf"       # under the state dir
 
-# (function, program type, attach type) from bcc.BPFProgType / BPFAttachType.
-HOOKS = (
-    ("dsec_connect4", "CGROUP_SOCK_ADDR", "CGROUP_INET4_CONNECT"),
-    ("dsec_connect6", "CGROUP_SOCK_ADDR", "CGROUP_INET6_CONNECT"),
-    ("dsec_sendmsg4", "CGROUP_SOCK_ADDR", "CGROUP_UDP4_SENDMSG"),
-    ("dsec_sendmsg6", "CGROUP_SOCK_ADDR", "CGROUP_UDP6_SENDMSG"),
-    ("dsec_egress", "CGROUP_SKB", "CGROUP_INET_EGRESS"),
-)
+__all__ = ["BpfError", "Engine"]
 
-
-class BpfError(OSError):
-    pass
-
-
-def _bcc():
-    try:
-        import bcc
-    except ImportError as err:
-        raise BpfError(errno.ENOSYS, f"import bcc: {err} (install python3-bpfcc)") from err
-    return bcc
+_U32 = struct.Struct("=I")
+_U64 = struct.Struct("=Q")
+_SB_VAL = struct.Struct("=II")
+_RULE_KEY = struct.Struct("=IIB16s")            # struct lpm_key (padded to the map's key size)
+_RULE_HEAD = struct.Struct("=II")               # struct rule_val: n, pad
+_ENTRY = struct.Struct("=HHB3xI")               # struct entry
+_SB_STAT = struct.Struct("=QQQ")                # struct sb_stat
 
 
 class _Slots:
@@ -74,39 +73,69 @@ class _Slots:
 
 
 class Engine:
-    """Compiled programs + maps, shared by every Network of this process."""
+    """Loaded programs + maps, shared by every Network of this process."""
 
     _shared: dict[tuple, Engine] = {}
     _shared_lock = threading.Lock()
 
     @classmethod
-    def shared(cls, max_sandboxes: int, max_prefixes: int, max_counters: int) -> Engine:
+    def shared(cls, max_sandboxes: int, max_prefixes: int, max_counters: int,
+               cache_dir: Path | str | None = None) -> Engine:
         key = (max_sandboxes, max_prefixes, max_counters)
         with cls._shared_lock:
             if key not in cls._shared:
-                cls._shared[key] = cls(*key)
+                cls._shared[key] = cls(*key, cache_dir=cache_dir)
             return cls._shared[key]
 
-    def __init__(self, max_sandboxes: int, max_prefixes: int, max_counters: int):
-        bcc = _bcc()
-        self.bcc = bcc
+    @classmethod
+    def loaded_stats(cls) -> dict | None:
+        """How this process got its programs ({"object": "cached"|"compiled", ...}), if it has."""
+        for eng in list(cls._shared.values()):      # no lock: it is held for the whole load
+            return dict(eng.load_stats)
+        return None
+
+    @classmethod
+    def prepare(cls, max_sandboxes: int, max_prefixes: int, max_counters: int,
+                cache_dir: Path | str) -> threading.Thread:
+        """shared() in a background thread (daemon start). A failure is logged
+        here and raised again by the shared() of whoever needs the engine."""
+        def run() -> None:
+            try:
+                cls.shared(max_sandboxes, max_prefixes, max_counters, cache_dir)
+            except Exception as err:
+                log.warning("loading the BPF programs at start failed (retried on the first "
+                            "--net default create): %s", err)
+
+        t = threading.Thread(target=run, name="dsecd-bpf-load", daemon=True)
+        t.start()
+        return t
+
+    def __init__(self, max_sandboxes: int, max_prefixes: int, max_counters: int,
+                 cache_dir: Path | str | None = None):
         self.max_prefixes = max_prefixes
         cflags = [f"-DMAX_SANDBOXES={max_sandboxes}", f"-DMAX_PREFIXES={max_prefixes}",
                   f"-DMAX_COUNTERS={max_counters}", "-Wno-unused-value"]
+        cache = Path(cache_dir) if cache_dir else Path("/var/cache/dsecd/bpf")
+        t0 = time.perf_counter()
         try:
-            self.bpf = bcc.BPF(src_file=str(SOURCE).encode(), cflags=cflags)
-            self.fns = {}
-            for name, ptype, atype in HOOKS:
-                self.fns[name] = (self.bpf.load_func(name.encode(), getattr(bcc.BPFProgType, ptype),
-                                                     attach_type=getattr(bcc.BPFAttachType, atype)),
-                                  getattr(bcc.BPFAttachType, atype))
-        except Exception as err:      # bcc raises bare Exception with the verifier log on stderr
-            raise BpfError(errno.EINVAL, f"compile/load `{SOURCE}`: {err}") from err
-        self.config = self.bpf[b"config"]
-        self.sandboxes = self.bpf[b"sandboxes"]
-        self.rules = self.bpf[b"rules"]
-        self.rule_hits = self.bpf[b"rule_hits"]
-        self.sb_stats = self.bpf[b"sb_stats"]
+            self.loaded, self.load_stats = bpfobj.load(cache, cflags)
+        except OSError as err:
+            raise BpfError(err.errno or errno.EINVAL, f"load the BPF programs of `{SOURCE}`: {err}") from err
+        self.load_stats["ready_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+        log.info("BPF programs ready in %.1f ms (object %s)", self.load_stats["ready_ms"],
+                 self.load_stats["object"])
+        m = self.loaded.maps
+        self.config, self.sandboxes, self.rules = m["config"], m["sandboxes"], m["rules"]
+        self.rule_hits, self.sb_stats = m["rule_hits"], m["sb_stats"]
+        self.fns = dict(self.loaded.progs)          # name -> (prog fd, attach type)
+        self._key_pad = b"\0" * (self.rules.key_size - _RULE_KEY.size)
+        self._val_pad = self.rules.value_size - _RULE_HEAD.size - MAX_ENTRIES * _ENTRY.size
+        if self._val_pad < 0 or self.rules.key_size < _RULE_KEY.size:
+            raise BpfError(errno.EINVAL, f"BPF map `rules` has key/value sizes {self.rules.key_size}/"
+                                         f"{self.rules.value_size}; this dsecd expects "
+                                         f"{_RULE_KEY.size}+/{self.rules.value_size - self._val_pad}")
+        self._zero_hits = bytes(self.rule_hits.out_size)
+        self._zero_stats = bytes(self.sb_stats.out_size)
         self.lock = threading.RLock()
         self.counters = _Slots(max_counters, "rule counters (net.max_counters)")
         self.slots = _Slots(max_sandboxes, "sandbox slots (limits.max_sandboxes)")
@@ -122,18 +151,15 @@ class Engine:
             if self.level is not None and self.level != level:
                 raise ValueError(f"sandbox cgroup level {level} differs from {self.level} already in use")
             self.level = level
-            self.config[self.config.Key(0)] = self.config.Leaf(level)
+            self.config.update(_U32.pack(0), _U32.pack(level))
 
     # ------------------------------------------------------------ attach
 
     def attach(self, cgroup_dir: str) -> None:
         fd = _open_dir(cgroup_dir)
         try:
-            for name, (fn, atype) in self.fns.items():
-                try:
-                    self.bcc.BPF.attach_func(fn, fd, atype)
-                except Exception as err:
-                    raise BpfError(errno.EINVAL, f"attach {name} to `{cgroup_dir}`: {err}") from err
+            for name, (prog, atype) in self.fns.items():
+                bpfsys.prog_attach(fd, prog, atype, f"attach {name} to `{cgroup_dir}`")
         finally:
             os.close(fd)
 
@@ -146,11 +172,11 @@ class Engine:
                 return
             raise
         try:
-            for _name, (fn, atype) in self.fns.items():
+            for name, (prog, atype) in self.fns.items():
                 try:
-                    self.bcc.BPF.detach_func(fn, fd, atype)
-                except Exception as err:     # ENOENT: not attached (anymore)
-                    log.debug("detach from %s: %s", cgroup_dir, err)
+                    bpfsys.prog_detach(fd, prog, atype, f"detach {name} from `{cgroup_dir}`")
+                except OSError as err:     # ENOENT: not attached (anymore)
+                    log.debug("%s", err)
         finally:
             os.close(fd)
 
@@ -158,14 +184,10 @@ class Engine:
 
     def register(self, cgroup_id: int, policy: int, slot: int) -> None:
         """Point the sandbox at `policy`: one map update, the atomic flip of an update."""
-        v = self.sandboxes.Leaf(policy, slot)
-        self.sandboxes[self.sandboxes.Key(cgroup_id)] = v
+        self.sandboxes.update(_U64.pack(cgroup_id), _SB_VAL.pack(policy, slot))
 
     def unregister(self, cgroup_id: int) -> None:
-        try:
-            del self.sandboxes[self.sandboxes.Key(cgroup_id)]
-        except KeyError:
-            pass
+        self.sandboxes.delete(_U64.pack(cgroup_id))
 
     def new_policy_id(self) -> int:
         with self.lock:
@@ -173,23 +195,17 @@ class Engine:
             self.next_policy = pid + 1 if pid < 0xFFFFFFFF else 1
             return pid
 
-    def _key(self, policy: int, fam: int, addr: int, plen: int):
-        k = self.rules.Key()
-        k.prefixlen = 32 + 8 + plen
-        k.policy = policy
-        k.family = fam
+    def _key(self, policy: int, fam: int, addr: int, plen: int) -> bytes:
         raw = addr.to_bytes(4 if fam == FAM_V4 else 16, "big")
-        for i, b in enumerate(raw):
-            k.addr[i] = b
-        return k
+        return _RULE_KEY.pack(32 + 8 + plen, policy, fam, raw) + self._key_pad
 
-    def _leaf(self, entries: list[Entry], counter_of: dict):
-        v = self.rules.Leaf()
-        v.n = len(entries)
-        for i, e in enumerate(entries[:MAX_ENTRIES]):
-            v.e[i].port_lo, v.e[i].port_hi, v.e[i].protos = e.port_lo, e.port_hi, e.protos
-            v.e[i].counter = counter_of[e.rule]
-        return v
+    def _leaf(self, entries: list[Entry], counter_of: dict) -> bytes:
+        parts = [_RULE_HEAD.pack(len(entries), 0)]
+        for e in entries[:MAX_ENTRIES]:
+            parts.append(_ENTRY.pack(e.port_lo, e.port_hi, e.protos, counter_of[e.rule]))
+        used = sum(len(p) for p in parts)
+        parts.append(bytes(self.rules.value_size - used))
+        return b"".join(parts)
 
     def _reserve(self, n: int) -> None:
         with self.lock:
@@ -200,12 +216,13 @@ class Engine:
 
     def write_policy(self, policy: int, prefixes: dict[tuple[int, int, int], list[Entry]],
                      counter_of: dict) -> None:
-        """Write every prefix of a policy under id `policy`; all or nothing."""
+        """Write every prefix of a policy under id `policy`; all or nothing.
+        Nothing reads the new id until register() flips a sandbox to it."""
         self._reserve(len(prefixes))
         done = []
         try:
             for pkey, entries in prefixes.items():
-                self.rules[self._key(policy, *pkey)] = self._leaf(entries, counter_of)
+                self.rules.update(self._key(policy, *pkey), self._leaf(entries, counter_of))
                 done.append(pkey)
         except BaseException:
             self.delete_policy(policy, done)
@@ -219,7 +236,7 @@ class Engine:
         if new:
             self._reserve(1)
         try:
-            self.rules[self._key(policy, *pkey)] = self._leaf(entries, counter_of)
+            self.rules.update(self._key(policy, *pkey), self._leaf(entries, counter_of))
         except BaseException:
             if new:
                 with self.lock:
@@ -230,29 +247,27 @@ class Engine:
         n = 0
         for pkey in pkeys:
             n += 1
-            try:
-                del self.rules[self._key(policy, *pkey)]
-            except KeyError:
-                pass
+            self.rules.delete(self._key(policy, *pkey))
         with self.lock:
             self.prefixes_used -= n
 
     def reset_counters(self, idxs: list[int]) -> None:
-        for i in idxs:
-            self.rule_hits[self.rule_hits.Key(i)] = self.rule_hits.Leaf()
+        """Zero fresh counters: one batch update (arrays have it)."""
+        self.rule_hits.update_many([(_U32.pack(i), self._zero_hits) for i in idxs])
 
     def reset_stats(self, slot: int) -> None:
-        self.sb_stats[self.sb_stats.Key(slot)] = self.sb_stats.Leaf()
+        self.sb_stats.update(_U32.pack(slot), self._zero_stats)
 
     def hits(self, idx: int) -> int:
-        return int(sum(self.rule_hits[self.rule_hits.Key(idx)]))
+        return sum(_U64.unpack(v)[0] for v in self.rule_hits.percpu_values(_U32.pack(idx)))
 
     def stats(self, slot: int) -> dict[str, int]:
-        per_cpu = self.sb_stats[self.sb_stats.Key(slot)]
         out = {"denied_connect": 0, "denied_sendmsg": 0, "dropped_packets": 0}
-        for s in per_cpu:
-            for k in out:
-                out[k] += getattr(s, k)
+        for v in self.sb_stats.percpu_values(_U32.pack(slot)):
+            c, s, d = _SB_STAT.unpack(v)
+            out["denied_connect"] += c
+            out["denied_sendmsg"] += s
+            out["dropped_packets"] += d
         return out
 
 

@@ -132,3 +132,29 @@ def test_sandbox_cannot_reach_another_sandbox_or_the_bridge(world, netd, probe_b
     assert outcome(a, "socket", "raw_icmp") == "EPERM"                # no raw packets to go around it
     assert outcome(b, "connect", "127.0.0.1", "7777") == "ok"         # B's one-shot listener was up
     c.destroy_all(force=True)
+
+
+def test_kill9_after_net_set_keeps_rule_and_restart_compiles_nothing(world, netd):
+    """An answered net_set is in the record log (one write(2) to an open fd, in the
+    page cache before the answer): a kill -9 right after it loses nothing. The
+    restart loads the BPF object the first start cached: no compile."""
+    import signal
+
+    d, c = netd
+    sb = c.create(image="busybox", net="default", allow=["pypi"])
+    first = c.info()["net"]["bpf"]
+    assert first["object"] in ("compiled", "cached")
+    sb.net_set(add=["refsol"])
+    d.stop(signal.SIGKILL)
+    c.close()
+    d.start()
+    c2 = d.client()
+    try:
+        s2 = c2.get(sb.id)
+        assert s2.net_show()["terms"] == ["pypi", "refsol"]
+        assert connect(s2, world.ref, 443)[0] == 0            # the re-adopted policy has it
+        bpf = c2.info()["net"]["bpf"]
+        assert bpf["object"] == "cached" and "compile_ms" not in bpf and bpf["path"] == first["path"]
+        s2.destroy()
+    finally:
+        c2.close()

@@ -1,0 +1,193 @@
+"""The bpf(2) calls the daemon needs, through ctypes: maps, program loads, cgroup attaches.
+
+The daemon loads the policy programs from a cached object (dsecd/net/bpfobj.py)
+with these, so it never imports bcc: bcc pulls libbcc and LLVM into the process
+(~140 MB resident once a program is compiled, for the process's whole life).
+
+Every call takes its attribute struct packed with `struct` into a ctypes buffer;
+one call costs ~2 us of Python. Errors are OSError naming the call and the map
+or program it was for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import struct
+
+_SYS_BPF = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "ppc64le": 361, "s390x": 351}
+
+MAP_CREATE, MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM = 0, 1, 2, 3
+PROG_LOAD, PROG_ATTACH, PROG_DETACH, OBJ_GET_INFO_BY_FD = 5, 8, 9, 15
+MAP_UPDATE_BATCH, MAP_DELETE_BATCH = 26, 27
+
+PROG_TYPES = {"CGROUP_SKB": 8, "CGROUP_SOCK_ADDR": 18}
+ATTACH_TYPES = {"CGROUP_INET_EGRESS": 1, "CGROUP_INET4_CONNECT": 10, "CGROUP_INET6_CONNECT": 11,
+                "CGROUP_UDP4_SENDMSG": 14, "CGROUP_UDP6_SENDMSG": 15}
+PERCPU_TYPES = {5, 6, 10}          # PERCPU_HASH, PERCPU_ARRAY, LRU_PERCPU_HASH
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+_NR = _SYS_BPF.get(platform.machine())
+
+
+class BpfError(OSError):
+    pass
+
+
+def _addr(buf) -> int:
+    return ctypes.addressof(buf) if buf is not None else 0
+
+
+def bpf(cmd: int, attr: ctypes.Array, what: str) -> int:
+    if _NR is None:
+        raise BpfError(errno.ENOSYS, f"{what}: no bpf(2) syscall number known for {platform.machine()}")
+    rc = _syscall(_NR, ctypes.c_int(cmd), attr, ctypes.c_uint(len(attr)))
+    if rc < 0:
+        e = ctypes.get_errno()
+        raise BpfError(e, f"{what}: {os.strerror(e)}")
+    return rc
+
+
+def _attr(data: bytes, size: int = 128) -> ctypes.Array:
+    buf = ctypes.create_string_buffer(size)
+    ctypes.memmove(buf, data, len(data))
+    return buf
+
+
+def possible_cpus() -> int:
+    """Per-CPU map values hold one slot per *possible* CPU (not online)."""
+    with open("/sys/devices/system/cpu/possible") as f:
+        n = 0
+        for part in f.read().strip().split(","):
+            lo, _, hi = part.partition("-")
+            n = max(n, int(hi or lo) + 1)
+    return n
+
+
+class Map:
+    """A BPF map by fd: raw bytes in, raw bytes out."""
+
+    def __init__(self, fd: int, name: str, map_type: int, key_size: int, value_size: int, max_entries: int):
+        self.fd, self.name, self.type = fd, name, map_type
+        self.key_size, self.value_size, self.max_entries = key_size, value_size, max_entries
+        # What a lookup returns: per-CPU maps give one 8-byte-aligned value per possible CPU.
+        self.percpu = map_type in PERCPU_TYPES
+        self.slot = (value_size + 7) & ~7
+        self.ncpu = possible_cpus() if self.percpu else 1
+        self.out_size = self.slot * self.ncpu if self.percpu else value_size
+        self._batch = True
+
+    @classmethod
+    def create(cls, name: str, map_type: int, key_size: int, value_size: int, max_entries: int,
+               flags: int) -> Map:
+        data = struct.pack("=IIIIIII16s", map_type, key_size, value_size, max_entries, flags, 0, 0,
+                           name.encode()[:15])
+        fd = bpf(MAP_CREATE, _attr(data), f"create BPF map `{name}`")
+        return cls(fd, name, map_type, key_size, value_size, max_entries)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def _elem(self, cmd: int, key: bytes, value, flags: int, what: str) -> int:
+        kbuf = ctypes.create_string_buffer(key, len(key))
+        data = struct.pack("=IIQQQ", self.fd, 0, ctypes.addressof(kbuf), _addr(value), flags)
+        return bpf(cmd, _attr(data, 32), f"{what} map `{self.name}`")
+
+    def update(self, key: bytes, value: bytes, flags: int = 0) -> None:
+        vbuf = ctypes.create_string_buffer(value, len(value))
+        self._elem(MAP_UPDATE_ELEM, key, vbuf, flags, "update")
+
+    def delete(self, key: bytes) -> bool:
+        """False if the key was not there."""
+        try:
+            self._elem(MAP_DELETE_ELEM, key, None, 0, "delete from")
+        except OSError as err:
+            if err.errno == errno.ENOENT:
+                return False
+            raise
+        return True
+
+    def lookup(self, key: bytes) -> bytes | None:
+        out = ctypes.create_string_buffer(self.out_size)
+        try:
+            self._elem(MAP_LOOKUP_ELEM, key, out, 0, "look up in")
+        except OSError as err:
+            if err.errno == errno.ENOENT:
+                return None
+            raise
+        return out.raw
+
+    def percpu_values(self, key: bytes) -> list[bytes]:
+        raw = self.lookup(key) or b""
+        return [raw[i * self.slot:i * self.slot + self.value_size] for i in range(len(raw) // self.slot)]
+
+    def update_many(self, items: list[tuple[bytes, bytes]]) -> None:
+        """Several elements: one BPF_MAP_UPDATE_BATCH where the map type has it
+        (hash, array), else one update each (lpm_trie has no batch ops: EINVAL
+        or ENOTSUPP, remembered). Not atomic either way; callers order their
+        writes so that a partial one is harmless (see policy.Engine)."""
+        if not items:
+            return
+        if len(items) > 1 and self._batch:
+            n = len(items)
+            keys = ctypes.create_string_buffer(b"".join(k for k, _ in items), n * self.key_size)
+            vals = ctypes.create_string_buffer(b"".join(v for _, v in items), n * len(items[0][1]))
+            data = struct.pack("=QQQQIIQQ", 0, 0, ctypes.addressof(keys), ctypes.addressof(vals), n,
+                               self.fd, 0, 0)
+            attr = _attr(data, 64)
+            try:
+                bpf(MAP_UPDATE_BATCH, attr, f"batch update map `{self.name}`")
+                return
+            except OSError as err:
+                done = struct.unpack_from("=I", attr.raw, 32)[0]      # the kernel writes back `count`
+                if err.errno not in (errno.EINVAL, errno.ENOTSUP, 524):      # 524: ENOTSUPP
+                    raise
+                items = items[done:]
+                self._batch = False
+        for k, v in items:
+            self.update(k, v)
+
+
+def map_info(fd: int) -> dict:
+    """type, key_size, value_size, max_entries, map_flags, name of a map fd."""
+    info = ctypes.create_string_buffer(88)
+    data = struct.pack("=IIQ", fd, len(info), ctypes.addressof(info))
+    bpf(OBJ_GET_INFO_BY_FD, _attr(data, 16), f"get info of BPF map fd {fd}")
+    t, _id, ks, vs, me, fl, name = struct.unpack_from("=IIIIII16s", info.raw)
+    return {"type": t, "key_size": ks, "value_size": vs, "max_entries": me, "flags": fl,
+            "name": name.split(b"\0", 1)[0].decode()}
+
+
+def prog_load(name: str, prog_type: int, attach_type: int, insns: bytes, license: str = "GPL") -> int:
+    """Load instructions (map fds already in them); on a verifier rejection the
+    error carries the end of the verifier's log."""
+    ibuf = ctypes.create_string_buffer(insns, len(insns))
+    lic = ctypes.create_string_buffer(license.encode())
+    for log_level in (0, 1):
+        logbuf = ctypes.create_string_buffer(1 << 20) if log_level else None
+        data = struct.pack("=IIQQIIQII16sII", prog_type, len(insns) // 8, ctypes.addressof(ibuf),
+                           ctypes.addressof(lic), log_level, len(logbuf) if logbuf else 0, _addr(logbuf),
+                           0, 0, name.encode()[:15], 0, attach_type)
+        try:
+            return bpf(PROG_LOAD, _attr(data), f"load BPF program `{name}`")
+        except OSError as err:
+            if log_level or err.errno != errno.EACCES and err.errno != errno.EINVAL:
+                tail = logbuf.value.decode(errors="replace")[-2000:] if logbuf else ""
+                raise BpfError(err.errno, f"{err.strerror}{'; verifier: ' + tail if tail else ''}") from err
+    raise AssertionError("unreachable")
+
+
+def prog_attach(cgroup_fd: int, prog_fd: int, attach_type: int, what: str) -> None:
+    data = struct.pack("=IIII", cgroup_fd, prog_fd, attach_type, 0)
+    bpf(PROG_ATTACH, _attr(data, 32), what)
+
+
+def prog_detach(cgroup_fd: int, prog_fd: int, attach_type: int, what: str) -> None:
+    data = struct.pack("=IIII", cgroup_fd, prog_fd, attach_type, 0)
+    bpf(PROG_DETACH, _attr(data, 32), what)

@@ -1,0 +1,67 @@
+"""The compiled BPF object cache (dsecd/net/bpfobj.py): compiled once by a helper
+process, loaded by later processes without bcc; a corrupt or stale object is rebuilt."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_net_kit import bpf_skip_reason
+
+from dsecd.net import bpfobj
+
+pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None, reason=bpf_skip_reason() or "")
+
+# Small maps: another cache key than the daemon's default sizes, and quick to allocate.
+LOAD = """
+import json, sys
+from dsecd.net.policy import Engine
+e = Engine(64, 1024, 1024, cache_dir=sys.argv[1])
+e.set_level(2)
+rss = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) // 1024
+print(json.dumps({"stats": e.load_stats, "bcc_imported": "bcc" in sys.modules, "rss_mib": rss}))
+"""
+
+
+def load(cache: Path) -> dict:
+    out = subprocess.run([sys.executable, "-c", LOAD, str(cache)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_compiled_once_then_loaded_from_cache_without_bcc(tmp_path):
+    cache = tmp_path / "bpf"
+    a = load(cache)
+    assert a["stats"]["object"] == "compiled" and a["stats"]["rebuilt_because"] == "none cached"
+    b = load(cache)
+    assert b["stats"]["object"] == "cached" and "compile_ms" not in b["stats"]
+    assert b["stats"]["path"] == a["stats"]["path"] and Path(b["stats"]["path"]).is_file()
+    # bcc (libbcc + LLVM) never enters the loading process, compiled or cached.
+    assert not a["bcc_imported"] and not b["bcc_imported"]
+    assert b["rss_mib"] < 100, b
+
+
+def test_corrupt_object_is_rebuilt_and_stale_one_refused(tmp_path):
+    cache = tmp_path / "bpf"
+    path = Path(load(cache)["stats"]["path"])
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF                                   # a flipped byte in the body
+    path.write_bytes(bytes(data))
+    r = load(cache)
+    assert r["stats"]["object"] == "compiled" and "checksum" in r["stats"]["rebuilt_because"]
+    assert load(cache)["stats"]["object"] == "cached"
+    # An object written for another key (other source, kernel, bcc) is never loaded.
+    good = path.read_bytes()
+    body = json.loads(good.split(b"\n", 2)[2])
+    body["key"] = "0" * 64
+    stale = bpfobj.encode(body["key"], body["maps"], body["progs"])
+    with pytest.raises(bpfobj.ObjectError, match="stale"):
+        bpfobj.decode(stale, json.loads(good.split(b"\n", 2)[2])["key"])
+    path.write_bytes(stale)
+    r = load(cache)
+    assert r["stats"]["object"] == "compiled" and "stale" in r["stats"]["rebuilt_because"]
+    with pytest.raises(bpfobj.ObjectError, match="magic"):
+        bpfobj.decode(b"garbage", "k")
