@@ -2,7 +2,7 @@
 
 Compiling takes seconds (clang), so `Engine.shared()` compiles once per
 process and every Network shares the programs and maps; a sandbox then costs
-map updates and five BPF_PROG_ATTACH calls. Never call into this module from
+map updates and six BPF_PROG_ATTACH calls. Never call into this module from
 the event loop.
 
 Attaches use no flags (not BPF_F_ALLOW_MULTI): a second attach of the same
@@ -35,6 +35,7 @@ HOOKS = (
     ("dsec_sendmsg4", "CGROUP_SOCK_ADDR", "CGROUP_UDP4_SENDMSG"),
     ("dsec_sendmsg6", "CGROUP_SOCK_ADDR", "CGROUP_UDP6_SENDMSG"),
     ("dsec_egress", "CGROUP_SKB", "CGROUP_INET_EGRESS"),
+    ("dsec_sockops", "SOCK_OPS", "CGROUP_SOCK_OPS"),     # marks accepted connections for dsec_egress
 )
 
 
