@@ -25,6 +25,11 @@ line is one JSON object:
                                (after the first --net default create of the pooled daemon);
   tcp_throughput_ratio         bulk TCP sandbox -> sink, 1,000-rule allowlist / no policy;
   connect_rate_ratio           connect+close per second, same two arms;
+  nat_throughput_ratio         bulk TCP sandbox -> a sink in a bench "internet" netns through
+                               net.uplink's masquerade / the same sender in the bridge netns
+                               straight over the uplink veth (target >= 0.95);
+  published_port_throughput_ratio  bulk TCP from the bridge netns to a sink in the sandbox:
+                               through its published port (DNAT) / to its address (target >= 0.9);
   *_cpu_ratio                  the same per CPU-second of the sending process (user +
                                system: the eBPF programs run in its syscalls), which a
                                descheduled sender does not skew: a check on the wall ratios.
@@ -138,11 +143,12 @@ class Joined:
     """A bench agent (tests/integration/test_net_kit.py AGENT) in a sandbox's netns and in
     `cgroup_dir` (the sandbox's v2 dir: the daemon's programs apply; a bench one: none)."""
 
-    def __init__(self, init_pid: int, cgroup_dir: Path):
+    def __init__(self, init_pid: int | str, cgroup_dir: Path, script: str = AGENT, argv: tuple = ()):
+        """init_pid: a sandbox's PID 1 (its netns), or a netns path."""
         from pyroute2 import netns as pr_netns
 
         procs = str(cgroup_dir / "cgroup.procs")
-        nspath = f"/proc/{init_pid}/ns/net"
+        nspath = init_pid if isinstance(init_pid, str) else f"/proc/{init_pid}/ns/net"
 
         def enter() -> None:
             with open(procs, "w") as f:
@@ -152,7 +158,7 @@ class Joined:
             os.setgid(65534)
             os.setuid(65534)
 
-        self.proc = subprocess.Popen([sys.executable, "-c", AGENT], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-c", script, *argv], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, preexec_fn=enter)
 
     def ask(self, **q) -> dict:
@@ -347,6 +353,79 @@ async def measure_datapath(c, world: World, rounds: int, secs: float, null_check
                 d.rmdir()
 
 
+async def measure_nat(c, world: World, rounds: int, secs: float) -> dict:
+    """Both NAT figures: the same bulk sender op in two places, ABBA (alternate())."""
+    sb = await c.create(image=IMAGE, net="default", allow=[f"{world.inet}:9000/tcp"], publish=[5001])
+    cg_free = V2 / f"dsecd-bench-net-{os.getpid()}-host"
+    cg_free.mkdir()
+    procs: list[Joined] = []
+    try:
+        info = await sb.inspect()
+        pid, cg = info["init_pid"], Path(info["cgroups"]["unified"])
+        sb_ip = (await sb.net_show())["lease"]["ipv4"].split("/")[0]
+        host = await sb.get_host(5001)
+        hh, hp = host.rsplit(":", 1)
+        in_sb = Joined(pid, cg)                                   # the sandbox's programs apply
+        on_host = Joined(f"/run/netns/{world.br_ns}", cg_free)    # the bridge netns, no programs
+        sink = subprocess.Popen([sys.executable, "-c", SINK, "0.0.0.0"], stdout=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: _join(pid, cg))  # a sink inside the sandbox
+        procs += [in_sb, on_host]
+        if sink.stdout.readline().strip() != "ready":
+            raise RuntimeError("the sink in the sandbox did not start")
+        for a in procs:
+            if CPUS > 1:
+                a.ask(op="pin", cpu=0)
+        in_sb.ask(op="bulk", host=world.inet, port=9000, secs=0.2)          # warm up ARP, conntrack
+        on_host.ask(op="bulk", host=sb_ip, port=5001, secs=0.2)
+        log("NAT: bulk TCP to the internet sink, sandbox through NAT ('policy') vs bridge netns direct ('none'):")
+        nat = await asyncio.to_thread(alternate, in_sb, on_host, dict(op="bulk", host=world.inet, port=9000,
+                                                                     secs=secs), "bytes", rounds)
+
+        class _Via:                                   # the host-side sender, to one target or the other
+            def __init__(self, host, port):
+                self.host, self.port = host, port
+
+            def ask(self, **q):
+                return on_host.ask(**{**q, "host": self.host, "port": self.port})
+
+        log(f"published port: bulk TCP from the bridge netns, via {host} ('policy') vs {sb_ip}:5001 ('none'):")
+        pub = await asyncio.to_thread(alternate, _Via(hh, int(hp)), _Via(sb_ip, 5001),
+                                      dict(op="bulk", secs=secs), "bytes", rounds)
+        return {"nat": nat, "pub": pub}
+    finally:
+        for a in procs:
+            a.stop()
+        with contextlib.suppress(NameError):
+            sink.kill()
+            sink.wait()
+        await sb.destroy()
+        with contextlib.suppress(OSError):
+            cg_free.rmdir()
+
+
+def _join(pid: int, cg: Path) -> None:
+    from pyroute2 import netns as pr_netns
+
+    with open(cg / "cgroup.procs", "w") as f:
+        f.write(str(os.getpid()))
+    pr_netns.setns(f"/proc/{pid}/ns/net", flags=0)
+    if CPUS > 1:
+        os.sched_setaffinity(0, {1})
+
+
+async def run_nat(sock: str, world: World, args) -> dict:
+    async with dsecd.Client(sock) as c:
+        r = await measure_nat(c, world, args.rounds, args.secs)
+    return {"nat_throughput_ratio": round(r["nat"]["ratio"], 4),
+            "nat_throughput_cpu_ratio": round(r["nat"]["cpu_ratio"], 4),
+            "nat_throughput_gbit": round(r["nat"]["policy"] * 8 / 1e9, 3),
+            "direct_uplink_throughput_gbit": round(r["nat"]["none"] * 8 / 1e9, 3),
+            "published_port_throughput_ratio": round(r["pub"]["ratio"], 4),
+            "published_port_throughput_cpu_ratio": round(r["pub"]["cpu_ratio"], 4),
+            "published_port_throughput_gbit": round(r["pub"]["policy"] * 8 / 1e9, 3),
+            "sandbox_direct_throughput_gbit": round(r["pub"]["none"] * 8 / 1e9, 3)}
+
+
 async def pool_stats(c) -> dict:
     return ((await c.info()).get("net") or {}).get("pool") or {}
 
@@ -471,9 +550,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pool-size", type=int, default=8, help="net.pool_size of the pooled daemon")
     p.add_argument("--create-gap", type=float, default=0.1, help="seconds between timed creates (both arms)")
     p.add_argument("--no-nopool", action="store_true", help="skip the pool-off daemon")
-    p.add_argument("--phases", default="create,updates,datapath,first",
-                   help="comma-separated subset of create,updates,datapath,first (the pool-off daemon runs "
-                        "with create; first: two more daemon starts, cold then warm BPF cache)")
+    p.add_argument("--phases", default="create,updates,datapath,first,nat",
+                   help="comma-separated subset of create,updates,datapath,first,nat (the pool-off daemon "
+                        "runs with create; first: two more daemon starts, cold then warm BPF cache; nat: a "
+                        "daemon with net.uplink into a bench-owned internet netns)")
     p.add_argument("--null-check", action="store_true",
                    help="datapath A/A: the 'policy' arm also runs without programs (the ratios should be ~1)")
     p.add_argument("--policy-rules", type=int, default=1000, help="rules of the datapath policy (1..1000)")
@@ -498,10 +578,16 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_nopool and "create" in args.phases:
             with harness.private_daemon(rootfs, IMAGE, extra_config=daemon_config(world, 0)) as d:
                 results.update(uvloop.run(run_nopool(d.sock, args)))
-        with harness.private_daemon(rootfs, IMAGE, extra_config=daemon_config(world, args.pool_size)) as d:
-            results.update(uvloop.run(run_pooled(d.sock, world, args, d.proc.pid)))
+        if set(args.phases.split(",")) - {"nat", "first"}:
+            with harness.private_daemon(rootfs, IMAGE, extra_config=daemon_config(world, args.pool_size)) as d:
+                results.update(uvloop.run(run_pooled(d.sock, world, args, d.proc.pid)))
         if "first" in args.phases:
             results.update(run_first(rootfs, world))
+        if "nat" in args.phases:
+            world.add_internet()
+            cfg = daemon_config(world, args.pool_size).replace("[net]\n", f'[net]\nuplink = "{world.uplink}"\n')
+            with harness.private_daemon(rootfs, IMAGE, extra_config=cfg) as d:
+                results.update(uvloop.run(run_nat(d.sock, world, args)))
     finally:
         world.close()
     results.update(rounds=args.rounds, round_secs=args.secs, create_gap_s=args.create_gap, cpus=CPUS,

@@ -2,12 +2,13 @@
 // Egress allowlists for sandboxes, attached to each sandbox's cgroup v2 dir.
 //
 // Compiled once per daemon by bcc (dsecd/net/policy.py passes the -D sizes) and
-// shared by every sandbox; a sandbox costs map entries and five attaches.
+// shared by every sandbox; a sandbox costs map entries and six attaches.
 //
 //   sandboxes   hash      sandbox cgroup id -> {policy id, stats slot}
 //   rules       lpm_trie  {policy id, family, address prefix} -> port/protocol entries
 //   rule_hits   array     counter slot -> connects/sends an entry allowed (atomic adds)
 //   sb_stats    percpu    stats slot -> what the default-deny refused
+//   accepted    lru_hash  socket cookie of each TCP connection the sandbox accepted (dsec_sockops)
 //
 // Atomic updates: user space writes a whole new policy under a fresh policy id,
 // then flips the sandbox's one `sandboxes` entry to it (a single map update),
@@ -85,6 +86,14 @@ BPF_F_TABLE("lpm_trie", struct lpm_key, struct rule_val, rules, MAX_PREFIXES, BP
 // slot) against ~1 ms for this one.
 BPF_ARRAY(rule_hits, u64, MAX_COUNTERS);
 BPF_PERCPU_ARRAY(sb_stats, struct sb_stat, MAX_SANDBOXES);
+// Keyed by socket cookie, not socket storage: the daemon loads these programs
+// with plain bpf(2) calls (dsecd/net/bpfsys.py), and an sk_storage map needs
+// BTF for its key and value. Cookies are never reused while the host runs, so
+// an entry left by a closed socket is harmless; the LRU drops the oldest.
+#ifndef MAX_ACCEPTED
+#define MAX_ACCEPTED 65536
+#endif
+BPF_TABLE("lru_hash", u64, u8, accepted, MAX_ACCEPTED);
 
 static __always_inline u32 sandbox_level(void)
 {
@@ -214,15 +223,52 @@ int dsec_connect6(struct bpf_sock_addr *ctx) { return sock_addr_v6(ctx, 0); }
 int dsec_sendmsg4(struct bpf_sock_addr *ctx) { return sock_addr_v4(ctx, 1); }
 int dsec_sendmsg6(struct bpf_sock_addr *ctx) { return sock_addr_v6(ctx, 1); }
 
+// A TCP connection the sandbox accepted (the 3-way handshake completed on a
+// listening socket of the sandbox: someone connected to it, through a published
+// port or from the bridge) is marked on its socket, so that dsec_egress lets its
+// replies out whatever the allowlist says. The mark is made by the kernel's
+// passive-open callback only; a socket the sandbox connect()s never gets it.
+int dsec_sockops(struct bpf_sock_ops *skops)
+{
+    if (skops->op == BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB) {
+        u64 cookie = bpf_get_socket_cookie(skops);
+        u8 one = 1;
+        accepted.update(&cookie, &one);
+    }
+    return 1;
+}
+
+// Packets that answer a connection made *to* the sandbox: a listening socket's
+// SYN-ACKs (the cgroup hook runs them with the listener as their socket) and
+// every packet of a socket dsec_sockops marked. Neither can start a connection
+// of the sandbox's own: a listener only answers SYNs, and a marked socket only
+// talks to the peer that connected.
+static __always_inline int answers_inbound(struct __sk_buff *skb)
+{
+    struct bpf_sock *sk = skb->sk;
+    if (!sk)
+        return 0;
+    sk = bpf_sk_fullsock(sk);
+    if (!sk || sk->protocol != IPPROTO_TCP || sk->type != 1 /* SOCK_STREAM */)
+        return 0;
+    if (sk->state == 10 /* TCP_LISTEN */)
+        return 1;
+    u64 cookie = bpf_get_socket_cookie(skb);
+    return accepted.lookup(&cookie) != 0;
+}
+
 // The backstop: every egress packet of the sandbox's sockets (raw sockets,
 // connected UDP, established TCP) is checked against the same policy. This is
 // also why a removed rule cuts established connections: their next packet drops.
+// Connections the sandbox accepted are not its egress: answers_inbound().
 int dsec_egress(struct __sk_buff *skb)
 {
     u64 cg = bpf_skb_ancestor_cgroup_id(skb, sandbox_level());
     struct sb_val *sb = sandboxes.lookup(&cg);
     if (!sb)
         return 0;
+    if (answers_inbound(skb))
+        return 1;
     struct lpm_key k = {};
     u8 proto;
     u32 l4;

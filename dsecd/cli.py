@@ -321,6 +321,24 @@ async def cmd_net(c: Client, a) -> int:
     d = view["default"]
     print(f"default deny: {d.get('denied_connect', 0)} connects, {d.get('denied_sendmsg', 0)} sends, "
           f"{d.get('dropped_packets', 0)} packets refused")
+    if view.get("ports"):
+        _table([[f"{p['port']}/tcp", p["host"], p["bind"] or "(all non-loopback)"] for p in view["ports"]],
+               ["PORT", "HOST", "BIND"])
+    return 0
+
+
+async def cmd_port(c: Client, a) -> int:
+    sb = await c.get(a.sandbox)
+    if a.remove:
+        out = await sb.unpublish(a.port)
+    else:
+        out = await sb.publish(a.port, a.host_port, a.bind or "")
+    if a.json:
+        _print_json(out)
+    elif a.remove:
+        print(f"{sb.id}: port {a.port} unpublished")
+    else:
+        print(out["host"])
     return 0
 
 
@@ -337,7 +355,7 @@ async def cmd_create(c: Client, a) -> int:
     sb = await c.create(image=a.image, cpu=a.cpu, memory=a.memory, pids=a.pids, env=_kv(a.env, "--env"),
                         labels=_kv(a.label, "--label"), hostname=a.hostname, cwd=a.cwd, user=a.user,
                         qos=a.qos, cpu_quota=a.cpu_quota, ttl=a.ttl, idle_ttl=a.idle_ttl, lease=a.lease,
-                        net=a.net, allow=a.allow, key=a.key)
+                        net=a.net, allow=a.allow, key=a.key, publish=a.publish)
     if a.json:
         _print_json(sb.info)
     else:
@@ -1022,6 +1040,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "address + egress allowlist (default: the daemon's net.default_mode)")
     cr.add_argument("--allow", action="append", metavar="RULE", help="egress rule (CIDR[:port[-port]][/tcp|udp]) "
                     "or rule-set name (repeatable)")
+    cr.add_argument("--publish", action="append", type=int, metavar="PORT", help="make this TCP port of the "
+                    "sandbox reachable from the host (on a host port the daemon picks; `dsec net show`, "
+                    "`dsec port`); needs --net default (repeatable)")
     cr.add_argument("--ttl", help="max lifetime, e.g. 2h")
     cr.add_argument("--idle-ttl", help="destroy after this long without requests, e.g. 5m (paused time excluded)")
     cr.add_argument("--lease", help="destroy unless renewed (SDK: Client.hold) within this long")
@@ -1087,6 +1108,14 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--add", action="append", metavar="RULE")
     x.add_argument("--remove", action="append", metavar="RULE")
 
+    x = sub.add_parser("port", help="publish a sandbox's TCP port on the host side (prints host:port)")
+    x.add_argument("sandbox")
+    x.add_argument("port", type=int)
+    x.add_argument("--host-port", type=int, help="the host port (default: a free one of net.publish_ports)")
+    x.add_argument("--bind", help="a local non-loopback IPv4 address of the daemon's host side "
+                   "(default: all of them)")
+    x.add_argument("--remove", "--rm", action="store_true", help="unpublish it")
+
     ev = sub.add_parser("events", help="stream state changes (one per line with --json)")
     ev.add_argument("--sandbox")
     ev.add_argument("--replay", action="store_true", help="first the recent history")
@@ -1149,7 +1178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"info": cmd_info, "image": cmd_image, "snapshot": cmd_snapshot, "pause": cmd_pause_resume,
-            "resume": cmd_pause_resume, "job": cmd_job, "events": cmd_events, "net": cmd_net, "trace": cmd_exec, "create": cmd_create, "exec": cmd_exec, "call": cmd_call, "pool": cmd_pool, "cp": cmd_cp,
+            "resume": cmd_pause_resume, "job": cmd_job, "events": cmd_events, "net": cmd_net, "port": cmd_port, "trace": cmd_exec, "create": cmd_create, "exec": cmd_exec, "call": cmd_call, "pool": cmd_pool, "cp": cmd_cp,
             "ps": cmd_ps, "inspect": cmd_inspect, "rm": cmd_rm, "top": cmd_top, "ls": cmd_ls, "cat": cmd_cat,
             "watch": cmd_watch, "proc": cmd_proc, "logs": cmd_logs, "attach": cmd_attach, "kill": cmd_kill,
             "wait": cmd_wait}

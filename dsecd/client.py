@@ -411,12 +411,14 @@ class Client:
                      lease: float | str | None = None, qos: str | None = None,
                      cpu_quota: bool | None = None, net: str | None = None,
                      allow: list[str] | None = None, key: str | None = None,
-                     disk: int | str | None = None) -> Sandbox:
+                     disk: int | str | None = None, publish: list[int] | None = None) -> Sandbox:
         """allow: egress rules ("10.1.2.0/24:443/tcp") and rule-set names ("pypi"), with net="default".
+        publish: TCP ports of the sandbox to make reachable from the host (Sandbox.get_host).
         key: idempotency key; a retried create with the same key returns the same sandbox.
         disk: size cap of the writable layer ("20G"; default sandbox.disk)."""
         args = _given({"image": image, "env": string_map(env, "env"), "labels": string_map(labels, "labels"),
-                       "cwd": cwd, "user": user, "allow": list(allow or [])},
+                       "cwd": cwd, "user": user, "allow": list(allow or []),
+                       **({"publish": [int(p) for p in publish]} if publish else {})},
                       cpu=cpu, memory=memory, pids=pids, hostname=hostname, ttl=ttl, idle_ttl=idle_ttl,
                       lease=lease, qos=qos, cpu_quota=cpu_quota, net=net, key=key, disk=disk)
         info = await self.request("create", **args)
@@ -972,6 +974,24 @@ class Sandbox:
         """Change the policy atomically: add/remove (merge), or replace the whole of it."""
         return await self.client.request("net_set", sandbox=self.id, add=add or [], remove=remove or [],
                                          replace=replace)
+
+    async def publish(self, port: int, host_port: int | None = None, bind: str = "") -> dict:
+        """Make the sandbox's TCP `port` reachable from the host: {port, host_port, bind,
+        host ("addr:port" to connect to), target}. host_port None = one the daemon picks;
+        bind "" = every non-loopback address of the daemon's host side."""
+        return await self.client.request("net_publish", sandbox=self.id, port=int(port), host_port=host_port,
+                                         bind=bind)
+
+    async def unpublish(self, port: int) -> dict:
+        return await self.client.request("net_unpublish", sandbox=self.id, port=int(port))
+
+    async def get_host(self, port: int) -> str:
+        """"host:port" where the host reaches the sandbox's TCP `port`; publishes it
+        (on a host port the daemon picks) if it is not published yet."""
+        for p in (await self.net_show()).get("ports", []):
+            if p["port"] == int(port):
+                return p["host"]
+        return (await self.publish(port))["host"]
 
     async def pause(self) -> dict:
         """Freeze and reclaim; any later exec or file op resumes it (auto_resume)."""

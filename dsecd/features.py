@@ -127,6 +127,24 @@ def probe_kvm() -> Feature:
                    "(a full guest boot is not probed)")
 
 
+def probe_nft_nat() -> Feature:
+    """A real masquerade rule loads through libnftables, in a throwaway netns (the
+    host's ruleset is never touched). net.uplink and published ports need it."""
+    from .net import nat
+
+    try:
+        fd = native.netns_create()
+    except OSError as err:
+        return Feature(False, f"create a scratch netns: {err}")
+    try:
+        nat.probe(f"/proc/self/fd/{fd}")
+    except OSError as err:
+        return Feature(False, str(err))
+    finally:
+        os.close(fd)
+    return Feature(True, "nftables (libnftables JSON) loads a masquerade rule")
+
+
 def probe_bpf_cgroup(layout: cgroup.Layout, scratch_rel: str) -> Feature:
     if layout.v2 is None:
         return Feature(False, "no cgroup v2 hierarchy to attach to")
@@ -218,6 +236,7 @@ def probe_all(cgroup_root: str = "dsecd", state_dir: str | None = None) -> Featu
                                      SCHED_CORE_HINTS),
         "damon": probe_damon(),
         "bpf_cgroup": probe_bpf_cgroup(layout, f"{cgroup_root}-probe-{os.getpid()}"),
+        "nft_nat": probe_nft_nat(),
         "kvm": probe_kvm(),
         "swap": probe_swap(),
         "upperfs": probe_upperfs(),

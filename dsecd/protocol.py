@@ -283,6 +283,7 @@ class Create:
     lease: float | str | None = None      # destroyed unless `renew`ed within this long
     net: str | None = None                # "none" (loopback only) | "default"; None = net.default_mode
     allow: list[str] = field(default_factory=list)   # egress allowlist: rules and rule-set names
+    publish: list[int] = field(default_factory=list)  # sandbox TCP ports to publish (net_publish, host port picked)
     key: str | None = None          # idempotency key: a retried create returns the same sandbox
     disk: int | str | None = None   # size cap of the writable layer ("20G"); None = sandbox.disk
 
@@ -519,6 +520,20 @@ class NetSet:
     add: list[str] = field(default_factory=list)
     remove: list[str] = field(default_factory=list)
     replace: list[str] | None = None
+
+
+@request("net_publish", states=ACTIVE)
+class NetPublish:
+    sandbox: str
+    port: int                       # the sandbox's TCP port
+    host_port: int | None = None    # None = a free one of net.publish_ports
+    bind: str = ""                  # a local IPv4 address of the bridge netns; "" = all non-loopback ones
+
+
+@request("net_unpublish", states=ACTIVE)
+class NetUnpublish:
+    sandbox: str
+    port: int
 
 
 @request("pool_set")

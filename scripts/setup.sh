@@ -4,7 +4,8 @@
 #
 #   1. Debian packages: compilers and static libc (dsec-init is static),
 #      libfuse3/libseccomp headers (csrc/), bcc for Python (eBPF), kernel
-#      headers (bcc compiles bpf/*.c against them), the runtimes we benchmark
+#      headers (bcc compiles bpf/*.c against them), nftables and its Python
+#      bindings (egress NAT, published ports), the runtimes we benchmark
 #      against (bubblewrap, crun), busybox-static (test rootfs), erofs-utils.
 #   2. Kernel headers where bcc looks for them: /lib/modules/$(uname -r)/build
 #      and .../source. A kernel Debian has no headers package for gets the
@@ -32,6 +33,7 @@ PACKAGES=(
     libssl-dev                                 # libcrypto: the pager checks chunks (sha256)
     python3-venv python3-dev                   # the venv; headers for the cffi build
     python3-bpfcc "linux-headers-$ARCH"        # bcc and headers to compile bpf/*.c
+    nftables python3-nftables                  # net.uplink NAT, published ports (dsecd/net/nat.py)
     busybox-static bubblewrap crun             # test rootfs; peers in bench/peers.py
     erofs-utils iproute2 util-linux debootstrap
 )

@@ -220,7 +220,7 @@ class CreateService:
 
     def _pool_match(self, req, limits) -> Pool | None:
         if (req.pids is not None or req.cpu_quota is not None or req.hostname is not None or req.allow
-                or req.disk is not None
+                or req.publish or req.disk is not None
                 or (req.qos or self.cpu.cfg["default_qos"]) != self.cpu.cfg["default_qos"]
                 or (req.net or self.net.net_cfg["default_mode"]) != self.net.net_cfg["default_mode"]):
             return None
@@ -507,6 +507,9 @@ class CreateService:
             await self.check_cwd(sb, sb.cwd)
             steps.drop(UNDO_NETNS)       # attach_net consumes it, and removes it if it fails
             await self.net.attach_net(sb, net_mode, req.allow, ready)
+            if req.publish:
+                steps.undo("detach networking", lambda: self.net.detach_net(sb))
+                await self.net.publish_at_create(sb, req.publish)
             steps.commit()
         sb.state = "running"
         self.registry.save(sb)

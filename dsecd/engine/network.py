@@ -91,6 +91,8 @@ class NetworkService:
             raise BadRequest(f"net must be 'none' or 'default', got {mode!r}")
         if mode == "none" and req.allow:
             raise BadRequest("--allow needs --net default (--net none is loopback only)")
+        if mode == "none" and req.publish:
+            raise BadRequest("--publish needs --net default (--net none has no address to publish)")
         return mode
 
     async def take_netns(self, mode: str):
@@ -243,9 +245,11 @@ class NetworkService:
 
     async def readopt_net(self) -> None:
         """After the journal's sandboxes were re-adopted: building the Network re-adopts live sandboxes' policies and
-        frees the leases of the rest (_build_network)."""
+        published ports and frees the leases of the rest (_build_network). With net.uplink set
+        the Network is built now whatever: dsecd's nftables table (egress NAT) is made at start."""
         self.preload()
-        if not any(s.net and s.net.get("mode") == "default" for s in self.registry.by_id.values()):
+        if not self.net_cfg.get("uplink") and not any(
+                s.net and s.net.get("mode") == "default" for s in self.registry.by_id.values()):
             return        # records of dead ones are freed whenever the Network is first built
         with contextlib.suppress(Unsupported):
             await self.network()
@@ -259,7 +263,7 @@ class NetworkService:
             return {"available": True, "detail": f"bridge {self.net_cfg['bridge']}, "
                     f"{self.net_cfg['ipv4_subnet']}, eBPF allowlists loaded",
                     "pool": self.net.pool.stats(), "updates": self.net.update_stats(),
-                    "bpf": dict(self.net.engine.load_stats)}
+                    "bpf": dict(self.net.engine.load_stats), "nat": self.net.nat_info()}
         if self.net_error:
             return {"available": False, "detail": self.net_error}
         from ..net.policy import Engine
@@ -292,3 +296,32 @@ class NetworkService:
                                                               replace=req.replace))
         except OSError as err:
             raise io_error("update the policy of sandbox", sb.id, err) from err
+
+    async def publish_at_create(self, sb, ports: list[int]) -> None:
+        """`create`'s publish: each port on a host port of net.publish_ports."""
+        net = await self.network()
+        for port in ports:
+            await self._publish(net, sb.id, port, None, "")
+
+    async def _publish(self, net, sb_id: str, port: int, host_port: int | None, bind: str) -> dict:
+        try:
+            return await self.workers.run(net.publish, sb_id, port, host_port, bind)
+        except OSError as err:
+            raise io_error(f"publish port {port} of sandbox", sb_id, err) from err
+
+    async def publish(self, req, ctx) -> dict:
+        sb = self.registry.get(req.sandbox, req)
+        if not sb.net or sb.net.get("mode") != "default":
+            raise BadRequest(f"sandbox {sb.id} has --net none: no address to publish a port of; "
+                             "create it with --net default")
+        return await self._publish(await self.network(), sb.id, req.port, req.host_port, req.bind)
+
+    async def unpublish(self, req, ctx) -> dict:
+        sb = self.registry.get(req.sandbox, req)
+        if not sb.net or sb.net.get("mode") != "default":
+            raise BadRequest(f"sandbox {sb.id} has --net none: no published ports")
+        net = await self.network()
+        try:
+            return await self.workers.run(net.unpublish, sb.id, req.port)
+        except OSError as err:
+            raise io_error(f"unpublish port {req.port} of sandbox", sb.id, err) from err

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parents[2] / "bpf" / "net_policy.c"
 MAGIC = b"dsecd-bpf-object 1\n"
-MAPS = ("config", "sandboxes", "rules", "rule_hits", "sb_stats")
+MAPS = ("config", "sandboxes", "rules", "rule_hits", "sb_stats", "accepted")
 # (function, program type, attach type)
 HOOKS = (
     ("dsec_connect4", "CGROUP_SOCK_ADDR", "CGROUP_INET4_CONNECT"),
@@ -48,6 +48,7 @@ HOOKS = (
     ("dsec_sendmsg4", "CGROUP_SOCK_ADDR", "CGROUP_UDP4_SENDMSG"),
     ("dsec_sendmsg6", "CGROUP_SOCK_ADDR", "CGROUP_UDP6_SENDMSG"),
     ("dsec_egress", "CGROUP_SKB", "CGROUP_INET_EGRESS"),
+    ("dsec_sockops", "SOCK_OPS", "CGROUP_SOCK_OPS"),     # marks accepted connections for dsec_egress
 )
 BUILD_TIMEOUT_S = 300
 LD_IMM64, PSEUDO_MAP_FD = 0x18, 1

@@ -7,6 +7,8 @@
     view = net.show(sb_id)
     net.detach(sb_id)                                               # on destroy / death
     net.readopt({sb_id: (init_pid, cgroup_v2_dir)})                 # after a restart
+    pub = net.publish(sb_id, 8080, host_port=None, bind="")         # DNAT a host port to it (nat.py)
+    net.unpublish(sb_id, 8080)
 
 Per sandbox: the policy (terms), veth name, address and BPF bookkeeping are one
 record in <state_dir>/net/records.log (dsecd/journal.py: an append-only log, one
@@ -29,11 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import native
-from ..errors import BadRequest, Conflict, LimitExceeded, NotFound
+from ..errors import BadRequest, Conflict, DsecError, LimitExceeded, NotFound
 from ..fds import close_quietly
 from ..journal import RecordLog, read_record_dir
 from . import rules as R
 from .ipam import Ipam, Lease
+from .nat import HostNat, NatError
 from .plumbing import BridgeSpec, Plumbing, host_ifname, netns_path
 from .policy import Engine
 from .pool import NetnsPool, Ready
@@ -59,10 +62,12 @@ class _Sandbox:
     ifname: str = ""                                  # host end of the veth ("" for --net none)
     ipv4: str = ""                                    # the lease, recorded: IPAM is rebuilt from records
     lease_view: dict | None = None                    # the lease as shown, computed once
+    ports: dict = field(default_factory=dict)         # published: sandbox port -> {port, host_port, bind}
 
     def record(self) -> dict:
         return {"id": self.id, "mode": self.mode, "cgroup_dir": self.cgroup_dir, "cgroup_id": self.cgroup_id,
-                "terms": list(self.terms), "ifname": self.ifname, "ipv4": self.ipv4}
+                "terms": list(self.terms), "ifname": self.ifname, "ipv4": self.ipv4,
+                "ports": list(self.ports.values())}
 
 
 class Network:
@@ -98,15 +103,47 @@ class Network:
         for name in set(self.plumbing.links_with_prefix(f"dp{self.tag}")) - in_use:
             log.info("removing netns pool entry %s left by a previous daemon", name)
             self.plumbing.remove_sandbox(name)
+        self.nat: HostNat | None = None
+        self.uplink = str(cfg.get("uplink", "") or "")
+        lo, _, hi = str(cfg.get("publish_ports", "30000-32767")).partition("-")
+        self.publish_range = (int(lo), int(hi or lo))
+        self._host_ports: dict[tuple[str, int], str] = {}     # (bind, host port) -> sandbox id
+        if self.uplink:
+            try:
+                self._nat_table()
+            except BaseException:
+                self.records.close()
+                self.plumbing.close()
+                raise
         self.pool = NetnsPool(int(cfg.get("pool_size", 0)), self._make_ready, self._destroy_ready,
                               housekeeping=self._compact, wanted=self.records.needs_compaction)
 
     def close(self) -> None:
         """Daemon shutdown: sandboxes keep their veths and attached programs; the
-        pool's entries are removed (no sandbox uses them)."""
+        pool's entries are removed (no sandbox uses them); dsecd's nftables table
+        goes (egress NAT and published ports stop until the next daemon)."""
         self.pool.close()
-        self.records.close()
-        self.plumbing.close()
+        try:
+            if self.nat is not None:
+                self.nat.close()
+        finally:
+            self.records.close()
+            self.plumbing.close()
+
+    def _nat_table(self) -> HostNat:
+        """dsecd's nftables table, made at start when net.uplink is set, else at the
+        first published port."""
+        with self._lock:
+            if self.nat is None:
+                nat = HostNat(self.plumbing.ns_path, self.cfg["bridge"], self.cfg["ipv4_subnet"], self.uplink)
+                nat.start()
+                self.nat = nat
+            return self.nat
+
+    def nat_info(self) -> dict:
+        if self.nat is None:
+            return {"uplink": "", "detail": "net.uplink is off: no egress NAT" if not self.uplink else ""}
+        return {**self.nat.info(), "ports": len(self._host_ports)}
 
     # ------------------------------------------------------------ records
 
@@ -248,6 +285,8 @@ class Network:
         """Every step runs even if an earlier one failed (one stuck resource must not
         leak the rest); the first error is raised at the end."""
         steps = []
+        if sb.ports:
+            steps += [("unpublish ports", lambda: self._unpublish_all(sb))]
         if sb.mode == "default" and sb.ifname:
             steps += [("delete veth", lambda: self.plumbing.remove_sandbox(sb.ifname))]
         if sb.mode == "default":
@@ -279,6 +318,103 @@ class Network:
             with self._lock:
                 self.ipam.release(sb_id)
         self.records.delete(sb_id)
+
+    # ------------------------------------------------------------ published ports
+
+    def publish(self, sb_id: str, port: int, host_port: int | None = None, bind: str = "") -> dict:
+        """Make tcp `port` of the sandbox reachable on the bridge netns' `bind`:`host_port`
+        (bind "" = its every non-loopback address; host_port None = a free one of
+        net.publish_ports). Journaled: a restarted daemon publishes it again."""
+        import ipaddress
+
+        if not 1 <= int(port) <= 65535:
+            raise BadRequest(f"port {port} is not a TCP port (1-65535)")
+        if host_port is not None and not 1 <= int(host_port) <= 65535:
+            raise BadRequest(f"host port {host_port} is not a TCP port (1-65535)")
+        if bind:
+            try:
+                addr = ipaddress.IPv4Address(bind)
+            except ValueError:
+                raise BadRequest(f"bind address {bind!r} is not an IPv4 address") from None
+            if addr.is_loopback:
+                raise BadRequest(f"bind address {bind} is loopback: connections from 127.0.0.0/8 cannot be "
+                                 "DNATed into the bridge; bind a non-loopback address (the default, \"\", "
+                                 "takes all of them)")
+            bind = str(addr)
+        nat = self._nat_table()
+        with self._lock:
+            sb = self._get(sb_id)
+            if sb.mode != "default":
+                raise Conflict(f"sandbox {sb_id} has --net none: it has no address to publish a port of")
+            if port in sb.ports:
+                raise Conflict(f"port {port} of sandbox {sb_id} is published already, on host port "
+                               f"{sb.ports[port]['host_port']}", {"sandbox": sb_id, "port": port})
+            hp = self._pick_host_port(nat, host_port, bind, sb_id)
+            self._publish_rules(nat, sb, {"port": int(port), "host_port": hp, "bind": bind})
+            try:
+                self._write_record(sb)
+            except BaseException:
+                self._unpublish_one(sb, int(port))
+                raise
+            return self._port_view(sb, sb.ports[port])
+
+    def _pick_host_port(self, nat: HostNat, host_port: int | None, bind: str, sb_id: str) -> int:
+        def taken(hp: int) -> str | None:
+            for (b, p), owner in self._host_ports.items():
+                if p == hp and (not b or not bind or b == bind):
+                    return owner
+            return None
+
+        if host_port is not None:
+            owner = taken(host_port)
+            if owner is not None:
+                raise Conflict(f"host port {host_port} is published already (sandbox {owner}); pick another "
+                               "--host-port", {"host_port": host_port})
+            try:
+                nat.check_host_port(host_port, bind)
+            except NatError as err:
+                raise Conflict(str(err), {"host_port": host_port}) from None
+            return int(host_port)
+        lo, hi = self.publish_range
+        for hp in range(lo, hi + 1):
+            if taken(hp) is None:
+                try:
+                    nat.check_host_port(hp, bind)
+                except NatError:
+                    continue
+                return hp
+        raise LimitExceeded(f"no free host port in net.publish_ports {lo}-{hi} for sandbox {sb_id}")
+
+    def _publish_rules(self, nat: HostNat, sb: _Sandbox, pub: dict) -> None:
+        addr = sb.ipv4.split("/")[0]
+        nat.publish(f"{sb.id}:{pub['port']}", pub["host_port"], pub["bind"], addr, pub["port"])
+        sb.ports[pub["port"]] = pub
+        self._host_ports[(pub["bind"], pub["host_port"])] = sb.id
+
+    def _unpublish_one(self, sb: _Sandbox, port: int) -> None:
+        pub = sb.ports.pop(port)
+        self._host_ports.pop((pub["bind"], pub["host_port"]), None)
+        if self.nat is not None:
+            self.nat.unpublish(f"{sb.id}:{port}")
+
+    def unpublish(self, sb_id: str, port: int) -> dict:
+        with self._lock:
+            sb = self._get(sb_id)
+            if port not in sb.ports:
+                raise NotFound(f"port {port} of sandbox {sb_id} is not published", {"sandbox": sb_id, "port": port})
+            self._unpublish_one(sb, port)
+            self._write_record(sb)
+            return {"sandbox": sb_id, "port": port}
+
+    def _unpublish_all(self, sb: _Sandbox) -> None:
+        with self._lock:
+            for port in list(sb.ports):
+                self._unpublish_one(sb, port)
+
+    def _port_view(self, sb: _Sandbox, pub: dict) -> dict:
+        host = pub["bind"] or str(self.ipam.gateway4)
+        return {"port": pub["port"], "host_port": pub["host_port"], "bind": pub["bind"],
+                "host": f"{host}:{pub['host_port']}", "target": f"{sb.ipv4.split('/')[0]}:{pub['port']}"}
 
     # ------------------------------------------------------------ policy
 
@@ -488,7 +624,8 @@ class Network:
             lease = self.ipam.get(sb.id)
             sb.lease_view = lease.to_dict() if lease else None
         out.update(interface=sb.ifname, lease=dict(sb.lease_view) if sb.lease_view else None,
-                   terms=list(sb.terms), essentials=list(self.essentials), rules=rules)
+                   terms=list(sb.terms), essentials=list(self.essentials), rules=rules,
+                   ports=[self._port_view(sb, p) for p in sb.ports.values()])
         if counters:
             out["default"] = {"action": "deny", **eng.stats(sb.slot)}
         return out
@@ -547,6 +684,13 @@ class Network:
             self.plumbing.add_sandbox(sb.ifname, netns_path(netns), self.ipam_allocate(sb_id))
         lease = self.ipam_allocate(sb_id)       # the restored one, or a fresh one if it was lost
         sb.ipv4 = str(lease.ipv4)
+        for pub in rec.get("ports", []):
+            try:
+                with self._lock:
+                    self._publish_rules(self._nat_table(), sb, dict(pub))
+            except (OSError, DsecError) as err:     # the port stays closed; the sandbox keeps the rest
+                log.error("sandbox %s: publish port %s on host port %s again after the restart: %s",
+                          sb_id, pub.get("port"), pub.get("host_port"), err)
         self._write_record(sb)
 
 

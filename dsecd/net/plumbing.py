@@ -15,8 +15,8 @@ socket stays in the netns it was created in).
 
 The bridge lives in `host_netns` (a name under /run/netns or a path; "" is the
 daemon's own netns). dsecd only ever creates, configures and deletes its own
-bridge and `ds*` veths there; it adds no routes towards other interfaces and
-no NAT (egress beyond the bridge is the operator's routing).
+bridge and `ds*` veths there; it adds no routes towards other interfaces (NAT
+out of an uplink, when configured, is nat.py's own nftables table).
 """
 
 from __future__ import annotations

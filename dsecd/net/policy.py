@@ -4,7 +4,7 @@ The programs come from a compiled object cached on disk (bpfobj.py): compiled
 by bcc in a helper process the first time, and loaded with plain bpf(2) calls
 (bpfsys.py) by every daemon start after that; this process never imports bcc.
 `Engine.shared()` loads once per process and every Network shares the programs
-and maps; a sandbox then costs map updates and five BPF_PROG_ATTACH calls.
+and maps; a sandbox then costs map updates and six BPF_PROG_ATTACH calls.
 `prepare()` runs that load in a background thread at daemon start, so a create
 waits for it only while it is not done. Never call into this module from the
 event loop, except for the map updates of a small policy change (update_now).

@@ -7,6 +7,14 @@ and a Network whose host_netns is the bridge netns. Sandboxes are an agent
 process (uid nobody, no capabilities unless asked) in its own netns and its own
 cgroup below the subtree. Traffic only ever goes between these namespaces.
 Everything is removed by World.close(), which fixtures call in finalizers.
+
+World.add_internet() adds an "internet": one more netns, linked to the bridge
+netns by a test-owned veth (`up0` there, 198.18.<x>.1/24, with the default
+route of the bridge netns through it), holding an HTTP server at
+198.18.<x>.2:80 that answers with the address it saw the client connect
+from. A daemon given `net.uplink = "up0"` NATs the sandboxes out of that veth.
+The internet netns has no route to the bridge subnet: only masqueraded
+traffic gets answers.
 """
 
 from __future__ import annotations
@@ -111,6 +119,47 @@ def _run_server_tcp(sock: socket.socket, stop: threading.Event) -> None:
         except (TimeoutError, OSError):
             continue
         threading.Thread(target=serve, args=(c, port), daemon=True).start()
+
+
+def _run_http_whoami(sock: socket.socket, stop: threading.Event) -> None:
+    """HTTP/1.0: the body is the client address the server saw."""
+    while not stop.is_set():
+        try:
+            c, peer = sock.accept()
+        except (TimeoutError, OSError):
+            continue
+        with c:
+            c.settimeout(2)
+            try:
+                c.recv(4096)
+                body = f"whoami {peer[0]}\n".encode()
+                c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            except OSError:
+                pass
+
+
+def _run_sink(sock: socket.socket, stop: threading.Event) -> None:
+    """Reads and discards until EOF, then answers the byte count (bench)."""
+    def serve(c: socket.socket) -> None:
+        n = 0
+        with c:
+            while True:
+                try:
+                    data = c.recv(1 << 20)
+                except OSError:
+                    return
+                if not data:
+                    break
+                n += len(data)
+            with contextlib.suppress(OSError):
+                c.sendall(str(n).encode())
+
+    while not stop.is_set():
+        try:
+            c, _ = sock.accept()
+        except (TimeoutError, OSError):
+            continue
+        threading.Thread(target=serve, args=(c,), daemon=True).start()
 
 
 def _run_server_udp(sock: socket.socket, stop: threading.Event) -> None:
@@ -267,6 +316,62 @@ class World:
                         for h in (self.pkg6, self.ref6)])       # RTM_NEWADDR, CREATE|EXCL, no DAD
         finally:
             s.close()
+
+    def add_internet(self) -> None:
+        self.inet_ns = f"{self.prefix}-inet"
+        pr_netns.create(self.inet_ns)
+        self.netns.append(self.inet_ns)
+        self.uplink = "up0"
+        self.inet_net = f"198.18.{self.octet}.0/24"
+        self.uplink_addr = f"198.18.{self.octet}.1"
+        self.inet = f"198.18.{self.octet}.2"
+        inet_path, br = f"/run/netns/{self.inet_ns}", f"/run/netns/{self.br_ns}"
+        lo_up(inet_path)
+        inet_fd = os.open(inet_path, os.O_RDONLY)
+        try:
+            with IPRoute(fileno=netlink_socket(br).detach(), groups=0) as ipr:
+                ipr.link("add", ifname=self.uplink, kind="veth", peer={"ifname": "eth0", "net_ns_fd": inet_fd})
+                idx = ipr.link_lookup(ifname=self.uplink)[0]
+                ipr.addr("add", index=idx, address=self.uplink_addr, prefixlen=24)
+                ipr.link("set", index=idx, state="up")
+                ipr.route("add", dst="0.0.0.0/0", gateway=self.inet)
+        finally:
+            os.close(inet_fd)
+        with IPRoute(fileno=netlink_socket(inet_path).detach(), groups=0) as ipr:
+            idx = ipr.link_lookup(ifname="eth0")[0]
+            ipr.addr("add", index=idx, address=self.inet, prefixlen=24)
+            ipr.link("set", index=idx, state="up")
+        with in_netns(inet_path):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((self.inet, 80))
+            s.listen(64)
+            sink = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sink.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sink.bind((self.inet, 9000))
+            sink.listen(16)
+        for sock, target in ((s, _run_http_whoami), (sink, _run_sink)):
+            sock.settimeout(0.2)
+            self.server_socks.append(sock)
+            threading.Thread(target=target, args=(sock, self.stop_event), daemon=True).start()
+
+    def in_bridge_netns(self, fn, *args):
+        """fn(*args) on a thread in the bridge netns (the daemon's host side)."""
+        out: dict = {}
+
+        def run() -> None:
+            try:
+                with in_netns(f"/run/netns/{self.br_ns}"):
+                    out["value"] = fn(*args)
+            except BaseException as err:      # handed to the caller
+                out["error"] = err
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
 
     def agent(self, name: str | None = None, root: bool = False, nsfd: int | None = None) -> Agent:
         a = Agent(self, name or secrets.token_hex(4), root=root, nsfd=nsfd)

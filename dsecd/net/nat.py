@@ -1,0 +1,289 @@
+"""dsecd's own nftables table in the bridge netns: egress NAT and published ports.
+
+    nat = HostNat(ns_path, bridge="dsec0", subnet4="10.88.0.0/16", uplink="eth0")
+    nat.start()                        # (re)creates `inet dsecd`; ip_forward on when uplink is set
+    nat.publish(key, 31000, "", "10.88.1.5", 8080)    # DNAT host port -> sandbox port
+    nat.unpublish(key)
+    nat.close()                        # deletes `inet dsecd`
+
+Everything goes through libnftables' JSON API (Debian's python3-nftables):
+one transaction per change, so a rule set is either fully in or not at all,
+and no `nft` process is spawned. dsecd creates, changes and deletes only its
+table `inet dsecd`; every other table of the host's ruleset is left alone.
+Its chains are base chains with their own hooks: an `accept` here does not
+override a `drop` of another table (an operator's firewall keeps the last word).
+
+The table holds:
+  postrouting  (nat, srcnat)  masquerade the bridge subnet out of the uplink
+  prerouting   (nat, dstnat)  published ports, for connections from outside
+  output       (nat, dstnat)  published ports, for the bridge netns' own connections
+  forward      (filter)       into the bridge only what was published or answers
+                              a sandbox's connection: with ip_forward on, hosts
+                              on the uplink side must not reach sandboxes directly
+
+A connection from the bridge netns to 127.0.0.1 cannot be DNATed to a sandbox
+(the kernel drops a loopback source leaving by the bridge unless
+route_localnet is set for the whole netns), so published ports answer on
+non-loopback local addresses only (the bridge's gateway address always works).
+
+libnftables opens its netlink socket when its context is made, in the calling
+thread's netns, and uses it for every command: the context is made inside
+`in_netns(ns_path)`, and then talks to that netns whatever thread uses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import ipaddress
+import logging
+import socket
+import threading
+
+from .plumbing import in_netns, netlink_socket
+
+log = logging.getLogger(__name__)
+
+FAMILY = "inet"
+TABLE = "dsecd"
+
+
+class NatError(OSError):
+    pass
+
+
+def _nft(ns_path: str | None):
+    """A libnftables context bound to the netns `ns_path`: it opens its netlink
+    socket when made, in the calling thread's netns, and keeps it."""
+    try:
+        import nftables
+    except ImportError as err:
+        raise NatError(errno.ENOSYS, f"import nftables: {err}; install Debian's python3-nftables "
+                       "(net.uplink and published ports need it)") from err
+    with _maybe_netns(ns_path):
+        nft = nftables.Nftables()
+    nft.set_json_output(True)
+    nft.set_handle_output(True)
+    return nft
+
+
+@contextlib.contextmanager
+def _maybe_netns(ns_path: str | None):
+    if ns_path is None:
+        yield
+    else:
+        with in_netns(ns_path):
+            yield
+
+
+def run(nft, cmds: list[dict], what: str) -> list:
+    """One transaction of JSON commands; raise NatError naming `what` on failure."""
+    rc, out, err = nft.json_cmd({"nftables": cmds})
+    if rc != 0:
+        raise NatError(errno.EINVAL, f"nftables: {what}: {(err or '').strip() or f'rc {rc}'}")
+    return (out or {}).get("nftables", []) if isinstance(out, dict) else []
+
+
+def _base_chain(name: str, typ: str, hook: str, prio: int) -> dict:
+    return {"chain": {"family": FAMILY, "table": TABLE, "name": name, "type": typ, "hook": hook,
+                      "prio": prio, "policy": "accept"}}
+
+
+def _rule(chain: str, expr: list, comment: str | None = None) -> dict:
+    r = {"family": FAMILY, "table": TABLE, "chain": chain, "expr": expr}
+    if comment:
+        r["comment"] = comment
+    return {"rule": r}
+
+
+def _match(left: dict, right, op: str = "==") -> dict:
+    return {"match": {"op": op, "left": left, "right": right}}
+
+
+def _meta(key: str) -> dict:
+    return {"meta": {"key": key}}
+
+
+def _payload(proto: str, field: str) -> dict:
+    return {"payload": {"protocol": proto, "field": field}}
+
+
+def _prefix(net: ipaddress.IPv4Network) -> dict:
+    return {"prefix": {"addr": str(net.network_address), "len": net.prefixlen}}
+
+
+def probe(ns_path: str) -> None:
+    """Load a real masquerade rule into a scratch table of the netns `ns_path` (a
+    throwaway netns: the host's ruleset is never touched); raise NatError if it fails."""
+    nft = _nft(ns_path)
+    name = "dsecd-probe"
+    run(nft, [{"add": {"table": {"family": FAMILY, "name": name}}},
+              {"add": {"chain": {"family": FAMILY, "table": name, "name": "p", "type": "nat",
+                                 "hook": "postrouting", "prio": 100, "policy": "accept"}}},
+              {"add": {"rule": {"family": FAMILY, "table": name, "chain": "p",
+                                "expr": [_match(_payload("ip", "saddr"), {"prefix": {"addr": "10.0.0.0", "len": 8}}),
+                                         {"masquerade": None}]}}},
+              {"delete": {"table": {"family": FAMILY, "name": name}}}],
+        "load a masquerade rule")
+
+
+def default_route_ifname(ns_path: str | None) -> str:
+    """The interface of the IPv4 default route in the netns (net.uplink = "auto")."""
+    from pyroute2 import IPRoute
+
+    with IPRoute(fileno=netlink_socket(ns_path).detach(), groups=0) as ipr:
+        for route in ipr.get_default_routes(family=socket.AF_INET):
+            oif = route.get_attr("RTA_OIF")
+            if oif:
+                links = ipr.get_links(oif)
+                if links:
+                    return links[0].get_attr("IFLA_IFNAME")
+    where = f"netns `{ns_path}`" if ns_path else "the daemon's netns"
+    raise NatError(errno.ENETUNREACH, f"net.uplink = \"auto\": no IPv4 default route in {where}; "
+                   "set net.uplink to an interface name, or \"\" for no egress NAT")
+
+
+def enable_ip_forward(ns_path: str | None) -> bool:
+    """net.ipv4.ip_forward = 1 in the netns (per netns; /proc/sys/net follows the
+    opening thread's netns). True if this call turned it on."""
+    path = "/proc/sys/net/ipv4/ip_forward"
+    with _maybe_netns(ns_path):
+        with open(path) as f:
+            if f.read().strip() == "1":
+                return False
+        with open(path, "w") as f:
+            f.write("1")
+    return True
+
+
+class HostNat:
+    def __init__(self, ns_path: str | None, bridge: str, subnet4: str, uplink: str):
+        self.ns_path = ns_path
+        self.bridge = bridge
+        self.subnet4 = ipaddress.ip_network(subnet4)
+        self.uplink_cfg = uplink
+        self.uplink = ""
+        self.nft = None
+        self._lock = threading.Lock()
+        self._handles: dict[str, list[tuple[str, int]]] = {}     # key -> [(chain, rule handle)]
+        self.started = False
+
+    def _run(self, cmds: list[dict], what: str) -> list:
+        return run(self.nft, cmds, what)
+
+    def start(self) -> None:
+        """(Re)create the table: a table of ours left by a daemon that died is replaced
+        whole, in the same transaction (add, delete, add: atomic)."""
+        self.nft = _nft(self.ns_path)
+        if self.uplink_cfg == "auto":
+            self.uplink = default_route_ifname(self.ns_path)
+        else:
+            self.uplink = self.uplink_cfg
+        br = self.bridge
+        cmds = [{"add": {"table": {"family": FAMILY, "name": TABLE}}},
+                {"delete": {"table": {"family": FAMILY, "name": TABLE}}},
+                {"add": {"table": {"family": FAMILY, "name": TABLE}}},
+                {"add": _base_chain("postrouting", "nat", "postrouting", 100)},
+                {"add": _base_chain("prerouting", "nat", "prerouting", -100)},
+                {"add": _base_chain("output", "nat", "output", -100)},
+                {"add": _base_chain("forward", "filter", "forward", 0)},
+                # Into the bridge from elsewhere: only published ports and answers.
+                {"add": _rule("forward", [_match(_meta("oifname"), br), _match({"ct": {"key": "status"}}, "dnat",
+                                                                               "in"), {"accept": None}])},
+                {"add": _rule("forward", [_match(_meta("oifname"), br),
+                                          _match({"ct": {"key": "state"}}, ["established", "related"], "in"),
+                                          {"accept": None}])},
+                {"add": _rule("forward", [_match(_meta("oifname"), br), _match(_meta("iifname"), br, "!="),
+                                          {"drop": None}])}]
+        if self.uplink:
+            cmds.append({"add": _rule("postrouting", [
+                _match(_payload("ip", "saddr"), _prefix(self.subnet4)),
+                _match(_meta("oifname"), self.uplink), {"masquerade": None}])})
+        with self._lock:
+            self._run(cmds, f"create table {FAMILY} {TABLE} in {self._where()}")
+            self._handles.clear()
+            self.started = True
+        if self.uplink:
+            if enable_ip_forward(self.ns_path):
+                log.warning("net.uplink = %s: turned net.ipv4.ip_forward on in %s (sandboxes' traffic is "
+                            "routed out of %s, masqueraded); dsecd leaves it on at stop",
+                            self.uplink_cfg, self._where(), self.uplink)
+            log.info("egress NAT: %s masqueraded out of %s (nftables table %s %s)", self.subnet4, self.uplink,
+                     FAMILY, TABLE)
+
+    def _where(self) -> str:
+        return f"netns `{self.ns_path}`" if self.ns_path else "the daemon's netns"
+
+    def close(self) -> None:
+        """Delete the table (and with it every rule dsecd added); nothing else."""
+        with self._lock:
+            if not self.started:
+                return
+            self.started = False
+            self._handles.clear()
+            try:
+                self._run([{"delete": {"table": {"family": FAMILY, "name": TABLE}}}],
+                          f"delete table {FAMILY} {TABLE} in {self._where()}")
+            except NatError as err:
+                if "No such file" not in str(err):
+                    raise
+
+    # ------------------------------------------------------------ published ports
+
+    def check_host_port(self, host_port: int, bind: str) -> None:
+        """Refuse a host port some process of the bridge netns listens on (the DNAT would
+        hide it): a bind() there says."""
+        with _maybe_netns(self.ns_path):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((bind or "0.0.0.0", host_port))
+        except OSError as err:
+            raise NatError(err.errno, f"host port {host_port} on {bind or 'every address'} of {self._where()}: "
+                           f"{err.strerror}; pick another --host-port") from err
+        finally:
+            s.close()
+
+    def publish(self, key: str, host_port: int, bind: str, sb_addr: str, port: int) -> None:
+        """DNAT tcp `bind`:`host_port` (bind "" = every local non-loopback address) to
+        `sb_addr`:`port`, for connections from outside (prerouting, not from the
+        bridge itself) and from the bridge netns (output)."""
+        if bind:
+            dst = [_match(_payload("ip", "daddr"), bind)]
+        else:
+            dst = [_match({"fib": {"result": "type", "flags": ["daddr"]}}, "local"),
+                   _match(_payload("ip", "daddr"), {"prefix": {"addr": "127.0.0.0", "len": 8}}, "!=")]
+        tail = dst + [_match(_payload("tcp", "dport"), host_port),
+                      {"dnat": {"family": "ip", "addr": sb_addr, "port": port}}]
+        cmds = [{"add": _rule("prerouting", [_match(_meta("iifname"), self.bridge, "!="), *tail], key)},
+                {"add": _rule("output", tail, key)}]
+        with self._lock:
+            if not self.started:
+                raise NatError(errno.ESHUTDOWN, "nftables table of dsecd is not set up (daemon stopping)")
+            if key in self._handles:
+                raise NatError(errno.EEXIST, f"{key} is published already")
+            self.nft.set_echo_output(True)
+            try:
+                rc, out, err = self.nft.json_cmd({"nftables": cmds})
+            finally:
+                self.nft.set_echo_output(False)
+            if rc != 0:
+                raise NatError(errno.EINVAL, f"nftables: publish {key}: {(err or '').strip()}")
+            # Echo answers each command as it was applied: {"add": {"rule": {..., "handle": n}}}.
+            handles = [(it["add"]["rule"]["chain"], it["add"]["rule"]["handle"])
+                       for it in (out or {}).get("nftables", []) if "rule" in it.get("add", {})]
+            if len(handles) != len(cmds):
+                raise NatError(errno.EPROTO, f"nftables: publish {key}: no rule handles in the echo {out!r}")
+            self._handles[key] = handles
+
+    def unpublish(self, key: str) -> bool:
+        with self._lock:
+            handles = self._handles.pop(key, None)
+            if not handles or not self.started:
+                return False
+            self._run([{"delete": {"rule": {"family": FAMILY, "table": TABLE, "chain": c, "handle": h}}}
+                       for c, h in handles], f"unpublish {key}")
+            return True
+
+    def info(self) -> dict:
+        return {"table": f"{FAMILY} {TABLE}", "uplink": self.uplink, "published": len(self._handles)}

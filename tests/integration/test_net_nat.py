@@ -1,0 +1,155 @@
+"""Egress NAT (net.uplink) and published ports, through the daemon.
+
+The daemon's host side is a test-owned bridge netns; its uplink is a veth
+into a test-owned "internet" netns (test_net_kit.World.add_internet). No
+traffic, route or rule ever touches the host's own interfaces or ruleset:
+the test checks the host's ruleset is the same before and after.
+"""
+
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+from test_net_daemon import _toml_net
+from test_net_kit import World, bpf_skip_reason
+
+pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None, reason=bpf_skip_reason() or "")
+
+
+def ruleset(ns: str | None = None) -> str:
+    cmd = ["nft", "list", "ruleset"]
+    if ns:
+        cmd = ["ip", "netns", "exec", ns, *cmd]
+    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture(scope="module")
+def iworld():
+    w = World()
+    try:
+        w.add_internet()
+        yield w
+    finally:
+        w.close()
+
+
+@pytest.fixture
+def natd(iworld, daemon_factory, busybox_rootfs):
+    """A daemon with net.uplink = "auto" (resolves to the world's up0); checks at the
+    end that stopping it removed its table and left every other ruleset as it was."""
+    host_before, br_before = ruleset(), ruleset(iworld.br_ns)
+    cfg = dict(iworld.cfg, ipv4_pool=f"10.{iworld.octet}.3.0/24")
+    d = daemon_factory(_toml_net(cfg).replace("[net]\n", '[net]\nuplink = "auto"\n'))
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    yield d, c
+    c.close()
+    c = d.client()          # a test may have restarted the daemon
+    c.destroy_all(force=True)
+    c.close()
+    d.stop(signal.SIGTERM)
+    assert "dsecd" not in ruleset(iworld.br_ns)
+    assert ruleset(iworld.br_ns) == br_before
+    assert ruleset() == host_before
+
+
+def wget(sb, url: str) -> tuple[int, str]:
+    """GET `url` (http://host[:port]/path) with busybox nc (its static wget crashes)."""
+    hostport, _, path = url.removeprefix("http://").partition("/")
+    host, _, port = hostport.partition(":")
+    r = sb.exec(["sh", "-c", f"printf 'GET /{path} HTTP/1.0\\r\\n\\r\\n' | nc -w 3 {host} {port or 80}"],
+                timeout=20)
+    out = (r.stdout + r.stderr).decode()
+    return (r.exit_code if "200 OK" in out else 1), out
+
+
+def http_get(addr: str) -> str:
+    host, port = addr.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=3) as s:
+        s.sendall(b"GET /index.html HTTP/1.0\r\n\r\n")
+        data = b""
+        while chunk := s.recv(4096):
+            data += chunk
+    return data.decode()
+
+
+def test_egress_through_nat_needs_the_rule(iworld, natd):
+    d, c = natd
+    assert c.info()["features"]["nft_nat"]["available"]
+    allowed = c.create(image="busybox", net="default", allow=[f"{iworld.inet}:80/tcp"])
+    denied = c.create(image="busybox", net="default")
+    code, out = wget(allowed, f"http://{iworld.inet}/")
+    assert code == 0 and f"whoami {iworld.uplink_addr}" in out      # masqueraded to the uplink's address
+    code, out = wget(denied, f"http://{iworld.inet}/")
+    assert code != 0 and "whoami" not in out
+    nat = c.info()["net"]["nat"]
+    assert nat["uplink"] == iworld.uplink and nat["table"] == "inet dsecd"
+    table = ruleset(iworld.br_ns)
+    assert "masquerade" in table and f'oifname "{iworld.uplink}"' in table
+
+
+def test_uplink_off_is_unreachable(iworld, daemon_factory, busybox_rootfs):
+    cfg = dict(iworld.cfg, ipv4_pool=f"10.{iworld.octet}.4.0/24")
+    d = daemon_factory(_toml_net(cfg))
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        sb = c.create(image="busybox", net="default", allow=[f"{iworld.inet}:80/tcp"])
+        code, out = wget(sb, f"http://{iworld.inet}/")
+        assert code != 0 and "whoami" not in out
+        assert "dsecd" not in ruleset(iworld.br_ns)             # no uplink, no port: no table
+        c.destroy_all(force=True)
+    finally:
+        c.close()
+
+
+def _serve_http(sb, port: int) -> None:
+    sb.exec(["sh", "-c", "mkdir -p /tmp/www && echo sandbox-page > /tmp/www/index.html"])
+    sb.exec(["sh", "-c", f"setsid httpd -p {port} -h /tmp/www </dev/null >/dev/null 2>&1 &"])
+    deadline = time.monotonic() + 5
+    while sb.exec(["sh", "-c", f"netstat -ltn | grep -q ':{port} '"]).exit_code != 0:
+        assert time.monotonic() < deadline, "httpd did not listen"
+        time.sleep(0.05)
+
+
+def test_published_port(iworld, natd):
+    d, c = natd
+    sb = c.create(image="busybox", net="default", publish=[8080])
+    _serve_http(sb, 8080)
+    host = sb.get_host(8080)
+    gateway = f"10.{iworld.octet}.0.1"
+    assert host.startswith(f"{gateway}:")
+    hp = int(host.rsplit(":", 1)[1])
+    assert "sandbox-page" in iworld.in_bridge_netns(http_get, host)                   # the host side
+    assert "sandbox-page" in iworld.in_bridge_netns(http_get, f"{iworld.uplink_addr}:{hp}")
+    # The sandbox still cannot open connections to the host side.
+    code, out = wget(sb, f"http://{gateway}:{hp}/index.html")
+    assert code != 0 and "sandbox-page" not in out
+    assert sb.net_show()["default"]["denied_connect"] >= 1
+    assert [p["port"] for p in sb.net_show()["ports"]] == [8080]
+
+    # Restart: the port is journaled and published again.
+    c.close()
+    d.stop(signal.SIGTERM)
+    assert "dsecd" not in ruleset(iworld.br_ns)
+    d.start()
+    c = d.client()
+    sb = c.get(sb.id)
+    assert sb.get_host(8080) == host
+    assert "sandbox-page" in iworld.in_bridge_netns(http_get, host)
+
+    sb.unpublish(8080)
+    with pytest.raises(OSError):
+        iworld.in_bridge_netns(http_get, host)
+    assert f"dport {hp}" not in ruleset(iworld.br_ns)
+
+    sb.publish(8080, host_port=hp, bind=gateway)
+    assert "sandbox-page" in iworld.in_bridge_netns(http_get, host)
+    assert f"dport {hp}" in ruleset(iworld.br_ns)
+    sb.destroy()
+    assert f"dport {hp}" not in ruleset(iworld.br_ns)                  # destroy removed the rules
+    with pytest.raises(OSError):
+        iworld.in_bridge_netns(http_get, host)
+    c.close()
