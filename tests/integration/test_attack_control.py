@@ -134,7 +134,10 @@ def test_file_api_racing_symlink_swaps_stays_inside(admin, tmp_path):
     secret = tmp_path / "host-secret"
     secret.write_text("HOST SECRET")
     shadow = Path("/etc/shadow").read_bytes() if os.path.exists("/etc/shadow") else None
-    sb = admin.create(image="busybox", memory="64M")
+    # qos "ls": a best-effort sandbox runs SCHED_IDLE, and the client and daemon
+    # hammering the file API kept both cores busy enough to starve its swap loop
+    # (5,446 listings in 5 s, not one swap seen).
+    sb = admin.create(image="busybox", memory="64M", qos="ls")
     try:
         loop = SWAP_LOOP.format(secret=secret, hostdir=hostdir)
         sb.write_file("/root/swap.sh", loop.encode())

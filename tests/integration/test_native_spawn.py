@@ -376,7 +376,11 @@ def test_zombies_are_reaped_by_init(sandbox):
     # The subshell exits at once, so its `sleep` is orphaned to the sandbox's PID 1.
     # 2 s: on a loaded host a shorter one was gone before it was looked for.
     sandbox.sh("(sleep 2 &) ; true")
-    orphans = [p for p in _children_of(sandbox.pid) if _comm(p) == "sleep"]
+    # Re-parented at once, but it may not have exec'd `sleep` yet (comm still "sh").
+    deadline = time.monotonic() + 1.5
+    while not (orphans := [p for p in _children_of(sandbox.pid) if _comm(p) == "sleep"]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert orphans, "the orphan was not re-parented to dsec-init"
     for pid in orphans:
         _wait_gone(pid)
@@ -506,6 +510,11 @@ def test_container_init_holds_only_stdio(busybox_lower, workdir, cgroups):
         os.close(low)
         os.close(high)
     try:
+        # Until it exec'd dsec-init (which names itself so) the child may still
+        # be closing what it inherited: only init's own fds count.
+        deadline = time.monotonic() + 5
+        while _comm(sb.pid) != "dsec-init" and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert sorted(os.listdir(f"/proc/{sb.pid}/fd"), key=int) == ["0", "1", "2"]
     finally:
         _destroy(sb)
