@@ -9,7 +9,9 @@
 # bound read-only), then runs inside it, as a new user would:
 #
 #   bash scripts/setup.sh      installs and builds from nothing
-#   dsec --help                the CLI and the native module load
+#   dsec --help                the CLI and the native module load, and the
+#                              Debian-packaged modules (bcc, nftables) are seen
+#                              from the venv
 #   pytest tests/unit          the unit tests pass
 #
 # Every mount and directory it made is removed on exit, failed or not. Logs:
@@ -166,7 +168,9 @@ mount --rbind /dev "$ROOT/dev" && MOUNTS+=("$ROOT/dev")
 
 say "root $ROOT ready ($((SECONDS - T0))s); running setup, the CLI and the unit tests in it"
 run_in_root setup 'bash scripts/setup.sh'
-run_in_root cli '.venv/bin/dsec --help >/dev/null && .venv/bin/python -c "import dsecd, dsecd.native"'
+# bcc (the BPF compile helper) and nftables (net.uplink) come from apt, not pip:
+# the venv must see them (setup.sh makes it with the system site-packages).
+run_in_root cli '.venv/bin/dsec --help >/dev/null && .venv/bin/python -c "import dsecd, dsecd.native, bcc, nftables"'
 run_in_root unit '.venv/bin/pytest -q -p no:cacheprovider tests/unit'
 say "$(tail -n 1 "$LOGS/unit.log")"
 say "ok: setup, the CLI and the unit tests pass on a fresh Debian 12 root ($((SECONDS - T0))s)"
