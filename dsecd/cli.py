@@ -33,6 +33,7 @@ import tty
 
 from .client import Client, default_socket
 from .errors import DsecError
+from .fds import read_ready
 from .localcopy import LocalCopyError
 from .tarsafe import Refused, TooLarge
 
@@ -526,12 +527,9 @@ class _ReadQueue:
         return self
 
     def _on_readable(self) -> None:
-        try:
-            data = os.read(self.fd, 1 << 16)
-        except BlockingIOError:
+        data = read_ready(self.fd, 1 << 16)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             self.loop.remove_reader(self.fd)
         self.queue.put_nowait(data)

@@ -39,7 +39,7 @@ import termios
 import time
 from collections.abc import Awaitable, Callable
 
-from .fds import close_quietly
+from .fds import close_quietly, read_ready
 
 Emit = Callable[[int, bytes], Awaitable[None]]
 READ_CHUNK = 64 * 1024
@@ -151,13 +151,10 @@ class ExecIO:
 
     async def _pump(self, fd: int, stream: int) -> None:
         while True:
-            try:
-                data = os.read(fd, READ_CHUNK)
-            except BlockingIOError:
+            data = read_ready(fd, READ_CHUNK)
+            if data is None:
                 await self._readable(fd)
                 continue
-            except OSError:
-                return
             if not data:
                 return
             room = self.cap - self.delivered
@@ -354,12 +351,9 @@ class Collector:
             self._timers.append(self.loop.call_later(timeout, self._on_timeout))
 
     def _on_readable(self, fd: int, stream: int) -> None:
-        try:
-            data = os.read(fd, READ_CHUNK)
-        except BlockingIOError:
+        data = read_ready(fd, READ_CHUNK)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             self._close_read(fd)
             self._check()

@@ -59,3 +59,14 @@ def close_quietly(fd: int) -> None:
             os.close(fd)
         except OSError:
             pass
+
+
+def read_ready(fd: int, size: int) -> bytes | None:
+    """What a nonblocking fd has now: up to `size` bytes, b"" at its end (a
+    read error ends it too: nothing more will come), None while it has none."""
+    try:
+        return os.read(fd, size)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""

@@ -40,7 +40,7 @@ from .. import native
 from ..backends.container import proc_start_time
 from ..errors import BadRequest, Conflict, LimitExceeded, NotFound, io_error, run_error
 from ..execio import READ_CHUNK, _decode_status
-from ..fds import close_quietly
+from ..fds import close_quietly, read_ready
 from ..initlink import KILLED, InitExec
 from .execs import exec_target
 from .sandboxes import Sandbox, SandboxRegistry
@@ -242,13 +242,9 @@ class ProcessService:
     # ------------------------------------------------------------ output and end
 
     def _on_output(self, sb: Sandbox, proc: BgProc, name: str, stream: int) -> None:
-        fd = proc.fds[name]
-        try:
-            data = os.read(fd, READ_CHUNK)
-        except BlockingIOError:
+        data = read_ready(proc.fds[name], READ_CHUNK)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if data:
             proc.ring.append(stream, data, time.time())
         else:
