@@ -122,10 +122,7 @@ class InitExec:
     def kill(self) -> None:
         """SIGKILL the exec's process group (it leads its own session)."""
         if self._fd >= 0:
-            try:
-                native.pidfd_kill_group(self._fd, signal.SIGKILL)
-            except OSError:       # no member left (ESRCH)
-                pass
+            self.signal(signal.SIGKILL)
         elif not self.running and not self._kill_sent:
             self._kill_sent = True          # STARTED will kill it through the pidfd too
             self.link.send_kill(self.id)
@@ -211,17 +208,10 @@ class InitLink:
         op = (native.INIT_OP_START | (native.INIT_START_CTTY if ctty else 0)
               | (native.INIT_START_HOLD if hold is not None else 0))
         head = _REQ.pack(native.INIT_MAGIC, exec_id, uid, uid, cap_keep, len(argv), len(env), len(strings), op)
-        try:
-            socket.send_fds(self.sock, [head, strings], list(stdio) + list(hold or ()))
-        except BlockingIOError:
-            return None            # init's queue is full: it is busy or frozen
-        except OSError as err:
-            if err.errno in _GONE:
-                self.close(None)
-            return None            # anything else (ENOBUFS, ...): this one goes through the helper
-        started = InitExec(self, exec_id, (argv[0], env, uid, cwd))
-        started.detached = hold is not None
-        self.pending[exec_id] = started
+        started = self._request(exec_id, [head, strings], list(stdio) + list(hold or ()),
+                                (argv[0], env, uid, cwd))
+        if started is not None:
+            started.detached = hold is not None
         return started
 
     def adopt(self, exec_id: int, pid: int, pidfd: int, argv0: str) -> InitExec | None:
@@ -246,17 +236,9 @@ class InitLink:
         pipes (mask: 1 stdin, 2 stdout, 4 stderr). Blocking only when init's
         queue is full, which a frozen init (a paused sandbox) can make: then
         it is retried from the loop until init reads it or the channel closes."""
-        if self.closed:
-            return
-        head = _REQ.pack(native.INIT_MAGIC, exec_id, mask, 0, 0, 0, 0, 0, native.INIT_OP_RELEASE)
-        try:
-            self.sock.send(head)
-        except BlockingIOError:
+        if not self.closed and not self._send_head(exec_id, mask, native.INIT_OP_RELEASE):
             assert self.loop is not None
             self.loop.call_later(0.1, self.release, exec_id, mask)
-        except OSError as err:
-            if err.errno in _GONE:
-                self.close(None)
 
     def copy(self, loop: asyncio.AbstractEventLoop, src: int, dst: int) -> InitExec | None:
         """OP_COPY: init forks a child (in the sandbox's cgroups) that copies
@@ -267,17 +249,37 @@ class InitLink:
             return None
         exec_id = self._next_id()
         head = _REQ.pack(native.INIT_MAGIC, exec_id, 0, 0, 0, 0, 0, 0, native.INIT_OP_COPY)
+        return self._request(exec_id, [head], [src, dst], ("(the daemon's file copy)", [], 0, "/"))
+
+    def _request(self, exec_id: int, parts: list[bytes], fds: list[int], what: tuple) -> InitExec | None:
+        """Send one request that starts something, fds with it; its InitExec
+        (`what`: argv0, env, uid, cwd, for its errors), or None if the
+        channel cannot take it: init's queue is full (busy or frozen), the
+        channel is gone, or anything else (ENOBUFS, ...)."""
         try:
-            socket.send_fds(self.sock, [head], [src, dst])
+            socket.send_fds(self.sock, parts, fds)
         except BlockingIOError:
             return None
         except OSError as err:
             if err.errno in _GONE:
                 self.close(None)
             return None
-        started = InitExec(self, exec_id, ("(the daemon's file copy)", [], 0, "/"))
+        started = InitExec(self, exec_id, what)
         self.pending[exec_id] = started
         return started
+
+    def _send_head(self, exec_id: int, arg: int, op: int) -> bool:
+        """Send a header-only request (its uid field carries `arg`); False if
+        init's queue is full. A gone channel is closed, and counts as sent:
+        there is nothing left to retry."""
+        try:
+            self.sock.send(_REQ.pack(native.INIT_MAGIC, exec_id, arg, 0, 0, 0, 0, 0, op))
+        except BlockingIOError:
+            return False
+        except OSError as err:
+            if err.errno in _GONE:
+                self.close(None)
+        return True
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> bool:
         """Read init's answers on `loop` from now on (on the loop; again is a
@@ -303,16 +305,8 @@ class InitLink:
         """OP_KILL: init SIGKILLs an exec whose STARTED the daemon has not read.
         Not retried when init's queue is full: the STARTED that init sends
         once it gets to the request kills it through the pidfd."""
-        if self.closed or exec_id not in self.pending:
-            return
-        head = _REQ.pack(native.INIT_MAGIC, exec_id, 0, 0, 0, 0, 0, 0, native.INIT_OP_KILL)
-        try:
-            self.sock.send(head)
-        except BlockingIOError:
-            pass
-        except OSError as err:
-            if err.errno in _GONE:
-                self.close(None)
+        if not self.closed and exec_id in self.pending:
+            self._send_head(exec_id, 0, native.INIT_OP_KILL)
 
     # ------------------------------------------------------------ answers
 
@@ -409,14 +403,11 @@ class InitLink:
         pending, self.pending = self.pending, {}
         lost = OSError(errno.EPIPE, f"lost the exec channel to the sandbox's init ({why})")
         for run in pending.values():
-            if why is None and run.detached and run.running:
-                # The daemon stops (or the sandbox goes, and the kernel kills
-                # it with the pid namespace): a background process outlives
-                # the daemon, init keeps its pipes for the next one.
-                run._close()
-                run._ended(KILLED)
-                continue
-            run.kill()
+            # A running background process is not killed when the daemon stops
+            # (or the sandbox goes, and the kernel kills it with the pid
+            # namespace): it outlives the daemon, init keeps its pipes for the next.
+            if not (why is None and run.detached and run.running):
+                run.kill()
             if why is not None:
                 run._close()
                 run._failed(lost)
