@@ -155,15 +155,23 @@ def started_by_step(err: OSError) -> bool:
     return hasattr(err, "step")
 
 
+def init_refused_request(err: OSError) -> bool:
+    """Whether a sandbox's init refused the request itself (EINVAL at step
+    init_request). This daemon sends init only well-formed requests: one
+    refused is of a kind init does not know (a terminal, a background
+    process, a file copy): the init of a sandbox an older dsecd made."""
+    import errno
+
+    return getattr(err, "step", None) == "init_request" and err.errno == errno.EINVAL
+
+
 def run_error(err: OSError, sandbox_id: str, prog: str, cwd: str) -> DsecError:
     """A run that failed after it was handed to its watch: an exec init could
     not start (NativeError of its step), whose channel broke (the exec was
     killed), or that did not end after a kill (TimeoutError)."""
     import errno
 
-    if getattr(err, "step", None) == "init_request" and err.errno == errno.EINVAL:
-        # This daemon sends init only well-formed requests: one refused is one
-        # whose kind (a terminal, a background process) init does not know.
+    if init_refused_request(err):
         return Conflict(f"cannot start {prog!r} in sandbox {sandbox_id}: its init is older than this dsecd and "
                         "does not know the request (a pty exec or a background process); recreate the sandbox "
                         "to use them", {"sandbox": sandbox_id})

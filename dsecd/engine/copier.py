@@ -33,7 +33,7 @@ import signal
 from collections.abc import Callable
 
 from .. import native
-from ..errors import Conflict, DsecError, LimitExceeded, io_error
+from ..errors import Conflict, DsecError, LimitExceeded, init_refused_request, io_error
 from ..initlink import InitExec
 from ..mem import pause
 
@@ -54,17 +54,20 @@ STALL_S = 30.0
 
 def check_room(group, size: int, where: str) -> None:
     """Refuse (`limit`) a write of `size` bytes that would take the
-    sandbox's memory group past its limit, less a reserve. A write the
+    sandbox's memory group (None: it has none) past its limit, less a
+    reserve; page cache that reclaim can drop counts as free. A write the
     copier starts and the limit stops would leave the group full of tmpfs
     pages no OOM kill frees: the next allocation of any of its processes,
     init's included, would be killed, until the file is removed. The
     sandbox's own concurrent allocations can still fill it; then the OOM
     killer picks the copier first."""
-    room = pause.room_for_files(group)
-    if room is None:
+    if group is None or (charged := pause.charge(group)) is None:
         return
-    left, limit = room
+    limit, used = charged
     reserve = min(max(RESERVE_MIN, limit // 16), RESERVE_MAX)
+    if size <= limit - used - reserve:
+        return                  # fits without counting the cache reclaim could drop (memory.stat)
+    left = limit - used + pause.droppable_cache(group)
     if size > left - reserve:
         raise LimitExceeded(f"write {where}: {size} bytes would take the sandbox past its memory limit "
                             f"({limit} bytes; {max(0, left)} left, less {reserve} kept for its processes). "
@@ -108,7 +111,7 @@ def _start_failed(err: OSError, where: str) -> bool:
     """A copier that did not start or whose channel broke: False (the caller
     writes itself) for an init older than the copier (a sandbox adopted
     after an upgrade refuses the op with EINVAL); else the error."""
-    if getattr(err, "step", None) == "init_request" and err.errno == errno.EINVAL:
+    if init_refused_request(err):
         return False
     raise io_error("write", where, err) from err
 

@@ -155,8 +155,7 @@ class DirCopyService:
             # from this worker: one copier at a time, its room checked under it.
             asyncio.run_coroutine_threadsafe(sb.copy_lock.acquire(), loop).result()
             try:
-                if handle is not None:
-                    copier.check_room(handle.group, size, where)
+                copier.check_room(handle and handle.group, size, where)
                 return copier.copy_chunks_from_thread(loop, start, fd, chunks, where)
             finally:
                 loop.call_soon_threadsafe(sb.copy_lock.release)

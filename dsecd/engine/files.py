@@ -96,8 +96,7 @@ class FileService:
         if not data:
             return
         async with sb.copy_lock:
-            if sb.handle is not None:
-                copier.check_room(sb.handle.group, len(data), where)
+            copier.check_room(sb.handle and sb.handle.group, len(data), where)
             await self._copy(sb, fd, data, where)
 
     async def _copy(self, sb: Sandbox, fd: int, data: bytes, where: str) -> None:

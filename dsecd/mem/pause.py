@@ -207,10 +207,7 @@ def memory_dir(group: cgroup.Group) -> tuple[str, Path]:
 
 def usage(group: cgroup.Group) -> MemUsage:
     version, d = memory_dir(group)
-    stat = {}
-    for line in _read(d / "memory.stat").splitlines():
-        key, _, value = line.partition(" ")
-        stat[key] = int(value)
+    stat = _stat(d)
     if version == "v2":
         return MemUsage(int(_read(d / "memory.current")), stat.get("anon", 0), stat.get("file", 0),
                         _int_or_zero(d / "memory.swap.current"))
@@ -219,24 +216,31 @@ def usage(group: cgroup.Group) -> MemUsage:
                     stat.get("cache", 0), stat.get("swap", 0))
 
 
-def room_for_files(group: cgroup.Group) -> tuple[int, int] | None:
-    """(bytes a file may still take, the memory limit) in the group, or None
-    without a limit: the limit, less what is charged, plus the page cache
-    reclaim can drop (file pages that are not shmem: tmpfs pages stay)."""
+def charge(group: cgroup.Group) -> tuple[int, int] | None:
+    """(the memory limit, what is charged) of the group; None without a limit."""
     version, d = memory_dir(group)
     raw = _read(d / ("memory.max" if version == "v2" else "memory.limit_in_bytes")).strip()
     if raw == "max" or int(raw) >= 1 << 60:       # v1 says "no limit" with a page-rounded 2**63-1
         return None
+    return int(raw), int(_read(d / ("memory.current" if version == "v2" else "memory.usage_in_bytes")))
+
+
+def droppable_cache(group: cgroup.Group) -> int:
+    """The group's page cache that reclaim can drop: file pages that are not
+    shmem (tmpfs pages stay)."""
+    version, d = memory_dir(group)
+    stat = _stat(d)
+    if version == "v2":
+        return max(0, stat.get("file", 0) - stat.get("shmem", 0))
+    return max(0, stat.get("total_cache", 0) - stat.get("total_shmem", 0))
+
+
+def _stat(d: Path) -> dict[str, int]:
     stat = {}
     for line in _read(d / "memory.stat").splitlines():
         key, _, value = line.partition(" ")
         stat[key] = int(value)
-    if version == "v2":
-        used, droppable = int(_read(d / "memory.current")), stat.get("file", 0) - stat.get("shmem", 0)
-    else:
-        used = int(_read(d / "memory.usage_in_bytes"))
-        droppable = stat.get("total_cache", 0) - stat.get("total_shmem", 0)
-    return int(raw) - used + max(0, droppable), int(raw)
+    return stat
 
 
 def oom_kills(group: cgroup.Group) -> int:
