@@ -18,6 +18,9 @@ from .. import native
 from . import libc
 
 RESOLVE = native.RESOLVE_IN_ROOT | native.RESOLVE_NO_MAGICLINKS
+# Below a directory the daemon already holds, no link of any kind followed
+# (the walks of a directory copy and a recursive watch).
+BENEATH = native.RESOLVE_BENEATH | native.RESOLVE_NO_SYMLINKS | native.RESOLVE_NO_MAGICLINKS
 
 
 class PathError(ValueError):
@@ -124,21 +127,19 @@ def write_data(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
-def write_regular(dirfd: int, name: str, data_chunks, mode: int, flags: int = os.O_CREAT | os.O_EXCL,
-                  fill=None) -> int:
+def write_regular(dirfd: int, name: str, data_chunks, mode: int, fill=None) -> None:
     """A new file of a directory copy: `name` resolved against `dirfd` as
-    root, opened with `flags` (O_CREAT | O_EXCL: a new file, never through a
-    symlink), refused unless a regular file on an ordinary filesystem, then
-    filled with the chunks of `data_chunks` in order: by fill(fd, chunks)
-    (the sandbox's copier, dsecd/engine/copier.py; False if it has none) or
-    else by the daemon. Returns the file's size."""
-    fd = _open(dirfd, name, os.O_WRONLY | os.O_NONBLOCK | flags, mode & 0o7777)
+    root, created (O_CREAT | O_EXCL: a new file, never through a symlink),
+    refused unless a regular file on an ordinary filesystem, then filled
+    with the chunks of `data_chunks` in order: by fill(fd, chunks) (the
+    sandbox's copier, dsecd/engine/copier.py; False if it has none) or else
+    by the daemon."""
+    fd = _open(dirfd, name, os.O_WRONLY | os.O_NONBLOCK | os.O_CREAT | os.O_EXCL, mode & 0o7777)
     try:
         _require_regular(fd, name)
         if fill is None or not fill(fd, data_chunks):
             for chunk in data_chunks:
                 write_data(fd, chunk)
-        return os.fstat(fd).st_size
     finally:
         os.close(fd)
 

@@ -19,7 +19,6 @@ _libc.renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.
 # <sys/inotify.h>
 IN_MODIFY = 0x00000002
 IN_ATTRIB = 0x00000004
-IN_CLOSE_WRITE = 0x00000008
 IN_MOVED_FROM = 0x00000040
 IN_MOVED_TO = 0x00000080
 IN_CREATE = 0x00000100

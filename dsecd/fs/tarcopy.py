@@ -26,9 +26,17 @@ import tarfile
 
 from .. import native, tarsafe
 from . import libc
-from .files import PathError, _open, _remove_at, _split, check_path, write_regular
+from .files import (
+    BENEATH,
+    PathError,
+    _open,
+    _remove_at,
+    _split,
+    _type_of,
+    check_path,
+    write_regular,
+)
 
-BENEATH = native.RESOLVE_BENEATH | native.RESOLVE_NO_SYMLINKS | native.RESOLVE_NO_MAGICLINKS
 BLOCK = tarfile.BLOCKSIZE
 READ = 1 << 20
 
@@ -253,7 +261,7 @@ class TreeTar:
         elif stat.S_ISREG(st.st_mode):
             yield from self._file(dirfd, name, rel)
         else:
-            self.skipped.append({"path": rel, "type": _type_name(st.st_mode),
+            self.skipped.append({"path": rel, "type": _type_of(st.st_mode),
                                  "reason": "not a file, directory or symlink: not copied"})
 
     def _replaced(self, rel: str, err: OSError) -> None:
@@ -292,11 +300,3 @@ class TreeTar:
                 yield b"\0" * pad
         finally:
             os.close(fd)
-
-
-def _type_name(mode: int) -> str:
-    for test, kind in ((stat.S_ISFIFO, "fifo"), (stat.S_ISCHR, "char"), (stat.S_ISBLK, "block"),
-                       (stat.S_ISSOCK, "socket")):
-        if test(mode):
-            return kind
-    return "unknown"

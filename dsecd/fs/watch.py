@@ -27,7 +27,7 @@ import struct
 
 from .. import native
 from . import libc
-from .files import PathError
+from .files import BENEATH, PathError, _open
 
 MASK = (libc.IN_CREATE | libc.IN_MODIFY | libc.IN_ATTRIB | libc.IN_DELETE | libc.IN_MOVED_FROM
         | libc.IN_MOVED_TO | libc.IN_DELETE_SELF | libc.IN_MOVE_SELF | libc.IN_ONLYDIR | libc.IN_EXCL_UNLINK)
@@ -35,7 +35,6 @@ MASK = (libc.IN_CREATE | libc.IN_MODIFY | libc.IN_ATTRIB | libc.IN_DELETE | libc
 KINDS = ((libc.IN_CREATE, "create"), (libc.IN_MODIFY, "modify"), (libc.IN_ATTRIB, "attrib"),
          (libc.IN_DELETE, "delete"), (libc.IN_MOVED_FROM, "move_from"), (libc.IN_MOVED_TO, "move_to"))
 EVENT = struct.Struct("iIII")          # struct inotify_event: wd, mask, cookie, len; then the name
-BENEATH = native.RESOLVE_BENEATH | native.RESOLVE_NO_SYMLINKS | native.RESOLVE_NO_MAGICLINKS
 
 
 class WatchLimit(Exception):
@@ -220,8 +219,7 @@ def open_top(rootfd: int, path: str) -> int:
     """The directory to watch, resolved in the sandbox root (a symlink inside
     the sandbox is followed, as every file op does), refused on a kernel
     filesystem."""
-    fd = native.openat2(rootfd, path, os.O_RDONLY | os.O_DIRECTORY, 0,
-                        native.RESOLVE_IN_ROOT | native.RESOLVE_NO_MAGICLINKS)
+    fd = _open(rootfd, path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         kind = native.KERNEL_FS_MAGICS.get(native.fs_magic(fd, path))
         if kind is not None:
