@@ -53,7 +53,7 @@ class NetworkService:
             self._net_ready = self.workers.loop.create_future()
             live = {s.id: (s.handle.init_pid, str(s.handle.group.dirs["unified"]))
                     for s in self.registry.by_id.values()
-                    if s.net and s.net.get("mode") == "default" and s.handle is not None}
+                    if _networked(s) and s.handle is not None}
             try:
                 self.net = await self.workers.run(self._build_network, live)
                 self._net_ready.set_result(self.net)
@@ -226,7 +226,7 @@ class NetworkService:
         sb.net = {"mode": mode, "lease": view.get("lease")}
 
     async def detach_net(self, sb) -> None:
-        if self.net is None or not sb.net or sb.net.get("mode") != "default":
+        if self.net is None or not _networked(sb):
             return
         try:
             await self.workers.run(self.net.detach, sb.id)
@@ -249,7 +249,7 @@ class NetworkService:
         the Network is built now whatever: dsecd's nftables table (egress NAT) is made at start."""
         self.preload()
         if not self.net_cfg.get("uplink") and not any(
-                s.net and s.net.get("mode") == "default" for s in self.registry.by_id.values()):
+                _networked(s) for s in self.registry.by_id.values()):
             return        # records of dead ones are freed whenever the Network is first built
         with contextlib.suppress(Unsupported):
             await self.network()
@@ -276,13 +276,13 @@ class NetworkService:
 
     async def show(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
-        if not sb.net or sb.net.get("mode") != "default":
+        if not _networked(sb):
             return {"sandbox": sb.id, "mode": "none"}
         return await self.workers.run((await self.network()).show, sb.id)
 
     async def set(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
-        if not sb.net or sb.net.get("mode") != "default":
+        if not _networked(sb):
             raise BadRequest(f"sandbox {sb.id} has --net none: no policy to change")
         if req.replace is not None and (req.add or req.remove):
             raise BadRequest("give either replace, or add/remove, not both")
@@ -311,17 +311,22 @@ class NetworkService:
 
     async def publish(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
-        if not sb.net or sb.net.get("mode") != "default":
+        if not _networked(sb):
             raise BadRequest(f"sandbox {sb.id} has --net none: no address to publish a port of; "
                              "create it with --net default")
         return await self._publish(await self.network(), sb.id, req.port, req.host_port, req.bind)
 
     async def unpublish(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
-        if not sb.net or sb.net.get("mode") != "default":
+        if not _networked(sb):
             raise BadRequest(f"sandbox {sb.id} has --net none: no published ports")
         net = await self.network()
         try:
             return await self.workers.run(net.unpublish, sb.id, req.port)
         except OSError as err:
             raise io_error(f"unpublish port {req.port} of sandbox", sb.id, err) from err
+
+
+def _networked(sb) -> bool:
+    """Whether the sandbox has a network of its own (--net default)."""
+    return bool(sb.net) and sb.net.get("mode") == "default"

@@ -21,7 +21,7 @@ _SYS_BPF = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "ppc64le": 361, "s390
 
 MAP_CREATE, MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM = 0, 1, 2, 3
 PROG_LOAD, PROG_ATTACH, PROG_DETACH, OBJ_GET_INFO_BY_FD = 5, 8, 9, 15
-MAP_UPDATE_BATCH, MAP_DELETE_BATCH = 26, 27
+MAP_UPDATE_BATCH = 26
 
 PROG_TYPES = {"CGROUP_SKB": 8, "SOCK_OPS": 13, "CGROUP_SOCK_ADDR": 18}
 ATTACH_TYPES = {"CGROUP_INET_EGRESS": 1, "CGROUP_SOCK_OPS": 3, "CGROUP_INET4_CONNECT": 10,
@@ -105,23 +105,21 @@ class Map:
 
     def delete(self, key: bytes) -> bool:
         """False if the key was not there."""
+        return self._present(MAP_DELETE_ELEM, key, None, "delete from")
+
+    def lookup(self, key: bytes) -> bytes | None:
+        out = ctypes.create_string_buffer(self.out_size)
+        return out.raw if self._present(MAP_LOOKUP_ELEM, key, out, "look up in") else None
+
+    def _present(self, cmd: int, key: bytes, out, what: str) -> bool:
+        """_elem where a missing key (ENOENT) is an answer, not an error."""
         try:
-            self._elem(MAP_DELETE_ELEM, key, None, 0, "delete from")
+            self._elem(cmd, key, out, 0, what)
         except OSError as err:
             if err.errno == errno.ENOENT:
                 return False
             raise
         return True
-
-    def lookup(self, key: bytes) -> bytes | None:
-        out = ctypes.create_string_buffer(self.out_size)
-        try:
-            self._elem(MAP_LOOKUP_ELEM, key, out, 0, "look up in")
-        except OSError as err:
-            if err.errno == errno.ENOENT:
-                return None
-            raise
-        return out.raw
 
     def percpu_values(self, key: bytes) -> list[bytes]:
         raw = self.lookup(key) or b""

@@ -35,8 +35,6 @@ from .rules import FAM_V4, MAX_ENTRIES, Entry
 log = logging.getLogger(__name__)
 
 SOURCE = bpfobj.SOURCE
-HOOKS = bpfobj.HOOKS
-DEFAULT_CACHE_DIR = "cache/bpf"       # under the state dir
 
 __all__ = ["BpfError", "Engine"]
 
