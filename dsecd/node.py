@@ -73,6 +73,7 @@ SERVICE_ROUTES = {
     "image_gc": ("image_service", "gc"), "image_du": ("image_service", "du"),
     "snapshot": ("image_service", "snapshot"),
     "net_show": ("net_service", "show"), "net_set": ("net_service", "set"),
+    "net_sets": ("net_service", "sets"),
     "pause": ("memory", "pause"), "resume": ("memory", "resume"),
     "job_pause": ("memory", "job_pause"), "job_resume": ("memory", "job_resume"),
     "renew": ("lifetimes", "renew"), "events": ("events", "stream"),

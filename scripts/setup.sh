@@ -5,7 +5,9 @@
 #   1. Debian packages: compilers and static libc (dsec-init is static),
 #      libfuse3/libseccomp headers (csrc/), bcc for Python (eBPF), kernel
 #      headers (bcc compiles bpf/*.c against them), the runtimes we benchmark
-#      against (bubblewrap, crun), busybox-static (test rootfs), erofs-utils.
+#      against (bubblewrap, crun), busybox-static (test rootfs), erofs-utils,
+#      dnspython (the sandboxes' resolver) and dnsmasq-base (the tests' upstream
+#      resolver; -base: the binary without a system service).
 #   2. Kernel headers where bcc looks for them: /lib/modules/$(uname -r)/build
 #      and .../source. A kernel Debian has no headers package for gets the
 #      newest Debian headers, said on stderr.
@@ -34,6 +36,7 @@ PACKAGES=(
     python3-bpfcc "linux-headers-$ARCH"        # bcc and headers to compile bpf/*.c
     busybox-static bubblewrap crun             # test rootfs; peers in bench/peers.py
     erofs-utils iproute2 util-linux debootstrap
+    python3-dnspython dnsmasq-base             # the sandboxes' resolver; the tests' upstream
 )
 
 export DEBIAN_FRONTEND=noninteractive PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1
