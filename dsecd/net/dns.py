@@ -124,8 +124,10 @@ class Resolver:
             udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
+            # SO_REUSEADDR on TCP only (a restart within TIME_WAIT): on UDP it would let
+            # a second daemon on the same bridge share the port and take some queries.
+            tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             for s in (udp, tcp):
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 s.setsockopt(socket.IPPROTO_IP, IP_FREEBIND, 1)
                 s.bind((self.address, 53))
                 s.setblocking(False)

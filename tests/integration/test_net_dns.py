@@ -122,7 +122,7 @@ def test_hostile_answers_change_nothing(world, dnsd):
         assert addresses(out) == [], out
     view = sb.net_show()
     assert view["learned"] == [] and [r["rule"] for r in view["rules"]] == [r["rule"] for r in before["rules"]]
-    assert view["dns"]["hostile_dropped"] == 4
+    assert view["dns"]["hostile_dropped"] == 4, view["dns"]
     assert connect(sb, gw, 443)[0] != 0
     # A huge answer: at most dns_max_addrs_per_answer (4) addresses kept and learned.
     code, out = nslookup(sb, "big.pythonhosted.org")
