@@ -32,7 +32,13 @@ line is one JSON object:
                                through its published port (DNAT) / to its address (target >= 0.9);
   *_cpu_ratio                  the same per CPU-second of the sending process (user +
                                system: the eBPF programs run in its syscalls), which a
-                               descheduled sender does not skew: a check on the wall ratios.
+                               descheduled sender does not skew: a check on the wall ratios;
+  dns_p50_ms / dns_direct_p50_ms  an A query from a sandbox through the daemon's resolver /
+                               straight to the same upstream (dnsmasq in the servers netns,
+                               allowed by a rule), alternated; dns_ratio = the first / second;
+  fqdn_first_connect_p50_ms    query for pypi.org (a name rule) to the first connect to its
+                               address succeeding (the learned entries are dropped between
+                               rounds by removing and re-adding the rule, untimed).
 
 For the two ratios, two bench processes join the sandbox's netns (the daemon
 made it: veth, address, route): one in the sandbox's cgroup v2 dir, where the
@@ -63,6 +69,7 @@ import uvloop
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 
+from dns_kit import Dnsmasq  # noqa: E402
 from test_net_kit import AGENT, V2, World, bpf_skip_reason  # noqa: E402
 
 import dsecd  # noqa: E402
@@ -116,6 +123,7 @@ def daemon_config(world: World, pool_size: int) -> str:
     lines = [NO_ADMISSION, "[net]", 'default_mode = "none"', f"pool_size = {pool_size}",
              f'host_netns = "{world.br_ns}"', f'bridge = "{cfg["bridge"]}"',
              f'ipv4_subnet = "{world.subnet}"', f'ipv4_pool = "10.{world.octet}.64.0/18"',
+             f'dns_upstreams = ["10.{world.octet}.2.53"]',       # the bench's dnsmasq (Dnsmasq)
              "[net.rule_sets]"]
     lines += [f"{name} = {json.dumps(rules)}" for name, rules in cfg["rule_sets"].items()]
     return "\n".join(lines) + "\n"
@@ -173,6 +181,79 @@ class Joined:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+
+
+# -------------------------------------------------------------------- DNS
+
+DNS_AGENT = r'''
+import json, socket, sys, time
+import dns.message, dns.query
+for line in sys.stdin:
+    q = json.loads(line)
+    if q["op"] == "dns":
+        out = {}
+        for arm in ("resolver", "direct"):
+            out[arm] = []
+        for i in range(q["n"]):
+            for arm in (("resolver", "direct") if i % 2 else ("direct", "resolver")):
+                msg = dns.message.make_query(q["name"], "A")
+                t0 = time.perf_counter()
+                r = dns.query.udp(msg, q[arm], timeout=2)
+                out[arm].append((time.perf_counter() - t0) * 1e3)
+                assert r.answer, (arm, r.rcode(), r.flags)
+    else:                           # first: query, then connect until it succeeds
+        t0 = time.perf_counter()
+        r = dns.query.udp(dns.message.make_query(q["name"], "A"), q["resolver"], timeout=2)
+        addr = r.answer[-1][0].address
+        s = socket.create_connection((addr, q["port"]), timeout=2)
+        out = {"ms": (time.perf_counter() - t0) * 1e3, "addr": addr}
+        s.close()
+    print(json.dumps(out), flush=True)
+'''
+
+
+class DnsAgent(Joined):
+    """A bench process in a sandbox's netns and cgroup (its policy applies) asking DNS."""
+
+    def __init__(self, init_pid: int, cgroup_dir: Path):
+        super().__init__(init_pid, cgroup_dir, DNS_AGENT)
+
+    def ask(self, **q) -> dict:
+        self.proc.stdin.write(json.dumps(q) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the DNS bench agent died (see stderr)")
+        return json.loads(line)
+
+
+async def run_dns(c, world: World, upstream: Dnsmasq, args) -> dict:
+    gw = f"10.{world.octet}.0.1"
+    sb = await c.create(image=IMAGE, net="default", allow=["pypi.org:443/tcp", f"{upstream.address}:53/udp"])
+    try:
+        info = await sb.inspect()
+        agent = DnsAgent(info["init_pid"], Path(info["cgroups"]["unified"]))
+        try:
+            n = args.n_dns
+            log(f"dns: {n} queries each way, then {n // 4} first connects")
+            r = agent.ask(op="dns", n=n, name="pypi.org", resolver=gw, direct=upstream.address)
+            firsts = []
+            for _ in range(max(4, n // 4)):
+                await sb.net_set(remove=["pypi.org:443/tcp"])     # drops what was learned for it
+                await sb.net_set(add=["pypi.org:443/tcp"])
+                x = agent.ask(op="first", name="pypi.org", resolver=gw, port=443)
+                assert x["addr"] == world.pkg, x
+                firsts.append(x["ms"])
+        finally:
+            agent.stop()
+    finally:
+        await sb.destroy()
+    out = {"dns_p50_ms": ms(r["resolver"], 50), "dns_direct_p50_ms": ms(r["direct"], 50),
+           "dns_p99_ms": ms(r["resolver"], 99), "fqdn_first_connect_p50_ms": ms(firsts, 50),
+           "fqdn_first_connect_p99_ms": ms(firsts, 99)}
+    out["dns_ratio"] = round(out["dns_p50_ms"] / out["dns_direct_p50_ms"], 3)
+    log(f"  {out}")
+    return out
 
 
 # -------------------------------------------------------------------- in-kernel cost of the programs
@@ -492,6 +573,8 @@ async def run_pooled(sock: str, world: World, args, pid: int) -> dict:
             out.update(await run_updates(c, world, args))
         if "datapath" in args.phases:
             out.update(await run_datapath(c, world, args))
+        if "dns" in args.phases:
+            out.update(await run_dns(c, world, args.upstream, args))
         pool = await pool_stats(c)
         log(f"pool: {pool}")
         out["netns_pool_create_p50_ms"] = pool.get("create_p50_ms")
@@ -550,10 +633,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pool-size", type=int, default=8, help="net.pool_size of the pooled daemon")
     p.add_argument("--create-gap", type=float, default=0.1, help="seconds between timed creates (both arms)")
     p.add_argument("--no-nopool", action="store_true", help="skip the pool-off daemon")
-    p.add_argument("--phases", default="create,updates,datapath,first,nat",
-                   help="comma-separated subset of create,updates,datapath,first,nat (the pool-off daemon "
+    p.add_argument("--phases", default="create,updates,datapath,dns,first,nat",
+                   help="comma-separated subset of create,updates,datapath,dns,first,nat (the pool-off daemon "
                         "runs with create; first: two more daemon starts, cold then warm BPF cache; nat: a "
                         "daemon with net.uplink into a bench-owned internet netns)")
+    p.add_argument("--n-dns", type=int, default=400, help="DNS queries per arm")
     p.add_argument("--null-check", action="store_true",
                    help="datapath A/A: the 'policy' arm also runs without programs (the ratios should be ~1)")
     p.add_argument("--policy-rules", type=int, default=1000, help="rules of the datapath policy (1..1000)")
@@ -561,7 +645,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small counts, for a smoke run")
     args = p.parse_args(argv)
     if args.quick:
-        args.n_create, args.n_update, args.rounds, args.secs = 10, 100, 4, 0.3
+        args.n_create, args.n_update, args.rounds, args.secs, args.n_dns = 10, 100, 4, 0.3, 80
     return args
 
 
@@ -573,7 +657,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rootfs = args.rootfs or harness.build_rootfs()
     world = World(network=False)
+    args.upstream = None
     try:
+        if "dns" in args.phases:
+            args.upstream = Dnsmasq(world)
         results = {}
         if not args.no_nopool and "create" in args.phases:
             with harness.private_daemon(rootfs, IMAGE, extra_config=daemon_config(world, 0)) as d:
@@ -589,6 +676,8 @@ def main(argv: list[str] | None = None) -> int:
             with harness.private_daemon(rootfs, IMAGE, extra_config=cfg) as d:
                 results.update(uvloop.run(run_nat(d.sock, world, args)))
     finally:
+        if args.upstream is not None:
+            args.upstream.stop()
         world.close()
     results.update(rounds=args.rounds, round_secs=args.secs, create_gap_s=args.create_gap, cpus=CPUS,
                    loadavg_1m=round(os.getloadavg()[0], 1))

@@ -296,6 +296,13 @@ async def cmd_events(c: Client, a) -> int:
 
 
 async def cmd_net(c: Client, a) -> int:
+    if a.net_cmd == "sets":
+        sets = await c.net_sets()
+        if a.json:
+            _print_json(sets)
+        else:
+            _table([[s["name"], " ".join(s["rules"])] for s in sets], ["SET", "RULES"])
+        return 0
     sb = await c.get(a.sandbox)
     if a.net_cmd == "set":
         if a.replace and (a.add or a.remove):
@@ -319,12 +326,21 @@ async def cmd_net(c: Client, a) -> int:
     print(f"{sb.id}: {view['interface']} {lease.get('ipv4', '')} {lease.get('ipv6', '') or ''}".rstrip())
     _table([[r["rule"], ",".join(r["from"]), str(r["allowed"])] for r in view["rules"]],
            ["RULE", "FROM", "ALLOWED"])
+    if view.get("names"):
+        print("names: " + " ".join(n["rule"] for n in view["names"]))
+    for ln in view.get("learned", []):
+        print(f"learned {ln['rule']} for {ln['name']} ({ln['by']}), {ln['expires_in']:g} s left")
     d = view["default"]
     print(f"default deny: {d.get('denied_connect', 0)} connects, {d.get('denied_sendmsg', 0)} sends, "
           f"{d.get('dropped_packets', 0)} packets refused")
     if view.get("ports"):
         _table([[f"{p['port']}/tcp", p["host"], p["bind"] or "(all non-loopback)"] for p in view["ports"]],
                ["PORT", "HOST", "BIND"])
+    if "dns" in view:
+        q = view["dns"]
+        print(f"dns ({q['resolver']}:53): {q['queries']} queries, {q['refused']} refused, {q['learned']} "
+              f"learned, {q['expired']} expired, {q['hostile_dropped']} hostile dropped, {q['capped']} capped, "
+              f"{q['upstream_failed']} upstream failed")
     return 0
 
 
@@ -1036,7 +1052,8 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("--user", type=int, default=0, help="uid inside the sandbox")
     cr.add_argument("--net", choices=["none", "default"], help="none: loopback only; default: bridge + "
                     "address + egress allowlist (default: the daemon's net.default_mode)")
-    cr.add_argument("--allow", action="append", metavar="RULE", help="egress rule (CIDR[:port[-port]][/tcp|udp]) "
+    cr.add_argument("--allow", action="append", metavar="RULE", help="egress rule (CIDR or host name, "
+                    "'*.name' for every name below: ADDR[:port[-port]][/tcp|udp]) "
                     "or rule-set name (repeatable)")
     cr.add_argument("--publish", action="append", type=int, metavar="PORT", help="make this TCP port of the "
                     "sandbox reachable from the host (on a host port the daemon picks; `dsec net show`, "
@@ -1099,6 +1116,7 @@ def build_parser() -> argparse.ArgumentParser:
     net = sub.add_parser("net", help="a sandbox's egress policy").add_subparsers(dest="net_cmd", required=True)
     x = net.add_parser("show", help="rules, allowed counters per rule, and what was denied")
     x.add_argument("sandbox")
+    net.add_parser("sets", help="the rule sets --allow NAME takes (the daemon's [net.rule_sets])")
     x = net.add_parser("set", help="change the policy atomically")
     x.add_argument("sandbox")
     x.add_argument("--replace", action="store_true", help="the --allow rules become the whole policy")

@@ -411,13 +411,21 @@ class Client:
                      lease: float | str | None = None, qos: str | None = None,
                      cpu_quota: bool | None = None, net: str | None = None,
                      allow: list[str] | None = None, key: str | None = None,
-                     disk: int | str | None = None, publish: list[int] | None = None) -> Sandbox:
-        """allow: egress rules ("10.1.2.0/24:443/tcp") and rule-set names ("pypi"), with net="default".
+                     disk: int | str | None = None, publish: list[int] | None = None,
+                     network_rules: dict[str, bool] | None = None) -> Sandbox:
+        """allow: egress rules ("10.1.2.0/24:443/tcp", "pypi.org:443/tcp", "*.example.org:443")
+        and rule-set names ("pypi"), with net="default".
+        network_rules: the same as a dict, {"pypi": True}: the keys whose value is true join `allow`.
         publish: TCP ports of the sandbox to make reachable from the host (Sandbox.get_host).
         key: idempotency key; a retried create with the same key returns the same sandbox.
         disk: size cap of the writable layer ("20G"; default sandbox.disk)."""
+        allow = list(allow or [])
+        if network_rules is not None:
+            if not isinstance(network_rules, dict):
+                raise TypeError(f"network_rules must be a dict of rule -> bool, got {type(network_rules).__name__}")
+            allow += [r for r, on in network_rules.items() if on and r not in allow]
         args = _given({"image": image, "env": string_map(env, "env"), "labels": string_map(labels, "labels"),
-                       "cwd": cwd, "user": user, "allow": list(allow or []),
+                       "cwd": cwd, "user": user, "allow": allow,
                        **({"publish": [int(p) for p in publish]} if publish else {})},
                       cpu=cpu, memory=memory, pids=pids, hostname=hostname, ttl=ttl, idle_ttl=idle_ttl,
                       lease=lease, qos=qos, cpu_quota=cpu_quota, net=net, key=key, disk=disk)
@@ -447,6 +455,10 @@ class Client:
 
     async def pool_list(self) -> list[dict]:
         return (await self.request("pool_list"))["pools"]
+
+    async def net_sets(self) -> list[dict]:
+        """The daemon's named rule sets for allow=[NAME]: [{name, rules}]."""
+        return (await self.request("net_sets"))["sets"]
 
     async def job_pause(self, job: str) -> dict:
         """Pause every sandbox labelled job=<job>: frozen at once, memory reclaimed after."""

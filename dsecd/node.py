@@ -74,6 +74,7 @@ SERVICE_ROUTES = {
     "snapshot": ("image_service", "snapshot"),
     "net_show": ("net_service", "show"), "net_set": ("net_service", "set"),
     "net_publish": ("net_service", "publish"), "net_unpublish": ("net_service", "unpublish"),
+    "net_sets": ("net_service", "sets"),
     "pause": ("memory", "pause"), "resume": ("memory", "resume"),
     "job_pause": ("memory", "job_pause"), "job_resume": ("memory", "job_resume"),
     "renew": ("lifetimes", "renew"), "events": ("events", "stream"),

@@ -514,6 +514,11 @@ class NetShow:
     sandbox: str
 
 
+@request("net_sets")
+class NetSets:
+    pass
+
+
 @request("net_set", states=ACTIVE)
 class NetSet:
     sandbox: str

@@ -318,6 +318,9 @@ class SyncClient:
     def pool_list(self) -> list[dict]:
         return self._run(self._client.pool_list())
 
+    def net_sets(self) -> list[dict]:
+        return self._run(self._client.net_sets())
+
     def get(self, sandbox_id: str) -> SyncSandbox:
         return SyncSandbox(self, self._run(self._client.get(sandbox_id)))
 

@@ -10,18 +10,25 @@ or at start when a journaled sandbox has networking - and waits for that load
 only while it is not done. Where it cannot be built (no bcc and no cached
 object, no cgroup v2), `--net none` keeps working, `--net default` answers
 `unsupported`, and `dsec info` says why.
+
+With net.dns (the default) the sandboxes' resolver (dsecd/net/dns.py) starts
+with the Network, on the event loop, and each --net default sandbox gets an
+/etc/resolv.conf naming it, written into its writable layer at create.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
+import os
 import threading
 
-from .. import cgroup
+from .. import cgroup, userns
 from ..errors import BadRequest, DsecError, Unsupported, io_error
+from ..fs import files as sbfiles
 from .sandboxes import SandboxRegistry
 from .workers import Workers
 
@@ -45,6 +52,8 @@ class NetworkService:
         self.backend = backend
         self.net = None
         self.net_error: str | None = None
+        self.resolver = None
+        self.dns_error: str | None = None
         self._net_ready: asyncio.Future | None = None
 
     async def network(self):
@@ -56,6 +65,7 @@ class NetworkService:
                     if _networked(s) and s.handle is not None}
             try:
                 self.net = await self.workers.run(self._build_network, live)
+                await self._start_resolver(self.net)
                 self._net_ready.set_result(self.net)
             except Exception as err:       # no bcc, no v2 tree, compile error: degrade, say why
                 self.net_error = f"{type(err).__name__}: {err}"
@@ -65,6 +75,21 @@ class NetworkService:
         if net is None:
             raise Unsupported(f"--net default is unavailable on this host: {self.net_error}")
         return net
+
+    async def _start_resolver(self, net) -> None:
+        """The sandboxes' resolver; if it cannot start, networking works without
+        it (names resolve nowhere) and `dsec info` says why."""
+        if not net.dns_enabled:
+            return
+        from ..net.dns import Resolver
+
+        try:
+            resolver = Resolver(net, self.net_cfg, self.workers.run)
+            await resolver.start()
+            self.resolver = resolver
+        except (OSError, ValueError) as err:
+            self.dns_error = str(err)
+            log.error("the sandboxes' resolver did not start (name rules resolve nothing): %s", err)
 
     def _build_network(self, live: dict):
         """Build, then re-adopt the live sandboxes' networking and free what the records
@@ -224,6 +249,12 @@ class NetworkService:
                 self.workers.behind(net.detach, sb.id)
             raise
         sb.net = {"mode": mode, "lease": view.get("lease")}
+        if net.dns_enabled:
+            try:
+                await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap), write_resolv_conf,
+                                       h.rootfd, f"nameserver {net.ipam.gateway4}\n")
+            except (OSError, sbfiles.PathError) as err:
+                raise io_error("write /etc/resolv.conf of sandbox", sb.id, err) from err
 
     async def detach_net(self, sb) -> None:
         if self.net is None or not _networked(sb):
@@ -255,15 +286,19 @@ class NetworkService:
             await self.network()
 
     async def close_net(self) -> None:
+        if self.resolver is not None:
+            await self.resolver.close()
         if self.net is not None:
             await self.workers.run(self.net.close)
 
     def net_info(self) -> dict:
         if self.net is not None:
+            dns = self.resolver.info() if self.resolver else {"error": self.dns_error or "off (net.dns)"}
             return {"available": True, "detail": f"bridge {self.net_cfg['bridge']}, "
                     f"{self.net_cfg['ipv4_subnet']}, eBPF allowlists loaded",
                     "pool": self.net.pool.stats(), "updates": self.net.update_stats(),
-                    "bpf": dict(self.net.engine.load_stats), "nat": self.net.nat_info()}
+                    "bpf": dict(self.net.engine.load_stats), "nat": self.net.nat_info(),
+                    "dns": dns}
         if self.net_error:
             return {"available": False, "detail": self.net_error}
         from ..net.policy import Engine
@@ -279,6 +314,13 @@ class NetworkService:
         if not _networked(sb):
             return {"sandbox": sb.id, "mode": "none"}
         return await self.workers.run((await self.network()).show, sb.id)
+
+    async def sets(self, req, ctx) -> dict:
+        """The rule sets --allow NAME accepts (config [net.rule_sets]); no Network needed."""
+        from ..net import rules as R
+
+        sets = R.parse_rule_sets(self.net_cfg.get("rule_sets", {}))
+        return {"sets": [{"name": n, "rules": [str(r) for r in rs]} for n, rs in sorted(sets.items())]}
 
     async def set(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
@@ -330,3 +372,20 @@ class NetworkService:
 def _networked(sb) -> bool:
     """Whether the sandbox has a network of its own (--net default)."""
     return bool(sb.net) and sb.net.get("mode") == "default"
+
+
+def write_resolv_conf(rootfd: int, text: str) -> None:
+    """/etc/resolv.conf of a sandbox's root, as its root user (userns.file_op). A
+    symlink there (images often point it at a resolver daemon's runtime file) is
+    replaced by the file, not followed."""
+    try:
+        if sbfiles.stat_path(rootfd, "/etc/resolv.conf").get("type") == "symlink":
+            sbfiles.remove(rootfd, "/etc/resolv.conf", recursive=False)
+    except OSError as err:
+        if err.errno != errno.ENOENT:
+            raise
+    fd = sbfiles.open_for_write(rootfd, "/etc/resolv.conf", append=False, keep=False, mode=0o644, parents=True)
+    try:
+        sbfiles.write_data(fd, text.encode())
+    finally:
+        os.close(fd)

@@ -13,6 +13,13 @@
 Per sandbox: the policy (terms), veth name, address and BPF bookkeeping are one
 record in <state_dir>/net/records.log (dsecd/journal.py: an append-only log, one
 ~5 us write per change instead of a rename).
+
+Learned entries (an address the resolver answered for a name rule, allowed
+until its TTL plus net.dns_grace_s) are kept apart from the terms: in memory
+only, never recorded. They are compiled into the same trie as the terms' rules
+(`_effective`), so a sandbox's allowlist is its terms' rules plus its live
+learned entries; a restarted daemon starts with none, and a sandbox's next
+query for the name learns the address again (docs/network.md says why).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import collections
 import errno
 import functools
 import hashlib
+import ipaddress
 import itertools
 import logging
 import os
@@ -44,6 +52,9 @@ from .pool import NetnsPool, Ready
 log = logging.getLogger(__name__)
 
 MODES = ("default", "none")
+# The resolver's per-sandbox counters (dsecd/net/dns.py), shown by `net show`.
+DNS_COUNTERS = ("queries", "answered", "refused", "learned", "expired", "hostile_dropped", "capped",
+                "upstream_failed")
 INLINE_MAX_RULES = 64          # update_now(): larger policies go to a worker thread
 
 
@@ -63,6 +74,9 @@ class _Sandbox:
     ipv4: str = ""                                    # the lease, recorded: IPAM is rebuilt from records
     lease_view: dict | None = None                    # the lease as shown, computed once
     ports: dict = field(default_factory=dict)         # published: sandbox port -> {port, host_port, bind}
+    names: tuple = ()                                 # name rules of the policy (the resolver reads it)
+    learned: dict = field(default_factory=dict)       # Rule -> Learned (not recorded)
+    dns: collections.Counter = field(default_factory=collections.Counter)   # resolver counters
 
     def record(self) -> dict:
         return {"id": self.id, "mode": self.mode, "cgroup_dir": self.cgroup_dir, "cgroup_id": self.cgroup_id,
@@ -79,11 +93,26 @@ class Network:
         self.sets = R.parse_rule_sets(cfg.get("rule_sets", {}))
         self.essentials = tuple(R.canonical_term(t, self.sets) for t in cfg.get("essentials", []))
         self.max_rules = int(cfg["max_rules_per_sandbox"])
+        self.dns_enabled = bool(cfg.get("dns", True))
         netdir = Path(state_dir) / "net"
         self.records = RecordLog(netdir / "records.log", fsync=bool(cfg.get("fsync", False)))
         self.ipam = Ipam(cfg["ipv4_subnet"], cfg.get("ipv4_pool", ""), cfg.get("ipv6_subnet", ""))
         self._migrate(netdir)
         self._restore_leases()
+        # What the resolver may never add (hostile answers): loopback, link-local,
+        # unspecified, the gateway and the sandboxes' own addresses.
+        self.dns_blocked = [ipaddress.ip_network(n) for n in ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16",
+                                                               "224.0.0.0/3", "::/127", "fe80::/10", "ff00::/8")]
+        self.dns_blocked += [ipaddress.ip_network(self.ipam.gateway4), self.ipam.pool]
+        if self.ipam.subnet6:
+            off = int(self.ipam.pool.network_address) - int(self.ipam.subnet.network_address)
+            base6 = int(self.ipam.subnet6.network_address) + off
+            self.dns_blocked += [ipaddress.ip_network(self.ipam.gateway6)]
+            self.dns_blocked += ipaddress.summarize_address_range(
+                ipaddress.IPv6Address(base6), ipaddress.IPv6Address(base6 + self.ipam.pool.num_addresses - 1))
+        # Sandboxes reach the resolver on the gateway, and nothing else there.
+        self.resolver_rule = R.Rule(R.FAM_V4, int(self.ipam.gateway4), 32, 53, 53, R.P_TCP | R.P_UDP) \
+            if self.dns_enabled else None
         gw6 = f"{self.ipam.gateway6}/{self.ipam.subnet6.prefixlen}" if self.ipam.subnet6 else ""
         self.plumbing = Plumbing(BridgeSpec(
             name=cfg["bridge"], mtu=int(cfg["mtu"]), host_netns=cfg.get("host_netns", ""),
@@ -426,10 +455,20 @@ class Network:
         if len(rel.parts) != self.level:
             raise BadRequest(f"cgroup dir {cgroup_dir} is at depth {len(rel.parts)}, sandboxes are at {self.level}")
 
-    def _effective(self, terms: tuple[str, ...]) -> list[R.Rule]:
+    def _effective(self, terms: tuple[str, ...], sb: _Sandbox | None = None) -> tuple[list[R.Rule], tuple]:
+        """(address rules to compile, name rules): the terms' rules, the resolver's,
+        and `sb`'s learned entries whose name rule is still in the terms."""
         rules = R.expand(list(self.essentials) + [t for t in terms if t not in self.essentials], self.sets)
         R.check_size(rules, self.max_rules)
-        return rules
+        names = tuple(r for r in rules if isinstance(r, R.NameRule))
+        addrs = [r for r in rules if not isinstance(r, R.NameRule)]
+        if self.resolver_rule is not None:
+            addrs.append(self.resolver_rule)
+        if sb is not None and sb.learned:
+            keep = set(names)
+            addrs += [r for r, ln in sb.learned.items() if ln.source in keep]
+            addrs = list(dict.fromkeys(addrs))
+        return addrs, names
 
     def _bpf_attach(self, sb: _Sandbox, terms: tuple[str, ...]) -> None:
         eng = self.engine
@@ -449,7 +488,7 @@ class Network:
         before the flip leaves the old policy in force and frees what was written.
         """
         eng = self.engine
-        rules = self._effective(terms)
+        rules, names = self._effective(terms, sb)
         prefixes = self._compile(sb, rules)
         fresh = [r for r in rules if r not in sb.counters]
         idxs = eng.counters.take(len(fresh))
@@ -466,7 +505,9 @@ class Network:
             eng.counters.give(idxs)
             raise
         old_counters = sb.counters
-        sb.terms, sb.prefixes, sb.counters = terms, prefixes, counters
+        sb.terms, sb.prefixes, sb.counters, sb.names = terms, prefixes, counters, names
+        if sb.learned and len(sb.learned) != sum(1 for r in sb.learned if r in counters):
+            sb.learned = {r: ln for r, ln in sb.learned.items() if r in counters}   # name rule removed
         eng.counters.give(i for r, i in old_counters.items() if r not in counters)
 
     def _compile(self, sb: _Sandbox, rules: list[R.Rule]) -> dict:
@@ -602,6 +643,84 @@ class Network:
                 raise
             return self._view(sb, counters=False)
 
+    # ------------------------------------------------------------ learned entries (the resolver's)
+
+    def client(self, addr: str) -> _Sandbox | None:
+        """The attached --net default sandbox whose lease is `addr` (a query's source)."""
+        try:
+            a = int(ipaddress.IPv4Address(addr))
+        except ValueError:
+            return None
+        sb = self._sbs.get(self.ipam._owner_of.get(a, ""))
+        return sb if sb is not None and sb.state == "attached" and sb.mode == "default" else None
+
+    def is_blocked(self, addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+        """An address no answer may add: loopback, link-local, the gateway, the sandboxes' pool."""
+        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped
+        return any(addr.version == n.version and addr in n for n in self.dns_blocked)
+
+    def learn(self, sb_id: str, entries: dict[R.Rule, Learned], blocking: bool = True) -> bool | None:
+        """Allow `entries` (address rules of a resolver's answer) until their expiry,
+        atomically with the rest of the policy; a known entry's expiry only grows.
+        blocking=False (the event loop): None, having done nothing, if the lock is
+        busy or the change is not small. On error nothing is added."""
+        if not self._lock.acquire(blocking=blocking):
+            return None
+        try:
+            sb = self._sbs.get(sb_id)
+            if sb is None or sb.state != "attached" or sb.mode != "default":
+                return False
+            if not blocking and len(sb.counters) > INLINE_MAX_RULES:      # a compile of >8 changes: a thread
+                return None
+            fresh = {r: ln for r, ln in entries.items()
+                     if r not in sb.learned or sb.learned[r].expires < ln.expires}
+            if not fresh:
+                return True
+            old = sb.learned
+            sb.learned = {**old, **fresh}
+            new_rules = [r for r in fresh if r not in old]
+            if new_rules:
+                try:
+                    self._apply(sb, sb.terms)
+                except BaseException:
+                    sb.learned = old
+                    raise
+            return True
+        finally:
+            self._lock.release()
+
+    def expire(self, now: float | None = None) -> float | None:
+        """Remove learned entries past their expiry; the next expiry (monotonic), or None."""
+        now = time.monotonic() if now is None else now
+        nxt = None
+        with self._lock:
+            for sb in list(self._sbs.values()):
+                if not sb.learned or sb.state != "attached":
+                    continue
+                gone = [r for r, ln in sb.learned.items() if ln.expires <= now]
+                if gone:
+                    old = sb.learned
+                    sb.learned = {r: ln for r, ln in old.items() if ln.expires > now}
+                    try:
+                        self._apply(sb, sb.terms)
+                        sb.dns["expired"] += len(gone)
+                    except Exception as err:       # kept: retried at the next sweep
+                        sb.learned = old
+                        log.error("sandbox %s: remove %d expired learned entries: %s", sb.id, len(gone), err)
+                        nxt = now + 1.0
+                for ln in sb.learned.values():
+                    nxt = ln.expires if nxt is None else min(nxt, ln.expires)
+        return nxt
+
+    def dns_totals(self) -> dict:
+        with self._lock:
+            out: collections.Counter = collections.Counter()
+            for sb in self._sbs.values():
+                out.update(sb.dns)
+                out["learned_live"] += len(sb.learned)
+            return dict(out)
+
     def show(self, sb_id: str) -> dict:
         """Terms, rules with their `allowed` counters, and what the default-deny refused."""
         with self._lock:
@@ -613,19 +732,29 @@ class Network:
             return out
         eng = self.engine
         sources: dict[R.Rule, list[str]] = {}
+        names: dict[R.NameRule, list[str]] = {}
         for t in self.essentials + sb.terms:
             for r in self.sets[t] if t in self.sets else (_parse_term(t),):
-                src = sources.setdefault(r, [])
+                src = (names if isinstance(r, R.NameRule) else sources).setdefault(r, [])
                 if t not in src:
                     src.append(t)
+        now = time.monotonic()
+        learned = []
+        for r, ln in sb.learned.items():
+            sources.setdefault(r, []).append(f"dns:{ln.qname}")
+            learned.append({"rule": str(r), "name": ln.qname, "by": str(ln.source),
+                            "expires_in": round(max(0.0, ln.expires - now), 1)})
         rules = [{"rule": str(r), "from": sources.get(r, []), **({"allowed": eng.hits(idx)} if counters else {})}
-                 for r, idx in sb.counters.items()]
+                 for r, idx in sb.counters.items() if r in sources]     # not the resolver's rule: see "dns"
         if sb.lease_view is None:             # fixed for the sandbox's life; ipaddress's str() is slow
             lease = self.ipam.get(sb.id)
             sb.lease_view = lease.to_dict() if lease else None
         out.update(interface=sb.ifname, lease=dict(sb.lease_view) if sb.lease_view else None,
                    terms=list(sb.terms), essentials=list(self.essentials), rules=rules,
-                   ports=[self._port_view(sb, p) for p in sb.ports.values()])
+                   ports=[self._port_view(sb, p) for p in sb.ports.values()],
+                   names=[{"rule": str(r), "from": src} for r, src in names.items()], learned=learned)
+        if self.dns_enabled:
+            out["dns"] = {"resolver": str(self.ipam.gateway4), **{k: sb.dns.get(k, 0) for k in DNS_COUNTERS}}
         if counters:
             out["default"] = {"action": "deny", **eng.stats(sb.slot)}
         return out
@@ -703,6 +832,13 @@ def _parse_term(term: str) -> R.Rule:
 def bpf_cache_dir(cfg: dict, state_dir: Path | str) -> Path:
     """Where the compiled BPF object is cached (net.bpf_cache_dir, "" = <state_dir>/cache/bpf)."""
     return Path(cfg.get("bpf_cache_dir") or Path(state_dir) / "cache" / "bpf")
+
+
+@dataclass(frozen=True)
+class Learned:
+    expires: float        # time.monotonic()
+    source: R.NameRule    # the name rule it was learned for
+    qname: str            # the name the sandbox asked for
 
 
 def pool_tag(state_dir: Path | str) -> str:

@@ -7,6 +7,13 @@ port (`[2001:db8::/32]:443/tcp`). A bare address is a /32 (or /128). Without a
 port a rule allows every protocol to the CIDR (ICMP included); with a port but
 no protocol it allows TCP and UDP on those ports.
 
+A name rule is `NAME[:port[-port]][/tcp|udp]` with a host name in place of the
+CIDR (`pypi.org:443/tcp`), or a wildcard `*.NAME` (every name strictly below
+NAME, not NAME itself). It allows nothing by itself: when the daemon's resolver
+(dsecd/net/dns.py) answers the sandbox's query for a name it matches, the
+answer's addresses join the sandbox's allowlist with the rule's ports, for the
+answer's TTL plus a grace period (Network.learn).
+
 A policy is an ordered list of *terms*: canonical rule texts and rule-set
 names ("pypi", "dns", defined in the daemon's config). Merge semantics:
   add      appends terms not present yet (present ones are a no-op)
@@ -35,6 +42,9 @@ MAX_RULE_TEXT = 128
 
 _NAME = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
 _PORTS = re.compile(r"^(\d{1,5})(?:-(\d{1,5}))?$")
+# A host name: dot-separated LDH labels, the last one starting with a letter (so
+# no IPv4 address is a name), at most 253 characters; `*.` in front = wildcard.
+_HOST = re.compile(r"^(\*\.)?(?:[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?\.)+[a-z](?:[a-z0-9-]{0,61}[a-z0-9])?$")
 
 
 @dataclass(frozen=True)
@@ -80,12 +90,42 @@ class Rule:
             self.port_lo <= other.port_lo and other.port_hi <= self.port_hi
 
 
+@dataclass(frozen=True)
+class NameRule:
+    """A host name (or `*.` wildcard) with ports: allows the addresses the resolver learns for it."""
+    name: str             # lowercase, no trailing dot; "*.example.org" for a wildcard
+    port_lo: int = 0
+    port_hi: int = 65535
+    protos: int = P_ANY
+
+    def __str__(self) -> str:
+        return self.text
+
+    @functools.cached_property
+    def text(self) -> str:
+        if self.protos == P_ANY:
+            return self.name
+        ports = str(self.port_lo) if self.port_lo == self.port_hi else f"{self.port_lo}-{self.port_hi}"
+        proto = {P_TCP: "/tcp", P_UDP: "/udp"}.get(self.protos, "")
+        return f"{self.name}:{ports}{proto}"
+
+    def matches(self, qname: str) -> bool:
+        """qname: lowercase, no trailing dot."""
+        if self.name.startswith("*."):
+            return qname.endswith(self.name[1:]) and len(qname) > len(self.name) - 1
+        return qname == self.name
+
+    def address_rule(self, family: int, addr: int) -> Rule:
+        """This rule's ports for one learned address."""
+        return Rule(family, addr, 32 if family == FAM_V4 else 128, self.port_lo, self.port_hi, self.protos)
+
+
 def _bad(text: str, why: str) -> BadRequest:
     return BadRequest(f"bad rule {text!r}: {why}", {"rule": text})
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def parse_rule(text: str) -> Rule:
+def parse_rule(text: str) -> Rule | NameRule:
     """One rule from its text; BadRequest with the reason otherwise (cached: policies
     are re-expanded from their terms on every update)."""
     if not isinstance(text, str) or not text.strip():
@@ -112,11 +152,18 @@ def parse_rule(text: str) -> Rule:
         host, ports = s.split(":")
     else:
         host = s          # IPv4 without port, or IPv6 without brackets (no port)
-    net = _parse_net(text, host)
+    name = host.lower().rstrip(".") if not host.startswith("[") else ""
+    is_name = bool(name) and any(c.isalpha() for c in name) and ":" not in name
+    if is_name and (len(name) > 253 or not _HOST.match(name)):
+        raise _bad(text, f"bad host name {host!r} (letters, digits, '-' and '_' in dot-separated labels, "
+                         "the last one starting with a letter; '*.' in front for every name below)")
+    net = None if is_name else _parse_net(text, host)
     lo, hi = (0, 65535) if ports is None else _parse_ports(text, ports)
     if ports is None and proto is not None:
         raise _bad(text, "a protocol needs a port or port range (e.g. 10.0.0.0/8:1-65535/tcp)")
     protos = P_ANY if ports is None else (PROTOS[proto] if proto else P_TCP | P_UDP)
+    if net is None:
+        return NameRule(name, lo, hi, protos)
     family = FAM_V4 if net.version == 4 else FAM_V6
     return Rule(family, int(net.network_address), net.prefixlen, lo, hi, protos)
 
@@ -149,7 +196,7 @@ def _parse_ports(text: str, ports: str) -> tuple[int, int]:
 # ------------------------------------------------------------------ rule sets
 
 
-def parse_rule_sets(table: dict) -> dict[str, tuple[Rule, ...]]:
+def parse_rule_sets(table: dict) -> dict[str, tuple[Rule | NameRule, ...]]:
     """The config's `[net.rule_sets]`: name -> list of rule texts (sets do not nest)."""
     out: dict[str, tuple[Rule, ...]] = {}
     for name, texts in table.items():
@@ -179,8 +226,8 @@ def canonical_term(text: str, sets: dict[str, tuple[Rule, ...]]) -> str:
     return str(parse_rule(t))
 
 
-def expand(terms: list[str] | tuple[str, ...], sets: dict[str, tuple[Rule, ...]]) -> list[Rule]:
-    """Distinct rules of canonical terms, in order of first appearance."""
+def expand(terms: list[str] | tuple[str, ...], sets: dict[str, tuple[Rule, ...]]) -> list[Rule | NameRule]:
+    """Distinct rules (address and name rules) of canonical terms, in order of first appearance."""
     out: dict[Rule, None] = {}
     for t in terms:
         for r in sets[t] if t in sets else (parse_rule(t),):

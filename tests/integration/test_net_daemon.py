@@ -20,10 +20,18 @@ def _toml_net(cfg: dict) -> str:
     lines = ["[net]", 'default_mode = "none"']
     for k in ("bridge", "mtu", "host_netns", "ipv4_subnet", "ipv4_pool", "ipv6_subnet"):
         lines.append(f"{k} = {json.dumps(cfg[k])}")
+    # The resolver's upstream: a test-owned address (nothing listens there unless a
+    # test starts dnsmasq on it), never the host's resolvers.
+    lines.append(f"dns_upstreams = {json.dumps(cfg.get('dns_upstreams', [dead_upstream(cfg)]))}")
     lines.append("[net.rule_sets]")
     for name, rules in cfg["rule_sets"].items():
         lines.append(f"{name} = {json.dumps(rules)}")
     return "\n".join(lines) + "\n"
+
+
+def dead_upstream(cfg: dict) -> str:
+    """An address in the World's servers netns with no resolver behind it."""
+    return cfg["ipv4_subnet"].rsplit(".", 2)[0] + ".2.54"
 
 
 @pytest.fixture

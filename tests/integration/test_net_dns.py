@@ -1,0 +1,163 @@
+"""The sandboxes' resolver and name rules, through the daemon.
+
+Upstream is Debian's dnsmasq, started by the test in the World's servers netns
+on an address of its own (dns_kit); the daemon reaches it only through its
+config (net.dns_upstreams). Every name and address is test-owned; nothing
+leaves the namespaces the test made.
+"""
+
+import time
+
+import pytest
+from dns_kit import Dnsmasq, addresses, dns_config, nslookup
+from test_net_daemon import _toml_net, connect
+from test_net_kit import bpf_skip_reason
+
+pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None or Dnsmasq.missing() is not None,
+                                reason=bpf_skip_reason() or Dnsmasq.missing() or "")
+
+
+@pytest.fixture(scope="module")
+def upstream(world):
+    d = Dnsmasq(world)
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def dnsd(world, upstream, daemon_factory, busybox_rootfs):
+    cfg = dict(world.cfg, ipv4_pool=f"10.{world.octet}.3.0/24", rule_sets={}, dns_upstreams=[upstream.address])
+    d = daemon_factory(_toml_net(cfg).replace("[net.rule_sets]", dns_config(upstream) + "[net.rule_sets]"))
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    yield d, c
+    c.close()
+
+
+def test_resolv_conf_and_refused_names(world, dnsd):
+    d, c = dnsd
+    sb = c.create(image="busybox", net="default", allow=["pypi"])
+    gw = f"10.{world.octet}.0.1"
+    assert sb.read_file("/etc/resolv.conf").decode().split() == ["nameserver", gw]
+    # A name outside the set: refused, without an address, and counted.
+    code, out = nslookup(sb, "other.test")
+    assert code != 0 and "REFUSED" in out, out
+    view = sb.net_show()
+    assert view["dns"]["refused"] >= 1 and view["learned"] == []
+    # Its address stays closed, also after the refused query.
+    assert connect(sb, world.ref, 443)[0] != 0
+    # The resolver's port is the only thing open on the gateway.
+    assert connect(sb, gw, 22)[0] != 0
+    sb.destroy()
+
+
+def test_nxdomain_mode(world, upstream, daemon_factory, busybox_rootfs):
+    cfg = dict(world.cfg, ipv4_pool=f"10.{world.octet}.4.0/24", rule_sets={}, dns_upstreams=[upstream.address])
+    extra = dns_config(upstream) + 'dns_refuse = "nxdomain"\n'
+    d = daemon_factory(_toml_net(cfg).replace("[net.rule_sets]", extra + "[net.rule_sets]"))
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", net="default", allow=["pypi"])
+    code, out = nslookup(sb, "other.test")
+    assert code != 0 and "NXDOMAIN" in out, out
+    c.close()
+
+
+def test_name_rule_allows_after_resolution_and_expires(world, dnsd):
+    d, c = dnsd
+    sb = c.create(image="busybox", net="default", allow=["pypi"])
+    # Not before the sandbox resolved the name: knowing the address is not enough.
+    assert connect(sb, world.pkg, 443)[0] != 0
+    code, out = nslookup(sb, "pypi.org")
+    assert code == 0 and world.pkg in out, out
+    t_answer = time.monotonic()
+    code, out = connect(sb, world.pkg, 443)
+    assert code == 0 and "srv443:ping" in out, out
+    assert connect(sb, world.pkg, 80)[0] != 0            # only the rule's port
+    # By name, through the C library's resolver (getaddrinfo) too.
+    code, out = connect(sb, "pypi.org", 443)
+    assert code == 0 and "srv443:ping" in out, out
+    view = sb.net_show()
+    learned = [x for x in view["learned"] if x["name"] == "pypi.org"]
+    assert [x["rule"] for x in learned] == [f"{world.pkg}:443/tcp"], view["learned"]
+    assert learned[0]["expires_in"] <= 2 + 1 + 0.5         # dnsmasq's TTL 2 + grace 1
+    assert view["dns"]["learned"] >= 1
+    # TTL 2 + grace 1 (sweep <= 1 s late): gone, and the connect is refused again.
+    deadline = t_answer + 10
+    while sb.net_show()["learned"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert sb.net_show()["learned"] == []
+    assert time.monotonic() - t_answer >= 2.5
+    assert connect(sb, world.pkg, 443)[0] != 0
+    assert sb.net_show()["dns"]["expired"] >= 1
+    sb.destroy()
+
+
+def test_wildcard_cname_chain(world, dnsd):
+    d, c = dnsd
+    sb = c.create(image="busybox", net="default", allow=["*.pythonhosted.org:443/tcp"])
+    # cdn.pythonhosted.org -> a.fastly.test -> b.fastly.test -> A ref: allowed (the queried name is).
+    code, out = nslookup(sb, "cdn.pythonhosted.org")
+    assert code == 0 and world.ref in out, out
+    assert connect(sb, world.ref, 443)[0] == 0
+    # The chain's target asked for directly is not allowed.
+    code, out = nslookup(sb, "b.fastly.test")
+    assert code != 0 and "REFUSED" in out, out
+    # A chain longer than the resolver follows gives no address.
+    code, out = nslookup(sb, "long.pythonhosted.org")
+    assert addresses(out) == [], out
+    assert all(x["name"] != "long.pythonhosted.org" for x in sb.net_show()["learned"])
+    # pythonhosted.org itself is not below *.pythonhosted.org.
+    assert "REFUSED" in nslookup(sb, "pythonhosted.org")[1]
+    sb.destroy()
+
+
+def test_hostile_answers_change_nothing(world, dnsd):
+    d, c = dnsd
+    sb = c.create(image="busybox", net="default", allow=["*.pythonhosted.org:443/tcp"])
+    gw = f"10.{world.octet}.0.1"
+    before = sb.net_show()
+    for name in ("loop.pythonhosted.org", "gw.pythonhosted.org", "nbr.pythonhosted.org", "ll.pythonhosted.org"):
+        code, out = nslookup(sb, name)
+        assert addresses(out) == [], out
+    view = sb.net_show()
+    assert view["learned"] == [] and [r["rule"] for r in view["rules"]] == [r["rule"] for r in before["rules"]]
+    assert view["dns"]["hostile_dropped"] == 4, view["dns"]
+    assert connect(sb, gw, 443)[0] != 0
+    # A huge answer: at most dns_max_addrs_per_answer (4) addresses kept and learned.
+    code, out = nslookup(sb, "big.pythonhosted.org")
+    view = sb.net_show()
+    assert len([x for x in view["learned"] if x["name"] == "big.pythonhosted.org"]) == 4
+    assert view["dns"]["capped"] == 6
+    # A huge TTL is clamped to dns_ttl_max_s (60) + grace (1).
+    nslookup(sb, "huge.pythonhosted.org")
+    ttl = [x["expires_in"] for x in sb.net_show()["learned"] if x["name"] == "huge.pythonhosted.org"]
+    assert ttl and max(ttl) <= 61
+    sb.destroy()
+
+
+def test_dns_over_tcp_and_sets_listed(world, dnsd):
+    d, c = dnsd
+    sb = c.create(image="busybox", net="default", allow=["pypi"])
+    # busybox has no TCP DNS client: the probe asks over TCP with a hand-made query.
+    q = ("\\x12\\x34\\x01\\x00\\x00\\x01\\x00\\x00\\x00\\x00\\x00\\x00"
+         "\\x04pypi\\x03org\\x00\\x00\\x01\\x00\\x01")
+    gw = f"10.{world.octet}.0.1"
+    r = sb.exec(["sh", "-c", f"printf '\\x00\\x1a{q}' | nc -w 2 {gw} 53 | od -An -tx1"], timeout=20)
+    octets = "".join(world.pkg.split("."))
+    hexes = r.stdout.decode().split()
+    assert hexes[:2] == ["00", "2a"] or len(hexes) > 20, r
+    assert [int(h, 16) for h in hexes[-4:]] == [int(o) for o in world.pkg.split(".")], (hexes, octets)
+    assert connect(sb, world.pkg, 443)[0] == 0
+    sets = {s["name"]: s["rules"] for s in c.net_sets()}
+    assert sets["pypi"] == ["pypi.org:443/tcp", "files.pythonhosted.org:443/tcp"]
+    assert {"github", "huggingface", "npm", "debian"} <= set(sets)
+    sb.destroy()
+
+
+def test_sdk_network_rules_dict(world, dnsd):
+    d, c = dnsd
+    sb = c.create(image="busybox", net="default", network_rules={"pypi": True, "*.fastly.test:443/tcp": True,
+                                                                  "files.pythonhosted.org:443/tcp": False})
+    assert sb.net_show()["terms"] == ["pypi", "*.fastly.test:443/tcp"]
+    sb.destroy()
