@@ -227,9 +227,15 @@ class Plumbing:
         try:
             found = ipr.link_lookup(ifname=self.spec.name)
             if not found:
-                ipr.link("add", ifname=self.spec.name, kind="bridge", mtu=self.spec.mtu)
+                ipr.link("add", ifname=self.spec.name, kind="bridge", mtu=self.spec.mtu, address=_random_mac())
                 found = ipr.link_lookup(ifname=self.spec.name)
             idx = found[0]
+            # A bridge whose MAC was never set takes the lowest of its ports' and
+            # changes it as veths come and go: every sandbox that cached the gateway's
+            # MAC would then send to a port instead of the gateway until its ARP entry
+            # expires. Setting it, even to the current value, pins it.
+            mac = ipr.get_links(idx)[0].get_attr("IFLA_ADDRESS")
+            ipr.link("set", index=idx, address=mac)
             have = {(a.get_attr("IFA_ADDRESS"), a["prefixlen"]) for a in ipr.get_addr(index=idx)}
             for gw in filter(None, (self.spec.gateway4, self.spec.gateway6)):
                 iface = ipaddress.ip_interface(gw)
@@ -328,3 +334,10 @@ class Plumbing:
         finally:
             ipr.close()
         return [n for n in names if n.startswith(prefix)]
+
+
+def _random_mac() -> str:
+    """A random unicast, locally administered MAC (the bridge's own, see _ensure_bridge)."""
+    b = bytearray(os.urandom(6))
+    b[0] = (b[0] & 0xFE) | 0x02
+    return ":".join(f"{x:02x}" for x in b)

@@ -6,6 +6,7 @@ never leaves namespaces this test made.
 """
 
 import json
+import subprocess
 
 import pytest
 from test_net_kit import bpf_skip_reason
@@ -108,6 +109,32 @@ def test_lease_freed_on_destroy_and_kept_across_restart(world, netd):
     s2.destroy()
     assert sb.id not in read_records(d.state / "net" / "records.log")     # lease and record gone
     c2.close()
+
+
+def _bridge_mac(world) -> str:
+    out = subprocess.run(["ip", "-n", world.br_ns, "-j", "link", "show", world.cfg["bridge"]],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out)[0]["address"]
+
+
+def test_bridge_mac_stays_when_a_port_with_a_lower_mac_comes_and_goes(world, netd):
+    """A Linux bridge with no MAC of its own takes its ports' lowest; a sandbox that
+    cached the gateway's MAC would then send into a port. The daemon pins it."""
+    d, c = netd
+    sb = c.create(image="busybox", net="default", allow=["pypi"])
+    assert connect(sb, world.pkg, 80)[0] == 0                  # caches the gateway's MAC
+    before = _bridge_mac(world)
+    ns = ["ip", "-n", world.br_ns]
+    subprocess.run([*ns, "link", "add", "dtlow0", "address", "02:00:00:00:00:01", "type", "veth",
+                    "peer", "name", "dtlow1"], check=True)
+    try:
+        subprocess.run([*ns, "link", "set", "dtlow0", "master", world.cfg["bridge"], "up"], check=True)
+        assert _bridge_mac(world) == before
+    finally:
+        subprocess.run([*ns, "link", "del", "dtlow0"], check=True)
+    assert _bridge_mac(world) == before
+    assert connect(sb, world.pkg, 80)[0] == 0
+    sb.destroy()
 
 
 def _listen(sb, port: int) -> None:
