@@ -6,8 +6,10 @@ eBPF programs are loaded at daemon start in a background thread (net.preload:
 from the cached compiled object, ~0.2 s; the first start compiles it in a
 helper process, seconds), never on the event loop. The Network itself (bridge,
 IPAM, netns pool) is built on first need - the first `--net default` create,
-or at start when a journaled sandbox has networking - and waits for that load
-only while it is not done. Where it cannot be built (no bcc and no cached
+or at start when a journaled sandbox has networking or net.uplink is set, or
+in the background after a start on a host that uses networking (the bridge is
+there, or --net default is the default mode) - and waits for that load only
+while it is not done. Where it cannot be built (no bcc and no cached
 object, no cgroup v2), `--net none` keeps working, `--net default` answers
 `unsupported`, and `dsec info` says why.
 
@@ -55,6 +57,7 @@ class NetworkService:
         self.resolver = None
         self.dns_error: str | None = None
         self._net_ready: asyncio.Future | None = None
+        self._warmup: asyncio.Task | None = None
 
     async def network(self):
         """The Network, built once (in a worker thread) on first use."""
@@ -281,11 +284,30 @@ class NetworkService:
         self.preload()
         if not self.net_cfg.get("uplink") and not any(
                 _networked(s) for s in self.registry.by_id.values()):
-            return        # records of dead ones are freed whenever the Network is first built
+            # Records of dead ones are freed whenever the Network is first built.
+            if self.layout.v2 is not None and self.net_cfg.get("preload", True):
+                self._warmup = self.workers.loop.create_task(self._build_if_in_use())
+            return
+        with contextlib.suppress(Unsupported):
+            await self.network()
+
+    async def _build_if_in_use(self) -> None:
+        """In the background after a start: build the Network (bridge, IPAM, netns pool,
+        resolver) if networking is used on this host - --net default is the default
+        mode, or dsecd's bridge is there from an earlier daemon - so the first
+        --net default create finds it ready instead of paying for it. A host that
+        never used networking gets no bridge until a create asks for one."""
+        from ..net.plumbing import bridge_exists
+
+        if self.net_cfg["default_mode"] != "default" and not await self.workers.run(
+                bridge_exists, self.net_cfg.get("host_netns", ""), self.net_cfg["bridge"]):
+            return
         with contextlib.suppress(Unsupported):
             await self.network()
 
     async def close_net(self) -> None:
+        if self._warmup is not None:
+            await self._warmup        # not cancelled: a Network half built in a worker would leak its pool
         if self.resolver is not None:
             await self.resolver.close()
         if self.net is not None:

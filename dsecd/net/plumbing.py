@@ -336,6 +336,23 @@ class Plumbing:
         return [n for n in names if n.startswith(prefix)]
 
 
+def bridge_exists(host_netns: str, name: str) -> bool:
+    """Whether `name` is a link in `host_netns` ("" = this process's netns): a daemon
+    start asks whether networking was in use on this host before (the bridge
+    outlives daemons, not reboots)."""
+    try:
+        ns = netns_path(host_netns) if host_netns else None
+        if ns is not None and not os.path.exists(ns):
+            return False
+        ipr = IPRoute(fileno=netlink_socket(ns).detach(), groups=0)
+    except OSError:
+        return False
+    try:
+        return bool(ipr.link_lookup(ifname=name))
+    finally:
+        ipr.close()
+
+
 def _random_mac() -> str:
     """A random unicast, locally administered MAC (the bridge's own, see _ensure_bridge)."""
     b = bytearray(os.urandom(6))

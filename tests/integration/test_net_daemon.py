@@ -193,3 +193,27 @@ def test_kill9_after_net_set_keeps_rule_and_restart_compiles_nothing(world, netd
         s2.destroy()
     finally:
         c2.close()
+
+
+def _net_available(c, timeout: float) -> object:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        avail = c.info()["net"]["available"]
+        if avail is not None or time.monotonic() > deadline:
+            return avail
+        time.sleep(0.05)
+
+
+def test_a_start_where_the_bridge_exists_builds_networking_in_the_background(world, daemon_factory):
+    """The World's bridge is there: the daemon builds its Network (and pool) without
+    waiting for a create; with net.preload off it waits for the first create."""
+    cfg = dict(world.cfg, ipv4_pool=f"10.{world.octet}.3.0/24")
+    c = daemon_factory(_toml_net(cfg)).client()
+    assert _net_available(c, 20) is True
+    assert c.info()["net"]["pool"]["size"] >= 0
+    c.close()
+    lazy = daemon_factory(_toml_net(cfg).replace("[net]\n", "[net]\npreload = false\n")).client()
+    assert _net_available(lazy, 1.0) is None
+    lazy.close()
