@@ -541,7 +541,7 @@ def run_first(rootfs: str, world: World) -> dict:
             cfg = daemon_config(world, 8).replace("[net]\n", f'[net]\nbpf_cache_dir = "{cache}"\n', 1)
             with harness.private_daemon(rootfs, IMAGE, extra_config=cfg) as d:
                 dt, net = uvloop.run(first_create(d.sock))
-                log(f"first --net default create, {arm} BPF cache: {dt:.1f} ms; bpf {net.get('bpf')}")
+                log(f"first --net default create, {arm} BPF cache: {dt:.1f} ms; bpf {net.get('bpf')}; pool {net.get('pool')}")
                 out[f"first_net_create_{arm}_ms"] = round(dt, 1)
                 out[f"first_net_create_{arm}_bpf"] = net.get("bpf")
     finally:
