@@ -489,12 +489,20 @@ class Network:
         """
         eng = self.engine
         rules, names = self._effective(terms, sb)
-        prefixes = self._compile(sb, rules)
-        fresh = [r for r in rules if r not in sb.counters]
+        prefixes, candidates, delta = self._compile(sb, rules)
+        whole = candidates is None
+        if whole:                       # recompiled whole: compare every prefix
+            fresh = [r for r in rules if r not in sb.counters]
+            counters = {r: sb.counters[r] for r in rules if r in sb.counters}
+            candidates = prefixes.keys() | sb.prefixes.keys()
+        else:                           # only `delta` changed: O(delta) bookkeeping, not O(policy)
+            fresh = [r for r in rules if r in delta] if delta else []
+            counters = dict(sb.counters)
+            for r in delta:
+                counters.pop(r, None)
         idxs = eng.counters.take(len(fresh))
-        counters = {r: sb.counters[r] for r in rules if r in sb.counters}
         counters.update(zip(fresh, idxs, strict=True))
-        changed = [k for k in prefixes.keys() | sb.prefixes.keys() if prefixes.get(k) != sb.prefixes.get(k)]
+        changed = [k for k in candidates if prefixes.get(k) != sb.prefixes.get(k)]
         try:
             eng.reset_counters(idxs)
             if sb.policy and len(changed) <= 1:
@@ -508,15 +516,19 @@ class Network:
         sb.terms, sb.prefixes, sb.counters, sb.names = terms, prefixes, counters, names
         if sb.learned and len(sb.learned) != sum(1 for r in sb.learned if r in counters):
             sb.learned = {r: ln for r, ln in sb.learned.items() if r in counters}   # name rule removed
-        eng.counters.give(i for r, i in old_counters.items() if r not in counters)
+        gone = old_counters.keys() - counters.keys() if whole else [r for r in delta if r in old_counters]
+        eng.counters.give([old_counters[r] for r in gone])
 
-    def _compile(self, sb: _Sandbox, rules: list[R.Rule]) -> dict:
-        """The new policy's trie entries; when few rules change, only the prefixes
-        they can affect are recomputed (a 1,000-rule policy stays cheap to edit)."""
-        delta = set(rules) ^ set(sb.counters)
+    def _compile(self, sb: _Sandbox, rules: list[R.Rule]) -> tuple[dict, set | None, set]:
+        """(the new policy's trie entries, the keys that may differ from the sandbox's
+        current ones - None: any -, the rules added or removed). When few rules
+        change, only the prefixes they can affect are recomputed (a 1,000-rule
+        policy stays cheap to edit)."""
+        delta = set(rules) ^ sb.counters.keys()
         if not sb.policy or len(delta) > 8:
-            return R.compile_prefixes(rules)
-        keys = sb.prefixes.keys() | {(r.family, r.addr, r.plen) for r in rules}
+            return R.compile_prefixes(rules), None, delta
+        # Every rule not in the delta is on a prefix the policy already has.
+        keys = sb.prefixes.keys() | {r.key for r in delta}
         affected = R.affected_prefixes(delta, keys)
         partial = R.compile_prefixes(rules, only=affected)
         prefixes = dict(sb.prefixes)
@@ -525,7 +537,7 @@ class Network:
                 prefixes[k] = partial[k]
             else:
                 prefixes.pop(k, None)
-        return prefixes
+        return prefixes, affected, delta
 
     def _apply_in_place(self, sb: _Sandbox, changed: list, prefixes: dict, counters: dict) -> None:
         for k in changed:

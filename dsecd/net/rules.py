@@ -69,6 +69,11 @@ class Rule:
         return self._hash
 
     @functools.cached_property
+    def key(self) -> tuple[int, int, int]:
+        """(family, addr, plen): its prefix, the LPM trie's key."""
+        return (self.family, self.addr, self.plen)
+
+    @functools.cached_property
     def _hash(self) -> int:
         return hash((self.family, self.addr, self.plen, self.port_lo, self.port_hi, self.protos))
 
@@ -284,8 +289,18 @@ def compile_prefixes(rules: list[Rule], only: set | None = None) -> dict[tuple[i
     match first.
     """
     by_prefix: dict[tuple[int, int, int], list[Rule]] = {}
-    for r in rules:
-        by_prefix.setdefault((r.family, r.addr, r.plen), []).append(r)
+    if only is None:
+        for r in rules:
+            by_prefix.setdefault(r.key, []).append(r)
+    else:
+        # Only the rules on a key of `only` or on a prefix covering one matter.
+        need = set()
+        for fam, addr, plen in only:
+            bits = 32 if fam == FAM_V4 else 128
+            need.update((fam, addr & (((1 << p) - 1) << (bits - p)), p) for p in range(plen + 1))
+        for r in rules:
+            if r.key in need:
+                by_prefix.setdefault(r.key, []).append(r)
     # Only prefix lengths the policy uses can cover anything: walk those, not all 32/128.
     plens: dict[int, list[int]] = {}
     for fam, _addr, plen in by_prefix:
@@ -317,11 +332,25 @@ def affected_prefixes(delta: set[Rule], keys) -> set[tuple[int, int, int]]:
     """Trie keys whose entries can change when the rules in `delta` come or go:
     their own prefixes and every prefix in `keys` they cover."""
     out = {(r.family, r.addr, r.plen) for r in delta}
-    for fam, addr, plen in keys:
+    # (family, plen) -> the delta's networks at that length, as shifted addresses:
+    # a key is covered when its address shifted the same way is one of them.
+    nets: dict[tuple[int, int], set[int]] = {}
+    for r in delta:
+        bits = 32 if r.family == FAM_V4 else 128
+        nets.setdefault((r.family, r.plen), set()).add(r.addr >> (bits - r.plen))
+    if not nets:
+        return out
+    shortest = {fam: min(p for f, p in nets if f == fam) for fam, _ in nets}
+    levels = sorted(nets.items(), key=lambda kv: kv[0][1])
+    for key in keys:
+        fam, addr, plen = key
+        if plen <= shortest.get(fam, 128):
+            continue
         bits = 32 if fam == FAM_V4 else 128
-        for r in delta:
-            if r.family == fam and r.plen < plen and (addr >> (bits - r.plen) if r.plen else 0) == \
-                    (r.addr >> (bits - r.plen) if r.plen else 0):
-                out.add((fam, addr, plen))
+        for (f, p), shifted in levels:
+            if p >= plen:
+                break
+            if f == fam and addr >> (bits - p) in shifted:
+                out.add(key)
                 break
     return out
