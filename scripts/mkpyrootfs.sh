@@ -1,19 +1,30 @@
 #!/bin/bash
 # Build a root filesystem with the host's python3 in DEST (default
-# /var/cache/dsecd/rootfs-python) and print DEST on stdout.
+# /var/cache/dsecd/rootfs-python, or rootfs-python-pip with --pip) and print
+# DEST on stdout.
+#
+#   mkpyrootfs.sh [--pip] [DEST]
 #
 # The test images are busybox-based and have no Python; the FnCall tests and
 # bench/burst.py need one for the zygote. This copies the busybox rootfs of
 # scripts/mkrootfs.sh, the host's python3 binary, the shared libraries ldd
-# names, and the stdlib (without its test suite, tkinter and idle). Cached
-# like mkrootfs.sh: a DEST made from the same python binary is left alone;
-# a new tree is built beside DEST and renamed into place.
+# names, and the stdlib (without its test suite, tkinter and idle). --pip
+# also copies Debian's pip (python3-pip: its dependencies are vendored under
+# pip/_vendor) to usr/lib/python3/dist-packages, which Debian's site.py puts
+# on sys.path; nothing else of dist-packages comes along. Cached like
+# mkrootfs.sh: a DEST made from the same python binary (and the same pip) is
+# left alone; a new tree is built beside DEST and renamed into place.
 set -euo pipefail
 
-DEST=${1:-/var/cache/dsecd/rootfs-python}
+die() { echo "mkpyrootfs: $*" >&2; exit 1; }
+PIP=
+if [[ ${1:-} == --pip ]]; then
+    PIP=/usr/lib/python3/dist-packages/pip
+    shift
+fi
+DEST=${1:-/var/cache/dsecd/rootfs-python${PIP:+-pip}}
 FORMAT=1
 MARKER=etc/dsecd-pyrootfs
-die() { echo "mkpyrootfs: $*" >&2; exit 1; }
 
 PY=$(readlink -f /usr/bin/python3) || die "no /usr/bin/python3 on the host"
 VER=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
@@ -22,6 +33,13 @@ STDLIB=/usr/lib/python$VER
 DEST=$(realpath -m -- "$DEST")
 [[ $DEST != / ]] || die "refusing to use / as DEST"
 want="format=$FORMAT python=$(sha256sum "$PY" | cut -d' ' -f1)"
+if [[ -n $PIP ]]; then
+    # The dist-info's RECORD lists every file of pip with its hash.
+    record=$(compgen -G "$(dirname -- "$PIP")/pip-*.dist-info/RECORD" | head -n1) \
+        || die "$PIP or its dist-info missing: apt-get install python3-pip"
+    [[ -f $PIP/__init__.py ]] || die "$PIP missing: apt-get install python3-pip"
+    want+=" pip=$(sha256sum "$record" | cut -d' ' -f1)"
+fi
 if [[ -f $DEST/$MARKER && $(<"$DEST/$MARKER") == "$want" ]]; then
     echo "$DEST"; exit 0
 fi
@@ -62,6 +80,11 @@ for so in "$R/usr/lib/python$VER"/lib-dynload/*.so; do
         cp -L "$lib" "$R$lib"
     done < <(ldd "$so" 2>/dev/null | grep -o '/[^ ]*' | sort -u)
 done
+if [[ -n $PIP ]]; then
+    # With Debian's byte-code (__pycache__): pip starts without compiling itself.
+    mkdir -p "$R$(dirname -- "$PIP")"
+    cp -a "$PIP" "$(dirname -- "$record")" "$R$(dirname -- "$PIP")/"
+fi
 echo "$want" >"$R/$MARKER"
 chmod 0755 "$R"
 

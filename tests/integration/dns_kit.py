@@ -1,8 +1,10 @@
-"""A test-owned upstream resolver: Debian's dnsmasq in the World's servers netns.
+"""A test-owned upstream resolver: Debian's dnsmasq in a netns of a World.
 
-It listens on an address of its own there (10.<octet>.2.53), serves only the
-test zone below (no upstream of its own, no /etc/hosts) and is stopped by its
-pid. The daemon reaches it through its config (net.dns_upstreams).
+By default it runs in the World's servers netns on an address of its own there
+(10.<octet>.2.53) and serves the test zone below; a test may instead name the
+netns, the address (added to that netns' eth0) and the records. It serves only
+its records (no upstream of its own, no /etc/hosts) and is stopped by its pid.
+The daemon reaches it through its config (net.dns_upstreams).
 """
 
 from __future__ import annotations
@@ -28,21 +30,39 @@ class Dnsmasq:
             return f"{DNSMASQ} missing (apt-get install dnsmasq-base; scripts/setup.sh does)"
         return None
 
-    def __init__(self, world, extra: list[str] | None = None):
-        o = world.octet
+    def __init__(self, world, extra: list[str] | None = None, *, netns: str | None = None,
+                 address: str | None = None, prefixlen: int = 16, records: dict[str, str] | None = None):
+        """netns, address/prefixlen: where it listens (default the servers netns,
+        10.<octet>.2.53/16); records: name -> "addr[,addr...][,ttl]" (dnsmasq's
+        --host-record), served instead of the default zone; its first name is the
+        readiness probe. Names under the records' top-level domains that no
+        record has are answered here (NXDOMAIN, NODATA), never forwarded."""
         self.world = world
-        self.address = f"10.{o}.2.53"
-        self.names = {
-            "pypi.org": world.pkg, "files.pythonhosted.org": world.pkg, "other.test": world.ref,
-            "b.fastly.test": world.ref, "loop.pythonhosted.org": "127.0.0.1",
-            "gw.pythonhosted.org": f"10.{o}.0.1", "nbr.pythonhosted.org": f"10.{o}.3.77",
-            "ll.pythonhosted.org": "169.254.1.1", "l10.chain.test": world.pkg,
-        }
-        args = [DNSMASQ, "--keep-in-foreground", "--conf-file=/dev/null", "--no-resolv", "--no-hosts",
+        self.netns = netns or world.srv_ns
+        self.address = address or f"10.{world.octet}.2.53"
+        base = [DNSMASQ, "--keep-in-foreground", "--conf-file=/dev/null", "--no-resolv", "--no-hosts",
                 "--bind-interfaces", f"--listen-address={self.address}", "--port=53", "--pid-file=",
-                "--user=root", "--group=root", "--log-facility=-", "--local-ttl=30", "--cache-size=0",
-                "--local=/org/", "--local=/test/"]      # answered here (NODATA, NXDOMAIN), never forwarded
-        args.append(f"--host-record=pypi.org,{world.pkg},2")
+                "--user=root", "--group=root", "--log-facility=-", "--local-ttl=30", "--cache-size=0"]
+        if records is not None:
+            self.names = dict(records)
+            args = base + [f"--local=/{t}/" for t in sorted({n.rsplit(".", 1)[-1] for n in self.names})]
+            args += [f"--host-record={n},{a}" for n, a in self.names.items()]
+        else:
+            args = base + self._default_zone()
+        self._start(args + (extra or []), prefixlen)
+
+    def _default_zone(self) -> list[str]:
+        """test_net_dns's zone: sets self.names, returns dnsmasq's arguments."""
+        o = self.world.octet
+        pkg, ref = self.world.pkg, self.world.ref
+        self.names = {
+            "pypi.org": pkg, "files.pythonhosted.org": pkg, "other.test": ref,
+            "b.fastly.test": ref, "loop.pythonhosted.org": "127.0.0.1",
+            "gw.pythonhosted.org": f"10.{o}.0.1", "nbr.pythonhosted.org": f"10.{o}.3.77",
+            "ll.pythonhosted.org": "169.254.1.1", "l10.chain.test": pkg,
+        }
+        args = ["--local=/org/", "--local=/test/"]      # answered here (NODATA, NXDOMAIN), never forwarded
+        args.append(f"--host-record=pypi.org,{pkg},2")
         args += [f"--host-record={n},{a}" for n, a in self.names.items() if n != "pypi.org"]
         args += [f"--host-record=big.pythonhosted.org,10.{o}.9.{i}" for i in range(1, 11)]
         args.append(f"--host-record=huge.pythonhosted.org,10.{o}.9.50,999999")
@@ -50,10 +70,14 @@ class Dnsmasq:
         # long.pythonhosted.org -> l1 -> ... -> l10 (A): longer than the resolver follows.
         args.append("--cname=long.pythonhosted.org,l1.chain.test")
         args += [f"--cname=l{i}.chain.test,l{i + 1}.chain.test" for i in range(1, 10)]
-        args += extra or []
-        subprocess.run(["ip", "-n", world.srv_ns, "addr", "add", f"{self.address}/16", "dev", "eth0"], check=True)
-        self.log = open(world.tmp / "dnsmasq.log", "wb")
-        self.proc = subprocess.Popen(["nsenter", f"--net=/run/netns/{world.srv_ns}", "--", *args],
+        return args
+
+    def _start(self, args: list[str], prefixlen: int) -> None:
+        subprocess.run(["ip", "-n", self.netns, "addr", "add", f"{self.address}/{prefixlen}", "dev", "eth0"],
+                       check=True)
+        self.log_path = self.world.tmp / f"dnsmasq-{self.address}.log"
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(["nsenter", f"--net=/run/netns/{self.netns}", "--", *args],
                                      stdout=self.log, stderr=subprocess.STDOUT)
         try:
             self._wait_ready()
@@ -71,9 +95,9 @@ class Dnsmasq:
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"dnsmasq exited {self.proc.returncode}: "
-                                   f"{(self.world.tmp / 'dnsmasq.log').read_text()[-2000:]}")
+                                   f"{self.log_path.read_text()[-2000:]}")
             with contextlib.suppress(Exception):
-                if self.query("pypi.org", timeout=0.2).rcode() == dns.rcode.NOERROR:
+                if self.query(next(iter(self.names)), timeout=0.2).rcode() == dns.rcode.NOERROR:
                     return
             if time.monotonic() > deadline:
                 raise RuntimeError("dnsmasq did not answer within 10 s")

@@ -14,7 +14,8 @@ route of the bridge netns through it), holding an HTTP server at
 198.18.<x>.2:80 that answers with the address it saw the client connect
 from. A daemon given `net.uplink = "up0"` NATs the sandboxes out of that veth.
 The internet netns has no route to the bridge subnet: only masqueraded
-traffic gets answers.
+traffic gets answers. add_inet_address() gives it more addresses in
+198.18.<x>.0/24 for the servers a test starts there.
 """
 
 from __future__ import annotations
@@ -354,6 +355,12 @@ class World:
             sock.settimeout(0.2)
             self.server_socks.append(sock)
             threading.Thread(target=target, args=(sock, self.stop_event), daemon=True).start()
+
+    def add_inet_address(self, address: str) -> None:
+        """One more address in self.inet_net on the internet netns' eth0 (add_internet first)."""
+        with IPRoute(fileno=netlink_socket(f"/run/netns/{self.inet_ns}").detach(), groups=0) as ipr:
+            idx = ipr.link_lookup(ifname="eth0")[0]
+            ipr.addr("add", index=idx, address=address, prefixlen=24)
 
     def in_bridge_netns(self, fn, *args):
         """fn(*args) on a thread in the bridge netns (the daemon's host side)."""
