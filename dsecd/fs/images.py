@@ -6,6 +6,7 @@
          "config": {"env": {...}, "cwd": "/", "user": 0, "entrypoint": []}}
     name  -> its ref file under <store>/refs/ (names.py): {"manifest": "sha256:..", "created": t,
              "parent": name | null, "source": {"ref", "digest", "platform"} (pulled images)}
+    layer of an OCI diff_id -> <store>/diffids/<hex>: {"digest", "size", "index"} (pull.py)
 
 Names live in the store too, so every host sharing the store sees an image
 built on any of them. A build writes its layer and manifest blobs first and
@@ -80,6 +81,8 @@ class ImageStore:
         self.store = BlobStore(store_root)
         self.refs = Path(store_root) / "refs"
         self.refs.mkdir(parents=True, exist_ok=True)
+        self.diffids = Path(store_root) / "diffids"
+        self.diffids.mkdir(parents=True, exist_ok=True)
         self.default_registry = default_registry
         self.scratch = Path(scratch)      # local disk, for unpacking tarballs
         self.scratch.mkdir(parents=True, exist_ok=True)
@@ -334,6 +337,49 @@ class ImageStore:
         self._publish(name, digest, parent, source, replace)
         return self.get(name)
 
+    def commit_pulled(self, name: str, layers: list[dict], config: dict, source: dict,
+                      hold: Callable[[str], None]) -> Image:
+        """Publish a pulled image under its reference, replacing what the name
+        pointed at before (the tag moved on the registry)."""
+        return self._commit(self.canonical(name), layers, config, None, hold, source, replace=True)
+
+    # ------------------------------------------------------------ layers by OCI diff_id
+
+    def layer_of_diff_id(self, diff_id: str, hold: Callable[[str], None]) -> dict | None:
+        """The stored layer an OCI layer with this diff_id (its uncompressed tar's
+        digest) was converted to, pinned with `hold`; None if there is none, or
+        its blobs were collected since. The layer is then neither downloaded
+        nor converted again: two images on one base share its blob, its mount
+        and its page cache."""
+        path = self.diffids / check_digest(diff_id).split(":", 1)[1]
+        try:
+            layer = json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        blobs = [d for d in (layer.get("digest"), layer.get("index")) if d]
+        for digest in blobs:
+            hold(digest)
+        if not blobs or not all(self.store.exists(d) for d in blobs):
+            return None
+        return layer
+
+    def record_diff_id(self, diff_id: str, layer: dict) -> None:
+        """Remember which stored layer an OCI diff_id became (by rename: a reader
+        sees the whole record or none)."""
+        tmp = self.store.temp_path(".diffid")
+        tmp.write_text(json.dumps(layer))
+        os.rename(tmp, self.diffids / check_digest(diff_id).split(":", 1)[1])
+
+    def _sweep_diffids(self) -> None:
+        """Forget diff_ids whose layer gc removed (called under the gc lock)."""
+        for entry in os.scandir(self.diffids):
+            try:
+                layer = json.loads(Path(entry.path).read_text())
+                if not self.store.exists(layer["digest"]):
+                    os.unlink(entry.path)
+            except (OSError, ValueError, KeyError):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
 
     def build_from_dir(self, src: str, name: str, parent: str | None = None,
                        config: dict | None = None, progress: Progress | None = None) -> Image:
@@ -418,6 +464,7 @@ class ImageStore:
                 freed += self.store.remove(digest)
                 self._manifests.pop(digest, None)
                 removed.append(digest)
+            self._sweep_diffids()
         self.store.sweep_tmp()
         return {"removed": removed, "freed_bytes": freed}
 
