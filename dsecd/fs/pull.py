@@ -77,6 +77,19 @@ ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "ppc64le": "ppc6
         "riscv64": "riscv64", "i686": "386"}
 
 
+CONVERT_NICE = 10
+
+
+def _below_the_download() -> None:
+    """A conversion thread (and the mkfs.erofs it runs) yields the CPU to
+    skopeo: nice is per thread on Linux. Converting layer i while layer i+1
+    downloads then costs the download little (measured on 2 cores: without
+    it the download ran ~1.8x slower than skopeo alone), and conversion
+    takes the cycles the download leaves."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), CONVERT_NICE)
+
+
 def host_os_arch() -> str:
     machine = host_platform.machine()
     return f"linux/{ARCH.get(machine, machine)}"
@@ -335,7 +348,8 @@ class Puller:
         layers = [_Layer(i, desc, diff) for i, (desc, diff) in enumerate(zip(r.layers, r.diff_ids, strict=True))]
         keep_work = True        # a failed download keeps what it fetched, for the next try
         with self.images.pinning() as hold, ThreadPoolExecutor(
-                max_workers=max(1, self.settings.convert_threads), thread_name_prefix="dsecd-pull-convert") as pool:
+                max_workers=max(1, self.settings.convert_threads), thread_name_prefix="dsecd-pull-convert",
+                initializer=_below_the_download) as pool:
             try:
                 self._plan(work, layers, hold, stats)
                 for layer in layers:
