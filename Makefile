@@ -47,6 +47,8 @@ bench-%: setup
 # image (debootstrap'ed Debian + a seeded synthetic tree, both cached under
 # /var/cache/dsecd/; the first run builds them, ~3-5 min), a throttled store,
 # cold runs with the page cache dropped once per run. ~5-10 min after that.
+# Then image pulls from a registry on loopback vs skopeo (bench/imagepull.py);
+# `.venv/bin/python bench/images.py --phases pull` runs those alone (~2 min).
 bench-images: setup
 	$(PY) bench/images.py
 

@@ -1,4 +1,4 @@
-"""`make bench-images`: lazy vs eager images, through a real daemon.
+"""`make bench-images`: lazy vs eager images, and image pulls, through a real daemon.
 
 The workload image (>= 2 GiB, two layers): a Debian bookworm rootfs
 (`debootstrap --variant=minbase`, cached in /var/cache/dsecd/; if debootstrap
@@ -38,7 +38,13 @@ Lazy runs are repeated for two chunk sizes (1 MiB, the default, and 64 KiB);
 the headline lazy figures are those of the chunk size that meets the
 fetched_over_read target (else the one closest), both are in `by_chunk`.
 
-Run as root: `.venv/bin/python bench/images.py [--quick]`.
+Image pulls (bench/imagepull.py has the details): pull_speed_ratio (our
+pull's download MiB/s over `skopeo copy`'s of the same image from a
+registry on loopback), pull_total_ratio, pull_convert_s, pull_to_first_exec_s,
+base_stored_once.
+
+Run as root: `.venv/bin/python bench/images.py [--quick] [--phases lazy,pull]`;
+`--phases pull` runs the pull figures alone (a minute or two).
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ import time
 from pathlib import Path
 
 import harness
+import imagepull
 import uvloop
 
 import dsecd
@@ -461,6 +468,16 @@ def summarize_lazy(runs: list[dict], eager_s: float) -> dict:
 
 
 def measure(tmp: Path, args) -> dict:
+    results = {}
+    if "pull" in args.phases:
+        results.update(imagepull.measure_pull(tmp / "pull", harness.build_rootfs(), args.pull_reps, args.seed,
+                                              args.pull_convert_threads))
+    if "lazy" in args.phases:
+        results.update(measure_lazy(tmp, args))
+    return results
+
+
+def measure_lazy(tmp: Path, args) -> dict:
     debian, base_note = (None, "busybox (--busybox)") if args.busybox else ensure_debian()
     if debian is None:
         log(f"NO DEBIAN ROOTFS: {base_note}; falling back to the busybox rootfs")
@@ -509,10 +526,15 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--synth-mib", type=int, default=SYNTH_MIB)
     p.add_argument("--busybox", action="store_true", help="busybox base instead of Debian")
+    p.add_argument("--phases", default="lazy,pull", type=lambda s: set(s.split(",")),
+                   help="comma-separated: lazy (lazy vs eager, snapshots), pull (image pull figures)")
+    p.add_argument("--pull-reps", type=int, default=3, help="rounds of the pull figures")
+    p.add_argument("--pull-convert-threads", type=int, default=1,
+                   help="images.pull_convert_threads (default: the config default)")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
     args = p.parse_args(argv)
     if args.quick:
-        args.eager_reps, args.lazy_reps, args.snapshot_reps = 1, 2, 1
+        args.eager_reps, args.lazy_reps, args.snapshot_reps, args.pull_reps = 1, 2, 1, 1
     return args
 
 

@@ -31,10 +31,12 @@ import threading
 import time
 import tty
 
+from . import pullview
 from .client import Client, default_socket
 from .errors import DsecError
 from .fds import read_ready
 from .localcopy import LocalCopyError
+from .pullview import PullView
 from .tarsafe import Refused, TooLarge
 
 EXIT_DSEC_ERROR = 125
@@ -214,6 +216,14 @@ async def cmd_image(c: Client, a) -> int:
         bar.done()
         _print_json(img) if a.json else _print_image(img, "built")
         return 0
+    if a.image_cmd == "pull":
+        with PullView(pullview.wanted(a.json)) as view:
+            img = await c.pull_image(a.ref, view, a.platform)
+        if a.json:
+            _print_json(img)
+        else:
+            _print_image(img, "up to date" if img["pull"].get("up_to_date") else "pulled")
+        return 0
     if a.image_cmd == "ls":
         images = await c.list_images()
         if a.json:
@@ -246,7 +256,7 @@ async def cmd_image(c: Client, a) -> int:
         _table([[i["name"], str(i["layers"]), _human_bytes(i["bytes"])] for i in r["images"]],
                ["IMAGE", "LAYERS", "SIZE"])
         return 0
-    raise UsageError("dsec image: give a subcommand: build, import, ls, inspect, rm, gc, du")
+    raise UsageError("dsec image: give a subcommand: build, import, pull, ls, inspect, rm, gc, du")
 
 
 def _pause_summary(r: dict) -> str:
@@ -1033,6 +1043,11 @@ def build_parser() -> argparse.ArgumentParser:
         imp.add_argument("--cwd", help="image config: working directory")
         imp.add_argument("--user", type=int, help="image config: uid")
         imp.add_argument("--entrypoint", nargs="+", help="image config: command")
+    pull = img.add_parser("pull", help="pull an image from a registry (python:3.11, "
+                          "registry/namespace/name:tag, name@sha256:...)")
+    pull.add_argument("ref")
+    pull.add_argument("--platform", help="os/arch[/variant] to take from a multi-platform image "
+                      "(default: this host's)")
     img.add_parser("ls", help="list images")
     img.add_parser("gc", help="remove blobs no image and no live sandbox uses")
     img.add_parser("du", help="disk use of the blob store")

@@ -383,6 +383,21 @@ class Client:
                     progress(frame["progress"])
         raise ConnectionError("image_build: no final frame")
 
+    async def pull_image(self, ref: str, progress: Callable[[dict], None] | None = None,
+                         platform: str | None = None) -> dict:
+        """Pull `ref` (python:3.11, registry/namespace/name@sha256:...) from its
+        registry into the daemon's store; `progress` gets each progress event
+        (docs/protocol.md, image_pull): per-layer bytes and states. Returns the
+        image, with `pull` (bytes downloaded, layers reused, timings)."""
+        args = {"ref": ref, **({"platform": platform} if platform else {})}
+        async with contextlib.aclosing(self.frames("image_pull", **args)) as frames:
+            async for frame in frames:
+                if "__result__" in frame:
+                    return frame["__result__"]
+                if progress and "progress" in frame:
+                    progress(frame["progress"])
+        raise ConnectionError("image_pull: no final frame")
+
     async def import_image(self, path: str, name: str, progress: Callable[[dict], None] | None = None) -> dict:
         """A root directory as a one-layer image (same as build_image without a parent)."""
         return await self.build_image(path, name, progress=progress)

@@ -71,6 +71,7 @@ SERVICE_ROUTES = {
     "image_build": ("image_service", "build"), "image_list": ("image_service", "list"),
     "image_inspect": ("image_service", "inspect"), "image_rm": ("image_service", "rm"),
     "image_gc": ("image_service", "gc"), "image_du": ("image_service", "du"),
+    "image_pull": ("image_service", "pull"),
     "snapshot": ("image_service", "snapshot"),
     "net_show": ("net_service", "show"), "net_set": ("net_service", "set"),
     "net_publish": ("net_service", "publish"), "net_unpublish": ("net_service", "unpublish"),

@@ -233,6 +233,12 @@ class ImageBuild:
     entrypoint: list[str] | None = None
 
 
+@request("image_pull", stream=True)
+class ImagePull:
+    ref: str                     # a registry reference: python:3.11, ghcr.io/org/app@sha256:...
+    platform: str | None = None  # os/arch[/variant] to take from a multi-platform index; None = the host's
+
+
 @request("image_gc")
 class ImageGc:
     pass

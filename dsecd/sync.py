@@ -339,6 +339,9 @@ class SyncClient:
     def build_image(self, source: str, name: str, parent: str | None = None, progress=None, **config) -> dict:
         return self._run(self._client.build_image(source, name, parent, progress, **config))
 
+    def pull_image(self, ref: str, progress=None, platform: str | None = None) -> dict:
+        return self._run(self._client.pull_image(ref, progress, platform))
+
     def job_pause(self, job: str) -> dict:
         return self._run(self._client.job_pause(job))
 

@@ -8,7 +8,11 @@
 #      bindings (egress NAT, published ports), the runtimes we benchmark
 #      against (bubblewrap, crun), busybox-static (test rootfs), erofs-utils,
 #      dnspython (the sandboxes' resolver) and dnsmasq-base (the tests' upstream
-#      resolver; -base: the binary without a system service).
+#      resolver; -base: the binary without a system service), skopeo (the
+#      registry client behind `dsec image pull`), python3-zstandard (zstd
+#      layers), python3-rich (progress bars), docker-registry and apache2-utils
+#      (the pull tests' registry on loopback and its htpasswd; the package's
+#      service is not used: the tests start their own registry).
 #   2. Kernel headers where bcc looks for them: /lib/modules/$(uname -r)/build
 #      and .../source. A kernel Debian has no headers package for gets the
 #      newest Debian headers, said on stderr.
@@ -39,6 +43,8 @@ PACKAGES=(
     busybox-static bubblewrap crun             # test rootfs; peers in bench/peers.py
     erofs-utils iproute2 util-linux debootstrap
     python3-dnspython dnsmasq-base             # the sandboxes' resolver; the tests' upstream
+    skopeo python3-zstandard python3-rich      # image pull: the registry client, zstd layers, progress bars
+    docker-registry apache2-utils              # the pull tests' local registry and its htpasswd file
 )
 
 export DEBIAN_FRONTEND=noninteractive PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1

@@ -136,7 +136,7 @@ class CallService:
                        {"inflight": stats["inflight"], "max": cap, "retry_after_s": 0.05})
         stats["inflight"] += 1
         try:
-            box = await self._call_box(req.image)
+            box = await self._call_box(self.image_service.images.key(req.image))
             zyg = await self._zygote(box)
             if zyg is None and code is not None:
                 raise Unsupported(f"image {req.image!r} has no Python zygote ({box.zygote_error}); "

@@ -95,6 +95,8 @@ class Pool:
 
 
 def pool_name(image: str, cpu: float, memory: int) -> str:
+    """`image` in its canonical form (ImageStore.key): `python:3.11` and
+    `docker.io/library/python:3.11` are one pool."""
     return f"{image}@{cpu:g}cpu-{memory >> 20}M"
 
 
@@ -224,7 +226,8 @@ class CreateService:
                 or (req.qos or self.cpu.cfg["default_qos"]) != self.cpu.cfg["default_qos"]
                 or (req.net or self.net.net_cfg["default_mode"]) != self.net.net_cfg["default_mode"]):
             return None
-        return self.pools.get(pool_name(req.image, limits.cpu, limits.memory_bytes))
+        return self.pools.get(pool_name(self.image_service.images.key(req.image), limits.cpu,
+                                        limits.memory_bytes))
 
     async def _take_from_pool(self, req, limits) -> dict | None:
         pool = self._pool_match(req, limits)
@@ -281,7 +284,7 @@ class CreateService:
             await self.workers.run(self.image_service.images.get, req.image)
         except Exception as err:
             raise NotFound(f"no image {req.image!r}", {"image": req.image}) from err
-        name = pool_name(req.image, cpu, memory)
+        name = pool_name(self.image_service.images.key(req.image), cpu, memory)
         pool = self.pools.get(name)
         if pool is None:
             pool = self.pools[name] = Pool(name=name, image=req.image, cpu=cpu, memory=memory,

@@ -1,5 +1,5 @@
-"""Images: the image requests (build, list, inspect, rm, gc, du, snapshot)
-and the layer mounts and pager behind every sandbox's image.
+"""Images: the image requests (build, pull, list, inspect, rm, gc, du,
+snapshot) and the layer mounts and pager behind every sandbox's image.
 
 The blob store and layer mounts belong to dsecd/fs/; this service turns
 requests into calls on them, in worker threads, streams their progress to
@@ -23,6 +23,8 @@ from ..fs import upper as upperfs
 from ..fs.images import ImageError, ImageStore
 from ..fs.layers import LayerMounts
 from ..fs.pager import Pager, PagerConfig
+from ..fs.pull import Puller, PullSettings
+from ..fs.skopeo import RegistryConfig, Skopeo
 from ..fs.store import INDEX_BLOCK, StoreError, check_index
 from ..mem import pause
 from .sandboxes import SandboxRegistry
@@ -62,7 +64,13 @@ class ImageService:
         self.state_dir = cfg.state_dir
         section = cfg.section("images")
         store = Path(section["store"]) if section["store"] else cfg.state_dir / "store"
-        self.images = ImageStore(store, cfg.state_dir / "scratch")
+        self.images = ImageStore(store, cfg.state_dir / "scratch", section["default_registry"])
+        self.puller = Puller(self.images, Skopeo(RegistryConfig.from_section(section)), PullSettings(
+            convert_threads=int(section["pull_convert_threads"]),
+            claim_stale_s=float(section["pull_claim_stale_s"]), timeout_s=float(section["pull_timeout_s"])))
+        if int(section["max_pulls"]) < 1:
+            raise ValueError(f"images.max_pulls must be at least 1, not {section['max_pulls']}")
+        self._pull_slots = asyncio.Semaphore(int(section["max_pulls"]))
         self.image_mode = self._pick_mode(section["mode"])
         self.pager = self._make_pager(cfg) if self.image_mode == "lazy" else None
         self.eager_dir = cfg.state_dir / "eager"
@@ -262,6 +270,20 @@ class ImageService:
                                         config, self._progress(ctx))
         return image.to_dict()
 
+    async def pull(self, req, ctx) -> dict:
+        """A registry image into the store (fs/pull.py), at most images.max_pulls
+        at once. A cancelled request stops the download (what was fetched is
+        kept for the next pull) and, like a failed one, publishes nothing."""
+        cancelled = threading.Event()
+        async with self._pull_slots:
+            try:
+                image, stats = await self._images_call(self.puller.pull, req.ref, req.platform,
+                                                       self._progress(ctx), cancelled)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+        return {**image.to_dict(), "pull": stats}
+
     async def list(self, req, ctx) -> dict:
         images = await self._images_call(self.images.list)
         return {"images": [i.to_dict() for i in images]}
@@ -293,7 +315,9 @@ class ImageService:
     async def gc(self, req, ctx) -> dict:
         layers, manifests = self._in_use()
         await self.workers.run(self.layers.sweep, True)
-        return await self._images_call(self.images.gc, layers, manifests)
+        out = await self._images_call(self.images.gc, layers, manifests)
+        out["freed_bytes"] += await self.workers.run(self.puller.sweep)
+        return out
 
     async def du(self, req, ctx) -> dict:
         out = await self._images_call(self.images.du)

@@ -4,7 +4,9 @@
         {"schema": 1, "layers": [{"digest": "sha256:..", "size": n, "index": "sha256:.."}, ...],
          (bottom first; "index": the layer's chunk index blob, store.py; absent in old images)
          "config": {"env": {...}, "cwd": "/", "user": 0, "entrypoint": []}}
-    name  -> <store>/refs/<name>: {"manifest": "sha256:..", "created": t}
+    name  -> its ref file under <store>/refs/ (names.py): {"manifest": "sha256:..", "created": t,
+             "parent": name | null, "source": {"ref", "digest", "platform"} (pulled images)}
+    layer of an OCI diff_id -> <store>/diffids/<hex>: {"digest", "size", "index"} (pull.py)
 
 Names live in the store too, so every host sharing the store sees an image
 built on any of them. A build writes its layer and manifest blobs first and
@@ -19,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import stat
 import tempfile
@@ -28,12 +29,11 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
-from . import erofs, oci
+from . import erofs, names, oci
 from .store import BlobStore, StoreError, check_digest
 
-NAME_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,127}$")
 Progress = Callable[[dict], None]
 
 
@@ -54,6 +54,7 @@ class Image:
     created: float
     size: int = 0
     parent: str | None = None
+    source: dict | None = None       # a pulled image's origin: ref, registry manifest digest, platform
     extra: dict = field(default_factory=dict)
 
     @property
@@ -63,7 +64,7 @@ class Image:
     def to_dict(self) -> dict:
         return {"name": self.name, "manifest": self.manifest, "layers": self.layers,
                 "config": self.config, "created": self.created, "bytes": self.size,
-                "parent": self.parent, "kind": "erofs", **self.extra}
+                "parent": self.parent, "source": self.source, "kind": "erofs", **self.extra}
 
 
 def _canonical(obj: dict) -> bytes:
@@ -74,10 +75,15 @@ DEFAULT_CONFIG = {"env": {}, "cwd": "/", "user": 0, "entrypoint": []}
 
 
 class ImageStore:
-    def __init__(self, store_root: Path, scratch: Path):
+    """`default_registry`: where a reference without a registry lives (names.py)."""
+
+    def __init__(self, store_root: Path, scratch: Path, default_registry: str = "docker.io"):
         self.store = BlobStore(store_root)
         self.refs = Path(store_root) / "refs"
         self.refs.mkdir(parents=True, exist_ok=True)
+        self.diffids = Path(store_root) / "diffids"
+        self.diffids.mkdir(parents=True, exist_ok=True)
+        self.default_registry = default_registry
         self.scratch = Path(scratch)      # local disk, for unpacking tarballs
         self.scratch.mkdir(parents=True, exist_ok=True)
         # digest -> parsed manifest. Content-addressed, so never stale: every
@@ -100,28 +106,65 @@ class ImageStore:
 
     # ------------------------------------------------------------ names
 
-    @staticmethod
-    def check_name(name: str) -> None:
-        if not NAME_RE.match(name):
-            raise ImageError("bad_request", f"bad image name {name!r}: use 1-128 of [A-Za-z0-9._-], "
-                             "starting with a letter or digit")
+    def parse_name(self, name: str) -> names.ImageName:
+        try:
+            return names.parse(name, self.default_registry)
+        except names.BadName as err:
+            raise ImageError("bad_request", str(err)) from None
+
+    def check_name(self, name: str) -> None:
+        self.parse_name(name)
+
+    def canonical(self, name: str) -> str:
+        """The one spelling of a name (`python:3.11` -> `docker.io/library/python:3.11`):
+        what keys pools and call sandboxes, and what images are listed under."""
+        return str(self.parse_name(name))
+
+    def key(self, name: str) -> str:
+        """canonical(name) for keying pools and call sandboxes, or `name` itself
+        when it is no valid name (looking it up then says why)."""
+        try:
+            return self.canonical(name)
+        except ImageError:
+            return name
 
     def _ref(self, name: str) -> Path:
-        self.check_name(name)
-        return self.refs / name
+        return self.parse_name(name).ref_path(self.refs)
 
     def get(self, name: str) -> Image:
+        """The image a name stands for. A bare local name that no image has
+        falls back to the reference it would be on the default registry
+        (`python` -> docker.io/library/python:latest), the way `docker run
+        python` finds what `docker pull python` stored."""
+        parsed = self.parse_name(name)
         try:
-            ref = self._read_ref(name)
+            ref = self._read_ref(str(parsed))
         except FileNotFoundError:
-            raise ImageError("not_found", f"no image named {name!r} (see `dsec image ls`)") from None
+            fallback = self._pulled_fallback(parsed)
+            if fallback is None:
+                raise ImageError("not_found", f"no image named {name!r} (see `dsec image ls`; "
+                                 f"`dsec image pull {name}` fetches one from a registry)") from None
+            parsed, ref = fallback
         manifest = self._manifest(ref["manifest"])
         size = sum(layer["size"] for layer in manifest["layers"])
-        return Image(name=name, manifest=ref["manifest"], layers=manifest["layers"],
+        return Image(name=str(parsed), manifest=ref["manifest"], layers=manifest["layers"],
                      config=manifest["config"], created=ref["created"], size=size,
-                     parent=ref.get("parent"))
+                     parent=ref.get("parent"), source=ref.get("source"))
+
+    def _pulled_fallback(self, parsed: names.ImageName) -> tuple[names.ImageName, dict] | None:
+        if not parsed.local:
+            return None
+        try:
+            pulled = names.parse(f"{parsed.repository}:latest", self.default_registry)
+        except names.BadName:          # a local name with capitals: never a reference
+            return None
+        try:
+            return pulled, self._read_ref(str(pulled))
+        except FileNotFoundError:
+            return None
 
     def _read_ref(self, name: str) -> dict:
+        """The ref of a canonical name (FileNotFoundError: none)."""
         path = self._ref(name)
         try:
             st = os.stat(path)
@@ -166,21 +209,48 @@ class ImageStore:
         """Every blob a manifest needs: its layers and their chunk indexes."""
         return {d for layer in manifest["layers"] for d in (layer["digest"], layer.get("index")) if d}
 
+    def names(self) -> list[str]:
+        """Every name in the store, sorted: local names, then references."""
+        out = [e.name for e in os.scandir(self.refs) if e.is_file(follow_symlinks=False)
+               and names.from_ref_path(PurePosixPath(e.name))]
+        repos = self.refs / names.REPOS_DIR
+        found = []
+        for dirpath, _, files in os.walk(repos):
+            rel = PurePosixPath(os.path.relpath(dirpath, self.refs))
+            found.extend(n for f in files if (n := names.from_ref_path(rel / f)))
+        return sorted(out) + sorted(found)
+
     def list(self) -> list[Image]:
         out = []
-        for entry in sorted(os.scandir(self.refs), key=lambda e: e.name):
-            if NAME_RE.match(entry.name):
-                try:
-                    out.append(self.get(entry.name))
-                except ImageError:
-                    continue     # a name whose manifest is gone: shown by `gc`, not here
+        for name in self.names():
+            try:
+                out.append(self.get(name))
+            except ImageError:
+                continue     # a name whose manifest is gone: shown by `gc`, not here
         return out
 
-    def _publish(self, name: str, manifest_digest: str, parent: str | None) -> None:
+    def _publish(self, name: str, manifest_digest: str, parent: str | None,
+                 source: dict | None = None, replace: bool = False) -> None:
+        """Point `name` at a manifest: a new name only (conflict if it exists),
+        or, with `replace` (a pull moving a tag), whatever it pointed at before."""
+        path = self._ref(name)
         tmp = self.store.temp_path(".ref")
-        tmp.write_text(json.dumps({"manifest": manifest_digest, "created": time.time(), "parent": parent}))
+        ref = {"manifest": manifest_digest, "created": time.time(), "parent": parent}
+        if source is not None:
+            ref["source"] = source
+        tmp.write_text(json.dumps(ref))
         try:
-            os.link(tmp, self._ref(name))      # fails if the name exists: no silent overwrite
+            # A concurrent rm may prune the reference's empty directories between
+            # the makedirs and the link: make them again.
+            for attempt in range(5):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    # link fails if the name exists: no silent overwrite; rename replaces.
+                    os.rename(tmp, path) if replace else os.link(tmp, path)
+                    break
+                except FileNotFoundError:
+                    if attempt == 4:
+                        raise
         except FileExistsError:
             raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)") from None
         finally:
@@ -188,18 +258,30 @@ class ImageStore:
 
     def remove(self, name: str) -> Image:
         image = self.get(name)
+        path = self._ref(image.name)
         try:
-            self._ref(name).unlink()
+            path.unlink()
         except FileNotFoundError:     # a concurrent rm of the same name won
             raise ImageError("not_found", f"no image named {name!r} (removed meanwhile)") from None
         finally:
-            self._refs.pop(name, None)
+            self._refs.pop(image.name, None)
+        self._prune(path.parent)
         return image
+
+    def _prune(self, directory: Path) -> None:
+        """Remove a reference's directories once empty, up to refs/_repos."""
+        top = self.refs / names.REPOS_DIR
+        while directory != top and top in directory.parents:
+            try:
+                directory.rmdir()
+            except OSError:            # not empty (another tag), or gone
+                return
+            directory = directory.parent
 
     # ------------------------------------------------------------ building
 
     @contextlib.contextmanager
-    def _pinning(self) -> Iterator[Callable[[str], None]]:
+    def pinning(self) -> Iterator[Callable[[str], None]]:
         """A build's pins: `hold(digest)` keeps a blob from gc until the build
         ends (by then its name is published, or it failed)."""
         held: list[str] = []
@@ -249,22 +331,67 @@ class ImageStore:
         return {"digest": digest, "size": size, "index": index}
 
     def _commit(self, name: str, layers: list[dict], config: dict, parent: str | None,
-                hold: Callable[[str], None]) -> Image:
+                hold: Callable[[str], None], source: dict | None = None, replace: bool = False) -> Image:
         manifest = {"schema": 1, "layers": layers, "config": {**DEFAULT_CONFIG, **config}}
         digest = self.store.put_bytes(_canonical(manifest), hold)
-        self._publish(name, digest, parent)
+        self._publish(name, digest, parent, source, replace)
         return self.get(name)
+
+    def commit_pulled(self, name: str, layers: list[dict], config: dict, source: dict,
+                      hold: Callable[[str], None]) -> Image:
+        """Publish a pulled image under its reference, replacing what the name
+        pointed at before (the tag moved on the registry)."""
+        return self._commit(self.canonical(name), layers, config, None, hold, source, replace=True)
+
+    # ------------------------------------------------------------ layers by OCI diff_id
+
+    def layer_of_diff_id(self, diff_id: str, hold: Callable[[str], None]) -> dict | None:
+        """The stored layer an OCI layer with this diff_id (its uncompressed tar's
+        digest) was converted to, pinned with `hold`; None if there is none, or
+        its blobs were collected since. The layer is then neither downloaded
+        nor converted again: two images on one base share its blob, its mount
+        and its page cache."""
+        path = self.diffids / check_digest(diff_id).split(":", 1)[1]
+        try:
+            layer = json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        blobs = [d for d in (layer.get("digest"), layer.get("index")) if d]
+        for digest in blobs:
+            hold(digest)
+        if not blobs or not all(self.store.exists(d) for d in blobs):
+            return None
+        return layer
+
+    def record_diff_id(self, diff_id: str, layer: dict) -> None:
+        """Remember which stored layer an OCI diff_id became (by rename: a reader
+        sees the whole record or none)."""
+        tmp = self.store.temp_path(".diffid")
+        tmp.write_text(json.dumps(layer))
+        os.rename(tmp, self.diffids / check_digest(diff_id).split(":", 1)[1])
+
+    def _sweep_diffids(self) -> None:
+        """Forget diff_ids whose layer gc removed (called under the gc lock)."""
+        for entry in os.scandir(self.diffids):
+            try:
+                layer = json.loads(Path(entry.path).read_text())
+                if not self.store.exists(layer["digest"]):
+                    os.unlink(entry.path)
+            except (OSError, ValueError, KeyError):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
 
     def build_from_dir(self, src: str, name: str, parent: str | None = None,
                        config: dict | None = None, progress: Progress | None = None) -> Image:
-        self.check_name(name)
+        name = self.canonical(name)
         if self._ref(name).exists():
             raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)")
         path = Path(src)
         if not path.is_absolute():
             raise ImageError("bad_request", f"build source must be an absolute path, got {src!r}")
         base = self.get(parent) if parent else None
-        with self._pinning() as hold:
+        parent = base.name if base else None
+        with self.pinning() as hold:
             if base:
                 self._hold_existing(hold, base.layers)
             if path.is_dir():
@@ -295,12 +422,12 @@ class ImageStore:
                  progress: Progress | None = None, max_bytes: int = 0) -> Image:
         """pack_diff: the sandbox's upper dir as a new top layer over `base`.
         `max_bytes` (0 = none) bounds the files' apparent size, checked first."""
-        self.check_name(name)
+        name = self.canonical(name)
         if self._ref(name).exists():
             raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)")
         if max_bytes:
             check_apparent_size(upper, exclude, max_bytes)
-        with self._pinning() as hold:
+        with self.pinning() as hold:
             self._hold_existing(hold, base.layers)
             layer = self.build_layer(upper, exclude=exclude, progress=progress, hold=hold)
             return self._commit(name, base.layers + [layer], base.config, base.name, hold)
@@ -310,11 +437,9 @@ class ImageStore:
     def referenced(self) -> tuple[set[str], set[str]]:
         """(manifest digests, layer and chunk index digests) reachable from names."""
         manifests, layers = set(), set()
-        for entry in os.scandir(self.refs):
-            if not NAME_RE.match(entry.name):
-                continue
+        for name in self.names():
             try:
-                digest = self._read_ref(entry.name)["manifest"]
+                digest = self._read_ref(name)["manifest"]
                 manifests.add(digest)
                 layers.update(self._blobs_of(self._manifest(digest)))
             except (OSError, ValueError, KeyError, ImageError):
@@ -339,6 +464,7 @@ class ImageStore:
                 freed += self.store.remove(digest)
                 self._manifests.pop(digest, None)
                 removed.append(digest)
+            self._sweep_diffids()
         self.store.sweep_tmp()
         return {"removed": removed, "freed_bytes": freed}
 

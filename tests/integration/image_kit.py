@@ -1,9 +1,14 @@
-"""Image tarballs for the tests: docker-save archives built from tar members."""
+"""Images for the tests: docker-save archives built from tar members, and
+OCI image layouts (gzip, zstd and plain layers, multi-platform indexes)
+pushed to a registry with skopeo."""
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import io
 import json
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -51,3 +56,77 @@ def rootfs_layer(rootfs: str) -> bytes:
     with tarfile.open(fileobj=buf, mode="w") as tf:
         tf.add(rootfs, arcname=".")
     return buf.getvalue()
+
+
+# ---------------------------------------------------------------- OCI layouts and registries
+
+GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
+ZSTD = "application/vnd.oci.image.layer.v1.tar+zstd"
+TAR = "application/vnd.oci.image.layer.v1.tar"
+MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+INDEX = "application/vnd.oci.image.index.v1+json"
+CONFIG = "application/vnd.oci.image.config.v1+json"
+
+
+def sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def compress(tar: bytes, kind: str) -> tuple[bytes, str]:
+    """A tar layer as a blob: (bytes, media type); kind is gzip, zstd or tar.
+    Fixed mtime in the gzip header: the same tar gives the same blob."""
+    if kind == "gzip":
+        return gzip.compress(tar, mtime=0), GZIP
+    if kind == "zstd":
+        import zstandard
+
+        return zstandard.ZstdCompressor().compress(tar), ZSTD
+    return tar, TAR
+
+
+class Layout:
+    """An OCI image layout directory the tests fill with images, then push."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        (self.root / "blobs" / "sha256").mkdir(parents=True, exist_ok=True)
+        (self.root / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+        self.tags: dict[str, dict] = {}
+
+    def blob(self, data: bytes, media_type: str) -> dict:
+        digest = sha256(data)
+        (self.root / "blobs" / "sha256" / digest[7:]).write_bytes(data)
+        return {"mediaType": media_type, "digest": digest, "size": len(data)}
+
+    def image(self, layers: list[tuple[bytes, str]], config: dict | None = None, arch: str = "amd64") -> dict:
+        """A manifest of `layers` ((tar bytes, gzip|zstd|tar), bottom first):
+        its descriptor, with its platform."""
+        blobs = [compress(tar, kind) for tar, kind in layers]
+        cfg = {"architecture": arch, "os": "linux", "config": config or {},
+               "rootfs": {"type": "layers", "diff_ids": [sha256(tar) for tar, _ in layers]}}
+        manifest = {"schemaVersion": 2, "mediaType": MANIFEST,
+                    "config": self.blob(json.dumps(cfg).encode(), CONFIG),
+                    "layers": [self.blob(data, mt) for data, mt in blobs]}
+        desc = self.blob(json.dumps(manifest).encode(), MANIFEST)
+        return {**desc, "platform": {"architecture": arch, "os": "linux"}}
+
+    def index(self, manifests: list[dict]) -> dict:
+        """A multi-platform index of image descriptors."""
+        return self.blob(json.dumps({"schemaVersion": 2, "mediaType": INDEX, "manifests": manifests}).encode(),
+                         INDEX)
+
+    def tag(self, name: str, desc: dict) -> None:
+        self.tags[name] = desc
+        entries = [{**{k: v for k, v in d.items() if k != "platform"},
+                    "annotations": {"org.opencontainers.image.ref.name": t}} for t, d in self.tags.items()]
+        (self.root / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": entries}))
+
+
+def push(layout: Layout, tag: str, dest: str, *args: str) -> None:
+    """skopeo copy of a tagged image (all platforms) to docker://dest; `args`:
+    more skopeo options (--dest-creds, --dest-cert-dir, --dest-tls-verify)."""
+    cmd = ["skopeo", "copy", "--quiet", "--all", "--preserve-digests", "--dest-tls-verify=false",
+           *args, f"oci:{layout.root}:{tag}", f"docker://{dest}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: exit {proc.returncode}: {proc.stderr.strip()}")

@@ -88,8 +88,10 @@ def test_bad_builds(images, tmp_path):
         c.build_image("/var/cache/dsecd/rootfs-busybox", "base")
     with pytest.raises(NotFound):
         c.build_image(str(tmp_path / "absent"), "x")
-    with pytest.raises(BadRequest):
-        c.build_image(str(tmp_path), "bad/name")
+    with pytest.raises(BadRequest, match="an image name is"):
+        c.build_image(str(tmp_path), "Bad/Name")
+    with pytest.raises(BadRequest, match="an image name is"):
+        c.build_image(str(tmp_path), "x@sha256:123")
     with pytest.raises(NotFound):
         c.build_image(str(tmp_path), "x", parent="no-such-image")
 
@@ -229,3 +231,36 @@ def test_pager_restart_is_survived_by_new_sandboxes(images):
     assert sb2.exec(["sh", "-c", "ls /bin | wc -l"]).exit_code == 0
     sb.destroy()
     sb2.destroy()
+
+
+def test_reference_names_for_local_builds(images, busybox_rootfs, tmp_path):
+    """A reference is a name like any other: normalized on the default registry,
+    stored under refs/_repos/, found by every spelling, listed, removed."""
+    d, c = images
+    img = c.build_image(busybox_rootfs, "team/tools:1.0")
+    assert img["name"] == "docker.io/team/tools:1.0"
+    for spelling in ("team/tools:1.0", "docker.io/team/tools:1.0"):
+        assert c.request("image_inspect", name=spelling)["manifest"] == img["manifest"]
+    assert (d.state / "store" / "refs" / "_repos" / "docker.io" / "team" / "tools" / ":1.0").is_file()
+    (tmp_path / "top").mkdir()
+    (tmp_path / "top" / "marker").write_text("top\n")
+    py = c.build_image(str(tmp_path / "top"), "python:3.11", parent="team/tools:1.0")
+    assert py["name"] == "docker.io/library/python:3.11" and py["parent"] == img["name"]
+    latest = c.build_image(busybox_rootfs, "localhost:5000/x")
+    assert latest["name"] == "localhost:5000/x:latest"
+    names = [i["name"] for i in c.list_images()]
+    assert names[0] == "base" and {img["name"], py["name"], latest["name"]} <= set(names)
+    sb = c.create(image="python:3.11")
+    assert sb.exec(["true"]).exit_code == 0
+    sb.destroy()
+    pool = c.request("pool_set", image="python:3.11", min=0, max=1)
+    assert pool["name"].startswith("docker.io/library/python:3.11@")
+    assert c.request("pool_set", image="docker.io/library/python:3.11", min=0, max=0)["removed"]
+    with pytest.raises(Conflict):
+        c.build_image(busybox_rootfs, "docker.io/library/python:3.11")
+    for name in (img["name"], py["name"], latest["name"]):
+        c.request("image_rm", name=name)
+    assert not (d.state / "store" / "refs" / "_repos" / "docker.io").exists()     # emptied dirs pruned
+    c.build_image(busybox_rootfs, "busybox:latest")
+    # A bare name no local image has is the default registry's `library/<name>:latest`.
+    assert c.request("image_inspect", name="busybox")["name"] == "docker.io/library/busybox:latest"

@@ -1,0 +1,371 @@
+"""`image pull` from registries on loopback: names, multi-platform indexes,
+gzip/zstd/plain layers, whiteouts, a base stored once, auth, TLS, claims
+shared by daemons on one store, resumption, and hostile registries."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Daemon
+from image_kit import INDEX, Layout, _entry, _file, _tar_bytes, push, rootfs_layer, sha256
+from registry_kit import FakeRegistry, Registry, auth_json, missing_tools
+
+from dsecd.errors import BadRequest, DsecError, NotFound, PermissionDenied
+
+pytestmark = pytest.mark.skipif(missing_tools() is not None, reason=missing_tools() or "")
+
+
+def _layers(busybox: bytes) -> dict[str, bytes]:
+    """The tar layers the images are made of (busybox is the shared base)."""
+    return {
+        "base": busybox,
+        "files": _tar_bytes([_entry("data", tarfile.DIRTYPE, mode=0o755), _file("data/a", b"a"),
+                             _file("data/b", b"b"), _file("etc/gone", b"x"), _file("app/zstd.txt", b"zstd layer\n")]),
+        "whiteouts": _tar_bytes([_file("etc/.wh.gone"), _entry("data", tarfile.DIRTYPE, mode=0o755),
+                                 _file("data/.wh..wh..opq"), _file("data/c", b"c"), _file("app/plain.txt", b"plain\n")]),
+        "arm": _tar_bytes([_file("arch.txt", b"arm64\n")]),
+        "v2": _tar_bytes([_file("app/v2.txt", b"v2\n")]),
+    }
+
+
+@pytest.fixture(scope="module")
+def world(busybox_rootfs, tmp_path_factory):
+    """A registry with app:v1 (amd64 + arm64 index), app:v2 (same base) and a
+    daemon that trusts it as an insecure (plain HTTP) registry."""
+    tmp = tmp_path_factory.mktemp("pull")
+    reg = Registry(tmp / "registry").start()
+    d = None
+    try:
+        L = _layers(rootfs_layer(busybox_rootfs))
+        layout = Layout(tmp / "layout")
+        amd = layout.image([(L["base"], "gzip"), (L["files"], "zstd"), (L["whiteouts"], "tar")],
+                           {"User": "1000", "Env": ["LANG=C.UTF-8"], "WorkingDir": "/app"}, "amd64")
+        arm = layout.image([(L["base"], "gzip"), (L["arm"], "gzip")], {}, "arm64")
+        layout.tag("v1", layout.index([amd, arm]))
+        layout.tag("v2", layout.image([(L["base"], "gzip"), (L["v2"], "zstd")], {}, "amd64"))
+        push(layout, "v1", f"{reg.host}/test/app:v1")
+        push(layout, "v2", f"{reg.host}/test/app:v2")
+        d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")),
+                   f'[images]\ninsecure_registries = ["{reg.host}"]\n')
+        d.start()
+        yield {"reg": reg, "daemon": d, "layers": L, "tmp": tmp}
+    finally:
+        if d is not None:
+            d.cleanup()
+        reg.stop()
+
+
+@pytest.fixture
+def c(world):
+    client = world["daemon"].client()
+    yield client
+    client.close()
+
+
+def store_blobs(d: Daemon) -> set[str]:
+    return set(os.listdir(d.state / "store" / "blobs" / "sha256"))
+
+
+def test_pull_index_picks_host_platform_converts_every_layer_and_runs(world, c):
+    reg = world["reg"]
+    events = []
+    img = c.pull_image(f"{reg.host}/test/app:v1", progress=events.append)
+    assert img["name"] == f"{reg.host}/test/app:v1"
+    assert img["source"]["platform"] == "linux/amd64" and img["source"]["index"]
+    assert len(img["layers"]) == 3
+    assert img["config"]["user"] == 1000 and img["config"]["cwd"] == "/app"
+    assert img["config"]["env"] == {"LANG": "C.UTF-8"}
+    steps = {e["step"] for e in events}
+    assert {"resolve", "pull"} <= steps
+    finals = {e["layer"]: e["state"] for e in events if e["step"] == "pull"}
+    assert set(finals.values()) == {"stored"} and len(finals) == 3
+    sb = c.create(image=img["name"])
+    try:
+        assert sb.exec(["cat", "/app/zstd.txt", "/app/plain.txt"]).stdout == b"zstd layer\nplain\n"
+        assert sb.exec(["ls", "/data"]).stdout.split() == [b"c"]            # opaque dir
+        assert sb.exec(["test", "-e", "/etc/gone"]).exit_code == 1           # whiteout
+    finally:
+        sb.destroy()
+
+
+def test_platform_choice_and_a_platform_the_index_lacks(world, c):
+    reg = world["reg"]
+    img = c.pull_image(f"{reg.host}/test/app:v1", platform="linux/arm64")
+    assert img["source"]["platform"] == "linux/arm64" and len(img["layers"]) == 2
+    with pytest.raises(NotFound, match="no image for linux/s390x"):
+        c.pull_image(f"{reg.host}/test/app:v1", platform="linux/s390x")
+    c.pull_image(f"{reg.host}/test/app:v1")         # back to this host's, for the tests below
+
+
+def test_two_images_on_one_base_store_it_once(world, c):
+    reg, d = world["reg"], world["daemon"]
+    v1 = c.pull_image(f"{reg.host}/test/app:v1")
+    v2 = c.pull_image(f"{reg.host}/test/app:v2")
+    assert v2["pull"]["reused_layers"] == 1
+    assert v1["layers"][0]["digest"] == v2["layers"][0]["digest"]
+    base_blob = layer_blob(world["layers"]["base"])
+    assert reg.blob_gets(base_blob) == 1, "the shared base was downloaded more than once"
+    du = c.request("image_du")
+    assert du["shared_layer_bytes"] >= v1["layers"][0]["size"]
+    assert v1["layers"][0]["digest"][7:] in store_blobs(d)
+
+
+def test_repull_is_up_to_date_and_names_resolve_every_way(world, c):
+    reg = world["reg"]
+    ref = f"{reg.host}/test/app:v1"
+    again = c.pull_image(ref)
+    assert again["pull"]["up_to_date"] is True
+    by_digest = c.pull_image(f"{reg.host}/test/app@{again['source']['index']}")
+    assert by_digest["manifest"] == again["manifest"]
+    assert by_digest["name"] == f"{reg.host}/test/app@{again['source']['index']}"
+    names = [i["name"] for i in c.list_images()]
+    assert ref in names and by_digest["name"] in names
+    assert c.request("image_inspect", name=ref)["source"]["ref"] == ref
+    c.request("image_rm", name=by_digest["name"])
+    with pytest.raises(NotFound):
+        c.request("image_inspect", name=by_digest["name"])
+    with pytest.raises(BadRequest, match="an image name is"):
+        c.request("image_inspect", name="Bad/Name:x")
+
+
+def test_cli_pull_prints_the_result_alone_off_a_terminal_and_bars_on_one(world):
+    reg, d = world["reg"], world["daemon"]
+    ref = f"{reg.host}/test/app:v2"
+    out = d.cli("image", "pull", ref, "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["name"] == ref and out.stderr == b""
+    plain = d.cli("image", "pull", ref)
+    assert plain.returncode == 0 and plain.stdout.decode().startswith(f"up to date {ref}:")
+    assert plain.stderr == b""
+    c = d.client()
+    c.request("image_rm", name=ref)
+    c.close()
+    # On a terminal (script(1) gives dsec a pty): per-layer bars.
+    dsec = str(Path(sys.executable).parent / "dsec")
+    tty = subprocess.run(["script", "-qec", f"{dsec} --socket {d.socket} image pull {ref}", "/dev/null"],
+                         capture_output=True, timeout=120, env={**os.environ, "COLUMNS": "160"})
+    text = tty.stdout.decode(errors="replace")
+    assert tty.returncode == 0, text
+    assert "layer 2/2" in text and f"pulled {ref}" in text
+
+
+def test_auth_registry(busybox_rootfs, tmp_path, daemon_factory):
+    reg = Registry(tmp_path / "reg", auth=("tester", "s3cret-pw")).start()
+    try:
+        layout = Layout(tmp_path / "layout")
+        layout.tag("v1", layout.image([(rootfs_layer(busybox_rootfs), "gzip")]))
+        push(layout, "v1", f"{reg.host}/private/app:v1", *reg.push_args())
+        anon = daemon_factory(f'[images]\ninsecure_registries = ["{reg.host}"]\n')
+        c = anon.client()
+        with pytest.raises(PermissionDenied, match="unauthorized|authentication"):
+            c.pull_image(f"{reg.host}/private/app:v1")
+        c.close()
+        auth = auth_json(tmp_path / "auth.json", reg.host, "tester", "s3cret-pw")
+        d = daemon_factory(f'[images]\ninsecure_registries = ["{reg.host}"]\nauth_file = "{auth}"\n')
+        c = d.client()
+        img = c.pull_image(f"{reg.host}/private/app:v1")
+        sb = c.create(image=img["name"])
+        assert sb.exec(["true"]).exit_code == 0
+        sb.destroy()
+        c.close()
+        assert "s3cret-pw" not in d.log.read_text() and "s3cret-pw" not in anon.log.read_text()
+    finally:
+        reg.stop()
+
+
+def test_tls_registry_with_a_test_ca(busybox_rootfs, tmp_path, daemon_factory):
+    reg = Registry(tmp_path / "reg", tls=True).start()
+    try:
+        layout = Layout(tmp_path / "layout")
+        layout.tag("v1", layout.image([(rootfs_layer(busybox_rootfs), "zstd")]))
+        push(layout, "v1", f"{reg.host}/tls/app:v1", *reg.push_args())
+        untrusting = daemon_factory("")
+        c = untrusting.client()
+        with pytest.raises(DsecError, match="certificate"):
+            c.pull_image(f"{reg.host}/tls/app:v1")
+        c.close()
+        certs = tmp_path / "certs.d"
+        (certs / reg.host).mkdir(parents=True)
+        (certs / reg.host / "ca.crt").write_bytes(reg.ca.read_bytes())
+        d = daemon_factory(f'[images]\ncerts_dir = "{certs}"\n')
+        c = d.client()
+        assert len(c.pull_image(f"{reg.host}/tls/app:v1")["layers"]) == 1
+        c.close()
+    finally:
+        reg.stop()
+
+
+# ---------------------------------------------------------------- a fake registry: claims, resumption, lies
+
+
+@pytest.fixture
+def fake():
+    f = FakeRegistry().start()
+    yield f
+    f.stop()
+
+
+def fake_image(tmp: Path, fake: FakeRegistry, repo: str, layers: list[tuple[bytes, str]],
+               config_patch: dict | None = None) -> tuple[Layout, dict]:
+    layout = Layout(tmp / f"layout-{repo.replace('/', '-')}")
+    desc = layout.image(layers)
+    if config_patch:
+        manifest = json.loads((layout.root / "blobs" / "sha256" / desc["digest"][7:]).read_bytes())
+        cfg = json.loads((layout.root / "blobs" / "sha256" / manifest["config"]["digest"][7:]).read_bytes())
+        cfg.update(config_patch)
+        manifest["config"] = layout.blob(json.dumps(cfg).encode(), manifest["config"]["mediaType"])
+        desc = {**layout.blob(json.dumps(manifest).encode(), desc["mediaType"]), "platform": desc["platform"]}
+    fake.put_layout(repo, "v1", layout, desc)
+    return layout, desc
+
+
+def layer_blob(tar: bytes, kind: str = "gzip") -> str:
+    from image_kit import compress
+
+    return sha256(compress(tar, kind)[0])
+
+
+def test_concurrent_daemons_on_one_store_download_once(busybox_rootfs, tmp_path, daemon_factory, fake):
+    big = _tar_bytes([_file("big.bin", os.urandom(4 << 20))])
+    fake_image(tmp_path, fake, "shared/app", [(rootfs_layer(busybox_rootfs), "gzip"), (big, "tar")])
+    fake.slow[sha256(big)] = 2.0
+    store = tmp_path / "store"
+    config = f'[images]\nstore = "{store}"\ninsecure_registries = ["{fake.host}"]\n'
+    a, b = daemon_factory(config), daemon_factory(config)
+    results, errors = {}, []
+
+    def pull(name, d):
+        try:
+            c = d.client()
+            results[name] = c.pull_image(f"{fake.host}/shared/app:v1")
+            c.close()
+        except Exception as err:   # reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=pull, args=(n, d)) for n, d in (("a", a), ("b", b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert fake.gets[sha256(big)] == 1, "two daemons on one store downloaded the same layer"
+    assert results["a"]["manifest"] == results["b"]["manifest"]
+    assert max(r["pull"]["waited_s"] for r in results.values()) > 0.3
+
+
+def test_a_dead_holders_claim_is_broken(busybox_rootfs, tmp_path, daemon_factory, fake):
+    _, desc = fake_image(tmp_path, fake, "stale/app", [(rootfs_layer(busybox_rootfs), "gzip")])
+    d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}"]\n')
+    pulls = d.state / "store" / "pulls"
+    pulls.mkdir(parents=True, exist_ok=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (pulls / f"{desc['digest'][7:]}.claim").write_text(json.dumps(
+        {"host": os.uname().nodename, "pid": dead.pid, "start": "1", "token": "x"}))
+    c = d.client()
+    t = time.monotonic()
+    assert c.pull_image(f"{fake.host}/stale/app:v1")["pull"]["waited_s"] < 5
+    assert time.monotonic() - t < 30
+    c.close()
+
+
+def test_a_cancelled_pull_resumes_with_the_blobs_it_completed(busybox_rootfs, tmp_path, daemon_factory, fake):
+    from dsecd.client import Client
+
+    first = rootfs_layer(busybox_rootfs)
+    slow = _tar_bytes([_file("slow.bin", os.urandom(2 << 20))])
+    fake_image(tmp_path, fake, "resume/app", [(first, "gzip"), (slow, "tar")])
+    fake.slow[sha256(slow)] = 30.0
+    d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}"]\n')
+    ref = f"{fake.host}/resume/app:v1"
+
+    async def pull_then_cancel():
+        async with Client(d.socket) as client:
+            task = asyncio.ensure_future(client.pull_image(ref))
+            deadline = time.monotonic() + 60
+            while fake.gets[layer_blob(first)] == 0 or not any(
+                    (d.state / "store" / "pulls").glob(f"*/blobs/sha256/{layer_blob(first)[7:]}")):
+                assert time.monotonic() < deadline, "the first layer never completed"
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(pull_then_cancel())
+    c = d.client()
+    with pytest.raises(NotFound):
+        c.request("image_inspect", name=ref)                 # nothing published
+    fake.slow.clear()
+    img = c.pull_image(ref)
+    # The first layer was converted while the second downloaded (reused now), or,
+    # had the cancel come first, its blob waits in the work directory (resumed).
+    assert img["pull"]["reused_layers"] + img["pull"]["resumed_layers"] == 1
+    assert fake.gets[layer_blob(first)] == 1, "the completed blob was downloaded again"
+    c.close()
+
+
+def hostile_cases(busybox: bytes) -> dict:
+    return {
+        "wrong_digest": ([(busybox, "gzip")], None, "lie", "(?i)digest did not match"),
+        "truncated_blob": ([(_tar_bytes([_file("f", os.urandom(1 << 20))]), "tar")], None, "cut",
+                           "EOF|truncated|unexpected|short|length"),
+        "dotdot_entry": ([(_tar_bytes([_file("../escape", b"pwned")]), "gzip")], None, None, "'..'"),
+        "symlink_escape": ([(_tar_bytes([_entry("link", tarfile.SYMTYPE, linkname="/tmp"),
+                                         _file("link/owned-by-pull", b"x")]), "gzip")], None, None,
+                           "not a directory"),
+        "diff_id_mismatch": ([(busybox, "gzip")], {"rootfs": {"type": "layers", "diff_ids": ["sha256:" + "0" * 64]}},
+                             None, "diff_id"),
+    }
+
+
+@pytest.mark.parametrize("case", ["wrong_digest", "truncated_blob", "dotdot_entry", "symlink_escape",
+                                  "diff_id_mismatch", "index_loop", "huge_manifest"])
+def test_hostile_registry_fails_clearly_and_leaves_nothing(case, busybox_rootfs, tmp_path, daemon_factory, fake):
+    d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}"]\n')
+    c = d.client()
+    before = store_blobs(d)
+    ref = f"{fake.host}/evil/app:v1"
+    if case == "index_loop":
+        # An index can name itself only through a digest fixed point, which
+        # nobody can compute; what a registry can serve is a chain of indexes,
+        # each naming the one before (as deep as it likes). The first index
+        # below an index is refused: nothing is followed forever.
+        digest = sha256(b"the first index names nothing")
+        for _ in range(3):
+            index = json.dumps({"schemaVersion": 2, "mediaType": INDEX, "manifests": [
+                {"mediaType": INDEX, "digest": digest, "size": 10,
+                 "platform": {"architecture": "amd64", "os": "linux"}}]}).encode()
+            digest = fake.put_manifest("evil/app", "v1", index, INDEX)
+        match = "another index"
+    elif case == "huge_manifest":
+        fake.put_manifest("evil/app", "v1", b'{"schemaVersion": 2, "x": "' + b"a" * (5 << 20) + b'"}',
+                          "application/vnd.oci.image.manifest.v1+json")
+        match = "size|bytes|exceed|large"
+    else:
+        layers, patch, knob, match = hostile_cases(rootfs_layer(busybox_rootfs))[case]
+        fake_image(tmp_path, fake, "evil/app", layers, patch)
+        target = layer_blob(*layers[0])
+        if knob == "lie":
+            fake.lie[target] = fake.blobs[target][:-10] + b"0123456789"
+        elif knob == "cut":
+            fake.cut.add(target)
+    with pytest.raises(DsecError, match=match) as info:
+        c.pull_image(ref)
+    assert "evil/app" in str(info.value) or "sha256:" in str(info.value)
+    assert not os.path.exists("/tmp/owned-by-pull") and not (d.state / "store" / "escape").exists()
+    assert ref not in [i["name"] for i in c.list_images()]
+    c.request("image_gc")
+    assert store_blobs(d) == before, "a failed pull left blobs behind"
+    assert not [p for p in (d.state / "store" / "pulls").iterdir() if p.is_dir()], "a work dir is left"
+    c.close()
