@@ -339,6 +339,10 @@ class SyncClient:
     def build_image(self, source: str, name: str, parent: str | None = None, progress=None, **config) -> dict:
         return self._run(self._client.build_image(source, name, parent, progress, **config))
 
+    def build_dockerfile(self, context: str, name: str, dockerfile: str | None = None, **kw) -> dict:
+        """Client.build_dockerfile; `progress` is called on the client's loop thread."""
+        return self._run(self._client.build_dockerfile(context, name, dockerfile, **kw))
+
     def job_pause(self, job: str) -> dict:
         return self._run(self._client.job_pause(job))
 
