@@ -1,10 +1,11 @@
 """Dockerfile builds (`dsec image build -f`): a Python-project-like image from
 the local busybox image, its files and config, RUN failures naming their
 line, the step cache (what a changed COPY reruns, --no-cache, gc), the
-.dockerignore, ADD of an archive, and the network RUN steps get."""
+.dockerignore, ADD of an archive, the CLI, and the network RUN steps get."""
 
 from __future__ import annotations
 
+import json
 import tarfile
 import textwrap
 
@@ -239,6 +240,21 @@ def test_add_extracts_a_local_archive_and_copy_keeps_symlinks(client, tmp_path):
         assert sh(sb, "readlink /opt/tree/link; cat /opt/tree/link") == "file.txt\nfile\n"
     finally:
         sb.destroy()
+
+
+def test_the_cli_prints_the_result_and_fails_with_the_line(daemon, tmp_path):
+    ctx = ten_step_context(tmp_path / "ctx")
+    r = daemon.cli("image", "build", "-f", str(ctx / "Dockerfile"), str(ctx), "--name", "cli-ten")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode().startswith("built cli-ten: ")          # not a terminal: the result alone
+    r = daemon.cli("image", "build", "-f", str(ctx / "Dockerfile"), str(ctx), "--name", "cli-ten", "--json")
+    assert r.returncode == 0 and all(s["cached"] for s in json.loads(r.stdout)["steps"])
+    (ctx / "Bad").write_text("FROM busybox\nRUN echo broken >&2; false\n")
+    r = daemon.cli("image", "build", "-f", str(ctx / "Bad"), str(ctx), "--name", "cli-bad")
+    assert r.returncode == 1
+    assert "Bad:2: RUN failed with exit code 1" in r.stderr.decode() and "broken" in r.stderr.decode()
+    r = daemon.cli("image", "build", str(ctx), "--name", "x", "--build-arg", "A=1")
+    assert r.returncode == 2 and b"goes with -f" in r.stderr
 
 
 @pytest.fixture
