@@ -6,7 +6,7 @@
 #      libfuse3/libseccomp headers (csrc/), bcc for Python (eBPF), kernel
 #      headers (bcc compiles bpf/*.c against them), nftables and its Python
 #      bindings (egress NAT, published ports), the runtimes we benchmark
-#      against (bubblewrap, crun), busybox-static (test rootfs), erofs-utils,
+#      against (bubblewrap, crun, buildah), busybox-static (test rootfs), erofs-utils,
 #      dnspython (the sandboxes' resolver) and dnsmasq-base (the tests' upstream
 #      resolver; -base: the binary without a system service), rich (the CLI's
 #      progress on a terminal).
@@ -38,6 +38,7 @@ PACKAGES=(
     python3-bpfcc "linux-headers-$ARCH"        # bcc and headers to compile bpf/*.c
     nftables python3-nftables                  # net.uplink NAT, published ports (dsecd/net/nat.py)
     busybox-static bubblewrap crun             # test rootfs; peers in bench/peers.py
+    buildah                                    # the Dockerfile-build peer in bench/build.py
     erofs-utils iproute2 util-linux debootstrap
     python3-dnspython dnsmasq-base             # the sandboxes' resolver; the tests' upstream
     python3-rich                               # the CLI's progress on a terminal (dsec image build -f)
