@@ -5,12 +5,15 @@ line, the step cache (what a changed COPY reruns, --no-cache, gc), the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import tarfile
 import textwrap
+import time
 
 import pytest
 
+from dsecd import Client
 from dsecd.errors import DsecError
 
 PROJECT_DOCKERFILE = """\
@@ -240,6 +243,30 @@ def test_add_extracts_a_local_archive_and_copy_keeps_symlinks(client, tmp_path):
         assert sh(sb, "readlink /opt/tree/link; cat /opt/tree/link") == "file.txt\nfile\n"
     finally:
         sb.destroy()
+
+
+def test_a_cancelled_build_leaves_no_sandbox_and_no_name(daemon, client, tmp_path):
+    async def cancel_mid_run() -> None:
+        async with Client(daemon.socket) as c:
+            running = asyncio.Event()
+
+            def progress(event):
+                if event["event"] == "output":
+                    running.set()
+
+            build = asyncio.ensure_future(c.build_dockerfile(
+                str(tmp_path), "cancelled", text="FROM busybox\nRUN echo started; sleep 60\n", progress=progress))
+            await asyncio.wait_for(running.wait(), 30)
+            build.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await build
+
+    asyncio.run(cancel_mid_run())
+    deadline = time.monotonic() + 20
+    while client.list() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert client.list() == []
+    assert "cancelled" not in [i["name"] for i in client.list_images()]
 
 
 def test_the_cli_prints_the_result_and_fails_with_the_line(daemon, tmp_path):
