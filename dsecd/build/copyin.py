@@ -15,8 +15,9 @@ never followed: an existing file or symlink there is replaced, an existing
 directory merged into (a file onto a directory is refused).
 
 Owners: COPY writes root's files unless --chown (Docker: a user without a
-group uses the uid as the gid too); ADD of a tar keeps the archive's owners
-unless --chown. Ids are the sandbox's: `to_host` maps them to the host ids
+group uses the uid as the gid too), and directories it makes for the
+destination belong to that owner too; ADD of a tar keeps the archive's
+owners unless --chown; WORKDIR's directories belong to the USER so far. Ids are the sandbox's: `to_host` maps them to the host ids
 its user namespace stores them as. Modes are the source's (or --chmod).
 
 The caller runs these in a worker thread with the sandbox root's fs ids
@@ -153,8 +154,10 @@ def is_dir(rootfd: int, path: str) -> bool:
 
 
 def make_dirs(rootfd: int, path: str, mode: int = 0o755, owner: tuple[int, int] | None = None) -> bool:
-    """mkdir -p `path` in the image; True if its last component was made
-    (then with `mode` and `owner`, host ids). Parents made are root's, 0755."""
+    """mkdir -p `path` in the image; True if its last component was made.
+    Every directory made belongs to `owner` (host ids; None: the sandbox's
+    root), as BuildKit makes them for WORKDIR and COPY --chown; the last one
+    gets `mode`, the ones above it 0755."""
     path = "/" + path.strip("/")
     if path == "/" or is_dir(rootfd, path):
         return False
@@ -174,8 +177,7 @@ def make_dirs(rootfd: int, path: str, mode: int = 0o755, owner: tuple[int, int] 
                 raise CopyError(f"{current} exists and is not a directory; cannot make {path}")
             os.mkdir(name, 0o755, dir_fd=pfd)
             made = current == path
-            if made:
-                _set_attrs_at(pfd, name, current, mode, owner)
+            _set_attrs_at(pfd, name, current, mode if made else 0o755, owner)
         except OSError as err:
             raise _failed(current, err) from err
         finally:

@@ -280,7 +280,7 @@ class _Build:
             elif step.kind == COPY:
                 await self._copy(sb, step, sources)
             elif step.kind == WORKDIR:
-                await self._files(sb, step, copyin.make_dirs, sb.handle.rootfd, step.dest)
+                await self._workdir(sb, step)
             exclude = list(self.svc.images.snapshot_exclude) + ([RESOLV_CONF] if networked else [])
             try:
                 async with self.svc.images.frozen_upper(sb) as upper:
@@ -369,6 +369,18 @@ class _Build:
                    else f"signal {result.get('signal')}")
             raise self._error(step.line, f"RUN failed with {how}: {step.instruction.args[:200]}", "io",
                               exit_code=result.get("exit_code"), signal=result.get("signal"), output_tail=text)
+
+    async def _workdir(self, sb: Sandbox, step: Step) -> None:
+        """The WORKDIR made where missing, owned by the USER so far (as BuildKit
+        makes it; root's when there is none)."""
+        owner = None
+        if step.config.user.partition(":")[0] not in ("0", "root"):
+            accounts = await self._files(sb, step, copyin.Accounts.read, sb.handle.rootfd)
+            try:
+                owner = self._ids(sb, accounts, step.config.user)[2:]
+            except copyin.CopyError as err:
+                raise self._error(step.line, f"WORKDIR as USER {step.config.user}: {err}") from err
+        await self._files(sb, step, copyin.make_dirs, sb.handle.rootfd, step.dest, 0o755, owner)
 
     async def _copy(self, sb: Sandbox, step: Step, sources: list[buildctx.Source]) -> None:
         owner = None

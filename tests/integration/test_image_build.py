@@ -234,6 +234,9 @@ def test_add_extracts_a_local_archive_and_copy_keeps_symlinks(client, tmp_path):
         ADD --chown=nobody tree/file.txt /opt/plain.txt
         COPY tree /opt/tree
         RUN /opt/pkg/run.sh > /opt/ran
+        COPY --chown=nobody tree/file.txt /opt/new/deep/
+        USER nobody
+        WORKDIR /work/nb/sub
         """)
     client.build_dockerfile(str(ctx), "added", text=dockerfile)
     sb = client.create(image="added")
@@ -241,6 +244,9 @@ def test_add_extracts_a_local_archive_and_copy_keeps_symlinks(client, tmp_path):
         assert sh(sb, "cat /opt/pkg/data.txt /opt/ran") == "in the archive\nrun\n"
         assert sh(sb, "stat -c '%U %a' /opt/plain.txt /opt/pkg/run.sh") == "nobody 644\nroot 755\n"
         assert sh(sb, "readlink /opt/tree/link; cat /opt/tree/link") == "file.txt\nfile\n"
+        # Directories made for COPY --chown and WORKDIR belong to that user (as BuildKit makes them).
+        assert sh(sb, "stat -c %U /opt /opt/new /opt/new/deep /opt/new/deep/file.txt /work /work/nb "
+                      "/work/nb/sub") == "root\nnobody\nnobody\nnobody\nroot\nnobody\nnobody\n"
     finally:
         sb.destroy()
 
