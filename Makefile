@@ -3,7 +3,7 @@
 
 PY := .venv/bin/python
 
-.PHONY: setup build test lint demo fresh-host bench bench-core bench-security rootfs fuzz stress
+.PHONY: setup build test lint demo fresh-host bench bench-core bench-build bench-security rootfs fuzz stress
 
 setup:
 	bash scripts/setup.sh
@@ -51,6 +51,12 @@ bench-%: setup
 # `.venv/bin/python bench/images.py --phases pull` runs those alone (~2 min).
 bench-images: setup
 	$(PY) bench/images.py
+
+# Dockerfile rebuilds (bench/build.py): a 10-step Dockerfile rebuilt after one
+# changed COPY near the end, by `dsec image build -f` and by Debian's buildah
+# (private storage, removed after), medians of 5 rounds; ~1 min.
+bench-build: setup
+	$(PY) bench/build.py
 
 # The full fuzz campaign: >= 100k hostile inputs against a private
 # daemon plus 100k against the in-process decoder; minutes. Last line: JSON.

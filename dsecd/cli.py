@@ -206,7 +206,38 @@ def _print_image(img: dict, verb: str) -> None:
           f"manifest {img['manifest'][:19]}")
 
 
+async def cmd_image_dockerfile(c: Client, a) -> int:
+    """`dsec image build -f Dockerfile CONTEXT --name N`: progress on a
+    terminal (dsecd/buildview.py), else only the result."""
+    view = None
+    if not a.json and sys.stdout.isatty():
+        from .buildview import BuildView
+
+        view = BuildView()
+    try:
+        img = await c.build_dockerfile(a.path, a.name, a.file, build_args=_kv(a.build_arg, "--build-arg"),
+                                       allow=a.allow, no_cache=a.no_cache, progress=view)
+    except DsecError as err:
+        if view is not None:
+            view.close()
+        elif err.detail.get("output_tail"):     # nothing of the failed RUN was shown: its last output
+            print(err.detail["output_tail"].rstrip("\n"), file=sys.stderr)
+        raise
+    if view is not None:
+        view.close()
+    if a.json:
+        _print_json(img)
+        return 0
+    cached = sum(1 for s in img["steps"] if s["cached"])
+    _print_image(img, "built")
+    if view is not None:
+        print(f"{len(img['steps'])} steps, {cached} cached, {img['seconds']:.2f}s")
+    return 0
+
+
 async def cmd_image(c: Client, a) -> int:
+    if a.image_cmd == "build" and a.file:
+        return await cmd_image_dockerfile(c, a)
     if a.image_cmd in ("build", "import"):
         bar = _ProgressBar(not a.json)
         config = {"env": _kv(a.env, "--env") or None, "cwd": a.cwd, "user": a.user,
@@ -1035,10 +1066,18 @@ def build_parser() -> argparse.ArgumentParser:
     for verb, text in (("build", "build an image from a directory or a docker-save/OCI tarball"),
                        ("import", "same as build (a root directory as a one-layer image)")):
         imp = img.add_parser(verb, help=text)
-        imp.add_argument("path")
+        imp.add_argument("path", help="a directory or tarball on the daemon's host; with -f, the build "
+                         "context (a directory the daemon reads COPY and ADD sources from, in place)")
         imp.add_argument("--name", required=True)
         if verb == "build":
             imp.add_argument("--from", dest="parent", help="put the new layer on top of this image")
+            imp.add_argument("-f", "--file", metavar="DOCKERFILE",
+                             help="build from this Dockerfile (FROM a local image; RUN in sandboxes; "
+                             "steps cached); replaces an image of that name")
+            imp.add_argument("--build-arg", action="append", metavar="K=V", help="with -f: an ARG's value")
+            imp.add_argument("--allow", action="append", metavar="RULE", help="with -f: egress rule or "
+                             "rule-set name for RUN steps, e.g. pypi (repeatable; none: RUN has no network)")
+            imp.add_argument("--no-cache", action="store_true", help="with -f: run every step again")
         imp.add_argument("--env", action="append", metavar="K=V", help="image config: environment")
         imp.add_argument("--cwd", help="image config: working directory")
         imp.add_argument("--user", type=int, help="image config: uid")
@@ -1257,6 +1296,23 @@ def check_usage(a: argparse.Namespace) -> None:
         _kv(getattr(a, option, None), f"--{option}")
     if a.cmd == "cp":
         _cp_sides(a)
+    if a.cmd == "image" and a.image_cmd == "build":
+        _check_image_build(a)
+
+
+def _check_image_build(a: argparse.Namespace) -> None:
+    """A Dockerfile build (-f) and a directory or tarball build take different options."""
+    if a.file:
+        for option, value in (("--from", a.parent), ("--env", a.env), ("--cwd", a.cwd), ("--user", a.user),
+                              ("--entrypoint", a.entrypoint)):
+            if value:
+                raise UsageError(f"dsec image build: {option} is for a directory or tarball build; with -f "
+                                 "the Dockerfile says it (FROM, ENV, WORKDIR, USER, ENTRYPOINT)")
+        _kv(a.build_arg, "--build-arg")
+        return
+    for option, value in (("--build-arg", a.build_arg), ("--allow", a.allow), ("--no-cache", a.no_cache)):
+        if value:
+            raise UsageError(f"dsec image build: {option} goes with -f DOCKERFILE (a Dockerfile build)")
 
 
 def _stdout_closed() -> bool:

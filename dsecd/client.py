@@ -398,6 +398,37 @@ class Client:
                     progress(frame["progress"])
         raise ConnectionError("image_pull: no final frame")
 
+    async def build_dockerfile(self, context: str, name: str, dockerfile: str | None = None,
+                               text: str | None = None, build_args: dict[str, str] | None = None,
+                               allow: list[str] | None = None, no_cache: bool = False,
+                               progress: Callable[[dict], None] | None = None) -> dict:
+        """Build image `name` from a Dockerfile. `context`: a directory on the
+        daemon's host (the daemon reads COPY/ADD sources there, in place: no
+        upload, so the daemon must be local). The Dockerfile is read here,
+        from `dockerfile` (default: CONTEXT/Dockerfile), or given as `text`.
+        `allow`: egress rules for RUN steps (rule-set names such as "pypi"
+        too; without any, RUN has no network). `progress(event)` gets every
+        event the build streams: {"event": "step", step, of, line, instruction},
+        {"event": "output", step, fd, data}, {"event": "step_done", step, of,
+        cached, seconds, layer}, {"event": "warning", message}. Result: the
+        image, plus `steps` (each step's line, instruction, cached, seconds,
+        layer), `seconds`, `replaced` (the manifest the name had before)."""
+        context = os.path.abspath(context)
+        if text is None:
+            with open(dockerfile or os.path.join(context, "Dockerfile"), encoding="utf-8") as f:
+                text = f.read()
+        shown = dockerfile or "Dockerfile"
+        args = _given({"context": context, "dockerfile": text, "name": name, "dockerfile_name": shown,
+                       "build_args": string_map(build_args, "build_args"), "no_cache": bool(no_cache)},
+                      allow=list(allow) if allow else None)
+        async with contextlib.aclosing(self.frames("image_build_dockerfile", **args)) as frames:
+            async for frame in frames:
+                if "__result__" in frame:
+                    return frame["__result__"]
+                if progress:
+                    progress(frame)
+        raise ConnectionError("image_build_dockerfile: no final frame")
+
     async def import_image(self, path: str, name: str, progress: Callable[[dict], None] | None = None) -> dict:
         """A root directory as a one-layer image (same as build_image without a parent)."""
         return await self.build_image(path, name, progress=progress)

@@ -22,6 +22,7 @@ from . import __version__, cgroup, protocol
 from .backends.container import ContainerBackend
 from .config import Config, ConfigError, parse_size
 from .cpu.manager import CpuHost
+from .engine.builds import BuildService
 from .engine.calls import CallService, fncall_backend
 from .engine.creates import CreateService
 from .engine.dircopies import DirCopyService
@@ -69,6 +70,7 @@ SERVICE_ROUTES = {
     "file_tar_put": ("dir_copies", "put"), "file_tar_input": ("dir_copies", "put_input"),
     "file_tar_get": ("dir_copies", "get"),
     "image_build": ("image_service", "build"), "image_list": ("image_service", "list"),
+    "image_build_dockerfile": ("builds", "build"),
     "image_inspect": ("image_service", "inspect"), "image_rm": ("image_service", "rm"),
     "image_gc": ("image_service", "gc"), "image_du": ("image_service", "du"),
     "image_pull": ("image_service", "pull"),
@@ -138,6 +140,8 @@ class Node:
         exec_limits = ExecLimits.from_config(cfg)
         self.exec_service = ExecService(self.registry, self.workers, self.starter, self.backend,
                                         self.memory.ensure_running, exec_limits, self._devnull)
+        self.builds = BuildService(cfg, self.registry, self.workers, self.image_service, self.create_service,
+                                   self.exec_service, self.lifecycle.destroy_sandbox, upper_mode == "tmpfs")
         self.file_service = FileService(self.registry, self.workers, self.memory.ensure_running,
                                         cfg.size("limits", "max_file_chunk_bytes"), self.backend.copy_by_init)
         self.watch_service = WatchService(self.registry, self.workers, self.events, self.memory.ensure_running,

@@ -237,6 +237,15 @@ class ImageBuild:
 class ImagePull:
     ref: str                     # a registry reference: python:3.11, ghcr.io/org/app@sha256:...
     platform: str | None = None  # os/arch[/variant] to take from a multi-platform index; None = the host's
+@request("image_build_dockerfile", stream=True)
+class ImageBuildDockerfile:
+    context: str                 # a directory on the daemon's host: COPY and ADD read it in place
+    dockerfile: str              # the Dockerfile's text
+    name: str
+    dockerfile_name: str = "Dockerfile"      # how errors name it: "Dockerfile:12: ..."
+    build_args: dict[str, str] = field(default_factory=dict)
+    allow: list[str] = field(default_factory=list)   # RUN's egress rules (then --net default); none: --net none
+    no_cache: bool = False
 
 
 @request("image_gc")

@@ -341,6 +341,9 @@ class SyncClient:
 
     def pull_image(self, ref: str, progress=None, platform: str | None = None) -> dict:
         return self._run(self._client.pull_image(ref, progress, platform))
+    def build_dockerfile(self, context: str, name: str, dockerfile: str | None = None, **kw) -> dict:
+        """Client.build_dockerfile; `progress` is called on the client's loop thread."""
+        return self._run(self._client.build_dockerfile(context, name, dockerfile, **kw))
 
     def job_pause(self, job: str) -> dict:
         return self._run(self._client.job_pause(job))

@@ -6,11 +6,11 @@
 #      libfuse3/libseccomp headers (csrc/), bcc for Python (eBPF), kernel
 #      headers (bcc compiles bpf/*.c against them), nftables and its Python
 #      bindings (egress NAT, published ports), the runtimes we benchmark
-#      against (bubblewrap, crun), busybox-static (test rootfs), erofs-utils,
+#      against (bubblewrap, crun, buildah), busybox-static (test rootfs), erofs-utils,
 #      dnspython (the sandboxes' resolver) and dnsmasq-base (the tests' upstream
 #      resolver; -base: the binary without a system service), skopeo (the
 #      registry client behind `dsec image pull`), python3-zstandard (zstd
-#      layers), python3-rich (progress bars), docker-registry and apache2-utils
+#      layers), python3-rich (progress bars: pulls, Dockerfile builds), docker-registry and apache2-utils
 #      (the pull tests' registry on loopback and its htpasswd; the package's
 #      service is not used: the tests start their own registry).
 #   2. Kernel headers where bcc looks for them: /lib/modules/$(uname -r)/build
@@ -41,6 +41,7 @@ PACKAGES=(
     python3-bpfcc "linux-headers-$ARCH"        # bcc and headers to compile bpf/*.c
     nftables python3-nftables                  # net.uplink NAT, published ports (dsecd/net/nat.py)
     busybox-static bubblewrap crun             # test rootfs; peers in bench/peers.py
+    buildah                                    # the Dockerfile-build peer in bench/build.py
     erofs-utils iproute2 util-linux debootstrap
     python3-dnspython dnsmasq-base             # the sandboxes' resolver; the tests' upstream
     skopeo python3-zstandard python3-rich      # image pull: the registry client, zstd layers, progress bars

@@ -9,6 +9,7 @@ lifecycle.py  LifecycleService: destroy, list, inspect, top; init exits; re-adop
 lifetimes.py  LifetimeService: TTL, idle TTL and leases (`renew`), the reaper
 memory.py     MemoryService: pause, resume, job pause/resume, swap, DAMON, OOM kills
 images.py     ImageService: image requests, snapshots, layer mounts and the pager
+builds.py     BuildService: Dockerfile builds, each step in a sandbox, the step cache
 network.py    NetworkService: a sandbox's network at create and destroy, net_show/net_set
 starts.py     ProcessStarter: a process started by a sandbox's init or the exec helper
 execs.py      ExecService: execs, their streams and stdin, by init or the helper

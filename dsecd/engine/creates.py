@@ -39,7 +39,7 @@ from ..cpu.manager import CpuHost
 from ..errors import BadRequest, Busy, DsecError, NotFound, Unsupported, image_error, io_error
 from ..fs import files as sbfiles
 from ..fs import upper as upperfs
-from ..fs.images import ImageError
+from ..fs.images import Image, ImageError
 from ..native import NativeError
 from ..steps import AsyncSteps
 from .execs import check_env
@@ -195,9 +195,15 @@ class CreateService:
         fut.set_result(result)
         return result
 
-    async def _create_admitted(self, req) -> dict:
+    async def create_of(self, req, image: Image) -> dict:
+        """A create from an image that may have no name (a Dockerfile build's
+        step: the image so far), through the create queue like any create but
+        never from a warm pool; `req.image` is only what listings show."""
+        return await self._create_admitted(req, image)
+
+    async def _create_admitted(self, req, image: Image | None = None) -> dict:
         limits = self._limits_for(req)        # a bad request fails before it queues
-        taken = await self._take_from_pool(req, limits)
+        taken = None if image is not None else await self._take_from_pool(req, limits)
         if taken is not None:
             return taken
         live = self.registry.live_count()
@@ -211,7 +217,7 @@ class CreateService:
                  "retry_after_s": self.adm_cfg["full_retry_after_s"]})
         async with queue.slot(req.labels.get("job", "")) as waited:
             try:
-                result = await self.create_now(req, None)
+                result = await self.create_now(req, None, image)
             except Busy as err:         # CPU/memory admission, or full after the wait
                 err.detail.setdefault("retry_after_s", self.adm_cfg["full_retry_after_s"])
                 raise
@@ -464,17 +470,19 @@ class CreateService:
         steps.undo("release its id range and layers", release)
         return handle
 
-    async def create_now(self, req, ctx) -> dict:
-        """The create itself; `create` does keys, pools and the queue first."""
+    async def create_now(self, req, ctx, image: Image | None = None) -> dict:
+        """The create itself; `create` does keys, pools and the queue first.
+        `image`: the image to make it of, already resolved (else `req.image`'s)."""
         limits = self._limits_for(req)
         plan = self.cpu.plan(req.qos)
         self.check_process(req)
         net_mode = self.net.net_mode(req)
         disk = self._disk_for(req)
-        try:
-            image = await self.workers.run(self.image_service.images.get, req.image)
-        except ImageError as err:
-            raise image_error(err) from err
+        if image is None:
+            try:
+                image = await self.workers.run(self.image_service.images.get, req.image)
+            except ImageError as err:
+                raise image_error(err) from err
         self._admit()
         self.cpu.admit(self.registry.live_limits, limits.cpu, limits.memory_bytes, plan)
         sb_id = secrets.token_hex(6)

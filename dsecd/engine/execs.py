@@ -148,17 +148,39 @@ class ExecService:
             io = PtyIO(loop, emit, rows, cols)
         else:
             io = ExecIO(loop, self.limits.max_output, emit, req.stdin)
-        sb.execs += 1
         ctx.register_exec(io)
         try:
-            argv = tracing.traced_argv(req.argv) if req.trace else list(req.argv)
+            result = await self._run_io(sb, io, list(req.argv), env, cwd, user, timeout, req.pty, req.trace)
+        finally:
+            ctx.unregister_exec()
+        if not req.stream:
+            result["stdout"] = b"".join(collected[1])
+            result["stderr"] = b"".join(collected[2])
+        return result
+
+    async def run_streamed(self, sb: Sandbox, argv: list[str], env: dict[str, str], cwd: str, user: int,
+                           timeout: float | None, emit: Callable[[int, bytes], Awaitable[None]]) -> dict:
+        """An exec the daemon runs for itself (a Dockerfile build's RUN): no
+        stdin, its output handed to `emit(fd, data)` as it comes, with
+        backpressure and no cap (the build's client reads it as a stream).
+        Result and errors as `exec`'s; cancelling it kills the process group."""
+        io = ExecIO(self.workers.loop, 1 << 62, emit, False)
+        return await self._run_io(sb, io, argv, self.backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, env),
+                                  cwd, user, timeout)
+
+    async def _run_io(self, sb: Sandbox, io, argv: list[str], env: list[str], cwd: str, user: int,
+                      timeout: float | None, pty: bool = False, trace: bool = False) -> dict:
+        """Start `argv` with `io`'s pipes (or terminal) and wait for its end and output."""
+        loop = self.workers.loop
+        sb.execs += 1
+        try:
+            argv = tracing.traced_argv(argv) if trace else argv
             # A traced exec needs the daemon's helper: the tracer attaches to the daemon's child.
             tracer = None
-            watch = None if req.trace else self._start_by_init(sb, argv, env, cwd, user, io, io.child_fds(),
-                                                               req.pty)
+            watch = None if trace else self._start_by_init(sb, argv, env, cwd, user, io, io.child_fds(), pty)
             if watch is None:
-                pid = await self._spawn_exec(sb, argv, env, cwd, user, io.child_fds(), io, req.pty)
-                if req.trace:
+                pid = await self._spawn_exec(sb, argv, env, cwd, user, io.child_fds(), io, pty)
+                if trace:
                     tracer = await self._start_tracer(pid, timeout)
                 watch = ChildWatch(loop, pid)
             try:
@@ -167,15 +189,11 @@ class ExecService:
                 raise run_error(err, sb.id, argv[0], cwd) from err
             if tracer is not None:
                 result["trace"] = await self.workers.run(tracing.collect, tracer)
+            return result
         finally:
             io.close()
             sb.execs -= 1
             sb.last_active = time.monotonic()
-            ctx.unregister_exec()
-        if not req.stream:
-            result["stdout"] = b"".join(collected[1])
-            result["stderr"] = b"".join(collected[2])
-        return result
 
     async def _exec_collected(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int,
                               timeout: float | None, ctx) -> dict:

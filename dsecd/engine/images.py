@@ -9,6 +9,7 @@ the client, and picks where each layer is mounted from (images.mode).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -329,10 +330,20 @@ class ImageService:
         sb = self.registry.get(req.sandbox, req)
         base = await self._images_call(self.images.get_manifest, sb.manifest, sb.image)
         exclude = self.snapshot_exclude + list(req.exclude)
-        if sb.state != "running" or sb.handle is None:       # changed during the await above
+        async with self.frozen_upper(sb) as upper:
+            image = await self._images_call(self.images.snapshot, upper, base, req.name, exclude,
+                                            self._progress(ctx), self.max_snapshot_bytes)
+        return image.to_dict()
+
+    @contextlib.asynccontextmanager
+    async def frozen_upper(self, sb):
+        """The sandbox's writable layer (its overlay upper dir) at a host path,
+        the sandbox frozen meanwhile and no pause or resume in between: what
+        snapshot and each filesystem step of a Dockerfile build pack."""
+        if sb.state != "running" or sb.handle is None:       # changed during the caller's awaits
             raise Conflict(f"sandbox {sb.id} is {sb.state}; snapshot needs it running")
         freezer = pause.Freezer.of(sb.handle.group)
-        async with sb.lock:      # no pause/resume in between
+        async with sb.lock:
             try:
                 await self.workers.run(freezer.freeze, self.freeze_timeout_s)
             except OSError as err:      # destroyed meanwhile: its cgroup is gone
@@ -341,12 +352,9 @@ class ImageService:
             try:
                 upper, undo = await self.workers.run(sb.handle.upper_view, self.state_dir / upperfs.VIEWS_DIR)
                 try:
-                    image = await self._images_call(self.images.snapshot, upper, base,
-                                                    req.name, exclude, self._progress(ctx),
-                                                    self.max_snapshot_bytes)
+                    yield upper
                 finally:
                     if undo is not None:
                         await self.workers.run(undo)
             finally:
                 await self.workers.run(freezer.thaw)
-        return image.to_dict()

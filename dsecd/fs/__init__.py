@@ -2,6 +2,7 @@
 
 store.py   content-addressed blob store: blobs, manifests, names published last
 images.py  image builds: directories and tarballs to EROFS layers, manifests
+buildcache.py  the Dockerfile build cache: step key -> the image the step made
 oci.py     docker-save and OCI-layout tarballs, entries checked one by one
 erofs.py   mkfs.erofs for reproducible layers
 layers.py  each layer mounted once per host, shared by every sandbox

@@ -7,6 +7,7 @@
     name  -> its ref file under <store>/refs/ (names.py): {"manifest": "sha256:..", "created": t,
              "parent": name | null, "source": {"ref", "digest", "platform"} (pulled images)}
     layer of an OCI diff_id -> <store>/diffids/<hex>: {"digest", "size", "index"} (pull.py)
+    build cache entries -> <store>/build-cache/ (dsecd/fs/buildcache.py)
 
 Names live in the store too, so every host sharing the store sees an image
 built on any of them. A build writes its layer and manifest blobs first and
@@ -32,8 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from . import erofs, names, oci
+from .buildcache import BuildCache
 from .store import BlobStore, StoreError, check_digest
 
+# Written by overlayfs (Linux >= 6.6) on the upper root of a new mount: a random id.
+OVERLAY_UUID = "trusted.overlay.uuid"
 Progress = Callable[[dict], None]
 
 
@@ -103,6 +107,7 @@ class ImageStore:
         # builds elsewhere (a store-level lease is future work).
         self._gc_lock = threading.Lock()
         self._pins: Counter[str] = Counter()
+        self.build_cache = BuildCache(Path(store_root) / "build-cache", self.store.temp_path)
 
     # ------------------------------------------------------------ names
 
@@ -230,9 +235,11 @@ class ImageStore:
         return out
 
     def _publish(self, name: str, manifest_digest: str, parent: str | None,
-                 source: dict | None = None, replace: bool = False) -> None:
-        """Point `name` at a manifest: a new name only (conflict if it exists),
-        or, with `replace` (a pull moving a tag), whatever it pointed at before."""
+                 source: dict | None = None, replace: bool = False) -> str | None:
+        """Point `name` at a manifest. Without `replace` an existing name is
+        `conflict`; with it (a pull moving a tag, a Dockerfile build) the name
+        moves atomically (rename), and the manifest it named before is
+        returned (None: it was new)."""
         path = self._ref(name)
         tmp = self.store.temp_path(".ref")
         ref = {"manifest": manifest_digest, "created": time.time(), "parent": parent}
@@ -240,6 +247,12 @@ class ImageStore:
             ref["source"] = source
         tmp.write_text(json.dumps(ref))
         try:
+            before = None
+            if replace:
+                try:
+                    before = self._read_ref(name)["manifest"]
+                except (FileNotFoundError, ValueError, KeyError):
+                    before = None
             # A concurrent rm may prune the reference's empty directories between
             # the makedirs and the link: make them again.
             for attempt in range(5):
@@ -251,6 +264,7 @@ class ImageStore:
                 except FileNotFoundError:
                     if attempt == 4:
                         raise
+            return before
         except FileExistsError:
             raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)") from None
         finally:
@@ -280,25 +294,19 @@ class ImageStore:
 
     # ------------------------------------------------------------ building
 
+    def pins(self) -> Pins:
+        """A new set of pins for one build (see Pins)."""
+        return Pins(self)
+
     @contextlib.contextmanager
     def pinning(self) -> Iterator[Callable[[str], None]]:
         """A build's pins: `hold(digest)` keeps a blob from gc until the build
         ends (by then its name is published, or it failed)."""
-        held: list[str] = []
-
-        def hold(digest: str) -> None:
-            with self._gc_lock:
-                self._pins[digest] += 1
-            held.append(digest)
-
+        pins = self.pins()
         try:
-            yield hold
+            yield pins.hold
         finally:
-            with self._gc_lock:
-                self._pins.subtract(held)
-                for digest in held:
-                    if self._pins[digest] <= 0:
-                        del self._pins[digest]
+            pins.release()
 
     def _hold_existing(self, hold: Callable[[str], None], layers: list[dict]) -> None:
         """Pin the layers a build stacks on (its parent's); one collected
@@ -432,6 +440,58 @@ class ImageStore:
             layer = self.build_layer(upper, exclude=exclude, progress=progress, hold=hold)
             return self._commit(name, base.layers + [layer], base.config, base.name, hold)
 
+    # ------------------------------------------------------------ Dockerfile builds
+
+    def pack_layer(self, upper: Path, exclude: list[str], hold: Callable[[str], None],
+                   progress: Progress | None = None, max_bytes: int = 0) -> dict | None:
+        """A sandbox's upper dir as a layer (pinned with `hold`), or None when
+        the sandbox changed nothing (only `exclude`d paths, or no entry at all).
+
+        The overlay's own id, the xattr OVERLAY_UUID it put on the upper root
+        when it was mounted, is removed first: it is random per mount, so it
+        would make every layer unique and the same changes never dedupe. The
+        sandbox's overlay read it at its mount and never again."""
+        if not has_changes(upper, exclude):
+            return None
+        with contextlib.suppress(OSError):
+            os.removexattr(upper, OVERLAY_UUID)
+        if max_bytes:
+            check_apparent_size(upper, exclude, max_bytes)
+        return self.build_layer(upper, exclude=exclude, progress=progress, hold=hold)
+
+    def put_manifest(self, layers: list[dict], config: dict, hold: Callable[[str], None]) -> str:
+        """The manifest blob of an image (a build step's), pinned with `hold`."""
+        manifest = {"schema": 1, "layers": layers, "config": config}
+        return self.store.put_bytes(_canonical(manifest), hold)
+
+    def publish(self, name: str, manifest: str, parent: str | None, replace: bool = False) -> tuple[Image, str | None]:
+        """Name an image already in the store: (the image, the manifest the name
+        had before when `replace` moved it)."""
+        before = self._publish(name, manifest, parent, replace=replace)
+        return self.get(name), before
+
+    def cache_lookup(self, key: str, hold: Callable[[str], None]) -> Image | None:
+        """The image a build step with this key made before, its blobs pinned;
+        None if there is no entry or a blob of it is gone (the entry goes too)."""
+        digest = self.build_cache.get(key)
+        if digest is None:
+            return None
+        hold(digest)
+        try:
+            image = self.get_manifest(digest)
+        except ImageError:
+            self.build_cache.drop(key)
+            return None
+        for blob in self._blobs_of({"layers": image.layers}):
+            hold(blob)
+            if not self.store.exists(blob):
+                self.build_cache.drop(key)
+                return None
+        return image
+
+    def cache_record(self, key: str, manifest: str) -> None:
+        self.build_cache.put(key, manifest)
+
     # ------------------------------------------------------------ accounting
 
     def referenced(self) -> tuple[set[str], set[str]]:
@@ -459,6 +519,7 @@ class ImageStore:
                     keep.update(self._blobs_of(self._manifest(m)))
                 except ImageError:
                     pass
+            cache_removed = self._gc_build_cache(keep)
             removed, freed = [], 0
             for digest in sorted(self.store.all_digests() - keep):
                 freed += self.store.remove(digest)
@@ -466,7 +527,23 @@ class ImageStore:
                 removed.append(digest)
             self._sweep_diffids()
         self.store.sweep_tmp()
-        return {"removed": removed, "freed_bytes": freed}
+        return {"removed": removed, "freed_bytes": freed, "cache_removed": cache_removed}
+
+    def _gc_build_cache(self, keep: set[str]) -> int:
+        """Drop the build cache entries some of whose layers nothing keeps;
+        add the manifests of the others to `keep`. Returns entries dropped."""
+        dropped = 0
+        for key, digest in list(self.build_cache.entries()):
+            try:
+                needed = self._blobs_of(self._manifest(digest)) if digest else None
+            except ImageError:
+                needed = None
+            if needed is not None and needed <= keep:
+                keep.add(digest)
+                continue
+            self.build_cache.drop(key)
+            dropped += 1
+        return dropped
 
     def du(self) -> dict:
         manifests, layers = self.referenced()
@@ -485,7 +562,7 @@ class ImageStore:
         shared = sum(sizes.get(d, 0) for d, n in counts.items() if n > 1)
         unreferenced = sum(s for d, s in sizes.items() if d not in manifests | layers)
         return {"blobs": len(sizes), "bytes": total, "shared_layer_bytes": shared,
-                "unreferenced_bytes": unreferenced,
+                "unreferenced_bytes": unreferenced, "build_cache_entries": self.build_cache.count(),
                 "images": [{"name": i.name, "bytes": i.size, "layers": len(i.layers)} for i in self.list()]}
 
 
@@ -517,4 +594,48 @@ def check_apparent_size(top: Path, exclude: list[str], max_bytes: int) -> int:
     return total
 
 
-__all__ = ["Image", "ImageError", "ImageStore", "check_digest"]
+def has_changes(upper: Path, exclude: list[str]) -> bool:
+    """Whether an upper dir holds anything but the `exclude`d paths (and the
+    directories above them, which overlay copied up to hold them)."""
+    skip = {rel.strip("/") for rel in exclude}
+    above = {"/".join(p.split("/")[:i]) for p in skip for i in range(1, p.count("/") + 1)}
+    for dirpath, dirnames, filenames in os.walk(upper):
+        rel_dir = os.path.relpath(dirpath, upper)
+        rel_dir = "" if rel_dir == "." else rel_dir
+        for name in filenames:
+            if os.path.join(rel_dir, name) not in skip:
+                return True
+        for name in list(dirnames):
+            rel = os.path.join(rel_dir, name)
+            if rel in skip:
+                dirnames.remove(rel)
+            elif rel not in above:
+                return True
+    return False
+
+
+class Pins:
+    """Blobs one build relies on while no name reaches them: `gc` keeps a
+    pinned blob. `hold` and `release` take the gc lock, which a gc pass holds
+    throughout: call them from a worker thread, never on the event loop."""
+
+    def __init__(self, images: ImageStore):
+        self._images = images
+        self.held: list[str] = []
+
+    def hold(self, digest: str) -> None:
+        with self._images._gc_lock:
+            self._images._pins[digest] += 1
+        self.held.append(digest)
+
+    def release(self) -> None:
+        images = self._images
+        with images._gc_lock:
+            images._pins.subtract(self.held)
+            for digest in set(self.held):
+                if images._pins[digest] <= 0:
+                    images._pins.pop(digest, None)
+        self.held = []
+
+
+__all__ = ["Image", "ImageError", "ImageStore", "Pins", "check_digest"]

@@ -10,7 +10,7 @@ that are not msgpack or not maps, and session endings that lie about the
 frame length, cut a frame short or drop the connection.
 
 Host safety: the fields that name a *host* path (HOST_PATH_FIELDS: what
-image_build copies into the store) are drawn from IMPORT_PATHS only, and the
+image_build copies into the store, the context a Dockerfile build reads) are drawn from IMPORT_PATHS only, and the
 harness checks every frame once more as the daemon will decode it
 (`host_safe`), because a mutated byte can shorten "/tmp/x/tiny" to "/".
 Commands come from SAFE_ARGV or are random names that do not exist.
@@ -33,7 +33,7 @@ from dsecd import protocol
 # Filled by the harness before a run (paths under its own temp dir).
 IMPORT_PATHS: list[str] = ["/nonexistent-dsecd-fuzz"]
 # op -> field naming a path on the daemon's host that the op reads.
-HOST_PATH_FIELDS = {"image_build": "source", "image_import": "path"}
+HOST_PATH_FIELDS = {"image_build": "source", "image_import": "path", "image_build_dockerfile": "context"}
 
 
 def host_safe(obj) -> bool:

@@ -6,8 +6,8 @@ runs too. A README line that rots fails here.
 What the session gets instead of a real host: DSEC_SOCKET names the private
 daemon, the daemon's bridge lives in a test-owned netns (test_net_kit.World),
 and the working directory holds the files the README says stand for the
-user's own (`app.tar`, `./workspace`, `./a.py`). Lines that need another host
-are skipped with the reason in SKIPPED.
+user's own (`app.tar`, `./workspace`, `./Dockerfile`, `./a.py`). Lines that
+need another host are skipped with the reason in SKIPPED.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ README = (ROOT / "README.md").read_text()
 # What a line prints, by a piece of its text: (needle, "out" or "err", expected).
 OUTPUTS = [("echo out; echo err >&2", "out", "out\n"), ("echo out; echo err >&2", "err", "err\n"),
            ("echo data | dsec exec -i", "out", "data\n"), ("--timeout 2 -- sleep 10", "err", "timed out"),
-           ("dsec events --replay --no-follow", "out", "created"), ("dsec ps ;", "out", "busybox")]
+           ("dsec events --replay --no-follow", "out", "created"), ("dsec ps ;", "out", "busybox"),
+           ("-f Dockerfile ./workspace", "out", "built repo-2: ")]
 
 # Lines that cannot run on one test host, by their start.
 SKIPPED = {"ssh ": "needs another host running dsecd"}
@@ -89,6 +90,9 @@ def user_files(work: Path, rootfs: str) -> None:
     docker_save(work / "app.tar", [rootfs_layer(rootfs)], {"Env": ["APP=1"]})
     (work / "workspace").mkdir()
     (work / "workspace" / "README").write_text("the repository under test\n")
+    (work / "Dockerfile").write_text("FROM busybox\nARG V=1\nCOPY README /src/\n"
+                                     "RUN wc -l < /src/README > /src/lines && echo v$V > /src/version\n"
+                                     'CMD ["cat", "/src/version"]\n')
     (work / "a.py").write_text("print(1)\nprint(2)\n")
 
 

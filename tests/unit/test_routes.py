@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 
 from dsecd import node, protocol
+from dsecd.engine.builds import BuildService
 from dsecd.engine.calls import CallService
 from dsecd.engine.creates import CreateService
 from dsecd.engine.dircopies import DirCopyService
@@ -26,7 +27,7 @@ SERVICES = {"node": node.Node, "create_service": CreateService, "lifecycle": Lif
             "exec_service": ExecService, "file_service": FileService, "image_service": ImageService,
             "net_service": NetworkService, "memory": MemoryService, "lifetimes": LifetimeService,
             "events": EventBus, "call_service": CallService, "watch_service": WatchService,
-            "dir_copies": DirCopyService, "procs": ProcessService}
+            "dir_copies": DirCopyService, "procs": ProcessService, "builds": BuildService}
 
 
 def test_every_request_type_has_one_handler():

@@ -1,0 +1,409 @@
+"""COPY, ADD and WORKDIR: files written into a build sandbox from the host.
+
+The builder makes a sandbox of the image so far and writes through its
+root fd; the sandbox's writable layer then holds exactly the step's
+changes (overlay copies up the directories it writes into, with their
+attributes, and records what it replaces), and is packed as the step's
+layer like a snapshot.
+
+Every path is resolved with openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS
+| RESOLVE_NO_XDEV) against the sandbox root: the image's symlinks resolve
+inside it (as they would for a process in it), and a path that would cross
+into one of the sandbox's own mounts (/proc, /dev, the /tmp tmpfs) fails
+with EXDEV instead of writing outside the image. The last component is
+never followed: an existing file or symlink there is replaced, an existing
+directory merged into (a file onto a directory is refused).
+
+Owners: COPY writes root's files unless --chown (Docker: a user without a
+group uses the uid as the gid too), and directories it makes for the
+destination belong to that owner too; ADD of a tar keeps the archive's
+owners unless --chown; WORKDIR's directories belong to the USER so far. Ids are the sandbox's: `to_host` maps them to the host ids
+its user namespace stores them as. Modes are the source's (or --chmod).
+
+The caller runs these in a worker thread with the sandbox root's fs ids
+(userns.as_sandbox_root), like every host-side write into a sandbox.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import posixpath
+import stat
+import tarfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .. import native, tarsafe
+from .context import Entry, Source
+
+RESOLVE = native.RESOLVE_IN_ROOT | native.RESOLVE_NO_MAGICLINKS | native.RESOLVE_NO_XDEV
+COPY_CHUNK = 1 << 20
+ToHost = Callable[[int, int], tuple[int, int]]
+
+
+class CopyError(ValueError):
+    """What cannot be copied, and where; the builder adds the Dockerfile line."""
+
+
+@dataclass
+class Counts:
+    files: int = 0
+    bytes: int = 0
+    skipped: list[str] = field(default_factory=list)     # archive entries not extracted (devices, FIFOs)
+
+
+def _failed(path: str, err: OSError) -> CopyError:
+    if err.errno == errno.EXDEV:
+        return CopyError(f"{path}: the path crosses into a mount of the build sandbox (/proc, /dev and "
+                         "/tmp are the sandbox's own, not part of the image); copy somewhere else")
+    return CopyError(f"{path}: {err.strerror or err}")
+
+
+def _open(rootfd: int, path: str, flags: int) -> int:
+    return native.openat2(rootfd, path, flags | os.O_CLOEXEC, 0, RESOLVE)
+
+
+# ---------------------------------------------------------------- users and groups
+
+def _read_small(rootfd: int, path: str) -> str:
+    try:
+        fd = _open(rootfd, path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return ""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        return os.pread(fd, 4 << 20, 0).decode(errors="replace")
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class Accounts:
+    """The image's /etc/passwd and /etc/group: name -> (uid, gid, home), name -> gid."""
+
+    users: dict[str, tuple[int, int, str]]
+    groups: dict[str, int]
+
+    @classmethod
+    def read(cls, rootfd: int) -> Accounts:
+        users, groups = {}, {}
+        for line in _read_small(rootfd, "/etc/passwd").splitlines():
+            f = line.split(":")
+            if len(f) >= 6 and f[2].isdigit() and f[3].isdigit():
+                users.setdefault(f[0], (int(f[2]), int(f[3]), f[5]))
+        for line in _read_small(rootfd, "/etc/group").splitlines():
+            f = line.split(":")
+            if len(f) >= 3 and f[2].isdigit():
+                groups.setdefault(f[0], int(f[2]))
+        return cls(users, groups)
+
+    def user(self, spec: str) -> tuple[int, int]:
+        """(uid, gid) of USER or --chown text: name, uid, name:group, uid:gid.
+        A user without a group: the passwd group of a name (USER), the uid for
+        a number. CopyError names what the image lacks."""
+        name, sep, group = spec.partition(":")
+        if name.isdigit():
+            uid, gid = int(name), int(name)
+        elif name in self.users:
+            uid, gid = self.users[name][:2]
+        else:
+            raise CopyError(f"user {name!r} is not in the image's /etc/passwd; add it first (RUN adduser ...) "
+                            "or give a numeric uid")
+        if sep:
+            if group.isdigit():
+                gid = int(group)
+            elif group in self.groups:
+                gid = self.groups[group]
+            else:
+                raise CopyError(f"group {group!r} is not in the image's /etc/group; give a numeric gid")
+        return uid, gid
+
+    def home(self, spec: str) -> str | None:
+        name = spec.partition(":")[0]
+        for user, (uid, _gid, home) in self.users.items():
+            if user == name or (name.isdigit() and uid == int(name)):
+                return home or None
+        return None
+
+
+# ---------------------------------------------------------------- directories
+
+def _parent(rootfd: int, path: str) -> tuple[int, str]:
+    """(an O_PATH fd of the directory holding `path`, its last name)."""
+    parent, name = posixpath.split(path.rstrip("/"))
+    try:
+        return _open(rootfd, parent or "/", os.O_PATH | os.O_DIRECTORY), name
+    except OSError as err:
+        raise _failed(parent or "/", err) from err
+
+
+def is_dir(rootfd: int, path: str) -> bool:
+    """`path` is a directory of the image (symlinks resolved inside it);
+    False if it is missing or not a directory, CopyError if it cannot be
+    reached (through a mount of the sandbox, a symlink loop)."""
+    try:
+        fd = _open(rootfd, path, os.O_PATH | os.O_DIRECTORY)
+    except OSError as err:
+        if err.errno in (errno.ENOENT, errno.ENOTDIR):
+            return False
+        raise _failed(path, err) from err
+    os.close(fd)
+    return True
+
+
+def make_dirs(rootfd: int, path: str, mode: int = 0o755, owner: tuple[int, int] | None = None) -> bool:
+    """mkdir -p `path` in the image; True if its last component was made.
+    Every directory made belongs to `owner` (host ids; None: the sandbox's
+    root), as BuildKit makes them for WORKDIR and COPY --chown; the last one
+    gets `mode`, the ones above it 0755."""
+    path = "/" + path.strip("/")
+    if path == "/" or is_dir(rootfd, path):
+        return False
+    current = ""
+    made = False
+    for part in path.strip("/").split("/"):
+        current = f"{current}/{part}"
+        if is_dir(rootfd, current):
+            continue
+        pfd, name = _parent(rootfd, current)
+        try:
+            try:
+                os.stat(name, dir_fd=pfd, follow_symlinks=False)
+            except FileNotFoundError:
+                pass
+            else:
+                raise CopyError(f"{current} exists and is not a directory; cannot make {path}")
+            os.mkdir(name, 0o755, dir_fd=pfd)
+            made = current == path
+            _set_attrs_at(pfd, name, current, mode if made else 0o755, owner)
+        except OSError as err:
+            raise _failed(current, err) from err
+        finally:
+            os.close(pfd)
+    return made
+
+
+def _set_attrs_at(pfd: int, name: str, shown: str, mode: int | None, owner: tuple[int, int] | None) -> None:
+    """Mode and owner of the directory `name` in `pfd` (opened without
+    following a link, so only a directory is ever changed)."""
+    if mode is None and owner is None:
+        return
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+    try:
+        if owner is not None:
+            os.fchown(fd, *owner)
+        if mode is not None:
+            os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- writing entries
+
+def _replace_leaf(pfd: int, name: str, path: str, want_dir: bool) -> bool:
+    """Clear the way for a new entry `name`: a file or symlink there is
+    removed; an existing directory is kept for a directory (True) and
+    refused for anything else."""
+    try:
+        st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISDIR(st.st_mode):
+        if want_dir:
+            return True
+        raise CopyError(f"{path} is a directory in the image; cannot replace it with a file or symlink")
+    os.unlink(name, dir_fd=pfd)
+    return False
+
+
+def _write_file(pfd: int, name: str, data_fd: int | None, chunks, mode: int,
+                owner: tuple[int, int] | None) -> int:
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=pfd)
+    written = 0
+    try:
+        if data_fd is not None:
+            while True:
+                n = os.sendfile(fd, data_fd, None, COPY_CHUNK)
+                if n == 0:
+                    break
+                written += n
+        else:
+            for chunk in chunks:
+                view = memoryview(chunk)
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                    written += n
+        if owner is not None:
+            os.fchown(fd, *owner)
+        os.fchmod(fd, mode)         # after fchown: a chown clears setuid/setgid bits
+    finally:
+        os.close(fd)
+    return written
+
+
+def _put_entry(rootfd: int, path: str, e: Entry, owner: tuple[int, int] | None, chmod: int | None,
+               dir_modes: list[tuple[str, int]]) -> int:
+    """One context entry at `path` in the image; returns the bytes written."""
+    pfd, name = _parent(rootfd, path)
+    try:
+        existed = _replace_leaf(pfd, name, path, e.kind == "dir")
+        if e.kind == "dir":
+            if not existed:
+                os.mkdir(name, 0o700, dir_fd=pfd)
+            # Modes last, deepest first: a read-only directory must not stop what goes in it.
+            dir_modes.append((path, chmod if chmod is not None else e.mode))
+            if owner is not None:
+                _set_attrs_at(pfd, name, path, None, owner)
+            return 0
+        if e.kind == "symlink":
+            os.symlink(e.target, name, dir_fd=pfd)
+            if owner is not None:
+                os.chown(name, *owner, dir_fd=pfd, follow_symlinks=False)
+            return 0
+        try:
+            src = os.open(e.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise CopyError(f"{e.path} was removed from the build context during the build") from None
+        try:
+            return _write_file(pfd, name, src, None, chmod if chmod is not None else e.mode, owner)
+        finally:
+            os.close(src)
+    except OSError as err:
+        raise _failed(path, err) from err
+    finally:
+        os.close(pfd)
+
+
+def _apply_dir_modes(rootfd: int, dir_modes: list[tuple[str, int]]) -> None:
+    for path, mode in sorted(dir_modes, key=lambda pm: -pm[0].count("/")):
+        pfd, name = _parent(rootfd, path)
+        try:
+            _set_attrs_at(pfd, name, path, mode, None)
+        except OSError as err:
+            raise _failed(path, err) from err
+        finally:
+            os.close(pfd)
+
+
+def copy_sources(rootfd: int, sources: list[Source], dest: str, owner: tuple[int, int] | None,
+                 chmod: int | None) -> Counts:
+    """COPY (and ADD of what is not an archive): each source at `dest`. A
+    directory's contents go into `dest`; a file goes to `dest` itself, or
+    into it when `dest` ends with / or is a directory of the image."""
+    counts = Counts()
+    dir_modes: list[tuple[str, int]] = []
+    into = dest.endswith("/") or is_dir(rootfd, dest)
+    top = "/" + dest.strip("/")
+    for src in sources:
+        if src.is_dir:
+            make_dirs(rootfd, top, chmod if chmod is not None else 0o755, owner)
+            base = top
+            entries = src.entries[1:]
+        else:
+            if into:
+                make_dirs(rootfd, top, chmod if chmod is not None else 0o755, owner)
+                base = posixpath.join(top, posixpath.basename(src.rel))
+            else:
+                make_dirs(rootfd, posixpath.dirname(top))
+                base = top
+            entries = [src.entries[0]]
+        for e in entries:
+            path = posixpath.join(base, e.rel) if e.rel else base
+            counts.bytes += _put_entry(rootfd, path, e, owner, chmod, dir_modes)
+            counts.files += 1
+    _apply_dir_modes(rootfd, dir_modes)
+    return counts
+
+
+# ---------------------------------------------------------------- ADD of an archive
+
+def is_archive(path: str) -> bool:
+    """A tar, plain or compressed (gzip, bzip2, xz): ADD extracts these."""
+    try:
+        return tarfile.is_tarfile(path)
+    except OSError:
+        return False
+
+
+def extract_archive(rootfd: int, archive: str, dest: str, owner: tuple[int, int] | None,
+                    to_host: ToHost, id_count: int | None) -> Counts:
+    """ADD of a local archive: its entries into directory `dest`, owners
+    from the archive (mapped by `to_host`; an id the sandbox cannot hold,
+    `id_count` and up, is refused) unless --chown gave `owner`. Names are
+    checked as a directory copy's (tarsafe: no absolute names, no `..`);
+    hard links only to files the archive made before; devices and FIFOs
+    are skipped (listed in the counts)."""
+    top = "/" + dest.strip("/")
+    make_dirs(rootfd, top)
+    counts = Counts()
+    dir_modes: list[tuple[str, int]] = []
+    made_files: set[str] = set()
+    try:
+        with tarfile.open(archive, mode="r:*") as tf:
+            for m in tf:
+                try:
+                    rel = tarsafe.entry_name(m.name)
+                except tarsafe.Refused as err:
+                    raise CopyError(f"{archive}: {err}") from None
+                if not rel:
+                    continue
+                path = f"{top.rstrip('/')}/{rel}"
+                if not (m.isdir() or m.isreg() or m.issym() or m.islnk()):
+                    counts.skipped.append(rel)
+                    continue
+                ids = owner
+                if ids is None:
+                    if id_count is not None and (m.uid >= id_count or m.gid >= id_count):
+                        raise CopyError(f"{archive}: {rel} is owned by {m.uid}:{m.gid}, past the ids a "
+                                        f"sandbox maps (0..{id_count - 1}); ADD it with --chown")
+                    ids = to_host(m.uid, m.gid)
+                make_dirs(rootfd, posixpath.dirname(path))
+                counts.bytes += _put_member(rootfd, tf, m, path, top, ids, dir_modes, made_files)
+                counts.files += 1
+    except (tarfile.TarError, EOFError) as err:
+        raise CopyError(f"{archive}: not a readable archive: {err}") from None
+    _apply_dir_modes(rootfd, dir_modes)
+    return counts
+
+
+def _put_member(rootfd: int, tf: tarfile.TarFile, m: tarfile.TarInfo, path: str, top: str,
+                owner: tuple[int, int], dir_modes: list[tuple[str, int]], made_files: set[str]) -> int:
+    pfd, name = _parent(rootfd, path)
+    try:
+        existed = _replace_leaf(pfd, name, path, m.isdir())
+        mode = m.mode & 0o7777
+        if m.isdir():
+            if not existed:
+                os.mkdir(name, 0o700, dir_fd=pfd)
+            _set_attrs_at(pfd, name, path, None, owner)
+            dir_modes.append((path, mode))
+            return 0
+        if m.issym():
+            os.symlink(m.linkname, name, dir_fd=pfd)
+            os.chown(name, *owner, dir_fd=pfd, follow_symlinks=False)
+            return 0
+        if m.islnk():
+            target = f"{top.rstrip('/')}/{tarsafe.entry_name(m.linkname)}"
+            if target not in made_files:
+                raise CopyError(f"hard link {m.name} -> {m.linkname}: the target is not a file the archive "
+                                "made before it")
+            sfd, sname = _parent(rootfd, target)
+            try:
+                os.link(sname, name, src_dir_fd=sfd, dst_dir_fd=pfd, follow_symlinks=False)
+            finally:
+                os.close(sfd)
+            made_files.add(path)
+            return 0
+        src = tf.extractfile(m)
+        written = _write_file(pfd, name, None, iter(lambda: src.read(COPY_CHUNK), b""), mode, owner)
+        made_files.add(path)
+        return written
+    except tarsafe.Refused as err:
+        raise CopyError(str(err)) from None
+    except OSError as err:
+        raise _failed(path, err) from err
+    finally:
+        os.close(pfd)

@@ -1,0 +1,321 @@
+"""Dockerfile builds (`dsec image build -f`): a Python-project-like image from
+the local busybox image, its files and config, RUN failures naming their
+line, the step cache (what a changed COPY reruns, --no-cache, gc), the
+.dockerignore, ADD of an archive, the CLI, and the network RUN steps get."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tarfile
+import textwrap
+import time
+
+import pytest
+
+from dsecd import Client
+from dsecd.errors import DsecError
+
+PROJECT_DOCKERFILE = """\
+# syntax=docker/dockerfile:1
+# A Python project, as far as busybox goes: sources copied in, a RUN that
+# "compiles" them (a manifest and checksums), an unprivileged user.
+ARG BASE=busybox
+FROM ${BASE}
+ARG VERSION=0.1
+ENV APP_HOME=/app \\
+    APP_VERSION=$VERSION
+WORKDIR $APP_HOME
+RUN echo 'app:x:1000:1000::/home/app:/bin/sh' >> /etc/passwd && echo 'app:x:1000:' >> /etc/group \\
+ && mkdir -p /home/app && chown app:app /home/app
+COPY --chown=app:app pyproject.toml ./
+COPY src/ ./src/
+RUN find src -name '*.py' | sort > MANIFEST \\
+ && sed -n 's/^version = //p' pyproject.toml > VERSION.txt \\
+ && md5sum src/app/*.py > CHECKSUMS
+USER app
+LABEL org.example.project="demo" maintainer="dev@example.org"
+EXPOSE 8000 9000/udp
+CMD python3 -m app
+"""
+
+
+def write_project(root, dockerfile: str = PROJECT_DOCKERFILE):
+    (root / "src" / "app" / "__pycache__").mkdir(parents=True)
+    (root / "src" / "app" / "__init__.py").write_text("")
+    (root / "src" / "app" / "__main__.py").write_text("print('hello from app')\n")
+    (root / "src" / "app" / "__pycache__" / "main.cpython-311.pyc").write_bytes(b"\0junk")
+    (root / "pyproject.toml").write_text('[project]\nname = "app"\nversion = "0.2"\n')
+    (root / "secrets").mkdir()
+    (root / "secrets" / "key.pem").write_text("not for the image\n")
+    (root / "secrets" / "public.txt").write_text("may go in\n")
+    (root / "build.log").write_text("noise\n")
+    (root / ".dockerignore").write_text("# what the image never sees\n**/__pycache__\n*.log\nsecrets\n"
+                                        "!secrets/public.txt\n")
+    (root / "Dockerfile").write_text(dockerfile)
+    return root
+
+
+def sh(sb, script: str, **kw) -> str:
+    r = sb.exec(["sh", "-c", script], **kw)
+    assert r.exit_code == 0, (r.stdout, r.stderr)
+    return r.stdout.decode()
+
+
+def test_a_python_project_builds_with_its_files_and_config(client, tmp_path):
+    ctx = write_project(tmp_path / "ctx")
+    events = []
+    img = client.build_dockerfile(str(ctx), "pyproj", build_args={"VERSION": "0.2"}, progress=events.append)
+    cfg = img["config"]
+    assert cfg["env"] == {"APP_HOME": "/app", "APP_VERSION": "0.2"}
+    assert cfg["cwd"] == "/app" and cfg["user"] == "app"
+    assert cfg["cmd"] == ["/bin/sh", "-c", "python3 -m app"] and cfg["entrypoint"] == []
+    assert cfg["exposed_ports"] == ["8000/tcp", "9000/udp"]
+    assert cfg["labels"] == {"org.example.project": "demo", "maintainer": "dev@example.org"}
+    assert [s["line"] for s in img["steps"]][:3] == [5, 6, 7]
+    assert [s["line"] for s in img["steps"]][-4:] == [17, 18, 19, 20]
+    assert img["steps"][0]["instruction"] == "FROM busybox" and len(img["steps"]) == 12
+    # One layer per filesystem step that changed something (WORKDIR, RUN, 2 COPY, RUN) on busybox's.
+    assert len(img["layers"]) == 1 + 5
+    kinds = {e["event"] for e in events}
+    assert {"step", "step_done"} <= kinds
+    assert [e["step"] for e in events if e["event"] == "step_done"] == list(range(1, 13))
+
+    sb = client.create(image="pyproj")
+    try:
+        assert sh(sb, "cat /app/MANIFEST") == "src/app/__init__.py\nsrc/app/__main__.py\n"
+        assert sh(sb, "cat /app/VERSION.txt") == '"0.2"\n'
+        assert sh(sb, "cd /app && md5sum -c CHECKSUMS").count("OK") == 2
+        assert sh(sb, "stat -c '%u:%g %a' /app/pyproject.toml") == "1000:1000 644\n"
+        assert sh(sb, "grep '^app:' /etc/passwd | cut -d: -f3,6") == "1000:/home/app\n"
+        # .dockerignore: the pycache and the log never reached the image.
+        assert sh(sb, "find /app | sort") == ("/app\n/app/CHECKSUMS\n/app/MANIFEST\n/app/VERSION.txt\n"
+                                              "/app/pyproject.toml\n/app/src\n/app/src/app\n"
+                                              "/app/src/app/__init__.py\n/app/src/app/__main__.py\n")
+    finally:
+        sb.destroy()
+
+
+def test_dockerignore_excludes_files_and_exceptions_come_back(client, tmp_path):
+    ctx = write_project(tmp_path / "ctx", "FROM busybox\nCOPY . /ctx/\n")
+    client.build_dockerfile(str(ctx), "ignored")
+    sb = client.create(image="ignored")
+    try:
+        listed = sh(sb, "cd /ctx && find . -type f | sort").split()
+        assert listed == ["./.dockerignore", "./Dockerfile", "./pyproject.toml", "./secrets/public.txt",
+                          "./src/app/__init__.py", "./src/app/__main__.py"]
+    finally:
+        sb.destroy()
+    with pytest.raises(DsecError) as info:
+        client.build_dockerfile(str(ctx), "ignored2", text="FROM busybox\n\nCOPY secrets/key.pem /k\n")
+    assert info.value.code == "bad_request"
+    assert "Dockerfile:3:" in info.value.message and ".dockerignore excludes" in info.value.message
+
+
+def test_a_failing_run_names_its_line_and_exit_code(client, tmp_path):
+    dockerfile = "FROM busybox\nENV A=1\n# a comment\nRUN echo about to fail; \\\n    exit 7\nRUN true\n"
+    with pytest.raises(DsecError) as info:
+        client.build_dockerfile(str(tmp_path), "failing", text=dockerfile)
+    err = info.value
+    assert err.code == "io" and err.message.startswith("Dockerfile:4: RUN failed with exit code 7")
+    assert err.detail["line"] == 4 and err.detail["exit_code"] == 7
+    assert "about to fail" in err.detail["output_tail"]
+    assert "failing" not in [i["name"] for i in client.list_images()]
+    assert client.list() == []                    # the step's sandbox is gone
+
+
+@pytest.mark.parametrize("dockerfile,line,code,words", [
+    ("FROM busybox\nRUN true\nONBUILD RUN true\n", 3, "unsupported", "ONBUILD is not supported"),
+    ("FROM busybox\nHEALTHCHECK CMD true\n", 2, "unsupported", "HEALTHCHECK is not supported"),
+    ("FROM busybox\nRUN true\nFROOM busybox\n", 3, "bad_request", "unknown instruction 'FROOM'"),
+    ("FROM no-such-image\n", 1, "not_found", "no image named 'no-such-image'"),
+    ("FROM busybox\nCOPY missing.txt /x\n", 2, "bad_request", "COPY missing.txt: no such file"),
+    ("FROM busybox\nCOPY ../outside /x\n", 2, "bad_request", "outside the build context"),
+    ("FROM busybox\nUSER ghost\nRUN true\n", 3, "bad_request", "'ghost' is not in the image's /etc/passwd"),
+    ("FROM busybox\nCOPY a.txt /tmp/\n", 2, "bad_request", "mount of the build sandbox"),
+    ("FROM busybox\nADD https://example.org/x.tgz /x\n", 2, "unsupported", "remote sources"),
+    ("FROM busybox\nENV A=${B:?must be set}\n", 2, "bad_request", "B: must be set"),
+])
+def test_errors_name_the_dockerfile_line(client, tmp_path, dockerfile, line, code, words):
+    (tmp_path / "a.txt").write_text("a\n")
+    with pytest.raises(DsecError) as info:
+        client.build_dockerfile(str(tmp_path), "bad", text=dockerfile)
+    assert info.value.code == code, info.value
+    assert info.value.message.startswith(f"Dockerfile:{line}: "), info.value.message
+    assert words in info.value.message
+    assert info.value.detail["line"] == line
+
+
+TEN_STEPS = """\
+FROM busybox
+ENV STAGE=build
+WORKDIR /srv
+COPY deps.txt ./
+RUN cat deps.txt | wc -l > deps.count
+COPY lib/ ./lib/
+RUN ls lib > lib.list
+COPY app.txt ./
+RUN md5sum app.txt > app.sum
+CMD ["cat", "/srv/app.sum"]
+"""
+
+
+def ten_step_context(root):
+    root.mkdir()
+    (root / "deps.txt").write_text("a\nb\n")
+    (root / "lib").mkdir()
+    (root / "lib" / "util.txt").write_text("util\n")
+    (root / "app.txt").write_text("version 1\n")
+    (root / "Dockerfile").write_text(TEN_STEPS)
+    return root
+
+
+def cached_flags(img) -> list[bool]:
+    return [s["cached"] for s in img["steps"]]
+
+
+def test_a_changed_copy_near_the_end_reruns_only_the_steps_after_it(client, tmp_path):
+    ctx = ten_step_context(tmp_path / "ctx")
+    first = client.build_dockerfile(str(ctx), "ten")
+    assert cached_flags(first) == [True] + [False] * 9
+    again = client.build_dockerfile(str(ctx), "ten")
+    assert cached_flags(again) == [True] * 10 and again["manifest"] == first["manifest"]
+    assert again["replaced"] is None
+
+    (ctx / "app.txt").write_text("version 2\n")            # read by the COPY of step 8 only
+    changed = client.build_dockerfile(str(ctx), "ten")
+    assert cached_flags(changed) == [True] * 7 + [False] * 3
+    assert changed["layers"][:-2] == first["layers"][:-2]  # what came before is the same layers
+    assert changed["replaced"] == first["manifest"]
+    sb = client.create(image="ten")
+    try:
+        assert sh(sb, "cat app.txt; cat deps.count lib.list", cwd="/srv") == "version 2\n2\nutil.txt\n"
+    finally:
+        sb.destroy()
+
+    (ctx / "app.txt").chmod(0o600)                          # a mode is content too
+    moded = client.build_dockerfile(str(ctx), "ten")
+    assert cached_flags(moded) == [True] * 7 + [False] * 3
+    uncached = client.build_dockerfile(str(ctx), "ten", no_cache=True)
+    assert cached_flags(uncached) == [True] + [False] * 9
+    # Layers are reproducible: running every step again made the same image.
+    assert uncached["manifest"] == moded["manifest"] and uncached["replaced"] is None
+
+
+def test_gc_drops_the_cache_of_removed_images_only(client, tmp_path):
+    ctx = ten_step_context(tmp_path / "ctx")
+    client.build_dockerfile(str(ctx), "kept")
+    (ctx / "app.txt").write_text("other\n")
+    client.build_dockerfile(str(ctx), "dropped")
+    client.request("image_rm", name="dropped")
+    gc = client.request("image_gc")
+    assert gc["cache_removed"] >= 3 and gc["removed"]        # the changed tail's entries and blobs
+    (ctx / "app.txt").write_text("version 1\n")
+    assert cached_flags(client.build_dockerfile(str(ctx), "kept")) == [True] * 10
+    (ctx / "app.txt").write_text("other\n")
+    assert cached_flags(client.build_dockerfile(str(ctx), "dropped")) == [True] * 7 + [False] * 3
+
+
+def test_add_extracts_a_local_archive_and_copy_keeps_symlinks(client, tmp_path):
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "data.txt").write_text("in the archive\n")
+    (src / "pkg" / "run.sh").write_text("#!/bin/sh\necho run\n")
+    (src / "pkg" / "run.sh").chmod(0o755)
+    ctx = tmp_path / "ctx"
+    (ctx / "tree").mkdir(parents=True)
+    with tarfile.open(ctx / "pkg.tar.gz", "w:gz") as tf:
+        tf.add(src / "pkg", arcname="pkg")
+    (ctx / "tree" / "file.txt").write_text("file\n")
+    (ctx / "tree" / "link").symlink_to("file.txt")
+    dockerfile = textwrap.dedent("""\
+        FROM busybox
+        ADD pkg.tar.gz /opt/
+        ADD --chown=nobody tree/file.txt /opt/plain.txt
+        COPY tree /opt/tree
+        RUN /opt/pkg/run.sh > /opt/ran
+        COPY --chown=nobody tree/file.txt /opt/new/deep/
+        USER nobody
+        WORKDIR /work/nb/sub
+        """)
+    client.build_dockerfile(str(ctx), "added", text=dockerfile)
+    sb = client.create(image="added")
+    try:
+        assert sh(sb, "cat /opt/pkg/data.txt /opt/ran") == "in the archive\nrun\n"
+        assert sh(sb, "stat -c '%U %a' /opt/plain.txt /opt/pkg/run.sh") == "nobody 644\nroot 755\n"
+        assert sh(sb, "readlink /opt/tree/link; cat /opt/tree/link") == "file.txt\nfile\n"
+        # Directories made for COPY --chown and WORKDIR belong to that user (as BuildKit makes them).
+        assert sh(sb, "stat -c %U /opt /opt/new /opt/new/deep /opt/new/deep/file.txt /work /work/nb "
+                      "/work/nb/sub") == "root\nnobody\nnobody\nnobody\nroot\nnobody\nnobody\n"
+    finally:
+        sb.destroy()
+
+
+def test_a_cancelled_build_leaves_no_sandbox_and_no_name(daemon, client, tmp_path):
+    async def cancel_mid_run() -> None:
+        async with Client(daemon.socket) as c:
+            running = asyncio.Event()
+
+            def progress(event):
+                if event["event"] == "output":
+                    running.set()
+
+            build = asyncio.ensure_future(c.build_dockerfile(
+                str(tmp_path), "cancelled", text="FROM busybox\nRUN echo started; sleep 60\n", progress=progress))
+            await asyncio.wait_for(running.wait(), 30)
+            build.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await build
+
+    asyncio.run(cancel_mid_run())
+    deadline = time.monotonic() + 20
+    while client.list() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert client.list() == []
+    assert "cancelled" not in [i["name"] for i in client.list_images()]
+
+
+def test_the_cli_prints_the_result_and_fails_with_the_line(daemon, tmp_path):
+    ctx = ten_step_context(tmp_path / "ctx")
+    r = daemon.cli("image", "build", "-f", str(ctx / "Dockerfile"), str(ctx), "--name", "cli-ten")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode().startswith("built cli-ten: ")          # not a terminal: the result alone
+    r = daemon.cli("image", "build", "-f", str(ctx / "Dockerfile"), str(ctx), "--name", "cli-ten", "--json")
+    assert r.returncode == 0 and all(s["cached"] for s in json.loads(r.stdout)["steps"])
+    (ctx / "Bad").write_text("FROM busybox\nRUN echo broken >&2; false\n")
+    r = daemon.cli("image", "build", "-f", str(ctx / "Bad"), str(ctx), "--name", "cli-bad")
+    assert r.returncode == 1
+    assert "Bad:2: RUN failed with exit code 1" in r.stderr.decode() and "broken" in r.stderr.decode()
+    r = daemon.cli("image", "build", str(ctx), "--name", "x", "--build-arg", "A=1")
+    assert r.returncode == 2 and b"goes with -f" in r.stderr
+
+
+@pytest.fixture
+def net_daemon(world, daemon_factory, busybox_rootfs):
+    from test_net_daemon import _toml_net
+    from test_net_kit import bpf_skip_reason
+
+    if bpf_skip_reason():
+        pytest.skip(bpf_skip_reason())
+    d = daemon_factory(_toml_net(dict(world.cfg, ipv4_pool=f"10.{world.octet}.5.0/24")))
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    yield d, c
+    c.close()
+
+
+def test_run_gets_only_the_network_the_build_allows(world, net_daemon, tmp_path):
+    d, c = net_daemon
+    fetch = f"FROM busybox\nRUN echo ping | nc -w 3 {world.pkg} 80 > /got\n"
+    with pytest.raises(DsecError) as info:                   # no --allow: --net none
+        c.build_dockerfile(str(tmp_path), "offline", text=fetch)
+    assert info.value.detail["line"] == 2
+    img = c.build_dockerfile(str(tmp_path), "online", text=fetch, allow=["pypi"])
+    sb = c.create(image="online")
+    try:
+        assert "srv80:ping" in sh(sb, "cat /got")
+        # The resolver's /etc/resolv.conf of the RUN sandbox is not part of the image.
+        assert sb.exec(["test", "-e", "/etc/resolv.conf"]).exit_code != 0
+    finally:
+        sb.destroy()
+    assert len(img["layers"]) == 2

@@ -1,0 +1,134 @@
+""".dockerignore matching (dsecd/build/ignore.py) and what the build context
+gives COPY (dsecd/build/context.py): sources, globs, exclusions and their
+exceptions, and the content hash a step's cache key uses. No root."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dsecd.build.context import BuildContext, ContextError, DigestCache
+from dsecd.build.ignore import IgnoreRules
+
+
+def rules(text: str) -> IgnoreRules:
+    return IgnoreRules.parse(text)
+
+
+@pytest.mark.parametrize("text,path,excluded", [
+    ("*.log", "a.log", True),
+    ("*.log", "dir/a.log", False),             # * never crosses a /
+    ("**/*.log", "dir/sub/a.log", True),
+    ("**/*.log", "a.log", True),               # ** is zero directories too
+    ("build", "build/x/y.o", True),            # a directory excludes what is below it
+    ("/build", "build", True),                 # a leading / is the context's root
+    ("./build/", "build/out", True),
+    ("build/**", "build/a/b", True),
+    ("a?c", "abc", True),
+    ("a?c", "a/c", False),
+    ("[a-c]x", "bx", True),
+    ("[!a-c]x", "dx", True),
+    ("[!a-c]x", "ax", False),
+    ("# comment\n\n  \n", "# comment", False),
+    ("*\n!keep.txt", "keep.txt", False),
+    ("*\n!keep.txt", "other.txt", True),
+    ("docs\n!docs/README.md", "docs/README.md", False),
+    ("docs\n!docs/README.md", "docs/other.md", True),
+    ("!x\nx", "x", True),                      # the last pattern that matches decides
+    ("x\\*y", "x*y", True),
+    ("x\\*y", "xay", False),
+    ("foo.txt ", "foo.txt", True),             # surrounding whitespace is dropped
+])
+def test_patterns(text, path, excluded):
+    assert rules(text).excluded(path) is excluded
+
+
+def make_tree(root, files: dict[str, str]):
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return root
+
+
+def rels(sources) -> list[list[str]]:
+    return [[e.rel for e in s.entries] for s in sources]
+
+
+def test_sources_walk_what_dockerignore_leaves(tmp_path):
+    make_tree(tmp_path, {"src/a.py": "a", "src/__pycache__/a.pyc": "x", "src/sub/b.py": "b",
+                         "docs/README.md": "r", "docs/x.md": "x", ".dockerignore":
+                         "**/__pycache__\ndocs\n!docs/README.md\n"})
+    ctx = BuildContext.open(str(tmp_path))
+    assert rels(ctx.sources("src")) == [["", "a.py", "sub", "sub/b.py"]]
+    assert rels(ctx.sources("/docs/")) == [["", "README.md"]]
+    assert rels(ctx.sources(".")) == [["", ".dockerignore", "docs", "docs/README.md", "src", "src/a.py",
+                                       "src/sub", "src/sub/b.py"]]
+    with pytest.raises(ContextError, match="excludes docs/x.md"):
+        ctx.sources("docs/x.md")
+
+
+def test_globs_match_per_component(tmp_path):
+    make_tree(tmp_path, {"a1.txt": "", "a2.txt": "", "b.txt": "", "d/a3.txt": ""})
+    ctx = BuildContext.open(str(tmp_path))
+    assert [s.rel for s in ctx.sources("a*.txt")] == ["a1.txt", "a2.txt"]
+    assert [s.rel for s in ctx.sources("*/a*.txt")] == ["d/a3.txt"]
+    with pytest.raises(ContextError, match="no file of the build context matches"):
+        ctx.sources("z*")
+
+
+def test_sources_never_leave_the_context(tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("secret")
+    ctx_dir = tmp_path / "ctx"
+    ctx_dir.mkdir()
+    (ctx_dir / "in.txt").write_text("in")
+    os.symlink(outside, ctx_dir / "out-link")
+    os.symlink("in.txt", ctx_dir / "in-link")
+    ctx = BuildContext.open(str(ctx_dir))
+    with pytest.raises(ContextError, match="outside the build context"):
+        ctx.sources("../outside.txt")
+    with pytest.raises(ContextError, match="points outside"):
+        ctx.sources("out-link")
+    assert ctx.sources("in-link")[0].entries[0].kind == "file"      # a source symlink is followed inside
+    assert [s.rel for s in ctx.sources("a/../in.txt")] == ["in.txt"]
+    with pytest.raises(ContextError, match="absolute path"):
+        BuildContext.open("relative/dir")
+
+
+def test_the_content_hash_follows_bytes_modes_and_names(tmp_path):
+    make_tree(tmp_path, {"d/a.txt": "one", "d/b.txt": "two"})
+    ctx = BuildContext.open(str(tmp_path))
+    cache = DigestCache()
+
+    def digest():
+        return ctx.digest(ctx.sources("d"), cache)
+
+    first = digest()
+    assert digest() == first
+    (tmp_path / "d" / "a.txt").write_text("ONE")
+    changed = digest()
+    assert changed != first
+    (tmp_path / "d" / "a.txt").chmod(0o600)
+    assert digest() != changed
+    (tmp_path / "d" / "a.txt").chmod(0o644)
+    assert digest() == changed
+    os.rename(tmp_path / "d" / "b.txt", tmp_path / "d" / "c.txt")
+    assert digest() != changed
+    os.symlink("a.txt", tmp_path / "d" / "link")
+    with_link = digest()
+    os.remove(tmp_path / "d" / "link")
+    os.symlink("c.txt", tmp_path / "d" / "link")
+    assert digest() != with_link                  # a symlink's target is content
+
+
+def test_the_digest_cache_rehashes_a_rewritten_file(tmp_path):
+    f = tmp_path / "f"
+    f.write_text("aaaa")
+    cache = DigestCache()
+    first = cache.file_digest(str(f), os.stat(f))
+    st = os.stat(f)
+    f.write_text("bbbb")                          # same size; ctime moves
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert cache.file_digest(str(f), os.stat(f)) != first
