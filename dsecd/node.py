@@ -124,7 +124,7 @@ class Node:
         self.image_service = ImageService(cfg, features, layout, root, self.registry, self.workers,
                                           float(cfg.section("memory")["freeze_timeout_s"]))
         self.vms = make_microvm_service(cfg, features, layout, self.workers, self.image_service.images.store.path)
-        self.memory = MemoryService(cfg, root, self.registry, self.workers, self.events)
+        self.memory = MemoryService(cfg, root, self.registry, self.workers, self.events, self.vms)
         self.net_service = NetworkService(cfg, layout, root, self.limits["max_sandboxes"], self.registry,
                                           self.workers, self.backend)
         self.procs = ProcessService(self.registry, self.workers, self.backend, self.memory.ensure_running,
@@ -132,6 +132,7 @@ class Node:
         self.lifecycle = LifecycleService(self.registry, self.workers, self.backend, self.image_service.layers,
                                           self.net_service, self.memory, self.events, self.cpu, self.id_ranges,
                                           self.procs, self.vms)
+        self.vms.watch = self.lifecycle.watch
         self.lifetimes = LifetimeService(self.registry, self.workers, self.events, self.memory,
                                          self.lifecycle.destroy_sandbox)
         self.create_service = CreateService(cfg, self.registry, self.workers, self.backend, self.image_service,

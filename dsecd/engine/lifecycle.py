@@ -114,7 +114,13 @@ class LifecycleService:
     async def _recover_vm(self, sb: Sandbox, rec: dict) -> None:
         """A microVM sandbox after a restart: its QEMU, and both channels again."""
         handle = None
-        if self.vms.backend is not None:
+        if self.vms.backend is not None and sb.state == "paused":
+            handle = self.vms.backend.paused_handle(sb.id, sb.limits["memory"])
+            if handle is not None:
+                sb.handle = handle          # no QEMU until resumed: nothing to watch
+                log.info("re-adopted sandbox %s (microVM, paused)", sb.id)
+                return
+        elif self.vms.backend is not None:
             handle = await self.workers.run(self.vms.backend.adopt, sb.id, rec.get("init_pid"),
                                             rec.get("init_start"))
         if handle is not None:
@@ -128,6 +134,7 @@ class LifecycleService:
             log.warning("sandbox %s (microVM) died while the daemon was down", sb.id)
             await self._mark_dead(sb, None)
             return
+        handle.guest_memory = sb.limits["memory"]
         sb.handle = handle
         sb.last_active = time.monotonic()
         if sb.lease:

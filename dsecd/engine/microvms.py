@@ -70,6 +70,8 @@ class MicroVMService:
         self.cfg = cfg
         self.max_output = max_output
         self.uid_fallback = uid_fallback
+        # LifecycleService.watch, set by the node: a resumed VM's new QEMU is watched like the first.
+        self.watch = None
 
     def info(self) -> dict:
         if self.backend is None:
@@ -97,8 +99,7 @@ class MicroVMService:
         """Start the VM and wait for its agent. Cancelled or failed, nothing is left."""
         backend = self.require()
         layers = [Path(self.store_path(d)) for d in sb.layers]
-        idmap = userns.IdMap.from_record(sb.idmap)
-        uid = idmap.uid if idmap else self.uid_fallback
+        uid = self._uid(sb)
 
         def abandoned(fut) -> None:       # the request went while QEMU started: it goes too
             if not fut.cancelled() and fut.exception() is None:
@@ -138,6 +139,48 @@ class MicroVMService:
         return {"qemu_pid": h.init_pid, "accel": h.accel, "dir": str(h.vm_dir),
                 "serial_log": str(h.vm_dir / "serial.log"), "guest_memory": h.guest_memory,
                 "agent": h.agent is not None and not h.agent.closed}
+
+    # ------------------------------------------------------------ pause / resume
+
+    def _uid(self, sb: Sandbox) -> int:
+        idmap = userns.IdMap.from_record(sb.idmap)
+        return idmap.uid if idmap else self.uid_fallback
+
+    async def pause(self, sb: Sandbox) -> dict:
+        """The VM's state to a file in its dir, its QEMU ended: all its memory
+        goes back to the host. The record says where the image is."""
+        backend, h = self.require(), sb.handle
+        if sb.execs:
+            raise Conflict(f"sandbox {sb.id} has {sb.execs} running exec(s); a microVM pauses only idle "
+                           "(its agent's channel does not survive the stop)", {"sandbox": sb.id})
+        image = h.vm_dir / "paused.ram"
+        t0 = time.monotonic()
+        self.workers.loop.remove_reader(h.pidfd)       # its end is ours, not a death
+        try:
+            size = await backend.save(h, image)
+        except OSError as err:
+            if self.watch is not None:
+                self.watch(sb)
+            raise DsecError(f"pause sandbox {sb.id}: {err}", code="io") from err
+        saved = time.monotonic()
+        await self.workers.run(backend.end_process, h)
+        return {"vm_image": str(image), "image_bytes": size, "save_s": round(saved - t0, 4),
+                "stop_s": round(time.monotonic() - saved, 4)}
+
+    async def resume(self, sb: Sandbox, rec: dict) -> dict:
+        backend, h = self.require(), sb.handle
+        image = Path(rec.get("vm_image") or h.vm_dir / "paused.ram")
+        t0 = time.monotonic()
+        layers = [Path(self.store_path(d)) for d in sb.layers]
+        await self.workers.run(backend.respawn, h, layers, sb.limits["cpu"], sb.limits["disk"], self._uid(sb))
+        try:
+            await backend.restore(h, image, f"microVM {sb.id}", sb.hostname)
+        except OSError as err:
+            raise DsecError(f"resume sandbox {sb.id}: {err}; its saved state stays in {image}", code="io") from err
+        image.unlink(missing_ok=True)
+        if self.watch is not None:
+            self.watch(sb)
+        return {"restore_s": round(time.monotonic() - t0, 4)}
 
     async def check_cwd(self, sb: Sandbox, cwd: str) -> None:
         if cwd == "/":

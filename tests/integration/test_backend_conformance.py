@@ -132,6 +132,20 @@ def test_symlinks_stay_inside(box):
         assert data != open("/etc/hostname", "rb").read() or not data
 
 
+def test_pause_resume_keeps_state(box):
+    c, sb, _, _ = box
+    sb.write_file("/tmp/kept", b"before the pause")
+    sb.exec(["sh", "-c", "echo 42 > /dev/shm/mem"])
+    r = sb.pause()
+    assert r["state"] == "paused"
+    assert sb.resume()["state"] == "running"
+    assert sb.read_file("/tmp/kept") == b"before the pause"
+    assert sb.exec(["cat", "/dev/shm/mem"]).stdout == b"42\n"
+    sb.pause()
+    # An exec on a paused sandbox resumes it first (memory.auto_resume).
+    assert sb.exec(["echo", "awake"]).stdout == b"awake\n"
+
+
 def test_destroy_leaves_nothing(box, daemon):
     c, sb, backend, state = box
     info = sb.inspect()

@@ -259,6 +259,64 @@ class MicroVMBackend:
     async def connect_agent(self, h: VmHandle, what: str, hostname: str, timeout: float) -> AgentLink:
         return await AgentLink.connect(ChardevTransport(str(h.vm_dir / "agent.sock")), what, hostname, timeout)
 
+    # ------------------------------------------------------------ pause / resume
+
+    async def save(self, h: VmHandle, image: Path, timeout: float = 120.0) -> int:
+        """Pause: stop the vCPUs, write the VM's state (RAM and devices) to
+        `image` through QMP migration to an fd, and end QEMU, so all of its
+        memory goes back to the host. Returns the image's size."""
+        fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            await h.qmp.command("stop")
+            await h.qmp.send_fd("pause-image", fd)
+        finally:
+            os.close(fd)
+        await h.qmp.command("migrate", {"uri": "fd:pause-image"})
+        await h.qmp.migrate_wait(timeout)
+        return image.stat().st_size
+
+    async def restore(self, h: VmHandle, image: Path, what: str, hostname: str, timeout: float = 120.0) -> None:
+        """Resume into `h`, a QEMU started with incoming=True: load `image`,
+        run the vCPUs, reach the agent again (its HELLO sets the clock the
+        guest slept through)."""
+        await self.connect(h, what, hostname, timeout, hello=False)
+        fd = os.open(image, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            await h.qmp.send_fd("resume-image", fd)
+        finally:
+            os.close(fd)
+        await h.qmp.command("migrate-incoming", {"uri": "fd:resume-image"})
+        await h.qmp.migrate_wait(timeout)
+        await h.qmp.command("cont")
+        h.agent = await self.connect_agent(h, what, hostname, timeout)
+
+    def end_process(self, h: VmHandle) -> None:
+        """Blocking: end a VM's QEMU (its state saved), keep its dir and cgroups."""
+        for link in (h.agent, h.qmp):
+            if link is not None:
+                link.close()
+        h.agent = h.qmp = None
+        try:
+            native.pidfd_send_signal(h.pidfd, signal.SIGKILL)
+        except OSError:
+            pass
+        if h.popen is not None:
+            h.popen.wait(self.destroy_timeout)
+        fds.close_quietly(h.pidfd)
+        h.pidfd = -1
+
+    def respawn(self, h: VmHandle, layers: list[Path], cpu: float, disk: int, uid: int) -> None:
+        """Blocking: a new QEMU for a paused VM's dir and cgroups, waiting
+        for its saved state (restore); `h` now names it."""
+        with QemuFiles(h.vm_dir, layers, self.guest) as files:
+            argv = self.qemu_argv(files.refs, layers, h.guest_memory, self.vcpus(cpu), disk, incoming=True)
+            popen = self._spawn(argv, h.group, h.vm_dir, uid, files.fds)
+        start = proc_start_time(popen.pid)
+        if start is None:
+            raise VmError(errno.ESRCH, f"QEMU exited at once: {_tail(h.vm_dir / 'qemu.log')}")
+        h.popen, h.init_pid, h.init_start, h.is_child = popen, popen.pid, start, True
+        h.pidfd = fds.park(native.pidfd_open(popen.pid))
+
     # ------------------------------------------------------------ destroy
 
     def stop(self, sb_id: str, h: VmHandle | None) -> None:
@@ -284,6 +342,7 @@ class MicroVMBackend:
         group.remove(self.destroy_timeout)
 
     def release(self, sb_id: str, h: VmHandle | None) -> None:
+        """Closes the handle's fd and removes the VM's dir (logs, a paused RAM image)."""
         if h is not None:
             fds.close_quietly(h.pidfd)
             h.pidfd = -1
@@ -308,6 +367,15 @@ class MicroVMBackend:
             return None
         return VmHandle(init_pid=init_pid, init_start=init_start, pidfd=pidfd, group=self.group_for(sb_id),
                         vm_dir=self.root / sb_id, is_child=False, accel=self.accel)
+
+    def paused_handle(self, sb_id: str, guest_memory: int) -> VmHandle | None:
+        """After a daemon restart: a paused VM (no QEMU; its saved state in
+        its dir), or None if that state is gone."""
+        vm_dir = self.root / sb_id
+        if not (vm_dir / "paused.ram").exists():
+            return None
+        return VmHandle(init_pid=0, init_start=0, pidfd=-1, group=self.group_for(sb_id), vm_dir=vm_dir,
+                        is_child=False, accel=self.accel, guest_memory=guest_memory)
 
     def orphans(self, known: set[str]) -> set[str]:
         """VM dirs without a journal record (their cgroups are found by the

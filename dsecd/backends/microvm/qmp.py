@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,43 @@ class QMP:
     async def command(self, name: str, args: dict | None = None, timeout: float = 30.0) -> object:
         async with self._lock:
             return await self._command_now(name, args, timeout)
+
+    async def send_fd(self, name: str, fd: int, timeout: float = 10.0) -> None:
+        """`getfd`: hand QEMU an open fd (SCM_RIGHTS on the monitor socket)
+        under `name`, for a later "fd:<name>" migration URI. Migrating to an
+        fd, not `exec:` or a path, because QEMU runs under -sandbox
+        spawn=deny as a uid that cannot open the VM's files itself."""
+        import socket
+
+        async with self._lock:
+            await self.writer.drain()
+            sock = self.writer.get_extra_info("socket")
+            line = json.dumps({"execute": "getfd", "arguments": {"fdname": name}}).encode() + b"\n"
+            raw = socket.socket(fileno=os.dup(sock.fileno()))
+            try:
+                raw.setblocking(True)
+                socket.send_fds(raw, [line], [fd])
+            finally:
+                raw.close()
+            answer = await asyncio.wait_for(self._read(), timeout)
+            if "error" in answer:
+                raise QMPError(f"{self.what}: QMP getfd failed: {answer['error'].get('desc')}")
+
+    async def migrate_wait(self, timeout: float) -> dict:
+        """Poll query-migrate until the migration (out or in) completed;
+        QMPError if it failed or did not finish in time."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            st = await self.command("query-migrate")
+            status = (st or {}).get("status")
+            if status == "completed":
+                return st
+            if status in ("failed", "cancelled"):
+                raise QMPError(f"{self.what}: migration {status}: {st.get('error-desc', '')}")
+            if loop.time() > deadline:
+                raise QMPError(f"{self.what}: migration not done after {timeout:.0f}s (status {status})")
+            await asyncio.sleep(0.01)
 
     async def wait_event(self, name: str, timeout: float) -> dict:
         """The next event `name` (read while a command waits, or by polling
