@@ -420,7 +420,11 @@ static void do_exec(uint32_t id, struct rd *r)
         send_err(id, errno, "pipe");
         goto fail;
     }
-    pid_t pid = fork();
+    /* vfork: no copy of the agent's page tables, which under TCG (softmmu)
+     * is most of an exec's cost. The child only makes syscalls on its own
+     * stack until it execs or _exits (the agent is single-threaded, so
+     * glibc's set*id are plain syscalls). */
+    pid_t pid = vfork();
     if (pid < 0) {
         send_err(id, errno, "fork");
         goto fail;
