@@ -199,7 +199,7 @@ class MemoryService:
         if not self.auto_resume:
             raise Conflict(f"sandbox {sb.id} is paused; resume it before {why} (memory.auto_resume is off)",
                            {"sandbox": sb.id, "state": "paused"})
-        if sb.backend == "microvm":
+        if _is_vm(sb):
             await self._resume(sb)
             return
         # On demand: thaw first, so the request is not held up by the prefetch,
@@ -218,7 +218,7 @@ class MemoryService:
             if sb.state != "running":
                 raise Conflict(f"sandbox {sb.id} is {sb.state}; only a running sandbox can be paused")
             self._cancel_behind(sb.id)          # a prefetch still queued would undo the reclaim
-            if sb.backend == "microvm":
+            if _is_vm(sb):
                 return self._mark_vm_paused(sb, await self.vms.pause(sb))
             try:
                 rec = await self.workers.run(pause.pause, sb.handle.group, self.pause_cfg)
@@ -251,7 +251,7 @@ class MemoryService:
             if sb.state != "paused":
                 return {"id": sb.id, "state": sb.state, "already": True}
             self._cancel_behind(sb.id)          # a reclaim still queued after a job pause
-            if sb.backend == "microvm":
+            if _is_vm(sb):
                 res = await self.vms.resume(sb, sb.pause_record or {})
                 self._mark_resumed(sb, 0)
                 return {"id": sb.id, "state": "running", "prefetch_s": 0.0, "thaw_s": res["restore_s"],
@@ -404,3 +404,8 @@ class MemoryService:
             return pause.oom_kills(group)
         except OSError:
             return None
+
+
+def _is_vm(sb) -> bool:
+    """A microVM sandbox: it pauses by saving its state (MicroVMService), not by the freezer."""
+    return getattr(sb, "backend", "container") == "microvm"
