@@ -33,7 +33,7 @@ fresh-host:
 
 # Benchmarks print progress on stderr and one JSON object as the last line of
 # stdout. `make bench-<area>` runs bench/<area>.py; `make bench` runs them all.
-BENCHES := core cpu memory burst
+BENCHES := core cpu memory burst microvm
 
 bench: $(addprefix bench-,$(BENCHES))
 

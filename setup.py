@@ -1,6 +1,8 @@
 """Build steps pyproject.toml cannot express: the cffi extension dsecd._native
 (from csrc/, see dsecd/_native_build.py), the static PID 1 of container
-sandboxes, dsecd/libexec/dsec-init (from csrc/init.c), and the lazy pager,
+sandboxes, dsecd/libexec/dsec-init (from csrc/init.c), the static PID 1 of
+microVM guests, dsecd/libexec/dsec-guest-agent (from csrc/guest/agent.c), and
+the lazy pager,
 dsecd/libexec/dsec-pager (from csrc/pager/, linked with libfuse3 and libcrypto).
 
 Works for ``pip install .`` (both binaries go into the wheel), ``pip install -e .``
@@ -23,6 +25,9 @@ INIT_HEADERS = [Path("csrc/exec_steps.h"), Path("csrc/dsec_native.h"), Path("csr
 INIT_BINARY = Path("dsecd/libexec/dsec-init")
 PAGER_SOURCES = sorted(Path("csrc/pager").glob("*.[ch]"))
 PAGER_BINARY = Path("dsecd/libexec/dsec-pager")
+AGENT_SOURCE = Path("csrc/guest/agent.c")
+AGENT_HEADERS = [Path("csrc/missing_defs.h")]
+AGENT_BINARY = Path("dsecd/libexec/dsec-guest-agent")
 
 
 def compile_init(dest: Path) -> None:
@@ -33,6 +38,18 @@ def compile_init(dest: Path) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     cc = shlex.split(os.environ.get("CC", "cc"))
     cmd = [*cc, "-static", "-O2", "-s", "-Wall", "-Wextra", "-o", str(dest), str(INIT_SOURCE)]
+    print(" ".join(cmd))
+    subprocess.run(cmd, check=True)
+
+
+def compile_agent(dest: Path) -> None:
+    """Static: it is /init of the microVM guests' initramfs, which has no libc."""
+    newest = max(p.stat().st_mtime for p in (AGENT_SOURCE, *AGENT_HEADERS))
+    if dest.exists() and dest.stat().st_mtime >= newest:
+        return
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    cc = shlex.split(os.environ.get("CC", "cc"))
+    cmd = [*cc, "-static", "-O2", "-s", "-Wall", "-Wextra", "-o", str(dest), str(AGENT_SOURCE)]
     print(" ".join(cmd))
     subprocess.run(cmd, check=True)
 
@@ -54,6 +71,7 @@ def compile_pager(dest: Path) -> None:
 
 def compile_binaries(root: Path) -> None:
     compile_init(root / INIT_BINARY)
+    compile_agent(root / AGENT_BINARY)
     compile_pager(root / PAGER_BINARY)
 
 
@@ -70,6 +88,7 @@ class BuildPyWithInit(build_py):
         if not getattr(self, "editable_mode", False):
             outputs.append(str(Path(self.build_lib) / INIT_BINARY))
             outputs.append(str(Path(self.build_lib) / PAGER_BINARY))
+            outputs.append(str(Path(self.build_lib) / AGENT_BINARY))
         return outputs
 
 

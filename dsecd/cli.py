@@ -124,6 +124,12 @@ async def cmd_info(c: Client, a) -> int:
                  if q["queued_by_job"] else ""))
         for name, p in q["pools"].items():
             print(f"  pool {name}: {p['ready']} ready, {p['creating']} creating, {p['taken']} taken")
+    for name, b in info.get("backends", {}).items():
+        detail = (f"accel {b['accel']}, guest kernel {b['guest_kernel']}" if b.get("accel")
+                  else b.get("why", "")) if name == "microvm" else ""
+        print(f"backend {name}: {'available' if b['available'] else 'unavailable'}"
+              + (f" ({detail})" if detail else "")
+              + (f"; why: {b['why']}" if name == "microvm" and b.get("accel") else ""))
     if "fncall" in info:
         f = info["fncall"]
         print(f"fncall: {f['calls']} calls ({f['zygote_calls']} zygote, {f['plain_calls']} plain, "
@@ -413,7 +419,7 @@ async def cmd_create(c: Client, a) -> int:
     sb = await c.create(image=a.image, cpu=a.cpu, memory=a.memory, pids=a.pids, env=_kv(a.env, "--env"),
                         labels=_kv(a.label, "--label"), hostname=a.hostname, cwd=a.cwd, user=a.user,
                         qos=a.qos, cpu_quota=a.cpu_quota, ttl=a.ttl, idle_ttl=a.idle_ttl, lease=a.lease,
-                        net=a.net, allow=a.allow, key=a.key, publish=a.publish)
+                        net=a.net, allow=a.allow, key=a.key, publish=a.publish, backend=a.backend)
     if a.json:
         _print_json(sb.info)
     else:
@@ -1119,6 +1125,9 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("--cpu-quota", action=argparse.BooleanOptionalAction,
                     help="--cpu is also a hard CFS quota (default: sandbox.cpu_hard_quota)")
     cr.add_argument("--key", help="idempotency key: a retried create with it returns the same sandbox")
+    cr.add_argument("--backend", choices=["container", "microvm"], help="container: namespaces and cgroups; "
+                    "microvm: a QEMU guest of its own (default: the daemon's sandbox.backend; `dsec info` "
+                    "says whether microvm is available here, and its accelerator)")
 
     pool = sub.add_parser("pool", help="warm pools of ready sandboxes").add_subparsers(dest="pool_cmd",
                                                                                       required=True)

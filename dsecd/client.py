@@ -458,13 +458,14 @@ class Client:
                      cpu_quota: bool | None = None, net: str | None = None,
                      allow: list[str] | None = None, key: str | None = None,
                      disk: int | str | None = None, publish: list[int] | None = None,
-                     network_rules: dict[str, bool] | None = None) -> Sandbox:
+                     network_rules: dict[str, bool] | None = None, backend: str | None = None) -> Sandbox:
         """allow: egress rules ("10.1.2.0/24:443/tcp", "pypi.org:443/tcp", "*.example.org:443")
         and rule-set names ("pypi"), with net="default".
         network_rules: the same as a dict, {"pypi": True}: the keys whose value is true join `allow`.
         publish: TCP ports of the sandbox to make reachable from the host (Sandbox.get_host).
         key: idempotency key; a retried create with the same key returns the same sandbox.
-        disk: size cap of the writable layer ("20G"; default sandbox.disk)."""
+        disk: size cap of the writable layer ("20G"; default sandbox.disk).
+        backend: "container" or "microvm" (a QEMU guest per sandbox; default sandbox.backend)."""
         allow = list(allow or [])
         if network_rules is not None:
             if not isinstance(network_rules, dict):
@@ -474,7 +475,7 @@ class Client:
                        "cwd": cwd, "user": user, "allow": allow,
                        **({"publish": [int(p) for p in publish]} if publish else {})},
                       cpu=cpu, memory=memory, pids=pids, hostname=hostname, ttl=ttl, idle_ttl=idle_ttl,
-                      lease=lease, qos=qos, cpu_quota=cpu_quota, net=net, key=key, disk=disk)
+                      lease=lease, qos=qos, cpu_quota=cpu_quota, net=net, key=key, disk=disk, backend=backend)
         info = await self.request("create", **args)
         return Sandbox(self, info["id"], info)
 

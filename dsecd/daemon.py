@@ -65,7 +65,7 @@ def lock_state_dir(state_dir: str) -> int:
 
 
 async def serve(cfg) -> None:
-    feats = probe_all(cfg.section("sandbox")["cgroup_root"], str(cfg.state_dir))
+    feats = probe_all(cfg.section("sandbox")["cgroup_root"], str(cfg.state_dir), cfg.section("microvm"))
     missing = feats.missing_required()
     if missing:
         details = "; ".join(f"{m}: {feats.items[m].detail}" for m in missing)

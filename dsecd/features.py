@@ -123,8 +123,46 @@ def probe_kvm() -> Feature:
     if r.get("run") != 0:
         return Feature(False, f"{r['detail']}, but KVM_RUN of a one-instruction guest failed: "
                        f"{r.get('run_detail', 'unknown')}")
-    return Feature(True, f"{r['detail']}; a one-instruction real-mode guest ran to HLT "
-                   "(a full guest boot is not probed)")
+    return Feature(True, f"{r['detail']}; a one-instruction real-mode guest ran to HLT")
+
+
+@dataclass(frozen=True)
+class MicroVMFeature(Feature):
+    """The microVM backend: whether it can run here, and under which accelerator."""
+
+    accel: str = ""          # "kvm" | "tcg" | "" (unavailable)
+    qemu: str = ""
+    guest_kernel: str = ""
+
+
+def probe_microvm(kvm: Feature, qemu: str, guest_dir: str) -> tuple[Feature, MicroVMFeature]:
+    """(kvm, microvm). KVM is said available only when a real guest kernel
+    boots under it (dsecd/backends/microvm/accel.py); else microVMs use TCG."""
+    import shutil
+
+    from .backends.microvm import accel, guestimg
+
+    path = shutil.which(qemu)
+    try:
+        guest = guestimg.load(Path(guest_dir))
+    except guestimg.GuestImageError as err:
+        guest = None
+        why = str(err)
+    if kvm.available:
+        if guest is None or path is None:
+            kvm = Feature(False, f"{kvm.detail}; a real guest boot was not probed ("
+                          f"{'no ' + qemu if path is None else why}), so KVM is not counted on")
+        else:
+            ok, detail = accel.boot_probe(path, guest, Path(guest_dir))
+            kvm = Feature(ok, f"{kvm.detail}; {detail}")
+    if path is None:
+        return kvm, MicroVMFeature(False, f"{qemu} not found (apt-get install qemu-system-x86; scripts/setup.sh)")
+    if guest is None:
+        return kvm, MicroVMFeature(False, why, qemu=path)
+    mode = "kvm" if kvm.available else "tcg"
+    reason = ("KVM boots a real guest" if kvm.available else f"KVM unusable ({kvm.detail}): QEMU's TCG emulator")
+    return kvm, MicroVMFeature(True, f"accel {mode}: {reason}", accel=mode, qemu=path,
+                               guest_kernel=guest.version)
 
 
 def probe_nft_nat() -> Feature:
@@ -214,7 +252,9 @@ def suid_dumpable_hazard(path: str = "/proc/sys/fs/suid_dumpable") -> str | None
     return None
 
 
-def probe_all(cgroup_root: str = "dsecd", state_dir: str | None = None) -> Features:
+def probe_all(cgroup_root: str = "dsecd", state_dir: str | None = None,
+              microvm: dict | None = None) -> Features:
+    """microvm: the [microvm] config (qemu, guest_dir); None: not probed."""
     layout = cgroup.detect_layout()
     fs = _filesystems()
     items: dict[str, Feature] = {
@@ -242,6 +282,10 @@ def probe_all(cgroup_root: str = "dsecd", state_dir: str | None = None) -> Featu
         "upperfs": probe_upperfs(),
         "project_quota": probe_project_quota(state_dir),
     }
+    if microvm is not None and microvm.get("enabled", True):
+        items["kvm"], items["microvm"] = probe_microvm(items["kvm"], microvm["qemu"], microvm["guest_dir"])
+    else:
+        items["microvm"] = MicroVMFeature(False, "microvm.enabled is false")
     items["idmapped_mounts"] = userns.probe_idmap("/")
     abi = native.probe_landlock_abi()
     items["landlock"] = Feature(abi > 0, f"ABI v{abi}" if abi > 0 else

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from . import __version__, cgroup, protocol
 from .backends.container import ContainerBackend
+from .backends.microvm import guestimg
+from .backends.microvm.backend import MicroVMBackend
 from .config import Config, ConfigError, parse_size
 from .cpu.manager import CpuHost
 from .engine.builds import BuildService
@@ -34,6 +36,7 @@ from .engine.images import ImageService
 from .engine.lifecycle import LifecycleService
 from .engine.lifetimes import LifetimeService
 from .engine.memory import MemoryService
+from .engine.microvms import MicroVMService
 from .engine.network import NetworkService
 from .engine.procs import ProcessService, ProcLimits
 from .engine.sandboxes import SandboxRegistry
@@ -123,27 +126,30 @@ class Node:
 
         self.image_service = ImageService(cfg, features, layout, root, self.registry, self.workers,
                                           float(cfg.section("memory")["freeze_timeout_s"]))
-        self.memory = MemoryService(cfg, root, self.registry, self.workers, self.events)
+        self.vms = make_microvm_service(cfg, features, layout, self.workers, self.image_service.images.store.path)
+        self.memory = MemoryService(cfg, root, self.registry, self.workers, self.events, self.vms)
         self.net_service = NetworkService(cfg, layout, root, self.limits["max_sandboxes"], self.registry,
                                           self.workers, self.backend)
         self.procs = ProcessService(self.registry, self.workers, self.backend, self.memory.ensure_running,
                                     ProcLimits.from_config(cfg))
         self.lifecycle = LifecycleService(self.registry, self.workers, self.backend, self.image_service.layers,
                                           self.net_service, self.memory, self.events, self.cpu, self.id_ranges,
-                                          self.procs)
+                                          self.procs, self.vms)
+        self.vms.watch = self.lifecycle.watch
         self.lifetimes = LifetimeService(self.registry, self.workers, self.events, self.memory,
                                          self.lifecycle.destroy_sandbox)
         self.create_service = CreateService(cfg, self.registry, self.workers, self.backend, self.image_service,
                                             self.net_service, self.memory, self.cpu, self.id_ranges,
-                                            self.lifecycle, disk_default)
+                                            self.lifecycle, disk_default, self.vms)
         self.starter = ProcessStarter(self.workers)
         exec_limits = ExecLimits.from_config(cfg)
         self.exec_service = ExecService(self.registry, self.workers, self.starter, self.backend,
-                                        self.memory.ensure_running, exec_limits, self._devnull)
+                                        self.memory.ensure_running, exec_limits, self._devnull, self.vms)
         self.builds = BuildService(cfg, self.registry, self.workers, self.image_service, self.create_service,
                                    self.exec_service, self.lifecycle.destroy_sandbox, upper_mode == "tmpfs")
         self.file_service = FileService(self.registry, self.workers, self.memory.ensure_running,
-                                        cfg.size("limits", "max_file_chunk_bytes"), self.backend.copy_by_init)
+                                        cfg.size("limits", "max_file_chunk_bytes"), self.backend.copy_by_init,
+                                        self.vms)
         self.watch_service = WatchService(self.registry, self.workers, self.events, self.memory.ensure_running,
                                           self.limits["max_watches"], self.limits["max_watch_dirs"])
         self.dir_copies = DirCopyService(self.registry, self.workers, self.memory.ensure_running,
@@ -223,8 +229,11 @@ class Node:
                 "capabilities": self.capabilities(), "limits": self.wire_limits()}
 
     def capabilities(self) -> list[str]:
-        return ["exec.stream", "exec.stdin", "files", "files.watch", "files.tar", "backend.container",
+        caps = ["exec.stream", "exec.stdin", "files", "files.watch", "files.tar", "backend.container",
                 "image.dir", "backend.fncall", "proc", "frame.tail"]
+        if self.vms.backend is not None:
+            caps.append("backend.microvm")
+        return caps
 
     def wire_limits(self) -> dict:
         return {"max_frame_bytes": self.cfg.size("limits", "max_frame_bytes"),
@@ -249,6 +258,7 @@ class Node:
                 "net": self.net_service.net_info(),
                 "memory": await self.workers.run(self.memory.info),
                 "fncall": self.call_service.info(),
+                "backends": {"container": {"available": True}, "microvm": self.vms.info()},
                 "admission": self.create_service.info(),
                 "userns": self.id_ranges.info(),
                 "paths": {"socket": d["socket"], "state_dir": str(self.cfg.state_dir), "cgroup_root": root,
@@ -260,6 +270,26 @@ class Node:
         return {"sandboxes": len(self.registry.by_id),
                 "cgroups": cgroup.count_groups(self.layout, self.sb_defaults["cgroup_root"]),
                 "dirs": len(os.listdir(Path(self.cfg.state_dir) / "sandboxes"))}
+
+
+def make_microvm_service(cfg: Config, features: Features, layout: cgroup.Layout, workers: Workers,
+                         store_path) -> MicroVMService:
+    """The microVM backend where the probe found it usable (features.probe_microvm), else
+    a service that refuses VM creates with the probe's reason."""
+    vm_cfg = cfg.section("microvm")
+    probed = features.items.get("microvm")
+    backend = None
+    why = probed.detail if probed else "not probed"
+    if probed is not None and probed.available:
+        try:
+            guest = guestimg.load(Path(vm_cfg["guest_dir"]))
+            backend = MicroVMBackend(layout, vm_cfg, cfg.section("sandbox"), cfg.state_dir, guest, probed.accel,
+                                     cfg.size("microvm", "memory_overhead"), cfg.size("sandbox", "tmp_size"))
+        except (guestimg.GuestImageError, OSError) as err:
+            why = str(err)
+            log.warning("backend microvm unavailable: %s", why)
+    return MicroVMService(backend, why, workers, store_path, vm_cfg, cfg.size("limits", "max_exec_output_bytes"),
+                          int(vm_cfg["uid"]))
 
 
 def pick_exec_via(configured: str, features: Features) -> bool:

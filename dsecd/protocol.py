@@ -301,6 +301,7 @@ class Create:
     publish: list[int] = field(default_factory=list)  # sandbox TCP ports to publish (net_publish, host port picked)
     key: str | None = None          # idempotency key: a retried create returns the same sandbox
     disk: int | str | None = None   # size cap of the writable layer ("20G"); None = sandbox.disk
+    backend: str | None = None      # "container" | "microvm"; None = sandbox.backend
 
 
 @request("top")

@@ -16,8 +16,13 @@
 #   2. Kernel headers where bcc looks for them: /lib/modules/$(uname -r)/build
 #      and .../source. A kernel Debian has no headers package for gets the
 #      newest Debian headers, said on stderr.
+#      qemu-system-x86 for the microVM backend (DSECD_SETUP_MICROVM=0: not).
 #   3. The venv .venv with the system site-packages (Debian's bcc is not on
 #      PyPI), and the project installed in it, editable, with its test extras.
+#
+#   4. The microVM guest (scripts/mkguest.sh): Debian's cloud kernel package
+#      by apt-get download (never installed as the host's kernel) and the
+#      generated initramfs, in /var/cache/dsecd/guest.
 #
 # Idempotent and quick when nothing changed: packages are checked with
 # dpkg-query (apt-get update runs only when something is missing), and the pip
@@ -47,6 +52,11 @@ PACKAGES=(
     skopeo python3-zstandard python3-rich      # image pull: the registry client, zstd layers, progress bars
     docker-registry apache2-utils              # the pull tests' local registry and its htpasswd file
 )
+# The microVM backend: QEMU (direct kernel boot: no firmware package needed).
+# DSECD_SETUP_MICROVM=0 leaves it out (the microVM tests then skip).
+if [[ ${DSECD_SETUP_MICROVM:-1} != 0 ]]; then
+    PACKAGES+=(qemu-system-x86)
+fi
 
 export DEBIAN_FRONTEND=noninteractive PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
@@ -190,6 +200,7 @@ import_check() {
 install_ok() {
     [[ -f $REPO/csrc/init.c && ! -x $REPO/dsecd/libexec/dsec-init ]] && return 1
     [[ -d $REPO/csrc/pager && ! -x $REPO/dsecd/libexec/dsec-pager ]] && return 1
+    [[ -f $REPO/csrc/guest/agent.c && ! -x $REPO/dsecd/libexec/dsec-guest-agent ]] && return 1
     (cd / && "$PY" -c "$(import_check)") >/dev/null 2>&1
 }
 
@@ -229,4 +240,9 @@ install_project
 check_imports
 # The busybox rootfs the integration tests and benchmarks import (cached).
 run bash "$REPO/scripts/mkrootfs.sh"
+# The microVM guest: the cloud kernel by apt-get download, the initramfs built
+# (both cached in /var/cache/dsecd/guest).
+if [[ ${DSECD_SETUP_MICROVM:-1} != 0 ]]; then
+    run bash "$REPO/scripts/mkguest.sh"
+fi
 say "ok ($((SECONDS - T0))s)"

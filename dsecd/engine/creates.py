@@ -47,6 +47,7 @@ from .idranges import IdRanges
 from .images import ImageService
 from .lifecycle import LifecycleService
 from .memory import MemoryService
+from .microvms import MicroVMService
 from .network import NetworkService
 from .sandboxes import Sandbox, SandboxRegistry
 from .workers import Workers
@@ -106,7 +107,7 @@ class CreateService:
 
     def __init__(self, cfg, registry: SandboxRegistry, workers: Workers, backend, images: ImageService,
                  net: NetworkService, memory: MemoryService, cpu: CpuHost, id_ranges: IdRanges,
-                 lifecycle: LifecycleService, disk_default: int):
+                 lifecycle: LifecycleService, disk_default: int, vms: MicroVMService | None = None):
         self.sb_defaults = cfg.section("sandbox")
         self.limits = cfg.section("limits")
         self.registry = registry
@@ -119,6 +120,7 @@ class CreateService:
         self.id_ranges = id_ranges
         self.lifecycle = lifecycle
         self.disk_default = disk_default
+        self.vms = vms
         try:
             self.default_ttl = parse_duration(self.sb_defaults["default_ttl"] or None, "sandbox.default_ttl")
         except BadRequest as err:
@@ -227,7 +229,7 @@ class CreateService:
     # ------------------------------------------------------------ warm pools
 
     def _pool_match(self, req, limits) -> Pool | None:
-        if (req.pids is not None or req.cpu_quota is not None or req.hostname is not None or req.allow
+        if (self._backend_of(req) != "container" or req.pids is not None or req.cpu_quota is not None or req.hostname is not None or req.allow
                 or req.publish or req.disk is not None
                 or (req.qos or self.cpu.cfg["default_qos"]) != self.cpu.cfg["default_qos"]
                 or (req.net or self.net.net_cfg["default_mode"]) != self.net.net_cfg["default_mode"]):
@@ -385,6 +387,22 @@ class CreateService:
                              cpu_hard_quota=quota, cpu_period_us=d["cpu_period_us"],
                              swap_bytes=None if ratio < 0 else int(memory * ratio))
 
+    def _backend_of(self, req) -> str:
+        backend = req.backend or self.sb_defaults["backend"]
+        if backend not in ("container", "microvm"):
+            raise BadRequest(f"backend must be container or microvm, got {backend!r}")
+        return backend
+
+    def _vm_disk_for(self, req) -> int:
+        """A microVM's writable layer: a tmpfs in the guest, capped at this."""
+        try:
+            size = self.disk_default if req.disk is None else parse_size(req.disk)
+        except ConfigError as err:
+            raise BadRequest(f"disk: {err}") from err
+        if not 1 << 20 <= size <= 1 << 50:
+            raise BadRequest(f"disk must be between 1M and 1P, got {size} bytes")
+        return size
+
     def _disk_for(self, req) -> upperfs.Cap | None:
         """The writable layer's cap, or None where layers are uncapped dirs."""
         if self.backend.upper_mode != "tmpfs":
@@ -470,14 +488,38 @@ class CreateService:
         steps.undo("release its id range and layers", release)
         return handle
 
+    async def _create_vm(self, sb: Sandbox, limits: cgroup.Limits, disk: int) -> dict:
+        """A microVM sandbox (dsecd/engine/microvms.py): its QEMU, booted to its agent."""
+        async with AsyncSteps(f"create sandbox {sb.id}") as steps:
+            self.id_ranges.allocate(sb)
+            steps.undo(UNDO_IDS, lambda: self.id_ranges.release(sb))
+            self.registry.add(sb)
+            steps.undo("forget the sandbox", lambda: self.registry.forget(sb.id))
+            sb.handle = await self.vms.create(sb, limits, disk)
+            steps.undo("destroy the VM", lambda: self.workers.run(self.vms.backend.destroy, sb.id, sb.handle))
+            await self.vms.check_cwd(sb, sb.cwd)
+            steps.commit()
+        sb.state = "running"
+        self.registry.save(sb)
+        self.lifecycle.watch(sb)
+        self.memory.on_created(sb)
+        return sb.public()
+
     async def create_now(self, req, ctx, image: Image | None = None) -> dict:
         """The create itself; `create` does keys, pools and the queue first.
         `image`: the image to make it of, already resolved (else `req.image`'s)."""
         limits = self._limits_for(req)
         plan = self.cpu.plan(req.qos)
         self.check_process(req)
-        net_mode = self.net.net_mode(req)
-        disk = self._disk_for(req)
+        backend = self._backend_of(req)
+        if backend == "microvm":
+            if self.vms is None:
+                raise Unsupported("backend microvm is not set up in this daemon")
+            self.vms.check_create(req, limits.memory_bytes)
+            net_mode, disk = "none", upperfs.Cap(self._vm_disk_for(req), self.sb_defaults["disk_inodes"])
+        else:
+            net_mode = self.net.net_mode(req)
+            disk = self._disk_for(req)
         if image is None:
             try:
                 image = await self.workers.run(self.image_service.images.get, req.image)
@@ -498,9 +540,11 @@ class CreateService:
                      user=req.user, qos=plan.qos, core_sched=plan.core_sched,
                      manifest=image.manifest, layers=image.layer_digests,
                      ttl=self._ttl(req), idle_ttl=parse_duration(req.idle_ttl, "idle_ttl"),
-                     lease=parse_duration(req.lease, "lease"), key=req.key)
+                     lease=parse_duration(req.lease, "lease"), key=req.key, backend=backend)
         if sb.lease:
             sb.lease_deadline = time.monotonic() + sb.lease
+        if backend == "microvm":
+            return await self._create_vm(sb, limits, disk.disk_bytes)
         # The record is written once the sandbox runs. A crash before that leaves
         # a directory and cgroups without a record: the next start finds them as
         # orphans, kills what is in the cgroups and removes them.

@@ -15,6 +15,7 @@ from .. import tracing, userns
 from ..errors import BadRequest, Conflict, DsecError, NotFound, io_error, run_error
 from ..execio import ChildWatch, Collector, ExecIO, PtyIO, kill_and_reap
 from ..initlink import InitExec
+from .microvms import MicroVMService
 from .sandboxes import Sandbox, SandboxRegistry
 from .starts import ProcessStarter
 from .workers import Workers
@@ -98,7 +99,8 @@ class ExecService:
     execs (the daemon's one read-only /dev/null)."""
 
     def __init__(self, registry: SandboxRegistry, workers: Workers, starter: ProcessStarter, backend,
-                 ensure_running: Callable[[Sandbox, str], Awaitable[None]], limits: ExecLimits, devnull: int):
+                 ensure_running: Callable[[Sandbox, str], Awaitable[None]], limits: ExecLimits, devnull: int,
+                 vms: MicroVMService | None = None):
         self.registry = registry
         self.workers = workers
         self.starter = starter
@@ -106,6 +108,7 @@ class ExecService:
         self.ensure_running = ensure_running
         self.limits = limits
         self.devnull = devnull
+        self.vms = vms
 
     async def exec(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
@@ -116,6 +119,8 @@ class ExecService:
             raise BadRequest(f"timeout must be in (0, {max_t}] seconds, got {timeout}")
         env, cwd, user = exec_target(sb, req, self.backend)
         await self.ensure_running(sb, "exec")
+        if sb.backend == "microvm":
+            return await self.vms.exec(sb, req, env, cwd, user, timeout, ctx)
         if not (req.stream or req.stdin or req.trace or req.pty):
             # ETXTBSY: the program is open for writing somewhere for a moment
             # (a write_file just answered, whose fd a spawn child copied with the

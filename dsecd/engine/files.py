@@ -19,6 +19,7 @@ from ..errors import BadRequest, LimitExceeded, io_error
 from ..fs import files as sbfiles
 from ..initlink import InitExec
 from . import copier
+from .microvms import MicroVMService
 from .sandboxes import Sandbox, SandboxRegistry
 from .workers import Workers
 
@@ -35,16 +36,19 @@ class FileService:
 
     def __init__(self, registry: SandboxRegistry, workers: Workers,
                  ensure_running: Callable[[Sandbox, str], Awaitable[None]], max_chunk: int,
-                 copy_by_init: CopyByInit):
+                 copy_by_init: CopyByInit, vms: MicroVMService | None = None):
         self.registry = registry
         self.workers = workers
         self.ensure_running = ensure_running
         self.max_chunk = max_chunk
         self.copy_by_init = copy_by_init
+        self.vms = vms
 
     async def _file_op(self, req, verb: str, fn, *args):
         sb = self.registry.get(req.sandbox, req)
         await self.ensure_running(sb, f"file {verb}")
+        if sb.backend == "microvm":
+            return await self.vms.file_op(sb, req)
         try:
             return await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap), fn,
                                           sb.handle.rootfd, *args)
@@ -78,6 +82,10 @@ class FileService:
             raise BadRequest(f"offset must be >= 0 and not given with append, got offset {req.offset} "
                              f"append {req.append}")
         keep = req.append or req.offset is not None
+        sb = self.registry.get(req.sandbox, req)
+        if sb.backend == "microvm":
+            await self.ensure_running(sb, "file write")
+            return await self.vms.file_op(sb, req)
         fd = await self._file_op(req, "write", sbfiles.open_for_write, req.path, req.append, keep, req.mode,
                                  req.parents)
         try:

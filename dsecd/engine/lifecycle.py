@@ -19,6 +19,7 @@ from ..mem import pause
 from .events import EventBus
 from .idranges import IdRanges
 from .memory import MemoryService
+from .microvms import MicroVMService
 from .network import NetworkService
 from .procs import ProcessService
 from .sandboxes import Sandbox, SandboxRegistry
@@ -42,10 +43,11 @@ class LifecycleService:
 
     def __init__(self, registry: SandboxRegistry, workers: Workers, backend, layers: LayerMounts,
                  net: NetworkService, memory: MemoryService, events: EventBus, cpu: CpuHost, id_ranges: IdRanges,
-                 procs: ProcessService):
+                 procs: ProcessService, vms: MicroVMService | None = None):
         self.registry = registry
         self.workers = workers
         self.backend = backend
+        self.vms = vms if vms is not None else MicroVMService(None, "not set up", workers, None, {}, 0, 0)
         self.layers = layers
         self.net = net
         self.memory = memory
@@ -66,18 +68,25 @@ class LifecycleService:
         for sb_id in orphans:
             log.warning("removing orphaned sandbox resources %s (no journal record)", sb_id)
             await self.workers.run(self.backend.destroy, sb_id, None)
+        if self.vms.backend is not None:
+            for sb_id in await self.workers.run(self.vms.backend.orphans, set(self.registry.by_id)):
+                log.warning("removing orphaned microVM %s (no journal record)", sb_id)
+                await self.workers.run(self.vms.backend.destroy, sb_id, None)
 
     async def _recover(self, sb_id: str, rec: dict) -> None:
         sb = Sandbox(id=sb_id, **{k: rec[k] for k in RECORD_FIELDS if k in rec})
         if sb.state in ("creating", "stopping"):
             # Interrupted mid-create or mid-destroy: finish tearing it down.
             log.info("sandbox %s was %s when the daemon stopped; removing it", sb_id, sb.state)
-            await self.workers.run(self.backend.destroy, sb_id, None)
+            await self.workers.run(self.backend_of(sb).destroy, sb_id, None)
             self.registry.journal.delete(sb_id)
             return
         self.registry.add(sb)
         self.id_ranges.reserve(sb)
         if sb.state == "dead":
+            return
+        if sb.backend == "microvm":
+            await self._recover_vm(sb, rec)
             return
         handle = await self.workers.run(self.backend.adopt, sb_id, rec.get("init_pid"), rec.get("init_start"),
                                         bool(sb.limits.get("disk")))
@@ -102,13 +111,50 @@ class LifecycleService:
         self.watch(sb)
         log.info("re-adopted sandbox %s (init pid %d)", sb_id, handle.init_pid)
 
+    async def _recover_vm(self, sb: Sandbox, rec: dict) -> None:
+        """A microVM sandbox after a restart: its QEMU, and both channels again."""
+        handle = None
+        if self.vms.backend is not None and sb.state == "paused":
+            handle = self.vms.backend.paused_handle(sb.id, sb.limits["memory"])
+            if handle is not None:
+                sb.handle = handle          # no QEMU until resumed: nothing to watch
+                log.info("re-adopted sandbox %s (microVM, paused)", sb.id)
+                return
+        elif self.vms.backend is not None:
+            handle = await self.workers.run(self.vms.backend.adopt, sb.id, rec.get("init_pid"),
+                                            rec.get("init_start"))
+        if handle is not None:
+            try:
+                await self.vms.reconnect(sb, handle)
+            except Exception as err:
+                log.error("sandbox %s: its VM runs but cannot be reached again (%s): destroying it", sb.id, err)
+                await self.workers.run(self.vms.backend.destroy, sb.id, handle)
+                handle = None
+        if handle is None:
+            log.warning("sandbox %s (microVM) died while the daemon was down", sb.id)
+            await self._mark_dead(sb, None)
+            return
+        handle.guest_memory = sb.limits["memory"]
+        sb.handle = handle
+        sb.last_active = time.monotonic()
+        if sb.lease:
+            sb.lease_deadline = sb.last_active + sb.lease
+        self.watch(sb)
+        log.info("re-adopted sandbox %s (microVM, QEMU pid %d)", sb.id, handle.init_pid)
+
+    def backend_of(self, sb: Sandbox):
+        return self.vms.backend if sb.backend == "microvm" and self.vms.backend is not None else self.backend
+
     def close(self) -> None:
         """Daemon shutdown: stop watching and close the handles' fds; the
         sandboxes keep running for the next daemon."""
         for sb in self.registry.by_id.values():
             if sb.handle and sb.handle.pidfd >= 0:
                 self.workers.loop.remove_reader(sb.handle.pidfd)
-                close_handle(sb.handle)
+                if sb.backend == "microvm":
+                    self.vms.detach(sb.handle)
+                else:
+                    close_handle(sb.handle)
 
     # ------------------------------------------------------------ init exits
 
@@ -133,6 +179,9 @@ class LifecycleService:
         sb.died = time.time()
         self.events.publish("died", sb.id)
         sb.handle = None
+        if sb.backend == "microvm":
+            await self._vm_dead(sb, h)
+            return
         if h is not None:      # a live sandbox held its layer mounts (re-adopted ones too)
             self.layers.release(sb.layers)
 
@@ -156,6 +205,19 @@ class LifecycleService:
         finally:
             self.registry.save(sb)
 
+    async def _vm_dead(self, sb: Sandbox, h) -> None:
+        """A microVM whose QEMU exited (a guest panic, an OOM kill of QEMU):
+        its cgroups and directory go, its record stays, as dead."""
+        try:
+            kills = await self.workers.run(self.stop_counting_oom, sb.id, h, self.backend.group_for(sb.id),
+                                           self.backend_of(sb))
+            if kills is not None:
+                self.memory.report_oom(sb, kills)
+            if self.vms.backend is not None:
+                await self.workers.run(self.vms.backend.release, sb.id, h)
+        finally:
+            self.registry.save(sb)
+
     # ------------------------------------------------------------ views
 
     async def top(self, req, ctx) -> dict:
@@ -170,7 +232,10 @@ class LifecycleService:
     async def inspect(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
         out = sb.public()
-        if sb.handle:
+        if sb.handle and sb.backend == "microvm":
+            out["cgroups"] = {k: str(v) for k, v in sb.handle.group.dirs.items()}
+            out["vm"] = self.vms.inspect(sb)
+        elif sb.handle:
             out["cgroups"] = {k: str(v) for k, v in sb.handle.group.dirs.items()}
             if sb.handle.dir is not None:
                 out["dir"] = str(sb.handle.dir)
@@ -208,7 +273,7 @@ class LifecycleService:
         if h and h.pidfd >= 0:
             self.workers.loop.remove_reader(h.pidfd)
         try:
-            kills = await self.workers.run(self.stop_counting_oom, sb.id, h)
+            kills = await self.workers.run(self.stop_counting_oom, sb.id, h, None, self.backend_of(sb))
         except OSError as err:
             log.error("destroy sandbox %s: %s", sb.id, err)
             sb.state = prev
@@ -221,18 +286,19 @@ class LifecycleService:
         self.registry.remove(sb, prev)       # its record, and its idempotency key
         self.procs.forget(sb.id)             # its background processes died with it
         self.id_ranges.release(sb)        # its processes are gone: stop() waited for them
-        if prev != "dead":          # a dead sandbox gave its layers back already
+        if prev != "dead" and sb.backend != "microvm":   # a dead sandbox gave its layers back already
             self.layers.release(sb.layers)
-        self.workers.behind(self.backend.release, sb.id, h)
+        self.workers.behind(self.backend_of(sb).release, sb.id, h)
         self.events.publish("destroyed", sb.id, previous_state=prev)
         return {"id": sb.id, "previous_state": prev}
 
-    def stop_counting_oom(self, sb_id: str, h: Handle | None, group=None) -> int | None:
-        """backend.stop, with the OOM kill count read before it removes the
-        cgroups: of `group`, else of the handle's (neither: not read)."""
+    def stop_counting_oom(self, sb_id: str, h: Handle | None, group=None, backend=None) -> int | None:
+        """backend.stop (the container backend's unless given), with the OOM
+        kill count read before it removes the cgroups: of `group`, else of
+        the handle's (neither: not read)."""
         group = group if group is not None else (h.group if h is not None else None)
         kills = self.memory.oom_count(group) if group is not None else None
-        self.backend.stop(sb_id, h)
+        (backend or self.backend).stop(sb_id, h)
         return kills
 
     async def _destroy_many(self, sbs: list[Sandbox], force: bool) -> tuple[list[str], dict[str, str]]:

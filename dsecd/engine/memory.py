@@ -39,12 +39,14 @@ class MemoryService:
     `job_resume`); the resume an exec or file request needs first
     (ensure_running); the swap backends and DAMON dsecd runs; OOM kills."""
 
-    def __init__(self, cfg, cgroup_root: str, registry: SandboxRegistry, workers: Workers, events: EventBus):
+    def __init__(self, cfg, cgroup_root: str, registry: SandboxRegistry, workers: Workers, events: EventBus,
+                 vms=None):
         self.cgroup_root = cgroup_root
         self.state_dir = cfg.state_dir
         self.registry = registry
         self.workers = workers
         self.events = events
+        self.vms = vms          # MicroVMService: a microVM pauses by saving its state (dsecd/engine/microvms.py)
         mem = cfg.section("memory")
         self.pause_cfg = pause.PauseConfig.from_section(mem)
         self.auto_resume = mem["auto_resume"]
@@ -197,6 +199,9 @@ class MemoryService:
         if not self.auto_resume:
             raise Conflict(f"sandbox {sb.id} is paused; resume it before {why} (memory.auto_resume is off)",
                            {"sandbox": sb.id, "state": "paused"})
+        if _is_vm(sb):
+            await self._resume(sb)
+            return
         # On demand: thaw first, so the request is not held up by the prefetch,
         # which then runs behind it. The record is read before: resume clears it.
         rec = pause.PauseRecord.from_json(sb.pause_record or {})
@@ -213,11 +218,23 @@ class MemoryService:
             if sb.state != "running":
                 raise Conflict(f"sandbox {sb.id} is {sb.state}; only a running sandbox can be paused")
             self._cancel_behind(sb.id)          # a prefetch still queued would undo the reclaim
+            if _is_vm(sb):
+                return self._mark_vm_paused(sb, await self.vms.pause(sb))
             try:
                 rec = await self.workers.run(pause.pause, sb.handle.group, self.pause_cfg)
             except OSError as err:
                 raise DsecError(f"pause sandbox {sb.id}: {err}", code="busy" if err.errno == 16 else "io") from err
             return self._mark_paused(sb, rec)
+
+    def _mark_vm_paused(self, sb, rec: dict) -> dict:
+        """A microVM paused (dsecd/engine/microvms.py): its state in a file, its QEMU gone."""
+        sb.state = "paused"
+        sb.paused_at = time.monotonic()
+        sb.pause_record = rec
+        self.registry.save(sb)
+        self.events.publish("paused", sb.id, freed_bytes=sb.limits["memory"])
+        return {"id": sb.id, "state": "paused", "frozen_s": rec["save_s"], "reclaim_s": rec["stop_s"],
+                "freed_bytes": sb.limits["memory"], "methods": ["vm-save"], "image_bytes": rec["image_bytes"]}
 
     def _mark_paused(self, sb, rec: pause.PauseRecord, journal: bool = True) -> dict:
         sb.state = "paused"
@@ -234,6 +251,11 @@ class MemoryService:
             if sb.state != "paused":
                 return {"id": sb.id, "state": sb.state, "already": True}
             self._cancel_behind(sb.id)          # a reclaim still queued after a job pause
+            if _is_vm(sb):
+                res = await self.vms.resume(sb, sb.pause_record or {})
+                self._mark_resumed(sb, 0)
+                return {"id": sb.id, "state": "running", "prefetch_s": 0.0, "thaw_s": res["restore_s"],
+                        "prefetched_bytes": 0}
             rec = pause.PauseRecord.from_json(sb.pause_record or {})
             try:
                 res = await self.workers.run(pause.resume, sb.handle.group, rec, self.pause_cfg.freeze_timeout_s,
@@ -382,3 +404,8 @@ class MemoryService:
             return pause.oom_kills(group)
         except OSError:
             return None
+
+
+def _is_vm(sb) -> bool:
+    """A microVM sandbox: it pauses by saving its state (MicroVMService), not by the freezer."""
+    return getattr(sb, "backend", "container") == "microvm"

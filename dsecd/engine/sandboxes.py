@@ -19,8 +19,13 @@ import asyncio
 from dataclasses import dataclass, field
 
 from ..backends.container import Handle
-from ..errors import BadRequest, Conflict, NotFound
+from ..errors import BadRequest, Conflict, NotFound, Unsupported
 from ..journal import Journal
+
+# The ops a microVM sandbox serves (dsecd/engine/microvms.py); the others are
+# `unsupported` for it until the backend grows them.
+MICROVM_OPS = frozenset({"inspect", "destroy", "exec", "file_read", "file_write", "file_list", "file_stat",
+                         "file_mkdir", "file_remove", "file_rename", "pause", "resume"})
 
 
 @dataclass
@@ -111,6 +116,10 @@ class SandboxRegistry:
                 raise BadRequest(f"sandbox prefix {sb_id!r} is ambiguous", {"matches": [s.id for s in matches]})
             else:
                 raise NotFound(f"no sandbox {sb_id!r} (see `dsec ps`)", {"sandbox": sb_id})
+        if sb.backend == "microvm" and op_cls.OP not in MICROVM_OPS:
+            raise Unsupported(f"{op_cls.OP} is not available for microVM sandboxes yet ({sb.id} runs "
+                              "with backend microvm); see docs/architecture.md, \"The microVM backend\"",
+                              {"sandbox": sb.id, "backend": sb.backend})
         if op_cls.STATES and sb.state not in op_cls.STATES:
             raise Conflict(f"sandbox {sb.id} is {sb.state}; {op_cls.OP} needs it {' or '.join(op_cls.STATES)}",
                            {"sandbox": sb.id, "state": sb.state})

@@ -14,12 +14,25 @@ a lower layer later (pack_diff).
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
 MKFS = "mkfs.erofs"
 FIXED_UUID = "00000000-0000-0000-0000-000000000000"
+# Every layer file is padded (sparse zeros: no disk) to a multiple of this, so
+# the microVM backend can hand the very same blob to a guest as a virtio-pmem
+# device: the guest's nd_pmem driver refuses a region that is not 2 MiB
+# aligned ("misaligned, unable to map"), and QEMU maps a file only whole.
+# EROFS ignores bytes past its last block, so a host mount reads it the same.
+PMEM_ALIGN = 2 << 20
+
+
+def pad_to_pmem(path: Path) -> None:
+    size = path.stat().st_size
+    if size % PMEM_ALIGN:
+        os.truncate(path, size + PMEM_ALIGN - size % PMEM_ALIGN)
 
 
 class ErofsError(Exception):
@@ -44,3 +57,4 @@ def build(src: Path, out: Path, exclude: Iterable[str] = ()) -> None:
         detail = msg[-1] if msg else f"exit {proc.returncode}"
         code = "io" if "No space" in detail or "ENOSPC" in detail else "bad_request"
         raise ErofsError(code, f"mkfs.erofs {src}: {detail}")
+    pad_to_pmem(out)

@@ -1,0 +1,1357 @@
+/* agent.c - dsec-guest-agent, PID 1 of every microVM sandbox (static binary).
+ *
+ * It is /init of the guest's initramfs (dsecd/backends/microvm/guestimg.py
+ * builds it). At boot it:
+ *   1. mounts /dev, /proc, /sys and loads the kernel modules listed in
+ *      /modules.order (finit_module, dependencies first);
+ *   2. mounts every image layer, an EROFS file the host shares as a
+ *      virtio-pmem device, with dax=always (the guest reads the host's page
+ *      cache of the blob, no copy in guest RAM), in the order of the devices'
+ *      PCI addresses (the host places layer i, bottom first, at slot BASE+i);
+ *   3. mounts a writable upper (a tmpfs of dsec.disk bytes) and the overlay of
+ *      both, with /proc, /dev, /dev/pts, /dev/shm and /tmp inside, and moves
+ *      it onto / (an initramfs cannot be pivoted away: switch_root's way);
+ *   4. serves the host over the virtio-serial port named "dsec.agent".
+ *
+ * Kernel command-line parameters it reads: dsec.layers=N (pmem devices to
+ * mount), dsec.disk=BYTES (the upper tmpfs cap), dsec.tmp=BYTES (/tmp cap).
+ *
+ * The channel: frames of  u32 length (big-endian, of what follows) | u8 type |
+ * u32 id | body, where a body is a sequence of fields, each a u64 (big-endian)
+ * or a byte string (u32 length + bytes). dsecd/backends/microvm/wire.py is
+ * the host side and names the layout of every message; keep both in step.
+ * Requests carry the host's id; answers repeat it. An exec's id names it in
+ * STDIN, KILL, OUT and EXITED.
+ *
+ * One thread, one poll loop: the channel, each exec's stdout/stderr pipes
+ * and stdin pipe (written when it can take data: a process that does not
+ * read its stdin never stalls the agent), and a signalfd for SIGCHLD. File
+ * operations resolve paths with openat2(RESOLVE_IN_ROOT) under the sandbox
+ * root, as the container backend does on the host, and run here, in the
+ * loop: they are short, and the host sends at most limits.max_file_chunk_bytes
+ * per request.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/random.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/sysmacros.h>
+#include <grp.h>
+#include <sys/time.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <linux/random.h>
+#include <sys/ioctl.h>
+
+#include "../missing_defs.h"
+
+#ifndef MS_MOVE
+#define MS_MOVE 8192
+#endif
+#ifndef RENAME_NOREPLACE
+#define RENAME_NOREPLACE (1 << 0)
+#endif
+
+/* message types: host -> guest */
+enum {
+    M_HELLO = 1,   /* hostname, unix time ns, seed: answered READY */
+    M_EXEC = 2,    /* uid, gid, flags, cwd, argc, argv..., envc, env... */
+    M_STDIN = 3,   /* eof, data */
+    M_KILL = 4,    /* signal */
+    M_READ = 10,   /* path, offset, length */
+    M_WRITE = 11,  /* path, flags, mode, offset (2^64-1: none), data */
+    M_STAT = 12,   /* path */
+    M_LIST = 13,   /* path, depth */
+    M_MKDIR = 14,  /* path, parents, mode */
+    M_REMOVE = 15, /* path, recursive */
+    M_RENAME = 16, /* src, dst, flags (RENAME_*) */
+    M_SYNC = 17,   /* (nothing): sync(), answered OK */
+};
+/* guest -> host */
+enum {
+    A_READY = 101,   /* info text */
+    A_STARTED = 102, /* pid */
+    A_OUT = 103,     /* fd (1, 2), data */
+    A_EXITED = 104,  /* wait status */
+    A_OK = 105,      /* the op's fields */
+    A_ERR = 106,     /* errno, what failed (text) */
+};
+
+#define EXEC_STDIN 1u       /* M_EXEC flags: the exec takes stdin (else /dev/null) */
+#define WRITE_APPEND 1u     /* M_WRITE flags */
+#define WRITE_KEEP 2u       /* do not truncate */
+#define WRITE_PARENTS 4u    /* make missing parent directories */
+#define RENAME_OVERWRITE 1u /* M_RENAME flags: replace an existing dst */
+#define RENAME_KEEP_ATTRS 2u /* a regular file replacing one takes its owner, group and mode */
+
+#define MAX_MSG (64u << 20) /* the host never sends more in one frame */
+#define MAX_EXECS 256
+#define OUT_CHUNK 65536
+#define MAX_LIST 100000
+
+static int chan = -1;   /* the virtio-serial port */
+static int rootfd = -1; /* O_PATH of the sandbox root, for openat2 */
+
+static void say(const char *fmt, ...)
+{
+    char buf[512];
+    va_list ap;
+    int n;
+
+    va_start(ap, fmt);
+    n = vsnprintf(buf, sizeof(buf) - 1, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        return;
+    if (n > (int)sizeof(buf) - 2)
+        n = sizeof(buf) - 2;
+    buf[n++] = '\n';
+    /* the console is ttyS0: the host keeps it as the sandbox's serial log */
+    int fd = open("/dev/console", O_WRONLY | O_NOCTTY | O_CLOEXEC);
+    if (fd >= 0) {
+        ssize_t ignored = write(fd, "dsec-agent: ", 12);
+        ignored = write(fd, buf, (size_t)n);
+        (void)ignored;
+        close(fd);
+    }
+}
+
+/* ---- building answers ------------------------------------------------------ */
+
+struct buf {
+    unsigned char *p;
+    size_t len, cap;
+};
+
+static void buf_need(struct buf *b, size_t more)
+{
+    if (b->len + more <= b->cap)
+        return;
+    size_t cap = b->cap ? b->cap : 256;
+    while (cap < b->len + more)
+        cap *= 2;
+    unsigned char *p = realloc(b->p, cap);
+    if (!p) {
+        say("out of memory for a %zu-byte answer", b->len + more);
+        _exit(1); /* PID 1 exiting panics the guest: the host sees the VM die */
+    }
+    b->p = p;
+    b->cap = cap;
+}
+
+static void put_u8(struct buf *b, uint8_t v)
+{
+    buf_need(b, 1);
+    b->p[b->len++] = v;
+}
+
+static void put_u32(struct buf *b, uint32_t v)
+{
+    buf_need(b, 4);
+    for (int i = 3; i >= 0; i--)
+        b->p[b->len++] = (unsigned char)(v >> (8 * i));
+}
+
+static void put_u64(struct buf *b, uint64_t v)
+{
+    buf_need(b, 8);
+    for (int i = 7; i >= 0; i--)
+        b->p[b->len++] = (unsigned char)(v >> (8 * i));
+}
+
+static void put_bytes(struct buf *b, const void *data, size_t n)
+{
+    put_u32(b, (uint32_t)n);
+    buf_need(b, n);
+    memcpy(b->p + b->len, data, n);
+    b->len += n;
+}
+
+static void put_str(struct buf *b, const char *s)
+{
+    put_bytes(b, s, strlen(s));
+}
+
+/* A frame: header now, length patched by send_msg. */
+static void begin(struct buf *b, uint8_t type, uint32_t id)
+{
+    b->len = 0;
+    put_u32(b, 0);
+    put_u8(b, type);
+    put_u32(b, id);
+}
+
+static void write_all(int fd, const unsigned char *p, size_t n)
+{
+    while (n) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN) {
+                struct pollfd pf = {.fd = fd, .events = POLLOUT};
+                poll(&pf, 1, 1000);
+                continue;
+            }
+            say("channel write: %s", strerror(errno));
+            return;
+        }
+        p += w;
+        n -= (size_t)w;
+    }
+}
+
+static void send_msg(struct buf *b)
+{
+    uint32_t n = (uint32_t)(b->len - 4);
+
+    b->p[0] = (unsigned char)(n >> 24);
+    b->p[1] = (unsigned char)(n >> 16);
+    b->p[2] = (unsigned char)(n >> 8);
+    b->p[3] = (unsigned char)n;
+    write_all(chan, b->p, b->len);
+}
+
+static struct buf out; /* one answer at a time */
+
+static void send_err(uint32_t id, int err, const char *what)
+{
+    begin(&out, A_ERR, id);
+    put_u64(&out, (uint64_t)err);
+    put_str(&out, what);
+    send_msg(&out);
+}
+
+/* ---- reading requests ------------------------------------------------------ */
+
+struct rd {
+    const unsigned char *p, *end;
+    int bad;
+};
+
+static uint64_t get_u64(struct rd *r)
+{
+    uint64_t v = 0;
+
+    if (r->end - r->p < 8) {
+        r->bad = 1;
+        return 0;
+    }
+    for (int i = 0; i < 8; i++)
+        v = v << 8 | *r->p++;
+    return v;
+}
+
+/* A byte string; NUL-terminated in place is not possible, so strings are
+ * copied out by get_str. */
+static const unsigned char *get_bytes(struct rd *r, size_t *n)
+{
+    uint32_t len = 0;
+
+    if (r->end - r->p < 4) {
+        r->bad = 1;
+        return NULL;
+    }
+    for (int i = 0; i < 4; i++)
+        len = len << 8 | *r->p++;
+    if ((size_t)(r->end - r->p) < len) {
+        r->bad = 1;
+        return NULL;
+    }
+    *n = len;
+    r->p += len;
+    return r->p - len;
+}
+
+/* A NUL-free string, malloc'd (the caller frees); NULL if bad. */
+static char *get_str(struct rd *r)
+{
+    size_t n;
+    const unsigned char *p = get_bytes(r, &n);
+
+    if (!p || memchr(p, 0, n)) {
+        r->bad = 1;
+        return NULL;
+    }
+    char *s = malloc(n + 1);
+    if (!s) {
+        r->bad = 1;
+        return NULL;
+    }
+    memcpy(s, p, n);
+    s[n] = 0;
+    return s;
+}
+
+/* ---- execs ------------------------------------------------------------------ */
+
+struct exec {
+    uint32_t id;
+    pid_t pid;           /* 0: slot free */
+    int out[3];          /* [1] stdout, [2] stderr read ends; -1 closed */
+    int in;              /* stdin write end; -1 none or closed */
+    unsigned char *pend; /* stdin not yet taken by the pipe */
+    size_t pend_len, pend_off;
+    int in_eof;          /* close stdin once pend is written */
+};
+static struct exec execs[MAX_EXECS];
+
+static struct exec *exec_by_id(uint32_t id)
+{
+    for (int i = 0; i < MAX_EXECS; i++)
+        if (execs[i].pid && execs[i].id == id)
+            return &execs[i];
+    return NULL;
+}
+
+static void close_fd(int *fd)
+{
+    if (*fd >= 0) {
+        close(*fd);
+        *fd = -1;
+    }
+}
+
+/* Read what a stdout/stderr pipe holds into OUT frames; 0 at EOF/error. */
+static int forward(struct exec *x, int k, int drain)
+{
+    static unsigned char chunk[OUT_CHUNK];
+
+    for (;;) {
+        ssize_t n = read(x->out[k], chunk, sizeof(chunk));
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && errno == EAGAIN)
+            return 1;
+        if (n <= 0) {
+            close_fd(&x->out[k]);
+            return 0;
+        }
+        begin(&out, A_OUT, x->id);
+        put_u64(&out, (uint64_t)k);
+        put_bytes(&out, chunk, (size_t)n);
+        send_msg(&out);
+        if (!drain)
+            return 1;
+    }
+}
+
+static void exec_free(struct exec *x)
+{
+    close_fd(&x->out[1]);
+    close_fd(&x->out[2]);
+    close_fd(&x->in);
+    free(x->pend);
+    memset(x, 0, sizeof(*x));
+}
+
+static void flush_stdin(struct exec *x)
+{
+    while (x->in >= 0 && x->pend_off < x->pend_len) {
+        ssize_t w = write(x->in, x->pend + x->pend_off, x->pend_len - x->pend_off);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN)
+                return;
+            close_fd(&x->in); /* EPIPE: the process closed its stdin */
+            break;
+        }
+        x->pend_off += (size_t)w;
+    }
+    if (x->pend_off >= x->pend_len) {
+        free(x->pend);
+        x->pend = NULL;
+        x->pend_len = x->pend_off = 0;
+        if (x->in_eof)
+            close_fd(&x->in);
+    }
+}
+
+static void do_exec(uint32_t id, struct rd *r)
+{
+    uint64_t uid = get_u64(r), gid = get_u64(r), flags = get_u64(r);
+    char *cwd = get_str(r);
+    uint64_t argc = get_u64(r);
+    char **argv = NULL, **envp = NULL;
+    uint64_t envc = 0, i;
+    struct exec *x = NULL;
+    int po[2] = {-1, -1}, pe[2] = {-1, -1}, pi[2] = {-1, -1}, perr[2] = {-1, -1};
+
+    if (r->bad || argc < 1 || argc > 65536)
+        goto bad;
+    argv = calloc(argc + 1, sizeof(char *));
+    for (i = 0; argv && i < argc; i++)
+        argv[i] = get_str(r);
+    envc = get_u64(r);
+    if (!argv || r->bad || envc > 65536)
+        goto bad;
+    envp = calloc(envc + 1, sizeof(char *));
+    for (i = 0; envp && i < envc; i++)
+        envp[i] = get_str(r);
+    if (!envp || r->bad || !argv[0][0])
+        goto bad;
+    if (exec_by_id(id)) {
+        send_err(id, EEXIST, "exec id in use");
+        goto done;
+    }
+    for (i = 0; i < MAX_EXECS && execs[i].pid; i++)
+        ;
+    if (i == MAX_EXECS) {
+        send_err(id, EAGAIN, "too many execs at once");
+        goto done;
+    }
+    x = &execs[i];
+    if (pipe2(po, O_CLOEXEC) < 0 || pipe2(pe, O_CLOEXEC) < 0 || pipe2(perr, O_CLOEXEC) < 0 ||
+        ((flags & EXEC_STDIN) && pipe2(pi, O_CLOEXEC) < 0)) {
+        send_err(id, errno, "pipe");
+        goto fail;
+    }
+    /* vfork: no copy of the agent's page tables, which under TCG (softmmu)
+     * is most of an exec's cost. The child only makes syscalls on its own
+     * stack until it execs or _exits (the agent is single-threaded, so
+     * glibc's set*id are plain syscalls). */
+    pid_t pid = vfork();
+    if (pid < 0) {
+        send_err(id, errno, "fork");
+        goto fail;
+    }
+    if (pid == 0) {
+        int err, in = (flags & EXEC_STDIN) ? pi[0] : open("/dev/null", O_RDONLY);
+        const char *step = "stdio";
+        sigset_t none;
+
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        setsid();
+        if (in < 0 || dup2(in, 0) < 0 || dup2(po[1], 1) < 0 || dup2(pe[1], 2) < 0)
+            goto child_fail;
+        step = "setgroups";
+        if (setgroups(0, NULL) < 0)
+            goto child_fail;
+        step = "setgid";
+        if (setgid((gid_t)gid) < 0)
+            goto child_fail;
+        step = "setuid";
+        if (setuid((uid_t)uid) < 0)
+            goto child_fail;
+        step = "chdir";
+        if (chdir(cwd) < 0)
+            goto child_fail;
+        umask(022);
+        step = "exec";
+        execvpe(argv[0], argv, envp);
+    child_fail:
+        err = errno;
+        {
+            /* one write: the parent reads errno and step in one read */
+            char msg[64];
+            size_t n = strlen(step);
+
+            memcpy(msg, &err, sizeof(err));
+            memcpy(msg + sizeof(err), step, n);
+            ssize_t ignored = write(perr[1], msg, sizeof(err) + n);
+            (void)ignored;
+        }
+        _exit(127);
+    }
+    close_fd(&po[1]);
+    close_fd(&pe[1]);
+    close_fd(&pi[0]);
+    close_fd(&perr[1]);
+    {
+        /* EOF: it exec'd; else errno and the failed step */
+        char eb[64] = {0};
+        ssize_t n;
+
+        while ((n = read(perr[0], eb, sizeof(eb) - 1)) < 0 && errno == EINTR)
+            ;
+        close_fd(&perr[0]);
+        if (n >= (ssize_t)sizeof(int)) {
+            int err;
+
+            memcpy(&err, eb, sizeof(err));
+            waitpid(pid, NULL, 0);
+            send_err(id, err, eb + sizeof(int));
+            goto fail;
+        }
+    }
+    x->id = id;
+    x->pid = pid;
+    x->out[0] = -1;
+    x->out[1] = po[0];
+    x->out[2] = pe[0];
+    x->in = pi[1];
+    fcntl(po[0], F_SETFL, O_NONBLOCK);
+    fcntl(pe[0], F_SETFL, O_NONBLOCK);
+    if (x->in >= 0)
+        fcntl(x->in, F_SETFL, O_NONBLOCK);
+    begin(&out, A_STARTED, id);
+    put_u64(&out, (uint64_t)pid);
+    send_msg(&out);
+    goto done;
+bad:
+    send_err(id, EINVAL, "malformed exec request");
+    goto done;
+fail:
+    close_fd(&po[0]);
+    close_fd(&po[1]);
+    close_fd(&pe[0]);
+    close_fd(&pe[1]);
+    close_fd(&pi[0]);
+    close_fd(&pi[1]);
+    close_fd(&perr[0]);
+    close_fd(&perr[1]);
+done:
+    free(cwd);
+    if (argv)
+        for (i = 0; i < argc; i++)
+            free(argv[i]);
+    if (envp)
+        for (i = 0; i < envc; i++)
+            free(envp[i]);
+    free(argv);
+    free(envp);
+}
+
+static void do_stdin(uint32_t id, struct rd *r)
+{
+    uint64_t eof = get_u64(r);
+    size_t n = 0;
+    const unsigned char *data = get_bytes(r, &n);
+    struct exec *x = exec_by_id(id);
+
+    if (r->bad || !x || x->in < 0)
+        return; /* an exec that ended or took no stdin: input is dropped */
+    if (n) {
+        unsigned char *p = realloc(x->pend, x->pend_len + n);
+        if (!p)
+            return;
+        memcpy(p + x->pend_len, data, n);
+        x->pend = p;
+        x->pend_len += n;
+    }
+    x->in_eof |= eof != 0;
+    flush_stdin(x);
+}
+
+static void do_kill(uint32_t id, struct rd *r)
+{
+    uint64_t sig = get_u64(r);
+    struct exec *x = exec_by_id(id);
+
+    if (!r->bad && x)
+        kill(-x->pid, (int)sig); /* its process group: it called setsid */
+}
+
+/* Every child that ended: an exec's output drained, then EXITED. What a
+ * background child of it writes after that is dropped with the pipes. */
+static void reap(void)
+{
+    int status;
+    pid_t pid;
+
+    while ((pid = waitpid(-1, &status, WNOHANG)) > 0)
+        for (int i = 0; i < MAX_EXECS; i++) {
+            struct exec *x = &execs[i];
+
+            if (x->pid != pid)
+                continue;
+            for (int k = 1; k <= 2; k++)
+                if (x->out[k] >= 0)
+                    forward(x, k, 1);
+            begin(&out, A_EXITED, x->id);
+            put_u64(&out, (uint64_t)(unsigned)status);
+            send_msg(&out);
+            exec_free(x);
+            break;
+        }
+}
+
+/* ---- files ------------------------------------------------------------------ */
+
+static int open_in_root(const char *path, int flags, mode_t mode)
+{
+    struct {
+        uint64_t flags, mode, resolve;
+    } how = {.flags = (uint64_t)(flags | O_CLOEXEC), .mode = mode,
+             .resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS};
+
+    return (int)syscall(__NR_openat2, rootfd, path, &how, sizeof(how));
+}
+
+/* The parent dir of path (opened in root) and the last name; -1 on error. */
+static int open_parent(const char *path, const char **name)
+{
+    const char *slash = strrchr(path, '/');
+    char parent[4096];
+    size_t n;
+
+    if (!slash || !slash[1]) {
+        errno = EINVAL;
+        return -1;
+    }
+    n = (size_t)(slash - path);
+    if (n >= sizeof(parent)) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    memcpy(parent, path, n);
+    parent[n] = 0;
+    *name = slash + 1;
+    return open_in_root(n ? parent : "/", O_PATH | O_DIRECTORY, 0);
+}
+
+static const char *type_of(mode_t m)
+{
+    return S_ISREG(m) ? "file" : S_ISDIR(m) ? "dir" : S_ISLNK(m) ? "symlink" : S_ISCHR(m) ? "char"
+         : S_ISBLK(m) ? "block" : S_ISFIFO(m) ? "fifo" : S_ISSOCK(m) ? "socket" : "unknown";
+}
+
+static void put_stat(struct buf *b, const struct stat *st)
+{
+    put_str(b, type_of(st->st_mode));
+    put_u64(b, (uint64_t)st->st_size);
+    put_u64(b, st->st_mode & 07777);
+    put_u64(b, st->st_uid);
+    put_u64(b, st->st_gid);
+    put_u64(b, (uint64_t)st->st_mtim.tv_sec * 1000000000ull + (uint64_t)st->st_mtim.tv_nsec);
+}
+
+/* Only regular files are read or written: a FIFO would block the agent, a
+ * device or a kernel file is no file of the sandbox's. */
+static int require_regular(int fd, struct stat *st)
+{
+    if (fstat(fd, st) < 0)
+        return -1;
+    if (!S_ISREG(st->st_mode)) {
+        errno = S_ISDIR(st->st_mode) ? EISDIR : EINVAL;
+        return -1;
+    }
+    return 0;
+}
+
+static void do_read(uint32_t id, struct rd *r)
+{
+    char *path = get_str(r);
+    uint64_t off = get_u64(r), len = get_u64(r);
+    struct stat st;
+    int fd = -1;
+
+    if (r->bad || len > MAX_MSG) {
+        send_err(id, EINVAL, "malformed read request");
+        goto done;
+    }
+    fd = open_in_root(path, O_RDONLY | O_NONBLOCK, 0);
+    if (fd < 0 || require_regular(fd, &st) < 0) {
+        send_err(id, errno, "open");
+        goto done;
+    }
+    begin(&out, A_OK, id);
+    put_u64(&out, (uint64_t)st.st_size);
+    buf_need(&out, 4 + len);
+    size_t at = out.len;
+    put_u32(&out, 0);
+    ssize_t n = len ? pread(fd, out.p + out.len, len, (off_t)off) : 0;
+    if (n < 0) {
+        send_err(id, errno, "read");
+        goto done;
+    }
+    out.len += (size_t)n;
+    out.p[at] = (unsigned char)(n >> 24);
+    out.p[at + 1] = (unsigned char)(n >> 16);
+    out.p[at + 2] = (unsigned char)(n >> 8);
+    out.p[at + 3] = (unsigned char)n;
+    send_msg(&out);
+done:
+    if (fd >= 0)
+        close(fd);
+    free(path);
+}
+
+static int mkdir_parents(const char *path)
+{
+    char p[4096];
+    size_t n = strlen(path);
+
+    if (n >= sizeof(p)) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    memcpy(p, path, n + 1);
+    for (char *s = p + 1; *s; s++) {
+        if (*s != '/')
+            continue;
+        *s = 0;
+        const char *name;
+        int dfd = open_parent(p, &name);
+        if (dfd < 0)
+            return -1;
+        int rc = mkdirat(dfd, name, 0755);
+        int err = errno;
+        close(dfd);
+        if (rc < 0 && err != EEXIST) {
+            errno = err;
+            return -1;
+        }
+        *s = '/';
+    }
+    return 0;
+}
+
+static void do_write(uint32_t id, struct rd *r)
+{
+    char *path = get_str(r);
+    uint64_t flags = get_u64(r), mode = get_u64(r), off = get_u64(r);
+    size_t n = 0;
+    const unsigned char *data = get_bytes(r, &n);
+    struct stat st;
+    int fd = -1;
+
+    if (r->bad) {
+        send_err(id, EINVAL, "malformed write request");
+        goto done;
+    }
+    if ((flags & WRITE_PARENTS) && mkdir_parents(path) < 0) {
+        send_err(id, errno, "make parents");
+        goto done;
+    }
+    fd = open_in_root(path, O_WRONLY | O_CREAT | O_NONBLOCK | ((flags & WRITE_APPEND) ? O_APPEND : 0),
+                      (mode_t)(mode & 07777));
+    if (fd < 0 || require_regular(fd, &st) < 0) {
+        send_err(id, errno, "open");
+        goto done;
+    }
+    if (!(flags & (WRITE_KEEP | WRITE_APPEND)) && ftruncate(fd, 0) < 0) {
+        send_err(id, errno, "truncate");
+        goto done;
+    }
+    if (off != UINT64_MAX && lseek(fd, (off_t)off, SEEK_SET) < 0) {
+        send_err(id, errno, "seek");
+        goto done;
+    }
+    while (n) {
+        ssize_t w = write(fd, data, n);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            send_err(id, errno, "write");
+            goto done;
+        }
+        data += w;
+        n -= (size_t)w;
+    }
+    fstat(fd, &st);
+    begin(&out, A_OK, id);
+    put_u64(&out, (uint64_t)st.st_size);
+    send_msg(&out);
+done:
+    if (fd >= 0)
+        close(fd);
+    free(path);
+}
+
+static void do_stat(uint32_t id, struct rd *r)
+{
+    char *path = get_str(r);
+    struct stat st;
+    int fd = -1;
+
+    if (r->bad) {
+        send_err(id, EINVAL, "malformed stat request");
+        goto done;
+    }
+    fd = open_in_root(path, O_PATH | O_NOFOLLOW, 0);
+    if (fd < 0 || fstat(fd, &st) < 0) {
+        send_err(id, errno, "stat");
+        goto done;
+    }
+    begin(&out, A_OK, id);
+    put_stat(&out, &st);
+    send_msg(&out);
+done:
+    if (fd >= 0)
+        close(fd);
+    free(path);
+}
+
+/* Entries of dir fd into out, names prefixed; recursion down to depth. */
+static int list_into(int fd, const char *prefix, uint64_t depth, uint64_t *count)
+{
+    DIR *d = fdopendir(fd);
+    struct dirent *e;
+
+    if (!d) {
+        close(fd);
+        return -1;
+    }
+    while ((e = readdir(d))) {
+        struct stat st;
+        char name[4096];
+
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+            continue;
+        if (*count >= MAX_LIST)
+            break;
+        if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0)
+            continue; /* gone meanwhile */
+        snprintf(name, sizeof(name), "%s%s", prefix, e->d_name);
+        put_str(&out, name);
+        put_stat(&out, &st);
+        (*count)++;
+        if (depth > 1 && S_ISDIR(st.st_mode)) {
+            int sub = openat(dirfd(d), e->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            char pre[4096];
+
+            snprintf(pre, sizeof(pre), "%s/", name);
+            if (sub >= 0)
+                list_into(sub, pre, depth - 1, count);
+        }
+    }
+    closedir(d);
+    return 0;
+}
+
+static void do_list(uint32_t id, struct rd *r)
+{
+    char *path = get_str(r);
+    uint64_t depth = get_u64(r), count = 0;
+    int fd;
+
+    if (r->bad || depth < 1 || depth > 64) {
+        send_err(id, EINVAL, "malformed list request");
+        goto done;
+    }
+    fd = open_in_root(path, O_RDONLY | O_DIRECTORY, 0);
+    if (fd < 0) {
+        send_err(id, errno, "open");
+        goto done;
+    }
+    begin(&out, A_OK, id);
+    list_into(fd, "", depth, &count);
+    put_u64(&out, count);     /* the count last: the host reads entries until it */
+    put_u64(&out, count >= MAX_LIST);
+    send_msg(&out);
+done:
+    free(path);
+}
+
+static void do_mkdir(uint32_t id, struct rd *r)
+{
+    char *path = get_str(r);
+    uint64_t parents = get_u64(r), mode = get_u64(r);
+    const char *name;
+    int dfd = -1, created = 1;
+
+    if (r->bad) {
+        send_err(id, EINVAL, "malformed mkdir request");
+        goto done;
+    }
+    if (parents && mkdir_parents(path) < 0) {
+        send_err(id, errno, "make parents");
+        goto done;
+    }
+    dfd = open_parent(path, &name);
+    if (dfd < 0) {
+        send_err(id, errno, "open parent");
+        goto done;
+    }
+    if (mkdirat(dfd, name, (mode_t)(mode & 07777)) < 0) {
+        struct stat st;
+
+        if (!(parents && errno == EEXIST && fstatat(dfd, name, &st, 0) == 0 && S_ISDIR(st.st_mode))) {
+            send_err(id, errno, "mkdir");
+            goto done;
+        }
+        created = 0;
+    }
+    begin(&out, A_OK, id);
+    put_u64(&out, (uint64_t)created);
+    send_msg(&out);
+done:
+    if (dfd >= 0)
+        close(dfd);
+    free(path);
+}
+
+/* Remove name in dfd, a whole tree if recursive; counts entries removed. */
+static int remove_at(int dfd, const char *name, int recursive, uint64_t *count)
+{
+    struct stat st;
+
+    if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) < 0)
+        return -1;
+    if (!S_ISDIR(st.st_mode)) {
+        if (unlinkat(dfd, name, 0) < 0)
+            return -1;
+        (*count)++;
+        return 0;
+    }
+    if (recursive) {
+        int fd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        DIR *d = fd < 0 ? NULL : fdopendir(fd);
+        struct dirent *e;
+
+        if (!d) {
+            if (fd >= 0)
+                close(fd);
+            return -1;
+        }
+        while ((e = readdir(d)))
+            if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") &&
+                remove_at(dirfd(d), e->d_name, 1, count) < 0) {
+                int err = errno;
+                closedir(d);
+                errno = err;
+                return -1;
+            }
+        closedir(d);
+    }
+    if (unlinkat(dfd, name, AT_REMOVEDIR) < 0)
+        return -1;
+    (*count)++;
+    return 0;
+}
+
+static void do_remove(uint32_t id, struct rd *r)
+{
+    char *path = get_str(r);
+    uint64_t recursive = get_u64(r), count = 0;
+    const char *name;
+    int dfd = -1;
+
+    if (r->bad) {
+        send_err(id, EINVAL, "malformed remove request");
+        goto done;
+    }
+    dfd = open_parent(path, &name);
+    if (dfd < 0 || remove_at(dfd, name, recursive != 0, &count) < 0) {
+        send_err(id, errno, "remove");
+        goto done;
+    }
+    begin(&out, A_OK, id);
+    put_u64(&out, count);
+    send_msg(&out);
+done:
+    if (dfd >= 0)
+        close(dfd);
+    free(path);
+}
+
+static void do_rename(uint32_t id, struct rd *r)
+{
+    char *src = get_str(r), *dst = get_str(r);
+    uint64_t flags = get_u64(r);
+    const char *sn, *dn;
+    int sfd = -1, dfd = -1;
+
+    if (r->bad) {
+        send_err(id, EINVAL, "malformed rename request");
+        goto done;
+    }
+    sfd = open_parent(src, &sn);
+    dfd = sfd < 0 ? -1 : open_parent(dst, &dn);
+    if (sfd >= 0 && dfd >= 0 && (flags & RENAME_KEEP_ATTRS)) {
+        struct stat old, neu;
+
+        if (fstatat(dfd, dn, &old, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(old.st_mode) &&
+            fstatat(sfd, sn, &neu, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(neu.st_mode)) {
+            fchownat(sfd, sn, old.st_uid, old.st_gid, AT_SYMLINK_NOFOLLOW);
+            fchmodat(sfd, sn, old.st_mode & 07777, 0);
+        }
+    }
+    if (sfd < 0 || dfd < 0 ||
+        syscall(SYS_renameat2, sfd, sn, dfd, dn, (flags & RENAME_OVERWRITE) ? 0 : RENAME_NOREPLACE) < 0) {
+        send_err(id, errno, "rename");
+        goto done;
+    }
+    begin(&out, A_OK, id);
+    send_msg(&out);
+done:
+    if (sfd >= 0)
+        close(sfd);
+    if (dfd >= 0)
+        close(dfd);
+    free(src);
+    free(dst);
+}
+
+/* The host's first message: the sandbox's identity. A VM restored from a
+ * template snapshot gets a new one here, as a new VM would: its hostname, the
+ * clock (a restored guest's clock is the snapshot's), and entropy mixed into
+ * the kernel's pool (credited: the host's seed comes from getrandom). */
+static void do_hello(uint32_t id, struct rd *r)
+{
+    char *host = get_str(r);
+    uint64_t now_ns = get_u64(r);
+    size_t n = 0;
+    const unsigned char *seed = get_bytes(r, &n);
+
+    if (!r->bad) {
+        struct timespec ts = {.tv_sec = (time_t)(now_ns / 1000000000ull),
+                              .tv_nsec = (long)(now_ns % 1000000000ull)};
+        if (host[0])
+            sethostname(host, strlen(host));
+        if (now_ns)
+            clock_settime(CLOCK_REALTIME, &ts);
+        if (n && n <= 512) {
+            struct {
+                int entropy_count, buf_size;
+                unsigned char buf[512];
+            } e = {.entropy_count = (int)n * 8, .buf_size = (int)n};
+            int fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
+
+            memcpy(e.buf, seed, n);
+            if (fd >= 0) {
+                ioctl(fd, RNDADDENTROPY, &e);
+                close(fd);
+            }
+        }
+    }
+    free(host);
+    begin(&out, A_READY, id);
+    put_str(&out, "dsec-guest-agent 1");
+    send_msg(&out);
+}
+
+static void dispatch(uint8_t type, uint32_t id, const unsigned char *body, size_t n)
+{
+    struct rd r = {.p = body, .end = body + n};
+
+    switch (type) {
+    case M_HELLO: do_hello(id, &r); break;
+    case M_EXEC: do_exec(id, &r); break;
+    case M_STDIN: do_stdin(id, &r); break;
+    case M_KILL: do_kill(id, &r); break;
+    case M_READ: do_read(id, &r); break;
+    case M_WRITE: do_write(id, &r); break;
+    case M_STAT: do_stat(id, &r); break;
+    case M_LIST: do_list(id, &r); break;
+    case M_MKDIR: do_mkdir(id, &r); break;
+    case M_REMOVE: do_remove(id, &r); break;
+    case M_RENAME: do_rename(id, &r); break;
+    case M_SYNC:
+        sync();
+        begin(&out, A_OK, id);
+        send_msg(&out);
+        break;
+    default: send_err(id, ENOSYS, "unknown request type");
+    }
+}
+
+/* Incoming bytes: frames may arrive in pieces. */
+static unsigned char *inb;
+static size_t in_len, in_cap;
+
+static int read_channel(void)
+{
+    if (in_cap - in_len < 65536) {
+        size_t cap = in_cap ? in_cap * 2 : 1 << 20;
+        unsigned char *p = realloc(inb, cap);
+        if (!p)
+            return -1;
+        inb = p;
+        in_cap = cap;
+    }
+    ssize_t n = read(chan, inb + in_len, in_cap - in_len);
+    if (n < 0)
+        return errno == EINTR || errno == EAGAIN ? 0 : -1;
+    if (n == 0)
+        return 0; /* the host side is not connected: poll says POLLHUP, retry later */
+    in_len += (size_t)n;
+    size_t at = 0;
+    while (in_len - at >= 9) {
+        uint32_t len = (uint32_t)inb[at] << 24 | (uint32_t)inb[at + 1] << 16 | (uint32_t)inb[at + 2] << 8 |
+                       inb[at + 3];
+        if (len < 5 || len > MAX_MSG) {
+            say("bad frame length %u: dropping the input", len);
+            in_len = 0;
+            return 0;
+        }
+        if (in_len - at < 4 + (size_t)len)
+            break;
+        uint32_t id = (uint32_t)inb[at + 5] << 24 | (uint32_t)inb[at + 6] << 16 | (uint32_t)inb[at + 7] << 8 |
+                      inb[at + 8];
+        dispatch(inb[at + 4], id, inb + at + 9, len - 5);
+        at += 4 + (size_t)len;
+    }
+    memmove(inb, inb + at, in_len - at);
+    in_len -= at;
+    return 0;
+}
+
+/* ---- boot ------------------------------------------------------------------- */
+
+static char cmdline[4096];
+
+static const char *param(const char *name)
+{
+    size_t n = strlen(name);
+
+    for (char *p = cmdline; (p = strstr(p, name)); p += n)
+        if ((p == cmdline || p[-1] == ' ') && p[n] == '=')
+            return p + n + 1;
+    return NULL;
+}
+
+static uint64_t param_u64(const char *name, uint64_t dflt)
+{
+    const char *v = param(name);
+    return v ? strtoull(v, NULL, 10) : dflt;
+}
+
+static int read_file(const char *path, char *buf, size_t cap)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    ssize_t n;
+
+    if (fd < 0)
+        return -1;
+    n = read(fd, buf, cap - 1);
+    close(fd);
+    if (n < 0)
+        return -1;
+    buf[n] = 0;
+    while (n > 0 && (buf[n - 1] == '\n' || buf[n - 1] == ' '))
+        buf[--n] = 0;
+    return (int)n;
+}
+
+static void load_modules(void)
+{
+    char list[8192], *save = NULL;
+
+    if (read_file("/modules.order", list, sizeof(list)) < 0)
+        return;
+    for (char *name = strtok_r(list, "\n", &save); name; name = strtok_r(NULL, "\n", &save)) {
+        char path[256];
+
+        snprintf(path, sizeof(path), "/modules/%s", name);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0 || (syscall(SYS_finit_module, fd, "", 0) < 0 && errno != EEXIST))
+            say("load module %s: %s", name, strerror(errno));
+        if (fd >= 0)
+            close(fd);
+        unlink(path); /* its memory is the kernel's now: free the initramfs copy */
+    }
+}
+
+/* /dev/pmemN by the PCI address of its device (the host's layer order). */
+static int pmem_devices(char names[][16], int want)
+{
+    char links[64][256];
+    int n = 0;
+
+    for (int i = 0; i < 64 && n < want; i++) {
+        char p[64];
+        ssize_t k;
+
+        snprintf(p, sizeof(p), "/sys/block/pmem%d", i);
+        k = readlink(p, links[n], sizeof(links[n]) - 1);
+        if (k < 0)
+            continue;
+        links[n][k] = 0;
+        /* "../devices/pci0000:00/0000:00:05.0/virtio3/ndbus0/region0/namespace0.0/block/pmem0":
+         * keep the path for sorting, the name after the last slash */
+        n++;
+    }
+    /* insertion sort by the sysfs path (fixed-width hex PCI addresses) */
+    for (int i = 1; i < n; i++)
+        for (int j = i; j > 0 && strcmp(links[j - 1], links[j]) > 0; j--) {
+            char t[256];
+            memcpy(t, links[j], sizeof(t));
+            memcpy(links[j], links[j - 1], sizeof(t));
+            memcpy(links[j - 1], t, sizeof(t));
+        }
+    for (int i = 0; i < n; i++)
+        snprintf(names[i], 16, "%s", strrchr(links[i], '/') + 1);
+    return n;
+}
+
+static void die(const char *what)
+{
+    say("FATAL: %s: %s", what, strerror(errno));
+    sync();
+    /* PID 1 exits: the guest kernel panics, QEMU exits (-no-reboot), and the
+     * host reports the create failed, with this serial log */
+    _exit(1);
+}
+
+static void mkdirs(const char *const *dirs)
+{
+    for (; *dirs; dirs++)
+        mkdir(*dirs, 0755);
+}
+
+static void mount_root(void)
+{
+    int nlayers = (int)param_u64("dsec.layers", 0);
+    uint64_t disk = param_u64("dsec.disk", 1ull << 30), tmp = param_u64("dsec.tmp", 64ull << 20);
+    char devs[64][16], opt[8192], lower[4096] = "";
+    int found = 0;
+
+    if (nlayers < 1 || nlayers > 64) {
+        errno = EINVAL;
+        die("dsec.layers must be 1..64");
+    }
+    /* the pmem namespaces appear asynchronously after the driver loads */
+    for (int tries = 0; tries < 500 && (found = pmem_devices(devs, nlayers)) < nlayers; tries++)
+        usleep(10000);
+    if (found < nlayers) {
+        errno = ENODEV;
+        die("pmem devices for every layer");
+    }
+    mkdir("/layers", 0755);
+    for (int i = 0; i < nlayers; i++) {
+        char dev[64], dir[64];
+
+        snprintf(dev, sizeof(dev), "/dev/%s", devs[i]);
+        snprintf(dir, sizeof(dir), "/layers/%d", i);
+        mkdir(dir, 0755);
+        if (mount(dev, dir, "erofs", MS_RDONLY | MS_NODEV, "dax=always") < 0 &&
+            mount(dev, dir, "erofs", MS_RDONLY | MS_NODEV, NULL) < 0)
+            die(dev);
+        /* overlay's lowerdir: top first, so layer N-1 leads */
+        char tmpl[4096];
+        snprintf(tmpl, sizeof(tmpl), "%s%s%s", dir, lower[0] ? ":" : "", lower);
+        snprintf(lower, sizeof(lower), "%s", tmpl);
+    }
+    mkdir("/rw", 0755);
+    snprintf(opt, sizeof(opt), "size=%llu,mode=0755", (unsigned long long)disk);
+    if (mount("tmpfs", "/rw", "tmpfs", 0, opt) < 0)
+        die("mount the writable tmpfs");
+    mkdirs((const char *const[]){"/rw/upper", "/rw/work", "/newroot", NULL});
+    snprintf(opt, sizeof(opt), "lowerdir=%s,upperdir=/rw/upper,workdir=/rw/work", lower);
+    if (mount("overlay", "/newroot", "overlay", 0, opt) < 0)
+        die("mount the overlay root");
+    mkdirs((const char *const[]){"/newroot/proc", "/newroot/dev", "/newroot/tmp", "/newroot/sys", NULL});
+    if (mount("proc", "/newroot/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+        die("mount /proc");
+    if (mount("devtmpfs", "/newroot/dev", "devtmpfs", MS_NOSUID, "mode=0755") < 0)
+        die("mount /dev");
+    mkdirs((const char *const[]){"/newroot/dev/pts", "/newroot/dev/shm", NULL});
+    mount("devpts", "/newroot/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666");
+    mount("tmpfs", "/newroot/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m");
+    snprintf(opt, sizeof(opt), "size=%llu,mode=1777", (unsigned long long)tmp);
+    if (mount("tmpfs", "/newroot/tmp", "tmpfs", MS_NOSUID | MS_NODEV, opt) < 0)
+        die("mount /tmp");
+    /* switch_root: the overlay becomes / (the initramfs stays below it) */
+    if (chdir("/newroot") < 0 || mount(".", "/", NULL, MS_MOVE, NULL) < 0 || chroot(".") < 0 || chdir("/") < 0)
+        die("switch to the overlay root");
+    rootfd = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (rootfd < 0)
+        die("open /");
+}
+
+static int open_channel(void)
+{
+    for (int tries = 0; tries < 500; tries++) {
+        DIR *d = opendir("/sys/class/virtio-ports");
+        struct dirent *e;
+
+        while (d && (e = readdir(d))) {
+            char p[300], name[64];
+
+            snprintf(p, sizeof(p), "/sys/class/virtio-ports/%s/name", e->d_name);
+            if (read_file(p, name, sizeof(name)) < 0 || strcmp(name, "dsec.agent"))
+                continue;
+            snprintf(p, sizeof(p), "/dev/%s", e->d_name);
+            closedir(d);
+            int fd = open(p, O_RDWR | O_NONBLOCK | O_CLOEXEC);
+            if (fd < 0)
+                die(p);
+            return fd;
+        }
+        if (d)
+            closedir(d);
+        usleep(10000);
+    }
+    errno = ENODEV;
+    die("the virtio-serial port dsec.agent");
+    return -1;
+}
+
+int main(void)
+{
+    sigset_t all;
+    int sfd;
+
+    sigfillset(&all);
+    sigprocmask(SIG_SETMASK, &all, NULL);
+    mkdirs((const char *const[]){"/dev", "/proc", "/sys", NULL});
+    mount("devtmpfs", "/dev", "devtmpfs", MS_NOSUID, "mode=0755");
+    mount("proc", "/proc", "proc", 0, NULL);
+    mount("sysfs", "/sys", "sysfs", 0, NULL);
+    read_file("/proc/cmdline", cmdline, sizeof(cmdline));
+    say("booted; loading modules");
+    load_modules();
+    chan = open_channel(); /* before the switch: /sys and /dev are the initramfs' */
+    mount_root();
+    umount2("/sys", MNT_DETACH);
+    say("root mounted; serving");
+    sfd = signalfd(-1, &all, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (sfd < 0)
+        die("signalfd");
+    for (;;) {
+        struct pollfd p[2 + 3 * MAX_EXECS];
+        struct exec *who[2 + 3 * MAX_EXECS];
+        int kind[2 + 3 * MAX_EXECS], n = 2;
+
+        p[0] = (struct pollfd){.fd = sfd, .events = POLLIN};
+        p[1] = (struct pollfd){.fd = chan, .events = POLLIN};
+        for (int i = 0; i < MAX_EXECS; i++) {
+            struct exec *x = &execs[i];
+
+            if (!x->pid)
+                continue;
+            for (int k = 1; k <= 2; k++)
+                if (x->out[k] >= 0) {
+                    p[n] = (struct pollfd){.fd = x->out[k], .events = POLLIN};
+                    who[n] = x;
+                    kind[n++] = k;
+                }
+            if (x->in >= 0 && x->pend_len) {
+                p[n] = (struct pollfd){.fd = x->in, .events = POLLOUT};
+                who[n] = x;
+                kind[n++] = 0;
+            }
+        }
+        if (poll(p, (nfds_t)n, -1) < 0)
+            continue;
+        if (p[0].revents) {
+            struct signalfd_siginfo si;
+
+            while (read(sfd, &si, sizeof(si)) == sizeof(si))
+                ;
+            reap();
+        }
+        for (int i = 2; i < n; i++) {
+            if (!p[i].revents || !who[i]->pid)
+                continue;
+            if (kind[i])
+                forward(who[i], kind[i], 0);
+            else
+                flush_stdin(who[i]);
+        }
+        if (p[1].revents & POLLIN) {
+            if (read_channel() < 0)
+                die("read the channel");
+        } else if (p[1].revents & POLLHUP) {
+            usleep(20000); /* no host connected: wait for one */
+        }
+        reap(); /* a child may have exited while its pipes were read */
+    }
+}

@@ -1,0 +1,1 @@
+"""The microVM backend: one QEMU guest per sandbox (docs/architecture.md)."""

@@ -1,0 +1,214 @@
+"""The host's end of a guest agent's channel (csrc/guest/agent.c), on asyncio.
+
+The channel is reached through a `Transport`: today `ChardevTransport`, the
+unix socket QEMU serves for the guest's virtio-serial port (this host has no
+vhost-vsock; a vsock transport would only need another `open`). One reader
+task per link splits frames (wire.py) and routes each by id: to the future of
+a file request, or to the event queue of an exec (STARTED, OUT, EXITED, ERR).
+When the channel closes (QEMU exited, the guest died) every waiter fails
+with AgentGone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import itertools
+import logging
+import os
+import time
+
+from . import wire
+
+log = logging.getLogger(__name__)
+
+
+class AgentGone(ConnectionError):
+    """The channel to the guest agent closed: the VM is gone or going."""
+
+
+class AgentError(OSError):
+    """The agent answered an error: `errno` and `step`, what failed in the
+    guest ("exec", "chdir", "open", ...), read like a NativeError's step by
+    dsecd.errors.exec_error."""
+
+    def __init__(self, err: int, step: str):
+        super().__init__(err, f"{os.strerror(err)} (guest agent, at {step})")
+        self.step = step
+
+
+class Transport:
+    """How the host reaches a guest agent: open() gives an asyncio stream pair."""
+
+    async def open(self, timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        raise NotImplementedError
+
+
+class ChardevTransport(Transport):
+    """The unix socket of QEMU's `-chardev socket,server=on` behind the
+    guest's virtserialport named dsec.agent."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    async def open(self, timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            try:
+                return await asyncio.open_unix_connection(self.path, limit=1 << 26)
+            except (FileNotFoundError, ConnectionRefusedError):
+                if loop.time() > deadline:
+                    raise AgentGone(f"no agent channel at {self.path} after {timeout:.0f}s") from None
+                await asyncio.sleep(0.02)
+
+
+class AgentExec:
+    """One exec in the guest: its events, in order, on `events`:
+    ("started", pid), ("out", fd, bytes), ("exited", wait status),
+    ("error", AgentError) for a start that failed, ("gone", AgentGone)."""
+
+    def __init__(self, link: AgentLink, exec_id: int):
+        self.link, self.id = link, exec_id
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.done = False
+
+    def kill(self, sig: int = 9) -> None:
+        """SIGKILL (or sig) its process group in the guest."""
+        if not self.done:
+            self.link.send(wire.frame(wire.KILL, self.id, wire.u64(sig)))
+
+    def send_stdin(self, data: bytes, eof: bool) -> None:
+        if not self.done:
+            self.link.send(wire.frame(wire.STDIN, self.id, wire.u64(1 if eof else 0), wire.bstr(data)))
+
+
+class AgentLink:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, what: str):
+        self.reader, self.writer, self.what = reader, writer, what
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._execs: dict[int, AgentExec] = {}
+        self.closed = False
+        self._task = asyncio.get_running_loop().create_task(self._read_loop())
+
+    @classmethod
+    async def connect(cls, transport: Transport, what: str, hostname: str, timeout: float) -> AgentLink:
+        """Open the channel and say HELLO (the sandbox's identity: hostname,
+        clock, entropy) until the agent answers READY: it answers once it has
+        mounted the root, so this is also the wait for the boot."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        reader, writer = await transport.open(timeout)
+        link = cls(reader, writer, what)
+        try:
+            await asyncio.wait_for(link.hello(hostname), max(0.1, deadline - loop.time()))
+        except TimeoutError:
+            link.close()
+            raise AgentGone(f"{what}: the guest agent did not answer within {timeout:.0f}s "
+                            "(boot too slow or failed: see the sandbox's serial log)") from None
+        except BaseException:
+            link.close()
+            raise
+        return link
+
+    async def hello(self, hostname: str) -> str:
+        r = await self.request(wire.HELLO, wire.bstr(hostname), wire.u64(time.time_ns()),
+                               wire.bstr(os.getrandom(32)))
+        return r.str()
+
+    def send(self, data: bytes) -> None:
+        if self.closed:
+            raise AgentGone(f"{self.what}: the agent channel is closed")
+        self.writer.write(data)
+
+    async def request(self, kind: int, *fields: bytes) -> wire.Reader:
+        """A file (or hello, sync) request; the OK body, or AgentError."""
+        msg_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[msg_id] = fut
+        try:
+            self.send(wire.frame(kind, msg_id, *fields))
+            await self.writer.drain()
+            return await fut
+        finally:
+            self._pending.pop(msg_id, None)
+
+    async def start_exec(self, argv: list[str], env: list[str], cwd: str, uid: int, stdin: bool) -> AgentExec:
+        """Send the exec; its events follow on the returned AgentExec (the
+        first is "started" or "error")."""
+        run = AgentExec(self, next(self._ids))
+        self._execs[run.id] = run
+        try:
+            self.send(wire.exec_request(run.id, argv, env, cwd, uid, uid, stdin))
+            await self.writer.drain()
+        except BaseException:
+            self._execs.pop(run.id, None)
+            raise
+        return run
+
+    def forget(self, run: AgentExec) -> None:
+        run.done = True
+        self._execs.pop(run.id, None)
+
+    async def _read_loop(self) -> None:
+        err: BaseException = AgentGone(f"{self.what}: the agent channel closed (the VM exited)")
+        try:
+            while True:
+                head = await self.reader.readexactly(wire.HEADER.size)
+                length, kind, msg_id = wire.HEADER.unpack(head)
+                body = await self.reader.readexactly(length - 5)
+                self._route(kind, msg_id, body)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        except asyncio.CancelledError:
+            err = AgentGone(f"{self.what}: the agent link was closed by the daemon")
+        except Exception as exc:        # a malformed frame: the channel cannot be trusted any more
+            log.exception("%s: agent channel", self.what)
+            err = AgentGone(f"{self.what}: bad frame from the guest agent: {exc}")
+        self.closed = True
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        for run in self._execs.values():
+            run.events.put_nowait(("gone", err))
+        self._pending.clear()
+        self._execs.clear()
+        self.writer.close()
+
+    def _route(self, kind: int, msg_id: int, body: bytes) -> None:
+        r = wire.Reader(body)
+        run = self._execs.get(msg_id)
+        if run is not None:
+            if kind == wire.OUT:
+                fd = r.u64()
+                run.events.put_nowait(("out", fd, r.bytes()))
+            elif kind == wire.STARTED:
+                run.events.put_nowait(("started", r.u64()))
+            elif kind == wire.EXITED:
+                self._execs.pop(msg_id, None)
+                run.events.put_nowait(("exited", r.u64()))
+            elif kind == wire.ERR:
+                self._execs.pop(msg_id, None)
+                code = r.u64()
+                run.events.put_nowait(("error", AgentError(code, r.str())))
+            return
+        fut = self._pending.get(msg_id)
+        if fut is None or fut.done():
+            return              # an answer nobody waits for (a cancelled request)
+        if kind in (wire.OK, wire.READY):
+            fut.set_result(r)
+        elif kind == wire.ERR:
+            code = r.u64()
+            fut.set_exception(AgentError(code or errno.EIO, r.str()))
+        else:
+            fut.set_exception(AgentGone(f"{self.what}: unexpected answer type {kind} from the agent"))
+
+    def close(self) -> None:
+        if not self._task.done():
+            self._task.cancel()
+        self.closed = True
+        try:
+            self.writer.close()
+        except Exception:
+            pass

@@ -1,0 +1,423 @@
+"""MicroVM backend: one QEMU guest per sandbox, its PID 1 the guest agent.
+
+A sandbox is one QEMU process (q35 machine, direct kernel boot of the cloud
+kernel and the generated initramfs, guestimg.py) with:
+  - the image's EROFS layer blobs, the very files of the store that the
+    container backend mounts, as read-only virtio-pmem devices (the guest
+    mounts them with DAX: it reads the host's page cache of each blob, so
+    every VM and container on the host shares one copy), layer i at PCI slot
+    PMEM_SLOT0 + i, the order the agent mounts them in (bottom first);
+  - a virtio-serial port "dsec.agent" for the agent's channel (agent.py),
+    served by QEMU as a unix socket in the VM's directory;
+  - a QMP monitor socket (qmp.py) for stop/cont, migration and the balloon;
+  - virtio-balloon with free-page reporting (memory the guest frees goes back
+    to the host);
+  - the serial console in <vm dir>/serial.log, QEMU's stderr in qemu.log.
+
+QEMU runs inside the sandbox's own cgroups (joined before exec by a tiny
+shell step, so every page it ever touches is charged there; memory.max is
+the guest's RAM plus MEMORY_OVERHEAD), as an unprivileged uid (setpriv,
+no_new_privs, no capabilities), under QEMU's own seccomp filter
+(`-sandbox on`, with spawning, privilege raising and obsolete syscalls
+denied), with `-nodefaults -nographic`.
+
+The blocking parts (directories, cgroups, spawning and killing QEMU) run in
+worker threads; the channel and the monitor (`connect`) are asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import math
+import os
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ... import cgroup, fds, native
+from ...steps import Steps
+from ..container import proc_start_time
+from .agent import AgentLink, ChardevTransport
+from .guestimg import GuestImage
+from .qmp import QMP
+
+log = logging.getLogger(__name__)
+
+PMEM_SLOT0 = 0x10          # PCI slot of the bottom layer; layer i at PMEM_SLOT0 + i
+MAX_LAYERS = 0x20 - PMEM_SLOT0
+MIN_GUEST_MEMORY = 128 << 20   # the cloud kernel and the agent boot in less, barely
+# QEMU's own processes run in the sandbox's cgroup too: TCG's translation
+# cache (tb-size), device models, its heap and the page tables of guest RAM.
+QEMU_PIDS = 256            # QEMU's threads (vCPUs, I/O, RCU, worker pools) count in pids.max
+# Guest kernel arguments. swiotlb=noforce: no bounce buffers (no DMA limits
+# here), saving 64 MiB of guest RAM; tsc_early_khz: TCG's TSC needs no
+# calibration loop at boot; panic=-1 with -no-reboot: a dead agent ends QEMU.
+KERNEL_ARGS = "console=ttyS0 swiotlb=noforce tsc_early_khz=2000000 panic=-1 quiet loglevel=4"
+
+
+class VmError(OSError):
+    """A VM could not be made or run; the message says what and where to look."""
+
+
+@dataclass
+class VmHandle:
+    """A live VM: the QEMU process and the two channels to it. The fields a
+    container Handle has that the engine reads generically (init_pid,
+    init_start, pidfd, group) mean the same here, for the QEMU process; the
+    container-only ones are neutral."""
+
+    init_pid: int                  # QEMU's pid
+    init_start: int
+    pidfd: int
+    group: cgroup.Group
+    vm_dir: Path
+    is_child: bool
+    accel: str
+    popen: subprocess.Popen | None = None
+    qmp: QMP | None = None
+    agent: AgentLink | None = None
+    guest_memory: int = 0
+    # What the container Handle has and a VM does not (files go through the agent).
+    dir: Path | None = None
+    rootfd: int = -1
+    upperfd: int = -1
+    init_link: None = None
+    sched_idle: bool = False
+    core_sched: bool = False
+    userns: bool = False
+    paused_image: Path | None = None    # the RAM image of a paused VM (pause.py)
+    extra: dict = field(default_factory=dict)
+
+
+class QemuFiles:
+    """The files QEMU opens, opened here (as root) and passed to it by fd:
+    QEMU runs as an unprivileged uid that cannot traverse the state dir
+    (0700) to its VM dir or the blob store. It names each as
+    /proc/self/fd/N, a link the kernel follows without the directories'
+    permissions; the files themselves are readable by it (blobs 0444, the
+    kernel and initramfs 0644, its own dir). `refs` maps each to that name;
+    `fds` is what Popen passes. Closed on exit: QEMU has its copies."""
+
+    def __init__(self, vm_dir: Path, layers: list[Path], guest: GuestImage):
+        self.vm_dir, self.layers, self.guest = vm_dir, layers, guest
+        self.fds: list[int] = []
+        self.refs: dict = {"name": vm_dir.name}
+
+    def _open(self, path, flags: int) -> str:
+        fd = os.open(path, flags | os.O_CLOEXEC)
+        self.fds.append(fd)
+        return f"/proc/self/fd/{fd}"
+
+    def __enter__(self) -> QemuFiles:
+        try:
+            self.refs["dir"] = self._open(self.vm_dir, os.O_PATH | os.O_DIRECTORY)
+            self.refs["kernel"] = self._open(self.guest.kernel, os.O_RDONLY)
+            self.refs["initramfs"] = self._open(self.guest.initramfs, os.O_RDONLY)
+            self.refs["layers"] = [self._open(p, os.O_RDONLY) for p in self.layers]
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+def aligned_size(path: Path) -> int:
+    """The pmem size of a layer blob: its own size, which must be a multiple of
+    2 MiB (dsecd/fs/erofs.py pads every layer it builds)."""
+    size = path.stat().st_size
+    if size % (2 << 20):
+        raise VmError(errno.EINVAL, f"layer blob {path} is {size} bytes, not a multiple of 2 MiB: it was built "
+                      "before microVM support padded layers; rebuild the image (dsec image build) to use it "
+                      "with --backend microvm")
+    return size
+
+
+class MicroVMBackend:
+    name = "microvm"
+
+    def __init__(self, layout: cgroup.Layout, cfg: dict, sandbox_cfg: dict, state_dir: Path, guest: GuestImage,
+                 accel: str, memory_overhead: int, tmp_size: int):
+        self.layout = layout
+        self.cfg = cfg
+        self.cgroup_root = sandbox_cfg["cgroup_root"]
+        self.destroy_timeout = float(sandbox_cfg["destroy_timeout_s"])
+        self.root = Path(state_dir) / "vms"
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o711)       # QEMU's uid reaches its own dir, lists none
+        self.guest = guest
+        self.accel = accel
+        self.memory_overhead = memory_overhead
+        self.tmp_size = tmp_size
+        self.qemu = shutil.which(cfg["qemu"]) or cfg["qemu"]
+
+    def group_for(self, sb_id: str) -> cgroup.Group:
+        return cgroup.Group(self.layout, f"{self.cgroup_root}/{sb_id}")
+
+    # ------------------------------------------------------------ create
+
+    def vcpus(self, cpu: float) -> int:
+        return max(1, min(math.ceil(cpu), os.cpu_count() or 1, int(self.cfg["max_vcpus"])))
+
+    def qemu_argv(self, refs: dict, layers: list[Path], guest_memory: int, vcpus: int, disk: int,
+                  incoming: bool = False) -> list[str]:
+        """refs: the paths QEMU opens, as it sees them (QemuFiles.refs)."""
+        mib = guest_memory >> 20
+        vm_dir = refs["dir"]
+        pmem = [(ref, aligned_size(p)) for ref, p in zip(refs["layers"], layers, strict=True)]
+        maxmem = mib + sum(s >> 20 for _, s in pmem) + 1024
+        accel = (f"tcg,tb-size={int(self.cfg['tcg_tb_size_mib'])}" if self.accel == "tcg" else "kvm")
+        argv = [self.qemu, "-nodefaults", "-nographic", "-no-user-config", "-no-reboot",
+                "-name", f"dsec-{refs['name']},debug-threads=on",
+                "-machine", "q35", "-accel", accel, "-cpu", "max" if self.accel == "tcg" else "host",
+                "-smp", str(vcpus), "-m", f"{mib}M,slots=4,maxmem={maxmem}M",
+                "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+                "-kernel", refs["kernel"], "-initrd", refs["initramfs"],
+                "-append", f"{KERNEL_ARGS} dsec.layers={len(layers)} dsec.disk={disk} dsec.tmp={self.tmp_size}",
+                "-serial", f"file:{vm_dir}/serial.log",
+                "-qmp", f"unix:{vm_dir}/qmp.sock,server=on,wait=off",
+                "-device", "virtio-serial-pci,id=vs0",
+                "-chardev", f"socket,id=agent,path={vm_dir}/agent.sock,server=on,wait=off",
+                "-device", "virtserialport,chardev=agent,name=dsec.agent",
+                "-device", "virtio-balloon-pci,id=balloon0,free-page-reporting=on"]
+        for i, (path, size) in enumerate(pmem):
+            argv += ["-object", f"memory-backend-file,id=layer{i},share=on,readonly=on,mem-path={path},size={size}",
+                     "-device", f"virtio-pmem-pci,memdev=layer{i},id=pmem{i},addr={PMEM_SLOT0 + i:#x}.0"]
+        if incoming:
+            argv += ["-incoming", "defer"]
+        return argv
+
+    def create(self, sb_id: str, layers: list[Path], limits: cgroup.Limits, disk: int, uid: int,
+               incoming: bool = False) -> VmHandle:
+        """Start QEMU for sandbox `sb_id` (blocking): its dir, cgroups, the
+        process. The guest then boots on its own; `connect` waits for it.
+        incoming: QEMU waits for a migration stream (a template's restore)."""
+        if not 1 <= len(layers) <= MAX_LAYERS:
+            raise VmError(errno.E2BIG, f"an image of {len(layers)} layers cannot boot as a microVM: "
+                          f"1 to {MAX_LAYERS} layers (one virtio-pmem device each); flatten it first")
+        guest_memory = limits.memory_bytes
+        group = self.group_for(sb_id)
+        vm_dir = self.root / sb_id
+        with Steps(f"create microVM {sb_id}") as steps:
+            os.mkdir(vm_dir, 0o700)
+            steps.undo("remove the VM dir", lambda: shutil.rmtree(vm_dir, ignore_errors=True))
+            os.chown(vm_dir, uid, uid)
+            group.create()
+            steps.undo("remove cgroups", lambda: group.remove(self.destroy_timeout))
+            group.set_limits(cgroup.Limits(cpu=limits.cpu, memory_bytes=guest_memory + self.memory_overhead,
+                                           pids=QEMU_PIDS, cpu_hard_quota=limits.cpu_hard_quota,
+                                           cpu_period_us=limits.cpu_period_us, swap_bytes=limits.swap_bytes))
+            with QemuFiles(vm_dir, layers, self.guest) as files:
+                argv = self.qemu_argv(files.refs, layers, guest_memory, self.vcpus(limits.cpu), disk, incoming)
+                popen = self._spawn(argv, group, vm_dir, uid, files.fds)
+            steps.undo("kill QEMU", lambda: _kill_wait(popen))
+            start = proc_start_time(popen.pid)
+            if start is None:
+                raise VmError(errno.ESRCH, f"QEMU for {sb_id} exited at once: {_tail(vm_dir / 'qemu.log')}")
+            pidfd = fds.park(native.pidfd_open(popen.pid))
+            steps.commit()
+        return VmHandle(init_pid=popen.pid, init_start=start, pidfd=pidfd, group=group, vm_dir=vm_dir,
+                        is_child=True, accel=self.accel, popen=popen, guest_memory=guest_memory)
+
+    def _spawn(self, argv: list[str], group: cgroup.Group, vm_dir: Path, uid: int,
+               pass_fds: list[int]) -> subprocess.Popen:
+        """QEMU in `group` from its first instruction, as `uid`: a shell joins
+        the cgroups (as root: cgroup.procs is root's), then setpriv drops to
+        the uid with no capabilities and no_new_privs, then execs QEMU."""
+        join = 'for f; do [ "$f" = -- ] && break; echo $$ > "$f" || exit 111; shift; done; shift; exec "$@"'
+        drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
+                "--inh-caps=-all", "--bounding-set=-all", "--"]
+        with open(vm_dir / "qemu.log", "ab") as logf:
+            os.fchown(logf.fileno(), uid, uid)
+            return subprocess.Popen(["/bin/sh", "-c", join, "dsec-vm", *group.procs_files(), "--", *drop, *argv],
+                                    stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, cwd=vm_dir,
+                                    start_new_session=True, close_fds=True, pass_fds=pass_fds)
+
+    async def connect(self, h: VmHandle, what: str, hostname: str, timeout: float,
+                      hello: bool = True) -> None:
+        """The monitor and the agent's channel; with hello, wait for the agent
+        (the guest booted and mounted its root). Raises VmError with the
+        tails of the serial and QEMU logs when it does not come."""
+        async def channels() -> None:
+            h.qmp = await QMP.connect(str(h.vm_dir / "qmp.sock"), what, timeout)
+            if hello:
+                h.agent = await self.connect_agent(h, what, hostname, timeout)
+
+        try:
+            await _unless_exits(h, channels())
+        except (TimeoutError, OSError) as err:
+            raise VmError(errno.EIO, f"{what}: {err}; serial log: {_tail(h.vm_dir / 'serial.log')}; "
+                          f"QEMU: {_tail(h.vm_dir / 'qemu.log')}") from err
+
+    async def connect_agent(self, h: VmHandle, what: str, hostname: str, timeout: float) -> AgentLink:
+        return await AgentLink.connect(ChardevTransport(str(h.vm_dir / "agent.sock")), what, hostname, timeout)
+
+    # ------------------------------------------------------------ pause / resume
+
+    async def save(self, h: VmHandle, image: Path, timeout: float = 120.0) -> int:
+        """Pause: stop the vCPUs, write the VM's state (RAM and devices) to
+        `image` through QMP migration to an fd, and end QEMU, so all of its
+        memory goes back to the host. Returns the image's size."""
+        fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            await h.qmp.command("stop")
+            await h.qmp.send_fd("pause-image", fd)
+        finally:
+            os.close(fd)
+        await h.qmp.command("migrate", {"uri": "fd:pause-image"})
+        await h.qmp.migrate_wait(timeout)
+        return image.stat().st_size
+
+    async def restore(self, h: VmHandle, image: Path, what: str, hostname: str, timeout: float = 120.0) -> None:
+        """Resume into `h`, a QEMU started with incoming=True: load `image`,
+        run the vCPUs, reach the agent again (its HELLO sets the clock the
+        guest slept through)."""
+        await self.connect(h, what, hostname, timeout, hello=False)
+        fd = os.open(image, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            await h.qmp.send_fd("resume-image", fd)
+        finally:
+            os.close(fd)
+        await h.qmp.command("migrate-incoming", {"uri": "fd:resume-image"})
+        await h.qmp.migrate_wait(timeout)
+        await h.qmp.command("cont")
+        h.agent = await self.connect_agent(h, what, hostname, timeout)
+
+    def end_process(self, h: VmHandle) -> None:
+        """Blocking: end a VM's QEMU (its state saved), keep its dir and cgroups."""
+        for link in (h.agent, h.qmp):
+            if link is not None:
+                link.close()
+        h.agent = h.qmp = None
+        try:
+            native.pidfd_send_signal(h.pidfd, signal.SIGKILL)
+        except OSError:
+            pass
+        if h.popen is not None:
+            h.popen.wait(self.destroy_timeout)
+        fds.close_quietly(h.pidfd)
+        h.pidfd = -1
+
+    def respawn(self, h: VmHandle, layers: list[Path], cpu: float, disk: int, uid: int) -> None:
+        """Blocking: a new QEMU for a paused VM's dir and cgroups, waiting
+        for its saved state (restore); `h` now names it."""
+        with QemuFiles(h.vm_dir, layers, self.guest) as files:
+            argv = self.qemu_argv(files.refs, layers, h.guest_memory, self.vcpus(cpu), disk, incoming=True)
+            popen = self._spawn(argv, h.group, h.vm_dir, uid, files.fds)
+        start = proc_start_time(popen.pid)
+        if start is None:
+            raise VmError(errno.ESRCH, f"QEMU exited at once: {_tail(h.vm_dir / 'qemu.log')}")
+        h.popen, h.init_pid, h.init_start, h.is_child = popen, popen.pid, start, True
+        h.pidfd = fds.park(native.pidfd_open(popen.pid))
+
+    # ------------------------------------------------------------ destroy
+
+    def stop(self, sb_id: str, h: VmHandle | None) -> None:
+        """Kill QEMU and remove the cgroups; safe to repeat. No handle: kill
+        what is in the cgroups (an orphan)."""
+        group = h.group if h else self.group_for(sb_id)
+        if h:
+            for link in (h.agent, h.qmp):
+                if link is not None:
+                    link.close()
+            try:
+                native.pidfd_send_signal(h.pidfd, signal.SIGKILL)
+            except (ProcessLookupError, OSError):
+                pass
+            if h.popen is not None:
+                try:
+                    h.popen.wait(self.destroy_timeout)
+                except subprocess.TimeoutExpired:
+                    log.error("QEMU %d of sandbox %s did not exit %.0fs after SIGKILL", h.init_pid, sb_id,
+                              self.destroy_timeout)
+        else:
+            group.kill_all()
+        group.remove(self.destroy_timeout)
+
+    def release(self, sb_id: str, h: VmHandle | None) -> None:
+        """Closes the handle's fd and removes the VM's dir (logs, a paused RAM image)."""
+        if h is not None:
+            fds.close_quietly(h.pidfd)
+            h.pidfd = -1
+        shutil.rmtree(self.root / sb_id, ignore_errors=True)
+
+    def destroy(self, sb_id: str, h: VmHandle | None) -> None:
+        self.stop(sb_id, h)
+        self.release(sb_id, h)
+
+    def adopt(self, sb_id: str, init_pid: int, init_start: int, upper_tmpfs: bool = False) -> VmHandle | None:
+        """After a daemon restart: the QEMU of sandbox `sb_id` if it still
+        runs (same pid and start time). The channels are reconnected by
+        `connect` (execs in flight were lost with the old daemon)."""
+        if not init_pid or proc_start_time(init_pid) != init_start:
+            return None
+        try:
+            pidfd = fds.park(native.pidfd_open(init_pid))
+        except OSError:
+            return None
+        if proc_start_time(init_pid) != init_start:
+            os.close(pidfd)
+            return None
+        return VmHandle(init_pid=init_pid, init_start=init_start, pidfd=pidfd, group=self.group_for(sb_id),
+                        vm_dir=self.root / sb_id, is_child=False, accel=self.accel)
+
+    def paused_handle(self, sb_id: str, guest_memory: int) -> VmHandle | None:
+        """After a daemon restart: a paused VM (no QEMU; its saved state in
+        its dir), or None if that state is gone."""
+        vm_dir = self.root / sb_id
+        if not (vm_dir / "paused.ram").exists():
+            return None
+        return VmHandle(init_pid=0, init_start=0, pidfd=-1, group=self.group_for(sb_id), vm_dir=vm_dir,
+                        is_child=False, accel=self.accel, guest_memory=guest_memory)
+
+    def orphans(self, known: set[str]) -> set[str]:
+        """VM dirs without a journal record (their cgroups are found by the
+        container backend's sweep: the same cgroup root)."""
+        return {e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith(".")} - known
+
+
+async def _unless_exits(h: VmHandle, work) -> None:
+    """Await `work`, failing at once if QEMU exits meanwhile (a bad option,
+    a guest that panicked) instead of at the end of a timeout."""
+    loop = asyncio.get_running_loop()
+    gone = loop.create_future()
+    loop.add_reader(h.pidfd, lambda: gone.done() or gone.set_result(None))
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        loop.remove_reader(h.pidfd)
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise VmError(errno.ESRCH, "QEMU exited")
+    task.result()
+
+
+def _kill_wait(popen: subprocess.Popen) -> None:
+    try:
+        popen.kill()
+    except ProcessLookupError:
+        pass
+    try:
+        popen.wait(10)
+    except subprocess.TimeoutExpired:
+        log.error("QEMU %d did not exit 10s after SIGKILL", popen.pid)
+
+
+def _tail(path: Path, n: int = 600) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - n))
+            text = f.read().decode(errors="replace").strip()
+    except OSError:
+        return f"({path} unreadable)"
+    return " | ".join(line for line in text.splitlines()[-6:] if line.strip()) or "(empty)"

@@ -1,0 +1,76 @@
+"""The guest agent's wire format, host side (the guest side is csrc/guest/agent.c).
+
+A frame is  u32 length (big-endian, of what follows) | u8 type | u32 id | body;
+a body is a sequence of fields, each a u64 (big-endian) or a byte string
+(u32 length + bytes). The layout of each message's body is in its builder
+below and in the enum comments of agent.c; keep both in step.
+"""
+
+from __future__ import annotations
+
+import struct
+
+# host -> guest
+HELLO, EXEC, STDIN, KILL = 1, 2, 3, 4
+READ, WRITE, STAT, LIST, MKDIR, REMOVE, RENAME, SYNC = 10, 11, 12, 13, 14, 15, 16, 17
+# guest -> host
+READY, STARTED, OUT, EXITED, OK, ERR = 101, 102, 103, 104, 105, 106
+
+EXEC_STDIN = 1
+WRITE_APPEND, WRITE_KEEP, WRITE_PARENTS = 1, 2, 4
+RENAME_OVERWRITE, RENAME_KEEP_ATTRS = 1, 2
+NO_OFFSET = 2**64 - 1
+HEADER = struct.Struct(">IBI")
+
+
+def u64(v: int) -> bytes:
+    return struct.pack(">Q", v)
+
+
+def bstr(v: bytes | str) -> bytes:
+    if isinstance(v, str):
+        v = v.encode()
+    return struct.pack(">I", len(v)) + v
+
+
+def frame(kind: int, msg_id: int, *fields: bytes) -> bytes:
+    body = b"".join(fields)
+    return HEADER.pack(len(body) + 5, kind, msg_id) + body
+
+
+def exec_request(msg_id: int, argv: list[str], env: list[str], cwd: str, uid: int, gid: int,
+                 stdin: bool) -> bytes:
+    return frame(EXEC, msg_id, u64(uid), u64(gid), u64(EXEC_STDIN if stdin else 0), bstr(cwd),
+                 u64(len(argv)), *map(bstr, argv), u64(len(env)), *map(bstr, env))
+
+
+class Reader:
+    """Fields of a received body, in order."""
+
+    def __init__(self, body: bytes | memoryview):
+        self.body = memoryview(body)
+        self.at = 0
+
+    def u64(self) -> int:
+        v, = struct.unpack_from(">Q", self.body, self.at)
+        self.at += 8
+        return v
+
+    def bytes(self) -> bytes:
+        n, = struct.unpack_from(">I", self.body, self.at)
+        self.at += 4
+        v = bytes(self.body[self.at:self.at + n])
+        if len(v) != n:
+            raise ValueError("guest agent frame cut short")
+        self.at += n
+        return v
+
+    def str(self) -> str:
+        return self.bytes().decode(errors="surrogateescape")
+
+    def more(self) -> bool:
+        return self.at < len(self.body)
+
+    def stat(self) -> dict:
+        kind, size, mode, uid, gid, mtime_ns = self.str(), self.u64(), self.u64(), self.u64(), self.u64(), self.u64()
+        return {"type": kind, "size": size, "mode": mode, "uid": uid, "gid": gid, "mtime": mtime_ns / 1e9}

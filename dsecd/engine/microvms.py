@@ -1,0 +1,345 @@
+"""What the engine does for microVM sandboxes (backend "microvm"), where the
+container path does not fit: the VM's start and its wait for the guest
+agent, execs and file operations over the agent's channel, pause and resume
+through QEMU's monitor. The mechanism is dsecd/backends/microvm/.
+
+The services that own an op (creates, execs, files, lifecycle, memory) keep
+its checks and hand a VM sandbox to the method here of the same name, so
+both backends answer one protocol with the same semantics and error codes:
+a command that does not exist is `not_found`, a bad cwd `not_found`, a file
+error carries `detail.errno`, a timeout kills the process group and says
+`timed_out`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import time
+from pathlib import Path
+
+from .. import fds, userns
+from ..backends.microvm import wire
+from ..backends.microvm.agent import AgentError, AgentExec, AgentGone
+from ..backends.microvm.backend import MIN_GUEST_MEMORY, MicroVMBackend, VmError, VmHandle
+from ..errors import (
+    BadRequest,
+    Conflict,
+    DsecError,
+    Unsupported,
+    exec_error,
+    io_error,
+)
+from ..execio import _decode_status
+from ..fs import files as sbfiles
+from .sandboxes import Sandbox
+from .workers import Workers
+
+log = logging.getLogger(__name__)
+
+KILL_GRACE_S = 10.0     # a killed exec's EXITED should come at once; past this the result is sent anyway
+
+
+class VmExec:
+    """A running VM exec as the server sees it (ctx.register_exec): stdin in, cancel."""
+
+    has_tty = False
+    cancelled = False
+
+    def __init__(self, takes_stdin: bool):
+        self.takes_stdin = takes_stdin
+        self.run: AgentExec | None = None
+
+    async def feed_stdin(self, data: bytes, eof: bool) -> None:
+        if self.run is not None:
+            self.run.send_stdin(bytes(data), eof)
+            await self.run.link.writer.drain()
+
+
+class MicroVMService:
+    """Creates, execs, files, pause and resume of microVM sandboxes.
+    `backend` is None where the host cannot run them (`why` says why)."""
+
+    def __init__(self, backend: MicroVMBackend | None, why: str, workers: Workers, store_path, cfg: dict,
+                 max_output: int, uid_fallback: int):
+        self.backend = backend
+        self.why = why
+        self.workers = workers
+        self.store_path = store_path            # digest -> Path of the blob (the image store's)
+        self.cfg = cfg
+        self.max_output = max_output
+        self.uid_fallback = uid_fallback
+        # LifecycleService.watch, set by the node: a resumed VM's new QEMU is watched like the first.
+        self.watch = None
+
+    def info(self) -> dict:
+        if self.backend is None:
+            return {"available": False, "why": self.why}
+        return {"available": True, "accel": self.backend.accel, "why": self.why,
+                "guest_kernel": self.backend.guest.version}
+
+    def require(self) -> MicroVMBackend:
+        if self.backend is None:
+            raise Unsupported(f"backend microvm is not available on this host: {self.why} (see `dsec info`)")
+        return self.backend
+
+    # ------------------------------------------------------------ create
+
+    def check_create(self, req, memory: int) -> None:
+        """What a VM cannot do (yet), refused before anything is made."""
+        self.require()
+        if memory < MIN_GUEST_MEMORY:
+            raise BadRequest(f"a microVM needs memory of at least {MIN_GUEST_MEMORY >> 20}M, got {memory} bytes")
+        if (req.net or "none") != "none" or req.allow or req.publish:
+            raise Unsupported("backend microvm has no networking yet: create it with --net none "
+                              "(and no allow/publish)")
+
+    async def create(self, sb: Sandbox, limits, disk: int) -> VmHandle:
+        """Start the VM and wait for its agent. Cancelled or failed, nothing is left."""
+        backend = self.require()
+        layers = [Path(self.store_path(d)) for d in sb.layers]
+        uid = self._uid(sb)
+
+        def abandoned(fut) -> None:       # the request went while QEMU started: it goes too
+            if not fut.cancelled() and fut.exception() is None:
+                self.workers.behind(backend.destroy, sb.id, fut.result())
+
+        try:
+            handle = await self.workers.run_shielded(abandoned, backend.create, sb.id, layers, limits, disk, uid)
+        except OSError as err:
+            raise DsecError(f"create sandbox {sb.id}: {err.strerror or err}",
+                            {"errno": errno.errorcode.get(err.errno or 0)}, code="io") from err
+        try:
+            await backend.connect(handle, f"microVM {sb.id}", sb.hostname, float(self.cfg["boot_timeout_s"]))
+        except BaseException as err:
+            await asyncio.shield(self.workers.run(backend.destroy, sb.id, handle))
+            if isinstance(err, VmError):
+                raise DsecError(f"create sandbox {sb.id}: {err.strerror}", {"errno": "EIO"}, code="io") from err
+            raise
+        return handle
+
+    async def reconnect(self, sb: Sandbox, handle: VmHandle) -> None:
+        """The monitor and agent of a VM re-adopted after a daemon restart.
+        A paused VM's agent is not reached until it is resumed."""
+        paused = sb.state == "paused"
+        await self.require().connect(handle, f"microVM {sb.id}", sb.hostname, 30.0, hello=not paused)
+
+    def detach(self, handle: VmHandle) -> None:
+        """Daemon shutdown: the channels close, the VM runs on for the next daemon."""
+        for link in (handle.agent, handle.qmp):
+            if link is not None:
+                link.close()
+        handle.agent = handle.qmp = None
+        fds.close_quietly(handle.pidfd)
+        handle.pidfd = -1
+
+    def inspect(self, sb: Sandbox) -> dict:
+        h = sb.handle
+        return {"qemu_pid": h.init_pid, "accel": h.accel, "dir": str(h.vm_dir),
+                "serial_log": str(h.vm_dir / "serial.log"), "guest_memory": h.guest_memory,
+                "agent": h.agent is not None and not h.agent.closed}
+
+    # ------------------------------------------------------------ pause / resume
+
+    def _uid(self, sb: Sandbox) -> int:
+        idmap = userns.IdMap.from_record(sb.idmap)
+        return idmap.uid if idmap else self.uid_fallback
+
+    async def pause(self, sb: Sandbox) -> dict:
+        """The VM's state to a file in its dir, its QEMU ended: all its memory
+        goes back to the host. The record says where the image is."""
+        backend, h = self.require(), sb.handle
+        if sb.execs:
+            raise Conflict(f"sandbox {sb.id} has {sb.execs} running exec(s); a microVM pauses only idle "
+                           "(its agent's channel does not survive the stop)", {"sandbox": sb.id})
+        image = h.vm_dir / "paused.ram"
+        t0 = time.monotonic()
+        self.workers.loop.remove_reader(h.pidfd)       # its end is ours, not a death
+        try:
+            size = await backend.save(h, image)
+        except OSError as err:
+            if self.watch is not None:
+                self.watch(sb)
+            raise DsecError(f"pause sandbox {sb.id}: {err}", code="io") from err
+        saved = time.monotonic()
+        await self.workers.run(backend.end_process, h)
+        return {"vm_image": str(image), "image_bytes": size, "save_s": round(saved - t0, 4),
+                "stop_s": round(time.monotonic() - saved, 4)}
+
+    async def resume(self, sb: Sandbox, rec: dict) -> dict:
+        backend, h = self.require(), sb.handle
+        image = Path(rec.get("vm_image") or h.vm_dir / "paused.ram")
+        t0 = time.monotonic()
+        layers = [Path(self.store_path(d)) for d in sb.layers]
+        await self.workers.run(backend.respawn, h, layers, sb.limits["cpu"], sb.limits["disk"], self._uid(sb))
+        try:
+            await backend.restore(h, image, f"microVM {sb.id}", sb.hostname)
+        except OSError as err:
+            raise DsecError(f"resume sandbox {sb.id}: {err}; its saved state stays in {image}", code="io") from err
+        image.unlink(missing_ok=True)
+        if self.watch is not None:
+            self.watch(sb)
+        return {"restore_s": round(time.monotonic() - t0, 4)}
+
+    async def check_cwd(self, sb: Sandbox, cwd: str) -> None:
+        if cwd == "/":
+            return
+        try:
+            st = await self.stat_path(sb, cwd)
+        except DsecError:
+            st = None
+        if st is None or st["type"] != "dir":
+            raise BadRequest(f"cwd {cwd!r} is not a directory in image {sb.image!r}: give one that "
+                             "exists, or create without --cwd and make it with an exec", {"cwd": cwd})
+
+    # ------------------------------------------------------------ exec
+
+    def _agent(self, sb: Sandbox):
+        h = sb.handle
+        if h is None or h.agent is None or h.agent.closed:
+            raise Conflict(f"sandbox {sb.id} is exiting (its VM's agent channel is closed)", {"sandbox": sb.id})
+        return h.agent
+
+    async def exec(self, sb: Sandbox, req, env: list[str], cwd: str, user: int, timeout: float | None, ctx) -> dict:
+        if req.pty or req.trace:
+            raise Unsupported("backend microvm runs no pty or traced execs yet: drop pty/trace")
+        link = self._agent(sb)
+        argv = list(req.argv)
+        io = VmExec(req.stdin)
+        out: dict[int, list[bytes]] = {1: [], 2: []}
+        delivered, truncated, timed_out = 0, False, False
+        started = time.monotonic()
+        sb.execs += 1
+        ctx.register_exec(io)
+        run = None
+        try:
+            run = io.run = await link.start_exec(argv, env, cwd, user, req.stdin)
+            loop = asyncio.get_running_loop()
+            deadline = None if timeout is None else loop.time() + timeout
+            status = None
+            while status is None:
+                wait = None if deadline is None else max(0.0, deadline - loop.time())
+                try:
+                    ev = await asyncio.wait_for(run.events.get(), wait)
+                except TimeoutError:
+                    if timed_out:      # killed, and no end reported within the grace
+                        raise DsecError(f"exec {argv[0]!r} in sandbox {sb.id}: did not end "
+                                        f"{KILL_GRACE_S:.0f}s after a kill", code="io") from None
+                    timed_out = True
+                    run.kill()
+                    deadline = loop.time() + KILL_GRACE_S
+                    continue
+                kind = ev[0]
+                if kind == "out":
+                    data = ev[2]
+                    room = self.max_output - delivered
+                    if len(data) > room:
+                        data, truncated = data[:room], True
+                        run.kill()       # the cap: like EPIPE on the container side, the process stops
+                    delivered += len(data)
+                    if data:
+                        if req.stream:
+                            await ctx.emit({"fd": ev[1], "data": data})
+                        else:
+                            out[ev[1]].append(data)
+                elif kind == "exited":
+                    status = ev[1]
+                elif kind == "error":
+                    raise exec_error(ev[1], argv[0], cwd)
+                elif kind == "gone":
+                    raise Conflict(f"sandbox {sb.id} is exiting; exec {argv[0]!r} ended with its VM",
+                                   {"sandbox": sb.id})
+        except BaseException:
+            if run is not None and not run.done:
+                run.kill()
+            raise
+        finally:
+            if run is not None:
+                link.forget(run)
+            sb.execs -= 1
+            sb.last_active = time.monotonic()
+            ctx.unregister_exec()
+        code, sig = _decode_status(status)
+        result = {"exit_code": code, "signal": sig, "timed_out": timed_out, "truncated": truncated,
+                  "cancelled": io.cancelled, "duration_ms": round((time.monotonic() - started) * 1000, 3)}
+        if not req.stream:
+            result["stdout"] = b"".join(out[1])
+            result["stderr"] = b"".join(out[2])
+        return result
+
+    # ------------------------------------------------------------ files
+
+    async def _file(self, sb: Sandbox, verb: str, where: str, kind: int, *fields: bytes) -> wire.Reader:
+        link = self._agent(sb)
+        try:
+            return await link.request(kind, *fields)
+        except AgentError as err:
+            raise io_error(verb, f"{sb.id}:{where}", err) from err
+        except AgentGone as err:
+            raise Conflict(f"sandbox {sb.id} is exiting: {err}", {"sandbox": sb.id}) from err
+
+    async def stat_path(self, sb: Sandbox, path: str) -> dict:
+        path = _check(path)
+        r = await self._file(sb, "stat", path, wire.STAT, wire.bstr(path))
+        return {**r.stat(), "path": path}
+
+    async def file_op(self, sb: Sandbox, req) -> dict:
+        """file_read, file_write, file_list, file_stat, file_mkdir,
+        file_remove, file_rename (their checks done by FileService)."""
+        op = req.OP
+        if op == "file_stat":
+            return await self.stat_path(sb, req.path)
+        if op == "file_rename":
+            src, dst = _check(req.src), _check(req.dst)
+            flags = ((wire.RENAME_OVERWRITE if req.overwrite else 0)
+                     | (wire.RENAME_KEEP_ATTRS if req.keep_attrs else 0))
+            await self._file(sb, "rename", f"{src} -> {dst}", wire.RENAME, wire.bstr(src), wire.bstr(dst),
+                             wire.u64(flags))
+            return {"src": src, "dst": dst}
+        path = _check(req.path)
+        if op == "file_read":
+            r = await self._file(sb, "read", path, wire.READ, wire.bstr(path), wire.u64(req.offset),
+                                 wire.u64(req.length))
+            size, data = r.u64(), r.bytes()
+            return {"data": data, "size": size, "eof": req.offset + len(data) >= size}
+        if op == "file_write":
+            if path == "/":
+                raise BadRequest("cannot write to /")
+            flags = ((wire.WRITE_APPEND if req.append else 0) | (wire.WRITE_PARENTS if req.parents else 0)
+                     | (wire.WRITE_KEEP if req.offset is not None else 0))
+            r = await self._file(sb, "write", path, wire.WRITE, wire.bstr(path), wire.u64(flags),
+                                 wire.u64(req.mode), wire.u64(wire.NO_OFFSET if req.offset is None else req.offset),
+                                 wire.bstr(bytes(req.data)))
+            return {"size": r.u64()}
+        if op == "file_list":
+            r = await self._file(sb, "list", path, wire.LIST, wire.bstr(path), wire.u64(req.depth))
+            entries = []
+            body_end = len(r.body) - 16           # the count and the truncated flag close the body
+            while r.at < body_end:
+                name = r.str()
+                entries.append({"name": name, **r.stat()})
+            r.u64()
+            truncated = bool(r.u64())
+            entries.sort(key=lambda e: e["name"])
+            return {"path": path, "entries": entries, "truncated": truncated}
+        if op == "file_mkdir":
+            r = await self._file(sb, "mkdir", path, wire.MKDIR, wire.bstr(path), wire.u64(1 if req.parents else 0),
+                                 wire.u64(req.mode))
+            return {"path": path, "created": bool(r.u64())}
+        if op == "file_remove":
+            if path == "/":
+                raise BadRequest("cannot remove /")
+            r = await self._file(sb, "remove", path, wire.REMOVE, wire.bstr(path),
+                                 wire.u64(1 if req.recursive else 0))
+            return {"path": path, "removed": r.u64()}
+        raise Unsupported(f"{op} is not available for backend microvm yet")
+
+
+def _check(path: str) -> str:
+    try:
+        return sbfiles.check_path(path)
+    except sbfiles.PathError as err:
+        raise BadRequest(str(err), {"path": path}) from err
+
+
