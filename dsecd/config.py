@@ -113,6 +113,10 @@ def _validate(cfg: Config) -> None:
         cfg.size(section, key)
     if cfg.size("limits", "max_file_chunk_bytes") + 4096 > cfg.size("limits", "max_frame_bytes"):
         raise ConfigError("limits.max_file_chunk_bytes must be smaller than limits.max_frame_bytes")
+    d = cfg.section("daemon")
+    for key, allowed in (("log_level", ("debug", "info", "warning", "error")), ("log_format", ("json", "logfmt"))):
+        if d[key] not in allowed:
+            raise ConfigError(f"daemon.{key} must be one of {', '.join(allowed)}, got {d[key]!r}")
 
 
 def parse_duration(value, what: str) -> float | None:

@@ -1,9 +1,11 @@
 """`dsecd`: the daemon's entry point.
 
-Start-up order: config -> logging -> single-instance lock on the state dir ->
-feature probe (stop on a missing required feature) -> node (re-adopt
-sandboxes) -> socket. SIGTERM/SIGINT stop the daemon and leave every sandbox
-running; the next daemon re-adopts them from the journal.
+Start-up order: config -> logging (dsecd/logs.py) -> single-instance
+lock on the state dir -> feature probe (stop on a missing required feature)
+-> node (re-adopt sandboxes) -> socket. SIGTERM/SIGINT stop the daemon and
+leave every sandbox running; the next daemon re-adopts them from the journal.
+
+A start that fails says why in one log line (level critical) and exits 1.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import signal
 import sys
 
-from . import cgroup, fds
+from . import cgroup, fds, logs
 from .config import ConfigError, load_config
 from .features import probe_all
 from .node import Node
@@ -87,7 +89,9 @@ async def serve(cfg) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("dsecd ready: %d sandboxes adopted, pid %d", len(node.registry.by_id), os.getpid())
+    log.info("dsecd ready: %d sandboxes adopted, pid %d", len(node.registry.by_id), os.getpid(),
+             extra={"fields": {"event": "ready", "adopted": len(node.registry.by_id), "pid": os.getpid(),
+                               "socket": cfg.socket}})
     await stop.wait()
     log.info("stopping; sandboxes keep running")
     await server.stop()
@@ -99,26 +103,41 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = build_config(args)
     except ConfigError as err:
-        raise SystemExit(f"dsecd: {err}") from err
+        # Before the config is read there is no log format to honour: the
+        # default one (JSON), so a log reader still parses the line.
+        logs.setup("info", "json")
+        fail(f"dsecd: {err}")
     if args.print_config:
         import json
 
         print(json.dumps(cfg.raw, indent=2))
         return
-    logging.basicConfig(level=cfg.section("daemon")["log_level"].upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if os.geteuid() != 0:
-        raise SystemExit("dsecd: must run as root (namespaces, cgroups, mounts)")
-    lock_state_dir(str(cfg.state_dir))
-    raise_fd_limit()
-    fds.init_parking()
+    d = cfg.section("daemon")
+    logs.setup(d["log_level"], d["log_format"])
     try:
-        import uvloop
+        if os.geteuid() != 0:
+            raise SystemExit("dsecd: must run as root (namespaces, cgroups, mounts)")
+        lock_state_dir(str(cfg.state_dir))
+        raise_fd_limit()
+        fds.init_parking()
+        try:
+            import uvloop
 
-        uvloop.run(serve(cfg))
-    except ImportError:
-        log.warning("uvloop not installed; using the default asyncio loop")
-        asyncio.run(serve(cfg))
+            uvloop.run(serve(cfg))
+        except ImportError:
+            log.warning("uvloop not installed; using the default asyncio loop")
+            asyncio.run(serve(cfg))
+    except SystemExit as err:
+        if isinstance(err.code, str):       # a start that failed, said in words
+            fail(err.code)
+        raise
+
+
+def fail(message: str) -> None:
+    """End a failed start: the reason as one log line, exit status 1."""
+    log.critical(message.removeprefix("dsecd: "), extra={"fields": {"event": "start_failed"}})
+    logging.shutdown()
+    sys.exit(1)
 
 
 if __name__ == "__main__":

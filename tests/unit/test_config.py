@@ -49,3 +49,12 @@ def test_bad_toml_and_missing_file(tmp_path):
 def test_chunk_must_fit_in_frame():
     with pytest.raises(ConfigError, match="max_file_chunk_bytes"):
         load_config(overrides={"limits": {"max_frame_bytes": "1M", "max_file_chunk_bytes": "1M"}})
+
+
+def test_the_log_format_and_level_are_checked_at_load():
+    with pytest.raises(ConfigError, match="daemon.log_format"):
+        load_config(overrides={"daemon": {"log_format": "xml"}})
+    with pytest.raises(ConfigError, match="daemon.log_level"):
+        load_config(overrides={"daemon": {"log_level": "verbose"}})
+    assert load_config().section("daemon")["log_format"] == "json"
+
