@@ -22,6 +22,7 @@ from . import __version__, cgroup, protocol
 from .backends.container import ContainerBackend
 from .config import Config, ConfigError, parse_size
 from .cpu.manager import CpuHost
+from .engine import lifelog
 from .engine.calls import CallService, fncall_backend
 from .engine.creates import CreateService
 from .engine.dircopies import DirCopyService
@@ -109,6 +110,7 @@ class Node:
         self.journal = Journal(state, fsync=cfg.section("journal")["fsync"], compact_with=self.workers.submit)
         self.registry = SandboxRegistry(self.journal)
         self.events = EventBus()
+        self.events.listeners.append(lifelog.on_event)        # a log line per event
         self.backend = ContainerBackend(layout, sb, state, {
             "tmp": cfg.size("sandbox", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")}, upper_mode,
             execs_by_init)

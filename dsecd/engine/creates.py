@@ -309,7 +309,7 @@ class CreateService:
 
     async def _destroy_quiet(self, sb) -> None:
         try:
-            await self.lifecycle.destroy_sandbox(sb, True)
+            await self.lifecycle.destroy_sandbox(sb, True, reason="pool")
         except DsecError as err:
             log.warning("destroy pool sandbox %s: %s", sb.id, err)
 
@@ -463,6 +463,7 @@ class CreateService:
 
     async def create_now(self, req, ctx) -> dict:
         """The create itself; `create` does keys, pools and the queue first."""
+        started = time.monotonic()
         limits = self._limits_for(req)
         plan = self.cpu.plan(req.qos)
         self.check_process(req)
@@ -514,5 +515,5 @@ class CreateService:
         sb.state = "running"
         self.registry.save(sb)
         self.lifecycle.watch(sb)
-        self.memory.on_created(sb)
+        self.memory.on_created(sb, time.monotonic() - started)
         return sb.public()
