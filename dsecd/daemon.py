@@ -2,8 +2,9 @@
 
 Start-up order: config -> logging (dsecd/logs.py) -> single-instance
 lock on the state dir -> feature probe (stop on a missing required feature)
--> node (re-adopt sandboxes) -> socket. SIGTERM/SIGINT stop the daemon and
-leave every sandbox running; the next daemon re-adopts them from the journal.
+-> node (re-adopt sandboxes) -> socket -> metrics endpoint (if
+metrics.listen). SIGTERM/SIGINT stop the daemon and leave every sandbox
+running; the next daemon re-adopts them from the journal.
 
 A start that fails says why in one log line (level critical) and exits 1.
 """
@@ -22,6 +23,7 @@ import sys
 from . import cgroup, fds, logs
 from .config import ConfigError, load_config
 from .features import probe_all
+from .metrics import MetricsServer
 from .node import Node
 from .server import Server
 
@@ -80,6 +82,7 @@ async def serve(cfg) -> None:
     server = Server(node, cfg.socket, cfg.section("daemon")["socket_group"], cfg.section("limits"),
                     cfg.size("limits", "max_frame_bytes"))
     await server.start()
+    exporter = await start_metrics(cfg, node, server)
     # What start-up made (modules, config, re-adopted sandboxes) lives as long
     # as the daemon: out of the cyclic GC's reach, so that its full passes
     # during a burst walk only what came after.
@@ -91,11 +94,28 @@ async def serve(cfg) -> None:
         loop.add_signal_handler(sig, stop.set)
     log.info("dsecd ready: %d sandboxes adopted, pid %d", len(node.registry.by_id), os.getpid(),
              extra={"fields": {"event": "ready", "adopted": len(node.registry.by_id), "pid": os.getpid(),
-                               "socket": cfg.socket}})
+                               "socket": cfg.socket,
+                               "metrics": exporter.describe() if exporter else None}})
     await stop.wait()
     log.info("stopping; sandboxes keep running")
+    if exporter is not None:
+        await exporter.stop()
     await server.stop()
     await node.close()
+
+
+async def start_metrics(cfg, node: Node, server: Server):
+    """The metrics endpoint, when metrics.listen names one (dsecd/metrics.py)."""
+    m = cfg.section("metrics")
+    if not m["listen"]:
+        return None
+    try:
+        exporter = MetricsServer(node, m["listen"], bool(m["per_sandbox"]), lambda: server.connections)
+        await exporter.start()
+    except (ValueError, OSError) as err:
+        raise SystemExit(f"dsecd: metrics.listen {m['listen']!r}: {getattr(err, 'strerror', None) or err}; "
+                         "pick a free address or set metrics.listen = \"\" to turn the endpoint off") from err
+    return exporter
 
 
 def main(argv: list[str] | None = None) -> None:

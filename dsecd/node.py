@@ -110,7 +110,7 @@ class Node:
         self.journal = Journal(state, fsync=cfg.section("journal")["fsync"], compact_with=self.workers.submit)
         self.registry = SandboxRegistry(self.journal)
         self.events = EventBus()
-        self.events.listeners.append(lifelog.on_event)        # a log line per event
+        self.events.listeners.append(lifelog.on_event)        # a log line and counters per event
         self.backend = ContainerBackend(layout, sb, state, {
             "tmp": cfg.size("sandbox", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")}, upper_mode,
             execs_by_init)
@@ -152,6 +152,7 @@ class Node:
                                         self.cpu, self.workers, self.starter, exec_limits, self._devnull)
         self._cpu_task: asyncio.Task | None = None
         self.started = time.time()
+        self.default_memory = parse_size(sb["memory"])
 
     def routes(self) -> dict[str, Callable]:
         """Each request type's handler, by op name, for dsecd/server.py."""
@@ -240,8 +241,7 @@ class Node:
         return {"version": __version__, "protocol": protocol.PROTOCOL_VERSION, "pid": os.getpid(),
                 "uptime_s": round(time.time() - self.started, 3), **self.features.to_dict(),
                 "limits": self.wire_limits(), "sandboxes": states,
-                "cpu": self.cpu.info(self.registry.live_limits(), self.sb_defaults["cpu"],
-                                     parse_size(self.sb_defaults["memory"])),
+                "cpu": self.cpu.info(self.registry.live_limits(), self.sb_defaults["cpu"], self.default_memory),
                 "images": await self.workers.run(self.image_service.info),
                 "net": self.net_service.net_info(),
                 "memory": await self.workers.run(self.memory.info),

@@ -6,7 +6,8 @@ Frames are written whole with one transport write, so frames of concurrent
 requests never interleave. Only root and members of `socket_group` may
 connect (socket mode 0660 and an SO_PEERCRED check on every connection).
 
-Errors that may be the daemon's own are logged: `internal` (a bug) with its traceback at
+Every answer is counted by op and result (dsecd_requests_total). Errors that
+may be the daemon's own are logged: `internal` (a bug) with its traceback at
 error, `io` (a host or in-sandbox operation failed) at warning; the errors a
 client causes (bad_request, not_found, busy, ...) only at debug, and
 connections come and go at debug too.
@@ -23,7 +24,7 @@ import select
 import socket
 import struct
 
-from . import framing, protocol
+from . import framing, metrics, protocol
 from .errors import (
     BadRequest,
     Conflict,
@@ -277,14 +278,18 @@ class Connection:
             else:
                 handler = self.server.routes[req.OP]
                 result = await handler(req, ctx)
+            metrics.REQUESTS.labels(req.OP, "ok").inc()
             await self.send({"id": rid, "result": result})
         except asyncio.CancelledError:
+            metrics.REQUESTS.labels(req.OP, "cancelled").inc()
             self.send_nowait({"id": rid, "error": Conflict("request cancelled").to_wire()})
             raise
         except DsecError as err:
+            metrics.REQUESTS.labels(req.OP, err.code).inc()
             self._log_error(req, rid, err)
             await self.send({"id": rid, "error": err.to_wire()})
         except Exception as err:  # a bug: log it whole, tell the client only that it happened
+            metrics.REQUESTS.labels(req.OP, "internal").inc()
             log.exception("internal error in %s (request %d from %s)", req.OP, rid, self.peer,
                           extra={"fields": {"op": req.OP, "code": "internal", "peer": self.peer,
                                             "sandbox": getattr(req, "sandbox", None)}})

@@ -7,8 +7,9 @@
 #      headers (bcc compiles bpf/*.c against them), nftables and its Python
 #      bindings (egress NAT, published ports), the runtimes we benchmark
 #      against (bubblewrap, crun), busybox-static (test rootfs), erofs-utils,
-#      dnspython (the sandboxes' resolver) and dnsmasq-base (the tests' upstream
-#      resolver; -base: the binary without a system service).
+#      dnspython (the sandboxes' resolver), dnsmasq-base (the tests' upstream
+#      resolver; -base: the binary without a system service) and
+#      prometheus-client (the metrics endpoint).
 #   2. Kernel headers where bcc looks for them: /lib/modules/$(uname -r)/build
 #      and .../source. A kernel Debian has no headers package for gets the
 #      newest Debian headers, said on stderr.
@@ -39,6 +40,7 @@ PACKAGES=(
     busybox-static bubblewrap crun             # test rootfs; peers in bench/peers.py
     erofs-utils iproute2 util-linux debootstrap
     python3-dnspython dnsmasq-base             # the sandboxes' resolver; the tests' upstream
+    python3-prometheus-client                  # the metrics endpoint (dsecd/metrics.py)
 )
 
 export DEBIAN_FRONTEND=noninteractive PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1

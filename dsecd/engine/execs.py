@@ -11,7 +11,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from .. import tracing, userns
+from .. import metrics, tracing, userns
 from ..errors import BadRequest, Conflict, DsecError, NotFound, io_error, run_error
 from ..execio import ChildWatch, Collector, ExecIO, PtyIO, kill_and_reap
 from ..initlink import InitExec
@@ -115,7 +115,9 @@ class ExecService:
         if timeout is not None and not 0 < timeout <= (max_t or float("inf")):
             raise BadRequest(f"timeout must be in (0, {max_t}] seconds, got {timeout}")
         env, cwd, user = exec_target(sb, req, self.backend)
+        started = time.monotonic()
         await self.ensure_running(sb, "exec")
+        via: list[str] = []        # who started the process: "init" or "helper" (the metrics' label)
         if not (req.stream or req.stdin or req.trace or req.pty):
             # ETXTBSY: the program is open for writing somewhere for a moment
             # (a write_file just answered, whose fd a spawn child copied with the
@@ -123,15 +125,19 @@ class ExecService:
             # sandbox's own writer). Nothing ran, so a short wait and a retry are safe.
             for delay in (*ETXTBSY_RETRY_S, None):
                 try:
-                    return await self._exec_collected(sb, list(req.argv), env, cwd, user, timeout, ctx)
+                    result = await self._exec_collected(sb, list(req.argv), env, cwd, user, timeout, ctx, via)
+                    break
                 except DsecError as err:
                     if delay is None or err.detail.get("errno") != "ETXTBSY":
                         raise
                 await asyncio.sleep(delay)
-        return await self._exec_streamed(sb, req, env, cwd, user, timeout, ctx)
+        else:
+            result = await self._exec_streamed(sb, req, env, cwd, user, timeout, ctx, via)
+        metrics.EXEC_SECONDS.labels(via[-1] if via else "").observe(time.monotonic() - started)
+        return result
 
     async def _exec_streamed(self, sb: Sandbox, req, env: list[str], cwd: str, user: int,
-                             timeout: float | None, ctx) -> dict:
+                             timeout: float | None, ctx, via: list[str]) -> dict:
         """An exec that streams its output, takes stdin, is traced or has a
         terminal: one ExecIO (PtyIO for a terminal)."""
         loop = self.workers.loop
@@ -156,6 +162,7 @@ class ExecService:
             tracer = None
             watch = None if req.trace else self._start_by_init(sb, argv, env, cwd, user, io, io.child_fds(),
                                                                req.pty)
+            via.append("init" if watch is not None else "helper")
             if watch is None:
                 pid = await self._spawn_exec(sb, argv, env, cwd, user, io.child_fds(), io, req.pty)
                 if req.trace:
@@ -178,7 +185,7 @@ class ExecService:
         return result
 
     async def _exec_collected(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int,
-                              timeout: float | None, ctx) -> dict:
+                              timeout: float | None, ctx, via: list[str]) -> dict:
         """An exec whose output comes back whole and that takes no stdin (most
         of them): collected by loop callbacks (dsecd/execio.py Collector), not
         by ExecIO's task per pipe; stdin is the daemon's /dev/null."""
@@ -190,6 +197,7 @@ class ExecService:
         try:
             stdio = (self.devnull, *run.child_ends)
             watch = self._start_by_init(sb, argv, env, cwd, user, run, stdio)
+            via.append("init" if watch is not None else "helper")
             if watch is None:
                 watch = ChildWatch(self.workers.loop,
                                    await self._spawn_exec(sb, argv, env, cwd, user, stdio, run))

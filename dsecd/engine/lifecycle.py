@@ -185,7 +185,7 @@ class LifecycleService:
 
     async def destroy_sandbox(self, sb: Sandbox, force: bool, reason: str = "request") -> dict:
         """`reason` (request, job, all, ttl, lease, idle_ttl, pool) goes into
-        the `destroyed` event and its log line."""
+        the `destroyed` event, the log line and the metrics."""
         if sb.state == "stopping":
             raise Conflict(f"sandbox {sb.id} is already being destroyed", {"sandbox": sb.id})
         if sb.state == "creating":

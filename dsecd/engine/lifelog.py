@@ -1,19 +1,21 @@
-"""One structured log line per lifecycle event.
+"""One structured log line and the metrics counters per lifecycle event.
 
 The services publish every state change on the EventBus (events.py); this
 listener turns each into one line of the daemon's log (logger
 "dsecd.lifecycle", fields: event, sandbox and the event's own, see
-LINES). So a sandbox's life reads in the log as created ... paused/resumed
-... destroyed (or died, expired), and the log and the `events` stream
-cannot disagree.
+LINES) and into the counters of dsecd/metrics.py. So a sandbox's life reads
+in the log as created ... paused/resumed ... destroyed (or died, expired),
+and the log, the `events` stream and the metrics cannot disagree.
 
 Re-adoption at start is not an event of the protocol's stream (no client
-saw the sandbox go); `adopted` logs it the same way.
+saw the sandbox go); `adopted` logs and counts it the same way.
 """
 
 from __future__ import annotations
 
 import logging
+
+from .. import metrics
 
 log = logging.getLogger("dsecd.lifecycle")
 
@@ -33,6 +35,7 @@ LINES = {
 def on_event(ev: dict) -> None:
     """EventBus listener: called on the loop for every published event."""
     kind = ev["event"]
+    count(kind, ev)
     level, msg = LINES.get(kind, (logging.INFO, f"sandbox {kind}"))
     if log.isEnabledFor(level):
         fields = {"event": kind, **{k: v for k, v in ev.items() if k not in ("event", "time", "seq")}}
@@ -41,3 +44,28 @@ def on_event(ev: dict) -> None:
 
 def adopted(sb_id: str, **detail) -> None:
     on_event({"event": "adopted", "sandbox": sb_id, **detail})
+
+
+def count(kind: str, ev: dict) -> None:
+    if kind == "created":
+        metrics.CREATES.labels(ev.get("qos") or "").inc()
+        if ev.get("duration_ms") is not None:
+            metrics.CREATE_SECONDS.observe(ev["duration_ms"] / 1000)
+    elif kind == "destroyed":
+        metrics.DESTROYS.labels(ev.get("reason") or "request").inc()
+    elif kind == "paused":
+        metrics.PAUSES.inc()
+        metrics.RECLAIMED.inc(ev.get("freed_bytes") or 0)
+    elif kind == "resumed":
+        metrics.RESUMES.inc()
+        metrics.PREFETCHED.inc(ev.get("prefetched_bytes") or 0)
+        if ev.get("duration_ms") is not None:
+            metrics.RESUME_SECONDS.observe(ev["duration_ms"] / 1000)
+    elif kind == "oom":
+        metrics.OOM_KILLS.inc(ev.get("kills") or 0)
+    elif kind == "died":
+        metrics.DIED.inc()
+    elif kind == "expired":
+        metrics.EXPIRED.labels(ev.get("reason") or "").inc()
+    elif kind == "adopted":
+        metrics.ADOPTED.inc()

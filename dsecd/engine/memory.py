@@ -20,6 +20,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from .. import metrics
 from ..cpu.sampler import round_robin
 from ..errors import Conflict, DsecError
 from ..journal import write_file_atomic
@@ -302,6 +303,7 @@ class MemoryService:
             except OSError as err:
                 log.warning("reclaim of paused sandbox %s: %s", s.id, err)
                 return
+            metrics.RECLAIMED.inc(rec.freed)      # the job pause's event said 0: it came after
             if s.state == "paused":
                 s.pause_record = rec.to_json()
                 try:

@@ -1,14 +1,17 @@
-"""Operations: the daemon's log, one JSON (or logfmt) line per record and
-one per lifecycle event."""
+"""Operations: the metrics endpoint and the daemon's log."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
+import stat
 import time
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from dsecd.errors import NotFound
 
@@ -16,6 +19,32 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------- helpers
+
+def http_get(sock_path: str, path: str = "/metrics", method: str = "GET") -> tuple[int, bytes]:
+    """One HTTP/1.0 request over a unix socket: (status, body)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(sock_path)
+        s.sendall(f"{method} {path} HTTP/1.0\r\nHost: dsecd\r\n\r\n".encode())
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+def samples(text: str) -> dict:
+    out: dict = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def total(snap: dict, name: str, **labels) -> float:
+    """Sum of `name`'s samples whose labels include `labels`."""
+    return sum(v for (n, lab), v in snap.items() if n == name and labels.items() <= dict(lab).items())
+
 
 def log_lines(d) -> list[dict]:
     """Every line of the daemon's log, each parsed as JSON (a line that is not fails the test)."""
@@ -38,6 +67,74 @@ def wait_for(what, timeout: float = 10.0, every: float = 0.1):
 
 
 OOM_LOOP = 'x=aaaaaaaaaaaaaaaa; while :; do x="$x$x"; done'
+
+
+@pytest.fixture
+def metrics_daemon(daemon_factory, busybox_rootfs, tmp_path):
+    sock = tmp_path / "metrics.sock"
+    d = daemon_factory(f'[metrics]\nlisten = "{sock}"\n')
+    d.metrics = str(sock)
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    c.close()
+    return d
+
+
+# ---------------------------------------------------------------- metrics
+
+def test_counters_move_with_create_exec_pause_and_destroy(metrics_daemon):
+    d = metrics_daemon
+    assert stat.S_IMODE(os.stat(d.metrics).st_mode) == 0o660
+    status, body = http_get(d.metrics)
+    assert status == 200
+    before = samples(body.decode())
+    c = d.client()
+    sb = c.create(image="busybox", memory="64M", labels={"job": "m1"})
+    assert sb.exec(["true"]).exit_code == 0
+    sb.pause()
+    mid = samples(http_get(d.metrics)[1].decode())
+    assert total(mid, "dsecd_sandboxes", state="paused") == 1
+    sb.resume()
+    assert sb.exec(["true"]).exit_code == 0
+    sb.destroy()
+    with pytest.raises(NotFound):
+        c.request("exec", sandbox="000000000000", argv=["true"])
+    c.close()
+    after = samples(http_get(d.metrics)[1].decode())
+
+    def moved(name, **labels):
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    assert moved("dsecd_sandboxes_created_total") == 1
+    assert moved("dsecd_create_duration_seconds_count") == 1
+    assert moved("dsecd_exec_duration_seconds_count") == 2
+    assert moved("dsecd_pauses_total") == 1 and moved("dsecd_resumes_total") == 1
+    assert moved("dsecd_pause_reclaimed_bytes_total") >= 0
+    assert moved("dsecd_resume_duration_seconds_count") == 1
+    assert moved("dsecd_sandboxes_destroyed_total", reason="request") == 1
+    assert moved("dsecd_requests_total", op="create", result="ok") == 1
+    assert moved("dsecd_requests_total", op="exec", result="not_found") == 1
+    assert moved("dsecd_admission_wait_seconds_count") == 1
+    assert moved("dsecd_journal_appends_total", log="journal") >= 3
+    assert total(after, "dsecd_sandboxes") == 0
+    assert total(after, "dsecd_committed_cpu_cores") == 0 and total(after, "dsecd_capacity_cpu_cores") > 0
+    assert total(after, "process_resident_memory_bytes") > 0          # the library's process collector
+    assert http_get(d.metrics, "/nothing")[0] == 404
+    assert http_get(d.metrics, method="POST")[0] == 405
+    status, body = http_get(d.metrics, method="HEAD")
+    assert status == 200 and body == b""
+
+
+def test_an_oom_kill_is_counted(metrics_daemon):
+    d = metrics_daemon
+    before = samples(http_get(d.metrics)[1].decode())
+    c = d.client()
+    sb = c.create(image="busybox", memory="32M")
+    sb.exec(["sh", "-c", OOM_LOOP], timeout=60)
+    assert wait_for(lambda: total(samples(http_get(d.metrics)[1].decode()), "dsecd_oom_kills_total")
+                    > total(before, "dsecd_oom_kills_total"))
+    sb.destroy()
+    c.close()
 
 
 # ---------------------------------------------------------------- the log

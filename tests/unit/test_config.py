@@ -57,4 +57,5 @@ def test_the_log_format_and_level_are_checked_at_load():
     with pytest.raises(ConfigError, match="daemon.log_level"):
         load_config(overrides={"daemon": {"log_level": "verbose"}})
     assert load_config().section("daemon")["log_format"] == "json"
+    assert load_config().section("metrics") == {"listen": "", "per_sandbox": False}
 
