@@ -64,9 +64,15 @@ def _overlay(base: dict, extra: dict, where: str = "") -> dict:
     return out
 
 
+# Where dsecd looks for its config when --config names none; absent = the
+# embedded defaults alone.
+DEFAULT_PATH = "/etc/dsecd/dsecd.toml"
+
+
 @dataclass(frozen=True)
 class Config:
     raw: dict
+    path: str | None = None         # the file overlaid on the defaults, if any
 
     # Frequently used values, parsed once.
     @property
@@ -101,7 +107,7 @@ def load_config(path: str | None = None, overrides: dict | None = None) -> Confi
         raw = _overlay(raw, user)
     if overrides:
         raw = _overlay(raw, overrides)
-    cfg = Config(raw)
+    cfg = Config(raw, path)
     _validate(cfg)
     return cfg
 

@@ -1,6 +1,7 @@
 """`dsecd`: the daemon's entry point.
 
-Start-up order: config -> logging (dsecd/logs.py) -> single-instance
+Start-up order: config (--config, else /etc/dsecd/dsecd.toml if it exists,
+over the embedded defaults) -> logging (dsecd/logs.py) -> single-instance
 lock on the state dir -> feature probe (stop on a missing required feature)
 -> node (re-adopt sandboxes) -> socket -> metrics endpoint (if
 metrics.listen). SIGTERM/SIGINT stop the daemon and leave every sandbox
@@ -21,7 +22,7 @@ import signal
 import sys
 
 from . import cgroup, fds, logs
-from .config import ConfigError, load_config
+from .config import DEFAULT_PATH, ConfigError, load_config
 from .features import probe_all
 from .metrics import MetricsServer
 from .node import Node
@@ -32,7 +33,8 @@ log = logging.getLogger("dsecd")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dsecd", description="dsecd: the per-host sandbox daemon")
-    p.add_argument("--config", help="TOML file overlaid on the embedded defaults (dsecd/default.toml)")
+    p.add_argument("--config", help="TOML file overlaid on the embedded defaults (dsecd/default.toml); "
+                   f"default: {DEFAULT_PATH} if it exists")
     p.add_argument("--socket", help="unix socket path (daemon.socket)")
     p.add_argument("--state-dir", help="journal, sandbox and image directory (daemon.state_dir)")
     p.add_argument("--log-level", help="debug, info, warning or error (daemon.log_level)")
@@ -40,10 +42,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def config_path(given: str | None) -> str | None:
+    """The file to overlay: --config (which must exist), else DEFAULT_PATH if
+    it exists (a host configured by the operator), else None (the defaults)."""
+    if given is not None:
+        return given
+    return DEFAULT_PATH if os.path.exists(DEFAULT_PATH) else None
+
+
 def build_config(args: argparse.Namespace):
     daemon = {k: v for k, v in (("socket", args.socket), ("state_dir", args.state_dir),
                                 ("log_level", args.log_level)) if v}
-    return load_config(args.config, {"daemon": daemon} if daemon else None)
+    return load_config(config_path(args.config), {"daemon": daemon} if daemon else None)
 
 
 def raise_fd_limit() -> None:
@@ -94,7 +104,7 @@ async def serve(cfg) -> None:
         loop.add_signal_handler(sig, stop.set)
     log.info("dsecd ready: %d sandboxes adopted, pid %d", len(node.registry.by_id), os.getpid(),
              extra={"fields": {"event": "ready", "adopted": len(node.registry.by_id), "pid": os.getpid(),
-                               "socket": cfg.socket,
+                               "config": cfg.path, "socket": cfg.socket,
                                "metrics": exporter.describe() if exporter else None}})
     await stop.wait()
     log.info("stopping; sandboxes keep running")
