@@ -122,6 +122,12 @@ async def cmd_info(c: Client, a) -> int:
                  if q["queued_by_job"] else ""))
         for name, p in q["pools"].items():
             print(f"  pool {name}: {p['ready']} ready, {p['creating']} creating, {p['taken']} taken")
+    if info.get("daemon"):
+        d = info["daemon"]
+        lag = d.get("loop_lag") or {}
+        print(f"daemon: config {d['config'] or '(embedded defaults)'}, log {d['log_level']} as {d['log_format']}, "
+              f"metrics {d['metrics'] or 'off'}" + (f", event-loop lag p50 {lag['p50_ms']} ms p99 {lag['p99_ms']} ms "
+                                                  f"max {lag['max_ms']} ms" if lag.get("samples") else ""))
     if "fncall" in info:
         f = info["fncall"]
         print(f"fncall: {f['calls']} calls ({f['zygote_calls']} zygote, {f['plain_calls']} plain, "

@@ -4,8 +4,11 @@ Start-up order: config (--config, else /etc/dsecd/dsecd.toml if it exists,
 over the embedded defaults) -> logging (dsecd/logs.py) -> single-instance
 lock on the state dir -> feature probe (stop on a missing required feature)
 -> node (re-adopt sandboxes) -> socket -> metrics endpoint (if
-metrics.listen). SIGTERM/SIGINT stop the daemon and leave every sandbox
-running; the next daemon re-adopts them from the journal.
+metrics.listen) -> READY=1 to systemd (dsecd/sdnotify.py; nothing without
+$NOTIFY_SOCKET). From then on a loop monitor (dsecd/looplag.py) measures the
+event loop's lag and sends systemd WATCHDOG=1 and STATUS=. SIGTERM/SIGINT
+stop the daemon and leave every sandbox running; the next daemon re-adopts
+them from the journal.
 
 A start that fails says why in one log line (level critical) and exits 1.
 """
@@ -24,8 +27,10 @@ import sys
 from . import cgroup, fds, logs
 from .config import DEFAULT_PATH, ConfigError, load_config
 from .features import probe_all
+from .looplag import LoopMonitor
 from .metrics import MetricsServer
 from .node import Node
+from .sdnotify import Notifier
 from .server import Server
 
 log = logging.getLogger("dsecd")
@@ -79,6 +84,7 @@ def lock_state_dir(state_dir: str) -> int:
 
 
 async def serve(cfg) -> None:
+    notifier = Notifier()
     feats = probe_all(cfg.section("sandbox")["cgroup_root"], str(cfg.state_dir))
     missing = feats.missing_required()
     if missing:
@@ -93,6 +99,8 @@ async def serve(cfg) -> None:
                     cfg.size("limits", "max_frame_bytes"))
     await server.start()
     exporter = await start_metrics(cfg, node, server)
+    monitor = node.loop_monitor = LoopMonitor(notifier, lambda: node.status_line(len(server.connections)))
+    monitor.start()
     # What start-up made (modules, config, re-adopted sandboxes) lives as long
     # as the daemon: out of the cyclic GC's reach, so that its full passes
     # during a burst walk only what came after.
@@ -106,12 +114,16 @@ async def serve(cfg) -> None:
              extra={"fields": {"event": "ready", "adopted": len(node.registry.by_id), "pid": os.getpid(),
                                "config": cfg.path, "socket": cfg.socket,
                                "metrics": exporter.describe() if exporter else None}})
+    notifier.ready(node.status_line(0))
     await stop.wait()
     log.info("stopping; sandboxes keep running")
+    notifier.stopping(f"stopping; {len(node.registry.by_id)} sandboxes keep running")
+    monitor.stop()
     if exporter is not None:
         await exporter.stop()
     await server.stop()
     await node.close()
+    notifier.close()
 
 
 async def start_metrics(cfg, node: Node, server: Server):

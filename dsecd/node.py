@@ -153,6 +153,7 @@ class Node:
         self._cpu_task: asyncio.Task | None = None
         self.started = time.time()
         self.default_memory = parse_size(sb["memory"])
+        self.loop_monitor = None        # dsecd/looplag.py LoopMonitor, set by the daemon
 
     def routes(self) -> dict[str, Callable]:
         """Each request type's handler, by op name, for dsecd/server.py."""
@@ -249,7 +250,19 @@ class Node:
                 "admission": self.create_service.info(),
                 "userns": self.id_ranges.info(),
                 "paths": {"socket": d["socket"], "state_dir": str(self.cfg.state_dir), "cgroup_root": root,
-                          "cgroup_dirs": {k: str(v / root) for k, v in self.layout.hierarchies().items()}}}
+                          "cgroup_dirs": {k: str(v / root) for k, v in self.layout.hierarchies().items()}},
+                "daemon": {"config": self.cfg.path, "log_level": d["log_level"], "log_format": d["log_format"],
+                           "metrics": self.cfg.section("metrics")["listen"] or None,
+                           "loop_lag": self.loop_monitor.stats() if self.loop_monitor else None}}
+
+    def status_line(self, connections: int) -> str:
+        """One line for systemd's STATUS= (`systemctl status dsecd`)."""
+        states: dict[str, int] = {}
+        for sb in self.registry.by_id.values():
+            states[sb.state] = states.get(sb.state, 0) + 1
+        live = ", ".join(f"{n} {s}" for s, n in sorted(states.items())) or "none"
+        q = self.create_service.admission
+        return f"sandboxes: {live}; creates: {q.active} running, {q.queued} queued; {connections} clients"
 
     # ------------------------------------------------------------ counters for tests and bench
 

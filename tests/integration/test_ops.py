@@ -1,10 +1,12 @@
-"""Operations: the metrics endpoint and the daemon's log."""
+"""Operations: the metrics endpoint, the daemon's log, and systemd's notify
+protocol (against a datagram socket of the test's own)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
 import socket
 import stat
 import time
@@ -117,6 +119,7 @@ def test_counters_move_with_create_exec_pause_and_destroy(metrics_daemon):
     assert moved("dsecd_admission_wait_seconds_count") == 1
     assert moved("dsecd_journal_appends_total", log="journal") >= 3
     assert total(after, "dsecd_sandboxes") == 0
+    assert total(after, "dsecd_event_loop_lag_seconds_count") > 0
     assert total(after, "dsecd_committed_cpu_cores") == 0 and total(after, "dsecd_capacity_cpu_cores") > 0
     assert total(after, "process_resident_memory_bytes") > 0          # the library's process collector
     assert http_get(d.metrics, "/nothing")[0] == 404
@@ -189,4 +192,56 @@ def test_logfmt_lines(daemon_factory, busybox_rootfs):
         assert re.match(r'^ts=\S+ level=\w+ logger=\S+ msg=("(?:[^"\\]|\\.)*"|\S*)( \w+=("(?:[^"\\]|\\.)*"|\S*))*$',
                         line), line
     assert any("event=created" in line for line in lines) and any("reason=request" in line for line in lines)
+
+
+# ---------------------------------------------------------------- systemd's notify protocol
+
+def _datagrams(srv: socket.socket, until, timeout: float = 15.0) -> list[dict]:
+    """Notifications received until `until(list)` is true."""
+    got: list[dict] = []
+    deadline = time.monotonic() + timeout
+    while not until(got) and time.monotonic() < deadline:
+        srv.settimeout(max(0.05, deadline - time.monotonic()))
+        try:
+            data = srv.recv(4096)
+        except TimeoutError:
+            break
+        got.append(dict(line.split("=", 1) for line in data.decode().splitlines()))
+    return got
+
+
+def test_ready_after_readoption_then_status_watchdog_and_stopping(daemon_factory, busybox_rootfs, tmp_path):
+    d = daemon_factory()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    kept = c.create(image="busybox")
+    c.close()
+    d.stop()
+    path = str(tmp_path / "notify")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as srv:
+        srv.bind(path)
+        # A watchdog of 0.6 s: the daemon pings every 0.3 s.
+        d.env = {**os.environ, "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "600000"}
+        d.start()
+        got = _datagrams(srv, lambda g: any("READY" in n for n in g))
+        ready = next(n for n in got if "READY" in n)
+        assert ready["READY"] == "1" and ready["MAINPID"] == str(d.proc.pid)
+        assert "1 running" in ready["STATUS"], "READY comes after re-adoption"
+        assert d.client(connect_timeout=5), "READY comes after the socket serves"
+        pings = _datagrams(srv, lambda g: sum("WATCHDOG" in n for n in g) >= 3, timeout=5)
+        assert sum("WATCHDOG" in n for n in pings) >= 3
+        c = d.client()
+        c.create(image="busybox")
+        c.close()
+        status = _datagrams(srv, lambda g: any("2 running" in n.get("STATUS", "") for n in g), timeout=15)
+        assert any("2 running" in n.get("STATUS", "") for n in status)
+        d.proc.send_signal(signal.SIGTERM)
+        bye = _datagrams(srv, lambda g: any("STOPPING" in n for n in g), timeout=15)
+        assert any(n.get("STOPPING") == "1" for n in bye)
+        d.proc.wait(15)
+    d.env = None
+    d.start()
+    c = d.client()
+    assert c.get(kept.id).exec(["true"]).exit_code == 0
+    c.close()
 
