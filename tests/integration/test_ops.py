@@ -1,14 +1,25 @@
-"""Operations: the metrics endpoint, the daemon's log, and systemd's notify
-protocol (against a datagram socket of the test's own)."""
+"""Operations: the metrics endpoint, the daemon's log, systemd's notify
+protocol, and what systemd/dsecd.service relies on.
+
+systemd does not run as PID 1 on the test machines, so the unit itself is
+not started here (tests/unit/test_systemd_unit.py verifies it offline).
+What it relies on is tested instead: sandboxes live outside the daemon's
+cgroup and survive its SIGTERM even when everything left in that cgroup is
+killed afterwards (what KillMode=process spares them), the daemon works
+with the unit's capability bounding set and no_new_privs (setpriv), and it
+speaks the notify protocol to a socket of the test's own.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import stat
+import subprocess
 import time
 from pathlib import Path
 
@@ -245,3 +256,134 @@ def test_ready_after_readoption_then_status_watchdog_and_stopping(daemon_factory
     assert c.get(kept.id).exec(["true"]).exit_code == 0
     c.close()
 
+
+# ---------------------------------------------------------------- what the unit relies on
+
+def _cgroup2_mount() -> Path | None:
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[fields.index("-") + 1] == "cgroup2":
+                return Path(fields[4])
+    return None
+
+
+def _pids_in(group: Path) -> list[int]:
+    out = []
+    for dirpath, _dirs, _files in os.walk(group):
+        out += [int(p) for p in Path(dirpath, "cgroup.procs").read_text().split()]
+    return out
+
+
+def test_sandboxes_outlive_the_daemon_and_everything_left_in_its_cgroup(daemon_factory, busybox_rootfs):
+    """The unit's KillMode=process signals only the daemon; its sandboxes must
+    not depend on that. The daemon runs in a cgroup of the test's own (as a
+    unit's would be), is stopped with SIGTERM, then everything still in that
+    cgroup is killed (what KillMode=control-group would do): the sandboxes
+    and their background processes live on, and the next daemon adopts them."""
+    v2 = _cgroup2_mount()
+    if v2 is None:
+        pytest.skip("no cgroup v2 hierarchy mounted")
+    unit = v2 / f"dsecd-test-{secrets.token_hex(4)}-unit"
+    unit.mkdir()
+    try:
+        d = daemon_factory(start=False)
+        d.preexec = lambda: (unit / "cgroup.procs").write_text("0")
+        d.start()
+        c = d.client()
+        c.import_image(busybox_rootfs, "busybox")
+        sb = c.create(image="busybox")
+        proc = sb.spawn(["sleep", "600"])
+        init = sb.inspect()["init_pid"]
+        for pid in (init, proc.pid):
+            line = next(x for x in Path(f"/proc/{pid}/cgroup").read_text().splitlines() if x.startswith("0::"))
+            assert not line[3:].startswith(f"/{unit.name}"), f"pid {pid} is in the daemon's cgroup: {line}"
+        assert d.proc.pid in _pids_in(unit)
+        c.close()
+        d.stop(signal.SIGTERM)
+        for pid in _pids_in(unit):                # what is left of the "unit": killed
+            os.kill(pid, signal.SIGKILL)
+        assert wait_for(lambda: not _pids_in(unit), timeout=10)
+        assert os.path.exists(f"/proc/{init}")
+        d.preexec = None
+        d.start()
+        c = d.client()
+        again = c.get(sb.id)
+        assert again.info["state"] == "running" and again.exec(["true"]).exit_code == 0
+        assert any(p["pid"] == proc.pid and p["state"] == "running" for p in c.request(
+            "proc_list", sandbox=sb.id)["processes"])
+        again.destroy(force=True)
+        c.close()
+    finally:
+        for pid in _pids_in(unit) if unit.exists() else []:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not unit.exists() or not _pids_in(unit), timeout=10)
+        if unit.exists():
+            unit.rmdir()
+
+
+def _unit_capabilities() -> list[str]:
+    caps = []
+    for line in (ROOT / "systemd" / "dsecd.service").read_text().splitlines():
+        if line.startswith("CapabilityBoundingSet="):
+            caps += [c.removeprefix("CAP_").lower() for c in line.partition("=")[2].split()]
+    assert caps, "the unit sets CapabilityBoundingSet="
+    return caps
+
+
+def test_the_daemon_works_with_the_units_capabilities_and_no_new_privs(daemon_factory, busybox_rootfs, tmp_path):
+    """setpriv gives the daemon what the unit does: the capability bounding set
+    (root's capabilities are then exactly these) and no_new_privs. Creates,
+    execs, a pty, files, background processes, pause, trace and snapshot work."""
+    if subprocess.run(["setpriv", "--help"], capture_output=True).returncode != 0:
+        pytest.skip("setpriv (util-linux) is not installed")
+    d = daemon_factory(start=False)
+    d.wrapper = ["setpriv", "--no-new-privs", "--bounding-set", "-all," + ",".join(f"+{c}" for c in
+                                                                                 _unit_capabilities())]
+    d.start()
+    status = Path(f"/proc/{d.proc.pid}/status").read_text()
+    assert re.search(r"^NoNewPrivs:\s+1$", status, re.M)
+    bounding = int(re.search(r"^CapBnd:\s+(\w+)$", status, re.M).group(1), 16)
+    assert not bounding & (1 << 16), "CAP_SYS_MODULE (16) is not in the unit's set"
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", memory="64M")
+    assert sb.exec(["sh", "-c", "echo ok; id -u"]).stdout == b"ok\n0\n"
+    sb.write_file("/work/f", b"data")
+    assert sb.read_file("/work/f") == b"data"
+    p = sb.spawn(["sleep", "600"])
+    c.request("proc_kill", sandbox=sb.id, pid=p.pid, signal="KILL")
+    pty = sb.exec(["sh", "-c", "test -t 0 && stty size"], pty=True)      # a pty: /dev/ptmx, char-pts
+    assert pty.exit_code == 0 and pty.stdout == b"24 80\r\n"
+    sb.pause()
+    sb.resume()
+    traced = sb.exec(["cat", "/etc/passwd"], trace=True)
+    assert traced.exit_code == 0 and traced.trace
+    assert c.request("snapshot", sandbox=sb.id, name="caps-snap")["name"] == "caps-snap"
+    sb.destroy()
+    c.close()
+
+
+def test_networking_works_with_the_units_capabilities(world, daemon_factory, busybox_rootfs):
+    """--net default under the unit's capabilities: the bridge and veths
+    (NET_ADMIN), the eBPF allowlist (BPF), the resolver on port 53
+    (NET_BIND_SERVICE)."""
+    from test_net_daemon import _toml_net
+    from test_net_kit import bpf_skip_reason
+
+    if bpf_skip_reason():
+        pytest.skip(bpf_skip_reason())
+    d = daemon_factory(_toml_net(dict(world.cfg, ipv4_pool=f"10.{world.octet}.5.0/24")), start=False)
+    d.wrapper = ["setpriv", "--no-new-privs", "--bounding-set", "-all," + ",".join(f"+{c}" for c in
+                                                                                 _unit_capabilities())]
+    d.start()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", net="default")
+    r = sb.exec(["sh", "-c", "nslookup example.org; nc -w 1 192.0.2.1 80 </dev/null"], timeout=30)
+    assert b"REFUSED" in r.stdout + r.stderr, r           # the resolver answered (and refused the name)
+    assert b"not permitted" in r.stderr, r                # the allowlist refused the connect
+    shown = c.request("net_show", sandbox=sb.id)
+    assert shown["default"]["denied_connect"] >= 1 and shown["dns"]["refused"] >= 1
+    sb.destroy()
+    c.close()
