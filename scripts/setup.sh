@@ -8,8 +8,8 @@
 #      bindings (egress NAT, published ports), the runtimes we benchmark
 #      against (bubblewrap, crun), busybox-static (test rootfs), erofs-utils,
 #      dnspython (the sandboxes' resolver), dnsmasq-base (the tests' upstream
-#      resolver; -base: the binary without a system service) and
-#      prometheus-client (the metrics endpoint).
+#      resolver; -base: the binary without a system service), prometheus-client
+#      (the metrics endpoint) and rich (`dsec top` on a terminal).
 #   2. Kernel headers where bcc looks for them: /lib/modules/$(uname -r)/build
 #      and .../source. A kernel Debian has no headers package for gets the
 #      newest Debian headers, said on stderr.
@@ -41,6 +41,7 @@ PACKAGES=(
     erofs-utils iproute2 util-linux debootstrap
     python3-dnspython dnsmasq-base             # the sandboxes' resolver; the tests' upstream
     python3-prometheus-client                  # the metrics endpoint (dsecd/metrics.py)
+    python3-rich                               # `dsec top` on a terminal (dsecd/topview.py)
 )
 
 export DEBIAN_FRONTEND=noninteractive PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1

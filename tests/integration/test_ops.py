@@ -1,5 +1,5 @@
 """Operations: the metrics endpoint, the daemon's log, systemd's notify
-protocol, and what systemd/dsecd.service relies on.
+protocol, `dsec top` piped, and what systemd/dsecd.service relies on.
 
 systemd does not run as PID 1 on the test machines, so the unit itself is
 not started here (tests/unit/test_systemd_unit.py verifies it offline).
@@ -255,6 +255,28 @@ def test_ready_after_readoption_then_status_watchdog_and_stopping(daemon_factory
     c = d.client()
     assert c.get(kept.id).exec(["true"]).exit_code == 0
     c.close()
+
+
+# ---------------------------------------------------------------- dsec top
+
+def test_top_piped_prints_one_snapshot(daemon, client):
+    sb = client.create(image="busybox", memory="64M")
+    try:
+        r = daemon.cli("top")
+        assert r.returncode == 0, r.stderr
+        out = r.stdout.decode()
+        assert b"\x1b" not in r.stdout, "no terminal codes in a pipe"
+        lines = out.splitlines()
+        assert lines[0].startswith("host:") and lines[1].split()[:3] == ["ID", "QOS", "STATE"]
+        assert any(line.startswith(sb.id) for line in lines[2:])
+        r = daemon.cli("top", "--sort", "mem", "--interval", "0.5")
+        assert r.returncode == 0 and sb.id.encode() in r.stdout
+        top = json.loads(daemon.cli("top", "--json").stdout)
+        assert any(s["id"] == sb.id for s in top["sandboxes"])
+        r = daemon.cli("top", "--sort", "nonsense")
+        assert r.returncode == 2 and b"--sort" in r.stderr
+    finally:
+        sb.destroy()
 
 
 # ---------------------------------------------------------------- what the unit relies on
