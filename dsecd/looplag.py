@@ -5,7 +5,7 @@ Every TICK_S a task asks the loop to wake it; how much later than asked it
 wakes is the time the loop spent on other work (a callback that blocked, a
 burst of frames). The samples go to the metrics histogram
 (dsecd_event_loop_lag_seconds) and a window of recent ones (`stats()`:
-p50/p99/max in `dsec info`).
+p50/p99/max in `dsec info`, which bench/core.py reads).
 
 The same task sends systemd WATCHDOG=1 (when WatchdogSec= armed one) and
 STATUS= with the live counts. So a wedged loop stops the pings, and systemd
