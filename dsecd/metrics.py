@@ -27,7 +27,8 @@ thread, then renders. Without per-sandbox series the render (~300 lines)
 takes ~1.3 ms and runs on the loop; with them it grows with the sandboxes
 (16 ms for 500) and runs in a worker, where the loop gets the interpreter
 back at every switch interval (5 ms) instead of waiting for the whole
-render.
+render. bench/core.py --scrape-interval measures the loop's lag with and
+without a scraper; figures in docs/operations.md.
 """
 
 from __future__ import annotations

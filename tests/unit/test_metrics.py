@@ -113,3 +113,22 @@ def test_listen_refuses_what_it_cannot_bind(value):
     with pytest.raises(ValueError, match="metrics.listen"):
         metrics.parse_listen(value)
 
+
+def test_the_grafana_dashboard_names_only_series_the_daemon_serves(monkeypatch):
+    """ops/grafana-dsecd.json: every metric its queries name is one a scrape
+    has (with every source present), so a renamed metric fails here."""
+    import json
+    import re
+    from pathlib import Path
+
+    monkeypatch.setattr(metrics.COLLECTOR, "snapshot", SNAPSHOT)
+    for hist, labels in ((metrics.EXEC_SECONDS, ("init",)), (metrics.CALL_SECONDS, ("zygote",)),
+                         (metrics.JOURNAL_FSYNC, ("journal",)), (metrics.IMAGE_BUILD_SECONDS, ("build",))):
+        hist.labels(*labels)                          # labelled series exist once used
+    metrics.DESTROYS.labels("request")
+    metrics.REQUESTS.labels("create", "ok")
+    metrics.IMAGE_BUILDS.labels("build", "ok")
+    served = {s.name for fam in text_string_to_metric_families(metrics.render()[0].decode()) for s in fam.samples}
+    dash = json.loads((Path(__file__).resolve().parents[2] / "ops" / "grafana-dsecd.json").read_text())
+    named = {m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"\b(?:dsecd|process)_\w+", t["expr"])}
+    assert named and named <= served, sorted(named - served)

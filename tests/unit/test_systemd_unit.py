@@ -71,6 +71,7 @@ def test_documentation_is_where_the_install_steps_put_the_readme():
     assert doc.startswith("file://")
     path = doc.removeprefix("file://")
     assert path in (ROOT / "scripts" / "demo.sh").read_text(), "demo.sh installs the README there"
+    assert path in (ROOT / "docs" / "operations.md").read_text(), "the install steps name it"
 
 
 def capability_set(text: str) -> list[str]:
