@@ -47,6 +47,9 @@ from .journal import Journal
 
 log = logging.getLogger(__name__)
 
+# The order sandbox states are counted in systemd's STATUS= line.
+STATUS_ORDER = ("running", "paused", "dead", "creating", "stopping")
+
 # Requests the server answers itself (dsecd/server.py), not routed to a service.
 SERVER_OPS = ("hello", "cancel")
 
@@ -257,10 +260,10 @@ class Node:
 
     def status_line(self, connections: int) -> str:
         """One line for systemd's STATUS= (`systemctl status dsecd`)."""
-        states: dict[str, int] = {}
+        states = dict.fromkeys(STATUS_ORDER, 0)
         for sb in self.registry.by_id.values():
             states[sb.state] = states.get(sb.state, 0) + 1
-        live = ", ".join(f"{n} {s}" for s, n in sorted(states.items())) or "none"
+        live = ", ".join(f"{n} {s}" for s, n in states.items() if n) or "none"
         q = self.create_service.admission
         return f"sandboxes: {live}; creates: {q.active} running, {q.queued} queued; {connections} clients"
 
