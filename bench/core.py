@@ -21,6 +21,12 @@ Python SDK:
 * list_10k_files_ms: median file_list of a 10,000-file directory, and
   watch_event_lag_p50_ms / _p99_ms: file_write to its file_watch event
   (bench/core_files.py, which says how each is measured);
+* loop_lag_p50_ms / _p99_ms / _max_ms: how late the daemon's event loop ran
+  its 100 ms timer over all of the above (dsecd/looplag.py, read from `dsec
+  info` at the end). With --scrape-interval N a thread scrapes the daemon's
+  metrics endpoint every N seconds meanwhile (scrapes, scrape_p50_ms,
+  scrape_p99_ms: a scrape's wall time as the scraper sees it), so two runs,
+  with and without, give the loop-lag cost of a scraper;
 
 then, with the daemon stopped, the same unit of work in bubblewrap and crun
 (bench/peers.py): bwrap_p50_ms, crun_p50_ms, and the ratios
@@ -44,8 +50,11 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import statistics
+import threading
 import time
+import urllib.request
 
 import core_copy
 import core_files
@@ -242,7 +251,69 @@ async def measure_idle_memory(sock: str, clients: int, n: int) -> dict:
     return out
 
 
+class Scraper:
+    """A thread that GETs the metrics endpoint every `interval` s, as a
+    Prometheus server would, and times each scrape."""
+
+    def __init__(self, url: str, interval: float):
+        self.url = url
+        self.interval = interval
+        self.times_ms: list[float] = []
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="scraper", daemon=True)
+
+    def __enter__(self) -> Scraper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            t0 = time.perf_counter()
+            try:
+                with urllib.request.urlopen(self.url, timeout=10) as r:
+                    r.read()
+                self.times_ms.append((time.perf_counter() - t0) * 1000)
+            except OSError:
+                self.failures += 1
+
+    def results(self) -> dict:
+        if self.failures:
+            log(f"  {self.failures} scrapes failed")
+        return {"scrapes": len(self.times_ms), "scrape_p50_ms": pct(self.times_ms, 50),
+                "scrape_p99_ms": pct(self.times_ms, 99)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def loop_lag(sock: str) -> dict:
+    async with dsecd.Client(sock) as c:
+        lag = (await op(c.info()))["daemon"]["loop_lag"]
+    out = {f"loop_lag_{k}": lag[k] for k in ("p50_ms", "p99_ms", "max_ms")}
+    log(f"  event loop lag over {lag['samples']} ticks of {lag['tick_ms']:g} ms: {out}")
+    return out
+
+
 async def measure_dsecd(sock: str, args) -> dict:
+    with contextlib.ExitStack() as stack:
+        scraper = stack.enter_context(Scraper(args.metrics_url, args.scrape_interval)) \
+            if args.scrape_interval else None
+        results = await measure_dsecd_phases(sock, args)
+    results.update(await loop_lag(sock))
+    if scraper is not None:
+        results.update(scraper.results())
+    return results
+
+
+async def measure_dsecd_phases(sock: str, args) -> dict:
     results = {}
     results.update(await measure_create_exec(sock, args.n_seq))
     results.update(await measure_exec_rtt(sock, args.n_rtt))
@@ -285,6 +356,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rootfs", help="rootfs to import (default: scripts/mkrootfs.sh's cache)")
     p.add_argument("--daemon-config", help="dsecd --config file (default: a private cgroup_root)")
     p.add_argument("--quick", action="store_true", help="small counts, for a smoke run")
+    p.add_argument("--scrape-interval", type=float, default=0.0, metavar="SECONDS",
+                   help="turn the daemon's metrics endpoint on and scrape it every SECONDS during "
+                        "the dsecd phases (0: no endpoint, no scraper)")
     args = p.parse_args(argv)
     if args.quick:
         args.n_seq, args.n_rtt, args.n_rate, args.n_idle, args.n_peers = 20, 30, 64, 50, 20
@@ -301,7 +375,12 @@ def main(argv: list[str] | None = None) -> int:
     rootfs = args.rootfs or harness.build_rootfs()
     # Admission off: this bench measures footprint and speed with hundreds of
     # sandboxes on a small host, past any sane oversubscription of its cores.
-    with harness.private_daemon(rootfs, IMAGE, args.daemon_config, NO_ADMISSION) as daemon:
+    extra = NO_ADMISSION
+    if args.scrape_interval:
+        port = free_port()
+        args.metrics_url = f"http://127.0.0.1:{port}/metrics"
+        extra += f'[metrics]\nlisten = "127.0.0.1:{port}"\n'
+    with harness.private_daemon(rootfs, IMAGE, args.daemon_config, extra) as daemon:
         results = uvloop.run(measure_dsecd(daemon.sock, args))
 
     # The daemon is gone: the peers run on the same quiet host.

@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict, deque
 from contextlib import asynccontextmanager
 
+from . import metrics
 from .errors import Busy
 
 
@@ -98,6 +99,7 @@ class CreateQueue:
                     self._forget(job, fut)
                 raise
         waited = time.monotonic() - start
+        metrics.ADMISSION_WAIT.observe(waited)
         self._waits.append(waited)
         self.max_wait_s = max(self.max_wait_s, waited)
         self.admitted += 1

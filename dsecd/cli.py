@@ -31,7 +31,7 @@ import threading
 import time
 import tty
 
-from . import pullview
+from . import pullview, topview
 from .client import Client, default_socket
 from .errors import DsecError
 from .fds import read_ready
@@ -130,6 +130,12 @@ async def cmd_info(c: Client, a) -> int:
         print(f"backend {name}: {'available' if b['available'] else 'unavailable'}"
               + (f" ({detail})" if detail else "")
               + (f"; why: {b['why']}" if name == "microvm" and b.get("accel") else ""))
+    if info.get("daemon"):
+        d = info["daemon"]
+        lag = d.get("loop_lag") or {}
+        print(f"daemon: config {d['config'] or '(embedded defaults)'}, log {d['log_level']} as {d['log_format']}, "
+              f"metrics {d['metrics'] or 'off'}" + (f", event-loop lag p50 {lag['p50_ms']} ms p99 {lag['p99_ms']} ms "
+                                                  f"max {lag['max_ms']} ms" if lag.get("samples") else ""))
     if "fncall" in info:
         f = info["fncall"]
         print(f"fncall: {f['calls']} calls ({f['zygote_calls']} zygote, {f['plain_calls']} plain, "
@@ -163,22 +169,15 @@ def _pct(v) -> str:
 
 
 async def cmd_top(c: Client, a) -> int:
-    top = await c.top(_kv(a.label, "--label"))
+    """Live on a terminal (dsecd/topview.py); one snapshot when piped, --once or --json."""
+    labels = _kv(a.label, "--label")
+    if not (a.json or a.once) and topview.live_possible():
+        return await topview.run_live(lambda: c.top(labels), a.interval, a.sort, labels)
+    top = await c.top(labels)
     if a.json:
         _print_json(top)
-        return 0
-    h = top["host"] or {}
-    if h:
-        psi = (h.get("psi_cpu") or {}).get("some_avg10")
-        print(f"host: {h['cpus']} cpus, cpu {_pct(h['cpu_pct'])}, load {' '.join(map(str, h['loadavg']))}, "
-              f"mem {_human_bytes(h['mem_total'] - h['mem_available'])}/{_human_bytes(h['mem_total'])}, "
-              f"cpu pressure {_pct(psi)}")
     else:
-        print("host: no sample yet")
-    rows = [[s["id"], s["qos"], s["state"], f"{s['cpu']:g}", _pct(s["cpu_pct"]), _pct(s["throttled_pct"]),
-             "-" if s["memory"] is None else _human_bytes(s["memory"]), _human_bytes(s["memory_limit"])]
-            for s in sorted(top["sandboxes"], key=lambda s: -(s["cpu_pct"] or 0))]
-    _table(rows, ["ID", "QOS", "STATE", "CPU", "CPU%", "THROTTLED", "MEM", "MEM LIMIT"])
+        topview.print_snapshot(top, a.sort)
     return 0
 
 
@@ -1060,6 +1059,16 @@ def _exec_options(ex: argparse.ArgumentParser, verb: str) -> None:
     ex.add_argument("sandbox")
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.1 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be seconds between 0.1 and 3600, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dsec", description="Drive the local dsecd daemon.")
     p.add_argument("--socket", default=default_socket(), help="daemon socket (env DSEC_SOCKET)")
@@ -1232,8 +1241,13 @@ def build_parser() -> argparse.ArgumentParser:
     ps = sub.add_parser("ps", help="list sandboxes")
     ps.add_argument("--label", action="append", metavar="K=V")
 
-    top = sub.add_parser("top", help="sampled CPU, throttling and memory per sandbox; host totals")
+    top = sub.add_parser("top", help="sampled CPU, throttling and memory per sandbox; host totals (live on a "
+                         "terminal: keys c m t i s o sort, r reverses, q quits; one snapshot when piped)")
     top.add_argument("--label", action="append", metavar="K=V")
+    top.add_argument("--interval", "-d", type=_positive_seconds, default=2.0, metavar="SECONDS",
+                     help="seconds between refreshes of the live view (default 2)")
+    top.add_argument("--sort", choices=sorted(topview.SORTS), default="cpu", help="order of the rows (default cpu)")
+    top.add_argument("--once", action="store_true", help="print one snapshot even on a terminal")
 
     ls = sub.add_parser("ls", help="list a directory in a sandbox: dsec ls SB:/path")
     ls.add_argument("target", metavar="SANDBOX:/path")

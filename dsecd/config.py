@@ -64,9 +64,15 @@ def _overlay(base: dict, extra: dict, where: str = "") -> dict:
     return out
 
 
+# Where dsecd looks for its config when --config names none; absent = the
+# embedded defaults alone.
+DEFAULT_PATH = "/etc/dsecd/dsecd.toml"
+
+
 @dataclass(frozen=True)
 class Config:
     raw: dict
+    path: str | None = None         # the file overlaid on the defaults, if any
 
     # Frequently used values, parsed once.
     @property
@@ -101,7 +107,7 @@ def load_config(path: str | None = None, overrides: dict | None = None) -> Confi
         raw = _overlay(raw, user)
     if overrides:
         raw = _overlay(raw, overrides)
-    cfg = Config(raw)
+    cfg = Config(raw, path)
     _validate(cfg)
     return cfg
 
@@ -113,6 +119,10 @@ def _validate(cfg: Config) -> None:
         cfg.size(section, key)
     if cfg.size("limits", "max_file_chunk_bytes") + 4096 > cfg.size("limits", "max_frame_bytes"):
         raise ConfigError("limits.max_file_chunk_bytes must be smaller than limits.max_frame_bytes")
+    d = cfg.section("daemon")
+    for key, allowed in (("log_level", ("debug", "info", "warning", "error")), ("log_format", ("json", "logfmt"))):
+        if d[key] not in allowed:
+            raise ConfigError(f"daemon.{key} must be one of {', '.join(allowed)}, got {d[key]!r}")
 
 
 def parse_duration(value, what: str) -> float | None:

@@ -1,9 +1,16 @@
 """`dsecd`: the daemon's entry point.
 
-Start-up order: config -> logging -> single-instance lock on the state dir ->
-feature probe (stop on a missing required feature) -> node (re-adopt
-sandboxes) -> socket. SIGTERM/SIGINT stop the daemon and leave every sandbox
-running; the next daemon re-adopts them from the journal.
+Start-up order: config (--config, else /etc/dsecd/dsecd.toml if it exists,
+over the embedded defaults) -> logging (dsecd/logs.py) -> single-instance
+lock on the state dir -> feature probe (stop on a missing required feature)
+-> node (re-adopt sandboxes) -> socket -> metrics endpoint (if
+metrics.listen) -> READY=1 to systemd (dsecd/sdnotify.py; nothing without
+$NOTIFY_SOCKET). From then on a loop monitor (dsecd/looplag.py) measures the
+event loop's lag and sends systemd WATCHDOG=1 and STATUS=. SIGTERM/SIGINT
+stop the daemon and leave every sandbox running; the next daemon re-adopts
+them from the journal.
+
+A start that fails says why in one log line (level critical) and exits 1.
 """
 
 from __future__ import annotations
@@ -17,10 +24,13 @@ import os
 import signal
 import sys
 
-from . import cgroup, fds
-from .config import ConfigError, load_config
+from . import cgroup, fds, logs
+from .config import DEFAULT_PATH, ConfigError, load_config
 from .features import probe_all
+from .looplag import LoopMonitor
+from .metrics import MetricsServer
 from .node import Node
+from .sdnotify import Notifier
 from .server import Server
 
 log = logging.getLogger("dsecd")
@@ -28,7 +38,8 @@ log = logging.getLogger("dsecd")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dsecd", description="dsecd: the per-host sandbox daemon")
-    p.add_argument("--config", help="TOML file overlaid on the embedded defaults (dsecd/default.toml)")
+    p.add_argument("--config", help="TOML file overlaid on the embedded defaults (dsecd/default.toml); "
+                   f"default: {DEFAULT_PATH} if it exists")
     p.add_argument("--socket", help="unix socket path (daemon.socket)")
     p.add_argument("--state-dir", help="journal, sandbox and image directory (daemon.state_dir)")
     p.add_argument("--log-level", help="debug, info, warning or error (daemon.log_level)")
@@ -36,10 +47,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def config_path(given: str | None) -> str | None:
+    """The file to overlay: --config (which must exist), else DEFAULT_PATH if
+    it exists (a host configured by the operator), else None (the defaults)."""
+    if given is not None:
+        return given
+    return DEFAULT_PATH if os.path.exists(DEFAULT_PATH) else None
+
+
 def build_config(args: argparse.Namespace):
     daemon = {k: v for k, v in (("socket", args.socket), ("state_dir", args.state_dir),
                                 ("log_level", args.log_level)) if v}
-    return load_config(args.config, {"daemon": daemon} if daemon else None)
+    return load_config(config_path(args.config), {"daemon": daemon} if daemon else None)
 
 
 def raise_fd_limit() -> None:
@@ -65,6 +84,7 @@ def lock_state_dir(state_dir: str) -> int:
 
 
 async def serve(cfg) -> None:
+    notifier = Notifier()
     feats = probe_all(cfg.section("sandbox")["cgroup_root"], str(cfg.state_dir), cfg.section("microvm"))
     missing = feats.missing_required()
     if missing:
@@ -78,6 +98,9 @@ async def serve(cfg) -> None:
     server = Server(node, cfg.socket, cfg.section("daemon")["socket_group"], cfg.section("limits"),
                     cfg.size("limits", "max_frame_bytes"))
     await server.start()
+    exporter = await start_metrics(cfg, node, server)
+    monitor = node.loop_monitor = LoopMonitor(notifier, lambda: node.status_line(len(server.connections)))
+    monitor.start()
     # What start-up made (modules, config, re-adopted sandboxes) lives as long
     # as the daemon: out of the cyclic GC's reach, so that its full passes
     # during a burst walk only what came after.
@@ -87,11 +110,34 @@ async def serve(cfg) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("dsecd ready: %d sandboxes adopted, pid %d", len(node.registry.by_id), os.getpid())
+    log.info("dsecd ready: %d sandboxes adopted, pid %d", len(node.registry.by_id), os.getpid(),
+             extra={"fields": {"event": "ready", "adopted": len(node.registry.by_id), "pid": os.getpid(),
+                               "config": cfg.path, "socket": cfg.socket,
+                               "metrics": exporter.describe() if exporter else None}})
+    notifier.ready(node.status_line(0))
     await stop.wait()
     log.info("stopping; sandboxes keep running")
+    notifier.stopping(f"stopping; {len(node.registry.by_id)} sandboxes keep running")
+    monitor.stop()
+    if exporter is not None:
+        await exporter.stop()
     await server.stop()
     await node.close()
+    notifier.close()
+
+
+async def start_metrics(cfg, node: Node, server: Server):
+    """The metrics endpoint, when metrics.listen names one (dsecd/metrics.py)."""
+    m = cfg.section("metrics")
+    if not m["listen"]:
+        return None
+    try:
+        exporter = MetricsServer(node, m["listen"], bool(m["per_sandbox"]), lambda: server.connections)
+        await exporter.start()
+    except (ValueError, OSError) as err:
+        raise SystemExit(f"dsecd: metrics.listen {m['listen']!r}: {getattr(err, 'strerror', None) or err}; "
+                         "pick a free address or set metrics.listen = \"\" to turn the endpoint off") from err
+    return exporter
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,26 +145,41 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = build_config(args)
     except ConfigError as err:
-        raise SystemExit(f"dsecd: {err}") from err
+        # Before the config is read there is no log format to honour: the
+        # default one (JSON), so a log reader still parses the line.
+        logs.setup("info", "json")
+        fail(f"dsecd: {err}")
     if args.print_config:
         import json
 
         print(json.dumps(cfg.raw, indent=2))
         return
-    logging.basicConfig(level=cfg.section("daemon")["log_level"].upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if os.geteuid() != 0:
-        raise SystemExit("dsecd: must run as root (namespaces, cgroups, mounts)")
-    lock_state_dir(str(cfg.state_dir))
-    raise_fd_limit()
-    fds.init_parking()
+    d = cfg.section("daemon")
+    logs.setup(d["log_level"], d["log_format"])
     try:
-        import uvloop
+        if os.geteuid() != 0:
+            raise SystemExit("dsecd: must run as root (namespaces, cgroups, mounts)")
+        lock_state_dir(str(cfg.state_dir))
+        raise_fd_limit()
+        fds.init_parking()
+        try:
+            import uvloop
 
-        uvloop.run(serve(cfg))
-    except ImportError:
-        log.warning("uvloop not installed; using the default asyncio loop")
-        asyncio.run(serve(cfg))
+            uvloop.run(serve(cfg))
+        except ImportError:
+            log.warning("uvloop not installed; using the default asyncio loop")
+            asyncio.run(serve(cfg))
+    except SystemExit as err:
+        if isinstance(err.code, str):       # a start that failed, said in words
+            fail(err.code)
+        raise
+
+
+def fail(message: str) -> None:
+    """End a failed start: the reason as one log line, exit status 1."""
+    log.critical(message.removeprefix("dsecd: "), extra={"fields": {"event": "start_failed"}})
+    logging.shutdown()
+    sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ not parse (a torn write: never answered) is skipped with a warning.
 The log is compacted (live records written to a temp file, renamed over the
 log: atomic) once it holds more than max(COMPACT_MIN, 2 x live) lines, off
 the caller's thread, so no request pays for it.
+
+Each append is counted, and its fdatasync timed, in the metrics
+(dsecd_journal_appends_total, dsecd_journal_fsync_seconds), labelled by the
+log's file name without its suffix: `journal` or `records` (the network's).
 """
 
 from __future__ import annotations
@@ -32,8 +36,11 @@ import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
+
+from . import metrics
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +133,8 @@ class RecordLog:
         # i.e. what callers recorded, not their objects as they are by then.
         self._encoded = {k: _line(k, v) for k, v in self.records.items()}
         self._fd = self._open()
+        self._appends = metrics.JOURNAL_APPENDS.labels(self.path.stem)
+        self._fsync_seconds = metrics.JOURNAL_FSYNC.labels(self.path.stem)
         self._compact_with = compact_with
         self._compacting = False
         self._during: list[bytes] | None = None     # lines appended while a compaction copies
@@ -163,7 +172,10 @@ class RecordLog:
                 raise OSError(9, f"write `{self.path}`: the record log is closed")
             _write_all(self._fd, b"".join(data for _, _, data in lines), self.path)
             if self.fsync:
+                t0 = time.perf_counter()
                 os.fdatasync(self._fd)
+                self._fsync_seconds.observe(time.perf_counter() - t0)
+            self._appends.inc()
             self.lines += len(lines)
             for key, record, data in lines:
                 if record is None:

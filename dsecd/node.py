@@ -24,6 +24,7 @@ from .backends.microvm import guestimg
 from .backends.microvm.backend import MicroVMBackend
 from .config import Config, ConfigError, parse_size
 from .cpu.manager import CpuHost
+from .engine import lifelog
 from .engine.builds import BuildService
 from .engine.calls import CallService, fncall_backend
 from .engine.creates import CreateService
@@ -49,6 +50,9 @@ from .fs import upper as upperfs
 from .journal import Journal
 
 log = logging.getLogger(__name__)
+
+# The order sandbox states are counted in systemd's STATUS= line.
+STATUS_ORDER = ("running", "paused", "dead", "creating", "stopping")
 
 # Requests the server answers itself (dsecd/server.py), not routed to a service.
 SERVER_OPS = ("hello", "cancel")
@@ -115,6 +119,7 @@ class Node:
         self.journal = Journal(state, fsync=cfg.section("journal")["fsync"], compact_with=self.workers.submit)
         self.registry = SandboxRegistry(self.journal)
         self.events = EventBus()
+        self.events.listeners.append(lifelog.on_event)        # a log line and counters per event
         self.backend = ContainerBackend(layout, sb, state, {
             "tmp": cfg.size("sandbox", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")}, upper_mode,
             execs_by_init)
@@ -161,6 +166,8 @@ class Node:
                                         self.cpu, self.workers, self.starter, exec_limits, self._devnull)
         self._cpu_task: asyncio.Task | None = None
         self.started = time.time()
+        self.default_memory = parse_size(sb["memory"])
+        self.loop_monitor = None        # dsecd/looplag.py LoopMonitor, set by the daemon
 
     def routes(self) -> dict[str, Callable]:
         """Each request type's handler, by op name, for dsecd/server.py."""
@@ -252,8 +259,7 @@ class Node:
         return {"version": __version__, "protocol": protocol.PROTOCOL_VERSION, "pid": os.getpid(),
                 "uptime_s": round(time.time() - self.started, 3), **self.features.to_dict(),
                 "limits": self.wire_limits(), "sandboxes": states,
-                "cpu": self.cpu.info(self.registry.live_limits(), self.sb_defaults["cpu"],
-                                     parse_size(self.sb_defaults["memory"])),
+                "cpu": self.cpu.info(self.registry.live_limits(), self.sb_defaults["cpu"], self.default_memory),
                 "images": await self.workers.run(self.image_service.info),
                 "net": self.net_service.net_info(),
                 "memory": await self.workers.run(self.memory.info),
@@ -262,7 +268,19 @@ class Node:
                 "admission": self.create_service.info(),
                 "userns": self.id_ranges.info(),
                 "paths": {"socket": d["socket"], "state_dir": str(self.cfg.state_dir), "cgroup_root": root,
-                          "cgroup_dirs": {k: str(v / root) for k, v in self.layout.hierarchies().items()}}}
+                          "cgroup_dirs": {k: str(v / root) for k, v in self.layout.hierarchies().items()}},
+                "daemon": {"config": self.cfg.path, "log_level": d["log_level"], "log_format": d["log_format"],
+                           "metrics": self.cfg.section("metrics")["listen"] or None,
+                           "loop_lag": self.loop_monitor.stats() if self.loop_monitor else None}}
+
+    def status_line(self, connections: int) -> str:
+        """One line for systemd's STATUS= (`systemctl status dsecd`)."""
+        states = dict.fromkeys(STATUS_ORDER, 0)
+        for sb in self.registry.by_id.values():
+            states[sb.state] = states.get(sb.state, 0) + 1
+        live = ", ".join(f"{n} {s}" for s, n in states.items() if n) or "none"
+        q = self.create_service.admission
+        return f"sandboxes: {live}; creates: {q.active} running, {q.queued} queued; {connections} clients"
 
     # ------------------------------------------------------------ counters for tests and bench
 

@@ -5,6 +5,12 @@ so one connection can have many in flight (up to max_requests_per_client).
 Frames are written whole with one transport write, so frames of concurrent
 requests never interleave. Only root and members of `socket_group` may
 connect (socket mode 0660 and an SO_PEERCRED check on every connection).
+
+Every answer is counted by op and result (dsecd_requests_total). Errors that
+may be the daemon's own are logged: `internal` (a bug) with its traceback at
+error, `io` (a host or in-sandbox operation failed) at warning; the errors a
+client causes (bad_request, not_found, busy, ...) only at debug, and
+connections come and go at debug too.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import select
 import socket
 import struct
 
-from . import framing, protocol
+from . import framing, metrics, protocol
 from .errors import (
     BadRequest,
     Conflict,
@@ -272,19 +278,34 @@ class Connection:
             else:
                 handler = self.server.routes[req.OP]
                 result = await handler(req, ctx)
+            metrics.REQUESTS.labels(req.OP, "ok").inc()
             await self.send({"id": rid, "result": result})
         except asyncio.CancelledError:
+            metrics.REQUESTS.labels(req.OP, "cancelled").inc()
             self.send_nowait({"id": rid, "error": Conflict("request cancelled").to_wire()})
             raise
         except DsecError as err:
+            metrics.REQUESTS.labels(req.OP, err.code).inc()
+            self._log_error(req, rid, err)
             await self.send({"id": rid, "error": err.to_wire()})
         except Exception as err:  # a bug: log it whole, tell the client only that it happened
-            log.exception("internal error in %s (request %d from %s)", req.OP, rid, self.peer)
+            metrics.REQUESTS.labels(req.OP, "internal").inc()
+            log.exception("internal error in %s (request %d from %s)", req.OP, rid, self.peer,
+                          extra={"fields": {"op": req.OP, "code": "internal", "peer": self.peer,
+                                            "sandbox": getattr(req, "sandbox", None)}})
             await self.send({"id": rid, "error": Internal(
                 f"{req.OP} failed: {type(err).__name__}: {err}; see the daemon log").to_wire()})
         finally:
             if self.tasks.get(rid) is asyncio.current_task():
                 del self.tasks[rid]
+
+    def _log_error(self, req, rid: int, err: DsecError) -> None:
+        level = {"internal": logging.ERROR, "io": logging.WARNING}.get(err.code, logging.DEBUG)
+        if log.isEnabledFor(level):
+            log.log(level, "%s failed: %s: %s", req.OP, err.code, err.message, extra={"fields": {
+                "op": req.OP, "code": err.code, "request": rid, "peer": self.peer,
+                "sandbox": getattr(req, "sandbox", None), "detail": err.detail}},
+                exc_info=err if err.code == "internal" else None)
 
     def _cancel(self, target: int) -> dict:
         task = self.tasks.get(target)
@@ -384,7 +405,7 @@ class Server:
                 f"{len(self.connections)} connections open (max {self.max_connections})").to_wire()})
             writer.close()
             return
-        log.info("connection from %s", conn.peer)
+        log.debug("connection from %s", conn.peer)
         self.connections.add(conn)
         try:
             await conn.serve()

@@ -13,6 +13,8 @@ bash scripts/setup.sh
 for tool in dsec dsecd; do
     ln -sfn "$REPO/.venv/bin/$tool" "/usr/local/bin/$tool"
 done
+# Where systemd/dsecd.service's Documentation= points.
+install -D -m 0644 README.md /usr/local/share/doc/dsecd/README.md
 
 ROOTFS=$(bash scripts/mkrootfs.sh)
 SOCK=/run/dsecd/dsecd.sock

@@ -10,13 +10,14 @@
 #      dnspython (the sandboxes' resolver) and dnsmasq-base (the tests' upstream
 #      resolver; -base: the binary without a system service), skopeo (the
 #      registry client behind `dsec image pull`), python3-zstandard (zstd
-#      layers), python3-rich (progress bars: pulls, Dockerfile builds), docker-registry and apache2-utils
+#      layers), python3-rich (pulls, Dockerfile builds, `dsec top`), docker-registry and apache2-utils
 #      (the pull tests' registry on loopback and its htpasswd; the package's
-#      service is not used: the tests start their own registry).
+#      service is not used: the tests start their own registry),
+#      prometheus-client (the metrics endpoint), qemu-system-x86 for the
+#      microVM backend (DSECD_SETUP_MICROVM=0: not).
 #   2. Kernel headers where bcc looks for them: /lib/modules/$(uname -r)/build
 #      and .../source. A kernel Debian has no headers package for gets the
 #      newest Debian headers, said on stderr.
-#      qemu-system-x86 for the microVM backend (DSECD_SETUP_MICROVM=0: not).
 #   3. The venv .venv with the system site-packages (Debian's bcc is not on
 #      PyPI), and the project installed in it, editable, with its test extras.
 #
@@ -51,6 +52,7 @@ PACKAGES=(
     python3-dnspython dnsmasq-base             # the sandboxes' resolver; the tests' upstream
     skopeo python3-zstandard python3-rich      # image pull: the registry client, zstd layers, progress bars
     docker-registry apache2-utils              # the pull tests' local registry and its htpasswd file
+    python3-prometheus-client                  # the metrics endpoint (dsecd/metrics.py)
 )
 # The microVM backend: QEMU (direct kernel boot: no firmware package needed).
 # DSECD_SETUP_MICROVM=0 leaves it out (the microVM tests then skip).

@@ -4,6 +4,7 @@ workers.py    Workers: the thread pool blocking work runs in, off the event loop
 sandboxes.py  Sandbox and SandboxRegistry: every sandbox by id and key, its journal record
 idranges.py   IdRanges: the user-namespace id range of each sandbox
 events.py     EventBus: state changes published, streamed (`events`) and kept for replay
+lifelog.py    the EventBus listener: one log line and the metrics counters per event
 creates.py    CreateService: `create` (keys, warm pools, the queue, the create itself), pools
 lifecycle.py  LifecycleService: destroy, list, inspect, top; init exits; re-adoption at start
 lifetimes.py  LifetimeService: TTL, idle TTL and leases (`renew`), the reaper

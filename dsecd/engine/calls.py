@@ -29,7 +29,7 @@ import os
 import secrets
 import time
 
-from .. import cgroup
+from .. import cgroup, metrics
 from ..backends.fncall import CallBox, FnCallBackend, Zygote, ZygoteDied
 from ..config import parse_size
 from ..cpu.manager import CpuHost
@@ -157,7 +157,9 @@ class CallService:
             stats["inflight"] -= 1
         stats["calls"] += 1
         result["image"] = req.image
-        result["total_ms"] = round((time.monotonic() - started) * 1000, 3)
+        elapsed = time.monotonic() - started
+        result["total_ms"] = round(elapsed * 1000, 3)
+        metrics.CALL_SECONDS.labels("zygote" if zyg is not None else "plain").observe(elapsed)
         return result
 
     def _call_route(self, req) -> tuple[list[str], str | None]:

@@ -320,7 +320,7 @@ class CreateService:
 
     async def _destroy_quiet(self, sb) -> None:
         try:
-            await self.lifecycle.destroy_sandbox(sb, True)
+            await self.lifecycle.destroy_sandbox(sb, True, reason="pool")
         except DsecError as err:
             log.warning("destroy pool sandbox %s: %s", sb.id, err)
 
@@ -488,7 +488,7 @@ class CreateService:
         steps.undo("release its id range and layers", release)
         return handle
 
-    async def _create_vm(self, sb: Sandbox, limits: cgroup.Limits, disk: int) -> dict:
+    async def _create_vm(self, sb: Sandbox, limits: cgroup.Limits, disk: int, started: float) -> dict:
         """A microVM sandbox (dsecd/engine/microvms.py): its QEMU, booted to its agent."""
         async with AsyncSteps(f"create sandbox {sb.id}") as steps:
             self.id_ranges.allocate(sb)
@@ -502,12 +502,13 @@ class CreateService:
         sb.state = "running"
         self.registry.save(sb)
         self.lifecycle.watch(sb)
-        self.memory.on_created(sb)
+        self.memory.on_created(sb, time.monotonic() - started)
         return sb.public()
 
     async def create_now(self, req, ctx, image: Image | None = None) -> dict:
         """The create itself; `create` does keys, pools and the queue first.
         `image`: the image to make it of, already resolved (else `req.image`'s)."""
+        started = time.monotonic()
         limits = self._limits_for(req)
         plan = self.cpu.plan(req.qos)
         self.check_process(req)
@@ -544,7 +545,7 @@ class CreateService:
         if sb.lease:
             sb.lease_deadline = time.monotonic() + sb.lease
         if backend == "microvm":
-            return await self._create_vm(sb, limits, disk.disk_bytes)
+            return await self._create_vm(sb, limits, disk.disk_bytes, started)
         # The record is written once the sandbox runs. A crash before that leaves
         # a directory and cgroups without a record: the next start finds them as
         # orphans, kills what is in the cgroups and removes them.
@@ -569,5 +570,5 @@ class CreateService:
         sb.state = "running"
         self.registry.save(sb)
         self.lifecycle.watch(sb)
-        self.memory.on_created(sb)
+        self.memory.on_created(sb, time.monotonic() - started)
         return sb.public()

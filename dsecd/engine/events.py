@@ -1,11 +1,13 @@
 """Sandbox state changes as events: published by the services that make
-them, streamed to `events` subscribers, the recent ones kept for replay."""
+them, streamed to `events` subscribers, the recent ones kept for replay, and
+handed to listeners (the log line and counters of each: lifelog.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 
 EVENT_KINDS = ("created", "paused", "resumed", "expired", "oom", "died", "destroyed")
 
@@ -22,11 +24,15 @@ class EventBus:
         self.subscribers: set[Subscriber] = set()
         self.recent: deque[dict] = deque(maxlen=history)
         self.seq = 0
+        # Called with every event, on the loop, before any subscriber sees it.
+        self.listeners: list[Callable[[dict], None]] = []
 
     def publish(self, kind: str, sandbox: str, **detail) -> None:
         self.seq += 1
         ev = {"seq": self.seq, "time": time.time(), "event": kind, "sandbox": sandbox, **detail}
         self.recent.append(ev)
+        for fn in self.listeners:
+            fn(ev)
         for sub in self.subscribers:
             sub.push(ev)
 

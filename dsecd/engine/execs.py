@@ -11,7 +11,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from .. import tracing, userns
+from .. import metrics, tracing, userns
 from ..errors import BadRequest, Conflict, DsecError, NotFound, io_error, run_error
 from ..execio import ChildWatch, Collector, ExecIO, PtyIO, kill_and_reap
 from ..initlink import InitExec
@@ -118,9 +118,13 @@ class ExecService:
         if timeout is not None and not 0 < timeout <= (max_t or float("inf")):
             raise BadRequest(f"timeout must be in (0, {max_t}] seconds, got {timeout}")
         env, cwd, user = exec_target(sb, req, self.backend)
+        started = time.monotonic()
         await self.ensure_running(sb, "exec")
         if sb.backend == "microvm":
-            return await self.vms.exec(sb, req, env, cwd, user, timeout, ctx)
+            result = await self.vms.exec(sb, req, env, cwd, user, timeout, ctx)
+            metrics.EXEC_SECONDS.labels("microvm").observe(time.monotonic() - started)
+            return result
+        via: list[str] = []        # who started the process: "init" or "helper" (the metrics' label)
         if not (req.stream or req.stdin or req.trace or req.pty):
             # ETXTBSY: the program is open for writing somewhere for a moment
             # (a write_file just answered, whose fd a spawn child copied with the
@@ -128,15 +132,19 @@ class ExecService:
             # sandbox's own writer). Nothing ran, so a short wait and a retry are safe.
             for delay in (*ETXTBSY_RETRY_S, None):
                 try:
-                    return await self._exec_collected(sb, list(req.argv), env, cwd, user, timeout, ctx)
+                    result = await self._exec_collected(sb, list(req.argv), env, cwd, user, timeout, ctx, via)
+                    break
                 except DsecError as err:
                     if delay is None or err.detail.get("errno") != "ETXTBSY":
                         raise
                 await asyncio.sleep(delay)
-        return await self._exec_streamed(sb, req, env, cwd, user, timeout, ctx)
+        else:
+            result = await self._exec_streamed(sb, req, env, cwd, user, timeout, ctx, via)
+        metrics.EXEC_SECONDS.labels(via[-1] if via else "").observe(time.monotonic() - started)
+        return result
 
     async def _exec_streamed(self, sb: Sandbox, req, env: list[str], cwd: str, user: int,
-                             timeout: float | None, ctx) -> dict:
+                             timeout: float | None, ctx, via: list[str]) -> dict:
         """An exec that streams its output, takes stdin, is traced or has a
         terminal: one ExecIO (PtyIO for a terminal)."""
         loop = self.workers.loop
@@ -155,7 +163,7 @@ class ExecService:
             io = ExecIO(loop, self.limits.max_output, emit, req.stdin)
         ctx.register_exec(io)
         try:
-            result = await self._run_io(sb, io, list(req.argv), env, cwd, user, timeout, req.pty, req.trace)
+            result = await self._run_io(sb, io, list(req.argv), env, cwd, user, timeout, req.pty, req.trace, via)
         finally:
             ctx.unregister_exec()
         if not req.stream:
@@ -174,8 +182,10 @@ class ExecService:
                                   cwd, user, timeout)
 
     async def _run_io(self, sb: Sandbox, io, argv: list[str], env: list[str], cwd: str, user: int,
-                      timeout: float | None, pty: bool = False, trace: bool = False) -> dict:
-        """Start `argv` with `io`'s pipes (or terminal) and wait for its end and output."""
+                      timeout: float | None, pty: bool = False, trace: bool = False,
+                      via: list[str] | None = None) -> dict:
+        """Start `argv` with `io`'s pipes (or terminal) and wait for its end and output;
+        `via` gets who started it ("init" or "helper", the metrics' label)."""
         loop = self.workers.loop
         sb.execs += 1
         try:
@@ -183,6 +193,8 @@ class ExecService:
             # A traced exec needs the daemon's helper: the tracer attaches to the daemon's child.
             tracer = None
             watch = None if trace else self._start_by_init(sb, argv, env, cwd, user, io, io.child_fds(), pty)
+            if via is not None:
+                via.append("init" if watch is not None else "helper")
             if watch is None:
                 pid = await self._spawn_exec(sb, argv, env, cwd, user, io.child_fds(), io, pty)
                 if trace:
@@ -201,7 +213,7 @@ class ExecService:
             sb.last_active = time.monotonic()
 
     async def _exec_collected(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int,
-                              timeout: float | None, ctx) -> dict:
+                              timeout: float | None, ctx, via: list[str]) -> dict:
         """An exec whose output comes back whole and that takes no stdin (most
         of them): collected by loop callbacks (dsecd/execio.py Collector), not
         by ExecIO's task per pipe; stdin is the daemon's /dev/null."""
@@ -213,6 +225,7 @@ class ExecService:
         try:
             stdio = (self.devnull, *run.child_ends)
             watch = self._start_by_init(sb, argv, env, cwd, user, run, stdio)
+            via.append("init" if watch is not None else "helper")
             if watch is None:
                 watch = ChildWatch(self.workers.loop,
                                    await self._spawn_exec(sb, argv, env, cwd, user, stdio, run))

@@ -15,9 +15,10 @@ import errno
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
-from .. import cgroup, sysfs
+from .. import cgroup, metrics, sysfs
 from ..errors import Conflict, image_error
 from ..features import Features
 from ..fs import upper as upperfs
@@ -47,6 +48,22 @@ NO_FILE_BACKED_EROFS = {"tmpfs", "ramfs"}
 def store_fstype(path: Path) -> str:
     """The type of the file system holding `path`."""
     return sysfs.fs_type(path)[0] or "unknown"
+
+
+@contextlib.contextmanager
+def _counted(kind: str):
+    """Count an image build, pull or snapshot in the metrics: the body calls the
+    yielded function with the image it made; leaving without it is a failure."""
+    t0 = time.monotonic()
+    made = []
+    try:
+        yield made.append
+    finally:
+        result = "ok" if made else "failed"
+        metrics.IMAGE_BUILDS.labels(kind, result).inc()
+        if made:
+            metrics.IMAGE_BUILD_SECONDS.labels(kind).observe(time.monotonic() - t0)
+            metrics.IMAGE_BUILD_BYTES.labels(kind).inc(made[0].size or 0)
 
 
 class ImageService:
@@ -267,8 +284,10 @@ class ImageService:
     async def build(self, req, ctx) -> dict:
         config = {k: v for k, v in (("env", req.env), ("cwd", req.cwd), ("user", req.user),
                                     ("entrypoint", req.entrypoint)) if v is not None}
-        image = await self._images_call(self.images.build_from_dir, req.source, req.name, req.parent,
-                                        config, self._progress(ctx))
+        with _counted("build") as done:
+            image = await self._images_call(self.images.build_from_dir, req.source, req.name, req.parent,
+                                            config, self._progress(ctx))
+            done(image)
         return image.to_dict()
 
     async def pull(self, req, ctx) -> dict:
@@ -277,12 +296,14 @@ class ImageService:
         kept for the next pull) and, like a failed one, publishes nothing."""
         cancelled = threading.Event()
         async with self._pull_slots:
-            try:
-                image, stats = await self._images_call(self.puller.pull, req.ref, req.platform,
-                                                       self._progress(ctx), cancelled)
-            except asyncio.CancelledError:
-                cancelled.set()
-                raise
+            with _counted("pull") as done:
+                try:
+                    image, stats = await self._images_call(self.puller.pull, req.ref, req.platform,
+                                                           self._progress(ctx), cancelled)
+                except asyncio.CancelledError:
+                    cancelled.set()
+                    raise
+                done(image)
         return {**image.to_dict(), "pull": stats}
 
     async def list(self, req, ctx) -> dict:
@@ -331,8 +352,10 @@ class ImageService:
         base = await self._images_call(self.images.get_manifest, sb.manifest, sb.image)
         exclude = self.snapshot_exclude + list(req.exclude)
         async with self.frozen_upper(sb) as upper:
-            image = await self._images_call(self.images.snapshot, upper, base, req.name, exclude,
-                                            self._progress(ctx), self.max_snapshot_bytes)
+            with _counted("snapshot") as done:
+                image = await self._images_call(self.images.snapshot, upper, base, req.name, exclude,
+                                                self._progress(ctx), self.max_snapshot_bytes)
+                done(image)
         return image.to_dict()
 
     @contextlib.asynccontextmanager

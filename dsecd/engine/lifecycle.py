@@ -16,6 +16,7 @@ from ..errors import Conflict, io_error
 from ..fs import upper as upperfs
 from ..fs.layers import LayerMounts
 from ..mem import pause
+from . import lifelog
 from .events import EventBus
 from .idranges import IdRanges
 from .memory import MemoryService
@@ -91,8 +92,7 @@ class LifecycleService:
         handle = await self.workers.run(self.backend.adopt, sb_id, rec.get("init_pid"), rec.get("init_start"),
                                         bool(sb.limits.get("disk")))
         if handle is None:
-            log.warning("sandbox %s died while the daemon was down", sb_id)
-            await self._mark_dead(sb, None)
+            await self._mark_dead(sb, None, "its init exited while no daemon ran")
             return
         taken = await self.workers.run(self.procs.take_back, sb, handle)
         if handle.init_link is not None:
@@ -109,7 +109,8 @@ class LifecycleService:
         self.layers.readopt(sb.layers)
         self.cpu.bind(handle, self.cpu.plan(sb.qos))
         self.watch(sb)
-        log.info("re-adopted sandbox %s (init pid %d)", sb_id, handle.init_pid)
+        lifelog.adopted(sb_id, state=sb.state, init_pid=handle.init_pid, image=sb.image,
+                        job=sb.labels.get("job"))
 
     async def _recover_vm(self, sb: Sandbox, rec: dict) -> None:
         """A microVM sandbox after a restart: its QEMU, and both channels again."""
@@ -170,14 +171,13 @@ class LifecycleService:
         self.workers.loop.remove_reader(h.pidfd)
         if sb.state in ("stopping",):
             return
-        log.warning("sandbox %s: init %d exited", sb.id, h.init_pid)
-        await self._mark_dead(sb, h)
+        await self._mark_dead(sb, h, f"its init (pid {h.init_pid}) exited")
 
-    async def _mark_dead(self, sb: Sandbox, h: Handle | None) -> None:
+    async def _mark_dead(self, sb: Sandbox, h: Handle | None, why: str) -> None:
         """Release the cgroups and fds of a sandbox whose init is gone; keep its record."""
         self.registry.mark_dead(sb)
         sb.died = time.time()
-        self.events.publish("died", sb.id)
+        self.events.publish("died", sb.id, reason=why)
         sb.handle = None
         if sb.backend == "microvm":
             await self._vm_dead(sb, h)
@@ -248,7 +248,9 @@ class LifecycleService:
     async def destroy(self, req, ctx) -> dict:
         return await self.destroy_sandbox(self.registry.get(req.sandbox, req), req.force)
 
-    async def destroy_sandbox(self, sb: Sandbox, force: bool) -> dict:
+    async def destroy_sandbox(self, sb: Sandbox, force: bool, reason: str = "request") -> dict:
+        """`reason` (request, job, all, ttl, lease, idle_ttl, pool) goes into
+        the `destroyed` event, the log line and the metrics."""
         if sb.state == "stopping":
             raise Conflict(f"sandbox {sb.id} is already being destroyed", {"sandbox": sb.id})
         if sb.state == "creating":
@@ -262,9 +264,9 @@ class LifecycleService:
         # Once accepted, a destroy finishes even if its request is cancelled
         # (client gone, `cancel`): the client gave up on the answer, not on the
         # destroy, and a half-done one would leave the sandbox "stopping" forever.
-        return await asyncio.shield(self._teardown(sb, prev))
+        return await asyncio.shield(self._teardown(sb, prev, reason))
 
-    async def _teardown(self, sb: Sandbox, prev: str) -> dict:
+    async def _teardown(self, sb: Sandbox, prev: str, reason: str) -> dict:
         sb.state = prev                        # before_destroy looks at paused or not
         if self.memory.damon_running or sb.state == "paused":     # else before_destroy has nothing to do
             await self.workers.run(self.memory.before_destroy, sb)
@@ -289,7 +291,7 @@ class LifecycleService:
         if prev != "dead" and sb.backend != "microvm":   # a dead sandbox gave its layers back already
             self.layers.release(sb.layers)
         self.workers.behind(self.backend_of(sb).release, sb.id, h)
-        self.events.publish("destroyed", sb.id, previous_state=prev)
+        self.events.publish("destroyed", sb.id, previous_state=prev, reason=reason)
         return {"id": sb.id, "previous_state": prev}
 
     def stop_counting_oom(self, sb_id: str, h: Handle | None, group=None, backend=None) -> int | None:
@@ -301,19 +303,20 @@ class LifecycleService:
         (backend or self.backend).stop(sb_id, h)
         return kills
 
-    async def _destroy_many(self, sbs: list[Sandbox], force: bool) -> tuple[list[str], dict[str, str]]:
-        results = await asyncio.gather(*(self.destroy_sandbox(s, force) for s in sbs), return_exceptions=True)
+    async def _destroy_many(self, sbs: list[Sandbox], force: bool, reason: str) -> tuple[list[str], dict[str, str]]:
+        results = await asyncio.gather(*(self.destroy_sandbox(s, force, reason) for s in sbs),
+                                       return_exceptions=True)
         destroyed = [r["id"] for r in results if isinstance(r, dict)]
         failed = {s.id: str(r) for s, r in zip(sbs, results, strict=True) if isinstance(r, BaseException)}
         return destroyed, failed
 
     async def job_rm(self, req, ctx) -> dict:
         destroyed, failed = await self._destroy_many(
-            self.registry.of_job(req.job, ("running", "paused", "dead")), req.force)
+            self.registry.of_job(req.job, ("running", "paused", "dead")), req.force, "job")
         return {"job": req.job, "destroyed": destroyed, "failed": failed}
 
     async def destroy_all(self, req, ctx) -> dict:
         targets = [s for s in self.registry.by_id.values()
                    if labels_match(s, req.labels) and s.state in ("running", "paused", "dead")]
-        destroyed, failed = await self._destroy_many(targets, req.force)
+        destroyed, failed = await self._destroy_many(targets, req.force, "all")
         return {"destroyed": destroyed, "failed": failed}

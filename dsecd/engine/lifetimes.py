@@ -21,11 +21,11 @@ log = logging.getLogger(__name__)
 
 
 class LifetimeService:
-    """`renew`, and the reaper. `destroy(sb, force)` is the lifecycle's
+    """`renew`, and the reaper. `destroy(sb, force, reason=)` is the lifecycle's
     destroy; `memory` counts OOM kills (its oom_check, report_oom)."""
 
     def __init__(self, registry: SandboxRegistry, workers: Workers, events: EventBus, memory: MemoryService,
-                 destroy: Callable[[Sandbox, bool], Awaitable[dict]]):
+                 destroy: Callable[..., Awaitable[dict]]):
         self.registry = registry
         self.workers = workers
         self.events = events
@@ -79,8 +79,7 @@ class LifetimeService:
                 if why is None:
                     continue
                 try:
-                    await self.destroy(sb, True)
+                    await self.destroy(sb, True, reason=why)
                     self.events.publish("expired", sb.id, reason=why)
-                    log.info("sandbox %s expired (%s)", sb.id, why)
                 except DsecError as err:
                     log.warning("expire sandbox %s (%s): %s", sb.id, why, err)

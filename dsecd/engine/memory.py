@@ -20,6 +20,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from .. import metrics
 from ..cpu.sampler import round_robin
 from ..errors import Conflict, DsecError
 from ..journal import write_file_atomic
@@ -167,14 +168,17 @@ class MemoryService:
 
     # ------------------------------------------------------------ hooks of a sandbox's create and destroy
 
-    def on_created(self, sb) -> None:
+    def on_created(self, sb, duration_s: float) -> None:
+        """A create's last step; `duration_s` is its wall time (for the event)."""
         sb.last_active = time.monotonic()
         if self.damon_running:
             try:
                 self.damon.add(self._scheme(sb.id))
             except OSError as err:
                 log.error("DAMON scheme for sandbox %s: %s", sb.id, err)
-        self.events.publish("created", sb.id, image=sb.image, labels=sb.labels)
+        self.events.publish("created", sb.id, image=sb.image, labels=sb.labels, job=sb.labels.get("job"),
+                            qos=sb.qos, cpu=sb.limits["cpu"], memory=sb.limits["memory"],
+                            pids=sb.limits["pids"], duration_ms=round(duration_s * 1000, 3))
 
     def before_destroy(self, sb) -> None:
         """Blocking: drop the DAMON scheme before the memcg goes (else commit is
@@ -242,7 +246,8 @@ class MemoryService:
         sb.pause_record = rec.to_json()
         if journal:
             self.registry.save(sb)
-        self.events.publish("paused", sb.id, freed_bytes=rec.freed)
+        self.events.publish("paused", sb.id, freed_bytes=rec.freed,
+                            duration_ms=round((rec.frozen_s + rec.reclaim_s) * 1000, 3))
         return {"id": sb.id, "state": "paused", "frozen_s": round(rec.frozen_s, 4),
                 "reclaim_s": round(rec.reclaim_s, 4), "freed_bytes": rec.freed, "methods": rec.methods}
 
@@ -262,11 +267,12 @@ class MemoryService:
                                              mode or self.pause_cfg.prefetch_mode)
             except OSError as err:
                 raise DsecError(f"resume sandbox {sb.id}: {err}", code="io") from err
-            self._mark_resumed(sb, res.prefetched_bytes)
+            self._mark_resumed(sb, res.prefetched_bytes, duration_s=res.thaw_s + res.prefetch_s)
             return {"id": sb.id, "state": "running", "prefetch_s": round(res.prefetch_s, 4),
                     "thaw_s": round(res.thaw_s, 4), "prefetched_bytes": res.prefetched_bytes}
 
-    def _mark_resumed(self, sb, prefetched_bytes: int, journal: bool = True) -> None:
+    def _mark_resumed(self, sb, prefetched_bytes: int, journal: bool = True,
+                      duration_s: float | None = None) -> None:
         sb.state = "running"
         if sb.paused_at is not None:
             sb.paused_total += time.monotonic() - sb.paused_at
@@ -275,7 +281,8 @@ class MemoryService:
         sb.last_active = time.monotonic()
         if journal:
             self.registry.save(sb)
-        self.events.publish("resumed", sb.id, prefetched_bytes=prefetched_bytes)
+        self.events.publish("resumed", sb.id, prefetched_bytes=prefetched_bytes,
+                            duration_ms=None if duration_s is None else round(duration_s * 1000, 3))
 
     async def pause(self, req, ctx) -> dict:
         return await self._pause(self.registry.get(req.sandbox, req))
@@ -318,6 +325,7 @@ class MemoryService:
             except OSError as err:
                 log.warning("reclaim of paused sandbox %s: %s", s.id, err)
                 return
+            metrics.RECLAIMED.inc(rec.freed)      # the job pause's event said 0: it came after
             if s.state == "paused":
                 s.pause_record = rec.to_json()
                 try:
@@ -392,7 +400,6 @@ class MemoryService:
         the reaper and a sandbox's end (oom_count) never report one twice."""
         if n > sb.oom_kills:
             self.events.publish("oom", sb.id, kills=n - sb.oom_kills)
-            log.info("sandbox %s: %d process(es) killed by its memory limit", sb.id, n - sb.oom_kills)
             sb.oom_kills = n
 
     def oom_count(self, group) -> int | None:

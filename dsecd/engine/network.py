@@ -331,6 +331,21 @@ class NetworkService:
             out["bpf"] = loaded
         return out
 
+    async def drop_totals(self) -> dict:
+        """For the metrics: {"denied_connect", "denied_sendmsg",
+        "dropped_packets", "dns": {outcome: count}}, over every sandbox this
+        daemon networked; {} before networking started."""
+        if self.net is None:
+            return {}
+        totals = await self.workers.run(self.net.drop_totals)
+        out = {k: v for k, v in totals.items() if not k.startswith("dns_")}
+        dns = {k[4:]: v for k, v in totals.items() if k.startswith("dns_")}
+        if self.resolver is not None:
+            for k, v in self.resolver.stats.items():      # queries of no sandbox, malformed, ...
+                dns[k] = dns.get(k, 0) + v
+        out["dns"] = dns
+        return out
+
     async def show(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
         if not _networked(sb):

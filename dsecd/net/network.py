@@ -124,6 +124,9 @@ class Network:
         self._lock = threading.RLock()
         self._sbs: dict[str, _Sandbox] = {}
         self._update_ms: collections.deque[float] = collections.deque(maxlen=1024)
+        # What the default-deny refused and the resolver answered for sandboxes
+        # that are gone: drop_totals() adds them, so its sums never go down.
+        self._retired: collections.Counter = collections.Counter()
         # Pool entries are `dp<tag><n>`; tag = this state dir, so daemons sharing a
         # bridge netns never take each other's for leftovers.
         self.tag = pool_tag(state_dir)
@@ -336,6 +339,7 @@ class Network:
     def _free(self, sb: _Sandbox) -> None:
         with self._lock:
             if sb.mode == "default":
+                self._retire_counts(sb)
                 self._drop_policy(sb)
                 self.ipam.release(sb.id)
             self._sbs.pop(sb.id, None)
@@ -732,6 +736,28 @@ class Network:
                 out.update(sb.dns)
                 out["learned_live"] += len(sb.learned)
             return dict(out)
+
+    def _retire_counts(self, sb: _Sandbox) -> None:
+        self._retired.update({f"dns_{k}": v for k, v in sb.dns.items()})
+        if sb.slot >= 0:
+            try:
+                self._retired.update(self.engine.stats(sb.slot))
+            except OSError as err:        # the map is gone (shutdown): its counts with it
+                log.warning("sandbox %s: read its default-deny counters: %s", sb.id, err)
+
+    def drop_totals(self) -> dict:
+        """What the default-deny refused (denied_connect, denied_sendmsg,
+        dropped_packets) and the resolver's per-sandbox counters (dns_<name>),
+        summed over every sandbox this daemon networked, gone ones included
+        (blocking: a BPF map read per live sandbox). For the metrics."""
+        with self._lock:
+            live = [(sb.slot, collections.Counter(sb.dns)) for sb in self._sbs.values()
+                    if sb.mode == "default" and sb.slot >= 0]
+            out = collections.Counter(self._retired)
+        for slot, dns in live:
+            out.update({f"dns_{k}": v for k, v in dns.items()})
+            out.update(self.engine.stats(slot))
+        return dict(out)
 
     def show(self, sb_id: str) -> dict:
         """Terms, rules with their `allowed` counters, and what the default-deny refused."""

@@ -64,11 +64,17 @@ class Daemon:
             f'[sandbox]\ncgroup_root = "{self.cgroup_root}"\n{extra_config}')
         self.log = tmp / "dsecd.log"
         self.proc: subprocess.Popen | None = None
+        # How a test may start it differently: a command in front (setpriv),
+        # its environment (NOTIFY_SOCKET), a function run in the child (a cgroup).
+        self.wrapper: list[str] = []
+        self.env: dict | None = None
+        self.preexec = None
 
     def start(self, timeout: float = 20.0) -> None:
         logf = open(self.log, "ab")
-        self.proc = subprocess.Popen([str(VENV_BIN / "dsecd"), "--config", str(self.config)],
-                                     stdout=logf, stderr=logf, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen([*self.wrapper, str(VENV_BIN / "dsecd"), "--config", str(self.config)],
+                                     stdout=logf, stderr=logf, stdin=subprocess.DEVNULL, env=self.env,
+                                     preexec_fn=self.preexec)
         logf.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

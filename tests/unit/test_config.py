@@ -49,3 +49,28 @@ def test_bad_toml_and_missing_file(tmp_path):
 def test_chunk_must_fit_in_frame():
     with pytest.raises(ConfigError, match="max_file_chunk_bytes"):
         load_config(overrides={"limits": {"max_frame_bytes": "1M", "max_file_chunk_bytes": "1M"}})
+
+
+def test_the_log_format_and_level_are_checked_at_load():
+    with pytest.raises(ConfigError, match="daemon.log_format"):
+        load_config(overrides={"daemon": {"log_format": "xml"}})
+    with pytest.raises(ConfigError, match="daemon.log_level"):
+        load_config(overrides={"daemon": {"log_level": "verbose"}})
+    assert load_config().section("daemon")["log_format"] == "json"
+    assert load_config().section("metrics") == {"listen": "", "per_sandbox": False}
+
+
+def test_the_config_file_is_etc_dsecd_when_it_exists_and_none_is_named(tmp_path, monkeypatch):
+    from dsecd import daemon
+
+    etc = tmp_path / "dsecd.toml"
+    monkeypatch.setattr(daemon, "DEFAULT_PATH", str(etc))
+    assert daemon.config_path(None) is None                 # absent: the embedded defaults
+    etc.write_text("[limits]\nmax_sandboxes = 9\n")
+    assert daemon.config_path(None) == str(etc)
+    assert daemon.build_config(daemon.parse_args([])).section("limits")["max_sandboxes"] == 9
+    given = tmp_path / "other.toml"
+    given.write_text("[limits]\nmax_sandboxes = 3\n")
+    assert daemon.build_config(daemon.parse_args(["--config", str(given)])).path == str(given)
+    with pytest.raises(ConfigError, match="read config"):             # named but absent: an error
+        daemon.build_config(daemon.parse_args(["--config", str(tmp_path / "absent.toml")]))

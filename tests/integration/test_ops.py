@@ -1,0 +1,411 @@
+"""Operations: the metrics endpoint, the daemon's log, systemd's notify
+protocol, `dsec top` piped, and what systemd/dsecd.service relies on.
+
+systemd does not run as PID 1 on the test machines, so the unit itself is
+not started here (tests/unit/test_systemd_unit.py verifies it offline).
+What it relies on is tested instead: sandboxes live outside the daemon's
+cgroup and survive its SIGTERM even when everything left in that cgroup is
+killed afterwards (what KillMode=process spares them), the daemon works
+with the unit's capability bounding set and no_new_privs (setpriv), and it
+speaks the notify protocol to a socket of the test's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dsecd.errors import NotFound
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------- helpers
+
+def http_get(sock_path: str, path: str = "/metrics", method: str = "GET") -> tuple[int, bytes]:
+    """One HTTP/1.0 request over a unix socket: (status, body)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(sock_path)
+        s.sendall(f"{method} {path} HTTP/1.0\r\nHost: dsecd\r\n\r\n".encode())
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+def samples(text: str) -> dict:
+    out: dict = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def total(snap: dict, name: str, **labels) -> float:
+    """Sum of `name`'s samples whose labels include `labels`."""
+    return sum(v for (n, lab), v in snap.items() if n == name and labels.items() <= dict(lab).items())
+
+
+def log_lines(d) -> list[dict]:
+    """Every line of the daemon's log, each parsed as JSON (a line that is not fails the test)."""
+    out = []
+    for n, line in enumerate(d.log.read_text().splitlines(), 1):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pytest.fail(f"{d.log} line {n} is not JSON: {line[:300]!r}")
+    return out
+
+
+def wait_for(what, timeout: float = 10.0, every: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = what()
+        if got or time.monotonic() > deadline:
+            return got
+        time.sleep(every)
+
+
+OOM_LOOP = 'x=aaaaaaaaaaaaaaaa; while :; do x="$x$x"; done'
+
+
+@pytest.fixture
+def metrics_daemon(daemon_factory, busybox_rootfs, tmp_path):
+    sock = tmp_path / "metrics.sock"
+    d = daemon_factory(f'[metrics]\nlisten = "{sock}"\n')
+    d.metrics = str(sock)
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    c.close()
+    return d
+
+
+# ---------------------------------------------------------------- metrics
+
+def test_counters_move_with_create_exec_pause_and_destroy(metrics_daemon):
+    d = metrics_daemon
+    assert stat.S_IMODE(os.stat(d.metrics).st_mode) == 0o660
+    status, body = http_get(d.metrics)
+    assert status == 200
+    before = samples(body.decode())
+    c = d.client()
+    sb = c.create(image="busybox", memory="64M", labels={"job": "m1"})
+    assert sb.exec(["true"]).exit_code == 0
+    sb.pause()
+    mid = samples(http_get(d.metrics)[1].decode())
+    assert total(mid, "dsecd_sandboxes", state="paused") == 1
+    sb.resume()
+    assert sb.exec(["true"]).exit_code == 0
+    sb.destroy()
+    with pytest.raises(NotFound):
+        c.request("exec", sandbox="000000000000", argv=["true"])
+    c.close()
+    after = samples(http_get(d.metrics)[1].decode())
+
+    def moved(name, **labels):
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    assert moved("dsecd_sandboxes_created_total") == 1
+    assert moved("dsecd_create_duration_seconds_count") == 1
+    assert moved("dsecd_exec_duration_seconds_count") == 2
+    assert moved("dsecd_pauses_total") == 1 and moved("dsecd_resumes_total") == 1
+    assert moved("dsecd_pause_reclaimed_bytes_total") >= 0
+    assert moved("dsecd_resume_duration_seconds_count") == 1
+    assert moved("dsecd_sandboxes_destroyed_total", reason="request") == 1
+    assert moved("dsecd_requests_total", op="create", result="ok") == 1
+    assert moved("dsecd_requests_total", op="exec", result="not_found") == 1
+    assert moved("dsecd_admission_wait_seconds_count") == 1
+    assert moved("dsecd_journal_appends_total", log="journal") >= 3
+    assert total(after, "dsecd_sandboxes") == 0
+    assert total(after, "dsecd_event_loop_lag_seconds_count") > 0
+    assert total(after, "dsecd_committed_cpu_cores") == 0 and total(after, "dsecd_capacity_cpu_cores") > 0
+    assert total(after, "process_resident_memory_bytes") > 0          # the library's process collector
+    assert http_get(d.metrics, "/nothing")[0] == 404
+    assert http_get(d.metrics, method="POST")[0] == 405
+    status, body = http_get(d.metrics, method="HEAD")
+    assert status == 200 and body == b""
+
+
+def test_an_oom_kill_is_counted(metrics_daemon):
+    d = metrics_daemon
+    before = samples(http_get(d.metrics)[1].decode())
+    c = d.client()
+    sb = c.create(image="busybox", memory="32M")
+    sb.exec(["sh", "-c", OOM_LOOP], timeout=60)
+    assert wait_for(lambda: total(samples(http_get(d.metrics)[1].decode()), "dsecd_oom_kills_total")
+                    > total(before, "dsecd_oom_kills_total"))
+    sb.destroy()
+    c.close()
+
+
+# ---------------------------------------------------------------- the log
+
+def test_every_log_line_is_json_through_create_exec_oom_pause_destroy(daemon_factory, busybox_rootfs):
+    d = daemon_factory()        # log_level debug (conftest), log_format json (the default)
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", memory="32M", cpu=0.5, labels={"job": "j1"})
+    assert sb.exec(["echo", "hi"]).stdout == b"hi\n"
+    sb.exec(["sh", "-c", OOM_LOOP], timeout=60)
+    sb.pause()
+    sb.resume()
+    with pytest.raises(NotFound):
+        c.request("exec", sandbox="000000000000", argv=["true"])
+    wait_for(lambda: any(ln.get("event") == "oom" for ln in log_lines(d)), timeout=5)
+    sb.destroy()
+    c.close()
+    d.stop()
+    lines = log_lines(d)
+    for ln in lines:
+        assert {"ts", "level", "logger", "msg"} <= ln.keys(), ln
+        assert ln["level"] in ("debug", "info", "warning", "error", "critical"), ln
+    events = {ln["event"]: ln for ln in lines if ln.get("logger") == "dsecd.lifecycle"}
+    created = events["created"]
+    assert created["sandbox"] == sb.id and created["image"] == "busybox" and created["job"] == "j1"
+    assert created["qos"] == "be" and created["cpu"] == 0.5 and created["memory"] == 32 << 20
+    assert created["duration_ms"] > 0 and created["level"] == "info"
+    assert events["oom"]["kills"] >= 1 and events["oom"]["level"] == "warning"
+    assert events["paused"]["freed_bytes"] >= 0 and events["resumed"]["duration_ms"] >= 0
+    assert events["destroyed"]["reason"] == "request" and events["destroyed"]["previous_state"] == "running"
+    assert any(ln.get("event") == "ready" for ln in lines)
+    conns = [ln for ln in lines if ln["msg"].startswith("connection from")]
+    assert conns and all(ln["level"] == "debug" for ln in conns)
+    refused = [ln for ln in lines if ln.get("op") == "exec" and ln.get("code") == "not_found"]
+    assert refused and refused[0]["level"] == "debug", "a client's own error is debug chatter"
+
+
+def test_logfmt_lines(daemon_factory, busybox_rootfs):
+    d = daemon_factory(start=False)
+    d.config.write_text(d.config.read_text().replace('log_level = "debug"\n',
+                                                     'log_level = "debug"\nlog_format = "logfmt"\n'))
+    d.start()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    c.create(image="busybox").destroy()
+    c.close()
+    d.stop()
+    lines = d.log.read_text().splitlines()
+    assert lines
+    for line in lines:
+        assert re.match(r'^ts=\S+ level=\w+ logger=\S+ msg=("(?:[^"\\]|\\.)*"|\S*)( \w+=("(?:[^"\\]|\\.)*"|\S*))*$',
+                        line), line
+    assert any("event=created" in line for line in lines) and any("reason=request" in line for line in lines)
+
+
+# ---------------------------------------------------------------- systemd's notify protocol
+
+def _datagrams(srv: socket.socket, until, timeout: float = 15.0) -> list[dict]:
+    """Notifications received until `until(list)` is true."""
+    got: list[dict] = []
+    deadline = time.monotonic() + timeout
+    while not until(got) and time.monotonic() < deadline:
+        srv.settimeout(max(0.05, deadline - time.monotonic()))
+        try:
+            data = srv.recv(4096)
+        except TimeoutError:
+            break
+        got.append(dict(line.split("=", 1) for line in data.decode().splitlines()))
+    return got
+
+
+def test_ready_after_readoption_then_status_watchdog_and_stopping(daemon_factory, busybox_rootfs, tmp_path):
+    d = daemon_factory()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    kept = c.create(image="busybox")
+    c.close()
+    d.stop()
+    path = str(tmp_path / "notify")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as srv:
+        srv.bind(path)
+        # A watchdog of 0.6 s: the daemon pings every 0.3 s.
+        d.env = {**os.environ, "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "600000"}
+        d.start()
+        got = _datagrams(srv, lambda g: any("READY" in n for n in g))
+        ready = next(n for n in got if "READY" in n)
+        assert ready["READY"] == "1" and ready["MAINPID"] == str(d.proc.pid)
+        assert "1 running" in ready["STATUS"], "READY comes after re-adoption"
+        assert d.client(connect_timeout=5), "READY comes after the socket serves"
+        pings = _datagrams(srv, lambda g: sum("WATCHDOG" in n for n in g) >= 3, timeout=5)
+        assert sum("WATCHDOG" in n for n in pings) >= 3
+        c = d.client()
+        c.create(image="busybox")
+        c.close()
+        status = _datagrams(srv, lambda g: any("2 running" in n.get("STATUS", "") for n in g), timeout=15)
+        assert any("2 running" in n.get("STATUS", "") for n in status)
+        d.proc.send_signal(signal.SIGTERM)
+        bye = _datagrams(srv, lambda g: any("STOPPING" in n for n in g), timeout=15)
+        assert any(n.get("STOPPING") == "1" for n in bye)
+        d.proc.wait(15)
+    d.env = None
+    d.start()
+    c = d.client()
+    assert c.get(kept.id).exec(["true"]).exit_code == 0
+    c.close()
+
+
+# ---------------------------------------------------------------- dsec top
+
+def test_top_piped_prints_one_snapshot(daemon, client):
+    sb = client.create(image="busybox", memory="64M")
+    try:
+        r = daemon.cli("top")
+        assert r.returncode == 0, r.stderr
+        out = r.stdout.decode()
+        assert b"\x1b" not in r.stdout, "no terminal codes in a pipe"
+        lines = out.splitlines()
+        assert lines[0].startswith("host:") and lines[1].split()[:3] == ["ID", "QOS", "STATE"]
+        assert any(line.startswith(sb.id) for line in lines[2:])
+        r = daemon.cli("top", "--sort", "mem", "--interval", "0.5")
+        assert r.returncode == 0 and sb.id.encode() in r.stdout
+        top = json.loads(daemon.cli("top", "--json").stdout)
+        assert any(s["id"] == sb.id for s in top["sandboxes"])
+        r = daemon.cli("top", "--sort", "nonsense")
+        assert r.returncode == 2 and b"--sort" in r.stderr
+    finally:
+        sb.destroy()
+
+
+# ---------------------------------------------------------------- what the unit relies on
+
+def _cgroup2_mount() -> Path | None:
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[fields.index("-") + 1] == "cgroup2":
+                return Path(fields[4])
+    return None
+
+
+def _pids_in(group: Path) -> list[int]:
+    out = []
+    for dirpath, _dirs, _files in os.walk(group):
+        out += [int(p) for p in Path(dirpath, "cgroup.procs").read_text().split()]
+    return out
+
+
+def test_sandboxes_outlive_the_daemon_and_everything_left_in_its_cgroup(daemon_factory, busybox_rootfs):
+    """The unit's KillMode=process signals only the daemon; its sandboxes must
+    not depend on that. The daemon runs in a cgroup of the test's own (as a
+    unit's would be), is stopped with SIGTERM, then everything still in that
+    cgroup is killed (what KillMode=control-group would do): the sandboxes
+    and their background processes live on, and the next daemon adopts them."""
+    v2 = _cgroup2_mount()
+    if v2 is None:
+        pytest.skip("no cgroup v2 hierarchy mounted")
+    unit = v2 / f"dsecd-test-{secrets.token_hex(4)}-unit"
+    unit.mkdir()
+    try:
+        d = daemon_factory(start=False)
+        d.preexec = lambda: (unit / "cgroup.procs").write_text("0")
+        d.start()
+        c = d.client()
+        c.import_image(busybox_rootfs, "busybox")
+        sb = c.create(image="busybox")
+        proc = sb.spawn(["sleep", "600"])
+        init = sb.inspect()["init_pid"]
+        for pid in (init, proc.pid):
+            line = next(x for x in Path(f"/proc/{pid}/cgroup").read_text().splitlines() if x.startswith("0::"))
+            assert not line[3:].startswith(f"/{unit.name}"), f"pid {pid} is in the daemon's cgroup: {line}"
+        assert d.proc.pid in _pids_in(unit)
+        c.close()
+        d.stop(signal.SIGTERM)
+        for pid in _pids_in(unit):                # what is left of the "unit": killed
+            os.kill(pid, signal.SIGKILL)
+        assert wait_for(lambda: not _pids_in(unit), timeout=10)
+        assert os.path.exists(f"/proc/{init}")
+        d.preexec = None
+        d.start()
+        c = d.client()
+        again = c.get(sb.id)
+        assert again.info["state"] == "running" and again.exec(["true"]).exit_code == 0
+        assert any(p["pid"] == proc.pid and p["state"] == "running" for p in c.request(
+            "proc_list", sandbox=sb.id)["processes"])
+        again.destroy(force=True)
+        c.close()
+    finally:
+        for pid in _pids_in(unit) if unit.exists() else []:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not unit.exists() or not _pids_in(unit), timeout=10)
+        if unit.exists():
+            unit.rmdir()
+
+
+def _unit_capabilities() -> list[str]:
+    caps = []
+    for line in (ROOT / "systemd" / "dsecd.service").read_text().splitlines():
+        if line.startswith("CapabilityBoundingSet="):
+            caps += [c.removeprefix("CAP_").lower() for c in line.partition("=")[2].split()]
+    assert caps, "the unit sets CapabilityBoundingSet="
+    return caps
+
+
+def test_the_daemon_works_with_the_units_capabilities_and_no_new_privs(daemon_factory, busybox_rootfs, tmp_path):
+    """setpriv gives the daemon what the unit does: the capability bounding set
+    (root's capabilities are then exactly these) and no_new_privs. Creates,
+    execs, a pty, files, background processes, pause, trace and snapshot work."""
+    if subprocess.run(["setpriv", "--help"], capture_output=True).returncode != 0:
+        pytest.skip("setpriv (util-linux) is not installed")
+    d = daemon_factory(start=False)
+    d.wrapper = ["setpriv", "--no-new-privs", "--bounding-set", "-all," + ",".join(f"+{c}" for c in
+                                                                                 _unit_capabilities())]
+    d.start()
+    status = Path(f"/proc/{d.proc.pid}/status").read_text()
+    assert re.search(r"^NoNewPrivs:\s+1$", status, re.M)
+    bounding = int(re.search(r"^CapBnd:\s+(\w+)$", status, re.M).group(1), 16)
+    assert not bounding & (1 << 16), "CAP_SYS_MODULE (16) is not in the unit's set"
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", memory="64M")
+    assert sb.exec(["sh", "-c", "echo ok; id -u"]).stdout == b"ok\n0\n"
+    sb.write_file("/work/f", b"data")
+    assert sb.read_file("/work/f") == b"data"
+    p = sb.spawn(["sleep", "600"])
+    c.request("proc_kill", sandbox=sb.id, pid=p.pid, signal="KILL")
+    pty = sb.exec(["sh", "-c", "test -t 0 && stty size"], pty=True)      # a pty: /dev/ptmx, char-pts
+    assert pty.exit_code == 0 and pty.stdout == b"24 80\r\n"
+    sb.pause()
+    sb.resume()
+    traced = sb.exec(["cat", "/etc/passwd"], trace=True)
+    assert traced.exit_code == 0 and traced.trace
+    assert c.request("snapshot", sandbox=sb.id, name="caps-snap")["name"] == "caps-snap"
+    sb.destroy()
+    c.close()
+
+
+def test_networking_works_with_the_units_capabilities(world, daemon_factory, busybox_rootfs):
+    """--net default under the unit's capabilities: the bridge and veths
+    (NET_ADMIN), the eBPF allowlist (BPF), the resolver on port 53
+    (NET_BIND_SERVICE)."""
+    from test_net_daemon import _toml_net
+    from test_net_kit import bpf_skip_reason
+
+    if bpf_skip_reason():
+        pytest.skip(bpf_skip_reason())
+    d = daemon_factory(_toml_net(dict(world.cfg, ipv4_pool=f"10.{world.octet}.5.0/24")), start=False)
+    d.wrapper = ["setpriv", "--no-new-privs", "--bounding-set", "-all," + ",".join(f"+{c}" for c in
+                                                                                 _unit_capabilities())]
+    d.start()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", net="default")
+    r = sb.exec(["sh", "-c", "nslookup example.org; nc -w 1 192.0.2.1 80 </dev/null"], timeout=30)
+    assert b"REFUSED" in r.stdout + r.stderr, r           # the resolver answered (and refused the name)
+    assert b"not permitted" in r.stderr, r                # the allowlist refused the connect
+    shown = c.request("net_show", sandbox=sb.id)
+    assert shown["default"]["denied_connect"] >= 1 and shown["dns"]["refused"] >= 1
+    sb.destroy()
+    c.close()

@@ -1,0 +1,134 @@
+"""The metrics (dsecd/metrics.py): series from the figures the services keep,
+the lifecycle counters fed by events, the endpoint's address parsing."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dsecd import metrics
+from dsecd.engine import lifelog
+
+
+def _samples(text: str) -> dict:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _value(text: str, name: str, **labels) -> float:
+    return _samples(text)[(name, tuple(sorted(labels.items())))]
+
+
+SNAPSHOT = metrics.Snapshot(
+    states={("running", "be"): 3, ("paused", "ls"): 1},
+    cpu={"admission": {"state": "open", "cpu": {"requested": 4.0, "capacity": 128.0},
+                       "memory": {"requested": 1 << 30, "capacity": 4 << 30}},
+         "used": {"sandbox_cores": {"be": 0.5, "ls": 0.25}, "host_cpu_pct": 40.0}},
+    admission={"active": 2, "queued": 5, "max_active": 16, "max_queued": 100, "admitted": 40,
+               "rejected_busy": 3, "pools": {"busybox@1cpu-512M": {"ready": 2, "creating": 1, "taken": 9}}},
+    fncall={"zygote_calls": 7, "plain_calls": 2, "busy": 1, "inflight": 0, "zygotes_started": 1,
+            "zygotes_replaced": 0},
+    memory={"zram": {"on": True, "stats": {"orig_data_size": 1000, "compr_data_size": 300,
+                                           "mem_used_total": 400, "mem_limit": 0}},
+            "swapfile": {"on": False}},
+    images={"pager": {"cache_used": 10, "cache_max": 0, "blobs": {
+        "aa": {"fetches": 2, "fetched_bytes": 100, "chunk_hits": 5, "chunk_misses": 2, "kernel_read_bytes": 80,
+               "evictions": 0, "errors": 0, "corrupt": 0},
+        "bb": {"fetches": 1, "fetched_bytes": 50, "chunk_hits": 1, "chunk_misses": 1, "kernel_read_bytes": 40,
+               "evictions": 0, "errors": 0, "corrupt": 0}}}},
+    net={"denied_connect": 4, "denied_sendmsg": 1, "dropped_packets": 0, "dns": {"queries": 9, "refused": 2}},
+    connections=6)
+
+
+def test_the_figures_services_keep_become_series(monkeypatch):
+    monkeypatch.setattr(metrics.COLLECTOR, "snapshot", SNAPSHOT)
+    body, ctype = metrics.render()
+    text = body.decode()
+    assert ctype.startswith("text/plain")
+    assert _value(text, "dsecd_sandboxes", state="running", qos="be") == 3
+    assert _value(text, "dsecd_sandboxes", state="paused", qos="ls") == 1
+    assert _value(text, "dsecd_committed_cpu_cores") == 4 and _value(text, "dsecd_capacity_cpu_cores") == 128
+    assert _value(text, "dsecd_committed_memory_bytes") == 1 << 30
+    assert _value(text, "dsecd_create_queue", what="queued") == 5
+    assert _value(text, "dsecd_admission_rejected_total") == 3
+    assert _value(text, "dsecd_pool_taken_total", pool="busybox@1cpu-512M") == 9
+    assert _value(text, "dsecd_calls_total", path="zygote") == 7
+    assert _value(text, "dsecd_zram_bytes", what="orig") == 1000
+    assert _value(text, "dsecd_zram_bytes", what="mem_used") == 400
+    assert _value(text, "dsecd_pager_fetched_bytes_total") == 150
+    assert _value(text, "dsecd_pager_chunk_lookups_total", result="hit") == 6
+    assert _value(text, "dsecd_net_denied_total", reason="connect") == 4
+    assert _value(text, "dsecd_dns_total", outcome="refused") == 2
+    assert _value(text, "dsecd_connections") == 6
+    assert not any(name.startswith("dsecd_sandbox_cpu_percent") for name, _ in _samples(text))
+
+
+def test_per_sandbox_series_only_when_asked(monkeypatch):
+    snap = metrics.Snapshot(sandboxes=[{"id": "ab12", "qos": "be", "cpu_pct": 12.5, "throttled_pct": None,
+                                        "memory": 4096, "memory_limit": 1 << 20}])
+    monkeypatch.setattr(metrics.COLLECTOR, "snapshot", snap)
+    text = metrics.render()[0].decode()
+    assert _value(text, "dsecd_sandbox_cpu_percent", sandbox="ab12", qos="be") == 12.5
+    assert _value(text, "dsecd_sandbox_memory_bytes", sandbox="ab12") == 4096
+
+
+def test_openmetrics_when_the_scraper_asks():
+    body, ctype = metrics.render("application/openmetrics-text; version=1.0.0")
+    assert ctype.startswith("application/openmetrics-text") and body.rstrip().endswith(b"# EOF")
+
+
+def _count(name: str, **labels) -> float:
+    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_lifecycle_events_move_their_counters():
+    c0, d0 = _count("dsecd_sandboxes_created_total", qos="ls"), _count("dsecd_sandboxes_destroyed_total",
+                                                                       reason="ttl")
+    r0, o0 = _count("dsecd_pause_reclaimed_bytes_total"), _count("dsecd_oom_kills_total")
+    n0 = _count("dsecd_resume_duration_seconds_count")
+    lifelog.on_event({"event": "created", "sandbox": "a", "qos": "ls", "duration_ms": 40.0})
+    lifelog.on_event({"event": "destroyed", "sandbox": "a", "reason": "ttl"})
+    lifelog.on_event({"event": "paused", "sandbox": "a", "freed_bytes": 4096})
+    lifelog.on_event({"event": "resumed", "sandbox": "a", "prefetched_bytes": 0, "duration_ms": 3.0})
+    lifelog.on_event({"event": "oom", "sandbox": "a", "kills": 2})
+    assert _count("dsecd_sandboxes_created_total", qos="ls") == c0 + 1
+    assert _count("dsecd_sandboxes_destroyed_total", reason="ttl") == d0 + 1
+    assert _count("dsecd_pause_reclaimed_bytes_total") == r0 + 4096
+    assert _count("dsecd_oom_kills_total") == o0 + 2
+    assert _count("dsecd_resume_duration_seconds_count") == n0 + 1
+
+
+@pytest.mark.parametrize("value,want", [("127.0.0.1:9464", ("127.0.0.1", 9464)), ("[::1]:9464", ("::1", 9464)),
+                                        ("localhost:1", ("localhost", 1)), ("/run/dsecd/metrics.sock",
+                                                                            "/run/dsecd/metrics.sock")])
+def test_listen_takes_host_port_or_a_socket_path(value, want):
+    assert metrics.parse_listen(value) == want
+
+
+@pytest.mark.parametrize("value", ["9464", ":9464", "host:", "host:0", "host:70000", "relative.sock"])
+def test_listen_refuses_what_it_cannot_bind(value):
+    with pytest.raises(ValueError, match="metrics.listen"):
+        metrics.parse_listen(value)
+
+
+def test_the_grafana_dashboard_names_only_series_the_daemon_serves(monkeypatch):
+    """ops/grafana-dsecd.json: every metric its queries name is one a scrape
+    has (with every source present), so a renamed metric fails here."""
+    import json
+    import re
+    from pathlib import Path
+
+    monkeypatch.setattr(metrics.COLLECTOR, "snapshot", SNAPSHOT)
+    for hist, labels in ((metrics.EXEC_SECONDS, ("init",)), (metrics.CALL_SECONDS, ("zygote",)),
+                         (metrics.JOURNAL_FSYNC, ("journal",)), (metrics.IMAGE_BUILD_SECONDS, ("build",))):
+        hist.labels(*labels)                          # labelled series exist once used
+    metrics.DESTROYS.labels("request")
+    metrics.REQUESTS.labels("create", "ok")
+    metrics.IMAGE_BUILDS.labels("build", "ok")
+    served = {s.name for fam in text_string_to_metric_families(metrics.render()[0].decode()) for s in fam.samples}
+    dash = json.loads((Path(__file__).resolve().parents[2] / "ops" / "grafana-dsecd.json").read_text())
+    named = {m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"\b(?:dsecd|process)_\w+", t["expr"])}
+    assert named and named <= served, sorted(named - served)
