@@ -31,6 +31,7 @@ import threading
 import time
 import tty
 
+from . import imageconfig
 from .client import Client, default_socket
 from .errors import DsecError
 from .fds import read_ready
@@ -204,11 +205,31 @@ def _print_image(img: dict, verb: str) -> None:
           f"manifest {img['manifest'][:19]}")
 
 
+def _print_image_details(img: dict) -> None:
+    """`dsec image inspect` without --json: the image and its config, one field a line."""
+    cfg = imageconfig.normalise(img.get("config"))
+    rows = [("name", img["name"]), ("manifest", img["manifest"]),
+            ("layers", ", ".join(f"{layer['digest'][7:19]} ({_human_bytes(layer['size'])})"
+                                 for layer in img["layers"]) or "none"),
+            ("size", _human_bytes(img["bytes"])), ("parent", img.get("parent") or "-"),
+            ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(img["created"]))
+             if img.get("created") else "-"),
+            ("user", cfg["user"] or "(root)"), ("cwd", cfg["cwd"]),
+            ("entrypoint", json.dumps(cfg["entrypoint"])), ("cmd", json.dumps(cfg["cmd"])),
+            ("exposed ports", " ".join(cfg["exposed_ports"]) or "-")]
+    rows += [("env", f"{k}={v}") for k, v in sorted(cfg["env"].items())]
+    rows += [("label", f"{k}={v}") for k, v in sorted(cfg["labels"].items())]
+    rows.append(("sandboxes", " ".join(img.get("sandboxes") or []) or "-"))
+    for name, value in rows:
+        print(f"{name + ':':<15}{value}")
+
+
 async def cmd_image(c: Client, a) -> int:
     if a.image_cmd in ("build", "import"):
         bar = _ProgressBar(not a.json)
         config = {"env": _kv(a.env, "--env") or None, "cwd": a.cwd, "user": a.user,
-                  "entrypoint": a.entrypoint}
+                  "entrypoint": a.entrypoint, "cmd": a.cmd_args, "labels": _kv(a.label, "--label") or None,
+                  "exposed_ports": a.expose}
         img = await c.build_image(a.path, a.name, getattr(a, "parent", None), bar,
                                   **{k: v for k, v in config.items() if v is not None})
         bar.done()
@@ -224,7 +245,8 @@ async def cmd_image(c: Client, a) -> int:
                    ["NAME", "LAYERS", "SIZE", "MANIFEST", "CREATED"])
         return 0
     if a.image_cmd == "inspect":
-        _print_json(await c.inspect_image(a.name))
+        img = await c.inspect_image(a.name)
+        _print_json(img) if a.json else _print_image_details(img)
         return 0
     if a.image_cmd == "rm":
         await c.remove_image(a.name)
@@ -1029,10 +1051,16 @@ def build_parser() -> argparse.ArgumentParser:
         imp.add_argument("--name", required=True)
         if verb == "build":
             imp.add_argument("--from", dest="parent", help="put the new layer on top of this image")
-        imp.add_argument("--env", action="append", metavar="K=V", help="image config: environment")
+        imp.add_argument("--env", action="append", metavar="K=V",
+                         help="image config: environment (over the image's)")
         imp.add_argument("--cwd", help="image config: working directory")
-        imp.add_argument("--user", type=int, help="image config: uid")
-        imp.add_argument("--entrypoint", nargs="+", help="image config: command")
+        imp.add_argument("--user", help="image config: user: NAME, UID, NAME:GROUP or UID:GID")
+        imp.add_argument("--entrypoint", nargs="+", help="image config: entrypoint (clears cmd unless --cmd)")
+        imp.add_argument("--cmd", dest="cmd_args", nargs="+", metavar="ARG",
+                         help="image config: cmd, the entrypoint's default arguments")
+        imp.add_argument("--label", action="append", metavar="K=V", help="image config: a label")
+        imp.add_argument("--expose", action="append", metavar="PORT[/PROTO]",
+                         help="image config: an exposed port (repeatable)")
     img.add_parser("ls", help="list images")
     img.add_parser("gc", help="remove blobs no image and no live sandbox uses")
     img.add_parser("du", help="disk use of the blob store")

@@ -371,7 +371,8 @@ class Client:
     async def build_image(self, source: str, name: str, parent: str | None = None,
                           progress: Callable[[dict], None] | None = None, **config) -> dict:
         """A directory or image tarball (on the daemon's host) -> image `name`,
-        optionally on top of image `parent`; config: env, cwd, user, entrypoint."""
+        optionally on top of image `parent`; config overrides: env, cwd, user,
+        entrypoint, cmd, labels, exposed_ports (dsecd/imageconfig.py)."""
         args = {"source": os.path.abspath(source), "name": name, **config}
         if parent:
             args["parent"] = parent

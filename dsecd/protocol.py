@@ -227,10 +227,14 @@ class ImageBuild:
     source: str                  # a directory, or a docker-save / OCI-layout tarball, on the daemon's host
     name: str
     parent: str | None = None    # an image whose layers go below the new one
-    env: dict[str, str] | None = None
+    # Image config (dsecd/imageconfig.py); None: the archive's, or the parent's.
+    env: dict[str, str] | None = None      # merged over the image's
     cwd: str | None = None
-    user: int | None = None
-    entrypoint: list[str] | None = None
+    user: int | str | None = None          # "name", "uid", "name:group", "uid:gid" (an int: a uid)
+    entrypoint: list[str] | None = None    # a new entrypoint without a new cmd clears cmd
+    cmd: list[str] | None = None
+    labels: dict[str, str] | None = None   # merged over the image's
+    exposed_ports: list[str] | None = None  # "8080", "8080/tcp", "53/udp"
 
 
 @request("image_gc")

@@ -3,7 +3,8 @@
     manifest (a blob, canonical JSON):
         {"schema": 1, "layers": [{"digest": "sha256:..", "size": n, "index": "sha256:.."}, ...],
          (bottom first; "index": the layer's chunk index blob, store.py; absent in old images)
-         "config": {"env": {...}, "cwd": "/", "user": 0, "entrypoint": []}}
+         "config": {"env", "cwd", "user", "entrypoint", "cmd", "exposed_ports", "labels"}}
+         (dsecd/imageconfig.py; configs stored by older daemons are read through its normalise)
     name  -> <store>/refs/<name>: {"manifest": "sha256:..", "created": t}
 
 Names live in the store too, so every host sharing the store sees an image
@@ -30,6 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import imageconfig
 from . import erofs, oci
 from .store import BlobStore, StoreError, check_digest
 
@@ -68,9 +70,6 @@ class Image:
 
 def _canonical(obj: dict) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-
-
-DEFAULT_CONFIG = {"env": {}, "cwd": "/", "user": 0, "entrypoint": []}
 
 
 class ImageStore:
@@ -150,6 +149,9 @@ class ImageStore:
             manifest = json.loads(self.store.read_bytes(digest))
         except StoreError as err:
             raise ImageError(err.code, str(err)) from err
+        # Read in today's form whatever dsecd version wrote it (the cached copy
+        # only: the blob is never rewritten, its digest is its name).
+        manifest["config"] = imageconfig.normalise(manifest.get("config"))
         self._manifests[digest] = manifest
         for layer in manifest.get("layers", []):
             if layer.get("index"):
@@ -250,13 +252,18 @@ class ImageStore:
 
     def _commit(self, name: str, layers: list[dict], config: dict, parent: str | None,
                 hold: Callable[[str], None]) -> Image:
-        manifest = {"schema": 1, "layers": layers, "config": {**DEFAULT_CONFIG, **config}}
+        manifest = {"schema": 1, "layers": layers, "config": imageconfig.normalise(config)}
         digest = self.store.put_bytes(_canonical(manifest), hold)
         self._publish(name, digest, parent)
         return self.get(name)
 
     def build_from_dir(self, src: str, name: str, parent: str | None = None,
                        config: dict | None = None, progress: Progress | None = None) -> Image:
+        """Image `name` from `src`: a directory (one layer), or a docker save
+        or OCI layout tarball (one layer per image layer, and its config), on
+        top of `parent`'s layers. `config`: fields that override the config
+        (imageconfig.overrides), which is else the tarball's own, or the
+        parent's for a directory."""
         self.check_name(name)
         if self._ref(name).exists():
             raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)")
@@ -268,15 +275,14 @@ class ImageStore:
             if base:
                 self._hold_existing(hold, base.layers)
             if path.is_dir():
-                layers = [self.build_layer(path, progress=progress, hold=hold)]
-                base_config = dict(base.config) if base else {}
+                layers, own_config = [self.build_layer(path, progress=progress, hold=hold)], None
             elif path.is_file():
-                layers, tar_config = self._layers_from_tar(path, progress, hold)
-                base_config = {**(base.config if base else {}), **tar_config}
+                layers, own_config = self._layers_from_tar(path, progress, hold)
             else:
                 raise ImageError("not_found", f"build source {src!r} is neither a directory nor a file")
+            below = own_config if own_config is not None else (base.config if base else imageconfig.default())
             all_layers = (base.layers if base else []) + layers
-            return self._commit(name, all_layers, {**base_config, **(config or {})}, parent, hold)
+            return self._commit(name, all_layers, imageconfig.stack(below, config or {}), parent, hold)
 
     def _layers_from_tar(self, path: Path, progress: Progress | None,
                          hold: Callable[[str], None]) -> tuple[list[dict], dict]:

@@ -20,6 +20,8 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
+from .. import imageconfig
+
 # What a damaged archive raises (disk errors such as ENOSPC stay OSErrors).
 CORRUPT = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, lzma.LZMAError)
 WHITEOUT = ".wh."
@@ -127,15 +129,6 @@ def extract_layer(fileobj, root: Path) -> int:
     return n
 
 
-def _config_of(cfg: dict) -> dict:
-    c = cfg.get("config") or {}
-    env = dict(e.split("=", 1) for e in c.get("Env") or [] if "=" in e)
-    user = c.get("User") or "0"
-    return {"env": env, "cwd": c.get("WorkingDir") or "/",
-            "user": int(user) if str(user).isdigit() else 0,
-            "entrypoint": (c.get("Entrypoint") or []) + (c.get("Cmd") or [])}
-
-
 def _read_json(tf: tarfile.TarFile, name: str) -> dict | list:
     try:
         f = tf.extractfile(name)
@@ -180,6 +173,9 @@ def unpack_image(path: Path, work: Path, progress: Callable[[dict], None] | None
 def _unpack(tf: tarfile.TarFile, work: Path, progress) -> tuple[list[Path], dict]:
     try:
         layers, cfg = _layer_paths(tf)
+        config = imageconfig.from_oci(cfg)
+    except imageconfig.ConfigError as err:
+        raise TarError(f"image config: {err}") from err
     except (KeyError, IndexError, TypeError) as err:
         raise TarError(f"malformed image metadata: {err!r}") from err
     dirs = []
@@ -196,4 +192,4 @@ def _unpack(tf: tarfile.TarFile, work: Path, progress) -> tuple[list[Path], dict
         if progress:
             progress({"step": "unpack", "layer": i + 1, "of": len(layers), "entries": n})
         dirs.append(d)
-    return dirs, _config_of(cfg) if isinstance(cfg, dict) else {}
+    return dirs, config
