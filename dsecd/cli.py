@@ -390,11 +390,15 @@ async def cmd_snapshot(c: Client, a) -> int:
     return 0
 
 
+def _create_args(a) -> dict:
+    """The create's arguments of `dsec create` and `dsec run` (_create_options)."""
+    return dict(cpu=a.cpu, memory=a.memory, pids=a.pids, env=_kv(a.env, "--env"), labels=_kv(a.label, "--label"),
+                hostname=a.hostname, cwd=a.cwd, user=a.user, qos=a.qos, cpu_quota=a.cpu_quota, ttl=a.ttl,
+                idle_ttl=a.idle_ttl, net=a.net, allow=a.allow, publish=a.publish)
+
+
 async def cmd_create(c: Client, a) -> int:
-    sb = await c.create(image=a.image, cpu=a.cpu, memory=a.memory, pids=a.pids, env=_kv(a.env, "--env"),
-                        labels=_kv(a.label, "--label"), hostname=a.hostname, cwd=a.cwd, user=a.user,
-                        qos=a.qos, cpu_quota=a.cpu_quota, ttl=a.ttl, idle_ttl=a.idle_ttl, lease=a.lease,
-                        net=a.net, allow=a.allow, key=a.key, publish=a.publish)
+    sb = await c.create(image=a.image, lease=a.lease, key=a.key, **_create_args(a))
     if a.json:
         _print_json(sb.info)
     else:
@@ -1035,6 +1039,32 @@ def _exec_options(ex: argparse.ArgumentParser, verb: str) -> None:
     ex.add_argument("sandbox")
 
 
+def _create_options(p: argparse.ArgumentParser) -> None:
+    """The options of a create, shared by `dsec create` and `dsec run` (_create_args)."""
+    p.add_argument("--cpu", type=float)
+    p.add_argument("--memory", help="e.g. 256M, 2G")
+    p.add_argument("--pids", type=int)
+    p.add_argument("--env", action="append", metavar="K=V", help="over the image's environment")
+    p.add_argument("--label", action="append", metavar="K=V")
+    p.add_argument("--hostname")
+    p.add_argument("--cwd", help="working directory of its processes (default: the image's)")
+    p.add_argument("--user", help="user of its processes: NAME, UID, NAME:GROUP or UID:GID, names from the "
+                   "image's /etc/passwd and /etc/group (default: the image's)")
+    p.add_argument("--net", choices=["none", "default"], help="none: loopback only; default: bridge + "
+                   "address + egress allowlist (default: the daemon's net.default_mode)")
+    p.add_argument("--allow", action="append", metavar="RULE", help="egress rule (CIDR or host name, "
+                   "'*.name' for every name below: ADDR[:port[-port]][/tcp|udp]) "
+                   "or rule-set name (repeatable)")
+    p.add_argument("--publish", action="append", type=int, metavar="PORT", help="make this TCP port of the "
+                   "sandbox reachable from the host (on a host port the daemon picks; `dsec net show`, "
+                   "`dsec port`); needs --net default (repeatable)")
+    p.add_argument("--ttl", help="max lifetime, e.g. 2h")
+    p.add_argument("--idle-ttl", help="destroy after this long without requests, e.g. 5m (paused time excluded)")
+    p.add_argument("--qos", choices=["be", "ls"], help="best-effort or latency-sensitive (default: cpu.default_qos)")
+    p.add_argument("--cpu-quota", action=argparse.BooleanOptionalAction,
+                   help="--cpu is also a hard CFS quota (default: sandbox.cpu_hard_quota)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dsec", description="Drive the local dsecd daemon.")
     p.add_argument("--socket", default=default_socket(), help="daemon socket (env DSEC_SOCKET)")
@@ -1068,30 +1098,10 @@ def build_parser() -> argparse.ArgumentParser:
         x = img.add_parser(name)
         x.add_argument("name")
 
-    cr = sub.add_parser("create", help="create a sandbox; prints its id")
+    cr = sub.add_parser("create", help="create a sandbox; prints its id (it runs nothing of the image's command)")
     cr.add_argument("--image", required=True)
-    cr.add_argument("--cpu", type=float)
-    cr.add_argument("--memory", help="e.g. 256M, 2G")
-    cr.add_argument("--pids", type=int)
-    cr.add_argument("--env", action="append", metavar="K=V")
-    cr.add_argument("--label", action="append", metavar="K=V")
-    cr.add_argument("--hostname")
-    cr.add_argument("--cwd", default="/")
-    cr.add_argument("--user", type=int, default=0, help="uid inside the sandbox")
-    cr.add_argument("--net", choices=["none", "default"], help="none: loopback only; default: bridge + "
-                    "address + egress allowlist (default: the daemon's net.default_mode)")
-    cr.add_argument("--allow", action="append", metavar="RULE", help="egress rule (CIDR or host name, "
-                    "'*.name' for every name below: ADDR[:port[-port]][/tcp|udp]) "
-                    "or rule-set name (repeatable)")
-    cr.add_argument("--publish", action="append", type=int, metavar="PORT", help="make this TCP port of the "
-                    "sandbox reachable from the host (on a host port the daemon picks; `dsec net show`, "
-                    "`dsec port`); needs --net default (repeatable)")
-    cr.add_argument("--ttl", help="max lifetime, e.g. 2h")
-    cr.add_argument("--idle-ttl", help="destroy after this long without requests, e.g. 5m (paused time excluded)")
+    _create_options(cr)
     cr.add_argument("--lease", help="destroy unless renewed (SDK: Client.hold) within this long")
-    cr.add_argument("--qos", choices=["be", "ls"], help="best-effort or latency-sensitive (default: cpu.default_qos)")
-    cr.add_argument("--cpu-quota", action=argparse.BooleanOptionalAction,
-                    help="--cpu is also a hard CFS quota (default: sandbox.cpu_hard_quota)")
     cr.add_argument("--key", help="idempotency key: a retried create with it returns the same sandbox")
 
     pool = sub.add_parser("pool", help="warm pools of ready sandboxes").add_subparsers(dest="pool_cmd",

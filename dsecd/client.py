@@ -407,7 +407,7 @@ class Client:
 
     async def create(self, image: str, cpu: float | None = None, memory: int | str | None = None,
                      pids: int | None = None, env: dict | None = None, labels: dict | None = None,
-                     hostname: str | None = None, cwd: str = "/", user: int = 0,
+                     hostname: str | None = None, cwd: str | None = None, user: int | str | None = None,
                      ttl: float | str | None = None, idle_ttl: float | str | None = None,
                      lease: float | str | None = None, qos: str | None = None,
                      cpu_quota: bool | None = None, net: str | None = None,
@@ -419,16 +419,19 @@ class Client:
         network_rules: the same as a dict, {"pypi": True}: the keys whose value is true join `allow`.
         publish: TCP ports of the sandbox to make reachable from the host (Sandbox.get_host).
         key: idempotency key; a retried create with the same key returns the same sandbox.
-        disk: size cap of the writable layer ("20G"; default sandbox.disk)."""
+        disk: size cap of the writable layer ("20G"; default sandbox.disk).
+        env, cwd, user: over the image's config (env merged; default: the
+        image's WorkingDir and User); user is a uid or "name", "uid:gid",
+        "name:group", resolved in the image's /etc/passwd and /etc/group.
+        A create runs nothing of the image's Entrypoint or Cmd."""
         allow = list(allow or [])
         if network_rules is not None:
             if not isinstance(network_rules, dict):
                 raise TypeError(f"network_rules must be a dict of rule -> bool, got {type(network_rules).__name__}")
             allow += [r for r, on in network_rules.items() if on and r not in allow]
         args = _given({"image": image, "env": string_map(env, "env"), "labels": string_map(labels, "labels"),
-                       "cwd": cwd, "user": user, "allow": allow,
-                       **({"publish": [int(p) for p in publish]} if publish else {})},
-                      cpu=cpu, memory=memory, pids=pids, hostname=hostname, ttl=ttl, idle_ttl=idle_ttl,
+                       "allow": allow, **({"publish": [int(p) for p in publish]} if publish else {})},
+                      cwd=cwd, user=user, cpu=cpu, memory=memory, pids=pids, hostname=hostname, ttl=ttl, idle_ttl=idle_ttl,
                       lease=lease, qos=qos, cpu_quota=cpu_quota, net=net, key=key, disk=disk)
         info = await self.request("create", **args)
         return Sandbox(self, info["id"], info)

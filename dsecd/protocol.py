@@ -278,8 +278,8 @@ class Create:
     env: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
     hostname: str | None = None
-    cwd: str = "/"
-    user: int = 0
+    cwd: str | None = None          # None = the image's WorkingDir, else /
+    user: int | str | None = None   # uid, or "name", "uid:gid", "name:group"; None = the image's User
     qos: str | None = None          # "be" | "ls"; None = cpu.default_qos
     cpu_quota: bool | None = None   # hard CFS quota of `cpu`; None = sandbox.cpu_hard_quota
     ttl: float | str | None = None        # max lifetime: seconds or "2h"

@@ -59,9 +59,11 @@ def check_env(env: dict) -> None:
             raise BadRequest(f"bad environment variable name or value: {k!r}")
 
 
-def exec_target(sb: Sandbox, req, backend) -> tuple[list[str], str, int]:
-    """(env, cwd, user) of an exec or background process request (argv,
-    env, cwd, user) in `sb`, checked: BadRequest names what is wrong."""
+def exec_target(sb: Sandbox, req, backend) -> tuple[list[str], str, int, int]:
+    """(env, cwd, uid, gid) of an exec or background process request (argv,
+    env, cwd, user) in `sb`, checked: BadRequest names what is wrong. The
+    sandbox's uid and gid by default; a request naming a uid gets a gid of
+    the same number."""
     if not req.argv or not all(req.argv):
         raise BadRequest("argv must be a non-empty list of non-empty strings")
     if any("\0" in a for a in req.argv):
@@ -70,12 +72,15 @@ def exec_target(sb: Sandbox, req, backend) -> tuple[list[str], str, int]:
     cwd = req.cwd or sb.cwd
     if not cwd.startswith("/"):
         raise BadRequest(f"cwd must be an absolute path inside the sandbox, got {cwd!r}")
-    user = sb.user if req.user is None else req.user
+    if req.user is None:
+        user, gid = sb.user, sb.user if sb.gid is None else sb.gid
+    else:
+        user = gid = req.user
     idmap = userns.IdMap.from_record(sb.idmap)
     if idmap and not 0 <= user < idmap.count:
         raise BadRequest(f"user {user} does not exist in sandbox {sb.id}: its user namespace maps "
                          f"uids 0..{idmap.count - 1}", {"user": user, "userns_size": idmap.count})
-    return backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, req.env), cwd, user
+    return backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, req.env), cwd, user, gid
 
 
 @dataclass(frozen=True)
@@ -114,7 +119,7 @@ class ExecService:
         max_t = self.limits.max_timeout_s
         if timeout is not None and not 0 < timeout <= (max_t or float("inf")):
             raise BadRequest(f"timeout must be in (0, {max_t}] seconds, got {timeout}")
-        env, cwd, user = exec_target(sb, req, self.backend)
+        env, cwd, user, gid = exec_target(sb, req, self.backend)
         await self.ensure_running(sb, "exec")
         if not (req.stream or req.stdin or req.trace or req.pty):
             # ETXTBSY: the program is open for writing somewhere for a moment
@@ -123,14 +128,14 @@ class ExecService:
             # sandbox's own writer). Nothing ran, so a short wait and a retry are safe.
             for delay in (*ETXTBSY_RETRY_S, None):
                 try:
-                    return await self._exec_collected(sb, list(req.argv), env, cwd, user, timeout, ctx)
+                    return await self._exec_collected(sb, list(req.argv), env, cwd, (user, gid), timeout, ctx)
                 except DsecError as err:
                     if delay is None or err.detail.get("errno") != "ETXTBSY":
                         raise
                 await asyncio.sleep(delay)
-        return await self._exec_streamed(sb, req, env, cwd, user, timeout, ctx)
+        return await self._exec_streamed(sb, req, env, cwd, (user, gid), timeout, ctx)
 
-    async def _exec_streamed(self, sb: Sandbox, req, env: list[str], cwd: str, user: int,
+    async def _exec_streamed(self, sb: Sandbox, req, env: list[str], cwd: str, ids: tuple[int, int],
                              timeout: float | None, ctx) -> dict:
         """An exec that streams its output, takes stdin, is traced or has a
         terminal: one ExecIO (PtyIO for a terminal)."""
@@ -154,10 +159,10 @@ class ExecService:
             argv = tracing.traced_argv(req.argv) if req.trace else list(req.argv)
             # A traced exec needs the daemon's helper: the tracer attaches to the daemon's child.
             tracer = None
-            watch = None if req.trace else self._start_by_init(sb, argv, env, cwd, user, io, io.child_fds(),
+            watch = None if req.trace else self._start_by_init(sb, argv, env, cwd, ids, io, io.child_fds(),
                                                                req.pty)
             if watch is None:
-                pid = await self._spawn_exec(sb, argv, env, cwd, user, io.child_fds(), io, req.pty)
+                pid = await self._spawn_exec(sb, argv, env, cwd, ids, io.child_fds(), io, req.pty)
                 if req.trace:
                     tracer = await self._start_tracer(pid, timeout)
                 watch = ChildWatch(loop, pid)
@@ -177,8 +182,8 @@ class ExecService:
             result["stderr"] = b"".join(collected[2])
         return result
 
-    async def _exec_collected(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int,
-                              timeout: float | None, ctx) -> dict:
+    async def _exec_collected(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str,
+                              ids: tuple[int, int], timeout: float | None, ctx) -> dict:
         """An exec whose output comes back whole and that takes no stdin (most
         of them): collected by loop callbacks (dsecd/execio.py Collector), not
         by ExecIO's task per pipe; stdin is the daemon's /dev/null."""
@@ -189,10 +194,10 @@ class ExecService:
         watch = None
         try:
             stdio = (self.devnull, *run.child_ends)
-            watch = self._start_by_init(sb, argv, env, cwd, user, run, stdio)
+            watch = self._start_by_init(sb, argv, env, cwd, ids, run, stdio)
             if watch is None:
                 watch = ChildWatch(self.workers.loop,
-                                   await self._spawn_exec(sb, argv, env, cwd, user, stdio, run))
+                                   await self._spawn_exec(sb, argv, env, cwd, ids, stdio, run))
             # Sent to init, the timeout counts from the send: a start init cannot finish is killed too.
             run.kill_grace = watch.kill_grace
             run.start(watch.exited, watch.kill, timeout)
@@ -213,7 +218,7 @@ class ExecService:
             sb.last_active = time.monotonic()
             ctx.unregister_exec()
 
-    def _start_by_init(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int, io,
+    def _start_by_init(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, ids: tuple[int, int], io,
                        stdio: tuple[int, int, int], ctty: bool = False) -> InitExec | None:
         """The exec sent to the sandbox's init (dsecd/initlink.py), or None:
         the daemon's helper must start it (no channel: exec_via = helper, a
@@ -221,16 +226,18 @@ class ExecService:
         capabilities; or the channel cannot take this one: too big, init
         busy). `io` owns the child ends in stdio, closed once sent. Whether it
         started shows in its `exited` (a failed start: errors.run_error).
-        ctty: stdin is a pty slave, the exec's controlling terminal."""
+        ctty: stdin is a pty slave, the exec's controlling terminal. ids: (uid, gid)."""
         if sb.handle is None:
             return None
-        start = functools.partial(self.backend.start_by_init, ctty=True) if ctty else self.backend.start_by_init
-        return self.starter.send_to_init(start, sb.handle, argv, env, cwd, user, io, stdio)
+        uid, gid = ids
+        start = functools.partial(self.backend.start_by_init, ctty=ctty, gid=gid)
+        return self.starter.send_to_init(start, sb.handle, argv, env, cwd, uid, io, stdio)
 
-    async def _spawn_exec(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int,
+    async def _spawn_exec(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, ids: tuple[int, int],
                           fds: tuple[int, int, int], io, ctty: bool = False) -> int:
-        spawn = functools.partial(self.backend.spawn, ctty=True) if ctty else self.backend.spawn
-        return await self.starter.spawn_by_helper(io, None, spawn, sb.handle, argv, env, cwd, user, fds)
+        uid, gid = ids
+        spawn = functools.partial(self.backend.spawn, ctty=ctty, gid=gid)
+        return await self.starter.spawn_by_helper(io, None, spawn, sb.handle, argv, env, cwd, uid, fds)
 
     async def _start_tracer(self, pid: int, timeout: float | None):
         try:

@@ -3,6 +3,7 @@
 store.py   content-addressed blob store: blobs, manifests, names published last
 images.py  image builds: directories and tarballs to EROFS layers, manifests
 oci.py     docker-save and OCI-layout tarballs, entries checked one by one
+users.py   a user spec resolved in an image's /etc/passwd and /etc/group
 erofs.py   mkfs.erofs for reproducible layers
 layers.py  each layer mounted once per host, shared by every sandbox
 pager.py   the FUSE pager (dsec-pager) that fetches a layer by chunks

@@ -51,3 +51,14 @@ def rootfs_layer(rootfs: str) -> bytes:
     with tarfile.open(fileobj=buf, mode="w") as tf:
         tf.add(rootfs, arcname=".")
     return buf.getvalue()
+
+
+def layer_of(files: dict[str, bytes | None], mode: int = 0o644) -> bytes:
+    """A layer tar from path -> content (None: a directory)."""
+    members = []
+    for name, data in files.items():
+        if data is None:
+            members.append(_entry(name, tarfile.DIRTYPE, mode=0o755))
+        else:
+            members.append(_file(name, data, mode))
+    return _tar_bytes(members)

@@ -1,5 +1,7 @@
 """An image's config (dsecd/imageconfig.py): read from OCI configs,
-checked, stacked by builds, older forms read in today's, without a daemon."""
+checked, stacked by builds, older forms read in today's; and its users
+resolved against /etc/passwd and /etc/group (dsecd/fs/users.py); without a
+daemon."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import shutil
 import pytest
 
 from dsecd import imageconfig
+from dsecd.fs import users
 from dsecd.fs.images import ImageStore, _canonical
 from dsecd.imageconfig import ConfigError
 
@@ -104,6 +107,51 @@ def test_user_specs(spec, want):
 def test_bad_user_specs(spec):
     with pytest.raises(ConfigError):
         imageconfig.parse_user(spec)
+
+
+PASSWD = """root:x:0:0:root:/root:/bin/sh
+# a comment
+broken line
+app:x:1000:1001:App:/home/app:/bin/sh
+svc:x:1002:1002::/srv:/bin/false
+"""
+GROUP = """root:x:0:
+staff:x:50:app
+app:x:1001:
+"""
+
+
+@pytest.mark.parametrize("spec, want", [
+    ("", users.Identity(0, 0, None)),
+    ("app", users.Identity(1000, 1001, "/home/app")),
+    ("app:staff", users.Identity(1000, 50, "/home/app")),
+    ("app:7", users.Identity(1000, 7, "/home/app")),
+    ("1000", users.Identity(1000, 1001, "/home/app")),       # a uid's gid and home from its line
+    ("1000:1000", users.Identity(1000, 1000, "/home/app")),
+    ("4242", users.Identity(4242, 4242, None)),              # no line: the same number, no home
+    ("4242:staff", users.Identity(4242, 50, None)),
+    ("root", users.Identity(0, 0, "/root")),
+])
+def test_users_resolve_against_the_images_files(spec, want):
+    assert users.resolve(spec, PASSWD, GROUP) == want
+
+
+def test_numeric_ids_need_no_files():
+    assert users.resolve("1000:1000", None, None) == users.Identity(1000, 1000, None)
+    assert users.files_needed("") == (False, False)
+    assert users.files_needed("1000:1000") == (True, False)     # for HOME
+    assert users.files_needed("app:staff") == (True, True)
+
+
+@pytest.mark.parametrize("spec, passwd, group, needle", [
+    ("nobody", PASSWD, GROUP, "no user 'nobody': its /etc/passwd has no such user"),
+    ("app", None, None, "no user 'app': it has no /etc/passwd"),
+    ("app:wheel", PASSWD, GROUP, "no group 'wheel': its /etc/group has no such group"),
+    ("app:staff", PASSWD, None, "no group 'staff': it has no /etc/group"),
+])
+def test_a_missing_user_or_group_is_named(spec, passwd, group, needle):
+    with pytest.raises(users.UserError, match=needle):
+        users.resolve(spec, passwd, group)
 
 
 # ---------------------------------------------------------------- the store

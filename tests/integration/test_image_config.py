@@ -1,0 +1,131 @@
+"""An image's config honoured at create: User (resolved in the image's
+/etc/passwd and /etc/group), Env and WorkingDir; ExposedPorts and Labels
+shown."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from image_kit import docker_save, layer_of, rootfs_layer
+
+from dsecd.errors import BadRequest
+
+BUSYBOX_PASSWD = b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
+PASSWD = BUSYBOX_PASSWD + b"app:x:1234:2345:App:/home/app:/bin/sh\n"
+GROUP = b"root:x:0:\nstaff:x:50:app\napp:x:2345:\nnobody:x:65534:\n"
+
+
+@pytest.fixture(scope="module")
+def kit(daemon, busybox_rootfs, tmp_path_factory):
+    """The module's images, built once: a name per config under test."""
+    c = daemon.client()
+    work = tmp_path_factory.mktemp("image-config")
+    base = rootfs_layer(busybox_rootfs)
+    accounts = layer_of({"etc/passwd": PASSWD, "etc/group": GROUP, "home": None, "home/app": None})
+
+    def build(name: str, config: dict, layers: tuple = (base, accounts)) -> None:
+        docker_save(work / f"{name}.tar", list(layers), config)
+        c.build_image(str(work / f"{name}.tar"), name)
+
+    build("uid-gid", {"User": "1000:1000"})
+    build("named", {"User": "app"})
+    build("ghost", {"User": "ghost"})
+    build("envdir", {"Env": ["LANG=C.UTF-8", "A=image", "PATH=/usr/bin:/bin"], "WorkingDir": "/srv/app",
+                     "Entrypoint": ["sh", "-c", "touch /tmp/ran"]})
+    build("greeter", {"Entrypoint": ["echo", "hello"], "Cmd": ["world"],
+                      "ExposedPorts": {"8080/tcp": {}, "53/udp": {}}, "Labels": {"version": "1.0"}})
+    yield c, work, base
+    c.close()
+
+
+def _out(sb, script: str, **kw) -> str:
+    r = sb.exec(["sh", "-c", script], **kw)
+    assert r.exit_code == 0, r.stderr
+    return r.stdout.decode()
+
+
+def _left(c, image: str) -> list[str]:
+    return [s["id"] for s in c.list() if s["image"] == image]
+
+
+# ---------------------------------------------------------------- create: User, Env, WorkingDir
+
+def test_a_numeric_user_and_group_need_no_passwd_entry(kit):
+    c, _, _ = kit
+    sb = c.create(image="uid-gid")
+    try:
+        assert _out(sb, "id -u; id -g") == "1000\n1000\n"
+        assert (sb.info["user"], sb.info["gid"]) == (1000, 1000)
+        assert _out(sb, "id -u", user=0) == "0\n"              # an exec's own user still goes first
+    finally:
+        sb.destroy()
+
+
+def test_a_user_name_is_resolved_in_the_images_passwd_and_group(kit):
+    c, _, _ = kit
+    sb = c.create(image="named")
+    try:
+        assert _out(sb, "id -u; id -g; echo $HOME") == "1234\n2345\n/home/app\n"
+    finally:
+        sb.destroy()
+    # A create's user goes over the image's: by name and group name, or by id.
+    sb = c.create(image="named", user="app:staff")
+    try:
+        assert _out(sb, "id -u; id -g") == "1234\n50\n"
+    finally:
+        sb.destroy()
+    sb = c.create(image="named", user=0)
+    try:
+        assert _out(sb, "id -u; id -g; echo $HOME") == "0\n0\n/root\n"
+    finally:
+        sb.destroy()
+
+
+def test_a_missing_user_is_a_clear_error_and_leaves_nothing(kit, daemon):
+    c, _, _ = kit
+    with pytest.raises(BadRequest, match="image 'ghost' cannot run as the image's User 'ghost': no user "
+                                         "'ghost': its /etc/passwd has no such user"):
+        c.create(image="ghost")
+    with pytest.raises(BadRequest, match="no group 'wheel'"):
+        c.create(image="named", user="app:wheel")
+    r = daemon.cli("create", "--image", "busybox", "--user", "app")
+    assert r.returncode == 1 and b"image 'busybox' cannot run as the create's user 'app'" in r.stderr
+    assert _left(c, "ghost") == [] and _left(c, "named") == []
+    # A user given by id needs no line: the ghost image runs as one.
+    sb = c.create(image="ghost", user="4242")
+    try:
+        assert _out(sb, "id -u; id -g") == "4242\n4242\n"
+    finally:
+        sb.destroy()
+
+
+def test_image_env_and_working_dir_under_the_creates(kit):
+    c, _, _ = kit
+    sb = c.create(image="envdir", env={"A": "create"})
+    try:
+        # WorkingDir is made where the image lacks it; env merges, the create's winning.
+        assert _out(sb, "pwd; echo $LANG $A; echo $PATH") == "/srv/app\nC.UTF-8 create\n/usr/bin:/bin\n"
+        assert sb.info["cwd"] == "/srv/app" and sb.info["env"]["LANG"] == "C.UTF-8"
+        assert _out(sb, "echo $A", env={"A": "exec"}) == "exec\n"
+        # A create runs nothing: the image's Entrypoint waits for `dsec run`.
+        assert sb.exec(["test", "-e", "/tmp/ran"]).exit_code == 1
+    finally:
+        sb.destroy()
+    sb = c.create(image="envdir", cwd="/tmp")
+    try:
+        assert _out(sb, "pwd") == "/tmp\n"
+    finally:
+        sb.destroy()
+    with pytest.raises(BadRequest, match="not a directory in image"):
+        c.create(image="envdir", cwd="/no/such/dir")       # a create's own cwd must exist
+
+
+def test_exposed_ports_and_labels_are_shown(kit, daemon):
+    r = daemon.cli("image", "inspect", "greeter")
+    assert r.returncode == 0, r.stderr
+    text = r.stdout.decode()
+    assert "53/udp 8080/tcp" in text and "version=1.0" in text and '["echo", "hello"]' in text
+    cfg = json.loads(daemon.cli("image", "inspect", "greeter", "--json").stdout)["config"]
+    assert cfg["exposed_ports"] == ["53/udp", "8080/tcp"] and cfg["labels"] == {"version": "1.0"}
+    assert (cfg["entrypoint"], cfg["cmd"], cfg["user"]) == (["echo", "hello"], ["world"], "")
