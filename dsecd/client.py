@@ -370,9 +370,10 @@ class Client:
 
     async def build_image(self, source: str, name: str, parent: str | None = None,
                           progress: Callable[[dict], None] | None = None, **config) -> dict:
-        """A directory or image tarball (on the daemon's host) -> image `name`,
-        optionally on top of image `parent`; config overrides: env, cwd, user,
-        entrypoint, cmd, labels, exposed_ports (dsecd/imageconfig.py)."""
+        """A root file system, or a docker save or OCI layout (a directory or
+        tarball on the daemon's host) -> image `name`, optionally on top of
+        image `parent`; config overrides: env, cwd, user, entrypoint, cmd,
+        labels, exposed_ports (dsecd/imageconfig.py)."""
         args = {"source": os.path.abspath(source), "name": name, **config}
         if parent:
             args["parent"] = parent

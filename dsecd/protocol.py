@@ -224,7 +224,7 @@ class Info:
 
 @request("image_build", stream=True)
 class ImageBuild:
-    source: str                  # a directory, or a docker-save / OCI-layout tarball, on the daemon's host
+    source: str                  # on the daemon's host: a root file system or an image archive (dir or tarball)
     name: str
     parent: str | None = None    # an image whose layers go below the new one
     # Image config (dsecd/imageconfig.py); None: the archive's, or the parent's.

@@ -259,11 +259,12 @@ class ImageStore:
 
     def build_from_dir(self, src: str, name: str, parent: str | None = None,
                        config: dict | None = None, progress: Progress | None = None) -> Image:
-        """Image `name` from `src`: a directory (one layer), or a docker save
-        or OCI layout tarball (one layer per image layer, and its config), on
+        """Image `name` from `src`: a root file system (a directory or a
+        tarball: one layer), or a docker save or OCI layout (a tarball or its
+        unpacked directory: one layer per image layer, and its config), on
         top of `parent`'s layers. `config`: fields that override the config
-        (imageconfig.overrides), which is else the tarball's own, or the
-        parent's for a directory."""
+        (imageconfig.overrides), which is else the archive's own, or the
+        parent's for a root file system."""
         self.check_name(name)
         if self._ref(name).exists():
             raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)")
@@ -275,25 +276,34 @@ class ImageStore:
             if base:
                 self._hold_existing(hold, base.layers)
             if path.is_dir():
-                layers, own_config = [self.build_layer(path, progress=progress, hold=hold)], None
+                unpacked = self._unpacked_layers(oci.unpack_dir, path, f"directory {path}", progress, hold)
+                if unpacked is None:         # a root file system: the directory is the layer
+                    unpacked = [self.build_layer(path, progress=progress, hold=hold)], None
             elif path.is_file():
-                layers, own_config = self._layers_from_tar(path, progress, hold)
+                unpacked = self._unpacked_layers(oci.unpack_image, path, f"image tarball {path}", progress, hold)
             else:
                 raise ImageError("not_found", f"build source {src!r} is neither a directory nor a file")
+            layers, own_config = unpacked
             below = own_config if own_config is not None else (base.config if base else imageconfig.default())
             all_layers = (base.layers if base else []) + layers
             return self._commit(name, all_layers, imageconfig.stack(below, config or {}), parent, hold)
 
-    def _layers_from_tar(self, path: Path, progress: Progress | None,
-                         hold: Callable[[str], None]) -> tuple[list[dict], dict]:
-        """docker save / OCI layout tarball -> one EROFS layer per tar layer."""
+    def _unpacked_layers(self, unpack, path: Path, what: str, progress: Progress | None,
+                         hold: Callable[[str], None]) -> tuple[list[dict], dict | None] | None:
+        """(one EROFS layer per layer of the archive at `path`, its config or
+        None for a root file system tarball), by `unpack` (oci.unpack_image or
+        oci.unpack_dir) in a scratch directory; None: `unpack` found a root
+        file system directory, to be built as it is."""
         work = Path(tempfile.mkdtemp(prefix="unpack-", dir=self.scratch))
         try:
             try:
-                layer_dirs, config = oci.unpack_image(path, work, progress)
+                unpacked = unpack(path, work, progress)
             except oci.TarError as err:
-                raise ImageError("bad_request", f"image tarball {path}: {err}") from err
-            return [self.build_layer(d, progress=progress, hold=hold) for d in layer_dirs], config
+                raise ImageError("bad_request", f"{what}: {err}") from err
+            if unpacked is None:
+                return None
+            dirs, config = unpacked
+            return [self.build_layer(d, progress=progress, hold=hold) for d in dirs], config
         finally:
             shutil.rmtree(work, ignore_errors=True)
 

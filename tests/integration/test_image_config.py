@@ -1,15 +1,20 @@
 """An image's config honoured at create: User (resolved in the image's
 /etc/passwd and /etc/group), Env and WorkingDir; ExposedPorts and Labels
-shown."""
+shown. And what an import takes: plain root file system tarballs, unpacked
+docker-save and OCI-layout directories, the host's image of a
+multi-platform index."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import tarfile
 
 import pytest
-from image_kit import docker_save, layer_of, rootfs_layer
+from image_kit import docker_save, layer_of, oci_layout, rootfs_layer, unpack
 
 from dsecd.errors import BadRequest
+from dsecd.fs.oci import host_platform
 
 BUSYBOX_PASSWD = b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
 PASSWD = BUSYBOX_PASSWD + b"app:x:1234:2345:App:/home/app:/bin/sh\n"
@@ -129,3 +134,87 @@ def test_exposed_ports_and_labels_are_shown(kit, daemon):
     cfg = json.loads(daemon.cli("image", "inspect", "greeter", "--json").stdout)["config"]
     assert cfg["exposed_ports"] == ["53/udp", "8080/tcp"] and cfg["labels"] == {"version": "1.0"}
     assert (cfg["entrypoint"], cfg["cmd"], cfg["user"]) == (["echo", "hello"], ["world"], "")
+
+
+# ---------------------------------------------------------------- what an import takes
+
+@pytest.mark.parametrize("compress", ["", "z"])
+def test_a_plain_rootfs_tarball_is_a_one_layer_image(kit, busybox_rootfs, compress):
+    c, work, _ = kit
+    tarball = work / f"rootfs-{compress or 'plain'}.tar"
+    subprocess.run(["tar", "-C", busybox_rootfs, f"-c{compress}f", str(tarball), "."], check=True)
+    name = f"rootfs-tar-{compress or 'plain'}"
+    img = c.build_image(str(tarball), name)
+    assert len(img["layers"]) == 1 and img["config"]["entrypoint"] == []
+    with c.sandbox(image=name) as sb:
+        assert _out(sb, "ls /bin/busybox") == "/bin/busybox\n"
+
+
+def test_unpacked_docker_save_and_oci_layout_directories(kit):
+    c, work, base = kit
+    extra = layer_of({"etc/which": b"unpacked\n"})
+    docker_save(work / "ds.tar", [base, extra], {"Env": ["FROM=docker"]})
+    oci_layout(work / "oci.tar", [(host_platform(), [base, extra], {"Env": ["FROM=oci"]})])
+    for name, tarball in (("ds-dir", "ds.tar"), ("oci-dir", "oci.tar")):
+        img = c.build_image(str(unpack(work / tarball, work / name)), name)
+        assert len(img["layers"]) == 2, name                  # the archive's layers, not its files
+        with c.sandbox(image=name) as sb:
+            assert _out(sb, "cat /etc/which; echo $FROM") == f"unpacked\n{name[:-4].replace('ds', 'docker')}\n"
+
+
+def test_an_ambiguous_or_incomplete_directory_says_what_was_expected(kit):
+    c, work, base = kit
+    docker_save(work / "amb.tar", [base], {})
+    mixed = unpack(work / "amb.tar", work / "mixed")
+    (mixed / "etc").mkdir()
+    with pytest.raises(BadRequest, match=r"image archive .* and also other top-level entries \(etc\)"):
+        c.build_image(str(mixed), "mixed")
+    half = work / "half"
+    half.mkdir()
+    (half / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": []}))
+    (half / "oci-layout").write_text("{}")
+    with pytest.raises(BadRequest, match="has index.json but not the blobs/ directory: expected an OCI image layout"):
+        c.build_image(str(half), "half")
+
+
+def _other_platform() -> dict:
+    host = host_platform()
+    return {"os": "linux", "architecture": "s390x" if host["architecture"] != "s390x" else "amd64",
+            "variant": None}
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_a_multi_platform_index_gives_the_hosts_image(kit, nested):
+    c, work, base = kit
+    other = _other_platform()
+    tarball = work / f"multi-{nested}.tar"
+    oci_layout(tarball, [(other, [base, layer_of({"arch": b"other\n"})], {}),        # first, and wrong
+                         (host_platform(), [base, layer_of({"arch": b"host\n"})], {"Env": ["WHICH=host"]})],
+               nested=nested)
+    name = f"multi-{'nested' if nested else 'flat'}"
+    img = c.build_image(str(tarball), name)
+    assert img["config"]["env"] == {"WHICH": "host"}
+    with c.sandbox(image=name) as sb:
+        assert _out(sb, "cat /arch") == "host\n"
+
+
+def test_an_index_without_the_hosts_platform_lists_what_it_has(kit):
+    c, work, base = kit
+    other = _other_platform()
+    tarball = work / "foreign.tar"
+    oci_layout(tarball, [(other, [base], {}), ({"os": "windows", "architecture": "amd64"}, [base], {})])
+    host = "/".join(x for x in host_platform().values() if x)
+    with pytest.raises(BadRequest, match=f"no image for this host's platform {host}; it has "
+                                         f"linux/{other['architecture']}, windows/amd64"):
+        c.build_image(str(tarball), "foreign")
+
+
+def test_an_image_tarball_with_a_rootfs_beside_it_is_refused(kit):
+    c, work, base = kit
+    docker_save(work / "both.tar", [base], {})
+    with tarfile.open(work / "both.tar", "a") as tf:
+        ti = tarfile.TarInfo("bin")
+        ti.type = tarfile.DIRTYPE
+        tf.addfile(ti)
+    with pytest.raises(BadRequest, match="not both"):
+        c.build_image(str(work / "both.tar"), "both")

@@ -1,17 +1,19 @@
-"""An image's config (dsecd/imageconfig.py): read from OCI configs,
-checked, stacked by builds, older forms read in today's; and its users
-resolved against /etc/passwd and /etc/group (dsecd/fs/users.py); without a
+"""An image's config (dsecd/imageconfig.py), its users resolved against
+/etc/passwd and /etc/group (dsecd/fs/users.py), and what an image archive
+is and which of an index's images it takes (dsecd/fs/oci.py), without a
 daemon."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
+import tarfile
 
 import pytest
 
 from dsecd import imageconfig
-from dsecd.fs import users
+from dsecd.fs import oci, users
 from dsecd.fs.images import ImageStore, _canonical
 from dsecd.imageconfig import ConfigError
 
@@ -152,6 +154,105 @@ def test_numeric_ids_need_no_files():
 def test_a_missing_user_or_group_is_named(spec, passwd, group, needle):
     with pytest.raises(users.UserError, match=needle):
         users.resolve(spec, passwd, group)
+
+
+# ---------------------------------------------------------------- archives and platforms
+
+def _tar(members: dict[str, bytes | None]) -> tarfile.TarFile:
+    """An in-memory tarball: name -> file content (None: a directory)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name, data in members.items():
+            ti = tarfile.TarInfo(name)
+            if data is None:
+                ti.type = tarfile.DIRTYPE
+                tf.addfile(ti)
+            else:
+                ti.size = len(data)
+                tf.addfile(ti, io.BytesIO(data))
+    buf.seek(0)
+    return tarfile.open(fileobj=buf, mode="r")
+
+
+DOCKER = json.dumps([{"Config": "c.json", "Layers": ["l/layer.tar"]}]).encode()
+INDEX = json.dumps({"schemaVersion": 2, "manifests": []}).encode()
+
+
+@pytest.mark.parametrize("members, kind", [
+    ({"./": None, "./bin/": None, "./bin/sh": b"", "./etc/passwd": b""}, oci.ROOTFS),
+    ({"manifest.json": DOCKER, "c.json": b"{}", "l/layer.tar": b""}, oci.DOCKER_SAVE),
+    ({"./manifest.json": DOCKER, "./c.json": b"{}"}, oci.DOCKER_SAVE),       # a docker save re-tarred with ./
+    ({"index.json": INDEX, "oci-layout": b"{}", "blobs/": None}, oci.OCI_LAYOUT),
+    ({"manifest.json": DOCKER, "index.json": INDEX, "oci-layout": b"{}", "blobs/": None, "repositories": b"{}"},
+     oci.DOCKER_SAVE),                                                         # docker >= 25 writes both
+    ({"manifest.json": b'{"name": "my web app"}', "index.html": b""}, oci.ROOTFS),   # a web app's manifest
+    ({"index.json": b'{"pages": []}', "README": b""}, oci.ROOTFS),
+    ({".git/": None, "manifest.json": DOCKER, "c.json": b"{}"}, oci.DOCKER_SAVE),
+])
+def test_what_an_archive_is(members, kind):
+    src = oci._TarSource(_tar(members), "t")
+    assert oci.classify(src)[0] == kind
+
+
+@pytest.mark.parametrize("members, needle", [
+    ({"manifest.json": DOCKER, "etc/": None, "bin/": None}, "holds an image archive .* and also other "
+                                                            "top-level entries \\(bin, etc\\)"),
+    ({"index.json": INDEX, "oci-layout": b"{}", "blobs/": None, "usr/": None}, "not both"),
+    ({"index.json": INDEX}, "not the oci-layout file or the blobs/ directory"),
+    ({"index.json": INDEX, "oci-layout": b"{}"}, "not the blobs/ directory"),
+    ({"blobs/": None, "oci-layout": b"{}"}, "no OCI index.json"),
+    ({"manifest.json": b"[]"}, "lists no image"),
+])
+def test_an_ambiguous_or_incomplete_archive_says_what_was_expected(members, needle):
+    with pytest.raises(oci.TarError, match=needle):
+        oci.classify(oci._TarSource(_tar(members), "t"))
+
+
+AMD64 = {"os": "linux", "architecture": "amd64", "variant": None}
+ARM64 = {"os": "linux", "architecture": "arm64", "variant": "v8"}
+ARMV7 = {"os": "linux", "architecture": "arm", "variant": "v7"}
+
+
+def _desc(digest: str, **platform) -> dict:
+    return {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": f"sha256:{digest}",
+            **({"platform": platform} if platform else {})}
+
+
+MULTI = [_desc("a1", os="linux", architecture="arm64", variant="v8"),
+         _desc("a2", os="linux", architecture="amd64"),
+         _desc("a3", os="linux", architecture="arm", variant="v6"),
+         _desc("a4", os="linux", architecture="arm", variant="v7"),
+         _desc("a5", os="unknown", architecture="unknown"),          # a buildx attestation
+         _desc("a6", os="windows", architecture="amd64")]
+
+
+@pytest.mark.parametrize("host, digest", [(AMD64, "sha256:a2"), (ARM64, "sha256:a1"), (ARMV7, "sha256:a4"),
+                                          ({**ARMV7, "variant": "v6"}, "sha256:a3")])
+def test_an_index_gives_the_hosts_platform_not_its_first_entry(host, digest):
+    assert oci.choose_manifest(MULTI, "index.json", host)["digest"] == digest
+
+
+def test_an_arm64_image_without_a_variant_fits_and_an_older_arm_variant_runs():
+    assert oci.choose_manifest([_desc("b1", os="linux", architecture="arm64")], "i", ARM64)["digest"] == "sha256:b1"
+    only_v6 = [_desc("b2", os="linux", architecture="arm", variant="v6")]
+    assert oci.choose_manifest(only_v6, "i", ARMV7)["digest"] == "sha256:b2"
+
+
+def test_no_image_for_the_host_lists_what_the_index_has():
+    with pytest.raises(oci.PlatformError, match="no image for this host's platform linux/s390x; it has "
+                                                "linux/amd64, linux/arm/v6, linux/arm/v7, linux/arm64/v8, "
+                                                "unknown/unknown, windows/amd64"):
+        oci.choose_manifest(MULTI, "index.json", {"os": "linux", "architecture": "s390x", "variant": None})
+
+
+def test_entries_without_a_platform_are_single_images():
+    assert oci.choose_manifest([_desc("c1"), _desc("c2")], "i", AMD64)["digest"] == "sha256:c1"
+
+
+def test_the_hosts_platform_has_oci_names(monkeypatch):
+    for machine, want in (("x86_64", AMD64), ("aarch64", ARM64), ("armv7l", ARMV7)):
+        monkeypatch.setattr(oci.platform, "machine", lambda m=machine: m)
+        assert oci.host_platform() == want
 
 
 # ---------------------------------------------------------------- the store
