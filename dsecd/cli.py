@@ -6,7 +6,7 @@ tools. Every command takes --json, before or after its name. Options of
 `exec`, `trace` and `call` go before or after the sandbox id; the command to
 run follows `--` (or starts at the first word that is not an option).
 
-Exit status: the command's own for `exec`, `trace` and `call` (and for
+Exit status: the command's own for `exec`, `trace`, `call` and `run` (and for
 `wait` and `attach`, the background process's); 124 when it timed out;
 128+N when it died of signal N; 125 when dsec itself failed for them
 (daemon error, bad input, usage). Other commands: 1 when the daemon
@@ -45,7 +45,7 @@ EXIT_BROKEN_PIPE = 128 + 13      # what a shell reports for a process SIGPIPE ki
 
 # Commands that run a command line: their failures and usage errors exit 125,
 # so a caller can tell dsec's own failure from the command's status.
-RUNS_A_COMMAND = ("exec", "trace", "call")
+RUNS_A_COMMAND = ("exec", "trace", "call", "run")
 # Commands whose exit status is a background process's: their own failures exit 125 too.
 GIVES_A_STATUS = (*RUNS_A_COMMAND, "wait", "attach")
 
@@ -537,8 +537,62 @@ async def _exec_on_terminal(sb, a) -> int:
     return _exit_status(r, f"dsec: timed out after {a.timeout}s; the command's process group was killed")
 
 
-# Signals that end `dsec exec -t` (its terminal restored, the exec cancelled).
+# Signals that end `dsec exec -t` (its terminal restored, the exec cancelled)
+# and `dsec run` (the command killed, its sandbox removed).
 _ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT)
+
+
+async def cmd_run(c: Client, a) -> int:
+    """`dsec run IMAGE [ARG...]`, as `docker run --rm`: a sandbox of the
+    image, its Entrypoint and Cmd (ARGs replace Cmd) run with the output
+    streamed, and the sandbox removed however that ends: the command's end,
+    an error, or a signal (the first of SIGINT, SIGTERM, SIGHUP, SIGQUIT
+    ends the run; more do not cut the removal short)."""
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    signals: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        if not signals:
+            main.cancel()
+        signals.append(signum)
+
+    for signum in _ENDING_SIGNALS:
+        loop.add_signal_handler(signum, on_signal, signum)
+    stdin = _stdin_as_it_comes() if a.interactive else None
+    try:
+        async with c.run_stream(a.image, a.argv or None, a.entrypoint, a.timeout, stdin, a.rm,
+                                **_create_args(a)) as run:
+            if not a.rm:
+                print(f"dsec run: sandbox {run.sandbox.id} (kept: --no-rm)", file=sys.stderr, flush=True)
+            async for fd, data in run:
+                # In a thread: a reader that stalls our stdout must not stall the
+                # loop, which renews the sandbox's lease meanwhile.
+                await loop.run_in_executor(None, _write_flush, fd, data)
+    except asyncio.CancelledError:
+        if not signals:
+            raise
+        print(f"dsec run: {signal.Signals(signals[0]).name}: the command was killed"
+              + (" and its sandbox removed" if a.rm else ""), file=sys.stderr)
+        return 128 + signals[0]
+    finally:
+        for signum in _ENDING_SIGNALS:
+            loop.remove_signal_handler(signum)
+    r = run.result
+    if a.json:
+        _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
+                     "truncated": r.truncated, "duration_ms": r.duration_ms, "sandbox": run.sandbox.id,
+                     "argv": run.argv})
+    if r.truncated:
+        print("dsec: output truncated at the daemon's limits.max_exec_output_bytes; "
+              "the command's pipes were closed", file=sys.stderr)
+    return _exit_status(r, f"dsec: timed out after {a.timeout}s; the command's process group was killed")
+
+
+def _write_flush(fd: int, data: bytes) -> None:
+    out = sys.stdout.buffer if fd == 1 else sys.stderr.buffer
+    out.write(data)
+    out.flush()
 
 
 def _window_size(fd: int) -> tuple[int, int]:
@@ -987,7 +1041,10 @@ class _Parser(argparse.ArgumentParser):
 # know that "2" belongs to --timeout (tests/unit/test_cli_args.py checks this
 # list against the parser).
 VALUED_OPTIONS = frozenset({"--timeout", "--env", "--cwd", "--user", "--output", "-o",
-                            "--image", "--code-file", "--stdin"})
+                            "--image", "--code-file", "--stdin",
+                            # dsec run's: create's and its own
+                            "--cpu", "--memory", "--pids", "--label", "--hostname", "--net", "--allow",
+                            "--publish", "--ttl", "--idle-ttl", "--qos", "--entrypoint"})
 
 
 def split_command(words: list[str], positionals: int) -> tuple[list[str], list[str]]:
@@ -1098,11 +1155,23 @@ def build_parser() -> argparse.ArgumentParser:
         x = img.add_parser(name)
         x.add_argument("name")
 
-    cr = sub.add_parser("create", help="create a sandbox; prints its id (it runs nothing of the image's command)")
+    cr = sub.add_parser("create", help="create a sandbox; prints its id (it runs nothing: see dsec run)")
     cr.add_argument("--image", required=True)
     _create_options(cr)
     cr.add_argument("--lease", help="destroy unless renewed (SDK: Client.hold) within this long")
     cr.add_argument("--key", help="idempotency key: a retried create with it returns the same sandbox")
+
+    run = sub.add_parser("run", help="run an image's command in a new sandbox, removed afterwards "
+                         "(docker run --rm)", usage="dsec run [options] IMAGE [--] [ARG...] "
+                         "(ARGs replace the image's Cmd)")
+    run.add_argument("-i", "--interactive", action="store_true", help="pass stdin to the command")
+    run.add_argument("--rm", action=argparse.BooleanOptionalAction, default=True,
+                     help="remove the sandbox when the command ends (default; --no-rm keeps it)")
+    run.add_argument("--entrypoint", metavar="PROGRAM", help="run this instead of the image's Entrypoint "
+                     "(its Cmd is dropped: ARGs follow PROGRAM)")
+    run.add_argument("--timeout", type=float, help="seconds; the process group is killed after it")
+    _create_options(run)
+    run.add_argument("image")
 
     pool = sub.add_parser("pool", help="warm pools of ready sandboxes").add_subparsers(dest="pool_cmd",
                                                                                       required=True)
@@ -1232,7 +1301,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"info": cmd_info, "image": cmd_image, "snapshot": cmd_snapshot, "pause": cmd_pause_resume,
-            "resume": cmd_pause_resume, "job": cmd_job, "events": cmd_events, "net": cmd_net, "port": cmd_port, "trace": cmd_exec, "create": cmd_create, "exec": cmd_exec, "call": cmd_call, "pool": cmd_pool, "cp": cmd_cp,
+            "resume": cmd_pause_resume, "job": cmd_job, "events": cmd_events, "net": cmd_net, "port": cmd_port,
+            "trace": cmd_exec, "create": cmd_create, "run": cmd_run, "exec": cmd_exec, "call": cmd_call, "pool": cmd_pool, "cp": cmd_cp,
             "ps": cmd_ps, "inspect": cmd_inspect, "rm": cmd_rm, "top": cmd_top, "ls": cmd_ls, "cat": cmd_cat,
             "watch": cmd_watch, "proc": cmd_proc, "logs": cmd_logs, "attach": cmd_attach, "kill": cmd_kill,
             "wait": cmd_wait}

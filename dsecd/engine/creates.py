@@ -15,7 +15,7 @@ itself (create_now). `create` here, in order:
 What a sandbox's processes get by default (env, cwd, uid and gid) is its
 image's config under the create's: `process_settings`, for a fresh sandbox
 and a pooled one alike. A create runs no command: the image's Entrypoint
-and Cmd are not started.
+and Cmd are what `dsec run` (the SDK's Client.run) starts in an exec.
 
 Pools (`pool_set`, `pool_ls`) are kept in `<state_dir>/pools.json`; their
 sandboxes are ordinary journaled sandboxes labelled `dsec.pool=<pool>`,

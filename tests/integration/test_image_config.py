@@ -1,16 +1,22 @@
-"""An image's config honoured at create: User (resolved in the image's
-/etc/passwd and /etc/group), Env and WorkingDir; ExposedPorts and Labels
-shown. And what an import takes: plain root file system tarballs, unpacked
-docker-save and OCI-layout directories, the host's image of a
+"""An image's config honoured: User (resolved in the image's /etc/passwd and
+/etc/group), Env and WorkingDir at create; Entrypoint and Cmd by `dsec run`
+(SDK Client.run), whose sandbox goes however the run ends; ExposedPorts and
+Labels shown. And what an import takes: plain root file system tarballs,
+unpacked docker-save and OCI-layout directories, the host's image of a
 multi-platform index."""
 
 from __future__ import annotations
 
 import json
+import os
+import select
+import signal
 import subprocess
 import tarfile
+import time
 
 import pytest
+from conftest import VENV_BIN
 from image_kit import docker_save, layer_of, oci_layout, rootfs_layer, unpack
 
 from dsecd.errors import BadRequest
@@ -134,6 +140,123 @@ def test_exposed_ports_and_labels_are_shown(kit, daemon):
     cfg = json.loads(daemon.cli("image", "inspect", "greeter", "--json").stdout)["config"]
     assert cfg["exposed_ports"] == ["53/udp", "8080/tcp"] and cfg["labels"] == {"version": "1.0"}
     assert (cfg["entrypoint"], cfg["cmd"], cfg["user"]) == (["echo", "hello"], ["world"], "")
+
+
+# ---------------------------------------------------------------- dsec run
+
+def test_run_runs_entrypoint_and_cmd_and_removes_its_sandbox(kit, daemon):
+    c, _, _ = kit
+    r = daemon.cli("run", "greeter")
+    assert (r.returncode, r.stdout) == (0, b"hello world\n"), r.stderr
+    r = daemon.cli("run", "greeter", "--", "there")                 # ARGs replace Cmd
+    assert (r.returncode, r.stdout) == (0, b"hello there\n"), r.stderr
+    r = daemon.cli("run", "--entrypoint", "sh", "greeter", "--", "-c", "echo out; echo err >&2; exit 7")
+    assert (r.returncode, r.stdout, r.stderr) == (7, b"out\n", b"err\n")
+    r = daemon.cli("run", "--env", "K=V", "--memory", "64M", "--user", "app:staff", "named", "--",
+                   "sh", "-c", "echo $K; id -u; id -g")
+    assert (r.returncode, r.stdout) == (0, b"V\n1234\n50\n"), r.stderr
+    assert _left(c, "greeter") == [] and _left(c, "named") == []
+
+
+def test_a_failing_command_or_a_failed_start_leaves_no_sandbox(kit, daemon):
+    c, _, _ = kit
+    r = daemon.cli("run", "busybox", "--", "sh", "-c", "exit 3")
+    assert r.returncode == 3
+    r = daemon.cli("run", "busybox", "--", "no-such-program")
+    assert r.returncode == 125 and b"not_found" in r.stderr
+    r = daemon.cli("run", "busybox")                                  # busybox has no Entrypoint or Cmd
+    assert r.returncode == 125 and b"no Entrypoint or Cmd" in r.stderr
+    r = daemon.cli("run", "ghost", "--", "true")
+    assert r.returncode == 125 and b"no user 'ghost'" in r.stderr
+    assert _left(c, "busybox") == [] and _left(c, "ghost") == []
+
+
+def test_no_rm_keeps_the_sandbox(kit, daemon):
+    c, _, _ = kit
+    r = daemon.cli("run", "--no-rm", "--label", "kept=1", "greeter")
+    assert r.returncode == 0 and b"kept" in r.stderr
+    kept = c.list({"kept": "1"})
+    assert len(kept) == 1
+    c.get(kept[0]["id"]).destroy()
+
+
+def _readline(stream, timeout: float) -> bytes:
+    deadline = time.monotonic() + timeout
+    line = b""
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        assert left > 0, f"no line within {timeout}s (so far {line!r})"
+        if select.select([stream], [], [], left)[0]:
+            chunk = os.read(stream.fileno(), 1)
+            assert chunk, f"output ended before a line: {line!r}"
+            line += chunk
+    return line
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_run_streams_live_and_a_signal_removes_its_sandbox(kit, daemon, sig):
+    c, _, _ = kit
+    label = f"sig={sig.name}"
+    proc = subprocess.Popen([str(VENV_BIN / "dsec"), "--socket", daemon.socket,
+                             "run", "--label", label, "busybox", "--", "sh", "-c", "echo started; sleep 60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert _readline(proc.stdout, 20) == b"started\n"            # streamed while the command runs
+        assert len(c.list({"sig": sig.name})) == 1
+        proc.send_signal(sig)
+        assert proc.wait(30) == 128 + sig
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert b"sandbox removed" in proc.stderr.read()
+    assert c.list({"sig": sig.name}) == []
+
+
+RUN_AND_DIE = """
+import asyncio, sys, dsecd
+
+async def main():
+    async with dsecd.Client(sys.argv[1]) as c:
+        async with c.run_stream("busybox", ["sh", "-c", "echo started; sleep 60"], lease=2,
+                                labels={"lease": "run"}) as run:
+            async for fd, data in run:
+                sys.stdout.buffer.write(data)
+                sys.stdout.flush()
+
+asyncio.run(main())
+"""
+
+
+def test_a_run_killed_outright_leaves_its_sandbox_to_its_lease(kit, daemon):
+    c, _, _ = kit
+    proc = subprocess.Popen([str(VENV_BIN / "python"), "-c", RUN_AND_DIE, daemon.socket], stdout=subprocess.PIPE)
+    try:
+        assert _readline(proc.stdout, 20) == b"started\n"
+        time.sleep(4)                                      # twice its lease: renewed while it runs
+        assert len(c.list({"lease": "run"})) == 1
+        proc.kill()                                        # no clean-up of its own
+        proc.wait()
+        deadline = time.monotonic() + 15
+        while c.list({"lease": "run"}) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert c.list({"lease": "run"}) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_sdk_runs_an_image(kit):
+    c, _, _ = kit
+    seen = []
+    r = c.run("greeter", ["from", "the", "sdk"], on_stdout=seen.append, labels={"sdk": "1"})
+    assert (r.exit_code, r.stdout, b"".join(seen)) == (0, b"hello from the sdk\n", b"hello from the sdk\n")
+    r = c.run("busybox", ["sh", "-c", "exit 4"])
+    assert r.exit_code == 4
+    with pytest.raises(BadRequest, match="no Entrypoint or Cmd"):
+        c.run("busybox")
+    assert c.list({"sdk": "1"}) == [] and _left(c, "busybox") == []
 
 
 # ---------------------------------------------------------------- what an import takes
