@@ -6,7 +6,7 @@ tools. Every command takes --json, before or after its name. Options of
 `exec`, `trace` and `call` go before or after the sandbox id; the command to
 run follows `--` (or starts at the first word that is not an option).
 
-Exit status: the command's own for `exec`, `trace` and `call` (and for
+Exit status: the command's own for `exec`, `trace`, `call` and `run` (and for
 `wait` and `attach`, the background process's); 124 when it timed out;
 128+N when it died of signal N; 125 when dsec itself failed for them
 (daemon error, bad input, usage). Other commands: 1 when the daemon
@@ -31,7 +31,7 @@ import threading
 import time
 import tty
 
-from . import pullview, topview
+from . import imageconfig, pullview, topview
 from .client import Client, default_socket
 from .errors import DsecError
 from .fds import read_ready
@@ -46,7 +46,7 @@ EXIT_BROKEN_PIPE = 128 + 13      # what a shell reports for a process SIGPIPE ki
 
 # Commands that run a command line: their failures and usage errors exit 125,
 # so a caller can tell dsec's own failure from the command's status.
-RUNS_A_COMMAND = ("exec", "trace", "call")
+RUNS_A_COMMAND = ("exec", "trace", "call", "run")
 # Commands whose exit status is a background process's: their own failures exit 125 too.
 GIVES_A_STATUS = (*RUNS_A_COMMAND, "wait", "attach")
 
@@ -240,13 +240,33 @@ async def cmd_image_dockerfile(c: Client, a) -> int:
     return 0
 
 
+def _print_image_details(img: dict) -> None:
+    """`dsec image inspect` without --json: the image and its config, one field a line."""
+    cfg = imageconfig.normalise(img.get("config"))
+    rows = [("name", img["name"]), ("manifest", img["manifest"]),
+            ("layers", ", ".join(f"{layer['digest'][7:19]} ({_human_bytes(layer['size'])})"
+                                 for layer in img["layers"]) or "none"),
+            ("size", _human_bytes(img["bytes"])), ("parent", img.get("parent") or "-"),
+            ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(img["created"]))
+             if img.get("created") else "-"),
+            ("user", cfg["user"] or "(root)"), ("cwd", cfg["cwd"]),
+            ("entrypoint", json.dumps(cfg["entrypoint"])), ("cmd", json.dumps(cfg["cmd"])),
+            ("exposed ports", " ".join(cfg["exposed_ports"]) or "-")]
+    rows += [("env", f"{k}={v}") for k, v in sorted(cfg["env"].items())]
+    rows += [("label", f"{k}={v}") for k, v in sorted(cfg["labels"].items())]
+    rows.append(("sandboxes", " ".join(img.get("sandboxes") or []) or "-"))
+    for name, value in rows:
+        print(f"{name + ':':<15}{value}")
+
+
 async def cmd_image(c: Client, a) -> int:
     if a.image_cmd == "build" and a.file:
         return await cmd_image_dockerfile(c, a)
     if a.image_cmd in ("build", "import"):
         bar = _ProgressBar(not a.json)
         config = {"env": _kv(a.env, "--env") or None, "cwd": a.cwd, "user": a.user,
-                  "entrypoint": a.entrypoint}
+                  "entrypoint": a.entrypoint, "cmd": a.cmd_args, "labels": _kv(a.label, "--label") or None,
+                  "exposed_ports": a.expose}
         img = await c.build_image(a.path, a.name, getattr(a, "parent", None), bar,
                                   **{k: v for k, v in config.items() if v is not None})
         bar.done()
@@ -270,7 +290,8 @@ async def cmd_image(c: Client, a) -> int:
                    ["NAME", "LAYERS", "SIZE", "MANIFEST", "CREATED"])
         return 0
     if a.image_cmd == "inspect":
-        _print_json(await c.inspect_image(a.name))
+        img = await c.inspect_image(a.name)
+        _print_json(img) if a.json else _print_image_details(img)
         return 0
     if a.image_cmd == "rm":
         await c.remove_image(a.name)
@@ -414,11 +435,15 @@ async def cmd_snapshot(c: Client, a) -> int:
     return 0
 
 
+def _create_args(a) -> dict:
+    """The create's arguments of `dsec create` and `dsec run` (_create_options)."""
+    return dict(cpu=a.cpu, memory=a.memory, pids=a.pids, env=_kv(a.env, "--env"), labels=_kv(a.label, "--label"),
+                hostname=a.hostname, cwd=a.cwd, user=a.user, qos=a.qos, cpu_quota=a.cpu_quota, ttl=a.ttl,
+                idle_ttl=a.idle_ttl, net=a.net, allow=a.allow, publish=a.publish)
+
+
 async def cmd_create(c: Client, a) -> int:
-    sb = await c.create(image=a.image, cpu=a.cpu, memory=a.memory, pids=a.pids, env=_kv(a.env, "--env"),
-                        labels=_kv(a.label, "--label"), hostname=a.hostname, cwd=a.cwd, user=a.user,
-                        qos=a.qos, cpu_quota=a.cpu_quota, ttl=a.ttl, idle_ttl=a.idle_ttl, lease=a.lease,
-                        net=a.net, allow=a.allow, key=a.key, publish=a.publish, backend=a.backend)
+    sb = await c.create(image=a.image, lease=a.lease, key=a.key, backend=a.backend, **_create_args(a))
     if a.json:
         _print_json(sb.info)
     else:
@@ -557,8 +582,62 @@ async def _exec_on_terminal(sb, a) -> int:
     return _exit_status(r, f"dsec: timed out after {a.timeout}s; the command's process group was killed")
 
 
-# Signals that end `dsec exec -t` (its terminal restored, the exec cancelled).
+# Signals that end `dsec exec -t` (its terminal restored, the exec cancelled)
+# and `dsec run` (the command killed, its sandbox removed).
 _ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT)
+
+
+async def cmd_run(c: Client, a) -> int:
+    """`dsec run IMAGE [ARG...]`, as `docker run --rm`: a sandbox of the
+    image, its Entrypoint and Cmd (ARGs replace Cmd) run with the output
+    streamed, and the sandbox removed however that ends: the command's end,
+    an error, or a signal (the first of SIGINT, SIGTERM, SIGHUP, SIGQUIT
+    ends the run; more do not cut the removal short)."""
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    signals: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        if not signals:
+            main.cancel()
+        signals.append(signum)
+
+    for signum in _ENDING_SIGNALS:
+        loop.add_signal_handler(signum, on_signal, signum)
+    stdin = _stdin_as_it_comes() if a.interactive else None
+    try:
+        async with c.run_stream(a.image, a.argv or None, a.entrypoint, a.timeout, stdin, a.rm,
+                                **_create_args(a)) as run:
+            if not a.rm:
+                print(f"dsec run: sandbox {run.sandbox.id} (kept: --no-rm)", file=sys.stderr, flush=True)
+            async for fd, data in run:
+                # In a thread: a reader that stalls our stdout must not stall the
+                # loop, which renews the sandbox's lease meanwhile.
+                await loop.run_in_executor(None, _write_flush, fd, data)
+    except asyncio.CancelledError:
+        if not signals:
+            raise
+        print(f"dsec run: {signal.Signals(signals[0]).name}: the command was killed"
+              + (" and its sandbox removed" if a.rm else ""), file=sys.stderr)
+        return 128 + signals[0]
+    finally:
+        for signum in _ENDING_SIGNALS:
+            loop.remove_signal_handler(signum)
+    r = run.result
+    if a.json:
+        _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
+                     "truncated": r.truncated, "duration_ms": r.duration_ms, "sandbox": run.sandbox.id,
+                     "argv": run.argv})
+    if r.truncated:
+        print("dsec: output truncated at the daemon's limits.max_exec_output_bytes; "
+              "the command's pipes were closed", file=sys.stderr)
+    return _exit_status(r, f"dsec: timed out after {a.timeout}s; the command's process group was killed")
+
+
+def _write_flush(fd: int, data: bytes) -> None:
+    out = sys.stdout.buffer if fd == 1 else sys.stderr.buffer
+    out.write(data)
+    out.flush()
 
 
 def _window_size(fd: int) -> tuple[int, int]:
@@ -1007,7 +1086,10 @@ class _Parser(argparse.ArgumentParser):
 # know that "2" belongs to --timeout (tests/unit/test_cli_args.py checks this
 # list against the parser).
 VALUED_OPTIONS = frozenset({"--timeout", "--env", "--cwd", "--user", "--output", "-o",
-                            "--image", "--code-file", "--stdin"})
+                            "--image", "--code-file", "--stdin",
+                            # dsec run's: create's and its own
+                            "--cpu", "--memory", "--pids", "--label", "--hostname", "--net", "--allow",
+                            "--publish", "--ttl", "--idle-ttl", "--qos", "--entrypoint"})
 
 
 def split_command(words: list[str], positionals: int) -> tuple[list[str], list[str]]:
@@ -1069,6 +1151,32 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _create_options(p: argparse.ArgumentParser) -> None:
+    """The options of a create, shared by `dsec create` and `dsec run` (_create_args)."""
+    p.add_argument("--cpu", type=float)
+    p.add_argument("--memory", help="e.g. 256M, 2G")
+    p.add_argument("--pids", type=int)
+    p.add_argument("--env", action="append", metavar="K=V", help="over the image's environment")
+    p.add_argument("--label", action="append", metavar="K=V")
+    p.add_argument("--hostname")
+    p.add_argument("--cwd", help="working directory of its processes (default: the image's)")
+    p.add_argument("--user", help="user of its processes: NAME, UID, NAME:GROUP or UID:GID, names from the "
+                   "image's /etc/passwd and /etc/group (default: the image's)")
+    p.add_argument("--net", choices=["none", "default"], help="none: loopback only; default: bridge + "
+                   "address + egress allowlist (default: the daemon's net.default_mode)")
+    p.add_argument("--allow", action="append", metavar="RULE", help="egress rule (CIDR or host name, "
+                   "'*.name' for every name below: ADDR[:port[-port]][/tcp|udp]) "
+                   "or rule-set name (repeatable)")
+    p.add_argument("--publish", action="append", type=int, metavar="PORT", help="make this TCP port of the "
+                   "sandbox reachable from the host (on a host port the daemon picks; `dsec net show`, "
+                   "`dsec port`); needs --net default (repeatable)")
+    p.add_argument("--ttl", help="max lifetime, e.g. 2h")
+    p.add_argument("--idle-ttl", help="destroy after this long without requests, e.g. 5m (paused time excluded)")
+    p.add_argument("--qos", choices=["be", "ls"], help="best-effort or latency-sensitive (default: cpu.default_qos)")
+    p.add_argument("--cpu-quota", action=argparse.BooleanOptionalAction,
+                   help="--cpu is also a hard CFS quota (default: sandbox.cpu_hard_quota)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dsec", description="Drive the local dsecd daemon.")
     p.add_argument("--socket", default=default_socket(), help="daemon socket (env DSEC_SOCKET)")
@@ -1093,10 +1201,16 @@ def build_parser() -> argparse.ArgumentParser:
             imp.add_argument("--allow", action="append", metavar="RULE", help="with -f: egress rule or "
                              "rule-set name for RUN steps, e.g. pypi (repeatable; none: RUN has no network)")
             imp.add_argument("--no-cache", action="store_true", help="with -f: run every step again")
-        imp.add_argument("--env", action="append", metavar="K=V", help="image config: environment")
+        imp.add_argument("--env", action="append", metavar="K=V",
+                         help="image config: environment (over the image's)")
         imp.add_argument("--cwd", help="image config: working directory")
-        imp.add_argument("--user", type=int, help="image config: uid")
-        imp.add_argument("--entrypoint", nargs="+", help="image config: command")
+        imp.add_argument("--user", help="image config: user: NAME, UID, NAME:GROUP or UID:GID")
+        imp.add_argument("--entrypoint", nargs="+", help="image config: entrypoint (clears cmd unless --cmd)")
+        imp.add_argument("--cmd", dest="cmd_args", nargs="+", metavar="ARG",
+                         help="image config: cmd, the entrypoint's default arguments")
+        imp.add_argument("--label", action="append", metavar="K=V", help="image config: a label")
+        imp.add_argument("--expose", action="append", metavar="PORT[/PROTO]",
+                         help="image config: an exposed port (repeatable)")
     pull = img.add_parser("pull", help="pull an image from a registry (python:3.11, "
                           "registry/namespace/name:tag, name@sha256:...)")
     pull.add_argument("ref")
@@ -1109,34 +1223,26 @@ def build_parser() -> argparse.ArgumentParser:
         x = img.add_parser(name)
         x.add_argument("name")
 
-    cr = sub.add_parser("create", help="create a sandbox; prints its id")
+    cr = sub.add_parser("create", help="create a sandbox; prints its id (it runs nothing: see dsec run)")
     cr.add_argument("--image", required=True)
-    cr.add_argument("--cpu", type=float)
-    cr.add_argument("--memory", help="e.g. 256M, 2G")
-    cr.add_argument("--pids", type=int)
-    cr.add_argument("--env", action="append", metavar="K=V")
-    cr.add_argument("--label", action="append", metavar="K=V")
-    cr.add_argument("--hostname")
-    cr.add_argument("--cwd", default="/")
-    cr.add_argument("--user", type=int, default=0, help="uid inside the sandbox")
-    cr.add_argument("--net", choices=["none", "default"], help="none: loopback only; default: bridge + "
-                    "address + egress allowlist (default: the daemon's net.default_mode)")
-    cr.add_argument("--allow", action="append", metavar="RULE", help="egress rule (CIDR or host name, "
-                    "'*.name' for every name below: ADDR[:port[-port]][/tcp|udp]) "
-                    "or rule-set name (repeatable)")
-    cr.add_argument("--publish", action="append", type=int, metavar="PORT", help="make this TCP port of the "
-                    "sandbox reachable from the host (on a host port the daemon picks; `dsec net show`, "
-                    "`dsec port`); needs --net default (repeatable)")
-    cr.add_argument("--ttl", help="max lifetime, e.g. 2h")
-    cr.add_argument("--idle-ttl", help="destroy after this long without requests, e.g. 5m (paused time excluded)")
+    _create_options(cr)
     cr.add_argument("--lease", help="destroy unless renewed (SDK: Client.hold) within this long")
-    cr.add_argument("--qos", choices=["be", "ls"], help="best-effort or latency-sensitive (default: cpu.default_qos)")
-    cr.add_argument("--cpu-quota", action=argparse.BooleanOptionalAction,
-                    help="--cpu is also a hard CFS quota (default: sandbox.cpu_hard_quota)")
     cr.add_argument("--key", help="idempotency key: a retried create with it returns the same sandbox")
     cr.add_argument("--backend", choices=["container", "microvm"], help="container: namespaces and cgroups; "
                     "microvm: a QEMU guest of its own (default: the daemon's sandbox.backend; `dsec info` "
                     "says whether microvm is available here, and its accelerator)")
+
+    run = sub.add_parser("run", help="run an image's command in a new sandbox, removed afterwards "
+                         "(docker run --rm)", usage="dsec run [options] IMAGE [--] [ARG...] "
+                         "(ARGs replace the image's Cmd)")
+    run.add_argument("-i", "--interactive", action="store_true", help="pass stdin to the command")
+    run.add_argument("--rm", action=argparse.BooleanOptionalAction, default=True,
+                     help="remove the sandbox when the command ends (default; --no-rm keeps it)")
+    run.add_argument("--entrypoint", metavar="PROGRAM", help="run this instead of the image's Entrypoint "
+                     "(its Cmd is dropped: ARGs follow PROGRAM)")
+    run.add_argument("--timeout", type=float, help="seconds; the process group is killed after it")
+    _create_options(run)
+    run.add_argument("image")
 
     pool = sub.add_parser("pool", help="warm pools of ready sandboxes").add_subparsers(dest="pool_cmd",
                                                                                       required=True)
@@ -1271,7 +1377,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"info": cmd_info, "image": cmd_image, "snapshot": cmd_snapshot, "pause": cmd_pause_resume,
-            "resume": cmd_pause_resume, "job": cmd_job, "events": cmd_events, "net": cmd_net, "port": cmd_port, "trace": cmd_exec, "create": cmd_create, "exec": cmd_exec, "call": cmd_call, "pool": cmd_pool, "cp": cmd_cp,
+            "resume": cmd_pause_resume, "job": cmd_job, "events": cmd_events, "net": cmd_net, "port": cmd_port,
+            "trace": cmd_exec, "create": cmd_create, "run": cmd_run, "exec": cmd_exec, "call": cmd_call, "pool": cmd_pool, "cp": cmd_cp,
             "ps": cmd_ps, "inspect": cmd_inspect, "rm": cmd_rm, "top": cmd_top, "ls": cmd_ls, "cat": cmd_cat,
             "watch": cmd_watch, "proc": cmd_proc, "logs": cmd_logs, "attach": cmd_attach, "kill": cmd_kill,
             "wait": cmd_wait}

@@ -1,6 +1,7 @@
 """Python SDK: an asyncio client, and `SyncClient` for scripts.
 
     async with dsecd.Client() as c:
+        r = await c.run("busybox", ["echo", "hi"])      # like docker run --rm: r.exit_code, r.stdout
         sb = await c.create(image="busybox", cpu=0.5, memory="256M")
         r = await sb.exec(["sh", "-c", "echo hi"], timeout=10)
         async for fd, data in sb.exec_stream(["make"]):   # streaming
@@ -27,8 +28,9 @@ import tempfile
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from . import framing, localcopy, protocol
-from .errors import DsecError, LimitExceeded, NotFound
+from . import framing, imageconfig, localcopy, protocol
+from .config import parse_duration
+from .errors import BadRequest, DsecError, LimitExceeded, NotFound
 
 DEFAULT_SOCKET = "/run/dsecd/dsecd.sock"
 DEFAULT_CHUNK = 4 << 20
@@ -47,6 +49,10 @@ FRAME_BUFFERS_KEPT = 4
 # daemon's per-connection limit are kept for them.
 CONTROL_OPS = ("exec_input", "exec_resize", "file_tar_input", "cancel")
 CONTROL_SLOTS = 8
+# The lease of a sandbox Client.run makes and removes: renewed while the
+# command runs, so a client that dies without removing it (SIGKILL, a lost
+# host) leaves it to the daemon, which destroys it this long after.
+RUN_LEASE_S = 60.0
 
 
 def default_socket() -> str:
@@ -370,8 +376,10 @@ class Client:
 
     async def build_image(self, source: str, name: str, parent: str | None = None,
                           progress: Callable[[dict], None] | None = None, **config) -> dict:
-        """A directory or image tarball (on the daemon's host) -> image `name`,
-        optionally on top of image `parent`; config: env, cwd, user, entrypoint."""
+        """A root file system, or a docker save or OCI layout (a directory or
+        tarball on the daemon's host) -> image `name`, optionally on top of
+        image `parent`; config overrides: env, cwd, user, entrypoint, cmd,
+        labels, exposed_ports (dsecd/imageconfig.py)."""
         args = {"source": os.path.abspath(source), "name": name, **config}
         if parent:
             args["parent"] = parent
@@ -452,7 +460,7 @@ class Client:
 
     async def create(self, image: str, cpu: float | None = None, memory: int | str | None = None,
                      pids: int | None = None, env: dict | None = None, labels: dict | None = None,
-                     hostname: str | None = None, cwd: str = "/", user: int = 0,
+                     hostname: str | None = None, cwd: str | None = None, user: int | str | None = None,
                      ttl: float | str | None = None, idle_ttl: float | str | None = None,
                      lease: float | str | None = None, qos: str | None = None,
                      cpu_quota: bool | None = None, net: str | None = None,
@@ -465,19 +473,59 @@ class Client:
         publish: TCP ports of the sandbox to make reachable from the host (Sandbox.get_host).
         key: idempotency key; a retried create with the same key returns the same sandbox.
         disk: size cap of the writable layer ("20G"; default sandbox.disk).
-        backend: "container" or "microvm" (a QEMU guest per sandbox; default sandbox.backend)."""
+        backend: "container" or "microvm" (a QEMU guest per sandbox; default sandbox.backend).
+        env, cwd, user: over the image's config (env merged; default: the
+        image's WorkingDir and User); user is a uid or "name", "uid:gid",
+        "name:group", resolved in the image's /etc/passwd and /etc/group.
+        A create runs nothing: `run` starts the image's Entrypoint and Cmd."""
         allow = list(allow or [])
         if network_rules is not None:
             if not isinstance(network_rules, dict):
                 raise TypeError(f"network_rules must be a dict of rule -> bool, got {type(network_rules).__name__}")
             allow += [r for r, on in network_rules.items() if on and r not in allow]
         args = _given({"image": image, "env": string_map(env, "env"), "labels": string_map(labels, "labels"),
-                       "cwd": cwd, "user": user, "allow": allow,
-                       **({"publish": [int(p) for p in publish]} if publish else {})},
-                      cpu=cpu, memory=memory, pids=pids, hostname=hostname, ttl=ttl, idle_ttl=idle_ttl,
-                      lease=lease, qos=qos, cpu_quota=cpu_quota, net=net, key=key, disk=disk, backend=backend)
+                       "allow": allow, **({"publish": [int(p) for p in publish]} if publish else {})},
+                      cwd=cwd, user=user, cpu=cpu, memory=memory, pids=pids, hostname=hostname, ttl=ttl,
+                      idle_ttl=idle_ttl, lease=lease, qos=qos, cpu_quota=cpu_quota, net=net, key=key, disk=disk,
+                      backend=backend)
         info = await self.request("create", **args)
         return Sandbox(self, info["id"], info)
+
+    def run_stream(self, image: str, args: list[str] | None = None, entrypoint: list[str] | str | None = None,
+                   timeout: float | None = None, stdin: bytes | AsyncIterator[bytes] | None = None,
+                   remove: bool = True, **create_args) -> RunStream:
+        """`async with c.run_stream(image, args) as run:` makes a sandbox of
+        `image` (create's arguments: env, cwd, user, net, allow, memory, ...)
+        and starts its command as `docker run` does: the image's Entrypoint
+        and Cmd, `args` replacing Cmd, `entrypoint` replacing Entrypoint (and
+        dropping Cmd). `async for fd, data in run` streams its output;
+        `run.result` is its ExecResult, `run.sandbox` the sandbox. On the way
+        out, however it is left (an error, a cancel), the sandbox is destroyed
+        unless remove=False; meanwhile it is leased (RUN_LEASE_S), so it goes
+        even if this process dies."""
+        return RunStream(self, image, args, entrypoint, timeout, stdin, remove, create_args)
+
+    async def run(self, image: str, args: list[str] | None = None, entrypoint: list[str] | str | None = None,
+                  timeout: float | None = None, stdin: bytes | AsyncIterator[bytes] | None = None,
+                  on_stdout: Callable[[bytes], object] | None = None,
+                  on_stderr: Callable[[bytes], object] | None = None, remove: bool = True,
+                  **create_args) -> ExecResult:
+        """`docker run --rm`: run_stream's command to its end, its output
+        collected (on_stdout / on_stderr get each chunk as it comes); the
+        sandbox is gone when this returns (unless remove=False). The
+        ExecResult's exit_code is the command's."""
+        out: dict[int, list[bytes]] = {1: [], 2: []}
+        callbacks = {1: on_stdout, 2: on_stderr}
+        async with self.run_stream(image, args, entrypoint, timeout, stdin, remove, **create_args) as run:
+            async for fd, data in run:
+                out[fd].append(data)
+                if callbacks[fd] is not None:
+                    result = callbacks[fd](data)
+                    if asyncio.iscoroutine(result):
+                        await result
+        assert run.result is not None
+        run.result.stdout, run.result.stderr = b"".join(out[1]), b"".join(out[2])
+        return run.result
 
     def sandbox(self, image: str, **create_args) -> _SandboxContext:
         """`async with client.sandbox(image=...) as sb:` creates a sandbox
@@ -520,9 +568,13 @@ class Client:
     async def renew(self, sandbox_ids: list[str], lease: float | str | None = None) -> dict:
         return await self.request("renew", sandboxes=list(sandbox_ids), lease=lease)
 
-    def hold(self, sandbox_ids: list[str], lease: float, every: float | None = None) -> asyncio.Task:
+    def hold(self, sandbox_ids: list[str], lease: float | None, every: float | None = None) -> asyncio.Task:
         """Renew the leases of these sandboxes in the background until the task is
-        cancelled or the client goes away; then they expire after `lease` seconds."""
+        cancelled or the client goes away; then they expire after `lease` seconds
+        (None: each one's own lease, renewed `every` seconds)."""
+        if lease is None and every is None:
+            raise ValueError("hold: give the lease, or how often to renew (every=)")
+
         async def renew_forever() -> None:
             while True:
                 await self.renew(sandbox_ids, lease)
@@ -576,6 +628,79 @@ class _SandboxContext:
                 await self.sandbox.destroy(force=True)
             except NotFound:
                 pass                        # destroyed inside the block already
+
+
+class RunStream:
+    """Client.run_stream: an image's command in a sandbox of its own, which
+    goes when the block ends. Iterate it for (fd, data)."""
+
+    def __init__(self, client: Client, image: str, args: list[str] | None, entrypoint: list[str] | str | None,
+                 timeout: float | None, stdin: bytes | AsyncIterator[bytes] | None, remove: bool,
+                 create_args: dict):
+        self.client = client
+        self.image = image
+        if args is not None and (isinstance(args, str) or not all(isinstance(a, str) for a in args)):
+            raise TypeError(f"args must be a list of strings (they replace the image's Cmd), got {args!r}")
+        self.args = None if args is None else list(args)
+        self.entrypoint = entrypoint
+        self.timeout = timeout
+        self.stdin = stdin
+        self.remove = remove
+        self.create_args = create_args
+        self.argv: list[str] | None = None          # what runs, once the block is entered
+        self.sandbox: Sandbox | None = None
+        self.stream: ExecStream | None = None
+        self._hold: asyncio.Task | None = None
+
+    @property
+    def result(self) -> ExecResult | None:
+        return self.stream.result if self.stream is not None else None
+
+    async def __aenter__(self) -> RunStream:
+        config = (await self.client.inspect_image(self.image))["config"]
+        try:
+            self.argv = imageconfig.run_argv(config, self.args, self.entrypoint)
+        except imageconfig.ConfigError as err:
+            raise BadRequest(f"run {self.image}: {err} (after the image's name, or as args=)",
+                             {"image": self.image}) from None
+        create_args = dict(self.create_args)
+        if self.remove:
+            create_args.setdefault("lease", RUN_LEASE_S)
+        self.sandbox = await self.client.create(self.image, **create_args)
+        try:
+            if self.remove:      # renewed at a third of the lease, to the lease it was made with
+                every = parse_duration(create_args["lease"], "lease") / 3
+                self._hold = self.client.hold([self.sandbox.id], None, every)
+            self.stream = self.sandbox.exec_stream(self.argv, timeout=self.timeout, stdin=self.stdin)
+        except BaseException:
+            await self._remove(True)
+            raise
+        return self
+
+    async def __aiter__(self):
+        assert self.stream is not None, "iterate a RunStream inside its `async with` block"
+        async for chunk in self.stream:
+            yield chunk
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        await self._remove(exc_type is not None)
+
+    async def _remove(self, failing: bool) -> None:
+        if self._hold is not None:
+            self._hold.cancel()
+            with contextlib.suppress(asyncio.CancelledError, DsecError, ConnectionError):
+                await self._hold
+        if not self.remove or self.sandbox is None:
+            return
+        # Shielded: a cancel (Ctrl-C in `dsec run`) is what often brings us here.
+        destroy = asyncio.ensure_future(self.sandbox.destroy(force=True))
+        try:
+            await asyncio.shield(destroy)
+        except NotFound:
+            pass                                   # gone already (its lease ran out, or removed by hand)
+        except (DsecError, ConnectionError):
+            if not failing:                        # else the error that brought us here is the one to see
+                raise
 
 
 class ExecStream:

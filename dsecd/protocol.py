@@ -224,13 +224,17 @@ class Info:
 
 @request("image_build", stream=True)
 class ImageBuild:
-    source: str                  # a directory, or a docker-save / OCI-layout tarball, on the daemon's host
+    source: str                  # on the daemon's host: a root file system or an image archive (dir or tarball)
     name: str
     parent: str | None = None    # an image whose layers go below the new one
-    env: dict[str, str] | None = None
+    # Image config (dsecd/imageconfig.py); None: the archive's, or the parent's.
+    env: dict[str, str] | None = None      # merged over the image's
     cwd: str | None = None
-    user: int | None = None
-    entrypoint: list[str] | None = None
+    user: int | str | None = None          # "name", "uid", "name:group", "uid:gid" (an int: a uid)
+    entrypoint: list[str] | None = None    # a new entrypoint without a new cmd clears cmd
+    cmd: list[str] | None = None
+    labels: dict[str, str] | None = None   # merged over the image's
+    exposed_ports: list[str] | None = None  # "8080", "8080/tcp", "53/udp"
 
 
 @request("image_pull", stream=True)
@@ -289,8 +293,8 @@ class Create:
     env: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
     hostname: str | None = None
-    cwd: str = "/"
-    user: int = 0
+    cwd: str | None = None          # None = the image's WorkingDir, else /
+    user: int | str | None = None   # uid, or "name", "uid:gid", "name:group"; None = the image's User
     qos: str | None = None          # "be" | "ls"; None = cpu.default_qos
     cpu_quota: bool | None = None   # hard CFS quota of `cpu`; None = sandbox.cpu_hard_quota
     ttl: float | str | None = None        # max lifetime: seconds or "2h"

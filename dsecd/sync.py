@@ -1,6 +1,7 @@
 """A thin synchronous shell over the asyncio client, for scripts and the CLI.
 
     with dsecd.SyncClient() as c:
+        print(c.run("busybox", ["echo", "hi"]).stdout)     # docker run --rm
         sb = c.create(image="busybox")
         print(sb.exec(["echo", "hi"]).stdout)
         sb.destroy()
@@ -307,6 +308,13 @@ class SyncClient:
 
     def create(self, image: str, **kw) -> SyncSandbox:
         return SyncSandbox(self, self._run(self._client.create(image, **kw)))
+
+    def run(self, image: str, args: list[str] | None = None, **kw) -> ExecResult:
+        """Client.run: `docker run --rm`; the image's command (args replace
+        its Cmd) in a sandbox removed afterwards; returns its ExecResult.
+        on_stdout / on_stderr run on the client's loop thread: print from
+        them, make no SyncClient calls."""
+        return self._run(self._client.run(image, args, **kw))
 
     def call(self, image: str, **kw):
         """Client.call: a stateless function call; returns a CallResult."""

@@ -12,6 +12,11 @@ itself (create_now). `create` here, in order:
    is `busy` at once, with `retry_after_s`.
 4. **queue**: dsecd/admission.py, bounded and fair across jobs.
 
+What a sandbox's processes get by default (env, cwd, uid and gid) is its
+image's config under the create's: `process_settings`, for a fresh sandbox
+and a pooled one alike. A create runs no command: the image's Entrypoint
+and Cmd are what `dsec run` (the SDK's Client.run) starts in an exec.
+
 Pools (`pool_set`, `pool_ls`) are kept in `<state_dir>/pools.json`; their
 sandboxes are ordinary journaled sandboxes labelled `dsec.pool=<pool>`,
 re-adopted after a restart like any other, and count against capacity. A
@@ -32,13 +37,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .. import cgroup, protocol, userns
+from .. import cgroup, imageconfig, protocol, userns
 from ..admission import CreateQueue
 from ..config import ConfigError, parse_duration, parse_size
 from ..cpu.manager import CpuHost
 from ..errors import BadRequest, Busy, DsecError, NotFound, Unsupported, image_error, io_error
 from ..fs import files as sbfiles
 from ..fs import upper as upperfs
+from ..fs import users
 from ..fs.images import Image, ImageError
 from ..native import NativeError
 from ..steps import AsyncSteps
@@ -93,6 +99,19 @@ class Pool:
         return {"name": self.name, **self.config(), "ready": len(self.ready), "creating": self.creating,
                 "target": self.target(window), "taken": self.taken, "created": self.created,
                 "failed": self.failed, "error": self.error}
+
+
+@dataclass(frozen=True)
+class ProcessSettings:
+    """What a sandbox's processes get unless an exec says otherwise."""
+
+    env: dict[str, str]
+    cwd: str
+    uid: int
+    gid: int
+
+    def apply(self, sb: Sandbox) -> None:
+        sb.env, sb.cwd, sb.user, sb.gid = dict(self.env), self.cwd, self.uid, self.gid
 
 
 def pool_name(image: str, cpu: float, memory: int) -> str:
@@ -249,14 +268,15 @@ class CreateService:
             if sb is None or sb.state != "running" or sb.labels.get(POOL_LABEL) != pool.name:
                 continue
             try:
-                await self.check_cwd(sb, req.cwd)
+                settings = await self.process_settings(sb, await self._config_of(sb), req)
             except BaseException:
                 self._return_to_pool(pool, sb)
                 raise
             if sb.state != "running" or sb.id not in self.registry.by_id:     # gone while we checked
                 continue
             # Out of the pool for good: the label goes, the caller's settings come.
-            sb.labels, sb.env, sb.cwd, sb.user = dict(req.labels), dict(req.env), req.cwd, req.user
+            sb.labels = dict(req.labels)
+            settings.apply(sb)
             sb.ttl, sb.idle_ttl, sb.lease, sb.key = ttl, idle_ttl, lease, req.key
             sb.created = time.time()
             sb.last_active = time.monotonic()
@@ -426,28 +446,96 @@ class CreateService:
                        {"sandboxes": live, "max": cap})
 
     def check_process(self, req) -> None:
-        """A create's settings of the sandbox's processes, fresh or pooled."""
+        """A create's settings of the sandbox's processes, fresh or pooled, as
+        far as they can be checked before its image is at hand (a user name
+        is resolved in process_settings)."""
         check_env(req.env)
-        if not req.cwd.startswith("/"):
+        if req.cwd is not None and not req.cwd.startswith("/"):
             raise BadRequest(f"cwd must be absolute, got {req.cwd!r}")
-        if not 0 <= req.user < 2**32 - 1:
-            raise BadRequest(f"user must be a uid in [0, 2^32-1), got {req.user}")
-        size = self.id_ranges.size
-        if size is not None and req.user >= size:
-            raise BadRequest(f"user must be below sandbox.userns_size {size} (the ids a "
-                             f"sandbox's user namespace maps), got {req.user}")
+        if req.user is not None:
+            try:
+                user, group = imageconfig.parse_user(imageconfig.user_spec(req.user))
+            except imageconfig.ConfigError as err:
+                raise BadRequest(str(err), {"user": req.user}) from err
+            for part, what in ((user, "user"), (group, "group")):
+                if part and part.isdigit():
+                    self._check_id(int(part), what, req.user)
 
-    async def check_cwd(self, sb: Sandbox, cwd: str) -> None:
-        """A create's cwd must be a directory of the sandbox's image: else every exec in it fails."""
+    def _check_id(self, n: int, what: str, spec) -> None:
+        """A uid or gid the sandbox's user namespace maps (sandbox.userns_size)."""
+        size = self.id_ranges.size
+        if size is not None and n >= size:
+            raise BadRequest(f"{what} id {n} (of user {spec!r}) must be below sandbox.userns_size {size} "
+                             "(the ids a sandbox's user namespace maps)", {"user": spec, "userns_size": size})
+
+    async def _config_of(self, sb: Sandbox) -> dict:
+        """The config of the image a sandbox was made from (by manifest: its
+        name may have been rebuilt since)."""
+        try:
+            return (await self.workers.run(self.image_service.images.get_manifest, sb.manifest, sb.image)).config
+        except ImageError as err:
+            raise image_error(err) from err
+
+    async def process_settings(self, sb: Sandbox, config: dict, req) -> ProcessSettings:
+        """The image's config (dsecd/imageconfig.py) under the create's: env
+        merged (the create's wins), cwd and user replaced where the create
+        gives them. The user is resolved against the image's /etc/passwd and
+        /etc/group (dsecd/fs/users.py), whose home directory becomes HOME
+        unless env sets it. The image's WorkingDir is made if the image lacks
+        it, as docker does; a cwd the create names must exist. Nothing has
+        run in `sb` yet (fresh, or waiting in a pool): its files are the image's."""
+        env = {**config["env"], **req.env}
+        check_env(env)
+        if req.user is not None:
+            spec, source = imageconfig.user_spec(req.user), "the create's user"
+        else:
+            spec, source = config["user"], "the image's User"
+        ident = await self._identity(sb, spec, source)
+        self._check_id(ident.uid, "user", spec)
+        self._check_id(ident.gid, "group", spec)
+        if ident.home and "HOME" not in env:
+            env["HOME"] = ident.home
+        cwd = req.cwd or config["cwd"]
+        await self.check_cwd(sb, cwd, make=req.cwd is None)
+        return ProcessSettings(env, cwd, ident.uid, ident.gid)
+
+    async def _identity(self, sb: Sandbox, spec: str, source: str) -> users.Identity:
+        """`spec` -> ids, reading /etc/passwd and /etc/group in the sandbox only if the spec needs them."""
+        try:
+            need_passwd, need_group = users.files_needed(spec)
+        except imageconfig.ConfigError as err:
+            raise BadRequest(f"image {sb.image!r}: {source} {spec!r}: {err}", {"user": spec}) from err
+        passwd = await self._account_file(sb, "/etc/passwd") if need_passwd else None
+        group = await self._account_file(sb, "/etc/group") if need_group else None
+        try:
+            return users.resolve(spec, passwd, group)
+        except users.UserError as err:
+            raise BadRequest(f"image {sb.image!r} cannot run as {source} {spec!r}: {err}",
+                             {"image": sb.image, "user": spec}) from err
+
+    async def _account_file(self, sb: Sandbox, path: str) -> str | None:
+        try:
+            return await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap),
+                                          users.read_account_file, sb.handle.rootfd, path)
+        except OSError as err:
+            raise io_error("read", f"{sb.id}:{path}", err) from err
+
+    async def check_cwd(self, sb: Sandbox, cwd: str, make: bool = False) -> None:
+        """A create's cwd must be a directory of the sandbox's image: else
+        every exec in it fails. `make`: the image's own WorkingDir, made
+        (with its parents, mode 0755, owned by root) where the image lacks it."""
         if cwd == "/":
             return
+        idmap = userns.IdMap.from_record(sb.idmap)
         try:
-            found = await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap),
-                                            sbfiles.is_directory, sb.handle.rootfd, cwd)
+            found = await self.workers.run(userns.file_op, idmap, sbfiles.is_directory, sb.handle.rootfd, cwd)
+            if not found and make:
+                await self.workers.run(userns.file_op, idmap, sbfiles.make_dir, sb.handle.rootfd, cwd, True, 0o755)
+                return
         except sbfiles.PathError as err:
             raise BadRequest(f"cwd: {err}", {"cwd": cwd}) from err
         except OSError as err:
-            raise io_error("check the cwd of", f"{sb.id}:{cwd}", err) from err
+            raise io_error("make" if make else "check", f"the cwd {sb.id}:{cwd}", err) from err
         if not found:
             raise BadRequest(f"cwd {cwd!r} is not a directory in image {sb.image!r}: give one that "
                              "exists, or create without --cwd and make it with an exec", {"cwd": cwd})
@@ -537,8 +625,7 @@ class CreateService:
                              "cpu_quota": limits.cpu_hard_quota,
                              "disk": disk.disk_bytes if disk else None,
                              "disk_inodes": disk.inodes if disk else None},
-                     env=dict(req.env), labels=dict(req.labels), hostname=hostname, cwd=req.cwd,
-                     user=req.user, qos=plan.qos, core_sched=plan.core_sched,
+                     labels=dict(req.labels), hostname=hostname, qos=plan.qos, core_sched=plan.core_sched,
                      manifest=image.manifest, layers=image.layer_digests,
                      ttl=self._ttl(req), idle_ttl=parse_duration(req.idle_ttl, "idle_ttl"),
                      lease=parse_duration(req.lease, "lease"), key=req.key, backend=backend)
@@ -560,7 +647,7 @@ class CreateService:
             sb.handle = await self._spawn(steps, sb, ready, mounts, limits, hostname, plan, disk)
             steps.undo("destroy the container", lambda: self.workers.run(self.backend.destroy, sb_id, sb.handle))
             steps.undo(UNDO_NETNS, lambda: self.net.release_netns(ready))
-            await self.check_cwd(sb, sb.cwd)
+            (await self.process_settings(sb, image.config, req)).apply(sb)
             steps.drop(UNDO_NETNS)       # attach_net consumes it, and removes it if it fails
             await self.net.attach_net(sb, net_mode, req.allow, ready)
             if req.publish:

@@ -60,9 +60,11 @@ def check_env(env: dict) -> None:
             raise BadRequest(f"bad environment variable name or value: {k!r}")
 
 
-def exec_target(sb: Sandbox, req, backend) -> tuple[list[str], str, int]:
-    """(env, cwd, user) of an exec or background process request (argv,
-    env, cwd, user) in `sb`, checked: BadRequest names what is wrong."""
+def exec_target(sb: Sandbox, req, backend) -> tuple[list[str], str, int, int]:
+    """(env, cwd, uid, gid) of an exec or background process request (argv,
+    env, cwd, user) in `sb`, checked: BadRequest names what is wrong. The
+    sandbox's uid and gid by default; a request naming a uid gets a gid of
+    the same number."""
     if not req.argv or not all(req.argv):
         raise BadRequest("argv must be a non-empty list of non-empty strings")
     if any("\0" in a for a in req.argv):
@@ -71,12 +73,15 @@ def exec_target(sb: Sandbox, req, backend) -> tuple[list[str], str, int]:
     cwd = req.cwd or sb.cwd
     if not cwd.startswith("/"):
         raise BadRequest(f"cwd must be an absolute path inside the sandbox, got {cwd!r}")
-    user = sb.user if req.user is None else req.user
+    if req.user is None:
+        user, gid = sb.user, sb.user if sb.gid is None else sb.gid
+    else:
+        user = gid = req.user
     idmap = userns.IdMap.from_record(sb.idmap)
     if idmap and not 0 <= user < idmap.count:
         raise BadRequest(f"user {user} does not exist in sandbox {sb.id}: its user namespace maps "
                          f"uids 0..{idmap.count - 1}", {"user": user, "userns_size": idmap.count})
-    return backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, req.env), cwd, user
+    return backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, req.env), cwd, user, gid
 
 
 @dataclass(frozen=True)
@@ -117,7 +122,7 @@ class ExecService:
         max_t = self.limits.max_timeout_s
         if timeout is not None and not 0 < timeout <= (max_t or float("inf")):
             raise BadRequest(f"timeout must be in (0, {max_t}] seconds, got {timeout}")
-        env, cwd, user = exec_target(sb, req, self.backend)
+        env, cwd, user, gid = exec_target(sb, req, self.backend)
         started = time.monotonic()
         await self.ensure_running(sb, "exec")
         if sb.backend == "microvm":
@@ -132,18 +137,19 @@ class ExecService:
             # sandbox's own writer). Nothing ran, so a short wait and a retry are safe.
             for delay in (*ETXTBSY_RETRY_S, None):
                 try:
-                    result = await self._exec_collected(sb, list(req.argv), env, cwd, user, timeout, ctx, via)
+                    result = await self._exec_collected(sb, list(req.argv), env, cwd, (user, gid), timeout,
+                                                         ctx, via)
                     break
                 except DsecError as err:
                     if delay is None or err.detail.get("errno") != "ETXTBSY":
                         raise
                 await asyncio.sleep(delay)
         else:
-            result = await self._exec_streamed(sb, req, env, cwd, user, timeout, ctx, via)
+            result = await self._exec_streamed(sb, req, env, cwd, (user, gid), timeout, ctx, via)
         metrics.EXEC_SECONDS.labels(via[-1] if via else "").observe(time.monotonic() - started)
         return result
 
-    async def _exec_streamed(self, sb: Sandbox, req, env: list[str], cwd: str, user: int,
+    async def _exec_streamed(self, sb: Sandbox, req, env: list[str], cwd: str, ids: tuple[int, int],
                              timeout: float | None, ctx, via: list[str]) -> dict:
         """An exec that streams its output, takes stdin, is traced or has a
         terminal: one ExecIO (PtyIO for a terminal)."""
@@ -163,7 +169,7 @@ class ExecService:
             io = ExecIO(loop, self.limits.max_output, emit, req.stdin)
         ctx.register_exec(io)
         try:
-            result = await self._run_io(sb, io, list(req.argv), env, cwd, user, timeout, req.pty, req.trace, via)
+            result = await self._run_io(sb, io, list(req.argv), env, cwd, ids, timeout, req.pty, req.trace, via)
         finally:
             ctx.unregister_exec()
         if not req.stream:
@@ -179,9 +185,9 @@ class ExecService:
         Result and errors as `exec`'s; cancelling it kills the process group."""
         io = ExecIO(self.workers.loop, 1 << 62, emit, False)
         return await self._run_io(sb, io, argv, self.backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, env),
-                                  cwd, user, timeout)
+                                  cwd, (user, user), timeout)
 
-    async def _run_io(self, sb: Sandbox, io, argv: list[str], env: list[str], cwd: str, user: int,
+    async def _run_io(self, sb: Sandbox, io, argv: list[str], env: list[str], cwd: str, ids: tuple[int, int],
                       timeout: float | None, pty: bool = False, trace: bool = False,
                       via: list[str] | None = None) -> dict:
         """Start `argv` with `io`'s pipes (or terminal) and wait for its end and output;
@@ -192,11 +198,11 @@ class ExecService:
             argv = tracing.traced_argv(argv) if trace else argv
             # A traced exec needs the daemon's helper: the tracer attaches to the daemon's child.
             tracer = None
-            watch = None if trace else self._start_by_init(sb, argv, env, cwd, user, io, io.child_fds(), pty)
+            watch = None if trace else self._start_by_init(sb, argv, env, cwd, ids, io, io.child_fds(), pty)
             if via is not None:
                 via.append("init" if watch is not None else "helper")
             if watch is None:
-                pid = await self._spawn_exec(sb, argv, env, cwd, user, io.child_fds(), io, pty)
+                pid = await self._spawn_exec(sb, argv, env, cwd, ids, io.child_fds(), io, pty)
                 if trace:
                     tracer = await self._start_tracer(pid, timeout)
                 watch = ChildWatch(loop, pid)
@@ -212,8 +218,8 @@ class ExecService:
             sb.execs -= 1
             sb.last_active = time.monotonic()
 
-    async def _exec_collected(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int,
-                              timeout: float | None, ctx, via: list[str]) -> dict:
+    async def _exec_collected(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str,
+                              ids: tuple[int, int], timeout: float | None, ctx, via: list[str]) -> dict:
         """An exec whose output comes back whole and that takes no stdin (most
         of them): collected by loop callbacks (dsecd/execio.py Collector), not
         by ExecIO's task per pipe; stdin is the daemon's /dev/null."""
@@ -224,11 +230,11 @@ class ExecService:
         watch = None
         try:
             stdio = (self.devnull, *run.child_ends)
-            watch = self._start_by_init(sb, argv, env, cwd, user, run, stdio)
+            watch = self._start_by_init(sb, argv, env, cwd, ids, run, stdio)
             via.append("init" if watch is not None else "helper")
             if watch is None:
                 watch = ChildWatch(self.workers.loop,
-                                   await self._spawn_exec(sb, argv, env, cwd, user, stdio, run))
+                                   await self._spawn_exec(sb, argv, env, cwd, ids, stdio, run))
             # Sent to init, the timeout counts from the send: a start init cannot finish is killed too.
             run.kill_grace = watch.kill_grace
             run.start(watch.exited, watch.kill, timeout)
@@ -249,7 +255,7 @@ class ExecService:
             sb.last_active = time.monotonic()
             ctx.unregister_exec()
 
-    def _start_by_init(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int, io,
+    def _start_by_init(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, ids: tuple[int, int], io,
                        stdio: tuple[int, int, int], ctty: bool = False) -> InitExec | None:
         """The exec sent to the sandbox's init (dsecd/initlink.py), or None:
         the daemon's helper must start it (no channel: exec_via = helper, a
@@ -257,16 +263,18 @@ class ExecService:
         capabilities; or the channel cannot take this one: too big, init
         busy). `io` owns the child ends in stdio, closed once sent. Whether it
         started shows in its `exited` (a failed start: errors.run_error).
-        ctty: stdin is a pty slave, the exec's controlling terminal."""
+        ctty: stdin is a pty slave, the exec's controlling terminal. ids: (uid, gid)."""
         if sb.handle is None:
             return None
-        start = functools.partial(self.backend.start_by_init, ctty=True) if ctty else self.backend.start_by_init
-        return self.starter.send_to_init(start, sb.handle, argv, env, cwd, user, io, stdio)
+        uid, gid = ids
+        start = functools.partial(self.backend.start_by_init, ctty=ctty, gid=gid)
+        return self.starter.send_to_init(start, sb.handle, argv, env, cwd, uid, io, stdio)
 
-    async def _spawn_exec(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int,
+    async def _spawn_exec(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, ids: tuple[int, int],
                           fds: tuple[int, int, int], io, ctty: bool = False) -> int:
-        spawn = functools.partial(self.backend.spawn, ctty=True) if ctty else self.backend.spawn
-        return await self.starter.spawn_by_helper(io, None, spawn, sb.handle, argv, env, cwd, user, fds)
+        uid, gid = ids
+        spawn = functools.partial(self.backend.spawn, ctty=ctty, gid=gid)
+        return await self.starter.spawn_by_helper(io, None, spawn, sb.handle, argv, env, cwd, uid, fds)
 
     async def _start_tracer(self, pid: int, timeout: float | None):
         try:

@@ -18,8 +18,8 @@ import threading
 import time
 from pathlib import Path
 
-from .. import cgroup, metrics, sysfs
-from ..errors import Conflict, image_error
+from .. import cgroup, imageconfig, metrics, sysfs
+from ..errors import BadRequest, Conflict, image_error
 from ..features import Features
 from ..fs import upper as upperfs
 from ..fs.images import ImageError, ImageStore
@@ -282,8 +282,11 @@ class ImageService:
             raise image_error(err) from err
 
     async def build(self, req, ctx) -> dict:
-        config = {k: v for k, v in (("env", req.env), ("cwd", req.cwd), ("user", req.user),
-                                    ("entrypoint", req.entrypoint)) if v is not None}
+        try:
+            config = imageconfig.overrides(env=req.env, cwd=req.cwd, user=req.user, entrypoint=req.entrypoint,
+                                           cmd=req.cmd, labels=req.labels, exposed_ports=req.exposed_ports)
+        except imageconfig.ConfigError as err:
+            raise BadRequest(f"image_build: {err}") from err
         with _counted("build") as done:
             image = await self._images_call(self.images.build_from_dir, req.source, req.name, req.parent,
                                             config, self._progress(ctx))

@@ -165,7 +165,7 @@ class ProcessService:
 
     async def start(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
-        env, cwd, user = exec_target(sb, req, self.backend)
+        env, cwd, user, gid = exec_target(sb, req, self.backend)
         table = self.tables.setdefault(sb.id, {})
         self._make_room(sb, table)
         h = sb.handle
@@ -179,7 +179,7 @@ class ProcessService:
             # Without stdin init holds a copy of the process's /dev/null in its place.
             hold = (ours["stdin"] if ours["stdin"] >= 0 else theirs[0], ours["stdout"], ours["stderr"])
             run = self.backend.start_by_init(self.workers.loop, h, list(req.argv), env, cwd, user, theirs,
-                                             hold=hold)
+                                             hold=hold, gid=gid)
         except ValueError as err:
             _close_all(ours.values())
             raise BadRequest(f"proc_start: {err}") from err

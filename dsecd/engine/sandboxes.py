@@ -39,7 +39,8 @@ class Sandbox:
     labels: dict = field(default_factory=dict)
     hostname: str = ""
     cwd: str = "/"
-    user: int = 0
+    user: int = 0               # the uid of its processes, unless an exec names another
+    gid: int | None = None      # their gid; None (records of older daemons): the uid's number
     backend: str = "container"
     handle: Handle | None = None
     # Runtime only (not journaled): pause/resume/destroy serialisation and clocks.
@@ -73,7 +74,8 @@ class Sandbox:
         h = self.handle
         return {"id": self.id, "image": self.image, "state": self.state, "created": self.created,
                 "limits": self.limits, "env": self.env, "labels": self.labels,
-                "hostname": self.hostname, "cwd": self.cwd, "user": self.user, "backend": self.backend,
+                "hostname": self.hostname, "cwd": self.cwd, "user": self.user, "gid": self.gid,
+                "backend": self.backend,
                 "init_pid": h.init_pid if h else None, "init_start": h.init_start if h else None,
                 "died": self.died, "qos": self.qos, "core_sched": self.core_sched,
                 "manifest": self.manifest, "layers": self.layers, "ttl": self.ttl,

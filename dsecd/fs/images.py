@@ -3,7 +3,8 @@
     manifest (a blob, canonical JSON):
         {"schema": 1, "layers": [{"digest": "sha256:..", "size": n, "index": "sha256:.."}, ...],
          (bottom first; "index": the layer's chunk index blob, store.py; absent in old images)
-         "config": {"env": {...}, "cwd": "/", "user": 0, "entrypoint": []}}
+         "config": {"env", "cwd", "user", "entrypoint", "cmd", "exposed_ports", "labels"}}
+         (dsecd/imageconfig.py; configs stored by older daemons are read through its normalise)
     name  -> its ref file under <store>/refs/ (names.py): {"manifest": "sha256:..", "created": t,
              "parent": name | null, "source": {"ref", "digest", "platform"} (pulled images)}
     layer of an OCI diff_id -> <store>/diffids/<hex>: {"digest", "size", "index"} (pull.py)
@@ -32,6 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+from .. import imageconfig
 from . import erofs, names, oci
 from .buildcache import BuildCache
 from .store import BlobStore, StoreError, check_digest
@@ -73,9 +75,6 @@ class Image:
 
 def _canonical(obj: dict) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-
-
-DEFAULT_CONFIG = {"env": {}, "cwd": "/", "user": 0, "entrypoint": []}
 
 
 class ImageStore:
@@ -198,6 +197,9 @@ class ImageStore:
             manifest = json.loads(self.store.read_bytes(digest))
         except StoreError as err:
             raise ImageError(err.code, str(err)) from err
+        # Read in today's form whatever dsecd version wrote it (the cached copy
+        # only: the blob is never rewritten, its digest is its name).
+        manifest["config"] = imageconfig.normalise(manifest.get("config"))
         self._manifests[digest] = manifest
         for layer in manifest.get("layers", []):
             if layer.get("index"):
@@ -340,7 +342,7 @@ class ImageStore:
 
     def _commit(self, name: str, layers: list[dict], config: dict, parent: str | None,
                 hold: Callable[[str], None], source: dict | None = None, replace: bool = False) -> Image:
-        manifest = {"schema": 1, "layers": layers, "config": {**DEFAULT_CONFIG, **config}}
+        manifest = {"schema": 1, "layers": layers, "config": imageconfig.normalise(config)}
         digest = self.store.put_bytes(_canonical(manifest), hold)
         self._publish(name, digest, parent, source, replace)
         return self.get(name)
@@ -391,6 +393,12 @@ class ImageStore:
 
     def build_from_dir(self, src: str, name: str, parent: str | None = None,
                        config: dict | None = None, progress: Progress | None = None) -> Image:
+        """Image `name` from `src`: a root file system (a directory or a
+        tarball: one layer), or a docker save or OCI layout (a tarball or its
+        unpacked directory: one layer per image layer, and its config), on
+        top of `parent`'s layers. `config`: fields that override the config
+        (imageconfig.overrides), which is else the archive's own, or the
+        parent's for a root file system."""
         name = self.canonical(name)
         if self._ref(name).exists():
             raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)")
@@ -403,26 +411,34 @@ class ImageStore:
             if base:
                 self._hold_existing(hold, base.layers)
             if path.is_dir():
-                layers = [self.build_layer(path, progress=progress, hold=hold)]
-                base_config = dict(base.config) if base else {}
+                unpacked = self._unpacked_layers(oci.unpack_dir, path, f"directory {path}", progress, hold)
+                if unpacked is None:         # a root file system: the directory is the layer
+                    unpacked = [self.build_layer(path, progress=progress, hold=hold)], None
             elif path.is_file():
-                layers, tar_config = self._layers_from_tar(path, progress, hold)
-                base_config = {**(base.config if base else {}), **tar_config}
+                unpacked = self._unpacked_layers(oci.unpack_image, path, f"image tarball {path}", progress, hold)
             else:
                 raise ImageError("not_found", f"build source {src!r} is neither a directory nor a file")
+            layers, own_config = unpacked
+            below = own_config if own_config is not None else (base.config if base else imageconfig.default())
             all_layers = (base.layers if base else []) + layers
-            return self._commit(name, all_layers, {**base_config, **(config or {})}, parent, hold)
+            return self._commit(name, all_layers, imageconfig.stack(below, config or {}), parent, hold)
 
-    def _layers_from_tar(self, path: Path, progress: Progress | None,
-                         hold: Callable[[str], None]) -> tuple[list[dict], dict]:
-        """docker save / OCI layout tarball -> one EROFS layer per tar layer."""
+    def _unpacked_layers(self, unpack, path: Path, what: str, progress: Progress | None,
+                         hold: Callable[[str], None]) -> tuple[list[dict], dict | None] | None:
+        """(one EROFS layer per layer of the archive at `path`, its config or
+        None for a root file system tarball), by `unpack` (oci.unpack_image or
+        oci.unpack_dir) in a scratch directory; None: `unpack` found a root
+        file system directory, to be built as it is."""
         work = Path(tempfile.mkdtemp(prefix="unpack-", dir=self.scratch))
         try:
             try:
-                layer_dirs, config = oci.unpack_image(path, work, progress)
+                unpacked = unpack(path, work, progress)
             except oci.TarError as err:
-                raise ImageError("bad_request", f"image tarball {path}: {err}") from err
-            return [self.build_layer(d, progress=progress, hold=hold) for d in layer_dirs], config
+                raise ImageError("bad_request", f"{what}: {err}") from err
+            if unpacked is None:
+                return None
+            dirs, config = unpacked
+            return [self.build_layer(d, progress=progress, hold=hold) for d in dirs], config
         finally:
             shutil.rmtree(work, ignore_errors=True)
 

@@ -1,5 +1,7 @@
-"""Unpack `docker save` and OCI-layout tarballs, and OCI layer blobs a pull
-downloaded, into one directory per layer.
+"""Unpack image archives into one directory per layer: `docker save` and
+OCI-layout tarballs or their unpacked directories, and plain root file
+system tarballs (one layer), and OCI layer blobs a pull downloaded. From a
+multi-platform index, the image for this host's platform is taken.
 
 Each tar layer is extracted into its own directory, with the OCI whiteouts
 turned into what overlayfs understands in a lower layer: `.wh.NAME` becomes
@@ -16,11 +18,15 @@ import hashlib
 import json
 import lzma
 import os
+import platform
+import re
 import stat
 import tarfile
 import zlib
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
+
+from .. import imageconfig
 
 try:        # Debian's python3-zstandard (scripts/setup.sh): zstd layers of pulled images
     import zstandard
@@ -205,73 +211,312 @@ def extract_blob(path: Path, digest: str, diff_id: str, root: Path) -> int:
     return n
 
 
-def _config_of(cfg: dict) -> dict:
-    c = cfg.get("config") or {}
-    env = dict(e.split("=", 1) for e in c.get("Env") or [] if "=" in e)
-    user = c.get("User") or "0"
-    return {"env": env, "cwd": c.get("WorkingDir") or "/",
-            "user": int(user) if str(user).isdigit() else 0,
-            "entrypoint": (c.get("Entrypoint") or []) + (c.get("Cmd") or [])}
+# ---------------------------------------------------------------- image archives
+#
+# What a build source is. A tarball or directory whose top level holds only
+# an image archive's files is that archive: `manifest.json` (a JSON list of
+# {Config, Layers}) makes it a docker save, `index.json` + `oci-layout` +
+# `blobs/` an OCI image layout (a newer `docker save` has both; the docker
+# manifest is read then). Anything else is a root file system, imported as
+# one layer. Both at once (say `etc/` beside `manifest.json`) is refused
+# rather than guessed, and so is an archive missing a part it needs.
+
+DOCKER_SAVE = "docker-save"
+OCI_LAYOUT = "oci-layout"
+ROOTFS = "rootfs"
+ARCHIVE_NAMES = {"manifest.json", "index.json", "oci-layout", "repositories", "blobs"}
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")       # the layer directories of an older docker save
+INDEX_TYPES = {"application/vnd.oci.image.index.v1+json",
+               "application/vnd.docker.distribution.manifest.list.v2+json"}
+MAX_INDEX_DEPTH = 4                          # an index of indexes of ...: deeper is refused
 
 
-def _read_json(tf: tarfile.TarFile, name: str) -> dict | list:
+def _norm(name: str) -> str:
+    """A member name as a path from the archive's top: "./etc/x" -> "etc/x"."""
+    return "/".join(p for p in name.split("/") if p not in ("", "."))
+
+
+def _archive_name(name: str) -> bool:
+    """Whether a top-level name belongs in an image archive."""
+    return name in ARCHIVE_NAMES or name.endswith(".json") or bool(_HEX64.match(name))
+
+
+class _TarSource:
+    """The files of an image tarball."""
+
+    def __init__(self, tf: tarfile.TarFile, where: str):
+        self.tf = tf
+        self.where = where
+        self.members = {_norm(m.name): m for m in tf.getmembers()}
+        self.members.pop("", None)
+        self.top = {name.split("/", 1)[0] for name in self.members}
+
+    def is_file(self, name: str) -> bool:
+        m = self.members.get(_norm(name))
+        return m is not None and (m.isfile() or m.issym() or m.islnk())
+
+    def open(self, name: str):
+        m = self.members.get(_safe_name(name).as_posix())
+        if m is None:
+            raise TarError(f"{name} is missing")
+        f = self.tf.extractfile(m)
+        if f is None:
+            raise TarError(f"{name} is not a regular file")
+        return f
+
+
+class _DirSource:
+    """The files of an unpacked image archive (a docker save or OCI layout untarred)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.real = os.path.realpath(root)
+        self.where = f"directory {root}"
+        self.top = set(os.listdir(root))
+
+    def _path(self, name: str) -> str:
+        path = os.path.realpath(os.path.join(self.root, _safe_name(name).as_posix()))
+        if not path.startswith(self.real + os.sep):
+            raise TarError(f"{name} leads out of {self.root} (through a symlink)")
+        return path
+
+    def is_file(self, name: str) -> bool:
+        return os.path.isfile(self._path(name))
+
+    def open(self, name: str):
+        try:
+            return open(self._path(name), "rb")
+        except FileNotFoundError:
+            raise TarError(f"{name} is missing") from None
+        except IsADirectoryError:
+            raise TarError(f"{name} is not a regular file") from None
+
+
+def _read_json(src, name: str):
+    with src.open(name) as f:
+        try:
+            return json.load(f)
+        except ValueError as err:
+            raise TarError(f"{name} is not valid JSON: {err}") from err
+
+
+def _json_or_none(src, name: str):
     try:
-        f = tf.extractfile(name)
-    except KeyError:
-        raise TarError(f"{name} is missing") from None
-    try:
-        return json.load(f)
-    except ValueError as err:
-        raise TarError(f"{name} is not valid JSON: {err}") from err
+        return _read_json(src, name)
+    except TarError:
+        return None
 
 
-def _layer_paths(tf: tarfile.TarFile) -> tuple[list[str], dict]:
-    names = set(tf.getnames())
-    if "manifest.json" in names:                  # docker save (and OCI+docker hybrids)
-        manifest = _read_json(tf, "manifest.json")
-        if not isinstance(manifest, list) or not manifest:
-            raise TarError("manifest.json has no images")
-        entry = manifest[0]
-        cfg = _read_json(tf, entry["Config"]) if entry.get("Config") in names else {}
-        return list(entry["Layers"]), cfg
-    if "index.json" in names:                     # OCI image layout
-        index = _read_json(tf, "index.json")
-        digest = index["manifests"][0]["digest"]
-        blob = lambda d: "blobs/" + d.replace(":", "/")   # noqa: E731
-        manifest = _read_json(tf, blob(digest))
-        if "manifests" in manifest:              # an index of indexes: take the first
-            manifest = _read_json(tf, blob(manifest["manifests"][0]["digest"]))
-        cfg = _read_json(tf, blob(manifest["config"]["digest"]))
-        return [blob(layer["digest"]) for layer in manifest["layers"]], cfg
-    raise TarError("neither manifest.json (docker save) nor index.json (OCI layout) found")
+def _is_index(doc) -> bool:
+    return isinstance(doc, dict) and isinstance(doc.get("manifests"), list)
 
 
-def unpack_image(path: Path, work: Path, progress: Callable[[dict], None] | None = None) -> tuple[list[Path], dict]:
-    """Extract every layer of the image tarball at `path` into work/layer-N."""
+def classify(src) -> tuple[str, object]:
+    """(DOCKER_SAVE, its manifest.json), (OCI_LAYOUT, its index.json) or
+    (ROOTFS, None); TarError for a source that is neither cleanly.
+
+    A manifest.json that is a JSON list marks a docker save, an index.json
+    holding a "manifests" list an OCI layout; other files of those names
+    (a web app's manifest.json) are a root file system's own. Dot-names at
+    the top (.git) are left out of the question."""
+    other = sorted(n for n in src.top if not _archive_name(n) and not n.startswith("."))
+
+    def both(marker: str) -> TarError:
+        shown = ", ".join(other[:6]) + (", ..." if len(other) > 6 else "")
+        return TarError(f"holds an image archive ({marker}) and also other top-level entries ({shown}): "
+                        "expected either a docker save / OCI image layout, or a root file system, not both; "
+                        "remove the one you do not mean")
+
+    manifest = _json_or_none(src, "manifest.json") if src.is_file("manifest.json") else None
+    if isinstance(manifest, list):
+        if not manifest or not all(isinstance(e, dict) and isinstance(e.get("Layers"), list) for e in manifest):
+            raise TarError("manifest.json lists no image: expected a docker save's manifest, a JSON list "
+                           "of {Config, RepoTags, Layers}")
+        listed = {_norm(str(name)).split("/", 1)[0] for e in manifest for name in [e.get("Config"), *e["Layers"]]
+                  if name}
+        other = [n for n in other if n not in listed]
+        if other:
+            raise both("manifest.json of a docker save")
+        return DOCKER_SAVE, manifest
+    index = _json_or_none(src, "index.json") if src.is_file("index.json") else None
+    if _is_index(index):
+        if other:
+            raise both("index.json of an OCI image layout")
+        missing = [what for what, there in (("the oci-layout file", src.is_file("oci-layout")),
+                                            ("the blobs/ directory", "blobs" in src.top)) if not there]
+        if missing:
+            raise TarError(f"has index.json but not {' or '.join(missing)}: expected an OCI image layout "
+                           "(oci-layout, index.json, blobs/sha256/...)")
+        return OCI_LAYOUT, index
+    if not other and src.top & {"oci-layout", "blobs"}:
+        raise TarError("has " + " and ".join(sorted(src.top & {"oci-layout", "blobs"}))
+                       + " but no OCI index.json: expected an OCI image layout (oci-layout, index.json, blobs/)")
+    return ROOTFS, None
+
+
+# ---------------------------------------------------------------- platforms
+
+# platform.machine() -> (OCI architecture, variant or None). Names not here pass as they are.
+MACHINES = {"x86_64": ("amd64", None), "amd64": ("amd64", None), "aarch64": ("arm64", "v8"),
+            "arm64": ("arm64", "v8"), "armv8l": ("arm", "v8"), "armv7l": ("arm", "v7"),
+            "armv6l": ("arm", "v6"), "armv5tel": ("arm", "v5"), "i386": ("386", None), "i486": ("386", None),
+            "i586": ("386", None), "i686": ("386", None), "ppc64le": ("ppc64le", None),
+            "s390x": ("s390x", None), "riscv64": ("riscv64", None), "loongarch64": ("loong64", None),
+            "mips64": ("mips64", None)}
+
+
+def host_platform() -> dict:
+    """This host's OCI platform: {"os", "architecture", "variant" (or None)}."""
+    arch, variant = MACHINES.get(platform.machine(), (platform.machine(), None))
+    return {"os": "linux", "architecture": arch, "variant": variant}
+
+
+def platform_name(p: dict) -> str:
+    return "/".join(x for x in (p.get("os"), p.get("architecture"), p.get("variant")) if x)
+
+
+def _variant_rank(wanted: dict, offered: str | None) -> int | None:
+    """How well an image of variant `offered` fits the host (lower is
+    better; None: it does not run here). An image without a variant fits
+    any host of its architecture; an arm host runs older arm variants
+    (v7 runs v6); an amd64 variant above v1 needs CPU features not checked."""
+    host = wanted.get("variant")
+    if offered in (None, "", host):
+        return 0 if offered == host else 1
+    if wanted["architecture"] == "amd64" and offered == "v1":
+        return 1
+    if wanted["architecture"] in ("arm", "arm64") and host and offered[1:].isdigit() and host[1:].isdigit():
+        if int(offered[1:]) <= int(host[1:]):
+            return 2 + int(host[1:]) - int(offered[1:])
+    return None
+
+
+class PlatformError(TarError):
+    """An index without an image for the wanted platform."""
+
+
+def choose_manifest(descriptors: list, where: str, wanted: dict | None = None) -> dict:
+    """The descriptor of `descriptors` (an index's "manifests") for the
+    platform `wanted` (default: this host's). Descriptors without a platform
+    are single images (an OCI layout's tags): the first is taken when no
+    platform matches. PlatformError lists what the index offers instead."""
+    wanted = wanted or host_platform()
+    if not descriptors or not all(isinstance(d, dict) for d in descriptors):
+        raise TarError(f"{where} lists no manifests")
+    ranked = []
+    for i, d in enumerate(descriptors):
+        p = d.get("platform")
+        if not isinstance(p, dict):
+            continue
+        if p.get("os") == wanted["os"] and p.get("architecture") == wanted["architecture"]:
+            rank = _variant_rank(wanted, p.get("variant"))
+            if rank is not None:
+                ranked.append((rank, i, d))
+    if ranked:
+        return min(ranked, key=lambda x: x[:2])[2]
+    plain = [d for d in descriptors if not isinstance(d.get("platform"), dict)]
+    if plain:
+        return plain[0]
+    offered = sorted({platform_name(d["platform"]) for d in descriptors})
+    raise PlatformError(f"{where} has no image for this host's platform {platform_name(wanted)}; it has "
+                        f"{', '.join(offered)}: pull or save the image for {platform_name(wanted)}")
+
+
+def _blob(digest: str) -> str:
+    algo, sep, hexpart = str(digest).partition(":")
+    if not sep or not algo.isalnum() or not hexpart.isalnum():
+        raise TarError(f"bad digest {digest!r} (expected ALGORITHM:HEX)")
+    return f"blobs/{algo}/{hexpart}"
+
+
+def _oci_manifest(src, index: dict, wanted: dict | None) -> dict:
+    """The image manifest an OCI layout's index.json leads to for the wanted platform."""
+    where = "index.json"
+    for _ in range(MAX_INDEX_DEPTH):
+        desc = choose_manifest(index["manifests"], where, wanted)
+        where = f"index {desc.get('digest')}"
+        doc = _read_json(src, _blob(desc.get("digest")))
+        if desc.get("mediaType") not in INDEX_TYPES and not _is_index(doc):
+            return doc
+        if not _is_index(doc):
+            raise TarError(f"{where} is not an image index (no 'manifests' list)")
+        index = doc
+    raise TarError(f"index.json nests indexes more than {MAX_INDEX_DEPTH} deep")
+
+
+def _layers_of(src, kind: str, meta, wanted: dict | None) -> tuple[list[str], dict]:
+    """(layer member names, bottom first; the image's config JSON)."""
+    if kind == DOCKER_SAVE:
+        entry = meta[0]
+        config = entry.get("Config")
+        cfg = _read_json(src, config) if config and src.is_file(config) else {}
+        return [str(layer) for layer in entry["Layers"]], cfg
+    manifest = _oci_manifest(src, meta, wanted)
+    cfg = _read_json(src, _blob(manifest["config"]["digest"]))
+    return [_blob(layer["digest"]) for layer in manifest["layers"]], cfg
+
+
+# ---------------------------------------------------------------- unpacking
+
+# (one directory per layer, bottom first; the image's config, None for a root file system)
+Unpacked = tuple[list[Path], dict | None]
+
+
+def unpack_image(path: Path, work: Path, progress: Callable[[dict], None] | None = None,
+                 wanted: dict | None = None) -> Unpacked:
+    """A tarball (plain, gzip, bz2 or xz) into work/layer-N: a docker save or
+    OCI layout one layer per image layer (for the platform `wanted`, default
+    this host's), a root file system as one layer (and no config)."""
     try:
         with tarfile.open(path, mode="r:*") as tf:
-            return _unpack(tf, work, progress)
+            src = _TarSource(tf, f"image tarball {path}")
+            kind, meta = classify(src)
+            if kind == ROOTFS:
+                d = work / "layer-0"
+                d.mkdir()
+                members = tf.getmembers()
+                for m in members:
+                    _extract_member(tf, m, d)
+                if progress:
+                    progress({"step": "unpack", "layer": 1, "of": 1, "entries": len(members)})
+                return [d], None
+            return _unpack(src, kind, meta, work, progress, wanted)
     except CORRUPT as err:
-        raise TarError(f"corrupt or truncated archive: {err}") from err
+        raise TarError(f"corrupt or truncated archive (expected a tarball of a docker save, an OCI image "
+                       f"layout or a root file system): {err}") from err
 
 
-def _unpack(tf: tarfile.TarFile, work: Path, progress) -> tuple[list[Path], dict]:
+def unpack_dir(path: Path, work: Path, progress: Callable[[dict], None] | None = None,
+               wanted: dict | None = None) -> Unpacked | None:
+    """An unpacked docker save or OCI layout directory into work/layer-N as
+    its tarball would be; None when `path` is a root file system (to be
+    built as it is)."""
+    src = _DirSource(path)
+    kind, meta = classify(src)
+    if kind == ROOTFS:
+        return None
+    return _unpack(src, kind, meta, work, progress, wanted)
+
+
+def _unpack(src, kind: str, meta, work: Path, progress, wanted: dict | None) -> Unpacked:
     try:
-        layers, cfg = _layer_paths(tf)
-    except (KeyError, IndexError, TypeError) as err:
-        raise TarError(f"malformed image metadata: {err!r}") from err
+        layers, cfg = _layers_of(src, kind, meta, wanted)
+        config = imageconfig.from_oci(cfg)
+    except imageconfig.ConfigError as err:
+        raise TarError(f"image config: {err}") from err
+    except (KeyError, IndexError, TypeError, AttributeError) as err:
+        raise TarError(f"malformed image metadata ({kind}): {err!r}") from err
     dirs = []
     for i, name in enumerate(layers):
         d = work / f"layer-{i}"
         d.mkdir()
         try:
-            member = tf.extractfile(_safe_name(name).as_posix())
-        except KeyError:
-            raise TarError(f"layer {name} listed in the manifest is missing") from None
-        if member is None:
-            raise TarError(f"layer {name} is not a regular file in the archive")
-        n = extract_layer(member, d)
+            member = src.open(name)
+        except TarError as err:
+            raise TarError(f"layer {i + 1} of {len(layers)} listed in the manifest: {err}") from None
+        with member:
+            n = extract_layer(member, d)
         if progress:
             progress({"step": "unpack", "layer": i + 1, "of": len(layers), "entries": n})
         dirs.append(d)
-    return dirs, _config_of(cfg) if isinstance(cfg, dict) else {}
+    return dirs, config

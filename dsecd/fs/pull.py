@@ -48,6 +48,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import imageconfig
 from . import names, oci
 from .claims import Claim
 from .images import Image, ImageError, ImageStore
@@ -344,6 +345,10 @@ class Puller:
         if current is not None:
             stats["up_to_date"] = True
             return current
+        try:                    # a config we cannot honour fails before anything is downloaded
+            config = imageconfig.from_oci(r.config)
+        except imageconfig.ConfigError as err:
+            raise PullError("bad_request", f"pull {r.name}: {err}") from err
         work = self.root / r.manifest_digest.split(":", 1)[1]
         layers = [_Layer(i, desc, diff) for i, (desc, diff) in enumerate(zip(r.layers, r.diff_ids, strict=True))]
         keep_work = True        # a failed download keeps what it fetched, for the next try
@@ -363,7 +368,7 @@ class Puller:
                         emit(layer.event(len(layers)))
                 stats["convert_s"] = time.monotonic() - t
                 stored = [layer.stored for layer in layers]
-                image = self.images.commit_pulled(str(r.name), stored, oci._config_of(r.config), source, hold)
+                image = self.images.commit_pulled(str(r.name), stored, config, source, hold)
                 keep_work = False
                 return image
             except PullError:

@@ -1,6 +1,6 @@
-"""Images for the tests: docker-save archives built from tar members, and
-OCI image layouts (gzip, zstd and plain layers, multi-platform indexes)
-pushed to a registry with skopeo."""
+"""Images for the tests: docker-save archives and OCI layouts built from
+tar members, and OCI image layouts (gzip, zstd and plain layers,
+multi-platform indexes) pushed to a registry with skopeo."""
 
 from __future__ import annotations
 
@@ -130,3 +130,54 @@ def push(layout: Layout, tag: str, dest: str, *args: str) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}: exit {proc.returncode}: {proc.stderr.strip()}")
+
+def layer_of(files: dict[str, bytes | None], mode: int = 0o644) -> bytes:
+    """A layer tar from path -> content (None: a directory)."""
+    members = []
+    for name, data in files.items():
+        if data is None:
+            members.append(_entry(name, tarfile.DIRTYPE, mode=0o755))
+        else:
+            members.append(_file(name, data, mode))
+    return _tar_bytes(members)
+
+
+def _blob(blobs: dict[str, bytes], data: bytes, media_type: str) -> dict:
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    blobs[digest] = data
+    return {"mediaType": media_type, "digest": digest, "size": len(data)}
+
+
+def oci_layout(path: Path, images: list[tuple[dict | None, list[bytes], dict]], nested: bool = True) -> None:
+    """An OCI image layout tarball of images (platform or None, layers, config:
+    OCI's config object). nested: index.json points at one image index that
+    lists the images (what buildx writes for several platforms); else
+    index.json lists them itself."""
+    blobs: dict[str, bytes] = {}
+    manifests = []
+    for platform, layers, config in images:
+        doc = {"os": "linux", "architecture": (platform or {}).get("architecture", "amd64"), "config": config,
+               "rootfs": {"type": "layers", "diff_ids": []}}
+        manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                    "config": _blob(blobs, json.dumps(doc).encode(), "application/vnd.oci.image.config.v1+json"),
+                    "layers": [_blob(blobs, data, "application/vnd.oci.image.layer.v1.tar") for data in layers]}
+        desc = _blob(blobs, json.dumps(manifest).encode(), "application/vnd.oci.image.manifest.v1+json")
+        if platform:
+            desc["platform"] = {k: v for k, v in platform.items() if v}
+        manifests.append(desc)
+    top = manifests
+    if nested:
+        index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": manifests}
+        top = [_blob(blobs, json.dumps(index).encode(), "application/vnd.oci.image.index.v1+json")]
+    members = [_file("oci-layout", b'{"imageLayoutVersion": "1.0.0"}'),
+               _file("index.json", json.dumps({"schemaVersion": 2, "manifests": top}).encode()),
+               _entry("blobs", tarfile.DIRTYPE, mode=0o755), _entry("blobs/sha256", tarfile.DIRTYPE, mode=0o755)]
+    members += [_file(f"blobs/sha256/{digest[7:]}", data) for digest, data in blobs.items()]
+    path.write_bytes(_tar_bytes(members))
+
+
+def unpack(tarball: Path, dest: Path) -> Path:
+    """An image tarball unpacked into dest, by tar as a user would."""
+    dest.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["tar", "-C", str(dest), "-xf", str(tarball)], check=True)
+    return dest

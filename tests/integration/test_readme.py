@@ -32,7 +32,8 @@ README = (ROOT / "README.md").read_text()
 OUTPUTS = [("echo out; echo err >&2", "out", "out\n"), ("echo out; echo err >&2", "err", "err\n"),
            ("echo data | dsec exec -i", "out", "data\n"), ("--timeout 2 -- sleep 10", "err", "timed out"),
            ("dsec events --replay --no-follow", "out", "created"), ("dsec ps ;", "out", "busybox"),
-           ("-f Dockerfile ./workspace", "out", "built repo-2: ")]
+           ("-f Dockerfile ./workspace", "out", "built repo-2: "),
+           ("dsec run --env K=V", "out", "V\n")]
 
 # Lines that cannot run on one test host, by their start.
 SKIPPED = {"ssh ": "needs another host running dsecd"}

@@ -131,7 +131,7 @@ def test_an_exec_cancelled_during_its_spawn_keeps_its_fds_until_the_spawn_is_ove
     seen = {}
 
     class Backend:
-        def spawn(self, handle, argv, env, cwd, user, fds):
+        def spawn(self, handle, argv, env, cwd, user, fds, ctty=False, gid=None):
             return _slow_spawn(seen, fds)
 
     async def go():
@@ -141,7 +141,7 @@ def test_an_exec_cancelled_during_its_spawn_keeps_its_fds_until_the_spawn_is_ove
             run = Collector(loop, 1 << 20, 0.1, None)
             fds = (0, *run.child_ends)
             sb = SimpleNamespace(handle=None)
-            await _cancel_soon(asyncio.ensure_future(execs._spawn_exec(sb, ["x"], [], "/", 0, fds, run)))
+            await _cancel_soon(asyncio.ensure_future(execs._spawn_exec(sb, ["x"], [], "/", (0, 0), fds, run)))
             run.close()                           # the request's own clean-up: must not close the ends
             await _until(lambda: "pid" in seen and not _alive(seen["pid"]))
 

@@ -40,7 +40,8 @@ def test_non_map_payload_is_bad_request(payload):
 def test_parse_create_fills_defaults():
     rid, req = protocol.parse_request({"id": 7, "op": "create", "args": {"image": "busybox"}})
     assert rid == 7 and isinstance(req, protocol.Create)
-    assert req.env == {} and req.cpu is None and req.cwd == "/"
+    # cwd and user: None, so the image's WorkingDir and User apply.
+    assert req.env == {} and req.cpu is None and req.cwd is None and req.user is None
 
 
 @pytest.mark.parametrize("frame, needle", [

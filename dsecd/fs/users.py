@@ -1,0 +1,128 @@
+"""A user spec ("app", "1000", "app:staff", "1000:1000") resolved to ids
+against an image's /etc/passwd and /etc/group, as `docker run --user` does.
+
+    ""          root: uid 0, gid 0 (no file is read)
+    "app"       uid, primary gid and home of app's line in /etc/passwd
+    "1000"      uid 1000; gid and home from /etc/passwd's line for uid 1000
+                if there is one, else gid 1000 (docker would give gid 0; a
+                group of root is more than an unknown user should get)
+    "app:staff" app's uid, the gid of staff in /etc/group
+    "1000:50"   exactly these ids: numeric ids need no entry
+
+Supplementary groups are not looked up: every process of a sandbox runs
+with none (the exec steps call setgroups(0); csrc/exec_steps.h).
+
+`resolve` takes the files' text; `read_account_file` reads one through a
+sandbox's root (dsecd/fs/files.py: its symlinks stay inside), in a worker
+thread, before anything ran in the sandbox, so the image's own file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..imageconfig import ConfigError, parse_user
+from . import files
+
+# Bytes of /etc/passwd or /etc/group read at most: an account database of
+# thousands of lines fits; a larger one is read in part.
+MAX_ACCOUNT_FILE = 1 << 20
+
+
+class UserError(ValueError):
+    """The spec names a user or group the image does not have. The message
+    speaks of "the image"; the caller names it."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    uid: int
+    gid: int
+    home: str | None = None      # the user's home directory from /etc/passwd, if it has a line there
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    uid: int
+    gid: int
+    home: str
+
+
+def _lines(text: str) -> list[list[str]]:
+    return [line.split(":") for line in text.splitlines() if line and not line.startswith("#")]
+
+
+def parse_passwd(text: str) -> list[_Entry]:
+    """The entries of a passwd file (name:password:uid:gid:gecos:home:shell);
+    malformed lines are skipped, as getpwnam skips them."""
+    out = []
+    for f in _lines(text):
+        if len(f) >= 4 and f[2].isdigit() and f[3].isdigit():
+            out.append(_Entry(f[0], int(f[2]), int(f[3]), f[5] if len(f) > 5 else ""))
+    return out
+
+
+def parse_group(text: str) -> dict[str, int]:
+    """Group name -> gid of a group file (name:password:gid:members); the first line of a name wins."""
+    out: dict[str, int] = {}
+    for f in _lines(text):
+        if len(f) >= 3 and f[2].isdigit():
+            out.setdefault(f[0], int(f[2]))
+    return out
+
+
+def files_needed(spec: str) -> tuple[bool, bool]:
+    """(passwd, group): which files resolving `spec` reads."""
+    user, group = parse_user(spec)
+    if not user:
+        return False, False
+    return True, group is not None and not group.isdigit()
+
+
+def resolve(spec: str, passwd: str | None, group: str | None) -> Identity:
+    """`spec` -> ids, with the image's /etc/passwd and /etc/group text (None:
+    the image has no such file). ConfigError for a malformed spec, UserError
+    for a name the files do not have."""
+    user, grp = parse_user(spec)
+    if not user:
+        return Identity(0, 0, None)
+    entries = parse_passwd(passwd or "")
+    if user.isdigit():
+        uid = int(user)
+        entry = next((e for e in entries if e.uid == uid), None)
+    else:
+        entry = next((e for e in entries if e.name == user), None)
+        if entry is None:
+            where = "it has no /etc/passwd" if passwd is None else "its /etc/passwd has no such user"
+            raise UserError(f"no user {user!r}: {where}; give a numeric uid[:gid], or add the user "
+                            "to the image")
+        uid = entry.uid
+    if grp is None:
+        gid = entry.gid if entry is not None else uid
+    elif grp.isdigit():
+        gid = int(grp)
+    else:
+        groups = parse_group(group or "")
+        if grp not in groups:
+            where = "it has no /etc/group" if group is None else "its /etc/group has no such group"
+            raise UserError(f"no group {grp!r}: {where}; give a numeric gid, or add the group to "
+                            "the image")
+        gid = groups[grp]
+    home = entry.home if entry is not None and entry.home else None
+    return Identity(uid, gid, home)
+
+
+def read_account_file(rootfd: int, path: str) -> str | None:
+    """The text of /etc/passwd or /etc/group under a sandbox's root (its first
+    MAX_ACCOUNT_FILE bytes), None if the image has none or it is no regular
+    file. Blocking."""
+    try:
+        data = files.read_file(rootfd, path, 0, MAX_ACCOUNT_FILE)["data"]
+    except (FileNotFoundError, NotADirectoryError, files.PathError):
+        return None
+    return data.decode("utf-8", "replace")
+
+
+__all__ = ["ConfigError", "Identity", "MAX_ACCOUNT_FILE", "UserError", "files_needed", "parse_group",
+           "parse_passwd", "read_account_file", "resolve"]
