@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import native, tarsafe
+from ..fs import users
 from .context import Entry, Source
 
 RESOLVE = native.RESOLVE_IN_ROOT | native.RESOLVE_NO_MAGICLINKS | native.RESOLVE_NO_XDEV
@@ -66,66 +67,32 @@ def _open(rootfd: int, path: str, flags: int) -> int:
 
 # ---------------------------------------------------------------- users and groups
 
-def _read_small(rootfd: int, path: str) -> str:
-    try:
-        fd = _open(rootfd, path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError:
-        return ""
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return ""
-        return os.pread(fd, 4 << 20, 0).decode(errors="replace")
-    finally:
-        os.close(fd)
-
-
 @dataclass(frozen=True)
 class Accounts:
-    """The image's /etc/passwd and /etc/group: name -> (uid, gid, home), name -> gid."""
+    """The image's /etc/passwd and /etc/group (None: it has none), resolved as
+    a create resolves its user (dsecd/fs/users.py)."""
 
-    users: dict[str, tuple[int, int, str]]
-    groups: dict[str, int]
+    passwd: str | None
+    group: str | None
 
     @classmethod
     def read(cls, rootfd: int) -> Accounts:
-        users, groups = {}, {}
-        for line in _read_small(rootfd, "/etc/passwd").splitlines():
-            f = line.split(":")
-            if len(f) >= 6 and f[2].isdigit() and f[3].isdigit():
-                users.setdefault(f[0], (int(f[2]), int(f[3]), f[5]))
-        for line in _read_small(rootfd, "/etc/group").splitlines():
-            f = line.split(":")
-            if len(f) >= 3 and f[2].isdigit():
-                groups.setdefault(f[0], int(f[2]))
-        return cls(users, groups)
+        return cls(users.read_account_file(rootfd, "/etc/passwd"), users.read_account_file(rootfd, "/etc/group"))
+
+    def _identity(self, spec: str) -> users.Identity:
+        try:
+            return users.resolve(spec, self.passwd, self.group)
+        except (users.UserError, users.ConfigError) as err:
+            raise CopyError(f"user {spec!r}: {err}") from err
 
     def user(self, spec: str) -> tuple[int, int]:
         """(uid, gid) of USER or --chown text: name, uid, name:group, uid:gid.
-        A user without a group: the passwd group of a name (USER), the uid for
-        a number. CopyError names what the image lacks."""
-        name, sep, group = spec.partition(":")
-        if name.isdigit():
-            uid, gid = int(name), int(name)
-        elif name in self.users:
-            uid, gid = self.users[name][:2]
-        else:
-            raise CopyError(f"user {name!r} is not in the image's /etc/passwd; add it first (RUN adduser ...) "
-                            "or give a numeric uid")
-        if sep:
-            if group.isdigit():
-                gid = int(group)
-            elif group in self.groups:
-                gid = self.groups[group]
-            else:
-                raise CopyError(f"group {group!r} is not in the image's /etc/group; give a numeric gid")
-        return uid, gid
+        CopyError names what the image lacks."""
+        ident = self._identity(spec)
+        return ident.uid, ident.gid
 
     def home(self, spec: str) -> str | None:
-        name = spec.partition(":")[0]
-        for user, (uid, _gid, home) in self.users.items():
-            if user == name or (name.isdigit() and uid == int(name)):
-                return home or None
-        return None
+        return self._identity(spec).home
 
 
 # ---------------------------------------------------------------- directories

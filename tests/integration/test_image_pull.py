@@ -83,7 +83,7 @@ def test_pull_index_picks_host_platform_converts_every_layer_and_runs(world, c):
     assert img["name"] == f"{reg.host}/test/app:v1"
     assert img["source"]["platform"] == "linux/amd64" and img["source"]["index"]
     assert len(img["layers"]) == 3
-    assert img["config"]["user"] == 1000 and img["config"]["cwd"] == "/app"
+    assert img["config"]["user"] == "1000" and img["config"]["cwd"] == "/app"
     assert img["config"]["env"] == {"LANG": "C.UTF-8"}
     steps = {e["step"] for e in events}
     assert {"resolve", "pull"} <= steps
@@ -94,6 +94,7 @@ def test_pull_index_picks_host_platform_converts_every_layer_and_runs(world, c):
         assert sb.exec(["cat", "/app/zstd.txt", "/app/plain.txt"]).stdout == b"zstd layer\nplain\n"
         assert sb.exec(["ls", "/data"]).stdout.split() == [b"c"]            # opaque dir
         assert sb.exec(["test", "-e", "/etc/gone"]).exit_code == 1           # whiteout
+        assert sb.exec(["id", "-u"]).stdout == b"1000\n"                      # the config's User
     finally:
         sb.destroy()
 
