@@ -44,6 +44,7 @@
 
 #include "exec_steps.h"
 #include "missing_defs.h"
+#include "policy_steps.h"
 
 /* Execs at once; a request beyond that is refused with EAGAIN (the sandbox's
  * pids.max usually stops it first). */
@@ -73,11 +74,11 @@ static int n_held;
  * the daemon sets it before it answers the create. -1: not looked up yet. */
 static int oom_reset_needed = -1;
 
-/* Static, not on the stack: requests are up to 64 KiB. Untouched pages cost
- * no memory. */
+/* Static, not on the stack: requests are up to 64 KiB of strings plus a
+ * policy of up to 16 KiB. Untouched pages cost no memory. */
 static union {
     struct dsec_init_req req;
-    char bytes[sizeof(struct dsec_init_req) + DSEC_INIT_MAX_STRINGS];
+    char bytes[sizeof(struct dsec_init_req) + DSEC_INIT_MAX_STRINGS + DSEC_POLICY_MAX_BYTES];
 } in;
 static const char *ptrs[MAX_STRINGS_PTRS];
 
@@ -86,6 +87,8 @@ struct request {
     const char *cwd;
     const char *const *argv;
     const char *const *envp;
+    const unsigned char *policy; /* a task policy's plan (DSEC_INIT_START_POLICY), or NULL */
+    size_t policy_len;
     int stdio[3];
 };
 
@@ -120,7 +123,12 @@ static int caps_bound_drop(uint64_t drop, struct dsec_err *e)
  * for the whole sandbox (namespaces, cgroups, QoS, no_new_privs, seccomp).
  * Signal dispositions need no reset: init never installs a handler. A vfork
  * child: it writes nothing of init's memory but e (exec_search leaves e alone
- * unless nothing ran). Returns only on failure, with e filled. */
+ * unless nothing ran). Returns only on failure, with e filled.
+ *
+ * The task policy goes on while init's capabilities are raised (its rule
+ * paths are opened and listed as root of the sandbox, whatever the exec's
+ * uid) and after the seccomp filter, which init installed for itself: the
+ * exec and all it forks stay in the Landlock domain made here. */
 static void exec_child(const struct request *r, struct dsec_err *e)
 {
     const struct dsec_init_req *q = r->req;
@@ -130,6 +138,7 @@ static void exec_child(const struct request *r, struct dsec_err *e)
         stdio_dup(r->stdio, e) < 0 || ((q->op & DSEC_INIT_START_CTTY) && ctty_take(e) < 0) ||
         check(syscall(SYS_close_range, 3, ~0U, 0), e, DSEC_STEP_CLOSE_FDS, NULL) < 0 ||
         caps_raise(&held, e) < 0 || caps_bound_drop(held & ~q->cap_keep, e) < 0 ||
+        (r->policy && policy_apply(r->policy, r->policy_len, e) < 0) ||
         ids_set(q->uid, q->gid, q->cap_keep, e) < 0 || caps_set(q->cap_keep, e) < 0 ||
         check(chdir(r->cwd), e, DSEC_STEP_CHDIR, r->cwd) < 0)
         return;
@@ -200,17 +209,26 @@ static void reply_exited(uint32_t id, int status)
     reply(&rep, -1);
 }
 
-/* Split the strings after the header into cwd, argv and envp; 0 if they
- * are not exactly 1 + argc + envc NUL-terminated strings, argv[0] non-empty. */
+/* Split the strings after the header into cwd, argv and envp, and find the
+ * policy after them (DSEC_INIT_START_POLICY); 0 if they are not exactly 1 +
+ * argc + envc NUL-terminated strings, argv[0] non-empty, with a policy of at
+ * most DSEC_POLICY_MAX_BYTES after them exactly when the flag says so. */
 static int parse(struct request *r, size_t len)
 {
     const struct dsec_init_req *q = &in.req;
-    size_t want = 1 + (size_t)q->argc + q->envc, n = 0;
-    const char *p = in.bytes + sizeof(*q), *end = in.bytes + len;
+    size_t want = 1 + (size_t)q->argc + q->envc, n = 0, extra;
+    const char *p = in.bytes + sizeof(*q), *end;
 
-    if (q->strings_len != len - sizeof(*q) || q->argc < 1 || want + 2 > MAX_STRINGS_PTRS ||
-        (len > sizeof(*q) && end[-1] != '\0'))
+    if (q->strings_len > len - sizeof(*q) || q->argc < 1 || want + 2 > MAX_STRINGS_PTRS)
         return 0;
+    end = p + q->strings_len;
+    extra = len - sizeof(*q) - q->strings_len;
+    if ((q->op & DSEC_INIT_START_POLICY) ? (extra == 0 || extra > DSEC_POLICY_MAX_BYTES) : extra != 0)
+        return 0;
+    if (q->strings_len > 0 && end[-1] != '\0')
+        return 0;
+    r->policy = extra ? (const unsigned char *)end : NULL;
+    r->policy_len = extra;
     for (; p < end && n < want; n++) {
         ptrs[n + (n > q->argc)] = p; /* a NULL after argv */
         p += strlen(p) + 1;
@@ -542,7 +560,8 @@ static int serve(void)
     int hold = (size_t)len >= sizeof(in.req) && (in.req.op & DSEC_INIT_START_HOLD);
 
     if ((size_t)len < sizeof(in.req) || in.req.magic != DSEC_INIT_MAGIC ||
-        (in.req.op & ~(uint32_t)(DSEC_INIT_START_CTTY | DSEC_INIT_START_HOLD)) != DSEC_INIT_OP_START ||
+        (in.req.op & ~(uint32_t)(DSEC_INIT_START_CTTY | DSEC_INIT_START_HOLD | DSEC_INIT_START_POLICY)) !=
+            DSEC_INIT_OP_START ||
         n != (hold ? 6 : 3) || (msg.msg_flags & MSG_TRUNC) || !parse(&r, (size_t)len)) {
         fds_close(fds, n > 0 ? n : 0);
         reply_failed((size_t)len >= sizeof(in.req) ? in.req.id : 0, DSEC_STEP_INIT_REQUEST, EINVAL);

@@ -273,15 +273,17 @@ class ContainerBackend:
 
     def start_by_init(self, loop, h: Handle, argv: list[str], env: list[str], cwd: str, uid: int,
                       fds: tuple[int, int, int], ctty: bool = False,
-                      hold: tuple[int, int, int] | None = None) -> initlink.InitExec | None:
+                      hold: tuple[int, int, int] | None = None,
+                      policy: bytes | None = None) -> initlink.InitExec | None:
         """Send the exec to the sandbox's init (on the event loop, does not
         block); None if it has no channel or the channel cannot take it: then
         `spawn` it. The same ids and capabilities as `spawn` gives. ctty:
         fds[0] is a pty slave, the exec's controlling terminal. hold: the
-        daemon's ends of its pipes, for init to hold (a background process)."""
+        daemon's ends of its pipes, for init to hold (a background process).
+        policy: a task policy's plan (dsecd/policy.py), applied before execve."""
         if h.init_link is None:
             return None
-        return h.init_link.spawn(loop, argv, env, cwd, uid, self.caps, fds, ctty, hold)
+        return h.init_link.spawn(loop, argv, env, cwd, uid, self.caps, fds, ctty, hold, policy)
 
     def copy_by_init(self, loop, h: Handle, src: int, dst: int) -> initlink.InitExec | None:
         """Have the sandbox's init copy src into dst from a child in the
@@ -292,12 +294,12 @@ class ContainerBackend:
         return h.init_link.copy(loop, src, dst)
 
     def spawn(self, h: Handle, argv: list[str], env: list[str], cwd: str, uid: int,
-              fds: tuple[int, int, int], ctty: bool = False) -> int:
+              fds: tuple[int, int, int], ctty: bool = False, policy: bytes | None = None) -> int:
         spec = native.ExecSpec(pidfd=h.pidfd, cgroup_procs=h.group.procs_files(), argv=argv, env=env,
                                cwd=cwd, uid=uid, gid=uid, stdin_fd=fds[0], stdout_fd=fds[1],
                                stderr_fd=fds[2], cap_keep=self.caps, sched_idle=h.sched_idle,
                                core_sched=h.core_sched, seccomp_profile=self.seccomp, userns=h.userns,
-                               oom_reset=_OOM_RESET, ctty=ctty)
+                               oom_reset=_OOM_RESET, ctty=ctty, policy=policy)
         return native.spawn_exec(spec)
 
     # ------------------------------------------------------------ destroy
