@@ -34,6 +34,7 @@ from .engine.lifecycle import LifecycleService
 from .engine.lifetimes import LifetimeService
 from .engine.memory import MemoryService
 from .engine.network import NetworkService
+from .engine.policies import PolicyService
 from .engine.procs import ProcessService, ProcLimits
 from .engine.sandboxes import SandboxRegistry
 from .engine.starts import ProcessStarter
@@ -78,7 +79,7 @@ SERVICE_ROUTES = {
     "pause": ("memory", "pause"), "resume": ("memory", "resume"),
     "job_pause": ("memory", "job_pause"), "job_resume": ("memory", "job_resume"),
     "renew": ("lifetimes", "renew"), "events": ("events", "stream"),
-    "call": ("call_service", "call"),
+    "call": ("call_service", "call"), "policy_list": ("policies", "list"),
 }
 
 
@@ -109,6 +110,7 @@ class Node:
         self.journal = Journal(state, fsync=cfg.section("journal")["fsync"], compact_with=self.workers.submit)
         self.registry = SandboxRegistry(self.journal)
         self.events = EventBus()
+        self.policies = PolicyService(cfg.raw.get("policy", {}), features.landlock_abi)
         self.backend = ContainerBackend(layout, sb, state, {
             "tmp": cfg.size("sandbox", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")}, upper_mode,
             execs_by_init)
@@ -124,7 +126,7 @@ class Node:
         self.net_service = NetworkService(cfg, layout, root, self.limits["max_sandboxes"], self.registry,
                                           self.workers, self.backend)
         self.procs = ProcessService(self.registry, self.workers, self.backend, self.memory.ensure_running,
-                                    ProcLimits.from_config(cfg))
+                                    ProcLimits.from_config(cfg), self.policies)
         self.lifecycle = LifecycleService(self.registry, self.workers, self.backend, self.image_service.layers,
                                           self.net_service, self.memory, self.events, self.cpu, self.id_ranges,
                                           self.procs)
@@ -132,11 +134,11 @@ class Node:
                                          self.lifecycle.destroy_sandbox)
         self.create_service = CreateService(cfg, self.registry, self.workers, self.backend, self.image_service,
                                             self.net_service, self.memory, self.cpu, self.id_ranges,
-                                            self.lifecycle, disk_default)
+                                            self.lifecycle, disk_default, self.policies.for_create)
         self.starter = ProcessStarter(self.workers)
         exec_limits = ExecLimits.from_config(cfg)
         self.exec_service = ExecService(self.registry, self.workers, self.starter, self.backend,
-                                        self.memory.ensure_running, exec_limits, self._devnull)
+                                        self.memory.ensure_running, exec_limits, self._devnull, self.policies)
         self.file_service = FileService(self.registry, self.workers, self.memory.ensure_running,
                                         cfg.size("limits", "max_file_chunk_bytes"), self.backend.copy_by_init)
         self.watch_service = WatchService(self.registry, self.workers, self.events, self.memory.ensure_running,
@@ -219,7 +221,7 @@ class Node:
 
     def capabilities(self) -> list[str]:
         return ["exec.stream", "exec.stdin", "files", "files.watch", "files.tar", "backend.container",
-                "image.dir", "backend.fncall", "proc", "frame.tail"]
+                "image.dir", "backend.fncall", "proc", "frame.tail", "policy"]
 
     def wire_limits(self) -> dict:
         return {"max_frame_bytes": self.cfg.size("limits", "max_frame_bytes"),
@@ -246,6 +248,7 @@ class Node:
                 "fncall": self.call_service.info(),
                 "admission": self.create_service.info(),
                 "userns": self.id_ranges.info(),
+                "policy": self.policies.info(),
                 "paths": {"socket": d["socket"], "state_dir": str(self.cfg.state_dir), "cgroup_root": root,
                           "cgroup_dirs": {k: str(v / root) for k, v in self.layout.hierarchies().items()}}}
 

@@ -104,7 +104,9 @@ class CreateService:
 
     def __init__(self, cfg, registry: SandboxRegistry, workers: Workers, backend, images: ImageService,
                  net: NetworkService, memory: MemoryService, cpu: CpuHost, id_ranges: IdRanges,
-                 lifecycle: LifecycleService, disk_default: int):
+                 lifecycle: LifecycleService, disk_default: int, policy_for_create):
+        # policies.for_create: a create's `policy` as the sandbox records it (dsecd/engine/policies.py)
+        self.policy_for_create = policy_for_create
         self.sb_defaults = cfg.section("sandbox")
         self.limits = cfg.section("limits")
         self.registry = registry
@@ -195,6 +197,7 @@ class CreateService:
 
     async def _create_admitted(self, req) -> dict:
         limits = self._limits_for(req)        # a bad request fails before it queues
+        self.policy_for_create(req.policy)
         taken = await self._take_from_pool(req, limits)
         if taken is not None:
             return taken
@@ -247,6 +250,7 @@ class CreateService:
             # Out of the pool for good: the label goes, the caller's settings come.
             sb.labels, sb.env, sb.cwd, sb.user = dict(req.labels), dict(req.env), req.cwd, req.user
             sb.ttl, sb.idle_ttl, sb.lease, sb.key = ttl, idle_ttl, lease, req.key
+            sb.policy = self.policy_for_create(req.policy)
             sb.created = time.time()
             sb.last_active = time.monotonic()
             sb.lease_deadline = sb.last_active + lease if lease else None
@@ -487,7 +491,8 @@ class CreateService:
                      user=req.user, qos=plan.qos, core_sched=plan.core_sched,
                      manifest=image.manifest, layers=image.layer_digests,
                      ttl=self._ttl(req), idle_ttl=parse_duration(req.idle_ttl, "idle_ttl"),
-                     lease=parse_duration(req.lease, "lease"), key=req.key)
+                     lease=parse_duration(req.lease, "lease"), key=req.key,
+                     policy=self.policy_for_create(req.policy))
         if sb.lease:
             sb.lease_deadline = time.monotonic() + sb.lease
         # The record is written once the sandbox runs. A crash before that leaves

@@ -15,6 +15,7 @@ from .. import tracing, userns
 from ..errors import BadRequest, Conflict, DsecError, NotFound, io_error, run_error
 from ..execio import ChildWatch, Collector, ExecIO, PtyIO, kill_and_reap
 from ..initlink import InitExec
+from .policies import Applied, PolicyService
 from .sandboxes import Sandbox, SandboxRegistry
 from .starts import ProcessStarter
 from .workers import Workers
@@ -78,6 +79,14 @@ def exec_target(sb: Sandbox, req, backend) -> tuple[list[str], str, int]:
     return backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, req.env), cwd, user
 
 
+def _with_options(start, ctty: bool, applied: Applied | None):
+    """A backend's start or spawn with the options this exec needs (none: as it is)."""
+    options = {"ctty": True} if ctty else {}
+    if applied is not None and applied.plan is not None:
+        options["policy"] = applied.plan
+    return functools.partial(start, **options) if options else start
+
+
 @dataclass(frozen=True)
 class ExecLimits:
     max_timeout_s: float           # limits.max_exec_timeout_s (0: none)
@@ -95,10 +104,13 @@ class ExecLimits:
 class ExecService:
     """`exec`, `exec_input` and `exec_resize`. `ensure_running(sb, why)` resumes a paused
     sandbox first (the memory service's); `devnull` is the stdin of collected
-    execs (the daemon's one read-only /dev/null)."""
+    execs (the daemon's one read-only /dev/null); `policies` says which task
+    policy each exec runs under."""
 
     def __init__(self, registry: SandboxRegistry, workers: Workers, starter: ProcessStarter, backend,
-                 ensure_running: Callable[[Sandbox, str], Awaitable[None]], limits: ExecLimits, devnull: int):
+                 ensure_running: Callable[[Sandbox, str], Awaitable[None]], limits: ExecLimits, devnull: int,
+                 policies: PolicyService):
+        self.policies = policies
         self.registry = registry
         self.workers = workers
         self.starter = starter
@@ -115,6 +127,7 @@ class ExecService:
         if timeout is not None and not 0 < timeout <= (max_t or float("inf")):
             raise BadRequest(f"timeout must be in (0, {max_t}] seconds, got {timeout}")
         env, cwd, user = exec_target(sb, req, self.backend)
+        applied = self.policies.for_exec(sb, req.policy)
         await self.ensure_running(sb, "exec")
         if not (req.stream or req.stdin or req.trace or req.pty):
             # ETXTBSY: the program is open for writing somewhere for a moment
@@ -123,15 +136,15 @@ class ExecService:
             # sandbox's own writer). Nothing ran, so a short wait and a retry are safe.
             for delay in (*ETXTBSY_RETRY_S, None):
                 try:
-                    return await self._exec_collected(sb, list(req.argv), env, cwd, user, timeout, ctx)
+                    return await self._exec_collected(sb, list(req.argv), env, cwd, user, timeout, ctx, applied)
                 except DsecError as err:
                     if delay is None or err.detail.get("errno") != "ETXTBSY":
                         raise
                 await asyncio.sleep(delay)
-        return await self._exec_streamed(sb, req, env, cwd, user, timeout, ctx)
+        return await self._exec_streamed(sb, req, env, cwd, user, timeout, ctx, applied)
 
     async def _exec_streamed(self, sb: Sandbox, req, env: list[str], cwd: str, user: int,
-                             timeout: float | None, ctx) -> dict:
+                             timeout: float | None, ctx, applied: Applied | None) -> dict:
         """An exec that streams its output, takes stdin, is traced or has a
         terminal: one ExecIO (PtyIO for a terminal)."""
         loop = self.workers.loop
@@ -155,9 +168,9 @@ class ExecService:
             # A traced exec needs the daemon's helper: the tracer attaches to the daemon's child.
             tracer = None
             watch = None if req.trace else self._start_by_init(sb, argv, env, cwd, user, io, io.child_fds(),
-                                                               req.pty)
+                                                               applied, req.pty)
             if watch is None:
-                pid = await self._spawn_exec(sb, argv, env, cwd, user, io.child_fds(), io, req.pty)
+                pid = await self._spawn_exec(sb, argv, env, cwd, user, io.child_fds(), io, applied, req.pty)
                 if req.trace:
                     tracer = await self._start_tracer(pid, timeout)
                 watch = ChildWatch(loop, pid)
@@ -175,10 +188,11 @@ class ExecService:
         if not req.stream:
             result["stdout"] = b"".join(collected[1])
             result["stderr"] = b"".join(collected[2])
+        result["policy"] = applied.name if applied else None
         return result
 
     async def _exec_collected(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int,
-                              timeout: float | None, ctx) -> dict:
+                              timeout: float | None, ctx, applied: Applied | None) -> dict:
         """An exec whose output comes back whole and that takes no stdin (most
         of them): collected by loop callbacks (dsecd/execio.py Collector), not
         by ExecIO's task per pipe; stdin is the daemon's /dev/null."""
@@ -189,17 +203,19 @@ class ExecService:
         watch = None
         try:
             stdio = (self.devnull, *run.child_ends)
-            watch = self._start_by_init(sb, argv, env, cwd, user, run, stdio)
+            watch = self._start_by_init(sb, argv, env, cwd, user, run, stdio, applied)
             if watch is None:
                 watch = ChildWatch(self.workers.loop,
-                                   await self._spawn_exec(sb, argv, env, cwd, user, stdio, run))
+                                   await self._spawn_exec(sb, argv, env, cwd, user, stdio, run, applied))
             # Sent to init, the timeout counts from the send: a start init cannot finish is killed too.
             run.kill_grace = watch.kill_grace
             run.start(watch.exited, watch.kill, timeout)
             try:
-                return await run.done
+                result = await run.done
             except OSError as err:
                 raise run_error(err, sb.id, argv[0], cwd) from err
+            result["policy"] = applied.name if applied else None
+            return result
         except BaseException:
             # Cancelled (client gone, `cancel`, daemon stopping): the process group goes.
             if watch is not None and not watch.exited.done():
@@ -214,22 +230,24 @@ class ExecService:
             ctx.unregister_exec()
 
     def _start_by_init(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int, io,
-                       stdio: tuple[int, int, int], ctty: bool = False) -> InitExec | None:
+                       stdio: tuple[int, int, int], applied: Applied | None,
+                       ctty: bool = False) -> InitExec | None:
         """The exec sent to the sandbox's init (dsecd/initlink.py), or None:
         the daemon's helper must start it (no channel: exec_via = helper, a
         sandbox of an older daemon, or one whose init lacks this daemon's
         capabilities; or the channel cannot take this one: too big, init
         busy). `io` owns the child ends in stdio, closed once sent. Whether it
         started shows in its `exited` (a failed start: errors.run_error).
-        ctty: stdin is a pty slave, the exec's controlling terminal."""
+        ctty: stdin is a pty slave, the exec's controlling terminal. applied:
+        the task policy it runs under (its plan goes with the request)."""
         if sb.handle is None:
             return None
-        start = functools.partial(self.backend.start_by_init, ctty=True) if ctty else self.backend.start_by_init
+        start = _with_options(self.backend.start_by_init, ctty, applied)
         return self.starter.send_to_init(start, sb.handle, argv, env, cwd, user, io, stdio)
 
     async def _spawn_exec(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int,
-                          fds: tuple[int, int, int], io, ctty: bool = False) -> int:
-        spawn = functools.partial(self.backend.spawn, ctty=True) if ctty else self.backend.spawn
+                          fds: tuple[int, int, int], io, applied: Applied | None = None, ctty: bool = False) -> int:
+        spawn = _with_options(self.backend.spawn, ctty, applied)
         return await self.starter.spawn_by_helper(io, None, spawn, sb.handle, argv, env, cwd, user, fds)
 
     async def _start_tracer(self, pid: int, timeout: float | None):
