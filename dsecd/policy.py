@@ -18,6 +18,9 @@ dict in a request, with these fields (all optional):
     scope_signals        true: no signal reaches a process outside the exec's own
     scope_abstract_unix  true: no connect or send to an abstract unix socket
                          of a process outside the exec's own
+    capabilities         the capabilities the exec keeps, a subset of
+                         sandbox.capabilities (absent: all of those); not
+                         Landlock, but what closes its gaps below
 
 A path takes the level of the longest named path it is under (or `rest`).
 `parse` validates (errors name the field), `Policy.needs` says which Landlock
@@ -43,9 +46,10 @@ What Landlock does not cover, up to ABI 7 (the kernel decides, not this
 module): stat(2) and path walks (a hidden path's existence, size and mode
 show to stat), chdir, and metadata changes (chmod, chown, utimes, xattrs)
 of files the caller owns or holds CAP_FOWNER/CAP_CHOWN over: root in the
-sandbox can still chmod a read-only or hidden file. Run an agent as a
-non-root user (create --user) and keep the grader's files root-owned 0700
-where that matters; UDP and TCP only through `tcp_*`.
+sandbox can still chmod a read-only or hidden file. Where that matters, run
+the agent as a non-root user (create --user) under a policy with
+`capabilities = []` and keep the grader's files root-owned 0700: file modes
+then refuse the stat and the chmod. Only TCP is covered by `tcp_*` (UDP is not).
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ import posixpath
 import re
 import struct
 from dataclasses import dataclass
+
+from .caps import cap_mask
 
 # ---------------------------------------------------------------- Landlock ABI (linux/landlock.h)
 
@@ -91,7 +97,7 @@ FS_FILE = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE
 # The Landlock ABI each field needs when it restricts anything (`dsec info`).
 FIELD_ABI = {"read_only": 3, "writable": 3, "hidden": 3, "rest": 3, "tcp_bind": 4, "tcp_connect": 4,
              "scope_signals": 6, "scope_abstract_unix": 6}
-FIELDS = tuple(FIELD_ABI)
+FIELDS = (*FIELD_ABI, "capabilities")       # capabilities: enforced by the exec's capability sets
 
 # ---------------------------------------------------------------- the plan's wire format
 # (csrc/dsec_native.h: struct dsec_policy_head, _port, _path; applied by csrc/policy_steps.h)
@@ -130,17 +136,24 @@ class Policy:
     tcp_connect: tuple[int, ...] | None = None
     scope_signals: bool = False
     scope_abstract_unix: bool = False
+    capabilities: tuple[str, ...] | None = None    # None: the sandbox's
 
     def spec(self) -> dict:
         """The policy as a request or a journal record carries it (no name)."""
         out: dict = {"read_only": list(self.read_only), "writable": list(self.writable),
                      "hidden": list(self.hidden), "rest": self.rest,
                      "scope_signals": self.scope_signals, "scope_abstract_unix": self.scope_abstract_unix}
-        for key in ("tcp_bind", "tcp_connect"):
+        for key in ("tcp_bind", "tcp_connect", "capabilities"):
             value = getattr(self, key)
             if value is not None:
                 out[key] = list(value)
         return out
+
+    def cap_keep(self, sandbox_caps: int) -> int:
+        """The capability mask an exec under it keeps: the sandbox's, narrowed."""
+        if self.capabilities is None:
+            return sandbox_caps
+        return sandbox_caps & cap_mask(list(self.capabilities), f"policy.{self.name}.capabilities")
 
     def restricts(self) -> bool:
         """Whether it takes anything away (else an exec runs without Landlock)."""
@@ -284,8 +297,23 @@ def parse(name: str, table: object, where: str | None = None) -> Policy:
             raise PolicyError(f"{where}.{key}: must be true or false, got {value!r}", f"{where}.{key}")
         flags[key] = value
     return Policy(name=name, rest=rest, tcp_bind=_ports(table, "tcp_bind", where),
-                  tcp_connect=_ports(table, "tcp_connect", where),
+                  tcp_connect=_ports(table, "tcp_connect", where), capabilities=_caps(table, where),
                   **{k: tuple(v) for k, v in lists.items()}, **flags)
+
+
+def _caps(table: dict, where: str) -> tuple[str, ...] | None:
+    value = table.get("capabilities")
+    if value is None:
+        return None
+    field = f"{where}.capabilities"
+    if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+        raise PolicyError(f"{field}: must be a list of capability names (e.g. [\"NET_BIND_SERVICE\"]; [] keeps "
+                          f"none), got {value!r}", field)
+    try:
+        cap_mask(value, field)
+    except ValueError as err:
+        raise PolicyError(f"{field}: {err}", field) from err
+    return tuple(sorted({c.upper().removeprefix("CAP_") for c in value}))
 
 
 def _paths(value: object, where: str) -> list[str]:

@@ -79,11 +79,14 @@ def exec_target(sb: Sandbox, req, backend) -> tuple[list[str], str, int]:
     return backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, req.env), cwd, user
 
 
-def _with_options(start, ctty: bool, applied: Applied | None):
+def _with_options(start, ctty: bool, applied: Applied | None, backend):
     """A backend's start or spawn with the options this exec needs (none: as it is)."""
-    options = {"ctty": True} if ctty else {}
-    if applied is not None and applied.plan is not None:
-        options["policy"] = applied.plan
+    options: dict = {"ctty": True} if ctty else {}
+    if applied is not None:
+        if applied.plan is not None:
+            options["policy"] = applied.plan
+        if (caps := applied.cap_keep(backend.caps)) is not None:
+            options["cap_keep"] = caps
     return functools.partial(start, **options) if options else start
 
 
@@ -242,12 +245,12 @@ class ExecService:
         the task policy it runs under (its plan goes with the request)."""
         if sb.handle is None:
             return None
-        start = _with_options(self.backend.start_by_init, ctty, applied)
+        start = _with_options(self.backend.start_by_init, ctty, applied, self.backend)
         return self.starter.send_to_init(start, sb.handle, argv, env, cwd, user, io, stdio)
 
     async def _spawn_exec(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int,
                           fds: tuple[int, int, int], io, applied: Applied | None = None, ctty: bool = False) -> int:
-        spawn = _with_options(self.backend.spawn, ctty, applied)
+        spawn = _with_options(self.backend.spawn, ctty, applied, self.backend)
         return await self.starter.spawn_by_helper(io, None, spawn, sb.handle, argv, env, cwd, user, fds)
 
     async def _start_tracer(self, pid: int, timeout: float | None):

@@ -28,10 +28,16 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Applied:
     """The policy one exec runs under: its name ("inline" for a request's
-    dict), and its compiled plan (None: it restricts nothing, no Landlock)."""
+    dict), its compiled plan (None: no Landlock rule, no domain) and the
+    policy itself (its `capabilities`)."""
 
     name: str
     plan: bytes | None
+    policy: P.Policy
+
+    def cap_keep(self, sandbox_caps: int) -> int | None:
+        """The exec's capabilities if the policy narrows them, else None (the sandbox's)."""
+        return None if self.policy.capabilities is None else self.policy.cap_keep(sandbox_caps)
 
 
 class PolicyService:
@@ -92,7 +98,7 @@ class PolicyService:
             pol = self._recorded(sb.policy)
         else:
             return None
-        return Applied(pol.name, self._plan(pol))
+        return Applied(pol.name, self._plan(pol), pol)
 
     def _recorded(self, rec: dict) -> P.Policy:
         """A sandbox's default policy from its record, parsed once per distinct

@@ -184,7 +184,8 @@ class ProcessService:
             # Without stdin init holds a copy of the process's /dev/null in its place.
             hold = (ours["stdin"] if ours["stdin"] >= 0 else theirs[0], ours["stdout"], ours["stderr"])
             run = self.backend.start_by_init(self.workers.loop, h, list(req.argv), env, cwd, user, theirs,
-                                             hold=hold, policy=applied and applied.plan)
+                                             hold=hold, policy=applied and applied.plan,
+                                             cap_keep=applied and applied.cap_keep(self.backend.caps))
         except ValueError as err:
             _close_all(ours.values())
             raise BadRequest(f"proc_start: {err}") from err

@@ -40,6 +40,8 @@ def test_shipped_policies_parse_and_agent_hides_the_grader():
     ({"tcp_connect": [True]}, "policy.t.tcp_connect[0]"),
     ({"scope_signals": "yes"}, "policy.t.scope_signals"),
     ({"hiden": ["/x"]}, "policy.t.hiden"),
+    ({"capabilities": "KILL"}, "policy.t.capabilities"),
+    ({"capabilities": ["KILL", "NOT_A_CAP"]}, "policy.t.capabilities"),
 ])
 def test_a_bad_policy_names_its_field(table, field):
     with pytest.raises(P.PolicyError) as exc:
@@ -70,6 +72,18 @@ def test_a_config_table_replaces_a_shipped_policy_whole(tmp_path):
     assert named["agent"].hidden == ("/answers",) and named["agent"].read_only == ()
     assert not named["agent"].scope_signals
     assert "mine" in named and "unrestricted" in named
+
+
+def test_capabilities_narrow_the_sandboxs_set_and_need_no_landlock():
+    from dsecd.caps import cap_mask
+
+    sandbox = cap_mask(["CHOWN", "KILL", "NET_BIND_SERVICE"])
+    pol = P.parse("t", {"rest": "writable", "capabilities": ["cap_kill", "SYS_ADMIN"]})
+    assert pol.capabilities == ("KILL", "SYS_ADMIN")
+    assert pol.cap_keep(sandbox) == cap_mask(["KILL"])          # never more than the sandbox's
+    assert P.parse("t", {"capabilities": []}).cap_keep(sandbox) == 0
+    assert P.parse("t", {}).cap_keep(sandbox) == sandbox
+    assert pol.needs() == {} and pol.compile() is None and pol.spec()["capabilities"] == ["KILL", "SYS_ADMIN"]
 
 
 def test_needs_names_the_abi_of_each_restricting_field():
