@@ -117,6 +117,7 @@ class ExecResult:
     duration_ms: float
     trace: dict | None = None        # with exec(trace=True): the ptrace record
     policy: str | None = None        # the task policy it ran under (a name, "inline"; None: none)
+    denials: int | None = None       # its policy denials, when counted (dsec info: policy.denials)
 
     @property
     def ok(self) -> bool:
@@ -128,7 +129,7 @@ class ExecResult:
                    stdout=r.get("stdout", stdout), stderr=r.get("stderr", stderr),
                    truncated=r.get("truncated", False), timed_out=r.get("timed_out", False),
                    cancelled=r.get("cancelled", False), duration_ms=r.get("duration_ms", 0.0),
-                   trace=r.get("trace"), policy=r.get("policy"))
+                   trace=r.get("trace"), policy=r.get("policy"), denials=r.get("denials"))
 
 
 @dataclass
@@ -494,8 +495,9 @@ class Client:
 
     async def events(self, sandbox: str | None = None, replay: bool = False,
                      follow: bool = True) -> AsyncIterator[dict]:
-        """State changes (created, paused, resumed, expired, oom, died, destroyed), as they happen;
-        with replay, the recent history first; with follow=False, only that history."""
+        """State changes (created, paused, resumed, expired, oom, died, destroyed) and task-policy
+        denials (denied), as they happen; with replay, the recent history first; with
+        follow=False, only that history."""
         # `follow` only when it differs from the default, which older daemons do not know.
         extra = {} if follow else {"follow": False}
         async with contextlib.aclosing(self.frames("events", sandbox=sandbox, replay=replay, **extra)) as frames:

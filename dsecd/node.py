@@ -22,8 +22,10 @@ from . import __version__, cgroup, protocol
 from .backends.container import ContainerBackend
 from .config import Config, ConfigError, parse_size
 from .cpu.manager import CpuHost
+from .denials import Monitor
 from .engine.calls import CallService, fncall_backend
 from .engine.creates import CreateService
+from .engine.denials import DenialService
 from .engine.dircopies import DirCopyService
 from .engine.events import EventBus
 from .engine.execs import ExecLimits, ExecService
@@ -44,6 +46,7 @@ from .fds import close_quietly
 from .features import Features, suid_dumpable_hazard
 from .fs import upper as upperfs
 from .journal import Journal
+from .net.network import bpf_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +114,10 @@ class Node:
         self.registry = SandboxRegistry(self.journal)
         self.events = EventBus()
         self.policies = PolicyService(cfg.raw.get("policy", {}), features.landlock_abi)
+        self.denials = DenialService(
+            Monitor(bpf_cache_dir(cfg.section("net"), state), self.limits["max_sandboxes"])
+            if sb["policy_denials"] else None, sb["policy_denial_events"], layout, self.registry,
+            self.workers, self.events)
         self.backend = ContainerBackend(layout, sb, state, {
             "tmp": cfg.size("sandbox", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")}, upper_mode,
             execs_by_init)
@@ -126,7 +133,7 @@ class Node:
         self.net_service = NetworkService(cfg, layout, root, self.limits["max_sandboxes"], self.registry,
                                           self.workers, self.backend)
         self.procs = ProcessService(self.registry, self.workers, self.backend, self.memory.ensure_running,
-                                    ProcLimits.from_config(cfg), self.policies)
+                                    ProcLimits.from_config(cfg), self.policies, self.denials)
         self.lifecycle = LifecycleService(self.registry, self.workers, self.backend, self.image_service.layers,
                                           self.net_service, self.memory, self.events, self.cpu, self.id_ranges,
                                           self.procs)
@@ -138,7 +145,8 @@ class Node:
         self.starter = ProcessStarter(self.workers)
         exec_limits = ExecLimits.from_config(cfg)
         self.exec_service = ExecService(self.registry, self.workers, self.starter, self.backend,
-                                        self.memory.ensure_running, exec_limits, self._devnull, self.policies)
+                                        self.memory.ensure_running, exec_limits, self._devnull, self.policies,
+                                        self.denials)
         self.file_service = FileService(self.registry, self.workers, self.memory.ensure_running,
                                         cfg.size("limits", "max_file_chunk_bytes"), self.backend.copy_by_init)
         self.watch_service = WatchService(self.registry, self.workers, self.events, self.memory.ensure_running,
@@ -173,6 +181,7 @@ class Node:
         await self.workers.run(upperfs.sweep_views, self.cfg.state_dir / upperfs.VIEWS_DIR)
         await self.workers.run(self.image_service.start)
         await self.lifecycle.recover_all()
+        self.denials.start()
         await self.call_service.start()
         await self.create_service.start()
         self._cpu_task = loop.create_task(self.cpu.run(self._cpu_entries, self.workers.run))
@@ -196,6 +205,7 @@ class Node:
         await self.net_service.close_net()
         await self.workers.run(self.memory.close)
         self.procs.close()          # before the handles: their processes run on for the next daemon
+        self.denials.close()
         drained = not any(s.handle is not None for s in self.registry.by_id.values())
         await self.workers.run(self.image_service.stop, drained)
         self.lifecycle.close()
@@ -248,7 +258,7 @@ class Node:
                 "fncall": self.call_service.info(),
                 "admission": self.create_service.info(),
                 "userns": self.id_ranges.info(),
-                "policy": self.policies.info(),
+                "policy": {**self.policies.info(), "denials": self.denials.info()},
                 "paths": {"socket": d["socket"], "state_dir": str(self.cfg.state_dir), "cgroup_root": root,
                           "cgroup_dirs": {k: str(v / root) for k, v in self.layout.hierarchies().items()}}}
 

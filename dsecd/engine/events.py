@@ -7,7 +7,7 @@ import asyncio
 import time
 from collections import deque
 
-EVENT_KINDS = ("created", "paused", "resumed", "expired", "oom", "died", "destroyed")
+EVENT_KINDS = ("created", "paused", "resumed", "expired", "oom", "died", "destroyed", "denied")
 
 
 class EventBus:

@@ -15,6 +15,7 @@ from .. import tracing, userns
 from ..errors import BadRequest, Conflict, DsecError, NotFound, io_error, run_error
 from ..execio import ChildWatch, Collector, ExecIO, PtyIO, kill_and_reap
 from ..initlink import InitExec
+from .denials import DenialService, ExecRef
 from .policies import Applied, PolicyService
 from .sandboxes import Sandbox, SandboxRegistry
 from .starts import ProcessStarter
@@ -108,12 +109,13 @@ class ExecService:
     """`exec`, `exec_input` and `exec_resize`. `ensure_running(sb, why)` resumes a paused
     sandbox first (the memory service's); `devnull` is the stdin of collected
     execs (the daemon's one read-only /dev/null); `policies` says which task
-    policy each exec runs under."""
+    policy each exec runs under, `denials` counts what those deny."""
 
     def __init__(self, registry: SandboxRegistry, workers: Workers, starter: ProcessStarter, backend,
                  ensure_running: Callable[[Sandbox, str], Awaitable[None]], limits: ExecLimits, devnull: int,
-                 policies: PolicyService):
+                 policies: PolicyService, denials: DenialService | None = None):
         self.policies = policies
+        self.denials = denials
         self.registry = registry
         self.workers = workers
         self.starter = starter
@@ -159,6 +161,7 @@ class ExecService:
             else:
                 collected[stream].append(data)
 
+        ref = await self._counting(sb, applied, req.argv[0])
         if req.pty:
             rows, cols = DEFAULT_WINDOW if req.rows is None else (req.rows, req.cols)
             io = PtyIO(loop, emit, rows, cols)
@@ -177,6 +180,9 @@ class ExecService:
                 if req.trace:
                     tracer = await self._start_tracer(pid, timeout)
                 watch = ChildWatch(loop, pid)
+                self._bind_helper(ref, pid)
+            else:
+                self._bind_init(ref, watch)
             try:
                 result = await io.run(watch, timeout, self.limits.drain_grace_s)
             except OSError as err:
@@ -191,7 +197,7 @@ class ExecService:
         if not req.stream:
             result["stdout"] = b"".join(collected[1])
             result["stderr"] = b"".join(collected[2])
-        result["policy"] = applied.name if applied else None
+        self._finish(result, applied, ref)
         return result
 
     async def _exec_collected(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int,
@@ -200,6 +206,7 @@ class ExecService:
         of them): collected by loop callbacks (dsecd/execio.py Collector), not
         by ExecIO's task per pipe; stdin is the daemon's /dev/null."""
         # kill_grace: the watch's (an exec of our own is waited for however long after its kill).
+        ref = await self._counting(sb, applied, argv[0])
         run = Collector(self.workers.loop, self.limits.max_output, self.limits.drain_grace_s, None)
         sb.execs += 1
         ctx.register_exec(run)
@@ -210,6 +217,9 @@ class ExecService:
             if watch is None:
                 watch = ChildWatch(self.workers.loop,
                                    await self._spawn_exec(sb, argv, env, cwd, user, stdio, run, applied))
+                self._bind_helper(ref, watch.pid)
+            else:
+                self._bind_init(ref, watch)
             # Sent to init, the timeout counts from the send: a start init cannot finish is killed too.
             run.kill_grace = watch.kill_grace
             run.start(watch.exited, watch.kill, timeout)
@@ -217,7 +227,7 @@ class ExecService:
                 result = await run.done
             except OSError as err:
                 raise run_error(err, sb.id, argv[0], cwd) from err
-            result["policy"] = applied.name if applied else None
+            self._finish(result, applied, ref)
             return result
         except BaseException:
             # Cancelled (client gone, `cancel`, daemon stopping): the process group goes.
@@ -231,6 +241,25 @@ class ExecService:
             sb.execs -= 1
             sb.last_active = time.monotonic()
             ctx.unregister_exec()
+
+    async def _counting(self, sb: Sandbox, applied: Applied | None, argv0: str) -> ExecRef | None:
+        """Before the start: what counts this exec's policy denials (None: nothing)."""
+        return None if self.denials is None else await self.denials.exec_starting(sb, applied, argv0)
+
+    def _bind_init(self, ref: ExecRef | None, watch: InitExec) -> None:
+        if ref is not None:
+            watch.started().add_done_callback(
+                lambda f: None if f.cancelled() or f.exception() else self.denials.bind(ref, f.result()))
+
+    def _bind_helper(self, ref: ExecRef | None, host_pid: int) -> None:
+        if ref is not None:
+            self.denials.bind(ref, self.denials.host_to_sandbox_pid(host_pid))
+
+    def _finish(self, result: dict, applied: Applied | None, ref: ExecRef | None) -> None:
+        """The policy part of an exec's result: its name, and its denials when counted."""
+        result["policy"] = applied.name if applied else None
+        if ref is not None and ref.policy is not None:
+            result["denials"] = self.denials.ended(ref)
 
     def _start_by_init(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, user: int, io,
                        stdio: tuple[int, int, int], applied: Applied | None,

@@ -42,6 +42,7 @@ from ..errors import BadRequest, Conflict, LimitExceeded, NotFound, io_error, ru
 from ..execio import READ_CHUNK, _decode_status
 from ..fds import close_quietly, read_ready
 from ..initlink import KILLED, InitExec
+from .denials import DenialService
 from .execs import exec_target
 from .policies import PolicyService
 from .sandboxes import Sandbox, SandboxRegistry
@@ -155,8 +156,9 @@ class ProcessService:
 
     def __init__(self, registry: SandboxRegistry, workers: Workers, backend,
                  ensure_running: Callable[[Sandbox, str], Awaitable[None]], limits: ProcLimits,
-                 policies: PolicyService):
+                 policies: PolicyService, denials: DenialService | None = None):
         self.policies = policies
+        self.denials = denials
         self.registry = registry
         self.workers = workers
         self.backend = backend
@@ -179,6 +181,7 @@ class ProcessService:
                            "(made with sandbox.exec_via = helper, or by an older daemon); use exec, or "
                            "create a new sandbox", {"sandbox": sb.id})
         await self.ensure_running(sb, "proc_start")
+        ref = None if self.denials is None else await self.denials.exec_starting(sb, applied, req.argv[0])
         ours, theirs = _open_pipes(req.stdin)
         try:
             # Without stdin init holds a copy of the process's /dev/null in its place.
@@ -206,6 +209,8 @@ class ProcessService:
             run.link.release(run.id, STDIN | STDOUT | STDERR)
             _close_all(ours.values())
             raise
+        if ref is not None:
+            self.denials.bind(ref, pid)
         rec = {"id": run.id, "pid": pid, "argv": list(req.argv), "started": time.time(), "state": "running",
                "policy": applied.name if applied else None,
                "inodes": [os.fstat(ours[k]).st_ino if ours[k] >= 0 else 0 for k in ("stdin", "stdout", "stderr")]}

@@ -65,6 +65,8 @@ class Sandbox:
     procs: list = field(default_factory=list)   # background processes' records (dsecd/engine/procs.py)
     # Default task policy of its execs, {"name", "spec"} (dsecd/engine/policies.py); None: none.
     policy: dict | None = None
+    # Runtime only: task-policy denials seen (dsecd/engine/denials.py): total, by_policy, unattributed.
+    denials: dict = field(default_factory=dict)
 
     def record(self) -> dict:
         h = self.handle
@@ -84,6 +86,7 @@ class Sandbox:
         out.pop("pause_record")
         out.pop("procs")
         out["execs_running"] = self.execs
+        out["denials"] = self.denials
         return out
 
 
