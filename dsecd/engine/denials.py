@@ -64,6 +64,7 @@ class DenialService:
         self.state = "off: sandbox.policy_denials = false" if monitor is None else "not loaded yet"
         self._loading: asyncio.Task | None = None
         self.by_cgroup: dict[int, str] = {}            # watched cgroup id -> sandbox id
+        self._cgroups: dict[str, int] = {}             # sandbox id -> its cgroup v2 id (one stat each)
         self.execs: OrderedDict[tuple[int, int], ExecRef] = OrderedDict()
         self.pending: deque[tuple[float, Denial]] = deque(maxlen=4096)
         self._expiry: asyncio.TimerHandle | None = None
@@ -110,10 +111,10 @@ class DenialService:
         first one waits for the monitor to load: a compile, the first time
         on a host); the returned ref is `bind`ed once the exec's pid is known.
         None when nothing is counted for it."""
-        if self.monitor is None:
-            return None
         confined = applied is not None and applied.plan is not None
-        cg = sb.handle and self._cgroup_of(sb)
+        if self.monitor is None or not (confined or self.by_cgroup):
+            return None
+        cg = self._cgroup_of(sb)
         if not cg or (not confined and cg not in self.by_cgroup):
             return None
         if confined and cg not in self.by_cgroup:
@@ -171,13 +172,16 @@ class DenialService:
         return 0
 
     def _cgroup_of(self, sb: Sandbox) -> int:
-        d = sb.handle.group.dirs.get(cgroup.V2) if sb.handle else None
-        if d is None:
-            return 0
-        try:
-            return os.stat(d).st_ino
-        except OSError:
-            return 0
+        """The id BPF knows sb's processes by: its cgroup v2 dir's inode (0: none)."""
+        cg = self._cgroups.get(sb.id)
+        if cg is None:
+            d = sb.handle.group.dirs.get(cgroup.V2) if sb.handle else None
+            try:
+                cg = os.stat(d).st_ino if d is not None else 0
+            except OSError:
+                return 0
+            self._cgroups[sb.id] = cg
+        return cg
 
     # ------------------------------------------------------------ records
 
@@ -226,6 +230,7 @@ class DenialService:
         """EventBus subscriber: a watched sandbox that ended is no longer watched."""
         if ev["event"] not in ENDS_WATCH or self.monitor is None:
             return
+        self._cgroups.pop(ev["sandbox"], None)
         for cg, sb_id in list(self.by_cgroup.items()):
             if sb_id == ev["sandbox"]:
                 del self.by_cgroup[cg]

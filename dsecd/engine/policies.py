@@ -47,7 +47,8 @@ class PolicyService:
     def __init__(self, tables: dict, abi: int):
         self.abi = abi
         self.named = P.named(tables)          # validated by config.load_config already
-        self._records: dict[tuple, P.Policy] = {}     # sandboxes' default policies, parsed
+        # Sandboxes' default policies, parsed: id(record) -> (record, policy).
+        self._records: dict[int, tuple[dict, P.Policy]] = {}
         # Why a named policy cannot be used here, if it cannot (logged once).
         self.unusable: dict[str, str] = {}
         for name, pol in self.named.items():
@@ -101,15 +102,17 @@ class PolicyService:
         return Applied(pol.name, self._plan(pol), pol)
 
     def _recorded(self, rec: dict) -> P.Policy:
-        """A sandbox's default policy from its record, parsed once per distinct
-        record and checked again (a record may come from another kernel)."""
-        key = (rec["name"], repr(sorted(rec["spec"].items())))
-        pol = self._records.get(key)
-        if pol is None:
+        """A sandbox's default policy from its record, parsed once per record
+        (the sandbox keeps the same dict) and checked again (a record may come
+        from another kernel)."""
+        cached = self._records.get(id(rec))
+        if cached is not None and cached[0] is rec:
+            pol = cached[1]
+        else:
             pol = P.parse(rec["name"], rec["spec"], where=f"the sandbox's policy {rec['name']!r}")
-            if len(self._records) >= 1024:
+            if len(self._records) >= 4096:
                 self._records.clear()
-            self._records[key] = pol
+            self._records[id(rec)] = (rec, pol)
         try:
             pol.check(self.abi)
         except P.PolicyError as err:
