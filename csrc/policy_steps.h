@@ -93,25 +93,28 @@ static inline int policy_absent(int err)
     return err == ENOENT || err == ENOTDIR;
 }
 
-/* One path-beneath rule on fd; access is narrowed to file rights for a
- * non-directory. Returns 0 or -1 with e filled. */
+/* One path-beneath rule: access on fd (and beneath it); none if access is 0. */
+static inline int policy_add(int ruleset, int fd, uint64_t access, const char *path, struct dsec_err *e)
+{
+    struct dsec_landlock_path_beneath_attr rule = {.allowed_access = access, .parent_fd = fd};
+
+    if (!access)
+        return 0;
+    return check(syscall(SYS_landlock_add_rule, ruleset, DSEC_LANDLOCK_RULE_PATH_BENEATH, &rule, 0), e,
+                 DSEC_STEP_LANDLOCK, path);
+}
+
+/* A rule on fd, whatever it is: access is narrowed to file rights for a
+ * non-directory, a symlink gets none. Returns 0 or -1 with e filled. */
 static inline int policy_grant(int ruleset, int fd, uint64_t access, const char *path, struct dsec_err *e)
 {
     struct stat st;
-    struct dsec_landlock_path_beneath_attr rule;
 
     if (check(fstat(fd, &st), e, DSEC_STEP_LANDLOCK, path) < 0)
         return -1;
     if (S_ISLNK(st.st_mode))
         return 0;
-    if (!S_ISDIR(st.st_mode))
-        access &= DSEC_LANDLOCK_FS_FILE;
-    if (!access)
-        return 0;
-    rule.allowed_access = access;
-    rule.parent_fd = fd;
-    return check(syscall(SYS_landlock_add_rule, ruleset, DSEC_LANDLOCK_RULE_PATH_BENEATH, &rule, 0), e,
-                 DSEC_STEP_LANDLOCK, path);
+    return policy_add(ruleset, fd, S_ISDIR(st.st_mode) ? access : access & DSEC_LANDLOCK_FS_FILE, path, e);
 }
 
 /* Like err_set, with "dir/name" as the path (cut at the buffer's size). */
@@ -198,6 +201,8 @@ static inline int policy_children(int ruleset, int root, const char *path, uint6
                 rc = -1;
                 break;
             }
+            if (d->d_type == DT_LNK) /* the link's target has rules of its own, or its parent's */
+                continue;
             fd = openat(dir, name, O_PATH | O_NOFOLLOW | O_CLOEXEC);
             if (fd < 0) {
                 if (!policy_absent(errno)) { /* removed meanwhile: nothing to grant */
@@ -206,7 +211,10 @@ static inline int policy_children(int ruleset, int root, const char *path, uint6
                 }
                 continue;
             }
-            rc = policy_grant(ruleset, fd, access, path, e);
+            if (d->d_type == DT_UNKNOWN)     /* a file system without d_type: ask */
+                rc = policy_grant(ruleset, fd, access, path, e);
+            else
+                rc = policy_add(ruleset, fd, d->d_type == DT_DIR ? access : access & DSEC_LANDLOCK_FS_FILE, path, e);
             close(fd);
         }
     }
@@ -216,25 +224,55 @@ static inline int policy_children(int ruleset, int root, const char *path, uint6
     return rc;
 }
 
-/* Build the ruleset of the plan at blob (len bytes) and restrict the calling
- * process to it. Returns 0, or -1 with e filled (step landlock, the path it
+/* The plan's head, checked; 0 or -1 with e filled (EINVAL: malformed). */
+static inline int policy_head(const unsigned char *blob, size_t len, struct dsec_policy_head *head,
+                              struct dsec_err *e)
+{
+    if (len < sizeof(*head) || len > DSEC_POLICY_MAX_BYTES)
+        goto bad;
+    memcpy(head, blob, sizeof(*head));
+    if (head->magic != DSEC_POLICY_MAGIC ||
+        head->n_ports > (len - sizeof(*head)) / sizeof(struct dsec_policy_port))
+        goto bad;
+    return 0;
+bad:
+    err_set(e, DSEC_STEP_LANDLOCK, EINVAL, "plan");
+    return -1;
+}
+
+/* The path entry at *off (advanced past it): its head in *p, its path and the
+ * names after it at *path. 1 for an entry, -1 with e filled if malformed. */
+static inline int policy_entry(const unsigned char *blob, size_t len, size_t *off, struct dsec_policy_path *p,
+                               const char **path, struct dsec_err *e)
+{
+    if (len - *off < sizeof(*p))
+        goto bad;
+    memcpy(p, blob + *off, sizeof(*p));
+    *off += sizeof(*p);
+    *path = (const char *)blob + *off;
+    /* its strings: path, then n_except names, each NUL-terminated, within strings_len */
+    if (p->strings_len > len - *off || !policy_strings_fit(*path, p->strings_len, 1 + p->n_except) ||
+        (*path)[0] != '/')
+        goto bad;
+    *off += p->strings_len;
+    return 1;
+bad:
+    err_set(e, DSEC_STEP_LANDLOCK, EINVAL, "plan");
+    return -1;
+}
+
+/* The ruleset of the plan at blob (len bytes): an fd for
+ * landlock_restrict_self, or -1 with e filled (step landlock, the path it
  * failed on; EINVAL for a malformed plan). */
-static inline int policy_apply(const unsigned char *blob, size_t len, struct dsec_err *e)
+static inline int policy_build(const unsigned char *blob, size_t len, struct dsec_err *e)
 {
     struct dsec_policy_head head;
     struct dsec_landlock_ruleset_attr attr;
     size_t off = sizeof(head);
     int ruleset, root, rc = 0;
 
-    if (len < sizeof(head) || len > DSEC_POLICY_MAX_BYTES) {
-        err_set(e, DSEC_STEP_LANDLOCK, EINVAL, "plan");
+    if (policy_head(blob, len, &head, e) < 0)
         return -1;
-    }
-    memcpy(&head, blob, sizeof(head));
-    if (head.magic != DSEC_POLICY_MAGIC || head.n_ports > (len - off) / sizeof(struct dsec_policy_port)) {
-        err_set(e, DSEC_STEP_LANDLOCK, EINVAL, "plan");
-        return -1;
-    }
     attr.handled_access_fs = head.handled_fs;
     attr.handled_access_net = head.handled_net;
     attr.scoped = head.scoped;
@@ -259,27 +297,13 @@ static inline int policy_apply(const unsigned char *blob, size_t len, struct dse
     for (uint32_t i = 0; rc == 0 && i < head.n_paths; i++) {
         struct dsec_policy_path p;
         const char *path;
-        size_t plen;
 
-        if (len - off < sizeof(p)) {
-            err_set(e, DSEC_STEP_LANDLOCK, EINVAL, "plan");
+        if (policy_entry(blob, len, &off, &p, &path, e) < 0) {
             rc = -1;
             break;
         }
-        memcpy(&p, blob + off, sizeof(p));
-        off += sizeof(p);
-        path = (const char *)blob + off;
-        /* its strings: path, then n_except names, each NUL-terminated, within strings_len */
-        if (p.strings_len > len - off || !policy_strings_fit(path, p.strings_len, 1 + p.n_except) ||
-            path[0] != '/') {
-            err_set(e, DSEC_STEP_LANDLOCK, EINVAL, "plan");
-            rc = -1;
-            break;
-        }
-        off += p.strings_len;
-        plen = strlen(path);
         if (p.kind == DSEC_POLICY_CHILDREN) {
-            rc = policy_children(ruleset, root, path, p.access, path + plen + 1, p.n_except, e);
+            rc = policy_children(ruleset, root, path, p.access, path + strlen(path) + 1, p.n_except, e);
         } else {
             int fd = policy_open(root, path, O_PATH);
 
@@ -292,11 +316,85 @@ static inline int policy_apply(const unsigned char *blob, size_t len, struct dse
         }
     }
     close(root);
-    if (rc == 0)
-        rc = check(syscall(SYS_landlock_restrict_self, ruleset, head.restrict_flags), e, DSEC_STEP_LANDLOCK,
-                   "restrict_self");
+    if (rc < 0) {
+        close(ruleset);
+        return -1;
+    }
+    return ruleset;
+}
+
+/* landlock_restrict_self with the plan's flags on a built ruleset. */
+static inline int policy_restrict(int ruleset, const unsigned char *blob, struct dsec_err *e)
+{
+    struct dsec_policy_head head;
+
+    memcpy(&head, blob, sizeof(head));
+    return check(syscall(SYS_landlock_restrict_self, ruleset, head.restrict_flags), e, DSEC_STEP_LANDLOCK,
+                 "restrict_self");
+}
+
+/* Build the plan's ruleset and restrict the calling process to it (the exec
+ * helper, whose children are one-off). 0, or -1 with e filled. */
+static inline int policy_apply(const unsigned char *blob, size_t len, struct dsec_err *e)
+{
+    int ruleset = policy_build(blob, len, e), rc;
+
+    if (ruleset < 0)
+        return -1;
+    rc = policy_restrict(ruleset, blob, e);
     close(ruleset);
     return rc;
+}
+
+/* What a built ruleset depends on, per path entry of its plan: whether the
+ * path is there, what it is (its inode: Landlock binds rules to inodes), and
+ * for a listed directory its change times (an entry added, removed or
+ * renamed in it changes them). A ruleset whose plan's paths still give the
+ * same signature grants exactly what a new build would, so it may be used
+ * again (init.c keeps a few: a build is ~30 syscalls, this one per path). */
+struct dsec_policy_sig {
+    uint64_t dev, ino;
+    int64_t mtime_sec, mtime_nsec, ctime_sec, ctime_nsec;
+    uint32_t mode;
+    int32_t err;
+};
+
+/* The signature of every path entry of the plan into sig[0..max); how many,
+ * or -1 if the plan is malformed or has more than max entries (then it is
+ * built each time). */
+static inline int policy_sign(const unsigned char *blob, size_t len, struct dsec_policy_sig *sig, int max)
+{
+    struct dsec_policy_head head;
+    struct dsec_err e;
+    size_t off;
+    int n = 0;
+
+    if (policy_head(blob, len, &head, &e) < 0 || head.n_paths > (uint32_t)max)
+        return -1;
+    off = sizeof(head) + head.n_ports * sizeof(struct dsec_policy_port);
+    for (uint32_t i = 0; i < head.n_paths; i++, n++) {
+        struct dsec_policy_path p;
+        const char *path;
+        struct stat st;
+
+        if (policy_entry(blob, len, &off, &p, &path, &e) < 0)
+            return -1;
+        memset(&sig[n], 0, sizeof(sig[n]));
+        if (fstatat(AT_FDCWD, path, &st, AT_SYMLINK_NOFOLLOW) < 0) {
+            sig[n].err = errno;
+            continue;
+        }
+        sig[n].dev = st.st_dev;
+        sig[n].ino = st.st_ino;
+        sig[n].mode = st.st_mode;
+        if (p.kind == DSEC_POLICY_CHILDREN) {
+            sig[n].mtime_sec = st.st_mtim.tv_sec;
+            sig[n].mtime_nsec = st.st_mtim.tv_nsec;
+            sig[n].ctime_sec = st.st_ctim.tv_sec;
+            sig[n].ctime_nsec = st.st_ctim.tv_nsec;
+        }
+    }
+    return n;
 }
 
 #endif

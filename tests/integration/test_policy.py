@@ -161,6 +161,18 @@ def test_agent_cannot_write_through_a_planted_symlink(task):
     assert probe(task, "open", "/workspace/to-secret", policy="grader") == "ok"
 
 
+def test_paths_made_after_an_agent_exec_get_their_level_at_the_next(task):
+    # dsec-init keeps the ruleset of a plan while the paths it was built from
+    # are unchanged (csrc/init.c policy_ruleset): a new entry beside /grader
+    # and a named path that appears later must not keep the old one.
+    assert probe(task, "open", "/workspace/mine") == "ok"            # builds and keeps agent's ruleset
+    assert sh(task, "mkdir -p /later /home/u && echo x > /later/f", policy="grader")[0] == 0
+    assert probe(task, "open", "/later/f") == "ok"                   # rest: read_only
+    assert probe(task, "open_rw", "/later/f") == "EACCES"
+    assert probe(task, "mkdir", "/home/u/made") == "ok"              # /home: writable
+    assert probe(task, "open", "/grader/secret") == "EACCES"
+
+
 def test_the_host_file_api_is_not_limited_by_the_agent_policy(task, daemon, tmp_path):
     answers = tmp_path / "answers"
     answers.write_bytes(b"42\n")
