@@ -6,10 +6,10 @@ one by one so that the noise of a shared host falls on both alike:
 
 * exec_plain_p50_ms, exec_agent_p50_ms: the SDK's exec round trip;
 * exec_policy_overhead_p50_ms: the median of the per-pair differences
-  (agent minus the plain exec next to it); target <= 0.3 ms. Measured on a
-  daemon with the denial monitor on (the default) and again with it off
-  (exec_policy_overhead_no_monitor_p50_ms): the monitor adds the exec's
-  attribution and, host-wide, the sys_exit tracepoint's cost, below.
+  (agent minus the plain exec next to it); target <= 0.3 ms. Two daemons
+  run at once, the denial monitor on in one (the default) and off in the
+  other (exec_policy_overhead_no_monitor_p50_ms: Landlock alone), their
+  pairs alternating; the monitor's host-wide sys_exit cost is below.
 
 In child processes of this one (bench/policy_loop.c, no daemon):
 
@@ -18,6 +18,10 @@ In child processes of this one (bench/policy_loop.c, no daemon):
   (Landlock checks each open against the rules of every directory above the
   file), for a shallow (/etc/passwd) and a deep path (landlock_open_*_deep);
   landlock_open_overhead_ns: the median per-pair difference (shallow);
+* landlock_apply_agent_us: building and applying the agent plan in a fresh
+  process (listing the host's / instead of a sandbox's): what an exec pays
+  when dsec-init keeps no ruleset for its plan (the first exec under it, or
+  the first after its paths changed) and every exec the helper starts;
 * getppid_ns_detached / getppid_ns_attached: a syscall that does nothing,
   with the denial monitor's sys_exit program detached and attached: what
   every syscall of the host pays while some sandbox is watched.
@@ -57,43 +61,64 @@ def median(xs: list[float]) -> float:
     return round(statistics.median(xs), 4) if xs else float("nan")
 
 
-def exec_pairs(sock: str, n: int) -> dict:
-    """n alternating pairs of `true`: plain sandbox, agent sandbox (which goes
-    first alternates too). Milliseconds."""
-    c = dsecd.SyncClient(sock)
-    c.connect()
-    plain = c.create(image=IMAGE, memory="128M")
-    agent = c.create(image=IMAGE, memory="128M", policy="agent")
-    try:
-        for sb in (plain, agent, plain, agent):          # warm: first exec, the monitor's load
+class Arm:
+    """A plain sandbox and an `agent` one on one daemon, and their exec times (ms)."""
+
+    def __init__(self, name: str, sock: str):
+        self.name = name
+        self.client = dsecd.SyncClient(sock)
+        self.client.connect()
+        self.plain = self.client.create(image=IMAGE, memory="128M")
+        self.agent = self.client.create(image=IMAGE, memory="128M", policy="agent")
+        for sb in (self.plain, self.agent, self.plain, self.agent):   # warm: first exec, the monitor's load
             assert sb.exec(["true"]).exit_code == 0
-        t_plain, t_agent = [], []
-        for i in range(n):
-            order = ((plain, t_plain), (agent, t_agent)) if i % 2 == 0 else ((agent, t_agent), (plain, t_plain))
-            for sb, out in order:
-                t0 = time.perf_counter()
-                r = sb.exec(["true"])
-                out.append((time.perf_counter() - t0) * 1e3)
-                assert r.exit_code == 0, r
-        monitor = c.info()["policy"]["denials"]["monitor"]
-    finally:
-        for sb in (plain, agent):
+        self.times: dict[str, list[float]] = {"plain": [], "agent": []}
+
+    def pair(self, agent_first: bool) -> None:
+        for kind in (("agent", "plain") if agent_first else ("plain", "agent")):
+            sb = self.agent if kind == "agent" else self.plain
+            t0 = time.perf_counter()
+            r = sb.exec(["true"])
+            self.times[kind].append((time.perf_counter() - t0) * 1e3)
+            assert r.exit_code == 0, r
+
+    def figures(self) -> dict:
+        t = self.times
+        return {"plain": median(t["plain"]), "agent": median(t["agent"]),
+                "delta": median([a - b for a, b in zip(t["agent"], t["plain"], strict=True)]),
+                "monitor": self.client.info()["policy"]["denials"]["monitor"]}
+
+    def close(self) -> None:
+        for sb in (self.plain, self.agent):
             sb.destroy(force=True)
-        c.close()
-    return {"plain": t_plain, "agent": t_agent, "monitor": monitor,
-            "delta": [a - b for a, b in zip(t_agent, t_plain, strict=True)]}
+        self.client.close()
 
 
-def through_daemon(rootfs: str, n: int, monitor: bool) -> dict:
+def through_daemons(rootfs: str, n: int) -> dict:
+    """Two daemons at once, the denial monitor on in one and off in the other;
+    pairs alternate between them and within each pair. The monitor's sys_exit
+    program, attached for the first daemon's agent sandbox, runs for the
+    second's execs too (it is host-wide): each daemon's delta is its own
+    per-exec cost, the program's host-wide cost is sys_exit_monitor_overhead_ns."""
     # extra_config follows the [sandbox] table the harness writes: its first lines belong to it.
-    extra = ("" if monitor else "policy_denials = false\n") + NO_ADMISSION
-    with harness.private_daemon(rootfs, IMAGE, extra_config=extra, tag="-mon" if monitor else "-nomon",
-                                cgroup_prefix=CGROUP_PREFIX) as d:
-        log(f"exec round trips, {n} pairs, denial monitor {'on' if monitor else 'off'}")
-        got = exec_pairs(d.sock, n)
-    log(f"  plain p50 {median(got['plain'])} ms, agent p50 {median(got['agent'])} ms, "
-        f"paired delta p50 {median(got['delta'])} ms (monitor: {got['monitor']})")
-    return got
+    with harness.private_daemon(rootfs, IMAGE, extra_config=NO_ADMISSION, tag="-on",
+                                cgroup_prefix=CGROUP_PREFIX) as on_d, \
+            harness.private_daemon(rootfs, IMAGE, extra_config="policy_denials = false\n" + NO_ADMISSION,
+                                   tag="-off", cgroup_prefix=CGROUP_PREFIX) as off_d:
+        arms = [Arm("on", on_d.sock), Arm("off", off_d.sock)]
+        try:
+            log(f"exec round trips: {n} pairs on each daemon, alternating")
+            for i in range(n):
+                for arm in (arms if i % 2 == 0 else arms[::-1]):
+                    arm.pair(agent_first=(i // 2) % 2 == 1)
+            out = {arm.name: arm.figures() for arm in arms}
+        finally:
+            for arm in arms:
+                arm.close()
+    for name, f in out.items():
+        log(f"  monitor {name}: plain p50 {f['plain']} ms, agent p50 {f['agent']} ms, "
+            f"paired delta p50 {f['delta']} ms ({f['monitor']})")
+    return out
 
 
 def build_loop(tmp: Path) -> Path:
@@ -124,6 +149,8 @@ def micro(tmp: Path, rounds: int, iters: int) -> dict:
         out[name] = (plain, agent)
         log(f"open({path}): plain {median(plain)} ns, agent {median(agent)} ns")
 
+    applied = [loop_ns(exe, "apply", "200", str(plan)) for _ in range(rounds)]
+    log(f"building and applying the agent plan in a fresh process: {median(applied)} ns (host's /)")
     cache = tmp / "bpf"
     mon = Monitor(cache, 16)
     log("loading the denial monitor (compiles once: a few seconds)")
@@ -146,7 +173,8 @@ def micro(tmp: Path, rounds: int, iters: int) -> dict:
     res = {"open_ns_plain": median(plain), "open_ns_agent": median(agent),
            "landlock_open_overhead_ns": median([a - b for a, b in zip(agent, plain, strict=True)]),
            "getppid_ns_detached": median(detached), "getppid_ns_attached": median(attached),
-           "sys_exit_monitor_overhead_ns": median([a - b for a, b in zip(attached, detached, strict=True)])}
+           "sys_exit_monitor_overhead_ns": median([a - b for a, b in zip(attached, detached, strict=True)]),
+           "landlock_apply_agent_us": round(median(applied) / 1e3, 1)}
     if "deep" in out:
         res["landlock_open_plain_deep_ns"], res["landlock_open_agent_deep_ns"] = map(median, out["deep"])
     return res
@@ -160,14 +188,12 @@ def main() -> int:
     rootfs = harness.build_rootfs()
     with tempfile.TemporaryDirectory(prefix="dsecd-bench-policy-") as tmpdir:
         micro_res = micro(Path(tmpdir), rounds, iters)
-    on = through_daemon(rootfs, pairs, monitor=True)
-    off = through_daemon(rootfs, pairs, monitor=False)
-    res = {"exec_plain_p50_ms": median(on["plain"]), "exec_agent_p50_ms": median(on["agent"]),
-           "exec_policy_overhead_p50_ms": median(on["delta"]),
-           "exec_policy_overhead_no_monitor_p50_ms": median(off["delta"]),
-           "exec_plain_no_monitor_p50_ms": median(off["plain"]), "exec_agent_no_monitor_p50_ms": median(off["agent"]),
-           "monitor": on["monitor"], "pairs": pairs, **micro_res,
-           "loadavg": os.getloadavg()[0]}
+    d = through_daemons(rootfs, pairs)
+    on, off = d["on"], d["off"]
+    res = {"exec_plain_p50_ms": on["plain"], "exec_agent_p50_ms": on["agent"],
+           "exec_policy_overhead_p50_ms": on["delta"], "exec_policy_overhead_no_monitor_p50_ms": off["delta"],
+           "exec_plain_no_monitor_p50_ms": off["plain"], "exec_agent_no_monitor_p50_ms": off["agent"],
+           "monitor": on["monitor"], "pairs": pairs, **micro_res, "loadavg": os.getloadavg()[0]}
     print(json.dumps(res, sort_keys=True))
     return 0
 
