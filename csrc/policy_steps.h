@@ -1,6 +1,9 @@
-/* policy_steps.h - apply a task policy (dsecd/policy.py) to the calling
- * process with Landlock, as the last step before execve of an exec. Shared by
- * dsec-init's exec child (init.c) and the daemon's exec helper (spawn.c).
+/* policy_steps.h - a task policy (dsecd/policy.py) as a Landlock ruleset:
+ * built (policy_build), and applied to the calling process before execve of
+ * an exec (policy_restrict). Shared by dsec-init (init.c: it builds a plan's
+ * ruleset once and keeps it while policy_sign says its paths are unchanged;
+ * each exec child then only restricts itself) and the daemon's exec helper
+ * (spawn.c: policy_apply, a build per exec).
  *
  * The daemon compiles a policy into a plan (struct dsec_policy_head, its
  * ports, then its paths; dsec_native.h): the rights the ruleset handles, one
@@ -23,8 +26,8 @@
  * Entries of a CHILDREN directory that are symlinks get no rule (a rule on
  * the link would be on the link's own inode; its target has its own).
  *
- * Everything here is async-signal-safe and allocation-free (a vfork child of
- * init, a CLONE_VM child of the daemon): the plan is read with memcpy, the
+ * Everything here is async-signal-safe and allocation-free (init is static
+ * and allocates nothing; the helper's child shares the daemon's memory): the plan is read with memcpy, the
  * directory with getdents64 into a stack buffer. The exec's later execve
  * must be allowed by the policy itself (EXECUTE on the program); everything
  * it forks inherits the domain. Needs no_new_privs (set for init and every

@@ -31,7 +31,10 @@ README = (ROOT / "README.md").read_text()
 # What a line prints, by a piece of its text: (needle, "out" or "err", expected).
 OUTPUTS = [("echo out; echo err >&2", "out", "out\n"), ("echo out; echo err >&2", "err", "err\n"),
            ("echo data | dsec exec -i", "out", "data\n"), ("--timeout 2 -- sleep 10", "err", "timed out"),
-           ("dsec events --replay --no-follow", "out", "created"), ("dsec ps ;", "out", "busybox")]
+           ("dsec events --replay --no-follow", "out", "created"), ("dsec ps ;", "out", "busybox"),
+           ("--policy grader $AG -- cat /grader/answers", "out", "print(1)"),
+           ("dsec exec $AG -- cat /grader/answers", "err", "Permission denied"),
+           ("dsec events $AG --replay", "out", "path=/grader/answers")]
 
 # Lines that cannot run on one test host, by their start.
 SKIPPED = {"ssh ": "needs another host running dsecd"}
