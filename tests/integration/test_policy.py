@@ -267,6 +267,27 @@ def test_helper_started_execs_take_the_policy(daemon_factory, busybox_rootfs, pr
         c.close()
 
 
+def test_a_sandboxs_policy_holds_across_a_daemon_restart(daemon_factory, busybox_rootfs, probe_binary):
+    d = daemon_factory()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = make_armed(c, probe_binary, policy="agent")
+    sb.write_file("/grader/secret", SECRET)
+    assert probe(sb, "open", "/grader/secret") == "EACCES"
+    c.close()
+    d.stop()
+    d.start()
+    c = d.client()
+    try:
+        sb = c.get(sb.id)
+        assert sb.info["policy"]["name"] == "agent"
+        assert probe(sb, "open", "/etc/passwd") == "ok"
+        assert probe(sb, "open", "/grader/secret") == "EACCES"
+        assert probe(sb, "open", "/grader/secret", policy="grader") == "ok"
+    finally:
+        c.close()
+
+
 # ------------------------------------------------------------ denials, errors, listing
 
 

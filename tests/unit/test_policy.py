@@ -181,6 +181,27 @@ def test_an_empty_port_list_handles_the_right_and_allows_nothing():
     assert (n_ports, n_paths, fs, net) == (0, 0, 0, P.NET_BIND_TCP)
 
 
+def test_the_service_refuses_what_the_kernel_cannot_enforce():
+    from dsecd.engine.policies import PolicyService
+    from dsecd.errors import BadRequest, NotFound, Unsupported
+
+    svc = PolicyService(load_config().raw["policy"], abi=5)
+    assert "agent" in svc.unusable and "scope_signals" in svc.unusable["agent"]
+    with pytest.raises(Unsupported) as exc:
+        svc.resolve("agent", "exec: policy")
+    assert exc.value.detail["needs"] == {"scope_signals": 6, "scope_abstract_unix": 6}
+    assert svc.resolve({"hidden": ["/g"]}, "exec: policy").name == P.INLINE      # ABI 3 is enough
+    with pytest.raises(NotFound, match="no policy 'nope'"):
+        svc.resolve("nope", "exec: policy")
+    with pytest.raises(BadRequest) as exc:
+        svc.resolve({"hidden": "x"}, "exec: policy")
+    assert exc.value.detail["field"] == "exec: policy.hidden"
+    info = svc.info()
+    assert info["fields"]["scope_signals"] == {"abi": 6, "available": False}
+    assert info["fields"]["tcp_bind"] == {"abi": 4, "available": True}
+    assert PolicyService(load_config().raw["policy"], abi=0).unusable.keys() >= {"agent"}
+
+
 def test_too_many_rules_is_an_error_not_a_cut():
     many = [f"/d{i}/{'x' * 200}" for i in range(P.MAX_PATHS)]
     with pytest.raises(P.PolicyError, match="compiles to"):
