@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -82,10 +83,36 @@ class DenialService:
             self._loading = self.workers.loop.create_task(self._load())
 
     async def _load(self) -> None:
+        """Load (the first time on a host: compile, seconds) in a thread of its
+        own, not a worker: a daemon that stops meanwhile must not wait for it
+        (worker threads are joined when the process exits)."""
         assert self.monitor is not None
         self.state = "loading"
+        loop = self.workers.loop
+        done = loop.create_future()
+
+        def settle(err: Exception | None) -> None:
+            if done.done():               # the load was cancelled: the daemon is stopping
+                return
+            if err is None:
+                done.set_result(None)
+            else:
+                done.set_exception(err)
+
+        def run() -> None:
+            err = None
+            try:
+                self.monitor.load()
+            except Exception as e:
+                err = e
+            try:
+                loop.call_soon_threadsafe(settle, err)
+            except RuntimeError:          # the loop is closed: the daemon stopped meanwhile
+                pass
+
+        threading.Thread(target=run, name="dsecd-denials-load", daemon=True).start()
         try:
-            await self.workers.run(self.monitor.load)
+            await done
         except Exception as err:
             self.state = f"off: {err}"
             log.warning("policy denials will not be counted: %s", err)
