@@ -330,6 +330,8 @@ async def cmd_policy(c: Client, a) -> int:
         parts.append(f"rest={p['rest']}")
         parts += [f"{k}={','.join(map(str, p[k])) or '-'}" for k in ("tcp_bind", "tcp_connect") if k in p]
         parts += [k for k in ("scope_signals", "scope_abstract_unix") if p[k]]
+        if "capabilities" in p:
+            parts.append(f"capabilities={','.join(p['capabilities']) or '-'}")
         state = "yes" if p["enforceable"] else "NO"
         rows.append([p["name"], state if p["restricts"] else "no restriction", " ".join(parts)])
     _table(rows, ["POLICY", "ENFORCEABLE", "RULES"])

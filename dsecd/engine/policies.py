@@ -129,7 +129,8 @@ class PolicyService:
 
     async def list(self, req, ctx) -> dict:
         return {"landlock_abi": self.abi,
-                "policies": [{"name": name, **pol.spec(), "restricts": pol.restricts(), "needs": pol.needs(),
+                "policies": [{"name": name, **pol.spec(), "needs": pol.needs(),
+                              "restricts": pol.restricts() or pol.capabilities is not None,
                               "enforceable": name not in self.unusable, "error": self.unusable.get(name)}
                              for name, pol in sorted(self.named.items())]}
 
