@@ -238,6 +238,21 @@ def test_agent_connects_only_to_the_tcp_ports_its_policy_allows(task):
                 pass
 
 
+def test_an_exec_binds_only_the_tcp_ports_its_policy_allows(task):
+    binds_8080 = {"rest": "writable", "tcp_bind": [8080]}
+    assert probe(task, "listen", "9000", policy=binds_8080) == "EACCES"
+    server = task.spawn([PROBE_IN_SANDBOX, "listen", "8080"], policy=binds_8080)
+    try:
+        listening(server)
+        assert probe(task, "connect", "127.0.0.1", "8080", policy="grader") == "ok"
+        assert server.wait().exit_code == 0
+    finally:
+        try:
+            server.kill()
+        except DsecError:
+            pass
+
+
 # ------------------------------------------------------------ every way an exec starts
 
 
