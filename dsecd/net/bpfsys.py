@@ -203,7 +203,7 @@ def raw_tracepoint_open(name: str, prog_fd: int) -> int:
 
 class RingBuffer:
     """The consumer side of a BPF_MAP_TYPE_RINGBUF map (the kernel's ABI: a
-    consumer page we write, then a producer page and the data area, mapped
+    consumer page this side writes, then a producer page and the data area, mapped
     twice in a row so that a record never wraps). `drain` returns the records
     the kernel has committed since the last call; the map's fd is readable
     (epoll) while some are there."""
