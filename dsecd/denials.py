@@ -38,6 +38,7 @@ import errno
 import json
 import logging
 import os
+import platform
 import socket
 import struct
 from dataclasses import dataclass
@@ -152,6 +153,9 @@ class Monitor:
     def load(self) -> None:
         """Struct offsets from BTF (cached next to the object), then the
         program, compiled by a helper the first time per kernel and bcc."""
+        if platform.machine() != "x86_64":
+            raise OSError(errno.ENOTSUP, f"the denial monitor reads x86-64 syscall numbers and registers; "
+                                         f"this host is {platform.machine()}")
         offs = self._offsets()
         sid_pid = offs["signal_struct"]["pids"] + PIDTYPE_SID * 8
         cflags = [f"-DOFF_TASK_SIGNAL={offs['task_struct']['signal']}", f"-DOFF_SIGNAL_SID_PID={sid_pid}",
