@@ -43,6 +43,12 @@ bench-core: setup
 bench-%: setup
 	$(PY) bench/$*.py
 
+# What a task policy costs (bench/policy.py): exec through the daemon with the
+# agent policy vs without, Landlock-confined open() vs unconfined, and the
+# host-wide cost of the denial monitor's sys_exit program. ~3 min.
+bench-policy: setup
+	$(PY) bench/policy.py
+
 # Lazy vs eager images through a private daemon (bench/images.py): a >= 2 GiB
 # image (debootstrap'ed Debian + a seeded synthetic tree, both cached under
 # /var/cache/dsecd/; the first run builds them, ~3-5 min), a throttled store,

@@ -21,7 +21,8 @@ from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 INIT_SOURCE = Path("csrc/init.c")
-INIT_HEADERS = [Path("csrc/exec_steps.h"), Path("csrc/dsec_native.h"), Path("csrc/missing_defs.h")]
+INIT_HEADERS = [Path("csrc/exec_steps.h"), Path("csrc/dsec_native.h"), Path("csrc/missing_defs.h"),
+                Path("csrc/policy_steps.h")]
 INIT_BINARY = Path("dsecd/libexec/dsec-init")
 PAGER_SOURCES = sorted(Path("csrc/pager").glob("*.[ch]"))
 PAGER_BINARY = Path("dsecd/libexec/dsec-pager")

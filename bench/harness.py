@@ -47,13 +47,14 @@ class BenchDaemon:
     cgroup subtree named after this process, so that neither its sandboxes nor
     its clean-up meet another daemon's on the same host."""
 
-    def __init__(self, tmp: Path, config: str | None, extra_config: str = "", tag: str = ""):
+    def __init__(self, tmp: Path, config: str | None, extra_config: str = "", tag: str = "",
+                 cgroup_prefix: str = "dsecd-bench"):
         self.tmp = tmp
         self.extra_config = extra_config
         self.sock = str(tmp / "dsecd.sock")
         self.state = str(tmp / "state")
         self.log_path = tmp / "dsecd.log"
-        self.cgroup_root = f"dsecd-bench-{os.getpid()}{tag}"   # tag: several daemons at once
+        self.cgroup_root = f"{cgroup_prefix}-{os.getpid()}{tag}"   # tag: several daemons at once
         self.config = config or self._write_config()
         self.proc: subprocess.Popen | None = None
 
@@ -210,12 +211,13 @@ def interrupt(signum, _frame):
 
 @contextlib.contextmanager
 def private_daemon(rootfs: str, image: str, config: str | None = None, extra_config: str = "",
-                   tag: str = ""):
+                   tag: str = "", cgroup_prefix: str = "dsecd-bench"):
     """A started BenchDaemon with `rootfs` imported as `image`; cleaned up on exit.
-    SIGTERM takes the Ctrl-C path, and clean-up ignores further signals until done."""
+    SIGTERM takes the Ctrl-C path, and clean-up ignores further signals until done.
+    cgroup_prefix: the start of its cgroup subtree's name (a host may reserve one)."""
     signal.signal(signal.SIGTERM, interrupt)
     tmp = Path(tempfile.mkdtemp(prefix="dsecd-bench-"))
-    daemon = BenchDaemon(tmp, config, extra_config, tag)
+    daemon = BenchDaemon(tmp, config, extra_config, tag, cgroup_prefix)
     try:
         daemon.start()
         daemon.import_image(rootfs, image)

@@ -83,7 +83,10 @@ enum dsec_step {
     DSEC_STEP_USERNS_MAP = 50,
     DSEC_STEP_USERNS_FSIDS = 51,
     DSEC_STEP_USERNS_SYSCTL = 52,
-    DSEC_STEP_USERNS_ENTER = 53
+    DSEC_STEP_USERNS_ENTER = 53,
+    /* exec children, last before execve: the exec's task policy with
+     * Landlock (csrc/policy_steps.h); the path names the rule that failed */
+    DSEC_STEP_LANDLOCK = 54
 };
 
 struct dsec_err {
@@ -136,6 +139,40 @@ struct dsec_exec_args {
     int userns;          /* nonzero: join the user namespace of PID 1 (before caps and ids) */
     int oom_reset;       /* nonzero: oom_score_adj back to 0 (the daemon's own is negative) */
     int ctty;            /* nonzero: stdin is a tty slave that becomes the controlling terminal */
+    const unsigned char *policy; /* NULL, or a task policy's plan (struct dsec_policy_head ...) */
+    size_t policy_len;
+};
+
+/* A task policy as the exec children apply it (csrc/policy_steps.h), compiled
+ * by dsecd/policy.py: this head, n_ports struct dsec_policy_port, then n_paths
+ * entries, each a struct dsec_policy_path followed by strings_len bytes: its
+ * absolute path and n_except names, each NUL-terminated (padded to 8). Native
+ * byte order: it never leaves the host. */
+#define DSEC_POLICY_MAGIC 0x64737031
+#define DSEC_POLICY_MAX_BYTES 16384
+/* Entries one DSEC_POLICY_CHILDREN directory may have (one rule each); more fail the exec with E2BIG. */
+#define DSEC_POLICY_MAX_CHILDREN 4096
+#define DSEC_POLICY_RULE 0     /* access on path, and beneath it for a directory */
+#define DSEC_POLICY_CHILDREN 1 /* access on every entry of the directory path, but the names after it */
+struct dsec_policy_head {
+    uint32_t magic;
+    uint32_t n_ports;
+    uint32_t n_paths;
+    uint32_t restrict_flags; /* landlock_restrict_self's flags */
+    uint64_t handled_fs;     /* struct landlock_ruleset_attr */
+    uint64_t handled_net;
+    uint64_t scoped;
+};
+struct dsec_policy_port {
+    uint64_t port;
+    uint64_t access; /* LANDLOCK_ACCESS_NET_* */
+};
+struct dsec_policy_path {
+    uint64_t access; /* LANDLOCK_ACCESS_FS_* */
+    uint32_t kind;   /* DSEC_POLICY_RULE or DSEC_POLICY_CHILDREN */
+    uint32_t n_except;
+    uint32_t strings_len;
+    uint32_t reserved;
 };
 
 struct dsec_kvm_probe {
@@ -215,6 +252,9 @@ int dsec_seccomp_export_pfc(int profile, int fd);
  * A START's op may carry flags: DSEC_INIT_START_CTTY makes the exec's
  * stdin (a pty slave) its controlling terminal; an init that predates a
  * flag refuses the request (EINVAL, step init_request).
+ * DSEC_INIT_START_POLICY: the bytes after the strings (strings_len counts
+ * the strings only) are a task policy's plan (struct dsec_policy_head ...),
+ * which the exec child applies with Landlock as its last step before execve.
  * DSEC_INIT_START_HOLD: the START carries three more fds (six in all): the
  * daemon's own ends of the exec's stdio pipes, which init holds for it until
  * the daemon asks it to let them go (DSEC_INIT_OP_RELEASE, header only, its
@@ -236,6 +276,7 @@ int dsec_seccomp_export_pfc(int profile, int fd);
 #define DSEC_INIT_OP_RELEASE 3
 #define DSEC_INIT_START_CTTY 256
 #define DSEC_INIT_START_HOLD 512
+#define DSEC_INIT_START_POLICY 1024
 #define DSEC_INIT_MAX_HELD 1024
 #define DSEC_INIT_MAX_STRINGS 65536
 struct dsec_init_req {
@@ -246,8 +287,8 @@ struct dsec_init_req {
     uint64_t cap_keep;    /* as dsec_exec_args.cap_keep; within init_caps */
     uint32_t argc;
     uint32_t envc;
-    uint32_t strings_len; /* bytes after this header: cwd, argv, envp, each NUL-terminated */
-    uint32_t op;          /* DSEC_INIT_OP_START (| _START_CTTY | _START_HOLD), _KILL, _COPY or _RELEASE */
+    uint32_t strings_len; /* bytes after this header: cwd, argv, envp, each NUL-terminated (a policy after them) */
+    uint32_t op;          /* DSEC_INIT_OP_START (| _START_CTTY | _START_HOLD | _START_POLICY), _KILL, _COPY or _RELEASE */
 };
 struct dsec_init_reply {
     uint32_t magic;

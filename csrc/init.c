@@ -44,6 +44,7 @@
 
 #include "exec_steps.h"
 #include "missing_defs.h"
+#include "policy_steps.h"
 
 /* Execs at once; a request beyond that is refused with EAGAIN (the sandbox's
  * pids.max usually stops it first). */
@@ -73,11 +74,11 @@ static int n_held;
  * the daemon sets it before it answers the create. -1: not looked up yet. */
 static int oom_reset_needed = -1;
 
-/* Static, not on the stack: requests are up to 64 KiB. Untouched pages cost
- * no memory. */
+/* Static, not on the stack: requests are up to 64 KiB of strings plus a
+ * policy of up to 16 KiB. Untouched pages cost no memory. */
 static union {
     struct dsec_init_req req;
-    char bytes[sizeof(struct dsec_init_req) + DSEC_INIT_MAX_STRINGS];
+    char bytes[sizeof(struct dsec_init_req) + DSEC_INIT_MAX_STRINGS + DSEC_POLICY_MAX_BYTES];
 } in;
 static const char *ptrs[MAX_STRINGS_PTRS];
 
@@ -86,6 +87,9 @@ struct request {
     const char *cwd;
     const char *const *argv;
     const char *const *envp;
+    const unsigned char *policy; /* a task policy's plan (DSEC_INIT_START_POLICY), or NULL */
+    size_t policy_len;
+    int ruleset;                 /* its Landlock ruleset (policy_ruleset), or -1 */
     int stdio[3];
 };
 
@@ -120,7 +124,12 @@ static int caps_bound_drop(uint64_t drop, struct dsec_err *e)
  * for the whole sandbox (namespaces, cgroups, QoS, no_new_privs, seccomp).
  * Signal dispositions need no reset: init never installs a handler. A vfork
  * child: it writes nothing of init's memory but e (exec_search leaves e alone
- * unless nothing ran). Returns only on failure, with e filled. */
+ * unless nothing ran). Returns only on failure, with e filled.
+ *
+ * The task policy's ruleset is built by init (policy_ruleset); the child
+ * restricts itself with it while it still holds init's fds, after the
+ * seccomp filter init installed for itself: the exec and all it forks stay
+ * in the Landlock domain made here. */
 static void exec_child(const struct request *r, struct dsec_err *e)
 {
     const struct dsec_init_req *q = r->req;
@@ -128,6 +137,7 @@ static void exec_child(const struct request *r, struct dsec_err *e)
 
     if (check(setsid(), e, DSEC_STEP_SETSID, NULL) < 0 || (oom_reset_needed && oom_score_reset(e) < 0) ||
         stdio_dup(r->stdio, e) < 0 || ((q->op & DSEC_INIT_START_CTTY) && ctty_take(e) < 0) ||
+        (r->ruleset >= 0 && policy_restrict(r->ruleset, r->policy, e) < 0) ||
         check(syscall(SYS_close_range, 3, ~0U, 0), e, DSEC_STEP_CLOSE_FDS, NULL) < 0 ||
         caps_raise(&held, e) < 0 || caps_bound_drop(held & ~q->cap_keep, e) < 0 ||
         ids_set(q->uid, q->gid, q->cap_keep, e) < 0 || caps_set(q->cap_keep, e) < 0 ||
@@ -200,17 +210,27 @@ static void reply_exited(uint32_t id, int status)
     reply(&rep, -1);
 }
 
-/* Split the strings after the header into cwd, argv and envp; 0 if they
- * are not exactly 1 + argc + envc NUL-terminated strings, argv[0] non-empty. */
+/* Split the strings after the header into cwd, argv and envp, and find the
+ * policy after them (DSEC_INIT_START_POLICY); 0 if they are not exactly 1 +
+ * argc + envc NUL-terminated strings, argv[0] non-empty, with a policy of at
+ * most DSEC_POLICY_MAX_BYTES after them exactly when the flag says so. */
 static int parse(struct request *r, size_t len)
 {
     const struct dsec_init_req *q = &in.req;
-    size_t want = 1 + (size_t)q->argc + q->envc, n = 0;
-    const char *p = in.bytes + sizeof(*q), *end = in.bytes + len;
+    size_t want = 1 + (size_t)q->argc + q->envc, n = 0, extra;
+    const char *p = in.bytes + sizeof(*q), *end;
 
-    if (q->strings_len != len - sizeof(*q) || q->argc < 1 || want + 2 > MAX_STRINGS_PTRS ||
-        (len > sizeof(*q) && end[-1] != '\0'))
+    if (q->strings_len > len - sizeof(*q) || q->argc < 1 || want + 2 > MAX_STRINGS_PTRS)
         return 0;
+    end = p + q->strings_len;
+    extra = len - sizeof(*q) - q->strings_len;
+    if ((q->op & DSEC_INIT_START_POLICY) ? (extra == 0 || extra > DSEC_POLICY_MAX_BYTES) : extra != 0)
+        return 0;
+    if (q->strings_len > 0 && end[-1] != '\0')
+        return 0;
+    r->policy = extra ? (const unsigned char *)end : NULL;
+    r->policy_len = extra;
+    r->ruleset = -1;
     for (; p < end && n < want; n++) {
         ptrs[n + (n > q->argc)] = p; /* a NULL after argv */
         p += strlen(p) + 1;
@@ -305,6 +325,80 @@ static void kill_group(pid_t pid)
 
 static int track(uint32_t id, pid_t pid);
 
+/* ---- task policies: rulesets built once, used while their paths stay ---- */
+
+/* A Landlock ruleset can restrict any number of processes, so init keeps the
+ * rulesets of the last few plans it was sent (an agent's execs all send the
+ * same) with the signature of their paths (policy_steps.h policy_sign): an
+ * exec whose plan and paths are unchanged only restricts itself with the
+ * kept ruleset, one syscall, where a build takes ~30 (a directory listed,
+ * a rule per entry). Memory: static, untouched slots cost nothing. */
+#define POLICY_SLOTS 4
+#define POLICY_SIG_MAX 128
+static struct {
+    size_t len; /* 0: free */
+    unsigned char plan[DSEC_POLICY_MAX_BYTES];
+    int fd;
+    int n_sigs;
+    struct dsec_policy_sig sigs[POLICY_SIG_MAX];
+    uint64_t used;
+} rulesets[POLICY_SLOTS];
+static struct dsec_policy_sig sig_now[POLICY_SIG_MAX];
+static uint64_t policy_tick;
+
+/* The ruleset for r's plan, kept or built now; -1 with e filled if it
+ * cannot be built (the exec fails with that error). With *own set, the
+ * caller closes it after the vfork (a plan too large to keep). Paths are
+ * looked at with init's capabilities raised, as root of the sandbox that
+ * may search any directory, whatever uid the exec will run as. */
+static int policy_ruleset(const struct request *r, int *own, struct dsec_err *e)
+{
+    int n, slot = -1, fd;
+    uint64_t held;
+
+    *own = 0;
+    if (caps_raise(&held, e) < 0)
+        return -1;
+    n = policy_sign(r->policy, r->policy_len, sig_now, POLICY_SIG_MAX);
+    for (int i = 0; i < POLICY_SLOTS; i++)
+        if (rulesets[i].len == r->policy_len && memcmp(rulesets[i].plan, r->policy, r->policy_len) == 0) {
+            slot = i;
+            break;
+        }
+    if (slot >= 0 && n >= 0 && n == rulesets[slot].n_sigs &&
+        memcmp(rulesets[slot].sigs, sig_now, (size_t)n * sizeof(sig_now[0])) == 0) {
+        caps_lower();
+        rulesets[slot].used = ++policy_tick;
+        return rulesets[slot].fd;
+    }
+    fd = policy_build(r->policy, r->policy_len, e);
+    caps_lower();
+    if (fd < 0 || n < 0) {
+        *own = fd >= 0;
+        return fd;
+    }
+    if (slot < 0) { /* a free slot, else the least recently used */
+        slot = 0;
+        for (int i = 0; i < POLICY_SLOTS; i++) {
+            if (rulesets[i].len == 0) {
+                slot = i;
+                break;
+            }
+            if (rulesets[i].used < rulesets[slot].used)
+                slot = i;
+        }
+    }
+    if (rulesets[slot].len)
+        close(rulesets[slot].fd);
+    memcpy(rulesets[slot].plan, r->policy, r->policy_len);
+    rulesets[slot].len = r->policy_len;
+    rulesets[slot].fd = fd;
+    rulesets[slot].n_sigs = n;
+    memcpy(rulesets[slot].sigs, sig_now, (size_t)n * sizeof(sig_now[0]));
+    rulesets[slot].used = ++policy_tick;
+    return fd;
+}
+
 /* vfork: init waits while the child sets up (tens of microseconds; no page
  * table copy, no copy-on-write faults after). A sandbox process can SIGSTOP
  * the child in that window and so stop its own init: execs of that sandbox
@@ -317,6 +411,7 @@ static int start(struct request *r)
      * that the parent's copy stayed {0} across vfork (a local would). */
     static struct dsec_err e;
     uint32_t id = r->req->id;
+    int own_ruleset = 0;
     pid_t pid;
 
     if (n_execs == MAX_EXECS) {
@@ -327,6 +422,11 @@ static int start(struct request *r)
     if (oom_reset_needed < 0)
         oom_reset_needed = own_oom_score_adj() < 0;
     memset(&e, 0, sizeof(e));
+    if (r->policy && (r->ruleset = policy_ruleset(r, &own_ruleset, &e)) < 0) {
+        fds_close(r->stdio, 3);
+        reply_started(id, 0, &e, -1);
+        return 0;
+    }
     pid = vfork();
     if (pid == 0) {
         exec_child(r, &e);
@@ -335,6 +435,8 @@ static int start(struct request *r)
     if (pid < 0)
         err_set(&e, DSEC_STEP_CLONE, errno, NULL);
     fds_close(r->stdio, 3); /* the child has its copies */
+    if (own_ruleset)
+        close(r->ruleset);
     /* A set*id of the child to another uid makes the mm it shares with init
      * dumpable again when fs.suid_dumpable is 1: undo that for init. */
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
@@ -542,7 +644,8 @@ static int serve(void)
     int hold = (size_t)len >= sizeof(in.req) && (in.req.op & DSEC_INIT_START_HOLD);
 
     if ((size_t)len < sizeof(in.req) || in.req.magic != DSEC_INIT_MAGIC ||
-        (in.req.op & ~(uint32_t)(DSEC_INIT_START_CTTY | DSEC_INIT_START_HOLD)) != DSEC_INIT_OP_START ||
+        (in.req.op & ~(uint32_t)(DSEC_INIT_START_CTTY | DSEC_INIT_START_HOLD | DSEC_INIT_START_POLICY)) !=
+            DSEC_INIT_OP_START ||
         n != (hold ? 6 : 3) || (msg.msg_flags & MSG_TRUNC) || !parse(&r, (size_t)len)) {
         fds_close(fds, n > 0 ? n : 0);
         reply_failed((size_t)len >= sizeof(in.req) ? in.req.id : 0, DSEC_STEP_INIT_REQUEST, EINVAL);

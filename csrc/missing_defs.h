@@ -28,6 +28,24 @@
 #ifndef __NR_landlock_create_ruleset
 #define __NR_landlock_create_ruleset 444
 #endif
+#ifndef __NR_landlock_add_rule
+#define __NR_landlock_add_rule 445
+#endif
+#ifndef __NR_landlock_restrict_self
+#define __NR_landlock_restrict_self 446
+#endif
+#ifndef SYS_landlock_create_ruleset
+#define SYS_landlock_create_ruleset __NR_landlock_create_ruleset
+#endif
+#ifndef SYS_landlock_add_rule
+#define SYS_landlock_add_rule __NR_landlock_add_rule
+#endif
+#ifndef SYS_landlock_restrict_self
+#define SYS_landlock_restrict_self __NR_landlock_restrict_self
+#endif
+#ifndef SYS_openat2
+#define SYS_openat2 __NR_openat2
+#endif
 
 /* linux/pidfd.h, Linux 6.9 */
 #ifndef PIDFD_SIGNAL_PROCESS_GROUP

@@ -32,6 +32,7 @@
 #include "dsec_native.h"
 #include "exec_steps.h"
 #include "missing_defs.h"
+#include "policy_steps.h"
 
 /* Deepest child frame is exec_search's PATH_MAX buffer; 64 KiB leaves room. */
 #define DSEC_STACK_SIZE (64 * 1024)
@@ -841,7 +842,10 @@ static int userns_join(const struct dsec_exec_args *a, struct dsec_err *e)
 }
 
 /* The process the caller asked for: already in the sandbox's namespaces and
- * cgroups (inherited from the helper), a child of the daemon (CLONE_PARENT). */
+ * cgroups (inherited from the helper), a child of the daemon (CLONE_PARENT).
+ * Its task policy (policy_steps.h) goes on while it is still root of the
+ * sandbox with every capability, so its rule paths are opened and listed
+ * whatever the exec's uid; no_new_privs comes first, as Landlock needs it. */
 static int exec_child(void *arg)
 {
     struct exec_ctx *c = arg;
@@ -861,9 +865,10 @@ static int exec_child(void *arg)
         fd_table_private(1 + fd_max(a->stdin_fd, fd_max(a->stdout_fd, a->stderr_fd)), e) < 0 ||
         stdio_dup(stdio, e) < 0 || (a->ctty && ctty_take(e) < 0) ||
         check(syscall(SYS_close_range, 3, ~0U, 0), e, DSEC_STEP_CLOSE_FDS, NULL) < 0 ||
+        check(prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), e, DSEC_STEP_NO_NEW_PRIVS, NULL) < 0 ||
+        (a->policy && policy_apply(a->policy, a->policy_len, e) < 0) ||
         caps_bound(a->cap_keep, e) < 0 || ids_set(a->uid, a->gid, a->cap_keep, e) < 0 || caps_set(a->cap_keep, e) < 0 ||
         check(chdir(a->cwd), e, DSEC_STEP_CHDIR, a->cwd) < 0 ||
-        check(prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), e, DSEC_STEP_NO_NEW_PRIVS, NULL) < 0 ||
         seccomp_step(a->seccomp_profile, e) < 0)
         _exit(127);
     umask(022);

@@ -136,6 +136,16 @@ async def cmd_info(c: Client, a) -> int:
         print(f"daemon: config {d['config'] or '(embedded defaults)'}, log {d['log_level']} as {d['log_format']}, "
               f"metrics {d['metrics'] or 'off'}" + (f", event-loop lag p50 {lag['p50_ms']} ms p99 {lag['p99_ms']} ms "
                                                   f"max {lag['max_ms']} ms" if lag.get("samples") else ""))
+    if "policy" in info:
+        p = info["policy"]
+        print(f"task policies (Landlock ABI {p['landlock_abi'] or 'none'}): " + ", ".join(p["policies"]))
+        print("  fields need: " + ", ".join(f"{name} ABI {f['abi']}" + ("" if f["available"] else " (missing)")
+                                            for name, f in p["fields"].items()))
+        for name, why in p["unusable"].items():
+            print(f"  {name}: {why}")
+        if "denials" in p:
+            d = p["denials"]
+            print(f"  denials: {d['total']} counted; monitor {d['monitor']}")
     if "fncall" in info:
         f = info["fncall"]
         print(f"fncall: {f['calls']} calls ({f['zygote_calls']} zygote, {f['plain_calls']} plain, "
@@ -352,13 +362,49 @@ async def cmd_job(c: Client, a) -> int:
 
 
 async def cmd_events(c: Client, a) -> int:
-    async for ev in c.events(a.sandbox, a.replay, a.follow):
+    async for ev in c.events(a.sandbox or a.sandbox_id, a.replay, a.follow):
         if a.json:
             print(json.dumps(ev, sort_keys=True), flush=True)
         else:
             extra = " ".join(f"{k}={v}" for k, v in ev.items() if k not in ("seq", "time", "event", "sandbox"))
             print(f"{time.strftime('%H:%M:%S', time.localtime(ev['time']))} {ev['event']:<9} {ev['sandbox']} "
                   f"{extra}".rstrip(), flush=True)
+    return 0
+
+
+def _policy_arg(text: str) -> str | dict:
+    """--policy NAME, or an inline policy as a JSON object."""
+    if not text.lstrip().startswith("{"):
+        return text
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"not a policy name nor a JSON object: {err}") from err
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("an inline policy is a JSON object")
+    return value
+
+
+async def cmd_policy(c: Client, a) -> int:
+    r = await c.policy_list()
+    if a.json:
+        _print_json(r)
+        return 0
+    print(f"Landlock ABI {r['landlock_abi'] or 'none'}")
+    rows = []
+    for p in r["policies"]:
+        parts = [f"{k}={','.join(map(str, p[k]))}" for k in ("read_only", "writable", "hidden") if p[k]]
+        parts.append(f"rest={p['rest']}")
+        parts += [f"{k}={','.join(map(str, p[k])) or '-'}" for k in ("tcp_bind", "tcp_connect") if k in p]
+        parts += [k for k in ("scope_signals", "scope_abstract_unix") if p[k]]
+        if "capabilities" in p:
+            parts.append(f"capabilities={','.join(p['capabilities']) or '-'}")
+        state = "yes" if p["enforceable"] else "NO"
+        rows.append([p["name"], state if p["restricts"] else "no restriction", " ".join(parts)])
+    _table(rows, ["POLICY", "ENFORCEABLE", "RULES"])
+    for p in r["policies"]:
+        if p["error"]:
+            print(f"{p['name']}: {p['error']}")
     return 0
 
 
@@ -439,7 +485,7 @@ def _create_args(a) -> dict:
     """The create's arguments of `dsec create` and `dsec run` (_create_options)."""
     return dict(cpu=a.cpu, memory=a.memory, pids=a.pids, env=_kv(a.env, "--env"), labels=_kv(a.label, "--label"),
                 hostname=a.hostname, cwd=a.cwd, user=a.user, qos=a.qos, cpu_quota=a.cpu_quota, ttl=a.ttl,
-                idle_ttl=a.idle_ttl, net=a.net, allow=a.allow, publish=a.publish)
+                idle_ttl=a.idle_ttl, net=a.net, allow=a.allow, publish=a.publish, policy=a.policy)
 
 
 async def cmd_create(c: Client, a) -> int:
@@ -515,14 +561,14 @@ def _exit_status(r, timeout_msg: str) -> int:
 async def cmd_exec(c: Client, a) -> int:
     sb = await c.get(a.sandbox)
     if getattr(a, "detach", False):
-        proc = await sb.spawn(a.argv, env=_kv(a.env, "--env"), cwd=a.cwd, user=a.user)
+        proc = await sb.spawn(a.argv, env=_kv(a.env, "--env"), cwd=a.cwd, user=a.user, policy=a.policy)
         _print_json({"pid": proc.pid, "sandbox": sb.id}) if a.json else print(proc.pid)
         return 0
     if getattr(a, "tty", False):
         return await _exec_on_terminal(sb, a)
     tracing = a.cmd == "trace"
     stream = sb.exec_stream(a.argv, timeout=a.timeout, env=_kv(a.env, "--env"), cwd=a.cwd, user=a.user,
-                            stdin=_stdin_chunks() if a.interactive else None, trace=tracing)
+                            stdin=_stdin_chunks() if a.interactive else None, trace=tracing, policy=a.policy)
     outs = {1: sys.stdout.buffer, 2: sys.stderr.buffer}
     async for fd, data in stream:
         outs[fd].write(data)
@@ -1086,7 +1132,7 @@ class _Parser(argparse.ArgumentParser):
 # know that "2" belongs to --timeout (tests/unit/test_cli_args.py checks this
 # list against the parser).
 VALUED_OPTIONS = frozenset({"--timeout", "--env", "--cwd", "--user", "--output", "-o",
-                            "--image", "--code-file", "--stdin",
+                            "--image", "--code-file", "--stdin", "--policy",
                             # dsec run's: create's and its own
                             "--cpu", "--memory", "--pids", "--label", "--hostname", "--net", "--allow",
                             "--publish", "--ttl", "--idle-ttl", "--qos", "--entrypoint"})
@@ -1136,6 +1182,9 @@ def _exec_options(ex: argparse.ArgumentParser, verb: str) -> None:
     ex.add_argument("--env", action="append", metavar="K=V")
     ex.add_argument("--cwd")
     ex.add_argument("--user", type=int)
+    ex.add_argument("--policy", type=_policy_arg, metavar="NAME|JSON",
+                    help="the task policy it runs under: a name (dsec policy ls) or an inline JSON "
+                         "object (default: the sandbox's)")
     if verb == "trace":
         ex.add_argument("--output", "-o", metavar="FILE", help="write the record here (default: stderr)")
     ex.add_argument("sandbox")
@@ -1175,6 +1224,9 @@ def _create_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--qos", choices=["be", "ls"], help="best-effort or latency-sensitive (default: cpu.default_qos)")
     p.add_argument("--cpu-quota", action=argparse.BooleanOptionalAction,
                    help="--cpu is also a hard CFS quota (default: sandbox.cpu_hard_quota)")
+    p.add_argument("--policy", type=_policy_arg, metavar="NAME|JSON",
+                   help="the task policy of every exec in it (a name, see dsec policy ls, or an inline "
+                        "JSON object); an exec may name another")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1244,6 +1296,10 @@ def build_parser() -> argparse.ArgumentParser:
     _create_options(run)
     run.add_argument("image")
 
+    pol = sub.add_parser("policy", help="task policies (Landlock): file, port, signal rules per exec")
+    pol.add_subparsers(dest="policy_cmd", required=True).add_parser(
+        "ls", help="the daemon's named policies, their fields and what the kernel can enforce")
+
     pool = sub.add_parser("pool", help="warm pools of ready sandboxes").add_subparsers(dest="pool_cmd",
                                                                                       required=True)
     x = pool.add_parser("set", help="keep MIN..MAX ready sandboxes of (image, shape); --max 0 removes the pool")
@@ -1310,8 +1366,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: all of them)")
     x.add_argument("--remove", "--rm", action="store_true", help="unpublish it")
 
-    ev = sub.add_parser("events", help="stream state changes (one per line with --json)")
-    ev.add_argument("--sandbox")
+    ev = sub.add_parser("events", help="stream state changes and policy denials (one per line with --json)")
+    ev.add_argument("sandbox_id", nargs="?", metavar="SANDBOX", help="only this sandbox's events")
+    ev.add_argument("--sandbox", help="the same, as an option")
     ev.add_argument("--replay", action="store_true", help="first the recent history")
     ev.add_argument("--no-follow", dest="follow", action="store_false",
                     help="end after the replayed history instead of following live events")
@@ -1376,9 +1433,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-COMMANDS = {"info": cmd_info, "image": cmd_image, "snapshot": cmd_snapshot, "pause": cmd_pause_resume,
-            "resume": cmd_pause_resume, "job": cmd_job, "events": cmd_events, "net": cmd_net, "port": cmd_port,
-            "trace": cmd_exec, "create": cmd_create, "run": cmd_run, "exec": cmd_exec, "call": cmd_call, "pool": cmd_pool, "cp": cmd_cp,
+COMMANDS = {"policy": cmd_policy, "info": cmd_info, "image": cmd_image, "snapshot": cmd_snapshot,
+            "pause": cmd_pause_resume, "resume": cmd_pause_resume, "job": cmd_job, "events": cmd_events,
+            "net": cmd_net, "port": cmd_port, "trace": cmd_exec, "create": cmd_create, "run": cmd_run,
+            "exec": cmd_exec, "call": cmd_call, "pool": cmd_pool, "cp": cmd_cp,
             "ps": cmd_ps, "inspect": cmd_inspect, "rm": cmd_rm, "top": cmd_top, "ls": cmd_ls, "cat": cmd_cat,
             "watch": cmd_watch, "proc": cmd_proc, "logs": cmd_logs, "attach": cmd_attach, "kill": cmd_kill,
             "wait": cmd_wait}

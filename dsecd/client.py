@@ -122,6 +122,8 @@ class ExecResult:
     cancelled: bool
     duration_ms: float
     trace: dict | None = None        # with exec(trace=True): the ptrace record
+    policy: str | None = None        # the task policy it ran under (a name, "inline"; None: none)
+    denials: int | None = None       # its policy denials, when counted (dsec info: policy.denials)
 
     @property
     def ok(self) -> bool:
@@ -133,7 +135,7 @@ class ExecResult:
                    stdout=r.get("stdout", stdout), stderr=r.get("stderr", stderr),
                    truncated=r.get("truncated", False), timed_out=r.get("timed_out", False),
                    cancelled=r.get("cancelled", False), duration_ms=r.get("duration_ms", 0.0),
-                   trace=r.get("trace"))
+                   trace=r.get("trace"), policy=r.get("policy"), denials=r.get("denials"))
 
 
 @dataclass
@@ -466,7 +468,8 @@ class Client:
                      cpu_quota: bool | None = None, net: str | None = None,
                      allow: list[str] | None = None, key: str | None = None,
                      disk: int | str | None = None, publish: list[int] | None = None,
-                     network_rules: dict[str, bool] | None = None, backend: str | None = None) -> Sandbox:
+                     network_rules: dict[str, bool] | None = None, backend: str | None = None,
+                     policy: str | dict | None = None) -> Sandbox:
         """allow: egress rules ("10.1.2.0/24:443/tcp", "pypi.org:443/tcp", "*.example.org:443")
         and rule-set names ("pypi"), with net="default".
         network_rules: the same as a dict, {"pypi": True}: the keys whose value is true join `allow`.
@@ -477,7 +480,10 @@ class Client:
         env, cwd, user: over the image's config (env merged; default: the
         image's WorkingDir and User); user is a uid or "name", "uid:gid",
         "name:group", resolved in the image's /etc/passwd and /etc/group.
-        A create runs nothing: `run` starts the image's Entrypoint and Cmd."""
+        A create runs nothing: `run` starts the image's Entrypoint and Cmd.
+        policy: the task policy of every exec in it unless an exec names
+        another: a name of the daemon's (`policy_list`) or an inline dict
+        (docs/protocol.md, "Task policies")."""
         allow = list(allow or [])
         if network_rules is not None:
             if not isinstance(network_rules, dict):
@@ -487,7 +493,7 @@ class Client:
                        "allow": allow, **({"publish": [int(p) for p in publish]} if publish else {})},
                       cwd=cwd, user=user, cpu=cpu, memory=memory, pids=pids, hostname=hostname, ttl=ttl,
                       idle_ttl=idle_ttl, lease=lease, qos=qos, cpu_quota=cpu_quota, net=net, key=key, disk=disk,
-                      backend=backend)
+                      backend=backend, policy=policy)
         info = await self.request("create", **args)
         return Sandbox(self, info["id"], info)
 
@@ -551,6 +557,10 @@ class Client:
     async def pool_list(self) -> list[dict]:
         return (await self.request("pool_list"))["pools"]
 
+    async def policy_list(self) -> dict:
+        """The daemon's named task policies and its Landlock ABI (`dsec policy ls`)."""
+        return await self.request("policy_list")
+
     async def net_sets(self) -> list[dict]:
         """The daemon's named rule sets for allow=[NAME]: [{name, rules}]."""
         return (await self.request("net_sets"))["sets"]
@@ -584,8 +594,9 @@ class Client:
 
     async def events(self, sandbox: str | None = None, replay: bool = False,
                      follow: bool = True) -> AsyncIterator[dict]:
-        """State changes (created, paused, resumed, expired, oom, died, destroyed), as they happen;
-        with replay, the recent history first; with follow=False, only that history."""
+        """State changes (created, paused, resumed, expired, oom, died, destroyed) and task-policy
+        denials (denied), as they happen; with replay, the recent history first; with
+        follow=False, only that history."""
         # `follow` only when it differs from the default, which older daemons do not know.
         extra = {} if follow else {"follow": False}
         async with contextlib.aclosing(self.frames("events", sandbox=sandbox, replay=replay, **extra)) as frames:
@@ -860,9 +871,11 @@ class Sandbox:
         return f"<Sandbox {self.id} {self.info.get('state')}>"
 
     def _exec_args(self, argv, env, cwd, user, timeout, stdin: bool, stream: bool, trace: bool = False,
-                   pty: bool = False, rows: int | None = None, cols: int | None = None) -> dict:
+                   pty: bool = False, rows: int | None = None, cols: int | None = None,
+                   policy: str | dict | None = None) -> dict:
         args = _given({"sandbox": self.id, "argv": command_argv(argv), "env": string_map(env, "env"),
-                       "stdin": stdin, "stream": stream, "trace": trace}, cwd=cwd, user=user, timeout=timeout)
+                       "stdin": stdin, "stream": stream, "trace": trace}, cwd=cwd, user=user, timeout=timeout,
+                      policy=policy)
         if pty:            # sent only when asked: older daemons do not know the fields
             args.update(_given({"pty": True, "stdin": True}, rows=rows, cols=cols))
         elif rows is not None or cols is not None:
@@ -873,21 +886,24 @@ class Sandbox:
                    cwd: str | None = None, user: int | None = None, stdin: bytes | None = None,
                    trace: bool = False, on_stdout: Callable[[bytes], object] | None = None,
                    on_stderr: Callable[[bytes], object] | None = None, pty: bool = False,
-                   rows: int | None = None, cols: int | None = None) -> ExecResult:
+                   rows: int | None = None, cols: int | None = None,
+                   policy: str | dict | None = None) -> ExecResult:
         """Run a command (an argv list, or a string run by /bin/sh -c); return
         its collected output and status (and, with trace, the ptrace record of
         what it executed, opened and connected to). on_stdout / on_stderr get
         each chunk as it arrives (a coroutine function is awaited). With pty,
         it runs on a terminal (rows x cols, default 24 x 80): `stdin` is typed
-        into it, and everything it shows (echo included) is in stdout."""
+        into it, and everything it shows (echo included) is in stdout.
+        policy: the task policy it runs under (a name or an inline dict;
+        default: the sandbox's)."""
         if stdin is None and on_stdout is None and on_stderr is None and not pty:
             r = await self.client.request("exec", **self._exec_args(argv, env, cwd, user, timeout, False, False,
-                                                                   trace, pty, rows, cols))
+                                                                   trace, pty, rows, cols, policy))
             return ExecResult.from_result(r)
         out: dict[int, list[bytes]] = {1: [], 2: []}
         callbacks = {1: on_stdout, 2: on_stderr}
         stream = self.exec_stream(argv, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin, trace=trace,
-                                  pty=pty, rows=rows, cols=cols)
+                                  pty=pty, rows=rows, cols=cols, policy=policy)
         async for fd, data in stream:
             out[fd].append(data)
             if callbacks[fd] is not None:
@@ -901,22 +917,25 @@ class Sandbox:
     def exec_stream(self, argv: list[str] | str, timeout: float | None = None, env: dict | None = None,
                     cwd: str | None = None, user: int | None = None,
                     stdin: bytes | AsyncIterator[bytes] | None = None, trace: bool = False, pty: bool = False,
-                    rows: int | None = None, cols: int | None = None) -> ExecStream:
+                    rows: int | None = None, cols: int | None = None,
+                    policy: str | dict | None = None) -> ExecStream:
         """The exec as an ExecStream of (fd, data). With pty, it runs on a
         terminal of rows x cols (default 24 x 80), its output one stream (fd
         1); send keystrokes with `write`, the window size with `resize`. An
         end of `stdin` does not end a terminal's input: send b"\\x04" (^D)."""
-        args = self._exec_args(argv, env, cwd, user, timeout, stdin is not None, True, trace, pty, rows, cols)
+        args = self._exec_args(argv, env, cwd, user, timeout, stdin is not None, True, trace, pty, rows, cols,
+                               policy)
         return ExecStream(self, args, stdin)
 
     async def spawn(self, argv: list[str] | str, env: dict | None = None, cwd: str | None = None,
-                    user: int | None = None, stdin: bool = True) -> Process:
+                    user: int | None = None, stdin: bool = True, policy: str | dict | None = None) -> Process:
         """Start a background process (an argv list, or a string run by
         /bin/sh -c); returns once it runs. It outlives this client and a
         daemon restart; take it up again with `process(pid)`. stdin: a pipe
-        fed by Process.write until close_stdin (False: /dev/null)."""
+        fed by Process.write until close_stdin (False: /dev/null). policy:
+        its task policy, as exec's."""
         args = _given({"sandbox": self.id, "argv": command_argv(argv), "env": string_map(env, "env"),
-                       "stdin": stdin}, cwd=cwd, user=user)
+                       "stdin": stdin}, cwd=cwd, user=user, policy=policy)
         r = await self.client.request("proc_start", **args)
         return Process(self, r["pid"])
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from . import policy
 from .errors import BadRequest
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
@@ -42,8 +43,9 @@ def _load_defaults() -> dict:
     return tomllib.loads(text)
 
 
-# Tables whose keys are the user's own names (e.g. rule sets), not knobs.
-FREE_FORM = {"net.rule_sets"}
+# Tables whose keys are the user's own names (rule sets, task policies), not
+# knobs: a user file adds names or replaces a named table whole.
+FREE_FORM = {"net.rule_sets", "policy"}
 
 
 def _overlay(base: dict, extra: dict, where: str = "") -> dict:
@@ -123,6 +125,10 @@ def _validate(cfg: Config) -> None:
     for key, allowed in (("log_level", ("debug", "info", "warning", "error")), ("log_format", ("json", "logfmt"))):
         if d[key] not in allowed:
             raise ConfigError(f"daemon.{key} must be one of {', '.join(allowed)}, got {d[key]!r}")
+    try:
+        policy.named(cfg.raw.get("policy", {}))
+    except policy.PolicyError as err:
+        raise ConfigError(str(err)) from err
 
 
 def parse_duration(value, what: str) -> float | None:

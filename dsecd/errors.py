@@ -173,8 +173,8 @@ def run_error(err: OSError, sandbox_id: str, prog: str, cwd: str) -> DsecError:
 
     if init_refused_request(err):
         return Conflict(f"cannot start {prog!r} in sandbox {sandbox_id}: its init is older than this dsecd and "
-                        "does not know the request (a pty exec or a background process); recreate the sandbox "
-                        "to use them", {"sandbox": sandbox_id})
+                        "does not know the request (a pty exec, a background process or a task policy); "
+                        "recreate the sandbox to use them", {"sandbox": sandbox_id})
     if started_by_step(err):
         return exec_error(err, prog, cwd)
     if err.errno == errno.ESRCH:          # its init exited first: destroyed or died meanwhile

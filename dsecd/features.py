@@ -30,6 +30,7 @@ class Features:
     cgroup_mode: str
     cgroup_controllers: dict[str, str]          # controller -> "v1" | "v2"
     items: dict[str, Feature] = field(default_factory=dict)
+    landlock_abi: int = 0                       # the Landlock ABI version; 0: none (task policies)
 
     def has(self, name: str) -> bool:
         f = self.items.get(name)
@@ -291,7 +292,8 @@ def probe_all(cgroup_root: str = "dsecd", state_dir: str | None = None,
     items["landlock"] = Feature(abi > 0, f"ABI v{abi}" if abi > 0 else
                                 f"landlock_create_ruleset: {errno.errorcode.get(-abi, abi)}")
     ctrls = {c: v for c in cgroup.CONTROLLERS if (w := layout.controller_dir(c)) for v in (w[0],)}
-    feats = Features(kernel=platform.release(), cgroup_mode=layout.mode, cgroup_controllers=ctrls, items=items)
+    feats = Features(kernel=platform.release(), cgroup_mode=layout.mode, cgroup_controllers=ctrls, items=items,
+                     landlock_abi=max(abi, 0))
     for name, f in items.items():
         if not f.available:
             log.info("feature %s unavailable: %s", name, f.detail)

@@ -31,7 +31,7 @@ __all__ = [
     # container spawn and execs (spawn.c, init.c)
     "ContainerSpec", "ExecSpec", "spawn_container", "spawn_exec", "check_exec_request", "init_exec_error",
     "init_binary_path", "INIT_MAGIC", "INIT_OP_START", "INIT_OP_KILL", "INIT_OP_COPY", "INIT_OP_RELEASE", "INIT_START_CTTY",
-    "INIT_START_HOLD",
+    "INIT_START_HOLD", "INIT_START_POLICY", "POLICY_MAGIC", "POLICY_MAX_BYTES", "POLICY_MAX_CHILDREN",
     "INIT_STARTED", "INIT_EXITED", "INIT_MAX_STRINGS", "INIT_PEER_FD", "INIT_REQ_SIZE", "INIT_REPLY_SIZE",
     "INIT_REPLY_ERR_OFFSET",
     "UPPER_FD",
@@ -91,6 +91,7 @@ _VERBS = {
     "ctl_fd": "hand the exec channel to", "init_request": "have the sandbox's init start",
     "oom_score": "reset the OOM score of",
     "ctty": "make the pty the controlling terminal of",
+    "landlock": "apply the task policy (Landlock) at",
 }
 
 _MOUNT_STEPS = {"mount_private", "mount_overlay", "mount_proc", "mount_dev", "dev_node",
@@ -161,6 +162,15 @@ _HINTS: dict[tuple[str, int], str] = {
     ("landlock", errno.EOPNOTSUPP): "landlock is built in but disabled: add it to the lsm= "
         "boot parameter",
     ("landlock", errno.ENOSYS): "the kernel was built without CONFIG_SECURITY_LANDLOCK",
+    ("exec:landlock", errno.ELOOP): "a path the task policy names (or leads to a named one) is, or "
+        "goes through, a symlink; name the real path in the policy: granting a link's target could "
+        "give a hidden path's rights away",
+    ("exec:landlock", errno.E2BIG): "a directory beside a hidden or narrowed path of the task policy "
+        "has more entries than DSEC_POLICY_MAX_CHILDREN, each needing a rule of its own; hide or "
+        "narrow a path in a smaller directory",
+    ("exec:landlock", errno.EINVAL): "the kernel refused the ruleset or a rule: a Landlock ABI below "
+        "the one `dsec info` reported?",
+    ("exec:landlock", errno.EPERM): "landlock_restrict_self needs no_new_privs or CAP_SYS_ADMIN",
     ("seccomp", errno.EINVAL): "the kernel was built without CONFIG_SECCOMP_FILTER",
     ("seccomp", errno.EOPNOTSUPP): "the kernel lacks SECCOMP_RET_KILL_PROCESS (Linux 4.14)",
     ("bpf_cgroup", errno.EPERM): "needs CAP_BPF and CAP_NET_ADMIN (or CAP_SYS_ADMIN); on "
@@ -461,6 +471,7 @@ class ExecSpec:
     userns: bool = False   # join PID 1's user namespace; uid/gid are then in-sandbox ids
     oom_reset: bool = False  # oom_score_adj back to 0 (the daemon's own is negative)
     ctty: bool = False     # stdin_fd is a pty slave: it becomes the controlling terminal
+    policy: bytes | None = None   # a task policy's plan (dsecd/policy.py compile): Landlock before execve
 
     def __post_init__(self):
         _fd("pidfd", self.pidfd)
@@ -470,6 +481,8 @@ class ExecSpec:
         check_exec_request(self.argv, self.env, self.cwd, self.uid, self.gid)
         if not isinstance(self.cap_keep, int) or not 0 <= self.cap_keep < 2**64:
             raise ValueError(f"cap_keep must be a 64-bit mask, got {self.cap_keep!r}")
+        if self.policy is not None and not 0 < len(self.policy) <= POLICY_MAX_BYTES:
+            raise ValueError(f"a policy plan is 1..{POLICY_MAX_BYTES} bytes, got {len(self.policy)}")
 
 
 def check_exec_request(argv: list[str], env: list[str], cwd: str, uid: int,
@@ -515,6 +528,10 @@ def spawn_exec(spec: ExecSpec) -> int:
     args.userns = bool(spec.userns)
     args.oom_reset = bool(spec.oom_reset)
     args.ctty = bool(spec.ctty)
+    if spec.policy is not None:
+        plan = ffi.new("unsigned char[]", spec.policy)
+        keep.append(plan)
+        args.policy, args.policy_len = plan, len(spec.policy)
     err = ffi.new("struct dsec_err *")
     pid = lib.dsec_spawn_exec(args, err)
     if pid < 0:
@@ -558,6 +575,10 @@ INIT_OP_COPY: int = lib.DSEC_INIT_OP_COPY
 INIT_START_CTTY: int = lib.DSEC_INIT_START_CTTY
 INIT_OP_RELEASE: int = lib.DSEC_INIT_OP_RELEASE
 INIT_START_HOLD: int = lib.DSEC_INIT_START_HOLD
+INIT_START_POLICY: int = lib.DSEC_INIT_START_POLICY
+POLICY_MAGIC: int = lib.DSEC_POLICY_MAGIC
+POLICY_MAX_BYTES: int = lib.DSEC_POLICY_MAX_BYTES
+POLICY_MAX_CHILDREN: int = lib.DSEC_POLICY_MAX_CHILDREN
 INIT_MAX_STRINGS: int = lib.DSEC_INIT_MAX_STRINGS
 INIT_REQ_SIZE: int = ffi.sizeof("struct dsec_init_req")
 INIT_REPLY_SIZE: int = ffi.sizeof("struct dsec_init_reply")

@@ -24,10 +24,12 @@ from .backends.microvm import guestimg
 from .backends.microvm.backend import MicroVMBackend
 from .config import Config, ConfigError, parse_size
 from .cpu.manager import CpuHost
+from .denials import Monitor
 from .engine import lifelog
 from .engine.builds import BuildService
 from .engine.calls import CallService, fncall_backend
 from .engine.creates import CreateService
+from .engine.denials import DenialService
 from .engine.dircopies import DirCopyService
 from .engine.events import EventBus
 from .engine.execs import ExecLimits, ExecService
@@ -39,6 +41,7 @@ from .engine.lifetimes import LifetimeService
 from .engine.memory import MemoryService
 from .engine.microvms import MicroVMService
 from .engine.network import NetworkService
+from .engine.policies import PolicyService
 from .engine.procs import ProcessService, ProcLimits
 from .engine.sandboxes import SandboxRegistry
 from .engine.starts import ProcessStarter
@@ -48,6 +51,7 @@ from .fds import close_quietly
 from .features import Features, suid_dumpable_hazard
 from .fs import upper as upperfs
 from .journal import Journal
+from .net.network import bpf_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +92,7 @@ SERVICE_ROUTES = {
     "pause": ("memory", "pause"), "resume": ("memory", "resume"),
     "job_pause": ("memory", "job_pause"), "job_resume": ("memory", "job_resume"),
     "renew": ("lifetimes", "renew"), "events": ("events", "stream"),
-    "call": ("call_service", "call"),
+    "call": ("call_service", "call"), "policy_list": ("policies", "list"),
 }
 
 
@@ -120,6 +124,11 @@ class Node:
         self.registry = SandboxRegistry(self.journal)
         self.events = EventBus()
         self.events.listeners.append(lifelog.on_event)        # a log line and counters per event
+        self.policies = PolicyService(cfg.raw.get("policy", {}), features.landlock_abi)
+        self.denials = DenialService(
+            Monitor(bpf_cache_dir(cfg.section("net"), state), self.limits["max_sandboxes"])
+            if sb["policy_denials"] else None, sb["policy_denial_events"], layout, self.registry,
+            self.workers, self.events)
         self.backend = ContainerBackend(layout, sb, state, {
             "tmp": cfg.size("sandbox", "tmp_size"), "shm": cfg.size("sandbox", "shm_size")}, upper_mode,
             execs_by_init)
@@ -136,7 +145,7 @@ class Node:
         self.net_service = NetworkService(cfg, layout, root, self.limits["max_sandboxes"], self.registry,
                                           self.workers, self.backend)
         self.procs = ProcessService(self.registry, self.workers, self.backend, self.memory.ensure_running,
-                                    ProcLimits.from_config(cfg))
+                                    ProcLimits.from_config(cfg), self.policies, self.denials)
         self.lifecycle = LifecycleService(self.registry, self.workers, self.backend, self.image_service.layers,
                                           self.net_service, self.memory, self.events, self.cpu, self.id_ranges,
                                           self.procs, self.vms)
@@ -145,11 +154,12 @@ class Node:
                                          self.lifecycle.destroy_sandbox)
         self.create_service = CreateService(cfg, self.registry, self.workers, self.backend, self.image_service,
                                             self.net_service, self.memory, self.cpu, self.id_ranges,
-                                            self.lifecycle, disk_default, self.vms)
+                                            self.lifecycle, disk_default, self.policies.for_create, self.vms)
         self.starter = ProcessStarter(self.workers)
         exec_limits = ExecLimits.from_config(cfg)
         self.exec_service = ExecService(self.registry, self.workers, self.starter, self.backend,
-                                        self.memory.ensure_running, exec_limits, self._devnull, self.vms)
+                                        self.memory.ensure_running, exec_limits, self._devnull, self.policies,
+                                        self.denials, self.vms)
         self.builds = BuildService(cfg, self.registry, self.workers, self.image_service, self.create_service,
                                    self.exec_service, self.lifecycle.destroy_sandbox, upper_mode == "tmpfs")
         self.file_service = FileService(self.registry, self.workers, self.memory.ensure_running,
@@ -189,6 +199,7 @@ class Node:
         await self.workers.run(upperfs.sweep_views, self.cfg.state_dir / upperfs.VIEWS_DIR)
         await self.workers.run(self.image_service.start)
         await self.lifecycle.recover_all()
+        self.denials.start()
         await self.call_service.start()
         await self.create_service.start()
         self._cpu_task = loop.create_task(self.cpu.run(self._cpu_entries, self.workers.run))
@@ -212,6 +223,7 @@ class Node:
         await self.net_service.close_net()
         await self.workers.run(self.memory.close)
         self.procs.close()          # before the handles: their processes run on for the next daemon
+        self.denials.close()
         drained = not any(s.handle is not None for s in self.registry.by_id.values())
         await self.workers.run(self.image_service.stop, drained)
         self.lifecycle.close()
@@ -237,7 +249,7 @@ class Node:
 
     def capabilities(self) -> list[str]:
         caps = ["exec.stream", "exec.stdin", "files", "files.watch", "files.tar", "backend.container",
-                "image.dir", "backend.fncall", "proc", "frame.tail"]
+                "image.dir", "backend.fncall", "proc", "frame.tail", "policy"]
         if self.vms.backend is not None:
             caps.append("backend.microvm")
         return caps
@@ -267,6 +279,7 @@ class Node:
                 "backends": {"container": {"available": True}, "microvm": self.vms.info()},
                 "admission": self.create_service.info(),
                 "userns": self.id_ranges.info(),
+                "policy": {**self.policies.info(), "denials": self.denials.info()},
                 "paths": {"socket": d["socket"], "state_dir": str(self.cfg.state_dir), "cgroup_root": root,
                           "cgroup_dirs": {k: str(v / root) for k, v in self.layout.hierarchies().items()}},
                 "daemon": {"config": self.cfg.path, "log_level": d["log_level"], "log_format": d["log_format"],

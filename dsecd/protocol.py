@@ -306,6 +306,12 @@ class Create:
     key: str | None = None          # idempotency key: a retried create returns the same sandbox
     disk: int | str | None = None   # size cap of the writable layer ("20G"); None = sandbox.disk
     backend: str | None = None      # "container" | "microvm"; None = sandbox.backend
+    policy: str | dict[str, typing.Any] | None = None   # default task policy of its execs (a name or inline)
+
+
+@request("policy_list")
+class PolicyList:
+    pass
 
 
 @request("top")
@@ -337,6 +343,7 @@ class Exec:
     pty: bool = False        # a terminal as stdin/stdout/stderr: output is one stream (fd 1), input by exec_input
     rows: int | None = None  # with pty: the initial window size (default 24 x 80)
     cols: int | None = None
+    policy: str | dict[str, typing.Any] | None = None   # task policy (name or inline); None = the sandbox's
 
 
 @request("exec_input")
@@ -366,6 +373,7 @@ class ProcStart:
     cwd: str | None = None
     user: int | None = None
     stdin: bool = True       # a pipe fed by proc_input (open until eof); false: /dev/null
+    policy: str | dict[str, typing.Any] | None = None   # task policy (name or inline); None = the sandbox's
 
 
 @request("proc_list", states=PROC_STATES)

@@ -329,6 +329,10 @@ class SyncClient:
     def net_sets(self) -> list[dict]:
         return self._run(self._client.net_sets())
 
+    def policy_list(self) -> dict:
+        """Client.policy_list: the daemon's named task policies and its Landlock ABI."""
+        return self._run(self._client.policy_list())
+
     def get(self, sandbox_id: str) -> SyncSandbox:
         return SyncSandbox(self, self._run(self._client.get(sandbox_id)))
 

@@ -25,35 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import cgroup, fds, initlink, native, sysfs, userns
+from ..caps import CAP_NUMBERS, cap_mask
 from ..fs import upper as upperfs
 from ..steps import Steps
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-# Capability numbers from <linux/capability.h> (a stable kernel ABI).
-CAP_NUMBERS = {
-    "CHOWN": 0, "DAC_OVERRIDE": 1, "DAC_READ_SEARCH": 2, "FOWNER": 3, "FSETID": 4, "KILL": 5,
-    "SETGID": 6, "SETUID": 7, "SETPCAP": 8, "LINUX_IMMUTABLE": 9, "NET_BIND_SERVICE": 10,
-    "NET_BROADCAST": 11, "NET_ADMIN": 12, "NET_RAW": 13, "IPC_LOCK": 14, "IPC_OWNER": 15,
-    "SYS_MODULE": 16, "SYS_RAWIO": 17, "SYS_CHROOT": 18, "SYS_PTRACE": 19, "SYS_PACCT": 20,
-    "SYS_ADMIN": 21, "SYS_BOOT": 22, "SYS_NICE": 23, "SYS_RESOURCE": 24, "SYS_TIME": 25,
-    "SYS_TTY_CONFIG": 26, "MKNOD": 27, "LEASE": 28, "AUDIT_WRITE": 29, "AUDIT_CONTROL": 30,
-    "SETFCAP": 31, "MAC_OVERRIDE": 32, "MAC_ADMIN": 33, "SYSLOG": 34, "WAKE_ALARM": 35,
-    "BLOCK_SUSPEND": 36, "AUDIT_READ": 37, "PERFMON": 38, "BPF": 39, "CHECKPOINT_RESTORE": 40,
-}
-
-
-def cap_mask(names: list[str]) -> int:
-    mask = 0
-    for name in names:
-        key = name.upper().removeprefix("CAP_")
-        if key not in CAP_NUMBERS:
-            raise ValueError(f"unknown capability {name!r} in sandbox.capabilities")
-        mask |= 1 << CAP_NUMBERS[key]
-    return mask
-
 
 @dataclass
 class Handle:
@@ -273,17 +251,21 @@ class ContainerBackend:
 
     def start_by_init(self, loop, h: Handle, argv: list[str], env: list[str], cwd: str, uid: int,
                       fds: tuple[int, int, int], ctty: bool = False,
-                      hold: tuple[int, int, int] | None = None, gid: int | None = None) -> initlink.InitExec | None:
+                      hold: tuple[int, int, int] | None = None, gid: int | None = None,
+                      policy: bytes | None = None, cap_keep: int | None = None) -> initlink.InitExec | None:
         """Send the exec to the sandbox's init (on the event loop, does not
         block); None if it has no channel or the channel cannot take it: then
         `spawn` it. The same ids and capabilities as `spawn` gives. ctty:
         fds[0] is a pty slave, the exec's controlling terminal. hold: the
         daemon's ends of its pipes, for init to hold (a background process).
-        gid: its group (None: the uid's number)."""
+        gid: its group (None: the uid's number). policy: a task policy's plan
+        (dsecd/policy.py), applied before execve; cap_keep: the capabilities it
+        keeps if not the sandbox's (a subset)."""
         if h.init_link is None:
             return None
-        return h.init_link.spawn(loop, argv, env, cwd, uid, self.caps, fds, ctty, hold,
-                                 uid if gid is None else gid)
+        caps = self.caps if cap_keep is None else cap_keep & self.caps
+        return h.init_link.spawn(loop, argv, env, cwd, uid, caps, fds, ctty, hold,
+                                 uid if gid is None else gid, policy)
 
     def copy_by_init(self, loop, h: Handle, src: int, dst: int) -> initlink.InitExec | None:
         """Have the sandbox's init copy src into dst from a child in the
@@ -294,13 +276,15 @@ class ContainerBackend:
         return h.init_link.copy(loop, src, dst)
 
     def spawn(self, h: Handle, argv: list[str], env: list[str], cwd: str, uid: int,
-              fds: tuple[int, int, int], ctty: bool = False, gid: int | None = None) -> int:
+              fds: tuple[int, int, int], ctty: bool = False, gid: int | None = None,
+              policy: bytes | None = None, cap_keep: int | None = None) -> int:
         """Start argv through the daemon's exec helper; its host pid. gid: None is the uid's number."""
+        caps = self.caps if cap_keep is None else cap_keep & self.caps
         spec = native.ExecSpec(pidfd=h.pidfd, cgroup_procs=h.group.procs_files(), argv=argv, env=env,
                                cwd=cwd, uid=uid, gid=uid if gid is None else gid, stdin_fd=fds[0], stdout_fd=fds[1],
-                               stderr_fd=fds[2], cap_keep=self.caps, sched_idle=h.sched_idle,
+                               stderr_fd=fds[2], cap_keep=caps, sched_idle=h.sched_idle,
                                core_sched=h.core_sched, seccomp_profile=self.seccomp, userns=h.userns,
-                               oom_reset=_OOM_RESET, ctty=ctty)
+                               oom_reset=_OOM_RESET, ctty=ctty, policy=policy)
         return native.spawn_exec(spec)
 
     # ------------------------------------------------------------ destroy

@@ -126,7 +126,10 @@ class CreateService:
 
     def __init__(self, cfg, registry: SandboxRegistry, workers: Workers, backend, images: ImageService,
                  net: NetworkService, memory: MemoryService, cpu: CpuHost, id_ranges: IdRanges,
-                 lifecycle: LifecycleService, disk_default: int, vms: MicroVMService | None = None):
+                 lifecycle: LifecycleService, disk_default: int, policy_for_create,
+                 vms: MicroVMService | None = None):
+        # policies.for_create: a create's `policy` as the sandbox records it (dsecd/engine/policies.py)
+        self.policy_for_create = policy_for_create
         self.sb_defaults = cfg.section("sandbox")
         self.limits = cfg.section("limits")
         self.registry = registry
@@ -224,6 +227,7 @@ class CreateService:
 
     async def _create_admitted(self, req, image: Image | None = None) -> dict:
         limits = self._limits_for(req)        # a bad request fails before it queues
+        self.policy_for_create(req.policy)
         taken = None if image is not None else await self._take_from_pool(req, limits)
         if taken is not None:
             return taken
@@ -278,6 +282,7 @@ class CreateService:
             sb.labels = dict(req.labels)
             settings.apply(sb)
             sb.ttl, sb.idle_ttl, sb.lease, sb.key = ttl, idle_ttl, lease, req.key
+            sb.policy = self.policy_for_create(req.policy)
             sb.created = time.time()
             sb.last_active = time.monotonic()
             sb.lease_deadline = sb.last_active + lease if lease else None
@@ -628,7 +633,8 @@ class CreateService:
                      labels=dict(req.labels), hostname=hostname, qos=plan.qos, core_sched=plan.core_sched,
                      manifest=image.manifest, layers=image.layer_digests,
                      ttl=self._ttl(req), idle_ttl=parse_duration(req.idle_ttl, "idle_ttl"),
-                     lease=parse_duration(req.lease, "lease"), key=req.key, backend=backend)
+                     lease=parse_duration(req.lease, "lease"), key=req.key, backend=backend,
+                     policy=self.policy_for_create(req.policy))
         if sb.lease:
             sb.lease_deadline = time.monotonic() + sb.lease
         if backend == "microvm":

@@ -12,10 +12,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from .. import metrics, tracing, userns
-from ..errors import BadRequest, Conflict, DsecError, NotFound, io_error, run_error
+from ..errors import BadRequest, Conflict, DsecError, NotFound, Unsupported, io_error, run_error
 from ..execio import ChildWatch, Collector, ExecIO, PtyIO, kill_and_reap
 from ..initlink import InitExec
+from .denials import DenialService, ExecRef
 from .microvms import MicroVMService
+from .policies import Applied, PolicyService
 from .sandboxes import Sandbox, SandboxRegistry
 from .starts import ProcessStarter
 from .workers import Workers
@@ -84,6 +86,18 @@ def exec_target(sb: Sandbox, req, backend) -> tuple[list[str], str, int, int]:
     return backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, req.env), cwd, user, gid
 
 
+def _with_options(start, ctty: bool, gid: int, applied: Applied | None, backend):
+    """A backend's start or spawn with the options this exec needs: its
+    terminal, its group, and its task policy's plan and capabilities."""
+    options: dict = {"ctty": ctty, "gid": gid}
+    if applied is not None:
+        if applied.plan is not None:
+            options["policy"] = applied.plan
+        if (caps := applied.cap_keep(backend.caps)) is not None:
+            options["cap_keep"] = caps
+    return functools.partial(start, **options)
+
+
 @dataclass(frozen=True)
 class ExecLimits:
     max_timeout_s: float           # limits.max_exec_timeout_s (0: none)
@@ -105,7 +119,9 @@ class ExecService:
 
     def __init__(self, registry: SandboxRegistry, workers: Workers, starter: ProcessStarter, backend,
                  ensure_running: Callable[[Sandbox, str], Awaitable[None]], limits: ExecLimits, devnull: int,
-                 vms: MicroVMService | None = None):
+                 policies: PolicyService, denials: DenialService | None = None, vms: MicroVMService | None = None):
+        self.policies = policies
+        self.denials = denials
         self.registry = registry
         self.workers = workers
         self.starter = starter
@@ -123,6 +139,10 @@ class ExecService:
         if timeout is not None and not 0 < timeout <= (max_t or float("inf")):
             raise BadRequest(f"timeout must be in (0, {max_t}] seconds, got {timeout}")
         env, cwd, user, gid = exec_target(sb, req, self.backend)
+        if sb.backend == "microvm" and (req.policy is not None or sb.policy is not None):
+            raise Unsupported(f"sandbox {sb.id} is a microVM: task policies (Landlock in dsec-init) are "
+                              "enforced in containers only")
+        applied = self.policies.for_exec(sb, req.policy)
         started = time.monotonic()
         await self.ensure_running(sb, "exec")
         if sb.backend == "microvm":
@@ -138,19 +158,19 @@ class ExecService:
             for delay in (*ETXTBSY_RETRY_S, None):
                 try:
                     result = await self._exec_collected(sb, list(req.argv), env, cwd, (user, gid), timeout,
-                                                         ctx, via)
+                                                         ctx, via, applied)
                     break
                 except DsecError as err:
                     if delay is None or err.detail.get("errno") != "ETXTBSY":
                         raise
                 await asyncio.sleep(delay)
         else:
-            result = await self._exec_streamed(sb, req, env, cwd, (user, gid), timeout, ctx, via)
+            result = await self._exec_streamed(sb, req, env, cwd, (user, gid), timeout, ctx, via, applied)
         metrics.EXEC_SECONDS.labels(via[-1] if via else "").observe(time.monotonic() - started)
         return result
 
     async def _exec_streamed(self, sb: Sandbox, req, env: list[str], cwd: str, ids: tuple[int, int],
-                             timeout: float | None, ctx, via: list[str]) -> dict:
+                             timeout: float | None, ctx, via: list[str], applied: Applied | None) -> dict:
         """An exec that streams its output, takes stdin, is traced or has a
         terminal: one ExecIO (PtyIO for a terminal)."""
         loop = self.workers.loop
@@ -162,6 +182,7 @@ class ExecService:
             else:
                 collected[stream].append(data)
 
+        ref = await self._counting(sb, applied, req.argv[0])
         if req.pty:
             rows, cols = DEFAULT_WINDOW if req.rows is None else (req.rows, req.cols)
             io = PtyIO(loop, emit, rows, cols)
@@ -169,12 +190,14 @@ class ExecService:
             io = ExecIO(loop, self.limits.max_output, emit, req.stdin)
         ctx.register_exec(io)
         try:
-            result = await self._run_io(sb, io, list(req.argv), env, cwd, ids, timeout, req.pty, req.trace, via)
+            result = await self._run_io(sb, io, list(req.argv), env, cwd, ids, timeout, req.pty, req.trace, via,
+                                        applied, ref)
         finally:
             ctx.unregister_exec()
         if not req.stream:
             result["stdout"] = b"".join(collected[1])
             result["stderr"] = b"".join(collected[2])
+        self._finish(result, applied, ref)
         return result
 
     async def run_streamed(self, sb: Sandbox, argv: list[str], env: dict[str, str], cwd: str, user: int,
@@ -189,23 +212,29 @@ class ExecService:
 
     async def _run_io(self, sb: Sandbox, io, argv: list[str], env: list[str], cwd: str, ids: tuple[int, int],
                       timeout: float | None, pty: bool = False, trace: bool = False,
-                      via: list[str] | None = None) -> dict:
+                      via: list[str] | None = None, applied: Applied | None = None,
+                      ref: ExecRef | None = None) -> dict:
         """Start `argv` with `io`'s pipes (or terminal) and wait for its end and output;
-        `via` gets who started it ("init" or "helper", the metrics' label)."""
+        `via` gets who started it ("init" or "helper", the metrics' label); `applied`:
+        its task policy, whose denials `ref` counts."""
         loop = self.workers.loop
         sb.execs += 1
         try:
             argv = tracing.traced_argv(argv) if trace else argv
             # A traced exec needs the daemon's helper: the tracer attaches to the daemon's child.
             tracer = None
-            watch = None if trace else self._start_by_init(sb, argv, env, cwd, ids, io, io.child_fds(), pty)
+            watch = None if trace else self._start_by_init(sb, argv, env, cwd, ids, io, io.child_fds(),
+                                                           applied, pty)
             if via is not None:
                 via.append("init" if watch is not None else "helper")
             if watch is None:
-                pid = await self._spawn_exec(sb, argv, env, cwd, ids, io.child_fds(), io, pty)
+                pid = await self._spawn_exec(sb, argv, env, cwd, ids, io.child_fds(), io, applied, pty)
                 if trace:
                     tracer = await self._start_tracer(pid, timeout)
                 watch = ChildWatch(loop, pid)
+                self._bind_helper(ref, pid)
+            else:
+                self._bind_init(ref, watch)
             try:
                 result = await io.run(watch, timeout, self.limits.drain_grace_s)
             except OSError as err:
@@ -219,29 +248,36 @@ class ExecService:
             sb.last_active = time.monotonic()
 
     async def _exec_collected(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str,
-                              ids: tuple[int, int], timeout: float | None, ctx, via: list[str]) -> dict:
+                              ids: tuple[int, int], timeout: float | None, ctx, via: list[str],
+                              applied: Applied | None) -> dict:
         """An exec whose output comes back whole and that takes no stdin (most
         of them): collected by loop callbacks (dsecd/execio.py Collector), not
         by ExecIO's task per pipe; stdin is the daemon's /dev/null."""
         # kill_grace: the watch's (an exec of our own is waited for however long after its kill).
+        ref = await self._counting(sb, applied, argv[0])
         run = Collector(self.workers.loop, self.limits.max_output, self.limits.drain_grace_s, None)
         sb.execs += 1
         ctx.register_exec(run)
         watch = None
         try:
             stdio = (self.devnull, *run.child_ends)
-            watch = self._start_by_init(sb, argv, env, cwd, ids, run, stdio)
+            watch = self._start_by_init(sb, argv, env, cwd, ids, run, stdio, applied)
             via.append("init" if watch is not None else "helper")
             if watch is None:
                 watch = ChildWatch(self.workers.loop,
-                                   await self._spawn_exec(sb, argv, env, cwd, ids, stdio, run))
+                                   await self._spawn_exec(sb, argv, env, cwd, ids, stdio, run, applied))
+                self._bind_helper(ref, watch.pid)
+            else:
+                self._bind_init(ref, watch)
             # Sent to init, the timeout counts from the send: a start init cannot finish is killed too.
             run.kill_grace = watch.kill_grace
             run.start(watch.exited, watch.kill, timeout)
             try:
-                return await run.done
+                result = await run.done
             except OSError as err:
                 raise run_error(err, sb.id, argv[0], cwd) from err
+            self._finish(result, applied, ref)
+            return result
         except BaseException:
             # Cancelled (client gone, `cancel`, daemon stopping): the process group goes.
             if watch is not None and not watch.exited.done():
@@ -255,25 +291,46 @@ class ExecService:
             sb.last_active = time.monotonic()
             ctx.unregister_exec()
 
+    async def _counting(self, sb: Sandbox, applied: Applied | None, argv0: str) -> ExecRef | None:
+        """Before the start: what counts this exec's policy denials (None: nothing)."""
+        return None if self.denials is None else await self.denials.exec_starting(sb, applied, argv0)
+
+    def _bind_init(self, ref: ExecRef | None, watch: InitExec) -> None:
+        if ref is not None:
+            watch.started().add_done_callback(
+                lambda f: None if f.cancelled() or f.exception() else self.denials.bind(ref, f.result()))
+
+    def _bind_helper(self, ref: ExecRef | None, host_pid: int) -> None:
+        if ref is not None:
+            self.denials.bind(ref, self.denials.host_to_sandbox_pid(host_pid))
+
+    def _finish(self, result: dict, applied: Applied | None, ref: ExecRef | None) -> None:
+        """The policy part of an exec's result: its name, and its denials when counted."""
+        result["policy"] = applied.name if applied else None
+        if ref is not None and ref.policy is not None:
+            result["denials"] = self.denials.ended(ref)
+
     def _start_by_init(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, ids: tuple[int, int], io,
-                       stdio: tuple[int, int, int], ctty: bool = False) -> InitExec | None:
+                       stdio: tuple[int, int, int], applied: Applied | None = None,
+                       ctty: bool = False) -> InitExec | None:
         """The exec sent to the sandbox's init (dsecd/initlink.py), or None:
         the daemon's helper must start it (no channel: exec_via = helper, a
         sandbox of an older daemon, or one whose init lacks this daemon's
         capabilities; or the channel cannot take this one: too big, init
         busy). `io` owns the child ends in stdio, closed once sent. Whether it
         started shows in its `exited` (a failed start: errors.run_error).
-        ctty: stdin is a pty slave, the exec's controlling terminal. ids: (uid, gid)."""
+        ctty: stdin is a pty slave, the exec's controlling terminal. ids: (uid, gid).
+        applied: the task policy it runs under (its plan goes with the request)."""
         if sb.handle is None:
             return None
         uid, gid = ids
-        start = functools.partial(self.backend.start_by_init, ctty=ctty, gid=gid)
+        start = _with_options(self.backend.start_by_init, ctty, gid, applied, self.backend)
         return self.starter.send_to_init(start, sb.handle, argv, env, cwd, uid, io, stdio)
 
     async def _spawn_exec(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, ids: tuple[int, int],
-                          fds: tuple[int, int, int], io, ctty: bool = False) -> int:
+                          fds: tuple[int, int, int], io, applied: Applied | None = None, ctty: bool = False) -> int:
         uid, gid = ids
-        spawn = functools.partial(self.backend.spawn, ctty=ctty, gid=gid)
+        spawn = _with_options(self.backend.spawn, ctty, gid, applied, self.backend)
         return await self.starter.spawn_by_helper(io, None, spawn, sb.handle, argv, env, cwd, uid, fds)
 
     async def _start_tracer(self, pid: int, timeout: float | None):

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 # The journaled fields a re-adopted sandbox is rebuilt from (Sandbox.record).
 RECORD_FIELDS = ("image", "state", "created", "limits", "env", "labels", "hostname", "cwd", "user", "gid", "backend",
                  "died", "qos", "core_sched", "manifest", "layers", "ttl", "idle_ttl", "lease", "pause_record",
-                 "net", "key", "idmap", "procs")
+                 "net", "key", "idmap", "procs", "policy")
 
 
 def labels_match(sb: Sandbox, labels: dict) -> bool:

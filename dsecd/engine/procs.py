@@ -42,7 +42,9 @@ from ..errors import BadRequest, Conflict, LimitExceeded, NotFound, io_error, ru
 from ..execio import READ_CHUNK, _decode_status
 from ..fds import close_quietly, read_ready
 from ..initlink import KILLED, InitExec
+from .denials import DenialService
 from .execs import exec_target
+from .policies import PolicyService
 from .sandboxes import Sandbox, SandboxRegistry
 from .workers import Workers
 
@@ -137,7 +139,7 @@ class BgProc:
         return {"pid": self.pid, "state": "running" if self.running else "exited", "exit_code": code,
                 "signal": sig, "argv": self.rec["argv"], "started": self.rec["started"],
                 "ended": self.rec.get("ended"), "output_bytes": self.ring.size, "dropped": self.ring.dropped,
-                "stdin_open": self.fds["stdin"] >= 0}
+                "stdin_open": self.fds["stdin"] >= 0, "policy": self.rec.get("policy")}
 
     def exit_status(self) -> tuple[int | None, int | None]:
         if self.running or self.ended.result() is None:
@@ -149,10 +151,14 @@ class ProcessService:
     """`proc_start`, `proc_list`, `proc_logs`, `proc_input`, `proc_kill`,
     `proc_wait`; re-adoption after a restart (take_back, readopt) and the end
     of a sandbox's processes (forget). `ensure_running(sb, why)` resumes a
-    paused sandbox first (the memory service's)."""
+    paused sandbox first (the memory service's); `policies` says which task
+    policy a process runs under, as for an exec."""
 
     def __init__(self, registry: SandboxRegistry, workers: Workers, backend,
-                 ensure_running: Callable[[Sandbox, str], Awaitable[None]], limits: ProcLimits):
+                 ensure_running: Callable[[Sandbox, str], Awaitable[None]], limits: ProcLimits,
+                 policies: PolicyService, denials: DenialService | None = None):
+        self.policies = policies
+        self.denials = denials
         self.registry = registry
         self.workers = workers
         self.backend = backend
@@ -166,6 +172,7 @@ class ProcessService:
     async def start(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
         env, cwd, user, gid = exec_target(sb, req, self.backend)
+        applied = self.policies.for_exec(sb, req.policy, "proc_start")
         table = self.tables.setdefault(sb.id, {})
         self._make_room(sb, table)
         h = sb.handle
@@ -174,12 +181,14 @@ class ProcessService:
                            "(made with sandbox.exec_via = helper, or by an older daemon); use exec, or "
                            "create a new sandbox", {"sandbox": sb.id})
         await self.ensure_running(sb, "proc_start")
+        ref = None if self.denials is None else await self.denials.exec_starting(sb, applied, req.argv[0])
         ours, theirs = _open_pipes(req.stdin)
         try:
             # Without stdin init holds a copy of the process's /dev/null in its place.
             hold = (ours["stdin"] if ours["stdin"] >= 0 else theirs[0], ours["stdout"], ours["stderr"])
             run = self.backend.start_by_init(self.workers.loop, h, list(req.argv), env, cwd, user, theirs,
-                                             hold=hold, gid=gid)
+                                             hold=hold, gid=gid, policy=applied and applied.plan,
+                                             cap_keep=applied and applied.cap_keep(self.backend.caps))
         except ValueError as err:
             _close_all(ours.values())
             raise BadRequest(f"proc_start: {err}") from err
@@ -200,7 +209,10 @@ class ProcessService:
             run.link.release(run.id, STDIN | STDOUT | STDERR)
             _close_all(ours.values())
             raise
+        if ref is not None:
+            self.denials.bind(ref, pid)
         rec = {"id": run.id, "pid": pid, "argv": list(req.argv), "started": time.time(), "state": "running",
+               "policy": applied.name if applied else None,
                "inodes": [os.fstat(ours[k]).st_ino if ours[k] >= 0 else 0 for k in ("stdin", "stdout", "stderr")]}
         rec["host_pid"], rec["host_start"] = _host_identity(run.pidfd)
         proc = BgProc(self.workers.loop, rec, self.limits.output_bytes)

@@ -69,6 +69,10 @@ class Sandbox:
     key: str | None = None      # idempotency key of the create (dsecd/engine/creates.py)
     idmap: dict | None = None   # user-namespace id range (dsecd/userns.py); None = host ids
     procs: list = field(default_factory=list)   # background processes' records (dsecd/engine/procs.py)
+    # Default task policy of its execs, {"name", "spec"} (dsecd/engine/policies.py); None: none.
+    policy: dict | None = None
+    # Runtime only: task-policy denials seen (dsecd/engine/denials.py): total, by_policy, unattributed.
+    denials: dict = field(default_factory=dict)
 
     def record(self) -> dict:
         h = self.handle
@@ -80,7 +84,8 @@ class Sandbox:
                 "died": self.died, "qos": self.qos, "core_sched": self.core_sched,
                 "manifest": self.manifest, "layers": self.layers, "ttl": self.ttl,
                 "idle_ttl": self.idle_ttl, "lease": self.lease, "pause_record": self.pause_record,
-                "net": self.net, "key": self.key, "idmap": self.idmap, "procs": self.procs}
+                "net": self.net, "key": self.key, "idmap": self.idmap, "procs": self.procs,
+                "policy": self.policy}
 
     def public(self) -> dict:
         out = self.record()
@@ -88,6 +93,7 @@ class Sandbox:
         out.pop("pause_record")
         out.pop("procs")
         out["execs_running"] = self.execs
+        out["denials"] = self.denials
         return out
 
 

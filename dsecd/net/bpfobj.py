@@ -1,10 +1,11 @@
-"""The compiled policy programs as a file on disk, built by a short-lived helper.
+"""Compiled BPF programs as a file on disk, built by a short-lived helper.
 
-bcc compiles bpf/net_policy.c with clang in-process (1-5 s) and leaves libbcc
-and LLVM mapped in whatever process did it: ~140 MB more resident memory for
-that process's whole life. So the daemon never imports bcc. A helper process
-(`python -m dsecd.net.bpfobj OUT CFLAG...`) compiles with bcc, writes what the
-kernel needs to load the programs again, and exits:
+bcc compiles a program source (bpf/net_policy.c, bpf/policy_denials.c: a
+`Spec` each) with clang in-process (1-5 s) and leaves libbcc and LLVM mapped
+in whatever process did it: ~140 MB more resident memory for that process's
+whole life. So the daemon never imports bcc. A helper process (`python -m
+dsecd.net.bpfobj [--spec NAME] OUT CFLAG...`) compiles with bcc, writes what
+the kernel needs to load the programs again, and exits:
 
   maps   name, type, key and value size, max entries, flags (from
          BPF_OBJ_GET_INFO_BY_FD on the maps bcc made)
@@ -32,6 +33,7 @@ import struct
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import bpfsys
@@ -50,6 +52,25 @@ HOOKS = (
     ("dsec_egress", "CGROUP_SKB", "CGROUP_INET_EGRESS"),
     ("dsec_sockops", "SOCK_OPS", "CGROUP_SOCK_OPS"),     # marks accepted connections for dsec_egress
 )
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One program source: its maps and (function, program type, attach type)
+    hooks, which the object file must hold; `name` prefixes the file."""
+
+    name: str
+    source: Path
+    maps: tuple[str, ...]
+    hooks: tuple[tuple[str, str, str], ...]
+
+
+NET_POLICY = Spec("net_policy", SOURCE, MAPS, HOOKS)
+# Failed syscalls of policy-confined execs (dsecd/denials.py): a raw
+# tracepoint, attached by name, not to a cgroup.
+POLICY_DENIALS = Spec("policy_denials", SOURCE.parent / "policy_denials.c", ("watched", "events", "lost"),
+                      (("dsec_sys_exit", "RAW_TRACEPOINT", "NONE"),))
+SPECS = {s.name: s for s in (NET_POLICY, POLICY_DENIALS)}
 BUILD_TIMEOUT_S = 300
 LD_IMM64, PSEUDO_MAP_FD = 0x18, 1
 
@@ -70,16 +91,16 @@ def bcc_version() -> str:
     return text.split("=", 1)[-1].strip().strip("'\"")
 
 
-def cache_key(cflags: list[str]) -> str:
+def cache_key(cflags: list[str], spec: Spec = NET_POLICY) -> str:
     h = hashlib.sha256(MAGIC)
-    for part in (SOURCE.read_bytes(), " ".join(cflags).encode(), os.uname().release.encode(),
+    for part in (spec.source.read_bytes(), " ".join(cflags).encode(), os.uname().release.encode(),
                  bcc_version().encode()):
         h.update(len(part).to_bytes(8, "little") + part)
     return h.hexdigest()
 
 
-def object_path(cache_dir: Path, key: str) -> Path:
-    return Path(cache_dir) / f"net_policy-{key[:24]}.obj"
+def object_path(cache_dir: Path, key: str, spec: Spec = NET_POLICY) -> Path:
+    return Path(cache_dir) / f"{spec.name}-{key[:24]}.obj"
 
 
 # ------------------------------------------------------------------ file format
@@ -90,7 +111,7 @@ def encode(key: str, maps: list[dict], progs: list[dict]) -> bytes:
     return MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
 
 
-def decode(data: bytes, key: str) -> dict:
+def decode(data: bytes, key: str, spec: Spec = NET_POLICY) -> dict:
     if not data.startswith(MAGIC):
         raise ObjectError("not a dsecd BPF object (bad magic)")
     digest, _, body = data[len(MAGIC):].partition(b"\n")
@@ -103,7 +124,7 @@ def decode(data: bytes, key: str) -> dict:
         for p in obj["progs"]:
             p["insns"] = base64.b64decode(p["insns"])
         names = {m["name"] for m in obj["maps"]}
-        if names != set(MAPS) or {p["name"] for p in obj["progs"]} != {h[0] for h in HOOKS}:
+        if names != set(spec.maps) or {p["name"] for p in obj["progs"]} != {h[0] for h in spec.hooks}:
             raise ObjectError("maps or programs missing")
         for p in obj["progs"]:
             for idx, name in p["relocs"]:
@@ -119,14 +140,14 @@ def decode(data: bytes, key: str) -> dict:
 # ------------------------------------------------------------------ the helper (imports bcc)
 
 
-def build(out: Path, cflags: list[str]) -> None:
+def build(out: Path, cflags: list[str], spec: Spec = NET_POLICY) -> None:
     """Compile with bcc and write the object; runs in the helper process."""
     import bcc
 
-    key = cache_key(cflags)
-    b = bcc.BPF(src_file=str(SOURCE).encode(), cflags=cflags)
+    key = cache_key(cflags, spec)
+    b = bcc.BPF(src_file=str(spec.source).encode(), cflags=cflags)
     fd_to_name, maps = {}, []
-    for name in MAPS:
+    for name in spec.maps:
         fd = b[name.encode()].map_fd
         fd_to_name[fd] = name
         info = bpfsys.map_info(fd)
@@ -134,14 +155,14 @@ def build(out: Path, cflags: list[str]) -> None:
                      "value_size": info["value_size"], "max_entries": info["max_entries"],
                      "flags": info["flags"]})
     progs = []
-    for name, ptype, atype in HOOKS:
+    for name, ptype, atype in spec.hooks:
         insns = bytes(b.dump_func(name.encode()))
         relocs = []
         for i in range(0, len(insns), 8):
             op, regs, _off, imm = struct.unpack_from("<BBhi", insns, i)
             if op == LD_IMM64 and regs >> 4 == PSEUDO_MAP_FD:
                 if imm not in fd_to_name:
-                    raise RuntimeError(f"{name}: instruction {i // 8} names map fd {imm}, not one of {MAPS}")
+                    raise RuntimeError(f"{name}: instruction {i // 8} names map fd {imm}, not one of {spec.maps}")
                 relocs.append([i // 8, fd_to_name[imm]])
         progs.append({"name": name, "prog_type": ptype, "attach_type": atype, "relocs": relocs,
                       "insns": base64.b64encode(insns).decode()})
@@ -160,17 +181,17 @@ def write_atomic(path: Path, data: bytes) -> None:
     os.rename(tmp, path)
 
 
-def run_helper(out: Path, cflags: list[str]) -> float:
+def run_helper(out: Path, cflags: list[str], spec: Spec = NET_POLICY) -> float:
     """Build `out` in a helper process; its wall time in ms."""
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, "-m", "dsecd.net.bpfobj", str(out), *cflags],
+        proc = subprocess.run([sys.executable, "-m", "dsecd.net.bpfobj", "--spec", spec.name, str(out), *cflags],
                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired as err:
-        raise bpfsys.BpfError(110, f"compile `{SOURCE}` with bcc: no result after {BUILD_TIMEOUT_S} s") from err
+        raise bpfsys.BpfError(110, f"compile `{spec.source}` with bcc: no result after {BUILD_TIMEOUT_S} s") from err
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip()[-3000:]
-        raise bpfsys.BpfError(22, f"compile `{SOURCE}` with bcc (helper exited {proc.returncode}; "
+        raise bpfsys.BpfError(22, f"compile `{spec.source}` with bcc (helper exited {proc.returncode}; "
                                   f"is python3-bpfcc installed?): {tail}")
     return (time.perf_counter() - t0) * 1e3
 
@@ -207,11 +228,11 @@ class Loaded:
         self.maps, self.progs = {}, {}
 
 
-def load(cache_dir: Path, cflags: list[str]) -> tuple[Loaded, dict]:
+def load(cache_dir: Path, cflags: list[str], spec: Spec = NET_POLICY) -> tuple[Loaded, dict]:
     """The programs and maps, from the cached object (built first if missing,
     stale or corrupt); and what it took: {"object": "cached"|"compiled", ...}."""
-    key = cache_key(cflags)
-    path = object_path(cache_dir, key)
+    key = cache_key(cflags, spec)
+    path = object_path(cache_dir, key, spec)
     stats: dict = {"object": "cached", "path": str(path)}
     for attempt in (0, 1):
         try:
@@ -223,7 +244,7 @@ def load(cache_dir: Path, cflags: list[str]) -> tuple[Loaded, dict]:
         else:
             try:
                 t0 = time.perf_counter()
-                loaded = Loaded(decode(data, key))
+                loaded = Loaded(decode(data, key, spec))
                 stats["load_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
                 return loaded, stats
             except ObjectError as err:
@@ -234,12 +255,16 @@ def load(cache_dir: Path, cflags: list[str]) -> tuple[Loaded, dict]:
                 why = f"the kernel refused it: {err}"
         if attempt:
             raise bpfsys.BpfError(22, f"BPF object `{path}` built by the helper does not load: {why}")
-        log.info("BPF object %s: %s; compiling %s with bcc in a helper process", path, why, SOURCE.name)
+        log.info("BPF object %s: %s; compiling %s with bcc in a helper process", path, why, spec.source.name)
         path.unlink(missing_ok=True)
-        stats.update(object="compiled", compile_ms=round(run_helper(path, cflags), 1), rebuilt_because=why)
+        stats.update(object="compiled", compile_ms=round(run_helper(path, cflags, spec), 1), rebuilt_because=why)
         log.info("BPF object %s compiled in %.0f ms", path, stats["compile_ms"])
     raise AssertionError("unreachable")
 
 
 if __name__ == "__main__":
-    build(Path(sys.argv[1]), sys.argv[2:])
+    args = sys.argv[1:]
+    chosen = NET_POLICY
+    if args[:1] == ["--spec"]:
+        chosen, args = SPECS[args[1]], args[2:]
+    build(Path(args[0]), args[1:], chosen)

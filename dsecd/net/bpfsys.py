@@ -21,11 +21,13 @@ _SYS_BPF = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "ppc64le": 361, "s390
 
 MAP_CREATE, MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM = 0, 1, 2, 3
 PROG_LOAD, PROG_ATTACH, PROG_DETACH, OBJ_GET_INFO_BY_FD = 5, 8, 9, 15
+RAW_TRACEPOINT_OPEN = 17
 MAP_UPDATE_BATCH = 26
 
-PROG_TYPES = {"CGROUP_SKB": 8, "SOCK_OPS": 13, "CGROUP_SOCK_ADDR": 18}
-ATTACH_TYPES = {"CGROUP_INET_EGRESS": 1, "CGROUP_SOCK_OPS": 3, "CGROUP_INET4_CONNECT": 10,
+PROG_TYPES = {"CGROUP_SKB": 8, "SOCK_OPS": 13, "RAW_TRACEPOINT": 17, "CGROUP_SOCK_ADDR": 18}
+ATTACH_TYPES = {"NONE": 0, "CGROUP_INET_EGRESS": 1, "CGROUP_SOCK_OPS": 3, "CGROUP_INET4_CONNECT": 10,
                 "CGROUP_INET6_CONNECT": 11, "CGROUP_UDP4_SENDMSG": 14, "CGROUP_UDP6_SENDMSG": 15}
+MAP_TYPE_RINGBUF = 27
 PERCPU_TYPES = {5, 6, 10}          # PERCPU_HASH, PERCPU_ARRAY, LRU_PERCPU_HASH
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -189,3 +191,53 @@ def prog_attach(cgroup_fd: int, prog_fd: int, attach_type: int, what: str) -> No
 def prog_detach(cgroup_fd: int, prog_fd: int, attach_type: int, what: str) -> None:
     data = struct.pack("=IIII", cgroup_fd, prog_fd, attach_type, 0)
     bpf(PROG_DETACH, _attr(data, 32), what)
+
+
+def raw_tracepoint_open(name: str, prog_fd: int) -> int:
+    """Attach a RAW_TRACEPOINT program to the tracepoint `name` (sys_exit, ...);
+    the returned fd holds the attachment: closing it detaches."""
+    tp = ctypes.create_string_buffer(name.encode())
+    data = struct.pack("=QI", ctypes.addressof(tp), prog_fd)
+    return bpf(RAW_TRACEPOINT_OPEN, _attr(data, 16), f"attach BPF program to raw tracepoint `{name}`")
+
+
+class RingBuffer:
+    """The consumer side of a BPF_MAP_TYPE_RINGBUF map (the kernel's ABI: a
+    consumer page this side writes, then a producer page and the data area, mapped
+    twice in a row so that a record never wraps). `drain` returns the records
+    the kernel has committed since the last call; the map's fd is readable
+    (epoll) while some are there."""
+
+    _BUSY, _DISCARD, _HDR = 1 << 31, 1 << 30, 8
+
+    def __init__(self, m: Map):
+        import mmap
+
+        self.map = m
+        page = mmap.PAGESIZE
+        self.size = m.max_entries
+        self.mask = self.size - 1
+        self.consumer = mmap.mmap(m.fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
+        self.producer = mmap.mmap(m.fd, page + 2 * self.size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page)
+        self.data_off = page
+
+    def drain(self, limit: int = 4096) -> list[bytes]:
+        out = []
+        cons = struct.unpack_from("=Q", self.consumer, 0)[0]
+        prod = struct.unpack_from("=Q", self.producer, 0)[0]
+        while cons < prod and len(out) < limit:
+            at = self.data_off + (cons & self.mask)
+            hdr = struct.unpack_from("=I", self.producer, at)[0]
+            if hdr & self._BUSY:                # reserved, not committed yet
+                break
+            length = hdr & ~(self._BUSY | self._DISCARD)
+            if not hdr & self._DISCARD:
+                out.append(bytes(self.producer[at + self._HDR:at + self._HDR + length]))
+            cons += (length + self._HDR + 7) & ~7
+        # x86-64 keeps stores in order: the kernel sees the records read before the position moves.
+        struct.pack_into("=Q", self.consumer, 0, cons)
+        return out
+
+    def close(self) -> None:
+        self.consumer.close()
+        self.producer.close()

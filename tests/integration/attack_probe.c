@@ -23,8 +23,11 @@
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/ptrace.h>
+#include <dirent.h>
+#include <stddef.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/sysmacros.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
@@ -317,6 +320,97 @@ static int a_connect(char **v)
     return report(connect(fd, (struct sockaddr *)&sa, sizeof(sa)));
 }
 
+/* Task policies (test_policy.py): the file operations Landlock checks, one
+ * syscall each. */
+static int a_list(char **v)
+{
+    DIR *d = opendir(v[0]);
+
+    if (!d)
+        return report(-1);
+    errno = 0;
+    while (readdir(d))
+        ;
+    closedir(d);
+    return report(errno ? -1 : 0);
+}
+static int a_rename(char **v) { return report(rename(v[0], v[1])); }
+static int a_link(char **v) { return report(link(v[0], v[1])); }
+static int a_symlink(char **v) { return report(symlink(v[0], v[1])); }
+static int a_truncate(char **v) { return report(truncate(v[0], 0)); }
+static int a_mkdir(char **v) { return report(mkdir(v[0], 0755)); }
+
+/* An abstract unix socket address "@NAME" (no file, no permission bits: what
+ * LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET scopes). */
+static socklen_t abstract_addr(struct sockaddr_un *sa, const char *name)
+{
+    size_t n = strlen(name);
+
+    memset(sa, 0, sizeof(*sa));
+    sa->sun_family = AF_UNIX;
+    if (n > sizeof(sa->sun_path) - 1)
+        n = sizeof(sa->sun_path) - 1;
+    memcpy(sa->sun_path + 1, name, n);
+    return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n);
+}
+
+/* Listen on @NAME, say so, accept one connection and say that. */
+static int a_ulisten(char **v)
+{
+    struct sockaddr_un sa;
+    socklen_t len = abstract_addr(&sa, v[0]);
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+
+    if (bind(fd, (struct sockaddr *)&sa, len) < 0 || listen(fd, 8) < 0)
+        return report(-1);
+    printf("listening\n");
+    fflush(stdout);
+    int c = accept(fd, NULL, NULL);
+
+    printf("accepted\n");
+    return report(c);
+}
+
+static int a_uconnect(char **v)
+{
+    struct sockaddr_un sa;
+    socklen_t len = abstract_addr(&sa, v[0]);
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+
+    return report(connect(fd, (struct sockaddr *)&sa, len));
+}
+
+/* Listen on @NAME and connect to it from the same process: a socket of the
+ * caller's own is in its own scope. */
+static int a_uself(char **v)
+{
+    struct sockaddr_un sa;
+    socklen_t len = abstract_addr(&sa, v[0]);
+    int l = socket(AF_UNIX, SOCK_STREAM, 0), c = socket(AF_UNIX, SOCK_STREAM, 0);
+
+    if (bind(l, (struct sockaddr *)&sa, len) < 0 || listen(l, 1) < 0)
+        return report(-1);
+    return report(connect(c, (struct sockaddr *)&sa, len));
+}
+
+/* Fork a child that waits, then SIGTERM it: a process of the caller's own. */
+static int a_fork_kill(char **v)
+{
+    (void)v;
+    pid_t pid = fork();
+
+    if (pid == 0) {
+        pause();
+        _exit(0);
+    }
+    int rc = kill(pid, SIGTERM);
+    int err = errno;
+
+    waitpid(pid, NULL, 0);
+    errno = err;
+    return report(rc);
+}
+
 /* Listen on PORT of every address of the sandbox, say so, then accept one
  * connection and say that. */
 static int a_listen(char **v)
@@ -346,7 +440,10 @@ static const struct { const char *name; int nargs; int (*fn)(char **); } actions
     {"perf_event_open", 0, a_perf}, {"io_uring", 0, a_io_uring}, {"tty_ioctl", 1, a_tty_ioctl},
     {"file_ioctl", 2, a_file_ioctl}, {"open_by_handle_at", 0, a_open_by_handle}, {"fds", 0, a_fds},
     {"forkbomb", 1, a_forkbomb}, {"alloc", 1, a_alloc}, {"files", 2, a_files},
-    {"connect", 2, a_connect}, {"listen", 1, a_listen},
+    {"connect", 2, a_connect}, {"listen", 1, a_listen}, {"list", 1, a_list}, {"rename", 2, a_rename},
+    {"link", 2, a_link}, {"symlink", 2, a_symlink}, {"truncate", 1, a_truncate}, {"mkdir", 1, a_mkdir},
+    {"ulisten", 1, a_ulisten}, {"uconnect", 1, a_uconnect}, {"uself", 1, a_uself},
+    {"fork_kill", 0, a_fork_kill},
 };
 
 int main(int argc, char **argv)

@@ -33,7 +33,10 @@ OUTPUTS = [("echo out; echo err >&2", "out", "out\n"), ("echo out; echo err >&2"
            ("echo data | dsec exec -i", "out", "data\n"), ("--timeout 2 -- sleep 10", "err", "timed out"),
            ("dsec events --replay --no-follow", "out", "created"), ("dsec ps ;", "out", "busybox"),
            ("-f Dockerfile ./workspace", "out", "built repo-2: "),
-           ("dsec run --env K=V", "out", "V\n")]
+           ("dsec run --env K=V", "out", "V\n"),
+           ("--policy grader $AG -- cat /grader/answers", "out", "print(1)"),
+           ("dsec exec $AG -- cat /grader/answers", "err", "Permission denied"),
+           ("dsec events $AG --replay", "out", "path=/grader/answers")]
 
 # Lines that cannot run on one test host, by their start.
 SKIPPED = {"ssh ": "needs another host running dsecd"}

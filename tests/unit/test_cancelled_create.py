@@ -137,7 +137,7 @@ def test_an_exec_cancelled_during_its_spawn_keeps_its_fds_until_the_spawn_is_ove
     async def go():
         loop = asyncio.get_running_loop()
         with _workers() as workers:
-            execs = ExecService(None, workers, ProcessStarter(workers), Backend(), None, None, -1)
+            execs = ExecService(None, workers, ProcessStarter(workers), Backend(), None, None, -1, None)
             run = Collector(loop, 1 << 20, 0.1, None)
             fds = (0, *run.child_ends)
             sb = SimpleNamespace(handle=None)

@@ -178,3 +178,15 @@ def _check_refused_socket(tmp_path: Path, group: int) -> None:
         assert "admits root only" in r.stderr and "socket_group" in r.stderr
     else:
         assert "members of group" in r.stderr and "usermod -aG" in r.stderr
+
+
+def test_policy_is_a_name_or_an_inline_json_object():
+    a = cli.parse_args(["exec", "--policy", "grader", "SB", "--", "cat", "/grader/x"])
+    assert (a.policy, a.sandbox, a.argv) == ("grader", "SB", ["cat", "/grader/x"])
+    a = cli.parse_args(["exec", "SB", "--policy", '{"hidden": ["/g"], "rest": "writable"}', "ls"])
+    assert a.policy == {"hidden": ["/g"], "rest": "writable"} and a.argv == ["ls"]
+    assert cli.parse_args(["create", "--image", "busybox", "--policy", "agent"]).policy == "agent"
+    a = cli.parse_args(["events", "SB", "--replay", "--no-follow"])
+    assert (a.sandbox_id, a.replay, a.follow) == ("SB", True, False)
+    with pytest.raises(SystemExit):
+        cli.parse_args(["create", "--image", "busybox", "--policy", "{not json"])

@@ -19,6 +19,7 @@ from dsecd.engine.lifecycle import LifecycleService
 from dsecd.engine.lifetimes import LifetimeService
 from dsecd.engine.memory import MemoryService
 from dsecd.engine.network import NetworkService
+from dsecd.engine.policies import PolicyService
 from dsecd.engine.procs import ProcessService
 from dsecd.engine.watches import WatchService
 
@@ -27,7 +28,8 @@ SERVICES = {"node": node.Node, "create_service": CreateService, "lifecycle": Lif
             "exec_service": ExecService, "file_service": FileService, "image_service": ImageService,
             "net_service": NetworkService, "memory": MemoryService, "lifetimes": LifetimeService,
             "events": EventBus, "call_service": CallService, "watch_service": WatchService,
-            "dir_copies": DirCopyService, "procs": ProcessService, "builds": BuildService}
+            "dir_copies": DirCopyService, "procs": ProcessService, "builds": BuildService,
+            "policies": PolicyService}
 
 
 def test_every_request_type_has_one_handler():
