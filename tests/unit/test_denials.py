@@ -1,6 +1,6 @@
 """dsecd/denials.py decodes the records of bpf/policy_denials.c; dsecd/btf.py
 reads struct member offsets from BTF (the kernel side is in
-tests/integration/test_policy.py)."""
+tests/integration/test_task_policies.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """dsecd/policy.py: task policies validated with errors that name the field,
 the ABI each field needs, and the plan of Landlock rules they compile to
-(the kernel side is tests/integration/test_policy.py)."""
+(the kernel side is tests/integration/test_task_policies.py)."""
 
 from __future__ import annotations
 
