@@ -320,7 +320,7 @@ static int a_connect(char **v)
     return report(connect(fd, (struct sockaddr *)&sa, sizeof(sa)));
 }
 
-/* Task policies (test_policy.py): the file operations Landlock checks, one
+/* Task policies (test_task_policies.py): the file operations Landlock checks, one
  * syscall each. */
 static int a_list(char **v)
 {
