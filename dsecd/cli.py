@@ -918,28 +918,55 @@ async def cmd_rm(c: Client, a) -> int:
 
 
 def cmd_rpc(a) -> int:
-    """Bridge stdin/stdout to the daemon socket byte for byte (frames pass through)."""
+    """Bridge stdin/stdout to the daemon socket byte for byte (frames pass
+    through): what `ssh host dsec rpc --stdio` and the SDK's ssh:// transport
+    run on the host.
+
+    The end of stdin (the client closed its sending side, or a read error)
+    shuts down only the socket's sending side: the daemon answers every
+    request already sent (a pipelined exec and destroy both run), and the
+    bridge exits when the daemon has answered and closed. A client that is
+    gone altogether is another matter: once stdout has no reader (the ssh
+    session ended), the bridge closes the socket at once, so that the
+    daemon cancels that client's requests and kills its execs instead of
+    running them for nobody until the next answer fails to arrive."""
     if not a.stdio:
         raise UsageError("dsec rpc: only --stdio is supported")
+    path = a.socket
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(a.socket)
+        sock.connect(path)
     except OSError as err:
-        raise ConnectionError(f"rpc: cannot connect to dsecd at {a.socket}: {err.strerror}") from err
+        raise ConnectionError(f"rpc: cannot connect to dsecd at {path}: {err.strerror}") from err
 
     def upstream() -> None:
         fd = sys.stdin.fileno()
-        while data := os.read(fd, 1 << 16):
-            sock.sendall(data)
-        sock.shutdown(socket.SHUT_WR)
+        try:
+            while data := os.read(fd, 1 << 16):
+                sock.sendall(data)
+        except OSError:
+            pass                 # a broken stdin ends the input like its end does
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_WR)
 
     threading.Thread(target=upstream, daemon=True).start()
     out = sys.stdout.fileno()
-    while data := sock.recv(1 << 16):
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    poller.register(out, 0)          # POLLERR/POLLHUP only: nobody reads our stdout any more
+    while True:
+        events = dict(poller.poll())
+        if events.get(out, 0) & (select.POLLERR | select.POLLHUP):
+            sock.close()             # the daemon sees the hang-up and cancels what runs for us
+            return EXIT_BROKEN_PIPE
+        if not events.get(sock.fileno()):
+            continue
+        data = sock.recv(1 << 16)
+        if not data:
+            return 0
         view = memoryview(data)
         while view:
             view = view[os.write(out, view):]
-    return 0
 
 
 # ---------------------------------------------------------------- parser
