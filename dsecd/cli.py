@@ -1,8 +1,9 @@
 """`dsec`: the command-line client, a thin shell over the SDK.
 
-It talks to the local daemon socket, so `ssh host dsec ps` works on any host,
-and `dsec rpc --stdio` bridges the raw protocol over stdin/stdout for fleet
-tools. Every command takes --json, before or after its name. Options of
+It talks to the local daemon socket, so `ssh host dsec ps` works on any host;
+`dsec --host ssh://host ps` (or DSEC_HOST) runs the same command through
+the SDK's ssh:// transport, and `dsec rpc --stdio` bridges the raw protocol
+over stdin/stdout for it and for fleet tools. Every command takes --json, before or after its name. Options of
 `exec`, `trace` and `call` go before or after the sandbox id; the command to
 run follows `--` (or starts at the first word that is not an option).
 
@@ -35,6 +36,7 @@ from .client import Client, default_socket
 from .errors import DsecError
 from .fds import read_ready
 from .localcopy import LocalCopyError
+from .remote import SCHEME, SshOptions, is_remote
 from .tarsafe import Refused, TooLarge
 
 EXIT_DSEC_ERROR = 125
@@ -932,7 +934,10 @@ def cmd_rpc(a) -> int:
     running them for nobody until the next answer fails to arrive."""
     if not a.stdio:
         raise UsageError("dsec rpc: only --stdio is supported")
-    path = a.socket
+    if a.host:
+        raise UsageError("dsec rpc: relays to this host's daemon; drop --host (run it on the host, "
+                         "as `ssh HOST dsec rpc --stdio`)")
+    path = a.socket or default_socket()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(path)
@@ -1011,11 +1016,15 @@ def split_command(words: list[str], positionals: int) -> tuple[list[str], list[s
     return words, []
 
 
-def find_verb(argv: list[str]) -> int | None:
+# dsec's global options that take a value.
+GLOBAL_VALUED = frozenset({"--socket", "--host", "--ssh-config", "--remote-dsec"})
+
+
+def find_verb(argv: list[str], valued: frozenset[str] = GLOBAL_VALUED) -> int | None:
     """Where the command's name stands in dsec's argv, past the global options."""
     i = 0
     while i < len(argv):
-        if argv[i] == "--socket":
+        if argv[i] in valued:
             i += 2
         elif argv[i].startswith("-"):
             i += 1
@@ -1041,8 +1050,15 @@ def _exec_options(ex: argparse.ArgumentParser, verb: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="dsec", description="Drive the local dsecd daemon.")
-    p.add_argument("--socket", default=default_socket(), help="daemon socket (env DSEC_SOCKET)")
+    p = _Parser(prog="dsec", description="Drive the local dsecd daemon, or another host's over ssh (--host).")
+    p.add_argument("--socket", help="daemon socket (env DSEC_SOCKET; default /run/dsecd/dsecd.sock); "
+                   "with --host: the socket on that host")
+    p.add_argument("--host", default=os.environ.get("DSEC_HOST") or None, metavar="ssh://[USER@]HOST[:PORT]",
+                   help="drive that host's daemon over ssh, through `dsec rpc --stdio` there (env DSEC_HOST; "
+                   "ssh as configured for you: ~/.ssh/config, agent, known_hosts)")
+    p.add_argument("--ssh-config", metavar="FILE", help="ssh config file for --host (ssh -F; env DSEC_SSH_CONFIG)")
+    p.add_argument("--remote-dsec", metavar="COMMAND", help="the dsec command on the --host (env "
+                   "DSEC_REMOTE_DSEC; default: dsec on its PATH)")
     p.set_defaults(json=False)
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -1227,8 +1243,25 @@ COMMANDS = {"info": cmd_info, "image": cmd_image, "snapshot": cmd_snapshot, "pau
             "wait": cmd_wait}
 
 
+def ssh_options(a) -> SshOptions:
+    """How --host reaches its host: the environment, then the options."""
+    return SshOptions.from_env(config=a.ssh_config, remote_dsec=a.remote_dsec,
+                               remote_socket=a.socket if a.host else None)
+
+
+def host_target(host: str) -> str:
+    """--host as a Client target: ssh:// as it is, a bare name as ssh://name."""
+    return host if is_remote(host) else SCHEME + host
+
+
+def make_client(a) -> Client:
+    if a.host:
+        return Client(host_target(a.host), name=f"dsec {a.cmd}", ssh=ssh_options(a))
+    return Client(a.socket or default_socket(), name=f"dsec {a.cmd}")
+
+
 async def _run(a) -> int:
-    async with Client(a.socket, name=f"dsec {a.cmd}") as c:
+    async with make_client(a) as c:
         return await COMMANDS[a.cmd](c, a)
 
 
@@ -1338,6 +1371,9 @@ def main(argv: list[str] | None = None) -> None:
         status = fail
     except OSError as err:
         print(f"dsec {a.cmd}: {_oserror_text(err)}", file=sys.stderr)
+        status = fail
+    except ValueError as err:           # a value only the SDK could check (an ssh:// address, a path)
+        print(f"dsec {a.cmd}: {err}", file=sys.stderr)
         status = fail
     except KeyboardInterrupt:
         status = 130

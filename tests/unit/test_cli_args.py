@@ -80,6 +80,12 @@ def test_json_is_accepted_before_and_after_every_command():
     assert a.json is False and a.argv == ["tool", "--json"]
 
 
+def test_global_options_with_values_stand_before_the_command():
+    a = cli.parse_args(["--host", "ssh://h1", "--remote-dsec", "/opt/dsec", "exec", "SB", "--", "true"])
+    assert (a.host, a.remote_dsec, a.cmd, a.argv) == ("ssh://h1", "/opt/dsec", "exec", ["true"])
+    assert cli.find_verb(["--socket", "/s", "--ssh-config", "/c", "ps"]) == 4
+
+
 def test_exec_options_before_and_after_the_sandbox_id():
     a = cli.parse_args(["exec", "SB", "--timeout", "2", "-i", "--user", "7", "--", "sleep", "10"])
     assert (a.sandbox, a.timeout, a.interactive, a.user, a.argv) == ("SB", 2.0, True, 7, ["sleep", "10"])
