@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 from .client import Client, ExecResult, ExecStream, Process, ProcOutput, ProcStatus, Sandbox
 from .errors import NotFound
+from .fleet import Fleet
 from .remote import SshOptions
 
 
@@ -262,7 +263,7 @@ class _LoopThread:
         if threading.current_thread() is self._thread:
             if asyncio.iscoroutine(awaitable):
                 awaitable.close()
-            # A callback (on_stdout, progress) runs on the loop: a
+            # A callback (on_stdout, progress, on_event) runs on the loop: a
             # blocking call from there would wait for the loop it blocks.
             raise RuntimeError(f"a {self._what} cannot be called from its own callbacks; use the "
                                "async API there, or collect and call after the request")
@@ -396,3 +397,63 @@ class _SyncSandboxContext:
             except NotFound:
                 pass                        # destroyed inside the block already
 
+
+class SyncFleet(_LoopThread):
+    """dsecd.Fleet for scripts: the same methods, blocking; sandboxes are
+    SyncSandbox (requests straight to their host). on_event runs on the
+    fleet's own thread: it may not call the SyncFleet (queue the event)."""
+
+    _what = "SyncFleet"
+
+    def __init__(self, hosts: list[str], **fleet_args):
+        self._fleet = Fleet(hosts, **fleet_args)
+        super().__init__()
+
+    def __enter__(self) -> SyncFleet:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        self._run(self._fleet.start())
+
+    def close(self) -> None:
+        self._stop_loop(self._fleet.close())
+
+    def status(self) -> list[dict]:
+        return self._fleet.status()
+
+    def create(self, image: str, **kw) -> SyncSandbox:
+        return SyncSandbox(self, self._run(self._fleet.create(image, **kw)))
+
+    def get(self, sandbox_id: str) -> SyncSandbox:
+        return SyncSandbox(self, self._run(self._fleet.get(sandbox_id)))
+
+    def list(self, labels: dict | None = None) -> list[dict]:
+        return self._run(self._fleet.list(labels))
+
+    def top(self, labels: dict | None = None) -> dict:
+        return self._run(self._fleet.top(labels))
+
+    def info(self) -> dict:
+        return self._run(self._fleet.info())
+
+    def job_pause(self, job: str) -> dict:
+        return self._run(self._fleet.job_pause(job))
+
+    def job_resume(self, job: str) -> dict:
+        return self._run(self._fleet.job_resume(job))
+
+    def job_rm(self, job: str, force: bool = False) -> dict:
+        return self._run(self._fleet.job_rm(job, force))
+
+    def destroy_all(self, force: bool = False, labels: dict | None = None) -> dict:
+        return self._run(self._fleet.destroy_all(force, labels))
+
+    def list_images(self) -> list[dict]:
+        return self._run(self._fleet.list_images())
+
+    def call(self, image: str, **kw):
+        return self._run(self._fleet.call(image, **kw))
