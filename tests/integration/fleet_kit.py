@@ -63,6 +63,10 @@ SSH_PORT = 2222                      # in the kit's own namespaces only
 # left (an empty directory on /run's tmpfs; another sshd may use it meanwhile).
 PRIVSEP_DIR = "/run/sshd"
 START_TIMEOUT_S = 20
+# The hosts' sandboxes use no network: no eBPF compile at daemon start (its
+# compiler, a child of the daemon, would outlive a host stopped seconds
+# after its start and write into its removed state dir).
+NO_NET_PRELOAD = "[net]\npreload = false\n"
 
 
 def sshd_skip_reason() -> str | None:
@@ -125,6 +129,8 @@ class SimHost:
         self.tmp = fleet.tmp / self.name
         self.tmp.mkdir()
         (self.tmp / "daemon").mkdir()
+        if "[net]" not in extra_config:
+            extra_config = NO_NET_PRELOAD + extra_config
         self.daemon = Daemon(self.tmp / "daemon", extra_config, wrap=self.nsenter(), log_level=log_level)
         self.sshd: subprocess.Popen | None = None
         self.sshd_config = self.tmp / "sshd_config"
