@@ -223,6 +223,18 @@ def test_fleet_places_spreads_and_fans_out(fleet_env):
     asyncio.run(go())
 
 
+def test_sync_fleet(fleet_env):
+    with dsecd.SyncFleet(fleet_env.targets, ssh=fleet_env.ssh) as fleet:
+        assert all(st["up"] for st in fleet.status())
+        sbs = [fleet.create("busybox", labels={"job": "sync"}, **SMALL) for _ in range(3)]
+        assert sorted(sb.host for sb in sbs) == sorted(fleet_env.targets)
+        assert sbs[0].exec(["echo", "x"]).stdout == b"x\n"
+        assert fleet.get(sbs[1].id).host == sbs[1].host
+        assert len(fleet.job_pause("sync")["paused"]) == 3
+        assert {r["state"] for r in fleet.list()} == {"paused"}
+        assert len(fleet.job_rm("sync", force=True)["destroyed"]) == 3
+
+
 def test_dsec_fleet_runs_commands_across_hosts(fleet_env):
     env = {**fleet_env.env(), "DSEC_HOSTS": ",".join(h.name for h in fleet_env.hosts)}
 
