@@ -271,6 +271,8 @@ class Client:
         if self.connected:
             return
         self._closed = False
+        if self._conn is not None:          # the lost one: its ssh and reader go first
+            await self._drop(self._conn, grace=0)
         loop = asyncio.get_running_loop()
         conn = await (self._open_ssh() if self.remote else self._open_unix())
         conn.reader = loop.create_task(self._read_loop(conn))
@@ -331,17 +333,27 @@ class Client:
         if self._conn is not None:
             await self._drop(self._conn)
 
-    async def abort(self, reason: str) -> None:
+    def abort_now(self, reason: str) -> _Conn | None:
         """End the connection now (dsecd.Fleet, for a host that stopped
-        answering): the requests in flight fail with ConnectionLost(reason);
-        a later request or connect() connects again."""
+        answering): from this moment the client is not connected, and the
+        requests in flight fail with ConnectionLost(reason) as soon as the
+        reader sees the end. The connection to drop (see abort), if any."""
         conn = self._conn
         if conn is None or conn.lost is not None:
-            return
+            return None
+        conn.lost = ConnectionError(reason)
         if conn.link is not None:
             conn.link.aborted = reason
             conn.link.kill()
         conn.writer.transport.abort()
+        return conn
+
+    async def abort(self, reason: str) -> None:
+        """abort_now, then wait until the requests in flight have failed and
+        the connection (and its ssh) is gone; a later connect() connects again."""
+        conn = self.abort_now(reason)
+        if conn is None:
+            return
         if conn.reader is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(asyncio.shield(conn.reader), remote.EXIT_WAIT_S * 2)
@@ -402,10 +414,11 @@ class Client:
         except Exception as err:
             error = err
         # Set before anything awaits: a request that starts now fails (or
-        # reconnects) at once instead of waiting on a dead connection.
-        conn.lost = error
+        # reconnects) at once instead of waiting on a dead connection. An
+        # abort's reason, set first, is the one that is true.
+        error = conn.lost = conn.lost or error
         conn.writer.close()
-        if not cancelled and not self._closed:
+        if not cancelled and not self._closed and not (conn.link and conn.link.aborted):
             if self.on_lost is not None:
                 with contextlib.suppress(Exception):
                     self.on_lost(str(error))

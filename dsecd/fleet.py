@@ -314,10 +314,9 @@ class Fleet:
         self._emit("host_down", host, reason=reason, sandboxes=lost)
         for sb in lost:
             self._emit("sandbox_lost", host, sandbox=sb)
-        # Requests in flight on it fail now (ConnectionLost), not when TCP gives up.
-        task = asyncio.get_running_loop().create_task(host.client.abort(f"{host.name} marked down: {reason}"))
-        self._tasks.append(task)
-        task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
+        # Requests in flight on it fail now (ConnectionLost), not when TCP gives
+        # up; the client is not connected from here on, so a rejoin connects anew.
+        host.client.abort_now(f"{host.name} marked down: {reason}")
 
     async def _join(self, host: FleetHost) -> None:
         """Connect (again), learn what the host holds, settle uncertain keys, mark it up."""
