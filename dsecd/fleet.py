@@ -133,9 +133,12 @@ class FleetHost:
         self.reported_lost: set[str] = set()
         self.uncertain_keys: set[str] = set()                # creates sent here whose answer was lost
         self.busy_until = 0.0
-        # Creates sent since the last info: in flight, and done (loop time, shape).
-        self.inflight: list[_Shape] = []
+        # Creates sent since the last info: done ones (loop time, shape), and
+        # the totals of those and the ones in flight (kept as sums: placement
+        # reads them for every host on every create).
         self.done: collections.deque[tuple[float, _Shape]] = collections.deque()
+        self.extra = _Shape(0.0, 0)
+        self.extra_n = 0
         self.pending_jobs: collections.Counter[str] = collections.Counter()
 
     def __repr__(self) -> str:
@@ -177,13 +180,12 @@ class FleetHost:
         if self.info is None:
             return 0.0              # nothing known yet: its own answer will say (busy) if it is full
         adm = self.info.get("cpu", {}).get("admission", {})
-        extra = [*self.inflight, *(s for _, s in self.done), shape]
         shares = []
         cpu, mem = adm.get("cpu", {}), adm.get("memory", {})
         if cpu.get("capacity"):
-            shares.append((cpu.get("requested", 0) + sum(s.cpu for s in extra)) / cpu["capacity"])
+            shares.append((cpu.get("requested", 0) + self.extra.cpu + shape.cpu) / cpu["capacity"])
         if mem.get("capacity"):
-            shares.append((mem.get("requested", 0) + sum(s.memory for s in extra)) / mem["capacity"])
+            shares.append((mem.get("requested", 0) + self.extra.memory + shape.memory) / mem["capacity"])
         slots = self.info.get("limits", {}).get("max_sandboxes")
         userns = self.info.get("userns") or {}
         if userns.get("enabled"):
@@ -191,9 +193,15 @@ class FleetHost:
         if slots:
             live = sum(n for state, n in self.info.get("sandboxes", {}).items() if state != "dead")
             queued = self.info.get("admission", {}).get("queued", 0)
-            shares.append((live + queued + len(extra)) / slots)
+            shares.append((live + queued + self.extra_n + 1) / slots)
         load = max(shares, default=0.0)
         return None if load > 1.0 else load
+
+    def count(self, shape: _Shape, sign: int) -> None:
+        """Add (sign 1) or take away (-1) a create's shape in the totals."""
+        self.extra.cpu += sign * shape.cpu
+        self.extra.memory += sign * shape.memory
+        self.extra_n += sign
 
 
 class Fleet:
@@ -411,7 +419,7 @@ class Fleet:
         host.mounted = set(du.get("mounted_layers", {}))
         # Creates answered before the info was asked are in its figures now.
         while host.done and host.done[0][0] < asked:
-            host.done.popleft()
+            host.count(host.done.popleft()[1], -1)
 
     # ---------------------------------------------------------------- placement
 
@@ -464,7 +472,7 @@ class Fleet:
                 host = self._place(image, job, shape, skip)
             if host is None:
                 raise self._no_host(image, skip)
-            host.inflight.append(shape)
+            host.count(shape, 1)
             host.pending_jobs[job] += 1
             try:
                 sb = await host.client.create(image, key=key, labels=labels, cpu=cpu, memory=memory, **create_args)
@@ -487,9 +495,10 @@ class Fleet:
                 skip[host.target] = str(err)
                 continue
             finally:
-                host.inflight.remove(shape)
+                host.count(shape, -1)
                 host.pending_jobs[job] -= 1
             host.done.append((asyncio.get_running_loop().time(), shape))
+            host.count(shape, 1)
             host.add(sb.id, job)
             self._key_home[key] = host.target
             self._where[sb.id] = host.target

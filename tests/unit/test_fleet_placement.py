@@ -64,6 +64,7 @@ def test_a_jobs_sandboxes_spread_over_equal_hosts():
             h = f._place("busybox", "j1", _Shape(0.1, 64 << 20), {})
             h.add(f"sb{len(h.sandboxes)}-{h.name}", "j1")
             h.done.append((0.0, _Shape(0.1, 64 << 20)))
+            h.count(_Shape(0.1, 64 << 20), 1)
         return [len(h.sandboxes) for h in f.hosts.values()]
 
     counts = run(go())
@@ -167,6 +168,22 @@ def test_a_key_whose_host_is_down_is_not_made_again_elsewhere():
         return b.client.keys
 
     assert run(go()) == []
+
+
+def test_creates_since_the_last_info_count_against_the_room():
+    async def go():
+        from dsecd.fleet import _Shape
+        f = fleet_of(1)
+        h = list(f.hosts.values())[0]
+        h.info = info(live=2, max_sandboxes=4)
+        shape = _Shape(0.1, 1 << 20)
+        assert h.load_after(shape) == 0.75
+        h.count(shape, 1)                           # one sent since: the last slot
+        assert h.load_after(shape) == 1.0
+        h.count(shape, 1)
+        assert h.load_after(shape) is None and f._place("busybox", "", shape, {}) is None
+
+    run(go())
 
 
 def test_job_shares_count_per_host():
