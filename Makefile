@@ -3,7 +3,7 @@
 
 PY := .venv/bin/python
 
-.PHONY: setup build test lint demo fresh-host bench bench-core bench-build bench-security rootfs fuzz stress
+.PHONY: setup build test lint demo fresh-host bench bench-core bench-build bench-security bench-fleet rootfs fuzz stress
 
 setup:
 	bash scripts/setup.sh
@@ -76,6 +76,14 @@ fuzz: setup
 # line: JSON. tests/integration/test_stress_short.py runs a few seconds of it.
 stress: setup
 	$(PY) bench/stress.py --clients 64 --seconds 120
+
+# dsecd beyond one host (bench/fleet.py): 4 simulated hosts, each a network
+# namespace with its own sshd and dsecd, driven over ssh by dsecd.Fleet:
+# creates/s through the fleet vs locally, exec overhead over ssh, placement
+# of 1,000 creates, failover detection, lost or duplicated creates. ~4 min.
+# Last line: JSON.
+bench-fleet: setup
+	$(PY) bench/fleet.py
 
 # The hardening report, a few minutes: the adversarial suite
 # (`pytest -m attack`), a fuzz run (>= 100k inputs: daemon + decoder), kill -9

@@ -1,8 +1,11 @@
 """`dsec`: the command-line client, a thin shell over the SDK.
 
-It talks to the local daemon socket, so `ssh host dsec ps` works on any host,
-and `dsec rpc --stdio` bridges the raw protocol over stdin/stdout for fleet
-tools. Every command takes --json, before or after its name. Options of
+It talks to the local daemon socket, so `ssh host dsec ps` works on any host;
+`dsec --host ssh://host ps` (or DSEC_HOST) runs a command through the SDK's
+ssh:// transport, `dsec fleet --hosts h1,h2 ps` through dsecd.Fleet
+(fleet_cli.py), and `dsec rpc --stdio` bridges the raw protocol over
+stdin/stdout for both and for fleet tools. Every command takes --json,
+before or after its name. Options of
 `exec`, `trace` and `call` go before or after the sandbox id; the command to
 run follows `--` (or starts at the first word that is not an option).
 
@@ -31,12 +34,20 @@ import threading
 import time
 import tty
 
-from . import imageconfig, pullview, topview
+from . import fleet_cli, imageconfig, pullview, topview
 from .client import Client, default_socket
+from .clitext import UsageError
+from .clitext import human_bytes as _human_bytes
+from .clitext import kv as _kv
+from .clitext import pct as _pct
+from .clitext import print_json as _print_json
+from .clitext import table as _table
 from .errors import DsecError
 from .fds import read_ready
+from .fleet import fleet_target
 from .localcopy import LocalCopyError
 from .pullview import PullView
+from .remote import SshOptions
 from .tarsafe import Refused, TooLarge
 
 EXIT_DSEC_ERROR = 125
@@ -49,43 +60,6 @@ EXIT_BROKEN_PIPE = 128 + 13      # what a shell reports for a process SIGPIPE ki
 RUNS_A_COMMAND = ("exec", "trace", "call", "run")
 # Commands whose exit status is a background process's: their own failures exit 125 too.
 GIVES_A_STATUS = (*RUNS_A_COMMAND, "wait", "attach")
-
-
-class UsageError(Exception):
-    """The command line itself is wrong (exit 2, or 125 for RUNS_A_COMMAND)."""
-
-
-def _kv(items: list[str] | None, what: str) -> dict[str, str]:
-    out = {}
-    for item in items or []:
-        k, sep, v = item.partition("=")
-        if not sep or not k:
-            raise UsageError(f"dsec: {what} must look like KEY=VALUE, got {item!r}")
-        out[k] = v
-    return out
-
-
-def _print_json(obj) -> None:
-    def default(o):
-        if isinstance(o, (bytes, bytearray)):
-            return o.decode("utf-8", "replace")
-        raise TypeError(type(o).__name__)
-
-    print(json.dumps(obj, indent=2, sort_keys=True, default=default))
-
-
-def _human_bytes(n: int) -> str:
-    for unit in ("B", "K", "M", "G", "T"):
-        if n < 1024 or unit == "T":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return str(n)
-
-
-def _table(rows: list[list[str]], header: list[str]) -> None:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
-    for row in [header, *rows]:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)).rstrip())
 
 
 # ---------------------------------------------------------------- commands
@@ -172,10 +146,6 @@ def _print_cpu_info(cpu: dict) -> None:
         print(f"  placement   LS headroom {hint['ls_headroom_cores']:.2f} cores, BE headroom "
               f"{hint['be_headroom_cores']:.2f}, BE pressure {_pct(hint['be_pressure_pct'])}, "
               f"ls_score {hint['ls_score']}")
-
-
-def _pct(v) -> str:
-    return "-" if v is None else f"{v:.1f}%"
 
 
 async def cmd_top(c: Client, a) -> int:
@@ -945,6 +915,21 @@ async def _cp_dir(c: Client, src_sb: str | None, src: str, dst_sb: str | None, d
     return 0
 
 
+def named_sandboxes(a) -> list[str]:
+    """The sandbox ids a command names: `dsec fleet` sends it to their host."""
+    if a.cmd == "cp":
+        src_sb, _, dst_sb, _ = _cp_sides(a)
+        return [sb for sb in (src_sb, dst_sb) if sb]
+    if a.cmd in ("ls", "watch"):
+        return [_split_remote(a.target)[0] or a.target]
+    if a.cmd == "cat":
+        return [_split_remote(t)[0] or t for t in a.targets]
+    if a.cmd in ("rm", "pause", "resume"):
+        return [_split_remote(s)[0] or s for s in a.sandboxes]
+    sb = getattr(a, "sandbox", None)
+    return [sb] if sb else []
+
+
 async def cmd_cp(c: Client, a) -> int:
     src_sb, src, dst_sb, dst = _cp_sides(a)
     if a.recursive:
@@ -1089,28 +1074,58 @@ async def cmd_rm(c: Client, a) -> int:
 
 
 def cmd_rpc(a) -> int:
-    """Bridge stdin/stdout to the daemon socket byte for byte (frames pass through)."""
+    """Bridge stdin/stdout to the daemon socket byte for byte (frames pass
+    through): what `ssh host dsec rpc --stdio` and the SDK's ssh:// transport
+    run on the host.
+
+    The end of stdin (the client closed its sending side, or a read error)
+    shuts down only the socket's sending side: the daemon answers every
+    request already sent (a pipelined exec and destroy both run), and the
+    bridge exits when the daemon has answered and closed. A client that is
+    gone altogether is another matter: once stdout has no reader (the ssh
+    session ended), the bridge closes the socket at once, so that the
+    daemon cancels that client's requests and kills its execs instead of
+    running them for nobody until the next answer fails to arrive."""
     if not a.stdio:
         raise UsageError("dsec rpc: only --stdio is supported")
+    if a.host:
+        raise UsageError("dsec rpc: relays to this host's daemon; drop --host (run it on the host, "
+                         "as `ssh HOST dsec rpc --stdio`)")
+    path = a.socket or default_socket()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(a.socket)
+        sock.connect(path)
     except OSError as err:
-        raise ConnectionError(f"rpc: cannot connect to dsecd at {a.socket}: {err.strerror}") from err
+        raise ConnectionError(f"rpc: cannot connect to dsecd at {path}: {err.strerror}") from err
 
     def upstream() -> None:
         fd = sys.stdin.fileno()
-        while data := os.read(fd, 1 << 16):
-            sock.sendall(data)
-        sock.shutdown(socket.SHUT_WR)
+        try:
+            while data := os.read(fd, 1 << 16):
+                sock.sendall(data)
+        except OSError:
+            pass                 # a broken stdin ends the input like its end does
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_WR)
 
     threading.Thread(target=upstream, daemon=True).start()
     out = sys.stdout.fileno()
-    while data := sock.recv(1 << 16):
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    poller.register(out, 0)          # POLLERR/POLLHUP only: nobody reads our stdout any more
+    while True:
+        events = dict(poller.poll())
+        if events.get(out, 0) & (select.POLLERR | select.POLLHUP):
+            sock.close()             # the daemon sees the hang-up and cancels what runs for us
+            return EXIT_BROKEN_PIPE
+        if not events.get(sock.fileno()):
+            continue
+        data = sock.recv(1 << 16)
+        if not data:
+            return 0
         view = memoryview(data)
         while view:
             view = view[os.write(out, view):]
-    return 0
 
 
 # ---------------------------------------------------------------- parser
@@ -1158,11 +1173,16 @@ def split_command(words: list[str], positionals: int) -> tuple[list[str], list[s
     return words, []
 
 
-def find_verb(argv: list[str]) -> int | None:
+# dsec's global options that take a value, and `dsec fleet`'s.
+GLOBAL_VALUED = frozenset({"--socket", "--host", "--ssh-config", "--remote-dsec"})
+FLEET_VALUED = frozenset({"--hosts"})
+
+
+def find_verb(argv: list[str], valued: frozenset[str] = GLOBAL_VALUED) -> int | None:
     """Where the command's name stands in dsec's argv, past the global options."""
     i = 0
     while i < len(argv):
-        if argv[i] == "--socket":
+        if argv[i] in valued:
             i += 2
         elif argv[i].startswith("-"):
             i += 1
@@ -1230,8 +1250,17 @@ def _create_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="dsec", description="Drive the local dsecd daemon.")
-    p.add_argument("--socket", default=default_socket(), help="daemon socket (env DSEC_SOCKET)")
+    p = _Parser(prog="dsec", description="Drive the local dsecd daemon, another host's over ssh "
+                "(--host), or many hosts' (dsec fleet --hosts H1,H2 COMMAND ...).")
+    p.add_argument("--socket", help="daemon socket (env DSEC_SOCKET; default /run/dsecd/dsecd.sock); "
+                   "with --host: the socket on that host")
+    p.add_argument("--host", default=os.environ.get("DSEC_HOST") or None, metavar="ssh://[USER@]HOST[:PORT]",
+                   help="drive that host's daemon over ssh, through `dsec rpc --stdio` there (env DSEC_HOST; "
+                   "ssh as configured for you: ~/.ssh/config, agent, known_hosts)")
+    p.add_argument("--ssh-config", metavar="FILE", help="ssh config file for --host and fleet (ssh -F; "
+                   "env DSEC_SSH_CONFIG)")
+    p.add_argument("--remote-dsec", metavar="COMMAND", help="the dsec command on remote hosts (env "
+                   "DSEC_REMOTE_DSEC; default: dsec on their PATH)")
     p.set_defaults(json=False)
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -1430,7 +1459,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     rpc = sub.add_parser("rpc", help="bridge the protocol over stdin/stdout (for ssh)")
     rpc.add_argument("--stdio", action="store_true")
+
+    # Only for --help: `dsec fleet` is parsed by parse_args, which hands the
+    # command after the fleet's options to this parser again.
+    sub.add_parser("fleet", help="a command across hosts: dsec fleet --hosts H1,H2 COMMAND ... "
+                   "(dsec fleet --help)", add_help=False)
     return p
+
+
+def build_fleet_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="dsec fleet", usage="dsec [--ssh-config F] [--remote-dsec C] fleet --hosts H1,H2[,...] "
+                "COMMAND [ARGS]", description=FLEET_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hosts", default=os.environ.get("DSEC_HOSTS") or None, metavar="H1,H2,...",
+                   help="the fleet: ssh://[user@]host[:port] or bare host names, comma-separated "
+                   "(env DSEC_HOSTS)")
+    return p
+
+
+FLEET_HELP = """\
+Runs a dsec command across the hosts' daemons, reached over ssh:
+  create                 placed on one host (free capacity, image, spread of its job); prints its id
+  ps, top, info, image ls  every host's, with a HOST column
+  job pause|resume|rm, rm --all, image build|import|rm|gc, pool set
+                         on every host at once
+  call                   on the least loaded host
+  events                 every host's, merged (each line names its host)
+  any command naming sandboxes (exec, cp, ls, cat, logs, pause, rm SB, ...)
+                         goes to the host holding them
+"""
 
 
 COMMANDS = {"policy": cmd_policy, "info": cmd_info, "image": cmd_image, "snapshot": cmd_snapshot,
@@ -1442,8 +1498,22 @@ COMMANDS = {"policy": cmd_policy, "info": cmd_info, "image": cmd_image, "snapsho
             "wait": cmd_wait}
 
 
+def ssh_options(a) -> SshOptions:
+    """How --host and fleet reach hosts: the environment, then the options."""
+    return SshOptions.from_env(config=a.ssh_config, remote_dsec=a.remote_dsec,
+                               remote_socket=a.socket if (a.host or a.fleet) else None)
+
+
+def make_client(a) -> Client:
+    if a.host:
+        return Client(fleet_target(a.host), name=f"dsec {a.cmd}", ssh=ssh_options(a))
+    return Client(a.socket or default_socket(), name=f"dsec {a.cmd}")
+
+
 async def _run(a) -> int:
-    async with Client(a.socket, name=f"dsec {a.cmd}") as c:
+    if a.fleet:
+        return await fleet_cli.run(a, COMMANDS, named_sandboxes, ssh_options(a))
+    async with make_client(a) as c:
         return await COMMANDS[a.cmd](c, a)
 
 
@@ -1452,6 +1522,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     error exits 2, or 125 for RUNS_A_COMMAND (argparse's SystemExit)."""
     at = find_verb(argv)
     verb = argv[at] if at is not None else None
+    if verb == "fleet":
+        return _parse_fleet_args(argv, at)
     command: list[str] = []
     if verb in RUNS_A_COMMAND:
         head, command = split_command(argv[at + 1:], positionals=0 if verb == "call" else 1)
@@ -1463,6 +1535,28 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             raise SystemExit(EXIT_DSEC_ERROR) from None
         raise
     a.argv = command
+    a.fleet = None
+    return a
+
+
+def _parse_fleet_args(argv: list[str], at: int) -> argparse.Namespace:
+    """`dsec [globals] fleet --hosts H1,H2 COMMAND ...`: the fleet's options,
+    then the command parsed as dsec's own."""
+    rest = argv[at + 1:]
+    inner_at = find_verb(rest, FLEET_VALUED)
+    own, inner = (rest, []) if inner_at is None else (rest[:inner_at], rest[inner_at:])
+    f = build_fleet_parser().parse_args(own)
+    if not inner:
+        build_fleet_parser().error("give a command after the fleet's options, e.g. dsec fleet --hosts h1,h2 ps")
+    if inner[0] in ("fleet", "rpc"):
+        build_fleet_parser().error(f"`{inner[0]}` does not run across a fleet")
+    if not f.hosts:
+        build_fleet_parser().error("--hosts H1,H2,... is required (or DSEC_HOSTS)")
+    a = parse_args([*argv[:at], *inner])
+    if a.host:
+        build_fleet_parser().error("--host names one host; a fleet's are in --hosts")
+    a.fleet = [h.strip() for h in f.hosts.split(",") if h.strip()]
+    a.json = a.json or getattr(f, "json", False)
     return a
 
 
@@ -1570,6 +1664,9 @@ def main(argv: list[str] | None = None) -> None:
         status = fail
     except OSError as err:
         print(f"dsec {a.cmd}: {_oserror_text(err)}", file=sys.stderr)
+        status = fail
+    except ValueError as err:           # a value only the SDK could check (an ssh:// address, a path)
+        print(f"dsec {a.cmd}: {err}", file=sys.stderr)
         status = fail
     except KeyboardInterrupt:
         status = 130

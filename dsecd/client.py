@@ -28,9 +28,9 @@ import tempfile
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from . import framing, imageconfig, localcopy, protocol
+from . import framing, imageconfig, localcopy, protocol, remote
 from .config import parse_duration
-from .errors import BadRequest, DsecError, LimitExceeded, NotFound
+from .errors import BadRequest, ConnectionLost, DsecError, LimitExceeded, NotFound
 
 DEFAULT_SOCKET = "/run/dsecd/dsecd.sock"
 DEFAULT_CHUNK = 4 << 20
@@ -194,24 +194,70 @@ class _Pending:
         self.queue: asyncio.Queue[dict] = asyncio.Queue()
 
 
+class _Conn:
+    """One connection to a daemon: its writer, the requests waiting for
+    answers on it, why it ended. A reconnect makes a new one, so that a frame
+    or the loss of the old connection never reaches requests of the new."""
+
+    def __init__(self, writer: asyncio.StreamWriter, frames: framing.FrameProtocol,
+                 link: remote.SshLink | None):
+        self.writer = writer
+        self.frames = frames
+        self.link = link                                  # the ssh process of an ssh:// client
+        self.pending: dict[int, _Pending] = {}
+        self.reader: asyncio.Task | None = None
+        self.lost: BaseException | None = None            # why it ended, once it has
+        # Requests past the daemon's limits.max_requests_per_client wait here
+        # for a slot instead of failing; set from the hello's limits.
+        self.slots: _Budget | None = None
+        self.tails = False        # the daemon takes file_write data as a frame's tail (protocol.TAILED)
+        self.garbled = False      # it ended on bytes that are not frames (said as such, not as ssh's end)
+
+
+class _NotFrames(Exception):
+    """The peer sent bytes that are not the protocol's frames."""
+
+
 class Client:
-    def __init__(self, socket_path: str | None = None, name: str = "dsecd-sdk", connect_timeout: float = 30.0):
-        self.socket_path = socket_path or default_socket()
+    """A connection to one daemon: `target` is its unix socket's path (default
+    DSEC_SOCKET, else /run/dsecd/dsecd.sock) or ssh://[user@]host[:port],
+    reached through `ssh host dsec rpc --stdio` (dsecd/remote.py; `ssh`:
+    SshOptions, default from the environment).
+
+    A lost connection fails the requests in flight with errors.ConnectionLost.
+    With `reconnect` (the default for ssh://, where a network can drop a
+    connection that a daemon never would), the next request connects again
+    first; otherwise every later request fails with ConnectionLost too."""
+
+    def __init__(self, target: str | None = None, name: str = "dsecd-sdk", connect_timeout: float = 30.0,
+                 *, ssh: remote.SshOptions | None = None, reconnect: bool | None = None):
+        target = target or default_socket()
+        self.remote = remote.is_remote(target)
+        if self.remote:
+            self._ssh_target = remote.SshTarget.parse(target)
+            self.ssh = ssh or remote.SshOptions.from_env()
+            self.target = self._ssh_target.url()
+            self.socket_path = None
+        else:
+            self.socket_path = self.target = target
         self.name = name
         # How long connect() waits for the daemon's hello: a socket someone
         # holds open but nobody serves (a wedged daemon) must not hang a client.
         self.connect_timeout = connect_timeout
+        self.reconnect = self.remote if reconnect is None else reconnect
+        # Called with a reason as soon as a connection is lost (not when this
+        # client closes it); dsecd.Fleet marks the host down from it.
+        self.on_lost: Callable[[str], object] | None = None
+        self.last_frame_at = 0.0         # loop time of the last frame received: the host is alive
         self._ids = itertools.count(1)
-        self._pending: dict[int, _Pending] = {}
-        self._reader_task: asyncio.Task | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self._conn: _Conn | None = None
+        self._reconnecting = asyncio.Lock()
+        self._closed = False
         self.server: dict = {}
         self.max_frame = 16 << 20
-        # Requests past the daemon's limits.max_requests_per_client wait here
-        # for a slot instead of failing; set from the hello's limits.
-        self._slots: _Budget | None = None
-        self._lost: BaseException | None = None      # why the connection ended, once it has
-        self._tails = False          # the daemon takes file_write data as a frame's tail (protocol.TAILED)
+
+    def __repr__(self) -> str:
+        return f"<Client {self.target}>"
 
     async def __aenter__(self) -> Client:
         await self.connect()
@@ -220,89 +266,217 @@ class Client:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None and self._conn.lost is None
+
+    @property
+    def _tails(self) -> bool:
+        return self._conn is not None and self._conn.tails
+
     async def connect(self) -> None:
+        """Open the connection and say hello (again, after a loss or close)."""
+        if self.connected:
+            return
+        self._closed = False
+        if self._conn is not None:          # the lost one: its ssh and reader go first
+            await self._drop(self._conn, grace=0)
+        loop = asyncio.get_running_loop()
+        conn = await (self._open_ssh() if self.remote else self._open_unix())
+        conn.reader = loop.create_task(self._read_loop(conn))
         try:
-            loop = asyncio.get_running_loop()
-            transport, frames = await loop.create_unix_connection(
-                lambda: framing.FrameProtocol(self.max_frame + FRAME_SLACK, recycle=FRAME_BUFFERS_KEPT),
-                self.socket_path)
-            self._writer = asyncio.StreamWriter(transport, frames, None, loop)
+            # Other requests see the connection only once its hello is done:
+            # the daemon takes nothing before it.
+            async with asyncio.timeout(self.connect_timeout):
+                self.server = await self._hello(conn)
+        except TimeoutError:
+            await self._drop(conn, grace=0)
+            raise ConnectionError(f"dsecd at {self.target} took the connection but did not answer in "
+                                  f"{self.connect_timeout:g} s: is the daemon stuck?") from None
+        except ConnectionLost as err:        # ssh could not log in, or found no dsec there
+            # The reader says why once ssh has exited (its status, its stderr).
+            await asyncio.wait([conn.reader], timeout=2 * remote.EXIT_WAIT_S)
+            await self._drop(conn, grace=0)
+            raise ConnectionError(f"cannot reach dsecd at {self.target}: {conn.lost or err}") from None
+        limits = self.server.get("limits", {})
+        self.max_frame = limits.get("max_frame_bytes", self.max_frame)
+        conn.frames.max_frame = self.max_frame + FRAME_SLACK
+        conn.tails = "frame.tail" in self.server.get("capabilities", ())
+        cap = limits.get("max_requests_per_client", 256)
+        conn.slots = _Budget(max(2, cap - CONTROL_SLOTS))
+        self._conn = conn
+
+    async def _hello(self, conn: _Conn) -> dict:
+        args = {"protocol": protocol.PROTOCOL_VERSION, "client": self.name}
+        async with contextlib.aclosing(self._frames_with_id(conn, self.new_id(), "hello", args, None)) as frames:
+            async for frame in frames:
+                if "__result__" in frame:
+                    return frame["__result__"]
+        raise ConnectionError("hello: no final frame")
+
+    def _frame_protocol(self) -> framing.FrameProtocol:
+        return framing.FrameProtocol(self.max_frame + FRAME_SLACK, recycle=FRAME_BUFFERS_KEPT)
+
+    async def _open_unix(self) -> _Conn:
+        loop = asyncio.get_running_loop()
+        try:
+            transport, frames = await loop.create_unix_connection(self._frame_protocol, self.socket_path)
         except (FileNotFoundError, ConnectionRefusedError) as err:
             raise ConnectionError(f"cannot connect to dsecd at {self.socket_path}: {err.strerror}; "
                                   "is the daemon running? (set DSEC_SOCKET or --socket)") from err
         except PermissionError as err:
             raise ConnectionError(f"cannot connect to dsecd at {self.socket_path}: permission denied; "
                                   f"{_who_may_connect(self.socket_path)}") from err
-        self._reader_task = asyncio.get_running_loop().create_task(self._read_loop(frames))
-        try:
-            self.server = await asyncio.wait_for(
-                self.request("hello", protocol=protocol.PROTOCOL_VERSION, client=self.name), self.connect_timeout)
-        except TimeoutError:
-            await self.close()
-            raise ConnectionError(f"dsecd at {self.socket_path} took the connection but did not answer in "
-                                  f"{self.connect_timeout:g} s: is the daemon stuck?") from None
-        limits = self.server.get("limits", {})
-        self.max_frame = limits.get("max_frame_bytes", self.max_frame)
-        frames.max_frame = self.max_frame + FRAME_SLACK
-        self._tails = "frame.tail" in self.server.get("capabilities", ())
-        cap = limits.get("max_requests_per_client", 256)
-        self._slots = _Budget(max(2, cap - CONTROL_SLOTS))
+        return _Conn(asyncio.StreamWriter(transport, frames, None, loop), frames, None)
+
+    async def _open_ssh(self) -> _Conn:
+        link = remote.SshLink(self._ssh_target, self.ssh)
+        transport, frames = await link.open(self._frame_protocol)
+        return _Conn(asyncio.StreamWriter(transport, frames, None, asyncio.get_running_loop()), frames, link)
 
     async def close(self) -> None:
-        if self._writer:
-            self._writer.close()
-            try:
-                await self._writer.wait_closed()
-            except (ConnectionError, OSError):
-                pass
-        if self._reader_task:
-            self._reader_task.cancel()
-            try:
-                await self._reader_task
-            except (asyncio.CancelledError, Exception):
-                pass
+        """Close the connection: an ssh:// one ends after the host answered
+        what was sent (ssh is killed if it has not exited 2 s later)."""
+        self._closed = True
+        if self._conn is not None:
+            await self._drop(self._conn)
 
-    async def _read_loop(self, frames: framing.FrameProtocol) -> None:
+    def abort_now(self, reason: str) -> _Conn | None:
+        """End the connection now (dsecd.Fleet, for a host that stopped
+        answering): from this moment the client is not connected, and the
+        requests in flight fail with ConnectionLost(reason) as soon as the
+        reader sees the end. The connection to drop (see abort), if any."""
+        conn = self._conn
+        if conn is None or conn.lost is not None:
+            return None
+        conn.lost = ConnectionError(reason)
+        if conn.link is not None:
+            conn.link.aborted = reason
+            conn.link.kill()
+        conn.writer.transport.abort()
+        return conn
+
+    async def abort(self, reason: str) -> None:
+        """abort_now, then wait until the requests in flight have failed and
+        the connection (and its ssh) is gone; a later connect() connects again."""
+        conn = self.abort_now(reason)
+        if conn is None:
+            return
+        if conn.reader is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(asyncio.shield(conn.reader), remote.EXIT_WAIT_S * 2)
+        await self._drop(conn, grace=0)
+
+    async def _drop(self, conn: _Conn, grace: float = remote.CLOSE_GRACE_S) -> None:
+        conn.writer.close()
+        with contextlib.suppress(ConnectionError, OSError):
+            await conn.writer.wait_closed()
+        if conn.reader is not None and not conn.reader.done():
+            if conn.link is not None and grace:
+                # Our end closed: ssh ends once the host answered what was sent.
+                with contextlib.suppress(TimeoutError, asyncio.CancelledError, Exception):
+                    await asyncio.wait_for(asyncio.shield(conn.reader), grace)
+            conn.reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await conn.reader
+        if conn.link is not None:
+            await conn.link.close(grace)
+
+    async def _read_loop(self, conn: _Conn) -> None:
         error: BaseException = ConnectionError("dsecd closed the connection")
+        loop = asyncio.get_running_loop()
+        cancelled = False
         try:
             while True:
                 try:
-                    payload = await frames.read_payload()
+                    payload = await conn.frames.read_payload()
                 except framing.FrameTooBig as err:
+                    if conn.link is not None:
+                        raise _NotFrames(
+                            f"{self.target} sent bytes that are not dsecd frames (a header announcing "
+                            f"{err.size} bytes); does a shell start-up file on that host print to stdout?") from None
                     raise LimitExceeded(f"server frame of {err.size} bytes exceeds the limit") from None
                 if payload is None:
-                    error = ConnectionError("connection to dsecd lost: the daemon closed it")
+                    error = ConnectionError("the daemon closed it")
                     break
-                frame = protocol.decode_payload(payload)
+                self.last_frame_at = loop.time()
+                try:
+                    frame = protocol.decode_payload(payload)
+                except Exception as err:
+                    raise _NotFrames(f"{self.target} sent a frame that does not decode ({err})") from None
                 rid = frame.get("id")
                 if rid is None and "error" in frame:
                     error = DsecError.from_wire(frame["error"])
                     break
-                pending = self._pending.get(rid)
+                pending = conn.pending.get(rid)
                 if pending is not None:
                     pending.queue.put_nowait(frame)
+        except _NotFrames as err:
+            error = ConnectionError(str(err))
+            conn.garbled = True
         except (asyncio.IncompleteReadError, ConnectionError) as err:
-            error = ConnectionError(f"connection to dsecd lost: {err}")
+            error = ConnectionError(str(err))
         except asyncio.CancelledError:
-            error = ConnectionError("client closed")
+            error = ConnectionError("the client closed it")
+            cancelled = True
         except Exception as err:
             error = err
-        # Set before the broadcast: a request that registers after it fails at once.
-        self._lost = error
-        if self._writer is not None:
-            self._writer.close()
-        for pending in self._pending.values():
+        # Set before anything awaits: a request that starts now fails (or
+        # reconnects) at once instead of waiting on a dead connection. An
+        # abort's reason, set first, is the one that is true.
+        error = conn.lost = conn.lost or error
+        conn.writer.close()
+        if not cancelled and not self._closed and not (conn.link and conn.link.aborted):
+            if self.on_lost is not None:
+                with contextlib.suppress(Exception):
+                    self.on_lost(str(error))
+            if conn.link is not None and not isinstance(error, DsecError) and not conn.garbled:
+                # ssh's exit status and last words say what went wrong.
+                error = conn.lost = ConnectionError(await conn.link.why_ended())
+        for pending in conn.pending.values():
             pending.queue.put_nowait({"__lost__": error})
 
-    async def _send(self, rid: int, op: str, args: dict) -> None:
-        if self._writer is None or self._writer.is_closing():
+    def _lost_error(self, cause: BaseException, op: str, sent: bool) -> BaseException:
+        """What a request raises when its connection is gone: the daemon's own
+        error (a connection-level `limit`, say) as it is, else ConnectionLost."""
+        if isinstance(cause, DsecError):
+            return cause
+        text = f"{op} on {self.target}: connection lost: {cause}"
+        if sent:
+            text += ("; the request may have been carried out (a create with an idempotency key can be "
+                     "sent again safely)")
+        if self.reconnect and not self._closed:
+            text += "; the next request connects again"
+        return ConnectionLost(text, target=self.target, op=op, sent=sent)
+
+    async def _connection(self, op: str) -> _Conn:
+        """The live connection; after a loss, a new one if `reconnect`."""
+        conn = self._conn
+        if conn is not None and conn.lost is None:
+            return conn
+        if conn is None:
+            raise ConnectionError(f"{op}: not connected to dsecd at {self.target}: call connect() first "
+                                  "(or use `async with`)")
+        if not self.reconnect or self._closed:
+            raise self._lost_error(conn.lost, op, sent=False)
+        async with self._reconnecting:
+            if self._conn is conn:              # nobody connected again meanwhile
+                await self._drop(conn, grace=0)
+                await self.connect()
+        conn = self._conn
+        if conn is None or conn.lost is not None:
+            raise self._lost_error(conn.lost if conn else ConnectionError("closed"), op, sent=False)
+        return conn
+
+    async def _send(self, conn: _Conn, rid: int, op: str, args: dict) -> None:
+        if conn.writer.is_closing():
             raise ConnectionError("not connected to dsecd")
         frame = {"id": rid, "op": op, "args": args}
-        if self._tails:
-            self._writer.writelines(protocol.encode_tailed_request(frame, self.max_frame))
+        if conn.tails:
+            conn.writer.writelines(protocol.encode_tailed_request(frame, self.max_frame))
         else:
-            self._writer.writelines(protocol.encode_frame_parts(frame, self.max_frame))
-        await self._writer.drain()
+            conn.writer.writelines(protocol.encode_frame_parts(frame, self.max_frame))
+        await conn.writer.drain()
 
     def new_id(self) -> int:
         return next(self._ids)
@@ -314,10 +488,12 @@ class Client:
 
     async def frames_with_id(self, rid: int, op: str, args: dict,
                              sent: asyncio.Event | None = None) -> AsyncIterator[dict]:
+        conn = await self._connection(op)
         # aclosing: a caller that stops early (break, cancel) closes the inner
         # generator at once, so the daemon is told to cancel the request now.
-        if self._slots is None or op in CONTROL_OPS:
-            async with contextlib.aclosing(self._frames_with_id(rid, op, args, sent)) as frames:
+        slots = conn.slots
+        if slots is None or op in CONTROL_OPS:
+            async with contextlib.aclosing(self._frames_with_id(conn, rid, op, args, sent)) as frames:
                 async for frame in frames:
                     yield frame
             return
@@ -325,28 +501,31 @@ class Client:
         # also holds the slot of its exec_input requests, a pty exec that of
         # its exec_resize requests too.
         units = 1 + bool(op == "exec" and args.get("stdin")) + bool(op == "exec" and args.get("pty"))
-        await self._slots.acquire(units)
+        await slots.acquire(units)
         try:
-            async with contextlib.aclosing(self._frames_with_id(rid, op, args, sent)) as frames:
+            async with contextlib.aclosing(self._frames_with_id(conn, rid, op, args, sent)) as frames:
                 async for frame in frames:
                     yield frame
         finally:
-            self._slots.release(units)
+            slots.release(units)
 
-    async def _frames_with_id(self, rid: int, op: str, args: dict,
+    async def _frames_with_id(self, conn: _Conn, rid: int, op: str, args: dict,
                               sent: asyncio.Event | None) -> AsyncIterator[dict]:
-        if self._lost is not None:
-            raise ConnectionError(f"{op}: {self._lost}") from self._lost
-        pending = self._pending[rid] = _Pending()
+        if conn.lost is not None:
+            raise self._lost_error(conn.lost, op, sent=False)
+        pending = conn.pending[rid] = _Pending()
         finished = False
         try:
-            await self._send(rid, op, args)
+            try:
+                await self._send(conn, rid, op, args)
+            except ConnectionError as err:
+                raise self._lost_error(conn.lost or err, op, sent=True) from None
             if sent is not None:
                 sent.set()
             while True:
                 frame = await pending.queue.get()
                 if "__lost__" in frame:
-                    raise frame["__lost__"]
+                    raise self._lost_error(frame["__lost__"], op, sent=True)
                 if "stream" in frame:
                     yield frame["stream"]
                     continue
@@ -356,11 +535,11 @@ class Client:
                 yield {"__result__": frame.get("result", {})}
                 return
         finally:
-            self._pending.pop(rid, None)
-            if not finished and self._writer and not self._writer.is_closing():
+            conn.pending.pop(rid, None)
+            if not finished and conn.lost is None and not conn.writer.is_closing():
                 # Abandoned early (break, exception, cancel): tell the daemon to stop it.
                 try:
-                    await self._send(next(self._ids), "cancel", {"target": rid})
+                    await self._send(conn, next(self._ids), "cancel", {"target": rid})
                 except (ConnectionError, DsecError):
                     pass
 
@@ -381,8 +560,12 @@ class Client:
         """A root file system, or a docker save or OCI layout (a directory or
         tarball on the daemon's host) -> image `name`, optionally on top of
         image `parent`; config overrides: env, cwd, user, entrypoint, cmd,
-        labels, exposed_ports (dsecd/imageconfig.py)."""
-        args = {"source": os.path.abspath(source), "name": name, **config}
+        labels, exposed_ports (dsecd/imageconfig.py). Over ssh:// `source` is
+        a path on that host, so it must be absolute."""
+        if self.remote and not source.startswith("/"):
+            raise ValueError(f"build_image on {self.target}: {source!r} must be an absolute path on that host "
+                             "(the daemon reads it there)")
+        args = {"source": source if self.remote else os.path.abspath(source), "name": name, **config}
         if parent:
             args["parent"] = parent
         async with contextlib.aclosing(self.frames("image_build", **args)) as frames:
@@ -868,7 +1051,12 @@ class Sandbox:
         self.info = info
 
     def __repr__(self) -> str:
-        return f"<Sandbox {self.id} {self.info.get('state')}>"
+        return f"<Sandbox {self.id} {self.info.get('state')} on {self.client.target}>"
+
+    @property
+    def host(self) -> str:
+        """Where it lives: its daemon's socket path or ssh:// address."""
+        return self.client.target
 
     def _exec_args(self, argv, env, cwd, user, timeout, stdin: bool, stream: bool, trace: bool = False,
                    pty: bool = False, rows: int | None = None, cols: int | None = None,

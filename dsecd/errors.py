@@ -88,6 +88,23 @@ class Internal(DsecError):
     code = "internal"
 
 
+class ConnectionLost(ConnectionError):
+    """The connection to a daemon ended under a request: the client's own
+    failure, not one of the daemon's codes (it never crosses the wire).
+
+    `sent` says whether the request had left the client: if it had, the
+    daemon may have carried it out (a create may exist, an exec may have
+    run). A create with an idempotency `key` is safe to send again: the
+    daemon answers it with the sandbox the key made, if any. `target` is the
+    daemon's socket path or ssh:// address, `op` the request's op."""
+
+    def __init__(self, message: str, *, target: str = "", op: str = "", sent: bool = False):
+        super().__init__(message)
+        self.target = target
+        self.op = op
+        self.sent = sent
+
+
 _BY_CODE = {
     k.code: k
     for k in (BadRequest, NotFound, Conflict, Busy, LimitExceeded, Unsupported,

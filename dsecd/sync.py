@@ -21,6 +21,8 @@ from collections.abc import Iterator
 
 from .client import Client, ExecResult, ExecStream, Process, ProcOutput, ProcStatus, Sandbox
 from .errors import NotFound
+from .fleet import Fleet
+from .remote import SshOptions
 
 
 class SyncSandbox:
@@ -29,6 +31,7 @@ class SyncSandbox:
         self._sb = sb
         self.id = sb.id
         self.info = sb.info
+        self.host = sb.host
 
     def __repr__(self) -> str:
         return f"<SyncSandbox {self.id}>"
@@ -245,31 +248,59 @@ async def _awaited(awaitable):
     return await awaitable
 
 
-class SyncClient:
-    def __init__(self, socket_path: str | None = None, name: str = "dsecd-sync", connect_timeout: float = 30.0):
+class _LoopThread:
+    """A private event loop in a thread of its own; `_run` hands it a
+    coroutine from any thread and waits for the result."""
+
+    _what = "SyncClient"
+
+    def __init__(self) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dsecd-sync-loop", daemon=True)
         self._thread.start()
-        self._client = Client(socket_path, name, connect_timeout)
 
     def _run(self, awaitable):
-        """Run `awaitable` on the client's loop and wait for it, from any thread."""
+        """Run `awaitable` on the loop and wait for it, from any thread."""
         if threading.current_thread() is self._thread:
             if asyncio.iscoroutine(awaitable):
                 awaitable.close()
-            # A callback (on_stdout, progress) runs on the client's loop: a blocking
-            # call from there would wait for the loop it blocks.
-            raise RuntimeError("a SyncClient cannot be called from its own callbacks; use the "
-                               "async Client there, or collect and call after the request")
+            # A callback (on_stdout, progress, on_event) runs on the loop: a
+            # blocking call from there would wait for the loop it blocks.
+            raise RuntimeError(f"a {self._what} cannot be called from its own callbacks; use the "
+                               "async API there, or collect and call after the request")
         if self._loop.is_closed():
             if asyncio.iscoroutine(awaitable):
                 awaitable.close()
-            raise ConnectionError("this SyncClient is closed")
+            raise ConnectionError(f"this {self._what} is closed")
         return self._submit(awaitable).result()
 
     def _submit(self, awaitable) -> concurrent.futures.Future:
-        """Start `awaitable` on the client's loop; its future."""
+        """Start `awaitable` on the loop; its future."""
         return asyncio.run_coroutine_threadsafe(_awaited(awaitable), self._loop)
+
+    def _stop_loop(self, last) -> None:
+        """Run `last` (a coroutine: the close), then stop the loop's thread."""
+        if self._loop.is_closed():
+            last.close()
+            return
+        try:
+            self._run(last)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+
+class SyncClient(_LoopThread):
+    def __init__(self, target: str | None = None, name: str = "dsecd-sync", connect_timeout: float = 30.0,
+                 *, ssh: SshOptions | None = None, reconnect: bool | None = None):
+        """target: a socket path or ssh://[user@]host[:port], as Client's."""
+        self._client = Client(target, name, connect_timeout, ssh=ssh, reconnect=reconnect)
+        super().__init__()
+
+    @property
+    def target(self) -> str:
+        return self._client.target
 
     def __enter__(self) -> SyncClient:
         self.connect()
@@ -283,14 +314,7 @@ class SyncClient:
 
     def close(self) -> None:
         """Close the connection and stop the loop's thread; safe to call more than once."""
-        if self._loop.is_closed():
-            return
-        try:
-            self._run(self._client.close())
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+        self._stop_loop(self._client.close())
 
     def sandbox(self, image: str, **create_args) -> _SyncSandboxContext:
         """`with client.sandbox(image=...) as sb:` creates a sandbox and destroys it on the way out."""
@@ -390,3 +414,64 @@ class _SyncSandboxContext:
                 self.sandbox.destroy(force=True)
             except NotFound:
                 pass                        # destroyed inside the block already
+
+
+class SyncFleet(_LoopThread):
+    """dsecd.Fleet for scripts: the same methods, blocking; sandboxes are
+    SyncSandbox (requests straight to their host). on_event runs on the
+    fleet's own thread: it may not call the SyncFleet (queue the event)."""
+
+    _what = "SyncFleet"
+
+    def __init__(self, hosts: list[str], **fleet_args):
+        self._fleet = Fleet(hosts, **fleet_args)
+        super().__init__()
+
+    def __enter__(self) -> SyncFleet:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        self._run(self._fleet.start())
+
+    def close(self) -> None:
+        self._stop_loop(self._fleet.close())
+
+    def status(self) -> list[dict]:
+        return self._fleet.status()
+
+    def create(self, image: str, **kw) -> SyncSandbox:
+        return SyncSandbox(self, self._run(self._fleet.create(image, **kw)))
+
+    def get(self, sandbox_id: str) -> SyncSandbox:
+        return SyncSandbox(self, self._run(self._fleet.get(sandbox_id)))
+
+    def list(self, labels: dict | None = None) -> list[dict]:
+        return self._run(self._fleet.list(labels))
+
+    def top(self, labels: dict | None = None) -> dict:
+        return self._run(self._fleet.top(labels))
+
+    def info(self) -> dict:
+        return self._run(self._fleet.info())
+
+    def job_pause(self, job: str) -> dict:
+        return self._run(self._fleet.job_pause(job))
+
+    def job_resume(self, job: str) -> dict:
+        return self._run(self._fleet.job_resume(job))
+
+    def job_rm(self, job: str, force: bool = False) -> dict:
+        return self._run(self._fleet.job_rm(job, force))
+
+    def destroy_all(self, force: bool = False, labels: dict | None = None) -> dict:
+        return self._run(self._fleet.destroy_all(force, labels))
+
+    def list_images(self) -> list[dict]:
+        return self._run(self._fleet.list_images())
+
+    def call(self, image: str, **kw):
+        return self._run(self._fleet.call(image, **kw))

@@ -14,7 +14,11 @@
 #      (the pull tests' registry on loopback and its htpasswd; the package's
 #      service is not used: the tests start their own registry),
 #      prometheus-client (the metrics endpoint), qemu-system-x86 for the
-#      microVM backend (DSECD_SETUP_MICROVM=0: not).
+#      microVM backend (DSECD_SETUP_MICROVM=0: not), and OpenSSH (the SDK's
+#      ssh:// transport runs `ssh`; the fleet tests run a private sshd per
+#      simulated host). Debian has no openssh-server without its system
+#      service, so an install made here is kept from starting it
+#      (no_system_sshd below).
 #   2. Kernel headers where bcc looks for them: /lib/modules/$(uname -r)/build
 #      and .../source. A kernel Debian has no headers package for gets the
 #      newest Debian headers, said on stderr.
@@ -53,6 +57,7 @@ PACKAGES=(
     skopeo python3-zstandard python3-rich      # image pull: the registry client, zstd layers, progress bars
     docker-registry apache2-utils              # the pull tests' local registry and its htpasswd file
     python3-prometheus-client                  # the metrics endpoint (dsecd/metrics.py)
+    openssh-client openssh-server              # ssh:// transport; the fleet tests' sshd per host
 )
 # The microVM backend: QEMU (direct kernel boot: no firmware package needed).
 # DSECD_SETUP_MICROVM=0 leaves it out (the microVM tests then skip).
@@ -80,6 +85,12 @@ on_error() {
 }
 set -E
 trap 'on_error $? $LINENO "$BASH_COMMAND"' ERR
+
+# A command whose failure is worth a warning, not a stop.
+soft() {
+    echo "+ $*" >>"$LOG"
+    "$@" >>"$LOG" 2>&1 </dev/null || warn "'$*' failed (details in $LOG); continuing"
+}
 
 # Run a command with its output in the log; on failure show the log's tail.
 run() {
@@ -130,7 +141,61 @@ install_packages() {
     ((${#missing[@]})) || return 0
     [[ -n $updated ]] || run apt-get update
     say "apt: installing ${missing[*]}"
+    local sshd_new=
+    printf '%s\n' "${missing[@]}" | grep -qx openssh-server && sshd_new=1
+    [[ -z $sshd_new ]] || hold_service_starts
     run apt-get install -y --no-install-recommends -o DPkg::Lock::Timeout=120 "${missing[@]}"
+    [[ -z $sshd_new ]] || no_system_sshd
+}
+
+# openssh-server's install starts sshd and enables it at boot (systemd, or
+# sysvinit links; in a chroot invoke-rc.d would start it in the host's
+# network). The tests start their own sshd, by hand, in their own network
+# namespaces; a host must not get a listening system sshd from a test set-up.
+# invoke-rc.d and deb-systemd-invoke start nothing while /usr/sbin/policy-rc.d
+# exits 101: one is put there for the install unless the host has its own
+# (an operator's policy is left as it is), and removed after it.
+POLICY_RC_D=/usr/sbin/policy-rc.d
+POLICY_MARK="# scripts/setup.sh of dsecd: no service starts during its apt-get install"
+hold_service_starts() {
+    [[ -e $POLICY_RC_D ]] && return 0
+    printf '#!/bin/sh\n%s\nexit 101\n' "$POLICY_MARK" >"$POLICY_RC_D"
+    chmod 755 "$POLICY_RC_D"
+    trap release_service_starts EXIT
+}
+
+release_service_starts() {
+    if [[ -f $POLICY_RC_D ]] && grep -qxF "$POLICY_MARK" "$POLICY_RC_D"; then
+        rm -f "$POLICY_RC_D"
+    fi
+}
+
+# Only after this script installed openssh-server (an sshd the host had
+# before is the host's business): the unit is disabled (no start at boot)
+# and /etc/ssh/sshd_not_to_be_run, which Debian's ssh.service and init script
+# honour, keeps anything else from starting it. Remove that file to run a
+# system sshd here.
+no_system_sshd() {
+    release_service_starts
+    echo "installed by dsecd's scripts/setup.sh, whose fleet tests run their own sshd" \
+        >/etc/ssh/sshd_not_to_be_run
+    if command -v systemctl >/dev/null; then
+        soft systemctl disable ssh.service ssh.socket
+    elif command -v deb-systemd-helper >/dev/null; then
+        soft deb-systemd-helper disable ssh.service
+    fi
+    if command -v update-rc.d >/dev/null && [[ -e /etc/init.d/ssh ]]; then
+        soft update-rc.d ssh disable
+    fi
+    # A host whose own policy-rc.d let the install start sshd: that sshd was
+    # not running before (openssh-server was not installed), so stop it.
+    local pid
+    pid=$(cat /run/sshd.pid 2>/dev/null || true)
+    if [[ $pid =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null; then
+        warn "the install started the system sshd (pid $pid; this host's $POLICY_RC_D allowed it): stopping it"
+        kill "$pid" || true
+    fi
+    say "openssh-server installed, its system service disabled (/etc/ssh/sshd_not_to_be_run)"
 }
 
 # bcc compiles against /lib/modules/$KREL/build (generated headers, .config) and

@@ -53,20 +53,24 @@ def busybox_rootfs() -> str:
 class Daemon:
     """A dsecd process on a private socket/state dir/cgroup subtree."""
 
-    def __init__(self, tmp: Path, extra_config: str = ""):
+    def __init__(self, tmp: Path, extra_config: str = "", wrap: list[str] | None = None,
+                 log_level: str = "debug"):
+        """wrap: words the daemon's command line goes after (fleet_kit runs
+        it in a network namespace with `nsenter --net=...`); log_level:
+        "info" for a bench, whose thousands of creates would log megabytes."""
         self.tmp = tmp
         self.socket = str(tmp / "dsecd.sock")
         self.state = tmp / "state"
         self.cgroup_root = f"dsecd-test-{secrets.token_hex(4)}"
         self.config = tmp / "dsecd.toml"
         self.config.write_text(
-            f'[daemon]\nsocket = "{self.socket}"\nstate_dir = "{self.state}"\nlog_level = "debug"\n'
+            f'[daemon]\nsocket = "{self.socket}"\nstate_dir = "{self.state}"\nlog_level = "{log_level}"\n'
             f'[sandbox]\ncgroup_root = "{self.cgroup_root}"\n{extra_config}')
         self.log = tmp / "dsecd.log"
         self.proc: subprocess.Popen | None = None
-        # How a test may start it differently: a command in front (setpriv),
-        # its environment (NOTIFY_SOCKET), a function run in the child (a cgroup).
-        self.wrapper: list[str] = []
+        # How a test may start it differently: a command in front (setpriv,
+        # nsenter), its environment (NOTIFY_SOCKET), a function run in the child (a cgroup).
+        self.wrapper: list[str] = list(wrap or [])
         self.env: dict | None = None
         self.preexec = None
 

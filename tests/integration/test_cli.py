@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from dsecd import protocol
@@ -79,6 +80,59 @@ def test_rpc_stdio_bridges_the_protocol(daemon):
     dec = protocol.FrameDecoder(1 << 24)
     out = dec.feed(r.stdout)
     assert [f["id"] for f in out] == [1, 2] and "time" in out[1]["result"]
+
+
+def _rpc_frames(*reqs: dict) -> bytes:
+    return b"".join(protocol.encode_frame(r) for r in [{"id": 1, "op": "hello", "args": {"protocol": 1}}, *reqs])
+
+
+def test_rpc_stdio_answers_what_was_sent_before_its_input_ended(daemon, client):
+    """Input that ends (ssh's stdin closed) ends only the requests to come:
+    a pipelined exec and destroy are both answered, then the bridge exits."""
+    keep, gone = client.create(image="busybox"), client.create(image="busybox")
+    frames = _rpc_frames(
+        {"id": 2, "op": "exec", "args": {"sandbox": keep.id, "argv": ["sh", "-c", "sleep 1; echo done"],
+                                          "stream": False}},
+        {"id": 3, "op": "destroy", "args": {"sandbox": gone.id, "force": True}})
+    dsec = Path(sys.executable).parent / "dsec"
+    r = subprocess.run([str(dsec), "--socket", daemon.socket, "rpc", "--stdio"], input=frames,
+                       capture_output=True, timeout=30)
+    out = {f["id"]: f for f in protocol.FrameDecoder(1 << 24).feed(r.stdout)}
+    assert r.returncode == 0, r.stderr
+    assert out[2]["result"]["stdout"] == b"done\n", out[2]
+    assert out[3]["result"]["id"] == gone.id, out[3]
+    assert [s["id"] for s in client.list()] == [keep.id]
+    keep.destroy(force=True)
+
+
+def test_rpc_stdio_whose_reader_is_gone_ends_and_its_exec_dies(daemon, client):
+    """A client gone altogether (nobody reads the bridge's stdout, as when
+    an ssh session drops) is not a half close: the bridge closes the socket
+    at once and the daemon kills the exec, instead of running it for nobody."""
+    sb = client.create(image="busybox")
+    dsec = Path(sys.executable).parent / "dsec"
+    p = subprocess.Popen([str(dsec), "--socket", daemon.socket, "rpc", "--stdio"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        p.stdin.write(_rpc_frames({"id": 2, "op": "exec", "args": {"sandbox": sb.id, "argv": ["sleep", "60"],
+                                                                    "stream": False}}))
+        p.stdin.flush()
+        dec = protocol.FrameDecoder(1 << 24)
+        assert dec.feed(p.stdout.read1(1 << 16))[0]["id"] == 1          # the hello's answer
+        deadline = time.monotonic() + 10
+        while client.get(sb.id).info["execs_running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        p.stdout.close()                     # the reader goes; the bridge's input stays open
+        assert p.wait(timeout=10) == 141
+        while client.get(sb.id).info["execs_running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.get(sb.id).info["execs_running"] == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        p.stdin.close()
+        sb.destroy(force=True)
 
 
 def test_socket_is_0660_root(daemon):

@@ -66,7 +66,7 @@ MINIMAL = {("image", "build"): ["d", "--name", "n"], ("image", "import"): ["d", 
            ("snapshot",): ["SB", "--name", "n"], ("inspect",): ["SB"], ("ls",): ["SB:/x"], ("cat",): ["SB:/x"],
            ("watch",): ["SB:/x"],
            ("proc", "ls"): ["SB"], ("logs",): ["SB", "7"], ("attach",): ["SB", "7"], ("kill",): ["SB", "7"],
-           ("wait",): ["SB", "7"]}
+           ("wait",): ["SB", "7"], ("fleet",): ["--hosts", "h1,h2", "ps"]}
 
 
 def test_json_is_accepted_before_and_after_every_command():
@@ -79,6 +79,31 @@ def test_json_is_accepted_before_and_after_every_command():
     # After `--` it is the command's, not dsec's.
     a = cli.parse_args(["exec", "SB", "--", "tool", "--json"])
     assert a.json is False and a.argv == ["tool", "--json"]
+
+
+def test_global_options_with_values_stand_before_the_command():
+    a = cli.parse_args(["--host", "ssh://h1", "--remote-dsec", "/opt/dsec", "exec", "SB", "--", "true"])
+    assert (a.host, a.remote_dsec, a.cmd, a.argv, a.fleet) == ("ssh://h1", "/opt/dsec", "exec", ["true"], None)
+    assert cli.find_verb(["--socket", "/s", "--ssh-config", "/c", "ps"]) == 4
+
+
+def test_fleet_takes_its_hosts_then_any_command():
+    a = cli.parse_args(["fleet", "--hosts", "h1, ssh://root@h2:22", "exec", "SB", "--timeout", "2", "--", "ls"])
+    assert (a.fleet, a.cmd, a.sandbox, a.timeout, a.argv) == (["h1", "ssh://root@h2:22"], "exec", "SB", 2.0,
+                                                              ["ls"])
+    a = cli.parse_args(["--json", "fleet", "--hosts", "h1", "job", "pause", "j"])
+    assert (a.json, a.cmd, a.job_cmd, a.job) == (True, "job", "pause", "j")
+    assert cli.named_sandboxes(cli.parse_args(["cp", "x", "SB:/tmp/x"])) == ["SB"]
+
+
+@pytest.mark.parametrize("args,why", [(["fleet", "ps"], "--hosts"), (["fleet", "--hosts", "h1"], "give a command"),
+                                      (["fleet", "--hosts", "h1", "rpc", "--stdio"], "does not run across"),
+                                      (["--host", "ssh://h", "fleet", "--hosts", "h1", "ps"], "--host names one")])
+def test_fleet_usage_errors(args, why, capsys, monkeypatch):
+    monkeypatch.delenv("DSEC_HOSTS", raising=False)
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(args)
+    assert e.value.code == 2 and why in capsys.readouterr().err
 
 
 def test_exec_options_before_and_after_the_sandbox_id():

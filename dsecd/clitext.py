@@ -1,0 +1,47 @@
+"""What `dsec` prints and how it reads KEY=VALUE words: shared by the
+command line (cli.py) and its fleet commands (fleet_cli.py)."""
+
+from __future__ import annotations
+
+import json
+
+
+class UsageError(Exception):
+    """The command line itself is wrong (exit 2, or 125 for RUNS_A_COMMAND)."""
+
+
+def kv(items: list[str] | None, what: str) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise UsageError(f"dsec: {what} must look like KEY=VALUE, got {item!r}")
+        out[k] = v
+    return out
+
+
+def print_json(obj) -> None:
+    def default(o):
+        if isinstance(o, (bytes, bytearray)):
+            return o.decode("utf-8", "replace")
+        raise TypeError(type(o).__name__)
+
+    print(json.dumps(obj, indent=2, sort_keys=True, default=default))
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "K", "M", "G", "T"):
+        if n < 1024 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return str(n)
+
+
+def table(rows: list[list[str]], header: list[str]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
+    for row in [header, *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)).rstrip())
+
+
+def pct(v) -> str:
+    return "-" if v is None else f"{v:.1f}%"

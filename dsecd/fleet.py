@@ -1,0 +1,675 @@
+"""dsecd.Fleet: the daemons of many hosts driven as one.
+
+    async with dsecd.Fleet(["ssh://h1", "ssh://h2", "ssh://h3"], on_event=print) as fleet:
+        sb = await fleet.create(image="busybox", labels={"job": "j7"})   # placed on a host
+        await sb.exec("echo hi")            # straight to sb.host: a Sandbox of that host's Client
+        await fleet.job_pause("j7")         # every host at once
+        rows = await fleet.list()           # every host's sandboxes, each with "host"
+
+A host is any Client target: ssh://[user@]host[:port] (a bare name means
+ssh://name) or a local socket path. One Client (one ssh connection) per
+host carries everything for that host; a sandbox handle keeps its host's
+Client, so exec, files, pause and destroy go straight there.
+
+Placement (`create`). Among the hosts that are up, not refusing creates
+(`busy` in the last few seconds), holding the image (image_list) and with
+room for the sandbox, the first by
+
+    (its sandboxes of this job,   only for a create labelled job=...
+     its load, in steps of LOAD_STEP,
+     not warm,
+     chance)
+
+  job        a job's sandboxes spread evenly, so that losing a host costs the
+             job a part of itself, never most of it.
+  load       the host's fullest resource once this sandbox is added: CPU
+             and memory requested over the admission capacities `info`
+             reports (cpu.admission: cores x oversubscription, MemTotal x
+             ratio), sandboxes over limits.max_sandboxes (and the user
+             namespace slots). Counted from the host's last `info` plus the
+             creates this fleet sent it since, so a burst spreads before the
+             next `info` comes. A host where it would pass 1 has no room.
+             Loads within a step (5% of a host) count as equal, so that...
+  warm       ...the image's layers being mounted there (image_du) decides:
+             its first start reads no cold blob.
+
+Creates carry an idempotency key (one is made when none is given). A host
+answering `busy` (or not_found: no such image there) is skipped and the
+same key is sent to the next best; when every host refuses, the create
+fails with `busy` naming each host's reason. A key remembers its host: a
+create sent again with it goes back there and gets the same sandbox.
+
+Failure. Every host is pinged each `heartbeat_s`; a host whose connection
+drops, or from which nothing (no answer, no frame) came for `down_after_s`,
+is marked down at once (so within down_after_s + heartbeat_s, 4 s by
+default): its connection is closed (requests in flight on it fail with
+ConnectionLost), placement avoids it, and the caller is told through
+`on_event` and `events()`: a `host_down` event and one `sandbox_lost` per
+sandbox it held. The fleet then tries to connect again every `rejoin_s`;
+when the host answers, it is up again (`host_up`, with `sandbox_back` for
+each sandbox that survived: a daemon restart keeps them).
+
+No sandbox twice. A create whose connection was lost after it was sent may
+or may not have happened on that host; it is retried elsewhere with the same
+key, and the key is remembered for that host. When the host rejoins, a
+sandbox there holding such a key whose create succeeded elsewhere is
+destroyed (`duplicate_removed`); one whose create failed everywhere is kept
+as that key's sandbox.
+
+What the fleet counts per host (its sandboxes, per job) comes from its own
+creates and destroys, from `list()` (which resyncs it) and from each rejoin:
+sandboxes made or destroyed by other clients are seen then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import random
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from . import remote
+from .client import Client, Sandbox
+from .config import parse_size
+from .errors import BadRequest, Busy, ConnectionLost, DsecError, NotFound
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+DOWN_AFTER_S = 3.0
+REJOIN_S = 1.0
+REFRESH_S = 2.0            # how often each host's info and images are read again
+CONNECT_TIMEOUT_S = 10.0
+# Loads closer than this (a share of a host) are equal for placement, and
+# mounted layers decide between such hosts (see the module's docstring).
+LOAD_STEP = 0.05
+# The daemon's shipped [sandbox] defaults: what a create that names no cpu or
+# memory is counted as until the host's next `info` says what it took.
+DEFAULT_CPU = 1.0
+DEFAULT_MEMORY = 512 << 20
+# A host that answered `busy` gets no create for this long (or its retry_after_s, if shorter).
+BUSY_BACKOFF_S = 2.0
+
+
+def fleet_target(host: str) -> str:
+    """A Client target for a host as given: ssh:// or a socket path as it is, a bare name as ssh://name."""
+    if remote.is_remote(host) or host.startswith("/"):
+        return host
+    return remote.SCHEME + host
+
+
+def short_name(target: str) -> str:
+    return target.removeprefix(remote.SCHEME)
+
+
+@dataclass
+class _Shape:
+    cpu: float
+    memory: int
+
+
+class FleetHost:
+    """What the fleet knows of one host, and its Client."""
+
+    def __init__(self, target: str, client: Client):
+        self.target = target
+        self.name = short_name(target)
+        self.client = client
+        self.up = False
+        self.since = time.time()
+        self.reason = "not connected yet"                  # why it is down
+        self.rejoin_error = ""                             # why the last try to connect again failed
+        self.last_answer = 0.0
+        self.info: dict | None = None
+        self.images: dict[str, list[str]] | None = None      # image name -> its layer digests
+        self.mounted: set[str] = set()                       # layer digests mounted there
+        self.sandboxes: dict[str, str] = {}                  # id -> job label ("" without one)
+        self.jobs: collections.Counter[str] = collections.Counter()
+        self.reported_lost: set[str] = set()
+        self.uncertain_keys: set[str] = set()                # creates sent here whose answer was lost
+        self.busy_until = 0.0
+        # Creates sent since the last info: done ones (loop time, shape), and
+        # the totals of those and the ones in flight (kept as sums: placement
+        # reads them for every host on every create).
+        self.done: collections.deque[tuple[float, _Shape]] = collections.deque()
+        self.extra = _Shape(0.0, 0)
+        self.extra_n = 0
+        self.pending_jobs: collections.Counter[str] = collections.Counter()
+
+    def __repr__(self) -> str:
+        return f"<FleetHost {self.name} {'up' if self.up else 'down'}>"
+
+    def status(self) -> dict:
+        return {"host": self.target, "up": self.up, "since": self.since,
+                "reason": None if self.up else self.reason,
+                "rejoin_error": None if self.up else (self.rejoin_error or None),
+                "sandboxes": len(self.sandboxes)}
+
+    def add(self, sandbox_id: str, job: str) -> None:
+        if sandbox_id not in self.sandboxes:
+            self.sandboxes[sandbox_id] = job
+            self.jobs[job] += 1
+
+    def forget(self, sandbox_id: str) -> None:
+        job = self.sandboxes.pop(sandbox_id, None)
+        if job is not None:
+            self.jobs[job] -= 1
+
+    def resync(self, rows: list[dict]) -> None:
+        self.sandboxes = {}
+        self.jobs = collections.Counter()
+        for row in rows:
+            if row.get("state") != "dead":
+                self.add(row["id"], row.get("labels", {}).get("job", ""))
+
+    def has_image(self, image: str) -> bool | None:
+        """Whether the host's store holds the image (None: not known yet)."""
+        return None if self.images is None else image in self.images
+
+    def warm(self, image: str) -> bool:
+        layers = (self.images or {}).get(image)
+        return bool(layers) and all(d in self.mounted for d in layers)
+
+    def load_after(self, shape: _Shape) -> float | None:
+        """The fullest resource's share once `shape` is added; None if it does not fit."""
+        if self.info is None:
+            return 0.0              # nothing known yet: its own answer will say (busy) if it is full
+        adm = self.info.get("cpu", {}).get("admission", {})
+        shares = []
+        cpu, mem = adm.get("cpu", {}), adm.get("memory", {})
+        if cpu.get("capacity"):
+            shares.append((cpu.get("requested", 0) + self.extra.cpu + shape.cpu) / cpu["capacity"])
+        if mem.get("capacity"):
+            shares.append((mem.get("requested", 0) + self.extra.memory + shape.memory) / mem["capacity"])
+        slots = self.info.get("limits", {}).get("max_sandboxes")
+        userns = self.info.get("userns") or {}
+        if userns.get("enabled"):
+            slots = min(slots or userns["slots"], userns["slots"])
+        if slots:
+            live = sum(n for state, n in self.info.get("sandboxes", {}).items() if state != "dead")
+            queued = self.info.get("admission", {}).get("queued", 0)
+            shares.append((live + queued + self.extra_n + 1) / slots)
+        load = max(shares, default=0.0)
+        return None if load > 1.0 else load
+
+    def count(self, shape: _Shape, sign: int) -> None:
+        """Add (sign 1) or take away (-1) a create's shape in the totals."""
+        self.extra.cpu += sign * shape.cpu
+        self.extra.memory += sign * shape.memory
+        self.extra_n += sign
+
+
+class Fleet:
+    def __init__(self, hosts: list[str], *, ssh: remote.SshOptions | None = None,
+                 heartbeat_s: float = HEARTBEAT_S, down_after_s: float = DOWN_AFTER_S,
+                 rejoin_s: float = REJOIN_S, refresh_s: float = REFRESH_S,
+                 connect_timeout: float = CONNECT_TIMEOUT_S,
+                 on_event: Callable[[dict], object] | None = None, name: str = "dsecd-fleet"):
+        """hosts: ssh://[user@]host[:port], bare host names (ssh://name) or
+        socket paths. ssh: how to reach them (default: SshOptions.from_env()).
+        on_event(event dict): host_down, sandbox_lost, host_up, sandbox_back,
+        duplicate_removed, as they happen (on the fleet's event loop)."""
+        if not hosts:
+            raise ValueError("a Fleet needs at least one host")
+        if heartbeat_s <= 0 or down_after_s <= 0:
+            raise ValueError("heartbeat_s and down_after_s must be positive")
+        self.ssh = ssh or remote.SshOptions.from_env()
+        self.heartbeat_s = heartbeat_s
+        self.down_after_s = down_after_s
+        self.rejoin_s = rejoin_s
+        self.refresh_s = refresh_s
+        self.connect_timeout = connect_timeout
+        self.on_event = on_event
+        self.hosts: dict[str, FleetHost] = {}
+        for host in hosts:
+            target = fleet_target(host)
+            if target in self.hosts:
+                raise ValueError(f"host {host!r} is given twice")
+            # reconnect=False: the fleet reconnects a host itself (rejoin), so
+            # a request to a host that is down fails at once.
+            client = Client(target, name=name, connect_timeout=connect_timeout, ssh=self.ssh, reconnect=False)
+            self.hosts[target] = FleetHost(target, client)
+        self._key_home: dict[str, str] = {}          # idempotency key -> the host holding its sandbox
+        self._where: dict[str, str] = {}             # sandbox id -> host
+        self._tasks: list[asyncio.Task] = []
+        self._subscribers: list[asyncio.Queue] = []
+        self._closing = False
+
+    # ---------------------------------------------------------------- life
+
+    async def __aenter__(self) -> Fleet:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Connect to every host at once; a host that cannot be reached starts
+        down (its reason in status()) and is tried again every rejoin_s."""
+        loop = asyncio.get_running_loop()
+        for host in self.hosts.values():
+            host.client.on_lost = lambda why, host=host: self._host_down(host, f"connection lost: {why}")
+        joined = await asyncio.gather(*(self._join(h) for h in self.hosts.values()), return_exceptions=True)
+        for host, r in zip(self.hosts.values(), joined, strict=True):
+            if isinstance(r, (KeyboardInterrupt, SystemExit, asyncio.CancelledError)):
+                raise r
+            if isinstance(r, BaseException):
+                host.reason = f"cannot connect: {r}"
+        for host in self.hosts.values():
+            self._tasks.append(loop.create_task(self._watch(host), name=f"fleet-watch-{host.name}"))
+            self._tasks.append(loop.create_task(self._refresh_loop(host), name=f"fleet-refresh-{host.name}"))
+
+    async def close(self) -> None:
+        self._closing = True
+        pending = set(self._tasks)
+        while pending:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=1.0)
+        self._tasks.clear()
+        await asyncio.gather(*(h.client.close() for h in self.hosts.values()), return_exceptions=True)
+        for q in self._subscribers:
+            q.put_nowait(None)
+
+    def status(self) -> list[dict]:
+        """Each host: up, since when (unix time), why it is down, sandboxes known."""
+        return [h.status() for h in self.hosts.values()]
+
+    def up_hosts(self) -> list[FleetHost]:
+        return [h for h in self.hosts.values() if h.up]
+
+    # ---------------------------------------------------------------- events
+
+    def _emit(self, event: str, host: FleetHost, **detail) -> None:
+        ev = {"event": event, "host": host.target, "time": time.time(), **detail}
+        (log.debug if "sandbox" in detail else log.info)(
+            "fleet: %s %s %s", event, host.name, detail.get("reason") or detail.get("sandbox") or "")
+        if self.on_event is not None:
+            try:
+                self.on_event(ev)
+            except Exception:
+                log.exception("fleet: on_event raised for %s", ev)
+        for q in self._subscribers:
+            q.put_nowait(ev)
+
+    async def events(self) -> AsyncIterator[dict]:
+        """The fleet's events (host_down, sandbox_lost, host_up, sandbox_back,
+        duplicate_removed) from now until the loop stops or the fleet closes."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._subscribers.append(q)
+        try:
+            while (ev := await q.get()) is not None:
+                yield ev
+        finally:
+            self._subscribers.remove(q)
+
+    # ---------------------------------------------------------------- health
+
+    def _host_down(self, host: FleetHost, reason: str) -> None:
+        if not host.up or self._closing:
+            return
+        host.up = False
+        host.since = time.time()
+        host.reason = reason
+        lost = sorted(host.sandboxes)
+        host.reported_lost = set(lost)
+        self._emit("host_down", host, reason=reason, sandboxes=lost)
+        for sb in lost:
+            self._emit("sandbox_lost", host, sandbox=sb)
+        # Requests in flight on it fail now (ConnectionLost), not when TCP gives
+        # up; the client is not connected from here on, so a rejoin connects anew.
+        host.client.abort_now(f"{host.name} marked down: {reason}")
+
+    async def _join(self, host: FleetHost) -> None:
+        """Connect (again), learn what the host holds, settle uncertain keys, mark it up."""
+        await host.client.connect()
+        try:
+            rows = await host.client.list()
+            await self._settle_keys(host, rows)
+            host.resync([r for r in rows if not r.get("_removed")])
+            await self._refresh(host)
+        except BaseException:
+            await host.client.abort("joining failed")
+            raise
+        for sb_id in host.sandboxes:
+            self._where[sb_id] = host.target
+        back = sorted(host.reported_lost & set(host.sandboxes))
+        gone = sorted(host.reported_lost - set(host.sandboxes))
+        host.reported_lost = set()
+        host.up = True
+        host.since = time.time()
+        host.reason = ""
+        host.last_answer = asyncio.get_running_loop().time()
+        host.busy_until = 0.0
+        self._emit("host_up", host, sandboxes=sorted(host.sandboxes), back=back, gone=gone)
+        for sb_id in back:
+            self._emit("sandbox_back", host, sandbox=sb_id)
+
+    async def _settle_keys(self, host: FleetHost, rows: list[dict]) -> None:
+        """Sandboxes on a rejoining host from creates whose answer was lost:
+        a duplicate of one made elsewhere is destroyed; one whose key has no
+        other home is kept as the key's sandbox."""
+        for row in rows:
+            key = row.get("key")
+            if not key or key not in host.uncertain_keys:
+                continue
+            home = self._key_home.get(key)
+            if home is None or home == host.target:
+                self._key_home[key] = host.target
+                continue
+            try:
+                await host.client.request("destroy", sandbox=row["id"], force=True)
+                row["_removed"] = True
+                self._emit("duplicate_removed", host, sandbox=row["id"], key=key, kept_on=home)
+            except NotFound:
+                row["_removed"] = True
+        host.uncertain_keys.clear()
+
+    async def _watch(self, host: FleetHost) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            if not host.up:
+                try:
+                    await self._join(host)
+                except (ConnectionError, DsecError, OSError, TimeoutError) as err:
+                    host.rejoin_error = str(err)
+                    log.debug("fleet: %s still down: %s", host.name, err)
+                    await asyncio.sleep(self.rejoin_s)
+                continue
+            started = loop.time()
+            try:
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for can
+                # swallow a cancel that comes as the ping is answered, and the
+                # fleet's close would wait for this loop forever.
+                async with asyncio.timeout(self.heartbeat_s):
+                    await host.client.request("ping")
+                host.last_answer = loop.time()
+            except TimeoutError:
+                pass
+            except (ConnectionError, DsecError) as err:
+                self._host_down(host, f"heartbeat failed: {err}")
+                continue
+            silent = loop.time() - max(host.last_answer, host.client.last_frame_at)
+            if silent >= self.down_after_s:
+                self._host_down(host, f"no answer for {silent:.1f} s (down_after_s = {self.down_after_s:g})")
+                continue
+            await asyncio.sleep(max(0.0, self.heartbeat_s - (loop.time() - started)))
+
+    async def _refresh_loop(self, host: FleetHost) -> None:
+        while not self._closing:
+            await asyncio.sleep(self.refresh_s)
+            if host.up:
+                with contextlib.suppress(ConnectionError, DsecError, TimeoutError):
+                    await self._refresh(host)
+
+    async def _refresh(self, host: FleetHost) -> None:
+        """Read the host's capacity (info) and images again."""
+        loop = asyncio.get_running_loop()
+        asked = loop.time()
+        info, images, du = await asyncio.gather(host.client.info(), host.client.list_images(),
+                                                host.client.image_du())
+        host.info = info
+        host.images = {i["name"]: [layer["digest"] for layer in i.get("layers", [])] for i in images}
+        host.mounted = set(du.get("mounted_layers", {}))
+        # Creates answered before the info was asked are in its figures now.
+        while host.done and host.done[0][0] < asked:
+            host.count(host.done.popleft()[1], -1)
+
+    # ---------------------------------------------------------------- placement
+
+    def _place(self, image: str, job: str, shape: _Shape, skip: dict[str, str]) -> FleetHost | None:
+        now = asyncio.get_running_loop().time()
+        candidates = [h for h in self.up_hosts() if h.target not in skip]
+        for h in candidates:
+            if h.busy_until > now:
+                skip[h.target] = "answered busy moments ago"
+        candidates = [h for h in candidates if h.target not in skip]
+        holding = [h for h in candidates if h.has_image(image) is not False]
+        for h in candidates:
+            if h not in holding:
+                skip[h.target] = f"no image {image!r} there"
+        # A host whose image list is stale may have it after all: try those last.
+        candidates = holding or candidates
+        best: tuple | None = None
+        for h in candidates:
+            load = h.load_after(shape)
+            if load is None:
+                skip[h.target] = "full by its last info"
+                continue
+            spread = h.jobs[job] + h.pending_jobs[job] if job else 0
+            key = (spread, int(load / LOAD_STEP), not h.warm(image), random.random())
+            if best is None or key < best[0]:
+                best = (key, h)
+        return None if best is None else best[1]
+
+    async def create(self, image: str, *, key: str | None = None, labels: dict | None = None,
+                     cpu: float | None = None, memory: int | str | None = None, **create_args) -> FleetSandbox:
+        """Client.create on the best host (see the module's docstring); the
+        sandbox's `host` says where. `busy` (with detail.hosts: each host's
+        reason) when no host takes it."""
+        key = key or f"fleet-{secrets.token_hex(10)}"
+        labels = dict(labels or {})
+        job = labels.get("job", "")
+        shape = _Shape(DEFAULT_CPU if cpu is None else float(cpu),
+                       DEFAULT_MEMORY if memory is None else parse_size(memory))
+        skip: dict[str, str] = {}
+        while True:
+            home = self.hosts.get(self._key_home.get(key, ""))
+            if home is not None and not home.up:
+                # Another sandbox elsewhere would be a second one for the key.
+                raise ConnectionLost(f"create with key {key!r}: its sandbox is on {home.name}, which is down "
+                                     f"({home.reason}); it is answered again once the host rejoins",
+                                     target=home.target, op="create", sent=False)
+            if home is not None and home.target not in skip:
+                host = home                  # the key's sandbox is there: the same answer again
+            else:
+                host = self._place(image, job, shape, skip)
+            if host is None:
+                raise self._no_host(image, skip)
+            host.count(shape, 1)
+            host.pending_jobs[job] += 1
+            try:
+                sb = await host.client.create(image, key=key, labels=labels, cpu=cpu, memory=memory, **create_args)
+            except Busy as err:
+                retry = err.detail.get("retry_after_s") or BUSY_BACKOFF_S
+                host.busy_until = asyncio.get_running_loop().time() + min(BUSY_BACKOFF_S, float(retry))
+                skip[host.target] = f"busy: {err.message}"
+                continue
+            except NotFound as err:
+                if host.images is not None:
+                    host.images.pop(image, None)
+                skip[host.target] = f"not_found: {err.message}"
+                continue
+            except ConnectionLost as err:
+                if err.sent:
+                    host.uncertain_keys.add(key)
+                skip[host.target] = f"connection lost: {err}"
+                continue
+            except ConnectionError as err:              # down between the choice and the send
+                skip[host.target] = str(err)
+                continue
+            finally:
+                host.count(shape, -1)
+                host.pending_jobs[job] -= 1
+            host.done.append((asyncio.get_running_loop().time(), shape))
+            host.count(shape, 1)
+            host.add(sb.id, job)
+            self._key_home[key] = host.target
+            self._where[sb.id] = host.target
+            return FleetSandbox(self, sb)
+
+    def _no_host(self, image: str, skip: dict[str, str]) -> DsecError:
+        down = {h.target: f"down: {h.reason}" for h in self.hosts.values() if not h.up}
+        reasons = {**down, **skip}
+        text = "; ".join(f"{short_name(t)}: {why}" for t, why in reasons.items())
+        if not self.up_hosts():
+            return Busy(f"create {image!r}: no host of the fleet is up ({text})", {"hosts": reasons})
+        return Busy(f"create {image!r}: no host took it ({text}); retry later or add hosts",
+                    {"hosts": reasons, "retry_after_s": BUSY_BACKOFF_S})
+
+    # ---------------------------------------------------------------- one sandbox
+
+    async def get(self, sandbox_id: str) -> FleetSandbox:
+        """A sandbox by id (or unique prefix) on whichever host holds it."""
+        target = self._where.get(sandbox_id)
+        if target is not None and self.hosts[target].up:
+            with contextlib.suppress(NotFound):
+                return FleetSandbox(self, await self.hosts[target].client.get(sandbox_id))
+        found = await self._each(lambda h: h.client.get(sandbox_id))
+        hits = [(t, r) for t, r in found.items() if not isinstance(r, BaseException)]
+        if len(hits) > 1:
+            raise BadRequest(f"{sandbox_id!r} names sandboxes on {', '.join(short_name(t) for t, _ in hits)}: "
+                             "give more of the id")
+        if hits:
+            self._where[hits[0][1].id] = hits[0][0]
+            return FleetSandbox(self, hits[0][1])
+        down = [h.name for h in self.hosts.values() if not h.up]
+        raise NotFound(f"no sandbox {sandbox_id!r} on any host that is up"
+                       + (f" (down: {', '.join(down)}; it may be there)" if down else ""),
+                       {"sandbox": sandbox_id, "down": down})
+
+    # ---------------------------------------------------------------- every host
+
+    async def _each(self, fn: Callable[[FleetHost], Awaitable]) -> dict[str, object]:
+        """fn on every host that is up, at once: host -> result or exception."""
+        up = self.up_hosts()
+        results = await asyncio.gather(*(fn(h) for h in up), return_exceptions=True)
+        for r in results:
+            if isinstance(r, (KeyboardInterrupt, SystemExit, asyncio.CancelledError)):
+                raise r
+        return dict(zip((h.target for h in up), results, strict=True))
+
+    def _down(self) -> dict[str, str]:
+        return {h.target: h.reason for h in self.hosts.values() if not h.up}
+
+    async def list(self, labels: dict | None = None) -> list[dict]:
+        """Every up host's sandboxes, each with `host`. Hosts that failed to
+        answer are skipped (see `status()`)."""
+        found = await self._each(lambda h: h.client.list(labels))
+        out = []
+        for target, rows in found.items():
+            if isinstance(rows, BaseException):
+                continue
+            if not labels:
+                self.hosts[target].resync(rows)
+            for row in rows:
+                self._where[row["id"]] = target
+                out.append({**row, "host": target})
+        return out
+
+    async def top(self, labels: dict | None = None) -> dict:
+        """{"hosts": {host: its top's host figures}, "sandboxes": [... each with host], "down": {host: why}}"""
+        found = await self._each(lambda h: h.client.top(labels))
+        out = {"hosts": {}, "sandboxes": [], "down": self._down(), "errors": {}}
+        for target, top in found.items():
+            if isinstance(top, BaseException):
+                out["errors"][target] = str(top)
+                continue
+            out["hosts"][target] = {**(top.get("host") or {}), "sampled_at": top.get("sampled_at")}
+            out["sandboxes"] += [{**s, "host": target} for s in top.get("sandboxes", [])]
+        return out
+
+    async def info(self) -> dict[str, dict]:
+        """Every host's info (up ones asked now), or {"up": False, "reason": ...}."""
+        found = await self._each(lambda h: h.client.info())
+        out = {}
+        for target, host in self.hosts.items():
+            r = found.get(target)
+            if r is None or isinstance(r, BaseException):
+                out[target] = {"up": False, "reason": host.reason if r is None else str(r)}
+            else:
+                host.info = r
+                out[target] = {"up": True, **r}
+        return out
+
+    async def _job_verb(self, verb: str, job: str, done_key: str, **args) -> dict:
+        found = await self._each(lambda h: getattr(h.client, verb)(job, **args))
+        done: list[str] = []
+        failed: dict[str, str] = {}
+        hosts: dict[str, str] = {}
+        for target, r in found.items():
+            if isinstance(r, NotFound):
+                hosts[target] = "none there"
+            elif isinstance(r, BaseException):
+                hosts[target] = f"failed: {r}"
+            else:
+                hosts[target] = "ok"
+                done += r.get(done_key, [])
+                f = r.get("failed") or {}
+                failed.update(f if isinstance(f, dict) else {sb: "failed" for sb in f})
+                if verb == "job_rm":
+                    for sb in r.get(done_key, []):
+                        self._forget(sb)
+        if not done and not failed and all(v == "none there" for v in hosts.values()) and not self._down():
+            raise NotFound(f"no sandbox has the label job={job} on any host", {"job": job})
+        return {"job": job, done_key: done, "failed": failed, "hosts": hosts, "down": self._down()}
+
+    async def job_pause(self, job: str) -> dict:
+        """Pause the job's sandboxes on every host at once: paused, failed, hosts (each one's outcome), down."""
+        return await self._job_verb("job_pause", job, "paused")
+
+    async def job_resume(self, job: str) -> dict:
+        return await self._job_verb("job_resume", job, "resumed")
+
+    async def job_rm(self, job: str, force: bool = False) -> dict:
+        return await self._job_verb("job_rm", job, "destroyed", force=force)
+
+    async def destroy_all(self, force: bool = False, labels: dict | None = None) -> dict:
+        found = await self._each(lambda h: h.client.destroy_all(force, labels))
+        out = {"destroyed": [], "failed": {}, "hosts": {}, "down": self._down()}
+        for target, r in found.items():
+            if isinstance(r, BaseException):
+                out["hosts"][target] = f"failed: {r}"
+                continue
+            out["hosts"][target] = "ok"
+            out["destroyed"] += r["destroyed"]
+            out["failed"].update(r["failed"])
+            for sb in r["destroyed"]:
+                self._forget(sb)
+        return out
+
+    async def list_images(self) -> list[dict]:
+        found = await self._each(lambda h: h.client.list_images())
+        return [{**img, "host": t} for t, imgs in found.items() if not isinstance(imgs, BaseException)
+                for img in imgs]
+
+    async def each_host(self, fn: Callable[[Client], Awaitable]) -> dict[str, object]:
+        """fn(client) on every host that is up, at once (image builds, pools):
+        host -> result or the exception it raised."""
+        return await self._each(lambda h: fn(h.client))
+
+    async def call(self, image: str, **call_args):
+        """Client.call on the least loaded up host holding the image; on `busy`, the next."""
+        skip: dict[str, str] = {}
+        while (host := self._place(image, "", _Shape(0.0, 0), skip)) is not None:
+            try:
+                return await host.client.call(image, **call_args)
+            except (Busy, ConnectionError) as err:
+                skip[host.target] = str(err)
+        raise self._no_host(image, skip)
+
+    def _forget(self, sandbox_id: str) -> None:
+        target = self._where.pop(sandbox_id, None)
+        if target is not None:
+            self.hosts[target].forget(sandbox_id)
+
+
+class FleetSandbox(Sandbox):
+    """A Sandbox of its host's Client (every request goes straight there)
+    whose destroy also tells the fleet."""
+
+    def __init__(self, fleet: Fleet, sb: Sandbox):
+        super().__init__(sb.client, sb.id, sb.info)
+        self.fleet = fleet
+
+    async def destroy(self, force: bool = False) -> dict:
+        try:
+            return await super().destroy(force)
+        finally:
+            self.fleet._forget(self.id)

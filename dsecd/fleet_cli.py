@@ -1,0 +1,290 @@
+"""`dsec fleet --hosts H1,H2 COMMAND ...`: dsec's commands across hosts.
+
+The command line is parsed as dsec's own (cli.parse_args); here it runs
+through a dsecd.Fleet instead of one Client. Commands about the whole fleet
+(create, ps, top, info, job, rm --all, events, call, image, pool) have their
+own versions below; every other command names sandboxes and runs, as dsec's
+own command does, against the Client of the host that holds them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+from .clitext import UsageError, human_bytes, kv, pct, print_json, table
+from .errors import DsecError
+from .fleet import Fleet, FleetHost, short_name
+from .remote import SshOptions
+
+
+async def run(a, commands: dict, named, ssh: SshOptions) -> int:
+    """Run command `a` across the fleet `a.fleet`. commands: dsec's own
+    (verb -> coroutine(client, a)); named(a): the sandbox ids `a` names."""
+    async with Fleet(a.fleet, ssh=ssh, name=f"dsec fleet {a.cmd}", connect_timeout=15) as fleet:
+        up = fleet.up_hosts()
+        for st in fleet.status():
+            if not st["up"]:
+                print(f"dsec fleet: {short_name(st['host'])} is down: {st['reason']}", file=sys.stderr)
+        if not up:
+            raise ConnectionError("no host of the fleet answered; see the reasons above")
+        if a.cmd == "call":            # dsec's own, with the call placed by the fleet
+            return await commands["call"](_CallThroughFleet(fleet), a)
+        own = FLEET_COMMANDS.get(a.cmd)
+        if own is not None and (a.cmd != "rm" or a.all):
+            return await own(fleet, a)
+        if a.cmd in ("rm", "pause", "resume"):
+            return await _each_sandbox(fleet, a, commands, named(a))
+        ids = named(a)
+        if not ids:
+            # A command about no sandbox and no fleet-wide meaning (net sets):
+            # any host answers it.
+            return await commands[a.cmd](up[0].client, a)
+        found = [await fleet.get(sb) for sb in ids]
+        clients = {sb.client for sb in found}
+        if len(clients) > 1:
+            raise UsageError(f"dsec fleet {a.cmd}: the sandboxes are on different hosts "
+                             f"({', '.join(short_name(sb.host) for sb in found)}); name one host's at a time")
+        return await commands[a.cmd](found[0].client, a)
+
+
+async def _each_sandbox(fleet: Fleet, a, commands: dict, ids: list[str]) -> int:
+    """rm / pause / resume of sandboxes (or SANDBOX:/paths) on any hosts:
+    dsec's own command per host, with that host's ids."""
+    by_host: dict = {}
+    status = 0
+    for sb_id in ids:
+        try:
+            sb = await fleet.get(sb_id)
+        except DsecError as err:
+            print(f"dsec fleet {a.cmd}: {sb_id}: {err}", file=sys.stderr)
+            status = 1
+            continue
+        by_host.setdefault(sb.client, []).append(sb_id)
+    for client, mine in by_host.items():
+        words = [s for s in a.sandboxes if (s.partition(":")[0] if ":" in s else s) in mine]
+        a.sandboxes = words
+        status = max(status, await commands[a.cmd](client, a))
+    return status
+
+
+def _host_col(target: str) -> str:
+    return short_name(target)
+
+
+async def fleet_ps(fleet: Fleet, a) -> int:
+    rows = await fleet.list(kv(a.label, "--label"))
+    if a.json:
+        print_json(rows)
+        return 0
+    out = []
+    for s in sorted(rows, key=lambda s: (s["host"], s["created"])):
+        lim = s["limits"]
+        out.append([_host_col(s["host"]), s["id"], s["image"], s["state"], f"{lim['cpu']:g}",
+                    human_bytes(lim["memory"]), str(s["execs_running"]),
+                    time.strftime("%H:%M:%S", time.localtime(s["created"])),
+                    ",".join(f"{k}={v}" for k, v in sorted(s["labels"].items()))])
+    table(out, ["HOST", "ID", "IMAGE", "STATE", "CPU", "MEMORY", "EXECS", "CREATED", "LABELS"])
+    return 0
+
+
+async def fleet_top(fleet: Fleet, a) -> int:
+    top = await fleet.top(kv(a.label, "--label"))
+    if a.json:
+        print_json(top)
+        return 0
+    table([[_host_col(t), str(h.get("cpus", "-")), pct(h.get("cpu_pct")),
+            " ".join(map(str, h.get("loadavg", []))) or "-",
+            f"{human_bytes(h['mem_total'] - h['mem_available'])}/{human_bytes(h['mem_total'])}"
+            if h.get("mem_total") else "-"] for t, h in sorted(top["hosts"].items())],
+          ["HOST", "CPUS", "CPU%", "LOAD", "MEM"])
+    print()
+    rows = [[_host_col(s["host"]), s["id"], s["qos"], s["state"], f"{s['cpu']:g}", pct(s["cpu_pct"]),
+             pct(s["throttled_pct"]), "-" if s["memory"] is None else human_bytes(s["memory"]),
+             human_bytes(s["memory_limit"])]
+            for s in sorted(top["sandboxes"], key=lambda s: -(s["cpu_pct"] or 0))]
+    table(rows, ["HOST", "ID", "QOS", "STATE", "CPU", "CPU%", "THROTTLED", "MEM", "MEM LIMIT"])
+    return 0
+
+
+async def fleet_info(fleet: Fleet, a) -> int:
+    infos = await fleet.info()
+    if a.json:
+        print_json({"hosts": infos, "status": fleet.status()})
+        return 0
+    rows = []
+    for target, i in infos.items():
+        if not i.get("up"):
+            rows.append([_host_col(target), "down", "-", "-", "-", "-", "-", i.get("reason", "")])
+            continue
+        adm = i.get("cpu", {}).get("admission", {})
+        cpu, mem = adm.get("cpu", {}), adm.get("memory", {})
+        rows.append([_host_col(target), "up", i["version"],
+                     ", ".join(f"{k} {v}" for k, v in sorted(i["sandboxes"].items())) or "none",
+                     adm.get("state", "-"),
+                     f"{cpu.get('requested', 0):g}/{cpu['capacity']:g}" if cpu.get("capacity") else "-",
+                     f"{human_bytes(mem.get('requested', 0))}/{human_bytes(mem['capacity'])}"
+                     if mem.get("capacity") else "-", i["kernel"]])
+    table(rows, ["HOST", "STATE", "VERSION", "SANDBOXES", "ADMISSION", "CPU REQ/CAP", "MEM REQ/CAP", "KERNEL"])
+    return 0
+
+
+async def fleet_create(fleet: Fleet, a) -> int:
+    sb = await fleet.create(image=a.image, cpu=a.cpu, memory=a.memory, pids=a.pids, env=kv(a.env, "--env"),
+                            labels=kv(a.label, "--label"), hostname=a.hostname, cwd=a.cwd, user=a.user,
+                            qos=a.qos, cpu_quota=a.cpu_quota, ttl=a.ttl, idle_ttl=a.idle_ttl, lease=a.lease,
+                            net=a.net, allow=a.allow, key=a.key, publish=a.publish)
+    if a.json:
+        print_json({**sb.info, "host": sb.host})
+    else:
+        print(sb.id)
+    return 0
+
+
+async def fleet_job(fleet: Fleet, a) -> int:
+    if a.job_cmd == "pause":
+        r = await fleet.job_pause(a.job)
+    elif a.job_cmd == "resume":
+        r = await fleet.job_resume(a.job)
+    else:
+        r = await fleet.job_rm(a.job, a.force)
+    if a.json:
+        print_json(r)
+    else:
+        done = r.get("paused") or r.get("resumed") or r.get("destroyed") or []
+        hosts = sum(1 for v in r["hosts"].values() if v == "ok")
+        print(f"job {a.job}: {a.job_cmd} {len(done)} sandbox(es) on {hosts} host(s)")
+        for sb_id, why in r["failed"].items():
+            print(f"dsec fleet job {a.job_cmd}: {sb_id}: {why}", file=sys.stderr)
+        for target, outcome in r["hosts"].items():
+            if outcome.startswith("failed"):
+                print(f"dsec fleet job {a.job_cmd}: {_host_col(target)}: {outcome}", file=sys.stderr)
+    bad = r["failed"] or any(v.startswith("failed") for v in r["hosts"].values()) or r["down"]
+    return 1 if bad else 0
+
+
+async def fleet_rm_all(fleet: Fleet, a) -> int:
+    r = await fleet.destroy_all(force=a.force, labels=kv(a.label, "--label"))
+    if a.json:
+        print_json(r)
+    else:
+        print(f"removed {len(r['destroyed'])} sandbox(es) on {len(r['hosts'])} host(s)")
+        for sb_id, err in r["failed"].items():
+            print(f"dsec fleet: rm {sb_id}: {err}", file=sys.stderr)
+    return 1 if r["failed"] or r["down"] else 0
+
+
+async def fleet_events(fleet: Fleet, a) -> int:
+    """Every up host's events, merged as they come; each names its host."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(host: FleetHost) -> None:
+        try:
+            async for ev in host.client.events(a.sandbox, a.replay, a.follow):
+                queue.put_nowait({**ev, "host": host.target})
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.get_running_loop().create_task(pump(h)) for h in fleet.up_hosts()]
+    left = len(tasks)
+    try:
+        while left:
+            ev = await queue.get()
+            if ev is None:
+                left -= 1
+                continue
+            if a.json:
+                print(json.dumps(ev, sort_keys=True), flush=True)
+            else:
+                extra = " ".join(f"{k}={v}" for k, v in ev.items()
+                                 if k not in ("seq", "time", "event", "sandbox", "host"))
+                print(f"{time.strftime('%H:%M:%S', time.localtime(ev['time']))} {_host_col(ev['host']):<10} "
+                      f"{ev['event']:<9} {ev['sandbox']} {extra}".rstrip(), flush=True)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return 0
+
+
+class _CallThroughFleet:
+    """What cli.cmd_call needs of a client: call(), placed by the fleet."""
+
+    def __init__(self, fleet: Fleet):
+        self.call = fleet.call
+
+
+async def _on_every_host(fleet: Fleet, a, what: str, fn) -> int:
+    """fn(client) on every up host; one line (or JSON object) per host."""
+    found = await fleet.each_host(fn)
+    status = 0
+    if a.json:
+        print_json({t: {"error": str(r)} if isinstance(r, BaseException) else r for t, r in found.items()})
+    for target, r in found.items():
+        if isinstance(r, BaseException):
+            print(f"dsec fleet {what}: {_host_col(target)}: {r}", file=sys.stderr)
+            status = 1
+        elif not a.json:
+            print(f"{_host_col(target)}: {_summary(r)}")
+    return status
+
+
+def _summary(r) -> str:
+    if isinstance(r, dict):
+        if "name" in r and "layers" in r:
+            return f"{r['name']}: {len(r['layers'])} layer(s), {human_bytes(r.get('bytes', 0))}"
+        if "removed" in r:
+            return f"removed {len(r['removed'])} blob(s), freed {human_bytes(r.get('freed_bytes', 0))}"
+        if "blobs" in r:
+            return f"{r['blobs']} blobs, {human_bytes(r['bytes'])}"
+        if "min" in r:
+            return f"pool {r['name']}: min {r['min']} max {r['max']}"
+    return str(r)
+
+
+async def fleet_image(fleet: Fleet, a) -> int:
+    if a.image_cmd == "ls":
+        images = await fleet.list_images()
+        if a.json:
+            print_json(images)
+        else:
+            table([[_host_col(i["host"]), i["name"], str(len(i["layers"])), human_bytes(i["bytes"]),
+                    i["manifest"][7:19]] for i in sorted(images, key=lambda i: (i["name"], i["host"]))],
+                  ["HOST", "NAME", "LAYERS", "SIZE", "MANIFEST"])
+        return 0
+    if a.image_cmd in ("build", "import"):
+        if not a.path.startswith("/"):
+            raise UsageError(f"dsec fleet image {a.image_cmd}: give an absolute path: each host reads "
+                             f"{a.path!r} from its own disk")
+        config = {"env": kv(a.env, "--env") or None, "cwd": a.cwd, "user": a.user, "entrypoint": a.entrypoint}
+        config = {k: v for k, v in config.items() if v is not None}
+        return await _on_every_host(fleet, a, "image build", lambda c: c.build_image(
+            a.path, a.name, getattr(a, "parent", None), None, **config))
+    if a.image_cmd == "inspect":
+        return await _on_every_host(fleet, a, "image inspect", lambda c: c.inspect_image(a.name))
+    if a.image_cmd == "rm":
+        return await _on_every_host(fleet, a, "image rm", lambda c: c.remove_image(a.name))
+    if a.image_cmd == "gc":
+        return await _on_every_host(fleet, a, "image gc", lambda c: c.image_gc())
+    return await _on_every_host(fleet, a, "image du", lambda c: c.image_du())
+
+
+async def fleet_pool(fleet: Fleet, a) -> int:
+    if a.pool_cmd == "set":
+        return await _on_every_host(fleet, a, "pool set",
+                                    lambda c: c.pool_set(a.image, a.min, a.max, cpu=a.cpu, memory=a.memory))
+    found = await fleet.each_host(lambda c: c.pool_list())
+    pools = [{**p, "host": t} for t, ps in found.items() if not isinstance(ps, BaseException) for p in ps]
+    if a.json:
+        print_json(pools)
+        return 0
+    table([[_host_col(p["host"]), p["name"], str(p["min"]), str(p["max"]), str(p["ready"]), str(p["taken"]),
+            p["error"] or ""] for p in pools], ["HOST", "POOL", "MIN", "MAX", "READY", "TAKEN", "ERROR"])
+    return 0
+
+
+FLEET_COMMANDS = {"ps": fleet_ps, "top": fleet_top, "info": fleet_info, "create": fleet_create,
+                  "job": fleet_job, "rm": fleet_rm_all, "events": fleet_events,
+                  "image": fleet_image, "pool": fleet_pool}

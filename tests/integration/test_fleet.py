@@ -1,0 +1,380 @@
+"""dsecd beyond one host, on a simulated fleet (fleet_kit.SimFleet): each
+host a network namespace with its own sshd and dsecd, reached the way a
+real one is, through `ssh host dsec rpc --stdio`.
+
+The SDK over ssh:// (requests and streams multiplexed on one connection, a
+dropped connection failing what is in flight and reconnecting), `dsec
+--host`, and dsecd.Fleet: placement, busy hosts passed over with the same
+key, job verbs on every host, and hosts that die or go silent mid-burst:
+marked down in bounded time, their sandboxes reported lost, nothing created
+twice, back when they answer again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from fleet_kit import SimFleet, kill_tree, sshd_skip_reason
+
+import dsecd
+from dsecd import ConnectionLost, protocol
+from dsecd.errors import Busy
+
+pytestmark = pytest.mark.skipif(sshd_skip_reason() is not None, reason=sshd_skip_reason() or "")
+
+SMALL = {"cpu": 0.1, "memory": "64M"}
+DSEC = [sys.executable, "-m", "dsecd.cli"]
+# The bound the Fleet promises (down_after_s + heartbeat_s) with the defaults, plus slack for a loaded host.
+DOWN_BOUND_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def sim(busybox_rootfs):
+    f = SimFleet(3, busybox_rootfs)
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+@pytest.fixture
+def fleet_env(sim):
+    """The fleet, every host up and empty, before and after the test."""
+    for host in sim.hosts:
+        host.heal()
+        host.start()
+    sim.clear()
+    yield sim
+    for host in sim.hosts:
+        host.heal()
+        host.start()
+    sim.clear()
+
+
+def all_rows(sim: SimFleet) -> list[dict]:
+    """Every sandbox of every running daemon, asked through its local socket."""
+    rows = []
+    for host in sim.hosts:
+        c = host.daemon.client()
+        try:
+            rows += [{**r, "host": host.target} for r in c.list()]
+        finally:
+            c.close()
+    return rows
+
+
+# ---------------------------------------------------------------- one remote host
+
+
+def test_client_over_ssh_multiplexes_requests_streams_and_files(fleet_env):
+    async def go():
+        async with dsecd.Client("ssh://h1", ssh=fleet_env.ssh) as c:
+            assert c.remote and c.server["server"] == "dsecd"
+            sb = await c.create(image="busybox", **SMALL)
+            assert sb.host == "ssh://h1"
+            # Many requests at once on the one connection, a stream among them.
+            stream = sb.exec_stream(["sh", "-c", "for i in 1 2 3; do echo $i; sleep 0.1; done"])
+            chunks = []
+
+            async def read_stream():
+                async for _fd, data in stream:
+                    chunks.append(data)
+
+            results = await asyncio.gather(read_stream(), *(sb.exec(["echo", str(i)]) for i in range(20)))
+            assert [r.stdout for r in results[1:]] == [f"{i}\n".encode() for i in range(20)]
+            assert b"".join(chunks) == b"1\n2\n3\n" and stream.result.exit_code == 0
+            data = os.urandom(9 << 20)                  # three chunks: tails and pipelining over ssh
+            await sb.write_file("/tmp/blob", data)
+            assert await sb.read_file("/tmp/blob") == data
+            r = await sb.exec("cat > /tmp/in; wc -c < /tmp/in", stdin=b"x" * 100000)
+            assert r.stdout.strip() == b"100000"
+            await sb.destroy()
+
+    asyncio.run(go())
+    with dsecd.SyncClient("ssh://h2", ssh=fleet_env.ssh) as c:
+        sb = c.create(image="busybox", **SMALL)
+        assert c.info()["sandboxes"] == {"running": 1} and sb.host == "ssh://h2"
+        assert sb.exec(["hostname"]).stdout.startswith(b"sb-")
+        sb.destroy()
+
+
+def test_rpc_stdio_over_ssh_answers_what_was_sent_before_stdin_closed(fleet_env):
+    """ssh's stdin ends right after a pipelined exec and destroy: both are
+    answered (nothing cancelled), then the session ends."""
+    c = fleet_env.hosts[0].daemon.client()
+    try:
+        keep, gone = c.create(image="busybox", **SMALL), c.create(image="busybox", **SMALL)
+        frames = b"".join(protocol.encode_frame(f) for f in [
+            {"id": 1, "op": "hello", "args": {"protocol": 1}},
+            {"id": 2, "op": "exec", "args": {"sandbox": keep.id, "argv": ["sh", "-c", "sleep 1; echo done"],
+                                             "stream": False}},
+            {"id": 3, "op": "destroy", "args": {"sandbox": gone.id, "force": True}}])
+        argv = fleet_env.ssh.argv(dsecd.remote.SshTarget("h1"))
+        r = subprocess.run(argv, input=frames, capture_output=True, timeout=60)
+        out = {f["id"]: f for f in protocol.FrameDecoder(1 << 24).feed(r.stdout)}
+        assert r.returncode == 0, r.stderr
+        assert out[2]["result"]["stdout"] == b"done\n" and out[3]["result"]["id"] == gone.id
+        assert [s["id"] for s in c.list()] == [keep.id]
+    finally:
+        c.close()
+
+
+def test_a_dropped_connection_fails_in_flight_requests_and_the_next_one_reconnects(fleet_env):
+    host = fleet_env.hosts[0]
+
+    async def go():
+        async with dsecd.Client("ssh://h1", ssh=fleet_env.ssh) as c:
+            sb = await c.create(image="busybox", key="kept-1", **SMALL)
+            running = asyncio.ensure_future(sb.exec(["sleep", "60"]))
+            await asyncio.sleep(0.5)
+            # The network path dies: sshd and its sessions are killed (the daemon lives).
+            await asyncio.to_thread(kill_tree, host.sshd)
+            with pytest.raises(ConnectionLost) as e:
+                await asyncio.wait_for(running, 10)
+            assert e.value.sent and e.value.op == "exec" and "connects again" in str(e.value)
+            await asyncio.to_thread(host.start_sshd)
+            again = await c.create(image="busybox", key="kept-1", **SMALL)      # retried safely
+            assert again.id == sb.id and again.info.get("existing") is True
+            for _ in range(100):        # the daemon saw its client go: the exec is killed
+                if (await sb.inspect())["execs_running"] == 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert sb.info["execs_running"] == 0
+
+    asyncio.run(go())
+
+
+def test_dsec_with_host_runs_the_commands_over_ssh(fleet_env, tmp_path):
+    env = fleet_env.env()
+
+    def dsec(*args, input=None, host="ssh://h2", code=0):
+        r = subprocess.run([*DSEC, "--host", host, *args], input=input, capture_output=True, env=env,
+                           timeout=120, cwd=tmp_path)
+        assert r.returncode == code, (args, r.stderr.decode())
+        return r.stdout.decode()
+
+    sb = dsec("create", "--image", "busybox", "--cpu", "0.1", "--memory", "64M", "--label", "job=cli").strip()
+    assert dsec("exec", sb, "--", "sh", "-c", "echo out; exit 3", code=3) == "out\n"
+    assert dsec("exec", "-i", sb, "--", "cat", input=b"piped\n") == "piped\n"
+    (tmp_path / "a.txt").write_text("hello\n")
+    dsec("cp", "a.txt", f"{sb}:/tmp/a.txt")
+    assert dsec("cat", f"{sb}:/tmp/a.txt") == "hello\n"
+    dsec("cp", f"{sb}:/tmp/a.txt", "back.txt")
+    assert (tmp_path / "back.txt").read_text() == "hello\n"
+    assert "a.txt" in dsec("ls", f"{sb}:/tmp")
+    assert sb in dsec("ps") and "busybox" in dsec("image", "ls")
+    dsec("pause", sb)
+    dsec("resume", sb)
+    assert "kernel" in dsec("info")
+    # DSEC_HOST does what --host does; a relative image path cannot name a file over there.
+    r = subprocess.run([*DSEC, "ps"], capture_output=True, env={**env, "DSEC_HOST": "ssh://h2"}, timeout=60)
+    assert r.returncode == 0 and sb in r.stdout.decode()
+    r = subprocess.run([*DSEC, "--host", "ssh://h2", "image", "build", "rel/dir", "--name", "x"],
+                       capture_output=True, env=env, timeout=60, cwd=tmp_path)
+    assert r.returncode == 1 and b"absolute path on that host" in r.stderr
+    dsec("rm", "--force", sb)
+    assert sb not in dsec("ps")
+    # A host that cannot be reached says why and what to check.
+    r = subprocess.run([*DSEC, "--host", "ssh://nosuchhost", "ps"], capture_output=True, env=env, timeout=60)
+    assert r.returncode == 1 and b"ssh to ssh://nosuchhost failed" in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------- the fleet
+
+
+def test_fleet_places_spreads_and_fans_out(fleet_env):
+    async def go():
+        async with dsecd.Fleet(fleet_env.targets, ssh=fleet_env.ssh) as fleet:
+            sbs = await asyncio.gather(*(fleet.create("busybox", labels={"job": "spread"}, **SMALL)
+                                         for _ in range(12)))
+            per_host = collections.Counter(sb.host for sb in sbs)
+            assert sorted(per_host.values()) == [4, 4, 4], per_host
+            # A handle remembers its host: requests go straight there.
+            for sb in sbs[:3]:
+                assert (await sb.exec("echo hi")).stdout == b"hi\n"
+                assert sb.client is fleet.hosts[sb.host].client
+            paused = await fleet.job_pause("spread")
+            assert sorted(paused["paused"]) == sorted(sb.id for sb in sbs)
+            assert set(paused["hosts"].values()) == {"ok"}
+            states = {r["id"]: r["state"] for r in await fleet.list({"job": "spread"})}
+            assert set(states.values()) == {"paused"}
+            resumed = await fleet.job_resume("spread")
+            assert sorted(resumed["resumed"]) == sorted(paused["paused"])
+            rows = await fleet.list()
+            assert {r["host"] for r in rows} == set(fleet_env.targets) and len(rows) == 12
+            top = await fleet.top()
+            assert set(top["hosts"]) == set(fleet_env.targets)
+            info = await fleet.info()
+            assert all(i["up"] and i["sandboxes"] == {"running": 4} for i in info.values())
+            got = await fleet.get(sbs[5].id)
+            assert got.host == sbs[5].host
+            await sbs[0].destroy()
+            assert sbs[0].id not in fleet.hosts[sbs[0].host].sandboxes
+            removed = await fleet.job_rm("spread", force=True)
+            assert len(removed["destroyed"]) == 11
+            assert await fleet.list() == []
+
+    asyncio.run(go())
+
+
+def test_sync_fleet(fleet_env):
+    with dsecd.SyncFleet(fleet_env.targets, ssh=fleet_env.ssh) as fleet:
+        assert all(st["up"] for st in fleet.status())
+        sbs = [fleet.create("busybox", labels={"job": "sync"}, **SMALL) for _ in range(3)]
+        assert sorted(sb.host for sb in sbs) == sorted(fleet_env.targets)
+        assert sbs[0].exec(["echo", "x"]).stdout == b"x\n"
+        assert fleet.get(sbs[1].id).host == sbs[1].host
+        assert len(fleet.job_pause("sync")["paused"]) == 3
+        assert {r["state"] for r in fleet.list()} == {"paused"}
+        assert len(fleet.job_rm("sync", force=True)["destroyed"]) == 3
+
+
+def test_dsec_fleet_runs_commands_across_hosts(fleet_env):
+    env = {**fleet_env.env(), "DSEC_HOSTS": ",".join(h.name for h in fleet_env.hosts)}
+
+    def dsec(*args, code=0):
+        r = subprocess.run([*DSEC, "fleet", *args], capture_output=True, env=env, timeout=120)
+        assert r.returncode == code, (args, r.stderr.decode())
+        return r.stdout.decode()
+
+    ids = [dsec("create", "--image", "busybox", "--cpu", "0.1", "--memory", "64M", "--label", "job=fc").strip()
+           for _ in range(3)]
+    ps = dsec("ps")
+    assert ps.splitlines()[0].split()[:2] == ["HOST", "ID"] and all(i in ps for i in ids)
+    assert dsec("exec", ids[1], "--", "echo", "there") == "there\n"
+    assert "pause 3 sandbox(es)" in dsec("job", "pause", "fc")
+    assert "resume 3 sandbox(es)" in dsec("job", "resume", "fc")
+    assert dsec("--hosts", "h1,h2,h3", "info").count(" up ") == 3
+    dsec("rm", "--force", ids[0])
+    assert "rm 2 sandbox(es)" in dsec("job", "rm", "fc", "--force")
+
+
+def test_a_busy_host_is_passed_over_with_the_same_key(busybox_rootfs):
+    """h1 holds at most one sandbox and is full; the fleet's view of it is
+    stale (it thinks h1 has room, and its image's layers mounted), so h1 is
+    asked first and answers busy; the create goes to h2 with the same key,
+    and h1 made nothing for it."""
+    sim = SimFleet(2, busybox_rootfs, ["[limits]\nmax_sandboxes = 1\n", ""])
+    try:
+        async def go():
+            async with dsecd.Fleet(sim.targets, ssh=sim.ssh, refresh_s=60) as fleet:
+                h1 = fleet.hosts["ssh://h1"]
+                local = dsecd.Client(sim.hosts[0].daemon.socket)
+                async with local:
+                    await local.create(image="busybox", **SMALL)
+                h1.info["limits"]["max_sandboxes"] = 4096    # the stale view: room
+                h1.mounted = set(h1.images["busybox"])      # and warm: h1 first
+                sb = await fleet.create("busybox", key="k-busy", **SMALL)
+                assert sb.host == "ssh://h2"
+                assert h1.busy_until > 0
+                assert [r["key"] for r in await h1.client.list()] == [None]
+                # Every host full: busy, with each host's reason.
+                sim.hosts[1].daemon.stop()
+                with pytest.raises(Busy) as e:
+                    await fleet.create("busybox", **SMALL)
+                assert "ssh://h1" in e.value.detail["hosts"]
+
+        asyncio.run(go())
+    finally:
+        sim.close()
+
+
+def test_a_host_killed_mid_burst(fleet_env):
+    """Creates and execs run on 3 hosts; h1's daemon and sshd are killed by
+    pid in the middle. h1 is marked down within the bound and its sandboxes
+    are reported lost; every create still succeeds (elsewhere); the other
+    hosts serve on; nothing is created twice; h1 rejoins when restarted,
+    with its sandboxes."""
+    victim = fleet_env.hosts[0]
+    events: list[dict] = []
+
+    async def go():
+        async with dsecd.Fleet(fleet_env.targets, ssh=fleet_env.ssh, on_event=events.append) as fleet:
+            made: list = []
+            keys = [f"burst-{i}" for i in range(60)]
+
+            async def one(key):
+                sb = await fleet.create("busybox", key=key, labels={"job": "burst"}, **SMALL)
+                made.append(sb)
+                try:
+                    await sb.exec("true")
+                except ConnectionError:
+                    if sb.host != victim.target:       # only the killed host's may fail
+                        raise
+                return sb
+
+            creates = [asyncio.ensure_future(one(k)) for k in keys]
+            while len(made) < 20:
+                await asyncio.sleep(0.01)
+            on_victim_before = {sb.id for sb in made if sb.host == victim.target}
+            t_kill = time.time()
+            await asyncio.to_thread(victim.kill)
+            results = await asyncio.gather(*creates)
+            down = [e for e in events if e["event"] == "host_down"]
+            assert len(down) == 1 and down[0]["host"] == victim.target
+            assert down[0]["time"] - t_kill < DOWN_BOUND_S, down[0]
+            lost = {e["sandbox"] for e in events if e["event"] == "sandbox_lost"}
+            assert on_victim_before <= lost == set(down[0]["sandboxes"])
+            # Every create got a sandbox; none went to h1 once it was down.
+            assert len(results) == 60
+            assert {sb.id for sb in results if sb.host == victim.target} <= lost
+            # The survivors serve.
+            for sb in [sb for sb in results if sb.host != victim.target][:5]:
+                assert (await sb.exec("echo alive")).stdout == b"alive\n"
+            # h1 comes back with the sandboxes it had; the fleet settles the keys.
+            t_back = time.time()
+            await asyncio.to_thread(victim.start)
+            while not fleet.hosts[victim.target].up and time.time() - t_back < 30:
+                await asyncio.sleep(0.1)
+            assert fleet.hosts[victim.target].up
+            up = [e for e in events if e["event"] == "host_up" and e["time"] > t_kill]
+            assert set(up[0]["back"]) == lost
+            assert {e["sandbox"] for e in events if e["event"] == "sandbox_back"} == lost
+            victim_sb = next(sb for sb in results if sb.id in lost)
+            assert (await (await fleet.get(victim_sb.id)).exec("echo back")).stdout == b"back\n"
+            return results
+
+    results = asyncio.run(go())
+    rows = all_rows(fleet_env)
+    by_key = collections.Counter(r["key"] for r in rows if r["key"])
+    assert by_key == collections.Counter(f"burst-{i}" for i in range(60)), "lost or duplicated"
+    where = {r["id"]: r["host"] for r in rows}
+    assert all(where.get(sb.id) == sb.host for sb in results)
+
+
+def test_a_silent_host_is_marked_down_by_its_heartbeat_and_rejoins(fleet_env):
+    """h2's link goes down: nothing closes, packets vanish. The heartbeat
+    marks it down within down_after_s + heartbeat_s; when the link is back,
+    it rejoins with its sandboxes."""
+    silent = fleet_env.hosts[1]
+    events: list[dict] = []
+
+    async def go():
+        async with dsecd.Fleet(fleet_env.targets, ssh=fleet_env.ssh, on_event=events.append) as fleet:
+            sbs = await asyncio.gather(*(fleet.create("busybox", **SMALL) for _ in range(6)))
+            mine = {sb.id for sb in sbs if sb.host == silent.target}
+            assert mine
+            t_cut = time.time()
+            await asyncio.to_thread(silent.cut)
+            while fleet.hosts[silent.target].up and time.time() - t_cut < 15:
+                await asyncio.sleep(0.05)
+            took = time.time() - t_cut
+            assert not fleet.hosts[silent.target].up and took < DOWN_BOUND_S, took
+            assert "no answer" in fleet.hosts[silent.target].reason or "lost" in fleet.hosts[silent.target].reason
+            assert {e["sandbox"] for e in events if e["event"] == "sandbox_lost"} == mine
+            other = await fleet.create("busybox", **SMALL)
+            assert other.host != silent.target
+            await asyncio.to_thread(silent.heal)
+            t_heal = time.time()
+            while not fleet.hosts[silent.target].up and time.time() - t_heal < 30:
+                await asyncio.sleep(0.1)
+            assert fleet.hosts[silent.target].up
+            assert {e["sandbox"] for e in events if e["event"] == "sandbox_back"} == mine
+
+    asyncio.run(go())

@@ -1,0 +1,196 @@
+"""dsecd.Fleet without hosts: placement, the retry of a refused create with
+its key, and the settling of keys whose create answer was lost. The hosts'
+Clients are stand-ins; what a host reports is a hand-made `info`."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import pytest
+
+from dsecd import ConnectionLost, Fleet
+from dsecd.client import Sandbox
+from dsecd.errors import Busy, NotFound
+
+
+def info(cpu_req=0.0, cpu_cap=128.0, mem_req=0, mem_cap=100 << 30, live=0, max_sandboxes=4096) -> dict:
+    return {"cpu": {"admission": {"cpu": {"requested": cpu_req, "capacity": cpu_cap},
+                                  "memory": {"requested": mem_req, "capacity": mem_cap}}},
+            "limits": {"max_sandboxes": max_sandboxes}, "sandboxes": {"running": live},
+            "admission": {"queued": 0}, "userns": {"enabled": False}}
+
+
+def fleet_of(n: int) -> Fleet:
+    f = Fleet([f"/nonexistent/h{i}.sock" for i in range(1, n + 1)])
+    for h in f.hosts.values():
+        h.up = True
+        h.info = info()
+        h.images = {"busybox": ["sha256:aa"]}
+    return f
+
+
+class FakeClient:
+    """Answers create from a script: an exception to raise, or a sandbox."""
+
+    def __init__(self, target: str, answers: list):
+        self.target = target
+        self.answers = answers
+        self.keys: list[str] = []
+        self.destroyed: list[str] = []
+
+    async def create(self, image, key=None, labels=None, **kw):
+        self.keys.append(key)
+        answer = self.answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return Sandbox(self, answer, {"id": answer, "key": key, "labels": labels or {}})
+
+    async def request(self, op, **args):
+        assert op == "destroy"
+        self.destroyed.append(args["sandbox"])
+        return {}
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_jobs_sandboxes_spread_over_equal_hosts():
+    async def go():
+        f = fleet_of(4)
+        from dsecd.fleet import _Shape
+        for _ in range(100):
+            h = f._place("busybox", "j1", _Shape(0.1, 64 << 20), {})
+            h.add(f"sb{len(h.sandboxes)}-{h.name}", "j1")
+            h.done.append((0.0, _Shape(0.1, 64 << 20)))
+            h.count(_Shape(0.1, 64 << 20), 1)
+        return [len(h.sandboxes) for h in f.hosts.values()]
+
+    counts = run(go())
+    assert max(counts) - min(counts) <= 1, counts
+
+
+def test_full_host_unknown_image_and_recent_busy_are_skipped():
+    async def go():
+        from dsecd.fleet import _Shape
+        f = fleet_of(4)
+        h1, h2, h3, h4 = f.hosts.values()
+        h1.info = info(cpu_req=128.0)                        # no CPU left
+        h2.images = {}                                       # no such image
+        h3.busy_until = asyncio.get_running_loop().time() + 60
+        skip = {}
+        assert f._place("busybox", "", _Shape(1.0, 1 << 20), skip) is h4
+        return skip
+
+    skip = run(go())
+    assert set(skip) == {"/nonexistent/h1.sock", "/nonexistent/h2.sock", "/nonexistent/h3.sock"}
+    assert "full" in skip["/nonexistent/h1.sock"] and "no image" in skip["/nonexistent/h2.sock"]
+
+
+def test_mounted_layers_win_a_tie():
+    async def go():
+        from dsecd.fleet import _Shape
+        f = fleet_of(3)
+        warm = list(f.hosts.values())[2]
+        warm.mounted = {"sha256:aa"}
+        return [f._place("busybox", "", _Shape(1.0, 1 << 20), {}) is warm for _ in range(20)]
+
+    assert all(run(go()))
+
+
+def test_busy_goes_to_the_next_host_with_the_same_key():
+    async def go():
+        f = fleet_of(2)
+        a, b = f.hosts.values()
+        a.client = FakeClient(a.target, [Busy("full", {"retry_after_s": 1})] * 5)
+        b.client = FakeClient(b.target, ["sb-b"])
+        a.mounted = {"sha256:aa"}                            # a is tried first
+        sb = await f.create("busybox", labels={"job": "j"})
+        return sb, a, b
+
+    sb, a, b = run(go())
+    assert sb.id == "sb-b" and sb.host == b.target
+    assert a.client.keys == b.client.keys and a.client.keys[0].startswith("fleet-")
+    assert b.jobs["j"] == 1 and a.busy_until > 0
+
+
+def test_every_host_refusing_is_busy_with_each_reason():
+    async def go():
+        f = fleet_of(2)
+        a, b = f.hosts.values()
+        a.client = FakeClient(a.target, [Busy("cpu full")])
+        b.client = FakeClient(b.target, [NotFound("no image 'busybox'")])
+        with pytest.raises(Busy) as e:
+            await f.create("busybox")
+        return e.value
+
+    err = run(go())
+    assert set(err.detail["hosts"]) == {"/nonexistent/h1.sock", "/nonexistent/h2.sock"}
+    assert "cpu full" in str(err) and "no image" in str(err)
+
+
+def test_a_lost_answer_is_settled_when_the_host_rejoins():
+    """The create's answer was lost on h1 (it may exist there); it was made on
+    h2 with the same key. When h1 rejoins, its copy is destroyed."""
+    async def go():
+        f = fleet_of(2)
+        a, b = f.hosts.values()
+        lost = ConnectionLost("create: connection lost", target=a.target, op="create", sent=True)
+        a.client = FakeClient(a.target, [lost])
+        b.client = FakeClient(b.target, ["sb-b"])
+        a.mounted = {"sha256:aa"}
+        events = []
+        f.on_event = events.append
+        sb = await f.create("busybox", key="k1")
+        assert "k1" in a.uncertain_keys and sb.host == b.target
+        rows = [{"id": "sb-a", "key": "k1", "labels": {}, "state": "running"},
+                {"id": "other", "key": "k9", "labels": {}, "state": "running"}]
+        await f._settle_keys(a, rows)
+        return a.client.destroyed, events, a.uncertain_keys
+
+    destroyed, events, left = run(go())
+    assert destroyed == ["sb-a"] and not left
+    assert [e["event"] for e in events] == ["duplicate_removed"] and events[0]["kept_on"] == "/nonexistent/h2.sock"
+
+
+def test_a_key_whose_host_is_down_is_not_made_again_elsewhere():
+    async def go():
+        f = fleet_of(2)
+        a, b = f.hosts.values()
+        a.client = FakeClient(a.target, ["sb-a"])
+        b.client = FakeClient(b.target, ["sb-b"])
+        a.mounted = {"sha256:aa"}
+        await f.create("busybox", key="k1")
+        a.up = False
+        with pytest.raises(ConnectionLost, match="its sandbox is on"):
+            await f.create("busybox", key="k1")
+        return b.client.keys
+
+    assert run(go()) == []
+
+
+def test_creates_since_the_last_info_count_against_the_room():
+    async def go():
+        from dsecd.fleet import _Shape
+        f = fleet_of(1)
+        h = list(f.hosts.values())[0]
+        h.info = info(live=2, max_sandboxes=4)
+        shape = _Shape(0.1, 1 << 20)
+        assert h.load_after(shape) == 0.75
+        h.count(shape, 1)                           # one sent since: the last slot
+        assert h.load_after(shape) == 1.0
+        h.count(shape, 1)
+        assert h.load_after(shape) is None and f._place("busybox", "", shape, {}) is None
+
+    run(go())
+
+
+def test_job_shares_count_per_host():
+    f = fleet_of(2)
+    a = list(f.hosts.values())[0]
+    a.resync([{"id": "x", "labels": {"job": "j"}, "state": "running"},
+              {"id": "y", "labels": {}, "state": "running"}, {"id": "z", "labels": {"job": "j"}, "state": "dead"}])
+    assert a.jobs == collections.Counter({"j": 1, "": 1}) and set(a.sandboxes) == {"x", "y"}
+    a.forget("x")
+    assert a.jobs["j"] == 0

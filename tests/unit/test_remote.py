@@ -1,0 +1,170 @@
+"""The ssh:// transport's pieces that need no host: addresses, the ssh
+command line, what an ended ssh says, and a Client over a stand-in `ssh`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import textwrap
+
+import pytest
+
+from dsecd import Client, ConnectionLost, SshOptions
+from dsecd.remote import SshTarget
+
+
+@pytest.mark.parametrize("text,want", [
+    ("ssh://h1", SshTarget("h1")),
+    ("ssh://root@h1:2222", SshTarget("h1", "root", 2222)),
+    ("ssh://[fd00::1]:22", SshTarget("fd00::1", None, 22)),
+    ("ssh://me@10.0.0.1", SshTarget("10.0.0.1", "me")),
+])
+def test_addresses(text, want):
+    assert SshTarget.parse(text) == want
+    assert SshTarget.parse(want.url()) == want
+
+
+@pytest.mark.parametrize("text", ["h1", "ssh://", "ssh://h1/path", "ssh://h1?x=1", "ssh://u:pw@h1",
+                                  "ssh://h1:99999"])
+def test_bad_addresses_say_what_an_address_is(text):
+    with pytest.raises(ValueError, match="ssh://"):
+        SshTarget.parse(text)
+
+
+def test_the_ssh_command_line():
+    o = SshOptions(command=["ssh", "-i", "k"], config="/c", remote_dsec="/opt/venv/bin/dsec",
+                   remote_socket="/run/x.sock", keepalive_s=2, keepalive_count=4, options=["Compression=yes"])
+    argv = o.argv(SshTarget("h1", "root", 2222))
+    assert argv[:3] == ["ssh", "-i", "k"]
+    assert "BatchMode=yes" in argv and "ServerAliveInterval=2" in argv and "ServerAliveCountMax=4" in argv
+    assert argv[argv.index("-F") + 1] == "/c" and argv[argv.index("-p") + 1] == "2222"
+    assert argv[argv.index("-l") + 1] == "root" and "Compression=yes" in argv
+    assert argv[-3:] == ["--", "h1", "/opt/venv/bin/dsec --socket /run/x.sock rpc --stdio"]
+
+
+def test_options_from_the_environment_then_given():
+    env = {"DSEC_SSH_COMMAND": "nsenter --net=/run/netns/x ssh", "DSEC_SSH_CONFIG": "/cfg",
+           "DSEC_REMOTE_DSEC": "sudo -n dsec"}
+    o = SshOptions.from_env(env, config="/mine")
+    assert o.command == ["nsenter", "--net=/run/netns/x", "ssh"]
+    assert (o.config, o.remote_dsec) == ("/mine", "sudo -n dsec")
+    assert o.remote_command() == "sudo -n dsec rpc --stdio"
+
+
+def _fake_ssh(tmp_path, body: str) -> list[str]:
+    """A stand-in for ssh: a script that gets ssh's arguments."""
+    script = tmp_path / "fake-ssh"
+    script.write_text(f"#!{sys.executable}\n" + textwrap.dedent(body))
+    script.chmod(0o755)
+    return [str(script)]
+
+
+def _reason(tmp_path, body: str) -> str:
+    async def go():
+        c = Client("ssh://h1", ssh=SshOptions(command=_fake_ssh(tmp_path, body)), connect_timeout=10)
+        with pytest.raises(ConnectionError) as e:
+            await c.connect()
+        return str(e.value)
+
+    return asyncio.run(go())
+
+
+def test_ssh_failing_says_so_and_how_to_check(tmp_path):
+    text = _reason(tmp_path, """
+        import sys
+        print("root@h1: Permission denied (publickey).", file=sys.stderr)
+        sys.exit(255)
+        """)
+    assert "ssh to ssh://h1 failed: root@h1: Permission denied (publickey)" in text
+    assert "BatchMode=yes h1 true" in text
+
+
+def test_no_dsec_on_the_host_says_how_to_name_it(tmp_path):
+    text = _reason(tmp_path, """
+        import sys
+        print("bash: line 1: dsec: command not found", file=sys.stderr)
+        sys.exit(127)
+        """)
+    assert "'dsec' was not found on ssh://h1" in text and "DSEC_REMOTE_DSEC" in text
+
+
+def test_a_shell_printing_to_stdout_is_named(tmp_path):
+    text = _reason(tmp_path, """
+        import os, sys, time
+        os.write(1, b"Welcome to h1! Have a nice day\\n")
+        time.sleep(5)
+        """)
+    assert "not dsecd frames" in text and "shell start-up file" in text
+
+
+def test_the_ssh_program_missing(tmp_path):
+    async def go():
+        c = Client("ssh://h1", ssh=SshOptions(command=[str(tmp_path / "no-ssh")]))
+        with pytest.raises(ConnectionError, match="was not found; install openssh-client"):
+            await c.connect()
+
+    asyncio.run(go())
+
+
+RELAY = """
+    # Stands in for `ssh host dsec rpc --stdio`: relays to the unix socket named
+    # in FAKE_DSEC_SOCKET, counting its starts in FAKE_STARTS.
+    import os, socket, sys, threading
+    with open(os.environ["FAKE_STARTS"], "a") as f:
+        f.write("x")
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(os.environ["FAKE_DSEC_SOCKET"])
+    def up():
+        while data := os.read(0, 65536):
+            s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+    threading.Thread(target=up, daemon=True).start()
+    while data := s.recv(65536):
+        os.write(1, data)
+    """
+
+
+def test_a_lost_connection_fails_what_is_in_flight_and_the_next_request_reconnects(tmp_path, monkeypatch):
+    """A stand-in daemon answers hello and pings, holds a `sleep` request
+    forever, and drops the first connection when asked: the request in flight
+    fails with ConnectionLost (sent), the next request starts ssh again."""
+    from dsecd import protocol
+
+    sock_path = str(tmp_path / "d.sock")
+    starts = tmp_path / "starts"
+    monkeypatch.setenv("FAKE_DSEC_SOCKET", sock_path)
+    monkeypatch.setenv("FAKE_STARTS", str(starts))
+    connections = []
+
+    async def serve(reader, writer):
+        connections.append(writer)
+        dec = protocol.FrameDecoder(1 << 20)
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                if f["op"] == "hello":
+                    writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
+                elif f["op"] == "ping":
+                    writer.write(protocol.encode_frame({"id": f["id"], "result": {"pid": os.getpid()}}))
+                elif f["op"] == "drop":
+                    writer.transport.abort()
+                    return
+
+    async def go():
+        server = await asyncio.start_unix_server(serve, sock_path)
+        c = Client("ssh://h1", ssh=SshOptions(command=_fake_ssh(tmp_path, RELAY)))
+        async with server:
+            await c.connect()
+            assert (await c.request("ping"))["pid"] == os.getpid()
+            held = asyncio.ensure_future(c.request("sleep"))
+            await asyncio.sleep(0.2)
+            await asyncio.gather(c.request("drop"), return_exceptions=True)
+            with pytest.raises(ConnectionLost) as e:
+                await held
+            assert e.value.sent and e.value.op == "sleep" and e.value.target == "ssh://h1"
+            assert "connects again" in str(e.value)
+            assert (await c.request("ping"))["pid"] == os.getpid()
+            await c.close()
+        return starts.read_text()
+
+    assert asyncio.run(go()) == "xx"
