@@ -36,7 +36,7 @@ import tty
 
 from . import fleet_cli, imageconfig, pullview, topview
 from .client import Client, default_socket
-from .clitext import UsageError
+from .clitext import UsageError, job_verb
 from .clitext import human_bytes as _human_bytes
 from .clitext import kv as _kv
 from .clitext import pct as _pct
@@ -313,12 +313,7 @@ async def cmd_pause_resume(c: Client, a) -> int:
 
 
 async def cmd_job(c: Client, a) -> int:
-    if a.job_cmd == "pause":
-        r = await c.job_pause(a.job)
-    elif a.job_cmd == "resume":
-        r = await c.job_resume(a.job)
-    else:
-        r = await c.job_rm(a.job, a.force)
+    r = await job_verb(c, a)
     if a.json:
         _print_json(r)
     else:

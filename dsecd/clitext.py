@@ -45,3 +45,12 @@ def table(rows: list[list[str]], header: list[str]) -> None:
 
 def pct(v) -> str:
     return "-" if v is None else f"{v:.1f}%"
+
+
+async def job_verb(target, a) -> dict:
+    """`job pause|resume|rm JOB` on a Client or a Fleet (the same method names)."""
+    if a.job_cmd == "pause":
+        return await target.job_pause(a.job)
+    if a.job_cmd == "resume":
+        return await target.job_resume(a.job)
+    return await target.job_rm(a.job, a.force)

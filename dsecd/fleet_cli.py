@@ -14,7 +14,7 @@ import json
 import sys
 import time
 
-from .clitext import UsageError, human_bytes, kv, pct, print_json, table
+from .clitext import UsageError, human_bytes, job_verb, kv, pct, print_json, table
 from .errors import DsecError
 from .fleet import Fleet, FleetHost, short_name
 from .remote import SshOptions
@@ -144,12 +144,7 @@ async def fleet_create(fleet: Fleet, a) -> int:
 
 
 async def fleet_job(fleet: Fleet, a) -> int:
-    if a.job_cmd == "pause":
-        r = await fleet.job_pause(a.job)
-    elif a.job_cmd == "resume":
-        r = await fleet.job_resume(a.job)
-    else:
-        r = await fleet.job_rm(a.job, a.force)
+    r = await job_verb(fleet, a)
     if a.json:
         print_json(r)
     else:

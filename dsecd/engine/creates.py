@@ -581,6 +581,14 @@ class CreateService:
         steps.undo("release its id range and layers", release)
         return handle
 
+    def _now_running(self, sb: Sandbox, started: float) -> dict:
+        """A create's last step, whatever the backend: recorded, watched, announced."""
+        sb.state = "running"
+        self.registry.save(sb)
+        self.lifecycle.watch(sb)
+        self.memory.on_created(sb, time.monotonic() - started)
+        return sb.public()
+
     async def _create_vm(self, sb: Sandbox, limits: cgroup.Limits, disk: int, started: float) -> dict:
         """A microVM sandbox (dsecd/engine/microvms.py): its QEMU, booted to its agent."""
         async with AsyncSteps(f"create sandbox {sb.id}") as steps:
@@ -592,11 +600,7 @@ class CreateService:
             steps.undo("destroy the VM", lambda: self.workers.run(self.vms.backend.destroy, sb.id, sb.handle))
             await self.vms.check_cwd(sb, sb.cwd)
             steps.commit()
-        sb.state = "running"
-        self.registry.save(sb)
-        self.lifecycle.watch(sb)
-        self.memory.on_created(sb, time.monotonic() - started)
-        return sb.public()
+        return self._now_running(sb, started)
 
     async def create_now(self, req, ctx, image: Image | None = None) -> dict:
         """The create itself; `create` does keys, pools and the queue first.
@@ -660,8 +664,4 @@ class CreateService:
                 steps.undo("detach networking", lambda: self.net.detach_net(sb))
                 await self.net.publish_at_create(sb, req.publish)
             steps.commit()
-        sb.state = "running"
-        self.registry.save(sb)
-        self.lifecycle.watch(sb)
-        self.memory.on_created(sb, time.monotonic() - started)
-        return sb.public()
+        return self._now_running(sb, started)
