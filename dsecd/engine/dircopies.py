@@ -177,7 +177,13 @@ class DirCopyService:
         await self.ensure_running(sb, "directory copy")
         where = f"{sb.id}:{req.path}"
         idmap = userns.IdMap.from_record(sb.idmap)
-        tar = tarcopy.TreeTar(sb.handle.rootfd, req.path, self.max_chunk, self.max_entries, self.max_bytes)
+        try:        # a bad path is refused here, before anything is read
+            tar = tarcopy.TreeTar(sb.handle.rootfd, req.path, self.max_chunk, self.max_entries, self.max_bytes)
+        except Exception as err:
+            mapped = self._error("copy out of", where, err)
+            if mapped is None:
+                raise
+            raise mapped from err
         reading = False             # a worker is in tar.read: only it may close the tar (close_later)
 
         def close_later(_fut) -> None:

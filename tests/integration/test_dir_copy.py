@@ -193,3 +193,10 @@ def test_cli_cp_recursive(daemon, sandbox, tmp_path):
     os.mkfifo(tmp_path / "src" / "fifo")
     bad = daemon.cli("cp", "-r", str(tmp_path / "src"), f"{sandbox.id}:/work/y")
     assert bad.returncode == 1 and b"FIFO" in bad.stderr
+
+
+def test_a_relative_source_is_a_bad_request(sandbox, tmp_path):
+    """Refused before anything is read, as every file op refuses one."""
+    with pytest.raises(BadRequest, match="must be absolute"):
+        sandbox.download_dir("relative/path", str(tmp_path / "r"))
+    assert not (tmp_path / "r").exists()
