@@ -18,7 +18,10 @@
 #      ssh:// transport runs `ssh`; the fleet tests run a private sshd per
 #      simulated host). Debian has no openssh-server without its system
 #      service, so an install made here is kept from starting it
-#      (no_system_sshd below).
+#      (no_system_sshd below). GlusterFS (server and FUSE client): the shared
+#      image store tests run their own glusterd, brick and mounts
+#      (tests/integration/gluster_kit.py); the system glusterd is never used
+#      (no_system_glusterd below).
 #   2. Kernel headers where bcc looks for them: /lib/modules/$(uname -r)/build
 #      and .../source. A kernel Debian has no headers package for gets the
 #      newest Debian headers, said on stderr.
@@ -58,6 +61,7 @@ PACKAGES=(
     docker-registry apache2-utils              # the pull tests' local registry and its htpasswd file
     python3-prometheus-client                  # the metrics endpoint (dsecd/metrics.py)
     openssh-client openssh-server              # ssh:// transport; the fleet tests' sshd per host
+    glusterfs-server glusterfs-client          # the shared-store tests' own volume (gluster_kit.py)
 )
 # The microVM backend: QEMU (direct kernel boot: no firmware package needed).
 # DSECD_SETUP_MICROVM=0 leaves it out (the microVM tests then skip).
@@ -141,11 +145,14 @@ install_packages() {
     ((${#missing[@]})) || return 0
     [[ -n $updated ]] || run apt-get update
     say "apt: installing ${missing[*]}"
-    local sshd_new=
+    local sshd_new= glusterd_new=
     printf '%s\n' "${missing[@]}" | grep -qx openssh-server && sshd_new=1
-    [[ -z $sshd_new ]] || hold_service_starts
+    printf '%s\n' "${missing[@]}" | grep -qx glusterfs-server && glusterd_new=1
+    [[ -z $sshd_new$glusterd_new ]] || hold_service_starts
     run apt-get install -y --no-install-recommends -o DPkg::Lock::Timeout=120 "${missing[@]}"
     [[ -z $sshd_new ]] || no_system_sshd
+    [[ -z $glusterd_new ]] || no_system_glusterd
+    release_service_starts
 }
 
 # openssh-server's install starts sshd and enables it at boot (systemd, or
@@ -196,6 +203,30 @@ no_system_sshd() {
         kill "$pid" || true
     fi
     say "openssh-server installed, its system service disabled (/etc/ssh/sshd_not_to_be_run)"
+}
+
+# Debian's glusterfs-server (bookworm, 10.3) neither enables nor starts
+# glusterd on a fresh install (its postinst enables the unit only if it was
+# enabled before, and restarts it only on upgrade, if running); the
+# policy-rc.d above covers a package that would. Only after this script
+# installed it: the unit is disabled all the same, and a glusterd that runs
+# now, which was not installed before, is one the install started: stopped by
+# the pid in its pidfile. The tests start their own glusterd with private
+# state (gluster_kit.py) and never use /var/lib/glusterd.
+no_system_glusterd() {
+    if command -v systemctl >/dev/null; then
+        soft systemctl disable glusterd.service glustereventsd.service
+    fi
+    local pidfile pid
+    for pidfile in /run/glusterd.pid /var/run/glusterd.pid; do
+        pid=$(cat "$pidfile" 2>/dev/null || true)
+        if [[ $pid =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null; then
+            warn "the install started the system glusterd (pid $pid; this host's $POLICY_RC_D allowed it): stopping it"
+            kill "$pid" || true
+            break
+        fi
+    done
+    say "glusterfs-server installed, its system service disabled (the tests run their own glusterd)"
 }
 
 # bcc compiles against /lib/modules/$KREL/build (generated headers, .config) and

@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -79,18 +80,67 @@ static uint64_t throttle_deadline(uint64_t len)
     return end;
 }
 
+/* Errors of a read through an open store file that a fresh open of the same
+ * path may cure: the file system lost the open file, not the blob. On a
+ * shared store another host may have replaced the blob's file (gc, then the
+ * same layer stored again: same bytes, new file), and the file system's
+ * client cannot bring back an fd on the old one after a reconnect (NFS:
+ * ESTALE; GlusterFS 10: ENOENT from pread once the brick restarted, seen in
+ * tests/integration/test_shared_store.py). */
+static int stale_handle(int err)
+{
+    return err == ESTALE || err == ENOENT || err == EBADF || err == EBADFD;
+}
+
+/* Open the blob's store path again and put the new file under b->store_fd's
+ * number (dup2 swaps it atomically: a concurrent pread on the old file
+ * finishes on it, and the number is never free for another file to take).
+ * Only a file of the blob's size is taken: the path names immutable bytes. */
+static int reopen_store(struct blob *b)
+{
+    char path[4096];
+    struct stat st;
+    int fd, rc = 0;
+
+    snprintf(path, sizeof(path), "%s/%s", g_cfg.store_dir, b->hex);
+    fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -errno;
+    if (fstat(fd, &st) < 0)
+        rc = -errno;
+    else if ((uint64_t)st.st_size != b->size)
+        rc = -EIO;
+    else if (dup2(fd, b->store_fd) < 0)
+        rc = -errno;
+    else if (g_cfg.direct_io)
+        posix_fadvise(b->store_fd, 0, 0, POSIX_FADV_RANDOM);
+    close(fd);
+    return rc;
+}
+
 /* Read chunk c of b from the store. A short read means the store file is
  * shorter than when the blob was opened (truncated or being replaced): EIO,
- * like any store error, so that a reader never sees zeros for missing bytes. */
+ * like any store error, so that a reader never sees zeros for missing bytes.
+ * A stale handle (stale_handle) gets one reopen of the path and a retry. */
 int store_fetch(struct blob *b, uint64_t c, char *buf, uint64_t len)
 {
     uint64_t off = c * g_cfg.chunk_size, done = 0;
     uint64_t deadline = throttle_deadline(len);
+    int reopened = 0;
 
     while (done < len) {
         ssize_t n = pread(b->store_fd, buf + done, len - done, (off_t)(off + done));
         if (n < 0 && errno == EINTR)
             continue;
+        if (n < 0 && stale_handle(errno) && !reopened) {
+            int err = errno, rc = reopen_store(b);
+            reopened = 1;
+            fprintf(stderr, "dsec-pager: read store blob %s: %s: reopened its store file: %s\n", b->hex,
+                    strerror(err), rc < 0 ? strerror(-rc) : "ok");
+            if (rc == 0)
+                continue;
+            errno = err;
+        }
         if (n < 0) {
             fprintf(stderr, "dsec-pager: read store blob %s at %llu: %s\n", b->hex,
                     (unsigned long long)(off + done), strerror(errno));

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from .. import cgroup, imageconfig, metrics, sysfs
-from ..errors import BadRequest, Conflict, image_error
+from ..errors import BadRequest, Conflict, IOFailure, image_error
 from ..features import Features
 from ..fs import upper as upperfs
 from ..fs.images import ImageError, ImageStore
@@ -27,7 +27,7 @@ from ..fs.layers import LayerMounts
 from ..fs.pager import Pager, PagerConfig
 from ..fs.pull import Puller, PullSettings
 from ..fs.skopeo import RegistryConfig, Skopeo
-from ..fs.store import INDEX_BLOCK, StoreError, check_index
+from ..fs.store import INDEX_BLOCK, StoreError, check_index, unreachable_hint
 from ..mem import pause
 from .sandboxes import SandboxRegistry
 from .workers import Workers
@@ -280,6 +280,13 @@ class ImageService:
             return await self.workers.run(fn, *args)
         except ImageError as err:
             raise image_error(err) from err
+        except OSError as err:
+            # Mostly the store's file system failing under a request (a shared
+            # store whose servers went away: ENOTCONN, EIO, ESTALE): an `io`
+            # error naming the file and what to check, not `internal`.
+            where = f" {err.filename}" if err.filename else ""
+            raise IOFailure(f"{getattr(fn, '__name__', 'image request')}:{where}: "
+                            f"{err.strerror or err}; {unreachable_hint(self.images.store.root)}") from err
 
     async def build(self, req, ctx) -> dict:
         try:

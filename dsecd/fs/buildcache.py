@@ -24,6 +24,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from .store import write_durable
+
 KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -48,7 +50,7 @@ class BuildCache:
 
     def put(self, key: str, manifest: str) -> None:
         tmp = self._temp_path(".cache")
-        tmp.write_text(json.dumps({"manifest": manifest, "created": time.time()}))
+        write_durable(tmp, json.dumps({"manifest": manifest, "created": time.time()}).encode())
         os.replace(tmp, self._path(key))
 
     def drop(self, key: str) -> None:

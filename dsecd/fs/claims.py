@@ -61,8 +61,12 @@ class Claim:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
+        # fsync: another host's holder() reads who made it; on a network file
+        # system the bytes may sit in this client's cache past close.
         with os.fdopen(fd, "w") as f:
             json.dump(self._mine(), f)
+            f.flush()
+            os.fsync(f.fileno())
         return True
 
     def holder(self) -> dict | None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import stat
@@ -36,7 +37,9 @@ from pathlib import Path, PurePosixPath
 from .. import imageconfig
 from . import erofs, names, oci
 from .buildcache import BuildCache
-from .store import BlobStore, StoreError, check_digest
+from .store import BlobStore, StoreError, check_digest, unreachable_hint, write_durable
+
+log = logging.getLogger(__name__)
 
 # Written by overlayfs (Linux >= 6.6) on the upper root of a new mount: a random id.
 OVERLAY_UUID = "trusted.overlay.uuid"
@@ -168,18 +171,33 @@ class ImageStore:
             return None
 
     def _read_ref(self, name: str) -> dict:
-        """The ref of a canonical name (FileNotFoundError: none)."""
+        """The ref of a canonical name (FileNotFoundError: none).
+
+        A store that cannot be read (its servers gone: ENOTCONN, EIO, ...)
+        still resolves a name this daemon has read before, to what it last
+        read: sandboxes of images whose layers are mounted or cached can
+        still be made through an outage. A name never read here is an `io`
+        ImageError saying so."""
         path = self._ref(name)
         try:
             st = os.stat(path)
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            cached = self._refs.get(name)
+            if cached is not None and cached[0] == key:
+                return cached[1]
+            ref = json.loads(path.read_text())
         except FileNotFoundError:
             self._refs.pop(name, None)      # removed, here or by another host's daemon
             raise
-        key = (st.st_ino, st.st_mtime_ns, st.st_size)
-        cached = self._refs.get(name)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        ref = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            cached = self._refs.get(name)
+            what = err.strerror if isinstance(err, OSError) else f"not JSON ({err})"
+            if cached is not None and isinstance(err, OSError):
+                log.warning("image %s: cannot read its ref %s (%s): using the copy read before", name,
+                            path, what)
+                return cached[1]
+            raise ImageError("io", f"image {name!r}: read its ref {path}: {what}; "
+                             f"{unreachable_hint(self.store.root)}") from err
         self._refs[name] = (key, ref)
         return ref
 
@@ -247,14 +265,14 @@ class ImageStore:
         ref = {"manifest": manifest_digest, "created": time.time(), "parent": parent}
         if source is not None:
             ref["source"] = source
-        tmp.write_text(json.dumps(ref))
         try:
+            write_durable(tmp, json.dumps(ref).encode())
             before = None
             if replace:
                 try:
                     before = self._read_ref(name)["manifest"]
-                except (FileNotFoundError, ValueError, KeyError):
-                    before = None
+                except (FileNotFoundError, KeyError, ImageError):
+                    before = None       # none, or unreadable: the rename replaces it all the same
             # A concurrent rm may prune the reference's empty directories between
             # the makedirs and the link: make them again.
             for attempt in range(5):
@@ -269,8 +287,12 @@ class ImageStore:
             return before
         except FileExistsError:
             raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)") from None
+        except OSError as err:
+            raise ImageError("io", f"publish image {name!r} at {path}: {err.strerror}; "
+                             f"{unreachable_hint(self.store.root)}") from err
         finally:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
 
     def remove(self, name: str) -> Image:
         image = self.get(name)
@@ -377,7 +399,7 @@ class ImageStore:
         """Remember which stored layer an OCI diff_id became (by rename: a reader
         sees the whole record or none)."""
         tmp = self.store.temp_path(".diffid")
-        tmp.write_text(json.dumps(layer))
+        write_durable(tmp, json.dumps(layer).encode())
         os.rename(tmp, self.diffids / check_digest(diff_id).split(":", 1)[1])
 
     def _sweep_diffids(self) -> None:

@@ -13,6 +13,7 @@ copy (the second rename replaces identical bytes, or is skipped).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -31,6 +32,30 @@ CHUNK = 1 << 20
 INDEX_BLOCK = 64 << 10
 INDEX_MAGIC = b"DSECIDX1"
 INDEX_HEADER = struct.Struct("<8sIIQ")
+
+
+def write_durable(path: Path, data: bytes) -> None:
+    """Write a small file and fsync it, before it is linked or renamed into
+    place. On a shared store the fsync is what makes the bytes reach the
+    servers before the name does: a network file system's client may hold
+    written data in its cache past close (GlusterFS' write-behind and
+    flush-behind do), so another host could otherwise open the new name and
+    read a short or empty file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def unreachable_hint(root: Path) -> str:
+    """What to do when a store operation fails with an I/O error (the
+    distributed file system's servers gone, its mount broken)."""
+    return (f"the image store {root} is unreachable or failing: check its mount "
+            f"(`findmnt -T {root}`) and its servers, then retry")
 
 
 class StoreError(Exception):
@@ -173,16 +198,19 @@ class BlobStore:
             os.rename(tmp_file, final)
             return digest, True
         except OSError as err:
-            tmp_file.unlink(missing_ok=True)
-            raise StoreError("io", f"store blob {tmp_file}: {err.strerror}") from err
+            with contextlib.suppress(OSError):
+                tmp_file.unlink(missing_ok=True)
+            raise StoreError("io", f"store blob {tmp_file}: {err.strerror}; "
+                             f"{unreachable_hint(self.root)}") from err
 
     def put_bytes(self, data: bytes, hold: Callable[[str], None] | None = None) -> str:
         tmp = self.temp_path()
         try:
             tmp.write_bytes(data)
         except OSError as err:
-            tmp.unlink(missing_ok=True)
-            raise StoreError("io", f"store blob {tmp}: {err.strerror}") from err
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise StoreError("io", f"store blob {tmp}: {err.strerror}; {unreachable_hint(self.root)}") from err
         return self.ingest(tmp, hold, "sha256:" + hashlib.sha256(data).hexdigest())[0]
 
     def read_bytes(self, digest: str) -> bytes:
@@ -190,6 +218,8 @@ class BlobStore:
             data = self.path(digest).read_bytes()
         except FileNotFoundError:
             raise StoreError("not_found", f"blob {digest} is missing from the store {self.root}") from None
+        except OSError as err:
+            raise StoreError("io", f"read blob {digest}: {err.strerror}; {unreachable_hint(self.root)}") from err
         if "sha256:" + hashlib.sha256(data).hexdigest() != digest:
             raise StoreError("io", f"blob {digest} in {self.root} is corrupt (its content does not match)")
         return data

@@ -33,3 +33,24 @@ def test_a_name_removed_and_rebuilt_elsewhere_is_seen_at_once(tmp_path):
     second = there.build_from_dir(_src(tmp_path, "b", "two"), "img")
     assert second.manifest != first.manifest
     assert here.get("img").manifest == second.manifest
+
+
+def test_an_unreadable_store_serves_names_read_before_and_says_so_for_others(tmp_path):
+    """A ref that cannot be read (a shared store whose servers are gone; here a
+    directory where the file was, so read fails with an OSError) resolves to
+    the copy this daemon read before; a name never read here is `io`, naming
+    the store and what to check."""
+    store = tmp_path / "store"
+    here, there = ImageStore(store, tmp_path / "s1"), ImageStore(store, tmp_path / "s2")
+    built = there.build_from_dir(_src(tmp_path, "a", "one"), "seen")
+    there.build_from_dir(_src(tmp_path, "b", "two"), "unseen")
+    assert here.get("seen").manifest == built.manifest
+    for name in ("seen", "unseen"):
+        ref = store / "refs" / name
+        ref.unlink()
+        ref.mkdir()
+    assert here.get("seen").manifest == built.manifest
+    with pytest.raises(ImageError) as info:
+        here.get("unseen")
+    assert info.value.code == "io"
+    assert "unreachable or failing" in str(info.value) and str(store) in str(info.value)

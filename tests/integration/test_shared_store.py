@@ -1,0 +1,221 @@
+"""images.store on a real distributed file system: two daemons ("hosts"),
+each with its own FUSE client of one GlusterFS volume (gluster_kit.py).
+
+An image built or snapshotted on one host starts on the other without a
+copy (its layers paged in by the other's pager, images.mode auto -> lazy on
+FUSE); both publishing one name at once leave one complete image under it;
+and a store that goes away mid-read fails the reading process, not the
+daemons.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+from gluster_kit import GlusterVolume, skip_reason
+
+from dsecd.errors import Conflict, IOFailure
+
+pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
+
+
+@pytest.fixture(scope="module")
+def volume():
+    with GlusterVolume() as vol:
+        yield vol
+
+
+@pytest.fixture(scope="module")
+def hosts(volume, busybox_rootfs):
+    """Daemons A and B, each on its own mount of the volume; `base` built by A."""
+    import tempfile
+
+    from conftest import Daemon
+
+    made = []
+    try:
+        for _ in range(2):
+            store = volume.mount()
+            d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")),
+                       f'[images]\nstore = "{store}"\nmode = "auto"\n')
+            made.append(d)
+            d.start()
+            d.store = store
+        a, b = made
+        ca = a.client()
+        ca.build_image(busybox_rootfs, "base")
+        ca.close()
+        yield a, b
+    finally:
+        for d in made:
+            d.cleanup()
+
+
+def _pager_stats(d) -> dict:
+    return json.loads((d.state / "pager" / ".stats").read_text())
+
+
+def test_mounts_are_distinct_clients_of_one_volume(volume, hosts):
+    a, b = hosts
+    assert a.store != b.store
+    assert (b.store / "refs" / "base").exists()            # A's name, seen through B's client
+    for d in hosts:
+        with open("/proc/self/mountinfo") as f:
+            fs = [line.split(" - ")[1].split()[0] for line in f if line.split()[4] == str(d.store)]
+        assert fs == ["fuse.glusterfs"]
+
+
+def test_built_on_a_runs_on_b_paged_in_lazily(hosts):
+    a, b = hosts
+    cb = b.client()
+    try:
+        sb = cb.create(image="base")
+        r = sb.exec(["sh", "-c", "md5sum /bin/busybox"])
+        assert r.exit_code == 0, r.stderr
+        layer = cb.request("image_inspect", name="base")["layers"][0]["digest"][7:]
+        # No copy: B mounts the layer from its pager, which fetched only chunks.
+        assert not (b.state / "eager").exists() or not any((b.state / "eager").iterdir())
+        stats = _pager_stats(b)["blobs"][layer]
+        assert 0 < stats["fetched_bytes"] and stats["chunks"] >= 1
+        sb.destroy()
+    finally:
+        cb.close()
+
+
+def test_snapshot_on_b_starts_on_a(hosts):
+    a, b = hosts
+    ca, cb = a.client(), b.client()
+    try:
+        sb = cb.create(image="base")
+        assert sb.exec(["sh", "-c", "mkdir -p /work && echo made-on-b > /work/note"]).exit_code == 0
+        sb.snapshot("snap-b")
+        sb.destroy()
+        sa = ca.create(image="snap-b")
+        assert sa.exec(["cat", "/work/note"]).stdout == b"made-on-b\n"
+        sa.destroy()
+    finally:
+        ca.close()
+        cb.close()
+
+
+def test_concurrent_publish_of_one_name_leaves_one_image(hosts, tmp_path):
+    """Both hosts build a different tree under the same name at the same
+    moment, a few times: each time one wins (the other gets `conflict`), and
+    the name points at a complete manifest whose content is the winner's."""
+    a, b = hosts
+    for round_ in range(4):
+        name = f"race-{round_}"
+        results: dict[str, object] = {}
+        trees = {}
+        for tag in ("a", "b"):
+            tree = tmp_path / f"{name}-{tag}" / "work"
+            tree.mkdir(parents=True)
+            (tree / "who").write_text(f"{tag}\n")
+            trees[tag] = tree.parent
+        threads = [threading.Thread(target=_build_into, args=(d, str(trees[t]), name, results, t))
+                   for d, t in ((a, "a"), (b, "b"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        won = [t for t, r in results.items() if isinstance(r, dict)]
+        lost = [t for t, r in results.items() if not isinstance(r, dict)]
+        assert len(won) >= 1, results
+        for t in lost:
+            assert isinstance(results[t], Conflict), results[t]
+        ref = json.loads((a.store / "refs" / name).read_text())
+        manifest_path = a.store / "blobs" / "sha256" / ref["manifest"][7:]
+        blob = manifest_path.read_bytes()
+        assert "sha256:" + hashlib.sha256(blob).hexdigest() == ref["manifest"]
+        # Both hosts see the same image, and it is the winner's.
+        seen = {d: d.client() for d in (a, b)}
+        try:
+            inspected = {c.request("image_inspect", name=name)["manifest"] for c in seen.values()}
+            assert inspected == {ref["manifest"]}
+            if len(won) == 1:
+                assert results[won[0]]["manifest"] == ref["manifest"]
+            sb = seen[b].create(image=name)
+            who = sb.exec(["cat", "/work/who"]).stdout.decode().strip()
+            sb.destroy()
+            assert who in won
+        finally:
+            for c in seen.values():
+                c.close()
+
+
+def test_store_unreachable_mid_read_fails_the_reader_not_the_daemon(volume, hosts, tmp_path):
+    """Runs last: it kills the volume's brick (and starts it again)."""
+    a, b = hosts
+    tree = tmp_path / "big" / "data"
+    tree.mkdir(parents=True)
+    # Random bytes: EROFS cannot compress them away, so the file spans many
+    # pager chunks that no one has read yet.
+    (tree / "blob").write_bytes(_random(24 << 20))
+    ca, cb = a.client(), b.client()
+    try:
+        ca.build_image(str(tree.parent), "big", parent="base")
+        ca.build_image(str(tree.parent), "unseen-on-b", parent="base")
+        held = cb.create(image="base")          # keeps base's layer mounted on B
+        sb = cb.create(image="big")
+        head = sb.exec(["sh", "-c", "head -c 4096 /data/blob | wc -c"])
+        assert head.stdout.strip() == b"4096", head.stderr
+        # Host A replaces the layer's file with the same bytes (what gc on one
+        # host and the same layer stored again do): B's pager holds the old
+        # file open, which the file system cannot reopen after the outage.
+        layer = ca.request("image_inspect", name="big")["layers"][-1]["digest"][7:]
+        blob = a.store / "blobs" / "sha256" / layer
+        copy = a.store / "tmp" / f"{layer}.again"
+        shutil.copyfile(blob, copy)
+        copy.chmod(0o444)
+        copy.rename(blob)
+        volume.kill_brick()
+        r = sb.exec(["sh", "-c", "tail -c 1048576 /data/blob | wc -c; cat /data/blob > /dev/null"],
+                    timeout=120)
+        assert r.exit_code != 0, r
+        assert b"I/O error" in r.stderr or b"Input/output" in r.stderr, r.stderr
+        # The daemons still answer: info, a create of an image whose layers
+        # are mounted, exec in it, destroy.
+        for c in (ca, cb):
+            assert c.info()
+        again = cb.create(image="base")
+        assert again.exec(["true"]).exit_code == 0
+        again.destroy()
+        # What needs the store says so: `io`, naming the store, not `internal`.
+        with pytest.raises(IOFailure, match="unreachable"):
+            cb.create(image="unseen-on-b")
+        with pytest.raises(IOFailure, match="unreachable"):
+            ca.build_image(str(tree.parent), "during-outage", parent="base")
+        # The store back: the same reader gets its bytes (nothing cached the
+        # failure; the pager reopened the blob's path, its old file being gone).
+        volume.restart_brick()
+        r = sb.exec(["md5sum", "/data/blob"], timeout=120)
+        assert r.exit_code == 0, r.stderr
+        assert r.stdout.split()[0].decode() == hashlib.md5((tree / "blob").read_bytes()).hexdigest()
+        sb.destroy()
+        held.destroy()
+        assert cb.info()
+    finally:
+        ca.close()
+        cb.close()
+
+
+def _build_into(d, source: str, name: str, results: dict, tag: str) -> None:
+    """Build `name` on daemon `d`; its image, or the error the loser got, into results[tag]."""
+    c = d.client()
+    try:
+        results[tag] = c.build_image(source, name, parent="base")
+    except Exception as err:
+        results[tag] = err
+    finally:
+        c.close()
+
+
+def _random(n: int) -> bytes:
+    import os
+
+    return os.urandom(n)
