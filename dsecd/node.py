@@ -22,6 +22,7 @@ from . import __version__, cgroup, protocol
 from .backends.container import ContainerBackend
 from .backends.microvm import guestimg
 from .backends.microvm.backend import MicroVMBackend
+from .backends.microvm.templates import TemplateStore, qemu_identity
 from .config import Config, ConfigError, parse_size
 from .cpu.manager import CpuHost
 from .engine.builds import BuildService
@@ -41,6 +42,7 @@ from .engine.network import NetworkService
 from .engine.procs import ProcessService, ProcLimits
 from .engine.sandboxes import SandboxRegistry
 from .engine.starts import ProcessStarter
+from .engine.vmtemplates import TemplateService
 from .engine.watches import WatchService
 from .engine.workers import Workers
 from .fds import close_quietly
@@ -136,6 +138,7 @@ class Node:
                                           self.net_service, self.memory, self.events, self.cpu, self.id_ranges,
                                           self.procs, self.vms)
         self.vms.watch = self.lifecycle.watch
+        self.image_service.after_gc = self.vms.gc_templates
         self.lifetimes = LifetimeService(self.registry, self.workers, self.events, self.memory,
                                          self.lifecycle.destroy_sandbox)
         self.create_service = CreateService(cfg, self.registry, self.workers, self.backend, self.image_service,
@@ -208,6 +211,8 @@ class Node:
         drained = not any(s.handle is not None for s in self.registry.by_id.values())
         await self.workers.run(self.image_service.stop, drained)
         self.lifecycle.close()
+        if self.vms.templates is not None:
+            self.vms.templates.store.close()     # VMs restored from templates keep their own mappings
         # Layers no running sandbox uses are unmounted; the others stay for
         # their sandboxes and are re-counted by the next daemon.
         try:
@@ -288,8 +293,13 @@ def make_microvm_service(cfg: Config, features: Features, layout: cgroup.Layout,
         except (guestimg.GuestImageError, OSError) as err:
             why = str(err)
             log.warning("backend microvm unavailable: %s", why)
+    tmpl = None
+    if backend is not None and vm_cfg["templates"]:
+        store = TemplateStore(cfg.state_dir, backend.guest.digest, qemu_identity(backend.qemu),
+                              int(vm_cfg["templates_max"]))
+        tmpl = TemplateService(backend, store, workers, float(vm_cfg["boot_timeout_s"]), int(vm_cfg["uid"]))
     return MicroVMService(backend, why, workers, store_path, vm_cfg, cfg.size("limits", "max_exec_output_bytes"),
-                          int(vm_cfg["uid"]))
+                          int(vm_cfg["uid"]), tmpl)
 
 
 def pick_exec_via(configured: str, features: Features) -> bool:

@@ -67,7 +67,7 @@
 
 /* message types: host -> guest */
 enum {
-    M_HELLO = 1,   /* hostname, unix time ns, seed: answered READY */
+    M_HELLO = 1,   /* hostname, unix time ns, seed, sandbox id: answered READY */
     M_EXEC = 2,    /* uid, gid, flags, cwd, argc, argv..., envc, env... */
     M_STDIN = 3,   /* eof, data */
     M_KILL = 4,    /* signal */
@@ -989,16 +989,31 @@ done:
     free(dst);
 }
 
-/* The host's first message: the sandbox's identity. A VM restored from a
- * template snapshot gets a new one here, as a new VM would: its hostname, the
- * clock (a restored guest's clock is the snapshot's), and entropy mixed into
- * the kernel's pool (credited: the host's seed comes from getrandom). */
+/* The sandbox this guest serves, for the console log (HELLO names it). */
+static char sandbox_id[64] = "";
+
+/* The host's first message after a boot or a restore: the sandbox's identity.
+ * A VM restored from a template snapshot is a copy of the template's memory,
+ * so everything a boot would make unique is made so again here:
+ *   - the hostname;
+ *   - the clock (a restored guest's clock is the snapshot's; a resumed one's
+ *     is the pause's);
+ *   - the kernel's random state: the host's seed is mixed into the input
+ *     pool (credited: it comes from the host's getrandom) and the CRNG is
+ *     reseeded from it at once (RNDRESEEDCRNG). Without the reseed every
+ *     copy would go on producing the template's CRNG stream until the
+ *     kernel's next scheduled reseed, up to minutes later;
+ *   - the sandbox id, kept for the console log.
+ * The boot id (/proc/sys/kernel/random/boot_id) is made on its first read,
+ * which nothing does before the template is snapshotted, so each copy makes
+ * its own from its reseeded CRNG. */
 static void do_hello(uint32_t id, struct rd *r)
 {
     char *host = get_str(r);
     uint64_t now_ns = get_u64(r);
     size_t n = 0;
     const unsigned char *seed = get_bytes(r, &n);
+    char *sb = r->p < r->end ? get_str(r) : NULL; /* an older host sends no sandbox id */
 
     if (!r->bad) {
         struct timespec ts = {.tv_sec = (time_t)(now_ns / 1000000000ull),
@@ -1016,14 +1031,20 @@ static void do_hello(uint32_t id, struct rd *r)
 
             memcpy(e.buf, seed, n);
             if (fd >= 0) {
-                ioctl(fd, RNDADDENTROPY, &e);
+                if (ioctl(fd, RNDADDENTROPY, &e) < 0 || ioctl(fd, RNDRESEEDCRNG) < 0)
+                    say("reseed the kernel's random generator: %s", strerror(errno));
                 close(fd);
             }
         }
+        if (sb && sb[0] && strcmp(sb, sandbox_id)) {
+            snprintf(sandbox_id, sizeof(sandbox_id), "%s", sb);
+            say("serving sandbox %s", sandbox_id);
+        }
     }
     free(host);
+    free(sb);
     begin(&out, A_READY, id);
-    put_str(&out, "dsec-guest-agent 1");
+    put_str(&out, "dsec-guest-agent 2");
     send_msg(&out);
 }
 

@@ -62,6 +62,9 @@ class ImageService:
         self.registry = registry
         self.workers = workers
         self.freeze_timeout_s = freeze_timeout_s
+        # Set by the node: what else goes with removed layers (the microVM
+        # templates of them); given the digests the store keeps, answers a list.
+        self.after_gc = None
         self.state_dir = cfg.state_dir
         section = cfg.section("images")
         store = Path(section["store"]) if section["store"] else cfg.state_dir / "store"
@@ -318,6 +321,9 @@ class ImageService:
         await self.workers.run(self.layers.sweep, True)
         out = await self._images_call(self.images.gc, layers, manifests)
         out["freed_bytes"] += await self.workers.run(self.puller.sweep)
+        if self.after_gc is not None:
+            live = await self.workers.run(self.images.store.all_digests)
+            out["vm_templates_removed"] = await self.after_gc(live)
         return out
 
     async def du(self, req, ctx) -> dict:

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 # The journaled fields a re-adopted sandbox is rebuilt from (Sandbox.record).
 RECORD_FIELDS = ("image", "state", "created", "limits", "env", "labels", "hostname", "cwd", "user", "backend",
                  "died", "qos", "core_sched", "manifest", "layers", "ttl", "idle_ttl", "lease", "pause_record",
-                 "net", "key", "idmap", "procs")
+                 "net", "key", "idmap", "procs", "vm")
 
 
 def labels_match(sb: Sandbox, labels: dict) -> bool:
@@ -72,6 +72,8 @@ class LifecycleService:
             for sb_id in await self.workers.run(self.vms.backend.orphans, set(self.registry.by_id)):
                 log.warning("removing orphaned microVM %s (no journal record)", sb_id)
                 await self.workers.run(self.vms.backend.destroy, sb_id, None)
+        if self.vms.templates is not None:
+            await self.workers.run(self.vms.templates.sweep_builds)
 
     async def _recover(self, sb_id: str, rec: dict) -> None:
         sb = Sandbox(id=sb_id, **{k: rec[k] for k in RECORD_FIELDS if k in rec})
@@ -117,6 +119,7 @@ class LifecycleService:
         if self.vms.backend is not None and sb.state == "paused":
             handle = self.vms.backend.paused_handle(sb.id, sb.limits["memory"])
             if handle is not None:
+                self.vms.adopted(sb, handle)
                 sb.handle = handle          # no QEMU until resumed: nothing to watch
                 log.info("re-adopted sandbox %s (microVM, paused)", sb.id)
                 return
@@ -134,7 +137,7 @@ class LifecycleService:
             log.warning("sandbox %s (microVM) died while the daemon was down", sb.id)
             await self._mark_dead(sb, None)
             return
-        handle.guest_memory = sb.limits["memory"]
+        self.vms.adopted(sb, handle)
         sb.handle = handle
         sb.last_active = time.monotonic()
         if sb.lease:

@@ -22,7 +22,7 @@ from pathlib import Path
 from .. import fds, userns
 from ..backends.microvm import wire
 from ..backends.microvm.agent import AgentError, AgentExec, AgentGone
-from ..backends.microvm.backend import MIN_GUEST_MEMORY, MicroVMBackend, VmError, VmHandle
+from ..backends.microvm.backend import MIN_GUEST_MEMORY, Machine, MicroVMBackend, VmError, VmHandle
 from ..errors import (
     BadRequest,
     Conflict,
@@ -34,6 +34,7 @@ from ..errors import (
 from ..execio import _decode_status
 from ..fs import files as sbfiles
 from .sandboxes import Sandbox
+from .vmtemplates import TemplateService, is_boot_failure
 from .workers import Workers
 
 log = logging.getLogger(__name__)
@@ -62,8 +63,9 @@ class MicroVMService:
     `backend` is None where the host cannot run them (`why` says why)."""
 
     def __init__(self, backend: MicroVMBackend | None, why: str, workers: Workers, store_path, cfg: dict,
-                 max_output: int, uid_fallback: int):
+                 max_output: int, uid_fallback: int, templates: TemplateService | None = None):
         self.backend = backend
+        self.templates = templates          # None: every create boots (microvm.templates = false)
         self.why = why
         self.workers = workers
         self.store_path = store_path            # digest -> Path of the blob (the image store's)
@@ -77,7 +79,13 @@ class MicroVMService:
         if self.backend is None:
             return {"available": False, "why": self.why}
         return {"available": True, "accel": self.backend.accel, "why": self.why,
-                "guest_kernel": self.backend.guest.version}
+                "guest_kernel": self.backend.guest.version, "templates": self.templates is not None}
+
+    async def gc_templates(self, live_layers: set[str]) -> list[str]:
+        """`image gc`: templates of layers the store no longer has go."""
+        if self.templates is None:
+            return []
+        return await self.templates.gc(live_layers)
 
     def require(self) -> MicroVMBackend:
         if self.backend is None:
@@ -96,28 +104,61 @@ class MicroVMService:
                               "(and no allow/publish)")
 
     async def create(self, sb: Sandbox, limits, disk: int) -> VmHandle:
-        """Start the VM and wait for its agent. Cancelled or failed, nothing is left."""
+        """Start the VM, from its template where there is one (made now if
+        not), else by a boot, and wait for its agent. Cancelled or failed,
+        nothing is left (a template being built goes on for later creates)."""
         backend = self.require()
         layers = [Path(self.store_path(d)) for d in sb.layers]
-        uid = self._uid(sb)
+        what = f"microVM {sb.id}"
+        if self.templates is not None:
+            key = self.templates.key(layers, sb.layers, limits.memory_bytes, limits.cpu, disk)
+            try:
+                t = await self.templates.get(key, layers, sb.layers, limits, disk)
+            except OSError as err:
+                if is_boot_failure(err):
+                    raise DsecError(f"create sandbox {sb.id}: {err.strerror}", {"errno": "EIO"}, code="io") from err
+                log.warning("sandbox %s: no VM template (%s); booting it", sb.id, err)
+            else:
+                handle = await self._start(sb, layers, limits, disk, Machine(ram="private", reporting=False),
+                                           t.ram_fd)
+                try:
+                    await self.templates.restore(handle, t, what, sb.hostname, sb.id)
+                except asyncio.CancelledError:
+                    await asyncio.shield(self.workers.run(backend.destroy, sb.id, handle))
+                    raise
+                except OSError as err:
+                    await asyncio.shield(self.workers.run(backend.destroy, sb.id, handle))
+                    await self.templates.drop(key, f"sandbox {sb.id} could not be restored from it ({err})")
+                else:
+                    sb.vm = {"machine": handle.machine.to_record(), "template": key}
+                    return handle
+        handle = await self._start(sb, layers, limits, disk, Machine(), -1)
+        try:
+            await backend.connect(handle, what, sb.hostname, float(self.cfg["boot_timeout_s"]), sandbox_id=sb.id)
+        except BaseException as err:
+            await asyncio.shield(self.workers.run(backend.destroy, sb.id, handle))
+            if isinstance(err, VmError):
+                raise DsecError(f"create sandbox {sb.id}: {err.strerror}", {"errno": "EIO"}, code="io") from err
+            raise
+        sb.vm = {"machine": handle.machine.to_record(), "template": None}
+        return handle
+
+    async def _start(self, sb: Sandbox, layers: list[Path], limits, disk: int, machine: Machine,
+                     ram_fd: int) -> VmHandle:
+        """QEMU started in the sandbox's cgroups (waiting for a template's
+        state when its machine maps one)."""
+        backend = self.require()
 
         def abandoned(fut) -> None:       # the request went while QEMU started: it goes too
             if not fut.cancelled() and fut.exception() is None:
                 self.workers.behind(backend.destroy, sb.id, fut.result())
 
         try:
-            handle = await self.workers.run_shielded(abandoned, backend.create, sb.id, layers, limits, disk, uid)
+            return await self.workers.run_shielded(abandoned, backend.create, sb.id, layers, limits, disk,
+                                                   self._uid(sb), machine.ram == "private", machine, ram_fd)
         except OSError as err:
             raise DsecError(f"create sandbox {sb.id}: {err.strerror or err}",
                             {"errno": errno.errorcode.get(err.errno or 0)}, code="io") from err
-        try:
-            await backend.connect(handle, f"microVM {sb.id}", sb.hostname, float(self.cfg["boot_timeout_s"]))
-        except BaseException as err:
-            await asyncio.shield(self.workers.run(backend.destroy, sb.id, handle))
-            if isinstance(err, VmError):
-                raise DsecError(f"create sandbox {sb.id}: {err.strerror}", {"errno": "EIO"}, code="io") from err
-            raise
-        return handle
 
     async def reconnect(self, sb: Sandbox, handle: VmHandle) -> None:
         """The monitor and agent of a VM re-adopted after a daemon restart.
@@ -138,7 +179,8 @@ class MicroVMService:
         h = sb.handle
         return {"qemu_pid": h.init_pid, "accel": h.accel, "dir": str(h.vm_dir),
                 "serial_log": str(h.vm_dir / "serial.log"), "guest_memory": h.guest_memory,
-                "agent": h.agent is not None and not h.agent.closed}
+                "agent": h.agent is not None and not h.agent.closed,
+                "template": (sb.vm or {}).get("template"), "ram": h.machine.ram}
 
     # ------------------------------------------------------------ pause / resume
 
@@ -167,6 +209,13 @@ class MicroVMService:
         return {"vm_image": str(image), "image_bytes": size, "save_s": round(saved - t0, 4),
                 "stop_s": round(time.monotonic() - saved, 4)}
 
+    def adopted(self, sb: Sandbox, handle: VmHandle) -> None:
+        """A re-adopted VM's handle learns its machine from the record (a
+        resume starts QEMU with it)."""
+        handle.machine = Machine.from_record((sb.vm or {}).get("machine"))
+        handle.template = (sb.vm or {}).get("template")
+        handle.guest_memory = sb.limits["memory"]
+
     async def resume(self, sb: Sandbox, rec: dict) -> dict:
         backend, h = self.require(), sb.handle
         image = Path(rec.get("vm_image") or h.vm_dir / "paused.ram")
@@ -174,10 +223,11 @@ class MicroVMService:
         layers = [Path(self.store_path(d)) for d in sb.layers]
         await self.workers.run(backend.respawn, h, layers, sb.limits["cpu"], sb.limits["disk"], self._uid(sb))
         try:
-            await backend.restore(h, image, f"microVM {sb.id}", sb.hostname)
+            await backend.restore(h, image, f"microVM {sb.id}", sb.hostname, sandbox_id=sb.id)
         except OSError as err:
             raise DsecError(f"resume sandbox {sb.id}: {err}; its saved state stays in {image}", code="io") from err
         image.unlink(missing_ok=True)
+        sb.vm = {**(sb.vm or {}), "machine": h.machine.to_record()}
         if self.watch is not None:
             self.watch(sb)
         return {"restore_s": round(time.monotonic() - t0, 4)}

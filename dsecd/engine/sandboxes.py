@@ -68,6 +68,9 @@ class Sandbox:
     key: str | None = None      # idempotency key of the create (dsecd/engine/creates.py)
     idmap: dict | None = None   # user-namespace id range (dsecd/userns.py); None = host ids
     procs: list = field(default_factory=list)   # background processes' records (dsecd/engine/procs.py)
+    # A microVM's machine (backend.Machine.to_record) and the template it was
+    # restored from: what a resume must start QEMU with (engine/microvms.py).
+    vm: dict | None = None
 
     def record(self) -> dict:
         h = self.handle
@@ -78,13 +81,14 @@ class Sandbox:
                 "died": self.died, "qos": self.qos, "core_sched": self.core_sched,
                 "manifest": self.manifest, "layers": self.layers, "ttl": self.ttl,
                 "idle_ttl": self.idle_ttl, "lease": self.lease, "pause_record": self.pause_record,
-                "net": self.net, "key": self.key, "idmap": self.idmap, "procs": self.procs}
+                "net": self.net, "key": self.key, "idmap": self.idmap, "procs": self.procs, "vm": self.vm}
 
     def public(self) -> dict:
         out = self.record()
         out.pop("init_start")
         out.pop("pause_record")
         out.pop("procs")
+        out.pop("vm")           # inspect's "vm" says it for a microVM
         out["execs_running"] = self.execs
         return out
 

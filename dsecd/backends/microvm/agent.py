@@ -93,16 +93,17 @@ class AgentLink:
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
 
     @classmethod
-    async def connect(cls, transport: Transport, what: str, hostname: str, timeout: float) -> AgentLink:
+    async def connect(cls, transport: Transport, what: str, hostname: str, timeout: float,
+                      sandbox_id: str = "") -> AgentLink:
         """Open the channel and say HELLO (the sandbox's identity: hostname,
-        clock, entropy) until the agent answers READY: it answers once it has
-        mounted the root, so this is also the wait for the boot."""
+        clock, entropy, id) until the agent answers READY: it answers once it
+        has mounted the root, so this is also the wait for the boot."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         reader, writer = await transport.open(timeout)
         link = cls(reader, writer, what)
         try:
-            await asyncio.wait_for(link.hello(hostname), max(0.1, deadline - loop.time()))
+            await asyncio.wait_for(link.hello(hostname, sandbox_id), max(0.1, deadline - loop.time()))
         except TimeoutError:
             link.close()
             raise AgentGone(f"{what}: the guest agent did not answer within {timeout:.0f}s "
@@ -112,9 +113,12 @@ class AgentLink:
             raise
         return link
 
-    async def hello(self, hostname: str) -> str:
+    async def hello(self, hostname: str, sandbox_id: str = "") -> str:
+        """The agent reseeds the guest's CRNG from the 32 bytes of entropy and
+        sets its clock and hostname (csrc/guest/agent.c, do_hello): what makes
+        a VM restored from a template its own."""
         r = await self.request(wire.HELLO, wire.bstr(hostname), wire.u64(time.time_ns()),
-                               wire.bstr(os.getrandom(32)))
+                               wire.bstr(os.getrandom(32)), wire.bstr(sandbox_id))
         return r.str()
 
     def send(self, data: bytes) -> None:
