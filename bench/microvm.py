@@ -9,7 +9,11 @@ has two, shared). Two daemons, one after the other:
      and a pause and resume;
   2. templates on: the first create (builds the template: boot, snapshot,
      store, restore), then creates that restore it, each timed to its first
-     exec, the idle memory of restored VMs, and the pause and resume of one.
+     exec, the idle memory of restored VMs, and the pause and resume of one;
+  3. templates on, --net default, the bridge in a bench-owned netns
+     (test_net_kit.World, as bench/net.py) with a sink and a closer in
+     another: creates with a NIC, TCP connects and a bulk send through the
+     tap and its policy program.
 
 Progress on stderr; the last stdout line is one JSON object:
 
@@ -29,6 +33,9 @@ Progress on stderr; the last stdout line is one JSON object:
     vm_template_idle_mib_rss / _pss one of two idle restored VMs' QEMU: PSS splits the
                                    template's pages both map between them
     vm_template_pause_s / _resume_first_exec_ms   a restored VM's pause, and an exec on it paused
+    vm_net_create_p50_ms           --net default create -> first exec (restored, NIC set up; p50 of 3)
+    vm_net_connect_ms              one TCP connect+close from the guest through the tap (mean of 50, in one exec)
+    vm_net_send_mbit_s             a 64 MiB send from the guest to the sink (busybox dd | nc)
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import build_rootfs, log, private_daemon, run  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
 
 from dsecd import SyncClient  # noqa: E402
 
@@ -178,6 +187,47 @@ def from_templates(c, state_dir: Path) -> dict:
     }
 
 
+def networked(c, world) -> dict:
+    """Phase 3: creates with a NIC, connects and a bulk send through the tap."""
+    allow = [f"{world.pkg}:5001-5002/tcp"]
+
+    def create():
+        return c.create(IMAGE, backend="microvm", memory="256M", net="default", allow=allow, disk="256M")
+
+    creates = []
+    for i in range(4):
+        t0 = time.perf_counter()
+        sb = create()
+        sb.exec(["true"])
+        dt = (time.perf_counter() - t0) * 1000
+        log(f"--net default create {i + 1} (to first exec): {dt:.0f} ms")
+        if i:                      # the first builds the template of this shape (NIC and all)
+            creates.append(dt)
+        if i < 3:
+            sb.destroy()
+    n = 50
+    loop = f"i=0; while [ $i -lt {n} ]; do nc -w 2 {world.pkg} 5002 </dev/null || exit 1; i=$((i+1)); done"
+    t0 = time.perf_counter()
+    r = sb.exec(["sh", "-c", loop], timeout=300)
+    connect_ms = (time.perf_counter() - t0) * 1000 / n
+    if r.exit_code != 0:
+        raise RuntimeError(f"connects from the guest failed: {r.stderr!r}")
+    log(f"TCP connect+close from the guest: {connect_ms:.1f} ms each (busybox nc, mean of {n})")
+    mib = 64
+    t0 = time.perf_counter()
+    r = sb.exec(["sh", "-c", f"dd if=/dev/zero bs=65536 count={mib * 16} 2>/dev/null | nc {world.pkg} 5001"],
+                timeout=300)
+    secs = time.perf_counter() - t0
+    if r.exit_code != 0:
+        raise RuntimeError(f"the send from the guest failed: {r.stderr!r}")
+    mbit = mib * 8 * 1.048576 / secs
+    log(f"send {mib} MiB from the guest: {secs:.2f} s, {mbit:.0f} Mbit/s")
+    view = sb.net_show()
+    sb.destroy()
+    return {"vm_net_create_p50_ms": round(statistics.median(creates), 1), "vm_net_connect_ms": round(connect_ms, 2),
+            "vm_net_send_mbit_s": round(mbit, 1), "vm_net_dropped_packets": view["default"]["dropped_packets"]}
+
+
 def main() -> int:
     rootfs = build_rootfs()
     out: dict = {}
@@ -198,6 +248,27 @@ def main() -> int:
         c.connect()
         out.update(from_templates(c, Path(d.state)))
         c.close()
+    from net import daemon_config, start_sink
+    from test_net_kit import World, bpf_skip_reason
+
+    why = bpf_skip_reason()
+    if why:
+        log(f"no network figures: {why}")
+    else:
+        world = World(network=False)
+        sink = None
+        try:
+            sink = start_sink(world)
+            with private_daemon(rootfs, IMAGE, extra_config=daemon_config(world, 0)) as d:
+                c = SyncClient(d.sock)
+                c.connect()
+                out.update(networked(c, world))
+                c.close()
+        finally:
+            if sink is not None:
+                sink.kill()
+                sink.wait()
+            world.close()
     print(json.dumps(out))
     return 0
 

@@ -138,6 +138,7 @@ class Node:
                                           self.net_service, self.memory, self.events, self.cpu, self.id_ranges,
                                           self.procs, self.vms)
         self.vms.watch = self.lifecycle.watch
+        self.vms.net = self.net_service
         self.image_service.after_gc = self.vms.gc_templates
         self.lifetimes = LifetimeService(self.registry, self.workers, self.events, self.memory,
                                          self.lifecycle.destroy_sandbox)

@@ -55,6 +55,11 @@
 #include <unistd.h>
 #include <linux/random.h>
 #include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <net/if.h>
+#include <net/if_arp.h>
+#include <net/route.h>
+#include <netinet/in.h>
 
 #include "../missing_defs.h"
 
@@ -79,6 +84,7 @@ enum {
     M_REMOVE = 15, /* path, recursive */
     M_RENAME = 16, /* src, dst, flags (RENAME_*) */
     M_SYNC = 17,   /* (nothing): sync(), answered OK */
+    M_NET = 18,    /* mac, IPv4 address, prefix length, gateway, mtu: the NIC set up, answered OK */
 };
 /* guest -> host */
 enum {
@@ -1048,6 +1054,128 @@ static void do_hello(uint32_t id, struct rd *r)
     send_msg(&out);
 }
 
+/* Interface flags on (set) or off: SIOCGIFFLAGS, SIOCSIFFLAGS. */
+static int if_flags(int s, const char *name, short set)
+{
+    struct ifreq ifr;
+
+    memset(&ifr, 0, sizeof(ifr));
+    snprintf(ifr.ifr_name, IFNAMSIZ, "%s", name);
+    if (ioctl(s, SIOCGIFFLAGS, &ifr) < 0)
+        return -1;
+    ifr.ifr_flags |= set;
+    return ioctl(s, SIOCSIFFLAGS, &ifr);
+}
+
+static void put_in(struct sockaddr *sa, uint32_t addr)
+{
+    struct sockaddr_in *in = (struct sockaddr_in *)sa;
+
+    memset(in, 0, sizeof(*in));
+    in->sin_family = AF_INET;
+    in->sin_addr.s_addr = htonl(addr);
+}
+
+static void write_proc(const char *path, const char *value)
+{
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+
+    if (fd >= 0) {
+        ssize_t ignored = write(fd, value, strlen(value));
+        (void)ignored;
+        close(fd);
+    }
+}
+
+/* The guest's one NIC (virtio-net, the only interface but lo), as the host
+ * says: its MAC (the host's tap program drops frames from any other), its
+ * IPv4 address, the default route through the bridge's gateway, its MTU.
+ * No IPv6: the tap program drops it, so the kernel is told not to try (no
+ * link-local address, no router solicitations). Asked after every boot or
+ * restore of a VM with networking; a resumed VM keeps what it had. */
+static void do_net(uint32_t id, struct rd *r)
+{
+    size_t maclen = 0;
+    const unsigned char *mac = get_bytes(r, &maclen);
+    uint64_t addr = get_u64(r), plen = get_u64(r), gw = get_u64(r), mtu = get_u64(r);
+    struct if_nameindex *names = NULL, *ni;
+    const char *step = "socket";
+    char nic[IFNAMSIZ] = "";
+    struct ifreq ifr;
+    struct rtentry rt;
+    int s = -1;
+
+    if (r->bad || maclen != 6 || plen > 32 || addr > 0xffffffffu || gw > 0xffffffffu) {
+        send_err(id, EINVAL, "malformed net request");
+        return;
+    }
+    s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (s < 0)
+        goto fail;
+    step = "find the NIC";
+    names = if_nameindex();
+    for (ni = names; ni && ni->if_index; ni++)
+        if (strcmp(ni->if_name, "lo")) {
+            snprintf(nic, sizeof(nic), "%s", ni->if_name);
+            break;
+        }
+    if (!nic[0]) {
+        errno = ENODEV;
+        goto fail;
+    }
+    write_proc("/proc/sys/net/ipv6/conf/all/disable_ipv6", "1");
+    write_proc("/proc/sys/net/ipv6/conf/default/disable_ipv6", "1");
+    memset(&ifr, 0, sizeof(ifr));
+    snprintf(ifr.ifr_name, IFNAMSIZ, "%s", nic);
+    ifr.ifr_hwaddr.sa_family = ARPHRD_ETHER;
+    memcpy(ifr.ifr_hwaddr.sa_data, mac, 6);
+    step = "set the MAC";
+    if (ioctl(s, SIOCSIFHWADDR, &ifr) < 0)
+        goto fail;
+    ifr.ifr_mtu = (int)mtu;
+    step = "set the MTU";
+    if (mtu && ioctl(s, SIOCSIFMTU, &ifr) < 0)
+        goto fail;
+    put_in(&ifr.ifr_addr, (uint32_t)addr);
+    step = "set the address";
+    if (ioctl(s, SIOCSIFADDR, &ifr) < 0)
+        goto fail;
+    put_in(&ifr.ifr_netmask, plen ? (uint32_t)(0xffffffffu << (32 - plen)) : 0);
+    step = "set the netmask";
+    if (ioctl(s, SIOCSIFNETMASK, &ifr) < 0)
+        goto fail;
+    step = "set the NIC up";
+    if (if_flags(s, nic, IFF_UP | IFF_RUNNING) < 0)
+        goto fail;
+    memset(&rt, 0, sizeof(rt));
+    put_in(&rt.rt_dst, 0);
+    put_in(&rt.rt_genmask, 0);
+    put_in(&rt.rt_gateway, (uint32_t)gw);
+    rt.rt_flags = RTF_UP | RTF_GATEWAY;
+    step = "add the default route";
+    if (ioctl(s, SIOCADDRT, &rt) < 0 && errno != EEXIST)
+        goto fail;
+    if_freenameindex(names);
+    close(s);
+    say("network: %s up", nic);
+    begin(&out, A_OK, id);
+    put_str(&out, nic);
+    send_msg(&out);
+    return;
+fail:
+    {
+        int err = errno;
+        char what[96];
+
+        snprintf(what, sizeof(what), "%s%s%s", step, nic[0] ? " of " : "", nic);
+        if (names)
+            if_freenameindex(names);
+        if (s >= 0)
+            close(s);
+        send_err(id, err, what);
+    }
+}
+
 static void dispatch(uint8_t type, uint32_t id, const unsigned char *body, size_t n)
 {
     struct rd r = {.p = body, .end = body + n};
@@ -1064,6 +1192,7 @@ static void dispatch(uint8_t type, uint32_t id, const unsigned char *body, size_
     case M_MKDIR: do_mkdir(id, &r); break;
     case M_REMOVE: do_remove(id, &r); break;
     case M_RENAME: do_rename(id, &r); break;
+    case M_NET: do_net(id, &r); break;
     case M_SYNC:
         sync();
         begin(&out, A_OK, id);
@@ -1322,6 +1451,15 @@ int main(void)
     chan = open_channel(); /* before the switch: /sys and /dev are the initramfs' */
     mount_root();
     umount2("/sys", MNT_DETACH);
+    {
+        /* lo, as a container's: the sandbox's own loopback always works */
+        int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+
+        if (s < 0 || if_flags(s, "lo", IFF_UP) < 0)
+            say("set lo up: %s", strerror(errno));
+        if (s >= 0)
+            close(s);
+    }
     say("root mounted; serving");
     sfd = signalfd(-1, &all, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sfd < 0)

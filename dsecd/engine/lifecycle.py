@@ -218,6 +218,7 @@ class LifecycleService:
                 self.memory.report_oom(sb, kills)
             if self.vms.backend is not None:
                 await self.workers.run(self.vms.backend.release, sb.id, h)
+            await self.net.detach_net(sb)      # its tap died with QEMU; its policy and lease go
         finally:
             self.registry.save(sb)
 

@@ -74,6 +74,8 @@ class MicroVMService:
         self.uid_fallback = uid_fallback
         # LifecycleService.watch, set by the node: a resumed VM's new QEMU is watched like the first.
         self.watch = None
+        # NetworkService, set by the node: a VM with --net default gets a tap per QEMU.
+        self.net = None
 
     def info(self) -> dict:
         if self.backend is None:
@@ -99,40 +101,45 @@ class MicroVMService:
         self.require()
         if memory < MIN_GUEST_MEMORY:
             raise BadRequest(f"a microVM needs memory of at least {MIN_GUEST_MEMORY >> 20}M, got {memory} bytes")
-        if (req.net or "none") != "none" or req.allow or req.publish:
-            raise Unsupported("backend microvm has no networking yet: create it with --net none "
-                              "(and no allow/publish)")
+        if req.publish:
+            raise Unsupported("backend microvm publishes no ports yet: its tap's program checks every frame "
+                              "the guest sends against the allowlist, answers to inbound connections included; "
+                              "create it without publish")
 
     async def create(self, sb: Sandbox, limits, disk: int) -> VmHandle:
         """Start the VM, from its template where there is one (made now if
-        not), else by a boot, and wait for its agent. Cancelled or failed,
-        nothing is left (a template being built goes on for later creates)."""
+        not), else by a boot, and wait for its agent; with networking
+        (sb.net, attached before: NetworkService.attach_vm), its NIC set up.
+        Cancelled or failed, no QEMU is left (a template being built goes on
+        for later creates)."""
         backend = self.require()
         layers = [Path(self.store_path(d)) for d in sb.layers]
         what = f"microVM {sb.id}"
+        net = networked(sb)
         if self.templates is not None:
-            key = self.templates.key(layers, sb.layers, limits.memory_bytes, limits.cpu, disk)
+            key = self.templates.key(layers, sb.layers, limits.memory_bytes, limits.cpu, disk, net)
             try:
-                t = await self.templates.get(key, layers, sb.layers, limits, disk)
+                t = await self.templates.get(key, layers, sb.layers, limits, disk, net)
             except OSError as err:
                 if is_boot_failure(err):
                     raise DsecError(f"create sandbox {sb.id}: {err.strerror}", {"errno": "EIO"}, code="io") from err
                 log.warning("sandbox %s: no VM template (%s); booting it", sb.id, err)
             else:
-                handle = await self._start(sb, layers, limits, disk, Machine(ram="private", reporting=False),
-                                           t.ram_fd)
+                handle, guest_net = await self._start(sb, layers, limits, disk,
+                                                      Machine(ram="private", reporting=False, net=net), t.ram_fd)
                 try:
                     await self.templates.restore(handle, t, what, sb.hostname, sb.id)
-                except asyncio.CancelledError:
-                    await asyncio.shield(self.workers.run(backend.destroy, sb.id, handle))
-                    raise
                 except OSError as err:
                     await asyncio.shield(self.workers.run(backend.destroy, sb.id, handle))
                     await self.templates.drop(key, f"sandbox {sb.id} could not be restored from it ({err})")
+                except BaseException:
+                    await asyncio.shield(self.workers.run(backend.destroy, sb.id, handle))
+                    raise
                 else:
+                    await self._finish(sb, handle, guest_net)
                     sb.vm = {"machine": handle.machine.to_record(), "template": key}
                     return handle
-        handle = await self._start(sb, layers, limits, disk, Machine(), -1)
+        handle, guest_net = await self._start(sb, layers, limits, disk, Machine(net=net), -1)
         try:
             await backend.connect(handle, what, sb.hostname, float(self.cfg["boot_timeout_s"]), sandbox_id=sb.id)
         except BaseException as err:
@@ -140,25 +147,83 @@ class MicroVMService:
             if isinstance(err, VmError):
                 raise DsecError(f"create sandbox {sb.id}: {err.strerror}", {"errno": "EIO"}, code="io") from err
             raise
+        await self._finish(sb, handle, guest_net)
         sb.vm = {"machine": handle.machine.to_record(), "template": None}
         return handle
 
+    async def _finish(self, sb: Sandbox, handle: VmHandle, guest_net: dict | None) -> None:
+        """The guest's network after its boot or restore; a failure ends the VM."""
+        try:
+            await self._setup_net(sb, handle, guest_net)
+        except BaseException as err:
+            await asyncio.shield(self.workers.run(self.require().destroy, sb.id, handle))
+            if isinstance(err, OSError):
+                raise DsecError(f"create sandbox {sb.id}: {err.strerror or err}", {"errno": "EIO"},
+                                code="io") from err
+            raise
+
     async def _start(self, sb: Sandbox, layers: list[Path], limits, disk: int, machine: Machine,
-                     ram_fd: int) -> VmHandle:
+                     ram_fd: int) -> tuple[VmHandle, dict | None]:
         """QEMU started in the sandbox's cgroups (waiting for a template's
-        state when its machine maps one)."""
+        state when its machine maps one), on a new tap when it has a NIC;
+        and what the guest's NIC is to be given (None: no NIC)."""
         backend = self.require()
+        tap_fd, guest_net = await self._plug(sb) if machine.net else (-1, None)
 
         def abandoned(fut) -> None:       # the request went while QEMU started: it goes too
             if not fut.cancelled() and fut.exception() is None:
                 self.workers.behind(backend.destroy, sb.id, fut.result())
 
         try:
-            return await self.workers.run_shielded(abandoned, backend.create, sb.id, layers, limits, disk,
-                                                   self._uid(sb), machine.ram == "private", machine, ram_fd)
+            handle = await self.workers.run_shielded(abandoned, backend.create, sb.id, layers, limits, disk,
+                                                     self._uid(sb), machine.ram == "private", machine, ram_fd,
+                                                     tap_fd)
         except OSError as err:
             raise DsecError(f"create sandbox {sb.id}: {err.strerror or err}",
                             {"errno": errno.errorcode.get(err.errno or 0)}, code="io") from err
+        finally:
+            fds.close_quietly(tap_fd)         # QEMU has its own; the tap lives as long as QEMU
+        return handle, guest_net
+
+    # ------------------------------------------------------------ networking
+
+    async def _plug(self, sb: Sandbox) -> tuple[int, dict]:
+        """A tap for the VM's next QEMU, its policy program on it (Network.plug_vm)."""
+        if self.net is None:
+            raise Unsupported("networking is not set up in this daemon")
+        net = await self.net.network()
+        try:
+            return await self.workers.run(net.plug_vm, sb.id)
+        except OSError as err:
+            raise DsecError(f"make the tap of sandbox {sb.id}: {err}", code="io") from err
+
+    async def _setup_net(self, sb: Sandbox, handle: VmHandle, guest: dict | None) -> None:
+        """The guest's NIC (address, route, MAC: the agent, wire.NET) and its
+        /etc/resolv.conf naming the sandboxes' resolver, as a container's."""
+        if guest is None:
+            return
+        iface = guest["ipv4"]
+        try:
+            await handle.agent.request(wire.NET, wire.bstr(guest["mac"]), wire.u64(int(iface.ip)),
+                                       wire.u64(iface.network.prefixlen), wire.u64(int(guest["gateway"])),
+                                       wire.u64(guest["mtu"]))
+        except AgentError as err:
+            raise VmError(err.errno, f"set up the network of microVM {sb.id}: {err.strerror}") from err
+        net = await self.net.network()
+        if net.dns_enabled:
+            link = handle.agent
+            try:
+                st = (await link.request(wire.STAT, wire.bstr("/etc/resolv.conf"))).stat()
+                if st["type"] == "symlink":       # replaced, not followed (as write_resolv_conf does)
+                    await link.request(wire.REMOVE, wire.bstr("/etc/resolv.conf"), wire.u64(0))
+            except AgentError:
+                pass
+            try:
+                await link.request(wire.WRITE, wire.bstr("/etc/resolv.conf"), wire.u64(wire.WRITE_PARENTS),
+                                   wire.u64(0o644), wire.u64(wire.NO_OFFSET),
+                                   wire.bstr(f"nameserver {net.ipam.gateway4}\n"))
+            except AgentError as err:
+                raise VmError(err.errno, f"write /etc/resolv.conf of microVM {sb.id}: {err.strerror}") from err
 
     async def reconnect(self, sb: Sandbox, handle: VmHandle) -> None:
         """The monitor and agent of a VM re-adopted after a daemon restart.
@@ -206,6 +271,8 @@ class MicroVMService:
             raise DsecError(f"pause sandbox {sb.id}: {err}", code="io") from err
         saved = time.monotonic()
         await self.workers.run(backend.end_process, h)
+        if networked(sb) and self.net is not None and self.net.net is not None:
+            await self.workers.run(self.net.net.unplug_vm, sb.id)       # its tap went with QEMU
         return {"vm_image": str(image), "image_bytes": size, "save_s": round(saved - t0, 4),
                 "stop_s": round(time.monotonic() - saved, 4)}
 
@@ -221,7 +288,12 @@ class MicroVMService:
         image = Path(rec.get("vm_image") or h.vm_dir / "paused.ram")
         t0 = time.monotonic()
         layers = [Path(self.store_path(d)) for d in sb.layers]
-        await self.workers.run(backend.respawn, h, layers, sb.limits["cpu"], sb.limits["disk"], self._uid(sb))
+        tap_fd = (await self._plug(sb))[0] if h.machine.net else -1
+        try:
+            await self.workers.run(backend.respawn, h, layers, sb.limits["cpu"], sb.limits["disk"], self._uid(sb),
+                                   tap_fd)
+        finally:
+            fds.close_quietly(tap_fd)
         try:
             await backend.restore(h, image, f"microVM {sb.id}", sb.hostname, sandbox_id=sb.id)
         except OSError as err:
@@ -384,6 +456,11 @@ class MicroVMService:
                                  wire.u64(1 if req.recursive else 0))
             return {"path": path, "removed": r.u64()}
         raise Unsupported(f"{op} is not available for backend microvm yet")
+
+
+def networked(sb: Sandbox) -> bool:
+    """Whether the sandbox has a network of its own (--net default)."""
+    return bool(sb.net) and sb.net.get("mode") == "default"
 
 
 def _check(path: str) -> str:

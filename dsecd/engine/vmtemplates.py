@@ -8,6 +8,10 @@ of the same key, then restores the template: a QEMU started waiting for the
 state, which it loads (its RAM is the template's memfd mapped copy-on-write),
 and the agent's HELLO gives the copy its own identity.
 
+A template of a shape with networking has the NIC too, on a hub port with
+no other port (it sends nowhere, and its agent never sets the NIC up); each
+restore gets its own tap and its NIC set up after the restore.
+
 One build per key at a time: creates arriving meanwhile wait for it. A
 build whose guest does not boot fails the create with the boot's error (the
 same error a plain boot would give); a build that boots but cannot be
@@ -42,11 +46,13 @@ class TemplateService:
         self.uid = uid
         self._building: dict[str, asyncio.Future] = {}
 
-    def key(self, layers: list[Path], digests: list[str], memory: int, cpu: float, disk: int) -> str:
-        argv = self.backend.template_argv(layers, memory, cpu, disk)
+    def key(self, layers: list[Path], digests: list[str], memory: int, cpu: float, disk: int,
+            net: bool = False) -> str:
+        argv = self.backend.template_argv(layers, memory, cpu, disk, net)
         return templates.key_of(argv, digests, self.store.guest_digest, self.store.qemu_id)
 
-    async def get(self, key: str, layers: list[Path], digests: list[str], limits, disk: int) -> Template:
+    async def get(self, key: str, layers: list[Path], digests: list[str], limits, disk: int,
+                  net: bool = False) -> Template:
         """The template `key`: loaded, or built now (one build per key; the
         others wait for it). Raises VmError if its guest does not boot,
         TemplateError or OSError if it cannot be snapshotted or stored."""
@@ -55,14 +61,15 @@ class TemplateService:
             return t
         fut = self._building.get(key)
         if fut is None:
-            fut = asyncio.ensure_future(self._build(key, layers, digests, limits, disk))
+            fut = asyncio.ensure_future(self._build(key, layers, digests, limits, disk, net))
             self._building[key] = fut
             fut.add_done_callback(lambda _: self._building.pop(key, None))
         # A create cancelled meanwhile leaves the build running for the others
         # (and for the next create of the key).
         return await asyncio.shield(fut)
 
-    async def _build(self, key: str, layers: list[Path], digests: list[str], limits, disk: int) -> Template:
+    async def _build(self, key: str, layers: list[Path], digests: list[str], limits, disk: int,
+                     net: bool) -> Template:
         name = f".template-{key[:16]}"
         what = f"VM template {key[:16]}"
         t0 = time.monotonic()
@@ -70,7 +77,7 @@ class TemplateService:
         handle: VmHandle | None = None
         try:
             handle = await self.workers.run(self.backend.create, name, layers, limits, disk, self.uid, False,
-                                            Machine(ram="shared", reporting=False), ram)
+                                            Machine(ram="shared", reporting=False, net=net), ram)
             await self.backend.connect(handle, what, TEMPLATE_HOSTNAME, self.boot_timeout)
             booted = time.monotonic()
             state = handle.vm_dir / "state"

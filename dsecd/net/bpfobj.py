@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parents[2] / "bpf" / "net_policy.c"
 MAGIC = b"dsecd-bpf-object 1\n"
-MAPS = ("config", "sandboxes", "rules", "rule_hits", "sb_stats", "accepted")
-# (function, program type, attach type)
+MAPS = ("config", "sandboxes", "rules", "rule_hits", "sb_stats", "accepted", "taps")
+# (function, program type, attach type): the programs attached to each sandbox's cgroup
 HOOKS = (
     ("dsec_connect4", "CGROUP_SOCK_ADDR", "CGROUP_INET4_CONNECT"),
     ("dsec_connect6", "CGROUP_SOCK_ADDR", "CGROUP_INET6_CONNECT"),
@@ -50,6 +50,9 @@ HOOKS = (
     ("dsec_egress", "CGROUP_SKB", "CGROUP_INET_EGRESS"),
     ("dsec_sockops", "SOCK_OPS", "CGROUP_SOCK_OPS"),     # marks accepted connections for dsec_egress
 )
+# ... and to each microVM's tap (tc ingress: what the guest sends)
+TAP_PROGS = (("dsec_tap", "SCHED_CLS", "TCX_INGRESS"),)
+PROGS = HOOKS + TAP_PROGS
 BUILD_TIMEOUT_S = 300
 LD_IMM64, PSEUDO_MAP_FD = 0x18, 1
 
@@ -103,7 +106,7 @@ def decode(data: bytes, key: str) -> dict:
         for p in obj["progs"]:
             p["insns"] = base64.b64decode(p["insns"])
         names = {m["name"] for m in obj["maps"]}
-        if names != set(MAPS) or {p["name"] for p in obj["progs"]} != {h[0] for h in HOOKS}:
+        if names != set(MAPS) or {p["name"] for p in obj["progs"]} != {h[0] for h in PROGS}:
             raise ObjectError("maps or programs missing")
         for p in obj["progs"]:
             for idx, name in p["relocs"]:
@@ -134,7 +137,7 @@ def build(out: Path, cflags: list[str]) -> None:
                      "value_size": info["value_size"], "max_entries": info["max_entries"],
                      "flags": info["flags"]})
     progs = []
-    for name, ptype, atype in HOOKS:
+    for name, ptype, atype in PROGS:
         insns = bytes(b.dump_func(name.encode()))
         relocs = []
         for i in range(0, len(insns), 8):

@@ -48,6 +48,10 @@ from .qmp import QMP
 log = logging.getLogger(__name__)
 
 PMEM_SLOT0 = 0x10          # PCI slot of the bottom layer; layer i at PMEM_SLOT0 + i
+NIC_MAC = "52:54:00:00:00:01"   # every VM's NIC until its agent sets the VM's own; the tap drops frames from it
+# A template's NIC: a hub port with no other port (a dead end). The template
+# never sends; its restores get a tap (devices match, backends need not).
+TEMPLATE_NETDEV = "hubport,id=net0,hubid=0"
 MAX_LAYERS = 0x20 - PMEM_SLOT0
 MIN_GUEST_MEMORY = 128 << 20   # the cloud kernel and the agent boot in less, barely
 # QEMU's own processes run in the sandbox's cgroup too: TCG's translation
@@ -76,24 +80,29 @@ class Machine:
                      write): a VM restored from the template
           "legacy"   plain -m (VMs started before RAM had an explicit backend)
     reporting: free-page reporting (off for templates and their restores:
-          templates.py says why)."""
+          templates.py says why).
+    net: a virtio-net NIC. Its MAC on the command line is the same for every
+          VM (NIC_MAC: a template's restores share its device state anyway);
+          the agent gives the NIC the VM's own (wire.NET)."""
 
     ram: str = "anon"
     reporting: bool = True
+    net: bool = False          # a virtio-net NIC (--net default): on a tap, or a template's dead-end hub port
 
     def to_record(self) -> dict:
-        return {"ram": self.ram, "reporting": self.reporting}
+        return {"ram": self.ram, "reporting": self.reporting, "net": self.net}
 
     @classmethod
     def from_record(cls, rec: dict | None) -> Machine:
         if not rec:
             return cls(ram="legacy")
-        return cls(ram=rec.get("ram", "legacy"), reporting=bool(rec.get("reporting", True)))
+        return cls(ram=rec.get("ram", "legacy"), reporting=bool(rec.get("reporting", True)),
+                   net=bool(rec.get("net", False)))
 
     def resumed(self) -> Machine:
         """The machine a resume starts: the saved state has all the RAM, so it
         goes to anonymous memory (a template's mapping is not needed again)."""
-        return self if self.ram == "legacy" else Machine(ram="anon", reporting=self.reporting)
+        return self if self.ram == "legacy" else Machine(ram="anon", reporting=self.reporting, net=self.net)
 
 
 @dataclass
@@ -137,8 +146,8 @@ class QemuFiles:
     kernel and initramfs 0644, its own dir). `refs` maps each to that name;
     `fds` is what Popen passes. Closed on exit: QEMU has its copies."""
 
-    def __init__(self, vm_dir: Path, layers: list[Path], guest: GuestImage, ram_fd: int = -1):
-        self.vm_dir, self.layers, self.guest, self.ram_fd = vm_dir, layers, guest, ram_fd
+    def __init__(self, vm_dir: Path, layers: list[Path], guest: GuestImage, ram_fd: int = -1, tap_fd: int = -1):
+        self.vm_dir, self.layers, self.guest, self.ram_fd, self.tap_fd = vm_dir, layers, guest, ram_fd, tap_fd
         self.fds: list[int] = []
         self.refs: dict = {"name": vm_dir.name}
 
@@ -157,6 +166,12 @@ class QemuFiles:
                 fd = os.dup(self.ram_fd)
                 self.fds.append(fd)
                 self.refs["ram"] = f"/proc/self/fd/{fd}"
+            if self.tap_fd >= 0:       # QEMU reads and writes the tap's frames through it
+                fd = os.dup(self.tap_fd)
+                self.fds.append(fd)
+                self.refs["netdev"] = f"tap,id=net0,fd={fd}"
+            else:
+                self.refs["netdev"] = TEMPLATE_NETDEV
         except BaseException:
             self.__exit__()
             raise
@@ -243,6 +258,8 @@ class MicroVMBackend:
                 "-chardev", f"socket,id=agent,path={vm_dir}/agent.sock,server=on,wait=off",
                 "-device", "virtserialport,chardev=agent,name=dsec.agent",
                 "-device", f"virtio-balloon-pci,id=balloon0,free-page-reporting={reporting}"]
+        if machine.net:
+            argv += ["-netdev", refs["netdev"], "-device", f"virtio-net-pci,netdev=net0,id=nic0,mac={NIC_MAC}"]
         for i, (path, size) in enumerate(pmem):
             argv += ["-object", f"memory-backend-file,id=layer{i},share=on,readonly=on,mem-path={path},size={size}",
                      "-device", f"virtio-pmem-pci,memdev=layer{i},id=pmem{i},addr={PMEM_SLOT0 + i:#x}.0"]
@@ -250,22 +267,25 @@ class MicroVMBackend:
             argv += ["-incoming", "defer"]
         return argv
 
-    def template_argv(self, layers: list[Path], guest_memory: int, cpu: float, disk: int) -> list[str]:
+    def template_argv(self, layers: list[Path], guest_memory: int, cpu: float, disk: int,
+                      net: bool = False) -> list[str]:
         """The command line a template of this shape is built with, its
         per-VM paths as placeholders: what a template key hashes
         (templates.key_of). Whatever changes it (a device, a kernel argument,
         the guest's RAM or vCPUs, the writable layer's size) makes a new key."""
         refs = {"name": "@name", "dir": "@dir", "kernel": "@kernel", "initramfs": "@initramfs",
-                "layers": [f"@layer{i}" for i in range(len(layers))], "ram": "@ram"}
+                "layers": [f"@layer{i}" for i in range(len(layers))], "ram": "@ram", "netdev": "@netdev"}
         return self.qemu_argv(refs, layers, guest_memory, self.vcpus(cpu), disk, incoming=True,
-                              machine=Machine(ram="shared", reporting=False))
+                              machine=Machine(ram="shared", reporting=False, net=net))
 
     def create(self, sb_id: str, layers: list[Path], limits: cgroup.Limits, disk: int, uid: int,
-               incoming: bool = False, machine: Machine = Machine(), ram_fd: int = -1) -> VmHandle:
+               incoming: bool = False, machine: Machine = Machine(), ram_fd: int = -1,
+               tap_fd: int = -1) -> VmHandle:
         """Start QEMU for sandbox `sb_id` (blocking): its dir, cgroups, the
         process. The guest then boots on its own; `connect` waits for it.
         incoming: QEMU waits for a migration stream (a template's restore).
-        ram_fd: the template memfd a "shared" or "private" machine maps."""
+        ram_fd: the template memfd a "shared" or "private" machine maps.
+        tap_fd: the tap of a machine with a NIC (none: a template's hub port)."""
         if not 1 <= len(layers) <= MAX_LAYERS:
             raise VmError(errno.E2BIG, f"an image of {len(layers)} layers cannot boot as a microVM: "
                           f"1 to {MAX_LAYERS} layers (one virtio-pmem device each); flatten it first")
@@ -281,7 +301,7 @@ class MicroVMBackend:
             group.set_limits(cgroup.Limits(cpu=limits.cpu, memory_bytes=guest_memory + self.memory_overhead,
                                            pids=QEMU_PIDS, cpu_hard_quota=limits.cpu_hard_quota,
                                            cpu_period_us=limits.cpu_period_us, swap_bytes=limits.swap_bytes))
-            with QemuFiles(vm_dir, layers, self.guest, ram_fd) as files:
+            with QemuFiles(vm_dir, layers, self.guest, ram_fd, tap_fd) as files:
                 argv = self.qemu_argv(files.refs, layers, guest_memory, self.vcpus(limits.cpu), disk, incoming,
                                       machine)
                 popen = self._spawn(argv, group, vm_dir, uid, files.fds)
@@ -378,6 +398,11 @@ class MicroVMBackend:
         await self.connect(h, what, hostname, timeout, hello=False)
         if ignore_shared:
             await self._ignore_shared(h, True)
+        # No self-announcement after the load: QEMU would broadcast RARP
+        # frames with the NIC's MAC (and have the guest send gratuitous ARPs),
+        # which the tap's program drops (no ARP, or a MAC not yet the VM's).
+        # The bridge learns the VM's MAC from its first frame anyway.
+        await h.qmp.command("migrate-set-parameters", {"announce-rounds": 0})
         fd = os.open(image, os.O_RDONLY | os.O_CLOEXEC)
         try:
             await h.qmp.send_fd("state-in", fd)
@@ -403,11 +428,12 @@ class MicroVMBackend:
         fds.close_quietly(h.pidfd)
         h.pidfd = -1
 
-    def respawn(self, h: VmHandle, layers: list[Path], cpu: float, disk: int, uid: int) -> None:
+    def respawn(self, h: VmHandle, layers: list[Path], cpu: float, disk: int, uid: int, tap_fd: int = -1) -> None:
         """Blocking: a new QEMU for a paused VM's dir and cgroups, waiting
-        for its saved state (restore); `h` now names it."""
+        for its saved state (restore); `h` now names it. tap_fd: a new tap
+        for its NIC (the old one went with the old QEMU)."""
         h.machine = h.machine.resumed()
-        with QemuFiles(h.vm_dir, layers, self.guest) as files:
+        with QemuFiles(h.vm_dir, layers, self.guest, tap_fd=tap_fd) as files:
             argv = self.qemu_argv(files.refs, layers, h.guest_memory, self.vcpus(cpu), disk, incoming=True,
                                   machine=h.machine)
             popen = self._spawn(argv, h.group, h.vm_dir, uid, files.fds)
