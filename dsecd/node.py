@@ -140,6 +140,7 @@ class Node:
         self.vms.watch = self.lifecycle.watch
         self.vms.net = self.net_service
         self.image_service.after_gc = self.vms.gc_templates
+        self.image_service.vm_upper = self.vms.upper_tree
         self.lifetimes = LifetimeService(self.registry, self.workers, self.events, self.memory,
                                          self.lifecycle.destroy_sandbox)
         self.create_service = CreateService(cfg, self.registry, self.workers, self.backend, self.image_service,

@@ -14,8 +14,12 @@ error carries `detail.errno`, a timeout kills the process group and says
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
+import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +37,7 @@ from ..errors import (
 )
 from ..execio import _decode_status
 from ..fs import files as sbfiles
+from ..fs import uppertar
 from .sandboxes import Sandbox
 from .vmtemplates import TemplateService, is_boot_failure
 from .workers import Workers
@@ -389,6 +394,56 @@ class MicroVMService:
             result["stdout"] = b"".join(out[1])
             result["stderr"] = b"".join(out[2])
         return result
+
+    # ------------------------------------------------------------ the writable layer
+
+    @contextlib.asynccontextmanager
+    async def upper_tree(self, sb: Sandbox, scratch: Path, max_bytes: int):
+        """The VM's writable layer (the overlay's upper dir in the guest) as
+        a host directory, for snapshot: the agent streams it as a tar (every
+        guest process stopped meanwhile), unpacked under `scratch`
+        (dsecd/fs/uppertar.py); removed on exit. No pause or resume runs
+        meanwhile (the sandbox's lock)."""
+        link = self._agent(sb)
+        work = Path(tempfile.mkdtemp(prefix=f"vm-upper-{sb.id}-", dir=scratch))
+        try:
+            tar, tree = work / "upper.tar", work / "upper"
+            fd = os.open(tar, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            failed: list[OSError] = []
+
+            def on_data(data: bytes) -> None:       # on the loop, from the link's reader: never raise
+                if failed:
+                    return
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                except OSError as err:
+                    failed.append(err)
+
+            try:
+                async with sb.lock:
+                    r = await link.stream(wire.TAR, on_data, wire.u64(max_bytes))
+            except AgentError as err:
+                raise io_error("read the writable layer of", sb.id, err) from err
+            except AgentGone as err:
+                raise Conflict(f"sandbox {sb.id} is exiting: {err}", {"sandbox": sb.id}) from err
+            finally:
+                os.close(fd)
+            if failed:
+                raise io_error("store the writable layer of", f"{sb.id} in {tar}", failed[0])
+            entries, file_bytes, skipped = r.u64(), r.u64(), r.u64()
+            log.info("sandbox %s: writable layer read, %d entries, %d bytes of files, %d skipped (sockets, "
+                     "devices)", sb.id, entries, file_bytes, skipped)
+            tree.mkdir(0o700)
+            try:
+                await self.workers.run(uppertar.unpack, tar, tree)
+            except (ValueError, OSError) as err:
+                raise DsecError(f"snapshot of sandbox {sb.id}: its writable layer's tar: {err}", code="io") from err
+            tar.unlink()
+            yield tree
+        finally:
+            await self.workers.run(shutil.rmtree, work, True)
 
     # ------------------------------------------------------------ files
 

@@ -106,3 +106,32 @@ def test_image_gc_drops_the_templates_of_removed_layers(vm_client, daemon):
     vm_client.request("image_rm", name="bb-gc")
     assert key in vm_client.request("image_gc")["vm_templates_removed"]
     assert not (daemon.state / "vm-templates" / key).exists()
+
+
+def test_snapshot_of_a_vm_is_an_image_both_backends_run(vm_client):
+    """pack_diff of a VM: its writable layer (a tmpfs in the guest) comes as
+    a tar from the agent and becomes a layer, with the overlay's deletions
+    (whiteouts) and replaced directories (opaque) as a container's would."""
+    sb = _vm(vm_client)
+    try:
+        sb.exec(["sh", "-c", "mkdir -p /work/d && echo hi > /work/d/f && ln -s d/f /work/link && "
+                 "cp /bin/busybox /work/suid && chmod 4755 /work/suid && rm /bin/true && "
+                 "rm -rf /usr && mkdir -p /usr/only && touch /usr/only/new && mkfifo /work/fifo"])
+        out = sb.snapshot("vm-snap")
+        assert len(out["layers"]) == 2
+    finally:
+        sb.destroy()
+    script = ("cat /work/d/f; readlink /work/link; stat -c %a /work/suid; [ -e /bin/true ] || echo gone; "
+              "ls /usr; [ -p /work/fifo ] && echo fifo")
+    want = b"hi\nd/f\n4755\ngone\nonly\nfifo\n"
+    box = vm_client.create("vm-snap", memory="64M")
+    try:
+        assert box.exec(["sh", "-c", script]).stdout == want
+    finally:
+        box.destroy()
+    vm = vm_client.create("vm-snap", backend="microvm", memory="256M", net="none", disk="64M")
+    try:
+        assert vm.exec(["sh", "-c", script]).stdout == want
+    finally:
+        vm.destroy()
+    vm_client.request("image_rm", name="vm-snap")

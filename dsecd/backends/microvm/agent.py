@@ -89,6 +89,7 @@ class AgentLink:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._execs: dict[int, AgentExec] = {}
+        self._streams: dict = {}            # request id -> on_data of a streamed answer (stream())
         self.closed = False
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
 
@@ -128,7 +129,20 @@ class AgentLink:
 
     async def request(self, kind: int, *fields: bytes) -> wire.Reader:
         """A file (or hello, sync) request; the OK body, or AgentError."""
+        return await self.request_with_id(next(self._ids), kind, *fields)
+
+    async def stream(self, kind: int, on_data, *fields: bytes) -> wire.Reader:
+        """A request answered by DATA frames, then OK (its body returned) or
+        ERR: on_data(bytes) gets each frame's bytes, in order, on the loop
+        (the writable layer's tar: M_TAR)."""
         msg_id = next(self._ids)
+        self._streams[msg_id] = on_data
+        try:
+            return await self.request_with_id(msg_id, kind, *fields)
+        finally:
+            self._streams.pop(msg_id, None)
+
+    async def request_with_id(self, msg_id: int, kind: int, *fields: bytes) -> wire.Reader:
         fut = asyncio.get_running_loop().create_future()
         self._pending[msg_id] = fut
         try:
@@ -196,6 +210,11 @@ class AgentLink:
                 self._execs.pop(msg_id, None)
                 code = r.u64()
                 run.events.put_nowait(("error", AgentError(code, r.str())))
+            return
+        if kind == wire.DATA:
+            on_data = self._streams.get(msg_id)
+            if on_data is not None:
+                on_data(r.bytes())
             return
         fut = self._pending.get(msg_id)
         if fut is None or fut.done():
