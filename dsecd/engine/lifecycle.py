@@ -116,7 +116,11 @@ class LifecycleService:
     async def _recover_vm(self, sb: Sandbox, rec: dict) -> None:
         """A microVM sandbox after a restart: its QEMU, and both channels again."""
         handle = None
-        if self.vms.backend is not None and sb.state == "paused":
+        # A job pause stops the vCPUs first and saves the state behind its
+        # answer: a VM paused only that far still has its QEMU, adopted below.
+        saved = sb.state == "paused" and not (sb.pause_record or {}).get("vm_stopped")
+        saved = saved or bool((sb.pause_record or {}).get("vm_image"))
+        if self.vms.backend is not None and saved:
             handle = self.vms.backend.paused_handle(sb.id, sb.limits["memory"])
             if handle is not None:
                 self.vms.adopted(sb, handle)

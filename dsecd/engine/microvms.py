@@ -288,8 +288,29 @@ class MicroVMService:
         handle.template = (sb.vm or {}).get("template")
         handle.guest_memory = sb.limits["memory"]
 
+    async def stop_vcpus(self, sb: Sandbox) -> None:
+        """A job pause's freeze: the VM's vCPUs stop (QMP stop); QEMU and its
+        memory stay until the save behind the answer (MemoryService)."""
+        h = sb.handle
+        if h is None or h.qmp is None:
+            raise Conflict(f"sandbox {sb.id} is exiting (no monitor)", {"sandbox": sb.id})
+        await h.qmp.command("stop")
+
     async def resume(self, sb: Sandbox, rec: dict) -> dict:
         backend, h = self.require(), sb.handle
+        if rec.get("vm_stopped") and not rec.get("vm_image"):
+            # Only its vCPUs were stopped (a job pause whose save had not run):
+            # run them, and step the guest's clock over the stop (HELLO).
+            t0 = time.monotonic()
+            try:
+                await h.qmp.command("cont")
+                if h.agent is not None and not h.agent.closed:
+                    await h.agent.hello(sb.hostname, sb.id)
+                else:           # re-adopted while stopped: its agent is reached now
+                    h.agent = await backend.connect_agent(h, f"microVM {sb.id}", sb.hostname, 30.0, sb.id)
+            except OSError as err:
+                raise DsecError(f"resume sandbox {sb.id}: {err}", code="io") from err
+            return {"restore_s": round(time.monotonic() - t0, 4)}
         image = Path(rec.get("vm_image") or h.vm_dir / "paused.ram")
         t0 = time.monotonic()
         layers = [Path(self.store_path(d)) for d in sb.layers]
