@@ -43,6 +43,7 @@ from .engine.procs import ProcessService, ProcLimits
 from .engine.sandboxes import SandboxRegistry
 from .engine.starts import ProcessStarter
 from .engine.vmtemplates import TemplateService
+from .engine.vmwatchdog import VmWatchdog
 from .engine.watches import WatchService
 from .engine.workers import Workers
 from .fds import close_quietly
@@ -141,6 +142,8 @@ class Node:
         self.vms.net = self.net_service
         self.image_service.after_gc = self.vms.gc_templates
         self.image_service.vm_upper = self.vms.upper_tree
+        vm_cfg = cfg.section("microvm")
+        self.vm_watchdog = VmWatchdog(self.registry, vm_cfg["watchdog_interval_s"], vm_cfg["watchdog_timeout_s"])
         self.lifetimes = LifetimeService(self.registry, self.workers, self.events, self.memory,
                                          self.lifecycle.destroy_sandbox)
         self.create_service = CreateService(cfg, self.registry, self.workers, self.backend, self.image_service,
@@ -194,6 +197,8 @@ class Node:
         await self.workers.run(self.memory.start)
         await self.net_service.readopt_net()
         self.lifetimes.start()
+        if self.vms.backend is not None:
+            self.vm_watchdog.start()
 
     def _cpu_entries(self) -> dict[str, tuple[str, bool]]:
         return {s.id: (s.qos, bool(s.limits.get("cpu_quota"))) for s in self.registry.by_id.values()
@@ -205,6 +210,7 @@ class Node:
         await self.call_service.close()      # call sandboxes belong to this daemon: they go
         self.image_service.stop_layer_sweeper()
         self.lifetimes.stop()
+        self.vm_watchdog.stop()
         if self._cpu_task:
             self._cpu_task.cancel()
         await self.net_service.close_net()

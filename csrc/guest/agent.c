@@ -87,6 +87,7 @@ enum {
     M_SYNC = 17,   /* (nothing): sync(), answered OK */
     M_NET = 18,    /* mac, IPv4 address, prefix length, gateway, mtu: the NIC set up, answered OK */
     M_TAR = 19,    /* max file bytes: the writable layer as a tar in DATA frames, then OK (counts) */
+    M_PING = 20,   /* (nothing): answered OK at once, the host's liveness check */
 };
 /* guest -> host */
 enum {
@@ -1503,6 +1504,10 @@ static void dispatch(uint8_t type, uint32_t id, const unsigned char *body, size_
     case M_RENAME: do_rename(id, &r); break;
     case M_NET: do_net(id, &r); break;
     case M_TAR: do_tar(id, &r); break;
+    case M_PING:
+        begin(&out, A_OK, id);
+        send_msg(&out);
+        break;
     case M_SYNC:
         sync();
         begin(&out, A_OK, id);

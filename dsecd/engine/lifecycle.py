@@ -184,7 +184,13 @@ class LifecycleService:
         """Release the cgroups and fds of a sandbox whose init is gone; keep its record."""
         self.registry.mark_dead(sb)
         sb.died = time.time()
-        self.events.publish("died", sb.id)
+        if sb.backend == "microvm":
+            # "hung": the watchdog killed it (engine/vmwatchdog.py); else its QEMU
+            # exited (a guest panic, a kill, its memory limit: an "oom" event follows).
+            why = getattr(h, "extra", {}).get("died_because", "exited") if h is not None else "gone"
+            self.events.publish("died", sb.id, reason=why)
+        else:
+            self.events.publish("died", sb.id)
         sb.handle = None
         if sb.backend == "microvm":
             await self._vm_dead(sb, h)
