@@ -23,6 +23,7 @@ import time
 
 from .. import native
 from ..backends.microvm import wire
+from ..backends.microvm.agent import AgentError
 from .sandboxes import SandboxRegistry
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class VmWatchdog:
     async def _ping(self, sb_id: str, link) -> None:
         try:
             await link.request(wire.PING)
+        except AgentError:
+            pass                           # an answer all the same (an agent older than PING says ENOSYS)
         except (OSError, asyncio.CancelledError):
             return                         # the channel closed: the VM's end is reported by its watch
         self._last_answer[sb_id] = time.monotonic()
