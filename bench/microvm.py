@@ -1,22 +1,41 @@
-"""microVM backend figures, through a private daemon (`make bench-microvm`).
+"""microVM backend figures, through private daemons (`make bench-microvm`).
 
 One VM at a time (TCG guests take a whole core while they boot; the host
-has two, shared): two creates for the boot time, then on one VM the exec
-round trip, the idle host memory of its QEMU, what the layers on pmem cost
-the guest's page cache, what the balloon's free-page reporting gives back,
-and a pause and resume. Progress on stderr; the last stdout line is one JSON
-object:
+has two, shared). Two daemons, one after the other:
 
-    accel                        kvm | tcg, and the probe's reason (accel_why)
-    vm_boot_to_agent_s           create -> the agent answered (median of 2)
-    vm_exec_rtt_p50_ms / p99     `true`, collected, 50 times
-    vm_idle_host_mib_rss / _pss  the idle VM's QEMU (smaps_rollup), 3 s after boot
-    vm_pmem_page_cache_ratio     guest page-cache growth / data bytes read from the image (0: DAX, no copy)
-    vm_balloon_returned_fraction host RSS given back after the guest freed 128 MiB it had written
-    vm_pause_s, vm_resume_s      pause (state saved, QEMU ended) and resume (state loaded)
-    vm_resume_first_exec_ms      an exec on a paused VM: resume included
-    vm_pause_image_mib           the saved state's size
-    vm_template_create_p50_ms    null: templates are not built yet
+  1. templates off: two creates that boot, then on one VM the exec round
+     trip, the idle host memory of its QEMU, what the layers on pmem cost the
+     guest's page cache, what the balloon's free-page reporting gives back,
+     and a pause and resume;
+  2. templates on: the first create (builds the template: boot, snapshot,
+     store, restore), then creates that restore it, each timed to its first
+     exec, the idle memory of restored VMs, and the pause and resume of one;
+  3. templates on, --net default, the bridge in a bench-owned netns
+     (test_net_kit.World, as bench/net.py) with a sink and a closer in
+     another: creates with a NIC, TCP connects and a bulk send through the
+     tap and its policy program.
+
+Progress on stderr; the last stdout line is one JSON object:
+
+    accel                          kvm | tcg, and the probe's reason (accel_why)
+    vm_boot_to_agent_s             create -> the agent answered, by a boot (median of 2)
+    vm_exec_rtt_p50_ms / p99       `true`, collected, 50 times
+    vm_idle_host_mib_rss / _pss    the idle booted VM's QEMU (smaps_rollup), 3 s after boot
+    vm_pmem_page_cache_ratio       guest page-cache growth / data bytes read from the image (0: DAX, no copy)
+    vm_balloon_returned_fraction   host RSS given back after the guest freed 128 MiB it had written
+    vm_pause_s, vm_resume_s        pause (state saved, QEMU ended) and resume (state loaded)
+    vm_resume_first_exec_ms        an exec on a paused VM: resume included
+    vm_pause_image_mib             the saved state's size
+    vm_template_build_s            the first create of a shape: boot, snapshot, store, restore
+    vm_template_create_p50_ms      create -> first exec answered, restoring the template (p50 of 7)
+    vm_template_create_only_p50_ms the create alone (restore and the agent's HELLO)
+    vm_template_ram_mib            the template's RAM (data pages of its memfd)
+    vm_template_idle_mib_rss / _pss one of two idle restored VMs' QEMU: PSS splits the
+                                   template's pages both map between them
+    vm_template_pause_s / _resume_first_exec_ms   a restored VM's pause, and an exec on it paused
+    vm_net_create_p50_ms           --net default create -> first exec (restored, NIC set up; p50 of 3)
+    vm_net_connect_ms              one TCP connect+close from the guest through the tap (mean of 50, in one exec)
+    vm_net_send_mbit_s             a 64 MiB send from the guest to the sink (busybox dd | nc)
 """
 
 from __future__ import annotations
@@ -29,6 +48,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import build_rootfs, log, private_daemon, run  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
 
 from dsecd import SyncClient  # noqa: E402
 
@@ -50,72 +71,50 @@ def guest_cached(sb) -> int:
     raise RuntimeError("no Cached: in the guest's /proc/meminfo")
 
 
-def main() -> int:
-    rootfs = build_rootfs()
-    with private_daemon(rootfs, IMAGE) as d:
-        c = SyncClient(d.sock)
-        c.connect()
-        vm = c.info()["backends"]["microvm"]
-        if not vm["available"]:
-            log(f"backend microvm unavailable: {vm['why']}")
-            print(json.dumps({"accel": None, "accel_why": vm["why"]}))
-            return 1
-        log(f"accel {vm['accel']}: {vm['why']}")
-        boots = []
-        for i in range(2):
-            t0 = time.monotonic()
-            sb = c.create(IMAGE, backend="microvm", memory="256M", net="none", disk="256M")
-            boots.append(time.monotonic() - t0)
-            log(f"boot {i + 1}: {boots[-1]:.2f} s")
-            if i == 0:
-                sb.destroy()
-        rtts = []
-        for _ in range(50):
-            t0 = time.perf_counter()
-            sb.exec(["true"])
-            rtts.append((time.perf_counter() - t0) * 1000)
-        rtts.sort()
-        log(f"exec rtt p50 {rtts[25]:.2f} ms p99 {rtts[-1]:.2f} ms")
-        time.sleep(3)
-        pid = sb.inspect()["vm"]["qemu_pid"]
-        idle = smaps(pid)
-        log(f"idle QEMU: RSS {idle['Rss'] >> 20} MiB, PSS {idle['Pss'] >> 20} MiB")
-
-        sb.exec(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"])
-        # The stat reads the file's metadata (EROFS reads metadata through the
-        # block device's page cache even with DAX): what follows is data only.
-        size = int(sb.exec(["stat", "-c", "%s", "/bin/busybox"]).stdout)
-        before = guest_cached(sb)
-        sb.exec(["sh", "-c", "cat /bin/busybox > /dev/null"])
-        ratio = max(0, guest_cached(sb) - before) / size
-        log(f"pmem: read {size} bytes of the image, guest page cache grew by {ratio:.3f} of it")
-
-        rss0 = smaps(pid)["Rss"]
-        sb.exec(["sh", "-c", "dd if=/dev/zero of=/fill bs=1M count=128 2>/dev/null"])
-        rss1 = smaps(pid)["Rss"]
-        sb.exec(["rm", "/fill"])
-        time.sleep(6)          # free page reporting runs every 2 s on pageblocks of 2 MiB+
-        rss2 = smaps(pid)["Rss"]
-        returned = (rss1 - rss2) / max(1, rss1 - rss0)
-        log(f"balloon: RSS {rss0 >> 20} -> {rss1 >> 20} MiB after 128 MiB touched, {rss2 >> 20} MiB "
-            f"after they were freed: {returned:.2f} returned")
-
+def booted(c) -> dict:
+    """Phase 1 (templates off): a booted VM's figures."""
+    boots = []
+    for i in range(2):
         t0 = time.monotonic()
-        paused = sb.pause()
-        pause_s = time.monotonic() - t0
-        t0 = time.monotonic()
-        sb.resume()
-        resume_s = time.monotonic() - t0
-        sb.pause()
+        sb = c.create(IMAGE, backend="microvm", memory="256M", net="none", disk="256M")
+        boots.append(time.monotonic() - t0)
+        log(f"boot {i + 1}: {boots[-1]:.2f} s")
+        if i == 0:
+            sb.destroy()
+    rtts = []
+    for _ in range(50):
         t0 = time.perf_counter()
         sb.exec(["true"])
-        first_exec_ms = (time.perf_counter() - t0) * 1000
-        log(f"pause {pause_s:.2f} s (image {paused.get('image_bytes', 0) >> 20} MiB), resume {resume_s:.2f} s, "
-            f"first exec on a paused VM {first_exec_ms:.0f} ms")
-        sb.destroy()
-        c.close()
-    print(json.dumps({
-        "accel": vm["accel"], "accel_why": vm["why"],
+        rtts.append((time.perf_counter() - t0) * 1000)
+    rtts.sort()
+    log(f"exec rtt p50 {rtts[25]:.2f} ms p99 {rtts[-1]:.2f} ms")
+    time.sleep(3)
+    pid = sb.inspect()["vm"]["qemu_pid"]
+    idle = smaps(pid)
+    log(f"idle QEMU: RSS {idle['Rss'] >> 20} MiB, PSS {idle['Pss'] >> 20} MiB")
+
+    sb.exec(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"])
+    # The stat reads the file's metadata (EROFS reads metadata through the
+    # block device's page cache even with DAX): what follows is data only.
+    size = int(sb.exec(["stat", "-c", "%s", "/bin/busybox"]).stdout)
+    before = guest_cached(sb)
+    sb.exec(["sh", "-c", "cat /bin/busybox > /dev/null"])
+    ratio = max(0, guest_cached(sb) - before) / size
+    log(f"pmem: read {size} bytes of the image, guest page cache grew by {ratio:.3f} of it")
+
+    rss0 = smaps(pid)["Rss"]
+    sb.exec(["sh", "-c", "dd if=/dev/zero of=/fill bs=1M count=128 2>/dev/null"])
+    rss1 = smaps(pid)["Rss"]
+    sb.exec(["rm", "/fill"])
+    time.sleep(6)          # free page reporting runs every 2 s on pageblocks of 2 MiB+
+    rss2 = smaps(pid)["Rss"]
+    returned = (rss1 - rss2) / max(1, rss1 - rss0)
+    log(f"balloon: RSS {rss0 >> 20} -> {rss1 >> 20} MiB after 128 MiB touched, {rss2 >> 20} MiB "
+        f"after they were freed: {returned:.2f} returned")
+
+    pause_s, resume_s, first_exec_ms, paused = pause_figures(sb)
+    sb.destroy()
+    return {
         "vm_boot_to_agent_s": round(statistics.median(boots), 3),
         "vm_exec_rtt_p50_ms": round(rtts[25], 3), "vm_exec_rtt_p99_ms": round(rtts[-1], 3),
         "vm_idle_host_mib_rss": round(idle["Rss"] / 2**20, 1), "vm_idle_host_mib_pss": round(idle["Pss"] / 2**20, 1),
@@ -124,8 +123,153 @@ def main() -> int:
         "vm_pause_s": round(pause_s, 3), "vm_resume_s": round(resume_s, 3),
         "vm_resume_first_exec_ms": round(first_exec_ms, 1),
         "vm_pause_image_mib": round(paused.get("image_bytes", 0) / 2**20, 1),
-        "vm_template_create_p50_ms": None,
-    }))
+    }
+
+
+def pause_figures(sb) -> tuple[float, float, float, dict]:
+    t0 = time.monotonic()
+    paused = sb.pause()
+    pause_s = time.monotonic() - t0
+    t0 = time.monotonic()
+    sb.resume()
+    resume_s = time.monotonic() - t0
+    sb.pause()
+    t0 = time.perf_counter()
+    sb.exec(["true"])
+    first_exec_ms = (time.perf_counter() - t0) * 1000
+    log(f"pause {pause_s:.2f} s (image {paused.get('image_bytes', 0) >> 20} MiB), resume {resume_s:.2f} s, "
+        f"first exec on a paused VM {first_exec_ms:.0f} ms")
+    return pause_s, resume_s, first_exec_ms, paused
+
+
+def from_templates(c, state_dir: Path) -> dict:
+    """Phase 2 (templates on): the template's build, restores, their memory."""
+    def create():
+        return c.create(IMAGE, backend="microvm", memory="256M", net="none", disk="256M")
+
+    t0 = time.monotonic()
+    sb = create()
+    sb.exec(["true"])
+    build_s = time.monotonic() - t0
+    key = sb.inspect()["vm"]["template"]
+    meta = json.loads((state_dir / "vm-templates" / key / "meta.json").read_text())
+    log(f"template build (first create, to its first exec): {build_s:.2f} s; boot {meta['boot_s']} s, "
+        f"RAM {meta['ram_data_bytes'] >> 20} MiB, device state {meta['state_bytes'] >> 10} KiB")
+    sb.destroy()
+    total, alone = [], []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        sb = create()
+        t1 = time.perf_counter()
+        sb.exec(["true"])
+        t2 = time.perf_counter()
+        total.append((t2 - t0) * 1000)
+        alone.append((t1 - t0) * 1000)
+        sb.destroy()
+    log(f"restores: create+first exec {sorted(round(x) for x in total)} ms, "
+        f"create alone {sorted(round(x) for x in alone)} ms")
+    a, b = create(), create()
+    time.sleep(3)
+    idle = smaps(a.inspect()["vm"]["qemu_pid"])
+    log(f"idle restored QEMU (one of two): RSS {idle['Rss'] >> 20} MiB, PSS {idle['Pss'] >> 20} MiB")
+    b.destroy()
+    pause_s, _resume_s, first_exec_ms, _ = pause_figures(a)
+    a.destroy()
+    return {
+        "vm_template_build_s": round(build_s, 3),
+        "vm_template_create_p50_ms": round(statistics.median(total), 1),
+        "vm_template_create_only_p50_ms": round(statistics.median(alone), 1),
+        "vm_template_ram_mib": round(meta["ram_data_bytes"] / 2**20, 1),
+        "vm_template_idle_mib_rss": round(idle["Rss"] / 2**20, 1),
+        "vm_template_idle_mib_pss": round(idle["Pss"] / 2**20, 1),
+        "vm_template_pause_s": round(pause_s, 3),
+        "vm_template_resume_first_exec_ms": round(first_exec_ms, 1),
+    }
+
+
+def networked(c, world) -> dict:
+    """Phase 3: creates with a NIC, connects and a bulk send through the tap."""
+    allow = [f"{world.pkg}:5001-5002/tcp"]
+
+    def create():
+        return c.create(IMAGE, backend="microvm", memory="256M", net="default", allow=allow, disk="256M")
+
+    creates = []
+    for i in range(4):
+        t0 = time.perf_counter()
+        sb = create()
+        sb.exec(["true"])
+        dt = (time.perf_counter() - t0) * 1000
+        log(f"--net default create {i + 1} (to first exec): {dt:.0f} ms")
+        if i:                      # the first builds the template of this shape (NIC and all)
+            creates.append(dt)
+        if i < 3:
+            sb.destroy()
+    n = 50
+    loop = f"i=0; while [ $i -lt {n} ]; do nc -w 2 {world.pkg} 5002 </dev/null || exit 1; i=$((i+1)); done"
+    t0 = time.perf_counter()
+    r = sb.exec(["sh", "-c", loop], timeout=300)
+    connect_ms = (time.perf_counter() - t0) * 1000 / n
+    if r.exit_code != 0:
+        raise RuntimeError(f"connects from the guest failed: {r.stderr!r}")
+    log(f"TCP connect+close from the guest: {connect_ms:.1f} ms each (busybox nc, mean of {n})")
+    mib = 64
+    t0 = time.perf_counter()
+    r = sb.exec(["sh", "-c", f"dd if=/dev/zero bs=65536 count={mib * 16} 2>/dev/null | nc {world.pkg} 5001"],
+                timeout=300)
+    secs = time.perf_counter() - t0
+    if r.exit_code != 0:
+        raise RuntimeError(f"the send from the guest failed: {r.stderr!r}")
+    mbit = mib * 8 * 1.048576 / secs
+    log(f"send {mib} MiB from the guest: {secs:.2f} s, {mbit:.0f} Mbit/s")
+    view = sb.net_show()
+    sb.destroy()
+    return {"vm_net_create_p50_ms": round(statistics.median(creates), 1), "vm_net_connect_ms": round(connect_ms, 2),
+            "vm_net_send_mbit_s": round(mbit, 1), "vm_net_dropped_packets": view["default"]["dropped_packets"]}
+
+
+def main() -> int:
+    rootfs = build_rootfs()
+    out: dict = {}
+    with private_daemon(rootfs, IMAGE, extra_config="[microvm]\ntemplates = false\n") as d:
+        c = SyncClient(d.sock)
+        c.connect()
+        vm = c.info()["backends"]["microvm"]
+        if not vm["available"]:
+            log(f"backend microvm unavailable: {vm['why']}")
+            print(json.dumps({"accel": None, "accel_why": vm["why"]}))
+            return 1
+        log(f"accel {vm['accel']}: {vm['why']}")
+        out.update({"accel": vm["accel"], "accel_why": vm["why"]})
+        out.update(booted(c))
+        c.close()
+    with private_daemon(rootfs, IMAGE) as d:
+        c = SyncClient(d.sock)
+        c.connect()
+        out.update(from_templates(c, Path(d.state)))
+        c.close()
+    from net import daemon_config, start_sink
+    from test_net_kit import World, bpf_skip_reason
+
+    why = bpf_skip_reason()
+    if why:
+        log(f"no network figures: {why}")
+    else:
+        world = World(network=False)
+        sink = None
+        try:
+            sink = start_sink(world)
+            with private_daemon(rootfs, IMAGE, extra_config=daemon_config(world, 0)) as d:
+                c = SyncClient(d.sock)
+                c.connect()
+                out.update(networked(c, world))
+                c.close()
+        finally:
+            if sink is not None:
+                sink.kill()
+                sink.wait()
+            world.close()
+    print(json.dumps(out))
     return 0
 
 

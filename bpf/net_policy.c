@@ -9,6 +9,7 @@
 //   rule_hits   array     counter slot -> connects/sends an entry allowed (atomic adds)
 //   sb_stats    percpu    stats slot -> what the default-deny refused
 //   accepted    lru_hash  socket cookie of each TCP connection the sandbox accepted (dsec_sockops)
+//   taps        hash      ifindex of a microVM's tap -> {its `sandboxes` key, address, MAC} (dsec_tap)
 //
 // Atomic updates: user space writes a whole new policy under a fresh policy id,
 // then flips the sandbox's one `sandboxes` entry to it (a single map update),
@@ -20,7 +21,9 @@
 // one lookup then gives every port/protocol entry that applies to an address.
 
 #include <uapi/linux/bpf.h>
+#include <uapi/linux/if_arp.h>
 #include <uapi/linux/if_ether.h>
+#include <uapi/linux/pkt_cls.h>
 #include <uapi/linux/in.h>
 #include <uapi/linux/ip.h>
 #include <uapi/linux/ipv6.h>
@@ -94,6 +97,18 @@ BPF_PERCPU_ARRAY(sb_stats, struct sb_stat, MAX_SANDBOXES);
 #define MAX_ACCEPTED 65536
 #endif
 BPF_TABLE("lru_hash", u64, u8, accepted, MAX_ACCEPTED);
+
+// A microVM's tap (dsec_tap): which sandbox it is and what the guest may
+// send as. `key` is the VM's key in `sandboxes` (not a cgroup id: no socket
+// of the guest is on the host; dsecd/net/network.py vm_key), the address is
+// its lease (network byte order), the MAC the one the agent gave its NIC.
+struct tap_val {
+    u64 key;
+    u32 ip4;
+    u8 mac[6];
+    u8 pad[2];
+};
+BPF_HASH(taps, u32, struct tap_val, MAX_SANDBOXES);
 
 static __always_inline u32 sandbox_level(void)
 {
@@ -314,4 +329,99 @@ drop:;
     if (st)
         st->dropped_packets += 1;
     return 0;
+}
+
+// n bytes equal (no memcmp: a libcall the object cannot carry).
+static __always_inline int same_bytes(const u8 *a, const u8 *b, int n)
+{
+    u8 acc = 0;
+#pragma unroll
+    for (int i = 0; i < 6; i++)
+        if (i < n)
+            acc |= a[i] ^ b[i];
+    return acc == 0;
+}
+
+// A microVM's egress: tc ingress of its tap (what the guest sends), attached
+// with TCX (dsecd/net/policy.py attach_tap). No socket of the guest exists on
+// the host, so this program is the whole policy for it: every frame is
+// checked, against the same `rules` as the cgroup programs, through the VM's
+// `sandboxes` entry (a live update flips it the same way). The guest is root
+// in its own kernel and can send any frame, so the frame must also carry the
+// VM's own MAC and address: no spoofing another sandbox on the bridge. What
+// is allowed: ARP for its own address, and IPv4 the policy allows. Not IPv6
+// (microVMs get no IPv6 address), nor any other ethertype. Unknown tap or
+// sandbox: dropped (fail closed).
+int dsec_tap(struct __sk_buff *skb)
+{
+    u32 ifindex = skb->ifindex;
+    struct tap_val *tap = taps.lookup(&ifindex);
+    if (!tap)
+        return TC_ACT_SHOT;
+    u64 key = tap->key;
+    struct sb_val *sb = sandboxes.lookup(&key);
+    if (!sb)
+        return TC_ACT_SHOT;
+    struct ethhdr eth;
+    if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) < 0)
+        goto drop;
+    if (!same_bytes(eth.h_source, tap->mac, ETH_ALEN))
+        goto drop;
+    if (eth.h_proto == bpf_htons(ETH_P_ARP)) {
+        // arphdr, then sender MAC (6) and sender IPv4 (4) for Ethernet/IPv4
+        struct {
+            struct arphdr h;
+            u8 sha[ETH_ALEN];
+            u8 spa[4];
+        } __attribute__((packed)) arp;
+        if (bpf_skb_load_bytes(skb, sizeof(eth), &arp, sizeof(arp)) < 0)
+            goto drop;
+        if (arp.h.ar_hrd != bpf_htons(ARPHRD_ETHER) || arp.h.ar_pro != bpf_htons(ETH_P_IP) ||
+            arp.h.ar_hln != ETH_ALEN || arp.h.ar_pln != 4)
+            goto drop;
+        if (!same_bytes(arp.sha, tap->mac, ETH_ALEN) || !same_bytes(arp.spa, (const u8 *)&tap->ip4, 4))
+            goto drop;
+        return TC_ACT_OK;
+    }
+    if (eth.h_proto != bpf_htons(ETH_P_IP))
+        goto drop;
+    struct iphdr ip;
+    if (bpf_skb_load_bytes(skb, sizeof(eth), &ip, sizeof(ip)) < 0)
+        goto drop;
+    if (ip.saddr != tap->ip4)
+        goto drop;
+    struct lpm_key k = {};
+    k.family = FAM_V4;
+    __builtin_memcpy(k.addr, &ip.daddr, 4);
+    u8 proto = ip.protocol;
+    u32 l4 = sizeof(eth) + ip.ihl * 4;
+    if (ip.frag_off & bpf_htons(0x1fff))
+        proto = 0;  // a non-first fragment has no ports: "other protocol"
+    u8 bit = proto_bit(proto);
+    u16 port = 0;
+    // What the cgroup hooks count (a connect, a datagram sent) is counted
+    // here as a TCP SYN without ACK, and every UDP or other datagram.
+    int count = bit != P_TCP;
+    if (bit != P_OTHER) {
+        u16 ports[2];
+        if (bpf_skb_load_bytes(skb, l4, ports, sizeof(ports)) < 0)
+            goto drop;
+        port = bpf_ntohs(ports[1]);
+        if (bit == P_TCP) {
+            u8 flags;
+            if (bpf_skb_load_bytes(skb, l4 + 13, &flags, 1) < 0)
+                goto drop;
+            count = (flags & 0x12) == 0x02;  // SYN, no ACK
+        }
+    }
+    if (decide(sb, &k, port, bit, count))
+        return TC_ACT_OK;
+    if (count)
+        bump_denied(sb->slot, bit != P_TCP);
+drop:;
+    u32 slot = sb->slot;
+    struct sb_stat *st = sb_stats.lookup(&slot);
+    if (st)
+        st->dropped_packets += 1;
+    return TC_ACT_SHOT;
 }

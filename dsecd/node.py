@@ -22,6 +22,7 @@ from . import __version__, cgroup, protocol
 from .backends.container import ContainerBackend
 from .backends.microvm import guestimg
 from .backends.microvm.backend import MicroVMBackend
+from .backends.microvm.templates import TemplateStore, qemu_identity
 from .config import Config, ConfigError, parse_size
 from .cpu.manager import CpuHost
 from .denials import Monitor
@@ -45,6 +46,8 @@ from .engine.policies import PolicyService
 from .engine.procs import ProcessService, ProcLimits
 from .engine.sandboxes import SandboxRegistry
 from .engine.starts import ProcessStarter
+from .engine.vmtemplates import TemplateService
+from .engine.vmwatchdog import VmWatchdog
 from .engine.watches import WatchService
 from .engine.workers import Workers
 from .fds import close_quietly
@@ -150,6 +153,11 @@ class Node:
                                           self.net_service, self.memory, self.events, self.cpu, self.id_ranges,
                                           self.procs, self.vms)
         self.vms.watch = self.lifecycle.watch
+        self.vms.net = self.net_service
+        self.image_service.after_gc = self.vms.gc_templates
+        self.image_service.vm_upper = self.vms.upper_tree
+        vm_cfg = cfg.section("microvm")
+        self.vm_watchdog = VmWatchdog(self.registry, vm_cfg["watchdog_interval_s"], vm_cfg["watchdog_timeout_s"])
         self.lifetimes = LifetimeService(self.registry, self.workers, self.events, self.memory,
                                          self.lifecycle.destroy_sandbox)
         self.create_service = CreateService(cfg, self.registry, self.workers, self.backend, self.image_service,
@@ -207,6 +215,8 @@ class Node:
         await self.workers.run(self.memory.start)
         await self.net_service.readopt_net()
         self.lifetimes.start()
+        if self.vms.backend is not None:
+            self.vm_watchdog.start()
 
     def _cpu_entries(self) -> dict[str, tuple[str, bool]]:
         return {s.id: (s.qos, bool(s.limits.get("cpu_quota"))) for s in self.registry.by_id.values()
@@ -218,6 +228,7 @@ class Node:
         await self.call_service.close()      # call sandboxes belong to this daemon: they go
         self.image_service.stop_layer_sweeper()
         self.lifetimes.stop()
+        self.vm_watchdog.stop()
         if self._cpu_task:
             self._cpu_task.cancel()
         await self.net_service.close_net()
@@ -227,6 +238,8 @@ class Node:
         drained = not any(s.handle is not None for s in self.registry.by_id.values())
         await self.workers.run(self.image_service.stop, drained)
         self.lifecycle.close()
+        if self.vms.templates is not None:
+            self.vms.templates.store.close()     # VMs restored from templates keep their own mappings
         # Layers no running sandbox uses are unmounted; the others stay for
         # their sandboxes and are re-counted by the next daemon.
         try:
@@ -319,8 +332,13 @@ def make_microvm_service(cfg: Config, features: Features, layout: cgroup.Layout,
         except (guestimg.GuestImageError, OSError) as err:
             why = str(err)
             log.warning("backend microvm unavailable: %s", why)
+    tmpl = None
+    if backend is not None and vm_cfg["templates"]:
+        store = TemplateStore(cfg.state_dir, backend.guest.digest, qemu_identity(backend.qemu),
+                              int(vm_cfg["templates_max"]))
+        tmpl = TemplateService(backend, store, workers, float(vm_cfg["boot_timeout_s"]), int(vm_cfg["uid"]))
     return MicroVMService(backend, why, workers, store_path, vm_cfg, cfg.size("limits", "max_exec_output_bytes"),
-                          int(vm_cfg["uid"]))
+                          int(vm_cfg["uid"]), tmpl)
 
 
 def pick_exec_via(configured: str, features: Features) -> bool:

@@ -339,8 +339,10 @@ check_imports
 # The busybox rootfs the integration tests and benchmarks import (cached).
 run bash "$REPO/scripts/mkrootfs.sh"
 # The microVM guest: the cloud kernel by apt-get download, the initramfs built
-# (both cached in /var/cache/dsecd/guest).
+# (both cached in /var/cache/dsecd/guest, or in $DSECD_GUEST_DIR: a checkout
+# whose guest agent differs from the one daemons of other checkouts on this
+# host boot builds its guest there; its tests and benchmarks then use it).
 if [[ ${DSECD_SETUP_MICROVM:-1} != 0 ]]; then
-    run bash "$REPO/scripts/mkguest.sh"
+    run bash "$REPO/scripts/mkguest.sh" "${DSECD_GUEST_DIR:-/var/cache/dsecd/guest}"
 fi
 say "ok ($((SECONDS - T0))s)"

@@ -51,10 +51,16 @@
 #include <grp.h>
 #include <sys/time.h>
 #include <sys/wait.h>
+#include <sys/xattr.h>
 #include <time.h>
 #include <unistd.h>
 #include <linux/random.h>
 #include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <net/if.h>
+#include <net/if_arp.h>
+#include <net/route.h>
+#include <netinet/in.h>
 
 #include "../missing_defs.h"
 
@@ -67,7 +73,7 @@
 
 /* message types: host -> guest */
 enum {
-    M_HELLO = 1,   /* hostname, unix time ns, seed: answered READY */
+    M_HELLO = 1,   /* hostname, unix time ns, seed, sandbox id: answered READY */
     M_EXEC = 2,    /* uid, gid, flags, cwd, argc, argv..., envc, env... */
     M_STDIN = 3,   /* eof, data */
     M_KILL = 4,    /* signal */
@@ -79,6 +85,9 @@ enum {
     M_REMOVE = 15, /* path, recursive */
     M_RENAME = 16, /* src, dst, flags (RENAME_*) */
     M_SYNC = 17,   /* (nothing): sync(), answered OK */
+    M_NET = 18,    /* mac, IPv4 address, prefix length, gateway, mtu: the NIC set up, answered OK */
+    M_TAR = 19,    /* max file bytes: the writable layer as a tar in DATA frames, then OK (counts) */
+    M_PING = 20,   /* (nothing): answered OK at once, the host's liveness check */
 };
 /* guest -> host */
 enum {
@@ -88,6 +97,7 @@ enum {
     A_EXITED = 104,  /* wait status */
     A_OK = 105,      /* the op's fields */
     A_ERR = 106,     /* errno, what failed (text) */
+    A_DATA = 107,    /* bytes of a stream (M_TAR) */
 };
 
 #define EXEC_STDIN 1u       /* M_EXEC flags: the exec takes stdin (else /dev/null) */
@@ -104,6 +114,7 @@ enum {
 
 static int chan = -1;   /* the virtio-serial port */
 static int rootfd = -1; /* O_PATH of the sandbox root, for openat2 */
+static int upperfd = -1; /* the overlay's upper dir (out of the sandbox's view after the switch), for M_TAR */
 
 static void say(const char *fmt, ...)
 {
@@ -989,16 +1000,31 @@ done:
     free(dst);
 }
 
-/* The host's first message: the sandbox's identity. A VM restored from a
- * template snapshot gets a new one here, as a new VM would: its hostname, the
- * clock (a restored guest's clock is the snapshot's), and entropy mixed into
- * the kernel's pool (credited: the host's seed comes from getrandom). */
+/* The sandbox this guest serves, for the console log (HELLO names it). */
+static char sandbox_id[64] = "";
+
+/* The host's first message after a boot or a restore: the sandbox's identity.
+ * A VM restored from a template snapshot is a copy of the template's memory,
+ * so everything a boot would make unique is made so again here:
+ *   - the hostname;
+ *   - the clock (a restored guest's clock is the snapshot's; a resumed one's
+ *     is the pause's);
+ *   - the kernel's random state: the host's seed is mixed into the input
+ *     pool (credited: it comes from the host's getrandom) and the CRNG is
+ *     reseeded from it at once (RNDRESEEDCRNG). Without the reseed every
+ *     copy would go on producing the template's CRNG stream until the
+ *     kernel's next scheduled reseed, up to minutes later;
+ *   - the sandbox id, kept for the console log.
+ * The boot id (/proc/sys/kernel/random/boot_id) is made on its first read,
+ * which nothing does before the template is snapshotted, so each copy makes
+ * its own from its reseeded CRNG. */
 static void do_hello(uint32_t id, struct rd *r)
 {
     char *host = get_str(r);
     uint64_t now_ns = get_u64(r);
     size_t n = 0;
     const unsigned char *seed = get_bytes(r, &n);
+    char *sb = r->p < r->end ? get_str(r) : NULL; /* an older host sends no sandbox id */
 
     if (!r->bad) {
         struct timespec ts = {.tv_sec = (time_t)(now_ns / 1000000000ull),
@@ -1016,14 +1042,447 @@ static void do_hello(uint32_t id, struct rd *r)
 
             memcpy(e.buf, seed, n);
             if (fd >= 0) {
-                ioctl(fd, RNDADDENTROPY, &e);
+                if (ioctl(fd, RNDADDENTROPY, &e) < 0 || ioctl(fd, RNDRESEEDCRNG) < 0)
+                    say("reseed the kernel's random generator: %s", strerror(errno));
                 close(fd);
             }
         }
+        if (sb && sb[0] && strcmp(sb, sandbox_id)) {
+            snprintf(sandbox_id, sizeof(sandbox_id), "%s", sb);
+            say("serving sandbox %s", sandbox_id);
+        }
     }
     free(host);
+    free(sb);
     begin(&out, A_READY, id);
-    put_str(&out, "dsec-guest-agent 1");
+    put_str(&out, "dsec-guest-agent 2");
+    send_msg(&out);
+}
+
+/* Interface flags on (set) or off: SIOCGIFFLAGS, SIOCSIFFLAGS. */
+static int if_flags(int s, const char *name, short set)
+{
+    struct ifreq ifr;
+
+    memset(&ifr, 0, sizeof(ifr));
+    snprintf(ifr.ifr_name, IFNAMSIZ, "%s", name);
+    if (ioctl(s, SIOCGIFFLAGS, &ifr) < 0)
+        return -1;
+    ifr.ifr_flags |= set;
+    return ioctl(s, SIOCSIFFLAGS, &ifr);
+}
+
+static void put_in(struct sockaddr *sa, uint32_t addr)
+{
+    struct sockaddr_in *in = (struct sockaddr_in *)sa;
+
+    memset(in, 0, sizeof(*in));
+    in->sin_family = AF_INET;
+    in->sin_addr.s_addr = htonl(addr);
+}
+
+static void write_proc(const char *path, const char *value)
+{
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+
+    if (fd >= 0) {
+        ssize_t ignored = write(fd, value, strlen(value));
+        (void)ignored;
+        close(fd);
+    }
+}
+
+/* The guest's one NIC (virtio-net, the only interface but lo), as the host
+ * says: its MAC (the host's tap program drops frames from any other), its
+ * IPv4 address, the default route through the bridge's gateway, its MTU.
+ * No IPv6: the tap program drops it, so the kernel is told not to try (no
+ * link-local address, no router solicitations). Asked after every boot or
+ * restore of a VM with networking; a resumed VM keeps what it had. */
+static void do_net(uint32_t id, struct rd *r)
+{
+    size_t maclen = 0;
+    const unsigned char *mac = get_bytes(r, &maclen);
+    uint64_t addr = get_u64(r), plen = get_u64(r), gw = get_u64(r), mtu = get_u64(r);
+    struct if_nameindex *names = NULL, *ni;
+    const char *step = "socket";
+    char nic[IFNAMSIZ] = "";
+    struct ifreq ifr;
+    struct rtentry rt;
+    int s = -1;
+
+    if (r->bad || maclen != 6 || plen > 32 || addr > 0xffffffffu || gw > 0xffffffffu) {
+        send_err(id, EINVAL, "malformed net request");
+        return;
+    }
+    s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (s < 0)
+        goto fail;
+    step = "find the NIC";
+    names = if_nameindex();
+    for (ni = names; ni && ni->if_index; ni++)
+        if (strcmp(ni->if_name, "lo")) {
+            snprintf(nic, sizeof(nic), "%s", ni->if_name);
+            break;
+        }
+    if (!nic[0]) {
+        errno = ENODEV;
+        goto fail;
+    }
+    write_proc("/proc/sys/net/ipv6/conf/all/disable_ipv6", "1");
+    write_proc("/proc/sys/net/ipv6/conf/default/disable_ipv6", "1");
+    memset(&ifr, 0, sizeof(ifr));
+    snprintf(ifr.ifr_name, IFNAMSIZ, "%s", nic);
+    ifr.ifr_hwaddr.sa_family = ARPHRD_ETHER;
+    memcpy(ifr.ifr_hwaddr.sa_data, mac, 6);
+    step = "set the MAC";
+    if (ioctl(s, SIOCSIFHWADDR, &ifr) < 0)
+        goto fail;
+    ifr.ifr_mtu = (int)mtu;
+    step = "set the MTU";
+    if (mtu && ioctl(s, SIOCSIFMTU, &ifr) < 0)
+        goto fail;
+    put_in(&ifr.ifr_addr, (uint32_t)addr);
+    step = "set the address";
+    if (ioctl(s, SIOCSIFADDR, &ifr) < 0)
+        goto fail;
+    put_in(&ifr.ifr_netmask, plen ? (uint32_t)(0xffffffffu << (32 - plen)) : 0);
+    step = "set the netmask";
+    if (ioctl(s, SIOCSIFNETMASK, &ifr) < 0)
+        goto fail;
+    step = "set the NIC up";
+    if (if_flags(s, nic, IFF_UP | IFF_RUNNING) < 0)
+        goto fail;
+    memset(&rt, 0, sizeof(rt));
+    put_in(&rt.rt_dst, 0);
+    put_in(&rt.rt_genmask, 0);
+    put_in(&rt.rt_gateway, (uint32_t)gw);
+    rt.rt_flags = RTF_UP | RTF_GATEWAY;
+    step = "add the default route";
+    if (ioctl(s, SIOCADDRT, &rt) < 0 && errno != EEXIST)
+        goto fail;
+    if_freenameindex(names);
+    close(s);
+    say("network: %s up", nic);
+    begin(&out, A_OK, id);
+    put_str(&out, nic);
+    send_msg(&out);
+    return;
+fail:
+    {
+        int err = errno;
+        char what[96];
+
+        snprintf(what, sizeof(what), "%s%s%s", step, nic[0] ? " of " : "", nic);
+        if (names)
+            if_freenameindex(names);
+        if (s >= 0)
+            close(s);
+        send_err(id, err, what);
+    }
+}
+
+/* ---- the writable layer as a tar (M_TAR) ------------------------------------ */
+
+/* The upper dir of the overlay, as a POSIX tar (ustar headers, a pax header
+ * where a name, link or size does not fit ustar's fields, or an xattr goes
+ * along), streamed in DATA frames; the host unpacks it and builds an image
+ * layer from it (dsecd/fs/uppertar.py). What overlayfs keeps there goes
+ * as it is: whiteouts (0:0 character devices) and opaque directories (the
+ * xattr trusted.overlay.opaque). Other xattrs: user.* and
+ * security.capability. Hard links go as separate files; sockets and
+ * devices other than whiteouts are skipped (counted). Every process but
+ * this one is stopped meanwhile (SIGSTOP to all, SIGCONT after), so the
+ * tree does not change under the walk. */
+
+struct tarw {
+    uint32_t id;
+    struct buf data;    /* a DATA frame being filled */
+    uint64_t max_bytes, file_bytes, entries, skipped;
+    int err;
+    char what[160];
+};
+
+#define TAR_FRAME (256u << 10)
+
+/* Send the DATA frame filled so far (if it holds any bytes), start the next. */
+static void tar_send(struct tarw *t)
+{
+    uint32_t blen = t->data.len > 13 ? (uint32_t)(t->data.len - 13) : 0;
+
+    if (blen) {
+        t->data.p[9] = (unsigned char)(blen >> 24); /* the byte string's length */
+        t->data.p[10] = (unsigned char)(blen >> 16);
+        t->data.p[11] = (unsigned char)(blen >> 8);
+        t->data.p[12] = (unsigned char)blen;
+        send_msg(&t->data);
+    }
+    begin(&t->data, A_DATA, t->id);
+    put_u32(&t->data, 0);
+}
+
+static void tar_put(struct tarw *t, const void *p, size_t n)
+{
+    const unsigned char *c = p;
+
+    while (n) {
+        size_t room = 13 + TAR_FRAME - t->data.len, k = n < room ? n : room;
+
+        buf_need(&t->data, k);
+        memcpy(t->data.p + t->data.len, c, k);
+        t->data.len += k;
+        c += k;
+        n -= k;
+        if (t->data.len >= 13 + TAR_FRAME)
+            tar_send(t);
+    }
+}
+
+static void octal(char *field, size_t width, uint64_t v)
+{
+    /* width - 1 digits and a NUL, zero-padded */
+    field[width - 1] = 0;
+    for (size_t i = width - 1; i-- > 0; v >>= 3)
+        field[i] = (char)('0' + (v & 7));
+}
+
+/* One pax record: "<len> key=value\n", len counting itself. */
+static void pax_record(struct buf *b, const char *key, const void *val, size_t vlen)
+{
+    size_t base = strlen(key) + vlen + 3, len = base + 1;
+    char num[24];
+
+    while ((size_t)snprintf(num, sizeof(num), "%zu", len) + base != len)
+        len = (size_t)snprintf(num, sizeof(num), "%zu", len) + base;
+    buf_need(b, len);
+    b->len += (size_t)sprintf((char *)b->p + b->len, "%s %s=", num, key);
+    memcpy(b->p + b->len, val, vlen);
+    b->len += vlen;
+    b->p[b->len++] = '\n';
+}
+
+static void tar_header(struct tarw *t, const char *name, char type, const struct stat *st, uint64_t size,
+                       const char *link, const struct buf *pax_extra)
+{
+    unsigned char h[512];
+    struct buf pax = {0};
+    size_t nlen = strlen(name), llen = link ? strlen(link) : 0;
+    unsigned sum = 0;
+
+    if (nlen > 99)
+        pax_record(&pax, "path", name, nlen);
+    if (llen > 99)
+        pax_record(&pax, "linkpath", link, llen);
+    if (size > 077777777777ull) {
+        char num[24];
+        int k = snprintf(num, sizeof(num), "%llu", (unsigned long long)size);
+        pax_record(&pax, "size", num, (size_t)k);
+    }
+    if (st->st_uid > 07777777 || st->st_gid > 07777777) {
+        char num[24];
+        int k = snprintf(num, sizeof(num), "%u", (unsigned)st->st_uid);
+        pax_record(&pax, "uid", num, (size_t)k);
+        k = snprintf(num, sizeof(num), "%u", (unsigned)st->st_gid);
+        pax_record(&pax, "gid", num, (size_t)k);
+    }
+    if (pax_extra && pax_extra->len) {
+        buf_need(&pax, pax_extra->len);
+        memcpy(pax.p + pax.len, pax_extra->p, pax_extra->len);
+        pax.len += pax_extra->len;
+    }
+    if (pax.len) {
+        struct stat pst = {.st_mode = 0644};
+        size_t pad = (512 - pax.len % 512) % 512;
+
+        tar_header(t, "././@PaxHeader", 'x', &pst, pax.len, NULL, NULL);
+        tar_put(t, pax.p, pax.len);
+        memset(h, 0, sizeof(h));
+        tar_put(t, h, pad);
+        free(pax.p);
+    }
+    memset(h, 0, sizeof(h));
+    memcpy(h, name, nlen > 99 ? 99 : nlen);
+    octal((char *)h + 100, 8, st->st_mode & 07777);
+    octal((char *)h + 108, 8, st->st_uid & 07777777);
+    octal((char *)h + 116, 8, st->st_gid & 07777777);
+    octal((char *)h + 124, 12, size > 077777777777ull ? 0 : size);
+    octal((char *)h + 136, 12, (uint64_t)(st->st_mtime > 0 ? st->st_mtime : 0) & 077777777777ull);
+    memset(h + 148, ' ', 8);
+    h[156] = (unsigned char)type;
+    if (link)
+        memcpy(h + 157, link, llen > 99 ? 99 : llen);
+    memcpy(h + 257, "ustar", 6);
+    memcpy(h + 263, "00", 2);
+    if (type == '3' || type == '4') {
+        octal((char *)h + 329, 8, major(st->st_rdev));
+        octal((char *)h + 337, 8, minor(st->st_rdev));
+    }
+    for (int i = 0; i < 512; i++)
+        sum += h[i];
+    octal((char *)h + 148, 7, sum);
+    h[155] = ' ';
+    tar_put(t, h, 512);
+    t->entries++;
+}
+
+/* The xattrs that go along, as pax records (SCHILY.xattr.<name>). */
+static void tar_xattrs(int fd, struct buf *pax)
+{
+    char names[4096], val[4096];
+    ssize_t n = flistxattr(fd, names, sizeof(names));
+
+    for (ssize_t at = 0; n > 0 && at < n; at += (ssize_t)strlen(names + at) + 1) {
+        const char *x = names + at;
+        char key[300];
+
+        if (strcmp(x, "trusted.overlay.opaque") && strncmp(x, "user.", 5) && strcmp(x, "security.capability"))
+            continue;
+        ssize_t v = fgetxattr(fd, x, val, sizeof(val));
+        if (v < 0)
+            continue;
+        snprintf(key, sizeof(key), "SCHILY.xattr.%s", x);
+        pax_record(pax, key, val, (size_t)v);
+    }
+}
+
+static int tar_tree(struct tarw *t, int dfd, const char *prefix);
+
+static int tar_entry(struct tarw *t, int dfd, const char *name, const char *rel)
+{
+    struct stat st;
+    struct buf pax = {0};
+    int fd = -1, rc = 0;
+
+    if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) < 0)
+        return 0; /* gone meanwhile (nothing runs, but the kernel may) */
+    if (S_ISDIR(st.st_mode) || S_ISREG(st.st_mode)) {
+        fd = openat(dfd, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | (S_ISDIR(st.st_mode) ? O_DIRECTORY : 0));
+        if (fd < 0) {
+            snprintf(t->what, sizeof(t->what), "open %.140s", rel);
+            return -1;
+        }
+        tar_xattrs(fd, &pax);
+    }
+    if (S_ISDIR(st.st_mode)) {
+        char dname[4098];
+
+        snprintf(dname, sizeof(dname), "%s/", rel);
+        tar_header(t, dname, '5', &st, 0, NULL, &pax);
+        rc = tar_tree(t, fd, rel);
+        fd = -1; /* tar_tree closed it */
+    } else if (S_ISREG(st.st_mode)) {
+        static unsigned char chunk[1 << 16];
+        uint64_t left = (uint64_t)st.st_size;
+
+        t->file_bytes += left;
+        if (t->max_bytes && t->file_bytes > t->max_bytes) {
+            errno = EFBIG;
+            snprintf(t->what, sizeof(t->what), "the writable layer's files pass %llu bytes at %.80s",
+                     (unsigned long long)t->max_bytes, rel);
+            rc = -1;
+        } else {
+            tar_header(t, rel, '0', &st, left, NULL, &pax);
+            while (left) {
+                ssize_t n = read(fd, chunk, left < sizeof(chunk) ? left : sizeof(chunk));
+                if (n <= 0) {
+                    /* the header promised st_size bytes: pad what is missing with zeros */
+                    memset(chunk, 0, sizeof(chunk));
+                    n = (ssize_t)(left < sizeof(chunk) ? left : sizeof(chunk));
+                }
+                tar_put(t, chunk, (size_t)n);
+                left -= (uint64_t)n;
+            }
+            memset(chunk, 0, 512);
+            tar_put(t, chunk, (512 - (size_t)(st.st_size % 512)) % 512);
+        }
+    } else if (S_ISLNK(st.st_mode)) {
+        char target[4096];
+        ssize_t n = readlinkat(dfd, name, target, sizeof(target) - 1);
+
+        if (n >= 0) {
+            target[n] = 0;
+            tar_header(t, rel, '2', &st, 0, target, NULL);
+        }
+    } else if (S_ISCHR(st.st_mode) && st.st_rdev == makedev(0, 0)) {
+        tar_header(t, rel, '3', &st, 0, NULL, NULL); /* an overlay whiteout */
+    } else if (S_ISFIFO(st.st_mode)) {
+        tar_header(t, rel, '6', &st, 0, NULL, NULL);
+    } else {
+        t->skipped++; /* sockets, devices */
+    }
+    free(pax.p);
+    if (fd >= 0)
+        close(fd);
+    return rc;
+}
+
+/* Every entry of directory fd (closed here), children after their parent. */
+static int tar_tree(struct tarw *t, int fd, const char *prefix)
+{
+    DIR *d = fdopendir(fd);
+    struct dirent *e;
+    int rc = 0;
+
+    if (!d) {
+        close(fd);
+        snprintf(t->what, sizeof(t->what), "list %.140s", prefix[0] ? prefix : "/");
+        return -1;
+    }
+    while (rc == 0 && (e = readdir(d))) {
+        char rel[4096];
+
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+            continue;
+        if (snprintf(rel, sizeof(rel), "%s%s%s", prefix, prefix[0] ? "/" : "", e->d_name) >= (int)sizeof(rel))
+            continue;
+        rc = tar_entry(t, dirfd(d), e->d_name, rel);
+    }
+    closedir(d);
+    return rc;
+}
+
+static void do_tar(uint32_t id, struct rd *r)
+{
+    struct tarw t = {.id = id};
+    struct stat st;
+    unsigned char zeros[1024] = {0};
+    int fd, rc;
+
+    t.max_bytes = get_u64(r);
+    if (r->bad) {
+        send_err(id, EINVAL, "malformed tar request");
+        return;
+    }
+    fd = dup(upperfd);
+    if (fd < 0 || fstat(fd, &st) < 0) {
+        send_err(id, errno, "open the writable layer");
+        return;
+    }
+    kill(-1, SIGSTOP); /* every process but PID 1: the tree holds still */
+    tar_send(&t); /* (nothing yet: starts the first frame) */
+    {
+        /* the layer's root: its mode, owner and xattrs (an opaque root too) */
+        struct buf pax = {0};
+
+        tar_xattrs(fd, &pax);
+        tar_header(&t, "./", '5', &st, 0, NULL, &pax);
+        free(pax.p);
+    }
+    rc = tar_tree(&t, fd, "");
+    kill(-1, SIGCONT);
+    if (rc < 0) {
+        int err = errno;
+
+        free(t.data.p);
+        send_err(id, err, t.what);
+        return;
+    }
+    tar_put(&t, zeros, sizeof(zeros)); /* the end: two zero blocks */
+    tar_send(&t);
+    free(t.data.p);
+    begin(&out, A_OK, id);
+    put_u64(&out, t.entries);
+    put_u64(&out, t.file_bytes);
+    put_u64(&out, t.skipped);
     send_msg(&out);
 }
 
@@ -1043,6 +1502,12 @@ static void dispatch(uint8_t type, uint32_t id, const unsigned char *body, size_
     case M_MKDIR: do_mkdir(id, &r); break;
     case M_REMOVE: do_remove(id, &r); break;
     case M_RENAME: do_rename(id, &r); break;
+    case M_NET: do_net(id, &r); break;
+    case M_TAR: do_tar(id, &r); break;
+    case M_PING:
+        begin(&out, A_OK, id);
+        send_msg(&out);
+        break;
     case M_SYNC:
         sync();
         begin(&out, A_OK, id);
@@ -1234,6 +1699,9 @@ static void mount_root(void)
     if (mount("tmpfs", "/rw", "tmpfs", 0, opt) < 0)
         die("mount the writable tmpfs");
     mkdirs((const char *const[]){"/rw/upper", "/rw/work", "/newroot", NULL});
+    upperfd = open("/rw/upper", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (upperfd < 0)
+        die("open the writable layer");
     snprintf(opt, sizeof(opt), "lowerdir=%s,upperdir=/rw/upper,workdir=/rw/work", lower);
     if (mount("overlay", "/newroot", "overlay", 0, opt) < 0)
         die("mount the overlay root");
@@ -1301,6 +1769,15 @@ int main(void)
     chan = open_channel(); /* before the switch: /sys and /dev are the initramfs' */
     mount_root();
     umount2("/sys", MNT_DETACH);
+    {
+        /* lo, as a container's: the sandbox's own loopback always works */
+        int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+
+        if (s < 0 || if_flags(s, "lo", IFF_UP) < 0)
+            say("set lo up: %s", strerror(errno));
+        if (s >= 0)
+            close(s);
+    }
     say("root mounted; serving");
     sfd = signalfd(-1, &all, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sfd < 0)

@@ -589,13 +589,18 @@ class CreateService:
         self.memory.on_created(sb, time.monotonic() - started)
         return sb.public()
 
-    async def _create_vm(self, sb: Sandbox, limits: cgroup.Limits, disk: int, started: float) -> dict:
-        """A microVM sandbox (dsecd/engine/microvms.py): its QEMU, booted to its agent."""
+    async def _create_vm(self, sb: Sandbox, limits: cgroup.Limits, disk: int, net_mode: str,
+                         allow: list[str], started: float) -> dict:
+        """A microVM sandbox (dsecd/engine/microvms.py): its policy and lease
+        first (--net default), then its QEMU, booted or restored to its agent."""
         async with AsyncSteps(f"create sandbox {sb.id}") as steps:
             self.id_ranges.allocate(sb)
             steps.undo(UNDO_IDS, lambda: self.id_ranges.release(sb))
             self.registry.add(sb)
             steps.undo("forget the sandbox", lambda: self.registry.forget(sb.id))
+            if net_mode == "default":
+                await self.net.attach_vm_net(sb, allow)
+                steps.undo("detach networking", lambda: self.net.detach_net(sb))
             sb.handle = await self.vms.create(sb, limits, disk)
             steps.undo("destroy the VM", lambda: self.workers.run(self.vms.backend.destroy, sb.id, sb.handle))
             await self.vms.check_cwd(sb, sb.cwd)
@@ -614,7 +619,7 @@ class CreateService:
             if self.vms is None:
                 raise Unsupported("backend microvm is not set up in this daemon")
             self.vms.check_create(req, limits.memory_bytes)
-            net_mode, disk = "none", upperfs.Cap(self._vm_disk_for(req), self.sb_defaults["disk_inodes"])
+            net_mode, disk = self.net.net_mode(req), upperfs.Cap(self._vm_disk_for(req), self.sb_defaults["disk_inodes"])
         else:
             net_mode = self.net.net_mode(req)
             disk = self._disk_for(req)
@@ -642,7 +647,7 @@ class CreateService:
         if sb.lease:
             sb.lease_deadline = time.monotonic() + sb.lease
         if backend == "microvm":
-            return await self._create_vm(sb, limits, disk.disk_bytes, started)
+            return await self._create_vm(sb, limits, disk.disk_bytes, net_mode, list(req.allow), started)
         # The record is written once the sandbox runs. A crash before that leaves
         # a directory and cgroups without a record: the next start finds them as
         # orphans, kills what is in the cgroups and removes them.

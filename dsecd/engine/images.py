@@ -79,6 +79,12 @@ class ImageService:
         self.registry = registry
         self.workers = workers
         self.freeze_timeout_s = freeze_timeout_s
+        # Set by the node: what else goes with removed layers (the microVM
+        # templates of them); given the digests the store keeps, answers a list.
+        self.after_gc = None
+        # Set by the node: a microVM's writable layer as a host dir for snapshot
+        # (MicroVMService.upper_tree).
+        self.vm_upper = None
         self.state_dir = cfg.state_dir
         section = cfg.section("images")
         store = Path(section["store"]) if section["store"] else cfg.state_dir / "store"
@@ -349,6 +355,9 @@ class ImageService:
         await self.workers.run(self.layers.sweep, True)
         out = await self._images_call(self.images.gc, layers, manifests)
         out["freed_bytes"] += await self.workers.run(self.puller.sweep)
+        if self.after_gc is not None:
+            live = await self.workers.run(self.images.store.all_digests)
+            out["vm_templates_removed"] = await self.after_gc(live)
         return out
 
     async def du(self, req, ctx) -> dict:
@@ -361,6 +370,11 @@ class ImageService:
         sb = self.registry.get(req.sandbox, req)
         base = await self._images_call(self.images.get_manifest, sb.manifest, sb.image)
         exclude = self.snapshot_exclude + list(req.exclude)
+        if sb.backend == "microvm":
+            async with self.vm_upper(sb, self.images.scratch, self.max_snapshot_bytes) as upper:
+                image = await self._images_call(self.images.snapshot, upper, base, req.name, exclude,
+                                                self._progress(ctx), self.max_snapshot_bytes)
+            return image.to_dict()
         async with self.frozen_upper(sb) as upper:
             with _counted("snapshot") as done:
                 image = await self._images_call(self.images.snapshot, upper, base, req.name, exclude,

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 # The journaled fields a re-adopted sandbox is rebuilt from (Sandbox.record).
 RECORD_FIELDS = ("image", "state", "created", "limits", "env", "labels", "hostname", "cwd", "user", "gid", "backend",
                  "died", "qos", "core_sched", "manifest", "layers", "ttl", "idle_ttl", "lease", "pause_record",
-                 "net", "key", "idmap", "procs", "policy")
+                 "net", "key", "idmap", "procs", "policy", "vm")
 
 
 def labels_match(sb: Sandbox, labels: dict) -> bool:
@@ -73,6 +73,8 @@ class LifecycleService:
             for sb_id in await self.workers.run(self.vms.backend.orphans, set(self.registry.by_id)):
                 log.warning("removing orphaned microVM %s (no journal record)", sb_id)
                 await self.workers.run(self.vms.backend.destroy, sb_id, None)
+        if self.vms.templates is not None:
+            await self.workers.run(self.vms.templates.sweep_builds)
 
     async def _recover(self, sb_id: str, rec: dict) -> None:
         sb = Sandbox(id=sb_id, **{k: rec[k] for k in RECORD_FIELDS if k in rec})
@@ -115,9 +117,14 @@ class LifecycleService:
     async def _recover_vm(self, sb: Sandbox, rec: dict) -> None:
         """A microVM sandbox after a restart: its QEMU, and both channels again."""
         handle = None
-        if self.vms.backend is not None and sb.state == "paused":
+        # A job pause stops the vCPUs first and saves the state behind its
+        # answer: a VM paused only that far still has its QEMU, adopted below.
+        saved = sb.state == "paused" and not (sb.pause_record or {}).get("vm_stopped")
+        saved = saved or bool((sb.pause_record or {}).get("vm_image"))
+        if self.vms.backend is not None and saved:
             handle = self.vms.backend.paused_handle(sb.id, sb.limits["memory"])
             if handle is not None:
+                self.vms.adopted(sb, handle)
                 sb.handle = handle          # no QEMU until resumed: nothing to watch
                 log.info("re-adopted sandbox %s (microVM, paused)", sb.id)
                 return
@@ -135,7 +142,7 @@ class LifecycleService:
             log.warning("sandbox %s (microVM) died while the daemon was down", sb.id)
             await self._mark_dead(sb, None)
             return
-        handle.guest_memory = sb.limits["memory"]
+        self.vms.adopted(sb, handle)
         sb.handle = handle
         sb.last_active = time.monotonic()
         if sb.lease:
@@ -177,7 +184,13 @@ class LifecycleService:
         """Release the cgroups and fds of a sandbox whose init is gone; keep its record."""
         self.registry.mark_dead(sb)
         sb.died = time.time()
-        self.events.publish("died", sb.id, reason=why)
+        if sb.backend == "microvm":
+            # "hung": the watchdog killed it (engine/vmwatchdog.py); else its QEMU
+            # exited (a guest panic, a kill, its memory limit: an "oom" event follows).
+            why = getattr(h, "extra", {}).get("died_because", "exited") if h is not None else "gone"
+            self.events.publish("died", sb.id, reason=why)
+        else:
+            self.events.publish("died", sb.id, reason=why)
         sb.handle = None
         if sb.backend == "microvm":
             await self._vm_dead(sb, h)
@@ -215,6 +228,7 @@ class LifecycleService:
                 self.memory.report_oom(sb, kills)
             if self.vms.backend is not None:
                 await self.workers.run(self.vms.backend.release, sb.id, h)
+            await self.net.detach_net(sb)      # its tap died with QEMU; its policy and lease go
         finally:
             self.registry.save(sb)
 

@@ -230,15 +230,19 @@ class MemoryService:
                 raise DsecError(f"pause sandbox {sb.id}: {err}", code="busy" if err.errno == 16 else "io") from err
             return self._mark_paused(sb, rec)
 
-    def _mark_vm_paused(self, sb, rec: dict) -> dict:
-        """A microVM paused (dsecd/engine/microvms.py): its state in a file, its QEMU gone."""
+    def _mark_vm_paused(self, sb, rec: dict, journal: bool = True) -> dict:
+        """A microVM paused (dsecd/engine/microvms.py): its state in a file,
+        its QEMU gone; or (a job pause, until its save behind the answer)
+        only its vCPUs stopped: {"vm_stopped": True}."""
         sb.state = "paused"
         sb.paused_at = time.monotonic()
         sb.pause_record = rec
-        self.registry.save(sb)
-        self.events.publish("paused", sb.id, freed_bytes=sb.limits["memory"])
-        return {"id": sb.id, "state": "paused", "frozen_s": rec["save_s"], "reclaim_s": rec["stop_s"],
-                "freed_bytes": sb.limits["memory"], "methods": ["vm-save"], "image_bytes": rec["image_bytes"]}
+        if journal:
+            self.registry.save(sb)
+        freed = 0 if rec.get("vm_stopped") else sb.limits["memory"]
+        self.events.publish("paused", sb.id, freed_bytes=freed)
+        return {"id": sb.id, "state": "paused", "frozen_s": rec.get("save_s", 0.0), "reclaim_s": rec.get("stop_s", 0.0),
+                "freed_bytes": freed, "methods": ["vm-save"], "image_bytes": rec.get("image_bytes", 0)}
 
     def _mark_paused(self, sb, rec: pause.PauseRecord, journal: bool = True) -> dict:
         sb.state = "paused"
@@ -305,17 +309,36 @@ class MemoryService:
     async def job_pause(self, req, ctx) -> dict:
         """Freeze the whole job at once (what the caller waits for), answer, and
         reclaim each sandbox's memory behind the answer."""
-        sbs = self.registry.of_job(req.job, ("running",))
+        everyone = self.registry.of_job(req.job, ("running",))
+        sbs = [s for s in everyone if not _is_vm(s)]
+        vms = [s for s in everyone if _is_vm(s)]
         freezers = [pause.Freezer.of(s.handle.group) for s in sbs]
         t0 = time.monotonic()
-        failed = await self.workers.run(pause.freeze_all, freezers, self.pause_cfg.freeze_timeout_s)
+        # A microVM freezes by stopping its vCPUs (QMP stop, a few ms), at the
+        # same time as the containers' freezers; its state is saved and its
+        # QEMU ended behind the answer (save_stopped_vm), as a container's
+        # memory is reclaimed behind it.
+        frozen, stops = await asyncio.gather(
+            self.workers.run(pause.freeze_all, freezers, self.pause_cfg.freeze_timeout_s),
+            asyncio.gather(*(self.vms.stop_vcpus(s) for s in vms), return_exceptions=True))
         freeze_s = time.monotonic() - t0
-        failed_ids = {s.id for s, f in zip(sbs, freezers, strict=True) if f in failed}
-        paused = [s for s in sbs if s.id not in failed_ids and self.registry.by_id.get(s.id) is s
+        failed_ids = {s.id for s, f in zip(sbs, freezers, strict=True) if f in frozen}
+        for s, r in zip(vms, stops, strict=True):
+            if isinstance(r, BaseException):
+                log.warning("job %s: microVM %s not stopped: %s", req.job, s.id, r)
+                failed_ids.add(s.id)
+        paused = [s for s in everyone if s.id not in failed_ids and self.registry.by_id.get(s.id) is s
                   and s.state == "running"]       # not destroyed or paused alone meanwhile
         for s in paused:
-            self._mark_paused(s, pause.PauseRecord(), journal=False)
+            if _is_vm(s):
+                self._mark_vm_paused(s, {"vm_stopped": True}, journal=False)
+            else:
+                self._mark_paused(s, pause.PauseRecord(), journal=False)
         self._journal_job(paused)
+        for s in paused:
+            if _is_vm(s):
+                self.workers.loop.create_task(self._save_stopped_vm(s))
+        paused_ctr = [s for s in paused if not _is_vm(s)]
 
         async def reclaim(s) -> None:
             try:
@@ -333,11 +356,35 @@ class MemoryService:
                 except OSError as err:      # e.g. the log closed at shutdown: the record stays as it was
                     log.error("journal paused sandbox %s: %s", s.id, err)
 
-        for s in paused:
+        for s in paused_ctr:
             self._cancel_behind(s.id)
             self.workers.loop.create_task(reclaim(s))
         return {"job": req.job, "paused": [s.id for s in paused], "failed": sorted(failed_ids),
                 "freeze_s": round(freeze_s, 4)}
+
+    async def _save_stopped_vm(self, sb) -> None:
+        """Behind a job pause's answer: a microVM whose vCPUs it stopped has
+        its state saved and its QEMU ended, all of its memory back to the
+        host, unless a resume or destroy came first (the sandbox's lock
+        orders them)."""
+        async with sb.lock:
+            if sb.state != "paused" or not (sb.pause_record or {}).get("vm_stopped") or sb.handle is None:
+                return
+            if sb.execs:
+                log.info("job-paused microVM %s keeps its QEMU (vCPUs stopped): %d exec(s) wait for its "
+                         "resume on its agent's channel", sb.id, sb.execs)
+                return
+            try:
+                rec = await self.vms.pause(sb)
+            except DsecError as err:
+                log.warning("job-paused microVM %s: its state could not be saved (%s); it stays stopped in "
+                            "its QEMU", sb.id, err)
+                return
+            sb.pause_record = rec
+            try:
+                self._journal_job([sb])
+            except OSError as err:
+                log.error("journal paused sandbox %s: %s", sb.id, err)
 
     async def job_resume(self, req, ctx) -> dict:
         """Thaw the whole job at once (what the caller waits for: one blocking
@@ -348,20 +395,33 @@ class MemoryService:
         async with contextlib.AsyncExitStack() as held:
             for s in sbs:                   # serialised with pause/exec/destroy of each
                 await held.enter_async_context(s.lock)
-            sbs = [s for s in sbs if s.state == "paused" and s.handle is not None]
+            everyone = [s for s in sbs if s.state == "paused" and s.handle is not None]
+            sbs = [s for s in everyone if not _is_vm(s)]
+            vms = [s for s in everyone if _is_vm(s)]
             for s in sbs:
                 self._cancel_behind(s.id)   # reclaims still queued after the job pause
             freezers = [pause.Freezer.of(s.handle.group) for s in sbs]
             t0 = time.monotonic()
-            failed = await self.workers.run(pause.thaw_all, freezers, self.pause_cfg.freeze_timeout_s)
+            # microVMs: vCPUs stopped (cont) or state saved (a new QEMU loads it), in parallel.
+            thawed, vm_results = await asyncio.gather(
+                self.workers.run(pause.thaw_all, freezers, self.pause_cfg.freeze_timeout_s),
+                asyncio.gather(*(self.vms.resume(s, s.pause_record or {}) for s in vms), return_exceptions=True))
             thaw_s = time.monotonic() - t0
-            failed_ids = {s.id for s, f in zip(sbs, freezers, strict=True) if f in failed}
+            failed_ids = {s.id for s, f in zip(sbs, freezers, strict=True) if f in thawed}
+            for s, r in zip(vms, vm_results, strict=True):
+                if isinstance(r, BaseException):
+                    log.warning("job %s: microVM %s not resumed: %s", req.job, s.id, r)
+                    failed_ids.add(s.id)
+            sbs = everyone
             if failed_ids:
                 log.warning("job %s: %d sandbox(es) not thawed within %gs, left paused: %s", req.job,
                             len(failed_ids), self.pause_cfg.freeze_timeout_s, sorted(failed_ids)[:8])
             resumed = [s for s in sbs if s.id not in failed_ids and self.registry.by_id.get(s.id) is s
                        and s.state == "paused"]   # not destroyed meanwhile
             for s in resumed:
+                if _is_vm(s):
+                    self._mark_resumed(s, 0, journal=False)
+                    continue
                 rec = pause.PauseRecord.from_json(s.pause_record or {})
                 self._mark_resumed(s, 0, journal=False)
                 if rec.working_set and self.pause_cfg.prefetch_mode != "none":

@@ -63,7 +63,9 @@ class NetworkService:
         """The Network, built once (in a worker thread) on first use."""
         if self._net_ready is None:
             self._net_ready = self.workers.loop.create_future()
-            live = {s.id: (s.handle.init_pid, str(s.handle.group.dirs["unified"]))
+            # A microVM's netns is its guest's: the Network re-adopts it by its record ("kind": "vm").
+            live = {s.id: ("vm" if s.backend == "microvm" else s.handle.init_pid,
+                           str(s.handle.group.dirs["unified"]))
                     for s in self.registry.by_id.values()
                     if _networked(s) and s.handle is not None}
             try:
@@ -258,6 +260,22 @@ class NetworkService:
                                        h.rootfd, f"nameserver {net.ipam.gateway4}\n")
             except (OSError, sbfiles.PathError) as err:
                 raise io_error("write /etc/resolv.conf of sandbox", sb.id, err) from err
+
+    async def attach_vm_net(self, sb, allow: list[str]) -> None:
+        """A microVM's policy and lease, before its QEMU starts (its tap comes
+        with each QEMU: MicroVMService). A create cancelled meanwhile leaves
+        nothing: what the worker attached after the cancel is detached."""
+        net = await self.network()
+
+        def abandoned(fut) -> None:
+            if not fut.cancelled() and fut.exception() is None:
+                self.workers.behind(net.detach, sb.id)
+
+        try:
+            view = await self.workers.run_shielded(abandoned, net.attach_vm, sb.id, list(allow))
+        except OSError as err:
+            raise io_error("attach networking of sandbox", sb.id, err) from err
+        sb.net = {"mode": "default", "lease": view.get("lease")}
 
     async def detach_net(self, sb) -> None:
         if self.net is None or not _networked(sb):

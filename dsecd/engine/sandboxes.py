@@ -25,7 +25,8 @@ from ..journal import Journal
 # The ops a microVM sandbox serves (dsecd/engine/microvms.py); the others are
 # `unsupported` for it until the backend grows them.
 MICROVM_OPS = frozenset({"inspect", "destroy", "exec", "file_read", "file_write", "file_list", "file_stat",
-                         "file_mkdir", "file_remove", "file_rename", "pause", "resume"})
+                         "file_mkdir", "file_remove", "file_rename", "pause", "resume", "net_show", "net_set",
+                         "snapshot"})
 
 
 @dataclass
@@ -73,6 +74,9 @@ class Sandbox:
     policy: dict | None = None
     # Runtime only: task-policy denials seen (dsecd/engine/denials.py): total, by_policy, unattributed.
     denials: dict = field(default_factory=dict)
+    # A microVM's machine (backend.Machine.to_record) and the template it was
+    # restored from: what a resume must start QEMU with (engine/microvms.py).
+    vm: dict | None = None
 
     def record(self) -> dict:
         h = self.handle
@@ -85,13 +89,14 @@ class Sandbox:
                 "manifest": self.manifest, "layers": self.layers, "ttl": self.ttl,
                 "idle_ttl": self.idle_ttl, "lease": self.lease, "pause_record": self.pause_record,
                 "net": self.net, "key": self.key, "idmap": self.idmap, "procs": self.procs,
-                "policy": self.policy}
+                "policy": self.policy, "vm": self.vm}
 
     def public(self) -> dict:
         out = self.record()
         out.pop("init_start")
         out.pop("pause_record")
         out.pop("procs")
+        out.pop("vm")           # inspect's "vm" says it for a microVM
         out["execs_running"] = self.execs
         out["denials"] = self.denials
         return out

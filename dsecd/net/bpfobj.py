@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parents[2] / "bpf" / "net_policy.c"
 MAGIC = b"dsecd-bpf-object 1\n"
-MAPS = ("config", "sandboxes", "rules", "rule_hits", "sb_stats", "accepted")
-# (function, program type, attach type)
+MAPS = ("config", "sandboxes", "rules", "rule_hits", "sb_stats", "accepted", "taps")
+# (function, program type, attach type): the programs attached to each sandbox's cgroup
 HOOKS = (
     ("dsec_connect4", "CGROUP_SOCK_ADDR", "CGROUP_INET4_CONNECT"),
     ("dsec_connect6", "CGROUP_SOCK_ADDR", "CGROUP_INET6_CONNECT"),
@@ -52,6 +52,8 @@ HOOKS = (
     ("dsec_egress", "CGROUP_SKB", "CGROUP_INET_EGRESS"),
     ("dsec_sockops", "SOCK_OPS", "CGROUP_SOCK_OPS"),     # marks accepted connections for dsec_egress
 )
+# ... and to each microVM's tap (tc ingress: what the guest sends)
+TAP_PROGS = (("dsec_tap", "SCHED_CLS", "TCX_INGRESS"),)
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ class Spec:
     hooks: tuple[tuple[str, str, str], ...]
 
 
-NET_POLICY = Spec("net_policy", SOURCE, MAPS, HOOKS)
+NET_POLICY = Spec("net_policy", SOURCE, MAPS, HOOKS + TAP_PROGS)
 # Failed syscalls of policy-confined execs (dsecd/denials.py): a raw
 # tracepoint, attached by name, not to a cgroup.
 POLICY_DENIALS = Spec("policy_denials", SOURCE.parent / "policy_denials.c", ("watched", "events", "lost"),

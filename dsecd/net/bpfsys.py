@@ -20,13 +20,16 @@ import struct
 _SYS_BPF = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "ppc64le": 361, "s390x": 351}
 
 MAP_CREATE, MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM = 0, 1, 2, 3
-PROG_LOAD, PROG_ATTACH, PROG_DETACH, OBJ_GET_INFO_BY_FD = 5, 8, 9, 15
+PROG_LOAD, PROG_ATTACH, PROG_DETACH = 5, 8, 9
+PROG_GET_FD_BY_ID, OBJ_GET_INFO_BY_FD, PROG_QUERY = 13, 15, 16
 RAW_TRACEPOINT_OPEN = 17
 MAP_UPDATE_BATCH = 26
 
-PROG_TYPES = {"CGROUP_SKB": 8, "SOCK_OPS": 13, "RAW_TRACEPOINT": 17, "CGROUP_SOCK_ADDR": 18}
+PROG_TYPES = {"SCHED_CLS": 3, "CGROUP_SKB": 8, "SOCK_OPS": 13, "RAW_TRACEPOINT": 17, "CGROUP_SOCK_ADDR": 18}
 ATTACH_TYPES = {"NONE": 0, "CGROUP_INET_EGRESS": 1, "CGROUP_SOCK_OPS": 3, "CGROUP_INET4_CONNECT": 10,
-                "CGROUP_INET6_CONNECT": 11, "CGROUP_UDP4_SENDMSG": 14, "CGROUP_UDP6_SENDMSG": 15}
+                "CGROUP_INET6_CONNECT": 11, "CGROUP_UDP4_SENDMSG": 14, "CGROUP_UDP6_SENDMSG": 15,
+                "TCX_INGRESS": 46}          # TCX: Linux 6.6+ (Debian 12's headers predate it)
+F_BEFORE = 1 << 3          # TCX attach: first in the device's chain
 MAP_TYPE_RINGBUF = 27
 PERCPU_TYPES = {5, 6, 10}          # PERCPU_HASH, PERCPU_ARRAY, LRU_PERCPU_HASH
 
@@ -241,3 +244,45 @@ class RingBuffer:
     def close(self) -> None:
         self.consumer.close()
         self.producer.close()
+
+
+# ------------------------------------------------------------ TCX (programs on a network device, Linux 6.6+)
+#
+# Attached with BPF_PROG_ATTACH (not a BPF link): the attachment belongs to
+# the device and outlives this process, as the cgroup attaches do, so the
+# programs of a daemon that stopped go on enforcing until the next one
+# replaces them (or the device goes).
+
+
+def tcx_attach(ifindex: int, prog_fd: int, attach_type: int, flags: int, what: str) -> None:
+    # union { target_fd; target_ifindex }, attach_bpf_fd, attach_type, attach_flags,
+    # replace_bpf_fd, union { relative_fd; relative_id }, expected_revision
+    data = struct.pack("=IIIIIIQ", ifindex, prog_fd, attach_type, flags, 0, 0, 0)
+    bpf(PROG_ATTACH, _attr(data, 32), what)
+
+
+def tcx_detach(ifindex: int, prog_fd: int, attach_type: int, what: str) -> None:
+    data = struct.pack("=IIIIIIQ", ifindex, prog_fd, attach_type, 0, 0, 0, 0)
+    bpf(PROG_DETACH, _attr(data, 32), what)
+
+
+def tcx_query(ifindex: int, attach_type: int, what: str) -> list[int]:
+    """The ids of the programs attached to a device's hook, in order."""
+    ids = (ctypes.c_uint32 * 64)()
+    # target_ifindex, attach_type, query_flags, attach_flags, prog_ids, count
+    data = struct.pack("=IIIIQI", ifindex, attach_type, 0, 0, ctypes.addressof(ids), 64)
+    attr = _attr(data, 64)
+    bpf(PROG_QUERY, attr, what)
+    count = struct.unpack_from("=I", attr.raw, 24)[0]
+    return list(ids[:count])
+
+
+def prog_id(fd: int) -> int:
+    info = ctypes.create_string_buffer(256)
+    data = struct.pack("=IIQ", fd, len(info), ctypes.addressof(info))
+    bpf(OBJ_GET_INFO_BY_FD, _attr(data, 16), f"get info of BPF program fd {fd}")
+    return struct.unpack_from("=II", info.raw)[1]          # struct bpf_prog_info: type, id, ...
+
+
+def prog_fd_by_id(prog: int) -> int:
+    return bpf(PROG_GET_FD_BY_ID, _attr(struct.pack("=III", prog, 0, 0), 16), f"get BPF program {prog}")

@@ -7,6 +7,8 @@
     view = net.show(sb_id)
     net.detach(sb_id)                                               # on destroy / death
     net.readopt({sb_id: (init_pid, cgroup_v2_dir)})                 # after a restart
+    view = net.attach_vm(sb_id, rules)                              # a microVM: policy, lease
+    fd, guest = net.plug_vm(sb_id)                                  # its tap, before each QEMU start
     pub = net.publish(sb_id, 8080, host_port=None, bind="")         # DNAT a host port to it (nat.py)
     net.unpublish(sb_id, 8080)
 
@@ -25,6 +27,7 @@ query for the name learns the address again (docs/network.md says why).
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import functools
 import hashlib
@@ -45,7 +48,7 @@ from ..journal import RecordLog, read_record_dir
 from . import rules as R
 from .ipam import Ipam, Lease
 from .nat import HostNat, NatError
-from .plumbing import BridgeSpec, Plumbing, host_ifname, netns_path
+from .plumbing import BridgeSpec, Plumbing, host_ifname, in_netns, netns_path, vm_ifname, vm_mac
 from .policy import Engine
 from .pool import NetnsPool, Ready
 
@@ -77,11 +80,13 @@ class _Sandbox:
     names: tuple = ()                                 # name rules of the policy (the resolver reads it)
     learned: dict = field(default_factory=dict)       # Rule -> Learned (not recorded)
     dns: collections.Counter = field(default_factory=collections.Counter)   # resolver counters
+    kind: str = "container"                           # container (veth, cgroup programs) | vm (tap, dsec_tap)
+    tap_index: int = 0                                # a VM's current tap (0: no QEMU runs)
 
     def record(self) -> dict:
         return {"id": self.id, "mode": self.mode, "cgroup_dir": self.cgroup_dir, "cgroup_id": self.cgroup_id,
                 "terms": list(self.terms), "ifname": self.ifname, "ipv4": self.ipv4,
-                "ports": list(self.ports.values())}
+                "ports": list(self.ports.values()), "kind": self.kind}
 
 
 class Network:
@@ -299,6 +304,70 @@ class Network:
         with self._lock:
             return self._view(sb, counters=False)
 
+    # ------------------------------------------------------------ microVMs
+
+    def attach_vm(self, sb_id: str, rules: list[str] | None = None) -> dict:
+        """A microVM's networking, before its QEMU starts: its policy (under
+        `vm_key`, what its tap's frames are checked against) and its lease.
+        Its tap comes with each QEMU (plug_vm): a pause ends QEMU and the tap
+        with it. Undoes itself on failure."""
+        with self._lock:
+            if sb_id in self._sbs:
+                raise Conflict(f"sandbox {sb_id} already has networking", {"sandbox": sb_id})
+            sb = _Sandbox(sb_id, "default", "", vm_key(sb_id), kind="vm", ifname=vm_ifname(sb_id))
+            self._sbs[sb_id] = sb
+        try:
+            self._check_request_size(len(rules or []))
+            self._bpf_attach(sb, R.merge((), self.sets, replace=list(rules or [])))
+            sb.ipv4 = str(self.ipam_allocate(sb_id).ipv4)
+            self._write_record(sb)
+        except BaseException:
+            self._teardown(sb)
+            raise
+        with self._lock:
+            return self._view(sb, counters=False)
+
+    def plug_vm(self, sb_id: str) -> tuple[int, dict]:
+        """A tap for the microVM's next QEMU: on the bridge, dsec_tap attached
+        to its ingress and told the VM's address and MAC, all before the fd
+        goes to QEMU, so no frame of the guest ever passes unchecked. Returns
+        the fd (the caller passes it to QEMU and closes its own) and what the
+        guest's NIC is to be given (the agent sets it up: wire.NET)."""
+        with self._lock:
+            sb = self._get(sb_id)
+        if sb.kind != "vm":
+            raise BadRequest(f"sandbox {sb_id} is no microVM")
+        iface = ipaddress.ip_interface(sb.ipv4)
+        mac = vm_mac(iface.ip.packed)
+        self.plumbing.remove_sandbox(sb.ifname)     # a previous QEMU's tap, if the kernel has not removed it yet
+        fd, idx = self.plumbing.add_tap(sb.ifname)
+        try:
+            self.engine.register_tap(idx, sb.cgroup_id, iface.ip.packed, mac)
+            with self._bridge_netns():
+                self.engine.attach_tap(idx, sb.ifname)
+        except BaseException:
+            os.close(fd)
+            self.plumbing.remove_sandbox(sb.ifname)
+            self.engine.unregister_tap(idx)
+            raise
+        old, sb.tap_index = sb.tap_index, idx
+        if old and old != idx:
+            self.engine.unregister_tap(old)
+        return fd, {"mac": mac, "ipv4": iface, "gateway": self.ipam.gateway4, "mtu": int(self.cfg["mtu"])}
+
+    def _bridge_netns(self):
+        """This thread in the bridge's netns: TCX finds a device by ifindex in
+        the caller's netns."""
+        return in_netns(self.plumbing.ns_path) if self.plumbing.ns_path else contextlib.nullcontext()
+
+    def unplug_vm(self, sb_id: str) -> None:
+        """The VM's QEMU ended (a pause): its tap went with it; forget its entry."""
+        with self._lock:
+            sb = self._sbs.get(sb_id)
+        if sb is not None and sb.tap_index:
+            self.engine.unregister_tap(sb.tap_index)
+            sb.tap_index = 0
+
     def ipam_allocate(self, sb_id: str) -> Lease:
         with self._lock:
             return self.ipam.allocate(sb_id)
@@ -320,10 +389,12 @@ class Network:
         if sb.ports:
             steps += [("unpublish ports", lambda: self._unpublish_all(sb))]
         if sb.mode == "default" and sb.ifname:
-            steps += [("delete veth", lambda: self.plumbing.remove_sandbox(sb.ifname))]
-        if sb.mode == "default":
-            steps += [
-                      ("detach programs", lambda: self.engine.detach(sb.cgroup_dir))]
+            steps += [("delete veth" if sb.kind == "container" else "delete tap",
+                       lambda: self.plumbing.remove_sandbox(sb.ifname))]
+        if sb.kind == "vm":
+            steps += [("forget the tap", lambda: self.unplug_vm(sb.id))]
+        elif sb.mode == "default":
+            steps += [("detach programs", lambda: self.engine.detach(sb.cgroup_dir))]
         steps += [("free policy, lease", lambda: self._free(sb)),
                   ("delete record", lambda: self.records.delete(sb.id))]
         first = None
@@ -480,7 +551,8 @@ class Network:
             sb.slot = eng.slots.take()[0]
             eng.reset_stats(sb.slot)
             self._apply(sb, terms)
-        eng.attach(sb.cgroup_dir)
+        if sb.kind == "container":       # a VM's programs go on its tap (plug_vm)
+            eng.attach(sb.cgroup_dir)
 
     def _apply(self, sb: _Sandbox, terms: tuple[str, ...]) -> None:
         """Make `terms` the sandbox's policy, atomically. Caller holds the lock.
@@ -833,6 +905,9 @@ class Network:
         return {"adopted": adopted, "released": sorted(set(released)), "failed": failed}
 
     def _readopt_one(self, sb_id: str, rec: dict, netns, cgroup_dir: str) -> None:
+        if rec.get("kind") == "vm":
+            self._readopt_vm(sb_id, rec)
+            return
         sb = _Sandbox(sb_id, rec["mode"], cgroup_dir, os.stat(cgroup_dir).st_ino,
                       ifname=rec.get("ifname") or (host_ifname(sb_id) if rec["mode"] == "default" else ""))
         with self._lock:
@@ -859,6 +934,43 @@ class Network:
                 log.error("sandbox %s: publish port %s on host port %s again after the restart: %s",
                           sb_id, pub.get("port"), pub.get("host_port"), err)
         self._write_record(sb)
+
+
+    def _readopt_vm(self, sb_id: str, rec: dict) -> None:
+        """A microVM's policy and lease again; if its QEMU runs (its tap is
+        there) this daemon's dsec_tap replaces the previous daemon's on it.
+        A paused VM has no tap until its resume plugs one."""
+        sb = _Sandbox(sb_id, "default", "", vm_key(sb_id), kind="vm", ifname=rec.get("ifname") or vm_ifname(sb_id))
+        with self._lock:
+            self._sbs[sb_id] = sb
+        terms = []
+        for t in rec.get("terms", []):
+            try:
+                terms.append(R.canonical_term(t, self.sets))
+            except BadRequest as err:
+                log.warning("sandbox %s: dropping rule %r on readopt: %s", sb_id, t, err.message)
+        self._bpf_attach(sb, tuple(terms))
+        lease = self.ipam_allocate(sb_id)
+        if rec.get("ipv4") and str(lease.ipv4) != rec["ipv4"]:
+            raise OSError(errno.EADDRNOTAVAIL, f"its address {rec['ipv4']} was lost (given {lease.ipv4} now); "
+                          "the guest still uses the old one")
+        sb.ipv4 = str(lease.ipv4)
+        idx = self.plumbing.link_index(sb.ifname)
+        if idx is not None:
+            iface = ipaddress.ip_interface(sb.ipv4)
+            self.engine.register_tap(idx, sb.cgroup_id, iface.ip.packed, vm_mac(iface.ip.packed))
+            with self._bridge_netns():
+                self.engine.attach_tap(idx, sb.ifname)
+            sb.tap_index = idx
+        self._write_record(sb)
+
+
+def vm_key(sb_id: str) -> int:
+    """A microVM's key in the `sandboxes` map, in place of a cgroup id (no
+    socket of the guest is on the host). The top bit is never set in a
+    cgroup id (its high half is a generation number counting from 1), so the
+    two never meet; stable across restarts (from the id alone)."""
+    return (1 << 63) | int.from_bytes(hashlib.blake2s(sb_id.encode(), digest_size=7).digest(), "big")
 
 
 @functools.lru_cache(maxsize=65536)

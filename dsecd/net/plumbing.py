@@ -22,6 +22,7 @@ out of an uplink, when configured, is nat.py's own nftables table).
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import os
 import re
@@ -49,6 +50,8 @@ from pyroute2.netlink.rtnl.rtmsg import rtmsg
 from .ipam import Lease
 
 _NLMSG_HDR = struct.Struct("=IHHII")
+_TUNSETIFF = 0x400454CA
+_IFF_TAP, _IFF_NO_PI = 0x0002, 0x1000
 _ID_IFNAME = re.compile(r"^[0-9a-z]{1,13}$")
 
 
@@ -57,6 +60,17 @@ def host_ifname(sb_id: str) -> str:
     if _ID_IFNAME.match(sb_id):
         return f"ds{sb_id}"
     return "ds" + hashlib.blake2s(sb_id.encode(), digest_size=8).hexdigest()[:13]
+
+
+def vm_ifname(sb_id: str) -> str:
+    """`dv<id>`: a microVM's tap on the bridge (as host_ifname, for taps)."""
+    return "dv" + host_ifname(sb_id)[2:]
+
+
+def vm_mac(ipv4: bytes) -> bytes:
+    """A microVM's MAC: locally administered, unicast, 02:d5 and its IPv4
+    address (its lease names it, so two VMs on the bridge never share one)."""
+    return b"\x02\xd5" + ipv4
 
 
 def netns_path(spec: int | str) -> str:
@@ -298,6 +312,42 @@ class Plumbing:
                      (RTM_NEWROUTE, NLM_F_CREATE | NLM_F_EXCL, _default_route_msg(lease.gateway6, idx),
                       f"add default route via {lease.gateway6}")]
         return msgs
+
+    def add_tap(self, name: str) -> tuple[int, int]:
+        """A tap device `name` on the bridge, up: (the fd that holds it, its
+        ifindex). Not persistent: it goes when the last fd on it closes, so a
+        microVM's QEMU, given the fd, takes its tap along when it exits.
+        Made in the bridge netns: a tun fd's device is created in the netns
+        /dev/net/tun was opened in."""
+        if self.ns_path:
+            with in_netns(self.ns_path):
+                fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
+        else:
+            fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            ifr = struct.pack("16sH22x", name.encode(), _IFF_TAP | _IFF_NO_PI)
+            try:
+                fcntl.ioctl(fd, _TUNSETIFF, ifr)
+            except OSError as err:
+                raise OSError(err.errno, f"create tap `{name}`: {err.strerror}") from err
+            idx = ifindex(self._sock, name)
+            m = ifinfmsg()
+            m["index"], m["flags"], m["change"] = idx, IFF_UP, IFF_UP
+            m["attrs"] = [["IFLA_MTU", self.spec.mtu], ["IFLA_MASTER", self.bridge_index]]
+            request(self._sock, [(RTM_NEWLINK, 0, m, f"put tap `{name}` on the bridge and up")])
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, idx
+
+    def link_index(self, name: str) -> int | None:
+        """The ifindex of link `name` in the bridge netns, None if there is none."""
+        try:
+            return ifindex(self._sock, name)
+        except OSError as err:
+            if err.errno == errno.ENODEV:
+                return None
+            raise
 
     def remove_sandbox(self, host_if: str) -> bool:
         """Delete the host side `host_if` (the peer goes with it); False if already gone

@@ -45,6 +45,7 @@ _RULE_KEY = struct.Struct("=IIB16s")            # struct lpm_key (padded to the 
 _RULE_HEAD = struct.Struct("=II")               # struct rule_val: n, pad
 _ENTRY = struct.Struct("=HHB3xI")               # struct entry
 _SB_STAT = struct.Struct("=QQQ")                # struct sb_stat
+_TAP_VAL = struct.Struct("=Q4s6s2x")            # struct tap_val (address in network byte order)
 
 
 class _Slots:
@@ -124,8 +125,12 @@ class Engine:
                  self.load_stats["object"])
         m = self.loaded.maps
         self.config, self.sandboxes, self.rules = m["config"], m["sandboxes"], m["rules"]
-        self.rule_hits, self.sb_stats = m["rule_hits"], m["sb_stats"]
-        self.fns = dict(self.loaded.progs)          # name -> (prog fd, attach type)
+        self.rule_hits, self.sb_stats, self.taps = m["rule_hits"], m["sb_stats"], m["taps"]
+        tap_names = {p[0] for p in bpfobj.TAP_PROGS}
+        # name -> (prog fd, attach type): what every sandbox cgroup gets
+        self.fns = {n: v for n, v in self.loaded.progs.items() if n not in tap_names}
+        self.tap_prog, self.tap_attach_type = self.loaded.progs["dsec_tap"]
+        self.tap_prog_id = bpfsys.prog_id(self.tap_prog)
         self._key_pad = b"\0" * (self.rules.key_size - _RULE_KEY.size)
         self._val_pad = self.rules.value_size - _RULE_HEAD.size - MAX_ENTRIES * _ENTRY.size
         if self._val_pad < 0 or self.rules.key_size < _RULE_KEY.size:
@@ -177,6 +182,34 @@ class Engine:
                     log.debug("%s", err)
         finally:
             os.close(fd)
+
+    def attach_tap(self, ifindex: int, ifname: str) -> None:
+        """dsec_tap first on the tap's TCX ingress (what its guest sends);
+        then any other program there goes: a previous daemon's, whose maps
+        decided until now (a re-adopted VM's tap)."""
+        at = self.tap_attach_type
+        bpfsys.tcx_attach(ifindex, self.tap_prog, at, bpfsys.F_BEFORE, f"attach dsec_tap to tap {ifname}")
+        for prog in bpfsys.tcx_query(ifindex, at, f"list the programs on tap {ifname}"):
+            if prog == self.tap_prog_id:
+                continue
+            try:
+                fd = bpfsys.prog_fd_by_id(prog)
+            except OSError as err:            # gone meanwhile
+                log.debug("%s", err)
+                continue
+            try:
+                bpfsys.tcx_detach(ifindex, fd, at, f"detach BPF program {prog} from tap {ifname}")
+            finally:
+                os.close(fd)
+
+    def register_tap(self, ifindex: int, key: int, ipv4: bytes, mac: bytes) -> None:
+        """What dsec_tap checks a tap's frames with: the VM's `sandboxes` key,
+        its address and MAC. Before the guest can send (its QEMU is started
+        after)."""
+        self.taps.update(_U32.pack(ifindex), _TAP_VAL.pack(key, ipv4, mac))
+
+    def unregister_tap(self, ifindex: int) -> None:
+        self.taps.delete(_U32.pack(ifindex))
 
     # ------------------------------------------------------------ maps
 

@@ -50,6 +50,18 @@ def busybox_rootfs() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+def with_guest_dir(config: str) -> str:
+    """`config` naming the microVM guest in $DSECD_GUEST_DIR when that is set
+    (scripts/setup.sh built this checkout's guest there), else as it is."""
+    guest_dir = os.environ.get("DSECD_GUEST_DIR")
+    if not guest_dir:
+        return config
+    line = f'guest_dir = "{guest_dir}"\n'
+    if "[microvm]" in config:
+        return config.replace("[microvm]\n", "[microvm]\n" + line, 1)
+    return f"{config}\n[microvm]\n{line}"
+
+
 class Daemon:
     """A dsecd process on a private socket/state dir/cgroup subtree."""
 
@@ -65,7 +77,7 @@ class Daemon:
         self.config = tmp / "dsecd.toml"
         self.config.write_text(
             f'[daemon]\nsocket = "{self.socket}"\nstate_dir = "{self.state}"\nlog_level = "{log_level}"\n'
-            f'[sandbox]\ncgroup_root = "{self.cgroup_root}"\n{extra_config}')
+            f'[sandbox]\ncgroup_root = "{self.cgroup_root}"\n{with_guest_dir(extra_config)}')
         self.log = tmp / "dsecd.log"
         self.proc: subprocess.Popen | None = None
         # How a test may start it differently: a command in front (setpriv,

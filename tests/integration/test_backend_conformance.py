@@ -146,6 +146,22 @@ def test_pause_resume_keeps_state(box):
     assert sb.exec(["echo", "awake"]).stdout == b"awake\n"
 
 
+def test_snapshot_packs_the_writable_layer(box):
+    c, sb, backend, _ = box
+    sb.exec(["sh", "-c", "mkdir -p /work/snap && echo kept > /work/snap/f && rm -f /bin/false"])
+    name = f"conformance-snap-{backend}"
+    image = sb.snapshot(name)
+    assert len(image["layers"]) == 2
+    other = c.create(name, memory="64M")           # whatever made it, a container runs it
+    try:
+        r = other.exec(["sh", "-c", "cat /work/snap/f; [ -e /bin/false ] || echo deleted"])
+        assert r.stdout == b"kept\ndeleted\n"
+    finally:
+        other.destroy()
+        c.request("image_rm", name=name)
+    sb.exec(["rm", "-r", "/work/snap"])
+
+
 def test_destroy_leaves_nothing(box, daemon):
     c, sb, backend, state = box
     info = sb.inspect()

@@ -89,20 +89,22 @@ class AgentLink:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._execs: dict[int, AgentExec] = {}
+        self._streams: dict = {}            # request id -> on_data of a streamed answer (stream())
         self.closed = False
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
 
     @classmethod
-    async def connect(cls, transport: Transport, what: str, hostname: str, timeout: float) -> AgentLink:
+    async def connect(cls, transport: Transport, what: str, hostname: str, timeout: float,
+                      sandbox_id: str = "") -> AgentLink:
         """Open the channel and say HELLO (the sandbox's identity: hostname,
-        clock, entropy) until the agent answers READY: it answers once it has
-        mounted the root, so this is also the wait for the boot."""
+        clock, entropy, id) until the agent answers READY: it answers once it
+        has mounted the root, so this is also the wait for the boot."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         reader, writer = await transport.open(timeout)
         link = cls(reader, writer, what)
         try:
-            await asyncio.wait_for(link.hello(hostname), max(0.1, deadline - loop.time()))
+            await asyncio.wait_for(link.hello(hostname, sandbox_id), max(0.1, deadline - loop.time()))
         except TimeoutError:
             link.close()
             raise AgentGone(f"{what}: the guest agent did not answer within {timeout:.0f}s "
@@ -112,9 +114,12 @@ class AgentLink:
             raise
         return link
 
-    async def hello(self, hostname: str) -> str:
+    async def hello(self, hostname: str, sandbox_id: str = "") -> str:
+        """The agent reseeds the guest's CRNG from the 32 bytes of entropy and
+        sets its clock and hostname (csrc/guest/agent.c, do_hello): what makes
+        a VM restored from a template its own."""
         r = await self.request(wire.HELLO, wire.bstr(hostname), wire.u64(time.time_ns()),
-                               wire.bstr(os.getrandom(32)))
+                               wire.bstr(os.getrandom(32)), wire.bstr(sandbox_id))
         return r.str()
 
     def send(self, data: bytes) -> None:
@@ -124,7 +129,20 @@ class AgentLink:
 
     async def request(self, kind: int, *fields: bytes) -> wire.Reader:
         """A file (or hello, sync) request; the OK body, or AgentError."""
+        return await self.request_with_id(next(self._ids), kind, *fields)
+
+    async def stream(self, kind: int, on_data, *fields: bytes) -> wire.Reader:
+        """A request answered by DATA frames, then OK (its body returned) or
+        ERR: on_data(bytes) gets each frame's bytes, in order, on the loop
+        (the writable layer's tar: M_TAR)."""
         msg_id = next(self._ids)
+        self._streams[msg_id] = on_data
+        try:
+            return await self.request_with_id(msg_id, kind, *fields)
+        finally:
+            self._streams.pop(msg_id, None)
+
+    async def request_with_id(self, msg_id: int, kind: int, *fields: bytes) -> wire.Reader:
         fut = asyncio.get_running_loop().create_future()
         self._pending[msg_id] = fut
         try:
@@ -192,6 +210,11 @@ class AgentLink:
                 self._execs.pop(msg_id, None)
                 code = r.u64()
                 run.events.put_nowait(("error", AgentError(code, r.str())))
+            return
+        if kind == wire.DATA:
+            on_data = self._streams.get(msg_id)
+            if on_data is not None:
+                on_data(r.bytes())
             return
         fut = self._pending.get(msg_id)
         if fut is None or fut.done():

@@ -48,6 +48,10 @@ from .qmp import QMP
 log = logging.getLogger(__name__)
 
 PMEM_SLOT0 = 0x10          # PCI slot of the bottom layer; layer i at PMEM_SLOT0 + i
+NIC_MAC = "52:54:00:00:00:01"   # every VM's NIC until its agent sets the VM's own; the tap drops frames from it
+# A template's NIC: a hub port with no other port (a dead end). The template
+# never sends; its restores get a tap (devices match, backends need not).
+TEMPLATE_NETDEV = "hubport,id=net0,hubid=0"
 MAX_LAYERS = 0x20 - PMEM_SLOT0
 MIN_GUEST_MEMORY = 128 << 20   # the cloud kernel and the agent boot in less, barely
 # QEMU's own processes run in the sandbox's cgroup too: TCG's translation
@@ -61,6 +65,44 @@ KERNEL_ARGS = "console=ttyS0 swiotlb=noforce tsc_early_khz=2000000 panic=-1 quie
 
 class VmError(OSError):
     """A VM could not be made or run; the message says what and where to look."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What of a VM's QEMU command line its shape does not say: where its RAM
+    lives and whether its balloon reports free pages. A saved state loads
+    only into a QEMU of the same devices, so a sandbox's Machine is journaled
+    (Sandbox.vm) and its resume starts QEMU with it.
+
+    ram:  "anon"     memory-backend-ram (a booted VM; a resumed one)
+          "shared"   a template's memfd, mapped shared: the template's build
+          "private"  a template's sealed memfd, mapped private (copy on
+                     write): a VM restored from the template
+          "legacy"   plain -m (VMs started before RAM had an explicit backend)
+    reporting: free-page reporting (off for templates and their restores:
+          templates.py says why).
+    net: a virtio-net NIC. Its MAC on the command line is the same for every
+          VM (NIC_MAC: a template's restores share its device state anyway);
+          the agent gives the NIC the VM's own (wire.NET)."""
+
+    ram: str = "anon"
+    reporting: bool = True
+    net: bool = False          # a virtio-net NIC (--net default): on a tap, or a template's dead-end hub port
+
+    def to_record(self) -> dict:
+        return {"ram": self.ram, "reporting": self.reporting, "net": self.net}
+
+    @classmethod
+    def from_record(cls, rec: dict | None) -> Machine:
+        if not rec:
+            return cls(ram="legacy")
+        return cls(ram=rec.get("ram", "legacy"), reporting=bool(rec.get("reporting", True)),
+                   net=bool(rec.get("net", False)))
+
+    def resumed(self) -> Machine:
+        """The machine a resume starts: the saved state has all the RAM, so it
+        goes to anonymous memory (a template's mapping is not needed again)."""
+        return self if self.ram == "legacy" else Machine(ram="anon", reporting=self.reporting, net=self.net)
 
 
 @dataclass
@@ -90,6 +132,8 @@ class VmHandle:
     core_sched: bool = False
     userns: bool = False
     paused_image: Path | None = None    # the RAM image of a paused VM (pause.py)
+    machine: Machine = field(default_factory=Machine)
+    template: str | None = None         # the key of the template it was restored from
     extra: dict = field(default_factory=dict)
 
 
@@ -102,8 +146,8 @@ class QemuFiles:
     kernel and initramfs 0644, its own dir). `refs` maps each to that name;
     `fds` is what Popen passes. Closed on exit: QEMU has its copies."""
 
-    def __init__(self, vm_dir: Path, layers: list[Path], guest: GuestImage):
-        self.vm_dir, self.layers, self.guest = vm_dir, layers, guest
+    def __init__(self, vm_dir: Path, layers: list[Path], guest: GuestImage, ram_fd: int = -1, tap_fd: int = -1):
+        self.vm_dir, self.layers, self.guest, self.ram_fd, self.tap_fd = vm_dir, layers, guest, ram_fd, tap_fd
         self.fds: list[int] = []
         self.refs: dict = {"name": vm_dir.name}
 
@@ -118,6 +162,16 @@ class QemuFiles:
             self.refs["kernel"] = self._open(self.guest.kernel, os.O_RDONLY)
             self.refs["initramfs"] = self._open(self.guest.initramfs, os.O_RDONLY)
             self.refs["layers"] = [self._open(p, os.O_RDONLY) for p in self.layers]
+            if self.ram_fd >= 0:       # a template's memfd: a copy, so a template dropped meanwhile is no matter
+                fd = os.dup(self.ram_fd)
+                self.fds.append(fd)
+                self.refs["ram"] = f"/proc/self/fd/{fd}"
+            if self.tap_fd >= 0:       # QEMU reads and writes the tap's frames through it
+                fd = os.dup(self.tap_fd)
+                self.fds.append(fd)
+                self.refs["netdev"] = f"tap,id=net0,fd={fd}"
+            else:
+                self.refs["netdev"] = TEMPLATE_NETDEV
         except BaseException:
             self.__exit__()
             raise
@@ -167,17 +221,34 @@ class MicroVMBackend:
         return max(1, min(math.ceil(cpu), os.cpu_count() or 1, int(self.cfg["max_vcpus"])))
 
     def qemu_argv(self, refs: dict, layers: list[Path], guest_memory: int, vcpus: int, disk: int,
-                  incoming: bool = False) -> list[str]:
+                  incoming: bool = False, machine: Machine = Machine()) -> list[str]:
         """refs: the paths QEMU opens, as it sees them (QemuFiles.refs)."""
         mib = guest_memory >> 20
         vm_dir = refs["dir"]
         pmem = [(ref, aligned_size(p)) for ref, p in zip(refs["layers"], layers, strict=True)]
         maxmem = mib + sum(s >> 20 for _, s in pmem) + 1024
         accel = (f"tcg,tb-size={int(self.cfg['tcg_tb_size_mib'])}" if self.accel == "tcg" else "kvm")
+        if machine.ram == "legacy":
+            ram = []
+            machine_opt = "q35"
+        else:
+            # The RAM block's name ("ram0") is the same for every kind, so a
+            # state saved from one loads into another (a restored VM's pause
+            # resumes into anonymous memory).
+            if machine.ram == "anon":
+                obj = f"memory-backend-ram,id=ram0,size={mib}M"
+            elif machine.ram in ("shared", "private"):
+                share = "on" if machine.ram == "shared" else "off"
+                obj = f"memory-backend-file,id=ram0,size={mib}M,mem-path={refs['ram']},share={share}"
+            else:
+                raise ValueError(f"unknown guest RAM kind {machine.ram!r}")
+            ram = ["-object", obj]
+            machine_opt = "q35,memory-backend=ram0"
+        reporting = "on" if machine.reporting else "off"
         argv = [self.qemu, "-nodefaults", "-nographic", "-no-user-config", "-no-reboot",
                 "-name", f"dsec-{refs['name']},debug-threads=on",
-                "-machine", "q35", "-accel", accel, "-cpu", "max" if self.accel == "tcg" else "host",
-                "-smp", str(vcpus), "-m", f"{mib}M,slots=4,maxmem={maxmem}M",
+                "-machine", machine_opt, "-accel", accel, "-cpu", "max" if self.accel == "tcg" else "host",
+                "-smp", str(vcpus), "-m", f"{mib}M,slots=4,maxmem={maxmem}M", *ram,
                 "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
                 "-kernel", refs["kernel"], "-initrd", refs["initramfs"],
                 "-append", f"{KERNEL_ARGS} dsec.layers={len(layers)} dsec.disk={disk} dsec.tmp={self.tmp_size}",
@@ -186,7 +257,9 @@ class MicroVMBackend:
                 "-device", "virtio-serial-pci,id=vs0",
                 "-chardev", f"socket,id=agent,path={vm_dir}/agent.sock,server=on,wait=off",
                 "-device", "virtserialport,chardev=agent,name=dsec.agent",
-                "-device", "virtio-balloon-pci,id=balloon0,free-page-reporting=on"]
+                "-device", f"virtio-balloon-pci,id=balloon0,free-page-reporting={reporting}"]
+        if machine.net:
+            argv += ["-netdev", refs["netdev"], "-device", f"virtio-net-pci,netdev=net0,id=nic0,mac={NIC_MAC}"]
         for i, (path, size) in enumerate(pmem):
             argv += ["-object", f"memory-backend-file,id=layer{i},share=on,readonly=on,mem-path={path},size={size}",
                      "-device", f"virtio-pmem-pci,memdev=layer{i},id=pmem{i},addr={PMEM_SLOT0 + i:#x}.0"]
@@ -194,11 +267,25 @@ class MicroVMBackend:
             argv += ["-incoming", "defer"]
         return argv
 
+    def template_argv(self, layers: list[Path], guest_memory: int, cpu: float, disk: int,
+                      net: bool = False) -> list[str]:
+        """The command line a template of this shape is built with, its
+        per-VM paths as placeholders: what a template key hashes
+        (templates.key_of). Whatever changes it (a device, a kernel argument,
+        the guest's RAM or vCPUs, the writable layer's size) makes a new key."""
+        refs = {"name": "@name", "dir": "@dir", "kernel": "@kernel", "initramfs": "@initramfs",
+                "layers": [f"@layer{i}" for i in range(len(layers))], "ram": "@ram", "netdev": "@netdev"}
+        return self.qemu_argv(refs, layers, guest_memory, self.vcpus(cpu), disk, incoming=True,
+                              machine=Machine(ram="shared", reporting=False, net=net))
+
     def create(self, sb_id: str, layers: list[Path], limits: cgroup.Limits, disk: int, uid: int,
-               incoming: bool = False) -> VmHandle:
+               incoming: bool = False, machine: Machine = Machine(), ram_fd: int = -1,
+               tap_fd: int = -1) -> VmHandle:
         """Start QEMU for sandbox `sb_id` (blocking): its dir, cgroups, the
         process. The guest then boots on its own; `connect` waits for it.
-        incoming: QEMU waits for a migration stream (a template's restore)."""
+        incoming: QEMU waits for a migration stream (a template's restore).
+        ram_fd: the template memfd a "shared" or "private" machine maps.
+        tap_fd: the tap of a machine with a NIC (none: a template's hub port)."""
         if not 1 <= len(layers) <= MAX_LAYERS:
             raise VmError(errno.E2BIG, f"an image of {len(layers)} layers cannot boot as a microVM: "
                           f"1 to {MAX_LAYERS} layers (one virtio-pmem device each); flatten it first")
@@ -214,8 +301,9 @@ class MicroVMBackend:
             group.set_limits(cgroup.Limits(cpu=limits.cpu, memory_bytes=guest_memory + self.memory_overhead,
                                            pids=QEMU_PIDS, cpu_hard_quota=limits.cpu_hard_quota,
                                            cpu_period_us=limits.cpu_period_us, swap_bytes=limits.swap_bytes))
-            with QemuFiles(vm_dir, layers, self.guest) as files:
-                argv = self.qemu_argv(files.refs, layers, guest_memory, self.vcpus(limits.cpu), disk, incoming)
+            with QemuFiles(vm_dir, layers, self.guest, ram_fd, tap_fd) as files:
+                argv = self.qemu_argv(files.refs, layers, guest_memory, self.vcpus(limits.cpu), disk, incoming,
+                                      machine)
                 popen = self._spawn(argv, group, vm_dir, uid, files.fds)
             steps.undo("kill QEMU", lambda: _kill_wait(popen))
             start = proc_start_time(popen.pid)
@@ -224,7 +312,7 @@ class MicroVMBackend:
             pidfd = fds.park(native.pidfd_open(popen.pid))
             steps.commit()
         return VmHandle(init_pid=popen.pid, init_start=start, pidfd=pidfd, group=group, vm_dir=vm_dir,
-                        is_child=True, accel=self.accel, popen=popen, guest_memory=guest_memory)
+                        is_child=True, accel=self.accel, popen=popen, guest_memory=guest_memory, machine=machine)
 
     def _spawn(self, argv: list[str], group: cgroup.Group, vm_dir: Path, uid: int,
                pass_fds: list[int]) -> subprocess.Popen:
@@ -241,14 +329,14 @@ class MicroVMBackend:
                                     start_new_session=True, close_fds=True, pass_fds=pass_fds)
 
     async def connect(self, h: VmHandle, what: str, hostname: str, timeout: float,
-                      hello: bool = True) -> None:
+                      hello: bool = True, sandbox_id: str = "") -> None:
         """The monitor and the agent's channel; with hello, wait for the agent
         (the guest booted and mounted its root). Raises VmError with the
         tails of the serial and QEMU logs when it does not come."""
         async def channels() -> None:
             h.qmp = await QMP.connect(str(h.vm_dir / "qmp.sock"), what, timeout)
             if hello:
-                h.agent = await self.connect_agent(h, what, hostname, timeout)
+                h.agent = await self.connect_agent(h, what, hostname, timeout, sandbox_id)
 
         try:
             await _unless_exits(h, channels())
@@ -256,39 +344,74 @@ class MicroVMBackend:
             raise VmError(errno.EIO, f"{what}: {err}; serial log: {_tail(h.vm_dir / 'serial.log')}; "
                           f"QEMU: {_tail(h.vm_dir / 'qemu.log')}") from err
 
-    async def connect_agent(self, h: VmHandle, what: str, hostname: str, timeout: float) -> AgentLink:
-        return await AgentLink.connect(ChardevTransport(str(h.vm_dir / "agent.sock")), what, hostname, timeout)
+    async def connect_agent(self, h: VmHandle, what: str, hostname: str, timeout: float,
+                            sandbox_id: str = "") -> AgentLink:
+        return await AgentLink.connect(ChardevTransport(str(h.vm_dir / "agent.sock")), what, hostname, timeout,
+                                       sandbox_id)
 
     # ------------------------------------------------------------ pause / resume
+
+    async def _ignore_shared(self, h: VmHandle, on: bool) -> None:
+        """x-ignore-shared: a migration leaves out RAM mapped shared (a
+        template's guest RAM, the layers' pmem). Both ends must agree: the
+        stream says which it was written with, and a load with the other
+        setting fails."""
+        await h.qmp.command("migrate-set-capabilities",
+                            {"capabilities": [{"capability": "x-ignore-shared", "state": on}]})
+
+    async def _migrate_out(self, h: VmHandle, image: Path, timeout: float) -> int:
+        fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            await h.qmp.send_fd("state-out", fd)
+        finally:
+            os.close(fd)
+        await h.qmp.command("migrate", {"uri": "fd:state-out"})
+        await h.qmp.migrate_wait(timeout)
+        return image.stat().st_size
 
     async def save(self, h: VmHandle, image: Path, timeout: float = 120.0) -> int:
         """Pause: stop the vCPUs, write the VM's state (RAM and devices) to
         `image` through QMP migration to an fd, and end QEMU, so all of its
         memory goes back to the host. Returns the image's size."""
-        fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            await h.qmp.command("stop")
-            await h.qmp.send_fd("pause-image", fd)
-        finally:
-            os.close(fd)
-        await h.qmp.command("migrate", {"uri": "fd:pause-image"})
-        await h.qmp.migrate_wait(timeout)
-        return image.stat().st_size
+        await h.qmp.command("stop")
+        # A VM restored from a template had x-ignore-shared on for its load;
+        # its RAM is private, saved either way, but the setting must match at
+        # resume: off, as a resume sets it.
+        await self._ignore_shared(h, False)
+        return await self._migrate_out(h, image, timeout)
 
-    async def restore(self, h: VmHandle, image: Path, what: str, hostname: str, timeout: float = 120.0) -> None:
-        """Resume into `h`, a QEMU started with incoming=True: load `image`,
-        run the vCPUs, reach the agent again (its HELLO sets the clock the
-        guest slept through)."""
+    async def snapshot(self, h: VmHandle, state: Path, timeout: float = 120.0) -> int:
+        """A template: stop the vCPUs (the agent is idle, waiting for its next
+        request) and write the device state to `state`, leaving out the RAM
+        (shared: it is the template's memfd). Returns the state's size."""
+        await h.qmp.command("stop")
+        await self._ignore_shared(h, True)
+        return await self._migrate_out(h, state, timeout)
+
+    async def restore(self, h: VmHandle, image: Path, what: str, hostname: str, timeout: float = 120.0,
+                      sandbox_id: str = "", ignore_shared: bool = False) -> None:
+        """Into `h`, a QEMU started with incoming=True: load `image`, run the
+        vCPUs, reach the agent again. Its HELLO gives the guest its identity:
+        the clock it slept through (a resume) or a new hostname, clock,
+        entropy and id (a restore from a template, ignore_shared: its RAM is
+        the template's, not in the stream)."""
         await self.connect(h, what, hostname, timeout, hello=False)
+        if ignore_shared:
+            await self._ignore_shared(h, True)
+        # No self-announcement after the load: QEMU would broadcast RARP
+        # frames with the NIC's MAC (and have the guest send gratuitous ARPs),
+        # which the tap's program drops (no ARP, or a MAC not yet the VM's).
+        # The bridge learns the VM's MAC from its first frame anyway.
+        await h.qmp.command("migrate-set-parameters", {"announce-rounds": 0})
         fd = os.open(image, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            await h.qmp.send_fd("resume-image", fd)
+            await h.qmp.send_fd("state-in", fd)
         finally:
             os.close(fd)
-        await h.qmp.command("migrate-incoming", {"uri": "fd:resume-image"})
+        await h.qmp.command("migrate-incoming", {"uri": "fd:state-in"})
         await h.qmp.migrate_wait(timeout)
         await h.qmp.command("cont")
-        h.agent = await self.connect_agent(h, what, hostname, timeout)
+        h.agent = await self.connect_agent(h, what, hostname, timeout, sandbox_id)
 
     def end_process(self, h: VmHandle) -> None:
         """Blocking: end a VM's QEMU (its state saved), keep its dir and cgroups."""
@@ -305,11 +428,14 @@ class MicroVMBackend:
         fds.close_quietly(h.pidfd)
         h.pidfd = -1
 
-    def respawn(self, h: VmHandle, layers: list[Path], cpu: float, disk: int, uid: int) -> None:
+    def respawn(self, h: VmHandle, layers: list[Path], cpu: float, disk: int, uid: int, tap_fd: int = -1) -> None:
         """Blocking: a new QEMU for a paused VM's dir and cgroups, waiting
-        for its saved state (restore); `h` now names it."""
-        with QemuFiles(h.vm_dir, layers, self.guest) as files:
-            argv = self.qemu_argv(files.refs, layers, h.guest_memory, self.vcpus(cpu), disk, incoming=True)
+        for its saved state (restore); `h` now names it. tap_fd: a new tap
+        for its NIC (the old one went with the old QEMU)."""
+        h.machine = h.machine.resumed()
+        with QemuFiles(h.vm_dir, layers, self.guest, tap_fd=tap_fd) as files:
+            argv = self.qemu_argv(files.refs, layers, h.guest_memory, self.vcpus(cpu), disk, incoming=True,
+                                  machine=h.machine)
             popen = self._spawn(argv, h.group, h.vm_dir, uid, files.fds)
         start = proc_start_time(popen.pid)
         if start is None:
@@ -376,6 +502,13 @@ class MicroVMBackend:
             return None
         return VmHandle(init_pid=0, init_start=0, pidfd=-1, group=self.group_for(sb_id), vm_dir=vm_dir,
                         is_child=False, accel=self.accel, guest_memory=guest_memory)
+
+    def template_build_leftovers(self) -> set[str]:
+        """The VM dirs and cgroups of template builds (`.template-<key>`)
+        that a daemon crash interrupted."""
+        dirs = {e.name for e in os.scandir(self.root) if e.name.startswith(".template-")}
+        groups = {n for n in cgroup.list_children(self.layout, self.cgroup_root) if n.startswith(".template-")}
+        return dirs | groups
 
     def orphans(self, known: set[str]) -> set[str]:
         """VM dirs without a journal record (their cgroups are found by the

@@ -12,9 +12,9 @@ import struct
 
 # host -> guest
 HELLO, EXEC, STDIN, KILL = 1, 2, 3, 4
-READ, WRITE, STAT, LIST, MKDIR, REMOVE, RENAME, SYNC = 10, 11, 12, 13, 14, 15, 16, 17
+READ, WRITE, STAT, LIST, MKDIR, REMOVE, RENAME, SYNC, NET, TAR, PING = 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20
 # guest -> host
-READY, STARTED, OUT, EXITED, OK, ERR = 101, 102, 103, 104, 105, 106
+READY, STARTED, OUT, EXITED, OK, ERR, DATA = 101, 102, 103, 104, 105, 106, 107
 
 EXEC_STDIN = 1
 WRITE_APPEND, WRITE_KEEP, WRITE_PARENTS = 1, 2, 4
@@ -42,6 +42,12 @@ def exec_request(msg_id: int, argv: list[str], env: list[str], cwd: str, uid: in
                  stdin: bool) -> bytes:
     return frame(EXEC, msg_id, u64(uid), u64(gid), u64(EXEC_STDIN if stdin else 0), bstr(cwd),
                  u64(len(argv)), *map(bstr, argv), u64(len(env)), *map(bstr, env))
+
+
+def net_request(msg_id: int, mac: bytes, ipv4: int, prefixlen: int, gateway: int, mtu: int) -> bytes:
+    """The guest's NIC: its MAC, IPv4 address (as an integer), prefix length,
+    the gateway (its default route) and the MTU."""
+    return frame(NET, msg_id, bstr(mac), u64(ipv4), u64(prefixlen), u64(gateway), u64(mtu))
 
 
 class Reader:

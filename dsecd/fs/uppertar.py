@@ -1,0 +1,129 @@
+"""A microVM's writable layer, sent by its guest agent as a tar, unpacked
+into a directory that the layer builder reads as it reads a container's
+upper dir (images.snapshot: pack_diff).
+
+The guest's overlay keeps its upper dir in a tmpfs inside the guest; the
+agent walks it (csrc/guest/agent.c, M_TAR) and streams a POSIX tar of it:
+directories, regular files, symlinks, FIFOs, overlay whiteouts (0:0
+character devices), and as pax records the xattrs trusted.overlay.opaque
+(opaque directories), user.* and security.capability. Unpacked here as
+root into a fresh private directory, with owners, modes (setuid and setgid
+kept: an image layer's files are what the guest made), mtimes and those
+xattrs, so that erofs.build copies whiteouts and opaque directories as it
+does from a container's upper.
+
+The archive comes from a guest, which is not trusted: every name is checked
+(dsecd/tarsafe.py's entry_name: relative, no `..`, within PATH_MAX), no
+entry may go below a symlink or file of the archive, a name comes once, and
+devices other than whiteouts, sockets, hard links and sparse entries are
+refused. The directory is the daemon's own (0700 under the scratch dir), so
+nothing else changes it meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tarfile
+from pathlib import Path
+
+from .. import tarsafe
+
+XATTRS_KEPT = ("trusted.overlay.opaque", "security.capability")     # and user.*
+XATTR_PREFIX = "SCHILY.xattr."
+MODE_BITS = 0o7777
+CHUNK = 1 << 20
+
+
+def unpack(tar_path: Path, dest: Path, max_entries: int = 10_000_000) -> dict:
+    """Unpack the agent's tar `tar_path` into the empty directory `dest`.
+    Returns {"entries", "bytes"}; raises tarsafe.Refused (a bad entry, named)
+    or OSError."""
+    dest = Path(dest)
+    dirs: set[str] = {""}
+    others: set[str] = set()            # files, symlinks, whiteouts, FIFOs: nothing goes below them
+    dir_times: list[tuple[str, float]] = []
+    entries = nbytes = 0
+    with tarfile.open(tar_path, mode="r:", errorlevel=2) as tf:
+        for m in tf:
+            entries += 1
+            if entries > max_entries:
+                raise tarsafe.TooLarge(f"the writable layer has more than {max_entries} entries")
+            rel = tarsafe.entry_name(m.name)
+            path = dest / rel if rel else dest
+            if rel:
+                _check_parents(m.name, rel, dirs, others)
+                if rel in dirs or rel in others:
+                    raise tarsafe.Refused(f"entry {m.name!r} comes twice in the writable layer's tar")
+            if m.isdir():
+                if rel:
+                    os.mkdir(path, 0o700)
+                    dirs.add(rel)
+                dir_times.append((rel, m.mtime))
+            elif m.isreg() and not m.issparse():
+                nbytes += _write_file(tf, m, path)
+                others.add(rel)
+            elif m.issym():
+                os.symlink(m.linkname, path)
+                others.add(rel)
+            elif m.ischr() and m.devmajor == 0 and m.devminor == 0:
+                os.mknod(path, stat.S_IFCHR | 0o000, os.makedev(0, 0))      # an overlay whiteout
+                others.add(rel)
+            elif m.isfifo():
+                os.mkfifo(path, 0o600)
+                others.add(rel)
+            else:
+                raise tarsafe.Refused(f"entry {m.name!r} of the writable layer's tar is of type {m.type!r} "
+                                      "(a device, hard link or sparse file); the guest agent sends only "
+                                      "directories, files, symlinks, FIFOs and whiteouts")
+            if not rel and not m.isdir():
+                raise tarsafe.Refused(f"entry {m.name!r} names the layer's root but is not a directory")
+            _attributes(path, m)
+    for rel, mtime in reversed(dir_times):     # children first: making them changed their parent's mtime
+        os.utime(dest / rel if rel else dest, (mtime, mtime))
+    return {"entries": entries, "bytes": nbytes}
+
+
+def _check_parents(name: str, rel: str, dirs: set[str], others: set[str]) -> None:
+    parent = rel.rpartition("/")[0]
+    path = ""
+    for part in parent.split("/") if parent else ():
+        path = f"{path}/{part}" if path else part
+        if path not in dirs:
+            raise tarsafe.Refused(f"entry {name!r} comes before its directory {path!r}, or below a "
+                                  f"{'symlink or file' if path in others else 'path'} the tar did not make a "
+                                  "directory")
+
+
+def _write_file(tf: tarfile.TarFile, m: tarfile.TarInfo, path: Path) -> int:
+    src = tf.extractfile(m)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        left = m.size
+        while left:
+            data = src.read(min(left, CHUNK))
+            if not data:
+                raise tarsafe.Refused(f"entry {m.name!r}: the tar ends inside the file")
+            os.write(fd, data)
+            left -= len(data)
+    finally:
+        os.close(fd)
+    return m.size
+
+
+def _attributes(path: Path, m: tarfile.TarInfo) -> None:
+    """Owner, mode, xattrs and (but directories: set last) mtime of an entry
+    just made. chown before chmod: chown clears setuid and setgid."""
+    os.chown(path, m.uid, m.gid, follow_symlinks=False)
+    if m.issym():
+        os.utime(path, (m.mtime, m.mtime), follow_symlinks=False)
+        return
+    for key, value in m.pax_headers.items():
+        if not key.startswith(XATTR_PREFIX):
+            continue
+        name = key[len(XATTR_PREFIX):]
+        if name in XATTRS_KEPT or name.startswith("user."):
+            os.setxattr(path, name, value.encode("utf-8", "surrogateescape"), follow_symlinks=False)
+    os.chmod(path, m.mode & MODE_BITS)
+    if not m.isdir():
+        os.utime(path, (m.mtime, m.mtime))

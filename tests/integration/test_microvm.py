@@ -1,0 +1,137 @@
+"""What only microVM sandboxes do: template snapshots.
+
+(The requests both backends answer alike are in test_backend_conformance.py.)
+Under TCG a guest takes a core while it boots, so these tests keep one or
+two VMs at a time and assert no timings. They skip where `dsec info` says
+the microvm backend is unavailable.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def vm_client(daemon):
+    c = daemon.client()
+    info = c.info()["backends"]["microvm"]
+    if not info["available"]:
+        c.close()
+        pytest.skip(f"backend microvm unavailable here: {info['why']}")
+    if not info.get("templates"):
+        c.close()
+        pytest.skip("microvm.templates is off in this daemon's config")
+    yield c
+    c.close()
+
+
+def _vm(c, **kw):
+    args = {"backend": "microvm", "memory": "256M", "net": "none", "disk": "64M", **kw}
+    return c.create("busybox", **args)
+
+
+IDENTITY = "hostname; cat /proc/sys/kernel/random/boot_id; head -c 16 /dev/urandom | od -An -tx1"
+
+
+def test_restores_of_one_template_are_each_their_own(vm_client, daemon):
+    a = _vm(vm_client)            # the first of this shape: builds the template, then restores it
+    b = _vm(vm_client)
+    try:
+        key = a.inspect()["vm"]["template"]
+        assert key and b.inspect()["vm"]["template"] == key
+        assert a.inspect()["vm"]["ram"] == "private"
+        ida, idb = (s.exec(["sh", "-c", IDENTITY]).stdout.decode().split("\n", 2) for s in (a, b))
+        assert ida[0] == f"sb-{a.id}" and idb[0] == f"sb-{b.id}"
+        assert ida[1] != idb[1], "a boot id made before the snapshot would be shared by every copy"
+        assert ida[2] != idb[2], "the CRNG was not reseeded after the restore"
+        # Memory and files written by one copy are its own.
+        a.exec(["sh", "-c", "echo mine > /dev/shm/x; echo mine > /etc/x"])
+        assert b.exec(["sh", "-c", "cat /dev/shm/x /etc/x"]).exit_code != 0
+        # The agent learned which sandbox it serves (its console says so).
+        serial = a.inspect()["vm"]["serial_log"]
+        assert f"serving sandbox {a.id}" in open(serial, errors="replace").read()
+        tdir = daemon.state / "vm-templates" / key
+        meta = json.loads((tdir / "meta.json").read_text())
+        assert meta["layers"] == a.inspect()["layers"]
+        assert {p.name for p in tdir.iterdir()} == {"ram", "state", "meta.json"}
+    finally:
+        a.destroy(force=True)
+        b.destroy(force=True)
+
+
+def test_a_restored_vm_cannot_change_its_template(vm_client):
+    """Its QEMU maps the template's RAM copy-on-write from a sealed memfd: no
+    write, truncation or hole punch (QEMU 7.2's way of discarding guest RAM
+    even in a private mapping) reaches the pages other VMs read."""
+    sb = _vm(vm_client)
+    try:
+        pid = sb.inspect()["vm"]["qemu_pid"]
+        fd_dir = f"/proc/{pid}/fd"
+        memfds = [n for n in os.listdir(fd_dir) if "memfd:dsec-vm-template" in os.readlink(f"{fd_dir}/{n}")]
+        assert memfds, "the restored QEMU holds no template memfd"
+        # Root on the host, through the very fd QEMU holds: still refused.
+        fd = os.open(f"{fd_dir}/{memfds[0]}", os.O_RDWR)
+        try:
+            with pytest.raises(OSError) as err:
+                os.pwrite(fd, b"x", 0)
+            assert err.value.errno == errno.EPERM
+            with pytest.raises(OSError):
+                os.truncate(fd, 0)
+        finally:
+            os.close(fd)
+        assert sb.exec(["echo", "still fine"]).stdout == b"still fine\n"
+    finally:
+        sb.destroy(force=True)
+
+
+def test_image_gc_drops_the_templates_of_removed_layers(vm_client, daemon):
+    # An image of its own layer (a container's changes over busybox), so that
+    # removing it leaves a layer nothing names.
+    box = vm_client.create("busybox", memory="64M")
+    box.exec(["sh", "-c", "echo gc > /gc-marker"])
+    box.snapshot("bb-gc")
+    box.destroy()
+    sb = vm_client.create("bb-gc", backend="microvm", memory="256M", net="none", disk="32M")
+    try:
+        key = sb.inspect()["vm"]["template"]
+        assert sb.exec(["cat", "/gc-marker"]).stdout == b"gc\n"
+    finally:
+        sb.destroy()
+    assert (daemon.state / "vm-templates" / key).is_dir()
+    assert key not in vm_client.request("image_gc")["vm_templates_removed"]      # still named: kept
+    vm_client.request("image_rm", name="bb-gc")
+    assert key in vm_client.request("image_gc")["vm_templates_removed"]
+    assert not (daemon.state / "vm-templates" / key).exists()
+
+
+def test_snapshot_of_a_vm_is_an_image_both_backends_run(vm_client):
+    """pack_diff of a VM: its writable layer (a tmpfs in the guest) comes as
+    a tar from the agent and becomes a layer, with the overlay's deletions
+    (whiteouts) and replaced directories (opaque) as a container's would."""
+    sb = _vm(vm_client)
+    try:
+        sb.exec(["sh", "-c", "mkdir -p /work/d && echo hi > /work/d/f && ln -s d/f /work/link && "
+                 "cp /bin/busybox /work/suid && chmod 4755 /work/suid && rm /bin/true && "
+                 "rm -rf /usr && mkdir -p /usr/only && touch /usr/only/new && mkfifo /work/fifo"])
+        out = sb.snapshot("vm-snap")
+        assert len(out["layers"]) == 2
+    finally:
+        sb.destroy()
+    script = ("cat /work/d/f; readlink /work/link; stat -c %a /work/suid; [ -e /bin/true ] || echo gone; "
+              "ls /usr; [ -p /work/fifo ] && echo fifo")
+    want = b"hi\nd/f\n4755\ngone\nonly\nfifo\n"
+    box = vm_client.create("vm-snap", memory="64M")
+    try:
+        assert box.exec(["sh", "-c", script]).stdout == want
+    finally:
+        box.destroy()
+    vm = vm_client.create("vm-snap", backend="microvm", memory="256M", net="none", disk="64M")
+    try:
+        assert vm.exec(["sh", "-c", script]).stdout == want
+    finally:
+        vm.destroy()
+    vm_client.request("image_rm", name="vm-snap")

@@ -1,0 +1,203 @@
+"""A microVM's life beyond its requests: daemon restarts, job pause and
+resume, a guest that panics or hangs, QEMU killed by its memory limit, and
+what the guest cannot reach of the host.
+
+One or two VMs at a time (TCG); no timings asserted, only bounds generous
+enough for a loaded 2-core host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+import dsecd
+from dsecd.errors import DsecError
+
+WATCHDOG = "[microvm]\nwatchdog_interval_s = 1.0\nwatchdog_timeout_s = 5.0\n"
+
+
+def _available(c) -> None:
+    info = c.info()["backends"]["microvm"]
+    if not info["available"]:
+        c.close()
+        pytest.skip(f"backend microvm unavailable here: {info['why']}")
+
+
+@pytest.fixture
+def vmd(daemon_factory, busybox_rootfs):
+    d = daemon_factory(WATCHDOG)
+    c = d.client()
+    _available(c)
+    c.import_image(busybox_rootfs, "busybox")
+    yield d, c
+    c.close()
+
+
+def _vm(c, **kw):
+    args = {"backend": "microvm", "memory": "256M", "net": "none", "disk": "64M", **kw}
+    return c.create("busybox", **args)
+
+
+def _events(d, sb_id: str) -> list[dict]:
+    async def replay():
+        async with dsecd.Client(d.socket) as ac:
+            return [ev async for ev in ac.events(sandbox=sb_id, replay=True, follow=False)]
+    return asyncio.run(replay())
+
+
+def _wait_dead(c, sb_id: str, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = c.get(sb_id).inspect()
+        if info["state"] == "dead":
+            return info
+        time.sleep(0.25)
+    raise AssertionError(f"sandbox {sb_id} not reported dead within {timeout:.0f}s")
+
+
+def _gone(d, sb_id: str, pid: int, cgroups: list[str]) -> None:
+    """The VM's QEMU, cgroups and directory are gone."""
+    for _ in range(100):
+        if not os.path.exists(f"/proc/{pid}") and not any(os.path.exists(g) for g in cgroups) \
+                and not (d.state / "vms" / sb_id).exists():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"left behind: QEMU {os.path.exists(f'/proc/{pid}')}, "
+                         f"cgroups {[g for g in cgroups if os.path.exists(g)]}, dir {(d.state / 'vms' / sb_id).exists()}")
+
+
+def test_a_restarted_daemon_readopts_running_and_paused_vms(vmd):
+    d, c = vmd
+    a, b = _vm(c), _vm(c)
+    a.write_file("/tmp/a", b"still here")
+    b.write_file("/tmp/b", b"saved in the pause")
+    b.pause()
+    qemu = a.inspect()["vm"]["qemu_pid"]
+    c.close()
+    d.stop(signal.SIGTERM)
+    assert os.path.exists(f"/proc/{qemu}"), "a daemon stop must leave VMs running"
+    d.start()
+    c2 = d.client()
+    try:
+        a2, b2 = c2.get(a.id), c2.get(b.id)
+        assert (a2.inspect()["state"], b2.inspect()["state"]) == ("running", "paused")
+        assert a2.inspect()["vm"]["qemu_pid"] == qemu
+        assert a2.read_file("/tmp/a") == b"still here"
+        assert a2.exec(["hostname"]).stdout == f"sb-{a.id}\n".encode()
+        assert b2.resume()["state"] == "running"
+        assert b2.read_file("/tmp/b") == b"saved in the pause"
+        a2.destroy()
+        b2.destroy()
+    finally:
+        c2.close()
+
+
+def test_job_pause_and_resume_cover_vms(vmd):
+    d, c = vmd
+    sbs = [_vm(c, labels={"job": "vmjob"}) for _ in range(2)]
+    for i, sb in enumerate(sbs):
+        sb.write_file("/tmp/n", str(i).encode())
+    out = c.job_pause("vmjob")
+    assert sorted(out["paused"]) == sorted(s.id for s in sbs)
+    # The state is saved behind the answer (each QEMU then ends); wait for one.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (d.state / "vms" / sbs[0].id / "paused.ram").exists():
+        time.sleep(0.2)
+    out = c.job_resume("vmjob")
+    assert sorted(out["resumed"]) == sorted(s.id for s in sbs)
+    for i, sb in enumerate(sbs):
+        assert sb.read_file("/tmp/n") == str(i).encode()
+        assert sb.exec(["echo", "up"]).stdout == b"up\n"
+    # A resume right after the pause finds the vCPUs only stopped, or the state saved: either works.
+    c.job_pause("vmjob")
+    c.job_resume("vmjob")
+    assert all(sb.exec(["true"]).exit_code == 0 for sb in sbs)
+    for sb in sbs:
+        sb.destroy()
+
+
+def test_a_guest_that_panics_is_reported_dead_and_cleaned_up(vmd):
+    d, c = vmd
+    sb = _vm(c)
+    info = sb.inspect()
+    pid, cgroups = info["vm"]["qemu_pid"], list(info["cgroups"].values())
+    with pytest.raises(DsecError):
+        sb.exec(["sh", "-c", "echo c > /proc/sysrq-trigger; sleep 30"], timeout=60)
+    _wait_dead(c, sb.id)
+    _gone(d, sb.id, pid, cgroups)
+    died = [e for e in _events(d, sb.id) if e["event"] == "died"]
+    assert died and died[0]["reason"] == "exited"
+    sb.destroy()
+
+
+def test_a_guest_that_hangs_is_killed_and_reported_dead(vmd):
+    d, c = vmd
+    sb = _vm(c)
+    info = sb.inspect()
+    pid, cgroups = info["vm"]["qemu_pid"], list(info["cgroups"].values())
+    os.kill(pid, signal.SIGSTOP)          # the whole VM stops answering: a hang, from outside
+    try:
+        _wait_dead(c, sb.id, timeout=90)
+    finally:
+        if os.path.exists(f"/proc/{pid}"):
+            os.kill(pid, signal.SIGCONT)
+    _gone(d, sb.id, pid, cgroups)
+    died = [e for e in _events(d, sb.id) if e["event"] == "died"]
+    assert died and died[0]["reason"] == "hung"
+    sb.destroy()
+
+
+def test_the_guest_cannot_reach_qemus_sockets(vmd):
+    """QEMU's monitor and the agent's socket are unix sockets in the VM's
+    dir on the host: no path of the guest leads there, no guest socket is
+    them, and the guest's end of the agent's channel is the agent's alone."""
+    d, c = vmd
+    sb = _vm(c)
+    try:
+        vm_dir = sb.inspect()["vm"]["dir"]
+        r = sb.exec(["sh", "-c", f"ls {vm_dir}/qmp.sock {vm_dir}/agent.sock"])
+        assert r.exit_code != 0
+        unix = sb.exec(["cat", "/proc/net/unix"]).stdout.decode()
+        assert "qmp" not in unix and "agent.sock" not in unix
+        ports = sb.exec(["sh", "-c", "ls /dev/vport*"]).stdout.decode().split()
+        assert ports, "the guest has no virtio-serial port (the agent's channel)"
+        for port in ports:
+            r = sb.exec(["sh", "-c", f"cat {port} </dev/null"])
+            assert r.exit_code != 0 and b"busy" in r.stderr.lower(), r.stderr
+        assert sb.exec(["echo", "agent fine"]).stdout == b"agent fine\n"
+    finally:
+        sb.destroy()
+
+
+def test_qemu_killed_by_its_memory_limit_is_an_oom_event(daemon_factory, busybox_rootfs):
+    # QEMU may use little beyond the guest's RAM here: a guest that writes
+    # most of its RAM takes QEMU past memory.max, and the kernel's OOM killer
+    # ends it. A booted VM (no template): every page its guest touched is
+    # charged to its cgroup, so the host's limit comes well before the
+    # guest's own memory runs out (whose OOM killer would end only the dd).
+    d = daemon_factory("[microvm]\nmemory_overhead = \"16M\"\nwatchdog_interval_s = 0\ntemplates = false\n")
+    c = d.client()
+    try:
+        _available(c)
+        c.import_image(busybox_rootfs, "busybox")
+        sb = _vm(c, disk="240M")
+        pid = sb.inspect()["vm"]["qemu_pid"]
+        try:
+            r = sb.exec(["sh", "-c", "dd if=/dev/zero of=/fill bs=1M count=180; sleep 30"], timeout=120)
+        except DsecError:
+            pass
+        else:
+            raise AssertionError(f"the guest filled its memory and QEMU lived: {r.exit_code} {r.stderr!r}")
+        _wait_dead(c, sb.id)
+        assert not os.path.exists(f"/proc/{pid}")
+        kinds = {e["event"]: e for e in _events(d, sb.id)}
+        assert "oom" in kinds and kinds["oom"]["kills"] >= 1, kinds
+        assert kinds["died"]["reason"] == "exited"
+        sb.destroy()
+    finally:
+        c.close()

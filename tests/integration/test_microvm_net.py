@@ -1,0 +1,139 @@
+"""microVM networking: a tap on the sandboxes' bridge, the allowlist on it.
+
+The bridge lives in a test-owned netns (net.host_netns) and the servers in
+another (test_net_kit.World), as for test_net_daemon.py; traffic never
+leaves namespaces this test made. One VM at a time (TCG).
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from test_net_daemon import _toml_net, connect
+from test_net_kit import bpf_skip_reason
+
+pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None, reason=bpf_skip_reason() or "")
+
+
+@pytest.fixture(scope="module")
+def vmnet(world, busybox_rootfs):
+    """A daemon on the World's bridge (its own pool in 10.x.4.0/24) with busybox."""
+    import tempfile
+    from pathlib import Path
+
+    from conftest import Daemon
+
+    cfg = dict(world.cfg, ipv4_pool=f"10.{world.octet}.4.0/24")
+    d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), _toml_net(cfg))
+    try:
+        d.start()
+        c = d.client()
+        info = c.info()["backends"]["microvm"]
+        if not info["available"]:
+            c.close()
+            pytest.skip(f"backend microvm unavailable here: {info['why']}")
+        c.import_image(busybox_rootfs, "busybox")
+        yield d, c
+        c.close()
+    finally:
+        d.cleanup()
+
+
+def _vm(c, **kw):
+    return c.create("busybox", backend="microvm", memory="256M", disk="64M", **kw)
+
+
+def test_allowlist_on_the_tap(world, vmnet):
+    d, c = vmnet
+    sb = _vm(c, net="default", allow=[f"{world.pkg}:80/tcp"])
+    try:
+        code, out = connect(sb, world.pkg, 80)
+        assert code == 0 and "srv80:ping" in out, out
+        code, out = connect(sb, world.ref, 443)
+        assert code != 0, out
+        view = sb.net_show()
+        assert sb.read_file("/etc/resolv.conf") == f"nameserver 10.{world.octet}.0.1\n".encode()
+        assert view["interface"].startswith("dv")
+        assert view["lease"]["ipv4"].startswith(f"10.{world.octet}.4.")
+        assert any(r["allowed"] >= 1 for r in view["rules"] if r["rule"].startswith(world.pkg))
+        assert view["default"]["denied_connect"] >= 1 and view["default"]["dropped_packets"] >= 1
+        # A live update reaches the tap's program like a container's hooks.
+        sb.net_set(add=[f"{world.ref}:443/tcp"])
+        assert connect(sb, world.ref, 443)[0] == 0
+        sb.net_set(remove=[f"{world.ref}:443/tcp"])
+        assert connect(sb, world.ref, 443)[0] != 0
+        assert sb.inspect()["vm"]["template"], "restored from a template, NIC and all"
+        # A pause ends QEMU and its tap; the resume plugs a new one, policy and all.
+        sb.pause()
+        assert connect(sb, world.pkg, 80)[0] == 0
+        assert connect(sb, world.ref, 443)[0] != 0
+    finally:
+        sb.destroy()
+
+
+def test_the_guest_cannot_send_as_another(world, vmnet):
+    """Root in its own kernel, a guest can put any address or MAC on its
+    frames: the tap's program drops what is not the VM's own."""
+    d, c = vmnet
+    sb = _vm(c, net="default", allow=[f"{world.pkg}:80/tcp"])
+    try:
+        assert connect(sb, world.pkg, 80)[0] == 0
+        other = f"10.{world.octet}.4.250"
+        r = sb.exec(["sh", "-c", f"ifconfig eth0 {other} netmask 255.255.0.0 && echo ping | nc -w 2 {world.pkg} 80"],
+                    timeout=30)
+        assert r.exit_code != 0, r.stdout
+        mine = sb.net_show()["lease"]["ipv4"].split("/")[0]
+        r = sb.exec(["sh", "-c", f"ifconfig eth0 {mine} netmask 255.255.0.0 && route add default gw "
+                     f"10.{world.octet}.0.1 && ifconfig eth0 hw ether 02:00:00:00:00:07 && "
+                     f"echo ping | nc -w 2 {world.pkg} 80"], timeout=30)
+        assert r.exit_code != 0, r.stdout
+        assert sb.net_show()["default"]["dropped_packets"] >= 2
+    finally:
+        sb.destroy()
+
+
+def test_net_none_has_no_nic(vmnet):
+    d, c = vmnet
+    sb = _vm(c, net="none")
+    try:
+        ifaces = sb.exec(["cat", "/proc/net/dev"]).stdout.decode()
+        names = {line.split(":")[0].strip() for line in ifaces.splitlines()[2:]}
+        assert names == {"lo"}
+        assert sb.exec(["ping", "-c", "1", "-W", "1", "127.0.0.1"]).exit_code == 0
+    finally:
+        sb.destroy()
+
+
+def test_a_restarted_daemon_takes_over_the_tap(world, vmnet):
+    """The tap's program stays attached while no daemon runs (the guest's
+    egress stays checked); the next daemon puts its own in its place."""
+    import signal
+
+    from dsecd.net import bpfsys
+    from dsecd.net.plumbing import in_netns
+
+    d, c = vmnet
+    sb = _vm(c, net="default", allow=[f"{world.pkg}:80/tcp"])
+    ifname = sb.net_show()["interface"]
+
+    def tap_programs() -> list[int]:
+        with in_netns(f"/run/netns/{world.br_ns}"):
+            idx = socket.if_nametoindex(ifname)
+            return bpfsys.tcx_query(idx, bpfsys.ATTACH_TYPES["TCX_INGRESS"], "query")
+
+    before = tap_programs()
+    assert len(before) == 1
+    d.stop(signal.SIGTERM)
+    assert tap_programs() == before           # no daemon: the old program still decides
+    d.start()
+    c2 = d.client()
+    try:
+        s2 = c2.get(sb.id)
+        after = tap_programs()
+        assert len(after) == 1 and after != before
+        assert connect(s2, world.pkg, 80)[0] == 0
+        assert connect(s2, world.ref, 443)[0] != 0
+        s2.destroy()
+    finally:
+        c2.close()

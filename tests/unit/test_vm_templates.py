@@ -1,0 +1,139 @@
+"""Template snapshots of microVMs: keys, the store's files, its sealed memory.
+
+No QEMU here: a template's RAM is a memfd whatever wrote it, so these tests
+write one themselves (tests/integration/test_microvm.py restores real ones).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+
+from dsecd.backends.microvm import templates
+from dsecd.backends.microvm.backend import Machine
+from dsecd.backends.microvm.templates import TemplateStore
+
+MIB = 1 << 20
+
+
+def _key(**change) -> str:
+    args = {"argv": ["qemu", "-m", "256M"], "layer_digests": ["sha256:aa"], "guest_digest": "g1", "qemu_id": "q1"}
+    args.update(change)
+    return templates.key_of(**args)
+
+
+def test_key_changes_with_whatever_a_restore_must_match():
+    base = _key()
+    assert _key() == base
+    assert _key(argv=["qemu", "-m", "512M"]) != base               # shape, devices, kernel arguments
+    assert _key(layer_digests=["sha256:ab"]) != base                # the image
+    assert _key(guest_digest="g2") != base                          # kernel, initramfs, agent
+    assert _key(qemu_id="q2") != base                               # the QEMU binary
+
+
+def _ram(size: int = 4 * MIB) -> int:
+    """A template RAM memfd with data in two places and holes elsewhere."""
+    fd = templates.new_ram(size)
+    os.pwrite(fd, b"A" * 4096, 0)
+    os.pwrite(fd, b"B" * 8192, 3 * MIB)
+    return fd
+
+
+def _state(tmp_path):
+    state = tmp_path / "state.bin"
+    state.write_bytes(b"device state")
+    return state
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = TemplateStore(tmp_path / "state", "g1", "q1", max_templates=2)
+    yield s
+    s.close()
+
+
+def test_commit_seals_the_ram_and_keeps_it_sparse(store, tmp_path):
+    t = store.commit("k1", _ram(), _state(tmp_path), {"layers": ["sha256:aa"]})
+    with pytest.raises(OSError) as err:
+        os.pwrite(t.ram_fd, b"x", 0)
+    assert err.value.errno == errno.EPERM
+    # What QEMU 7.2 does to discard guest RAM, even in a private mapping: refused.
+    with pytest.raises(OSError) as err:
+        _punch(t.ram_fd, 0, 4096)
+    assert err.value.errno == errno.EPERM
+    with pytest.raises(OSError):
+        os.ftruncate(t.ram_fd, 0)
+    # Reopened through /proc (what QEMU does with mem-path=/proc/self/fd/N): the seals hold.
+    again = os.open(f"/proc/self/fd/{t.ram_fd}", os.O_RDWR)
+    try:
+        with pytest.raises(OSError) as err:
+            os.pwrite(again, b"x", 0)
+        assert err.value.errno == errno.EPERM
+    finally:
+        os.close(again)
+    ram = t.dir / "ram"
+    assert ram.stat().st_size == 4 * MIB and ram.stat().st_blocks * 512 < MIB
+    meta = json.loads((t.dir / "meta.json").read_text())
+    assert (meta["guest"], meta["qemu"], meta["ram_data_bytes"]) == ("g1", "q1", 3 * 4096)
+    assert (t.dir / "state").read_bytes() == b"device state"
+
+
+def _punch(fd: int, off: int, length: int) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    falloc_fl_keep_size, falloc_fl_punch_hole = 1, 2
+    if libc.fallocate(fd, falloc_fl_keep_size | falloc_fl_punch_hole, ctypes.c_long(off), ctypes.c_long(length)):
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+
+
+def test_a_new_store_loads_templates_from_disk(store, tmp_path):
+    store.commit("k1", _ram(), _state(tmp_path), {"layers": ["sha256:aa"]})
+    fresh = TemplateStore(tmp_path / "state", "g1", "q1", max_templates=2)
+    try:
+        t = fresh.get("k1")
+        assert t is not None and fresh.get("k1") is t
+        assert os.pread(t.ram_fd, 4096, 0) == b"A" * 4096
+        assert os.pread(t.ram_fd, 8192, 3 * MIB) == b"B" * 8192
+        assert os.pread(t.ram_fd, 4096, MIB) == bytes(4096)
+        with pytest.raises(OSError):
+            os.pwrite(t.ram_fd, b"x", 0)
+        assert fresh.get("no-such-key") is None
+    finally:
+        fresh.close()
+
+
+def test_sweep_drops_templates_of_another_guest_or_qemu(store, tmp_path):
+    store.commit("k1", _ram(), _state(tmp_path), {"layers": ["sha256:aa"]})
+    (store.root / ".tmp-half-written").mkdir()
+    assert TemplateStore(tmp_path / "state", "g1", "q1", 2).sweep() == []
+    assert not (store.root / ".tmp-half-written").exists()
+    assert TemplateStore(tmp_path / "state", "g2", "q1", 2).sweep() == ["k1"]     # a new guest build
+    assert store.keys() == []
+
+
+def test_gc_drops_templates_whose_layers_are_gone(store, tmp_path):
+    store.commit("k1", _ram(), _state(tmp_path), {"layers": ["sha256:aa"]})
+    store.commit("k2", _ram(), _state(tmp_path), {"layers": ["sha256:bb"]})
+    assert store.gc({"sha256:aa"}) == ["k2"]
+    assert store.keys() == ["k1"]
+
+
+def test_the_least_recently_used_goes_past_the_cap(store, tmp_path):
+    store.commit("k1", _ram(), _state(tmp_path), {"layers": ["sha256:aa"]})
+    store.commit("k2", _ram(), _state(tmp_path), {"layers": ["sha256:aa"]})
+    store.get("k1")                       # k2 is now the least recently used
+    store.commit("k3", _ram(), _state(tmp_path), {"layers": ["sha256:aa"]})
+    assert sorted(store.keys()) == ["k1", "k3"]
+
+
+def test_machine_records_and_resumes():
+    assert Machine.from_record(None) == Machine(ram="legacy")            # VMs from before explicit RAM
+    m = Machine(ram="private", reporting=False)
+    assert Machine.from_record(m.to_record()) == m
+    # A resume loads all the RAM from the pause's image: anonymous memory, same devices.
+    assert m.resumed() == Machine(ram="anon", reporting=False)
+    assert Machine(ram="legacy").resumed() == Machine(ram="legacy")
