@@ -30,9 +30,11 @@ back together when it ends, not as they are made. Ops that feed a running
 request (exec with stdin or a pty, upload_tar) or never end (events that
 follow, watch) fail with `unsupported`: use a Client over ssh:// for those.
 
-The hosts are the nodes found when the fleet is made; a node that joins the
-cluster later is not added, and a node that Ray declares dead (a raylet
-restarted gets a new node id) stays down.
+A host is a daemon socket on a machine, named ray://<node address><socket>.
+The hosts are those found when the fleet is made; a machine that joins the
+cluster later is not added. A node that Ray declares dead and that comes
+back (a raylet restarted has a new node id) rejoins: the actor goes on any
+alive dsec node at the host's address.
 
 Ray is an optional dependency (`pip install dsecd[ray]`): it is imported
 when this module is, and nothing else in dsecd imports this module.
@@ -94,28 +96,42 @@ class DaemonActor:
         return {"result": out}
 
 
-def host_target(node_id: str, socket: str) -> str:
-    """The fleet's name of the daemon at `socket` on Ray node `node_id`."""
-    return f"{SCHEME}{node_id}{socket}"
+def host_target(address: str, socket: str) -> str:
+    """The fleet's name of the daemon at `socket` on the machine whose Ray
+    node(s) have the address `address` (a node's NodeManagerAddress)."""
+    return f"{SCHEME}{address}{socket}"
 
 
 def parse_target(target: str) -> tuple[str, str]:
+    """(node address, socket path) of a host_target."""
     if not target.startswith(SCHEME) or "/" not in target[len(SCHEME):]:
-        raise ValueError(f"{target!r} is not a Ray dsec host ({SCHEME}<node id><socket path>)")
-    node_id, slash, path = target[len(SCHEME):].partition("/")
-    return node_id, slash + path
+        raise ValueError(f"{target!r} is not a Ray dsec host ({SCHEME}<node address><socket path>)")
+    address, slash, path = target[len(SCHEME):].partition("/")
+    return address, slash + path
+
+
+def dsec_nodes() -> list[dict]:
+    """The alive Ray nodes advertising the dsec resource (ray.nodes() rows)."""
+    return [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(RESOURCE)]
 
 
 class ActorClient(Client):
-    """A Client whose requests go through a DaemonActor on node `node_id`,
-    which passes them to the daemon at `socket` there. Made by RayFleet; a
-    Fleet uses it as it uses a Client (connect, request, abort_now, close,
-    on_lost, last_frame_at)."""
+    """A Client whose requests go through a DaemonActor on a Ray node of
+    the host's machine, which passes them to the daemon at the target's
+    socket there. Made by RayFleet; a Fleet uses it as it uses a Client
+    (connect, request, abort_now, close, on_lost, last_frame_at).
 
-    def __init__(self, target: str, name: str = "dsecd-ray", connect_timeout: float = CONNECT_TIMEOUT_S):
-        node_id, socket = parse_target(target)
+    The actor goes on node `node_id` while Ray has it alive; once Ray
+    declares it dead (a raylet restarted comes back with a new node id),
+    on any alive dsec node with the same address: the socket is a path on
+    that machine, so any raylet there reaches it."""
+
+    def __init__(self, target: str, node_id: str = "", name: str = "dsecd-ray",
+                 connect_timeout: float = CONNECT_TIMEOUT_S):
+        address, socket = parse_target(target)
         super().__init__(socket, name=name, connect_timeout=connect_timeout, reconnect=False)
         self.target = target
+        self.address = address
         self.node_id = node_id
         self._actor = None
         self._lost: str | None = "not connected yet"
@@ -138,6 +154,7 @@ class ActorClient(Client):
             return
         self._closed = False
         self._kill_actor()
+        self.node_id = await asyncio.to_thread(self._pick_node)
         remote_cls = ray.remote(num_cpus=0, max_restarts=0)(DaemonActor)
         self._actor = remote_cls.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(self.node_id, soft=False),
@@ -162,6 +179,16 @@ class ActorClient(Client):
         self.max_frame = self.server.get("limits", {}).get("max_frame_bytes", self.max_frame)
         self._lost = None
         self.last_frame_at = asyncio.get_running_loop().time()
+
+    def _pick_node(self) -> str:
+        nodes = dsec_nodes()
+        if any(n["NodeID"] == self.node_id for n in nodes):
+            return self.node_id
+        here = [n["NodeID"] for n in nodes if n.get("NodeManagerAddress") == self.address]
+        if not here:
+            raise ConnectionError(f"{self.target}: no alive Ray node at {self.address} advertises the "
+                                  f"{RESOURCE!r} resource (ray status); the host rejoins once one does")
+        return here[0]
 
     def _kill_actor(self) -> None:
         actor, self._actor = self._actor, None
@@ -254,20 +281,19 @@ def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
-def discover(sockets: dict[str, str | list[str]] | None = None, socket: str | None = None) -> list[str]:
-    """The fleet's hosts: for every alive Ray node with a `dsec` resource, the
-    daemon socket(s) `sockets[node id]` names, else `socket` (default
-    DSEC_SOCKET or /run/dsecd/dsecd.sock). ray.init() must have run."""
+def discover(sockets: dict[str, str | list[str]] | None = None, socket: str | None = None) -> dict[str, str]:
+    """The fleet's hosts, {target: node id}: for every alive Ray node with a
+    `dsec` resource, the daemon socket(s) `sockets[node id]` names, else
+    `socket` (default DSEC_SOCKET or /run/dsecd/dsecd.sock). A socket named
+    by two nodes of one machine is one host. ray.init() must have run."""
     if not ray.is_initialized():
         raise RuntimeError("dsecd.ray: call ray.init() (address of the cluster) before making a RayFleet")
     socket = socket or default_socket()
-    targets = []
-    for node in ray.nodes():
-        if not node.get("Alive") or not node.get("Resources", {}).get(RESOURCE):
-            continue
+    targets: dict[str, str] = {}
+    for node in dsec_nodes():
         paths = (sockets or {}).get(node["NodeID"], socket)
         for path in [paths] if isinstance(paths, str) else paths:
-            targets.append(host_target(node["NodeID"], path))
+            targets.setdefault(host_target(node["NodeManagerAddress"], path), node["NodeID"])
     return targets
 
 
@@ -284,6 +310,7 @@ class RayFleet(Fleet):
         if not hosts:
             raise RuntimeError(f"dsecd.ray: no alive Ray node advertises the {RESOURCE!r} resource; start "
                                f"the dsec hosts' raylets with --resources '{{\"{RESOURCE}\": 1}}'")
-        super().__init__(hosts, name=name, connect_timeout=connect_timeout,
-                         client_factory=lambda t: ActorClient(t, name=name, connect_timeout=connect_timeout),
+        super().__init__(list(hosts), name=name, connect_timeout=connect_timeout,
+                         client_factory=lambda t: ActorClient(t, hosts[t], name=name,
+                                                              connect_timeout=connect_timeout),
                          **fleet_args)

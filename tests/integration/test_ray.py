@@ -3,7 +3,8 @@ and one more raylet, ray.cluster_utils.Cluster), each
 advertising the `dsec` resource, each node's actor talking to a test daemon
 of its own. Creates, execs, files and a job's pause and resume go through
 RayFleet; an actor killed with ray.kill marks its host down with its
-sandboxes lost, and the host rejoins with a new actor.
+sandboxes lost, and the host rejoins with a new actor; a raylet removed
+and started again (a new node id) takes its host down and back.
 
 Ray is an optional extra: these tests skip without it (`pip install
 dsecd[ray]`, or DSECD_SETUP_RAY=1 scripts/setup.sh). The cluster's
@@ -56,7 +57,7 @@ def cluster(busybox_rootfs):
         ray.init(address=c.address, logging_level="warning", log_to_driver=False)
         ids = [c.head_node.node_id, second.node_id]
         yield {"sockets": {nid: d.socket for nid, d in zip(ids, daemons, strict=True)}, "daemons": daemons,
-               "node_ids": ids}
+               "node_ids": ids, "cluster": c, "second": second, "node_args": node_args}
     finally:
         ray.shutdown()
         if c is not None:
@@ -147,5 +148,39 @@ def test_ray_fleet_refuses_a_fed_stream_with_a_reason(cluster):
                     await sb.exec("cat", stdin=b"x")
             finally:
                 await sb.destroy(force=True)
+
+    asyncio.run(go())
+
+
+def test_ray_fleet_host_of_a_restarted_raylet_rejoins(cluster):
+    """The second node's raylet goes (Cluster.remove_node: its processes,
+    by pid) and a new one starts: Ray gives it a new node id. The host (the
+    daemon's socket on this machine) rejoins through an actor on whichever
+    dsec node at this machine's address Ray has alive first (the head here,
+    or the new raylet), its sandbox still running."""
+    import dsecd.ray
+
+    async def go():
+        fleet = dsecd.ray.RayFleet(sockets=cluster["sockets"], heartbeat_s=0.5, down_after_s=3.0,
+                                   rejoin_s=0.5)
+        async with fleet:
+            second = cluster["daemons"][1].socket
+            host = next(h for h in fleet.hosts.values() if h.target.endswith(second))
+            sb = await fleet.create(image="busybox", labels={"job": "rn"}, **SMALL)
+            while sb.host != host.target:           # one on the second node's daemon
+                sb = await fleet.create(image="busybox", labels={"job": "rn"}, **SMALL)
+            events = fleet.events()
+            old_node = host.client.node_id
+            await asyncio.to_thread(cluster["cluster"].remove_node, cluster["second"])
+            down = await next_event(events, "host_down", 60.0)
+            assert down["host"] == host.target and sb.id in down["sandboxes"], down
+            # In this thread: Ray sets signal handlers there. The loop waits the seconds it takes.
+            cluster["second"] = cluster["cluster"].add_node(**cluster["node_args"])
+            up = await next_event(events, "host_up", 60.0)
+            assert up["host"] == host.target and sb.id in up["back"], up
+            assert host.client.node_id != old_node
+            assert (await sb.exec(["echo", "back"])).stdout == b"back\n"
+            await events.aclose()
+            await fleet.job_rm("rn", force=True)
 
     asyncio.run(go())
