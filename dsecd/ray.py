@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 
 import ray
@@ -155,10 +156,9 @@ class ActorClient(Client):
         self._closed = False
         self._kill_actor()
         self.node_id = await asyncio.to_thread(self._pick_node)
-        remote_cls = ray.remote(num_cpus=0, max_restarts=0)(DaemonActor)
-        self._actor = remote_cls.options(
+        self._actor = _daemon_actor().options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(self.node_id, soft=False),
-            name=None).remote(self.socket_path, self.name)
+        ).remote(self.socket_path, self.name)
         self._aborted = asyncio.Event()
         try:
             async with asyncio.timeout(self.connect_timeout):
@@ -166,8 +166,7 @@ class ActorClient(Client):
         except TimeoutError:
             self._kill_actor()
             raise ConnectionError(f"{self.target}: the actor on node {self.node_id} did not answer in "
-                                  f"{self.connect_timeout:g} s: is the node alive and not full "
-                                  "(ray status)?") from None
+                                  f"{self.connect_timeout:g} s: is the node alive (ray status)?") from None
         except RayError as err:
             self._kill_actor()
             raise ConnectionError(f"{self.target}: cannot start the actor on node {self.node_id}: "
@@ -271,6 +270,14 @@ class ActorClient(Client):
             sent.set()
         for frame in await self._call("frames", op, args):
             yield frame
+
+
+@functools.cache
+def _daemon_actor():
+    """DaemonActor as a Ray actor class: no CPU of the node's (it only relays
+    to the daemon), and no restart by Ray: a death must reach the fleet,
+    which starts the next actor itself when the host rejoins."""
+    return ray.remote(num_cpus=0, max_restarts=0)(DaemonActor)
 
 
 async def _await(ref):
