@@ -29,6 +29,14 @@ default 1 CPU / 512M would pass the admission capacity of 4 x 2 cores x 64).
   Must be 0. duplicates_removed: creates whose answer the kill lost, made
   again elsewhere, whose first copy the fleet destroyed when the host
   rejoined (dsecd/fleet.py, "No sandbox twice").
+* ray_creates_per_s: the fleet_creates_per_s work through dsecd.ray's
+  RayFleet instead: a local Ray cluster of two nodes (ray.cluster_utils,
+  every node advertising the `dsec` resource, its processes stopped by
+  their pids after), the simulated hosts' daemons shared out between the
+  nodes, each reached by the node's actor on its unix socket. Median over
+  the rounds; ray_creates_ratio is it over local_creates_per_s. Absent,
+  with ray_absent saying why, when Ray is not installed (the optional
+  extra: DSECD_SETUP_RAY=1 scripts/setup.sh).
 
 Progress on stderr; the last line of stdout is one JSON object. Whatever
 happens (failure, Ctrl-C, SIGTERM), every sandbox, daemon, sshd, namespace
@@ -45,6 +53,7 @@ import collections
 import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -113,6 +122,54 @@ async def measure_rates(sim: SimFleet, fleet: dsecd.Fleet, args) -> dict:
     out = {"local_creates_per_s": round(statistics.median(local), 1),
            "fleet_creates_per_s": round(statistics.median(remote), 1)}
     out["fleet_creates_ratio"] = round(out["fleet_creates_per_s"] / out["local_creates_per_s"], 3)
+    log(f"  {out}")
+    return out
+
+
+def ray_absent() -> str | None:
+    """Why ray_creates_per_s cannot be measured here, or None."""
+    try:
+        import ray  # noqa: F401
+    except ImportError as err:
+        return (f"Ray is not installed ({err}); DSECD_SETUP_RAY=1 scripts/setup.sh installs the "
+                "optional extra dsecd[ray]")
+    return None
+
+
+async def measure_ray(sim: SimFleet, args, local_rate_s: float) -> dict:
+    """fleet.create churn through RayFleet (see the module's docstring)."""
+    import tempfile
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    import dsecd.ray
+
+    ray_tmp = tempfile.mkdtemp(prefix="dsr-", dir="/tmp")     # short: Ray's sockets live under it
+    os.environ.update(RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0")
+    node_args = {"num_cpus": 1, "resources": {"dsec": 1}}
+    cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
+    try:
+        nodes = [cluster.head_node, cluster.add_node(**node_args)]
+        ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
+        signal.signal(signal.SIGTERM, harness.interrupt)       # ray.init put its own there
+        sockets: dict[str, list[str]] = collections.defaultdict(list)
+        for i, host in enumerate(sim.hosts):
+            sockets[nodes[i % len(nodes)].node_id].append(host.daemon.socket)
+        n = len(sim.hosts)
+        rates = []
+        async with dsecd.ray.RayFleet(sockets=dict(sockets)) as fleet:
+            for r in range(args.rounds):
+                rates.append(await churn(lambda w: fleet.create(IMAGE, **SHAPE), args.clients * n,
+                                         args.rate_creates // n * n))
+                log(f"  round {r + 1}: through Ray actors {rates[-1]:.1f} creates/s")
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        signal.signal(signal.SIGTERM, harness.interrupt)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    out = {"ray_creates_per_s": round(statistics.median(rates), 1), "ray_nodes": len(nodes)}
+    out["ray_creates_ratio"] = round(out["ray_creates_per_s"] / local_rate_s, 3)
     log(f"  {out}")
     return out
 
@@ -264,6 +321,11 @@ async def run(sim: SimFleet, args) -> dict:
         log(f"fleet of {len(sim.hosts)} up: {[s['up'] for s in fleet.status()]}")
         log(f"create rate: {args.rate_creates} creates+destroys per round, {args.clients} workers per host")
         results.update(await measure_rates(sim, fleet, args))
+        if (absent := ray_absent()) is None:
+            log(f"create rate through dsecd.ray: {args.rate_creates} creates+destroys per round")
+            results.update(await measure_ray(sim, args, results["local_creates_per_s"]))
+        else:
+            results["ray_absent"] = absent
         log(f"exec round trip: {args.exec_n} per block, local vs ssh")
         results.update(await measure_exec(sim, args))
         log(f"placement: {args.placement_creates} creates of one job")

@@ -209,11 +209,17 @@ class Fleet:
                  heartbeat_s: float = HEARTBEAT_S, down_after_s: float = DOWN_AFTER_S,
                  rejoin_s: float = REJOIN_S, refresh_s: float = REFRESH_S,
                  connect_timeout: float = CONNECT_TIMEOUT_S,
-                 on_event: Callable[[dict], object] | None = None, name: str = "dsecd-fleet"):
+                 on_event: Callable[[dict], object] | None = None, name: str = "dsecd-fleet",
+                 client_factory: Callable[[str], Client] | None = None):
         """hosts: ssh://[user@]host[:port], bare host names (ssh://name) or
         socket paths. ssh: how to reach them (default: SshOptions.from_env()).
         on_event(event dict): host_down, sandbox_lost, host_up, sandbox_back,
-        duplicate_removed, as they happen (on the fleet's event loop)."""
+        duplicate_removed, as they happen (on the fleet's event loop).
+        client_factory(host): the transport, when it is not a Client over
+        ssh or a socket: a Client subclass whose connect, request, abort_now,
+        close, on_lost and last_frame_at keep the Client's meaning (dsecd.ray
+        gives one that goes through a Ray actor); hosts are then taken as
+        they are written."""
         if not hosts:
             raise ValueError("a Fleet needs at least one host")
         if heartbeat_s <= 0 or down_after_s <= 0:
@@ -227,12 +233,16 @@ class Fleet:
         self.on_event = on_event
         self.hosts: dict[str, FleetHost] = {}
         for host in hosts:
-            target = fleet_target(host)
+            target = host if client_factory else fleet_target(host)
             if target in self.hosts:
                 raise ValueError(f"host {host!r} is given twice")
-            # reconnect=False: the fleet reconnects a host itself (rejoin), so
-            # a request to a host that is down fails at once.
-            client = Client(target, name=name, connect_timeout=connect_timeout, ssh=self.ssh, reconnect=False)
+            if client_factory is not None:
+                client = client_factory(target)
+            else:
+                # reconnect=False: the fleet reconnects a host itself (rejoin),
+                # so a request to a host that is down fails at once.
+                client = Client(target, name=name, connect_timeout=connect_timeout, ssh=self.ssh,
+                                reconnect=False)
             self.hosts[target] = FleetHost(target, client)
         self._key_home: dict[str, str] = {}          # idempotency key -> the host holding its sandbox
         self._where: dict[str, str] = {}             # sandbox id -> host

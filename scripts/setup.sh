@@ -28,6 +28,10 @@
 #   3. The venv .venv with the system site-packages (Debian's bcc is not on
 #      PyPI), and the project installed in it, editable, with its test extras.
 #
+#   With DSECD_SETUP_RAY=1, also the optional extra `ray` (pyproject.toml:
+#      Ray, for dsecd.ray and tests/integration/test_ray.py, which skip
+#      without it). Off by default: Ray is large and only dsecd.ray needs it.
+#
 #   4. The microVM guest (scripts/mkguest.sh): Debian's cloud kernel package
 #      by apt-get download (never installed as the host's kernel) and the
 #      generated initramfs, in /var/cache/dsecd/guest.
@@ -317,6 +321,18 @@ install_project() {
     echo "$want" >"$STAMP"
 }
 
+# The `ray` extra's requirements, as pyproject.toml lists them, when Ray
+# does not import yet.
+install_ray() {
+    (cd / && "$PY" -c 'import ray') >/dev/null 2>&1 && return 0
+    local reqs
+    reqs=$("$PY" -c 'import sys, tomllib; print(*tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]["ray"])' \
+        "$REPO/pyproject.toml")
+    say "pip: installing the ray extra ($reqs)"
+    # shellcheck disable=SC2086  # one word per requirement
+    run "$PY" -m pip install $reqs
+}
+
 check_imports() {
     if ! (cd / && "$PY" -c 'import bcc') >>"$LOG" 2>&1; then
         warn "FAILED: 'import bcc' in $VENV (python3-bpfcc, --system-site-packages)"
@@ -335,6 +351,9 @@ install_packages
 link_kernel_headers
 make_venv
 install_project
+if [[ ${DSECD_SETUP_RAY:-0} != 0 ]]; then
+    install_ray
+fi
 check_imports
 # The busybox rootfs the integration tests and benchmarks import (cached).
 run bash "$REPO/scripts/mkrootfs.sh"
