@@ -1,6 +1,7 @@
 #!/bin/bash
 # Fetch the microVM guest kernel and build its initramfs into GUEST_DIR
-# (default /var/cache/dsecd/guest); print GUEST_DIR/guest.json's content.
+# (default /var/cache/dsecd/guest); print the description of the build (its
+# guest-<agent hash>.json, also copied to guest.json).
 #
 # The kernel is Debian's cloud kernel, fetched with `apt-get download` (the
 # package file only: it is never installed as this host's kernel) and

@@ -11,8 +11,11 @@ dependencies first, which the agent loads with finit_module.
 
 The build is reproducible (sorted entries, mtime 0, owner root) and cached
 by content: initramfs-<hash>.cpio, where the hash covers FORMAT, the agent
-binary and the kernel package. `guest.json` in the guest dir names the
-current kernel and initramfs; the daemon reads only that (load()).
+binary and the kernel package. `guest-<agent hash>.json` in the guest dir
+names the kernel and initramfs built for one agent binary, and the daemon
+reads the one of its own agent (load()): checkouts of different agents
+(a CI clone beside a work tree) share the dir without booting each other's.
+`guest.json` names the newest build, for people.
 
     python -m dsecd.backends.microvm.guestimg build [--dir DIR]
 """
@@ -33,6 +36,7 @@ from pathlib import Path
 
 GUEST_DIR = Path("/var/cache/dsecd/guest")
 FORMAT = 1       # bump when the initramfs layout changes: every cache entry is rebuilt
+KEEP_BUILDS = 4  # agents whose guest stays built (checkouts sharing the guest dir)
 # What the agent needs: the PCI transport, the agent's port, layers on
 # virtio-pmem (nd_pmem makes /dev/pmemN), EROFS and overlay, the balloon,
 # and the NIC for networking.
@@ -59,14 +63,25 @@ def agent_binary_path() -> Path:
     return Path(__file__).resolve().parents[2] / "libexec" / "dsec-guest-agent"
 
 
-def load(guest_dir: Path = GUEST_DIR) -> GuestImage:
-    """The built guest (guest.json), checked to exist; GuestImageError says how to build it."""
-    meta = Path(guest_dir) / "guest.json"
+def _meta_for(guest_dir: Path, agent: bytes) -> Path:
+    """Where the guest built for this agent binary is described."""
+    return Path(guest_dir) / f"guest-{hashlib.sha256(agent).hexdigest()[:16]}.json"
+
+
+def load(guest_dir: Path = GUEST_DIR, agent_path: Path | None = None) -> GuestImage:
+    """The guest built for this install's agent binary, checked to exist;
+    GuestImageError says how to build it."""
+    agent_path = agent_path or agent_binary_path()
+    try:
+        meta = _meta_for(Path(guest_dir), agent_path.read_bytes())
+    except FileNotFoundError:
+        raise GuestImageError(f"{agent_path} missing: build it with scripts/setup.sh (pip install -e .)") from None
     try:
         img = GuestImage(**json.loads(meta.read_text()))
     except FileNotFoundError:
-        raise GuestImageError(f"no guest kernel in {guest_dir} ({meta} missing): run scripts/setup.sh, "
-                              "which fetches the cloud kernel with apt and builds the initramfs") from None
+        raise GuestImageError(f"no guest built for this agent in {guest_dir} ({meta} missing): run "
+                              "scripts/setup.sh, which fetches the cloud kernel with apt and builds the "
+                              "initramfs") from None
     except (ValueError, TypeError) as err:
         raise GuestImageError(f"{meta} is unreadable ({err}): run scripts/setup.sh to rebuild it") from None
     for path in (img.kernel, img.initramfs):
@@ -204,15 +219,31 @@ def build(guest_dir: Path = GUEST_DIR, agent_path: Path | None = None) -> GuestI
     if not initramfs.exists():
         write_initramfs(initramfs, agent, module_order(root / "lib" / "modules" / version))
     img = GuestImage(kernel=str(kernels[-1]), initramfs=str(initramfs), version=version, digest=digest)
-    meta = guest_dir / "guest.json"
-    if not meta.exists() or json.loads(meta.read_text()) != img.to_dict():
-        tmp = meta.with_name(".guest.json.tmp")
-        tmp.write_text(json.dumps(img.to_dict(), indent=1) + "\n")
-        os.replace(tmp, meta)
-    for old in guest_dir.glob("initramfs-*.cpio"):      # older builds: nothing names them now
-        if old != initramfs:
-            old.unlink(missing_ok=True)
+    for meta in (_meta_for(guest_dir, agent), guest_dir / "guest.json"):
+        if not meta.exists() or json.loads(meta.read_text()) != img.to_dict():
+            tmp = meta.with_name(f".{meta.name}.tmp")
+            tmp.write_text(json.dumps(img.to_dict(), indent=1) + "\n")
+            os.replace(tmp, meta)
+        os.utime(meta)          # the newest builds are kept (_prune)
+    _prune(guest_dir)
     return img
+
+
+def _prune(guest_dir: Path, keep: int = KEEP_BUILDS) -> None:
+    """Drop all but the `keep` most recently built agents' descriptions, and
+    every initramfs none of the kept ones names."""
+    metas = sorted(guest_dir.glob("guest-*.json"), key=lambda m: m.stat().st_mtime, reverse=True)
+    for old in metas[keep:]:
+        old.unlink(missing_ok=True)
+    named = set()
+    for meta in metas[:keep]:
+        try:
+            named.add(Path(json.loads(meta.read_text())["initramfs"]).name)
+        except (OSError, ValueError, KeyError):
+            continue
+    for old in guest_dir.glob("initramfs-*.cpio"):
+        if old.name not in named:
+            old.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:
