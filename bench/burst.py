@@ -116,13 +116,14 @@ class CpuMeter:
     def __init__(self, info: dict, below_root: str | None = None, zygote: int | None = None):
         self.pid = info["pid"]
         self.zygote = zygote
-        self.usage = None
+        # The group's CPU counter: v1 cpuacct.usage (ns), else v2 cpu.stat
+        # usage_usec. Looked up at each sample: the group may not exist yet
+        # (the daemon makes <cgroup_root> with the first sandbox).
+        self.usage = []
         if below_root is not None:
-            for d in info["paths"]["cgroup_dirs"].values():
-                for name in ("cpuacct.usage", "cpu.stat"):
-                    path = f"{d}/{below_root}/{name}"
-                    if os.path.exists(path):
-                        self.usage = path
+            dirs = info["paths"]["cgroup_dirs"]
+            self.usage = [f"{d}/{below_root}/cpuacct.usage" for d in dirs.values()]
+            self.usage += [f"{d}/{below_root}/cpu.stat" for k, d in dirs.items() if k == "unified"]
 
     def sample(self) -> dict:
         with open(f"/proc/{self.pid}/stat") as f:
@@ -135,9 +136,15 @@ class CpuMeter:
             out["zygote"] = sum(int(x) for x in fields[11:13]) / tick
             out["workers"] = sum(int(x) for x in fields[13:15]) / tick
         if self.usage:
-            text = open(self.usage).read()
-            out["sandbox"] = (int(text) / 1e9 if self.usage.endswith("usage")
-                              else int(text.split("usage_usec")[1].split()[0]) / 1e6)
+            out["sandbox"] = 0.0
+            for path in self.usage:
+                try:
+                    text = open(path).read()
+                except FileNotFoundError:
+                    continue
+                out["sandbox"] = (int(text) / 1e9 if path.endswith("usage")
+                                  else int(text.split("usage_usec")[1].split()[0]) / 1e6)
+                break
         r = resource.getrusage(resource.RUSAGE_SELF)
         out["client"] = r.ru_utime + r.ru_stime
         out["host"] = host_busy_s()
@@ -413,9 +420,14 @@ async def teardown(sock: str) -> dict:
 async def measure(sock: str, args, rootfs: str) -> dict:
     out = {}
     fork_floor = Floors(fork_n=args.fork_n, kernel=False)
-    out.update(await measure_fncall(sock, args.n_calls, args.clients, args.n_calls_total, fork_floor,
-                                    args.fncall_rounds))
-    out.update(await measure_pool(sock, args.pool))
+    if "fncall" in args.parts:
+        out.update(await measure_fncall(sock, args.n_calls, args.clients, args.n_calls_total, fork_floor,
+                                        args.fncall_rounds))
+    if "pool" in args.parts:
+        out.update(await measure_pool(sock, args.pool))
+    if "burst" not in args.parts:
+        out.update(fork_floor.figures())
+        return out
     stages = None
     if args.stage_n:
         log("create stages (bench/floor_create.c): the kernel's part of a create, level by level")
@@ -477,8 +489,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fork-n", type=int, default=800, help="forks per stream per fork-floor round")
     p.add_argument("--stage-n", type=int, default=100, help="creates per stream per create-stage run (0: none)")
     p.add_argument("--perf", action="store_true", help="perf record the last burst round: burst_perf_split")
+    p.add_argument("--parts", default="fncall,pool,burst,exec",
+                   help="comma list of the parts to run (default: all)")
     p.add_argument("--quick", action="store_true", help="small counts, for a smoke run")
     args = p.parse_args(argv)
+    args.parts = set(args.parts.split(","))
     if args.quick:
         args.n_calls, args.n_calls_total, args.pool, args.burst, args.execs = 50, 300, 10, 200, 300
         args.floor_n, args.fork_n, args.stage_n = 100, 150, 30
@@ -495,12 +510,14 @@ def main(argv: list[str] | None = None) -> int:
     with harness.private_daemon(rootfs, "busybox", extra_config=CONFIG) as daemon:
         daemon.import_image(py, "py")
         results = uvloop.run(measure(daemon.sock, args, rootfs))
-        results.update(uvloop.run(measure_exec_rate(daemon.sock, args.execs, args.clients)))
-    # The same execs through the daemon's spawn helper, for the ratio.
-    with harness.private_daemon(rootfs, "busybox", extra_config='exec_via = "helper"\n' + CONFIG,
-                                tag="-helper") as daemon:
-        results.update(uvloop.run(measure_exec_rate(daemon.sock, args.execs, args.clients, "exec_helper")))
-    results["exec_by_init_cpu_ratio"] = round(results["exec_helper_host_ms"] / results["exec_host_ms"], 2)
+        if "exec" in args.parts:
+            results.update(uvloop.run(measure_exec_rate(daemon.sock, args.execs, args.clients)))
+    if "exec" in args.parts:
+        # The same execs through the daemon's spawn helper, for the ratio.
+        with harness.private_daemon(rootfs, "busybox", extra_config='exec_via = "helper"\n' + CONFIG,
+                                    tag="-helper") as daemon:
+            results.update(uvloop.run(measure_exec_rate(daemon.sock, args.execs, args.clients, "exec_helper")))
+        results["exec_by_init_cpu_ratio"] = round(results["exec_helper_host_ms"] / results["exec_host_ms"], 2)
     print(json.dumps(results), flush=True)
     return 0
 
