@@ -3,7 +3,8 @@
 Set DSECD_PROFILE to a file path before starting the daemon; it then runs
 one cProfile profiler per thread (the event loop's and every worker's,
 installed through `threading.setprofile` as each thread starts) and writes
-their merged statistics to that path (pstats format) when it stops:
+their merged statistics to that path (pstats format) when it stops, and
+the event loop's thread alone to `<path>.loop`:
 
     DSECD_PROFILE=/tmp/dsecd.prof dsecd ...
     python3 -m pstats /tmp/dsecd.prof    # sort tottime, stats 40
@@ -44,13 +45,16 @@ def _dump(path: str) -> None:
     with _lock:
         profs = list(_profiles)
     stats = None
-    for prof in profs:
+    for i, prof in enumerate(profs):
         try:
             prof.create_stats()
         except Exception:           # a thread that never ran a Python call
             continue
         if not prof.stats:
             continue
+        if i == 0:                  # the loop's thread, alone (Stats() empties a profile it reads)
+            pstats.Stats(prof).dump_stats(path + ".loop")
+            prof.create_stats()
         if stats is None:
             stats = pstats.Stats(prof)
         else:
@@ -69,7 +73,7 @@ def start_from_env() -> bool:
         _timer = (time.thread_time,)
     threading.setprofile(_start_in_thread)
     main = cProfile.Profile(*_timer)
-    _profiles.append(main)
+    _profiles.insert(0, main)          # first: _dump writes it alone too (the loop's thread)
     main.enable()
     atexit.register(_dump, path)
     return True
