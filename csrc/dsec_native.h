@@ -171,6 +171,7 @@ long dsec_vmsplice(int fd, const void *buf, size_t len);
 int dsec_sched_set_idle(int pid);
 int dsec_sched_core_create(int pid);
 int dsec_sched_core_share_from(int pid);
+int dsec_ioprio_idle(void);
 
 /* probe.c */
 int dsec_probe_sched_core(void);

@@ -732,6 +732,13 @@ def sched_set_idle(pid: int) -> None:
         raise_error(-rc, "set SCHED_IDLE for", f"pid {pid}", "sched_idle")
 
 
+def ioprio_idle() -> None:
+    """The calling thread's I/O to the idle class (served when nothing else waits)."""
+    rc = lib.dsec_ioprio_idle()
+    if rc < 0:
+        raise_error(-rc, "set the idle I/O class of", "this thread", "ioprio")
+
+
 def sched_core_create(pid: int) -> None:
     """A new core-scheduling cookie for pid's thread group (0 = the caller's).
     EINVAL: no CONFIG_SCHED_CORE; ENODEV: no SMT (both with a hint)."""
