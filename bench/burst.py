@@ -482,7 +482,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--burst", type=int, default=2000, help="sandboxes in the burst")
     p.add_argument("--clients", type=int, default=16, help="concurrent clients")
     p.add_argument("--execs", type=int, default=2000, help="execs in the exec-rate batch (each path)")
-    p.add_argument("--rounds", type=int, default=4, help="burst rounds, each between two kernel-floor rounds")
+    p.add_argument("--rounds", type=int, default=8, help="burst rounds, each between two kernel-floor rounds")
     p.add_argument("--fncall-rounds", type=int, default=3, help="fncall batch rounds, each between two fork-floor rounds")
     # floor.py's counts: 400 unshare runs, 800 forks per stream.
     p.add_argument("--floor-n", type=int, default=400, help="unshare runs per kernel-floor round")
