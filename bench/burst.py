@@ -9,13 +9,26 @@ measures through the Python SDK:
 * fresh_python_p50_ms: the same program as an exec in a running container
   sandbox of the same image (a fresh interpreter each time), and
   fncall_speedup = fresh / fncall;
-* fncall_per_s: `--clients` clients calling at once, over the batch's wall time;
+* fncall_per_s: `--clients` clients calling at once, over the batch's wall
+  time; the batch runs in `--fncall-rounds` rounds, each between two rounds
+  of the fork floor (bench/floors.py: a Python process forking a child per
+  call, two at once), and fncall_floor_ratio is the median over the rounds
+  of calls/s over the mean of the floor rounds on either side;
+  fork_floor_calls_per_s is the floor rounds' median (all of them in
+  fork_floor_rounds);
 * pool_create_p50_ms / _p99_ms: sequential creates served by a warm pool
   (`pool_set` min `--pool`), client-observed;
 * burst_2000_s: `--burst` creates (with idempotency keys, from `--clients`
   clients in two jobs, a tenth of them sent twice as a retrying client would)
   from the first request until every sandbox has answered an exec `true`;
-  burst_creates_per_s: creates answered per second over the same burst;
+  burst_creates_per_s: creates answered per second over the same burst. The
+  burst runs in `--rounds` rounds of equal size (the sandboxes of earlier
+  rounds stay up), each between two rounds of the kernel floor
+  (bench/floors.py: `unshare` of the sandbox's namespaces + exec of
+  /bin/true, two loops at once); burst_floor_ratio is the median over the
+  rounds of creates/s over the mean of the floor rounds on either side
+  (burst_rounds_per_s, kernel_floor_rounds; kernel_floor_creates_per_s is
+  their median);
   burst_create_p99_ms: one create's latency (queue wait and busy retries
   included); burst_busy_retries: `busy` answers that were retried after
   retry_after_s;
@@ -29,23 +42,38 @@ measures through the Python SDK:
   enters the sandbox for each exec) gives exec_helper_per_s and
   exec_helper_host_ms; exec_by_init_cpu_ratio = helper / init host CPU per
   exec (> 1: init's fork is cheaper);
+* create_breakdown_cpu_ms: CPU ms of one create + exec. `floor`: the
+  kernel's part without dsecd, step by step (bench/floor_create.c, run by
+  floors.create_stages before the burst: namespaces, then what cgroups,
+  mounts, pivot_root and seccomp add; each level `--stage-n` creates in two
+  streams, three alternated runs, medians; their rates in
+  floor_rates_per_s), and floor_total; `dsecd`: a burst sandbox's CPU by
+  who ran it (the daemon, the sandbox's own cgroup, the client; medians of
+  the rounds), dsecd_total and dsecd_over_floor;
+* burst_perf_split (with `--perf`, where perf is installed): the last burst
+  round under `perf record -g` of the daemon and this client, samples by
+  who ran them (daemon loop, daemon workers, spawn children before
+  dsec-init, dsec-init, the exec, the client) and by outermost syscall or
+  binary, in % of all (bench/perfsplit.py);
 * burst_destroy_s / burst_destroys_per_s / burst_destroy_host_ms: the
   burst's sandboxes destroyed with one `destroy_all`: wall time, rate, and
   the host's busy CPU ms per sandbox, counted until the host is quiet again
   (the kernel frees a removed cgroup in kworkers, after the rmdir returned:
   docs/burst.md, 'A destroy'); burst_destroy_failed: destroys that failed (0);
 * fncall_cpu_ms / burst_cpu_ms: where the CPU time of the concurrent fncall
-  batch (per call) and of the burst (per sandbox, create + exec) went: the
-  daemon (all threads, plus the exec and spawn children it reaped), the call
-  sandbox's cgroup (zygote and its workers; also split into the zygote
-  itself and the workers it reaped), this benchmark's own client process,
+  batch (per call) and of the burst (per sandbox, create + exec) went
+  (medians of the rounds): the daemon (all threads, plus the exec and spawn
+  children it reaped), the call sandbox's cgroup (zygote and its workers;
+  also split into the zygote itself and the workers it reaped) or, for the
+  burst, every sandbox's cgroup, this benchmark's own client process,
   and the whole host's busy CPU (`host`, from /proc/stat: everything above
   plus the sandboxes' own processes, and whatever else runs here). The
   per-process figures leave other sessions out, so they are comparable
   across runs where the wall-clock rates are not.
 
 Progress goes to stderr; the last line of stdout is one JSON object. Clean-up
-as in bench/core.py. Run as root: `.venv/bin/python bench/burst.py [--quick]`.
+as in bench/core.py. Run as root: `.venv/bin/python bench/burst.py [--quick]
+[--perf]`.
 """
 
 from __future__ import annotations
@@ -56,12 +84,16 @@ import json
 import os
 import random
 import resource
+import statistics
 import subprocess
 import time
 
+import floors
 import harness
 import peers
 import uvloop
+from floors import Floors
+from perfsplit import PerfRecorder
 
 import dsecd
 from dsecd.errors import Busy
@@ -84,13 +116,14 @@ class CpuMeter:
     def __init__(self, info: dict, below_root: str | None = None, zygote: int | None = None):
         self.pid = info["pid"]
         self.zygote = zygote
-        self.usage = None
+        # The group's CPU counter: v1 cpuacct.usage (ns), else v2 cpu.stat
+        # usage_usec. Looked up at each sample: the group may not exist yet
+        # (the daemon makes <cgroup_root> with the first sandbox).
+        self.usage = []
         if below_root is not None:
-            for d in info["paths"]["cgroup_dirs"].values():
-                for name in ("cpuacct.usage", "cpu.stat"):
-                    path = f"{d}/{below_root}/{name}"
-                    if os.path.exists(path):
-                        self.usage = path
+            dirs = info["paths"]["cgroup_dirs"]
+            self.usage = [f"{d}/{below_root}/cpuacct.usage" for d in dirs.values()]
+            self.usage += [f"{d}/{below_root}/cpu.stat" for k, d in dirs.items() if k == "unified"]
 
     def sample(self) -> dict:
         with open(f"/proc/{self.pid}/stat") as f:
@@ -103,9 +136,15 @@ class CpuMeter:
             out["zygote"] = sum(int(x) for x in fields[11:13]) / tick
             out["workers"] = sum(int(x) for x in fields[13:15]) / tick
         if self.usage:
-            text = open(self.usage).read()
-            out["sandbox"] = (int(text) / 1e9 if self.usage.endswith("usage")
-                              else int(text.split("usage_usec")[1].split()[0]) / 1e6)
+            out["sandbox"] = 0.0
+            for path in self.usage:
+                try:
+                    text = open(path).read()
+                except FileNotFoundError:
+                    continue
+                out["sandbox"] = (int(text) / 1e9 if path.endswith("usage")
+                                  else int(text.split("usage_usec")[1].split()[0]) / 1e6)
+                break
         r = resource.getrusage(resource.RUSAGE_SELF)
         out["client"] = r.ru_utime + r.ru_stime
         out["host"] = host_busy_s()
@@ -147,7 +186,7 @@ def build_py_rootfs() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-async def measure_fncall(sock: str, n: int, clients: int, total: int) -> dict:
+async def measure_fncall(sock: str, n: int, clients: int, total: int, floors: Floors, rounds: int) -> dict:
     argv = ["python3", "-c", "print(1)"]
     async with dsecd.Client(sock) as c:
         for _ in range(20):                    # call sandbox + zygote start, warm caches
@@ -184,12 +223,24 @@ async def measure_fncall(sock: str, n: int, clients: int, total: int) -> dict:
         if r.stdout != b"1\n":
             raise RuntimeError(f"fncall (concurrent): {r}")
 
-    wall, cpu = await run_batch(sock, clients, total, one, meter)
-    log(f"fncall: {total} calls from {clients} clients in {wall:.2f} s; CPU ms per call {cpu}")
+    # The batch in rounds, each between two fork-floor rounds (bench/floors.py).
+    per = max(total // rounds, 1)
+    walls, rates, cpus = [], [], []
+    await asyncio.to_thread(floors.round)
+    for _ in range(rounds):
+        wall, cpu = await run_batch(sock, clients, per, one, meter)
+        walls.append(wall)
+        rates.append(per / wall)
+        cpus.append(cpu)
+        await asyncio.to_thread(floors.round)
+    cpu = {k: round(statistics.median(c[k] for c in cpus), 3) for k in cpus[0]}
+    log(f"fncall: {per * rounds} calls from {clients} clients in {sum(walls):.2f} s "
+        f"({', '.join(f'{r:.0f}' for r in rates)}/s by round); CPU ms per call {cpu}")
     return {"fncall_p50_ms": pct(lat, 50), "fncall_p99_ms": pct(lat, 99),
             "fresh_python_p50_ms": pct(fresh, 50),
             "fncall_speedup": round(pct(fresh, 50) / max(pct(lat, 50), 1e-6), 1),
-            "fncall_per_s": round(total / wall, 1), "fncall_cpu_ms": cpu}
+            "fncall_per_s": round(per * rounds / sum(walls), 1),
+            "fncall_floor_ratio": Floors.ratio(rates, floors.fork), "fncall_cpu_ms": cpu}
 
 
 async def run_batch(sock: str, clients: int, total: int, one, meter: CpuMeter) -> tuple[float, dict]:
@@ -241,7 +292,11 @@ async def measure_pool(sock: str, n: int) -> dict:
     return {"pool_create_p50_ms": pct(lat, 50), "pool_create_p99_ms": pct(lat, 99)}
 
 
-async def measure_burst(sock: str, total: int, clients: int) -> dict:
+async def measure_burst(sock: str, total: int, clients: int, floors: Floors, rounds: int,
+                        perf: PerfRecorder | None = None) -> dict:
+    """`total` creates + execs in `rounds` rounds, each between two
+    kernel-floor rounds; the sandboxes of earlier rounds stay up, so the last
+    round creates among total * (rounds - 1) / rounds live ones."""
     conns = [dsecd.Client(sock) for _ in range(clients)]
     for cl in conns:
         await cl.connect()
@@ -252,9 +307,10 @@ async def measure_burst(sock: str, total: int, clients: int) -> dict:
     answered = [0.0]
     rng = random.Random(7)
     retried = set(rng.sample(keys, total // 10))
-    queue = list(keys)
     async with dsecd.Client(sock) as c:
-        meter = CpuMeter(await c.info())
+        # "sandbox": the CPU of every sandbox's cgroup (the parent of theirs):
+        # the spawn child's steps once it joined them, dsec-init, the execs.
+        meter = CpuMeter(await c.info(), "")
 
     async def create_and_exec(cl, key: str, job: str) -> None:
         t = time.perf_counter()
@@ -272,7 +328,7 @@ async def measure_burst(sock: str, total: int, clients: int) -> dict:
         if r.exit_code != 0:
             raise RuntimeError(f"exec true in {sb.id}: {r}")
 
-    async def worker(i: int, cl) -> None:
+    async def worker(i: int, cl, queue: list[str]) -> None:
         job = f"job{i % 2}"
         while queue:
             key = queue.pop()
@@ -281,27 +337,45 @@ async def measure_burst(sock: str, total: int, clients: int) -> dict:
             else:
                 await create_and_exec(cl, key, job)
 
-    cpu0 = meter.sample()
-    t0 = time.perf_counter()
-    # 8 requests in flight per client connection.
-    await asyncio.wait_for(asyncio.gather(*(worker(i, cl) for i, cl in enumerate(conns) for _ in range(8))),
-                           OP_TIMEOUT_S * 4)
-    done = time.perf_counter() - t0
-    cpu = meter.per(cpu0, meter.sample(), total)
-    creates_s = answered[0] - t0
+    per = total // rounds
+    rates, spans, created, cpus = [], [], [], []
+    await asyncio.to_thread(floors.round)
+    for r in range(rounds):
+        queue = keys[r * per:(r + 1) * per if r < rounds - 1 else total]
+        n = len(queue)
+        if perf is not None and r == rounds - 1:
+            perf.start()
+        cpu0 = meter.sample()
+        t0 = time.perf_counter()
+        # 8 requests in flight per client connection.
+        await asyncio.wait_for(asyncio.gather(*(worker(i, cl, queue) for i, cl in enumerate(conns) for _ in range(8))),
+                               OP_TIMEOUT_S * 4)
+        spans.append(time.perf_counter() - t0)
+        cpus.append(meter.per(cpu0, meter.sample(), n))
+        if perf is not None and r == rounds - 1:
+            perf.stop()
+        created.append(answered[0] - t0)
+        rates.append(n / created[-1])
+        await asyncio.to_thread(floors.round)
+    creates_s = sum(created)
+    cpu = {k: round(statistics.median(c[k] for c in cpus), 3) for k in cpus[0]}
     async with dsecd.Client(sock) as c:
         live = [s for s in await c.list({"bench": "burst"}) if s["state"] == "running"]
         info = (await c.info())["admission"]
     ids = {s["id"] for s in live}
     owned = set().union(*owners.values())
     bad = sum(1 for k in keys if len(owners[k]) != 1) + len(ids - owned) + len(owned - ids)
-    log(f"burst: {total} sandboxes answered an exec after {done:.2f} s; creates {total / creates_s:.0f}/s; "
-        f"busy retries {busy[0]}; queue wait p99 {info['wait_p99_ms']} ms; lost or duplicated {bad}; CPU ms per sandbox {cpu}")
+    log(f"burst: {total} sandboxes answered an exec after {sum(spans):.2f} s; creates {total / creates_s:.0f}/s "
+        f"({', '.join(f'{x:.0f}' for x in rates)}/s by round); busy retries {busy[0]}; queue wait p99 "
+        f"{info['wait_p99_ms']} ms; lost or duplicated {bad}; CPU ms per sandbox {cpu}")
     for cl in conns:
         await cl.close()
-    return {"burst_2000_s": round(done, 3), "burst_creates_per_s": round(total / creates_s, 1),
+    return {"burst_2000_s": round(sum(spans), 3), "burst_creates_per_s": round(total / creates_s, 1),
+            "burst_floor_ratio": Floors.ratio(rates, floors.kernel),
+            "burst_rounds_per_s": [round(x, 1) for x in rates],
             "burst_create_p50_ms": pct(lat, 50), "burst_create_p99_ms": pct(lat, 99),
-            "burst_busy_retries": busy[0], "burst_sandboxes": len(ids), "lost_or_duplicated": bad, "burst_cpu_ms": cpu}
+            "burst_busy_retries": busy[0], "burst_sandboxes": len(ids), "lost_or_duplicated": bad,
+            "burst_cpu_ms": cpu}
 
 
 async def measure_exec_rate(sock: str, total: int, clients: int, prefix: str = "exec") -> dict:
@@ -343,16 +417,61 @@ async def teardown(sock: str) -> dict:
         return {"seconds": took, "destroyed": n, "failed": len(r["failed"]), "host_ms": round(host_ms, 3)}
 
 
-async def measure(sock: str, args) -> dict:
+async def measure(sock: str, args, rootfs: str) -> dict:
     out = {}
-    out.update(await measure_fncall(sock, args.n_calls, args.clients, args.n_calls_total))
-    out.update(await measure_pool(sock, args.pool))
-    out.update(await measure_burst(sock, args.burst, args.clients))
+    fork_floor = Floors(fork_n=args.fork_n, kernel=False)
+    if "fncall" in args.parts:
+        out.update(await measure_fncall(sock, args.n_calls, args.clients, args.n_calls_total, fork_floor,
+                                        args.fncall_rounds))
+    if "pool" in args.parts:
+        out.update(await measure_pool(sock, args.pool))
+    if "burst" not in args.parts:
+        out.update(fork_floor.figures())
+        return out
+    stages = None
+    if args.stage_n:
+        log("create stages (bench/floor_create.c): the kernel's part of a create, level by level")
+        stages = await asyncio.to_thread(floors.create_stages, rootfs, args.stage_n)
+    kernel_floor = Floors(kernel_n=args.floor_n, fork=False)
+    perf = None
+    if args.perf and PerfRecorder.available():
+        async with dsecd.Client(sock) as c:
+            perf = PerfRecorder((await c.info())["pid"])
+    try:
+        out.update(await measure_burst(sock, args.burst, args.clients, kernel_floor, args.rounds, perf))
+        if perf is not None:
+            out["burst_perf_split"] = await asyncio.to_thread(perf.split)
+    finally:
+        if perf is not None:
+            perf.close()
+    out.update(fork_floor.figures())
+    out.update(kernel_floor.figures())
+    if stages is not None:
+        out["create_breakdown_cpu_ms"] = breakdown(stages, out["burst_cpu_ms"])
     gone = await teardown(sock)
     out.update(burst_destroy_s=round(gone["seconds"], 3),
                burst_destroys_per_s=round(gone["destroyed"] / gone["seconds"], 1),
                burst_destroy_host_ms=gone["host_ms"], burst_destroy_failed=gone["failed"])
     return out
+
+
+def breakdown(stages: dict, burst_cpu: dict) -> dict:
+    """CPU ms of one create + exec `true`: the kernel's part step by step
+    (bench/floor_create.c, no live sandboxes besides), then dsecd's burst
+    sandbox by who ran it (daemon: every thread, the clone of the namespaces
+    included; sandbox: its PID 1 from the clone on, the setup steps, dsec-init
+    and the exec it forked; client: the SDK). dsecd_over_floor is what dsecd
+    adds to the kernel's work: dsec-init, the daemon's Python, the client,
+    and what costs more among live sandboxes (pivot_root walks every thread)."""
+    steps = {"namespaces": stages["ns"]["cpu_ms"]}
+    for name, key in (("cgroups", "cgroups"), ("mounts", "mounts"), ("pivot_root", "root"), ("seccomp", "seccomp")):
+        steps[name] = stages[key]["adds_cpu_ms"]
+    floor_total = stages["seccomp"]["cpu_ms"]
+    dsecd_total = round(burst_cpu["daemon"] + burst_cpu["sandbox"] + burst_cpu["client"], 3)
+    return {"floor": steps, "floor_total": floor_total,
+            "floor_rates_per_s": {k: v["per_s"] for k, v in stages.items()},
+            "dsecd": {"daemon": burst_cpu["daemon"], "sandbox": burst_cpu["sandbox"], "client": burst_cpu["client"]},
+            "dsecd_total": dsecd_total, "dsecd_over_floor": round(dsecd_total - floor_total, 3)}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -363,10 +482,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--burst", type=int, default=2000, help="sandboxes in the burst")
     p.add_argument("--clients", type=int, default=16, help="concurrent clients")
     p.add_argument("--execs", type=int, default=2000, help="execs in the exec-rate batch (each path)")
+    p.add_argument("--rounds", type=int, default=8, help="burst rounds, each between two kernel-floor rounds")
+    p.add_argument("--fncall-rounds", type=int, default=3, help="fncall batch rounds, each between two fork-floor rounds")
+    # floor.py's counts: 400 unshare runs, 800 forks per stream.
+    p.add_argument("--floor-n", type=int, default=400, help="unshare runs per kernel-floor round")
+    p.add_argument("--fork-n", type=int, default=800, help="forks per stream per fork-floor round")
+    p.add_argument("--stage-n", type=int, default=100, help="creates per stream per create-stage run (0: none)")
+    p.add_argument("--perf", action="store_true", help="perf record the last burst round: burst_perf_split")
+    p.add_argument("--parts", default="fncall,pool,burst,exec",
+                   help="comma list of the parts to run (default: all)")
     p.add_argument("--quick", action="store_true", help="small counts, for a smoke run")
     args = p.parse_args(argv)
+    args.parts = set(args.parts.split(","))
     if args.quick:
         args.n_calls, args.n_calls_total, args.pool, args.burst, args.execs = 50, 300, 10, 200, 300
+        args.floor_n, args.fork_n, args.stage_n = 100, 150, 30
     return args
 
 
@@ -379,13 +509,15 @@ def main(argv: list[str] | None = None) -> int:
     py = build_py_rootfs()
     with harness.private_daemon(rootfs, "busybox", extra_config=CONFIG) as daemon:
         daemon.import_image(py, "py")
-        results = uvloop.run(measure(daemon.sock, args))
-        results.update(uvloop.run(measure_exec_rate(daemon.sock, args.execs, args.clients)))
-    # The same execs through the daemon's spawn helper, for the ratio.
-    with harness.private_daemon(rootfs, "busybox", extra_config='exec_via = "helper"\n' + CONFIG,
-                                tag="-helper") as daemon:
-        results.update(uvloop.run(measure_exec_rate(daemon.sock, args.execs, args.clients, "exec_helper")))
-    results["exec_by_init_cpu_ratio"] = round(results["exec_helper_host_ms"] / results["exec_host_ms"], 2)
+        results = uvloop.run(measure(daemon.sock, args, rootfs))
+        if "exec" in args.parts:
+            results.update(uvloop.run(measure_exec_rate(daemon.sock, args.execs, args.clients)))
+    if "exec" in args.parts:
+        # The same execs through the daemon's spawn helper, for the ratio.
+        with harness.private_daemon(rootfs, "busybox", extra_config='exec_via = "helper"\n' + CONFIG,
+                                    tag="-helper") as daemon:
+            results.update(uvloop.run(measure_exec_rate(daemon.sock, args.execs, args.clients, "exec_helper")))
+        results["exec_by_init_cpu_ratio"] = round(results["exec_helper_host_ms"] / results["exec_host_ms"], 2)
     print(json.dumps(results), flush=True)
     return 0
 

@@ -22,6 +22,10 @@ device (memory.zram). Anonymous pages leave RAM only through swap.
   of 500 idle sandboxes labelled with one job.
 * damon_available: what `dsec info` says (false on a host whose DAMON
   interface another owner's kdamond holds).
+* kernel_floor_creates_per_s / fork_floor_calls_per_s: this host's floors
+  (bench/floors.py), medians of rounds taken before the fill, between the
+  pause and the resumes and after them (first backend only): how fast the
+  host was during this run, next to its figures.
 * swap_backend: the backend of the unsuffixed figures.
 
 Last line of stdout: one JSON object with those names.
@@ -42,6 +46,7 @@ import time
 
 import harness
 import peers
+from floors import Floors
 
 import dsecd
 from dsecd.mem.swapfile import Swapfile, SwapfileConfig
@@ -165,7 +170,8 @@ def swap_ram() -> int:
     return sum(zram_mm_stat(name)[2] for name in active_swaps() if name.startswith("/dev/zram"))
 
 
-async def reclaim_and_resume(sock: str, n: int, backend: str, resume: bool = True) -> dict:
+async def reclaim_and_resume(sock: str, n: int, backend: str, resume: bool = True,
+                             floors: Floors | None = None) -> dict:
     async with dsecd.Client(sock) as c:
         log(f"[{backend}] {n} sandboxes holding 20 MiB anon + 20 MiB page cache each")
         sbs = await gather_limited([c.create(image="busybox", memory="256M") for _ in range(n)])
@@ -205,6 +211,8 @@ async def reclaim_and_resume(sock: str, n: int, backend: str, resume: bool = Tru
         out = {f"paused_reclaimed_fraction{sfx}": round(accounted, 3),
                f"paused_reclaimed_fraction{sfx}_host": round(fraction, 3)}
         if resume:
+            if floors is not None:
+                await asyncio.to_thread(floors.round)
             lat = []
             for sb in sbs:
                 t = time.perf_counter()
@@ -215,6 +223,8 @@ async def reclaim_and_resume(sock: str, n: int, backend: str, resume: bool = Tru
                 f"ms, max {max(lat):.1f} ms")
             out.update({"resume_first_exec_p50_ms": round(statistics.median(lat), 2),
                         "resume_first_exec_p99_ms": round(peers.percentile(lat, 99), 2)})
+            if floors is not None:
+                await asyncio.to_thread(floors.round)
         await gather_limited([sb.destroy(force=True) for sb in sbs])
         return out
 
@@ -245,12 +255,17 @@ async def main(sock: str, args, backend: str, first: bool, made: dict) -> dict:
     out = {}
     async with dsecd.Client(sock) as c:
         made.update((await c.info())["memory"]["zram"])
+    floors = Floors() if first else None
+    if floors is not None:
+        await asyncio.to_thread(floors.round)
     if args.sandboxes:
-        out.update(await reclaim_and_resume(sock, args.sandboxes, backend, resume=first))
+        out.update(await reclaim_and_resume(sock, args.sandboxes, backend, resume=first, floors=floors))
     if first:
         out.update(await job_of(sock, args.job))
         async with dsecd.Client(sock) as c:
             out["damon_available"] = (await c.info())["features"]["damon"]["available"]
+    if floors is not None:
+        out.update({k: v for k, v in floors.figures().items() if not k.endswith("_rounds")})
     return out
 
 

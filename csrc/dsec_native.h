@@ -62,6 +62,9 @@ enum dsec_step {
     /* container child, after stdio: the upper tmpfs's fd kept open for init */
     DSEC_STEP_UPPER_FD = 35,
     DSEC_STEP_CTL_FD = 36, /* the exec channel's end kept open for init */
+    /* container child with root_ns_fd: a copy of that mount namespace
+     * entered, the overlay attached on its root, chroot into it */
+    DSEC_STEP_ROOT_NS = 37,
     /* in the exec helper and the exec child (stdio, close_fds, caps,
      * no_new_privs above are shared) */
     DSEC_STEP_SETNS = 40,
@@ -118,6 +121,8 @@ struct dsec_container_args {
     int ctl_peer_fd;  /* with ctl_fd: the daemon's end, also kept by init (DSEC_INIT_PEER_FD) */
     int oom_reset;    /* nonzero: oom_score_adj back to 0 (the daemon's own is negative) */
     uint64_t init_caps; /* capabilities init keeps permitted (never effective) for the execs it forks */
+    int root_ns_fd;   /* >= 0: a mount namespace from dsec_root_ns(): init gets a copy of it, with the
+                       * overlay on its root, instead of a copy of the daemon's pivot_root'ed */
 };
 
 struct dsec_exec_args {
@@ -189,6 +194,7 @@ int dsec_netns_create(void);
 
 /* spawn.c */
 int dsec_spawn_container(const struct dsec_container_args *args, struct dsec_err *err);
+int dsec_root_ns(const char *dir, struct dsec_err *err);
 int dsec_spawn_exec(const struct dsec_exec_args *args, struct dsec_err *err);
 int dsec_pidfd_open(int pid, unsigned int flags);
 int dsec_pidfd_send_signal(int pidfd, int sig);
@@ -202,6 +208,7 @@ long dsec_vmsplice(int fd, const void *buf, size_t len);
 int dsec_sched_set_idle(int pid);
 int dsec_sched_core_create(int pid);
 int dsec_sched_core_share_from(int pid);
+int dsec_ioprio_idle(void);
 
 /* probe.c */
 int dsec_probe_sched_core(void);

@@ -1,4 +1,5 @@
-/* sched.c - CPU QoS of sandbox processes: SCHED_IDLE and core-scheduling cookies.
+/* sched.c - CPU QoS of sandbox processes: SCHED_IDLE and core-scheduling
+ * cookies; and the I/O class of the daemon's background threads.
  *
  * Each helper is one raw syscall and returns 0 or -errno, so the spawn
  * children (CLONE_VM, no malloc, no locks) call them as steps, and Python
@@ -42,4 +43,16 @@ int dsec_sched_core_share_from(int pid)
     return prctl(PR_SCHED_CORE, PR_SCHED_CORE_SHARE_FROM, pid, PR_SCHED_CORE_SCOPE_THREAD, 0) < 0
                ? -errno
                : 0;
+}
+
+/* The calling thread's I/O to the idle class (ioprio_set(2), IOPRIO_WHO_PROCESS
+ * with who 0: this thread only): the block layer serves it only when no other
+ * I/O waits (mq-deadline and BFQ honour the classes). For the daemon's
+ * background memory work (the prefetch after a resume), so that a sandbox's
+ * own page faults are read first. */
+int dsec_ioprio_idle(void)
+{
+    const int class_idle = 3, class_shift = 13, who_process = 1;
+
+    return syscall(SYS_ioprio_set, who_process, 0, class_idle << class_shift) < 0 ? -errno : 0;
 }

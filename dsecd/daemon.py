@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 
-from . import cgroup, fds, logs
+from . import cgroup, fds, logs, profiling
 from .config import DEFAULT_PATH, ConfigError, load_config
 from .features import probe_all
 from .looplag import LoopMonitor
@@ -142,6 +142,7 @@ async def start_metrics(cfg, node: Node, server: Server):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    profiling.start_from_env()      # DSECD_PROFILE: a debug hook, off by default
     try:
         cfg = build_config(args)
     except ConfigError as err:

@@ -89,6 +89,7 @@ _VERBS = {
     "userns_sysctl": "write sysctl", "userns_enter": "enter user namespace of",
     "netns_join": "join the pooled network namespace of",
     "ctl_fd": "hand the exec channel to", "init_request": "have the sandbox's init start",
+    "root_ns": "set up the sandbox root's mount namespace at",
     "oom_score": "reset the OOM score of",
     "ctty": "make the pty the controlling terminal of",
     "landlock": "apply the task policy (Landlock) at",
@@ -340,6 +341,8 @@ class ContainerSpec:
     init_caps: int = 0     # capabilities init keeps permitted (never effective) to hand to
                            # the execs it forks; only with ctl_fd
     oom_reset: bool = False  # oom_score_adj back to 0 (the daemon's own is negative)
+    root_ns_fd: int = -1   # a mount namespace from root_ns(): PID 1 gets a copy of it with the overlay
+                           # on its root and chroots there; -1: a copy of the caller's, pivot_root
 
     def __post_init__(self):
         self.overlay_options()
@@ -408,6 +411,7 @@ def spawn_container(spec: ContainerSpec) -> int:
     args.ctl_fd, args.init_caps = int(spec.ctl_fd), spec.init_caps if spec.ctl_fd >= 0 else 0
     args.ctl_peer_fd = int(spec.ctl_peer_fd) if spec.ctl_fd >= 0 else -1
     args.oom_reset = bool(spec.oom_reset)
+    args.root_ns_fd = int(spec.root_ns_fd)
     path_fds = sorted({int(n) for n in _PROC_FD_PATH.findall(b" ".join(strings[:2]))})
     if len(path_fds) > lib.DSEC_MAX_PATH_FDS:
         raise ValueError(f"{len(path_fds)} layers named through fds; a spawn takes at most {lib.DSEC_MAX_PATH_FDS}")
@@ -421,6 +425,18 @@ def spawn_container(spec: ContainerSpec) -> int:
         _raise_step(err, "container", {"hostname": spec.hostname, "loopback": "lo",
                                        "stdio": init}, init, root=spec.rootfs)
     return pid
+
+
+def root_ns(mount_dir: str) -> int:
+    """An fd of the mount namespace sandboxes' are copied from (ContainerSpec.
+    root_ns_fd): a copy of the caller's, pivot_root'ed into an empty,
+    read-only tmpfs (mounted on `mount_dir`, an existing directory, in that
+    copy only). Close-on-exec; it keeps the namespace alive."""
+    err = ffi.new("struct dsec_err *")
+    fd = lib.dsec_root_ns(_cstring("mount_dir", mount_dir), err)
+    if fd < 0:
+        _raise_step(err, "root_ns", {}, f"root namespace on {mount_dir}")
+    return fd
 
 
 def _step_error(err, kind: str, objects: dict[str, str], default: str, root: str = "",
@@ -735,6 +751,13 @@ def sched_set_idle(pid: int) -> None:
     rc = lib.dsec_sched_set_idle(pid)
     if rc < 0:
         raise_error(-rc, "set SCHED_IDLE for", f"pid {pid}", "sched_idle")
+
+
+def ioprio_idle() -> None:
+    """The calling thread's I/O to the idle class (served when nothing else waits)."""
+    rc = lib.dsec_ioprio_idle()
+    if rc < 0:
+        raise_error(-rc, "set the idle I/O class of", "this thread", "ioprio")
 
 
 def sched_core_create(pid: int) -> None:

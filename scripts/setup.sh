@@ -51,7 +51,8 @@ ARCH=$(dpkg --print-architecture 2>/dev/null || echo amd64)
 KREL=$(uname -r)
 
 PACKAGES=(
-    build-essential pkg-config libc6-dev       # C layer; libc.a for static dsec-init
+    build-essential pkg-config libc6-dev       # C layer
+    musl-tools                                 # static dsec-init (setup.py compile_init: no CPUID probes at start)
     libfuse3-dev fuse3 libseccomp-dev          # the FUSE pager, seccomp filters
     libssl-dev                                 # libcrypto: the pager checks chunks (sha256)
     python3-venv python3-dev                   # the venv; headers for the cffi build

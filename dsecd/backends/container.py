@@ -84,6 +84,7 @@ class ContainerBackend:
         # every inode freed in the last 5 minutes).
         self.mountpoint = self.root / ".mnt"
         self.mountpoint.mkdir(parents=True, exist_ok=True)
+        self.root_ns_fd = self._make_root_ns()
         self.cgroup_root = sandbox_cfg["cgroup_root"]
         self.sizes = sizes
         self.caps = cap_mask(sandbox_cfg["capabilities"])
@@ -97,6 +98,19 @@ class ContainerBackend:
         if execs_by_init and self.caps & cap_mask(["SYS_PTRACE"]):
             log.warning("sandbox.capabilities has SYS_PTRACE: a sandbox process can then take the fds of its "
                         "init, the exec channel among them (docs/hardening.md section 9)")
+
+    def _make_root_ns(self) -> int:
+        """The mount namespace every sandbox's is copied from (csrc/spawn.c
+        dsec_root_ns): an empty, read-only tmpfs, so a sandbox's namespace
+        holds nothing of the host's and its init chroots into the overlay
+        instead of pivot_root, whose walk over every thread on the host grew
+        with the live sandboxes. Where it cannot be made, sandboxes get a copy
+        of the daemon's namespace and pivot_root, as before."""
+        try:
+            return fds.park(native.root_ns(str(self.mountpoint)))
+        except OSError as err:
+            log.warning("no root mount namespace (%s): sandboxes pivot_root out of a copy of the daemon's", err)
+            return -1
 
     @staticmethod
     def _prepare_seccomp(name: str) -> int:
@@ -166,7 +180,7 @@ class ContainerBackend:
                         netns_fd=netns_fd, upper_fd=upperfd,
                         ctl_fd=theirs.fileno() if theirs else -1, ctl_peer_fd=ours.fileno() if ours else -1,
                         init_caps=self.init_caps,
-                        oom_reset=_OOM_RESET)
+                        oom_reset=_OOM_RESET, root_ns_fd=self.root_ns_fd)
                     pid = native.spawn_container(spec)
             finally:
                 if theirs is not None:

@@ -183,7 +183,11 @@ class FnCallBackend:
         null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         try:
             argv = [self.cfg["python"], "-I", "-c", ZYGOTE_SOURCE, json.dumps(conf)]
-            env = self.containers.exec_env({"HOSTNAME": "fncall"}, {})
+            # LD_BIND_NOW: the dynamic linker resolves every symbol once, in the
+            # zygote; lazily, each worker resolved (and wrote into the GOT, a
+            # copy-on-write fault) every libc function it called first: setsid,
+            # setuid, setrlimit... Workers get the call's environment instead.
+            env = self.containers.exec_env({"HOSTNAME": "fncall", "LD_BIND_NOW": "1"}, {})
             pid = self.containers.spawn(h, argv, env, "/", 0, (theirs.fileno(), null, null))
         except BaseException:
             ours.close()

@@ -19,7 +19,7 @@ Messages are JSON, one per packet.
                       {"op": "error", "id": N, "message": "..."}
 
 The zygote imports the configured modules once, then keeps `spares` workers
-forked ahead of need, each already in its own session, in its own fresh dir
+forked ahead of need, each already in its own process group, in its own fresh dir
 under /tmp (cwd, HOME, TMPDIR; made by the worker before it drops root,
 removed by the zygote when it exits), under its own uid
 (one per live worker, from [uid_base, uid_base + uid_count): calls cannot
@@ -67,7 +67,10 @@ def worker(link, tmp, uid, rlimits):
     it, run it, report, exit. Never returns."""
     status = 127
     try:
-        os.setsid()
+        # Its own process group (a kill reaches all it forked), not its own
+        # session: setsid also makes a scheduler autogroup per worker, work
+        # with no use inside the call sandbox's cpu cgroup.
+        os.setpgid(0, 0)
         # Made here, not in the zygote: the zygote's loop is the one serial
         # part of every call, this process runs beside it.
         os.mkdir(tmp, 0o700)

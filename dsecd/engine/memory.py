@@ -20,7 +20,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .. import metrics
+from .. import metrics, native
 from ..cpu.sampler import round_robin
 from ..errors import Conflict, DsecError
 from ..journal import write_file_atomic
@@ -58,7 +58,8 @@ class MemoryService:
         # resume) runs on its own small pool: on the request pool, 500
         # reclaims waiting on swap writeback held a job resume's thaws up
         # for 8 s, and disk prefetches held on-demand resumes up 200 ms.
-        self.mem_pool = ThreadPoolExecutor(int(mem["background_threads"]), "dsecd-mem")
+        self.mem_pool = ThreadPoolExecutor(int(mem["background_threads"]), "dsecd-mem",
+                                           initializer=_background_io)
         self._behind: dict[str, asyncio.Future] = {}
         self._oom_cursor = 0          # where the next OOM check pass starts (oom_check)
         self.damon = damon.DamonController(damon.DamonConfig.from_section(mem["damon"], cfg.state_dir))
@@ -471,6 +472,19 @@ class MemoryService:
             return pause.oom_kills(group)
         except OSError:
             return None
+
+
+def _background_io() -> None:
+    """A memory-pool thread's I/O goes to the idle class: a prefetch's swap-in
+    (the whole working set of a resumed sandbox, read behind the request that
+    resumed it) then waits for the page faults of the sandboxes running now,
+    the next resumed one among them, instead of queueing ahead of them. The
+    CPU priority stays: a low-priority thread holding the GIL would hold up
+    the event loop."""
+    try:
+        native.ioprio_idle()
+    except OSError as err:
+        log.warning("memory pool thread keeps its I/O priority: %s", err)
 
 
 def _is_vm(sb) -> bool:

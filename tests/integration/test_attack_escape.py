@@ -54,10 +54,11 @@ def test_syscall_attack_is_refused(armed, attack, args, errno_name, neighbour):
 
 
 def test_chroot_breakout_finds_nothing_above_the_sandbox_root(armed, daemon):
-    # CAP_SYS_CHROOT is kept (the neighbour: chroot itself works), but the
-    # sandbox root is pivot_root'ed with the old root detached, so `..` past
-    # the jail stops at the sandbox's own /: the daemon's state dir (a host
-    # path) does not exist there.
+    # CAP_SYS_CHROOT is kept (the neighbour: chroot itself works). `..` past
+    # the jail leaves the sandbox's root for the root of its mount
+    # namespace, a copy of the daemon's empty root namespace (csrc/spawn.c
+    # dsec_root_ns; or the sandbox's own / where it pivot_root'ed): the
+    # daemon's state dir (a host path) does not exist there.
     assert outcome(armed, "stat", "/etc/passwd") == "ok"
     lines = run_probe(armed, "chroot_escape", "/tmp/jail", str(daemon.state))
     assert facts(lines)["chroot"] == "ok"
