@@ -41,10 +41,10 @@ __all__ = [
     "RESOLVE_BENEATH", "RESOLVE_NO_XDEV", "RESOLVE_CACHED",
     # processes and namespaces
     "pidfd_open", "pidfd_getfd", "pidfd_send_signal", "pidfd_kill_group", "netns_create", "userns_create",
-    "fs_ids", "sched_set_idle", "sched_core_create", "sched_core_share_from", "PAGE_SIZE",
+    "fs_ids", "sched_set_idle", "sched_core_create", "sched_core_share_from", "PAGE_SIZE", "root_ns",
     # memory
     "MADV_WILLNEED", "MADV_COLD", "MADV_PAGEOUT", "MadviseResult", "process_madvise", "process_populate",
-    "swapon", "swapoff",
+    "swapon", "swapoff", "ioprio_idle",
     # probes: each returns 0 or -errno (probe_kvm: a dict; see its docstring)
     "probe_sched_core", "probe_landlock_abi", "probe_seccomp", "probe_bpf_cgroup", "probe_kvm",
     "probe_openat2", "probe_pidfd", "probe_clone3", "probe_pidfd_group_signal", "probe_project_quota",
