@@ -703,18 +703,8 @@ class Client:
         collected (on_stdout / on_stderr get each chunk as it comes); the
         sandbox is gone when this returns (unless remove=False). The
         ExecResult's exit_code is the command's."""
-        out: dict[int, list[bytes]] = {1: [], 2: []}
-        callbacks = {1: on_stdout, 2: on_stderr}
         async with self.run_stream(image, args, entrypoint, timeout, stdin, remove, **create_args) as run:
-            async for fd, data in run:
-                out[fd].append(data)
-                if callbacks[fd] is not None:
-                    result = callbacks[fd](data)
-                    if asyncio.iscoroutine(result):
-                        await result
-        assert run.result is not None
-        run.result.stdout, run.result.stderr = b"".join(out[1]), b"".join(out[2])
-        return run.result
+            return await _collect(run, on_stdout, on_stderr)
 
     def sandbox(self, image: str, **create_args) -> _SandboxContext:
         """`async with client.sandbox(image=...) as sb:` creates a sandbox
@@ -1088,19 +1078,9 @@ class Sandbox:
             r = await self.client.request("exec", **self._exec_args(argv, env, cwd, user, timeout, False, False,
                                                                    trace, pty, rows, cols, policy))
             return ExecResult.from_result(r)
-        out: dict[int, list[bytes]] = {1: [], 2: []}
-        callbacks = {1: on_stdout, 2: on_stderr}
         stream = self.exec_stream(argv, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin, trace=trace,
                                   pty=pty, rows=rows, cols=cols, policy=policy)
-        async for fd, data in stream:
-            out[fd].append(data)
-            if callbacks[fd] is not None:
-                result = callbacks[fd](data)
-                if asyncio.iscoroutine(result):
-                    await result
-        assert stream.result is not None
-        stream.result.stdout, stream.result.stderr = b"".join(out[1]), b"".join(out[2])
-        return stream.result
+        return await _collect(stream, on_stdout, on_stderr)
 
     def exec_stream(self, argv: list[str] | str, timeout: float | None = None, env: dict | None = None,
                     cwd: str | None = None, user: int | None = None,
@@ -1397,3 +1377,19 @@ class Sandbox:
 
     async def destroy(self, force: bool = False) -> dict:
         return await self.client.request("destroy", sandbox=self.id, force=force)
+
+
+async def _collect(stream, on_stdout, on_stderr) -> ExecResult:
+    """Drain an exec's stream of (fd, data): its ExecResult with the whole
+    output, each chunk also handed to its fd's callback (which may be async)."""
+    out: dict[int, list[bytes]] = {1: [], 2: []}
+    callbacks = {1: on_stdout, 2: on_stderr}
+    async for fd, data in stream:
+        out[fd].append(data)
+        if callbacks[fd] is not None:
+            result = callbacks[fd](data)
+            if asyncio.iscoroutine(result):
+                await result
+    assert stream.result is not None
+    stream.result.stdout, stream.result.stderr = b"".join(out[1]), b"".join(out[2])
+    return stream.result
