@@ -568,13 +568,17 @@ class Client:
         args = {"source": source if self.remote else os.path.abspath(source), "name": name, **config}
         if parent:
             args["parent"] = parent
-        async with contextlib.aclosing(self.frames("image_build", **args)) as frames:
+        return await self._with_progress("image_build", args, progress)
+
+    async def _with_progress(self, op: str, args: dict, progress: Callable[[dict], None] | None) -> dict:
+        """A streamed request whose frames are {"progress": ...} until its result."""
+        async with contextlib.aclosing(self.frames(op, **args)) as frames:
             async for frame in frames:
                 if "__result__" in frame:
                     return frame["__result__"]
                 if progress and "progress" in frame:
                     progress(frame["progress"])
-        raise ConnectionError("image_build: no final frame")
+        raise ConnectionError(f"{op}: no final frame")
 
     async def pull_image(self, ref: str, progress: Callable[[dict], None] | None = None,
                          platform: str | None = None) -> dict:
@@ -583,13 +587,7 @@ class Client:
         (docs/protocol.md, image_pull): per-layer bytes and states. Returns the
         image, with `pull` (bytes downloaded, layers reused, timings)."""
         args = {"ref": ref, **({"platform": platform} if platform else {})}
-        async with contextlib.aclosing(self.frames("image_pull", **args)) as frames:
-            async for frame in frames:
-                if "__result__" in frame:
-                    return frame["__result__"]
-                if progress and "progress" in frame:
-                    progress(frame["progress"])
-        raise ConnectionError("image_pull: no final frame")
+        return await self._with_progress("image_pull", args, progress)
 
     async def build_dockerfile(self, context: str, name: str, dockerfile: str | None = None,
                                text: str | None = None, build_args: dict[str, str] | None = None,
@@ -1328,13 +1326,8 @@ class Sandbox:
     async def snapshot(self, name: str, exclude: list[str] | None = None,
                        progress: Callable[[dict], None] | None = None) -> dict:
         """pack_diff: this sandbox's changes as a new image `name` over its own image."""
-        async with contextlib.aclosing(self.client.frames("snapshot", sandbox=self.id, name=name, exclude=exclude or [])) as frames:
-            async for frame in frames:
-                if "__result__" in frame:
-                    return frame["__result__"]
-                if progress and "progress" in frame:
-                    progress(frame["progress"])
-        raise ConnectionError("snapshot: no final frame")
+        return await self.client._with_progress("snapshot", {"sandbox": self.id, "name": name,
+                                                             "exclude": exclude or []}, progress)
 
     async def net_show(self) -> dict:
         """The egress policy: rules with allowed counters, and what default-deny refused."""
