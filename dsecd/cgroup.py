@@ -183,6 +183,16 @@ class Group:
         version, mnt = where
         return version, f"{mnt}/{self.rel}"
 
+    @functools.cached_property
+    def oom_events_file(self) -> str | None:
+        """The file whose `oom_kill` line counts the group's OOM kills (v2
+        memory.events, v1 memory.oom_control); None without a memory controller."""
+        where = self._sdir_for("memory")
+        if where is None:
+            return None
+        version, d = where
+        return f"{d}/{'memory.events' if version == 'v2' else 'memory.oom_control'}"
+
     def dir_for(self, ctrl: str) -> tuple[str, Path] | None:
         where = self._sdir_for(ctrl)
         return None if where is None else (where[0], Path(where[1]))
