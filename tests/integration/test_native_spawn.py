@@ -593,9 +593,14 @@ def test_exec_from_many_threads_leaks_nothing(sandbox):
 
     round_of_threads()  # warms glibc's cache of thread stacks
     fds_before, maps_before = fds(), maps()
-    round_of_threads()
-    assert fds() == fds_before
-    assert maps() <= maps_before + 2  # 120 spawns, 240 clone stacks: all unmapped
+    # Each thread keeps its two clone stacks (4 mappings with their guard
+    # pages) until it exits: a leak would add 32 mappings a round. Where
+    # glibc's cached thread stacks land moves from round to round, and with
+    # it which freed neighbours merge: the count moves by a few.
+    for _ in range(3):
+        round_of_threads()
+        assert fds() == fds_before
+        assert maps() <= maps_before + 8  # 120 spawns a round, their stacks unmapped with their threads
 
 
 # ---------------------------------------------------------------- openat2
