@@ -30,6 +30,7 @@ __all__ = [
     "NativeError", "native_error", "raise_error", "add_hints", "describe_errno", "STEPS",
     # container spawn and execs (spawn.c, init.c)
     "ContainerSpec", "ExecSpec", "spawn_container", "spawn_exec", "check_exec_request", "init_exec_error",
+    "root_ns",
     "init_binary_path", "INIT_MAGIC", "INIT_OP_START", "INIT_OP_KILL", "INIT_OP_COPY", "INIT_OP_RELEASE", "INIT_START_CTTY",
     "INIT_START_HOLD",
     "INIT_STARTED", "INIT_EXITED", "INIT_MAX_STRINGS", "INIT_PEER_FD", "INIT_REQ_SIZE", "INIT_REPLY_SIZE",
@@ -41,7 +42,7 @@ __all__ = [
     "RESOLVE_BENEATH", "RESOLVE_NO_XDEV", "RESOLVE_CACHED",
     # processes and namespaces
     "pidfd_open", "pidfd_getfd", "pidfd_send_signal", "pidfd_kill_group", "netns_create", "userns_create",
-    "fs_ids", "sched_set_idle", "sched_core_create", "sched_core_share_from", "PAGE_SIZE",
+    "fs_ids", "sched_set_idle", "sched_core_create", "sched_core_share_from", "ioprio_idle", "PAGE_SIZE",
     # memory
     "MADV_WILLNEED", "MADV_COLD", "MADV_PAGEOUT", "MadviseResult", "process_madvise", "process_populate",
     "swapon", "swapoff",
