@@ -89,7 +89,10 @@ enum dsec_step {
     DSEC_STEP_USERNS_ENTER = 53,
     /* exec children, last before execve: the exec's task policy with
      * Landlock (csrc/policy_steps.h); the path names the rule that failed */
-    DSEC_STEP_LANDLOCK = 54
+    DSEC_STEP_LANDLOCK = 54,
+    /* a sandbox's cgroups in the daemon (cgroupfs.c dsec_cgroup_make) */
+    DSEC_STEP_CGROUP_MKDIR = 60,
+    DSEC_STEP_CGROUP_WRITE = 61
 };
 
 struct dsec_err {
@@ -203,6 +206,10 @@ int dsec_pidfd_send_signal(int pidfd, int sig);
 int dsec_file_openat2(int dirfd, const char *path, uint64_t flags, uint64_t mode, uint64_t resolve);
 long dsec_file_fs_magic(int fd);
 long dsec_vmsplice(int fd, const void *buf, size_t len);
+
+/* cgroupfs.c */
+int dsec_cgroup_make(const char *const *dirs, int n_dirs, const char *const *files,
+                     const char *const *values, int n_writes, struct dsec_err *err);
 
 /* sched.c */
 int dsec_sched_set_idle(int pid);

@@ -16,6 +16,7 @@
 #include <limits.h>
 #include <linux/capability.h>
 #include <net/if.h>
+#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <string.h>
@@ -60,23 +61,57 @@ struct stacks {
     int n;
 };
 
+/* The child stacks of the calling thread, kept for its next spawn: a map,
+ * mprotect and munmap per spawn were ~1% of a burst's samples, the munmap
+ * of a multithreaded process sending TLB-flush IPIs to every CPU running
+ * one of its threads. A stack is free again once clone returns (the vfork
+ * child has exec'ed or exited; the exec helper's child too, before the
+ * helper exits). Unmapped when the thread exits (thread_stacks_free). */
+#define STACKS_KEPT 2
+static __thread struct stacks kept;
+static pthread_key_t kept_key;
+static pthread_once_t kept_once = PTHREAD_ONCE_INIT;
+
+static void thread_stacks_free(void *unused)
+{
+    (void)unused;
+    if (kept.base)
+        munmap(kept.base, kept.one * kept.n);
+    kept.base = NULL;
+}
+
+static void kept_key_make(void)
+{
+    pthread_key_create(&kept_key, thread_stacks_free);
+}
+
 /* Each stack sits above a PROT_NONE guard page: the child shares the daemon's
  * memory, so an overflow must fault rather than scribble on a neighbour. */
 static int stacks_map(struct stacks *s, int n, struct dsec_err *e)
 {
     size_t page = (size_t)sysconf(_SC_PAGESIZE);
 
-    s->n = n;
+    if (kept.base && kept.n >= n) {
+        *s = kept;
+        return 0;
+    }
+    s->n = n < STACKS_KEPT ? STACKS_KEPT : n;
     s->one = page + DSEC_STACK_SIZE;
-    s->base = mmap(NULL, s->one * n, PROT_READ | PROT_WRITE,
+    s->base = mmap(NULL, s->one * s->n, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK | MAP_NORESERVE, -1, 0);
     if (s->base == MAP_FAILED) {
         s->base = NULL;
         return parent_fail(e, DSEC_STEP_STACK, NULL, errno);
     }
-    for (int i = 0; i < n; i++)
-        if (mprotect(s->base + i * s->one, page, PROT_NONE) < 0)
+    for (int i = 0; i < s->n; i++)
+        if (mprotect(s->base + i * s->one, page, PROT_NONE) < 0) {
+            munmap(s->base, s->one * s->n);
+            s->base = NULL;
             return parent_fail(e, DSEC_STEP_STACK, NULL, errno);
+        }
+    if (!kept.base && pthread_once(&kept_once, kept_key_make) == 0 &&
+        pthread_setspecific(kept_key, &kept) == 0)
+        kept = *s; /* the destructor runs only for a non-NULL value: &kept */
     return 0;
 }
 
@@ -85,9 +120,11 @@ static void *stack_top(const struct stacks *s, int i)
     return s->base + (i + 1) * s->one; /* stacks grow down; the top is 16-aligned */
 }
 
+/* Stacks that are not the thread's kept ones go (a thread that could not
+ * register its destructor keeps none). */
 static void stacks_unmap(struct stacks *s)
 {
-    if (s->base)
+    if (s->base && s->base != kept.base)
         munmap(s->base, s->one * s->n);
 }
 

@@ -1,6 +1,8 @@
 """cgroups: find the hierarchies, make one group per sandbox, set limits, remove.
 
-cgroups are file writes, so this is plain Python (no C). A host may be pure
+cgroups are file writes, so this is plain Python, but for Group.make: a
+sandbox's groups and their first writes in one native call (csrc/cgroupfs.c:
+from Python every syscall hands the GIL over). A host may be pure
 v2, pure v1 or hybrid (v1 controllers plus an empty v2 tree, like this
 project's CI machines). Each controller is used from the v2 tree when that
 tree has it and from its v1 mount otherwise; the v2 tree is used even when it
@@ -21,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import sysfs
+from . import native, sysfs
 
 # Controllers a sandbox group uses; "freezer" is v1's name for v2's cgroup.freeze.
 CONTROLLERS = ("cpu", "cpuacct", "memory", "pids", "freezer")
@@ -169,6 +171,31 @@ class Group:
                 _rmdir_quiet(d)
             raise CgroupError(err.errno, f"create cgroup `{d}`: {os.strerror(err.errno)}") from err
 
+    def make(self, lim: Limits, weight_factor: float = 1.0, cpu_idle: bool = False) -> None:
+        """create() and set_limits(lim) in one native call (csrc/cgroupfs.c):
+        each syscall from Python hands the GIL over, and a create made ~20 of
+        them. `weight_factor` scales the CPU weight (an LS sandbox's),
+        `cpu_idle` writes cpu.idle=1 after it (a BE sandbox's: the kernel
+        refuses cpu.shares on an idle group, so the weight goes first). On
+        failure nothing is left."""
+        dirs = list(self._sdirs.values())
+        writes = self.make_writes(lim, weight_factor, cpu_idle)
+        for d in dirs:
+            _ensure_parent(os.path.dirname(d))
+        try:
+            try:
+                native.cgroup_make(dirs, writes)
+            except FileNotFoundError as err:
+                if err.step != "cgroup_mkdir":
+                    raise
+                # A parent removed behind our back: make it again, once.
+                _parents_made.difference_update(os.path.dirname(d) for d in dirs)
+                for d in dirs:
+                    _ensure_parent(os.path.dirname(d))
+                native.cgroup_make(dirs, writes)
+        except OSError as err:
+            raise CgroupError(err.errno, str(err)) from err
+
     def procs_files(self) -> list[str]:
         # Built once: every exec in the sandbox passes them to the spawn.
         if self._procs is None:
@@ -183,24 +210,50 @@ class Group:
         version, mnt = where
         return version, f"{mnt}/{self.rel}"
 
+    @functools.cached_property
+    def oom_events_file(self) -> str | None:
+        """The file whose `oom_kill` line counts the group's OOM kills (v2
+        memory.events, v1 memory.oom_control); None without a memory controller."""
+        where = self._sdir_for("memory")
+        if where is None:
+            return None
+        version, d = where
+        return f"{d}/{'memory.events' if version == 'v2' else 'memory.oom_control'}"
+
     def dir_for(self, ctrl: str) -> tuple[str, Path] | None:
         where = self._sdir_for(ctrl)
         return None if where is None else (where[0], Path(where[1]))
 
+    def make_writes(self, lim: Limits, weight_factor: float = 1.0, cpu_idle: bool = False) -> list[tuple[str, str]]:
+        """What make() writes, in order: the limits, then cpu.idle."""
+        writes = self.limit_writes(lim, weight_factor)
+        if cpu_idle:
+            cpu = self._sdir_for("cpu")
+            if cpu is not None:
+                writes.append((f"{cpu[1]}/cpu.idle", "1"))
+        return writes
+
     def set_limits(self, lim: Limits) -> None:
-        self._set_cpu(lim)
+        for path, value in self.limit_writes(lim):
+            _write(path, value)
+
+    def limit_writes(self, lim: Limits, weight_factor: float = 1.0) -> list[tuple[str, str]]:
+        """The (file, value) writes that set `lim`, in order; the CPU weight
+        scaled by `weight_factor` (an LS sandbox's, dsecd/cpu/qos.py)."""
+        out = self._cpu_writes(lim, weight_factor)
         mem = self._sdir_for("memory")
         if mem:
             version, d = mem
-            _write(f"{d}/{'memory.max' if version == 'v2' else 'memory.limit_in_bytes'}", str(lim.memory_bytes))
+            out.append((f"{d}/{'memory.max' if version == 'v2' else 'memory.limit_in_bytes'}", str(lim.memory_bytes)))
             if lim.swap_bytes is not None:
-                self._set_swap(version, d, lim)
+                out.extend(self._swap_writes(version, d, lim))
         pids = self._sdir_for("pids")
         if pids:
-            _write(f"{pids[1]}/pids.max", str(lim.pids))
+            out.append((f"{pids[1]}/pids.max", str(lim.pids)))
+        return out
 
     @staticmethod
-    def _set_swap(version: str, d: str, lim: Limits) -> None:
+    def _swap_writes(version: str, d: str, lim: Limits) -> list[tuple[str, str]]:
         """Bound swap too: without it a sandbox's anonymous memory past its
         limit goes to swap until the host's swap is full (found by
         test_memory_oom_stays_in_the_sandbox with a host swap file on). v1
@@ -213,29 +266,32 @@ class Group:
         target = f"{d}/{name}"
         value = lim.swap_bytes if version == "v2" else lim.memory_bytes + lim.swap_bytes
         # Swap accounting is the same for every group of a boot: looked up once
-        # per parent (all sandboxes share one), not per create.
+        # per parent (all sandboxes share one), not per create. The parent's
+        # own file says it (a group being made has no files yet).
         key = (os.path.dirname(d), name)
         has = _swap_files.get(key)
         if has is None:
-            has = _swap_files[key] = os.path.exists(target)
-        if has:
-            _write(target, str(value))
+            has = _swap_files[key] = os.path.exists(f"{os.path.dirname(d)}/{name}")
+        return [(target, str(value))] if has else []
 
-    def _set_cpu(self, lim: Limits) -> None:
+    def _cpu_writes(self, lim: Limits, weight_factor: float) -> list[tuple[str, str]]:
         cpu = self._sdir_for("cpu")
         if not cpu:
-            return
+            return []
         version, d = cpu
         quota = int(lim.cpu * lim.cpu_period_us)
         if version == "v2":
-            _write(f"{d}/cpu.weight", str(max(1, min(10000, round(lim.cpu * 100)))))
+            weight = max(1, min(10000, round(lim.cpu * 100)))
+            out = [(f"{d}/cpu.weight", str(max(1, min(10000, round(weight * weight_factor)))))]
             if lim.cpu_hard_quota:
-                _write(f"{d}/cpu.max", f"{quota} {lim.cpu_period_us}")
-        else:
-            _write(f"{d}/cpu.shares", str(max(2, round(lim.cpu * 1024))))
-            if lim.cpu_hard_quota:
-                _write(f"{d}/cpu.cfs_period_us", str(lim.cpu_period_us))
-                _write(f"{d}/cpu.cfs_quota_us", str(quota))
+                out.append((f"{d}/cpu.max", f"{quota} {lim.cpu_period_us}"))
+            return out
+        shares = max(2, round(lim.cpu * 1024))
+        out = [(f"{d}/cpu.shares", str(max(2, min(262144, round(shares * weight_factor)))))]
+        if lim.cpu_hard_quota:
+            out.append((f"{d}/cpu.cfs_period_us", str(lim.cpu_period_us)))
+            out.append((f"{d}/cpu.cfs_quota_us", str(quota)))
+        return out
 
     def pids(self) -> set[int]:
         out: set[int] = set()

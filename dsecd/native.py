@@ -30,6 +30,7 @@ __all__ = [
     "NativeError", "native_error", "raise_error", "add_hints", "describe_errno", "STEPS",
     # container spawn and execs (spawn.c, init.c)
     "ContainerSpec", "ExecSpec", "spawn_container", "spawn_exec", "check_exec_request", "init_exec_error",
+    "cgroup_make",
     "init_binary_path", "INIT_MAGIC", "INIT_OP_START", "INIT_OP_KILL", "INIT_OP_COPY", "INIT_OP_RELEASE", "INIT_START_CTTY",
     "INIT_START_HOLD", "INIT_START_POLICY", "POLICY_MAGIC", "POLICY_MAX_BYTES", "POLICY_MAX_CHILDREN",
     "INIT_STARTED", "INIT_EXITED", "INIT_MAX_STRINGS", "INIT_PEER_FD", "INIT_REQ_SIZE", "INIT_REPLY_SIZE",
@@ -90,6 +91,7 @@ _VERBS = {
     "netns_join": "join the pooled network namespace of",
     "ctl_fd": "hand the exec channel to", "init_request": "have the sandbox's init start",
     "root_ns": "set up the sandbox root's mount namespace at",
+    "cgroup_mkdir": "create cgroup", "cgroup_write": "write the limits of a new cgroup to",
     "oom_score": "reset the OOM score of",
     "ctty": "make the pty the controlling terminal of",
     "landlock": "apply the task policy (Landlock) at",
@@ -425,6 +427,19 @@ def spawn_container(spec: ContainerSpec) -> int:
         _raise_step(err, "container", {"hostname": spec.hostname, "loopback": "lo",
                                        "stdio": init}, init, root=spec.rootfs)
     return pid
+
+
+def cgroup_make(dirs: list[str], writes: list[tuple[str, str]]) -> None:
+    """mkdir each of `dirs`, then write each (file, value), in one call
+    (csrc/cgroupfs.c); on failure the dirs made are removed again and a
+    NativeError names the step (cgroup_mkdir, cgroup_write) and path."""
+    keep: list = []
+    err = ffi.new("struct dsec_err *")
+    rc = lib.dsec_cgroup_make(_string_array([os.fsencode(d) for d in dirs], keep), len(dirs),
+                              _string_array([os.fsencode(f) for f, _ in writes], keep),
+                              _string_array([v.encode() for _, v in writes], keep), len(writes), err)
+    if rc < 0:
+        _raise_step(err, "cgroup", {}, dirs[0] if dirs else "cgroup")
 
 
 def root_ns(mount_dir: str) -> int:

@@ -153,13 +153,14 @@ class ContainerBackend:
                         pass
                 steps.undo("remove sandbox dir", lambda: shutil.rmtree(sbdir, ignore_errors=True))
                 rootfs = sbdir / "rootfs"
-            # Own cgroups, outside the daemon's, so sandboxes outlive a daemon restart.
-            group.create()
-            steps.undo("remove cgroups", lambda: group.remove(self.cfg["destroy_timeout_s"]))
-            group.set_limits(limits)
+            # Own cgroups, outside the daemon's, so sandboxes outlive a daemon
+            # restart; their limits and QoS (weight, cpu.idle: dsecd/cpu/qos.py)
+            # written before the init joins.
             if cpu_plan is not None:
-                # QoS (weight, cpu.idle) before the init joins: dsecd/cpu/qos.py
-                cpu_plan.apply(group)
+                cpu_plan.make_group(group, limits)
+            else:
+                group.make(limits)
+            steps.undo("remove cgroups", lambda: group.remove(self.cfg["destroy_timeout_s"]))
             sched_idle = bool(cpu_plan and cpu_plan.sched_idle)
             core_sched = bool(cpu_plan and cpu_plan.core_sched == "on")
             # Upper and work share a directory: the sandbox's own, or the root

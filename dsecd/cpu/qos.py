@@ -38,29 +38,16 @@ class Plan:
     """What one sandbox's class means here, derived once per create."""
 
     qos: str
-    weight_factor: float     # x the weight cgroup.Group.set_limits wrote
+    weight_factor: float     # x the weight cgroup.Group.set_limits would write
     cpu_idle: bool           # write cpu.idle=1 on the sandbox's cpu group
     sched_idle: bool         # SCHED_IDLE for init and every exec
     core_sched: str          # "on", "off" (BE, or config), "unavailable" (kernel)
 
-    def apply(self, group: cgroup.Group) -> None:
-        """The cgroup half of the plan. Runs after set_limits and before the
-        init joins: the kernel refuses cpu.shares on an idle group (EINVAL),
-        so the weight goes first, then the idle flag."""
-        where = group.dir_for("cpu")
-        if where is None:
-            return
-        version, d = where
-        if self.weight_factor != 1.0:
-            _scale_weight(version, d, self.weight_factor)
-        if self.cpu_idle:
-            cgroup._write(d / "cpu.idle", "1")
-
-
-def _scale_weight(version: str, d: Path, factor: float) -> None:
-    name, lo, hi = ("cpu.weight", 1, 10000) if version == "v2" else ("cpu.shares", 2, 262144)
-    current = int((d / name).read_text())
-    cgroup._write(d / name, str(max(lo, min(hi, round(current * factor)))))
+    def make_group(self, group: cgroup.Group, lim: cgroup.Limits) -> None:
+        """The sandbox's groups with its limits and the cgroup half of the
+        plan (the weight scaled, cpu.idle), written before the init joins
+        (Group.make: one native call)."""
+        group.make(lim, self.weight_factor, self.cpu_idle)
 
 
 def has_cpu_idle(layout: cgroup.Layout) -> bool:

@@ -19,16 +19,29 @@ class Workers:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
 
+    def _submit(self, fn, *args) -> asyncio.Future:
+        """fn(*args) in a worker, as a future of the loop: what
+        loop.run_in_executor does, without its per-call checks (an
+        inspect.iscoroutinefunction of fn) and asyncio.wrap_future's general
+        chaining; a burst makes several of these per create. Cancelling the
+        future cancels the work only if it has not started."""
+        loop = self.loop
+        fut = loop.create_future()
+        work = self.pool.submit(fn, *args)
+        work.add_done_callback(lambda w: None if loop.is_closed() else loop.call_soon_threadsafe(_settle, fut, w))
+        fut.add_done_callback(lambda f: work.cancel() if f.cancelled() else None)
+        return fut
+
     async def run(self, fn, *args):
         """fn(*args) in a worker; cancelling the caller leaves the work running."""
-        return await self.loop.run_in_executor(self.pool, fn, *args)
+        return await self._submit(fn, *args)
 
     async def run_shielded(self, on_abandoned, fn, *args):
         """fn(*args) in a worker, for work that makes something (a process, a
         sandbox): the caller may be cancelled (client gone, `cancel`), the work
         is not, and on_abandoned(future) runs once it is over, to undo what it
         made."""
-        fut = self.loop.run_in_executor(self.pool, fn, *args)
+        fut = self._submit(fn, *args)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -37,7 +50,7 @@ class Workers:
 
     def behind(self, fn, *args) -> asyncio.Future:
         """fn(*args) in a worker, nobody waiting for it (clean-up behind an answer)."""
-        return self.loop.run_in_executor(self.pool, fn, *args)
+        return self._submit(fn, *args)
 
     def submit(self, fn, *args) -> Future:
         """fn(*args) in a worker from any thread (the journal's compaction)."""
@@ -45,3 +58,18 @@ class Workers:
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _settle(fut: asyncio.Future, work: Future) -> None:
+    """On the loop: the worker's outcome into the loop's future (unless that
+    was cancelled meanwhile)."""
+    if fut.done():
+        return
+    if work.cancelled():
+        fut.cancel()
+        return
+    err = work.exception()
+    if err is not None:
+        fut.set_exception(err)
+    else:
+        fut.set_result(work.result())

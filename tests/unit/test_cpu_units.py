@@ -107,28 +107,28 @@ def _v2_layout(tmp_path: Path) -> cgroup.Layout:
     return cgroup.Layout(v2=tmp_path / "v2", v2_controllers=frozenset({"cpu", "memory"}))
 
 
-def test_plan_apply_writes_weight_then_idle(tmp_path):
+def test_plan_writes_weight_then_idle(tmp_path):
     lay = _v1_layout(tmp_path)
     grp = cgroup.Group(lay, "root/sb")
-    d = tmp_path / "cpu" / "root" / "sb"
-    d.mkdir(parents=True)
-    (d / "cpu.shares").write_text("1024")
-    (d / "cpu.idle").write_text("0")
+    d = str(tmp_path / "cpu" / "root" / "sb")
+    lim = cgroup.Limits(cpu=1.0, memory_bytes=64 << 20, pids=64)
     c = qos.Classes(CFG, True, False, "")
-    c.plan("ls").apply(grp)
-    assert (d / "cpu.shares").read_text() == "4096" and (d / "cpu.idle").read_text() == "0"
-    (d / "cpu.shares").write_text("1024")
-    c.plan("be").apply(grp)
-    assert (d / "cpu.shares").read_text() == "1024" and (d / "cpu.idle").read_text() == "1"
+    ls, be = c.plan("ls"), c.plan("be")
+    writes = grp.make_writes(lim, ls.weight_factor, ls.cpu_idle)
+    assert (f"{d}/cpu.shares", "4096") in writes and not any(f.endswith("cpu.idle") for f, _ in writes)
+    writes = grp.make_writes(lim, be.weight_factor, be.cpu_idle)
+    files = [f for f, _ in writes]
+    assert (f"{d}/cpu.shares", "1024") in writes and writes[-1] == (f"{d}/cpu.idle", "1")
+    assert files.index(f"{d}/cpu.shares") < files.index(f"{d}/cpu.idle")
 
 
-def test_plan_apply_v2_weight_is_capped(tmp_path):
+def test_plan_v2_weight_is_capped(tmp_path):
     lay = _v2_layout(tmp_path)
-    d = tmp_path / "v2" / "root" / "sb"
-    d.mkdir(parents=True)
-    (d / "cpu.weight").write_text("5000")
-    qos.Classes(CFG, True, False, "").plan("ls").apply(cgroup.Group(lay, "root/sb"))
-    assert (d / "cpu.weight").read_text() == "10000"
+    d = str(tmp_path / "v2" / "root" / "sb")
+    lim = cgroup.Limits(cpu=50.0, memory_bytes=64 << 20, pids=64)
+    ls = qos.Classes(CFG, True, False, "").plan("ls")
+    writes = cgroup.Group(lay, "root/sb").make_writes(lim, ls.weight_factor, ls.cpu_idle)
+    assert (f"{d}/cpu.weight", "10000") in writes
 
 
 def test_has_cpu_idle_looks_at_the_files(tmp_path):
