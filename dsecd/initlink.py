@@ -154,10 +154,12 @@ class InitExec:
             self._started_fut.set_exception(err)
         self._over()
 
-    def _ended(self, status: int) -> None:
+    def _ended(self, status: int, *, reported: bool = True) -> None:
+        """reported: init's EXITED said so (else the channel closed as the
+        sandbox went, and the kernel kills what ran in it)."""
         self._close()            # it ended: the pidfd is of no more use
         if not self.exited.done():
-            self.exited.set_result({"status": status})
+            self.exited.set_result({"status": status, "reported": reported})
         self._over()
 
     def _over(self) -> None:
@@ -420,7 +422,7 @@ class InitLink:
                 run._close()
                 run._failed(lost)
             elif run.running:               # the kernel killed it with the pid namespace
-                run._ended(KILLED)
+                run._ended(KILLED, reported=False)
             else:
                 run._failed(OSError(errno.ESRCH, "the sandbox's init did not start it"))
 

@@ -224,6 +224,9 @@ class Node:
 
     async def close(self) -> None:
         """Daemon shutdown: stop watching, close fds, leave sandboxes running."""
+        # First: from here on, output and ends of background processes stay in
+        # init's pipes for the next daemon; what this one read would be lost.
+        self.procs.close()
         self.create_service.close()
         await self.call_service.close()      # call sandboxes belong to this daemon: they go
         self.image_service.stop_layer_sweeper()
@@ -233,7 +236,6 @@ class Node:
             self._cpu_task.cancel()
         await self.net_service.close_net()
         await self.workers.run(self.memory.close)
-        self.procs.close()          # before the handles: their processes run on for the next daemon
         self.denials.close()
         drained = not any(s.handle is not None for s in self.registry.by_id.values())
         await self.workers.run(self.image_service.stop, drained)

@@ -265,9 +265,17 @@ class ProcessService:
         proc.wake()
 
     def _on_exit(self, sb: Sandbox, proc: BgProc, fut: asyncio.Future) -> None:
-        if self.closing or proc.ended.done():
-            return              # the daemon stops: the process goes on, the next daemon watches it
-        status = None if fut.cancelled() or fut.exception() is not None else fut.result()["status"]
+        if proc.ended.done():
+            return
+        answer = None if fut.cancelled() or fut.exception() is not None else fut.result()
+        status = None if answer is None else answer["status"]
+        if self.closing:
+            # The daemon stops: the process's output stays in init's pipes for
+            # the next daemon, which needs its status too (init reports it once).
+            if answer is not None and answer["reported"]:
+                proc.rec["end_status"] = status
+                self._save(sb)
+            return
         self._ended(sb, proc, status)
 
     def _ended(self, sb: Sandbox, proc: BgProc, status: int | None) -> None:
@@ -497,7 +505,10 @@ class ProcessService:
                 self._lost(sb, proc, "no exec channel to its init")
                 continue
             self._watch(sb, proc, run, got["fds"])
-            if got["pidfd"] < 0:
+            if "end_status" in rec:          # its end reached the daemon before, as it stopped
+                link.pending.pop(rec["id"], None)
+                self._ended(sb, proc, proc.rec.pop("end_status"))
+            elif got["pidfd"] < 0:
                 # It ended while no daemon ran: init's report is queued on the
                 # channel, read at once; unless the daemon before read it and
                 # stopped before journaling it.
