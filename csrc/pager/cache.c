@@ -486,6 +486,7 @@ int chunk_fill(struct blob *b, uint64_t c, int readahead, struct chunk_copy *cop
      * rounded up with zeros past the blob's end (the file is cut back to the
      * blob's size when it is next opened). */
     uint64_t alen = (len + DIO_ALIGN - 1) & ~(uint64_t)(DIO_ALIGN - 1);
+    uint64_t t0 = now_ns();
     void *buf = NULL;
     int rc;
 
@@ -515,6 +516,8 @@ int chunk_fill(struct blob *b, uint64_t c, int readahead, struct chunk_copy *cop
         copy->done = 1;
     }
     free(buf);
+    if (rc == 0)
+        lat_observe(&g_fetch_latency, now_ns() - t0);
 
     pthread_mutex_lock(&b->lock);
     if (rc == 0) {

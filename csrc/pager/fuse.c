@@ -129,6 +129,17 @@ static void json_blob(FILE *f, struct blob *b, int first)
         (uint64_t)s->verified_bytes, (uint64_t)s->corrupt);
 }
 
+static void json_latency(FILE *f, const char *name, struct lat_hist *h)
+{
+    fprintf(f, "\"%s\": {\"bounds_ns\": [", name);
+    for (unsigned i = 0; i < PAGER_LAT_BOUNDS; i++)
+        fprintf(f, "%s%" PRIu64, i ? ", " : "", pager_lat_bounds_ns[i]);
+    fprintf(f, "], \"counts\": [");
+    for (unsigned i = 0; i <= PAGER_LAT_BOUNDS; i++)
+        fprintf(f, "%s%" PRIu64, i ? ", " : "", (uint64_t)h->counts[i]);
+    fprintf(f, "], \"sum_ns\": %" PRIu64 "}", (uint64_t)h->sum_ns);
+}
+
 static int stats_snapshot(struct mem_file *m)
 {
     FILE *f = open_memstream(&m->data, &m->len);
@@ -139,9 +150,11 @@ static int stats_snapshot(struct mem_file *m)
     fprintf(f,
             "{\"version\": 1, \"pid\": %d, \"chunk_size\": %" PRIu64 ", \"cache_max\": %" PRIu64
             ", \"cache_used\": %" PRIu64 ", \"readahead\": %u, \"bandwidth\": %" PRIu64
-            ", \"latency_us\": %" PRIu64 ", \"blobs\": {",
+            ", \"latency_us\": %" PRIu64 ", ",
             (int)getpid(), g_cfg.chunk_size, g_cfg.cache_max, cache_used(), g_cfg.readahead,
             g_cfg.bw_bps, g_cfg.latency_us);
+    json_latency(f, "fetch_latency", &g_fetch_latency);
+    fprintf(f, ", \"blobs\": {");
     for (unsigned i = 0; i < n; i++)
         json_blob(f, blob_at(i), i == 0);
     fprintf(f, "}}\n");

@@ -55,6 +55,21 @@ struct blob_stats {
     _Atomic uint64_t corrupt;        /* fetched blocks that did not match it (EIO) */
 };
 
+/* Wall time of each successful fetch, read-ahead's included: from the start
+ * of chunk_fill (cache room made, evicting if need be) to the chunk written
+ * to the cache file (store read, check against the chunk index, throttle,
+ * cache write), which is what a reader that misses waits for. Buckets with
+ * fixed log-spaced bounds (1-2.5-5 per decade, 10 us to 10 s) and an
+ * overflow bucket; counts per bucket (not cumulative) and the sum in ns,
+ * atomics: the fetching threads add, .stats reads without locks. */
+#define PAGER_LAT_BOUNDS 19
+struct lat_hist {
+    _Atomic uint64_t counts[PAGER_LAT_BOUNDS + 1]; /* [i]: <= bounds[i]; last: above them all */
+    _Atomic uint64_t sum_ns;
+};
+extern const uint64_t pager_lat_bounds_ns[PAGER_LAT_BOUNDS];
+extern struct lat_hist g_fetch_latency;
+
 struct blob {
     char hex[PAGER_HEX_LEN + 1];
     fuse_ino_t ino;
@@ -112,6 +127,8 @@ int blob_index_load(struct blob *b);
 int blob_verify(struct blob *b, uint64_t off, const char *buf, uint64_t len);
 
 /* store.c */
+uint64_t now_ns(void); /* CLOCK_MONOTONIC */
+void lat_observe(struct lat_hist *h, uint64_t ns);
 int store_fetch(struct blob *b, uint64_t c, char *buf, uint64_t len);
 int readahead_start(void);
 void readahead_stop(void);

@@ -43,12 +43,31 @@ static struct {
     unsigned nthreads;
 } g_ra = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER};
 
-static uint64_t now_ns(void)
+const uint64_t pager_lat_bounds_ns[PAGER_LAT_BOUNDS] = {
+    10000,     25000,     50000,     100000,     250000,     500000,     1000000,
+    2500000,   5000000,   10000000,  25000000,   50000000,   100000000,  250000000,
+    500000000, 1000000000, 2500000000, 5000000000, 10000000000,
+};
+struct lat_hist g_fetch_latency;
+
+uint64_t now_ns(void)
 {
     struct timespec ts;
 
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Relaxed: each counter is exact on its own; a .stats snapshot taken while a
+ * fetch is counted may see its bucket and not yet its sum (or the reverse). */
+void lat_observe(struct lat_hist *h, uint64_t ns)
+{
+    unsigned i = 0;
+
+    while (i < PAGER_LAT_BOUNDS && ns > pager_lat_bounds_ns[i])
+        i++;
+    atomic_fetch_add_explicit(&h->counts[i], 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&h->sum_ns, ns, memory_order_relaxed);
 }
 
 static void sleep_until_ns(uint64_t t)

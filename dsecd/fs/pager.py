@@ -20,6 +20,7 @@ them from a worker thread, never from the event loop.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import logging
 import math
@@ -133,12 +134,39 @@ class BlobStats:
 
 
 @dataclass(frozen=True)
+class LatencyHistogram:
+    """The pager's fetch latency: `counts[i]` fetches took <= `bounds_ns[i]`
+    (and more than the bound before), the last count took longer than every
+    bound; not cumulative. Since the pager started."""
+
+    bounds_ns: tuple[int, ...]
+    counts: tuple[int, ...]        # len(bounds_ns) + 1
+    sum_ns: int
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    @classmethod
+    def parse(cls, doc: dict) -> LatencyHistogram:
+        bounds = tuple(int(b) for b in doc["bounds_ns"])
+        counts = tuple(int(c) for c in doc["counts"])
+        if len(counts) != len(bounds) + 1 or any(a >= b for a, b in itertools.pairwise(bounds)):
+            raise ValueError(f"malformed latency histogram in .stats: {len(bounds)} bounds "
+                             f"(must increase), {len(counts)} counts (must be one more)")
+        return cls(bounds, counts, int(doc["sum_ns"]))
+
+
+@dataclass(frozen=True)
 class PagerStats:
     pid: int
     chunk_size: int
     cache_max: int
     cache_used: int
     blobs: dict[str, BlobStats]
+    # Wall time of each successful fetch (docs/pager.md); None from a pager
+    # older than the histogram (one adopted across an upgrade).
+    fetch_latency: LatencyHistogram | None = None
 
 
 def parse_stats(text: str) -> PagerStats:
@@ -151,8 +179,10 @@ def parse_stats(text: str) -> PagerStats:
     optional = {"verified_bytes", "corrupt", "verified"}
     blobs = {h: BlobStats(**{n: bool(b[n]) if n == "verified" else int(b[n])
                              for n in names if n in b or n not in optional}) for h, b in doc["blobs"].items()}
+    latency = doc.get("fetch_latency")          # so did the histogram
     return PagerStats(int(doc["pid"]), int(doc["chunk_size"]), int(doc["cache_max"]),
-                      int(doc["cache_used"]), blobs)
+                      int(doc["cache_used"]), blobs,
+                      LatencyHistogram.parse(latency) if latency is not None else None)
 
 
 def pager_mounts(mountpoint: str, mountinfo: str = "/proc/self/mountinfo") -> int:

@@ -280,6 +280,45 @@ def test_throttle_slows_fetches(env):
     assert time.monotonic() - t0 < 0.4
 
 
+def test_fetch_latency_histogram_counts_every_fetch_where_its_time_falls(env):
+    """Every fetch waits the throttle's 20 ms at least: all land in buckets
+    above 20 ms, and the histogram counts exactly the fetches."""
+    data = os.urandom(1 * MIB)
+    hexd = env.blob(data)
+    p = env.pager(chunk_size=256 * KIB, readahead_chunks=0, latency_us=20_000)
+    before = p.stats().fetch_latency
+    assert before is not None and before.count == 0 and before.sum_ns == 0
+    assert (env.mnt / hexd).read_bytes() == data
+    s = p.stats()
+    lat = s.fetch_latency
+    assert s.blobs[hexd].fetches == 4 and lat.count == 4
+    assert all(n == 0 for bound, n in zip(lat.bounds_ns, lat.counts[:-1], strict=True) if bound < 20_000_000), lat
+    assert lat.sum_ns >= 4 * 20_000_000
+    assert (env.mnt / hexd).read_bytes() == data        # hits: no fetch, nothing observed
+    assert p.stats().fetch_latency == lat
+
+
+def test_hits_and_misses_count_each_chunk_a_read_needs(env):
+    """Reads of one chunk each: the first pass misses every chunk once, the
+    second hits every one; hits + misses = the reads (direct I/O: the kernel
+    sends every read to the pager)."""
+    cs, n = 64 * KIB, 12
+    data = os.urandom(cs * n)
+    hexd = env.blob(data)
+    p = env.pager(chunk_size=cs, readahead_chunks=0, direct_io=True)
+    fd = os.open(env.mnt / hexd, os.O_RDONLY)
+    try:
+        for _ in range(2):
+            for c in range(n):
+                assert os.pread(fd, cs, c * cs) == data[c * cs:(c + 1) * cs]
+            st = blob_stats(p, hexd)
+            assert st.chunk_misses == st.fetches == n
+            assert st.chunk_hits + st.chunk_misses == st.reads
+        assert st.chunk_hits >= n
+    finally:
+        os.close(fd)
+
+
 def test_kill9_mid_read_restart_keeps_bitmap(env):
     data = os.urandom(4 * MIB)
     hexd = env.blob(data)

@@ -67,6 +67,19 @@ def test_parse_stats():
     assert s.blobs[HEX] == pg.BlobStats(10, 1, 1, 10, 1, 10, 1, 5, 1, 0, 0, 0)
 
 
+def test_parse_stats_fetch_latency():
+    doc = json.loads(stats_doc())
+    doc["fetch_latency"] = {"bounds_ns": [10_000, 25_000, 50_000], "counts": [0, 3, 1, 2], "sum_ns": 9_000_000}
+    lat = pg.parse_stats(json.dumps(doc)).fetch_latency
+    assert lat == pg.LatencyHistogram((10_000, 25_000, 50_000), (0, 3, 1, 2), 9_000_000) and lat.count == 6
+    assert pg.parse_stats(stats_doc()).fetch_latency is None      # a pager older than the histogram
+    for bad in ({"bounds_ns": [1, 2], "counts": [0, 1], "sum_ns": 0},
+                {"bounds_ns": [2, 1], "counts": [0, 1, 0], "sum_ns": 0}):
+        doc["fetch_latency"] = bad
+        with pytest.raises(ValueError, match="latency histogram"):
+            pg.parse_stats(json.dumps(doc))
+
+
 def test_parse_stats_refuses_other_versions_and_missing_counters():
     with pytest.raises(ValueError):
         pg.parse_stats(json.dumps({"version": 2}))
