@@ -13,8 +13,8 @@ Two kinds of series, both in one private registry (REGISTRY):
   show the same numbers): read at scrape time by NodeCollector from a
   snapshot (Snapshot.take) - sandboxes by state and QoS, committed CPU and
   memory against capacity, the create queue, FnCall counters, zram, the
-  pager's fetches and cache, network denials and DNS answers. Nothing is
-  counted twice.
+  pager's fetches, their latency and its cache, network denials and DNS
+  answers. Nothing is counted twice.
 
 Per-sandbox series (CPU, memory, throttling by sandbox id) only with
 `metrics.per_sandbox`: a host runs thousands of short-lived sandboxes, and
@@ -42,11 +42,12 @@ import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.utils import floatToGoString
 
 from . import __version__
 
@@ -297,14 +298,13 @@ class NodeCollector:
 
     @staticmethod
     def _pager(p: dict):
-        blobs = p.get("blobs")
-        if not blobs:
+        if "blobs" not in p:           # no pager (images.mode is not lazy), or its stats unreadable
             return
-        sums: dict[str, int] = {}
-        for b in blobs.values():
-            for key in ("fetches", "fetched_bytes", "chunk_hits", "chunk_misses", "kernel_read_bytes",
-                        "evictions", "errors", "corrupt"):
-                sums[key] = sums.get(key, 0) + int(b.get(key, 0))
+        sums = dict.fromkeys(("fetches", "fetched_bytes", "chunk_hits", "chunk_misses", "kernel_read_bytes",
+                              "evictions", "errors", "corrupt"), 0)
+        for b in p["blobs"].values():
+            for key in sums:
+                sums[key] += int(b.get(key, 0))
         for key, doc in (("fetches", "Chunk fetches from the store"),
                          ("fetched_bytes", "Bytes fetched from the store (misses and read-ahead)"),
                          ("kernel_read_bytes", "Bytes the kernel read through the pager"),
@@ -313,10 +313,22 @@ class NodeCollector:
             c = _counter(f"dsecd_pager_{key}", f"{doc} (since the pager started)")
             c.add_metric([], sums[key])
             yield c
-        c = _counter("dsecd_pager_chunk_lookups", "Chunk lookups in the local cache, by result", ["result"])
+        c = _counter("dsecd_pager_chunk_lookups", "Chunks that reads needed, by whether the local cache had "
+                     "them (hit) or not (miss: fetched, or waited for a fetch under way)", ["result"])
         c.add_metric(["hit"], sums["chunk_hits"])
         c.add_metric(["miss"], sums["chunk_misses"])
         yield c
+        lat = p.get("fetch_latency")    # None from a pager older than the histogram
+        if lat:
+            h = HistogramMetricFamily("dsecd_pager_fetch_seconds", "Wall time of a chunk fetch (read-ahead's "
+                                      "included): cache room, store read, check, throttle, cache write "
+                                      "(since the pager started)")
+            cumulative, buckets = 0, []
+            for bound, n in zip([*lat["bounds_ns"], None], lat["counts"], strict=True):
+                cumulative += n
+                buckets.append(("+Inf" if bound is None else floatToGoString(bound / 1e9), cumulative))
+            h.add_metric([], buckets, lat["sum_ns"] / 1e9)
+            yield h
         g = _gauge("dsecd_pager_cache_bytes", "The pager's chunk cache: used and cap (0 = none)", ["what"])
         g.add_metric(["used"], p.get("cache_used", 0))
         g.add_metric(["max"], p.get("cache_max", 0))

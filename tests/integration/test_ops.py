@@ -151,6 +151,47 @@ def test_an_oom_kill_is_counted(metrics_daemon):
     c.close()
 
 
+def test_lazy_paged_reads_move_the_pager_series(daemon_factory, busybox_rootfs, tmp_path):
+    """A sandbox of a lazily paged image reads a file: its chunks are fetched
+    (and timed); the same chunks read again through the pager are hits."""
+    sock = tmp_path / "metrics.sock"
+    d = daemon_factory(f'[metrics]\nlisten = "{sock}"\n[images]\nmode = "lazy"\n'
+                       '[pager]\nreadahead_chunks = 0\n')
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+
+    def scrape():
+        return samples(http_get(str(sock))[1].decode())
+
+    before = scrape()
+    assert total(before, "dsecd_pager_fetch_seconds_count") == total(before, "dsecd_pager_fetches_total")
+    sb = c.create(image="busybox")
+    assert sb.exec(["cat", "/bin/busybox"]).exit_code == 0
+    mid = scrape()
+    fetched = total(mid, "dsecd_pager_fetches_total") - total(before, "dsecd_pager_fetches_total")
+    assert fetched > 0 and total(mid, "dsecd_pager_fetched_bytes_total") > total(before,
+                                                                                 "dsecd_pager_fetched_bytes_total")
+    assert total(mid, "dsecd_pager_fetch_seconds_count") == total(mid, "dsecd_pager_fetches_total")
+    assert total(mid, "dsecd_pager_fetch_seconds_sum") > total(before, "dsecd_pager_fetch_seconds_sum")
+    assert total(mid, "dsecd_pager_fetch_seconds_bucket", le="+Inf") == total(mid, "dsecd_pager_fetches_total")
+    assert total(mid, "dsecd_pager_chunk_lookups_total", result="miss") > total(
+        before, "dsecd_pager_chunk_lookups_total", result="miss")
+    # The layers the sandbox read, read again through the pager's own files:
+    # the chunks it fetched are in the cache now.
+    opened = [f.name.removesuffix(".bitmap") for f in (d.state / "pager-cache").glob("*.bitmap")]
+    assert opened
+    for hexd in opened:
+        with open(d.state / "pager" / hexd, "rb") as f:
+            while f.read(1 << 20):
+                pass
+    after = scrape()
+    assert total(after, "dsecd_pager_chunk_lookups_total", result="hit") >= total(
+        mid, "dsecd_pager_chunk_lookups_total", result="hit") + fetched
+    assert total(after, "dsecd_pager_fetch_seconds_count") == total(after, "dsecd_pager_fetches_total")
+    sb.destroy()
+    c.close()
+
+
 # ---------------------------------------------------------------- the log
 
 def test_every_log_line_is_json_through_create_exec_oom_pause_destroy(daemon_factory, busybox_rootfs):

@@ -38,7 +38,9 @@ SNAPSHOT = metrics.Snapshot(
         "aa": {"fetches": 2, "fetched_bytes": 100, "chunk_hits": 5, "chunk_misses": 2, "kernel_read_bytes": 80,
                "evictions": 0, "errors": 0, "corrupt": 0},
         "bb": {"fetches": 1, "fetched_bytes": 50, "chunk_hits": 1, "chunk_misses": 1, "kernel_read_bytes": 40,
-               "evictions": 0, "errors": 0, "corrupt": 0}}}},
+               "evictions": 0, "errors": 0, "corrupt": 0}},
+        "fetch_latency": {"bounds_ns": (100_000, 1_000_000, 10_000_000), "counts": (1, 1, 0, 1),
+                          "sum_ns": 30_000_000}}},
     net={"denied_connect": 4, "denied_sendmsg": 1, "dropped_packets": 0, "dns": {"queries": 9, "refused": 2}},
     connections=6)
 
@@ -63,6 +65,11 @@ def test_the_figures_services_keep_become_series(monkeypatch):
     assert _value(text, "dsecd_net_denied_total", reason="connect") == 4
     assert _value(text, "dsecd_dns_total", outcome="refused") == 2
     assert _value(text, "dsecd_connections") == 6
+    assert _value(text, "dsecd_pager_fetch_seconds_bucket", le="0.001") == 2
+    assert _value(text, "dsecd_pager_fetch_seconds_bucket", le="0.01") == 2
+    assert _value(text, "dsecd_pager_fetch_seconds_bucket", le="+Inf") == 3
+    assert _value(text, "dsecd_pager_fetch_seconds_count") == 3
+    assert _value(text, "dsecd_pager_fetch_seconds_sum") == pytest.approx(0.03)
     assert not any(name.startswith("dsecd_sandbox_cpu_percent") for name, _ in _samples(text))
 
 
@@ -73,6 +80,15 @@ def test_per_sandbox_series_only_when_asked(monkeypatch):
     text = metrics.render()[0].decode()
     assert _value(text, "dsecd_sandbox_cpu_percent", sandbox="ab12", qos="be") == 12.5
     assert _value(text, "dsecd_sandbox_memory_bytes", sandbox="ab12") == 4096
+
+
+def test_a_pager_without_the_histogram(monkeypatch):
+    pager = {k: v for k, v in SNAPSHOT.images["pager"].items() if k != "fetch_latency"}
+    snap = metrics.Snapshot(images={"pager": pager})
+    monkeypatch.setattr(metrics.COLLECTOR, "snapshot", snap)
+    text = metrics.render()[0].decode()
+    assert _value(text, "dsecd_pager_fetches_total") == 3
+    assert not any(name.startswith("dsecd_pager_fetch_seconds") for name, _ in _samples(text))
 
 
 def test_openmetrics_when_the_scraper_asks():
