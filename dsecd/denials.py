@@ -70,6 +70,22 @@ _DIRFD_ARG = {"openat": 0, "mkdirat": 0, "mknodat": 0, "unlinkat": 0, "execveat"
 _SIGNAL_ARGS = {"kill": (0, 1), "tkill": (0, 1), "tgkill": (1, 2), "rt_sigqueueinfo": (0, 1),
                 "rt_tgsigqueueinfo": (1, 2), "pidfd_send_signal": (0, 1)}
 
+# What a reported syscall acts on, for the counts by kind: a file (Landlock's
+# file system rights), a socket (its TCP port rules and abstract-socket scope)
+# or a signal (its signal scope).
+SOCKET_CALLS = frozenset({"connect", "bind", "sendto", "sendmsg"})
+KINDS = ("file", "socket", "signal")
+
+
+def kind_of(syscall: str) -> str:
+    """file, socket or signal for a syscall the program reports; other for
+    a number SYSCALLS does not know (a program newer than this table)."""
+    if syscall in SOCKET_CALLS:
+        return "socket"
+    if syscall in _SIGNAL_ARGS:
+        return "signal"
+    return "file" if syscall in SYSCALLS.values() else "other"
+
 
 @dataclass(frozen=True)
 class Denial:
@@ -82,6 +98,10 @@ class Denial:
     syscall: str
     errno: str            # EACCES or EPERM
     detail: dict          # path / path2 / dirfd, or address, or target and signal
+
+    @property
+    def kind(self) -> str:
+        return kind_of(self.syscall)
 
     def public(self) -> dict:
         return {"syscall": self.syscall, "errno": self.errno, "comm": self.comm, **self.detail}
@@ -102,7 +122,7 @@ def decode(raw: bytes) -> Denial | None:
         dirfd = _s32(args[_DIRFD_ARG[name]])
         if dirfd != AT_FDCWD:
             detail["dirfd"] = dirfd
-    if name in ("connect", "bind", "sendto", "sendmsg"):
+    if name in SOCKET_CALLS:
         detail.update(_address(addr))
     if name == "ftruncate":
         detail["fd"] = _s32(args[0])

@@ -14,7 +14,7 @@ Two kinds of series, both in one private registry (REGISTRY):
   snapshot (Snapshot.take) - sandboxes by state and QoS, committed CPU and
   memory against capacity, the create queue, FnCall counters, zram, the
   pager's fetches, their latency and its cache, network denials and DNS
-  answers. Nothing is counted twice.
+  answers, task-policy denials. Nothing is counted twice.
 
 Per-sandbox series (CPU, memory, throttling by sandbox id) only with
 `metrics.per_sandbox`: a host runs thousands of short-lived sandboxes, and
@@ -116,6 +116,9 @@ SCRAPE_SECONDS = Gauge("dsecd_scrape_duration_seconds", "Wall time of the previo
 
 # ---------------------------------------------------------------- the figures services keep
 
+# DenialService.state, its first word ("off: why" -> off).
+DENIAL_MONITOR_STATES = ("on", "loading", "off", "not_loaded_yet")
+
 
 @dataclass
 class Snapshot:
@@ -129,6 +132,7 @@ class Snapshot:
     memory: dict = field(default_factory=dict)        # MemoryService.info() (blocking)
     images: dict = field(default_factory=dict)        # ImageService.info() (blocking)
     net: dict = field(default_factory=dict)           # NetworkService.drop_totals() (blocking)
+    denials: dict = field(default_factory=dict)       # DenialService.info() (one BPF map read)
     connections: int = 0
     sandboxes: list = field(default_factory=list)     # top rows, with metrics.per_sandbox only
     errors: list = field(default_factory=list)        # sources that could not be read
@@ -156,6 +160,10 @@ class Snapshot:
             snap.net = await node.net_service.drop_totals()
         except Exception as err:
             snap.errors.append(f"net: {err}")
+        try:
+            snap.denials = node.denials.info()
+        except Exception as err:
+            snap.errors.append(f"policy denials: {err}")
         return snap
 
 
@@ -194,6 +202,7 @@ class NodeCollector:
         yield from self._memory(s.memory)
         yield from self._pager(s.images.get("pager") or {})
         yield from self._net(s.net)
+        yield from self._denials(s.denials)
         if s.sandboxes:
             yield from self._per_sandbox(s.sandboxes)
         errors = _gauge("dsecd_scrape_source_errors", "Sources this scrape could not read "
@@ -352,6 +361,38 @@ class NodeCollector:
             for key, v in sorted(dns.items()):
                 c.add_metric([key], v)
             yield c
+
+    @staticmethod
+    def _denials(d: dict):
+        if not d:
+            return
+        state = d["monitor"].split(":", 1)[0].replace(" ", "_")
+        g = _gauge("dsecd_policy_denial_monitor", "The task-policy denial monitor: 1 for its state (on; "
+                   "loading; off: turned off or could not load, the daemon log says why; not_loaded_yet)",
+                   ["state"])
+        for name in DENIAL_MONITOR_STATES:
+            g.add_metric([name], 1 if name == state else 0)
+        yield g
+        g = _gauge("dsecd_policy_watched_sandboxes", "Sandboxes whose execs' denials are counted (from "
+                   "their first exec under a restricting policy to their end)")
+        g.add_metric([], d.get("watched_sandboxes", 0))
+        yield g
+        c = _counter("dsecd_policy_denials", "EACCES and EPERM of the calls Landlock mediates, in execs "
+                     "under a task policy, by policy and kind of call (file, socket, signal)",
+                     ["policy", "kind"])
+        for policy, kinds in sorted(d.get("by_policy_kind", {}).items()):
+            for kind, n in sorted(kinds.items()):
+                c.add_metric([policy, kind], n)
+        yield c
+        c = _counter("dsecd_policy_denials_unattributed", "Denials in watched sandboxes from a process "
+                     "that left its exec's session (setsid): no policy to charge, by kind", ["kind"])
+        for kind, n in sorted(d.get("unattributed_by_kind", {}).items()):
+            c.add_metric([kind], n)
+        yield c
+        c = _counter("dsecd_policy_denials_lost", "Denial records lost: the ring buffer was full "
+                     "(a burst faster than the daemon reads)")
+        c.add_metric([], d.get("lost", 0))
+        yield c
 
     @staticmethod
     def _per_sandbox(rows: list[dict]):

@@ -71,6 +71,11 @@ class DenialService:
         self._expiry: asyncio.TimerHandle | None = None
         self.total = 0
         self.unattributed = 0
+        # For the metrics: (policy, kind) -> count, and unattributed by kind
+        # (file, socket, signal: dsecd.denials.kind_of). Policy names are the
+        # config's and "inline", so these stay few.
+        self.by_policy_kind: dict[tuple[str, str], int] = {}
+        self.unattributed_by_kind: dict[str, int] = {}
         events.subscribers.add(self)         # push(): a watched sandbox's end
 
     # ------------------------------------------------------------ start / stop
@@ -233,6 +238,7 @@ class DenialService:
             sb = self.registry.by_id.get(self.by_cgroup.get(d.cgroup, ""))
             if sb is not None:
                 self.unattributed += 1
+                self.unattributed_by_kind[d.kind] = self.unattributed_by_kind.get(d.kind, 0) + 1
                 sb.denials["unattributed"] = sb.denials.get("unattributed", 0) + 1
         if self.pending:
             self._expiry = self.workers.loop.call_later(PENDING_S, self._expire)
@@ -242,6 +248,8 @@ class DenialService:
             return          # an exec without a policy: its EACCES are its own business
         ref.count += 1
         self.total += 1
+        key = (ref.policy, d.kind)
+        self.by_policy_kind[key] = self.by_policy_kind.get(key, 0) + 1
         sb = self.registry.by_id.get(ref.sandbox)
         if sb is not None:
             sb.denials["total"] = sb.denials.get("total", 0) + 1
@@ -269,6 +277,10 @@ class DenialService:
                     del self.execs[key]
 
     def info(self) -> dict:
+        by_kind: dict[str, dict[str, int]] = {}
+        for (policy, kind), n in sorted(self.by_policy_kind.items()):
+            by_kind.setdefault(policy, {})[kind] = n
         return {"monitor": self.state, "total": self.total, "unattributed": self.unattributed,
                 "lost": self.monitor.lost() if self.monitor is not None and self.state == "on" else 0,
-                "watched_sandboxes": len(self.by_cgroup)}
+                "watched_sandboxes": len(self.by_cgroup), "by_policy_kind": by_kind,
+                "unattributed_by_kind": dict(sorted(self.unattributed_by_kind.items()))}

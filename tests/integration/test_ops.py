@@ -151,6 +151,42 @@ def test_an_oom_kill_is_counted(metrics_daemon):
     c.close()
 
 
+def test_task_policy_denials_are_counted_by_policy_and_kind(metrics_daemon):
+    """Real Landlock denials under the shipped `agent` policy: a hidden file
+    (file), a TCP port it may not connect to (socket), a signal to a process
+    outside the exec (signal)."""
+    d = metrics_daemon
+    before = samples(http_get(d.metrics)[1].decode())
+    c = d.client()
+    sb = c.create(image="busybox", memory="64M")
+    sb.write_file("/grader/secret", b"the expected answer\n")
+    results = {
+        "file": sb.exec(["cat", "/grader/secret"], policy="agent"),
+        "socket": sb.exec(["nc", "-w", "1", "127.0.0.1", "8080"], policy="agent"),
+        "signal": sb.exec(["kill", "-0", "1"], policy="agent"),
+    }
+    for kind, r in results.items():
+        assert r.exit_code != 0 and r.denials >= 1, (kind, r.exit_code, r.stderr, r.denials)
+    assert sb.exec(["cat", "/grader/secret"], policy="grader").exit_code == 0    # not denied, not counted
+    mid = samples(http_get(d.metrics)[1].decode())
+    sb.destroy()
+    after = samples(http_get(d.metrics)[1].decode())
+    c.close()
+
+    def moved(name, **labels):
+        return total(mid, name, **labels) - total(before, name, **labels)
+
+    for kind in results:
+        assert moved("dsecd_policy_denials_total", policy="agent", kind=kind) >= 1, kind
+    assert moved("dsecd_policy_denials_total") == sum(r.denials for r in results.values())
+    assert total(mid, "dsecd_policy_denials_total", policy="grader") == 0
+    assert total(mid, "dsecd_policy_denial_monitor", state="on") == 1
+    assert total(mid, "dsecd_policy_denial_monitor") == 1                  # one state at a time
+    assert total(mid, "dsecd_policy_watched_sandboxes") == 1
+    assert total(after, "dsecd_policy_watched_sandboxes") == 0
+    assert ("dsecd_policy_denials_lost_total", ()) in after
+
+
 def test_lazy_paged_reads_move_the_pager_series(daemon_factory, busybox_rootfs, tmp_path):
     """A sandbox of a lazily paged image reads a file: its chunks are fetched
     (and timed); the same chunks read again through the pager are hits."""

@@ -56,6 +56,17 @@ def test_kill_names_target_and_signal():
     assert denials.decode(record(234, ret=-1, args=(17, 18, 15, 0, 0, 0))).detail == {"target": 18, "signal": 15}
 
 
+@pytest.mark.parametrize("nr,kind", [(257, "file"), (59, "file"), (316, "file"), (77, "file"), (42, "socket"),
+                                     (49, "socket"), (46, "socket"), (62, "signal"), (424, "signal"),
+                                     (999, "other")])
+def test_kind_of_call(nr, kind):
+    assert denials.decode(record(nr)).kind == kind
+
+
+def test_every_reported_syscall_has_a_kind():
+    assert {denials.kind_of(name) for name in denials.SYSCALLS.values()} == set(denials.KINDS)
+
+
 def test_short_records_are_dropped():
     assert denials.decode(b"\0" * 100) is None
 

@@ -42,6 +42,9 @@ SNAPSHOT = metrics.Snapshot(
         "fetch_latency": {"bounds_ns": (100_000, 1_000_000, 10_000_000), "counts": (1, 1, 0, 1),
                           "sum_ns": 30_000_000}}},
     net={"denied_connect": 4, "denied_sendmsg": 1, "dropped_packets": 0, "dns": {"queries": 9, "refused": 2}},
+    denials={"monitor": "on", "total": 5, "unattributed": 1, "lost": 2, "watched_sandboxes": 3,
+             "by_policy_kind": {"agent": {"file": 3, "signal": 1}, "inline": {"socket": 1}},
+             "unattributed_by_kind": {"file": 1}},
     connections=6)
 
 
@@ -70,6 +73,13 @@ def test_the_figures_services_keep_become_series(monkeypatch):
     assert _value(text, "dsecd_pager_fetch_seconds_bucket", le="+Inf") == 3
     assert _value(text, "dsecd_pager_fetch_seconds_count") == 3
     assert _value(text, "dsecd_pager_fetch_seconds_sum") == pytest.approx(0.03)
+    assert _value(text, "dsecd_policy_denials_total", policy="agent", kind="file") == 3
+    assert _value(text, "dsecd_policy_denials_total", policy="inline", kind="socket") == 1
+    assert _value(text, "dsecd_policy_denials_unattributed_total", kind="file") == 1
+    assert _value(text, "dsecd_policy_denials_lost_total") == 2
+    assert _value(text, "dsecd_policy_denial_monitor", state="on") == 1
+    assert _value(text, "dsecd_policy_denial_monitor", state="off") == 0
+    assert _value(text, "dsecd_policy_watched_sandboxes") == 3
     assert not any(name.startswith("dsecd_sandbox_cpu_percent") for name, _ in _samples(text))
 
 
@@ -82,13 +92,17 @@ def test_per_sandbox_series_only_when_asked(monkeypatch):
     assert _value(text, "dsecd_sandbox_memory_bytes", sandbox="ab12") == 4096
 
 
-def test_a_pager_without_the_histogram(monkeypatch):
+def test_a_pager_without_the_histogram_and_a_monitor_that_is_off(monkeypatch):
     pager = {k: v for k, v in SNAPSHOT.images["pager"].items() if k != "fetch_latency"}
-    snap = metrics.Snapshot(images={"pager": pager})
+    snap = metrics.Snapshot(images={"pager": pager}, denials={"monitor": "off: sandbox.policy_denials = false",
+                                                              "total": 0, "unattributed": 0, "lost": 0,
+                                                              "watched_sandboxes": 0})
     monkeypatch.setattr(metrics.COLLECTOR, "snapshot", snap)
     text = metrics.render()[0].decode()
     assert _value(text, "dsecd_pager_fetches_total") == 3
     assert not any(name.startswith("dsecd_pager_fetch_seconds") for name, _ in _samples(text))
+    assert _value(text, "dsecd_policy_denial_monitor", state="off") == 1
+    assert _value(text, "dsecd_policy_denial_monitor", state="on") == 0
 
 
 def test_openmetrics_when_the_scraper_asks():
