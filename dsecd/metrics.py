@@ -100,8 +100,9 @@ JOURNAL_APPENDS = Counter("dsecd_journal_appends", "Writes to a record log (one 
                           "each)", ["log"], registry=REGISTRY)
 JOURNAL_FSYNC = Histogram("dsecd_journal_fsync_seconds", "fdatasync of a record log append "
                           "(journal.fsync, net.fsync)", ["log"], buckets=_DISK, registry=REGISTRY)
-IMAGE_BUILDS = Counter("dsecd_image_builds", "Image builds, imports, pulls and snapshots, by "
-                       "kind and result", ["kind", "result"], registry=REGISTRY)
+IMAGE_BUILDS = Counter("dsecd_image_builds", "Images made, by kind (build: from a directory or an "
+                       "import; dockerfile; pull; snapshot) and result (ok, failed)", ["kind", "result"],
+                       registry=REGISTRY)
 IMAGE_BUILD_SECONDS = Histogram("dsecd_image_build_duration_seconds", "Wall time of a successful "
                                 "image build, pull or snapshot", ["kind"], buckets=_LONG, registry=REGISTRY)
 IMAGE_BUILD_BYTES = Counter("dsecd_image_build_bytes", "Bytes of the images built (their layers' size)",

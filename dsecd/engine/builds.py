@@ -47,7 +47,7 @@ from ..errors import BadRequest, DsecError, image_error, io_error
 from ..fs.images import Image, ImageError, Pins
 from .creates import CreateService
 from .execs import ExecService
-from .images import ImageService
+from .images import ImageService, count_image_op
 from .sandboxes import Sandbox, SandboxRegistry
 from .workers import Workers
 
@@ -104,7 +104,11 @@ class BuildService:
         self.digests = buildctx.DigestCache()     # context file hashes, kept across builds
 
     async def build(self, req, ctx) -> dict:
-        return await _Build(self, req, ctx).run()
+        with count_image_op("dockerfile") as done:
+            b = _Build(self, req, ctx)
+            result = await b.run()
+            done(b.named)
+        return result
 
 
 class _Build:
@@ -119,6 +123,7 @@ class _Build:
         self.pins: Pins | None = None
         self.results: list[dict] = []
         self.total = 0
+        self.named: Image | None = None          # the image published, once it is
 
     # ------------------------------------------------------------ errors and events
 
@@ -163,6 +168,7 @@ class _Build:
                 image = await self._step(step, image, sources.get(step.n))
             named, before = await self._store_call(self.store.publish, req.name, image.manifest,
                                                    build_plan.base, True)
+            self.named = named
         finally:
             # Submitted at once and shielded: a cancelled build still unpins.
             await asyncio.shield(self.svc.workers.behind(self.pins.release))

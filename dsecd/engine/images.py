@@ -51,9 +51,10 @@ def store_fstype(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def _counted(kind: str):
-    """Count an image build, pull or snapshot in the metrics: the body calls the
-    yielded function with the image it made; leaving without it is a failure."""
+def count_image_op(kind: str):
+    """Count an image build (a directory, an import), a Dockerfile build, a
+    pull or a snapshot in the metrics: the body calls the yielded function
+    with the image it made; leaving without it is a failure."""
     t0 = time.monotonic()
     made = []
     try:
@@ -300,7 +301,7 @@ class ImageService:
                                            cmd=req.cmd, labels=req.labels, exposed_ports=req.exposed_ports)
         except imageconfig.ConfigError as err:
             raise BadRequest(f"image_build: {err}") from err
-        with _counted("build") as done:
+        with count_image_op("build") as done:
             image = await self._images_call(self.images.build_from_dir, req.source, req.name, req.parent,
                                             config, self._progress(ctx))
             done(image)
@@ -312,7 +313,7 @@ class ImageService:
         kept for the next pull) and, like a failed one, publishes nothing."""
         cancelled = threading.Event()
         async with self._pull_slots:
-            with _counted("pull") as done:
+            with count_image_op("pull") as done:
                 try:
                     image, stats = await self._images_call(self.puller.pull, req.ref, req.platform,
                                                            self._progress(ctx), cancelled)
@@ -376,7 +377,7 @@ class ImageService:
                                                 self._progress(ctx), self.max_snapshot_bytes)
             return image.to_dict()
         async with self.frozen_upper(sb) as upper:
-            with _counted("snapshot") as done:
+            with count_image_op("snapshot") as done:
                 image = await self._images_call(self.images.snapshot, upper, base, req.name, exclude,
                                                 self._progress(ctx), self.max_snapshot_bytes)
                 done(image)

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dsecd.errors import NotFound
+from dsecd.errors import DsecError, NotFound
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -149,6 +149,25 @@ def test_an_oom_kill_is_counted(metrics_daemon):
                     > total(before, "dsecd_oom_kills_total"))
     sb.destroy()
     c.close()
+
+
+def test_dockerfile_builds_are_counted(metrics_daemon, tmp_path):
+    d = metrics_daemon
+    before = samples(http_get(d.metrics)[1].decode())
+    c = d.client()
+    c.build_dockerfile(str(tmp_path), "configured", text="FROM busybox\nENV STAGE=metrics\n")
+    with pytest.raises(DsecError):
+        c.build_dockerfile(str(tmp_path), "broken", text="FROM no-such-image\n")
+    c.close()
+    after = samples(http_get(d.metrics)[1].decode())
+
+    def moved(name, **labels):
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    assert moved("dsecd_image_builds_total", kind="dockerfile", result="ok") == 1
+    assert moved("dsecd_image_builds_total", kind="dockerfile", result="failed") == 1
+    assert moved("dsecd_image_build_duration_seconds_count", kind="dockerfile") == 1
+    assert moved("dsecd_image_builds_total", kind="build") == 0
 
 
 def test_task_policy_denials_are_counted_by_policy_and_kind(metrics_daemon):
