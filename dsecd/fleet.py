@@ -47,7 +47,9 @@ ConnectionLost), placement avoids it, and the caller is told through
 `on_event` and `events()`: a `host_down` event and one `sandbox_lost` per
 sandbox it held. The fleet then tries to connect again every `rejoin_s`;
 when the host answers, it is up again (`host_up`, with `sandbox_back` for
-each sandbox that survived: a daemon restart keeps them).
+each sandbox that survived: a daemon restart keeps them). A host added
+later (`add_host`; dsecd.ray adds the Ray nodes it discovers) joins the
+same way as one that was down from the start.
 
 No sandbox twice. A create whose connection was lost after it was sent may
 or may not have happened on that host; it is retried elsewhere with the same
@@ -214,7 +216,7 @@ class Fleet:
         """hosts: ssh://[user@]host[:port], bare host names (ssh://name) or
         socket paths. ssh: how to reach them (default: SshOptions.from_env()).
         on_event(event dict): host_down, sandbox_lost, host_up, sandbox_back,
-        duplicate_removed, as they happen (on the fleet's event loop).
+        duplicate_removed, host_added (add_host), as they happen (on the fleet's event loop).
         client_factory(host): the transport, when it is not a Client over
         ssh or a socket: a Client subclass whose connect, request, abort_now,
         close, on_lost and last_frame_at keep the Client's meaning (dsecd.ray
@@ -231,24 +233,31 @@ class Fleet:
         self.refresh_s = refresh_s
         self.connect_timeout = connect_timeout
         self.on_event = on_event
+        self.name = name
+        self.client_factory = client_factory
         self.hosts: dict[str, FleetHost] = {}
         for host in hosts:
-            target = host if client_factory else fleet_target(host)
-            if target in self.hosts:
-                raise ValueError(f"host {host!r} is given twice")
-            if client_factory is not None:
-                client = client_factory(target)
-            else:
-                # reconnect=False: the fleet reconnects a host itself (rejoin),
-                # so a request to a host that is down fails at once.
-                client = Client(target, name=name, connect_timeout=connect_timeout, ssh=self.ssh,
-                                reconnect=False)
-            self.hosts[target] = FleetHost(target, client)
+            self._new_host(host)
         self._key_home: dict[str, str] = {}          # idempotency key -> the host holding its sandbox
         self._where: dict[str, str] = {}             # sandbox id -> host
         self._tasks: list[asyncio.Task] = []
         self._subscribers: list[asyncio.Queue] = []
+        self._started = False
         self._closing = False
+
+    def _new_host(self, host: str) -> FleetHost:
+        target = host if self.client_factory else fleet_target(host)
+        if target in self.hosts:
+            raise ValueError(f"host {host!r} is given twice")
+        if self.client_factory is not None:
+            client = self.client_factory(target)
+        else:
+            # reconnect=False: the fleet reconnects a host itself (rejoin),
+            # so a request to a host that is down fails at once.
+            client = Client(target, name=self.name, connect_timeout=self.connect_timeout, ssh=self.ssh,
+                            reconnect=False)
+        h = self.hosts[target] = FleetHost(target, client)
+        return h
 
     # ---------------------------------------------------------------- life
 
@@ -262,7 +271,6 @@ class Fleet:
     async def start(self) -> None:
         """Connect to every host at once; a host that cannot be reached starts
         down (its reason in status()) and is tried again every rejoin_s."""
-        loop = asyncio.get_running_loop()
         for host in self.hosts.values():
             host.client.on_lost = lambda why, host=host: self._host_down(host, f"connection lost: {why}")
         joined = await asyncio.gather(*(self._join(h) for h in self.hosts.values()), return_exceptions=True)
@@ -272,8 +280,28 @@ class Fleet:
             if isinstance(r, BaseException):
                 host.reason = f"cannot connect: {r}"
         for host in self.hosts.values():
-            self._tasks.append(loop.create_task(self._watch(host), name=f"fleet-watch-{host.name}"))
-            self._tasks.append(loop.create_task(self._refresh_loop(host), name=f"fleet-refresh-{host.name}"))
+            self._tend(host)
+        self._started = True
+
+    def _tend(self, host: FleetHost) -> None:
+        """The host's heartbeat (and rejoin) and refresh tasks."""
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._watch(host), name=f"fleet-watch-{host.name}"))
+        self._tasks.append(loop.create_task(self._refresh_loop(host), name=f"fleet-refresh-{host.name}"))
+
+    def add_host(self, host: str) -> FleetHost:
+        """A host joining the fleet after it was made (written as in `hosts`).
+        It starts down and is connected by its own task, as a host that
+        could not be reached at start is: `host_added` now, `host_up` once
+        it answered; placement takes it from then on."""
+        if self._closing:
+            raise RuntimeError(f"add_host({host!r}): the fleet is closed")
+        h = self._new_host(host)
+        h.client.on_lost = lambda why, h=h: self._host_down(h, f"connection lost: {why}")
+        self._emit("host_added", h)
+        if self._started:
+            self._tend(h)
+        return h
 
     async def close(self) -> None:
         self._closing = True
@@ -310,7 +338,7 @@ class Fleet:
 
     async def events(self) -> AsyncIterator[dict]:
         """The fleet's events (host_down, sandbox_lost, host_up, sandbox_back,
-        duplicate_removed) from now until the loop stops or the fleet closes."""
+        duplicate_removed, host_added) from now until the loop stops or the fleet closes."""
         q: asyncio.Queue = asyncio.Queue()
         self._subscribers.append(q)
         try:

@@ -40,10 +40,14 @@ stream early (break, cancel) cancels the generator (ray.cancel), and the
 actor's client tells the daemon to cancel the request (an exec is killed).
 
 A host is a daemon socket on a machine, named ray://<node address><socket>.
-The hosts are those found when the fleet is made; a machine that joins the
-cluster later is not added. A node that Ray declares dead and that comes
-back (a raylet restarted has a new node id) rejoins: the actor goes on any
-alive dsec node at the host's address.
+The fleet reads the cluster's nodes when it is made and again every
+discover_s (RayFleet.discover): a dsec node that joins later adds its
+host(s), connected and placed on like the others (host_added, host_up);
+an up host whose node Ray no longer has alive is marked down then, with
+its sandboxes reported lost, even before a request or the heartbeat finds
+its actor dead. A node that Ray declares dead and that comes back (a
+raylet restarted has a new node id) rejoins: the actor goes on any alive
+dsec node at the host's address.
 
 Ray is an optional dependency (`pip install dsecd[ray]`): it is imported
 when this module is, and nothing else in dsecd imports this module.
@@ -55,6 +59,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import logging
 from collections.abc import AsyncIterator
 
 import ray
@@ -67,6 +72,9 @@ from .fleet import CONNECT_TIMEOUT_S, Fleet
 
 RESOURCE = "dsec"          # the custom resource a Ray node advertises to be a dsec host
 SCHEME = "ray://"
+DISCOVER_S = 2.0           # how often a RayFleet reads the cluster's nodes again
+
+log = logging.getLogger(__name__)
 
 
 # Streams through the actor. The actor reads a stream's frames from the
@@ -432,6 +440,16 @@ def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
+def _targets(nodes: list[dict], sockets: dict[str, str | list[str]] | None, socket: str | None) -> dict[str, str]:
+    socket = socket or default_socket()
+    targets: dict[str, str] = {}
+    for node in nodes:
+        paths = (sockets or {}).get(node["NodeID"], socket)
+        for path in [paths] if isinstance(paths, str) else paths:
+            targets.setdefault(host_target(node["NodeManagerAddress"], path), node["NodeID"])
+    return targets
+
+
 def discover(sockets: dict[str, str | list[str]] | None = None, socket: str | None = None) -> dict[str, str]:
     """The fleet's hosts, {target: node id}: for every alive Ray node with a
     `dsec` resource, the daemon socket(s) `sockets[node id]` names, else
@@ -439,29 +457,68 @@ def discover(sockets: dict[str, str | list[str]] | None = None, socket: str | No
     by two nodes of one machine is one host. ray.init() must have run."""
     if not ray.is_initialized():
         raise RuntimeError("dsecd.ray: call ray.init() (address of the cluster) before making a RayFleet")
-    socket = socket or default_socket()
-    targets: dict[str, str] = {}
-    for node in dsec_nodes():
-        paths = (sockets or {}).get(node["NodeID"], socket)
-        for path in [paths] if isinstance(paths, str) else paths:
-            targets.setdefault(host_target(node["NodeManagerAddress"], path), node["NodeID"])
-    return targets
+    return _targets(dsec_nodes(), sockets, socket)
 
 
 class RayFleet(Fleet):
     """dsecd.Fleet over the Ray cluster's dsec hosts (see the module's docstring).
 
     sockets: {node id: socket path or paths} where a node's daemon does not
-    listen on `socket` (tests run more than one daemon per node). The other
-    arguments are Fleet's."""
+    listen on `socket` (tests run more than one daemon per node); a node
+    not named there, a late one too, has its daemon on `socket` (default
+    DSEC_SOCKET, else /run/dsecd/dsecd.sock). discover_s: how often the
+    cluster's nodes are read again (`discover`). The other arguments are
+    Fleet's."""
 
     def __init__(self, sockets: dict[str, str | list[str]] | None = None, socket: str | None = None,
-                 *, name: str = "dsecd-ray", connect_timeout: float = CONNECT_TIMEOUT_S, **fleet_args):
-        hosts = discover(sockets, socket)
-        if not hosts:
+                 *, discover_s: float = DISCOVER_S, name: str = "dsecd-ray",
+                 connect_timeout: float = CONNECT_TIMEOUT_S, **fleet_args):
+        if discover_s <= 0:
+            raise ValueError("discover_s must be positive")
+        self.sockets = dict(sockets or {})
+        self.socket = socket
+        self.discover_s = discover_s
+        self._nodes = discover(self.sockets, socket)            # target -> the node it was found on
+        if not self._nodes:
             raise RuntimeError(f"dsecd.ray: no alive Ray node advertises the {RESOURCE!r} resource; start "
                                f"the dsec hosts' raylets with --resources '{{\"{RESOURCE}\": 1}}'")
-        super().__init__(list(hosts), name=name, connect_timeout=connect_timeout,
-                         client_factory=lambda t: ActorClient(t, hosts[t], name=name,
+        super().__init__(list(self._nodes), name=name, connect_timeout=connect_timeout,
+                         client_factory=lambda t: ActorClient(t, self._nodes[t], name=name,
                                                               connect_timeout=connect_timeout),
                          **fleet_args)
+
+    async def start(self) -> None:
+        await super().start()
+        self._tasks.append(asyncio.get_running_loop().create_task(self._discover_loop(), name="ray-discover"))
+
+    async def _discover_loop(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(self.discover_s)
+            try:
+                await self.discover()
+            except RayError as err:             # the GCS did not answer: the next round asks again
+                log.warning("dsecd.ray: reading the cluster's nodes failed: %s", _first_line(err))
+
+    async def discover(self) -> list[str]:
+        """Read the cluster's nodes now (every discover_s anyway). A dsec
+        node that was not there before adds its host(s) (`host_added`, then
+        `host_up` once its actor answers, and placement uses it). An up host
+        whose actor's node Ray no longer has alive is marked down at once
+        (`host_down` and a `sandbox_lost` per sandbox), without waiting for
+        the heartbeat; it rejoins when a dsec node at its address answers
+        again. Returns the hosts added."""
+        nodes = await asyncio.to_thread(dsec_nodes)
+        found = _targets(nodes, self.sockets, self.socket)
+        added = []
+        for target, node_id in found.items():
+            if target not in self.hosts and not self._closing:
+                self._nodes[target] = node_id
+                self.add_host(target)
+                added.append(target)
+        alive = {n["NodeID"] for n in nodes}
+        for host in list(self.hosts.values()):
+            node_id = host.client.node_id
+            if host.up and node_id not in alive:
+                self._host_down(host, f"Ray no longer has its node {node_id} alive with the {RESOURCE!r} "
+                                      "resource (ray status)")
+        return added

@@ -4,8 +4,9 @@ and one more raylet, ray.cluster_utils.Cluster), each advertising the
 Creates, execs, files, every kind of stream (as it comes) and a job's
 pause and resume go through RayFleet; an actor killed with ray.kill marks
 its host down with its sandboxes lost, and the host rejoins with a new
-actor; a raylet removed and started again (a new node id) takes its host
-down and back.
+actor; a third dsec node joining later is found and used, and its host
+is marked down when it leaves; a raylet removed and started again (a new
+node id) takes its host down and back.
 
 Ray is an optional extra: these tests skip without it (`pip install
 dsecd[ray]`, or DSECD_SETUP_RAY=1 scripts/setup.sh). The cluster's
@@ -41,7 +42,8 @@ def cluster(busybox_rootfs):
     """Two daemons with busybox, and a Ray cluster of two dsec nodes."""
     from ray.cluster_utils import Cluster
 
-    daemons = [Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-"))) for _ in range(2)]
+    # Two daemons for the nodes there from the start, one for a node that joins later.
+    daemons = [Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-"))) for _ in range(3)]
     # Short: Ray's unix sockets live under it (108 bytes at most).
     ray_tmp = tempfile.mkdtemp(prefix="dsr-", dir="/tmp")
     saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_USAGE_STATS_ENABLED")}
@@ -59,7 +61,7 @@ def cluster(busybox_rootfs):
         ray.init(address=c.address, logging_level="warning", log_to_driver=False)
         ids = [c.head_node.node_id, second.node_id]
         # Nodes not named in sockets: a path no daemon serves (never the machine's default socket).
-        yield {"sockets": {nid: d.socket for nid, d in zip(ids, daemons, strict=True)}, "daemons": daemons,
+        yield {"sockets": {nid: d.socket for nid, d in zip(ids, daemons, strict=False)}, "daemons": daemons,
                "unused_socket": str(Path(ray_tmp, "no-daemon.sock")),
                "node_ids": ids, "cluster": c, "second": second, "node_args": node_args}
     finally:
@@ -238,6 +240,47 @@ async def anext_kind(stream, field: str, want: str) -> dict:
         if item.get(field) == want:
             return item
     raise AssertionError(f"the stream ended before an item with {field}={want}")
+
+
+def test_ray_fleet_takes_a_late_node_and_loses_it(cluster):
+    """A dsec node that joins the cluster after the RayFleet was made is
+    found by its discovery (host_added, host_up) and placement uses it; when
+    the node leaves (its raylet stopped, by pid), the host is marked down
+    with its sandboxes reported lost."""
+    import dsecd.ray
+
+    async def go():
+        late_daemon = cluster["daemons"][2]
+        fleet = dsecd.ray.RayFleet(sockets=cluster["sockets"], socket=late_daemon.socket, discover_s=0.5,
+                                   heartbeat_s=0.5, down_after_s=3.0, rejoin_s=0.5)
+        async with fleet:
+            assert len(fleet.hosts) == 2, fleet.status()
+            events = fleet.events()
+            # In this thread: Ray sets signal handlers there. The loop waits the seconds it takes.
+            late = cluster["cluster"].add_node(**cluster["node_args"])
+            try:
+                added = await next_event(events, "host_added", 60.0)
+                assert added["host"].endswith(late_daemon.socket), added
+                up = await next_event(events, "host_up", 60.0)
+                assert up["host"] == added["host"], up
+                # One job over three hosts: one sandbox each, the late one's included.
+                sbs = await asyncio.gather(*(fleet.create(image="busybox", labels={"job": "late"}, **SMALL)
+                                             for _ in range(3)))
+                assert sorted(sb.host for sb in sbs) == sorted(fleet.hosts), [sb.host for sb in sbs]
+                on_late = next(sb for sb in sbs if sb.host == added["host"])
+                assert (await on_late.exec(["echo", "late"])).stdout == b"late\n"
+            finally:
+                await asyncio.to_thread(cluster["cluster"].remove_node, late)
+            down = await next_event(events, "host_down", 60.0)
+            assert down["host"] == added["host"] and down["sandboxes"] == [on_late.id], down
+            lost = await next_event(events, "sandbox_lost", 10.0)
+            assert lost["sandbox"] == on_late.id
+            await events.aclose()
+            await fleet.job_rm("late", force=True)
+        with late_daemon.client() as c:             # the daemon outlived its node: clean up there
+            c.destroy_all(force=True)
+
+    asyncio.run(go())
 
 
 def test_ray_fleet_host_of_a_restarted_raylet_rejoins(cluster):

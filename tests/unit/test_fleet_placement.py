@@ -194,3 +194,63 @@ def test_job_shares_count_per_host():
     assert a.jobs == collections.Counter({"j": 1, "": 1}) and set(a.sandboxes) == {"x", "y"}
     a.forget("x")
     assert a.jobs["j"] == 0
+
+
+class JoinableClient:
+    """A host that answers what joining and the heartbeat ask: no sandboxes, busybox, room."""
+
+    def __init__(self, target: str):
+        self.target = target
+        self.on_lost = None
+        self.last_frame_at = 0.0
+
+    async def connect(self):
+        pass
+
+    async def list(self, labels=None):
+        return []
+
+    async def info(self):
+        return info()
+
+    async def list_images(self):
+        return [{"name": "busybox", "layers": [{"digest": "sha256:aa"}]}]
+
+    async def image_du(self):
+        return {"mounted_layers": {}}
+
+    async def request(self, op, **args):
+        assert op == "ping"
+        return {}
+
+    def abort_now(self, reason):
+        return None
+
+    async def abort(self, reason):
+        pass
+
+    async def close(self):
+        pass
+
+
+def test_a_host_added_later_joins_and_takes_creates():
+    async def go():
+        events = []
+        f = Fleet(["h1"], client_factory=JoinableClient, on_event=events.append, heartbeat_s=0.05)
+        async with f:
+            assert [e["event"] for e in events] == ["host_up"]
+            with pytest.raises(ValueError, match="given twice"):
+                f.add_host("h1")
+            h2 = f.add_host("h2")
+            assert not h2.up and events[-1] == {**events[-1], "event": "host_added", "host": "h2"}
+            async with asyncio.timeout(5):
+                while not h2.up:
+                    await asyncio.sleep(0.01)
+            from dsecd.fleet import _Shape
+            f.hosts["h1"].add("sb1", "j")                  # h1 holds one of the job's: h2 gets the next
+            placed = f._place("busybox", "j", _Shape(0.1, 1 << 20), {})
+        return [e["event"] for e in events], placed
+
+    kinds, placed = run(go())
+    assert kinds == ["host_up", "host_added", "host_up"], kinds
+    assert placed.target == "h2"
