@@ -17,7 +17,7 @@ room for the sandbox, the first by
 
     (its sandboxes of this job,   only for a create labelled job=...
      its load, in steps of LOAD_STEP,
-     not warm,
+     its warmth, most first, in tenths,
      chance)
 
   job        a job's sandboxes spread evenly, so that losing a host costs the
@@ -30,8 +30,14 @@ room for the sandbox, the first by
              creates this fleet sent it since, so a burst spreads before the
              next `info` comes. A host where it would pass 1 has no room.
              Loads within a step (5% of a host) count as equal, so that...
-  warm       ...the image's layers being mounted there (image_du) decides:
-             its first start reads no cold blob.
+  warmth     ...how much of the image's layer bytes the host holds
+             decides: a layer mounted there counts whole, one paged in
+             counts the share of its chunks in the host's pager cache
+             (image_du: mounted_layers, cached_layers), weighted by layer
+             size. With a shared store (images.store on a distributed file
+             system) every host lists every image, and this is what sends
+             a create to the host that already read its image: its start
+             reads less from the store.
 
 Creates carry an idempotency key (one is made when none is given). A host
 answering `busy` (or not_found: no such image there) is skipped and the
@@ -130,6 +136,8 @@ class FleetHost:
         self.info: dict | None = None
         self.images: dict[str, list[str]] | None = None      # image name -> its layer digests
         self.mounted: set[str] = set()                       # layer digests mounted there
+        self.cached: dict[str, float] = {}                   # layer digest -> share in its pager cache
+        self.layer_sizes: dict[str, int] = {}                # layer digest -> bytes
         self.sandboxes: dict[str, str] = {}                  # id -> job label ("" without one)
         self.jobs: collections.Counter[str] = collections.Counter()
         self.reported_lost: set[str] = set()
@@ -173,9 +181,18 @@ class FleetHost:
         """Whether the host's store holds the image (None: not known yet)."""
         return None if self.images is None else image in self.images
 
-    def warm(self, image: str) -> bool:
+    def warmth(self, image: str) -> float:
+        """The share (0-1) of the image's layer bytes held here: mounted
+        layers whole, paged-in ones by their cached share."""
         layers = (self.images or {}).get(image)
-        return bool(layers) and all(d in self.mounted for d in layers)
+        if not layers:
+            return 0.0
+        total = held = 0.0
+        for d in layers:
+            size = max(1, self.layer_sizes.get(d, 1))
+            total += size
+            held += size * (1.0 if d in self.mounted else self.cached.get(d, 0.0))
+        return held / total
 
     def load_after(self, shape: _Shape) -> float | None:
         """The fullest resource's share once `shape` is added; None if it does not fit."""
@@ -454,7 +471,9 @@ class Fleet:
                                                 host.client.image_du())
         host.info = info
         host.images = {i["name"]: [layer["digest"] for layer in i.get("layers", [])] for i in images}
+        host.layer_sizes = {layer["digest"]: layer.get("size", 1) for i in images for layer in i.get("layers", [])}
         host.mounted = set(du.get("mounted_layers", {}))
+        host.cached = du.get("cached_layers") or {}          # daemons before it sent none
         # Creates answered before the info was asked are in its figures now.
         while host.done and host.done[0][0] < asked:
             host.count(host.done.popleft()[1], -1)
@@ -481,7 +500,7 @@ class Fleet:
                 skip[h.target] = "full by its last info"
                 continue
             spread = h.jobs[job] + h.pending_jobs[job] if job else 0
-            key = (spread, int(load / LOAD_STEP), not h.warm(image), random.random())
+            key = (spread, int(load / LOAD_STEP), -int(h.warmth(image) * 10), random.random())
             if best is None or key < best[0]:
                 best = (key, h)
         return None if best is None else best[1]

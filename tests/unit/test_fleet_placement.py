@@ -99,6 +99,26 @@ def test_mounted_layers_win_a_tie():
     assert all(run(go()))
 
 
+def test_the_host_whose_pager_cache_holds_the_image_wins_a_tie():
+    """A shared store: every host lists the image, none has it mounted; the
+    one that paged most of its bytes in is chosen, the layers weighed by size."""
+    async def go():
+        from dsecd.fleet import _Shape
+        f = fleet_of(3)
+        cold, little, most = f.hosts.values()
+        for h in f.hosts.values():
+            h.images = {"busybox": ["sha256:aa", "sha256:bb"]}
+            h.layer_sizes = {"sha256:aa": 90 << 20, "sha256:bb": 10 << 20}
+        little.cached = {"sha256:bb": 1.0}                   # all of the small layer: 10%
+        most.cached = {"sha256:aa": 0.8}                     # most of the big one: 72%
+        shares = [round(h.warmth("busybox"), 2) for h in (cold, little, most)]
+        return shares, [f._place("busybox", "", _Shape(1.0, 1 << 20), {}) is most for _ in range(20)]
+
+    shares, picks = run(go())
+    assert shares == [0.0, 0.1, 0.72]
+    assert all(picks)
+
+
 def test_busy_goes_to_the_next_host_with_the_same_key():
     async def go():
         f = fleet_of(2)
