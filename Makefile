@@ -80,8 +80,9 @@ stress: setup
 # dsecd beyond one host (bench/fleet.py): 4 simulated hosts, each a network
 # namespace with its own sshd and dsecd, driven over ssh by dsecd.Fleet:
 # creates/s through the fleet vs locally, exec overhead over ssh, placement
-# of 1,000 creates, failover detection, lost or duplicated creates. ~4 min.
-# Last line: JSON.
+# of 1,000 creates, failover detection, lost or duplicated creates; with Ray
+# installed, creates/s and exec stdout/stdin MiB/s through dsecd.ray vs
+# locally. ~4 min. Last line: JSON.
 bench-fleet: setup
 	$(PY) bench/fleet.py
 

@@ -33,10 +33,16 @@ default 1 CPU / 512M would pass the admission capacity of 4 x 2 cores x 64).
   RayFleet instead: a local Ray cluster of two nodes (ray.cluster_utils,
   every node advertising the `dsec` resource, its processes stopped by
   their pids after), the simulated hosts' daemons shared out between the
-  nodes, each reached by the node's actor on its unix socket. Median over
-  the rounds; ray_creates_ratio is it over local_creates_per_s. Absent,
-  with ray_absent saying why, when Ray is not installed (the optional
-  extra: DSECD_SETUP_RAY=1 scripts/setup.sh).
+  nodes, each reached by the node's actor on its unix socket. Rounds
+  alternate it with local creates (ray_local_creates_per_s, as
+  local_creates_per_s); ray_creates_ratio is the ratio of the medians.
+* ray_stream_out_mib_s, ray_stream_in_mib_s: an exec's stdout streamed out
+  of a sandbox (exec_stream of `head -c`) and an exec's stdin fed into it
+  (`wc -c`), --stream-mb MiB each, through Ray's actor (a streaming
+  generator) and through the host's socket (local_stream_*), blocks
+  alternated on one sandbox; medians, and Ray over local (*_ratio).
+  The Ray figures are absent, with ray_absent saying why, when Ray is not
+  installed (the optional extra: DSECD_SETUP_RAY=1 scripts/setup.sh).
 
 Progress on stderr; the last line of stdout is one JSON object. Whatever
 happens (failure, Ctrl-C, SIGTERM), every sandbox, daemon, sshd, namespace
@@ -136,8 +142,10 @@ def ray_absent() -> str | None:
     return None
 
 
-async def measure_ray(sim: SimFleet, args, local_rate_s: float) -> dict:
-    """fleet.create churn through RayFleet (see the module's docstring)."""
+async def measure_ray(sim: SimFleet, args) -> dict:
+    """fleet.create churn and stream throughput through RayFleet, each
+    alternated with the same work through the hosts' own sockets (see the
+    module's docstring)."""
     import tempfile
 
     import ray
@@ -149,6 +157,8 @@ async def measure_ray(sim: SimFleet, args, local_rate_s: float) -> dict:
     os.environ.update(RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0")
     node_args = {"num_cpus": 1, "resources": {"dsec": 1}}
     cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
+    n = len(sim.hosts)
+    local, rates = [], []
     try:
         nodes = [cluster.head_node, cluster.add_node(**node_args)]
         ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
@@ -156,22 +166,68 @@ async def measure_ray(sim: SimFleet, args, local_rate_s: float) -> dict:
         sockets: dict[str, list[str]] = collections.defaultdict(list)
         for i, host in enumerate(sim.hosts):
             sockets[nodes[i % len(nodes)].node_id].append(host.daemon.socket)
-        n = len(sim.hosts)
-        rates = []
-        async with dsecd.ray.RayFleet(sockets=dict(sockets)) as fleet:
+        # Nodes not named: a path no daemon serves (never this machine's default socket).
+        async with dsecd.ray.RayFleet(sockets=dict(sockets), socket=os.path.join(ray_tmp, "none.sock")) as fleet:
             for r in range(args.rounds):
+                local.append(await local_rate(sim, args.clients, args.rate_creates // n))
                 rates.append(await churn(lambda w: fleet.create(IMAGE, **SHAPE), args.clients * n,
                                          args.rate_creates // n * n))
-                log(f"  round {r + 1}: through Ray actors {rates[-1]:.1f} creates/s")
+                log(f"  round {r + 1}: local {local[-1]:.1f} creates/s, through Ray actors {rates[-1]:.1f}")
+            log(f"stream throughput: {args.stream_mb} MiB out of and into one sandbox, local vs Ray")
+            streams = await measure_ray_streams(fleet, args)
     finally:
         ray.shutdown()
         cluster.shutdown()
         signal.signal(signal.SIGTERM, harness.interrupt)
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    out = {"ray_creates_per_s": round(statistics.median(rates), 1), "ray_nodes": len(nodes)}
-    out["ray_creates_ratio"] = round(out["ray_creates_per_s"] / local_rate_s, 3)
+    out = {"ray_creates_per_s": round(statistics.median(rates), 1),
+           "ray_local_creates_per_s": round(statistics.median(local), 1), "ray_nodes": len(nodes)}
+    out["ray_creates_ratio"] = round(out["ray_creates_per_s"] / out["ray_local_creates_per_s"], 3)
+    out.update(streams)
     log(f"  {out}")
     return out
+
+
+async def measure_ray_streams(fleet, args) -> dict:
+    """One sandbox, reached through Ray (its FleetSandbox) and through its
+    host's socket (a local Client), blocks alternated: execs' stdout
+    streamed (`head -c` of /dev/zero, exec_stream, as many execs as the
+    daemon's output limit asks) and an exec's stdin fed (exec with stdin,
+    `wc -c`). MiB/s medians and Ray over local."""
+    size = args.stream_mb << 20
+    data = b"\0" * size
+    got: dict[str, list[float]] = collections.defaultdict(list)
+    sb = await fleet.create(IMAGE, **SHAPE)
+    try:
+        socket = dsecd.ray.parse_target(sb.host)[1]
+        async with dsecd.Client(socket) as local:
+            ways = {"local": await local.get(sb.id), "ray": sb}
+            # An exec's output stops at the daemon's limits.max_exec_output_bytes: more execs, then.
+            each = min(size, local.server["limits"]["max_exec_output_bytes"])
+            execs = -(-size // each)
+            for r in range(args.rounds):
+                for way, handle in ways.items():
+                    t0 = time.perf_counter()
+                    n = 0
+                    for _ in range(execs):
+                        async for _fd, chunk in handle.exec_stream(["head", "-c", str(each), "/dev/zero"]):
+                            n += len(chunk)
+                    got[f"{way}_out"].append(n / (time.perf_counter() - t0) / (1 << 20))
+                    if n != each * execs:
+                        raise RuntimeError(f"exec_stream {way}: {n} bytes of {each * execs}")
+                    t0 = time.perf_counter()
+                    r_in = await handle.exec(["wc", "-c"], stdin=data)
+                    got[f"{way}_in"].append(size / (time.perf_counter() - t0) / (1 << 20))
+                    if int(r_in.stdout.split()[0]) != size:
+                        raise RuntimeError(f"exec stdin {way}: wc counted {r_in.stdout!r} of {size}")
+                log(f"  round {r + 1}: " + ", ".join(f"{k} {v[-1]:.0f} MiB/s" for k, v in got.items()))
+    finally:
+        await sb.destroy(force=True)
+    med = {k: statistics.median(v) for k, v in got.items()}
+    return {"ray_stream_out_mib_s": round(med["ray_out"], 1), "local_stream_out_mib_s": round(med["local_out"], 1),
+            "ray_stream_out_ratio": round(med["ray_out"] / med["local_out"], 3),
+            "ray_stream_in_mib_s": round(med["ray_in"], 1), "local_stream_in_mib_s": round(med["local_in"], 1),
+            "ray_stream_in_ratio": round(med["ray_in"] / med["local_in"], 3)}
 
 
 async def measure_exec(sim: SimFleet, args) -> dict:
@@ -323,7 +379,7 @@ async def run(sim: SimFleet, args) -> dict:
         results.update(await measure_rates(sim, fleet, args))
         if (absent := ray_absent()) is None:
             log(f"create rate through dsecd.ray: {args.rate_creates} creates+destroys per round")
-            results.update(await measure_ray(sim, args, results["local_creates_per_s"]))
+            results.update(await measure_ray(sim, args))
         else:
             results["ray_absent"] = absent
         log(f"exec round trip: {args.exec_n} per block, local vs ssh")
@@ -345,11 +401,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--placement-creates", type=int, default=1000)
     p.add_argument("--failover-creates", type=int, default=300)
     p.add_argument("--kills", type=int, default=3)
+    p.add_argument("--stream-mb", type=int, default=64, help="MiB per stream measured through Ray and locally")
     p.add_argument("--quick", action="store_true", help="a fast smoke run (small counts)")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.rate_creates, args.exec_n = 1, 64, 30
         args.placement_creates, args.failover_creates, args.kills = 100, 60, 1
+        args.stream_mb = 16
     return args
 
 

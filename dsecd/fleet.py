@@ -17,7 +17,7 @@ room for the sandbox, the first by
 
     (its sandboxes of this job,   only for a create labelled job=...
      its load, in steps of LOAD_STEP,
-     not warm,
+     its warmth, most first, in tenths,
      chance)
 
   job        a job's sandboxes spread evenly, so that losing a host costs the
@@ -30,8 +30,14 @@ room for the sandbox, the first by
              creates this fleet sent it since, so a burst spreads before the
              next `info` comes. A host where it would pass 1 has no room.
              Loads within a step (5% of a host) count as equal, so that...
-  warm       ...the image's layers being mounted there (image_du) decides:
-             its first start reads no cold blob.
+  warmth     ...how much of the image's layer bytes the host holds
+             decides: a layer mounted there counts whole, one paged in
+             counts the share of its chunks in the host's pager cache
+             (image_du: mounted_layers, cached_layers), weighted by layer
+             size. With a shared store (images.store on a distributed file
+             system) every host lists every image, and this is what sends
+             a create to the host that already read its image: its start
+             reads less from the store.
 
 Creates carry an idempotency key (one is made when none is given). A host
 answering `busy` (or not_found: no such image there) is skipped and the
@@ -47,7 +53,9 @@ ConnectionLost), placement avoids it, and the caller is told through
 `on_event` and `events()`: a `host_down` event and one `sandbox_lost` per
 sandbox it held. The fleet then tries to connect again every `rejoin_s`;
 when the host answers, it is up again (`host_up`, with `sandbox_back` for
-each sandbox that survived: a daemon restart keeps them).
+each sandbox that survived: a daemon restart keeps them). A host added
+later (`add_host`; dsecd.ray adds the Ray nodes it discovers) joins the
+same way as one that was down from the start.
 
 No sandbox twice. A create whose connection was lost after it was sent may
 or may not have happened on that host; it is retried elsewhere with the same
@@ -128,6 +136,8 @@ class FleetHost:
         self.info: dict | None = None
         self.images: dict[str, list[str]] | None = None      # image name -> its layer digests
         self.mounted: set[str] = set()                       # layer digests mounted there
+        self.cached: dict[str, float] = {}                   # layer digest -> share in its pager cache
+        self.layer_sizes: dict[str, int] = {}                # layer digest -> bytes
         self.sandboxes: dict[str, str] = {}                  # id -> job label ("" without one)
         self.jobs: collections.Counter[str] = collections.Counter()
         self.reported_lost: set[str] = set()
@@ -171,9 +181,18 @@ class FleetHost:
         """Whether the host's store holds the image (None: not known yet)."""
         return None if self.images is None else image in self.images
 
-    def warm(self, image: str) -> bool:
+    def warmth(self, image: str) -> float:
+        """The share (0-1) of the image's layer bytes held here: mounted
+        layers whole, paged-in ones by their cached share."""
         layers = (self.images or {}).get(image)
-        return bool(layers) and all(d in self.mounted for d in layers)
+        if not layers:
+            return 0.0
+        total = held = 0.0
+        for d in layers:
+            size = max(1, self.layer_sizes.get(d, 1))
+            total += size
+            held += size * (1.0 if d in self.mounted else self.cached.get(d, 0.0))
+        return held / total
 
     def load_after(self, shape: _Shape) -> float | None:
         """The fullest resource's share once `shape` is added; None if it does not fit."""
@@ -214,7 +233,7 @@ class Fleet:
         """hosts: ssh://[user@]host[:port], bare host names (ssh://name) or
         socket paths. ssh: how to reach them (default: SshOptions.from_env()).
         on_event(event dict): host_down, sandbox_lost, host_up, sandbox_back,
-        duplicate_removed, as they happen (on the fleet's event loop).
+        duplicate_removed, host_added (add_host), as they happen (on the fleet's event loop).
         client_factory(host): the transport, when it is not a Client over
         ssh or a socket: a Client subclass whose connect, request, abort_now,
         close, on_lost and last_frame_at keep the Client's meaning (dsecd.ray
@@ -231,24 +250,31 @@ class Fleet:
         self.refresh_s = refresh_s
         self.connect_timeout = connect_timeout
         self.on_event = on_event
+        self.name = name
+        self.client_factory = client_factory
         self.hosts: dict[str, FleetHost] = {}
         for host in hosts:
-            target = host if client_factory else fleet_target(host)
-            if target in self.hosts:
-                raise ValueError(f"host {host!r} is given twice")
-            if client_factory is not None:
-                client = client_factory(target)
-            else:
-                # reconnect=False: the fleet reconnects a host itself (rejoin),
-                # so a request to a host that is down fails at once.
-                client = Client(target, name=name, connect_timeout=connect_timeout, ssh=self.ssh,
-                                reconnect=False)
-            self.hosts[target] = FleetHost(target, client)
+            self._new_host(host)
         self._key_home: dict[str, str] = {}          # idempotency key -> the host holding its sandbox
         self._where: dict[str, str] = {}             # sandbox id -> host
         self._tasks: list[asyncio.Task] = []
         self._subscribers: list[asyncio.Queue] = []
+        self._started = False
         self._closing = False
+
+    def _new_host(self, host: str) -> FleetHost:
+        target = host if self.client_factory else fleet_target(host)
+        if target in self.hosts:
+            raise ValueError(f"host {host!r} is given twice")
+        if self.client_factory is not None:
+            client = self.client_factory(target)
+        else:
+            # reconnect=False: the fleet reconnects a host itself (rejoin),
+            # so a request to a host that is down fails at once.
+            client = Client(target, name=self.name, connect_timeout=self.connect_timeout, ssh=self.ssh,
+                            reconnect=False)
+        h = self.hosts[target] = FleetHost(target, client)
+        return h
 
     # ---------------------------------------------------------------- life
 
@@ -262,7 +288,6 @@ class Fleet:
     async def start(self) -> None:
         """Connect to every host at once; a host that cannot be reached starts
         down (its reason in status()) and is tried again every rejoin_s."""
-        loop = asyncio.get_running_loop()
         for host in self.hosts.values():
             host.client.on_lost = lambda why, host=host: self._host_down(host, f"connection lost: {why}")
         joined = await asyncio.gather(*(self._join(h) for h in self.hosts.values()), return_exceptions=True)
@@ -272,8 +297,28 @@ class Fleet:
             if isinstance(r, BaseException):
                 host.reason = f"cannot connect: {r}"
         for host in self.hosts.values():
-            self._tasks.append(loop.create_task(self._watch(host), name=f"fleet-watch-{host.name}"))
-            self._tasks.append(loop.create_task(self._refresh_loop(host), name=f"fleet-refresh-{host.name}"))
+            self._tend(host)
+        self._started = True
+
+    def _tend(self, host: FleetHost) -> None:
+        """The host's heartbeat (and rejoin) and refresh tasks."""
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._watch(host), name=f"fleet-watch-{host.name}"))
+        self._tasks.append(loop.create_task(self._refresh_loop(host), name=f"fleet-refresh-{host.name}"))
+
+    def add_host(self, host: str) -> FleetHost:
+        """A host joining the fleet after it was made (written as in `hosts`).
+        It starts down and is connected by its own task, as a host that
+        could not be reached at start is: `host_added` now, `host_up` once
+        it answered; placement takes it from then on."""
+        if self._closing:
+            raise RuntimeError(f"add_host({host!r}): the fleet is closed")
+        h = self._new_host(host)
+        h.client.on_lost = lambda why, h=h: self._host_down(h, f"connection lost: {why}")
+        self._emit("host_added", h)
+        if self._started:
+            self._tend(h)
+        return h
 
     async def close(self) -> None:
         self._closing = True
@@ -310,7 +355,7 @@ class Fleet:
 
     async def events(self) -> AsyncIterator[dict]:
         """The fleet's events (host_down, sandbox_lost, host_up, sandbox_back,
-        duplicate_removed) from now until the loop stops or the fleet closes."""
+        duplicate_removed, host_added) from now until the loop stops or the fleet closes."""
         q: asyncio.Queue = asyncio.Queue()
         self._subscribers.append(q)
         try:
@@ -426,7 +471,9 @@ class Fleet:
                                                 host.client.image_du())
         host.info = info
         host.images = {i["name"]: [layer["digest"] for layer in i.get("layers", [])] for i in images}
+        host.layer_sizes = {layer["digest"]: layer.get("size", 1) for i in images for layer in i.get("layers", [])}
         host.mounted = set(du.get("mounted_layers", {}))
+        host.cached = du.get("cached_layers") or {}          # daemons before it sent none
         # Creates answered before the info was asked are in its figures now.
         while host.done and host.done[0][0] < asked:
             host.count(host.done.popleft()[1], -1)
@@ -453,7 +500,7 @@ class Fleet:
                 skip[h.target] = "full by its last info"
                 continue
             spread = h.jobs[job] + h.pending_jobs[job] if job else 0
-            key = (spread, int(load / LOAD_STEP), not h.warm(image), random.random())
+            key = (spread, int(load / LOAD_STEP), -int(h.warmth(image) * 10), random.random())
             if best is None or key < best[0]:
                 best = (key, h)
         return None if best is None else best[1]

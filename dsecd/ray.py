@@ -24,17 +24,30 @@ catches a daemon that stops answering. The fleet then tries every rejoin_s
 to start a new actor on the same node; once it answers, the host is up again
 (host_up, sandbox_back for the sandboxes that survived).
 
-What the actor carries: every request/answer op. A streamed op (exec_stream,
-run_stream, events with follow=False) is carried whole: its frames come
-back together when it ends, not as they are made. Ops that feed a running
-request (exec with stdin or a pty, upload_tar) or never end (events that
-follow, watch) fail with `unsupported`: use a Client over ssh:// for those.
+What the actor carries: every op, with the SDK interface of a local or
+ssh:// Client. A request is one actor call. A streamed op (exec_stream,
+attach-style execs fed stdin or typed into a pty, proc output followed,
+events, file watches, tar streams both ways, the progress of pulls, builds
+and snapshots) is a Ray streaming generator of the actor (DaemonActor.stream)
+whose frames reach the driver as the daemon sends them, in batches of what
+has come meanwhile (at most STREAM_BATCH_BYTES). It is bounded: Ray holds
+STREAM_AHEAD unread batches, then the actor stops reading that stream.
+Requests that feed a running one (exec_input, exec_resize, file_tar_input)
+name it by the driver's request id; the actor maps that to the id on its
+own connection and holds them until the stream is on that connection (Ray
+may start the two actor calls in either order). A driver that leaves a
+stream early (break, cancel) cancels the generator (ray.cancel), and the
+actor's client tells the daemon to cancel the request (an exec is killed).
 
 A host is a daemon socket on a machine, named ray://<node address><socket>.
-The hosts are those found when the fleet is made; a machine that joins the
-cluster later is not added. A node that Ray declares dead and that comes
-back (a raylet restarted has a new node id) rejoins: the actor goes on any
-alive dsec node at the host's address.
+The fleet reads the cluster's nodes when it is made and again every
+discover_s (RayFleet.discover): a dsec node that joins later adds its
+host(s), connected and placed on like the others (host_added, host_up);
+an up host whose node Ray no longer has alive is marked down then, with
+its sandboxes reported lost, even before a request or the heartbeat finds
+its actor dead. A node that Ray declares dead and that comes back (a
+raylet restarted has a new node id) rejoins: the actor goes on any alive
+dsec node at the host's address.
 
 Ray is an optional dependency (`pip install dsecd[ray]`): it is imported
 when this module is, and nothing else in dsecd imports this module.
@@ -43,8 +56,10 @@ when this module is, and nothing else in dsecd imports this module.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
+import logging
 from collections.abc import AsyncIterator
 
 import ray
@@ -52,21 +67,67 @@ from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .client import Client, default_socket
-from .errors import ConnectionLost, DsecError, Unsupported
+from .errors import BadRequest, ConnectionLost, DsecError
 from .fleet import CONNECT_TIMEOUT_S, Fleet
 
 RESOURCE = "dsec"          # the custom resource a Ray node advertises to be a dsec host
 SCHEME = "ray://"
+DISCOVER_S = 2.0           # how often a RayFleet reads the cluster's nodes again
+
+log = logging.getLogger(__name__)
+
+
+# Streams through the actor. The actor reads a stream's frames from the
+# daemon ahead of the driver (STREAM_QUEUE frames at most) and sends them on
+# in batches: what has come when the driver's last batch left, up to
+# STREAM_BATCH_BYTES (one frame at least), so that a fast stream costs one
+# Ray object per batch rather than per frame. Ray holds STREAM_AHEAD batches
+# the driver has not taken; past them the actor's generator waits, its
+# queue fills, and the actor reads no more of that stream from the daemon.
+STREAM_BATCH_BYTES = 1 << 20
+STREAM_QUEUE = 64
+STREAM_AHEAD = 8
+# Requests that name a running request of this connection by its id, and the
+# field that does: the driver's id is put back to the actor's own.
+NAMING_OPS = {"exec_input": "exec_id", "exec_resize": "exec_id", "file_tar_input": "put_id", "cancel": "target"}
+# How long such a request waits for the stream it names to reach the daemon
+# (Ray may run the two in either order), and how many ended streams the
+# actor remembers, so that a late input gets the daemon's own answer.
+NAMED_WAIT_S = 30.0
+ENDED_KEPT = 4096
+# Async actor methods running at once: every open stream holds one.
+ACTOR_CONCURRENCY = 4096
+
+
+class _ActorStream:
+    """A stream the actor carries: the driver's request id maps to `own`,
+    the id of the same request on the actor's connection to the daemon;
+    `sent` is set once it is on that connection (or ended)."""
+
+    def __init__(self, own: int):
+        self.own = own
+        self.sent = asyncio.Event()
+
+
+def _final(frame: dict) -> bool:
+    return "__result__" in frame or "__error__" in frame or "__lost__" in frame
+
+
+def _frame_bytes(frame: dict) -> int:
+    data = frame.get("data")
+    return 64 + (len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0)
 
 
 class DaemonActor:
     """Runs on a dsec host (one Ray actor per host and fleet): a Client on
     the local daemon's socket. Answers are plain dicts ({"result": ...},
-    {"error": wire error} or {"lost": why}) so that nothing but builtins
-    crosses Ray's serialization."""
+    {"error": wire error} or {"lost": why}) and a stream's frames are lists
+    of dicts, so that nothing but builtins crosses Ray's serialization."""
 
     def __init__(self, socket: str, name: str):
         self.client = Client(socket, name=name, reconnect=True)
+        self.streams: dict[int, _ActorStream] = {}           # the driver's request id -> its stream here
+        self.ended: collections.deque[int] = collections.deque()
 
     async def hello(self) -> dict:
         try:
@@ -75,26 +136,71 @@ class DaemonActor:
             return {"lost": f"node {ray.get_runtime_context().get_node_id()}: {err}"}
         return {"result": self.client.server}
 
+    def _stream(self, rid: int) -> _ActorStream:
+        stream = self.streams.get(rid)
+        if stream is None:
+            stream = self.streams[rid] = _ActorStream(self.client.new_id())
+        return stream
+
+    def _ended(self, rid: int, stream: _ActorStream) -> None:
+        stream.sent.set()           # an input still waiting goes now, and gets the daemon's "not running"
+        self.ended.append(rid)
+        while len(self.ended) > ENDED_KEPT:
+            self.streams.pop(self.ended.popleft(), None)
+
     async def request(self, op: str, args: dict) -> dict:
         try:
+            field = NAMING_OPS.get(op)
+            if field is not None and field in args:
+                stream = self._stream(args[field])
+                try:
+                    async with asyncio.timeout(NAMED_WAIT_S):
+                        await stream.sent.wait()
+                except TimeoutError:
+                    raise BadRequest(f"{op}: the request {args[field]} it names did not reach the daemon "
+                                     f"in {NAMED_WAIT_S:g} s through this actor; send that request first",
+                                     {field: args[field]}) from None
+                args = {**args, field: stream.own}
             return {"result": await self.client.request(op, **args)}
         except DsecError as err:
             return {"error": err.to_wire()}
         except (ConnectionError, OSError) as err:
             return {"lost": str(err)}
 
-    async def frames(self, op: str, args: dict) -> dict:
-        """A streamed op to its end: every frame, the final result last."""
-        out = []
+    async def stream(self, rid: int, op: str, args: dict):
+        """A streamed op (a Ray streaming generator): its frames in batches,
+        the final one ({"__result__": ...}, {"__error__": wire error} or
+        {"__lost__": why}) last. Cancelled (ray.cancel, the driver gone),
+        it stops reading, and the daemon is told to cancel the request."""
+        stream = self._stream(rid)
+        queue: asyncio.Queue[dict] = asyncio.Queue(STREAM_QUEUE)
+        pump = asyncio.get_running_loop().create_task(self._pump(stream, op, args, queue))
         try:
-            async with contextlib.aclosing(self.client.frames(op, **args)) as frames:
+            while True:
+                frame = await queue.get()
+                batch, size = [frame], _frame_bytes(frame)
+                while not _final(frame) and size < STREAM_BATCH_BYTES and not queue.empty():
+                    frame = queue.get_nowait()
+                    batch.append(frame)
+                    size += _frame_bytes(frame)
+                yield batch
+                if _final(frame):
+                    return
+        finally:
+            pump.cancel()
+            self._ended(rid, stream)
+
+    async def _pump(self, stream: _ActorStream, op: str, args: dict, queue: asyncio.Queue) -> None:
+        try:
+            async with contextlib.aclosing(self.client.frames_with_id(stream.own, op, args, stream.sent)) as frames:
                 async for frame in frames:
-                    out.append(frame)
+                    if isinstance(frame.get("data"), memoryview):
+                        frame = {**frame, "data": bytes(frame["data"])}
+                    await queue.put(frame)
         except DsecError as err:
-            return {"error": err.to_wire(), "frames": out}
+            await queue.put({"__error__": err.to_wire()})
         except (ConnectionError, OSError) as err:
-            return {"lost": str(err)}
-        return {"result": out}
+            await queue.put({"__lost__": str(err)})
 
 
 def host_target(address: str, socket: str) -> str:
@@ -227,15 +333,17 @@ class ActorClient(Client):
             text += "; the request may have been carried out (a create with an idempotency key can be sent again safely)"
         return ConnectionLost(text, target=self.target, op=op, sent=sent)
 
-    async def _call(self, method: str, op: str, args: dict) -> dict:
+    def _actor_or_lost(self, op: str):
         if self._actor is None or self._lost is not None:
             raise ConnectionLost(f"{op} on {self.target}: not connected ({self._lost or 'no actor'})",
                                  target=self.target, op=op, sent=False)
-        # Ray pickles the arguments: memoryviews (file chunks) go as bytes.
-        args = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in args.items()}
-        ref = getattr(self._actor, method).remote(op, args)
+        return self._actor
+
+    async def _until_aborted(self, awaitable, op: str):
+        """What `awaitable` (an actor call's answer) gives, unless the client is
+        aborted first or the actor dies: then ConnectionLost, as for a socket."""
         aborted = asyncio.ensure_future(self._aborted.wait())
-        answer_f = asyncio.ensure_future(_await(ref))
+        answer_f = asyncio.ensure_future(awaitable)
         try:
             await asyncio.wait([answer_f, aborted], return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -250,6 +358,11 @@ class ActorClient(Client):
             raise self._lost_now(f"the actor on node {self.node_id} failed: {_first_line(err)}", op,
                                  sent=True) from None
         self.last_frame_at = asyncio.get_running_loop().time()
+        return answer
+
+    async def _call(self, method: str, op: str, args: dict) -> dict:
+        actor = self._actor_or_lost(op)
+        answer = await self._until_aborted(_await(getattr(actor, method).remote(op, _plain(args))), op)
         if "lost" in answer:
             # The actor lives but its daemon connection dropped: the host is down as far as the fleet goes.
             raise self._lost_now(f"the daemon's socket on node {self.node_id}: {answer['lost']}", op, sent=True)
@@ -262,14 +375,39 @@ class ActorClient(Client):
 
     async def frames_with_id(self, rid: int, op: str, args: dict,
                              sent: asyncio.Event | None = None) -> AsyncIterator[dict]:
-        if op == "watch" or (op == "events" and args.get("follow", True)) or args.get("stdin") \
-                or args.get("pty") or op == "upload_tar":
-            raise Unsupported(f"{op} on {self.target}: a stream that is fed or never ends is not carried "
-                              "through a Ray actor (dsecd.ray); use a Client over ssh:// for it")
+        """A streamed op through the actor's streaming generator (DaemonActor.stream):
+        its frames as they come, in the Client's form (stream payloads, then
+        {"__result__": ...}). Requests that feed it (exec_input, exec_resize,
+        file_tar_input) name `rid`, which the actor maps to its own id."""
+        actor = self._actor_or_lost(op)
+        gen = actor.stream.options(_generator_backpressure_num_objects=STREAM_AHEAD).remote(rid, op, _plain(args))
         if sent is not None:
-            sent.set()
-        for frame in await self._call("frames", op, args):
-            yield frame
+            sent.set()          # feeding requests may follow: the actor holds them until the stream is sent
+        finished = False
+        try:
+            while True:
+                batch = await self._until_aborted(_next_batch(gen), op)
+                if batch is None:
+                    raise self._lost_now(f"the actor on node {self.node_id} ended {op} without its final frame",
+                                         op, sent=True)
+                for frame in batch:
+                    if "__lost__" in frame:
+                        raise self._lost_now(f"the daemon's socket on node {self.node_id}: {frame['__lost__']}",
+                                             op, sent=True)
+                    if "__error__" in frame:
+                        finished = True
+                        raise DsecError.from_wire(frame["__error__"])
+                    if "__result__" in frame:
+                        finished = True
+                    yield frame
+                    if finished:
+                        return
+        finally:
+            if not finished:
+                # Left early (break, an exception, a cancel): the actor stops
+                # the stream, and its client tells the daemon to cancel it.
+                with contextlib.suppress(Exception):
+                    ray.cancel(gen)
 
 
 @functools.cache
@@ -277,15 +415,39 @@ def _daemon_actor():
     """DaemonActor as a Ray actor class: no CPU of the node's (it only relays
     to the daemon), and no restart by Ray: a death must reach the fleet,
     which starts the next actor itself when the host rejoins."""
-    return ray.remote(num_cpus=0, max_restarts=0)(DaemonActor)
+    return ray.remote(num_cpus=0, max_restarts=0, max_concurrency=ACTOR_CONCURRENCY)(DaemonActor)
 
 
 async def _await(ref):
     return await ref
 
 
+async def _next_batch(gen) -> list[dict] | None:
+    """The next batch of a DaemonActor.stream, or None when it ended."""
+    try:
+        ref = await gen.__anext__()
+    except StopAsyncIteration:
+        return None
+    return await ref
+
+
+def _plain(args: dict) -> dict:
+    """Ray pickles the arguments: memoryviews (file chunks) go as bytes."""
+    return {k: bytes(v) if isinstance(v, memoryview) else v for k, v in args.items()}
+
+
 def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _targets(nodes: list[dict], sockets: dict[str, str | list[str]] | None, socket: str | None) -> dict[str, str]:
+    socket = socket or default_socket()
+    targets: dict[str, str] = {}
+    for node in nodes:
+        paths = (sockets or {}).get(node["NodeID"], socket)
+        for path in [paths] if isinstance(paths, str) else paths:
+            targets.setdefault(host_target(node["NodeManagerAddress"], path), node["NodeID"])
+    return targets
 
 
 def discover(sockets: dict[str, str | list[str]] | None = None, socket: str | None = None) -> dict[str, str]:
@@ -295,29 +457,68 @@ def discover(sockets: dict[str, str | list[str]] | None = None, socket: str | No
     by two nodes of one machine is one host. ray.init() must have run."""
     if not ray.is_initialized():
         raise RuntimeError("dsecd.ray: call ray.init() (address of the cluster) before making a RayFleet")
-    socket = socket or default_socket()
-    targets: dict[str, str] = {}
-    for node in dsec_nodes():
-        paths = (sockets or {}).get(node["NodeID"], socket)
-        for path in [paths] if isinstance(paths, str) else paths:
-            targets.setdefault(host_target(node["NodeManagerAddress"], path), node["NodeID"])
-    return targets
+    return _targets(dsec_nodes(), sockets, socket)
 
 
 class RayFleet(Fleet):
     """dsecd.Fleet over the Ray cluster's dsec hosts (see the module's docstring).
 
     sockets: {node id: socket path or paths} where a node's daemon does not
-    listen on `socket` (tests run more than one daemon per node). The other
-    arguments are Fleet's."""
+    listen on `socket` (tests run more than one daemon per node); a node
+    not named there, a late one too, has its daemon on `socket` (default
+    DSEC_SOCKET, else /run/dsecd/dsecd.sock). discover_s: how often the
+    cluster's nodes are read again (`discover`). The other arguments are
+    Fleet's."""
 
     def __init__(self, sockets: dict[str, str | list[str]] | None = None, socket: str | None = None,
-                 *, name: str = "dsecd-ray", connect_timeout: float = CONNECT_TIMEOUT_S, **fleet_args):
-        hosts = discover(sockets, socket)
-        if not hosts:
+                 *, discover_s: float = DISCOVER_S, name: str = "dsecd-ray",
+                 connect_timeout: float = CONNECT_TIMEOUT_S, **fleet_args):
+        if discover_s <= 0:
+            raise ValueError("discover_s must be positive")
+        self.sockets = dict(sockets or {})
+        self.socket = socket
+        self.discover_s = discover_s
+        self._nodes = discover(self.sockets, socket)            # target -> the node it was found on
+        if not self._nodes:
             raise RuntimeError(f"dsecd.ray: no alive Ray node advertises the {RESOURCE!r} resource; start "
                                f"the dsec hosts' raylets with --resources '{{\"{RESOURCE}\": 1}}'")
-        super().__init__(list(hosts), name=name, connect_timeout=connect_timeout,
-                         client_factory=lambda t: ActorClient(t, hosts[t], name=name,
+        super().__init__(list(self._nodes), name=name, connect_timeout=connect_timeout,
+                         client_factory=lambda t: ActorClient(t, self._nodes[t], name=name,
                                                               connect_timeout=connect_timeout),
                          **fleet_args)
+
+    async def start(self) -> None:
+        await super().start()
+        self._tasks.append(asyncio.get_running_loop().create_task(self._discover_loop(), name="ray-discover"))
+
+    async def _discover_loop(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(self.discover_s)
+            try:
+                await self.discover()
+            except RayError as err:             # the GCS did not answer: the next round asks again
+                log.warning("dsecd.ray: reading the cluster's nodes failed: %s", _first_line(err))
+
+    async def discover(self) -> list[str]:
+        """Read the cluster's nodes now (every discover_s anyway). A dsec
+        node that was not there before adds its host(s) (`host_added`, then
+        `host_up` once its actor answers, and placement uses it). An up host
+        whose actor's node Ray no longer has alive is marked down at once
+        (`host_down` and a `sandbox_lost` per sandbox), without waiting for
+        the heartbeat; it rejoins when a dsec node at its address answers
+        again. Returns the hosts added."""
+        nodes = await asyncio.to_thread(dsec_nodes)
+        found = _targets(nodes, self.sockets, self.socket)
+        added = []
+        for target, node_id in found.items():
+            if target not in self.hosts and not self._closing:
+                self._nodes[target] = node_id
+                self.add_host(target)
+                added.append(target)
+        alive = {n["NodeID"] for n in nodes}
+        for host in list(self.hosts.values()):
+            node_id = host.client.node_id
+            if host.up and node_id not in alive:
+                self._host_down(host, f"Ray no longer has its node {node_id} alive with the {RESOURCE!r} "
+                                      "resource (ray status)")
+        return added

@@ -364,7 +364,24 @@ class ImageService:
     async def du(self, req, ctx) -> dict:
         out = await self._images_call(self.images.du)
         out["mounted_layers"] = self.layers.in_use()
+        out["cached_layers"] = await self._cached_layers()
         return out
+
+    async def _cached_layers(self) -> dict[str, float]:
+        """Layers paged in (images.mode lazy): digest -> the share of its
+        chunks in this host's pager cache. With a shared store every host
+        lists every image; this says which host already holds an image's
+        bytes (dsecd.Fleet places there). Empty without a pager, or when its
+        stats cannot be read (a pager restarting): nothing is known cached."""
+        if self.pager is None:
+            return {}
+        try:
+            blobs = (await self.workers.run(self.pager.stats)).blobs
+        except OSError as err:
+            log.debug("image_du: pager stats: %s", err)
+            return {}
+        return {f"sha256:{h}": round(b.cached_chunks / b.chunks, 4) for h, b in blobs.items()
+                if b.chunks and b.cached_chunks}
 
     async def snapshot(self, req, ctx) -> dict:
         """pack_diff: freeze the sandbox, pack its upper dir as a layer, thaw."""

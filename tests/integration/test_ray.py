@@ -1,10 +1,12 @@
 """dsecd.ray on a local Ray cluster: two Ray nodes on this machine (a head
-and one more raylet, ray.cluster_utils.Cluster), each
-advertising the `dsec` resource, each node's actor talking to a test daemon
-of its own. Creates, execs, files and a job's pause and resume go through
-RayFleet; an actor killed with ray.kill marks its host down with its
-sandboxes lost, and the host rejoins with a new actor; a raylet removed
-and started again (a new node id) takes its host down and back.
+and one more raylet, ray.cluster_utils.Cluster), each advertising the
+`dsec` resource, each node's actor talking to a test daemon of its own.
+Creates, execs, files, every kind of stream (as it comes) and a job's
+pause and resume go through RayFleet; an actor killed with ray.kill marks
+its host down with its sandboxes lost, and the host rejoins with a new
+actor; a third dsec node joining later is found and used, and its host
+is marked down when it leaves; a raylet removed and started again (a new
+node id) takes its host down and back.
 
 Ray is an optional extra: these tests skip without it (`pip install
 dsecd[ray]`, or DSECD_SETUP_RAY=1 scripts/setup.sh). The cluster's
@@ -18,6 +20,7 @@ RAY_TMPDIR, so another Ray on this machine is neither seen nor touched.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import shutil
 import tempfile
@@ -39,7 +42,8 @@ def cluster(busybox_rootfs):
     """Two daemons with busybox, and a Ray cluster of two dsec nodes."""
     from ray.cluster_utils import Cluster
 
-    daemons = [Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-"))) for _ in range(2)]
+    # Two daemons for the nodes there from the start, one for a node that joins later.
+    daemons = [Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-"))) for _ in range(3)]
     # Short: Ray's unix sockets live under it (108 bytes at most).
     ray_tmp = tempfile.mkdtemp(prefix="dsr-", dir="/tmp")
     saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_USAGE_STATS_ENABLED")}
@@ -56,7 +60,9 @@ def cluster(busybox_rootfs):
         second = c.add_node(**node_args)
         ray.init(address=c.address, logging_level="warning", log_to_driver=False)
         ids = [c.head_node.node_id, second.node_id]
-        yield {"sockets": {nid: d.socket for nid, d in zip(ids, daemons, strict=True)}, "daemons": daemons,
+        # Nodes not named in sockets: a path no daemon serves (never the machine's default socket).
+        yield {"sockets": {nid: d.socket for nid, d in zip(ids, daemons, strict=False)}, "daemons": daemons,
+               "unused_socket": str(Path(ray_tmp, "no-daemon.sock")),
                "node_ids": ids, "cluster": c, "second": second, "node_args": node_args}
     finally:
         ray.shutdown()
@@ -84,8 +90,8 @@ def test_ray_fleet_places_execs_pauses_and_survives_a_killed_actor(cluster):
     import dsecd.ray
 
     async def go():
-        fleet = dsecd.ray.RayFleet(sockets=cluster["sockets"], heartbeat_s=0.5, down_after_s=3.0,
-                                   rejoin_s=0.5)
+        fleet = dsecd.ray.RayFleet(sockets=cluster["sockets"], socket=cluster["unused_socket"], heartbeat_s=0.5,
+                                   down_after_s=3.0, rejoin_s=0.5)
         async with fleet:
             targets = sorted(fleet.hosts)
             assert len(targets) == 2 and all(s["up"] for s in fleet.status()), fleet.status()
@@ -136,18 +142,143 @@ def test_ray_fleet_places_execs_pauses_and_survives_a_killed_actor(cluster):
     asyncio.run(go())
 
 
-def test_ray_fleet_refuses_a_fed_stream_with_a_reason(cluster):
+def test_ray_fleet_streams_as_they_come_fed_and_endless(cluster):
+    """Every streamed op goes through the actor as its frames come, with
+    the SDK interface of a local Client: an exec's output before it ends
+    (it waits for a file the test writes after reading the first line), an
+    exec fed stdin and a pty exec typed into, a background process's
+    output followed, the daemon's events followed, a directory watched, a
+    directory up and down as tar streams, a snapshot's progress. Leaving
+    an endless stream early cancels it at the daemon (its exec is killed)."""
     import dsecd.ray
-    from dsecd.errors import Unsupported
 
     async def go():
-        async with dsecd.ray.RayFleet(sockets=cluster["sockets"]) as fleet:
+        async with dsecd.ray.RayFleet(sockets=cluster["sockets"], socket=cluster["unused_socket"]) as fleet:
             sb = await fleet.create(image="busybox", **SMALL)
             try:
-                with pytest.raises(Unsupported, match="ssh://"):
-                    await sb.exec("cat", stdin=b"x")
+                async with asyncio.timeout(120):
+                    await streams(sb)
             finally:
                 await sb.destroy(force=True)
+
+    async def streams(sb):
+        # As it comes: the second line is written only after the first arrived here.
+        script = "echo first; while [ ! -e /tmp/go ]; do sleep 0.05; done; echo second"
+        seen = []
+        async for _fd, chunk in sb.exec_stream(["sh", "-c", script]):
+            seen.append(chunk)
+            if chunk == b"first\n":
+                await sb.write_file("/tmp/go", b"")
+        assert b"".join(seen) == b"first\nsecond\n"
+
+        # Fed: stdin (more than one chunk of the actor's batches) and a pty.
+        data = os.urandom(3 << 20)
+        r = await sb.exec(["sh", "-c", "cat | md5sum"], stdin=data)
+        assert r.exit_code == 0 and r.stdout.split()[0].decode() == hashlib.md5(data).hexdigest(), r
+        stream = sb.exec_stream(["sh", "-c", "read line; echo got:$line; stty size"], pty=True, rows=30, cols=100)
+        typing = asyncio.ensure_future(stream.write(b"typed\n"))     # sent once the exec is
+        out = b"".join([chunk async for _fd, chunk in stream])
+        await typing
+        assert b"got:typed" in out and b"30 100" in out, out
+
+        # Followed: a background process's output, the daemon's events.
+        proc = await sb.spawn(["sh", "-c", "for i in 1 2 3; do echo line$i; sleep 0.1; done"], stdin=False)
+        lines = b"".join([o.data async for o in proc.output(follow=True)])
+        assert lines == b"line1\nline2\nline3\n", lines
+        events = sb.client.events(sandbox=sb.id)
+        waiter = asyncio.ensure_future(anext_kind(events, "event", "paused"))
+        await asyncio.sleep(0.5)            # the events stream is open at the daemon
+        await sb.pause()
+        assert (await waiter)["event"] == "paused"
+        await events.aclose()
+        await sb.resume()
+
+        # A directory watched.
+        await sb.mkdir("/tmp/w")
+        watch = sb.watch("/tmp/w")
+        assert (await anext_kind(watch, "kind", "ready"))["kind"] == "ready"
+        await sb.exec(["touch", "/tmp/w/new"])
+        assert (await anext_kind(watch, "kind", "create"))["path"] == "/tmp/w/new"
+        await watch.aclose()
+
+        # Tar streams both ways.
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp, "src")
+            (src / "sub").mkdir(parents=True)
+            blob = os.urandom(2 << 20)
+            (src / "sub" / "blob").write_bytes(blob)
+            (src / "note").write_text("hi")
+            put = await sb.upload_dir(str(src), "/tmp/up")
+            assert put["count"] >= 4, put
+            got = await sb.download_dir("/tmp/up", str(Path(tmp, "back")))
+            assert Path(tmp, "back", "sub", "blob").read_bytes() == blob, got
+            assert Path(tmp, "back", "note").read_text() == "hi"
+
+        # A snapshot's progress frames reach the callback before its result.
+        progress = []
+        snap = await sb.snapshot("ray-snap", progress=progress.append)
+        assert snap["name"] == "ray-snap" and progress, (snap, progress)
+        await sb.client.remove_image("ray-snap")
+
+        # Left early: the exec is cancelled at the daemon, its process killed.
+        async for _fd, chunk in sb.exec_stream(["sh", "-c", "echo started; exec sleep 1000"]):
+            assert chunk == b"started\n"
+            break
+        for _ in range(100):
+            ps = await sb.exec(["ps", "-o", "args"])
+            if b"sleep 1000" not in ps.stdout:
+                break
+            await asyncio.sleep(0.1)
+        assert b"sleep 1000" not in ps.stdout, ps.stdout
+
+    asyncio.run(go())
+
+
+async def anext_kind(stream, field: str, want: str) -> dict:
+    """The first item of `stream` whose `field` is `want` (others skipped)."""
+    async for item in stream:
+        if item.get(field) == want:
+            return item
+    raise AssertionError(f"the stream ended before an item with {field}={want}")
+
+
+def test_ray_fleet_takes_a_late_node_and_loses_it(cluster):
+    """A dsec node that joins the cluster after the RayFleet was made is
+    found by its discovery (host_added, host_up) and placement uses it; when
+    the node leaves (its raylet stopped, by pid), the host is marked down
+    with its sandboxes reported lost."""
+    import dsecd.ray
+
+    async def go():
+        late_daemon = cluster["daemons"][2]
+        fleet = dsecd.ray.RayFleet(sockets=cluster["sockets"], socket=late_daemon.socket, discover_s=0.5,
+                                   heartbeat_s=0.5, down_after_s=3.0, rejoin_s=0.5)
+        async with fleet:
+            assert len(fleet.hosts) == 2, fleet.status()
+            events = fleet.events()
+            # In this thread: Ray sets signal handlers there. The loop waits the seconds it takes.
+            late = cluster["cluster"].add_node(**cluster["node_args"])
+            try:
+                added = await next_event(events, "host_added", 60.0)
+                assert added["host"].endswith(late_daemon.socket), added
+                up = await next_event(events, "host_up", 60.0)
+                assert up["host"] == added["host"], up
+                # One job over three hosts: one sandbox each, the late one's included.
+                sbs = await asyncio.gather(*(fleet.create(image="busybox", labels={"job": "late"}, **SMALL)
+                                             for _ in range(3)))
+                assert sorted(sb.host for sb in sbs) == sorted(fleet.hosts), [sb.host for sb in sbs]
+                on_late = next(sb for sb in sbs if sb.host == added["host"])
+                assert (await on_late.exec(["echo", "late"])).stdout == b"late\n"
+            finally:
+                await asyncio.to_thread(cluster["cluster"].remove_node, late)
+            down = await next_event(events, "host_down", 60.0)
+            assert down["host"] == added["host"] and down["sandboxes"] == [on_late.id], down
+            lost = await next_event(events, "sandbox_lost", 10.0)
+            assert lost["sandbox"] == on_late.id
+            await events.aclose()
+            await fleet.job_rm("late", force=True)
+        with late_daemon.client() as c:             # the daemon outlived its node: clean up there
+            c.destroy_all(force=True)
 
     asyncio.run(go())
 
@@ -161,8 +292,9 @@ def test_ray_fleet_host_of_a_restarted_raylet_rejoins(cluster):
     import dsecd.ray
 
     async def go():
-        fleet = dsecd.ray.RayFleet(sockets=cluster["sockets"], heartbeat_s=0.5, down_after_s=3.0,
-                                   rejoin_s=0.5)
+        # The new raylet is not named in sockets: its daemon is the second one's.
+        fleet = dsecd.ray.RayFleet(sockets=cluster["sockets"], socket=cluster["daemons"][1].socket,
+                                   heartbeat_s=0.5, down_after_s=3.0, rejoin_s=0.5)
         async with fleet:
             second = cluster["daemons"][1].socket
             host = next(h for h in fleet.hosts.values() if h.target.endswith(second))

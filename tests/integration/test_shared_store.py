@@ -148,6 +148,79 @@ def test_concurrent_publish_of_one_name_leaves_one_image(hosts, tmp_path):
                 c.close()
 
 
+def test_fleet_places_on_the_host_whose_pager_cache_holds_the_image(volume, busybox_rootfs, tmp_path):
+    """Both hosts list every image of the shared store; a dsecd.Fleet of the
+    two sends creates to the one that already paged the image in. Host B
+    runs the image once (reading its 8 MiB layer), then unmounts it (a
+    1 s layer grace): only B's pager cache holds it. Every create of the
+    image then lands on B; the time to read the layer on each host is
+    printed (the figure for docs/notes/log.md)."""
+    import asyncio
+    import os
+    import tempfile
+    import time
+
+    from conftest import Daemon
+
+    import dsecd
+
+    made = []
+    try:
+        for _ in range(2):
+            d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")),
+                       f'[images]\nstore = "{volume.mount()}"\nmode = "auto"\nlayer_grace_s = 1.0\n')
+            made.append(d)
+            d.start()
+        a, b = made
+        extra = tmp_path / "probe"
+        extra.mkdir()
+        (extra / "blob").write_bytes(os.urandom(8 << 20))
+        with a.client() as ca:
+            ca.build_image(busybox_rootfs, "pbase")
+            probe = ca.build_image(str(extra), "probe", parent="pbase")
+        big = next(layer["digest"] for layer in probe["layers"] if layer["size"] >= 8 << 20)
+
+        def read_blob(d) -> float:
+            with d.client() as c:
+                sb = c.create(image="probe", cpu=0.1, memory="64M")
+                t0 = time.monotonic()
+                r = sb.exec(["sh", "-c", "cat /blob > /dev/null"])
+                took = time.monotonic() - t0
+                assert r.exit_code == 0, r.stderr
+                sb.destroy(force=True)
+                return took
+
+        cold_b = read_blob(b)
+        with b.client() as cb:
+            deadline = time.monotonic() + 30
+            while big in cb.request("image_du")["mounted_layers"] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            du = cb.request("image_du")
+        assert big not in du["mounted_layers"], du["mounted_layers"]
+        assert du["cached_layers"].get(big, 0) > 0.5, du["cached_layers"]     # the blob; not all metadata
+        with a.client() as ca:
+            assert big not in ca.request("image_du")["cached_layers"]
+
+        async def place() -> tuple[list[str], dict]:
+            async with dsecd.Fleet([a.socket, b.socket]) as fleet:
+                warmth = {t: round(h.warmth("probe"), 2) for t, h in fleet.hosts.items()}
+                hosts = []
+                for _ in range(10):
+                    sb = await fleet.create("probe", cpu=0.1, memory="64M")
+                    hosts.append(sb.host)
+                    await sb.destroy(force=True)
+                return hosts, warmth
+
+        hosts, warmth = asyncio.run(place())
+        assert hosts == [b.socket] * 10, (hosts, warmth)
+        warm_b, cold_a = read_blob(b), read_blob(a)
+        print(f"warmth {warmth}; 8 MiB layer read: B first {cold_b:.3f} s, B cached {warm_b:.3f} s, "
+              f"A cold {cold_a:.3f} s")
+    finally:
+        for d in made:
+            d.cleanup()
+
+
 def test_store_unreachable_mid_read_fails_the_reader_not_the_daemon(volume, hosts, tmp_path):
     """Runs last: it kills the volume's brick (and starts it again)."""
     a, b = hosts

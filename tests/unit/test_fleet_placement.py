@@ -99,6 +99,26 @@ def test_mounted_layers_win_a_tie():
     assert all(run(go()))
 
 
+def test_the_host_whose_pager_cache_holds_the_image_wins_a_tie():
+    """A shared store: every host lists the image, none has it mounted; the
+    one that paged most of its bytes in is chosen, the layers weighed by size."""
+    async def go():
+        from dsecd.fleet import _Shape
+        f = fleet_of(3)
+        cold, little, most = f.hosts.values()
+        for h in f.hosts.values():
+            h.images = {"busybox": ["sha256:aa", "sha256:bb"]}
+            h.layer_sizes = {"sha256:aa": 90 << 20, "sha256:bb": 10 << 20}
+        little.cached = {"sha256:bb": 1.0}                   # all of the small layer: 10%
+        most.cached = {"sha256:aa": 0.8}                     # most of the big one: 72%
+        shares = [round(h.warmth("busybox"), 2) for h in (cold, little, most)]
+        return shares, [f._place("busybox", "", _Shape(1.0, 1 << 20), {}) is most for _ in range(20)]
+
+    shares, picks = run(go())
+    assert shares == [0.0, 0.1, 0.72]
+    assert all(picks)
+
+
 def test_busy_goes_to_the_next_host_with_the_same_key():
     async def go():
         f = fleet_of(2)
@@ -194,3 +214,63 @@ def test_job_shares_count_per_host():
     assert a.jobs == collections.Counter({"j": 1, "": 1}) and set(a.sandboxes) == {"x", "y"}
     a.forget("x")
     assert a.jobs["j"] == 0
+
+
+class JoinableClient:
+    """A host that answers what joining and the heartbeat ask: no sandboxes, busybox, room."""
+
+    def __init__(self, target: str):
+        self.target = target
+        self.on_lost = None
+        self.last_frame_at = 0.0
+
+    async def connect(self):
+        pass
+
+    async def list(self, labels=None):
+        return []
+
+    async def info(self):
+        return info()
+
+    async def list_images(self):
+        return [{"name": "busybox", "layers": [{"digest": "sha256:aa"}]}]
+
+    async def image_du(self):
+        return {"mounted_layers": {}}
+
+    async def request(self, op, **args):
+        assert op == "ping"
+        return {}
+
+    def abort_now(self, reason):
+        return None
+
+    async def abort(self, reason):
+        pass
+
+    async def close(self):
+        pass
+
+
+def test_a_host_added_later_joins_and_takes_creates():
+    async def go():
+        events = []
+        f = Fleet(["h1"], client_factory=JoinableClient, on_event=events.append, heartbeat_s=0.05)
+        async with f:
+            assert [e["event"] for e in events] == ["host_up"]
+            with pytest.raises(ValueError, match="given twice"):
+                f.add_host("h1")
+            h2 = f.add_host("h2")
+            assert not h2.up and events[-1] == {**events[-1], "event": "host_added", "host": "h2"}
+            async with asyncio.timeout(5):
+                while not h2.up:
+                    await asyncio.sleep(0.01)
+            from dsecd.fleet import _Shape
+            f.hosts["h1"].add("sb1", "j")                  # h1 holds one of the job's: h2 gets the next
+            placed = f._place("busybox", "j", _Shape(0.1, 1 << 20), {})
+        return [e["event"] for e in events], placed
+
+    kinds, placed = run(go())
+    assert kinds == ["host_up", "host_added", "host_up"], kinds
+    assert placed.target == "h2"
