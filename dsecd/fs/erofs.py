@@ -43,7 +43,13 @@ class ErofsError(Exception):
 
 def build(src: Path, out: Path, exclude: Iterable[str] = ()) -> None:
     """mkfs.erofs `out` from directory `src`; `exclude` are paths relative to src."""
-    cmd = [MKFS, "--quiet", "-T0", f"-U{FIXED_UUID}"]
+    # noinline_data: every regular file's data in whole blocks of its own
+    # (EROFS_INODE_FLAT_PLAIN). A guest kernel maps a file of a layer on
+    # virtio-pmem straight from the host's page cache (DAX) only in that
+    # layout; with the default tail packing, files whose size is not a block
+    # multiple (almost all) were read into each guest's own page cache. It
+    # costs the tail block's slack: +5.7% on /usr/lib/python3.11.
+    cmd = [MKFS, "--quiet", "-T0", f"-U{FIXED_UUID}", "-Enoinline_data"]
     for rel in exclude:
         # mkfs.erofs 1.5 matches exclusions against the path relative to src.
         cmd.append(f"--exclude-path={rel.strip('/')}")
