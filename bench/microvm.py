@@ -22,6 +22,9 @@ Progress on stderr; the last stdout line is one JSON object:
     vm_exec_rtt_p50_ms / p99       `true`, collected, 50 times
     vm_idle_host_mib_rss / _pss    the idle booted VM's QEMU (smaps_rollup), 3 s after boot
     vm_pmem_page_cache_ratio       guest page-cache growth / data bytes read from the image (0: DAX, no copy)
+    vm_pmem_page_cache_ratio_10_vs_1  host memory holding the layer's data read by 10 restored guests
+                                   / by one (the QEMUs' PSS of the layer blob + guest page-cache copies;
+                                   _one_guest_kib and _ten_guests_kib say both)
     vm_balloon_returned_fraction   host RSS given back after the guest freed 128 MiB it had written
     vm_pause_s, vm_resume_s        pause (state saved, QEMU ended) and resume (state loaded)
     vm_resume_first_exec_ms        an exec on a paused VM: resume included
@@ -142,6 +145,49 @@ def pause_figures(sb) -> tuple[float, float, float, dict]:
     return pause_s, resume_s, first_exec_ms, paused
 
 
+def layer_pss(pid: int) -> int:
+    """PSS of a QEMU's mappings of layer blobs (the virtio-pmem devices'
+    memory-backend-file on the store's blobs): the host's page cache of the
+    layers this QEMU touched, split with every other process that maps it."""
+    total, in_blob = 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:       # a mapping's first line
+            in_blob = len(head) >= 6 and "/store/blobs/" in head[5]
+        elif in_blob and head[0] == "Pss:":
+            total += int(head[1]) * 1024
+    return total
+
+
+def pmem_sharing(c, create, n: int = 10) -> dict:
+    """Host memory holding one layer's data read by one guest, then by n:
+    the QEMUs' PSS of the layer blob (the host page cache DAX maps into each
+    guest, counted once however many share it) plus what each guest copied
+    into its own page cache (guest RAM, host memory too). With DAX the n
+    guests cost what one does; with copies they would cost up to n times."""
+    vms = []
+    try:
+        for _ in range(n):
+            vms.append(create())
+        pids = [sb.inspect()["vm"]["qemu_pid"] for sb in vms]
+        base = sum(layer_pss(p) for p in pids)
+        copies = 0
+        costs = []
+        for sb in vms:
+            before = guest_cached(sb)
+            sb.exec(["sh", "-c", "cat /bin/busybox > /dev/null"])
+            copies += max(0, guest_cached(sb) - before)
+            costs.append(sum(layer_pss(p) for p in pids) - base + copies)
+    finally:
+        for sb in vms:
+            sb.destroy()
+    ratio = costs[-1] / max(1, costs[0])
+    log(f"pmem sharing: one guest reading the layer costs the host {costs[0] >> 10} KiB, {n} guests "
+        f"{costs[-1] >> 10} KiB (ratio {ratio:.3f}; guest page-cache copies {copies >> 10} KiB in all)")
+    return {"vm_pmem_page_cache_ratio_10_vs_1": round(ratio, 3),
+            "vm_pmem_one_guest_kib": costs[0] >> 10, "vm_pmem_ten_guests_kib": costs[-1] >> 10}
+
+
 def from_templates(c, state_dir: Path) -> dict:
     """Phase 2 (templates on): the template's build, restores, their memory."""
     def create():
@@ -175,7 +221,9 @@ def from_templates(c, state_dir: Path) -> dict:
     b.destroy()
     pause_s, _resume_s, first_exec_ms, _ = pause_figures(a)
     a.destroy()
+    sharing = pmem_sharing(c, create)
     return {
+        **sharing,
         "vm_template_build_s": round(build_s, 3),
         "vm_template_create_p50_ms": round(statistics.median(total), 1),
         "vm_template_create_only_p50_ms": round(statistics.median(alone), 1),
