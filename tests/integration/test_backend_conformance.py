@@ -162,6 +162,26 @@ def test_snapshot_packs_the_writable_layer(box):
     sb.exec(["rm", "-r", "/work/snap"])
 
 
+def test_lease_renewed_then_expired(box):
+    c, _, backend, _ = box
+    sb = c.create("busybox", backend=backend, memory="256M", net="none", disk="64M", lease=3)
+    try:
+        for _ in range(5):                  # longer than the lease, renewed within it
+            assert c.renew([sb.id, "nosuchsandbox"]) == {"renewed": [sb.id], "missing": ["nosuchsandbox"]}
+            time.sleep(1)
+        assert sb.id in {s["id"] for s in c.list()}
+        pid = sb.inspect()["init_pid"]
+        for _ in range(300):                # no more renewals: the reaper destroys it
+            if sb.id not in {s["id"] for s in c.list()}:
+                break
+            time.sleep(0.1)
+        assert sb.id not in {s["id"] for s in c.list()}
+        assert _is_zombie_gone(pid)
+    finally:
+        if sb.id in {s["id"] for s in c.list()}:
+            sb.destroy(force=True)
+
+
 def test_destroy_leaves_nothing(box, daemon):
     c, sb, backend, state = box
     info = sb.inspect()
