@@ -98,6 +98,7 @@ enum {
     A_OK = 105,      /* the op's fields */
     A_ERR = 106,     /* errno, what failed (text) */
     A_DATA = 107,    /* bytes of a stream (M_TAR) */
+    A_TAKEN = 108,   /* (nothing): an exec's M_STDIN is all in its pipe, or dropped (stdin closed) */
 };
 
 #define EXEC_STDIN 1u       /* M_EXEC flags: the exec takes stdin (else /dev/null) */
@@ -317,6 +318,7 @@ struct exec {
     unsigned char *pend; /* stdin not yet taken by the pipe */
     size_t pend_len, pend_off;
     int in_eof;          /* close stdin once pend is written */
+    int owed;            /* an M_STDIN awaits its A_TAKEN: the host sends the next once it comes */
 };
 static struct exec execs[MAX_EXECS];
 
@@ -369,6 +371,19 @@ static void exec_free(struct exec *x)
     memset(x, 0, sizeof(*x));
 }
 
+/* The host's flow control of stdin: one M_STDIN at a time is in the agent,
+ * answered A_TAKEN when the pipe has taken all of it (or stdin is closed and
+ * it was dropped), so a process that does not read holds the host's next
+ * exec_input back instead of filling guest memory. */
+static void settle_stdin(struct exec *x)
+{
+    if (x->owed && (x->in < 0 || x->pend_len == 0)) {
+        x->owed = 0;
+        begin(&out, A_TAKEN, x->id);
+        send_msg(&out);
+    }
+}
+
 static void flush_stdin(struct exec *x)
 {
     while (x->in >= 0 && x->pend_off < x->pend_len) {
@@ -390,6 +405,7 @@ static void flush_stdin(struct exec *x)
         if (x->in_eof)
             close_fd(&x->in);
     }
+    settle_stdin(x);
 }
 
 static void do_exec(uint32_t id, struct rd *r)
@@ -545,12 +561,23 @@ static void do_stdin(uint32_t id, struct rd *r)
     const unsigned char *data = get_bytes(r, &n);
     struct exec *x = exec_by_id(id);
 
-    if (r->bad || !x || x->in < 0)
-        return; /* an exec that ended or took no stdin: input is dropped */
+    if (r->bad)
+        return;
+    if (!x || x->in < 0) { /* an exec that ended or took no stdin: input is dropped */
+        if (x) {
+            begin(&out, A_TAKEN, id);
+            send_msg(&out);
+        }
+        return;
+    }
+    x->owed = 1;
     if (n) {
         unsigned char *p = realloc(x->pend, x->pend_len + n);
-        if (!p)
+        if (!p) {
+            close_fd(&x->in); /* no memory for it: the process sees its stdin end */
+            settle_stdin(x);
             return;
+        }
         memcpy(p + x->pend_len, data, n);
         x->pend = p;
         x->pend_len += n;

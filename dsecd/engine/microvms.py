@@ -56,11 +56,16 @@ class VmExec:
     def __init__(self, takes_stdin: bool):
         self.takes_stdin = takes_stdin
         self.run: AgentExec | None = None
+        # Set once the exec was sent to the agent (or failed to be): input
+        # that comes before waits for it instead of being lost.
+        self.sent = asyncio.Event()
 
     async def feed_stdin(self, data: bytes, eof: bool) -> None:
+        """Waits while the process does not read (AgentExec.send_stdin)."""
+        await self.sent.wait()
         if self.run is not None:
-            self.run.send_stdin(bytes(data), eof)
-            await self.run.link.writer.drain()
+            with contextlib.suppress(AgentGone):        # the VM is going: the exec reports its end
+                await self.run.send_stdin(bytes(data), eof)
 
 
 class MicroVMService:
@@ -362,7 +367,10 @@ class MicroVMService:
         ctx.register_exec(io)
         run = None
         try:
-            run = io.run = await link.start_exec(argv, env, cwd, user, req.stdin)
+            try:
+                run = io.run = await link.start_exec(argv, env, cwd, user, req.stdin)
+            finally:
+                io.sent.set()
             loop = asyncio.get_running_loop()
             deadline = None if timeout is None else loop.time() + timeout
             status = None
