@@ -46,6 +46,7 @@
 #include <sys/random.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
 #include <grp.h>
@@ -102,6 +103,8 @@ enum {
 };
 
 #define EXEC_STDIN 1u       /* M_EXEC flags: the exec takes stdin (else /dev/null) */
+#define EXEC_TAR_GET 2u     /* no program: a child of the agent writes a tar of directory argv[0] to stdout */
+#define EXEC_TAR_PUT 4u     /* no program: a child of the agent makes directory argv[0] from stdin's records */
 #define WRITE_APPEND 1u     /* M_WRITE flags */
 #define WRITE_KEEP 2u       /* do not truncate */
 #define WRITE_PARENTS 4u    /* make missing parent directories */
@@ -408,6 +411,9 @@ static void flush_stdin(struct exec *x)
     settle_stdin(x);
 }
 
+static int tar_get_main(const char *path, uint64_t max_entries, uint64_t max_bytes);
+static int tar_put_main(const char *path);
+
 static void do_exec(uint32_t id, struct rd *r)
 {
     uint64_t uid = get_u64(r), gid = get_u64(r), flags = get_u64(r);
@@ -451,7 +457,9 @@ static void do_exec(uint32_t id, struct rd *r)
      * is most of an exec's cost. The child only makes syscalls on its own
      * stack until it execs or _exits (the agent is single-threaded, so
      * glibc's set*id are plain syscalls). */
-    pid_t pid = vfork();
+    int copy = (flags & (EXEC_TAR_GET | EXEC_TAR_PUT)) != 0;
+    /* A copy runs the agent's own code: a fork of its own, not a vfork. */
+    pid_t pid = copy ? fork() : vfork();
     if (pid < 0) {
         send_err(id, errno, "fork");
         goto fail;
@@ -479,6 +487,25 @@ static void do_exec(uint32_t id, struct rd *r)
         if (chdir(cwd) < 0)
             goto child_fail;
         umask(022);
+        if (copy) {
+            close_fd(&perr[1]); /* it started: EOF for the parent */
+            close_fd(&perr[0]); /* the agent's ends: no exec closes them (O_CLOEXEC) here, and */
+            close_fd(&po[0]);   /* a write end of its own stdin kept would hide that input's end */
+            close_fd(&pe[0]);
+            close_fd(&pi[1]);
+            close_fd(&chan);    /* and the other execs' pipes: their ends must not wait for this one */
+            for (int j = 0; j < MAX_EXECS; j++) {
+                if (!execs[j].pid)
+                    continue; /* a free slot's fields are zero, not -1 */
+                close_fd(&execs[j].out[1]);
+                close_fd(&execs[j].out[2]);
+                close_fd(&execs[j].in);
+            }
+            if (flags & EXEC_TAR_PUT)
+                _exit(tar_put_main(argv[0]));
+            _exit(tar_get_main(argv[0], argc > 1 ? strtoull(argv[1], NULL, 10) : 0,
+                               argc > 2 ? strtoull(argv[2], NULL, 10) : 0));
+        }
         step = "exec";
         execvpe(argv[0], argv, envp);
     child_fail:
@@ -1227,6 +1254,9 @@ struct tarw {
     uint64_t max_bytes, file_bytes, entries, skipped;
     int err;
     char what[160];
+    int outfd;          /* >= 0: the bytes go there (a directory copy's stdout), not in DATA frames */
+    int copy;           /* a directory copy (tar_get_main): its rules, not the writable layer's */
+    uint64_t max_entries, copied; /* a copy's limit and its entries (headers, pax ones too, are `entries`) */
 };
 
 #define TAR_FRAME (256u << 10)
@@ -1236,7 +1266,9 @@ static void tar_send(struct tarw *t)
 {
     uint32_t blen = t->data.len > 13 ? (uint32_t)(t->data.len - 13) : 0;
 
-    if (blen) {
+    if (blen && t->outfd >= 0) {
+        write_all(t->outfd, t->data.p + 13, blen);
+    } else if (blen) {
         t->data.p[9] = (unsigned char)(blen >> 24); /* the byte string's length */
         t->data.p[10] = (unsigned char)(blen >> 16);
         t->data.p[11] = (unsigned char)(blen >> 8);
@@ -1373,12 +1405,16 @@ static void tar_xattrs(int fd, struct buf *pax)
 
 static int tar_tree(struct tarw *t, int dfd, const char *prefix);
 
+static int copy_entry(struct tarw *t, int dfd, const char *name, const char *rel);
+
 static int tar_entry(struct tarw *t, int dfd, const char *name, const char *rel)
 {
     struct stat st;
     struct buf pax = {0};
     int fd = -1, rc = 0;
 
+    if (t->copy)
+        return copy_entry(t, dfd, name, rel);
     if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) < 0)
         return 0; /* gone meanwhile (nothing runs, but the kernel may) */
     if (S_ISDIR(st.st_mode) || S_ISREG(st.st_mode)) {
@@ -1469,7 +1505,7 @@ static int tar_tree(struct tarw *t, int fd, const char *prefix)
 
 static void do_tar(uint32_t id, struct rd *r)
 {
-    struct tarw t = {.id = id};
+    struct tarw t = {.id = id, .outfd = -1};
     struct stat st;
     unsigned char zeros[1024] = {0};
     int fd, rc;
@@ -1511,6 +1547,409 @@ static void do_tar(uint32_t id, struct rd *r)
     put_u64(&out, t.file_bytes);
     put_u64(&out, t.skipped);
     send_msg(&out);
+}
+
+
+/* ---- directory copies (file_tar_get, file_tar_put) ------------------------- */
+
+/* Each runs in a child of the agent started like an exec (M_EXEC with
+ * EXEC_TAR_GET or EXEC_TAR_PUT, argv[0] the directory), so its bytes flow
+ * through the exec's pipes with their flow control and the agent's loop
+ * never waits on a tree. The rules are the container backend's
+ * (dsecd/fs/tarcopy.py): out, symlinks stored and never followed, FIFOs,
+ * sockets, devices and kernel filesystems skipped and reported; in, every
+ * entry made under a new directory beside the destination with
+ * RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS (no symlink, the archive's or one
+ * planted meanwhile, is followed), renamed into place at the end, removed
+ * on any failure. The host checks the archive (dsecd/tarsafe.py) and sends
+ * the entries as records (dsecd/engine/microvms.py). Reports go to stderr
+ * as NUL-separated fields: "skip" type reason path, "done" entries bytes,
+ * "err" errno what. */
+
+static void report(const char *a, const char *b, const char *c, const char *d)
+{
+    struct buf b2 = {0};
+    const char *f[4] = {a, b, c, d};
+
+    for (int i = 0; i < 4 && f[i]; i++) { /* each field and its NUL, as they are */
+        size_t n = strlen(f[i]) + 1;
+
+        buf_need(&b2, n);
+        memcpy(b2.p + b2.len, f[i], n);
+        b2.len += n;
+    }
+    write_all(2, b2.p, b2.len); /* one write: the reports of one entry stay whole */
+    free(b2.p);
+}
+
+static void report_err(int err, const char *what)
+{
+    char num[16];
+
+    snprintf(num, sizeof(num), "%d", err);
+    report("err", num, what, NULL);
+}
+
+static int kernel_fs(int fd)
+{
+    static const long magics[] = {0x9fa0, 0x62656572, 0x64626720, 0x74726163, 0x73636673, 0x27e0eb, 0x63677270,
+                                  (long)0xcafe4a11, 0x1cd1, 0x6e736673, (long)0xde5e81e4, 0x6165676c, 0x42494e4d,
+                                  (long)0xf97cff8c, 0x43415d53};
+    struct statfs sf;
+
+    if (fstatfs(fd, &sf) < 0)
+        return 0;
+    for (size_t i = 0; i < sizeof(magics) / sizeof(magics[0]); i++)
+        if ((long)sf.f_type == magics[i])
+            return 1;
+    return 0;
+}
+
+static int copy_count(struct tarw *t, const char *rel, uint64_t size)
+{
+    t->copied++;
+    t->file_bytes += size;
+    if (t->copied > t->max_entries || t->file_bytes > t->max_bytes) {
+        errno = EFBIG;
+        snprintf(t->what, sizeof(t->what), "at %.100s: the tree has more than %llu entries or %llu bytes",
+                 rel[0] ? rel : ".", (unsigned long long)t->max_entries, (unsigned long long)t->max_bytes);
+        return -1;
+    }
+    return 0;
+}
+
+/* As the copy stores it: owner 0:0, permission bits and sticky only. */
+static struct stat copy_stat(const struct stat *st)
+{
+    struct stat c = *st;
+
+    c.st_uid = c.st_gid = 0;
+    c.st_mode &= 01777;
+    return c;
+}
+
+static int copy_entry(struct tarw *t, int dfd, const char *name, const char *rel)
+{
+    struct stat st, cs;
+    int fd;
+
+    if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) < 0)
+        return 0; /* removed while we walked */
+    if (S_ISLNK(st.st_mode)) {
+        char target[4096];
+        ssize_t n = readlinkat(dfd, name, target, sizeof(target) - 1);
+
+        if (n < 0) {
+            report("skip", "unknown", "replaced while copied", rel);
+            return 0;
+        }
+        target[n] = 0;
+        if (copy_count(t, rel, 0) < 0)
+            return -1;
+        cs = copy_stat(&st);
+        tar_header(t, rel, '2', &cs, 0, target, NULL);
+        return 0;
+    }
+    if (!S_ISDIR(st.st_mode) && !S_ISREG(st.st_mode)) {
+        report("skip", type_of(st.st_mode), "not a file, directory or symlink: not copied", rel);
+        return 0;
+    }
+    fd = openat(dfd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC |
+                (S_ISDIR(st.st_mode) ? O_DIRECTORY : 0));
+    if (fd < 0 || fstat(fd, &st) < 0 || (!S_ISDIR(st.st_mode) && !S_ISREG(st.st_mode))) {
+        if (fd >= 0)
+            close(fd);
+        report("skip", "unknown", "replaced while copied", rel);
+        return 0;
+    }
+    if (kernel_fs(fd)) {
+        close(fd);
+        report("skip", S_ISDIR(st.st_mode) ? "dir" : "file", "on a kernel filesystem, a kernel interface", rel);
+        return 0;
+    }
+    cs = copy_stat(&st);
+    if (S_ISDIR(st.st_mode)) {
+        if (copy_count(t, rel, 0) < 0) {
+            close(fd);
+            return -1;
+        }
+        tar_header(t, rel, '5', &cs, 0, NULL, NULL);
+        return tar_tree(t, fd, rel); /* closes fd */
+    }
+    {
+        static unsigned char chunk[1 << 16];
+        uint64_t left = (uint64_t)st.st_size;
+        int shrank = 0;
+
+        if (copy_count(t, rel, left) < 0) {
+            close(fd);
+            return -1;
+        }
+        tar_header(t, rel, '0', &cs, left, NULL, NULL);
+        while (left) {
+            ssize_t n = read(fd, chunk, left < sizeof(chunk) ? left : sizeof(chunk));
+            if (n <= 0) { /* shrank while copied: the header's size still holds */
+                memset(chunk, 0, sizeof(chunk));
+                n = (ssize_t)(left < sizeof(chunk) ? left : sizeof(chunk));
+                shrank = 1;
+            }
+            tar_put(t, chunk, (size_t)n);
+            left -= (uint64_t)n;
+        }
+        memset(chunk, 0, 512);
+        tar_put(t, chunk, (512 - (size_t)(st.st_size % 512)) % 512);
+        if (shrank)
+            report("skip", "file", "shrank while copied: zero-padded", rel);
+    }
+    close(fd);
+    return 0;
+}
+
+/* The tar of directory `path` to stdout; exit 0, 1 on an error, 3 past the limits. */
+static int tar_get_main(const char *path, uint64_t max_entries, uint64_t max_bytes)
+{
+    struct tarw t = {.outfd = 1, .copy = 1, .max_entries = max_entries, .max_bytes = max_bytes};
+    unsigned char zeros[1024] = {0};
+    struct stat st, cs;
+    char num[2][24];
+    int fd = open_in_root(path, O_RDONLY | O_DIRECTORY, 0);
+
+    if (fd < 0 || fstat(fd, &st) < 0) {
+        report_err(errno, "open");
+        return 1;
+    }
+    tar_send(&t); /* starts the buffer */
+    cs = copy_stat(&st);
+    if (copy_count(&t, "", 0) < 0)
+        goto fail;
+    tar_header(&t, ".", '5', &cs, 0, NULL, NULL);
+    if (tar_tree(&t, fd, "") < 0)
+        goto fail;
+    tar_put(&t, zeros, sizeof(zeros));
+    tar_send(&t);
+    snprintf(num[0], sizeof(num[0]), "%llu", (unsigned long long)t.copied);
+    snprintf(num[1], sizeof(num[1]), "%llu", (unsigned long long)t.file_bytes);
+    report("done", num[0], num[1], NULL);
+    return 0;
+fail:
+    report_err(errno, t.what);
+    return errno == EFBIG ? 3 : 1;
+}
+
+/* Exactly n bytes of stdin; 0 at its end before any, -1 cut short or failed. */
+static int read_in(void *p, size_t n)
+{
+    size_t got = 0;
+
+    while (got < n) {
+        ssize_t k = read(0, (char *)p + got, n - got);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0)
+            return got || k < 0 ? -1 : 0;
+        got += (size_t)k;
+    }
+    return 1;
+}
+
+static uint64_t be64(const unsigned char *p)
+{
+    uint64_t v = 0;
+
+    for (int i = 0; i < 8; i++)
+        v = v << 8 | p[i];
+    return v;
+}
+
+/* The directory holding `rel` below topfd (no symlink followed) and its last name. */
+static int put_parent(int topfd, char *rel, const char **leaf)
+{
+    struct {
+        uint64_t flags, mode, resolve;
+    } how = {.flags = O_PATH | O_DIRECTORY | O_CLOEXEC, .resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS};
+    char *slash = strrchr(rel, '/');
+    int fd;
+
+    if (!slash) {
+        *leaf = rel;
+        return dup(topfd);
+    }
+    *slash = 0;
+    fd = (int)syscall(__NR_openat2, topfd, rel, &how, sizeof(how));
+    *slash = '/';
+    *leaf = slash + 1;
+    return fd;
+}
+
+/* One record: kind, rel, mode, mtime (s), size, then size bytes (a file's
+ * data, a link's target). Kinds: d a directory (mode 0700 until its D), f
+ * a file, s a symlink, h a hard link to a file made before, D a directory's
+ * mode and mtime (2^64-1: none; sent last, deepest first), E the end: rename
+ * into place. */
+static int put_record(int topfd, int pfd, const char *tmp, const char *name, int *ended)
+{
+    unsigned char head[5];
+    unsigned char nums[20];
+    char rel[4097], *data = NULL;
+    const char *leaf, *what = "read the copy's input";
+    uint32_t rlen;
+    uint64_t size, mode, mtime;
+    int dfd = -1, fd = -1, rc = -1;
+
+    int k = read_in(head, 5);
+    if (k <= 0) {
+        errno = k == 0 ? ECONNABORTED : errno ? errno : EIO;
+        report_err(errno, k == 0 ? "the copy's input ended before its archive did" : what);
+        return -1;
+    }
+    rlen = (uint32_t)head[1] << 24 | (uint32_t)head[2] << 16 | (uint32_t)head[3] << 8 | head[4];
+    if (rlen >= sizeof(rel) || (rlen && read_in(rel, rlen) <= 0)) {
+        report_err(EINVAL, what);
+        return -1;
+    }
+    rel[rlen] = 0;
+    if (read_in(nums, 20) <= 0) {
+        report_err(EINVAL, what);
+        return -1;
+    }
+    mode = (uint64_t)nums[0] << 24 | (uint64_t)nums[1] << 16 | (uint64_t)nums[2] << 8 | nums[3];
+    mtime = be64(nums + 4);
+    size = be64(nums + 12);
+    if (head[0] == 'E') {
+        if (syscall(SYS_renameat2, pfd, tmp, pfd, name, RENAME_NOREPLACE) < 0) {
+            report_err(errno, "rename the copy into place");
+            return -1;
+        }
+        *ended = 1;
+        return 0;
+    }
+    if (head[0] != 'f' && size) {
+        if (size > 4096 || !(data = calloc(1, size + 1)) || read_in(data, size) <= 0) {
+            report_err(EINVAL, what);
+            goto done;
+        }
+    }
+    if (head[0] == 'D' && !rlen) {
+        dfd = dup(topfd);
+        leaf = ".";
+    } else {
+        dfd = put_parent(topfd, rel, &leaf);
+    }
+    what = rel;
+    if (dfd < 0)
+        goto err;
+    struct timespec ts[2] = {{.tv_sec = (time_t)mtime}, {.tv_sec = (time_t)mtime}};
+    switch (head[0]) {
+    case 'd':
+        if (mkdirat(dfd, leaf, 0700) < 0)
+            goto err;
+        break;
+    case 'D':
+        fd = openat(dfd, leaf, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        if (fd < 0 || fchmod(fd, (mode_t)(mode & 01777)) < 0 || (mtime != UINT64_MAX && futimens(fd, ts) < 0))
+            goto err;
+        break;
+    case 'f': {
+        static unsigned char chunk[1 << 16];
+
+        fd = openat(dfd, leaf, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+        if (fd < 0)
+            goto err;
+        while (size) {
+            size_t n = size < sizeof(chunk) ? (size_t)size : sizeof(chunk);
+            if (read_in(chunk, n) <= 0) {
+                report_err(ECONNABORTED, "the copy's input ended inside a file");
+                goto done;
+            }
+            const unsigned char *p = chunk;
+            size_t left = n;
+            while (left) {
+                ssize_t w = write(fd, p, left);
+                if (w < 0 && errno == EINTR)
+                    continue;
+                if (w < 0)
+                    goto err;
+                p += w;
+                left -= (size_t)w;
+            }
+            size -= n;
+        }
+        if (fchmod(fd, (mode_t)(mode & 01777)) < 0 || futimens(fd, ts) < 0)
+            goto err;
+        break;
+    }
+    case 's':
+        if (!data || symlinkat(data, dfd, leaf) < 0 || utimensat(dfd, leaf, ts, AT_SYMLINK_NOFOLLOW) < 0)
+            goto err;
+        break;
+    case 'h': {
+        const char *sleaf;
+        int sfd = data ? put_parent(topfd, data, &sleaf) : -1;
+
+        if (sfd < 0)
+            goto err;
+        int l = linkat(sfd, sleaf, dfd, leaf, 0);
+        int e = errno;
+        close(sfd);
+        errno = e;
+        if (l < 0)
+            goto err;
+        break;
+    }
+    default:
+        report_err(EINVAL, "unknown record in the copy's input");
+        goto done;
+    }
+    rc = 0;
+    goto done;
+err:
+    report_err(errno, what);
+done:
+    if (fd >= 0)
+        close(fd);
+    if (dfd >= 0)
+        close(dfd);
+    free(data);
+    return rc;
+}
+
+static int tar_put_main(const char *path)
+{
+    const char *name;
+    char tmp[64];
+    struct stat st;
+    int pfd = open_parent(path, &name), topfd = -1, ended = 0;
+    uint64_t removed = 0;
+    unsigned char rnd[6];
+
+    if (pfd < 0) {
+        report_err(errno, "open the parent directory");
+        return 1;
+    }
+    if (fstatat(pfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0) {
+        report_err(EEXIST, "exists; remove it first or copy to a new path");
+        return 1;
+    }
+    if (getrandom(rnd, sizeof(rnd), 0) != sizeof(rnd))
+        memset(rnd, 0, sizeof(rnd));
+    snprintf(tmp, sizeof(tmp), ".dsec-put-%02x%02x%02x%02x%02x%02x", rnd[0], rnd[1], rnd[2], rnd[3], rnd[4], rnd[5]);
+    if (mkdirat(pfd, tmp, 0700) < 0) {
+        report_err(errno, "make the copy's directory");
+        return 1;
+    }
+    topfd = openat(pfd, tmp, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (topfd < 0) {
+        report_err(errno, "open the copy's directory");
+        remove_at(pfd, tmp, 1, &removed);
+        return 1;
+    }
+    while (!ended)
+        if (put_record(topfd, pfd, tmp, name, &ended) < 0) {
+            remove_at(pfd, tmp, 1, &removed);
+            return 1;
+        }
+    report("done", NULL, NULL, NULL);
+    return 0;
 }
 
 static void dispatch(uint8_t type, uint32_t id, const unsigned char *body, size_t n)

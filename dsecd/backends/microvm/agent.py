@@ -98,6 +98,11 @@ class AgentExec:
             await self.link.writer.drain()
             await self._settled()
 
+    def close_stdin_nowait(self) -> None:
+        """EOF on its stdin, without waiting (a copy abandoned, a request cancelled)."""
+        if not (self.done or self.ended or self.link.closed):
+            self.link.send(wire.frame(wire.STDIN, self.id, wire.u64(1), wire.bstr(b"")))
+
     async def _settled(self) -> None:
         while not self.taken.is_set() and not (self.done or self.ended):
             await self.taken.wait()
@@ -176,13 +181,15 @@ class AgentLink:
         finally:
             self._pending.pop(msg_id, None)
 
-    async def start_exec(self, argv: list[str], env: list[str], cwd: str, uid: int, stdin: bool) -> AgentExec:
+    async def start_exec(self, argv: list[str], env: list[str], cwd: str, uid: int, stdin: bool,
+                         flags: int = 0) -> AgentExec:
         """Send the exec; its events follow on the returned AgentExec (the
-        first is "started" or "error")."""
+        first is "started" or "error"). flags: wire.EXEC_TAR_GET or
+        EXEC_TAR_PUT run a directory copy of the agent's instead of argv."""
         run = AgentExec(self, next(self._ids))
         self._execs[run.id] = run
         try:
-            self.send(wire.exec_request(run.id, argv, env, cwd, uid, uid, stdin))
+            self.send(wire.exec_request(run.id, argv, env, cwd, uid, uid, stdin, flags))
             await self.writer.drain()
         except BaseException:
             self._execs.pop(run.id, None)

@@ -16,7 +16,7 @@ READ, WRITE, STAT, LIST, MKDIR, REMOVE, RENAME, SYNC, NET, TAR, PING = 10, 11, 1
 # guest -> host
 READY, STARTED, OUT, EXITED, OK, ERR, DATA, TAKEN = 101, 102, 103, 104, 105, 106, 107, 108
 
-EXEC_STDIN = 1
+EXEC_STDIN, EXEC_TAR_GET, EXEC_TAR_PUT = 1, 2, 4   # the last two: a directory copy, no program
 WRITE_APPEND, WRITE_KEEP, WRITE_PARENTS = 1, 2, 4
 RENAME_OVERWRITE, RENAME_KEEP_ATTRS = 1, 2
 NO_OFFSET = 2**64 - 1
@@ -39,8 +39,8 @@ def frame(kind: int, msg_id: int, *fields: bytes) -> bytes:
 
 
 def exec_request(msg_id: int, argv: list[str], env: list[str], cwd: str, uid: int, gid: int,
-                 stdin: bool) -> bytes:
-    return frame(EXEC, msg_id, u64(uid), u64(gid), u64(EXEC_STDIN if stdin else 0), bstr(cwd),
+                 stdin: bool, flags: int = 0) -> bytes:
+    return frame(EXEC, msg_id, u64(uid), u64(gid), u64(flags | (EXEC_STDIN if stdin else 0)), bstr(cwd),
                  u64(len(argv)), *map(bstr, argv), u64(len(env)), *map(bstr, env))
 
 
