@@ -57,6 +57,7 @@
 #include <unistd.h>
 #include <linux/random.h>
 #include <sys/ioctl.h>
+#include <termios.h>
 #include <sys/socket.h>
 #include <net/if.h>
 #include <net/if_arp.h>
@@ -75,7 +76,7 @@
 /* message types: host -> guest */
 enum {
     M_HELLO = 1,   /* hostname, unix time ns, seed, sandbox id: answered READY */
-    M_EXEC = 2,    /* uid, gid, flags, cwd, argc, argv..., envc, env... */
+    M_EXEC = 2,    /* uid, gid, flags, cwd, argc, argv..., envc, env..., [rows, cols: EXEC_PTY] */
     M_STDIN = 3,   /* eof, data */
     M_KILL = 4,    /* signal */
     M_READ = 10,   /* path, offset, length */
@@ -89,6 +90,7 @@ enum {
     M_NET = 18,    /* mac, IPv4 address, prefix length, gateway, mtu: the NIC set up, answered OK */
     M_TAR = 19,    /* max file bytes: the writable layer as a tar in DATA frames, then OK (counts) */
     M_PING = 20,   /* (nothing): answered OK at once, the host's liveness check */
+    M_RESIZE = 21, /* rows, cols: a pty exec's window size (TIOCSWINSZ; SIGWINCH); no answer */
 };
 /* guest -> host */
 enum {
@@ -105,6 +107,7 @@ enum {
 #define EXEC_STDIN 1u       /* M_EXEC flags: the exec takes stdin (else /dev/null) */
 #define EXEC_TAR_GET 2u     /* no program: a child of the agent writes a tar of directory argv[0] to stdout */
 #define EXEC_TAR_PUT 4u     /* no program: a child of the agent makes directory argv[0] from stdin's records */
+#define EXEC_PTY 8u         /* a terminal as stdin/stdout/stderr (its controlling tty); rows, cols follow env */
 #define WRITE_APPEND 1u     /* M_WRITE flags */
 #define WRITE_KEEP 2u       /* do not truncate */
 #define WRITE_PARENTS 4u    /* make missing parent directories */
@@ -322,6 +325,7 @@ struct exec {
     size_t pend_len, pend_off;
     int in_eof;          /* close stdin once pend is written */
     int owed;            /* an M_STDIN awaits its A_TAKEN: the host sends the next once it comes */
+    int pty;             /* out[1] is a terminal's master (in a dup of it) */
 };
 static struct exec execs[MAX_EXECS];
 
@@ -420,9 +424,10 @@ static void do_exec(uint32_t id, struct rd *r)
     char *cwd = get_str(r);
     uint64_t argc = get_u64(r);
     char **argv = NULL, **envp = NULL;
-    uint64_t envc = 0, i;
+    uint64_t envc = 0, i, rows = 0, cols = 0;
     struct exec *x = NULL;
     int po[2] = {-1, -1}, pe[2] = {-1, -1}, pi[2] = {-1, -1}, perr[2] = {-1, -1};
+    int pty = -1, tty = -1; /* a pty exec's master and slave */
 
     if (r->bad || argc < 1 || argc > 65536)
         goto bad;
@@ -435,7 +440,11 @@ static void do_exec(uint32_t id, struct rd *r)
     envp = calloc(envc + 1, sizeof(char *));
     for (i = 0; envp && i < envc; i++)
         envp[i] = get_str(r);
-    if (!envp || r->bad || !argv[0][0])
+    if (flags & EXEC_PTY) {
+        rows = get_u64(r);
+        cols = get_u64(r);
+    }
+    if (!envp || r->bad || !argv[0][0] || rows > 65535 || cols > 65535)
         goto bad;
     if (exec_by_id(id)) {
         send_err(id, EEXIST, "exec id in use");
@@ -448,8 +457,25 @@ static void do_exec(uint32_t id, struct rd *r)
         goto done;
     }
     x = &execs[i];
-    if (pipe2(po, O_CLOEXEC) < 0 || pipe2(pe, O_CLOEXEC) < 0 || pipe2(perr, O_CLOEXEC) < 0 ||
-        ((flags & EXEC_STDIN) && pipe2(pi, O_CLOEXEC) < 0)) {
+    if (flags & EXEC_PTY) {
+        /* The sandbox's own devpts instance (mounted newinstance), its
+         * slave opened from the master (TIOCGPTPEER): no path lookup. */
+        struct winsize ws = {.ws_row = (unsigned short)rows, .ws_col = (unsigned short)cols};
+        int unlock = 0;
+
+        pty = open("/dev/pts/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC);
+        if (pty < 0 || ioctl(pty, TIOCSPTLCK, &unlock) < 0 || ioctl(pty, TIOCSWINSZ, &ws) < 0 ||
+            (tty = ioctl(pty, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC)) < 0 ||
+            (po[0] = dup(pty)) < 0 || (pi[1] = fcntl(pty, F_DUPFD_CLOEXEC, 0)) < 0) {
+            send_err(id, errno, "open a terminal");
+            goto fail;
+        }
+        fcntl(po[0], F_SETFD, FD_CLOEXEC);
+        close_fd(&pty);
+    }
+    if (((flags & EXEC_PTY) ? 0 : pipe2(po, O_CLOEXEC) < 0 || pipe2(pe, O_CLOEXEC) < 0) ||
+        pipe2(perr, O_CLOEXEC) < 0 ||
+        (!(flags & EXEC_PTY) && (flags & EXEC_STDIN) && pipe2(pi, O_CLOEXEC) < 0)) {
         send_err(id, errno, "pipe");
         goto fail;
     }
@@ -465,15 +491,20 @@ static void do_exec(uint32_t id, struct rd *r)
         goto fail;
     }
     if (pid == 0) {
-        int err, in = (flags & EXEC_STDIN) ? pi[0] : open("/dev/null", O_RDONLY);
+        int err, in = tty >= 0 ? tty : (flags & EXEC_STDIN) ? pi[0] : open("/dev/null", O_RDONLY);
         const char *step = "stdio";
         sigset_t none;
 
         sigemptyset(&none);
         sigprocmask(SIG_SETMASK, &none, NULL);
         setsid();
-        if (in < 0 || dup2(in, 0) < 0 || dup2(po[1], 1) < 0 || dup2(pe[1], 2) < 0)
+        if (tty >= 0) {
+            step = "terminal";
+            if (ioctl(tty, TIOCSCTTY, 0) < 0 || dup2(tty, 0) < 0 || dup2(tty, 1) < 0 || dup2(tty, 2) < 0)
+                goto child_fail;
+        } else if (in < 0 || dup2(in, 0) < 0 || dup2(po[1], 1) < 0 || dup2(pe[1], 2) < 0) {
             goto child_fail;
+        }
         step = "setgroups";
         if (setgroups(0, NULL) < 0)
             goto child_fail;
@@ -526,6 +557,7 @@ static void do_exec(uint32_t id, struct rd *r)
     close_fd(&pe[1]);
     close_fd(&pi[0]);
     close_fd(&perr[1]);
+    close_fd(&tty);
     {
         /* EOF: it exec'd; else errno and the failed step */
         char eb[64] = {0};
@@ -549,8 +581,10 @@ static void do_exec(uint32_t id, struct rd *r)
     x->out[1] = po[0];
     x->out[2] = pe[0];
     x->in = pi[1];
-    fcntl(po[0], F_SETFL, O_NONBLOCK);
-    fcntl(pe[0], F_SETFL, O_NONBLOCK);
+    x->pty = (flags & EXEC_PTY) != 0;
+    fcntl(po[0], F_SETFL, O_NONBLOCK); /* a pty's master: its stdin end shares the open file */
+    if (pe[0] >= 0)
+        fcntl(pe[0], F_SETFL, O_NONBLOCK);
     if (x->in >= 0)
         fcntl(x->in, F_SETFL, O_NONBLOCK);
     begin(&out, A_STARTED, id);
@@ -561,6 +595,8 @@ bad:
     send_err(id, EINVAL, "malformed exec request");
     goto done;
 fail:
+    close_fd(&pty);
+    close_fd(&tty);
     close_fd(&po[0]);
     close_fd(&po[1]);
     close_fd(&pe[0]);
@@ -611,6 +647,16 @@ static void do_stdin(uint32_t id, struct rd *r)
     }
     x->in_eof |= eof != 0;
     flush_stdin(x);
+}
+
+static void do_resize(uint32_t id, struct rd *r)
+{
+    uint64_t rows = get_u64(r), cols = get_u64(r);
+    struct exec *x = exec_by_id(id);
+    struct winsize ws = {.ws_row = (unsigned short)rows, .ws_col = (unsigned short)cols};
+
+    if (!r->bad && x && x->pty && x->out[1] >= 0)
+        ioctl(x->out[1], TIOCSWINSZ, &ws); /* the kernel signals the foreground group */
 }
 
 static void do_kill(uint32_t id, struct rd *r)
@@ -1961,6 +2007,7 @@ static void dispatch(uint8_t type, uint32_t id, const unsigned char *body, size_
     case M_EXEC: do_exec(id, &r); break;
     case M_STDIN: do_stdin(id, &r); break;
     case M_KILL: do_kill(id, &r); break;
+    case M_RESIZE: do_resize(id, &r); break;
     case M_READ: do_read(id, &r); break;
     case M_WRITE: do_write(id, &r); break;
     case M_STAT: do_stat(id, &r); break;

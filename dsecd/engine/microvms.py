@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import struct
+import sys
 import tarfile
 import tempfile
 import time
@@ -53,15 +54,23 @@ KILL_GRACE_S = 10.0     # a killed exec's EXITED should come at once; past this 
 class VmExec:
     """A running VM exec as the server sees it (ctx.register_exec): stdin in, cancel."""
 
-    has_tty = False
     cancelled = False
 
-    def __init__(self, takes_stdin: bool):
+    def __init__(self, takes_stdin: bool, has_tty: bool = False):
         self.takes_stdin = takes_stdin
+        self.has_tty = has_tty
         self.run: AgentExec | None = None
         # Set once the exec was sent to the agent (or failed to be): input
         # that comes before waits for it instead of being lost.
         self.sent = asyncio.Event()
+
+    def resize(self, rows: int, cols: int) -> None:
+        if self.run is None:
+            raise OSError(errno.EAGAIN, "the terminal is not open yet: the exec is starting")
+        try:
+            self.run.resize(rows, cols)
+        except AgentGone as err:
+            raise OSError(errno.EBADF, f"the terminal is closed: {err}") from err
 
     async def feed_stdin(self, data: bytes, eof: bool) -> None:
         """Waits while the process does not read (AgentExec.send_stdin)."""
@@ -358,11 +367,18 @@ class MicroVMService:
         return h.agent
 
     async def exec(self, sb: Sandbox, req, env: list[str], cwd: str, user: int, timeout: float | None, ctx) -> dict:
-        if req.pty or req.trace:
-            raise Unsupported("backend microvm runs no pty or traced execs yet: drop pty/trace")
+        if req.trace:
+            raise Unsupported("backend microvm runs no traced execs yet: drop trace")
         link = self._agent(sb)
         argv = list(req.argv)
-        io = VmExec(req.stdin)
+        # A terminal (pty) session streams with no output cap, as a
+        # container's (execio.PtyIO): a cap would hang up a long session.
+        window = None
+        if req.pty:
+            from .execs import DEFAULT_WINDOW  # (execs imports this module)
+            window = DEFAULT_WINDOW if req.rows is None else (req.rows, req.cols)
+        cap = sys.maxsize if req.pty else self.max_output
+        io = VmExec(req.stdin or req.pty, has_tty=req.pty)
         out: dict[int, list[bytes]] = {1: [], 2: []}
         delivered, truncated, timed_out = 0, False, False
         started = time.monotonic()
@@ -371,7 +387,7 @@ class MicroVMService:
         run = None
         try:
             try:
-                run = io.run = await link.start_exec(argv, env, cwd, user, req.stdin)
+                run = io.run = await link.start_exec(argv, env, cwd, user, req.stdin or req.pty, window=window)
             finally:
                 io.sent.set()
             loop = asyncio.get_running_loop()
@@ -392,7 +408,7 @@ class MicroVMService:
                 kind = ev[0]
                 if kind == "out":
                     data = ev[2]
-                    room = self.max_output - delivered
+                    room = cap - delivered
                     if len(data) > room:
                         data, truncated = data[:room], True
                         run.kill()       # the cap: like EPIPE on the container side, the process stops

@@ -98,6 +98,12 @@ class AgentExec:
             await self.link.writer.drain()
             await self._settled()
 
+    def resize(self, rows: int, cols: int) -> None:
+        """A pty exec's window size (the agent's TIOCSWINSZ: SIGWINCH to its foreground group)."""
+        if self.done or self.ended:
+            raise OSError(errno.EBADF, "the terminal is closed: the exec has ended")
+        self.link.send(wire.frame(wire.RESIZE, self.id, wire.u64(rows), wire.u64(cols)))
+
     def close_stdin_nowait(self) -> None:
         """EOF on its stdin, without waiting (a copy abandoned, a request cancelled)."""
         if not (self.done or self.ended or self.link.closed):
@@ -182,14 +188,15 @@ class AgentLink:
             self._pending.pop(msg_id, None)
 
     async def start_exec(self, argv: list[str], env: list[str], cwd: str, uid: int, stdin: bool,
-                         flags: int = 0) -> AgentExec:
+                         flags: int = 0, window: tuple[int, int] | None = None) -> AgentExec:
         """Send the exec; its events follow on the returned AgentExec (the
         first is "started" or "error"). flags: wire.EXEC_TAR_GET or
-        EXEC_TAR_PUT run a directory copy of the agent's instead of argv."""
+        EXEC_TAR_PUT run a directory copy of the agent's instead of argv;
+        window: (rows, cols): it runs on a terminal of that size."""
         run = AgentExec(self, next(self._ids))
         self._execs[run.id] = run
         try:
-            self.send(wire.exec_request(run.id, argv, env, cwd, uid, uid, stdin, flags))
+            self.send(wire.exec_request(run.id, argv, env, cwd, uid, uid, stdin, flags, window))
             await self.writer.drain()
         except BaseException:
             self._execs.pop(run.id, None)
