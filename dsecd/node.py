@@ -178,7 +178,8 @@ class Node:
         self.dir_copies = DirCopyService(self.registry, self.workers, self.memory.ensure_running,
                                          cfg.size("limits", "max_file_chunk_bytes"), self.limits["max_tar_entries"],
                                          cfg.size("limits", "max_tar_bytes"), self.limits["max_tar_puts"],
-                                         float(self.limits["frame_timeout_s"]), self.backend.copy_by_init)
+                                         float(self.limits["frame_timeout_s"]), self.backend.copy_by_init,
+                                         self.vms)
         self.call_service = CallService(fncall_backend(cfg, layout, self.backend), cfg.section("fncall"),
                                         CallService.sizes_from(cfg), sb["cpu_period_us"], self.image_service,
                                         self.cpu, self.workers, self.starter, exec_limits, self._devnull)

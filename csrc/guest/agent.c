@@ -46,6 +46,7 @@
 #include <sys/random.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
 #include <grp.h>
@@ -56,6 +57,7 @@
 #include <unistd.h>
 #include <linux/random.h>
 #include <sys/ioctl.h>
+#include <termios.h>
 #include <sys/socket.h>
 #include <net/if.h>
 #include <net/if_arp.h>
@@ -74,7 +76,7 @@
 /* message types: host -> guest */
 enum {
     M_HELLO = 1,   /* hostname, unix time ns, seed, sandbox id: answered READY */
-    M_EXEC = 2,    /* uid, gid, flags, cwd, argc, argv..., envc, env... */
+    M_EXEC = 2,    /* uid, gid, flags, cwd, argc, argv..., envc, env..., [rows, cols: EXEC_PTY] */
     M_STDIN = 3,   /* eof, data */
     M_KILL = 4,    /* signal */
     M_READ = 10,   /* path, offset, length */
@@ -88,6 +90,7 @@ enum {
     M_NET = 18,    /* mac, IPv4 address, prefix length, gateway, mtu: the NIC set up, answered OK */
     M_TAR = 19,    /* max file bytes: the writable layer as a tar in DATA frames, then OK (counts) */
     M_PING = 20,   /* (nothing): answered OK at once, the host's liveness check */
+    M_RESIZE = 21, /* rows, cols: a pty exec's window size (TIOCSWINSZ; SIGWINCH); no answer */
 };
 /* guest -> host */
 enum {
@@ -98,9 +101,13 @@ enum {
     A_OK = 105,      /* the op's fields */
     A_ERR = 106,     /* errno, what failed (text) */
     A_DATA = 107,    /* bytes of a stream (M_TAR) */
+    A_TAKEN = 108,   /* (nothing): an exec's M_STDIN is all in its pipe, or dropped (stdin closed) */
 };
 
 #define EXEC_STDIN 1u       /* M_EXEC flags: the exec takes stdin (else /dev/null) */
+#define EXEC_TAR_GET 2u     /* no program: a child of the agent writes a tar of directory argv[0] to stdout */
+#define EXEC_TAR_PUT 4u     /* no program: a child of the agent makes directory argv[0] from stdin's records */
+#define EXEC_PTY 8u         /* a terminal as stdin/stdout/stderr (its controlling tty); rows, cols follow env */
 #define WRITE_APPEND 1u     /* M_WRITE flags */
 #define WRITE_KEEP 2u       /* do not truncate */
 #define WRITE_PARENTS 4u    /* make missing parent directories */
@@ -317,6 +324,8 @@ struct exec {
     unsigned char *pend; /* stdin not yet taken by the pipe */
     size_t pend_len, pend_off;
     int in_eof;          /* close stdin once pend is written */
+    int owed;            /* an M_STDIN awaits its A_TAKEN: the host sends the next once it comes */
+    int pty;             /* out[1] is a terminal's master (in a dup of it) */
 };
 static struct exec execs[MAX_EXECS];
 
@@ -369,6 +378,19 @@ static void exec_free(struct exec *x)
     memset(x, 0, sizeof(*x));
 }
 
+/* The host's flow control of stdin: one M_STDIN at a time is in the agent,
+ * answered A_TAKEN when the pipe has taken all of it (or stdin is closed and
+ * it was dropped), so a process that does not read holds the host's next
+ * exec_input back instead of filling guest memory. */
+static void settle_stdin(struct exec *x)
+{
+    if (x->owed && (x->in < 0 || x->pend_len == 0)) {
+        x->owed = 0;
+        begin(&out, A_TAKEN, x->id);
+        send_msg(&out);
+    }
+}
+
 static void flush_stdin(struct exec *x)
 {
     while (x->in >= 0 && x->pend_off < x->pend_len) {
@@ -390,7 +412,11 @@ static void flush_stdin(struct exec *x)
         if (x->in_eof)
             close_fd(&x->in);
     }
+    settle_stdin(x);
 }
+
+static int tar_get_main(const char *path, uint64_t max_entries, uint64_t max_bytes);
+static int tar_put_main(const char *path);
 
 static void do_exec(uint32_t id, struct rd *r)
 {
@@ -398,9 +424,10 @@ static void do_exec(uint32_t id, struct rd *r)
     char *cwd = get_str(r);
     uint64_t argc = get_u64(r);
     char **argv = NULL, **envp = NULL;
-    uint64_t envc = 0, i;
+    uint64_t envc = 0, i, rows = 0, cols = 0;
     struct exec *x = NULL;
     int po[2] = {-1, -1}, pe[2] = {-1, -1}, pi[2] = {-1, -1}, perr[2] = {-1, -1};
+    int pty = -1, tty = -1; /* a pty exec's master and slave */
 
     if (r->bad || argc < 1 || argc > 65536)
         goto bad;
@@ -413,7 +440,11 @@ static void do_exec(uint32_t id, struct rd *r)
     envp = calloc(envc + 1, sizeof(char *));
     for (i = 0; envp && i < envc; i++)
         envp[i] = get_str(r);
-    if (!envp || r->bad || !argv[0][0])
+    if (flags & EXEC_PTY) {
+        rows = get_u64(r);
+        cols = get_u64(r);
+    }
+    if (!envp || r->bad || !argv[0][0] || rows > 65535 || cols > 65535)
         goto bad;
     if (exec_by_id(id)) {
         send_err(id, EEXIST, "exec id in use");
@@ -426,8 +457,25 @@ static void do_exec(uint32_t id, struct rd *r)
         goto done;
     }
     x = &execs[i];
-    if (pipe2(po, O_CLOEXEC) < 0 || pipe2(pe, O_CLOEXEC) < 0 || pipe2(perr, O_CLOEXEC) < 0 ||
-        ((flags & EXEC_STDIN) && pipe2(pi, O_CLOEXEC) < 0)) {
+    if (flags & EXEC_PTY) {
+        /* The sandbox's own devpts instance (mounted newinstance), its
+         * slave opened from the master (TIOCGPTPEER): no path lookup. */
+        struct winsize ws = {.ws_row = (unsigned short)rows, .ws_col = (unsigned short)cols};
+        int unlock = 0;
+
+        pty = open("/dev/pts/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC);
+        if (pty < 0 || ioctl(pty, TIOCSPTLCK, &unlock) < 0 || ioctl(pty, TIOCSWINSZ, &ws) < 0 ||
+            (tty = ioctl(pty, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC)) < 0 ||
+            (po[0] = dup(pty)) < 0 || (pi[1] = fcntl(pty, F_DUPFD_CLOEXEC, 0)) < 0) {
+            send_err(id, errno, "open a terminal");
+            goto fail;
+        }
+        fcntl(po[0], F_SETFD, FD_CLOEXEC);
+        close_fd(&pty);
+    }
+    if (((flags & EXEC_PTY) ? 0 : pipe2(po, O_CLOEXEC) < 0 || pipe2(pe, O_CLOEXEC) < 0) ||
+        pipe2(perr, O_CLOEXEC) < 0 ||
+        (!(flags & EXEC_PTY) && (flags & EXEC_STDIN) && pipe2(pi, O_CLOEXEC) < 0)) {
         send_err(id, errno, "pipe");
         goto fail;
     }
@@ -435,21 +483,28 @@ static void do_exec(uint32_t id, struct rd *r)
      * is most of an exec's cost. The child only makes syscalls on its own
      * stack until it execs or _exits (the agent is single-threaded, so
      * glibc's set*id are plain syscalls). */
-    pid_t pid = vfork();
+    int copy = (flags & (EXEC_TAR_GET | EXEC_TAR_PUT)) != 0;
+    /* A copy runs the agent's own code: a fork of its own, not a vfork. */
+    pid_t pid = copy ? fork() : vfork();
     if (pid < 0) {
         send_err(id, errno, "fork");
         goto fail;
     }
     if (pid == 0) {
-        int err, in = (flags & EXEC_STDIN) ? pi[0] : open("/dev/null", O_RDONLY);
+        int err, in = tty >= 0 ? tty : (flags & EXEC_STDIN) ? pi[0] : open("/dev/null", O_RDONLY);
         const char *step = "stdio";
         sigset_t none;
 
         sigemptyset(&none);
         sigprocmask(SIG_SETMASK, &none, NULL);
         setsid();
-        if (in < 0 || dup2(in, 0) < 0 || dup2(po[1], 1) < 0 || dup2(pe[1], 2) < 0)
+        if (tty >= 0) {
+            step = "terminal";
+            if (ioctl(tty, TIOCSCTTY, 0) < 0 || dup2(tty, 0) < 0 || dup2(tty, 1) < 0 || dup2(tty, 2) < 0)
+                goto child_fail;
+        } else if (in < 0 || dup2(in, 0) < 0 || dup2(po[1], 1) < 0 || dup2(pe[1], 2) < 0) {
             goto child_fail;
+        }
         step = "setgroups";
         if (setgroups(0, NULL) < 0)
             goto child_fail;
@@ -463,6 +518,25 @@ static void do_exec(uint32_t id, struct rd *r)
         if (chdir(cwd) < 0)
             goto child_fail;
         umask(022);
+        if (copy) {
+            close_fd(&perr[1]); /* it started: EOF for the parent */
+            close_fd(&perr[0]); /* the agent's ends: no exec closes them (O_CLOEXEC) here, and */
+            close_fd(&po[0]);   /* a write end of its own stdin kept would hide that input's end */
+            close_fd(&pe[0]);
+            close_fd(&pi[1]);
+            close_fd(&chan);    /* and the other execs' pipes: their ends must not wait for this one */
+            for (int j = 0; j < MAX_EXECS; j++) {
+                if (!execs[j].pid)
+                    continue; /* a free slot's fields are zero, not -1 */
+                close_fd(&execs[j].out[1]);
+                close_fd(&execs[j].out[2]);
+                close_fd(&execs[j].in);
+            }
+            if (flags & EXEC_TAR_PUT)
+                _exit(tar_put_main(argv[0]));
+            _exit(tar_get_main(argv[0], argc > 1 ? strtoull(argv[1], NULL, 10) : 0,
+                               argc > 2 ? strtoull(argv[2], NULL, 10) : 0));
+        }
         step = "exec";
         execvpe(argv[0], argv, envp);
     child_fail:
@@ -483,6 +557,7 @@ static void do_exec(uint32_t id, struct rd *r)
     close_fd(&pe[1]);
     close_fd(&pi[0]);
     close_fd(&perr[1]);
+    close_fd(&tty);
     {
         /* EOF: it exec'd; else errno and the failed step */
         char eb[64] = {0};
@@ -506,8 +581,10 @@ static void do_exec(uint32_t id, struct rd *r)
     x->out[1] = po[0];
     x->out[2] = pe[0];
     x->in = pi[1];
-    fcntl(po[0], F_SETFL, O_NONBLOCK);
-    fcntl(pe[0], F_SETFL, O_NONBLOCK);
+    x->pty = (flags & EXEC_PTY) != 0;
+    fcntl(po[0], F_SETFL, O_NONBLOCK); /* a pty's master: its stdin end shares the open file */
+    if (pe[0] >= 0)
+        fcntl(pe[0], F_SETFL, O_NONBLOCK);
     if (x->in >= 0)
         fcntl(x->in, F_SETFL, O_NONBLOCK);
     begin(&out, A_STARTED, id);
@@ -518,6 +595,8 @@ bad:
     send_err(id, EINVAL, "malformed exec request");
     goto done;
 fail:
+    close_fd(&pty);
+    close_fd(&tty);
     close_fd(&po[0]);
     close_fd(&po[1]);
     close_fd(&pe[0]);
@@ -545,18 +624,39 @@ static void do_stdin(uint32_t id, struct rd *r)
     const unsigned char *data = get_bytes(r, &n);
     struct exec *x = exec_by_id(id);
 
-    if (r->bad || !x || x->in < 0)
-        return; /* an exec that ended or took no stdin: input is dropped */
+    if (r->bad)
+        return;
+    if (!x || x->in < 0) { /* an exec that ended or took no stdin: input is dropped */
+        if (x) {
+            begin(&out, A_TAKEN, id);
+            send_msg(&out);
+        }
+        return;
+    }
+    x->owed = 1;
     if (n) {
         unsigned char *p = realloc(x->pend, x->pend_len + n);
-        if (!p)
+        if (!p) {
+            close_fd(&x->in); /* no memory for it: the process sees its stdin end */
+            settle_stdin(x);
             return;
+        }
         memcpy(p + x->pend_len, data, n);
         x->pend = p;
         x->pend_len += n;
     }
     x->in_eof |= eof != 0;
     flush_stdin(x);
+}
+
+static void do_resize(uint32_t id, struct rd *r)
+{
+    uint64_t rows = get_u64(r), cols = get_u64(r);
+    struct exec *x = exec_by_id(id);
+    struct winsize ws = {.ws_row = (unsigned short)rows, .ws_col = (unsigned short)cols};
+
+    if (!r->bad && x && x->pty && x->out[1] >= 0)
+        ioctl(x->out[1], TIOCSWINSZ, &ws); /* the kernel signals the foreground group */
 }
 
 static void do_kill(uint32_t id, struct rd *r)
@@ -1200,6 +1300,9 @@ struct tarw {
     uint64_t max_bytes, file_bytes, entries, skipped;
     int err;
     char what[160];
+    int outfd;          /* >= 0: the bytes go there (a directory copy's stdout), not in DATA frames */
+    int copy;           /* a directory copy (tar_get_main): its rules, not the writable layer's */
+    uint64_t max_entries, copied; /* a copy's limit and its entries (headers, pax ones too, are `entries`) */
 };
 
 #define TAR_FRAME (256u << 10)
@@ -1209,7 +1312,9 @@ static void tar_send(struct tarw *t)
 {
     uint32_t blen = t->data.len > 13 ? (uint32_t)(t->data.len - 13) : 0;
 
-    if (blen) {
+    if (blen && t->outfd >= 0) {
+        write_all(t->outfd, t->data.p + 13, blen);
+    } else if (blen) {
         t->data.p[9] = (unsigned char)(blen >> 24); /* the byte string's length */
         t->data.p[10] = (unsigned char)(blen >> 16);
         t->data.p[11] = (unsigned char)(blen >> 8);
@@ -1346,12 +1451,16 @@ static void tar_xattrs(int fd, struct buf *pax)
 
 static int tar_tree(struct tarw *t, int dfd, const char *prefix);
 
+static int copy_entry(struct tarw *t, int dfd, const char *name, const char *rel);
+
 static int tar_entry(struct tarw *t, int dfd, const char *name, const char *rel)
 {
     struct stat st;
     struct buf pax = {0};
     int fd = -1, rc = 0;
 
+    if (t->copy)
+        return copy_entry(t, dfd, name, rel);
     if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) < 0)
         return 0; /* gone meanwhile (nothing runs, but the kernel may) */
     if (S_ISDIR(st.st_mode) || S_ISREG(st.st_mode)) {
@@ -1442,7 +1551,7 @@ static int tar_tree(struct tarw *t, int fd, const char *prefix)
 
 static void do_tar(uint32_t id, struct rd *r)
 {
-    struct tarw t = {.id = id};
+    struct tarw t = {.id = id, .outfd = -1};
     struct stat st;
     unsigned char zeros[1024] = {0};
     int fd, rc;
@@ -1486,6 +1595,409 @@ static void do_tar(uint32_t id, struct rd *r)
     send_msg(&out);
 }
 
+
+/* ---- directory copies (file_tar_get, file_tar_put) ------------------------- */
+
+/* Each runs in a child of the agent started like an exec (M_EXEC with
+ * EXEC_TAR_GET or EXEC_TAR_PUT, argv[0] the directory), so its bytes flow
+ * through the exec's pipes with their flow control and the agent's loop
+ * never waits on a tree. The rules are the container backend's
+ * (dsecd/fs/tarcopy.py): out, symlinks stored and never followed, FIFOs,
+ * sockets, devices and kernel filesystems skipped and reported; in, every
+ * entry made under a new directory beside the destination with
+ * RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS (no symlink, the archive's or one
+ * planted meanwhile, is followed), renamed into place at the end, removed
+ * on any failure. The host checks the archive (dsecd/tarsafe.py) and sends
+ * the entries as records (dsecd/engine/microvms.py). Reports go to stderr
+ * as NUL-separated fields: "skip" type reason path, "done" entries bytes,
+ * "err" errno what. */
+
+static void report(const char *a, const char *b, const char *c, const char *d)
+{
+    struct buf b2 = {0};
+    const char *f[4] = {a, b, c, d};
+
+    for (int i = 0; i < 4 && f[i]; i++) { /* each field and its NUL, as they are */
+        size_t n = strlen(f[i]) + 1;
+
+        buf_need(&b2, n);
+        memcpy(b2.p + b2.len, f[i], n);
+        b2.len += n;
+    }
+    write_all(2, b2.p, b2.len); /* one write: the reports of one entry stay whole */
+    free(b2.p);
+}
+
+static void report_err(int err, const char *what)
+{
+    char num[16];
+
+    snprintf(num, sizeof(num), "%d", err);
+    report("err", num, what, NULL);
+}
+
+static int kernel_fs(int fd)
+{
+    static const long magics[] = {0x9fa0, 0x62656572, 0x64626720, 0x74726163, 0x73636673, 0x27e0eb, 0x63677270,
+                                  (long)0xcafe4a11, 0x1cd1, 0x6e736673, (long)0xde5e81e4, 0x6165676c, 0x42494e4d,
+                                  (long)0xf97cff8c, 0x43415d53};
+    struct statfs sf;
+
+    if (fstatfs(fd, &sf) < 0)
+        return 0;
+    for (size_t i = 0; i < sizeof(magics) / sizeof(magics[0]); i++)
+        if ((long)sf.f_type == magics[i])
+            return 1;
+    return 0;
+}
+
+static int copy_count(struct tarw *t, const char *rel, uint64_t size)
+{
+    t->copied++;
+    t->file_bytes += size;
+    if (t->copied > t->max_entries || t->file_bytes > t->max_bytes) {
+        errno = EFBIG;
+        snprintf(t->what, sizeof(t->what), "at %.100s: the tree has more than %llu entries or %llu bytes",
+                 rel[0] ? rel : ".", (unsigned long long)t->max_entries, (unsigned long long)t->max_bytes);
+        return -1;
+    }
+    return 0;
+}
+
+/* As the copy stores it: owner 0:0, permission bits and sticky only. */
+static struct stat copy_stat(const struct stat *st)
+{
+    struct stat c = *st;
+
+    c.st_uid = c.st_gid = 0;
+    c.st_mode &= 01777;
+    return c;
+}
+
+static int copy_entry(struct tarw *t, int dfd, const char *name, const char *rel)
+{
+    struct stat st, cs;
+    int fd;
+
+    if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) < 0)
+        return 0; /* removed while we walked */
+    if (S_ISLNK(st.st_mode)) {
+        char target[4096];
+        ssize_t n = readlinkat(dfd, name, target, sizeof(target) - 1);
+
+        if (n < 0) {
+            report("skip", "unknown", "replaced while copied", rel);
+            return 0;
+        }
+        target[n] = 0;
+        if (copy_count(t, rel, 0) < 0)
+            return -1;
+        cs = copy_stat(&st);
+        tar_header(t, rel, '2', &cs, 0, target, NULL);
+        return 0;
+    }
+    if (!S_ISDIR(st.st_mode) && !S_ISREG(st.st_mode)) {
+        report("skip", type_of(st.st_mode), "not a file, directory or symlink: not copied", rel);
+        return 0;
+    }
+    fd = openat(dfd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC |
+                (S_ISDIR(st.st_mode) ? O_DIRECTORY : 0));
+    if (fd < 0 || fstat(fd, &st) < 0 || (!S_ISDIR(st.st_mode) && !S_ISREG(st.st_mode))) {
+        if (fd >= 0)
+            close(fd);
+        report("skip", "unknown", "replaced while copied", rel);
+        return 0;
+    }
+    if (kernel_fs(fd)) {
+        close(fd);
+        report("skip", S_ISDIR(st.st_mode) ? "dir" : "file", "on a kernel filesystem, a kernel interface", rel);
+        return 0;
+    }
+    cs = copy_stat(&st);
+    if (S_ISDIR(st.st_mode)) {
+        if (copy_count(t, rel, 0) < 0) {
+            close(fd);
+            return -1;
+        }
+        tar_header(t, rel, '5', &cs, 0, NULL, NULL);
+        return tar_tree(t, fd, rel); /* closes fd */
+    }
+    {
+        static unsigned char chunk[1 << 16];
+        uint64_t left = (uint64_t)st.st_size;
+        int shrank = 0;
+
+        if (copy_count(t, rel, left) < 0) {
+            close(fd);
+            return -1;
+        }
+        tar_header(t, rel, '0', &cs, left, NULL, NULL);
+        while (left) {
+            ssize_t n = read(fd, chunk, left < sizeof(chunk) ? left : sizeof(chunk));
+            if (n <= 0) { /* shrank while copied: the header's size still holds */
+                memset(chunk, 0, sizeof(chunk));
+                n = (ssize_t)(left < sizeof(chunk) ? left : sizeof(chunk));
+                shrank = 1;
+            }
+            tar_put(t, chunk, (size_t)n);
+            left -= (uint64_t)n;
+        }
+        memset(chunk, 0, 512);
+        tar_put(t, chunk, (512 - (size_t)(st.st_size % 512)) % 512);
+        if (shrank)
+            report("skip", "file", "shrank while copied: zero-padded", rel);
+    }
+    close(fd);
+    return 0;
+}
+
+/* The tar of directory `path` to stdout; exit 0, 1 on an error, 3 past the limits. */
+static int tar_get_main(const char *path, uint64_t max_entries, uint64_t max_bytes)
+{
+    struct tarw t = {.outfd = 1, .copy = 1, .max_entries = max_entries, .max_bytes = max_bytes};
+    unsigned char zeros[1024] = {0};
+    struct stat st, cs;
+    char num[2][24];
+    int fd = open_in_root(path, O_RDONLY | O_DIRECTORY, 0);
+
+    if (fd < 0 || fstat(fd, &st) < 0) {
+        report_err(errno, "open");
+        return 1;
+    }
+    tar_send(&t); /* starts the buffer */
+    cs = copy_stat(&st);
+    if (copy_count(&t, "", 0) < 0)
+        goto fail;
+    tar_header(&t, ".", '5', &cs, 0, NULL, NULL);
+    if (tar_tree(&t, fd, "") < 0)
+        goto fail;
+    tar_put(&t, zeros, sizeof(zeros));
+    tar_send(&t);
+    snprintf(num[0], sizeof(num[0]), "%llu", (unsigned long long)t.copied);
+    snprintf(num[1], sizeof(num[1]), "%llu", (unsigned long long)t.file_bytes);
+    report("done", num[0], num[1], NULL);
+    return 0;
+fail:
+    report_err(errno, t.what);
+    return errno == EFBIG ? 3 : 1;
+}
+
+/* Exactly n bytes of stdin; 0 at its end before any, -1 cut short or failed. */
+static int read_in(void *p, size_t n)
+{
+    size_t got = 0;
+
+    while (got < n) {
+        ssize_t k = read(0, (char *)p + got, n - got);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0)
+            return got || k < 0 ? -1 : 0;
+        got += (size_t)k;
+    }
+    return 1;
+}
+
+static uint64_t be64(const unsigned char *p)
+{
+    uint64_t v = 0;
+
+    for (int i = 0; i < 8; i++)
+        v = v << 8 | p[i];
+    return v;
+}
+
+/* The directory holding `rel` below topfd (no symlink followed) and its last name. */
+static int put_parent(int topfd, char *rel, const char **leaf)
+{
+    struct {
+        uint64_t flags, mode, resolve;
+    } how = {.flags = O_PATH | O_DIRECTORY | O_CLOEXEC, .resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS};
+    char *slash = strrchr(rel, '/');
+    int fd;
+
+    if (!slash) {
+        *leaf = rel;
+        return dup(topfd);
+    }
+    *slash = 0;
+    fd = (int)syscall(__NR_openat2, topfd, rel, &how, sizeof(how));
+    *slash = '/';
+    *leaf = slash + 1;
+    return fd;
+}
+
+/* One record: kind, rel, mode, mtime (s), size, then size bytes (a file's
+ * data, a link's target). Kinds: d a directory (mode 0700 until its D), f
+ * a file, s a symlink, h a hard link to a file made before, D a directory's
+ * mode and mtime (2^64-1: none; sent last, deepest first), E the end: rename
+ * into place. */
+static int put_record(int topfd, int pfd, const char *tmp, const char *name, int *ended)
+{
+    unsigned char head[5];
+    unsigned char nums[20];
+    char rel[4097], *data = NULL;
+    const char *leaf, *what = "read the copy's input";
+    uint32_t rlen;
+    uint64_t size, mode, mtime;
+    int dfd = -1, fd = -1, rc = -1;
+
+    int k = read_in(head, 5);
+    if (k <= 0) {
+        errno = k == 0 ? ECONNABORTED : errno ? errno : EIO;
+        report_err(errno, k == 0 ? "the copy's input ended before its archive did" : what);
+        return -1;
+    }
+    rlen = (uint32_t)head[1] << 24 | (uint32_t)head[2] << 16 | (uint32_t)head[3] << 8 | head[4];
+    if (rlen >= sizeof(rel) || (rlen && read_in(rel, rlen) <= 0)) {
+        report_err(EINVAL, what);
+        return -1;
+    }
+    rel[rlen] = 0;
+    if (read_in(nums, 20) <= 0) {
+        report_err(EINVAL, what);
+        return -1;
+    }
+    mode = (uint64_t)nums[0] << 24 | (uint64_t)nums[1] << 16 | (uint64_t)nums[2] << 8 | nums[3];
+    mtime = be64(nums + 4);
+    size = be64(nums + 12);
+    if (head[0] == 'E') {
+        if (syscall(SYS_renameat2, pfd, tmp, pfd, name, RENAME_NOREPLACE) < 0) {
+            report_err(errno, "rename the copy into place");
+            return -1;
+        }
+        *ended = 1;
+        return 0;
+    }
+    if (head[0] != 'f' && size) {
+        if (size > 4096 || !(data = calloc(1, size + 1)) || read_in(data, size) <= 0) {
+            report_err(EINVAL, what);
+            goto done;
+        }
+    }
+    if (head[0] == 'D' && !rlen) {
+        dfd = dup(topfd);
+        leaf = ".";
+    } else {
+        dfd = put_parent(topfd, rel, &leaf);
+    }
+    what = rel;
+    if (dfd < 0)
+        goto err;
+    struct timespec ts[2] = {{.tv_sec = (time_t)mtime}, {.tv_sec = (time_t)mtime}};
+    switch (head[0]) {
+    case 'd':
+        if (mkdirat(dfd, leaf, 0700) < 0)
+            goto err;
+        break;
+    case 'D':
+        fd = openat(dfd, leaf, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        if (fd < 0 || fchmod(fd, (mode_t)(mode & 01777)) < 0 || (mtime != UINT64_MAX && futimens(fd, ts) < 0))
+            goto err;
+        break;
+    case 'f': {
+        static unsigned char chunk[1 << 16];
+
+        fd = openat(dfd, leaf, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+        if (fd < 0)
+            goto err;
+        while (size) {
+            size_t n = size < sizeof(chunk) ? (size_t)size : sizeof(chunk);
+            if (read_in(chunk, n) <= 0) {
+                report_err(ECONNABORTED, "the copy's input ended inside a file");
+                goto done;
+            }
+            const unsigned char *p = chunk;
+            size_t left = n;
+            while (left) {
+                ssize_t w = write(fd, p, left);
+                if (w < 0 && errno == EINTR)
+                    continue;
+                if (w < 0)
+                    goto err;
+                p += w;
+                left -= (size_t)w;
+            }
+            size -= n;
+        }
+        if (fchmod(fd, (mode_t)(mode & 01777)) < 0 || futimens(fd, ts) < 0)
+            goto err;
+        break;
+    }
+    case 's':
+        if (!data || symlinkat(data, dfd, leaf) < 0 || utimensat(dfd, leaf, ts, AT_SYMLINK_NOFOLLOW) < 0)
+            goto err;
+        break;
+    case 'h': {
+        const char *sleaf;
+        int sfd = data ? put_parent(topfd, data, &sleaf) : -1;
+
+        if (sfd < 0)
+            goto err;
+        int l = linkat(sfd, sleaf, dfd, leaf, 0);
+        int e = errno;
+        close(sfd);
+        errno = e;
+        if (l < 0)
+            goto err;
+        break;
+    }
+    default:
+        report_err(EINVAL, "unknown record in the copy's input");
+        goto done;
+    }
+    rc = 0;
+    goto done;
+err:
+    report_err(errno, what);
+done:
+    if (fd >= 0)
+        close(fd);
+    if (dfd >= 0)
+        close(dfd);
+    free(data);
+    return rc;
+}
+
+static int tar_put_main(const char *path)
+{
+    const char *name;
+    char tmp[64];
+    struct stat st;
+    int pfd = open_parent(path, &name), topfd = -1, ended = 0;
+    uint64_t removed = 0;
+    unsigned char rnd[6];
+
+    if (pfd < 0) {
+        report_err(errno, "open the parent directory");
+        return 1;
+    }
+    if (fstatat(pfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0) {
+        report_err(EEXIST, "exists; remove it first or copy to a new path");
+        return 1;
+    }
+    if (getrandom(rnd, sizeof(rnd), 0) != sizeof(rnd))
+        memset(rnd, 0, sizeof(rnd));
+    snprintf(tmp, sizeof(tmp), ".dsec-put-%02x%02x%02x%02x%02x%02x", rnd[0], rnd[1], rnd[2], rnd[3], rnd[4], rnd[5]);
+    if (mkdirat(pfd, tmp, 0700) < 0) {
+        report_err(errno, "make the copy's directory");
+        return 1;
+    }
+    topfd = openat(pfd, tmp, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (topfd < 0) {
+        report_err(errno, "open the copy's directory");
+        remove_at(pfd, tmp, 1, &removed);
+        return 1;
+    }
+    while (!ended)
+        if (put_record(topfd, pfd, tmp, name, &ended) < 0) {
+            remove_at(pfd, tmp, 1, &removed);
+            return 1;
+        }
+    report("done", NULL, NULL, NULL);
+    return 0;
+}
+
 static void dispatch(uint8_t type, uint32_t id, const unsigned char *body, size_t n)
 {
     struct rd r = {.p = body, .end = body + n};
@@ -1495,6 +2007,7 @@ static void dispatch(uint8_t type, uint32_t id, const unsigned char *body, size_
     case M_EXEC: do_exec(id, &r); break;
     case M_STDIN: do_stdin(id, &r); break;
     case M_KILL: do_kill(id, &r); break;
+    case M_RESIZE: do_resize(id, &r); break;
     case M_READ: do_read(id, &r); break;
     case M_WRITE: do_write(id, &r); break;
     case M_STAT: do_stat(id, &r); break;

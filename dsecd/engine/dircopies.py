@@ -23,6 +23,7 @@ from ..fs import tarcopy
 from ..initlink import InitExec
 from . import copier
 from .files import CopyByInit
+from .microvms import MicroVMService
 from .sandboxes import Sandbox, SandboxRegistry
 from .workers import Workers
 
@@ -89,8 +90,10 @@ class DirCopyService:
     starts a sandbox's copier (the backend's)."""
 
     def __init__(self, registry: SandboxRegistry, workers: Workers, ensure_running, max_chunk: int,
-                 max_entries: int, max_bytes: int, max_puts: int, idle_timeout: float, copy_by_init: CopyByInit):
+                 max_entries: int, max_bytes: int, max_puts: int, idle_timeout: float, copy_by_init: CopyByInit,
+                 vms: MicroVMService | None = None):
         self.registry = registry
+        self.vms = vms                  # microVM sandboxes' copies run in their guests (MicroVMService)
         self.copy_by_init = copy_by_init
         self.workers = workers
         self.ensure_running = ensure_running
@@ -127,6 +130,8 @@ class DirCopyService:
         self.puts += 1
         ctx.register_input(pipe)
         try:
+            if sb.backend == "microvm":
+                return await self.vms.tar_put(sb, req.path, pipe, self.max_entries, self.max_bytes)
             return await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap), tarcopy.put_tree,
                                           sb.handle.rootfd, req.path, pipe, self.max_entries, self.max_bytes,
                                           self._filler(sb, where))
@@ -175,6 +180,8 @@ class DirCopyService:
     async def get(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
         await self.ensure_running(sb, "directory copy")
+        if sb.backend == "microvm":
+            return await self.vms.tar_get(sb, req.path, self.max_entries, self.max_bytes, ctx)
         where = f"{sb.id}:{req.path}"
         idmap = userns.IdMap.from_record(sb.idmap)
         try:        # a bad path is refused here, before anything is read

@@ -19,11 +19,14 @@ import errno
 import logging
 import os
 import shutil
+import struct
+import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
 
-from .. import fds, userns
+from .. import fds, tarsafe, userns
 from ..backends.microvm import wire
 from ..backends.microvm.agent import AgentError, AgentExec, AgentGone
 from ..backends.microvm.backend import MIN_GUEST_MEMORY, Machine, MicroVMBackend, VmError, VmHandle
@@ -31,6 +34,7 @@ from ..errors import (
     BadRequest,
     Conflict,
     DsecError,
+    LimitExceeded,
     Unsupported,
     exec_error,
     io_error,
@@ -50,17 +54,30 @@ KILL_GRACE_S = 10.0     # a killed exec's EXITED should come at once; past this 
 class VmExec:
     """A running VM exec as the server sees it (ctx.register_exec): stdin in, cancel."""
 
-    has_tty = False
     cancelled = False
 
-    def __init__(self, takes_stdin: bool):
+    def __init__(self, takes_stdin: bool, has_tty: bool = False):
         self.takes_stdin = takes_stdin
+        self.has_tty = has_tty
         self.run: AgentExec | None = None
+        # Set once the exec was sent to the agent (or failed to be): input
+        # that comes before waits for it instead of being lost.
+        self.sent = asyncio.Event()
+
+    def resize(self, rows: int, cols: int) -> None:
+        if self.run is None:
+            raise OSError(errno.EAGAIN, "the terminal is not open yet: the exec is starting")
+        try:
+            self.run.resize(rows, cols)
+        except AgentGone as err:
+            raise OSError(errno.EBADF, f"the terminal is closed: {err}") from err
 
     async def feed_stdin(self, data: bytes, eof: bool) -> None:
+        """Waits while the process does not read (AgentExec.send_stdin)."""
+        await self.sent.wait()
         if self.run is not None:
-            self.run.send_stdin(bytes(data), eof)
-            await self.run.link.writer.drain()
+            with contextlib.suppress(AgentGone):        # the VM is going: the exec reports its end
+                await self.run.send_stdin(bytes(data), eof)
 
 
 class MicroVMService:
@@ -350,11 +367,18 @@ class MicroVMService:
         return h.agent
 
     async def exec(self, sb: Sandbox, req, env: list[str], cwd: str, user: int, timeout: float | None, ctx) -> dict:
-        if req.pty or req.trace:
-            raise Unsupported("backend microvm runs no pty or traced execs yet: drop pty/trace")
+        if req.trace:
+            raise Unsupported("backend microvm runs no traced execs yet: drop trace")
         link = self._agent(sb)
         argv = list(req.argv)
-        io = VmExec(req.stdin)
+        # A terminal (pty) session streams with no output cap, as a
+        # container's (execio.PtyIO): a cap would hang up a long session.
+        window = None
+        if req.pty:
+            from .execs import DEFAULT_WINDOW  # (execs imports this module)
+            window = DEFAULT_WINDOW if req.rows is None else (req.rows, req.cols)
+        cap = sys.maxsize if req.pty else self.max_output
+        io = VmExec(req.stdin or req.pty, has_tty=req.pty)
         out: dict[int, list[bytes]] = {1: [], 2: []}
         delivered, truncated, timed_out = 0, False, False
         started = time.monotonic()
@@ -362,7 +386,10 @@ class MicroVMService:
         ctx.register_exec(io)
         run = None
         try:
-            run = io.run = await link.start_exec(argv, env, cwd, user, req.stdin)
+            try:
+                run = io.run = await link.start_exec(argv, env, cwd, user, req.stdin or req.pty, window=window)
+            finally:
+                io.sent.set()
             loop = asyncio.get_running_loop()
             deadline = None if timeout is None else loop.time() + timeout
             status = None
@@ -381,7 +408,7 @@ class MicroVMService:
                 kind = ev[0]
                 if kind == "out":
                     data = ev[2]
-                    room = self.max_output - delivered
+                    room = cap - delivered
                     if len(data) > room:
                         data, truncated = data[:room], True
                         run.kill()       # the cap: like EPIPE on the container side, the process stops
@@ -466,6 +493,154 @@ class MicroVMService:
         finally:
             await self.workers.run(shutil.rmtree, work, True)
 
+    # ------------------------------------------------------------ directory copies
+
+    async def tar_get(self, sb: Sandbox, path: str, max_entries: int, max_bytes: int, ctx) -> dict:
+        """file_tar_get: a child of the guest agent walks the directory and
+        writes the tar to its stdout (csrc/guest/agent.c, tar_get_main), by
+        the container backend's rules; its chunks go to the client as they
+        come."""
+        path = _check(path)
+        where = f"{sb.id}:{path}"
+
+        async def emit(data: bytes) -> None:
+            await ctx.emit({"data": data})
+
+        code, reports = await self._copy(sb, "copy out of", where, [path, str(max_entries), str(max_bytes)],
+                                         wire.EXEC_TAR_GET, emit)
+        if code == 0 and "done" in reports:
+            count, size = reports["done"]
+            return {"path": path, "count": int(count), "bytes": int(size), "skipped": reports["skip"]}
+        raise self._copy_failed("copy out of", where, code, reports, max_entries, max_bytes)
+
+    async def tar_put(self, sb: Sandbox, path: str, pipe, max_entries: int, max_bytes: int) -> dict:
+        """file_tar_put: the client's tar (`pipe`, a dircopies.ChunkPipe) is
+        read and checked here (dsecd/tarsafe.py, in a worker) and its entries
+        sent as records to a child of the guest agent that makes them under a
+        new directory and renames it into place (agent.c, tar_put_main). A
+        refused or broken copy leaves nothing: the child removes what it made
+        when its input ends before the end record."""
+        path = _check(path)
+        where = f"{sb.id}:{path}"
+        if path == "/":
+            raise BadRequest(f"copy into {where}: cannot copy a directory onto /; name a new directory below it",
+                             {"path": path})
+        loop = asyncio.get_running_loop()
+        started: asyncio.Future = loop.create_future()
+
+        def send(data: bytes, eof: bool) -> None:          # from the worker
+            run = started.result()
+            asyncio.run_coroutine_threadsafe(run.send_stdin(data, eof), loop).result()
+            if not eof and (run.ended or run.done):
+                raise _CopyEnded()
+
+        async def records() -> tarsafe.Seen:
+            run = await started
+            try:
+                return await self.workers.run(_put_records, pipe, send, max_entries, max_bytes)
+            except BaseException:
+                # Refused, broken or abandoned: the child's input ends before
+                # the end record, so it removes what it made and exits.
+                with contextlib.suppress(AgentGone):
+                    run.close_stdin_nowait()
+                raise
+
+        feeding = loop.create_task(records())
+        try:
+            code, reports = await self._copy(sb, "copy into", where, [path], wire.EXEC_TAR_PUT, None, started)
+        except BaseException:
+            feeding.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise
+        finally:
+            if not started.done():
+                started.cancel()
+            pipe.end("the copy request ended")        # the worker, if still reading, stops
+        seen, failed = None, None
+        try:
+            seen = await feeding
+        except Exception as err:
+            failed = err
+        if code == 0 and "done" in reports and seen is not None:
+            return {"path": path, "count": seen.entries, "bytes": seen.bytes}
+        if isinstance(failed, tarsafe.Refused):
+            raise BadRequest(f"copy into {where}: {failed}", {"path": where}) from failed
+        if isinstance(failed, tarsafe.TooLarge):
+            raise LimitExceeded(f"copy into {where}: {failed} (limits.max_tar_entries, limits.max_tar_bytes)",
+                                {"max_entries": max_entries, "max_bytes": max_bytes}) from failed
+        if isinstance(failed, (tarfile.TarError, EOFError)):
+            raise BadRequest(f"copy into {where}: the tar stream is not a valid archive: {failed}",
+                             {"path": where}) from failed
+        if type(failed).__name__ == "Aborted" and reports.get("err", (str(errno.ECONNABORTED),))[0] == str(
+                errno.ECONNABORTED):
+            # (dircopies.Aborted: the request was cancelled or its client sent nothing in time)
+            raise Conflict(f"copy into {where}: {failed}; nothing was left behind") from failed
+        if failed is not None and not isinstance(failed, (_CopyEnded, OSError)) and type(failed).__name__ != "Aborted":
+            raise failed
+        raise self._copy_failed("copy into", where, code, reports, max_entries, max_bytes)
+
+    async def _copy(self, sb: Sandbox, verb: str, where: str, argv: list[str], flags: int, on_out,
+                    started: asyncio.Future | None = None) -> tuple[int | None, dict]:
+        """Run one copy child to its end: its stdout to on_out, its reports
+        (NUL-separated fields on stderr) parsed; (exit code, reports). It
+        counts as a running exec (no pause, no idle expiry meanwhile); a
+        cancel ends its input (a put's child then removes what it made) and
+        kills it."""
+        link = self._agent(sb)
+        put = bool(flags & wire.EXEC_TAR_PUT)
+        sb.execs += 1
+        run = None
+        err_out = bytearray()
+        try:
+            run = await link.start_exec(argv, [], "/", 0, put, flags)
+            if started is not None:
+                started.set_result(run)
+            status = None
+            while status is None:
+                ev = await run.events.get()
+                if ev[0] == "out":
+                    if ev[1] == 1 and on_out is not None:
+                        await on_out(ev[2])
+                    elif ev[1] == 2 and len(err_out) < self.max_output:
+                        err_out += ev[2]
+                elif ev[0] == "exited":
+                    status = ev[1]
+                elif ev[0] == "error":
+                    raise io_error(verb, where, ev[1])
+                elif ev[0] == "gone":
+                    raise Conflict(f"sandbox {sb.id} is exiting; the directory copy ended with its VM",
+                                   {"sandbox": sb.id})
+        except AgentGone as err:
+            raise Conflict(f"sandbox {sb.id} is exiting: {err}", {"sandbox": sb.id}) from err
+        except BaseException:
+            if run is not None and not run.done:
+                with contextlib.suppress(AgentGone):
+                    run.close_stdin_nowait()
+                    if not put:
+                        run.kill()
+            raise
+        finally:
+            if run is not None:
+                link.forget(run)
+            sb.execs -= 1
+            sb.last_active = time.monotonic()
+        code, _sig = _decode_status(status)
+        return code, _reports(bytes(err_out), put)
+
+    @staticmethod
+    def _copy_failed(verb: str, where: str, code: int | None, reports: dict, max_entries: int,
+                     max_bytes: int) -> DsecError:
+        if "err" in reports:
+            num, what = reports["err"]
+            num = int(num) or errno.EIO
+            if code == 3:
+                return LimitExceeded(f"{verb} {where}: {what} (limits.max_tar_entries, limits.max_tar_bytes)",
+                                     {"max_entries": max_entries, "max_bytes": max_bytes})
+            if num == errno.EEXIST and what.startswith("exists"):
+                return io_error(verb, where, OSError(num, f"{where.partition(':')[2]} {what}"))
+            return io_error(verb, where, OSError(num, f"{os.strerror(num)} (at {what or '.'})"))
+        return DsecError(f"{verb} {where}: the guest's copy ended with status {code} and no report",
+                         code="io")
+
     # ------------------------------------------------------------ files
 
     async def _file(self, sb: Sandbox, verb: str, where: str, kind: int, *fields: bytes) -> wire.Reader:
@@ -532,6 +707,101 @@ class MicroVMService:
                                  wire.u64(1 if req.recursive else 0))
             return {"path": path, "removed": r.u64()}
         raise Unsupported(f"{op} is not available for backend microvm yet")
+
+
+class _CopyEnded(Exception):
+    """A put's child ended before its input did (it reported why)."""
+
+
+PUT_CHUNK = 256 << 10       # records go to the guest in stdin chunks of about this size
+
+
+def _put_records(pipe, send, max_entries: int, max_bytes: int) -> tarsafe.Seen:
+    """Read the tar from `pipe` (in a worker), check each entry as the
+    container backend does (tarsafe.check) and send(data, eof) its records
+    (csrc/guest/agent.c, put_record): missing parent directories first,
+    directories' modes last, deepest first, then the end."""
+    seen = tarsafe.Seen(max_entries, max_bytes)
+    out = bytearray()
+    made = {""}
+    dir_modes: dict[str, tuple[int, int]] = {"": (0o755, -1)}
+
+    def record(kind: bytes, rel: str, mode: int = 0, mtime: int = 0, data: bytes = b"",
+               size: int | None = None) -> None:
+        name = rel.encode(errors="surrogateescape")
+        stamp = 2**64 - 1 if mtime < 0 else int(mtime)
+        out.extend(kind + struct.pack(">I", len(name)) + name
+                   + struct.pack(">IQQ", mode, stamp, len(data) if size is None else size) + data)
+        if len(out) >= PUT_CHUNK:
+            flush()
+
+    def flush(eof: bool = False) -> None:
+        if out or eof:
+            send(bytes(out), eof)
+            out.clear()
+
+    def make_dirs(rel: str) -> None:
+        path = ""
+        for part in rel.split("/") if rel else ():
+            path = f"{path}/{part}" if path else part
+            if path not in made:
+                record(b"d", path)
+                made.add(path)
+
+    with tarfile.open(fileobj=pipe, mode="r|", errorlevel=2) as tf:
+        for m in tf:
+            rel = tarsafe.check(m, seen)
+            if m.isdir():
+                dir_modes[rel] = (m.mode & tarsafe.KEPT_MODE, max(0, int(m.mtime)))
+                make_dirs(rel)
+                continue
+            make_dirs(rel.rpartition("/")[0])
+            if m.isreg():
+                record(b"f", rel, m.mode & tarsafe.KEPT_MODE, max(0, int(m.mtime)), size=m.size)
+                src = tf.extractfile(m)
+                left = m.size
+                while left:
+                    piece = src.read(min(PUT_CHUNK, left))
+                    if not piece:
+                        raise EOFError(f"the archive ends inside {m.name!r}")
+                    out.extend(piece)
+                    left -= len(piece)
+                    if len(out) >= PUT_CHUNK:
+                        flush()
+            elif m.issym():
+                record(b"s", rel, 0, max(0, int(m.mtime)), m.linkname.encode(errors="surrogateescape"))
+            else:
+                record(b"h", rel, data=tarsafe.entry_name(m.linkname).encode(errors="surrogateescape"))
+    while pipe.read(1 << 20):               # the zero padding after the archive, up to the input's end
+        pass
+    for rel, (mode, mtime) in sorted(dir_modes.items(), key=lambda kv: -kv[0].count("/") - bool(kv[0])):
+        if rel in made:
+            record(b"D", rel, mode, mtime)
+    record(b"E", "")
+    flush(eof=True)
+    return seen
+
+
+def _reports(data: bytes, put: bool) -> dict:
+    """A copy child's stderr: "skip" type reason path, "done" (a get's:
+    entries bytes), "err" errno what; NUL-separated fields."""
+    fields = [f.decode(errors="surrogateescape") for f in data.split(b"\0")]
+    out: dict = {"skip": []}
+    i = 0
+    while i < len(fields):
+        tag = fields[i]
+        if tag == "skip" and i + 3 < len(fields):
+            out["skip"].append({"type": fields[i + 1], "reason": fields[i + 2], "path": fields[i + 3]})
+            i += 4
+        elif tag == "done":
+            out["done"] = () if put else tuple(fields[i + 1:i + 3])
+            i += 1 if put else 3
+        elif tag == "err" and i + 2 < len(fields):
+            out["err"] = (fields[i + 1], fields[i + 2])
+            i += 3
+        else:
+            i += 1
+    return out
 
 
 def networked(sb: Sandbox) -> bool:

@@ -13,6 +13,7 @@ otherwise.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -66,6 +67,28 @@ def test_exec_stdin_and_streamed_output(box):
     assert r.exit_code == 0
     assert b"".join(seen) == b"line 1\nline 2\n" == r.stdout
     assert r.stderr == b"done\n"
+
+
+def test_exec_input_is_streamed_while_it_runs(box):
+    """Each line is sent only after the answer to the previous one came back:
+    input reaches the process while it runs, not buffered to its end."""
+    _, sb, _, _ = box
+    seen: list[bytes] = []
+
+    async def lines():
+        for i in range(3):
+            yield f"line {i}\n".encode()
+            for _ in range(3000):
+                if f"got line {i}\n".encode() in b"".join(seen):
+                    break
+                await asyncio.sleep(0.01)
+
+    stream = sb.exec_stream(["sh", "-c", 'while read l; do echo "got $l"; done; echo eof'], stdin=lines())
+    for fd, data in stream:
+        assert fd == 1
+        seen.append(data)
+    assert stream.result.exit_code == 0
+    assert b"".join(seen) == b"got line 0\ngot line 1\ngot line 2\neof\n"
 
 
 def test_exec_errors(box):
@@ -160,6 +183,26 @@ def test_snapshot_packs_the_writable_layer(box):
         other.destroy()
         c.request("image_rm", name=name)
     sb.exec(["rm", "-r", "/work/snap"])
+
+
+def test_lease_renewed_then_expired(box):
+    c, _, backend, _ = box
+    sb = c.create("busybox", backend=backend, memory="256M", net="none", disk="64M", lease=3)
+    try:
+        for _ in range(5):                  # longer than the lease, renewed within it
+            assert c.renew([sb.id, "nosuchsandbox"]) == {"renewed": [sb.id], "missing": ["nosuchsandbox"]}
+            time.sleep(1)
+        assert sb.id in {s["id"] for s in c.list()}
+        pid = sb.inspect()["init_pid"]
+        for _ in range(300):                # no more renewals: the reaper destroys it
+            if sb.id not in {s["id"] for s in c.list()}:
+                break
+            time.sleep(0.1)
+        assert sb.id not in {s["id"] for s in c.list()}
+        assert _is_zombie_gone(pid)
+    finally:
+        if sb.id in {s["id"] for s in c.list()}:
+            sb.destroy(force=True)
 
 
 def test_destroy_leaves_nothing(box, daemon):

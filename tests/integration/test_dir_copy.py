@@ -2,7 +2,11 @@
 download_dir, upload_tar; dsec cp -r): trees round-trip with their
 symlinks, empty files and modes; hostile archives are refused with the entry
 named and leave nothing behind; FIFOs and devices are neither copied nor
-copied onto; symlinks planted in the sandbox never lead a copy out."""
+copied onto; symlinks planted in the sandbox never lead a copy out.
+
+Each test runs on both backends: a container per test, and one microVM the
+module's tests share (its /work emptied before each), since a VM under TCG
+takes seconds to start."""
 
 from __future__ import annotations
 
@@ -15,6 +19,45 @@ import pytest
 
 from dsecd.errors import BadRequest, Conflict, DsecError, LimitExceeded, NotFound
 from dsecd.localcopy import LocalCopyError
+
+BACKENDS = ("container", "microvm")
+
+
+def _vm_available(c) -> None:
+    info = c.info()["backends"]["microvm"]
+    if not info["available"]:
+        pytest.skip(f"backend microvm unavailable here: {info['why']}")
+
+
+@pytest.fixture(scope="module")
+def vm(daemon):
+    c = daemon.client()
+    try:
+        _vm_available(c)
+        sb = c.create("busybox", backend="microvm", memory="256M", net="none", disk="96M")
+    except BaseException:
+        c.close()
+        raise
+    yield sb
+    try:
+        sb.destroy(force=True)
+    finally:
+        c.close()
+
+
+@pytest.fixture(params=BACKENDS)
+def sandbox(request, client):
+    if request.param == "microvm":
+        sb = request.getfixturevalue("vm")
+        sb.exec(["sh", "-c", "rm -rf /work /inside && mkdir /work"])
+        yield sb
+        return
+    sb = client.create(image="busybox", memory="128M")
+    yield sb
+    try:
+        sb.destroy(force=True)
+    except Exception:
+        pass
 
 
 def make_tree(top):
@@ -120,12 +163,17 @@ def test_a_truncated_archive_leaves_nothing(sandbox):
     assert not sandbox.exists("/work/cut") and leftovers(sandbox) == []
 
 
-def test_entry_and_byte_caps(daemon_factory, busybox_rootfs, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_entry_and_byte_caps(daemon_factory, busybox_rootfs, tmp_path, backend):
     d = daemon_factory('[limits]\nmax_tar_entries = 5\nmax_tar_bytes = "1K"\n')
     c = d.client()
     try:
         c.import_image(busybox_rootfs, "busybox")
-        sb = c.create(image="busybox", memory="64M")
+        if backend == "microvm":
+            _vm_available(c)
+            sb = c.create(image="busybox", backend="microvm", memory="256M", net="none", disk="64M")
+        else:
+            sb = c.create(image="busybox", memory="64M")
         many = [({"name": f"f{i}"}, b"") for i in range(10)]
         with pytest.raises(LimitExceeded, match="entries"):
             sb.upload_tar(tar_of(*many), "/work/many")

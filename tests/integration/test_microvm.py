@@ -8,11 +8,14 @@ the microvm backend is unavailable.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import os
 
 import pytest
+
+import dsecd
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +138,47 @@ def test_snapshot_of_a_vm_is_an_image_both_backends_run(vm_client):
     finally:
         vm.destroy()
     vm_client.request("image_rm", name="vm-snap")
+
+
+def test_stdin_is_held_back_while_the_process_does_not_read(vm_client, daemon):
+    """One chunk of stdin at a time is in the agent (it answers TAKEN once
+    the process's pipe has it): a process that does not read holds its
+    sender's exec_input, and the guest never buffers what the host sends."""
+    sb = _vm(vm_client)
+    piece, count = 1 << 16, 64
+
+    async def go():
+        async with dsecd.Client(daemon.socket) as c:
+            asb = await c.get(sb.id)
+            sent: list[int] = []
+
+            async def pieces():
+                for i in range(count):
+                    sent.append(i)
+                    yield b"x" * piece
+
+            # It reads nothing until /tmp/go exists, then counts what it gets.
+            stream = asb.exec_stream(["sh", "-c", "until [ -e /tmp/go ]; do sleep 0.1; done; wc -c"],
+                                     stdin=pieces())
+
+            async def collect() -> bytes:
+                return b"".join([data async for _, data in stream])
+
+            task = asyncio.create_task(collect())
+            for _ in range(300):
+                if len(sent) >= 2:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(2)          # room for a sender that is not held to run ahead
+            held = len(sent)
+            await asb.write_file("/tmp/go", b"")
+            out = await task
+            return held, out, stream.result
+
+    try:
+        held, out, result = asyncio.run(go())
+        # The pipe (64 KiB) took one chunk, the agent holds the next; the third waits in the client.
+        assert held <= 3, f"{held} chunks went to a process that read none"
+        assert result.exit_code == 0 and out.strip() == str(piece * count).encode()
+    finally:
+        sb.destroy(force=True)

@@ -83,10 +83,28 @@ def helper_sandbox(daemon_factory, busybox_rootfs):
     c.close()
 
 
-@pytest.fixture(params=["init", "helper"])
-def any_sandbox(request, sandbox):
-    """The same test through both starts: the sandbox's init and the daemon's helper."""
-    return sandbox if request.param == "init" else request.getfixturevalue("helper_sandbox")
+@pytest.fixture(scope="module")
+def vm_sandbox(daemon):
+    """One microVM the module's tests share (a VM under TCG takes seconds to start)."""
+    c = daemon.client()
+    info = c.info()["backends"]["microvm"]
+    if not info["available"]:
+        c.close()
+        pytest.skip(f"backend microvm unavailable here: {info['why']}")
+    sb = c.create("busybox", backend="microvm", memory="256M", net="none", disk="64M")
+    yield sb
+    try:
+        sb.destroy(force=True)
+    finally:
+        c.close()
+
+
+@pytest.fixture(params=["init", "helper", "microvm"])
+def any_sandbox(request):
+    """The same test through every start: the sandbox's init, the daemon's
+    helper, and a microVM's guest agent."""
+    name = {"init": "sandbox", "helper": "helper_sandbox", "microvm": "vm_sandbox"}[request.param]
+    return request.getfixturevalue(name)
 
 
 def test_shell_echoes_runs_and_exits_with_its_status(any_sandbox):

@@ -66,21 +66,56 @@ class ChardevTransport(Transport):
 class AgentExec:
     """One exec in the guest: its events, in order, on `events`:
     ("started", pid), ("out", fd, bytes), ("exited", wait status),
-    ("error", AgentError) for a start that failed, ("gone", AgentGone)."""
+    ("error", AgentError) for a start that failed, ("gone", AgentGone).
+    `taken` is set while no stdin it was sent waits in the agent."""
 
     def __init__(self, link: AgentLink, exec_id: int):
         self.link, self.id = link, exec_id
         self.events: asyncio.Queue = asyncio.Queue()
         self.done = False
+        self.ended = False          # EXITED, ERR or the channel's end came: no TAKEN will
+        self.taken = asyncio.Event()
+        self.taken.set()
+        self._stdin_lock = asyncio.Lock()      # exec_input requests in the order they came
 
     def kill(self, sig: int = 9) -> None:
         """SIGKILL (or sig) its process group in the guest."""
         if not self.done:
             self.link.send(wire.frame(wire.KILL, self.id, wire.u64(sig)))
 
-    def send_stdin(self, data: bytes, eof: bool) -> None:
-        if not self.done:
+    async def send_stdin(self, data: bytes, eof: bool) -> None:
+        """One chunk of stdin, once the agent has put the previous one into
+        the process's pipe (TAKEN): a process that does not read holds its
+        sender here, as a container's bounded stdin queue does, and the
+        guest never buffers more than one chunk per exec. Returns at once
+        when the exec has ended (its input is dropped, as a closed pipe's)."""
+        async with self._stdin_lock:
+            await self._settled()
+            if self.done or self.ended:
+                return
+            self.taken.clear()
             self.link.send(wire.frame(wire.STDIN, self.id, wire.u64(1 if eof else 0), wire.bstr(data)))
+            await self.link.writer.drain()
+            await self._settled()
+
+    def resize(self, rows: int, cols: int) -> None:
+        """A pty exec's window size (the agent's TIOCSWINSZ: SIGWINCH to its foreground group)."""
+        if self.done or self.ended:
+            raise OSError(errno.EBADF, "the terminal is closed: the exec has ended")
+        self.link.send(wire.frame(wire.RESIZE, self.id, wire.u64(rows), wire.u64(cols)))
+
+    def close_stdin_nowait(self) -> None:
+        """EOF on its stdin, without waiting (a copy abandoned, a request cancelled)."""
+        if not (self.done or self.ended or self.link.closed):
+            self.link.send(wire.frame(wire.STDIN, self.id, wire.u64(1), wire.bstr(b"")))
+
+    async def _settled(self) -> None:
+        while not self.taken.is_set() and not (self.done or self.ended):
+            await self.taken.wait()
+
+    def end(self) -> None:
+        self.ended = True
+        self.taken.set()
 
 
 class AgentLink:
@@ -152,13 +187,16 @@ class AgentLink:
         finally:
             self._pending.pop(msg_id, None)
 
-    async def start_exec(self, argv: list[str], env: list[str], cwd: str, uid: int, stdin: bool) -> AgentExec:
+    async def start_exec(self, argv: list[str], env: list[str], cwd: str, uid: int, stdin: bool,
+                         flags: int = 0, window: tuple[int, int] | None = None) -> AgentExec:
         """Send the exec; its events follow on the returned AgentExec (the
-        first is "started" or "error")."""
+        first is "started" or "error"). flags: wire.EXEC_TAR_GET or
+        EXEC_TAR_PUT run a directory copy of the agent's instead of argv;
+        window: (rows, cols): it runs on a terminal of that size."""
         run = AgentExec(self, next(self._ids))
         self._execs[run.id] = run
         try:
-            self.send(wire.exec_request(run.id, argv, env, cwd, uid, uid, stdin))
+            self.send(wire.exec_request(run.id, argv, env, cwd, uid, uid, stdin, flags, window))
             await self.writer.drain()
         except BaseException:
             self._execs.pop(run.id, None)
@@ -167,6 +205,7 @@ class AgentLink:
 
     def forget(self, run: AgentExec) -> None:
         run.done = True
+        run.taken.set()
         self._execs.pop(run.id, None)
 
     async def _read_loop(self) -> None:
@@ -189,6 +228,7 @@ class AgentLink:
             if not fut.done():
                 fut.set_exception(err)
         for run in self._execs.values():
+            run.end()
             run.events.put_nowait(("gone", err))
         self._pending.clear()
         self._execs.clear()
@@ -203,11 +243,15 @@ class AgentLink:
                 run.events.put_nowait(("out", fd, r.bytes()))
             elif kind == wire.STARTED:
                 run.events.put_nowait(("started", r.u64()))
+            elif kind == wire.TAKEN:
+                run.taken.set()
             elif kind == wire.EXITED:
                 self._execs.pop(msg_id, None)
+                run.end()
                 run.events.put_nowait(("exited", r.u64()))
             elif kind == wire.ERR:
                 self._execs.pop(msg_id, None)
+                run.end()
                 code = r.u64()
                 run.events.put_nowait(("error", AgentError(code, r.str())))
             return

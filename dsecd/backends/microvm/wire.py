@@ -13,10 +13,11 @@ import struct
 # host -> guest
 HELLO, EXEC, STDIN, KILL = 1, 2, 3, 4
 READ, WRITE, STAT, LIST, MKDIR, REMOVE, RENAME, SYNC, NET, TAR, PING = 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20
+RESIZE = 21
 # guest -> host
-READY, STARTED, OUT, EXITED, OK, ERR, DATA = 101, 102, 103, 104, 105, 106, 107
+READY, STARTED, OUT, EXITED, OK, ERR, DATA, TAKEN = 101, 102, 103, 104, 105, 106, 107, 108
 
-EXEC_STDIN = 1
+EXEC_STDIN, EXEC_TAR_GET, EXEC_TAR_PUT, EXEC_PTY = 1, 2, 4, 8   # TAR_*: a directory copy, no program
 WRITE_APPEND, WRITE_KEEP, WRITE_PARENTS = 1, 2, 4
 RENAME_OVERWRITE, RENAME_KEEP_ATTRS = 1, 2
 NO_OFFSET = 2**64 - 1
@@ -39,9 +40,13 @@ def frame(kind: int, msg_id: int, *fields: bytes) -> bytes:
 
 
 def exec_request(msg_id: int, argv: list[str], env: list[str], cwd: str, uid: int, gid: int,
-                 stdin: bool) -> bytes:
-    return frame(EXEC, msg_id, u64(uid), u64(gid), u64(EXEC_STDIN if stdin else 0), bstr(cwd),
-                 u64(len(argv)), *map(bstr, argv), u64(len(env)), *map(bstr, env))
+                 stdin: bool, flags: int = 0, window: tuple[int, int] | None = None) -> bytes:
+    """window: (rows, cols) of a pty exec's terminal (flags gets EXEC_PTY)."""
+    if window is not None:
+        flags |= EXEC_PTY
+    tail = (u64(window[0]), u64(window[1])) if window is not None else ()
+    return frame(EXEC, msg_id, u64(uid), u64(gid), u64(flags | (EXEC_STDIN if stdin else 0)), bstr(cwd),
+                 u64(len(argv)), *map(bstr, argv), u64(len(env)), *map(bstr, env), *tail)
 
 
 def net_request(msg_id: int, mac: bytes, ipv4: int, prefixlen: int, gateway: int, mtu: int) -> bytes:
