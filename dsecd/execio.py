@@ -43,6 +43,10 @@ from .fds import close_quietly, read_ready
 
 Emit = Callable[[int, bytes], Awaitable[None]]
 READ_CHUNK = 64 * 1024
+# A pty exec's window size when the request gives none, and the bound of
+# each side (struct winsize holds unsigned shorts); both backends use them.
+DEFAULT_WINDOW = (24, 80)
+MAX_WINDOW_SIDE = 65535
 
 
 class ExecIO:

@@ -13,7 +13,15 @@ from dataclasses import dataclass
 
 from .. import metrics, tracing, userns
 from ..errors import BadRequest, Conflict, DsecError, NotFound, Unsupported, io_error, run_error
-from ..execio import ChildWatch, Collector, ExecIO, PtyIO, kill_and_reap
+from ..execio import (
+    DEFAULT_WINDOW,
+    MAX_WINDOW_SIDE,
+    ChildWatch,
+    Collector,
+    ExecIO,
+    PtyIO,
+    kill_and_reap,
+)
 from ..initlink import InitExec
 from .denials import DenialService, ExecRef
 from .microvms import MicroVMService
@@ -24,12 +32,6 @@ from .workers import Workers
 
 # Waits before retrying an exec that failed with ETXTBSY (ExecService.exec).
 ETXTBSY_RETRY_S = (0.002, 0.01, 0.03, 0.1)
-
-
-# A pty exec's window size when the request gives none, and the bound of
-# each side (struct winsize holds unsigned shorts).
-DEFAULT_WINDOW = (24, 80)
-MAX_WINDOW_SIDE = 65535
 
 
 def check_window(rows: int, cols: int) -> None:

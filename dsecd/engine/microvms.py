@@ -39,7 +39,7 @@ from ..errors import (
     exec_error,
     io_error,
 )
-from ..execio import _decode_status
+from ..execio import DEFAULT_WINDOW, _decode_status
 from ..fs import files as sbfiles
 from ..fs import uppertar
 from .sandboxes import Sandbox
@@ -375,7 +375,6 @@ class MicroVMService:
         # container's (execio.PtyIO): a cap would hang up a long session.
         window = None
         if req.pty:
-            from .execs import DEFAULT_WINDOW  # (execs imports this module)
             window = DEFAULT_WINDOW if req.rows is None else (req.rows, req.cols)
         cap = sys.maxsize if req.pty else self.max_output
         io = VmExec(req.stdin or req.pty, has_tty=req.pty)
