@@ -16,7 +16,10 @@
                  download): decompressed (gzip, zstd) and unpacked in one
                  streaming pass (oci.extract_blob: entry checks, whiteouts,
                  both digests checked), built as one EROFS layer and recorded
-                 under its diff_id (images.py)
+                 under its diff_id (images.py). The layer is unpacked into a
+                 tmpfs of its own (images.pull_tmpfs), mounted for the
+                 conversion and unmounted after it; one too big for it is
+                 unpacked on the scratch disk instead (see _convert)
     5. publish   our manifest, then the name (last: a failed pull leaves no
                  name), pointing at it with its source (ref, digest, platform)
 
@@ -35,8 +38,10 @@ Everything here blocks: call it from a worker thread.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
+import logging
 import os
 import platform as host_platform
 import shutil
@@ -48,7 +53,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import imageconfig
+from .. import imageconfig, native
 from . import names, oci
 from .claims import Claim
 from .images import Image, ImageError, ImageStore
@@ -56,6 +61,7 @@ from .skopeo import RegistryError, Skopeo
 from .store import DIGEST_RE
 
 Progress = Callable[[dict], None]
+log = logging.getLogger(__name__)
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -107,6 +113,7 @@ class PullError(ImageError):
 @dataclass
 class PullSettings:
     convert_threads: int = 1
+    tmpfs_bytes: int = 1 << 30      # cap of the tmpfs a layer is unpacked into (0: the scratch disk)
     claim_stale_s: float = 60.0
     timeout_s: float = 3600.0
 
@@ -487,15 +494,60 @@ class Puller:
         layer.state = "converting"
         layer.reported = (layer.state, layer.bytes)
         emit(layer.event(of))
-        tree = Path(tempfile.mkdtemp(prefix="pull-", dir=self.images.scratch))
-        try:
-            oci.extract_blob(blobs / layer.digest.split(":", 1)[1], layer.digest, layer.diff_id, tree)
-            stored = self.images.build_layer(tree, hold=hold)
-        finally:
-            shutil.rmtree(tree, ignore_errors=True)
+        blob = blobs / layer.digest.split(":", 1)[1]
+        stored = None
+        cap = self.settings.tmpfs_bytes
+        if cap and layer.size <= cap:
+            stored = self._convert_in_tmpfs(layer, blob, hold, cap)
+        if stored is None:
+            tree = Path(tempfile.mkdtemp(prefix="pull-", dir=self.images.scratch))
+            try:
+                oci.extract_blob(blob, layer.digest, layer.diff_id, tree)
+                stored = self.images.build_layer(tree, hold=hold)
+            finally:
+                shutil.rmtree(tree, ignore_errors=True)
         self.images.record_diff_id(layer.diff_id, stored)
         layer.stored, layer.state = stored, "stored"
 
+    def _convert_in_tmpfs(self, layer: _Layer, blob: Path, hold, cap: int) -> dict | None:
+        """Unpack and build the layer in a tmpfs of at most `cap` bytes, mounted
+        on an empty directory of the scratch disk for the conversion alone:
+        the stored layer, or None when the layer's files did not fit (ENOSPC:
+        the caller unpacks it on the disk).
 
-
-
+        Why not the scratch disk: unpacking is one file create per tar entry,
+        and on ext4 a create scans the inode bitmap past every inode deleted
+        in the last minute or more (`recently_deleted`), each deletion of the
+        previous layer's tree making the next tree's creates slower; in the
+        daemon under load that was 1-20 ms a create and 22-31 s for a 224 MiB
+        image of 9,300 files, against ~4 s unpacked into tmpfs. Removing the
+        tree is one unmount, not 9,300 unlinks (and no discards of a disk
+        mounted with -o discard). The memory is taken only while the layer
+        converts; the mount lives in this process's mount namespace, where
+        nothing but the conversion uses it."""
+        mnt = Path(tempfile.mkdtemp(prefix="pull-mem-", dir=self.images.scratch))
+        mode = os.stat(mnt).st_mode & 0o7777
+        try:
+            fd = native.upperfs_create(cap, max(1 << 16, cap >> 10))
+            try:
+                native.upperfs_attach(fd, str(mnt))
+            finally:
+                os.close(fd)
+        except OSError as err:            # no tmpfs here (a container without mount rights)
+            os.rmdir(mnt)
+            log.warning("pull: no tmpfs for unpacking layer %s (%s); unpacking it on the scratch disk %s",
+                        layer.digest, err, self.images.scratch)
+            return None
+        try:
+            # The tree's root as on the disk path (a mkdtemp directory): the
+            # same layer gives the same EROFS bytes whichever way it went.
+            os.chmod(mnt, mode)
+            oci.extract_blob(blob, layer.digest, layer.diff_id, mnt)
+            return self.images.build_layer(mnt, hold=hold)
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+            return None
+        finally:
+            native.umount(str(mnt), detach=True)
+            os.rmdir(mnt)
