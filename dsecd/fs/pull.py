@@ -45,6 +45,7 @@ import logging
 import os
 import platform as host_platform
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -449,7 +450,10 @@ class Puller:
                 if time.monotonic() - t > self.settings.timeout_s:
                     raise PullError("io", f"pull of {r.name}: the download took over "
                                     f"{self.settings.timeout_s:.0f} s (images.pull_timeout_s)")
-                time.sleep(POLL_S)
+                # Woken by skopeo's exit, not at the next tick: the last blob
+                # then starts converting (and the download ends) at once.
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(POLL_S)
         finally:
             if proc.poll() is None:
                 proc.kill()
