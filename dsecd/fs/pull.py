@@ -49,6 +49,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -79,7 +80,8 @@ LAYER_TYPES = {
 }
 COPY_TAG = "pull"               # the tag skopeo writes in a work directory's index.json
 TEMP_PREFIX = "oci-put-blob"    # skopeo's temp file of a blob being downloaded (in the layout's root)
-PLACEHOLDERS = "placeholders"   # a work directory's list of the placeholders it holds
+PLACEHOLDERS = "placeholders"
+TRASH_PREFIX = ".discarded-"    # a published pull's work directory, being deleted (_discard)   # a work directory's list of the placeholders it holds
 POLL_S = 0.2
 ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "ppc64le": "ppc64le", "s390x": "s390x",
         "riscv64": "riscv64", "i686": "386"}
@@ -360,6 +362,7 @@ class Puller:
         work = self.root / r.manifest_digest.split(":", 1)[1]
         layers = [_Layer(i, desc, diff) for i, (desc, diff) in enumerate(zip(r.layers, r.diff_ids, strict=True))]
         keep_work = True        # a failed download keeps what it fetched, for the next try
+        published = False
         with self.images.pinning() as hold, ThreadPoolExecutor(
                 max_workers=max(1, self.settings.convert_threads), thread_name_prefix="dsecd-pull-convert",
                 initializer=_below_the_download) as pool:
@@ -377,7 +380,7 @@ class Puller:
                 stats["convert_s"] = time.monotonic() - t
                 stored = [layer.stored for layer in layers]
                 image = self.images.commit_pulled(str(r.name), stored, config, source, hold)
-                keep_work = False
+                keep_work = published = True
                 return image
             except PullError:
                 raise                  # the download failed or was cancelled: keep what it got
@@ -391,8 +394,28 @@ class Puller:
                 for layer in layers:
                     if layer.future is not None:
                         layer.future.cancel()
-                if not keep_work:
+                if published:
+                    self._discard(work)
+                elif not keep_work:
                     shutil.rmtree(work, ignore_errors=True)
+
+    def _discard(self, work: Path) -> None:
+        """Remove a published pull's work directory (its downloaded blobs, all
+        converted now) off the pull's path: renamed out of the way at once, so
+        a later pull of the same manifest starts afresh, and deleted by a
+        thread of its own. Deleting the pull bench's 224 MiB of blobs took
+        0.07-0.08 s on this host's ext4 (mounted -o discard: unlinking a big
+        file discards its blocks), which the pull waited for before answering. One the
+        daemon's exit cuts short is removed by `image gc` (sweep: a directory
+        under pulls/ without a claim)."""
+        trash = self.root / f"{TRASH_PREFIX}{work.name}-{uuid.uuid4().hex[:12]}"
+        try:
+            os.rename(work, trash)
+        except OSError:
+            shutil.rmtree(work, ignore_errors=True)
+            return
+        threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True},
+                         name="dsecd-pull-discard", daemon=True).start()
 
     def _plan(self, work: Path, layers: list[_Layer], hold, stats: dict) -> None:
         """Which layers the store has already (reused, with a placeholder so

@@ -316,6 +316,21 @@ def test_a_cancelled_pull_resumes_with_the_blobs_it_completed(busybox_rootfs, tm
     c.close()
 
 
+def test_a_published_pulls_download_is_removed_after_the_answer(busybox_rootfs, tmp_path, daemon_factory, fake):
+    _, desc = fake_image(tmp_path, fake, "done/app", [(rootfs_layer(busybox_rootfs), "gzip"),
+                                                     (_tar_bytes([_file("f", os.urandom(1 << 20))]), "tar")])
+    d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}"]\n')
+    c = d.client()
+    c.pull_image(f"{fake.host}/done/app:v1")
+    pulls = d.state / "store" / "pulls"
+    assert not (pulls / desc["digest"][7:]).exists(), "the work dir is still where a re-pull would resume"
+    deadline = time.monotonic() + 30
+    while [p for p in pulls.iterdir() if p.is_dir()]:
+        assert time.monotonic() < deadline, f"the downloaded blobs were not removed: {list(pulls.iterdir())}"
+        time.sleep(0.1)
+    c.close()
+
+
 def pull_mounts() -> list[str]:
     """The tmpfs mounts of converting layers (pull-mem-*) on this host now."""
     with open("/proc/self/mountinfo") as f:
