@@ -81,6 +81,7 @@ LAYER_TYPES = {
 COPY_TAG = "pull"               # the tag skopeo writes in a work directory's index.json
 TEMP_PREFIX = "oci-put-blob"    # skopeo's temp file of a blob being downloaded (in the layout's root)
 PLACEHOLDERS = "placeholders"
+MEM_PREFIX = "pull-mem-"       # the mount point of a converting layer's tmpfs, in the scratch dir
 TRASH_PREFIX = ".discarded-"    # a published pull's work directory, being deleted (_discard)   # a work directory's list of the placeholders it holds
 POLL_S = 0.2
 ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "ppc64le": "ppc64le", "s390x": "s390x",
@@ -168,6 +169,19 @@ class Puller:
         self.settings = settings
         self.root = images.store.root / "pulls"
         self.root.mkdir(parents=True, exist_ok=True)
+        self._unmount_leftovers()
+
+    def _unmount_leftovers(self) -> None:
+        """Unmount and remove the conversion tmpfs a killed daemon left in
+        its scratch directory (_convert_in_tmpfs): its memory is held until
+        the unmount."""
+        for entry in self.images.scratch.glob(f"{MEM_PREFIX}*"):
+            try:
+                if os.path.ismount(entry):
+                    native.umount(str(entry), detach=True)
+                shutil.rmtree(entry, ignore_errors=True)
+            except OSError as err:
+                log.warning("pull: cannot remove the leftover conversion tmpfs %s: %s", entry, err)
 
     def sweep(self) -> int:
         """Remove the work directories of pulls nobody runs (a failed or cancelled
@@ -552,7 +566,7 @@ class Puller:
         mounted with -o discard). The memory is taken only while the layer
         converts; the mount lives in this process's mount namespace, where
         nothing but the conversion uses it."""
-        mnt = Path(tempfile.mkdtemp(prefix="pull-mem-", dir=self.images.scratch))
+        mnt = Path(tempfile.mkdtemp(prefix=MEM_PREFIX, dir=self.images.scratch))
         mode = os.stat(mnt).st_mode & 0o7777
         try:
             fd = native.upperfs_create(cap, max(1 << 16, cap >> 10))
