@@ -116,7 +116,7 @@ def skopeo_copy(reg: Registry, ref: str, dest: Path) -> float:
 
 
 def measure_pull(tmp: Path, rootfs: str, rounds: int, seed: int, convert_threads: int = 1,
-                 layers: int = LAYERS, layer_mib: int = LAYER_MIB) -> dict:
+                 layers: int = LAYERS, layer_mib: int = LAYER_MIB, tmpfs: str | None = None) -> dict:
     why = missing_tools()
     if why:
         log(f"pull figures skipped: {why}")
@@ -126,6 +126,8 @@ def measure_pull(tmp: Path, rootfs: str, rounds: int, seed: int, convert_threads
     reg = Registry(tmp / "registry").start()
     (tmp / "pulld").mkdir()
     config = f'[images]\ninsecure_registries = ["{reg.host}"]\npull_convert_threads = {convert_threads}\n'
+    if tmpfs is not None:
+        config += f'pull_tmpfs = "{tmpfs}"\n'
     daemon = harness.BenchDaemon(tmp / "pulld", None, config, tag="-pull")
     try:
         for tag in ("big", "small"):
@@ -171,6 +173,7 @@ def measure_pull(tmp: Path, rootfs: str, rounds: int, seed: int, convert_threads
             "pull_convert_s": round(statistics.median(o["convert_s"] for o in ours), 3),
             "pull_to_first_exec_s": round(statistics.median(first_exec), 3),
             "base_stored_once": bool(once), "pull_rounds": rounds, "pull_convert_threads": convert_threads,
+            "pull_tmpfs": tmpfs if tmpfs is not None else "default",
             "pull_skopeo_s_all": [round(x, 3) for x in skopeo_s],
             "pull_total_s_all": [round(o["total"], 3) for o in ours]}
 

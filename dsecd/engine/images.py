@@ -92,6 +92,7 @@ class ImageService:
         self.images = ImageStore(store, cfg.state_dir / "scratch", section["default_registry"])
         self.puller = Puller(self.images, Skopeo(RegistryConfig.from_section(section)), PullSettings(
             convert_threads=int(section["pull_convert_threads"]),
+            tmpfs_bytes=cfg.size("images", "pull_tmpfs"),
             claim_stale_s=float(section["pull_claim_stale_s"]), timeout_s=float(section["pull_timeout_s"])))
         if int(section["max_pulls"]) < 1:
             raise ValueError(f"images.max_pulls must be at least 1, not {section['max_pulls']}")

@@ -39,6 +39,12 @@ CORRUPT = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, lzma.LZMAEr
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 STREAM_BUFFER = 1 << 20
+# The read size of a streamed tar (tarfile's bufsize). Small on purpose: each
+# read from the stream keeps what it did not return by slicing, a copy of up
+# to this many bytes per header and per small file. At 1 MiB, unpacking the
+# pull bench's 7 layers (9,300 files, 240 MiB) into tmpfs took 2.8-4.7 s
+# (1.8-2.1 CPU-s of user time); at 64 KiB 1.4-1.6 s (0.95-1.1).
+TAR_STREAM_BUFFER = 64 << 10
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
 
@@ -192,7 +198,7 @@ def extract_blob(path: Path, digest: str, diff_id: str, root: Path) -> int:
         with open(path, "rb") as raw:
             blob = _Hashing(raw)
             tar = _Hashing(_decompressed(blob, raw.peek(4)[:4], what))
-            with tarfile.open(fileobj=tar, mode="r|", bufsize=STREAM_BUFFER) as tf:
+            with tarfile.open(fileobj=tar, mode="r|", bufsize=TAR_STREAM_BUFFER) as tf:
                 for m in tf:
                     _extract_member(tf, m, root)
                     n += 1

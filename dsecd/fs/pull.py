@@ -16,7 +16,10 @@
                  download): decompressed (gzip, zstd) and unpacked in one
                  streaming pass (oci.extract_blob: entry checks, whiteouts,
                  both digests checked), built as one EROFS layer and recorded
-                 under its diff_id (images.py)
+                 under its diff_id (images.py). The layer is unpacked into a
+                 tmpfs of its own (images.pull_tmpfs), mounted for the
+                 conversion and unmounted after it; one too big for it is
+                 unpacked on the scratch disk instead (see _convert)
     5. publish   our manifest, then the name (last: a failed pull leaves no
                  name), pointing at it with its source (ref, digest, platform)
 
@@ -35,20 +38,24 @@ Everything here blocks: call it from a worker thread.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
+import logging
 import os
 import platform as host_platform
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import imageconfig
+from .. import imageconfig, native
 from . import names, oci
 from .claims import Claim
 from .images import Image, ImageError, ImageStore
@@ -56,6 +63,7 @@ from .skopeo import RegistryError, Skopeo
 from .store import DIGEST_RE
 
 Progress = Callable[[dict], None]
+log = logging.getLogger(__name__)
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -72,7 +80,9 @@ LAYER_TYPES = {
 }
 COPY_TAG = "pull"               # the tag skopeo writes in a work directory's index.json
 TEMP_PREFIX = "oci-put-blob"    # skopeo's temp file of a blob being downloaded (in the layout's root)
-PLACEHOLDERS = "placeholders"   # a work directory's list of the placeholders it holds
+PLACEHOLDERS = "placeholders"
+MEM_PREFIX = "pull-mem-"       # the mount point of a converting layer's tmpfs, in the scratch dir
+TRASH_PREFIX = ".discarded-"    # a published pull's work directory, being deleted (_discard)   # a work directory's list of the placeholders it holds
 POLL_S = 0.2
 ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "ppc64le": "ppc64le", "s390x": "s390x",
         "riscv64": "riscv64", "i686": "386"}
@@ -107,6 +117,7 @@ class PullError(ImageError):
 @dataclass
 class PullSettings:
     convert_threads: int = 1
+    tmpfs_bytes: int = 1 << 30      # cap of the tmpfs a layer is unpacked into (0: the scratch disk)
     claim_stale_s: float = 60.0
     timeout_s: float = 3600.0
 
@@ -158,6 +169,19 @@ class Puller:
         self.settings = settings
         self.root = images.store.root / "pulls"
         self.root.mkdir(parents=True, exist_ok=True)
+        self._unmount_leftovers()
+
+    def _unmount_leftovers(self) -> None:
+        """Unmount and remove the conversion tmpfs a killed daemon left in
+        its scratch directory (_convert_in_tmpfs): its memory is held until
+        the unmount."""
+        for entry in self.images.scratch.glob(f"{MEM_PREFIX}*"):
+            try:
+                if os.path.ismount(entry):
+                    native.umount(str(entry), detach=True)
+                shutil.rmtree(entry, ignore_errors=True)
+            except OSError as err:
+                log.warning("pull: cannot remove the leftover conversion tmpfs %s: %s", entry, err)
 
     def sweep(self) -> int:
         """Remove the work directories of pulls nobody runs (a failed or cancelled
@@ -352,6 +376,7 @@ class Puller:
         work = self.root / r.manifest_digest.split(":", 1)[1]
         layers = [_Layer(i, desc, diff) for i, (desc, diff) in enumerate(zip(r.layers, r.diff_ids, strict=True))]
         keep_work = True        # a failed download keeps what it fetched, for the next try
+        published = False
         with self.images.pinning() as hold, ThreadPoolExecutor(
                 max_workers=max(1, self.settings.convert_threads), thread_name_prefix="dsecd-pull-convert",
                 initializer=_below_the_download) as pool:
@@ -369,7 +394,7 @@ class Puller:
                 stats["convert_s"] = time.monotonic() - t
                 stored = [layer.stored for layer in layers]
                 image = self.images.commit_pulled(str(r.name), stored, config, source, hold)
-                keep_work = False
+                keep_work = published = True
                 return image
             except PullError:
                 raise                  # the download failed or was cancelled: keep what it got
@@ -383,8 +408,28 @@ class Puller:
                 for layer in layers:
                     if layer.future is not None:
                         layer.future.cancel()
-                if not keep_work:
+                if published:
+                    self._discard(work)
+                elif not keep_work:
                     shutil.rmtree(work, ignore_errors=True)
+
+    def _discard(self, work: Path) -> None:
+        """Remove a published pull's work directory (its downloaded blobs, all
+        converted now) off the pull's path: renamed out of the way at once, so
+        a later pull of the same manifest starts afresh, and deleted by a
+        thread of its own. Deleting the pull bench's 224 MiB of blobs took
+        0.07-0.08 s on this host's ext4 (mounted -o discard: unlinking a big
+        file discards its blocks), which the pull waited for before answering. One the
+        daemon's exit cuts short is removed by `image gc` (sweep: a directory
+        under pulls/ without a claim)."""
+        trash = self.root / f"{TRASH_PREFIX}{work.name}-{uuid.uuid4().hex[:12]}"
+        try:
+            os.rename(work, trash)
+        except OSError:
+            shutil.rmtree(work, ignore_errors=True)
+            return
+        threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True},
+                         name="dsecd-pull-discard", daemon=True).start()
 
     def _plan(self, work: Path, layers: list[_Layer], hold, stats: dict) -> None:
         """Which layers the store has already (reused, with a placeholder so
@@ -442,7 +487,10 @@ class Puller:
                 if time.monotonic() - t > self.settings.timeout_s:
                     raise PullError("io", f"pull of {r.name}: the download took over "
                                     f"{self.settings.timeout_s:.0f} s (images.pull_timeout_s)")
-                time.sleep(POLL_S)
+                # Woken by skopeo's exit, not at the next tick: the last blob
+                # then starts converting (and the download ends) at once.
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(POLL_S)
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -487,15 +535,60 @@ class Puller:
         layer.state = "converting"
         layer.reported = (layer.state, layer.bytes)
         emit(layer.event(of))
-        tree = Path(tempfile.mkdtemp(prefix="pull-", dir=self.images.scratch))
-        try:
-            oci.extract_blob(blobs / layer.digest.split(":", 1)[1], layer.digest, layer.diff_id, tree)
-            stored = self.images.build_layer(tree, hold=hold)
-        finally:
-            shutil.rmtree(tree, ignore_errors=True)
+        blob = blobs / layer.digest.split(":", 1)[1]
+        stored = None
+        cap = self.settings.tmpfs_bytes
+        if cap and layer.size <= cap:
+            stored = self._convert_in_tmpfs(layer, blob, hold, cap)
+        if stored is None:
+            tree = Path(tempfile.mkdtemp(prefix="pull-", dir=self.images.scratch))
+            try:
+                oci.extract_blob(blob, layer.digest, layer.diff_id, tree)
+                stored = self.images.build_layer(tree, hold=hold)
+            finally:
+                shutil.rmtree(tree, ignore_errors=True)
         self.images.record_diff_id(layer.diff_id, stored)
         layer.stored, layer.state = stored, "stored"
 
+    def _convert_in_tmpfs(self, layer: _Layer, blob: Path, hold, cap: int) -> dict | None:
+        """Unpack and build the layer in a tmpfs of at most `cap` bytes, mounted
+        on an empty directory of the scratch disk for the conversion alone:
+        the stored layer, or None when the layer's files did not fit (ENOSPC:
+        the caller unpacks it on the disk).
 
-
-
+        Why not the scratch disk: unpacking is one file create per tar entry,
+        and on ext4 a create scans the inode bitmap past every inode deleted
+        in the last minute or more (`recently_deleted`), each deletion of the
+        previous layer's tree making the next tree's creates slower; in the
+        daemon under load that was 1-20 ms a create and 22-31 s for a 224 MiB
+        image of 9,300 files, against ~4 s unpacked into tmpfs. Removing the
+        tree is one unmount, not 9,300 unlinks (and no discards of a disk
+        mounted with -o discard). The memory is taken only while the layer
+        converts; the mount lives in this process's mount namespace, where
+        nothing but the conversion uses it."""
+        mnt = Path(tempfile.mkdtemp(prefix=MEM_PREFIX, dir=self.images.scratch))
+        mode = os.stat(mnt).st_mode & 0o7777
+        try:
+            fd = native.upperfs_create(cap, max(1 << 16, cap >> 10))
+            try:
+                native.upperfs_attach(fd, str(mnt))
+            finally:
+                os.close(fd)
+        except OSError as err:            # no tmpfs here (a container without mount rights)
+            os.rmdir(mnt)
+            log.warning("pull: no tmpfs for unpacking layer %s (%s); unpacking it on the scratch disk %s",
+                        layer.digest, err, self.images.scratch)
+            return None
+        try:
+            # The tree's root as on the disk path (a mkdtemp directory): the
+            # same layer gives the same EROFS bytes whichever way it went.
+            os.chmod(mnt, mode)
+            oci.extract_blob(blob, layer.digest, layer.diff_id, mnt)
+            return self.images.build_layer(mnt, hold=hold)
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+            return None
+        finally:
+            native.umount(str(mnt), detach=True)
+            os.rmdir(mnt)

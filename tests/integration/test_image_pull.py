@@ -316,6 +316,54 @@ def test_a_cancelled_pull_resumes_with_the_blobs_it_completed(busybox_rootfs, tm
     c.close()
 
 
+def test_a_published_pulls_download_is_removed_after_the_answer(busybox_rootfs, tmp_path, daemon_factory, fake):
+    _, desc = fake_image(tmp_path, fake, "done/app", [(rootfs_layer(busybox_rootfs), "gzip"),
+                                                     (_tar_bytes([_file("f", os.urandom(1 << 20))]), "tar")])
+    d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}"]\n')
+    c = d.client()
+    c.pull_image(f"{fake.host}/done/app:v1")
+    pulls = d.state / "store" / "pulls"
+    assert not (pulls / desc["digest"][7:]).exists(), "the work dir is still where a re-pull would resume"
+    deadline = time.monotonic() + 30
+    while [p for p in pulls.iterdir() if p.is_dir()]:
+        assert time.monotonic() < deadline, f"the downloaded blobs were not removed: {list(pulls.iterdir())}"
+        time.sleep(0.1)
+    c.close()
+
+
+def pull_mounts() -> list[str]:
+    """The tmpfs mounts of converting layers (pull-mem-*) on this host now."""
+    with open("/proc/self/mountinfo") as f:
+        return [line.split()[4] for line in f if "/pull-mem-" in line.split()[4]]
+
+
+def test_a_layer_too_big_for_the_tmpfs_is_unpacked_on_disk_into_the_same_layer(busybox_rootfs, tmp_path,
+                                                                               daemon_factory, fake):
+    # 2 MiB of zeros: a few KiB compressed (under the 256 KiB cap, so the tmpfs
+    # is tried), 2 MiB unpacked (over it: ENOSPC, then the scratch disk).
+    big = _tar_bytes([_entry("d", tarfile.DIRTYPE, mode=0o755), _file("d/zeros", bytes(2 << 20)),
+                      _entry("d/link", tarfile.SYMTYPE, linkname="zeros"), _file("d/.wh..wh..opq")])
+    small = _tar_bytes([_file("small.txt", b"small\n")])
+    fake_image(tmp_path, fake, "cap/app", [(rootfs_layer(busybox_rootfs), "gzip"), (big, "gzip"), (small, "zstd")])
+    ref = f"{fake.host}/cap/app:v1"
+    layers = {}
+    for cap in ("256K", "1G", "0"):
+        d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}"]\npull_tmpfs = "{cap}"\n')
+        c = d.client()
+        img = c.pull_image(ref)
+        layers[cap] = [layer["digest"] for layer in img["layers"]]
+        sb = c.create(image=img["name"])
+        try:
+            assert sb.exec(["wc", "-c", "/d/link"]).stdout.split()[0] == str(2 << 20).encode()
+            assert sb.exec(["cat", "/small.txt"]).stdout == b"small\n"
+        finally:
+            sb.destroy()
+        assert not list((d.state / "scratch").iterdir()), "a conversion left its tree in the scratch dir"
+        c.close()
+    assert layers["256K"] == layers["1G"] == layers["0"], "tmpfs and disk conversions differ"
+    assert not pull_mounts(), "a conversion tmpfs is still mounted"
+
+
 def hostile_cases(busybox: bytes) -> dict:
     return {
         "wrong_digest": ([(busybox, "gzip")], None, "lie", "(?i)digest did not match"),
@@ -369,4 +417,5 @@ def test_hostile_registry_fails_clearly_and_leaves_nothing(case, busybox_rootfs,
     c.request("image_gc")
     assert store_blobs(d) == before, "a failed pull left blobs behind"
     assert not [p for p in (d.state / "store" / "pulls").iterdir() if p.is_dir()], "a work dir is left"
+    assert not list((d.state / "scratch").iterdir()) and not pull_mounts(), "a conversion tree is left"
     c.close()

@@ -1,0 +1,36 @@
+"""A conversion tmpfs left mounted in the scratch directory by a killed
+daemon is unmounted and removed when the next one starts (fs/pull.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dsecd import native
+from dsecd.fs.images import ImageStore
+from dsecd.fs.pull import MEM_PREFIX, Puller, PullSettings
+from dsecd.fs.skopeo import RegistryConfig, Skopeo
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+
+
+def test_a_leftover_conversion_tmpfs_is_unmounted_at_start(tmp_path):
+    images = ImageStore(tmp_path / "store", tmp_path / "scratch")
+    left = images.scratch / f"{MEM_PREFIX}killed"
+    left.mkdir()
+    fd = native.upperfs_create(1 << 20, 64)
+    try:
+        native.upperfs_attach(fd, str(left))
+    finally:
+        os.close(fd)
+    try:
+        (left / "file").write_bytes(b"x" * 4096)
+        other = images.scratch / "unpack-keep"
+        other.mkdir()
+        Puller(images, Skopeo(RegistryConfig()), PullSettings())
+        assert not os.path.ismount(left) and not left.exists()
+        assert other.is_dir(), "a directory not of a conversion was removed"
+    finally:
+        if os.path.ismount(left):
+            native.umount(str(left), detach=True)
