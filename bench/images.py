@@ -39,9 +39,9 @@ the headline lazy figures are those of the chunk size that meets the
 fetched_over_read target (else the one closest), both are in `by_chunk`.
 
 Image pulls (bench/imagepull.py has the details): pull_speed_ratio (our
-pull's download MiB/s over `skopeo copy`'s of the same image from a
-registry on loopback), pull_total_ratio, pull_convert_s, pull_to_first_exec_s,
-base_stored_once.
+whole pull's MiB/s, conversion to EROFS included, over `skopeo copy`'s of the
+same image from a registry on loopback), pull_download_ratio (our download
+alone), pull_convert_s, pull_to_first_exec_s, base_stored_once.
 
 Run as root: `.venv/bin/python bench/images.py [--quick] [--phases lazy,pull]`;
 `--phases pull` runs the pull figures alone (a minute or two).
