@@ -429,10 +429,7 @@ class MicroVMService:
                 run.kill()
             raise
         finally:
-            if run is not None:
-                link.forget(run)
-            sb.execs -= 1
-            sb.last_active = time.monotonic()
+            _run_over(sb, link, run)
             ctx.unregister_exec()
         code, sig = _decode_status(status)
         result = {"exit_code": code, "signal": sig, "timed_out": timed_out, "truncated": truncated,
@@ -618,10 +615,7 @@ class MicroVMService:
                         run.kill()
             raise
         finally:
-            if run is not None:
-                link.forget(run)
-            sb.execs -= 1
-            sb.last_active = time.monotonic()
+            _run_over(sb, link, run)
         code, _sig = _decode_status(status)
         return code, _reports(bytes(err_out), put)
 
@@ -815,3 +809,10 @@ def _check(path: str) -> str:
         raise BadRequest(str(err), {"path": path}) from err
 
 
+def _run_over(sb: Sandbox, link, run) -> None:
+    """An agent run (an exec or a directory copy) is over: the channel lets
+    go of it, and the sandbox counts one exec fewer and was active now."""
+    if run is not None:
+        link.forget(run)
+    sb.execs -= 1
+    sb.last_active = time.monotonic()
