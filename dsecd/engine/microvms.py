@@ -640,6 +640,20 @@ class MicroVMService:
         return DsecError(f"{verb} {where}: the guest's copy ended with status {code} and no report",
                          code="io")
 
+    # ------------------------------------------------------------ file watches
+
+    async def start_watch(self, sb: Sandbox, path: str, recursive: bool, max_dirs: int):
+        """Start file_watch's child in the guest (csrc/guest/agent.c,
+        watch_main); (link, AgentExec): its records come on the exec's
+        stdout (dsecd/engine/watches.py reads them)."""
+        link = self._agent(sb)
+        try:
+            run = await link.start_exec([path, "1" if recursive else "0", str(max_dirs)], [], "/", 0, False,
+                                        wire.EXEC_WATCH)
+        except AgentGone as err:
+            raise Conflict(f"sandbox {sb.id} is exiting: {err}", {"sandbox": sb.id}) from err
+        return link, run
+
     # ------------------------------------------------------------ files
 
     async def _file(self, sb: Sandbox, verb: str, where: str, kind: int, *fields: bytes) -> wire.Reader:
