@@ -191,6 +191,7 @@ class WatchService:
         waker = asyncio.ensure_future(wake.wait())
         getter = None
         buf = bytearray()
+        lagging = told = False
         try:
             while True:
                 getter = asyncio.ensure_future(run.events.get())
@@ -199,11 +200,24 @@ class WatchService:
                     return await _stopped(ctx, path, gone.gone)
                 ev = getter.result()
                 if ev[0] == "out" and ev[1] == 1:
+                    # The agent's channel has no flow control for output: what
+                    # a slow client has not taken waits here. Past a backlog
+                    # its events are dropped, as a container's kernel queue
+                    # drops them, until this loop has caught up.
+                    lagging = lagging or run.events.qsize() > MAX_BACKLOG_CHUNKS
                     buf += ev[2]
                     for fields in _records(buf):
+                        if lagging and fields[0] == "ev":
+                            if not told:
+                                await ctx.emit({"kind": "overflow", "path": path, "is_dir": True,
+                                                "message": fswatch.OVERFLOW})
+                                told = True
+                            continue
                         done = await self._vm_record(fields, path, where, ctx)
                         if done is not None:
                             return done
+                    if run.events.qsize() == 0:
+                        lagging = told = False
                 elif ev[0] == "error":
                     raise io_error("watch", where, ev[1])
                 elif ev[0] in ("exited", "gone"):
@@ -262,6 +276,11 @@ class WatchService:
                             f"({tag!r}); the guest agent and the daemon differ: restart the sandbox", code="io")
         return None
 
+
+# How many output chunks of a VM's watch child (each at most 64 KiB, the
+# agent's OUT_CHUNK) may wait in the daemon for a slow client before its
+# events are dropped for an `overflow`: at most about 4 MiB per watch.
+MAX_BACKLOG_CHUNKS = 64
 
 # After a VM's agent channel closes, how long a watch waits for the event
 # (destroyed, died) that says why, to end with it as a container's would.
