@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from dsecd.errors import BadRequest, LimitExceeded
+from dsecd.errors import BadRequest, DsecError, LimitExceeded
 
 BACKENDS = ("container", "microvm")
 VM = {"memory": "256M", "net": "none", "disk": "64M"}
@@ -164,6 +164,19 @@ def test_watch_stops_when_its_directory_or_sandbox_goes(client, sandbox, backend
     w2 = Watcher(other, "/work/x", recursive=True)
     other.destroy(force=True)
     assert w2.until(lambda e: e["kind"] == "stopped")[-1]["reason"] == "sandbox destroyed"
+
+
+def test_vm_watch_stops_when_the_guest_dies(client):
+    _vm_available(client)
+    sb = _create(client, "microvm")
+    try:
+        sb.mkdir("/work/p")
+        w = Watcher(sb, "/work/p", recursive=True)
+        with pytest.raises(DsecError):
+            sb.exec(["sh", "-c", "echo c > /proc/sysrq-trigger; sleep 30"], timeout=60)
+        assert w.until(lambda e: e["kind"] == "stopped", timeout=60)[-1]["reason"] == "sandbox died"
+    finally:
+        sb.destroy(force=True)
 
 
 def test_refusals(sandbox):
