@@ -174,7 +174,7 @@ class Node:
                                         cfg.size("limits", "max_file_chunk_bytes"), self.backend.copy_by_init,
                                         self.vms)
         self.watch_service = WatchService(self.registry, self.workers, self.events, self.memory.ensure_running,
-                                          self.limits["max_watches"], self.limits["max_watch_dirs"])
+                                          self.limits["max_watches"], self.limits["max_watch_dirs"], self.vms)
         self.dir_copies = DirCopyService(self.registry, self.workers, self.memory.ensure_running,
                                          cfg.size("limits", "max_file_chunk_bytes"), self.limits["max_tar_entries"],
                                          cfg.size("limits", "max_tar_bytes"), self.limits["max_tar_puts"],

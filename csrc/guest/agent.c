@@ -42,6 +42,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/inotify.h>
 #include <sys/mount.h>
 #include <sys/random.h>
 #include <sys/signalfd.h>
@@ -108,6 +109,7 @@ enum {
 #define EXEC_TAR_GET 2u     /* no program: a child of the agent writes a tar of directory argv[0] to stdout */
 #define EXEC_TAR_PUT 4u     /* no program: a child of the agent makes directory argv[0] from stdin's records */
 #define EXEC_PTY 8u         /* a terminal as stdin/stdout/stderr (its controlling tty); rows, cols follow env */
+#define EXEC_WATCH 16u      /* no program: a child of the agent watches directory argv[0] (file_watch) */
 #define WRITE_APPEND 1u     /* M_WRITE flags */
 #define WRITE_KEEP 2u       /* do not truncate */
 #define WRITE_PARENTS 4u    /* make missing parent directories */
@@ -417,6 +419,7 @@ static void flush_stdin(struct exec *x)
 
 static int tar_get_main(const char *path, uint64_t max_entries, uint64_t max_bytes);
 static int tar_put_main(const char *path);
+static int watch_main(const char *path, int recursive, uint64_t max_dirs);
 
 static void do_exec(uint32_t id, struct rd *r)
 {
@@ -483,7 +486,7 @@ static void do_exec(uint32_t id, struct rd *r)
      * is most of an exec's cost. The child only makes syscalls on its own
      * stack until it execs or _exits (the agent is single-threaded, so
      * glibc's set*id are plain syscalls). */
-    int copy = (flags & (EXEC_TAR_GET | EXEC_TAR_PUT)) != 0;
+    int copy = (flags & (EXEC_TAR_GET | EXEC_TAR_PUT | EXEC_WATCH)) != 0;
     /* A copy runs the agent's own code: a fork of its own, not a vfork. */
     pid_t pid = copy ? fork() : vfork();
     if (pid < 0) {
@@ -534,6 +537,9 @@ static void do_exec(uint32_t id, struct rd *r)
             }
             if (flags & EXEC_TAR_PUT)
                 _exit(tar_put_main(argv[0]));
+            if (flags & EXEC_WATCH)
+                _exit(watch_main(argv[0], argc > 1 && !strcmp(argv[1], "1"),
+                                 argc > 2 ? strtoull(argv[2], NULL, 10) : 0));
             _exit(tar_get_main(argv[0], argc > 1 ? strtoull(argv[1], NULL, 10) : 0,
                                argc > 2 ? strtoull(argv[2], NULL, 10) : 0));
         }
@@ -1995,6 +2001,370 @@ static int tar_put_main(const char *path)
             return 1;
         }
     report("done", NULL, NULL, NULL);
+    return 0;
+}
+
+/* ---- file_watch --------------------------------------------------------------- */
+
+/* A watch runs in a child of the agent started like an exec (M_EXEC with
+ * EXEC_WATCH; argv: the directory, "1" for recursive, the most directories),
+ * by the container backend's rules (dsecd/fs/watch.py): the top resolved in
+ * the root (symlinks inside it followed, kernel filesystems refused), every
+ * directory below it opened relative to the top with RESOLVE_BENEATH |
+ * RESOLVE_NO_SYMLINKS (no symlink followed, nothing outside watched) and
+ * given to inotify as /proc/self/fd/N (the inode opened, no path resolved
+ * again); the top reopened for each new directory and still the same inode;
+ * no directory kept open (its IN_DELETE_SELF would wait for the close).
+ * Records go to stdout, each a u32 length (big-endian) and NUL-terminated
+ * fields: "ready" dirs; "ev" kind is_dir cookie scanned rel; "overflow";
+ * "stopped" reason; "err" errno what; "kernel" magic; "limit" which rel
+ * (which: dirs, inotify, instances, depth). The child ends after stopped,
+ * err, kernel or limit; the host kills it when the request is cancelled. */
+
+#define WATCH_MASK (IN_CREATE | IN_MODIFY | IN_ATTRIB | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | \
+                    IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR | IN_EXCL_UNLINK)
+#define WATCH_DEPTH 900 /* the container backend walks by recursion in Python: about as deep */
+
+struct wdir {
+    int wd;
+    char *rel; /* relative to the top, "" the top */
+};
+static struct wdir *wdirs;
+static size_t nwdirs, capwdirs;
+static int wifd = -1, wrecursive;
+static const char *wtop;
+static dev_t wdev;
+static ino_t wino;
+static uint64_t wmax;
+static struct buf wout;
+
+static void wflush(void)
+{
+    size_t off = 0;
+
+    while (off < wout.len) {
+        ssize_t w = write(1, wout.p + off, wout.len - off);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            _exit(0); /* the host is gone */
+        off += (size_t)w;
+    }
+    wout.len = 0;
+}
+
+static void wrec(const char *a, const char *b, const char *c, const char *d, const char *e, const char *g)
+{
+    const char *f[6] = {a, b, c, d, e, g};
+    size_t start = wout.len;
+
+    put_u32(&wout, 0);
+    for (int i = 0; i < 6 && f[i]; i++) {
+        size_t n = strlen(f[i]) + 1;
+
+        buf_need(&wout, n);
+        memcpy(wout.p + wout.len, f[i], n);
+        wout.len += n;
+    }
+    uint32_t n = (uint32_t)(wout.len - start - 4);
+    wout.p[start] = (unsigned char)(n >> 24);
+    wout.p[start + 1] = (unsigned char)(n >> 16);
+    wout.p[start + 2] = (unsigned char)(n >> 8);
+    wout.p[start + 3] = (unsigned char)n;
+    if (wout.len >= OUT_CHUNK)
+        wflush();
+}
+
+static void wend(int code, const char *a, const char *b, const char *c)
+{
+    wrec(a, b, c, NULL, NULL, NULL);
+    wflush();
+    _exit(code);
+}
+
+static void wfail(int err, const char *what)
+{
+    char num[16];
+
+    snprintf(num, sizeof(num), "%d", err);
+    wend(1, "err", num, what[0] ? what : ".");
+}
+
+static int wfind_rel(const char *rel)
+{
+    for (size_t i = 0; i < nwdirs; i++)
+        if (!strcmp(wdirs[i].rel, rel))
+            return (int)i;
+    return -1;
+}
+
+static int wfind(int wd)
+{
+    for (size_t i = 0; i < nwdirs; i++)
+        if (wdirs[i].wd == wd)
+            return (int)i;
+    return -1;
+}
+
+/* Stop watching rel and everything under it ("" everything). */
+static void wforget(const char *rel, int remove)
+{
+    size_t n = strlen(rel);
+
+    for (size_t i = 0; i < nwdirs;) {
+        const char *r = wdirs[i].rel;
+
+        if (!n || !strcmp(r, rel) || (!strncmp(r, rel, n) && r[n] == '/')) {
+            if (remove)
+                inotify_rm_watch(wifd, wdirs[i].wd);
+            free(wdirs[i].rel);
+            wdirs[i] = wdirs[--nwdirs];
+            continue;
+        }
+        i++;
+    }
+}
+
+/* Directory rel under the top; -2 if the top is no longer the one watched. */
+static int wopen(const char *rel)
+{
+    struct {
+        uint64_t flags, mode, resolve;
+    } how = {.flags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC,
+             .resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS};
+    struct stat st;
+    int top = open_in_root(wtop, O_RDONLY | O_DIRECTORY, 0), fd, err;
+
+    if (top < 0)
+        return -1;
+    if (fstat(top, &st) < 0 || st.st_dev != wdev || st.st_ino != wino) {
+        close(top);
+        return -2;
+    }
+    if (!rel[0])
+        return top;
+    fd = (int)syscall(__NR_openat2, top, rel, &how, sizeof(how));
+    err = errno;
+    close(top);
+    errno = err;
+    return fd;
+}
+
+static void wwatch(int fd, const char *rel)
+{
+    char proc[64];
+    int wd, old;
+
+    if (wfind_rel(rel) < 0 && nwdirs >= wmax)
+        wend(3, "limit", "dirs", rel);
+    snprintf(proc, sizeof(proc), "/proc/self/fd/%d", fd);
+    wd = inotify_add_watch(wifd, proc, WATCH_MASK);
+    if (wd < 0) {
+        if (errno == ENOSPC)
+            wend(3, "limit", "inotify", rel);
+        wfail(errno, rel);
+    }
+    old = wfind(wd);
+    if (old >= 0) { /* the same directory under a new name (moved in the tree) */
+        free(wdirs[old].rel);
+        wdirs[old].rel = strdup(rel);
+        return;
+    }
+    if (nwdirs == capwdirs) {
+        capwdirs = capwdirs ? 2 * capwdirs : 64;
+        wdirs = realloc(wdirs, capwdirs * sizeof(*wdirs));
+        if (!wdirs)
+            wfail(ENOMEM, rel);
+    }
+    wdirs[nwdirs].wd = wd;
+    wdirs[nwdirs].rel = strdup(rel);
+    if (!wdirs[nwdirs].rel)
+        wfail(ENOMEM, rel);
+    nwdirs++;
+}
+
+/* Watch directory rel (recursive: and every one below it); with report, the
+ * entries found are sent as created (scanned): inotify told nobody of them. */
+static void wadd_tree(const char *rel, int report, unsigned depth)
+{
+    struct dirent *e;
+    DIR *d;
+    char **names = NULL;
+    unsigned char *dirs = NULL;
+    size_t n = 0, cap = 0;
+    int fd = wopen(rel);
+
+    if (fd == -2)
+        return; /* the top itself was replaced: its IN_DELETE/MOVE_SELF ends the watch */
+    if (fd < 0) {
+        if (errno == ENOENT || errno == ENOTDIR || errno == ELOOP || errno == EXDEV || errno == EACCES)
+            return; /* gone, replaced by a file or symlink, or a mount: not watched */
+        wfail(errno, rel);
+    }
+    if (rel[0] && kernel_fs(fd)) {
+        close(fd);
+        return; /* /proc, /sys and friends: no inotify events */
+    }
+    if (depth > WATCH_DEPTH)
+        wend(3, "limit", "depth", rel);
+    wwatch(fd, rel);
+    if (!wrecursive || !(d = fdopendir(fd))) {
+        close(fd);
+        return;
+    }
+    while ((e = readdir(d))) {
+        struct stat st;
+        int is_dir;
+
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+            continue;
+        is_dir = e->d_type == DT_DIR;
+        if (e->d_type == DT_UNKNOWN)
+            is_dir = fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode);
+        if (n == cap) {
+            cap = cap ? 2 * cap : 32;
+            names = realloc(names, cap * sizeof(*names));
+            dirs = realloc(dirs, cap);
+            if (!names || !dirs)
+                wfail(ENOMEM, rel);
+        }
+        names[n] = strdup(e->d_name);
+        if (!names[n])
+            wfail(ENOMEM, rel);
+        dirs[n++] = (unsigned char)is_dir;
+    }
+    closedir(d);
+    for (size_t i = 0; i < n; i++) {
+        size_t len = strlen(rel) + strlen(names[i]) + 2;
+        char *sub = malloc(len);
+
+        if (!sub)
+            wfail(ENOMEM, rel);
+        snprintf(sub, len, "%s%s%s", rel, rel[0] ? "/" : "", names[i]);
+        if (report)
+            wrec("ev", "create", dirs[i] ? "1" : "0", "0", "1", sub);
+        if (dirs[i])
+            wadd_tree(sub, report, depth + 1);
+        free(sub);
+        free(names[i]);
+    }
+    free(names);
+    free(dirs);
+}
+
+static unsigned wdepth(const char *rel)
+{
+    unsigned n = 1;
+
+    for (; *rel; rel++)
+        n += *rel == '/';
+    return n;
+}
+
+/* Watch directory `path` until it goes; 0 stopped, 1 an error, 3 past a limit. */
+static int watch_main(const char *path, int recursive, uint64_t max_dirs)
+{
+    static const struct {
+        uint32_t bit;
+        const char *kind;
+    } kinds[] = {{IN_CREATE, "create"}, {IN_MODIFY, "modify"}, {IN_ATTRIB, "attrib"},
+                 {IN_DELETE, "delete"}, {IN_MOVED_FROM, "move_from"}, {IN_MOVED_TO, "move_to"}};
+    static char ibuf[1 << 16] __attribute__((aligned(__alignof__(struct inotify_event))));
+    const char *stopped = NULL;
+    struct statfs sf;
+    struct stat st;
+    char num[24];
+    int fd = open_in_root(path, O_RDONLY | O_DIRECTORY, 0);
+
+    wtop = path;
+    wrecursive = recursive;
+    wmax = max_dirs;
+    if (fd < 0 || fstat(fd, &st) < 0)
+        wfail(errno, "");
+    if (kernel_fs(fd) && fstatfs(fd, &sf) == 0) {
+        snprintf(num, sizeof(num), "%lu", (unsigned long)sf.f_type);
+        wend(1, "kernel", num, NULL);
+    }
+    wdev = st.st_dev;
+    wino = st.st_ino;
+    close(fd);
+    wifd = inotify_init1(IN_CLOEXEC);
+    if (wifd < 0) {
+        if (errno == EMFILE || errno == ENFILE)
+            wend(3, "limit", "instances", "");
+        wfail(errno, "");
+    }
+    wadd_tree("", 0, 0);
+    snprintf(num, sizeof(num), "%zu", nwdirs);
+    wrec("ready", num, NULL, NULL, NULL, NULL);
+    wflush();
+    while (!stopped) {
+        ssize_t got = read(wifd, ibuf, sizeof(ibuf));
+        char last[4096 + 64] = ""; /* a run of writes to one file is one modify */
+
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0)
+            wfail(got < 0 ? errno : EIO, "read inotify");
+        for (char *p = ibuf; p < ibuf + got && !stopped;) {
+            const struct inotify_event *ev = (const struct inotify_event *)p;
+            const char *kind = NULL;
+            char *rel, *child, cookie[16], sig[sizeof(last)];
+            int i, is_dir;
+
+            p += sizeof(*ev) + ev->len;
+            if (ev->mask & IN_Q_OVERFLOW) {
+                wrec("overflow", NULL, NULL, NULL, NULL, NULL);
+                last[0] = 0;
+                continue;
+            }
+            if ((i = wfind(ev->wd)) < 0)
+                continue; /* a watch removed a moment ago */
+            rel = strdup(wdirs[i].rel);
+            if (!rel)
+                wfail(ENOMEM, "");
+            if (ev->mask & IN_IGNORED) {
+                wforget(rel, 0);
+                if (!rel[0])
+                    stopped = "gone";
+                free(rel);
+                continue;
+            }
+            if (ev->mask & (IN_DELETE_SELF | IN_MOVE_SELF | IN_UNMOUNT)) {
+                if (!rel[0]) /* below the top the parent's delete / move_from says it */
+                    stopped = ev->mask & IN_DELETE_SELF ? "deleted" : ev->mask & IN_MOVE_SELF ? "moved" : "unmounted";
+                free(rel);
+                continue;
+            }
+            for (size_t k = 0; k < sizeof(kinds) / sizeof(kinds[0]) && !kind; k++)
+                if (ev->mask & kinds[k].bit)
+                    kind = kinds[k].kind;
+            if (!kind || !ev->len) {
+                free(rel);
+                continue;
+            }
+            size_t len = strlen(rel) + strlen(ev->name) + 2;
+            if (!(child = malloc(len)))
+                wfail(ENOMEM, rel);
+            snprintf(child, len, "%s%s%s", rel, rel[0] ? "/" : "", ev->name);
+            free(rel);
+            is_dir = (ev->mask & IN_ISDIR) != 0;
+            snprintf(cookie, sizeof(cookie), "%u", ev->cookie);
+            snprintf(sig, sizeof(sig), "%s %d %s %s", kind, is_dir, cookie, child);
+            if (strcmp(sig, last)) {
+                wrec("ev", kind, is_dir ? "1" : "0", cookie, "0", child);
+                memcpy(last, sig, sizeof(last));
+            }
+            if (is_dir && (ev->mask & (IN_DELETE | IN_MOVED_FROM)))
+                wforget(child, 1);
+            if (is_dir && recursive && (ev->mask & (IN_CREATE | IN_MOVED_TO))) {
+                wadd_tree(child, 1, wdepth(child));
+            }
+            free(child);
+        }
+        wflush();
+    }
+    wend(0, "stopped", stopped, NULL);
     return 0;
 }
 

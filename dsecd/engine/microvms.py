@@ -634,6 +634,35 @@ class MicroVMService:
         return DsecError(f"{verb} {where}: the guest's copy ended with status {code} and no report",
                          code="io")
 
+    # ------------------------------------------------------------ file watches
+
+    async def start_watch(self, sb: Sandbox, path: str, recursive: bool, max_dirs: int):
+        """Start file_watch's child in the guest (csrc/guest/agent.c,
+        watch_main); (link, AgentExec): its records come on the exec's
+        stdout (dsecd/engine/watches.py reads them)."""
+        link = self._agent(sb)
+        start = asyncio.ensure_future(link.start_exec([path, "1" if recursive else "0", str(max_dirs)], [], "/",
+                                                      0, False, wire.EXEC_WATCH))
+
+        def kill_orphan(fut: asyncio.Future) -> None:
+            # A request cancelled while its start was being sent: the child
+            # would watch on with nobody reading it. The agent takes frames
+            # in order, so the kill finds it started.
+            if not fut.cancelled() and fut.exception() is None:
+                run = fut.result()
+                with contextlib.suppress(AgentGone):
+                    run.kill()
+                link.forget(run)
+
+        try:
+            run = await asyncio.shield(start)
+        except asyncio.CancelledError:
+            start.add_done_callback(kill_orphan)
+            raise
+        except AgentGone as err:
+            raise Conflict(f"sandbox {sb.id} is exiting: {err}", {"sandbox": sb.id}) from err
+        return link, run
+
     # ------------------------------------------------------------ files
 
     async def _file(self, sb: Sandbox, verb: str, where: str, kind: int, *fields: bytes) -> wire.Reader:

@@ -25,7 +25,7 @@ from ..journal import Journal
 # The ops a microVM sandbox serves (dsecd/engine/microvms.py); the others are
 # `unsupported` for it until the backend grows them.
 MICROVM_OPS = frozenset({"inspect", "destroy", "exec", "file_read", "file_write", "file_list", "file_stat",
-                         "file_mkdir", "file_remove", "file_rename", "file_tar_get", "file_tar_put",
+                         "file_mkdir", "file_remove", "file_rename", "file_watch", "file_tar_get", "file_tar_put",
                          "pause", "resume", "net_show", "net_set", "snapshot"})
 
 

@@ -7,18 +7,24 @@ no thread per watch. Directories are opened and scanned in a worker
 (dsecd/fs/watch.py). A client that reads slowly is not buffered for: the
 reader is off while events are sent, so new ones wait in the kernel's queue,
 and when that overflows the client gets an `overflow` event.
+
+A microVM sandbox's files are in its guest: there a child of the guest
+agent watches them by the same rules and sends records (_follow_vm).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 
-from ..errors import BadRequest, LimitExceeded, io_error
+from .. import native
+from ..errors import BadRequest, DsecError, LimitExceeded, io_error
 from ..fs import files as sbfiles
 from ..fs import watch as fswatch
 from .events import EventBus
+from .microvms import MicroVMService
 from .sandboxes import SandboxRegistry
 from .workers import Workers
 
@@ -47,8 +53,9 @@ class WatchService:
     `max_dirs` how many directories one may watch."""
 
     def __init__(self, registry: SandboxRegistry, workers: Workers, events: EventBus, ensure_running,
-                 max_watches: int, max_dirs: int):
+                 max_watches: int, max_dirs: int, vms: MicroVMService | None = None):
         self.registry = registry
+        self.vms = vms                  # a microVM sandbox's watch runs in its guest (MicroVMService)
         self.workers = workers
         self.events = events
         self.ensure_running = ensure_running
@@ -65,6 +72,8 @@ class WatchService:
         self.active += 1
         try:
             where = f"{sb.id}:{req.path}"
+            if sb.backend == "microvm":
+                return await self._follow_vm(sb, req.path, req.recursive, where, ctx)
             tree = await self._open(sb.handle.rootfd, req.path, req.recursive, where)
             return await self._follow(sb.id, tree, where, ctx)
         finally:
@@ -85,9 +94,7 @@ class WatchService:
         except OSError as err:
             os.close(own_root)
             if err.errno in (errno.EMFILE, errno.ENFILE):
-                raise LimitExceeded(f"watch {where}: no inotify instance left on this host (sysctl "
-                                    "fs.inotify.max_user_instances); cancel other watches or raise it",
-                                    {"errno": errno.errorcode[err.errno]}) from err
+                raise LimitExceeded(_no_instance(where, "this host"), {"errno": errno.errorcode[err.errno]}) from err
             raise io_error("watch", where, err) from err
 
     async def _grow(self, tree: fswatch.TreeWatch, rel: str, report: bool, where: str) -> list[dict]:
@@ -105,8 +112,7 @@ class WatchService:
         except fswatch.WatchLimit as err:
             raise LimitExceeded(str(err), {"max_watch_dirs": self.max_dirs}) from err
         except RecursionError as err:       # a chain of directories deeper than the walk goes
-            raise LimitExceeded(f"watch {where}: the tree is deeper than a recursive watch walks; watch a "
-                                "directory further down", {"path": where}) from err
+            raise LimitExceeded(_too_deep(where), {"path": where}) from err
         except OSError as err:
             raise io_error("watch", where, err) from err
 
@@ -162,3 +168,148 @@ class WatchService:
                     await ctx.emit(found)
             if tree.stopped:
                 return
+
+    # ------------------------------------------------------------ microVM sandboxes
+
+    async def _follow_vm(self, sb, path: str, recursive: bool, where: str, ctx) -> dict:
+        """A microVM sandbox's files are in its guest: a child of the guest
+        agent watches them by the same rules (csrc/guest/agent.c,
+        watch_main) and writes one record per event to its stdout; they
+        become the same events here. Cancelling the request kills the child."""
+        try:
+            path = sbfiles.check_path(path)
+        except sbfiles.PathError as err:
+            raise BadRequest(str(err), {"path": path}) from err
+        wake = asyncio.Event()
+        gone = _SandboxGone(sb.id, wake)
+        self.events.subscribers.add(gone)
+        try:
+            link, run = await self.vms.start_watch(sb, path, recursive, self.max_dirs)
+        except BaseException:
+            self.events.subscribers.discard(gone)
+            raise
+        waker = asyncio.ensure_future(wake.wait())
+        getter = None
+        buf = bytearray()
+        lagging = told = False
+        try:
+            while True:
+                getter = asyncio.ensure_future(run.events.get())
+                await asyncio.wait((getter, waker), return_when=asyncio.FIRST_COMPLETED)
+                if gone.gone:
+                    return await _stopped(ctx, path, gone.gone)
+                ev = getter.result()
+                if ev[0] == "out" and ev[1] == 1:
+                    # The agent's channel has no flow control for output: what
+                    # a slow client has not taken waits here. Past a backlog
+                    # its events are dropped, as a container's kernel queue
+                    # drops them, until this loop has caught up.
+                    lagging = lagging or run.events.qsize() > MAX_BACKLOG_CHUNKS
+                    buf += ev[2]
+                    for fields in _records(buf):
+                        if lagging and fields[0] == "ev":
+                            if not told:
+                                await ctx.emit({"kind": "overflow", "path": path, "is_dir": True,
+                                                "message": fswatch.OVERFLOW})
+                                told = True
+                            continue
+                        done = await self._vm_record(fields, path, where, ctx)
+                        if done is not None:
+                            return done
+                    if run.events.qsize() == 0:
+                        lagging = told = False
+                elif ev[0] == "error":
+                    raise io_error("watch", where, ev[1])
+                elif ev[0] in ("exited", "gone"):
+                    if ev[0] == "gone":
+                        # The channel closed: the VM is going. The destroy or
+                        # death that closed it publishes its event once torn down.
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(asyncio.shield(waker), GONE_GRACE_S)
+                        if gone.gone:
+                            return await _stopped(ctx, path, gone.gone)
+                    raise DsecError(f"watch {where}: the guest's watch ended ({ev[0]}, status {ev[1]!r}) without "
+                                    "saying why; watch again", code="io")
+        finally:
+            for fut in (getter, waker):
+                if fut is not None and not fut.done():
+                    fut.cancel()
+            self.events.subscribers.discard(gone)
+            if not run.done:
+                with contextlib.suppress(Exception):
+                    run.kill()
+            link.forget(run)
+
+    async def _vm_record(self, f: list[str], top: str, where: str, ctx) -> dict | None:
+        """One record of the guest's watch child; the request's result once it is the last."""
+        tag = f[0]
+        if tag == "ev" and len(f) == 6:
+            event = {"kind": f[1], "path": fswatch.shown(top, f[5]), "is_dir": f[2] == "1"}
+            if f[3] != "0":
+                event["cookie"] = int(f[3])
+            if f[4] == "1":
+                event["scanned"] = True
+            await ctx.emit(event)
+        elif tag == "ready" and len(f) == 2:
+            await ctx.emit({"kind": "ready", "path": top, "is_dir": True, "dirs": int(f[1])})
+        elif tag == "overflow":
+            await ctx.emit({"kind": "overflow", "path": top, "is_dir": True, "message": fswatch.OVERFLOW})
+        elif tag == "stopped" and len(f) == 2:
+            return await _stopped(ctx, top, f[1])
+        elif tag == "err" and len(f) == 3:
+            num = int(f[1]) or errno.EIO
+            raise io_error("watch", where, OSError(num, os.strerror(num)))
+        elif tag == "kernel" and len(f) == 2:
+            kind = native.KERNEL_FS_MAGICS.get(int(f[1]), "a kernel filesystem")
+            raise BadRequest(fswatch.on_kernel_fs(top, kind), {"path": top})
+        elif tag == "limit" and len(f) == 3:
+            if f[1] == "dirs":
+                raise LimitExceeded(fswatch.too_many_dirs(top, self.max_dirs), {"max_watch_dirs": self.max_dirs})
+            if f[1] == "inotify":
+                raise LimitExceeded(fswatch.no_watches_left(fswatch.shown(top, f[2]), "guest"),
+                                    {"max_watch_dirs": self.max_dirs})
+            if f[1] == "instances":
+                raise LimitExceeded(_no_instance(where, "the guest"), {"errno": "EMFILE"})
+            raise LimitExceeded(_too_deep(where), {"path": where})
+        else:
+            raise DsecError(f"watch {where}: the guest's watch sent a record this daemon does not know "
+                            f"({tag!r}); the guest agent and the daemon differ: restart the sandbox", code="io")
+        return None
+
+
+# How many output chunks of a VM's watch child (each at most 64 KiB, the
+# agent's OUT_CHUNK) may wait in the daemon for a slow client before its
+# events are dropped for an `overflow`: at most about 4 MiB per watch.
+MAX_BACKLOG_CHUNKS = 64
+
+# After a VM's agent channel closes, how long a watch waits for the event
+# (destroyed, died) that says why, to end with it as a container's would.
+GONE_GRACE_S = 30.0
+
+
+async def _stopped(ctx, top: str, reason: str) -> dict:
+    await ctx.emit({"kind": "stopped", "path": top, "is_dir": True, "reason": reason})
+    return {"reason": reason}
+
+
+def _records(buf: bytearray) -> list[list[str]]:
+    """The whole records at the front of `buf` (taken out of it): each a
+    big-endian u32 length and NUL-terminated fields (agent.c, wrec)."""
+    out = []
+    while len(buf) >= 4:
+        size = int.from_bytes(buf[:4], "big")
+        if len(buf) < 4 + size:
+            break
+        body = bytes(buf[4:4 + size])
+        del buf[:4 + size]
+        out.append([os.fsdecode(x) for x in body.split(b"\0")[:-1]])
+    return out
+
+
+def _no_instance(where: str, on: str) -> str:
+    return (f"watch {where}: no inotify instance left on {on} (sysctl fs.inotify.max_user_instances); "
+            "cancel other watches or raise it")
+
+
+def _too_deep(where: str) -> str:
+    return f"watch {where}: the tree is deeper than a recursive watch walks; watch a directory further down"

@@ -126,14 +126,12 @@ class TreeWatch:
 
     def _watch(self, fd: int, rel: str) -> None:
         if rel not in self.wds and len(self.paths) >= self.max_dirs:
-            raise WatchLimit(f"watching {self.top} needs more than {self.max_dirs} directories "
-                             "(limits.max_watch_dirs); watch a smaller tree, or raise the limit")
+            raise WatchLimit(too_many_dirs(self.top, self.max_dirs))
         try:
             wd = libc.inotify_add_watch(self.ifd, f"/proc/self/fd/{fd}", MASK)
         except OSError as err:
             if err.errno == errno.ENOSPC:
-                raise WatchLimit(f"watching {self._shown(rel)}: the host's inotify watches are used up "
-                                 "(sysctl fs.inotify.max_user_watches); watch a smaller tree") from err
+                raise WatchLimit(no_watches_left(self._shown(rel), "host")) from err
             raise
         old = self.paths.get(wd)
         if old is not None:             # the same directory under a new name (moved in the tree)
@@ -161,9 +159,7 @@ class TreeWatch:
         add watches under, relative, or None). Sets `stopped` when the watch
         is over; drops the watches of directories deleted or moved away."""
         if mask & libc.IN_Q_OVERFLOW:
-            return {"kind": "overflow", "path": self.top, "is_dir": True,
-                    "message": "the kernel's event queue overflowed: events were lost; list the tree "
-                               "again to catch up"}, None
+            return {"kind": "overflow", "path": self.top, "is_dir": True, "message": OVERFLOW}, None
         rel = self.paths.get(wd)
         if rel is None:
             return None, None           # a watch removed a moment ago
@@ -199,10 +195,30 @@ class TreeWatch:
                 libc.inotify_rm_watch(self.ifd, wd)
 
     def _shown(self, rel: str) -> str:
-        if not rel:
-            return self.top
-        return f"{self.top.rstrip('/')}/{rel}"
+        return shown(self.top, rel)
 
+
+def shown(top: str, rel: str) -> str:
+    """The path inside the sandbox of `rel` under the watched `top`."""
+    return f"{top.rstrip('/')}/{rel}" if rel else top
+
+
+def too_many_dirs(top: str, max_dirs: int) -> str:
+    return (f"watching {top} needs more than {max_dirs} directories (limits.max_watch_dirs); "
+            "watch a smaller tree, or raise the limit")
+
+
+def no_watches_left(path: str, where: str) -> str:
+    return (f"watching {path}: the {where}'s inotify watches are used up (sysctl fs.inotify.max_user_watches); "
+            "watch a smaller tree")
+
+
+def on_kernel_fs(path: str, kind: str) -> str:
+    return (f"{path} is on {kind}, a kernel interface: its files change without inotify events; "
+            "poll it with an exec instead")
+
+
+OVERFLOW = "the kernel's event queue overflowed: events were lost; list the tree again to catch up"
 
 
 def top_identity(rootfd: int, path: str) -> tuple[int, int]:
@@ -223,8 +239,7 @@ def open_top(rootfd: int, path: str) -> int:
     try:
         kind = native.KERNEL_FS_MAGICS.get(native.fs_magic(fd, path))
         if kind is not None:
-            raise PathError(f"{path} is on {kind}, a kernel interface: its files change without "
-                            "inotify events; poll it with an exec instead")
+            raise PathError(on_kernel_fs(path, kind))
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
             raise NotADirectoryError(errno.ENOTDIR, f"{path} is not a directory")
     except BaseException:

@@ -1,7 +1,11 @@
 """file_watch from the SDK and the CLI: changes made inside a sandbox arrive
 as events, recursive watches follow new directories and never symlinks, the
 watch ends when its directory or sandbox goes, caps are `limit`, and no fd
-is left behind."""
+is left behind.
+
+Each test runs on both backends: a container per test, and one microVM the
+module's tests share (its /work emptied before each), since a VM under TCG
+takes seconds to start; a VM's watch runs in its guest."""
 
 from __future__ import annotations
 
@@ -14,7 +18,59 @@ import time
 
 import pytest
 
-from dsecd.errors import BadRequest, LimitExceeded
+from dsecd.errors import BadRequest, DsecError, LimitExceeded
+
+BACKENDS = ("container", "microvm")
+VM = {"memory": "256M", "net": "none", "disk": "64M"}
+
+
+def _vm_available(c) -> None:
+    info = c.info()["backends"]["microvm"]
+    if not info["available"]:
+        pytest.skip(f"backend microvm unavailable here: {info['why']}")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def vm(daemon):
+    c = daemon.client()
+    try:
+        _vm_available(c)
+        sb = c.create("busybox", backend="microvm", **VM)
+    except BaseException:
+        c.close()
+        raise
+    yield sb
+    try:
+        sb.destroy(force=True)
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def sandbox(request, backend, client):
+    if backend == "microvm":
+        sb = request.getfixturevalue("vm")
+        sb.exec(["sh", "-c", "rm -rf /work /outside && mkdir /work"])
+        yield sb
+        return
+    sb = client.create(image="busybox", memory="128M")
+    yield sb
+    try:
+        sb.destroy(force=True)
+    except Exception:
+        pass
+
+
+def _create(c, backend: str, memory: str = "64M"):
+    if backend == "microvm":
+        _vm_available(c)
+        return c.create(image="busybox", backend="microvm", **VM)
+    return c.create(image="busybox", memory=memory)
 
 
 class Watcher:
@@ -97,17 +153,30 @@ def test_recursive_follows_new_directories_not_symlinks(sandbox):
     w.gen.close()
 
 
-def test_watch_stops_when_its_directory_or_sandbox_goes(client, sandbox):
+def test_watch_stops_when_its_directory_or_sandbox_goes(client, sandbox, backend):
     sandbox.mkdir("/work/gone")
     w = Watcher(sandbox, "/work/gone")
     sandbox.exec(["rmdir", "/work/gone"])
     last = w.until(lambda e: e["kind"] == "stopped")[-1]
     assert last["reason"] == "deleted"
-    other = client.create(image="busybox", memory="64M")
+    other = _create(client, backend)
     other.mkdir("/work/x")
     w2 = Watcher(other, "/work/x", recursive=True)
     other.destroy(force=True)
     assert w2.until(lambda e: e["kind"] == "stopped")[-1]["reason"] == "sandbox destroyed"
+
+
+def test_vm_watch_stops_when_the_guest_dies(client):
+    _vm_available(client)
+    sb = _create(client, "microvm")
+    try:
+        sb.mkdir("/work/p")
+        w = Watcher(sb, "/work/p", recursive=True)
+        with pytest.raises(DsecError):
+            sb.exec(["sh", "-c", "echo c > /proc/sysrq-trigger; sleep 30"], timeout=60)
+        assert w.until(lambda e: e["kind"] == "stopped", timeout=60)[-1]["reason"] == "sandbox died"
+    finally:
+        sb.destroy(force=True)
 
 
 def test_refusals(sandbox):
@@ -120,12 +189,12 @@ def test_refusals(sandbox):
         next(sandbox.watch("work"))
 
 
-def test_directory_cap_is_a_limit(daemon_factory, busybox_rootfs):
+def test_directory_cap_is_a_limit(daemon_factory, busybox_rootfs, backend):
     d = daemon_factory("[limits]\nmax_watch_dirs = 4\nmax_watches = 2\n")
     c = d.client()
     try:
         c.import_image(busybox_rootfs, "busybox")
-        sb = c.create(image="busybox", memory="64M")
+        sb = _create(c, backend)
         sb.exec(["mkdir", "-p", "/work/big/a", "/work/big/b", "/work/big/c", "/work/big/d"])
         with pytest.raises(LimitExceeded, match="max_watch_dirs"):
             next(sb.watch("/work/big", recursive=True))
@@ -143,9 +212,17 @@ def test_directory_cap_is_a_limit(daemon_factory, busybox_rootfs):
         c.close()
 
 
+def guest_procs(sb) -> int:
+    """How many processes in the sandbox run PID 1's program (in a VM the
+    guest agent's forks: its watch children among them)."""
+    return int(sb.exec(["sh", "-c", "n=0; for p in /proc/[0-9]*; do cmp -s $p/cmdline /proc/1/cmdline "
+                                    "&& n=$((n+1)); done; echo $n"]).stdout)
+
+
 def test_no_fd_is_left_behind(daemon, sandbox):
     fds = f"/proc/{daemon.proc.pid}/fd"
     sandbox.exec(["mkdir", "-p", "/work/fd/a/b"])
+    procs = guest_procs(sandbox)
     Watcher(sandbox, "/work/fd", recursive=True).gen.close()      # warm up (worker threads, caches)
     time.sleep(0.3)
     before = len(os.listdir(fds))
@@ -157,6 +234,10 @@ def test_no_fd_is_left_behind(daemon, sandbox):
         sandbox.exec(["rmdir", "/work/fd/a/b/c"])
     time.sleep(0.3)
     assert len(os.listdir(fds)) == before
+    deadline = time.monotonic() + 10          # a VM's watch children die with their requests, soon
+    while guest_procs(sandbox) != procs and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert guest_procs(sandbox) == procs
 
 
 def test_cli_watch(daemon, sandbox):
