@@ -240,12 +240,59 @@ def client(daemon):
 
 @pytest.fixture
 def sandbox(client):
+    yield from _container(client)
+
+
+def _container(client):
     sb = client.create(image="busybox", memory="128M")
     yield sb
     try:
         sb.destroy(force=True)
     except Exception:
         pass
+
+
+# ------------------------------------------------------------ microVMs
+
+def skip_unless_microvm(c, close: bool = True) -> dict:
+    """The daemon's microvm backend (`info`); where it is unavailable, the
+    test is skipped (c closed first unless close is False: a shared client)."""
+    info = c.info()["backends"]["microvm"]
+    if not info["available"]:
+        if close:
+            c.close()
+        pytest.skip(f"backend microvm unavailable here: {info['why']}")
+    return info
+
+
+def shared_vm(daemon, disk: str = "64M"):
+    """Fixture body: one microVM a module's tests share (a VM under TCG takes
+    seconds to start), on a client of its own; destroyed at the end."""
+    c = daemon.client()
+    skip_unless_microvm(c)
+    try:
+        sb = c.create("busybox", backend="microvm", memory="256M", net="none", disk=disk)
+    except BaseException:
+        c.close()
+        raise
+    try:
+        yield sb
+    finally:
+        try:
+            sb.destroy(force=True)
+        finally:
+            c.close()
+
+
+def sandbox_on(backend: str, request, client, reset: str):
+    """Fixture body: a test's sandbox on `backend`: a new container, or the
+    module's shared VM (its fixture `vm`) after the shell command `reset`."""
+    if backend == "microvm":
+        sb = request.getfixturevalue("vm")
+        sb.exec(["sh", "-c", reset])
+        yield sb
+        return
+    yield from _container(client)
 
 
 @pytest.fixture(autouse=True, scope="session")

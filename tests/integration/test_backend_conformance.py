@@ -18,6 +18,7 @@ import os
 import time
 
 import pytest
+from conftest import skip_unless_microvm
 
 from dsecd.errors import DsecError
 
@@ -30,10 +31,7 @@ def box(request, daemon):
     c = daemon.client()
     backend = request.param
     if backend == "microvm":
-        info = c.info()["backends"]["microvm"]
-        if not info["available"]:
-            c.close()
-            pytest.skip(f"backend microvm unavailable here: {info['why']}")
+        skip_unless_microvm(c)
     sb = c.create("busybox", backend=backend, memory="256M", net="none", disk="64M")
     state = {"sb": sb, "destroyed": False}
     try:

@@ -16,6 +16,7 @@ import stat
 import tarfile
 
 import pytest
+from conftest import sandbox_on, shared_vm, skip_unless_microvm
 
 from dsecd.errors import BadRequest, Conflict, DsecError, LimitExceeded, NotFound
 from dsecd.localcopy import LocalCopyError
@@ -23,41 +24,14 @@ from dsecd.localcopy import LocalCopyError
 BACKENDS = ("container", "microvm")
 
 
-def _vm_available(c) -> None:
-    info = c.info()["backends"]["microvm"]
-    if not info["available"]:
-        pytest.skip(f"backend microvm unavailable here: {info['why']}")
-
-
 @pytest.fixture(scope="module")
 def vm(daemon):
-    c = daemon.client()
-    try:
-        _vm_available(c)
-        sb = c.create("busybox", backend="microvm", memory="256M", net="none", disk="96M")
-    except BaseException:
-        c.close()
-        raise
-    yield sb
-    try:
-        sb.destroy(force=True)
-    finally:
-        c.close()
+    yield from shared_vm(daemon, disk="96M")
 
 
 @pytest.fixture(params=BACKENDS)
 def sandbox(request, client):
-    if request.param == "microvm":
-        sb = request.getfixturevalue("vm")
-        sb.exec(["sh", "-c", "rm -rf /work /inside && mkdir /work"])
-        yield sb
-        return
-    sb = client.create(image="busybox", memory="128M")
-    yield sb
-    try:
-        sb.destroy(force=True)
-    except Exception:
-        pass
+    yield from sandbox_on(request.param, request, client, "rm -rf /work /inside && mkdir /work")
 
 
 def make_tree(top):
@@ -170,7 +144,7 @@ def test_entry_and_byte_caps(daemon_factory, busybox_rootfs, tmp_path, backend):
     try:
         c.import_image(busybox_rootfs, "busybox")
         if backend == "microvm":
-            _vm_available(c)
+            skip_unless_microvm(c, close=False)
             sb = c.create(image="busybox", backend="microvm", memory="256M", net="none", disk="64M")
         else:
             sb = c.create(image="busybox", memory="64M")

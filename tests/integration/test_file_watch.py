@@ -17,17 +17,12 @@ import threading
 import time
 
 import pytest
+from conftest import sandbox_on, shared_vm, skip_unless_microvm
 
 from dsecd.errors import BadRequest, DsecError, LimitExceeded
 
 BACKENDS = ("container", "microvm")
 VM = {"memory": "256M", "net": "none", "disk": "64M"}
-
-
-def _vm_available(c) -> None:
-    info = c.info()["backends"]["microvm"]
-    if not info["available"]:
-        pytest.skip(f"backend microvm unavailable here: {info['why']}")
 
 
 @pytest.fixture(params=BACKENDS)
@@ -37,38 +32,17 @@ def backend(request):
 
 @pytest.fixture(scope="module")
 def vm(daemon):
-    c = daemon.client()
-    try:
-        _vm_available(c)
-        sb = c.create("busybox", backend="microvm", **VM)
-    except BaseException:
-        c.close()
-        raise
-    yield sb
-    try:
-        sb.destroy(force=True)
-    finally:
-        c.close()
+    yield from shared_vm(daemon)
 
 
 @pytest.fixture
 def sandbox(request, backend, client):
-    if backend == "microvm":
-        sb = request.getfixturevalue("vm")
-        sb.exec(["sh", "-c", "rm -rf /work /outside && mkdir /work"])
-        yield sb
-        return
-    sb = client.create(image="busybox", memory="128M")
-    yield sb
-    try:
-        sb.destroy(force=True)
-    except Exception:
-        pass
+    yield from sandbox_on(backend, request, client, "rm -rf /work /outside && mkdir /work")
 
 
 def _create(c, backend: str, memory: str = "64M"):
     if backend == "microvm":
-        _vm_available(c)
+        skip_unless_microvm(c, close=False)
         return c.create(image="busybox", backend="microvm", **VM)
     return c.create(image="busybox", memory=memory)
 
@@ -167,7 +141,7 @@ def test_watch_stops_when_its_directory_or_sandbox_goes(client, sandbox, backend
 
 
 def test_vm_watch_stops_when_the_guest_dies(client):
-    _vm_available(client)
+    skip_unless_microvm(client, close=False)
     sb = _create(client, "microvm")
     try:
         sb.mkdir("/work/p")

@@ -14,6 +14,7 @@ import json
 import os
 
 import pytest
+from conftest import skip_unless_microvm
 
 import dsecd
 
@@ -21,10 +22,7 @@ import dsecd
 @pytest.fixture(scope="module")
 def vm_client(daemon):
     c = daemon.client()
-    info = c.info()["backends"]["microvm"]
-    if not info["available"]:
-        c.close()
-        pytest.skip(f"backend microvm unavailable here: {info['why']}")
+    info = skip_unless_microvm(c)
     if not info.get("templates"):
         c.close()
         pytest.skip("microvm.templates is off in this daemon's config")

@@ -14,6 +14,7 @@ import signal
 import time
 
 import pytest
+from conftest import skip_unless_microvm
 
 import dsecd
 from dsecd.errors import DsecError
@@ -21,18 +22,11 @@ from dsecd.errors import DsecError
 WATCHDOG = "[microvm]\nwatchdog_interval_s = 1.0\nwatchdog_timeout_s = 5.0\n"
 
 
-def _available(c) -> None:
-    info = c.info()["backends"]["microvm"]
-    if not info["available"]:
-        c.close()
-        pytest.skip(f"backend microvm unavailable here: {info['why']}")
-
-
 @pytest.fixture
 def vmd(daemon_factory, busybox_rootfs):
     d = daemon_factory(WATCHDOG)
     c = d.client()
-    _available(c)
+    skip_unless_microvm(c)
     c.import_image(busybox_rootfs, "busybox")
     yield d, c
     c.close()
@@ -183,7 +177,7 @@ def test_qemu_killed_by_its_memory_limit_is_an_oom_event(daemon_factory, busybox
     d = daemon_factory("[microvm]\nmemory_overhead = \"16M\"\nwatchdog_interval_s = 0\ntemplates = false\n")
     c = d.client()
     try:
-        _available(c)
+        skip_unless_microvm(c)
         c.import_image(busybox_rootfs, "busybox")
         sb = _vm(c, disk="240M")
         pid = sb.inspect()["vm"]["qemu_pid"]

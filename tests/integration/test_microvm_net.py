@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 
 import pytest
+from conftest import skip_unless_microvm
 from test_net_daemon import _toml_net, connect
 from test_net_kit import bpf_skip_reason
 
@@ -29,10 +30,7 @@ def vmnet(world, busybox_rootfs):
     try:
         d.start()
         c = d.client()
-        info = c.info()["backends"]["microvm"]
-        if not info["available"]:
-            c.close()
-            pytest.skip(f"backend microvm unavailable here: {info['why']}")
+        skip_unless_microvm(c)
         c.import_image(busybox_rootfs, "busybox")
         yield d, c
         c.close()

@@ -15,7 +15,7 @@ import threading
 import time
 
 import pytest
-from conftest import VENV_BIN
+from conftest import VENV_BIN, shared_vm
 
 from dsecd.errors import BadRequest, Conflict, NotFound
 
@@ -85,18 +85,7 @@ def helper_sandbox(daemon_factory, busybox_rootfs):
 
 @pytest.fixture(scope="module")
 def vm_sandbox(daemon):
-    """One microVM the module's tests share (a VM under TCG takes seconds to start)."""
-    c = daemon.client()
-    info = c.info()["backends"]["microvm"]
-    if not info["available"]:
-        c.close()
-        pytest.skip(f"backend microvm unavailable here: {info['why']}")
-    sb = c.create("busybox", backend="microvm", memory="256M", net="none", disk="64M")
-    yield sb
-    try:
-        sb.destroy(force=True)
-    finally:
-        c.close()
+    yield from shared_vm(daemon)
 
 
 @pytest.fixture(params=["init", "helper", "microvm"])
