@@ -30,7 +30,8 @@
 #
 #   With DSECD_SETUP_RAY=1, also the optional extra `ray` (pyproject.toml:
 #      Ray, for dsecd.ray and tests/integration/test_ray.py, which skip
-#      without it). Off by default: Ray is large and only dsecd.ray needs it.
+#      without it). Off by default: Ray is large and only dsecd.ray needs
+#      it; scripts/test.sh turns it on, so the suite runs the Ray tests.
 #
 #   4. The microVM guest (scripts/mkguest.sh): Debian's cloud kernel package
 #      by apt-get download (never installed as the host's kernel) and the

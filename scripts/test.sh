@@ -8,7 +8,8 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
 VENV=$REPO/.venv
 
-bash scripts/setup.sh || exit 1
+# The optional Ray extra too: tests/integration/test_ray.py needs it.
+DSECD_SETUP_RAY=1 bash scripts/setup.sh || exit 1
 
 status=0
 
