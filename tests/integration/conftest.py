@@ -36,6 +36,13 @@ def _skip_reason() -> str | None:
     return None
 
 
+def pytest_configure(config):
+    # `timeout` and job runners stop a run with SIGTERM, which would end
+    # pytest without its teardowns and leave the run's daemons, VMs, mounts
+    # and cgroups behind. As KeyboardInterrupt, pytest tears fixtures down.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
 def pytest_collection_modifyitems(config, items):
     reason = _skip_reason()
     if reason:
