@@ -36,7 +36,7 @@ import tty
 
 from . import fleet_cli, imageconfig, pullview, topview
 from .client import Client, default_socket
-from .clitext import UsageError, job_verb
+from .clitext import UsageError, job_done, job_verb
 from .clitext import human_bytes as _human_bytes
 from .clitext import kv as _kv
 from .clitext import pct as _pct
@@ -317,7 +317,7 @@ async def cmd_job(c: Client, a) -> int:
     if a.json:
         _print_json(r)
     else:
-        done = r.get("paused") or r.get("resumed") or r.get("destroyed") or []
+        done = job_done(r)
         print(f"job {a.job}: {a.job_cmd} {len(done)} sandbox(es)")
         failed = r.get("failed") or {}
         for sb_id in failed:

@@ -47,6 +47,11 @@ def pct(v) -> str:
     return "-" if v is None else f"{v:.1f}%"
 
 
+def job_done(r: dict) -> list:
+    """The sandboxes a job verb's answer says it paused, resumed or destroyed."""
+    return r.get("paused") or r.get("resumed") or r.get("destroyed") or []
+
+
 async def job_verb(target, a) -> dict:
     """`job pause|resume|rm JOB` on a Client or a Fleet (the same method names)."""
     if a.job_cmd == "pause":

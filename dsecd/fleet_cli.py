@@ -14,7 +14,7 @@ import json
 import sys
 import time
 
-from .clitext import UsageError, human_bytes, job_verb, kv, pct, print_json, table
+from .clitext import UsageError, human_bytes, job_done, job_verb, kv, pct, print_json, table
 from .errors import DsecError
 from .fleet import Fleet, FleetHost, short_name
 from .remote import SshOptions
@@ -148,7 +148,7 @@ async def fleet_job(fleet: Fleet, a) -> int:
     if a.json:
         print_json(r)
     else:
-        done = r.get("paused") or r.get("resumed") or r.get("destroyed") or []
+        done = job_done(r)
         hosts = sum(1 for v in r["hosts"].values() if v == "ok")
         print(f"job {a.job}: {a.job_cmd} {len(done)} sandbox(es) on {hosts} host(s)")
         for sb_id, why in r["failed"].items():
