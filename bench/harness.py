@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from dsecd.config import with_setting
 from dsecd.sysfs import unescape_mount_field
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,18 +43,6 @@ def log(msg: str) -> None:
     print(f"bench: {msg}", file=sys.stderr, flush=True)
 
 
-def with_guest_dir(config: str) -> str:
-    """`config` naming the microVM guest in $DSECD_GUEST_DIR when that is set
-    (scripts/setup.sh built this checkout's guest there), else as it is."""
-    guest_dir = os.environ.get("DSECD_GUEST_DIR")
-    if not guest_dir:
-        return config
-    line = f'guest_dir = "{guest_dir}"\n'
-    if "[microvm]" in config:
-        return config.replace("[microvm]\n", "[microvm]\n" + line, 1)
-    return f"{config}\n[microvm]\n{line}"
-
-
 class BenchDaemon:
     """A dsecd of the bench's own, in `tmp`: socket, state dir, config, and a
     cgroup subtree named after this process, so that neither its sandboxes nor
@@ -72,7 +61,7 @@ class BenchDaemon:
 
     def _write_config(self) -> str:
         path = self.tmp / "bench.toml"
-        path.write_text(f'[sandbox]\ncgroup_root = "{self.cgroup_root}"\n{with_guest_dir(self.extra_config)}')
+        path.write_text(f'[sandbox]\ncgroup_root = "{self.cgroup_root}"\n{with_setting(self.extra_config, "microvm", "guest_dir", os.environ.get("DSECD_GUEST_DIR"))}')
         return str(path)
 
     def start(self) -> None:

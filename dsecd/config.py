@@ -131,6 +131,18 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(str(err)) from err
 
 
+def with_setting(text: str, section: str, key: str, value: str | None) -> str:
+    """TOML `text` with `key = "value"` added to [section] (the section added
+    where text has none); `text` as it is when value is None or text sets
+    key already. For the configs test and bench daemons are started with."""
+    if value is None or re.search(rf"^\s*{re.escape(key)}\s*=", text, re.M):
+        return text
+    head, line = f"[{section}]\n", f'{key} = "{value}"\n'
+    if head in text:
+        return text.replace(head, head + line, 1)
+    return f"{text}\n{head}{line}"
+
+
 def parse_duration(value, what: str) -> float | None:
     """Seconds from 90, 1.5, "90s", "5m", "2h", "1d"; None stays None."""
     if value is None:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from dsecd.config import with_setting
+
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 
@@ -67,26 +69,12 @@ BPF_CACHE = Path(tempfile.mkdtemp(prefix="dsecd-test-bpf-"))
 atexit.register(shutil.rmtree, BPF_CACHE, True)
 
 
-def with_bpf_cache(config: str) -> str:
-    """`config` with net.bpf_cache_dir = BPF_CACHE, unless it names its own."""
-    if "bpf_cache_dir" in config:
-        return config
-    line = f'bpf_cache_dir = "{BPF_CACHE}"\n'
-    if "[net]\n" in config:
-        return config.replace("[net]\n", "[net]\n" + line, 1)
-    return f"{config}\n[net]\n{line}"
-
-
-def with_guest_dir(config: str) -> str:
-    """`config` naming the microVM guest in $DSECD_GUEST_DIR when that is set
-    (scripts/setup.sh built this checkout's guest there), else as it is."""
-    guest_dir = os.environ.get("DSECD_GUEST_DIR")
-    if not guest_dir:
-        return config
-    line = f'guest_dir = "{guest_dir}"\n'
-    if "[microvm]" in config:
-        return config.replace("[microvm]\n", "[microvm]\n" + line, 1)
-    return f"{config}\n[microvm]\n{line}"
+def _test_config(extra: str) -> str:
+    """A test's config with the run's BPF cache, and the microVM guest of
+    $DSECD_GUEST_DIR when that is set (scripts/setup.sh built this checkout's
+    guest there); either left as the test's own where it sets it."""
+    extra = with_setting(extra, "net", "bpf_cache_dir", str(BPF_CACHE))
+    return with_setting(extra, "microvm", "guest_dir", os.environ.get("DSECD_GUEST_DIR"))
 
 
 class Daemon:
@@ -104,7 +92,7 @@ class Daemon:
         self.config = tmp / "dsecd.toml"
         self.config.write_text(
             f'[daemon]\nsocket = "{self.socket}"\nstate_dir = "{self.state}"\nlog_level = "{log_level}"\n'
-            f'[sandbox]\ncgroup_root = "{self.cgroup_root}"\n{with_guest_dir(with_bpf_cache(extra_config))}')
+            f'[sandbox]\ncgroup_root = "{self.cgroup_root}"\n{_test_config(extra_config)}')
         self.log = tmp / "dsecd.log"
         self.proc: subprocess.Popen | None = None
         # How a test may start it differently: a command in front (setpriv,

@@ -1,6 +1,6 @@
 import pytest
 
-from dsecd.config import ConfigError, load_config, parse_size
+from dsecd.config import ConfigError, load_config, parse_size, with_setting
 
 
 @pytest.mark.parametrize("text, value", [(0, 0), ("123", 123), ("4K", 4096), ("512M", 512 << 20),
@@ -74,3 +74,12 @@ def test_the_config_file_is_etc_dsecd_when_it_exists_and_none_is_named(tmp_path,
     assert daemon.build_config(daemon.parse_args(["--config", str(given)])).path == str(given)
     with pytest.raises(ConfigError, match="read config"):             # named but absent: an error
         daemon.build_config(daemon.parse_args(["--config", str(tmp_path / "absent.toml")]))
+
+
+def test_with_setting_adds_a_key_once_and_keeps_one_the_text_sets():
+    assert with_setting("", "net", "bpf_cache_dir", "/c") == '\n[net]\nbpf_cache_dir = "/c"\n'
+    assert with_setting("[net]\nmtu = 1400\n", "net", "bpf_cache_dir", "/c") == \
+        '[net]\nbpf_cache_dir = "/c"\nmtu = 1400\n'
+    own = '[net]\nbpf_cache_dir = "/mine"\n'
+    assert with_setting(own, "net", "bpf_cache_dir", "/c") == own
+    assert with_setting("[a]\n", "microvm", "guest_dir", None) == "[a]\n"
