@@ -115,11 +115,16 @@ def test_job_pause_and_resume_cover_vms(vmd):
         sb.destroy()
 
 
-def test_a_guest_that_panics_is_reported_dead_and_cleaned_up(vmd):
-    d, c = vmd
+def _vm_and_its_qemu(c):
+    """A new VM, its QEMU's pid and its cgroup dirs (to check they go)."""
     sb = _vm(c)
     info = sb.inspect()
-    pid, cgroups = info["vm"]["qemu_pid"], list(info["cgroups"].values())
+    return sb, info["vm"]["qemu_pid"], list(info["cgroups"].values())
+
+
+def test_a_guest_that_panics_is_reported_dead_and_cleaned_up(vmd):
+    d, c = vmd
+    sb, pid, cgroups = _vm_and_its_qemu(c)
     with pytest.raises(DsecError):
         sb.exec(["sh", "-c", "echo c > /proc/sysrq-trigger; sleep 30"], timeout=60)
     _wait_dead(c, sb.id)
@@ -131,9 +136,7 @@ def test_a_guest_that_panics_is_reported_dead_and_cleaned_up(vmd):
 
 def test_a_guest_that_hangs_is_killed_and_reported_dead(vmd):
     d, c = vmd
-    sb = _vm(c)
-    info = sb.inspect()
-    pid, cgroups = info["vm"]["qemu_pid"], list(info["cgroups"].values())
+    sb, pid, cgroups = _vm_and_its_qemu(c)
     os.kill(pid, signal.SIGSTOP)          # the whole VM stops answering: a hang, from outside
     try:
         _wait_dead(c, sb.id, timeout=90)
