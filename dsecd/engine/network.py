@@ -58,6 +58,7 @@ class NetworkService:
         self.dns_error: str | None = None
         self._net_ready: asyncio.Future | None = None
         self._warmup: asyncio.Task | None = None
+        self._bpf_loader: threading.Thread | None = None
 
     async def network(self):
         """The Network, built once (in a worker thread) on first use."""
@@ -292,8 +293,9 @@ class NetworkService:
         from ..net.network import bpf_cache_dir
         from ..net.policy import Engine
 
-        Engine.prepare(self.max_sandboxes, int(self.net_cfg["max_prefixes"]), int(self.net_cfg["max_counters"]),
-                       bpf_cache_dir(self.net_cfg, self.state_dir))
+        self._bpf_loader = Engine.prepare(
+            self.max_sandboxes, int(self.net_cfg["max_prefixes"]), int(self.net_cfg["max_counters"]),
+            bpf_cache_dir(self.net_cfg, self.state_dir))
 
     async def readopt_net(self) -> None:
         """After the journal's sandboxes were re-adopted: building the Network re-adopts live sandboxes' policies and
@@ -331,7 +333,29 @@ class NetworkService:
         if self.net is not None:
             await self.workers.run(self.net.close)
 
+    def starting(self) -> list[str]:
+        """What the start-up work in the background is still doing. Until it
+        is done the first --net default create waits for it, and the daemon
+        is still opening the fds (programs, maps, pooled namespaces) it keeps."""
+        out = []
+        if self._bpf_loader is not None and self._bpf_loader.is_alive():
+            out.append("loading the BPF programs")
+        if self._warmup is not None and not self._warmup.done():
+            out.append("building the network")
+        elif self.net is not None:
+            pool = self.net.pool.stats()
+            if pool["ready"] < pool["size"] and "last_error" not in pool:
+                out.append("filling the netns pool")
+        return out
+
     def net_info(self) -> dict:
+        out = self._net_info()
+        starting = self.starting()
+        if starting:
+            out["starting"] = starting
+        return out
+
+    def _net_info(self) -> dict:
         if self.net is not None:
             dns = self.resolver.info() if self.resolver else {"error": self.dns_error or "off (net.dns)"}
             return {"available": True, "detail": f"bridge {self.net_cfg['bridge']}, "

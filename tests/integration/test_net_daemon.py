@@ -7,6 +7,7 @@ never leaves namespaces this test made.
 
 import json
 import subprocess
+import time
 
 import pytest
 from test_net_kit import bpf_skip_reason
@@ -196,8 +197,6 @@ def test_kill9_after_net_set_keeps_rule_and_restart_compiles_nothing(world, netd
 
 
 def _net_available(c, timeout: float) -> object:
-    import time
-
     deadline = time.monotonic() + timeout
     while True:
         avail = c.info()["net"]["available"]
@@ -212,8 +211,14 @@ def test_a_start_where_the_bridge_exists_builds_networking_in_the_background(wor
     cfg = dict(world.cfg, ipv4_pool=f"10.{world.octet}.3.0/24")
     c = daemon_factory(_toml_net(cfg)).client()
     assert _net_available(c, 20) is True
-    assert c.info()["net"]["pool"]["size"] >= 0
+    deadline = time.monotonic() + 30        # `starting` says what is still under way, until it is done
+    while (starting := c.info()["net"].get("starting")) and time.monotonic() < deadline:
+        assert set(starting) <= {"loading the BPF programs", "building the network", "filling the netns pool"}
+        time.sleep(0.05)
+    net = c.info()["net"]
+    assert "starting" not in net and net["pool"]["ready"] == net["pool"]["size"] > 0
     c.close()
     lazy = daemon_factory(_toml_net(cfg).replace("[net]\n", "[net]\npreload = false\n")).client()
     assert _net_available(lazy, 1.0) is None
+    assert "starting" not in lazy.info()["net"]          # preload off: nothing runs in the background
     lazy.close()
