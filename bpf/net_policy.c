@@ -10,6 +10,7 @@
 //   sb_stats    percpu    stats slot -> what the default-deny refused
 //   accepted    lru_hash  socket cookie of each TCP connection the sandbox accepted (dsec_sockops)
 //   taps        hash      ifindex of a microVM's tap -> {its `sandboxes` key, address, MAC} (dsec_tap)
+//   vm_inbound  lru_hash  TCP flows made to a microVM (dsec_tap_in), whose answers dsec_tap lets out
 //
 // Atomic updates: user space writes a whole new policy under a fresh policy id,
 // then flips the sandbox's one `sandboxes` entry to it (a single map update),
@@ -109,6 +110,21 @@ struct tap_val {
     u8 pad[2];
 };
 BPF_HASH(taps, u32, struct tap_val, MAX_SANDBOXES);
+
+// TCP connections made *to* a microVM (dsec_tap_in saw their SYN go to the
+// guest: through a published port's DNAT, from the bridge netns, from a
+// sandbox whose policy let it connect), so that dsec_tap lets the guest's
+// answers out whatever its allowlist says, as answers_inbound() does for a
+// container's accepted sockets. Keyed by the whole flow, as the guest sends
+// it: an answer only ever goes to the peer that connected. Ports and address
+// in network byte order; the LRU drops the oldest.
+struct vm_flow {
+    u64 key;        // the VM's `sandboxes` key
+    u32 peer_ip4;
+    u16 peer_port;
+    u16 vm_port;
+};
+BPF_TABLE("lru_hash", struct vm_flow, u8, vm_inbound, MAX_ACCEPTED);
 
 static __always_inline u32 sandbox_level(void)
 {
@@ -349,7 +365,8 @@ static __always_inline int same_bytes(const u8 *a, const u8 *b, int n)
 // `sandboxes` entry (a live update flips it the same way). The guest is root
 // in its own kernel and can send any frame, so the frame must also carry the
 // VM's own MAC and address: no spoofing another sandbox on the bridge. What
-// is allowed: ARP for its own address, and IPv4 the policy allows. Not IPv6
+// is allowed: ARP for its own address, IPv4 the policy allows, and TCP that
+// answers a connection made to the VM (`vm_inbound`). Not IPv6
 // (microVMs get no IPv6 address), nor any other ethertype. Unknown tap or
 // sandbox: dropped (fail closed).
 int dsec_tap(struct __sk_buff *skb)
@@ -398,15 +415,13 @@ int dsec_tap(struct __sk_buff *skb)
     if (ip.frag_off & bpf_htons(0x1fff))
         proto = 0;  // a non-first fragment has no ports: "other protocol"
     u8 bit = proto_bit(proto);
-    u16 port = 0;
+    u16 ports[2] = {};  // source, destination; network byte order
     // What the cgroup hooks count (a connect, a datagram sent) is counted
     // here as a TCP SYN without ACK, and every UDP or other datagram.
     int count = bit != P_TCP;
     if (bit != P_OTHER) {
-        u16 ports[2];
         if (bpf_skb_load_bytes(skb, l4, ports, sizeof(ports)) < 0)
             goto drop;
-        port = bpf_ntohs(ports[1]);
         if (bit == P_TCP) {
             u8 flags;
             if (bpf_skb_load_bytes(skb, l4 + 13, &flags, 1) < 0)
@@ -414,8 +429,14 @@ int dsec_tap(struct __sk_buff *skb)
             count = (flags & 0x12) == 0x02;  // SYN, no ACK
         }
     }
-    if (decide(sb, &k, port, bit, count))
+    if (decide(sb, &k, bpf_ntohs(ports[1]), bit, count))
         return TC_ACT_OK;
+    if (bit == P_TCP && !count) {
+        // Not a connection of the guest's own: an answer to one made to it?
+        struct vm_flow f = {.key = key, .peer_ip4 = ip.daddr, .peer_port = ports[1], .vm_port = ports[0]};
+        if (vm_inbound.lookup(&f))
+            return TC_ACT_OK;
+    }
     if (count)
         bump_denied(sb->slot, bit != P_TCP);
 drop:;
@@ -424,4 +445,35 @@ drop:;
     if (st)
         st->dropped_packets += 1;
     return TC_ACT_SHOT;
+}
+
+// What goes *to* a microVM: tc egress of its tap (TCX), every frame let
+// through. A TCP SYN without ACK to the VM's own address is a connection made
+// to it: its flow goes into `vm_inbound` so that dsec_tap lets the answers
+// out. Nothing the guest does can add an entry: these frames come from the
+// bridge.
+int dsec_tap_in(struct __sk_buff *skb)
+{
+    u32 ifindex = skb->ifindex;
+    struct tap_val *tap = taps.lookup(&ifindex);
+    if (!tap)
+        return TC_ACT_OK;
+    struct ethhdr eth;
+    struct iphdr ip;
+    if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) < 0 || eth.h_proto != bpf_htons(ETH_P_IP))
+        return TC_ACT_OK;
+    if (bpf_skb_load_bytes(skb, sizeof(eth), &ip, sizeof(ip)) < 0 || ip.protocol != IPPROTO_TCP ||
+        ip.daddr != tap->ip4 || (ip.frag_off & bpf_htons(0x1fff)))
+        return TC_ACT_OK;
+    u32 l4 = sizeof(eth) + ip.ihl * 4;
+    u16 ports[2];
+    u8 flags;
+    if (bpf_skb_load_bytes(skb, l4, ports, sizeof(ports)) < 0 || bpf_skb_load_bytes(skb, l4 + 13, &flags, 1) < 0)
+        return TC_ACT_OK;
+    if ((flags & 0x12) == 0x02) {
+        struct vm_flow f = {.key = tap->key, .peer_ip4 = ip.saddr, .peer_port = ports[0], .vm_port = ports[1]};
+        u8 one = 1;
+        vm_inbound.update(&f, &one);
+    }
+    return TC_ACT_OK;
 }

@@ -590,9 +590,10 @@ class CreateService:
         return sb.public()
 
     async def _create_vm(self, sb: Sandbox, limits: cgroup.Limits, disk: int, net_mode: str,
-                         allow: list[str], started: float) -> dict:
-        """A microVM sandbox (dsecd/engine/microvms.py): its policy and lease
-        first (--net default), then its QEMU, booted or restored to its agent."""
+                         allow: list[str], publish: list[int], started: float) -> dict:
+        """A microVM sandbox (dsecd/engine/microvms.py): its policy, lease and
+        published ports first (--net default), then its QEMU, booted or
+        restored to its agent."""
         async with AsyncSteps(f"create sandbox {sb.id}") as steps:
             self.id_ranges.allocate(sb)
             steps.undo(UNDO_IDS, lambda: self.id_ranges.release(sb))
@@ -601,6 +602,8 @@ class CreateService:
             if net_mode == "default":
                 await self.net.attach_vm_net(sb, allow)
                 steps.undo("detach networking", lambda: self.net.detach_net(sb))
+                if publish:
+                    await self.net.publish_at_create(sb, publish)
             sb.handle = await self.vms.create(sb, limits, disk)
             steps.undo("destroy the VM", lambda: self.workers.run(self.vms.backend.destroy, sb.id, sb.handle))
             await self.vms.check_cwd(sb, sb.cwd)
@@ -647,7 +650,8 @@ class CreateService:
         if sb.lease:
             sb.lease_deadline = time.monotonic() + sb.lease
         if backend == "microvm":
-            return await self._create_vm(sb, limits, disk.disk_bytes, net_mode, list(req.allow), started)
+            return await self._create_vm(sb, limits, disk.disk_bytes, net_mode, list(req.allow),
+                                         list(req.publish or []), started)
         # The record is written once the sandbox runs. A crash before that leaves
         # a directory and cgroups without a record: the next start finds them as
         # orphans, kills what is in the cgroups and removes them.

@@ -123,10 +123,6 @@ class MicroVMService:
         self.require()
         if memory < MIN_GUEST_MEMORY:
             raise BadRequest(f"a microVM needs memory of at least {MIN_GUEST_MEMORY >> 20}M, got {memory} bytes")
-        if req.publish:
-            raise Unsupported("backend microvm publishes no ports yet: its tap's program checks every frame "
-                              "the guest sends against the allowlist, answers to inbound connections included; "
-                              "create it without publish")
 
     async def create(self, sb: Sandbox, limits, disk: int) -> VmHandle:
         """Start the VM, from its template where there is one (made now if

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parents[2] / "bpf" / "net_policy.c"
 MAGIC = b"dsecd-bpf-object 1\n"
-MAPS = ("config", "sandboxes", "rules", "rule_hits", "sb_stats", "accepted", "taps")
+MAPS = ("config", "sandboxes", "rules", "rule_hits", "sb_stats", "accepted", "taps", "vm_inbound")
 # (function, program type, attach type): the programs attached to each sandbox's cgroup
 HOOKS = (
     ("dsec_connect4", "CGROUP_SOCK_ADDR", "CGROUP_INET4_CONNECT"),
@@ -52,8 +52,9 @@ HOOKS = (
     ("dsec_egress", "CGROUP_SKB", "CGROUP_INET_EGRESS"),
     ("dsec_sockops", "SOCK_OPS", "CGROUP_SOCK_OPS"),     # marks accepted connections for dsec_egress
 )
-# ... and to each microVM's tap (tc ingress: what the guest sends)
-TAP_PROGS = (("dsec_tap", "SCHED_CLS", "TCX_INGRESS"),)
+# ... and to each microVM's tap: tc ingress is what the guest sends, egress
+# what is sent to it (connections made to the VM, whose answers may go out)
+TAP_PROGS = (("dsec_tap", "SCHED_CLS", "TCX_INGRESS"), ("dsec_tap_in", "SCHED_CLS", "TCX_EGRESS"))
 
 
 @dataclass(frozen=True)

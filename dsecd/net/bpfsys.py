@@ -28,7 +28,7 @@ MAP_UPDATE_BATCH = 26
 PROG_TYPES = {"SCHED_CLS": 3, "CGROUP_SKB": 8, "SOCK_OPS": 13, "RAW_TRACEPOINT": 17, "CGROUP_SOCK_ADDR": 18}
 ATTACH_TYPES = {"NONE": 0, "CGROUP_INET_EGRESS": 1, "CGROUP_SOCK_OPS": 3, "CGROUP_INET4_CONNECT": 10,
                 "CGROUP_INET6_CONNECT": 11, "CGROUP_UDP4_SENDMSG": 14, "CGROUP_UDP6_SENDMSG": 15,
-                "TCX_INGRESS": 46}          # TCX: Linux 6.6+ (Debian 12's headers predate it)
+                "TCX_INGRESS": 46, "TCX_EGRESS": 47}    # TCX: Linux 6.6+ (Debian 12's headers predate it)
 F_BEFORE = 1 << 3          # TCX attach: first in the device's chain
 MAP_TYPE_RINGBUF = 27
 PERCPU_TYPES = {5, 6, 10}          # PERCPU_HASH, PERCPU_ARRAY, LRU_PERCPU_HASH

@@ -129,8 +129,8 @@ class Engine:
         tap_names = {p[0] for p in bpfobj.TAP_PROGS}
         # name -> (prog fd, attach type): what every sandbox cgroup gets
         self.fns = {n: v for n, v in self.loaded.progs.items() if n not in tap_names}
-        self.tap_prog, self.tap_attach_type = self.loaded.progs["dsec_tap"]
-        self.tap_prog_id = bpfsys.prog_id(self.tap_prog)
+        # name -> (prog fd, attach type, prog id): what every microVM's tap gets
+        self.tap_progs = {n: (*self.loaded.progs[n], bpfsys.prog_id(self.loaded.progs[n][0])) for n in tap_names}
         self._key_pad = b"\0" * (self.rules.key_size - _RULE_KEY.size)
         self._val_pad = self.rules.value_size - _RULE_HEAD.size - MAX_ENTRIES * _ENTRY.size
         if self._val_pad < 0 or self.rules.key_size < _RULE_KEY.size:
@@ -184,23 +184,24 @@ class Engine:
             os.close(fd)
 
     def attach_tap(self, ifindex: int, ifname: str) -> None:
-        """dsec_tap first on the tap's TCX ingress (what its guest sends);
-        then any other program there goes: a previous daemon's, whose maps
-        decided until now (a re-adopted VM's tap)."""
-        at = self.tap_attach_type
-        bpfsys.tcx_attach(ifindex, self.tap_prog, at, bpfsys.F_BEFORE, f"attach dsec_tap to tap {ifname}")
-        for prog in bpfsys.tcx_query(ifindex, at, f"list the programs on tap {ifname}"):
-            if prog == self.tap_prog_id:
-                continue
-            try:
-                fd = bpfsys.prog_fd_by_id(prog)
-            except OSError as err:            # gone meanwhile
-                log.debug("%s", err)
-                continue
-            try:
-                bpfsys.tcx_detach(ifindex, fd, at, f"detach BPF program {prog} from tap {ifname}")
-            finally:
-                os.close(fd)
+        """dsec_tap first on the tap's TCX ingress (what its guest sends) and
+        dsec_tap_in on its egress (what is sent to it); then any other program
+        there goes: a previous daemon's, whose maps decided until now (a
+        re-adopted VM's tap)."""
+        for name, (prog, at, prog_id) in self.tap_progs.items():
+            bpfsys.tcx_attach(ifindex, prog, at, bpfsys.F_BEFORE, f"attach {name} to tap {ifname}")
+            for other in bpfsys.tcx_query(ifindex, at, f"list the programs on tap {ifname}"):
+                if other == prog_id:
+                    continue
+                try:
+                    fd = bpfsys.prog_fd_by_id(other)
+                except OSError as err:            # gone meanwhile
+                    log.debug("%s", err)
+                    continue
+                try:
+                    bpfsys.tcx_detach(ifindex, fd, at, f"detach BPF program {other} from tap {ifname}")
+                finally:
+                    os.close(fd)
 
     def register_tap(self, ifindex: int, key: int, ipv4: bytes, mac: bytes) -> None:
         """What dsec_tap checks a tap's frames with: the VM's `sandboxes` key,

@@ -116,12 +116,14 @@ def test_a_restarted_daemon_takes_over_the_tap(world, vmnet):
     ifname = sb.net_show()["interface"]
 
     def tap_programs() -> list[int]:
+        """The programs on the tap: its ingress (what the guest sends), then its egress."""
         with in_netns(f"/run/netns/{world.br_ns}"):
             idx = socket.if_nametoindex(ifname)
-            return bpfsys.tcx_query(idx, bpfsys.ATTACH_TYPES["TCX_INGRESS"], "query")
+            return [p for at in ("TCX_INGRESS", "TCX_EGRESS")
+                    for p in bpfsys.tcx_query(idx, bpfsys.ATTACH_TYPES[at], "query")]
 
     before = tap_programs()
-    assert len(before) == 1
+    assert len(before) == 2
     d.stop(signal.SIGTERM)
     assert tap_programs() == before           # no daemon: the old program still decides
     d.start()
@@ -129,9 +131,42 @@ def test_a_restarted_daemon_takes_over_the_tap(world, vmnet):
     try:
         s2 = c2.get(sb.id)
         after = tap_programs()
-        assert len(after) == 1 and after != before
+        assert len(after) == 2 and not set(after) & set(before)
         assert connect(s2, world.pkg, 80)[0] == 0
         assert connect(s2, world.ref, 443)[0] != 0
         s2.destroy()
     finally:
         c2.close()
+
+
+def test_a_published_port_reaches_the_guest_and_only_its_answers_go_out(world, vmnet):
+    """A port published at create is DNATed to the VM's address. The guest's
+    answers leave through its tap whatever its allowlist says (none here),
+    but a connection of its own is its egress, from a published port too;
+    after a pause the new tap keeps both."""
+    from test_net_nat import _serve_http, http_get
+
+    d, _ = vmnet
+    c = d.client()          # the module's client: the restart test above ended its connection
+    sb = _vm(c, net="default", publish=[8080, 8081])
+    try:
+        _serve_http(sb, 8080)
+        host = sb.get_host(8080)
+        assert "sandbox-page" in world.in_bridge_netns(http_get, host)
+        vm_ip = sb.net_show()["lease"]["ipv4"].split("/")[0]
+        assert "sandbox-page" in world.in_bridge_netns(http_get, f"{vm_ip}:8080")     # straight to it
+        denied = sb.net_show()["default"]["denied_connect"]
+        r = sb.exec(["sh", "-c", f"echo ping | nc -w 2 -p 8081 {world.pkg} 80"], timeout=20)
+        assert r.exit_code != 0, r.stdout + r.stderr
+        assert sb.net_show()["default"]["denied_connect"] > denied
+        assert connect(sb, world.pkg, 80)[0] != 0
+        sb.pause()
+        assert sb.exec(["true"]).exit_code == 0        # auto-resume: a new QEMU and tap, httpd still running
+        assert "sandbox-page" in world.in_bridge_netns(http_get, host)
+        sb.unpublish(8080)
+        with pytest.raises(OSError):
+            world.in_bridge_netns(http_get, host)
+        assert [p["port"] for p in sb.net_show()["ports"]] == [8081]
+    finally:
+        sb.destroy()
+        c.close()
