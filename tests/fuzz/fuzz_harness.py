@@ -113,7 +113,7 @@ class FuzzTarget:
             c.close()
         self.ensure_target()
         # After the first sandbox: its image layer stays mounted while the daemon runs.
-        self.settle()
+        self.daemon.settle()       # its background start-up work opens fds it keeps
         self.baseline = self.snapshot()
 
     def restart(self) -> None:
@@ -189,20 +189,6 @@ class FuzzTarget:
 
     # -- leak check
 
-    def settle(self, timeout: float = 120.0) -> None:
-        """Wait for the daemon's start-up work in the background (BPF load,
-        network, netns pool): the fds it opens are kept, not leaked, and must
-        be in the baseline and in every snapshot compared with it."""
-        deadline = time.monotonic() + timeout
-        while True:
-            starting = self.control("info")["net"].get("starting")
-            if not starting:
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the daemon was still {', '.join(starting)} after {timeout:.0f} s; "
-                                     f"see {self.daemon.log}")
-            time.sleep(0.1)
-
     def snapshot(self) -> dict:
         pid = self.daemon.proc.pid
         cgroups = []
@@ -226,7 +212,7 @@ class FuzzTarget:
             self.target = None
         left = [s["id"] for s in self.control("list")["sandboxes"]]
         images = [i["name"] for i in self.control("image_list")["images"] if i["name"] != "busybox"]
-        self.settle()
+        self.daemon.settle()       # its background start-up work opens fds it keeps
         now = self.snapshot()
         base = self.baseline
         return {

@@ -100,6 +100,7 @@ class Daemon:
         self.wrapper: list[str] = list(wrap or [])
         self.env: dict | None = None
         self.preexec = None
+        self._settled: int | None = None     # the pid of the daemon open_fds() waited for
 
     def start(self, timeout: float = 20.0) -> None:
         logf = open(self.log, "ab")
@@ -119,6 +120,39 @@ class Daemon:
                     pass
             time.sleep(0.05)
         raise RuntimeError(f"dsecd did not start in {timeout}s:\n{self.log.read_text()[-3000:]}")
+
+    def settle(self, timeout: float = 120.0) -> None:
+        """Wait for the daemon's start-up work in the background (BPF load,
+        network, netns pool: `info` net.starting). The fds it opens are kept,
+        not leaked: a test that counts the daemon's fds waits for it first."""
+        c = self.client()
+        try:
+            deadline = time.monotonic() + timeout
+            while starting := c.info()["net"].get("starting"):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"dsecd was still {', '.join(starting)} after {timeout:.0f} s; "
+                                         f"see {self.log}")
+                time.sleep(0.1)
+        finally:
+            c.close()
+
+    def open_fds(self) -> int:
+        """How many fds the daemon holds, once its start-up work is done, but
+        for its subtree roots: the CPU sampler opens one per hierarchy at its
+        first pass with a sandbox, and holds it for the daemon's life."""
+        if self._settled != self.proc.pid:
+            self.settle()
+            self._settled = self.proc.pid
+            time.sleep(0.3)          # for the daemon to close its end of settle()'s connection
+        roots = {str(d) for d in self.cgroup_dirs()}
+        fd_dir = f"/proc/{self.proc.pid}/fd"
+        held = []
+        for fd in os.listdir(fd_dir):
+            try:
+                held.append(os.readlink(f"{fd_dir}/{fd}"))
+            except FileNotFoundError:         # closed meanwhile
+                pass
+        return sum(1 for target in held if target not in roots)
 
     def client(self, connect_timeout: float = 30.0):
         from dsecd import SyncClient

@@ -10,7 +10,6 @@ takes seconds to start; a VM's watch runs in its guest."""
 from __future__ import annotations
 
 import json
-import os
 import queue
 import subprocess
 import threading
@@ -194,12 +193,11 @@ def guest_procs(sb) -> int:
 
 
 def test_no_fd_is_left_behind(daemon, sandbox):
-    fds = f"/proc/{daemon.proc.pid}/fd"
     sandbox.exec(["mkdir", "-p", "/work/fd/a/b"])
     procs = guest_procs(sandbox)
     Watcher(sandbox, "/work/fd", recursive=True).gen.close()      # warm up (worker threads, caches)
     time.sleep(0.3)
-    before = len(os.listdir(fds))
+    before = daemon.open_fds()
     for _ in range(5):
         w = Watcher(sandbox, "/work/fd", recursive=True)
         sandbox.exec(["mkdir", "-p", "/work/fd/a/b/c"])
@@ -207,7 +205,7 @@ def test_no_fd_is_left_behind(daemon, sandbox):
         w.gen.close()
         sandbox.exec(["rmdir", "/work/fd/a/b/c"])
     time.sleep(0.3)
-    assert len(os.listdir(fds)) == before
+    assert daemon.open_fds() == before
     deadline = time.monotonic() + 10          # a VM's watch children die with their requests, soon
     while guest_procs(sandbox) != procs and time.monotonic() < deadline:
         time.sleep(0.2)

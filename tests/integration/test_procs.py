@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import threading
@@ -18,10 +17,6 @@ from conftest import VENV_BIN
 
 from dsecd import Client
 from dsecd.errors import BadRequest, Conflict, LimitExceeded, NotFound
-
-
-def daemon_fds(daemon) -> int:
-    return len(os.listdir(f"/proc/{daemon.proc.pid}/fd"))
 
 
 def collect(proc, follow: bool = True, since: float | None = None) -> tuple[bytes, bytes, int]:
@@ -198,16 +193,16 @@ def test_pause_leaves_them_alone(sandbox):
 
 def test_no_daemon_fds_leak(daemon, sandbox):
     sandbox.spawn("true").wait()             # warm up whatever the first one opens
-    before = daemon_fds(daemon)
+    before = daemon.open_fds()
     procs = [sandbox.spawn("echo x; read l") for _ in range(5)]
-    assert daemon_fds(daemon) >= before + 15        # the daemon's ends of their pipes
+    assert daemon.open_fds() >= before + 15        # the daemon's ends of their pipes
     for p in procs:
         p.close_stdin()
         p.wait()
     deadline = time.monotonic() + 5
-    while daemon_fds(daemon) > before and time.monotonic() < deadline:
+    while daemon.open_fds() > before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert daemon_fds(daemon) <= before      # none left (one of before may have closed meanwhile)
+    assert daemon.open_fds() <= before      # none left (one of before may have closed meanwhile)
 
 
 def test_async_sdk_and_a_second_client(daemon):

@@ -68,10 +68,6 @@ class Screen:
         return self.stream.result
 
 
-def _daemon_fds(daemon) -> int:
-    return len(os.listdir(f"/proc/{daemon.proc.pid}/fd"))
-
-
 @pytest.fixture
 def helper_sandbox(daemon_factory, busybox_rootfs):
     """A sandbox whose execs the daemon's helper starts (csrc/spawn.c), not its init."""
@@ -150,7 +146,7 @@ def test_resize_sets_the_size_and_signals_the_foreground_group(any_sandbox):
 
 def test_timeout_and_end_leave_no_daemon_fds(daemon, sandbox, client):
     list(sandbox.exec_stream(["true"], pty=True))          # warm up whatever is made once
-    before = _daemon_fds(daemon)
+    before = daemon.open_fds()
     for _ in range(3):
         r = sandbox.exec(["sh", "-c", "echo x"], pty=True)
         assert r.stdout == b"x\r\n"
@@ -161,9 +157,9 @@ def test_timeout_and_end_leave_no_daemon_fds(daemon, sandbox, client):
     for _fd, _data in stream:
         break
     deadline = time.monotonic() + WAIT_S
-    while _daemon_fds(daemon) > before and time.monotonic() < deadline:
+    while daemon.open_fds() > before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _daemon_fds(daemon) <= before      # none left (one of before may have closed meanwhile)
+    assert daemon.open_fds() <= before      # none left (one of before may have closed meanwhile)
 
 
 def test_bad_pty_requests_say_what_is_wrong(sandbox, client):
