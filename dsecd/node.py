@@ -331,7 +331,8 @@ def make_microvm_service(cfg: Config, features: Features, layout: cgroup.Layout,
         try:
             guest = guestimg.load(Path(vm_cfg["guest_dir"]))
             backend = MicroVMBackend(layout, vm_cfg, cfg.section("sandbox"), cfg.state_dir, guest, probed.accel,
-                                     cfg.size("microvm", "memory_overhead"), cfg.size("sandbox", "tmp_size"))
+                                     cfg.size("microvm", "memory_overhead"), cfg.size("sandbox", "tmp_size"),
+                                     probed.own_root)
         except (guestimg.GuestImageError, OSError) as err:
             why = str(err)
             log.warning("backend microvm unavailable: %s", why)
