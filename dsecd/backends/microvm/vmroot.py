@@ -126,8 +126,11 @@ class VmRoots:
 
 def probe(qemu: str, guest: GuestImage | None) -> Feature:
     """Whether a VM's root can be made here: one made (with the guest's
-    files, no layers) and dropped. Needs CAP_SYS_ADMIN and procfs's
-    subset=pid (Linux 5.8)."""
+    files, no layers) and dropped. Needs nsenter (util-linux), CAP_SYS_ADMIN
+    and procfs's subset=pid (Linux 5.8)."""
+    if shutil.which("nsenter") is None:
+        return Feature(False, "QEMU runs in the host's mount namespace: no nsenter to enter its own "
+                              "(apt-get install util-linux)")
     scratch = Path(tempfile.mkdtemp(prefix="dsecd-vmroot-probe-"))
     try:
         (scratch / "vm").mkdir()
