@@ -15,6 +15,13 @@ has two, shared). Two daemons, one after the other:
      another: creates with a NIC, TCP connects and a bulk send through the
      tap and its policy program.
 
+`bench/microvm.py --own-root-cost N` runs only what a VM's own mount
+namespace (vmroot.py) costs a create: two daemons, microvm.own_root on and
+off, each restoring its template N times, the two alternating (so that the
+host's load drifts over both alike); it prints own_root_on_create_p50_ms,
+own_root_off_create_p50_ms (create -> first exec) and the _only_ figures
+(the create alone).
+
 Progress on stderr; the last stdout line is one JSON object:
 
     accel                          kvm | tcg, and the probe's reason (accel_why)
@@ -276,8 +283,44 @@ def networked(c, world) -> dict:
             "vm_net_send_mbit_s": round(mbit, 1), "vm_net_dropped_packets": view["default"]["dropped_packets"]}
 
 
+def own_root_cost(rootfs: str, n: int) -> dict:
+    """Template creates with and without the VM's own mount namespace, alternating."""
+    out: dict = {}
+    with private_daemon(rootfs, IMAGE, tag="on") as on, \
+            private_daemon(rootfs, IMAGE, tag="off", extra_config="[microvm]\nown_root = false\n") as off:
+        clients = {"on": SyncClient(on.sock), "off": SyncClient(off.sock)}
+        for name, c in clients.items():
+            c.connect()
+            vm = c.info()["backends"]["microvm"]
+            if not vm["available"]:
+                raise RuntimeError(f"backend microvm unavailable: {vm['why']}")
+            log(f"own_root {name}: {vm['own_mount_namespace']} ({vm['root']})")
+            c.create(IMAGE, backend="microvm", memory="256M", net="none", disk="256M").destroy()   # the template
+        times: dict = {name: ([], []) for name in clients}
+        for _ in range(n):
+            for name, c in clients.items():
+                t0 = time.perf_counter()
+                sb = c.create(IMAGE, backend="microvm", memory="256M", net="none", disk="256M")
+                t1 = time.perf_counter()
+                sb.exec(["true"])
+                t2 = time.perf_counter()
+                sb.destroy()
+                times[name][0].append((t2 - t0) * 1000)
+                times[name][1].append((t1 - t0) * 1000)
+        for name, c in clients.items():
+            total, alone = times[name]
+            log(f"own_root {name}: create+first exec {sorted(round(x) for x in total)} ms")
+            out[f"own_root_{name}_create_p50_ms"] = round(statistics.median(total), 1)
+            out[f"own_root_{name}_create_only_p50_ms"] = round(statistics.median(alone), 1)
+            c.close()
+    return out
+
+
 def main() -> int:
     rootfs = build_rootfs()
+    if len(sys.argv) == 3 and sys.argv[1] == "--own-root-cost":
+        print(json.dumps(own_root_cost(rootfs, int(sys.argv[2]))))
+        return 0
     out: dict = {}
     with private_daemon(rootfs, IMAGE, extra_config="[microvm]\ntemplates = false\n") as d:
         c = SyncClient(d.sock)
