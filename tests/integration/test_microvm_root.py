@@ -105,3 +105,19 @@ def test_nothing_of_a_vms_root_outlives_its_qemu(vmd):
     points = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
     assert not [p for p in points if p.startswith(str(d.state / "vms"))]
     assert os.listdir(d.state / "vms" / ".root") == []
+
+
+def test_with_own_root_off_info_says_qemu_shares_the_daemons_namespace(daemon_factory, busybox_rootfs):
+    d = daemon_factory("[microvm]\nown_root = false\ntemplates = false\n")
+    c = d.client()
+    try:
+        info = skip_unless_microvm(c, close=False)
+        assert info["own_mount_namespace"] is False and "own_root is false" in info["root"]
+        c.import_image(busybox_rootfs, "busybox")
+        sb = _vm(c)
+        try:
+            assert _mnt_ns(sb.inspect()["vm"]["qemu_pid"]) == _mnt_ns(d.proc.pid)
+        finally:
+            sb.destroy()
+    finally:
+        c.close()
