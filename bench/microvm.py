@@ -15,6 +15,17 @@ has two, shared). Two daemons, one after the other:
      another: creates with a NIC, TCP connects and a bulk send through the
      tap and its policy program.
 
+`bench/microvm.py --own-root-cost N` runs only what a VM's own mount
+namespace (vmroot.py) costs a create: two daemons, microvm.own_root on and
+off, each restoring its template N times, the two alternating (so that the
+host's load drifts over both alike); it prints own_root_on_create_p50_ms,
+own_root_off_create_p50_ms (create -> first exec) and the _only_ figures
+(the create alone); and, apart from QEMU (the create figures are noisy on
+a shared host), what the namespace adds to each QEMU's start: making it
+(own_root_make_p50_us: native.vm_root with a VM's entries, one layer) and
+entering it (own_root_enter_p50_us: a spawn of `nsenter --mount=... true`
+less one of `true`).
+
 Progress on stderr; the last stdout line is one JSON object:
 
     accel                          kvm | tcg, and the probe's reason (accel_why)
@@ -276,8 +287,81 @@ def networked(c, world) -> dict:
             "vm_net_send_mbit_s": round(mbit, 1), "vm_net_dropped_packets": view["default"]["dropped_packets"]}
 
 
+def own_root_parts(n: int = 200) -> dict:
+    """What the namespace adds to a QEMU's start, without QEMU: make it, enter it."""
+    import os
+    import subprocess
+    import tempfile
+
+    from dsecd.backends.microvm import guestimg, vmroot
+
+    guest = guestimg.load(Path("/var/cache/dsecd/guest"))
+    with tempfile.TemporaryDirectory(prefix="dsecd-bench-vmroot-") as tmp:
+        vm, blob = Path(tmp) / "vm", Path(tmp) / "blob"
+        vm.mkdir()
+        blob.write_bytes(b"\0" * 4096)
+        roots = vmroot.VmRoots(Path(tmp) / "root", "/usr/bin/qemu-system-x86_64", kvm=False)
+        make, plain, entered = [], [], []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fd = roots.make(vm, [blob], guest)
+            make.append((time.perf_counter() - t0) * 1e6)
+            try:
+                t0 = time.perf_counter()
+                subprocess.run(["/usr/bin/true"], check=True)
+                t1 = time.perf_counter()
+                subprocess.run(["nsenter", f"--mount=/proc/self/fd/{fd}", "--", "/usr/bin/true"], pass_fds=[fd],
+                               check=True)
+                t2 = time.perf_counter()
+            finally:
+                os.close(fd)
+            plain.append((t1 - t0) * 1e6)
+            entered.append((t2 - t1) * 1e6)
+    out = {"own_root_make_p50_us": round(statistics.median(make)),
+           "own_root_enter_p50_us": round(statistics.median(entered) - statistics.median(plain))}
+    log(f"own root, {n} times: make p50 {out['own_root_make_p50_us']} us; spawn of true p50 "
+        f"{statistics.median(plain):.0f} us, through nsenter {statistics.median(entered):.0f} us")
+    return out
+
+
+def own_root_cost(rootfs: str, n: int) -> dict:
+    """Template creates with and without the VM's own mount namespace, alternating."""
+    out: dict = own_root_parts()
+    with private_daemon(rootfs, IMAGE, tag="on") as on, \
+            private_daemon(rootfs, IMAGE, tag="off", extra_config="[microvm]\nown_root = false\n") as off:
+        clients = {"on": SyncClient(on.sock), "off": SyncClient(off.sock)}
+        for name, c in clients.items():
+            c.connect()
+            vm = c.info()["backends"]["microvm"]
+            if not vm["available"]:
+                raise RuntimeError(f"backend microvm unavailable: {vm['why']}")
+            log(f"own_root {name}: {vm['own_mount_namespace']} ({vm['root']})")
+            c.create(IMAGE, backend="microvm", memory="256M", net="none", disk="256M").destroy()   # the template
+        times: dict = {name: ([], []) for name in clients}
+        for _ in range(n):
+            for name, c in clients.items():
+                t0 = time.perf_counter()
+                sb = c.create(IMAGE, backend="microvm", memory="256M", net="none", disk="256M")
+                t1 = time.perf_counter()
+                sb.exec(["true"])
+                t2 = time.perf_counter()
+                sb.destroy()
+                times[name][0].append((t2 - t0) * 1000)
+                times[name][1].append((t1 - t0) * 1000)
+        for name, c in clients.items():
+            total, alone = times[name]
+            log(f"own_root {name}: create+first exec {sorted(round(x) for x in total)} ms")
+            out[f"own_root_{name}_create_p50_ms"] = round(statistics.median(total), 1)
+            out[f"own_root_{name}_create_only_p50_ms"] = round(statistics.median(alone), 1)
+            c.close()
+    return out
+
+
 def main() -> int:
     rootfs = build_rootfs()
+    if len(sys.argv) == 3 and sys.argv[1] == "--own-root-cost":
+        print(json.dumps(own_root_cost(rootfs, int(sys.argv[2]))))
+        return 0
     out: dict = {}
     with private_daemon(rootfs, IMAGE, extra_config="[microvm]\ntemplates = false\n") as d:
         c = SyncClient(d.sock)

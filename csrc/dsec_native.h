@@ -65,6 +65,10 @@ enum dsec_step {
     /* container child with root_ns_fd: a copy of that mount namespace
      * entered, the overlay attached on its root, chroot into it */
     DSEC_STEP_ROOT_NS = 37,
+    /* dsec_vm_root: the VM's root (its tmpfs, pivot_root into it), and one
+     * bind into it (path: the target, relative to that root) */
+    DSEC_STEP_VM_ROOT = 38,
+    DSEC_STEP_VM_ROOT_BIND = 39,
     /* in the exec helper and the exec child (stdio, close_fds, caps,
      * no_new_privs above are shared) */
     DSEC_STEP_SETNS = 40,
@@ -195,9 +199,27 @@ struct dsec_kvm_probe {
 /* netns.c */
 int dsec_netns_create(void);
 
+/* What one entry of a VM's root (dsec_vm_root) makes, at `target` (relative
+ * to that root; its parent made by an earlier entry). */
+enum dsec_root_kind {
+    DSEC_ROOT_DIR = 1,       /* an empty directory, mode 0755 */
+    DSEC_ROOT_SYMLINK = 2,   /* a symlink whose text is src */
+    DSEC_ROOT_BIND_DIR = 3,  /* host directory src bound (recursively), then remounted with flags */
+    DSEC_ROOT_BIND_FILE = 4, /* host file (or device node) src bound, then remounted with flags */
+    DSEC_ROOT_PROC = 5       /* a new procfs mounted with flags, src its options */
+};
+
+struct dsec_root_entry {
+    int kind;            /* enum dsec_root_kind */
+    unsigned long flags; /* binds and proc: MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC */
+    const char *src;
+    const char *target;
+};
+
 /* spawn.c */
 int dsec_spawn_container(const struct dsec_container_args *args, struct dsec_err *err);
 int dsec_root_ns(const char *dir, struct dsec_err *err);
+int dsec_vm_root(const char *dir, const struct dsec_root_entry *entries, int n, struct dsec_err *err);
 int dsec_spawn_exec(const struct dsec_exec_args *args, struct dsec_err *err);
 int dsec_pidfd_open(int pid, unsigned int flags);
 int dsec_pidfd_send_signal(int pidfd, int sig);

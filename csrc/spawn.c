@@ -1036,6 +1036,115 @@ int dsec_root_ns(const char *dir, struct dsec_err *err)
     return rc;
 }
 
+/* ---- a microVM's root ----------------------------------------------------- */
+
+struct vm_root_ctx {
+    const char *dir;
+    const struct dsec_root_entry *entries;
+    int n;
+    struct dsec_err *err;
+    int fd;
+};
+
+/* A bind remounted with the entry's flags: the bind itself takes the
+ * source mount's flags, MS_REMOUNT|MS_BIND sets them on the new mount only. */
+static int vm_root_bind(const struct dsec_root_entry *en, int rec, struct dsec_err *e)
+{
+    return mount_step(DSEC_STEP_VM_ROOT_BIND, en->src, en->target, NULL, MS_BIND | rec, NULL, e) < 0 ||
+                   mount_step(DSEC_STEP_VM_ROOT_BIND, NULL, en->target, NULL, MS_REMOUNT | MS_BIND | en->flags,
+                              NULL, e) < 0
+               ? -1
+               : 0;
+}
+
+/* An empty file to bind a file on; O_EXCL|O_NOFOLLOW: the root is new and
+ * ours, anything already there is a mistake in the entry list. */
+static int vm_root_file(const char *target, struct dsec_err *e)
+{
+    int fd = open(target, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0444);
+
+    if (check(fd, e, DSEC_STEP_VM_ROOT_BIND, target) < 0)
+        return -1;
+    close(fd);
+    return 0;
+}
+
+static int vm_root_entry(const struct dsec_root_entry *en, struct dsec_err *e)
+{
+    switch (en->kind) {
+    case DSEC_ROOT_DIR:
+        return mkdir_strict(en->target, 0755, e);
+    case DSEC_ROOT_SYMLINK:
+        return check(symlink(en->src, en->target), e, DSEC_STEP_DEV_LINK, en->target);
+    case DSEC_ROOT_BIND_DIR:
+        return mkdir_strict(en->target, 0755, e) < 0 ? -1 : vm_root_bind(en, MS_REC, e);
+    case DSEC_ROOT_BIND_FILE:
+        return vm_root_file(en->target, e) < 0 ? -1 : vm_root_bind(en, 0, e);
+    case DSEC_ROOT_PROC:
+        if (mkdir_strict(en->target, 0555, e) < 0)
+            return -1;
+        return mount_step(DSEC_STEP_MOUNT_PROC, "proc", en->target, "proc", en->flags, en->src, e);
+    }
+    err_set(e, DSEC_STEP_VM_ROOT, EINVAL, en->target);
+    return -1;
+}
+
+/* In a copy of the caller's mount namespace, all of it made private first
+ * (nothing done here reaches the caller's, nor later mounts of the caller's
+ * this one): a fd of it, a small tmpfs on `dir`, the entries made in it in
+ * order, pivot_root into it, the old root detached (with it every mount of
+ * the copy but the entries'), the tmpfs remounted read-only. */
+static int vm_root_child(void *arg)
+{
+    struct vm_root_ctx *c = arg;
+    struct dsec_err *e = c->err;
+    const unsigned long flags = MS_NOSUID | MS_NODEV | MS_NOEXEC;
+
+    if (check(unshare(CLONE_NEWNS), e, DSEC_STEP_VM_ROOT, NULL) < 0 ||
+        mount_step(DSEC_STEP_MOUNT_PRIVATE, NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL, e) < 0)
+        _exit(127);
+    c->fd = open("/proc/self/ns/mnt", O_RDONLY | O_CLOEXEC);
+    if (check(c->fd, e, DSEC_STEP_VM_ROOT, "/proc/self/ns/mnt") < 0 ||
+        mount_step(DSEC_STEP_VM_ROOT, "tmpfs", c->dir, "tmpfs", flags, "mode=0755,size=64k,nr_inodes=256", e) < 0 ||
+        check(chdir(c->dir), e, DSEC_STEP_VM_ROOT, c->dir) < 0)
+        _exit(127);
+    for (int i = 0; i < c->n; i++)
+        if (vm_root_entry(&c->entries[i], e) < 0)
+            _exit(127);
+    if (check(syscall(SYS_pivot_root, ".", "."), e, DSEC_STEP_VM_ROOT, c->dir) < 0 ||
+        check(umount2(".", MNT_DETACH), e, DSEC_STEP_VM_ROOT, c->dir) < 0 ||
+        mount_step(DSEC_STEP_VM_ROOT, NULL, "/", NULL, MS_REMOUNT | MS_RDONLY | flags, NULL, e) < 0)
+        _exit(127);
+    _exit(0);
+}
+
+/* A mount namespace whose root holds only `entries` (a microVM's QEMU
+ * enters it before exec: dsecd/backends/microvm/vmroot.py). `dir` is any
+ * empty directory of the caller's (the tmpfs is mounted on it in the new
+ * namespace only). Returns the namespace's fd (close-on-exec), the one
+ * reference to it until a process enters it, or -errno with the failing
+ * step and target in err. */
+int dsec_vm_root(const char *dir, const struct dsec_root_entry *entries, int n, struct dsec_err *err)
+{
+    struct vm_root_ctx c = {.dir = dir, .entries = entries, .n = n, .err = err, .fd = -1};
+    struct stacks st = {0};
+    int rc;
+
+    err_set(err, DSEC_STEP_NONE, 0, NULL);
+    rc = stacks_map(&st, 1, err);
+    if (rc == 0)
+        rc = clone_blocked(vm_root_child, stack_top(&st, 0), CLONE_VM | CLONE_VFORK | CLONE_FILES | SIGCHLD,
+                           &c, err);
+    if (rc > 0) {
+        reap(rc);
+        rc = err->err ? -err->err : c.fd;
+        if (err->err && c.fd >= 0)
+            close(c.fd);
+    }
+    stacks_unmap(&st);
+    return rc;
+}
+
 /* ---- exec in a sandbox --------------------------------------------------- */
 
 struct exec_ctx {

@@ -103,7 +103,8 @@ async def cmd_info(c: Client, a) -> int:
                   else b.get("why", "")) if name == "microvm" else ""
         print(f"backend {name}: {'available' if b['available'] else 'unavailable'}"
               + (f" ({detail})" if detail else "")
-              + (f"; why: {b['why']}" if name == "microvm" and b.get("accel") else ""))
+              + (f"; why: {b['why']}" if name == "microvm" and b.get("accel") else "")
+              + (f"; QEMU's root: {b['root']}" if name == "microvm" and b.get("root") else ""))
     if info.get("daemon"):
         d = info["daemon"]
         lag = d.get("loop_lag") or {}

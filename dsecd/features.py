@@ -134,6 +134,7 @@ class MicroVMFeature(Feature):
     accel: str = ""          # "kvm" | "tcg" | "" (unavailable)
     qemu: str = ""
     guest_kernel: str = ""
+    own_root: Feature = Feature(False, "not probed")   # each QEMU in its own mount namespace (vmroot.py)
 
 
 def probe_microvm(kvm: Feature, qemu: str, guest_dir: str) -> tuple[Feature, MicroVMFeature]:
@@ -141,7 +142,7 @@ def probe_microvm(kvm: Feature, qemu: str, guest_dir: str) -> tuple[Feature, Mic
     boots under it (dsecd/backends/microvm/accel.py); else microVMs use TCG."""
     import shutil
 
-    from .backends.microvm import accel, guestimg
+    from .backends.microvm import accel, guestimg, vmroot
 
     path = shutil.which(qemu)
     try:
@@ -163,7 +164,7 @@ def probe_microvm(kvm: Feature, qemu: str, guest_dir: str) -> tuple[Feature, Mic
     mode = "kvm" if kvm.available else "tcg"
     reason = ("KVM boots a real guest" if kvm.available else f"KVM unusable ({kvm.detail}): QEMU's TCG emulator")
     return kvm, MicroVMFeature(True, f"accel {mode}: {reason}", accel=mode, qemu=path,
-                               guest_kernel=guest.version)
+                               guest_kernel=guest.version, own_root=vmroot.probe(path, guest))
 
 
 def probe_nft_nat() -> Feature:

@@ -43,6 +43,7 @@ __all__ = [
     # processes and namespaces
     "pidfd_open", "pidfd_getfd", "pidfd_send_signal", "pidfd_kill_group", "netns_create", "userns_create",
     "fs_ids", "sched_set_idle", "sched_core_create", "sched_core_share_from", "PAGE_SIZE", "root_ns",
+    "RootEntry", "vm_root", "MS_RDONLY", "MS_NOSUID", "MS_NODEV", "MS_NOEXEC",
     # memory
     "MADV_WILLNEED", "MADV_COLD", "MADV_PAGEOUT", "MadviseResult", "process_madvise", "process_populate",
     "swapon", "swapoff", "ioprio_idle",
@@ -58,6 +59,10 @@ RESOLVE_NO_SYMLINKS: int = lib.RESOLVE_NO_SYMLINKS
 RESOLVE_BENEATH: int = lib.RESOLVE_BENEATH
 RESOLVE_IN_ROOT: int = lib.RESOLVE_IN_ROOT
 RESOLVE_CACHED: int = lib.RESOLVE_CACHED
+MS_RDONLY: int = lib.MS_RDONLY
+MS_NOSUID: int = lib.MS_NOSUID
+MS_NODEV: int = lib.MS_NODEV
+MS_NOEXEC: int = lib.MS_NOEXEC
 
 # enum dsec_step, by number: DSEC_STEP_MOUNT_OVERLAY -> "mount_overlay".
 STEPS: dict[int, str] = dict(sorted({
@@ -91,6 +96,7 @@ _VERBS = {
     "netns_join": "join the pooled network namespace of",
     "ctl_fd": "hand the exec channel to", "init_request": "have the sandbox's init start",
     "root_ns": "set up the sandbox root's mount namespace at",
+    "vm_root": "set up the VM's root on", "vm_root_bind": "bind into the VM's root at",
     "cgroup_mkdir": "create cgroup", "cgroup_write": "write the limits of a new cgroup to",
     "oom_score": "reset the OOM score of",
     "ctty": "make the pty the controlling terminal of",
@@ -98,7 +104,7 @@ _VERBS = {
 }
 
 _MOUNT_STEPS = {"mount_private", "mount_overlay", "mount_proc", "mount_dev", "dev_node",
-                "mount_devpts", "mount_shm", "mount_tmp", "pivot_root"}
+                "mount_devpts", "mount_shm", "mount_tmp", "pivot_root", "vm_root", "vm_root_bind"}
 
 # Errnos that mislead on their own. Looked up as (step, errno), then
 # ("mount", errno) for the mount steps; probes use their own name as step.
@@ -452,6 +458,58 @@ def root_ns(mount_dir: str) -> int:
     if fd < 0:
         _raise_step(err, "root_ns", {}, f"root namespace on {mount_dir}")
     return fd
+
+
+@dataclass(frozen=True)
+class RootEntry:
+    """One entry of vm_root(): kind is "dir", "symlink" (src: the link's
+    text), "bind_dir", "bind_file" (src: the host path) or "proc" (src: its
+    mount options); target is relative to the new root; flags (MS_*) are
+    the bind's or proc's mount flags."""
+
+    kind: str
+    target: str
+    src: str = ""
+    flags: int = 0
+
+
+_ROOT_KINDS = {"dir": "DSEC_ROOT_DIR", "symlink": "DSEC_ROOT_SYMLINK", "bind_dir": "DSEC_ROOT_BIND_DIR",
+               "bind_file": "DSEC_ROOT_BIND_FILE", "proc": "DSEC_ROOT_PROC"}
+
+
+def vm_root(mount_dir: str, entries: list[RootEntry]) -> int:
+    """An fd of a new mount namespace whose root is a tmpfs holding only
+    `entries`, made in order (csrc/spawn.c dsec_vm_root). `mount_dir`: an
+    empty directory of the caller's, where the tmpfs is mounted in the new
+    namespace only. Close-on-exec; the namespace lives while the fd or a
+    process in it does. A failure names the entry: "bind `<src>` into the
+    VM's root at `/<target>`: <strerror>"."""
+    keep: list = []
+    arr = ffi.new("struct dsec_root_entry[]", max(1, len(entries)))
+    for i, en in enumerate(entries):
+        if en.kind not in _ROOT_KINDS:
+            raise ValueError(f"unknown root entry kind {en.kind!r} (one of {', '.join(_ROOT_KINDS)})")
+        if en.target.startswith("/") or ".." in en.target.split("/") or not en.target:
+            raise ValueError(f"root entry target {en.target!r} must be relative, without '..'")
+        src = ffi.new("char[]", os.fsencode(en.src))
+        target = ffi.new("char[]", os.fsencode(en.target))
+        keep += [src, target]
+        arr[i].kind = getattr(lib, _ROOT_KINDS[en.kind])
+        arr[i].flags = en.flags
+        arr[i].src = src
+        arr[i].target = target
+    err = ffi.new("struct dsec_err *")
+    fd = lib.dsec_vm_root(_cstring("mount_dir", mount_dir), arr, len(entries), err)
+    if fd >= 0:
+        return fd
+    step = STEPS.get(err.step, "")
+    target = os.fsdecode(ffi.string(err.path))
+    entry = next((en for en in entries if en.target == target), None)
+    if entry is not None and entry.kind.startswith("bind"):
+        raise native_error(err.err, f"bind `{entry.src}` into the VM's root at", f"/{target}", step, target)
+    if entry is not None:
+        raise native_error(err.err, _VERBS.get(step, step), f"/{target} of the VM's root", step, target)
+    _raise_step(err, "vm_root", {}, f"the VM's root on {mount_dir}")
 
 
 def _step_error(err, kind: str, objects: dict[str, str], default: str, root: str = "",

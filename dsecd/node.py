@@ -51,6 +51,7 @@ from .engine.vmwatchdog import VmWatchdog
 from .engine.watches import WatchService
 from .engine.workers import Workers
 from .fds import close_quietly
+from .feature import Feature
 from .features import Features, suid_dumpable_hazard
 from .fs import upper as upperfs
 from .journal import Journal
@@ -331,7 +332,10 @@ def make_microvm_service(cfg: Config, features: Features, layout: cgroup.Layout,
         try:
             guest = guestimg.load(Path(vm_cfg["guest_dir"]))
             backend = MicroVMBackend(layout, vm_cfg, cfg.section("sandbox"), cfg.state_dir, guest, probed.accel,
-                                     cfg.size("microvm", "memory_overhead"), cfg.size("sandbox", "tmp_size"))
+                                     cfg.size("microvm", "memory_overhead"), cfg.size("sandbox", "tmp_size"),
+                                     probed.own_root if vm_cfg["own_root"] else Feature(
+                                         False, "microvm.own_root is false: QEMU runs in the host's mount "
+                                                "namespace"))
         except (guestimg.GuestImageError, OSError) as err:
             why = str(err)
             log.warning("backend microvm unavailable: %s", why)

@@ -102,8 +102,10 @@ class MicroVMService:
     def info(self) -> dict:
         if self.backend is None:
             return {"available": False, "why": self.why}
+        own_root = self.backend.own_root
         return {"available": True, "accel": self.backend.accel, "why": self.why,
-                "guest_kernel": self.backend.guest.version, "templates": self.templates is not None}
+                "guest_kernel": self.backend.guest.version, "templates": self.templates is not None,
+                "own_mount_namespace": own_root.available, "root": own_root.detail}
 
     async def gc_templates(self, live_layers: set[str]) -> list[str]:
         """`image gc`: templates of layers the store no longer has go."""

@@ -16,8 +16,10 @@ kernel and the generated initramfs, guestimg.py) with:
 
 QEMU runs inside the sandbox's own cgroups (joined before exec by a tiny
 shell step, so every page it ever touches is charged there; memory.max is
-the guest's RAM plus MEMORY_OVERHEAD), as an unprivileged uid (setpriv,
-no_new_privs, no capabilities), under QEMU's own seccomp filter
+the guest's RAM plus MEMORY_OVERHEAD), in a mount namespace of its own whose
+root holds only what it needs (vmroot.py; entered by nsenter, where the host
+can make one: `dsec info`, feature microvm_root), as an unprivileged uid
+(setpriv, no_new_privs, no capabilities), under QEMU's own seccomp filter
 (`-sandbox on`, with spawning, privilege raising and obsolete syscalls
 denied), with `-nodefaults -nographic`.
 
@@ -39,11 +41,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ... import cgroup, fds, native
+from ...feature import Feature
 from ...steps import Steps
 from ..container import proc_start_time
+from . import vmroot
 from .agent import AgentLink, ChardevTransport
 from .guestimg import GuestImage
 from .qmp import QMP
+from .vmroot import VmRoots
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +66,9 @@ QEMU_PIDS = 256            # QEMU's threads (vCPUs, I/O, RCU, worker pools) coun
 # here), saving 64 MiB of guest RAM; tsc_early_khz: TCG's TSC needs no
 # calibration loop at boot; panic=-1 with -no-reboot: a dead agent ends QEMU.
 KERNEL_ARGS = "console=ttyS0 swiotlb=noforce tsc_early_khz=2000000 panic=-1 quiet loglevel=4"
+
+
+NOT_PROBED = Feature(False, "not probed: QEMU runs in the host's mount namespace")
 
 
 class VmError(OSError):
@@ -138,18 +146,25 @@ class VmHandle:
 
 
 class QemuFiles:
-    """The files QEMU opens, opened here (as root) and passed to it by fd:
-    QEMU runs as an unprivileged uid that cannot traverse the state dir
-    (0700) to its VM dir or the blob store. It names each as
-    /proc/self/fd/N, a link the kernel follows without the directories'
-    permissions; the files themselves are readable by it (blobs 0444, the
-    kernel and initramfs 0644, its own dir). `refs` maps each to that name;
-    `fds` is what Popen passes. Closed on exit: QEMU has its copies."""
+    """What QEMU opens, as it names it (`refs`), and the fds Popen passes
+    it (`fds`; closed here on exit: QEMU has its copies).
 
-    def __init__(self, vm_dir: Path, layers: list[Path], guest: GuestImage, ram_fd: int = -1, tap_fd: int = -1):
+    With `roots` (its own mount namespace, vmroot.py): the VM's dir, guest
+    and layers are binds at fixed paths of its root, and `ns` is the fd of
+    that namespace, which the spawn enters. Without: each is opened here (as
+    root) and named /proc/self/fd/N, a link the kernel follows without the
+    directories' permissions (QEMU's uid cannot traverse the state dir, 0700,
+    to its VM dir or the blob store); the files themselves are readable by it
+    (blobs 0444, the kernel and initramfs 0644, its own dir).
+    Either way a template's RAM memfd and a NIC's tap are fds."""
+
+    def __init__(self, vm_dir: Path, layers: list[Path], guest: GuestImage, ram_fd: int = -1, tap_fd: int = -1,
+                 roots: VmRoots | None = None):
         self.vm_dir, self.layers, self.guest, self.ram_fd, self.tap_fd = vm_dir, layers, guest, ram_fd, tap_fd
+        self.roots = roots
         self.fds: list[int] = []
         self.refs: dict = {"name": vm_dir.name}
+        self.ns = -1
 
     def _open(self, path, flags: int) -> str:
         fd = os.open(path, flags | os.O_CLOEXEC)
@@ -158,10 +173,15 @@ class QemuFiles:
 
     def __enter__(self) -> QemuFiles:
         try:
-            self.refs["dir"] = self._open(self.vm_dir, os.O_PATH | os.O_DIRECTORY)
-            self.refs["kernel"] = self._open(self.guest.kernel, os.O_RDONLY)
-            self.refs["initramfs"] = self._open(self.guest.initramfs, os.O_RDONLY)
-            self.refs["layers"] = [self._open(p, os.O_RDONLY) for p in self.layers]
+            if self.roots is not None:
+                self.ns = self.roots.make(self.vm_dir, self.layers, self.guest)
+                self.fds.append(self.ns)
+                self.refs.update(vmroot.refs(len(self.layers)))
+            else:
+                self.refs["dir"] = self._open(self.vm_dir, os.O_PATH | os.O_DIRECTORY)
+                self.refs["kernel"] = self._open(self.guest.kernel, os.O_RDONLY)
+                self.refs["initramfs"] = self._open(self.guest.initramfs, os.O_RDONLY)
+                self.refs["layers"] = [self._open(p, os.O_RDONLY) for p in self.layers]
             if self.ram_fd >= 0:       # a template's memfd: a copy, so a template dropped meanwhile is no matter
                 fd = os.dup(self.ram_fd)
                 self.fds.append(fd)
@@ -198,7 +218,9 @@ class MicroVMBackend:
     name = "microvm"
 
     def __init__(self, layout: cgroup.Layout, cfg: dict, sandbox_cfg: dict, state_dir: Path, guest: GuestImage,
-                 accel: str, memory_overhead: int, tmp_size: int):
+                 accel: str, memory_overhead: int, tmp_size: int, own_root: Feature = NOT_PROBED):
+        """own_root: whether each QEMU runs in a mount namespace of its own
+        (vmroot.py): the probe's answer (features.probe_microvm)."""
         self.layout = layout
         self.cfg = cfg
         self.cgroup_root = sandbox_cfg["cgroup_root"]
@@ -211,6 +233,10 @@ class MicroVMBackend:
         self.memory_overhead = memory_overhead
         self.tmp_size = tmp_size
         self.qemu = shutil.which(cfg["qemu"]) or cfg["qemu"]
+        # Every VM's namespace mounts its root's tmpfs here (in itself only): an empty dir.
+        self.own_root = own_root
+        self.roots = VmRoots(self.root / ".root", self.qemu, kvm=accel == "kvm") if own_root.available else None
+        self.nsenter = shutil.which("nsenter") or "nsenter"
 
     def group_for(self, sb_id: str) -> cgroup.Group:
         return cgroup.Group(self.layout, f"{self.cgroup_root}/{sb_id}")
@@ -301,10 +327,10 @@ class MicroVMBackend:
             group.set_limits(cgroup.Limits(cpu=limits.cpu, memory_bytes=guest_memory + self.memory_overhead,
                                            pids=QEMU_PIDS, cpu_hard_quota=limits.cpu_hard_quota,
                                            cpu_period_us=limits.cpu_period_us, swap_bytes=limits.swap_bytes))
-            with QemuFiles(vm_dir, layers, self.guest, ram_fd, tap_fd) as files:
+            with QemuFiles(vm_dir, layers, self.guest, ram_fd, tap_fd, self.roots) as files:
                 argv = self.qemu_argv(files.refs, layers, guest_memory, self.vcpus(limits.cpu), disk, incoming,
                                       machine)
-                popen = self._spawn(argv, group, vm_dir, uid, files.fds)
+                popen = self._spawn(argv, group, vm_dir, uid, files)
             steps.undo("kill QEMU", lambda: _kill_wait(popen))
             start = proc_start_time(popen.pid)
             if start is None:
@@ -315,18 +341,23 @@ class MicroVMBackend:
                         is_child=True, accel=self.accel, popen=popen, guest_memory=guest_memory, machine=machine)
 
     def _spawn(self, argv: list[str], group: cgroup.Group, vm_dir: Path, uid: int,
-               pass_fds: list[int]) -> subprocess.Popen:
+               files: QemuFiles) -> subprocess.Popen:
         """QEMU in `group` from its first instruction, as `uid`: a shell joins
-        the cgroups (as root: cgroup.procs is root's), then setpriv drops to
-        the uid with no capabilities and no_new_privs, then execs QEMU."""
+        the cgroups (as root: cgroup.procs is root's), nsenter enters the
+        VM's own mount namespace (if it has one: files.ns; setns puts its
+        root and cwd at that namespace's root), then setpriv drops to the uid
+        with no capabilities and no_new_privs, then execs QEMU. The caller
+        closes files.ns after this: QEMU alone keeps the namespace alive."""
         join = 'for f; do [ "$f" = -- ] && break; echo $$ > "$f" || exit 111; shift; done; shift; exec "$@"'
+        enter = [self.nsenter, f"--mount=/proc/self/fd/{files.ns}", "--"] if files.ns >= 0 else []
         drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
                 "--inh-caps=-all", "--bounding-set=-all", "--"]
         with open(vm_dir / "qemu.log", "ab") as logf:
             os.fchown(logf.fileno(), uid, uid)
-            return subprocess.Popen(["/bin/sh", "-c", join, "dsec-vm", *group.procs_files(), "--", *drop, *argv],
+            return subprocess.Popen(["/bin/sh", "-c", join, "dsec-vm", *group.procs_files(), "--", *enter, *drop,
+                                     *argv],
                                     stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, cwd=vm_dir,
-                                    start_new_session=True, close_fds=True, pass_fds=pass_fds)
+                                    start_new_session=True, close_fds=True, pass_fds=files.fds)
 
     async def connect(self, h: VmHandle, what: str, hostname: str, timeout: float,
                       hello: bool = True, sandbox_id: str = "") -> None:
@@ -433,10 +464,10 @@ class MicroVMBackend:
         for its saved state (restore); `h` now names it. tap_fd: a new tap
         for its NIC (the old one went with the old QEMU)."""
         h.machine = h.machine.resumed()
-        with QemuFiles(h.vm_dir, layers, self.guest, tap_fd=tap_fd) as files:
+        with QemuFiles(h.vm_dir, layers, self.guest, tap_fd=tap_fd, roots=self.roots) as files:
             argv = self.qemu_argv(files.refs, layers, h.guest_memory, self.vcpus(cpu), disk, incoming=True,
                                   machine=h.machine)
-            popen = self._spawn(argv, h.group, h.vm_dir, uid, files.fds)
+            popen = self._spawn(argv, h.group, h.vm_dir, uid, files)
         start = proc_start_time(popen.pid)
         if start is None:
             raise VmError(errno.ESRCH, f"QEMU exited at once: {_tail(h.vm_dir / 'qemu.log')}")
