@@ -4,8 +4,9 @@ bcc compiles a program source (bpf/net_policy.c, bpf/policy_denials.c: a
 `Spec` each) with clang in-process (1-5 s) and leaves libbcc and LLVM mapped
 in whatever process did it: ~140 MB more resident memory for that process's
 whole life. So the daemon never imports bcc. A helper process (`python -m
-dsecd.net.bpfobj [--spec NAME] OUT CFLAG...`) compiles with bcc, writes what
-the kernel needs to load the programs again, and exits:
+dsecd.net.bpfobj [--parent PID] [--spec NAME] OUT CFLAG...`, killed if the
+daemon thread that started it ends first) compiles with bcc, writes what the
+kernel needs to load the programs again, and exits:
 
   maps   name, type, key and value size, max entries, flags (from
          BPF_OBJ_GET_INFO_BY_FD on the maps bcc made)
@@ -188,7 +189,8 @@ def run_helper(out: Path, cflags: list[str], spec: Spec = NET_POLICY) -> float:
     """Build `out` in a helper process; its wall time in ms."""
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, "-m", "dsecd.net.bpfobj", "--spec", spec.name, str(out), *cflags],
+        proc = subprocess.run([sys.executable, "-m", "dsecd.net.bpfobj", "--parent", str(os.getpid()),
+                               "--spec", spec.name, str(out), *cflags],
                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired as err:
         raise bpfsys.BpfError(110, f"compile `{spec.source}` with bcc: no result after {BUILD_TIMEOUT_S} s") from err
@@ -265,8 +267,24 @@ def load(cache_dir: Path, cflags: list[str], spec: Spec = NET_POLICY) -> tuple[L
     raise AssertionError("unreachable")
 
 
+def _die_with(parent: int) -> None:
+    """SIGKILL this helper when the thread that started it ends: a daemon
+    killed mid-compile leaves no clang running for minutes. A parent gone
+    before the prctl is seen as a changed ppid."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        sys.exit(f"dsecd.net.bpfobj: the daemon {parent} that asked for this object is gone")
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
+    if args[:1] == ["--parent"]:
+        _die_with(int(args[1]))
+        args = args[2:]
     chosen = NET_POLICY
     if args[:1] == ["--spec"]:
         chosen, args = SPECS[args[1]], args[2:]

@@ -4,8 +4,11 @@ process, loaded by later processes without bcc; a corrupt or stale object is reb
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,3 +68,37 @@ def test_corrupt_object_is_rebuilt_and_stale_one_refused(tmp_path):
     assert r["stats"]["object"] == "compiled" and "stale" in r["stats"]["rebuilt_because"]
     with pytest.raises(bpfobj.ObjectError, match="magic"):
         bpfobj.decode(b"garbage", "k")
+
+
+def _helpers_writing_into(cache: Path) -> list[int]:
+    """Pids of compile helpers whose output goes under `cache` (this test's own dir)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"dsecd.net.bpfobj" in argv and any(a.startswith(str(cache).encode()) for a in argv):
+            pids.append(int(pid))
+    return pids
+
+
+def test_the_compile_helper_dies_with_the_process_that_started_it(tmp_path):
+    cache = tmp_path / "bpf"
+    loader = subprocess.Popen([sys.executable, "-c", LOAD, str(cache)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (helpers := _helpers_writing_into(cache)):
+            assert loader.poll() is None and time.monotonic() < deadline, "no compile helper was seen"
+            time.sleep(0.02)
+    finally:
+        loader.kill()
+        loader.wait()
+    deadline = time.monotonic() + 10
+    while _helpers_writing_into(cache) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = _helpers_writing_into(cache)
+    for pid in left:                       # (the test's own helper: never leave it running)
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"compile helper(s) {helpers} outlived the process that started them"
