@@ -298,6 +298,11 @@ class Client:
             await asyncio.wait([conn.reader], timeout=2 * remote.EXIT_WAIT_S)
             await self._drop(conn, grace=0)
             raise ConnectionError(f"cannot reach dsecd at {self.target}: {conn.lost or err}") from None
+        except BaseException:
+            # Cancelled (a caller's timeout), or any other failure: nothing of
+            # this connection may stay, an ssh process and its pipes least of all.
+            await asyncio.shield(self._drop(conn, grace=0))
+            raise
         limits = self.server.get("limits", {})
         self.max_frame = limits.get("max_frame_bytes", self.max_frame)
         conn.frames.max_frame = self.max_frame + FRAME_SLACK

@@ -107,6 +107,31 @@ def test_the_ssh_program_missing(tmp_path):
     asyncio.run(go())
 
 
+def test_a_connect_cancelled_before_the_hello_leaves_nothing(tmp_path):
+    """A caller's timeout (dsecd.Fleet's reconnects to a dead host) cancels
+    connect() while the stand-in ssh says nothing: its process is killed and
+    reaped, and none of the connection's fds stay."""
+    pidfile = tmp_path / "ssh.pid"
+
+    async def go():
+        c = Client("ssh://h1", ssh=SshOptions(command=_fake_ssh(tmp_path, f"""
+            import os, time
+            open({str(pidfile)!r}, "w").write(str(os.getpid()))
+            time.sleep(60)
+            """)), connect_timeout=30)
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(5):
+            pidfile.unlink(missing_ok=True)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(c.connect(), 0.5)
+        return before, len(os.listdir("/proc/self/fd"))
+
+    before, after = asyncio.run(go())
+    assert after == before
+    pid = int(pidfile.read_text())
+    assert not os.path.exists(f"/proc/{pid}"), "the stand-in ssh was left running or unreaped"
+
+
 RELAY = """
     # Stands in for `ssh host dsec rpc --stdio`: relays to the unix socket named
     # in FAKE_DSEC_SOCKET, counting its starts in FAKE_STARTS.
