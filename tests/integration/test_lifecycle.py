@@ -22,8 +22,23 @@ def host_counts(d) -> dict:
             cgroups += len([n for n in dirnames if not n.startswith(".")])   # .pager: the daemon's own
     sbdir = d.state / "sandboxes"
     dirs = len([n for n in os.listdir(sbdir) if not n.startswith(".")]) if sbdir.exists() else 0   # .mnt: shared
-    pids = len([p for p in os.listdir("/proc") if p.isdigit()])
-    return {"mounts": mounts, "cgroups": cgroups, "dirs": dirs, "pids": pids}
+    return {"mounts": mounts, "cgroups": cgroups, "dirs": dirs, "pids": len(session_pids())}
+
+
+def session_pids() -> list[int]:
+    """Processes of this test's session: the daemon and what it runs that
+    did not start a session of its own (sandboxes are counted by their
+    cgroups). Other work on a shared host runs in other sessions."""
+    ours = os.getsid(0)
+    pids = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:                 # gone meanwhile
+            continue
+        if int(fields[3]) == ours:      # state, ppid, pgrp, session
+            pids.append(int(p))
+    return pids
 
 
 def wait_counts(d, want: dict, slack_pids: int = 10, timeout: float = 10) -> dict:
