@@ -126,6 +126,10 @@ class AgentLink:
         self._execs: dict[int, AgentExec] = {}
         self._streams: dict = {}            # request id -> on_data of a streamed answer (stream())
         self.closed = False
+        # Called (kind, wire.Reader) on the loop with each background
+        # process's output or end (wire.PROC_OUT, PROC_END; id 0), once the
+        # host attached to it (dsecd/engine/vmprocs.py); must not raise.
+        self.on_proc = None
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
 
     @classmethod
@@ -254,6 +258,10 @@ class AgentLink:
                 run.end()
                 code = r.u64()
                 run.events.put_nowait(("error", AgentError(code, r.str())))
+            return
+        if kind in (wire.PROC_OUT, wire.PROC_END):
+            if self.on_proc is not None:
+                self.on_proc(kind, r)
             return
         if kind == wire.DATA:
             on_data = self._streams.get(msg_id)
