@@ -23,7 +23,6 @@ from conftest import VENV_BIN, sandbox_on, shared_vm
 from dsecd import Client
 from dsecd.errors import BadRequest, Conflict, LimitExceeded, NotFound
 
-
 BACKENDS = ["container", "microvm"]
 
 
