@@ -21,6 +21,10 @@ limits.max_procs_per_sandbox per sandbox, exited ones evicted oldest first,
 so `proc_wait` and `proc_logs` work after the end. They end with their
 sandbox (the kernel kills them with its pid namespace); pause and resume
 leave them alone (frozen with the sandbox).
+
+A microVM's processes are kept by its guest agent instead, output and end
+included: the requests go to dsecd/engine/vmprocs.py, and the views here
+read the mirror of the agent's ring it keeps.
 """
 
 from __future__ import annotations
