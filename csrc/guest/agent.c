@@ -790,6 +790,24 @@ static uint64_t proc_dropped(const struct proc *p)
     return p->head < p->nchunks ? p->chunks[p->head].off : p->written;
 }
 
+#define MERGE_BYTES 4096u            /* reads merged into one chunk up to this size */
+#define MERGE_NS 100000000ull        /* when they came within 0.1 s of its first */
+#define CHUNK_COST 64u               /* a chunk's bookkeeping: live chunks <= cap / this */
+
+/* The oldest chunks go while the ring holds more than its bytes, or more
+ * chunks than cap / CHUNK_COST (each costs memory of its own, beyond its
+ * bytes: bounded so, the ring never takes more than about twice its cap). */
+static void proc_trim(struct proc *p)
+{
+    size_t most = (size_t)(p->cap / CHUNK_COST) > 16 ? (size_t)(p->cap / CHUNK_COST) : 16;
+
+    while (p->head < p->nchunks && (p->kept > p->cap || p->nchunks - p->head > most)) {
+        p->kept -= p->chunks[p->head].len;
+        free(p->chunks[p->head].data);
+        p->head++;
+    }
+}
+
 static void proc_append(struct proc *p, int fd, const unsigned char *data, size_t n)
 {
     uint64_t off = p->written;
@@ -802,6 +820,25 @@ static void proc_append(struct proc *p, int fd, const unsigned char *data, size_
     }
     if (!n)
         return;
+    uint64_t now = now_ns();
+    if (p->head < p->nchunks) {
+        /* Small reads close together (a process writing a line at a time)
+         * grow the last chunk: a chunk per byte would cost the guest far
+         * more in bookkeeping than in output. */
+        struct chunk *last = &p->chunks[p->nchunks - 1];
+        if (last->fd == fd && last->len + n <= MERGE_BYTES && last->len + n <= p->cap &&
+            now - last->t_ns < MERGE_NS && last->off + last->len == off) {
+            unsigned char *grown = realloc(last->data, last->len + n);
+            if (grown) {
+                memcpy(grown + last->len, data, n);
+                last->data = grown;
+                last->len += (uint32_t)n;
+                p->kept += n;
+                proc_trim(p);
+                return;
+            }
+        }
+    }
     if (p->nchunks == p->cap_chunks) {
         if (p->head) { /* room at the front: move the live chunks down */
             memmove(p->chunks, p->chunks + p->head, (p->nchunks - p->head) * sizeof(*p->chunks));
@@ -820,14 +857,10 @@ static void proc_append(struct proc *p, int fd, const unsigned char *data, size_
     if (!copy)
         return;
     memcpy(copy, data, n);
-    p->chunks[p->nchunks++] = (struct chunk){.off = off, .t_ns = now_ns(), .data = copy, .len = (uint32_t)n,
+    p->chunks[p->nchunks++] = (struct chunk){.off = off, .t_ns = now, .data = copy, .len = (uint32_t)n,
                                              .fd = (uint8_t)fd};
     p->kept += n;
-    while (p->kept > p->cap && p->head < p->nchunks) {
-        p->kept -= p->chunks[p->head].len;
-        free(p->chunks[p->head].data);
-        p->head++;
-    }
+    proc_trim(p);
 }
 
 /* To the attached host: the output it does not have yet, then the end once

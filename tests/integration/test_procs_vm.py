@@ -178,3 +178,23 @@ def test_a_paused_vm_across_a_restart(vmd):
         assert _text(proc) == (b"one\ntwo z\n", 0)
     finally:
         c.close()
+
+
+def test_destroy_kills_them_and_ends_followers(vmd):
+    """Last: the module's VM goes. Its processes die with it (signal 9), a
+    waiter and a follower end."""
+    d, sb_id = vmd
+    c = d.client()
+    sb = c.get(sb_id)
+    proc = sb.spawn("echo up; exec sleep 300")
+    _wait_for_output(sb, proc.pid, len("up\n"))
+    c2 = d.client()
+    try:
+        follower = c2.get(sb_id).process(proc.pid)
+        chunks = follower.output(follow=True)
+        assert next(c for c in chunks if c.data).data == b"up\n"
+        sb.destroy(force=True)
+        assert list(chunks) == []              # ends with the process
+    finally:
+        c2.close()
+        c.close()
