@@ -150,6 +150,10 @@ class VmProcs:
                                    wire.u64(len(argv)), *map(wire.bstr, argv), wire.u64(len(env)),
                                    *map(wire.bstr, env))
         except AgentError as err:
+            if err.errno == errno.ENOSYS and err.step == "unknown request type":
+                raise Conflict(f"cannot start {argv[0]!r} in sandbox {sb.id}: its VM's guest agent is older than "
+                               "this dsecd and keeps no background processes; recreate the sandbox to use them",
+                               {"sandbox": sb.id}) from err
             if err.step.startswith("malformed"):
                 raise BadRequest(f"proc_start: {err.strerror}") from err
             raise exec_error(err, argv[0], cwd) from err

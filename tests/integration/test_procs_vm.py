@@ -157,7 +157,8 @@ def test_output_and_status_survive_a_daemon_restart(vmd, how):
 
 
 def test_a_paused_vm_across_a_restart(vmd):
-    """Paused, then the daemon restarts: its processes are attached again at the resume."""
+    """Paused, then the daemon restarts: its processes are attached again at
+    the resume, which an input to one of them makes."""
     d, sb_id = vmd
     c = d.client()
     sb = c.get(sb_id)
@@ -171,9 +172,9 @@ def test_a_paused_vm_across_a_restart(vmd):
     try:
         sb = c.get(sb_id)
         assert [p.state for p in sb.processes() if p.pid == proc.pid] == ["running"]
-        sb.resume()
         proc = sb.process(proc.pid)
-        proc.write(b"z\n")
+        proc.write(b"z\n")                      # resumes the VM first (its agent must run to take it)
+        assert sb.inspect()["state"] == "running"
         assert proc.wait().exit_code == 7
         assert _text(proc) == (b"one\ntwo z\n", 0)
     finally:
