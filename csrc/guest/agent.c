@@ -96,9 +96,10 @@ enum {
      * included, so they outlive the host's channel (a pause, a daemon restart) */
     M_PROC_START = 22,  /* ring bytes, uid, gid, flags (EXEC_STDIN), cwd, argc, argv..., envc, env...: OK pid, started ns */
     M_PROC_LIST = 23,   /* (nothing): OK count, then per process: pid, exited, status, written, dropped, kept,
-                           stdin open, started ns, ended ns, argv (NUL-joined) */
+                           stdin open, input received, started ns, ended ns, argv (NUL-joined) */
     M_PROC_ATTACH = 24, /* pid, offset: its output from offset on, then its end, as A_PROC_*; then OK */
-    M_PROC_INPUT = 25,  /* pid, eof, data: OK once the pipe took all of it; ERR EPIPE if stdin is closed */
+    M_PROC_INPUT = 25,  /* pid, offset, eof, data: OK once the pipe took all of it; ERR EPIPE if stdin is
+                           closed. offset: of data's first byte in all the input; what was taken is skipped */
     M_PROC_KILL = 26,   /* pid, signal: to its process group; OK sent (0: the group is gone) */
     M_PROC_FORGET = 27, /* pid: an exited process's record and ring freed; OK */
 };
@@ -755,6 +756,7 @@ struct proc {
     size_t pend_len, pend_off;
     int in_eof;               /* close stdin once pend is written */
     uint32_t input_id;        /* the M_PROC_INPUT answered once pend is written; 0: none */
+    uint64_t in_received;     /* input bytes taken from the host, in all (M_PROC_INPUT's offsets) */
     int exited, status;
     uint64_t started_ns, ended_ns;
     char *argv;               /* NUL-joined */
@@ -1204,6 +1206,7 @@ static void do_proc_list(uint32_t id)
         put_u64(&out, proc_dropped(p));
         put_u64(&out, p->kept);
         put_u64(&out, p->in >= 0);
+        put_u64(&out, p->in_received);
         put_u64(&out, p->started_ns);
         put_u64(&out, p->ended_ns);
         put_bytes(&out, p->argv ? p->argv : "", p->argv_len);
@@ -1238,35 +1241,49 @@ static void do_proc_attach(uint32_t id, struct rd *r)
     send_msg(&out);
 }
 
+/* The host sends an input again, at the same offset, when the channel went
+ * before its answer (a pause, a daemon restart): what was taken before is
+ * skipped, so nothing reaches the process twice. */
 static void do_proc_input(uint32_t id, struct rd *r)
 {
     struct proc *p = proc_arg(id, r);
-    uint64_t eof = get_u64(r);
+    uint64_t offset = get_u64(r), eof = get_u64(r);
     size_t n = 0;
     const unsigned char *data = get_bytes(r, &n);
 
     if (!p)
         return;
-    if (r->bad) {
+    if (r->bad || offset > p->in_received) {
         send_err(id, EINVAL, "malformed proc_input request");
+        return;
+    }
+    size_t skip = p->in_received - offset < n ? (size_t)(p->in_received - offset) : n;
+    int fresh = n > skip || (eof && !p->in_eof);
+
+    if (p->input_id) {
+        send_err(id, EBUSY, "an input of this process is being written");
+        return;
+    }
+    if (!fresh) { /* all of it was taken before: answered once it is in the pipe */
+        p->input_id = id;
+        if (!p->pend_len)
+            proc_answer_input(p, 0);
         return;
     }
     if (p->in < 0) {
         send_err(id, EPIPE, "the process's stdin is closed");
         return;
     }
-    if (p->input_id) {
-        send_err(id, EBUSY, "an input of this process is being written");
-        return;
-    }
-    if (n) {
-        p->pend = malloc(n);
-        if (!p->pend) {
+    if (n > skip) {
+        unsigned char *more = realloc(p->pend, p->pend_len + (n - skip));
+        if (!more) {
             send_err(id, ENOMEM, "hold the input");
             return;
         }
-        memcpy(p->pend, data, n);
-        p->pend_len = n;
+        memcpy(more + p->pend_len, data + skip, n - skip);
+        p->pend = more;
+        p->pend_len += n - skip;
+        p->in_received += n - skip;
     }
     p->in_eof |= eof != 0;
     p->input_id = id;

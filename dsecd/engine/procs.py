@@ -138,6 +138,7 @@ class BgProc:
         # A microVM's process lives in its guest agent (dsecd/engine/vmprocs.py): no pipes here.
         self.vm: bool = bool(rec.get("vm"))
         self.vm_stdin: bool = self.vm and rec["state"] == "running" and rec.get("stdin", True)
+        self.vm_in = 0              # input bytes the agent took (the offset of the next)
         self.ring = Ring(ring_bytes)
         self.run: InitExec | None = None
         self.fds = {"stdin": -1, "stdout": -1, "stderr": -1}

@@ -21,7 +21,9 @@ its record lives) are recorded as exited, status unknown; ones the agent
 knows and the journal does not (the daemon stopped between the start and its
 journal write) are taken up. They die with the VM (`destroy`), and are
 frozen with it by `pause`; a `proc_input` or `proc_kill` to a paused VM
-resumes it first (its agent is not running), as an exec does.
+resumes it first (its agent is not running), as an exec does, and an input
+cut by a pause or a restart goes on at the next channel (by offset: nothing
+reaches the process twice).
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class VmProcs:
         # processes on its current channel; views wait for it, so a
         # proc_logs right after a restart or resume sees what the agent kept.
         self.attaching: dict[str, asyncio.Task] = {}
+        # Sandbox id -> a future done at its next new channel or its end
+        # (what an input cut by a pause waits for: _relinked).
+        self.changes: dict[str, asyncio.Future] = {}
 
     # ------------------------------------------------------------ channel
 
@@ -72,6 +77,12 @@ class VmProcs:
         task = self.svc.workers.loop.create_task(self._attach_all(sb, h.agent))
         self.attaching[sb.id] = task
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._changed(sb.id)
+
+    def _changed(self, sb_id: str) -> None:
+        change = self.changes.pop(sb_id, None)
+        if change is not None and not change.done():
+            change.set_result(None)
 
     async def settled(self, sb: Sandbox) -> None:
         """Wait for the attach of the current channel, if one runs."""
@@ -105,6 +116,8 @@ class VmProcs:
                     svc._lost(sb, proc, "the VM's agent does not know it")
                 continue
             proc.vm_stdin = g["stdin_open"]
+            if not proc.stdin_lock.locked():      # else an input under way sends its own offset again
+                proc.vm_in = g["in_received"]
             if proc.running or proc.ring.written < g["written"]:
                 try:
                     await link.request(wire.PROC_ATTACH, wire.u64(pid), wire.u64(proc.ring.written))
@@ -188,23 +201,43 @@ class VmProcs:
 
     async def input(self, sb: Sandbox, proc, data: bytes, eof: bool) -> None:
         """Waits until the process's pipe took all of it (the agent answers
-        then): a process that does not read holds the request here."""
+        then): a process that does not read holds the request here, across
+        a pause or a daemon restart too. The request names the offset of its
+        data in all the input (proc.vm_in: what the agent took before), so
+        when the channel goes before the answer it is sent again on the next
+        one and the agent skips what it already took."""
         await self.svc.ensure_running(sb, "proc_input")
         await self.settled(sb)
-        try:
-            await self._link(sb).request(wire.PROC_INPUT, wire.u64(proc.pid), wire.u64(1 if eof else 0),
-                                         wire.bstr(bytes(data)))
-        except AgentGone as err:
-            raise Conflict(f"process {proc.pid} in sandbox {sb.id}: the VM's agent channel closed while its "
-                           f"input was written (paused or exiting); some of it may have reached it: {err}",
-                           {"sandbox": sb.id, "pid": proc.pid}) from err
-        except AgentError as err:
-            if err.errno in (errno.EPIPE, errno.ESRCH):
-                proc.vm_stdin = False
-                raise BrokenPipeError(errno.EPIPE, "its stdin is closed") from err
-            raise io_error("write to the stdin of", f"process {proc.pid} in sandbox {sb.id}", err) from err
+        offset, data = proc.vm_in, bytes(data)
+        while True:
+            link = self._link(sb)
+            try:
+                await link.request(wire.PROC_INPUT, wire.u64(proc.pid), wire.u64(offset), wire.u64(1 if eof else 0),
+                                   wire.bstr(data))
+                break
+            except AgentGone:
+                await self._relinked(sb, proc, link)       # paused meanwhile: on at its resume
+            except AgentError as err:
+                if err.errno in (errno.EPIPE, errno.ESRCH):
+                    proc.vm_stdin = False
+                    raise BrokenPipeError(errno.EPIPE, "its stdin is closed") from err
+                raise io_error("write to the stdin of", f"process {proc.pid} in sandbox {sb.id}", err) from err
+        proc.vm_in = offset + len(data)
         if eof:
             proc.vm_stdin = False
+
+    async def _relinked(self, sb: Sandbox, proc, old: AgentLink) -> None:
+        """Wait for a channel other than `old` (a resume, a reconnect), its
+        processes attached; BrokenPipeError if the process or sandbox ends first."""
+        while True:
+            h = sb.handle
+            if self.svc.registry.by_id.get(sb.id) is not sb or not proc.running or sb.state == "dead":
+                raise BrokenPipeError(errno.EPIPE, "the process ended with its VM")
+            if h is not None and h.agent is not None and h.agent is not old and not h.agent.closed:
+                await self.settled(sb)
+                return
+            change = self.changes.setdefault(sb.id, self.svc.workers.loop.create_future())
+            await asyncio.shield(change)
 
     def forget_in_guest(self, sb: Sandbox, proc) -> None:
         """An evicted record: the agent frees its ring too (in the background;
@@ -222,9 +255,11 @@ class VmProcs:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     def gone(self, sb_id: str) -> None:
+        """The sandbox is destroyed or its VM died: inputs waiting for a channel give up."""
         task = self.attaching.pop(sb_id, None)
         if task is not None and not task.done():
             task.cancel()
+        self._changed(sb_id)
 
 
 def _parse_list(r: wire.Reader) -> dict[int, dict]:
@@ -232,9 +267,9 @@ def _parse_list(r: wire.Reader) -> dict[int, dict]:
     out = {}
     for _ in range(r.u64()):
         pid, exited, status, written, dropped, kept = (r.u64() for _ in range(6))
-        stdin_open, started_ns, ended_ns = r.u64(), r.u64(), r.u64()
+        stdin_open, in_received, started_ns, ended_ns = r.u64(), r.u64(), r.u64(), r.u64()
         argv = [a.decode(errors="surrogateescape") for a in r.bytes().split(b"\0")[:-1]]
         out[pid] = {"exited": bool(exited), "status": status, "written": written, "dropped": dropped,
-                    "kept": kept, "stdin_open": bool(stdin_open), "started": started_ns / 1e9,
+                    "kept": kept, "stdin_open": bool(stdin_open), "in_received": in_received, "started": started_ns / 1e9,
                     "ended": ended_ns / 1e9 if exited else None, "argv": argv}
     return out

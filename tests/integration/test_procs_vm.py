@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -115,6 +116,33 @@ def test_output_and_status_survive_a_pause(vm):
     assert _text(waiting) == (b"before\nafter x\n", 0)
     assert _text(done) == (b"done\nto-err\n", 0)
     assert done.wait().exit_code == 3
+
+
+def test_an_input_cut_by_a_pause_goes_on_after_the_resume(vm):
+    """An input the process does not read (more than its pipe holds) waits
+    across the pause and resume; the process gets every byte once."""
+    proc = vm.spawn("while [ ! -e /tmp/go ]; do sleep 0.1; done; wc -c")
+    size = 300 * 1024
+    done = {}
+
+    def feed():
+        try:
+            done["result"] = proc.write(b"x" * size)
+            proc.close_stdin()
+        except Exception as err:        # the assertion below says what failed
+            done["error"] = err
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    time.sleep(0.5)                  # the input is under way, held by the full pipe
+    vm.pause()
+    vm.resume()
+    vm.write_file("/tmp/go", b"")
+    feeder.join(120)
+    assert not feeder.is_alive() and "error" not in done, done
+    assert proc.wait().exit_code == 0
+    assert _text(proc)[0].split() == [str(size).encode()]
+    vm.exec(["rm", "/tmp/go"])
 
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
