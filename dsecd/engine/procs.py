@@ -268,7 +268,7 @@ class ProcessService:
             self._drop(old)
         table[pid] = proc
         self._save(sb)
-        await self.vm.attach(sb, proc)
+        await asyncio.shield(self.vm.attach(sb, proc))     # followed even if the request goes now
         sb.last_active = time.monotonic()
         return {"pid": pid, "started": rec["started"]}
 

@@ -157,11 +157,17 @@ class VmProcs:
         link = self._link(sb)
         self._listen(sb, link)
         argv = list(req.argv)
+        start = asyncio.ensure_future(link.request(
+            wire.PROC_START, wire.u64(self.svc.limits.output_bytes), wire.u64(user), wire.u64(gid),
+            wire.u64(wire.EXEC_STDIN if req.stdin else 0), wire.bstr(cwd), wire.u64(len(argv)),
+            *map(wire.bstr, argv), wire.u64(len(env)), *map(wire.bstr, env)))
         try:
-            r = await link.request(wire.PROC_START, wire.u64(self.svc.limits.output_bytes), wire.u64(user),
-                                   wire.u64(gid), wire.u64(wire.EXEC_STDIN if req.stdin else 0), wire.bstr(cwd),
-                                   wire.u64(len(argv)), *map(wire.bstr, argv), wire.u64(len(env)),
-                                   *map(wire.bstr, env))
+            r = await asyncio.shield(start)
+        except asyncio.CancelledError:
+            # The request went while the agent started it: it is killed, as
+            # a container's is (its exited record stays in the agent's table).
+            start.add_done_callback(lambda fut: self._kill_orphan(link, fut))
+            raise
         except AgentError as err:
             if err.errno == errno.ENOSYS and err.step == "unknown request type":
                 raise Conflict(f"cannot start {argv[0]!r} in sandbox {sb.id}: its VM's guest agent is older than "
@@ -177,6 +183,18 @@ class VmProcs:
         rec = {"pid": pid, "argv": argv, "started": time.time(), "state": "running", "policy": None, "vm": True,
                "stdin": bool(req.stdin)}
         return pid, rec
+
+    def _kill_orphan(self, link: AgentLink, fut: asyncio.Future) -> None:
+        if fut.cancelled() or fut.exception() is not None or link.closed:
+            return
+        pid = fut.result().u64()
+
+        async def kill() -> None:
+            with contextlib.suppress(AgentError, AgentGone):
+                await link.request(wire.PROC_KILL, wire.u64(pid), wire.u64(9))
+
+        task = self.svc.workers.loop.create_task(kill())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def attach(self, sb: Sandbox, proc) -> None:
         """Follow a process just started, from its first byte."""
