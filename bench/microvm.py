@@ -47,6 +47,8 @@ Progress on stderr; the last stdout line is one JSON object:
     vm_template_idle_mib_rss / _pss one of two idle restored VMs' QEMU: PSS splits the
                                    template's pages both map between them
     vm_template_pause_s / _resume_first_exec_ms   a restored VM's pause, and an exec on it paused
+    vm_spawn_p50_ms / p99          `sb.spawn(["true"])` until it returns the pid (the agent forked and
+                                   exec'd it, and the daemon attached to it), 30 times on a restored VM
     vm_net_create_p50_ms           --net default create -> first exec (restored, NIC set up; p50 of 3)
     vm_net_connect_ms              one TCP connect+close from the guest through the tap (mean of 50, in one exec)
     vm_net_send_mbit_s             a 64 MiB send from the guest to the sink (busybox dd | nc)
@@ -199,6 +201,21 @@ def pmem_sharing(c, create, n: int = 10) -> dict:
             "vm_pmem_one_guest_kib": costs[0] >> 10, "vm_pmem_ten_guests_kib": costs[-1] >> 10}
 
 
+def spawn_figures(sb) -> dict:
+    """Background processes (kept by the guest agent): the start's round trip."""
+    for _ in range(5):
+        sb.spawn(["true"]).wait()
+    times = []
+    for _ in range(30):
+        t0 = time.perf_counter()
+        proc = sb.spawn(["true"])
+        times.append((time.perf_counter() - t0) * 1000)
+        proc.wait()
+    times.sort()
+    log(f"spawn p50 {statistics.median(times):.2f} ms p99 {times[-1]:.2f} ms")
+    return {"vm_spawn_p50_ms": round(statistics.median(times), 3), "vm_spawn_p99_ms": round(times[-1], 3)}
+
+
 def from_templates(c, state_dir: Path) -> dict:
     """Phase 2 (templates on): the template's build, restores, their memory."""
     def create():
@@ -230,11 +247,12 @@ def from_templates(c, state_dir: Path) -> dict:
     idle = smaps(a.inspect()["vm"]["qemu_pid"])
     log(f"idle restored QEMU (one of two): RSS {idle['Rss'] >> 20} MiB, PSS {idle['Pss'] >> 20} MiB")
     b.destroy()
+    spawns = spawn_figures(a)
     pause_s, _resume_s, first_exec_ms, _ = pause_figures(a)
     a.destroy()
     sharing = pmem_sharing(c, create)
     return {
-        **sharing,
+        **sharing, **spawns,
         "vm_template_build_s": round(build_s, 3),
         "vm_template_create_p50_ms": round(statistics.median(total), 1),
         "vm_template_create_only_p50_ms": round(statistics.median(alone), 1),

@@ -155,6 +155,7 @@ class Node:
                                           self.procs, self.vms)
         self.vms.watch = self.lifecycle.watch
         self.vms.net = self.net_service
+        self.vms.relinked = self.procs.vm.linked
         self.image_service.after_gc = self.vms.gc_templates
         self.image_service.vm_upper = self.vms.upper_tree
         vm_cfg = cfg.section("microvm")

@@ -92,6 +92,16 @@ enum {
     M_TAR = 19,    /* max file bytes: the writable layer as a tar in DATA frames, then OK (counts) */
     M_PING = 20,   /* (nothing): answered OK at once, the host's liveness check */
     M_RESIZE = 21, /* rows, cols: a pty exec's window size (TIOCSWINSZ; SIGWINCH); no answer */
+    /* background processes (proc_*): kept here, output ring and exit status
+     * included, so they outlive the host's channel (a pause, a daemon restart) */
+    M_PROC_START = 22,  /* ring bytes, uid, gid, flags (EXEC_STDIN), cwd, argc, argv..., envc, env...: OK pid, started ns */
+    M_PROC_LIST = 23,   /* (nothing): OK count, then per process: pid, exited, status, written, dropped, kept,
+                           stdin open, input received, started ns, ended ns, argv (NUL-joined) */
+    M_PROC_ATTACH = 24, /* pid, offset: its output from offset on, then its end, as A_PROC_*; then OK */
+    M_PROC_INPUT = 25,  /* pid, offset, eof, data: OK once the pipe took all of it; ERR EPIPE if stdin is
+                           closed. offset: of data's first byte in all the input; what was taken is skipped */
+    M_PROC_KILL = 26,   /* pid, signal: to its process group; OK sent (0: the group is gone) */
+    M_PROC_FORGET = 27, /* pid: an exited process's record and ring freed; OK */
 };
 /* guest -> host */
 enum {
@@ -103,6 +113,8 @@ enum {
     A_ERR = 106,     /* errno, what failed (text) */
     A_DATA = 107,    /* bytes of a stream (M_TAR) */
     A_TAKEN = 108,   /* (nothing): an exec's M_STDIN is all in its pipe, or dropped (stdin closed) */
+    A_PROC_OUT = 109, /* id 0: pid, offset, fd, time ns, data: a background process's output */
+    A_PROC_END = 110, /* id 0: pid, wait status, ended ns: it exited and its output was all sent */
 };
 
 #define EXEC_STDIN 1u       /* M_EXEC flags: the exec takes stdin (else /dev/null) */
@@ -214,6 +226,8 @@ static void begin(struct buf *b, uint8_t type, uint32_t id)
     put_u32(b, id);
 }
 
+static void host_gone(void);
+
 static void write_all(int fd, const unsigned char *p, size_t n)
 {
     while (n) {
@@ -223,7 +237,13 @@ static void write_all(int fd, const unsigned char *p, size_t n)
                 continue;
             if (errno == EAGAIN) {
                 struct pollfd pf = {.fd = fd, .events = POLLOUT};
-                poll(&pf, 1, 1000);
+                if (poll(&pf, 1, 1000) > 0 && (pf.revents & POLLHUP) && !(pf.revents & POLLOUT)) {
+                    /* No host on the channel (the daemon stopped, or the VM
+                     * is being saved): the frame is dropped, not held until
+                     * the next host, which would read its tail as a frame. */
+                    host_gone();
+                    return;
+                }
                 continue;
             }
             say("channel write: %s", strerror(errno));
@@ -417,6 +437,7 @@ static void flush_stdin(struct exec *x)
     settle_stdin(x);
 }
 
+static void close_proc_fds(void);
 static int tar_get_main(const char *path, uint64_t max_entries, uint64_t max_bytes);
 static int tar_put_main(const char *path);
 static int watch_main(const char *path, int recursive, uint64_t max_dirs);
@@ -535,6 +556,7 @@ static void do_exec(uint32_t id, struct rd *r)
                 close_fd(&execs[j].out[2]);
                 close_fd(&execs[j].in);
             }
+            close_proc_fds();
             if (flags & EXEC_TAR_PUT)
                 _exit(tar_put_main(argv[0]));
             if (flags & EXEC_WATCH)
@@ -674,14 +696,19 @@ static void do_kill(uint32_t id, struct rd *r)
         kill(-x->pid, (int)sig); /* its process group: it called setsid */
 }
 
-/* Every child that ended: an exec's output drained, then EXITED. What a
+static int proc_reaped(pid_t pid, int status);
+
+/* Every child that ended: an exec's output drained, then EXITED (a
+ * background process's end goes to its record: proc_ended). What a
  * background child of it writes after that is dropped with the pipes. */
 static void reap(void)
 {
     int status;
     pid_t pid;
 
-    while ((pid = waitpid(-1, &status, WNOHANG)) > 0)
+    while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+        if (proc_reaped(pid, status))
+            continue;
         for (int i = 0; i < MAX_EXECS; i++) {
             struct exec *x = &execs[i];
 
@@ -696,6 +723,598 @@ static void reap(void)
             exec_free(x);
             break;
         }
+    }
+}
+
+/* ---- background processes (proc_*) ------------------------------------------
+ *
+ * Started like an exec (no terminal, no copy), but kept here whatever
+ * becomes of the host's channel: each one's output in a ring of the size the
+ * host asks for (limits.proc_output_bytes), every chunk with its offset in
+ * all the process wrote and the time it was read, and its exit status. The
+ * host follows a process by attaching at the offset it already has
+ * (M_PROC_ATTACH): the agent sends what it kept from there on (A_PROC_OUT; an
+ * offset past the host's says the ring dropped the bytes between), then new
+ * output as it is read, then the end (A_PROC_END). A new host (HELLO: a
+ * restarted daemon, a resumed VM's new QEMU) or none at all (POLLHUP on a
+ * write) detaches every process; their rings fill on meanwhile, and the next
+ * host attaches again where it stopped: nothing it had not seen is lost but
+ * what the ring itself dropped. */
+
+struct chunk {
+    uint64_t off, t_ns;
+    unsigned char *data;
+    uint32_t len;
+    uint8_t fd;
+};
+
+struct proc {
+    pid_t pid;                /* 0: slot free */
+    int out[3];               /* [1] stdout, [2] stderr read ends; -1 closed */
+    int in;                   /* stdin write end; -1 none or closed */
+    unsigned char *pend;      /* input not yet taken by the pipe */
+    size_t pend_len, pend_off;
+    int in_eof;               /* close stdin once pend is written */
+    uint32_t input_id;        /* the M_PROC_INPUT answered once pend is written; 0: none */
+    uint64_t in_received;     /* input bytes taken from the host, in all (M_PROC_INPUT's offsets) */
+    int exited, status;
+    uint64_t started_ns, ended_ns;
+    char *argv;               /* NUL-joined */
+    size_t argv_len;
+    uint64_t cap, kept, written; /* the ring: bytes it may hold, holds, and all the process wrote */
+    struct chunk *chunks;     /* live: [head, nchunks) */
+    size_t head, nchunks, cap_chunks;
+    int attached, end_sent;
+    uint64_t sent;            /* the attached host has every byte before this offset */
+};
+static struct proc *procs;
+static size_t nprocs; /* slots, used or free */
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static struct proc *proc_by_pid(uint64_t pid)
+{
+    for (size_t i = 0; i < nprocs; i++)
+        if (procs[i].pid && (uint64_t)procs[i].pid == pid)
+            return &procs[i];
+    return NULL;
+}
+
+/* The offset of the oldest byte the ring holds: what fell out before it. */
+static uint64_t proc_dropped(const struct proc *p)
+{
+    return p->head < p->nchunks ? p->chunks[p->head].off : p->written;
+}
+
+#define MERGE_BYTES 4096u            /* reads merged into one chunk up to this size */
+#define MERGE_NS 100000000ull        /* when they came within 0.1 s of its first */
+#define CHUNK_COST 64u               /* a chunk's bookkeeping: live chunks <= cap / this */
+
+/* The oldest chunks go while the ring holds more than its bytes, or more
+ * chunks than cap / CHUNK_COST (each costs memory of its own, beyond its
+ * bytes: bounded so, the ring never takes more than about twice its cap). */
+static void proc_trim(struct proc *p)
+{
+    size_t most = (size_t)(p->cap / CHUNK_COST) > 16 ? (size_t)(p->cap / CHUNK_COST) : 16;
+
+    while (p->head < p->nchunks && (p->kept > p->cap || p->nchunks - p->head > most)) {
+        p->kept -= p->chunks[p->head].len;
+        free(p->chunks[p->head].data);
+        p->head++;
+    }
+}
+
+static void proc_append(struct proc *p, int fd, const unsigned char *data, size_t n)
+{
+    uint64_t off = p->written;
+
+    p->written += n;
+    if (n > p->cap) { /* only its tail fits */
+        data += n - p->cap;
+        off += n - p->cap;
+        n = (size_t)p->cap;
+    }
+    if (!n)
+        return;
+    uint64_t now = now_ns();
+    if (p->head < p->nchunks) {
+        /* Small reads close together (a process writing a line at a time)
+         * grow the last chunk: a chunk per byte would cost the guest far
+         * more in bookkeeping than in output. */
+        struct chunk *last = &p->chunks[p->nchunks - 1];
+        if (last->fd == fd && last->len + n <= MERGE_BYTES && last->len + n <= p->cap &&
+            now - last->t_ns < MERGE_NS && last->off + last->len == off) {
+            unsigned char *grown = realloc(last->data, last->len + n);
+            if (grown) {
+                memcpy(grown + last->len, data, n);
+                last->data = grown;
+                last->len += (uint32_t)n;
+                p->kept += n;
+                proc_trim(p);
+                return;
+            }
+        }
+    }
+    if (p->nchunks == p->cap_chunks) {
+        if (p->head) { /* room at the front: move the live chunks down */
+            memmove(p->chunks, p->chunks + p->head, (p->nchunks - p->head) * sizeof(*p->chunks));
+            p->nchunks -= p->head;
+            p->head = 0;
+        } else {
+            size_t cap = p->cap_chunks ? p->cap_chunks * 2 : 16;
+            struct chunk *c = realloc(p->chunks, cap * sizeof(*c));
+            if (!c)
+                return; /* no memory: counted as written, so the host sees a gap */
+            p->chunks = c;
+            p->cap_chunks = cap;
+        }
+    }
+    unsigned char *copy = malloc(n);
+    if (!copy)
+        return;
+    memcpy(copy, data, n);
+    p->chunks[p->nchunks++] = (struct chunk){.off = off, .t_ns = now, .data = copy, .len = (uint32_t)n,
+                                             .fd = (uint8_t)fd};
+    p->kept += n;
+    proc_trim(p);
+}
+
+/* To the attached host: the output it does not have yet, then the end once
+ * the process exited and its pipes were drained. */
+static void proc_push(struct proc *p)
+{
+    for (size_t i = p->head; p->attached && i < p->nchunks; i++) {
+        struct chunk *c = &p->chunks[i];
+        uint64_t end = c->off + c->len, skip = p->sent > c->off ? p->sent - c->off : 0;
+
+        if (end <= p->sent)
+            continue;
+        begin(&out, A_PROC_OUT, 0);
+        put_u64(&out, (uint64_t)p->pid);
+        put_u64(&out, c->off + skip);
+        put_u64(&out, c->fd);
+        put_u64(&out, c->t_ns);
+        put_bytes(&out, c->data + skip, (size_t)(c->len - skip));
+        send_msg(&out);
+        if (p->attached) /* else the host went during the write: the next one attaches again */
+            p->sent = end;
+    }
+    if (p->attached && p->exited && p->out[1] < 0 && p->out[2] < 0 && !p->end_sent) {
+        p->sent = p->written;
+        begin(&out, A_PROC_END, 0);
+        put_u64(&out, (uint64_t)p->pid);
+        put_u64(&out, (uint64_t)(unsigned)p->status);
+        put_u64(&out, p->ended_ns);
+        send_msg(&out);
+        if (p->attached)
+            p->end_sent = 1;
+    }
+}
+
+/* The host's channel has no host any more, or a new one said HELLO: nothing
+ * is sent until it attaches again, and no answer to the old host's input
+ * request goes to the new one (its ids start over). */
+static void host_gone(void)
+{
+    for (size_t i = 0; i < nprocs; i++) {
+        procs[i].attached = 0;
+        procs[i].input_id = 0;
+    }
+}
+
+/* Read a stdout/stderr pipe into the ring (all it holds, with drain); 0 at EOF. */
+static int proc_read(struct proc *p, int k, int drain)
+{
+    static unsigned char chunk[OUT_CHUNK];
+
+    for (;;) {
+        ssize_t n = read(p->out[k], chunk, sizeof(chunk));
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && errno == EAGAIN)
+            return 1;
+        if (n <= 0) {
+            close_fd(&p->out[k]);
+            proc_push(p);
+            return 0;
+        }
+        proc_append(p, k, chunk, (size_t)n);
+        proc_push(p);
+        if (!drain)
+            return 1;
+    }
+}
+
+static void proc_answer_input(struct proc *p, int err)
+{
+    if (!p->input_id)
+        return;
+    if (err)
+        send_err(p->input_id, err, "the process's stdin is closed");
+    else {
+        begin(&out, A_OK, p->input_id);
+        send_msg(&out);
+    }
+    p->input_id = 0;
+}
+
+static void proc_flush_stdin(struct proc *p)
+{
+    while (p->in >= 0 && p->pend_off < p->pend_len) {
+        ssize_t w = write(p->in, p->pend + p->pend_off, p->pend_len - p->pend_off);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN)
+                return;
+            close_fd(&p->in); /* EPIPE: the process closed its stdin */
+            break;
+        }
+        p->pend_off += (size_t)w;
+    }
+    int lost = p->pend_off < p->pend_len;
+
+    free(p->pend);
+    p->pend = NULL;
+    p->pend_len = p->pend_off = 0;
+    if (p->in_eof)
+        close_fd(&p->in);
+    proc_answer_input(p, lost ? EPIPE : 0);
+}
+
+static void proc_free(struct proc *p)
+{
+    close_fd(&p->out[1]);
+    close_fd(&p->out[2]);
+    close_fd(&p->in);
+    free(p->pend);
+    free(p->argv);
+    for (size_t i = p->head; i < p->nchunks; i++)
+        free(p->chunks[i].data);
+    free(p->chunks);
+    memset(p, 0, sizeof(*p));
+}
+
+/* Its end (reap): what its pipes hold now is read, then they close (what a
+ * child of it writes later is dropped, as for an exec), and the host hears. */
+static void proc_ended(struct proc *p, int status)
+{
+    for (int k = 1; k <= 2; k++)
+        if (p->out[k] >= 0)
+            proc_read(p, k, 1);
+    close_fd(&p->out[1]);
+    close_fd(&p->out[2]);
+    close_fd(&p->in);
+    free(p->pend);
+    p->pend = NULL;
+    p->pend_len = p->pend_off = 0;
+    proc_answer_input(p, EPIPE);
+    p->exited = 1;
+    p->status = status;
+    p->ended_ns = now_ns();
+    proc_push(p);
+}
+
+/* 1 if pid was a running background process (its end recorded). */
+static int proc_reaped(pid_t pid, int status)
+{
+    struct proc *p = proc_by_pid((uint64_t)pid);
+
+    if (!p || p->exited)
+        return 0;
+    proc_ended(p, status);
+    return 1;
+}
+
+/* In a copy's child (a fork of the agent): the background processes' pipe
+ * ends are the agent's, not its own; kept, they would hide those ends. */
+static void close_proc_fds(void)
+{
+    for (size_t i = 0; i < nprocs; i++) {
+        if (!procs[i].pid)
+            continue;
+        close_fd(&procs[i].out[1]);
+        close_fd(&procs[i].out[2]);
+        close_fd(&procs[i].in);
+    }
+}
+
+static void do_proc_start(uint32_t id, struct rd *r)
+{
+    uint64_t cap = get_u64(r), uid = get_u64(r), gid = get_u64(r), flags = get_u64(r);
+    char *cwd = get_str(r);
+    uint64_t argc = get_u64(r), envc = 0, i;
+    char **argv = NULL, **envp = NULL;
+    int po[2] = {-1, -1}, pe[2] = {-1, -1}, pi[2] = {-1, -1}, perr[2] = {-1, -1};
+    struct proc *p = NULL;
+
+    if (r->bad || argc < 1 || argc > 65536)
+        goto bad;
+    argv = calloc(argc + 1, sizeof(char *));
+    for (i = 0; argv && i < argc; i++)
+        argv[i] = get_str(r);
+    envc = get_u64(r);
+    if (!argv || r->bad || envc > 65536)
+        goto bad;
+    envp = calloc(envc + 1, sizeof(char *));
+    for (i = 0; envp && i < envc; i++)
+        envp[i] = get_str(r);
+    if (!envp || r->bad || !argv[0][0] || !cap)
+        goto bad;
+    if (pipe2(po, O_CLOEXEC) < 0 || pipe2(pe, O_CLOEXEC) < 0 || pipe2(perr, O_CLOEXEC) < 0 ||
+        ((flags & EXEC_STDIN) && pipe2(pi, O_CLOEXEC) < 0)) {
+        send_err(id, errno, "pipe");
+        goto fail;
+    }
+    /* vfork, as do_exec: the child only makes syscalls until it execs. */
+    pid_t pid = vfork();
+    if (pid < 0) {
+        send_err(id, errno, "fork");
+        goto fail;
+    }
+    if (pid == 0) {
+        int err, in = (flags & EXEC_STDIN) ? pi[0] : open("/dev/null", O_RDONLY);
+        const char *step = "stdio";
+        sigset_t none;
+
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        setsid();
+        if (in < 0 || dup2(in, 0) < 0 || dup2(po[1], 1) < 0 || dup2(pe[1], 2) < 0)
+            goto child_fail;
+        step = "setgroups";
+        if (setgroups(0, NULL) < 0)
+            goto child_fail;
+        step = "setgid";
+        if (setgid((gid_t)gid) < 0)
+            goto child_fail;
+        step = "setuid";
+        if (setuid((uid_t)uid) < 0)
+            goto child_fail;
+        step = "chdir";
+        if (chdir(cwd) < 0)
+            goto child_fail;
+        umask(022);
+        step = "exec";
+        execvpe(argv[0], argv, envp);
+    child_fail:
+        err = errno;
+        {
+            char msg[64];
+            size_t n = strlen(step);
+
+            memcpy(msg, &err, sizeof(err));
+            memcpy(msg + sizeof(err), step, n);
+            ssize_t ignored = write(perr[1], msg, sizeof(err) + n);
+            (void)ignored;
+        }
+        _exit(127);
+    }
+    close_fd(&po[1]);
+    close_fd(&pe[1]);
+    close_fd(&pi[0]);
+    close_fd(&perr[1]);
+    {
+        char eb[64] = {0};
+        ssize_t n;
+
+        while ((n = read(perr[0], eb, sizeof(eb) - 1)) < 0 && errno == EINTR)
+            ;
+        close_fd(&perr[0]);
+        if (n >= (ssize_t)sizeof(int)) {
+            int err;
+
+            memcpy(&err, eb, sizeof(err));
+            waitpid(pid, NULL, 0);
+            send_err(id, err, eb + sizeof(int));
+            goto fail;
+        }
+    }
+    p = proc_by_pid((uint64_t)pid); /* an exited record of a pid the guest reused */
+    if (p)
+        proc_free(p);
+    for (i = 0; i < nprocs && procs[i].pid; i++)
+        ;
+    if (i == nprocs) {
+        struct proc *more = realloc(procs, (nprocs + 8) * sizeof(*procs));
+        if (!more) {
+            kill(-pid, SIGKILL);
+            send_err(id, ENOMEM, "record the process");
+            goto fail;
+        }
+        memset(more + nprocs, 0, 8 * sizeof(*procs));
+        procs = more;
+        nprocs += 8;
+    }
+    p = &procs[i];
+    p->pid = pid;
+    p->out[0] = -1;
+    p->out[1] = po[0];
+    p->out[2] = pe[0];
+    p->in = pi[1];
+    p->cap = cap;
+    p->started_ns = now_ns();
+    for (i = 0; i < argc; i++)
+        p->argv_len += strlen(argv[i]) + 1;
+    p->argv = malloc(p->argv_len);
+    if (p->argv) {
+        char *at = p->argv;
+        for (i = 0; i < argc; i++) {
+            size_t n = strlen(argv[i]) + 1;
+            memcpy(at, argv[i], n);
+            at += n;
+        }
+    } else {
+        p->argv_len = 0;
+    }
+    fcntl(po[0], F_SETFL, O_NONBLOCK);
+    fcntl(pe[0], F_SETFL, O_NONBLOCK);
+    if (p->in >= 0)
+        fcntl(p->in, F_SETFL, O_NONBLOCK);
+    begin(&out, A_OK, id);
+    put_u64(&out, (uint64_t)pid);
+    put_u64(&out, p->started_ns);
+    send_msg(&out);
+    goto done;
+bad:
+    send_err(id, EINVAL, "malformed proc_start request");
+    goto done;
+fail:
+    close_fd(&po[0]);
+    close_fd(&po[1]);
+    close_fd(&pe[0]);
+    close_fd(&pe[1]);
+    close_fd(&pi[0]);
+    close_fd(&pi[1]);
+    close_fd(&perr[0]);
+    close_fd(&perr[1]);
+done:
+    free(cwd);
+    if (argv)
+        for (i = 0; i < argc; i++)
+            free(argv[i]);
+    if (envp)
+        for (i = 0; i < envc; i++)
+            free(envp[i]);
+    free(argv);
+    free(envp);
+}
+
+static void do_proc_list(uint32_t id)
+{
+    uint64_t count = 0;
+
+    for (size_t i = 0; i < nprocs; i++)
+        count += procs[i].pid != 0;
+    begin(&out, A_OK, id);
+    put_u64(&out, count);
+    for (size_t i = 0; i < nprocs; i++) {
+        struct proc *p = &procs[i];
+
+        if (!p->pid)
+            continue;
+        put_u64(&out, (uint64_t)p->pid);
+        put_u64(&out, (uint64_t)p->exited);
+        put_u64(&out, (uint64_t)(unsigned)p->status);
+        put_u64(&out, p->written);
+        put_u64(&out, proc_dropped(p));
+        put_u64(&out, p->kept);
+        put_u64(&out, p->in >= 0);
+        put_u64(&out, p->in_received);
+        put_u64(&out, p->started_ns);
+        put_u64(&out, p->ended_ns);
+        put_bytes(&out, p->argv ? p->argv : "", p->argv_len);
+    }
+    send_msg(&out);
+}
+
+static struct proc *proc_arg(uint32_t id, struct rd *r)
+{
+    uint64_t pid = get_u64(r);
+    struct proc *p = r->bad ? NULL : proc_by_pid(pid);
+
+    if (r->bad)
+        send_err(id, EINVAL, "malformed proc request");
+    else if (!p)
+        send_err(id, ESRCH, "no such background process");
+    return p;
+}
+
+static void do_proc_attach(uint32_t id, struct rd *r)
+{
+    struct proc *p = proc_arg(id, r);
+    uint64_t offset = get_u64(r);
+
+    if (!p)
+        return;
+    p->attached = 1;
+    p->sent = offset;
+    p->end_sent = 0;
+    proc_push(p);
+    begin(&out, A_OK, id);
+    send_msg(&out);
+}
+
+/* The host sends an input again, at the same offset, when the channel went
+ * before its answer (a pause, a daemon restart): what was taken before is
+ * skipped, so nothing reaches the process twice. */
+static void do_proc_input(uint32_t id, struct rd *r)
+{
+    struct proc *p = proc_arg(id, r);
+    uint64_t offset = get_u64(r), eof = get_u64(r);
+    size_t n = 0;
+    const unsigned char *data = get_bytes(r, &n);
+
+    if (!p)
+        return;
+    if (r->bad || offset > p->in_received) {
+        send_err(id, EINVAL, "malformed proc_input request");
+        return;
+    }
+    size_t skip = p->in_received - offset < n ? (size_t)(p->in_received - offset) : n;
+    int fresh = n > skip || (eof && !p->in_eof);
+
+    if (p->input_id) {
+        send_err(id, EBUSY, "an input of this process is being written");
+        return;
+    }
+    if (!fresh) { /* all of it was taken before: answered once it is in the pipe */
+        p->input_id = id;
+        if (!p->pend_len)
+            proc_answer_input(p, 0);
+        return;
+    }
+    if (p->in < 0) {
+        send_err(id, EPIPE, "the process's stdin is closed");
+        return;
+    }
+    if (n > skip) {
+        unsigned char *more = realloc(p->pend, p->pend_len + (n - skip));
+        if (!more) {
+            send_err(id, ENOMEM, "hold the input");
+            return;
+        }
+        memcpy(more + p->pend_len, data + skip, n - skip);
+        p->pend = more;
+        p->pend_len += n - skip;
+        p->in_received += n - skip;
+    }
+    p->in_eof |= eof != 0;
+    p->input_id = id;
+    proc_flush_stdin(p);
+}
+
+static void do_proc_kill(uint32_t id, struct rd *r)
+{
+    struct proc *p = proc_arg(id, r);
+    uint64_t sig = get_u64(r);
+
+    if (!p)
+        return;
+    begin(&out, A_OK, id);
+    put_u64(&out, !p->exited && kill(-p->pid, (int)sig) == 0); /* its group: it called setsid */
+    send_msg(&out);
+}
+
+static void do_proc_forget(uint32_t id, struct rd *r)
+{
+    struct proc *p = proc_arg(id, r);
+
+    if (!p)
+        return;
+    if (!p->exited) {
+        send_err(id, EBUSY, "the process runs");
+        return;
+    }
+    proc_free(p);
+    begin(&out, A_OK, id);
+    send_msg(&out);
 }
 
 /* ---- files ------------------------------------------------------------------ */
@@ -1153,6 +1772,7 @@ static void do_hello(uint32_t id, struct rd *r)
                 close(fd);
             }
         }
+        host_gone(); /* a new host: it attaches to the background processes it follows */
         if (sb && sb[0] && strcmp(sb, sandbox_id)) {
             snprintf(sandbox_id, sizeof(sandbox_id), "%s", sb);
             say("serving sandbox %s", sandbox_id);
@@ -2378,6 +2998,12 @@ static void dispatch(uint8_t type, uint32_t id, const unsigned char *body, size_
     case M_STDIN: do_stdin(id, &r); break;
     case M_KILL: do_kill(id, &r); break;
     case M_RESIZE: do_resize(id, &r); break;
+    case M_PROC_START: do_proc_start(id, &r); break;
+    case M_PROC_LIST: do_proc_list(id); break;
+    case M_PROC_ATTACH: do_proc_attach(id, &r); break;
+    case M_PROC_INPUT: do_proc_input(id, &r); break;
+    case M_PROC_KILL: do_proc_kill(id, &r); break;
+    case M_PROC_FORGET: do_proc_forget(id, &r); break;
     case M_READ: do_read(id, &r); break;
     case M_WRITE: do_write(id, &r); break;
     case M_STAT: do_stat(id, &r); break;
@@ -2666,9 +3292,21 @@ int main(void)
     if (sfd < 0)
         die("signalfd");
     for (;;) {
-        struct pollfd p[2 + 3 * MAX_EXECS];
-        struct exec *who[2 + 3 * MAX_EXECS];
-        int kind[2 + 3 * MAX_EXECS], n = 2;
+        static struct pollfd *p;
+        static void **who;        /* the exec or background process of each entry */
+        static int *kind;         /* 1, 2: its stdout, stderr; 0: its stdin; +3: of a background process */
+        static size_t room;
+        size_t want = 2 + 3 * (MAX_EXECS + nprocs);
+        int n = 2;
+
+        if (room < want) {
+            p = realloc(p, want * sizeof(*p));
+            who = realloc(who, want * sizeof(*who));
+            kind = realloc(kind, want * sizeof(*kind));
+            if (!p || !who || !kind)
+                die("grow the poll set");
+            room = want;
+        }
 
         p[0] = (struct pollfd){.fd = sfd, .events = POLLIN};
         p[1] = (struct pollfd){.fd = chan, .events = POLLIN};
@@ -2689,6 +3327,23 @@ int main(void)
                 kind[n++] = 0;
             }
         }
+        for (size_t i = 0; i < nprocs; i++) {
+            struct proc *x = &procs[i];
+
+            if (!x->pid)
+                continue;
+            for (int k = 1; k <= 2; k++)
+                if (x->out[k] >= 0) {
+                    p[n] = (struct pollfd){.fd = x->out[k], .events = POLLIN};
+                    who[n] = x;
+                    kind[n++] = 3 + k;
+                }
+            if (x->in >= 0 && x->pend_len) {
+                p[n] = (struct pollfd){.fd = x->in, .events = POLLOUT};
+                who[n] = x;
+                kind[n++] = 3;
+            }
+        }
         if (poll(p, (nfds_t)n, -1) < 0)
             continue;
         if (p[0].revents) {
@@ -2699,17 +3354,33 @@ int main(void)
             reap();
         }
         for (int i = 2; i < n; i++) {
-            if (!p[i].revents || !who[i]->pid)
+            if (!p[i].revents)
+                continue;
+            if (kind[i] >= 3) {
+                struct proc *x = who[i];
+
+                if (!x->pid || x->exited)
+                    continue; /* freed or ended (its fds closed) in this round */
+                if (kind[i] > 3 && x->out[kind[i] - 3] == p[i].fd)
+                    proc_read(x, kind[i] - 3, 0);
+                else if (kind[i] == 3 && x->in == p[i].fd)
+                    proc_flush_stdin(x);
+                continue;
+            }
+            struct exec *x = who[i];
+
+            if (!x->pid)
                 continue;
             if (kind[i])
-                forward(who[i], kind[i], 0);
+                forward(x, kind[i], 0);
             else
-                flush_stdin(who[i]);
+                flush_stdin(x);
         }
         if (p[1].revents & POLLIN) {
             if (read_channel() < 0)
                 die("read the channel");
         } else if (p[1].revents & POLLHUP) {
+            host_gone();
             usleep(20000); /* no host connected: wait for one */
         }
         reap(); /* a child may have exited while its pipes were read */

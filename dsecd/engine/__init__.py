@@ -15,6 +15,7 @@ network.py    NetworkService: a sandbox's network at create and destroy, net_sho
 starts.py     ProcessStarter: a process started by a sandbox's init or the exec helper
 execs.py      ExecService: execs, their streams and stdin, by init or the helper
 procs.py      ProcessService: background processes, their output rings, restarts survived
+vmprocs.py    VmProcs: a microVM's background processes, kept by its guest agent, re-attached
 policies.py   PolicyService: which task policy (Landlock) each exec runs under, `policy_list`
 denials.py    DenialService: task-policy denials counted per sandbox, policy and exec; `denied` events
 files.py      FileService: read, write, list and stat inside a sandbox

@@ -126,6 +126,7 @@ class LifecycleService:
             if handle is not None:
                 self.vms.adopted(sb, handle)
                 sb.handle = handle          # no QEMU until resumed: nothing to watch
+                self.procs.readopt_vm(sb)   # attached at its resume
                 log.info("re-adopted sandbox %s (microVM, paused)", sb.id)
                 return
         elif self.vms.backend is not None:
@@ -144,6 +145,7 @@ class LifecycleService:
             return
         self.vms.adopted(sb, handle)
         sb.handle = handle
+        self.procs.readopt_vm(sb)
         sb.last_active = time.monotonic()
         if sb.lease:
             sb.lease_deadline = sb.last_active + sb.lease
@@ -193,6 +195,7 @@ class LifecycleService:
             self.events.publish("died", sb.id, reason=why)
         sb.handle = None
         if sb.backend == "microvm":
+            self.procs.vm_died(sb)       # its background processes died with its guest
             await self._vm_dead(sb, h)
             return
         if h is not None:      # a live sandbox held its layer mounts (re-adopted ones too)

@@ -98,6 +98,10 @@ class MicroVMService:
         self.watch = None
         # NetworkService, set by the node: a VM with --net default gets a tap per QEMU.
         self.net = None
+        # ProcessService's VmProcs.linked, set by the node: called with the
+        # sandbox after a resume gave it a new agent channel, or a HELLO on
+        # the old one (either detaches the agent's background processes).
+        self.relinked = None
 
     def info(self) -> dict:
         if self.backend is None:
@@ -325,6 +329,7 @@ class MicroVMService:
                     h.agent = await backend.connect_agent(h, f"microVM {sb.id}", sb.hostname, 30.0, sb.id)
             except OSError as err:
                 raise DsecError(f"resume sandbox {sb.id}: {err}", code="io") from err
+            self._relinked(sb)
             return {"restore_s": round(time.monotonic() - t0, 4)}
         image = Path(rec.get("vm_image") or h.vm_dir / "paused.ram")
         t0 = time.monotonic()
@@ -343,7 +348,12 @@ class MicroVMService:
         sb.vm = {**(sb.vm or {}), "machine": h.machine.to_record()}
         if self.watch is not None:
             self.watch(sb)
+        self._relinked(sb)
         return {"restore_s": round(time.monotonic() - t0, 4)}
+
+    def _relinked(self, sb: Sandbox) -> None:
+        if self.relinked is not None:
+            self.relinked(sb)
 
     async def check_cwd(self, sb: Sandbox, cwd: str) -> None:
         if cwd == "/":

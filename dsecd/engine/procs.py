@@ -21,6 +21,10 @@ limits.max_procs_per_sandbox per sandbox, exited ones evicted oldest first,
 so `proc_wait` and `proc_logs` work after the end. They end with their
 sandbox (the kernel kills them with its pid namespace); pause and resume
 leave them alone (frozen with the sandbox).
+
+A microVM's processes are kept by its guest agent instead, output and end
+included: the requests go to dsecd/engine/vmprocs.py, and the views here
+read the mirror of the agent's ring it keeps.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from dataclasses import dataclass
 
 from .. import native
 from ..backends.container import proc_start_time
-from ..errors import BadRequest, Conflict, LimitExceeded, NotFound, io_error, run_error
+from ..errors import BadRequest, Conflict, LimitExceeded, NotFound, Unsupported, io_error, run_error
 from ..execio import READ_CHUNK, _decode_status
 from ..fds import close_quietly, read_ready
 from ..initlink import KILLED, InitExec
@@ -46,6 +50,7 @@ from .denials import DenialService
 from .execs import exec_target
 from .policies import PolicyService
 from .sandboxes import Sandbox, SandboxRegistry
+from .vmprocs import VmProcs
 from .workers import Workers
 
 log = logging.getLogger(__name__)
@@ -95,6 +100,22 @@ class Ring:
             self.size -= len(old)
         self.dropped = self.chunks[0][0] if self.chunks else self.written
 
+    def put(self, offset: int, fd: int, data: bytes, at: float) -> None:
+        """A chunk that starts at `offset` (a microVM agent's push, which may
+        repeat what the ring has after a re-attach, or skip what the agent's
+        own ring dropped: then what is kept before the gap goes too, so
+        `dropped` stays the offset of the oldest byte kept)."""
+        end = offset + len(data)
+        if end <= self.written:
+            return
+        if offset < self.written:
+            data = data[self.written - offset:]
+        elif offset > self.written:
+            self.chunks.clear()
+            self.size = 0
+            self.written = offset
+        self.append(fd, data, at)
+
     def after(self, pos: int) -> tuple[int, list[tuple[int, float, int, bytes]]]:
         """(bytes lost past `pos` because they fell out, the chunks from `pos` on)."""
         out = []
@@ -114,6 +135,10 @@ class BgProc:
         self.loop = loop
         self.rec = rec             # its journal record (dsecd/engine/sandboxes.py Sandbox.procs)
         self.pid: int = rec["pid"]
+        # A microVM's process lives in its guest agent (dsecd/engine/vmprocs.py): no pipes here.
+        self.vm: bool = bool(rec.get("vm"))
+        self.vm_stdin: bool = self.vm and rec["state"] == "running" and rec.get("stdin", True)
+        self.vm_in = 0              # input bytes the agent took (the offset of the next)
         self.ring = Ring(ring_bytes)
         self.run: InitExec | None = None
         self.fds = {"stdin": -1, "stdout": -1, "stderr": -1}
@@ -132,14 +157,15 @@ class BgProc:
 
     def wake(self) -> None:
         tick, self.tick = self.tick, self.loop.create_future()
-        tick.set_result(None)
+        if not tick.done():         # a follower cancelled while it awaited it cancels it
+            tick.set_result(None)
 
     def public(self) -> dict:
         code, sig = self.exit_status()
         return {"pid": self.pid, "state": "running" if self.running else "exited", "exit_code": code,
                 "signal": sig, "argv": self.rec["argv"], "started": self.rec["started"],
                 "ended": self.rec.get("ended"), "output_bytes": self.ring.size, "dropped": self.ring.dropped,
-                "stdin_open": self.fds["stdin"] >= 0, "policy": self.rec.get("policy")}
+                "stdin_open": self.vm_stdin if self.vm else self.fds["stdin"] >= 0, "policy": self.rec.get("policy")}
 
     def exit_status(self) -> tuple[int | None, int | None]:
         if self.running or self.ended.result() is None:
@@ -166,12 +192,15 @@ class ProcessService:
         self.limits = limits
         self.tables: dict[str, dict[int, BgProc]] = {}      # sandbox id -> pid -> process, oldest first
         self.closing = False
+        self.vm = VmProcs(self)
 
     # ------------------------------------------------------------ start
 
     async def start(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
         env, cwd, user, gid = exec_target(sb, req, self.backend)
+        if sb.backend == "microvm":
+            return await self._start_vm(sb, req, env, cwd, user, gid)
         applied = self.policies.for_exec(sb, req.policy, "proc_start")
         table = self.tables.setdefault(sb.id, {})
         self._make_room(sb, table)
@@ -225,6 +254,27 @@ class ProcessService:
         sb.last_active = time.monotonic()
         return {"pid": pid, "started": rec["started"]}
 
+    async def _start_vm(self, sb: Sandbox, req, env: list[str], cwd: str, user: int, gid: int) -> dict:
+        if req.policy is not None or sb.policy is not None:
+            raise Unsupported(f"sandbox {sb.id} is a microVM: task policies (Landlock in dsec-init) are "
+                              "enforced in containers only")
+        table = self.tables.setdefault(sb.id, {})
+        self._make_room(sb, table)
+        await self.ensure_running(sb, "proc_start")
+        pid, rec = await self.vm.start(sb, req, env, cwd, user, gid)
+        proc = self.new_proc(rec)
+        old = table.pop(pid, None)              # an exited record of a pid the guest reused
+        if old is not None:
+            self._drop(old)
+        table[pid] = proc
+        self._save(sb)
+        await asyncio.shield(self.vm.attach(sb, proc))     # followed even if the request goes now
+        sb.last_active = time.monotonic()
+        return {"pid": pid, "started": rec["started"]}
+
+    def new_proc(self, rec: dict) -> BgProc:
+        return BgProc(self.workers.loop, rec, self.limits.output_bytes)
+
     def _make_room(self, sb: Sandbox, table: dict[int, BgProc]) -> None:
         """Evict exited records, oldest first, until a new one fits."""
         while len(table) >= self.limits.max_per_sandbox:
@@ -235,6 +285,8 @@ class ProcessService:
                                     {"sandbox": sb.id, "max": self.limits.max_per_sandbox})
             del table[oldest.pid]
             self._drop(oldest)
+            if oldest.vm:
+                self.vm.forget_in_guest(sb, oldest)
 
     def _watch(self, sb: Sandbox, proc: BgProc, run: InitExec, fds: dict[str, int]) -> None:
         """Read its output into the ring and watch its end."""
@@ -343,6 +395,13 @@ class ProcessService:
 
     # ------------------------------------------------------------ views and verbs
 
+    async def _found(self, req) -> tuple[Sandbox, BgProc]:
+        """_find, once a microVM's processes are attached on its current channel."""
+        sb = self.registry.get(req.sandbox, req)
+        if sb.backend == "microvm":
+            await self.vm.settled(sb)
+        return self._find(req)
+
     def _find(self, req) -> tuple[Sandbox, BgProc]:
         sb = self.registry.get(req.sandbox, req)
         proc = self.tables.get(sb.id, {}).get(req.pid)
@@ -354,15 +413,17 @@ class ProcessService:
 
     async def list(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
+        if sb.backend == "microvm":
+            await self.vm.settled(sb)
         return {"processes": [p.public() for p in self.tables.get(sb.id, {}).values()]}
 
     async def wait(self, req, ctx) -> dict:
-        _sb, proc = self._find(req)
+        _sb, proc = await self._found(req)
         await asyncio.shield(proc.ended)
         return proc.public()
 
     async def kill(self, req, ctx) -> dict:
-        sb, proc = self._find(req)
+        sb, proc = await self._found(req)
         signum = parse_signal(req.signal)
         if not proc.running:
             code, sig = proc.exit_status()
@@ -370,11 +431,16 @@ class ProcessService:
             raise Conflict(f"process {proc.pid} in sandbox {sb.id} has already exited ({how}); nothing to signal",
                            {"sandbox": sb.id, "pid": proc.pid, "state": "exited", "exit_code": code,
                             "signal": sig})
-        sent = proc.run is not None and proc.run.signal(signum)
+        if proc.vm:
+            sent = await self.vm.kill(sb, proc, signum)
+        else:
+            sent = proc.run is not None and proc.run.signal(signum)
         return {"pid": proc.pid, "signal": signum, "sent": sent}
 
     async def input(self, req, ctx) -> dict:
-        sb, proc = self._find(req)
+        sb, proc = await self._found(req)
+        if proc.vm:
+            return await self._input_vm(sb, proc, req)
         async with proc.stdin_lock:
             fd = proc.fds["stdin"]
             if fd < 0:
@@ -391,6 +457,20 @@ class ProcessService:
                 raise io_error("write to the stdin of", f"process {proc.pid} in sandbox {sb.id}", err) from err
             if req.eof:
                 self._close_stdin(proc)
+        return {"pid": proc.pid, "written": len(req.data)}
+
+    async def _input_vm(self, sb: Sandbox, proc: BgProc, req) -> dict:
+        async with proc.stdin_lock:
+            if not proc.vm_stdin:
+                why = "has exited" if not proc.running else "has no stdin open (closed, or started without it)"
+                raise Conflict(f"process {proc.pid} in sandbox {sb.id} {why}: cannot write to its stdin",
+                               {"sandbox": sb.id, "pid": proc.pid, "state": "running" if proc.running else "exited"})
+            try:
+                await self.vm.input(sb, proc, req.data, req.eof)
+            except BrokenPipeError as err:
+                why = "has exited" if not proc.running else "closed its stdin; nothing more reaches it"
+                raise Conflict(f"process {proc.pid} in sandbox {sb.id} {why}",
+                               {"sandbox": sb.id, "pid": proc.pid}) from err
         return {"pid": proc.pid, "written": len(req.data)}
 
     async def _write_all(self, proc: BgProc, fd: int, data: bytes) -> None:
@@ -421,7 +501,7 @@ class ProcessService:
         """Stream {"dropped": n} first (bytes that fell out before the first
         chunk), then {"fd", "data", "time"} chunks, and {"dropped": n} again
         where a slow follower lost some; the result is the process's state."""
-        _sb, proc = self._find(req)
+        _sb, proc = await self._found(req)
         pos = 0
         first = True
         while True:
@@ -447,6 +527,7 @@ class ProcessService:
         """The sandbox is destroyed: its processes died with it."""
         for proc in self.tables.pop(sb_id, {}).values():
             self._drop(proc)
+        self.vm.gone(sb_id)
 
     def close(self) -> None:
         """Daemon shutdown: stop reading, close our ends; init holds its own,
@@ -514,6 +595,24 @@ class ProcessService:
                 # stopped before journaling it.
                 self.workers.loop.call_later(LOST_END_S, self._lost, sb, proc, "its end was not reported")
         self._save(sb)
+
+    def vm_died(self, sb: Sandbox) -> None:
+        """A microVM died on its own: its running processes ended with it,
+        as if killed (signal 9); their output is what reached the daemon."""
+        self.vm.gone(sb.id)
+        for proc in self.tables.get(sb.id, {}).values():
+            if proc.running:
+                self._ended(sb, proc, KILLED)
+
+    def readopt_vm(self, sb: Sandbox) -> None:
+        """After a restart, a microVM's journaled processes again; once its
+        agent is reached (now if it runs, at its resume if paused), they are
+        attached and their rings refilled from the agent's (vmprocs.py)."""
+        table = self.tables.setdefault(sb.id, {})
+        for rec in sb.procs:
+            proc = self.new_proc(dict(rec))
+            table[proc.pid] = proc
+        self.vm.linked(sb)
 
     def _lost(self, sb: Sandbox, proc: BgProc, why: str) -> None:
         """A re-adopted process whose end this daemon cannot know: exited, status unknown."""

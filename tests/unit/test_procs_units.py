@@ -38,6 +38,19 @@ def test_a_follower_reads_from_where_it_was():
     assert (lost, [(c[2], c[3]) for c in chunks]) == (0, [(2, b"two\n")])
 
 
+def test_a_vm_agents_pushes_repeat_and_skip_by_offset():
+    """Ring.put: a re-attach repeats what the ring has (kept once), a gap
+    (bytes the agent's own ring dropped) counts as dropped."""
+    ring = Ring(100)
+    ring.put(0, 1, b"abc", 1.0)
+    ring.put(0, 1, b"abcdef", 2.0)               # repeated from offset 0: only "def" is new
+    ring.put(3, 1, b"def", 2.0)                  # all seen
+    assert ring.written == 6 and b"".join(c[3] for c in ring.after(0)[1]) == b"abcdef"
+    ring.put(10, 2, b"xyz", 3.0)                 # bytes 6..9 fell out of the agent's ring
+    lost, chunks = ring.after(0)
+    assert (ring.written, ring.dropped, lost, [c[3] for c in chunks]) == (13, 10, 10, [b"xyz"])
+
+
 @pytest.mark.parametrize("given, want", [("KILL", 9), ("sigterm", 15), ("9", 9), (2, 2), (" HUP ", 1)])
 def test_signals_by_name_or_number(given, want):
     assert parse_signal(given) == signal.Signals(want)

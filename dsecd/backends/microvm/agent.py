@@ -119,13 +119,21 @@ class AgentExec:
 
 
 class AgentLink:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, what: str):
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, what: str,
+                 fresh: bool = False):
+        """fresh: a new connection, whose first request is HELLO: what comes
+        before its READY is skipped (find_ready)."""
         self.reader, self.writer, self.what = reader, writer, what
+        self._fresh = fresh
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._execs: dict[int, AgentExec] = {}
         self._streams: dict = {}            # request id -> on_data of a streamed answer (stream())
         self.closed = False
+        # Called (kind, wire.Reader) on the loop with each background
+        # process's output or end (wire.PROC_OUT, PROC_END; id 0), once the
+        # host attached to it (dsecd/engine/vmprocs.py); must not raise.
+        self.on_proc = None
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
 
     @classmethod
@@ -137,7 +145,7 @@ class AgentLink:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         reader, writer = await transport.open(timeout)
-        link = cls(reader, writer, what)
+        link = cls(reader, writer, what, fresh=True)
         try:
             await asyncio.wait_for(link.hello(hostname, sandbox_id), max(0.1, deadline - loop.time()))
         except TimeoutError:
@@ -210,11 +218,22 @@ class AgentLink:
 
     async def _read_loop(self) -> None:
         err: BaseException = AgentGone(f"{self.what}: the agent channel closed (the VM exited)")
+        left = bytearray()          # read past the READY a fresh link skipped to
+
+        async def exactly(n: int) -> bytes:
+            if not left:
+                return await self.reader.readexactly(n)
+            out = bytes(left[:n])
+            del left[:n]
+            return out + await self.reader.readexactly(n - len(out)) if len(out) < n else out
+
         try:
+            if self._fresh:
+                left += await self._skip_to_ready()
             while True:
-                head = await self.reader.readexactly(wire.HEADER.size)
+                head = await exactly(wire.HEADER.size)
                 length, kind, msg_id = wire.HEADER.unpack(head)
-                body = await self.reader.readexactly(length - 5)
+                body = await exactly(length - 5)
                 self._route(kind, msg_id, body)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass
@@ -233,6 +252,27 @@ class AgentLink:
         self._pending.clear()
         self._execs.clear()
         self.writer.close()
+
+    async def _skip_to_ready(self) -> bytes:
+        """Route the READY answering this link's HELLO (its first request,
+        id 1) and return what was read past it; skip what came before. A new
+        connection may first carry what an earlier host left unread: the
+        tail of a frame cut when that host went, answers to its requests.
+        Read as frames, they would be routed to this link's requests of the
+        same ids, or break the framing."""
+        buf = bytearray()
+        while True:
+            chunk = await self.reader.read(1 << 16)
+            if not chunk:
+                raise asyncio.IncompleteReadError(bytes(buf), None)
+            buf += chunk
+            found = find_ready(buf, 1)
+            if found is not None:
+                start, end = found
+                if start:
+                    log.warning("%s: skipped %d bytes an earlier host left on the agent channel", self.what, start)
+                self._route(wire.READY, 1, bytes(buf[start + wire.HEADER.size:end]))
+                return bytes(buf[end:])
 
     def _route(self, kind: int, msg_id: int, body: bytes) -> None:
         r = wire.Reader(body)
@@ -254,6 +294,10 @@ class AgentLink:
                 run.end()
                 code = r.u64()
                 run.events.put_nowait(("error", AgentError(code, r.str())))
+            return
+        if kind in (wire.PROC_OUT, wire.PROC_END):
+            if self.on_proc is not None:
+                self.on_proc(kind, r)
             return
         if kind == wire.DATA:
             on_data = self._streams.get(msg_id)
@@ -279,3 +323,21 @@ class AgentLink:
             self.writer.close()
         except Exception:
             pass
+
+
+def find_ready(buf: bytes | bytearray, msg_id: int) -> tuple[int, int] | None:
+    """(start, end) in `buf` of the READY frame answering request `msg_id`
+    (u32 length 9..4096 | READY | id | a byte string filling the body);
+    None while it is not (all) there."""
+    mark = bytes([wire.READY]) + msg_id.to_bytes(4, "big")
+    i = buf.find(mark, 4)
+    while i >= 0:
+        length = int.from_bytes(buf[i - 4:i], "big")
+        if 9 <= length <= 4096:
+            end = i + length
+            if end > len(buf):
+                return None            # perhaps it: wait for the rest
+            if int.from_bytes(buf[i + 5:i + 9], "big") == length - 9:
+                return i - 4, end
+        i = buf.find(mark, i + 1)
+    return None

@@ -14,8 +14,11 @@ import struct
 HELLO, EXEC, STDIN, KILL = 1, 2, 3, 4
 READ, WRITE, STAT, LIST, MKDIR, REMOVE, RENAME, SYNC, NET, TAR, PING = 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20
 RESIZE = 21
+# background processes (dsecd/engine/vmprocs.py): kept by the agent, output and end included
+PROC_START, PROC_LIST, PROC_ATTACH, PROC_INPUT, PROC_KILL, PROC_FORGET = 22, 23, 24, 25, 26, 27
 # guest -> host
 READY, STARTED, OUT, EXITED, OK, ERR, DATA, TAKEN = 101, 102, 103, 104, 105, 106, 107, 108
+PROC_OUT, PROC_END = 109, 110      # id 0, pushed to the host attached to the process (PROC_ATTACH)
 
 EXEC_STDIN, EXEC_TAR_GET, EXEC_TAR_PUT, EXEC_PTY, EXEC_WATCH = 1, 2, 4, 8, 16   # TAR_*, WATCH: no program
 WRITE_APPEND, WRITE_KEEP, WRITE_PARENTS = 1, 2, 4
