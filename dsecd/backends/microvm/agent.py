@@ -7,6 +7,13 @@ task per link splits frames (wire.py) and routes each by id: to the future of
 a file request, or to the event queue of an exec (STARTED, OUT, EXITED, ERR).
 When the channel closes (QEMU exited, the guest died) every waiter fails
 with AgentGone.
+
+The guest is untrusted: root in it can take the agent's end of the channel
+(its fd, through pidfd_getfd or ptrace) and write anything. Whatever it
+writes costs the host at most one frame of wire.MAX_GUEST_FRAME; bytes that
+are no frame of the format end the channel and call `on_broken`, which ends
+the VM (MicroVMBackend.connect_agent): a VM whose agent cannot be reached
+serves nothing, and must not stay "running".
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from . import wire
 
@@ -119,8 +127,13 @@ class AgentExec:
 
 
 class AgentLink:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, what: str):
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, what: str,
+                 on_broken: Callable[[str], None] | None = None):
+        """on_broken(why): called once, on the loop, when the guest sent bytes
+        that are no frame (a length out of bounds, a body its type cannot
+        have); the channel is closed by then."""
         self.reader, self.writer, self.what = reader, writer, what
+        self.on_broken = on_broken
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._execs: dict[int, AgentExec] = {}
@@ -130,14 +143,14 @@ class AgentLink:
 
     @classmethod
     async def connect(cls, transport: Transport, what: str, hostname: str, timeout: float,
-                      sandbox_id: str = "") -> AgentLink:
+                      sandbox_id: str = "", on_broken: Callable[[str], None] | None = None) -> AgentLink:
         """Open the channel and say HELLO (the sandbox's identity: hostname,
         clock, entropy, id) until the agent answers READY: it answers once it
         has mounted the root, so this is also the wait for the boot."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         reader, writer = await transport.open(timeout)
-        link = cls(reader, writer, what)
+        link = cls(reader, writer, what, on_broken)
         try:
             await asyncio.wait_for(link.hello(hostname, sandbox_id), max(0.1, deadline - loop.time()))
         except TimeoutError:
@@ -210,19 +223,22 @@ class AgentLink:
 
     async def _read_loop(self) -> None:
         err: BaseException = AgentGone(f"{self.what}: the agent channel closed (the VM exited)")
+        broken = ""
         try:
             while True:
                 head = await self.reader.readexactly(wire.HEADER.size)
                 length, kind, msg_id = wire.HEADER.unpack(head)
-                body = await self.reader.readexactly(length - 5)
+                # Checked before the read: readexactly buffers all it is asked for.
+                body = await self.reader.readexactly(wire.check_length(length, kind, msg_id))
                 self._route(kind, msg_id, body)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass
         except asyncio.CancelledError:
             err = AgentGone(f"{self.what}: the agent link was closed by the daemon")
         except Exception as exc:        # a malformed frame: the channel cannot be trusted any more
-            log.exception("%s: agent channel", self.what)
-            err = AgentGone(f"{self.what}: bad frame from the guest agent: {exc}")
+            broken = f"bad frame from the guest agent: {exc}"
+            log.error("%s: %s; ending the channel", self.what, broken)
+            err = AgentGone(f"{self.what}: {broken}")
         self.closed = True
         for fut in self._pending.values():
             if not fut.done():
@@ -233,6 +249,11 @@ class AgentLink:
         self._pending.clear()
         self._execs.clear()
         self.writer.close()
+        if broken and self.on_broken is not None:
+            try:
+                self.on_broken(broken)
+            except Exception:
+                log.exception("%s: ending the VM of a broken channel", self.what)
 
     def _route(self, kind: int, msg_id: int, body: bytes) -> None:
         r = wire.Reader(body)
