@@ -105,3 +105,20 @@ def test_a_closed_channel_is_no_protocol_breach():
         assert broken == []
 
     asyncio.run(main())
+
+
+def test_an_exec_whose_vm_went_can_still_be_killed_on_its_way_out():
+    """The exec loop kills its process whenever it leaves early; when it
+    leaves because the VM died, that kill must not raise (it turned the
+    clear "sandbox is exiting" answer into an internal error)."""
+    async def main():
+        link, guest, broken = await _link()
+        run = await link.start_exec(["sleep", "60"], [], "/", 0, False)
+        guest.close()
+        kind, err = await asyncio.wait_for(run.events.get(), 5)
+        assert kind == "gone" and isinstance(err, AgentGone)
+        run.kill()
+        run.close_stdin_nowait()
+        assert broken == []
+
+    asyncio.run(main())

@@ -87,8 +87,11 @@ class AgentExec:
         self._stdin_lock = asyncio.Lock()      # exec_input requests in the order they came
 
     def kill(self, sig: int = 9) -> None:
-        """SIGKILL (or sig) its process group in the guest."""
-        if not self.done:
+        """SIGKILL (or sig) its process group in the guest. Nothing to do
+        when the channel is closed: the VM, and the process, are going (an
+        exec that ends because its VM died kills it on its way out, and
+        must report the VM's end, not fail here)."""
+        if not self.done and not self.link.closed:
             self.link.send(wire.frame(wire.KILL, self.id, wire.u64(sig)))
 
     async def send_stdin(self, data: bytes, eof: bool) -> None:
