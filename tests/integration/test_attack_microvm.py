@@ -32,6 +32,7 @@ from conftest import skip_unless_microvm
 
 import dsecd
 from dsecd.backends.microvm import wire
+from dsecd.config import load_config
 from dsecd.errors import DsecError
 
 pytestmark = pytest.mark.attack
@@ -364,15 +365,21 @@ FLOODS = {
 }
 
 
+def _qemu_limit(daemon, info: dict) -> int:
+    """What QEMU's memory cgroup must be capped at: the guest's RAM plus the
+    daemon's microvm.memory_overhead."""
+    return info["vm"]["guest_memory"] + load_config(str(daemon.config)).size("microvm", "memory_overhead")
+
+
 @pytest.mark.parametrize("flood", sorted(FLOODS))
-def test_a_flood_stays_inside_its_vm(victim, vmc, bystander, flood):
+def test_a_flood_stays_inside_its_vm(victim, vmc, bystander, daemon, flood):
     """Each flood ends inside the guest (its kernel's refusal or OOM kill),
     or at worst ends that VM, reported dead; QEMU stays under its cgroup's
     memory limit (guest RAM + microvm.memory_overhead); the daemon and the
     bystander answer throughout."""
     info = victim.inspect()
     limit, _, kills0 = _qemu_cgroup_memory(info)
-    assert limit >= info["vm"]["guest_memory"], "QEMU's memory limit is below its guest's RAM"
+    assert limit == _qemu_limit(daemon, info)
     try:
         r = victim.exec(["sh", "-c", FLOODS[flood]], timeout=300)
     except DsecError as err:            # the VM ended: it must be reported so, and nothing else harmed
@@ -405,7 +412,8 @@ def test_filling_tmp_ends_at_worst_its_own_vm(victim, vmc, bystander, daemon):
     the host's OOM killer never acts (QEMU stays under its limit)."""
     info = victim.inspect()
     pid, cgroups = info["vm"]["qemu_pid"], list(info["cgroups"].values())
-    _, _, kills0 = _qemu_cgroup_memory(info)
+    limit, _, kills0 = _qemu_cgroup_memory(info)
+    assert limit == _qemu_limit(daemon, info)
     try:
         r = victim.exec(["sh", "-c", "dd if=/dev/zero of=/tmp/fill bs=1M count=4096"], timeout=300)
         assert r.signal == 9 or b"No space left" in r.stderr, r
