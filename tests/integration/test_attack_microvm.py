@@ -19,7 +19,6 @@ guest that panics or hangs there too.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
 import struct
@@ -29,8 +28,8 @@ from pathlib import Path
 import pytest
 from attack_kit import PROBE_IN_SANDBOX, facts, install_probe
 from conftest import skip_unless_microvm
+from test_microvm_life import _events, _gone, _wait_dead
 
-import dsecd
 from dsecd.backends.microvm import wire
 from dsecd.config import load_config
 from dsecd.errors import DsecError
@@ -107,33 +106,6 @@ class PeakRss:
         self.grown = _status(self.daemon, "VmHWM") - self.start
 
 
-def _events(daemon, sb_id: str) -> list[dict]:
-    async def replay():
-        async with dsecd.Client(daemon.socket) as ac:
-            return [ev async for ev in ac.events(sandbox=sb_id, replay=True, follow=False)]
-    return asyncio.run(replay())
-
-
-def _wait_dead(c, sb_id: str, timeout: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = c.get(sb_id).inspect()
-        if info["state"] == "dead":
-            return info
-        time.sleep(0.25)
-    raise AssertionError(f"sandbox {sb_id} not reported dead within {timeout:.0f}s")
-
-
-def _gone(daemon, sb_id: str, pid: int, cgroups: list[str]) -> None:
-    for _ in range(200):
-        if not os.path.exists(f"/proc/{pid}") and not any(os.path.exists(g) for g in cgroups) \
-                and not (daemon.state / "vms" / sb_id).exists():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"left behind: QEMU {os.path.exists(f'/proc/{pid}')}, "
-                         f"cgroups {[g for g in cgroups if os.path.exists(g)]}")
-
-
 def _inject(sb, payload: bytes, repeat: int, timeout: float = 300):
     """Root in the guest takes the agent's channel (PID 1's fd of the
     virtio-serial port, pidfd_getfd) and writes `payload` to the host
@@ -158,6 +130,13 @@ def _ended_with_its_vm(err: DsecError) -> None:
 
 # ------------------------------------------------------------ escapes, host reach
 
+def _verdict(sb, *args) -> str:
+    """The probe's verdict: `ok` or the errno name."""
+    r = sb.exec([PROBE_IN_SANDBOX, *map(str, args)])
+    assert r.exit_code == 0, r.stderr
+    return r.stdout.decode().split()[-1]
+
+
 def test_the_guest_sees_its_own_kernel_and_no_host_share(bystander, daemon):
     """No 9p or virtio-fs device, no way to mount one, no host path; what
     /proc shows is the guest kernel's. Neighbour: the guest's own files and
@@ -180,19 +159,13 @@ def test_the_guest_sees_its_own_kernel_and_no_host_share(bystander, daemon):
     marker.write_text("host")
     try:
         for path in (daemon.socket, str(daemon.state), str(marker)):
-            assert run_verdict(sb, "stat", path) == "ENOENT", path
+            assert _verdict(sb, "stat", path) == "ENOENT", path
     finally:
         marker.unlink()
     unix = sb.exec(["cat", "/proc/net/unix"]).stdout.decode()
     assert daemon.socket not in unix
     assert sb.exec(["cat", "/proc/sys/kernel/random/boot_id"]).stdout.decode().strip() != host_boot_id
-    assert run_verdict(sb, "stat", "/bin/sh") == "ok"
-
-
-def run_verdict(sb, *args) -> str:
-    r = sb.exec([PROBE_IN_SANDBOX, *map(str, args)])
-    assert r.exit_code == 0, r.stderr
-    return r.stdout.decode().split()[-1]
+    assert _verdict(sb, "stat", "/bin/sh") == "ok"
 
 
 def _blob(daemon, digest: str) -> Path:
