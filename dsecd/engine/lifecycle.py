@@ -187,10 +187,14 @@ class LifecycleService:
         self.registry.mark_dead(sb)
         sb.died = time.time()
         if sb.backend == "microvm":
-            # "hung": the watchdog killed it (engine/vmwatchdog.py); else its QEMU
-            # exited (a guest panic, a kill, its memory limit: an "oom" event follows).
-            why = getattr(h, "extra", {}).get("died_because", "exited") if h is not None else "gone"
-            self.events.publish("died", sb.id, reason=why)
+            # "hung": the watchdog killed it (engine/vmwatchdog.py); "agent_protocol":
+            # its guest broke the agent's protocol and QEMU was killed (backend.end_broken,
+            # `detail` says what it sent); else its QEMU exited (a guest panic, a kill,
+            # its memory limit: an "oom" event follows).
+            extra = getattr(h, "extra", {}) if h is not None else {}
+            why = extra.get("died_because", "exited") if h is not None else "gone"
+            detail = {"detail": extra["died_why"]} if "died_why" in extra else {}
+            self.events.publish("died", sb.id, reason=why, **detail)
         else:
             self.events.publish("died", sb.id, reason=why)
         sb.handle = None

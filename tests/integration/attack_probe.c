@@ -15,6 +15,7 @@
 #include <linux/perf_event.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdio.h>
@@ -430,6 +431,70 @@ static int a_listen(char **v)
     return report(c);
 }
 
+/* Take the fd of process PID whose /proc link names MATCH (pidfd_getfd:
+ * what root in a microVM guest can do to its agent, PID 1, and the
+ * virtio-serial port it holds), then write what stdin holds (at most 32 KiB,
+ * one virtio-serial write: frames in it arrive whole, never split by the
+ * agent's own writes) to it REPEAT times, 0: until a write fails. The bytes
+ * go to the host as if the agent sent them. Prints fd=N, then written=BYTES. */
+static int a_fd_inject(char **v)
+{
+    char dir[64], path[320], link[256];
+    int target = -1, pidfd = (int)syscall(SYS_pidfd_open, atoi(v[0]), 0);
+    long repeat = atol(v[2]);
+
+    if (pidfd < 0)
+        return report(-1);
+    snprintf(dir, sizeof(dir), "/proc/%s/fd", v[0]);
+    DIR *d = opendir(dir);
+    struct dirent *e;
+
+    while (d && (e = readdir(d))) {
+        snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
+        ssize_t n = readlink(path, link, sizeof(link) - 1);
+        if (n > 0 && (link[n] = 0, strstr(link, v[1]))) {
+            target = atoi(e->d_name);
+            break;
+        }
+    }
+    if (d)
+        closedir(d);
+    if (target < 0) {
+        errno = ENOENT;
+        return report(-1);
+    }
+    int fd = (int)syscall(SYS_pidfd_getfd, pidfd, target, 0);
+
+    if (fd < 0)
+        return report(-1);
+    printf("fd=%d\n", target);
+    fflush(stdout);
+    static char buf[32768];
+    size_t len = 0;
+    ssize_t n;
+
+    while (len < sizeof(buf) && (n = read(0, buf + len, sizeof(buf) - len)) > 0)
+        len += (size_t)n;
+    long long written = 0;
+    /* The agent's file description is non-blocking (this fd shares it, so it
+     * stays so): wait for room with poll. */
+    for (long i = 0; repeat == 0 || i < repeat; i++) {
+        ssize_t w;
+        struct pollfd pfd = {.fd = fd, .events = POLLOUT};
+
+        while ((w = write(fd, buf, len)) < 0 && errno == EAGAIN)
+            poll(&pfd, 1, 1000);
+        if (w < 0)
+            break;
+        written += w;
+    }
+    int err = errno;
+
+    printf("written=%lld\n", written);
+    errno = err;
+    return report(repeat == 0 || written < (long long)len * repeat ? -1 : 0);
+}
+
 static const struct { const char *name; int nargs; int (*fn)(char **); } actions[] = {
     {"mount", 1, a_mount}, {"umount", 1, a_umount}, {"pivot_root", 2, a_pivot_root},
     {"open", 1, a_open}, {"open_rw", 1, a_open_rw}, {"stat", 1, a_stat},
@@ -443,7 +508,7 @@ static const struct { const char *name; int nargs; int (*fn)(char **); } actions
     {"connect", 2, a_connect}, {"listen", 1, a_listen}, {"list", 1, a_list}, {"rename", 2, a_rename},
     {"link", 2, a_link}, {"symlink", 2, a_symlink}, {"truncate", 1, a_truncate}, {"mkdir", 1, a_mkdir},
     {"ulisten", 1, a_ulisten}, {"uconnect", 1, a_uconnect}, {"uself", 1, a_uself},
-    {"fork_kill", 0, a_fork_kill},
+    {"fork_kill", 0, a_fork_kill}, {"fd_inject", 3, a_fd_inject},
 };
 
 int main(int argc, char **argv)

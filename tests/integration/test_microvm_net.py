@@ -91,6 +91,36 @@ def test_the_guest_cannot_send_as_another(world, vmnet):
         sb.destroy()
 
 
+@pytest.mark.attack
+def test_one_vm_cannot_reach_another(world, vmnet, probe_binary):
+    """Adversarial suite (docs/hardening.md, microVMs): root in its guest,
+    a VM has raw sockets and any route it likes; the tap's program still
+    drops every frame to a neighbour VM or the host side of the bridge that
+    its allowlist does not name (the guest's connect times out: no RST)."""
+    from attack_kit import install_probe
+    from test_net_daemon import _listen
+
+    d, c = vmnet
+    a = _vm(c, net="default", allow=[f"{world.pkg}:80/tcp"])
+    b = _vm(c, net="default", allow=[f"{world.pkg}:80/tcp"])
+    try:
+        install_probe(b, probe_binary)
+        b_ip = b.net_show()["lease"]["ipv4"].split("/")[0]
+        gateway = f"10.{world.octet}.0.1"
+        _listen(b, 7777)
+        assert connect(a, world.pkg, 80)[0] == 0                  # neighbour: its allowlist works
+        assert connect(a, b_ip, 7777)[0] != 0                     # not on A's allowlist
+        assert connect(a, gateway, 22)[0] != 0                    # nor the bridge's host side
+        r = a.exec(["sh", "-c", f"ping -c 1 -W 2 {b_ip}"], timeout=30)
+        assert r.exit_code != 0, r.stdout                          # raw ICMP, root's in its guest: dropped
+        assert b.exec(["sh", "-c", "cat /tmp/listen.out"]).stdout.split() == [b"listening"]
+        assert connect(b, "127.0.0.1", 7777)[0] == 0               # B's one-shot listener was up
+        assert a.net_show()["default"]["dropped_packets"] >= 2
+    finally:
+        a.destroy()
+        b.destroy()
+
+
 def test_net_none_has_no_nic(vmnet):
     d, c = vmnet
     sb = _vm(c, net="none")

@@ -7,6 +7,13 @@ task per link splits frames (wire.py) and routes each by id: to the future of
 a file request, or to the event queue of an exec (STARTED, OUT, EXITED, ERR).
 When the channel closes (QEMU exited, the guest died) every waiter fails
 with AgentGone.
+
+The guest is untrusted: root in it can take the agent's end of the channel
+(its fd, through pidfd_getfd or ptrace) and write anything. Whatever it
+writes costs the host at most one frame of wire.MAX_GUEST_FRAME; bytes that
+are no frame of the format end the channel and call `on_broken`, which ends
+the VM (MicroVMBackend.connect_agent): a VM whose agent cannot be reached
+serves nothing, and must not stay "running".
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from . import wire
 
@@ -79,8 +87,11 @@ class AgentExec:
         self._stdin_lock = asyncio.Lock()      # exec_input requests in the order they came
 
     def kill(self, sig: int = 9) -> None:
-        """SIGKILL (or sig) its process group in the guest."""
-        if not self.done:
+        """SIGKILL (or sig) its process group in the guest. Nothing to do
+        when the channel is closed: the VM, and the process, are going (an
+        exec that ends because its VM died kills it on its way out, and
+        must report the VM's end, not fail here)."""
+        if not self.done and not self.link.closed:
             self.link.send(wire.frame(wire.KILL, self.id, wire.u64(sig)))
 
     async def send_stdin(self, data: bytes, eof: bool) -> None:
@@ -120,11 +131,14 @@ class AgentExec:
 
 class AgentLink:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, what: str,
-                 fresh: bool = False):
+                 fresh: bool = False, on_broken: Callable[[str], None] | None = None):
         """fresh: a new connection, whose first request is HELLO: what comes
-        before its READY is skipped (find_ready)."""
+        before its READY is skipped (find_ready). on_broken(why): called once,
+        on the loop, when the guest sent bytes that are no frame (a length out
+        of bounds, a body its type cannot have); the channel is closed by then."""
         self.reader, self.writer, self.what = reader, writer, what
         self._fresh = fresh
+        self.on_broken = on_broken
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._execs: dict[int, AgentExec] = {}
@@ -138,14 +152,14 @@ class AgentLink:
 
     @classmethod
     async def connect(cls, transport: Transport, what: str, hostname: str, timeout: float,
-                      sandbox_id: str = "") -> AgentLink:
+                      sandbox_id: str = "", on_broken: Callable[[str], None] | None = None) -> AgentLink:
         """Open the channel and say HELLO (the sandbox's identity: hostname,
         clock, entropy, id) until the agent answers READY: it answers once it
         has mounted the root, so this is also the wait for the boot."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         reader, writer = await transport.open(timeout)
-        link = cls(reader, writer, what, fresh=True)
+        link = cls(reader, writer, what, fresh=True, on_broken=on_broken)
         try:
             await asyncio.wait_for(link.hello(hostname, sandbox_id), max(0.1, deadline - loop.time()))
         except TimeoutError:
@@ -219,6 +233,7 @@ class AgentLink:
     async def _read_loop(self) -> None:
         err: BaseException = AgentGone(f"{self.what}: the agent channel closed (the VM exited)")
         left = bytearray()          # read past the READY a fresh link skipped to
+        broken = ""
 
         async def exactly(n: int) -> bytes:
             if not left:
@@ -233,15 +248,17 @@ class AgentLink:
             while True:
                 head = await exactly(wire.HEADER.size)
                 length, kind, msg_id = wire.HEADER.unpack(head)
-                body = await exactly(length - 5)
+                # Checked before the read: readexactly buffers all it is asked for.
+                body = await exactly(wire.check_length(length, kind, msg_id))
                 self._route(kind, msg_id, body)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass
         except asyncio.CancelledError:
             err = AgentGone(f"{self.what}: the agent link was closed by the daemon")
         except Exception as exc:        # a malformed frame: the channel cannot be trusted any more
-            log.exception("%s: agent channel", self.what)
-            err = AgentGone(f"{self.what}: bad frame from the guest agent: {exc}")
+            broken = f"bad frame from the guest agent: {exc}"
+            log.error("%s: %s; ending the channel", self.what, broken)
+            err = AgentGone(f"{self.what}: {broken}")
         self.closed = True
         for fut in self._pending.values():
             if not fut.done():
@@ -252,6 +269,11 @@ class AgentLink:
         self._pending.clear()
         self._execs.clear()
         self.writer.close()
+        if broken and self.on_broken is not None:
+            try:
+                self.on_broken(broken)
+            except Exception:
+                log.exception("%s: ending the VM of a broken channel", self.what)
 
     async def _skip_to_ready(self) -> bytes:
         """Route the READY answering this link's HELLO (its first request,
@@ -261,6 +283,7 @@ class AgentLink:
         Read as frames, they would be routed to this link's requests of the
         same ids, or break the framing."""
         buf = bytearray()
+        skipped = 0
         while True:
             chunk = await self.reader.read(1 << 16)
             if not chunk:
@@ -269,10 +292,17 @@ class AgentLink:
             found = find_ready(buf, 1)
             if found is not None:
                 start, end = found
-                if start:
-                    log.warning("%s: skipped %d bytes an earlier host left on the agent channel", self.what, start)
+                skipped += start
+                if skipped:
+                    log.warning("%s: skipped %d bytes an earlier host left on the agent channel", self.what,
+                                skipped)
                 self._route(wire.READY, 1, bytes(buf[start + wire.HEADER.size:end]))
                 return bytes(buf[end:])
+            # Bounded whatever the guest sends before its READY: only the last
+            # bytes can hold the start of a READY frame still arriving.
+            if len(buf) > 2 * READY_MAX:
+                skipped += len(buf) - READY_MAX
+                del buf[:-READY_MAX]
 
     def _route(self, kind: int, msg_id: int, body: bytes) -> None:
         r = wire.Reader(body)
@@ -325,6 +355,10 @@ class AgentLink:
             pass
 
 
+# The largest READY frame find_ready takes: u32 length + its 4,096 bytes.
+READY_MAX = 4 + 4096
+
+
 def find_ready(buf: bytes | bytearray, msg_id: int) -> tuple[int, int] | None:
     """(start, end) in `buf` of the READY frame answering request `msg_id`
     (u32 length 9..4096 | READY | id | a byte string filling the body);
@@ -333,7 +367,7 @@ def find_ready(buf: bytes | bytearray, msg_id: int) -> tuple[int, int] | None:
     i = buf.find(mark, 4)
     while i >= 0:
         length = int.from_bytes(buf[i - 4:i], "big")
-        if 9 <= length <= 4096:
+        if 9 <= length <= READY_MAX - 4:
             end = i + length
             if end > len(buf):
                 return None            # perhaps it: wait for the rest

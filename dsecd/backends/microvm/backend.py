@@ -378,7 +378,21 @@ class MicroVMBackend:
     async def connect_agent(self, h: VmHandle, what: str, hostname: str, timeout: float,
                             sandbox_id: str = "") -> AgentLink:
         return await AgentLink.connect(ChardevTransport(str(h.vm_dir / "agent.sock")), what, hostname, timeout,
-                                       sandbox_id)
+                                       sandbox_id, on_broken=lambda why: self.end_broken(h, what, why))
+
+    def end_broken(self, h: VmHandle, what: str, why: str) -> None:
+        """The guest broke the agent's protocol (root in it wrote to the
+        channel): its channel is closed and cannot be trusted again, and a
+        VM whose agent is unreachable serves nothing. QEMU is killed; the
+        sandbox's watch reports it dead, reason "agent_protocol", and cleans
+        it up (a VM being created fails instead)."""
+        log.error("%s: %s; killing QEMU %d (serial log: %s)", what, why, h.init_pid, h.vm_dir / "serial.log")
+        h.extra["died_because"] = "agent_protocol"
+        h.extra["died_why"] = why
+        try:
+            native.pidfd_send_signal(h.pidfd, signal.SIGKILL)
+        except OSError as err:
+            log.error("%s: kill QEMU %d: %s", what, h.init_pid, err)
 
     # ------------------------------------------------------------ pause / resume
 

@@ -25,6 +25,22 @@ WRITE_APPEND, WRITE_KEEP, WRITE_PARENTS = 1, 2, 4
 RENAME_OVERWRITE, RENAME_KEEP_ATTRS = 1, 2
 NO_OFFSET = 2**64 - 1
 HEADER = struct.Struct(">IBI")
+# The largest frame the agent sends: a READ's answer of its largest chunk
+# (MAX_MSG in agent.c, 64 MiB) with its fields. The guest is untrusted: a
+# length header beyond it is not a frame but an attempt to make the host
+# buffer up to 4 GiB, and ends the channel (AgentLink._read_loop).
+MAX_GUEST_FRAME = (64 << 20) + 64
+
+
+class FrameError(ValueError):
+    """Bytes from the guest that are no frame of this format."""
+
+
+def check_length(length: int, kind: int, msg_id: int) -> int:
+    """The body's size of a frame whose header says `length`, or FrameError."""
+    if not 5 <= length <= MAX_GUEST_FRAME:
+        raise FrameError(f"frame length {length} (type {kind}, id {msg_id}) outside 5..{MAX_GUEST_FRAME}")
+    return length - 5
 
 
 def u64(v: int) -> bytes:
