@@ -167,9 +167,8 @@ class BalloonService:
         st.actual = await qballoon.actual(h.qmp)
         stats = await qballoon.guest_stats(h.qmp)
         idle_from = max(sb.last_active, st.last_op)
-        obs = Observation(ram=st.ram, actual=st.actual, last_actual=last_actual, target=st.target, total=stats.total,
-                          available=stats.available, deflate_on_oom=st.deflate_on_oom, idle_for=now - idle_from,
-                          busy=sb.execs > 0)
+        obs = Observation(ram=st.ram, actual=st.actual, last_actual=last_actual, target=st.target,
+                          available=stats.available, idle_for=now - idle_from, busy=sb.execs > 0)
         st.used, st.available = working_set(obs), stats.available
         d = decide(self.settings, obs)
         if d is None:
@@ -228,7 +227,7 @@ class BalloonService:
         st = self._vms.get(sb_id)
         if st is None:
             return None
-        return {"ram": st.ram, "guest_size": st.actual, "target": st.target,
+        return {"ram": st.ram, "guest_size": st.actual, "target": st.target, "deflate_on_oom": st.deflate_on_oom,
                 "ballooned": st.target < st.ram, "guest_used": st.used, "guest_available": st.available,
                 "skipped": st.skipped, "inflates": st.inflates, "deflates": dict(st.deflates),
                 "last_change": st.last_change or None}

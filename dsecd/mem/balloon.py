@@ -9,9 +9,10 @@ DAMON belongs to someone else the policy has the balloon's own means:
 
   - a VM idle for `idle_s` (no exec, file op, copy or watch start) is made
     `used + headroom` big, never less than `floor` nor more than its RAM;
-    `used` is what the guest's statistics say it uses
-    (MemTotal - MemAvailable, less the balloon's own pages where the guest
-    counts them as used: deflate-on-oom);
+    `used` is its size (RAM less the balloon) less what its statistics say
+    is available (MemAvailable): the kernel's own reserve outside MemTotal
+    counts, and the balloon's pages do not, whether the guest counts them
+    as used (deflate-on-oom) or out of MemTotal (without it);
   - an op deflates it to its whole RAM at once (engine/vmballoon.py, wake);
   - pressure deflates it too: the guest's available memory below
     `low_available`, or a guest that took pages back from the balloon on
@@ -34,7 +35,7 @@ MiB = 1 << 20
 class BalloonSettings:
     idle_s: float = 30.0              # no op for this long: idle
     headroom: int = 64 * MiB          # kept above the guest's working set
-    floor: int = 128 * MiB            # no idle guest is made smaller
+    floor: int = 64 * MiB             # no idle guest is made smaller
     low_available: int = 24 * MiB     # less available in a ballooned guest: pressure, deflate
     interval_s: float = 2.0           # how often the policy runs (and the guest reports)
 
@@ -62,9 +63,7 @@ class Observation:
     actual: int                       # its guest's size now (query-balloon)
     last_actual: int                  # its size at the look before (as actual when there was none)
     target: int                       # the size last asked for (ram: not ballooned)
-    total: int | None                 # guest MemTotal (None: no statistics yet)
-    available: int | None             # guest MemAvailable
-    deflate_on_oom: bool              # the guest counts the balloon's pages as used
+    available: int | None             # guest MemAvailable (None: no statistics yet)
     idle_for: float                   # seconds since its last op (or pressure)
     busy: bool                        # an exec or copy runs now
 
@@ -76,13 +75,10 @@ class Decision:
 
 
 def working_set(o: Observation) -> int | None:
-    """What the guest uses (its statistics), or None without them."""
-    if o.total is None or o.available is None:
+    """What the guest uses of its size, or None without statistics."""
+    if o.available is None:
         return None
-    used = o.total - o.available
-    if o.deflate_on_oom:
-        used -= max(0, o.ram - o.actual)
-    return max(0, used)
+    return max(0, o.actual - o.available)
 
 
 def under_pressure(s: BalloonSettings, o: Observation) -> bool:
@@ -103,8 +99,8 @@ def decide(s: BalloonSettings, o: Observation) -> Decision | None:
     if o.busy or o.idle_for < s.idle_s:
         return Decision(o.ram, "wake") if o.target < o.ram else None
     used = working_set(o)
-    if used is None:
-        return None
+    if used is None or abs(o.actual - o.target) > s.step:
+        return None                   # no statistics, or the guest is still on its way to the target
     want = min(o.ram, max(s.floor, _round_up(used + s.headroom)))
     if want <= o.target - s.step:
         return Decision(want, "idle")
