@@ -29,8 +29,8 @@ Progress on stderr; the last stdout line is one JSON object:
     vm_pause_s, vm_resume_s        pause (state saved, QEMU ended) and resume (state loaded)
     vm_resume_first_exec_ms        an exec on a paused VM: resume included
     vm_pause_image_mib             the saved state's size
-    vm_idle_unballooned_host_mib   an idle booted VM's QEMU RSS before the idle balloon (median of 3 idle periods)
-    vm_idle_ballooned_host_mib     the same VM's QEMU RSS once the policy ballooned it (guest_mib: its size)
+    vm_idle_unballooned_host_mib   an idle booted VM's QEMU RSS before it was ever ballooned (its first idle period)
+    vm_idle_ballooned_host_mib     the same VM's QEMU RSS once the policy ballooned it (median of 3 idle periods)
     vm_idle_(un)ballooned_anon_mib the same, its anonymous memory only (the guest's RAM, QEMU's heap and TCG's
                                    cache; not the layers' page cache its DAX mappings share with the host)
     vm_idle_ballooned_guest_mib    the guest's size the policy chose (working set + headroom, >= floor)
@@ -187,9 +187,11 @@ def idle_balloon(c, rounds: int = 3) -> dict:
     log(f"pause of the ballooned VM: image {paused.get('image_bytes', 0) >> 20} MiB")
     sb.destroy()
     med = statistics.median
-    return {"vm_idle_unballooned_host_mib": round(med(m["Rss"] for m in before) / 2**20, 1),
+    # "Before" is the first idle period's: the later ones start from what
+    # the first ballooning left (pages it returned stay untouched).
+    return {"vm_idle_unballooned_host_mib": round(before[0]["Rss"] / 2**20, 1),
             "vm_idle_ballooned_host_mib": round(med(m["Rss"] for m in after) / 2**20, 1),
-            "vm_idle_unballooned_anon_mib": round(med(m["Anonymous"] for m in before) / 2**20, 1),
+            "vm_idle_unballooned_anon_mib": round(before[0]["Anonymous"] / 2**20, 1),
             "vm_idle_ballooned_anon_mib": round(med(m["Anonymous"] for m in after) / 2**20, 1),
             "vm_idle_ballooned_guest_mib": round(med(sizes) / 2**20, 1),
             "vm_exec_after_idle_ms": round(med(execs), 1), "vm_deflate_s": round(med(deflates), 2),
