@@ -9,12 +9,18 @@ one or two VMs at a time, and assert no timings.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import os
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 from conftest import Daemon, skip_unless_microvm
+
+from dsecd.backends.microvm import balloon as qballoon
+from dsecd.backends.microvm.qmp import QMP
 
 BALLOON = ('[microvm]\nballoon_idle_s = 2.0\nballoon_interval_s = 1.0\nballoon_floor = "128M"\n'
            'balloon_headroom = "48M"\nballoon_low_available = "16M"\nwatchdog_interval_s = 0\n')
@@ -185,3 +191,63 @@ def test_a_vm_restored_from_a_template_is_not_ballooned_until_resumed(restoring)
         assert not view["skipped"]
     finally:
         sb.destroy(force=True)
+
+
+def _template_memfd_digest(pid: int) -> str:
+    fd_dir = f"/proc/{pid}/fd"
+    for name in os.listdir(fd_dir):
+        if "memfd:dsec-vm-template" in os.readlink(f"{fd_dir}/{name}"):
+            h = hashlib.sha256()
+            with open(f"{fd_dir}/{name}", "rb") as f:
+                while block := f.read(1 << 20):
+                    h.update(block)
+            return h.hexdigest()
+    raise AssertionError(f"QEMU {pid} holds no template memfd")
+
+
+async def _inflate_by_hand(qmp_sock: str, size: int) -> int:
+    qmp = await QMP.connect(qmp_sock, "the probe")
+    try:
+        await qballoon.set_target(qmp, size)
+        deadline = time.monotonic() + 120
+        actual = await qballoon.actual(qmp)
+        while actual > size + MiB and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            actual = await qballoon.actual(qmp)
+        await asyncio.sleep(1)
+        await qballoon.set_target(qmp, 256 * MiB)
+        return actual
+    finally:
+        qmp.close()
+
+
+def test_why_template_vms_are_skipped_qemu_keeps_their_inflated_pages(daemon_factory, busybox_rootfs):
+    """The probe behind the skip, kept as a test so that a QEMU that drops
+    such pages (and would let the policy balloon these VMs) is noticed:
+    inflated by hand (the daemon stopped, its monitor free), a restored VM's
+    QEMU tries to punch holes in the template's memfd (refused by its
+    seals: its pages unchanged) and keeps the pages; its RSS does not drop."""
+    d = daemon_factory("[microvm]\nballoon = false\nwatchdog_interval_s = 0\n")
+    c = d.client()
+    skip_unless_microvm(c, close=False)
+    c.import_image(busybox_rootfs, "busybox")
+    sb = _vm(c)
+    vm = sb.inspect()["vm"]
+    assert vm["ram"] == "private"
+    pid, vm_dir = vm["qemu_pid"], Path(vm["dir"])
+    digest, rss = _template_memfd_digest(pid), _rss(pid)
+    c.close()
+    d.stop()
+    try:
+        reached = asyncio.run(_inflate_by_hand(str(vm_dir / "qmp.sock"), 128 * MiB))
+        assert reached <= 129 * MiB, "the guest did not inflate its balloon"
+        assert _template_memfd_digest(pid) == digest
+        after = _rss(pid)
+        print(f"template VM inflated by hand: QEMU RSS {rss / MiB:.1f} -> {after / MiB:.1f} MiB")
+        assert after >= rss - 4 * MiB, (rss, after)
+        assert "Failed to fallocate" in (vm_dir / "qemu.log").read_text(errors="replace")
+    finally:
+        d.start()
+        c = d.client()
+        c.get(sb.id).destroy(force=True)
+        c.close()
