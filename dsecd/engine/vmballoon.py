@@ -163,9 +163,11 @@ class BalloonService:
             st = await self._set_up(sb, st)
         if st.skipped:
             return
-        seen_op, last_actual = st.last_op, st.actual
+        last_actual = st.actual
         st.actual = await qballoon.actual(h.qmp)
         stats = await qballoon.guest_stats(h.qmp)
+        # Read after QEMU answered, and nothing awaits from here to the
+        # target's change (_apply): an op that came meanwhile counts.
         idle_from = max(sb.last_active, st.last_op)
         obs = Observation(ram=st.ram, actual=st.actual, last_actual=last_actual, target=st.target,
                           available=stats.available, idle_for=now - idle_from, busy=sb.execs > 0)
@@ -173,8 +175,6 @@ class BalloonService:
         d = decide(self.settings, obs)
         if d is None:
             return
-        if d.why in ("idle", "grow") and (st.last_op != seen_op or sb.execs or st.target != obs.target):
-            return                    # an op came while QEMU answered: it is not idle any more
         if d.why == "pressure":
             st.last_op = now          # busy for another idle_s: its working set grew
         await self._apply(sb.id, h.qmp, st, d)
