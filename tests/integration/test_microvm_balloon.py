@@ -154,7 +154,7 @@ def test_a_ballooned_vm_pauses_and_resumes_with_its_ram_back(booting):
     sb = _vm(booting)
     try:
         _wait(sb, "ballooned", lambda v: v["ballooned"] and v["guest_size"] <= v["target"] + MiB)
-        sb.exec(["sh", "-c", "echo kept > /dev/shm/mark"])
+        sb.exec(["sh", "-c", "echo kept > /dev/shm/mark; echo layer > /work-mark"])
         _wait(sb, "ballooned again", lambda v: v["ballooned"] and v["guest_size"] <= v["target"] + MiB)
         sb.pause()
         sb.resume()
@@ -162,9 +162,17 @@ def test_a_ballooned_vm_pauses_and_resumes_with_its_ram_back(booting):
         view = _balloon(sb)
         assert view["target"] == 256 * MiB, view
         assert sb.exec(["cat", "/dev/shm/mark"]).stdout == b"kept\n"
-        _wait(sb, "ballooned after the resume", lambda v: v["ballooned"])
+        _wait(sb, "ballooned after the resume", lambda v: v["ballooned"] and v["guest_size"] <= v["target"] + MiB)
+        # A snapshot of the ballooned VM (its writable layer, through the agent).
+        assert len(sb.snapshot("bb-ballooned")["layers"]) == 2
     finally:
         sb.destroy(force=True)
+    box = booting.create("bb-ballooned", memory="64M")
+    try:
+        assert box.exec(["cat", "/work-mark"]).stdout == b"layer\n"
+    finally:
+        box.destroy()
+        booting.request("image_rm", name="bb-ballooned")
 
 
 def test_a_vm_restored_from_a_template_is_not_ballooned_until_resumed(restoring):
