@@ -40,6 +40,16 @@ Progress on stderr; the last stdout line is one JSON object:
     vm_pause_s, vm_resume_s        pause (state saved, QEMU ended) and resume (state loaded)
     vm_resume_first_exec_ms        an exec on a paused VM: resume included
     vm_pause_image_mib             the saved state's size
+    vm_idle_unballooned_host_mib   an idle booted VM's QEMU RSS before it was ever ballooned (its first idle period)
+    vm_idle_ballooned_host_mib     the same VM's QEMU RSS once the policy ballooned it (median of 3 idle periods)
+    vm_idle_(un)ballooned_anon_mib the same, its anonymous memory only (the guest's RAM, QEMU's heap and TCG's
+                                   cache; not the layers' page cache its DAX mappings share with the host)
+    vm_idle_ballooned_guest_mib    the guest's size the policy chose (working set + headroom, >= floor)
+    vm_exec_after_idle_ms          `true` on the ballooned VM: the wake's deflate included (median of 3)
+    vm_exec_after_short_idle_ms    the control: `true` after 3 s idle, not ballooned (median of 3)
+    vm_deflate_s                   that exec's start -> the guest has its whole RAM back (median of 3; as
+                                   inspect shows it, refreshed each balloon_interval_s: 1 s here)
+    vm_ballooned_pause_image_mib   a pause of the ballooned VM: its saved state (the balloon's pages are zero)
     vm_template_build_s            the first create of a shape: boot, snapshot, store, restore
     vm_template_create_p50_ms      create -> first exec answered, restoring the template (p50 of 7)
     vm_template_create_only_p50_ms the create alone (restore and the agent's HELLO)
@@ -140,6 +150,66 @@ def booted(c) -> dict:
         "vm_resume_first_exec_ms": round(first_exec_ms, 1),
         "vm_pause_image_mib": round(paused.get("image_bytes", 0) / 2**20, 1),
     }
+
+
+BALLOON_IDLE_S = 10.0      # phase 1's microvm.balloon_idle_s: past the idle figures above (3 and 6 s)
+
+
+def _ballooned(sb, timeout: float = 120.0) -> dict:
+    """Wait until the idle balloon made the VM small and the guest got there."""
+    deadline = time.monotonic() + timeout
+    view = None
+    while time.monotonic() < deadline:
+        view = sb.inspect()["vm"]["balloon"]
+        if view and view["ballooned"] and view["guest_size"] <= view["target"] + (1 << 20):
+            return view
+        time.sleep(0.25)
+    raise RuntimeError(f"sandbox {sb.id} was not ballooned within {timeout:.0f} s: {view}")
+
+
+def idle_balloon(c, rounds: int = 3) -> dict:
+    """The idle balloon on a booted VM: QEMU's RSS idle before and after the
+    policy ballooned it, and the first exec after (the wake)."""
+    sb = c.create(IMAGE, backend="microvm", memory="256M", net="none", disk="256M")
+    pid = sb.inspect()["vm"]["qemu_pid"]
+    before, after, sizes, execs, deflates, controls = [], [], [], [], [], []
+    for i in range(rounds):
+        sb.exec(["true"])
+        time.sleep(3)
+        t0 = time.perf_counter()          # the control: an exec after 3 s idle, not ballooned
+        sb.exec(["true"])
+        controls.append((time.perf_counter() - t0) * 1000)
+        time.sleep(3)
+        before.append(smaps(pid))
+        view = _ballooned(sb)
+        time.sleep(1)
+        after.append(smaps(pid))
+        sizes.append(view["guest_size"])
+        t0 = time.perf_counter()
+        sb.exec(["true"])
+        execs.append((time.perf_counter() - t0) * 1000)
+        while sb.inspect()["vm"]["balloon"]["guest_size"] < view["ram"]:
+            time.sleep(0.02)
+        deflates.append(time.perf_counter() - t0)
+        log(f"idle balloon {i + 1}: RSS {before[-1]['Rss'] >> 20} -> {after[-1]['Rss'] >> 20} MiB, anonymous "
+            f"{before[-1]['Anonymous'] >> 20} -> {after[-1]['Anonymous'] >> 20} MiB (guest {sizes[-1] >> 20} "
+            f"MiB), exec after {execs[-1]:.1f} ms (after 3 s idle, not ballooned: {controls[-1]:.1f} ms), "
+            f"deflated in {deflates[-1]:.2f} s")
+    _ballooned(sb)
+    paused = sb.pause()
+    log(f"pause of the ballooned VM: image {paused.get('image_bytes', 0) >> 20} MiB")
+    sb.destroy()
+    med = statistics.median
+    # "Before" is the first idle period's: the later ones start from what
+    # the first ballooning left (pages it returned stay untouched).
+    return {"vm_idle_unballooned_host_mib": round(before[0]["Rss"] / 2**20, 1),
+            "vm_idle_ballooned_host_mib": round(med(m["Rss"] for m in after) / 2**20, 1),
+            "vm_idle_unballooned_anon_mib": round(before[0]["Anonymous"] / 2**20, 1),
+            "vm_idle_ballooned_anon_mib": round(med(m["Anonymous"] for m in after) / 2**20, 1),
+            "vm_idle_ballooned_guest_mib": round(med(sizes) / 2**20, 1),
+            "vm_exec_after_idle_ms": round(med(execs), 1), "vm_deflate_s": round(med(deflates), 2),
+            "vm_exec_after_short_idle_ms": round(med(controls), 1),
+            "vm_ballooned_pause_image_mib": round(paused.get("image_bytes", 0) / 2**20, 1)}
 
 
 def pause_figures(sb) -> tuple[float, float, float, dict]:
@@ -381,7 +451,8 @@ def main() -> int:
         print(json.dumps(own_root_cost(rootfs, int(sys.argv[2]))))
         return 0
     out: dict = {}
-    with private_daemon(rootfs, IMAGE, extra_config="[microvm]\ntemplates = false\n") as d:
+    with private_daemon(rootfs, IMAGE, extra_config=f"[microvm]\ntemplates = false\nballoon_idle_s = "
+                        f"{BALLOON_IDLE_S}\nballoon_interval_s = 1.0\n") as d:
         c = SyncClient(d.sock)
         c.connect()
         vm = c.info()["backends"]["microvm"]
@@ -392,6 +463,7 @@ def main() -> int:
         log(f"accel {vm['accel']}: {vm['why']}")
         out.update({"accel": vm["accel"], "accel_why": vm["why"]})
         out.update(booted(c))
+        out.update(idle_balloon(c))
         c.close()
     with private_daemon(rootfs, IMAGE) as d:
         c = SyncClient(d.sock)

@@ -134,6 +134,7 @@ class Snapshot:
     images: dict = field(default_factory=dict)        # ImageService.info() (blocking)
     net: dict = field(default_factory=dict)           # NetworkService.drop_totals() (blocking)
     denials: dict = field(default_factory=dict)       # DenialService.info() (one BPF map read)
+    balloon: dict = field(default_factory=dict)       # BalloonService.info() (microVMs' idle balloon)
     connections: int = 0
     sandboxes: list = field(default_factory=list)     # top rows, with metrics.per_sandbox only
     errors: list = field(default_factory=list)        # sources that could not be read
@@ -148,10 +149,12 @@ class Snapshot:
                                  node.default_memory)
         snap.admission = node.create_service.info()
         snap.fncall = node.call_service.info()
+        snap.balloon = node.vm_balloon.info()
         if per_sandbox:
             snap.sandboxes = node.cpu.top([
                 {"id": s.id, "state": s.state, "qos": s.qos, "cpu": s.limits["cpu"],
-                 "memory_limit": s.limits["memory"]} for s in node.registry.by_id.values()])["sandboxes"]
+                 "memory_limit": s.limits["memory"], "vm_guest_size": (node.vm_balloon.view(s.id) or {}).get(
+                     "guest_size")} for s in node.registry.by_id.values()])["sandboxes"]
         for name, source in (("memory", node.memory.info), ("images", node.image_service.info)):
             try:
                 setattr(snap, name, await node.workers.run(source))
@@ -204,6 +207,7 @@ class NodeCollector:
         yield from self._pager(s.images.get("pager") or {})
         yield from self._net(s.net)
         yield from self._denials(s.denials)
+        yield from self._balloon(s.balloon)
         if s.sandboxes:
             yield from self._per_sandbox(s.sandboxes)
         errors = _gauge("dsecd_scrape_source_errors", "Sources this scrape could not read "
@@ -396,6 +400,26 @@ class NodeCollector:
         yield c
 
     @staticmethod
+    def _balloon(b: dict):
+        if not b.get("enabled"):
+            return
+        vms = _gauge("dsecd_vm_balloon_vms", "Running microVMs the idle balloon looks at, by what it does "
+                     "with them: ballooned (smaller than their RAM), full, skipped (a template's restore)",
+                     ["state"])
+        vms.add_metric(["ballooned"], b["ballooned"])
+        vms.add_metric(["skipped"], b["skipped"])
+        vms.add_metric(["full"], b["vms"] - b["ballooned"] - b["skipped"])
+        held = _gauge("dsecd_vm_balloon_held_bytes", "Guest RAM the microVMs' balloons hold (given back "
+                      "to the host by QEMU)")
+        held.add_metric([], b["held_bytes"])
+        changes = _counter("dsecd_vm_balloon_changes", "Balloon targets set: inflate (an idle guest made "
+                           "smaller), wake (an op gave it its RAM back), pressure (it ran short)", ["kind"])
+        changes.add_metric(["inflate"], b["inflates"])
+        changes.add_metric(["wake"], b["deflates_wake"])
+        changes.add_metric(["pressure"], b["deflates_pressure"])
+        yield from (vms, held, changes)
+
+    @staticmethod
     def _per_sandbox(rows: list[dict]):
         cpu = _gauge("dsecd_sandbox_cpu_percent", "A sandbox's CPU use at the last sample (100 = one core)",
                      ["sandbox", "qos"])
@@ -403,7 +427,11 @@ class NodeCollector:
                      ["sandbox"])
         mem = _gauge("dsecd_sandbox_memory_bytes", "A sandbox's memory use", ["sandbox"])
         lim = _gauge("dsecd_sandbox_memory_limit_bytes", "A sandbox's memory limit", ["sandbox"])
+        guest = _gauge("dsecd_sandbox_vm_guest_bytes", "A microVM's guest size (its RAM less what its "
+                       "balloon holds)", ["sandbox"])
         for r in rows:
+            if r.get("vm_guest_size") is not None:
+                guest.add_metric([r["id"]], r["vm_guest_size"])
             if r.get("cpu_pct") is not None:
                 cpu.add_metric([r["id"], r["qos"] or ""], r["cpu_pct"])
             if r.get("throttled_pct") is not None:
@@ -411,7 +439,7 @@ class NodeCollector:
             if r.get("memory") is not None:
                 mem.add_metric([r["id"]], r["memory"])
             lim.add_metric([r["id"]], r["memory_limit"])
-        yield from (cpu, thr, mem, lim)
+        yield from (cpu, thr, mem, lim, guest)
 
 
 COLLECTOR = NodeCollector()

@@ -46,6 +46,7 @@ from .engine.policies import PolicyService
 from .engine.procs import ProcessService, ProcLimits
 from .engine.sandboxes import SandboxRegistry
 from .engine.starts import ProcessStarter
+from .engine.vmballoon import BalloonService, settings_from
 from .engine.vmtemplates import TemplateService
 from .engine.vmwatchdog import VmWatchdog
 from .engine.watches import WatchService
@@ -160,6 +161,8 @@ class Node:
         self.image_service.vm_upper = self.vms.upper_tree
         vm_cfg = cfg.section("microvm")
         self.vm_watchdog = VmWatchdog(self.registry, vm_cfg["watchdog_interval_s"], vm_cfg["watchdog_timeout_s"])
+        self.vm_balloon = BalloonService(self.registry, settings_from(cfg), bool(vm_cfg["balloon"]))
+        self.vms.balloon = self.vm_balloon
         self.lifetimes = LifetimeService(self.registry, self.workers, self.events, self.memory,
                                          self.lifecycle.destroy_sandbox)
         self.create_service = CreateService(cfg, self.registry, self.workers, self.backend, self.image_service,
@@ -220,6 +223,7 @@ class Node:
         self.lifetimes.start()
         if self.vms.backend is not None:
             self.vm_watchdog.start()
+            self.vm_balloon.start()
 
     def _cpu_entries(self) -> dict[str, tuple[str, bool]]:
         return {s.id: (s.qos, bool(s.limits.get("cpu_quota"))) for s in self.registry.by_id.values()
@@ -235,6 +239,7 @@ class Node:
         self.image_service.stop_layer_sweeper()
         self.lifetimes.stop()
         self.vm_watchdog.stop()
+        self.vm_balloon.stop()
         if self._cpu_task:
             self._cpu_task.cancel()
         await self.net_service.close_net()

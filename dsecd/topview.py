@@ -53,14 +53,25 @@ def host_line(top: dict) -> str:
             f"cpu pressure {pct(psi)}")
 
 
-HEADER = ["ID", "QOS", "STATE", "CPU", "CPU%", "THROTTLED", "MEM", "MEM LIMIT"]
+HEADER = ["ID", "QOS", "STATE", "CPU", "CPU%", "THROTTLED", "MEM", "MEM LIMIT", "BALLOON"]
+
+
+def balloon_cell(b: dict | None) -> str:
+    """A microVM's guest size / its RAM (the idle balloon made it smaller
+    when the first is less); "(off)": not ballooned (a template's restore);
+    "-": a container, or a VM not looked at yet."""
+    if not b:
+        return "-"
+    cell = f"{human_bytes(b['guest_size'])}/{human_bytes(b['ram'])}"
+    return f"{cell} (off)" if b.get("skipped") else cell
 
 
 def rows(top: dict, sort: str = "cpu", reverse: bool = False) -> list[list[str]]:
     key, _, biggest_first = SORTS[sort]
     ordered = sorted(top["sandboxes"], key=key, reverse=biggest_first != reverse)
     return [[s["id"], s["qos"] or "-", s["state"], f"{s['cpu']:g}", pct(s["cpu_pct"]), pct(s["throttled_pct"]),
-             "-" if s["memory"] is None else human_bytes(s["memory"]), human_bytes(s["memory_limit"])]
+             "-" if s["memory"] is None else human_bytes(s["memory"]), human_bytes(s["memory_limit"]),
+             balloon_cell(s.get("vm_balloon"))]
             for s in ordered]
 
 

@@ -243,9 +243,18 @@ class LifecycleService:
 
     async def top(self, req, ctx) -> dict:
         rows = [{"id": s.id, "state": s.state, "qos": s.qos, "cpu": s.limits["cpu"],
-                 "memory_limit": s.limits["memory"]}
+                 "memory_limit": s.limits["memory"], "vm_balloon": self._balloon_row(s)}
                 for s in self.registry.by_id.values() if labels_match(s, req.labels)]
         return self.cpu.top(rows)
+
+    def _balloon_row(self, sb: Sandbox) -> dict | None:
+        """A microVM's guest size against its RAM (engine/vmballoon.py), for
+        top's BALLOON column; None for a container or a VM not looked at yet."""
+        balloon = getattr(self.vms, "balloon", None) if sb.backend == "microvm" else None
+        view = balloon.view(sb.id) if balloon is not None else None
+        if view is None:
+            return None
+        return {"guest_size": view["guest_size"], "ram": view["ram"], "skipped": view["skipped"] is not None}
 
     async def list(self, req, ctx) -> dict:
         return {"sandboxes": [s.public() for s in self.registry.by_id.values() if labels_match(s, req.labels)]}

@@ -102,6 +102,8 @@ class MicroVMService:
         # sandbox after a resume gave it a new agent channel, or a HELLO on
         # the old one (either detaches the agent's background processes).
         self.relinked = None
+        # BalloonService (engine/vmballoon.py), set by the node: every op wakes the VM's balloon.
+        self.balloon = None
 
     def info(self) -> dict:
         if self.backend is None:
@@ -269,7 +271,8 @@ class MicroVMService:
         return {"qemu_pid": h.init_pid, "accel": h.accel, "dir": str(h.vm_dir),
                 "serial_log": str(h.vm_dir / "serial.log"), "guest_memory": h.guest_memory,
                 "agent": h.agent is not None and not h.agent.closed,
-                "template": (sb.vm or {}).get("template"), "ram": h.machine.ram}
+                "template": (sb.vm or {}).get("template"), "ram": h.machine.ram,
+                "balloon": None if self.balloon is None else self.balloon.view(sb.id)}
 
     # ------------------------------------------------------------ pause / resume
 
@@ -349,6 +352,8 @@ class MicroVMService:
         if self.watch is not None:
             self.watch(sb)
         self._relinked(sb)
+        if self.balloon is not None:
+            await self.balloon.resumed(sb)
         return {"restore_s": round(time.monotonic() - t0, 4)}
 
     def _relinked(self, sb: Sandbox) -> None:
@@ -369,9 +374,13 @@ class MicroVMService:
     # ------------------------------------------------------------ exec
 
     def _agent(self, sb: Sandbox):
+        """The agent's channel, for an op: every op goes through here, so here
+        the VM's balloon learns it is in use (it deflates in the background)."""
         h = sb.handle
         if h is None or h.agent is None or h.agent.closed:
             raise Conflict(f"sandbox {sb.id} is exiting (its VM's agent channel is closed)", {"sandbox": sb.id})
+        if self.balloon is not None:
+            self.balloon.wake(sb)
         return h.agent
 
     async def exec(self, sb: Sandbox, req, env: list[str], cwd: str, user: int, timeout: float | None, ctx) -> dict:

@@ -92,6 +92,24 @@ def test_per_sandbox_series_only_when_asked(monkeypatch):
     assert _value(text, "dsecd_sandbox_memory_bytes", sandbox="ab12") == 4096
 
 
+def test_the_idle_balloon_of_microvms(monkeypatch):
+    snap = metrics.Snapshot(balloon={"enabled": True, "vms": 4, "ballooned": 2, "skipped": 1,
+                                     "held_bytes": 300 << 20, "inflates": 5, "deflates_wake": 3,
+                                     "deflates_pressure": 1},
+                            sandboxes=[{"id": "vm1", "qos": "be", "cpu_pct": None, "throttled_pct": None,
+                                        "memory": None, "memory_limit": 256 << 20, "vm_guest_size": 128 << 20}])
+    monkeypatch.setattr(metrics.COLLECTOR, "snapshot", snap)
+    text = metrics.render()[0].decode()
+    assert _value(text, "dsecd_vm_balloon_vms", state="ballooned") == 2
+    assert _value(text, "dsecd_vm_balloon_vms", state="full") == 1
+    assert _value(text, "dsecd_vm_balloon_vms", state="skipped") == 1
+    assert _value(text, "dsecd_vm_balloon_held_bytes") == 300 << 20
+    assert _value(text, "dsecd_vm_balloon_changes_total", kind="pressure") == 1
+    assert _value(text, "dsecd_sandbox_vm_guest_bytes", sandbox="vm1") == 128 << 20
+    monkeypatch.setattr(metrics.COLLECTOR, "snapshot", metrics.Snapshot(balloon={"enabled": False}))
+    assert "dsecd_vm_balloon" not in metrics.render()[0].decode()
+
+
 def test_a_pager_without_the_histogram_and_a_monitor_that_is_off(monkeypatch):
     pager = {k: v for k, v in SNAPSHOT.images["pager"].items() if k != "fetch_latency"}
     snap = metrics.Snapshot(images={"pager": pager}, denials={"monitor": "off: sandbox.policy_denials = false",

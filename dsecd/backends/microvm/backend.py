@@ -11,7 +11,9 @@ kernel and the generated initramfs, guestimg.py) with:
     served by QEMU as a unix socket in the VM's directory;
   - a QMP monitor socket (qmp.py) for stop/cont, migration and the balloon;
   - virtio-balloon with free-page reporting (memory the guest frees goes back
-    to the host);
+    to the host) and deflate-on-oom (a guest short of memory takes pages
+    back from its balloon before its OOM killer runs: the idle policy,
+    engine/vmballoon.py, may have made it small);
   - the serial console in <vm dir>/serial.log, QEMU's stderr in qemu.log.
 
 QEMU runs inside the sandbox's own cgroups (joined before exec by a tiny
@@ -283,7 +285,7 @@ class MicroVMBackend:
                 "-device", "virtio-serial-pci,id=vs0",
                 "-chardev", f"socket,id=agent,path={vm_dir}/agent.sock,server=on,wait=off",
                 "-device", "virtserialport,chardev=agent,name=dsec.agent",
-                "-device", f"virtio-balloon-pci,id=balloon0,free-page-reporting={reporting}"]
+                "-device", f"virtio-balloon-pci,id=balloon0,free-page-reporting={reporting},deflate-on-oom=on"]
         if machine.net:
             argv += ["-netdev", refs["netdev"], "-device", f"virtio-net-pci,netdev=net0,id=nic0,mac={NIC_MAC}"]
         for i, (path, size) in enumerate(pmem):
