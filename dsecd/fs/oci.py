@@ -232,9 +232,20 @@ class _Hashing:
         self.source = source
         self.sha = hashlib.sha256()
         self.bytes = 0
+        self.ahead = b""        # read by peek(), not yet returned
+
+    def peek(self, size: int) -> bytes:
+        """The next `size` bytes (fewer at the end), left to be read."""
+        while len(self.ahead) < size and (more := self.source.read(size - len(self.ahead))):
+            self.ahead += more
+        return self.ahead[:size]
 
     def read(self, size: int = -1) -> bytes:
-        data = self.source.read(size)
+        if self.ahead:
+            cut = len(self.ahead) if size < 0 else size
+            data, self.ahead = self.ahead[:cut], self.ahead[cut:]
+        else:
+            data = self.source.read(size)
         self.sha.update(data)
         self.bytes += len(data)
         return data
@@ -420,35 +431,48 @@ def _decompressed(blob: _Hashing, magic: bytes, what: str):
     return blob
 
 
-def extract_blob(path: Path, digest: str, diff_id: str, root: Path) -> int:
-    """Extract a downloaded OCI layer blob (gzip, zstd or plain tar) into
-    `root` in one streaming pass, with the same entry checks and whiteout
-    handling as a tarball's layers, while checking both digests: the blob's
-    against `digest` (the manifest's) and the uncompressed tar's against
-    `diff_id` (the image config's). Returns the number of entries; TarError
-    names the layer and what did not match."""
-    what = f"layer {digest}"
+def unpack_blob(raw, root: Path, what: str) -> tuple[int, str, str]:
+    """Unpack a layer blob (gzip, zstd or plain tar) read from `raw` (any
+    reader with read(size)) into `root`, an empty directory, in one
+    streaming pass, with the entry checks and whiteout handling of a
+    tarball's layers: (entries, the blob's digest, the uncompressed tar's
+    digest). TarError starts with `what` (the layer) and says what was wrong."""
     n = 0
     try:
-        with open(path, "rb") as raw:
-            blob = _Hashing(raw)
-            tar = _TarStream(_decompressed(blob, raw.peek(4)[:4], what))
-            unpacker = _Unpacker(root)
-            for m in tar.members():
-                unpacker.entry(m, lambda fd, m=m: tar.write_member(m, fd))
-                n += 1
-            tar.drain()
-            blob.drain()
+        blob = _Hashing(raw)
+        tar = _TarStream(_decompressed(blob, blob.peek(4), what))
+        unpacker = _Unpacker(root)
+        for m in tar.members():
+            unpacker.entry(m, lambda fd, m=m: tar.write_member(m, fd))
+            n += 1
+        tar.drain()
+        blob.drain()
     except CORRUPT as err:
         raise TarError(f"{what} is corrupt or truncated: {err}") from err
     except TarError as err:
         raise TarError(f"{what}: {err}") from err
-    if blob.digest() != digest:
-        raise TarError(f"{what}: the downloaded blob hashes to {blob.digest()}, not to the digest "
+    return n, blob.digest(), tar.digest()
+
+
+def check_digests(what: str, blob_digest: str, tar_digest: str, digest: str, diff_id: str) -> None:
+    """TarError unless the blob is the manifest's `digest` and its tar the config's `diff_id`."""
+    if blob_digest != digest:
+        raise TarError(f"{what}: the downloaded blob hashes to {blob_digest}, not to the digest "
                        "the manifest names; the registry sent other bytes")
-    if tar.digest() != diff_id:
-        raise TarError(f"{what}: its uncompressed content hashes to {tar.digest()}, but the image "
+    if tar_digest != diff_id:
+        raise TarError(f"{what}: its uncompressed content hashes to {tar_digest}, but the image "
                        f"config's diff_id is {diff_id}")
+
+
+def extract_blob(path: Path, digest: str, diff_id: str, root: Path) -> int:
+    """Extract a downloaded OCI layer blob into `root` (unpack_blob), checking
+    both digests: the blob's against `digest` (the manifest's) and the
+    uncompressed tar's against `diff_id` (the image config's). Returns the
+    number of entries; TarError names the layer and what did not match."""
+    what = f"layer {digest}"
+    with open(path, "rb") as raw:
+        n, blob_digest, tar_digest = unpack_blob(raw, root, what)
+    check_digests(what, blob_digest, tar_digest, digest, diff_id)
     return n
 
 
