@@ -147,7 +147,8 @@ def measure_pull(tmp: Path, rootfs: str, rounds: int, seed: int, convert_threads
                     res = asyncio.run(pull(daemon.sock, big))
                     ours.append({"total": time.monotonic() - t, **res["pull"]})
             log(f"round {r + 1}: skopeo {skopeo_s[-1]:.2f} s, ours {ours[-1]['total']:.2f} s "
-                f"(download {ours[-1]['download_s']:.2f} s, conversion after it {ours[-1]['convert_s']:.2f} s)")
+                f"(download {ours[-1]['download_s']:.2f} s, conversion after it {ours[-1]['convert_s']:.2f} s, "
+                f"{ours[-1].get('streamed_layers', 0)} layers converted while downloading)")
         first_exec = []
         for _ in range(rounds):
             asyncio.run(empty_store(daemon.sock))

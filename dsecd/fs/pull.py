@@ -12,8 +12,10 @@
                  present and does not fetch. A blob appears in blobs/sha256/ only
                  once complete and checked, and the directory survives a failed
                  or cancelled pull, so a re-pull fetches only what is missing.
-    4. convert   each layer, as soon as its blob is complete (while the next ones
-                 download): decompressed (gzip, zstd) and unpacked in one
+    4. convert   each layer while it downloads, from skopeo's temp file, when a
+                 thread for that is idle (_convert_stream; which layer it is
+                 shows when skopeo renames it into blobs/), else as soon as its
+                 blob is complete: decompressed (gzip, zstd) and unpacked in one
                  streaming pass (oci.extract_blob: entry checks, whiteouts,
                  both digests checked), built as one EROFS layer and recorded
                  under its diff_id (images.py). The layer is unpacked into a
@@ -91,14 +93,41 @@ ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "ppc64le": "ppc6
 CONVERT_NICE = 10
 
 
-def _below_the_download() -> None:
-    """A conversion thread (and the mkfs.erofs it runs) yields the CPU to
-    skopeo: nice is per thread on Linux. Converting layer i while layer i+1
-    downloads then costs the download little (measured on 2 cores: without
-    it the download ran ~1.8x slower than skopeo alone), and conversion
-    takes the cycles the download leaves."""
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), CONVERT_NICE)
+class _BelowTheDownload:
+    """A pull's conversion threads (and the mkfs.erofs they run) yield the
+    CPU to skopeo while it downloads: nice is per thread on Linux.
+    Converting layer i while layer i+1 downloads then costs the download
+    little (measured on 2 cores: without it the download ran ~1.8x slower
+    than skopeo alone), and conversion takes the cycles the download
+    leaves. Once the download is over they go back to the daemon's nice:
+    niced, what was left of the conversion yielded to every other process
+    of a busy host too (at load 8-10 the bench's conversion after the
+    download took 13-20 s for ~4.5 CPU-s)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.threads: list[tuple[int, int]] = []    # (native thread id, its nice before)
+        self.over = False
+
+    def enter(self) -> None:
+        """A pool thread's initializer."""
+        with self.lock:
+            if self.over:
+                return
+            tid = threading.get_native_id()
+            with contextlib.suppress(OSError):
+                before = os.getpriority(os.PRIO_PROCESS, tid)
+                os.setpriority(os.PRIO_PROCESS, tid, max(before, CONVERT_NICE))
+                self.threads.append((tid, before))
+
+    def download_over(self) -> None:
+        """Back to the daemon's nice (threads still alive: their pools are not shut down yet)."""
+        with self.lock:
+            self.over = True
+            for tid, before in self.threads:
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, tid, before)
+            self.threads.clear()
 
 
 def host_os_arch() -> str:
@@ -160,6 +189,91 @@ class _Layer:
     def event(self, of: int) -> dict:
         return {"step": "pull", "layer": self.index, "of": of, "digest": self.digest, "size": self.size,
                 "bytes": self.bytes, "state": self.state}
+
+
+STREAM_POLL_S = 0.01           # a converting temp file's reader, at its end, looks again after this
+
+
+class _Abandoned(Exception):
+    """A temp file that will not become a blob: skopeo stopped, or dropped it."""
+
+
+class _Streams:
+    """A download's conversions of temp files (Puller._convert_stream), by inode."""
+
+    def __init__(self, pool: ThreadPoolExecutor, slots: int):
+        self.pool = pool
+        self.slots = slots              # conversions of temp files at once; 0: none
+        self.by_ino: dict[int, Future] = {}
+        self.converted = 0              # layers converted from their temp file
+        self.over = threading.Event()   # skopeo has exited: no temp file becomes a blob any more
+
+    def idle(self) -> bool:
+        """Whether a thread for temp files has nothing to do."""
+        return sum(not f.done() for f in self.by_ino.values()) < self.slots
+
+
+class _GrowingBlob:
+    """A blob read from skopeo's temp file while skopeo writes it: read()
+    waits at the file's end until more is written or the file is complete.
+    Complete is when skopeo has renamed it into blobs/ (it does once the
+    whole blob is written and its digest checked): the layer whose blob has
+    this inode is then `layer`. _Abandoned when no layer's blob ever will."""
+
+    def __init__(self, fd: int, temp: Path, blobs: Path, layers: list[_Layer], over: threading.Event):
+        self.fd = fd
+        self.temp = temp
+        self.blobs = blobs
+        self.layers = layers
+        self.over = over
+        st = os.fstat(fd)
+        self.ino = (st.st_dev, st.st_ino)
+        self.layer: _Layer | None = None
+        self.complete = False
+
+    def read(self, size: int = -1) -> bytes:
+        size = size if size >= 0 else 1 << 20
+        while True:
+            data = os.read(self.fd, size)
+            if data or self.complete:
+                return data
+            self._wait()
+
+    def _wait(self) -> None:
+        """At the file's end: the layer once the file is complete (then reads
+        go on to its true end), else a short sleep; _Abandoned when skopeo is done."""
+        over = self.over.is_set()       # before the look: skopeo renames nothing after its exit
+        if self.temp.exists():
+            if over:
+                raise _Abandoned(f"{self.temp} is still a temp file after the download ended")
+            time.sleep(STREAM_POLL_S)
+            return
+        self.layer = self._find()
+        if self.layer is None:
+            raise _Abandoned(f"{self.temp} was removed without becoming a blob")
+        self.complete = True
+
+    def _find(self) -> _Layer | None:
+        for layer in self.layers:
+            try:
+                st = os.stat(self.blobs / layer.digest.split(":", 1)[1])
+            except FileNotFoundError:
+                continue
+            if (st.st_dev, st.st_ino) == self.ino:
+                return layer
+        return None
+
+    def known_layer(self) -> _Layer | None:
+        """The layer this file is, waiting for the download to tell; None if it is none."""
+        while not self.complete:
+            try:
+                self._wait()
+            except _Abandoned:
+                return None
+        return self.layer
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 class Puller:
@@ -328,7 +442,8 @@ class Puller:
         total = sum(int(layer["size"]) for layer in resolved.layers)
         emit({"step": "resolve", "ref": str(name), "digest": resolved.manifest_digest, "platform": wanted,
               "layers": len(resolved.layers), "bytes": total})
-        stats = {"downloaded_bytes": 0, "reused_layers": 0, "resumed_layers": 0, "waited_s": 0.0,
+        stats = {"downloaded_bytes": 0, "reused_layers": 0, "resumed_layers": 0, "streamed_layers": 0,
+                 "waited_s": 0.0,
                  "download_s": 0.0, "convert_s": 0.0}
         current = self._current(name, source)
         if current is not None:
@@ -377,21 +492,35 @@ class Puller:
         layers = [_Layer(i, desc, diff) for i, (desc, diff) in enumerate(zip(r.layers, r.diff_ids, strict=True))]
         keep_work = True        # a failed download keeps what it fetched, for the next try
         published = False
+        threads = max(1, self.settings.convert_threads)
+        # Temp files convert in threads of their own (as many): one waiting
+        # for a slow download's next bytes holds up no complete blob. Their
+        # pool is left (its threads joined) after the download, so before
+        # the pinning ends.
+        niced = _BelowTheDownload()
+        streams = _Streams(ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dsecd-pull-stream",
+                                              initializer=niced.enter),
+                           threads if self.settings.tmpfs_bytes else 0)
         with self.images.pinning() as hold, ThreadPoolExecutor(
-                max_workers=max(1, self.settings.convert_threads), thread_name_prefix="dsecd-pull-convert",
-                initializer=_below_the_download) as pool:
+                max_workers=threads, thread_name_prefix="dsecd-pull-convert",
+                initializer=niced.enter) as pool, streams.pool:
             try:
                 self._plan(work, layers, hold, stats)
                 for layer in layers:
                     emit(layer.event(len(layers)))
                 if any(layer.state != "reused" for layer in layers):
-                    self._download(r, work, layers, pool, hold, emit, cancelled, stats)
+                    try:
+                        self._download(r, work, layers, pool, hold, emit, cancelled, stats, streams)
+                    finally:
+                        streams.over.set()
+                        niced.download_over()
                 t = time.monotonic()
                 for layer in layers:
                     if layer.future is not None:
                         layer.future.result()
                         emit(layer.event(len(layers)))
                 stats["convert_s"] = time.monotonic() - t
+                stats["streamed_layers"] = streams.converted
                 stored = [layer.stored for layer in layers]
                 image = self.images.commit_pulled(str(r.name), stored, config, source, hold)
                 keep_work = published = True
@@ -460,7 +589,7 @@ class Puller:
         listed.write_text("".join(f"{d}\n" for d in placeholders))
 
     def _download(self, r: Resolved, work: Path, layers: list[_Layer], pool: ThreadPoolExecutor, hold,
-                  emit: Progress, cancelled: threading.Event, stats: dict) -> None:
+                  emit: Progress, cancelled: threading.Event, stats: dict, streams: _Streams) -> None:
         """Run skopeo, and start each layer's conversion once its blob is complete."""
         blobs = work / "blobs" / "sha256"
         pending = [layer for layer in layers if layer.state != "reused"]
@@ -475,7 +604,7 @@ class Puller:
         try:
             while True:
                 done = proc.poll() is not None
-                self._watch(blobs, work, pending, pool, hold, emit, of, stats)
+                self._watch(blobs, work, pending, pool, hold, emit, of, stats, streams, start=not done)
                 for layer in pending:
                     if layer.future is not None and layer.future.done() and layer.future.exception():
                         raise layer.future.exception()
@@ -495,6 +624,7 @@ class Puller:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+            streams.over.set()      # skopeo renames no temp file any more
             stats["download_s"] = time.monotonic() - t
         if proc.returncode != 0:
             err = self.skopeo.copy_error(log, ref)
@@ -504,13 +634,26 @@ class Puller:
             raise PullError("io", f"pull of {r.name}: skopeo finished but blobs {missing} are not in {blobs}")
 
     def _watch(self, blobs: Path, work: Path, pending: list[_Layer], pool: ThreadPoolExecutor, hold,
-               emit: Progress, of: int, stats: dict) -> None:
-        """One look at the work directory: complete blobs start converting;
-        temp files' bytes go to the layers still downloading (module docstring)."""
+               emit: Progress, of: int, stats: dict, streams: _Streams | None = None,
+               start: bool = False) -> None:
+        """One look at the work directory: complete blobs start converting
+        (or are found converting already, from their temp file); temp files'
+        bytes go to the layers still downloading (module docstring), and
+        with `start` a temp file starts converting while it downloads, if
+        a conversion thread is idle (_convert_stream)."""
         for layer in pending:
-            if layer.future is None and (blobs / layer.digest.split(":", 1)[1]).exists():
-                layer.bytes, layer.state = layer.size, "downloaded"
-                stats["downloaded_bytes"] += 0 if layer.resumed else layer.size
+            if layer.future is not None:
+                continue
+            try:
+                ino = os.stat(blobs / layer.digest.split(":", 1)[1]).st_ino
+            except FileNotFoundError:
+                continue
+            layer.bytes = layer.size
+            if layer.state not in ("converting", "stored"):     # its temp file's conversion may be ahead
+                layer.state = "downloaded"
+            stats["downloaded_bytes"] += 0 if layer.resumed else layer.size
+            layer.future = streams.by_ino.get(ino) if streams else None
+            if layer.future is None:
                 layer.future = pool.submit(self._convert, layer, blobs, hold, emit, of)
         temps = []
         with contextlib.suppress(FileNotFoundError):
@@ -519,6 +662,10 @@ class Puller:
                     with contextlib.suppress(FileNotFoundError):
                         st = entry.stat()
                         temps.append((st.st_ino, st.st_size))
+                        if start and streams is not None and st.st_ino not in streams.by_ino and \
+                                streams.idle():
+                            self._start_stream(Path(entry.path), st.st_ino, blobs, pending, hold, emit, of,
+                                               streams)
         temps.sort()
         fetching = [layer for layer in pending if layer.future is None]
         for layer in fetching:
@@ -530,6 +677,65 @@ class Puller:
             if key != layer.reported:
                 layer.reported = key
                 emit(layer.event(of))
+
+    def _start_stream(self, temp: Path, ino: int, blobs: Path, pending: list[_Layer], hold, emit: Progress,
+                      of: int, streams: _Streams) -> None:
+        try:
+            fd = os.open(temp, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:          # renamed meanwhile: its blob is complete
+            return
+        if os.fstat(fd).st_ino != ino:
+            os.close(fd)
+            return
+        reader = _GrowingBlob(fd, temp, blobs, pending, streams.over)
+        streams.by_ino[ino] = streams.pool.submit(self._convert_stream, reader, blobs, hold, emit, of, streams)
+
+    def _convert_stream(self, reader: _GrowingBlob, blobs: Path, hold, emit: Progress, of: int,
+                        streams: _Streams) -> None:
+        """Convert a blob while skopeo downloads it, from its temp file: the
+        download of a 7-layer image ends with its layers at once (skopeo
+        fetches 6 at a time), so waiting for complete blobs left all the
+        conversion after it, and a core idle while it ran. Which layer the
+        temp file is shows when skopeo renames it into blobs/ (the same
+        inode): its digests are checked against that layer's then. A temp
+        file that never becomes a blob (skopeo found it bad, or stopped)
+        converts to nothing; a conversion that fails once its layer is
+        known (a bad layer, ENOSPC) is done again from the complete blob,
+        the way every layer converted before, which words the error."""
+        layer = None
+        try:
+            def unpack_and_build(mnt: Path) -> dict:
+                nonlocal layer
+                _, blob_digest, tar_digest = oci.unpack_blob(reader, mnt, f"the blob in {reader.temp.name}")
+                layer = reader.layer
+                oci.check_digests(f"layer {layer.digest}", blob_digest, tar_digest, layer.digest, layer.diff_id)
+                layer.state = "converting"
+                layer.reported = (layer.state, layer.bytes)
+                emit(layer.event(of))
+                return self.images.build_layer(mnt, hold=hold)
+
+            stored = self._in_tmpfs(f"a blob downloading into {reader.temp}", self.settings.tmpfs_bytes,
+                                    unpack_and_build)
+        except _Abandoned:
+            return
+        except (oci.TarError, ImageError, OSError) as err:
+            layer = reader.known_layer()
+            if layer is None:
+                return
+            log.info("pull: converting layer %s while it downloaded failed (%s); converting its blob",
+                     layer.digest, err)
+            stored = None
+        finally:
+            reader.close()
+        if stored is None:
+            layer = layer or reader.known_layer()
+            if layer is None:
+                return
+            self._convert(layer, blobs, hold, emit, of)
+            return
+        self.images.record_diff_id(layer.diff_id, stored)
+        layer.stored, layer.state = stored, "stored"
+        streams.converted += 1
 
     def _convert(self, layer: _Layer, blobs: Path, hold, emit: Progress, of: int) -> None:
         layer.state = "converting"
@@ -551,10 +757,19 @@ class Puller:
         layer.stored, layer.state = stored, "stored"
 
     def _convert_in_tmpfs(self, layer: _Layer, blob: Path, hold, cap: int) -> dict | None:
-        """Unpack and build the layer in a tmpfs of at most `cap` bytes, mounted
-        on an empty directory of the scratch disk for the conversion alone:
-        the stored layer, or None when the layer's files did not fit (ENOSPC:
-        the caller unpacks it on the disk).
+        """The layer unpacked and built in a tmpfs (_in_tmpfs), or None."""
+        def unpack_and_build(mnt: Path) -> dict:
+            oci.extract_blob(blob, layer.digest, layer.diff_id, mnt)
+            return self.images.build_layer(mnt, hold=hold)
+
+        return self._in_tmpfs(f"layer {layer.digest}", cap, unpack_and_build)
+
+    def _in_tmpfs(self, what: str, cap: int, work: Callable[[Path], dict]) -> dict | None:
+        """work(root): unpack and build a layer in a tmpfs of at most `cap`
+        bytes, mounted on an empty directory of the scratch disk for the
+        conversion alone: the stored layer, or None when the layer's files
+        did not fit (ENOSPC: the caller unpacks it on the disk) or there is
+        no tmpfs here.
 
         Why not the scratch disk: unpacking is one file create per tar entry,
         and on ext4 a create scans the inode bitmap past every inode deleted
@@ -576,15 +791,14 @@ class Puller:
                 os.close(fd)
         except OSError as err:            # no tmpfs here (a container without mount rights)
             os.rmdir(mnt)
-            log.warning("pull: no tmpfs for unpacking layer %s (%s); unpacking it on the scratch disk %s",
-                        layer.digest, err, self.images.scratch)
+            log.warning("pull: no tmpfs for unpacking %s (%s); unpacking it on the scratch disk %s",
+                        what, err, self.images.scratch)
             return None
         try:
             # The tree's root as on the disk path (a mkdtemp directory): the
             # same layer gives the same EROFS bytes whichever way it went.
             os.chmod(mnt, mode)
-            oci.extract_blob(blob, layer.digest, layer.diff_id, mnt)
-            return self.images.build_layer(mnt, hold=hold)
+            return work(mnt)
         except OSError as err:
             if err.errno != errno.ENOSPC:
                 raise

@@ -421,3 +421,60 @@ def test_hostile_registry_fails_clearly_and_leaves_nothing(case, busybox_rootfs,
     assert not [p for p in (d.state / "store" / "pulls").iterdir() if p.is_dir()], "a work dir is left"
     assert not list((d.state / "scratch").iterdir()) and not pull_mounts(d), "a conversion tree is left"
     c.close()
+
+
+def test_a_layer_converts_while_it_downloads_into_the_layer_a_whole_blob_gives(busybox_rootfs, tmp_path,
+                                                                              daemon_factory, fake):
+    slow = _tar_bytes([_entry("d", tarfile.DIRTYPE, mode=0o750), _file("d/big.bin", os.urandom(3 << 20)),
+                       _file("d/small.txt", b"small\n"), _entry("d/link", tarfile.SYMTYPE, linkname="small.txt"),
+                       _file("etc/.wh.hostname")])
+    fake_image(tmp_path, fake, "stream/app", [(rootfs_layer(busybox_rootfs), "gzip"), (slow, "gzip")])
+    fake.slow[layer_blob(slow)] = 3.0
+    ref = f"{fake.host}/stream/app:v1"
+    layers, pulls = {}, {}
+    # pull_tmpfs "0" converts from complete blobs only, on the scratch disk.
+    for cap in ("1G", "0"):
+        d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}"]\npull_tmpfs = "{cap}"\n')
+        c = d.client()
+        img = c.pull_image(ref)
+        layers[cap], pulls[cap] = [layer["digest"] for layer in img["layers"]], img["pull"]
+        sb = c.create(image=img["name"])
+        try:
+            assert sb.exec(["cat", "/d/link"]).stdout == b"small\n"
+            assert sb.exec(["test", "-e", "/etc/hostname"]).exit_code == 1
+        finally:
+            sb.destroy()
+        assert not list((d.state / "scratch").iterdir()) and not pull_mounts(d), "a conversion left its tree"
+        c.close()
+    assert pulls["1G"]["streamed_layers"] >= 1 and pulls["0"]["streamed_layers"] == 0
+    assert layers["1G"] == layers["0"], "a layer converted while downloading differs from its blob's"
+
+
+@pytest.mark.parametrize("case", ["wrong_digest", "truncated_blob", "dotdot_entry"])
+def test_a_bad_layer_found_while_it_downloads_fails_the_pull_and_leaves_nothing(case, busybox_rootfs, tmp_path,
+                                                                                daemon_factory, fake):
+    # The bad blob trickles in, so its temp file is converting when the
+    # download finds it wrong (skopeo: digest, length) or the unpack does ('..').
+    d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}"]\n')
+    c = d.client()
+    before = store_blobs(d)
+    ref = f"{fake.host}/evil/app:v1"
+    layers, patch, knob, match = hostile_cases(rootfs_layer(busybox_rootfs))[case]
+    payload = _tar_bytes([_file("pad.bin", os.urandom(2 << 20))])
+    fake_image(tmp_path, fake, "evil/app", [(payload, "tar"), *layers], patch)
+    target = layer_blob(*layers[0])
+    fake.slow[target] = 2.0
+    if knob == "lie":
+        fake.lie[target] = fake.blobs[target][:-10] + b"0123456789"
+    elif knob == "cut":
+        fake.cut.add(target)
+    with pytest.raises(DsecError, match=match):
+        c.pull_image(ref)
+    if case == "dotdot_entry":      # refused while downloading, then again from the whole blob
+        assert "while it downloaded failed" in d.log.read_text()
+    assert ref not in [i["name"] for i in c.list_images()]
+    c.request("image_gc")
+    assert store_blobs(d) == before, "a failed pull left blobs behind"
+    assert not [p for p in (d.state / "store" / "pulls").iterdir() if p.is_dir()], "a work dir is left"
+    assert not list((d.state / "scratch").iterdir()) and not pull_mounts(d), "a conversion tree is left"
+    c.close()
