@@ -48,15 +48,13 @@ class GuestTrace:
                 return
             if len(self.buf) - at - 4 < length:
                 break
-            body = memoryview(self.buf)[at + 4:at + 4 + length]
+            body = bytes(self.buf[at + 4:at + 4 + length])
+            at += 4 + length
             try:
                 self._record(wire.Reader(body))
             except (ValueError, struct.error) as err:
-                body.release()
                 self._fail(f"malformed guest tracer record: {err}")
                 return
-            body.release()
-            at += 4 + length
         del self.buf[:at]
 
     def _fail(self, why: str) -> None:
