@@ -13,7 +13,14 @@ import struct
 import pytest
 
 from dsecd import trace
-from dsecd.backends.microvm.vmtrace import TR_ERROR, TR_EXIT, TR_FORK, TR_SIGNAL, TR_SYSCALL, GuestTrace
+from dsecd.backends.microvm.vmtrace import (
+    TR_ERROR,
+    TR_EXIT,
+    TR_FORK,
+    TR_SIGNAL,
+    TR_SYSCALL,
+    GuestTrace,
+)
 
 NR = {name: nr for nr, name in trace.RECORDED.items()}
 ENOENT = (1 << 64) - 2
