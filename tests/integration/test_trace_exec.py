@@ -108,3 +108,30 @@ def test_dsec_trace_cli(daemon, sandbox, tmp_path):
     assert r.returncode == 0, r.stderr
     rec = json.loads(out.read_text())
     assert rec["events"][0]["kind"] == "exec" and rec["exit_code"] == 0
+
+
+def test_a_traced_exec_takes_stdin_to_its_end(sandbox):
+    # The tracer holds no end of the command's pipes: cat sees its input's end.
+    r = sandbox.exec(["cat"], stdin=b"fed\n", trace=True, timeout=20)
+    assert (r.exit_code, r.stdout, r.timed_out) == (0, b"fed\n", False)
+    assert r.trace["exit_code"] == 0 and "error" not in r.trace
+
+
+def test_the_record_ends_with_the_command_not_its_background_child(sandbox):
+    r = sandbox.exec(["sh", "-c", "sleep 2 >/dev/null 2>&1 & echo started"], trace=True, timeout=20)
+    assert (r.exit_code, r.stdout, r.timed_out) == (0, b"started\n", False)
+    t = r.trace
+    _check_record(t)
+    assert t["exit_code"] == 0
+    assert any(f["pid"] == t["pid"] for f in _kinds(t, "fork"))
+
+
+def test_a_traced_vm_exec_of_a_missing_program_fails_as_an_untraced_one(vm):
+    from dsecd.errors import NotFound
+
+    with pytest.raises(NotFound) as untraced:
+        vm.exec(["/no/such/program"])
+    with pytest.raises(NotFound) as traced:
+        vm.exec(["/no/such/program"], trace=True)
+    assert str(traced.value) == str(untraced.value)
+    assert vm.exec(["true"], trace=True).trace["exit_code"] == 0       # the agent serves on
