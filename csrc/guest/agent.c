@@ -852,7 +852,7 @@ static void do_exec(uint32_t id, struct rd *r)
     char **argv = NULL, **envp = NULL;
     uint64_t envc = 0, i, rows = 0, cols = 0, max_string = 0, max_argv = 0;
     struct exec *x = NULL;
-    int trace = (flags & EXEC_TRACE) != 0, trace_fd = -1;
+    int trace = (flags & EXEC_TRACE) != 0, trace_fd = -1, reaped = 0;
     int po[2] = {-1, -1}, pe[2] = {-1, -1}, pi[2] = {-1, -1}, perr[2] = {-1, -1};
     int pty = -1, tty = -1; /* a pty exec's master and slave */
 
@@ -1008,6 +1008,7 @@ static void do_exec(uint32_t id, struct rd *r)
         while (waitpid(pid, &status, WUNTRACED) < 0 && errno == EINTR)
             ;
         /* Not stopped: a step before the exec failed, as perr says below. */
+        reaped = !WIFSTOPPED(status);
         if (WIFSTOPPED(status) && (trace_fd = start_tracer(pid, max_string, max_argv, keep, 4)) < 0) {
             int err = errno;
 
@@ -1033,6 +1034,10 @@ static void do_exec(uint32_t id, struct rd *r)
             send_err(id, err, eb + sizeof(int));
             goto fail;
         }
+    }
+    if (reaped) { /* it ended before its stop and said nothing: no process to report on */
+        send_err(id, ECHILD, "stop before the traced exec");
+        goto fail;
     }
     x->id = id;
     x->pid = pid;
