@@ -15,6 +15,12 @@ has two, shared). Two daemons, one after the other:
      another: creates with a NIC, TCP connects and a bulk send through the
      tap and its policy program.
 
+`bench/microvm.py --trace-cost N` runs only what tracing a VM's exec costs
+(`exec` with `trace`: the guest agent's tracer): on one restored VM, a
+shell loop that runs `cat` ten times, N times untraced and N traced,
+alternating; it prints trace_vm_untraced_p50_ms, trace_vm_traced_p50_ms
+(the exec's round trip) and trace_vm_events (the record's events).
+
 `bench/microvm.py --own-root-cost N` runs only what a VM's own mount
 namespace (vmroot.py) costs a create: two daemons, microvm.own_root on and
 off, each restoring its template N times, the two alternating (so that the
@@ -445,8 +451,45 @@ def own_root_cost(rootfs: str, n: int) -> dict:
     return out
 
 
+TRACE_LOOP = ["sh", "-c", "for i in 1 2 3 4 5 6 7 8 9 10; do cat /etc/passwd > /dev/null; done"]
+
+
+def trace_cost(rootfs: str, n: int) -> dict:
+    """A VM exec's round trip untraced and traced (the guest's tracer), alternating."""
+    with private_daemon(rootfs, IMAGE) as d:
+        c = SyncClient(d.sock)
+        c.connect()
+        vm = c.info()["backends"]["microvm"]
+        if not vm["available"]:
+            raise RuntimeError(f"backend microvm unavailable: {vm['why']}")
+        sb = c.create(IMAGE, backend="microvm", memory="256M", net="none", disk="256M")
+        try:
+            times: dict = {False: [], True: []}
+            events = 0
+            for _ in range(n + 2):          # the first two of each warm the guest's caches
+                for traced in (False, True):
+                    t0 = time.perf_counter()
+                    r = sb.exec(TRACE_LOOP, trace=traced)
+                    times[traced].append((time.perf_counter() - t0) * 1000)
+                    if traced:
+                        if "error" in r.trace:
+                            raise RuntimeError(f"traced exec: {r.trace['error']}")
+                        events = len(r.trace["events"])
+            untraced, traced_ms = times[False][2:], times[True][2:]
+            log(f"accel {vm['accel']}: untraced {sorted(round(x) for x in untraced)} ms, "
+                f"traced {sorted(round(x) for x in traced_ms)} ms, {events} events")
+            return {"accel": vm["accel"], "trace_vm_untraced_p50_ms": round(statistics.median(untraced), 1),
+                    "trace_vm_traced_p50_ms": round(statistics.median(traced_ms), 1), "trace_vm_events": events}
+        finally:
+            sb.destroy(force=True)
+            c.close()
+
+
 def main() -> int:
     rootfs = build_rootfs()
+    if len(sys.argv) == 3 and sys.argv[1] == "--trace-cost":
+        print(json.dumps(trace_cost(rootfs, int(sys.argv[2]))))
+        return 0
     if len(sys.argv) == 3 and sys.argv[1] == "--own-root-cost":
         print(json.dumps(own_root_cost(rootfs, int(sys.argv[2]))))
         return 0

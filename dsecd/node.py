@@ -351,7 +351,7 @@ def make_microvm_service(cfg: Config, features: Features, layout: cgroup.Layout,
                               int(vm_cfg["templates_max"]))
         tmpl = TemplateService(backend, store, workers, float(vm_cfg["boot_timeout_s"]), int(vm_cfg["uid"]))
     return MicroVMService(backend, why, workers, store_path, vm_cfg, cfg.size("limits", "max_exec_output_bytes"),
-                          int(vm_cfg["uid"]), tmpl)
+                          int(vm_cfg["uid"]), tmpl, cfg.size("limits", "max_trace_bytes"))
 
 
 def pick_exec_via(configured: str, features: Features) -> bool:

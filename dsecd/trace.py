@@ -32,6 +32,12 @@ the daemon runs it as a helper (`python -m dsecd.trace --pid N --json`),
 never in its own process. All ptrace requests must come from one thread.
 
 x86_64 only (syscall numbers and registers).
+
+A microVM's command runs in its guest's kernel, where the guest agent's
+tracer records the same raw fields (csrc/guest/agent.c, trace_main);
+`Recorder` and `call_event` here turn them into this record's events, so a
+VM's trace and a container's are one format
+(dsecd/backends/microvm/vmtrace.py).
 """
 
 from __future__ import annotations
@@ -60,13 +66,13 @@ _WALL = 0x40000000
 OPTIONS = (ptrace_func.PTRACE_O_TRACESYSGOOD | ptrace_func.PTRACE_O_TRACEFORK
            | ptrace_func.PTRACE_O_TRACEVFORK | ptrace_func.PTRACE_O_TRACECLONE
            | ptrace_func.PTRACE_O_TRACEEXEC | 0x00100000)   # PTRACE_O_EXITKILL
-_FORK_EVENTS = {ptrace_func.PTRACE_EVENT_FORK: "fork", ptrace_func.PTRACE_EVENT_VFORK: "vfork",
-                ptrace_func.PTRACE_EVENT_CLONE: "clone"}
+FORK_EVENTS = {ptrace_func.PTRACE_EVENT_FORK: "fork", ptrace_func.PTRACE_EVENT_VFORK: "vfork",
+               ptrace_func.PTRACE_EVENT_CLONE: "clone"}
 # python-ptrace's table also has the x32 entries (512 and up) under the same
 # names: keep the native x86_64 numbers.
 _NUMBERS = {name: nr for nr, name in SYSCALL_NAMES.items() if nr < 512}
-# The syscalls recorded, by number: name -> (kind, how to decode the arguments).
-_RECORDED = {_NUMBERS[name]: name for name in (
+# The syscalls recorded: number -> name.
+RECORDED = {_NUMBERS[name]: name for name in (
     "execve", "execveat", "open", "openat", "openat2", "creat", "connect")}
 AT_FDCWD = -100
 
@@ -117,6 +123,88 @@ class Trace:
                                                       if self.truncated else "")
                      + ("; timed out" if self.timed_out else ""))
         return "\n".join(lines) + "\n"
+
+
+class Recorder:
+    """Events into a Trace within its Limits: what does not fit is counted
+    in `dropped` and sets `truncated`."""
+
+    def __init__(self, trace: Trace, limits: Limits):
+        self.trace, self.limits = trace, limits
+
+    def record(self, t: float, pid: int, kind: str, **fields) -> None:
+        event = {"t": round(t, 6), "pid": pid, "kind": kind, **fields}
+        size = len(json.dumps(event, separators=(",", ":"))) + 1
+        tr = self.trace
+        if len(tr.events) >= self.limits.max_events or tr.bytes + size > self.limits.max_bytes:
+            tr.truncated = True
+            tr.dropped += 1
+            return
+        tr.events.append(event)
+        tr.bytes += size
+
+    def exit(self, t: float, pid: int, status: int, root: bool) -> None:
+        """A process's end from its wait status; the root's is the trace's."""
+        if os.WIFSIGNALED(status):
+            sig = signal_name(os.WTERMSIG(status))
+            self.record(t, pid, "exit", signal=sig)
+            if root:
+                self.trace.signal = sig
+        else:
+            code = os.WEXITSTATUS(status)
+            self.record(t, pid, "exit", code=code)
+            if root:
+                self.trace.exit_code = code
+
+
+def signal_name(sig: int) -> str:
+    return signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+
+
+@dataclass
+class RawCall:
+    """A recorded syscall's arguments as read from the tracee at its entry:
+    registers, the path string, argv, and `data` (connect: the sockaddr, at
+    most 128 bytes; openat2: struct open_how). `*_cut`: the string (any argv
+    string) reached Limits.max_string."""
+
+    name: str
+    args: tuple[int, ...]                   # rdi, rsi, rdx, r10, r8, r9
+    path: bytes = b""
+    path_cut: bool = False
+    argv: list[bytes] = field(default_factory=list)
+    argv_cut: bool = False
+    data: bytes = b""
+
+
+def call_event(call: RawCall, limits: Limits) -> dict:
+    """The event fields (kind first, no result) of a recorded syscall."""
+    name, a = call.name, call.args
+    path = {"path": os.fsdecode(call.path), "path_truncated": True} if call.path_cut \
+        else {"path": os.fsdecode(call.path)}
+    if name in ("execve", "execveat"):
+        argv = [os.fsdecode(x) for x in call.argv]
+        ev = {"kind": "exec", "syscall": name, **path, "argv": argv}
+        if name == "execveat":
+            ev["dirfd"] = _signed(a[0])
+        if call.argv_cut or len(argv) == limits.max_argv:
+            ev["argv_truncated"] = True
+        return ev
+    if name in ("open", "creat"):
+        flags = a[1] if name == "open" else os.O_CREAT | os.O_WRONLY | os.O_TRUNC
+        return {"kind": "open", "syscall": name, **path, "flags": flags}
+    if name in ("openat", "openat2"):
+        if name == "openat2":   # struct open_how { u64 flags, mode, resolve }
+            flags = struct.unpack_from("<Q", call.data)[0] if len(call.data) >= 8 else 0
+        else:
+            flags = a[2]
+        ev = {"kind": "open", "syscall": name, **path, "flags": flags}
+        if _signed(a[0]) != AT_FDCWD:
+            ev["dirfd"] = _signed(a[0])
+        return ev
+    if name == "connect":
+        return {"kind": "connect", "fd": _signed(a[0]), "address": decode_sockaddr(call.data)}
+    raise ValueError(f"syscall {name!r} is not recorded")
 
 
 def _describe(e: dict) -> str:
@@ -171,8 +259,8 @@ class _Memory:
         except OSError:       # unmapped (EIO), or the process is gone
             return b""
 
-    def cstring(self, pid: int, addr: int, limit: int) -> tuple[str, bool]:
-        """(text, truncated) of the NUL-terminated string at addr."""
+    def cstring(self, pid: int, addr: int, limit: int) -> tuple[bytes, bool]:
+        """(bytes, truncated) of the NUL-terminated string at addr."""
         out = b""
         while len(out) < limit:
             # Stop at a page end: the next page may be unmapped.
@@ -182,9 +270,9 @@ class _Memory:
                 break
             nul = chunk.find(b"\0")
             if nul >= 0:
-                return os.fsdecode(out + chunk[:nul]), False
+                return out + chunk[:nul], False
             out += chunk
-        return os.fsdecode(out[:limit]), len(out) >= limit
+        return out[:limit], len(out) >= limit
 
     def pointers(self, pid: int, addr: int, limit: int) -> list[int]:
         """The NULL-terminated pointer array at addr, at most `limit` entries."""
@@ -216,7 +304,7 @@ def decode_sockaddr(raw: bytes) -> str:
     return f"family {family}: {raw[2:18].hex()}"
 
 
-def _result(rax: int) -> int | str:
+def syscall_result(rax: int) -> int | str:
     """A syscall's return register as a number, or the errno name if it failed."""
     value = rax - (1 << 64) if rax >= 1 << 63 else rax
     if -4095 <= value < 0:
@@ -237,6 +325,7 @@ class _Tracer:
         self.root = root
         self.limits = limits
         self.trace = Trace(pid=root)
+        self.recorder = Recorder(self.trace, limits)
         self.mem = _Memory()
         self.in_syscall: dict[int, bool] = {}   # pid -> between entry and exit stop
         self.pending: dict[int, dict] = {}      # pid -> event decoded at syscall entry
@@ -245,54 +334,32 @@ class _Tracer:
     # -- recording
 
     def record(self, pid: int, kind: str, **fields) -> None:
-        event = {"t": round(time.monotonic() - self.start, 6), "pid": pid, "kind": kind, **fields}
-        size = len(json.dumps(event, separators=(",", ":"))) + 1
-        t = self.trace
-        if len(t.events) >= self.limits.max_events or t.bytes + size > self.limits.max_bytes:
-            t.truncated = True
-            t.dropped += 1
-            return
-        t.events.append(event)
-        t.bytes += size
-
-    def _path(self, pid: int, addr: int) -> dict:
-        text, cut = self.mem.cstring(pid, addr, self.limits.max_string)
-        return {"path": text, "path_truncated": True} if cut else {"path": text}
+        self.recorder.record(time.monotonic() - self.start, pid, kind, **fields)
 
     def decode_entry(self, pid: int, nr: int, regs) -> dict | None:
         """The event of a recorded syscall, from its arguments at entry."""
-        name = _RECORDED.get(nr)
+        name = RECORDED.get(nr)
+        if name is None:
+            return None
         a = (regs.rdi, regs.rsi, regs.rdx, regs.r10, regs.r8, regs.r9)
+        call = RawCall(name, a)
+        limit = self.limits.max_string
         if name in ("execve", "execveat"):
             path_arg, argv_arg = (a[0], a[1]) if name == "execve" else (a[1], a[2])
-            argv, cut = [], False
+            call.path, call.path_cut = self.mem.cstring(pid, path_arg, limit)
             for ptr in self.mem.pointers(pid, argv_arg, self.limits.max_argv):
-                text, c = self.mem.cstring(pid, ptr, self.limits.max_string)
-                argv.append(text)
-                cut |= c
-            ev = {"kind": "exec", "syscall": name, **self._path(pid, path_arg), "argv": argv}
-            if name == "execveat":
-                ev["dirfd"] = _signed(a[0])
-            if cut or len(argv) == self.limits.max_argv:
-                ev["argv_truncated"] = True
-            return ev
-        if name in ("open", "creat"):
-            flags = a[1] if name == "open" else os.O_CREAT | os.O_WRONLY | os.O_TRUNC
-            return {"kind": "open", "syscall": name, **self._path(pid, a[0]), "flags": flags}
-        if name in ("openat", "openat2"):
-            if name == "openat2":   # struct open_how { u64 flags, mode, resolve }
-                how = self.mem.read(pid, a[2], 24)
-                flags = struct.unpack_from("<Q", how)[0] if len(how) >= 8 else 0
-            else:
-                flags = a[2]
-            ev = {"kind": "open", "syscall": name, **self._path(pid, a[1]), "flags": flags}
-            if _signed(a[0]) != AT_FDCWD:
-                ev["dirfd"] = _signed(a[0])
-            return ev
-        if name == "connect":
-            raw = self.mem.read(pid, a[1], min(a[2], 128))
-            return {"kind": "connect", "fd": _signed(a[0]), "address": decode_sockaddr(raw)}
-        return None
+                text, cut = self.mem.cstring(pid, ptr, limit)
+                call.argv.append(text)
+                call.argv_cut |= cut
+        elif name in ("open", "creat"):
+            call.path, call.path_cut = self.mem.cstring(pid, a[0], limit)
+        elif name in ("openat", "openat2"):
+            call.path, call.path_cut = self.mem.cstring(pid, a[1], limit)
+            if name == "openat2":
+                call.data = self.mem.read(pid, a[2], 24)
+        elif name == "connect":
+            call.data = self.mem.read(pid, a[1], min(a[2], 128))
+        return call_event(call, self.limits)
 
     # -- stops
 
@@ -300,7 +367,7 @@ class _Tracer:
         regs = ptrace_func.ptrace_getregs(pid)
         if not self.in_syscall.get(pid):
             self.in_syscall[pid] = True
-            if regs.orig_rax in _RECORDED:
+            if regs.orig_rax in RECORDED:
                 event = self.decode_entry(pid, regs.orig_rax, regs)
                 if event is not None:
                     self.pending[pid] = event
@@ -309,12 +376,12 @@ class _Tracer:
         event = self.pending.pop(pid, None)
         if event is not None:
             kind = event.pop("kind")
-            self.record(pid, kind, **event, result=_result(regs.rax))
+            self.record(pid, kind, **event, result=syscall_result(regs.rax))
 
     def on_event_stop(self, pid: int, event: int) -> None:
-        if event in _FORK_EVENTS:
+        if event in FORK_EVENTS:
             child = ptrace_func.ptrace_geteventmsg(pid)
-            self.record(pid, "fork", how=_FORK_EVENTS[event], child=child)
+            self.record(pid, "fork", how=FORK_EVENTS[event], child=child)
             self.in_syscall.setdefault(child, False)
         elif event == ptrace_func.PTRACE_EVENT_EXEC:
             # A new address space: the old /proc/PID/mem fd reads the old one.
@@ -322,16 +389,7 @@ class _Tracer:
             self.mem.forget(pid)
 
     def on_exit(self, pid: int, status: int) -> None:
-        if os.WIFSIGNALED(status):
-            sig = signal.Signals(os.WTERMSIG(status)).name
-            self.record(pid, "exit", signal=sig)
-            if pid == self.root:
-                self.trace.signal = sig
-        else:
-            code = os.WEXITSTATUS(status)
-            self.record(pid, "exit", code=code)
-            if pid == self.root:
-                self.trace.exit_code = code
+        self.recorder.exit(time.monotonic() - self.start, pid, status, pid == self.root)
         self.in_syscall.pop(pid, None)
         self.pending.pop(pid, None)
         self.mem.forget(pid)
@@ -366,8 +424,7 @@ class _Tracer:
                     self.on_event_stop(pid, event)
                 else:
                     # Signal-delivery stop: record it and deliver it.
-                    self.record(pid, "signal", signal=signal.Signals(sig).name
-                                if sig in signal.Signals._value2member_map_ else str(sig))
+                    self.record(pid, "signal", signal=signal_name(sig))
                     self.resume(pid, sig)
                     continue
             except PtraceError as err:

@@ -43,6 +43,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/inotify.h>
+#include <sys/ptrace.h>
+#include <sys/uio.h>
+#include <sys/user.h>
 #include <sys/mount.h>
 #include <sys/random.h>
 #include <sys/signalfd.h>
@@ -77,7 +80,8 @@
 /* message types: host -> guest */
 enum {
     M_HELLO = 1,   /* hostname, unix time ns, seed, sandbox id: answered READY */
-    M_EXEC = 2,    /* uid, gid, flags, cwd, argc, argv..., envc, env..., [rows, cols: EXEC_PTY] */
+    M_EXEC = 2,    /* uid, gid, flags, cwd, argc, argv..., envc, env..., [rows, cols: EXEC_PTY],
+                      [max string bytes, max argv entries: EXEC_TRACE] */
     M_STDIN = 3,   /* eof, data */
     M_KILL = 4,    /* signal */
     M_READ = 10,   /* path, offset, length */
@@ -107,7 +111,7 @@ enum {
 enum {
     A_READY = 101,   /* info text */
     A_STARTED = 102, /* pid */
-    A_OUT = 103,     /* fd (1, 2), data */
+    A_OUT = 103,     /* fd (1, 2; 3: the tracer's records of an EXEC_TRACE exec), data */
     A_EXITED = 104,  /* wait status */
     A_OK = 105,      /* the op's fields */
     A_ERR = 106,     /* errno, what failed (text) */
@@ -122,6 +126,7 @@ enum {
 #define EXEC_TAR_PUT 4u     /* no program: a child of the agent makes directory argv[0] from stdin's records */
 #define EXEC_PTY 8u         /* a terminal as stdin/stdout/stderr (its controlling tty); rows, cols follow env */
 #define EXEC_WATCH 16u      /* no program: a child of the agent watches directory argv[0] (file_watch) */
+#define EXEC_TRACE 32u      /* under a ptrace recorder (trace_main): its records on fd 3 */
 #define WRITE_APPEND 1u     /* M_WRITE flags */
 #define WRITE_KEEP 2u       /* do not truncate */
 #define WRITE_PARENTS 4u    /* make missing parent directories */
@@ -341,7 +346,7 @@ static char *get_str(struct rd *r)
 struct exec {
     uint32_t id;
     pid_t pid;           /* 0: slot free */
-    int out[3];          /* [1] stdout, [2] stderr read ends; -1 closed */
+    int out[4];          /* [1] stdout, [2] stderr, [3] the tracer's records read ends; -1 closed */
     int in;              /* stdin write end; -1 none or closed */
     unsigned char *pend; /* stdin not yet taken by the pipe */
     size_t pend_len, pend_off;
@@ -395,6 +400,7 @@ static void exec_free(struct exec *x)
 {
     close_fd(&x->out[1]);
     close_fd(&x->out[2]);
+    close_fd(&x->out[3]);
     close_fd(&x->in);
     free(x->pend);
     memset(x, 0, sizeof(*x));
@@ -442,14 +448,411 @@ static int tar_get_main(const char *path, uint64_t max_entries, uint64_t max_byt
 static int tar_put_main(const char *path);
 static int watch_main(const char *path, int recursive, uint64_t max_dirs);
 
+/* ---- traced execs (EXEC_TRACE) -----------------------------------------------
+ *
+ * The command of a traced exec runs in this kernel, so its recorder runs here
+ * too: the host cannot ptrace it. The agent forks the command as any exec,
+ * but the child stops itself (SIGSTOP) right before its execve; then the agent
+ * forks the tracer, trace_main, which seizes it (PTRACE_SEIZE with
+ * PTRACE_O_EXITKILL: nothing runs on untraced if the tracer dies) and lets it
+ * exec. The tracer is a process of its own because it waits with
+ * waitpid(-1, __WALL), which would reap the agent's other children; the
+ * command stays the agent's child, so its exit status, kill and output are
+ * an untraced exec's.
+ *
+ * The tracer only reads raw fields; dsecd/trace.py (call_event) turns them
+ * into the same event dicts as a container's trace and applies the record's
+ * bounds, with dsecd/backends/microvm/vmtrace.py reading this stream. Each
+ * record, on the pipe the agent forwards as fd 3 of the exec:
+ *   u32 length | u64 ns since the seize | u64 pid | u64 kind | fields
+ * in the fields' usual encoding (u64, or u32 length + bytes):
+ *   TR_SYSCALL: nr, return register, 6 argument registers, path, path cut,
+ *               argc, argv..., argv cut, data (connect: the sockaddr;
+ *               openat2: struct open_how)
+ *   TR_SIGNAL: signal;  TR_FORK: ptrace event (fork, vfork, clone), child;
+ *   TR_EXIT: wait status;  TR_ERROR: errno, what failed.
+ * The record ends with the command's own exit: the tracer closes the pipe
+ * then, and follows what the command left running, unrecorded, until it ends. */
+
+#ifndef PTRACE_SEIZE
+#define PTRACE_SEIZE 0x4206
+#endif
+#ifndef PTRACE_O_EXITKILL
+#define PTRACE_O_EXITKILL 0x00100000
+#endif
+#define TRACE_OPTIONS                                                                            \
+    (PTRACE_O_TRACESYSGOOD | PTRACE_O_TRACEFORK | PTRACE_O_TRACEVFORK | PTRACE_O_TRACECLONE |    \
+     PTRACE_O_TRACEEXEC | PTRACE_O_EXITKILL)
+#define MAX_TRACE_STRING (1u << 20) /* bounds of what the host may ask per string and per argv */
+#define MAX_TRACE_ARGV 65536u
+#define TRACE_END_WAIT_MS 5000      /* after the command's exit, for the tracer's last records */
+
+enum { TR_SYSCALL = 1, TR_SIGNAL = 2, TR_FORK = 3, TR_EXIT = 4, TR_ERROR = 5 };
+/* x86_64 numbers of the recorded syscalls */
+enum { NR_OPEN = 2, NR_CONNECT = 42, NR_EXECVE = 59, NR_CREAT = 85, NR_OPENAT = 257, NR_EXECVEAT = 322,
+       NR_OPENAT2 = 437 };
+
+struct tracee {
+    pid_t pid;
+    int in_syscall; /* between its entry and exit stops */
+    int pending;    /* a recorded syscall's arguments in args, for its exit */
+    uint64_t nr;
+    struct buf args;
+};
+
+static struct tracee *tracees;
+static size_t ntracees, tracee_room;
+static int tr_fd = -1;
+static uint64_t tr_start;
+static size_t tr_max_string, tr_max_argv;
+static unsigned char *tr_scratch; /* one string or pointer array read from a tracee */
+static struct buf tr_rec;
+
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Its state, made on its first stop (a new child may stop before its
+ * parent's fork event); NULL when no memory is left for it. */
+static struct tracee *tracee(pid_t pid)
+{
+    for (size_t i = 0; i < ntracees; i++)
+        if (tracees[i].pid == pid)
+            return &tracees[i];
+    if (ntracees == tracee_room) {
+        size_t room = tracee_room ? 2 * tracee_room : 16;
+        struct tracee *more = realloc(tracees, room * sizeof(*more));
+
+        if (!more)
+            return NULL;
+        tracees = more;
+        tracee_room = room;
+    }
+    struct tracee *t = &tracees[ntracees++];
+    memset(t, 0, sizeof(*t));
+    t->pid = pid;
+    return t;
+}
+
+static void tracee_gone(pid_t pid)
+{
+    for (size_t i = 0; i < ntracees; i++)
+        if (tracees[i].pid == pid) {
+            free(tracees[i].args.p);
+            tracees[i] = tracees[--ntracees];
+            return;
+        }
+}
+
+static void tr_begin(pid_t pid, uint64_t kind)
+{
+    tr_rec.len = 0;
+    put_u32(&tr_rec, 0);
+    put_u64(&tr_rec, mono_ns() - tr_start);
+    put_u64(&tr_rec, (uint64_t)pid);
+    put_u64(&tr_rec, kind);
+}
+
+/* The record to the agent; once the pipe is closed (the command ended, or
+ * the agent gave up on it), records are dropped. */
+static void tr_send(void)
+{
+    uint32_t n = (uint32_t)(tr_rec.len - 4);
+    const unsigned char *p = tr_rec.p;
+    size_t left = tr_rec.len;
+
+    tr_rec.p[0] = (unsigned char)(n >> 24);
+    tr_rec.p[1] = (unsigned char)(n >> 16);
+    tr_rec.p[2] = (unsigned char)(n >> 8);
+    tr_rec.p[3] = (unsigned char)n;
+    while (tr_fd >= 0 && left) {
+        ssize_t w = write(tr_fd, p, left);
+
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0) {
+            close_fd(&tr_fd);
+            return;
+        }
+        p += w;
+        left -= (size_t)w;
+    }
+}
+
+/* Up to n bytes of the tracee's memory at addr; fewer where it is unmapped. */
+static size_t tr_read(pid_t pid, uint64_t addr, void *p, size_t n)
+{
+    struct iovec local = {.iov_base = p, .iov_len = n}, remote = {.iov_base = (void *)addr, .iov_len = n};
+    ssize_t got;
+
+    if (!addr || !n)
+        return 0;
+    got = process_vm_readv(pid, &local, 1, &remote, 1, 0);
+    return got > 0 ? (size_t)got : 0;
+}
+
+/* The NUL-terminated string at addr as bytes; returns 1 if it was cut: no
+ * NUL came within tr_max_string bytes (a string ending in unmapped memory is
+ * kept as far as it was read, not cut: as dsecd/trace.py _Memory.cstring). */
+static int tr_put_cstring(struct buf *b, pid_t pid, uint64_t addr)
+{
+    size_t len = 0;
+    int ended = 0;
+
+    while (len < tr_max_string) {
+        size_t want = 256, page = 4096 - (size_t)((addr + len) % 4096);
+
+        if (want > page)
+            want = page;
+        if (want > tr_max_string - len)
+            want = tr_max_string - len;
+        size_t got = tr_read(pid, addr + len, tr_scratch + len, want);
+        if (!got)
+            break;
+        unsigned char *nul = memchr(tr_scratch + len, 0, got);
+        if (nul) {
+            len = (size_t)(nul - tr_scratch);
+            ended = 1;
+            break;
+        }
+        len += got;
+    }
+    put_bytes(b, tr_scratch, len);
+    return !ended && len >= tr_max_string;
+}
+
+/* At a recorded syscall's entry: its arguments, read now (a path may change
+ * or be unmapped by its exit), kept for the record made at its exit. */
+static void tr_entry(struct tracee *t, pid_t pid, const struct user_regs_struct *rg)
+{
+    uint64_t a[6] = {rg->rdi, rg->rsi, rg->rdx, rg->r10, rg->r8, rg->r9};
+    uint64_t path = 0, argv = 0, data = 0, data_len = 0;
+    int has_argv = 0;
+    struct buf *b = &t->args;
+
+    switch (rg->orig_rax) {
+    case NR_EXECVE:
+        path = a[0], argv = a[1], has_argv = 1;
+        break;
+    case NR_EXECVEAT:
+        path = a[1], argv = a[2], has_argv = 1;
+        break;
+    case NR_OPEN:
+    case NR_CREAT:
+        path = a[0];
+        break;
+    case NR_OPENAT:
+        path = a[1];
+        break;
+    case NR_OPENAT2:
+        path = a[1], data = a[2], data_len = 24;
+        break;
+    case NR_CONNECT:
+        data = a[1], data_len = a[2] < 128 ? a[2] : 128;
+        break;
+    default:
+        return;
+    }
+    t->pending = 1;
+    t->nr = rg->orig_rax;
+    b->len = 0;
+    for (int i = 0; i < 6; i++)
+        put_u64(b, a[i]);
+    put_u64(b, (uint64_t)tr_put_cstring(b, pid, path)); /* path 0: "" */
+    uint64_t ptrs[256], count = 0;
+    int cut = 0;
+    size_t argc_at = b->len;
+
+    put_u64(b, 0); /* argc, patched below */
+    /* The pointer array, 256 at a time, to its NULL or tr_max_argv entries. */
+    while (has_argv && count < tr_max_argv) {
+        size_t want = tr_max_argv - count < 256 ? tr_max_argv - count : 256;
+        size_t got = tr_read(pid, argv + 8 * count, ptrs, 8 * want) / 8;
+        size_t i;
+
+        for (i = 0; i < got && ptrs[i]; i++, count++)
+            cut |= tr_put_cstring(b, pid, ptrs[i]);
+        if (i < want)
+            break;
+    }
+    for (int i = 7; i >= 0; i--)
+        b->p[argc_at + 7 - i] = (unsigned char)(count >> (8 * i));
+    put_u64(b, (uint64_t)cut);
+    if (data_len) {
+        unsigned char raw[128];
+        size_t got = tr_read(pid, data, raw, data_len);
+
+        put_bytes(b, raw, got);
+    } else {
+        put_bytes(b, "", 0);
+    }
+}
+
+static void tr_syscall_stop(struct tracee *t, pid_t pid)
+{
+    struct user_regs_struct rg;
+
+    if (ptrace(PTRACE_GETREGS, pid, 0, &rg) < 0)
+        return; /* killed meanwhile: its exit comes next */
+    if (!t->in_syscall) {
+        t->in_syscall = 1;
+        tr_entry(t, pid, &rg);
+        return;
+    }
+    t->in_syscall = 0;
+    if (!t->pending)
+        return;
+    t->pending = 0;
+    tr_begin(pid, TR_SYSCALL);
+    put_u64(&tr_rec, t->nr);
+    put_u64(&tr_rec, rg.rax);
+    buf_need(&tr_rec, t->args.len);
+    memcpy(tr_rec.p + tr_rec.len, t->args.p, t->args.len);
+    tr_rec.len += t->args.len;
+    tr_send();
+}
+
+/* The tracer's process (a child of the agent): records `root`, stopped
+ * before its execve, and all it starts, to fd; 0 once every tracee is gone. */
+static int trace_main(pid_t root, int fd, size_t max_string, size_t max_argv)
+{
+    tr_fd = fd;
+    tr_max_string = max_string;
+    tr_max_argv = max_argv;
+    tr_scratch = malloc(max_string);
+    tr_start = mono_ns();
+    if (!tr_scratch || ptrace(PTRACE_SEIZE, root, 0, TRACE_OPTIONS) < 0) {
+        int err = tr_scratch ? errno : ENOMEM;
+
+        tr_begin(root, TR_ERROR);
+        put_u64(&tr_rec, (uint64_t)err);
+        put_str(&tr_rec, tr_scratch ? "seize the command" : "memory for the tracer");
+        tr_send();
+        kill(root, SIGKILL); /* stopped, waiting for a tracer that will not come */
+        return 1;
+    }
+    for (;;) {
+        int status;
+        pid_t pid = waitpid(-1, &status, __WALL);
+
+        if (pid < 0) {
+            if (errno == EINTR)
+                continue;
+            return 0; /* ECHILD: no tracee left */
+        }
+        if (WIFEXITED(status) || WIFSIGNALED(status)) {
+            tr_begin(pid, TR_EXIT);
+            put_u64(&tr_rec, (uint64_t)(unsigned)status);
+            tr_send();
+            tracee_gone(pid);
+            if (pid == root)
+                close_fd(&tr_fd); /* the record ends with the command */
+            continue;
+        }
+        if (!WIFSTOPPED(status))
+            continue;
+        int sig = WSTOPSIG(status), event = status >> 16, deliver = 0;
+        struct tracee *t = tracee(pid);
+
+        if (sig == (SIGTRAP | 0x80)) {
+            if (t)
+                tr_syscall_stop(t, pid);
+        } else if (event == PTRACE_EVENT_FORK || event == PTRACE_EVENT_VFORK || event == PTRACE_EVENT_CLONE) {
+            unsigned long child = 0;
+
+            if (ptrace(PTRACE_GETEVENTMSG, pid, 0, &child) == 0) {
+                tr_begin(pid, TR_FORK);
+                put_u64(&tr_rec, (uint64_t)event);
+                put_u64(&tr_rec, (uint64_t)child);
+                tr_send();
+                tracee((pid_t)child);
+            }
+        } else if (!event) {
+            /* A signal's delivery stop: recorded, then delivered. (Exec
+             * events and PTRACE_EVENT_STOP, a group-stop or a new tracee's
+             * first stop, are only resumed.) */
+            tr_begin(pid, TR_SIGNAL);
+            put_u64(&tr_rec, (uint64_t)sig);
+            tr_send();
+            deliver = sig;
+        }
+        ptrace(PTRACE_SYSCALL, pid, 0, (void *)(long)deliver);
+    }
+}
+
+/* Fork the tracer of `root` (stopped before its execve); the read end of its
+ * records, or -1 (errno). close_in_child: the agent's ends of this exec's
+ * pipes, which the tracer must not hold (a stdin write end kept would hide
+ * the input's end). */
+static int start_tracer(pid_t root, size_t max_string, size_t max_argv, const int *close_in_child, int nclose)
+{
+    int tp[2];
+
+    if (pipe2(tp, O_CLOEXEC) < 0)
+        return -1;
+    pid_t pid = fork();
+    if (pid < 0) {
+        int err = errno;
+
+        close(tp[0]);
+        close(tp[1]);
+        errno = err;
+        return -1;
+    }
+    if (pid == 0) {
+        sigset_t none;
+
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        close(tp[0]);
+        close_fd(&chan);
+        for (int j = 0; j < MAX_EXECS; j++) {
+            if (!execs[j].pid)
+                continue;
+            for (int k = 1; k <= 3; k++)
+                close_fd(&execs[j].out[k]);
+            close_fd(&execs[j].in);
+        }
+        close_proc_fds();
+        for (int j = 0; j < nclose; j++)
+            if (close_in_child[j] >= 0)
+                close(close_in_child[j]);
+        _exit(trace_main(root, tp[1], max_string, max_argv));
+    }
+    close(tp[1]);
+    fcntl(tp[0], F_SETFL, O_NONBLOCK);
+    return tp[0];
+}
+
+/* At the command's exit: the tracer's last records (its exit), until the
+ * tracer closes the pipe; bounded, so a stuck tracer cannot hold the agent. */
+static void drain_trace(struct exec *x)
+{
+    while (x->out[3] >= 0) {
+        struct pollfd pf = {.fd = x->out[3], .events = POLLIN};
+
+        if (poll(&pf, 1, TRACE_END_WAIT_MS) <= 0) {
+            say("exec %u: the tracer sent no end within %d ms", x->id, TRACE_END_WAIT_MS);
+            close_fd(&x->out[3]);
+            break;
+        }
+        forward(x, 3, 1);
+    }
+}
+
 static void do_exec(uint32_t id, struct rd *r)
 {
     uint64_t uid = get_u64(r), gid = get_u64(r), flags = get_u64(r);
     char *cwd = get_str(r);
     uint64_t argc = get_u64(r);
     char **argv = NULL, **envp = NULL;
-    uint64_t envc = 0, i, rows = 0, cols = 0;
+    uint64_t envc = 0, i, rows = 0, cols = 0, max_string = 0, max_argv = 0;
     struct exec *x = NULL;
+    int trace = (flags & EXEC_TRACE) != 0, trace_fd = -1, reaped = 0;
     int po[2] = {-1, -1}, pe[2] = {-1, -1}, pi[2] = {-1, -1}, perr[2] = {-1, -1};
     int pty = -1, tty = -1; /* a pty exec's master and slave */
 
@@ -468,7 +871,15 @@ static void do_exec(uint32_t id, struct rd *r)
         rows = get_u64(r);
         cols = get_u64(r);
     }
+    if (trace) {
+        max_string = get_u64(r);
+        max_argv = get_u64(r);
+    }
     if (!envp || r->bad || !argv[0][0] || rows > 65535 || cols > 65535)
+        goto bad;
+    /* A terminal's or copy's exec is never traced (the host refuses those). */
+    if (trace && ((flags & (EXEC_PTY | EXEC_TAR_GET | EXEC_TAR_PUT | EXEC_WATCH)) || max_string < 1 ||
+                  max_string > MAX_TRACE_STRING || max_argv < 1 || max_argv > MAX_TRACE_ARGV))
         goto bad;
     if (exec_by_id(id)) {
         send_err(id, EEXIST, "exec id in use");
@@ -508,8 +919,10 @@ static void do_exec(uint32_t id, struct rd *r)
      * stack until it execs or _exits (the agent is single-threaded, so
      * glibc's set*id are plain syscalls). */
     int copy = (flags & (EXEC_TAR_GET | EXEC_TAR_PUT | EXEC_WATCH)) != 0;
-    /* A copy runs the agent's own code: a fork of its own, not a vfork. */
-    pid_t pid = copy ? fork() : vfork();
+    /* A copy runs the agent's own code: a fork of its own, not a vfork; a
+     * traced command stops before its execve, which a vfork's parent would
+     * wait out forever. */
+    pid_t pid = copy || trace ? fork() : vfork();
     if (pid < 0) {
         send_err(id, errno, "fork");
         goto fail;
@@ -554,6 +967,7 @@ static void do_exec(uint32_t id, struct rd *r)
                     continue; /* a free slot's fields are zero, not -1 */
                 close_fd(&execs[j].out[1]);
                 close_fd(&execs[j].out[2]);
+                close_fd(&execs[j].out[3]);
                 close_fd(&execs[j].in);
             }
             close_proc_fds();
@@ -565,6 +979,8 @@ static void do_exec(uint32_t id, struct rd *r)
             _exit(tar_get_main(argv[0], argc > 1 ? strtoull(argv[1], NULL, 10) : 0,
                                argc > 2 ? strtoull(argv[2], NULL, 10) : 0));
         }
+        if (trace)
+            kill(getpid(), SIGSTOP); /* until its tracer has seized it: the execve is its first record */
         step = "exec";
         execvpe(argv[0], argv, envp);
     child_fail:
@@ -586,6 +1002,22 @@ static void do_exec(uint32_t id, struct rd *r)
     close_fd(&pi[0]);
     close_fd(&perr[1]);
     close_fd(&tty);
+    if (trace) {
+        int status = 0, keep[] = {po[0], pe[0], pi[1], perr[0]};
+
+        while (waitpid(pid, &status, WUNTRACED) < 0 && errno == EINTR)
+            ;
+        /* Not stopped: a step before the exec failed, as perr says below. */
+        reaped = !WIFSTOPPED(status);
+        if (WIFSTOPPED(status) && (trace_fd = start_tracer(pid, max_string, max_argv, keep, 4)) < 0) {
+            int err = errno;
+
+            kill(pid, SIGKILL);
+            waitpid(pid, NULL, 0);
+            send_err(id, err, "start the tracer");
+            goto fail;
+        }
+    }
     {
         /* EOF: it exec'd; else errno and the failed step */
         char eb[64] = {0};
@@ -603,11 +1035,17 @@ static void do_exec(uint32_t id, struct rd *r)
             goto fail;
         }
     }
+    if (reaped) { /* it ended before its stop and said nothing: no process to report on */
+        send_err(id, ECHILD, "stop before the traced exec");
+        goto fail;
+    }
     x->id = id;
     x->pid = pid;
     x->out[0] = -1;
     x->out[1] = po[0];
     x->out[2] = pe[0];
+    x->out[3] = trace_fd;
+    trace_fd = -1;
     x->in = pi[1];
     x->pty = (flags & EXEC_PTY) != 0;
     fcntl(po[0], F_SETFL, O_NONBLOCK); /* a pty's master: its stdin end shares the open file */
@@ -623,6 +1061,7 @@ bad:
     send_err(id, EINVAL, "malformed exec request");
     goto done;
 fail:
+    close_fd(&trace_fd);
     close_fd(&pty);
     close_fd(&tty);
     close_fd(&po[0]);
@@ -717,6 +1156,7 @@ static void reap(void)
             for (int k = 1; k <= 2; k++)
                 if (x->out[k] >= 0)
                     forward(x, k, 1);
+            drain_trace(x);
             begin(&out, A_EXITED, x->id);
             put_u64(&out, (uint64_t)(unsigned)status);
             send_msg(&out);
@@ -3294,9 +3734,10 @@ int main(void)
     for (;;) {
         static struct pollfd *p;
         static void **who;        /* the exec or background process of each entry */
-        static int *kind;         /* 1, 2: its stdout, stderr; 0: its stdin; +3: of a background process */
+        static int *kind;         /* 1, 2: its stdout, stderr; 0: its stdin; +3: of a background process;
+                                     -1: an exec's tracer records */
         static size_t room;
-        size_t want = 2 + 3 * (MAX_EXECS + nprocs);
+        size_t want = 2 + 4 * MAX_EXECS + 3 * nprocs;
         int n = 2;
 
         if (room < want) {
@@ -3321,6 +3762,11 @@ int main(void)
                     who[n] = x;
                     kind[n++] = k;
                 }
+            if (x->out[3] >= 0) {
+                p[n] = (struct pollfd){.fd = x->out[3], .events = POLLIN};
+                who[n] = x;
+                kind[n++] = -1;
+            }
             if (x->in >= 0 && x->pend_len) {
                 p[n] = (struct pollfd){.fd = x->in, .events = POLLOUT};
                 who[n] = x;
@@ -3371,7 +3817,9 @@ int main(void)
 
             if (!x->pid)
                 continue;
-            if (kind[i])
+            if (kind[i] < 0)
+                forward(x, 3, 0);
+            else if (kind[i])
                 forward(x, kind[i], 0);
             else
                 flush_stdin(x);

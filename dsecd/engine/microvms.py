@@ -85,7 +85,8 @@ class MicroVMService:
     `backend` is None where the host cannot run them (`why` says why)."""
 
     def __init__(self, backend: MicroVMBackend | None, why: str, workers: Workers, store_path, cfg: dict,
-                 max_output: int, uid_fallback: int, templates: TemplateService | None = None):
+                 max_output: int, uid_fallback: int, templates: TemplateService | None = None,
+                 max_trace: int = 1 << 20):
         self.backend = backend
         self.templates = templates          # None: every create boots (microvm.templates = false)
         self.why = why
@@ -93,6 +94,7 @@ class MicroVMService:
         self.store_path = store_path            # digest -> Path of the blob (the image store's)
         self.cfg = cfg
         self.max_output = max_output
+        self.max_trace = max_trace              # limits.max_trace_bytes: a traced exec's record
         self.uid_fallback = uid_fallback
         # LifecycleService.watch, set by the node: a resumed VM's new QEMU is watched like the first.
         self.watch = None
@@ -384,9 +386,15 @@ class MicroVMService:
         return h.agent
 
     async def exec(self, sb: Sandbox, req, env: list[str], cwd: str, user: int, timeout: float | None, ctx) -> dict:
-        if req.trace:
-            raise Unsupported("backend microvm runs no traced execs yet: drop trace")
         link = self._agent(sb)
+        recorder = None
+        if req.trace:
+            # The command runs in the guest's kernel: the guest agent traces
+            # it, this turns its records into a container's trace format.
+            from ..backends.microvm.vmtrace import GuestTrace
+            from ..trace import Limits
+
+            recorder = GuestTrace(Limits(max_bytes=self.max_trace))
         argv = list(req.argv)
         # A terminal (pty) session streams with no output cap, as a
         # container's (execio.PtyIO): a cap would hang up a long session.
@@ -403,7 +411,9 @@ class MicroVMService:
         run = None
         try:
             try:
-                run = io.run = await link.start_exec(argv, env, cwd, user, req.stdin or req.pty, window=window)
+                run = io.run = await link.start_exec(
+                    argv, env, cwd, user, req.stdin or req.pty, window=window,
+                    trace=None if recorder is None else (recorder.limits.max_string, recorder.limits.max_argv))
             finally:
                 io.sent.set()
             loop = asyncio.get_running_loop()
@@ -422,7 +432,10 @@ class MicroVMService:
                     deadline = loop.time() + KILL_GRACE_S
                     continue
                 kind = ev[0]
-                if kind == "out":
+                if kind == "out" and ev[1] == wire.TRACE_FD:
+                    if recorder is not None:
+                        recorder.feed(ev[2])
+                elif kind == "out":
                     data = ev[2]
                     room = cap - delivered
                     if len(data) > room:
@@ -454,6 +467,8 @@ class MicroVMService:
         if not req.stream:
             result["stdout"] = b"".join(out[1])
             result["stderr"] = b"".join(out[2])
+        if recorder is not None:
+            result["trace"] = recorder.finish(timed_out)
         return result
 
     # ------------------------------------------------------------ the writable layer

@@ -29,10 +29,10 @@ def test_sockaddr_unix_path_abstract_and_junk():
 
 
 def test_results_are_numbers_or_errno_names():
-    assert trace._result(3) == 3
-    assert trace._result((1 << 64) - 2) == "ENOENT"
-    assert trace._result((1 << 64) - 111) == "ECONNREFUSED"
-    assert trace._result(0x7F0000001000) == 0x7F0000001000
+    assert trace.syscall_result(3) == 3
+    assert trace.syscall_result((1 << 64) - 2) == "ENOENT"
+    assert trace.syscall_result((1 << 64) - 111) == "ECONNREFUSED"
+    assert trace.syscall_result(0x7F0000001000) == 0x7F0000001000
 
 
 @pytest.mark.parametrize("field", ["max_events", "max_bytes", "max_string", "max_argv"])

@@ -210,15 +210,18 @@ class AgentLink:
             self._pending.pop(msg_id, None)
 
     async def start_exec(self, argv: list[str], env: list[str], cwd: str, uid: int, stdin: bool,
-                         flags: int = 0, window: tuple[int, int] | None = None) -> AgentExec:
+                         flags: int = 0, window: tuple[int, int] | None = None,
+                         trace: tuple[int, int] | None = None) -> AgentExec:
         """Send the exec; its events follow on the returned AgentExec (the
         first is "started" or "error"). flags: wire.EXEC_TAR_GET or
         EXEC_TAR_PUT run a directory copy of the agent's instead of argv;
-        window: (rows, cols): it runs on a terminal of that size."""
+        window: (rows, cols): it runs on a terminal of that size; trace:
+        (bytes per string, argv entries): it runs under the guest's tracer,
+        whose records come as ("out", wire.TRACE_FD, bytes)."""
         run = AgentExec(self, next(self._ids))
         self._execs[run.id] = run
         try:
-            self.send(wire.exec_request(run.id, argv, env, cwd, uid, uid, stdin, flags, window))
+            self.send(wire.exec_request(run.id, argv, env, cwd, uid, uid, stdin, flags, window, trace))
             await self.writer.drain()
         except BaseException:
             self._execs.pop(run.id, None)

@@ -21,6 +21,8 @@ READY, STARTED, OUT, EXITED, OK, ERR, DATA, TAKEN = 101, 102, 103, 104, 105, 106
 PROC_OUT, PROC_END = 109, 110      # id 0, pushed to the host attached to the process (PROC_ATTACH)
 
 EXEC_STDIN, EXEC_TAR_GET, EXEC_TAR_PUT, EXEC_PTY, EXEC_WATCH = 1, 2, 4, 8, 16   # TAR_*, WATCH: no program
+EXEC_TRACE = 32        # under the guest's ptrace recorder: its records come as OUT on fd 3 (vmtrace.py)
+TRACE_FD = 3
 WRITE_APPEND, WRITE_KEEP, WRITE_PARENTS = 1, 2, 4
 RENAME_OVERWRITE, RENAME_KEEP_ATTRS = 1, 2
 NO_OFFSET = 2**64 - 1
@@ -59,11 +61,18 @@ def frame(kind: int, msg_id: int, *fields: bytes) -> bytes:
 
 
 def exec_request(msg_id: int, argv: list[str], env: list[str], cwd: str, uid: int, gid: int,
-                 stdin: bool, flags: int = 0, window: tuple[int, int] | None = None) -> bytes:
-    """window: (rows, cols) of a pty exec's terminal (flags gets EXEC_PTY)."""
+                 stdin: bool, flags: int = 0, window: tuple[int, int] | None = None,
+                 trace: tuple[int, int] | None = None) -> bytes:
+    """window: (rows, cols) of a pty exec's terminal (flags gets EXEC_PTY);
+    trace: (bytes per string, argv entries) the guest tracer reads of each
+    recorded call (flags gets EXEC_TRACE)."""
+    tail: tuple[bytes, ...] = ()
     if window is not None:
         flags |= EXEC_PTY
-    tail = (u64(window[0]), u64(window[1])) if window is not None else ()
+        tail += (u64(window[0]), u64(window[1]))
+    if trace is not None:
+        flags |= EXEC_TRACE
+        tail += (u64(trace[0]), u64(trace[1]))
     return frame(EXEC, msg_id, u64(uid), u64(gid), u64(flags | (EXEC_STDIN if stdin else 0)), bstr(cwd),
                  u64(len(argv)), *map(bstr, argv), u64(len(env)), *map(bstr, env), *tail)
 
