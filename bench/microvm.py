@@ -21,6 +21,7 @@ shell loop that runs `cat` ten times, N times untraced and N traced,
 alternating; it prints trace_vm_untraced_p50_ms, trace_vm_traced_p50_ms
 (the exec's round trip) and trace_vm_events (the record's events).
 
+`bench/microvm.py --pmem-sharing` runs only the 10-vs-1 page cache figure.
 `bench/microvm.py --own-root-cost N` runs only what a VM's own mount
 namespace (vmroot.py) costs a create: two daemons, microvm.own_root on and
 off, each restoring its template N times, the two alternating (so that the
@@ -84,8 +85,10 @@ from harness import build_rootfs, log, private_daemon, run  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
 
 from dsecd import SyncClient  # noqa: E402
+from dsecd.backends.microvm.vmroot import LAYER  # noqa: E402
 
 IMAGE = "busybox"
+LAYERS_IN_ROOT = LAYER.format("")      # where a QEMU in its own root maps the layer blobs
 
 
 def smaps(pid: int) -> dict[str, int]:
@@ -237,12 +240,14 @@ def pause_figures(sb) -> tuple[float, float, float, dict]:
 def layer_pss(pid: int) -> int:
     """PSS of a QEMU's mappings of layer blobs (the virtio-pmem devices'
     memory-backend-file on the store's blobs): the host's page cache of the
-    layers this QEMU touched, split with every other process that maps it."""
+    layers this QEMU touched, split with every other process that maps it.
+    A QEMU in its own root (microvm.own_root) maps them by their paths
+    there, /layers/<i>."""
     total, in_blob = 0, False
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         head = line.split()
         if head and "-" in head[0] and len(head) >= 5:       # a mapping's first line
-            in_blob = len(head) >= 6 and "/store/blobs/" in head[5]
+            in_blob = len(head) >= 6 and ("/store/blobs/" in head[5] or head[5].startswith(LAYERS_IN_ROOT))
         elif in_blob and head[0] == "Pss:":
             total += int(head[1]) * 1024
     return total
@@ -489,6 +494,14 @@ def main() -> int:
     rootfs = build_rootfs()
     if len(sys.argv) == 3 and sys.argv[1] == "--trace-cost":
         print(json.dumps(trace_cost(rootfs, int(sys.argv[2]))))
+        return 0
+    if len(sys.argv) == 2 and sys.argv[1] == "--pmem-sharing":
+        with private_daemon(rootfs, IMAGE) as d:
+            c = SyncClient(d.sock)
+            c.connect()
+            print(json.dumps(pmem_sharing(c, lambda: c.create(IMAGE, backend="microvm", memory="256M",
+                                                              net="none", disk="256M"))))
+            c.close()
         return 0
     if len(sys.argv) == 3 and sys.argv[1] == "--own-root-cost":
         print(json.dumps(own_root_cost(rootfs, int(sys.argv[2]))))
