@@ -214,6 +214,8 @@ def test_ipv6_lease_on_the_tap(world, vmnet):
     """With net.ipv6_subnet a VM gets an IPv6 lease as a container does; the
     tap checks its IPv6 against the same allowlist, and only from its own
     address (neighbor discovery included) does anything leave."""
+    from test_net_nat import _serve_http, http_get
+
     d, c = vmnet
     sb = _vm(c, net="default", allow=[f"[{world.pkg6}]:80/tcp"])
     try:
@@ -228,6 +230,9 @@ def test_ipv6_lease_on_the_tap(world, vmnet):
         view = sb.net_show()
         assert any(r["allowed"] >= 1 for r in view["rules"] if world.pkg6 in r["rule"])
         assert view["default"]["denied_connect"] >= 1
+        # A connection made to it over IPv6 gets its answers (not on its allowlist).
+        _serve_http(sb, 8080)
+        assert "sandbox-page" in world.in_bridge_netns(http_get, f"{mine}:8080")
         # Root in its guest, it takes another address of the subnet: nothing
         # from it leaves (neither its neighbor solicitations nor the connect).
         dropped = view["default"]["dropped_packets"]
