@@ -1870,18 +1870,44 @@ static const char *net_ipv6_conf(const char *nic)
     return NULL;
 }
 
-static const char *net_ipv6_addr(const char *nic, const unsigned char *addr, uint64_t plen, const unsigned char *gw)
+/* The NIC's IPv6 addresses and default route, once it is up: the
+ * link-local one from the MAC (modified EUI-64, RFC 4291 appendix A; the
+ * kernel makes the same one when it sees the link turn ready, but on VMs
+ * restored from a template it often made none, so it is added here either
+ * way), the leased one, the route through the gateway.
+ * Returns the failed step or NULL. */
+static const char *net_ipv6_addr(const char *nic, const unsigned char *mac, const unsigned char *addr,
+                                 uint64_t plen, const unsigned char *gw)
 {
+    static const unsigned char ll_prefix[8] = {0xfe, 0x80};
     struct in6_ifreq_ ifr6;
     struct in6_rtmsg rt6;
+    unsigned char ll[16];
     int s = socket(AF_INET6, SOCK_DGRAM | SOCK_CLOEXEC, 0);
 
     if (s < 0)
         return "open an IPv6 socket";
+    memcpy(ll, ll_prefix, 8);
+    ll[8] = mac[0] ^ 2;
+    ll[9] = mac[1];
+    ll[10] = mac[2];
+    ll[11] = 0xff;
+    ll[12] = 0xfe;
+    ll[13] = mac[3];
+    ll[14] = mac[4];
+    ll[15] = mac[5];
     memset(&ifr6, 0, sizeof(ifr6));
+    ifr6.ifindex = (int)if_nametoindex(nic);
+    memcpy(&ifr6.addr, ll, 16);
+    ifr6.prefixlen = 64;
+    if (ioctl(s, SIOCSIFADDR, &ifr6) < 0 && errno != EEXIST) {
+        int err = errno;
+        close(s);
+        errno = err;
+        return "set the IPv6 link-local address";
+    }
     memcpy(&ifr6.addr, addr, 16);
     ifr6.prefixlen = (uint32_t)plen;
-    ifr6.ifindex = (int)if_nametoindex(nic);
     if (ioctl(s, SIOCSIFADDR, &ifr6) < 0 && errno != EEXIST) {
         int err = errno;
         close(s);
@@ -1988,7 +2014,7 @@ static void do_net(uint32_t id, struct rd *r)
     step = "add the default route";
     if (ioctl(s, SIOCADDRT, &rt) < 0 && errno != EEXIST)
         goto fail;
-    if (addr6 && (step = net_ipv6_addr(nic, addr6, plen6, gw6)) != NULL)
+    if (addr6 && (step = net_ipv6_addr(nic, mac, addr6, plen6, gw6)) != NULL)
         goto fail;
     if_freenameindex(names);
     close(s);

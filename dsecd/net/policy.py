@@ -316,7 +316,7 @@ def _open_dir(path: str) -> int:
 def link_local(mac: bytes) -> bytes:
     """fe80::/64 with the MAC's modified EUI-64 interface id (RFC 4291,
     appendix A): the link-local address Linux gives a NIC with this MAC
-    (addr_gen_mode 0, which the guest agent sets)."""
+    (addr_gen_mode 0), and the one the guest agent adds."""
     if len(mac) != 6:
         raise ValueError(f"a MAC has 6 bytes, not {len(mac)}: {mac.hex()}")
     return b"\xfe\x80" + bytes(6) + bytes([mac[0] ^ 2]) + mac[1:3] + b"\xff\xfe" + mac[3:6]

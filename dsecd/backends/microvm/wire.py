@@ -74,8 +74,8 @@ def net_fields(mac: bytes, ipv4: ipaddress.IPv4Interface, gateway: ipaddress.IPv
     """A NET body: the guest's MAC, IPv4 address (as an integer), prefix
     length, the gateway (its default route) and the MTU; with an IPv6 lease
     then its IPv6 address (16 bytes), prefix length and gateway (16 bytes).
-    The IPv6 fields trail: an agent that reads only the first five (an older
-    one, in a template's memory) keeps IPv6 off in the guest. No IPv6 fields: the agent keeps IPv6 off in the guest."""
+    No IPv6 fields: the agent keeps IPv6 off in the guest. They trail, so an
+    agent built before them reads the first five only and keeps it off too."""
     fields = [bstr(mac), u64(int(ipv4.ip)), u64(ipv4.network.prefixlen), u64(int(gateway)), u64(mtu)]
     if ipv6 is not None:
         if gateway6 is None:
