@@ -9,7 +9,7 @@
 //   rule_hits   array     counter slot -> connects/sends an entry allowed (atomic adds)
 //   sb_stats    percpu    stats slot -> what the default-deny refused
 //   accepted    lru_hash  socket cookie of each TCP connection the sandbox accepted (dsec_sockops)
-//   taps        hash      ifindex of a microVM's tap -> {its `sandboxes` key, address, MAC} (dsec_tap)
+//   taps        hash      ifindex of a microVM's tap -> {its `sandboxes` key, addresses, MAC} (dsec_tap)
 //   vm_inbound  lru_hash  TCP flows made to a microVM (dsec_tap_in), whose answers dsec_tap lets out
 //
 // Atomic updates: user space writes a whole new policy under a fresh policy id,
@@ -101,13 +101,18 @@ BPF_TABLE("lru_hash", u64, u8, accepted, MAX_ACCEPTED);
 
 // A microVM's tap (dsec_tap): which sandbox it is and what the guest may
 // send as. `key` is the VM's key in `sandboxes` (not a cgroup id: no socket
-// of the guest is on the host; dsecd/net/network.py vm_key), the address is
-// its lease (network byte order), the MAC the one the agent gave its NIC.
+// of the guest is on the host; dsecd/net/network.py vm_key), the addresses
+// are its lease (network byte order), the MAC the one the agent gave its NIC.
+// ip6 is all zero when the VM has no IPv6 lease (net.ipv6_subnet unset): then
+// no IPv6 frame of it passes. ll6 is the link-local address its kernel makes
+// from the MAC (EUI-64), the source of its neighbor discovery only.
 struct tap_val {
     u64 key;
     u32 ip4;
     u8 mac[6];
     u8 pad[2];
+    u8 ip6[16];
+    u8 ll6[16];
 };
 BPF_HASH(taps, u32, struct tap_val, MAX_SANDBOXES);
 
@@ -117,12 +122,15 @@ BPF_HASH(taps, u32, struct tap_val, MAX_SANDBOXES);
 // answers out whatever its allowlist says, as answers_inbound() does for a
 // container's accepted sockets. Keyed by the whole flow, as the guest sends
 // it: an answer only ever goes to the peer that connected. Ports and address
-// in network byte order; the LRU drops the oldest.
+// in network byte order; the LRU drops the oldest. Every byte of a key is
+// set (pad included): the hash compares them all.
 struct vm_flow {
     u64 key;        // the VM's `sandboxes` key
-    u32 peer_ip4;
+    u8 peer[16];    // IPv4 in the first 4 bytes
     u16 peer_port;
     u16 vm_port;
+    u8 family;      // FAM_V4 | FAM_V6
+    u8 pad[3];
 };
 BPF_TABLE("lru_hash", struct vm_flow, u8, vm_inbound, MAX_ACCEPTED);
 
@@ -347,15 +355,123 @@ drop:;
     return 0;
 }
 
-// n bytes equal (no memcmp: a libcall the object cannot carry).
+// n bytes equal, n <= 16 (no memcmp: a libcall the object cannot carry).
 static __always_inline int same_bytes(const u8 *a, const u8 *b, int n)
 {
     u8 acc = 0;
 #pragma unroll
-    for (int i = 0; i < 6; i++)
+    for (int i = 0; i < 16; i++)
         if (i < n)
             acc |= a[i] ^ b[i];
     return acc == 0;
+}
+
+static __always_inline int all_zero16(const u8 *a)
+{
+    u8 acc = 0;
+#pragma unroll
+    for (int i = 0; i < 16; i++)
+        acc |= a[i];
+    return acc == 0;
+}
+
+#ifndef IPPROTO_ICMPV6
+#define IPPROTO_ICMPV6 58
+#endif
+// ICMPv6 neighbor discovery (RFC 4861): the types, and the option kinds that
+// carry a link-layer address.
+#define ND_ROUTER_SOLICIT 133
+#define ND_NEIGHBOR_SOLICIT 135
+#define ND_NEIGHBOR_ADVERT 136
+#define ND_OPT_SOURCE_LL 1
+#define ND_OPT_TARGET_LL 2
+
+// The policy's verdict on a frame the guest sends, IPv4 or IPv6 alike: `k`
+// holds the destination, `l4` where the transport header starts. What the
+// cgroup hooks count (a connect, a datagram sent) is counted here as a TCP
+// SYN without ACK, and every UDP or other datagram. 1 pass, 0 drop.
+static __always_inline int tap_decide(struct __sk_buff *skb, struct tap_val *tap, struct sb_val *sb,
+                                      struct lpm_key *k, u8 proto, u32 l4)
+{
+    u8 bit = proto_bit(proto);
+    u16 ports[2] = {};  // source, destination; network byte order
+    int count = bit != P_TCP;
+    if (bit != P_OTHER) {
+        if (bpf_skb_load_bytes(skb, l4, ports, sizeof(ports)) < 0)
+            return 0;
+        if (bit == P_TCP) {
+            u8 flags;
+            if (bpf_skb_load_bytes(skb, l4 + 13, &flags, 1) < 0)
+                return 0;
+            count = (flags & 0x12) == 0x02;  // SYN, no ACK
+        }
+    }
+    if (decide(sb, k, bpf_ntohs(ports[1]), bit, count))
+        return 1;
+    if (bit == P_TCP && !count) {
+        // Not a connection of the guest's own: an answer to one made to it?
+        struct vm_flow f = {};
+        f.key = tap->key;
+        __builtin_memcpy(f.peer, k->addr, 16);
+        f.peer_port = ports[1];
+        f.vm_port = ports[0];
+        f.family = k->family;
+        if (vm_inbound.lookup(&f))
+            return 1;
+    }
+    if (count)
+        bump_denied(sb->slot, bit != P_TCP);
+    return 0;
+}
+
+// IPv6 neighbor discovery of the guest's kernel, what ARP is to IPv4: it must
+// pass whatever the allowlist says (it goes to multicast groups and to
+// neighbors no rule names), so it is held to what resolving addresses needs.
+// From one of the VM's own addresses, hop limit 255 (as RFC 4861 requires of
+// every receiver), a neighbor advertisement only for one of its own
+// addresses, and a link-layer address option, if any, only with its own MAC:
+// no poisoning another host's neighbor cache with another sandbox's address
+// or MAC. Returns 1: ND that passes; -1: ND (or something that claims to be)
+// that does not; 0: no ND, the policy decides.
+static __always_inline int tap_nd(struct __sk_buff *skb, struct tap_val *tap, struct ipv6hdr *ip6, int own_src)
+{
+    u32 at = sizeof(struct ethhdr) + sizeof(struct ipv6hdr);
+    u8 type;
+    if (bpf_skb_load_bytes(skb, at, &type, 1) < 0)
+        return -1;
+    u32 hdr;  // the message's bytes before its options
+    if (type == ND_ROUTER_SOLICIT)
+        hdr = 8;
+    else if (type == ND_NEIGHBOR_SOLICIT || type == ND_NEIGHBOR_ADVERT)
+        hdr = 24;
+    else
+        return 0;
+    if (!own_src || ip6->hop_limit != 255)
+        return -1;
+    if (type == ND_NEIGHBOR_ADVERT) {
+        u8 target[16];
+        if (bpf_skb_load_bytes(skb, at + 8, target, sizeof(target)) < 0)
+            return -1;
+        if (!same_bytes(target, tap->ip6, 16) && !same_bytes(target, tap->ll6, 16))
+            return -1;
+    }
+    u32 plen = bpf_ntohs(ip6->payload_len);
+    if (plen == hdr)
+        return 1;
+    // One option, as the kernel sends it: this MAC, 8 bytes.
+    if (plen != hdr + 8)
+        return -1;
+    struct {
+        u8 type;
+        u8 len;     // in units of 8 bytes
+        u8 mac[ETH_ALEN];
+    } opt;
+    if (bpf_skb_load_bytes(skb, at + hdr, &opt, sizeof(opt)) < 0)
+        return -1;
+    u8 want = type == ND_NEIGHBOR_ADVERT ? ND_OPT_TARGET_LL : ND_OPT_SOURCE_LL;
+    if (opt.type != want || opt.len != 1 || !same_bytes(opt.mac, tap->mac, ETH_ALEN))
+        return -1;
+    return 1;
 }
 
 // A microVM's egress: tc ingress of its tap (what the guest sends), attached
@@ -365,10 +481,12 @@ static __always_inline int same_bytes(const u8 *a, const u8 *b, int n)
 // `sandboxes` entry (a live update flips it the same way). The guest is root
 // in its own kernel and can send any frame, so the frame must also carry the
 // VM's own MAC and address: no spoofing another sandbox on the bridge. What
-// is allowed: ARP for its own address, IPv4 the policy allows, and TCP that
-// answers a connection made to the VM (`vm_inbound`). Not IPv6
-// (microVMs get no IPv6 address), nor any other ethertype. Unknown tap or
-// sandbox: dropped (fail closed).
+// is allowed: ARP for its own IPv4 address; IPv6 neighbor discovery for its
+// own IPv6 addresses (tap_nd); IPv4 and IPv6 from its own address that the
+// policy allows; TCP that answers a connection made to the VM (`vm_inbound`).
+// IPv6 only with an IPv6 lease; from its link-local address only neighbor
+// discovery. No other ethertype. Unknown tap or sandbox: dropped (fail
+// closed).
 int dsec_tap(struct __sk_buff *skb)
 {
     u32 ifindex = skb->ifindex;
@@ -384,6 +502,7 @@ int dsec_tap(struct __sk_buff *skb)
         goto drop;
     if (!same_bytes(eth.h_source, tap->mac, ETH_ALEN))
         goto drop;
+    struct lpm_key k = {};
     if (eth.h_proto == bpf_htons(ETH_P_ARP)) {
         // arphdr, then sender MAC (6) and sender IPv4 (4) for Ethernet/IPv4
         struct {
@@ -400,6 +519,34 @@ int dsec_tap(struct __sk_buff *skb)
             goto drop;
         return TC_ACT_OK;
     }
+    if (eth.h_proto == bpf_htons(ETH_P_IPV6)) {
+        struct ipv6hdr ip6;
+        if (all_zero16(tap->ip6))
+            goto drop;  // no IPv6 lease: no IPv6 at all
+        if (bpf_skb_load_bytes(skb, sizeof(eth), &ip6, sizeof(ip6)) < 0 || ip6.version != 6)
+            goto drop;
+        int from_ip6 = same_bytes((const u8 *)&ip6.saddr, tap->ip6, 16);
+        int from_ll6 = same_bytes((const u8 *)&ip6.saddr, tap->ll6, 16);
+        if (ip6.nexthdr == IPPROTO_ICMPV6) {
+            int nd = tap_nd(skb, tap, &ip6, from_ip6 || from_ll6);
+            if (nd > 0)
+                return TC_ACT_OK;
+            if (nd < 0)
+                goto drop;
+        }
+        // The link-local address is for neighbor discovery only: the kernel's
+        // MLD reports from it are dropped here too, uncounted (no send of the
+        // sandbox's; the bridge floods multicast it has no report for).
+        if (!from_ip6)
+            goto drop;
+        k.family = FAM_V6;
+        __builtin_memcpy(k.addr, &ip6.daddr, 16);
+        // No fold_v4_mapped(): on the wire ::ffff:a.b.c.d is no IPv4 destination.
+        // Extension headers (fragments included) are "other protocol", as in dsec_egress.
+        if (tap_decide(skb, tap, sb, &k, ip6.nexthdr, sizeof(eth) + sizeof(ip6)))
+            return TC_ACT_OK;
+        goto drop;
+    }
     if (eth.h_proto != bpf_htons(ETH_P_IP))
         goto drop;
     struct iphdr ip;
@@ -407,38 +554,13 @@ int dsec_tap(struct __sk_buff *skb)
         goto drop;
     if (ip.saddr != tap->ip4)
         goto drop;
-    struct lpm_key k = {};
     k.family = FAM_V4;
     __builtin_memcpy(k.addr, &ip.daddr, 4);
     u8 proto = ip.protocol;
-    u32 l4 = sizeof(eth) + ip.ihl * 4;
     if (ip.frag_off & bpf_htons(0x1fff))
         proto = 0;  // a non-first fragment has no ports: "other protocol"
-    u8 bit = proto_bit(proto);
-    u16 ports[2] = {};  // source, destination; network byte order
-    // What the cgroup hooks count (a connect, a datagram sent) is counted
-    // here as a TCP SYN without ACK, and every UDP or other datagram.
-    int count = bit != P_TCP;
-    if (bit != P_OTHER) {
-        if (bpf_skb_load_bytes(skb, l4, ports, sizeof(ports)) < 0)
-            goto drop;
-        if (bit == P_TCP) {
-            u8 flags;
-            if (bpf_skb_load_bytes(skb, l4 + 13, &flags, 1) < 0)
-                goto drop;
-            count = (flags & 0x12) == 0x02;  // SYN, no ACK
-        }
-    }
-    if (decide(sb, &k, bpf_ntohs(ports[1]), bit, count))
+    if (tap_decide(skb, tap, sb, &k, proto, sizeof(eth) + ip.ihl * 4))
         return TC_ACT_OK;
-    if (bit == P_TCP && !count) {
-        // Not a connection of the guest's own: an answer to one made to it?
-        struct vm_flow f = {.key = key, .peer_ip4 = ip.daddr, .peer_port = ports[1], .vm_port = ports[0]};
-        if (vm_inbound.lookup(&f))
-            return TC_ACT_OK;
-    }
-    if (count)
-        bump_denied(sb->slot, bit != P_TCP);
 drop:;
     u32 slot = sb->slot;
     struct sb_stat *st = sb_stats.lookup(&slot);
@@ -447,11 +569,35 @@ drop:;
     return TC_ACT_SHOT;
 }
 
+// A TCP SYN without ACK to the VM's own address: a connection made to it,
+// whose flow goes into `vm_inbound` (peer = the frame's source).
+static __always_inline void note_inbound(struct __sk_buff *skb, struct tap_val *tap, u8 family,
+                                         const u8 *peer, int peer_len, u32 l4)
+{
+    u16 ports[2];
+    u8 flags;
+    if (bpf_skb_load_bytes(skb, l4, ports, sizeof(ports)) < 0 || bpf_skb_load_bytes(skb, l4 + 13, &flags, 1) < 0)
+        return;
+    if ((flags & 0x12) != 0x02)
+        return;
+    struct vm_flow f = {};
+    f.key = tap->key;
+    if (peer_len == 4)
+        __builtin_memcpy(f.peer, peer, 4);
+    else
+        __builtin_memcpy(f.peer, peer, 16);
+    f.peer_port = ports[0];
+    f.vm_port = ports[1];
+    f.family = family;
+    u8 one = 1;
+    vm_inbound.update(&f, &one);
+}
+
 // What goes *to* a microVM: tc egress of its tap (TCX), every frame let
-// through. A TCP SYN without ACK to the VM's own address is a connection made
-// to it: its flow goes into `vm_inbound` so that dsec_tap lets the answers
-// out. Nothing the guest does can add an entry: these frames come from the
-// bridge.
+// through. A TCP SYN without ACK to the VM's own address (IPv4, or IPv6 with
+// an IPv6 lease) is a connection made to it: its flow goes into `vm_inbound`
+// so that dsec_tap lets the answers out. Nothing the guest does can add an
+// entry: these frames come from the bridge.
 int dsec_tap_in(struct __sk_buff *skb)
 {
     u32 ifindex = skb->ifindex;
@@ -459,21 +605,20 @@ int dsec_tap_in(struct __sk_buff *skb)
     if (!tap)
         return TC_ACT_OK;
     struct ethhdr eth;
-    struct iphdr ip;
-    if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) < 0 || eth.h_proto != bpf_htons(ETH_P_IP))
+    if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) < 0)
         return TC_ACT_OK;
-    if (bpf_skb_load_bytes(skb, sizeof(eth), &ip, sizeof(ip)) < 0 || ip.protocol != IPPROTO_TCP ||
-        ip.daddr != tap->ip4 || (ip.frag_off & bpf_htons(0x1fff)))
-        return TC_ACT_OK;
-    u32 l4 = sizeof(eth) + ip.ihl * 4;
-    u16 ports[2];
-    u8 flags;
-    if (bpf_skb_load_bytes(skb, l4, ports, sizeof(ports)) < 0 || bpf_skb_load_bytes(skb, l4 + 13, &flags, 1) < 0)
-        return TC_ACT_OK;
-    if ((flags & 0x12) == 0x02) {
-        struct vm_flow f = {.key = tap->key, .peer_ip4 = ip.saddr, .peer_port = ports[0], .vm_port = ports[1]};
-        u8 one = 1;
-        vm_inbound.update(&f, &one);
+    if (eth.h_proto == bpf_htons(ETH_P_IP)) {
+        struct iphdr ip;
+        if (bpf_skb_load_bytes(skb, sizeof(eth), &ip, sizeof(ip)) < 0 || ip.protocol != IPPROTO_TCP ||
+            ip.daddr != tap->ip4 || (ip.frag_off & bpf_htons(0x1fff)))
+            return TC_ACT_OK;
+        note_inbound(skb, tap, FAM_V4, (const u8 *)&ip.saddr, 4, sizeof(eth) + ip.ihl * 4);
+    } else if (eth.h_proto == bpf_htons(ETH_P_IPV6)) {
+        struct ipv6hdr ip6;
+        if (all_zero16(tap->ip6) || bpf_skb_load_bytes(skb, sizeof(eth), &ip6, sizeof(ip6)) < 0 ||
+            ip6.nexthdr != IPPROTO_TCP || !same_bytes((const u8 *)&ip6.daddr, tap->ip6, 16))
+            return TC_ACT_OK;
+        note_inbound(skb, tap, FAM_V6, (const u8 *)&ip6.saddr, 16, sizeof(eth) + sizeof(ip6));
     }
     return TC_ACT_OK;
 }

@@ -92,7 +92,8 @@ enum {
     M_REMOVE = 15, /* path, recursive */
     M_RENAME = 16, /* src, dst, flags (RENAME_*) */
     M_SYNC = 17,   /* (nothing): sync(), answered OK */
-    M_NET = 18,    /* mac, IPv4 address, prefix length, gateway, mtu: the NIC set up, answered OK */
+    M_NET = 18,    /* mac, IPv4 address, prefix length, gateway, mtu[, IPv6 address, prefix length, gateway]:
+                      the NIC set up, answered OK */
     M_TAR = 19,    /* max file bytes: the writable layer as a tar in DATA frames, then OK (counts) */
     M_PING = 20,   /* (nothing): answered OK at once, the host's liveness check */
     M_RESIZE = 21, /* rows, cols: a pty exec's window size (TIOCSWINSZ; SIGWINCH); no answer */
@@ -2258,17 +2259,131 @@ static void write_proc(const char *path, const char *value)
     }
 }
 
+/* One sysctl under /proc/sys/net/ipv6/conf/<dev>/; -1 (errno set) if it
+ * cannot be written. */
+static int ipv6_conf(const char *dev, const char *key, const char *value)
+{
+    char path[128];
+    int fd, rc;
+
+    snprintf(path, sizeof(path), "/proc/sys/net/ipv6/conf/%s/%s", dev, key);
+    fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    rc = write(fd, value, strlen(value)) == (ssize_t)strlen(value) ? 0 : -1;
+    close(fd);
+    return rc;
+}
+
+/* struct in6_ifreq of <linux/ipv6.h>, which does not mix with libc's headers. */
+struct in6_ifreq_ {
+    struct in6_addr addr;
+    uint32_t prefixlen;
+    int ifindex;
+};
+
+/* IPv6 on `nic` as the host leased it: no router advertisements or SLAAC
+ * (the host routes, nobody advertises), no duplicate address detection (the
+ * lease is the VM's alone: the address works at once), the link-local
+ * address from the MAC (EUI-64: the one the host's tap program lets do
+ * neighbor discovery). Run before the NIC goes up, so the kernel never
+ * solicits a router or runs DAD; net_ipv6_addr adds the address and the
+ * default route through the bridge's gateway once it is up. Returns the
+ * failed step or NULL. */
+static const char *net_ipv6_conf(const char *nic)
+{
+    static const char *const keys[][2] = {
+        {"accept_ra", "0"}, {"autoconf", "0"}, {"accept_dad", "0"}, {"router_solicitations", "0"},
+        {"addr_gen_mode", "0"}, {"disable_ipv6", "0"},
+    };
+    const char *const devs[] = {"all", "default", nic};
+
+    for (size_t k = 0; k < sizeof(keys) / sizeof(keys[0]); k++)
+        for (size_t d = 0; d < 3; d++)
+            /* addr_gen_mode is per device only (its "all" cannot be written on older kernels) */
+            if (ipv6_conf(devs[d], keys[k][0], keys[k][1]) < 0 && (d == 2 || strcmp(keys[k][0], "addr_gen_mode"))) {
+                static char step[80];
+
+                snprintf(step, sizeof(step), "set net.ipv6.conf.%s.%s", devs[d], keys[k][0]);
+                return step;
+            }
+    return NULL;
+}
+
+/* The NIC's IPv6 addresses and default route, once it is up: the
+ * link-local one from the MAC (modified EUI-64, RFC 4291 appendix A; the
+ * kernel makes the same one when it sees the link turn ready, but on VMs
+ * restored from a template it often made none, so it is added here either
+ * way), the leased one, the route through the gateway.
+ * Returns the failed step or NULL. */
+static const char *net_ipv6_addr(const char *nic, const unsigned char *mac, const unsigned char *addr,
+                                 uint64_t plen, const unsigned char *gw)
+{
+    static const unsigned char ll_prefix[8] = {0xfe, 0x80};
+    struct in6_ifreq_ ifr6;
+    struct in6_rtmsg rt6;
+    unsigned char ll[16];
+    int s = socket(AF_INET6, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+
+    if (s < 0)
+        return "open an IPv6 socket";
+    memcpy(ll, ll_prefix, 8);
+    ll[8] = mac[0] ^ 2;
+    ll[9] = mac[1];
+    ll[10] = mac[2];
+    ll[11] = 0xff;
+    ll[12] = 0xfe;
+    ll[13] = mac[3];
+    ll[14] = mac[4];
+    ll[15] = mac[5];
+    memset(&ifr6, 0, sizeof(ifr6));
+    ifr6.ifindex = (int)if_nametoindex(nic);
+    memcpy(&ifr6.addr, ll, 16);
+    ifr6.prefixlen = 64;
+    if (ioctl(s, SIOCSIFADDR, &ifr6) < 0 && errno != EEXIST) {
+        int err = errno;
+        close(s);
+        errno = err;
+        return "set the IPv6 link-local address";
+    }
+    memcpy(&ifr6.addr, addr, 16);
+    ifr6.prefixlen = (uint32_t)plen;
+    if (ioctl(s, SIOCSIFADDR, &ifr6) < 0 && errno != EEXIST) {
+        int err = errno;
+        close(s);
+        errno = err;
+        return "set the IPv6 address";
+    }
+    memset(&rt6, 0, sizeof(rt6));
+    memcpy(&rt6.rtmsg_gateway, gw, 16);
+    rt6.rtmsg_type = 1; /* RTN_UNICAST */
+    rt6.rtmsg_flags = RTF_UP | RTF_GATEWAY;
+    rt6.rtmsg_ifindex = ifr6.ifindex;
+    if (ioctl(s, SIOCADDRT, &rt6) < 0 && errno != EEXIST) {
+        int err = errno;
+        close(s);
+        errno = err;
+        return "add the default IPv6 route";
+    }
+    close(s);
+    return NULL;
+}
+
 /* The guest's one NIC (virtio-net, the only interface but lo), as the host
  * says: its MAC (the host's tap program drops frames from any other), its
- * IPv4 address, the default route through the bridge's gateway, its MTU.
- * No IPv6: the tap program drops it, so the kernel is told not to try (no
- * link-local address, no router solicitations). Asked after every boot or
- * restore of a VM with networking; a resumed VM keeps what it had. */
+ * IPv4 address, the default route through the bridge's gateway, its MTU;
+ * with an IPv6 lease (three more fields) its IPv6 address and default route
+ * too (net_ipv6_conf). Without one, no IPv6: the tap program drops it, so
+ * the kernel is told not to try (no link-local address, no router
+ * solicitations). Asked after every boot or restore of a VM with
+ * networking; a resumed VM keeps what it had. */
 static void do_net(uint32_t id, struct rd *r)
 {
-    size_t maclen = 0;
+    size_t maclen = 0, a6len = 0, g6len = 0;
     const unsigned char *mac = get_bytes(r, &maclen);
     uint64_t addr = get_u64(r), plen = get_u64(r), gw = get_u64(r), mtu = get_u64(r);
+    const unsigned char *addr6 = NULL, *gw6 = NULL;
+    uint64_t plen6 = 0;
     struct if_nameindex *names = NULL, *ni;
     const char *step = "socket";
     char nic[IFNAMSIZ] = "";
@@ -2276,6 +2391,13 @@ static void do_net(uint32_t id, struct rd *r)
     struct rtentry rt;
     int s = -1;
 
+    if (!r->bad && r->p < r->end) {
+        addr6 = get_bytes(r, &a6len);
+        plen6 = get_u64(r);
+        gw6 = get_bytes(r, &g6len);
+        if (a6len != 16 || g6len != 16 || plen6 > 128)
+            r->bad = 1;
+    }
     if (r->bad || maclen != 6 || plen > 32 || addr > 0xffffffffu || gw > 0xffffffffu) {
         send_err(id, EINVAL, "malformed net request");
         return;
@@ -2294,8 +2416,11 @@ static void do_net(uint32_t id, struct rd *r)
         errno = ENODEV;
         goto fail;
     }
-    write_proc("/proc/sys/net/ipv6/conf/all/disable_ipv6", "1");
-    write_proc("/proc/sys/net/ipv6/conf/default/disable_ipv6", "1");
+    if (!addr6) {
+        write_proc("/proc/sys/net/ipv6/conf/all/disable_ipv6", "1");
+        write_proc("/proc/sys/net/ipv6/conf/default/disable_ipv6", "1");
+        ipv6_conf(nic, "disable_ipv6", "1");
+    }
     memset(&ifr, 0, sizeof(ifr));
     snprintf(ifr.ifr_name, IFNAMSIZ, "%s", nic);
     ifr.ifr_hwaddr.sa_family = ARPHRD_ETHER;
@@ -2306,6 +2431,9 @@ static void do_net(uint32_t id, struct rd *r)
     ifr.ifr_mtu = (int)mtu;
     step = "set the MTU";
     if (mtu && ioctl(s, SIOCSIFMTU, &ifr) < 0)
+        goto fail;
+    /* after the MAC: the link-local address is made from it when IPv6 comes on */
+    if (addr6 && (step = net_ipv6_conf(nic)) != NULL)
         goto fail;
     put_in(&ifr.ifr_addr, (uint32_t)addr);
     step = "set the address";
@@ -2326,9 +2454,11 @@ static void do_net(uint32_t id, struct rd *r)
     step = "add the default route";
     if (ioctl(s, SIOCADDRT, &rt) < 0 && errno != EEXIST)
         goto fail;
+    if (addr6 && (step = net_ipv6_addr(nic, mac, addr6, plen6, gw6)) != NULL)
+        goto fail;
     if_freenameindex(names);
     close(s);
-    say("network: %s up", nic);
+    say("network: %s up%s", nic, addr6 ? " (IPv4, IPv6)" : "");
     begin(&out, A_OK, id);
     put_str(&out, nic);
     send_msg(&out);

@@ -232,9 +232,8 @@ class MicroVMService:
             return
         iface = guest["ipv4"]
         try:
-            await handle.agent.request(wire.NET, wire.bstr(guest["mac"]), wire.u64(int(iface.ip)),
-                                       wire.u64(iface.network.prefixlen), wire.u64(int(guest["gateway"])),
-                                       wire.u64(guest["mtu"]))
+            await handle.agent.request(wire.NET, *wire.net_fields(guest["mac"], iface, guest["gateway"], guest["mtu"],
+                                                                  guest.get("ipv6"), guest.get("gateway6")))
         except AgentError as err:
             raise VmError(err.errno, f"set up the network of microVM {sb.id}: {err.strerror}") from err
         net = await self.net.network()

@@ -339,10 +339,11 @@ class Network:
             raise BadRequest(f"sandbox {sb_id} is no microVM")
         iface = ipaddress.ip_interface(sb.ipv4)
         mac = vm_mac(iface.ip.packed)
+        ipv6 = self._vm_ipv6(sb_id)
         self.plumbing.remove_sandbox(sb.ifname)     # a previous QEMU's tap, if the kernel has not removed it yet
         fd, idx = self.plumbing.add_tap(sb.ifname)
         try:
-            self.engine.register_tap(idx, sb.cgroup_id, iface.ip.packed, mac)
+            self.engine.register_tap(idx, sb.cgroup_id, iface.ip.packed, mac, ipv6.ip.packed if ipv6 else b"")
             with self._bridge_netns():
                 self.engine.attach_tap(idx, sb.ifname)
         except BaseException:
@@ -353,7 +354,15 @@ class Network:
         old, sb.tap_index = sb.tap_index, idx
         if old and old != idx:
             self.engine.unregister_tap(old)
-        return fd, {"mac": mac, "ipv4": iface, "gateway": self.ipam.gateway4, "mtu": int(self.cfg["mtu"])}
+        return fd, {"mac": mac, "ipv4": iface, "gateway": self.ipam.gateway4, "mtu": int(self.cfg["mtu"]),
+                    "ipv6": ipv6, "gateway6": self.ipam.gateway6 if ipv6 else None}
+
+    def _vm_ipv6(self, sb_id: str) -> ipaddress.IPv6Interface | None:
+        """The VM's IPv6 lease (net.ipv6_subnet set: derived from its IPv4
+        one, as a container's), or None."""
+        with self._lock:
+            lease = self.ipam.get(sb_id)
+        return lease.ipv6 if lease is not None else None
 
     def _bridge_netns(self):
         """This thread in the bridge's netns: TCX finds a device by ifindex in
@@ -957,8 +966,9 @@ class Network:
         sb.ipv4 = str(lease.ipv4)
         idx = self.plumbing.link_index(sb.ifname)
         if idx is not None:
-            iface = ipaddress.ip_interface(sb.ipv4)
-            self.engine.register_tap(idx, sb.cgroup_id, iface.ip.packed, vm_mac(iface.ip.packed))
+            iface, ipv6 = ipaddress.ip_interface(sb.ipv4), self._vm_ipv6(sb_id)
+            self.engine.register_tap(idx, sb.cgroup_id, iface.ip.packed, vm_mac(iface.ip.packed),
+                                     ipv6.ip.packed if ipv6 else b"")
             with self._bridge_netns():
                 self.engine.attach_tap(idx, sb.ifname)
             sb.tap_index = idx

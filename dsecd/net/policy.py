@@ -45,7 +45,7 @@ _RULE_KEY = struct.Struct("=IIB16s")            # struct lpm_key (padded to the 
 _RULE_HEAD = struct.Struct("=II")               # struct rule_val: n, pad
 _ENTRY = struct.Struct("=HHB3xI")               # struct entry
 _SB_STAT = struct.Struct("=QQQ")                # struct sb_stat
-_TAP_VAL = struct.Struct("=Q4s6s2x")            # struct tap_val (address in network byte order)
+_TAP_VAL = struct.Struct("=Q4s6s2x16s16s4x")   # struct tap_val (addresses in network byte order)
 
 
 class _Slots:
@@ -203,11 +203,14 @@ class Engine:
                 finally:
                     os.close(fd)
 
-    def register_tap(self, ifindex: int, key: int, ipv4: bytes, mac: bytes) -> None:
+    def register_tap(self, ifindex: int, key: int, ipv4: bytes, mac: bytes, ipv6: bytes = b"") -> None:
         """What dsec_tap checks a tap's frames with: the VM's `sandboxes` key,
-        its address and MAC. Before the guest can send (its QEMU is started
-        after)."""
-        self.taps.update(_U32.pack(ifindex), _TAP_VAL.pack(key, ipv4, mac))
+        its addresses and MAC. Before the guest can send (its QEMU is started
+        after). `ipv6` empty: no IPv6 lease, and no IPv6 frame of the VM
+        passes; else its link-local address goes along (the one its kernel
+        makes from the MAC), the source of its neighbor discovery."""
+        ll6 = link_local(mac) if ipv6 else b""
+        self.taps.update(_U32.pack(ifindex), _TAP_VAL.pack(key, ipv4, mac, ipv6, ll6))
 
     def unregister_tap(self, ifindex: int) -> None:
         self.taps.delete(_U32.pack(ifindex))
@@ -308,3 +311,12 @@ def _open_dir(path: str) -> int:
         return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as err:
         raise BpfError(err.errno, f"open cgroup `{path}`: {os.strerror(err.errno)}") from err
+
+
+def link_local(mac: bytes) -> bytes:
+    """fe80::/64 with the MAC's modified EUI-64 interface id (RFC 4291,
+    appendix A): the link-local address Linux gives a NIC with this MAC
+    (addr_gen_mode 0), and the one the guest agent adds."""
+    if len(mac) != 6:
+        raise ValueError(f"a MAC has 6 bytes, not {len(mac)}: {mac.hex()}")
+    return b"\xfe\x80" + bytes(6) + bytes([mac[0] ^ 2]) + mac[1:3] + b"\xff\xfe" + mac[3:6]

@@ -7,6 +7,7 @@ leaves namespaces this test made. One VM at a time (TCG).
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 import pytest
@@ -200,3 +201,88 @@ def test_a_published_port_reaches_the_guest_and_only_its_answers_go_out(world, v
     finally:
         sb.destroy()
         c.close()
+
+
+def _inet6(sb) -> list[str]:
+    """The guest's IPv6 addresses on eth0 (/proc/net/if_inet6: 32 hex digits first)."""
+    r = sb.exec(["sh", "-c", "cat /proc/net/if_inet6 2>/dev/null; true"])
+    return [str(ipaddress.IPv6Address(bytes.fromhex(line.split()[0])))
+            for line in r.stdout.decode().splitlines() if line.split()[-1] == "eth0"]
+
+
+def test_ipv6_lease_on_the_tap(world, vmnet):
+    """With net.ipv6_subnet a VM gets an IPv6 lease as a container does; the
+    tap checks its IPv6 against the same allowlist, and only from its own
+    address (neighbor discovery included) does anything leave."""
+    from test_net_nat import _serve_http, http_get
+
+    from dsecd.net.network import vm_mac
+    from dsecd.net.policy import link_local
+
+    d, _ = vmnet
+    c = d.client()          # the module's client: the restart test above ended its connection
+    sb = _vm(c, net="default", allow=[f"[{world.pkg6}]:80/tcp"])
+    try:
+        lease = sb.net_show()["lease"]
+        mine = lease["ipv6"].split("/")[0]
+        assert ipaddress.IPv6Address(mine) in ipaddress.IPv6Network(world.subnet6)
+        # its link-local address is the one its tap lets do neighbor discovery
+        v4 = ipaddress.IPv4Interface(lease["ipv4"]).ip
+        assert set(_inet6(sb)) == {mine, str(ipaddress.IPv6Address(link_local(vm_mac(v4.packed))))}
+        assert sb.exec(["cat", "/proc/sys/net/ipv6/conf/eth0/accept_ra"]).stdout.strip() == b"0"
+        code, out = connect(sb, world.pkg6, 80)
+        assert code == 0 and "srv80:ping" in out, out
+        assert connect(sb, world.ref6, 443)[0] != 0                 # not on its allowlist
+        view = sb.net_show()
+        assert any(r["allowed"] >= 1 for r in view["rules"] if world.pkg6 in r["rule"])
+        assert view["default"]["denied_connect"] >= 1
+        # A connection made to it over IPv6 gets its answers (not on its allowlist).
+        _serve_http(sb, 8080)
+        assert "sandbox-page" in world.in_bridge_netns(http_get, f"{mine}:8080")
+        # Root in its guest, it takes another address of the subnet: nothing
+        # from it leaves (neither its neighbor solicitations nor the connect).
+        dropped = view["default"]["dropped_packets"]
+        other = str(ipaddress.IPv6Network(world.subnet6)[0xfffe])
+        r = sb.exec(["sh", "-c", f"ifconfig eth0 del {lease['ipv6']} && ifconfig eth0 add {other}/64 && "
+                     f"echo ping | nc -w 2 {world.pkg6} 80"], timeout=30)
+        assert r.exit_code != 0, r.stdout + r.stderr
+        assert sb.net_show()["default"]["dropped_packets"] > dropped
+    finally:
+        sb.destroy()
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def vmnet_v4only(world, busybox_rootfs):
+    """A daemon on the World's bridge without net.ipv6_subnet (its own pool, 10.x.5.0/24)."""
+    import tempfile
+    from pathlib import Path
+
+    from conftest import Daemon
+
+    cfg = dict(world.cfg, ipv4_pool=f"10.{world.octet}.5.0/24", ipv6_subnet="")
+    d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), _toml_net(cfg))
+    try:
+        d.start()
+        c = d.client()
+        skip_unless_microvm(c)
+        c.import_image(busybox_rootfs, "busybox")
+        yield d, c
+        c.close()
+    finally:
+        d.cleanup()
+
+
+def test_no_ipv6_without_an_ipv6_subnet(world, vmnet_v4only):
+    """No IPv6 lease: the guest's kernel has IPv6 off (no address, not even
+    link-local) and the tap passes no IPv6 frame."""
+    d, c = vmnet_v4only
+    sb = _vm(c, net="default", allow=[f"{world.pkg}:80/tcp", f"[{world.pkg6}]:80/tcp"])
+    try:
+        assert sb.net_show()["lease"]["ipv6"] is None
+        assert connect(sb, world.pkg, 80)[0] == 0
+        assert sb.exec(["cat", "/proc/sys/net/ipv6/conf/eth0/disable_ipv6"]).stdout.strip() == b"1"
+        assert _inet6(sb) == []
+        assert connect(sb, world.pkg6, 80)[0] != 0
+    finally:
+        sb.destroy()

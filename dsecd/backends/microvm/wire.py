@@ -8,6 +8,7 @@ below and in the enum comments of agent.c; keep both in step.
 
 from __future__ import annotations
 
+import ipaddress
 import struct
 
 # host -> guest
@@ -77,10 +78,19 @@ def exec_request(msg_id: int, argv: list[str], env: list[str], cwd: str, uid: in
                  u64(len(argv)), *map(bstr, argv), u64(len(env)), *map(bstr, env), *tail)
 
 
-def net_request(msg_id: int, mac: bytes, ipv4: int, prefixlen: int, gateway: int, mtu: int) -> bytes:
-    """The guest's NIC: its MAC, IPv4 address (as an integer), prefix length,
-    the gateway (its default route) and the MTU."""
-    return frame(NET, msg_id, bstr(mac), u64(ipv4), u64(prefixlen), u64(gateway), u64(mtu))
+def net_fields(mac: bytes, ipv4: ipaddress.IPv4Interface, gateway: ipaddress.IPv4Address, mtu: int,
+               ipv6: ipaddress.IPv6Interface | None = None, gateway6: ipaddress.IPv6Address | None = None) -> list[bytes]:
+    """A NET body: the guest's MAC, IPv4 address (as an integer), prefix
+    length, the gateway (its default route) and the MTU; with an IPv6 lease
+    then its IPv6 address (16 bytes), prefix length and gateway (16 bytes).
+    No IPv6 fields: the agent keeps IPv6 off in the guest. They trail, so an
+    agent built before them reads the first five only and keeps it off too."""
+    fields = [bstr(mac), u64(int(ipv4.ip)), u64(ipv4.network.prefixlen), u64(int(gateway)), u64(mtu)]
+    if ipv6 is not None:
+        if gateway6 is None:
+            raise ValueError(f"IPv6 address {ipv6} without a gateway")
+        fields += [bstr(ipv6.ip.packed), u64(ipv6.network.prefixlen), bstr(gateway6.packed)]
+    return fields
 
 
 class Reader:
