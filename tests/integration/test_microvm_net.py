@@ -18,16 +18,15 @@ from test_net_kit import bpf_skip_reason
 pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None, reason=bpf_skip_reason() or "")
 
 
-@pytest.fixture(scope="module")
-def vmnet(world, busybox_rootfs):
-    """A daemon on the World's bridge (its own pool in 10.x.4.0/24) with busybox."""
+def _vm_daemon(world, busybox_rootfs, **net):
+    """A daemon on the World's bridge with busybox: (daemon, client), for a
+    module's tests; `net` overrides the World's [net] settings."""
     import tempfile
     from pathlib import Path
 
     from conftest import Daemon
 
-    cfg = dict(world.cfg, ipv4_pool=f"10.{world.octet}.4.0/24")
-    d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), _toml_net(cfg))
+    d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), _toml_net(dict(world.cfg, **net)))
     try:
         d.start()
         c = d.client()
@@ -37,6 +36,12 @@ def vmnet(world, busybox_rootfs):
         c.close()
     finally:
         d.cleanup()
+
+
+@pytest.fixture(scope="module")
+def vmnet(world, busybox_rootfs):
+    """A daemon on the World's bridge (its own pool in 10.x.4.0/24) with busybox."""
+    yield from _vm_daemon(world, busybox_rootfs, ipv4_pool=f"10.{world.octet}.4.0/24")
 
 
 def _vm(c, **kw):
@@ -255,22 +260,7 @@ def test_ipv6_lease_on_the_tap(world, vmnet):
 @pytest.fixture(scope="module")
 def vmnet_v4only(world, busybox_rootfs):
     """A daemon on the World's bridge without net.ipv6_subnet (its own pool, 10.x.5.0/24)."""
-    import tempfile
-    from pathlib import Path
-
-    from conftest import Daemon
-
-    cfg = dict(world.cfg, ipv4_pool=f"10.{world.octet}.5.0/24", ipv6_subnet="")
-    d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), _toml_net(cfg))
-    try:
-        d.start()
-        c = d.client()
-        skip_unless_microvm(c)
-        c.import_image(busybox_rootfs, "busybox")
-        yield d, c
-        c.close()
-    finally:
-        d.cleanup()
+    yield from _vm_daemon(world, busybox_rootfs, ipv4_pool=f"10.{world.octet}.5.0/24", ipv6_subnet="")
 
 
 def test_no_ipv6_without_an_ipv6_subnet(world, vmnet_v4only):
