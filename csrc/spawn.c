@@ -1015,25 +1015,33 @@ static int root_ns_child(void *arg)
  * with the six device nodes in /dev that the sandboxes bind from. `dir` is any directory of the caller's (the tmpfs is mounted on it
  * in the child's copy only). Returns the namespace's fd (close-on-exec),
  * which keeps it alive, or -errno. Made once per daemon. */
-int dsec_root_ns(const char *dir, struct dsec_err *err)
+/* Run `child` in a clone sharing our memory and fd table, the caller
+ * blocked until it ends: it makes a mount namespace and leaves an fd of it
+ * in *fd (a field of `ctx`). That fd, or -errno with the failing step in err. */
+static int make_ns_in_child(int (*child)(void *), void *ctx, int *fd, struct dsec_err *err)
 {
-    struct root_ns_ctx c = {.dir = dir, .err = err, .fd = -1};
     struct stacks st = {0};
     int rc;
 
     err_set(err, DSEC_STEP_NONE, 0, NULL);
     rc = stacks_map(&st, 1, err);
     if (rc == 0)
-        rc = clone_blocked(root_ns_child, stack_top(&st, 0), CLONE_VM | CLONE_VFORK | CLONE_FILES | SIGCHLD,
-                           &c, err);
+        rc = clone_blocked(child, stack_top(&st, 0), CLONE_VM | CLONE_VFORK | CLONE_FILES | SIGCHLD, ctx, err);
     if (rc > 0) {
         reap(rc);
-        rc = err->err ? -err->err : c.fd;
-        if (err->err && c.fd >= 0)
-            close(c.fd);
+        rc = err->err ? -err->err : *fd;
+        if (err->err && *fd >= 0)
+            close(*fd);
     }
     stacks_unmap(&st);
     return rc;
+}
+
+int dsec_root_ns(const char *dir, struct dsec_err *err)
+{
+    struct root_ns_ctx c = {.dir = dir, .err = err, .fd = -1};
+
+    return make_ns_in_child(root_ns_child, &c, &c.fd, err);
 }
 
 /* ---- a microVM's root ----------------------------------------------------- */
@@ -1127,22 +1135,8 @@ static int vm_root_child(void *arg)
 int dsec_vm_root(const char *dir, const struct dsec_root_entry *entries, int n, struct dsec_err *err)
 {
     struct vm_root_ctx c = {.dir = dir, .entries = entries, .n = n, .err = err, .fd = -1};
-    struct stacks st = {0};
-    int rc;
 
-    err_set(err, DSEC_STEP_NONE, 0, NULL);
-    rc = stacks_map(&st, 1, err);
-    if (rc == 0)
-        rc = clone_blocked(vm_root_child, stack_top(&st, 0), CLONE_VM | CLONE_VFORK | CLONE_FILES | SIGCHLD,
-                           &c, err);
-    if (rc > 0) {
-        reap(rc);
-        rc = err->err ? -err->err : c.fd;
-        if (err->err && c.fd >= 0)
-            close(c.fd);
-    }
-    stacks_unmap(&st);
-    return rc;
+    return make_ns_in_child(vm_root_child, &c, &c.fd, err);
 }
 
 /* ---- exec in a sandbox --------------------------------------------------- */
