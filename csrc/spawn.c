@@ -988,19 +988,29 @@ struct root_ns_ctx {
  * detached, the tmpfs remounted read-only.
  * Every mount private, so the copies made from it never propagate to one
  * another. */
+/* In a blocked clone: a private copy of the caller's mount namespace, its
+ * fd in *fd, a tmpfs with `opts` on `dir`, and `dir` the working directory;
+ * -1 with the failing step in e (`step` for all but the private remount). */
+static int private_ns_on_tmpfs(int step, const char *dir, const char *opts, int *fd, struct dsec_err *e)
+{
+    if (check(unshare(CLONE_NEWNS), e, step, NULL) < 0 ||
+        mount_step(DSEC_STEP_MOUNT_PRIVATE, NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL, e) < 0)
+        return -1;
+    *fd = open("/proc/self/ns/mnt", O_RDONLY | O_CLOEXEC);
+    if (check(*fd, e, step, "/proc/self/ns/mnt") < 0 ||
+        mount_step(step, "tmpfs", dir, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts, e) < 0 ||
+        check(chdir(dir), e, step, dir) < 0)
+        return -1;
+    return 0;
+}
+
 static int root_ns_child(void *arg)
 {
     struct root_ns_ctx *c = arg;
     struct dsec_err *e = c->err;
     const unsigned long flags = MS_NOSUID | MS_NODEV | MS_NOEXEC;
 
-    if (check(unshare(CLONE_NEWNS), e, DSEC_STEP_ROOT_NS, NULL) < 0 ||
-        mount_step(DSEC_STEP_MOUNT_PRIVATE, NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL, e) < 0)
-        _exit(127);
-    c->fd = open("/proc/self/ns/mnt", O_RDONLY | O_CLOEXEC);
-    if (check(c->fd, e, DSEC_STEP_ROOT_NS, "/proc/self/ns/mnt") < 0 ||
-        mount_step(DSEC_STEP_ROOT_NS, "tmpfs", c->dir, "tmpfs", flags, "mode=0555,size=4k,nr_inodes=16", e) < 0 ||
-        check(chdir(c->dir), e, DSEC_STEP_ROOT_NS, c->dir) < 0 ||
+    if (private_ns_on_tmpfs(DSEC_STEP_ROOT_NS, c->dir, "mode=0555,size=4k,nr_inodes=16", &c->fd, e) < 0 ||
         check(mkdir("dev", 0555), e, DSEC_STEP_MKDIR, "dev") < 0 || dev_nodes(e) < 0 ||
         check(syscall(SYS_pivot_root, ".", "."), e, DSEC_STEP_ROOT_NS, c->dir) < 0 ||
         check(umount2(".", MNT_DETACH), e, DSEC_STEP_ROOT_NS, c->dir) < 0 ||
@@ -1108,13 +1118,7 @@ static int vm_root_child(void *arg)
     struct dsec_err *e = c->err;
     const unsigned long flags = MS_NOSUID | MS_NODEV | MS_NOEXEC;
 
-    if (check(unshare(CLONE_NEWNS), e, DSEC_STEP_VM_ROOT, NULL) < 0 ||
-        mount_step(DSEC_STEP_MOUNT_PRIVATE, NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL, e) < 0)
-        _exit(127);
-    c->fd = open("/proc/self/ns/mnt", O_RDONLY | O_CLOEXEC);
-    if (check(c->fd, e, DSEC_STEP_VM_ROOT, "/proc/self/ns/mnt") < 0 ||
-        mount_step(DSEC_STEP_VM_ROOT, "tmpfs", c->dir, "tmpfs", flags, "mode=0755,size=64k,nr_inodes=256", e) < 0 ||
-        check(chdir(c->dir), e, DSEC_STEP_VM_ROOT, c->dir) < 0)
+    if (private_ns_on_tmpfs(DSEC_STEP_VM_ROOT, c->dir, "mode=0755,size=64k,nr_inodes=256", &c->fd, e) < 0)
         _exit(127);
     for (int i = 0; i < c->n; i++)
         if (vm_root_entry(&c->entries[i], e) < 0)
