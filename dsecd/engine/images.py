@@ -283,8 +283,12 @@ class ImageService:
 
         return progress
 
-    async def _images_call(self, fn, *args):
+    async def _images_call(self, fn, *args, slot: asyncio.Semaphore | None = None, on_cancel=None):
+        """fn(*args) in a worker (holding `slot` while it runs, workers.run_in_slot),
+        its store errors as the protocol's."""
         try:
+            if slot is not None:
+                return await self.workers.run_in_slot(slot, on_cancel, fn, *args)
             return await self.workers.run(fn, *args)
         except ImageError as err:
             raise image_error(err) from err
@@ -310,18 +314,15 @@ class ImageService:
 
     async def pull(self, req, ctx) -> dict:
         """A registry image into the store (fs/pull.py), at most images.max_pulls
-        at once. A cancelled request stops the download (what was fetched is
-        kept for the next pull) and, like a failed one, publishes nothing."""
+        running at once. A cancelled request stops the download (what was
+        fetched is kept for the next pull) and, like a failed one, publishes
+        nothing; its slot stays taken until the pull's worker is done (layers
+        it was converting finish first)."""
         cancelled = threading.Event()
-        async with self._pull_slots:
-            with count_image_op("pull") as done:
-                try:
-                    image, stats = await self._images_call(self.puller.pull, req.ref, req.platform,
-                                                           self._progress(ctx), cancelled)
-                except asyncio.CancelledError:
-                    cancelled.set()
-                    raise
-                done(image)
+        with count_image_op("pull") as done:
+            image, stats = await self._images_call(self.puller.pull, req.ref, req.platform, self._progress(ctx),
+                                                   cancelled, slot=self._pull_slots, on_cancel=cancelled.set)
+            done(image)
         return {**image.to_dict(), "pull": stats}
 
     async def list(self, req, ctx) -> dict:

@@ -48,6 +48,25 @@ class Workers:
             fut.add_done_callback(on_abandoned)
             raise
 
+    async def run_in_slot(self, slot: asyncio.Semaphore, on_cancel, fn, *args):
+        """fn(*args) in a worker once `slot` is acquired, holding it until fn
+        has returned, even when the caller is cancelled first: a bound such
+        as images.max_pulls limits the work running, and work a cancel only
+        asks to stop (on_cancel(), on the loop) may run on for a while.
+        Cancelled while waiting for the slot, nothing runs."""
+        await slot.acquire()
+        try:
+            fut = self._submit(fn, *args)
+        except BaseException:
+            slot.release()
+            raise
+        fut.add_done_callback(lambda f: _release_after(slot, f))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            on_cancel()
+            raise
+
     def behind(self, fn, *args) -> asyncio.Future:
         """fn(*args) in a worker, nobody waiting for it (clean-up behind an answer)."""
         return self._submit(fn, *args)
@@ -73,3 +92,11 @@ def _settle(fut: asyncio.Future, work: Future) -> None:
         fut.set_exception(err)
     else:
         fut.set_result(work.result())
+
+
+def _release_after(slot: asyncio.Semaphore, fut: asyncio.Future) -> None:
+    """On the loop, once a slot's work is over: the slot back, and the
+    work's error taken, as nobody awaits it after a cancel."""
+    slot.release()
+    if not fut.cancelled():
+        fut.exception()
