@@ -36,7 +36,7 @@ import tty
 
 from . import fleet_cli, imageconfig, pullview, topview
 from .client import Client, default_socket
-from .clitext import UsageError, job_done, job_verb
+from .clitext import UsageError, event_fields, job_done, job_verb
 from .clitext import human_bytes as _human_bytes
 from .clitext import kv as _kv
 from .clitext import pct as _pct
@@ -332,7 +332,7 @@ async def cmd_events(c: Client, a) -> int:
         if a.json:
             print(json.dumps(ev, sort_keys=True), flush=True)
         else:
-            extra = " ".join(f"{k}={v}" for k, v in ev.items() if k not in ("seq", "time", "event", "sandbox"))
+            extra = event_fields(ev, ("seq", "time", "event", "sandbox"))
             print(f"{time.strftime('%H:%M:%S', time.localtime(ev['time']))} {ev['event']:<9} {ev['sandbox']} "
                   f"{extra}".rstrip(), flush=True)
     return 0

@@ -1,0 +1,19 @@
+"""What `dsec` prints for people (dsecd/clitext.py)."""
+
+from __future__ import annotations
+
+from dsecd.clitext import event_fields
+
+SHOWN = ("seq", "time", "event", "sandbox")
+
+
+def test_event_fields_print_maps_as_json_and_missing_values_as_a_dash():
+    ev = {"seq": 3, "time": 1.0, "event": "created", "sandbox": "abc", "image": "busybox",
+          "labels": {"job": "42", "a": "b c"}, "job": None, "memory": 268435456}
+    assert event_fields(ev, SHOWN) == 'image=busybox labels={"a":"b c","job":"42"} job=- memory=268435456'
+
+
+def test_event_fields_leave_out_what_the_line_shows_already():
+    ev = {"seq": 1, "time": 2.0, "event": "destroyed", "sandbox": "abc", "host": "h1", "reason": "request"}
+    assert event_fields(ev, (*SHOWN, "host")) == "reason=request"
+    assert event_fields({"event": "x", "sandbox": "abc", "labels": {}}, SHOWN) == "labels={}"
