@@ -374,6 +374,13 @@ async def cmd_policy(c: Client, a) -> int:
     return 0
 
 
+def net_set_summary(sb_id: str, view: dict) -> str:
+    """One line after `dsec net set`: the rules as given (a set name such as
+    pypi is one rule here, however many addresses or names it expands to)."""
+    terms = view.get("terms", [])
+    return f"{sb_id}: {len(terms)} rule(s): {' '.join(terms) or '(none)'}"
+
+
 async def cmd_net(c: Client, a) -> int:
     if a.net_cmd == "sets":
         sets = await c.net_sets()
@@ -391,7 +398,7 @@ async def cmd_net(c: Client, a) -> int:
         else:
             view = await sb.net_set(add=(a.add or []) + (a.allow or []), remove=a.remove or [])
         if not a.json:
-            print(f"{sb.id}: {len(view.get('rules', []))} rule(s): {' '.join(view.get('terms', [])) or '(none)'}")
+            print(net_set_summary(sb.id, view))
             return 0
     else:
         view = await sb.net_show()

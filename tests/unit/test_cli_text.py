@@ -17,3 +17,11 @@ def test_event_fields_leave_out_what_the_line_shows_already():
     ev = {"seq": 1, "time": 2.0, "event": "destroyed", "sandbox": "abc", "host": "h1", "reason": "request"}
     assert event_fields(ev, (*SHOWN, "host")) == "reason=request"
     assert event_fields({"event": "x", "sandbox": "abc", "labels": {}}, SHOWN) == "labels={}"
+
+
+def test_net_set_counts_the_rules_it_lists():
+    from dsecd.cli import net_set_summary
+    view = {"rules": ["10.1.2.0/24:443/tcp"],
+            "terms": ["10.1.2.0/24:443/tcp", "pypi", "*.pythonhosted.org:443/tcp"]}
+    assert net_set_summary("abc", view) == "abc: 3 rule(s): 10.1.2.0/24:443/tcp pypi *.pythonhosted.org:443/tcp"
+    assert net_set_summary("abc", {"rules": [], "terms": []}) == "abc: 0 rule(s): (none)"
