@@ -811,10 +811,20 @@ def _write_output(chunk, pid: int) -> None:
     out.flush()
 
 
+def output_chunk_json(chunk) -> str:
+    """`dsec logs --json`: one line per chunk, as `watch --json` and `events
+    --json` print theirs (the data as text; bytes that are not UTF-8 become U+FFFD)."""
+    return json.dumps({"fd": chunk.fd, "data": chunk.data.decode("utf-8", "replace"), "time": chunk.time,
+                       "dropped": chunk.dropped}, sort_keys=True)
+
+
 async def cmd_logs(c: Client, a) -> int:
     proc = (await c.get(a.sandbox)).process(a.pid)
     async for chunk in proc.output(follow=a.follow, since=a.since_ts):
-        _write_output(chunk, a.pid)
+        if a.json:
+            print(output_chunk_json(chunk), flush=True)
+        else:
+            _write_output(chunk, a.pid)
     return 0
 
 

@@ -25,3 +25,13 @@ def test_net_set_counts_the_rules_it_lists():
             "terms": ["10.1.2.0/24:443/tcp", "pypi", "*.pythonhosted.org:443/tcp"]}
     assert net_set_summary("abc", view) == "abc: 3 rule(s): 10.1.2.0/24:443/tcp pypi *.pythonhosted.org:443/tcp"
     assert net_set_summary("abc", {"rules": [], "terms": []}) == "abc: 0 rule(s): (none)"
+
+
+def test_logs_json_is_one_object_per_chunk():
+    import json
+
+    from dsecd.cli import output_chunk_json
+    from dsecd.client import ProcOutput
+    assert json.loads(output_chunk_json(ProcOutput(2, b"err\xff\n", 5.0))) == \
+        {"fd": 2, "data": "err\ufffd\n", "time": 5.0, "dropped": 0}
+    assert json.loads(output_chunk_json(ProcOutput(0, b"", 0.0, 4096)))["dropped"] == 4096
