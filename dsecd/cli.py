@@ -550,7 +550,8 @@ async def cmd_exec(c: Client, a) -> int:
         _print_trace(r.trace or {}, a.json, a.output)
     elif a.json:
         _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
-                     "truncated": r.truncated, "duration_ms": r.duration_ms, **out.fields()})
+                     "truncated": r.truncated, "duration_ms": r.duration_ms, "policy": r.policy,
+                     "denials": r.denials, **out.fields()})
     if r.truncated:
         print("dsec: output truncated at the daemon's limits.max_exec_output_bytes; "
               "the command's pipes were closed", file=sys.stderr)

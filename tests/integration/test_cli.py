@@ -233,6 +233,9 @@ def test_commands_that_run_a_command_print_one_json_object_with_its_output(daemo
             assert (r.returncode, result["exit_code"], result["stdout"], result["stderr"]) == (3, 3, "out\n", "err\n"), \
                 (args, r.stdout, r.stderr)
             assert r.stderr == b"", (args, r.stderr)
+        r = daemon.cli("exec", "--json", "--policy", '{"hidden": ["/etc"]}', sb, "--", "cat", "/etc/passwd")
+        result = json.loads(r.stdout)
+        assert (r.returncode, result["policy"]) == (1, "inline") and result["denials"] >= 1, r.stdout
     finally:
         daemon.cli("rm", sb)
 
