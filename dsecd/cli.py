@@ -36,7 +36,7 @@ import tty
 
 from . import fleet_cli, imageconfig, pullview, topview
 from .client import Client, default_socket
-from .clitext import UsageError, job_done, job_verb
+from .clitext import UsageError, event_fields, job_done, job_verb
 from .clitext import human_bytes as _human_bytes
 from .clitext import kv as _kv
 from .clitext import pct as _pct
@@ -332,7 +332,7 @@ async def cmd_events(c: Client, a) -> int:
         if a.json:
             print(json.dumps(ev, sort_keys=True), flush=True)
         else:
-            extra = " ".join(f"{k}={v}" for k, v in ev.items() if k not in ("seq", "time", "event", "sandbox"))
+            extra = event_fields(ev, ("seq", "time", "event", "sandbox"))
             print(f"{time.strftime('%H:%M:%S', time.localtime(ev['time']))} {ev['event']:<9} {ev['sandbox']} "
                   f"{extra}".rstrip(), flush=True)
     return 0
@@ -374,6 +374,13 @@ async def cmd_policy(c: Client, a) -> int:
     return 0
 
 
+def net_set_summary(sb_id: str, view: dict) -> str:
+    """One line after `dsec net set`: the rules as given (a set name such as
+    pypi is one rule here, however many addresses or names it expands to)."""
+    terms = view.get("terms", [])
+    return f"{sb_id}: {len(terms)} rule(s): {' '.join(terms) or '(none)'}"
+
+
 async def cmd_net(c: Client, a) -> int:
     if a.net_cmd == "sets":
         sets = await c.net_sets()
@@ -391,7 +398,7 @@ async def cmd_net(c: Client, a) -> int:
         else:
             view = await sb.net_set(add=(a.add or []) + (a.allow or []), remove=a.remove or [])
         if not a.json:
-            print(f"{sb.id}: {len(view.get('rules', []))} rule(s): {' '.join(view.get('terms', [])) or '(none)'}")
+            print(net_set_summary(sb.id, view))
             return 0
     else:
         view = await sb.net_show()
@@ -504,13 +511,13 @@ async def cmd_call(c: Client, a) -> int:
     r = await c.call(a.image, argv=None if code is not None else a.argv, code=code,
                      args=a.argv if code is not None else None, stdin=stdin, env=_kv(a.env, "--env"),
                      timeout=a.timeout)
-    sys.stdout.buffer.write(r.stdout)
-    sys.stdout.flush()
-    sys.stderr.buffer.write(r.stderr)
-    sys.stderr.flush()
+    out = CommandOutput(a.json)
+    out.write(1, r.stdout)
+    out.write(2, r.stderr)
     if a.json:
         _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
-                     "truncated": r.truncated, "path": r.path, "run_ms": r.run_ms, "total_ms": r.total_ms})
+                     "truncated": r.truncated, "path": r.path, "run_ms": r.run_ms, "total_ms": r.total_ms,
+                     **out.fields()})
     return _exit_status(r, f"dsec: call timed out after {a.timeout}s; its process group was killed")
 
 
@@ -535,16 +542,16 @@ async def cmd_exec(c: Client, a) -> int:
     tracing = a.cmd == "trace"
     stream = sb.exec_stream(a.argv, timeout=a.timeout, env=_kv(a.env, "--env"), cwd=a.cwd, user=a.user,
                             stdin=_stdin_chunks() if a.interactive else None, trace=tracing, policy=a.policy)
-    outs = {1: sys.stdout.buffer, 2: sys.stderr.buffer}
+    out = CommandOutput(a.json and not tracing)
     async for fd, data in stream:
-        outs[fd].write(data)
-        outs[fd].flush()
+        out.write(fd, data)
     r = stream.result
     if tracing:
         _print_trace(r.trace or {}, a.json, a.output)
     elif a.json:
         _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
-                     "truncated": r.truncated, "duration_ms": r.duration_ms})
+                     "truncated": r.truncated, "duration_ms": r.duration_ms, "policy": r.policy,
+                     "denials": r.denials, **out.fields()})
     if r.truncated:
         print("dsec: output truncated at the daemon's limits.max_exec_output_bytes; "
               "the command's pipes were closed", file=sys.stderr)
@@ -617,6 +624,7 @@ async def cmd_run(c: Client, a) -> int:
     for signum in _ENDING_SIGNALS:
         loop.add_signal_handler(signum, on_signal, signum)
     stdin = _stdin_as_it_comes() if a.interactive else None
+    out = CommandOutput(a.json)
     try:
         async with c.run_stream(a.image, a.argv or None, a.entrypoint, a.timeout, stdin, a.rm,
                                 **_create_args(a)) as run:
@@ -625,7 +633,7 @@ async def cmd_run(c: Client, a) -> int:
             async for fd, data in run:
                 # In a thread: a reader that stalls our stdout must not stall the
                 # loop, which renews the sandbox's lease meanwhile.
-                await loop.run_in_executor(None, _write_flush, fd, data)
+                await loop.run_in_executor(None, out.write, fd, data)
     except asyncio.CancelledError:
         if not signals:
             raise
@@ -639,17 +647,35 @@ async def cmd_run(c: Client, a) -> int:
     if a.json:
         _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
                      "truncated": r.truncated, "duration_ms": r.duration_ms, "sandbox": run.sandbox.id,
-                     "argv": run.argv})
+                     "argv": run.argv, **out.fields()})
     if r.truncated:
         print("dsec: output truncated at the daemon's limits.max_exec_output_bytes; "
               "the command's pipes were closed", file=sys.stderr)
     return _exit_status(r, f"dsec: timed out after {a.timeout}s; the command's process group was killed")
 
 
-def _write_flush(fd: int, data: bytes) -> None:
-    out = sys.stdout.buffer if fd == 1 else sys.stderr.buffer
-    out.write(data)
-    out.flush()
+class CommandOutput:
+    """Where a command's output goes: to our stdout and stderr as it comes,
+    or, with --json, kept for the one JSON object printed at its end (the
+    command's own output before it would make stdout no longer JSON)."""
+
+    def __init__(self, as_json: bool):
+        self.as_json = as_json
+        self.kept = {1: bytearray(), 2: bytearray()}
+
+    def write(self, fd: int, data: bytes) -> None:
+        if self.as_json:
+            self.kept[fd] += data
+            return
+        out = sys.stdout.buffer if fd == 1 else sys.stderr.buffer
+        out.write(data)
+        out.flush()
+
+    def fields(self) -> dict:
+        """stdout and stderr for the JSON result, as text (bytes that are not
+        UTF-8 become U+FFFD)."""
+        return {"stdout": self.kept[1].decode("utf-8", "replace"),
+                "stderr": self.kept[2].decode("utf-8", "replace")}
 
 
 def _window_size(fd: int) -> tuple[int, int]:
@@ -786,10 +812,20 @@ def _write_output(chunk, pid: int) -> None:
     out.flush()
 
 
+def output_chunk_json(chunk) -> str:
+    """`dsec logs --json`: one line per chunk, as `watch --json` and `events
+    --json` print theirs (the data as text; bytes that are not UTF-8 become U+FFFD)."""
+    return json.dumps({"fd": chunk.fd, "data": chunk.data.decode("utf-8", "replace"), "time": chunk.time,
+                       "dropped": chunk.dropped}, sort_keys=True)
+
+
 async def cmd_logs(c: Client, a) -> int:
     proc = (await c.get(a.sandbox)).process(a.pid)
     async for chunk in proc.output(follow=a.follow, since=a.since_ts):
-        _write_output(chunk, a.pid)
+        if a.json:
+            print(output_chunk_json(chunk), flush=True)
+        else:
+            _write_output(chunk, a.pid)
     return 0
 
 

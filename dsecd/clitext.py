@@ -47,6 +47,22 @@ def pct(v) -> str:
     return "-" if v is None else f"{v:.1f}%"
 
 
+def event_fields(ev: dict, shown: tuple[str, ...]) -> str:
+    """An event's other fields as `key=value` words for a human: a missing
+    value as "-", labels and other maps or lists as compact JSON (what
+    `--json` gives too), not Python's repr of them."""
+    words = []
+    for k, v in ev.items():
+        if k in shown:
+            continue
+        if v is None:
+            v = "-"
+        elif isinstance(v, (dict, list)):
+            v = json.dumps(v, sort_keys=True, separators=(",", ":"))
+        words.append(f"{k}={v}")
+    return " ".join(words)
+
+
 def job_done(r: dict) -> list:
     """The sandboxes a job verb's answer says it paused, resumed or destroyed."""
     return r.get("paused") or r.get("resumed") or r.get("destroyed") or []

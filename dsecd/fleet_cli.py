@@ -14,7 +14,17 @@ import json
 import sys
 import time
 
-from .clitext import UsageError, human_bytes, job_done, job_verb, kv, pct, print_json, table
+from .clitext import (
+    UsageError,
+    event_fields,
+    human_bytes,
+    job_done,
+    job_verb,
+    kv,
+    pct,
+    print_json,
+    table,
+)
 from .errors import DsecError
 from .fleet import Fleet, FleetHost, short_name
 from .remote import SshOptions
@@ -193,8 +203,7 @@ async def fleet_events(fleet: Fleet, a) -> int:
             if a.json:
                 print(json.dumps(ev, sort_keys=True), flush=True)
             else:
-                extra = " ".join(f"{k}={v}" for k, v in ev.items()
-                                 if k not in ("seq", "time", "event", "sandbox", "host"))
+                extra = event_fields(ev, ("seq", "time", "event", "sandbox", "host"))
                 print(f"{time.strftime('%H:%M:%S', time.localtime(ev['time']))} {_host_col(ev['host']):<10} "
                       f"{ev['event']:<9} {ev['sandbox']} {extra}".rstrip(), flush=True)
     finally:

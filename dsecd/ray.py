@@ -62,7 +62,13 @@ import functools
 import logging
 from collections.abc import AsyncIterator
 
-import ray
+try:
+    import ray
+except ModuleNotFoundError as err:
+    # Ray is an optional extra; without it the import would only say "No module named 'ray'".
+    raise ModuleNotFoundError(f"dsecd.ray needs Ray, which is not installed ({err}): pip install "
+                              "'dsecd[ray]', or DSECD_SETUP_RAY=1 bash scripts/setup.sh in a checkout",
+                              name=err.name) from err
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

@@ -272,7 +272,7 @@ def _remove_at(dirfd: int, name: str, recursive: bool, shown: str) -> int:
         except OSError as err:
             if err.errno == errno.ENOTEMPTY:
                 raise OSError(errno.ENOTEMPTY, f"{shown} is a directory that is not empty; remove it "
-                              "recursively") from err
+                              "recursively (`dsec rm -r`, SDK remove(path, recursive=True))") from err
             raise
         return 1
     # O_NOFOLLOW: a directory swapped for a symlink meanwhile is not entered.

@@ -75,6 +75,22 @@ def _code(message: str) -> str:
     return "io"
 
 
+def _advice(code: str, message: str) -> str:
+    """What to do about a failed registry request, as a clause to append to
+    skopeo's words (which say what failed, not what to change)."""
+    low = message.lower()
+    if code == "not_found":
+        return ("; the registry has no such name, tag or digest: check the reference (a name that "
+                "names no registry is looked up in images.default_registry)")
+    if code == "permission":
+        return "; give credentials for this registry in images.auth_file (a docker-style auth.json)"
+    if "server gave http response to https client" in low:
+        return "; for a registry that speaks plain HTTP, list it in images.insecure_registries"
+    if "x509" in low or "certificate" in low:
+        return "; put the CA that signed this registry's certificate in images.certs_dir/<host[:port]>/"
+    return ""
+
+
 class Skopeo:
     def __init__(self, cfg: RegistryConfig):
         self.cfg = cfg
@@ -106,7 +122,8 @@ class Skopeo:
             raise RegistryError("io", f"{what}: no answer from the registry in {timeout:.0f} s") from None
         if proc.returncode != 0:
             msg = _message(proc.stderr.decode(errors="replace"))
-            raise RegistryError(_code(msg), f"{what}: {msg}")
+            code = _code(msg)
+            raise RegistryError(code, f"{what}: {msg}{_advice(code, msg)}")
         return proc.stdout
 
     def inspect_raw(self, registry: str, ref: str, config: bool = False) -> bytes:
@@ -144,4 +161,5 @@ class Skopeo:
         except OSError:
             text = ""
         msg = _message(text)
-        return RegistryError(_code(msg), f"download {ref}: {msg}")
+        code = _code(msg)
+        return RegistryError(code, f"download {ref}: {msg}{_advice(code, msg)}")

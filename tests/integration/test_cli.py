@@ -220,6 +220,26 @@ def test_json_after_the_command(daemon):
         daemon.cli("rm", sb)
 
 
+def test_commands_that_run_a_command_print_one_json_object_with_its_output(daemon):
+    """exec, run and call with --json: stdout is the result alone, the
+    command's output in it, and the exit status is still the command's."""
+    sb = daemon.cli("create", "--image", "busybox").stdout.decode().strip()
+    try:
+        script = ["sh", "-c", "echo out; echo err >&2; exit 3"]
+        for args in (["exec", sb, "--", *script], ["run", "busybox", "--", *script],
+                     ["call", "--image", "busybox", "--", *script]):
+            r = daemon.cli("--json", *args)
+            result = json.loads(r.stdout)
+            assert (r.returncode, result["exit_code"], result["stdout"], result["stderr"]) == (3, 3, "out\n", "err\n"), \
+                (args, r.stdout, r.stderr)
+            assert r.stderr == b"", (args, r.stderr)
+        r = daemon.cli("exec", "--json", "--policy", '{"hidden": ["/etc"]}', sb, "--", "cat", "/etc/passwd")
+        result = json.loads(r.stdout)
+        assert (r.returncode, result["policy"]) == (1, "inline") and result["denials"] >= 1, r.stdout
+    finally:
+        daemon.cli("rm", sb)
+
+
 def test_replayed_events_are_filtered_like_live_ones(daemon):
     sb = daemon.cli("create", "--image", "busybox").stdout.decode().strip()
     daemon.cli("rm", sb)

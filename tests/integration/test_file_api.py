@@ -70,7 +70,7 @@ def test_cli_ls_cat_rm(daemon, sandbox):
     assert r.returncode == 0 and b"sub/two.txt" in r.stdout, r.stderr
     assert daemon.cli("cat", f"{sandbox.id}:/work/d/one.txt").stdout == b"hello\n"
     r = daemon.cli("rm", f"{sandbox.id}:/work/d")
-    assert r.returncode == 1 and b"not empty" in r.stderr
+    assert r.returncode == 1 and b"not empty" in r.stderr and b"dsec rm -r" in r.stderr, r.stderr
     assert daemon.cli("rm", "-r", f"{sandbox.id}:/work/d").returncode == 0
     assert not sandbox.exists("/work/d")
     r = daemon.cli("rm", sandbox.id, f"{sandbox.id}:/work")

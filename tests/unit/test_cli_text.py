@@ -1,0 +1,37 @@
+"""What `dsec` prints for people (dsecd/clitext.py)."""
+
+from __future__ import annotations
+
+from dsecd.clitext import event_fields
+
+SHOWN = ("seq", "time", "event", "sandbox")
+
+
+def test_event_fields_print_maps_as_json_and_missing_values_as_a_dash():
+    ev = {"seq": 3, "time": 1.0, "event": "created", "sandbox": "abc", "image": "busybox",
+          "labels": {"job": "42", "a": "b c"}, "job": None, "memory": 268435456}
+    assert event_fields(ev, SHOWN) == 'image=busybox labels={"a":"b c","job":"42"} job=- memory=268435456'
+
+
+def test_event_fields_leave_out_what_the_line_shows_already():
+    ev = {"seq": 1, "time": 2.0, "event": "destroyed", "sandbox": "abc", "host": "h1", "reason": "request"}
+    assert event_fields(ev, (*SHOWN, "host")) == "reason=request"
+    assert event_fields({"event": "x", "sandbox": "abc", "labels": {}}, SHOWN) == "labels={}"
+
+
+def test_net_set_counts_the_rules_it_lists():
+    from dsecd.cli import net_set_summary
+    view = {"rules": ["10.1.2.0/24:443/tcp"],
+            "terms": ["10.1.2.0/24:443/tcp", "pypi", "*.pythonhosted.org:443/tcp"]}
+    assert net_set_summary("abc", view) == "abc: 3 rule(s): 10.1.2.0/24:443/tcp pypi *.pythonhosted.org:443/tcp"
+    assert net_set_summary("abc", {"rules": [], "terms": []}) == "abc: 0 rule(s): (none)"
+
+
+def test_logs_json_is_one_object_per_chunk():
+    import json
+
+    from dsecd.cli import output_chunk_json
+    from dsecd.client import ProcOutput
+    assert json.loads(output_chunk_json(ProcOutput(2, b"err\xff\n", 5.0))) == \
+        {"fd": 2, "data": "err\ufffd\n", "time": 5.0, "dropped": 0}
+    assert json.loads(output_chunk_json(ProcOutput(0, b"", 0.0, 4096)))["dropped"] == 4096
