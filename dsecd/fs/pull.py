@@ -194,6 +194,12 @@ class _Layer:
 
 
 STREAM_POLL_S = 0.01           # a converting temp file's reader, at its end, looks again after this
+# Temp files converting at once: every blob skopeo downloads at a time (its
+# own bound is 6). A conversion writes its EROFS image as the bytes come
+# (tarerofs: ~2 MiB of buffers, no tmpfs) and mostly waits for them, so each
+# layer's conversion keeps pace with its download instead of queueing
+# behind one slot and running after the download (measured: docs/notes/log.md, 2026-12-02).
+STREAM_SLOTS = 6
 
 
 class _Abandoned(Exception):
@@ -500,9 +506,9 @@ class Puller:
         # pool is left (its threads joined) after the download, so before
         # the pinning ends.
         niced = _BelowTheDownload()
-        streams = _Streams(ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dsecd-pull-stream",
+        streams = _Streams(ThreadPoolExecutor(max_workers=STREAM_SLOTS, thread_name_prefix="dsecd-pull-stream",
                                               initializer=niced.enter),
-                           threads if self.settings.tmpfs_bytes else 0)
+                           STREAM_SLOTS if self.settings.tmpfs_bytes else 0)
         with self.images.pinning() as hold, ThreadPoolExecutor(
                 max_workers=threads, thread_name_prefix="dsecd-pull-convert",
                 initializer=niced.enter) as pool, streams.pool:
