@@ -355,7 +355,7 @@ int dsec_fsids_set(uint32_t uid, uint32_t gid);
  * a layer it does not serve; -EINVAL: bad content, dsec_tarfs_error says what) */
 struct dsec_tarfs;
 struct dsec_tarfs *dsec_tarfs_new(int out_fd, uint32_t root_mode, uint32_t implicit_dir_mode,
-                                  uint32_t owner_uid, uint32_t owner_gid);
+                                  uint32_t owner_uid, uint32_t owner_gid, uint64_t max_entries);
 int dsec_tarfs_feed(struct dsec_tarfs *w, const char *data, size_t len);
 int dsec_tarfs_finish(struct dsec_tarfs *w);
 const char *dsec_tarfs_error(struct dsec_tarfs *w);

@@ -110,6 +110,7 @@ struct dsec_tarfs {
     struct node **hash; size_t hcap, hcount;
     struct ptrvec nodes, inodes;
     uint32_t owner_uid, owner_gid, implicit_dir_mode;
+    uint64_t max_entries;       /* the tree lives in memory: a bound on what a layer makes it hold */
 };
 
 /* ------------------------------------------------------------ helpers */
@@ -784,7 +785,11 @@ static int on_header(struct dsec_tarfs *w)
              shown(m.name, strlen(m.name), b, sizeof(b)), (unsigned long long)m.uid, (unsigned long long)m.gid);
         goto out;
     }
-    w->entries++;
+    if (++w->entries > w->max_entries) {
+        fail(w, -EINVAL, "the layer has more than %llu entries (the writer keeps every name in memory)",
+             (unsigned long long)w->max_entries);
+        goto out;
+    }
     w->cur = NULL;
     if (apply(w, &m))
         goto out;
@@ -815,7 +820,7 @@ static int on_meta_done(struct dsec_tarfs *w)
 /* ------------------------------------------------------------ entry points */
 
 struct dsec_tarfs *dsec_tarfs_new(int out_fd, uint32_t root_mode, uint32_t implicit_dir_mode,
-                                  uint32_t owner_uid, uint32_t owner_gid)
+                                  uint32_t owner_uid, uint32_t owner_gid, uint64_t max_entries)
 {
     struct dsec_tarfs *w = calloc(1, sizeof(*w));
     struct inode *ino;
@@ -826,6 +831,7 @@ struct dsec_tarfs *dsec_tarfs_new(int out_fd, uint32_t root_mode, uint32_t impli
     w->owner_uid = owner_uid;
     w->owner_gid = owner_gid;
     w->implicit_dir_mode = implicit_dir_mode & 07777;
+    w->max_entries = max_entries;
     w->opos = BLK;             /* block 0: the superblock */
     w->obuf = malloc(OBUF_SIZE);
     w->meta = malloc(META_MAX + 1);

@@ -1068,10 +1068,13 @@ class TarErofs:
     """An EROFS image written from a tar stream (csrc/tarerofs.c): feed()
     the uncompressed tar in chunks, then finish() writes the metadata and
     the superblock. Owner of the root, of directories the tar implies and of
-    whiteouts: owner_uid/gid; modes as given (the caller applies its umask)."""
+    whiteouts: owner_uid/gid; modes as given (the caller applies its umask).
+    A tar of more than max_entries members is refused (EINVAL): every name
+    is kept in memory until finish()."""
 
-    def __init__(self, fd: int, root_mode: int, implicit_dir_mode: int, owner_uid: int, owner_gid: int):
-        self._w = lib.dsec_tarfs_new(fd, root_mode, implicit_dir_mode, owner_uid, owner_gid)
+    def __init__(self, fd: int, root_mode: int, implicit_dir_mode: int, owner_uid: int, owner_gid: int,
+                 max_entries: int):
+        self._w = lib.dsec_tarfs_new(fd, root_mode, implicit_dir_mode, owner_uid, owner_gid, max_entries)
         if self._w == ffi.NULL:
             raise MemoryError("tarerofs: out of memory for a new image writer")
 

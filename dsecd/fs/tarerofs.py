@@ -26,6 +26,11 @@ from . import oci
 from .erofs import pad_to_pmem
 
 FEED_CHUNK = 1 << 20
+# Tar members a layer may have: the C writer holds every name and inode
+# (~250 bytes each with malloc's overhead) until the end, so a hostile
+# layer of tiny entries is refused before it costs the daemon more than
+# ~0.5 GiB. A large distribution image has ~100,000 files in one layer.
+MAX_ENTRIES = 2 << 20
 
 
 class Unserved(Exception):
@@ -42,7 +47,7 @@ def _umask() -> int:
     return 0o022
 
 
-def convert_blob(raw, out: Path, what: str) -> tuple[int, str, str]:
+def convert_blob(raw, out: Path, what: str, max_entries: int = MAX_ENTRIES) -> tuple[int, str, str]:
     """Write layer blob `raw` (a reader with read(size)) as the EROFS image
     `out` (a new file, padded for pmem like erofs.build's). Returns (tar
     members, the blob's digest, the uncompressed tar's digest); the caller
@@ -56,7 +61,7 @@ def convert_blob(raw, out: Path, what: str) -> tuple[int, str, str]:
         # The old path's root is a mkdtemp directory (0700) and the
         # directories a tar implies are os.mkdir(0o755): both under the
         # umask, owned by this process, as are the whiteouts it mknod()s.
-        writer = native.TarErofs(fd, 0o700 & ~umask, 0o755 & ~umask, os.geteuid(), os.getegid())
+        writer = native.TarErofs(fd, 0o700 & ~umask, 0o755 & ~umask, os.geteuid(), os.getegid(), max_entries)
         try:
             blob = oci._Hashing(raw)
             tar = oci._decompressed(blob, blob.peek(4), what)

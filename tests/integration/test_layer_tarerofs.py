@@ -280,6 +280,14 @@ def test_hostile_entries_are_refused_and_leave_nothing(tmp_path, entries, match)
     assert os.listdir(tmp_path) == []
 
 
+def test_a_layer_of_more_entries_than_allowed_is_refused(tmp_path):
+    blob = _compress(_tar([_f(f"f{i}", b"") for i in range(11)]), "gzip")
+    assert tarerofs.convert_blob(io.BytesIO(blob), tmp_path / "ok.erofs", "layer X", max_entries=11)[0] == 11
+    with pytest.raises(oci.TarError, match="more than 10 entries"):
+        tarerofs.convert_blob(io.BytesIO(blob), tmp_path / "x.erofs", "layer X", max_entries=10)
+    assert os.listdir(tmp_path) == ["ok.erofs"]
+
+
 def test_a_truncated_or_corrupt_blob_is_refused(tmp_path):
     tar = every_kind_layer()
     blob = _compress(tar, "gzip")
