@@ -128,20 +128,24 @@ static int fail(struct dsec_tarfs *w, int code, const char *fmt, ...)
     return -1;
 }
 
-/* A name for a message: printable ASCII as is, anything else \xNN, cut at 160 bytes. */
+/* A name for a message: printable ASCII as is, anything else \xNN, cut at
+ * 160 bytes or when `out` (at least 8 bytes) is full, "..." saying so. */
 static const char *shown(const char *s, size_t len, char *out, size_t outsz)
 {
     size_t o = 0;
 
-    for (size_t i = 0; i < len && o + 5 < outsz; i++) {
+    for (size_t i = 0; i < len; i++) {
         unsigned char c = (unsigned char)s[i];
-        if (c >= 0x20 && c < 0x7f && c != '\\')
-            out[o++] = (char)c;
-        else
-            o += (size_t)snprintf(out + o, outsz - o, "\\x%02x", c);
-        if (i >= 160) {
-            o += (size_t)snprintf(out + o, outsz - o, "...");
+        if (i >= 160 || o + 8 > outsz) {        /* room for "..." and the NUL is left */
+            memcpy(out + o, "...", 3);
+            o += 3;
             break;
+        }
+        if (c >= 0x20 && c < 0x7f && c != '\\') {
+            out[o++] = (char)c;
+        } else {
+            snprintf(out + o, 5, "\\x%02x", c);
+            o += 4;
         }
     }
     out[o] = 0;
@@ -641,7 +645,7 @@ static int parse_pax(struct dsec_tarfs *w)
         while (i < w->metalen && w->meta[i] >= '0' && w->meta[i] <= '9' && len < (1u << 30))
             len = len * 10 + (size_t)(w->meta[i++] - '0');
         if (i == pos || i >= w->metalen || w->meta[i] != ' ' || len < 5 || pos + len > w->metalen ||
-            w->meta[pos + len - 1] != '\n')
+            i + 1 > pos + len - 1 || w->meta[pos + len - 1] != '\n')
             return fail(w, -EINVAL, "a PAX header at tar offset %llu has a malformed record",
                         (unsigned long long)w->tarpos);
         key = w->meta + i + 1;

@@ -27,10 +27,11 @@ from .erofs import pad_to_pmem
 
 FEED_CHUNK = 1 << 20
 # Tar members a layer may have: the C writer holds every name and inode
-# (~250 bytes each with malloc's overhead) until the end, so a hostile
-# layer of tiny entries is refused before it costs the daemon more than
-# ~0.5 GiB. A large distribution image has ~100,000 files in one layer.
-MAX_ENTRIES = 2 << 20
+# (~250 bytes each with malloc's overhead, plus the name, at most 255) and
+# a directory's blocks while it writes them, so a hostile layer of tiny
+# entries is refused before it costs the daemon ~0.3 GiB (~0.8 GiB with
+# the longest names). A large distribution image has ~100,000 files in a layer.
+MAX_ENTRIES = 1 << 20
 
 
 class Unserved(Exception):

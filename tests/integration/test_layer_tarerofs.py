@@ -269,6 +269,9 @@ HOSTILE = [
 ]
 
 
+HOSTILE.append(([_f("\u00e9" * 100 + "/../x", b"")], "absolute or has '..'"))   # a long, escaped message
+
+
 @pytest.mark.parametrize("entries,match", HOSTILE, ids=[m for _, m in HOSTILE])
 def test_hostile_entries_are_refused_and_leave_nothing(tmp_path, entries, match):
     blob = _compress(_tar(entries), "gzip")
@@ -286,6 +289,18 @@ def test_a_layer_of_more_entries_than_allowed_is_refused(tmp_path):
     with pytest.raises(oci.TarError, match="more than 10 entries"):
         tarerofs.convert_blob(io.BytesIO(blob), tmp_path / "x.erofs", "layer X", max_entries=10)
     assert os.listdir(tmp_path) == ["ok.erofs"]
+
+
+@pytest.mark.parametrize("record", [b"99 path=abc\n", b"0000000005 \n", b"12 path_abc\n"])
+def test_a_malformed_pax_record_is_refused(tmp_path, record):
+    info = _info("plain")
+    info.pax_headers = {"path": "abc"}
+    tar = _tar([(info, b"x")])
+    assert tar.count(b"12 path=abc\n") == 1
+    bad = tar.replace(b"12 path=abc\n", record)
+    with pytest.raises(oci.TarError, match="PAX header"):
+        tarerofs.convert_blob(io.BytesIO(bad), tmp_path / "x.erofs", "layer X")
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_truncated_or_corrupt_blob_is_refused(tmp_path):
