@@ -351,6 +351,16 @@ int dsec_umount(const char *target, int flags);
 int dsec_userns_create(uint32_t uid, uint32_t gid, uint32_t count, struct dsec_err *err);
 int dsec_mount_idmapped(const char *path, int userns_fd);
 int dsec_fsids_set(uint32_t uid, uint32_t gid);
+/* tarerofs.c: an OCI layer's tar stream into an EROFS image (-EOPNOTSUPP:
+ * a layer it does not serve; -EINVAL: bad content, dsec_tarfs_error says what) */
+struct dsec_tarfs;
+struct dsec_tarfs *dsec_tarfs_new(int out_fd, uint32_t root_mode, uint32_t implicit_dir_mode,
+                                  uint32_t owner_uid, uint32_t owner_gid, uint64_t max_entries);
+int dsec_tarfs_feed(struct dsec_tarfs *w, const char *data, size_t len);
+int dsec_tarfs_finish(struct dsec_tarfs *w);
+const char *dsec_tarfs_error(struct dsec_tarfs *w);
+uint64_t dsec_tarfs_entries(struct dsec_tarfs *w);
+void dsec_tarfs_free(struct dsec_tarfs *w);
 /* CFFI-END */
 
 #endif /* DSEC_NATIVE_H */

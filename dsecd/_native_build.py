@@ -17,7 +17,8 @@ from cffi import FFI
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 SOURCES = ["spawn.c", "fileops.c", "probe.c", "madvise.c", "swap.c", "sched.c", "seccomp.c", "mount.c",
-           "userns.c", "netns.c", "upperfs.c", "cgroupfs.c"]
+           "userns.c", "netns.c", "upperfs.c", "cgroupfs.c",
+           "tarerofs.c"]
 HEADERS = ["dsec_native.h", "missing_defs.h"]
 
 # Values filled in by the compiler, never copied by hand.

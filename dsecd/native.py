@@ -39,7 +39,7 @@ __all__ = [
     # files, mounts, the writable layer
     "openat2", "fs_magic", "vmsplice", "KERNEL_FS_MAGICS", "mount_erofs", "umount", "mount_idmapped",
     "upperfs_create", "upperfs_attach", "RESOLVE_IN_ROOT", "RESOLVE_NO_MAGICLINKS", "RESOLVE_NO_SYMLINKS",
-    "RESOLVE_BENEATH", "RESOLVE_NO_XDEV", "RESOLVE_CACHED",
+    "RESOLVE_BENEATH", "RESOLVE_NO_XDEV", "RESOLVE_CACHED", "TarErofs", "TarErofsError",
     # processes and namespaces
     "pidfd_open", "pidfd_getfd", "pidfd_send_signal", "pidfd_kill_group", "netns_create", "userns_create",
     "fs_ids", "sched_set_idle", "sched_core_create", "sched_core_share_from", "PAGE_SIZE", "root_ns",
@@ -1052,6 +1052,50 @@ def mount_erofs(file: str, target: str) -> None:
         raise_error(-rc, "mount erofs", f"{file} on {target}", "mount_erofs", target,
                "EINVAL/ENOTBLK here usually means the kernel lacks file-backed EROFS (Linux >= 6.12)"
                if -rc in (errno.EINVAL, errno.ENOTBLK) else None)
+
+
+class TarErofsError(Exception):
+    """What dsec_tarfs_* refused or failed at: `errno` EINVAL for bad tar
+    content, EOPNOTSUPP for a layer the writer leaves to unpack-and-mkfs,
+    another errno for I/O on the image; the message says what and where."""
+
+    def __init__(self, err: int, message: str):
+        super().__init__(message)
+        self.errno = err
+
+
+class TarErofs:
+    """An EROFS image written from a tar stream (csrc/tarerofs.c): feed()
+    the uncompressed tar in chunks, then finish() writes the metadata and
+    the superblock. Owner of the root, of directories the tar implies and of
+    whiteouts: owner_uid/gid; modes as given (the caller applies its umask).
+    A tar of more than max_entries members is refused (EINVAL): every name
+    is kept in memory until finish()."""
+
+    def __init__(self, fd: int, root_mode: int, implicit_dir_mode: int, owner_uid: int, owner_gid: int,
+                 max_entries: int):
+        self._w = lib.dsec_tarfs_new(fd, root_mode, implicit_dir_mode, owner_uid, owner_gid, max_entries)
+        if self._w == ffi.NULL:
+            raise MemoryError("tarerofs: out of memory for a new image writer")
+
+    def _check(self, rc: int) -> int:
+        if rc < 0:
+            raise TarErofsError(-rc, ffi.string(lib.dsec_tarfs_error(self._w)).decode(errors="replace"))
+        return rc
+
+    def feed(self, data: bytes) -> bool:
+        """Whether the archive's end came (the rest is padding, not looked at)."""
+        return self._check(lib.dsec_tarfs_feed(self._w, data, len(data))) == 1
+
+    def finish(self) -> int:
+        """Write the metadata; the number of tar members."""
+        self._check(lib.dsec_tarfs_finish(self._w))
+        return lib.dsec_tarfs_entries(self._w)
+
+    def close(self) -> None:
+        if self._w is not None:
+            lib.dsec_tarfs_free(self._w)
+            self._w = None
 
 
 def umount(target: str, detach: bool = False) -> None:

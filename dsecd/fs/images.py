@@ -347,15 +347,28 @@ class ImageStore:
         with `hold` until the caller's build is published)."""
         if progress:
             progress({"step": "mkfs.erofs", "source": str(src)})
-        tmp = self.store.temp_path(".erofs")
+        tmp = self.layer_temp_path()
         try:
             erofs.build(src, tmp, exclude)
-            size = tmp.stat().st_size      # of the temp file: the blob may be shared (and collected) later
         except erofs.ErofsError as err:
             tmp.unlink(missing_ok=True)
             raise ImageError(err.code, str(err)) from err
+        return self.store_layer(tmp, progress, hold)
+
+    def layer_temp_path(self) -> Path:
+        """Where a new EROFS layer is written before store_layer takes it in."""
+        return self.store.temp_path(".erofs")
+
+    def store_layer(self, tmp: Path, progress: Progress | None = None,
+                    hold: Callable[[str], None] | None = None) -> dict:
+        """Take in a finished EROFS file at layer_temp_path(), stored by digest
+        (and pinned with `hold`): {"digest", "size", "index"}."""
         try:
+            size = tmp.stat().st_size      # of the temp file: the blob may be shared (and collected) later
             digest, added, index = self.store.ingest_layer(tmp, hold)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            raise ImageError("io", f"layer file {tmp}: {err.strerror}") from err
         except StoreError as err:
             raise ImageError(err.code, str(err)) from err
         if progress:

@@ -15,13 +15,15 @@
     4. convert   each layer while it downloads, from skopeo's temp file, when a
                  thread for that is idle (_convert_stream; which layer it is
                  shows when skopeo renames it into blobs/), else as soon as its
-                 blob is complete: decompressed (gzip, zstd) and unpacked in one
-                 streaming pass (oci.extract_blob: entry checks, whiteouts,
-                 both digests checked), built as one EROFS layer and recorded
-                 under its diff_id (images.py). The layer is unpacked into a
-                 tmpfs of its own (images.pull_tmpfs), mounted for the
-                 conversion and unmounted after it; one too big for it is
-                 unpacked on the scratch disk instead (see _convert)
+                 blob is complete: decompressed (gzip, zstd) and written
+                 straight into an EROFS image in one streaming pass
+                 (tarerofs.convert_blob: entry checks, whiteouts, both
+                 digests checked; no tree on disk, no mkfs.erofs), stored and
+                 recorded under its diff_id (images.py). A layer that writer
+                 does not serve (a sparse file, a PAX global header) is
+                 unpacked (oci.extract_blob) into a tmpfs of its own
+                 (images.pull_tmpfs), or the scratch disk when too big for
+                 it, and built with mkfs.erofs (see _convert)
     5. publish   our manifest, then the name (last: a failed pull leaves no
                  name), pointing at it with its source (ref, digest, platform)
 
@@ -58,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import imageconfig, native
-from . import names, oci
+from . import names, oci, tarerofs
 from .claims import Claim
 from .images import Image, ImageError, ImageStore
 from .skopeo import RegistryError, Skopeo
@@ -192,6 +194,12 @@ class _Layer:
 
 
 STREAM_POLL_S = 0.01           # a converting temp file's reader, at its end, looks again after this
+# Temp files converting at once: every blob skopeo downloads at a time (its
+# own bound is 6). A conversion writes its EROFS image as the bytes come
+# (tarerofs: ~2 MiB of buffers, no tmpfs) and mostly waits for them, so each
+# layer's conversion keeps pace with its download instead of queueing
+# behind one slot and running after the download (measured: docs/notes/log.md, 2026-12-02).
+STREAM_SLOTS = 6
 
 
 class _Abandoned(Exception):
@@ -498,9 +506,9 @@ class Puller:
         # pool is left (its threads joined) after the download, so before
         # the pinning ends.
         niced = _BelowTheDownload()
-        streams = _Streams(ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dsecd-pull-stream",
+        streams = _Streams(ThreadPoolExecutor(max_workers=STREAM_SLOTS, thread_name_prefix="dsecd-pull-stream",
                                               initializer=niced.enter),
-                           threads if self.settings.tmpfs_bytes else 0)
+                           STREAM_SLOTS if self.settings.tmpfs_bytes else 0)
         with self.images.pinning() as hold, ThreadPoolExecutor(
                 max_workers=threads, thread_name_prefix="dsecd-pull-convert",
                 initializer=niced.enter) as pool, streams.pool:
@@ -703,48 +711,50 @@ class Puller:
         known (a bad layer, ENOSPC) is done again from the complete blob,
         the way every layer converted before, which words the error."""
         layer = None
+        unserved = False
+        tmp = self.images.layer_temp_path()
         try:
-            def unpack_and_build(mnt: Path) -> dict:
-                nonlocal layer
-                _, blob_digest, tar_digest = oci.unpack_blob(reader, mnt, f"the blob in {reader.temp.name}")
-                layer = reader.layer
-                oci.check_digests(f"layer {layer.digest}", blob_digest, tar_digest, layer.digest, layer.diff_id)
-                layer.state = "converting"
-                layer.reported = (layer.state, layer.bytes)
-                emit(layer.event(of))
-                return self.images.build_layer(mnt, hold=hold)
-
-            stored = self._in_tmpfs(f"a blob downloading into {reader.temp}", self.settings.tmpfs_bytes,
-                                    unpack_and_build)
+            _, blob_digest, tar_digest = tarerofs.convert_blob(reader, tmp, f"the blob in {reader.temp.name}")
+            layer = reader.layer
+            oci.check_digests(f"layer {layer.digest}", blob_digest, tar_digest, layer.digest, layer.diff_id)
+            layer.state = "converting"
+            layer.reported = (layer.state, layer.bytes)
+            emit(layer.event(of))
+            stored = self.images.store_layer(tmp, hold=hold)
         except _Abandoned:
             return
-        except (oci.TarError, ImageError, OSError) as err:
+        except (oci.TarError, tarerofs.Unserved, ImageError, OSError) as err:
             layer = reader.known_layer()
             if layer is None:
                 return
             log.info("pull: converting layer %s while it downloaded failed (%s); converting its blob",
                      layer.digest, err)
+            unserved = isinstance(err, tarerofs.Unserved)
             stored = None
         finally:
             reader.close()
+            tmp.unlink(missing_ok=True)
         if stored is None:
             layer = layer or reader.known_layer()
             if layer is None:
                 return
-            self._convert(layer, blobs, hold, emit, of)
+            self._convert(layer, blobs, hold, emit, of, direct=not unserved)
             return
         self.images.record_diff_id(layer.diff_id, stored)
         layer.stored, layer.state = stored, "stored"
         streams.converted += 1
 
-    def _convert(self, layer: _Layer, blobs: Path, hold, emit: Progress, of: int) -> None:
+    def _convert(self, layer: _Layer, blobs: Path, hold, emit: Progress, of: int, direct: bool = True) -> None:
+        """Convert a complete blob: straight into EROFS (_convert_direct),
+        or, for a layer that writer does not serve (`direct` False when that
+        is known already), unpacked into a tree and built with mkfs.erofs."""
         layer.state = "converting"
         layer.reported = (layer.state, layer.bytes)
         emit(layer.event(of))
         blob = blobs / layer.digest.split(":", 1)[1]
-        stored = None
+        stored = self._convert_direct(layer, blob, hold) if direct else None
         cap = self.settings.tmpfs_bytes
-        if cap and layer.size <= cap:
+        if stored is None and cap and layer.size <= cap:
             stored = self._convert_in_tmpfs(layer, blob, hold, cap)
         if stored is None:
             tree = Path(tempfile.mkdtemp(prefix="pull-", dir=self.images.scratch))
@@ -755,6 +765,26 @@ class Puller:
                 shutil.rmtree(tree, ignore_errors=True)
         self.images.record_diff_id(layer.diff_id, stored)
         layer.stored, layer.state = stored, "stored"
+
+    def _convert_direct(self, layer: _Layer, blob: Path, hold) -> dict | None:
+        """The layer's blob written straight into an EROFS image
+        (tarerofs.convert_blob: no tree, no mkfs.erofs), both digests checked,
+        stored; None for a layer that writer leaves to unpack-and-mkfs (a
+        sparse file, a PAX global header: tarerofs.Unserved)."""
+        what = f"layer {layer.digest}"
+        tmp = self.images.layer_temp_path()
+        try:
+            with open(blob, "rb") as raw:
+                _, blob_digest, tar_digest = tarerofs.convert_blob(raw, tmp, what)
+            oci.check_digests(what, blob_digest, tar_digest, layer.digest, layer.diff_id)
+            return self.images.store_layer(tmp, hold=hold)
+        except tarerofs.Unserved as err:
+            log.info("pull: %s; unpacking it and running mkfs.erofs instead", err)
+            return None
+        except OSError as err:
+            raise ImageError("io", f"{what}: writing its EROFS image {tmp}: {err}") from err
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def _convert_in_tmpfs(self, layer: _Layer, blob: Path, hold, cap: int) -> dict | None:
         """The layer unpacked and built in a tmpfs (_in_tmpfs), or None."""

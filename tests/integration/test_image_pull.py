@@ -5,6 +5,7 @@ shared by daemons on one store, resumption, and hostile registries."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import subprocess
@@ -342,9 +343,16 @@ def pull_mounts(d) -> list[str]:
 def test_a_layer_too_big_for_the_tmpfs_is_unpacked_on_disk_into_the_same_layer(busybox_rootfs, tmp_path,
                                                                                daemon_factory, fake):
     # 2 MiB of zeros: a few KiB compressed (under the 256 KiB cap, so the tmpfs
-    # is tried), 2 MiB unpacked (over it: ENOSPC, then the scratch disk).
-    big = _tar_bytes([_entry("d", tarfile.DIRTYPE, mode=0o755), _file("d/zeros", bytes(2 << 20)),
-                      _entry("d/link", tarfile.SYMTYPE, linkname="zeros"), _file("d/.wh..wh..opq")])
+    # is tried), 2 MiB unpacked (over it: ENOSPC, then the scratch disk). Its
+    # PAX global header is what the direct EROFS writer leaves to this path.
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT, pax_headers={"comment": "g"}) as tf:
+        for info, data in [_entry("d", tarfile.DIRTYPE, mode=0o755), _file("d/zeros", bytes(2 << 20)),
+                           _entry("d/link", tarfile.SYMTYPE, linkname="zeros"), _file("d/.wh..wh..opq")]:
+            if data is not None:
+                info.size = len(data)
+            tf.addfile(info, io.BytesIO(data) if data is not None else None)
+    big = buf.getvalue()
     small = _tar_bytes([_file("small.txt", b"small\n")])
     fake_image(tmp_path, fake, "cap/app", [(rootfs_layer(busybox_rootfs), "gzip"), (big, "gzip"), (small, "zstd")])
     ref = f"{fake.host}/cap/app:v1"
