@@ -49,7 +49,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.utils import floatToGoString
 
-from . import __version__
+from . import __version__, unixsock
 
 log = logging.getLogger(__name__)
 
@@ -486,12 +486,12 @@ class MetricsServer:
     async def start(self) -> None:
         if isinstance(self.where, str):
             _remove_dead_socket(self.where)
-            old = os.umask(0o117)               # 0660, like the protocol's socket
+            sock = unixsock.bind_private(self.where, os.getegid())      # 0660, like the protocol's socket
             try:
-                self._server = await asyncio.start_unix_server(self._serve, self.where,
-                                                               limit=MAX_REQUEST_BYTES)
-            finally:
-                os.umask(old)
+                self._server = await asyncio.start_unix_server(self._serve, sock=sock, limit=MAX_REQUEST_BYTES)
+            except BaseException:
+                sock.close()
+                raise
         else:
             host, port = self.where
             self._server = await asyncio.start_server(self._serve, host, port, reuse_address=True,

@@ -24,7 +24,7 @@ import select
 import socket
 import struct
 
-from . import framing, metrics, protocol
+from . import framing, metrics, protocol, unixsock
 from .errors import (
     BadRequest,
     Conflict,
@@ -349,14 +349,13 @@ class Server:
     async def start(self) -> None:
         _remove_stale_socket(self.path)
         os.makedirs(os.path.dirname(self.path) or ".", mode=0o755, exist_ok=True)
-        old = os.umask(0o117)   # socket created 0660 from the start, no window of 0777
+        sock = unixsock.bind_private(self.path, self.gid if self.gid is not None else 0)
         try:
             self._server = await asyncio.get_running_loop().create_unix_server(
-                self._new_protocol, self.path, backlog=min(self.max_connections, 4096))
-        finally:
-            os.umask(old)
-        os.chown(self.path, 0, self.gid if self.gid is not None else 0)
-        os.chmod(self.path, 0o660)
+                self._new_protocol, sock=sock, backlog=min(self.max_connections, 4096))
+        except BaseException:
+            sock.close()
+            raise
         log.info("listening on %s (group %s)", self.path, self.group or "root")
 
     def _allowed(self, uid: int, gid: int, groups: set[int]) -> bool:

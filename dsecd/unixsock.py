@@ -1,0 +1,32 @@
+"""Unix sockets the daemon listens on, created with their final mode."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import tempfile
+
+
+def bind_private(path: str, gid: int) -> socket.socket:
+    """A unix socket bound at `path`, mode 0660 and group `gid` before anyone
+    can reach it: bound in a fresh 0700 dir beside `path`, fixed there, and
+    renamed into place. (Not by setting the umask around the bind: the umask
+    is the whole process's, and the daemon's worker threads may be making
+    files and dirs at that moment.)"""
+    private = tempfile.mkdtemp(prefix=".dsecd-bind-", dir=os.path.dirname(path) or ".")    # 0700
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        staged = os.path.join(private, "sock")
+        sock.bind(staged)
+        os.chown(staged, os.geteuid(), gid)
+        os.chmod(staged, 0o660)
+        os.rename(staged, path)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(private, "sock"))
+        os.rmdir(private)
+    return sock
