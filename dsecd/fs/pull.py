@@ -96,8 +96,8 @@ CONVERT_NICE = 10
 
 
 class _BelowTheDownload:
-    """A pull's conversion threads (and the mkfs.erofs they run) yield the
-    CPU to skopeo while it downloads: nice is per thread on Linux.
+    """A pull's conversion threads (and the mkfs.erofs of a layer the direct
+    writer leaves to it) yield the CPU to skopeo while it downloads: nice is per thread on Linux.
     Converting layer i while layer i+1 downloads then costs the download
     little (measured on 2 cores: without it the download ran ~1.8x slower
     than skopeo alone), and conversion takes the cycles the download
