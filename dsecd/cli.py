@@ -36,7 +36,7 @@ import tty
 
 from . import fleet_cli, imageconfig, pullview, topview
 from .client import Client, default_socket
-from .clitext import UsageError, event_fields, job_done, job_verb
+from .clitext import UsageError, argv_value, event_fields, job_done, job_verb
 from .clitext import human_bytes as _human_bytes
 from .clitext import kv as _kv
 from .clitext import pct as _pct
@@ -246,7 +246,8 @@ async def cmd_image(c: Client, a) -> int:
     if a.image_cmd in ("build", "import"):
         bar = _ProgressBar(not a.json)
         config = {"env": _kv(a.env, "--env") or None, "cwd": a.cwd, "user": a.user,
-                  "entrypoint": a.entrypoint, "cmd": a.cmd_args, "labels": _kv(a.label, "--label") or None,
+                  "entrypoint": argv_value(a.entrypoint, "--entrypoint"),
+                  "cmd": argv_value(a.cmd_args, "--cmd"), "labels": _kv(a.label, "--label") or None,
                   "exposed_ports": a.expose}
         img = await c.build_image(a.path, a.name, getattr(a, "parent", None), bar,
                                   **{k: v for k, v in config.items() if v is not None})
@@ -1318,9 +1319,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="image config: environment (over the image's)")
         imp.add_argument("--cwd", help="image config: working directory")
         imp.add_argument("--user", help="image config: user: NAME, UID, NAME:GROUP or UID:GID")
-        imp.add_argument("--entrypoint", nargs="+", help="image config: entrypoint (clears cmd unless --cmd)")
-        imp.add_argument("--cmd", dest="cmd_args", nargs="+", metavar="ARG",
-                         help="image config: cmd, the entrypoint's default arguments")
+        imp.add_argument("--entrypoint", metavar="ARGV",
+                         help="image config: entrypoint, as shell words ('python3 -m app') or a JSON array "
+                         "(clears cmd unless --cmd)")
+        imp.add_argument("--cmd", dest="cmd_args", metavar="ARGV",
+                         help="image config: cmd, the entrypoint's default arguments, as shell words or a "
+                         "JSON array")
         imp.add_argument("--label", action="append", metavar="K=V", help="image config: a label")
         imp.add_argument("--expose", action="append", metavar="PORT[/PROTO]",
                          help="image config: an exposed port (repeatable)")

@@ -1,9 +1,10 @@
-"""What `dsec` prints and how it reads KEY=VALUE words: shared by the
+"""What `dsec` prints and how it reads KEY=VALUE words and argv values: shared by the
 command line (cli.py) and its fleet commands (fleet_cli.py)."""
 
 from __future__ import annotations
 
 import json
+import shlex
 
 
 class UsageError(Exception):
@@ -18,6 +19,30 @@ def kv(items: list[str] | None, what: str) -> dict[str, str]:
             raise UsageError(f"dsec: {what} must look like KEY=VALUE, got {item!r}")
         out[k] = v
     return out
+
+
+def argv_value(value: str | None, what: str) -> list[str] | None:
+    """An image config's Entrypoint or Cmd given as one option value: a JSON
+    array (exec form, `'["python3", "-m", "app"]'`) or shell words
+    (`"python3 -m app"`). One value, so the option cannot swallow the
+    positional arguments that follow it."""
+    if value is None:
+        return None
+    if value.lstrip().startswith("["):
+        try:
+            argv = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise UsageError(f"dsec: {what} {value!r} is not a JSON array of strings: {err}") from None
+        if not isinstance(argv, list) or not all(isinstance(x, str) for x in argv):
+            raise UsageError(f"dsec: {what} {value!r} must be a JSON array of strings")
+        return argv
+    try:
+        argv = shlex.split(value)
+    except ValueError as err:
+        raise UsageError(f"dsec: {what} {value!r}: {err} (quote it, or give a JSON array)") from None
+    if not argv:
+        raise UsageError(f"dsec: {what} is empty; give a program, e.g. {what} 'python3 -m app'")
+    return argv
 
 
 def print_json(obj) -> None:

@@ -158,6 +158,22 @@ def test_run_runs_entrypoint_and_cmd_and_removes_its_sandbox(kit, daemon):
     assert _left(c, "greeter") == [] and _left(c, "named") == []
 
 
+def test_cli_entrypoint_and_cmd_are_one_value_each_wherever_the_path_stands(kit, daemon):
+    """`image build --entrypoint ... PATH`: the options take one value (shell
+    words or a JSON array), so the path after them stays the path."""
+    _, work, _ = kit
+    r = daemon.cli("image", "build", "--name", "cli-argv", "--entrypoint", "echo from", "--cmd",
+                   '["the cli", "x"]', str(work / "greeter.tar"))
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads(daemon.cli("image", "inspect", "cli-argv", "--json").stdout)["config"]
+    assert (cfg["entrypoint"], cfg["cmd"]) == (["echo", "from"], ["the cli", "x"])
+    r = daemon.cli("run", "cli-argv")
+    assert (r.returncode, r.stdout) == (0, b"from the cli x\n"), r.stderr
+    r = daemon.cli("image", "build", "--name", "cli-argv-bad", "--cmd", '["unclosed', str(work / "greeter.tar"))
+    assert r.returncode == 2 and b"--cmd" in r.stderr and b"JSON array" in r.stderr, r.stderr
+    daemon.cli("image", "rm", "cli-argv")
+
+
 def test_a_failing_command_or_a_failed_start_leaves_no_sandbox(kit, daemon):
     c, _, _ = kit
     r = daemon.cli("run", "busybox", "--", "sh", "-c", "exit 3")

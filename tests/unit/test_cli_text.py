@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from dsecd.clitext import event_fields
 
 SHOWN = ("seq", "time", "event", "sandbox")
@@ -35,3 +37,15 @@ def test_logs_json_is_one_object_per_chunk():
     assert json.loads(output_chunk_json(ProcOutput(2, b"err\xff\n", 5.0))) == \
         {"fd": 2, "data": "err\ufffd\n", "time": 5.0, "dropped": 0}
     assert json.loads(output_chunk_json(ProcOutput(0, b"", 0.0, 4096)))["dropped"] == 4096
+
+
+def test_an_argv_value_is_shell_words_or_a_json_array():
+    from dsecd.clitext import UsageError, argv_value
+
+    assert argv_value(None, "--cmd") is None
+    assert argv_value("python3 -m 'my app'", "--cmd") == ["python3", "-m", "my app"]
+    assert argv_value(' ["sh", "-c", "echo a b"]', "--entrypoint") == ["sh", "-c", "echo a b"]
+    for bad, says in (('["a", 1]', "JSON array of strings"), ("[nope", "not a JSON array"),
+                      ("'open", "quote it"), ("  ", "is empty")):
+        with pytest.raises(UsageError, match=says):
+            argv_value(bad, "--cmd")
