@@ -72,16 +72,23 @@ def pct(v) -> str:
     return "-" if v is None else f"{v:.1f}%"
 
 
+# Event fields that are sizes in bytes: a human reads them as 512.0M (what
+# `ps` and `top` show); `--json` keeps the numbers.
+BYTE_FIELDS = ("memory",)
+
+
 def event_fields(ev: dict, shown: tuple[str, ...]) -> str:
     """An event's other fields as `key=value` words for a human: a missing
-    value as "-", labels and other maps or lists as compact JSON (what
-    `--json` gives too), not Python's repr of them."""
+    value as "-", sizes in bytes as 512.0M, labels and other maps or lists
+    as compact JSON (what `--json` gives too), not Python's repr of them."""
     words = []
     for k, v in ev.items():
         if k in shown:
             continue
         if v is None:
             v = "-"
+        elif isinstance(v, int) and not isinstance(v, bool) and v >= 0 and (k in BYTE_FIELDS or k.endswith("_bytes")):
+            v = human_bytes(v)
         elif isinstance(v, (dict, list)):
             v = json.dumps(v, sort_keys=True, separators=(",", ":"))
         words.append(f"{k}={v}")

@@ -12,7 +12,12 @@ SHOWN = ("seq", "time", "event", "sandbox")
 def test_event_fields_print_maps_as_json_and_missing_values_as_a_dash():
     ev = {"seq": 3, "time": 1.0, "event": "created", "sandbox": "abc", "image": "busybox",
           "labels": {"job": "42", "a": "b c"}, "job": None, "memory": 268435456}
-    assert event_fields(ev, SHOWN) == 'image=busybox labels={"a":"b c","job":"42"} job=- memory=268435456'
+    assert event_fields(ev, SHOWN) == 'image=busybox labels={"a":"b c","job":"42"} job=- memory=256.0M'
+
+
+def test_event_fields_print_sizes_in_bytes_as_a_human_reads_them():
+    ev = {"event": "paused", "sandbox": "abc", "freed_bytes": 3 << 20, "memory": -1, "kills": 2}
+    assert event_fields(ev, SHOWN) == "freed_bytes=3.0M memory=-1 kills=2"
 
 
 def test_event_fields_leave_out_what_the_line_shows_already():
