@@ -909,6 +909,107 @@ static int trace_wait_ms(void)
     return ms;
 }
 
+/* What a child of the agent runs: an exec's or a background process's
+ * command, or one of the agent's own copies (EXEC_TAR_GET, EXEC_TAR_PUT,
+ * EXEC_WATCH). Its own session, stdio (`in` -1: /dev/null; `tty` >= 0: the
+ * terminal as all three and its controlling tty), no groups, uid and gid,
+ * cwd, then the command; a step that fails writes errno and the step's name
+ * to `report` in one write and exits 127. */
+struct child {
+    int in, out, err, tty, report;
+    uid_t uid;
+    gid_t gid;
+    const char *cwd;
+    uint64_t argc;
+    char **argv, **envp;
+    int stop;            /* SIGSTOP itself before the execve, for its tracer (EXEC_TRACE) */
+    unsigned copy;       /* EXEC_TAR_GET, EXEC_TAR_PUT or EXEC_WATCH: the agent's code instead of argv */
+    int agent_ends[4];   /* the agent's ends of the child's pipes, which a copy closes */
+};
+
+static void __attribute__((noreturn, noinline)) child_main(const struct child *c)
+{
+    int err, in = c->in >= 0 ? c->in : open("/dev/null", O_RDONLY);
+    const char *step = "stdio";
+    sigset_t none;
+
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    setsid();
+    if (c->tty >= 0) {
+        step = "terminal";
+        if (ioctl(c->tty, TIOCSCTTY, 0) < 0 || dup2(c->tty, 0) < 0 || dup2(c->tty, 1) < 0 || dup2(c->tty, 2) < 0)
+            goto child_fail;
+    } else if (in < 0 || dup2(in, 0) < 0 || dup2(c->out, 1) < 0 || dup2(c->err, 2) < 0) {
+        goto child_fail;
+    }
+    step = "setgroups";
+    if (setgroups(0, NULL) < 0)
+        goto child_fail;
+    step = "setgid";
+    if (setgid(c->gid) < 0)
+        goto child_fail;
+    step = "setuid";
+    if (setuid(c->uid) < 0)
+        goto child_fail;
+    step = "chdir";
+    if (chdir(c->cwd) < 0)
+        goto child_fail;
+    umask(022);
+    if (c->copy) {
+        close(c->report); /* it started: EOF for the parent */
+        for (int k = 0; k < 4; k++) /* the agent's ends: no exec closes them (O_CLOEXEC) here, and */
+            if (c->agent_ends[k] >= 0) /* a write end of its own stdin kept would hide that input's end */
+                close(c->agent_ends[k]);
+        close_fd(&chan); /* and the other execs' pipes: their ends must not wait for this one */
+        for (int j = 0; j < MAX_EXECS; j++) {
+            if (!execs[j].pid)
+                continue; /* a free slot's fields are zero, not -1 */
+            close_fd(&execs[j].out[1]);
+            close_fd(&execs[j].out[2]);
+            close_fd(&execs[j].out[3]);
+            close_fd(&execs[j].in);
+        }
+        close_proc_fds();
+        if (c->copy & EXEC_TAR_PUT)
+            _exit(tar_put_main(c->argv[0]));
+        if (c->copy & EXEC_WATCH)
+            _exit(watch_main(c->argv[0], c->argc > 1 && !strcmp(c->argv[1], "1"),
+                             c->argc > 2 ? strtoull(c->argv[2], NULL, 10) : 0));
+        _exit(tar_get_main(c->argv[0], c->argc > 1 ? strtoull(c->argv[1], NULL, 10) : 0,
+                           c->argc > 2 ? strtoull(c->argv[2], NULL, 10) : 0));
+    }
+    if (c->stop)
+        kill(getpid(), SIGSTOP); /* until its tracer has seized it: the execve is its first record */
+    step = "exec";
+    execvpe(c->argv[0], c->argv, c->envp);
+child_fail:
+    err = errno;
+    {
+        /* one write: the parent reads errno and step in one read */
+        char msg[64];
+        size_t n = strlen(step);
+
+        memcpy(msg, &err, sizeof(err));
+        memcpy(msg + sizeof(err), step, n);
+        ssize_t ignored = write(c->report, msg, sizeof(err) + n);
+        (void)ignored;
+    }
+    _exit(127);
+}
+
+/* The child, by vfork (the caller's memory shared until it execs or exits:
+ * nothing but `c` lives across it here, so nothing of the caller's can be
+ * clobbered) or by fork. */
+static pid_t start_child(const struct child *c, int use_vfork)
+{
+    pid_t pid = use_vfork ? vfork() : fork();
+
+    if (pid == 0)
+        child_main(c);
+    return pid;
+}
+
 static void do_exec(uint32_t id, struct rd *r)
 {
     uint64_t uid = get_u64(r), gid = get_u64(r), flags = get_u64(r);
@@ -984,85 +1085,18 @@ static void do_exec(uint32_t id, struct rd *r)
     /* vfork: no copy of the agent's page tables, which under TCG (softmmu)
      * is most of an exec's cost. The child only makes syscalls on its own
      * stack until it execs or _exits (the agent is single-threaded, so
-     * glibc's set*id are plain syscalls). */
-    int copy = (flags & (EXEC_TAR_GET | EXEC_TAR_PUT | EXEC_WATCH)) != 0;
-    /* A copy runs the agent's own code: a fork of its own, not a vfork; a
-     * traced command stops before its execve, which a vfork's parent would
-     * wait out forever. */
-    pid_t pid = copy || trace ? fork() : vfork();
+     * glibc's set*id are plain syscalls). A copy runs the agent's own code:
+     * a fork of its own, not a vfork; a traced command stops before its
+     * execve, which a vfork's parent would wait out forever. */
+    struct child c = {.in = tty >= 0 ? tty : (flags & EXEC_STDIN) ? pi[0] : -1, .out = po[1], .err = pe[1],
+                      .tty = tty, .report = perr[1], .uid = (uid_t)uid, .gid = (gid_t)gid, .cwd = cwd,
+                      .argc = argc, .argv = argv, .envp = envp, .stop = trace,
+                      .copy = (unsigned)(flags & (EXEC_TAR_GET | EXEC_TAR_PUT | EXEC_WATCH)),
+                      .agent_ends = {perr[0], po[0], pe[0], pi[1]}};
+    pid_t pid = start_child(&c, !c.copy && !trace);
     if (pid < 0) {
         send_err(id, errno, "fork");
         goto fail;
-    }
-    if (pid == 0) {
-        int err, in = tty >= 0 ? tty : (flags & EXEC_STDIN) ? pi[0] : open("/dev/null", O_RDONLY);
-        const char *step = "stdio";
-        sigset_t none;
-
-        sigemptyset(&none);
-        sigprocmask(SIG_SETMASK, &none, NULL);
-        setsid();
-        if (tty >= 0) {
-            step = "terminal";
-            if (ioctl(tty, TIOCSCTTY, 0) < 0 || dup2(tty, 0) < 0 || dup2(tty, 1) < 0 || dup2(tty, 2) < 0)
-                goto child_fail;
-        } else if (in < 0 || dup2(in, 0) < 0 || dup2(po[1], 1) < 0 || dup2(pe[1], 2) < 0) {
-            goto child_fail;
-        }
-        step = "setgroups";
-        if (setgroups(0, NULL) < 0)
-            goto child_fail;
-        step = "setgid";
-        if (setgid((gid_t)gid) < 0)
-            goto child_fail;
-        step = "setuid";
-        if (setuid((uid_t)uid) < 0)
-            goto child_fail;
-        step = "chdir";
-        if (chdir(cwd) < 0)
-            goto child_fail;
-        umask(022);
-        if (copy) {
-            close_fd(&perr[1]); /* it started: EOF for the parent */
-            close_fd(&perr[0]); /* the agent's ends: no exec closes them (O_CLOEXEC) here, and */
-            close_fd(&po[0]);   /* a write end of its own stdin kept would hide that input's end */
-            close_fd(&pe[0]);
-            close_fd(&pi[1]);
-            close_fd(&chan);    /* and the other execs' pipes: their ends must not wait for this one */
-            for (int j = 0; j < MAX_EXECS; j++) {
-                if (!execs[j].pid)
-                    continue; /* a free slot's fields are zero, not -1 */
-                close_fd(&execs[j].out[1]);
-                close_fd(&execs[j].out[2]);
-                close_fd(&execs[j].out[3]);
-                close_fd(&execs[j].in);
-            }
-            close_proc_fds();
-            if (flags & EXEC_TAR_PUT)
-                _exit(tar_put_main(argv[0]));
-            if (flags & EXEC_WATCH)
-                _exit(watch_main(argv[0], argc > 1 && !strcmp(argv[1], "1"),
-                                 argc > 2 ? strtoull(argv[2], NULL, 10) : 0));
-            _exit(tar_get_main(argv[0], argc > 1 ? strtoull(argv[1], NULL, 10) : 0,
-                               argc > 2 ? strtoull(argv[2], NULL, 10) : 0));
-        }
-        if (trace)
-            kill(getpid(), SIGSTOP); /* until its tracer has seized it: the execve is its first record */
-        step = "exec";
-        execvpe(argv[0], argv, envp);
-    child_fail:
-        err = errno;
-        {
-            /* one write: the parent reads errno and step in one read */
-            char msg[64];
-            size_t n = strlen(step);
-
-            memcpy(msg, &err, sizeof(err));
-            memcpy(msg + sizeof(err), step, n);
-            ssize_t ignored = write(perr[1], msg, sizeof(err) + n);
-            (void)ignored;
-        }
-        _exit(127);
     }
     close_fd(&po[1]);
     close_fd(&pe[1]);
@@ -1589,48 +1623,13 @@ static void do_proc_start(uint32_t id, struct rd *r)
         goto fail;
     }
     /* vfork, as do_exec: the child only makes syscalls until it execs. */
-    pid_t pid = vfork();
+    struct child c = {.in = (flags & EXEC_STDIN) ? pi[0] : -1, .out = po[1], .err = pe[1], .tty = -1,
+                      .report = perr[1], .uid = (uid_t)uid, .gid = (gid_t)gid, .cwd = cwd, .argc = argc,
+                      .argv = argv, .envp = envp, .agent_ends = {-1, -1, -1, -1}};
+    pid_t pid = start_child(&c, 1);
     if (pid < 0) {
         send_err(id, errno, "fork");
         goto fail;
-    }
-    if (pid == 0) {
-        int err, in = (flags & EXEC_STDIN) ? pi[0] : open("/dev/null", O_RDONLY);
-        const char *step = "stdio";
-        sigset_t none;
-
-        sigemptyset(&none);
-        sigprocmask(SIG_SETMASK, &none, NULL);
-        setsid();
-        if (in < 0 || dup2(in, 0) < 0 || dup2(po[1], 1) < 0 || dup2(pe[1], 2) < 0)
-            goto child_fail;
-        step = "setgroups";
-        if (setgroups(0, NULL) < 0)
-            goto child_fail;
-        step = "setgid";
-        if (setgid((gid_t)gid) < 0)
-            goto child_fail;
-        step = "setuid";
-        if (setuid((uid_t)uid) < 0)
-            goto child_fail;
-        step = "chdir";
-        if (chdir(cwd) < 0)
-            goto child_fail;
-        umask(022);
-        step = "exec";
-        execvpe(argv[0], argv, envp);
-    child_fail:
-        err = errno;
-        {
-            char msg[64];
-            size_t n = strlen(step);
-
-            memcpy(msg, &err, sizeof(err));
-            memcpy(msg + sizeof(err), step, n);
-            ssize_t ignored = write(perr[1], msg, sizeof(err) + n);
-            (void)ignored;
-        }
-        _exit(127);
     }
     close_fd(&po[1]);
     close_fd(&pe[1]);
