@@ -300,3 +300,32 @@ def test_an_agent_without_windows_has_its_channel_held_while_an_exec_lags():
         guest.close()
 
     asyncio.run(main())
+
+
+def test_a_hello_says_whether_the_host_still_follows_its_execs():
+    """A HELLO again on a link with execs running (a job resume) keeps
+    their windows; on a new link (a restarted daemon, a restored VM) the
+    agent is told the execs it has are nobody's, and lets their output go."""
+    async def main():
+        link, guest, broken = await _link()
+
+        async def hello_keeps() -> int:
+            asking = asyncio.ensure_future(link.hello("h", "sb"))
+            (_, msg_id, body), = await _read_frames(guest, wire.HELLO)
+            r = wire.Reader(body)
+            r.str(), r.u64(), r.bytes(), r.str()
+            keeps = r.u64()
+            await _send(guest, _ready(msg_id, b"dsec-guest-agent 3"))
+            assert await asyncio.wait_for(asking, 5) == "dsec-guest-agent 3"
+            return keeps
+
+        assert await hello_keeps() == 0 and link.agent_version == 3
+        run = await link.start_exec(["yes"], [], "/", 0, False)
+        assert run.window == OUTPUT_WINDOW
+        await _read_frames(guest, wire.EXEC)
+        assert await hello_keeps() == 1
+        assert not broken
+        link.close()
+        guest.close()
+
+    asyncio.run(main())
