@@ -24,8 +24,11 @@
  * STDIN, KILL, OUT and EXITED.
  *
  * One thread, one poll loop: the channel, each exec's stdout/stderr pipes
- * and stdin pipe (written when it can take data: a process that does not
- * read its stdin never stalls the agent), and a signalfd for SIGCHLD. File
+ * (read while the exec's output window has room, EXEC_WINDOW: a host that
+ * does not take an exec's output holds that process back, never the
+ * channel) and stdin pipe (written when it can take data: a process that
+ * does not read its stdin never stalls the agent), and a signalfd for
+ * SIGCHLD. File
  * operations resolve paths with openat2(RESOLVE_IN_ROOT) under the sandbox
  * root, as the container backend does on the host, and run here, in the
  * loop: they are short, and the host sends at most limits.max_file_chunk_bytes
@@ -911,7 +914,7 @@ static int trace_wait_ms(void)
 
 /* What a child of the agent runs: an exec's or a background process's
  * command, or one of the agent's own copies (EXEC_TAR_GET, EXEC_TAR_PUT,
- * EXEC_WATCH). Its own session, stdio (`in` -1: /dev/null; `tty` >= 0: the
+ * EXEC_WATCH). setsid(), stdio (`in` -1: /dev/null; `tty` >= 0: the
  * terminal as all three and its controlling tty), no groups, uid and gid,
  * cwd, then the command; a step that fails writes errno and the step's name
  * to `report` in one write and exits 127. */
