@@ -21,6 +21,13 @@ shell loop that runs `cat` ten times, N times untraced and N traced,
 alternating; it prints trace_vm_untraced_p50_ms, trace_vm_traced_p50_ms
 (the exec's round trip) and trace_vm_events (the record's events).
 
+`bench/microvm.py --exec-output N` runs only what an exec's large output
+costs (the output flow control of wire.EXEC_WINDOW): on one restored VM, N
+times `dsec exec VM -- head -c 256M /dev/zero | wc -c` (a fast client:
+exec_stream_256m_p50_s, exec_stream_mib_s), then one stream of ~64 MiB
+(stream_kit.SlowStream) whose client reads nothing for 20 s before it reads
+the rest: stalled_stream_rss_growth_mib, the daemon's peak RSS growth.
+
 `bench/microvm.py --pmem-sharing` runs only the 10-vs-1 page cache figure.
 `bench/microvm.py --own-root-cost N` runs only what a VM's own mount
 namespace (vmroot.py) costs a create: two daemons, microvm.own_root on and
@@ -490,8 +497,77 @@ def trace_cost(rootfs: str, n: int) -> dict:
             c.close()
 
 
+EXEC_OUTPUT_BYTES = 256 << 20
+STALLED_BLOCKS, STALL_S = 96, 20.0
+
+
+def _peak_rss_growth(pid: int, block) -> int:
+    """The daemon's peak RSS over block() above its RSS before (VmHWM reset first)."""
+    def status(field: str) -> int:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) << 10
+        raise RuntimeError(f"no {field} in /proc/{pid}/status")
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    start = status("VmRSS")
+    block()
+    return status("VmHWM") - start
+
+
+def exec_output(rootfs: str, n: int) -> dict:
+    """A large output through a VM exec's flow control: fast and stalled clients."""
+    import subprocess
+
+    from stream_kit import SlowStream
+
+    cap = f'[limits]\nmax_exec_output_bytes = "{2 * EXEC_OUTPUT_BYTES >> 20}M"\n'
+    with private_daemon(rootfs, IMAGE, extra_config=cap) as d:
+        c = SyncClient(d.sock)
+        c.connect()
+        vm = c.info()["backends"]["microvm"]
+        if not vm["available"]:
+            raise RuntimeError(f"backend microvm unavailable: {vm['why']}")
+        sb = c.create(IMAGE, backend="microvm", memory="256M", net="none", disk="64M")
+        try:
+            dsec = str(Path(sys.executable).parent / "dsec")
+            cmd = f"{dsec} --socket {d.sock} exec {sb.id} -- head -c {EXEC_OUTPUT_BYTES} /dev/zero | wc -c"
+            times = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                out = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, check=True).stdout
+                times.append(time.perf_counter() - t0)
+                if int(out) != EXEC_OUTPUT_BYTES:
+                    raise RuntimeError(f"`{cmd}` counted {out.strip()} bytes, not {EXEC_OUTPUT_BYTES}")
+            sb.exec(["sh", "-c", "seq -w 1 100000 > /tmp/f"])
+            loop = f'i=0; while [ $i -lt {STALLED_BLOCKS} ]; do echo "block $i"; cat /tmp/f; i=$((i+1)); done'
+            got = []
+
+            def stalled() -> None:
+                stream = SlowStream(d.sock, sb.id, ["sh", "-c", loop], pty=False)
+                try:
+                    stream.read_at_least(1 << 20)
+                    time.sleep(STALL_S)
+                    stream.read_to_end()
+                    got.append(len(stream.data))
+                finally:
+                    stream.close()
+            growth = _peak_rss_growth(d.proc.pid, stalled)
+            p50 = statistics.median(times)
+            log(f"accel {vm['accel']}: 256 MiB streamed in {sorted(round(t, 2) for t in times)} s; "
+                f"a stalled stream of {got[0]} bytes grew the daemon by {growth >> 20} MiB")
+            return {"accel": vm["accel"], "exec_stream_256m_p50_s": round(p50, 2),
+                    "exec_stream_mib_s": round(EXEC_OUTPUT_BYTES / (1 << 20) / p50, 1),
+                    "stalled_stream_bytes": got[0], "stalled_stream_rss_growth_mib": round(growth / (1 << 20), 1)}
+        finally:
+            sb.destroy(force=True)
+            c.close()
+
+
 def main() -> int:
     rootfs = build_rootfs()
+    if len(sys.argv) == 3 and sys.argv[1] == "--exec-output":
+        print(json.dumps(exec_output(rootfs, int(sys.argv[2]))))
+        return 0
     if len(sys.argv) == 3 and sys.argv[1] == "--trace-cost":
         print(json.dumps(trace_cost(rootfs, int(sys.argv[2]))))
         return 0

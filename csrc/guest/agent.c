@@ -24,8 +24,11 @@
  * STDIN, KILL, OUT and EXITED.
  *
  * One thread, one poll loop: the channel, each exec's stdout/stderr pipes
- * and stdin pipe (written when it can take data: a process that does not
- * read its stdin never stalls the agent), and a signalfd for SIGCHLD. File
+ * (read while the exec's output window has room, EXEC_WINDOW: a host that
+ * does not take an exec's output holds that process back, never the
+ * channel) and stdin pipe (written when it can take data: a process that
+ * does not read its stdin never stalls the agent), and a signalfd for
+ * SIGCHLD. File
  * operations resolve paths with openat2(RESOLVE_IN_ROOT) under the sandbox
  * root, as the container backend does on the host, and run here, in the
  * loop: they are short, and the host sends at most limits.max_file_chunk_bytes
@@ -79,9 +82,9 @@
 
 /* message types: host -> guest */
 enum {
-    M_HELLO = 1,   /* hostname, unix time ns, seed, sandbox id: answered READY */
+    M_HELLO = 1,   /* hostname, unix time ns, seed, sandbox id, keeps execs: answered READY */
     M_EXEC = 2,    /* uid, gid, flags, cwd, argc, argv..., envc, env..., [rows, cols: EXEC_PTY],
-                      [max string bytes, max argv entries: EXEC_TRACE] */
+                      [max string bytes, max argv entries: EXEC_TRACE], [window bytes: EXEC_WINDOW] */
     M_STDIN = 3,   /* eof, data */
     M_KILL = 4,    /* signal */
     M_READ = 10,   /* path, offset, length */
@@ -107,6 +110,8 @@ enum {
                            closed. offset: of data's first byte in all the input; what was taken is skipped */
     M_PROC_KILL = 26,   /* pid, signal: to its process group; OK sent (0: the group is gone) */
     M_PROC_FORGET = 27, /* pid: an exited process's record and ring freed; OK */
+    M_CREDIT = 28,      /* taken: of an EXEC_WINDOW exec (its id), the OUT data bytes the host has taken
+                           in all (2^64-1: it discards the rest, send all); no answer */
 };
 /* guest -> host */
 enum {
@@ -128,15 +133,21 @@ enum {
 #define EXEC_PTY 8u         /* a terminal as stdin/stdout/stderr (its controlling tty); rows, cols follow env */
 #define EXEC_WATCH 16u      /* no program: a child of the agent watches directory argv[0] (file_watch) */
 #define EXEC_TRACE 32u      /* under a ptrace recorder (trace_main): its records on fd 3 */
+#define EXEC_WINDOW 64u     /* the host's flow control of output: a window in bytes follows all other fields */
 #define WRITE_APPEND 1u     /* M_WRITE flags */
 #define WRITE_KEEP 2u       /* do not truncate */
 #define WRITE_PARENTS 4u    /* make missing parent directories */
 #define RENAME_OVERWRITE 1u /* M_RENAME flags: replace an existing dst */
 #define RENAME_KEEP_ATTRS 2u /* a regular file replacing one takes its owner, group and mode */
 
+#define STR_(x) #x
+#define STR(x) STR_(x)
 #define MAX_MSG (64u << 20) /* the host never sends more in one frame */
 #define MAX_EXECS 256
 #define OUT_CHUNK 65536
+/* The version READY names. 3: EXEC_WINDOW and M_CREDIT are understood (an
+ * older agent ignores the flag, and the host then does not send credit). */
+#define AGENT_VERSION 3
 #define MAX_LIST 100000
 
 static int chan = -1;   /* the virtio-serial port */
@@ -354,6 +365,14 @@ struct exec {
     int in_eof;          /* close stdin once pend is written */
     int owed;            /* an M_STDIN awaits its A_TAKEN: the host sends the next once it comes */
     int pty;             /* out[1] is a terminal's master (in a dup of it) */
+    /* Output flow control (EXEC_WINDOW; window 0: none, an older host): OUT
+     * data sent may run at most `window` bytes ahead of what the host has
+     * taken (M_CREDIT); past it the pipes are not read, so the process
+     * blocks on its write, as a container's does on a slow client. */
+    uint64_t window, sent, taken;
+    int reaped;          /* it exited: its pipes' last output goes out as the window lets, then EXITED */
+    int status;          /* its wait status, once reaped */
+    uint64_t reaped_ns;  /* when: the tracer's end is waited for TRACE_END_WAIT_MS from then */
 };
 static struct exec execs[MAX_EXECS];
 
@@ -373,27 +392,46 @@ static void close_fd(int *fd)
     }
 }
 
-/* Read what a stdout/stderr pipe holds into OUT frames; 0 at EOF/error. */
+/* How many output bytes the exec may send now (0: its window is full). */
+static size_t exec_room(const struct exec *x)
+{
+    if (!x->window || x->taken >= UINT64_MAX - x->window)
+        return OUT_CHUNK; /* no window asked for, or the host discards the rest */
+    uint64_t limit = x->taken + x->window;
+    return limit > x->sent ? (size_t)(limit - x->sent < OUT_CHUNK ? limit - x->sent : OUT_CHUNK) : 0;
+}
+
+enum { FWD_CLOSED, FWD_EMPTY, FWD_MORE };
+
+/* Read what a stdout/stderr/tracer pipe holds into OUT frames, as far as the
+ * window lets: one chunk, or until it is empty (drain). FWD_CLOSED at
+ * EOF/error (the pipe is closed), FWD_EMPTY when it had no more, FWD_MORE
+ * when it may (one chunk read, or the window full). */
 static int forward(struct exec *x, int k, int drain)
 {
     static unsigned char chunk[OUT_CHUNK];
 
     for (;;) {
-        ssize_t n = read(x->out[k], chunk, sizeof(chunk));
+        size_t room = exec_room(x);
+
+        if (!room)
+            return FWD_MORE;
+        ssize_t n = read(x->out[k], chunk, room);
         if (n < 0 && errno == EINTR)
             continue;
         if (n < 0 && errno == EAGAIN)
-            return 1;
+            return FWD_EMPTY;
         if (n <= 0) {
             close_fd(&x->out[k]);
-            return 0;
+            return FWD_CLOSED;
         }
+        x->sent += (uint64_t)n;
         begin(&out, A_OUT, x->id);
         put_u64(&out, (uint64_t)k);
         put_bytes(&out, chunk, (size_t)n);
         send_msg(&out);
         if (!drain)
-            return 1;
+            return FWD_MORE;
     }
 }
 
@@ -831,18 +869,148 @@ static int start_tracer(pid_t root, size_t max_string, size_t max_argv, const in
 
 /* At the command's exit: the tracer's last records (its exit), until the
  * tracer closes the pipe; bounded, so a stuck tracer cannot hold the agent. */
-static void drain_trace(struct exec *x)
+/* An exec that exited: what its pipes still hold goes out as its window
+ * lets (a later M_CREDIT calls this again), each pipe closed once empty, the
+ * tracer's pipe at its EOF or TRACE_END_WAIT_MS after the exit; then
+ * EXITED, and the slot is free. What a background child of it writes after
+ * its pipe was found empty is dropped with the pipe. */
+static void exec_settle(struct exec *x)
 {
-    while (x->out[3] >= 0) {
-        struct pollfd pf = {.fd = x->out[3], .events = POLLIN};
-
-        if (poll(&pf, 1, TRACE_END_WAIT_MS) <= 0) {
+    for (int k = 1; k <= 2; k++)
+        if (x->out[k] >= 0 && forward(x, k, 1) == FWD_EMPTY)
+            close_fd(&x->out[k]);
+    if (x->out[3] >= 0) {
+        forward(x, 3, 1);
+        if (x->out[3] >= 0 && mono_ns() - x->reaped_ns >= TRACE_END_WAIT_MS * 1000000ull) {
             say("exec %u: the tracer sent no end within %d ms", x->id, TRACE_END_WAIT_MS);
             close_fd(&x->out[3]);
-            break;
         }
-        forward(x, 3, 1);
     }
+    if (x->out[1] >= 0 || x->out[2] >= 0 || x->out[3] >= 0)
+        return;
+    begin(&out, A_EXITED, x->id);
+    put_u64(&out, (uint64_t)(unsigned)x->status);
+    send_msg(&out);
+    exec_free(x);
+}
+
+/* The poll timeout (ms, -1: none) until the earliest tracer end wait runs out. */
+static int trace_wait_ms(void)
+{
+    int ms = -1;
+
+    for (int i = 0; i < MAX_EXECS; i++) {
+        const struct exec *x = &execs[i];
+
+        if (!x->pid || !x->reaped || x->out[3] < 0)
+            continue;
+        uint64_t gone = (mono_ns() - x->reaped_ns) / 1000000ull;
+        int left = gone >= TRACE_END_WAIT_MS ? 0 : (int)(TRACE_END_WAIT_MS - gone);
+        if (ms < 0 || left < ms)
+            ms = left;
+    }
+    return ms;
+}
+
+/* What a child of the agent runs: an exec's or a background process's
+ * command, or one of the agent's own copies (EXEC_TAR_GET, EXEC_TAR_PUT,
+ * EXEC_WATCH). setsid(), stdio (`in` -1: /dev/null; `tty` >= 0: the
+ * terminal as all three and its controlling tty), no groups, uid and gid,
+ * cwd, then the command; a step that fails writes errno and the step's name
+ * to `report` in one write and exits 127. */
+struct child {
+    int in, out, err, tty, report;
+    uid_t uid;
+    gid_t gid;
+    const char *cwd;
+    uint64_t argc;
+    char **argv, **envp;
+    int stop;            /* SIGSTOP itself before the execve, for its tracer (EXEC_TRACE) */
+    unsigned copy;       /* EXEC_TAR_GET, EXEC_TAR_PUT or EXEC_WATCH: the agent's code instead of argv */
+    int agent_ends[4];   /* the agent's ends of the child's pipes, which a copy closes */
+};
+
+static void __attribute__((noreturn, noinline)) child_main(const struct child *c)
+{
+    int err, in = c->in >= 0 ? c->in : open("/dev/null", O_RDONLY);
+    const char *step = "stdio";
+    sigset_t none;
+
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    setsid();
+    if (c->tty >= 0) {
+        step = "terminal";
+        if (ioctl(c->tty, TIOCSCTTY, 0) < 0 || dup2(c->tty, 0) < 0 || dup2(c->tty, 1) < 0 || dup2(c->tty, 2) < 0)
+            goto child_fail;
+    } else if (in < 0 || dup2(in, 0) < 0 || dup2(c->out, 1) < 0 || dup2(c->err, 2) < 0) {
+        goto child_fail;
+    }
+    step = "setgroups";
+    if (setgroups(0, NULL) < 0)
+        goto child_fail;
+    step = "setgid";
+    if (setgid(c->gid) < 0)
+        goto child_fail;
+    step = "setuid";
+    if (setuid(c->uid) < 0)
+        goto child_fail;
+    step = "chdir";
+    if (chdir(c->cwd) < 0)
+        goto child_fail;
+    umask(022);
+    if (c->copy) {
+        close(c->report); /* it started: EOF for the parent */
+        for (int k = 0; k < 4; k++) /* the agent's ends: no exec closes them (O_CLOEXEC) here, and */
+            if (c->agent_ends[k] >= 0) /* a write end of its own stdin kept would hide that input's end */
+                close(c->agent_ends[k]);
+        close_fd(&chan); /* and the other execs' pipes: their ends must not wait for this one */
+        for (int j = 0; j < MAX_EXECS; j++) {
+            if (!execs[j].pid)
+                continue; /* a free slot's fields are zero, not -1 */
+            close_fd(&execs[j].out[1]);
+            close_fd(&execs[j].out[2]);
+            close_fd(&execs[j].out[3]);
+            close_fd(&execs[j].in);
+        }
+        close_proc_fds();
+        if (c->copy & EXEC_TAR_PUT)
+            _exit(tar_put_main(c->argv[0]));
+        if (c->copy & EXEC_WATCH)
+            _exit(watch_main(c->argv[0], c->argc > 1 && !strcmp(c->argv[1], "1"),
+                             c->argc > 2 ? strtoull(c->argv[2], NULL, 10) : 0));
+        _exit(tar_get_main(c->argv[0], c->argc > 1 ? strtoull(c->argv[1], NULL, 10) : 0,
+                           c->argc > 2 ? strtoull(c->argv[2], NULL, 10) : 0));
+    }
+    if (c->stop)
+        kill(getpid(), SIGSTOP); /* until its tracer has seized it: the execve is its first record */
+    step = "exec";
+    execvpe(c->argv[0], c->argv, c->envp);
+child_fail:
+    err = errno;
+    {
+        /* one write: the parent reads errno and step in one read */
+        char msg[64];
+        size_t n = strlen(step);
+
+        memcpy(msg, &err, sizeof(err));
+        memcpy(msg + sizeof(err), step, n);
+        ssize_t ignored = write(c->report, msg, sizeof(err) + n);
+        (void)ignored;
+    }
+    _exit(127);
+}
+
+/* The child, by vfork (the caller's memory shared until it execs or exits:
+ * nothing but `c` lives across it here, so nothing of the caller's can be
+ * clobbered) or by fork. */
+static pid_t start_child(const struct child *c, int use_vfork)
+{
+    pid_t pid = use_vfork ? vfork() : fork();
+
+    if (pid == 0)
+        child_main(c);
+    return pid;
 }
 
 static void do_exec(uint32_t id, struct rd *r)
@@ -851,7 +1019,7 @@ static void do_exec(uint32_t id, struct rd *r)
     char *cwd = get_str(r);
     uint64_t argc = get_u64(r);
     char **argv = NULL, **envp = NULL;
-    uint64_t envc = 0, i, rows = 0, cols = 0, max_string = 0, max_argv = 0;
+    uint64_t envc = 0, i, rows = 0, cols = 0, max_string = 0, max_argv = 0, window = 0;
     struct exec *x = NULL;
     int trace = (flags & EXEC_TRACE) != 0, trace_fd = -1, reaped = 0;
     int po[2] = {-1, -1}, pe[2] = {-1, -1}, pi[2] = {-1, -1}, perr[2] = {-1, -1};
@@ -876,7 +1044,9 @@ static void do_exec(uint32_t id, struct rd *r)
         max_string = get_u64(r);
         max_argv = get_u64(r);
     }
-    if (!envp || r->bad || !argv[0][0] || rows > 65535 || cols > 65535)
+    if (flags & EXEC_WINDOW)
+        window = get_u64(r);
+    if (!envp || r->bad || !argv[0][0] || rows > 65535 || cols > 65535 || ((flags & EXEC_WINDOW) && !window))
         goto bad;
     /* A terminal's or copy's exec is never traced (the host refuses those). */
     if (trace && ((flags & (EXEC_PTY | EXEC_TAR_GET | EXEC_TAR_PUT | EXEC_WATCH)) || max_string < 1 ||
@@ -918,85 +1088,18 @@ static void do_exec(uint32_t id, struct rd *r)
     /* vfork: no copy of the agent's page tables, which under TCG (softmmu)
      * is most of an exec's cost. The child only makes syscalls on its own
      * stack until it execs or _exits (the agent is single-threaded, so
-     * glibc's set*id are plain syscalls). */
-    int copy = (flags & (EXEC_TAR_GET | EXEC_TAR_PUT | EXEC_WATCH)) != 0;
-    /* A copy runs the agent's own code: a fork of its own, not a vfork; a
-     * traced command stops before its execve, which a vfork's parent would
-     * wait out forever. */
-    pid_t pid = copy || trace ? fork() : vfork();
+     * glibc's set*id are plain syscalls). A copy runs the agent's own code:
+     * a fork of its own, not a vfork; a traced command stops before its
+     * execve, which a vfork's parent would wait out forever. */
+    struct child c = {.in = tty >= 0 ? tty : (flags & EXEC_STDIN) ? pi[0] : -1, .out = po[1], .err = pe[1],
+                      .tty = tty, .report = perr[1], .uid = (uid_t)uid, .gid = (gid_t)gid, .cwd = cwd,
+                      .argc = argc, .argv = argv, .envp = envp, .stop = trace,
+                      .copy = (unsigned)(flags & (EXEC_TAR_GET | EXEC_TAR_PUT | EXEC_WATCH)),
+                      .agent_ends = {perr[0], po[0], pe[0], pi[1]}};
+    pid_t pid = start_child(&c, !c.copy && !trace);
     if (pid < 0) {
         send_err(id, errno, "fork");
         goto fail;
-    }
-    if (pid == 0) {
-        int err, in = tty >= 0 ? tty : (flags & EXEC_STDIN) ? pi[0] : open("/dev/null", O_RDONLY);
-        const char *step = "stdio";
-        sigset_t none;
-
-        sigemptyset(&none);
-        sigprocmask(SIG_SETMASK, &none, NULL);
-        setsid();
-        if (tty >= 0) {
-            step = "terminal";
-            if (ioctl(tty, TIOCSCTTY, 0) < 0 || dup2(tty, 0) < 0 || dup2(tty, 1) < 0 || dup2(tty, 2) < 0)
-                goto child_fail;
-        } else if (in < 0 || dup2(in, 0) < 0 || dup2(po[1], 1) < 0 || dup2(pe[1], 2) < 0) {
-            goto child_fail;
-        }
-        step = "setgroups";
-        if (setgroups(0, NULL) < 0)
-            goto child_fail;
-        step = "setgid";
-        if (setgid((gid_t)gid) < 0)
-            goto child_fail;
-        step = "setuid";
-        if (setuid((uid_t)uid) < 0)
-            goto child_fail;
-        step = "chdir";
-        if (chdir(cwd) < 0)
-            goto child_fail;
-        umask(022);
-        if (copy) {
-            close_fd(&perr[1]); /* it started: EOF for the parent */
-            close_fd(&perr[0]); /* the agent's ends: no exec closes them (O_CLOEXEC) here, and */
-            close_fd(&po[0]);   /* a write end of its own stdin kept would hide that input's end */
-            close_fd(&pe[0]);
-            close_fd(&pi[1]);
-            close_fd(&chan);    /* and the other execs' pipes: their ends must not wait for this one */
-            for (int j = 0; j < MAX_EXECS; j++) {
-                if (!execs[j].pid)
-                    continue; /* a free slot's fields are zero, not -1 */
-                close_fd(&execs[j].out[1]);
-                close_fd(&execs[j].out[2]);
-                close_fd(&execs[j].out[3]);
-                close_fd(&execs[j].in);
-            }
-            close_proc_fds();
-            if (flags & EXEC_TAR_PUT)
-                _exit(tar_put_main(argv[0]));
-            if (flags & EXEC_WATCH)
-                _exit(watch_main(argv[0], argc > 1 && !strcmp(argv[1], "1"),
-                                 argc > 2 ? strtoull(argv[2], NULL, 10) : 0));
-            _exit(tar_get_main(argv[0], argc > 1 ? strtoull(argv[1], NULL, 10) : 0,
-                               argc > 2 ? strtoull(argv[2], NULL, 10) : 0));
-        }
-        if (trace)
-            kill(getpid(), SIGSTOP); /* until its tracer has seized it: the execve is its first record */
-        step = "exec";
-        execvpe(argv[0], argv, envp);
-    child_fail:
-        err = errno;
-        {
-            /* one write: the parent reads errno and step in one read */
-            char msg[64];
-            size_t n = strlen(step);
-
-            memcpy(msg, &err, sizeof(err));
-            memcpy(msg + sizeof(err), step, n);
-            ssize_t ignored = write(perr[1], msg, sizeof(err) + n);
-            (void)ignored;
-        }
-        _exit(127);
     }
     close_fd(&po[1]);
     close_fd(&pe[1]);
@@ -1049,6 +1152,7 @@ static void do_exec(uint32_t id, struct rd *r)
     trace_fd = -1;
     x->in = pi[1];
     x->pty = (flags & EXEC_PTY) != 0;
+    x->window = window;
     fcntl(po[0], F_SETFL, O_NONBLOCK); /* a pty's master: its stdin end shares the open file */
     if (pe[0] >= 0)
         fcntl(pe[0], F_SETFL, O_NONBLOCK);
@@ -1132,15 +1236,28 @@ static void do_kill(uint32_t id, struct rd *r)
     uint64_t sig = get_u64(r);
     struct exec *x = exec_by_id(id);
 
-    if (!r->bad && x)
+    if (!r->bad && x && !x->reaped) /* reaped: its pid may be another's by now */
         kill(-x->pid, (int)sig); /* its process group: it called setsid */
+}
+
+/* The host took more of an exec's output: its pipes are read again (the
+ * poll loop), an exited one's rest sent. */
+static void do_credit(uint32_t id, struct rd *r)
+{
+    uint64_t taken = get_u64(r);
+    struct exec *x = exec_by_id(id);
+
+    if (r->bad || !x || taken <= x->taken)
+        return;
+    x->taken = taken;
+    if (x->reaped)
+        exec_settle(x);
 }
 
 static int proc_reaped(pid_t pid, int status);
 
-/* Every child that ended: an exec's output drained, then EXITED (a
- * background process's end goes to its record: proc_ended). What a
- * background child of it writes after that is dropped with the pipes. */
+/* Every child that ended: an exec's output drained, then EXITED
+ * (exec_settle; a background process's end goes to its record: proc_ended). */
 static void reap(void)
 {
     int status;
@@ -1152,16 +1269,14 @@ static void reap(void)
         for (int i = 0; i < MAX_EXECS; i++) {
             struct exec *x = &execs[i];
 
-            if (x->pid != pid)
+            if (x->pid != pid || x->reaped)
                 continue;
-            for (int k = 1; k <= 2; k++)
-                if (x->out[k] >= 0)
-                    forward(x, k, 1);
-            drain_trace(x);
-            begin(&out, A_EXITED, x->id);
-            put_u64(&out, (uint64_t)(unsigned)status);
-            send_msg(&out);
-            exec_free(x);
+            x->reaped = 1;
+            x->status = status;
+            close_fd(&x->in); /* input that comes now is dropped (A_TAKEN), as for an ended exec */
+            settle_stdin(x);
+            x->reaped_ns = mono_ns();
+            exec_settle(x);
             break;
         }
     }
@@ -1341,12 +1456,29 @@ static void proc_push(struct proc *p)
 /* The host's channel has no host any more, or a new one said HELLO: nothing
  * is sent until it attaches again, and no answer to the old host's input
  * request goes to the new one (its ids start over). */
-static void host_gone(void)
+static void detach_procs(void)
 {
     for (size_t i = 0; i < nprocs; i++) {
         procs[i].attached = 0;
         procs[i].input_id = 0;
     }
+}
+
+/* The execs' host is gone: an exec belongs to the host that started it and
+ * no other sends it credit, so its output goes without a window (the next
+ * host drops it), else its process would wait on its write for ever. The
+ * loop settles the exited ones. */
+static void orphan_execs(void)
+{
+    for (int i = 0; i < MAX_EXECS; i++)
+        if (execs[i].pid)
+            execs[i].taken = UINT64_MAX;
+}
+
+static void host_gone(void)
+{
+    detach_procs();
+    orphan_execs();
 }
 
 /* Read a stdout/stderr pipe into the ring (all it holds, with drain); 0 at EOF. */
@@ -1494,48 +1626,13 @@ static void do_proc_start(uint32_t id, struct rd *r)
         goto fail;
     }
     /* vfork, as do_exec: the child only makes syscalls until it execs. */
-    pid_t pid = vfork();
+    struct child c = {.in = (flags & EXEC_STDIN) ? pi[0] : -1, .out = po[1], .err = pe[1], .tty = -1,
+                      .report = perr[1], .uid = (uid_t)uid, .gid = (gid_t)gid, .cwd = cwd, .argc = argc,
+                      .argv = argv, .envp = envp, .agent_ends = {-1, -1, -1, -1}};
+    pid_t pid = start_child(&c, 1);
     if (pid < 0) {
         send_err(id, errno, "fork");
         goto fail;
-    }
-    if (pid == 0) {
-        int err, in = (flags & EXEC_STDIN) ? pi[0] : open("/dev/null", O_RDONLY);
-        const char *step = "stdio";
-        sigset_t none;
-
-        sigemptyset(&none);
-        sigprocmask(SIG_SETMASK, &none, NULL);
-        setsid();
-        if (in < 0 || dup2(in, 0) < 0 || dup2(po[1], 1) < 0 || dup2(pe[1], 2) < 0)
-            goto child_fail;
-        step = "setgroups";
-        if (setgroups(0, NULL) < 0)
-            goto child_fail;
-        step = "setgid";
-        if (setgid((gid_t)gid) < 0)
-            goto child_fail;
-        step = "setuid";
-        if (setuid((uid_t)uid) < 0)
-            goto child_fail;
-        step = "chdir";
-        if (chdir(cwd) < 0)
-            goto child_fail;
-        umask(022);
-        step = "exec";
-        execvpe(argv[0], argv, envp);
-    child_fail:
-        err = errno;
-        {
-            char msg[64];
-            size_t n = strlen(step);
-
-            memcpy(msg, &err, sizeof(err));
-            memcpy(msg + sizeof(err), step, n);
-            ssize_t ignored = write(perr[1], msg, sizeof(err) + n);
-            (void)ignored;
-        }
-        _exit(127);
     }
     close_fd(&po[1]);
     close_fd(&pe[1]);
@@ -2191,6 +2288,10 @@ static void do_hello(uint32_t id, struct rd *r)
     size_t n = 0;
     const unsigned char *seed = get_bytes(r, &n);
     char *sb = r->p < r->end ? get_str(r) : NULL; /* an older host sends no sandbox id */
+    /* 1: the host that started the running execs says HELLO again (a job
+     * resume) and still follows them; else (0, or an older host: absent)
+     * they are another host's. */
+    uint64_t keeps_execs = r->p < r->end ? get_u64(r) : 0;
 
     if (!r->bad) {
         struct timespec ts = {.tv_sec = (time_t)(now_ns / 1000000000ull),
@@ -2213,7 +2314,9 @@ static void do_hello(uint32_t id, struct rd *r)
                 close(fd);
             }
         }
-        host_gone(); /* a new host: it attaches to the background processes it follows */
+        detach_procs(); /* a new host: it attaches to the background processes it follows */
+        if (!keeps_execs)
+            orphan_execs();
         if (sb && sb[0] && strcmp(sb, sandbox_id)) {
             snprintf(sandbox_id, sizeof(sandbox_id), "%s", sb);
             say("serving sandbox %s", sandbox_id);
@@ -2222,7 +2325,7 @@ static void do_hello(uint32_t id, struct rd *r)
     free(host);
     free(sb);
     begin(&out, A_READY, id);
-    put_str(&out, "dsec-guest-agent 2");
+    put_str(&out, "dsec-guest-agent " STR(AGENT_VERSION));
     send_msg(&out);
 }
 
@@ -3567,6 +3670,7 @@ static void dispatch(uint8_t type, uint32_t id, const unsigned char *body, size_
     case M_EXEC: do_exec(id, &r); break;
     case M_STDIN: do_stdin(id, &r); break;
     case M_KILL: do_kill(id, &r); break;
+    case M_CREDIT: do_credit(id, &r); break;
     case M_RESIZE: do_resize(id, &r); break;
     case M_PROC_START: do_proc_start(id, &r); break;
     case M_PROC_LIST: do_proc_list(id); break;
@@ -3886,13 +3990,17 @@ int main(void)
 
             if (!x->pid)
                 continue;
+            /* A full window: its pipes wait for M_CREDIT (the process blocks
+             * on its write); an exited exec's are read by exec_settle, but for
+             * the tracer's end. */
+            int room = exec_room(x) > 0;
             for (int k = 1; k <= 2; k++)
-                if (x->out[k] >= 0) {
+                if (x->out[k] >= 0 && room && !x->reaped) {
                     p[n] = (struct pollfd){.fd = x->out[k], .events = POLLIN};
                     who[n] = x;
                     kind[n++] = k;
                 }
-            if (x->out[3] >= 0) {
+            if (x->out[3] >= 0 && room) {
                 p[n] = (struct pollfd){.fd = x->out[3], .events = POLLIN};
                 who[n] = x;
                 kind[n++] = -1;
@@ -3920,7 +4028,7 @@ int main(void)
                 kind[n++] = 3;
             }
         }
-        if (poll(p, (nfds_t)n, -1) < 0)
+        if (poll(p, (nfds_t)n, trace_wait_ms()) < 0)
             continue;
         if (p[0].revents) {
             struct signalfd_siginfo si;
@@ -3947,13 +4055,16 @@ int main(void)
 
             if (!x->pid)
                 continue;
-            if (kind[i] < 0)
+            if (kind[i] < 0 && x->out[3] == p[i].fd)
                 forward(x, 3, 0);
-            else if (kind[i])
+            else if (kind[i] > 0 && x->out[kind[i]] == p[i].fd)
                 forward(x, kind[i], 0);
-            else
+            else if (kind[i] == 0 && x->in == p[i].fd)
                 flush_stdin(x);
         }
+        for (int i = 0; i < MAX_EXECS; i++)
+            if (execs[i].pid && execs[i].reaped)
+                exec_settle(&execs[i]); /* the tracer's end came, or its wait ran out */
         if (p[1].revents & POLLIN) {
             if (read_channel() < 0)
                 die("read the channel");

@@ -421,7 +421,7 @@ class MicroVMService:
             while status is None:
                 wait = None if deadline is None else max(0.0, deadline - loop.time())
                 try:
-                    ev = await asyncio.wait_for(run.events.get(), wait)
+                    ev = await asyncio.wait_for(run.next_event(), wait)
                 except TimeoutError:
                     if timed_out:      # killed, and no end reported within the grace
                         raise DsecError(f"exec {argv[0]!r} in sandbox {sb.id}: did not end "
@@ -623,7 +623,7 @@ class MicroVMService:
                 started.set_result(run)
             status = None
             while status is None:
-                ev = await run.events.get()
+                ev = await run.next_event()
                 if ev[0] == "out":
                     if ev[1] == 1 and on_out is not None:
                         await on_out(ev[2])

@@ -194,16 +194,16 @@ class WatchService:
         lagging = told = False
         try:
             while True:
-                getter = asyncio.ensure_future(run.events.get())
+                getter = asyncio.ensure_future(run.next_event())
                 await asyncio.wait((getter, waker), return_when=asyncio.FIRST_COMPLETED)
                 if gone.gone:
                     return await _stopped(ctx, path, gone.gone)
                 ev = getter.result()
                 if ev[0] == "out" and ev[1] == 1:
-                    # The agent's channel has no flow control for output: what
-                    # a slow client has not taken waits here. Past a backlog
-                    # its events are dropped, as a container's kernel queue
-                    # drops them, until this loop has caught up.
+                    # The exec's output window bounds what waits here (a slow
+                    # client holds the guest's child back); past a backlog of
+                    # chunks its events are dropped, as a container's kernel
+                    # queue drops them, until this loop has caught up.
                     lagging = lagging or run.events.qsize() > MAX_BACKLOG_CHUNKS
                     buf += ev[2]
                     for fields in _records(buf):

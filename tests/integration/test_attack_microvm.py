@@ -274,6 +274,43 @@ def test_bytes_that_are_no_frame_end_that_vm_only(victim, vmc, bystander, daemon
     _others_fine(vmc, bystander)
 
 
+def _output_for_every_low_id(size: int) -> bytes:
+    """OUT frames of `size` bytes for exec ids 1..255, one write's worth:
+    the guest cannot see which ids its execs have, but they are low."""
+    frames = b"".join(wire.frame(wire.OUT, i, wire.u64(1), wire.bstr(b"w" * size)) for i in range(1, 256))
+    assert len(frames) <= ONE_WRITE
+    return frames
+
+
+def test_output_past_an_execs_window_ends_that_vm_only(victim, vmc, bystander, daemon):
+    """A guest that ignores its window: the agent stops sending an exec's
+    output a window ahead of what the daemon took (an exec whose client
+    reads nothing stalls there); root in the guest writes more output for
+    it on the taken channel. The host counts what each exec was sent against
+    its window and ends the VM as a protocol break (reason agent_protocol),
+    with the daemon's memory bounded: before, every byte queued in it."""
+    from stream_kit import SlowStream
+
+    info = victim.inspect()
+    pid, cgroups = info["vm"]["qemu_pid"], list(info["cgroups"].values())
+    stalled = SlowStream(daemon.socket, victim.id, ["cat", "/dev/zero"])    # a terminal: no output cap
+    try:
+        stalled.read_at_least(1)
+        payload = _output_for_every_low_id(100)
+        repeat = 4096                         # 400 kB for each id, past any window; 126 MiB in all
+        with PeakRss(daemon) as rss:
+            _inject(victim, payload, repeat)
+            _wait_dead(vmc, victim.id)
+    finally:
+        stalled.close()
+    assert rss.grown < len(payload) * repeat // 4, f"the daemon's peak RSS grew by {rss.grown} bytes"
+    died = [e for e in _events(daemon, victim.id) if e["event"] == "died"]
+    assert died and died[0]["reason"] == "agent_protocol", died
+    assert "window" in died[0]["detail"], died
+    _gone(daemon, victim.id, pid, cgroups)
+    _others_fine(vmc, bystander)
+
+
 def test_a_never_ending_output_stream_is_capped(bystander, vmc, daemon):
     """Through the real agent: an exec whose output never ends is cut at
     the daemon's output cap, and the daemon's memory does not follow it."""

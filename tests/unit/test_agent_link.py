@@ -16,7 +16,7 @@ import tracemalloc
 import pytest
 
 from dsecd.backends.microvm import wire
-from dsecd.backends.microvm.agent import READY_MAX, AgentGone, AgentLink, find_ready
+from dsecd.backends.microvm.agent import OUTPUT_WINDOW, READY_MAX, AgentGone, AgentLink, find_ready
 
 
 def _ready(msg_id: int, text: bytes = b"dsec-guest-agent 2") -> bytes:
@@ -198,5 +198,134 @@ def test_an_exec_whose_vm_went_can_still_be_killed_on_its_way_out():
         run.kill()
         run.close_stdin_nowait()
         assert broken == []
+
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------ output windows
+
+async def _read_frames(guest: socket.socket, until_kind: int, timeout: float = 5.0) -> list[tuple[int, int, bytes]]:
+    """What the host sent the guest, as (type, id, body), up to the first of `until_kind`."""
+    loop = asyncio.get_running_loop()
+    buf, frames = b"", []
+    async with asyncio.timeout(timeout):
+        while True:
+            while len(buf) >= wire.HEADER.size:
+                length, kind, msg_id = wire.HEADER.unpack_from(buf)
+                if len(buf) < 4 + length:
+                    break
+                frames.append((kind, msg_id, buf[wire.HEADER.size:4 + length]))
+                buf = buf[4 + length:]
+                if kind == until_kind:
+                    return frames
+            buf += await loop.sock_recv(guest, 1 << 16)
+
+
+def _out(msg_id: int, n: int) -> bytes:
+    return wire.frame(wire.OUT, msg_id, wire.u64(1), wire.bstr(b"o" * n))
+
+
+def test_an_exec_asks_a_current_agent_for_a_window_and_credits_what_its_consumer_took():
+    async def main():
+        link, guest, broken = await _link()
+        link.agent_version = wire.WINDOW_AGENT_VERSION
+        run = await link.start_exec(["yes"], [], "/", 0, False)
+        (kind, msg_id, body), = await _read_frames(guest, wire.EXEC)
+        r = wire.Reader(body)
+        r.u64(), r.u64()
+        assert r.u64() & wire.EXEC_WINDOW
+        r.str(), r.u64(), r.str(), r.u64()         # cwd, argc 1, argv[0], envc 0
+        assert r.u64() == run.window == OUTPUT_WINDOW and not r.more()
+        chunk = OUTPUT_WINDOW // 8
+        for _ in range(8):                          # the whole window, nothing taken yet: allowed
+            await _send(guest, _out(run.id, chunk))
+        await _send(guest, wire.frame(wire.OK, 99))
+        for _ in range(100):
+            if run.received == OUTPUT_WINDOW:
+                break
+            await asyncio.sleep(0.01)
+        assert run.backlog() == OUTPUT_WINDOW and not broken
+        await run.next_event()                      # an eighth taken: below a quarter, no credit yet
+        await run.next_event()                      # a quarter: credit for it
+        kind, msg_id, body = (await _read_frames(guest, wire.CREDIT))[-1]
+        assert msg_id == run.id and wire.Reader(body).u64() == 2 * chunk
+        link.forget(run)                            # the consumer is done: the rest is dropped here
+        kind, msg_id, body = (await _read_frames(guest, wire.CREDIT))[-1]
+        assert msg_id == run.id and wire.Reader(body).u64() == wire.DISCARD_ALL
+        link.close()
+        guest.close()
+
+    asyncio.run(main())
+
+
+def test_output_past_the_window_ends_the_channel():
+    """The agent stops at its window; a guest that sends past it does not
+    run the agent's code, and gets what bytes that are no frame get."""
+    async def main():
+        link, guest, broken = await _link()
+        link.agent_version = wire.WINDOW_AGENT_VERSION
+        run = await link.start_exec(["yes"], [], "/", 0, False)
+        await _send(guest, _out(run.id, OUTPUT_WINDOW) + _out(run.id, 1))
+        await _closed(link)
+        assert len(broken) == 1 and "over its window" in broken[0], broken
+        guest.close()
+
+    asyncio.run(main())
+
+
+def test_an_agent_without_windows_has_its_channel_held_while_an_exec_lags():
+    """An older agent cannot be told to stop: past OUTPUT_WINDOW of one
+    exec's untaken output the host reads no more of that channel until the
+    exec's consumer catches up; nothing is lost, and no more is held."""
+    async def main():
+        link, guest, broken = await _link()
+        link.agent_version = 2
+        run = await link.start_exec(["yes"], [], "/", 0, False)
+        assert run.window == 0
+        (_, _, body), = await _read_frames(guest, wire.EXEC)
+        assert not wire.Reader(body[16:]).u64() & wire.EXEC_WINDOW
+        ping = asyncio.ensure_future(link.request(wire.PING))
+        await _read_frames(guest, wire.PING)
+        chunk = 64 << 10
+        for _ in range(OUTPUT_WINDOW // chunk + 1):
+            await _send(guest, _out(run.id, chunk))
+        await _send(guest, wire.frame(wire.OK, ping_id := 2))
+        await asyncio.sleep(0.2)
+        assert not ping.done() and run.backlog() == OUTPUT_WINDOW + chunk
+        await run.next_event()
+        await run.next_event()
+        await asyncio.wait_for(ping, 5)
+        assert ping_id and not broken
+        link.close()
+        guest.close()
+
+    asyncio.run(main())
+
+
+def test_a_hello_says_whether_the_host_still_follows_its_execs():
+    """A HELLO again on a link with execs running (a job resume) keeps
+    their windows; on a new link (a restarted daemon, a restored VM) the
+    agent is told the execs it has are nobody's, and lets their output go."""
+    async def main():
+        link, guest, broken = await _link()
+
+        async def hello_keeps() -> int:
+            asking = asyncio.ensure_future(link.hello("h", "sb"))
+            (_, msg_id, body), = await _read_frames(guest, wire.HELLO)
+            r = wire.Reader(body)
+            r.str(), r.u64(), r.bytes(), r.str()
+            keeps = r.u64()
+            await _send(guest, _ready(msg_id, b"dsec-guest-agent 3"))
+            assert await asyncio.wait_for(asking, 5) == "dsec-guest-agent 3"
+            return keeps
+
+        assert await hello_keeps() == 0 and link.agent_version == 3
+        run = await link.start_exec(["yes"], [], "/", 0, False)
+        assert run.window == OUTPUT_WINDOW
+        await _read_frames(guest, wire.EXEC)
+        assert await hello_keeps() == 1
+        assert not broken
+        link.close()
+        guest.close()
 
     asyncio.run(main())

@@ -29,6 +29,9 @@ class FakeRun:
         self.done = False
         self.killed = False
 
+    async def next_event(self):
+        return await self.events.get()
+
     def kill(self):
         self.killed = True
 

@@ -71,13 +71,28 @@ class ChardevTransport(Transport):
                 await asyncio.sleep(0.02)
 
 
+# How far an exec's output may run ahead of its consumer (wire.EXEC_WINDOW):
+# the agent stops reading the process's pipes once it has sent this many
+# bytes the daemon's consumer has not taken (next_event), so the process
+# blocks on its write, as a container's does when its client is slow. It
+# bounds what one exec holds in the daemon (and the host enforces it:
+# _route); 4 of the agent's 64 KiB reads keep a fast client's stream full
+# across the credit's round trip through the guest (bench/microvm.py
+# --exec-output). Credit goes back once a quarter of it was taken.
+OUTPUT_WINDOW = 256 << 10
+
+
 class AgentExec:
-    """One exec in the guest: its events, in order, on `events`:
+    """One exec in the guest: its events, in order, from `next_event()`:
     ("started", pid), ("out", fd, bytes), ("exited", wait status),
     ("error", AgentError) for a start that failed, ("gone", AgentGone).
-    `taken` is set while no stdin it was sent waits in the agent."""
+    `taken` is set while no stdin it was sent waits in the agent.
 
-    def __init__(self, link: AgentLink, exec_id: int):
+    `window`: its output flow control (OUTPUT_WINDOW; 0 with an agent too
+    old for it). Output the consumer takes from next_event is credited back
+    to the agent, which sends at most `window` bytes past it."""
+
+    def __init__(self, link: AgentLink, exec_id: int, window: int = 0):
         self.link, self.id = link, exec_id
         self.events: asyncio.Queue = asyncio.Queue()
         self.done = False
@@ -85,6 +100,35 @@ class AgentExec:
         self.taken = asyncio.Event()
         self.taken.set()
         self._stdin_lock = asyncio.Lock()      # exec_input requests in the order they came
+        self.window = window
+        self.received = 0           # OUT data bytes routed to `events`
+        self.consumed = 0           # of which next_event handed out
+        self.credited = 0           # the count the agent was last sent (CREDIT)
+        # Clear while an agent without windows has sent more than
+        # OUTPUT_WINDOW unconsumed: the link's reader waits on it.
+        self.room = asyncio.Event()
+        self.room.set()
+
+    async def next_event(self) -> tuple:
+        """The next event; output taken here is what the agent gets credit for."""
+        ev = await self.events.get()
+        if ev[0] == "out":
+            self._consumed(len(ev[2]))
+        return ev
+
+    def backlog(self) -> int:
+        """Output bytes received and not yet taken by next_event."""
+        return self.received - self.consumed
+
+    def _consumed(self, n: int) -> None:
+        self.consumed += n
+        if not self.window:
+            if self.backlog() <= OUTPUT_WINDOW:
+                self.room.set()
+            return
+        if self.consumed - self.credited >= self.window // 4 and not (self.done or self.ended or self.link.closed):
+            self.credited = self.consumed
+            self.link.send(wire.frame(wire.CREDIT, self.id, wire.u64(self.consumed)))
 
     def kill(self, sig: int = 9) -> None:
         """SIGKILL (or sig) its process group in the guest. Nothing to do
@@ -144,6 +188,8 @@ class AgentLink:
         self._execs: dict[int, AgentExec] = {}
         self._streams: dict = {}            # request id -> on_data of a streamed answer (stream())
         self.closed = False
+        self.agent_version = 0              # its READY's (hello); 0 until then
+        self._held: AgentExec | None = None     # an exec of a window-less agent the reader waits for
         # Called (kind, wire.Reader) on the loop with each background
         # process's output or end (wire.PROC_OUT, PROC_END; id 0), once the
         # host attached to it (dsecd/engine/vmprocs.py); must not raise.
@@ -174,10 +220,21 @@ class AgentLink:
     async def hello(self, hostname: str, sandbox_id: str = "") -> str:
         """The agent reseeds the guest's CRNG from the 32 bytes of entropy and
         sets its clock and hostname (csrc/guest/agent.c, do_hello): what makes
-        a VM restored from a template its own."""
+        a VM restored from a template its own. Its READY names its version:
+        what the execs started after may ask of it (output windows). A
+        HELLO again on a link with execs running (a job resume) says it
+        still follows them: else the agent lets their output go without a
+        window, as nobody would credit it."""
         r = await self.request(wire.HELLO, wire.bstr(hostname), wire.u64(time.time_ns()),
-                               wire.bstr(os.getrandom(32)), wire.bstr(sandbox_id))
-        return r.str()
+                               wire.bstr(os.getrandom(32)), wire.bstr(sandbox_id), wire.u64(1 if self._execs else 0))
+        text = r.str()
+        self.agent_version = wire.agent_version(text)
+        if self.agent_version < wire.WINDOW_AGENT_VERSION:
+            log.warning("%s: guest agent %r keeps no output window (version %d wanted): an exec whose "
+                        "output its consumer has not taken holds this VM's channel until it is; "
+                        "a restart of the VM runs the current agent", self.what, text,
+                        wire.WINDOW_AGENT_VERSION)
+        return text
 
     def send(self, data: bytes) -> None:
         if self.closed:
@@ -218,10 +275,12 @@ class AgentLink:
         window: (rows, cols): it runs on a terminal of that size; trace:
         (bytes per string, argv entries): it runs under the guest's tracer,
         whose records come as ("out", wire.TRACE_FD, bytes)."""
-        run = AgentExec(self, next(self._ids))
+        windowed = self.agent_version >= wire.WINDOW_AGENT_VERSION
+        run = AgentExec(self, next(self._ids), OUTPUT_WINDOW if windowed else 0)
         self._execs[run.id] = run
         try:
-            self.send(wire.exec_request(run.id, argv, env, cwd, uid, uid, stdin, flags, window, trace))
+            self.send(wire.exec_request(run.id, argv, env, cwd, uid, uid, stdin, flags, window, trace,
+                                        run.window))
             await self.writer.drain()
         except BaseException:
             self._execs.pop(run.id, None)
@@ -229,8 +288,14 @@ class AgentLink:
         return run
 
     def forget(self, run: AgentExec) -> None:
+        """Its consumer is done with it: what it still sends is dropped here,
+        so the agent is told to send it without a window (else a killed
+        exec's last output would wait for credit, and its slot with it)."""
+        if run.window and not (run.done or run.ended or self.closed):
+            self.send(wire.frame(wire.CREDIT, run.id, wire.u64(wire.DISCARD_ALL)))
         run.done = True
         run.taken.set()
+        run.room.set()
         self._execs.pop(run.id, None)
 
     async def _read_loop(self) -> None:
@@ -254,6 +319,11 @@ class AgentLink:
                 # Checked before the read: readexactly buffers all it is asked for.
                 body = await exactly(wire.check_length(length, kind, msg_id))
                 self._route(kind, msg_id, body)
+                if self._held is not None:
+                    # An agent without windows cannot be told to stop: the
+                    # channel waits until that exec's consumer catches up.
+                    await self._held.room.wait()
+                    self._held = None
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass
         except asyncio.CancelledError:
@@ -313,7 +383,17 @@ class AgentLink:
         if run is not None:
             if kind == wire.OUT:
                 fd = r.u64()
-                run.events.put_nowait(("out", fd, r.bytes()))
+                data = r.bytes()
+                run.received += len(data)
+                if run.window and run.backlog() > run.window:
+                    # The agent stops at its window: past it, the guest is not
+                    # running the agent's code (root in it took the channel).
+                    raise wire.FrameError(f"exec {msg_id} sent {run.backlog()} bytes of output past what the "
+                                          f"host took, over its window of {run.window}")
+                run.events.put_nowait(("out", fd, data))
+                if not run.window and run.backlog() > OUTPUT_WINDOW:
+                    run.room.clear()
+                    self._held = run
             elif kind == wire.STARTED:
                 run.events.put_nowait(("started", r.u64()))
             elif kind == wire.TAKEN:

@@ -17,12 +17,19 @@ READ, WRITE, STAT, LIST, MKDIR, REMOVE, RENAME, SYNC, NET, TAR, PING = 10, 11, 1
 RESIZE = 21
 # background processes (dsecd/engine/vmprocs.py): kept by the agent, output and end included
 PROC_START, PROC_LIST, PROC_ATTACH, PROC_INPUT, PROC_KILL, PROC_FORGET = 22, 23, 24, 25, 26, 27
+# an exec's output flow control: u64 OUT data bytes the host has taken of it, in all (EXEC_WINDOW)
+CREDIT = 28
+DISCARD_ALL = 2**64 - 1     # a CREDIT's count saying: the host drops the rest, send it without a window
 # guest -> host
 READY, STARTED, OUT, EXITED, OK, ERR, DATA, TAKEN = 101, 102, 103, 104, 105, 106, 107, 108
 PROC_OUT, PROC_END = 109, 110      # id 0, pushed to the host attached to the process (PROC_ATTACH)
 
 EXEC_STDIN, EXEC_TAR_GET, EXEC_TAR_PUT, EXEC_PTY, EXEC_WATCH = 1, 2, 4, 8, 16   # TAR_*, WATCH: no program
 EXEC_TRACE = 32        # under the guest's ptrace recorder: its records come as OUT on fd 3 (vmtrace.py)
+EXEC_WINDOW = 64       # output flow control: the window (u64 bytes) trails every other field; CREDIT moves it
+# The agent version (its READY text, "dsec-guest-agent N") from which it
+# honours EXEC_WINDOW; an older one ignores the flag and field.
+WINDOW_AGENT_VERSION = 3
 TRACE_FD = 3
 WRITE_APPEND, WRITE_KEEP, WRITE_PARENTS = 1, 2, 4
 RENAME_OVERWRITE, RENAME_KEEP_ATTRS = 1, 2
@@ -63,10 +70,12 @@ def frame(kind: int, msg_id: int, *fields: bytes) -> bytes:
 
 def exec_request(msg_id: int, argv: list[str], env: list[str], cwd: str, uid: int, gid: int,
                  stdin: bool, flags: int = 0, window: tuple[int, int] | None = None,
-                 trace: tuple[int, int] | None = None) -> bytes:
+                 trace: tuple[int, int] | None = None, output_window: int = 0) -> bytes:
     """window: (rows, cols) of a pty exec's terminal (flags gets EXEC_PTY);
     trace: (bytes per string, argv entries) the guest tracer reads of each
-    recorded call (flags gets EXEC_TRACE)."""
+    recorded call (flags gets EXEC_TRACE); output_window: bytes of output
+    the agent may send past what CREDIT says the host took (flags gets
+    EXEC_WINDOW; 0: none, for an agent older than WINDOW_AGENT_VERSION)."""
     tail: tuple[bytes, ...] = ()
     if window is not None:
         flags |= EXEC_PTY
@@ -74,6 +83,9 @@ def exec_request(msg_id: int, argv: list[str], env: list[str], cwd: str, uid: in
     if trace is not None:
         flags |= EXEC_TRACE
         tail += (u64(trace[0]), u64(trace[1]))
+    if output_window:
+        flags |= EXEC_WINDOW
+        tail += (u64(output_window),)
     return frame(EXEC, msg_id, u64(uid), u64(gid), u64(flags | (EXEC_STDIN if stdin else 0)), bstr(cwd),
                  u64(len(argv)), *map(bstr, argv), u64(len(env)), *map(bstr, env), *tail)
 
@@ -91,6 +103,12 @@ def net_fields(mac: bytes, ipv4: ipaddress.IPv4Interface, gateway: ipaddress.IPv
             raise ValueError(f"IPv6 address {ipv6} without a gateway")
         fields += [bstr(ipv6.ip.packed), u64(ipv6.network.prefixlen), bstr(gateway6.packed)]
     return fields
+
+
+def agent_version(ready_text: str) -> int:
+    """The version in a READY's text ("dsec-guest-agent N"); 0 if it names none."""
+    name, _, number = ready_text.rpartition(" ")
+    return int(number) if name == "dsec-guest-agent" and number.isdigit() else 0
 
 
 class Reader:
