@@ -430,19 +430,27 @@ def own_root_parts(n: int = 200) -> dict:
     return out
 
 
+def vm_client(sock: str) -> tuple[SyncClient, dict]:
+    """A connected client of a private daemon, and its microVM backend's info;
+    RuntimeError when that backend is unavailable here."""
+    c = SyncClient(sock)
+    c.connect()
+    vm = c.info()["backends"]["microvm"]
+    if not vm["available"]:
+        raise RuntimeError(f"backend microvm unavailable: {vm['why']}")
+    return c, vm
+
+
 def own_root_cost(rootfs: str, n: int) -> dict:
     """Template creates with and without the VM's own mount namespace, alternating."""
     out: dict = own_root_parts()
     with private_daemon(rootfs, IMAGE, tag="on") as on, \
             private_daemon(rootfs, IMAGE, tag="off", extra_config="[microvm]\nown_root = false\n") as off:
-        clients = {"on": SyncClient(on.sock), "off": SyncClient(off.sock)}
-        for name, c in clients.items():
-            c.connect()
-            vm = c.info()["backends"]["microvm"]
-            if not vm["available"]:
-                raise RuntimeError(f"backend microvm unavailable: {vm['why']}")
+        clients = {}
+        for name, d in (("on", on), ("off", off)):
+            clients[name], vm = vm_client(d.sock)
             log(f"own_root {name}: {vm['own_mount_namespace']} ({vm['root']})")
-            c.create(IMAGE, backend="microvm", memory="256M", net="none", disk="256M").destroy()   # the template
+            clients[name].create(IMAGE, backend="microvm", memory="256M", net="none", disk="256M").destroy()   # the template
         times: dict = {name: ([], []) for name in clients}
         for _ in range(n):
             for name, c in clients.items():
@@ -469,11 +477,7 @@ TRACE_LOOP = ["sh", "-c", "for i in 1 2 3 4 5 6 7 8 9 10; do cat /etc/passwd > /
 def trace_cost(rootfs: str, n: int) -> dict:
     """A VM exec's round trip untraced and traced (the guest's tracer), alternating."""
     with private_daemon(rootfs, IMAGE) as d:
-        c = SyncClient(d.sock)
-        c.connect()
-        vm = c.info()["backends"]["microvm"]
-        if not vm["available"]:
-            raise RuntimeError(f"backend microvm unavailable: {vm['why']}")
+        c, vm = vm_client(d.sock)
         sb = c.create(IMAGE, backend="microvm", memory="256M", net="none", disk="256M")
         try:
             times: dict = {False: [], True: []}
@@ -522,11 +526,7 @@ def exec_output(rootfs: str, n: int) -> dict:
 
     cap = f'[limits]\nmax_exec_output_bytes = "{2 * EXEC_OUTPUT_BYTES >> 20}M"\n'
     with private_daemon(rootfs, IMAGE, extra_config=cap) as d:
-        c = SyncClient(d.sock)
-        c.connect()
-        vm = c.info()["backends"]["microvm"]
-        if not vm["available"]:
-            raise RuntimeError(f"backend microvm unavailable: {vm['why']}")
+        c, vm = vm_client(d.sock)
         sb = c.create(IMAGE, backend="microvm", memory="256M", net="none", disk="64M")
         try:
             dsec = str(Path(sys.executable).parent / "dsec")
