@@ -28,7 +28,10 @@ MiB = 1 << 20
 
 
 def _daemon(busybox_rootfs, templates: bool):
-    d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), BALLOON + f"templates = {str(templates).lower()}\n")
+    """A daemon of the balloon config; one with templates starts with the
+    run's (conftest.VM_TEMPLATES): no test here is about how one is built."""
+    d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), BALLOON + f"templates = {str(templates).lower()}\n",
+               shared_vm_templates=templates)
     try:
         d.start()
         c = d.client()
@@ -235,7 +238,7 @@ def test_why_template_vms_are_skipped_qemu_keeps_their_inflated_pages(daemon_fac
     inflated by hand (the daemon stopped, its monitor free), a restored VM's
     QEMU tries to punch holes in the template's memfd (refused by its
     seals: its pages unchanged) and keeps the pages; its RSS does not drop."""
-    d = daemon_factory("[microvm]\nballoon = false\nwatchdog_interval_s = 0\n")
+    d = daemon_factory("[microvm]\nballoon = false\nwatchdog_interval_s = 0\n", shared_vm_templates=True)
     c = d.client()
     skip_unless_microvm(c, close=False)
     c.import_image(busybox_rootfs, "busybox")

@@ -29,8 +29,9 @@ WATCHDOG = "[microvm]\nwatchdog_interval_s = 1.0\nwatchdog_timeout_s = 5.0\n"
 
 @pytest.fixture(scope="module")
 def watchdog_daemon(busybox_rootfs):
-    """The module's daemon (watchdog every second, a hang after 5 s), with busybox."""
-    d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), WATCHDOG)
+    """The module's daemon (watchdog every second, a hang after 5 s), with
+    busybox and the run's VM templates (conftest.VM_TEMPLATES)."""
+    d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), WATCHDOG, shared_vm_templates=True)
     try:
         d.start()
         c = d.client()
