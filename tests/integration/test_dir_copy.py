@@ -29,7 +29,7 @@ BACKENDS = ("container", "microvm")
 
 @pytest.fixture(scope="module")
 def vm(daemon):
-    yield from shared_vm(daemon, disk="96M")
+    yield from shared_vm(daemon)
 
 
 @pytest.fixture(params=BACKENDS)
