@@ -69,6 +69,45 @@ BPF_CACHE = Path(tempfile.mkdtemp(prefix="dsecd-test-bpf-"))
 atexit.register(shutil.rmtree, BPF_CACHE, True)
 
 
+# One store of microVM templates for the daemons that opt in (shared_vm_templates):
+# a daemon's first VM of a shape boots a guest (6-10 s of a core under TCG)
+# and snapshots it; a template found in the state dir at start is loaded
+# instead (a restarted daemon's way), well under a second. The key hashes
+# everything a restore must match (QEMU's command line with per-VM paths as
+# placeholders, the layers' digests, the guest build, the QEMU binary), so a
+# template is valid for any daemon of this run that makes the same shape.
+# Files are hard-linked, not copied (a template's RAM holds ~70 MiB of data):
+# dsecd never writes a template file in place (a build writes a new directory
+# and renames it over; a drop or gc unlinks), so a link is as good as a copy,
+# and each state dir's directory entries stay its own.
+VM_TEMPLATES = Path(tempfile.mkdtemp(prefix="dsecd-test-vm-templates-"))
+atexit.register(shutil.rmtree, VM_TEMPLATES, True)
+VM_TEMPLATES_DIR = "vm-templates"       # dsecd.backends.microvm.templates.DIR_NAME
+
+
+def _published_templates(root: Path) -> list[Path]:
+    """The complete templates under root (published by rename; a .tmp- one is half-written)."""
+    if not root.is_dir():
+        return []
+    return [d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")
+            and (d / "meta.json").is_file()]
+
+
+def _link_template(src: Path, dst_root: Path) -> None:
+    """src (a template dir) into dst_root under its key: its files linked
+    into a new directory, published by rename."""
+    tmp = dst_root / f".link-{src.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(mode=0o700)
+    try:
+        for f in src.iterdir():
+            os.link(f, tmp / f.name)
+        os.rename(tmp, dst_root / src.name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def _test_config(extra: str) -> str:
     """A test's config with the run's BPF cache, and the microVM guest of
     $DSECD_GUEST_DIR when that is set (scripts/setup.sh built this checkout's
@@ -81,11 +120,15 @@ class Daemon:
     """A dsecd process on a private socket/state dir/cgroup subtree."""
 
     def __init__(self, tmp: Path, extra_config: str = "", wrap: list[str] | None = None,
-                 log_level: str = "debug"):
+                 log_level: str = "debug", shared_vm_templates: bool = False):
         """wrap: words the daemon's command line goes after (fleet_kit runs
         it in a network namespace with `nsenter --net=...`); log_level:
-        "info" for a bench, whose thousands of creates would log megabytes."""
+        "info" for a bench, whose thousands of creates would log megabytes;
+        shared_vm_templates: start with the run's VM templates (VM_TEMPLATES)
+        and add its own to them at cleanup, for tests that want VMs and do
+        not look at how a template is built."""
         self.tmp = tmp
+        self.shared_vm_templates = shared_vm_templates
         self.socket = str(tmp / "dsecd.sock")
         self.state = tmp / "state"
         self.cgroup_root = f"dsecd-test-{secrets.token_hex(4)}"
@@ -103,6 +146,8 @@ class Daemon:
         self._settled: int | None = None     # the pid of the daemon open_fds() waited for
 
     def start(self, timeout: float = 20.0) -> None:
+        if self.shared_vm_templates and not self.state.exists():
+            self._seed_vm_templates()
         logf = open(self.log, "ab")
         self.proc = subprocess.Popen([*self.wrapper, str(VENV_BIN / "dsecd"), "--config", str(self.config)],
                                      stdout=logf, stderr=logf, stdin=subprocess.DEVNULL, env=self.env,
@@ -120,6 +165,21 @@ class Daemon:
                     pass
             time.sleep(0.05)
         raise RuntimeError(f"dsecd did not start in {timeout}s:\n{self.log.read_text()[-3000:]}")
+
+    def _seed_vm_templates(self) -> None:
+        """Before the first start: the run's templates in the state dir."""
+        own = self.state / VM_TEMPLATES_DIR
+        own.mkdir(mode=0o700, parents=True)
+        os.chmod(self.state, 0o700)
+        for t in _published_templates(VM_TEMPLATES):
+            _link_template(t, own)
+
+    def _keep_vm_templates(self) -> None:
+        """At cleanup (stopped): the templates this daemon built, into the run's store."""
+        known = {t.name for t in _published_templates(VM_TEMPLATES)}
+        for t in _published_templates(self.state / VM_TEMPLATES_DIR):
+            if t.name not in known:
+                _link_template(t, VM_TEMPLATES)
 
     def settle(self, timeout: float = 120.0) -> None:
         """Wait for the daemon's start-up work in the background (BPF load,
@@ -189,6 +249,11 @@ class Daemon:
         except Exception as err:   # keep cleaning up; report below
             print(f"cleanup: destroy_all failed: {err}", file=sys.stderr)
         self.stop()
+        if self.shared_vm_templates:
+            try:
+                self._keep_vm_templates()
+            except Exception as err:   # only a later daemon's boot is lost; clean up on
+                print(f"cleanup: keeping the VM templates of {self.state}: {err}", file=sys.stderr)
         _kill_and_remove_cgroups(self.cgroup_dirs())
         _unmount_below(self.tmp)
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -234,8 +299,9 @@ def _kill_and_remove_cgroups(dirs: list[Path]) -> None:
 def daemon_factory():
     made: list[Daemon] = []
 
-    def make(extra_config: str = "", start: bool = True) -> Daemon:
-        d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), extra_config)
+    def make(extra_config: str = "", start: bool = True, shared_vm_templates: bool = False) -> Daemon:
+        d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), extra_config,
+                   shared_vm_templates=shared_vm_templates)
         made.append(d)
         if start:
             d.start()
@@ -247,9 +313,11 @@ def daemon_factory():
 
 
 @pytest.fixture(scope="module")
-def daemon(busybox_rootfs):
-    """A started daemon with the busybox image imported as `busybox`."""
-    d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")))
+def daemon(request, busybox_rootfs):
+    """A started daemon with the busybox image imported as `busybox`; with
+    the run's VM templates where the module is marked shared_vm_templates."""
+    shared = request.node.get_closest_marker("shared_vm_templates") is not None
+    d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), shared_vm_templates=shared)
     try:
         d.start()
         c = d.client()

@@ -34,7 +34,8 @@ from dsecd.backends.microvm import wire
 from dsecd.config import load_config
 from dsecd.errors import DsecError
 
-pytestmark = pytest.mark.attack
+# Its VMs start from the run's templates (conftest.VM_TEMPLATES): none of its tests is about how one is built.
+pytestmark = [pytest.mark.attack, pytest.mark.shared_vm_templates]
 
 # virtio device ids (the virtio spec, 5.x): what a guest of this backend has,
 # and the two that would share host files (9p, virtio-fs).

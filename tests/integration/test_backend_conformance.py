@@ -22,6 +22,9 @@ from conftest import skip_unless_microvm
 
 from dsecd.errors import DsecError
 
+# Its VMs start from the run's templates (conftest.VM_TEMPLATES): none of its tests is about how one is built.
+pytestmark = pytest.mark.shared_vm_templates
+
 BACKENDS = ("container", "microvm")
 
 

@@ -21,12 +21,15 @@ from conftest import sandbox_on, shared_vm, skip_unless_microvm
 from dsecd.errors import BadRequest, Conflict, DsecError, LimitExceeded, NotFound
 from dsecd.localcopy import LocalCopyError
 
+# Its VMs start from the run's templates (conftest.VM_TEMPLATES): none of its tests is about how one is built.
+pytestmark = pytest.mark.shared_vm_templates
+
 BACKENDS = ("container", "microvm")
 
 
 @pytest.fixture(scope="module")
 def vm(daemon):
-    yield from shared_vm(daemon, disk="96M")
+    yield from shared_vm(daemon)
 
 
 @pytest.fixture(params=BACKENDS)
@@ -139,7 +142,8 @@ def test_a_truncated_archive_leaves_nothing(sandbox):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_entry_and_byte_caps(daemon_factory, busybox_rootfs, tmp_path, backend):
-    d = daemon_factory('[limits]\nmax_tar_entries = 5\nmax_tar_bytes = "1K"\n')
+    d = daemon_factory('[limits]\nmax_tar_entries = 5\nmax_tar_bytes = "1K"\n',
+                       shared_vm_templates=backend == "microvm")
     c = d.client()
     try:
         c.import_image(busybox_rootfs, "busybox")

@@ -20,6 +20,9 @@ from conftest import sandbox_on, shared_vm, skip_unless_microvm
 
 from dsecd.errors import BadRequest, DsecError, LimitExceeded
 
+# Its VMs start from the run's templates (conftest.VM_TEMPLATES): none of its tests is about how one is built.
+pytestmark = pytest.mark.shared_vm_templates
+
 BACKENDS = ("container", "microvm")
 VM = {"memory": "256M", "net": "none", "disk": "64M"}
 
@@ -163,7 +166,7 @@ def test_refusals(sandbox):
 
 
 def test_directory_cap_is_a_limit(daemon_factory, busybox_rootfs, backend):
-    d = daemon_factory("[limits]\nmax_watch_dirs = 4\nmax_watches = 2\n")
+    d = daemon_factory("[limits]\nmax_watch_dirs = 4\nmax_watches = 2\n", shared_vm_templates=backend == "microvm")
     c = d.client()
     try:
         c.import_image(busybox_rootfs, "busybox")

@@ -4,7 +4,9 @@ a VM restored from a template is left alone until a pause and resume.
 
 The daemons here make a VM idle after 2 s and look every second; the tests
 wait for what the policy does with generous bounds (a loaded 2-core host),
-one or two VMs at a time, and assert no timings.
+one or two VMs at a time, and assert no timings. The tests of a booted VM
+share one (a boot under TCG takes seconds): each starts by waiting for it
+to idle down to its working set, whatever the test before left in it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ MiB = 1 << 20
 
 
 def _daemon(busybox_rootfs, templates: bool):
-    d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), BALLOON + f"templates = {str(templates).lower()}\n")
+    """A daemon of the balloon config; one with templates starts with the
+    run's (conftest.VM_TEMPLATES): no test here is about how one is built."""
+    d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), BALLOON + f"templates = {str(templates).lower()}\n",
+               shared_vm_templates=templates)
     try:
         d.start()
         c = d.client()
@@ -51,6 +56,16 @@ def booting(busybox_rootfs):
 def restoring(busybox_rootfs):
     """A daemon whose VMs are restored from templates."""
     yield from _daemon(busybox_rootfs, templates=True)
+
+
+@pytest.fixture(scope="module")
+def booted_vm(booting):
+    """A booted VM (its RAM QEMU's own, anonymous) for the module's tests of one."""
+    sb = _vm(booting)
+    try:
+        yield sb
+    finally:
+        sb.destroy(force=True)
 
 
 def _vm(c, **kw):
@@ -95,17 +110,19 @@ def _top_line(c, sb_id: str) -> str:
 
 
 # Memory the guest touches and frees in pieces smaller than the 2 MiB blocks
-# free-page reporting returns: 4 KiB files on its tmpfs, every other one
-# removed. Only the balloon gives these pages back to the host.
-FRAGMENT = ("cd /dev/shm && i=0; while [ $i -lt 12000 ]; do printf %4096s > f$i; i=$((i+1)); done; "
-            "i=0; while [ $i -lt 12000 ]; do rm f$i; i=$((i+2)); done")
+# free-page reporting returns: 4 KiB files on its tmpfs, written in turn as
+# a<even i> and b<odd i>, the a-files (every other one) then removed. Only
+# the balloon gives these pages back to the host. One `rm` for all of them:
+# 6,000 processes of their own took a minute under TCG.
+FRAGMENT = ("cd /dev/shm && i=0; while [ $i -lt 12000 ]; do printf %4096s > a$i; printf %4096s > b$((i+1)); "
+            "i=$((i+2)); done; rm a*")
 
 
-def test_an_idle_booted_vm_is_ballooned_and_its_qemu_shrinks(booting):
-    sb = _vm(booting)
+def test_an_idle_booted_vm_is_ballooned_and_its_qemu_shrinks(booting, booted_vm):
+    sb = booted_vm
+    assert sb.inspect()["vm"]["ram"] == "anon"
+    pid = sb.inspect()["vm"]["qemu_pid"]
     try:
-        assert sb.inspect()["vm"]["ram"] == "anon"
-        pid = sb.inspect()["vm"]["qemu_pid"]
         assert sb.exec(["sh", "-c", FRAGMENT], timeout=300).exit_code == 0
         _wait(sb, "seen by the policy", lambda v: v["guest_used"] is not None, 30)
         before = _rss(pid)
@@ -129,44 +146,38 @@ def test_an_idle_booted_vm_is_ballooned_and_its_qemu_shrinks(booting):
         view = _wait(sb, "deflated after the exec", lambda v: v["target"] == 256 * MiB)
         assert view["deflates"].get("wake", 0) >= 1
     finally:
-        sb.destroy(force=True)
+        sb.exec(["sh", "-c", "rm -f /dev/shm/a* /dev/shm/b*"])      # the shared VM's tmpfs as it was
 
 
-def test_a_ballooned_guest_allocates_beyond_its_ballooned_size(booting):
-    sb = _vm(booting)
-    try:
-        view = _wait(sb, "ballooned", lambda v: v["ballooned"] and v["guest_size"] <= v["target"] + MiB)
-        small = view["guest_size"]
-        # More than the ballooned guest has, in one buffer (dd's block, which
-        # a read from /dev/zero fills) of a process started while it is
-        # small: the wake's deflate and the guest's own (deflate-on-oom)
-        # give it the pages.
-        want = (small >> 20) + 48
-        r = sb.exec(["dd", "if=/dev/zero", "of=/dev/null", f"bs={want}M", "count=1"], timeout=300)
-        assert r.exit_code == 0, r.stderr
-        assert b"1+0 records in" in r.stderr, r.stderr         # one whole block (a short one: 0+1)
-        assert _balloon(sb)["target"] == 256 * MiB
-    finally:
-        sb.destroy(force=True)
+def test_a_ballooned_guest_allocates_beyond_its_ballooned_size(booted_vm):
+    sb = booted_vm
+    view = _wait(sb, "ballooned", lambda v: v["ballooned"] and v["guest_size"] <= v["target"] + MiB)
+    small = view["guest_size"]
+    # More than the ballooned guest has, in one buffer (dd's block, which
+    # a read from /dev/zero fills) of a process started while it is
+    # small: the wake's deflate and the guest's own (deflate-on-oom)
+    # give it the pages.
+    want = (small >> 20) + 48
+    r = sb.exec(["dd", "if=/dev/zero", "of=/dev/null", f"bs={want}M", "count=1"], timeout=300)
+    assert r.exit_code == 0, r.stderr
+    assert b"1+0 records in" in r.stderr, r.stderr         # one whole block (a short one: 0+1)
+    assert _balloon(sb)["target"] == 256 * MiB
 
 
-def test_a_ballooned_vm_pauses_and_resumes_with_its_ram_back(booting):
-    sb = _vm(booting)
-    try:
-        _wait(sb, "ballooned", lambda v: v["ballooned"] and v["guest_size"] <= v["target"] + MiB)
-        sb.exec(["sh", "-c", "echo kept > /dev/shm/mark; echo layer > /work-mark"])
-        _wait(sb, "ballooned again", lambda v: v["ballooned"] and v["guest_size"] <= v["target"] + MiB)
-        sb.pause()
-        sb.resume()
-        # A resume is an op: the guest gets its RAM back, then idles down again.
-        view = _balloon(sb)
-        assert view["target"] == 256 * MiB, view
-        assert sb.exec(["cat", "/dev/shm/mark"]).stdout == b"kept\n"
-        _wait(sb, "ballooned after the resume", lambda v: v["ballooned"] and v["guest_size"] <= v["target"] + MiB)
-        # A snapshot of the ballooned VM (its writable layer, through the agent).
-        assert len(sb.snapshot("bb-ballooned")["layers"]) == 2
-    finally:
-        sb.destroy(force=True)
+def test_a_ballooned_vm_pauses_and_resumes_with_its_ram_back(booting, booted_vm):
+    sb = booted_vm
+    _wait(sb, "ballooned", lambda v: v["ballooned"] and v["guest_size"] <= v["target"] + MiB)
+    sb.exec(["sh", "-c", "echo kept > /dev/shm/mark; echo layer > /work-mark"])
+    _wait(sb, "ballooned again", lambda v: v["ballooned"] and v["guest_size"] <= v["target"] + MiB)
+    sb.pause()
+    sb.resume()
+    # A resume is an op: the guest gets its RAM back, then idles down again.
+    view = _balloon(sb)
+    assert view["target"] == 256 * MiB, view
+    assert sb.exec(["cat", "/dev/shm/mark"]).stdout == b"kept\n"
+    _wait(sb, "ballooned after the resume", lambda v: v["ballooned"] and v["guest_size"] <= v["target"] + MiB)
+    # A snapshot of the ballooned VM (its writable layer, through the agent).
+    assert len(sb.snapshot("bb-ballooned")["layers"]) == 2
     box = booting.create("bb-ballooned", memory="64M")
     try:
         assert box.exec(["cat", "/work-mark"]).stdout == b"layer\n"
@@ -235,7 +246,7 @@ def test_why_template_vms_are_skipped_qemu_keeps_their_inflated_pages(daemon_fac
     inflated by hand (the daemon stopped, its monitor free), a restored VM's
     QEMU tries to punch holes in the template's memfd (refused by its
     seals: its pages unchanged) and keeps the pages; its RSS does not drop."""
-    d = daemon_factory("[microvm]\nballoon = false\nwatchdog_interval_s = 0\n")
+    d = daemon_factory("[microvm]\nballoon = false\nwatchdog_interval_s = 0\n", shared_vm_templates=True)
     c = d.client()
     skip_unless_microvm(c, close=False)
     c.import_image(busybox_rootfs, "busybox")

@@ -3,7 +3,10 @@ resume, a guest that panics or hangs, QEMU killed by its memory limit, and
 what the guest cannot reach of the host.
 
 One or two VMs at a time (TCG); no timings asserted, only bounds generous
-enough for a loaded 2-core host.
+enough for a loaded 2-core host. The tests share one daemon (its first VM
+builds the template, later ones restore it in well under a second instead
+of a boot of seconds each), each with a client of its own: the restart test
+stops and starts that daemon. Each test destroys its own VMs.
 """
 
 from __future__ import annotations
@@ -11,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
-from conftest import skip_unless_microvm
+from conftest import Daemon, skip_unless_microvm
 
 import dsecd
 from dsecd.errors import DsecError
@@ -22,13 +27,29 @@ from dsecd.errors import DsecError
 WATCHDOG = "[microvm]\nwatchdog_interval_s = 1.0\nwatchdog_timeout_s = 5.0\n"
 
 
+@pytest.fixture(scope="module")
+def watchdog_daemon(busybox_rootfs):
+    """The module's daemon (watchdog every second, a hang after 5 s), with
+    busybox and the run's VM templates (conftest.VM_TEMPLATES)."""
+    d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), WATCHDOG, shared_vm_templates=True)
+    try:
+        d.start()
+        c = d.client()
+        try:
+            skip_unless_microvm(c, close=False)
+            c.import_image(busybox_rootfs, "busybox")
+        finally:
+            c.close()
+        yield d
+    finally:
+        d.cleanup()
+
+
 @pytest.fixture
-def vmd(daemon_factory, busybox_rootfs):
-    d = daemon_factory(WATCHDOG)
-    c = d.client()
-    skip_unless_microvm(c)
-    c.import_image(busybox_rootfs, "busybox")
-    yield d, c
+def vmd(watchdog_daemon):
+    """(daemon, a client of this test's own)."""
+    c = watchdog_daemon.client()
+    yield watchdog_daemon, c
     c.close()
 
 

@@ -20,13 +20,15 @@ pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None, reason=bpf_skip_r
 
 def _vm_daemon(world, busybox_rootfs, **net):
     """A daemon on the World's bridge with busybox: (daemon, client), for a
-    module's tests; `net` overrides the World's [net] settings."""
+    module's tests; `net` overrides the World's [net] settings. Its VMs
+    start from the run's templates (conftest.VM_TEMPLATES)."""
     import tempfile
     from pathlib import Path
 
     from conftest import Daemon
 
-    d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), _toml_net(dict(world.cfg, **net)))
+    d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), _toml_net(dict(world.cfg, **net)),
+               shared_vm_templates=True)
     try:
         d.start()
         c = d.client()

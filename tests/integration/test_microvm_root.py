@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import skip_unless_microvm
 
+# Its VMs start from the run's templates (conftest.VM_TEMPLATES): none of its tests is about how one is built.
+pytestmark = pytest.mark.shared_vm_templates
+
 
 @pytest.fixture(scope="module")
 def vmd(daemon):
@@ -108,7 +111,9 @@ def test_nothing_of_a_vms_root_outlives_its_qemu(vmd):
 
 
 def test_with_own_root_off_info_says_qemu_shares_the_daemons_namespace(daemon_factory, busybox_rootfs):
-    d = daemon_factory("[microvm]\nown_root = false\ntemplates = false\n")
+    # A restore from the run's template (conftest.VM_TEMPLATES): its QEMU is
+    # started as a booting one is, without the boot's seconds.
+    d = daemon_factory("[microvm]\nown_root = false\n", shared_vm_templates=True)
     c = d.client()
     try:
         info = skip_unless_microvm(c, close=False)

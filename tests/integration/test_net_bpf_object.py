@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,9 +36,16 @@ def load(cache: Path) -> dict:
     return json.loads(out.stdout.splitlines()[-1])
 
 
-def test_compiled_once_then_loaded_from_cache_without_bcc(tmp_path):
-    cache = tmp_path / "bpf"
-    a = load(cache)
+@pytest.fixture(scope="module")
+def first_compile(tmp_path_factory) -> tuple[Path, dict]:
+    """(cache dir, what the load said) of a load into an empty cache: a
+    compile (a clang run of 7-15 s here) the module's tests start from."""
+    cache = tmp_path_factory.mktemp("bpf-first") / "bpf"
+    return cache, load(cache)
+
+
+def test_compiled_once_then_loaded_from_cache_without_bcc(first_compile):
+    cache, a = first_compile
     assert a["stats"]["object"] == "compiled" and a["stats"]["rebuilt_because"] == "none cached"
     b = load(cache)
     assert b["stats"]["object"] == "cached" and "compile_ms" not in b["stats"]
@@ -47,9 +55,12 @@ def test_compiled_once_then_loaded_from_cache_without_bcc(tmp_path):
     assert b["rss_mib"] < 100, b
 
 
-def test_corrupt_object_is_rebuilt_and_stale_one_refused(tmp_path):
+def test_corrupt_object_is_rebuilt_and_stale_one_refused(first_compile, tmp_path):
+    # A copy of the first compile's cache, this test's to break.
     cache = tmp_path / "bpf"
-    path = Path(load(cache)["stats"]["path"])
+    shutil.copytree(first_compile[0], cache)
+    path = cache / Path(first_compile[1]["stats"]["path"]).relative_to(first_compile[0])
+    assert path.is_file()
     data = bytearray(path.read_bytes())
     data[-10] ^= 0xFF                                   # a flipped byte in the body
     path.write_bytes(bytes(data))

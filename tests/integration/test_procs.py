@@ -22,6 +22,9 @@ from conftest import VENV_BIN, sandbox_on, shared_vm
 from dsecd import Client
 from dsecd.errors import BadRequest, Conflict, LimitExceeded, NotFound
 
+# Its VMs start from the run's templates (conftest.VM_TEMPLATES): none of its tests is about how one is built.
+pytestmark = pytest.mark.shared_vm_templates
+
 BACKENDS = ["container", "microvm"]
 
 

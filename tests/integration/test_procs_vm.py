@@ -30,8 +30,9 @@ TICKER = "i=0; while [ $i -lt 40 ]; do echo line $i; i=$((i+1)); sleep 0.1; done
 
 @pytest.fixture(scope="module")
 def vmd(busybox_rootfs):
-    """(daemon, the VM's id): a daemon of this module's config and its one VM."""
-    d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), CONFIG)
+    """(daemon, the VM's id): a daemon of this module's config and its one VM
+    (from the run's VM templates, conftest.VM_TEMPLATES)."""
+    d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), CONFIG, shared_vm_templates=True)
     try:
         d.start()
         c = d.client()

@@ -19,6 +19,9 @@ from conftest import VENV_BIN, shared_vm
 
 from dsecd.errors import BadRequest, Conflict, NotFound
 
+# Its VMs start from the run's templates (conftest.VM_TEMPLATES): none of its tests is about how one is built.
+pytestmark = pytest.mark.shared_vm_templates
+
 WAIT_S = 10.0
 
 

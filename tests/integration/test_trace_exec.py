@@ -15,7 +15,9 @@ import platform
 import pytest
 from conftest import sandbox_on, shared_vm
 
-pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the tracer is x86_64")
+pytestmark = [pytest.mark.skipif(platform.machine() != "x86_64", reason="the tracer is x86_64"),
+              # Its VMs start from the run's templates (conftest.VM_TEMPLATES).
+              pytest.mark.shared_vm_templates]
 BACKENDS = ("container", "microvm")
 
 
