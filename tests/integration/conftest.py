@@ -362,6 +362,24 @@ def skip_unless_microvm(c, close: bool = True) -> dict:
     return info
 
 
+def microvm_daemon(busybox_rootfs, config: str, **kw):
+    """Fixture body: a module's own daemon with `config` and busybox imported
+    (kw to Daemon, e.g. shared_vm_templates=True); skipped where the microvm
+    backend is unavailable; cleaned up at the end."""
+    d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), config, **kw)
+    try:
+        d.start()
+        c = d.client()
+        try:
+            skip_unless_microvm(c, close=False)
+            c.import_image(busybox_rootfs, "busybox")
+        finally:
+            c.close()
+        yield d
+    finally:
+        d.cleanup()
+
+
 def shared_vm(daemon, disk: str = "64M"):
     """Fixture body: one microVM a module's tests share (a VM under TCG takes
     seconds to start), on a client of its own; destroyed at the end."""

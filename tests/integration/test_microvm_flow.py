@@ -12,12 +12,10 @@ One VM for the module (TCG); no timings asserted.
 
 from __future__ import annotations
 
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
-from conftest import Daemon, skip_unless_microvm
+from conftest import microvm_daemon, shared_vm
 from stream_kit import SlowStream
 from test_attack_microvm import PeakRss
 
@@ -36,32 +34,14 @@ STALL_S = 20.0
 
 @pytest.fixture(scope="module")
 def flowd(busybox_rootfs):
-    d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), CONFIG)
-    try:
-        d.start()
-        c = d.client()
-        try:
-            skip_unless_microvm(c, close=False)
-            c.import_image(busybox_rootfs, "busybox")
-        finally:
-            c.close()
-        yield d
-    finally:
-        d.cleanup()
+    yield from microvm_daemon(busybox_rootfs, CONFIG)
 
 
 @pytest.fixture(scope="module")
 def vm(flowd):
-    c = flowd.client()
-    sb = c.create("busybox", backend="microvm", memory="256M", net="none", disk="64M")
-    try:
+    for sb in shared_vm(flowd):
         sb.exec(["sh", "-c", f"seq -w 1 {BLOCK_LINES} > /tmp/f"])
         yield sb
-    finally:
-        try:
-            sb.destroy(force=True)
-        finally:
-            c.close()
 
 
 BLOCKS_CMD = f'i=0; while [ $i -lt {BLOCKS} ]; do echo "block $i"; cat /tmp/f; i=$((i+1)); done'

@@ -14,12 +14,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
-from conftest import Daemon, skip_unless_microvm
+from conftest import microvm_daemon, skip_unless_microvm
 
 import dsecd
 from dsecd.errors import DsecError
@@ -31,18 +29,7 @@ WATCHDOG = "[microvm]\nwatchdog_interval_s = 1.0\nwatchdog_timeout_s = 5.0\n"
 def watchdog_daemon(busybox_rootfs):
     """The module's daemon (watchdog every second, a hang after 5 s), with
     busybox and the run's VM templates (conftest.VM_TEMPLATES)."""
-    d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")), WATCHDOG, shared_vm_templates=True)
-    try:
-        d.start()
-        c = d.client()
-        try:
-            skip_unless_microvm(c, close=False)
-            c.import_image(busybox_rootfs, "busybox")
-        finally:
-            c.close()
-        yield d
-    finally:
-        d.cleanup()
+    yield from microvm_daemon(busybox_rootfs, WATCHDOG, shared_vm_templates=True)
 
 
 @pytest.fixture
