@@ -332,6 +332,17 @@ def test_a_published_pulls_download_is_removed_after_the_answer(busybox_rootfs, 
     c.close()
 
 
+def assert_a_failed_pull_left_nothing(c, d, ref: str, before) -> None:
+    """After a refused pull of `ref` on daemon `d`: no name, and once
+    collected, the blobs of `before` (store_blobs), no work dir, no
+    conversion tree or mount."""
+    assert ref not in [i["name"] for i in c.list_images()]
+    c.request("image_gc")
+    assert store_blobs(d) == before, "a failed pull left blobs behind"
+    assert not [p for p in (d.state / "store" / "pulls").iterdir() if p.is_dir()], "a work dir is left"
+    assert not list((d.state / "scratch").iterdir()) and not pull_mounts(d), "a conversion tree is left"
+
+
 def pull_mounts(d) -> list[str]:
     """The tmpfs mounts of converting layers (pull-mem-*) of daemon `d` now
     (another test's daemon may still be converting a pull it cancelled)."""
@@ -423,11 +434,7 @@ def test_hostile_registry_fails_clearly_and_leaves_nothing(case, busybox_rootfs,
         c.pull_image(ref)
     assert "evil/app" in str(info.value) or "sha256:" in str(info.value)
     assert not os.path.exists("/tmp/owned-by-pull") and not (d.state / "store" / "escape").exists()
-    assert ref not in [i["name"] for i in c.list_images()]
-    c.request("image_gc")
-    assert store_blobs(d) == before, "a failed pull left blobs behind"
-    assert not [p for p in (d.state / "store" / "pulls").iterdir() if p.is_dir()], "a work dir is left"
-    assert not list((d.state / "scratch").iterdir()) and not pull_mounts(d), "a conversion tree is left"
+    assert_a_failed_pull_left_nothing(c, d, ref, before)
     c.close()
 
 
@@ -480,9 +487,5 @@ def test_a_bad_layer_found_while_it_downloads_fails_the_pull_and_leaves_nothing(
         c.pull_image(ref)
     if case == "dotdot_entry":      # refused while downloading, then again from the whole blob
         assert "while it downloaded failed" in d.log.read_text()
-    assert ref not in [i["name"] for i in c.list_images()]
-    c.request("image_gc")
-    assert store_blobs(d) == before, "a failed pull left blobs behind"
-    assert not [p for p in (d.state / "store" / "pulls").iterdir() if p.is_dir()], "a work dir is left"
-    assert not list((d.state / "scratch").iterdir()) and not pull_mounts(d), "a conversion tree is left"
+    assert_a_failed_pull_left_nothing(c, d, ref, before)
     c.close()
