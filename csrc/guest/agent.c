@@ -1013,29 +1013,88 @@ static pid_t start_child(const struct child *c, int use_vfork)
     return pid;
 }
 
+static void close_pair(int p[2])
+{
+    close_fd(&p[0]);
+    close_fd(&p[1]);
+}
+
+/* The command of an exec or proc_start request, as the host sends it: cwd,
+ * argc, argv, envc, envp. */
+struct cmdline {
+    char *cwd;
+    uint64_t argc, envc;
+    char **argv, **envp;
+};
+
+/* 0, or -1 when it is malformed (no or too many arguments or variables, an
+ * empty program name, a short message); free_cmdline frees what was read
+ * either way. */
+static int read_cmdline(struct rd *r, struct cmdline *cl)
+{
+    uint64_t i;
+
+    cl->cwd = get_str(r);
+    cl->argc = get_u64(r);
+    if (r->bad || cl->argc < 1 || cl->argc > 65536)
+        return -1;
+    cl->argv = calloc(cl->argc + 1, sizeof(char *));
+    for (i = 0; cl->argv && i < cl->argc; i++)
+        cl->argv[i] = get_str(r);
+    cl->envc = get_u64(r);
+    if (!cl->argv || r->bad || cl->envc > 65536)
+        return -1;
+    cl->envp = calloc(cl->envc + 1, sizeof(char *));
+    for (i = 0; cl->envp && i < cl->envc; i++)
+        cl->envp[i] = get_str(r);
+    return !cl->envp || r->bad || !cl->argv[0][0] ? -1 : 0;
+}
+
+static void free_cmdline(struct cmdline *cl)
+{
+    uint64_t i;
+
+    for (i = 0; cl->argv && i < cl->argc; i++)
+        free(cl->argv[i]);
+    for (i = 0; cl->envp && i < cl->envc; i++)
+        free(cl->envp[i]);
+    free(cl->argv);
+    free(cl->envp);
+    free(cl->cwd);
+}
+
+/* After a child's start: 0 once it exec'd (its report pipe at EOF); else
+ * -1, with the error it reported (errno and the failed step) sent as the
+ * answer to `id` and the child reaped. Closes *report. */
+static int child_start_failed(uint32_t id, pid_t pid, int *report)
+{
+    char eb[64] = {0};
+    ssize_t n;
+    int err;
+
+    while ((n = read(*report, eb, sizeof(eb) - 1)) < 0 && errno == EINTR)
+        ;
+    close_fd(report);
+    if (n < (ssize_t)sizeof(int))
+        return 0;
+    memcpy(&err, eb, sizeof(err));
+    waitpid(pid, NULL, 0);
+    send_err(id, err, eb + sizeof(int));
+    return -1;
+}
+
 static void do_exec(uint32_t id, struct rd *r)
 {
     uint64_t uid = get_u64(r), gid = get_u64(r), flags = get_u64(r);
-    char *cwd = get_str(r);
-    uint64_t argc = get_u64(r);
-    char **argv = NULL, **envp = NULL;
-    uint64_t envc = 0, i, rows = 0, cols = 0, max_string = 0, max_argv = 0, window = 0;
+    struct cmdline cl = {0};
+    uint64_t i, rows = 0, cols = 0, max_string = 0, max_argv = 0, window = 0;
     struct exec *x = NULL;
     int trace = (flags & EXEC_TRACE) != 0, trace_fd = -1, reaped = 0;
     int po[2] = {-1, -1}, pe[2] = {-1, -1}, pi[2] = {-1, -1}, perr[2] = {-1, -1};
     int pty = -1, tty = -1; /* a pty exec's master and slave */
 
-    if (r->bad || argc < 1 || argc > 65536)
+    if (read_cmdline(r, &cl) < 0)
         goto bad;
-    argv = calloc(argc + 1, sizeof(char *));
-    for (i = 0; argv && i < argc; i++)
-        argv[i] = get_str(r);
-    envc = get_u64(r);
-    if (!argv || r->bad || envc > 65536)
-        goto bad;
-    envp = calloc(envc + 1, sizeof(char *));
-    for (i = 0; envp && i < envc; i++)
-        envp[i] = get_str(r);
     if (flags & EXEC_PTY) {
         rows = get_u64(r);
         cols = get_u64(r);
@@ -1046,7 +1105,7 @@ static void do_exec(uint32_t id, struct rd *r)
     }
     if (flags & EXEC_WINDOW)
         window = get_u64(r);
-    if (!envp || r->bad || !argv[0][0] || rows > 65535 || cols > 65535 || ((flags & EXEC_WINDOW) && !window))
+    if (r->bad || rows > 65535 || cols > 65535 || ((flags & EXEC_WINDOW) && !window))
         goto bad;
     /* A terminal's or copy's exec is never traced (the host refuses those). */
     if (trace && ((flags & (EXEC_PTY | EXEC_TAR_GET | EXEC_TAR_PUT | EXEC_WATCH)) || max_string < 1 ||
@@ -1092,8 +1151,8 @@ static void do_exec(uint32_t id, struct rd *r)
      * a fork of its own, not a vfork; a traced command stops before its
      * execve, which a vfork's parent would wait out forever. */
     struct child c = {.in = tty >= 0 ? tty : (flags & EXEC_STDIN) ? pi[0] : -1, .out = po[1], .err = pe[1],
-                      .tty = tty, .report = perr[1], .uid = (uid_t)uid, .gid = (gid_t)gid, .cwd = cwd,
-                      .argc = argc, .argv = argv, .envp = envp, .stop = trace,
+                      .tty = tty, .report = perr[1], .uid = (uid_t)uid, .gid = (gid_t)gid, .cwd = cl.cwd,
+                      .argc = cl.argc, .argv = cl.argv, .envp = cl.envp, .stop = trace,
                       .copy = (unsigned)(flags & (EXEC_TAR_GET | EXEC_TAR_PUT | EXEC_WATCH)),
                       .agent_ends = {perr[0], po[0], pe[0], pi[1]}};
     pid_t pid = start_child(&c, !c.copy && !trace);
@@ -1122,23 +1181,8 @@ static void do_exec(uint32_t id, struct rd *r)
             goto fail;
         }
     }
-    {
-        /* EOF: it exec'd; else errno and the failed step */
-        char eb[64] = {0};
-        ssize_t n;
-
-        while ((n = read(perr[0], eb, sizeof(eb) - 1)) < 0 && errno == EINTR)
-            ;
-        close_fd(&perr[0]);
-        if (n >= (ssize_t)sizeof(int)) {
-            int err;
-
-            memcpy(&err, eb, sizeof(err));
-            waitpid(pid, NULL, 0);
-            send_err(id, err, eb + sizeof(int));
-            goto fail;
-        }
-    }
+    if (child_start_failed(id, pid, &perr[0]) < 0)
+        goto fail;
     if (reaped) { /* it ended before its stop and said nothing: no process to report on */
         send_err(id, ECHILD, "stop before the traced exec");
         goto fail;
@@ -1169,24 +1213,12 @@ fail:
     close_fd(&trace_fd);
     close_fd(&pty);
     close_fd(&tty);
-    close_fd(&po[0]);
-    close_fd(&po[1]);
-    close_fd(&pe[0]);
-    close_fd(&pe[1]);
-    close_fd(&pi[0]);
-    close_fd(&pi[1]);
-    close_fd(&perr[0]);
-    close_fd(&perr[1]);
+    close_pair(po);
+    close_pair(pe);
+    close_pair(pi);
+    close_pair(perr);
 done:
-    free(cwd);
-    if (argv)
-        for (i = 0; i < argc; i++)
-            free(argv[i]);
-    if (envp)
-        for (i = 0; i < envc; i++)
-            free(envp[i]);
-    free(argv);
-    free(envp);
+    free_cmdline(&cl);
 }
 
 static void do_stdin(uint32_t id, struct rd *r)
@@ -1601,24 +1633,12 @@ static void close_proc_fds(void)
 static void do_proc_start(uint32_t id, struct rd *r)
 {
     uint64_t cap = get_u64(r), uid = get_u64(r), gid = get_u64(r), flags = get_u64(r);
-    char *cwd = get_str(r);
-    uint64_t argc = get_u64(r), envc = 0, i;
-    char **argv = NULL, **envp = NULL;
+    struct cmdline cl = {0};
+    uint64_t i;
     int po[2] = {-1, -1}, pe[2] = {-1, -1}, pi[2] = {-1, -1}, perr[2] = {-1, -1};
     struct proc *p = NULL;
 
-    if (r->bad || argc < 1 || argc > 65536)
-        goto bad;
-    argv = calloc(argc + 1, sizeof(char *));
-    for (i = 0; argv && i < argc; i++)
-        argv[i] = get_str(r);
-    envc = get_u64(r);
-    if (!argv || r->bad || envc > 65536)
-        goto bad;
-    envp = calloc(envc + 1, sizeof(char *));
-    for (i = 0; envp && i < envc; i++)
-        envp[i] = get_str(r);
-    if (!envp || r->bad || !argv[0][0] || !cap)
+    if (read_cmdline(r, &cl) < 0 || !cap)
         goto bad;
     if (pipe2(po, O_CLOEXEC) < 0 || pipe2(pe, O_CLOEXEC) < 0 || pipe2(perr, O_CLOEXEC) < 0 ||
         ((flags & EXEC_STDIN) && pipe2(pi, O_CLOEXEC) < 0)) {
@@ -1627,8 +1647,8 @@ static void do_proc_start(uint32_t id, struct rd *r)
     }
     /* vfork, as do_exec: the child only makes syscalls until it execs. */
     struct child c = {.in = (flags & EXEC_STDIN) ? pi[0] : -1, .out = po[1], .err = pe[1], .tty = -1,
-                      .report = perr[1], .uid = (uid_t)uid, .gid = (gid_t)gid, .cwd = cwd, .argc = argc,
-                      .argv = argv, .envp = envp, .agent_ends = {-1, -1, -1, -1}};
+                      .report = perr[1], .uid = (uid_t)uid, .gid = (gid_t)gid, .cwd = cl.cwd,
+                      .argc = cl.argc, .argv = cl.argv, .envp = cl.envp, .agent_ends = {-1, -1, -1, -1}};
     pid_t pid = start_child(&c, 1);
     if (pid < 0) {
         send_err(id, errno, "fork");
@@ -1638,22 +1658,8 @@ static void do_proc_start(uint32_t id, struct rd *r)
     close_fd(&pe[1]);
     close_fd(&pi[0]);
     close_fd(&perr[1]);
-    {
-        char eb[64] = {0};
-        ssize_t n;
-
-        while ((n = read(perr[0], eb, sizeof(eb) - 1)) < 0 && errno == EINTR)
-            ;
-        close_fd(&perr[0]);
-        if (n >= (ssize_t)sizeof(int)) {
-            int err;
-
-            memcpy(&err, eb, sizeof(err));
-            waitpid(pid, NULL, 0);
-            send_err(id, err, eb + sizeof(int));
-            goto fail;
-        }
-    }
+    if (child_start_failed(id, pid, &perr[0]) < 0)
+        goto fail;
     p = proc_by_pid((uint64_t)pid); /* an exited record of a pid the guest reused */
     if (p)
         proc_free(p);
@@ -1678,14 +1684,14 @@ static void do_proc_start(uint32_t id, struct rd *r)
     p->in = pi[1];
     p->cap = cap;
     p->started_ns = now_ns();
-    for (i = 0; i < argc; i++)
-        p->argv_len += strlen(argv[i]) + 1;
+    for (i = 0; i < cl.argc; i++)
+        p->argv_len += strlen(cl.argv[i]) + 1;
     p->argv = malloc(p->argv_len);
     if (p->argv) {
         char *at = p->argv;
-        for (i = 0; i < argc; i++) {
-            size_t n = strlen(argv[i]) + 1;
-            memcpy(at, argv[i], n);
+        for (i = 0; i < cl.argc; i++) {
+            size_t n = strlen(cl.argv[i]) + 1;
+            memcpy(at, cl.argv[i], n);
             at += n;
         }
     } else {
@@ -1704,24 +1710,12 @@ bad:
     send_err(id, EINVAL, "malformed proc_start request");
     goto done;
 fail:
-    close_fd(&po[0]);
-    close_fd(&po[1]);
-    close_fd(&pe[0]);
-    close_fd(&pe[1]);
-    close_fd(&pi[0]);
-    close_fd(&pi[1]);
-    close_fd(&perr[0]);
-    close_fd(&perr[1]);
+    close_pair(po);
+    close_pair(pe);
+    close_pair(pi);
+    close_pair(perr);
 done:
-    free(cwd);
-    if (argv)
-        for (i = 0; i < argc; i++)
-            free(argv[i]);
-    if (envp)
-        for (i = 0; i < envc; i++)
-            free(envp[i]);
-    free(argv);
-    free(envp);
+    free_cmdline(&cl);
 }
 
 static void do_proc_list(uint32_t id)
