@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import os
 from pathlib import Path
 
@@ -65,13 +64,11 @@ def convert_blob(raw, out: Path, what: str, max_entries: int = MAX_ENTRIES) -> t
         writer = native.TarErofs(fd, 0o700 & ~umask, 0o755 & ~umask, os.geteuid(), os.getegid(), max_entries)
         try:
             blob = oci._Hashing(raw)
-            tar = oci._decompressed(blob, blob.peek(4), what)
-            tar_sha = hashlib.sha256()
+            tar = oci._Hashing(oci._decompressed(blob, blob.peek(4), what))
             ended = False
-            while chunk := tar.read(FEED_CHUNK):
-                tar_sha.update(chunk)
-                if not ended:
-                    ended = writer.feed(chunk)
+            while not ended and (chunk := tar.read(FEED_CHUNK)):
+                ended = writer.feed(chunk)
+            tar.drain()          # past the archive's end: the diff_id covers every byte
             blob.drain()
             entries = writer.finish()
         except oci.CORRUPT as err:
@@ -86,7 +83,7 @@ def convert_blob(raw, out: Path, what: str, max_entries: int = MAX_ENTRIES) -> t
             writer.close()
         pad_to_pmem(out)
         ok = True
-        return entries, blob.digest(), "sha256:" + tar_sha.hexdigest()
+        return entries, blob.digest(), tar.digest()
     finally:
         os.close(fd)
         if not ok:
