@@ -213,7 +213,6 @@ class _Streams:
         self.pool = pool
         self.slots = slots              # conversions of temp files at once; 0: none
         self.by_ino: dict[int, Future] = {}
-        self.converted = 0              # layers converted from their temp file
         self.over = threading.Event()   # skopeo has exited: no temp file becomes a blob any more
 
     def idle(self) -> bool:
@@ -528,7 +527,9 @@ class Puller:
                         layer.future.result()
                         emit(layer.event(len(layers)))
                 stats["convert_s"] = time.monotonic() - t
-                stats["streamed_layers"] = streams.converted
+                # A conversion from a temp file answers True (_convert_stream).
+                stats["streamed_layers"] = sum(layer.future is not None and layer.future.result() is True
+                                               for layer in layers)
                 stored = [layer.stored for layer in layers]
                 image = self.images.commit_pulled(str(r.name), stored, config, source, hold)
                 keep_work = published = True
@@ -642,8 +643,7 @@ class Puller:
             raise PullError("io", f"pull of {r.name}: skopeo finished but blobs {missing} are not in {blobs}")
 
     def _watch(self, blobs: Path, work: Path, pending: list[_Layer], pool: ThreadPoolExecutor, hold,
-               emit: Progress, of: int, stats: dict, streams: _Streams | None = None,
-               start: bool = False) -> None:
+               emit: Progress, of: int, stats: dict, streams: _Streams, start: bool) -> None:
         """One look at the work directory: complete blobs start converting
         (or are found converting already, from their temp file); temp files'
         bytes go to the layers still downloading (module docstring), and
@@ -660,7 +660,7 @@ class Puller:
             if layer.state not in ("converting", "stored"):     # its temp file's conversion may be ahead
                 layer.state = "downloaded"
             stats["downloaded_bytes"] += 0 if layer.resumed else layer.size
-            layer.future = streams.by_ino.get(ino) if streams else None
+            layer.future = streams.by_ino.get(ino)
             if layer.future is None:
                 layer.future = pool.submit(self._convert, layer, blobs, hold, emit, of)
         temps = []
@@ -670,8 +670,7 @@ class Puller:
                     with contextlib.suppress(FileNotFoundError):
                         st = entry.stat()
                         temps.append((st.st_ino, st.st_size))
-                        if start and streams is not None and st.st_ino not in streams.by_ino and \
-                                streams.idle():
+                        if start and st.st_ino not in streams.by_ino and streams.idle():
                             self._start_stream(Path(entry.path), st.st_ino, blobs, pending, hold, emit, of,
                                                streams)
         temps.sort()
@@ -696,10 +695,9 @@ class Puller:
             os.close(fd)
             return
         reader = _GrowingBlob(fd, temp, blobs, pending, streams.over)
-        streams.by_ino[ino] = streams.pool.submit(self._convert_stream, reader, blobs, hold, emit, of, streams)
+        streams.by_ino[ino] = streams.pool.submit(self._convert_stream, reader, blobs, hold, emit, of)
 
-    def _convert_stream(self, reader: _GrowingBlob, blobs: Path, hold, emit: Progress, of: int,
-                        streams: _Streams) -> None:
+    def _convert_stream(self, reader: _GrowingBlob, blobs: Path, hold, emit: Progress, of: int) -> bool:
         """Convert a blob while skopeo downloads it, from its temp file: the
         download of a 7-layer image ends with its layers at once (skopeo
         fetches 6 at a time), so waiting for complete blobs left all the
@@ -709,7 +707,8 @@ class Puller:
         file that never becomes a blob (skopeo found it bad, or stopped)
         converts to nothing; a conversion that fails once its layer is
         known (a bad layer, ENOSPC) is done again from the complete blob,
-        the way every layer converted before, which words the error."""
+        the way every layer converted before, which words the error. True
+        when the layer was stored from its temp file."""
         layer = None
         unserved = False
         tmp = self.images.layer_temp_path()
@@ -722,11 +721,11 @@ class Puller:
             emit(layer.event(of))
             stored = self.images.store_layer(tmp, hold=hold)
         except _Abandoned:
-            return
+            return False
         except (oci.TarError, tarerofs.Unserved, ImageError, OSError) as err:
             layer = reader.known_layer()
             if layer is None:
-                return
+                return False
             log.info("pull: converting layer %s while it downloaded failed (%s); converting its blob",
                      layer.digest, err)
             unserved = isinstance(err, tarerofs.Unserved)
@@ -734,15 +733,11 @@ class Puller:
         finally:
             reader.close()
             tmp.unlink(missing_ok=True)
-        if stored is None:
-            layer = layer or reader.known_layer()
-            if layer is None:
-                return
+        if stored is None:          # the except above: its layer is known
             self._convert(layer, blobs, hold, emit, of, direct=not unserved)
-            return
-        self.images.record_diff_id(layer.diff_id, stored)
-        layer.stored, layer.state = stored, "stored"
-        streams.converted += 1
+            return False
+        self._record(layer, stored)
+        return True
 
     def _convert(self, layer: _Layer, blobs: Path, hold, emit: Progress, of: int, direct: bool = True) -> None:
         """Convert a complete blob: straight into EROFS (_convert_direct),
@@ -763,6 +758,9 @@ class Puller:
                 stored = self.images.build_layer(tree, hold=hold)
             finally:
                 shutil.rmtree(tree, ignore_errors=True)
+        self._record(layer, stored)
+
+    def _record(self, layer: _Layer, stored: dict) -> None:
         self.images.record_diff_id(layer.diff_id, stored)
         layer.stored, layer.state = stored, "stored"
 
