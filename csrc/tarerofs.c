@@ -172,19 +172,26 @@ static void put64(uint8_t *p, uint64_t v) { put32(p, (uint32_t)v); put32(p + 4, 
 
 /* ------------------------------------------------------------ output */
 
-static int flush_out(struct dsec_tarfs *w)
+static int write_at(struct dsec_tarfs *w, const uint8_t *p, size_t len, uint64_t off)
 {
-    size_t done = 0;
-
-    while (done < w->olen) {
-        ssize_t n = pwrite(w->fd, w->obuf + done, w->olen - done, (off_t)(w->opos + done));
+    while (len) {
+        ssize_t n = pwrite(w->fd, p, len, (off_t)off);
         if (n < 0) {
             if (errno == EINTR)
                 continue;
             return fail(w, -errno, "write the EROFS image: %s", strerror(errno));
         }
-        done += (size_t)n;
+        p += n;
+        len -= (size_t)n;
+        off += (uint64_t)n;
     }
+    return 0;
+}
+
+static int flush_out(struct dsec_tarfs *w)
+{
+    if (write_at(w, w->obuf, w->olen, w->opos) < 0)
+        return -1;
     w->opos += w->olen;
     w->olen = 0;
     return 0;
@@ -955,7 +962,7 @@ static int cmp_dent(const void *a, const void *b)
 
 /* A directory's entries, live ones, sorted with "." and "..": its size is
  * then fixed by the names alone (nids are filled in later). */
-static struct dent *dir_entries(struct dsec_tarfs *w, struct node *d, size_t *count)
+static struct dent *dir_entries(struct node *d, size_t *count)
 {
     struct dent *e = malloc(((size_t)d->nkids + 2) * sizeof(*e));
     size_t n = 0;
@@ -1010,22 +1017,6 @@ static void dir_fill(uint8_t *buf, const struct dent *e, size_t n)
         i = j;
         blk += BLK;
     }
-}
-
-static int write_at(struct dsec_tarfs *w, const uint8_t *p, size_t len, uint64_t off)
-{
-    while (len) {
-        ssize_t n = pwrite(w->fd, p, len, (off_t)off);
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            return fail(w, -errno, "write the EROFS image: %s", strerror(errno));
-        }
-        p += n;
-        len -= (size_t)n;
-        off += (uint64_t)n;
-    }
-    return 0;
 }
 
 static const uint8_t OPAQUE_XATTR[32] = {
@@ -1090,7 +1081,7 @@ int dsec_tarfs_finish(struct dsec_tarfs *w)
         goto nomem;
     for (size_t di = 0; di < dirs.n; di++) {
         struct node *d = dirs.v[di];
-        if (!(dents[di] = dir_entries(w, d, &ndents[di])))
+        if (!(dents[di] = dir_entries(d, &ndents[di])))
             goto nomem;
         d->ino->size = dir_size(dents[di], ndents[di]);
     }
