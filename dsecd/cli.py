@@ -668,9 +668,7 @@ class CommandOutput:
         if self.as_json:
             self.kept[fd] += data
             return
-        out = sys.stdout.buffer if fd == 1 else sys.stderr.buffer
-        out.write(data)
-        out.flush()
+        _write_flush(fd, data)
 
     def fields(self) -> dict:
         """stdout and stderr for the JSON result, as text (bytes that are not
@@ -808,8 +806,13 @@ def _write_output(chunk, pid: int) -> None:
         print(f"dsec: {chunk.dropped} bytes of the output of process {pid} fell out of the daemon's buffer "
               "(limits.proc_output_bytes) before this", file=sys.stderr, flush=True)
         return
-    out = sys.stdout.buffer if chunk.fd == 1 else sys.stderr.buffer
-    out.write(chunk.data)
+    _write_flush(chunk.fd, chunk.data)
+
+
+def _write_flush(fd: int, data: bytes) -> None:
+    """Bytes to our stdout (fd 1) or stderr, at once."""
+    out = sys.stdout.buffer if fd == 1 else sys.stderr.buffer
+    out.write(data)
     out.flush()
 
 
