@@ -486,12 +486,9 @@ class MetricsServer:
     async def start(self) -> None:
         if isinstance(self.where, str):
             _remove_dead_socket(self.where)
-            sock = unixsock.bind_private(self.where, os.getegid())      # 0660, like the protocol's socket
-            try:
-                self._server = await asyncio.start_unix_server(self._serve, sock=sock, limit=MAX_REQUEST_BYTES)
-            except BaseException:
-                sock.close()
-                raise
+            self._server = await unixsock.serve_private(                # 0660, like the protocol's socket
+                self.where, os.getegid(),
+                lambda sock: asyncio.start_unix_server(self._serve, sock=sock, limit=MAX_REQUEST_BYTES))
         else:
             host, port = self.where
             self._server = await asyncio.start_server(self._serve, host, port, reuse_address=True,

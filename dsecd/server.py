@@ -349,13 +349,11 @@ class Server:
     async def start(self) -> None:
         _remove_stale_socket(self.path)
         os.makedirs(os.path.dirname(self.path) or ".", mode=0o755, exist_ok=True)
-        sock = unixsock.bind_private(self.path, self.gid if self.gid is not None else 0)
-        try:
-            self._server = await asyncio.get_running_loop().create_unix_server(
-                self._new_protocol, sock=sock, backlog=min(self.max_connections, 4096))
-        except BaseException:
-            sock.close()
-            raise
+        loop = asyncio.get_running_loop()
+        self._server = await unixsock.serve_private(
+            self.path, self.gid if self.gid is not None else 0,
+            lambda sock: loop.create_unix_server(self._new_protocol, sock=sock,
+                                                 backlog=min(self.max_connections, 4096)))
         log.info("listening on %s (group %s)", self.path, self.group or "root")
 
     def _allowed(self, uid: int, gid: int, groups: set[int]) -> bool:

@@ -30,3 +30,14 @@ def bind_private(path: str, gid: int) -> socket.socket:
             os.unlink(os.path.join(private, "sock"))
         os.rmdir(private)
     return sock
+
+
+async def serve_private(path: str, gid: int, start_server):
+    """start_server(sock) (an asyncio server on a socket of bind_private's);
+    the socket is closed if that fails."""
+    sock = bind_private(path, gid)
+    try:
+        return await start_server(sock)
+    except BaseException:
+        sock.close()
+        raise
