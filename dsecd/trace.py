@@ -367,10 +367,9 @@ class _Tracer:
         regs = ptrace_func.ptrace_getregs(pid)
         if not self.in_syscall.get(pid):
             self.in_syscall[pid] = True
-            if regs.orig_rax in RECORDED:
-                event = self.decode_entry(pid, regs.orig_rax, regs)
-                if event is not None:
-                    self.pending[pid] = event
+            event = self.decode_entry(pid, regs.orig_rax, regs)      # None: not a recorded call
+            if event is not None:
+                self.pending[pid] = event
             return
         self.in_syscall[pid] = False
         event = self.pending.pop(pid, None)

@@ -17,8 +17,6 @@ from ... import trace
 from . import wire
 
 TR_SYSCALL, TR_SIGNAL, TR_FORK, TR_EXIT, TR_ERROR = 1, 2, 3, 4, 5
-# ptrace event numbers of TR_FORK (linux/ptrace.h)
-_FORKS = {1: "fork", 2: "vfork", 3: "clone"}
 
 
 class GuestTrace:
@@ -85,7 +83,7 @@ class GuestTrace:
         elif kind == TR_SIGNAL:
             self.recorder.record(t, pid, "signal", signal=trace.signal_name(r.u64()))
         elif kind == TR_FORK:
-            how = _FORKS.get(r.u64())
+            how = trace.FORK_EVENTS.get(r.u64())   # the guest sends ptrace's event number
             if how is None:
                 raise ValueError("unknown fork event")
             self.recorder.record(t, pid, "fork", how=how, child=r.u64())
