@@ -244,7 +244,7 @@ class ProcessService:
                "policy": applied.name if applied else None,
                "inodes": [os.fstat(ours[k]).st_ino if ours[k] >= 0 else 0 for k in ("stdin", "stdout", "stderr")]}
         rec["host_pid"], rec["host_start"] = _host_identity(run.pidfd)
-        proc = BgProc(self.workers.loop, rec, self.limits.output_bytes)
+        proc = self.new_proc(rec)
         old = table.pop(pid, None)              # an exited record of a pid the sandbox reused
         if old is not None:
             self._drop(old)
@@ -330,9 +330,11 @@ class ProcessService:
             return
         self._ended(sb, proc, status)
 
-    def _ended(self, sb: Sandbox, proc: BgProc, status: int | None) -> None:
+    def _ended(self, sb: Sandbox, proc: BgProc, status: int | None, ended: float | None = None) -> None:
+        """`ended`: when it ended (epoch seconds) where its sandbox says so
+        (a microVM's agent); else now."""
         proc.ended.set_result(status)
-        proc.rec.update(state="exited", status=status, ended=time.time())
+        proc.rec.update(state="exited", status=status, ended=ended or time.time())
         self._close_end(proc, "stdin")
         self._save(sb)
         if proc.fds["stdout"] >= 0 or proc.fds["stderr"] >= 0:
@@ -571,7 +573,7 @@ class ProcessService:
         table = self.tables.setdefault(sb.id, {})
         link = h.init_link if h is not None else None
         for rec in sb.procs:
-            proc = BgProc(self.workers.loop, dict(rec), self.limits.output_bytes)
+            proc = self.new_proc(dict(rec))
             table[proc.pid] = proc
             if not proc.running:
                 if link is not None:

@@ -56,8 +56,27 @@ class VmProcs:
         # Sandbox id -> a future done at its next new channel or its end
         # (what an input cut by a pause waits for: _relinked).
         self.changes: dict[str, asyncio.Future] = {}
+        # Requests sent without waiting for the answer (_send_quietly): held
+        # here until done, as the loop keeps only a weak reference to a task.
+        self._quiet: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------ channel
+
+    def _send_quietly(self, link: AgentLink, kind: int, *fields: bytes) -> None:
+        """A request whose answer nobody waits for; a closed channel or an
+        error answer is ignored."""
+        async def send() -> None:
+            with contextlib.suppress(AgentError, AgentGone):
+                await link.request(kind, *fields)
+
+        task = self.svc.workers.loop.create_task(send())
+        self._quiet.add(task)
+        task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task) -> None:
+        self._quiet.discard(task)
+        if not task.cancelled():
+            task.exception()            # taken: nobody awaits it
 
     def _link(self, sb: Sandbox) -> AgentLink:
         h = sb.handle
@@ -141,9 +160,7 @@ class VmProcs:
             elif proc.running:
                 status, ended_ns = r.u64(), r.u64()
                 proc.vm_stdin = False
-                self.svc._ended(sb, proc, status)
-                proc.rec["ended"] = ended_ns / 1e9 if ended_ns else proc.rec["ended"]
-                self.svc._save(sb)
+                self.svc._ended(sb, proc, status, ended_ns / 1e9 if ended_ns else None)
         except (ValueError, IndexError, struct.error) as err:
             log.warning("sandbox %s: a bad background process frame from the agent: %s", sb.id, err)
         except Exception:      # a fault here must not end the agent's channel
@@ -187,14 +204,7 @@ class VmProcs:
     def _kill_orphan(self, link: AgentLink, fut: asyncio.Future) -> None:
         if fut.cancelled() or fut.exception() is not None or link.closed:
             return
-        pid = fut.result().u64()
-
-        async def kill() -> None:
-            with contextlib.suppress(AgentError, AgentGone):
-                await link.request(wire.PROC_KILL, wire.u64(pid), wire.u64(9))
-
-        task = self.svc.workers.loop.create_task(kill())
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._send_quietly(link, wire.PROC_KILL, wire.u64(fut.result().u64()), wire.u64(9))
 
     async def attach(self, sb: Sandbox, proc) -> None:
         """Follow a process just started, from its first byte."""
@@ -263,14 +273,7 @@ class VmProcs:
         h = sb.handle
         if h is None or h.agent is None or h.agent.closed:
             return
-        link = h.agent
-
-        async def forget() -> None:
-            with contextlib.suppress(AgentError, AgentGone):
-                await link.request(wire.PROC_FORGET, wire.u64(proc.pid))
-
-        task = self.svc.workers.loop.create_task(forget())
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._send_quietly(h.agent, wire.PROC_FORGET, wire.u64(proc.pid))
 
     def gone(self, sb_id: str) -> None:
         """The sandbox is destroyed or its VM died: inputs waiting for a channel give up."""
