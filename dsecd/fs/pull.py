@@ -53,7 +53,7 @@ from . import names, oci, tarerofs
 from .claims import Claim
 from .images import Image, ImageError, ImageStore
 from .registry import Registry, RegistryConfig, RegistryError
-from .store import DIGEST_RE
+from .store import DIGEST_RE, ChunkHasher
 
 Progress = Callable[[dict], None]
 log = logging.getLogger(__name__)
@@ -457,12 +457,13 @@ class Puller:
         to unpack-and-mkfs (a sparse file, a PAX global header: tarerofs.Unserved)."""
         what = f"layer {layer.digest}"
         tmp = self.images.layer_temp_path()
+        chunks = ChunkHasher()
         try:
             with contextlib.closing(registry.open_blob(layer.digest, layer.size)) as stream:
                 _, blob_digest, tar_digest = tarerofs.convert_blob(_LayerReader(stream, layer, stop), tmp, what,
-                                                                   digest=layer.digest)
+                                                                   digest=layer.digest, chunks=chunks)
             oci.check_digests(what, blob_digest, tar_digest, layer.digest, layer.diff_id)
-            return self.images.store_layer(tmp, hold=hold)
+            return self.images.store_layer(tmp, hold=hold, chunks=chunks)
         except tarerofs.Unserved as err:
             log.info("pull: %s; fetching its blob again to unpack it and run mkfs.erofs", err)
             return None

@@ -23,6 +23,7 @@ from pathlib import Path
 from .. import native
 from . import oci
 from .erofs import pad_to_pmem
+from .store import ChunkHasher
 
 FEED_CHUNK = 1 << 20
 # Tar members a layer may have: the C writer holds every name and inode
@@ -63,7 +64,7 @@ def _check_blob_digest(blob, digest: str | None, what: str) -> None:
 
 
 def convert_blob(raw, out: Path, what: str, max_entries: int = MAX_ENTRIES,
-                 digest: str | None = None) -> tuple[int, str, str]:
+                 digest: str | None = None, chunks: ChunkHasher | None = None) -> tuple[int, str, str]:
     """Write layer blob `raw` (a reader with read(size)) as the EROFS image
     `out` (a new file, padded for pmem like erofs.build's). Returns (tar
     members, the blob's digest, the uncompressed tar's digest); the caller
@@ -72,9 +73,10 @@ def convert_blob(raw, out: Path, what: str, max_entries: int = MAX_ENTRIES,
     on any failure. With `digest` (the manifest's), a blob that fails to
     decompress is read to its end first, and one that is not that digest's
     bytes is said to be that: the cause, where the decompressor's error is
-    its symptom."""
+    its symptom. With `chunks`, the image's chunk-index hashes are made
+    as its data is written (store.ChunkHasher)."""
     umask = _umask()
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)    # read back by `chunks`
     ok = False
     try:
         # The old path's root is a mkdtemp directory (0700) and the
@@ -87,6 +89,8 @@ def convert_blob(raw, out: Path, what: str, max_entries: int = MAX_ENTRIES,
             ended = False
             while not ended and (chunk := tar.read(FEED_CHUNK)):
                 ended = writer.feed(chunk)
+                if chunks is not None:
+                    chunks.advance(fd, writer.final_bytes())
             tar.drain()          # past the archive's end: the diff_id covers every byte
             blob.drain()
             entries = writer.finish()
