@@ -16,10 +16,10 @@ Figures (medians over the rounds):
 * pull_speed_ratio: our pull's MiB/s / skopeo's, ours from the request to
   the answer: download and conversion to EROFS layers; target >= 0.9;
 * pull_download_ratio: the same with our download alone (the request until
-  the last blob is on disk, total - pull_convert_s: the resolve, the claim
-  and skopeo's own run);
-* pull_convert_s: conversion left after the download ended (layers convert
-  while later ones download, so only the last ones' conversion remains);
+  the last layer's last byte came, total - pull_convert_s: the resolve, the
+  claim and the fetch, each layer converting as its bytes arrive);
+* pull_convert_s: conversion left after the download ended (each layer's
+  metadata and storing, once its last byte is in);
 * pull_to_first_exec_s: pull, create, first exec (`true`) of the image;
 * base_stored_once: a second image on the same base pulled after the
   first: its base is neither downloaded again (registry log) nor stored
@@ -116,8 +116,8 @@ def skopeo_copy(reg: Registry, ref: str, dest: Path) -> float:
     return took
 
 
-def measure_pull(tmp: Path, rootfs: str, rounds: int, seed: int, convert_threads: int = 1,
-                 layers: int = LAYERS, layer_mib: int = LAYER_MIB, tmpfs: str | None = None) -> dict:
+def measure_pull(tmp: Path, rootfs: str, rounds: int, seed: int, parallel_layers: int | None = None,
+                 layers: int = LAYERS, layer_mib: int = LAYER_MIB) -> dict:
     why = missing_tools()
     if why:
         log(f"pull figures skipped: {why}")
@@ -126,9 +126,9 @@ def measure_pull(tmp: Path, rootfs: str, rounds: int, seed: int, convert_threads
     layout, size, base_blob = make_images(tmp, rootfs, seed, layers, layer_mib)
     reg = Registry(tmp / "registry").start()
     (tmp / "pulld").mkdir()
-    config = f'[images]\ninsecure_registries = ["{reg.host}"]\npull_convert_threads = {convert_threads}\n'
-    if tmpfs is not None:
-        config += f'pull_tmpfs = "{tmpfs}"\n'
+    config = f'[images]\ninsecure_registries = ["{reg.host}"]\n'
+    if parallel_layers is not None:
+        config += f"pull_parallel_layers = {parallel_layers}\n"
     daemon = harness.BenchDaemon(tmp / "pulld", None, config, tag="-pull")
     try:
         for tag in ("big", "small"):
@@ -147,8 +147,7 @@ def measure_pull(tmp: Path, rootfs: str, rounds: int, seed: int, convert_threads
                     res = asyncio.run(pull(daemon.sock, big))
                     ours.append({"total": time.monotonic() - t, **res["pull"]})
             log(f"round {r + 1}: skopeo {skopeo_s[-1]:.2f} s, ours {ours[-1]['total']:.2f} s "
-                f"(download {ours[-1]['download_s']:.2f} s, conversion after it {ours[-1]['convert_s']:.2f} s, "
-                f"{ours[-1].get('streamed_layers', 0)} layers converted while downloading)")
+                f"(download {ours[-1]['download_s']:.2f} s, conversion after it {ours[-1]['convert_s']:.2f} s)")
         first_exec = []
         for _ in range(rounds):
             asyncio.run(empty_store(daemon.sock))
@@ -169,13 +168,13 @@ def measure_pull(tmp: Path, rootfs: str, rounds: int, seed: int, convert_threads
     total = statistics.median(o["total"] for o in ours)
     return {"pull_image_mib": round(size / MIB, 1), "pull_layers": layers + 1,
             "skopeo_copy_s": round(sk, 3), "skopeo_mib_s": round(size / MIB / sk, 1),
-            "pull_download_s": round(download, 3), "pull_mib_s": round(size / MIB / download, 1),
+            "pull_download_s": round(download, 3), "pull_mib_s": round(size / MIB / total, 1),
             "pull_speed_ratio": round(sk / total, 3), "pull_total_s": round(total, 3),
             "pull_download_ratio": round(sk / download, 3),
             "pull_convert_s": round(statistics.median(o["convert_s"] for o in ours), 3),
             "pull_to_first_exec_s": round(statistics.median(first_exec), 3),
-            "base_stored_once": bool(once), "pull_rounds": rounds, "pull_convert_threads": convert_threads,
-            "pull_tmpfs": tmpfs if tmpfs is not None else "default",
+            "base_stored_once": bool(once), "pull_rounds": rounds,
+            "pull_parallel_layers": parallel_layers if parallel_layers is not None else "default",
             "pull_skopeo_s_all": [round(x, 3) for x in skopeo_s],
             "pull_total_s_all": [round(o["total"], 3) for o in ours]}
 

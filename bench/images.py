@@ -471,7 +471,7 @@ def measure(tmp: Path, args) -> dict:
     results = {}
     if "pull" in args.phases:
         results.update(imagepull.measure_pull(tmp / "pull", harness.build_rootfs(), args.pull_reps, args.seed,
-                                              args.pull_convert_threads, tmpfs=args.pull_tmpfs))
+                                              args.pull_parallel_layers))
     if "lazy" in args.phases:
         results.update(measure_lazy(tmp, args))
     return results
@@ -529,10 +529,8 @@ def parse_args(argv):
     p.add_argument("--phases", default="lazy,pull", type=lambda s: set(s.split(",")),
                    help="comma-separated: lazy (lazy vs eager, snapshots), pull (image pull figures)")
     p.add_argument("--pull-reps", type=int, default=3, help="rounds of the pull figures")
-    p.add_argument("--pull-convert-threads", type=int, default=1,
-                   help="images.pull_convert_threads (default: the config default)")
-    p.add_argument("--pull-tmpfs", default=None,
-                   help='images.pull_tmpfs ("0": unpack on the scratch disk; default: the config default)')
+    p.add_argument("--pull-parallel-layers", type=int, default=None,
+                   help="images.pull_parallel_layers (default: the config default)")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
     args = p.parse_args(argv)
     if args.quick:

@@ -360,6 +360,7 @@ int dsec_tarfs_feed(struct dsec_tarfs *w, const char *data, size_t len);
 int dsec_tarfs_finish(struct dsec_tarfs *w);
 const char *dsec_tarfs_error(struct dsec_tarfs *w);
 uint64_t dsec_tarfs_entries(struct dsec_tarfs *w);
+uint64_t dsec_tarfs_final_bytes(struct dsec_tarfs *w);
 void dsec_tarfs_free(struct dsec_tarfs *w);
 /* CFFI-END */
 

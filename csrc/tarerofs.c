@@ -863,6 +863,12 @@ fail:
 const char *dsec_tarfs_error(struct dsec_tarfs *w) { return w->err; }
 uint64_t dsec_tarfs_entries(struct dsec_tarfs *w) { return w->entries; }
 
+/* Where the image's final bytes end while it is fed: file data is written
+ * front to back from block 1 and never again, so [BLK, opos) is final once
+ * flushed. Only block 0 (the superblock) and what lies past opos (data
+ * still buffered, then directories and metadata) are written by finish. */
+uint64_t dsec_tarfs_final_bytes(struct dsec_tarfs *w) { return w->opos; }
+
 int dsec_tarfs_feed(struct dsec_tarfs *w, const char *data, size_t len)
 {
     const uint8_t *p = (const uint8_t *)data;

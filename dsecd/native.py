@@ -1087,6 +1087,11 @@ class TarErofs:
         """Whether the archive's end came (the rest is padding, not looked at)."""
         return self._check(lib.dsec_tarfs_feed(self._w, data, len(data))) == 1
 
+    def final_bytes(self) -> int:
+        """The image offset below which every byte but block 0's is final
+        (written and never written again) while the tar is fed."""
+        return lib.dsec_tarfs_final_bytes(self._w)
+
     def finish(self) -> int:
         """Write the metadata; the number of tar members."""
         self._check(lib.dsec_tarfs_finish(self._w))

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import sys
 
-STATES = {"waiting": "waiting", "downloading": "downloading", "downloaded": "downloaded",
-          "converting": "converting", "stored": "stored", "reused": "already stored"}
+STATES = {"waiting": "waiting", "downloading": "downloading", "converting": "converting", "stored": "stored",
+          "reused": "already stored"}
 
 
 def wanted(json_output: bool) -> bool:

@@ -8,8 +8,9 @@
 #      bindings (egress NAT, published ports), the runtimes we benchmark
 #      against (bubblewrap, crun, buildah), busybox-static (test rootfs), erofs-utils,
 #      dnspython (the sandboxes' resolver) and dnsmasq-base (the tests' upstream
-#      resolver; -base: the binary without a system service), skopeo (the
-#      registry client behind `dsec image pull`), python3-zstandard (zstd
+#      resolver; -base: the binary without a system service), python3-urllib3
+#      (the registry client of `dsec image pull`), skopeo (pushes the pull
+#      tests' images; the pull bench's peer), python3-zstandard (zstd
 #      layers), python3-rich (pulls, Dockerfile builds, `dsec top`), docker-registry and apache2-utils
 #      (the pull tests' registry on loopback and its htpasswd; the package's
 #      service is not used: the tests start their own registry),
@@ -63,7 +64,8 @@ PACKAGES=(
     buildah                                    # the Dockerfile-build peer in bench/build.py
     erofs-utils iproute2 util-linux debootstrap
     python3-dnspython dnsmasq-base             # the sandboxes' resolver; the tests' upstream
-    skopeo python3-zstandard python3-rich      # image pull: the registry client, zstd layers, progress bars
+    python3-urllib3                            # the registry client of `dsec image pull` (dsecd/fs/registry.py)
+    skopeo python3-zstandard python3-rich      # image pull: test pushes and the bench's peer, zstd layers, progress bars
     docker-registry apache2-utils              # the pull tests' local registry and its htpasswd file
     python3-prometheus-client                  # the metrics endpoint (dsecd/metrics.py)
     openssh-client openssh-server              # ssh:// transport; the fleet tests' sshd per host

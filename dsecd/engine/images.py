@@ -26,7 +26,7 @@ from ..fs.images import ImageError, ImageStore
 from ..fs.layers import LayerMounts
 from ..fs.pager import Pager, PagerConfig
 from ..fs.pull import Puller, PullSettings
-from ..fs.skopeo import RegistryConfig, Skopeo
+from ..fs.registry import RegistryConfig
 from ..fs.store import INDEX_BLOCK, StoreError, check_index, unreachable_hint
 from ..mem import pause
 from .sandboxes import SandboxRegistry
@@ -90,8 +90,10 @@ class ImageService:
         section = cfg.section("images")
         store = Path(section["store"]) if section["store"] else cfg.state_dir / "store"
         self.images = ImageStore(store, cfg.state_dir / "scratch", section["default_registry"])
-        self.puller = Puller(self.images, Skopeo(RegistryConfig.from_section(section)), PullSettings(
-            convert_threads=int(section["pull_convert_threads"]),
+        if int(section["pull_parallel_layers"]) < 1:
+            raise ValueError(f"images.pull_parallel_layers must be at least 1, not {section['pull_parallel_layers']}")
+        self.puller = Puller(self.images, RegistryConfig.from_section(section), PullSettings(
+            parallel_layers=int(section["pull_parallel_layers"]),
             tmpfs_bytes=cfg.size("images", "pull_tmpfs"),
             claim_stale_s=float(section["pull_claim_stale_s"]), timeout_s=float(section["pull_timeout_s"])))
         if int(section["max_pulls"]) < 1:
@@ -357,7 +359,6 @@ class ImageService:
         layers, manifests = self._in_use()
         await self.workers.run(self.layers.sweep, True)
         out = await self._images_call(self.images.gc, layers, manifests)
-        out["freed_bytes"] += await self.workers.run(self.puller.sweep)
         if self.after_gc is not None:
             live = await self.workers.run(self.images.store.all_digests)
             out["vm_templates_removed"] = await self.after_gc(live)

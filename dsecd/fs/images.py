@@ -37,7 +37,7 @@ from pathlib import Path, PurePosixPath
 from .. import imageconfig
 from . import erofs, names, oci
 from .buildcache import BuildCache
-from .store import BlobStore, StoreError, check_digest, unreachable_hint, write_durable
+from .store import BlobStore, ChunkHasher, StoreError, check_digest, unreachable_hint, write_durable
 
 log = logging.getLogger(__name__)
 
@@ -360,12 +360,13 @@ class ImageStore:
         return self.store.temp_path(".erofs")
 
     def store_layer(self, tmp: Path, progress: Progress | None = None,
-                    hold: Callable[[str], None] | None = None) -> dict:
+                    hold: Callable[[str], None] | None = None, chunks: ChunkHasher | None = None) -> dict:
         """Take in a finished EROFS file at layer_temp_path(), stored by digest
-        (and pinned with `hold`): {"digest", "size", "index"}."""
+        (and pinned with `hold`): {"digest", "size", "index"}. `chunks`: its
+        chunk index's hashes, made while it was written (store.ChunkHasher)."""
         try:
             size = tmp.stat().st_size      # of the temp file: the blob may be shared (and collected) later
-            digest, added, index = self.store.ingest_layer(tmp, hold)
+            digest, added, index = self.store.ingest_layer(tmp, hold, chunks)
         except OSError as err:
             tmp.unlink(missing_ok=True)
             raise ImageError("io", f"layer file {tmp}: {err.strerror}") from err

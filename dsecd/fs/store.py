@@ -14,6 +14,7 @@ copy (the second rename replaces identical bytes, or is skipped).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -80,19 +81,47 @@ def file_digest(path: str | Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def digest_and_index(path: str | Path) -> tuple[str, bytes]:
-    """One pass over a layer file: its digest and its chunk index."""
+class ChunkHasher:
+    """The chunk index's hashes of a layer file while it is written front to
+    back (tarerofs.convert_blob): chunks that lie wholly in [INDEX_BLOCK,
+    final) are hashed as `final` grows, read back from the page cache, so
+    that work is done while the layer downloads rather than after it.
+    Chunk 0 (it holds the superblock, written last) and the chunks past
+    `final` are left to digest_and_index."""
+
+    def __init__(self):
+        self.hashes: list[bytes] = []       # of chunks 1, 2, ...
+
+    def advance(self, fd: int, final: int) -> None:
+        """Hash the chunks of `fd` (readable) now wholly below `final`, CHUNK bytes a read."""
+        done = (1 + len(self.hashes)) * INDEX_BLOCK
+        while final - done >= INDEX_BLOCK:
+            want = min(CHUNK, (final - done) // INDEX_BLOCK * INDEX_BLOCK)
+            view = memoryview(os.pread(fd, want, done))
+            if len(view) != want:
+                raise OSError(errno.EIO, f"read back {want} bytes at {done} of a layer being written: "
+                              f"got {len(view)}")
+            self.hashes.extend(hashlib.sha256(view[i:i + INDEX_BLOCK]).digest()
+                               for i in range(0, want, INDEX_BLOCK))
+            done += want
+
+
+def digest_and_index(path: str | Path, known: ChunkHasher | None = None) -> tuple[str, bytes]:
+    """One pass over a layer file: its digest and its chunk index (the
+    hashes of chunks 1..n that `known` has are taken from it)."""
     whole = hashlib.sha256()
+    have = known.hashes if known is not None else []
     hashes = []
     size = 0
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):
             whole.update(chunk)
-            size += len(chunk)
             view = memoryview(chunk)
             # CHUNK is a multiple of INDEX_BLOCK, so only the file's last block is short.
-            hashes.extend(hashlib.sha256(view[i:i + INDEX_BLOCK]).digest()
-                          for i in range(0, len(view), INDEX_BLOCK))
+            for i in range(0, len(view), INDEX_BLOCK):
+                n = (size + i) // INDEX_BLOCK
+                hashes.append(have[n - 1] if 1 <= n <= len(have) else hashlib.sha256(view[i:i + INDEX_BLOCK]).digest())
+            size += len(chunk)
     index = INDEX_HEADER.pack(INDEX_MAGIC, INDEX_BLOCK, 0, size) + b"".join(hashes)
     return "sha256:" + whole.hexdigest(), index
 
@@ -157,12 +186,13 @@ class BlobStore:
         """A fresh path in the store's file system, for a blob being written."""
         return self.tmp / f"{uuid.uuid4().hex}{suffix}"
 
-    def ingest_layer(self, tmp_file: Path, hold: Callable[[str], None] | None = None
-                     ) -> tuple[str, bool, str]:
+    def ingest_layer(self, tmp_file: Path, hold: Callable[[str], None] | None = None,
+                     chunks: ChunkHasher | None = None) -> tuple[str, bool, str]:
         """ingest() for a layer: also stores its chunk index, written before the
-        layer itself. (digest, newly_added, index digest); `hold` as for ingest()."""
+        layer itself. (digest, newly_added, index digest); `hold` as for
+        ingest(); `chunks`: the index's hashes made while the file was written."""
         try:
-            digest, index = digest_and_index(tmp_file)
+            digest, index = digest_and_index(tmp_file, chunks)
         except OSError as err:
             tmp_file.unlink(missing_ok=True)
             raise StoreError("io", f"read layer {tmp_file}: {err.strerror}") from err

@@ -23,6 +23,7 @@ from pathlib import Path
 from .. import native
 from . import oci
 from .erofs import pad_to_pmem
+from .store import ChunkHasher
 
 FEED_CHUNK = 1 << 20
 # Tar members a layer may have: the C writer holds every name and inode
@@ -47,15 +48,35 @@ def _umask() -> int:
     return 0o022
 
 
-def convert_blob(raw, out: Path, what: str, max_entries: int = MAX_ENTRIES) -> tuple[int, str, str]:
+def _check_blob_digest(blob, digest: str | None, what: str) -> None:
+    """TarError when `blob` (an oci._Hashing), read to its end, does not hash
+    to `digest`; nothing when it does, or when its end cannot be read (the
+    caller's error stands)."""
+    if digest is None:
+        return
+    try:
+        blob.drain()
+    except Exception:  # noqa: BLE001 -- any failure to read on leaves the decompressor's error to report
+        return
+    if blob.digest() != digest:
+        raise oci.TarError(f"{what}: the downloaded blob hashes to {blob.digest()}, not to the digest "
+                           "the manifest names; the registry sent other bytes")
+
+
+def convert_blob(raw, out: Path, what: str, max_entries: int = MAX_ENTRIES,
+                 digest: str | None = None, chunks: ChunkHasher | None = None) -> tuple[int, str, str]:
     """Write layer blob `raw` (a reader with read(size)) as the EROFS image
     `out` (a new file, padded for pmem like erofs.build's). Returns (tar
     members, the blob's digest, the uncompressed tar's digest); the caller
     checks them. TarError (its message starting with `what`) for bad
     content, Unserved for a layer to convert the old way; `out` is removed
-    on any failure."""
+    on any failure. With `digest` (the manifest's), a blob that fails to
+    decompress is read to its end first, and one that is not that digest's
+    bytes is said to be that: the cause, where the decompressor's error is
+    its symptom. With `chunks`, the image's chunk-index hashes are made
+    as its data is written (store.ChunkHasher)."""
     umask = _umask()
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)    # read back by `chunks`
     ok = False
     try:
         # The old path's root is a mkdtemp directory (0700) and the
@@ -68,10 +89,13 @@ def convert_blob(raw, out: Path, what: str, max_entries: int = MAX_ENTRIES) -> t
             ended = False
             while not ended and (chunk := tar.read(FEED_CHUNK)):
                 ended = writer.feed(chunk)
+                if chunks is not None:
+                    chunks.advance(fd, writer.final_bytes())
             tar.drain()          # past the archive's end: the diff_id covers every byte
             blob.drain()
             entries = writer.finish()
         except oci.CORRUPT as err:
+            _check_blob_digest(blob, digest, what)
             raise oci.TarError(f"{what} is corrupt or truncated: {err}") from err
         except native.TarErofsError as err:
             if err.errno == errno.EINVAL:

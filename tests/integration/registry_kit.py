@@ -5,9 +5,13 @@ port> with a generated config and a temp storage dir; plain HTTP, htpasswd
 basic auth, or TLS with a test CA made by openssl. Stopped by its pid.
 
 FakeRegistry: a small Python server speaking just enough of the v2 API
-(manifests and blobs, GET and HEAD) for skopeo to pull from it, which can
-lie: serve other bytes than a blob's digest, cut a blob short, slow one
-down; and counts every blob GET.
+(manifests and blobs, GET and HEAD, Range on blobs) for skopeo and
+dsecd.fs.registry to pull from it, which can lie: serve other bytes than a
+blob's digest, cut a blob short (always, or its first K answers), slow one
+down; can ask for bearer tokens from a /token endpoint of its own (tokens
+that expire after N uses), and redirect blob GETs to a second server that
+records whether it was sent an Authorization header; and counts every blob
+GET and Range request.
 """
 
 from __future__ import annotations
@@ -146,8 +150,14 @@ class FakeRegistry:
 
     lie[digest] = bytes     served instead of the blob (wrong content)
     cut.add(digest)         the blob's full Content-Length, half its bytes, then close
+    cut_first[digest] = K   the same, for the blob's first K GETs only (later ones whole)
     slow[digest] = seconds  the blob trickles out over that long
     gets[digest]            blob GETs served
+    ranges[digest]          blob GETs with a Range header (answered 206 + Content-Range)
+    ignore_range = True     Range headers ignored (200 with the whole blob)
+    fail[digest] = [503, 429]  the blob's next GETs answered with these statuses, in turn
+    use_tokens(...)         bearer tokens required (see there)
+    redirect_blobs()        blob GETs answered 307 to a second server (see there)
     """
 
     def __init__(self):
@@ -155,12 +165,23 @@ class FakeRegistry:
         self.blobs: dict[str, bytes] = {}
         self.lie: dict[str, bytes] = {}
         self.cut: set[str] = set()
+        self.cut_first: dict[str, int] = {}
         self.slow: dict[str, float] = {}
         self.gets: Counter[str] = Counter()
+        self.ranges: Counter[str] = Counter()
+        self.ignore_range = False
+        self.fail: dict[str, list[int]] = {}
+        self.tokens: dict[str, int | None] = {}     # token -> uses left (None: no limit)
+        self.token_gets = 0                          # GETs of /token that issued a token
+        self.token_creds: tuple[str, str] | None = None
+        self.token_uses: int | None = None
+        self.token_required = False
+        self.blob_store: BlobStore | None = None
+        self._lock = threading.Lock()
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
         self.host = f"127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
 
     def start(self) -> FakeRegistry:
         self.thread.start()
@@ -169,6 +190,67 @@ class FakeRegistry:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+        if self.blob_store is not None:
+            self.blob_store.stop()
+
+    def use_tokens(self, creds: tuple[str, str] | None = None, uses: int | None = None) -> None:
+        """Every /v2/ request needs `Authorization: Bearer <token>`; without one it
+        gets 401 + `WWW-Authenticate: Bearer realm="http://<host>/token",...`. The
+        /token endpoint issues tokens (to Basic `creds` only, when given), each
+        good for `uses` requests (None: no limit)."""
+        self.token_required, self.token_creds, self.token_uses = True, creds, uses
+
+    def redirect_blobs(self) -> BlobStore:
+        """Blob GETs answered 307 to a second server (another port) serving the
+        same blobs, which records the Authorization header of each GET."""
+        if self.blob_store is None:
+            self.blob_store = BlobStore(self).start()
+        return self.blob_store
+
+    def _issue_token(self, authorization: str | None) -> str | None:
+        if self.token_creds is not None:
+            user, password = self.token_creds
+            want = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+            if authorization != want:
+                return None
+        with self._lock:
+            token = f"t{len(self.tokens)}-{os.urandom(6).hex()}"
+            self.tokens[token] = self.token_uses
+            self.token_gets += 1
+        return token
+
+    def _token_ok(self, authorization: str | None) -> bool:
+        """A valid bearer token, one of its uses taken."""
+        if not authorization or not authorization.startswith("Bearer "):
+            return False
+        token = authorization[len("Bearer "):]
+        with self._lock:
+            if token not in self.tokens:
+                return False
+            left = self.tokens[token]
+            if left is None:
+                return True
+            if left <= 0:
+                return False
+            self.tokens[token] = left - 1
+            return True
+
+    def _take_failure(self, digest: str) -> int | None:
+        """The status this GET of `digest` is to be answered with instead, if any."""
+        with self._lock:
+            statuses = self.fail.get(digest)
+            return statuses.pop(0) if statuses else None
+
+    def _take_cut(self, digest: str) -> bool:
+        """Whether this GET of `digest` is to be cut short."""
+        if digest in self.cut:
+            return True
+        with self._lock:
+            left = self.cut_first.get(digest, 0)
+            if left > 0:
+                self.cut_first[digest] = left - 1
+                return True
+        return False
 
     def put_manifest(self, repo: str, tag: str | None, data: bytes, media_type: str) -> str:
         from image_kit import sha256
@@ -209,10 +291,27 @@ class FakeRegistry:
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 if not head:
-                    self.wfile.write(body)
+                    try:
+                        self.wfile.write(body)
+                    except (BrokenPipeError, ConnectionResetError):    # a client that stopped reading
+                        self.close_connection = True
 
             def _route(self, head: bool):
                 path = self.path.split("?")[0]
+                if path == "/token" and fake.token_required:
+                    token = fake._issue_token(self.headers.get("Authorization"))
+                    if token is None:
+                        return self._send(401, b'{"details":"bad credentials"}', head=head)
+                    return self._send(200, json.dumps({"token": token}).encode(),
+                                      {"Content-Type": "application/json"}, head)
+                if fake.token_required and not fake._token_ok(self.headers.get("Authorization")):
+                    realm = f'Bearer realm="http://{fake.host}/token",service="fake-registry"'
+                    m = re.match(r"^/v2/(.+)/(?:manifests|blobs)/", path)
+                    if m:
+                        realm += f',scope="repository:{m.group(1)}:pull"'
+                    return self._send(401, b'{"errors":[{"code":"UNAUTHORIZED","message":"authentication '
+                                      b'required"}]}', {"Content-Type": "application/json",
+                                                        "WWW-Authenticate": realm}, head)
                 if path in ("/v2/", "/v2"):
                     return self._send(200, b"{}", {"Content-Type": "application/json"}, head)
                 m = re.match(r"^/v2/(.+)/(manifests|blobs)/([^/]+)$", path)
@@ -235,31 +334,104 @@ class FakeRegistry:
                 data = fake.lie.get(ref, fake.blobs[ref])
                 if head:
                     return self._send(200, data, {"Content-Type": "application/octet-stream"}, head=True)
-                fake.gets[ref] += 1
-                self.send_response(200)
-                self.send_header("Content-Type", "application/octet-stream")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                body = data[: len(data) // 2] if ref in fake.cut else data
-                delay = fake.slow.get(ref, 0.0)
-                step = max(1, len(body) // 50) if delay else len(body) or 1
-                try:
-                    for i in range(0, len(body), step):
-                        self.wfile.write(body[i:i + step])
-                        if delay:
-                            self.wfile.flush()
-                            time.sleep(delay / 50)
-                except (BrokenPipeError, ConnectionResetError):
-                    return
-                if ref in fake.cut:
-                    self.close_connection = True
-                    self.wfile.flush()
-                    self.connection.shutdown(socket.SHUT_RDWR)
+                status = fake._take_failure(ref)
+                if status is not None:
+                    fake.gets[ref] += 1
+                    return self._send(status, b'{"errors":[{"code":"UNAVAILABLE"}]}',
+                                      {"Content-Type": "application/json"})
+                if fake.blob_store is not None:
+                    return self._send(307, b"", {"Location": f"http://{fake.blob_store.host}/store/{ref}"})
+                serve_blob(self, fake, ref, data)
 
             def do_GET(self):
                 self._route(False)
 
             def do_HEAD(self):
                 self._route(True)
+
+        return Handler
+
+
+def serve_blob(handler: http.server.BaseHTTPRequestHandler, fake: FakeRegistry, ref: str, data: bytes) -> None:
+    """A blob GET's answer, with FakeRegistry's knobs: Range (206), cut, slow."""
+    fake.gets[ref] += 1
+    start = 0
+    m = re.match(r"^bytes=(\d+)-$", handler.headers.get("Range", ""))
+    if m:
+        fake.ranges[ref] += 1
+        if not fake.ignore_range:
+            start = int(m.group(1))
+    if m and not fake.ignore_range:
+        if start >= len(data):
+            handler.send_response(416)
+            handler.send_header("Content-Range", f"bytes */{len(data)}")
+            handler.send_header("Content-Length", "0")
+            handler.end_headers()
+            return
+        handler.send_response(206)
+        handler.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+    else:
+        handler.send_response(200)
+    data = data[start:]
+    handler.send_header("Content-Type", "application/octet-stream")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    cut = fake._take_cut(ref)
+    body = data[: len(data) // 2] if cut else data
+    delay = fake.slow.get(ref, 0.0)
+    step = max(1, len(body) // 50) if delay else len(body) or 1
+    try:
+        for i in range(0, len(body), step):
+            handler.wfile.write(body[i:i + step])
+            if delay:
+                handler.wfile.flush()
+                time.sleep(delay / 50)
+    except (BrokenPipeError, ConnectionResetError):
+        return
+    if cut:
+        handler.close_connection = True
+        handler.wfile.flush()
+        handler.connection.shutdown(socket.SHUT_RDWR)
+
+
+class BlobStore:
+    """Where FakeRegistry.redirect_blobs() sends blob GETs: the same blobs on
+    another port, GET /store/<digest>. authorization[i] is the Authorization
+    header of its i-th GET (None when absent)."""
+
+    def __init__(self, fake: FakeRegistry):
+        self.fake = fake
+        self.authorization: list[str | None] = []
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server.daemon_threads = True
+        self.host = f"127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+
+    def start(self) -> BlobStore:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def _handler(self):
+        store = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                store.authorization.append(self.headers.get("Authorization"))
+                ref = self.path.split("?")[0].removeprefix("/store/")
+                if ref not in store.fake.blobs:
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                serve_blob(self, store.fake, ref, store.fake.lie.get(ref, store.fake.blobs[ref]))
 
         return Handler

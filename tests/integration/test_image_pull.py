@@ -169,7 +169,7 @@ def test_auth_registry(busybox_rootfs, tmp_path, daemon_factory):
         push(layout, "v1", f"{reg.host}/private/app:v1", *reg.push_args())
         anon = daemon_factory(f'[images]\ninsecure_registries = ["{reg.host}"]\n')
         c = anon.client()
-        with pytest.raises(PermissionDenied, match="unauthorized|authentication"):
+        with pytest.raises(PermissionDenied, match="asks for a user and password; give credentials"):
             c.pull_image(f"{reg.host}/private/app:v1")
         c.close()
         auth = auth_json(tmp_path / "auth.json", reg.host, "tester", "s3cret-pw")
@@ -281,7 +281,7 @@ def test_a_dead_holders_claim_is_broken(busybox_rootfs, tmp_path, daemon_factory
     c.close()
 
 
-def test_a_cancelled_pull_resumes_with_the_blobs_it_completed(busybox_rootfs, tmp_path, daemon_factory, fake):
+def test_a_cancelled_pull_resumes_with_the_layers_it_stored(busybox_rootfs, tmp_path, daemon_factory, fake):
     from dsecd.client import Client
 
     first = rootfs_layer(busybox_rootfs)
@@ -290,16 +290,15 @@ def test_a_cancelled_pull_resumes_with_the_blobs_it_completed(busybox_rootfs, tm
     fake.slow[sha256(slow)] = 30.0
     d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}"]\n')
     ref = f"{fake.host}/resume/app:v1"
+    first_stored = d.state / "store" / "diffids" / sha256(first)[7:]
 
     async def pull_then_cancel():
         async with Client(d.socket) as client:
             task = asyncio.ensure_future(client.pull_image(ref))
             deadline = time.monotonic() + 60
-            while fake.gets[layer_blob(first)] == 0 or not any(
-                    (d.state / "store" / "pulls").glob(f"*/blobs/sha256/{layer_blob(first)[7:]}")):
-                assert time.monotonic() < deadline, "the first layer never completed"
+            while not first_stored.exists():
+                assert time.monotonic() < deadline, "the first layer was never stored"
                 await asyncio.sleep(0.1)
-            await asyncio.sleep(0.5)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
@@ -310,25 +309,37 @@ def test_a_cancelled_pull_resumes_with_the_blobs_it_completed(busybox_rootfs, tm
         c.request("image_inspect", name=ref)                 # nothing published
     fake.slow.clear()
     img = c.pull_image(ref)
-    # The first layer was converted while the second downloaded (reused now), or,
-    # had the cancel come first, its blob waits in the work directory (resumed).
-    assert img["pull"]["reused_layers"] + img["pull"]["resumed_layers"] == 1
-    assert fake.gets[layer_blob(first)] == 1, "the completed blob was downloaded again"
+    assert img["pull"]["reused_layers"] == 1
+    assert fake.gets[layer_blob(first)] == 1, "the stored layer was downloaded again"
     c.close()
 
 
-def test_a_published_pulls_download_is_removed_after_the_answer(busybox_rootfs, tmp_path, daemon_factory, fake):
-    _, desc = fake_image(tmp_path, fake, "done/app", [(rootfs_layer(busybox_rootfs), "gzip"),
-                                                     (_tar_bytes([_file("f", os.urandom(1 << 20))]), "tar")])
+def test_layer_progress_counts_the_bytes_as_they_come(busybox_rootfs, tmp_path, daemon_factory, fake):
+    slow = _tar_bytes([_entry("d", tarfile.DIRTYPE, mode=0o750), _file("d/big.bin", os.urandom(3 << 20)),
+                       _file("d/small.txt", b"small\n"), _entry("d/link", tarfile.SYMTYPE, linkname="small.txt"),
+                       _file("etc/.wh.hostname")])
+    fake_image(tmp_path, fake, "stream/app", [(rootfs_layer(busybox_rootfs), "gzip"), (slow, "gzip")])
+    target = layer_blob(slow, "gzip")
+    fake.slow[target] = 2.0
     d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}"]\n')
     c = d.client()
-    c.pull_image(f"{fake.host}/done/app:v1")
-    pulls = d.state / "store" / "pulls"
-    assert not (pulls / desc["digest"][7:]).exists(), "the work dir is still where a re-pull would resume"
-    deadline = time.monotonic() + 30
-    while [p for p in pulls.iterdir() if p.is_dir()]:
-        assert time.monotonic() < deadline, f"the downloaded blobs were not removed: {list(pulls.iterdir())}"
-        time.sleep(0.1)
+    events = []
+    img = c.pull_image(f"{fake.host}/stream/app:v1", progress=events.append)
+    mine = [e for e in events if e.get("step") == "pull" and e["digest"] == target]
+    size = mine[0]["size"]
+    during = [e["bytes"] for e in mine if e["state"] == "downloading"]
+    assert any(0 < b < size for b in during), f"no progress seen while the layer came: {mine}"
+    assert during == sorted(during), "a layer's bytes went backwards"
+    assert mine[-1]["state"] == "stored" and mine[-1]["bytes"] == size
+    assert img["pull"]["downloaded_bytes"] == sum(e["size"] for e in events
+                                                  if e.get("step") == "pull" and e["state"] == "waiting")
+    sb = c.create(image=img["name"])
+    try:
+        assert sb.exec(["cat", "/d/link"]).stdout == b"small\n"
+        assert sb.exec(["test", "-e", "/etc/hostname"]).exit_code == 1
+    finally:
+        sb.destroy()
+    assert not list((d.state / "scratch").iterdir()) and not pull_mounts(d), "a conversion left its tree"
     c.close()
 
 
@@ -387,7 +398,7 @@ def test_a_layer_too_big_for_the_tmpfs_is_unpacked_on_disk_into_the_same_layer(b
 
 def hostile_cases(busybox: bytes) -> dict:
     return {
-        "wrong_digest": ([(busybox, "gzip")], None, "lie", "(?i)digest did not match"),
+        "wrong_digest": ([(busybox, "gzip")], None, "lie", "not to the digest the manifest names"),
         "truncated_blob": ([(_tar_bytes([_file("f", os.urandom(1 << 20))]), "tar")], None, "cut",
                            "EOF|truncated|unexpected|short|length"),
         "dotdot_entry": ([(_tar_bytes([_file("../escape", b"pwned")]), "gzip")], None, None, "'..'"),
@@ -421,7 +432,7 @@ def test_hostile_registry_fails_clearly_and_leaves_nothing(case, busybox_rootfs,
     elif case == "huge_manifest":
         fake.put_manifest("evil/app", "v1", b'{"schemaVersion": 2, "x": "' + b"a" * (5 << 20) + b'"}',
                           "application/vnd.oci.image.manifest.v1+json")
-        match = "size|bytes|exceed|large"
+        match = "sent more than 4 MiB"
     else:
         layers, patch, knob, match = hostile_cases(rootfs_layer(busybox_rootfs))[case]
         fake_image(tmp_path, fake, "evil/app", layers, patch)
@@ -438,38 +449,11 @@ def test_hostile_registry_fails_clearly_and_leaves_nothing(case, busybox_rootfs,
     c.close()
 
 
-def test_a_layer_converts_while_it_downloads_into_the_layer_a_whole_blob_gives(busybox_rootfs, tmp_path,
-                                                                              daemon_factory, fake):
-    slow = _tar_bytes([_entry("d", tarfile.DIRTYPE, mode=0o750), _file("d/big.bin", os.urandom(3 << 20)),
-                       _file("d/small.txt", b"small\n"), _entry("d/link", tarfile.SYMTYPE, linkname="small.txt"),
-                       _file("etc/.wh.hostname")])
-    fake_image(tmp_path, fake, "stream/app", [(rootfs_layer(busybox_rootfs), "gzip"), (slow, "gzip")])
-    fake.slow[layer_blob(slow)] = 3.0
-    ref = f"{fake.host}/stream/app:v1"
-    layers, pulls = {}, {}
-    # pull_tmpfs "0" converts from complete blobs only, on the scratch disk.
-    for cap in ("1G", "0"):
-        d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}"]\npull_tmpfs = "{cap}"\n')
-        c = d.client()
-        img = c.pull_image(ref)
-        layers[cap], pulls[cap] = [layer["digest"] for layer in img["layers"]], img["pull"]
-        sb = c.create(image=img["name"])
-        try:
-            assert sb.exec(["cat", "/d/link"]).stdout == b"small\n"
-            assert sb.exec(["test", "-e", "/etc/hostname"]).exit_code == 1
-        finally:
-            sb.destroy()
-        assert not list((d.state / "scratch").iterdir()) and not pull_mounts(d), "a conversion left its tree"
-        c.close()
-    assert pulls["1G"]["streamed_layers"] >= 1 and pulls["0"]["streamed_layers"] == 0
-    assert layers["1G"] == layers["0"], "a layer converted while downloading differs from its blob's"
-
-
 @pytest.mark.parametrize("case", ["wrong_digest", "truncated_blob", "dotdot_entry"])
 def test_a_bad_layer_found_while_it_downloads_fails_the_pull_and_leaves_nothing(case, busybox_rootfs, tmp_path,
                                                                                 daemon_factory, fake):
-    # The bad blob trickles in, so its temp file is converting when the
-    # download finds it wrong (skopeo: digest, length) or the unpack does ('..').
+    # The bad blob trickles in, so its conversion is under way when the end of
+    # the stream shows it wrong (digest, length) or the tar parse does ('..').
     d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}"]\n')
     c = d.client()
     before = store_blobs(d)
@@ -485,7 +469,5 @@ def test_a_bad_layer_found_while_it_downloads_fails_the_pull_and_leaves_nothing(
         fake.cut.add(target)
     with pytest.raises(DsecError, match=match):
         c.pull_image(ref)
-    if case == "dotdot_entry":      # refused while downloading, then again from the whole blob
-        assert "while it downloaded failed" in d.log.read_text()
     assert_a_failed_pull_left_nothing(c, d, ref, before)
     c.close()

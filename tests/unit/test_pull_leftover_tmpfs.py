@@ -1,5 +1,6 @@
 """A conversion tmpfs left mounted in the scratch directory by a killed
-daemon is unmounted and removed when the next one starts (fs/pull.py)."""
+daemon is unmounted and removed when the next one starts, and so is a
+blob file it fetched for unpack-and-mkfs (fs/pull.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import pytest
 
 from dsecd import native
 from dsecd.fs.images import ImageStore
-from dsecd.fs.pull import MEM_PREFIX, Puller, PullSettings
-from dsecd.fs.skopeo import RegistryConfig, Skopeo
+from dsecd.fs.pull import BLOB_PREFIX, MEM_PREFIX, Puller, PullSettings
+from dsecd.fs.registry import RegistryConfig
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
 
-def test_a_leftover_conversion_tmpfs_is_unmounted_at_start(tmp_path):
+def test_a_leftover_conversion_tmpfs_and_blob_file_are_removed_at_start(tmp_path):
     images = ImageStore(tmp_path / "store", tmp_path / "scratch")
     left = images.scratch / f"{MEM_PREFIX}killed"
     left.mkdir()
@@ -28,8 +29,11 @@ def test_a_leftover_conversion_tmpfs_is_unmounted_at_start(tmp_path):
         (left / "file").write_bytes(b"x" * 4096)
         other = images.scratch / "unpack-keep"
         other.mkdir()
-        Puller(images, Skopeo(RegistryConfig()), PullSettings())
+        blob = images.scratch / f"{BLOB_PREFIX}killed"
+        blob.write_bytes(b"half a blob")
+        Puller(images, RegistryConfig(), PullSettings())
         assert not os.path.ismount(left) and not left.exists()
+        assert not blob.exists(), "the killed pull's blob file is left"
         assert other.is_dir(), "a directory not of a conversion was removed"
     finally:
         if os.path.ismount(left):

@@ -7,7 +7,15 @@ import time
 
 import pytest
 
-from dsecd.fs.store import CHUNK, INDEX_BLOCK, BlobStore, StoreError, check_index, digest_and_index
+from dsecd.fs.store import (
+    CHUNK,
+    INDEX_BLOCK,
+    BlobStore,
+    ChunkHasher,
+    StoreError,
+    check_index,
+    digest_and_index,
+)
 
 
 def test_copy_out_copies_the_blob(tmp_path):
@@ -60,6 +68,27 @@ def test_chunk_index_has_one_hash_per_block(tmp_path, size):
     for i in range(0, size, INDEX_BLOCK):
         k = i // INDEX_BLOCK
         assert hashes[32 * k:32 * k + 32] == hashlib.sha256(data[i:i + INDEX_BLOCK]).digest()
+
+
+@pytest.mark.parametrize("steps", [[0], [INDEX_BLOCK + 5], [3 * INDEX_BLOCK, 3 * INDEX_BLOCK + 7, CHUNK + INDEX_BLOCK],
+                                   [CHUNK * 2 + 3 * INDEX_BLOCK]])
+def test_chunk_hashes_made_while_written_give_the_same_index(tmp_path, steps):
+    # The file as a writer leaves it: chunk 0 (block 0, the superblock) is
+    # written last, so what was hashed before must not include it.
+    size = CHUNK * 2 + 3 * INDEX_BLOCK + 100
+    data = os.urandom(size)
+    path = tmp_path / "layer"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, data[INDEX_BLOCK:], INDEX_BLOCK)
+        chunks = ChunkHasher()
+        for final in steps:
+            chunks.advance(fd, final)
+        assert len(chunks.hashes) == max(0, max(steps) // INDEX_BLOCK - 1)
+        os.pwrite(fd, data[:INDEX_BLOCK], 0)
+    finally:
+        os.close(fd)
+    assert digest_and_index(path, chunks) == digest_and_index(path)
 
 
 def test_check_index_refuses_damaged_or_foreign_indexes(tmp_path):

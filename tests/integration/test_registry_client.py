@@ -1,0 +1,328 @@
+"""The registry client (dsecd/fs/registry.py) against Debian's docker-registry
+(plain HTTP, htpasswd basic auth, TLS with a test CA) and against
+FakeRegistry (bearer tokens and their expiry, redirects to blob storage,
+Range resumption, truncated blobs, huge manifests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+from image_kit import Layout, layer_of, push, sha256
+from registry_kit import FakeRegistry, Registry, auth_json, free_port, missing_tools
+
+from dsecd.fs import registry as rc
+from dsecd.fs.registry import MAX_METADATA_BYTES, RegistryConfig, RegistryError
+from dsecd.fs.registry import Registry as Client
+
+pytestmark = pytest.mark.skipif(missing_tools() is not None, reason=missing_tools() or "")
+
+PASSWORD = "pw-Zq8-never-shown"
+REPO = "test/app"
+
+
+@pytest.fixture(autouse=True)
+def quick_backoff(monkeypatch):
+    monkeypatch.setattr(rc, "BACKOFF_S", 0.01)
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    """An OCI layout with one image (a gzip layer, a 3 MiB plain layer): (layout, manifest desc, manifest)."""
+    layout = Layout(tmp_path_factory.mktemp("layout"))
+    big = layer_of({"data/random": os.urandom(3 << 20)})
+    desc = layout.image([(layer_of({"a.txt": b"a\n"}), "gzip"), (big, "tar")], {"Env": ["A=1"]})
+    layout.tag("v1", desc)
+    manifest = json.loads((layout.root / "blobs" / "sha256" / desc["digest"][7:]).read_bytes())
+    return layout, desc, manifest
+
+
+def blob_bytes(layout: Layout, digest: str) -> bytes:
+    return (layout.root / "blobs" / "sha256" / digest[7:]).read_bytes()
+
+
+def read_all(stream, piece: int = 1 << 20) -> bytes:
+    out = bytearray()
+    while data := stream.read(piece):
+        out += data
+    return bytes(out)
+
+
+def pull_all(client: Client, image) -> None:
+    """Manifest by tag and by digest, config, and every layer streamed: each the bytes pushed."""
+    layout, desc, manifest = image
+    data = client.manifest("v1")
+    assert sha256(data) == desc["digest"]
+    assert client.manifest(desc["digest"]) == data
+    assert client.blob(manifest["config"]["digest"]) == blob_bytes(layout, manifest["config"]["digest"])
+    for layer in manifest["layers"]:
+        with client.open_blob(layer["digest"], layer["size"]) as stream:
+            assert read_all(stream) == blob_bytes(layout, layer["digest"])
+            assert stream.bytes_read == layer["size"]
+            assert stream.read(1 << 20) == b""
+
+
+# ---------------------------------------------------------------- docker-registry
+
+
+@pytest.fixture(scope="module")
+def plain(image, tmp_path_factory):
+    reg = Registry(tmp_path_factory.mktemp("plain")).start()
+    try:
+        push(image[0], "v1", f"{reg.host}/{REPO}:v1")
+        yield reg
+    finally:
+        reg.stop()
+
+
+@pytest.fixture(scope="module")
+def basic(image, tmp_path_factory):
+    reg = Registry(tmp_path_factory.mktemp("basic"), auth=("alice", PASSWORD)).start()
+    try:
+        push(image[0], "v1", f"{reg.host}/{REPO}:v1", *reg.push_args())
+        yield reg
+    finally:
+        reg.stop()
+
+
+@pytest.fixture(scope="module")
+def tls(image, tmp_path_factory):
+    reg = Registry(tmp_path_factory.mktemp("tls"), tls=True).start()
+    try:
+        push(image[0], "v1", f"{reg.host}/{REPO}:v1", *reg.push_args())
+        yield reg
+    finally:
+        reg.stop()
+
+
+def test_plain_http_registry_listed_as_insecure(plain, image):
+    with Client(RegistryConfig(insecure=(plain.host,)), plain.host, REPO) as client:
+        pull_all(client, image)
+        assert client._scheme == "http"
+
+
+def test_not_found_names_the_registry_code_and_the_default_registry(plain, image):
+    manifest = image[2]
+    cfg = RegistryConfig(insecure=(plain.host,))
+    cases = [(REPO, lambda c: c.manifest("nope"), "MANIFEST_UNKNOWN", f"{plain.host}/{REPO}:nope"),
+             # distribution answers MANIFEST_UNKNOWN, not NAME_UNKNOWN, for a repository it never had
+             ("test/other", lambda c: c.manifest("v1"), "MANIFEST_UNKNOWN", f"{plain.host}/test/other:v1"),
+             (REPO, lambda c: c.blob("sha256:" + "0" * 64), "BLOB_UNKNOWN", "sha256:" + "0" * 64)]
+    for repo, call, code, named in cases:
+        with Client(cfg, plain.host, repo) as client, pytest.raises(RegistryError) as e:
+            call(client)
+        assert e.value.code == "not_found", str(e.value)
+        assert code in str(e.value) and named in str(e.value) and "images.default_registry" in str(e.value)
+    with Client(cfg, plain.host, REPO) as client:             # the layers are there all the same
+        assert client.blob(manifest["config"]["digest"])
+
+
+def test_https_to_a_plain_http_registry_advises_insecure_registries(plain):
+    with Client(RegistryConfig(retry_times=0), plain.host, REPO) as client, pytest.raises(RegistryError) as e:
+        client.manifest("v1")
+    assert e.value.code == "io"
+    assert "images.insecure_registries" in str(e.value) and f"{plain.host}/{REPO}:v1" in str(e.value)
+
+
+def test_connection_refused_names_the_host():
+    host = f"127.0.0.1:{free_port()}"
+    with Client(RegistryConfig(retry_times=1, insecure=(host,)), host, REPO) as client:
+        with pytest.raises(RegistryError) as e:
+            client.manifest("v1")
+    assert e.value.code == "io"
+    assert f"cannot reach {host}" in str(e.value) and "refused" in str(e.value).lower()
+
+
+def test_basic_auth_from_auth_json(basic, image, tmp_path):
+    auth = auth_json(tmp_path / "auth.json", basic.host, "alice", PASSWORD)
+    with Client(RegistryConfig(auth_file=str(auth), insecure=(basic.host,)), basic.host, REPO) as client:
+        pull_all(client, image)
+
+
+@pytest.mark.parametrize("creds", [None, ("alice", "wrong-" + PASSWORD)])
+def test_basic_auth_refused_is_permission_without_the_password(basic, tmp_path, creds):
+    auth = str(auth_json(tmp_path / "auth.json", basic.host, *creds)) if creds else ""
+    with Client(RegistryConfig(auth_file=auth, insecure=(basic.host,)), basic.host, REPO) as client:
+        with pytest.raises(RegistryError) as e:
+            client.manifest("v1")
+    assert e.value.code == "permission"
+    assert "images.auth_file" in str(e.value) and f"{basic.host}/{REPO}:v1" in str(e.value)
+    assert PASSWORD not in str(e.value)
+
+
+def test_tls_with_the_ca_in_certs_dir(tls, image, tmp_path):
+    d = tmp_path / "certs" / tls.host
+    d.mkdir(parents=True)
+    shutil.copy(tls.ca, d / "ca.crt")
+    with Client(RegistryConfig(certs_dir=str(tmp_path / "certs")), tls.host, REPO) as client:
+        pull_all(client, image)
+        assert client._scheme == "https"
+
+
+def test_tls_without_its_ca_advises_certs_dir(tls, tmp_path):
+    with Client(RegistryConfig(retry_times=0), tls.host, REPO) as client, pytest.raises(RegistryError) as e:
+        client.manifest("v1")
+    assert e.value.code == "io"
+    assert "images.certs_dir/<host[:port]>/" in str(e.value) and f"{tls.host}/{REPO}:v1" in str(e.value)
+
+
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
+def test_insecure_tls_registry_stays_on_unverified_https(tls, image):
+    with Client(RegistryConfig(insecure=(tls.host,)), tls.host, REPO) as client:
+        pull_all(client, image)
+        assert client._scheme == "https"
+
+
+# ---------------------------------------------------------------- FakeRegistry
+
+
+@pytest.fixture
+def fake(image):
+    layout, desc, _ = image
+    f = FakeRegistry().start()
+    try:
+        f.put_layout(REPO, "v1", layout, desc)
+        yield f
+    finally:
+        f.stop()
+
+
+@pytest.fixture
+def big_layer(image):
+    layer = image[2]["layers"][1]
+    return layer["digest"], layer["size"], blob_bytes(image[0], layer["digest"])
+
+
+def fake_client(fake: FakeRegistry, tmp_path: Path, creds: tuple[str, str] | None = None, **kw) -> Client:
+    auth = str(auth_json(tmp_path / "auth.json", fake.host, *creds)) if creds else ""
+    return Client(RegistryConfig(auth_file=auth, insecure=(fake.host,), **kw), fake.host, REPO)
+
+
+def test_bearer_token_fetched_once_for_all_threads(fake, image, tmp_path):
+    fake.use_tokens(creds=("bob", PASSWORD))
+    with fake_client(fake, tmp_path, ("bob", PASSWORD)) as client:
+        digest = image[2]["layers"][1]["digest"]
+        size = image[2]["layers"][1]["size"]
+        results, errors = [], []
+
+        def one():
+            try:
+                with client.open_blob(digest, size) as stream:
+                    results.append(read_all(stream))
+            except Exception as e:      # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=one) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not errors, errors
+        assert len(results) == 6 and all(r == blob_bytes(image[0], digest) for r in results)
+        pull_all(client, image)
+    assert fake.token_gets == 1
+
+
+def test_bearer_token_refused_is_permission(fake, tmp_path):
+    fake.use_tokens(creds=("bob", PASSWORD))
+    with fake_client(fake, tmp_path, ("bob", "wrong-" + PASSWORD)) as client, pytest.raises(RegistryError) as e:
+        client.manifest("v1")
+    assert e.value.code == "permission" and "images.auth_file" in str(e.value)
+    assert PASSWORD not in str(e.value)
+
+
+def test_expired_token_is_fetched_again(fake, image, tmp_path):
+    fake.use_tokens(uses=2)
+    with fake_client(fake, tmp_path) as client:
+        for _ in range(3):
+            assert sha256(client.manifest("v1")) == image[1]["digest"]
+    # the first request anonymous; tokens 1 and 2 serve two requests each
+    assert fake.token_gets == 2
+
+
+def test_redirect_to_blob_storage_without_authorization(fake, image, tmp_path, big_layer):
+    fake.use_tokens()
+    store = fake.redirect_blobs()
+    digest, size, data = big_layer
+    with fake_client(fake, tmp_path) as client:
+        with client.open_blob(digest, size) as stream:
+            assert read_all(stream) == data
+        assert client.blob(image[2]["config"]["digest"]) == blob_bytes(image[0], image[2]["config"]["digest"])
+    assert len(store.authorization) == 2
+    assert store.authorization == [None, None], "the registry's token went to another host"
+
+
+@pytest.mark.parametrize("ignore_range", [False, True])
+def test_dropped_blob_resumes_from_where_it_stopped(fake, tmp_path, big_layer, ignore_range):
+    digest, size, data = big_layer
+    fake.cut_first[digest] = 1
+    fake.ignore_range = ignore_range
+    with fake_client(fake, tmp_path) as client, client.open_blob(digest, size) as stream:
+        assert read_all(stream) == data
+    assert fake.gets[digest] == 2 and fake.ranges[digest] == 1
+
+
+def test_blob_cut_every_time_is_truncated_after_the_retries(fake, tmp_path, big_layer):
+    digest, size, _ = big_layer
+    fake.cut.add(digest)
+    with fake_client(fake, tmp_path, retry_times=2) as client, client.open_blob(digest, size) as stream:
+        with pytest.raises(RegistryError) as e:
+            read_all(stream)
+    assert e.value.code == "io"
+    assert f"truncated: got {stream.bytes_read} of {size} bytes" in str(e.value)
+    assert digest in str(e.value) and f"{fake.host}/{REPO}" in str(e.value)
+    assert fake.gets[digest] == 3 and fake.ranges[digest] == 2
+
+
+def test_blob_longer_than_its_descriptor_is_refused(fake, tmp_path, big_layer):
+    digest, size, _ = big_layer
+    with fake_client(fake, tmp_path) as client, pytest.raises(RegistryError) as e:
+        client.open_blob(digest, size - 10)
+    assert e.value.code == "io" and f"more than the {size - 10} bytes" in str(e.value)
+
+
+def test_huge_manifest_and_config_are_refused(fake, tmp_path):
+    fake.put_manifest(REPO, "huge", b" " * (MAX_METADATA_BYTES + 1), rc.OCI_MANIFEST)
+    fake.put_manifest(REPO, "fits", b" " * MAX_METADATA_BYTES, rc.OCI_MANIFEST)
+    big = b"x" * 100
+    fake.blobs[sha256(big)] = big
+    with fake_client(fake, tmp_path) as client:
+        assert len(client.manifest("fits")) == MAX_METADATA_BYTES
+        with pytest.raises(RegistryError) as e:
+            client.manifest("huge")
+        assert e.value.code == "io" and "sent more than 4 MiB" in str(e.value) and ":huge" in str(e.value)
+        with pytest.raises(RegistryError) as e:
+            client.blob(sha256(big), limit=99)
+        assert e.value.code == "io" and "more than 99 bytes" in str(e.value)
+        assert client.blob(sha256(big), limit=100) == big
+
+
+def test_fake_404_codes(fake, tmp_path):
+    with fake_client(fake, tmp_path) as client:
+        for call, code in ((lambda: client.manifest("nope"), "MANIFEST_UNKNOWN"),
+                           (lambda: client.open_blob("sha256:" + "1" * 64, 5), "BLOB_UNKNOWN")):
+            with pytest.raises(RegistryError) as e:
+                call()
+            assert e.value.code == "not_found" and code in str(e.value)
+
+
+def test_5xx_and_429_are_retried(fake, tmp_path, big_layer):
+    digest, size, data = big_layer
+    fake.fail[digest] = [503, 429]
+    with fake_client(fake, tmp_path, retry_times=2) as client, client.open_blob(digest, size) as stream:
+        assert read_all(stream) == data
+    assert fake.gets[digest] == 3
+
+
+@pytest.mark.parametrize("status, code", [(429, "busy"), (502, "io")])
+def test_answers_still_failing_after_the_retries(fake, tmp_path, big_layer, status, code):
+    digest, size, _ = big_layer
+    fake.fail[digest] = [status] * 3
+    with fake_client(fake, tmp_path, retry_times=2) as client, pytest.raises(RegistryError) as e:
+        client.open_blob(digest, size)
+    assert e.value.code == code and str(status) in str(e.value) and digest in str(e.value)
+    assert fake.gets[digest] == 3

@@ -1,0 +1,168 @@
+"""The registry client's pure parts (dsecd/fs/registry.py): WWW-Authenticate
+challenges, auth.json lookups (docker.io's several keys), the TLS files of a
+certs dir, and error messages that never carry a password."""
+
+import base64
+import json
+import ssl
+import tomllib
+from importlib import resources
+
+import pytest
+
+from dsecd.fs import registry as rc
+
+SECRET = "s3cr3t-Pa55"
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+@pytest.mark.parametrize("header, scheme, params", [
+    ('Bearer realm="https://auth.docker.io/token",service="registry.docker.io",'
+     'scope="repository:library/python:pull"',
+     "bearer", {"realm": "https://auth.docker.io/token", "service": "registry.docker.io",
+                "scope": "repository:library/python:pull"}),
+    ('Bearer realm="https://ghcr.io/token", service="ghcr.io", scope="repository:a/b:pull,push"',
+     "bearer", {"realm": "https://ghcr.io/token", "service": "ghcr.io", "scope": "repository:a/b:pull,push"}),
+    ('Basic realm="dsecd-test"', "basic", {"realm": "dsecd-test"}),
+    ("basic realm=plain,charset=UTF-8", "basic", {"realm": "plain", "charset": "UTF-8"}),
+    ('Bearer realm="http://h/t?a=1",error="invalid_token",x="a \\"quoted\\" word"',
+     "bearer", {"realm": "http://h/t?a=1", "error": "invalid_token", "x": 'a "quoted" word'}),
+    ("", "", {}),
+])
+def test_parse_challenge(header, scheme, params):
+    assert rc.parse_challenge(header) == (scheme, params)
+
+
+def test_api_host_of_docker_hub():
+    assert rc.api_host("docker.io") == "registry-1.docker.io"
+    assert rc.api_host("index.docker.io") == "registry-1.docker.io"
+    assert rc.api_host("ghcr.io") == "ghcr.io"
+    assert rc.api_host("127.0.0.1:5000") == "127.0.0.1:5000"
+
+
+@pytest.mark.parametrize("key", ["https://index.docker.io/v1/", "index.docker.io", "registry-1.docker.io",
+                                 "docker.io"])
+def test_docker_hub_credentials_under_any_of_its_keys(key):
+    auths = {"ghcr.io": {"auth": b64("other:x")}, key: {"auth": b64(f"me:{SECRET}")}}
+    assert rc.lookup_credentials(auths, "docker.io") == ("me", SECRET)
+
+
+def test_credentials_by_host_and_port_and_username_keys():
+    auths = {"127.0.0.1:5000": {"auth": b64("a:b:c")},           # a password may hold ':'
+             "https://reg.example.com": {"username": "u", "password": "p"},
+             "127.0.0.1": {"auth": b64("wrong:port")}}
+    assert rc.lookup_credentials(auths, "127.0.0.1:5000") == ("a", "b:c")
+    assert rc.lookup_credentials(auths, "reg.example.com") == ("u", "p")
+    assert rc.lookup_credentials(auths, "127.0.0.1:5001") is None
+    assert rc.lookup_credentials(auths, "docker.io") is None
+
+
+def test_malformed_auth_entry_names_the_registry_not_the_value():
+    bad = b64(f"no-colon-{SECRET}")
+    with pytest.raises(ValueError) as e:
+        rc.lookup_credentials({"h:1": {"auth": bad}}, "h:1")
+    assert "h:1" in str(e.value) and SECRET not in str(e.value) and bad not in str(e.value)
+    with pytest.raises(ValueError):
+        rc.lookup_credentials({"h:1": {"auth": "!!not base64!!"}}, "h:1")
+
+
+def test_auth_file_unreadable_or_malformed_is_a_bad_request(tmp_path):
+    missing = tmp_path / "nope.json"
+    with pytest.raises(rc.RegistryError) as e:
+        rc.read_credentials(str(missing), "h:1")
+    assert e.value.code == "bad_request"
+    assert str(missing) in str(e.value) and "fix the path" in str(e.value)
+    junk = tmp_path / "junk.json"
+    junk.write_text(f"{{ {SECRET}")
+    with pytest.raises(rc.RegistryError) as e:
+        rc.read_credentials(str(junk), "h:1")
+    assert e.value.code == "bad_request" and SECRET not in str(e.value)
+    assert rc.read_credentials("", "h:1") is None
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    assert rc.read_credentials(str(empty), "h:1") is None
+
+
+def test_tls_files_of_a_certs_dir(tmp_path):
+    d = tmp_path / "certs" / "reg.example.com:5443"
+    d.mkdir(parents=True)
+    for name in ("b.crt", "a.crt", "client.cert", "client.key", "notes.txt"):
+        (d / name).write_text("x")
+    cas, pairs = rc.tls_files(str(tmp_path / "certs"), "reg.example.com:5443")
+    assert [p.name for p in cas] == ["a.crt", "b.crt"]
+    assert [(c.name, k.name) for c, k in pairs] == [("client.cert", "client.key")]
+    assert rc.tls_files(str(tmp_path / "certs"), "other.example.com") == ([], [])
+    assert rc.tls_files("", "reg.example.com:5443") == ([], [])
+    (d / "lonely.cert").write_text("x")
+    with pytest.raises(rc.RegistryError) as e:
+        rc.tls_files(str(tmp_path / "certs"), "reg.example.com:5443")
+    assert e.value.code == "bad_request" and "lonely.key" in str(e.value)
+
+
+def test_unloadable_ca_is_a_bad_request_naming_the_dir(tmp_path):
+    d = tmp_path / "reg:1"
+    d.mkdir()
+    (d / "ca.crt").write_text("not a certificate")
+    with pytest.raises(rc.RegistryError) as e:
+        rc.ssl_context(rc.RegistryConfig(certs_dir=str(tmp_path)), "reg:1", False)
+    assert e.value.code == "bad_request" and str(d) in str(e.value)
+
+
+def test_ssl_context_verifies_unless_insecure():
+    cfg = rc.RegistryConfig()
+    ctx = rc.ssl_context(cfg, "reg:1", False)
+    assert ctx.verify_mode == ssl.CERT_REQUIRED
+    ctx = rc.ssl_context(cfg, "reg:1", True)
+    assert ctx.verify_mode == ssl.CERT_NONE and not ctx.check_hostname
+
+
+def test_config_from_the_default_images_section():
+    section = tomllib.loads(resources.files("dsecd").joinpath("default.toml").read_text())["images"]
+    cfg = rc.RegistryConfig.from_section(section)
+    assert cfg == rc.RegistryConfig(retry_times=section["pull_retries"])
+    cfg = rc.RegistryConfig.from_section({**section, "insecure_registries": ["h:1"], "auth_file": "/a.json"})
+    assert cfg.insecure == ("h:1",) and cfg.auth_file == "/a.json"
+
+
+@pytest.fixture
+def reg_with_password(tmp_path):
+    auth = tmp_path / "auth.json"
+    auth.write_text(json.dumps({"auths": {"reg.example.com": {"auth": b64(f"me:{SECRET}")}}}))
+    reg = rc.Registry(rc.RegistryConfig(auth_file=str(auth)), "reg.example.com", "team/app")
+    yield reg
+    reg.close()
+
+
+@pytest.mark.parametrize("status, body, code", [
+    (401, b'{"errors":[{"code":"UNAUTHORIZED"}]}', "permission"),
+    (403, b'{"errors":[{"code":"DENIED"}]}', "permission"),
+    (404, b'{"errors":[{"code":"MANIFEST_UNKNOWN","message":"manifest unknown"}]}', "not_found"),
+    (429, b"", "busy"),
+    (500, b"oops", "io"),
+])
+def test_status_errors_say_what_and_what_to_do_without_the_password(reg_with_password, status, body, code):
+    err = reg_with_password._status_error(status, body, "fetch the manifest of reg.example.com/team/app:v1")
+    assert err.code == code
+    text = str(err)
+    assert "reg.example.com/team/app:v1" in text and str(status) in text
+    assert SECRET not in text and b64(f"me:{SECRET}") not in text
+    if code == "permission":
+        assert "images.auth_file" in text
+    if code == "not_found":
+        assert "MANIFEST_UNKNOWN" in text and "images.default_registry" in text
+
+
+def test_registry_repr_and_state_never_show_the_password(reg_with_password):
+    assert SECRET not in repr(reg_with_password) and SECRET not in str(reg_with_password)
+
+
+@pytest.mark.parametrize("reason, advice", [
+    ("[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: self-signed certificate in certificate chain",
+     "images.certs_dir/<host[:port]>/"),
+    ("[SSL: WRONG_VERSION_NUMBER] wrong version number (_ssl.c:992)", "images.insecure_registries"),
+])
+def test_tls_advice(reason, advice):
+    assert advice in rc._tls_advice(reason)
