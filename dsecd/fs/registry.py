@@ -594,7 +594,7 @@ class BlobStream:
                                     f"{start if resp.status == 206 else 0}, more than the {self.size} bytes of "
                                     "the blob's descriptor")
         except BaseException:
-            resp.release_conn()
+            resp.close()                       # its body unread: not back into the pool
             raise
         self._resp = resp
 
