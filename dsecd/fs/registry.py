@@ -351,8 +351,10 @@ class Registry:
     def _send(self, path: str, headers: dict[str, str], auth: str | None, what: str,
               attempt: int) -> urllib3.HTTPResponse | None:
         """One request (redirects followed); None after a connection error worth retrying.
-        An insecure registry is tried over HTTPS first, then, if TLS fails, over
-        plain HTTP; the scheme that answered is kept for the later requests."""
+        An insecure registry is tried over HTTPS first, then, if that attempt
+        fails in any way short of an answer (refused, timed out, TLS or protocol
+        error, as docker and skopeo do), over plain HTTP; the scheme that answered
+        is kept for the later requests."""
         hdrs = dict(headers)
         if auth:
             hdrs["Authorization"] = auth
@@ -364,10 +366,10 @@ class Registry:
                     self._scheme = "https"
                     return resp
                 except MaxRetryError as e:
-                    if not isinstance(e.reason, (SSLError, ProtocolError)):
+                    if isinstance(e.reason, ResponseError):     # too many redirects: an answer all the same
                         raise
-                    log.info("%s: no TLS with %s (%s); trying plain HTTP (it is in images.insecure_registries)",
-                             what, self.host, _describe(e))
+                    log.info("%s: no HTTPS with %s (%s); trying plain HTTP (it is in "
+                             "images.insecure_registries)", what, self.host, _describe(e))
                 resp = self._request(self._url("http", path), hdrs)
                 self._scheme = "http"
                 return resp

@@ -3,12 +3,21 @@ challenges, auth.json lookups (docker.io's several keys), the TLS files of a
 certs dir, and error messages that never carry a password."""
 
 import base64
+import io
 import json
 import ssl
 import tomllib
 from importlib import resources
 
 import pytest
+import urllib3
+from urllib3.exceptions import (
+    ConnectTimeoutError,
+    MaxRetryError,
+    NewConnectionError,
+    ProtocolError,
+    SSLError,
+)
 
 from dsecd.fs import registry as rc
 
@@ -166,3 +175,87 @@ def test_registry_repr_and_state_never_show_the_password(reg_with_password):
 ])
 def test_tls_advice(reason, advice):
     assert advice in rc._tls_advice(reason)
+
+
+# ---------------------------------------------------------------- through a stubbed transport
+
+
+def answer(status: int, body: bytes = b"", headers: dict | None = None) -> urllib3.HTTPResponse:
+    return urllib3.HTTPResponse(body=io.BytesIO(body), status=status, preload_content=False,
+                                headers={"Content-Length": str(len(body)), **(headers or {})})
+
+
+class Transport:
+    """Stands in for Registry._http.request: `serve(url, headers)` answers each
+    GET (an HTTPResponse) or raises what urllib3 would; every call recorded."""
+
+    def __init__(self, serve):
+        self.serve = serve
+        self.calls: list[tuple[str, dict]] = []
+
+    def request(self, method, url, headers=None, **kw):
+        self.calls.append((url, dict(headers or {})))
+        return self.serve(url, dict(headers or {}))
+
+
+def stubbed(monkeypatch, reg: rc.Registry, serve) -> Transport:
+    transport = Transport(serve)
+    monkeypatch.setattr(reg._http, "request", transport.request)
+    monkeypatch.setattr(rc, "BACKOFF_S", 0.0)
+    return transport
+
+
+def unreachable(url: str, reason: Exception) -> MaxRetryError:
+    return MaxRetryError(None, url, reason)
+
+
+HTTPS_FAILURES = {
+    "refused": NewConnectionError(None, "Failed to establish a new connection: [Errno 111] Connection refused"),
+    "connect timeout": ConnectTimeoutError(None, "Connection to registry.lab timed out. (connect timeout=60)"),
+    "tls": SSLError("[SSL: WRONG_VERSION_NUMBER] wrong version number"),
+    "protocol": ProtocolError("Connection aborted.", ConnectionResetError(104, "Connection reset by peer")),
+}
+
+
+@pytest.mark.parametrize("failure", sorted(HTTPS_FAILURES))
+def test_insecure_registry_falls_back_to_http_on_any_https_failure(monkeypatch, failure):
+    manifest = b'{"schemaVersion":2}'
+
+    def serve(url, headers):
+        if url.startswith("https://"):
+            raise unreachable(url, HTTPS_FAILURES[failure])
+        return answer(200, manifest, {"Content-Type": rc.OCI_MANIFEST})
+
+    with rc.Registry(rc.RegistryConfig(insecure=("registry.lab",), retry_times=0), "registry.lab", "a/b") as reg:
+        transport = stubbed(monkeypatch, reg, serve)
+        assert reg.manifest("v1") == manifest
+        assert reg._scheme == "http"
+        assert reg.manifest("v1") == manifest          # the scheme that answered is kept
+    assert [url for url, _ in transport.calls] == ["https://registry.lab/v2/a/b/manifests/v1",
+                                                   "http://registry.lab/v2/a/b/manifests/v1",
+                                                   "http://registry.lab/v2/a/b/manifests/v1"]
+
+
+def test_secure_registry_never_falls_back_to_http(monkeypatch):
+    def serve(url, headers):
+        raise unreachable(url, HTTPS_FAILURES["refused"])
+
+    with rc.Registry(rc.RegistryConfig(retry_times=1), "registry.lab", "a/b") as reg:
+        transport = stubbed(monkeypatch, reg, serve)
+        with pytest.raises(rc.RegistryError) as e:
+            reg.manifest("v1")
+    assert e.value.code == "io" and "cannot reach registry.lab" in str(e.value)
+    assert all(url.startswith("https://") for url, _ in transport.calls) and len(transport.calls) == 2
+
+
+def test_insecure_registry_unreachable_both_ways_is_retried_then_an_error(monkeypatch):
+    def serve(url, headers):
+        raise unreachable(url, HTTPS_FAILURES["refused"])
+
+    with rc.Registry(rc.RegistryConfig(insecure=("registry.lab",), retry_times=1), "registry.lab", "a/b") as reg:
+        transport = stubbed(monkeypatch, reg, serve)
+        with pytest.raises(rc.RegistryError) as e:
+            reg.manifest("v1")
+        assert reg._scheme is None
+    assert e.value.code == "io" and "cannot reach registry.lab" in str(e.value) and "refused" in str(e.value)
+    assert [url.split(":")[0] for url, _ in transport.calls] == ["https", "http", "https", "http"]
