@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 
 # Largest manifest, index or config accepted (skopeo's bound too).
 MAX_METADATA_BYTES = 4 << 20
+MAX_TOKEN_BYTES = 1 << 20      # a token service's answer (a JWT and a few fields)
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
@@ -241,6 +242,38 @@ def ssl_context(cfg: RegistryConfig, registry: str, insecure: bool) -> ssl.SSLCo
     return ctx
 
 
+def certs_name(cfg: RegistryConfig, name: str, host: str) -> str:
+    """The directory of <certs_dir> for a registry called `name` and served on
+    `host`: <name> if there is one, else <host> (docker.io's is registry-1.docker.io)."""
+    return host if cfg.certs_dir and not (Path(cfg.certs_dir) / name).is_dir() else name
+
+
+def split_host(host: str, default_port: int = 443) -> tuple[str, int]:
+    """host[:port] as (host in lower case, port)."""
+    parts = urlsplit("//" + host)
+    return (parts.hostname or host).lower(), parts.port or default_port
+
+
+class HostTLSPoolManager(urllib3.PoolManager):
+    """A PoolManager whose HTTPS pool for each host gets the SSL context
+    `context_for(host, port)` picks, redirects included (urllib3 1.26's own
+    PoolManager has one context for all hosts)."""
+
+    def __init__(self, context_for, **kw):
+        super().__init__(**kw)
+        self._context_for = context_for
+
+    def _new_pool(self, scheme, host, port, request_context=None):
+        if scheme == "https":
+            request_context = dict(self.connection_pool_kw if request_context is None else request_context)
+            ctx = self._context_for(host, port)
+            # cert_reqs and ca_certs given: Debian's urllib3 defaults them to CERT_REQUIRED
+            # and its CA bundle, which would undo an insecure context and load the
+            # bundle again into the context at every new connection.
+            request_context.update(ssl_context=ctx, cert_reqs=ctx.verify_mode, ca_certs=None)
+        return super()._new_pool(scheme, host, port, request_context)
+
+
 def _registry_code(body: bytes) -> str:
     """The first error code of a registry's JSON error body ("MANIFEST_UNKNOWN"), or ""."""
     try:
@@ -274,15 +307,14 @@ class Registry:
         self._scheme = None if self._insecure else "https"
         self._auth: str | None = None          # the Authorization header that worked last
         self._lock = threading.Lock()
-        certs_name = self.host if cfg.certs_dir and not (Path(cfg.certs_dir) / registry).is_dir() else registry
-        ctx = ssl_context(cfg, certs_name, self._insecure)
+        # Only the registry's own host gets its (possibly unverified) context; its
+        # token realm and blob storage on other hosts are always verified.
+        self._own_tls = ssl_context(cfg, certs_name(cfg, registry, self.host), self._insecure)
+        self._other_tls: dict[tuple[str, int], ssl.SSLContext] = {}
+        self._tls_lock = threading.Lock()
         timeout = urllib3.Timeout(connect=cfg.timeout_s, read=cfg.timeout_s)
-        # cert_reqs and ca_certs given: Debian's urllib3 defaults them to CERT_REQUIRED
-        # and its CA bundle, which would undo an insecure context and load the
-        # bundle again into the context at every new connection.
-        self._http = urllib3.PoolManager(num_pools=4, maxsize=POOL_CONNECTIONS, block=False, timeout=timeout,
-                                         ssl_context=ctx, cert_reqs=ctx.verify_mode, ca_certs=None,
-                                         headers={"User-Agent": USER_AGENT})
+        self._http = HostTLSPoolManager(self._tls_for, num_pools=8, maxsize=POOL_CONNECTIONS, block=False,
+                                        timeout=timeout, headers={"User-Agent": USER_AGENT})
 
     def __enter__(self) -> Registry:
         return self
@@ -292,6 +324,20 @@ class Registry:
 
     def close(self) -> None:
         self._http.clear()
+
+    def _tls_for(self, host: str, port: int | None) -> ssl.SSLContext:
+        """The SSL context of an HTTPS connection to host:port: the registry's
+        own for its host, else one that verifies with the system CAs and the
+        CAs of <certs_dir>/<host[:port]>/, never unverified."""
+        key = (host.lower(), port or 443)
+        if key == split_host(self.host):
+            return self._own_tls
+        with self._tls_lock:
+            ctx = self._other_tls.get(key)
+            if ctx is None:
+                name = host if key[1] == 443 else f"{host}:{key[1]}"
+                ctx = self._other_tls[key] = ssl_context(self.cfg, name, insecure=False)
+            return ctx
 
     def __repr__(self) -> str:                 # never the credentials
         return f"Registry({self.registry}/{self.repository})"
@@ -417,12 +463,13 @@ class Registry:
         _put_back(resp)
         return body
 
-    def _read_small(self, resp: urllib3.HTTPResponse, limit: int, what: str) -> bytes:
+    def _read_small(self, resp: urllib3.HTTPResponse, limit: int, what: str,
+                    kind: str = "a manifest or config") -> bytes:
         done = False
         try:
             length = resp.headers.get("Content-Length")
             if length is not None and length.isdigit() and int(length) > limit:
-                raise self._too_big(what, limit)
+                raise self._too_big(what, limit, kind)
             chunks, got = [], 0
             while got <= limit:
                 piece = resp.read(min(1 << 20, limit + 1 - got), decode_content=False)
@@ -431,7 +478,7 @@ class Registry:
                 chunks.append(piece)
                 got += len(piece)
             if got > limit:
-                raise self._too_big(what, limit)
+                raise self._too_big(what, limit, kind)
             done = True
             return b"".join(chunks)
         except (HTTPError, OSError) as e:
@@ -444,10 +491,9 @@ class Registry:
                 resp.close()
 
     @staticmethod
-    def _too_big(what: str, limit: int) -> RegistryError:
+    def _too_big(what: str, limit: int, kind: str) -> RegistryError:
         size = f"{limit >> 20} MiB" if limit >= 1 << 20 else f"{limit} bytes"
-        return RegistryError("io", f"{what}: the registry sent more than {size}, more than a manifest "
-                             "or config may have")
+        return RegistryError("io", f"{what}: the server sent more than {size}, more than {kind} may have")
 
     def _status_error(self, status: int, body: bytes, what: str) -> RegistryError:
         code = _registry_code(body)
@@ -457,13 +503,17 @@ class Registry:
                                  "digest: check the reference (a name that names no registry is looked up "
                                  "in images.default_registry)")
         if status in (401, 403):
-            given = "with the credentials of images.auth_file" if self._creds else "anonymously"
-            return RegistryError("permission", f"{what}: {answer} ({given}); give credentials for "
-                                 f"{self.registry} in images.auth_file (a docker-style auth.json)")
+            return self._credentials_refused(f"{what}: {answer}")
         if status == 429:
             return RegistryError("busy", f"{what}: {answer} (too many requests) after "
                                  f"{self.cfg.retry_times} retries; pull again later")
         return RegistryError("io", f"{what}: {answer}")
+
+    def _credentials_refused(self, refusal: str) -> RegistryError:
+        """A refusal ("<what>: the registry answered 401") with how we asked and what to do."""
+        given = "with the credentials of images.auth_file" if self._creds else "anonymously"
+        return RegistryError("permission", f"{refusal} ({given}); give credentials for {self.registry} in "
+                             "images.auth_file (a docker-style auth.json)")
 
     # ------------------------------------------------------------ auth
 
@@ -488,45 +538,60 @@ class Registry:
 
     def _fetch_token(self, params: dict[str, str], what: str) -> str:
         realm = params["realm"]
-        if urlsplit(realm).scheme not in ("http", "https"):
+        realm_url = urlsplit(realm)
+        if realm_url.scheme not in ("http", "https"):
             raise RegistryError("io", f"{what}: the registry's token realm {realm!r} is not an http(s) URL")
+        if self._creds and realm_url.scheme == "http" and not self._insecure:
+            raise RegistryError("permission", f"{what}: the registry, reached over HTTPS, sends us for a token "
+                                f"to {realm_url.netloc} over plain HTTP, which would carry the credentials of "
+                                f"images.auth_file unencrypted; refused (list {self.host} in "
+                                "images.insecure_registries only if that network is trusted)")
         query = {"scope": f"repository:{self.repository}:pull"}
         if params.get("service"):
             query = {"service": params["service"], **query}
         url = realm + ("&" if "?" in realm else "?") + urlencode(query)
         headers = {"Authorization": basic_header(*self._creds)} if self._creds else {}
-        for attempt in range(self.cfg.retry_times + 1):
-            try:
-                resp = self._http.request("GET", url, headers=headers, timeout=urllib3.Timeout(
-                    connect=self.cfg.timeout_s, read=self.cfg.timeout_s),
-                    retries=urllib3.Retry(total=None, connect=0, read=0, status=0, other=0,
-                                          redirect=MAX_REDIRECTS, remove_headers_on_redirect=["Authorization"]))
-            except (HTTPError, OSError) as e:
-                reason = getattr(e, "reason", None) or e
-                if attempt < self.cfg.retry_times:
-                    self._backoff(attempt)
-                    continue
-                raise RegistryError("io", f"{what}: cannot reach the token service {urlsplit(realm).netloc}: "
-                                    f"{_describe(reason)}") from None
-            if (resp.status >= 500 or resp.status == 429) and attempt < self.cfg.retry_times:
-                self._backoff(attempt)
-                continue
-            break
-        if resp.status in (401, 403):
-            given = "with the credentials of images.auth_file" if self._creds else "anonymously"
-            raise RegistryError("permission", f"{what}: the token service {urlsplit(realm).netloc} refused "
-                                f"a pull token ({resp.status}, {given}); give credentials for "
-                                f"{self.registry} in images.auth_file (a docker-style auth.json)")
+        service = f"the token service {realm_url.netloc}"
+        resp = self._token_answer(url, headers, service, what)
         if resp.status != 200:
-            raise RegistryError("io", f"{what}: the token service {urlsplit(realm).netloc} answered {resp.status}")
+            self._drain(resp)                  # its body never quoted: it may echo what we sent
+            if resp.status in (401, 403):
+                raise self._credentials_refused(f"{what}: {service} refused a pull token ({resp.status})")
+            raise RegistryError("io", f"{what}: {service} answered {resp.status}")
+        body = self._read_small(resp, MAX_TOKEN_BYTES, f"{what}: {service}", "a token answer")
         try:
-            doc = json.loads(resp.data)
+            doc = json.loads(body)
             token = doc.get("token") or doc.get("access_token")
         except (ValueError, AttributeError):
             token = None
         if not isinstance(token, str) or not token:
-            raise RegistryError("io", f"{what}: the token service {urlsplit(realm).netloc} sent no token")
+            raise RegistryError("io", f"{what}: {service} sent no token")
         return token
+
+    def _token_answer(self, url: str, headers: dict[str, str], service: str, what: str) -> urllib3.HTTPResponse:
+        """The token service's answer, its body unread; connection errors, 5xx and 429 retried."""
+        for attempt in range(self.cfg.retry_times + 1):
+            try:
+                resp = self._request(url, headers)
+            except MaxRetryError as e:
+                reason = e.reason if e.reason is not None else e
+                if isinstance(reason, SSLError):
+                    raise RegistryError("io", f"{what}: TLS with {service} failed: {reason}; put the CA that "
+                                        "signed its certificate in images.certs_dir/<host[:port]>/") from None
+                if isinstance(reason, ResponseError):
+                    raise RegistryError("io", f"{what}: {service}: more than {MAX_REDIRECTS} redirects") from None
+                error = reason
+            except (HTTPError, OSError) as e:
+                error = e
+            else:
+                if not (resp.status >= 500 or resp.status == 429) or attempt == self.cfg.retry_times:
+                    return resp
+                self._drain(resp)
+                error = None
+            if attempt == self.cfg.retry_times:
+                raise RegistryError("io", f"{what}: cannot reach {service}: {_describe(error)}") from None
+            self._backoff(attempt)
+        raise AssertionError("unreachable")
 
 
 def _put_back(resp: urllib3.HTTPResponse) -> None:

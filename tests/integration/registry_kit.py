@@ -157,6 +157,8 @@ class FakeRegistry:
     ignore_range = True     Range headers ignored (200 with the whole blob)
     fail[digest] = [503, 429]  the blob's next GETs answered with these statuses, in turn
     use_tokens(...)         bearer tokens required (see there)
+    token_realm = url       the realm the 401s name instead of this server's /token
+    token_body = bytes      what /token answers instead of a token
     redirect_blobs()        blob GETs answered 307 to a second server (see there)
     """
 
@@ -176,6 +178,8 @@ class FakeRegistry:
         self.token_creds: tuple[str, str] | None = None
         self.token_uses: int | None = None
         self.token_required = False
+        self.token_realm: str | None = None
+        self.token_body: bytes | None = None
         self.blob_store: BlobStore | None = None
         self._lock = threading.Lock()
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -302,10 +306,12 @@ class FakeRegistry:
                     token = fake._issue_token(self.headers.get("Authorization"))
                     if token is None:
                         return self._send(401, b'{"details":"bad credentials"}', head=head)
+                    if fake.token_body is not None:
+                        return self._send(200, fake.token_body, {"Content-Type": "application/json"}, head)
                     return self._send(200, json.dumps({"token": token}).encode(),
                                       {"Content-Type": "application/json"}, head)
                 if fake.token_required and not fake._token_ok(self.headers.get("Authorization")):
-                    realm = f'Bearer realm="http://{fake.host}/token",service="fake-registry"'
+                    realm = f'Bearer realm="{fake.token_realm or f"http://{fake.host}/token"}",service="fake-registry"'
                     m = re.match(r"^/v2/(.+)/(?:manifests|blobs)/", path)
                     if m:
                         realm += f',scope="repository:{m.group(1)}:pull"'

@@ -244,6 +244,36 @@ def test_expired_token_is_fetched_again(fake, image, tmp_path):
     assert fake.token_gets == 2
 
 
+def test_token_answer_over_a_mebibyte_is_refused(fake, tmp_path):
+    fake.use_tokens()
+    fake.token_body = b'{"token": "' + b"t" * (1 << 20) + b'"}'
+    with fake_client(fake, tmp_path) as client, pytest.raises(RegistryError) as e:
+        client.manifest("v1")
+    assert e.value.code == "io" and f"the token service {fake.host}" in str(e.value)
+    assert "more than 1 MiB, more than a token answer may have" in str(e.value)
+
+
+def test_insecure_registry_verifies_its_token_realm_on_another_host(fake, tls, tmp_path):
+    """Only the insecure registry's own host goes unverified: its token realm,
+    here the TLS docker-registry on another port, needs its CA in certs_dir."""
+    fake.use_tokens()
+    fake.token_realm = f"https://{tls.host}/token"
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    with fake_client(fake, tmp_path, retry_times=0, certs_dir=str(certs)) as client, \
+            pytest.raises(RegistryError) as e:
+        client.manifest("v1")
+    assert e.value.code == "io" and f"TLS with the token service {tls.host} failed" in str(e.value)
+    assert "CERTIFICATE_VERIFY_FAILED" in str(e.value) and "images.certs_dir" in str(e.value)
+    (certs / tls.host).mkdir()
+    shutil.copy(tls.ca, certs / tls.host / "ca.crt")
+    with fake_client(fake, tmp_path, retry_times=0, certs_dir=str(certs)) as client, \
+            pytest.raises(RegistryError) as e:
+        client.manifest("v1")
+    # verified now: docker-registry has no /token, and says so
+    assert e.value.code == "io" and f"the token service {tls.host} answered 404" in str(e.value)
+
+
 def test_redirect_to_blob_storage_without_authorization(fake, image, tmp_path, big_layer):
     fake.use_tokens()
     store = fake.redirect_blobs()

@@ -259,3 +259,40 @@ def test_insecure_registry_unreachable_both_ways_is_retried_then_an_error(monkey
         assert reg._scheme is None
     assert e.value.code == "io" and "cannot reach registry.lab" in str(e.value) and "refused" in str(e.value)
     assert [url.split(":")[0] for url, _ in transport.calls] == ["https", "http", "https", "http"]
+
+
+def test_credentials_never_go_to_a_plain_http_realm_of_an_https_registry(monkeypatch, tmp_path):
+    auth = tmp_path / "auth.json"
+    auth.write_text(json.dumps({"auths": {"registry.lab": {"auth": b64(f"me:{SECRET}")}}}))
+    challenge = {"WWW-Authenticate": 'Bearer realm="http://auth.lab/token",service="registry.lab"'}
+
+    def serve(url, headers):
+        if url.startswith("https://registry.lab/"):
+            if headers.get("Authorization") == "Bearer tok":
+                return answer(200, b"{}")
+            return answer(401, b"", challenge)
+        assert url.startswith("http://auth.lab/token?")
+        return answer(200, b'{"token": "tok"}')
+
+    with rc.Registry(rc.RegistryConfig(auth_file=str(auth)), "registry.lab", "a/b") as reg:
+        transport = stubbed(monkeypatch, reg, serve)
+        with pytest.raises(rc.RegistryError) as e:
+            reg.manifest("v1")
+    assert e.value.code == "permission" and "auth.lab over plain HTTP" in str(e.value)
+    assert SECRET not in str(e.value) and b64(f"me:{SECRET}") not in str(e.value)
+    assert [url for url, _ in transport.calls] == ["https://registry.lab/v2/a/b/manifests/v1"]
+    # a registry listed as insecure may send them there
+    cfg = rc.RegistryConfig(auth_file=str(auth), insecure=("registry.lab",))
+    with rc.Registry(cfg, "registry.lab", "a/b") as reg:
+        transport = stubbed(monkeypatch, reg, serve)
+        assert reg.manifest("v1") == b"{}"
+    assert transport.calls[1][1]["Authorization"] == rc.basic_header("me", SECRET)
+
+
+def test_only_the_insecure_registrys_own_host_goes_unverified():
+    cfg = rc.RegistryConfig(insecure=("registry.lab:5000",))
+    with rc.Registry(cfg, "registry.lab:5000", "a/b") as reg:
+        assert reg._tls_for("registry.lab", 5000).verify_mode == ssl.CERT_NONE
+        assert reg._tls_for("REGISTRY.lab", 5000).verify_mode == ssl.CERT_NONE
+        for host, port in (("registry.lab", None), ("registry.lab", 443), ("auth.lab", 5000), ("s3.lab", None)):
+            assert reg._tls_for(host, port).verify_mode == ssl.CERT_REQUIRED, (host, port)
