@@ -1,12 +1,15 @@
 """The registry client's pure parts (dsecd/fs/registry.py): WWW-Authenticate
 challenges, auth.json lookups (docker.io's several keys), the TLS files of a
-certs dir, and error messages that never carry a password."""
+certs dir, the HTTP fallback of an insecure registry and TLS per host, and
+errors and log lines that never carry a password (through a stubbed transport)."""
 
 import base64
 import io
 import json
+import logging
 import ssl
 import tomllib
+import traceback
 from importlib import resources
 
 import pytest
@@ -136,15 +139,6 @@ def test_config_from_the_default_images_section():
     assert cfg.insecure == ("h:1",) and cfg.auth_file == "/a.json"
 
 
-@pytest.fixture
-def reg_with_password(tmp_path):
-    auth = tmp_path / "auth.json"
-    auth.write_text(json.dumps({"auths": {"reg.example.com": {"auth": b64(f"me:{SECRET}")}}}))
-    reg = rc.Registry(rc.RegistryConfig(auth_file=str(auth)), "reg.example.com", "team/app")
-    yield reg
-    reg.close()
-
-
 @pytest.mark.parametrize("status, body, code", [
     (401, b'{"errors":[{"code":"UNAUTHORIZED"}]}', "permission"),
     (403, b'{"errors":[{"code":"DENIED"}]}', "permission"),
@@ -152,20 +146,16 @@ def reg_with_password(tmp_path):
     (429, b"", "busy"),
     (500, b"oops", "io"),
 ])
-def test_status_errors_say_what_and_what_to_do_without_the_password(reg_with_password, status, body, code):
-    err = reg_with_password._status_error(status, body, "fetch the manifest of reg.example.com/team/app:v1")
+def test_status_errors_say_what_and_what_to_do(status, body, code):
+    with rc.Registry(rc.RegistryConfig(), "reg.example.com", "team/app") as reg:
+        err = reg._status_error(status, body, "fetch the manifest of reg.example.com/team/app:v1")
     assert err.code == code
     text = str(err)
     assert "reg.example.com/team/app:v1" in text and str(status) in text
-    assert SECRET not in text and b64(f"me:{SECRET}") not in text
     if code == "permission":
         assert "images.auth_file" in text
     if code == "not_found":
         assert "MANIFEST_UNKNOWN" in text and "images.default_registry" in text
-
-
-def test_registry_repr_and_state_never_show_the_password(reg_with_password):
-    assert SECRET not in repr(reg_with_password) and SECRET not in str(reg_with_password)
 
 
 @pytest.mark.parametrize("reason, advice", [
@@ -296,3 +286,67 @@ def test_only_the_insecure_registrys_own_host_goes_unverified():
         assert reg._tls_for("REGISTRY.lab", 5000).verify_mode == ssl.CERT_NONE
         for host, port in (("registry.lab", None), ("registry.lab", 443), ("auth.lab", 5000), ("s3.lab", None)):
             assert reg._tls_for(host, port).verify_mode == ssl.CERT_REQUIRED, (host, port)
+
+
+# Answers that echo the request's Authorization header back, as some servers'
+# error pages do: what the client reports must never quote them.
+def echo(status: int, headers: dict, extra: dict | None = None) -> urllib3.HTTPResponse:
+    return answer(status, json.dumps({"errors": [{"code": "DENIED", "message": headers.get("Authorization", "")}],
+                                      "details": headers.get("Authorization", "")}).encode(), extra)
+
+
+BASIC_CHALLENGE = {"WWW-Authenticate": 'Basic realm="registry.lab"'}
+BEARER_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="https://auth.lab/token",service="registry.lab"'}
+
+
+def basic_refused(url, headers):
+    return echo(401, headers, BASIC_CHALLENGE)
+
+
+def realm_refuses(url, headers):
+    return echo(401, headers) if "auth.lab" in url else echo(401, headers, BEARER_CHALLENGE)
+
+
+def realm_fails(url, headers):
+    return echo(500, headers) if "auth.lab" in url else echo(401, headers, BEARER_CHALLENGE)
+
+
+def realm_sends_no_token(url, headers):
+    return echo(200, headers) if "auth.lab" in url else echo(401, headers, BEARER_CHALLENGE)
+
+
+def realm_unreachable(url, headers):
+    if "auth.lab" in url:
+        raise unreachable(url, NewConnectionError(None, "Failed to establish a new connection: [Errno 111] "
+                                                         "Connection refused"))
+    return echo(401, headers, BEARER_CHALLENGE)
+
+
+def token_refused_by_the_registry(url, headers):
+    if "auth.lab" in url:
+        return answer(200, b'{"token": "tok"}')
+    return echo(403, headers) if headers.get("Authorization") == "Bearer tok" else echo(401, headers, BEARER_CHALLENGE)
+
+
+@pytest.mark.parametrize("serve, code", [
+    (basic_refused, "permission"),
+    (realm_refuses, "permission"),
+    (realm_fails, "io"),
+    (realm_sends_no_token, "io"),
+    (realm_unreachable, "io"),
+    (token_refused_by_the_registry, "permission"),
+], ids=lambda v: getattr(v, "__name__", v))
+def test_failed_authentication_never_shows_the_password(monkeypatch, tmp_path, caplog, serve, code):
+    caplog.set_level(logging.DEBUG)
+    auth = tmp_path / "auth.json"
+    auth.write_text(json.dumps({"auths": {"registry.lab": {"auth": b64(f"me:{SECRET}")}}}))
+    with rc.Registry(rc.RegistryConfig(auth_file=str(auth), retry_times=1), "registry.lab", "a/b") as reg:
+        transport = stubbed(monkeypatch, reg, serve)
+        with pytest.raises(rc.RegistryError) as e:
+            reg.manifest("v1")
+    assert any(h.get("Authorization") == rc.basic_header("me", SECRET) for _, h in transport.calls), \
+        "the credentials were never sent: the test would prove nothing"
+    assert e.value.code == code, str(e.value)
+    shown = "".join(traceback.format_exception(e.value)) + caplog.text + repr(reg)
+    for secret in (SECRET, b64(f"me:{SECRET}"), rc.basic_header("me", SECRET)):
+        assert secret not in shown
