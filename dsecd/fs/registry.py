@@ -41,6 +41,7 @@ import binascii
 import json
 import logging
 import re
+import socket
 import ssl
 import threading
 import time
@@ -368,14 +369,19 @@ class Registry:
     def _url(self, scheme: str, path: str) -> str:
         return f"{scheme}://{self.host}/v2/{self.repository}/{path}"
 
-    def _get(self, path: str, headers: dict[str, str], what: str) -> urllib3.HTTPResponse:
+    def _get(self, path: str, headers: dict[str, str], what: str,
+             stop: threading.Event | None = None) -> urllib3.HTTPResponse:
         """A GET of /v2/<repository>/<path> answered 200 or 206, body not yet read
-        (the caller reads and releases it): auth, retries and errors handled here."""
+        (the caller reads and releases it): auth, retries and errors handled here.
+        Once `stop` is set, raises _Aborted before any further try and cuts a
+        backoff short."""
         refreshed = False
         attempt = 0
         while True:
+            if stop is not None and stop.is_set():
+                raise _Aborted()
             auth = self._auth
-            resp = self._send(path, headers, auth, what, attempt)
+            resp = self._send(path, headers, auth, what, attempt, stop)
             if resp is None:                   # a connection error, retried
                 attempt += 1
                 continue
@@ -389,13 +395,13 @@ class Registry:
                 continue
             if (status >= 500 or status == 429) and attempt < self.cfg.retry_times:
                 log.info("%s: the registry answered %d; retrying", what, status)
-                self._backoff(attempt)
+                self._backoff(attempt, stop)
                 attempt += 1
                 continue
             raise self._status_error(status, body, what)
 
     def _send(self, path: str, headers: dict[str, str], auth: str | None, what: str,
-              attempt: int) -> urllib3.HTTPResponse | None:
+              attempt: int, stop: threading.Event | None = None) -> urllib3.HTTPResponse | None:
         """One request (redirects followed); None after a connection error worth retrying.
         An insecure registry is tried over HTTPS first, then, if that attempt
         fails in any way short of an answer (refused, timed out, TLS or protocol
@@ -427,9 +433,9 @@ class Registry:
                                     f"{_tls_advice(str(reason))}") from None
             if isinstance(reason, ResponseError):
                 raise RegistryError("io", f"{what}: more than {MAX_REDIRECTS} redirects") from None
-            return self._retry_or_raise(reason, what, attempt)
+            return self._retry_or_raise(reason, what, attempt, stop)
         except (HTTPError, OSError) as e:
-            return self._retry_or_raise(e, what, attempt)
+            return self._retry_or_raise(e, what, attempt, stop)
 
     def _request(self, url: str, headers: dict[str, str]) -> urllib3.HTTPResponse:
         """A GET with its body unread; redirects followed, never with our
@@ -440,17 +446,23 @@ class Registry:
         return self._http.request("GET", url, headers=headers, retries=retries, preload_content=False,
                                   decode_content=False, enforce_content_length=True)
 
-    def _retry_or_raise(self, reason: BaseException, what: str, attempt: int) -> None:
+    def _retry_or_raise(self, reason: BaseException, what: str, attempt: int,
+                        stop: threading.Event | None = None) -> None:
         if attempt < self.cfg.retry_times:
             log.info("%s: %s; retrying", what, _describe(reason))
-            self._backoff(attempt)
+            self._backoff(attempt, stop)
             return None
         raise RegistryError("io", f"{what}: cannot reach {self.host}: {_describe(reason)} "
                             f"(after {attempt + 1} tries); check the registry's name and that it is up") from None
 
     @staticmethod
-    def _backoff(attempt: int) -> None:
-        time.sleep(BACKOFF_S * (2 ** attempt))
+    def _backoff(attempt: int, stop: threading.Event | None = None) -> None:
+        """The wait before retry `attempt` + 1; over at once when `stop` is set."""
+        delay = BACKOFF_S * (2 ** attempt)
+        if stop is None:
+            time.sleep(delay)
+        else:
+            stop.wait(delay)
 
     @staticmethod
     def _drain(resp: urllib3.HTTPResponse) -> bytes:
@@ -594,6 +606,10 @@ class Registry:
         raise AssertionError("unreachable")
 
 
+class _Aborted(Exception):
+    """A request given up because its BlobStream was aborted."""
+
+
 def _put_back(resp: urllib3.HTTPResponse) -> None:
     """A response's connection back into its pool if its body was read to the
     end, else closed (unread bytes would be taken for the next answer)."""
@@ -611,7 +627,7 @@ def _describe(e: BaseException) -> str:
         text = str(e)
         m = re.search(r"Failed to establish a new connection: (.*)$", text)
         return m.group(1) if m else text
-    if isinstance(e, ReadTimeoutError):
+    if isinstance(e, (ReadTimeoutError, TimeoutError)):
         return "no answer in time (read timeout)"
     if isinstance(e, ProtocolError) and e.args:
         inner = e.args[-1]
@@ -620,10 +636,29 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def _shut_down(resp: urllib3.HTTPResponse) -> None:
+    """Shut down the socket under `resp`: a thread blocked reading it wakes
+    with an end of file (closing the socket would not wake it). The socket
+    object itself stays open, for its owner to close."""
+    sock = getattr(getattr(resp, "_connection", None), "sock", None)
+    if sock is None:                           # the connection already given back: its file's socket
+        raw = getattr(getattr(getattr(resp, "_fp", None), "fp", None), "raw", None)
+        sock = getattr(raw, "_sock", None)
+    if sock is None:
+        return
+    try:
+        # socket.socket's own shutdown, also for an SSLSocket: no TLS close_notify
+        # written (it could block) and its SSL object left to the reading thread
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:
+        pass                                   # already closed or never connected
+
+
 class BlobStream:
     """A blob's bytes as they arrive. read(n) -> bytes, b"" once `size` bytes were given.
     A connection that drops mid-body is asked again from where it stopped
-    (Range: bytes=<bytes_read>-), up to the config's retry_times per blob."""
+    (Range: bytes=<bytes_read>-), up to the config's retry_times per blob.
+    abort(), from any thread, stops it at once: no more reads, resumes or retries."""
 
     def __init__(self, reg: Registry, digest: str, size: int):
         self._reg = reg
@@ -633,6 +668,8 @@ class BlobStream:
         self._resumes = 0
         self._what = f"download the blob {digest} of {reg._name()}"
         self._resp: urllib3.HTTPResponse | None = None
+        self._aborted = threading.Event()
+        self._lock = threading.Lock()          # self._resp, between the reading thread and abort()
         self._open()
 
     def __enter__(self) -> BlobStream:
@@ -641,10 +678,30 @@ class BlobStream:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def abort(self) -> None:
+        """Stop the stream, from any thread, at any time: a read() blocked in
+        another thread returns at once (its socket is shut down), and every
+        read() from now on raises RegistryError("conflict", "... stopped")."""
+        self._aborted.set()
+        with self._lock:
+            if self._resp is not None:
+                _shut_down(self._resp)
+
+    def _stopped(self) -> RegistryError:
+        return RegistryError("conflict", f"{self._reg._name()}: blob {self.digest}: stopped")
+
+    def _take_resp(self) -> urllib3.HTTPResponse | None:
+        with self._lock:
+            resp, self._resp = self._resp, None
+        return resp
+
     def _open(self) -> None:
         start = self.bytes_read
         headers = {"Range": f"bytes={start}-"} if start else {}
-        resp = self._reg._get(f"blobs/{self.digest}", headers, self._what)
+        try:
+            resp = self._reg._get(f"blobs/{self.digest}", headers, self._what, self._aborted)
+        except _Aborted:
+            raise self._stopped() from None
         try:
             if start and resp.status == 206:
                 m = re.match(r"bytes (\d+)-", resp.headers.get("Content-Range", ""))
@@ -663,18 +720,23 @@ class BlobStream:
         except BaseException:
             resp.close()                       # its body unread: not back into the pool
             raise
-        self._resp = resp
+        with self._lock:
+            if not self._aborted.is_set():
+                self._resp = resp
+                return
+        resp.close()
+        raise self._stopped()
 
     def _skip(self, resp: urllib3.HTTPResponse, n: int) -> None:
         """Drop the first n bytes of a 200 answer to a Range request (the server ignored the Range)."""
         left = n
         try:
             while left:
-                piece = resp.read(min(left, 1 << 20), decode_content=False)
+                piece = _body(resp).read1(min(left, 1 << 20))
                 if not piece:
                     break
                 left -= len(piece)
-        except (HTTPError, OSError) as e:
+        except (HTTPError, OSError, IncompleteRead) as e:
             raise RegistryError("io", f"{self._what}: truncated: the connection failed ({_describe(e)}) while "
                                 f"skipping to byte {n} of an answer that ignored our Range request") from None
         if left:
@@ -682,22 +744,28 @@ class BlobStream:
                                 "download was to resume (the registry ignored our Range request)")
 
     def read(self, n: int = -1) -> bytes:
+        """Up to n bytes, as many as have arrived (at least one), b"" at the
+        blob's end; n < 0: all the rest."""
         if n is None or n < 0:
             chunks = []
             while piece := self.read(1 << 20):
                 chunks.append(piece)
             return b"".join(chunks)
+        if self._aborted.is_set():
+            raise self._stopped()
         remaining = self.size - self.bytes_read
         if remaining <= 0 or n == 0:
             if remaining == 0 and self._resp is not None:
                 self._check_end()
             return b""
         while True:
-            if self._resp is None:
+            resp = self._resp
+            if resp is None:
                 raise RegistryError("io", f"{self._what}: the stream is closed")
             try:
-                piece = self._resp.read(min(n, remaining), decode_content=False)
-            except (ProtocolError, IncompleteRead, ReadTimeoutError, SSLError, OSError) as e:
+                # read1: what the socket has (one recv), not a wait for all n bytes
+                piece = _body(resp).read1(min(n, remaining))
+            except (IncompleteRead, OSError, ValueError) as e:
                 piece, reason = b"", _describe(e)
             else:
                 reason = "the connection ended early"
@@ -706,23 +774,27 @@ class BlobStream:
                 if self.bytes_read == self.size:
                     self._check_end()
                 return piece
+            if self._aborted.is_set():
+                raise self._stopped()
             self._resume(reason)
 
     def _check_end(self) -> None:
         """After `size` bytes: the answer must end there; then its connection goes back to the pool."""
-        resp, self._resp = self._resp, None
+        resp = self._take_resp()
+        if resp is None:
+            return
         try:
-            extra = resp.read(1, decode_content=False)
-        except (HTTPError, OSError):
+            extra = _body(resp).read(1)
+        except (IncompleteRead, OSError, ValueError):
             extra = b""
         if extra:
             resp.close()
             raise RegistryError("io", f"{self._what}: the registry sent more than the {self.size} bytes of "
                                 "the blob's descriptor")
-        resp.release_conn()
+        _put_back(resp)
 
     def _resume(self, reason: str) -> None:
-        resp, self._resp = self._resp, None
+        resp = self._take_resp()
         if resp is not None:
             resp.close()                       # a broken connection: not back into the pool
         if self._resumes >= self._reg.cfg.retry_times:
@@ -730,10 +802,20 @@ class BlobStream:
                                 f"({reason}; after {self._resumes} resumed requests)")
         self._resumes += 1
         log.info("%s: %s at byte %d of %d; asking for the rest", self._what, reason, self.bytes_read, self.size)
-        Registry._backoff(self._resumes - 1)
+        Registry._backoff(self._resumes - 1, self._aborted)
+        if self._aborted.is_set():
+            raise self._stopped()
         self._open()
 
     def close(self) -> None:
-        resp, self._resp = self._resp, None
+        resp = self._take_resp()
         if resp is not None:
             resp.close()
+
+
+def _body(resp: urllib3.HTTPResponse):
+    """The http.client response under urllib3's: its read1() returns what has
+    arrived, where urllib3 1.26's read(n) waits for all n bytes. BlobStream
+    reads through it alone, so urllib3's own count of the body is never
+    consulted (it would take the body read here for missing)."""
+    return resp._fp

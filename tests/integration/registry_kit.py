@@ -31,6 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 REGISTRY_BIN = "/usr/bin/docker-registry"
+STALL_BYTES = 100              # what FakeRegistry sends of a stalled blob
 
 
 def free_port() -> int:
@@ -152,6 +153,7 @@ class FakeRegistry:
     cut.add(digest)         the blob's full Content-Length, half its bytes, then close
     cut_first[digest] = K   the same, for the blob's first K GETs only (later ones whole)
     slow[digest] = seconds  the blob trickles out over that long
+    stall.add(digest)       the blob's headers and first STALL_BYTES, then nothing until stop()
     gets[digest]            blob GETs served
     ranges[digest]          blob GETs with a Range header (answered 206 + Content-Range)
     ignore_range = True     Range headers ignored (200 with the whole blob)
@@ -169,6 +171,8 @@ class FakeRegistry:
         self.cut: set[str] = set()
         self.cut_first: dict[str, int] = {}
         self.slow: dict[str, float] = {}
+        self.stall: set[str] = set()
+        self.unstalled = threading.Event()
         self.gets: Counter[str] = Counter()
         self.ranges: Counter[str] = Counter()
         self.ignore_range = False
@@ -192,6 +196,7 @@ class FakeRegistry:
         return self
 
     def stop(self) -> None:
+        self.unstalled.set()
         self.server.shutdown()
         self.server.server_close()
         if self.blob_store is not None:
@@ -382,6 +387,14 @@ def serve_blob(handler: http.server.BaseHTTPRequestHandler, fake: FakeRegistry, 
     handler.send_header("Content-Type", "application/octet-stream")
     handler.send_header("Content-Length", str(len(data)))
     handler.end_headers()
+    if ref in fake.stall:
+        try:
+            handler.wfile.write(data[:STALL_BYTES])
+        except (BrokenPipeError, ConnectionResetError):
+            return
+        fake.unstalled.wait(60)
+        handler.close_connection = True
+        return
     cut = fake._take_cut(ref)
     body = data[: len(data) // 2] if cut else data
     delay = fake.slow.get(ref, 0.0)

@@ -9,11 +9,12 @@ import json
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import pytest
 from image_kit import Layout, layer_of, push, sha256
-from registry_kit import FakeRegistry, Registry, auth_json, free_port, missing_tools
+from registry_kit import STALL_BYTES, FakeRegistry, Registry, auth_json, free_port, missing_tools
 
 from dsecd.fs import registry as rc
 from dsecd.fs.registry import MAX_METADATA_BYTES, RegistryConfig, RegistryError
@@ -306,6 +307,78 @@ def test_blob_cut_every_time_is_truncated_after_the_retries(fake, tmp_path, big_
     assert f"truncated: got {stream.bytes_read} of {size} bytes" in str(e.value)
     assert digest in str(e.value) and f"{fake.host}/{REPO}" in str(e.value)
     assert fake.gets[digest] == 3 and fake.ranges[digest] == 2
+
+
+def read_in_thread(stream) -> tuple[threading.Thread, dict]:
+    """read_all(stream) in a thread: (the thread, {"error": what it raised} once it ends)."""
+    result: dict = {}
+
+    def run():
+        try:
+            result["data"] = read_all(stream)
+        except RegistryError as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def assert_stopped(fake: FakeRegistry, stream, thread: threading.Thread, result: dict) -> None:
+    """abort() ends the read blocked in `thread` within a second, with the stopped error."""
+    time.sleep(0.3)
+    assert thread.is_alive(), result
+    started = time.monotonic()
+    stream.abort()
+    thread.join(5)
+    assert not thread.is_alive() and time.monotonic() - started < 1.0
+    stopped = f"{fake.host}/{REPO}: blob {stream.digest}: stopped"
+    assert result["error"].code == "conflict" and str(result["error"]) == stopped
+    with pytest.raises(RegistryError) as e:
+        stream.read(1 << 20)
+    assert str(e.value) == stopped
+
+
+def test_read_returns_what_arrived_and_abort_wakes_a_blocked_read(fake, tmp_path, big_layer):
+    digest, size, data = big_layer
+    fake.stall.add(digest)
+    with fake_client(fake, tmp_path) as client, client.open_blob(digest, size) as stream:   # 60 s timeout
+        assert stream.read(1 << 20) == data[:STALL_BYTES]
+        thread, result = read_in_thread(stream)
+        assert_stopped(fake, stream, thread, result)
+    assert fake.gets[digest] == 1, "an aborted stream asked again"
+
+
+def test_abort_wakes_a_resume_backoff_and_stops_the_resumes(fake, tmp_path, big_layer, monkeypatch):
+    digest, size, _ = big_layer
+    fake.cut.add(digest)
+    monkeypatch.setattr(rc, "BACKOFF_S", 30.0)
+    with fake_client(fake, tmp_path, retry_times=3) as client, client.open_blob(digest, size) as stream:
+        thread, result = read_in_thread(stream)
+        assert_stopped(fake, stream, thread, result)
+    assert fake.gets[digest] == 1 and fake.ranges[digest] == 0
+
+
+def test_abort_before_the_first_read(fake, tmp_path, big_layer):
+    digest, size, _ = big_layer
+    with fake_client(fake, tmp_path) as client:
+        with client.open_blob(digest, size) as stream:
+            stream.abort()
+            with pytest.raises(RegistryError) as e:
+                stream.read(1 << 20)
+        assert e.value.code == "conflict" and str(e.value).endswith(f"blob {digest}: stopped")
+        with client.open_blob(digest, size) as stream:        # the client serves on
+            assert stream.read(1 << 20)
+
+
+def test_blob_connections_are_kept_alive(fake, tmp_path, big_layer):
+    digest, size, data = big_layer
+    with fake_client(fake, tmp_path) as client:
+        for _ in range(3):
+            with client.open_blob(digest, size) as stream:
+                assert read_all(stream) == data
+        pool = client._http.connection_from_url(f"http://{fake.host}/")
+        assert pool.num_connections == 1
 
 
 def test_blob_longer_than_its_descriptor_is_refused(fake, image, tmp_path, big_layer):
