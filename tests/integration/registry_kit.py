@@ -146,7 +146,35 @@ class Registry:
                 self.proc.wait()
 
 
-class FakeRegistry:
+class QuietHandler(http.server.BaseHTTPRequestHandler):
+    """HTTP/1.1 (keep-alive), no access log on stderr."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+
+class LoopbackServer:
+    """A threading HTTP server on 127.0.0.1:<free port> (self.host) answering
+    with `handler`, in a thread from start() to stop()."""
+
+    def __init__(self, handler: type[http.server.BaseHTTPRequestHandler]):
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        self.host = f"127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+
+    def start(self):
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class FakeRegistry(LoopbackServer):
     """A v2 registry from dicts, with knobs for hostile answers:
 
     lie[digest] = bytes     served instead of the blob (wrong content)
@@ -186,19 +214,11 @@ class FakeRegistry:
         self.token_body: bytes | None = None
         self.blob_store: BlobStore | None = None
         self._lock = threading.Lock()
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.server.daemon_threads = True
-        self.host = f"127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
-
-    def start(self) -> FakeRegistry:
-        self.thread.start()
-        return self
+        super().__init__(self._handler())
 
     def stop(self) -> None:
         self.unstalled.set()
-        self.server.shutdown()
-        self.server.server_close()
+        super().stop()
         if self.blob_store is not None:
             self.blob_store.stop()
 
@@ -287,12 +307,7 @@ class FakeRegistry:
     def _handler(self):
         fake = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
+        class Handler(QuietHandler):
             def _send(self, code: int, body: bytes = b"", headers: dict | None = None, head=False):
                 self.send_response(code)
                 for k, v in (headers or {}).items():
@@ -413,7 +428,7 @@ def serve_blob(handler: http.server.BaseHTTPRequestHandler, fake: FakeRegistry, 
         handler.connection.shutdown(socket.SHUT_RDWR)
 
 
-class BlobStore:
+class BlobStore(LoopbackServer):
     """Where FakeRegistry.redirect_blobs() sends blob GETs: the same blobs on
     another port, GET /store/<digest>. authorization[i] is the Authorization
     header of its i-th GET (None when absent)."""
@@ -421,28 +436,12 @@ class BlobStore:
     def __init__(self, fake: FakeRegistry):
         self.fake = fake
         self.authorization: list[str | None] = []
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.server.daemon_threads = True
-        self.host = f"127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
-
-    def start(self) -> BlobStore:
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(self._handler())
 
     def _handler(self):
         store = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
+        class Handler(QuietHandler):
             def do_GET(self):
                 store.authorization.append(self.headers.get("Authorization"))
                 ref = self.path.split("?")[0].removeprefix("/store/")
