@@ -5,19 +5,23 @@ from several threads at once:
 
     manifest(ref)        a manifest or an index, by tag or digest, as served
     blob(digest)         a small blob (an image config), at most 4 MiB
-    open_blob(digest)    a layer as a stream of large reads (BlobStream), resumed
-                         with a Range request where the connection drops
+    open_blob(digest)    a layer as a stream (BlobStream) whose reads return what has
+                         arrived, resumed with a Range request where the connection
+                         drops, stopped at once from any thread by its abort()
 
 Connections, TLS and redirects are urllib3's (Debian's python3-urllib3): one
 pool per host, kept alive across the blobs of a pull. Around it, what a
 registry needs: anonymous requests first, then on a 401 the server's
 challenge answered, Basic with the credentials of a docker-style auth.json,
 Bearer with a token fetched from its realm (one token for all threads,
-fetched again once when it expires); a blob GET redirected to blob storage on
+fetched again once when it expires; credentials never to a plain-http realm
+of a registry reached over HTTPS); a blob GET redirected to blob storage on
 another host without our Authorization header; retries of refused
-connections, 5xx and 429 answers; per-registry CAs and client certificates
-from <certs_dir>/<host[:port]>/; and, for a registry listed as insecure,
-HTTPS without verification, else plain HTTP.
+connections, 5xx and 429 answers; per-host CAs and client certificates from
+<certs_dir>/<host[:port]>/; and, for a registry listed as insecure, HTTPS
+without verification, or plain HTTP when HTTPS fails in any way. That lack
+of verification is the registry's own host's only: its token realm and blob
+storage on other hosts are verified like any other.
 
 The client does not hash: the callers check every digest (the converter
 hashes each layer as it reads it, the pull checks manifests and configs),
@@ -32,6 +36,15 @@ conversion to EROFS reads them straight off the socket.
 
 Credentials stay in the auth file and in this object: they are never in an
 error, a log line or an exception's message.
+
+What it does not do: registries.conf (mirrors, blocked registries, short-name
+aliases: a pull goes to the registry its reference names); credential helpers
+and stores (auth.json's "credHelpers" and "credsStore") and OAuth identity
+tokens ("identitytoken" entries): only "auth" (base64 of user:password) or
+"username" and "password" entries are used. A registry that auth.json gives
+credentials only those other ways is asked anonymously; if it then wants
+credentials, the pull fails with RegistryError("unsupported") saying so,
+rather than with a bare refusal.
 """
 
 from __future__ import annotations
@@ -177,10 +190,10 @@ def lookup_credentials(auths: dict, registry: str) -> tuple[str, str] | None:
     return None
 
 
-def read_credentials(auth_file: str, registry: str) -> tuple[str, str] | None:
-    """`registry`'s credentials from the auth.json `auth_file` ("" = none)."""
+def load_auth_file(auth_file: str) -> dict:
+    """The auth.json `auth_file` ("" = none: {})."""
     if not auth_file:
-        return None
+        return {}
     try:
         doc = json.loads(Path(auth_file).read_bytes())
     except OSError as e:
@@ -189,13 +202,39 @@ def read_credentials(auth_file: str, registry: str) -> tuple[str, str] | None:
     except ValueError:
         raise RegistryError("bad_request", f"images.auth_file {auth_file} is not JSON; write it as "
                             '{"auths": {"<host[:port]>": {"auth": "<base64 of user:password>"}}}') from None
-    auths = doc.get("auths") if isinstance(doc, dict) else None
+    return doc if isinstance(doc, dict) else {}
+
+
+def read_credentials(auth_file: str, registry: str) -> tuple[str, str] | None:
+    """`registry`'s credentials from the auth.json `auth_file` ("" = none)."""
+    auths = load_auth_file(auth_file).get("auths")
     if not isinstance(auths, dict):
         return None
     try:
         return lookup_credentials(auths, registry)
     except ValueError as e:
         raise RegistryError("bad_request", f"images.auth_file {auth_file}: {e}; fix that entry") from None
+
+
+def unusable_auth(auth_file: str, registry: str) -> str | None:
+    """How the auth.json `auth_file` gives `registry` credentials this client
+    cannot use (a credential helper, a credential store, an identity token),
+    or None. Only consulted when it has no user and password for `registry`."""
+    doc = load_auth_file(auth_file)
+    wanted = {_auth_key_host(name) for name in auth_candidates(registry)}
+    helpers = doc.get("credHelpers")
+    if isinstance(helpers, dict):
+        for key, helper in helpers.items():
+            if _auth_key_host(key) in wanted:
+                return f'its "credHelpers" sends {key} to the credential helper docker-credential-{helper}'
+    auths = doc.get("auths")
+    if isinstance(auths, dict):
+        for key, entry in auths.items():
+            if _auth_key_host(key) in wanted and isinstance(entry, dict) and entry.get("identitytoken"):
+                return f'its "auths" entry for {key} holds only an "identitytoken"'
+    if isinstance(doc.get("credsStore"), str) and doc["credsStore"]:
+        return f'its "credsStore" keeps the credentials in docker-credential-{doc["credsStore"]}'
+    return None
 
 
 def basic_header(user: str, password: str) -> str:
@@ -304,6 +343,7 @@ class Registry:
         self.repository = repository
         self.host = api_host(registry)
         self._creds = read_credentials(cfg.auth_file, registry)
+        self._unusable_auth = None if self._creds else unusable_auth(cfg.auth_file, registry)
         self._insecure = registry in cfg.insecure or self.host in cfg.insecure
         self._scheme = None if self._insecure else "https"
         self._auth: str | None = None          # the Authorization header that worked last
@@ -523,9 +563,17 @@ class Registry:
 
     def _credentials_refused(self, refusal: str) -> RegistryError:
         """A refusal ("<what>: the registry answered 401") with how we asked and what to do."""
+        if self._unusable_auth:
+            return self._unsupported_auth(refusal + " (anonymously)")
         given = "with the credentials of images.auth_file" if self._creds else "anonymously"
         return RegistryError("permission", f"{refusal} ({given}); give credentials for {self.registry} in "
                              "images.auth_file (a docker-style auth.json)")
+
+    def _unsupported_auth(self, refusal: str) -> RegistryError:
+        return RegistryError("unsupported", f"{refusal}; images.auth_file {self.cfg.auth_file} has no user and "
+                             f"password for {self.registry}: {self._unusable_auth}, which this client does not "
+                             f'run; write them there as "auths": {{"{self.registry}": {{"auth": "<base64 of '
+                             'user:password>"}}')
 
     # ------------------------------------------------------------ auth
 
@@ -537,6 +585,8 @@ class Registry:
                 return
             scheme, params = parse_challenge(challenge)
             if scheme == "basic":
+                if self._creds is None and self._unusable_auth:
+                    raise self._unsupported_auth(f"{what}: the registry asks for a user and password")
                 if self._creds is None:
                     raise RegistryError("permission", f"{what}: the registry asks for a user and password; "
                                         f"give credentials for {self.registry} in images.auth_file "

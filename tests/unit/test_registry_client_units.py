@@ -350,3 +350,53 @@ def test_failed_authentication_never_shows_the_password(monkeypatch, tmp_path, c
     shown = "".join(traceback.format_exception(e.value)) + caplog.text + repr(reg)
     for secret in (SECRET, b64(f"me:{SECRET}"), rc.basic_header("me", SECRET)):
         assert secret not in shown
+
+
+IDENTITY_TOKEN = "idtok-Qw3-never-shown"
+
+
+@pytest.mark.parametrize("doc, named", [
+    ({"auths": {"registry.lab": {}}, "credHelpers": {"registry.lab": "ecr-login"}},
+     '"credHelpers" sends registry.lab to the credential helper docker-credential-ecr-login'),
+    ({"auths": {"https://registry.lab/v1/": {"identitytoken": IDENTITY_TOKEN}}},
+     '"auths" entry for https://registry.lab/v1/ holds only an "identitytoken"'),
+    ({"auths": {"registry.lab": {}}, "credsStore": "desktop"},
+     '"credsStore" keeps the credentials in docker-credential-desktop'),
+])
+@pytest.mark.parametrize("challenge", [BASIC_CHALLENGE, BEARER_CHALLENGE], ids=["basic", "bearer"])
+def test_credentials_this_client_cannot_use_are_unsupported_when_asked_for(monkeypatch, tmp_path, doc, named,
+                                                                          challenge):
+    auth = tmp_path / "auth.json"
+    auth.write_text(json.dumps(doc))
+
+    def serve(url, headers):
+        return echo(401, headers) if "auth.lab" in url else echo(401, headers, challenge)
+
+    with rc.Registry(rc.RegistryConfig(auth_file=str(auth), retry_times=0), "registry.lab", "a/b") as reg:
+        stubbed(monkeypatch, reg, serve)
+        with pytest.raises(rc.RegistryError) as e:
+            reg.manifest("v1")
+    assert e.value.code == "unsupported", str(e.value)
+    assert named in str(e.value) and str(auth) in str(e.value) and IDENTITY_TOKEN not in str(e.value)
+    assert '"auths": {"registry.lab": {"auth": "<base64 of user:password>"}}' in str(e.value)
+
+
+def test_a_credential_store_does_not_stop_anonymous_pulls(monkeypatch, tmp_path):
+    auth = tmp_path / "auth.json"
+    auth.write_text(json.dumps({"auths": {"registry.lab": {}}, "credsStore": "desktop"}))
+
+    def serve(url, headers):
+        if "auth.lab" in url:
+            return answer(200, b'{"token": "tok"}')
+        if headers.get("Authorization") == "Bearer tok":
+            return answer(200, b"{}")
+        return answer(401, b"", BEARER_CHALLENGE)
+
+    with rc.Registry(rc.RegistryConfig(auth_file=str(auth)), "registry.lab", "a/b") as reg:
+        stubbed(monkeypatch, reg, serve)
+        assert reg.manifest("v1") == b"{}"
+    # a credential store serves every registry, a credential helper the ones named
+    assert rc.unusable_auth(str(auth), "other.lab") == \
+        'its "credsStore" keeps the credentials in docker-credential-desktop'
+    auth.write_text(json.dumps({"credHelpers": {"registry.lab": "ecr-login"}}))
+    assert rc.unusable_auth(str(auth), "other.lab") is None
