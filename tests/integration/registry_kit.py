@@ -24,6 +24,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -164,6 +165,12 @@ class LoopbackServer:
         self.server.daemon_threads = True
         self.host = f"127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+
+    def serve_tls(self, cert: Path, key: Path) -> None:
+        """HTTPS instead of HTTP (before start()), with this certificate and key."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(str(cert), str(key))
+        self.server.socket = ctx.wrap_socket(self.server.socket, server_side=True)
 
     def start(self):
         self.thread.start()

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 from image_kit import Layout, layer_of, push, sha256
-from registry_kit import STALL_BYTES, FakeRegistry, Registry, auth_json, free_port, missing_tools
+from registry_kit import (
+    STALL_BYTES,
+    FakeRegistry,
+    Registry,
+    auth_json,
+    free_port,
+    make_ca,
+    missing_tools,
+)
 
 from dsecd.fs import registry as rc
 from dsecd.fs.registry import MAX_METADATA_BYTES, RegistryConfig, RegistryError
@@ -339,10 +347,29 @@ def assert_stopped(fake: FakeRegistry, stream, thread: threading.Thread, result:
     assert str(e.value) == stopped
 
 
-def test_read_returns_what_arrived_and_abort_wakes_a_blocked_read(fake, tmp_path, big_layer):
+@pytest.fixture
+def fake_tls(image, tmp_path):
+    """A FakeRegistry over HTTPS (a test CA's certificate for 127.0.0.1)."""
+    layout, desc, _ = image
+    f = FakeRegistry()
+    _, crt, key = make_ca(tmp_path / "fake-tls")
+    f.serve_tls(crt, key)
+    f.start()
+    try:
+        f.put_layout(REPO, "v1", layout, desc)
+        yield f
+    finally:
+        f.stop()
+
+
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
+@pytest.mark.parametrize("server", ["fake", "fake_tls"])
+def test_read_returns_what_arrived_and_abort_wakes_a_blocked_read(request, tmp_path, big_layer, server):
+    fake = request.getfixturevalue(server)
     digest, size, data = big_layer
     fake.stall.add(digest)
     with fake_client(fake, tmp_path) as client, client.open_blob(digest, size) as stream:   # 60 s timeout
+        assert client._scheme == ("https" if server == "fake_tls" else "http")
         assert stream.read(1 << 20) == data[:STALL_BYTES]
         thread, result = read_in_thread(stream)
         assert_stopped(fake, stream, thread, result)
