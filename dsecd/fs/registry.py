@@ -730,8 +730,12 @@ class BlobStream:
 
     def abort(self) -> None:
         """Stop the stream, from any thread, at any time: a read() blocked in
-        another thread returns at once (its socket is shut down), and every
-        read() from now on raises RegistryError("conflict", "... stopped")."""
+        another thread returns at once (its socket is shut down), a resume
+        waiting out its backoff at once too, and every read() from now on raises
+        RegistryError("conflict", "... stopped"). A resume's request already
+        under way (connecting, awaiting the answer's headers) is not cut short:
+        urllib3 does not expose its socket; it ends within the timeout, its
+        answer closed unread, and the read raises the same error."""
         self._aborted.set()
         with self._lock:
             if self._resp is not None:
