@@ -370,7 +370,7 @@ class Registry:
         """The SSL context of an HTTPS connection to host:port: the registry's
         own for its host, else one that verifies with the system CAs and the
         CAs of <certs_dir>/<host[:port]>/, never unverified."""
-        key = (host.lower(), port or 443)
+        key = (host.strip("[]").lower(), port or 443)        # an IPv6 host with or without brackets
         if key == split_host(self.host):
             return self._own_tls
         with self._tls_lock:

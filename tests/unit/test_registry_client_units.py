@@ -286,6 +286,10 @@ def test_only_the_insecure_registrys_own_host_goes_unverified():
         assert reg._tls_for("REGISTRY.lab", 5000).verify_mode == ssl.CERT_NONE
         for host, port in (("registry.lab", None), ("registry.lab", 443), ("auth.lab", 5000), ("s3.lab", None)):
             assert reg._tls_for(host, port).verify_mode == ssl.CERT_REQUIRED, (host, port)
+    with rc.Registry(rc.RegistryConfig(insecure=("[fd00::1]:5000",)), "[fd00::1]:5000", "a/b") as reg:
+        assert reg._tls_for("[fd00::1]", 5000).verify_mode == ssl.CERT_NONE
+        assert reg._tls_for("fd00::1", 5000).verify_mode == ssl.CERT_NONE
+        assert reg._tls_for("fd00::2", 5000).verify_mode == ssl.CERT_REQUIRED
 
 
 # Answers that echo the request's Authorization header back, as some servers'
