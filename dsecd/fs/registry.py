@@ -5,19 +5,23 @@ from several threads at once:
 
     manifest(ref)        a manifest or an index, by tag or digest, as served
     blob(digest)         a small blob (an image config), at most 4 MiB
-    open_blob(digest)    a layer as a stream of large reads (BlobStream), resumed
-                         with a Range request where the connection drops
+    open_blob(digest)    a layer as a stream (BlobStream) whose reads return what has
+                         arrived, resumed with a Range request where the connection
+                         drops, stopped at once from any thread by its abort()
 
 Connections, TLS and redirects are urllib3's (Debian's python3-urllib3): one
 pool per host, kept alive across the blobs of a pull. Around it, what a
 registry needs: anonymous requests first, then on a 401 the server's
 challenge answered, Basic with the credentials of a docker-style auth.json,
 Bearer with a token fetched from its realm (one token for all threads,
-fetched again once when it expires); a blob GET redirected to blob storage on
+fetched again once when it expires; credentials never to a plain-http realm
+of a registry reached over HTTPS); a blob GET redirected to blob storage on
 another host without our Authorization header; retries of refused
-connections, 5xx and 429 answers; per-registry CAs and client certificates
-from <certs_dir>/<host[:port]>/; and, for a registry listed as insecure,
-HTTPS without verification, else plain HTTP.
+connections, 5xx and 429 answers; per-host CAs and client certificates from
+<certs_dir>/<host[:port]>/; and, for a registry listed as insecure, HTTPS
+without verification, or plain HTTP when HTTPS fails in any way. That lack
+of verification is the registry's own host's only: its token realm and blob
+storage on other hosts are verified like any other.
 
 The client does not hash: the callers check every digest (the converter
 hashes each layer as it reads it, the pull checks manifests and configs),
@@ -32,6 +36,15 @@ conversion to EROFS reads them straight off the socket.
 
 Credentials stay in the auth file and in this object: they are never in an
 error, a log line or an exception's message.
+
+What it does not do: registries.conf (mirrors, blocked registries, short-name
+aliases: a pull goes to the registry its reference names); credential helpers
+and stores (auth.json's "credHelpers" and "credsStore") and OAuth identity
+tokens ("identitytoken" entries): only "auth" (base64 of user:password) or
+"username" and "password" entries are used. A registry that auth.json gives
+credentials only those other ways is asked anonymously; if it then wants
+credentials, the pull fails with RegistryError("unsupported") saying so,
+rather than with a bare refusal.
 """
 
 from __future__ import annotations
@@ -41,6 +54,7 @@ import binascii
 import json
 import logging
 import re
+import socket
 import ssl
 import threading
 import time
@@ -66,6 +80,7 @@ log = logging.getLogger(__name__)
 
 # Largest manifest, index or config accepted (skopeo's bound too).
 MAX_METADATA_BYTES = 4 << 20
+MAX_TOKEN_BYTES = 1 << 20      # a token service's answer (a JWT and a few fields)
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
@@ -175,10 +190,10 @@ def lookup_credentials(auths: dict, registry: str) -> tuple[str, str] | None:
     return None
 
 
-def read_credentials(auth_file: str, registry: str) -> tuple[str, str] | None:
-    """`registry`'s credentials from the auth.json `auth_file` ("" = none)."""
+def load_auth_file(auth_file: str) -> dict:
+    """The auth.json `auth_file` ("" = none: {})."""
     if not auth_file:
-        return None
+        return {}
     try:
         doc = json.loads(Path(auth_file).read_bytes())
     except OSError as e:
@@ -187,13 +202,39 @@ def read_credentials(auth_file: str, registry: str) -> tuple[str, str] | None:
     except ValueError:
         raise RegistryError("bad_request", f"images.auth_file {auth_file} is not JSON; write it as "
                             '{"auths": {"<host[:port]>": {"auth": "<base64 of user:password>"}}}') from None
-    auths = doc.get("auths") if isinstance(doc, dict) else None
+    return doc if isinstance(doc, dict) else {}
+
+
+def read_credentials(auth_file: str, registry: str) -> tuple[str, str] | None:
+    """`registry`'s credentials from the auth.json `auth_file` ("" = none)."""
+    auths = load_auth_file(auth_file).get("auths")
     if not isinstance(auths, dict):
         return None
     try:
         return lookup_credentials(auths, registry)
     except ValueError as e:
         raise RegistryError("bad_request", f"images.auth_file {auth_file}: {e}; fix that entry") from None
+
+
+def unusable_auth(auth_file: str, registry: str) -> str | None:
+    """How the auth.json `auth_file` gives `registry` credentials this client
+    cannot use (a credential helper, a credential store, an identity token),
+    or None. Only consulted when it has no user and password for `registry`."""
+    doc = load_auth_file(auth_file)
+    wanted = {_auth_key_host(name) for name in auth_candidates(registry)}
+    helpers = doc.get("credHelpers")
+    if isinstance(helpers, dict):
+        for key, helper in helpers.items():
+            if _auth_key_host(key) in wanted:
+                return f'its "credHelpers" sends {key} to the credential helper docker-credential-{helper}'
+    auths = doc.get("auths")
+    if isinstance(auths, dict):
+        for key, entry in auths.items():
+            if _auth_key_host(key) in wanted and isinstance(entry, dict) and entry.get("identitytoken"):
+                return f'its "auths" entry for {key} holds only an "identitytoken"'
+    if isinstance(doc.get("credsStore"), str) and doc["credsStore"]:
+        return f'its "credsStore" keeps the credentials in docker-credential-{doc["credsStore"]}'
+    return None
 
 
 def basic_header(user: str, password: str) -> str:
@@ -241,6 +282,38 @@ def ssl_context(cfg: RegistryConfig, registry: str, insecure: bool) -> ssl.SSLCo
     return ctx
 
 
+def certs_name(cfg: RegistryConfig, name: str, host: str) -> str:
+    """The directory of <certs_dir> for a registry called `name` and served on
+    `host`: <name> if there is one, else <host> (docker.io's is registry-1.docker.io)."""
+    return host if cfg.certs_dir and not (Path(cfg.certs_dir) / name).is_dir() else name
+
+
+def split_host(host: str, default_port: int = 443) -> tuple[str, int]:
+    """host[:port] as (host in lower case, port)."""
+    parts = urlsplit("//" + host)
+    return (parts.hostname or host).lower(), parts.port or default_port
+
+
+class HostTLSPoolManager(urllib3.PoolManager):
+    """A PoolManager whose HTTPS pool for each host gets the SSL context
+    `context_for(host, port)` picks, redirects included (urllib3 1.26's own
+    PoolManager has one context for all hosts)."""
+
+    def __init__(self, context_for, **kw):
+        super().__init__(**kw)
+        self._context_for = context_for
+
+    def _new_pool(self, scheme, host, port, request_context=None):
+        if scheme == "https":
+            request_context = dict(self.connection_pool_kw if request_context is None else request_context)
+            ctx = self._context_for(host, port)
+            # cert_reqs and ca_certs given: Debian's urllib3 defaults them to CERT_REQUIRED
+            # and its CA bundle, which would undo an insecure context and load the
+            # bundle again into the context at every new connection.
+            request_context.update(ssl_context=ctx, cert_reqs=ctx.verify_mode, ca_certs=None)
+        return super()._new_pool(scheme, host, port, request_context)
+
+
 def _registry_code(body: bytes) -> str:
     """The first error code of a registry's JSON error body ("MANIFEST_UNKNOWN"), or ""."""
     try:
@@ -270,19 +343,19 @@ class Registry:
         self.repository = repository
         self.host = api_host(registry)
         self._creds = read_credentials(cfg.auth_file, registry)
+        self._unusable_auth = None if self._creds else unusable_auth(cfg.auth_file, registry)
         self._insecure = registry in cfg.insecure or self.host in cfg.insecure
         self._scheme = None if self._insecure else "https"
         self._auth: str | None = None          # the Authorization header that worked last
         self._lock = threading.Lock()
-        certs_name = self.host if cfg.certs_dir and not (Path(cfg.certs_dir) / registry).is_dir() else registry
-        ctx = ssl_context(cfg, certs_name, self._insecure)
+        # Only the registry's own host gets its (possibly unverified) context; its
+        # token realm and blob storage on other hosts are always verified.
+        self._own_tls = ssl_context(cfg, certs_name(cfg, registry, self.host), self._insecure)
+        self._other_tls: dict[tuple[str, int], ssl.SSLContext] = {}
+        self._tls_lock = threading.Lock()
         timeout = urllib3.Timeout(connect=cfg.timeout_s, read=cfg.timeout_s)
-        # cert_reqs and ca_certs given: Debian's urllib3 defaults them to CERT_REQUIRED
-        # and its CA bundle, which would undo an insecure context and load the
-        # bundle again into the context at every new connection.
-        self._http = urllib3.PoolManager(num_pools=4, maxsize=POOL_CONNECTIONS, block=False, timeout=timeout,
-                                         ssl_context=ctx, cert_reqs=ctx.verify_mode, ca_certs=None,
-                                         headers={"User-Agent": USER_AGENT})
+        self._http = HostTLSPoolManager(self._tls_for, num_pools=8, maxsize=POOL_CONNECTIONS, block=False,
+                                        timeout=timeout, headers={"User-Agent": USER_AGENT})
 
     def __enter__(self) -> Registry:
         return self
@@ -292,6 +365,20 @@ class Registry:
 
     def close(self) -> None:
         self._http.clear()
+
+    def _tls_for(self, host: str, port: int | None) -> ssl.SSLContext:
+        """The SSL context of an HTTPS connection to host:port: the registry's
+        own for its host, else one that verifies with the system CAs and the
+        CAs of <certs_dir>/<host[:port]>/, never unverified."""
+        key = (host.strip("[]").lower(), port or 443)        # an IPv6 host with or without brackets
+        if key == split_host(self.host):
+            return self._own_tls
+        with self._tls_lock:
+            ctx = self._other_tls.get(key)
+            if ctx is None:
+                name = host if key[1] == 443 else f"{host}:{key[1]}"
+                ctx = self._other_tls[key] = ssl_context(self.cfg, name, insecure=False)
+            return ctx
 
     def __repr__(self) -> str:                 # never the credentials
         return f"Registry({self.registry}/{self.repository})"
@@ -322,14 +409,19 @@ class Registry:
     def _url(self, scheme: str, path: str) -> str:
         return f"{scheme}://{self.host}/v2/{self.repository}/{path}"
 
-    def _get(self, path: str, headers: dict[str, str], what: str) -> urllib3.HTTPResponse:
+    def _get(self, path: str, headers: dict[str, str], what: str,
+             stop: threading.Event | None = None) -> urllib3.HTTPResponse:
         """A GET of /v2/<repository>/<path> answered 200 or 206, body not yet read
-        (the caller reads and releases it): auth, retries and errors handled here."""
+        (the caller reads and releases it): auth, retries and errors handled here.
+        Once `stop` is set, raises _Aborted before any further try and cuts a
+        backoff short."""
         refreshed = False
         attempt = 0
         while True:
+            if stop is not None and stop.is_set():
+                raise _Aborted()
             auth = self._auth
-            resp = self._send(path, headers, auth, what, attempt)
+            resp = self._send(path, headers, auth, what, attempt, stop)
             if resp is None:                   # a connection error, retried
                 attempt += 1
                 continue
@@ -343,16 +435,18 @@ class Registry:
                 continue
             if (status >= 500 or status == 429) and attempt < self.cfg.retry_times:
                 log.info("%s: the registry answered %d; retrying", what, status)
-                self._backoff(attempt)
+                self._backoff(attempt, stop)
                 attempt += 1
                 continue
             raise self._status_error(status, body, what)
 
     def _send(self, path: str, headers: dict[str, str], auth: str | None, what: str,
-              attempt: int) -> urllib3.HTTPResponse | None:
+              attempt: int, stop: threading.Event | None = None) -> urllib3.HTTPResponse | None:
         """One request (redirects followed); None after a connection error worth retrying.
-        An insecure registry is tried over HTTPS first, then, if TLS fails, over
-        plain HTTP; the scheme that answered is kept for the later requests."""
+        An insecure registry is tried over HTTPS first, then, if that attempt
+        fails in any way short of an answer (refused, timed out, TLS or protocol
+        error, as docker and skopeo do), over plain HTTP; the scheme that answered
+        is kept for the later requests."""
         hdrs = dict(headers)
         if auth:
             hdrs["Authorization"] = auth
@@ -364,10 +458,10 @@ class Registry:
                     self._scheme = "https"
                     return resp
                 except MaxRetryError as e:
-                    if not isinstance(e.reason, (SSLError, ProtocolError)):
+                    if isinstance(e.reason, ResponseError):     # too many redirects: an answer all the same
                         raise
-                    log.info("%s: no TLS with %s (%s); trying plain HTTP (it is in images.insecure_registries)",
-                             what, self.host, _describe(e))
+                    log.info("%s: no HTTPS with %s (%s); trying plain HTTP (it is in "
+                             "images.insecure_registries)", what, self.host, _describe(e))
                 resp = self._request(self._url("http", path), hdrs)
                 self._scheme = "http"
                 return resp
@@ -379,9 +473,9 @@ class Registry:
                                     f"{_tls_advice(str(reason))}") from None
             if isinstance(reason, ResponseError):
                 raise RegistryError("io", f"{what}: more than {MAX_REDIRECTS} redirects") from None
-            return self._retry_or_raise(reason, what, attempt)
+            return self._retry_or_raise(reason, what, attempt, stop)
         except (HTTPError, OSError) as e:
-            return self._retry_or_raise(e, what, attempt)
+            return self._retry_or_raise(e, what, attempt, stop)
 
     def _request(self, url: str, headers: dict[str, str]) -> urllib3.HTTPResponse:
         """A GET with its body unread; redirects followed, never with our
@@ -392,17 +486,23 @@ class Registry:
         return self._http.request("GET", url, headers=headers, retries=retries, preload_content=False,
                                   decode_content=False, enforce_content_length=True)
 
-    def _retry_or_raise(self, reason: BaseException, what: str, attempt: int) -> None:
+    def _retry_or_raise(self, reason: BaseException, what: str, attempt: int,
+                        stop: threading.Event | None = None) -> None:
         if attempt < self.cfg.retry_times:
             log.info("%s: %s; retrying", what, _describe(reason))
-            self._backoff(attempt)
+            self._backoff(attempt, stop)
             return None
         raise RegistryError("io", f"{what}: cannot reach {self.host}: {_describe(reason)} "
                             f"(after {attempt + 1} tries); check the registry's name and that it is up") from None
 
     @staticmethod
-    def _backoff(attempt: int) -> None:
-        time.sleep(BACKOFF_S * (2 ** attempt))
+    def _backoff(attempt: int, stop: threading.Event | None = None) -> None:
+        """The wait before retry `attempt` + 1; over at once when `stop` is set."""
+        delay = BACKOFF_S * (2 ** attempt)
+        if stop is None:
+            time.sleep(delay)
+        else:
+            stop.wait(delay)
 
     @staticmethod
     def _drain(resp: urllib3.HTTPResponse) -> bytes:
@@ -415,12 +515,13 @@ class Registry:
         _put_back(resp)
         return body
 
-    def _read_small(self, resp: urllib3.HTTPResponse, limit: int, what: str) -> bytes:
+    def _read_small(self, resp: urllib3.HTTPResponse, limit: int, what: str,
+                    kind: str = "a manifest or config") -> bytes:
         done = False
         try:
             length = resp.headers.get("Content-Length")
             if length is not None and length.isdigit() and int(length) > limit:
-                raise self._too_big(what, limit)
+                raise self._too_big(what, limit, kind)
             chunks, got = [], 0
             while got <= limit:
                 piece = resp.read(min(1 << 20, limit + 1 - got), decode_content=False)
@@ -429,7 +530,7 @@ class Registry:
                 chunks.append(piece)
                 got += len(piece)
             if got > limit:
-                raise self._too_big(what, limit)
+                raise self._too_big(what, limit, kind)
             done = True
             return b"".join(chunks)
         except (HTTPError, OSError) as e:
@@ -442,10 +543,9 @@ class Registry:
                 resp.close()
 
     @staticmethod
-    def _too_big(what: str, limit: int) -> RegistryError:
+    def _too_big(what: str, limit: int, kind: str) -> RegistryError:
         size = f"{limit >> 20} MiB" if limit >= 1 << 20 else f"{limit} bytes"
-        return RegistryError("io", f"{what}: the registry sent more than {size}, more than a manifest "
-                             "or config may have")
+        return RegistryError("io", f"{what}: the server sent more than {size}, more than {kind} may have")
 
     def _status_error(self, status: int, body: bytes, what: str) -> RegistryError:
         code = _registry_code(body)
@@ -455,13 +555,25 @@ class Registry:
                                  "digest: check the reference (a name that names no registry is looked up "
                                  "in images.default_registry)")
         if status in (401, 403):
-            given = "with the credentials of images.auth_file" if self._creds else "anonymously"
-            return RegistryError("permission", f"{what}: {answer} ({given}); give credentials for "
-                                 f"{self.registry} in images.auth_file (a docker-style auth.json)")
+            return self._credentials_refused(f"{what}: {answer}")
         if status == 429:
             return RegistryError("busy", f"{what}: {answer} (too many requests) after "
                                  f"{self.cfg.retry_times} retries; pull again later")
         return RegistryError("io", f"{what}: {answer}")
+
+    def _credentials_refused(self, refusal: str) -> RegistryError:
+        """A refusal ("<what>: the registry answered 401") with how we asked and what to do."""
+        if self._unusable_auth:
+            return self._unsupported_auth(refusal + " (anonymously)")
+        given = "with the credentials of images.auth_file" if self._creds else "anonymously"
+        return RegistryError("permission", f"{refusal} ({given}); give credentials for {self.registry} in "
+                             "images.auth_file (a docker-style auth.json)")
+
+    def _unsupported_auth(self, refusal: str) -> RegistryError:
+        return RegistryError("unsupported", f"{refusal}; images.auth_file {self.cfg.auth_file} has no user and "
+                             f"password for {self.registry}: {self._unusable_auth}, which this client does not "
+                             f'run; write them there as "auths": {{"{self.registry}": {{"auth": "<base64 of '
+                             'user:password>"}}')
 
     # ------------------------------------------------------------ auth
 
@@ -473,6 +585,8 @@ class Registry:
                 return
             scheme, params = parse_challenge(challenge)
             if scheme == "basic":
+                if self._creds is None and self._unusable_auth:
+                    raise self._unsupported_auth(f"{what}: the registry asks for a user and password")
                 if self._creds is None:
                     raise RegistryError("permission", f"{what}: the registry asks for a user and password; "
                                         f"give credentials for {self.registry} in images.auth_file "
@@ -486,45 +600,64 @@ class Registry:
 
     def _fetch_token(self, params: dict[str, str], what: str) -> str:
         realm = params["realm"]
-        if urlsplit(realm).scheme not in ("http", "https"):
+        realm_url = urlsplit(realm)
+        if realm_url.scheme not in ("http", "https"):
             raise RegistryError("io", f"{what}: the registry's token realm {realm!r} is not an http(s) URL")
+        if self._creds and realm_url.scheme == "http" and not self._insecure:
+            raise RegistryError("permission", f"{what}: the registry, reached over HTTPS, sends us for a token "
+                                f"to {realm_url.netloc} over plain HTTP, which would carry the credentials of "
+                                f"images.auth_file unencrypted; refused (list {self.host} in "
+                                "images.insecure_registries only if that network is trusted)")
         query = {"scope": f"repository:{self.repository}:pull"}
         if params.get("service"):
             query = {"service": params["service"], **query}
         url = realm + ("&" if "?" in realm else "?") + urlencode(query)
         headers = {"Authorization": basic_header(*self._creds)} if self._creds else {}
-        for attempt in range(self.cfg.retry_times + 1):
-            try:
-                resp = self._http.request("GET", url, headers=headers, timeout=urllib3.Timeout(
-                    connect=self.cfg.timeout_s, read=self.cfg.timeout_s),
-                    retries=urllib3.Retry(total=None, connect=0, read=0, status=0, other=0,
-                                          redirect=MAX_REDIRECTS, remove_headers_on_redirect=["Authorization"]))
-            except (HTTPError, OSError) as e:
-                reason = getattr(e, "reason", None) or e
-                if attempt < self.cfg.retry_times:
-                    self._backoff(attempt)
-                    continue
-                raise RegistryError("io", f"{what}: cannot reach the token service {urlsplit(realm).netloc}: "
-                                    f"{_describe(reason)}") from None
-            if (resp.status >= 500 or resp.status == 429) and attempt < self.cfg.retry_times:
-                self._backoff(attempt)
-                continue
-            break
-        if resp.status in (401, 403):
-            given = "with the credentials of images.auth_file" if self._creds else "anonymously"
-            raise RegistryError("permission", f"{what}: the token service {urlsplit(realm).netloc} refused "
-                                f"a pull token ({resp.status}, {given}); give credentials for "
-                                f"{self.registry} in images.auth_file (a docker-style auth.json)")
+        service = f"the token service {realm_url.netloc}"
+        resp = self._token_answer(url, headers, service, what)
         if resp.status != 200:
-            raise RegistryError("io", f"{what}: the token service {urlsplit(realm).netloc} answered {resp.status}")
+            self._drain(resp)                  # its body never quoted: it may echo what we sent
+            if resp.status in (401, 403):
+                raise self._credentials_refused(f"{what}: {service} refused a pull token ({resp.status})")
+            raise RegistryError("io", f"{what}: {service} answered {resp.status}")
+        body = self._read_small(resp, MAX_TOKEN_BYTES, f"{what}: {service}", "a token answer")
         try:
-            doc = json.loads(resp.data)
+            doc = json.loads(body)
             token = doc.get("token") or doc.get("access_token")
         except (ValueError, AttributeError):
             token = None
         if not isinstance(token, str) or not token:
-            raise RegistryError("io", f"{what}: the token service {urlsplit(realm).netloc} sent no token")
+            raise RegistryError("io", f"{what}: {service} sent no token")
         return token
+
+    def _token_answer(self, url: str, headers: dict[str, str], service: str, what: str) -> urllib3.HTTPResponse:
+        """The token service's answer, its body unread; connection errors, 5xx and 429 retried."""
+        for attempt in range(self.cfg.retry_times + 1):
+            try:
+                resp = self._request(url, headers)
+            except MaxRetryError as e:
+                reason = e.reason if e.reason is not None else e
+                if isinstance(reason, SSLError):
+                    raise RegistryError("io", f"{what}: TLS with {service} failed: {reason}; put the CA that "
+                                        "signed its certificate in images.certs_dir/<host[:port]>/") from None
+                if isinstance(reason, ResponseError):
+                    raise RegistryError("io", f"{what}: {service}: more than {MAX_REDIRECTS} redirects") from None
+                error = reason
+            except (HTTPError, OSError) as e:
+                error = e
+            else:
+                if not (resp.status >= 500 or resp.status == 429) or attempt == self.cfg.retry_times:
+                    return resp
+                self._drain(resp)
+                error = None
+            if attempt == self.cfg.retry_times:
+                raise RegistryError("io", f"{what}: cannot reach {service}: {_describe(error)}") from None
+            self._backoff(attempt)
+        raise AssertionError("unreachable")
+
+
+class _Aborted(Exception):
+    """A request given up because its BlobStream was aborted."""
 
 
 def _put_back(resp: urllib3.HTTPResponse) -> None:
@@ -544,7 +677,7 @@ def _describe(e: BaseException) -> str:
         text = str(e)
         m = re.search(r"Failed to establish a new connection: (.*)$", text)
         return m.group(1) if m else text
-    if isinstance(e, ReadTimeoutError):
+    if isinstance(e, (ReadTimeoutError, TimeoutError)):
         return "no answer in time (read timeout)"
     if isinstance(e, ProtocolError) and e.args:
         inner = e.args[-1]
@@ -553,10 +686,29 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def _shut_down(resp: urllib3.HTTPResponse) -> None:
+    """Shut down the socket under `resp`: a thread blocked reading it wakes
+    with an end of file (closing the socket would not wake it). The socket
+    object itself stays open, for its owner to close."""
+    sock = getattr(getattr(resp, "_connection", None), "sock", None)
+    if sock is None:                           # the connection already given back: its file's socket
+        raw = getattr(getattr(getattr(resp, "_fp", None), "fp", None), "raw", None)
+        sock = getattr(raw, "_sock", None)
+    if sock is None:
+        return
+    try:
+        # socket.socket's own shutdown, also for an SSLSocket: no TLS close_notify
+        # written (it could block) and its SSL object left to the reading thread
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:
+        pass                                   # already closed or never connected
+
+
 class BlobStream:
     """A blob's bytes as they arrive. read(n) -> bytes, b"" once `size` bytes were given.
     A connection that drops mid-body is asked again from where it stopped
-    (Range: bytes=<bytes_read>-), up to the config's retry_times per blob."""
+    (Range: bytes=<bytes_read>-), up to the config's retry_times per blob.
+    abort(), from any thread, stops it at once: no more reads, resumes or retries."""
 
     def __init__(self, reg: Registry, digest: str, size: int):
         self._reg = reg
@@ -566,6 +718,8 @@ class BlobStream:
         self._resumes = 0
         self._what = f"download the blob {digest} of {reg._name()}"
         self._resp: urllib3.HTTPResponse | None = None
+        self._aborted = threading.Event()
+        self._lock = threading.Lock()          # self._resp, between the reading thread and abort()
         self._open()
 
     def __enter__(self) -> BlobStream:
@@ -574,10 +728,34 @@ class BlobStream:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def abort(self) -> None:
+        """Stop the stream, from any thread, at any time: a read() blocked in
+        another thread returns at once (its socket is shut down), a resume
+        waiting out its backoff at once too, and every read() from now on raises
+        RegistryError("conflict", "... stopped"). A resume's request already
+        under way (connecting, awaiting the answer's headers) is not cut short:
+        urllib3 does not expose its socket; it ends within the timeout, its
+        answer closed unread, and the read raises the same error."""
+        self._aborted.set()
+        with self._lock:
+            if self._resp is not None:
+                _shut_down(self._resp)
+
+    def _stopped(self) -> RegistryError:
+        return RegistryError("conflict", f"{self._reg._name()}: blob {self.digest}: stopped")
+
+    def _take_resp(self) -> urllib3.HTTPResponse | None:
+        with self._lock:
+            resp, self._resp = self._resp, None
+        return resp
+
     def _open(self) -> None:
         start = self.bytes_read
         headers = {"Range": f"bytes={start}-"} if start else {}
-        resp = self._reg._get(f"blobs/{self.digest}", headers, self._what)
+        try:
+            resp = self._reg._get(f"blobs/{self.digest}", headers, self._what, self._aborted)
+        except _Aborted:
+            raise self._stopped() from None
         try:
             if start and resp.status == 206:
                 m = re.match(r"bytes (\d+)-", resp.headers.get("Content-Range", ""))
@@ -594,20 +772,25 @@ class BlobStream:
                                     f"{start if resp.status == 206 else 0}, more than the {self.size} bytes of "
                                     "the blob's descriptor")
         except BaseException:
-            resp.release_conn()
+            resp.close()                       # its body unread: not back into the pool
             raise
-        self._resp = resp
+        with self._lock:
+            if not self._aborted.is_set():
+                self._resp = resp
+                return
+        resp.close()
+        raise self._stopped()
 
     def _skip(self, resp: urllib3.HTTPResponse, n: int) -> None:
         """Drop the first n bytes of a 200 answer to a Range request (the server ignored the Range)."""
         left = n
         try:
             while left:
-                piece = resp.read(min(left, 1 << 20), decode_content=False)
+                piece = _body(resp).read1(min(left, 1 << 20))
                 if not piece:
                     break
                 left -= len(piece)
-        except (HTTPError, OSError) as e:
+        except (HTTPError, OSError, IncompleteRead) as e:
             raise RegistryError("io", f"{self._what}: truncated: the connection failed ({_describe(e)}) while "
                                 f"skipping to byte {n} of an answer that ignored our Range request") from None
         if left:
@@ -615,22 +798,28 @@ class BlobStream:
                                 "download was to resume (the registry ignored our Range request)")
 
     def read(self, n: int = -1) -> bytes:
+        """Up to n bytes, as many as have arrived (at least one), b"" at the
+        blob's end; n < 0: all the rest."""
         if n is None or n < 0:
             chunks = []
             while piece := self.read(1 << 20):
                 chunks.append(piece)
             return b"".join(chunks)
+        if self._aborted.is_set():
+            raise self._stopped()
         remaining = self.size - self.bytes_read
         if remaining <= 0 or n == 0:
             if remaining == 0 and self._resp is not None:
                 self._check_end()
             return b""
         while True:
-            if self._resp is None:
+            resp = self._resp
+            if resp is None:
                 raise RegistryError("io", f"{self._what}: the stream is closed")
             try:
-                piece = self._resp.read(min(n, remaining), decode_content=False)
-            except (ProtocolError, IncompleteRead, ReadTimeoutError, SSLError, OSError) as e:
+                # read1: what the socket has (one recv), not a wait for all n bytes
+                piece = _body(resp).read1(min(n, remaining))
+            except (IncompleteRead, OSError, ValueError) as e:
                 piece, reason = b"", _describe(e)
             else:
                 reason = "the connection ended early"
@@ -639,23 +828,27 @@ class BlobStream:
                 if self.bytes_read == self.size:
                     self._check_end()
                 return piece
+            if self._aborted.is_set():
+                raise self._stopped()
             self._resume(reason)
 
     def _check_end(self) -> None:
         """After `size` bytes: the answer must end there; then its connection goes back to the pool."""
-        resp, self._resp = self._resp, None
+        resp = self._take_resp()
+        if resp is None:
+            return
         try:
-            extra = resp.read(1, decode_content=False)
-        except (HTTPError, OSError):
+            extra = _body(resp).read(1)
+        except (IncompleteRead, OSError, ValueError):
             extra = b""
         if extra:
             resp.close()
             raise RegistryError("io", f"{self._what}: the registry sent more than the {self.size} bytes of "
                                 "the blob's descriptor")
-        resp.release_conn()
+        _put_back(resp)
 
     def _resume(self, reason: str) -> None:
-        resp, self._resp = self._resp, None
+        resp = self._take_resp()
         if resp is not None:
             resp.close()                       # a broken connection: not back into the pool
         if self._resumes >= self._reg.cfg.retry_times:
@@ -663,10 +856,20 @@ class BlobStream:
                                 f"({reason}; after {self._resumes} resumed requests)")
         self._resumes += 1
         log.info("%s: %s at byte %d of %d; asking for the rest", self._what, reason, self.bytes_read, self.size)
-        Registry._backoff(self._resumes - 1)
+        Registry._backoff(self._resumes - 1, self._aborted)
+        if self._aborted.is_set():
+            raise self._stopped()
         self._open()
 
     def close(self) -> None:
-        resp, self._resp = self._resp, None
+        resp = self._take_resp()
         if resp is not None:
             resp.close()
+
+
+def _body(resp: urllib3.HTTPResponse):
+    """The http.client response under urllib3's: its read1() returns what has
+    arrived, where urllib3 1.26's read(n) waits for all n bytes. BlobStream
+    reads through it alone, so urllib3's own count of the body is never
+    consulted (it would take the body read here for missing)."""
+    return resp._fp

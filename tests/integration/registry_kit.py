@@ -24,6 +24,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -31,6 +32,7 @@ from collections import Counter
 from pathlib import Path
 
 REGISTRY_BIN = "/usr/bin/docker-registry"
+STALL_BYTES = 100              # what FakeRegistry sends of a stalled blob
 
 
 def free_port() -> int:
@@ -145,18 +147,55 @@ class Registry:
                 self.proc.wait()
 
 
-class FakeRegistry:
+class QuietHandler(http.server.BaseHTTPRequestHandler):
+    """HTTP/1.1 (keep-alive), no access log on stderr."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+
+class LoopbackServer:
+    """A threading HTTP server on 127.0.0.1:<free port> (self.host) answering
+    with `handler`, in a thread from start() to stop()."""
+
+    def __init__(self, handler: type[http.server.BaseHTTPRequestHandler]):
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        self.host = f"127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+
+    def serve_tls(self, cert: Path, key: Path) -> None:
+        """HTTPS instead of HTTP (before start()), with this certificate and key."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(str(cert), str(key))
+        self.server.socket = ctx.wrap_socket(self.server.socket, server_side=True)
+
+    def start(self):
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class FakeRegistry(LoopbackServer):
     """A v2 registry from dicts, with knobs for hostile answers:
 
     lie[digest] = bytes     served instead of the blob (wrong content)
     cut.add(digest)         the blob's full Content-Length, half its bytes, then close
     cut_first[digest] = K   the same, for the blob's first K GETs only (later ones whole)
     slow[digest] = seconds  the blob trickles out over that long
+    stall.add(digest)       the blob's headers and first STALL_BYTES, then nothing until stop()
     gets[digest]            blob GETs served
     ranges[digest]          blob GETs with a Range header (answered 206 + Content-Range)
     ignore_range = True     Range headers ignored (200 with the whole blob)
     fail[digest] = [503, 429]  the blob's next GETs answered with these statuses, in turn
     use_tokens(...)         bearer tokens required (see there)
+    token_realm = url       the realm the 401s name instead of this server's /token
+    token_body = bytes      what /token answers instead of a token
     redirect_blobs()        blob GETs answered 307 to a second server (see there)
     """
 
@@ -167,6 +206,8 @@ class FakeRegistry:
         self.cut: set[str] = set()
         self.cut_first: dict[str, int] = {}
         self.slow: dict[str, float] = {}
+        self.stall: set[str] = set()
+        self.unstalled = threading.Event()
         self.gets: Counter[str] = Counter()
         self.ranges: Counter[str] = Counter()
         self.ignore_range = False
@@ -176,20 +217,15 @@ class FakeRegistry:
         self.token_creds: tuple[str, str] | None = None
         self.token_uses: int | None = None
         self.token_required = False
+        self.token_realm: str | None = None
+        self.token_body: bytes | None = None
         self.blob_store: BlobStore | None = None
         self._lock = threading.Lock()
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.server.daemon_threads = True
-        self.host = f"127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
-
-    def start(self) -> FakeRegistry:
-        self.thread.start()
-        return self
+        super().__init__(self._handler())
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.unstalled.set()
+        super().stop()
         if self.blob_store is not None:
             self.blob_store.stop()
 
@@ -278,12 +314,7 @@ class FakeRegistry:
     def _handler(self):
         fake = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
+        class Handler(QuietHandler):
             def _send(self, code: int, body: bytes = b"", headers: dict | None = None, head=False):
                 self.send_response(code)
                 for k, v in (headers or {}).items():
@@ -302,10 +333,12 @@ class FakeRegistry:
                     token = fake._issue_token(self.headers.get("Authorization"))
                     if token is None:
                         return self._send(401, b'{"details":"bad credentials"}', head=head)
+                    if fake.token_body is not None:
+                        return self._send(200, fake.token_body, {"Content-Type": "application/json"}, head)
                     return self._send(200, json.dumps({"token": token}).encode(),
                                       {"Content-Type": "application/json"}, head)
                 if fake.token_required and not fake._token_ok(self.headers.get("Authorization")):
-                    realm = f'Bearer realm="http://{fake.host}/token",service="fake-registry"'
+                    realm = f'Bearer realm="{fake.token_realm or f"http://{fake.host}/token"}",service="fake-registry"'
                     m = re.match(r"^/v2/(.+)/(?:manifests|blobs)/", path)
                     if m:
                         realm += f',scope="repository:{m.group(1)}:pull"'
@@ -376,6 +409,14 @@ def serve_blob(handler: http.server.BaseHTTPRequestHandler, fake: FakeRegistry, 
     handler.send_header("Content-Type", "application/octet-stream")
     handler.send_header("Content-Length", str(len(data)))
     handler.end_headers()
+    if ref in fake.stall:
+        try:
+            handler.wfile.write(data[:STALL_BYTES])
+        except (BrokenPipeError, ConnectionResetError):
+            return
+        fake.unstalled.wait(60)
+        handler.close_connection = True
+        return
     cut = fake._take_cut(ref)
     body = data[: len(data) // 2] if cut else data
     delay = fake.slow.get(ref, 0.0)
@@ -394,7 +435,7 @@ def serve_blob(handler: http.server.BaseHTTPRequestHandler, fake: FakeRegistry, 
         handler.connection.shutdown(socket.SHUT_RDWR)
 
 
-class BlobStore:
+class BlobStore(LoopbackServer):
     """Where FakeRegistry.redirect_blobs() sends blob GETs: the same blobs on
     another port, GET /store/<digest>. authorization[i] is the Authorization
     header of its i-th GET (None when absent)."""
@@ -402,28 +443,12 @@ class BlobStore:
     def __init__(self, fake: FakeRegistry):
         self.fake = fake
         self.authorization: list[str | None] = []
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.server.daemon_threads = True
-        self.host = f"127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
-
-    def start(self) -> BlobStore:
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(self._handler())
 
     def _handler(self):
         store = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
+        class Handler(QuietHandler):
             def do_GET(self):
                 store.authorization.append(self.headers.get("Authorization"))
                 ref = self.path.split("?")[0].removeprefix("/store/")

@@ -9,11 +9,20 @@ import json
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import pytest
 from image_kit import Layout, layer_of, push, sha256
-from registry_kit import FakeRegistry, Registry, auth_json, free_port, missing_tools
+from registry_kit import (
+    STALL_BYTES,
+    FakeRegistry,
+    Registry,
+    auth_json,
+    free_port,
+    make_ca,
+    missing_tools,
+)
 
 from dsecd.fs import registry as rc
 from dsecd.fs.registry import MAX_METADATA_BYTES, RegistryConfig, RegistryError
@@ -244,6 +253,36 @@ def test_expired_token_is_fetched_again(fake, image, tmp_path):
     assert fake.token_gets == 2
 
 
+def test_token_answer_over_a_mebibyte_is_refused(fake, tmp_path):
+    fake.use_tokens()
+    fake.token_body = b'{"token": "' + b"t" * (1 << 20) + b'"}'
+    with fake_client(fake, tmp_path) as client, pytest.raises(RegistryError) as e:
+        client.manifest("v1")
+    assert e.value.code == "io" and f"the token service {fake.host}" in str(e.value)
+    assert "more than 1 MiB, more than a token answer may have" in str(e.value)
+
+
+def test_insecure_registry_verifies_its_token_realm_on_another_host(fake, tls, tmp_path):
+    """Only the insecure registry's own host goes unverified: its token realm,
+    here the TLS docker-registry on another port, needs its CA in certs_dir."""
+    fake.use_tokens()
+    fake.token_realm = f"https://{tls.host}/token"
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    with fake_client(fake, tmp_path, retry_times=0, certs_dir=str(certs)) as client, \
+            pytest.raises(RegistryError) as e:
+        client.manifest("v1")
+    assert e.value.code == "io" and f"TLS with the token service {tls.host} failed" in str(e.value)
+    assert "CERTIFICATE_VERIFY_FAILED" in str(e.value) and "images.certs_dir" in str(e.value)
+    (certs / tls.host).mkdir()
+    shutil.copy(tls.ca, certs / tls.host / "ca.crt")
+    with fake_client(fake, tmp_path, retry_times=0, certs_dir=str(certs)) as client, \
+            pytest.raises(RegistryError) as e:
+        client.manifest("v1")
+    # verified now: docker-registry has no /token, and says so
+    assert e.value.code == "io" and f"the token service {tls.host} answered 404" in str(e.value)
+
+
 def test_redirect_to_blob_storage_without_authorization(fake, image, tmp_path, big_layer):
     fake.use_tokens()
     store = fake.redirect_blobs()
@@ -278,11 +317,107 @@ def test_blob_cut_every_time_is_truncated_after_the_retries(fake, tmp_path, big_
     assert fake.gets[digest] == 3 and fake.ranges[digest] == 2
 
 
-def test_blob_longer_than_its_descriptor_is_refused(fake, tmp_path, big_layer):
+def read_in_thread(stream) -> tuple[threading.Thread, dict]:
+    """read_all(stream) in a thread: (the thread, {"error": what it raised} once it ends)."""
+    result: dict = {}
+
+    def run():
+        try:
+            result["data"] = read_all(stream)
+        except RegistryError as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def assert_stopped(fake: FakeRegistry, stream, thread: threading.Thread, result: dict) -> None:
+    """abort() ends the read blocked in `thread` within a second, with the stopped error."""
+    time.sleep(0.3)
+    assert thread.is_alive(), result
+    started = time.monotonic()
+    stream.abort()
+    thread.join(5)
+    assert not thread.is_alive() and time.monotonic() - started < 1.0
+    stopped = f"{fake.host}/{REPO}: blob {stream.digest}: stopped"
+    assert result["error"].code == "conflict" and str(result["error"]) == stopped
+    with pytest.raises(RegistryError) as e:
+        stream.read(1 << 20)
+    assert str(e.value) == stopped
+
+
+@pytest.fixture
+def fake_tls(image, tmp_path):
+    """A FakeRegistry over HTTPS (a test CA's certificate for 127.0.0.1)."""
+    layout, desc, _ = image
+    f = FakeRegistry()
+    _, crt, key = make_ca(tmp_path / "fake-tls")
+    f.serve_tls(crt, key)
+    f.start()
+    try:
+        f.put_layout(REPO, "v1", layout, desc)
+        yield f
+    finally:
+        f.stop()
+
+
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
+@pytest.mark.parametrize("server", ["fake", "fake_tls"])
+def test_read_returns_what_arrived_and_abort_wakes_a_blocked_read(request, tmp_path, big_layer, server):
+    fake = request.getfixturevalue(server)
+    digest, size, data = big_layer
+    fake.stall.add(digest)
+    with fake_client(fake, tmp_path) as client, client.open_blob(digest, size) as stream:   # 60 s timeout
+        assert client._scheme == ("https" if server == "fake_tls" else "http")
+        assert stream.read(1 << 20) == data[:STALL_BYTES]
+        thread, result = read_in_thread(stream)
+        assert_stopped(fake, stream, thread, result)
+    assert fake.gets[digest] == 1, "an aborted stream asked again"
+
+
+def test_abort_wakes_a_resume_backoff_and_stops_the_resumes(fake, tmp_path, big_layer, monkeypatch):
     digest, size, _ = big_layer
-    with fake_client(fake, tmp_path) as client, pytest.raises(RegistryError) as e:
-        client.open_blob(digest, size - 10)
-    assert e.value.code == "io" and f"more than the {size - 10} bytes" in str(e.value)
+    fake.cut.add(digest)
+    monkeypatch.setattr(rc, "BACKOFF_S", 30.0)
+    with fake_client(fake, tmp_path, retry_times=3) as client, client.open_blob(digest, size) as stream:
+        thread, result = read_in_thread(stream)
+        assert_stopped(fake, stream, thread, result)
+    assert fake.gets[digest] == 1 and fake.ranges[digest] == 0
+
+
+def test_abort_before_the_first_read(fake, tmp_path, big_layer):
+    digest, size, _ = big_layer
+    with fake_client(fake, tmp_path) as client:
+        with client.open_blob(digest, size) as stream:
+            stream.abort()
+            with pytest.raises(RegistryError) as e:
+                stream.read(1 << 20)
+        assert e.value.code == "conflict" and str(e.value).endswith(f"blob {digest}: stopped")
+        with client.open_blob(digest, size) as stream:        # the client serves on
+            assert stream.read(1 << 20)
+
+
+def test_blob_connections_are_kept_alive(fake, tmp_path, big_layer):
+    digest, size, data = big_layer
+    with fake_client(fake, tmp_path) as client:
+        for _ in range(3):
+            with client.open_blob(digest, size) as stream:
+                assert read_all(stream) == data
+        pool = client._http.connection_from_url(f"http://{fake.host}/")
+        assert pool.num_connections == 1
+
+
+def test_blob_longer_than_its_descriptor_is_refused(fake, image, tmp_path, big_layer):
+    digest, size, data = big_layer
+    # no retries: a connection put back with the refused body unread would fail the next request
+    with fake_client(fake, tmp_path, retry_times=0) as client:
+        with pytest.raises(RegistryError) as e:
+            client.open_blob(digest, size - 10)
+        assert e.value.code == "io" and f"more than the {size - 10} bytes" in str(e.value)
+        assert sha256(client.manifest("v1")) == image[1]["digest"]
+        with client.open_blob(digest, size) as stream:
+            assert read_all(stream) == data
 
 
 def test_huge_manifest_and_config_are_refused(fake, tmp_path):

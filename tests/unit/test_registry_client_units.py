@@ -1,14 +1,26 @@
 """The registry client's pure parts (dsecd/fs/registry.py): WWW-Authenticate
 challenges, auth.json lookups (docker.io's several keys), the TLS files of a
-certs dir, and error messages that never carry a password."""
+certs dir, the HTTP fallback of an insecure registry and TLS per host, and
+errors and log lines that never carry a password (through a stubbed transport)."""
 
 import base64
+import io
 import json
+import logging
 import ssl
 import tomllib
+import traceback
 from importlib import resources
 
 import pytest
+import urllib3
+from urllib3.exceptions import (
+    ConnectTimeoutError,
+    MaxRetryError,
+    NewConnectionError,
+    ProtocolError,
+    SSLError,
+)
 
 from dsecd.fs import registry as rc
 
@@ -127,15 +139,6 @@ def test_config_from_the_default_images_section():
     assert cfg.insecure == ("h:1",) and cfg.auth_file == "/a.json"
 
 
-@pytest.fixture
-def reg_with_password(tmp_path):
-    auth = tmp_path / "auth.json"
-    auth.write_text(json.dumps({"auths": {"reg.example.com": {"auth": b64(f"me:{SECRET}")}}}))
-    reg = rc.Registry(rc.RegistryConfig(auth_file=str(auth)), "reg.example.com", "team/app")
-    yield reg
-    reg.close()
-
-
 @pytest.mark.parametrize("status, body, code", [
     (401, b'{"errors":[{"code":"UNAUTHORIZED"}]}', "permission"),
     (403, b'{"errors":[{"code":"DENIED"}]}', "permission"),
@@ -143,20 +146,16 @@ def reg_with_password(tmp_path):
     (429, b"", "busy"),
     (500, b"oops", "io"),
 ])
-def test_status_errors_say_what_and_what_to_do_without_the_password(reg_with_password, status, body, code):
-    err = reg_with_password._status_error(status, body, "fetch the manifest of reg.example.com/team/app:v1")
+def test_status_errors_say_what_and_what_to_do(status, body, code):
+    with rc.Registry(rc.RegistryConfig(), "reg.example.com", "team/app") as reg:
+        err = reg._status_error(status, body, "fetch the manifest of reg.example.com/team/app:v1")
     assert err.code == code
     text = str(err)
     assert "reg.example.com/team/app:v1" in text and str(status) in text
-    assert SECRET not in text and b64(f"me:{SECRET}") not in text
     if code == "permission":
         assert "images.auth_file" in text
     if code == "not_found":
         assert "MANIFEST_UNKNOWN" in text and "images.default_registry" in text
-
-
-def test_registry_repr_and_state_never_show_the_password(reg_with_password):
-    assert SECRET not in repr(reg_with_password) and SECRET not in str(reg_with_password)
 
 
 @pytest.mark.parametrize("reason, advice", [
@@ -166,3 +165,242 @@ def test_registry_repr_and_state_never_show_the_password(reg_with_password):
 ])
 def test_tls_advice(reason, advice):
     assert advice in rc._tls_advice(reason)
+
+
+# ---------------------------------------------------------------- through a stubbed transport
+
+
+def answer(status: int, body: bytes = b"", headers: dict | None = None) -> urllib3.HTTPResponse:
+    return urllib3.HTTPResponse(body=io.BytesIO(body), status=status, preload_content=False,
+                                headers={"Content-Length": str(len(body)), **(headers or {})})
+
+
+class Transport:
+    """Stands in for Registry._http.request: `serve(url, headers)` answers each
+    GET (an HTTPResponse) or raises what urllib3 would; every call recorded."""
+
+    def __init__(self, serve):
+        self.serve = serve
+        self.calls: list[tuple[str, dict]] = []
+
+    def request(self, method, url, headers=None, **kw):
+        self.calls.append((url, dict(headers or {})))
+        return self.serve(url, dict(headers or {}))
+
+
+def stubbed(monkeypatch, reg: rc.Registry, serve) -> Transport:
+    transport = Transport(serve)
+    monkeypatch.setattr(reg._http, "request", transport.request)
+    monkeypatch.setattr(rc, "BACKOFF_S", 0.0)
+    return transport
+
+
+def unreachable(url: str, reason: Exception) -> MaxRetryError:
+    return MaxRetryError(None, url, reason)
+
+
+HTTPS_FAILURES = {
+    "refused": NewConnectionError(None, "Failed to establish a new connection: [Errno 111] Connection refused"),
+    "connect timeout": ConnectTimeoutError(None, "Connection to registry.lab timed out. (connect timeout=60)"),
+    "tls": SSLError("[SSL: WRONG_VERSION_NUMBER] wrong version number"),
+    "protocol": ProtocolError("Connection aborted.", ConnectionResetError(104, "Connection reset by peer")),
+}
+
+
+@pytest.mark.parametrize("failure", sorted(HTTPS_FAILURES))
+def test_insecure_registry_falls_back_to_http_on_any_https_failure(monkeypatch, failure):
+    manifest = b'{"schemaVersion":2}'
+
+    def serve(url, headers):
+        if url.startswith("https://"):
+            raise unreachable(url, HTTPS_FAILURES[failure])
+        return answer(200, manifest, {"Content-Type": rc.OCI_MANIFEST})
+
+    with rc.Registry(rc.RegistryConfig(insecure=("registry.lab",), retry_times=0), "registry.lab", "a/b") as reg:
+        transport = stubbed(monkeypatch, reg, serve)
+        assert reg.manifest("v1") == manifest
+        assert reg._scheme == "http"
+        assert reg.manifest("v1") == manifest          # the scheme that answered is kept
+    assert [url for url, _ in transport.calls] == ["https://registry.lab/v2/a/b/manifests/v1",
+                                                   "http://registry.lab/v2/a/b/manifests/v1",
+                                                   "http://registry.lab/v2/a/b/manifests/v1"]
+
+
+def test_secure_registry_never_falls_back_to_http(monkeypatch):
+    def serve(url, headers):
+        raise unreachable(url, HTTPS_FAILURES["refused"])
+
+    with rc.Registry(rc.RegistryConfig(retry_times=1), "registry.lab", "a/b") as reg:
+        transport = stubbed(monkeypatch, reg, serve)
+        with pytest.raises(rc.RegistryError) as e:
+            reg.manifest("v1")
+    assert e.value.code == "io" and "cannot reach registry.lab" in str(e.value)
+    assert all(url.startswith("https://") for url, _ in transport.calls) and len(transport.calls) == 2
+
+
+def test_insecure_registry_unreachable_both_ways_is_retried_then_an_error(monkeypatch):
+    def serve(url, headers):
+        raise unreachable(url, HTTPS_FAILURES["refused"])
+
+    with rc.Registry(rc.RegistryConfig(insecure=("registry.lab",), retry_times=1), "registry.lab", "a/b") as reg:
+        transport = stubbed(monkeypatch, reg, serve)
+        with pytest.raises(rc.RegistryError) as e:
+            reg.manifest("v1")
+        assert reg._scheme is None
+    assert e.value.code == "io" and "cannot reach registry.lab" in str(e.value) and "refused" in str(e.value)
+    assert [url.split(":")[0] for url, _ in transport.calls] == ["https", "http", "https", "http"]
+
+
+def test_credentials_never_go_to_a_plain_http_realm_of_an_https_registry(monkeypatch, tmp_path):
+    auth = tmp_path / "auth.json"
+    auth.write_text(json.dumps({"auths": {"registry.lab": {"auth": b64(f"me:{SECRET}")}}}))
+    challenge = {"WWW-Authenticate": 'Bearer realm="http://auth.lab/token",service="registry.lab"'}
+
+    def serve(url, headers):
+        if url.startswith("https://registry.lab/"):
+            if headers.get("Authorization") == "Bearer tok":
+                return answer(200, b"{}")
+            return answer(401, b"", challenge)
+        assert url.startswith("http://auth.lab/token?")
+        return answer(200, b'{"token": "tok"}')
+
+    with rc.Registry(rc.RegistryConfig(auth_file=str(auth)), "registry.lab", "a/b") as reg:
+        transport = stubbed(monkeypatch, reg, serve)
+        with pytest.raises(rc.RegistryError) as e:
+            reg.manifest("v1")
+    assert e.value.code == "permission" and "auth.lab over plain HTTP" in str(e.value)
+    assert SECRET not in str(e.value) and b64(f"me:{SECRET}") not in str(e.value)
+    assert [url for url, _ in transport.calls] == ["https://registry.lab/v2/a/b/manifests/v1"]
+    # a registry listed as insecure may send them there
+    cfg = rc.RegistryConfig(auth_file=str(auth), insecure=("registry.lab",))
+    with rc.Registry(cfg, "registry.lab", "a/b") as reg:
+        transport = stubbed(monkeypatch, reg, serve)
+        assert reg.manifest("v1") == b"{}"
+    assert transport.calls[1][1]["Authorization"] == rc.basic_header("me", SECRET)
+
+
+def test_only_the_insecure_registrys_own_host_goes_unverified():
+    cfg = rc.RegistryConfig(insecure=("registry.lab:5000",))
+    with rc.Registry(cfg, "registry.lab:5000", "a/b") as reg:
+        assert reg._tls_for("registry.lab", 5000).verify_mode == ssl.CERT_NONE
+        assert reg._tls_for("REGISTRY.lab", 5000).verify_mode == ssl.CERT_NONE
+        for host, port in (("registry.lab", None), ("registry.lab", 443), ("auth.lab", 5000), ("s3.lab", None)):
+            assert reg._tls_for(host, port).verify_mode == ssl.CERT_REQUIRED, (host, port)
+    with rc.Registry(rc.RegistryConfig(insecure=("[fd00::1]:5000",)), "[fd00::1]:5000", "a/b") as reg:
+        assert reg._tls_for("[fd00::1]", 5000).verify_mode == ssl.CERT_NONE
+        assert reg._tls_for("fd00::1", 5000).verify_mode == ssl.CERT_NONE
+        assert reg._tls_for("fd00::2", 5000).verify_mode == ssl.CERT_REQUIRED
+
+
+# Answers that echo the request's Authorization header back, as some servers'
+# error pages do: what the client reports must never quote them.
+def echo(status: int, headers: dict, extra: dict | None = None) -> urllib3.HTTPResponse:
+    return answer(status, json.dumps({"errors": [{"code": "DENIED", "message": headers.get("Authorization", "")}],
+                                      "details": headers.get("Authorization", "")}).encode(), extra)
+
+
+BASIC_CHALLENGE = {"WWW-Authenticate": 'Basic realm="registry.lab"'}
+BEARER_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="https://auth.lab/token",service="registry.lab"'}
+
+
+def basic_refused(url, headers):
+    return echo(401, headers, BASIC_CHALLENGE)
+
+
+def realm_refuses(url, headers):
+    return echo(401, headers) if "auth.lab" in url else echo(401, headers, BEARER_CHALLENGE)
+
+
+def realm_fails(url, headers):
+    return echo(500, headers) if "auth.lab" in url else echo(401, headers, BEARER_CHALLENGE)
+
+
+def realm_sends_no_token(url, headers):
+    return echo(200, headers) if "auth.lab" in url else echo(401, headers, BEARER_CHALLENGE)
+
+
+def realm_unreachable(url, headers):
+    if "auth.lab" in url:
+        raise unreachable(url, NewConnectionError(None, "Failed to establish a new connection: [Errno 111] "
+                                                         "Connection refused"))
+    return echo(401, headers, BEARER_CHALLENGE)
+
+
+def token_refused_by_the_registry(url, headers):
+    if "auth.lab" in url:
+        return answer(200, b'{"token": "tok"}')
+    return echo(403, headers) if headers.get("Authorization") == "Bearer tok" else echo(401, headers, BEARER_CHALLENGE)
+
+
+@pytest.mark.parametrize("serve, code", [
+    (basic_refused, "permission"),
+    (realm_refuses, "permission"),
+    (realm_fails, "io"),
+    (realm_sends_no_token, "io"),
+    (realm_unreachable, "io"),
+    (token_refused_by_the_registry, "permission"),
+], ids=lambda v: getattr(v, "__name__", v))
+def test_failed_authentication_never_shows_the_password(monkeypatch, tmp_path, caplog, serve, code):
+    caplog.set_level(logging.DEBUG)
+    auth = tmp_path / "auth.json"
+    auth.write_text(json.dumps({"auths": {"registry.lab": {"auth": b64(f"me:{SECRET}")}}}))
+    with rc.Registry(rc.RegistryConfig(auth_file=str(auth), retry_times=1), "registry.lab", "a/b") as reg:
+        transport = stubbed(monkeypatch, reg, serve)
+        with pytest.raises(rc.RegistryError) as e:
+            reg.manifest("v1")
+    assert any(h.get("Authorization") == rc.basic_header("me", SECRET) for _, h in transport.calls), \
+        "the credentials were never sent: the test would prove nothing"
+    assert e.value.code == code, str(e.value)
+    shown = "".join(traceback.format_exception(e.value)) + caplog.text + repr(reg)
+    for secret in (SECRET, b64(f"me:{SECRET}"), rc.basic_header("me", SECRET)):
+        assert secret not in shown
+
+
+IDENTITY_TOKEN = "idtok-Qw3-never-shown"
+
+
+@pytest.mark.parametrize("doc, named", [
+    ({"auths": {"registry.lab": {}}, "credHelpers": {"registry.lab": "ecr-login"}},
+     '"credHelpers" sends registry.lab to the credential helper docker-credential-ecr-login'),
+    ({"auths": {"https://registry.lab/v1/": {"identitytoken": IDENTITY_TOKEN}}},
+     '"auths" entry for https://registry.lab/v1/ holds only an "identitytoken"'),
+    ({"auths": {"registry.lab": {}}, "credsStore": "desktop"},
+     '"credsStore" keeps the credentials in docker-credential-desktop'),
+])
+@pytest.mark.parametrize("challenge", [BASIC_CHALLENGE, BEARER_CHALLENGE], ids=["basic", "bearer"])
+def test_credentials_this_client_cannot_use_are_unsupported_when_asked_for(monkeypatch, tmp_path, doc, named,
+                                                                          challenge):
+    auth = tmp_path / "auth.json"
+    auth.write_text(json.dumps(doc))
+
+    def serve(url, headers):
+        return echo(401, headers) if "auth.lab" in url else echo(401, headers, challenge)
+
+    with rc.Registry(rc.RegistryConfig(auth_file=str(auth), retry_times=0), "registry.lab", "a/b") as reg:
+        stubbed(monkeypatch, reg, serve)
+        with pytest.raises(rc.RegistryError) as e:
+            reg.manifest("v1")
+    assert e.value.code == "unsupported", str(e.value)
+    assert named in str(e.value) and str(auth) in str(e.value) and IDENTITY_TOKEN not in str(e.value)
+    assert '"auths": {"registry.lab": {"auth": "<base64 of user:password>"}}' in str(e.value)
+
+
+def test_a_credential_store_does_not_stop_anonymous_pulls(monkeypatch, tmp_path):
+    auth = tmp_path / "auth.json"
+    auth.write_text(json.dumps({"auths": {"registry.lab": {}}, "credsStore": "desktop"}))
+
+    def serve(url, headers):
+        if "auth.lab" in url:
+            return answer(200, b'{"token": "tok"}')
+        if headers.get("Authorization") == "Bearer tok":
+            return answer(200, b"{}")
+        return answer(401, b"", BEARER_CHALLENGE)
+
+    with rc.Registry(rc.RegistryConfig(auth_file=str(auth)), "registry.lab", "a/b") as reg:
+        stubbed(monkeypatch, reg, serve)
+        assert reg.manifest("v1") == b"{}"
+    # a credential store serves every registry, a credential helper the ones named
+    assert rc.unusable_auth(str(auth), "other.lab") == \
+        'its "credsStore" keeps the credentials in docker-credential-desktop'
+    auth.write_text(json.dumps({"credHelpers": {"registry.lab": "ecr-login"}}))
+    assert rc.unusable_auth(str(auth), "other.lab") is None
