@@ -53,6 +53,11 @@ class TarError(Exception):
     pass
 
 
+class DigestMismatch(TarError):
+    """A blob whose bytes are not those of the digest that names it: the
+    source (a registry) sent other bytes, not a bad image."""
+
+
 def _safe_name(name: str) -> PurePosixPath:
     p = PurePosixPath(name)
     if p.is_absolute() or ".." in p.parts:
@@ -457,8 +462,8 @@ def unpack_blob(raw, root: Path, what: str) -> tuple[int, str, str]:
 def check_digests(what: str, blob_digest: str, tar_digest: str, digest: str, diff_id: str) -> None:
     """TarError unless the blob is the manifest's `digest` and its tar the config's `diff_id`."""
     if blob_digest != digest:
-        raise TarError(f"{what}: the downloaded blob hashes to {blob_digest}, not to the digest "
-                       "the manifest names; the registry sent other bytes")
+        raise DigestMismatch(f"{what}: the downloaded blob hashes to {blob_digest}, not to the digest "
+                             "the manifest names; the registry sent other bytes")
     if tar_digest != diff_id:
         raise TarError(f"{what}: its uncompressed content hashes to {tar_digest}, but the image "
                        f"config's diff_id is {diff_id}")

@@ -52,16 +52,20 @@ from .. import imageconfig, native
 from . import names, oci, tarerofs
 from .claims import Claim
 from .images import Image, ImageError, ImageStore
-from .registry import Registry, RegistryConfig, RegistryError
+from .registry import (
+    DOCKER_LIST,
+    DOCKER_MANIFEST,
+    OCI_INDEX,
+    OCI_MANIFEST,
+    Registry,
+    RegistryConfig,
+    RegistryError,
+)
 from .store import DIGEST_RE, ChunkHasher
 
 Progress = Callable[[dict], None]
 log = logging.getLogger(__name__)
 
-OCI_INDEX = "application/vnd.oci.image.index.v1+json"
-OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
-DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
 INDEX_TYPES = {OCI_INDEX, DOCKER_LIST}
 MANIFEST_TYPES = {OCI_MANIFEST, DOCKER_MANIFEST}
 LAYER_TYPES = {
@@ -384,7 +388,9 @@ class Puller:
                 emit(layer.event(len(layers)))
             try:
                 self._fetch(registry, r, layers, hold, emit, cancelled, stats)
-            except oci.TarError as err:
+            except oci.DigestMismatch as err:       # the registry's fault, as a truncated blob is
+                raise PullError("io", f"pull {r.name}: {err}") from err
+            except oci.TarError as err:             # the image's: unsafe entries, a diff_id that lies
                 raise PullError("bad_request", f"pull {r.name}: {err}") from err
             return self.images.commit_pulled(str(r.name), [layer.stored for layer in layers], config, source,
                                              hold)

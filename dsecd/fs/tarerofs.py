@@ -59,8 +59,8 @@ def _check_blob_digest(blob, digest: str | None, what: str) -> None:
     except Exception:  # noqa: BLE001 -- any failure to read on leaves the decompressor's error to report
         return
     if blob.digest() != digest:
-        raise oci.TarError(f"{what}: the downloaded blob hashes to {blob.digest()}, not to the digest "
-                           "the manifest names; the registry sent other bytes")
+        raise oci.DigestMismatch(f"{what}: the downloaded blob hashes to {blob.digest()}, not to the "
+                                 "digest the manifest names; the registry sent other bytes")
 
 
 def convert_blob(raw, out: Path, what: str, max_entries: int = MAX_ENTRIES,

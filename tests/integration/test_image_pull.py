@@ -396,6 +396,14 @@ def test_a_layer_too_big_for_the_tmpfs_is_unpacked_on_disk_into_the_same_layer(b
     assert layers["256K"] == layers["1G"] == layers["0"], "tmpfs and disk conversions differ"
 
 
+# The code each hostile case fails with: the registry's fault (other bytes
+# than the digest's, a cut blob, a manifest past any bound) is io, the
+# image's (unsafe entries, a config that lies about its layers) bad_request.
+HOSTILE_CODES = {"wrong_digest": "io", "truncated_blob": "io", "dotdot_entry": "bad_request",
+                 "symlink_escape": "bad_request", "diff_id_mismatch": "bad_request", "index_loop": "unsupported",
+                 "huge_manifest": "io"}
+
+
 def hostile_cases(busybox: bytes) -> dict:
     return {
         "wrong_digest": ([(busybox, "gzip")], None, "lie", "not to the digest the manifest names"),
@@ -443,6 +451,7 @@ def test_hostile_registry_fails_clearly_and_leaves_nothing(case, busybox_rootfs,
             fake.cut.add(target)
     with pytest.raises(DsecError, match=match) as info:
         c.pull_image(ref)
+    assert info.value.code == HOSTILE_CODES[case]
     assert "evil/app" in str(info.value) or "sha256:" in str(info.value)
     assert not os.path.exists("/tmp/owned-by-pull") and not (d.state / "store" / "escape").exists()
     assert_a_failed_pull_left_nothing(c, d, ref, before)
@@ -467,7 +476,8 @@ def test_a_bad_layer_found_while_it_downloads_fails_the_pull_and_leaves_nothing(
         fake.lie[target] = fake.blobs[target][:-10] + b"0123456789"
     elif knob == "cut":
         fake.cut.add(target)
-    with pytest.raises(DsecError, match=match):
+    with pytest.raises(DsecError, match=match) as info:
         c.pull_image(ref)
+    assert info.value.code == HOSTILE_CODES[case]
     assert_a_failed_pull_left_nothing(c, d, ref, before)
     c.close()
