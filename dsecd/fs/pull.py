@@ -151,25 +151,67 @@ class _Stopped(Exception):
     layer's fetch ends at its next piece."""
 
 
+class _Stop:
+    """A pull's stop, set once (a cancel, the timeout, a failed layer). The
+    blob streams open then are aborted (BlobStream.abort), so a thread
+    blocked on a stalled connection returns at once instead of after its
+    read timeouts and retries, and the pull (its max_pulls slot, its claim)
+    ends promptly."""
+
+    def __init__(self):
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._open: set = set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def set(self) -> None:
+        with self._lock:
+            self._event.set()
+            streams = list(self._open)
+        for stream in streams:
+            stream.abort()
+
+    @contextlib.contextmanager
+    def watching(self, stream):
+        """`stream` for the block's time: aborted if the pull stops, closed after."""
+        with self._lock:
+            self._open.add(stream)
+            stopped = self._event.is_set()
+        try:
+            if stopped:
+                stream.abort()
+            yield stream
+        finally:
+            with self._lock:
+                self._open.discard(stream)
+            stream.close()
+
+
 class _LayerReader:
     """A layer's blob as the registry sends it, read by its converter:
-    counts the bytes (the progress), marks the end of its download, and
-    stops at the next piece once the pull stops."""
+    counts the bytes (the progress; a refetch of a layer already counted
+    leaves them), marks the end of its download, and stops at the next
+    piece once the pull stops."""
 
-    def __init__(self, stream, layer: _Layer, stop: threading.Event):
+    def __init__(self, stream, layer: _Layer, stop: _Stop, progress: bool = True):
         self.stream = stream
         self.layer = layer
         self.stop = stop
-        layer.bytes, layer.state, layer.fetched_at = 0, "downloading", None
+        self.progress = progress
+        if progress:
+            layer.bytes, layer.state, layer.fetched_at = 0, "downloading", None
 
     def read(self, size: int = -1) -> bytes:
         if self.stop.is_set():
             raise _Stopped(f"layer {self.layer.digest}: the pull stopped")
         data = self.stream.read(size if size > 0 else READ_PIECE)
         if data:
-            self.layer.bytes += len(data)
             self.layer.received += len(data)
-        elif self.layer.fetched_at is None:
+            if self.progress:
+                self.layer.bytes += len(data)
+        elif self.progress and self.layer.fetched_at is None:
             self.layer.fetched_at = time.monotonic()
             self.layer.state = "converting"     # what is left: the image's metadata, then storing it
         return data
@@ -406,7 +448,7 @@ class Puller:
         if not todo:
             return
         of = len(layers)
-        stop = threading.Event()
+        stop = _Stop()
         t = time.monotonic()
         pool = ThreadPoolExecutor(max_workers=max(1, min(self.settings.parallel_layers, len(todo))),
                                   thread_name_prefix="dsecd-pull")
@@ -444,7 +486,7 @@ class Puller:
                 layer.reported = key
                 emit(layer.event(of))
 
-    def _fetch_layer(self, registry: Registry, layer: _Layer, hold, stop: threading.Event) -> None:
+    def _fetch_layer(self, registry: Registry, layer: _Layer, hold, stop: _Stop) -> None:
         """One layer, fetched and converted (_stream_layer, else
         _convert_blob_file), stored and recorded under its diff_id."""
         try:
@@ -456,7 +498,7 @@ class Puller:
         self.images.record_diff_id(layer.diff_id, stored)
         layer.stored, layer.state = stored, "stored"
 
-    def _stream_layer(self, registry: Registry, layer: _Layer, hold, stop: threading.Event) -> dict | None:
+    def _stream_layer(self, registry: Registry, layer: _Layer, hold, stop: _Stop) -> dict | None:
         """The layer's blob, as it arrives, written straight into an EROFS
         image (tarerofs.convert_blob: no blob file, no tree, no mkfs.erofs),
         both digests checked, stored; None for a layer that writer leaves
@@ -465,7 +507,7 @@ class Puller:
         tmp = self.images.layer_temp_path()
         chunks = ChunkHasher()
         try:
-            with contextlib.closing(registry.open_blob(layer.digest, layer.size)) as stream:
+            with stop.watching(registry.open_blob(layer.digest, layer.size)) as stream:
                 _, blob_digest, tar_digest = tarerofs.convert_blob(_LayerReader(stream, layer, stop), tmp, what,
                                                                    digest=layer.digest, chunks=chunks)
             oci.check_digests(what, blob_digest, tar_digest, layer.digest, layer.diff_id)
@@ -478,17 +520,17 @@ class Puller:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def _convert_blob_file(self, registry: Registry, layer: _Layer, hold, stop: threading.Event) -> dict:
+    def _convert_blob_file(self, registry: Registry, layer: _Layer, hold, stop: _Stop) -> dict:
         """A layer the direct writer does not serve: its blob fetched again
-        into a file on the scratch disk, unpacked into a tmpfs (_in_tmpfs),
-        or the scratch disk when too big for it, and built with mkfs.erofs;
-        the file and the tree removed after."""
+        (its progress stays where the first fetch left it) into a file on
+        the scratch disk, unpacked into a tmpfs (_in_tmpfs), or the scratch
+        disk when too big for it, and built with mkfs.erofs; the file and
+        the tree removed after."""
         fd, name = tempfile.mkstemp(prefix=BLOB_PREFIX, dir=self.images.scratch)
         blob = Path(name)
         try:
-            with os.fdopen(fd, "wb") as out, \
-                    contextlib.closing(registry.open_blob(layer.digest, layer.size)) as stream:
-                reader = _LayerReader(stream, layer, stop)
+            with os.fdopen(fd, "wb") as out, stop.watching(registry.open_blob(layer.digest, layer.size)) as stream:
+                reader = _LayerReader(stream, layer, stop, progress=False)
                 while piece := reader.read(READ_PIECE):
                     out.write(piece)
             cap = self.settings.tmpfs_bytes

@@ -314,6 +314,42 @@ def test_a_cancelled_pull_resumes_with_the_layers_it_stored(busybox_rootfs, tmp_
     c.close()
 
 
+def test_cancelling_a_pull_stalled_on_a_blob_frees_its_slot_at_once(busybox_rootfs, tmp_path, daemon_factory,
+                                                                     fake):
+    """The registry sends a blob's first bytes, then nothing: the cancelled
+    pull aborts that connection instead of waiting out its read timeout
+    (60 s), so the next pull (one slot: images.max_pulls = 1) starts and
+    finishes at once."""
+    from dsecd.client import Client
+
+    stalled = _tar_bytes([_file("stalled.bin", os.urandom(1 << 20))])
+    fake_image(tmp_path, fake, "stall/app", [(rootfs_layer(busybox_rootfs), "gzip"), (stalled, "tar")])
+    fake.stall.add(sha256(stalled))
+    d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}"]\nmax_pulls = 1\n')
+    ref = f"{fake.host}/stall/app:v1"
+
+    async def pull_then_cancel():
+        async with Client(d.socket) as client:
+            task = asyncio.ensure_future(client.pull_image(ref))
+            deadline = time.monotonic() + 60
+            while not fake.gets[sha256(stalled)]:
+                assert time.monotonic() < deadline, "the stalled blob was never asked for"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)                    # its first bytes read, the rest never coming
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(pull_then_cancel())
+    fake.stall.clear()
+    c = d.client()
+    t = time.monotonic()
+    img = c.pull_image(ref)
+    assert time.monotonic() - t < 20, "the cancelled pull held its slot until its read timed out"
+    assert img["pull"]["reused_layers"] == 1
+    c.close()
+
+
 def test_layer_progress_counts_the_bytes_as_they_come(busybox_rootfs, tmp_path, daemon_factory, fake):
     slow = _tar_bytes([_entry("d", tarfile.DIRTYPE, mode=0o750), _file("d/big.bin", os.urandom(3 << 20)),
                        _file("d/small.txt", b"small\n"), _entry("d/link", tarfile.SYMTYPE, linkname="small.txt"),
