@@ -229,7 +229,8 @@ class Puller:
     def _remove_leftovers(self) -> None:
         """Unmount and remove the conversion tmpfs (_in_tmpfs) and remove the
         blob files (_convert_blob_file) a killed daemon left in its scratch
-        directory: the tmpfs's memory is held until the unmount."""
+        directory (the tmpfs's memory is held until the unmount), and old
+        downloads under pulls/."""
         for entry in self.images.scratch.glob(f"{MEM_PREFIX}*"):
             try:
                 if os.path.ismount(entry):
@@ -240,6 +241,13 @@ class Puller:
         for entry in self.images.scratch.glob(f"{BLOB_PREFIX}*"):
             with contextlib.suppress(OSError):
                 entry.unlink()
+        # pulls/ holds claims only; a directory there is the download of an
+        # earlier dsecd's pull (it kept one per manifest): removed unless a
+        # pull of that manifest, by such a daemon on a shared store, runs now.
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.root):
+                if entry.is_dir(follow_symlinks=False) and not (self.root / f"{entry.name}.claim").exists():
+                    shutil.rmtree(entry.path, ignore_errors=True)
 
     # ------------------------------------------------------------ 1. resolve
 

@@ -381,12 +381,12 @@ def test_layer_progress_counts_the_bytes_as_they_come(busybox_rootfs, tmp_path, 
 
 def assert_a_failed_pull_left_nothing(c, d, ref: str, before) -> None:
     """After a refused pull of `ref` on daemon `d`: no name, and once
-    collected, the blobs of `before` (store_blobs), no work dir, no
-    conversion tree or mount."""
+    collected, the blobs of `before` (store_blobs), no half-written layer
+    in the store's tmp/, no conversion tree, blob file or mount."""
     assert ref not in [i["name"] for i in c.list_images()]
     c.request("image_gc")
     assert store_blobs(d) == before, "a failed pull left blobs behind"
-    assert not [p for p in (d.state / "store" / "pulls").iterdir() if p.is_dir()], "a work dir is left"
+    assert not list((d.state / "store" / "tmp").iterdir()), "a half-written layer is left in the store"
     assert not list((d.state / "scratch").iterdir()) and not pull_mounts(d), "a conversion tree is left"
 
 

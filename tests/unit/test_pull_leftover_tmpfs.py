@@ -1,6 +1,7 @@
 """A conversion tmpfs left mounted in the scratch directory by a killed
-daemon is unmounted and removed when the next one starts, and so is a
-blob file it fetched for unpack-and-mkfs (fs/pull.py)."""
+daemon is unmounted and removed when the next one starts, and so are a
+blob file it fetched for unpack-and-mkfs and unclaimed downloads under
+pulls/ (fs/pull.py)."""
 
 from __future__ import annotations
 
@@ -31,9 +32,14 @@ def test_a_leftover_conversion_tmpfs_and_blob_file_are_removed_at_start(tmp_path
         other.mkdir()
         blob = images.scratch / f"{BLOB_PREFIX}killed"
         blob.write_bytes(b"half a blob")
+        pulls = images.store.root / "pulls"
+        (pulls / "ab12" / "blobs").mkdir(parents=True)          # an old download, unclaimed
+        (pulls / "cd34" / "blobs").mkdir(parents=True)          # one whose pull runs now
+        (pulls / "cd34.claim").write_text("{}")
         Puller(images, RegistryConfig(), PullSettings())
         assert not os.path.ismount(left) and not left.exists()
         assert not blob.exists(), "the killed pull's blob file is left"
+        assert not (pulls / "ab12").exists() and (pulls / "cd34").is_dir() and (pulls / "cd34.claim").exists()
         assert other.is_dir(), "a directory not of a conversion was removed"
     finally:
         if os.path.ismount(left):
