@@ -47,6 +47,14 @@ def _load_defaults() -> dict:
 # knobs: a user file adds names or replaces a named table whole.
 FREE_FORM = {"net.rule_sets", "policy"}
 
+# Keys dsecd no longer has, and what replaced them: a config naming one is
+# refused like any unknown key, with this said.
+REMOVED = {
+    "images.skopeo": "image pulls no longer run skopeo: dsecd talks to registries itself; delete the key",
+    "images.pull_convert_threads": "layers convert as they download now; images.pull_parallel_layers "
+                                   "sets how many at once",
+}
+
 
 def _overlay(base: dict, extra: dict, where: str = "") -> dict:
     out = dict(base)
@@ -56,6 +64,8 @@ def _overlay(base: dict, extra: dict, where: str = "") -> dict:
     for key, value in extra.items():
         name = f"{where}{key}"
         if key not in base:
+            if name in REMOVED:
+                raise ConfigError(f"config key {name!r} was removed: {REMOVED[name]}")
             raise ConfigError(f"unknown config key {name!r} (see dsecd/default.toml)")
         if isinstance(base[key], dict):
             if not isinstance(value, dict):

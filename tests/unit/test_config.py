@@ -37,6 +37,23 @@ def test_unknown_key_is_an_error_naming_it(tmp_path):
         load_config(str(f))
 
 
+@pytest.mark.parametrize("key, says", [("skopeo", "talks to registries itself"),
+                                       ("pull_convert_threads", "images.pull_parallel_layers")])
+def test_a_removed_key_is_an_error_saying_what_replaced_it(tmp_path, key, says):
+    f = tmp_path / "c.toml"
+    f.write_text(f'[images]\n{key} = 1\n')
+    with pytest.raises(ConfigError, match=f"images.{key}' was removed: .*{says}"):
+        load_config(str(f))
+
+
+def test_removed_keys_are_not_config_keys():
+    cfg = load_config()
+    from dsecd.config import REMOVED
+    for name in REMOVED:
+        table, key = name.rsplit(".", 1)
+        assert key not in cfg.section(table), f"{name} is both removed and in default.toml"
+
+
 def test_bad_toml_and_missing_file(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text("[limits\n")
