@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from dsecd import native
-from dsecd.fs import erofs, oci, tarerofs
+from dsecd.fs import erofs, oci, store, tarerofs
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting EROFS and keeping owners and devices: root")
 
@@ -226,6 +226,22 @@ def test_every_entry_kind_reads_as_the_unpack_and_mkfs_image(tmp_path, kind):
     assert (new["home/far"]["uid"], new["home/far"]["gid"]) == (70000, 70001)
     assert new["dev/big"]["rdev"] == (300, 70000)
     assert new["orig-link"]["nlink"] == 1 and new["subs"]["nlink"] == 22
+
+
+@pytest.mark.parametrize("kind", ["gzip", "tar"])
+def test_chunk_hashes_made_while_writing_match_the_finished_image(tmp_path, kind):
+    # Several MiB of data among every entry kind, a big file linked and then
+    # replaced, names that come twice: what the writer puts below its final
+    # mark while fed must be what the finished image holds there.
+    big = [_f(f"data/blob{i}", os.urandom(700_000 + 90_001 * i)) for i in range(6)]
+    layer = _tar([*big, _e("data/link", tarfile.LNKTYPE, linkname="data/blob2"),
+                  _f("data/blob2", os.urandom(1_500_000)), _f(".wh.gone", b""), _f("opq/.wh..wh..opq", b"")])
+    for tar in (layer, every_kind_layer()):
+        out = tmp_path / f"image-{len(tar)}.erofs"
+        chunks = store.ChunkHasher()
+        tarerofs.convert_blob(io.BytesIO(_compress(tar, kind)), out, "test layer", chunks=chunks)
+        assert chunks.hashes or len(tar) < 2 * store.INDEX_BLOCK, "nothing was hashed while writing"
+        assert store.digest_and_index(out, chunks) == store.digest_and_index(out)
 
 
 def test_gnu_long_names_and_links_read_as_the_old_image(tmp_path):
