@@ -436,6 +436,14 @@ def _decompressed(blob: _Hashing, magic: bytes, what: str):
     return blob
 
 
+def tar_reader(blob: _Hashing, what: str) -> _Hashing:
+    """The tar inside `blob`, hashed as it is read (its digest is the
+    diff_id). A plain tar is `blob` itself: its blob digest is its diff_id,
+    so one sha256 pass serves both (a pass is ~20 ms of CPU per 40 MiB)."""
+    inner = _decompressed(blob, blob.peek(4), what)
+    return blob if inner is blob else _Hashing(inner)
+
+
 def unpack_blob(raw, root: Path, what: str) -> tuple[int, str, str]:
     """Unpack a layer blob (gzip, zstd or plain tar) read from `raw` (any
     reader with read(size)) into `root`, an empty directory, in one

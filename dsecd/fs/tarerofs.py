@@ -85,7 +85,7 @@ def convert_blob(raw, out: Path, what: str, max_entries: int = MAX_ENTRIES,
         writer = native.TarErofs(fd, 0o700 & ~umask, 0o755 & ~umask, os.geteuid(), os.getegid(), max_entries)
         try:
             blob = oci._Hashing(raw)
-            tar = oci._Hashing(oci._decompressed(blob, blob.peek(4), what))
+            tar = oci.tar_reader(blob, what)
             ended = False
             while not ended and (chunk := tar.read(FEED_CHUNK)):
                 ended = writer.feed(chunk)
