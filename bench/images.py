@@ -528,7 +528,7 @@ def parse_args(argv):
     p.add_argument("--busybox", action="store_true", help="busybox base instead of Debian")
     p.add_argument("--phases", default="lazy,pull", type=lambda s: set(s.split(",")),
                    help="comma-separated: lazy (lazy vs eager, snapshots), pull (image pull figures)")
-    p.add_argument("--pull-reps", type=int, default=3, help="rounds of the pull figures")
+    p.add_argument("--pull-reps", type=int, default=5, help="timed rounds of the pull figures (after a warm-up)")
     p.add_argument("--pull-parallel-layers", type=int, default=None,
                    help="images.pull_parallel_layers (default: the config default)")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
