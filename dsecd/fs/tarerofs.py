@@ -99,6 +99,9 @@ def convert_blob(raw, out: Path, what: str, max_entries: int = MAX_ENTRIES,
             raise oci.TarError(f"{what} is corrupt or truncated: {err}") from err
         except native.TarErofsError as err:
             if err.errno == errno.EINVAL:
+                # Content the writer refuses may be other bytes than the
+                # digest's (the registry's fault, not the image's): said so first.
+                _check_blob_digest(blob, digest, what)
                 raise oci.TarError(f"{what}: {err}") from None
             if err.errno == errno.EOPNOTSUPP:
                 raise Unserved(f"{what}: {err}") from None

@@ -338,3 +338,19 @@ def test_what_the_writer_does_not_serve_is_said_for_the_old_path(tmp_path):
     with pytest.raises(tarerofs.Unserved, match="global header"):
         tarerofs.convert_blob(io.BytesIO(buf.getvalue()), tmp_path / "x.erofs", "layer X")
     assert not (tmp_path / "x.erofs").exists()
+
+
+def test_refused_content_under_another_blobs_digest_is_the_registrys_fault(tmp_path):
+    """Bytes the writer refuses (a `..` entry) that are not the bytes of the
+    digest they came under: the digest is said to be wrong (the registry
+    sent other bytes), not the image to be unsafe."""
+    good = _tar([(_info("a", size=1), b"a")])
+    evil = _tar([(_info("../evil", size=1), b"e")])
+    digest = "sha256:" + hashlib.sha256(good).hexdigest()
+    with pytest.raises(oci.DigestMismatch, match="not to the digest the manifest names"):
+        tarerofs.convert_blob(io.BytesIO(evil), tmp_path / "x.erofs", "layer X", digest=digest)
+    with pytest.raises(oci.TarError, match=r"'\.\./evil'") as info:       # its own digest: the image's fault
+        tarerofs.convert_blob(io.BytesIO(evil), tmp_path / "x.erofs", "layer X",
+                              digest="sha256:" + hashlib.sha256(evil).hexdigest())
+    assert not isinstance(info.value, oci.DigestMismatch)
+    assert os.listdir(tmp_path) == []
