@@ -152,11 +152,15 @@ class _Stopped(Exception):
 
 
 class _Stop:
-    """A pull's stop, set once (a cancel, the timeout, a failed layer). The
-    blob streams open then are aborted (BlobStream.abort), so a thread
+    """A pull's stop, set once (a cancel, the timeout, a failed layer). Every
+    blob stream of the pull is opened with its event (open(): a stream
+    opening, retrying or backing off then gives up before its next try),
+    and the streams open then are aborted (BlobStream.abort), so a thread
     blocked on a stalled connection returns at once instead of after its
     read timeouts and retries, and the pull (its max_pulls slot, its claim)
-    ends promptly."""
+    ends promptly. A request already under way when the stop comes
+    (connecting, awaiting the answer's headers) ends within the registry
+    client's timeout (RegistryConfig.timeout_s, 60 s)."""
 
     def __init__(self):
         self._event = threading.Event()
@@ -165,6 +169,10 @@ class _Stop:
 
     def is_set(self) -> bool:
         return self._event.is_set()
+
+    def open(self, registry: Registry, layer: _Layer):
+        """The layer's blob stream, stopped with the pull (watching() it too)."""
+        return self.watching(registry.open_blob(layer.digest, layer.size, stop=self._event))
 
     def set(self) -> None:
         with self._lock:
@@ -515,7 +523,7 @@ class Puller:
         tmp = self.images.layer_temp_path()
         chunks = ChunkHasher()
         try:
-            with stop.watching(registry.open_blob(layer.digest, layer.size)) as stream:
+            with stop.open(registry, layer) as stream:
                 _, blob_digest, tar_digest = tarerofs.convert_blob(_LayerReader(stream, layer, stop), tmp, what,
                                                                    digest=layer.digest, chunks=chunks)
             oci.check_digests(what, blob_digest, tar_digest, layer.digest, layer.diff_id)
@@ -537,7 +545,7 @@ class Puller:
         fd, name = tempfile.mkstemp(prefix=BLOB_PREFIX, dir=self.images.scratch)
         blob = Path(name)
         try:
-            with os.fdopen(fd, "wb") as out, stop.watching(registry.open_blob(layer.digest, layer.size)) as stream:
+            with os.fdopen(fd, "wb") as out, stop.open(registry, layer) as stream:
                 reader = _LayerReader(stream, layer, stop, progress=False)
                 while piece := reader.read(READ_PIECE):
                     out.write(piece)

@@ -396,9 +396,11 @@ class Registry:
         what = f"fetch the blob {digest} of {self._name()}"
         return self._read_small(self._get(f"blobs/{digest}", {}, what), limit, what)
 
-    def open_blob(self, digest: str, size: int) -> BlobStream:
-        """The `size` bytes of blob `digest` as they arrive."""
-        return BlobStream(self, digest, size)
+    def open_blob(self, digest: str, size: int, stop: threading.Event | None = None) -> BlobStream:
+        """The `size` bytes of blob `digest` as they arrive. `stop`: an event
+        that stops the stream once set, from its first request on (its
+        abort() sets it)."""
+        return BlobStream(self, digest, size, stop)
 
     # ------------------------------------------------------------ requests
 
@@ -710,7 +712,7 @@ class BlobStream:
     (Range: bytes=<bytes_read>-), up to the config's retry_times per blob.
     abort(), from any thread, stops it at once: no more reads, resumes or retries."""
 
-    def __init__(self, reg: Registry, digest: str, size: int):
+    def __init__(self, reg: Registry, digest: str, size: int, stop: threading.Event | None = None):
         self._reg = reg
         self.digest = digest
         self.size = size
@@ -718,7 +720,7 @@ class BlobStream:
         self._resumes = 0
         self._what = f"download the blob {digest} of {reg._name()}"
         self._resp: urllib3.HTTPResponse | None = None
-        self._aborted = threading.Event()
+        self._aborted = stop if stop is not None else threading.Event()   # may be shared: a pull's stop
         self._lock = threading.Lock()          # self._resp, between the reading thread and abort()
         self._open()
 
