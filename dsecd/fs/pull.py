@@ -199,16 +199,17 @@ class _Stop:
 
 class _LayerReader:
     """A layer's blob as the registry sends it, read by its converter:
-    counts the bytes (the progress; a refetch of a layer already counted
-    leaves them), marks the end of its download, and stops at the next
-    piece once the pull stops."""
+    counts the bytes (the progress), marks the end of its download, and
+    stops at the next piece once the pull stops. A refetch (the blob read
+    again for unpack-and-mkfs) shows the larger of its count and what the
+    first read had shown, so the progress never goes back."""
 
-    def __init__(self, stream, layer: _Layer, stop: _Stop, progress: bool = True):
+    def __init__(self, stream, layer: _Layer, stop: _Stop, refetch: bool = False):
         self.stream = stream
         self.layer = layer
         self.stop = stop
-        self.progress = progress
-        if progress:
+        self.got = 0
+        if not refetch:
             layer.bytes, layer.state, layer.fetched_at = 0, "downloading", None
 
     def read(self, size: int = -1) -> bytes:
@@ -216,10 +217,10 @@ class _LayerReader:
             raise _Stopped(f"layer {self.layer.digest}: the pull stopped")
         data = self.stream.read(size if size > 0 else READ_PIECE)
         if data:
+            self.got += len(data)
             self.layer.received += len(data)
-            if self.progress:
-                self.layer.bytes += len(data)
-        elif self.progress and self.layer.fetched_at is None:
+            self.layer.bytes = max(self.layer.bytes, self.got)
+        elif self.layer.fetched_at is None:
             self.layer.fetched_at = time.monotonic()
             self.layer.state = "converting"     # what is left: the image's metadata, then storing it
         return data
@@ -538,15 +539,14 @@ class Puller:
 
     def _convert_blob_file(self, registry: Registry, layer: _Layer, hold, stop: _Stop) -> dict:
         """A layer the direct writer does not serve: its blob fetched again
-        (its progress stays where the first fetch left it) into a file on
-        the scratch disk, unpacked into a tmpfs (_in_tmpfs), or the scratch
-        disk when too big for it, and built with mkfs.erofs; the file and
-        the tree removed after."""
+        (_LayerReader's refetch) into a file on the scratch disk, unpacked
+        into a tmpfs (_in_tmpfs), or the scratch disk when too big for it,
+        and built with mkfs.erofs; the file and the tree removed after."""
         fd, name = tempfile.mkstemp(prefix=BLOB_PREFIX, dir=self.images.scratch)
         blob = Path(name)
         try:
             with os.fdopen(fd, "wb") as out, stop.open(registry, layer) as stream:
-                reader = _LayerReader(stream, layer, stop, progress=False)
+                reader = _LayerReader(stream, layer, stop, refetch=True)
                 while piece := reader.read(READ_PIECE):
                     out.write(piece)
             cap = self.settings.tmpfs_bytes

@@ -418,8 +418,16 @@ def test_a_layer_too_big_for_the_tmpfs_is_unpacked_on_disk_into_the_same_layer(b
     for cap in ("256K", "1G", "0"):
         d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}"]\npull_tmpfs = "{cap}"\n')
         c = d.client()
-        img = c.pull_image(ref)
+        events = []
+        img = c.pull_image(ref, progress=events.append)
         layers[cap] = [layer["digest"] for layer in img["layers"]]
+        # The layer is read twice (the writer stops at its PAX global
+        # header, then the blob is fetched again for unpack-and-mkfs): its
+        # progress still only goes forward, and ends at its size.
+        mine = [e for e in events if e.get("step") == "pull" and e["layer"] == 1]
+        counts = [e["bytes"] for e in mine]
+        assert counts == sorted(counts), f"the progress went back: {mine}"
+        assert mine[-1]["state"] == "stored" and counts[-1] == mine[-1]["size"], mine
         sb = c.create(image=img["name"])
         try:
             assert sb.exec(["wc", "-c", "/d/link"]).stdout.split()[0] == str(2 << 20).encode()
