@@ -77,6 +77,7 @@ LAYER_TYPES = {
 }
 MEM_PREFIX = "pull-mem-"       # the mount point of a converting layer's tmpfs, in the scratch dir
 BLOB_PREFIX = "pull-blob-"     # a blob fetched into a file for unpack-and-mkfs, in the scratch dir
+TREE_PREFIX = "pull-tree-"     # a layer unpacked on the scratch disk (too big for its tmpfs)
 POLL_S = 0.2                   # how often progress is reported and a cancel looked for
 READ_PIECE = 1 << 20
 ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "ppc64le": "ppc64le", "s390x": "s390x",
@@ -237,9 +238,9 @@ class Puller:
 
     def _remove_leftovers(self) -> None:
         """Unmount and remove the conversion tmpfs (_in_tmpfs) and remove the
-        blob files (_convert_blob_file) a killed daemon left in its scratch
-        directory (the tmpfs's memory is held until the unmount), and old
-        downloads under pulls/."""
+        blob files and on-disk trees (_convert_blob_file) a killed daemon
+        left in its scratch directory (the tmpfs's memory is held until the
+        unmount), and old downloads under pulls/."""
         for entry in self.images.scratch.glob(f"{MEM_PREFIX}*"):
             try:
                 if os.path.ismount(entry):
@@ -250,6 +251,8 @@ class Puller:
         for entry in self.images.scratch.glob(f"{BLOB_PREFIX}*"):
             with contextlib.suppress(OSError):
                 entry.unlink()
+        for entry in self.images.scratch.glob(f"{TREE_PREFIX}*"):
+            shutil.rmtree(entry, ignore_errors=True)
         # pulls/ holds claims only; a directory there is the download of an
         # earlier dsecd's pull (it kept one per manifest): removed unless a
         # pull of that manifest, by such a daemon on a shared store, runs now.
@@ -552,7 +555,7 @@ class Puller:
             cap = self.settings.tmpfs_bytes
             stored = self._convert_in_tmpfs(layer, blob, hold, cap) if cap and layer.size <= cap else None
             if stored is None:
-                tree = Path(tempfile.mkdtemp(prefix="pull-", dir=self.images.scratch))
+                tree = Path(tempfile.mkdtemp(prefix=TREE_PREFIX, dir=self.images.scratch))
                 try:
                     oci.extract_blob(blob, layer.digest, layer.diff_id, tree)
                     stored = self.images.build_layer(tree, hold=hold)
