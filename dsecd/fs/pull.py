@@ -99,7 +99,7 @@ class PullError(ImageError):
 
 @dataclass
 class PullSettings:
-    parallel_layers: int = 6        # layers fetched and converted at once
+    parallel_layers: int = 3        # layers fetched and converted at once
     tmpfs_bytes: int = 1 << 30      # cap of the tmpfs a layer is unpacked into (0: the scratch disk)
     claim_stale_s: float = 60.0
     timeout_s: float = 3600.0
