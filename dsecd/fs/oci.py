@@ -53,6 +53,11 @@ class TarError(Exception):
     pass
 
 
+class HostLacks(TarError):
+    """A layer this host cannot read (its decompressor is not installed):
+    neither the image's fault nor the registry's."""
+
+
 class DigestMismatch(TarError):
     """A blob whose bytes are not those of the digest that names it: the
     source (a registry) sent other bytes, not a bad image."""
@@ -430,7 +435,7 @@ def _decompressed(blob: _Hashing, magic: bytes, what: str):
         return _Gunzip(blob)
     if magic.startswith(ZSTD_MAGIC):
         if zstandard is None:
-            raise TarError(f"{what} is zstd-compressed and this host lacks the zstd decompressor "
+            raise HostLacks(f"{what} is zstd-compressed and this host lacks the zstd decompressor "
                            "(apt-get install python3-zstandard)")
         return zstandard.ZstdDecompressor().stream_reader(blob, read_across_frames=True)
     return blob

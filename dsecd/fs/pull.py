@@ -452,6 +452,8 @@ class Puller:
                 self._fetch(registry, r, layers, hold, emit, cancelled, stats)
             except oci.DigestMismatch as err:       # the registry's fault, as a truncated blob is
                 raise PullError("io", f"pull {r.name}: {err}") from err
+            except oci.HostLacks as err:
+                raise PullError("unsupported", f"pull {r.name}: {err}") from err
             except oci.TarError as err:             # the image's: unsafe entries, a diff_id that lies
                 raise PullError("bad_request", f"pull {r.name}: {err}") from err
             return self.images.commit_pulled(str(r.name), [layer.stored for layer in layers], config, source,
