@@ -538,7 +538,8 @@ class Puller:
             log.info("pull: %s; fetching its blob again to unpack it and run mkfs.erofs", err)
             return None
         except OSError as err:
-            raise ImageError("io", f"{what}: writing its EROFS image {tmp}: {err}") from err
+            raise ImageError("io", f"{what}: writing its EROFS image {tmp}: {err.strerror or err}; free space "
+                             f"on the file system of {tmp.parent}") from err
         finally:
             tmp.unlink(missing_ok=True)
 

@@ -105,7 +105,7 @@ def convert_blob(raw, out: Path, what: str, max_entries: int = MAX_ENTRIES,
                 raise oci.TarError(f"{what}: {err}") from None
             if err.errno == errno.EOPNOTSUPP:
                 raise Unserved(f"{what}: {err}") from None
-            raise OSError(err.errno, f"{what}: {err}") from None
+            raise OSError(err.errno, str(err)) from None
         finally:
             writer.close()
         pad_to_pmem(out)
