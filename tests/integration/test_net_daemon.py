@@ -138,14 +138,28 @@ def test_bridge_mac_stays_when_a_port_with_a_lower_mac_comes_and_goes(world, net
     sb.destroy()
 
 
-def _listen(sb, port: int) -> None:
-    """A one-shot listener (attack-probe) on `port` of all the sandbox's addresses."""
+def _listen(sb, port: int, timeout: float = 20.0) -> None:
+    """A one-shot listener (attack-probe) on `port` of all the sandbox's
+    addresses, up once this returns. The exec returns as soon as the shell
+    has put the listener in the background, which may be before the
+    background shell has even made its output file (in a microVM under TCG,
+    notably)."""
     import time
 
+    from dsecd.errors import NotFound
+
     sb.exec(["sh", "-c", f"setsid attack-probe listen {port} </dev/null >/tmp/listen.out 2>&1 &"])
-    deadline = time.monotonic() + 5
-    while b"listening" not in sb.read_file("/tmp/listen.out") and time.monotonic() < deadline:
+    deadline = time.monotonic() + timeout
+    out = b""
+    while time.monotonic() < deadline:
+        try:
+            out = sb.read_file("/tmp/listen.out")
+        except NotFound:
+            out = b""
+        if b"listening" in out:
+            return
         time.sleep(0.05)
+    pytest.fail(f"the listener on port {port} did not start within {timeout:.0f} s: {out[-300:]!r}")
 
 
 @pytest.mark.attack
