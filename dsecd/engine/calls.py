@@ -48,6 +48,7 @@ from ..errors import (
 from ..execio import ChildWatch, Collector, ExecIO, reap
 from ..fs import upper as upperfs
 from ..fs.images import ImageError
+from ..fs.layers import overlay_lowerdirs
 from ..native import NativeError
 from .execs import ExecLimits, check_env
 from .images import ImageService
@@ -218,7 +219,8 @@ class CallService:
         except OSError as err:
             raise io_error("mount layers of image", image_name, err) from err
         try:
-            handle = await self.workers.run(self.fncall.create_box, box_id, mounts[::-1], limits, plan)
+            handle = await self.workers.run(self.fncall.create_box, box_id, overlay_lowerdirs(mounts),
+                                             limits, plan)
         except BaseException as err:
             self.image_service.layers.release(image.layer_digests)
             if isinstance(err, (NativeError, OSError)):

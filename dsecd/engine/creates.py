@@ -46,6 +46,7 @@ from ..fs import files as sbfiles
 from ..fs import upper as upperfs
 from ..fs import users
 from ..fs.images import Image, ImageError
+from ..fs.layers import overlay_lowerdirs
 from ..native import NativeError
 from ..steps import AsyncSteps
 from .execs import check_env
@@ -556,7 +557,7 @@ class CreateService:
             mounts = layers.acquire_mounted(sb.layers) or await self.workers.run(layers.acquire, sb.layers)
         except OSError as err:
             raise io_error("mount layers of image", sb.image, err) from err
-        return mounts[::-1]
+        return overlay_lowerdirs(mounts)
 
     async def _spawn(self, steps: AsyncSteps, sb: Sandbox, ready, mounts: list, limits: cgroup.Limits,
                      hostname: str, plan, disk: upperfs.Cap | None):

@@ -21,6 +21,21 @@ from .. import native
 log = logging.getLogger(__name__)
 
 
+def overlay_lowerdirs(mounts: list[str]) -> list[str]:
+    """An image's layer mounts (bottom first) as overlay's lowerdir list: top
+    first, and a layer the image repeats (older images repeat an empty one)
+    only at its topmost place. overlayfs refuses a directory given twice
+    (ELOOP), and the lower copy changes nothing: every path it holds, the
+    upper copy holds too, above whatever lay between them."""
+    seen: set[str] = set()
+    out = []
+    for d in reversed(mounts):
+        if d not in seen:
+            seen.add(d)
+            out.append(d)
+    return out
+
+
 class LayerMounts:
     def __init__(self, mount_root: Path, source, grace_s: float = 60.0):
         self.root = Path(mount_root)
