@@ -465,8 +465,10 @@ class Puller:
         once (_fetch_layer), reporting progress every POLL_S until all are
         stored. The first failure, a cancel or the timeout stops the others
         at their next piece; the layers stored by then stay (a next pull
-        reuses them). Returns once no thread of it runs any more."""
-        todo = [layer for layer in layers if layer.state != "reused"]
+        reuses them). A layer whose diff_id an earlier one of the image has
+        too is not fetched: it takes that one's stored layer. Returns once no
+        thread of it runs any more."""
+        todo, repeats = self._distinct([layer for layer in layers if layer.state != "reused"])
         if not todo:
             return
         of = len(layers)
@@ -497,7 +499,23 @@ class Puller:
             stats["downloaded_bytes"] = sum(layer.received for layer in todo)
             stats["download_s"] = (max(ends) if ends else time.monotonic()) - t
             stats["convert_s"] = max(0.0, time.monotonic() - t - stats["download_s"])
-        self._report(todo, emit, of)
+        for layer, first in repeats.items():
+            layer.stored, layer.state, layer.bytes = first.stored, "reused", layer.size
+            stats["reused_layers"] += 1
+        self._report(todo + list(repeats), emit, of)
+
+    @staticmethod
+    def _distinct(layers: list[_Layer]) -> tuple[list[_Layer], dict[_Layer, _Layer]]:
+        """The layers to fetch, one per diff_id (older images repeat one, an
+        empty layer say), and each repeat mapped to the layer fetched for it."""
+        first: dict[str, _Layer] = {}
+        repeats: dict[_Layer, _Layer] = {}
+        for layer in layers:
+            if layer.diff_id in first:
+                repeats[layer] = first[layer.diff_id]
+            else:
+                first[layer.diff_id] = layer
+        return list(first.values()), repeats
 
     @staticmethod
     def _report(layers: list[_Layer], emit: Progress, of: int) -> None:

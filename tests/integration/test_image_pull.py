@@ -237,6 +237,33 @@ def layer_blob(tar: bytes, kind: str = "gzip") -> str:
     return sha256(compress(tar, kind)[0])
 
 
+def test_a_diff_id_the_image_repeats_is_fetched_once(busybox_rootfs, tmp_path, daemon_factory, fake):
+    """Older images repeat a layer (the same empty layer, say), even under
+    another compression: one copy is fetched and converted, the others take
+    its stored layer."""
+    marker = _tar_bytes([_file("marker.txt", b"once\n")])
+    middle = _tar_bytes([_file("marker.txt", b"middle\n")])
+    fake_image(tmp_path, fake, "repeat/app", [(rootfs_layer(busybox_rootfs), "gzip"), (marker, "gzip"),
+                                              (middle, "tar"), (marker, "zstd")])
+    d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}"]\n')
+    c = d.client()
+    events = []
+    img = c.pull_image(f"{fake.host}/repeat/app:v1", progress=events.append)
+    assert fake.gets[layer_blob(marker, "gzip")] + fake.gets[layer_blob(marker, "zstd")] == 1
+    assert img["pull"]["reused_layers"] == 1
+    layers = [layer["digest"] for layer in img["layers"]]
+    assert len(layers) == 4 and layers[1] == layers[3]
+    last = {e["layer"]: e for e in events if e.get("step") == "pull"}
+    assert [last[i]["state"] for i in range(4)] == ["stored", "stored", "stored", "reused"] or \
+        [last[i]["state"] for i in range(4)] == ["stored", "reused", "stored", "stored"], last
+    sb = c.create(image=img["name"])
+    try:
+        assert sb.exec(["cat", "/marker.txt"]).stdout == b"once\n"        # the top layer's copy wins
+    finally:
+        sb.destroy()
+    c.close()
+
+
 def test_concurrent_daemons_on_one_store_download_once(busybox_rootfs, tmp_path, daemon_factory, fake):
     big = _tar_bytes([_file("big.bin", os.urandom(4 << 20))])
     fake_image(tmp_path, fake, "shared/app", [(rootfs_layer(busybox_rootfs), "gzip"), (big, "tar")])
