@@ -472,11 +472,16 @@ def unpack_blob(raw, root: Path, what: str) -> tuple[int, str, str]:
     return n, blob.digest(), tar.digest()
 
 
-def check_digests(what: str, blob_digest: str, tar_digest: str, digest: str, diff_id: str) -> None:
-    """TarError unless the blob is the manifest's `digest` and its tar the config's `diff_id`."""
+def check_blob_digest(what: str, blob_digest: str, digest: str) -> None:
+    """DigestMismatch unless the blob hashes to the manifest's `digest`."""
     if blob_digest != digest:
         raise DigestMismatch(f"{what}: the downloaded blob hashes to {blob_digest}, not to the digest "
                              "the manifest names; the registry sent other bytes")
+
+
+def check_digests(what: str, blob_digest: str, tar_digest: str, digest: str, diff_id: str) -> None:
+    """TarError unless the blob is the manifest's `digest` and its tar the config's `diff_id`."""
+    check_blob_digest(what, blob_digest, digest)
     if tar_digest != diff_id:
         raise TarError(f"{what}: its uncompressed content hashes to {tar_digest}, but the image "
                        f"config's diff_id is {diff_id}")

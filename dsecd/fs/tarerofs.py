@@ -49,18 +49,16 @@ def _umask() -> int:
 
 
 def _check_blob_digest(blob, digest: str | None, what: str) -> None:
-    """TarError when `blob` (an oci._Hashing), read to its end, does not hash
-    to `digest`; nothing when it does, or when its end cannot be read (the
-    caller's error stands)."""
+    """oci.DigestMismatch when `blob` (an oci._Hashing), read to its end, does
+    not hash to `digest`; nothing when it does, or when its end cannot be
+    read (the caller's error stands)."""
     if digest is None:
         return
     try:
         blob.drain()
     except Exception:  # noqa: BLE001 -- any failure to read on leaves the decompressor's error to report
         return
-    if blob.digest() != digest:
-        raise oci.DigestMismatch(f"{what}: the downloaded blob hashes to {blob.digest()}, not to the "
-                                 "digest the manifest names; the registry sent other bytes")
+    oci.check_blob_digest(what, blob.digest(), digest)
 
 
 def convert_blob(raw, out: Path, what: str, max_entries: int = MAX_ENTRIES,
