@@ -184,13 +184,13 @@ class _Stop:
 
     @contextlib.contextmanager
     def watching(self, stream):
-        """`stream` for the block's time: aborted if the pull stops, closed after."""
+        """`stream` (opened with the stop's event) for the block's time:
+        aborted if the pull stops, closed after. A stop that came before
+        the stream was added needs no abort: the stream's reads see its
+        event set and raise."""
         with self._lock:
             self._open.add(stream)
-            stopped = self._event.is_set()
         try:
-            if stopped:
-                stream.abort()
             yield stream
         finally:
             with self._lock:
