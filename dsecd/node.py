@@ -150,7 +150,8 @@ class Node:
         self.net_service = NetworkService(cfg, layout, root, self.limits["max_sandboxes"], self.registry,
                                           self.workers, self.backend)
         self.procs = ProcessService(self.registry, self.workers, self.backend, self.memory.ensure_running,
-                                    ProcLimits.from_config(cfg), self.policies, self.denials)
+                                    ProcLimits.from_config(cfg), self.policies, self.vms,
+                                    self.denials)
         self.lifecycle = LifecycleService(self.registry, self.workers, self.backend, self.image_service.layers,
                                           self.net_service, self.memory, self.events, self.cpu, self.id_ranges,
                                           self.procs, self.vms)

@@ -374,9 +374,10 @@ class MicroVMService:
 
     # ------------------------------------------------------------ exec
 
-    def _agent(self, sb: Sandbox):
-        """The agent's channel, for an op: every op goes through here, so here
-        the VM's balloon learns it is in use (it deflates in the background)."""
+    def agent(self, sb: Sandbox):
+        """The agent's channel, for an op: every op (here and the background
+        processes' in vmprocs.py) goes through here, so here the VM's balloon
+        learns it is in use (it deflates in the background)."""
         h = sb.handle
         if h is None or h.agent is None or h.agent.closed:
             raise Conflict(f"sandbox {sb.id} is exiting (its VM's agent channel is closed)", {"sandbox": sb.id})
@@ -385,7 +386,7 @@ class MicroVMService:
         return h.agent
 
     async def exec(self, sb: Sandbox, req, env: list[str], cwd: str, user: int, timeout: float | None, ctx) -> dict:
-        link = self._agent(sb)
+        link = self.agent(sb)
         recorder = None
         if req.trace:
             # The command runs in the guest's kernel: the guest agent traces
@@ -479,7 +480,7 @@ class MicroVMService:
         guest process stopped meanwhile), unpacked under `scratch`
         (dsecd/fs/uppertar.py); removed on exit. No pause or resume runs
         meanwhile (the sandbox's lock)."""
-        link = self._agent(sb)
+        link = self.agent(sb)
         work = Path(tempfile.mkdtemp(prefix=f"vm-upper-{sb.id}-", dir=scratch))
         try:
             tar, tree = work / "upper.tar", work / "upper"
@@ -612,7 +613,7 @@ class MicroVMService:
         counts as a running exec (no pause, no idle expiry meanwhile); a
         cancel ends its input (a put's child then removes what it made) and
         kills it."""
-        link = self._agent(sb)
+        link = self.agent(sb)
         put = bool(flags & wire.EXEC_TAR_PUT)
         sb.execs += 1
         run = None
@@ -671,7 +672,7 @@ class MicroVMService:
         """Start file_watch's child in the guest (csrc/guest/agent.c,
         watch_main); (link, AgentExec): its records come on the exec's
         stdout (dsecd/engine/watches.py reads them)."""
-        link = self._agent(sb)
+        link = self.agent(sb)
         start = asyncio.ensure_future(link.start_exec([path, "1" if recursive else "0", str(max_dirs)], [], "/",
                                                       0, False, wire.EXEC_WATCH))
 
@@ -697,7 +698,7 @@ class MicroVMService:
     # ------------------------------------------------------------ files
 
     async def _file(self, sb: Sandbox, verb: str, where: str, kind: int, *fields: bytes) -> wire.Reader:
-        link = self._agent(sb)
+        link = self.agent(sb)
         try:
             return await link.request(kind, *fields)
         except AgentError as err:

@@ -182,8 +182,9 @@ class ProcessService:
 
     def __init__(self, registry: SandboxRegistry, workers: Workers, backend,
                  ensure_running: Callable[[Sandbox, str], Awaitable[None]], limits: ProcLimits,
-                 policies: PolicyService, denials: DenialService | None = None):
+                 policies: PolicyService, vms, denials: DenialService | None = None):
         self.policies = policies
+        self.vms = vms              # MicroVMService: the channel to a microVM's agent
         self.denials = denials
         self.registry = registry
         self.workers = workers

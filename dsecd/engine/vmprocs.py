@@ -79,10 +79,9 @@ class VmProcs:
             task.exception()            # taken: nobody awaits it
 
     def _link(self, sb: Sandbox) -> AgentLink:
-        h = sb.handle
-        if h is None or h.agent is None or h.agent.closed:
-            raise Conflict(f"sandbox {sb.id} is exiting (its VM's agent channel is closed)", {"sandbox": sb.id})
-        return h.agent
+        """The channel for a start, input or kill: through the microVM service,
+        so a ballooned VM gets its RAM back for the process, as for an exec."""
+        return self.svc.vms.agent(sb)
 
     def linked(self, sb: Sandbox) -> None:
         """A new channel to the sandbox's agent (a resume, a re-adoption

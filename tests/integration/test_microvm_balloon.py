@@ -164,6 +164,18 @@ def test_a_ballooned_guest_allocates_beyond_its_ballooned_size(booted_vm):
     assert _balloon(sb)["target"] == 256 * MiB
 
 
+def test_input_and_kill_of_a_background_process_wake_a_ballooned_vm(booted_vm):
+    """proc_input and proc_kill are ops like an exec: the guest gets its RAM back for them."""
+    sb = booted_vm
+    proc = sb.spawn("cat > /dev/null", stdin=True)
+    for op in (lambda: proc.write(b"data\n"), proc.kill):
+        view = _wait(sb, "ballooned", lambda v: v["ballooned"] and v["guest_size"] <= v["target"] + MiB)
+        woken = view["deflates"].get("wake", 0)
+        op()
+        _wait(sb, "deflated for the background process", lambda v, woken=woken: v["deflates"].get("wake", 0) > woken)
+    assert proc.wait().signal == 9
+
+
 def test_a_ballooned_vm_pauses_and_resumes_with_its_ram_back(booting, booted_vm):
     sb = booted_vm
     _wait(sb, "ballooned", lambda v: v["ballooned"] and v["guest_size"] <= v["target"] + MiB)

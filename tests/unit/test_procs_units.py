@@ -60,3 +60,15 @@ def test_signals_by_name_or_number(given, want):
 def test_unknown_signals_are_bad_requests(given):
     with pytest.raises(BadRequest, match="unknown signal"):
         parse_signal(given)
+
+
+def test_a_vm_process_request_takes_the_channel_every_vm_op_takes():
+    """Start, input and kill reach a microVM's agent through
+    MicroVMService.agent, the call that wakes a ballooned VM for an op."""
+    from types import SimpleNamespace
+
+    from dsecd.engine.vmprocs import VmProcs
+
+    asked, link, sb = [], object(), object()
+    procs = VmProcs(SimpleNamespace(vms=SimpleNamespace(agent=lambda s: asked.append(s) or link)))
+    assert procs._link(sb) is link and asked == [sb]
