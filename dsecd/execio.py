@@ -39,6 +39,7 @@ import termios
 import time
 from collections.abc import Awaitable, Callable
 
+from . import native
 from .fds import close_quietly, read_ready
 
 Emit = Callable[[int, bytes], Awaitable[None]]
@@ -231,14 +232,16 @@ class PtyIO(ExecIO):
 
     has_tty = True
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, emit: Emit, rows: int, cols: int):
+    def __init__(self, loop: asyncio.AbstractEventLoop, emit: Emit, rows: int, cols: int, pty: tuple[int, int]):
+        """pty: (master, slave) of a new pty from the devpts instance the
+        terminal is to come from (the sandbox's own: ContainerBackend.open_pty);
+        this owns both from here on, failure included."""
         self.window = (rows, cols)
+        self.pty = pty
         super().__init__(loop, sys.maxsize, emit, True)
 
     def _open_ends(self, want_stdin: bool) -> None:
-        # Both close-on-exec; glibc opens the slave O_NOCTTY, so it never
-        # becomes the daemon's own controlling terminal.
-        self.out_r, self.stdin_r = os.openpty()
+        (self.out_r, self.stdin_r), self.pty = self.pty, (-1, -1)
         set_window_size(self.out_r, *self.window)
         self.stdin_w = os.dup(self.out_r)                 # close-on-exec, as os.dup makes it
         os.set_blocking(self.out_r, False)       # one open file: stdin_w is non-blocking too
@@ -252,6 +255,15 @@ class PtyIO(ExecIO):
         if self.out_r < 0:
             raise OSError(errno.EBADF, "the terminal is closed: the exec has ended")
         set_window_size(self.out_r, rows, cols)
+
+
+def open_pty_peer(master: int) -> int:
+    """The slave of a new pty master: unlocked, then opened from the master
+    itself (TIOCGPTPEER), with no path lookup, so it is the master's own peer
+    whatever the devpts instance's mount shows. O_NOCTTY: it never becomes
+    the daemon's controlling terminal; close-on-exec."""
+    fcntl.ioctl(master, native.TIOCSPTLCK, struct.pack("i", 0))
+    return fcntl.ioctl(master, native.TIOCGPTPEER, os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
 
 
 def set_window_size(fd: int, rows: int, cols: int) -> None:

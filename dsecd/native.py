@@ -39,6 +39,7 @@ __all__ = [
     # files, mounts, the writable layer
     "openat2", "fs_magic", "vmsplice", "KERNEL_FS_MAGICS", "mount_erofs", "umount", "mount_idmapped",
     "upperfs_create", "upperfs_attach", "RESOLVE_IN_ROOT", "RESOLVE_NO_MAGICLINKS", "RESOLVE_NO_SYMLINKS",
+    "DEVPTS_SUPER_MAGIC", "TIOCSPTLCK", "TIOCGPTPEER",
     "RESOLVE_BENEATH", "RESOLVE_NO_XDEV", "RESOLVE_CACHED", "TarErofs", "TarErofsError",
     # processes and namespaces
     "pidfd_open", "pidfd_getfd", "pidfd_send_signal", "pidfd_kill_group", "netns_create", "userns_create",
@@ -56,6 +57,9 @@ __all__ = [
 RESOLVE_NO_XDEV: int = lib.RESOLVE_NO_XDEV
 RESOLVE_NO_MAGICLINKS: int = lib.RESOLVE_NO_MAGICLINKS
 RESOLVE_NO_SYMLINKS: int = lib.RESOLVE_NO_SYMLINKS
+DEVPTS_SUPER_MAGIC: int = lib.DEVPTS_SUPER_MAGIC
+TIOCSPTLCK: int = lib.TIOCSPTLCK      # lock (1) or unlock (0) a pty's slave
+TIOCGPTPEER: int = lib.TIOCGPTPEER    # open a pty master's slave (Python's termios has neither)
 RESOLVE_BENEATH: int = lib.RESOLVE_BENEATH
 RESOLVE_IN_ROOT: int = lib.RESOLVE_IN_ROOT
 RESOLVE_CACHED: int = lib.RESOLVE_CACHED

@@ -1124,14 +1124,16 @@ static void do_exec(uint32_t id, struct rd *r)
     x = &execs[i];
     if (flags & EXEC_PTY) {
         /* The sandbox's own devpts instance (mounted newinstance), its
-         * slave opened from the master (TIOCGPTPEER): no path lookup. */
+         * slave opened from the master (TIOCGPTPEER): no path lookup; the
+         * exec user's, as a login's terminal is (a container's too). */
         struct winsize ws = {.ws_row = (unsigned short)rows, .ws_col = (unsigned short)cols};
         int unlock = 0;
 
         pty = open("/dev/pts/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC);
         if (pty < 0 || ioctl(pty, TIOCSPTLCK, &unlock) < 0 || ioctl(pty, TIOCSWINSZ, &ws) < 0 ||
             (tty = ioctl(pty, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC)) < 0 ||
-            (po[0] = dup(pty)) < 0 || (pi[1] = fcntl(pty, F_DUPFD_CLOEXEC, 0)) < 0) {
+            fchown(tty, (uid_t)uid, (gid_t)gid) < 0 || (po[0] = dup(pty)) < 0 ||
+            (pi[1] = fcntl(pty, F_DUPFD_CLOEXEC, 0)) < 0) {
             send_err(id, errno, "open a terminal");
             goto fail;
         }

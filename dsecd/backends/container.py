@@ -9,8 +9,8 @@ dsecd/initlink.py), or run through the C exec helper, which joins the cgroups
 and namespaces of the init (setns on its pidfd) and execs as a direct child
 of the daemon (`spawn`: traced execs, sandboxes whose init has no channel).
 
-Every method here blocks (clone, mount, rmdir), except `start_by_init`: the
-node calls them from worker threads, never on the event loop.
+Every method here blocks (clone, mount, rmdir), except `start_by_init` and
+`open_pty`: the node calls them from worker threads, never on the event loop.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ import logging
 import os
 import shutil
 import signal
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import cgroup, fds, initlink, native, sysfs, userns
+from .. import cgroup, execio, fds, initlink, native, sysfs, userns
 from ..caps import CAP_NUMBERS, cap_mask
 from ..fs import upper as upperfs
 from ..steps import Steps
@@ -32,6 +33,7 @@ from ..steps import Steps
 log = logging.getLogger(__name__)
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+PTMX_RDEV = os.makedev(5, 2)     # a devpts instance's ptmx, as /dev/ptmx
 
 @dataclass
 class Handle:
@@ -281,6 +283,38 @@ class ContainerBackend:
         caps = self.caps if cap_keep is None else cap_keep & self.caps
         return h.init_link.spawn(loop, argv, env, cwd, uid, caps, fds, ctty, hold,
                                  uid if gid is None else gid, policy)
+
+    def open_pty(self, h: Handle, idmap: userns.IdMap | None, uid: int, gid: int) -> tuple[int, int]:
+        """A new pty (master, slave) from the sandbox's own devpts instance
+        (the newinstance mount at its /dev/pts, made at its start), for a
+        terminal exec as uid:gid (in-sandbox ids): the terminal is then one
+        the sandbox sees (ttyname() finds it under its /dev/pts, `tty` names
+        it), counts against its instance, not the host's, and is the exec
+        user's, as a login's is. The multiplexer is opened through the
+        sandbox root following no symlink or magic link, as the sandbox's
+        root, and must be a devpts ptmx, or it is refused: sandboxes cannot
+        mount (their seccomp filter), so this is a second line, for what the
+        daemon writes the client's keystrokes into."""
+        path = "dev/pts/ptmx"
+        with userns.as_sandbox_root(idmap):
+            master = native.openat2(h.rootfd, path, os.O_RDWR | os.O_NOCTTY,
+                                    resolve=native.RESOLVE_IN_ROOT | native.RESOLVE_NO_SYMLINKS
+                                    | native.RESOLVE_NO_MAGICLINKS)
+        slave = -1
+        try:
+            st = os.fstat(master)
+            if (native.fs_magic(master, f"/{path}") != native.DEVPTS_SUPER_MAGIC
+                    or not stat.S_ISCHR(st.st_mode) or st.st_rdev != PTMX_RDEV):
+                raise OSError(errno.ENOTTY, f"/{path} is not a devpts pty multiplexer")
+            slave = execio.open_pty_peer(master)
+            if idmap is not None:
+                uid, gid = idmap.uid + uid, idmap.gid + gid
+            os.fchown(slave, uid, gid)
+        except BaseException:
+            fds.close_quietly(slave)
+            os.close(master)
+            raise
+        return master, slave
 
     def copy_by_init(self, loop, h: Handle, src: int, dst: int) -> initlink.InitExec | None:
         """Have the sandbox's init copy src into dst from a child in the

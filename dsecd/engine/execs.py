@@ -187,7 +187,7 @@ class ExecService:
         ref = await self._counting(sb, applied, req.argv[0])
         if req.pty:
             rows, cols = DEFAULT_WINDOW if req.rows is None else (req.rows, req.cols)
-            io = PtyIO(loop, emit, rows, cols)
+            io = PtyIO(loop, emit, rows, cols, self._open_pty(sb, ids))
         else:
             io = ExecIO(loop, self.limits.max_output, emit, req.stdin)
         ctx.register_exec(io)
@@ -201,6 +201,22 @@ class ExecService:
             result["stderr"] = b"".join(collected[2])
         self._finish(result, applied, ref)
         return result
+
+    def _open_pty(self, sb: Sandbox, ids: tuple[int, int]) -> tuple[int, int]:
+        """A new pty of the sandbox's own devpts, the exec user's
+        (ContainerBackend.open_pty). On the loop, as the pipes of other execs
+        are made: the client may send input right behind the request, so the
+        exec is registered before the loop turns. The open cannot block: its
+        walk meets only the mounts dsecd made at the sandbox's /dev and
+        /dev/pts (tmpfs and devpts, no I/O), which sandboxes cannot unmount
+        or cover (their seccomp filter denies every mount call)."""
+        h = sb.handle
+        if h is None:
+            raise Conflict(f"sandbox {sb.id} is exiting", {"sandbox": sb.id})
+        try:
+            return self.backend.open_pty(h, userns.IdMap.from_record(sb.idmap), *ids)
+        except OSError as err:
+            raise io_error("open a terminal (its /dev/pts/ptmx) in", f"sandbox {sb.id}", err) from err
 
     async def run_streamed(self, sb: Sandbox, argv: list[str], env: dict[str, str], cwd: str, user: int,
                            timeout: float | None, emit: Callable[[int, bytes], Awaitable[None]]) -> dict:

@@ -128,6 +128,19 @@ def test_pty_is_the_controlling_terminal_with_the_asked_size(any_sandbox):
     assert r.stdout == b"tty\r\n40 100\r\nin\r\n"
 
 
+def test_the_terminal_is_one_of_the_sandboxs_own_ptys(any_sandbox):
+    """ttyname() finds it in the sandbox's /dev/pts (`tty` names it: a pty
+    of the host's devpts has no name there), and it is the exec user's."""
+    r = any_sandbox.exec(["sh", "-c", 't=$(tty) && echo "name $t" && ls -ln "$t" && ls /dev/pts'], pty=True,
+                         user=1000)
+    assert r.exit_code == 0, r
+    lines = r.stdout.decode().split("\r\n")
+    name = lines[0].removeprefix("name ")
+    assert re.fullmatch(r"/dev/pts/\d+", name), r.stdout
+    assert lines[1].split()[2:4] == ["1000", "1000"], r.stdout        # owner and group
+    assert name.rsplit("/", 1)[1] in lines[2].split(), r.stdout
+
+
 def test_resize_sets_the_size_and_signals_the_foreground_group(any_sandbox):
     screen = Screen(any_sandbox.exec_stream(["sh"], pty=True))
     screen.stream.write(b"stty size\n")
