@@ -861,7 +861,10 @@ async def cmd_attach(c: Client, a) -> int:
     feeder = asyncio.get_running_loop().create_task(_feed_stdin(proc))
     try:
         async for chunk in proc.output(follow=True):
-            _write_output(chunk, a.pid)
+            if a.json:
+                print(output_chunk_json(chunk), flush=True)
+            else:
+                _write_output(chunk, a.pid)
     except asyncio.CancelledError:
         print(f"dsec: detached from process {a.pid}; it keeps running", file=sys.stderr)
         raise
@@ -869,7 +872,10 @@ async def cmd_attach(c: Client, a) -> int:
         feeder.cancel()
         with contextlib.suppress(asyncio.CancelledError, DsecError, ConnectionError):
             await feeder
-    return _exit_of(await proc.wait())
+    st = await proc.wait()
+    if a.json:                                 # the last line: its end, the fields of `wait --json`
+        print(json.dumps(vars(st), sort_keys=True), flush=True)
+    return _exit_of(st)
 
 
 async def _feed_stdin(proc) -> None:
@@ -1055,9 +1061,16 @@ async def cmd_watch(c: Client, a) -> int:
 
 
 async def cmd_cat(c: Client, a) -> int:
+    """The files' bytes as they are; --json: one line per file, its content as
+    text (bytes that are not UTF-8 become U+FFFD, as `logs --json` prints output)."""
     for spec in a.targets:
         sb_id, path = _remote_path(spec, "cat")
-        sys.stdout.buffer.write(await (await c.get(sb_id)).read_file(path))
+        data = await (await c.get(sb_id)).read_file(path)
+        if a.json:
+            print(json.dumps({"sandbox": sb_id, "path": path, "size": len(data),
+                              "data": data.decode("utf-8", "replace")}, sort_keys=True), flush=True)
+        else:
+            sys.stdout.buffer.write(data)
     sys.stdout.flush()
     return 0
 

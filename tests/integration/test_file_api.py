@@ -69,6 +69,11 @@ def test_cli_ls_cat_rm(daemon, sandbox):
     r = daemon.cli("ls", "--depth", "2", f"{sandbox.id}:/work/d")
     assert r.returncode == 0 and b"sub/two.txt" in r.stdout, r.stderr
     assert daemon.cli("cat", f"{sandbox.id}:/work/d/one.txt").stdout == b"hello\n"
+    r = daemon.cli("cat", "--json", f"{sandbox.id}:/work/d/one.txt", f"{sandbox.id}:/work/d/sub/two.txt")
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(line) for line in r.stdout.splitlines()] == [
+        {"sandbox": sandbox.id, "path": "/work/d/one.txt", "size": 6, "data": "hello\n"},
+        {"sandbox": sandbox.id, "path": "/work/d/sub/two.txt", "size": 1, "data": "2"}]
     r = daemon.cli("rm", f"{sandbox.id}:/work/d")
     assert r.returncode == 1 and b"not empty" in r.stderr and b"dsec rm -r" in r.stderr, r.stderr
     assert daemon.cli("rm", "-r", f"{sandbox.id}:/work/d").returncode == 0

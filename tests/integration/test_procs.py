@@ -275,6 +275,13 @@ def test_cli_verbs(daemon, any_sandbox):
     assert [p["state"] for p in rows if p["pid"] == pid] == ["running"]
     r = daemon.cli("attach", sandbox.id, str(pid), input=b"5\n")
     assert (r.returncode, r.stdout, r.stderr) == (5, b"out\n", b"err\n")
+    # --json: a line per chunk as `logs --json`, then its end as `wait --json`.
+    pid2 = int(daemon.cli("exec", "-d", sandbox.id, "--", "sh", "-c", "read l; echo got $l; exit 4").stdout)
+    r = daemon.cli("attach", "--json", sandbox.id, str(pid2), input=b"x\n")
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    assert r.returncode == 4, r
+    assert [(c["fd"], c["data"]) for c in lines[:-1]] == [(1, "got x\n")], lines
+    assert (lines[-1]["pid"], lines[-1]["state"], lines[-1]["exit_code"]) == (pid2, "exited", 4), lines
     r = daemon.cli("wait", sandbox.id, str(pid))
     assert r.returncode == 5
     r = daemon.cli("logs", sandbox.id, str(pid))
