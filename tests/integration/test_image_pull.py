@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Daemon
+from conftest import Daemon, skip_unless_microvm
 from image_kit import INDEX, Layout, _entry, _file, _tar_bytes, push, rootfs_layer, sha256
 from registry_kit import FakeRegistry, Registry, auth_json, missing_tools
 
@@ -237,14 +237,22 @@ def layer_blob(tar: bytes, kind: str = "gzip") -> str:
     return sha256(compress(tar, kind)[0])
 
 
+def _repeating_image(tmp_path, fake, busybox_rootfs, name: str, again: str) -> bytes:
+    """`name`:v1 on the fake registry: busybox, a marker layer, a layer
+    that changes the marker, the marker layer again (compressed by
+    `again`); the marker layer's tar."""
+    marker = _tar_bytes([_file("marker.txt", b"once\n")])
+    middle = _tar_bytes([_file("marker.txt", b"middle\n")])
+    fake_image(tmp_path, fake, name, [(rootfs_layer(busybox_rootfs), "gzip"), (marker, "gzip"), (middle, "tar"),
+                                      (marker, again)])
+    return marker
+
+
 def test_a_diff_id_the_image_repeats_is_fetched_once(busybox_rootfs, tmp_path, daemon_factory, fake):
     """Older images repeat a layer (the same empty layer, say), even under
     another compression: one copy is fetched and converted, the others take
     its stored layer."""
-    marker = _tar_bytes([_file("marker.txt", b"once\n")])
-    middle = _tar_bytes([_file("marker.txt", b"middle\n")])
-    fake_image(tmp_path, fake, "repeat/app", [(rootfs_layer(busybox_rootfs), "gzip"), (marker, "gzip"),
-                                              (middle, "tar"), (marker, "zstd")])
+    marker = _repeating_image(tmp_path, fake, busybox_rootfs, "repeat/app", "zstd")
     d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}"]\n')
     c = d.client()
     events = []
@@ -262,6 +270,28 @@ def test_a_diff_id_the_image_repeats_is_fetched_once(busybox_rootfs, tmp_path, d
     finally:
         sb.destroy()
     c.close()
+
+
+def test_an_image_that_repeats_a_layer_runs_in_a_microvm(busybox_rootfs, tmp_path, daemon_factory, fake):
+    """A microVM gets each of the image's layers as a pmem device of its own,
+    a repeated one twice (QEMU maps the same store file twice), and the
+    guest stacks their EROFS mounts, distinct mounts that overlay takes."""
+    _repeating_image(tmp_path, fake, busybox_rootfs, "repeat/vm", "gzip")
+    d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}"]\n[microvm]\ntemplates = false\n')
+    c = d.client()
+    skip_unless_microvm(c)
+    try:
+        img = c.pull_image(f"{fake.host}/repeat/vm:v1")
+        assert len(img["layers"]) == 4
+        sb = c.create(image=img["name"], backend="microvm", memory="256M", net="none")
+        try:
+            assert sb.inspect()["vm"]["template"] is None           # booted with the image's four layers
+            assert sb.exec(["cat", "/marker.txt"]).stdout == b"once\n"
+            assert sb.exec(["sh", "-c", "echo kept > /w && cat /w"]).stdout == b"kept\n"
+        finally:
+            sb.destroy()
+    finally:
+        c.close()
 
 
 def test_concurrent_daemons_on_one_store_download_once(busybox_rootfs, tmp_path, daemon_factory, fake):
