@@ -504,8 +504,10 @@ class Client:
             return
         # Queued here past the daemon's in-flight limit; an exec with stdin
         # also holds the slot of its exec_input requests, a pty exec that of
-        # its exec_resize requests too.
-        units = 1 + bool(op == "exec" and args.get("stdin")) + bool(op == "exec" and args.get("pty"))
+        # its exec_resize requests too, a directory copy in that of its
+        # file_tar_input requests.
+        units = (1 + bool(op == "exec" and args.get("stdin")) + bool(op == "exec" and args.get("pty"))
+                 + bool(op == "file_tar_put"))
         await slots.acquire(units)
         try:
             async with contextlib.aclosing(self._frames_with_id(conn, rid, op, args, sent)) as frames:

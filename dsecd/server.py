@@ -83,22 +83,38 @@ class RequestContext:
 
     def register_exec(self, io) -> None:
         self.conn.execs[self.rid] = io
+        self.conn.begun(self.rid)
 
     def unregister_exec(self) -> None:
         self.conn.execs.pop(self.rid, None)
 
-    def exec_for(self, exec_id: int):
-        return self.conn.execs.get(exec_id)
+    async def exec_for(self, exec_id: int):
+        """The running exec of request `exec_id` on this connection, or None;
+        one not started yet is waited for (Connection.started)."""
+        return await self.conn.started(exec_id, self.conn.execs)
 
     def register_input(self, sink) -> None:
         """This request takes data from later requests naming its id (file_tar_input)."""
         self.conn.inputs[self.rid] = sink
+        self.conn.begun(self.rid)
 
     def unregister_input(self) -> None:
         self.conn.inputs.pop(self.rid, None)
 
-    def input_for(self, rid: int):
-        return self.conn.inputs.get(rid)
+    async def input_for(self, rid: int):
+        """The input sink request `rid` registered, or None; one not
+        registered yet is waited for (Connection.started)."""
+        return await self.conn.started(rid, self.conn.inputs)
+
+
+class _StartGate:
+    """Where requests feeding request N wait while N has not registered
+    what takes their data (Connection.started)."""
+
+    def __init__(self):
+        self.begun = asyncio.Event()
+        self.lock = asyncio.Lock()
+        self.users = 0
 
 
 class Connection:
@@ -108,6 +124,11 @@ class Connection:
         self.writer = writer
         self.tasks: dict[int, asyncio.Task] = {}
         self.execs: dict[int, object] = {}
+        # Requests in flight that take input from later requests (exec,
+        # file_tar_put) and have not registered what takes it yet, and the
+        # gates those later requests wait at (started).
+        self.starting: set[int] = set()
+        self.gates: dict[int, _StartGate] = {}
         self.inputs: dict[int, object] = {}
         self.max_frame = server.max_frame
         self.peer = "?"
@@ -241,6 +262,39 @@ class Connection:
         await self.send({"id": rid, "result": self.server.node.hello_result()})
         return True
 
+    def begun(self, rid: int) -> None:
+        """Request `rid` registered what takes its input, or ended: its waiters go on."""
+        self.starting.discard(rid)
+        gate = self.gates.get(rid)
+        if gate is not None:
+            gate.begun.set()
+
+    async def started(self, rid: int, registry: dict):
+        """What request `rid` registered in `registry` (execs, inputs), or
+        None. A request still on its way there (an exec or a copy resuming
+        a paused sandbox first) is waited for: a client sends input right
+        behind its request, and input answered "no such request" is lost.
+        Callers go on in the order they came (the gate's lock is FIFO, and
+        one that comes while earlier ones still wait queues behind them),
+        so input sent in order is taken in order: each caller queues its
+        data before it yields again."""
+        gate = self.gates.get(rid)
+        if gate is None:
+            found = registry.get(rid)
+            if found is not None or rid not in self.starting:
+                return found
+            gate = self.gates[rid] = _StartGate()
+        gate.users += 1
+        try:
+            async with gate.lock:
+                if rid in self.starting:
+                    await gate.begun.wait()
+                return registry.get(rid)
+        finally:
+            gate.users -= 1
+            if not gate.users and self.gates.get(rid) is gate:
+                del self.gates[rid]
+
     def _dispatch(self, frame: dict) -> None:
         try:
             rid, req = protocol.parse_request(frame)
@@ -258,6 +312,8 @@ class Connection:
             return
         task = asyncio.get_running_loop().create_task(self._run(rid, req))
         self.tasks[rid] = task
+        if isinstance(req, (protocol.Exec, protocol.FileTarPut)):
+            self.starting.add(rid)
         task.add_done_callback(lambda t, rid=rid: self._finished(rid, t))
 
     def _finished(self, rid: int, task: asyncio.Task) -> None:
@@ -265,6 +321,7 @@ class Connection:
         its final frame and its slot are settled here (found by fuzzing)."""
         if self.tasks.get(rid) is task:
             del self.tasks[rid]
+            self.begun(rid)
             if task.cancelled():
                 self.send_nowait({"id": rid, "error": Conflict("request cancelled").to_wire()})
 
@@ -298,6 +355,7 @@ class Connection:
         finally:
             if self.tasks.get(rid) is asyncio.current_task():
                 del self.tasks[rid]
+                self.begun(rid)          # an exec that ended before it started: its waiters go on
 
     def _log_error(self, req, rid: int, err: DsecError) -> None:
         level = {"internal": logging.ERROR, "io": logging.WARNING}.get(err.code, logging.DEBUG)

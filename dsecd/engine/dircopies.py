@@ -171,7 +171,7 @@ class DirCopyService:
         if len(req.data) > self.max_chunk:
             raise LimitExceeded(f"file_tar_input data of {len(req.data)} bytes exceeds {self.max_chunk}; "
                                 "send smaller chunks", {"max_file_chunk_bytes": self.max_chunk})
-        pipe = ctx.input_for(req.put_id)
+        pipe = await ctx.input_for(req.put_id)
         if not isinstance(pipe, ChunkPipe):
             raise NotFound(f"no file_tar_put with id {req.put_id} running on this connection")
         await pipe.feed(req.data, req.eof)

@@ -359,7 +359,7 @@ class ExecService:
             raise io_error("start the tracer for", f"pid {pid}", err) from err
 
     async def exec_input(self, req, ctx) -> dict:
-        io = ctx.exec_for(req.exec_id)
+        io = await ctx.exec_for(req.exec_id)
         if io is None:
             raise NotFound(f"no running exec with id {req.exec_id} on this connection")
         if not io.takes_stdin:
@@ -369,7 +369,7 @@ class ExecService:
 
     async def exec_resize(self, req, ctx) -> dict:
         check_window(req.rows, req.cols)
-        io = ctx.exec_for(req.exec_id)
+        io = await ctx.exec_for(req.exec_id)
         if io is None:
             raise NotFound(f"no running exec with id {req.exec_id} on this connection")
         if not io.has_tty:

@@ -168,6 +168,9 @@ def test_pause_resume_keeps_state(box):
     sb.pause()
     # An exec on a paused sandbox resumes it first (memory.auto_resume).
     assert sb.exec(["echo", "awake"]).stdout == b"awake\n"
+    sb.pause()
+    # Input sent right behind such an exec waits for its start: none is lost.
+    assert sb.exec(["cat"], stdin=b"typed\n", timeout=60).stdout == b"typed\n"
 
 
 def test_snapshot_packs_the_writable_layer(box):

@@ -89,6 +89,17 @@ def test_round_trip_keeps_tree_links_and_modes(sandbox, tmp_path):
     assert leftovers(sandbox) == []
 
 
+def test_a_copy_into_a_paused_sandbox_resumes_it_and_takes_every_chunk(sandbox, tmp_path):
+    """The SDK sends the tar right behind the request, which first resumes
+    the sandbox: the chunks wait for the copy to start, none is lost."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f.bin").write_bytes(os.urandom(5 << 20))          # two chunks
+    sandbox.pause()
+    r = sandbox.upload_dir(str(tmp_path / "src"), "/work/after-pause")
+    assert r["count"] == 2
+    assert sandbox.read_file("/work/after-pause/f.bin") == (tmp_path / "src" / "f.bin").read_bytes()
+
+
 def tar_of(*members) -> io.BytesIO:
     """A tar of (TarInfo fields, data) pairs, crafted as an attacker would."""
     buf = io.BytesIO()
