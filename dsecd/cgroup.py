@@ -46,6 +46,11 @@ class Layout:
     # rmdir and one cgroup.procs write less per sandbox, all under the
     # kernel's global cgroup_mutex that a burst queues on).
     v2_freeze: bool = False
+    # v2 groups have `cpu.stat` with usage_usec whether or not the cpu
+    # controller is enabled there (the core counts every group's CPU, Linux
+    # 4.20+): then a hybrid host's sandbox gets no v1 cpuacct group either,
+    # its CPU is read from its v2 group (dsecd/cpu/sampler.py).
+    v2_cpu_stat: bool = False
 
     @property
     def mode(self) -> str:
@@ -71,10 +76,17 @@ class Layout:
     @functools.cached_property
     def made_hierarchies(self) -> dict[str, Path]:
         """The hierarchies a new sandbox group is made in: all but a v1
-        freezer that v2's cgroup.freeze makes redundant. `hierarchies()`
-        still lists it, so leftovers of older daemons are found and removed.
-        Computed once (every Group asks); do not modify the dict."""
-        return {k: p for k, p in self.hierarchies().items() if not (k == "freezer" and self.v2_freeze)}
+        freezer and a v1 cpuacct that v2's cgroup.freeze and cpu.stat make
+        redundant. `hierarchies()` still lists them, so leftovers of older
+        daemons are found and removed. Computed once (every Group asks); do
+        not modify the dict."""
+        return {k: p for k, p in self.hierarchies().items()
+                if not (k == "freezer" and self.v2_freeze or k == "cpuacct" and self.v2_cpu_stat)}
+
+    @property
+    def cpu_usage_from_v2(self) -> bool:
+        """Whether a sandbox's CPU use is read from its v2 group's cpu.stat."""
+        return self.v2 is not None and ("cpu" in self.v2_controllers or self.v2_cpu_stat)
 
     def controller_dir(self, ctrl: str) -> tuple[str, Path] | None:
         """(version, mount) that serves `ctrl`, or None."""
@@ -105,20 +117,23 @@ def detect_layout(mountinfo: str = "/proc/self/mountinfo") -> Layout:
             ctrls = frozenset((v2 / "cgroup.controllers").read_text().split())
         except OSError:
             ctrls = frozenset()
-    return Layout(v2=v2, v2_controllers=ctrls, v1=v1, v2_freeze=v2 is not None and _has_v2_freeze(v2))
+    return Layout(v2=v2, v2_controllers=ctrls, v1=v1,
+                  v2_freeze=v2 is not None and _v2_groups_have(v2, "cgroup.freeze", (5, 2)),
+                  v2_cpu_stat=v2 is not None and _v2_groups_have(v2, "cpu.stat", (4, 20)))
 
 
-def _has_v2_freeze(v2: Path) -> bool:
-    """Whether non-root v2 groups have cgroup.freeze: looked up in an existing
-    child group (the root has none), else from the kernel version (5.2)."""
+def _v2_groups_have(v2: Path, name: str, since: tuple[int, int]) -> bool:
+    """Whether non-root v2 groups have the file `name`: looked up in an
+    existing child group (the root may lack it), else from the kernel
+    version that added it."""
     try:
         for entry in os.scandir(v2):
             if entry.is_dir(follow_symlinks=False):
-                return os.path.exists(os.path.join(entry.path, "cgroup.freeze"))
+                return os.path.exists(os.path.join(entry.path, name))
     except OSError:
         return False
     major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", os.uname().release).groups())
-    return (major, minor) >= (5, 2)
+    return (major, minor) >= since
 
 
 def _write(path: str | Path, value: str) -> None:

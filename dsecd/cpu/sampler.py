@@ -1,10 +1,10 @@
 """Usage sampling: per-sandbox CPU, throttling and memory from cgroup files,
 host figures from psutil and PSI, once per `cpu.sample_interval_s`.
 
-Per sandbox it reads two or three small files (v1: cpuacct.usage,
-memory.usage_in_bytes, and cpu.stat only for a sandbox with a CFS quota,
-since nothing else is ever throttled; v2: cpu.stat has usage and throttling,
-plus memory.current) with raw os.open/os.read: no Path objects, no buffered
+Per sandbox it reads two or three small files (v1: cpuacct.usage, or the v2
+group's cpu.stat where there is one (a hybrid host), memory.usage_in_bytes,
+and v1's cpu.stat only for a sandbox with a CFS quota, since nothing else is
+ever throttled; v2: cpu.stat has usage and throttling, plus memory.current) with raw os.open/os.read: no Path objects, no buffered
 I/O, because the pass runs every second over thousands of groups (bench/cpu.py
 measures it on 4,000 real cgroups). Files are opened per pass rather than
 held open: pread on a held fd is ~6x cheaper, but 3 fds per sandbox would
@@ -58,6 +58,7 @@ class StatFiles:
     usage: File | None        # v1 cpuacct.usage (ns) or v2 cpu.stat (usage_usec)
     usage_v2: bool
     throttle: File | None     # cpu.stat with nr_periods/nr_throttled/throttled_{time,usec}
+    throttle_v2: bool         # throttle is v2's cpu.stat (usec), else v1's (ns)
     memory: File | None       # memory.usage_in_bytes or memory.current
 
 
@@ -72,21 +73,20 @@ def stat_files(layout: cgroup.Layout, rel: str, quota: bool = True, base=None) -
                 return f"{os.path.relpath(rel, prefix)}/{name}", fd
         return str(mnt / rel / name), None
 
-    usage, usage_v2, throttle, memory = None, False, None, None
+    usage, throttle = None, None
     cpu = layout.controller_dir("cpu")
-    acct = layout.controller_dir("cpuacct")
-    if cpu and cpu[0] == "v2":
-        usage = throttle = where(cpu[1], "cpu.stat")
-        usage_v2 = True
-    else:
-        if acct:
-            usage = where(acct[1], "cpuacct.usage")
-        if cpu and quota:
-            throttle = where(cpu[1], "cpu.stat")
+    throttle_v2 = bool(cpu) and cpu[0] == "v2"
+    if layout.cpu_usage_from_v2:
+        usage = where(layout.v2, "cpu.stat")
+    elif acct := layout.controller_dir("cpuacct"):
+        usage = where(acct[1], "cpuacct.usage")
+    if cpu and (quota or throttle_v2):
+        throttle = usage if throttle_v2 else where(cpu[1], "cpu.stat")
     mem = layout.controller_dir("memory")
+    memory = None
     if mem:
         memory = where(mem[1], "memory.current" if mem[0] == "v2" else "memory.usage_in_bytes")
-    return StatFiles(usage, usage_v2, throttle, memory)
+    return StatFiles(usage, layout.cpu_usage_from_v2, throttle, throttle_v2, memory)
 
 
 @dataclass
@@ -102,23 +102,18 @@ class Raw:
 
 def read_group(f: StatFiles, memory: bool = True) -> Raw:
     raw = Raw()
-    stat = None
-    if f.usage_v2:
-        data = read_small(*f.usage)
-        if data is not None:
-            stat = parse_flat_keyed(data)
-            raw.usage_ns = stat.get(b"usage_usec", 0) * 1000
-            raw.throttled_ns = stat.get(b"throttled_usec", 0) * 1000
+    data = read_small(*f.usage) if f.usage else None
+    usage_stat = parse_flat_keyed(data) if data and f.usage_v2 else None
+    if data:
+        raw.usage_ns = usage_stat.get(b"usage_usec", 0) * 1000 if usage_stat is not None else int(data)
+    if f.throttle is not None and f.throttle == f.usage:
+        stat = usage_stat           # v2's one cpu.stat has usage and throttling: read once
     else:
-        if f.usage:
-            data = read_small(*f.usage)
-            raw.usage_ns = int(data) if data else None
-        if f.throttle:
-            data = read_small(*f.throttle)
-            if data:
-                stat = parse_flat_keyed(data)
-                raw.throttled_ns = stat.get(b"throttled_time", 0)
+        data = read_small(*f.throttle) if f.throttle else None
+        stat = parse_flat_keyed(data) if data else None
     if stat:
+        raw.throttled_ns = (stat.get(b"throttled_usec", 0) * 1000 if f.throttle_v2
+                            else stat.get(b"throttled_time", 0))
         raw.nr_periods = stat.get(b"nr_periods", 0)
         raw.nr_throttled = stat.get(b"nr_throttled", 0)
     if memory and f.memory:

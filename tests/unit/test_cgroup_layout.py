@@ -18,6 +18,22 @@ def test_hybrid_uses_v1_controllers_and_the_empty_v2_tree(monkeypatch):
     assert lay.controller_dir("memory") == ("v1", Path("/sys/fs/cgroup/memory"))
 
 
+def test_hybrid_makes_no_v1_groups_that_v2_files_replace():
+    """v2's cgroup.freeze and cpu.stat stand in for v1's freezer and cpuacct;
+    both are still listed, so an older daemon's groups are found and removed."""
+    v1 = {c: Path(f"/cg/{c}") for c in ("cpu", "cpuacct", "memory", "pids", "freezer")}
+    old = cgroup.Layout(v2=Path("/cg/unified"), v2_controllers=frozenset(), v1=v1)
+    new = cgroup.Layout(v2=Path("/cg/unified"), v2_controllers=frozenset(), v1=v1, v2_freeze=True,
+                        v2_cpu_stat=True)
+    assert set(old.made_hierarchies) == set(new.hierarchies()) == {*v1, "unified"}
+    assert set(new.made_hierarchies) == {"cpu", "memory", "pids", "unified"}
+    assert not old.cpu_usage_from_v2 and new.cpu_usage_from_v2
+    # cpu and cpuacct on one v1 mount, v2 groups without cpu.stat: cpuacct.usage it is.
+    joint = {**v1, "cpuacct": v1["cpu"]}
+    assert not cgroup.Layout(v2=Path("/cg/unified"), v2_controllers=frozenset(), v1=joint).cpu_usage_from_v2
+    assert [str(p) for p in cgroup.Group(new, "dsecd/x").legacy] == ["/cg/cpuacct/dsecd/x", "/cg/freezer/dsecd/x"]
+
+
 def test_pure_v2_uses_v2_for_enabled_controllers(monkeypatch):
     monkeypatch.setattr(Path, "read_text", lambda self: "cpu memory pids io")
     lay = cgroup.detect_layout(str(FIX / "mountinfo-v2"))

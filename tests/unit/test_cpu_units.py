@@ -191,6 +191,34 @@ def test_sampler_v1_rates_throttling_and_gone_groups(tmp_path, monkeypatch):
     assert set(s.tracks) == {"b"} and set(s.files) == {"b"}
 
 
+def test_hybrid_sampler_reads_cpu_from_the_v2_group_and_throttling_from_v1(tmp_path, monkeypatch):
+    """Where v2 groups have cpu.stat, a hybrid host's sandbox gets no v1
+    cpuacct group: its usage comes from its v2 group, its throttling (a CFS
+    quota is set on v1's cpu controller) from v1's cpu.stat."""
+    clock = Clock()
+    monkeypatch.setattr(sampler.time, "monotonic", clock)
+    monkeypatch.setattr(sampler, "MEMORY_EVERY", 1)
+    v1 = {c: tmp_path / c for c in ("cpu", "cpuacct", "memory")}
+    lay = cgroup.Layout(v2=tmp_path / "v2", v2_controllers=frozenset(), v1=v1, v2_cpu_stat=True)
+    assert "cpuacct" not in lay.made_hierarchies and "cpuacct" in lay.hierarchies()
+
+    def write(usage_us, throttled):
+        (tmp_path / "v2" / "root" / "a").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "v2" / "root" / "a" / "cpu.stat").write_text(
+            f"usage_usec {usage_us}\nuser_usec {usage_us}\nsystem_usec 0\nnice_usec 0\n")
+        _write_v1(tmp_path, "a", 0, 4096, throttled)
+        (tmp_path / "cpuacct" / "root" / "a" / "cpuacct.usage").write_text("999999999999\n")  # not read
+
+    s = sampler.Sampler(lay, "root", half_life_s=1.0)
+    write(0, (0, 0, 0))
+    s.sample({"a": ("be", True)})
+    clock.t += 2.0
+    write(3_000_000, (20, 5, 10_000_000))
+    a = s.sample({"a": ("be", True)}).sandboxes["a"]
+    assert a["cpu_pct"] == 150.0 and a["memory"] == 4096
+    assert a["throttled_pct"] == 25.0 and a["throttled_ms"] == 10.0
+
+
 def test_sampler_reads_a_round_robin_share_past_its_budget(tmp_path, monkeypatch):
     clock = Clock()
     monkeypatch.setattr(sampler.time, "monotonic", clock)
