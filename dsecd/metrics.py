@@ -145,7 +145,7 @@ class Snapshot:
         for sb in node.registry.by_id.values():
             key = (sb.state, sb.qos or "")
             snap.states[key] = snap.states.get(key, 0) + 1
-        snap.cpu = node.cpu.info(node.registry.live_limits(), node.sb_defaults["cpu"],
+        snap.cpu = node.cpu.info(node.registry.requested(), node.sb_defaults["cpu"],
                                  node.default_memory)
         snap.admission = node.create_service.info()
         snap.fncall = node.call_service.info()

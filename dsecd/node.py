@@ -295,7 +295,7 @@ class Node:
         return {"version": __version__, "protocol": protocol.PROTOCOL_VERSION, "pid": os.getpid(),
                 "uptime_s": round(time.time() - self.started, 3), **self.features.to_dict(),
                 "limits": self.wire_limits(), "sandboxes": states,
-                "cpu": self.cpu.info(self.registry.live_limits(), self.sb_defaults["cpu"], self.default_memory),
+                "cpu": self.cpu.info(self.registry.requested(), self.sb_defaults["cpu"], self.default_memory),
                 "images": await self.workers.run(self.image_service.info),
                 "net": self.net_service.net_info(),
                 "memory": await self.workers.run(self.memory.info),

@@ -11,7 +11,6 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
 
 import psutil
 
@@ -70,16 +69,12 @@ class CpuHost:
             raise BadRequest(f"asks for {asking}, more than this host can ever give a sandbox ({most}); "
                              "ask for less, or place it on a larger host", why)
 
-    def admit(self, live_limits: Callable[[], list[dict]], cpu: float, memory: int, plan: qos.Plan) -> None:
-        """Raise `busy` with the figures if a sandbox of this size does not fit.
-        `live_limits` is only called (a scan of every sandbox) when a CPU or
-        memory capacity is set: a burst of creates should not pay it for nothing."""
+    def admit(self, used: admission.Requested, cpu: float, memory: int, plan: qos.Plan) -> None:
+        """Raise `busy` with the figures if a sandbox of this size does not
+        fit beside what the live sandboxes ask for (`used`)."""
         ls_recent = self.sampler.latest.host.get("sandbox_recent_cores", {}).get(qos.LS, 0.0) \
             if self.sampler.latest.host else 0.0
-        cap = self.capacity
-        used = admission.total(live_limits()) if cap.cpu is not None or cap.memory is not None \
-            else admission.Requested()
-        why = admission.refusal(cap, used, cpu, memory,
+        why = admission.refusal(self.capacity, used, cpu, memory,
                                 ls=plan.qos == qos.LS, ls_recent=ls_recent)
         if why:
             raise Busy(f"host at capacity for {why['resource']}: {why.get('requested', why.get('ls_recent'))} "
@@ -105,13 +100,13 @@ class CpuHost:
 
     # ------------------------------------------------------------ reports
 
-    def info(self, live_limits: list[dict], default_cpu: float, default_memory: int) -> dict:
+    def info(self, requested: admission.Requested, default_cpu: float, default_memory: int) -> dict:
+        """`requested`: what the live sandboxes ask for (SandboxRegistry.requested)."""
         snap = self.sampler.latest
         host = snap.host
         used = host.get("sandbox_cores") if host else None
         return {"cpus": self.cpus, **self.classes.info(),
-                "admission": admission.state(self.capacity, admission.total(live_limits), default_cpu,
-                                             default_memory),
+                "admission": admission.state(self.capacity, requested, default_cpu, default_memory),
                 "used": {"host_cpu_pct": host.get("cpu_pct") if host else None,
                          "sandbox_cores": used,
                          "sample_interval_s": self.interval, "last_pass_ms": snap.duration_ms},

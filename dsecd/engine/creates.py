@@ -633,7 +633,7 @@ class CreateService:
             except ImageError as err:
                 raise image_error(err) from err
         self._admit()
-        self.cpu.admit(self.registry.live_limits, limits.cpu, limits.memory_bytes, plan)
+        self.cpu.admit(self.registry.requested(), limits.cpu, limits.memory_bytes, plan)
         sb_id = secrets.token_hex(6)
         hostname = req.hostname or f"sb-{sb_id}"
         if len(hostname) > 63:

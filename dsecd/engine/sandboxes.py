@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from ..backends.container import Handle
+from ..cpu.admission import Requested
 from ..errors import BadRequest, Conflict, NotFound, Unsupported
 from ..journal import Journal
 
@@ -117,6 +119,15 @@ class SandboxRegistry:
         # Dead sandboxes in the registry, so the live count each create checks
         # is len() - this, not a scan of thousands of sandboxes per create.
         self.dead = 0
+        # What the live (not dead) sandboxes ask for, kept as they come and
+        # go: admission checks it at every create, and summing thousands of
+        # limits there was ~0.3 ms of the event loop per create at 2,000 live
+        # sandboxes. CPU as an exact fraction (every float is one), so that
+        # adding and taking away leave no drift. {id: (CPUs, memory bytes)}
+        # of what is counted.
+        self._counted: dict[str, tuple[Fraction, int]] = {}
+        self._cpu = Fraction(0)
+        self._memory = 0
 
     def get(self, sb_id: str, op_cls) -> Sandbox:
         """The sandbox `sb_id` (or the one sandbox whose id starts with it, 4
@@ -141,8 +152,22 @@ class SandboxRegistry:
 
     def add(self, sb: Sandbox) -> None:
         self.by_id[sb.id] = sb
+        self._uncount(sb.id)
         if sb.state == "dead":
             self.dead += 1
+        else:
+            self._count(sb)
+
+    def _count(self, sb: Sandbox) -> None:
+        cpu, memory = Fraction(sb.limits["cpu"]), sb.limits["memory"]
+        self._counted[sb.id] = (cpu, memory)
+        self._cpu += cpu
+        self._memory += memory
+
+    def _uncount(self, sb_id: str) -> None:
+        cpu, memory = self._counted.pop(sb_id, (0, 0))
+        self._cpu -= cpu
+        self._memory -= memory
 
     def of_job(self, job: str, states: tuple[str, ...]) -> list[Sandbox]:
         """The sandboxes labelled job=`job` in one of `states`; not_found if none has the label."""
@@ -154,8 +179,9 @@ class SandboxRegistry:
     def live_count(self) -> int:
         return len(self.by_id) - self.dead
 
-    def live_limits(self) -> list[dict]:
-        return [s.limits for s in self.by_id.values() if s.state != "dead"]
+    def requested(self) -> Requested:
+        """What the live sandboxes ask for, summed (no scan)."""
+        return Requested(cpu=float(self._cpu), memory=self._memory, sandboxes=len(self._counted))
 
     def save(self, sb: Sandbox) -> None:
         # A record is one line appended to the log (dsecd/journal.py): cheap
@@ -167,16 +193,20 @@ class SandboxRegistry:
         """`sb`'s init is gone: it stays listed, as dead, until destroyed."""
         if sb.state != "dead" and self.by_id.get(sb.id) is sb:
             self.dead += 1
+            self._uncount(sb.id)
         sb.state = "dead"
 
     def forget(self, sb_id: str) -> None:
         """A sandbox whose create failed: it was never journaled."""
-        self.by_id.pop(sb_id, None)
+        if self.by_id.pop(sb_id, None) is not None:
+            self._uncount(sb_id)
 
     def remove(self, sb: Sandbox, was: str) -> None:
         """`sb` is destroyed (`was`: its state before): its record and its key go too."""
-        if self.by_id.pop(sb.id, None) is sb and was == "dead":
-            self.dead -= 1
+        if self.by_id.pop(sb.id, None) is sb:
+            self._uncount(sb.id)
+            if was == "dead":
+                self.dead -= 1
         if sb.key and self.keys.get(sb.key) == sb.id:
             del self.keys[sb.key]
         self.journal.delete(sb.id)

@@ -1,0 +1,86 @@
+"""The registry's counts that admission reads at every create: kept as
+sandboxes come, die and go, never by a scan, and equal to one."""
+
+import math
+import random
+
+import pytest
+
+from dsecd.cpu import admission
+from dsecd.engine.sandboxes import Sandbox, SandboxRegistry
+
+GiB = 1 << 30
+
+
+class Journal:
+    def __init__(self):
+        self.deleted = []
+
+    def write(self, sb_id, record):
+        pass
+
+    def delete(self, sb_id):
+        self.deleted.append(sb_id)
+
+
+def _sb(i: int, cpu: float, memory: int, state: str = "running") -> Sandbox:
+    return Sandbox(id=f"{i:012x}", image="busybox", state=state, created=0.0,
+                   limits={"cpu": cpu, "memory": memory, "pids": 64, "disk": 0})
+
+
+def _scan(reg: SandboxRegistry) -> admission.Requested:
+    return admission.total([s.limits for s in reg.by_id.values() if s.state != "dead"])
+
+
+def test_requested_follows_add_die_destroy_and_failed_creates():
+    reg = SandboxRegistry(Journal())
+    a, b, c = _sb(1, 0.1, GiB), _sb(2, 0.2, 2 * GiB), _sb(3, 1.5, GiB, state="creating")
+    for sb in (a, b, c):
+        reg.add(sb)
+    assert reg.requested() == admission.Requested(cpu=pytest.approx(1.8), memory=4 * GiB, sandboxes=3)
+    reg.forget(c.id)                      # its create failed
+    assert reg.requested() == admission.Requested(cpu=pytest.approx(0.3), memory=3 * GiB, sandboxes=2)
+    reg.mark_dead(a)
+    reg.mark_dead(a)                      # twice: counted off once
+    assert reg.requested() == admission.Requested(cpu=pytest.approx(0.2), memory=2 * GiB, sandboxes=1)
+    reg.remove(a, "dead")
+    reg.remove(b, "running")
+    assert reg.requested() == admission.Requested() and reg.live_count() == 0
+
+
+def test_adding_a_sandbox_again_replaces_its_count():
+    """A re-added id (a record read back) counts once, with its latest limits."""
+    reg = SandboxRegistry(Journal())
+    reg.add(_sb(1, 0.5, GiB))
+    reg.add(_sb(1, 2.0, 2 * GiB))
+    assert reg.requested() == admission.Requested(cpu=2.0, memory=2 * GiB, sandboxes=1)
+
+
+def test_requested_equals_a_scan_after_many_random_changes():
+    """Fractional CPUs added and taken away many times leave no drift."""
+    rng = random.Random(3)
+    reg = SandboxRegistry(Journal())
+    live: list[Sandbox] = []
+    for i in range(5000):
+        roll = rng.random()
+        if roll < 0.55 or not live:
+            sb = _sb(i, rng.choice([0.1, 0.25, 1 / 3, 2.0]), rng.randrange(1, 64) << 20)
+            reg.add(sb)
+            live.append(sb)
+        elif roll < 0.7:
+            reg.mark_dead(rng.choice(live))
+        elif roll < 0.9:
+            sb = live.pop(rng.randrange(len(live)))
+            reg.remove(sb, sb.state)
+        else:
+            sb = live.pop(rng.randrange(len(live)))
+            if sb.state == "dead":
+                reg.remove(sb, "dead")
+            else:
+                sb.state = "creating"
+                reg.forget(sb.id)
+    got, want = reg.requested(), _scan(reg)
+    assert got.memory == want.memory and got.sandboxes == want.sandboxes
+    # The exact sum, rounded once: what a correctly rounded sum of the live ones gives.
+    assert got.cpu == math.fsum(s.limits["cpu"] for s in reg.by_id.values() if s.state != "dead")
+    assert reg.live_count() == want.sandboxes
