@@ -25,6 +25,20 @@ static void fail_at(struct dsec_err *e, int step, int err, const char *path)
     e->path[sizeof(e->path) - 1] = '\0';
 }
 
+/* One write of the whole value, again if a signal interrupted it: v1's
+ * memory.limit_in_bytes returns EINTR whenever the writer has a signal
+ * pending (mem_cgroup_resize_max), and a daemon thread may have one, e.g.
+ * while a tracer attaches (a create failed under `strace -p`). */
+static ssize_t write_value(int fd, const char *value, size_t len)
+{
+    ssize_t n;
+
+    do
+        n = write(fd, value, len);
+    while (n < 0 && errno == EINTR);
+    return n;
+}
+
 /* mkdir each of dirs (their parents exist), then write each value to its
  * file, one write(2) each (a control file parses every write on its own).
  * On any failure the dirs made are removed again (reverse order) and
@@ -52,7 +66,7 @@ int dsec_cgroup_make(const char *const *dirs, int n_dirs, const char *const *fil
             fail_at(err, DSEC_STEP_CGROUP_WRITE, errno, files[i]);
             goto undo;
         }
-        if (write(fd, values[i], len) != (ssize_t)len) {
+        if (write_value(fd, values[i], len) != (ssize_t)len) {
             fail_at(err, DSEC_STEP_CGROUP_WRITE, errno ? errno : EIO, files[i]);
             close(fd);
             goto undo;
