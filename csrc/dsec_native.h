@@ -94,6 +94,9 @@ enum dsec_step {
     /* exec children, last before execve: the exec's task policy with
      * Landlock (csrc/policy_steps.h); the path names the rule that failed */
     DSEC_STEP_LANDLOCK = 54,
+    /* container child with root_ns_fd: the idmapped layer clones attached
+     * under the overlay (park_fds) */
+    DSEC_STEP_PARK_LAYERS = 55,
     /* a sandbox's cgroups in the daemon (cgroupfs.c dsec_cgroup_make) */
     DSEC_STEP_CGROUP_MKDIR = 60,
     DSEC_STEP_CGROUP_WRITE = 61
@@ -124,6 +127,8 @@ struct dsec_container_args {
     int upper_fd; /* >= 0: mount fd of the upper tmpfs, left open in init as DSEC_INIT_UPPER_FD */
     const int *path_fds; /* the fds named by /proc/self/fd/N paths in rootfs or overlay_opts */
     int n_path_fds;      /* at most DSEC_MAX_PATH_FDS */
+    const int *park_fds; /* detached mounts among path_fds the overlay is done with (idmapped */
+    int n_park_fds;      /* layer clones): with root_ns_fd, attached under the overlay */
     int ctl_fd;       /* >= 0: init's end of its exec channel, left open in init as DSEC_INIT_CTL_FD */
     int ctl_peer_fd;  /* with ctl_fd: the daemon's end, also kept by init (DSEC_INIT_PEER_FD) */
     int oom_reset;    /* nonzero: oom_score_adj back to 0 (the daemon's own is negative) */

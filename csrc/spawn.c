@@ -240,6 +240,10 @@ struct container_ctx {
     int ctl_peer_fd; /* the parent's dup of a->ctl_peer_fd above DSEC_INIT_PEER_FD, or -1 */
     int userns_fd;   /* a->userns_fd, or the parent's dup of it above DSEC_INIT_PEER_FD */
     int root_ns_fd;  /* the parent's low dup of a->root_ns_fd (a parked fd), or -1 */
+    /* The scratch tmpfs's mount fd once rootfs_attach parked it under the
+     * overlay, else -1. Written by the child: with CLONE_VM it points into
+     * the blocked parent's frame, which ignores it. */
+    int *scratch_fd;
     int cg_fds[DSEC_MAX_CGROUPS];
     int keep[8 + DSEC_MAX_CGROUPS + DSEC_MAX_PATH_FDS]; /* every fd >= 3 the child uses, sorted */
     int n_keep;
@@ -325,26 +329,10 @@ static int sched_enter(const struct container_ctx *c)
     return 0;
 }
 
-/* The overlay as a detached mount (fsopen/fsmount), made while the child is
- * still in the daemon's mount namespace, where the layer paths resolve. The
- * options are overlay_opts ("lowerdir=a:b,upperdir=u,workdir=w"), one
- * fsconfig each: native.py refuses ',' in the paths, so splitting on it is
- * safe. The fds are the child's own (after fds_own) and close-on-exec. */
-static int overlay_detached(const struct container_ctx *c)
+/* Each "key=value" or "flag" of the comma list opts (modified in place) as
+ * one fsconfig on the fs context fs. */
+static int fs_configure(int fs, char *opts, int step, const char *path, struct dsec_err *e)
 {
-    struct dsec_err *e = c->err;
-    char opts[DSEC_OVERLAY_OPTS_MAX];
-    size_t len = strlen(c->a->overlay_opts);
-    int fs, mnt;
-
-    if (len >= sizeof(opts)) {
-        err_set(e, DSEC_STEP_MOUNT_OVERLAY, E2BIG, c->a->rootfs);
-        return -1;
-    }
-    memcpy(opts, c->a->overlay_opts, len + 1);
-    fs = (int)syscall(SYS_fsopen, "overlay", FSOPEN_CLOEXEC);
-    if (check(fs, e, DSEC_STEP_MOUNT_OVERLAY, c->a->rootfs) < 0)
-        return -1;
     for (char *opt = opts, *next; opt; opt = next) {
         char *eq;
 
@@ -355,37 +343,110 @@ static int overlay_detached(const struct container_ctx *c)
         if (eq)
             *eq++ = '\0';
         if (check(syscall(SYS_fsconfig, fs, eq ? FSCONFIG_SET_STRING : FSCONFIG_SET_FLAG, opt, eq, 0), e,
-                  DSEC_STEP_MOUNT_OVERLAY, c->a->rootfs) < 0)
-            goto fail;
+                  step, path) < 0)
+            return -1;
     }
-    if (check(syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "source", "overlay", 0), e,
-              DSEC_STEP_MOUNT_OVERLAY, c->a->rootfs) < 0 ||
-        check(syscall(SYS_fsconfig, fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0), e, DSEC_STEP_MOUNT_OVERLAY,
-              c->a->rootfs) < 0)
-        goto fail;
-    mnt = (int)syscall(SYS_fsmount, fs, FSMOUNT_CLOEXEC, MOUNT_ATTR_NODEV);
-    if (check(mnt, e, DSEC_STEP_MOUNT_OVERLAY, c->a->rootfs) < 0)
-        goto fail;
+    return 0;
+}
+
+/* A new file system of `type` as a detached mount (fsopen, one fsconfig per
+ * option of the comma list opts, fsmount with mount_attrs): its mount fd
+ * (close-on-exec), or -1 with step and path in e. */
+static int fs_detached(const char *type, const char *opts, unsigned int mount_attrs, int step,
+                       const char *path, struct dsec_err *e)
+{
+    char buf[DSEC_OVERLAY_OPTS_MAX];
+    size_t len = strlen(opts);
+    int fs, mnt = -1;
+
+    if (len >= sizeof(buf)) {
+        err_set(e, step, E2BIG, path);
+        return -1;
+    }
+    memcpy(buf, opts, len + 1);
+    fs = (int)syscall(SYS_fsopen, type, FSOPEN_CLOEXEC);
+    if (check(fs, e, step, path) < 0)
+        return -1;
+    if (fs_configure(fs, buf, step, path, e) == 0 &&
+        check(syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "source", type, 0), e, step, path) == 0 &&
+        check(syscall(SYS_fsconfig, fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0), e, step, path) == 0) {
+        mnt = (int)syscall(SYS_fsmount, fs, FSMOUNT_CLOEXEC, mount_attrs);
+        check(mnt, e, step, path);
+    }
     close(fs);
-    return mnt;
-fail:
-    close(fs);
-    return -1;
+    return mnt < 0 ? -1 : mnt;
+}
+
+/* The overlay as a detached mount, made while the child is still in the
+ * daemon's mount namespace, where the layer paths resolve. The options are
+ * overlay_opts ("lowerdir=a:b,upperdir=u,workdir=w"), one fsconfig each:
+ * native.py refuses ',' in the paths, so splitting on it is safe. The fds
+ * are the child's own (after fds_own) and close-on-exec. MOUNT_ATTR_NODEV:
+ * device nodes of images are inert. */
+static int overlay_detached(const struct container_ctx *c)
+{
+    return fs_detached("overlay", c->a->overlay_opts, MOUNT_ATTR_NODEV, DSEC_STEP_MOUNT_OVERLAY,
+                       c->a->rootfs, c->err);
+}
+
+/* The idmapped clones of the layers (park_fds: detached mounts the daemon
+ * made for the overlay, which holds private clones of its own once made)
+ * are attached on the root of the sandbox's namespace, under where the
+ * overlay goes: they end with the namespace, with everything else in it.
+ * Dropped with their last fd instead (the daemon's close after the spawn),
+ * each was an unmount of its own, and every unmount waits for an expedited
+ * RCU grace period (namespace_unlock), which the kernel runs one at a time
+ * host-wide and which interrupts every CPU: with the scratch's unmount,
+ * three per create of a one-layer image, ~8% of a burst's host CPU per
+ * sandbox (docs/burst.md, "No unmounts"). Under the overlay nothing in the
+ * sandbox reaches them: no path leads there (rootfs_attach), its
+ * /proc/self/mountinfo leaves out what lies outside the reader's root, and
+ * no sandbox process may unmount (no CAP_SYS_ADMIN over this namespace;
+ * seccomp refuses umount). */
+static int layers_park(const struct container_ctx *c)
+{
+    for (int i = 0; i < c->a->n_park_fds; i++)
+        if (check((int)syscall(SYS_move_mount, c->a->park_fds[i], "", AT_FDCWD, "/",
+                               MOVE_MOUNT_F_EMPTY_PATH),
+                  c->err, DSEC_STEP_PARK_LAYERS, "/") < 0)
+            return -1;
+    return 0;
+}
+
+/* The scratch tmpfs (below), made detached and parked like the layers:
+ * scratch_mount then binds its dirs from the fd, and no unmount of it ever
+ * waits for a grace period. Owned by the sandbox's root: the child's fs ids
+ * are already its (userns_fsids). */
+static int scratch_park(const struct container_ctx *c)
+{
+    int mnt = fs_detached("tmpfs", c->a->scratch_opts, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
+                          DSEC_STEP_MOUNT_DEV, "dev", c->err);
+
+    if (mnt < 0)
+        return -1;
+    if (check((int)syscall(SYS_move_mount, mnt, "", AT_FDCWD, "/", MOVE_MOUNT_F_EMPTY_PATH), c->err,
+              DSEC_STEP_MOUNT_DEV, "/") < 0) {
+        close(mnt);
+        return -1;
+    }
+    *c->scratch_fd = mnt;
+    return 0;
 }
 
 /* The sandbox's mount namespace as a copy of the root namespace
  * (dsec_root_ns: one empty, read-only tmpfs, nothing of the host), with the
- * overlay attached on top of its root; the child then works in the overlay
- * (its cwd) and root_enter chroots there. Copying this namespace instead of
- * the daemon's spares the copy of every host mount and, with chroot instead
- * of pivot_root, pivot_root's walk over every thread on the host
- * (chroot_fs_refs: 9% of a burst's CPU among 2,000 sandboxes). What a
- * chroot leaves above the root is that tmpfs: a process that breaks out of
- * a chroot inside the sandbox finds nothing there but /dev's six nodes,
- * the ones it has in its own /dev (and the namespace
- * belongs to the host's user namespace: no sandbox process can mount or
- * unmount in it). setns into this namespace (the exec helper) lands on the
- * overlay: it follows the mounts stacked on the namespace's root. */
+ * parked mounts (above) and the overlay on top of its root; the child then
+ * works in the overlay (its cwd) and root_enter chroots there. Copying this
+ * namespace instead of the daemon's spares the copy of every host mount
+ * and, with chroot instead of pivot_root, pivot_root's walk over every
+ * thread on the host (chroot_fs_refs: 9% of a burst's CPU among 2,000
+ * sandboxes). A process that breaks out of a chroot inside the sandbox
+ * gets no further than the namespace's root, and a lookup there follows
+ * the mounts stacked on it up to the overlay: the tmpfs and the parked
+ * mounts are on no path (and the namespace belongs to the host's user
+ * namespace: no sandbox process can mount or unmount in it). setns into
+ * this namespace (the exec helper) lands on the overlay for the same
+ * reason. */
 static int rootfs_attach(const struct container_ctx *c)
 {
     struct dsec_err *e = c->err;
@@ -394,7 +455,8 @@ static int rootfs_attach(const struct container_ctx *c)
     if (mnt < 0)
         return -1;
     if (check(setns(c->root_ns_fd, CLONE_NEWNS), e, DSEC_STEP_ROOT_NS, NULL) == 0 &&
-        check(unshare(CLONE_NEWNS), e, DSEC_STEP_ROOT_NS, NULL) == 0 &&
+        check(unshare(CLONE_NEWNS), e, DSEC_STEP_ROOT_NS, NULL) == 0 && layers_park(c) == 0 &&
+        scratch_park(c) == 0 &&
         check(syscall(SYS_move_mount, mnt, "", AT_FDCWD, "/", MOVE_MOUNT_F_EMPTY_PATH), e,
               DSEC_STEP_ROOT_NS, "/") == 0 &&
         check(fchdir(mnt), e, DSEC_STEP_CHDIR_ROOTFS, c->a->rootfs) == 0)
@@ -448,15 +510,16 @@ static int rootfs_mount(const struct container_ctx *c)
  * instead of 9, and 13-25% less host CPU per destroy among 2,000 sandboxes
  * (docs/burst.md, "A destroy").
  *
- * The scratch is mounted on dev/ for a moment. /tmp and the masks are bound
- * from there; /dev's and /dev/shm's binds (they land on dev/ itself and under
- * it) are taken first as detached clones (open_tree), then the scratch leaves
- * dev/ and they are attached. Its root is then nowhere in the sandbox. */
+ * Its dirs are bound from its root as detached clones (open_tree), each
+ * attached where it belongs. In a copy of the root namespace the root is
+ * parked under the overlay (scratch_park) and stays there, unreachable;
+ * else it is mounted on dev/ for a moment and leaves before /dev's clone
+ * lands there. */
 static const struct {
-    const char *path;
+    const char *name;
     mode_t mode;
 } scratch_dirs[] = {
-    {"dev/dev", 0755}, {"dev/shm", 01777}, {"dev/tmp", 01777}, {"dev/empty", 0555},
+    {"dev", 0755}, {"shm", 01777}, {"tmp", 01777}, {"empty", 0555},
 };
 
 /* Directories of host hardware, hidden under the scratch's empty dir. */
@@ -470,53 +533,72 @@ static int bind_flags(int step, const char *target, unsigned long flags, struct 
     return mount_step(step, NULL, target, NULL, MS_REMOUNT | MS_BIND | flags, NULL, e);
 }
 
-static int scratch_make_dirs(struct dsec_err *e)
+static int scratch_make_dirs(int root, struct dsec_err *e)
 {
     for (size_t i = 0; i < NELEMS(scratch_dirs); i++) {
-        const char *path = scratch_dirs[i].path;
+        const char *name = scratch_dirs[i].name;
         mode_t mode = scratch_dirs[i].mode;
 
         /* chmod after mkdir: the umask would drop 1777's write bits */
-        if (check(mkdir(path, mode), e, DSEC_STEP_MKDIR, path) < 0 ||
-            check(chmod(path, mode), e, DSEC_STEP_MKDIR, path) < 0)
+        if (check(mkdirat(root, name, mode), e, DSEC_STEP_MKDIR, name) < 0 ||
+            check(fchmodat(root, name, mode, 0), e, DSEC_STEP_MKDIR, name) < 0)
             return -1;
     }
     return 0;
 }
 
-/* proc_masked_dirs the kernel has (ENOENT: skipped) get the empty dir,
- * read-only. Nothing inside can undo a mask: umount and mount need
- * CAP_SYS_ADMIN, which no sandbox process holds, and seccomp denies them. */
-static int scratch_mask_proc_dirs(struct dsec_err *e)
+/* A detached clone of the scratch's dir `name`, to attach where it belongs. */
+static int scratch_clone(int root, const char *name, int step, struct dsec_err *e)
 {
-    for (size_t i = 0; i < NELEMS(proc_masked_dirs); i++) {
-        const char *path = proc_masked_dirs[i];
+    int fd = (int)syscall(SYS_open_tree, root, name, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
 
-        if (mount("dev/empty", path, NULL, MS_BIND, NULL) < 0) {
-            if (errno == ENOENT)
-                continue;
-            return check(-1, e, DSEC_STEP_MOUNT_PROC, path);
-        }
-        if (bind_flags(DSEC_STEP_MOUNT_PROC, path, MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                       e) < 0)
-            return -1;
-    }
-    return 0;
-}
-
-/* A detached clone of the scratch dir at `path`, to attach once the scratch
- * has left dev/. */
-static int scratch_clone(const char *path, int step, struct dsec_err *e)
-{
-    int fd = (int)syscall(SYS_open_tree, AT_FDCWD, path, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
-
-    return fd < 0 ? check(-1, e, step, path) : fd;
+    return fd < 0 ? check(-1, e, step, name) : fd;
 }
 
 static int scratch_attach(int fd, const char *target, int step, struct dsec_err *e)
 {
     return check((int)syscall(SYS_move_mount, fd, "", AT_FDCWD, target, MOVE_MOUNT_F_EMPTY_PATH),
                  e, step, target);
+}
+
+/* The scratch's dir `name` bound on target with the mount attributes
+ * attrs (beyond the scratch's own nosuid, nodev). A clone that could not
+ * be attached is dropped again (an error path: the sandbox is not made). */
+static int scratch_bind(int root, const char *name, const char *target, uint64_t attrs, int step,
+                        struct dsec_err *e)
+{
+    struct mount_attr attr = {.attr_set = attrs};
+    int fd = scratch_clone(root, name, step, e), rc;
+
+    if (fd < 0)
+        return -1;
+    rc = attrs ? check(mount_setattr(fd, "", AT_EMPTY_PATH, &attr, sizeof(attr)), e, step, target) : 0;
+    if (rc == 0)
+        rc = scratch_attach(fd, target, step, e);
+    close(fd);
+    return rc;
+}
+
+/* proc_masked_dirs the kernel has (the others are skipped) get the empty
+ * dir, read-only. Nothing inside can undo a mask: umount and mount need
+ * CAP_SYS_ADMIN, which no sandbox process holds, and seccomp denies them. */
+static int scratch_mask_proc_dirs(int root, struct dsec_err *e)
+{
+    const uint64_t ro = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC;
+
+    for (size_t i = 0; i < NELEMS(proc_masked_dirs); i++) {
+        const char *path = proc_masked_dirs[i];
+        struct stat st;
+
+        if (fstatat(AT_FDCWD, path, &st, AT_SYMLINK_NOFOLLOW) < 0) {
+            if (errno == ENOENT)
+                continue;
+            return check(-1, e, DSEC_STEP_MOUNT_PROC, path);
+        }
+        if (scratch_bind(root, "empty", path, ro, DSEC_STEP_MOUNT_PROC, e) < 0)
+            return -1;
+    }
+    return 0;
 }
 
 /* Host device nodes are bind-mounted, not mknod'ed: the sandbox gets exactly
@@ -579,17 +661,21 @@ static int dev_fill(int shm_fd, struct dsec_err *e)
 static int scratch_mount(const struct container_ctx *c)
 {
     struct dsec_err *e = c->err;
-    int dev_fd = -1, shm_fd = -1, rc = -1;
+    int root = *c->scratch_fd, on_dev = root < 0, dev_fd = -1, shm_fd = -1, rc = -1;
 
-    if (mount_step(DSEC_STEP_MOUNT_DEV, "tmpfs", "dev", "tmpfs", MS_NOSUID | MS_NODEV,
-                   c->a->scratch_opts, e) < 0)
-        return -1;
-    if (scratch_make_dirs(e) < 0 ||
-        mount_step(DSEC_STEP_MOUNT_TMP, "dev/tmp", "tmp", NULL, MS_BIND, NULL, e) < 0 ||
-        scratch_mask_proc_dirs(e) < 0 ||
-        (dev_fd = scratch_clone("dev/dev", DSEC_STEP_MOUNT_DEV, e)) < 0 ||
-        (shm_fd = scratch_clone("dev/shm", DSEC_STEP_MOUNT_SHM, e)) < 0 ||
-        check(umount2("dev", MNT_DETACH), e, DSEC_STEP_MOUNT_DEV, "dev") < 0 ||
+    if (on_dev) {
+        if (mount_step(DSEC_STEP_MOUNT_DEV, "tmpfs", "dev", "tmpfs", MS_NOSUID | MS_NODEV,
+                       c->a->scratch_opts, e) < 0)
+            return -1;
+        root = open("dev", O_PATH | O_DIRECTORY | O_CLOEXEC);
+        if (check(root, e, DSEC_STEP_MOUNT_DEV, "dev") < 0)
+            return -1;
+    }
+    if (scratch_make_dirs(root, e) < 0 || scratch_bind(root, "tmp", "tmp", 0, DSEC_STEP_MOUNT_TMP, e) < 0 ||
+        scratch_mask_proc_dirs(root, e) < 0 ||
+        (dev_fd = scratch_clone(root, "dev", DSEC_STEP_MOUNT_DEV, e)) < 0 ||
+        (shm_fd = scratch_clone(root, "shm", DSEC_STEP_MOUNT_SHM, e)) < 0 ||
+        (on_dev && check(umount2("dev", MNT_DETACH), e, DSEC_STEP_MOUNT_DEV, "dev") < 0) ||
         scratch_attach(dev_fd, "dev", DSEC_STEP_MOUNT_DEV, e) < 0)
         goto out;
     rc = dev_fill(shm_fd, e);
@@ -598,6 +684,8 @@ out:
         close(dev_fd);
     if (shm_fd >= 0)
         close(shm_fd);
+    if (on_dev)
+        close(root);
     return rc;
 }
 
@@ -918,8 +1006,9 @@ static void keep_list(struct container_ctx *c)
 
 int dsec_spawn_container(const struct dsec_container_args *a, struct dsec_err *err)
 {
+    int scratch_fd = -1; /* the child's (container_ctx.scratch_fd) */
     struct container_ctx c = {.a = a, .err = err, .init_fd = -1, .ctl_fd = -1, .ctl_peer_fd = -1,
-                              .userns_fd = a->userns_fd, .root_ns_fd = -1};
+                              .userns_fd = a->userns_fd, .root_ns_fd = -1, .scratch_fd = &scratch_fd};
     int flags = CONTAINER_CLONE_FLAGS | (a->netns_fd >= 0 ? 0 : CLONE_NEWNET);
     int init_fd = -1;
     struct stacks st = {0};

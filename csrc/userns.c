@@ -162,10 +162,15 @@ int dsec_userns_create(uint32_t uid, uint32_t gid, uint32_t count, struct dsec_e
 /* A detached copy of the mount tree at path (open_tree OPEN_TREE_CLONE), with
  * the idmap of userns_fd. Usable as an overlay layer via /proc/self/fd/N
  * (kernel >= 6.15 takes detached mounts as layers). EINVAL from mount_setattr:
- * the file system lacks FS_ALLOW_IDMAP. */
+ * the file system lacks FS_ALLOW_IDMAP. Private: a clone of a shared mount
+ * (the state dir's, where / is shared, as under systemd) would be its peer,
+ * and the spawn attaches the clones in the sandbox's namespace (spawn.c
+ * layers_park), whence every mount stacked on them would propagate back to
+ * the host's layer mount. */
 int dsec_mount_idmapped(const char *path, int userns_fd)
 {
-    struct mount_attr attr = {.attr_set = MOUNT_ATTR_IDMAP, .userns_fd = (uint64_t)userns_fd};
+    struct mount_attr attr = {.attr_set = MOUNT_ATTR_IDMAP, .propagation = MS_PRIVATE,
+                              .userns_fd = (uint64_t)userns_fd};
     int fd, saved;
 
     fd = open_tree(AT_FDCWD, path, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);

@@ -105,10 +105,12 @@ _VERBS = {
     "oom_score": "reset the OOM score of",
     "ctty": "make the pty the controlling terminal of",
     "landlock": "apply the task policy (Landlock) at",
+    "park_layers": "attach the idmapped layer clones at",
 }
 
 _MOUNT_STEPS = {"mount_private", "mount_overlay", "mount_proc", "mount_dev", "dev_node",
-                "mount_devpts", "mount_shm", "mount_tmp", "pivot_root", "vm_root", "vm_root_bind"}
+                "mount_devpts", "mount_shm", "mount_tmp", "pivot_root", "vm_root", "vm_root_bind",
+                "park_layers"}
 
 # Errnos that mislead on their own. Looked up as (step, errno), then
 # ("mount", errno) for the mount steps; probes use their own name as step.
@@ -355,6 +357,9 @@ class ContainerSpec:
     oom_reset: bool = False  # oom_score_adj back to 0 (the daemon's own is negative)
     root_ns_fd: int = -1   # a mount namespace from root_ns(): PID 1 gets a copy of it with the overlay
                            # on its root and chroots there; -1: a copy of the caller's, pivot_root
+    park_fds: tuple[int, ...] = ()  # detached mounts named in the overlay options (idmapped layer
+                           # clones) that PID 1 attaches under its overlay (with root_ns_fd), to
+                           # go with its mount namespace (csrc/spawn.c layers_park)
 
     def __post_init__(self):
         self.overlay_options()
@@ -430,6 +435,11 @@ def spawn_container(spec: ContainerSpec) -> int:
     keep.append(ffi.new("int[]", path_fds or [-1]))      # owned here until the spawn returns
     args.path_fds = keep[-1]
     args.n_path_fds = len(path_fds)
+    if not set(spec.park_fds) <= set(path_fds):
+        raise ValueError(f"park_fds {spec.park_fds} must be fds the overlay options name ({path_fds})")
+    keep.append(ffi.new("int[]", list(spec.park_fds) or [-1]))
+    args.park_fds = keep[-1]
+    args.n_park_fds = len(spec.park_fds)
     err = ffi.new("struct dsec_err *")
     pid = lib.dsec_spawn_container(args, err)
     if pid < 0:

@@ -183,7 +183,7 @@ class ContainerBackend:
                         netns_fd=netns_fd, upper_fd=upperfd,
                         ctl_fd=theirs.fileno() if theirs else -1, ctl_peer_fd=ours.fileno() if ours else -1,
                         init_caps=self.init_caps,
-                        oom_reset=_OOM_RESET, root_ns_fd=self.root_ns_fd)
+                        oom_reset=_OOM_RESET, root_ns_fd=self.root_ns_fd, park_fds=layers.clone_fds)
                     pid = native.spawn_container(spec)
             finally:
                 if theirs is not None:
@@ -388,7 +388,10 @@ class _IdmappedLayers:
     idmapped clones of every layer mount and of the directory holding upper and
     work (they must share a mount), named /proc/self/fd/N, which the spawn child (a copy
     of our fd table) resolves to the same clones. The overlay keeps its own
-    references to them, so every fd is closed once the spawn returned."""
+    references to them; the child attaches the clones in the sandbox's mount
+    namespace (`clone_fds`, ContainerSpec.park_fds), so closing every fd once
+    the spawn returned unmounts nothing (an unmount waits for an expedited RCU
+    grace period)."""
 
     def __init__(self, idmap: userns.IdMap | None, lowerdirs: list[str], upperdir: Path, workdir: Path):
         if upperdir.parent != workdir.parent:
@@ -416,6 +419,10 @@ class _IdmappedLayers:
         fd = native.mount_idmapped(path, self.userns_fd)
         self.fds.append(fd)
         return f"/proc/self/fd/{fd}"
+
+    @property
+    def clone_fds(self) -> tuple[int, ...]:
+        return tuple(fd for fd in self.fds if fd != self.userns_fd)
 
     def __exit__(self, *exc) -> None:
         for fd in self.fds:

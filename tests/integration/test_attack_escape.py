@@ -66,6 +66,19 @@ def test_chroot_breakout_finds_nothing_above_the_sandbox_root(armed, daemon):
     assert os.path.isdir(daemon.state)           # it is there on the host
 
 
+def test_mount_table_names_no_host_path(armed, daemon):
+    # The idmapped clones of the image's layers and the scratch tmpfs's root
+    # stay mounted under the overlay, out of the sandbox's sight (csrc/spawn.c
+    # layers_park): its mount table lists only what lies under its root, and
+    # no path of the daemon's state dir (the layers' blobs live there).
+    table = armed.exec(["cat", "/proc/self/mountinfo"])
+    assert table.exit_code == 0
+    points = [line.split()[4] for line in table.stdout.decode().splitlines()]
+    assert points[0] == "/" and "/tmp" in points and points.count("/dev") == 1, points
+    assert str(daemon.state).encode() not in table.stdout
+    assert b" erofs " not in table.stdout
+
+
 def test_proc_1_root_is_the_sandbox_itself(armed, daemon):
     # PID 1 of the sandbox is its own dsec-init, non-dumpable (it holds the
     # writable layer's fd for the daemon): its root, cwd and fds are EACCES.

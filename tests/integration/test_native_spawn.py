@@ -203,6 +203,10 @@ def _make_sandbox(lower: Path, top: Path, cgroups: list[Path], hostname: str = "
         workdir=str(top / "work"), hostname=hostname, init_path=native.init_binary_path(),
         cgroup_procs=[str(d / "cgroup.procs") for d in cgroups], tmp_size_bytes=64 << 20,
         shm_size_bytes=16 << 20, **spec_kw)
+    return _make_sandbox_spec(spec, top, cgroups)
+
+
+def _make_sandbox_spec(spec: native.ContainerSpec, top: Path, cgroups: list[Path]) -> Sandbox:
     pid = native.spawn_container(spec)
     try:
         pidfd = native.pidfd_open(pid)
@@ -210,7 +214,7 @@ def _make_sandbox(lower: Path, top: Path, cgroups: list[Path], hostname: str = "
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         raise
-    return Sandbox(pid, pidfd, cgroups, top, hostname)
+    return Sandbox(pid, pidfd, cgroups, top, spec.hostname)
 
 
 def _destroy(sb: Sandbox) -> None:
@@ -328,6 +332,10 @@ def test_dev_shm_tmp_and_proc_masks_share_one_tmpfs_whose_root_is_nowhere(sandbo
     """One superblock per sandbox for all four, not four (each one slows every memory cgroup
     removal on the host: docs/burst.md, "A destroy"), and the scratch's own root is not mounted
     anywhere in the sandbox: each place sees only its own dir of it."""
+    _check_scratch_layout(sandbox)
+
+
+def _check_scratch_layout(sandbox) -> None:
     fields = [line.split() for line in sandbox.sh("cat /proc/self/mountinfo").splitlines()]
     by_point = {f[4]: f for f in fields}
     scratch = by_point["/tmp"][2]             # major:minor of the scratch tmpfs
@@ -539,9 +547,66 @@ def test_root_namespace_gives_the_overlay_as_root_and_nothing_above(busybox_lowe
         # Nothing above the root: init's root is the overlay, and the root
         # namespace's tmpfs shows in no mount table the sandbox can read.
         assert "tmpfs ro" not in sb.sh("cat /proc/1/mountinfo 2>/dev/null; cat /proc/self/mountinfo")
-        assert sb.sh("echo x > /tmp/f && cat /tmp/f") == "x\n"
+        # The scratch's root, parked under the overlay (never unmounted:
+        # csrc/spawn.c scratch_park), is nowhere the sandbox can see.
+        _check_scratch_layout(sb)
     finally:
         _destroy(sb)
+
+
+def _mounts_under(path: Path) -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return sorted(line.split()[4] for line in f if line.split()[4].startswith(str(path)))
+
+
+def test_parked_layer_clones_propagate_nothing_from_a_shared_state_dir(busybox_lower, workdir, cgroups):
+    """As the daemon spawns (an id-mapped sandbox in a copy of the root
+    namespace, its layer clones parked under the overlay), with the layers on
+    a shared mount, as / is under systemd: the sandbox's mounts stay in its
+    own namespace. A clone that kept the layer mount's peer group made the
+    host's layer mount show the sandbox's merged root (and every mount of
+    the sandbox stay on the host after it ended), and the next create of the
+    same image failed to idmap the layer."""
+    from dsecd import userns
+    from dsecd.backends.container import _IdmappedLayers
+
+    shared = workdir / "shared"
+    shared.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", str(shared)], check=True)
+    try:
+        subprocess.run(["mount", "--make-shared", str(shared)], check=True)
+        layer = shared / "layer"
+        layer.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", str(layer)],   # an EROFS layer's stand-in
+                       check=True)
+        shutil.copytree(busybox_lower, layer, symlinks=True, dirs_exist_ok=True)
+        before, listing = _mounts_under(shared), sorted(os.listdir(layer))
+        ns = native.root_ns(str(workdir))
+        idmap = userns.IdMap(slot=0, uid=2_000_000_000, gid=2_000_000_000, count=65536)
+        try:
+            for i in range(2):                          # the second needs the layer as it was
+                top = workdir / f"sb{i}"
+                for sub in ("upper", "work", "rootfs"):
+                    (top / sub).mkdir(parents=True)
+                with _IdmappedLayers(idmap, [str(layer)], top / "upper", top / "work") as layers:
+                    sb = _make_sandbox_spec(native.ContainerSpec(
+                        rootfs=str(top / "rootfs"), lowerdirs=layers.lowerdirs, upperdir=layers.upperdir,
+                        workdir=layers.workdir, hostname=f"sb{i}", init_path=native.init_binary_path(),
+                        cgroup_procs=[str(d / "cgroup.procs") for d in cgroups], tmp_size_bytes=1 << 20,
+                        shm_size_bytes=1 << 20, userns_fd=layers.userns_fd, userns_uid=idmap.uid, userns_gid=idmap.gid,
+                        root_ns_fd=ns, park_fds=layers.clone_fds), top, cgroups)
+                try:
+                    assert "busybox" in sb.sh("ls /bin")        # neighbour: the sandbox works
+                    assert _mounts_under(shared) == before
+                    assert sorted(os.listdir(layer)) == listing
+                    assert sorted(os.listdir(top)) == ["rootfs", "upper", "work"]
+                finally:
+                    _destroy(sb)
+                assert _mounts_under(shared) == before
+        finally:
+            os.close(ns)
+    finally:
+        subprocess.run(["umount", "-R", str(shared)], check=False)
 
 
 def test_exec_missing_program_raises_enoent(sandbox):
