@@ -17,9 +17,10 @@
  *   2 mounts   + the sandbox's file system: a capped upper tmpfs (detached,
  *              csrc/upperfs.c), idmapped clones of the layer and of the upper
  *              tmpfs (csrc/userns.c), and in the child, under the sandbox
- *              root's fs ids, the overlay on MNT_DIR, /proc with its read-only binds and
- *              masks, one scratch tmpfs for /dev, /dev/shm and /tmp, the
- *              device binds, devpts, the hostname and loopback.
+ *              root's fs ids, the clones attached on MNT_DIR and the overlay
+ *              over them, /proc with its read-only binds and masks, one
+ *              scratch tmpfs for /dev, /dev/shm and /tmp, the device binds,
+ *              devpts, the hostname and loopback; nothing unmounted.
  *   3 root     + pivot_root into the overlay and the old root detached; the
  *              child execs /bin/true of ROOTFS (busybox) instead.
  *   4 seccomp  + no_new_privs, capabilities dropped and dsecd's seccomp
@@ -114,6 +115,7 @@ static int upper_tmpfs(void)
 
 struct one {
     int userns;
+    int park[2]; /* the idmapped clones (level 2), attached under the overlay */
     int cg[MAX_GROUPS];
     char overlay[512];
     char hostname[32];
@@ -153,6 +155,11 @@ static void mounts(const struct one *o)
 
     STEP(mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL));
     STEP(dsec_fsids_set(USERNS_BASE, USERNS_BASE));
+    /* As csrc/spawn.c: the clones go under the overlay, the scratch's root
+     * stays under /dev's clone; nothing is unmounted (each unmount waits for
+     * an expedited RCU grace period). */
+    for (int i = 0; i < 2; i++)
+        STEP((int)syscall(SYS_move_mount, o->park[i], "", AT_FDCWD, mnt_dir, MOVE_MOUNT_F_EMPTY_PATH));
     STEP(mount("overlay", mnt_dir, "overlay", MS_NODEV, o->overlay));
     STEP(chdir(mnt_dir));
     mkdir("proc", 0555);
@@ -169,7 +176,6 @@ static void mounts(const struct one *o)
     shm = (int)syscall(SYS_open_tree, AT_FDCWD, "dev/shm", OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
     STEP(dev);
     STEP(shm);
-    STEP(umount2("dev", MNT_DETACH));
     STEP((int)syscall(SYS_move_mount, dev, "", AT_FDCWD, "dev", MOVE_MOUNT_F_EMPTY_PATH));
     for (size_t i = 0; i < sizeof(nodes) / sizeof(nodes[0]); i++) {
         int fd;
@@ -297,8 +303,8 @@ static int one_sandbox(int i)
         top = idmapped(path, o.userns);
 
         close(up);
-        fds[n_fds++] = low;
-        fds[n_fds++] = top;
+        fds[n_fds++] = o.park[0] = low;
+        fds[n_fds++] = o.park[1] = top;
         snprintf(o.overlay, sizeof(o.overlay),
                  "lowerdir=/proc/self/fd/%d,upperdir=/proc/self/fd/%d/upper,workdir=/proc/self/fd/%d/work",
                  low, top, top);
