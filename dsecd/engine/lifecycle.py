@@ -315,7 +315,7 @@ class LifecycleService:
         if kills is not None:
             self.memory.report_oom(sb, kills)
         await self.net.detach_net(sb)
-        self.registry.remove(sb, prev)       # its record, and its idempotency key
+        self.registry.remove(sb)       # its record, and its idempotency key
         self.procs.forget(sb.id)             # its background processes died with it
         self.id_ranges.release(sb)        # its processes are gone: stop() waited for them
         if prev != "dead" and sb.backend != "microvm":   # a dead sandbox gave its layers back already

@@ -43,9 +43,21 @@ def test_requested_follows_add_die_destroy_and_failed_creates():
     reg.mark_dead(a)
     reg.mark_dead(a)                      # twice: counted off once
     assert reg.requested() == admission.Requested(cpu=pytest.approx(0.2), memory=2 * GiB, sandboxes=1)
-    reg.remove(a, "dead")
-    reg.remove(b, "running")
+    reg.remove(a)
+    reg.remove(b)
     assert reg.requested() == admission.Requested() and reg.live_count() == 0
+
+
+def test_a_sandbox_that_dies_during_its_destroy_is_counted_off_once():
+    """Its init may exit while the destroy awaits (mark_dead, then remove):
+    the live count must not go wrong for good."""
+    reg = SandboxRegistry(Journal())
+    a, b = _sb(1, 0.5, GiB), _sb(2, 0.5, GiB)
+    reg.add(a)
+    reg.add(b)
+    reg.mark_dead(a)
+    reg.remove(a)
+    assert reg.live_count() == 1 and reg.requested().sandboxes == 1
 
 
 def test_adding_a_sandbox_again_replaces_its_count():
@@ -71,11 +83,11 @@ def test_requested_equals_a_scan_after_many_random_changes():
             reg.mark_dead(rng.choice(live))
         elif roll < 0.9:
             sb = live.pop(rng.randrange(len(live)))
-            reg.remove(sb, sb.state)
+            reg.remove(sb)
         else:
             sb = live.pop(rng.randrange(len(live)))
             if sb.state == "dead":
-                reg.remove(sb, "dead")
+                reg.remove(sb)
             else:
                 sb.state = "creating"
                 reg.forget(sb.id)
