@@ -141,7 +141,7 @@ class LifecycleService:
                 handle = None
         if handle is None:
             log.warning("sandbox %s (microVM) died while the daemon was down", sb.id)
-            await self._mark_dead(sb, None)
+            await self._mark_dead(sb, None, "its VM ended while no daemon ran")
             return
         self.vms.adopted(sb, handle)
         sb.handle = handle

@@ -99,6 +99,28 @@ def test_a_restarted_daemon_readopts_running_and_paused_vms(vmd):
         c2.close()
 
 
+def test_a_vm_that_died_while_no_daemon_ran_is_dead_after_the_restart(vmd):
+    d, c = vmd
+    sb, qemu, cgroups = _vm_and_its_qemu(c)
+    c.close()
+    d.stop(signal.SIGTERM)
+    os.kill(qemu, signal.SIGKILL)            # the daemon's own QEMU, by pid
+    for _ in range(100):
+        if not os.path.exists(f"/proc/{qemu}"):
+            break
+        time.sleep(0.05)
+    d.start()
+    c2 = d.client()
+    try:
+        assert c2.get(sb.id).inspect()["state"] == "dead"
+        assert any(ev["event"] == "died" for ev in _events(d, sb.id))
+        c2.get(sb.id).destroy()
+        _gone(d, sb.id, qemu, cgroups)
+        assert c2.create("busybox", memory="64M").exec(["true"]).exit_code == 0   # the daemon is fine
+    finally:
+        c2.close()
+
+
 def test_job_pause_and_resume_cover_vms(vmd):
     d, c = vmd
     sbs = [_vm(c, labels={"job": "vmjob"}) for _ in range(2)]
