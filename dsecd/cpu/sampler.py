@@ -4,7 +4,8 @@ host figures from psutil and PSI, once per `cpu.sample_interval_s`.
 Per sandbox it reads two or three small files (v1: cpuacct.usage, or the v2
 group's cpu.stat where there is one (a hybrid host), memory.usage_in_bytes,
 and v1's cpu.stat only for a sandbox with a CFS quota, since nothing else is
-ever throttled; v2: cpu.stat has usage and throttling, plus memory.current) with raw os.open/os.read: no Path objects, no buffered
+ever throttled; v2: cpu.stat has usage and throttling, plus memory.current)
+with raw os.open/os.read: no Path objects, no buffered
 I/O, because the pass runs every second over thousands of groups (bench/cpu.py
 measures it on 4,000 real cgroups). Files are opened per pass rather than
 held open: pread on a held fd is ~6x cheaper, but 3 fds per sandbox would
