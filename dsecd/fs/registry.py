@@ -12,9 +12,9 @@ from several threads at once:
 Connections, TLS and redirects are urllib3's (Debian's python3-urllib3): one
 pool per host, kept alive across the blobs of a pull. Around it, what a
 registry needs: anonymous requests first, then on a 401 the server's
-challenge answered, Basic with the credentials of a docker-style auth.json,
-Bearer with a token fetched from its realm (one token for all threads,
-fetched again once when it expires; credentials never to a plain-http realm
+challenge answered, Basic with the registry's credentials, Bearer with a
+token fetched from its realm (one token for all threads, fetched again
+once when it expires; credentials never to a plain-http realm
 of a registry reached over HTTPS); a blob GET redirected to blob storage on
 another host without our Authorization header; retries of refused
 connections, 5xx and 429 answers; per-host CAs and client certificates from
@@ -34,23 +34,20 @@ blobs fetched in 7 threads with http.client and hashed with hashlib took
 0.17-0.2 s and ~0.22 CPU-s. With the bytes in our hands as they arrive, the
 conversion to EROFS reads them straight off the socket.
 
-Credentials stay in the auth file and in this object: they are never in an
-error, a log line or an exception's message.
+Credentials (fs/credentials.py: a docker-style auth.json, and the
+credential helpers and stores it names) are looked up when a registry first
+asks for them, so a pull of a public image runs no helper; an identity
+token is traded for a pull token with the OAuth2 refresh-token grant. They
+stay in the auth file, the helper and this object: never in an error, a log
+line or an exception's message.
 
-What it does not do: registries.conf (mirrors, blocked registries, short-name
-aliases: a pull goes to the registry its reference names); credential helpers
-and stores (auth.json's "credHelpers" and "credsStore") and OAuth identity
-tokens ("identitytoken" entries): only "auth" (base64 of user:password) or
-"username" and "password" entries are used. A registry that auth.json gives
-credentials only those other ways is asked anonymously; if it then wants
-credentials, the pull fails with RegistryError("unsupported") saying so,
-rather than with a bare refusal.
+What it does not do: registries.conf (mirrors, blocked registries,
+short-name aliases): a pull goes to the registry its reference names.
 """
 
 from __future__ import annotations
 
 import base64
-import binascii
 import json
 import logging
 import re
@@ -76,6 +73,9 @@ from urllib3.exceptions import (
     SSLError,
 )
 
+from . import credentials
+from .credentials import Credentials, CredentialsError
+
 log = logging.getLogger(__name__)
 
 # Largest manifest, index or config accepted (skopeo's bound too).
@@ -91,7 +91,6 @@ MAX_REDIRECTS = 5
 BACKOFF_S = 0.2               # first retry's wait; doubles with each retry
 POOL_CONNECTIONS = 16         # kept-alive connections per host (a pull fetches up to 6-8 blobs at once)
 DOCKER_HUB = "registry-1.docker.io"
-DOCKER_HUB_NAMES = ("docker.io", "index.docker.io", "registry-1.docker.io", "https://index.docker.io/v1/")
 USER_AGENT = "dsecd"
 
 # Only registries the operator listed in images.insecure_registries get an
@@ -149,92 +148,6 @@ def parse_challenge(header: str) -> tuple[str, dict[str, str]]:
         params[m.group(1).lower()] = re.sub(r"\\(.)", r"\1", quoted) if quoted is not None else bare
         pos = m.end()
     return scheme.lower(), params
-
-
-def _auth_key_host(key: str) -> str:
-    """An auths key of auth.json as host[:port]: "https://index.docker.io/v1/" -> "index.docker.io"."""
-    if "://" in key:
-        key = urlsplit(key).netloc
-    return key.split("/", 1)[0]
-
-
-def auth_candidates(registry: str) -> list[str]:
-    """The auths keys that may hold `registry`'s credentials, most specific first."""
-    if registry in DOCKER_HUB_NAMES:
-        return list(DOCKER_HUB_NAMES)
-    return [registry]
-
-
-def lookup_credentials(auths: dict, registry: str) -> tuple[str, str] | None:
-    """(user, password) for `registry` from the "auths" object of an auth.json,
-    or None. Raises ValueError (which never quotes the secret) on a malformed entry."""
-    wanted = auth_candidates(registry)
-    by_host = {}
-    for key, entry in auths.items():
-        by_host.setdefault(key, entry)
-        by_host.setdefault(_auth_key_host(key), entry)
-    for name in wanted:
-        entry = by_host.get(name) or by_host.get(_auth_key_host(name))
-        if not isinstance(entry, dict):
-            continue
-        if entry.get("auth"):
-            try:
-                user, sep, password = base64.b64decode(entry["auth"], validate=True).decode().partition(":")
-            except (binascii.Error, UnicodeDecodeError, TypeError):
-                raise ValueError(f'the "auth" value for {name} is not base64 of user:password') from None
-            if not sep:
-                raise ValueError(f'the "auth" value for {name} is not base64 of user:password')
-            return user, password
-        if entry.get("username") is not None and entry.get("password") is not None:
-            return str(entry["username"]), str(entry["password"])
-    return None
-
-
-def load_auth_file(auth_file: str) -> dict:
-    """The auth.json `auth_file` ("" = none: {})."""
-    if not auth_file:
-        return {}
-    try:
-        doc = json.loads(Path(auth_file).read_bytes())
-    except OSError as e:
-        raise RegistryError("bad_request", f"images.auth_file {auth_file} cannot be read ({e.strerror}); "
-                            "fix the path in the config or make the file readable by root") from None
-    except ValueError:
-        raise RegistryError("bad_request", f"images.auth_file {auth_file} is not JSON; write it as "
-                            '{"auths": {"<host[:port]>": {"auth": "<base64 of user:password>"}}}') from None
-    return doc if isinstance(doc, dict) else {}
-
-
-def read_credentials(auth_file: str, registry: str) -> tuple[str, str] | None:
-    """`registry`'s credentials from the auth.json `auth_file` ("" = none)."""
-    auths = load_auth_file(auth_file).get("auths")
-    if not isinstance(auths, dict):
-        return None
-    try:
-        return lookup_credentials(auths, registry)
-    except ValueError as e:
-        raise RegistryError("bad_request", f"images.auth_file {auth_file}: {e}; fix that entry") from None
-
-
-def unusable_auth(auth_file: str, registry: str) -> str | None:
-    """How the auth.json `auth_file` gives `registry` credentials this client
-    cannot use (a credential helper, a credential store, an identity token),
-    or None. Only consulted when it has no user and password for `registry`."""
-    doc = load_auth_file(auth_file)
-    wanted = {_auth_key_host(name) for name in auth_candidates(registry)}
-    helpers = doc.get("credHelpers")
-    if isinstance(helpers, dict):
-        for key, helper in helpers.items():
-            if _auth_key_host(key) in wanted:
-                return f'its "credHelpers" sends {key} to the credential helper docker-credential-{helper}'
-    auths = doc.get("auths")
-    if isinstance(auths, dict):
-        for key, entry in auths.items():
-            if _auth_key_host(key) in wanted and isinstance(entry, dict) and entry.get("identitytoken"):
-                return f'its "auths" entry for {key} holds only an "identitytoken"'
-    if isinstance(doc.get("credsStore"), str) and doc["credsStore"]:
-        return f'its "credsStore" keeps the credentials in docker-credential-{doc["credsStore"]}'
-    return None
 
 
 def basic_header(user: str, password: str) -> str:
@@ -342,8 +255,11 @@ class Registry:
         self.registry = registry
         self.repository = repository
         self.host = api_host(registry)
-        self._creds = read_credentials(cfg.auth_file, registry)
-        self._unusable_auth = None if self._creds else unusable_auth(cfg.auth_file, registry)
+        # Looked up when the registry first asks for credentials: a pull of a
+        # public image runs no credential helper.
+        self._creds: Credentials | None = None
+        self._creds_looked_up = False
+        self._creds_problem = ""               # why a helper gave none, for the error if the registry refuses
         self._insecure = registry in cfg.insecure or self.host in cfg.insecure
         self._scheme = None if self._insecure else "https"
         self._auth: str | None = None          # the Authorization header that worked last
@@ -479,14 +395,16 @@ class Registry:
         except (HTTPError, OSError) as e:
             return self._retry_or_raise(e, what, attempt, stop)
 
-    def _request(self, url: str, headers: dict[str, str]) -> urllib3.HTTPResponse:
-        """A GET with its body unread; redirects followed, never with our
-        Authorization to another host; any failure raised as urllib3 raises it."""
+    def _request(self, url: str, headers: dict[str, str], form: str | None = None) -> urllib3.HTTPResponse:
+        """A GET (a POST of `form`) with its body unread; redirects followed,
+        never with our Authorization to another host; any failure raised as
+        urllib3 raises it."""
         retries = urllib3.Retry(total=None, connect=0, read=0, status=0, other=0, redirect=MAX_REDIRECTS,
                                 raise_on_redirect=True, raise_on_status=False,
                                 remove_headers_on_redirect=["Authorization"])
-        return self._http.request("GET", url, headers=headers, retries=retries, preload_content=False,
-                                  decode_content=False, enforce_content_length=True)
+        return self._http.request("GET" if form is None else "POST", url, body=form, headers=headers,
+                                  retries=retries, preload_content=False, decode_content=False,
+                                  enforce_content_length=True)
 
     def _retry_or_raise(self, reason: BaseException, what: str, attempt: int,
                         stop: threading.Event | None = None) -> None:
@@ -565,17 +483,11 @@ class Registry:
 
     def _credentials_refused(self, refusal: str) -> RegistryError:
         """A refusal ("<what>: the registry answered 401") with how we asked and what to do."""
-        if self._unusable_auth:
-            return self._unsupported_auth(refusal + " (anonymously)")
-        given = "with the credentials of images.auth_file" if self._creds else "anonymously"
+        given = f"with the credentials of {self._creds.source}" if self._creds else "anonymously"
+        if self._creds_problem:
+            given += f": {self._creds_problem}"
         return RegistryError("permission", f"{refusal} ({given}); give credentials for {self.registry} in "
-                             "images.auth_file (a docker-style auth.json)")
-
-    def _unsupported_auth(self, refusal: str) -> RegistryError:
-        return RegistryError("unsupported", f"{refusal}; images.auth_file {self.cfg.auth_file} has no user and "
-                             f"password for {self.registry}: {self._unusable_auth}, which this client does not "
-                             f'run; write them there as "auths": {{"{self.registry}": {{"auth": "<base64 of '
-                             'user:password>"}}')
+                             "images.auth_file (a docker-style auth.json, or a credential helper it names)")
 
     # ------------------------------------------------------------ auth
 
@@ -586,37 +498,63 @@ class Registry:
             if self._auth != used:
                 return
             scheme, params = parse_challenge(challenge)
+            creds = self._credentials()
             if scheme == "basic":
-                if self._creds is None and self._unusable_auth:
-                    raise self._unsupported_auth(f"{what}: the registry asks for a user and password")
-                if self._creds is None:
-                    raise RegistryError("permission", f"{what}: the registry asks for a user and password; "
-                                        f"give credentials for {self.registry} in images.auth_file "
-                                        "(a docker-style auth.json)")
-                self._auth = basic_header(*self._creds)
+                if creds is None:
+                    raise self._credentials_refused(f"{what}: the registry asks for a user and password")
+                if creds.identity_token:
+                    raise RegistryError("unsupported", f"{what}: the registry asks for a user and password, and "
+                                        f"{creds.source} gives {self.registry} an identity token, which only a "
+                                        "bearer token service takes; give a user and password for it instead")
+                self._auth = basic_header(creds.user, creds.secret)
             elif scheme == "bearer" and params.get("realm"):
-                self._auth = "Bearer " + self._fetch_token(params, what)
+                self._auth = "Bearer " + self._fetch_token(params, creds, what)
             else:
                 raise RegistryError("unsupported", f"{what}: the registry asks for authentication this "
                                     f"client does not speak ({scheme or 'no WWW-Authenticate header'})")
 
-    def _fetch_token(self, params: dict[str, str], what: str) -> str:
+    def _credentials(self) -> Credentials | None:
+        """This registry's credentials (fs/credentials.py), looked up once.
+        A malformed auth file is the operator's to fix: an error. A helper
+        that is missing or fails leaves the request anonymous, which a public
+        image needs no more than; the refusal that may follow says why."""
+        if not self._creds_looked_up:
+            try:
+                self._creds = credentials.lookup(self.cfg.auth_file, self.registry)
+            except CredentialsError as e:
+                if e.code == "bad_request":
+                    raise RegistryError("bad_request", str(e)) from None
+                self._creds_problem = str(e)
+                log.warning("%s: asking anonymously: %s", self._name(), e)
+            self._creds_looked_up = True
+        return self._creds
+
+    def _fetch_token(self, params: dict[str, str], creds: Credentials | None, what: str) -> str:
+        """A pull token from the challenge's realm: asked for with a GET
+        (Basic auth with a user and password, or none), or, for an identity
+        token, with the OAuth2 refresh-token grant (a form POST)."""
         realm = params["realm"]
         realm_url = urlsplit(realm)
         if realm_url.scheme not in ("http", "https"):
             raise RegistryError("io", f"{what}: the registry's token realm {realm!r} is not an http(s) URL")
-        if self._creds and realm_url.scheme == "http" and not self._insecure:
+        if creds and realm_url.scheme == "http" and not self._insecure:
             raise RegistryError("permission", f"{what}: the registry, reached over HTTPS, sends us for a token "
                                 f"to {realm_url.netloc} over plain HTTP, which would carry the credentials of "
-                                f"images.auth_file unencrypted; refused (list {self.host} in "
+                                f"{creds.source} unencrypted; refused (list {self.host} in "
                                 "images.insecure_registries only if that network is trusted)")
         query = {"scope": f"repository:{self.repository}:pull"}
         if params.get("service"):
             query = {"service": params["service"], **query}
-        url = realm + ("&" if "?" in realm else "?") + urlencode(query)
-        headers = {"Authorization": basic_header(*self._creds)} if self._creds else {}
+        form = None
+        if creds and creds.identity_token:
+            url, headers = realm, {"Content-Type": "application/x-www-form-urlencoded"}
+            form = urlencode({"grant_type": "refresh_token", "refresh_token": creds.secret, "client_id": USER_AGENT,
+                              "access_type": "offline", **query})
+        else:
+            url = realm + ("&" if "?" in realm else "?") + urlencode(query)
+            headers = {"Authorization": basic_header(creds.user, creds.secret)} if creds else {}
         service = f"the token service {realm_url.netloc}"
-        resp = self._token_answer(url, headers, service, what)
+        resp = self._token_answer(url, headers, service, what, form)
         if resp.status != 200:
             self._drain(resp)                  # its body never quoted: it may echo what we sent
             if resp.status in (401, 403):
@@ -632,11 +570,13 @@ class Registry:
             raise RegistryError("io", f"{what}: {service} sent no token")
         return token
 
-    def _token_answer(self, url: str, headers: dict[str, str], service: str, what: str) -> urllib3.HTTPResponse:
-        """The token service's answer, its body unread; connection errors, 5xx and 429 retried."""
+    def _token_answer(self, url: str, headers: dict[str, str], service: str, what: str,
+                      form: str | None = None) -> urllib3.HTTPResponse:
+        """The token service's answer to a GET (or a POST of `form`), its body
+        unread; connection errors, 5xx and 429 retried."""
         for attempt in range(self.cfg.retry_times + 1):
             try:
-                resp = self._request(url, headers)
+                resp = self._request(url, headers, form)
             except MaxRetryError as e:
                 reason = e.reason if e.reason is not None else e
                 if isinstance(reason, SSLError):

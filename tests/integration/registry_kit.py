@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections import Counter
 from pathlib import Path
 
@@ -68,6 +69,20 @@ def make_ca(d: Path, host: str = "127.0.0.1") -> tuple[Path, Path, Path]:
     run("x509", "-req", "-in", str(csr), "-CA", str(ca_crt), "-CAkey", str(ca_key), "-CAcreateserial",
         "-out", str(crt), "-days", "2", "-extfile", str(ext))
     return ca_crt, crt, key
+
+
+def credential_helper(bindir: Path, name: str, host: str, user: str, secret: str) -> Path:
+    """docker-credential-<name> in `bindir`: answers `get` for `host` with
+    these credentials (docker's helper protocol), and "credentials not
+    found" for any other server URL."""
+    bindir.mkdir(parents=True, exist_ok=True)
+    path = bindir / f"docker-credential-{name}"
+    answer = json.dumps({"ServerURL": host, "Username": user, "Secret": secret})
+    path.write_text(f'#!/bin/sh\n[ "$1" = get ] || exit 9\nread url\n'
+                    f'if [ "$url" = "{host}" ]; then echo \'{answer}\'; exit 0; fi\n'
+                    'echo "credentials not found in native keychain"; exit 1\n')
+    path.chmod(0o700)
+    return path
 
 
 def auth_json(path: Path, host: str, user: str, password: str) -> Path:
@@ -204,7 +219,8 @@ class FakeRegistry(LoopbackServer):
     ranges[digest]          blob GETs with a Range header (answered 206 + Content-Range)
     ignore_range = True     Range headers ignored (200 with the whole blob)
     fail[digest] = [503, 429]  the blob's next GETs answered with these statuses, in turn
-    use_tokens(...)         bearer tokens required (see there)
+    use_tokens(...)         bearer tokens required (see there); with refresh_token=, also
+                            issued to a POST of the OAuth2 refresh-token grant (token_posts)
     token_realm = url       the realm the 401s name instead of this server's /token
     token_body = bytes      what /token answers instead of a token
     redirect_blobs()        blob GETs answered 307 to a second server (see there)
@@ -226,6 +242,8 @@ class FakeRegistry(LoopbackServer):
         self.tokens: dict[str, int | None] = {}     # token -> uses left (None: no limit)
         self.token_gets = 0                          # GETs of /token that issued a token
         self.token_creds: tuple[str, str] | None = None
+        self.refresh_token: str | None = None
+        self.token_posts: list[dict] = []            # the forms POSTed to /token
         self.token_uses: int | None = None
         self.token_required = False
         self.token_realm: str | None = None
@@ -240,12 +258,16 @@ class FakeRegistry(LoopbackServer):
         if self.blob_store is not None:
             self.blob_store.stop()
 
-    def use_tokens(self, creds: tuple[str, str] | None = None, uses: int | None = None) -> None:
+    def use_tokens(self, creds: tuple[str, str] | None = None, uses: int | None = None,
+                   refresh_token: str | None = None) -> None:
         """Every /v2/ request needs `Authorization: Bearer <token>`; without one it
         gets 401 + `WWW-Authenticate: Bearer realm="http://<host>/token",...`. The
-        /token endpoint issues tokens (to Basic `creds` only, when given), each
-        good for `uses` requests (None: no limit)."""
+        /token endpoint issues tokens to GETs (with Basic `creds` only, when
+        given), and, with `refresh_token`, to a POSTed form of the OAuth2
+        refresh-token grant holding it; each token good for `uses` requests
+        (None: no limit)."""
         self.token_required, self.token_creds, self.token_uses = True, creds, uses
+        self.refresh_token = refresh_token
 
     def redirect_blobs(self) -> BlobStore:
         """Blob GETs answered 307 to a second server (another port) serving the
@@ -260,6 +282,18 @@ class FakeRegistry(LoopbackServer):
             want = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
             if authorization != want:
                 return None
+        return self._new_token()
+
+    def _token_for_grant(self, form: dict) -> str | None:
+        """A token for a POSTed OAuth2 refresh-token grant, if it holds our refresh token."""
+        with self._lock:
+            self.token_posts.append(form)
+        if self.refresh_token is None or form.get("grant_type") != "refresh_token" or \
+                form.get("refresh_token") != self.refresh_token:
+            return None
+        return self._new_token()
+
+    def _new_token(self) -> str:
         with self._lock:
             token = f"t{len(self.tokens)}-{os.urandom(6).hex()}"
             self.tokens[token] = self.token_uses
@@ -392,6 +426,16 @@ class FakeRegistry(LoopbackServer):
 
             def do_HEAD(self):
                 self._route(True)
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0)).decode()
+                if self.path.split("?")[0] != "/token" or not fake.token_required:
+                    return self._send(404, b'{"errors":[{"code":"NOT_FOUND"}]}')
+                token = fake._token_for_grant(dict(urllib.parse.parse_qsl(body)))
+                if token is None:
+                    return self._send(401, b'{"error":"invalid_grant"}', {"Content-Type": "application/json"})
+                return self._send(200, json.dumps({"access_token": token, "expires_in": 300}).encode(),
+                                  {"Content-Type": "application/json"})
 
         return Handler
 

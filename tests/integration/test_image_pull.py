@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import Daemon, skip_unless_microvm
 from image_kit import INDEX, Layout, _entry, _file, _tar_bytes, push, rootfs_layer, sha256
-from registry_kit import FakeRegistry, Registry, auth_json, missing_tools
+from registry_kit import FakeRegistry, Registry, auth_json, credential_helper, missing_tools
 
 from dsecd.errors import BadRequest, DsecError, NotFound, PermissionDenied
 
@@ -169,7 +169,7 @@ def test_auth_registry(busybox_rootfs, tmp_path, daemon_factory):
         push(layout, "v1", f"{reg.host}/private/app:v1", *reg.push_args())
         anon = daemon_factory(f'[images]\ninsecure_registries = ["{reg.host}"]\n')
         c = anon.client()
-        with pytest.raises(PermissionDenied, match="asks for a user and password; give credentials"):
+        with pytest.raises(PermissionDenied, match=r"asks for a user and password \(anonymously\); give credentials"):
             c.pull_image(f"{reg.host}/private/app:v1")
         c.close()
         auth = auth_json(tmp_path / "auth.json", reg.host, "tester", "s3cret-pw")
@@ -181,6 +181,31 @@ def test_auth_registry(busybox_rootfs, tmp_path, daemon_factory):
         sb.destroy()
         c.close()
         assert "s3cret-pw" not in d.log.read_text() and "s3cret-pw" not in anon.log.read_text()
+    finally:
+        reg.stop()
+
+
+def test_credentials_from_a_credential_helper_on_the_daemons_path(busybox_rootfs, tmp_path, daemon_factory,
+                                                                  monkeypatch):
+    """auth.json's "credHelpers": the daemon runs docker-credential-<name>
+    from its PATH when the registry asks, as docker does."""
+    reg = Registry(tmp_path / "reg", auth=("tester", "h3lper-pw")).start()
+    try:
+        layout = Layout(tmp_path / "layout")
+        layout.tag("v1", layout.image([(rootfs_layer(busybox_rootfs), "gzip")]))
+        push(layout, "v1", f"{reg.host}/private/app:v1", *reg.push_args())
+        credential_helper(tmp_path / "bin", "lab", reg.host, "tester", "h3lper-pw")
+        monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+        auth = tmp_path / "auth.json"
+        auth.write_text(json.dumps({"credHelpers": {reg.host: "lab"}}))
+        d = daemon_factory(f'[images]\ninsecure_registries = ["{reg.host}"]\nauth_file = "{auth}"\n')
+        c = d.client()
+        img = c.pull_image(f"{reg.host}/private/app:v1")
+        sb = c.create(image=img["name"])
+        assert sb.exec(["true"]).exit_code == 0
+        sb.destroy()
+        c.close()
+        assert "h3lper-pw" not in d.log.read_text()
     finally:
         reg.stop()
 

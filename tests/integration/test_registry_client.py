@@ -19,6 +19,7 @@ from registry_kit import (
     FakeRegistry,
     Registry,
     auth_json,
+    credential_helper,
     free_port,
     make_ca,
     missing_tools,
@@ -152,6 +153,15 @@ def test_basic_auth_from_auth_json(basic, image, tmp_path):
         pull_all(client, image)
 
 
+def test_basic_auth_from_a_credential_helper(basic, image, tmp_path, monkeypatch):
+    credential_helper(tmp_path / "bin", "test", basic.host, "alice", PASSWORD)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    auth = tmp_path / "auth.json"
+    auth.write_text(json.dumps({"credHelpers": {basic.host: "test"}}))
+    with Client(RegistryConfig(auth_file=str(auth), insecure=(basic.host,)), basic.host, REPO) as client:
+        pull_all(client, image)
+
+
 @pytest.mark.parametrize("creds", [None, ("alice", "wrong-" + PASSWORD)])
 def test_basic_auth_refused_is_permission_without_the_password(basic, tmp_path, creds):
     auth = str(auth_json(tmp_path / "auth.json", basic.host, *creds)) if creds else ""
@@ -242,6 +252,21 @@ def test_bearer_token_refused_is_permission(fake, tmp_path):
         client.manifest("v1")
     assert e.value.code == "permission" and "images.auth_file" in str(e.value)
     assert PASSWORD not in str(e.value)
+
+
+def test_an_identity_token_gets_tokens_from_the_refresh_token_grant(fake, image, tmp_path):
+    fake.use_tokens(creds=("bob", PASSWORD), refresh_token="refresh-" + PASSWORD)
+    auth = tmp_path / "auth.json"
+    auth.write_text(json.dumps({"auths": {fake.host: {"identitytoken": "refresh-" + PASSWORD}}}))
+    with Client(RegistryConfig(auth_file=str(auth), insecure=(fake.host,)), fake.host, REPO) as client:
+        pull_all(client, image)
+    assert [f["grant_type"] for f in fake.token_posts] == ["refresh_token"]
+    assert fake.token_posts[0]["scope"] == f"repository:{REPO}:pull"
+    auth.write_text(json.dumps({"auths": {fake.host: {"identitytoken": "stale"}}}))
+    with Client(RegistryConfig(auth_file=str(auth), insecure=(fake.host,)), fake.host, REPO) as client, \
+            pytest.raises(RegistryError) as e:
+        client.manifest("v1")
+    assert e.value.code == "permission" and "stale" not in str(e.value)
 
 
 def test_expired_token_is_fetched_again(fake, image, tmp_path):

@@ -1,7 +1,8 @@
 """The registry client's pure parts (dsecd/fs/registry.py): WWW-Authenticate
-challenges, auth.json lookups (docker.io's several keys), the TLS files of a
-certs dir, the HTTP fallback of an insecure registry and TLS per host, and
-errors and log lines that never carry a password (through a stubbed transport)."""
+challenges, the TLS files of a certs dir, the HTTP fallback of an insecure
+registry and TLS per host, credentials from helpers and identity tokens, and
+errors and log lines that never carry a password (through a stubbed
+transport). Where credentials come from: test_credentials.py."""
 
 import base64
 import io
@@ -11,6 +12,7 @@ import ssl
 import tomllib
 import traceback
 from importlib import resources
+from urllib.parse import parse_qsl
 
 import pytest
 import urllib3
@@ -53,49 +55,6 @@ def test_api_host_of_docker_hub():
     assert rc.api_host("index.docker.io") == "registry-1.docker.io"
     assert rc.api_host("ghcr.io") == "ghcr.io"
     assert rc.api_host("127.0.0.1:5000") == "127.0.0.1:5000"
-
-
-@pytest.mark.parametrize("key", ["https://index.docker.io/v1/", "index.docker.io", "registry-1.docker.io",
-                                 "docker.io"])
-def test_docker_hub_credentials_under_any_of_its_keys(key):
-    auths = {"ghcr.io": {"auth": b64("other:x")}, key: {"auth": b64(f"me:{SECRET}")}}
-    assert rc.lookup_credentials(auths, "docker.io") == ("me", SECRET)
-
-
-def test_credentials_by_host_and_port_and_username_keys():
-    auths = {"127.0.0.1:5000": {"auth": b64("a:b:c")},           # a password may hold ':'
-             "https://reg.example.com": {"username": "u", "password": "p"},
-             "127.0.0.1": {"auth": b64("wrong:port")}}
-    assert rc.lookup_credentials(auths, "127.0.0.1:5000") == ("a", "b:c")
-    assert rc.lookup_credentials(auths, "reg.example.com") == ("u", "p")
-    assert rc.lookup_credentials(auths, "127.0.0.1:5001") is None
-    assert rc.lookup_credentials(auths, "docker.io") is None
-
-
-def test_malformed_auth_entry_names_the_registry_not_the_value():
-    bad = b64(f"no-colon-{SECRET}")
-    with pytest.raises(ValueError) as e:
-        rc.lookup_credentials({"h:1": {"auth": bad}}, "h:1")
-    assert "h:1" in str(e.value) and SECRET not in str(e.value) and bad not in str(e.value)
-    with pytest.raises(ValueError):
-        rc.lookup_credentials({"h:1": {"auth": "!!not base64!!"}}, "h:1")
-
-
-def test_auth_file_unreadable_or_malformed_is_a_bad_request(tmp_path):
-    missing = tmp_path / "nope.json"
-    with pytest.raises(rc.RegistryError) as e:
-        rc.read_credentials(str(missing), "h:1")
-    assert e.value.code == "bad_request"
-    assert str(missing) in str(e.value) and "fix the path" in str(e.value)
-    junk = tmp_path / "junk.json"
-    junk.write_text(f"{{ {SECRET}")
-    with pytest.raises(rc.RegistryError) as e:
-        rc.read_credentials(str(junk), "h:1")
-    assert e.value.code == "bad_request" and SECRET not in str(e.value)
-    assert rc.read_credentials("", "h:1") is None
-    empty = tmp_path / "empty.json"
-    empty.write_text("{}")
-    assert rc.read_credentials(str(empty), "h:1") is None
 
 
 def test_tls_files_of_a_certs_dir(tmp_path):
@@ -182,9 +141,12 @@ class Transport:
     def __init__(self, serve):
         self.serve = serve
         self.calls: list[tuple[str, dict]] = []
+        self.posted: list[tuple[str, str]] = []     # (url, form) of each POST
 
-    def request(self, method, url, headers=None, **kw):
+    def request(self, method, url, headers=None, body=None, **kw):
         self.calls.append((url, dict(headers or {})))
+        if method == "POST":
+            self.posted.append((url, body))
         return self.serve(url, dict(headers or {}))
 
 
@@ -356,51 +318,84 @@ def test_failed_authentication_never_shows_the_password(monkeypatch, tmp_path, c
         assert secret not in shown
 
 
+
+
 IDENTITY_TOKEN = "idtok-Qw3-never-shown"
 
 
-@pytest.mark.parametrize("doc, named", [
-    ({"auths": {"registry.lab": {}}, "credHelpers": {"registry.lab": "ecr-login"}},
-     '"credHelpers" sends registry.lab to the credential helper docker-credential-ecr-login'),
-    ({"auths": {"https://registry.lab/v1/": {"identitytoken": IDENTITY_TOKEN}}},
-     '"auths" entry for https://registry.lab/v1/ holds only an "identitytoken"'),
-    ({"auths": {"registry.lab": {}}, "credsStore": "desktop"},
-     '"credsStore" keeps the credentials in docker-credential-desktop'),
-])
-@pytest.mark.parametrize("challenge", [BASIC_CHALLENGE, BEARER_CHALLENGE], ids=["basic", "bearer"])
-def test_credentials_this_client_cannot_use_are_unsupported_when_asked_for(monkeypatch, tmp_path, doc, named,
-                                                                          challenge):
+def test_an_identity_token_is_traded_at_the_realm_with_the_refresh_token_grant(monkeypatch, tmp_path):
     auth = tmp_path / "auth.json"
-    auth.write_text(json.dumps(doc))
+    auth.write_text(json.dumps({"auths": {"https://registry.lab/v1/": {"identitytoken": IDENTITY_TOKEN}}}))
 
     def serve(url, headers):
-        return echo(401, headers) if "auth.lab" in url else echo(401, headers, challenge)
+        if url == "https://auth.lab/token":
+            assert headers["Content-Type"] == "application/x-www-form-urlencoded" and "Authorization" not in headers
+            return answer(200, b'{"access_token": "tok", "expires_in": 300}')
+        return answer(200, b"{}") if headers.get("Authorization") == "Bearer tok" else answer(401, b"", BEARER_CHALLENGE)
 
-    with rc.Registry(rc.RegistryConfig(auth_file=str(auth), retry_times=0), "registry.lab", "a/b") as reg:
-        stubbed(monkeypatch, reg, serve)
-        with pytest.raises(rc.RegistryError) as e:
-            reg.manifest("v1")
-    assert e.value.code == "unsupported", str(e.value)
-    assert named in str(e.value) and str(auth) in str(e.value) and IDENTITY_TOKEN not in str(e.value)
-    assert '"auths": {"registry.lab": {"auth": "<base64 of user:password>"}}' in str(e.value)
+    with rc.Registry(rc.RegistryConfig(auth_file=str(auth)), "registry.lab", "a/b") as reg:
+        transport = stubbed(monkeypatch, reg, serve)
+        assert reg.manifest("v1") == b"{}"
+    (url, form), = transport.posted
+    assert dict(parse_qsl(form)) == {"grant_type": "refresh_token", "refresh_token": IDENTITY_TOKEN,
+                                     "client_id": "dsecd", "access_type": "offline", "service": "registry.lab",
+                                     "scope": "repository:a/b:pull"}
+    assert all(IDENTITY_TOKEN not in json.dumps(h) for _, h in transport.calls)
 
 
-def test_a_credential_store_does_not_stop_anonymous_pulls(monkeypatch, tmp_path):
+def test_an_identity_token_refused_or_asked_for_by_basic_auth_is_never_shown(monkeypatch, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG)
+    auth = tmp_path / "auth.json"
+    auth.write_text(json.dumps({"auths": {"registry.lab": {"identitytoken": IDENTITY_TOKEN}}}))
+    for serve, code in ((basic_refused, "unsupported"), (realm_refuses, "permission")):
+        with rc.Registry(rc.RegistryConfig(auth_file=str(auth), retry_times=0), "registry.lab", "a/b") as reg:
+            stubbed(monkeypatch, reg, serve)
+            with pytest.raises(rc.RegistryError) as e:
+                reg.manifest("v1")
+        assert e.value.code == code, str(e.value)
+        shown = "".join(traceback.format_exception(e.value)) + caplog.text + repr(reg)
+        assert IDENTITY_TOKEN not in shown
+    assert "identity token" in str(e.value) or code == "permission"
+
+
+def test_a_missing_credential_store_leaves_pulls_anonymous_and_a_refusal_says_why(monkeypatch, tmp_path, caplog):
     auth = tmp_path / "auth.json"
     auth.write_text(json.dumps({"auths": {"registry.lab": {}}, "credsStore": "desktop"}))
 
-    def serve(url, headers):
+    def public(url, headers):
         if "auth.lab" in url:
+            assert "Authorization" not in headers
             return answer(200, b'{"token": "tok"}')
-        if headers.get("Authorization") == "Bearer tok":
-            return answer(200, b"{}")
-        return answer(401, b"", BEARER_CHALLENGE)
+        return answer(200, b"{}") if headers.get("Authorization") == "Bearer tok" else answer(401, b"", BEARER_CHALLENGE)
 
     with rc.Registry(rc.RegistryConfig(auth_file=str(auth)), "registry.lab", "a/b") as reg:
-        stubbed(monkeypatch, reg, serve)
+        stubbed(monkeypatch, reg, public)
         assert reg.manifest("v1") == b"{}"
-    # a credential store serves every registry, a credential helper the ones named
-    assert rc.unusable_auth(str(auth), "other.lab") == \
-        'its "credsStore" keeps the credentials in docker-credential-desktop'
-    auth.write_text(json.dumps({"credHelpers": {"registry.lab": "ecr-login"}}))
-    assert rc.unusable_auth(str(auth), "other.lab") is None
+    assert "docker-credential-desktop" in caplog.text and "is not installed" in caplog.text
+    with rc.Registry(rc.RegistryConfig(auth_file=str(auth), retry_times=0), "registry.lab", "a/b") as reg:
+        stubbed(monkeypatch, reg, realm_refuses)
+        with pytest.raises(rc.RegistryError) as e:
+            reg.manifest("v1")
+    assert e.value.code == "permission"
+    assert "anonymously: the credential helper docker-credential-desktop" in str(e.value)
+
+
+def test_a_public_image_runs_no_credential_helper(monkeypatch, tmp_path):
+    ran = tmp_path / "ran"
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    helper = bindir / "docker-credential-spy"
+    helper.write_text(f"#!/bin/sh\ntouch {ran}\necho '{{\"Username\": \"u\", \"Secret\": \"p\"}}'\n")
+    helper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
+    auth = tmp_path / "auth.json"
+    auth.write_text(json.dumps({"credsStore": "spy"}))
+    with rc.Registry(rc.RegistryConfig(auth_file=str(auth)), "registry.lab", "a/b") as reg:
+        stubbed(monkeypatch, reg, lambda url, headers: answer(200, b"{}"))
+        assert reg.manifest("v1") == b"{}"
+    assert not ran.exists()
+    with rc.Registry(rc.RegistryConfig(auth_file=str(auth)), "registry.lab", "a/b") as reg:
+        transport = stubbed(monkeypatch, reg, basic_refused)
+        with pytest.raises(rc.RegistryError):
+            reg.manifest("v1")
+    assert ran.exists() and transport.calls[-1][1]["Authorization"] == rc.basic_header("u", "p")
