@@ -186,10 +186,10 @@ class _ProgressBar:
             print(file=sys.stderr)
 
 
-def _print_image(img: dict, verb: str) -> None:
+def _print_image(img: dict, verb: str, note: str = "") -> None:
     layers = ", ".join(layer["digest"][7:19] for layer in img["layers"])
     print(f"{verb} {img['name']}: {len(img['layers'])} layer(s) [{layers}], {_human_bytes(img['bytes'])}, "
-          f"manifest {img['manifest'][:19]}")
+          f"manifest {img['manifest'][:19]}{note}")
 
 
 async def cmd_image_dockerfile(c: Client, a) -> int:
@@ -260,7 +260,10 @@ async def cmd_image(c: Client, a) -> int:
         if a.json:
             _print_json(img)
         else:
-            _print_image(img, "up to date" if img["pull"].get("up_to_date") else "pulled")
+            via = img["pull"].get("registry")
+            mirrored = via and not img["name"].startswith(f"{via}/") and via != "docker.io"
+            _print_image(img, "up to date" if img["pull"].get("up_to_date") else "pulled",
+                         f", from the mirror {via}" if mirrored else "")
         return 0
     if a.image_cmd == "ls":
         images = await c.list_images()

@@ -45,7 +45,7 @@ def _load_defaults() -> dict:
 
 # Tables whose keys are the user's own names (rule sets, task policies), not
 # knobs: a user file adds names or replaces a named table whole.
-FREE_FORM = {"net.rule_sets", "policy"}
+FREE_FORM = {"net.rule_sets", "policy", "images.mirrors"}
 
 # Keys dsecd no longer has, and what replaced them: a config naming one is
 # refused like any unknown key, with this said.

@@ -54,8 +54,11 @@ class PullView:
             return
         step = p.get("step")
         if step == "resolve":
-            self.progress.update(self.status, description=f"{p['ref']} ({p['platform']})",
+            via = f" from {p['registry']}" if p.get("registry") and not p["ref"].startswith(p["registry"] + "/") else ""
+            self.progress.update(self.status, description=f"{p['ref']}{via} ({p['platform']})",
                                  state=f"{p['layers']} layer(s), manifest {p['digest'][7:19]}")
+        elif step == "mirror":
+            self.progress.console.print(f"mirror {p['mirror']} failed, trying {p['next']}: {p['error']}")
         elif step == "wait":
             self.progress.update(self.status, state=f"waiting for {p['holder']}, who pulls it too")
         elif step == "pull":

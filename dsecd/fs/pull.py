@@ -381,10 +381,29 @@ class Puller:
         wanted = wanted or host_os_arch()
         if len(wanted.split("/")) not in (2, 3):
             raise PullError("bad_request", f"platform {wanted!r}: want os/arch or os/arch/variant (linux/arm64)")
-        with Registry(self.registry_cfg, name.registry, name.repository) as registry:
-            image, stats = self._pull_from(registry, name, wanted, emit, cancelled)
+        sources = self.registry_cfg.sources(name.registry, name.repository)
+        for i, source in enumerate(sources):
+            try:
+                with Registry(self.registry_cfg, source.registry, source.repository) as registry:
+                    image, stats = self._pull_from(registry, name, wanted, emit, cancelled)
+                break
+            except (PullError, RegistryError) as err:
+                if not self._falls_back(err, cancelled) or i == len(sources) - 1:
+                    raise
+                log.warning("pull of %s: %s failed, trying %s: %s", name, source, sources[i + 1], err)
+                emit({"step": "mirror", "mirror": source.registry, "next": sources[i + 1].registry,
+                      "error": str(err)})
+        stats["registry"] = source.registry
         stats["total_s"] = time.monotonic() - t0
         return image, stats
+
+    @staticmethod
+    def _falls_back(err: Exception, cancelled: threading.Event) -> bool:
+        """Whether a mirror's failure sends the pull on to the next source:
+        anything but a cancel, or a wait for another host's pull of the
+        image that timed out (the next source would wait the same). Layers
+        the mirror stored stay, and the next source's pull reuses them."""
+        return not cancelled.is_set() and not (isinstance(err, PullError) and err.code in ("conflict", "busy"))
 
     def _pull_from(self, registry: Registry, name: names.ImageName, wanted: str, emit: Progress,
                    cancelled: threading.Event) -> tuple[Image, dict]:
@@ -395,8 +414,8 @@ class Puller:
         source = {"ref": str(name), "digest": resolved.manifest_digest, "platform": wanted,
                   "index": resolved.index_digest}
         total = sum(int(layer["size"]) for layer in resolved.layers)
-        emit({"step": "resolve", "ref": str(name), "digest": resolved.manifest_digest, "platform": wanted,
-              "layers": len(resolved.layers), "bytes": total})
+        emit({"step": "resolve", "ref": str(name), "registry": registry.registry, "digest": resolved.manifest_digest,
+              "platform": wanted, "layers": len(resolved.layers), "bytes": total})
         stats = {"downloaded_bytes": 0, "reused_layers": 0, "waited_s": 0.0, "download_s": 0.0, "convert_s": 0.0}
         current = self._current(name, source)
         if current is not None:

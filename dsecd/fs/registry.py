@@ -41,8 +41,9 @@ token is traded for a pull token with the OAuth2 refresh-token grant. They
 stay in the auth file, the helper and this object: never in an error, a log
 line or an exception's message.
 
-What it does not do: registries.conf (mirrors, blocked registries,
-short-name aliases): a pull goes to the registry its reference names.
+What it does not do: registries.conf (blocked registries, short-name
+aliases): a pull goes to the registry its reference names, or first to the
+mirrors images.mirrors lists for it (RegistryConfig.sources, fs/pull.py).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ from urllib3.exceptions import (
 )
 
 from . import credentials
-from .credentials import Credentials, CredentialsError
+from .credentials import DOCKER_HUB_NAMES, Credentials, CredentialsError
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,8 @@ MANIFEST_ACCEPT = (OCI_INDEX, OCI_MANIFEST, DOCKER_LIST, DOCKER_MANIFEST)
 MAX_REDIRECTS = 5
 BACKOFF_S = 0.2               # first retry's wait; doubles with each retry
 POOL_CONNECTIONS = 16         # kept-alive connections per host (a pull fetches up to 6-8 blobs at once)
-DOCKER_HUB = "registry-1.docker.io"
+DOCKER_HUB = "registry-1.docker.io"     # Docker Hub's API host
+DOCKER_HUB_NAME = "docker.io"           # the name images.mirrors files Docker Hub's mirrors under
 USER_AGENT = "dsecd"
 
 # Only registries the operator listed in images.insecure_registries get an
@@ -115,11 +117,57 @@ class RegistryConfig:
     insecure: tuple[str, ...] = field(default_factory=tuple)   # host[:port]: TLS unverified, plain HTTP allowed
     retry_times: int = 2
     timeout_s: float = 60.0                   # connect and per-read timeout of one request
+    # registry -> mirrors tried before it, in order, each host[:port][/path prefix]
+    mirrors: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @classmethod
     def from_section(cls, section: dict) -> RegistryConfig:
         return cls(auth_file=section["auth_file"], certs_dir=section["certs_dir"],
-                   insecure=tuple(section["insecure_registries"]), retry_times=int(section["pull_retries"]))
+                   insecure=tuple(section["insecure_registries"]), retry_times=int(section["pull_retries"]),
+                   mirrors=parse_mirrors(section["mirrors"]))
+
+    def sources(self, registry: str, repository: str) -> list[Source]:
+        """Where a pull of registry/repository looks, in order: the
+        registry's mirrors, then the registry itself."""
+        key = DOCKER_HUB_NAME if registry in DOCKER_HUB_NAMES else registry
+        out = []
+        for mirror in self.mirrors.get(key, ()):
+            host, _, prefix = mirror.partition("/")
+            out.append(Source(host, f"{prefix}/{repository}" if prefix else repository, mirror=True))
+        return out + [Source(registry, repository)]
+
+
+@dataclass(frozen=True)
+class Source:
+    """A registry host and the repository path a pull asks it for."""
+
+    registry: str
+    repository: str
+    mirror: bool = False
+
+    def __str__(self) -> str:
+        return f"{'mirror ' if self.mirror else ''}{self.registry}"
+
+
+# host[:port] (a name, an IPv4 address or a bracketed IPv6 one), then an optional path prefix
+_MIRROR = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])(?::\d{1,5})?"
+                     r"(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*")
+
+
+def parse_mirrors(table) -> dict[str, tuple[str, ...]]:
+    """images.mirrors: {"docker.io": ["mirror.gcr.io", "harbor.lab/dockerhub"]}
+    as {registry: (mirror, ...)}, Docker Hub's other names folded into
+    "docker.io". ValueError, saying what to write, for anything else."""
+    if not isinstance(table, dict):
+        raise ValueError(f"images.mirrors must be a table of registry = [mirror, ...], not {table!r}")
+    out: dict[str, tuple[str, ...]] = {}
+    for registry, mirrors in table.items():
+        if not isinstance(mirrors, list) or not all(isinstance(m, str) and _MIRROR.fullmatch(m) for m in mirrors):
+            raise ValueError(f"images.mirrors: the mirrors of {registry!r} must be a list of host[:port][/path] "
+                             f'(such as ["mirror.gcr.io", "10.0.0.5:5000/dockerhub"]), not {mirrors!r}')
+        key = DOCKER_HUB_NAME if registry in DOCKER_HUB_NAMES else registry
+        out[key] = out.get(key, ()) + tuple(mirrors)
+    return out
 
 
 # ---------------------------------------------------------------- pure parts

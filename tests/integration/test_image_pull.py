@@ -19,7 +19,14 @@ from pathlib import Path
 import pytest
 from conftest import Daemon, skip_unless_microvm
 from image_kit import INDEX, Layout, _entry, _file, _tar_bytes, push, rootfs_layer, sha256
-from registry_kit import FakeRegistry, Registry, auth_json, credential_helper, missing_tools
+from registry_kit import (
+    FakeRegistry,
+    Registry,
+    auth_json,
+    credential_helper,
+    free_port,
+    missing_tools,
+)
 
 from dsecd.errors import BadRequest, DsecError, NotFound, PermissionDenied
 
@@ -317,6 +324,78 @@ def test_an_image_that_repeats_a_layer_runs_in_a_microvm(busybox_rootfs, tmp_pat
             sb.destroy()
     finally:
         c.close()
+
+
+def test_a_pull_tries_the_registrys_mirrors_first(busybox_rootfs, tmp_path, daemon_factory, fake):
+    """images.mirrors, in order: one that is down, one that serves the image
+    under a path prefix; the registry itself only for what no mirror has."""
+    layout, desc = fake_image(tmp_path, fake, "team/app", [(rootfs_layer(busybox_rootfs), "gzip"),
+                                                           (_tar_bytes([_file("app.txt", b"app\n")]), "gzip")])
+    fake_image(tmp_path, fake, "team/new", [(rootfs_layer(busybox_rootfs), "gzip"),
+                                            (_tar_bytes([_file("new.txt", b"new\n")]), "gzip")])
+    mirror = FakeRegistry().start()
+    down = f"127.0.0.1:{free_port()}"
+    try:
+        mirror.put_layout("hub/team/app", "v1", layout, desc)
+        d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}", "{mirror.host}", "{down}"]\n'
+                           f'[images.mirrors]\n"{fake.host}" = ["{down}", "{mirror.host}/hub"]\n')
+        c = d.client()
+        events = []
+        img = c.pull_image(f"{fake.host}/team/app:v1", progress=events.append)
+        assert img["pull"]["registry"] == mirror.host and img["name"] == f"{fake.host}/team/app:v1"
+        assert sum(mirror.gets.values()) == 3 and sum(fake.gets.values()) == 0       # its config and 2 layers
+        assert [(e["mirror"], e["next"]) for e in events if e["step"] == "mirror"] == [(down, mirror.host)]
+        assert "cannot reach" in next(e["error"] for e in events if e["step"] == "mirror")
+        assert [e["registry"] for e in events if e["step"] == "resolve"] == [mirror.host]
+        sb = c.create(image=img["name"])
+        try:
+            assert sb.exec(["cat", "/app.txt"]).stdout == b"app\n"
+        finally:
+            sb.destroy()
+        c.request("image_rm", name=img["name"])
+        out = d.cli("image", "pull", f"{fake.host}/team/app:v1")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.decode().startswith(f"pulled {fake.host}/team/app:v1: ")
+        assert out.stdout.decode().rstrip().endswith(f", from the mirror {mirror.host}")
+        # No mirror has it: the registry serves it, and only the layer the store lacks.
+        events.clear()
+        img = c.pull_image(f"{fake.host}/team/new:v1", progress=events.append)
+        assert img["pull"]["registry"] == fake.host and img["pull"]["reused_layers"] == 1
+        assert [e["mirror"] for e in events if e["step"] == "mirror"] == [down, mirror.host]
+        assert "no such name" in [e for e in events if e["step"] == "mirror"][1]["error"]
+        c.close()
+    finally:
+        mirror.stop()
+
+
+def test_a_mirror_that_fails_mid_pull_leaves_its_layers_to_the_registrys_pull(busybox_rootfs, tmp_path,
+                                                                           daemon_factory, fake):
+    small = _tar_bytes([_file("small.bin", os.urandom(64 << 10))])
+    cut = _tar_bytes([_file("cut.bin", os.urandom(256 << 10))])
+    layout, desc = fake_image(tmp_path, fake, "team/cut", [(rootfs_layer(busybox_rootfs), "gzip"), (small, "gzip"),
+                                                           (cut, "gzip")])
+    mirror = FakeRegistry().start()
+    try:
+        mirror.put_layout("team/cut", "v1", layout, desc)
+        mirror.cut.add(layer_blob(cut))          # every GET of it ends halfway, resumed ones too
+        d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}", "{mirror.host}"]\n'
+                           f'[images.mirrors]\n"{fake.host}" = ["{mirror.host}"]\n')
+        c = d.client()
+        events = []
+        img = c.pull_image(f"{fake.host}/team/cut:v1", progress=events.append)
+        c.close()
+        assert img["pull"]["registry"] == fake.host
+        assert "truncated" in next(e["error"] for e in events if e["step"] == "mirror")
+        assert fake.gets[layer_blob(cut)] == 1 and fake.gets[layer_blob(small)] == 0
+        assert img["pull"]["reused_layers"] == 2
+    finally:
+        mirror.stop()
+
+
+def test_mirrors_that_are_not_hosts_stop_the_start(tmp_path, daemon_factory):
+    d = daemon_factory('[images.mirrors]\n"docker.io" = ["https://mirror.gcr.io"]\n', start=False)
+    with pytest.raises(RuntimeError, match=r"the mirrors of 'docker.io' must be a list of host\[:port\]\[/path\]"):
+        d.start()
 
 
 def test_concurrent_daemons_on_one_store_download_once(busybox_rootfs, tmp_path, daemon_factory, fake):

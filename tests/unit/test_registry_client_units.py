@@ -399,3 +399,27 @@ def test_a_public_image_runs_no_credential_helper(monkeypatch, tmp_path):
         with pytest.raises(rc.RegistryError):
             reg.manifest("v1")
     assert ran.exists() and transport.calls[-1][1]["Authorization"] == rc.basic_header("u", "p")
+
+
+def test_mirrors_come_before_their_registry_in_order_with_their_path_prefix():
+    cfg = rc.RegistryConfig(mirrors=rc.parse_mirrors({
+        "index.docker.io": ["mirror.gcr.io"], "docker.io": ["harbor.lab:8443/dockerhub/cache"],
+        "ghcr.io": ["[fd00::5]:5000"]}))
+    assert [(str(s), s.repository) for s in cfg.sources("docker.io", "library/python")] == [
+        ("mirror mirror.gcr.io", "library/python"), ("mirror harbor.lab:8443", "dockerhub/cache/library/python"),
+        ("docker.io", "library/python")]
+    assert [s.registry for s in cfg.sources("ghcr.io", "a/b")] == ["[fd00::5]:5000", "ghcr.io"]
+    assert [s.registry for s in cfg.sources("quay.io", "a/b")] == ["quay.io"]
+
+
+@pytest.mark.parametrize("table", [["mirror.gcr.io"], {"docker.io": "mirror.gcr.io"},
+                                   {"docker.io": ["https://mirror.gcr.io"]}, {"docker.io": ["m.lab/Upper"]},
+                                   {"docker.io": ["m.lab/a/../b"]}, {"docker.io": [5000]}])
+def test_mirrors_that_are_not_host_port_path_are_refused(table):
+    with pytest.raises(ValueError, match="images.mirrors"):
+        rc.parse_mirrors(table)
+
+
+def test_the_default_config_has_no_mirrors():
+    section = tomllib.loads(resources.files("dsecd").joinpath("default.toml").read_text())["images"]
+    assert rc.RegistryConfig.from_section(section).mirrors == {}
