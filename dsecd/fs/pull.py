@@ -51,6 +51,7 @@ from pathlib import Path
 from .. import imageconfig, native
 from . import names, oci, tarerofs
 from .claims import Claim
+from .httpstop import Stop
 from .images import Image, ImageError, ImageStore
 from .registry import (
     DOCKER_LIST,
@@ -154,17 +155,16 @@ class _Stopped(Exception):
 
 class _Stop:
     """A pull's stop, set once (a cancel, the timeout, a failed layer). Every
-    blob stream of the pull is opened with its event (open(): a stream
-    opening, retrying or backing off then gives up before its next try),
-    and the streams open then are aborted (BlobStream.abort), so a thread
-    blocked on a stalled connection returns at once instead of after its
-    read timeouts and retries, and the pull (its max_pulls slot, its claim)
-    ends promptly. A request already under way when the stop comes
-    (connecting, awaiting the answer's headers) ends within the registry
-    client's timeout (RegistryConfig.timeout_s, 60 s)."""
+    blob stream of the pull is opened with its httpstop.Stop (open(): a
+    stream's request under way, connecting or awaiting its answer, then
+    fails at once, and one retrying or backing off gives up before its next
+    try), and the streams open then are aborted (BlobStream.abort), so a
+    thread blocked on a stalled connection returns at once instead of after
+    its timeouts and retries, and the pull (its max_pulls slot, its claim)
+    ends promptly."""
 
     def __init__(self):
-        self._event = threading.Event()
+        self._event = Stop()
         self._lock = threading.Lock()
         self._open: set = set()
 

@@ -49,10 +49,10 @@ mirrors images.mirrors lists for it (RegistryConfig.sources, fs/pull.py).
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import re
-import socket
 import ssl
 import threading
 import time
@@ -76,6 +76,7 @@ from urllib3.exceptions import (
 
 from . import credentials
 from .credentials import DOCKER_HUB_NAMES, Credentials, CredentialsError
+from .httpstop import CONNECTION_CLASSES, Stop, shut_down
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +273,10 @@ class HostTLSPoolManager(urllib3.PoolManager):
             # and its CA bundle, which would undo an insecure context and load the
             # bundle again into the context at every new connection.
             request_context.update(ssl_context=ctx, cert_reqs=ctx.verify_mode, ca_certs=None)
-        return super()._new_pool(scheme, host, port, request_context)
+        pool = super()._new_pool(scheme, host, port, request_context)
+        # Connections whose sockets a Stop can shut down mid-request (fs/httpstop.py).
+        pool.ConnectionCls = CONNECTION_CLASSES[scheme]
+        return pool
 
 
 def _registry_code(body: bytes) -> str:
@@ -360,7 +364,7 @@ class Registry:
         what = f"fetch the blob {digest} of {self._name()}"
         return self._read_small(self._get(f"blobs/{digest}", {}, what), limit, what)
 
-    def open_blob(self, digest: str, size: int, stop: threading.Event | None = None) -> BlobStream:
+    def open_blob(self, digest: str, size: int, stop: Stop | None = None) -> BlobStream:
         """The `size` bytes of blob `digest` as they arrive. `stop`: an event
         that stops the stream once set, from its first request on (its
         abort() sets it)."""
@@ -376,18 +380,20 @@ class Registry:
         return f"{scheme}://{self.host}/v2/{self.repository}/{path}"
 
     def _get(self, path: str, headers: dict[str, str], what: str,
-             stop: threading.Event | None = None) -> urllib3.HTTPResponse:
+             stop: Stop | None = None) -> urllib3.HTTPResponse:
         """A GET of /v2/<repository>/<path> answered 200 or 206, body not yet read
         (the caller reads and releases it): auth, retries and errors handled here.
-        Once `stop` is set, raises _Aborted before any further try and cuts a
-        backoff short."""
+        Once `stop` is set, raises _Aborted: before any further try, at once
+        from a backoff, and from a request under way (its socket shut down,
+        connecting or awaiting the answer)."""
         refreshed = False
         attempt = 0
         while True:
             if stop is not None and stop.is_set():
                 raise _Aborted()
             auth = self._auth
-            resp = self._send(path, headers, auth, what, attempt, stop)
+            with stop.requests() if stop is not None else contextlib.nullcontext():
+                resp = self._send(path, headers, auth, what, attempt, stop)
             if resp is None:                   # a connection error, retried
                 attempt += 1
                 continue
@@ -407,7 +413,7 @@ class Registry:
             raise self._status_error(status, body, what)
 
     def _send(self, path: str, headers: dict[str, str], auth: str | None, what: str,
-              attempt: int, stop: threading.Event | None = None) -> urllib3.HTTPResponse | None:
+              attempt: int, stop: Stop | None = None) -> urllib3.HTTPResponse | None:
         """One request (redirects followed); None after a connection error worth retrying.
         An insecure registry is tried over HTTPS first, then, if that attempt
         fails in any way short of an answer (refused, timed out, TLS or protocol
@@ -455,7 +461,9 @@ class Registry:
                                   enforce_content_length=True)
 
     def _retry_or_raise(self, reason: BaseException, what: str, attempt: int,
-                        stop: threading.Event | None = None) -> None:
+                        stop: Stop | None = None) -> None:
+        if stop is not None and stop.is_set():
+            raise _Aborted()                   # the failure is the stop's shutdown of its socket
         if attempt < self.cfg.retry_times:
             log.info("%s: %s; retrying", what, _describe(reason))
             self._backoff(attempt, stop)
@@ -464,7 +472,7 @@ class Registry:
                             f"(after {attempt + 1} tries); check the registry's name and that it is up") from None
 
     @staticmethod
-    def _backoff(attempt: int, stop: threading.Event | None = None) -> None:
+    def _backoff(attempt: int, stop: Stop | None = None) -> None:
         """The wait before retry `attempt` + 1; over at once when `stop` is set."""
         delay = BACKOFF_S * (2 ** attempt)
         if stop is None:
@@ -677,21 +685,14 @@ def _describe(e: BaseException) -> str:
 
 
 def _shut_down(resp: urllib3.HTTPResponse) -> None:
-    """Shut down the socket under `resp`: a thread blocked reading it wakes
-    with an end of file (closing the socket would not wake it). The socket
-    object itself stays open, for its owner to close."""
+    """Shut down the socket under `resp` (httpstop.shut_down): a thread
+    blocked reading it wakes with an end of file."""
     sock = getattr(getattr(resp, "_connection", None), "sock", None)
     if sock is None:                           # the connection already given back: its file's socket
         raw = getattr(getattr(getattr(resp, "_fp", None), "fp", None), "raw", None)
         sock = getattr(raw, "_sock", None)
-    if sock is None:
-        return
-    try:
-        # socket.socket's own shutdown, also for an SSLSocket: no TLS close_notify
-        # written (it could block) and its SSL object left to the reading thread
-        socket.socket.shutdown(sock, socket.SHUT_RDWR)
-    except OSError:
-        pass                                   # already closed or never connected
+    if sock is not None:
+        shut_down(sock)
 
 
 class BlobStream:
@@ -700,7 +701,7 @@ class BlobStream:
     (Range: bytes=<bytes_read>-), up to the config's retry_times per blob.
     abort(), from any thread, stops it at once: no more reads, resumes or retries."""
 
-    def __init__(self, reg: Registry, digest: str, size: int, stop: threading.Event | None = None):
+    def __init__(self, reg: Registry, digest: str, size: int, stop: Stop | None = None):
         self._reg = reg
         self.digest = digest
         self.size = size
@@ -708,7 +709,7 @@ class BlobStream:
         self._resumes = 0
         self._what = f"download the blob {digest} of {reg._name()}"
         self._resp: urllib3.HTTPResponse | None = None
-        self._aborted = stop if stop is not None else threading.Event()   # may be shared: a pull's stop
+        self._aborted = stop if stop is not None else Stop()   # may be shared: a pull's stop
         self._lock = threading.Lock()          # self._resp, between the reading thread and abort()
         self._open()
 
@@ -721,11 +722,9 @@ class BlobStream:
     def abort(self) -> None:
         """Stop the stream, from any thread, at any time: a read() blocked in
         another thread returns at once (its socket is shut down), a resume
-        waiting out its backoff at once too, and every read() from now on raises
-        RegistryError("conflict", "... stopped"). A resume's request already
-        under way (connecting, awaiting the answer's headers) is not cut short:
-        urllib3 does not expose its socket; it ends within the timeout, its
-        answer closed unread, and the read raises the same error."""
+        waiting out its backoff or its request (connecting, awaiting the
+        answer's headers: fs/httpstop.py) at once too, and every read() from
+        now on raises RegistryError("conflict", "... stopped")."""
         self._aborted.set()
         with self._lock:
             if self._resp is not None:

@@ -215,6 +215,7 @@ class FakeRegistry(LoopbackServer):
     cut_first[digest] = K   the same, for the blob's first K GETs only (later ones whole)
     slow[digest] = seconds  the blob trickles out over that long
     stall.add(digest)       the blob's headers and first STALL_BYTES, then nothing until stop()
+    stall_ranges.add(digest)   a Range GET of the blob (a resume) gets no answer until stop()
     gets[digest]            blob GETs served
     ranges[digest]          blob GETs with a Range header (answered 206 + Content-Range)
     ignore_range = True     Range headers ignored (200 with the whole blob)
@@ -234,6 +235,7 @@ class FakeRegistry(LoopbackServer):
         self.cut_first: dict[str, int] = {}
         self.slow: dict[str, float] = {}
         self.stall: set[str] = set()
+        self.stall_ranges: set[str] = set()
         self.unstalled = threading.Event()
         self.gets: Counter[str] = Counter()
         self.ranges: Counter[str] = Counter()
@@ -447,6 +449,10 @@ def serve_blob(handler: http.server.BaseHTTPRequestHandler, fake: FakeRegistry, 
     m = re.match(r"^bytes=(\d+)-$", handler.headers.get("Range", ""))
     if m:
         fake.ranges[ref] += 1
+        if ref in fake.stall_ranges:
+            fake.unstalled.wait(60)
+            handler.close_connection = True
+            return
         if not fake.ignore_range:
             start = int(m.group(1))
     if m and not fake.ignore_range:

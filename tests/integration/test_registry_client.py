@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import threading
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from registry_kit import (
 )
 
 from dsecd.fs import registry as rc
+from dsecd.fs.httpstop import Stop
 from dsecd.fs.registry import MAX_METADATA_BYTES, RegistryConfig, RegistryError
 from dsecd.fs.registry import Registry as Client
 
@@ -409,6 +411,51 @@ def test_abort_wakes_a_resume_backoff_and_stops_the_resumes(fake, tmp_path, big_
         thread, result = read_in_thread(stream)
         assert_stopped(fake, stream, thread, result)
     assert fake.gets[digest] == 1 and fake.ranges[digest] == 0
+
+
+def test_abort_ends_a_resume_awaiting_its_answer(fake, tmp_path, big_layer):
+    digest, size, _ = big_layer
+    fake.cut_first[digest] = 1                 # the first answer ends halfway...
+    fake.stall_ranges.add(digest)              # ...and the resume gets no answer (60 s timeout)
+    with fake_client(fake, tmp_path, retry_times=3) as client, client.open_blob(digest, size) as stream:
+        thread, result = read_in_thread(stream)
+        deadline = time.monotonic() + 10
+        while fake.ranges[digest] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert_stopped(fake, stream, thread, result)
+    assert fake.ranges[digest] == 1
+
+
+def test_a_stop_ends_a_request_still_connecting(tmp_path):
+    """A registry whose listen queue is full takes no more connections: a
+    connect() waits for its timeout (60 s) unless the stop ends it."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    filler = socket.create_connection(listener.getsockname(), timeout=5)      # the queue is full now
+    host = f"127.0.0.1:{listener.getsockname()[1]}"
+    stop, result = Stop(), {}
+
+    def pull():
+        try:
+            with Client(RegistryConfig(insecure=(host,), retry_times=2), host, REPO) as client:
+                client.open_blob("sha256:" + "0" * 64, 10, stop=stop)
+        except RegistryError as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=pull, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.5)
+        assert thread.is_alive(), result
+        started = time.monotonic()
+        stop.set()
+        thread.join(5)
+        assert not thread.is_alive() and time.monotonic() - started < 1.0
+        assert result["error"].code == "conflict" and str(result["error"]).endswith(": stopped")
+    finally:
+        filler.close()
+        listener.close()
 
 
 def test_abort_before_the_first_read(fake, tmp_path, big_layer):

@@ -1,0 +1,148 @@
+"""A stop for a pull's HTTP requests that ends them at once, whatever they
+are waiting for (fs/registry.py).
+
+A thread blocked in a socket call (connect, the wait for an answer's
+headers, a read of its body) wakes only when the socket is shut down;
+closing it from another thread does not wake it. urllib3 gives no handle on
+the socket of a request under way, so the pools of the registry client
+make their connections with the classes here, which hand each socket, as
+soon as it exists and before every request sent on it, to the Stop the
+calling thread works under (`with stop.requests():`). Stop.set() then shuts
+down every socket so handed and not yet taken back (a connect() under way
+ends with ECONNRESET, a wait for an answer with an end of file), and
+refuses any handed after: the request fails at once with a connection
+error, which the caller sees alongside the set stop.
+
+Not cut short: a name lookup (getaddrinfo), and a TLS handshake (the socket
+is wrapped then, and the plain socket handed before it no longer owns the
+descriptor): each ends within the request's timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import socket
+import threading
+
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.exceptions import ConnectTimeoutError, NewConnectionError
+from urllib3.util.connection import _set_socket_options, allowed_gai_family
+
+_current = threading.local()       # .stop: the Stop this thread's requests run under
+
+
+class Stop:
+    """Set once, from any thread: is_set() and wait() as threading.Event's;
+    set() also shuts down the sockets of every request under way in a
+    `requests()` block."""
+
+    def __init__(self):
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._sockets: dict[int, set[socket.socket]] = {}     # thread ident -> its request's sockets
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)
+
+    def set(self) -> None:
+        with self._lock:
+            self._event.set()
+            held = [s for socks in self._sockets.values() for s in socks]
+        for sock in held:
+            shut_down(sock)
+
+    @contextlib.contextmanager
+    def requests(self):
+        """The calling thread's requests in the block can be cut short by set()."""
+        me = threading.get_ident()
+        outer = getattr(_current, "stop", None)
+        _current.stop = self
+        try:
+            yield
+        finally:
+            _current.stop = outer
+            with self._lock:
+                self._sockets.pop(me, None)
+
+    def _hand(self, sock: socket.socket) -> None:
+        """Watch `sock` for set(); raises ConnectionAbortedError if it came
+        already (a socket not yet connected would ignore a shutdown)."""
+        with self._lock:
+            if not self._event.is_set():
+                self._sockets.setdefault(threading.get_ident(), set()).add(sock)
+                return
+        raise ConnectionAbortedError(errno.ECONNABORTED, "the request was stopped")
+
+
+def shut_down(sock: socket.socket) -> None:
+    """Shut down `sock` (a plain or a TLS socket): a thread blocked on it
+    wakes, with an end of file or a connection error. The socket object
+    stays open, for its owner to close."""
+    try:
+        # socket.socket's own shutdown, also for an SSLSocket: no TLS close_notify
+        # written (it could block) and its SSL object left to the blocked thread
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:
+        pass                            # already closed, or not connected yet
+
+
+def _hand_to_current_stop(sock: socket.socket | None) -> None:
+    stop = getattr(_current, "stop", None)
+    if stop is not None and sock is not None:
+        stop._hand(sock)
+
+
+class _Stoppable:
+    """What both connection classes add to urllib3's: the socket handed to
+    the thread's Stop before connect() blocks, and again before each
+    request sent on it (a kept-alive connection serves later requests)."""
+
+    def _new_conn(self):
+        if getattr(_current, "stop", None) is None:
+            return super()._new_conn()
+        # urllib3's create_connection, with the socket handed over before it connects.
+        err: OSError | None = None
+        host = self._dns_host.strip("[]")
+        try:
+            infos = socket.getaddrinfo(host, self.port, allowed_gai_family(), socket.SOCK_STREAM)
+        except OSError as e:
+            raise NewConnectionError(self, f"Failed to establish a new connection: {e}") from None
+        for family, kind, proto, _name, address in infos:
+            sock = socket.socket(family, kind, proto)
+            try:
+                _set_socket_options(sock, self.socket_options)
+                if isinstance(self.timeout, (int, float)):
+                    sock.settimeout(self.timeout)
+                if self.source_address:
+                    sock.bind(self.source_address)
+                _hand_to_current_stop(sock)
+                sock.connect(address)
+                return sock
+            except TimeoutError:
+                sock.close()
+                raise ConnectTimeoutError(self, f"Connection to {self.host} timed out. "
+                                                f"(connect timeout={self.timeout})") from None
+            except OSError as e:
+                sock.close()
+                err = e
+        raise NewConnectionError(self, f"Failed to establish a new connection: "
+                                       f"{err or 'getaddrinfo returned nothing'}")
+
+    def request(self, *args, **kw):
+        _hand_to_current_stop(self.sock)
+        return super().request(*args, **kw)
+
+
+class StoppableHTTPConnection(_Stoppable, HTTPConnection):
+    pass
+
+
+class StoppableHTTPSConnection(_Stoppable, HTTPSConnection):
+    pass
+
+
+CONNECTION_CLASSES = {"http": StoppableHTTPConnection, "https": StoppableHTTPSConnection}
