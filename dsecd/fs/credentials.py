@@ -9,8 +9,10 @@ For a registry, under its name and, for docker.io, each of its other names
    `docker-credential-<name> get`, run with the registry's server URL on
    its stdin, answers {"Username": ..., "Secret": ...} (docker's credential
    helper protocol: ecr-login, gcloud, pass, secretservice, ...);
-2. "auths": {"<registry>": {...}} with "auth" (base64 of user:password),
-   "username" and "password", or "identitytoken";
+2. "auths": {"<registry>": {...}} with "identitytoken" (taken first, as
+   docker does: its login writes one beside an "auth" of the user and an
+   empty password), "auth" (base64 of user:password), or "username" and
+   "password";
 3. "credsStore": "<name>": the same protocol, for every registry.
 
 A helper that has nothing for the registry (its "credentials not found"
@@ -24,19 +26,21 @@ cannot take it.
 Helpers are found in the daemon's PATH and run as it, with its environment
 (a helper that reads cloud credentials finds them where the daemon's
 environment says: under systemd, set them in the unit), without a shell,
-for at most `timeout` seconds. Their answers and the secrets in them are
-never logged nor put in an error: a failing helper is quoted from its
-stderr's first line only.
+in a session of their own that is killed after `timeout` seconds. Their
+answers and the secrets in them are never logged nor put in an error: a
+failing helper is quoted by the first line it printed (stderr first).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,12 +188,10 @@ def lookup(auth_file: str, registry: str, timeout: float = HELPER_TIMEOUT_S) -> 
 
 
 def _from_auths(auths: dict, registry: str, auth_file: str) -> Credentials | None:
-    try:
-        pair = lookup_credentials(auths, registry)
-    except ValueError as e:
-        raise CredentialsError("bad_request", f"images.auth_file {auth_file}: {e}; fix that entry") from None
-    if pair is not None:
-        return Credentials(*pair, source="images.auth_file")
+    """An "auths" entry's credentials: its identity token where it has one
+    (docker's login writes it beside an "auth" of the user and an empty
+    password, and docker's client then uses the token), else its user and
+    password."""
     entry = _first_entry(auths, registry, _has_identity_token)
     if entry is not None:
         token = entry[1]["identitytoken"]
@@ -197,7 +199,11 @@ def _from_auths(auths: dict, registry: str, auth_file: str) -> Credentials | Non
             raise CredentialsError("bad_request", f'images.auth_file {auth_file}: the "identitytoken" of '
                                    f"{entry[0]} is not a string; fix that entry")
         return Credentials("", token, identity_token=True, source="images.auth_file")
-    return None
+    try:
+        pair = lookup_credentials(auths, registry)
+    except ValueError as e:
+        raise CredentialsError("bad_request", f"images.auth_file {auth_file}: {e}; fix that entry") from None
+    return Credentials(*pair, source="images.auth_file") if pair is not None else None
 
 
 # ---------------------------------------------------------------- helpers
@@ -218,22 +224,46 @@ def run_helper(name: str, registry: str, timeout: float = HELPER_TIMEOUT_S, name
                                f"in none of the daemon's PATH ({os.environ.get('PATH', '')}); install it there "
                                "or remove the entry")
     try:
-        proc = subprocess.run([path, "get"], input=server_url(registry).encode(), capture_output=True,
-                              timeout=timeout, close_fds=True, start_new_session=True)
+        returncode, out, err = _run(path, server_url(registry).encode(), timeout)
     except subprocess.TimeoutExpired:
         raise CredentialsError("permission", f"the credential helper {program}{where} did not answer for "
-                               f"{registry} within {timeout:g} s") from None
+                               f"{registry} within {timeout:g} s (it and what it started were killed)") from None
     except OSError as e:
         raise CredentialsError("permission", f"the credential helper {path}{where} cannot be run: "
                                f"{e.strerror}") from None
-    if proc.returncode != 0:
-        said = (proc.stdout + proc.stderr)[:MAX_HELPER_OUTPUT].decode(errors="replace")
+    if returncode != 0:
+        said = (out + err)[:MAX_HELPER_OUTPUT].decode(errors="replace")
         if NOT_FOUND in said.lower():
             return None
-        first = next((line.strip() for line in proc.stderr.decode(errors="replace").splitlines() if line.strip()), "")
         raise CredentialsError("permission", f"the credential helper {program}{where} failed for {registry} "
-                               f"(exit {proc.returncode}" + (f": {first[:200]}" if first else "") + ")")
-    return _helper_answer(proc.stdout, program, registry)
+                               f"(exit {returncode}" + (f": {_first_line(err, out)}" if said.strip() else "") + ")")
+    return _helper_answer(out, program, registry)
+
+
+def _run(path: str, stdin: bytes, timeout: float) -> tuple[int, bytes, bytes]:
+    """`path get` with `stdin`: (exit status, stdout, stderr). On the timeout
+    its whole session is killed (a helper may start others: gpg, a cloud CLI)."""
+    proc = subprocess.Popen([path, "get"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, close_fds=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(stdin, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return proc.returncode, out, err
+
+
+def _first_line(err: bytes, out: bytes) -> str:
+    """What a failing helper said: its stderr's first line, else its
+    stdout's (docker-credential-helpers print their errors there), at most
+    200 characters."""
+    for stream in (err, out):
+        for line in stream[:MAX_HELPER_OUTPUT].decode(errors="replace").splitlines():
+            if line.strip():
+                return line.strip()[:200]
+    return ""
 
 
 def _helper_answer(out: bytes, program: str, registry: str) -> Credentials | None:

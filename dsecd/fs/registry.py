@@ -35,9 +35,11 @@ blobs fetched in 7 threads with http.client and hashed with hashlib took
 conversion to EROFS reads them straight off the socket.
 
 Credentials (fs/credentials.py: a docker-style auth.json, and the
-credential helpers and stores it names) are looked up when a registry first
-asks for them, so a pull of a public image runs no helper; an identity
-token is traded for a pull token with the OAuth2 refresh-token grant. They
+credential helpers and stores it names) are looked up once per Registry,
+when the registry first answers 401 (Docker Hub does so to anonymous pulls
+too, for their token: configured credentials are then used, as docker
+uses them); an identity token is traded for a pull token with the OAuth2
+refresh-token grant. They
 stay in the auth file, the helper and this object: never in an error, a log
 line or an exception's message.
 
@@ -307,8 +309,8 @@ class Registry:
         self.registry = registry
         self.repository = repository
         self.host = api_host(registry)
-        # Looked up when the registry first asks for credentials: a pull of a
-        # public image runs no credential helper.
+        # Looked up when the registry first answers 401: a registry that
+        # serves without a challenge never runs a credential helper.
         self._creds: Credentials | None = None
         self._creds_looked_up = False
         self._creds_problem = ""               # why a helper gave none, for the error if the registry refuses
@@ -450,15 +452,17 @@ class Registry:
             return self._retry_or_raise(e, what, attempt, stop)
 
     def _request(self, url: str, headers: dict[str, str], form: str | None = None) -> urllib3.HTTPResponse:
-        """A GET (a POST of `form`) with its body unread; redirects followed,
-        never with our Authorization to another host; any failure raised as
-        urllib3 raises it."""
+        """A GET with its body unread, redirects followed, never with our
+        Authorization to another host; or a POST of `form` (an identity token's
+        grant), whose redirects are not followed: urllib3 would send the form,
+        secret and all, to wherever it points. Any failure raised as urllib3
+        raises it."""
         retries = urllib3.Retry(total=None, connect=0, read=0, status=0, other=0, redirect=MAX_REDIRECTS,
                                 raise_on_redirect=True, raise_on_status=False,
                                 remove_headers_on_redirect=["Authorization"])
         return self._http.request("GET" if form is None else "POST", url, body=form, headers=headers,
-                                  retries=retries, preload_content=False, decode_content=False,
-                                  enforce_content_length=True)
+                                  retries=retries, redirect=form is None, preload_content=False,
+                                  decode_content=False, enforce_content_length=True)
 
     def _retry_or_raise(self, reason: BaseException, what: str, attempt: int,
                         stop: Stop | None = None) -> None:
@@ -615,6 +619,10 @@ class Registry:
             self._drain(resp)                  # its body never quoted: it may echo what we sent
             if resp.status in (401, 403):
                 raise self._credentials_refused(f"{what}: {service} refused a pull token ({resp.status})")
+            if form is not None and 300 <= resp.status < 400:
+                raise RegistryError("io", f"{what}: {service} answered the identity token's grant with a "
+                                    f"redirect ({resp.status}), which is not followed: it would carry the token "
+                                    "to another address")
             raise RegistryError("io", f"{what}: {service} answered {resp.status}")
         body = self._read_small(resp, MAX_TOKEN_BYTES, f"{what}: {service}", "a token answer")
         try:

@@ -7,6 +7,7 @@ import base64
 import json
 import os
 import stat
+import time
 
 import pytest
 
@@ -127,6 +128,14 @@ def test_a_helper_with_nothing_passes_to_the_auths_entry_then_the_store(tmp_path
     assert cr.lookup(auth, "third.lab") is None
 
 
+def test_an_identity_token_beside_the_auth_docker_writes_with_it_is_the_one_used(tmp_path):
+    # docker login stores the user with an empty password, and the token
+    auth = auth_file(tmp_path, {"auths": {"myreg.azurecr.io": {
+        "auth": b64("00000000-0000-0000-0000-000000000000:"), "identitytoken": SECRET}}})
+    creds = cr.lookup(auth, "myreg.azurecr.io")
+    assert creds.identity_token and creds.secret == SECRET
+
+
 def test_identity_tokens_from_the_auth_file_and_from_a_helper(tmp_path, helpers):
     auth = auth_file(tmp_path, {"auths": {"https://registry.lab/v1/": {"identitytoken": SECRET}},
                                 "credHelpers": {"tok.lab": "tok"}})
@@ -146,13 +155,21 @@ def test_a_helper_that_is_not_installed_is_unsupported_and_says_where_it_looked(
     assert os.environ["PATH"] in str(e.value)
 
 
-def test_a_failing_helper_is_quoted_from_its_stderr_never_its_stdout(tmp_path, helpers):
+def test_a_failing_helper_is_quoted_from_its_stderr_first(tmp_path, helpers):
     helpers("broken", f"echo '{SECRET}'; echo 'no session: run login first' >&2; exit 3")
     auth = auth_file(tmp_path, {"credHelpers": {"registry.lab": "broken"}})
     with pytest.raises(cr.CredentialsError) as e:
         cr.lookup(auth, "registry.lab")
     assert e.value.code == "permission"
     assert "exit 3: no session: run login first" in str(e.value) and SECRET not in str(e.value)
+
+
+def test_a_failing_helper_that_says_why_on_stdout_is_quoted_from_there(tmp_path, helpers):
+    # docker-credential-helpers print their errors to stdout
+    helpers("pass", "echo 'error getting credentials - err: exit status 2, out: gpg: decryption failed'; exit 1")
+    with pytest.raises(cr.CredentialsError) as e:
+        cr.lookup(auth_file(tmp_path, {"credsStore": "pass"}), "registry.lab")
+    assert "(exit 1: error getting credentials - err: exit status 2, out: gpg: decryption failed)" in str(e.value)
 
 
 @pytest.mark.parametrize("script", ["echo 'not json'", "echo '[1]'", "echo '{\"Username\": 1, \"Secret\": 2}'"])
@@ -163,11 +180,26 @@ def test_a_helper_answer_that_is_not_credentials_is_a_bad_request(tmp_path, help
     assert e.value.code == "bad_request" and "docker-credential-odd" in str(e.value)
 
 
-def test_a_helper_that_hangs_is_given_up(tmp_path, helpers):
-    helpers("slow", "sleep 30")
+def test_a_helper_that_hangs_is_given_up_with_what_it_started(tmp_path, helpers):
+    pidfile = tmp_path / "child.pid"
+    helpers("slow", f"sleep 30 & echo $! > {pidfile}; wait")
     with pytest.raises(cr.CredentialsError) as e:
         cr.lookup(auth_file(tmp_path, {"credHelpers": {"registry.lab": "slow"}}), "registry.lab", timeout=0.5)
     assert e.value.code == "permission" and "within 0.5 s" in str(e.value)
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while running(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(child), "the helper's own child outlived the timeout"
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie nobody reaped yet does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @pytest.mark.parametrize("name", ["../../bin/sh", "a b", "-x"])

@@ -380,7 +380,7 @@ def test_a_missing_credential_store_leaves_pulls_anonymous_and_a_refusal_says_wh
     assert "anonymously: the credential helper docker-credential-desktop" in str(e.value)
 
 
-def test_a_public_image_runs_no_credential_helper(monkeypatch, tmp_path):
+def test_a_registry_that_serves_without_a_challenge_runs_no_credential_helper(monkeypatch, tmp_path):
     ran = tmp_path / "ran"
     bindir = tmp_path / "bin"
     bindir.mkdir()
@@ -423,3 +423,22 @@ def test_mirrors_that_are_not_host_port_path_are_refused(table):
 def test_the_default_config_has_no_mirrors():
     section = tomllib.loads(resources.files("dsecd").joinpath("default.toml").read_text())["images"]
     assert rc.RegistryConfig.from_section(section).mirrors == {}
+
+
+def test_an_identity_tokens_grant_is_never_sent_on_to_where_a_redirect_points(monkeypatch, tmp_path):
+    auth = tmp_path / "auth.json"
+    auth.write_text(json.dumps({"auths": {"registry.lab": {"identitytoken": IDENTITY_TOKEN}}}))
+
+    def serve(url, headers):
+        if url == "https://auth.lab/token":
+            return answer(302, b"", {"Location": "https://elsewhere.lab/token"})
+        assert "elsewhere" not in url
+        return answer(401, b"", BEARER_CHALLENGE)
+
+    with rc.Registry(rc.RegistryConfig(auth_file=str(auth), retry_times=0), "registry.lab", "a/b") as reg:
+        transport = stubbed(monkeypatch, reg, serve)
+        with pytest.raises(rc.RegistryError) as e:
+            reg.manifest("v1")
+    assert e.value.code == "io" and "redirect (302), which is not followed" in str(e.value)
+    assert [url for url, _ in transport.posted] == ["https://auth.lab/token"]
+    assert IDENTITY_TOKEN not in str(e.value)
