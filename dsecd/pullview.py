@@ -58,6 +58,10 @@ class PullView:
             self.progress.update(self.status, description=f"{p['ref']}{via} ({p['platform']})",
                                  state=f"{p['layers']} layer(s), manifest {p['digest'][7:19]}")
         elif step == "mirror":
+            # The next source's manifest may differ: its layers get bars of their own.
+            for task in self.tasks.values():
+                self.progress.remove_task(task)
+            self.tasks.clear()
             self.progress.console.print(f"mirror {p['mirror']} failed, trying {p['next']}: {p['error']}")
         elif step == "wait":
             self.progress.update(self.status, state=f"waiting for {p['holder']}, who pulls it too")

@@ -148,6 +148,11 @@ class _Layer:
                 "bytes": self.bytes, "state": self.state}
 
 
+class _Final(PullError):
+    """A pull's end whatever the source: a cancel, the claim wait's or the
+    pull's timeout (a mirror's failure otherwise sends the pull on)."""
+
+
 class _Stopped(Exception):
     """The pull stopped (cancelled, timed out, another layer failed): a
     layer's fetch ends at its next piece."""
@@ -373,8 +378,13 @@ class Puller:
 
     def pull(self, ref: str, wanted: str | None = None, progress: Progress | None = None,
              cancelled: threading.Event | None = None) -> tuple[Image, dict]:
-        """Pull `ref` for `wanted` (os/arch, default: this host's): (image, stats)."""
+        """Pull `ref` for `wanted` (os/arch, default: this host's): (image,
+        stats). From the registry's mirrors first (images.mirrors): a pull
+        that fails at one goes on to the next source, unless it is _Final;
+        the layers a failed source stored stay, and the next one reuses
+        them."""
         t0 = time.monotonic()
+        deadline = t0 + self.settings.timeout_s         # one for all sources
         emit = progress or (lambda p: None)
         cancelled = cancelled or threading.Event()
         name = self.reference(ref)
@@ -382,13 +392,16 @@ class Puller:
         if len(wanted.split("/")) not in (2, 3):
             raise PullError("bad_request", f"platform {wanted!r}: want os/arch or os/arch/variant (linux/arm64)")
         sources = self.registry_cfg.sources(name.registry, name.repository)
+        stats = {"downloaded_bytes": 0}                 # from every source tried
         for i, source in enumerate(sources):
             try:
                 with Registry(self.registry_cfg, source.registry, source.repository) as registry:
-                    image, stats = self._pull_from(registry, name, wanted, emit, cancelled)
+                    image = self._pull_from(registry, name, wanted, emit, cancelled, stats, deadline)
                 break
+            except _Final:
+                raise
             except (PullError, RegistryError) as err:
-                if not self._falls_back(err, cancelled) or i == len(sources) - 1:
+                if cancelled.is_set() or i == len(sources) - 1:
                     raise
                 log.warning("pull of %s: %s failed, trying %s: %s", name, source, sources[i + 1], err)
                 emit({"step": "mirror", "mirror": source.registry, "next": sources[i + 1].registry,
@@ -397,16 +410,10 @@ class Puller:
         stats["total_s"] = time.monotonic() - t0
         return image, stats
 
-    @staticmethod
-    def _falls_back(err: Exception, cancelled: threading.Event) -> bool:
-        """Whether a mirror's failure sends the pull on to the next source:
-        anything but a cancel, or a wait for another host's pull of the
-        image that timed out (the next source would wait the same). Layers
-        the mirror stored stay, and the next source's pull reuses them."""
-        return not cancelled.is_set() and not (isinstance(err, PullError) and err.code in ("conflict", "busy"))
-
     def _pull_from(self, registry: Registry, name: names.ImageName, wanted: str, emit: Progress,
-                   cancelled: threading.Event) -> tuple[Image, dict]:
+                   cancelled: threading.Event, stats: dict, deadline: float) -> Image:
+        """The pull from one source; `stats` filled in (downloaded_bytes added to)."""
+        stats.update(reused_layers=0, waited_s=0.0, download_s=0.0, convert_s=0.0)
         try:
             resolved = self.resolve(registry, name, wanted)
         except RegistryError as err:
@@ -416,10 +423,10 @@ class Puller:
         total = sum(int(layer["size"]) for layer in resolved.layers)
         emit({"step": "resolve", "ref": str(name), "registry": registry.registry, "digest": resolved.manifest_digest,
               "platform": wanted, "layers": len(resolved.layers), "bytes": total})
-        stats = {"downloaded_bytes": 0, "reused_layers": 0, "waited_s": 0.0, "download_s": 0.0, "convert_s": 0.0}
         current = self._current(name, source)
         if current is not None:
-            return current, {**stats, "up_to_date": True}
+            stats["up_to_date"] = True
+            return current
         hexpart = resolved.manifest_digest.split(":", 1)[1]
         claim = Claim(self.root / f"{hexpart}.claim", self.settings.claim_stale_s)
         waited = time.monotonic()
@@ -429,17 +436,16 @@ class Puller:
                   "age_s": round(holder.get("age_s", 0.0), 1)})
 
         try:
-            claim.acquire(on_wait, cancelled, self.settings.timeout_s)
+            claim.acquire(on_wait, cancelled, max(0.0, deadline - time.monotonic()))
         except InterruptedError:
-            raise PullError("conflict", f"pull of {name} cancelled while another pull of it ran") from None
+            raise _Final("conflict", f"pull of {name} cancelled while another pull of it ran") from None
         except TimeoutError as err:
-            raise PullError("busy", f"pull of {name}: {err.strerror}; retry later") from None
+            raise _Final("busy", f"pull of {name}: {err.strerror}; retry later") from None
         stats["waited_s"] = time.monotonic() - waited
         try:
-            image = self._pull_claimed(registry, resolved, source, emit, cancelled, stats)
+            return self._pull_claimed(registry, resolved, source, emit, cancelled, stats, deadline)
         finally:
             claim.release()
-        return image, stats
 
     def _current(self, name: names.ImageName, source: dict) -> Image | None:
         """The image `name` already is, if it came from the same manifest."""
@@ -450,7 +456,7 @@ class Puller:
         return None
 
     def _pull_claimed(self, registry: Registry, r: Resolved, source: dict, emit: Progress,
-                      cancelled: threading.Event, stats: dict) -> Image:
+                      cancelled: threading.Event, stats: dict, deadline: float) -> Image:
         current = self._current(r.name, source)      # published by the claim's previous holder
         if current is not None:
             stats["up_to_date"] = True
@@ -468,7 +474,7 @@ class Puller:
                     stats["reused_layers"] += 1
                 emit(layer.event(len(layers)))
             try:
-                self._fetch(registry, r, layers, hold, emit, cancelled, stats)
+                self._fetch(registry, r, layers, hold, emit, cancelled, stats, deadline)
             except oci.DigestMismatch as err:       # the registry's fault, as a truncated blob is
                 raise PullError("io", f"pull {r.name}: {err}") from err
             except oci.HostLacks as err:
@@ -479,7 +485,7 @@ class Puller:
                                              hold)
 
     def _fetch(self, registry: Registry, r: Resolved, layers: list[_Layer], hold, emit: Progress,
-               cancelled: threading.Event, stats: dict) -> None:
+               cancelled: threading.Event, stats: dict, deadline: float) -> None:
         """Fetch and convert every layer not reused, pull_parallel_layers at
         once (_fetch_layer), reporting progress every POLL_S until all are
         stored. The first failure, a cancel or the timeout stops the others
@@ -506,16 +512,16 @@ class Puller:
                     if future.exception() is not None:
                         raise future.exception()
                 if cancelled.is_set():
-                    raise PullError("conflict", f"pull of {r.name} cancelled; the layers it stored are kept "
-                                    "for the next pull")
-                if time.monotonic() - t > self.settings.timeout_s:
-                    raise PullError("io", f"pull of {r.name}: the download took over "
-                                    f"{self.settings.timeout_s:.0f} s (images.pull_timeout_s)")
+                    raise _Final("conflict", f"pull of {r.name} cancelled; the layers it stored are kept "
+                                 "for the next pull")
+                if time.monotonic() > deadline:
+                    raise _Final("io", f"pull of {r.name}: the pull took over {self.settings.timeout_s:.0f} s "
+                                 "(images.pull_timeout_s); the layers it stored are kept for the next pull")
         finally:
             stop.set()
             pool.shutdown(wait=True, cancel_futures=True)
             ends = [layer.fetched_at for layer in todo if layer.fetched_at is not None]
-            stats["downloaded_bytes"] = sum(layer.received for layer in todo)
+            stats["downloaded_bytes"] += sum(layer.received for layer in todo)
             stats["download_s"] = (max(ends) if ends else time.monotonic()) - t
             stats["convert_s"] = max(0.0, time.monotonic() - t - stats["download_s"])
         for layer, first in repeats.items():

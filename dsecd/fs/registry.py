@@ -76,7 +76,7 @@ from urllib3.exceptions import (
     SSLError,
 )
 
-from . import credentials
+from . import credentials, names
 from .credentials import DOCKER_HUB_NAMES, Credentials, CredentialsError
 from .httpstop import CONNECTION_CLASSES, Stop, shut_down
 
@@ -132,7 +132,7 @@ class RegistryConfig:
     def sources(self, registry: str, repository: str) -> list[Source]:
         """Where a pull of registry/repository looks, in order: the
         registry's mirrors, then the registry itself."""
-        key = DOCKER_HUB_NAME if registry in DOCKER_HUB_NAMES else registry
+        key = DOCKER_HUB_NAME if registry in DOCKER_HUB_NAMES else registry.lower()
         out = []
         for mirror in self.mirrors.get(key, ()):
             host, _, prefix = mirror.partition("/")
@@ -152,23 +152,45 @@ class Source:
         return f"{'mirror ' if self.mirror else ''}{self.registry}"
 
 
-# host[:port] (a name, an IPv4 address or a bracketed IPv6 one), then an optional path prefix
-_MIRROR = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])(?::\d{1,5})?"
-                     r"(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*")
+_IPV6_HOST = re.compile(r"\[[0-9A-Fa-f:.]+\](?::[0-9]+)?")
+
+
+def _host_port(text: str) -> bool:
+    """Whether `text` is host[:port]: a name, an IPv4 address or a bracketed
+    IPv6 one, and a port of 1-65535."""
+    if not (names.DOMAIN_RE.match(text) or _IPV6_HOST.fullmatch(text)):
+        return False
+    port = text.rpartition("]")[2].partition(":")[2] if text.startswith("[") else text.partition(":")[2]
+    return not port or 1 <= int(port) <= 65535
+
+
+def _mirror(text) -> bool:
+    """Whether `text` is host[:port][/path prefix]."""
+    if not isinstance(text, str):
+        return False
+    host, _, prefix = text.partition("/")
+    return _host_port(host) and all(names.PATH_PART_RE.match(part) for part in prefix.split("/") if prefix)
 
 
 def parse_mirrors(table) -> dict[str, tuple[str, ...]]:
     """images.mirrors: {"docker.io": ["mirror.gcr.io", "harbor.lab/dockerhub"]}
-    as {registry: (mirror, ...)}, Docker Hub's other names folded into
-    "docker.io". ValueError, saying what to write, for anything else."""
+    as {registry in lower case: (mirror, ...)}, Docker Hub's other names
+    folded into "docker.io". ValueError, saying what to write, for anything
+    else."""
     if not isinstance(table, dict):
         raise ValueError(f"images.mirrors must be a table of registry = [mirror, ...], not {table!r}")
     out: dict[str, tuple[str, ...]] = {}
     for registry, mirrors in table.items():
-        if not isinstance(mirrors, list) or not all(isinstance(m, str) and _MIRROR.fullmatch(m) for m in mirrors):
+        key = DOCKER_HUB_NAME if registry in DOCKER_HUB_NAMES else registry.lower()
+        if not _host_port(key):
+            raise ValueError(f"images.mirrors: {registry!r} is not a registry's host[:port] (such as "
+                             '"docker.io" or "registry.lab:5000")')
+        if not isinstance(mirrors, list) or not all(_mirror(m) for m in mirrors):
             raise ValueError(f"images.mirrors: the mirrors of {registry!r} must be a list of host[:port][/path] "
                              f'(such as ["mirror.gcr.io", "10.0.0.5:5000/dockerhub"]), not {mirrors!r}')
-        key = DOCKER_HUB_NAME if registry in DOCKER_HUB_NAMES else registry
+        if any(m.partition("/")[0].lower() == key for m in mirrors):
+            raise ValueError(f"images.mirrors: {registry!r} lists itself as its mirror; it is tried after "
+                             "its mirrors anyway")
         out[key] = out.get(key, ()) + tuple(mirrors)
     return out
 

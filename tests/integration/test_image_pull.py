@@ -392,6 +392,26 @@ def test_a_mirror_that_fails_mid_pull_leaves_its_layers_to_the_registrys_pull(bu
         mirror.stop()
 
 
+def test_a_rate_limited_mirror_hands_over_to_the_registry(busybox_rootfs, tmp_path, daemon_factory, fake):
+    extra = _tar_bytes([_file("extra.bin", os.urandom(32 << 10))])
+    layout, desc = fake_image(tmp_path, fake, "team/busy", [(rootfs_layer(busybox_rootfs), "gzip"), (extra, "gzip")])
+    mirror = FakeRegistry().start()
+    try:
+        mirror.put_layout("team/busy", "v1", layout, desc)
+        mirror.fail[layer_blob(extra)] = [429] * 3      # pull_retries = 2: three answers, all 429
+        d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}", "{mirror.host}"]\n'
+                           f'[images.mirrors]\n"{fake.host}" = ["{mirror.host}"]\n')
+        c = d.client()
+        events = []
+        img = c.pull_image(f"{fake.host}/team/busy:v1", progress=events.append)
+        c.close()
+        assert img["pull"]["registry"] == fake.host
+        assert "429" in next(e["error"] for e in events if e["step"] == "mirror")
+        assert fake.gets[layer_blob(extra)] == 1
+    finally:
+        mirror.stop()
+
+
 def test_mirrors_that_are_not_hosts_stop_the_start(tmp_path, daemon_factory):
     d = daemon_factory('[images.mirrors]\n"docker.io" = ["https://mirror.gcr.io"]\n', start=False)
     with pytest.raises(RuntimeError, match=r"the mirrors of 'docker.io' must be a list of host\[:port\]\[/path\]"):

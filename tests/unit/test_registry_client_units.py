@@ -442,3 +442,15 @@ def test_an_identity_tokens_grant_is_never_sent_on_to_where_a_redirect_points(mo
     assert e.value.code == "io" and "redirect (302), which is not followed" in str(e.value)
     assert [url for url, _ in transport.posted] == ["https://auth.lab/token"]
     assert IDENTITY_TOKEN not in str(e.value)
+
+
+@pytest.mark.parametrize("table", [{"https://ghcr.io/": ["m.lab"]}, {"docker.io": ["m.lab:99999"]},
+                                   {"ghcr.io": ["GHCR.io/cache"]}, {"registry.lab:5000": ["m.lab", "registry.lab:5000"]}])
+def test_mirror_keys_ports_and_self_mirrors_are_refused(table):
+    with pytest.raises(ValueError, match="images.mirrors"):
+        rc.parse_mirrors(table)
+
+
+def test_mirror_keys_match_whatever_the_case():
+    cfg = rc.RegistryConfig(mirrors=rc.parse_mirrors({"GHCR.io": ["m.lab"]}))
+    assert [s.registry for s in cfg.sources("ghcr.io", "a/b")] == ["m.lab", "ghcr.io"]
