@@ -22,6 +22,7 @@ from .. import cgroup, imageconfig, metrics, sysfs
 from ..errors import BadRequest, Conflict, IOFailure, image_error
 from ..features import Features
 from ..fs import upper as upperfs
+from ..fs.httpstop import Stop
 from ..fs.images import ImageError, ImageStore
 from ..fs.layers import LayerMounts
 from ..fs.pager import Pager, PagerConfig
@@ -320,7 +321,7 @@ class ImageService:
         fetched is kept for the next pull) and, like a failed one, publishes
         nothing; its slot stays taken until the pull's worker is done (layers
         it was converting finish first)."""
-        cancelled = threading.Event()
+        cancelled = Stop()        # also ends the pull's requests under way (fs/httpstop.py)
         with count_image_op("pull") as done:
             image, stats = await self._images_call(self.puller.pull, req.ref, req.platform, self._progress(ctx),
                                                    cancelled, slot=self._pull_slots, on_cancel=cancelled.set)

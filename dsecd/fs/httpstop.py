@@ -29,7 +29,7 @@ from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.exceptions import ConnectTimeoutError, NewConnectionError
 from urllib3.util.connection import _set_socket_options, allowed_gai_family
 
-_current = threading.local()       # .stop: the Stop this thread's requests run under
+_current = threading.local()       # .blocks: [(Stop, its set of this block's sockets)], innermost last
 
 
 class Stop:
@@ -40,7 +40,7 @@ class Stop:
     def __init__(self):
         self._event = threading.Event()
         self._lock = threading.Lock()
-        self._sockets: dict[int, set[socket.socket]] = {}     # thread ident -> its request's sockets
+        self._blocks: list[set[socket.socket]] = []    # the sockets of each requests() block under way
 
     def is_set(self) -> bool:
         return self._event.is_set()
@@ -49,31 +49,36 @@ class Stop:
         return self._event.wait(timeout)
 
     def set(self) -> None:
+        # Under the lock: a block that ended (its connection back in the pool,
+        # maybe in another thread's hands) has taken its sockets back.
         with self._lock:
             self._event.set()
-            held = [s for socks in self._sockets.values() for s in socks]
-        for sock in held:
-            shut_down(sock)
+            for block in self._blocks:
+                for sock in block:
+                    shut_down(sock)
 
     @contextlib.contextmanager
     def requests(self):
-        """The calling thread's requests in the block can be cut short by set()."""
-        me = threading.get_ident()
-        outer = getattr(_current, "stop", None)
-        _current.stop = self
+        """The calling thread's requests in the block can be cut short by
+        set(), and by the set() of every Stop whose block this one is in."""
+        block: set[socket.socket] = set()
+        with self._lock:
+            self._blocks.append(block)
+        stack = _current.__dict__.setdefault("blocks", [])
+        stack.append((self, block))
         try:
             yield
         finally:
-            _current.stop = outer
+            stack.pop()
             with self._lock:
-                self._sockets.pop(me, None)
+                self._blocks.remove(block)
 
-    def _hand(self, sock: socket.socket) -> None:
-        """Watch `sock` for set(); raises ConnectionAbortedError if it came
-        already (a socket not yet connected would ignore a shutdown)."""
+    def _hand(self, sock: socket.socket, block: set[socket.socket]) -> None:
+        """Watch `sock` in `block`; raises ConnectionAbortedError if set()
+        came already (a socket not yet connected would ignore a shutdown)."""
         with self._lock:
             if not self._event.is_set():
-                self._sockets.setdefault(threading.get_ident(), set()).add(sock)
+                block.add(sock)
                 return
         raise ConnectionAbortedError(errno.ECONNABORTED, "the request was stopped")
 
@@ -90,27 +95,33 @@ def shut_down(sock: socket.socket) -> None:
         pass                            # already closed, or not connected yet
 
 
-def _hand_to_current_stop(sock: socket.socket | None) -> None:
-    stop = getattr(_current, "stop", None)
-    if stop is not None and sock is not None:
-        stop._hand(sock)
+def _watched() -> bool:
+    return bool(getattr(_current, "blocks", None))
+
+
+def _hand_to_current_stops(sock: socket.socket | None) -> None:
+    if sock is not None:
+        for stop, block in getattr(_current, "blocks", ()):
+            stop._hand(sock, block)
 
 
 class _Stoppable:
     """What both connection classes add to urllib3's: the socket handed to
-    the thread's Stop before connect() blocks, and again before each
+    the thread's Stops before connect() blocks, and again before each
     request sent on it (a kept-alive connection serves later requests)."""
 
     def _new_conn(self):
-        if getattr(_current, "stop", None) is None:
+        if not _watched():
             return super()._new_conn()
-        # urllib3's create_connection, with the socket handed over before it connects.
-        err: OSError | None = None
+        # urllib3's create_connection, with each socket handed over before it
+        # connects: every address tried in turn, the last error raised.
         host = self._dns_host.strip("[]")
         try:
+            host.encode("idna")
             infos = socket.getaddrinfo(host, self.port, allowed_gai_family(), socket.SOCK_STREAM)
-        except OSError as e:
+        except (UnicodeError, OSError) as e:
             raise NewConnectionError(self, f"Failed to establish a new connection: {e}") from None
+        err: OSError | None = None
         for family, kind, proto, _name, address in infos:
             sock = socket.socket(family, kind, proto)
             try:
@@ -119,21 +130,19 @@ class _Stoppable:
                     sock.settimeout(self.timeout)
                 if self.source_address:
                     sock.bind(self.source_address)
-                _hand_to_current_stop(sock)
+                _hand_to_current_stops(sock)
                 sock.connect(address)
                 return sock
-            except TimeoutError:
-                sock.close()
-                raise ConnectTimeoutError(self, f"Connection to {self.host} timed out. "
-                                                f"(connect timeout={self.timeout})") from None
             except OSError as e:
                 sock.close()
                 err = e
+        if isinstance(err, TimeoutError):
+            raise ConnectTimeoutError(self, f"Connection to {self.host} timed out. (connect timeout={self.timeout})")
         raise NewConnectionError(self, f"Failed to establish a new connection: "
                                        f"{err or 'getaddrinfo returned nothing'}")
 
     def request(self, *args, **kw):
-        _hand_to_current_stop(self.sock)
+        _hand_to_current_stops(self.sock)
         return super().request(*args, **kw)
 
 

@@ -288,9 +288,10 @@ class Puller:
             raise PullError("io", f"{what} is not a JSON object")
         return obj
 
-    def _fetch_manifest(self, registry: Registry, name: names.ImageName, digest: str | None) -> tuple[bytes, dict]:
+    def _fetch_manifest(self, registry: Registry, name: names.ImageName, digest: str | None,
+                        stop: Stop | None = None) -> tuple[bytes, dict]:
         ref = f"{name.repo}@{digest}" if digest else str(name)
-        data = registry.manifest(digest or name.tag)
+        data = registry.manifest(digest or name.tag, stop)
         if digest and _sha256(data) != digest:
             raise PullError("io", f"manifest of {ref}: the registry sent bytes hashing to {_sha256(data)}")
         return data, self._json(data, f"manifest of {ref}")
@@ -328,8 +329,10 @@ class Puller:
         raise PullError("not_found", f"{what} has no image for {wanted} (it has: "
                         f"{', '.join(s for s in seen if s) or 'none'}); give another --platform")
 
-    def resolve(self, registry: Registry, name: names.ImageName, wanted: str) -> Resolved:
-        data, top = self._fetch_manifest(registry, name, name.digest)
+    def resolve(self, registry: Registry, name: names.ImageName, wanted: str, stop: Stop | None = None) -> Resolved:
+        """The image manifest for `wanted` and its config, checked; `stop`
+        ends a request under way (RegistryError "conflict")."""
+        data, top = self._fetch_manifest(registry, name, name.digest, stop)
         top_digest = _sha256(data)
         index_digest = None
         if self._kind(top, f"manifest of {name}") == "index":
@@ -337,7 +340,7 @@ class Puller:
             child = self._pick(top, wanted, f"index {name}")
             if child == top_digest:
                 raise PullError("io", f"index {name} lists itself as the {wanted} image; refusing to loop")
-            data, top = self._fetch_manifest(registry, name, child)
+            data, top = self._fetch_manifest(registry, name, child, stop)
             if self._kind(top, f"manifest {child}") == "index":
                 raise PullError("unsupported", f"index {name} points for {wanted} at another index ({child}); "
                                 "nested indexes are refused")
@@ -357,7 +360,7 @@ class Puller:
         cfg_digest = str(cfg_desc.get("digest"))
         if not DIGEST_RE.match(cfg_digest):
             raise PullError("io", f"{what} has a bad config digest {cfg_digest!r}")
-        cfg_data = registry.blob(cfg_digest)
+        cfg_data = registry.blob(cfg_digest, stop=stop)
         if _sha256(cfg_data) != cfg_digest:
             raise PullError("io", f"config of {name}: the registry sent bytes hashing to {_sha256(cfg_data)}, "
                             f"the manifest names {cfg_digest}")
@@ -377,16 +380,17 @@ class Puller:
     # ------------------------------------------------------------ the pull
 
     def pull(self, ref: str, wanted: str | None = None, progress: Progress | None = None,
-             cancelled: threading.Event | None = None) -> tuple[Image, dict]:
+             cancelled: Stop | None = None) -> tuple[Image, dict]:
         """Pull `ref` for `wanted` (os/arch, default: this host's): (image,
         stats). From the registry's mirrors first (images.mirrors): a pull
         that fails at one goes on to the next source, unless it is _Final;
         the layers a failed source stored stay, and the next one reuses
-        them."""
+        them. `cancelled`, set from any thread, stops the pull at once, also
+        its requests under way."""
         t0 = time.monotonic()
         deadline = t0 + self.settings.timeout_s         # one for all sources
         emit = progress or (lambda p: None)
-        cancelled = cancelled or threading.Event()
+        cancelled = cancelled if cancelled is not None else Stop()
         name = self.reference(ref)
         wanted = wanted or host_os_arch()
         if len(wanted.split("/")) not in (2, 3):
@@ -411,11 +415,11 @@ class Puller:
         return image, stats
 
     def _pull_from(self, registry: Registry, name: names.ImageName, wanted: str, emit: Progress,
-                   cancelled: threading.Event, stats: dict, deadline: float) -> Image:
+                   cancelled: Stop, stats: dict, deadline: float) -> Image:
         """The pull from one source; `stats` filled in (downloaded_bytes added to)."""
         stats.update(reused_layers=0, waited_s=0.0, download_s=0.0, convert_s=0.0)
         try:
-            resolved = self.resolve(registry, name, wanted)
+            resolved = self.resolve(registry, name, wanted, cancelled)
         except RegistryError as err:
             raise PullError(err.code, str(err)) from err
         source = {"ref": str(name), "digest": resolved.manifest_digest, "platform": wanted,
@@ -456,7 +460,7 @@ class Puller:
         return None
 
     def _pull_claimed(self, registry: Registry, r: Resolved, source: dict, emit: Progress,
-                      cancelled: threading.Event, stats: dict, deadline: float) -> Image:
+                      cancelled: Stop, stats: dict, deadline: float) -> Image:
         current = self._current(r.name, source)      # published by the claim's previous holder
         if current is not None:
             stats["up_to_date"] = True
@@ -485,7 +489,7 @@ class Puller:
                                              hold)
 
     def _fetch(self, registry: Registry, r: Resolved, layers: list[_Layer], hold, emit: Progress,
-               cancelled: threading.Event, stats: dict, deadline: float) -> None:
+               cancelled: Stop, stats: dict, deadline: float) -> None:
         """Fetch and convert every layer not reused, pull_parallel_layers at
         once (_fetch_layer), reporting progress every POLL_S until all are
         stored. The first failure, a cancel or the timeout stops the others

@@ -377,16 +377,18 @@ class Registry:
 
     # ------------------------------------------------------------ public
 
-    def manifest(self, ref: str) -> bytes:
-        """The manifest or index `ref` (a tag or a sha256 digest) names, as served."""
+    def manifest(self, ref: str, stop: Stop | None = None) -> bytes:
+        """The manifest or index `ref` (a tag or a sha256 digest) names, as
+        served. `stop` set: RegistryError("conflict"), at once."""
         what = f"fetch the manifest of {self._name(ref)}"
-        resp = self._get(f"manifests/{ref}", {"Accept": ", ".join(MANIFEST_ACCEPT)}, what)
+        resp = self._get_or_stopped(f"manifests/{ref}", {"Accept": ", ".join(MANIFEST_ACCEPT)}, what, stop)
         return self._read_small(resp, MAX_METADATA_BYTES, what)
 
-    def blob(self, digest: str, limit: int = MAX_METADATA_BYTES) -> bytes:
-        """A small blob (an image config), at most `limit` bytes; not checked against its digest."""
+    def blob(self, digest: str, limit: int = MAX_METADATA_BYTES, stop: Stop | None = None) -> bytes:
+        """A small blob (an image config), at most `limit` bytes; not checked
+        against its digest. `stop` as for manifest()."""
         what = f"fetch the blob {digest} of {self._name()}"
-        return self._read_small(self._get(f"blobs/{digest}", {}, what), limit, what)
+        return self._read_small(self._get_or_stopped(f"blobs/{digest}", {}, what, stop), limit, what)
 
     def open_blob(self, digest: str, size: int, stop: Stop | None = None) -> BlobStream:
         """The `size` bytes of blob `digest` as they arrive. `stop`: an event
@@ -402,6 +404,13 @@ class Registry:
 
     def _url(self, scheme: str, path: str) -> str:
         return f"{scheme}://{self.host}/v2/{self.repository}/{path}"
+
+    def _get_or_stopped(self, path: str, headers: dict[str, str], what: str,
+                        stop: Stop | None) -> urllib3.HTTPResponse:
+        try:
+            return self._get(path, headers, what, stop)
+        except _Aborted:
+            raise RegistryError("conflict", f"{what}: stopped") from None
 
     def _get(self, path: str, headers: dict[str, str], what: str,
              stop: Stop | None = None) -> urllib3.HTTPResponse:
@@ -427,7 +436,8 @@ class Registry:
             body = self._drain(resp)
             if status == 401 and not refreshed:
                 refreshed = True
-                self._authenticate(resp.headers.get("WWW-Authenticate", ""), auth, what)
+                with stop.requests() if stop is not None else contextlib.nullcontext():
+                    self._authenticate(resp.headers.get("WWW-Authenticate", ""), auth, what, stop)
                 continue
             if (status >= 500 or status == 429) and attempt < self.cfg.retry_times:
                 log.info("%s: the registry answered %d; retrying", what, status)
@@ -573,7 +583,7 @@ class Registry:
 
     # ------------------------------------------------------------ auth
 
-    def _authenticate(self, challenge: str, used: str | None, what: str) -> None:
+    def _authenticate(self, challenge: str, used: str | None, what: str, stop: Stop | None = None) -> None:
         """Answer a 401's challenge: the Authorization header all threads send from now on.
         A header other than `used` already in place was set by another thread: take it."""
         with self._lock:
@@ -590,7 +600,7 @@ class Registry:
                                         "bearer token service takes; give a user and password for it instead")
                 self._auth = basic_header(creds.user, creds.secret)
             elif scheme == "bearer" and params.get("realm"):
-                self._auth = "Bearer " + self._fetch_token(params, creds, what)
+                self._auth = "Bearer " + self._fetch_token(params, creds, what, stop)
             else:
                 raise RegistryError("unsupported", f"{what}: the registry asks for authentication this "
                                     f"client does not speak ({scheme or 'no WWW-Authenticate header'})")
@@ -611,7 +621,8 @@ class Registry:
             self._creds_looked_up = True
         return self._creds
 
-    def _fetch_token(self, params: dict[str, str], creds: Credentials | None, what: str) -> str:
+    def _fetch_token(self, params: dict[str, str], creds: Credentials | None, what: str,
+                     stop: Stop | None = None) -> str:
         """A pull token from the challenge's realm: asked for with a GET
         (Basic auth with a user and password, or none), or, for an identity
         token, with the OAuth2 refresh-token grant (a form POST)."""
@@ -636,7 +647,7 @@ class Registry:
             url = realm + ("&" if "?" in realm else "?") + urlencode(query)
             headers = {"Authorization": basic_header(creds.user, creds.secret)} if creds else {}
         service = f"the token service {realm_url.netloc}"
-        resp = self._token_answer(url, headers, service, what, form)
+        resp = self._token_answer(url, headers, service, what, form, stop)
         if resp.status != 200:
             self._drain(resp)                  # its body never quoted: it may echo what we sent
             if resp.status in (401, 403):
@@ -657,10 +668,13 @@ class Registry:
         return token
 
     def _token_answer(self, url: str, headers: dict[str, str], service: str, what: str,
-                      form: str | None = None) -> urllib3.HTTPResponse:
+                      form: str | None = None, stop: Stop | None = None) -> urllib3.HTTPResponse:
         """The token service's answer to a GET (or a POST of `form`), its body
-        unread; connection errors, 5xx and 429 retried."""
+        unread; connection errors, 5xx and 429 retried. Once `stop` is set,
+        raises _Aborted instead of trying again."""
         for attempt in range(self.cfg.retry_times + 1):
+            if stop is not None and stop.is_set():
+                raise _Aborted()
             try:
                 resp = self._request(url, headers, form)
             except MaxRetryError as e:
@@ -678,14 +692,16 @@ class Registry:
                     return resp
                 self._drain(resp)
                 error = None
+            if stop is not None and stop.is_set():
+                raise _Aborted()
             if attempt == self.cfg.retry_times:
                 raise RegistryError("io", f"{what}: cannot reach {service}: {_describe(error)}") from None
-            self._backoff(attempt)
+            self._backoff(attempt, stop)
         raise AssertionError("unreachable")
 
 
 class _Aborted(Exception):
-    """A request given up because its BlobStream was aborted."""
+    """A request given up because its Stop was set (a BlobStream's abort, a pull's stop)."""
 
 
 def _put_back(resp: urllib3.HTTPResponse) -> None:

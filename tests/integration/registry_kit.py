@@ -216,6 +216,7 @@ class FakeRegistry(LoopbackServer):
     slow[digest] = seconds  the blob trickles out over that long
     stall.add(digest)       the blob's headers and first STALL_BYTES, then nothing until stop()
     stall_ranges.add(digest)   a Range GET of the blob (a resume) gets no answer until stop()
+    stall_manifests = True     manifest GETs get no answer until stop()
     gets[digest]            blob GETs served
     ranges[digest]          blob GETs with a Range header (answered 206 + Content-Range)
     ignore_range = True     Range headers ignored (200 with the whole blob)
@@ -236,6 +237,7 @@ class FakeRegistry(LoopbackServer):
         self.slow: dict[str, float] = {}
         self.stall: set[str] = set()
         self.stall_ranges: set[str] = set()
+        self.stall_manifests = False
         self.unstalled = threading.Event()
         self.gets: Counter[str] = Counter()
         self.ranges: Counter[str] = Counter()
@@ -399,6 +401,10 @@ class FakeRegistry(LoopbackServer):
                     return self._send(404, b'{"errors":[{"code":"NOT_FOUND"}]}', head=head)
                 repo, kind, ref = m.groups()
                 if kind == "manifests":
+                    if fake.stall_manifests:
+                        fake.unstalled.wait(60)
+                        self.close_connection = True
+                        return None
                     found = fake.manifests.get((repo, ref))
                     if found is None:
                         return self._send(404, b'{"errors":[{"code":"MANIFEST_UNKNOWN","message":'

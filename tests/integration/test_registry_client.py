@@ -413,7 +413,10 @@ def test_abort_wakes_a_resume_backoff_and_stops_the_resumes(fake, tmp_path, big_
     assert fake.gets[digest] == 1 and fake.ranges[digest] == 0
 
 
-def test_abort_ends_a_resume_awaiting_its_answer(fake, tmp_path, big_layer):
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
+@pytest.mark.parametrize("server", ["fake", "fake_tls"])
+def test_abort_ends_a_resume_awaiting_its_answer(request, tmp_path, big_layer, server):
+    fake = request.getfixturevalue(server)
     digest, size, _ = big_layer
     fake.cut_first[digest] = 1                 # the first answer ends halfway...
     fake.stall_ranges.add(digest)              # ...and the resume gets no answer (60 s timeout)
@@ -424,6 +427,30 @@ def test_abort_ends_a_resume_awaiting_its_answer(fake, tmp_path, big_layer):
             time.sleep(0.05)
         assert_stopped(fake, stream, thread, result)
     assert fake.ranges[digest] == 1
+
+
+def test_a_stop_ends_a_manifest_request_awaiting_its_answer(fake, tmp_path):
+    fake.use_tokens()                          # the token's GET first, then the stalled manifest's
+    fake.stall_manifests = True
+    stop, result = Stop(), {}
+
+    def resolve():
+        try:
+            with fake_client(fake, tmp_path) as client:
+                client.manifest("v1", stop)
+        except RegistryError as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=resolve, daemon=True)
+    thread.start()
+    time.sleep(0.5)
+    assert thread.is_alive(), result
+    started = time.monotonic()
+    stop.set()
+    thread.join(5)
+    assert not thread.is_alive() and time.monotonic() - started < 1.0
+    assert result["error"].code == "conflict" and str(result["error"]).endswith(": stopped")
+    assert fake.token_gets == 1
 
 
 def test_a_stop_ends_a_request_still_connecting(tmp_path):
