@@ -168,6 +168,16 @@ def test_cli_pull_prints_the_result_alone_off_a_terminal_and_bars_on_one(world):
     assert "layer 2/2" in text and f"pulled {ref}" in text
 
 
+def _pull_and_run(d: Daemon, ref: str) -> None:
+    """`ref` pulled through daemon `d`, and a sandbox of it runs `true`."""
+    c = d.client()
+    img = c.pull_image(ref)
+    sb = c.create(image=img["name"])
+    assert sb.exec(["true"]).exit_code == 0
+    sb.destroy()
+    c.close()
+
+
 def test_auth_registry(busybox_rootfs, tmp_path, daemon_factory):
     reg = Registry(tmp_path / "reg", auth=("tester", "s3cret-pw")).start()
     try:
@@ -181,12 +191,7 @@ def test_auth_registry(busybox_rootfs, tmp_path, daemon_factory):
         c.close()
         auth = auth_json(tmp_path / "auth.json", reg.host, "tester", "s3cret-pw")
         d = daemon_factory(f'[images]\ninsecure_registries = ["{reg.host}"]\nauth_file = "{auth}"\n')
-        c = d.client()
-        img = c.pull_image(f"{reg.host}/private/app:v1")
-        sb = c.create(image=img["name"])
-        assert sb.exec(["true"]).exit_code == 0
-        sb.destroy()
-        c.close()
+        _pull_and_run(d, f"{reg.host}/private/app:v1")
         assert "s3cret-pw" not in d.log.read_text() and "s3cret-pw" not in anon.log.read_text()
     finally:
         reg.stop()
@@ -206,12 +211,7 @@ def test_credentials_from_a_credential_helper_on_the_daemons_path(busybox_rootfs
         auth = tmp_path / "auth.json"
         auth.write_text(json.dumps({"credHelpers": {reg.host: "lab"}}))
         d = daemon_factory(f'[images]\ninsecure_registries = ["{reg.host}"]\nauth_file = "{auth}"\n')
-        c = d.client()
-        img = c.pull_image(f"{reg.host}/private/app:v1")
-        sb = c.create(image=img["name"])
-        assert sb.exec(["true"]).exit_code == 0
-        sb.destroy()
-        c.close()
+        _pull_and_run(d, f"{reg.host}/private/app:v1")
         assert "h3lper-pw" not in d.log.read_text()
     finally:
         reg.stop()
@@ -368,48 +368,48 @@ def test_a_pull_tries_the_registrys_mirrors_first(busybox_rootfs, tmp_path, daem
         mirror.stop()
 
 
+def _pull_past_a_failing_mirror(tmp_path, fake, daemon_factory, repo: str, layers: list, break_it) -> tuple:
+    """`repo`:v1 of `layers` on the registry and on one mirror of it, which
+    `break_it(mirror)` makes fail: (the pull's result, its progress events)."""
+    layout, desc = fake_image(tmp_path, fake, repo, layers)
+    mirror = FakeRegistry().start()
+    try:
+        mirror.put_layout(repo, "v1", layout, desc)
+        break_it(mirror)
+        d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}", "{mirror.host}"]\n'
+                           f'[images.mirrors]\n"{fake.host}" = ["{mirror.host}"]\n')
+        c = d.client()
+        events = []
+        img = c.pull_image(f"{fake.host}/{repo}:v1", progress=events.append)
+        c.close()
+    finally:
+        mirror.stop()
+    assert img["pull"]["registry"] == fake.host
+    return img, events
+
+
 def test_a_mirror_that_fails_mid_pull_leaves_its_layers_to_the_registrys_pull(busybox_rootfs, tmp_path,
                                                                            daemon_factory, fake):
     small = _tar_bytes([_file("small.bin", os.urandom(64 << 10))])
     cut = _tar_bytes([_file("cut.bin", os.urandom(256 << 10))])
-    layout, desc = fake_image(tmp_path, fake, "team/cut", [(rootfs_layer(busybox_rootfs), "gzip"), (small, "gzip"),
-                                                           (cut, "gzip")])
-    mirror = FakeRegistry().start()
-    try:
-        mirror.put_layout("team/cut", "v1", layout, desc)
-        mirror.cut.add(layer_blob(cut))          # every GET of it ends halfway, resumed ones too
-        d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}", "{mirror.host}"]\n'
-                           f'[images.mirrors]\n"{fake.host}" = ["{mirror.host}"]\n')
-        c = d.client()
-        events = []
-        img = c.pull_image(f"{fake.host}/team/cut:v1", progress=events.append)
-        c.close()
-        assert img["pull"]["registry"] == fake.host
-        assert "truncated" in next(e["error"] for e in events if e["step"] == "mirror")
-        assert fake.gets[layer_blob(cut)] == 1 and fake.gets[layer_blob(small)] == 0
-        assert img["pull"]["reused_layers"] == 2
-    finally:
-        mirror.stop()
+    # every GET of `cut` from the mirror ends halfway, resumed ones too
+    img, events = _pull_past_a_failing_mirror(
+        tmp_path, fake, daemon_factory, "team/cut",
+        [(rootfs_layer(busybox_rootfs), "gzip"), (small, "gzip"), (cut, "gzip")],
+        lambda mirror: mirror.cut.add(layer_blob(cut)))
+    assert "truncated" in next(e["error"] for e in events if e["step"] == "mirror")
+    assert fake.gets[layer_blob(cut)] == 1 and fake.gets[layer_blob(small)] == 0
+    assert img["pull"]["reused_layers"] == 2
 
 
 def test_a_rate_limited_mirror_hands_over_to_the_registry(busybox_rootfs, tmp_path, daemon_factory, fake):
     extra = _tar_bytes([_file("extra.bin", os.urandom(32 << 10))])
-    layout, desc = fake_image(tmp_path, fake, "team/busy", [(rootfs_layer(busybox_rootfs), "gzip"), (extra, "gzip")])
-    mirror = FakeRegistry().start()
-    try:
-        mirror.put_layout("team/busy", "v1", layout, desc)
-        mirror.fail[layer_blob(extra)] = [429] * 3      # pull_retries = 2: three answers, all 429
-        d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}", "{mirror.host}"]\n'
-                           f'[images.mirrors]\n"{fake.host}" = ["{mirror.host}"]\n')
-        c = d.client()
-        events = []
-        img = c.pull_image(f"{fake.host}/team/busy:v1", progress=events.append)
-        c.close()
-        assert img["pull"]["registry"] == fake.host
-        assert "429" in next(e["error"] for e in events if e["step"] == "mirror")
-        assert fake.gets[layer_blob(extra)] == 1
-    finally:
-        mirror.stop()
+    # pull_retries = 2: three answers from the mirror, all 429
+    _, events = _pull_past_a_failing_mirror(
+        tmp_path, fake, daemon_factory, "team/busy", [(rootfs_layer(busybox_rootfs), "gzip"), (extra, "gzip")],
+        lambda mirror: mirror.fail.__setitem__(layer_blob(extra), [429] * 3))
+    assert "429" in next(e["error"] for e in events if e["step"] == "mirror")
+    assert fake.gets[layer_blob(extra)] == 1
 
 
 def test_mirrors_that_are_not_hosts_stop_the_start(tmp_path, daemon_factory):

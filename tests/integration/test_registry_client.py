@@ -344,13 +344,14 @@ def test_blob_cut_every_time_is_truncated_after_the_retries(fake, tmp_path, big_
     assert fake.gets[digest] == 3 and fake.ranges[digest] == 2
 
 
-def read_in_thread(stream) -> tuple[threading.Thread, dict]:
-    """read_all(stream) in a thread: (the thread, {"error": what it raised} once it ends)."""
+def in_thread(call) -> tuple[threading.Thread, dict]:
+    """call() in a thread: (the thread, {"data": what it returned} or
+    {"error": the RegistryError it raised} once it ends)."""
     result: dict = {}
 
     def run():
         try:
-            result["data"] = read_all(stream)
+            result["data"] = call()
         except RegistryError as e:
             result["error"] = e
 
@@ -359,16 +360,28 @@ def read_in_thread(stream) -> tuple[threading.Thread, dict]:
     return thread, result
 
 
-def assert_stopped(fake: FakeRegistry, stream, thread: threading.Thread, result: dict) -> None:
-    """abort() ends the read blocked in `thread` within a second, with the stopped error."""
-    time.sleep(0.3)
+def read_in_thread(stream) -> tuple[threading.Thread, dict]:
+    return in_thread(lambda: read_all(stream))
+
+
+def assert_ends_on_stop(thread: threading.Thread, result: dict, stop, waiting_s: float = 0.3) -> None:
+    """`thread` still waits after `waiting_s`; stop() ends it within a
+    second, with the stopped error."""
+    time.sleep(waiting_s)
     assert thread.is_alive(), result
     started = time.monotonic()
-    stream.abort()
+    stop()
     thread.join(5)
     assert not thread.is_alive() and time.monotonic() - started < 1.0
+    assert result["error"].code == "conflict" and str(result["error"]).endswith(": stopped")
+
+
+def assert_stopped(fake: FakeRegistry, stream, thread: threading.Thread, result: dict) -> None:
+    """abort() ends the read blocked in `thread` within a second, with the
+    stopped error, and every read after it raises it too."""
+    assert_ends_on_stop(thread, result, stream.abort)
     stopped = f"{fake.host}/{REPO}: blob {stream.digest}: stopped"
-    assert result["error"].code == "conflict" and str(result["error"]) == stopped
+    assert str(result["error"]) == stopped
     with pytest.raises(RegistryError) as e:
         stream.read(1 << 20)
     assert str(e.value) == stopped
@@ -432,57 +445,24 @@ def test_abort_ends_a_resume_awaiting_its_answer(request, tmp_path, big_layer, s
 def test_a_stop_ends_a_manifest_request_awaiting_its_answer(fake, tmp_path):
     fake.use_tokens()                          # the token's GET first, then the stalled manifest's
     fake.stall_manifests = True
-    stop, result = Stop(), {}
-
-    def resolve():
-        try:
-            with fake_client(fake, tmp_path) as client:
-                client.manifest("v1", stop)
-        except RegistryError as e:
-            result["error"] = e
-
-    thread = threading.Thread(target=resolve, daemon=True)
-    thread.start()
-    time.sleep(0.5)
-    assert thread.is_alive(), result
-    started = time.monotonic()
-    stop.set()
-    thread.join(5)
-    assert not thread.is_alive() and time.monotonic() - started < 1.0
-    assert result["error"].code == "conflict" and str(result["error"]).endswith(": stopped")
+    stop = Stop()
+    with fake_client(fake, tmp_path) as client:
+        assert_ends_on_stop(*in_thread(lambda: client.manifest("v1", stop)), stop.set, waiting_s=0.5)
     assert fake.token_gets == 1
 
 
 def test_a_stop_ends_a_request_still_connecting(tmp_path):
     """A registry whose listen queue is full takes no more connections: a
     connect() waits for its timeout (60 s) unless the stop ends it."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    filler = socket.create_connection(listener.getsockname(), timeout=5)      # the queue is full now
-    host = f"127.0.0.1:{listener.getsockname()[1]}"
-    stop, result = Stop(), {}
-
-    def pull():
-        try:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        with socket.create_connection(listener.getsockname(), timeout=5):      # the queue is full now
+            host = f"127.0.0.1:{listener.getsockname()[1]}"
+            stop = Stop()
             with Client(RegistryConfig(insecure=(host,), retry_times=2), host, REPO) as client:
-                client.open_blob("sha256:" + "0" * 64, 10, stop=stop)
-        except RegistryError as e:
-            result["error"] = e
-
-    thread = threading.Thread(target=pull, daemon=True)
-    thread.start()
-    try:
-        time.sleep(0.5)
-        assert thread.is_alive(), result
-        started = time.monotonic()
-        stop.set()
-        thread.join(5)
-        assert not thread.is_alive() and time.monotonic() - started < 1.0
-        assert result["error"].code == "conflict" and str(result["error"]).endswith(": stopped")
-    finally:
-        filler.close()
-        listener.close()
+                thread, result = in_thread(lambda: client.open_blob("sha256:" + "0" * 64, 10, stop=stop))
+                assert_ends_on_stop(thread, result, stop.set, waiting_s=0.5)
 
 
 def test_abort_before_the_first_read(fake, tmp_path, big_layer):
