@@ -26,9 +26,10 @@ cannot take it.
 Helpers are found in the daemon's PATH and run as it, with its environment
 (a helper that reads cloud credentials finds them where the daemon's
 environment says: under systemd, set them in the unit), without a shell,
-in a session of their own that is killed after `timeout` seconds. Their
-answers and the secrets in them are never logged nor put in an error: a
-failing helper is quoted by the first line it printed (stderr first).
+in a session of their own that is killed after `timeout` seconds, or at
+once when the pull that asked is stopped. Their answers and the secrets
+in them are never logged nor put in an error: a failing helper is quoted
+by the first line it printed (stderr first).
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import errno
 import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -52,6 +55,7 @@ DOCKER_HUB_SERVER_URL = "https://index.docker.io/v1/"
 HELPER_PREFIX = "docker-credential-"
 HELPER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 HELPER_TIMEOUT_S = 30.0
+STOP_POLL_S = 0.1                    # how often a running helper looks at its stop
 MAX_HELPER_OUTPUT = 1 << 20
 IDENTITY_TOKEN_USER = "<token>"      # a helper's Username for a Secret that is an identity token
 NOT_FOUND = "credentials not found"  # docker-credential-helpers' answer for an unknown server URL
@@ -59,7 +63,8 @@ NOT_FOUND = "credentials not found"  # docker-credential-helpers' answer for an 
 
 class CredentialsError(Exception):
     """code: bad_request (the auth file or a helper's answer is malformed),
-    unsupported (a helper is not installed), permission (a helper failed).
+    unsupported (a helper is not installed), permission (a helper failed),
+    conflict (stopped while a helper ran).
     The message never holds a secret."""
 
     def __init__(self, code: str, message: str):
@@ -165,15 +170,17 @@ def lookup_credentials(auths: dict, registry: str) -> tuple[str, str] | None:
     return str(value["username"]), str(value["password"])
 
 
-def lookup(auth_file: str, registry: str, timeout: float = HELPER_TIMEOUT_S) -> Credentials | None:
+def lookup(auth_file: str, registry: str, timeout: float = HELPER_TIMEOUT_S, stop=None) -> Credentials | None:
     """`registry`'s credentials from the auth file and the helpers it names,
-    in the order of this module's docstring; None: ask anonymously."""
+    in the order of this module's docstring; None: ask anonymously. `stop`
+    (an Event-like: is_set()), once set, kills a helper still running
+    (CredentialsError "conflict")."""
     doc = load_auth_file(auth_file)
     helpers = doc.get("credHelpers")
     if isinstance(helpers, dict):
         entry = _first_entry(helpers, registry, lambda v: isinstance(v, str) and v)
         if entry is not None:
-            found = run_helper(entry[1], registry, timeout, f'"credHelpers" of images.auth_file {auth_file}')
+            found = run_helper(entry[1], registry, timeout, f'"credHelpers" of images.auth_file {auth_file}', stop)
             if found is not None:
                 return found
     auths = doc.get("auths")
@@ -183,7 +190,7 @@ def lookup(auth_file: str, registry: str, timeout: float = HELPER_TIMEOUT_S) -> 
             return found
     store = doc.get("credsStore")
     if isinstance(store, str) and store:
-        return run_helper(store, registry, timeout, f'"credsStore" of images.auth_file {auth_file}')
+        return run_helper(store, registry, timeout, f'"credsStore" of images.auth_file {auth_file}', stop)
     return None
 
 
@@ -209,10 +216,11 @@ def _from_auths(auths: dict, registry: str, auth_file: str) -> Credentials | Non
 # ---------------------------------------------------------------- helpers
 
 
-def run_helper(name: str, registry: str, timeout: float = HELPER_TIMEOUT_S, named_in: str = "") -> Credentials | None:
+def run_helper(name: str, registry: str, timeout: float = HELPER_TIMEOUT_S, named_in: str = "",
+               stop=None) -> Credentials | None:
     """`docker-credential-<name> get` for `registry`: its credentials, or
     None when it has none. `named_in` says where the helper was named, for
-    errors."""
+    errors; `stop` as for lookup()."""
     program = HELPER_PREFIX + name
     where = f" (named in the {named_in})" if named_in else ""
     if not HELPER_NAME.fullmatch(name):
@@ -224,7 +232,9 @@ def run_helper(name: str, registry: str, timeout: float = HELPER_TIMEOUT_S, name
                                f"in none of the daemon's PATH ({os.environ.get('PATH', '')}); install it there "
                                "or remove the entry")
     try:
-        returncode, out, err = _run(path, server_url(registry).encode(), timeout)
+        returncode, out, err = _run(path, server_url(registry).encode(), timeout, stop)
+    except InterruptedError:
+        raise CredentialsError("conflict", f"the credential helper {program} for {registry}: stopped") from None
     except subprocess.TimeoutExpired:
         raise CredentialsError("permission", f"the credential helper {program}{where} did not answer for "
                                f"{registry} within {timeout:g} s (it and what it started were killed)") from None
@@ -240,19 +250,32 @@ def run_helper(name: str, registry: str, timeout: float = HELPER_TIMEOUT_S, name
     return _helper_answer(out, program, registry)
 
 
-def _run(path: str, stdin: bytes, timeout: float) -> tuple[int, bytes, bytes]:
+def _run(path: str, stdin: bytes, timeout: float, stop=None) -> tuple[int, bytes, bytes]:
     """`path get` with `stdin`: (exit status, stdout, stderr). On the timeout
-    its whole session is killed (a helper may start others: gpg, a cloud CLI)."""
+    (TimeoutExpired) or once `stop` is set (InterruptedError) its whole
+    session is killed: a helper may start others (gpg, a cloud CLI)."""
     proc = subprocess.Popen([path, "get"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, close_fds=True, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    given = stdin
     try:
-        out, err = proc.communicate(stdin, timeout=timeout)
-    except subprocess.TimeoutExpired:
+        while True:
+            try:
+                # in slices, to see `stop`; a retried communicate() loses no
+                # output, and takes its input once
+                out, err = proc.communicate(given, timeout=min(STOP_POLL_S, max(0.0, deadline - time.monotonic())))
+                return proc.returncode, out, err
+            except subprocess.TimeoutExpired:
+                given = None
+                if stop is not None and stop.is_set():
+                    raise InterruptedError(errno.EINTR, "stopped") from None
+                if time.monotonic() >= deadline:
+                    raise
+    except BaseException:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         raise
-    return proc.returncode, out, err
 
 
 def _first_line(err: bytes, out: bytes) -> str:

@@ -590,7 +590,7 @@ class Registry:
             if self._auth != used:
                 return
             scheme, params = parse_challenge(challenge)
-            creds = self._credentials()
+            creds = self._credentials(stop)
             if scheme == "basic":
                 if creds is None:
                     raise self._credentials_refused(f"{what}: the registry asks for a user and password")
@@ -605,15 +605,18 @@ class Registry:
                 raise RegistryError("unsupported", f"{what}: the registry asks for authentication this "
                                     f"client does not speak ({scheme or 'no WWW-Authenticate header'})")
 
-    def _credentials(self) -> Credentials | None:
+    def _credentials(self, stop: Stop | None = None) -> Credentials | None:
         """This registry's credentials (fs/credentials.py), looked up once.
         A malformed auth file is the operator's to fix: an error. A helper
         that is missing or fails leaves the request anonymous, which a public
-        image needs no more than; the refusal that may follow says why."""
+        image needs no more than; the refusal that may follow says why. A
+        helper still running when `stop` is set is killed (_Aborted)."""
         if not self._creds_looked_up:
             try:
-                self._creds = credentials.lookup(self.cfg.auth_file, self.registry)
+                self._creds = credentials.lookup(self.cfg.auth_file, self.registry, stop=stop)
             except CredentialsError as e:
+                if e.code == "conflict":
+                    raise _Aborted() from None       # looked up again by the next request that asks
                 if e.code == "bad_request":
                     raise RegistryError("bad_request", str(e)) from None
                 self._creds_problem = str(e)

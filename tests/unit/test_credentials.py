@@ -7,6 +7,7 @@ import base64
 import json
 import os
 import stat
+import threading
 import time
 
 import pytest
@@ -191,6 +192,22 @@ def test_a_helper_that_hangs_is_given_up_with_what_it_started(tmp_path, helpers)
     while running(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not running(child), "the helper's own child outlived the timeout"
+
+
+def test_a_stop_kills_a_helper_still_running(tmp_path, helpers):
+    pidfile = tmp_path / "child.pid"
+    helpers("slow", f"sleep 30 & echo $! > {pidfile}; wait")
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    started = time.monotonic()
+    with pytest.raises(cr.CredentialsError) as e:
+        cr.lookup(auth_file(tmp_path, {"credsStore": "slow"}), "registry.lab", stop=stop)
+    assert e.value.code == "conflict" and time.monotonic() - started < 2.0
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while running(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(child)
 
 
 def running(pid: int) -> bool:

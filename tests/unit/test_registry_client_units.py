@@ -9,6 +9,8 @@ import io
 import json
 import logging
 import ssl
+import threading
+import time
 import tomllib
 import traceback
 from importlib import resources
@@ -25,6 +27,7 @@ from urllib3.exceptions import (
 )
 
 from dsecd.fs import registry as rc
+from dsecd.fs.httpstop import Stop
 
 SECRET = "s3cr3t-Pa55"
 
@@ -454,3 +457,23 @@ def test_mirror_keys_ports_and_self_mirrors_are_refused(table):
 def test_mirror_keys_match_whatever_the_case():
     cfg = rc.RegistryConfig(mirrors=rc.parse_mirrors({"GHCR.io": ["m.lab"]}))
     assert [s.registry for s in cfg.sources("ghcr.io", "a/b")] == ["m.lab", "ghcr.io"]
+
+
+def test_a_stop_ends_a_credential_helper_the_registry_waits_for(monkeypatch, tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    helper = bindir / "docker-credential-slow"
+    helper.write_text("#!/bin/sh\nsleep 30\n")
+    helper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
+    auth = tmp_path / "auth.json"
+    auth.write_text(json.dumps({"credsStore": "slow"}))
+    stop = Stop()
+    with rc.Registry(rc.RegistryConfig(auth_file=str(auth)), "registry.lab", "a/b") as reg:
+        stubbed(monkeypatch, reg, basic_refused)
+        threading.Timer(0.3, stop.set).start()
+        started = time.monotonic()
+        with pytest.raises(rc.RegistryError) as e:
+            reg.manifest("v1", stop)
+    assert e.value.code == "conflict" and str(e.value).endswith(": stopped")
+    assert time.monotonic() - started < 2.0
