@@ -40,7 +40,9 @@ class Stop:
     def __init__(self):
         self._event = threading.Event()
         self._lock = threading.Lock()
-        self._blocks: list[set[socket.socket]] = []    # the sockets of each requests() block under way
+        # id(block) -> the sockets of a requests() block under way (by identity:
+        # two blocks may hold equal sets, both empty say)
+        self._blocks: dict[int, set[socket.socket]] = {}
 
     def is_set(self) -> bool:
         return self._event.is_set()
@@ -53,7 +55,7 @@ class Stop:
         # maybe in another thread's hands) has taken its sockets back.
         with self._lock:
             self._event.set()
-            for block in self._blocks:
+            for block in self._blocks.values():
                 for sock in block:
                     shut_down(sock)
 
@@ -63,7 +65,7 @@ class Stop:
         set(), and by the set() of every Stop whose block this one is in."""
         block: set[socket.socket] = set()
         with self._lock:
-            self._blocks.append(block)
+            self._blocks[id(block)] = block
         stack = _current.__dict__.setdefault("blocks", [])
         stack.append((self, block))
         try:
@@ -71,7 +73,7 @@ class Stop:
         finally:
             stack.pop()
             with self._lock:
-                self._blocks.remove(block)
+                del self._blocks[id(block)]
 
     def _hand(self, sock: socket.socket, block: set[socket.socket]) -> None:
         """Watch `sock` in `block`; raises ConnectionAbortedError if set()
