@@ -45,7 +45,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .. import imageconfig, native
@@ -399,7 +399,8 @@ class Puller:
         stats = {"downloaded_bytes": 0}                 # from every source tried
         for i, source in enumerate(sources):
             try:
-                with Registry(self.registry_cfg, source.registry, source.repository) as registry:
+                cfg = replace(self.registry_cfg, connect_retries=0) if source.mirror else self.registry_cfg
+                with Registry(cfg, source.registry, source.repository) as registry:
                     image = self._pull_from(registry, name, wanted, emit, cancelled, stats, deadline)
                 break
             except _Final:

@@ -66,6 +66,7 @@ from urllib.parse import urlencode, urlsplit
 
 import urllib3
 from urllib3.exceptions import (
+    ConnectTimeoutError,
     HTTPError,
     InsecureRequestWarning,
     MaxRetryError,
@@ -119,7 +120,13 @@ class RegistryConfig:
     certs_dir: str = ""                       # <certs_dir>/<host[:port]>/*.crt, *.cert, *.key
     insecure: tuple[str, ...] = field(default_factory=tuple)   # host[:port]: TLS unverified, plain HTTP allowed
     retry_times: int = 2
-    timeout_s: float = 60.0                   # connect and per-read timeout of one request
+    timeout_s: float = 60.0                   # per-read timeout of one request
+    # A TCP connect that takes longer meets a host that is down or drops
+    # packets (SYNs go out at 0, 1 and 3 s): 10 s lets three through.
+    connect_timeout_s: float = 10.0
+    # Retries of a connect that failed (refused, timed out); None: retry_times.
+    # A mirror's pull takes none: the next source is the better retry.
+    connect_retries: int | None = None
     # registry -> mirrors tried before it, in order, each host[:port][/path prefix]
     mirrors: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
@@ -345,7 +352,7 @@ class Registry:
         self._own_tls = ssl_context(cfg, certs_name(cfg, registry, self.host), self._insecure)
         self._other_tls: dict[tuple[str, int], ssl.SSLContext] = {}
         self._tls_lock = threading.Lock()
-        timeout = urllib3.Timeout(connect=cfg.timeout_s, read=cfg.timeout_s)
+        timeout = urllib3.Timeout(connect=cfg.connect_timeout_s, read=cfg.timeout_s)
         self._http = HostTLSPoolManager(self._tls_for, num_pools=8, maxsize=POOL_CONNECTIONS, block=False,
                                         timeout=timeout, headers={"User-Agent": USER_AGENT})
 
@@ -500,7 +507,10 @@ class Registry:
                         stop: Stop | None = None) -> None:
         if stop is not None and stop.is_set():
             raise _Aborted()                   # the failure is the stop's shutdown of its socket
-        if attempt < self.cfg.retry_times:
+        retries = self.cfg.retry_times
+        if self.cfg.connect_retries is not None and isinstance(reason, (NewConnectionError, ConnectTimeoutError)):
+            retries = self.cfg.connect_retries
+        if attempt < retries:
             log.info("%s: %s; retrying", what, _describe(reason))
             self._backoff(attempt, stop)
             return None
@@ -724,6 +734,8 @@ def _describe(e: BaseException) -> str:
         text = str(e)
         m = re.search(r"Failed to establish a new connection: (.*)$", text)
         return m.group(1) if m else text
+    if isinstance(e, ConnectTimeoutError):
+        return "no connection in time (connect timeout)"
     if isinstance(e, (ReadTimeoutError, TimeoutError)):
         return "no answer in time (read timeout)"
     if isinstance(e, ProtocolError) and e.args:

@@ -465,6 +465,23 @@ def test_a_stop_ends_a_request_still_connecting(tmp_path):
                 assert_ends_on_stop(thread, result, stop.set, waiting_s=0.5)
 
 
+def test_a_connect_that_gets_no_answer_ends_at_the_connect_timeout(tmp_path):
+    """connect_retries=0 (a mirror's): one try over each scheme, each ended
+    by the connect timeout, then "cannot reach"."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        with socket.create_connection(listener.getsockname(), timeout=5):      # the queue is full now
+            host = f"127.0.0.1:{listener.getsockname()[1]}"
+            cfg = RegistryConfig(insecure=(host,), retry_times=2, connect_timeout_s=0.5, connect_retries=0)
+            started = time.monotonic()
+            with Client(cfg, host, REPO) as client, pytest.raises(RegistryError) as e:
+                client.manifest("v1")
+    assert time.monotonic() - started < 3.0                # HTTPS, then HTTP: 0.5 s each, no retry
+    assert e.value.code == "io" and "no connection in time (connect timeout)" in str(e.value)
+    assert "(after 1 tries)" in str(e.value)
+
+
 def test_abort_before_the_first_read(fake, tmp_path, big_layer):
     digest, size, _ = big_layer
     with fake_client(fake, tmp_path) as client:
