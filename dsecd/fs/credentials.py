@@ -56,6 +56,7 @@ HELPER_PREFIX = "docker-credential-"
 HELPER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 HELPER_TIMEOUT_S = 30.0
 STOP_POLL_S = 0.1                    # how often a running helper looks at its stop
+REAP_S = 2.0                         # the wait for a killed helper's pipes to end
 MAX_HELPER_OUTPUT = 1 << 20
 IDENTITY_TOKEN_USER = "<token>"      # a helper's Username for a Secret that is an identity token
 NOT_FOUND = "credentials not found"  # docker-credential-helpers' answer for an unknown server URL
@@ -257,16 +258,20 @@ def _run(path: str, stdin: bytes, timeout: float, stop=None) -> tuple[int, bytes
     proc = subprocess.Popen([path, "get"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, close_fds=True, start_new_session=True)
     deadline = time.monotonic() + timeout
-    given = stdin
     try:
+        # The request (a server URL) at once, and its end: a pipe takes it
+        # whole, and communicate() in slices could give up before writing it.
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.write(stdin)
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.close()
+        proc.stdin = None                      # communicate() then leaves it alone
         while True:
             try:
-                # in slices, to see `stop`; a retried communicate() loses no
-                # output, and takes its input once
-                out, err = proc.communicate(given, timeout=min(STOP_POLL_S, max(0.0, deadline - time.monotonic())))
+                # in slices, to see `stop`; a retried communicate() loses no output
+                out, err = proc.communicate(timeout=min(STOP_POLL_S, max(0.0, deadline - time.monotonic())))
                 return proc.returncode, out, err
             except subprocess.TimeoutExpired:
-                given = None
                 if stop is not None and stop.is_set():
                     raise InterruptedError(errno.EINTR, "stopped") from None
                 if time.monotonic() >= deadline:
@@ -274,8 +279,20 @@ def _run(path: str, stdin: bytes, timeout: float, stop=None) -> tuple[int, bytes
     except BaseException:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        _reap(proc)
         raise
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    """Wait for a killed helper. A process it started that left its session
+    may hold the pipes open: they are closed after a while, not read to
+    their end."""
+    try:
+        proc.communicate(timeout=REAP_S)
+    except subprocess.TimeoutExpired:
+        for pipe in (proc.stdout, proc.stderr):
+            pipe.close()
+        proc.wait()
 
 
 def _first_line(err: bytes, out: bytes) -> str:
