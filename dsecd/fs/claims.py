@@ -125,7 +125,7 @@ class Claim:
                 raise InterruptedError(errno.EINTR, "cancelled while waiting for a claim", str(self.path))
             if time.monotonic() > deadline:
                 raise TimeoutError(errno.ETIMEDOUT, f"claim held by {holder.get('host')} pid "
-                                   f"{holder.get('pid')} for over {timeout_s:.0f} s", str(self.path))
+                                   f"{holder.get('pid')} all the {timeout_s:.0f} s we waited", str(self.path))
             time.sleep(self.poll_s)
         self._stop.clear()
         threading.Thread(target=self._heartbeat, name="dsecd-claim-heartbeat", daemon=True).start()

@@ -407,7 +407,12 @@ class Puller:
                 raise
             except (PullError, RegistryError) as err:
                 if cancelled.is_set() or i == len(sources) - 1:
+                    if isinstance(err, RegistryError):     # a client that could not be made: its TLS files
+                        raise PullError(err.code, str(err)) from err
                     raise
+                if time.monotonic() > deadline:
+                    raise _Final("io", f"pull of {name}: {source} failed ({err}), and the pull took over "
+                                 f"{self.settings.timeout_s:.0f} s (images.pull_timeout_s)") from err
                 log.warning("pull of %s: %s failed, trying %s: %s", name, source, sources[i + 1], err)
                 emit({"step": "mirror", "mirror": source.registry, "next": sources[i + 1].registry,
                       "error": str(err)})

@@ -56,6 +56,17 @@ def test_the_pulls_own_ends_stop_at_the_first_mirror(puller, monkeypatch, end):
 def test_the_last_sources_failure_is_the_pulls(puller, monkeypatch):
     sources_answering(monkeypatch, {"down.lab": RegistryError("io", "a"), "cache.lab": RegistryError("busy", "b"),
                                     "registry.lab": RegistryError("permission", "refused")})
-    with pytest.raises(RegistryError) as e:
+    with pytest.raises(PullError) as e:          # what the engine turns into the protocol's error
         puller.pull("registry.lab/a/b:v1")
-    assert e.value.code == "permission"
+    assert e.value.code == "permission" and str(e.value) == "refused"
+
+
+def test_a_registry_client_that_cannot_be_made_fails_the_pull_as_a_pull_error(tmp_path):
+    certs = tmp_path / "certs" / "registry.lab"
+    certs.mkdir(parents=True)
+    (certs / "client.cert").write_text("no key beside it")
+    puller = Puller(ImageStore(tmp_path / "store", tmp_path / "scratch"),
+                    RegistryConfig(certs_dir=str(tmp_path / "certs")), PullSettings())
+    with pytest.raises(PullError) as e:
+        puller.pull("registry.lab/a/b:v1")
+    assert e.value.code == "bad_request" and "client.key" in str(e.value)
