@@ -354,7 +354,7 @@ class Registry:
         self._tls_lock = threading.Lock()
         timeout = urllib3.Timeout(connect=cfg.connect_timeout_s, read=cfg.timeout_s)
         self._http = HostTLSPoolManager(self._tls_for, num_pools=8, maxsize=POOL_CONNECTIONS, block=False,
-                                        timeout=timeout, headers={"User-Agent": USER_AGENT})
+                                        timeout=timeout)
 
     def __enter__(self) -> Registry:
         return self
@@ -499,9 +499,13 @@ class Registry:
         retries = urllib3.Retry(total=None, connect=0, read=0, status=0, other=0, redirect=MAX_REDIRECTS,
                                 raise_on_redirect=True, raise_on_status=False,
                                 remove_headers_on_redirect=["Authorization"])
-        return self._http.request("GET" if form is None else "POST", url, body=form, headers=headers,
-                                  retries=retries, redirect=form is None, preload_content=False,
-                                  decode_content=False, enforce_content_length=True)
+        # A copy: on a redirect to another host urllib3 pops Authorization from
+        # the dict it is given, and a retry would go out without it. Headers
+        # given replace the pool's own, so the User-Agent goes in here.
+        return self._http.request("GET" if form is None else "POST", url, body=form,
+                                  headers={"User-Agent": USER_AGENT, **headers}, retries=retries,
+                                  redirect=form is None, preload_content=False, decode_content=False,
+                                  enforce_content_length=True)
 
     def _retry_or_raise(self, reason: BaseException, what: str, attempt: int,
                         stop: Stop | None = None) -> None:

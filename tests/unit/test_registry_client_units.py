@@ -141,8 +141,9 @@ class Transport:
     """Stands in for Registry._http.request: `serve(url, headers)` answers each
     GET (an HTTPResponse) or raises what urllib3 would; every call recorded."""
 
-    def __init__(self, serve):
+    def __init__(self, serve, mutable_headers: bool = False):
         self.serve = serve
+        self.mutable_headers = mutable_headers      # serve() gets the dict urllib3 would, not a copy
         self.calls: list[tuple[str, dict]] = []
         self.posted: list[tuple[str, str]] = []     # (url, form) of each POST
 
@@ -150,11 +151,11 @@ class Transport:
         self.calls.append((url, dict(headers or {})))
         if method == "POST":
             self.posted.append((url, body))
-        return self.serve(url, dict(headers or {}))
+        return self.serve(url, headers if self.mutable_headers else dict(headers or {}))
 
 
-def stubbed(monkeypatch, reg: rc.Registry, serve) -> Transport:
-    transport = Transport(serve)
+def stubbed(monkeypatch, reg: rc.Registry, serve, mutable_headers: bool = False) -> Transport:
+    transport = Transport(serve, mutable_headers)
     monkeypatch.setattr(reg._http, "request", transport.request)
     monkeypatch.setattr(rc, "BACKOFF_S", 0.0)
     return transport
@@ -477,3 +478,26 @@ def test_a_stop_ends_a_credential_helper_the_registry_waits_for(monkeypatch, tmp
             reg.manifest("v1", stop)
     assert e.value.code == "conflict" and str(e.value).endswith(": stopped")
     assert time.monotonic() - started < 2.0
+
+
+def test_each_try_of_the_token_service_carries_the_credentials_and_our_user_agent(monkeypatch, tmp_path):
+    """urllib3 pops Authorization from the headers it is given when a
+    redirect leaves the host: a retry must not go out without it."""
+    auth = tmp_path / "auth.json"
+    auth.write_text(json.dumps({"auths": {"registry.lab": {"auth": b64(f"me:{SECRET}")}}}))
+    tries = []
+
+    def serve(url, headers):
+        if "auth.lab" in url:
+            tries.append(dict(headers))
+            if len(tries) == 1:
+                headers.pop("Authorization", None)     # what a cross-host redirect does to the dict
+                return answer(503)
+            return answer(200, b'{"token": "tok"}')
+        return answer(200, b"{}") if headers.get("Authorization") == "Bearer tok" else answer(401, b"", BEARER_CHALLENGE)
+
+    with rc.Registry(rc.RegistryConfig(auth_file=str(auth)), "registry.lab", "a/b") as reg:
+        transport = stubbed(monkeypatch, reg, serve, mutable_headers=True)
+        assert reg.manifest("v1") == b"{}"
+    assert [t.get("Authorization") for t in tries] == [rc.basic_header("me", SECRET)] * 2
+    assert all(h.get("User-Agent") == "dsecd" for _, h in transport.calls)
