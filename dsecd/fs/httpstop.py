@@ -8,10 +8,12 @@ the socket of a request under way, so the pools of the registry client
 make their connections with the classes here, which hand each socket, as
 soon as it exists and before every request sent on it, to the Stop the
 calling thread works under (`with stop.requests():`). Stop.set() then shuts
-down every socket so handed and not yet taken back (a connect() under way
-ends with ECONNRESET, a wait for an answer with an end of file), and
+down the socket each block under way was last handed (a connect() under
+way ends with ECONNRESET, a wait for an answer with an end of file), and
 refuses any handed after: the request fails at once with a connection
-error, which the caller sees alongside the set stop.
+error, which the caller sees alongside the set stop. A set() in the
+instant between a socket's hand-over and its connect() blocking is seen
+when connect() returns, at the latest after the connect timeout.
 
 Not cut short: a name lookup (getaddrinfo), and a TLS handshake (the socket
 is wrapped then, and the plain socket handed before it no longer owns the
@@ -52,7 +54,7 @@ class Stop:
 
     def set(self) -> None:
         # Under the lock: a block that ended (its connection back in the pool,
-        # maybe in another thread's hands) has taken its sockets back.
+        # maybe in another thread's hands) has taken its socket back.
         with self._lock:
             self._event.set()
             for block in self._blocks.values():
@@ -76,10 +78,15 @@ class Stop:
                 del self._blocks[id(block)]
 
     def _hand(self, sock: socket.socket, block: set[socket.socket]) -> None:
-        """Watch `sock` in `block`; raises ConnectionAbortedError if set()
-        came already (a socket not yet connected would ignore a shutdown)."""
+        """Watch `sock` in `block`, in place of the socket handed before: a
+        thread makes one request at a time, and an earlier one's connection
+        may be back in the pool, in another thread's hands (a redirect or a
+        retry drains it within the block). Raises ConnectionAbortedError if
+        set() came already (a socket not yet connected would ignore a
+        shutdown)."""
         with self._lock:
             if not self._event.is_set():
+                block.clear()
                 block.add(sock)
                 return
         raise ConnectionAbortedError(errno.ECONNABORTED, "the request was stopped")
@@ -134,6 +141,9 @@ class _Stoppable:
                     sock.bind(self.source_address)
                 _hand_to_current_stops(sock)
                 sock.connect(address)
+                # A set() between the hand-over and connect() blocking shut down
+                # a socket not connected yet, which does nothing: look again.
+                _hand_to_current_stops(sock)
                 return sock
             except OSError as e:
                 sock.close()

@@ -388,14 +388,14 @@ class Registry:
         """The manifest or index `ref` (a tag or a sha256 digest) names, as
         served. `stop` set: RegistryError("conflict"), at once."""
         what = f"fetch the manifest of {self._name(ref)}"
-        resp = self._get_or_stopped(f"manifests/{ref}", {"Accept": ", ".join(MANIFEST_ACCEPT)}, what, stop)
-        return self._read_small(resp, MAX_METADATA_BYTES, what)
+        return self._fetch_small(f"manifests/{ref}", {"Accept": ", ".join(MANIFEST_ACCEPT)}, what,
+                                 MAX_METADATA_BYTES, stop)
 
     def blob(self, digest: str, limit: int = MAX_METADATA_BYTES, stop: Stop | None = None) -> bytes:
         """A small blob (an image config), at most `limit` bytes; not checked
         against its digest. `stop` as for manifest()."""
         what = f"fetch the blob {digest} of {self._name()}"
-        return self._read_small(self._get_or_stopped(f"blobs/{digest}", {}, what, stop), limit, what)
+        return self._fetch_small(f"blobs/{digest}", {}, what, limit, stop)
 
     def open_blob(self, digest: str, size: int, stop: Stop | None = None) -> BlobStream:
         """The `size` bytes of blob `digest` as they arrive. `stop`: an event
@@ -412,12 +412,17 @@ class Registry:
     def _url(self, scheme: str, path: str) -> str:
         return f"{scheme}://{self.host}/v2/{self.repository}/{path}"
 
-    def _get_or_stopped(self, path: str, headers: dict[str, str], what: str,
-                        stop: Stop | None) -> urllib3.HTTPResponse:
+    def _fetch_small(self, path: str, headers: dict[str, str], what: str, limit: int,
+                     stop: Stop | None) -> bytes:
+        """_get and the body read whole, both under `stop`: once it is set,
+        RegistryError("conflict"), whatever the request was waiting for."""
         try:
-            return self._get(path, headers, what, stop)
-        except _Aborted:
-            raise RegistryError("conflict", f"{what}: stopped") from None
+            with stop.requests() if stop is not None else contextlib.nullcontext():
+                return self._read_small(self._get(path, headers, what, stop), limit, what)
+        except (_Aborted, RegistryError):
+            if stop is not None and stop.is_set():
+                raise RegistryError("conflict", f"{what}: stopped") from None
+            raise
 
     def _get(self, path: str, headers: dict[str, str], what: str,
              stop: Stop | None = None) -> urllib3.HTTPResponse:
@@ -601,6 +606,8 @@ class Registry:
         """Answer a 401's challenge: the Authorization header all threads send from now on.
         A header other than `used` already in place was set by another thread: take it."""
         with self._lock:
+            if stop is not None and stop.is_set():
+                raise _Aborted()             # a thread that waited here for a helper the stop killed
             if self._auth != used:
                 return
             scheme, params = parse_challenge(challenge)

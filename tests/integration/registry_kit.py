@@ -216,7 +216,8 @@ class FakeRegistry(LoopbackServer):
     slow[digest] = seconds  the blob trickles out over that long
     stall.add(digest)       the blob's headers and first STALL_BYTES, then nothing until stop()
     stall_ranges.add(digest)   a Range GET of the blob (a resume) gets no answer until stop()
-    stall_manifests = True     manifest GETs get no answer until stop()
+    stall_manifests = "headers" / "body"   manifest GETs get no answer / no more than a
+                            byte of their body until stop()
     gets[digest]            blob GETs served
     ranges[digest]          blob GETs with a Range header (answered 206 + Content-Range)
     ignore_range = True     Range headers ignored (200 with the whole blob)
@@ -237,7 +238,7 @@ class FakeRegistry(LoopbackServer):
         self.slow: dict[str, float] = {}
         self.stall: set[str] = set()
         self.stall_ranges: set[str] = set()
-        self.stall_manifests = False
+        self.stall_manifests = ""                   # "headers" or "body": where manifest GETs stall
         self.unstalled = threading.Event()
         self.gets: Counter[str] = Counter()
         self.ranges: Counter[str] = Counter()
@@ -401,7 +402,16 @@ class FakeRegistry(LoopbackServer):
                     return self._send(404, b'{"errors":[{"code":"NOT_FOUND"}]}', head=head)
                 repo, kind, ref = m.groups()
                 if kind == "manifests":
-                    if fake.stall_manifests:
+                    if fake.stall_manifests == "headers":
+                        fake.unstalled.wait(60)
+                        self.close_connection = True
+                        return None
+                    if fake.stall_manifests == "body":
+                        self.send_response(200)
+                        self.send_header("Content-Length", "1000")
+                        self.end_headers()
+                        self.wfile.write(b"{")
+                        self.wfile.flush()
                         fake.unstalled.wait(60)
                         self.close_connection = True
                         return None

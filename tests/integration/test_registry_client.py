@@ -442,9 +442,10 @@ def test_abort_ends_a_resume_awaiting_its_answer(request, tmp_path, big_layer, s
     assert fake.ranges[digest] == 1
 
 
-def test_a_stop_ends_a_manifest_request_awaiting_its_answer(fake, tmp_path):
+@pytest.mark.parametrize("stalls", ["headers", "body"])
+def test_a_stop_ends_a_manifest_request_awaiting_its_answer(fake, tmp_path, stalls):
     fake.use_tokens()                          # the token's GET first, then the stalled manifest's
-    fake.stall_manifests = True
+    fake.stall_manifests = stalls
     stop = Stop()
     with fake_client(fake, tmp_path) as client:
         assert_ends_on_stop(*in_thread(lambda: client.manifest("v1", stop)), stop.set, waiting_s=0.5)

@@ -97,3 +97,17 @@ def test_no_block_no_watch(pairs):
     httpstop._hand_to_current_stops(sock)
     stop.set()
     assert not shut(sock, peer)
+
+
+def test_a_block_watches_only_the_socket_it_was_handed_last(pairs):
+    """A thread makes one request at a time: an earlier socket of the block
+    (a redirect's, a retried one's) may serve another thread by now."""
+    stop = Stop()
+    earlier, earlier_peer = pairs()
+    latest, latest_peer = pairs()
+    with stop.requests():
+        httpstop._hand_to_current_stops(earlier)
+        httpstop._hand_to_current_stops(latest)
+        stop.set()
+    assert shut(latest, latest_peer)
+    assert not shut(earlier, earlier_peer)
