@@ -139,7 +139,7 @@ class RegistryConfig:
     def sources(self, registry: str, repository: str) -> list[Source]:
         """Where a pull of registry/repository looks, in order: the
         registry's mirrors, then the registry itself."""
-        key = DOCKER_HUB_NAME if registry in DOCKER_HUB_NAMES else registry.lower()
+        key = mirrors_key(registry)
         out = []
         for mirror in self.mirrors.get(key, ()):
             host, _, prefix = mirror.partition("/")
@@ -179,6 +179,11 @@ def _mirror(text) -> bool:
     return _host_port(host) and all(names.PATH_PART_RE.match(part) for part in prefix.split("/") if prefix)
 
 
+def mirrors_key(registry: str) -> str:
+    """The images.mirrors key of `registry`: lower case, Docker Hub's names as "docker.io"."""
+    return DOCKER_HUB_NAME if registry in DOCKER_HUB_NAMES else registry.lower()
+
+
 def parse_mirrors(table) -> dict[str, tuple[str, ...]]:
     """images.mirrors: {"docker.io": ["mirror.gcr.io", "harbor.lab/dockerhub"]}
     as {registry in lower case: (mirror, ...)}, Docker Hub's other names
@@ -188,7 +193,7 @@ def parse_mirrors(table) -> dict[str, tuple[str, ...]]:
         raise ValueError(f"images.mirrors must be a table of registry = [mirror, ...], not {table!r}")
     out: dict[str, tuple[str, ...]] = {}
     for registry, mirrors in table.items():
-        key = DOCKER_HUB_NAME if registry in DOCKER_HUB_NAMES else registry.lower()
+        key = mirrors_key(registry)
         if not _host_port(key):
             raise ValueError(f"images.mirrors: {registry!r} is not a registry's host[:port] (such as "
                              '"docker.io" or "registry.lab:5000")')
