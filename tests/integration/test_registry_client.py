@@ -5,6 +5,7 @@ Range resumption, truncated blobs, huge manifests)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -452,32 +453,35 @@ def test_a_stop_ends_a_manifest_request_awaiting_its_answer(fake, tmp_path, stal
     assert fake.token_gets == 1
 
 
-def test_a_stop_ends_a_request_still_connecting(tmp_path):
-    """A registry whose listen queue is full takes no more connections: a
-    connect() waits for its timeout (60 s) unless the stop ends it."""
+@contextlib.contextmanager
+def unanswered_host():
+    """host:port on loopback whose listen queue is full: a connect() to it
+    gets no answer (its SYN is dropped) until its timeout."""
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(0)
         with socket.create_connection(listener.getsockname(), timeout=5):      # the queue is full now
-            host = f"127.0.0.1:{listener.getsockname()[1]}"
-            stop = Stop()
-            with Client(RegistryConfig(insecure=(host,), retry_times=2), host, REPO) as client:
-                thread, result = in_thread(lambda: client.open_blob("sha256:" + "0" * 64, 10, stop=stop))
-                assert_ends_on_stop(thread, result, stop.set, waiting_s=0.5)
+            yield f"127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_a_stop_ends_a_request_still_connecting(tmp_path):
+    """A registry whose listen queue is full takes no more connections: a
+    connect() waits for its timeout (10 s) unless the stop ends it."""
+    with unanswered_host() as host:
+        stop = Stop()
+        with Client(RegistryConfig(insecure=(host,), retry_times=2), host, REPO) as client:
+            thread, result = in_thread(lambda: client.open_blob("sha256:" + "0" * 64, 10, stop=stop))
+            assert_ends_on_stop(thread, result, stop.set, waiting_s=0.5)
 
 
 def test_a_connect_that_gets_no_answer_ends_at_the_connect_timeout(tmp_path):
     """connect_retries=0 (a mirror's): one try over each scheme, each ended
     by the connect timeout, then "cannot reach"."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(0)
-        with socket.create_connection(listener.getsockname(), timeout=5):      # the queue is full now
-            host = f"127.0.0.1:{listener.getsockname()[1]}"
-            cfg = RegistryConfig(insecure=(host,), retry_times=2, connect_timeout_s=0.5, connect_retries=0)
-            started = time.monotonic()
-            with Client(cfg, host, REPO) as client, pytest.raises(RegistryError) as e:
-                client.manifest("v1")
+    with unanswered_host() as host:
+        cfg = RegistryConfig(insecure=(host,), retry_times=2, connect_timeout_s=0.5, connect_retries=0)
+        started = time.monotonic()
+        with Client(cfg, host, REPO) as client, pytest.raises(RegistryError) as e:
+            client.manifest("v1")
     assert time.monotonic() - started < 3.0                # HTTPS, then HTTP: 0.5 s each, no retry
     assert e.value.code == "io" and "no connection in time (connect timeout)" in str(e.value)
     assert "(after 1 tries)" in str(e.value)
