@@ -42,6 +42,7 @@ from ..errors import (
 from ..execio import DEFAULT_WINDOW, _decode_status
 from ..fs import files as sbfiles
 from ..fs import uppertar
+from ..fs.layers import distinct_layers
 from .sandboxes import Sandbox
 from .vmtemplates import TemplateService, is_boot_failure
 from .workers import Workers
@@ -141,13 +142,14 @@ class MicroVMService:
         Cancelled or failed, no QEMU is left (a template being built goes on
         for later creates)."""
         backend = self.require()
-        layers = [Path(self.store_path(d)) for d in sb.layers]
+        digests = distinct_layers(sb.layers)
+        layers = self._layer_files(digests)
         what = f"microVM {sb.id}"
         net = networked(sb)
         if self.templates is not None:
-            key = self.templates.key(layers, sb.layers, limits.memory_bytes, limits.cpu, disk, net)
+            key = self.templates.key(layers, digests, limits.memory_bytes, limits.cpu, disk, net)
             try:
-                t = await self.templates.get(key, layers, sb.layers, limits, disk, net)
+                t = await self.templates.get(key, layers, digests, limits, disk, net)
             except OSError as err:
                 if is_boot_failure(err):
                     raise DsecError(f"create sandbox {sb.id}: {err.strerror}", {"errno": "EIO"}, code="io") from err
@@ -178,6 +180,11 @@ class MicroVMService:
         await self._finish(sb, handle, guest_net)
         sb.vm = {"machine": handle.machine.to_record(), "template": None}
         return handle
+
+    def _layer_files(self, digests: list[str]) -> list[Path]:
+        """The store's blob of each layer, one virtio-pmem device each (a
+        repeated layer is attached once: distinct_layers)."""
+        return [Path(self.store_path(d)) for d in digests]
 
     async def _finish(self, sb: Sandbox, handle: VmHandle, guest_net: dict | None) -> None:
         """The guest's network after its boot or restore; a failure ends the VM."""
@@ -337,7 +344,7 @@ class MicroVMService:
             return {"restore_s": round(time.monotonic() - t0, 4)}
         image = Path(rec.get("vm_image") or h.vm_dir / "paused.ram")
         t0 = time.monotonic()
-        layers = [Path(self.store_path(d)) for d in sb.layers]
+        layers = self._layer_files(distinct_layers(sb.layers))
         tap_fd = (await self._plug(sb))[0] if h.machine.net else -1
         try:
             await self.workers.run(backend.respawn, h, layers, sb.limits["cpu"], sb.limits["disk"], self._uid(sb),

@@ -21,19 +21,25 @@ from .. import native
 log = logging.getLogger(__name__)
 
 
-def overlay_lowerdirs(mounts: list[str]) -> list[str]:
-    """An image's layer mounts (bottom first) as overlay's lowerdir list: top
-    first, and a layer the image repeats (older images repeat an empty one)
-    only at its topmost place. overlayfs refuses a directory given twice
-    (ELOOP), and the lower copy changes nothing: every path it holds, the
-    upper copy holds too, above whatever lay between them."""
+def distinct_layers(layers: list[str]) -> list[str]:
+    """An image's layers (bottom first) with a layer the image repeats (older
+    images repeat an empty one) kept only at its topmost place. The lower
+    copy changes nothing: every path it holds, and every whiteout, the upper
+    copy holds too, above whatever lay between them."""
     seen: set[str] = set()
     out = []
-    for d in reversed(mounts):
+    for d in reversed(layers):
         if d not in seen:
             seen.add(d)
             out.append(d)
+    out.reverse()
     return out
+
+
+def overlay_lowerdirs(mounts: list[str]) -> list[str]:
+    """An image's layer mounts (bottom first) as overlay's lowerdir list: top
+    first, each dir once (overlayfs refuses a directory given twice: ELOOP)."""
+    return distinct_layers(mounts)[::-1]
 
 
 class LayerMounts:

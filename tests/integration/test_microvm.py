@@ -15,6 +15,7 @@ import os
 
 import pytest
 from conftest import skip_unless_microvm
+from image_kit import docker_save, layer_of, rootfs_layer
 
 import dsecd
 
@@ -30,9 +31,9 @@ def vm_client(daemon):
     c.close()
 
 
-def _vm(c, **kw):
+def _vm(c, image="busybox", **kw):
     args = {"backend": "microvm", "memory": "256M", "net": "none", "disk": "64M", **kw}
-    return c.create("busybox", **args)
+    return c.create(image, **args)
 
 
 IDENTITY = "hostname; cat /proc/sys/kernel/random/boot_id; head -c 16 /dev/urandom | od -An -tx1"
@@ -107,6 +108,26 @@ def test_image_gc_drops_the_templates_of_removed_layers(vm_client, daemon):
     vm_client.request("image_rm", name="bb-gc")
     assert key in vm_client.request("image_gc")["vm_templates_removed"]
     assert not (daemon.state / "vm-templates" / key).exists()
+
+
+def test_a_layer_the_image_repeats_is_attached_once(vm_client, busybox_rootfs, tmp_path):
+    # Older images repeat an empty layer; each distinct layer is one pmem
+    # device (a VM has few), its files as at its topmost place.
+    empty, extra = layer_of({}), layer_of({"etc/x": b"x\n"})
+    docker_save(tmp_path / "repeat.tar", [rootfs_layer(busybox_rootfs), empty, extra, empty], {})
+    vm_client.build_image(str(tmp_path / "repeat.tar"), "bb-repeat")
+    try:
+        sb = _vm(vm_client, "bb-repeat")
+        try:
+            assert len(sb.inspect()["layers"]) == 4
+            assert sb.exec(["cat", "/etc/x"]).stdout == b"x\n"
+            qemu = sb.inspect()["vm"]["qemu_pid"]
+            with open(f"/proc/{qemu}/cmdline", "rb") as f:
+                assert f.read().count(b"virtio-pmem-pci,") == 3
+        finally:
+            sb.destroy()
+    finally:
+        vm_client.request("image_rm", name="bb-repeat")
 
 
 def test_snapshot_of_a_vm_is_an_image_both_backends_run(vm_client):
