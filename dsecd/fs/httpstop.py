@@ -15,9 +15,12 @@ error, which the caller sees alongside the set stop. A set() in the
 instant between a socket's hand-over and its connect() blocking is seen
 when connect() returns, at the latest after the connect timeout.
 
-Not cut short: a name lookup (getaddrinfo), and a TLS handshake (the socket
-is wrapped then, and the plain socket handed before it no longer owns the
-descriptor): each ends within the request's timeout.
+A name lookup (getaddrinfo) cannot be interrupted: it runs in a thread of
+its own, which set() stops waiting for (the lookup ends by itself, within
+the resolver's timeout). A TLS handshake runs on a socket urllib3 wraps,
+and the plain socket handed before it gives up its descriptor to the
+wrapper: the block holds a duplicate of it until the next hand-over, and
+shutting that down ends the handshake.
 """
 
 from __future__ import annotations
@@ -31,7 +34,28 @@ from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.exceptions import ConnectTimeoutError, NewConnectionError
 from urllib3.util.connection import _set_socket_options, allowed_gai_family
 
-_current = threading.local()       # .blocks: [(Stop, its set of this block's sockets)], innermost last
+_current = threading.local()       # .blocks: [(Stop, its _Block)], innermost last
+
+
+class _Block:
+    """The socket a requests() block was handed last (a thread makes one
+    request at a time), and whether the block holds its own duplicate of it,
+    which it closes when it lets go. Changed under its Stop's lock."""
+
+    __slots__ = ("sock", "owned")
+
+    def __init__(self):
+        self.sock: socket.socket | None = None
+        self.owned = False
+
+    def hold(self, sock: socket.socket, duplicate: bool) -> None:
+        self.release()
+        self.sock, self.owned = (sock.dup(), True) if duplicate else (sock, False)
+
+    def release(self) -> None:
+        if self.owned:
+            self.sock.close()
+        self.sock, self.owned = None, False
 
 
 class Stop:
@@ -42,9 +66,10 @@ class Stop:
     def __init__(self):
         self._event = threading.Event()
         self._lock = threading.Lock()
-        # id(block) -> the sockets of a requests() block under way (by identity:
-        # two blocks may hold equal sets, both empty say)
-        self._blocks: dict[int, set[socket.socket]] = {}
+        # id(block) -> the requests() blocks under way
+        self._blocks: dict[int, _Block] = {}
+        # events set() sets too: the waits of name lookups under way
+        self._wakers: set[threading.Event] = set()
 
     def is_set(self) -> bool:
         return self._event.is_set()
@@ -58,14 +83,16 @@ class Stop:
         with self._lock:
             self._event.set()
             for block in self._blocks.values():
-                for sock in block:
-                    shut_down(sock)
+                if block.sock is not None:
+                    shut_down(block.sock)
+            for event in self._wakers:
+                event.set()
 
     @contextlib.contextmanager
     def requests(self):
         """The calling thread's requests in the block can be cut short by
         set(), and by the set() of every Stop whose block this one is in."""
-        block: set[socket.socket] = set()
+        block = _Block()
         with self._lock:
             self._blocks[id(block)] = block
         stack = _current.__dict__.setdefault("blocks", [])
@@ -76,20 +103,35 @@ class Stop:
             stack.pop()
             with self._lock:
                 del self._blocks[id(block)]
+                block.release()
 
-    def _hand(self, sock: socket.socket, block: set[socket.socket]) -> None:
+    def _hand(self, sock: socket.socket, block: _Block, duplicate: bool = False) -> None:
         """Watch `sock` in `block`, in place of the socket handed before: a
         thread makes one request at a time, and an earlier one's connection
         may be back in the pool, in another thread's hands (a redirect or a
-        retry drains it within the block). Raises ConnectionAbortedError if
-        set() came already (a socket not yet connected would ignore a
-        shutdown)."""
+        retry drains it within the block). duplicate: watch a duplicate of
+        its descriptor (one about to be wrapped). Raises
+        ConnectionAbortedError if set() came already (a socket not yet
+        connected would ignore a shutdown)."""
         with self._lock:
             if not self._event.is_set():
-                block.clear()
-                block.add(sock)
+                block.hold(sock, duplicate)
                 return
-        raise ConnectionAbortedError(errno.ECONNABORTED, "the request was stopped")
+        raise stopped()
+
+    def _wake(self, event: threading.Event, on: bool) -> bool:
+        """Have set() set `event` too (on), or no longer; False if set()
+        came already."""
+        with self._lock:
+            if on:
+                self._wakers.add(event)
+            else:
+                self._wakers.discard(event)
+            return not self._event.is_set()
+
+
+def stopped() -> ConnectionAbortedError:
+    return ConnectionAbortedError(errno.ECONNABORTED, "the request was stopped")
 
 
 def shut_down(sock: socket.socket) -> None:
@@ -108,16 +150,48 @@ def _watched() -> bool:
     return bool(getattr(_current, "blocks", None))
 
 
-def _hand_to_current_stops(sock: socket.socket | None) -> None:
+def _hand_to_current_stops(sock: socket.socket | None, duplicate: bool = False) -> None:
     if sock is not None:
         for stop, block in getattr(_current, "blocks", ()):
-            stop._hand(sock, block)
+            stop._hand(sock, block, duplicate)
+
+
+def _lookup(host: str, port: int) -> list:
+    """getaddrinfo, given up when a Stop of the thread's blocks is set: a
+    lookup cannot be interrupted, so it runs in a thread of its own, left to
+    end by itself (within the resolver's timeout; its answer then goes
+    unused)."""
+    stops = [stop for stop, _ in getattr(_current, "blocks", ())]
+    done = threading.Event()
+    answer: dict = {}
+
+    def look_up() -> None:
+        try:
+            answer["infos"] = socket.getaddrinfo(host, port, allowed_gai_family(), socket.SOCK_STREAM)
+        except OSError as e:
+            answer["error"] = e
+        done.set()
+
+    try:
+        if all([stop._wake(done, True) for stop in stops]):
+            threading.Thread(target=look_up, name=f"lookup {host}", daemon=True).start()
+            done.wait()
+    finally:
+        for stop in stops:
+            stop._wake(done, False)
+    if any(stop.is_set() for stop in stops):
+        raise stopped()
+    if "error" in answer:
+        raise answer["error"]
+    return answer["infos"]
 
 
 class _Stoppable:
     """What both connection classes add to urllib3's: the socket handed to
     the thread's Stops before connect() blocks, and again before each
     request sent on it (a kept-alive connection serves later requests)."""
+
+    wraps = False       # whether urllib3 wraps the socket after _new_conn (TLS)
 
     def _new_conn(self):
         if not _watched():
@@ -127,7 +201,7 @@ class _Stoppable:
         host = self._dns_host.strip("[]")
         try:
             host.encode("idna")
-            infos = socket.getaddrinfo(host, self.port, allowed_gai_family(), socket.SOCK_STREAM)
+            infos = _lookup(host, self.port)
         except (UnicodeError, OSError) as e:
             raise NewConnectionError(self, f"Failed to establish a new connection: {e}") from None
         err: OSError | None = None
@@ -143,7 +217,9 @@ class _Stoppable:
                 sock.connect(address)
                 # A set() between the hand-over and connect() blocking shut down
                 # a socket not connected yet, which does nothing: look again.
-                _hand_to_current_stops(sock)
+                # A TLS connection wraps the socket next, which takes its
+                # descriptor: the blocks watch a duplicate through the handshake.
+                _hand_to_current_stops(sock, duplicate=self.wraps)
                 return sock
             except OSError as e:
                 sock.close()
@@ -163,7 +239,7 @@ class StoppableHTTPConnection(_Stoppable, HTTPConnection):
 
 
 class StoppableHTTPSConnection(_Stoppable, HTTPSConnection):
-    pass
+    wraps = True
 
 
 CONNECTION_CLASSES = {"http": StoppableHTTPConnection, "https": StoppableHTTPSConnection}

@@ -474,6 +474,20 @@ def test_a_stop_ends_a_request_still_connecting(tmp_path):
             assert_ends_on_stop(thread, result, stop.set, waiting_s=0.5)
 
 
+def test_a_stop_ends_a_tls_handshake_awaiting_its_answer(tmp_path):
+    """A host that takes the connection (the kernel's accept queue) and never
+    answers the TLS hello: the handshake waits for the read timeout (60 s)
+    unless the stop ends it."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        host = f"127.0.0.1:{listener.getsockname()[1]}"
+        stop = Stop()
+        with Client(RegistryConfig(retry_times=2), host, REPO) as client:
+            thread, result = in_thread(lambda: client.manifest("v1", stop))
+            assert_ends_on_stop(thread, result, stop.set, waiting_s=0.5)
+
+
 def test_a_connect_that_gets_no_answer_ends_at_the_connect_timeout(tmp_path):
     """connect_retries=0 (a mirror's): one try over each scheme, each ended
     by the connect timeout, then "cannot reach"."""

@@ -3,6 +3,7 @@ with socketpairs standing for connections: which ones set() shuts down."""
 
 import socket
 import threading
+import time
 
 import pytest
 
@@ -111,3 +112,46 @@ def test_a_block_watches_only_the_socket_it_was_handed_last(pairs):
         stop.set()
     assert shut(latest, latest_peer)
     assert not shut(earlier, earlier_peer)
+
+
+def test_a_duplicate_watches_a_socket_through_its_wrapping(pairs):
+    """A TLS wrap takes the plain socket's descriptor (detach): the block's
+    own duplicate still reaches the connection, and goes with the block."""
+    stop = Stop()
+    sock, peer = pairs()
+    with stop.requests():
+        httpstop._hand_to_current_stops(sock, duplicate=True)
+        wrapped = socket.socket(fileno=sock.detach())        # what SSLContext.wrap_socket does
+        stop.set()
+        assert shut(wrapped, peer)
+    wrapped.close()
+
+    other, other_peer = pairs()
+    with Stop().requests():
+        httpstop._hand_to_current_stops(other, duplicate=True)
+    other.close()
+    assert shut(other, other_peer), "the block's duplicate outlived it and held the connection open"
+
+
+def test_a_stop_gives_up_a_name_lookup_under_way(monkeypatch):
+    """getaddrinfo cannot be interrupted: set() stops the wait for it."""
+    release = threading.Event()
+    monkeypatch.setattr(httpstop.socket, "getaddrinfo", lambda *a: release.wait(10) and [])
+    stop = Stop()
+    threading.Timer(0.2, stop.set).start()
+    started = time.monotonic()
+    try:
+        with stop.requests(), pytest.raises(ConnectionAbortedError):
+            httpstop._lookup("registry.lab", 443)
+        assert time.monotonic() - started < 1.0
+    finally:
+        release.set()
+
+
+def test_a_lookup_answers_through_its_thread(monkeypatch):
+    monkeypatch.setattr(httpstop.socket, "getaddrinfo", lambda host, *a: [("answer", host)])
+    with Stop().requests():
+        assert httpstop._lookup("registry.lab", 443) == [("answer", "registry.lab")]
+    monkeypatch.setattr(httpstop.socket, "getaddrinfo", lambda *a: (_ for _ in ()).throw(socket.gaierror(-2, "no")))
+    with Stop().requests(), pytest.raises(socket.gaierror):
+        httpstop._lookup("registry.lab", 443)
