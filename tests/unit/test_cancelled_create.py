@@ -12,6 +12,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from proc_kit import running
 
 from dsecd.engine.calls import CallService
 from dsecd.engine.execs import ExecLimits, ExecService
@@ -143,11 +144,11 @@ def test_an_exec_cancelled_during_its_spawn_keeps_its_fds_until_the_spawn_is_ove
             sb = SimpleNamespace(handle=None)
             await _cancel_soon(asyncio.ensure_future(execs._spawn_exec(sb, ["x"], [], "/", (0, 0), fds, run)))
             run.close()                           # the request's own clean-up: must not close the ends
-            await _until(lambda: "pid" in seen and not _alive(seen["pid"]))
+            await _until(lambda: "pid" in seen and not running(seen["pid"]))
 
     asyncio.run(go())
     assert seen["fds_open"]                       # the worker still had its fds
-    assert not _alive(seen["pid"])                # killed and reaped
+    assert not running(seen["pid"])                # killed and reaped
 
 
 def test_a_plain_call_cancelled_during_its_spawn_frees_its_uid_only_after_the_kill():
@@ -176,7 +177,7 @@ def test_a_plain_call_cancelled_during_its_spawn_frees_its_uid_only_after_the_ki
 
         def remove_private_dir(self, h, name):
             seen["removed"].append(name)
-            seen["alive_at_release"] = _alive(seen["pid"])
+            seen["alive_at_release"] = running(seen["pid"])
 
     async def go():
         with _workers() as workers:
@@ -358,9 +359,3 @@ def _is_open(fd: int) -> bool:
         return False
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from proc_kit import running
 
 from dsecd.fs import credentials as cr
 
@@ -208,15 +209,6 @@ def test_a_stop_kills_a_helper_still_running(tmp_path, helpers):
     while running(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not running(child)
-
-
-def running(pid: int) -> bool:
-    """Whether `pid` runs (a zombie nobody reaped yet does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.parametrize("name", ["../../bin/sh", "a b", "-x"])
