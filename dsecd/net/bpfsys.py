@@ -19,9 +19,9 @@ import struct
 
 _SYS_BPF = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "ppc64le": 361, "s390x": 351}
 
-MAP_CREATE, MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM = 0, 1, 2, 3
+MAP_CREATE, MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY = 0, 1, 2, 3, 4
 PROG_LOAD, PROG_ATTACH, PROG_DETACH = 5, 8, 9
-PROG_GET_FD_BY_ID, OBJ_GET_INFO_BY_FD, PROG_QUERY = 13, 15, 16
+PROG_GET_FD_BY_ID, MAP_GET_FD_BY_ID, OBJ_GET_INFO_BY_FD, PROG_QUERY = 13, 14, 15, 16
 RAW_TRACEPOINT_OPEN = 17
 MAP_UPDATE_BATCH = 26
 
@@ -94,14 +94,40 @@ class Map:
         fd = bpf(MAP_CREATE, _attr(data), f"create BPF map `{name}`")
         return cls(fd, name, map_type, key_size, value_size, max_entries)
 
+    @classmethod
+    def by_id(cls, map_id: int) -> Map:
+        """An existing map (another program's), by its id."""
+        fd = bpf(MAP_GET_FD_BY_ID, _attr(struct.pack("=III", map_id, 0, 0), 16), f"get BPF map {map_id}")
+        try:
+            info = map_info(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, info["name"], info["type"], info["key_size"], info["value_size"], info["max_entries"])
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
 
-    def _elem(self, cmd: int, key: bytes, value, flags: int, what: str) -> int:
-        kbuf = ctypes.create_string_buffer(key, len(key))
-        data = struct.pack("=IIQQQ", self.fd, 0, ctypes.addressof(kbuf), _addr(value), flags)
+    def keys(self):
+        """Every key, one BPF_MAP_GET_NEXT_KEY each. A key deleted meanwhile
+        makes the walk start over from the first (the kernel's rule), so a
+        map being changed may yield a key twice."""
+        key, out = None, ctypes.create_string_buffer(self.key_size)
+        while True:
+            try:
+                self._elem(MAP_GET_NEXT_KEY, key, out, 0, "walk")
+            except OSError as err:
+                if err.errno == errno.ENOENT:
+                    return
+                raise
+            key = out.raw
+            yield key
+
+    def _elem(self, cmd: int, key: bytes | None, value, flags: int, what: str) -> int:
+        kbuf = ctypes.create_string_buffer(key, len(key)) if key is not None else None
+        data = struct.pack("=IIQQQ", self.fd, 0, _addr(kbuf), _addr(value), flags)
         return bpf(cmd, _attr(data, 32), f"{what} map `{self.name}`")
 
     def update(self, key: bytes, value: bytes, flags: int = 0) -> None:
@@ -165,6 +191,14 @@ def map_info(fd: int) -> dict:
     t, _id, ks, vs, me, fl, name = struct.unpack_from("=IIIIII16s", info.raw)
     return {"type": t, "key_size": ks, "value_size": vs, "max_entries": me, "flags": fl,
             "name": name.split(b"\0", 1)[0].decode()}
+
+
+def map_info_by_id(map_id: int) -> dict:
+    fd = bpf(MAP_GET_FD_BY_ID, _attr(struct.pack("=III", map_id, 0, 0), 16), f"get BPF map {map_id}")
+    try:
+        return map_info(fd)
+    finally:
+        os.close(fd)
 
 
 def prog_load(name: str, prog_type: int, attach_type: int, insns: bytes, license: str = "GPL") -> int:
@@ -268,9 +302,15 @@ def tcx_detach(ifindex: int, prog_fd: int, attach_type: int, what: str) -> None:
 
 def tcx_query(ifindex: int, attach_type: int, what: str) -> list[int]:
     """The ids of the programs attached to a device's hook, in order."""
+    return prog_query(ifindex, attach_type, what)
+
+
+def prog_query(target: int, attach_type: int, what: str) -> list[int]:
+    """The ids of the programs attached to a cgroup (target: an fd of its
+    dir) or a device's TCX hook (target: its ifindex), in order."""
     ids = (ctypes.c_uint32 * 64)()
-    # target_ifindex, attach_type, query_flags, attach_flags, prog_ids, count
-    data = struct.pack("=IIIIQI", ifindex, attach_type, 0, 0, ctypes.addressof(ids), 64)
+    # target_fd / target_ifindex, attach_type, query_flags, attach_flags, prog_ids, count
+    data = struct.pack("=IIIIQI", target, attach_type, 0, 0, ctypes.addressof(ids), 64)
     attr = _attr(data, 64)
     bpf(PROG_QUERY, attr, what)
     count = struct.unpack_from("=I", attr.raw, 24)[0]
@@ -282,6 +322,18 @@ def prog_id(fd: int) -> int:
     data = struct.pack("=IIQ", fd, len(info), ctypes.addressof(info))
     bpf(OBJ_GET_INFO_BY_FD, _attr(data, 16), f"get info of BPF program fd {fd}")
     return struct.unpack_from("=II", info.raw)[1]          # struct bpf_prog_info: type, id, ...
+
+
+def prog_map_ids(fd: int) -> list[int]:
+    """The ids of the maps a program uses."""
+    # struct bpf_prog_info: nr_map_ids at 52, map_ids (a pointer the kernel fills) at 56
+    ids = (ctypes.c_uint32 * 64)()
+    info = ctypes.create_string_buffer(256)
+    struct.pack_into("=IQ", info, 52, 64, ctypes.addressof(ids))
+    data = struct.pack("=IIQ", fd, len(info), ctypes.addressof(info))
+    bpf(OBJ_GET_INFO_BY_FD, _attr(data, 16), f"get info of BPF program fd {fd}")
+    count = struct.unpack_from("=I", info.raw, 52)[0]
+    return list(ids[:min(count, 64)])
 
 
 def prog_fd_by_id(prog: int) -> int:

@@ -890,6 +890,7 @@ class Network:
         """
         records = dict(self.records.records)
         adopted, released, failed = [], [], {}
+        previous: set[int] = set()          # the previous daemon's mark maps (Engine.carry_marks)
         for sb_id, rec in records.items():
             if sb_id not in live:
                 self._release_leftovers(sb_id)
@@ -897,7 +898,7 @@ class Network:
                 continue
             netns, cgroup_dir = live[sb_id]
             try:
-                self._readopt_one(sb_id, rec, netns, str(cgroup_dir))
+                self._readopt_one(sb_id, rec, netns, str(cgroup_dir), previous)
                 adopted.append(sb_id)
             except Exception as err:
                 # Fail closed: no veth, no lease, no record; the node should destroy it.
@@ -911,9 +912,16 @@ class Network:
                         self._release_leftovers(sb_id)
                 except Exception as err2:
                     log.error("tear down networking of sandbox %s: %s", sb_id, err2)
+        if previous:
+            # Again, now that no program of the previous daemon marks anything:
+            # what it marked between the first copy and each replace.
+            try:
+                self.engine.carry_marks(previous)
+            except OSError as err:
+                log.error("copy the previous daemon's accepted connections: %s", err)
         return {"adopted": adopted, "released": sorted(set(released)), "failed": failed}
 
-    def _readopt_one(self, sb_id: str, rec: dict, netns, cgroup_dir: str) -> None:
+    def _readopt_one(self, sb_id: str, rec: dict, netns, cgroup_dir: str, previous: set[int]) -> None:
         if rec.get("kind") == "vm":
             self._readopt_vm(sb_id, rec)
             return
@@ -930,6 +938,7 @@ class Network:
             except BadRequest as err:     # a rule set renamed or removed from the config meanwhile
                 log.warning("sandbox %s: dropping rule %r on readopt: %s", sb_id, t, err.message)
         terms = tuple(terms)
+        self._carry_marks(cgroup_dir, previous)
         self._bpf_attach(sb, terms)
         if not self.plumbing.has_sandbox(sb.ifname):
             self.plumbing.add_sandbox(sb.ifname, netns_path(netns), self.ipam_allocate(sb_id))
@@ -944,6 +953,19 @@ class Network:
                           sb_id, pub.get("port"), pub.get("host_port"), err)
         self._write_record(sb)
 
+
+    def _carry_marks(self, cgroup_dir: str, previous: set[int]) -> None:
+        """Before this daemon's programs replace the previous daemon's on a
+        sandbox: the connections the sandbox accepted under them, copied
+        into this daemon's map once per map (readopt copies again at its end).
+        A failure costs those connections their answers, not the sandbox."""
+        try:
+            found = self.engine.previous_marks(cgroup_dir) - previous
+            if found:
+                self.engine.carry_marks(found)
+                previous |= found
+        except OSError as err:
+            log.error("copy the previous daemon's accepted connections (%s): %s", cgroup_dir, err)
 
     def _readopt_vm(self, sb_id: str, rec: dict) -> None:
         """A microVM's policy and lease again; if its QEMU runs (its tap is

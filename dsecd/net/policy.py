@@ -20,6 +20,7 @@ rebuilt policy.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import struct
@@ -37,6 +38,12 @@ log = logging.getLogger(__name__)
 SOURCE = bpfobj.SOURCE
 
 __all__ = ["BpfError", "Engine"]
+
+# The maps of connections made *to* a sandbox (a container's accepted TCP
+# sockets, a microVM's inbound flows), whose answers pass the allowlist. A
+# restarted daemon starts with them empty: it copies in those of the daemon
+# before it (Engine.carry_marks), or their connections would stall.
+MARK_MAPS = ("accepted", "vm_inbound")
 
 _U32 = struct.Struct("=I")
 _U64 = struct.Struct("=Q")
@@ -124,6 +131,7 @@ class Engine:
         log.info("BPF programs ready in %.1f ms (object %s)", self.load_stats["ready_ms"],
                  self.load_stats["object"])
         m = self.loaded.maps
+        self.marks = {name: m[name] for name in MARK_MAPS}
         self.config, self.sandboxes, self.rules = m["config"], m["sandboxes"], m["rules"]
         self.rule_hits, self.sb_stats, self.taps = m["rule_hits"], m["sb_stats"], m["taps"]
         tap_names = {p[0] for p in bpfobj.TAP_PROGS}
@@ -183,16 +191,84 @@ class Engine:
         finally:
             os.close(fd)
 
+    # ------------------------------------------------------------ a previous daemon's marks
+
+    def previous_marks(self, cgroup_dir: str) -> set[int]:
+        """The ids of the mark maps (MARK_MAPS) of a previous daemon's
+        dsec_sockops still attached to `cgroup_dir` (a re-adopted sandbox's)."""
+        fd = _open_dir(cgroup_dir)
+        try:
+            atype = bpfsys.ATTACH_TYPES["CGROUP_SOCK_OPS"]
+            progs = bpfsys.prog_query(fd, atype, f"list the programs on `{cgroup_dir}`")
+        finally:
+            os.close(fd)
+        return self._mark_maps_of(progs)
+
+    def _mark_maps_of(self, prog_ids: list[int]) -> set[int]:
+        """The mark maps used by the programs `prog_ids` that are not this
+        process's (found on a cgroup or tap of ours: a previous daemon's)."""
+        ours = {bpfsys.prog_id(fd) for fd, _ in self.loaded.progs.values()}
+        found = set()
+        for prog in set(prog_ids) - ours:
+            try:
+                fd = bpfsys.prog_fd_by_id(prog)
+            except OSError as err:            # gone meanwhile
+                log.debug("%s", err)
+                continue
+            try:
+                for map_id in bpfsys.prog_map_ids(fd):
+                    try:
+                        info = bpfsys.map_info_by_id(map_id)
+                    except OSError as err:
+                        log.debug("%s", err)
+                        continue
+                    if info["name"] in self.marks:
+                        found.add(map_id)
+            finally:
+                os.close(fd)
+        return found
+
+    def carry_marks(self, map_ids: set[int]) -> int:
+        """Copy into this daemon's mark maps the entries of a previous
+        daemon's (`previous_marks`), each into the map of its name when its
+        type and sizes are the same; returns how many were copied. Safe to
+        repeat: the second pass brings what was marked meanwhile."""
+        copied = 0
+        for map_id in map_ids:
+            try:
+                old = bpfsys.Map.by_id(map_id)
+            except OSError as err:            # its last program went meanwhile
+                log.debug("%s", err)
+                continue
+            try:
+                ours = self.marks.get(old.name)
+                if ours is None or (old.type, old.key_size, old.value_size) != \
+                        (ours.type, ours.key_size, ours.value_size):
+                    log.warning("BPF map %d (%s) of the previous daemon does not match this one's; "
+                                "its connections' answers are no longer let out", map_id, old.name)
+                    continue
+                # A walk restarts when its key is deleted under it (the LRU
+                # evicting): bounded, so a busy map cannot keep it going.
+                keys = itertools.islice(old.keys(), 2 * old.max_entries)
+                items = [(k, v) for k in keys if (v := old.lookup(k)) is not None]
+                ours.update_many(items)
+                copied += len(items)
+            finally:
+                old.close()
+        return copied
+
     def attach_tap(self, ifindex: int, ifname: str) -> None:
         """dsec_tap first on the tap's TCX ingress (what its guest sends) and
         dsec_tap_in on its egress (what is sent to it); then any other program
         there goes: a previous daemon's, whose maps decided until now (a
-        re-adopted VM's tap)."""
+        re-adopted VM's tap), its inbound flows copied over first."""
         for name, (prog, at, prog_id) in self.tap_progs.items():
             bpfsys.tcx_attach(ifindex, prog, at, bpfsys.F_BEFORE, f"attach {name} to tap {ifname}")
-            for other in bpfsys.tcx_query(ifindex, at, f"list the programs on tap {ifname}"):
-                if other == prog_id:
-                    continue
+            others = [p for p in bpfsys.tcx_query(ifindex, at, f"list the programs on tap {ifname}")
+                      if p != prog_id]
+            if others:
+                self.carry_marks(self._mark_maps_of(others))
+            for other in others:
                 try:
                     fd = bpfsys.prog_fd_by_id(other)
                 except OSError as err:            # gone meanwhile

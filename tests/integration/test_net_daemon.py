@@ -112,6 +112,47 @@ def test_lease_freed_on_destroy_and_kept_across_restart(world, netd):
     c2.close()
 
 
+def _recv_line(conn) -> bytes:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(64)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def test_a_connection_the_sandbox_accepted_goes_on_across_a_restart(world, netd):
+    """The answers of a connection made to the sandbox pass its allowlist by a
+    mark the kernel's passive open leaves in a BPF map; the restarted daemon's
+    programs use a map of their own, into which it copies the marks."""
+    import signal
+    import socket
+
+    d, c = netd
+    sb = c.create(image="busybox", net="default")          # lets nothing out
+    ip = sb.net_show()["lease"]["ipv4"].split("/")[0]
+    sb.exec(["sh", "-c", "setsid nc -l -p 9000 -e cat </dev/null >/dev/null 2>&1 &"])
+    deadline = time.monotonic() + 5
+    while sb.exec(["sh", "-c", "netstat -ltn | grep -q ':9000 '"]).exit_code != 0:
+        assert time.monotonic() < deadline, "nc did not listen"
+        time.sleep(0.05)
+    conn = world.in_bridge_netns(lambda: socket.create_connection((ip, 9000), timeout=5))
+    try:
+        conn.sendall(b"before\n")
+        assert _recv_line(conn) == b"before\n"
+        c.close()
+        d.stop(signal.SIGTERM)
+        d.start()
+        c = d.client()
+        conn.sendall(b"after\n")
+        assert _recv_line(conn) == b"after\n"
+    finally:
+        conn.close()
+    c.get(sb.id).destroy()
+    c.close()
+
+
 def _bridge_mac(world) -> str:
     out = subprocess.run(["ip", "-n", world.br_ns, "-j", "link", "show", world.cfg["bridge"]],
                          check=True, capture_output=True, text=True).stdout
