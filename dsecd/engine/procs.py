@@ -233,6 +233,8 @@ class ProcessService:
             pid = await asyncio.shield(run.started())
         except OSError as err:
             _close_all(ours.values())
+            if run.exited.done() and not run.exited.cancelled():
+                run.exited.exception()      # the same error, answered here: else logged as never retrieved
             raise run_error(err, sb.id, req.argv[0], cwd) from err
         except asyncio.CancelledError:
             run.kill()

@@ -309,6 +309,15 @@ def test_cli_kill_wait_and_errors(daemon, any_sandbox):
     assert r.returncode == 2 and b"--since" in r.stderr
 
 
+def test_a_background_start_that_fails_is_answered_and_not_logged_as_an_error(daemon, any_sandbox):
+    """A missing program is the caller's mistake: its answer says so, and the
+    daemon's log gets no error (an unanswered future's traceback) for it."""
+    r = daemon.cli("exec", "-d", any_sandbox.id, "/nope")
+    assert r.returncode == 125 and b"/nope" in r.stderr
+    assert daemon.cli("inspect", any_sandbox.id).returncode == 0       # the run is dropped by now
+    assert "never retrieved" not in daemon.log.read_text()
+
+
 def test_cli_logs_follow_and_attach_detach(daemon, any_sandbox):
     sandbox = any_sandbox
     pid = int(daemon.cli("exec", "-d", sandbox.id, "--", "sh", "-c",
