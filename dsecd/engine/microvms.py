@@ -713,6 +713,17 @@ class MicroVMService:
         except AgentGone as err:
             raise Conflict(f"sandbox {sb.id} is exiting: {err}", {"sandbox": sb.id}) from err
 
+    async def _require_replaceable(self, sb: Sandbox, dst: str) -> None:
+        try:
+            kind = (await self.stat_path(sb, dst))["type"]
+        except DsecError as err:
+            if err.code == "not_found":
+                return
+            raise
+        why = sbfiles.unreplaceable(dst, kind)
+        if why:
+            raise BadRequest(why, {"sandbox": sb.id, "path": dst})
+
     async def stat_path(self, sb: Sandbox, path: str) -> dict:
         path = _check(path)
         r = await self._file(sb, "stat", path, wire.STAT, wire.bstr(path))
@@ -728,6 +739,8 @@ class MicroVMService:
             src, dst = _check(req.src), _check(req.dst)
             flags = ((wire.RENAME_OVERWRITE if req.overwrite else 0)
                      | (wire.RENAME_KEEP_ATTRS if req.keep_attrs else 0))
+            if req.keep_attrs:             # an atomic write's: as a container's (sbfiles.rename)
+                await self._require_replaceable(sb, dst)
             await self._file(sb, "rename", f"{src} -> {dst}", wire.RENAME, wire.bstr(src), wire.bstr(dst),
                              wire.u64(flags))
             return {"src": src, "dst": dst}

@@ -309,6 +309,7 @@ def rename(rootfd: int, src: str, dst: str, overwrite: bool, keep_attrs: bool = 
                         from err
                 return {"src": src, "dst": dst}
             if keep_attrs:
+                _require_replaceable(dfd, dname, dst)
                 _take_attrs(sfd, sname, dfd, dname)
             os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
             return {"src": src, "dst": dst}
@@ -316,6 +317,27 @@ def rename(rootfd: int, src: str, dst: str, overwrite: bool, keep_attrs: bool = 
             os.close(dfd)
     finally:
         os.close(sfd)
+
+
+def unreplaceable(dst: str, kind: str) -> str | None:
+    """Why an atomic write may not replace `dst`, of type `kind` (_type_of),
+    or None: a device, fifo or socket would be swapped for a regular file (a
+    sandbox's /dev/null becoming one, say). A write in place refuses them
+    too (_require_regular)."""
+    if kind not in ("char", "block", "fifo", "socket"):
+        return None
+    what = f"a {kind} device" if kind in ("char", "block") else f"a {kind}"
+    return f"{dst} is {what}, not a file: a write goes to regular files only"
+
+
+def _require_replaceable(dfd: int, dname: str, dst: str) -> None:
+    try:
+        target = os.stat(dname, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    why = unreplaceable(dst, _type_of(target.st_mode))
+    if why:
+        raise PathError(why)
 
 
 def _take_attrs(sfd: int, sname: str, dfd: int, dname: str) -> None:

@@ -144,6 +144,22 @@ def test_file_errors(box):
     sb.remove("/work/full")
 
 
+def test_an_atomic_write_does_not_replace_a_device_or_fifo(box):
+    """It would swap /dev/null for a regular file."""
+    _, sb, _, _ = box
+    with pytest.raises(DsecError) as err:
+        sb.write_file("/dev/null", b"x")
+    assert err.value.code == "bad_request" and "/dev/null is a char device" in err.value.message
+    assert sb.stat("/dev/null")["type"] == "char"
+    assert sb.exec(["sh", "-c", "echo gone > /dev/null; cat /dev/null"]).stdout == b""
+    assert not [e for e in sb.list_files("/dev") if e["name"].startswith(".dsec-")]    # no temp file left
+    sb.exec(["mkfifo", "/tmp/fifo"])
+    with pytest.raises(DsecError) as err:
+        sb.write_file("/tmp/fifo", b"x")
+    assert "/tmp/fifo is a fifo" in err.value.message
+    sb.remove("/tmp/fifo")
+
+
 def test_symlinks_stay_inside(box):
     _, sb, _, _ = box
     sb.exec(["ln", "-sf", "/../../../etc/hostname", "/tmp/escape"])
