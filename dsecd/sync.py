@@ -16,11 +16,21 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Iterator
 
-from .client import Client, ExecResult, ExecStream, Process, ProcOutput, ProcStatus, Sandbox
-from .errors import NotFound
+from .client import (
+    Client,
+    ExecResult,
+    ExecStream,
+    Process,
+    ProcOutput,
+    ProcStatus,
+    RunStream,
+    Sandbox,
+)
+from .errors import DsecError, NotFound
 from .fleet import Fleet
 from .remote import SshOptions
 
@@ -126,8 +136,9 @@ class SyncSandbox:
     def resume(self) -> dict:
         return self._run(self._sb.resume())
 
-    def snapshot(self, name: str, exclude: list[str] | None = None) -> dict:
-        return self._run(self._sb.snapshot(name, exclude))
+    def snapshot(self, name: str, exclude: list[str] | None = None, progress=None) -> dict:
+        """Sandbox.snapshot; `progress` is called on the client's loop thread."""
+        return self._run(self._sb.snapshot(name, exclude, progress))
 
     def destroy(self, force: bool = False) -> dict:
         return self._run(self._sb.destroy(force))
@@ -203,6 +214,89 @@ class SyncWatch:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class SyncEvents(SyncWatch):
+    """Iterator over a Client.events run on the SyncClient's loop; its
+    close() ends it from any thread, as SyncWatch's does."""
+
+
+class SyncRunStream:
+    """Client.run_stream for scripts: `with c.run_stream(image, args) as run:`
+    makes the sandbox (`run.sandbox`, a SyncSandbox) and starts the command;
+    iterate it for (fd, data), then `.result`. The sandbox goes when the
+    block ends (unless remove=False)."""
+
+    def __init__(self, owner: SyncClient, run: RunStream):
+        self._owner = owner
+        self._stream = run
+        self.image = run.image
+        self.argv: list[str] | None = None
+        self.sandbox: SyncSandbox | None = None
+        self.stream: SyncExecStream | None = None      # its `write` and `resize`, not to iterate besides
+
+    @property
+    def result(self) -> ExecResult | None:
+        return self._stream.result
+
+    def __enter__(self) -> SyncRunStream:
+        self._owner._run(self._stream.__aenter__())
+        self.argv = self._stream.argv
+        self.sandbox = SyncSandbox(self._owner, self._stream.sandbox)
+        self.stream = SyncExecStream(self._owner, self._stream.stream)
+        return self
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        it = self._stream.__aiter__()
+        try:
+            while True:
+                try:
+                    yield self._owner._run(it.__anext__())
+                except StopAsyncIteration:
+                    return self._stream.result
+        finally:
+            self._owner._run(it.aclose())
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._owner._run(self._stream.__aexit__(exc_type, exc, tb))
+
+
+class SyncHold:
+    """Client.hold's renewing task, on the SyncClient's loop: cancel() (or
+    the end of `with c.hold(...):`, or the client's close()) stops renewing,
+    and the leases then run out."""
+
+    def __init__(self, owner: SyncClient, task: asyncio.Task):
+        self._owner = owner
+        self._task = task
+
+    def done(self) -> bool:
+        """Whether it stopped renewing (cancelled, or a renew failed)."""
+        return self._task.done()
+
+    def exception(self) -> BaseException | None:
+        """Why it stopped by itself (a renew's error), else None."""
+        if not self._task.done() or self._task.cancelled():
+            return None
+        return self._task.exception()
+
+    def cancel(self) -> None:
+        """Stop renewing; returns once a renew in flight has ended."""
+        if not self._task.done():
+            self._owner._run(_stop_task(self._task))
+
+    def __enter__(self) -> SyncHold:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cancel()
+
+
+async def _stop_task(task: asyncio.Task) -> None:
+    """Cancel `task` and wait for it; as RunStream does with its hold, a renew's error is not raised."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, DsecError, ConnectionError):
+        await task
 
 
 class SyncProcess:
@@ -291,11 +385,23 @@ class _LoopThread:
             self._loop.close()
 
 
+class _Client(Client):
+    """The Client under a SyncClient: one never connected says what a
+    SyncClient's user does about it (Client's own advice is `async with`)."""
+
+    async def _connection(self, op: str):
+        if self._conn is None:
+            raise ConnectionError(f"{op}: not connected to dsecd at {self.target}: call connect() first "
+                                  "(or use `with`)")
+        return await super()._connection(op)
+
+
 class SyncClient(_LoopThread):
     def __init__(self, target: str | None = None, name: str = "dsecd-sync", connect_timeout: float = 30.0,
                  *, ssh: SshOptions | None = None, reconnect: bool | None = None):
         """target: a socket path or ssh://[user@]host[:port], as Client's."""
-        self._client = Client(target, name, connect_timeout, ssh=ssh, reconnect=reconnect)
+        self._client = _Client(target, name, connect_timeout, ssh=ssh, reconnect=reconnect)
+        self._holds: set[asyncio.Task] = set()       # hold()'s tasks still renewing (touched on the loop only)
         super().__init__()
 
     @property
@@ -309,12 +415,27 @@ class SyncClient(_LoopThread):
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def connected(self) -> bool:
+        return self._client.connected
+
     def connect(self) -> None:
         self._run(self._client.connect())
 
     def close(self) -> None:
-        """Close the connection and stop the loop's thread; safe to call more than once."""
-        self._stop_loop(self._client.close())
+        """Close the connection and stop the loop's thread; safe to call more than once.
+        Leases held by hold() are no longer renewed."""
+        self._stop_loop(self._close())
+
+    async def _close(self) -> None:
+        for task in list(self._holds):
+            await _stop_task(task)
+        await self._client.close()
+
+    def abort(self, reason: str) -> None:
+        """Client.abort: end the connection now (requests in flight fail with
+        ConnectionLost); a later connect() connects again."""
+        self._run(self._client.abort(reason))
 
     def sandbox(self, image: str, **create_args) -> _SyncSandboxContext:
         """`with client.sandbox(image=...) as sb:` creates a sandbox and destroys it on the way out."""
@@ -393,8 +514,41 @@ class SyncClient(_LoopThread):
     def renew(self, sandbox_ids: list[str], lease: float | str | None = None) -> dict:
         return self._run(self._client.renew(sandbox_ids, lease))
 
+    def hold(self, sandbox_ids: list[str], lease: float | None, every: float | None = None) -> SyncHold:
+        """Client.hold, renewing on the client's loop; a SyncHold instead of a
+        Task: `with c.hold(ids, lease):`, or its cancel(), stops renewing."""
+        return SyncHold(self, self._run(self._hold(sandbox_ids, lease, every)))
+
+    async def _hold(self, sandbox_ids: list[str], lease: float | None, every: float | None) -> asyncio.Task:
+        task = self._client.hold(sandbox_ids, lease, every)
+        self._holds.add(task)
+        task.add_done_callback(self._holds.discard)
+        return task
+
+    def events(self, sandbox: str | None = None, replay: bool = False, follow: bool = True) -> SyncEvents:
+        """Client.events as an iterator; its close() ends it from any thread
+        (the one iterating sees the iteration end)."""
+        return SyncEvents(self, self._client.events(sandbox, replay, follow))
+
+    def run_stream(self, image: str, args: list[str] | None = None, **kw) -> SyncRunStream:
+        """Client.run_stream: `with c.run_stream(image, args) as run:`, then
+        `for fd, data in run:`; `run.sandbox` is a SyncSandbox."""
+        return SyncRunStream(self, self._client.run_stream(image, args, **kw))
+
     def list_images(self) -> list[dict]:
         return self._run(self._client.list_images())
+
+    def inspect_image(self, name: str) -> dict:
+        return self._run(self._client.inspect_image(name))
+
+    def remove_image(self, name: str) -> dict:
+        return self._run(self._client.remove_image(name))
+
+    def image_gc(self) -> dict:
+        return self._run(self._client.image_gc())
+
+    def image_du(self) -> dict:
+        return self._run(self._client.image_du())
 
 
 class _SyncSandboxContext:

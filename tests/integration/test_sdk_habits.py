@@ -1,6 +1,7 @@
 """The SDK the way agent scaffolds use it: shell strings, output callbacks,
 sandboxes scoped to a `with` block, many requests on one client, one
-SyncClient shared by threads, and a daemon-wide default TTL."""
+SyncClient shared by threads, a daemon-wide default TTL, and SyncClient's
+counterparts of every Client method (images, events, run_stream, hold, abort)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 import pytest
 
 import dsecd
+from dsecd.errors import NotFound
 
 
 def test_a_string_command_runs_through_the_shell(client, sandbox):
@@ -159,3 +161,93 @@ def test_write_file_keeps_owner_and_mode_both_ways(sandbox):
     assert [e["name"] for e in sandbox.list_files("/work")] == ["fresh", "owned"]     # no temporary left
     with pytest.raises(ValueError, match="absolute path of a file"):
         sandbox.write_file("relative.txt", b"x", atomic=True)
+
+
+def _ids(client, labels: dict | None = None) -> set[str]:
+    return {s["id"] for s in client.list(labels)}
+
+
+def test_sync_client_image_methods(client, sandbox):
+    sandbox.write_file("/work/snap.txt", b"snap\n")
+    progress: list = []
+    img = sandbox.snapshot("habits-snap", progress=progress.append)
+    assert all(isinstance(p, dict) for p in progress)
+    assert client.inspect_image("habits-snap")["manifest"] == img["manifest"]
+    blobs = client.image_du()["blobs"]
+    client.remove_image("habits-snap")
+    with pytest.raises(NotFound):
+        client.inspect_image("habits-snap")
+    gc = client.image_gc()
+    assert gc["removed"] and client.image_du()["blobs"] < blobs       # the snapshot's own blobs
+    assert client.inspect_image("busybox")["name"] == "busybox"       # the others stay
+
+
+def test_sync_client_events_replay_and_follow(client):
+    with client.sandbox(image="busybox", memory="64M") as sb:
+        sb.pause()
+        sb.resume()
+    kinds = [e["event"] for e in client.events(sandbox=sb.id, replay=True, follow=False)]
+    assert kinds == ["created", "paused", "resumed", "destroyed"]
+
+    events = client.events(replay=True)          # follows: ended by close() from another thread
+    seen: list[dict] = []
+    thread = threading.Thread(target=lambda: seen.extend(events), daemon=True)
+    thread.start()
+    with client.sandbox(image="busybox", memory="64M") as sb:
+        deadline = time.monotonic() + 10
+        while not any(e.get("sandbox") == sb.id for e in list(seen)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert thread.is_alive()                 # still following
+        events.close()
+        thread.join(10)
+        assert not thread.is_alive()
+    assert [e["event"] for e in seen if e.get("sandbox") == sb.id] == ["created"]
+    assert list(events) == []                    # closed: nothing more
+
+
+def test_sync_client_run_stream(client):
+    labels = {"habits": "run_stream"}
+    with client.run_stream("busybox", ["sh", "-c", "echo out; echo err >&2; exit 3"], labels=labels) as run:
+        assert isinstance(run.sandbox, dsecd.SyncSandbox) and _ids(client, labels) == {run.sandbox.id}
+        assert run.argv == ["sh", "-c", "echo out; echo err >&2; exit 3"]
+        chunks = list(run)
+    assert run.result.exit_code == 3
+    assert b"".join(d for fd, d in chunks if fd == 1) == b"out\n"
+    assert b"".join(d for fd, d in chunks if fd == 2) == b"err\n"
+    assert _ids(client, labels) == set()         # removed on the way out
+    with pytest.raises(RuntimeError), client.run_stream("busybox", ["sleep", "60"], labels=labels) as run:
+        raise RuntimeError("the script failed")
+    assert _ids(client, labels) == set()         # an error in the block removes it too
+
+
+def test_sync_client_hold_renews_leases_until_cancelled(daemon, client):
+    with pytest.raises(ValueError, match="give the lease"):
+        client.hold(["x"], None)
+    sb = client.create("busybox", memory="64M", lease=2)
+    with client.hold([sb.id], lease=2) as held:
+        time.sleep(4)                            # twice the lease: renewed meanwhile
+        assert sb.id in _ids(client) and not held.done()
+    assert held.done() and held.exception() is None
+    other = daemon.client()
+    kept = other.hold([sb.id], lease=2)
+    other.close()                                # stops its holds
+    assert kept.done()
+    kept.cancel()                                # a no-op now
+    deadline = time.monotonic() + 15
+    while sb.id in _ids(client) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert sb.id not in _ids(client)             # nobody renews it: its lease ran out
+
+
+def test_sync_client_abort_and_connect_again(daemon):
+    c = daemon.client()
+    try:
+        assert c.connected
+        c.abort("the test's watchdog")
+        assert not c.connected
+        with pytest.raises(dsecd.ConnectionLost, match="the test's watchdog"):
+            c.list()
+        c.connect()
+        assert c.connected and isinstance(c.list(), list)
+    finally:
+        c.close()

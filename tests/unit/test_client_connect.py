@@ -40,3 +40,27 @@ def test_no_socket_is_a_connection_error_at_once(tmp_path):
         return str(e.value)
 
     assert "is the daemon running?" in asyncio.run(go())
+
+
+def test_a_client_never_connected_says_how_to_connect_in_its_own_terms(tmp_path):
+    """SyncClient's advice is `with`, the async Client's `async with`."""
+    from dsecd import SyncClient
+
+    path = str(tmp_path / "none.sock")
+    c = SyncClient(path)
+    try:
+        with pytest.raises(ConnectionError) as e:
+            c.list()
+        assert str(e.value) == f"list: not connected to dsecd at {path}: call connect() first (or use `with`)"
+        with pytest.raises(ConnectionError, match=r"^events: not connected .*\(or use `with`\)$"):
+            next(iter(c.events()))
+        assert not c.connected
+    finally:
+        c.close()
+
+    async def go():
+        with pytest.raises(ConnectionError) as e:
+            await Client(path).list()
+        return str(e.value)
+
+    assert asyncio.run(go()).endswith("call connect() first (or use `async with`)")

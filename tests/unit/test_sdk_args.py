@@ -1,5 +1,6 @@
 """The SDK's argument habits, without a daemon: commands as argv or shell
-strings, env and labels checked with the key and type that is wrong."""
+strings, env and labels checked with the key and type that is wrong, and
+every Client and Sandbox method taken by SyncClient and SyncSandbox too."""
 
 from __future__ import annotations
 
@@ -29,3 +30,62 @@ def test_env_values_must_be_strings_and_the_message_names_the_key():
         string_map({1: "x"}, "labels")
     with pytest.raises(TypeError, match="env must be a dict of str to str, got list"):
         string_map(["A=1"], "env")
+
+
+# Public members of Client and Sandbox that SyncClient and SyncSandbox leave
+# out on purpose, each with why. Anything else public must have a counterpart.
+SYNC_LEAVES_OUT = {
+    ("Client", "frames"): "raw protocol frames of one request; the sync methods wrap every streamed op "
+                          "(events, watch, exec_stream, run_stream, progress callbacks), request() the rest",
+    ("Client", "frames_with_id"): "raw frames under a caller's request id, ordered by an asyncio.Event: "
+                                  "plumbing of the async client's own streams",
+    ("Client", "new_id"): "a request id, only of use to frames_with_id",
+    ("Client", "abort_now"): "must run on the loop's thread and returns the internal connection for "
+                             "abort's second half; SyncClient.abort does both",
+}
+
+
+def _public(cls) -> set[str]:
+    return {n for n in dir(cls) if not n.startswith("_")}
+
+
+def _sync_pairs():
+    from dsecd.client import Client, Sandbox
+    from dsecd.sync import SyncClient, SyncSandbox
+
+    return [(Client, SyncClient), (Sandbox, SyncSandbox)]
+
+
+@pytest.mark.parametrize("async_cls,sync_cls", _sync_pairs(), ids=["Client", "Sandbox"])
+def test_every_public_method_and_property_has_a_sync_counterpart(async_cls, sync_cls):
+    """Methods and properties of the class (instance attributes such as
+    Sandbox.id are set by the sync wrappers' __init__, so an instance is looked at)."""
+    from dsecd.client import Client, Sandbox
+
+    if sync_cls.__name__ == "SyncClient":
+        sync_obj = sync_cls("/nonexistent/dsecd.sock")
+        sync_obj.close()
+    else:
+        sync_obj = sync_cls(None, Sandbox(Client("/nonexistent/dsecd.sock"), "sb-1", {}))
+    wanted = {n for n in _public(async_cls) if (async_cls.__name__, n) not in SYNC_LEAVES_OUT}
+    assert sorted(n for n in wanted if not hasattr(sync_obj, n)) == []
+    # The allowlist names only what exists and is really left out.
+    for cls_name, n in SYNC_LEAVES_OUT:
+        if cls_name == async_cls.__name__:
+            assert n in _public(async_cls) and not hasattr(sync_obj, n), n
+
+
+@pytest.mark.parametrize("async_cls,sync_cls", _sync_pairs(), ids=["Client", "Sandbox"])
+def test_sync_methods_take_every_argument_of_the_async_ones_and_block(async_cls, sync_cls):
+    import inspect
+
+    for n in sorted(_public(async_cls)):
+        if isinstance(inspect.getattr_static(async_cls, n), property) or not hasattr(sync_cls, n):
+            continue
+        sync_fn = getattr(sync_cls, n)
+        assert not inspect.iscoroutinefunction(sync_fn) and not inspect.isasyncgenfunction(sync_fn), n
+        params = inspect.signature(sync_fn).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        missing = [p for p in inspect.signature(getattr(async_cls, n)).parameters
+                   if p not in params and not takes_any]
+        assert missing == [], f"{sync_cls.__name__}.{n} does not take {missing}"
