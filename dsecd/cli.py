@@ -15,6 +15,15 @@ Exit status: the command's own for `exec`, `trace`, `call` and `run` (and for
 (daemon error, bad input, usage). Other commands: 1 when the daemon
 refused or failed, 2 on a usage error. A closed stdout (`dsec ps | head -1`)
 ends dsec quietly with 141, as SIGPIPE would.
+
+With --json, a failure prints `{"error": {"code", "message", "detail"}}` on
+stdout (the stderr line as without it), with the same exit status: the
+daemon's error, or dsec's own coded as the protocol's (bad_request for a
+usage error, io or the errno's code for a local file), `unreachable` for no
+connection to the daemon and `interrupted` for a signal (detail: signal, and
+the output an exec or run had kept). `rm` prints each sandbox's or path's
+result or error; the streams (events, watch, logs, attach, cat) end with the
+error as one more line.
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from .clitext import kv as _kv
 from .clitext import pct as _pct
 from .clitext import print_json as _print_json
 from .clitext import table as _table
-from .errors import DsecError
+from .errors import BadRequest, ConnectionLost, DsecError, io_error
 from .fds import read_ready
 from .fleet import fleet_target
 from .localcopy import LocalCopyError
@@ -279,8 +288,10 @@ async def cmd_image(c: Client, a) -> int:
         _print_json(img) if a.json else _print_image_details(img)
         return 0
     if a.image_cmd == "rm":
-        await c.remove_image(a.name)
-        if not a.json:
+        r = await c.remove_image(a.name)
+        if a.json:
+            _print_json(r)
+        else:
             print(f"removed image name {a.name} (its layers go at the next `dsec image gc`)")
         return 0
     if a.image_cmd == "gc":
@@ -546,7 +557,7 @@ async def cmd_exec(c: Client, a) -> int:
     tracing = a.cmd == "trace"
     stream = sb.exec_stream(a.argv, timeout=a.timeout, env=_kv(a.env, "--env"), cwd=a.cwd, user=a.user,
                             stdin=_stdin_chunks() if a.interactive else None, trace=tracing, policy=a.policy)
-    out = CommandOutput(a.json and not tracing)
+    out = a.kept_output = CommandOutput(a.json and not tracing)
     async for fd, data in stream:
         out.write(fd, data)
     r = stream.result
@@ -570,6 +581,7 @@ async def _exec_on_terminal(sb, a) -> int:
     rows, cols = _window_size(fd)
     stream = sb.exec_stream(a.argv, timeout=a.timeout, env=_kv(a.env, "--env"), cwd=a.cwd, user=a.user,
                             pty=True, rows=rows, cols=cols)
+    ended_by = None                       # the signal that ended it
     with _raw_terminal(fd) if a.interactive else contextlib.nullcontext():
         loop = asyncio.get_running_loop()
         main = asyncio.current_task()
@@ -590,7 +602,7 @@ async def _exec_on_terminal(sb, a) -> int:
         except asyncio.CancelledError:
             if not killed:
                 raise
-            return 128 + killed[0]
+            ended_by = killed[0]
         finally:
             for signum in (*_ENDING_SIGNALS, signal.SIGWINCH):
                 loop.remove_signal_handler(signum)
@@ -598,6 +610,9 @@ async def _exec_on_terminal(sb, a) -> int:
                 keys.cancel()
                 with contextlib.suppress(asyncio.CancelledError, DsecError, ConnectionError):
                     await keys
+    if ended_by is not None:              # the terminal is ours again: --json's error on it
+        _interrupted(a, ended_by, f"{signal.Signals(ended_by).name}: the exec was cancelled")
+        return 128 + ended_by
     r = stream.result
     if a.json:
         _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
@@ -625,13 +640,13 @@ async def cmd_run(c: Client, a) -> int:
             main.cancel()
         signals.append(signum)
 
+    stdin = _stdin_as_it_comes() if a.interactive else None
+    out = a.kept_output = CommandOutput(a.json)
+    run = c.run_stream(a.image, a.argv or None, a.entrypoint, a.timeout, stdin, a.rm, **_create_args(a))
     for signum in _ENDING_SIGNALS:
         loop.add_signal_handler(signum, on_signal, signum)
-    stdin = _stdin_as_it_comes() if a.interactive else None
-    out = CommandOutput(a.json)
     try:
-        async with c.run_stream(a.image, a.argv or None, a.entrypoint, a.timeout, stdin, a.rm,
-                                **_create_args(a)) as run:
+        async with run:
             if not a.rm:
                 print(f"dsec run: sandbox {run.sandbox.id} (kept: --no-rm)", file=sys.stderr, flush=True)
             async for fd, data in run:
@@ -641,9 +656,14 @@ async def cmd_run(c: Client, a) -> int:
     except asyncio.CancelledError:
         if not signals:
             raise
-        print(f"dsec run: {signal.Signals(signals[0]).name}: the command was killed"
-              + (" and its sandbox removed" if a.rm else ""), file=sys.stderr)
+        message = (f"{signal.Signals(signals[0]).name}: the command was killed"
+                   + (" and its sandbox removed" if a.rm else ""))
+        _interrupted(a, signals[0], message, sandbox=run.sandbox.id if run.sandbox else None)
+        print(f"dsec run: {message}", file=sys.stderr)
         return 128 + signals[0]
+    except BadRequest as err:
+        _cli_run_hint(err, a.image)
+        raise
     finally:
         for signum in _ENDING_SIGNALS:
             loop.remove_signal_handler(signum)
@@ -656,6 +676,14 @@ async def cmd_run(c: Client, a) -> int:
         print("dsec: output truncated at the daemon's limits.max_exec_output_bytes; "
               "the command's pipes were closed", file=sys.stderr)
     return _exit_status(r, f"dsec: timed out after {a.timeout}s; the command's process group was killed")
+
+
+def _cli_run_hint(err: BadRequest, image: str) -> None:
+    """`dsec run IMAGE` of an image without a command: say where the CLI
+    takes it, in place of the SDK's `(args=)`."""
+    if err.detail.get("needs") == "command" and err.message.endswith(" (args=)"):
+        err.message = err.message[:-len(" (args=)")] + f" (after the image's name: dsec run {image} COMMAND [ARG...])"
+        err.args = (err.message,)
 
 
 class CommandOutput:
@@ -941,19 +969,25 @@ def _cp_sides(a) -> tuple[str | None, str, str | None, str]:
     return src_sb, src, dst_sb, dst
 
 
-async def _cp_dir(c: Client, src_sb: str | None, src: str, dst_sb: str | None, dst: str) -> int:
+async def _cp_dir(c: Client, a, src_sb: str | None, src: str, dst_sb: str | None, dst: str) -> int:
     """cp -r: a directory as a tar stream. Like cp -r, an existing directory
-    as the destination receives the copy under the source's name."""
+    as the destination receives the copy under the source's name. --json:
+    the daemon's result (path, count, bytes; skipped when copied from it)
+    with the sandbox and the local path."""
     if src_sb is None:
         sb = await c.get(dst_sb)
         if await sb.exists(dst) and (await sb.stat(dst))["type"] == "dir":
             dst = posixpath.join(dst, os.path.basename(os.path.normpath(src)))
-        await sb.upload_dir(src, dst)
+        r = await sb.upload_dir(src, dst)
+        if a.json:
+            _print_json({**r, "sandbox": sb.id, "local": src})
         return 0
     sb = await c.get(src_sb)
     if os.path.isdir(dst):
         dst = os.path.join(dst, posixpath.basename(posixpath.normpath(src)) or "root")
     r = await sb.download_dir(src, dst)
+    if a.json:
+        _print_json({**r, "sandbox": sb.id, "local": dst})
     for item in r.get("skipped", []):
         print(f"dsec cp: not copied: {src.rstrip('/')}/{item['path']} ({item['type']}): {item['reason']}",
               file=sys.stderr)
@@ -978,7 +1012,7 @@ def named_sandboxes(a) -> list[str]:
 async def cmd_cp(c: Client, a) -> int:
     src_sb, src, dst_sb, dst = _cp_sides(a)
     if a.recursive:
-        return await _cp_dir(c, src_sb, src, dst_sb, dst)
+        return await _cp_dir(c, a, src_sb, src, dst_sb, dst)
     if src_sb is None and os.path.isdir(src):
         raise UsageError(f"dsec cp: {src} is a directory; copy it with dsec cp -r")
     if src_sb is None:
@@ -993,11 +1027,16 @@ async def cmd_cp(c: Client, a) -> int:
         if dst.endswith("/"):
             dst += os.path.basename(src)
         await sb.write_file(dst, data, mode=mode, atomic=True)    # a failed copy leaves nothing
+        if a.json:
+            _print_json({"sandbox": sb.id, "path": dst, "local": src, "size": len(data)})
         return 0
     sb = await c.get(src_sb)
     data = await sb.read_file(src)
     if dst == "-":
-        sys.stdout.buffer.write(data)
+        if a.json:               # the one object on stdout: the bytes as text, as `cat --json` gives them
+            _print_json({"sandbox": sb.id, "path": src, "size": len(data), "data": data.decode("utf-8", "replace")})
+        else:
+            sys.stdout.buffer.write(data)
         return 0
     if os.path.isdir(dst):
         dst = os.path.join(dst, os.path.basename(src))
@@ -1005,6 +1044,8 @@ async def cmd_cp(c: Client, a) -> int:
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, dst)
+    if a.json:
+        _print_json({"sandbox": sb.id, "path": src, "local": dst, "size": len(data)})
     return 0
 
 
@@ -1087,6 +1128,7 @@ async def _rm_paths(c: Client, a) -> int:
             if a.json:
                 _print_json(r)
         except DsecError as err:
+            _print_rm_error(a, err, sandbox=sb_id, path=path)
             print(f"dsec: rm {spec}: {err.code}: {err.message}", file=sys.stderr)
             status = 1
     return status
@@ -1117,12 +1159,19 @@ async def cmd_rm(c: Client, a) -> int:
     for sb_id in a.sandboxes:
         try:
             r = await c.request("destroy", sandbox=sb_id, force=a.force)
-            if not a.json:
-                print(r["id"])
+            _print_json(r) if a.json else print(r["id"])
         except DsecError as err:
+            _print_rm_error(a, err, sandbox=sb_id)
             print(f"dsec: rm {sb_id}: {err}", file=sys.stderr)
             status = 1
     return status
+
+
+def _print_rm_error(a, err: DsecError, **which) -> None:
+    """--json: one sandbox's or path's failed rm, as the error object (naming it)."""
+    wire = err.to_wire()
+    wire["detail"] = {**which, **wire["detail"]}
+    _print_error(a, wire)
 
 
 def cmd_rpc(a) -> int:
@@ -1192,6 +1241,10 @@ class _Parser(argparse.ArgumentParser):
         # SUPPRESS: a subcommand's parser leaves a --json given before it alone.
         self.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                           help="machine-readable output")
+
+    def error(self, message: str):
+        _usage_error.append(f"{self.prog}: {message}")      # for --json (main)
+        super().error(message)
 
 
 # The options of the commands in RUNS_A_COMMAND that take a value. Splitting
@@ -1682,13 +1735,98 @@ def _oserror_text(err: OSError) -> str:
     return f"{err.strerror or err}{where}"
 
 
+# Commands whose --json output is a stream of one-line objects: an error ends
+# it as one more line.
+JSON_LINES = ("events", "watch", "logs", "attach", "cat")
+
+
+def _print_error(a, error: dict) -> None:
+    """With --json, `{"error": {"code", "message", "detail"}}` on stdout: the
+    daemon's wire error, or one of dsec's own failures (_local_error). The
+    stderr line is printed as without --json. `rpc`'s stdout is the protocol:
+    nothing goes there."""
+    if not a.json or a.cmd == "rpc":
+        return
+    if a.cmd in JSON_LINES:
+        print(json.dumps({"error": error}, sort_keys=True), flush=True)
+    else:
+        _print_json({"error": error})
+
+
+def _local_error(code: str, message: str, detail: dict | None = None) -> dict:
+    """A failure of dsec's own, in the daemon's wire shape. Its code is the
+    protocol's (dsecd/errors.py) where one fits; two never come from a daemon:
+    `unreachable` (no connection to it, or it was lost) and `interrupted`
+    (SIGINT, or the signal that ended `dsec run` or `dsec exec -t`)."""
+    return {"code": code, "message": message, "detail": detail or {}}
+
+
+def _interrupted(a, signum: int, message: str, **detail) -> None:
+    """--json: the error of a command a signal ended, with the output it kept (CommandOutput)."""
+    kept = getattr(a, "kept_output", None)
+    fields = kept.fields() if kept is not None and kept.as_json else {}
+    _print_error(a, _local_error("interrupted", message,
+                                 {"signal": signal.Signals(signum).name, **detail, **fields}))
+
+
+def _connection_error(err: ConnectionError) -> dict:
+    detail = {}
+    if isinstance(err, ConnectionLost):
+        detail = {"target": err.target, "op": err.op, "sent": err.sent}
+    return _local_error("unreachable", str(err), detail)
+
+
+def _oserror_wire(a, err: OSError) -> dict:
+    """A local OSError (a file of dsec's side) as the daemon codes one: the
+    errno's closest code, the errno's name in detail."""
+    if err.errno is None:
+        return _local_error("io", _oserror_text(err))
+    wire = io_error(a.cmd, str(err.filename or ""), err).to_wire()
+    detail = {"errno": wire["detail"]["errno"], "path": err.filename}
+    return _local_error(wire["code"], _oserror_text(err), {k: v for k, v in detail.items() if v})
+
+
+# Usage errors argparse reports (_Parser.error): the last one, for --json.
+_usage_error: list[str] = []
+
+
+def _dsec_words(argv: list[str]) -> list[str]:
+    """The words of argv that are dsec's, not the command's (RUNS_A_COMMAND):
+    where a --json means dsec's output."""
+    at = find_verb(argv)
+    if at is None:
+        return argv
+    verb = argv[at]
+    if verb == "fleet":
+        rest = argv[at + 1:]
+        inner_at = find_verb(rest, FLEET_VALUED)
+        return argv if inner_at is None else [*argv[:at + 1], *rest[:inner_at], *_dsec_words(rest[inner_at:])]
+    if verb in RUNS_A_COMMAND:
+        head, _ = split_command(argv[at + 1:], positionals=0 if verb == "call" else 1)
+        return [*argv[:at + 1], *head]
+    return argv
+
+
+def _usage_failed(argv: list[str], code) -> None:
+    """A usage error argparse found (exit 2, or 125): with --json, its message as the error object."""
+    if code in (0, None) or not _usage_error or "--json" not in _dsec_words(argv):
+        return
+    words = _dsec_words(argv)
+    at = find_verb(words)
+    a = argparse.Namespace(json=True, cmd=words[at] if at is not None else None)
+    _print_error(a, _local_error("bad_request", _usage_error[-1]))
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        a = parse_args(sys.argv[1:] if argv is None else list(argv))
+        a = parse_args(argv)
     except BrokenPipeError:             # --help into a closed pipe
         _silence_stdout()
         sys.exit(EXIT_BROKEN_PIPE)
-    except SystemExit:                  # --help or a usage error; its text may still be buffered
+    except SystemExit as exit_:         # --help or a usage error; its text may still be buffered
+        with contextlib.suppress(BrokenPipeError):
+            _usage_failed(argv, exit_.code)
         if not _flush_stdout():
             sys.exit(EXIT_BROKEN_PIPE)
         raise
@@ -1699,32 +1837,41 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout.flush()       # a closed pipe shows here, not at the interpreter's exit
     except BrokenPipeError as err:
         if not _stdout_closed():         # the daemon's socket broke, not our reader
+            _print_error(a, _local_error("unreachable", f"connection to dsecd lost: {err.strerror}"))
             print(f"dsec: connection to dsecd lost: {err.strerror}", file=sys.stderr)
             sys.exit(fail)
         _silence_stdout()
         status = EXIT_BROKEN_PIPE
     except UsageError as err:
+        _print_error(a, _local_error("bad_request", str(err)))
         print(err, file=sys.stderr)
         status = EXIT_DSEC_ERROR if a.cmd in GIVES_A_STATUS else EXIT_USAGE
     except DsecError as err:
-        if a.json:
-            _print_json({"error": err.to_wire()})
+        _print_error(a, err.to_wire())
         print(f"dsec {a.cmd}: {err.code}: {err.message}", file=sys.stderr)
         status = fail
     except ConnectionError as err:
+        _print_error(a, _connection_error(err))
         print(f"dsec: {err}", file=sys.stderr)
         status = fail
     except (LocalCopyError, Refused, TooLarge) as err:      # a directory copy's local side
+        _print_error(a, _local_error("limit" if isinstance(err, TooLarge) else "bad_request", str(err)))
         print(f"dsec {a.cmd}: {err}", file=sys.stderr)
         status = fail
     except OSError as err:
+        _print_error(a, _oserror_wire(a, err))
         print(f"dsec {a.cmd}: {_oserror_text(err)}", file=sys.stderr)
         status = fail
     except ValueError as err:           # a value only the SDK could check (an ssh:// address, a path)
+        _print_error(a, _local_error("bad_request", str(err)))
         print(f"dsec {a.cmd}: {err}", file=sys.stderr)
         status = fail
     except KeyboardInterrupt:
+        _interrupted(a, signal.SIGINT, "interrupted (SIGINT)")
         status = 130
+    except Exception as err:            # a bug: its traceback as without --json, after the error object
+        _print_error(a, _local_error("internal", f"{type(err).__name__}: {err}"))
+        raise
     sys.exit(status)
 
 

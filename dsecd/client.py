@@ -850,8 +850,8 @@ class RunStream:
         try:
             self.argv = imageconfig.run_argv(config, self.args, self.entrypoint)
         except imageconfig.ConfigError as err:
-            raise BadRequest(f"run {self.image}: {err} (after the image's name, or as args=)",
-                             {"image": self.image}) from None
+            raise BadRequest(f"run {self.image}: {err} (args=)", {"image": self.image, "needs": "command"}) \
+                from None
         create_args = dict(self.create_args)
         if self.remove:
             create_args.setdefault("lease", RUN_LEASE_S)

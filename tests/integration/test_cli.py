@@ -281,3 +281,150 @@ def test_impossible_creates_are_bad_requests_not_busy(daemon):
         assert daemon.cli("exec", sb, "--", "pwd").stdout == b"/work\n"
     finally:
         daemon.cli("rm", sb)
+
+
+def _dsec(*args) -> list[str]:
+    return [str(Path(sys.executable).parent / "dsec"), *args]
+
+
+def _one_json_error(r, code: str) -> dict:
+    """The error object that is the whole of stdout, with this code."""
+    out = json.loads(r.stdout)
+    assert set(out) == {"error"} and out["error"]["code"] == code, (r.stdout, r.stderr)
+    assert set(out["error"]) == {"code", "message", "detail"}, out
+    return out["error"]
+
+
+def _running_exec(daemon, sb: str, *dsec_args: str) -> subprocess.Popen:
+    """`dsec [dsec_args] exec SB -- sleep 30` started, returned once the daemon counts the exec."""
+    p = subprocess.Popen(_dsec("--socket", daemon.socket, *dsec_args, "exec", sb, "--", "sleep", "30"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        listed = json.loads(daemon.cli("--json", "ps").stdout)
+        if any(s["id"] == sb and s["execs_running"] for s in listed):
+            return p
+        assert p.poll() is None, p.communicate()
+        time.sleep(0.1)
+    p.kill()
+    p.wait()
+    raise AssertionError("the exec did not start")
+
+
+def test_json_rm_of_a_missing_or_busy_sandbox_prints_the_error(daemon):
+    r = daemon.cli("--json", "rm", "nosuch")
+    assert r.returncode == 1 and b"not_found" in r.stderr
+    assert _one_json_error(r, "not_found")["detail"]["sandbox"] == "nosuch"
+
+    sb = daemon.cli("create", "--image", "busybox").stdout.decode().strip()
+    p = _running_exec(daemon, sb)
+    try:
+        r = daemon.cli("--json", "rm", sb)
+        assert r.returncode == 1, r.stderr
+        err = _one_json_error(r, "conflict")
+        assert err["detail"]["sandbox"] == sb and "dsec rm --force / -f" in err["message"], err
+        r = daemon.cli("rm", sb)                     # text: the stderr line alone, naming the flag
+        assert (r.returncode, r.stdout) == (1, b"") and b"dsec rm --force / -f" in r.stderr, r.stderr
+        r = daemon.cli("--json", "rm", f"{sb}:/no/such/file")
+        assert r.returncode == 1
+        err = _one_json_error(r, "not_found")
+        assert err["detail"]["sandbox"] == sb and err["detail"]["path"].endswith("/no/such/file"), err
+        r = daemon.cli("--json", "rm", "-f", sb)
+        assert r.returncode == 0 and json.loads(r.stdout)["id"] == sb, r.stderr
+    finally:
+        p.kill()
+        p.wait()
+        daemon.cli("rm", "-f", sb)
+
+
+def test_json_exec_interrupted_by_sigint_prints_the_error(daemon):
+    import signal
+
+    sb = daemon.cli("create", "--image", "busybox").stdout.decode().strip()
+    try:
+        p = _running_exec(daemon, sb, "--json")
+        p.send_signal(signal.SIGINT)
+        try:
+            out, errout = p.communicate(timeout=30)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        assert p.returncode == 130, (out, errout)
+        err = _one_json_error(subprocess.CompletedProcess(p.args, p.returncode, out, errout), "interrupted")
+        assert (err["detail"]["signal"], err["detail"]["stdout"], err["detail"]["stderr"]) == ("SIGINT", "", "")
+    finally:
+        daemon.cli("rm", "-f", sb)
+
+
+def test_json_run_ended_by_a_signal_prints_the_error(daemon):
+    import signal
+
+    before = {s["id"] for s in json.loads(daemon.cli("--json", "ps").stdout)}
+    p = subprocess.Popen(_dsec("--socket", daemon.socket, "--json", "run", "busybox", "--", "sleep", "30"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 20
+        while not any(s["id"] not in before and s["execs_running"]
+                      for s in json.loads(daemon.cli("--json", "ps").stdout)):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.1)
+        p.send_signal(signal.SIGTERM)
+        out, errout = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 128 + signal.SIGTERM and b"SIGTERM: the command was killed" in errout, errout
+    err = _one_json_error(subprocess.CompletedProcess(p.args, p.returncode, out, errout), "interrupted")
+    assert err["detail"]["signal"] == "SIGTERM" and err["detail"]["sandbox"] not in before, err
+    assert err["detail"]["sandbox"] not in {s["id"] for s in json.loads(daemon.cli("--json", "ps").stdout)}
+
+
+def test_json_connection_failure_prints_the_error(daemon, tmp_path):
+    missing = str(tmp_path / "nosuch.sock")
+    r = subprocess.run(_dsec("--socket", missing, "--json", "ps"), capture_output=True, timeout=30)
+    assert r.returncode == 1 and b"cannot connect to dsecd" in r.stderr, r.stderr
+    assert missing in _one_json_error(r, "unreachable")["message"]
+    r = subprocess.run(_dsec("--socket", missing, "ps"), capture_output=True, timeout=30)
+    assert (r.returncode, r.stdout) == (1, b"") and r.stderr.startswith(b"dsec: cannot connect"), r.stderr
+
+
+def test_json_usage_errors_print_the_error(daemon):
+    r = daemon.cli("--json", "rm")
+    assert r.returncode == 2 and b"give sandbox ids" in r.stderr
+    assert "give sandbox ids" in _one_json_error(r, "bad_request")["message"]
+    r = daemon.cli("create", "--json")                           # argparse's: --image is required
+    assert r.returncode == 2 and b"--image" in r.stderr
+    assert "--image" in _one_json_error(r, "bad_request")["message"]
+    r = daemon.cli("--json", "exec", "nosuch")
+    assert r.returncode == 125 and "give a command" in _one_json_error(r, "bad_request")["message"]
+    r = daemon.cli("exec", "nosuch", "--", "echo", "--json")      # the command's --json, not dsec's
+    assert (r.returncode, r.stdout) == (125, b"") and b"not_found" in r.stderr
+
+
+def test_run_of_an_image_without_a_command_says_the_cli_form(daemon):
+    r = daemon.cli("run", "busybox")
+    assert (r.returncode, r.stdout) == (125, b""), r.stderr
+    assert b"after the image's name: dsec run busybox COMMAND" in r.stderr and b"args=" not in r.stderr, r.stderr
+    r = daemon.cli("--json", "run", "busybox")
+    assert r.returncode == 125
+    err = _one_json_error(r, "bad_request")
+    assert "dsec run busybox COMMAND" in err["message"] and "args=" not in err["message"], err
+
+
+def test_json_cp_and_image_rm_print_their_result(daemon, tmp_path):
+    sb = daemon.cli("create", "--image", "busybox").stdout.decode().strip()
+    try:
+        src = tmp_path / "f.txt"
+        src.write_text("hi\n")
+        r = daemon.cli("--json", "cp", str(src), f"{sb}:/work/f.txt")
+        assert r.returncode == 0 and json.loads(r.stdout)["size"] == 3, (r.stdout, r.stderr)
+        r = daemon.cli("--json", "cp", f"{sb}:/work/f.txt", "-")
+        assert r.returncode == 0 and json.loads(r.stdout)["data"] == "hi\n", (r.stdout, r.stderr)
+        r = daemon.cli("--json", "cp", f"{sb}:/work/nosuch", str(tmp_path / "x"))
+        assert r.returncode == 1 and _one_json_error(r, "not_found")
+        r = daemon.cli("--json", "image", "rm", "nosuch-image")
+        assert r.returncode == 1 and _one_json_error(r, "not_found")
+    finally:
+        daemon.cli("rm", "-f", sb)
