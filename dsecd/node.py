@@ -127,7 +127,7 @@ class Node:
         self.workers = Workers(cfg.section("daemon")["worker_threads"])
         self.journal = Journal(state, fsync=cfg.section("journal")["fsync"], compact_with=self.workers.submit)
         self.registry = SandboxRegistry(self.journal)
-        self.events = EventBus()
+        self.events = EventBus(named=lambda sb_id: self.registry.named(sb_id).id)
         self.events.listeners.append(lifelog.on_event)        # a log line and counters per event
         self.policies = PolicyService(cfg.raw.get("policy", {}), features.landlock_abi)
         self.denials = DenialService(

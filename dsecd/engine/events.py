@@ -19,7 +19,11 @@ class EventBus:
     A subscriber that does not keep up loses the oldest events, and the next
     event it gets says how many it lost: the daemon never blocks on a reader."""
 
-    def __init__(self, per_subscriber: int = 1024, history: int = 256):
+    def __init__(self, per_subscriber: int = 1024, history: int = 256,
+                 named: Callable[[str], str] | None = None):
+        """named: the full id of the live sandbox an `events` request names
+        (an id or a prefix), raising NotFound for none."""
+        self.named = named
         self.max = per_subscriber
         self.subscribers: set[Subscriber] = set()
         self.recent: deque[dict] = deque(maxlen=history)
@@ -37,9 +41,16 @@ class EventBus:
             sub.push(ev)
 
     async def stream(self, req, ctx) -> dict:
-        """Stream state changes until the client cancels or disconnects."""
+        """Stream state changes until the client cancels or disconnects. A
+        sandbox named must be live or in the history kept (a sandbox
+        destroyed a moment ago): a name that matches nothing would wait
+        forever for nothing."""
+        sandbox = req.sandbox
+        if sandbox and self.named is not None and not any(ev["sandbox"] == sandbox for ev in self.recent):
+            sandbox = self.named(sandbox)
+
         def wanted(ev: dict) -> bool:          # one filter for the replay and the live stream
-            return not req.sandbox or ev["sandbox"] == req.sandbox
+            return not sandbox or ev["sandbox"] == sandbox
 
         sub = Subscriber(self)
         for ev in list(self.recent) if req.replay else []:

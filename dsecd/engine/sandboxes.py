@@ -126,18 +126,23 @@ class SandboxRegistry:
         self._cpu = Fraction(0)
         self._memory = 0
 
-    def get(self, sb_id: str, op_cls) -> Sandbox:
-        """The sandbox `sb_id` (or the one sandbox whose id starts with it, 4
-        characters at least) in a state `op_cls` (a protocol request) accepts."""
+    def named(self, sb_id: str) -> Sandbox:
+        """The sandbox `sb_id`, or the one sandbox whose id starts with it (4
+        characters at least), whatever its state."""
         sb = self.by_id.get(sb_id)
-        if sb is None:
-            matches = [s for k, s in self.by_id.items() if k.startswith(sb_id)] if len(sb_id) >= 4 else []
-            if len(matches) == 1:
-                sb = matches[0]
-            elif len(matches) > 1:
-                raise BadRequest(f"sandbox prefix {sb_id!r} is ambiguous", {"matches": [s.id for s in matches]})
-            else:
-                raise NotFound(f"no sandbox {sb_id!r} (see `dsec ps`)", {"sandbox": sb_id})
+        if sb is not None:
+            return sb
+        matches = [s for k, s in self.by_id.items() if k.startswith(sb_id)] if len(sb_id) >= 4 else []
+        if len(matches) > 1:
+            raise BadRequest(f"sandbox prefix {sb_id!r} is ambiguous", {"matches": [s.id for s in matches]})
+        if not matches:
+            raise NotFound(f"no sandbox {sb_id!r} (see `dsec ps`)", {"sandbox": sb_id})
+        return matches[0]
+
+    def get(self, sb_id: str, op_cls) -> Sandbox:
+        """The sandbox `named` `sb_id` in a state `op_cls` (a protocol
+        request) accepts."""
+        sb = self.named(sb_id)
         if sb.backend == "microvm" and op_cls.OP not in MICROVM_OPS:
             raise Unsupported(f"{op_cls.OP} is not available for microVM sandboxes yet ({sb.id} runs "
                               "with backend microvm); see docs/architecture.md, \"The microVM backend\"",

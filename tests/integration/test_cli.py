@@ -243,11 +243,23 @@ def test_commands_that_run_a_command_print_one_json_object_with_its_output(daemo
 def test_replayed_events_are_filtered_like_live_ones(daemon):
     sb = daemon.cli("create", "--image", "busybox").stdout.decode().strip()
     daemon.cli("rm", sb)
-    r = daemon.cli("events", "--replay", "--no-follow", "--sandbox", "nosuch")
-    assert (r.returncode, r.stdout) == (0, b"")
-    r = daemon.cli("events", "--replay", "--no-follow", "--json", "--sandbox", sb)
+    r = daemon.cli("events", "--replay", "--no-follow", "--json", "--sandbox", sb)      # destroyed: its history
     events = [json.loads(line) for line in r.stdout.splitlines()]
     assert [e["event"] for e in events] == ["created", "destroyed"] and {e["sandbox"] for e in events} == {sb}
+
+
+def test_events_of_a_sandbox_that_is_not_there_are_refused_at_once(daemon):
+    """A name that matches nothing would wait for nothing; a live sandbox's
+    prefix names it."""
+    for follow in ([], ["--no-follow"]):
+        r = daemon.cli("events", "--sandbox", "nosuch", *follow, timeout=10)
+        assert r.returncode == 1 and b"no sandbox 'nosuch'" in r.stderr, r
+    sb = daemon.cli("create", "--image", "busybox").stdout.decode().strip()
+    try:
+        r = daemon.cli("events", "--replay", "--no-follow", "--json", "--sandbox", sb[:6])
+        assert [json.loads(line)["sandbox"] for line in r.stdout.splitlines()] == [sb]
+    finally:
+        daemon.cli("rm", sb)
 
 
 def test_a_closed_stdout_ends_quietly(daemon):
