@@ -105,6 +105,31 @@ def string_map(values: dict | None, what: str) -> dict[str, str]:
     return dict(values)
 
 
+def file_data(data, what: str) -> bytes | bytearray | memoryview:
+    """`data` checked to be bytes-like: a str (or anything else) is a
+    TypeError saying how to make bytes of it, not memoryview's own."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return data
+    if isinstance(data, str):
+        raise TypeError(f"{what}: data must be bytes (got str): encode it, e.g. data.encode()")
+    raise TypeError(f"{what}: data must be bytes (got {type(data).__name__}): convert it, e.g. bytes(data)")
+
+
+def _named_as(err: DsecError, tmp: str, path: str) -> DsecError:
+    """`err`, met on an atomic write's temporary file `tmp`, as the caller
+    sees it: naming `path`, the file they gave; same class, code and detail
+    (`errno` kept), `detail["path"]` the target's (the daemon's spelling,
+    `sandbox:path`, where it gave one)."""
+    def rename(text: str) -> str:
+        return text.replace(f"{tmp} -> {path}", path).replace(tmp, path)
+
+    detail = {k: rename(v) if isinstance(v, str) else v for k, v in err.detail.items()}
+    detail.setdefault("path", path)
+    named = type(err)(rename(err.message), detail)
+    named.code = err.code
+    return named
+
+
 def _given(args: dict, /, **optional) -> dict:
     """`args` plus those optional arguments that were given (not None): the daemon applies its defaults."""
     args.update((k, v) for k, v in optional.items() if v is not None)
@@ -1133,6 +1158,7 @@ class Sandbox:
         through, and hard links to the old file keep the old bytes. With
         atomic=False the bytes go into the file in place (through a symlink,
         keeping the inode), and a failure leaves what was written so far."""
+        data = file_data(data, "write_file")
         if not atomic:
             return await self._write_chunks(path, data, mode, parents)
         parent, _, name = posixpath.normpath(path).rpartition("/")
@@ -1143,9 +1169,11 @@ class Sandbox:
             size = await self._write_chunks(tmp, data, mode, parents)
             await self.client.request("file_rename", sandbox=self.id, src=tmp, dst=path, overwrite=True,
                                       keep_attrs=True)
-        except BaseException:
+        except BaseException as err:
             with contextlib.suppress(DsecError, ConnectionError):
                 await asyncio.shield(self.remove(tmp))
+            if isinstance(err, DsecError):      # the caller knows no temporary file: name theirs
+                raise _named_as(err, tmp, path) from None
             raise
         return size
 
@@ -1182,6 +1210,7 @@ class Sandbox:
     async def write_at(self, path: str, offset: int, data: bytes) -> int:
         """Write `data` at `offset` of an existing file (up to one chunk),
         neither truncating nor appending; the file's size after it."""
+        data = file_data(data, "write_at")
         r = await self.client.request("file_write", sandbox=self.id, path=path, data=data, offset=offset)
         return r["size"]
 

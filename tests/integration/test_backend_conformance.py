@@ -142,6 +142,11 @@ def test_file_errors(box):
         sb.mkdir("/work/full", parents=False)
     assert err.value.code == "conflict" and err.value.detail["errno"] == "EEXIST"
     sb.remove("/work/full")
+    # An atomic write's failure names the file given, not its temporary file.
+    with pytest.raises(DsecError) as err:
+        sb.write_file("/no/such/f", b"x", parents=False)
+    assert err.value.code == "not_found" and err.value.detail["errno"] == "ENOENT"
+    assert "/no/such/f" in err.value.message and ".dsec-" not in f"{err.value} {err.value.detail}"
 
 
 def test_an_atomic_write_does_not_replace_a_device_or_fifo(box):

@@ -41,8 +41,11 @@ def _oom_kills(sb) -> int:
 def test_a_copy_larger_than_memory_is_refused_in_the_sandbox_and_leaves_nothing(client):
     sb = client.create(image="busybox", memory="64M")
     try:
-        with pytest.raises(LimitExceeded, match="memory limit"):
+        with pytest.raises(LimitExceeded, match="memory limit") as info:
             sb.write_file("/tmp/big", os.urandom(4 * MiB) * 40)    # 160 MiB, atomic: the SDK's default
+        # Named as the caller named it, not as the temporary file it went to.
+        assert f"write {sb.id}:/tmp/big: " in info.value.message and ".dsec-" not in str(info.value)
+        assert info.value.detail["path"] == f"{sb.id}:/tmp/big" and info.value.code == "limit"
         # Charged to the sandbox up to its limit (less a reserve), then refused:
         # no OOM kill, nothing on the host.
         assert _memcg_file(sb, "memory.max_usage_in_bytes") >= 40 * MiB

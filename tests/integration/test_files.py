@@ -26,6 +26,29 @@ def test_empty_and_100mib_files(sandbox):
     assert sandbox.read_file("/work/big") == big
 
 
+def test_atomic_write_errors_name_the_callers_path(sandbox):
+    """write_file goes through a temporary file beside the target; its
+    failures name the target, with the daemon's code and errno."""
+    with pytest.raises(NotFound) as info:
+        sandbox.write_file("/x/y/z", b"x", parents=False)
+    err = info.value
+    assert "/x/y/z" in err.message and ".dsec-" not in str(err) and ".dsec-" not in repr(err.detail)
+    assert err.code == "not_found" and err.detail["errno"] == "ENOENT"
+    assert err.detail["path"].endswith("/x/y/z")
+    sandbox.exec(["mkdir", "-p", "/work/dir/sub"])
+    with pytest.raises(BadRequest) as info:         # the rename step: a directory is in the way
+        sandbox.write_file("/work/dir", b"x")
+    assert "/work/dir" in info.value.message and ".dsec-" not in str(info.value)
+    assert [e["name"] for e in sandbox.list_files("/work")] == ["dir"]       # no temporary left
+
+
+def test_file_data_given_as_str_says_to_encode_it(sandbox):
+    with pytest.raises(TypeError, match=r"write_file: data must be bytes \(got str\): encode it"):
+        sandbox.write_file("/work/a", "text")
+    with pytest.raises(TypeError, match=r"write_at: data must be bytes \(got str\)"):
+        sandbox.write_at("/work/a", 0, "text")
+
+
 def test_dotdot_in_path_is_refused(sandbox):
     with pytest.raises(BadRequest, match=r"\.\."):
         sandbox.read_file("/../../etc/hostname")

@@ -89,3 +89,74 @@ def test_sync_methods_take_every_argument_of_the_async_ones_and_block(async_cls,
         missing = [p for p in inspect.signature(getattr(async_cls, n)).parameters
                    if p not in params and not takes_any]
         assert missing == [], f"{sync_cls.__name__}.{n} does not take {missing}"
+
+
+# ------------------------------------------------------------ file data and atomic writes
+
+class _FakeClient:
+    """Answers a Sandbox's file requests from `answer(op, args)`, recording them."""
+
+    def __init__(self, answer):
+        self.server = {"limits": {"max_file_chunk_bytes": 1 << 20}}
+        self.requests: list[tuple[str, dict]] = []
+        self.answer = answer
+
+    async def request(self, op: str, **args) -> dict:
+        self.requests.append((op, args))
+        return self.answer(op, args)
+
+
+def _sandbox(answer=lambda op, args: {"size": len(args.get("data", b""))}):
+    from dsecd.client import Sandbox
+
+    return Sandbox(_FakeClient(answer), "sb-1", {})
+
+
+@pytest.mark.parametrize("method", ["write_file", "write_at"])
+def test_file_data_given_as_str_says_to_encode_it(method):
+    import asyncio
+
+    sb = _sandbox()
+    call = sb.write_file("/work/a", "text") if method == "write_file" else sb.write_at("/work/a", 0, "text")
+    with pytest.raises(TypeError, match=rf"^{method}: data must be bytes \(got str\): encode it, "
+                                        r"e\.g\. data\.encode\(\)$"):
+        asyncio.run(call)
+    assert sb.client.requests == []            # refused before anything is sent
+    with pytest.raises(TypeError, match=r"write_file: data must be bytes \(got int\): convert it"):
+        asyncio.run(sb.write_file("/work/a", 3, atomic=False))
+    for ok in (b"x", bytearray(b"x"), memoryview(b"x")):
+        assert asyncio.run(sb.write_file("/work/a", ok)) == 1
+
+
+def test_atomic_write_errors_name_the_callers_path_not_the_temporary_file():
+    import asyncio
+
+    from dsecd.errors import LimitExceeded, NotFound
+
+    def answer(op, args):
+        if op == "file_write":
+            raise NotFound(f"open sb-1:{args['path']}: No such file or directory",
+                           {"errno": "ENOENT", "path": f"sb-1:{args['path']}"})
+        return {}
+
+    sb = _sandbox(answer)
+    with pytest.raises(NotFound) as info:
+        asyncio.run(sb.write_file("/x/y/z", b"x", parents=False))
+    tmp = sb.client.requests[0][1]["path"]
+    assert tmp.startswith("/x/y/.dsec-")
+    err = info.value
+    assert err.code == "not_found" and err.message == "open sb-1:/x/y/z: No such file or directory"
+    assert err.detail == {"errno": "ENOENT", "path": "sb-1:/x/y/z"}
+    assert ".dsec-" not in str(err)
+    assert [op for op, _ in sb.client.requests] == ["file_write", "file_remove"]
+
+    def full(op, args):                 # a rename that fails; a detail without the path
+        if op == "file_rename":
+            raise LimitExceeded(f"rename sb-1:{args['src']} -> {args['dst']}: quota", {"errno": "EDQUOT"})
+        return {"size": 1}
+
+    sb = _sandbox(full)
+    with pytest.raises(LimitExceeded) as info:
+        asyncio.run(sb.write_file("/work/f", b"x"))
+    assert info.value.message == "rename sb-1:/work/f: quota"
+    assert info.value.detail == {"errno": "EDQUOT", "path": "/work/f"} and info.value.code == "limit"
