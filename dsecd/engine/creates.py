@@ -32,6 +32,7 @@ import functools
 import json
 import logging
 import os
+import re
 import secrets
 import time
 from collections import deque
@@ -47,7 +48,7 @@ from ..fs import upper as upperfs
 from ..fs import users
 from ..fs.images import Image, ImageError
 from ..fs.layers import overlay_lowerdirs
-from ..native import NativeError
+from ..native import HOSTNAME_MAX, NativeError
 from ..steps import AsyncSteps
 from .execs import check_env
 from .idranges import IdRanges
@@ -65,6 +66,8 @@ log = logging.getLogger(__name__)
 UNDO_IDS = "release its id range"
 UNDO_LAYERS = "release its layers"
 UNDO_NETNS = "release the pooled netns"
+
+HOSTNAME_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")      # fullmatch: RFC 1123
 
 POOL_LABEL = "dsec.pool"
 POOL_JOB = "dsec.pool"
@@ -113,6 +116,18 @@ class ProcessSettings:
 
     def apply(self, sb: Sandbox) -> None:
         sb.env, sb.cwd, sb.user, sb.gid = dict(self.env), self.cwd, self.uid, self.gid
+
+
+def check_hostname(name: str) -> None:
+    """A sandbox's hostname: an RFC 1123 host name (labels of 1-63 letters,
+    digits and hyphens, not starting or ending with a hyphen, joined by
+    dots) of at most HOSTNAME_MAX bytes, the kernel's UTS limit. The
+    default, sb-<id>, is one."""
+    labels = name.split(".")
+    if len(name) > HOSTNAME_MAX or not all(HOSTNAME_LABEL.fullmatch(label) for label in labels):
+        raise BadRequest(f"hostname {name!r} is not a host name: it takes 1 to {HOSTNAME_MAX} characters in "
+                         "dot-separated labels of 1 to 63 letters, digits and hyphens, each starting and "
+                         "ending with a letter or digit (e.g. web-1 or db.internal)", {"hostname": name})
 
 
 def pool_name(image: str, cpu: float, memory: int) -> str:
@@ -227,6 +242,8 @@ class CreateService:
         return await self._create_admitted(req, image)
 
     async def _create_admitted(self, req, image: Image | None = None) -> dict:
+        if req.hostname:                      # "" is the default, as None
+            check_hostname(req.hostname)
         limits = self._limits_for(req)        # a bad request fails before it queues
         self.policy_for_create(req.policy)
         taken = None if image is not None else await self._take_from_pool(req, limits)
@@ -636,8 +653,7 @@ class CreateService:
         self.cpu.admit(self.registry.requested(), limits.cpu, limits.memory_bytes, plan)
         sb_id = secrets.token_hex(6)
         hostname = req.hostname or f"sb-{sb_id}"
-        if len(hostname) > 63:
-            raise BadRequest("hostname must be at most 63 characters")
+        check_hostname(hostname)
         sb = Sandbox(id=sb_id, image=req.image, state="creating", created=time.time(),
                      limits={"cpu": limits.cpu, "memory": limits.memory_bytes, "pids": limits.pids,
                              "cpu_quota": limits.cpu_hard_quota,

@@ -89,11 +89,22 @@ def test_create_options_are_applied(fresh):
     ({"image": "nope"}, "no image"), ({"image": "busybox", "cpu": 0}, "cpu"),
     ({"image": "busybox", "memory": "1K"}, "memory"), ({"image": "busybox", "memory": "lots"}, "memory"),
     ({"image": "busybox", "pids": 1}, "pids"), ({"image": "busybox", "env": {"A=B": "x"}}, "environment"),
+    ({"image": "busybox", "hostname": "bad host!"}, "hostname 'bad host!' is not a host name"),
+    ({"image": "busybox", "hostname": "h" * 65}, "1 to 64 characters"),
 ])
 def test_bad_create_requests(fresh, kw, needle):
     c = fresh.client()
     with pytest.raises((BadRequest, NotFound), match=needle):
         c.create(**kw)
+    c.close()
+
+
+def test_a_host_name_given_is_set_as_it_is(fresh):
+    c = fresh.client()
+    sb = c.create(image="busybox", hostname="web-1.internal")
+    assert sb.exec(["hostname"]).stdout == b"web-1.internal\n"
+    longest = "x" * 31 + "." + "y" * 32        # 64 bytes: the kernel's limit
+    assert c.create(image="busybox", hostname=longest).exec(["hostname"]).stdout == longest.encode() + b"\n"
     c.close()
 
 
