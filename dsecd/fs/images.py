@@ -138,25 +138,43 @@ class ImageStore:
     def _ref(self, name: str) -> Path:
         return self.parse_name(name).ref_path(self.refs)
 
-    def get(self, name: str) -> Image:
+    def get(self, name: str, pull_hint: bool = True) -> Image:
         """The image a name stands for. A bare local name that no image has
         falls back to the reference it would be on the default registry
         (`python` -> docker.io/library/python:latest), the way `docker run
-        python` finds what `docker pull python` stored."""
+        python` finds what `docker pull python` stored. A name no image has
+        is `not_found`, whose message points at `dsec image ls` and, with
+        `pull_hint`, at `dsec image pull` where the name is one a pull takes."""
         parsed = self.parse_name(name)
         try:
             ref = self._read_ref(str(parsed))
         except FileNotFoundError:
             fallback = self._pulled_fallback(parsed)
             if fallback is None:
-                raise ImageError("not_found", f"no image named {name!r} (see `dsec image ls`; "
-                                 f"`dsec image pull {name}` fetches one from a registry)") from None
+                raise ImageError("not_found", f"no image named {name!r} "
+                                 f"({self._missing_hint(name, parsed, pull_hint)})") from None
             parsed, ref = fallback
         manifest = self._manifest(ref["manifest"])
         size = sum(layer["size"] for layer in manifest["layers"])
         return Image(name=str(parsed), manifest=ref["manifest"], layers=manifest["layers"],
                      config=manifest["config"], created=ref["created"], size=size,
                      parent=ref.get("parent"), source=ref.get("source"))
+
+    def _missing_hint(self, name: str, parsed: names.ImageName, pull_hint: bool) -> str:
+        """Where to look for an image `name` (parsed) that is not here: the
+        list, and a pull only of a name that is a registry reference (a
+        bare local name is pulled as `name:latest`), never of a local name
+        no registry could have (capitals, say)."""
+        if not pull_hint:
+            return "see `dsec image ls`"
+        if parsed.local:
+            try:
+                names.parse(f"{name}:latest", self.default_registry)
+            except names.BadName:
+                return ("see `dsec image ls`; it is no registry reference (a repository is lowercase "
+                        "[a-z0-9] words joined by '.', '_', '__' or '-'), so only `dsec image build` or "
+                        "`dsec snapshot` makes an image of that name")
+        return f"see `dsec image ls`; `dsec image pull {name}` fetches one from a registry"
 
     def _pulled_fallback(self, parsed: names.ImageName) -> tuple[names.ImageName, dict] | None:
         if not parsed.local:
@@ -295,7 +313,7 @@ class ImageStore:
                 tmp.unlink(missing_ok=True)
 
     def remove(self, name: str) -> Image:
-        image = self.get(name)
+        image = self.get(name, pull_hint=False)        # removing a missing image wants no pull
         path = self._ref(image.name)
         try:
             path.unlink()

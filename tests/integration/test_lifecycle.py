@@ -108,6 +108,21 @@ def test_a_host_name_given_is_set_as_it_is(fresh):
     c.close()
 
 
+def test_a_missing_images_hint_fits_the_name_and_the_request(fresh):
+    """A pull is hinted only where the name is one a pull takes, and never
+    for image_rm."""
+    c = fresh.client()
+    with pytest.raises(NotFound, match=r"`dsec image pull nosuch` fetches one"):
+        c.create(image="nosuch")
+    with pytest.raises(NotFound) as info:
+        c.create(image="UPPER")
+    assert "dsec image ls" in str(info.value) and "image pull" not in str(info.value)
+    with pytest.raises(NotFound) as info:
+        c.request("image_rm", name="nosuch")
+    assert info.value.message == "no image named 'nosuch' (see `dsec image ls`)"
+    c.close()
+
+
 @pytest.mark.attack      # fork bomb (with errno and neighbours: test_attack_exhaust.py)
 def test_pids_limit_is_enforced(fresh):
     c = fresh.client()

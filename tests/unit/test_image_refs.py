@@ -54,3 +54,30 @@ def test_an_unreadable_store_serves_names_read_before_and_says_so_for_others(tmp
         here.get("unseen")
     assert info.value.code == "io"
     assert "unreachable or failing" in str(info.value) and str(store) in str(info.value)
+
+
+@pytest.mark.parametrize("name, pull", [
+    ("nosuch", "`dsec image pull nosuch` fetches one from a registry"),      # pulled as nosuch:latest
+    ("ghcr.io/org/app:v1", "`dsec image pull ghcr.io/org/app:v1` fetches one from a registry"),
+    ("UPPER", None),                   # a local name no registry could have: no pull to suggest
+    ("trailing-", None),
+])
+def test_a_missing_image_hints_a_pull_only_of_a_name_a_pull_takes(tmp_path, name, pull):
+    store = ImageStore(tmp_path / "store", tmp_path / "scratch")
+    with pytest.raises(ImageError) as info:
+        store.get(name)
+    assert info.value.code == "not_found"
+    assert "see `dsec image ls`" in str(info.value)
+    if pull:
+        assert pull in str(info.value)
+    else:
+        assert "image pull" not in str(info.value) and "no registry reference" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["nosuch", "UPPER", "ghcr.io/org/app:v1"])
+def test_removing_a_missing_image_points_at_the_list_not_at_a_pull(tmp_path, name):
+    store = ImageStore(tmp_path / "store", tmp_path / "scratch")
+    with pytest.raises(ImageError) as info:
+        store.remove(name)
+    assert info.value.code == "not_found"
+    assert str(info.value) == f"no image named {name!r} (see `dsec image ls`)"
