@@ -68,6 +68,18 @@ def count_image_op(kind: str):
             metrics.IMAGE_BUILD_BYTES.labels(kind).inc(made[0].size or 0)
 
 
+def check_excludes(paths: list[str]) -> None:
+    """A snapshot's `exclude`: absolute paths in the sandbox, as its files
+    are named everywhere else; a relative one would be taken from / without
+    a word, whatever directory its caller meant. Either backend's snapshot."""
+    for path in paths:
+        if not path.startswith("/"):
+            raise BadRequest(f"snapshot: exclude paths must be absolute, got {path!r}", {"exclude": path})
+        if ".." in path.split("/") or "\0" in path:
+            raise BadRequest(f"snapshot: exclude paths must not hold '..' or NUL, got {path!r}",
+                             {"exclude": path})
+
+
 class ImageService:
     """`images` (the store of names and manifests) and `layers` (their mounts)
     are what sandboxes are made from; `freeze_timeout_s` bounds a snapshot's
@@ -389,6 +401,7 @@ class ImageService:
 
     async def snapshot(self, req, ctx) -> dict:
         """pack_diff: freeze the sandbox, pack its upper dir as a layer, thaw."""
+        check_excludes(req.exclude)
         sb = self.registry.get(req.sandbox, req)
         base = await self._images_call(self.images.get_manifest, sb.manifest, sb.image)
         exclude = self.snapshot_exclude + list(req.exclude)

@@ -1,11 +1,13 @@
 """Arguments the daemon refuses before it does anything: a create's
-hostname (dsecd/engine/creates.py check_hostname)."""
+hostname (dsecd/engine/creates.py check_hostname) and a snapshot's exclude
+paths (dsecd/engine/images.py check_excludes)."""
 
 from __future__ import annotations
 
 import pytest
 
 from dsecd.engine.creates import check_hostname
+from dsecd.engine.images import check_excludes
 from dsecd.errors import BadRequest
 
 
@@ -30,3 +32,17 @@ def test_other_hostnames_are_bad_requests_that_say_what_is_allowed(name):
     assert "1 to 64 characters" in message and "letters, digits and hyphens" in message
     assert info.value.detail == {"hostname": name}
 
+
+def test_snapshot_excludes_are_absolute_paths():
+    check_excludes([])
+    check_excludes(["/tmp", "/work/cache/", "/a b/.c"])
+    with pytest.raises(BadRequest) as info:
+        check_excludes(["/tmp", "relative"])
+    assert info.value.message == "snapshot: exclude paths must be absolute, got 'relative'"
+    assert info.value.detail == {"exclude": "relative"}
+    for bad in ("", "./tmp", "tmp/"):
+        with pytest.raises(BadRequest, match="must be absolute"):
+            check_excludes([bad])
+    for bad in ("/work/../etc", "/..", "/a\0b"):
+        with pytest.raises(BadRequest, match="must not hold '..' or NUL"):
+            check_excludes([bad])
