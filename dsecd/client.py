@@ -1091,7 +1091,7 @@ class Sandbox:
         return args
 
     async def exec(self, argv: list[str] | str, timeout: float | None = None, env: dict | None = None,
-                   cwd: str | None = None, user: int | None = None, stdin: bytes | None = None,
+                   cwd: str | None = None, user: int | str | None = None, stdin: bytes | None = None,
                    trace: bool = False, on_stdout: Callable[[bytes], object] | None = None,
                    on_stderr: Callable[[bytes], object] | None = None, pty: bool = False,
                    rows: int | None = None, cols: int | None = None,
@@ -1103,7 +1103,9 @@ class Sandbox:
         it runs on a terminal (rows x cols, default 24 x 80): `stdin` is typed
         into it, and everything it shows (echo included) is in stdout.
         policy: the task policy it runs under (a name or an inline dict;
-        default: the sandbox's)."""
+        default: the sandbox's). user: a uid, or as `docker exec --user` a
+        name, "name:group" or "uid:gid" from the sandbox's /etc/passwd and
+        /etc/group (default: the sandbox's user)."""
         if stdin is None and on_stdout is None and on_stderr is None and not pty:
             r = await self.client.request("exec", **self._exec_args(argv, env, cwd, user, timeout, False, False,
                                                                    trace, pty, rows, cols, policy))
@@ -1113,7 +1115,7 @@ class Sandbox:
         return await _collect(stream, on_stdout, on_stderr)
 
     def exec_stream(self, argv: list[str] | str, timeout: float | None = None, env: dict | None = None,
-                    cwd: str | None = None, user: int | None = None,
+                    cwd: str | None = None, user: int | str | None = None,
                     stdin: bytes | AsyncIterator[bytes] | None = None, trace: bool = False, pty: bool = False,
                     rows: int | None = None, cols: int | None = None,
                     policy: str | dict | None = None) -> ExecStream:
@@ -1126,7 +1128,7 @@ class Sandbox:
         return ExecStream(self, args, stdin)
 
     async def spawn(self, argv: list[str] | str, env: dict | None = None, cwd: str | None = None,
-                    user: int | None = None, stdin: bool = True, policy: str | dict | None = None) -> Process:
+                    user: int | str | None = None, stdin: bool = True, policy: str | dict | None = None) -> Process:
         """Start a background process (an argv list, or a string run by
         /bin/sh -c); returns once it runs. It outlives this client and a
         daemon restart; take it up again with `process(pid)`. stdin: a pipe

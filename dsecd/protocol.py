@@ -335,7 +335,7 @@ class Exec:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
-    user: int | None = None
+    user: int | str | None = None   # uid, or "name", "uid:gid", "name:group" (the sandbox's /etc/passwd)
     timeout: float | None = None
     stdin: bool = False      # if true, input arrives as exec_input requests
     stream: bool = True      # stream output frames; else return it in the result
@@ -371,7 +371,7 @@ class ProcStart:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
-    user: int | None = None
+    user: int | str | None = None   # as exec's
     stdin: bool = True       # a pipe fed by proc_input (open until eof); false: /dev/null
     policy: str | dict[str, typing.Any] | None = None   # task policy (name or inline); None = the sandbox's
 

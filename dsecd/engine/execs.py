@@ -22,7 +22,10 @@ from ..execio import (
     PtyIO,
     kill_and_reap,
 )
+from ..fs import users
+from ..imageconfig import ConfigError
 from ..initlink import InitExec
+from ..protocol import FileRead
 from .denials import DenialService, ExecRef
 from .microvms import MicroVMService
 from .policies import Applied, PolicyService
@@ -64,11 +67,46 @@ def check_env(env: dict) -> None:
             raise BadRequest(f"bad environment variable name or value: {k!r}")
 
 
-def exec_target(sb: Sandbox, req, backend) -> tuple[list[str], str, int, int]:
+async def named_user(sb: Sandbox, spec: str, workers: Workers, vms: MicroVMService) -> tuple[int, int]:
+    """(uid, gid) of an exec's user given as a string ("app", "app:staff",
+    "1000", "1000:50"), as `docker exec --user` takes it: looked up in the
+    sandbox's own /etc/passwd and /etc/group as they are now (a sandbox may
+    have added users since its create). A microVM must be running."""
+    try:
+        need_passwd, need_group = users.files_needed(spec)
+    except ConfigError as err:
+        raise BadRequest(f"user {spec!r}: {err}", {"user": spec}) from err
+    passwd = await _account_file(sb, "/etc/passwd", workers, vms) if need_passwd else None
+    group = await _account_file(sb, "/etc/group", workers, vms) if need_group else None
+    try:
+        ident = users.resolve(spec, passwd, group)
+    except users.UserError as err:
+        raise BadRequest(f"sandbox {sb.id} cannot run as user {spec!r}: {str(err).replace('the image', 'it')}",
+                         {"sandbox": sb.id, "user": spec}) from err
+    return ident.uid, ident.gid
+
+
+async def _account_file(sb: Sandbox, path: str, workers: Workers, vms: MicroVMService) -> str | None:
+    """The text of an account file of the sandbox, None if it has none."""
+    if sb.backend == "microvm":
+        try:
+            r = await vms.file_op(sb, FileRead(sandbox=sb.id, path=path, length=users.MAX_ACCOUNT_FILE))
+        except NotFound:
+            return None
+        return r["data"].decode("utf-8", "replace")
+    try:
+        return await workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap),
+                                 users.read_account_file, sb.handle.rootfd, path)
+    except OSError as err:
+        raise io_error("read", f"{sb.id}:{path}", err) from err
+
+
+def exec_target(sb: Sandbox, req, backend, named: tuple[int, int] | None = None) -> tuple[list[str], str, int, int]:
     """(env, cwd, uid, gid) of an exec or background process request (argv,
     env, cwd, user) in `sb`, checked: BadRequest names what is wrong. The
     sandbox's uid and gid by default; a request naming a uid gets a gid of
-    the same number."""
+    the same number; `named`: the ids of a user given as a string
+    (named_user)."""
     if not req.argv or not all(req.argv):
         raise BadRequest("argv must be a non-empty list of non-empty strings")
     if any("\0" in a for a in req.argv):
@@ -77,7 +115,11 @@ def exec_target(sb: Sandbox, req, backend) -> tuple[list[str], str, int, int]:
     cwd = req.cwd or sb.cwd
     if not cwd.startswith("/"):
         raise BadRequest(f"cwd must be an absolute path inside the sandbox, got {cwd!r}")
-    if req.user is None:
+    if named is not None:
+        user, gid = named
+    elif isinstance(req.user, str):
+        raise AssertionError("a user given as a string is resolved first (named_user)")
+    elif req.user is None:
         user, gid = sb.user, sb.user if sb.gid is None else sb.gid
     else:
         user = gid = req.user
@@ -140,7 +182,12 @@ class ExecService:
         max_t = self.limits.max_timeout_s
         if timeout is not None and not 0 < timeout <= (max_t or float("inf")):
             raise BadRequest(f"timeout must be in (0, {max_t}] seconds, got {timeout}")
-        env, cwd, user, gid = exec_target(sb, req, self.backend)
+        named = None
+        if isinstance(req.user, str):
+            if sb.backend == "microvm":
+                await self.ensure_running(sb, "exec")      # its files are read through its agent
+            named = await named_user(sb, req.user, self.workers, self.vms)
+        env, cwd, user, gid = exec_target(sb, req, self.backend, named)
         if sb.backend == "microvm" and (req.policy is not None or sb.policy is not None):
             raise Unsupported(f"sandbox {sb.id} is a microVM: task policies (Landlock in dsec-init) are "
                               "enforced in containers only")
@@ -148,7 +195,7 @@ class ExecService:
         started = time.monotonic()
         await self.ensure_running(sb, "exec")
         if sb.backend == "microvm":
-            result = await self.vms.exec(sb, req, env, cwd, user, timeout, ctx)
+            result = await self.vms.exec(sb, req, env, cwd, user, timeout, ctx, gid=gid)
             metrics.EXEC_SECONDS.labels("microvm").observe(time.monotonic() - started)
             return result
         via: list[str] = []        # who started the process: "init" or "helper" (the metrics' label)

@@ -392,7 +392,8 @@ class MicroVMService:
             self.balloon.wake(sb)
         return h.agent
 
-    async def exec(self, sb: Sandbox, req, env: list[str], cwd: str, user: int, timeout: float | None, ctx) -> dict:
+    async def exec(self, sb: Sandbox, req, env: list[str], cwd: str, user: int, timeout: float | None, ctx,
+                   gid: int | None = None) -> dict:
         link = self.agent(sb)
         recorder = None
         if req.trace:
@@ -420,7 +421,8 @@ class MicroVMService:
             try:
                 run = io.run = await link.start_exec(
                     argv, env, cwd, user, req.stdin or req.pty, window=window,
-                    trace=None if recorder is None else (recorder.limits.max_string, recorder.limits.max_argv))
+                    trace=None if recorder is None else (recorder.limits.max_string, recorder.limits.max_argv),
+                    gid=gid)
             finally:
                 io.sent.set()
             loop = asyncio.get_running_loop()

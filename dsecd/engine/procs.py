@@ -47,7 +47,7 @@ from ..execio import READ_CHUNK, _decode_status
 from ..fds import close_quietly, read_ready
 from ..initlink import KILLED, InitExec
 from .denials import DenialService
-from .execs import exec_target
+from .execs import exec_target, named_user
 from .policies import PolicyService
 from .sandboxes import Sandbox, SandboxRegistry
 from .vmprocs import VmProcs
@@ -199,7 +199,8 @@ class ProcessService:
 
     async def start(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
-        env, cwd, user, gid = exec_target(sb, req, self.backend)
+        named = await named_user(sb, req.user, self.workers, self.vms) if isinstance(req.user, str) else None
+        env, cwd, user, gid = exec_target(sb, req, self.backend, named)
         if sb.backend == "microvm":
             return await self._start_vm(sb, req, env, cwd, user, gid)
         applied = self.policies.for_exec(sb, req.policy, "proc_start")

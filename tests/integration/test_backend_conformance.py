@@ -61,6 +61,27 @@ def test_exec_env_cwd_user(box):
     assert r.stdout == b"bar /tmp 1000\n"
 
 
+def test_exec_and_process_users_by_name(box):
+    """As `docker exec --user`: a name or name:group from the sandbox's own
+    /etc/passwd and /etc/group as they are now."""
+    _, sb, _, _ = box
+    assert sb.exec(["sh", "-c", "id -u; id -g"], user="nobody").stdout == b"65534\n65534\n"
+    assert sb.exec(["id", "-u"], user="root").stdout == b"0\n"
+    assert sb.exec(["sh", "-c", "id -u; id -g"], user="1234:50").stdout == b"1234\n50\n"
+    sb.exec(["sh", "-c", "echo 'agent:x:2000:2001::/home/agent:/bin/sh' >> /etc/passwd; "
+                         "echo 'team:x:3000:' >> /etc/group"])
+    assert sb.exec(["sh", "-c", "id -u; id -g"], user="agent").stdout == b"2000\n2001\n"
+    assert sb.exec(["sh", "-c", "id -u; id -g"], user="agent:team").stdout == b"2000\n3000\n"
+    proc = sb.spawn(["sh", "-c", "id -u"], user="agent")
+    assert proc.wait().exit_code == 0
+    assert b"".join(o.data for o in proc.output(follow=False)) == b"2000\n"
+    for bad in ("ghost", "agent:ghosts"):
+        with pytest.raises(DsecError) as err:
+            sb.exec(["true"], user=bad)
+        assert err.value.code == "bad_request" and repr(bad.split(":")[-1]) in err.value.message, err.value
+    sb.exec(["sh", "-c", "sed -i '/^agent:/d' /etc/passwd; sed -i '/^team:/d' /etc/group"])
+
+
 def test_exec_stdin_and_streamed_output(box):
     _, sb, _, _ = box
     seen = []
