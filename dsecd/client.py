@@ -149,6 +149,7 @@ class ExecResult:
     trace: dict | None = None        # with exec(trace=True): the ptrace record
     policy: str | None = None        # the task policy it ran under (a name, "inline"; None: none)
     denials: int | None = None       # its policy denials, when counted (dsec info: policy.denials)
+    killed_by: str | None = None     # SIGKILLed, not at its timeout: "oom" (memory limit), "destroy", None: unknown
 
     @property
     def ok(self) -> bool:
@@ -160,7 +161,8 @@ class ExecResult:
                    stdout=r.get("stdout", stdout), stderr=r.get("stderr", stderr),
                    truncated=r.get("truncated", False), timed_out=r.get("timed_out", False),
                    cancelled=r.get("cancelled", False), duration_ms=r.get("duration_ms", 0.0),
-                   trace=r.get("trace"), policy=r.get("policy"), denials=r.get("denials"))
+                   trace=r.get("trace"), policy=r.get("policy"), denials=r.get("denials"),
+                   killed_by=r.get("killed_by"))
 
 
 @dataclass

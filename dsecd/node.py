@@ -173,7 +173,7 @@ class Node:
         exec_limits = ExecLimits.from_config(cfg)
         self.exec_service = ExecService(self.registry, self.workers, self.starter, self.backend,
                                         self.memory.ensure_running, exec_limits, self._devnull, self.policies,
-                                        self.denials, self.vms)
+                                        self.denials, self.vms, self.memory.oom_killed_since)
         self.builds = BuildService(cfg, self.registry, self.workers, self.image_service, self.create_service,
                                    self.exec_service, self.lifecycle.destroy_sandbox, upper_mode == "tmpfs")
         self.file_service = FileService(self.registry, self.workers, self.memory.ensure_running,

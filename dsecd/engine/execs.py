@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -156,14 +157,21 @@ class ExecLimits:
                    cfg.size("limits", "max_exec_output_bytes"), cfg.size("limits", "max_trace_bytes"))
 
 
+async def _no_oom_count(sb: Sandbox, before: int) -> bool:
+    return False
+
+
 class ExecService:
     """`exec`, `exec_input` and `exec_resize`. `ensure_running(sb, why)` resumes a paused
     sandbox first (the memory service's); `devnull` is the stdin of collected
-    execs (the daemon's one read-only /dev/null)."""
+    execs (the daemon's one read-only /dev/null); `oom_killed_since(sb, n)`
+    whether its OOM kill count grew past n (the memory service's)."""
 
     def __init__(self, registry: SandboxRegistry, workers: Workers, starter: ProcessStarter, backend,
                  ensure_running: Callable[[Sandbox, str], Awaitable[None]], limits: ExecLimits, devnull: int,
-                 policies: PolicyService, denials: DenialService | None = None, vms: MicroVMService | None = None):
+                 policies: PolicyService, denials: DenialService | None = None, vms: MicroVMService | None = None,
+                 oom_killed_since: Callable[[Sandbox, int], Awaitable[bool]] | None = None):
+        self.oom_killed_since = oom_killed_since or _no_oom_count
         self.policies = policies
         self.denials = denials
         self.registry = registry
@@ -194,10 +202,11 @@ class ExecService:
         applied = self.policies.for_exec(sb, req.policy)
         started = time.monotonic()
         await self.ensure_running(sb, "exec")
+        oom_before = sb.oom_kills
         if sb.backend == "microvm":
             result = await self.vms.exec(sb, req, env, cwd, user, timeout, ctx, gid=gid)
             metrics.EXEC_SECONDS.labels("microvm").observe(time.monotonic() - started)
-            return result
+            return await self._why_killed(sb, result, oom_before)
         via: list[str] = []        # who started the process: "init" or "helper" (the metrics' label)
         if not (req.stream or req.stdin or req.trace or req.pty):
             # ETXTBSY: the program is open for writing somewhere for a moment
@@ -216,6 +225,19 @@ class ExecService:
         else:
             result = await self._exec_streamed(sb, req, env, cwd, (user, gid), timeout, ctx, via, applied)
         metrics.EXEC_SECONDS.labels(via[-1] if via else "").observe(time.monotonic() - started)
+        return await self._why_killed(sb, result, oom_before)
+
+    async def _why_killed(self, sb: Sandbox, result: dict, oom_before: int) -> dict:
+        """An exec that ended by SIGKILL, not at its timeout, says why when
+        the daemon knows: `killed_by` "destroy" (the sandbox is being
+        destroyed) or "oom" (its memory limit: the sandbox's OOM kill count
+        grew while the exec ran). One cgroup read, for SIGKILLed execs only."""
+        if result.get("signal") != signal.SIGKILL or result.get("timed_out"):
+            return result
+        if sb.state in ("stopping", "dead"):
+            result["killed_by"] = "destroy"
+        elif await self.oom_killed_since(sb, oom_before):
+            result["killed_by"] = "oom"
         return result
 
     async def _exec_streamed(self, sb: Sandbox, req, env: list[str], cwd: str, ids: tuple[int, int],

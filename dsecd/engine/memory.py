@@ -463,6 +463,20 @@ class MemoryService:
             self.events.publish("oom", sb.id, kills=n - sb.oom_kills)
             sb.oom_kills = n
 
+    async def oom_killed_since(self, sb, before: int) -> bool:
+        """Whether a container's OOM kill count grew past `before` (its
+        sb.oom_kills when an exec started): an exec that then ended by
+        SIGKILL was the OOM killer's victim, or went with it. New kills are
+        reported here, as the reaper would report them."""
+        if sb.backend != "container" or sb.handle is None or sb.state != "running":
+            return False
+        try:
+            n = await self.workers.run(pause.oom_kills, sb.handle.group)
+        except OSError:
+            return False
+        self.report_oom(sb, n)
+        return n > before
+
     def oom_count(self, group) -> int | None:
         """A sandbox's OOM kill count, read at its end just before its cgroups
         are removed (blocking): kills the round-robin check (oom_check) had

@@ -136,3 +136,40 @@ def test_an_exec_waits_out_a_brief_writer_of_its_program(sandbox):
         assert err.value.detail["errno"] == "ETXTBSY"
     finally:
         os.close(fd)
+
+
+def _exec_answer(client, sb_id: str, argv: list[str], **kw) -> dict:
+    """The daemon's answer to a collected exec, as it is on the wire."""
+    return client.request("exec", sandbox=sb_id, argv=argv, stream=False, **kw)
+
+
+def test_an_exec_killed_by_the_memory_limit_says_so(daemon):
+    c = daemon.client()
+    sb = c.create(image="busybox", memory="32M")
+    try:
+        r = _exec_answer(c, sb.id, ["sh", "-c", 'x=aaaaaaaaaaaaaaaa; while :; do x="$x$x"; done'], timeout=60)
+        assert (r["signal"], r.get("killed_by")) == (9, "oom"), r
+        r = sb.exec(["sh", "-c", 'x=aaaaaaaaaaaaaaaa; while :; do x="$x$x"; done'], timeout=60)
+        assert (r.signal, r.killed_by) == (9, "oom")
+        r = _exec_answer(c, sb.id, ["sh", "-c", "kill -9 $$"])
+        assert r["signal"] == 9 and "killed_by" not in r, r          # killed, but not by the limit
+        r = _exec_answer(c, sb.id, ["sleep", "5"], timeout=0.5)
+        assert r["timed_out"] and "killed_by" not in r, r
+    finally:
+        sb.destroy(force=True)
+        c.close()
+
+
+def test_an_exec_ended_by_its_sandboxs_destroy_says_so(daemon):
+    c = daemon.client()
+    sb = c.create(image="busybox")
+    answer: dict = {}
+    t = threading.Thread(target=lambda: answer.update(_exec_answer(c, sb.id, ["sleep", "30"])))
+    t.start()
+    deadline = time.monotonic() + 10
+    while not sb.inspect().get("execs_running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sb.destroy(force=True)
+    t.join(15)
+    assert (answer.get("signal"), answer.get("killed_by")) == (9, "destroy"), answer
+    c.close()
