@@ -22,8 +22,9 @@ daemon's error, or dsec's own coded as the protocol's (bad_request for a
 usage error, io or the errno's code for a local file), `unreachable` for no
 connection to the daemon and `interrupted` for a signal (detail: signal, and
 the output an exec or run had kept). `rm` prints each sandbox's or path's
-result or error; the streams (events, watch, logs, attach, cat) end with the
-error as one more line.
+result or error, `cat` a line per file, its content or its error (and goes
+on to the next, as cat(1)); the streams (events, watch, logs, attach) end
+with the error as one more line.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import posixpath
@@ -51,7 +53,7 @@ from .clitext import kv as _kv
 from .clitext import pct as _pct
 from .clitext import print_json as _print_json
 from .clitext import table as _table
-from .errors import BadRequest, ConnectionLost, DsecError, io_error
+from .errors import BadRequest, ConnectionLost, DsecError, NotFound, io_error
 from .fds import read_ready
 from .fleet import fleet_target
 from .localcopy import LocalCopyError
@@ -985,6 +987,8 @@ async def _cp_dir(c: Client, a, src_sb: str | None, src: str, dst_sb: str | None
     sb = await c.get(src_sb)
     if os.path.isdir(dst):
         dst = os.path.join(dst, posixpath.basename(posixpath.normpath(src)) or "root")
+    elif not os.path.isdir(os.path.dirname(os.path.abspath(dst))):
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), dst)
     r = await sb.download_dir(src, dst)
     if a.json:
         _print_json({**r, "sandbox": sb.id, "local": dst})
@@ -1024,8 +1028,7 @@ async def cmd_cp(c: Client, a) -> int:
                 data = f.read()
             mode = os.stat(src).st_mode & 0o7777
         sb = await c.get(dst_sb)
-        if dst.endswith("/"):
-            dst += os.path.basename(src)
+        dst = await _cp_remote_target(sb, src, dst)
         await sb.write_file(dst, data, mode=mode, atomic=True)    # a failed copy leaves nothing
         if a.json:
             _print_json({"sandbox": sb.id, "path": dst, "local": src, "size": len(data)})
@@ -1040,13 +1043,51 @@ async def cmd_cp(c: Client, a) -> int:
         return 0
     if os.path.isdir(dst):
         dst = os.path.join(dst, os.path.basename(src))
-    tmp = f"{dst}.dsec-tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, dst)
+    _write_local(dst, data)
     if a.json:
         _print_json({"sandbox": sb.id, "path": src, "local": dst, "size": len(data)})
     return 0
+
+
+async def _cp_remote_target(sb, src: str, dst: str) -> str:
+    """Where `dsec cp SRC SB:DST` writes, as cp(1) would: DST, or DST/NAME
+    (NAME: the source's) when DST ends in / or is a directory (one stat)."""
+    into = dst.endswith("/")
+    if not into:
+        try:
+            into = (await sb.stat(dst))["type"] == "dir"
+        except NotFound:
+            pass
+    if not into:
+        return dst
+    if src == "-":
+        raise UsageError(f"dsec cp: {dst} is a directory, and stdin has no name: give the file's path "
+                         f"in it (SANDBOX:{dst.rstrip('/')}/NAME)")
+    return posixpath.join(dst, os.path.basename(src))
+
+
+def _write_local(dst: str, data: bytes) -> None:
+    """`data` as local file `dst`, written under a temporary name beside it and
+    renamed over it (a failed copy leaves the old file or none). Errors name
+    `dst`, the path the user gave, not the temporary file."""
+    parent = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), dst)
+    tmp = f"{dst}.dsec-tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise type(err)(err.errno, f"{err.strerror} (creating the copy in {parent} first)",
+                        dst) from err
+    try:
+        os.replace(tmp, dst)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise type(err)(err.errno, err.strerror, dst) from err
 
 
 async def cmd_ps(c: Client, a) -> int:
@@ -1106,17 +1147,26 @@ async def cmd_watch(c: Client, a) -> int:
 
 async def cmd_cat(c: Client, a) -> int:
     """The files' bytes as they are; --json: one line per file, its content as
-    text (bytes that are not UTF-8 become U+FFFD, as `logs --json` prints output)."""
-    for spec in a.targets:
-        sb_id, path = _remote_path(spec, "cat")
-        data = await (await c.get(sb_id)).read_file(path)
+    text (bytes that are not UTF-8 become U+FFFD, as `logs --json` prints output).
+    As cat(1), a file that cannot be read is an error line and the others are
+    still printed; the exit status is then 1."""
+    status = 0
+    for sb_id, path in [_remote_path(spec, "cat") for spec in a.targets]:
+        try:
+            data = await (await c.get(sb_id)).read_file(path)
+        except DsecError as err:
+            sys.stdout.flush()             # what came before, before the error
+            _print_item_error(a, err, sandbox=sb_id, path=path)
+            print(f"dsec cat: {err.code}: {err.message}", file=sys.stderr, flush=True)
+            status = 1
+            continue
         if a.json:
             print(json.dumps({"sandbox": sb_id, "path": path, "size": len(data),
                               "data": data.decode("utf-8", "replace")}, sort_keys=True), flush=True)
         else:
             sys.stdout.buffer.write(data)
     sys.stdout.flush()
-    return 0
+    return status
 
 
 async def _rm_paths(c: Client, a) -> int:
@@ -1128,7 +1178,7 @@ async def _rm_paths(c: Client, a) -> int:
             if a.json:
                 _print_json(r)
         except DsecError as err:
-            _print_rm_error(a, err, sandbox=sb_id, path=path)
+            _print_item_error(a, err, sandbox=sb_id, path=path)
             print(f"dsec: rm {spec}: {err.code}: {err.message}", file=sys.stderr)
             status = 1
     return status
@@ -1161,14 +1211,14 @@ async def cmd_rm(c: Client, a) -> int:
             r = await c.request("destroy", sandbox=sb_id, force=a.force)
             _print_json(r) if a.json else print(r["id"])
         except DsecError as err:
-            _print_rm_error(a, err, sandbox=sb_id)
+            _print_item_error(a, err, sandbox=sb_id)
             print(f"dsec: rm {sb_id}: {err}", file=sys.stderr)
             status = 1
     return status
 
 
-def _print_rm_error(a, err: DsecError, **which) -> None:
-    """--json: one sandbox's or path's failed rm, as the error object (naming it)."""
+def _print_item_error(a, err: DsecError, **which) -> None:
+    """--json: one sandbox's or path's failure (rm, cat), as the error object (naming it)."""
     wire = err.to_wire()
     wire["detail"] = {**which, **wire["detail"]}
     _print_error(a, wire)

@@ -12,6 +12,7 @@ into place at the end; on failure it is removed.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shutil
@@ -29,7 +30,11 @@ class LocalCopyError(ValueError):
 
 def pack(top: str, out) -> int:
     """Write a tar of directory `top` to binary file `out`; the number of entries.
-    Symlinks are stored as symlinks; FIFOs, sockets and devices are refused."""
+    Symlinks are stored as symlinks; FIFOs, sockets and devices are refused
+    (LocalCopyError, as a `top` that is not a directory; FileNotFoundError:
+    there is none)."""
+    if not os.path.lexists(top):
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), top)
     if not os.path.isdir(top) or os.path.islink(top):
         raise LocalCopyError(f"{top} is not a directory; copy a single file without -r")
     with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tf:

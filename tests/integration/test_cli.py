@@ -440,3 +440,55 @@ def test_json_cp_and_image_rm_print_their_result(daemon, tmp_path):
         assert r.returncode == 1 and _one_json_error(r, "not_found")
     finally:
         daemon.cli("rm", "-f", sb)
+
+
+def test_cp_into_a_directory_and_errors_that_name_the_users_path(daemon, tmp_path):
+    """As cp(1): an existing directory receives the copy under the source's
+    name; a failure names the path given, never dsec's temporary files."""
+    small = tmp_path / "small.txt"
+    small.write_text("small\n")
+    sb = daemon.cli("create", "--image", "busybox").stdout.decode().strip()
+    try:
+        r = daemon.cli("cp", str(small), f"{sb}:/etc")
+        assert r.returncode == 0, r.stderr
+        assert daemon.cli("cat", f"{sb}:/etc/small.txt").stdout == b"small\n"
+        r = daemon.cli("--json", "cp", str(small), f"{sb}:/work/")     # a trailing / as before
+        assert r.returncode == 0 and json.loads(r.stdout)["path"] == "/work/small.txt", r.stderr
+        r = daemon.cli("cp", "-", f"{sb}:/etc", input=b"x")
+        assert r.returncode == 2 and b"stdin has no name" in r.stderr, r.stderr
+
+        r = daemon.cli("cp", str(small), f"{sb}:/proc/version")      # its copy cannot be made in /proc
+        assert r.returncode == 1 and b"/proc/version" in r.stderr and b".dsec-" not in r.stderr, r.stderr
+        for local in (tmp_path / "nonexist-dir" / "x", Path("/proc/version")):
+            r = daemon.cli("cp", f"{sb}:/etc/passwd", str(local))
+            assert r.returncode == 1 and str(local).encode() in r.stderr, r.stderr
+            assert b".dsec-tmp" not in r.stderr, r.stderr
+        r = daemon.cli("--json", "cp", f"{sb}:/etc/passwd", str(tmp_path / "nonexist-dir" / "x"))
+        assert _one_json_error(r, "not_found")["detail"]["path"] == str(tmp_path / "nonexist-dir" / "x")
+        assert not (tmp_path / "nonexist-dir").exists()
+
+        r = daemon.cli("cp", "-r", str(tmp_path / "nonexist"), f"{sb}:/work")
+        assert r.returncode == 1 and b"No such file or directory" in r.stderr, r.stderr
+        assert str(tmp_path / "nonexist").encode() in r.stderr and b"is not a directory" not in r.stderr
+        r = daemon.cli("cp", "-r", str(small), f"{sb}:/work")
+        assert r.returncode == 1 and b"is not a directory" in r.stderr, r.stderr
+    finally:
+        daemon.cli("rm", "-f", sb)
+
+
+def test_cat_goes_on_past_a_file_it_cannot_read(daemon):
+    sb = daemon.cli("create", "--image", "busybox").stdout.decode().strip()
+    try:
+        r = daemon.cli("exec", sb, "--", "sh", "-c", "echo A > /a; echo B > /b")
+        assert r.returncode == 0, r.stderr
+        r = daemon.cli("cat", f"{sb}:/a", f"{sb}:/nope", f"{sb}:/b")
+        assert (r.returncode, r.stdout) == (1, b"A\nB\n"), r.stderr
+        assert r.stderr.count(b"dsec cat: not_found") == 1 and b"/nope" in r.stderr, r.stderr
+        r = daemon.cli("--json", "cat", f"{sb}:/a", f"{sb}:/nope", f"{sb}:/b")
+        lines = [json.loads(line) for line in r.stdout.splitlines()]
+        assert r.returncode == 1 and [x.get("data") for x in lines] == ["A\n", None, "B\n"], r.stdout
+        assert lines[1]["error"]["code"] == "not_found" and lines[1]["error"]["detail"]["path"].endswith("/nope")
+        r = daemon.cli("cat", f"{sb}:/a", "nosuch:/b")         # a sandbox that is not there: the same
+        assert (r.returncode, r.stdout) == (1, b"A\n") and b"nosuch" in r.stderr, r.stderr
+    finally:
+        daemon.cli("rm", "-f", sb)

@@ -215,3 +215,30 @@ def test_policy_is_a_name_or_an_inline_json_object():
     assert (a.sandbox_id, a.replay, a.follow) == ("SB", True, False)
     with pytest.raises(SystemExit):
         cli.parse_args(["create", "--image", "busybox", "--policy", "{not json"])
+
+
+def test_a_failed_local_copy_names_the_users_path(tmp_path):
+    with pytest.raises(FileNotFoundError) as e:
+        cli._write_local(str(tmp_path / "nonexist-dir" / "x"), b"data")
+    assert e.value.filename == str(tmp_path / "nonexist-dir" / "x")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x").mkdir()                   # a directory where the file would go
+    with pytest.raises(OSError) as e:
+        cli._write_local(str(tmp_path / "d" / "x"), b"data")
+    assert e.value.filename == str(tmp_path / "d" / "x") and ".dsec-tmp" not in str(e.value), e.value
+    assert os.listdir(tmp_path / "d") == ["x"]        # no temporary file left
+    cli._write_local(str(tmp_path / "d" / "y"), b"data")
+    assert (tmp_path / "d" / "y").read_bytes() == b"data"
+
+
+def test_packing_a_directory_that_does_not_exist_says_so(tmp_path):
+    import io
+
+    from dsecd import localcopy
+
+    with pytest.raises(FileNotFoundError) as e:
+        localcopy.pack(str(tmp_path / "nonexist"), io.BytesIO())
+    assert e.value.filename == str(tmp_path / "nonexist")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(localcopy.LocalCopyError, match="is not a directory"):
+        localcopy.pack(str(tmp_path / "f"), io.BytesIO())
