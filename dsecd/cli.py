@@ -473,9 +473,10 @@ async def cmd_snapshot(c: Client, a) -> int:
 
 def _create_args(a) -> dict:
     """The create's arguments of `dsec create` and `dsec run` (_create_options)."""
-    return dict(cpu=a.cpu, memory=a.memory, pids=a.pids, env=_kv(a.env, "--env"), labels=_kv(a.label, "--label"),
-                hostname=a.hostname, cwd=a.cwd, user=a.user, qos=a.qos, cpu_quota=a.cpu_quota, ttl=a.ttl,
-                idle_ttl=a.idle_ttl, net=a.net, allow=a.allow, publish=a.publish, policy=a.policy)
+    return dict(cpu=a.cpu, memory=a.memory, pids=a.pids, disk=a.disk, env=_kv(a.env, "--env"),
+                labels=_kv(a.label, "--label"), hostname=a.hostname, cwd=a.cwd, user=a.user, qos=a.qos,
+                cpu_quota=a.cpu_quota, ttl=a.ttl, idle_ttl=a.idle_ttl, net=a.net, allow=a.allow,
+                publish=a.publish, policy=a.policy)
 
 
 async def cmd_create(c: Client, a) -> int:
@@ -1296,6 +1297,22 @@ class _Parser(argparse.ArgumentParser):
         _usage_error.append(f"{self.prog}: {message}")      # for --json (main)
         super().error(message)
 
+    def add_subparsers(self, **kwargs):
+        kwargs.setdefault("parser_class", _SubParser)
+        return super().add_subparsers(**kwargs)
+
+
+class _SubParser(_Parser):
+    """A command's parser: words it does not know are its usage error, said
+    with its own usage (`dsec ps nosuch`), not passed up to the top-level
+    parser, which would print dsec's usage instead."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
 
 # The options of the commands in RUNS_A_COMMAND that take a value. Splitting
 # `dsec exec SB --timeout 2 sleep 10` into dsec's words and the command must
@@ -1304,8 +1321,35 @@ class _Parser(argparse.ArgumentParser):
 VALUED_OPTIONS = frozenset({"--timeout", "--env", "--cwd", "--user", "--output", "-o",
                             "--image", "--code-file", "--stdin", "--policy",
                             # dsec run's: create's and its own
-                            "--cpu", "--memory", "--pids", "--label", "--hostname", "--net", "--allow",
+                            "--cpu", "--memory", "--pids", "--disk", "--label", "--hostname", "--net", "--allow",
                             "--publish", "--ttl", "--idle-ttl", "--qos", "--entrypoint"})
+
+
+# Options whose value is a number or a size: a negative one ("--memory -5M")
+# is their value, not an unknown option, so the daemon's check can say what
+# is wrong with it (join_signed_values).
+SIGNED_VALUE_OPTIONS = frozenset({"--cpu", "--memory", "--pids", "--disk", "--ttl", "--idle-ttl", "--lease",
+                                  "--timeout", "--min", "--max", "--depth", "--host-port", "--interval"})
+
+
+def join_signed_values(words: list[str]) -> list[str]:
+    """`--memory -5M` as `--memory=-5M` (argparse takes a word starting with
+    '-' for an option of its own, unless it is a plain negative number), for
+    the options of SIGNED_VALUE_OPTIONS; nothing after `--` is touched."""
+    out: list[str] = []
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word == "--":
+            return [*out, *words[i:]]
+        value = words[i + 1] if i + 1 < len(words) else ""
+        if word in SIGNED_VALUE_OPTIONS and len(value) > 1 and value[0] == "-" and value[1] in "0123456789.":
+            out.append(f"{word}={value}")
+            i += 2
+            continue
+        out.append(word)
+        i += 1
+    return out
 
 
 def split_command(words: list[str], positionals: int) -> tuple[list[str], list[str]]:
@@ -1354,15 +1398,24 @@ def _exec_options(ex: argparse.ArgumentParser, verb: str) -> None:
         ex.add_argument("-d", "--detach", action="store_true",
                         help="run it in the background and print its pid (see dsec proc, logs, attach, kill, wait)")
     ex.add_argument("--timeout", type=float, help="seconds; the process group is killed after it")
-    ex.add_argument("--env", action="append", metavar="K=V")
-    ex.add_argument("--cwd")
-    ex.add_argument("--user", type=int)
+    ex.add_argument("--env", action="append", metavar="K=V",
+                    help="an environment variable, over the sandbox's (repeatable)")
+    ex.add_argument("--cwd", metavar="DIR", help="working directory, an absolute path (default: the sandbox's)")
+    ex.add_argument("--user", type=_uid_or_name, metavar="USER",
+                    help="UID (its gid the same number), NAME, NAME:GROUP or UID:GID, names from the sandbox's "
+                         "/etc/passwd and /etc/group (default: the sandbox's user)")
     ex.add_argument("--policy", type=_policy_arg, metavar="NAME|JSON",
                     help="the task policy it runs under: a name (dsec policy ls) or an inline JSON "
                          "object (default: the sandbox's)")
     if verb == "trace":
         ex.add_argument("--output", "-o", metavar="FILE", help="write the record here (default: stderr)")
     ex.add_argument("sandbox")
+
+
+def _uid_or_name(text: str) -> int | str:
+    """exec's --user: a number is a uid (run with a gid of the same number),
+    anything else a name the daemon looks up in the sandbox."""
+    return int(text) if text.isdigit() else text
 
 
 def _positive_seconds(text: str) -> float:
@@ -1377,11 +1430,16 @@ def _positive_seconds(text: str) -> float:
 
 def _create_options(p: argparse.ArgumentParser) -> None:
     """The options of a create, shared by `dsec create` and `dsec run` (_create_args)."""
-    p.add_argument("--cpu", type=float)
-    p.add_argument("--memory", help="e.g. 256M, 2G")
-    p.add_argument("--pids", type=int)
-    p.add_argument("--env", action="append", metavar="K=V", help="over the image's environment")
-    p.add_argument("--label", action="append", metavar="K=V")
+    p.add_argument("--cpu", type=float, metavar="CPUS", help="CPUs, fractions allowed: 0.5, 2; its CPU "
+                   "weight and admission share, a hard cap with --cpu-quota (default: sandbox.cpu)")
+    p.add_argument("--memory", metavar="SIZE", help="memory limit, e.g. 256M, 2G (default: sandbox.memory)")
+    p.add_argument("--pids", type=int, metavar="N", help="most processes and threads at once (default: "
+                   "sandbox.pids)")
+    p.add_argument("--disk", metavar="SIZE", help="size cap of its writable layer, e.g. 20G (default: "
+                   "sandbox.disk; needs the upperfs feature, see dsec info)")
+    p.add_argument("--env", action="append", metavar="K=V", help="over the image's environment (repeatable)")
+    p.add_argument("--label", action="append", metavar="K=V", help="a label to find it by: dsec ps --label, "
+                   "rm --all --label; job=J groups it for dsec job (repeatable)")
     p.add_argument("--hostname")
     p.add_argument("--cwd", help="working directory of its processes (default: the image's)")
     p.add_argument("--user", help="user of its processes: NAME, UID, NAME:GROUP or UID:GID, names from the "
@@ -1463,7 +1521,8 @@ def build_parser() -> argparse.ArgumentParser:
         x.add_argument("name")
 
     cr = sub.add_parser("create", help="create a sandbox; prints its id (it runs nothing: see dsec run)")
-    cr.add_argument("--image", required=True)
+    cr.add_argument("--image", required=True, help="the image to make it of (a name dsec image ls lists; "
+                    "dsec image pull fetches one)")
     _create_options(cr)
     cr.add_argument("--lease", help="destroy unless renewed (SDK: Client.hold) within this long")
     cr.add_argument("--key", help="idempotency key: a retried create with it returns the same sandbox")
@@ -1505,7 +1564,7 @@ def build_parser() -> argparse.ArgumentParser:
     call = sub.add_parser("call", help="stateless function call (FnCall): dsec call --image IMG -- CMD...",
                           usage="dsec call [options] --image IMAGE [--] COMMAND [ARG...] "
                                 "(with --code-file: the code's sys.argv[1:])")
-    call.add_argument("--image", required=True)
+    call.add_argument("--image", required=True, help="the image the call runs in (a name dsec image ls lists)")
     call.add_argument("--code-file", help="Python source to run through the image's zygote")
     call.add_argument("--stdin", metavar="FILE", help="file fed to the call's stdin")
     call.add_argument("--timeout", type=float, help="seconds; the call's process group is killed after it")
@@ -1542,8 +1601,10 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("sandbox")
     x.add_argument("--replace", action="store_true", help="the --allow rules become the whole policy")
     x.add_argument("--allow", action="append", metavar="RULE", help="with --replace: the new policy")
-    x.add_argument("--add", action="append", metavar="RULE")
-    x.add_argument("--remove", action="append", metavar="RULE")
+    x.add_argument("--add", action="append", metavar="RULE",
+                   help="allow this too: an egress rule or rule-set name (repeatable; --allow does the same)")
+    x.add_argument("--remove", action="append", metavar="RULE",
+                   help="drop a rule or rule-set name the policy has, as it was added (repeatable)")
 
     x = sub.add_parser("port", help="publish a sandbox's TCP port on the host side (prints host:port)")
     x.add_argument("sandbox")
@@ -1555,14 +1616,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("events", help="stream state changes and policy denials (one per line with --json)")
     ev.add_argument("sandbox_id", nargs="?", metavar="SANDBOX", help="only this sandbox's events")
-    ev.add_argument("--sandbox", help="the same, as an option")
+    ev.add_argument("--sandbox", help="only this sandbox's events (its id or a prefix of it), as SANDBOX")
     ev.add_argument("--replay", action="store_true", help="first the recent history")
     ev.add_argument("--no-follow", dest="follow", action="store_false",
                     help="end after the replayed history instead of following live events")
 
     snap = sub.add_parser("snapshot", help="pack a sandbox's changes as a new image (pack_diff)")
     snap.add_argument("sandbox")
-    snap.add_argument("--name", required=True)
+    snap.add_argument("--name", required=True, help="name of the new image (a name no image has yet)")
     snap.add_argument("--exclude", action="append", metavar="PATH", help="leave out this path (repeatable)")
 
     proc = sub.add_parser("proc", help="background processes (dsec exec -d)").add_subparsers(dest="proc_cmd",
@@ -1572,7 +1633,8 @@ def build_parser() -> argparse.ArgumentParser:
     x = sub.add_parser("logs", help="a background process's output: stdout to ours, stderr to ours")
     x.add_argument("sandbox")
     x.add_argument("pid", type=int)
-    x.add_argument("-f", "--follow", action="store_true", help="then new output, until the process ended")
+    x.add_argument("-f", "--follow", action="store_true",
+                   help="keep printing new output until the process exits")
     x.add_argument("--since", metavar="DURATION|TIME",
                    help="only output since then: 90s, 5m, 2h back, a Unix timestamp or an ISO 8601 time")
     x = sub.add_parser("attach", help="our stdin to a background process, its output to ours (Ctrl-D: its "
@@ -1611,7 +1673,8 @@ def build_parser() -> argparse.ArgumentParser:
     rm = sub.add_parser("rm", help="destroy sandboxes, or remove SANDBOX:/paths inside one")
     rm.add_argument("sandboxes", nargs="*", metavar="SANDBOX|SANDBOX:/path")
     rm.add_argument("--recursive", "-r", action="store_true", help="with SANDBOX:/path: a directory and its contents")
-    rm.add_argument("--all", action="store_true")
+    rm.add_argument("--all", action="store_true", help="destroy every sandbox (with --label: only those "
+                    "labelled so)")
     rm.add_argument("--force", "-f", action="store_true", help="kill running execs")
     rm.add_argument("--label", action="append", metavar="K=V", help="with --all: only these")
 
@@ -1687,7 +1750,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         head, command = split_command(argv[at + 1:], positionals=0 if verb == "call" else 1)
         argv = [*argv[:at + 1], *head]
     try:
-        a = build_parser().parse_args(argv)
+        a = build_parser().parse_args(join_signed_values(argv))
     except SystemExit as exit_:
         if exit_.code == EXIT_USAGE and verb in GIVES_A_STATUS:
             raise SystemExit(EXIT_DSEC_ERROR) from None

@@ -442,6 +442,42 @@ def test_json_cp_and_image_rm_print_their_result(daemon, tmp_path):
         daemon.cli("rm", "-f", sb)
 
 
+def test_create_and_run_take_a_disk_cap(daemon):
+    upperfs = json.loads(daemon.cli("--json", "info").stdout)["features"]["upperfs"]["available"]
+    r = daemon.cli("create", "--image", "busybox", "--disk", "64M")
+    if not upperfs:              # the daemon's refusal, not a usage error
+        assert r.returncode == 1 and b"unsupported" in r.stderr, r.stderr
+        return
+    assert r.returncode == 0, r.stderr
+    sb = r.stdout.decode().strip()
+    try:
+        assert json.loads(daemon.cli("inspect", sb).stdout)["limits"]["disk"] == 64 << 20
+    finally:
+        daemon.cli("rm", "-f", sb)
+    r = daemon.cli("run", "--no-rm", "--disk", "64M", "busybox", "--", "true")
+    assert r.returncode == 0, r.stderr
+    sb = r.stderr.decode().split("sandbox ", 1)[1].split()[0]          # "dsec run: sandbox ID (kept: --no-rm)"
+    try:
+        assert json.loads(daemon.cli("inspect", sb).stdout)["limits"]["disk"] == 64 << 20
+    finally:
+        daemon.cli("rm", "-f", sb)
+
+
+def test_usage_and_value_errors_name_the_command(daemon):
+    """An unknown word is the subcommand's usage error; a negative size or
+    number reaches the daemon, whose check says what is wrong with it."""
+    r = daemon.cli("create", "--image", "busybox", "--bogus", "1T")
+    assert r.returncode == 2 and b"usage: dsec create" in r.stderr and b"--bogus" in r.stderr, r.stderr
+    r = daemon.cli("ps", "nosuch")
+    assert r.returncode == 2 and b"usage: dsec ps" in r.stderr and b"nosuch" in r.stderr, r.stderr
+    before = json.loads(daemon.cli("ps", "--json").stdout)
+    r = daemon.cli("create", "--image", "busybox", "--memory", "-5M")
+    assert r.returncode == 1 and b"bad_request: memory" in r.stderr and b"-5M" in r.stderr, r.stderr
+    r = daemon.cli("create", "--image", "busybox", "--pids", "-5")
+    assert r.returncode == 1 and b"pids must be between" in r.stderr, r.stderr
+    assert json.loads(daemon.cli("ps", "--json").stdout) == before
+
+
 def test_cp_into_a_directory_and_errors_that_name_the_users_path(daemon, tmp_path):
     """As cp(1): an existing directory receives the copy under the source's
     name; a failure names the path given, never dsec's temporary files."""
@@ -492,3 +528,14 @@ def test_cat_goes_on_past_a_file_it_cannot_read(daemon):
         assert (r.returncode, r.stdout) == (1, b"A\n") and b"nosuch" in r.stderr, r.stderr
     finally:
         daemon.cli("rm", "-f", sb)
+
+
+def test_exec_user_takes_a_name(daemon):
+    sb = daemon.cli("create", "--image", "busybox").stdout.decode().strip()
+    try:
+        assert daemon.cli("exec", sb, "--user", "nobody", "--", "id", "-u").stdout == b"65534\n"
+        assert daemon.cli("exec", sb, "--user", "1000", "--", "id", "-g").stdout == b"1000\n"
+        r = daemon.cli("exec", sb, "--user", "ghost", "--", "true")
+        assert r.returncode == 125 and b"ghost" in r.stderr, r
+    finally:
+        daemon.cli("rm", sb)

@@ -217,6 +217,66 @@ def test_policy_is_a_name_or_an_inline_json_object():
         cli.parse_args(["create", "--image", "busybox", "--policy", "{not json"])
 
 
+def test_disk_is_a_create_and_run_option():
+    a = cli.parse_args(["create", "--image", "busybox", "--disk", "1T"])
+    assert a.disk == "1T" and cli._create_args(a)["disk"] == "1T"
+    a = cli.parse_args(["run", "--disk", "64M", "busybox", "--", "df", "/"])
+    assert (a.disk, a.image, a.argv) == ("64M", "busybox", ["df", "/"])
+    assert cli._create_args(cli.parse_args(["create", "--image", "busybox"]))["disk"] is None
+
+
+@pytest.mark.parametrize("args,usage", [
+    (["ps", "nosuch"], "usage: dsec ps"),
+    (["create", "--image", "busybox", "--bogus", "1T"], "usage: dsec create"),
+    (["image", "rm", "x", "--bogus"], "usage: dsec image rm"),
+])
+def test_unknown_words_are_the_subcommands_usage_error(args, usage, capsys):
+    """Said with the command's own usage, not dsec's top-level one."""
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and usage in err and "unrecognized arguments" in err, err
+    assert "usage: dsec [-h]" not in err, err
+
+
+def test_an_unknown_option_of_exec_is_its_usage_error_exit_125(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["exec", "SB", "--bogus", "--", "true"])
+    err = capsys.readouterr().err
+    assert e.value.code == 125 and "usage: dsec exec" in err and "--bogus" in err, err
+
+
+def test_negative_sizes_and_numbers_are_values_not_options():
+    """`--memory -5M` reaches the daemon, whose check says what is wrong with it."""
+    a = cli.parse_args(["create", "--image", "busybox", "--memory", "-5M", "--disk", "-1G", "--cpu", "-0.5",
+                        "--pids", "-3", "--ttl", "-5m"])
+    assert (a.memory, a.disk, a.cpu, a.pids, a.ttl) == ("-5M", "-1G", -0.5, -3, "-5m")
+    a = cli.parse_args(["run", "--memory", "-5M", "busybox", "--", "echo", "--memory", "-5M"])
+    assert (a.memory, a.image, a.argv) == ("-5M", "busybox", ["echo", "--memory", "-5M"])
+    a = cli.parse_args(["exec", "SB", "--timeout", "-2", "--", "sleep", "1"])
+    assert (a.timeout, a.argv) == (-2.0, ["sleep", "1"])
+    # Only those options, and only a value that starts like a number.
+    assert cli.join_signed_values(["--memory", "-5M", "--env", "-5M", "--cpu", "-x", "--", "--pids", "-1"]) == \
+        ["--memory=-5M", "--env", "-5M", "--cpu", "-x", "--", "--pids", "-1"]
+
+
+def test_the_options_a_new_user_asked_about_have_help():
+    leaves = dict(_leaf_parsers(cli.build_parser()))
+    wanted = {("create",): ["--image", "--cpu", "--pids", "--label", "--disk", "--memory"],
+              ("run",): ["--disk"], ("rm",): ["--all"], ("net", "set"): ["--add", "--remove"],
+              ("call",): ["--image"], ("snapshot",): ["--name"], ("events",): ["--sandbox"],
+              ("logs",): ["--follow"], ("exec",): ["--user", "--env", "--cwd"]}
+    for path, options in wanted.items():
+        helps = {o: act.help for act in leaves[path]._actions for o in act.option_strings}
+        for option in options:
+            assert helps[option] and helps[option] != "the same, as an option", (path, option)
+    helps = {o: act.help for act in leaves[("create",)]._actions for o in act.option_strings}
+    assert "fractions" in helps["--cpu"] and "CPU" in helps["--cpu"]
+    assert "UID" in {o: act.help for act in leaves[("exec",)]._actions for o in act.option_strings}["--user"]
+    assert cli.parse_args(["exec", "SB", "--user", "1000", "--", "id"]).user == 1000
+    assert cli.parse_args(["exec", "SB", "--user", "app:staff", "--", "id"]).user == "app:staff"
+
+
 def test_a_failed_local_copy_names_the_users_path(tmp_path):
     with pytest.raises(FileNotFoundError) as e:
         cli._write_local(str(tmp_path / "nonexist-dir" / "x"), b"data")
