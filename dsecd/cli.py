@@ -534,17 +534,26 @@ async def cmd_call(c: Client, a) -> int:
     out.write(2, r.stderr)
     if a.json:
         _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
+                     "killed_by": r.killed_by,
                      "truncated": r.truncated, "path": r.path, "run_ms": r.run_ms, "total_ms": r.total_ms,
                      **out.fields()})
     return _exit_status(r, f"dsec: call timed out after {a.timeout}s; its process group was killed")
 
 
+# Why the daemon says a command was SIGKILLed (ExecResult.killed_by).
+KILLED_BY = {"oom": "the sandbox reached its memory limit (the kernel's OOM killer took it)",
+             "destroy": "its sandbox was destroyed"}
+
+
 def _exit_status(r, timeout_msg: str) -> int:
-    """The shell's exit status for a command's result: 124 on timeout, 128+N if killed by signal N."""
+    """The shell's exit status for a command's result: 124 on timeout, 128+N
+    if killed by signal N (and why, when the daemon knows)."""
     if r.timed_out:
         print(timeout_msg, file=sys.stderr)
         return EXIT_TIMEOUT
     if r.signal:
+        if r.killed_by in KILLED_BY:
+            print(f"dsec: killed: {KILLED_BY[r.killed_by]}", file=sys.stderr)
         return 128 + r.signal
     return r.exit_code or 0
 
@@ -568,6 +577,7 @@ async def cmd_exec(c: Client, a) -> int:
         _print_trace(r.trace or {}, a.json, a.output)
     elif a.json:
         _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
+                     "killed_by": r.killed_by,
                      "truncated": r.truncated, "duration_ms": r.duration_ms, "policy": r.policy,
                      "denials": r.denials, **out.fields()})
     if r.truncated:
@@ -619,6 +629,7 @@ async def _exec_on_terminal(sb, a) -> int:
     r = stream.result
     if a.json:
         _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
+                     "killed_by": r.killed_by,
                      "duration_ms": r.duration_ms})
     return _exit_status(r, f"dsec: timed out after {a.timeout}s; the command's process group was killed")
 
@@ -673,6 +684,7 @@ async def cmd_run(c: Client, a) -> int:
     r = run.result
     if a.json:
         _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
+                     "killed_by": r.killed_by,
                      "truncated": r.truncated, "duration_ms": r.duration_ms, "sandbox": run.sandbox.id,
                      "argv": run.argv, **out.fields()})
     if r.truncated:

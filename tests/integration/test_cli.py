@@ -539,3 +539,15 @@ def test_exec_user_takes_a_name(daemon):
         assert r.returncode == 125 and b"ghost" in r.stderr, r
     finally:
         daemon.cli("rm", sb)
+
+
+def test_an_exec_killed_by_the_memory_limit_says_so(daemon):
+    sb = daemon.cli("create", "--image", "busybox", "--memory", "32M").stdout.decode().strip()
+    try:
+        hog = ["sh", "-c", 'x=aaaaaaaaaaaaaaaa; while :; do x="$x$x"; done']
+        r = daemon.cli("exec", sb, "--", *hog)
+        assert r.returncode == 137 and b"dsec: killed: the sandbox reached its memory limit" in r.stderr, r
+        r = daemon.cli("exec", "--json", sb, "--", *hog)
+        assert json.loads(r.stdout)["killed_by"] == "oom"
+    finally:
+        daemon.cli("rm", sb)
