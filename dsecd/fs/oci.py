@@ -756,7 +756,14 @@ def unpack_image(path: Path, work: Path, progress: Callable[[dict], None] | None
     OCI layout one layer per image layer (for the platform `wanted`, default
     this host's), a root file system as one layer (and no config)."""
     try:
-        with tarfile.open(path, mode="r:*") as tf:
+        tf = tarfile.open(path, mode="r:*")
+    except (tarfile.ReadError, EOFError):
+        # tarfile's own message lists every compression it tried, one per line
+        raise TarError("not a tar archive (plain, gzip, bzip2 or xz): an image is built from a docker save, "
+                       "an OCI image layout or a root file system, as a tarball or a directory (a Dockerfile "
+                       "with -f)") from None
+    try:
+        with tf:
             src = _TarSource(tf, f"image tarball {path}")
             kind, meta = classify(src)
             if kind == ROOTFS:

@@ -136,3 +136,13 @@ def test_a_directory_that_is_not_empty_is_not_unpacked_into(tmp_path):
     (tmp_path / "blob").write_bytes(tar)
     with pytest.raises(oci.TarError, match="not empty"):
         oci.extract_blob(tmp_path / "blob", _sha(tar), _sha(tar), tmp_path / "root")
+
+
+@pytest.mark.parametrize("content", [b"hello\n", b"", b"\x1f\x8b not gzip"])
+def test_a_file_that_is_no_tar_archive_says_so_in_one_line(tmp_path, content):
+    path = tmp_path / "small.txt"
+    path.write_bytes(content)
+    (tmp_path / "work").mkdir()
+    with pytest.raises(oci.TarError) as e:
+        oci.unpack_image(path, tmp_path / "work")
+    assert str(e.value).startswith("not a tar archive (plain, gzip, bzip2 or xz)") and "\n" not in str(e.value)
