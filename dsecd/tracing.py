@@ -17,7 +17,24 @@ import json
 import subprocess
 import sys
 
-STOP_THEN_EXEC = ["/bin/sh", "-c", 'kill -STOP $$ && exec "$@"', "dsec-trace"]
+# A command the shell cannot find ends the stub with 127 and no word (the
+# shell's own "not found" would read as the command's stderr) before any
+# execve of it: what not_found_in says is a missing program. /dev/null is
+# opened before the stop, so the record's first event stays the command's
+# execve, and closed for the command.
+STOP_THEN_EXEC = ["/bin/sh", "-c",
+                  'exec 3>/dev/null; kill -STOP $$ && { command -v -- "$1" >&3 || exit 127; exec "$@" 3>&-; }',
+                  "dsec-trace"]
+NOT_FOUND_STATUS = 127
+
+
+def not_found_in(result: dict) -> bool:
+    """Whether a traced exec's result (with its `trace`) is the stub's for a
+    program that does not exist: 127 and no exec event recorded (a command
+    that ran and exited 127 has its execve in the record)."""
+    record = result.get("trace") or {}
+    return (result.get("exit_code") == NOT_FOUND_STATUS and "events" in record
+            and not any(e.get("kind") == "exec" for e in record["events"]))
 
 
 def traced_argv(argv: list[str]) -> list[str]:

@@ -306,6 +306,7 @@ class ExecService:
         its task policy, whose denials `ref` counts."""
         loop = self.workers.loop
         sb.execs += 1
+        prog = argv[0]
         try:
             argv = tracing.traced_argv(argv) if trace else argv
             # A traced exec needs the daemon's helper: the tracer attaches to the daemon's child.
@@ -328,6 +329,8 @@ class ExecService:
                 raise run_error(err, sb.id, argv[0], cwd) from err
             if tracer is not None:
                 result["trace"] = await self.workers.run(tracing.collect, tracer)
+                if tracing.not_found_in(result):          # as an untraced exec of it answers
+                    raise NotFound(f"exec {prog!r}: no such file or command in the sandbox", {"argv0": prog})
             return result
         finally:
             io.close()

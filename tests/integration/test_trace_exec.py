@@ -15,6 +15,8 @@ import platform
 import pytest
 from conftest import sandbox_on, shared_vm
 
+from dsecd.errors import NotFound
+
 pytestmark = [pytest.mark.skipif(platform.machine() != "x86_64", reason="the tracer is x86_64"),
               # Its VMs start from the run's templates (conftest.VM_TEMPLATES).
               pytest.mark.shared_vm_templates]
@@ -137,3 +139,13 @@ def test_a_traced_vm_exec_of_a_missing_program_fails_as_an_untraced_one(vm):
         vm.exec(["/no/such/program"], trace=True)
     assert str(traced.value) == str(untraced.value)
     assert vm.exec(["true"], trace=True).trace["exit_code"] == 0       # the agent serves on
+
+
+def test_a_traced_exec_of_a_missing_program_is_not_found_as_an_untraced_one(daemon, sandbox):
+    with pytest.raises(NotFound, match="no such file or command"):
+        sandbox.exec(["/nope"], trace=True, timeout=20)
+    r = daemon.cli("trace", sandbox.id, "--", "/nope")
+    assert r.returncode == 125 and b"not_found" in r.stderr and b"line 0" not in r.stderr, r
+    # A program that runs and exits 127 itself keeps its status.
+    r = sandbox.exec(["sh", "-c", "exit 127"], trace=True, timeout=20)
+    assert r.exit_code == 127 and any(e["kind"] == "exec" for e in r.trace["events"])
