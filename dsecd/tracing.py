@@ -17,24 +17,26 @@ import json
 import subprocess
 import sys
 
-# A command the shell cannot find ends the stub with 127 and no word (the
-# shell's own "not found" would read as the command's stderr) before any
-# execve of it: what not_found_in says is a missing program. /dev/null is
-# opened before the stop, so the record's first event stays the command's
-# execve, and closed for the command.
-STOP_THEN_EXEC = ["/bin/sh", "-c",
-                  'exec 3>/dev/null; kill -STOP $$ && { command -v -- "$1" >&3 || exit 127; exec "$@" 3>&-; }',
-                  "dsec-trace"]
-NOT_FOUND_STATUS = 127
+STOP_THEN_EXEC = ["/bin/sh", "-c", 'kill -STOP $$ && exec "$@"', "dsec-trace"]
 
 
-def not_found_in(result: dict) -> bool:
-    """Whether a traced exec's result (with its `trace`) is the stub's for a
-    program that does not exist: 127 and no exec event recorded (a command
-    that ran and exited 127 has its execve in the record)."""
+def start_failure(result: dict) -> str | None:
+    """Why a traced exec's command never started, from its result and
+    record: "ENOENT" (no such program: the stub shell's 127, with no
+    execve recorded, as bash's PATH search makes none, or only failed
+    ones), "EACCES" (126, every execve refused), else None. A command
+    that ran has a successful execve in the record, whatever its status."""
     record = result.get("trace") or {}
-    return (result.get("exit_code") == NOT_FOUND_STATUS and "events" in record
-            and not any(e.get("kind") == "exec" for e in record["events"]))
+    if "events" not in record or result.get("exit_code") not in (126, 127):
+        return None
+    results = [e.get("result") for e in record["events"] if e.get("kind") == "exec"]
+    if any(not isinstance(r, str) for r in results):
+        return None                      # one succeeded (a number): the command ran
+    if result["exit_code"] == 127 and all(r == "ENOENT" for r in results):
+        return "ENOENT"
+    if result["exit_code"] == 126 and "EACCES" in results:
+        return "EACCES"
+    return None
 
 
 def traced_argv(argv: list[str]) -> list[str]:

@@ -6,14 +6,25 @@ timeout, and `dsec trace`'s ptrace record.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
+import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from .. import metrics, tracing, userns
-from ..errors import BadRequest, Conflict, DsecError, NotFound, Unsupported, io_error, run_error
+from ..errors import (
+    BadRequest,
+    Conflict,
+    DsecError,
+    NotFound,
+    Unsupported,
+    exec_error,
+    io_error,
+    run_error,
+)
 from ..execio import (
     DEFAULT_WINDOW,
     MAX_WINDOW_SIDE,
@@ -329,8 +340,11 @@ class ExecService:
                 raise run_error(err, sb.id, argv[0], cwd) from err
             if tracer is not None:
                 result["trace"] = await self.workers.run(tracing.collect, tracer)
-                if tracing.not_found_in(result):          # as an untraced exec of it answers
-                    raise NotFound(f"exec {prog!r}: no such file or command in the sandbox", {"argv0": prog})
+                failed = tracing.start_failure(result)
+                if failed is not None:                      # answered as an untraced exec's would be
+                    err = OSError(getattr(errno, failed), os.strerror(getattr(errno, failed)))
+                    err.step = "exec"
+                    raise exec_error(err, prog, cwd)
             return result
         finally:
             io.close()

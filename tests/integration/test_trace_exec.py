@@ -15,7 +15,7 @@ import platform
 import pytest
 from conftest import sandbox_on, shared_vm
 
-from dsecd.errors import NotFound
+from dsecd.errors import DsecError, NotFound
 
 pytestmark = [pytest.mark.skipif(platform.machine() != "x86_64", reason="the tracer is x86_64"),
               # Its VMs start from the run's templates (conftest.VM_TEMPLATES).
@@ -131,7 +131,7 @@ def test_the_record_ends_with_the_command_not_its_background_child(sandbox):
 
 
 def test_a_traced_vm_exec_of_a_missing_program_fails_as_an_untraced_one(vm):
-    from dsecd.errors import NotFound
+    from dsecd.errors import DsecError, NotFound
 
     with pytest.raises(NotFound) as untraced:
         vm.exec(["/no/such/program"])
@@ -145,7 +145,10 @@ def test_a_traced_exec_of_a_missing_program_is_not_found_as_an_untraced_one(daem
     with pytest.raises(NotFound, match="no such file or command"):
         sandbox.exec(["/nope"], trace=True, timeout=20)
     r = daemon.cli("trace", sandbox.id, "--", "/nope")
-    assert r.returncode == 125 and b"not_found" in r.stderr and b"line 0" not in r.stderr, r
+    assert r.returncode == 125 and b"not_found" in r.stderr, r
+    with pytest.raises(DsecError) as err:                 # exists, not executable
+        sandbox.exec(["/etc/passwd"], trace=True, timeout=20)
+    assert err.value.code == "permission"
     # A program that runs and exits 127 itself keeps its status.
     r = sandbox.exec(["sh", "-c", "exit 127"], trace=True, timeout=20)
     assert r.exit_code == 127 and any(e["kind"] == "exec" for e in r.trace["events"])
