@@ -890,7 +890,7 @@ class Network:
         """
         records = dict(self.records.records)
         adopted, released, failed = [], [], {}
-        previous: set[int] = set()          # the previous daemon's mark maps (Engine.carry_marks)
+        previous: dict = {}                 # the previous daemon's mark maps, held open (Engine.hold_marks)
         for sb_id, rec in records.items():
             if sb_id not in live:
                 self._release_leftovers(sb_id)
@@ -912,16 +912,19 @@ class Network:
                         self._release_leftovers(sb_id)
                 except Exception as err2:
                     log.error("tear down networking of sandbox %s: %s", sb_id, err2)
-        if previous:
-            # Again, now that no program of the previous daemon marks anything:
-            # what it marked between the first copy and each replace.
-            try:
-                self.engine.carry_marks(previous)
-            except OSError as err:
-                log.error("copy the previous daemon's accepted connections: %s", err)
+        try:
+            if previous:
+                # Again, now that no program of the previous daemon marks anything:
+                # what it marked between the first copy and each replace.
+                self.engine.carry_marks(previous.values())
+        except OSError as err:
+            log.error("copy the previous daemon's accepted connections: %s", err)
+        finally:
+            for m in previous.values():
+                m.close()
         return {"adopted": adopted, "released": sorted(set(released)), "failed": failed}
 
-    def _readopt_one(self, sb_id: str, rec: dict, netns, cgroup_dir: str, previous: set[int]) -> None:
+    def _readopt_one(self, sb_id: str, rec: dict, netns, cgroup_dir: str, previous: dict) -> None:
         if rec.get("kind") == "vm":
             self._readopt_vm(sb_id, rec)
             return
@@ -954,16 +957,17 @@ class Network:
         self._write_record(sb)
 
 
-    def _carry_marks(self, cgroup_dir: str, previous: set[int]) -> None:
+    def _carry_marks(self, cgroup_dir: str, previous: dict) -> None:
         """Before this daemon's programs replace the previous daemon's on a
         sandbox: the connections the sandbox accepted under them, copied
-        into this daemon's map once per map (readopt copies again at its end).
-        A failure costs those connections their answers, not the sandbox."""
+        into this daemon's map once per map, which `previous` (id -> Map)
+        then holds open for readopt's second pass (the last replace frees
+        it otherwise). A failure costs those connections their answers, not
+        the sandbox."""
         try:
-            found = self.engine.previous_marks(cgroup_dir) - previous
-            if found:
-                self.engine.carry_marks(found)
-                previous |= found
+            found = self.engine.hold_marks(self.engine.previous_marks(cgroup_dir) - previous.keys())
+            previous.update(found)
+            self.engine.carry_marks(found.values())
         except OSError as err:
             log.error("copy the previous daemon's accepted connections (%s): %s", cgroup_dir, err)
 

@@ -228,33 +228,37 @@ class Engine:
                 os.close(fd)
         return found
 
-    def carry_marks(self, map_ids: set[int]) -> int:
-        """Copy into this daemon's mark maps the entries of a previous
-        daemon's (`previous_marks`), each into the map of its name when its
-        type and sizes are the same; returns how many were copied. Safe to
-        repeat: the second pass brings what was marked meanwhile."""
-        copied = 0
+    def hold_marks(self, map_ids: set[int]) -> dict[int, bpfsys.Map]:
+        """The previous daemon's mark maps `map_ids`, open: its programs are
+        all that keep them alive, and the last replace frees them. Those
+        already gone are left out; the caller closes the rest."""
+        held = {}
         for map_id in map_ids:
             try:
-                old = bpfsys.Map.by_id(map_id)
+                held[map_id] = bpfsys.Map.by_id(map_id)
             except OSError as err:            # its last program went meanwhile
                 log.debug("%s", err)
+        return held
+
+    def carry_marks(self, maps) -> int:
+        """Copy into this daemon's mark maps the entries of a previous
+        daemon's (`hold_marks`), each into the map of its name when its
+        type and sizes are the same; returns how many were copied. Safe to
+        repeat: a second pass brings what was marked meanwhile."""
+        copied = 0
+        for old in maps:
+            ours = self.marks.get(old.name)
+            if ours is None or (old.type, old.key_size, old.value_size) != \
+                    (ours.type, ours.key_size, ours.value_size):
+                log.warning("BPF map %s of the previous daemon does not match this one's; "
+                            "its connections' answers are no longer let out", old.name)
                 continue
-            try:
-                ours = self.marks.get(old.name)
-                if ours is None or (old.type, old.key_size, old.value_size) != \
-                        (ours.type, ours.key_size, ours.value_size):
-                    log.warning("BPF map %d (%s) of the previous daemon does not match this one's; "
-                                "its connections' answers are no longer let out", map_id, old.name)
-                    continue
-                # A walk restarts when its key is deleted under it (the LRU
-                # evicting): bounded, so a busy map cannot keep it going.
-                keys = itertools.islice(old.keys(), 2 * old.max_entries)
-                items = [(k, v) for k in keys if (v := old.lookup(k)) is not None]
-                ours.update_many(items)
-                copied += len(items)
-            finally:
-                old.close()
+            # A walk restarts when its key is deleted under it (the LRU
+            # evicting): bounded, so a busy map cannot keep it going.
+            keys = itertools.islice(old.keys(), 2 * old.max_entries)
+            items = [(k, v) for k in keys if (v := old.lookup(k)) is not None]
+            ours.update_many(items)
+            copied += len(items)
         return copied
 
     def attach_tap(self, ifindex: int, ifname: str) -> None:
@@ -267,7 +271,7 @@ class Engine:
             others = [p for p in bpfsys.tcx_query(ifindex, at, f"list the programs on tap {ifname}")
                       if p != prog_id]
             if others:
-                self.carry_marks(self._mark_maps_of(others))
+                self._carry_tap_marks(others, ifname)
             for other in others:
                 try:
                     fd = bpfsys.prog_fd_by_id(other)
@@ -278,6 +282,20 @@ class Engine:
                     bpfsys.tcx_detach(ifindex, fd, at, f"detach BPF program {other} from tap {ifname}")
                 finally:
                     os.close(fd)
+
+    def _carry_tap_marks(self, prog_ids: list[int], ifname: str) -> None:
+        """A re-adopted VM's inbound flows, from the old programs still on its
+        tap (they keep their maps alive until detached, so one pass). A
+        failure costs those connections their answers, not the VM."""
+        held = {}
+        try:
+            held = self.hold_marks(self._mark_maps_of(prog_ids))
+            self.carry_marks(held.values())
+        except OSError as err:
+            log.error("copy the previous daemon's inbound flows of tap %s: %s", ifname, err)
+        finally:
+            for m in held.values():
+                m.close()
 
     def register_tap(self, ifindex: int, key: int, ipv4: bytes, mac: bytes, ipv6: bytes = b"") -> None:
         """What dsec_tap checks a tap's frames with: the VM's `sandboxes` key,
