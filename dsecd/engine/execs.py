@@ -79,11 +79,15 @@ def check_env(env: dict) -> None:
             raise BadRequest(f"bad environment variable name or value: {k!r}")
 
 
-async def named_user(sb: Sandbox, spec: str, workers: Workers, vms: MicroVMService) -> tuple[int, int]:
-    """(uid, gid) of an exec's user given as a string ("app", "app:staff",
-    "1000", "1000:50"), as `docker exec --user` takes it: looked up in the
-    sandbox's own /etc/passwd and /etc/group as they are now (a sandbox may
-    have added users since its create). A microVM must be running."""
+async def named_user(sb: Sandbox, spec: str, workers: Workers, vms: MicroVMService) -> users.Identity:
+    """The ids (and home) of an exec's user given as a string ("app",
+    "app:staff", "1000", "1000:50"), as `docker exec --user` takes it:
+    looked up in the sandbox's own /etc/passwd and /etc/group as they are
+    now (a sandbox may have added users since its create). A microVM must
+    be running."""
+    if not spec:
+        raise BadRequest("user must not be empty: give a uid, a name, name:group or uid:gid, or none for "
+                         "the sandbox's user", {"user": spec})
     try:
         need_passwd, need_group = users.files_needed(spec)
     except ConfigError as err:
@@ -91,11 +95,10 @@ async def named_user(sb: Sandbox, spec: str, workers: Workers, vms: MicroVMServi
     passwd = await _account_file(sb, "/etc/passwd", workers, vms) if need_passwd else None
     group = await _account_file(sb, "/etc/group", workers, vms) if need_group else None
     try:
-        ident = users.resolve(spec, passwd, group)
+        return users.resolve(spec, passwd, group)
     except users.UserError as err:
         raise BadRequest(f"sandbox {sb.id} cannot run as user {spec!r}: {str(err).replace('the image', 'it')}",
                          {"sandbox": sb.id, "user": spec}) from err
-    return ident.uid, ident.gid
 
 
 async def _account_file(sb: Sandbox, path: str, workers: Workers, vms: MicroVMService) -> str | None:
@@ -113,12 +116,12 @@ async def _account_file(sb: Sandbox, path: str, workers: Workers, vms: MicroVMSe
         raise io_error("read", f"{sb.id}:{path}", err) from err
 
 
-def exec_target(sb: Sandbox, req, backend, named: tuple[int, int] | None = None) -> tuple[list[str], str, int, int]:
+def exec_target(sb: Sandbox, req, backend, named: users.Identity | None = None) -> tuple[list[str], str, int, int]:
     """(env, cwd, uid, gid) of an exec or background process request (argv,
     env, cwd, user) in `sb`, checked: BadRequest names what is wrong. The
     sandbox's uid and gid by default; a request naming a uid gets a gid of
-    the same number; `named`: the ids of a user given as a string
-    (named_user)."""
+    the same number; `named`: the user given as a string (named_user),
+    whose home is HOME unless the request's env sets it."""
     if not req.argv or not all(req.argv):
         raise BadRequest("argv must be a non-empty list of non-empty strings")
     if any("\0" in a for a in req.argv):
@@ -127,8 +130,11 @@ def exec_target(sb: Sandbox, req, backend, named: tuple[int, int] | None = None)
     cwd = req.cwd or sb.cwd
     if not cwd.startswith("/"):
         raise BadRequest(f"cwd must be an absolute path inside the sandbox, got {cwd!r}")
+    home = {}
     if named is not None:
-        user, gid = named
+        user, gid = named.uid, named.gid
+        if named.home:
+            home = {"HOME": named.home}
     elif isinstance(req.user, str):
         raise AssertionError("a user given as a string is resolved first (named_user)")
     elif req.user is None:
@@ -136,10 +142,11 @@ def exec_target(sb: Sandbox, req, backend, named: tuple[int, int] | None = None)
     else:
         user = gid = req.user
     idmap = userns.IdMap.from_record(sb.idmap)
-    if idmap and not 0 <= user < idmap.count:
-        raise BadRequest(f"user {user} does not exist in sandbox {sb.id}: its user namespace maps "
-                         f"uids 0..{idmap.count - 1}", {"user": user, "userns_size": idmap.count})
-    return backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, req.env), cwd, user, gid
+    for what, value in (("user", user), ("group", gid)):
+        if idmap and not 0 <= value < idmap.count:
+            raise BadRequest(f"{what} {value} does not exist in sandbox {sb.id}: its user namespace maps "
+                             f"ids 0..{idmap.count - 1}", {what: value, "userns_size": idmap.count})
+    return backend.exec_env({"HOSTNAME": sb.hostname, **sb.env, **home}, req.env), cwd, user, gid
 
 
 def _with_options(start, ctty: bool, gid: int, applied: Applied | None, backend):
@@ -245,7 +252,7 @@ class ExecService:
         grew while the exec ran). One cgroup read, for SIGKILLed execs only."""
         if result.get("signal") != signal.SIGKILL or result.get("timed_out"):
             return result
-        if sb.state in ("stopping", "dead"):
+        if sb.state == "stopping":               # a destroy; "dead" is a death of its own, not said
             result["killed_by"] = "destroy"
         elif await self.oom_killed_since(sb, oom_before):
             result["killed_by"] = "oom"

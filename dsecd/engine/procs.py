@@ -199,7 +199,11 @@ class ProcessService:
 
     async def start(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
-        named = await named_user(sb, req.user, self.workers, self.vms) if isinstance(req.user, str) else None
+        named = None
+        if isinstance(req.user, str):
+            if sb.backend == "microvm":
+                await self.ensure_running(sb, "proc_start")    # its files are read through its agent
+            named = await named_user(sb, req.user, self.workers, self.vms)
         env, cwd, user, gid = exec_target(sb, req, self.backend, named)
         if sb.backend == "microvm":
             return await self._start_vm(sb, req, env, cwd, user, gid)

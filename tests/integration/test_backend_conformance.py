@@ -70,11 +70,15 @@ def test_exec_and_process_users_by_name(box):
     assert sb.exec(["sh", "-c", "id -u; id -g"], user="1234:50").stdout == b"1234\n50\n"
     sb.exec(["sh", "-c", "echo 'agent:x:2000:2001::/home/agent:/bin/sh' >> /etc/passwd; "
                          "echo 'team:x:3000:' >> /etc/group"])
-    assert sb.exec(["sh", "-c", "id -u; id -g"], user="agent").stdout == b"2000\n2001\n"
+    assert sb.exec(["sh", "-c", "id -u; id -g; echo $HOME"], user="agent").stdout == b"2000\n2001\n/home/agent\n"
+    assert sb.exec(["sh", "-c", "echo $HOME"], user="agent", env={"HOME": "/tmp"}).stdout == b"/tmp\n"
     assert sb.exec(["sh", "-c", "id -u; id -g"], user="agent:team").stdout == b"2000\n3000\n"
     proc = sb.spawn(["sh", "-c", "id -u"], user="agent")
     assert proc.wait().exit_code == 0
     assert b"".join(o.data for o in proc.output(follow=False)) == b"2000\n"
+    with pytest.raises(DsecError) as err:
+        sb.exec(["true"], user="")
+    assert err.value.code == "bad_request" and "must not be empty" in err.value.message
     for bad in ("ghost", "agent:ghosts"):
         with pytest.raises(DsecError) as err:
             sb.exec(["true"], user=bad)

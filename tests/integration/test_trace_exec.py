@@ -131,7 +131,7 @@ def test_the_record_ends_with_the_command_not_its_background_child(sandbox):
 
 
 def test_a_traced_vm_exec_of_a_missing_program_fails_as_an_untraced_one(vm):
-    from dsecd.errors import DsecError, NotFound
+    from dsecd.errors import NotFound
 
     with pytest.raises(NotFound) as untraced:
         vm.exec(["/no/such/program"])
