@@ -101,6 +101,18 @@ async def named_user(sb: Sandbox, spec: str, workers: Workers, vms: MicroVMServi
                          {"sandbox": sb.id, "user": spec}) from err
 
 
+async def request_user(sb: Sandbox, req, why: str, workers: Workers, vms: MicroVMService,
+                       ensure_running: Callable[[Sandbox, str], Awaitable[None]]) -> users.Identity | None:
+    """The user an exec or background process request names as a string
+    (named_user), None for a uid or none. A microVM is resumed first: its
+    files are read through its agent."""
+    if not isinstance(req.user, str):
+        return None
+    if sb.backend == "microvm":
+        await ensure_running(sb, why)
+    return await named_user(sb, req.user, workers, vms)
+
+
 async def _account_file(sb: Sandbox, path: str, workers: Workers, vms: MicroVMService) -> str | None:
     """The text of an account file of the sandbox, None if it has none."""
     if sb.backend == "microvm":
@@ -208,11 +220,7 @@ class ExecService:
         max_t = self.limits.max_timeout_s
         if timeout is not None and not 0 < timeout <= (max_t or float("inf")):
             raise BadRequest(f"timeout must be in (0, {max_t}] seconds, got {timeout}")
-        named = None
-        if isinstance(req.user, str):
-            if sb.backend == "microvm":
-                await self.ensure_running(sb, "exec")      # its files are read through its agent
-            named = await named_user(sb, req.user, self.workers, self.vms)
+        named = await request_user(sb, req, "exec", self.workers, self.vms, self.ensure_running)
         env, cwd, user, gid = exec_target(sb, req, self.backend, named)
         if sb.backend == "microvm" and (req.policy is not None or sb.policy is not None):
             raise Unsupported(f"sandbox {sb.id} is a microVM: task policies (Landlock in dsec-init) are "

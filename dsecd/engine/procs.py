@@ -47,7 +47,7 @@ from ..execio import READ_CHUNK, _decode_status
 from ..fds import close_quietly, read_ready
 from ..initlink import KILLED, InitExec
 from .denials import DenialService
-from .execs import exec_target, named_user
+from .execs import exec_target, request_user
 from .policies import PolicyService
 from .sandboxes import Sandbox, SandboxRegistry
 from .vmprocs import VmProcs
@@ -199,11 +199,7 @@ class ProcessService:
 
     async def start(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
-        named = None
-        if isinstance(req.user, str):
-            if sb.backend == "microvm":
-                await self.ensure_running(sb, "proc_start")    # its files are read through its agent
-            named = await named_user(sb, req.user, self.workers, self.vms)
+        named = await request_user(sb, req, "proc_start", self.workers, self.vms, self.ensure_running)
         env, cwd, user, gid = exec_target(sb, req, self.backend, named)
         if sb.backend == "microvm":
             return await self._start_vm(sb, req, env, cwd, user, gid)
