@@ -12,7 +12,7 @@ import socket
 
 import pytest
 from conftest import skip_unless_microvm
-from test_net_daemon import _recv_line, _toml_net, connect
+from test_net_daemon import _recv_line, _toml_net, connect, echo_server
 from test_net_kit import bpf_skip_reason
 
 pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None, reason=bpf_skip_reason() or "")
@@ -146,7 +146,6 @@ def test_a_restarted_daemon_takes_over_the_tap(world, vmnet):
     egress stays checked); the next daemon puts its own in its place, and a
     connection made to the guest before goes on (its flow copied over)."""
     import signal
-    import time
 
     from dsecd.net import bpfsys
     from dsecd.net.plumbing import in_netns
@@ -155,11 +154,7 @@ def test_a_restarted_daemon_takes_over_the_tap(world, vmnet):
     sb = _vm(c, net="default", allow=[f"{world.pkg}:80/tcp"])
     ifname = sb.net_show()["interface"]
     vm_ip = sb.net_show()["lease"]["ipv4"].split("/")[0]
-    sb.exec(["sh", "-c", "setsid nc -l -p 9000 -e cat </dev/null >/dev/null 2>&1 &"])
-    deadline = time.monotonic() + 20
-    while sb.exec(["sh", "-c", "netstat -ltn | grep -q ':9000 '"]).exit_code != 0:
-        assert time.monotonic() < deadline, "nc did not listen"
-        time.sleep(0.1)
+    echo_server(sb, 9000)
     conn = world.in_bridge_netns(lambda: socket.create_connection((vm_ip, 9000), timeout=10))
     conn.sendall(b"before\n")
     assert _recv_line(conn) == b"before\n"

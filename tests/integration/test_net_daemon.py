@@ -112,6 +112,16 @@ def test_lease_freed_on_destroy_and_kept_across_restart(world, netd):
     c2.close()
 
 
+def echo_server(sb, port: int, timeout: float = 20.0) -> None:
+    """One connection's echo (busybox nc -e cat) on `port` of the sandbox,
+    listening once this returns."""
+    sb.exec(["sh", "-c", f"setsid nc -l -p {port} -e cat </dev/null >/dev/null 2>&1 &"])
+    deadline = time.monotonic() + timeout
+    while sb.exec(["sh", "-c", f"netstat -ltn | grep -q ':{port} '"]).exit_code != 0:
+        assert time.monotonic() < deadline, "nc did not listen"
+        time.sleep(0.05)
+
+
 def _recv_line(conn) -> bytes:
     data = b""
     while not data.endswith(b"\n"):
@@ -132,11 +142,7 @@ def test_a_connection_the_sandbox_accepted_goes_on_across_a_restart(world, netd)
     d, c = netd
     sb = c.create(image="busybox", net="default")          # lets nothing out
     ip = sb.net_show()["lease"]["ipv4"].split("/")[0]
-    sb.exec(["sh", "-c", "setsid nc -l -p 9000 -e cat </dev/null >/dev/null 2>&1 &"])
-    deadline = time.monotonic() + 5
-    while sb.exec(["sh", "-c", "netstat -ltn | grep -q ':9000 '"]).exit_code != 0:
-        assert time.monotonic() < deadline, "nc did not listen"
-        time.sleep(0.05)
+    echo_server(sb, 9000)
     conn = world.in_bridge_netns(lambda: socket.create_connection((ip, 9000), timeout=5))
     try:
         conn.sendall(b"before\n")
