@@ -50,7 +50,7 @@ from ..fs.images import Image, ImageError
 from ..fs.layers import overlay_lowerdirs
 from ..native import HOSTNAME_MAX, NativeError
 from ..steps import AsyncSteps
-from .execs import check_env
+from .execs import check_env, sandbox_identity
 from .idranges import IdRanges
 from .images import ImageService
 from .lifecycle import LifecycleService
@@ -523,25 +523,14 @@ class CreateService:
         return ProcessSettings(env, cwd, ident.uid, ident.gid)
 
     async def _identity(self, sb: Sandbox, spec: str, source: str) -> users.Identity:
-        """`spec` -> ids, reading /etc/passwd and /etc/group in the sandbox only if the spec needs them."""
+        """`spec` -> ids, in the image's /etc/passwd and /etc/group (nothing has run in `sb` yet)."""
         try:
-            need_passwd, need_group = users.files_needed(spec)
+            return await sandbox_identity(sb, spec, self.workers, self.vms, "the image")
         except imageconfig.ConfigError as err:
             raise BadRequest(f"image {sb.image!r}: {source} {spec!r}: {err}", {"user": spec}) from err
-        passwd = await self._account_file(sb, "/etc/passwd") if need_passwd else None
-        group = await self._account_file(sb, "/etc/group") if need_group else None
-        try:
-            return users.resolve(spec, passwd, group)
         except users.UserError as err:
             raise BadRequest(f"image {sb.image!r} cannot run as {source} {spec!r}: {err}",
                              {"image": sb.image, "user": spec}) from err
-
-    async def _account_file(self, sb: Sandbox, path: str) -> str | None:
-        try:
-            return await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap),
-                                          users.read_account_file, sb.handle.rootfd, path)
-        except OSError as err:
-            raise io_error("read", f"{sb.id}:{path}", err) from err
 
     async def check_cwd(self, sb: Sandbox, cwd: str, make: bool = False) -> None:
         """A create's cwd must be a directory of the sandbox's image: else

@@ -89,15 +89,11 @@ async def named_user(sb: Sandbox, spec: str, workers: Workers, vms: MicroVMServi
         raise BadRequest("user must not be empty: give a uid, a name, name:group or uid:gid, or none for "
                          "the sandbox's user", {"user": spec})
     try:
-        need_passwd, need_group = users.files_needed(spec)
+        return await sandbox_identity(sb, spec, workers, vms, "the sandbox")
     except ConfigError as err:
         raise BadRequest(f"user {spec!r}: {err}", {"user": spec}) from err
-    passwd = await _account_file(sb, "/etc/passwd", workers, vms) if need_passwd else None
-    group = await _account_file(sb, "/etc/group", workers, vms) if need_group else None
-    try:
-        return users.resolve(spec, passwd, group)
     except users.UserError as err:
-        raise BadRequest(f"sandbox {sb.id} cannot run as user {spec!r}: {str(err).replace('the image', 'it')}",
+        raise BadRequest(f"sandbox {sb.id} cannot run as user {spec!r}: {err}",
                          {"sandbox": sb.id, "user": spec}) from err
 
 
@@ -113,8 +109,21 @@ async def request_user(sb: Sandbox, req, why: str, workers: Workers, vms: MicroV
     return await named_user(sb, req.user, workers, vms)
 
 
-async def _account_file(sb: Sandbox, path: str, workers: Workers, vms: MicroVMService) -> str | None:
-    """The text of an account file of the sandbox, None if it has none."""
+async def sandbox_identity(sb: Sandbox, spec: str, workers: Workers, vms: MicroVMService | None,
+                           holder: str) -> users.Identity:
+    """`spec` -> ids, reading the sandbox's /etc/passwd and /etc/group only if
+    the spec needs them (a create's, before anything ran: the image's; an
+    exec's: as they are now). ConfigError and users.UserError as
+    users.resolve's, naming `holder`."""
+    need_passwd, need_group = users.files_needed(spec)
+    passwd = await account_file(sb, "/etc/passwd", workers, vms) if need_passwd else None
+    group = await account_file(sb, "/etc/group", workers, vms) if need_group else None
+    return users.resolve(spec, passwd, group, holder)
+
+
+async def account_file(sb: Sandbox, path: str, workers: Workers, vms: MicroVMService | None) -> str | None:
+    """The text of an account file of the sandbox (its first
+    users.MAX_ACCOUNT_FILE bytes), None if it has none."""
     if sb.backend == "microvm":
         try:
             r = await vms.file_op(sb, FileRead(sandbox=sb.id, path=path, length=users.MAX_ACCOUNT_FILE))

@@ -80,10 +80,11 @@ def files_needed(spec: str) -> tuple[bool, bool]:
     return True, group is not None and not group.isdigit()
 
 
-def resolve(spec: str, passwd: str | None, group: str | None) -> Identity:
-    """`spec` -> ids, with the image's /etc/passwd and /etc/group text (None:
-    the image has no such file). ConfigError for a malformed spec, UserError
-    for a name the files do not have."""
+def resolve(spec: str, passwd: str | None, group: str | None, holder: str = "the image") -> Identity:
+    """`spec` -> ids, with the /etc/passwd and /etc/group text of `holder`
+    (the image, or a sandbox as it is now; None: it has no such file).
+    ConfigError for a malformed spec, UserError for a name the files do
+    not have, whose advice names `holder`."""
     user, grp = parse_user(spec)
     if not user:
         return Identity(0, 0, None)
@@ -96,7 +97,7 @@ def resolve(spec: str, passwd: str | None, group: str | None) -> Identity:
         if entry is None:
             where = "it has no /etc/passwd" if passwd is None else "its /etc/passwd has no such user"
             raise UserError(f"no user {user!r}: {where}; give a numeric uid[:gid], or add the user "
-                            "to the image")
+                            f"to {holder}")
         uid = entry.uid
     if grp is None:
         gid = entry.gid if entry is not None else uid
@@ -107,7 +108,7 @@ def resolve(spec: str, passwd: str | None, group: str | None) -> Identity:
         if grp not in groups:
             where = "it has no /etc/group" if group is None else "its /etc/group has no such group"
             raise UserError(f"no group {grp!r}: {where}; give a numeric gid, or add the group to "
-                            "the image")
+                            f"{holder}")
         gid = groups[grp]
     home = entry.home if entry is not None and entry.home else None
     return Identity(uid, gid, home)
