@@ -11,6 +11,7 @@ or program it was for.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -338,3 +339,18 @@ def prog_map_ids(fd: int) -> list[int]:
 
 def prog_fd_by_id(prog: int) -> int:
     return bpf(PROG_GET_FD_BY_ID, _attr(struct.pack("=III", prog, 0, 0), 16), f"get BPF program {prog}")
+
+
+@contextlib.contextmanager
+def prog_by_id(prog: int):
+    """An fd of another process's program `prog` for the block, closed after
+    it; None if the program is gone (its last holder went meanwhile)."""
+    try:
+        fd = prog_fd_by_id(prog)
+    except OSError:
+        yield None
+        return
+    try:
+        yield fd
+    finally:
+        os.close(fd)

@@ -210,13 +210,8 @@ class Engine:
         ours = {bpfsys.prog_id(fd) for fd, _ in self.loaded.progs.values()}
         found = set()
         for prog in set(prog_ids) - ours:
-            try:
-                fd = bpfsys.prog_fd_by_id(prog)
-            except OSError as err:            # gone meanwhile
-                log.debug("%s", err)
-                continue
-            try:
-                for map_id in bpfsys.prog_map_ids(fd):
+            with bpfsys.prog_by_id(prog) as fd:
+                for map_id in bpfsys.prog_map_ids(fd) if fd is not None else ():
                     try:
                         info = bpfsys.map_info_by_id(map_id)
                     except OSError as err:
@@ -224,8 +219,6 @@ class Engine:
                         continue
                     if info["name"] in self.marks:
                         found.add(map_id)
-            finally:
-                os.close(fd)
         return found
 
     def hold_marks(self, map_ids: set[int]) -> dict[int, bpfsys.Map]:
@@ -273,15 +266,9 @@ class Engine:
             if others:
                 self._carry_tap_marks(others, ifname)
             for other in others:
-                try:
-                    fd = bpfsys.prog_fd_by_id(other)
-                except OSError as err:            # gone meanwhile
-                    log.debug("%s", err)
-                    continue
-                try:
-                    bpfsys.tcx_detach(ifindex, fd, at, f"detach BPF program {other} from tap {ifname}")
-                finally:
-                    os.close(fd)
+                with bpfsys.prog_by_id(other) as fd:
+                    if fd is not None:
+                        bpfsys.tcx_detach(ifindex, fd, at, f"detach BPF program {other} from tap {ifname}")
 
     def _carry_tap_marks(self, prog_ids: list[int], ifname: str) -> None:
         """A re-adopted VM's inbound flows, from the old programs still on its
