@@ -309,8 +309,14 @@ def rename(rootfd: int, src: str, dst: str, overwrite: bool, keep_attrs: bool = 
                         from err
                 return {"src": src, "dst": dst}
             if keep_attrs:
-                _require_replaceable(dfd, dname, dst)
-                _take_attrs(sfd, sname, dfd, dname)
+                try:
+                    target = os.stat(dname, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    target = None
+                if target is not None:
+                    if why := unreplaceable(dst, _type_of(target.st_mode)):
+                        raise PathError(why)
+                    _take_attrs(sfd, sname, target)
             os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
             return {"src": src, "dst": dst}
         finally:
@@ -330,23 +336,10 @@ def unreplaceable(dst: str, kind: str) -> str | None:
     return f"{dst} is {what}, not a file: a write goes to regular files only"
 
 
-def _require_replaceable(dfd: int, dname: str, dst: str) -> None:
-    try:
-        target = os.stat(dname, dir_fd=dfd, follow_symlinks=False)
-    except FileNotFoundError:
-        return
-    why = unreplaceable(dst, _type_of(target.st_mode))
-    if why:
-        raise PathError(why)
-
-
-def _take_attrs(sfd: int, sname: str, dfd: int, dname: str) -> None:
-    """Give regular file sname the owner, group and mode of regular file
-    dname, if both are; chown first, as it clears set-id bits."""
-    try:
-        target = os.stat(dname, dir_fd=dfd, follow_symlinks=False)
-    except FileNotFoundError:
-        return
+def _take_attrs(sfd: int, sname: str, target: os.stat_result) -> None:
+    """Give regular file sname the owner, group and mode of the file it
+    replaces (`target`, its lstat), if both are regular; chown first, as it
+    clears set-id bits."""
     if not stat.S_ISREG(target.st_mode):
         return
     fd = os.open(sname, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=sfd)
