@@ -164,10 +164,12 @@ def test_an_exec_ended_by_its_sandboxs_destroy_says_so(daemon):
     c = daemon.client()
     sb = c.create(image="busybox")
     answer: dict = {}
-    t = threading.Thread(target=lambda: answer.update(_exec_answer(c, sb.id, ["sleep", "30"])))
+    argv = ["sh", "-c", "touch /tmp/started; exec sleep 30"]
+    t = threading.Thread(target=lambda: answer.update(_exec_answer(c, sb.id, argv)))
     t.start()
+    # Running, not only counted: a destroy before the start answers "exiting" instead.
     deadline = time.monotonic() + 10
-    while not sb.inspect().get("execs_running") and time.monotonic() < deadline:
+    while sb.exec(["test", "-e", "/tmp/started"]).exit_code != 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     sb.destroy(force=True)
     t.join(15)
