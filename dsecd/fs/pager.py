@@ -6,7 +6,8 @@ persistent local cache (docs/pager.md). This module runs it for the daemon:
 
 * ``Pager.start()`` spawns it and returns once the mount answers, or adopts a
   pager a previous daemon left running on the same mountpoint (layers mounted
-  over its files stay valid across daemon restarts);
+  over its files stay valid across daemon restarts), found by its mount or,
+  when that mount is in another mount namespace, by the pid it recorded;
 * ``Pager.supervise()`` waits for it to die and restarts it on the same
   mountpoint (lazy-unmounting the dead FUSE mount first), calling back so the
   daemon can remount the layers that sat on the dead mount;
@@ -19,6 +20,7 @@ them from a worker thread, never from the event loop.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import json
@@ -80,6 +82,14 @@ class PagerConfig:
     start_timeout_s: float = 10.0
     max_restarts: int = 5           # within restart_window_s, then supervise() gives up
     restart_window_s: float = 60.0
+
+    @property
+    def pid_file(self) -> str:
+        """Where a started pager's pid is recorded: <mountpoint>.pid. A daemon
+        that systemd restarts gets a new mount namespace (the unit's
+        PrivateMounts=, ProtectSystem=, ...) and cannot see the FUSE mount of
+        the pager it should adopt: it finds the pager by this pid instead."""
+        return self.mountpoint.rstrip("/") + ".pid"
 
     def __post_init__(self):
         for name in ("store_dir", "cache_dir", "mountpoint"):
@@ -210,12 +220,18 @@ class Pager:
         self._proc: subprocess.Popen | None = None
         self._pidfd: int | None = None   # an adopted pager (not our child)
         self._pid: int | None = None
+        # "" while the pager's mount is in our mount namespace; "/proc/<pid>/root"
+        # for a pager adopted from another one, whose mount we reach through its root.
+        self._view = ""
 
     # ---------------------------------------------------------- paths, state
 
     def blob_path(self, digest: str) -> str:
-        """The file to mount a layer from: <mountpoint>/<hex>."""
-        return os.path.join(self.config.mountpoint, blob_hex(digest))
+        """The file to mount a layer from: <mountpoint>/<hex>, as this process reaches it."""
+        return os.path.join(self._mount_path(), blob_hex(digest))
+
+    def _mount_path(self) -> str:
+        return self._view + self.config.mountpoint
 
     @property
     def pid(self) -> int | None:
@@ -230,7 +246,7 @@ class Pager:
 
     def stats(self) -> PagerStats:
         try:
-            with open(os.path.join(self.config.mountpoint, ".stats")) as f:
+            with open(os.path.join(self._mount_path(), ".stats")) as f:
                 return parse_stats(f.read())
         except OSError as err:
             raise PagerError(err.errno, f"read pager stats `{self.config.mountpoint}/.stats`: "
@@ -276,9 +292,28 @@ class Pager:
             raise
         finally:
             os.close(rfd)
+        self._record_pid()
         self.generation += 1
         log.info("pager pid %d mounted on %s (generation %d)", self._pid, cfg.mountpoint,
                  self.generation)
+
+    def _record_pid(self) -> None:
+        """Write the pid file (atomically); a failure only costs a later
+        daemon in another mount namespace the adoption, so it is logged."""
+        tmp = f"{self.config.pid_file}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(f"{self._pid}\n")
+            os.replace(tmp, self.config.pid_file)
+        except OSError as err:
+            log.warning("record the pager's pid in %s: %s", self.config.pid_file, err)
+
+    def _recorded_pid(self) -> int | None:
+        try:
+            with open(self.config.pid_file) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            return None
 
     def _wait_ready(self, rfd: int) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s
@@ -298,20 +333,41 @@ class Pager:
 
     def _try_adopt(self) -> bool:
         """A pager left by a previous daemon answers .stats: keep it (its files
-        back mounted layers). A dead one leaves ENOTCONN: cleared by the caller."""
-        if self.alive() or not pager_mounts(self.config.mountpoint):
-            return self.alive()
+        back mounted layers). Its mount is ours to see when that daemon ran in
+        our mount namespace; otherwise the pid it recorded leads to it, through
+        /proc/<pid>/root. A dead one leaves ENOTCONN: cleared by the caller."""
+        if self.alive():
+            return True
+        if pager_mounts(self.config.mountpoint):
+            return self._adopt("", None)
+        pid = self._recorded_pid()
+        return pid is not None and self._adopt(f"/proc/{pid}/root", pid)
+
+    def _adopt(self, view: str, pid: int | None) -> bool:
+        """Adopt the pager whose mount is reached at view + mountpoint (and
+        whose pid is `pid`, when known): its .stats must answer with that pid."""
+        self._view = view
+        pidfd = None
         try:
+            if pid is not None:
+                pidfd = os.pidfd_open(pid)      # before reading: the pid cannot be reused meanwhile
             stats = self.stats()
-            pidfd = os.pidfd_open(stats.pid)
+            if pid is not None and stats.pid != pid:
+                raise ValueError(f"the pager answering is pid {stats.pid}, not {pid}")
+            if pidfd is None:
+                pidfd = os.pidfd_open(stats.pid)
         except (OSError, ValueError):
+            if pidfd is not None:
+                os.close(pidfd)
+            self._view = ""
             return False
         if stats.chunk_size != self.config.chunk_size:
             log.warning("adopted pager on %s runs with chunk size %d, not %d: restart it to "
                         "change", self.config.mountpoint, stats.chunk_size, self.config.chunk_size)
         self._pidfd, self._pid, self._proc = pidfd, stats.pid, None
         self.generation += 1
-        log.info("adopted pager pid %d on %s", stats.pid, self.config.mountpoint)
+        log.info("adopted pager pid %d on %s%s", stats.pid, self.config.mountpoint,
+                 f" (its mount seen through {view})" if view else "")
         return True
 
     def _clear_dead_mounts(self) -> None:
@@ -338,6 +394,8 @@ class Pager:
                 self._wait_exit(None)
         self._forget_process()
         self._clear_dead_mounts()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.config.pid_file)
 
     def restart(self) -> None:
         """Start again after the pager died (reaped here): clears the dead mount."""
@@ -364,6 +422,7 @@ class Pager:
         if self._pidfd is not None:
             os.close(self._pidfd)
         self._proc = self._pidfd = self._pid = None
+        self._view = ""
 
     # ---------------------------------------------------------- supervision
 

@@ -4,6 +4,7 @@ format and the mountinfo parser (fixture text)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -109,3 +110,37 @@ def test_start_without_binary_says_so(tmp_path):
     with pytest.raises(pg.PagerError) as exc:
         p.start()
     assert "not built" in str(exc.value) and exc.value.errno == 2
+
+
+def _recorded(tmp_path, stats_pid: int | None) -> pg.Pager:
+    """A Pager whose pid file names this test process and whose mountpoint
+    holds a plain .stats file claiming `stats_pid` (None: no .stats)."""
+    mnt = tmp_path / "m"
+    mnt.mkdir()
+    if stats_pid is not None:
+        (mnt / ".stats").write_text(stats_doc().replace('"pid": 42', f'"pid": {stats_pid}'))
+    p = pg.Pager(cfg(mountpoint=str(mnt), cache_dir=str(tmp_path / "c"), store_dir=str(tmp_path)),
+                 binary=str(tmp_path / "nope"))
+    (tmp_path / "m.pid").write_text(f"{os.getpid()}\n")
+    assert p.config.pid_file == str(tmp_path / "m.pid")
+    return p
+
+
+def test_a_recorded_pid_is_adopted_through_its_root_when_its_stats_answer_with_it(tmp_path):
+    p = _recorded(tmp_path, os.getpid())
+    try:
+        p.start()                 # adopts: nothing is spawned (the binary does not exist)
+        assert p.pid == os.getpid()
+        assert p.blob_path(HEX) == f"/proc/{os.getpid()}/root{tmp_path}/m/{HEX}"
+    finally:
+        p._forget_process()
+    assert p.blob_path(HEX) == f"{tmp_path}/m/{HEX}"
+
+
+@pytest.mark.parametrize("stats_pid", [None, 42])
+def test_a_recorded_pid_that_is_not_the_pager_answering_is_not_adopted(tmp_path, stats_pid):
+    p = _recorded(tmp_path, stats_pid)
+    with pytest.raises(pg.PagerError) as exc:
+        p.start()                 # not adopted: it tries to spawn one
+    assert "not built" in str(exc.value)
+    assert p.pid is None and p.blob_path(HEX) == f"{tmp_path}/m/{HEX}"
