@@ -53,6 +53,8 @@ class LayerMounts:
         self._lock = threading.Lock()
         self._refs: dict[str, int] = {}
         self._idle_since: dict[str, float] = {}
+        # Counted in _refs but not mounted here (readopt could not): acquire() mounts them.
+        self._unmounted: set[str] = set()
 
     def _dir(self, digest: str) -> Path:
         return self.root / digest.split(":", 1)[1]
@@ -72,6 +74,7 @@ class LayerMounts:
                     if not self.is_mounted(digest):
                         d.mkdir(exist_ok=True)
                         native.mount_erofs(str(self.source(digest)), str(d))
+                    self._unmounted.discard(digest)
                     self._refs[digest] = self._refs.get(digest, 0) + 1
                     self._idle_since.pop(digest, None)
                     done.append(digest)
@@ -86,7 +89,7 @@ class LayerMounts:
         common case: a burst on one image), so the caller can skip a worker-thread
         hop; None when something must be mounted first."""
         with self._lock:
-            if not all(self._refs.get(d) for d in digests):
+            if not all(self._refs.get(d) and d not in self._unmounted for d in digests):
                 return None
             for d in digests:
                 self._refs[d] += 1
@@ -104,10 +107,25 @@ class LayerMounts:
                     self._idle_since[digest] = now
 
     def readopt(self, digests: list[str]) -> None:
-        """Count the layers of a re-adopted sandbox (mounted by an earlier daemon)."""
+        """Count the layers of a re-adopted sandbox, and mount those that are
+        not mounted here: the sandbox holds the mounts an earlier daemon made,
+        but that daemon may have run in another mount namespace (systemd gives
+        the unit a new one at every start), and new sandboxes need them here.
+        A layer that cannot be mounted is logged and left to the next create
+        that needs it (acquire() tries again). Blocking."""
         with self._lock:
             for digest in digests:
                 self._refs[digest] = self._refs.get(digest, 0) + 1
+                if self.is_mounted(digest):
+                    continue
+                try:
+                    self._dir(digest).mkdir(exist_ok=True)
+                    native.mount_erofs(str(self.source(digest)), str(self._dir(digest)))
+                    self._unmounted.discard(digest)
+                except OSError as err:
+                    self._unmounted.add(digest)
+                    log.warning("mount layer %s of a re-adopted sandbox: %s (the next create on "
+                                "it mounts it again)", digest, err)
 
     def sweep(self, force: bool = False) -> list[str]:
         """Unmount layers idle for longer than the grace period (all idle ones if force)."""

@@ -6,8 +6,10 @@ not started here (tests/unit/test_systemd_unit.py verifies it offline).
 What it relies on is tested instead: sandboxes live outside the daemon's
 cgroup and survive its SIGTERM even when everything left in that cgroup is
 killed afterwards (what KillMode=process spares them), the daemon works
-with the unit's capability bounding set and no_new_privs (setpriv), and it
-speaks the notify protocol to a socket of the test's own.
+with the unit's capability bounding set and no_new_privs (setpriv) and
+restarts in a new mount namespace as the unit's directives make one
+(unit_namespace.sh), and it speaks the notify protocol to a socket of the
+test's own.
 """
 
 from __future__ import annotations
@@ -441,6 +443,62 @@ def test_sandboxes_outlive_the_daemon_and_everything_left_in_its_cgroup(daemon_f
         wait_for(lambda: not unit.exists() or not _pids_in(unit), timeout=10)
         if unit.exists():
             unit.rmdir()
+
+
+UNIT_NAMESPACE = Path(__file__).resolve().parent / "unit_namespace.sh"
+
+
+def _mount_ns(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/ns/mnt")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_a_restart_in_a_new_mount_namespace_keeps_sandboxes_on_lazy_layers(daemon_factory, busybox_rootfs):
+    """Each start of the unit is a new mount namespace (its PrivateMounts=,
+    ProtectSystem=, ...), so the next daemon sees neither the layer mounts nor
+    the pager's FUSE mount of the one before. unit_namespace.sh makes such a
+    namespace per start: the restarted daemon adopts the same pager (through
+    its pid) and its sandboxes, which keep reading their lazily paged layers,
+    and a new sandbox on the same image reads it too."""
+    d = daemon_factory('[images]\nmode = "lazy"\n', start=False)
+    d.wrapper = [str(UNIT_NAMESPACE)]
+    d.start()
+    first_ns = _mount_ns(d.proc.pid)
+    assert first_ns != _mount_ns(os.getpid())
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", memory="64M")
+    sb.write_file("/work/f", b"kept")
+    digest = sb.exec(["md5sum", "/bin/busybox"]).stdout
+    pager = c.info()["images"]["pager"]["pid"]
+    try:
+        c.close()
+        d.stop(signal.SIGTERM)
+        assert _alive(pager), "the pager outlives the daemon while sandboxes use it"
+        d.start()
+        assert _mount_ns(d.proc.pid) not in (first_ns, _mount_ns(os.getpid()))
+        c = d.client()
+        assert c.info()["images"]["pager"]["pid"] == pager, "the same pager, adopted"
+        old = c.get(sb.id)
+        assert old.read_file("/work/f") == b"kept"
+        assert old.exec(["md5sum", "/bin/busybox"]).stdout == digest
+        new = c.create(image="busybox", memory="64M")
+        assert new.exec(["md5sum", "/bin/busybox"]).stdout == digest
+        new.destroy()
+        old.destroy()
+        c.close()
+        d.stop(signal.SIGTERM)          # no sandbox left: the daemon stops the pager it adopted
+        assert wait_for(lambda: not _alive(pager), timeout=15), f"pager pid {pager} still runs"
+    finally:
+        if _alive(pager):           # a failed restart cannot stop the pager it did not adopt
+            os.kill(pager, signal.SIGKILL)
 
 
 def _unit_capabilities() -> list[str]:
