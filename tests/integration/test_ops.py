@@ -510,15 +510,23 @@ def _unit_capabilities() -> list[str]:
     return caps
 
 
+def _as_the_unit() -> list[str]:
+    """The daemon's command line goes after these: in a mount namespace as the
+    unit's directives make one, with the unit's capability bounding set and
+    no_new_privs."""
+    return [str(UNIT_NAMESPACE), "setpriv", "--no-new-privs", "--bounding-set",
+            "-all," + ",".join(f"+{c}" for c in _unit_capabilities())]
+
+
 def test_the_daemon_works_with_the_units_capabilities_and_no_new_privs(daemon_factory, busybox_rootfs, tmp_path):
     """setpriv gives the daemon what the unit does: the capability bounding set
-    (root's capabilities are then exactly these) and no_new_privs. Creates,
+    (root's capabilities are then exactly these) and no_new_privs, in the
+    unit's kind of mount namespace (unit_namespace.sh). Creates,
     execs, a pty, files, background processes, pause, trace and snapshot work."""
     if subprocess.run(["setpriv", "--help"], capture_output=True).returncode != 0:
         pytest.skip("setpriv (util-linux) is not installed")
     d = daemon_factory(start=False)
-    d.wrapper = ["setpriv", "--no-new-privs", "--bounding-set", "-all," + ",".join(f"+{c}" for c in
-                                                                                 _unit_capabilities())]
+    d.wrapper = _as_the_unit()
     d.start()
     status = Path(f"/proc/{d.proc.pid}/status").read_text()
     assert re.search(r"^NoNewPrivs:\s+1$", status, re.M)
@@ -544,7 +552,7 @@ def test_the_daemon_works_with_the_units_capabilities_and_no_new_privs(daemon_fa
 
 
 def test_networking_works_with_the_units_capabilities(world, daemon_factory, busybox_rootfs):
-    """--net default under the unit's capabilities: the bridge and veths
+    """--net default as the unit runs the daemon: the bridge and veths
     (NET_ADMIN), the eBPF allowlist (BPF), the resolver on port 53
     (NET_BIND_SERVICE)."""
     from test_net_daemon import _toml_net
@@ -553,8 +561,7 @@ def test_networking_works_with_the_units_capabilities(world, daemon_factory, bus
     if bpf_skip_reason():
         pytest.skip(bpf_skip_reason())
     d = daemon_factory(_toml_net(dict(world.cfg, ipv4_pool=f"10.{world.octet}.5.0/24")), start=False)
-    d.wrapper = ["setpriv", "--no-new-privs", "--bounding-set", "-all," + ",".join(f"+{c}" for c in
-                                                                                 _unit_capabilities())]
+    d.wrapper = _as_the_unit()
     d.start()
     c = d.client()
     c.import_image(busybox_rootfs, "busybox")

@@ -57,6 +57,24 @@ def test_the_security_score_is_the_one_the_unit_states(tmp_path):
     assert float(m.group(1)) <= float(stated.group(1)), f"score {m.group(1)}, the unit says {stated.group(1)}"
 
 
+# The directives that put the daemon in a mount namespace of systemd's making.
+MOUNT_NAMESPACE_DIRECTIVES = ("PrivateMounts", "PrivateTmp", "PrivateDevices", "ProtectSystem", "ProtectHome",
+                              "ProtectKernelTunables", "ProtectKernelModules", "ProtectKernelLogs",
+                              "ProtectControlGroups", "ProtectProc", "ProcSubset", "RootDirectory",
+                              "ReadOnlyPaths", "ReadWritePaths", "InaccessiblePaths", "TemporaryFileSystem",
+                              "BindPaths", "BindReadOnlyPaths")
+
+
+def test_the_restart_tests_reproduce_the_units_mount_namespace():
+    """tests/integration/unit_namespace.sh stands in for systemd where it is
+    not PID 1: it must reproduce exactly the unit's mount-namespace directives."""
+    unit = directives(UNIT.read_text())
+    in_unit = {f"{k}={v}" for k in MOUNT_NAMESPACE_DIRECTIVES for v in unit.get(k, [])}
+    script = (ROOT / "tests" / "integration" / "unit_namespace.sh").read_text()
+    in_script = set(re.findall(r"^#   (\w+=\S+)", script, re.M))
+    assert in_unit and in_script == in_unit
+
+
 def test_the_unit_keeps_sandboxes_and_speaks_the_notify_protocol():
     d = directives(UNIT.read_text())
     assert d["Type"] == ["notify"] and d["NotifyAccess"] == ["main"]
