@@ -1114,9 +1114,10 @@ static int root_ns_child(void *arg)
  * with the six device nodes in /dev that the sandboxes bind from. `dir` is any directory of the caller's (the tmpfs is mounted on it
  * in the child's copy only). Returns the namespace's fd (close-on-exec),
  * which keeps it alive, or -errno. Made once per daemon. */
-/* Run `child` in a clone sharing our memory and fd table, the caller
- * blocked until it ends: it makes a mount namespace and leaves an fd of it
- * in *fd (a field of `ctx`). That fd, or -errno with the failing step in err. */
+/* Run `child` in a clone sharing our memory and fd table (not our fs_struct:
+ * it may enter another mount namespace), the caller blocked until it ends:
+ * it leaves an fd (of a mount namespace it made, or of a mount tree) in *fd
+ * (a field of `ctx`). That fd, or -errno with the failing step in err. */
 static int make_ns_in_child(int (*child)(void *), void *ctx, int *fd, struct dsec_err *err)
 {
     struct stacks st = {0};
@@ -1230,6 +1231,52 @@ int dsec_vm_root(const char *dir, const struct dsec_root_entry *entries, int n, 
     struct vm_root_ctx c = {.dir = dir, .entries = entries, .n = n, .err = err, .fd = -1};
 
     return make_ns_in_child(vm_root_child, &c, &c.fd, err);
+}
+
+/* ---- a client's tree ---------------------------------------------------- */
+
+struct peer_tree_ctx {
+    int pidfd;
+    const char *path;
+    struct dsec_err *err;
+    int fd;
+};
+
+/* In the mount namespace of the process behind pidfd (setns also makes that
+ * namespace's root our root and working directory): a detached clone of the
+ * tree at `path`, its submounts included, left in the fd table we share. */
+static int peer_tree_child(void *arg)
+{
+    struct peer_tree_ctx *c = arg;
+    int fd;
+
+    if (check(setns(c->pidfd, CLONE_NEWNS), c->err, DSEC_STEP_PEER_NS, c->path) < 0)
+        _exit(127);
+    fd = open_tree(AT_FDCWD, c->path, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE);
+    if (check(fd, c->err, DSEC_STEP_PEER_TREE, c->path) < 0)
+        _exit(127);
+    c->fd = fd;
+    _exit(0);
+}
+
+/* A path a client names, as the client sees it (dsecd/fs/clientpaths.py):
+ * the fd of a detached clone of the tree at absolute `path` in the mount
+ * namespace of the process behind `pidfd`, or -errno with the step. Needs
+ * CAP_SYS_ADMIN and CAP_SYS_CHROOT (setns into a mount namespace). */
+int dsec_peer_tree(int pidfd, const char *path, struct dsec_err *err)
+{
+    struct peer_tree_ctx c = {.pidfd = pidfd, .path = path, .err = err, .fd = -1};
+
+    return make_ns_in_child(peer_tree_child, &c, &c.fd, err);
+}
+
+/* Attach the detached tree `tree` (dsec_peer_tree) at `target` in our mount
+ * namespace: 0 or -errno. The caller unmounts it (MNT_DETACH) when done. */
+int dsec_attach_tree(int tree, const char *target)
+{
+    if (move_mount(tree, "", AT_FDCWD, target, MOVE_MOUNT_F_EMPTY_PATH) < 0)
+        return -errno;
+    return 0;
 }
 
 /* ---- exec in a sandbox --------------------------------------------------- */

@@ -39,6 +39,7 @@ __all__ = [
     # files, mounts, the writable layer
     "openat2", "fs_magic", "vmsplice", "KERNEL_FS_MAGICS", "mount_erofs", "umount", "mount_idmapped",
     "upperfs_create", "upperfs_attach", "RESOLVE_IN_ROOT", "RESOLVE_NO_MAGICLINKS", "RESOLVE_NO_SYMLINKS",
+    "peer_tree", "attach_tree",
     "DEVPTS_SUPER_MAGIC", "TIOCSPTLCK", "TIOCGPTPEER",
     "RESOLVE_BENEATH", "RESOLVE_NO_XDEV", "RESOLVE_CACHED", "TarErofs", "TarErofsError",
     # processes and namespaces
@@ -98,6 +99,7 @@ _VERBS = {
     "userns_map": "write id map of user namespace", "userns_fsids": "set fs uid/gid of",
     "userns_sysctl": "write sysctl", "userns_enter": "enter user namespace of",
     "netns_join": "join the pooled network namespace of",
+    "peer_ns": "enter the client's mount namespace to reach", "peer_tree": "reach",
     "ctl_fd": "hand the exec channel to", "init_request": "have the sandbox's init start",
     "root_ns": "set up the sandbox root's mount namespace at",
     "vm_root": "set up the VM's root on", "vm_root_bind": "bind into the VM's root at",
@@ -472,6 +474,28 @@ def root_ns(mount_dir: str) -> int:
     if fd < 0:
         _raise_step(err, "root_ns", {}, f"root namespace on {mount_dir}")
     return fd
+
+
+def peer_tree(pidfd: int, path: str) -> int:
+    """The fd of a detached clone of the tree at absolute `path` as the
+    process behind `pidfd` sees it (its mount namespace), submounts
+    included (csrc/spawn.c dsec_peer_tree). Close-on-exec; attach it with
+    attach_tree(). NativeError naming the path on failure."""
+    if not path.startswith("/"):
+        raise ValueError(f"path must be absolute, got {path!r}")
+    err = ffi.new("struct dsec_err *")
+    fd = lib.dsec_peer_tree(pidfd, _cstring("path", path), err)
+    if fd < 0:
+        _raise_step(err, "peer_tree", {}, path)
+    return fd
+
+
+def attach_tree(tree: int, target: str) -> None:
+    """Attach the detached tree `tree` (peer_tree) at `target` (an existing
+    directory, or file for a file's tree) in our mount namespace."""
+    rc = lib.dsec_attach_tree(tree, _path("target", target))
+    if rc < 0:
+        raise_error(-rc, "attach", f"a client's tree on {target}", "attach_tree", target)
 
 
 @dataclass(frozen=True)
