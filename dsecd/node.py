@@ -212,6 +212,7 @@ class Node:
         loop = asyncio.get_running_loop()
         self.workers.start(loop)
         await self.workers.run(upperfs.sweep_views, self.cfg.state_dir / upperfs.VIEWS_DIR)
+        await self.workers.run(self.image_service.client_paths.sweep)
         await self.workers.run(self.image_service.start)
         await self.lifecycle.recover_all()
         self.denials.start()

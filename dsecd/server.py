@@ -57,6 +57,29 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return _UCRED.unpack(raw)
 
 
+# <asm-generic/socket.h> (Linux >= 6.5).
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
+
+
+def peer_pidfd(sock, pid: int) -> int | None:
+    """A pidfd of the process that connected: SO_PEERPIDFD (Linux >= 6.5),
+    which names that very process even if its pid was reused since; else
+    pidfd_open of its SO_PEERCRED pid. None when the peer has no pid here
+    (it lives in a pid namespace this one cannot see) or is gone. The
+    caller closes it."""
+    try:
+        return sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError as err:
+        if err.errno not in (errno.ENOPROTOOPT, errno.EINVAL):
+            return None
+    if pid <= 0:
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
+
+
 def peer_groups(sock: socket.socket) -> set[int]:
     """Supplementary gids the peer had when it connected (SO_PEERGROUPS): so a
     member of socket_group by `usermod -aG` or `sg`/`newgrp` is recognised by
@@ -101,6 +124,12 @@ class RequestContext:
     def unregister_input(self) -> None:
         self.conn.inputs.pop(self.rid, None)
 
+    def peer_pidfd(self) -> int | None:
+        """A pidfd of the client's process (server.peer_pidfd), for reaching
+        host paths it names as it sees them (fs/clientpaths.py). The caller
+        closes it."""
+        return peer_pidfd(self.conn.sock, self.conn.pid) if self.conn.sock is not None else None
+
     async def input_for(self, rid: int):
         """The input sink request `rid` registered, or None; one not
         registered yet is waited for (Connection.started)."""
@@ -130,6 +159,8 @@ class Connection:
         self.starting: set[int] = set()
         self.gates: dict[int, _StartGate] = {}
         self.inputs: dict[int, object] = {}
+        self.sock = None       # the connection's socket and the peer's pid (SO_PEERCRED), once known
+        self.pid = -1
         self.max_frame = server.max_frame
         self.peer = "?"
         self.client = ""
@@ -449,6 +480,7 @@ class Server:
         except OSError:
             pid = uid = gid = -1
         conn.peer = f"pid={pid} uid={uid} gid={gid}"
+        conn.sock, conn.pid = sock, pid
         if not self._allowed(uid, gid, peer_groups(sock) if uid not in (0, -1) else set()):
             log.warning("refused connection from %s: not root or in group %r", conn.peer, self.group)
             await conn.send({"id": None, "error": PermissionDenied(

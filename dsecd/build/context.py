@@ -89,12 +89,15 @@ class BuildContext:
         self.ignore = ignore
 
     @classmethod
-    def open(cls, root: str) -> BuildContext:
-        """The context at `root` (an absolute directory) with its .dockerignore."""
+    def open(cls, root: str, shown: str | None = None) -> BuildContext:
+        """The context at `root` (an absolute directory) with its .dockerignore.
+        `shown`: how messages name it (the client's path, where `root` is
+        where the daemon has it attached)."""
+        shown = shown or root
         if not os.path.isabs(root):
-            raise ContextError(f"the build context must be an absolute path on the daemon's host, got {root!r}")
+            raise ContextError(f"the build context must be an absolute path on the daemon's host, got {shown!r}")
         if not os.path.isdir(root):
-            raise ContextError(f"the build context {root} is not a directory on the daemon's host")
+            raise ContextError(f"the build context {shown} is not a directory on the daemon's host")
         try:
             text = Path(root, ".dockerignore").read_text(errors="surrogateescape")
         except FileNotFoundError:
@@ -165,8 +168,7 @@ class BuildContext:
         if stat.S_ISLNK(st.st_mode):
             real = os.path.realpath(host)
             if real != self.root and not real.startswith(self.root + os.sep):
-                raise ContextError(f"{pattern}: the symlink {rel} points outside the build context "
-                                   f"(to {real}); COPY follows a source symlink only inside it")
+                raise ContextError(self._outside(pattern, rel, host, real))
             try:
                 st = os.stat(real)
             except FileNotFoundError:
@@ -184,6 +186,18 @@ class BuildContext:
         else:
             raise ContextError(f"{pattern}: {rel} is not a file, directory or symlink")
         return Source(rel, entries)
+
+    def _outside(self, pattern: str, rel: str, host: str, real: str) -> str:
+        """Why the source symlink `rel` is not followed. The context may be
+        attached where the client does not have it (fs/clientpaths.py), so an
+        absolute target is never looked up: it would be read in the daemon's
+        view of the host."""
+        target = os.readlink(host) if os.path.islink(host) else ""
+        if os.path.isabs(target):
+            return (f"{pattern}: the symlink {rel} points to the absolute path {target}; COPY follows a "
+                    "source symlink only by a relative path to inside the build context")
+        return (f"{pattern}: the symlink {rel} points outside the build context (to "
+                f"{os.path.relpath(real, self.root)}); COPY follows a source symlink only inside it")
 
     def _walk(self, top: str, top_ctx: str, top_rel: str = "") -> Iterator[Entry]:
         """Everything below directory `top` (context path `top_ctx`, entry path

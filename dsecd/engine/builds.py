@@ -30,9 +30,11 @@ are pinned against `image gc` until then. Progress is streamed as events
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -124,6 +126,9 @@ class _Build:
         self.results: list[dict] = []
         self.total = 0
         self.named: Image | None = None          # the image published, once it is
+        # The build context as the client sees it, attached while the build
+        # runs (fs/clientpaths.py), when a COPY or ADD reads it.
+        self.attached = contextlib.ExitStack()
 
     # ------------------------------------------------------------ errors and events
 
@@ -156,22 +161,26 @@ class _Build:
         except ImageError as err:
             line = next(i.line for i in dockerfile.instructions if i.cmd == "FROM")
             raise self._error(line, f"FROM: {err}", err.code) from err
-        sources = await self._find_sources(build_plan)
-        self.total = 1 + len(build_plan.steps)
-        if build_plan.unused_build_args:
-            await self._emit("warning", message="build arguments no ARG declares: "
-                             + ", ".join(build_plan.unused_build_args))
-        self.pins = self.store.pins()
         try:
-            image = await self._from(build_plan, base_images[build_plan.base])
-            for step in build_plan.steps:
-                image = await self._step(step, image, sources.get(step.n))
-            named, before = await self._store_call(self.store.publish, req.name, image.manifest,
-                                                   build_plan.base, True)
-            self.named = named
+            sources = await self._find_sources(build_plan)
+            self.total = 1 + len(build_plan.steps)
+            if build_plan.unused_build_args:
+                await self._emit("warning", message="build arguments no ARG declares: "
+                                 + ", ".join(build_plan.unused_build_args))
+            self.pins = self.store.pins()
+            try:
+                image = await self._from(build_plan, base_images[build_plan.base])
+                for step in build_plan.steps:
+                    image = await self._step(step, image, sources.get(step.n))
+                named, before = await self._store_call(self.store.publish, req.name, image.manifest,
+                                                       build_plan.base, True)
+                self.named = named
+            finally:
+                # Submitted at once and shielded: a cancelled build still unpins.
+                await asyncio.shield(self.svc.workers.behind(self.pins.release))
         finally:
-            # Submitted at once and shielded: a cancelled build still unpins.
-            await asyncio.shield(self.svc.workers.behind(self.pins.release))
+            # Submitted at once and shielded, as the unpin above.
+            await asyncio.shield(self.svc.workers.behind(self.attached.close))
         return {**named.to_dict(), "steps": self.results, "seconds": round(time.monotonic() - started, 3),
                 "replaced": before if before != named.manifest else None,
                 "unused_build_args": build_plan.unused_build_args}
@@ -195,8 +204,10 @@ class _Build:
             return {}
         req = self.req
 
+        where = await self._attach_context()
+
         def find() -> dict:
-            context = buildctx.BuildContext.open(req.context)
+            context = buildctx.BuildContext.open(where, shown=req.context)
             out = {}
             for step in copies:
                 try:
@@ -217,6 +228,27 @@ class _Build:
             raise BadRequest(str(err), {"context": req.context}) from err
         except OSError as err:
             raise io_error("read the build context", req.context, err) from err
+
+    async def _attach_context(self) -> str:
+        """Where the daemon reads the build context: the client's path as the
+        client sees it, attached until the build ends (fs/clientpaths.py)."""
+        context = self.req.context
+        if not os.path.isabs(context):
+            raise BadRequest(f"the build context must be an absolute path on the daemon's host, got {context!r}",
+                             {"context": context})
+        pidfd = self.ctx.peer_pidfd()
+
+        def attach() -> str:
+            try:
+                return self.attached.enter_context(self.svc.images.client_path(pidfd, context, "build context"))
+            finally:
+                if pidfd is not None:
+                    os.close(pidfd)
+
+        try:
+            return await self.svc.workers.run(attach)
+        except ImageError as err:
+            raise DsecError(str(err), {"context": context}, code=err.code) from err
 
     async def _from(self, build_plan: Plan, base: Image) -> Image:
         """Step 1: the base image, with its config in the form builds write."""

@@ -21,9 +21,11 @@ from pathlib import Path
 from .. import cgroup, imageconfig, metrics, sysfs
 from ..errors import BadRequest, Conflict, IOFailure, image_error
 from ..features import Features
+from ..fs import clientpaths
 from ..fs import upper as upperfs
+from ..fs.clientpaths import ClientPathError, ClientPaths
 from ..fs.httpstop import Stop
-from ..fs.images import ImageError, ImageStore
+from ..fs.images import Image, ImageError, ImageStore
 from ..fs.layers import LayerMounts
 from ..fs.pager import Pager, PagerConfig
 from ..fs.pull import Puller, PullSettings
@@ -113,6 +115,7 @@ class ImageService:
         self.image_mode = self._pick_mode(section["mode"])
         self.pager = self._make_pager(cfg) if self.image_mode == "lazy" else None
         self.eager_dir = cfg.state_dir / "eager"
+        self.client_paths = ClientPaths(cfg.state_dir / clientpaths.DIR)
         # The store throttle of [pager] also paces eager copies, so that both
         # modes see the same emulated remote store.
         self.store_throttle = (cfg.size("pager", "bandwidth_bps"), cfg.section("pager")["latency_us"])
@@ -320,10 +323,34 @@ class ImageService:
         except imageconfig.ConfigError as err:
             raise BadRequest(f"image_build: {err}") from err
         with count_image_op("build") as done:
-            image = await self._images_call(self.images.build_from_dir, req.source, req.name, req.parent,
-                                            config, self._progress(ctx))
+            image = await self._images_call(self._build_from_client_path, ctx.peer_pidfd(), req, config,
+                                            self._progress(ctx))
             done(image)
         return image.to_dict()
+
+    def _build_from_client_path(self, pidfd: int | None, req, config: dict, progress) -> Image:
+        """build_from_dir on req.source as the client sees it (fs/clientpaths.py);
+        closes pidfd. Blocking."""
+        try:
+            if not os.path.isabs(req.source):
+                raise ImageError("bad_request", f"build source must be an absolute path, got {req.source!r}")
+            with self.client_path(pidfd, req.source, "build source") as source:
+                return self.images.build_from_dir(source, req.name, req.parent, config, progress,
+                                                  shown=req.source)
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+
+    @contextlib.contextmanager
+    def client_path(self, pidfd: int | None, path: str, what: str):
+        """ClientPaths.reach, its failures as ImageErrors naming `what`. Blocking."""
+        try:
+            with self.client_paths.reach(pidfd, path) as source:
+                yield source
+        except ClientPathError as err:      # only reach() raises it: the body never does
+            code = {errno.ENOENT: "not_found", errno.ENOTDIR: "not_found", errno.EACCES: "permission",
+                    errno.EPERM: "permission"}.get(err.errno, "bad_request")
+            raise ImageError(code, f"{what} {err}") from err
 
     async def pull(self, req, ctx) -> dict:
         """A registry image into the store (fs/pull.py), at most images.max_pulls

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
 import tarfile
 import textwrap
 import time
 
 import pytest
+from conftest import VENV_BIN
 
 from dsecd import Client
 from dsecd.errors import DsecError
@@ -288,6 +291,41 @@ def test_the_cli_prints_the_result_and_fails_with_the_line(daemon, tmp_path):
     assert "Bad:2: RUN failed with exit code 1" in r.stderr.decode() and "broken" in r.stderr.decode()
     r = daemon.cli("image", "build", str(ctx), "--name", "x", "--build-arg", "A=1")
     assert r.returncode == 2 and b"goes with -f" in r.stderr
+
+
+def test_sources_are_read_as_the_client_sees_them(daemon, client, tmp_path):
+    """A client with mounts of its own (in a container; or beside a daemon
+    that systemd gave a /tmp of its own) names paths only it sees: the
+    daemon reads them in the client's mount namespace. Here the client's
+    files are on a tmpfs mounted in its namespace alone."""
+    private = tmp_path / "private"
+    private.mkdir()
+    dsec = f"{VENV_BIN / 'dsec'} --socket {daemon.socket}"
+    script = f"""
+        set -e
+        mount -t tmpfs only-the-client {private}
+        mkdir {private}/ctx {private}/root
+        printf 'FROM busybox\\nCOPY hello.txt /hello.txt\\n' > {private}/ctx/Dockerfile
+        echo from-the-client > {private}/ctx/hello.txt
+        echo rootfs-file > {private}/root/only-here
+        {dsec} image build -f {private}/ctx/Dockerfile {private}/ctx --name client-view
+        {dsec} image build {private}/root --from busybox --name client-root
+    """
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                       capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr.decode()
+    assert not os.listdir(private), "the daemon's own view of that path stayed empty"
+    sb = client.create(image="client-view", memory="64M")
+    assert sb.exec(["cat", "/hello.txt"]).stdout == b"from-the-client\n"
+    sb.destroy()
+    sb = client.create(image="client-root", memory="64M")
+    assert sb.exec(["cat", "/only-here"]).stdout == b"rootfs-file\n"
+    sb.destroy()
+    for name in ("client-view", "client-root"):
+        client.request("image_rm", name=name)
+    r = daemon.cli("image", "build", str(private / "gone"), "--name", "never")
+    assert r.returncode != 0 and b"(looked up as the client sees it)" in r.stderr, r.stderr
+    assert not list((daemon.state / "client-paths").iterdir()), "every attached path is gone again"
 
 
 @pytest.fixture

@@ -1,0 +1,115 @@
+"""Host paths a local client names, reached as that client sees them.
+
+`image_build`'s source and a Dockerfile build's context are paths on the
+daemon's host that the client names and the daemon reads in place. The
+daemon need not see the same tree at that path as the client: under
+systemd it runs in a mount namespace of its own, with a read-only /usr and
+/etc among other things (docs/operations.md), and a client may run in a
+container with mounts of its own. So the tree at such a path is looked up
+in the client's mount namespace, through a pidfd of the connected process
+(server.peer_pidfd), cloned with open_tree(2) and attached at
+`<state_dir>/client-paths/<random>/<its name>` for as long as the request
+reads it, then detached (csrc/spawn.c dsec_peer_tree). The clone is a bind
+of the same files: nothing is copied.
+
+Every call blocks (a clone and a mount): run it in a worker thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import stat
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from .. import native, sysfs
+
+log = logging.getLogger(__name__)
+
+DIR = "client-paths"          # under state_dir
+
+
+class ClientPathError(Exception):
+    """The path could not be reached as the client sees it; `errno` says why
+    (ENOENT: nothing there; ESRCH: the client is gone)."""
+
+    def __init__(self, err: int, message: str):
+        super().__init__(message)
+        self.errno = err
+
+
+class ClientPaths:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def sweep(self) -> int:
+        """At start: detach and remove what a daemon killed mid-request left."""
+        prefix = str(self.root) + "/"
+        with open("/proc/self/mountinfo") as f:
+            points = [p for line in f if (p := sysfs.unescape_mount_field(line.split()[4])).startswith(prefix)]
+        for point in sorted(points, key=len, reverse=True):
+            native.umount(point, detach=True)
+            log.warning("detached a client's path left attached by an earlier daemon: %s", point)
+        if self.root.exists():
+            for holder in self.root.iterdir():
+                for point in holder.iterdir():
+                    _remove_point(point)
+                holder.rmdir()
+        return len(points)
+
+    @contextlib.contextmanager
+    def reach(self, pidfd: int | None, path: str) -> Iterator[str]:
+        """`path` (absolute) as the client behind `pidfd` sees it: a path of
+        the daemon's where that tree is attached for the with block. pidfd
+        None (the client has no pid in the daemon's pid namespace): `path`
+        itself, as the daemon sees it."""
+        if pidfd is None:
+            yield path
+            return
+        point = self._attach(pidfd, path)
+        try:
+            yield str(point)
+        finally:
+            native.umount(str(point), detach=True)
+            _remove_point(point)
+            point.parent.rmdir()
+
+    def _attach(self, pidfd: int, path: str) -> Path:
+        try:
+            tree = native.peer_tree(pidfd, path)
+        except OSError as err:
+            code = err.errno or errno.EIO
+            why = "the client exited" if code == errno.ESRCH else os.strerror(code)
+            raise ClientPathError(code, f"{path}: {why} (looked up as the client sees it)") from err
+        try:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            holder = Path(tempfile.mkdtemp(dir=self.root))
+            # Its own name, so that what reads it sees a tarball's name and suffix.
+            point = holder / (os.path.basename(path.rstrip("/")) or "root")
+            try:
+                if stat.S_ISDIR(os.fstat(tree).st_mode):
+                    point.mkdir()
+                else:
+                    point.touch()
+                native.attach_tree(tree, str(point))
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    _remove_point(point)
+                    holder.rmdir()
+                raise
+        finally:
+            os.close(tree)
+        return point
+
+
+def _remove_point(point: Path) -> None:
+    """Remove an (empty, unmounted) attach point; never anything below it:
+    were it still attached, what is below would be the client's files."""
+    if point.is_dir() and not point.is_symlink():
+        point.rmdir()
+    else:
+        point.unlink(missing_ok=True)

@@ -1,0 +1,85 @@
+"""dsecd/fs/clientpaths.py and server.peer_pidfd: a path reached as the
+client sees it, attached and detached again, and never a file of the
+client's removed on the way (as root: it mounts)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+
+import pytest
+
+from dsecd import server
+from dsecd.fs.clientpaths import ClientPathError, ClientPaths
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="attaching a tree needs root")
+
+
+def _mounted(path: str) -> bool:
+    """From mountinfo: os.path.ismount misses a bind on the same file system."""
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == path for line in f)
+
+
+def _pid_of(pidfd: int) -> int:
+    with open(f"/proc/self/fdinfo/{pidfd}") as f:
+        return int(next(line.split()[1] for line in f if line.startswith("Pid:")))
+
+
+def test_the_peer_pidfd_names_the_connected_process():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        fd = server.peer_pidfd(a, -1)
+        assert fd is not None
+        try:
+            assert _pid_of(fd) == os.getpid()
+        finally:
+            os.close(fd)
+
+
+def test_without_a_pidfd_the_path_is_the_daemons_own(tmp_path):
+    with ClientPaths(tmp_path / "cp").reach(None, "/somewhere") as path:
+        assert path == "/somewhere"
+    assert not (tmp_path / "cp").exists()
+
+
+@needs_root
+def test_a_directory_and_a_file_are_attached_under_their_names_and_detached(tmp_path):
+    src = tmp_path / "ctx"
+    src.mkdir()
+    (src / "a.txt").write_text("a")
+    (tmp_path / "image.tar").write_bytes(b"tar bytes")
+    cp = ClientPaths(tmp_path / "cp")
+    pidfd = os.pidfd_open(os.getpid())
+    try:
+        with cp.reach(pidfd, str(src)) as path:
+            assert path.startswith(str(cp.root) + "/") and path.endswith("/ctx")
+            assert _mounted(path) and os.listdir(path) == ["a.txt"]
+        with cp.reach(pidfd, str(tmp_path / "image.tar")) as path:
+            assert path.endswith("/image.tar") and open(path, "rb").read() == b"tar bytes"
+        with pytest.raises(ClientPathError) as exc:
+            with cp.reach(pidfd, str(tmp_path / "missing")):
+                pass
+    finally:
+        os.close(pidfd)
+    assert exc.value.errno == errno.ENOENT and "(looked up as the client sees it)" in str(exc.value)
+    assert os.listdir(cp.root) == []
+    assert (src / "a.txt").read_text() == "a"
+
+
+@needs_root
+def test_sweep_detaches_what_a_dead_daemon_left_and_removes_none_of_its_files(tmp_path):
+    src = tmp_path / "ctx"
+    src.mkdir()
+    (src / "keep.txt").write_text("the client's")
+    cp = ClientPaths(tmp_path / "cp")
+    pidfd = os.pidfd_open(os.getpid())
+    try:
+        path = str(cp._attach(pidfd, str(src)))    # never detached: what a killed daemon leaves
+    finally:
+        os.close(pidfd)
+    assert _mounted(path)
+    assert cp.sweep() == 1
+    assert not cp.root.exists() or os.listdir(cp.root) == []
+    assert (src / "keep.txt").read_text() == "the client's"
