@@ -468,7 +468,7 @@ def test_a_restart_in_a_new_mount_namespace_keeps_sandboxes_on_lazy_layers(daemo
     its pid) and its sandboxes, which keep reading their lazily paged layers,
     and a new sandbox on the same image reads it too."""
     d = daemon_factory('[images]\nmode = "lazy"\n', start=False)
-    d.wrapper = [str(UNIT_NAMESPACE)]
+    d.wrapper = [str(UNIT_NAMESPACE), str(d.tmp)]
     d.start()
     first_ns = _mount_ns(d.proc.pid)
     assert first_ns != _mount_ns(os.getpid())
@@ -510,23 +510,24 @@ def _unit_capabilities() -> list[str]:
     return caps
 
 
-def _as_the_unit() -> list[str]:
-    """The daemon's command line goes after these: in a mount namespace as the
+def _as_the_unit(d) -> list[str]:
+    """Daemon d's command line goes after these: in a mount namespace as the
     unit's directives make one, with the unit's capability bounding set and
     no_new_privs."""
-    return [str(UNIT_NAMESPACE), "setpriv", "--no-new-privs", "--bounding-set",
+    return [str(UNIT_NAMESPACE), str(d.tmp), "setpriv", "--no-new-privs", "--bounding-set",
             "-all," + ",".join(f"+{c}" for c in _unit_capabilities())]
 
 
 def test_the_daemon_works_with_the_units_capabilities_and_no_new_privs(daemon_factory, busybox_rootfs, tmp_path):
     """setpriv gives the daemon what the unit does: the capability bounding set
     (root's capabilities are then exactly these) and no_new_privs, in the
-    unit's kind of mount namespace (unit_namespace.sh). Creates,
-    execs, a pty, files, background processes, pause, trace and snapshot work."""
+    unit's kind of mount namespace (unit_namespace.sh), /tmp its own. Creates,
+    execs, a pty, files, background processes, pause, trace, snapshot and a
+    build from the client's /tmp work."""
     if subprocess.run(["setpriv", "--help"], capture_output=True).returncode != 0:
         pytest.skip("setpriv (util-linux) is not installed")
     d = daemon_factory(start=False)
-    d.wrapper = _as_the_unit()
+    d.wrapper = _as_the_unit(d)
     d.start()
     status = Path(f"/proc/{d.proc.pid}/status").read_text()
     assert re.search(r"^NoNewPrivs:\s+1$", status, re.M)
@@ -548,6 +549,16 @@ def test_the_daemon_works_with_the_units_capabilities_and_no_new_privs(daemon_fa
     assert traced.exit_code == 0 and traced.trace
     assert c.request("snapshot", sandbox=sb.id, name="caps-snap")["name"] == "caps-snap"
     sb.destroy()
+    # The daemon's /tmp is its own: a build context in the client's /tmp is
+    # read as the client sees it (fs/clientpaths.py).
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text("FROM busybox\nCOPY f.txt /f.txt\n")
+    (ctx / "f.txt").write_text("from the client's /tmp\n")
+    c.build_dockerfile(str(ctx), "from-client-tmp")
+    sb = c.create(image="from-client-tmp", memory="64M")
+    assert sb.exec(["cat", "/f.txt"]).stdout == b"from the client's /tmp\n"
+    sb.destroy()
     c.close()
 
 
@@ -561,7 +572,7 @@ def test_networking_works_with_the_units_capabilities(world, daemon_factory, bus
     if bpf_skip_reason():
         pytest.skip(bpf_skip_reason())
     d = daemon_factory(_toml_net(dict(world.cfg, ipv4_pool=f"10.{world.octet}.5.0/24")), start=False)
-    d.wrapper = _as_the_unit()
+    d.wrapper = _as_the_unit(d)
     d.start()
     c = d.client()
     c.import_image(busybox_rootfs, "busybox")
