@@ -122,7 +122,7 @@ class LayerMounts:
                     self._dir(digest).mkdir(exist_ok=True)
                     native.mount_erofs(str(self.source(digest)), str(self._dir(digest)))
                     self._unmounted.discard(digest)
-                except OSError as err:
+                except Exception as err:    # the blob missing, the pager down: adoption goes on
                     self._unmounted.add(digest)
                     log.warning("mount layer %s of a re-adopted sandbox: %s (the next create on "
                                 "it mounts it again)", digest, err)
