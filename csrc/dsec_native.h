@@ -101,7 +101,7 @@ enum dsec_step {
     DSEC_STEP_CGROUP_MKDIR = 60,
     DSEC_STEP_CGROUP_WRITE = 61,
     /* a path as a client sees it (dsec_peer_tree): its mount namespace
-     * entered, the tree at the path cloned */
+     * and root entered, the tree at the path cloned */
     DSEC_STEP_PEER_NS = 62,
     DSEC_STEP_PEER_TREE = 63
 };
@@ -229,7 +229,7 @@ struct dsec_root_entry {
 int dsec_spawn_container(const struct dsec_container_args *args, struct dsec_err *err);
 int dsec_root_ns(const char *dir, struct dsec_err *err);
 int dsec_vm_root(const char *dir, const struct dsec_root_entry *entries, int n, struct dsec_err *err);
-int dsec_peer_tree(int pidfd, const char *path, struct dsec_err *err);
+int dsec_peer_tree(int pidfd, int rootfd, const char *path, struct dsec_err *err);
 int dsec_attach_tree(int tree, const char *target);
 int dsec_spawn_exec(const struct dsec_exec_args *args, struct dsec_err *err);
 int dsec_pidfd_open(int pid, unsigned int flags);

@@ -1237,20 +1237,24 @@ int dsec_vm_root(const char *dir, const struct dsec_root_entry *entries, int n, 
 
 struct peer_tree_ctx {
     int pidfd;
+    int rootfd;
     const char *path;
     struct dsec_err *err;
     int fd;
 };
 
-/* In the mount namespace of the process behind pidfd (setns also makes that
- * namespace's root our root and working directory): a detached clone of the
+/* In the mount namespace of the process behind pidfd, and under its root
+ * (rootfd: its /proc/<pid>/root; setns alone would give the namespace's
+ * root, which a chrooted process does not see): a detached clone of the
  * tree at `path`, its submounts included, left in the fd table we share. */
 static int peer_tree_child(void *arg)
 {
     struct peer_tree_ctx *c = arg;
     int fd;
 
-    if (check(setns(c->pidfd, CLONE_NEWNS), c->err, DSEC_STEP_PEER_NS, c->path) < 0)
+    if (check(setns(c->pidfd, CLONE_NEWNS), c->err, DSEC_STEP_PEER_NS, c->path) < 0 ||
+        check(fchdir(c->rootfd), c->err, DSEC_STEP_PEER_NS, c->path) < 0 ||
+        check(chroot("."), c->err, DSEC_STEP_PEER_NS, c->path) < 0)
         _exit(127);
     fd = open_tree(AT_FDCWD, c->path, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE);
     if (check(fd, c->err, DSEC_STEP_PEER_TREE, c->path) < 0)
@@ -1261,11 +1265,12 @@ static int peer_tree_child(void *arg)
 
 /* A path a client names, as the client sees it (dsecd/fs/clientpaths.py):
  * the fd of a detached clone of the tree at absolute `path` in the mount
- * namespace of the process behind `pidfd`, or -errno with the step. Needs
- * CAP_SYS_ADMIN and CAP_SYS_CHROOT (setns into a mount namespace). */
-int dsec_peer_tree(int pidfd, const char *path, struct dsec_err *err)
+ * namespace of the process behind `pidfd`, under its root `rootfd`, or
+ * -errno with the step. Needs CAP_SYS_ADMIN and CAP_SYS_CHROOT (setns into
+ * a mount namespace, chroot). */
+int dsec_peer_tree(int pidfd, int rootfd, const char *path, struct dsec_err *err)
 {
-    struct peer_tree_ctx c = {.pidfd = pidfd, .path = path, .err = err, .fd = -1};
+    struct peer_tree_ctx c = {.pidfd = pidfd, .rootfd = rootfd, .path = path, .err = err, .fd = -1};
 
     return make_ns_in_child(peer_tree_child, &c, &c.fd, err);
 }

@@ -478,16 +478,42 @@ def root_ns(mount_dir: str) -> int:
 
 def peer_tree(pidfd: int, path: str) -> int:
     """The fd of a detached clone of the tree at absolute `path` as the
-    process behind `pidfd` sees it (its mount namespace), submounts
-    included (csrc/spawn.c dsec_peer_tree). Close-on-exec; attach it with
-    attach_tree(). NativeError naming the path on failure."""
+    process behind `pidfd` sees it (its mount namespace and root),
+    submounts included (csrc/spawn.c dsec_peer_tree). Close-on-exec; attach
+    it with attach_tree(). NativeError naming the path on failure (ESRCH:
+    the process is gone)."""
     if not path.startswith("/"):
         raise ValueError(f"path must be absolute, got {path!r}")
-    err = ffi.new("struct dsec_err *")
-    fd = lib.dsec_peer_tree(pidfd, _cstring("path", path), err)
+    rootfd = _peer_root(pidfd, path)
+    try:
+        err = ffi.new("struct dsec_err *")
+        fd = lib.dsec_peer_tree(pidfd, rootfd, _cstring("path", path), err)
+    finally:
+        os.close(rootfd)
     if fd < 0:
         _raise_step(err, "peer_tree", {}, path)
     return fd
+
+
+def _peer_root(pidfd: int, path: str) -> int:
+    """An O_PATH fd of the root directory of the process behind pidfd. Its
+    /proc/<pid>/root, opened while the pidfd shows that process alive both
+    before and after, so that the pid cannot have named another process."""
+    with open(f"/proc/self/fdinfo/{pidfd}") as f:
+        pid = next((int(line.split()[1]) for line in f if line.startswith("Pid:")), -1)
+    if pid <= 0:
+        raise native_error(errno.ESRCH, "enter the client's mount namespace to reach", path, "peer_ns", path)
+    try:
+        rootfd = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise native_error(errno.ESRCH, "enter the client's mount namespace to reach", path, "peer_ns",
+                           path) from None
+    try:
+        pidfd_send_signal(pidfd, 0)
+    except OSError:
+        os.close(rootfd)
+        raise
+    return rootfd
 
 
 def attach_tree(tree: int, target: str) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -83,3 +85,24 @@ def test_sweep_detaches_what_a_dead_daemon_left_and_removes_none_of_its_files(tm
     assert cp.sweep() == 1
     assert not cp.root.exists() or os.listdir(cp.root) == []
     assert (src / "keep.txt").read_text() == "the client's"
+
+
+@needs_root
+def test_a_chrooted_clients_path_is_looked_up_under_its_root(tmp_path):
+    """setns alone would give the namespace's root: the path is the client's."""
+    jail = tmp_path / "jail"
+    (jail / "etc").mkdir(parents=True)
+    (jail / "etc" / "marker").write_text("inside the jail")
+    child = subprocess.Popen([sys.executable, "-c", f"import os, sys, time; os.chroot({str(jail)!r}); "
+                              "print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline() == b"ready\n"
+        pidfd = os.pidfd_open(child.pid)
+        try:
+            with ClientPaths(tmp_path / "cp").reach(pidfd, "/etc") as path:
+                assert os.listdir(path) == ["marker"]
+        finally:
+            os.close(pidfd)
+    finally:
+        child.kill()
+        child.wait()
