@@ -1064,11 +1064,15 @@ async def cmd_cp(c: Client, a) -> int:
 
 async def _cp_remote_target(sb, src: str, dst: str) -> str:
     """Where `dsec cp SRC SB:DST` writes, as cp(1) would: DST, or DST/NAME
-    (NAME: the source's) when DST ends in / or is a directory (one stat)."""
+    (NAME: the source's) when DST ends in /, is a directory or a symlink to
+    one (one stat; a listing too when DST is a symlink, the one call that
+    follows it). A symlink to anything else is replaced, as the write's
+    rename replaces any name."""
     into = dst.endswith("/")
     if not into:
         try:
-            into = (await sb.stat(dst))["type"] == "dir"
+            kind = (await sb.stat(dst))["type"]
+            into = kind == "dir" or (kind == "symlink" and await _lists_as_dir(sb, dst))
         except NotFound:
             pass
     if not into:
@@ -1077,6 +1081,15 @@ async def _cp_remote_target(sb, src: str, dst: str) -> str:
         raise UsageError(f"dsec cp: {dst} is a directory, and stdin has no name: give the file's path "
                          f"in it (SANDBOX:{dst.rstrip('/')}/NAME)")
     return posixpath.join(dst, os.path.basename(src))
+
+
+async def _lists_as_dir(sb, path: str) -> bool:
+    """Whether symlink `path` leads to a directory: file_list follows it."""
+    try:
+        await sb.list_files(path)
+    except (NotFound, BadRequest):
+        return False
+    return True
 
 
 def _write_local(dst: str, data: bytes) -> None:

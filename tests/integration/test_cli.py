@@ -479,8 +479,9 @@ def test_usage_and_value_errors_name_the_command(daemon):
 
 
 def test_cp_into_a_directory_and_errors_that_name_the_users_path(daemon, tmp_path):
-    """As cp(1): an existing directory receives the copy under the source's
-    name; a failure names the path given, never dsec's temporary files."""
+    """As cp(1): an existing directory, or a symlink to one, receives the copy
+    under the source's name; a failure names the path given, never dsec's
+    temporary files."""
     small = tmp_path / "small.txt"
     small.write_text("small\n")
     sb = daemon.cli("create", "--image", "busybox").stdout.decode().strip()
@@ -492,6 +493,13 @@ def test_cp_into_a_directory_and_errors_that_name_the_users_path(daemon, tmp_pat
         assert r.returncode == 0 and json.loads(r.stdout)["path"] == "/work/small.txt", r.stderr
         r = daemon.cli("cp", "-", f"{sb}:/etc", input=b"x")
         assert r.returncode == 2 and b"stdin has no name" in r.stderr, r.stderr
+        r = daemon.cli("exec", sb, "--", "sh", "-c", "mkdir /d; ln -s /d /to-dir; echo f > /f; ln -s /f /to-file")
+        assert r.returncode == 0, r.stderr
+        r = daemon.cli("cp", str(small), f"{sb}:/to-dir")            # a symlink to a directory: into it
+        assert r.returncode == 0 and daemon.cli("cat", f"{sb}:/d/small.txt").stdout == b"small\n", r.stderr
+        r = daemon.cli("cp", str(small), f"{sb}:/to-file")           # to anything else: replaced
+        assert r.returncode == 0 and daemon.cli("cat", f"{sb}:/f").stdout == b"f\n", r.stderr
+        assert daemon.cli("cat", f"{sb}:/to-file").stdout == b"small\n"
 
         r = daemon.cli("cp", str(small), f"{sb}:/proc/version")      # its copy cannot be made in /proc
         assert r.returncode == 1 and b"/proc/version" in r.stderr and b".dsec-" not in r.stderr, r.stderr
