@@ -47,7 +47,7 @@ import tty
 
 from . import fleet_cli, imageconfig, pullview, topview
 from .client import Client, default_socket
-from .clitext import UsageError, argv_value, event_fields, job_done, job_verb
+from .clitext import UsageError, argv_value, create_args, event_fields, job_done, job_verb
 from .clitext import human_bytes as _human_bytes
 from .clitext import kv as _kv
 from .clitext import pct as _pct
@@ -471,16 +471,8 @@ async def cmd_snapshot(c: Client, a) -> int:
     return 0
 
 
-def _create_args(a) -> dict:
-    """The create's arguments of `dsec create` and `dsec run` (_create_options)."""
-    return dict(cpu=a.cpu, memory=a.memory, pids=a.pids, disk=a.disk, env=_kv(a.env, "--env"),
-                labels=_kv(a.label, "--label"), hostname=a.hostname, cwd=a.cwd, user=a.user, qos=a.qos,
-                cpu_quota=a.cpu_quota, ttl=a.ttl, idle_ttl=a.idle_ttl, net=a.net, allow=a.allow,
-                publish=a.publish, policy=a.policy)
-
-
 async def cmd_create(c: Client, a) -> int:
-    sb = await c.create(image=a.image, lease=a.lease, key=a.key, backend=a.backend, **_create_args(a))
+    sb = await c.create(image=a.image, lease=a.lease, key=a.key, backend=a.backend, **create_args(a))
     if a.json:
         _print_json(sb.info)
     else:
@@ -656,7 +648,7 @@ async def cmd_run(c: Client, a) -> int:
 
     stdin = _stdin_as_it_comes() if a.interactive else None
     out = a.kept_output = CommandOutput(a.json)
-    run = c.run_stream(a.image, a.argv or None, a.entrypoint, a.timeout, stdin, a.rm, **_create_args(a))
+    run = c.run_stream(a.image, a.argv or None, a.entrypoint, a.timeout, stdin, a.rm, **create_args(a))
     for signum in _ENDING_SIGNALS:
         loop.add_signal_handler(signum, on_signal, signum)
     try:
@@ -1454,7 +1446,8 @@ def _positive_seconds(text: str) -> float:
 
 
 def _create_options(p: argparse.ArgumentParser) -> None:
-    """The options of a create, shared by `dsec create` and `dsec run` (_create_args)."""
+    """The options of a create, shared by `dsec create`, `dsec run` and `dsec fleet create`
+    (clitext.create_args)."""
     p.add_argument("--cpu", type=float, metavar="CPUS", help="CPUs, fractions allowed: 0.5, 2; its CPU "
                    "weight and admission share, a hard cap with --cpu-quota (default: sandbox.cpu)")
     p.add_argument("--memory", metavar="SIZE", help="memory limit, e.g. 256M, 2G (default: sandbox.memory)")

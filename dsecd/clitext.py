@@ -21,6 +21,15 @@ def kv(items: list[str] | None, what: str) -> dict[str, str]:
     return out
 
 
+def create_args(a) -> dict:
+    """The create's arguments of `dsec create`, `dsec run` and `dsec fleet
+    create` (cli._create_options), but for image, key, lease and backend."""
+    return dict(cpu=a.cpu, memory=a.memory, pids=a.pids, disk=a.disk, env=kv(a.env, "--env"),
+                labels=kv(a.label, "--label"), hostname=a.hostname, cwd=a.cwd, user=a.user, qos=a.qos,
+                cpu_quota=a.cpu_quota, ttl=a.ttl, idle_ttl=a.idle_ttl, net=a.net, allow=a.allow,
+                publish=a.publish, policy=a.policy)
+
+
 def argv_value(value: str | None, what: str) -> list[str] | None:
     """An image config's Entrypoint or Cmd given as one option value: a JSON
     array (exec form, `'["python3", "-m", "app"]'`) or shell words

@@ -16,6 +16,7 @@ import time
 
 from .clitext import (
     UsageError,
+    create_args,
     event_fields,
     human_bytes,
     job_done,
@@ -142,10 +143,7 @@ async def fleet_info(fleet: Fleet, a) -> int:
 
 
 async def fleet_create(fleet: Fleet, a) -> int:
-    sb = await fleet.create(image=a.image, cpu=a.cpu, memory=a.memory, pids=a.pids, env=kv(a.env, "--env"),
-                            labels=kv(a.label, "--label"), hostname=a.hostname, cwd=a.cwd, user=a.user,
-                            qos=a.qos, cpu_quota=a.cpu_quota, ttl=a.ttl, idle_ttl=a.idle_ttl, lease=a.lease,
-                            net=a.net, allow=a.allow, key=a.key, publish=a.publish)
+    sb = await fleet.create(image=a.image, key=a.key, lease=a.lease, backend=a.backend, **create_args(a))
     if a.json:
         print_json({**sb.info, "host": sb.host})
     else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import os
 import subprocess
 import sys
@@ -243,8 +244,9 @@ def test_dsec_fleet_runs_commands_across_hosts(fleet_env):
         assert r.returncode == code, (args, r.stderr.decode())
         return r.stdout.decode()
 
-    ids = [dsec("create", "--image", "busybox", "--cpu", "0.1", "--memory", "64M", "--label", "job=fc").strip()
-           for _ in range(3)]
+    ids = [dsec("create", "--image", "busybox", "--cpu", "0.1", "--memory", "64M", "--label", "job=fc",
+                "--disk", "48M").strip() for _ in range(3)]
+    assert json.loads(dsec("--json", "inspect", ids[2]))["limits"]["disk"] == 48 << 20   # every create option goes
     ps = dsec("ps")
     assert ps.splitlines()[0].split()[:2] == ["HOST", "ID"] and all(i in ps for i in ids)
     assert dsec("exec", ids[1], "--", "echo", "there") == "there\n"
