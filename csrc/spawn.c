@@ -1246,10 +1246,19 @@ struct peer_tree_ctx {
 /* In the mount namespace of the process behind pidfd, and under its root
  * (rootfd: its /proc/<pid>/root; setns alone would give the namespace's
  * root, which a chrooted process does not see): a detached clone of the
- * tree at `path`, its submounts included, left in the fd table we share. */
+ * tree at `path`, its submounts included, left in the fd table we share.
+ *
+ * The clone is made private, read-only, nosuid and nodev, all of it. A
+ * clone of a shared mount joins the original's peer group, and unmounting
+ * it would then propagate to the client's own mounts (its submounts would
+ * go); and the daemon only reads what a client names. */
 static int peer_tree_child(void *arg)
 {
     struct peer_tree_ctx *c = arg;
+    struct mount_attr attr = {
+        .attr_set = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
+        .propagation = MS_PRIVATE,
+    };
     int fd;
 
     if (check(setns(c->pidfd, CLONE_NEWNS), c->err, DSEC_STEP_PEER_NS, c->path) < 0 ||
@@ -1259,6 +1268,11 @@ static int peer_tree_child(void *arg)
     fd = open_tree(AT_FDCWD, c->path, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE);
     if (check(fd, c->err, DSEC_STEP_PEER_TREE, c->path) < 0)
         _exit(127);
+    if (check(mount_setattr(fd, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr, sizeof(attr)), c->err,
+              DSEC_STEP_PEER_TREE, c->path) < 0) {
+        close(fd);
+        _exit(127);
+    }
     c->fd = fd;
     _exit(0);
 }

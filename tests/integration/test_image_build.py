@@ -297,26 +297,33 @@ def test_sources_are_read_as_the_client_sees_them(daemon, client, tmp_path):
     """A client with mounts of its own (in a container; or beside a daemon
     that systemd gave a /tmp of its own) names paths only it sees: the
     daemon reads them in the client's mount namespace. Here the client's
-    files are on a tmpfs mounted in its namespace alone."""
+    files are on a tmpfs mounted in its namespace alone, with a shared
+    submount that the daemon's clone of it must not take down."""
     private = tmp_path / "private"
     private.mkdir()
     dsec = f"{VENV_BIN / 'dsec'} --socket {daemon.socket}"
     script = f"""
         set -e
         mount -t tmpfs only-the-client {private}
-        mkdir {private}/ctx {private}/root
-        printf 'FROM busybox\\nCOPY hello.txt /hello.txt\\n' > {private}/ctx/Dockerfile
+        mkdir -p {private}/ctx/data {private}/root
+        mount --make-rshared {private}
+        mount -t tmpfs a-submount {private}/ctx/data
+        echo kept > {private}/ctx/data/keep
+        printf 'FROM busybox\\nCOPY hello.txt data /c/\\n' > {private}/ctx/Dockerfile
         echo from-the-client > {private}/ctx/hello.txt
         echo rootfs-file > {private}/root/only-here
         {dsec} image build -f {private}/ctx/Dockerfile {private}/ctx --name client-view
         {dsec} image build {private}/root --from busybox --name client-root
+        # The daemon's detach of its clone left the client's own mounts alone.
+        test "$(cat {private}/ctx/data/keep)" = kept
+        touch {private}/ctx/data/still-writable
     """
     r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
                        capture_output=True, timeout=300)
     assert r.returncode == 0, r.stderr.decode()
     assert not os.listdir(private), "the daemon's own view of that path stayed empty"
     sb = client.create(image="client-view", memory="64M")
-    assert sb.exec(["cat", "/hello.txt"]).stdout == b"from-the-client\n"
+    assert sb.exec(["cat", "/c/hello.txt", "/c/keep"]).stdout == b"from-the-client\nkept\n"
     sb.destroy()
     sb = client.create(image="client-root", memory="64M")
     assert sb.exec(["cat", "/only-here"]).stdout == b"rootfs-file\n"
