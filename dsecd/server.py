@@ -63,21 +63,21 @@ SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
 
 def peer_pidfd(sock, pid: int) -> int | None:
     """A pidfd of the process that connected: SO_PEERPIDFD (Linux >= 6.5),
-    which names that very process even if its pid was reused since; else
-    pidfd_open of its SO_PEERCRED pid. None when the peer has no pid here
-    (it lives in a pid namespace this one cannot see) or is gone. The
-    caller closes it."""
+    which names that very process even if its pid was reused since; on an
+    older kernel, pidfd_open of its SO_PEERCRED pid. None when the peer has
+    no pid in our pid namespace (SO_PEERCRED says 0). ProcessLookupError
+    when it is gone (6.5 to 6.15 answer EINVAL for that). The caller closes
+    the pidfd."""
     try:
         return sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
     except OSError as err:
-        if err.errno not in (errno.ENOPROTOOPT, errno.EINVAL):
-            return None
+        if err.errno in (errno.EINVAL, errno.ESRCH):
+            raise ProcessLookupError(errno.ESRCH, "the client exited") from err
+        if err.errno != errno.ENOPROTOOPT:
+            raise
     if pid <= 0:
         return None
-    try:
-        return os.pidfd_open(pid)
-    except OSError:
-        return None
+    return os.pidfd_open(pid)
 
 
 def peer_groups(sock: socket.socket) -> set[int]:
@@ -126,9 +126,11 @@ class RequestContext:
 
     def peer_pidfd(self) -> int | None:
         """A pidfd of the client's process (server.peer_pidfd), for reaching
-        host paths it names as it sees them (fs/clientpaths.py). The caller
-        closes it."""
-        return peer_pidfd(self.conn.sock, self.conn.pid) if self.conn.sock is not None else None
+        host paths it names as it sees them (fs/clientpaths.py); any thread
+        may ask. The caller closes it."""
+        if self.conn.sock is None:
+            return None
+        return peer_pidfd(self.conn.sock, self.conn.pid)
 
     async def input_for(self, rid: int):
         """The input sink request `rid` registered, or None; one not

@@ -35,6 +35,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -127,8 +128,12 @@ class _Build:
         self.total = 0
         self.named: Image | None = None          # the image published, once it is
         # The build context as the client sees it, attached while the build
-        # runs (fs/clientpaths.py), when a COPY or ADD reads it.
-        self.attached = contextlib.ExitStack()
+        # runs (fs/clientpaths.py), when a COPY or ADD reads it. The lock
+        # orders attach and detach, which run in workers: a build cancelled
+        # while it attaches detaches after, and one detached attaches nothing.
+        self._attached = contextlib.ExitStack()
+        self._attach_lock = threading.Lock()
+        self._detached = False
 
     # ------------------------------------------------------------ errors and events
 
@@ -180,7 +185,7 @@ class _Build:
                 await asyncio.shield(self.svc.workers.behind(self.pins.release))
         finally:
             # Submitted at once and shielded, as the unpin above.
-            await asyncio.shield(self.svc.workers.behind(self.attached.close))
+            await asyncio.shield(self.svc.workers.behind(self._detach_context))
         return {**named.to_dict(), "steps": self.results, "seconds": round(time.monotonic() - started, 3),
                 "replaced": before if before != named.manifest else None,
                 "unused_build_args": build_plan.unused_build_args}
@@ -236,19 +241,23 @@ class _Build:
         if not os.path.isabs(context):
             raise BadRequest(f"the build context must be an absolute path on the daemon's host, got {context!r}",
                              {"context": context})
-        pidfd = self.ctx.peer_pidfd()
 
         def attach() -> str:
-            try:
-                return self.attached.enter_context(self.svc.images.client_path(pidfd, context, "build context"))
-            finally:
-                if pidfd is not None:
-                    os.close(pidfd)
+            with self._attach_lock:
+                if self._detached:
+                    raise ImageError("conflict", "the build ended before its context was attached")
+                return self._attached.enter_context(self.svc.images.client_path(self.ctx.peer_pidfd, context,
+                                                                                "build context"))
 
         try:
             return await self.svc.workers.run(attach)
         except ImageError as err:
             raise DsecError(str(err), {"context": context}, code=err.code) from err
+
+    def _detach_context(self) -> None:
+        with self._attach_lock:
+            self._detached = True
+            self._attached.close()
 
     async def _from(self, build_plan: Plan, base: Image) -> Image:
         """Step 1: the base image, with its config in the form builds write."""

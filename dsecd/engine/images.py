@@ -323,33 +323,29 @@ class ImageService:
         except imageconfig.ConfigError as err:
             raise BadRequest(f"image_build: {err}") from err
         with count_image_op("build") as done:
-            image = await self._images_call(self._build_from_client_path, ctx.peer_pidfd(), req, config,
+            image = await self._images_call(self._build_from_client_path, ctx.peer_pidfd, req, config,
                                             self._progress(ctx))
             done(image)
         return image.to_dict()
 
-    def _build_from_client_path(self, pidfd: int | None, req, config: dict, progress) -> Image:
-        """build_from_dir on req.source as the client sees it (fs/clientpaths.py);
-        closes pidfd. Blocking."""
-        try:
-            if not os.path.isabs(req.source):
-                raise ImageError("bad_request", f"build source must be an absolute path, got {req.source!r}")
-            with self.client_path(pidfd, req.source, "build source") as source:
-                return self.images.build_from_dir(source, req.name, req.parent, config, progress,
-                                                  shown=req.source)
-        finally:
-            if pidfd is not None:
-                os.close(pidfd)
+    def _build_from_client_path(self, peer_pidfd, req, config: dict, progress) -> Image:
+        """build_from_dir on req.source as the client sees it (fs/clientpaths.py;
+        peer_pidfd: RequestContext.peer_pidfd, called here, in the worker, so
+        that a request cancelled before it runs opens nothing). Blocking."""
+        if not os.path.isabs(req.source):
+            raise ImageError("bad_request", f"build source must be an absolute path, got {req.source!r}")
+        with self.client_path(peer_pidfd, req.source, "build source") as source:
+            return self.images.build_from_dir(source, req.name, req.parent, config, progress, shown=req.source)
 
     @contextlib.contextmanager
-    def client_path(self, pidfd: int | None, path: str, what: str):
+    def client_path(self, peer_pidfd, path: str, what: str):
         """ClientPaths.reach, its failures as ImageErrors naming `what`. Blocking."""
         try:
-            with self.client_paths.reach(pidfd, path) as source:
+            with self.client_paths.reach(peer_pidfd, path) as source:
                 yield source
         except ClientPathError as err:      # only reach() raises it: the body never does
             code = {errno.ENOENT: "not_found", errno.ENOTDIR: "not_found", errno.EACCES: "permission",
-                    errno.EPERM: "permission"}.get(err.errno, "bad_request")
+                    errno.EPERM: "permission"}.get(err.errno, "io")
             raise ImageError(code, f"{what} {err}") from err
 
     async def pull(self, req, ctx) -> dict:

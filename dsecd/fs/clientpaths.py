@@ -23,7 +23,7 @@ import logging
 import os
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .. import native, sysfs
@@ -47,30 +47,45 @@ class ClientPaths:
         self.root = Path(root)
 
     def sweep(self) -> int:
-        """At start: detach and remove what a daemon killed mid-request left."""
+        """At start: detach and remove what a daemon killed mid-request left.
+        A failure is logged: it costs a directory, never the start."""
         prefix = str(self.root) + "/"
         with open("/proc/self/mountinfo") as f:
             points = [p for line in f if (p := sysfs.unescape_mount_field(line.split()[4])).startswith(prefix)]
         for point in sorted(points, key=len, reverse=True):
-            native.umount(point, detach=True)
-            log.warning("detached a client's path left attached by an earlier daemon: %s", point)
+            try:
+                native.umount(point, detach=True)
+                log.warning("detached a client's path left attached by an earlier daemon: %s", point)
+            except OSError as err:
+                log.error("detach a client's path left by an earlier daemon, %s: %s", point, err)
         if self.root.exists():
             for holder in self.root.iterdir():
-                for point in holder.iterdir():
-                    _remove_point(point)
-                holder.rmdir()
+                try:
+                    for point in holder.iterdir():
+                        _remove_point(point)
+                    holder.rmdir()
+                except OSError as err:
+                    log.error("remove %s, left by an earlier daemon: %s", holder, err)
         return len(points)
 
     @contextlib.contextmanager
-    def reach(self, pidfd: int | None, path: str) -> Iterator[str]:
-        """`path` (absolute) as the client behind `pidfd` sees it: a path of
-        the daemon's where that tree is attached for the with block. pidfd
-        None (the client has no pid in the daemon's pid namespace): `path`
-        itself, as the daemon sees it."""
+    def reach(self, peer_pidfd: Callable[[], int | None], path: str) -> Iterator[str]:
+        """`path` (absolute) as the client sees it: a path of the daemon's
+        where that tree is attached for the with block. `peer_pidfd` gives a
+        pidfd of the client (closed here), None when the client has no pid
+        in the daemon's pid namespace: `path` is then taken as the daemon
+        sees it. ClientPathError if it cannot be reached."""
+        try:
+            pidfd = peer_pidfd()
+        except OSError as err:
+            raise _unreachable(path, err) from err
         if pidfd is None:
             yield path
             return
-        point = self._attach(pidfd, path)
+        try:
+            point = self._attach(pidfd, path)
+        finally:
+            os.close(pidfd)
         try:
             yield str(point)
         finally:
@@ -82,9 +97,7 @@ class ClientPaths:
         try:
             tree = native.peer_tree(pidfd, path)
         except OSError as err:
-            code = err.errno or errno.EIO
-            why = "the client exited" if code == errno.ESRCH else os.strerror(code)
-            raise ClientPathError(code, f"{path}: {why} (looked up as the client sees it)") from err
+            raise _unreachable(path, err) from err
         try:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             holder = Path(tempfile.mkdtemp(dir=self.root))
@@ -101,9 +114,18 @@ class ClientPaths:
                     _remove_point(point)
                     holder.rmdir()
                 raise
+        except OSError as err:
+            raise ClientPathError(err.errno or errno.EIO, f"{path}: attach it under {self.root}: "
+                                  f"{err.strerror or err}") from err
         finally:
             os.close(tree)
         return point
+
+
+def _unreachable(path: str, err: OSError) -> ClientPathError:
+    code = err.errno or errno.EIO
+    why = "the client exited" if code == errno.ESRCH else os.strerror(code)
+    return ClientPathError(code, f"{path}: {why} (looked up as the client sees it)")
 
 
 def _remove_point(point: Path) -> None:

@@ -40,8 +40,18 @@ def test_the_peer_pidfd_names_the_connected_process():
             os.close(fd)
 
 
+def test_a_client_gone_is_said_so(tmp_path):
+    def gone():
+        raise ProcessLookupError(errno.ESRCH, "the client exited")
+
+    with pytest.raises(ClientPathError) as exc:
+        with ClientPaths(tmp_path / "cp").reach(gone, "/somewhere"):
+            pass
+    assert exc.value.errno == errno.ESRCH and "the client exited" in str(exc.value)
+
+
 def test_without_a_pidfd_the_path_is_the_daemons_own(tmp_path):
-    with ClientPaths(tmp_path / "cp").reach(None, "/somewhere") as path:
+    with ClientPaths(tmp_path / "cp").reach(lambda: None, "/somewhere") as path:
         assert path == "/somewhere"
     assert not (tmp_path / "cp").exists()
 
@@ -53,20 +63,22 @@ def test_a_directory_and_a_file_are_attached_under_their_names_and_detached(tmp_
     (src / "a.txt").write_text("a")
     (tmp_path / "image.tar").write_bytes(b"tar bytes")
     cp = ClientPaths(tmp_path / "cp")
-    pidfd = os.pidfd_open(os.getpid())
-    try:
-        with cp.reach(pidfd, str(src)) as path:
-            assert path.startswith(str(cp.root) + "/") and path.endswith("/ctx")
-            assert _mounted(path) and os.listdir(path) == ["a.txt"]
-        with cp.reach(pidfd, str(tmp_path / "image.tar")) as path:
-            assert path.endswith("/image.tar") and open(path, "rb").read() == b"tar bytes"
-        with pytest.raises(ClientPathError) as exc:
-            with cp.reach(pidfd, str(tmp_path / "missing")):
-                pass
-    finally:
-        os.close(pidfd)
+    me = os.getpid()
+    fds = len(os.listdir("/proc/self/fd"))
+    with cp.reach(lambda: os.pidfd_open(me), str(src)) as path:
+        assert path.startswith(str(cp.root) + "/") and path.endswith("/ctx")
+        assert _mounted(path) and os.listdir(path) == ["a.txt"]
+        with pytest.raises(OSError) as ro:
+            open(os.path.join(path, "new"), "w")
+        assert ro.value.errno == errno.EROFS, "what a client names is read, never written"
+    with cp.reach(lambda: os.pidfd_open(me), str(tmp_path / "image.tar")) as path:
+        assert path.endswith("/image.tar") and open(path, "rb").read() == b"tar bytes"
+    with pytest.raises(ClientPathError) as exc:
+        with cp.reach(lambda: os.pidfd_open(me), str(tmp_path / "missing")):
+            pass
     assert exc.value.errno == errno.ENOENT and "(looked up as the client sees it)" in str(exc.value)
     assert os.listdir(cp.root) == []
+    assert len(os.listdir("/proc/self/fd")) == fds, "no pidfd, root or tree fd left open"
     assert (src / "a.txt").read_text() == "a"
 
 
@@ -97,12 +109,8 @@ def test_a_chrooted_clients_path_is_looked_up_under_its_root(tmp_path):
                               "print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
     try:
         assert child.stdout.readline() == b"ready\n"
-        pidfd = os.pidfd_open(child.pid)
-        try:
-            with ClientPaths(tmp_path / "cp").reach(pidfd, "/etc") as path:
-                assert os.listdir(path) == ["marker"]
-        finally:
-            os.close(pidfd)
+        with ClientPaths(tmp_path / "cp").reach(lambda: os.pidfd_open(child.pid), "/etc") as path:
+            assert os.listdir(path) == ["marker"]
     finally:
         child.kill()
         child.wait()
