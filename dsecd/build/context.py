@@ -161,13 +161,18 @@ class BuildContext:
         if excluded and not self.ignore.has_exceptions:
             raise ContextError(f"{pattern}: .dockerignore excludes {rel}")
         host = self._host(rel)
+        # A symlinked directory on the way (sub -> /etc, in sub/hostname) would
+        # take the source out of the context: checked for every source.
+        if rel != "." and not self._inside(os.path.realpath(os.path.dirname(host))):
+            raise ContextError(f"{pattern}: a symlinked directory on the way to {rel} leads out of the build "
+                               "context; COPY follows symlinks only inside it")
         try:
             st = os.lstat(host)
         except FileNotFoundError:
             raise ContextError(f"{pattern}: no such file or directory in the build context") from None
         if stat.S_ISLNK(st.st_mode):
             real = os.path.realpath(host)
-            if real != self.root and not real.startswith(self.root + os.sep):
+            if not self._inside(real):
                 raise ContextError(self._outside(pattern, rel, host, real))
             try:
                 st = os.stat(real)
@@ -187,11 +192,14 @@ class BuildContext:
             raise ContextError(f"{pattern}: {rel} is not a file, directory or symlink")
         return Source(rel, entries)
 
+    def _inside(self, real: str) -> bool:
+        return real == self.root or real.startswith(self.root + os.sep)
+
     def _outside(self, pattern: str, rel: str, host: str, real: str) -> str:
         """Why the source symlink `rel` is not followed. The context may be
         attached where the client does not have it (fs/clientpaths.py), so an
-        absolute target is never looked up: it would be read in the daemon's
-        view of the host."""
+        absolute target would be looked up in the daemon's view of the host,
+        outside the context: it is refused, as anything outside is."""
         target = os.readlink(host) if os.path.islink(host) else ""
         if os.path.isabs(target):
             return (f"{pattern}: the symlink {rel} points to the absolute path {target}; COPY follows a "

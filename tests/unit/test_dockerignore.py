@@ -87,6 +87,9 @@ def test_sources_never_leave_the_context(tmp_path):
     os.symlink(outside, ctx_dir / "out-link")
     os.symlink("../outside.txt", ctx_dir / "up-link")
     os.symlink("in.txt", ctx_dir / "in-link")
+    os.symlink(tmp_path, ctx_dir / "out-dir")
+    (ctx_dir / "sub").mkdir()
+    os.symlink("sub", ctx_dir / "in-dir")
     ctx = BuildContext.open(str(ctx_dir))
     with pytest.raises(ContextError, match="outside the build context"):
         ctx.sources("../outside.txt")
@@ -95,6 +98,10 @@ def test_sources_never_leave_the_context(tmp_path):
     with pytest.raises(ContextError, match="points to the absolute path"):
         ctx.sources("out-link")
     assert ctx.sources("in-link")[0].entries[0].kind == "file"      # a source symlink is followed inside
+    with pytest.raises(ContextError, match="symlinked directory on the way"):
+        ctx.sources("out-dir/outside.txt")
+    (ctx_dir / "sub" / "f").write_text("f")
+    assert ctx.sources("in-dir/f")[0].entries[0].kind == "file"     # one on the way, inside
     assert [s.rel for s in ctx.sources("a/../in.txt")] == ["in.txt"]
     with pytest.raises(ContextError, match="absolute path"):
         BuildContext.open("relative/dir")
