@@ -350,12 +350,16 @@ class Pager:
         pidfd = None
         try:
             if pid is not None:
-                pidfd = os.pidfd_open(pid)      # before reading: the pid cannot be reused meanwhile
+                pidfd = os.pidfd_open(pid)
             stats = self.stats()
             if pid is not None and stats.pid != pid:
                 raise ValueError(f"the pager answering is pid {stats.pid}, not {pid}")
             if pidfd is None:
                 pidfd = os.pidfd_open(stats.pid)
+            # Alive from the pidfd's opening to after the answer: the pid named
+            # this one process all along, not a process that reused it.
+            if _readable(pidfd, 0):
+                raise ValueError(f"pager pid {stats.pid} exited")
         except (OSError, ValueError):
             if pidfd is not None:
                 os.close(pidfd)
@@ -387,15 +391,22 @@ class Pager:
         """SIGTERM (the pager unmounts and closes its cache cleanly), SIGKILL
         after timeout, then lazily unmount whatever mount is left."""
         if self.alive():
-            os.kill(self._pid, signal.SIGTERM)
+            self._signal(signal.SIGTERM)
             if not self._wait_exit(timeout):
                 log.warning("pager pid %d ignored SIGTERM for %s s: SIGKILL", self._pid, timeout)
-                os.kill(self._pid, signal.SIGKILL)
+                self._signal(signal.SIGKILL)
                 self._wait_exit(None)
         self._forget_process()
         self._clear_dead_mounts()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.config.pid_file)
+
+    def _signal(self, sig: int) -> None:
+        """To our child by pid (reaped only by us), to an adopted pager by its pidfd."""
+        if self._pidfd is not None:
+            native.pidfd_send_signal(self._pidfd, sig)
+        else:
+            os.kill(self._pid, sig)
 
     def restart(self) -> None:
         """Start again after the pager died (reaped here): clears the dead mount."""
