@@ -108,7 +108,7 @@ class LifecycleService:
         sb.last_active = time.monotonic()          # idle and lease clocks restart with the daemon
         if sb.lease:
             sb.lease_deadline = sb.last_active + sb.lease
-        await self.workers.run(self.layers.readopt, sb.layers)
+        self.layers.readopt(sb.layers)
         self.cpu.bind(handle, self.cpu.plan(sb.qos))
         self.watch(sb)
         lifelog.adopted(sb_id, state=sb.state, init_pid=handle.init_pid, image=sb.image,

@@ -53,7 +53,7 @@ class LayerMounts:
         self._lock = threading.Lock()
         self._refs: dict[str, int] = {}
         self._idle_since: dict[str, float] = {}
-        # Counted in _refs but not mounted here (readopt could not): acquire() mounts them.
+        # Counted in _refs but not mounted here (readopt): acquire() mounts them.
         self._unmounted: set[str] = set()
 
     def _dir(self, digest: str) -> Path:
@@ -107,25 +107,17 @@ class LayerMounts:
                     self._idle_since[digest] = now
 
     def readopt(self, digests: list[str]) -> None:
-        """Count the layers of a re-adopted sandbox, and mount those that are
-        not mounted here: the sandbox holds the mounts an earlier daemon made,
-        but that daemon may have run in another mount namespace (systemd gives
-        the unit a new one at every start), and new sandboxes need them here.
-        A layer that cannot be mounted is logged and left to the next create
-        that needs it (acquire() tries again). Blocking."""
+        """Count the layers of a re-adopted sandbox. The sandbox holds the
+        mounts an earlier daemon made, but that daemon may have run in
+        another mount namespace (systemd gives the unit a new one at every
+        start): a layer not mounted here is left to the next create that
+        needs it (acquire() mounts it then), so that a start does not mount,
+        nor in direct mode hash, every layer in use."""
         with self._lock:
             for digest in digests:
                 self._refs[digest] = self._refs.get(digest, 0) + 1
-                if self.is_mounted(digest):
-                    continue
-                try:
-                    self._dir(digest).mkdir(exist_ok=True)
-                    native.mount_erofs(str(self.source(digest)), str(self._dir(digest)))
-                    self._unmounted.discard(digest)
-                except Exception as err:    # the blob missing, the pager down: adoption goes on
+                if not self.is_mounted(digest):
                     self._unmounted.add(digest)
-                    log.warning("mount layer %s of a re-adopted sandbox: %s (the next create on "
-                                "it mounts it again)", digest, err)
 
     def sweep(self, force: bool = False) -> list[str]:
         """Unmount layers idle for longer than the grace period (all idle ones if force)."""
