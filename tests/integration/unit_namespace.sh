@@ -5,16 +5,17 @@
 # each start of the unit is. What it reproduces, directive by directive
 # (systemd 252):
 #
-#   PrivateMounts=yes          a new mount namespace, a slave of the host's:
-#                              host mounts show up in it, its own mounts do
-#                              not leave it
-#   ProtectSystem=full         /usr, /boot, /efi and /etc read-only
-#   ProtectHome=read-only      /home, /root and /run/user read-only
+#   PrivateMounts=yes          a new mount namespace, a slave of the host's
+#                              made shared again (MountFlags= default): host
+#                              mounts show up in it, its own never leave it
+#   ProtectSystem=full         /usr, /boot, /efi and /etc read-only, with
+#                              their submounts
+#   ProtectHome=read-only      /home, /root and /run/user read-only, same
 #   PrivateTmp=yes             a /tmp and /var/tmp of its own (systemd binds
 #                              a directory of the host's there, as here)
 #   ProtectProc=invisible      a procfs of its own with hidepid=invisible
-#   ProtectKernelLogs=yes      /proc/kmsg and /dev/kmsg covered by a node
-#                              nobody may open
+#   ProtectKernelLogs=yes      /proc/kmsg and /dev/kmsg covered by a
+#                              device node 0:0, which nobody may open
 #
 # DIR, a directory under /tmp (a test daemon's socket, config and state,
 # which the unit keeps in /run and /var/lib), stays visible at its path in
@@ -34,10 +35,12 @@ esac
 exec unshare --mount --propagation slave -- sh -euc '
 keep=$1
 shift
-read_only() {
+read_only() {      # the tree at $1, its submounts too
     [ -d "$1" ] || return 0
-    mount --bind "$1" "$1"
-    mount -o remount,bind,ro "$1"
+    mount --rbind "$1" "$1"
+    for m in $(awk -v top="$1" '\''$5 == top || index($5, top "/") == 1 { print $5 }'\'' /proc/self/mountinfo); do
+        mount -o remount,bind,ro "$m"
+    done
 }
 for dir in /usr /boot /efi /etc /home /root /run/user; do
     read_only "$dir"
@@ -49,10 +52,11 @@ mount --bind "$keep" "$private/tmp/${keep#/tmp/}"
 mount --rbind "$private/tmp" /tmp
 mount --bind "$private/var-tmp" /var/tmp
 mount -t proc -o hidepid=invisible proc /proc
-closed=$(mktemp)
-chmod 000 "$closed"
+closed=$(mktemp -u)
+mknod -m 000 "$closed" c 0 0
 mount --bind "$closed" /proc/kmsg
 mount --bind "$closed" /dev/kmsg
 rm -f "$closed"
+mount --make-rshared /
 exec "$@"
 ' unit_namespace "$keep" "$@"
