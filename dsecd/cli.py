@@ -53,7 +53,7 @@ from .clitext import kv as _kv
 from .clitext import pct as _pct
 from .clitext import print_json as _print_json
 from .clitext import table as _table
-from .errors import BadRequest, ConnectionLost, DsecError, NotFound, io_error
+from .errors import BadRequest, ConnectionLost, DsecError, NotFound, PermissionDenied, io_error
 from .fds import read_ready
 from .fleet import fleet_target
 from .localcopy import LocalCopyError
@@ -1079,7 +1079,7 @@ async def _lists_as_dir(sb, path: str) -> bool:
     """Whether symlink `path` leads to a directory: file_list follows it."""
     try:
         await sb.list_files(path)
-    except (NotFound, BadRequest):
+    except (NotFound, BadRequest, PermissionDenied):
         return False
     return True
 

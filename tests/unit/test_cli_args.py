@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dsecd import cli
+from dsecd.clitext import create_args
 from dsecd.config import parse_duration
 from dsecd.errors import BadRequest
 
@@ -219,10 +220,10 @@ def test_policy_is_a_name_or_an_inline_json_object():
 
 def test_disk_is_a_create_and_run_option():
     a = cli.parse_args(["create", "--image", "busybox", "--disk", "1T"])
-    assert a.disk == "1T" and cli._create_args(a)["disk"] == "1T"
+    assert a.disk == "1T" and create_args(a)["disk"] == "1T"
     a = cli.parse_args(["run", "--disk", "64M", "busybox", "--", "df", "/"])
     assert (a.disk, a.image, a.argv) == ("64M", "busybox", ["df", "/"])
-    assert cli._create_args(cli.parse_args(["create", "--image", "busybox"]))["disk"] is None
+    assert create_args(cli.parse_args(["create", "--image", "busybox"]))["disk"] is None
 
 
 @pytest.mark.parametrize("args,usage", [
