@@ -562,6 +562,27 @@ def test_the_daemon_works_with_the_units_capabilities_and_no_new_privs(daemon_fa
     c.close()
 
 
+def test_a_microvm_runs_as_the_unit_runs_the_daemon(daemon_factory, busybox_rootfs):
+    """The microVM backend in the unit's mount namespace and capabilities:
+    QEMU's own root namespace is made from the daemon's, its files read
+    through /usr made read-only; the VM boots, runs, pauses and resumes."""
+    from conftest import skip_unless_microvm
+
+    d = daemon_factory(start=False, shared_vm_templates=True)
+    d.wrapper = _as_the_unit(d)
+    d.start()
+    c = d.client()
+    skip_unless_microvm(c)
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", backend="microvm", memory="256M", net="none", disk="64M")
+    assert sb.exec(["echo", "in the vm"]).stdout == b"in the vm\n"
+    sb.pause()
+    sb.resume()
+    assert sb.exec(["echo", "after"]).stdout == b"after\n"
+    sb.destroy()
+    c.close()
+
+
 def test_networking_works_with_the_units_capabilities(world, daemon_factory, busybox_rootfs):
     """--net default as the unit runs the daemon: the bridge and veths
     (NET_ADMIN), the eBPF allowlist (BPF), the resolver on port 53
