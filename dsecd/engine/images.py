@@ -322,20 +322,27 @@ class ImageService:
                                            cmd=req.cmd, labels=req.labels, exposed_ports=req.exposed_ports)
         except imageconfig.ConfigError as err:
             raise BadRequest(f"image_build: {err}") from err
+        cancelled = threading.Event()      # a cancel stops the build short of publishing it
         with count_image_op("build") as done:
-            image = await self._images_call(self._build_from_client_path, ctx.peer_pidfd, req, config,
-                                            self._progress(ctx))
+            try:
+                image = await self._images_call(self._build_from_client_path, ctx.peer_pidfd, req, config,
+                                                self._progress(ctx), cancelled)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
             done(image)
         return image.to_dict()
 
-    def _build_from_client_path(self, peer_pidfd, req, config: dict, progress) -> Image:
+    def _build_from_client_path(self, peer_pidfd, req, config: dict, progress,
+                                cancelled: threading.Event) -> Image:
         """build_from_dir on req.source as the client sees it (fs/clientpaths.py;
         peer_pidfd: RequestContext.peer_pidfd, called here, in the worker, so
         that a request cancelled before it runs opens nothing). Blocking."""
         if not os.path.isabs(req.source):
             raise ImageError("bad_request", f"build source must be an absolute path, got {req.source!r}")
         with self.client_path(peer_pidfd, req.source, "build source") as source:
-            return self.images.build_from_dir(source, req.name, req.parent, config, progress, shown=req.source)
+            return self.images.build_from_dir(source, req.name, req.parent, config, progress, shown=req.source,
+                                              cancelled=cancelled)
 
     @contextlib.contextmanager
     def client_path(self, peer_pidfd, path: str, what: str):

@@ -447,14 +447,16 @@ class ImageStore:
 
     def build_from_dir(self, src: str, name: str, parent: str | None = None,
                        config: dict | None = None, progress: Progress | None = None,
-                       shown: str | None = None) -> Image:
+                       shown: str | None = None, cancelled: threading.Event | None = None) -> Image:
         """Image `name` from `src`: a root file system (a directory or a
         tarball: one layer), or a docker save or OCI layout (a tarball or its
         unpacked directory: one layer per image layer, and its config), on
         top of `parent`'s layers. `config`: fields that override the config
         (imageconfig.overrides), which is else the archive's own, or the
         parent's for a root file system. `shown`: how messages name the
-        source (the client's path, where `src` is where it is attached)."""
+        source (the client's path, where `src` is where it is attached).
+        `cancelled`, once set, keeps the image from being published
+        (`conflict`); the layers made are left to `image gc`."""
         name = self.canonical(name)
         if self._ref(name).exists():
             raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)")
@@ -478,6 +480,8 @@ class ImageStore:
             layers, own_config = unpacked
             below = own_config if own_config is not None else (base.config if base else imageconfig.default())
             all_layers = (base.layers if base else []) + layers
+            if cancelled is not None and cancelled.is_set():
+                raise ImageError("conflict", f"build of {name!r} cancelled: nothing published")
             return self._commit(name, all_layers, imageconfig.stack(below, config or {}), parent, hold)
 
     def _unpacked_layers(self, unpack, path: Path, what: str, progress: Progress | None,

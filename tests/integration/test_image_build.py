@@ -278,6 +278,35 @@ def test_a_cancelled_build_leaves_no_sandbox_and_no_name(daemon, client, tmp_pat
     assert "cancelled" not in [i["name"] for i in client.list_images()]
 
 
+def test_a_cancelled_image_build_publishes_nothing(daemon, client, tmp_path):
+    """image_build cancelled once its layer is being made: the layer's work
+    runs on in a worker, but the image is never published, and the
+    client's path is detached when it is done."""
+    src = tmp_path / "tree"
+    for i in range(400):                        # enough for mkfs.erofs to take a while
+        d = src / f"d{i % 20}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i}").write_bytes(os.urandom(64 << 10))
+
+    async def cancel_mid_build() -> None:
+        async with Client(daemon.socket) as c:
+            started = asyncio.Event()
+            build = asyncio.ensure_future(c.import_image(str(src), "cancelled-import",
+                                                         progress=lambda p: started.set()))
+            await asyncio.wait_for(started.wait(), 30)
+            build.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await build
+
+    asyncio.run(cancel_mid_build())
+    attached = daemon.state / "client-paths"
+    deadline = time.monotonic() + 60
+    while attached.exists() and list(attached.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not list(attached.iterdir()), "the build's worker is done and detached the client's path"
+    assert "cancelled-import" not in [i["name"] for i in client.list_images()]
+
+
 def test_the_cli_prints_the_result_and_fails_with_the_line(daemon, tmp_path):
     ctx = ten_step_context(tmp_path / "ctx")
     r = daemon.cli("image", "build", "-f", str(ctx / "Dockerfile"), str(ctx), "--name", "cli-ten")
