@@ -202,4 +202,4 @@ def run_error(err: OSError, sandbox_id: str, prog: str, cwd: str) -> DsecError:
 
 def image_error(err: Exception) -> DsecError:
     """The protocol error of an image store failure (dsecd/fs/images.py ImageError carries its code)."""
-    return DsecError(str(err), code=getattr(err, "code", "internal"))
+    return DsecError(str(err), getattr(err, "detail", None), code=getattr(err, "code", "internal"))

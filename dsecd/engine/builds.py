@@ -247,12 +247,12 @@ class _Build:
                 if self._detached:
                     raise ImageError("conflict", "the build ended before its context was attached")
                 return self._attached.enter_context(self.svc.images.client_path(self.ctx.peer_pidfd, context,
-                                                                                "build context"))
+                                                                                "build context", "context"))
 
         try:
             return await self.svc.workers.run(attach)
         except ImageError as err:
-            raise DsecError(str(err), {"context": context}, code=err.code) from err
+            raise DsecError(str(err), err.detail or {"context": context}, code=err.code) from err
 
     def _detach_context(self) -> None:
         with self._attach_lock:

@@ -80,6 +80,12 @@ def check_excludes(paths: list[str]) -> None:
                              {"exclude": path})
 
 
+# A client path's errno -> the protocol's code (the rest: io).
+_CLIENT_PATH_CODES = {errno.ENOENT: "not_found", errno.ENOTDIR: "not_found", errno.EACCES: "permission",
+                      errno.EPERM: "permission", errno.ELOOP: "bad_request", errno.ENAMETOOLONG: "bad_request",
+                      errno.EINVAL: "bad_request"}
+
+
 class ImageService:
     """`images` (the store of names and manifests) and `layers` (their mounts)
     are what sandboxes are made from; `freeze_timeout_s` bounds a snapshot's
@@ -337,23 +343,33 @@ class ImageService:
                                 cancelled: threading.Event) -> Image:
         """build_from_dir on req.source as the client sees it (fs/clientpaths.py;
         peer_pidfd: RequestContext.peer_pidfd, called here, in the worker, so
-        that a request cancelled before it runs opens nothing). Blocking."""
+        that a request cancelled before it runs opens nothing). Messages and
+        progress name the client's path, not where it is attached. Blocking."""
         if not os.path.isabs(req.source):
             raise ImageError("bad_request", f"build source must be an absolute path, got {req.source!r}")
-        with self.client_path(peer_pidfd, req.source, "build source") as source:
-            return self.images.build_from_dir(source, req.name, req.parent, config, progress, shown=req.source,
-                                              cancelled=cancelled)
+        with self.client_path(peer_pidfd, req.source, "build source", "source") as source:
+            def shown(text: str) -> str:
+                return text.replace(source, req.source) if source != req.source else text
+
+            def progress_shown(p: dict) -> None:
+                progress({k: shown(v) if isinstance(v, str) else v for k, v in p.items()})
+
+            try:
+                return self.images.build_from_dir(source, req.name, req.parent, config, progress_shown,
+                                                  shown=req.source, cancelled=cancelled)
+            except ImageError as err:
+                raise ImageError(err.code, shown(str(err)), err.detail) from err
 
     @contextlib.contextmanager
-    def client_path(self, peer_pidfd, path: str, what: str):
-        """ClientPaths.reach, its failures as ImageErrors naming `what`. Blocking."""
+    def client_path(self, peer_pidfd, path: str, what: str, field: str):
+        """ClientPaths.reach, its failures as ImageErrors naming `what`, with
+        the errno and the path (under `field`) in their detail. Blocking."""
         try:
             with self.client_paths.reach(peer_pidfd, path) as source:
                 yield source
         except ClientPathError as err:      # only reach() raises it: the body never does
-            code = {errno.ENOENT: "not_found", errno.ENOTDIR: "not_found", errno.EACCES: "permission",
-                    errno.EPERM: "permission"}.get(err.errno, "io")
-            raise ImageError(code, f"{what} {err}") from err
+            raise ImageError(_CLIENT_PATH_CODES.get(err.errno, "io"), f"{what} {err}",
+                             {"errno": errno.errorcode.get(err.errno, str(err.errno)), field: path}) from err
 
     async def pull(self, req, ctx) -> dict:
         """A registry image into the store (fs/pull.py), at most images.max_pulls

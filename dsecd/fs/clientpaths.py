@@ -21,6 +21,7 @@ import contextlib
 import errno
 import logging
 import os
+import posixpath
 import stat
 import tempfile
 from collections.abc import Callable, Iterator
@@ -101,8 +102,7 @@ class ClientPaths:
         try:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             holder = Path(tempfile.mkdtemp(dir=self.root))
-            # Its own name, so that what reads it sees a tarball's name and suffix.
-            point = holder / (os.path.basename(path.rstrip("/")) or "root")
+            point = holder / point_name(path)
             try:
                 if stat.S_ISDIR(os.fstat(tree).st_mode):
                     point.mkdir()
@@ -112,6 +112,7 @@ class ClientPaths:
             except BaseException:
                 with contextlib.suppress(OSError):
                     _remove_point(point)
+                with contextlib.suppress(OSError):
                     holder.rmdir()
                 raise
         except OSError as err:
@@ -122,9 +123,18 @@ class ClientPaths:
         return point
 
 
+def point_name(path: str) -> str:
+    """The attach point's name: the path's own (what reads it sees a
+    tarball's name and suffix), "root" for / (and for "/a/.." or "/."
+    forms that name no entry)."""
+    name = posixpath.basename(posixpath.normpath(path))
+    return name if name not in ("", ".", "..") else "root"
+
+
 def _unreachable(path: str, err: OSError) -> ClientPathError:
     code = err.errno or errno.EIO
-    why = "the client exited" if code == errno.ESRCH else os.strerror(code)
+    why = ("the process that connected has exited: name the path from a client that stays connected"
+           if code == errno.ESRCH else os.strerror(code))
     return ClientPathError(code, f"{path}: {why} (looked up as the client sees it)")
 
 

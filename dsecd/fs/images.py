@@ -47,11 +47,12 @@ Progress = Callable[[dict], None]
 
 
 class ImageError(Exception):
-    """code: one of the protocol error codes."""
+    """code: one of the protocol error codes; detail: the error's detail."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, detail: dict | None = None):
         super().__init__(message)
         self.code = code
+        self.detail = detail
 
 
 @dataclass

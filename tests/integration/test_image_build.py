@@ -361,6 +361,9 @@ def test_sources_are_read_as_the_client_sees_them(daemon, client, tmp_path):
         client.request("image_rm", name=name)
     r = daemon.cli("image", "build", str(private / "gone"), "--name", "never")
     assert r.returncode != 0 and b"(looked up as the client sees it)" in r.stderr, r.stderr
+    r = daemon.cli("--json", "image", "build", str(private / "gone"), "--name", "never")
+    error = json.loads(r.stdout)["error"]
+    assert (error["code"], error["detail"]) == ("not_found", {"errno": "ENOENT", "source": str(private / "gone")})
     assert not list((daemon.state / "client-paths").iterdir()), "every attached path is gone again"
 
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from dsecd import server
-from dsecd.fs.clientpaths import ClientPathError, ClientPaths
+from dsecd.fs.clientpaths import ClientPathError, ClientPaths, point_name
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="attaching a tree needs root")
 
@@ -47,7 +47,7 @@ def test_a_client_gone_is_said_so(tmp_path):
     with pytest.raises(ClientPathError) as exc:
         with ClientPaths(tmp_path / "cp").reach(gone, "/somewhere"):
             pass
-    assert exc.value.errno == errno.ESRCH and "the client exited" in str(exc.value)
+    assert exc.value.errno == errno.ESRCH and "the process that connected has exited" in str(exc.value)
 
 
 def test_without_a_pidfd_the_path_is_the_daemons_own(tmp_path):
@@ -114,3 +114,10 @@ def test_a_chrooted_clients_path_is_looked_up_under_its_root(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.parametrize("path,name", [("/a/rootfs", "rootfs"), ("/a/rootfs/", "rootfs"), ("/a/rootfs/.", "rootfs"),
+                                       ("/a/sub/..", "a"), ("/", "root"), ("//", "root"), ("/..", "root"),
+                                       ("/a/image.tar", "image.tar")])
+def test_the_attach_point_takes_the_paths_own_name(path, name):
+    assert point_name(path) == name
