@@ -68,6 +68,8 @@ def peer_pidfd(sock, pid: int) -> int | None:
     no pid in our pid namespace (SO_PEERCRED says 0). ProcessLookupError
     when it is gone (6.5 to 6.15 answer EINVAL for that). The caller closes
     the pidfd."""
+    if pid == 0:
+        return None     # SO_PEERPIDFD would still answer, with a pidfd whose pid is not visible here
     try:
         return sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
     except OSError as err:
@@ -75,7 +77,7 @@ def peer_pidfd(sock, pid: int) -> int | None:
             raise ProcessLookupError(errno.ESRCH, "the client exited") from err
         if err.errno != errno.ENOPROTOOPT:
             raise
-    if pid <= 0:
+    if pid < 0:
         return None
     return os.pidfd_open(pid)
 

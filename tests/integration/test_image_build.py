@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import tarfile
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from conftest import VENV_BIN
@@ -276,6 +278,22 @@ def test_a_cancelled_build_leaves_no_sandbox_and_no_name(daemon, client, tmp_pat
         time.sleep(0.1)
     assert client.list() == []
     assert "cancelled" not in [i["name"] for i in client.list_images()]
+
+
+def test_a_daemon_that_cannot_see_its_clients_pid_reads_paths_as_it_sees_them(daemon_factory, busybox_rootfs):
+    """A daemon in a pid namespace of its own gets pid 0 for its clients: it
+    cannot enter their mount namespace, and reads their paths in its own."""
+    d = daemon_factory(start=False)
+    d.wrapper = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child=SIGTERM"]
+    d.start()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    assert "busybox" in [i["name"] for i in c.list_images()]
+    c.close()
+    # unshare --fork ignores SIGTERM while it waits: stop the daemon itself.
+    daemon_pid = int(Path(f"/proc/{d.proc.pid}/task/{d.proc.pid}/children").read_text().split()[0])
+    os.kill(daemon_pid, signal.SIGTERM)
+    d.proc.wait(15)
 
 
 def test_a_cancelled_image_build_publishes_nothing(daemon, client, tmp_path):
