@@ -112,7 +112,7 @@ class BuildContext:
         rel = self._relative(pattern)
         if not GLOB_CHARS & set(rel):
             return [self._source(rel, pattern)]
-        matches = sorted(self._glob(rel))
+        matches = sorted(self._glob(rel, pattern))
         if not matches:
             raise ContextError(f"{pattern}: no file of the build context matches it"
                                f"{' (or .dockerignore excludes them)' if self.ignore else ''}")
@@ -128,7 +128,7 @@ class BuildContext:
     def _host(self, rel: str) -> str:
         return self.root if rel == "." else os.path.join(self.root, rel)
 
-    def _glob(self, rel: str) -> Iterator[str]:
+    def _glob(self, rel: str, pattern: str) -> Iterator[str]:
         """Context paths matching `rel` component by component (Go's
         filepath.Match per component: `*` never crosses a /)."""
         parts = rel.split("/")
@@ -145,6 +145,9 @@ class BuildContext:
                 return
             regex = compile_pattern(part)
             base = self._host(prefix or ".")
+            if prefix and not self._inside(os.path.realpath(base)):    # listed only inside the context
+                raise ContextError(f"{pattern}: a symlinked directory on the way to {prefix}/{part} leads out "
+                                   "of the build context; COPY follows symlinks only inside it")
             try:
                 names = sorted(os.listdir(base))
             except (NotADirectoryError, FileNotFoundError):

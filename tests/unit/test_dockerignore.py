@@ -100,6 +100,8 @@ def test_sources_never_leave_the_context(tmp_path):
     assert ctx.sources("in-link")[0].entries[0].kind == "file"      # a source symlink is followed inside
     with pytest.raises(ContextError, match="symlinked directory on the way"):
         ctx.sources("out-dir/outside.txt")
+    with pytest.raises(ContextError, match="symlinked directory on the way"):
+        ctx.sources("out-dir/out*")          # refused before anything outside is listed
     (ctx_dir / "sub" / "f").write_text("f")
     assert ctx.sources("in-dir/f")[0].entries[0].kind == "file"     # one on the way, inside
     assert [s.rel for s in ctx.sources("a/../in.txt")] == ["in.txt"]
