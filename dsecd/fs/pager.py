@@ -354,9 +354,11 @@ class Pager:
             stats = self.stats()
             if pid is not None and stats.pid != pid:
                 raise ValueError(f"the pager answering is pid {stats.pid}, not {pid}")
-            if pidfd is None:
+            if pidfd is None:       # the pid from its answer: ask again, now the pidfd holds it
                 pidfd = os.pidfd_open(stats.pid)
-            # Alive from the pidfd's opening to after the answer: the pid named
+                if self.stats().pid != stats.pid:
+                    raise ValueError("the pager answering changed")
+            # Alive from the pidfd's opening to after an answer: the pid named
             # this one process all along, not a process that reused it.
             if _readable(pidfd, 0):
                 raise ValueError(f"pager pid {stats.pid} exited")
