@@ -72,6 +72,15 @@ def unescape_mount_field(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
+def mount_points_under(top: str | Path, mountinfo: str = "/proc/self/mountinfo") -> list[str]:
+    """The mount points strictly below directory `top`, deepest first (the
+    order to unmount them in)."""
+    prefix = str(top).rstrip("/") + "/"
+    with open(mountinfo) as f:
+        points = [p for line in f if (p := unescape_mount_field(line.split()[4])).startswith(prefix)]
+    return sorted(points, key=len, reverse=True)
+
+
 def fs_type(path: str | Path, mountinfo: str = "/proc/self/mountinfo") -> tuple[str, str]:
     """(filesystem type, mount point) of the mount that holds `path`: the longest mount point that is a prefix of its real path.
     The last mount wins on ties: it is the one on top."""

@@ -50,10 +50,8 @@ class ClientPaths:
     def sweep(self) -> int:
         """At start: detach and remove what a daemon killed mid-request left.
         A failure is logged: it costs a directory, never the start."""
-        prefix = str(self.root) + "/"
-        with open("/proc/self/mountinfo") as f:
-            points = [p for line in f if (p := sysfs.unescape_mount_field(line.split()[4])).startswith(prefix)]
-        for point in sorted(points, key=len, reverse=True):
+        points = sysfs.mount_points_under(self.root)
+        for point in points:
             try:
                 native.umount(point, detach=True)
                 log.warning("detached a client's path left attached by an earlier daemon: %s", point)

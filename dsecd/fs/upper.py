@@ -100,10 +100,8 @@ def attach(fd: int, views: Path) -> tuple[Path, Callable[[], None]]:
 def sweep_views(views: Path) -> int:
     """At start: unmount views a daemon killed mid-snapshot left behind (each
     pins a sandbox's layer, and its memory, until unmounted). Blocking."""
-    prefix = str(views) + "/"
-    with open("/proc/self/mountinfo") as f:
-        points = [p for line in f if (p := sysfs.unescape_mount_field(line.split()[4])).startswith(prefix)]
-    for point in sorted(points, key=len, reverse=True):
+    points = sysfs.mount_points_under(views)
+    for point in points:
         native.umount(point, detach=True)
         log.warning("unmounted a writable-layer view left by an earlier daemon: %s", point)
         with contextlib.suppress(OSError):

@@ -28,6 +28,15 @@ def mountinfo(tmp_path):
     return str(p)
 
 
+def test_mount_points_under_a_dir_deepest_first(mountinfo):
+    from dsecd.sysfs import mount_points_under
+
+    assert mount_points_under("/var/lib", mountinfo) == ["/var/lib/over/disk", "/var/lib/over"]
+    assert mount_points_under("/var/lib/over/", mountinfo) == ["/var/lib/over/disk"]     # strictly below
+    assert mount_points_under("/var/li", mountinfo) == []                                # a prefix of a name
+    assert mount_points_under("/mnt", mountinfo) == ["/mnt/with space"]
+
+
 def test_fs_type_is_the_longest_mount_prefix(mountinfo):
     assert sf.fs_type("/", mountinfo) == ("ext4", "/")
     assert sf.fs_type("/dev/shm", mountinfo) == ("tmpfs", "/dev/shm")
