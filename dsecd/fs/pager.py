@@ -334,34 +334,38 @@ class Pager:
     def _try_adopt(self) -> bool:
         """A pager left by a previous daemon answers .stats: keep it (its files
         back mounted layers). Its mount is ours to see when that daemon ran in
-        our mount namespace; otherwise the pid it recorded leads to it, through
-        /proc/<pid>/root. A dead one leaves ENOTCONN: cleared by the caller."""
+        our mount namespace, and its answer names its pid; otherwise the pid it
+        recorded leads to it, through /proc/<pid>/root. A dead one leaves
+        ENOTCONN: cleared by the caller."""
         if self.alive():
             return True
         if pager_mounts(self.config.mountpoint):
-            return self._adopt("", None)
-        pid = self._recorded_pid()
-        return pid is not None and self._adopt(f"/proc/{pid}/root", pid)
+            view, pid = "", self._answering_pid()
+        else:
+            pid = self._recorded_pid()
+            view = f"/proc/{pid}/root"
+        return pid is not None and self._adopt(view, pid)
 
-    def _adopt(self, view: str, pid: int | None) -> bool:
-        """Adopt the pager whose mount is reached at view + mountpoint (and
-        whose pid is `pid`, when known): its .stats must answer with that pid."""
+    def _answering_pid(self) -> int | None:
+        try:
+            return self.stats().pid
+        except (OSError, ValueError):
+            return None
+
+    def _adopt(self, view: str, pid: int) -> bool:
+        """Adopt pager `pid`, whose mount is reached at view + mountpoint: its
+        .stats must answer with that pid while a pidfd holds it."""
         self._view = view
         pidfd = None
         try:
-            if pid is not None:
-                pidfd = os.pidfd_open(pid)
+            pidfd = os.pidfd_open(pid)
             stats = self.stats()
-            if pid is not None and stats.pid != pid:
+            if stats.pid != pid:
                 raise ValueError(f"the pager answering is pid {stats.pid}, not {pid}")
-            if pidfd is None:       # the pid from its answer: ask again, now the pidfd holds it
-                pidfd = os.pidfd_open(stats.pid)
-                if self.stats().pid != stats.pid:
-                    raise ValueError("the pager answering changed")
-            # Alive from the pidfd's opening to after an answer: the pid named
+            # Alive from the pidfd's opening to after its answer: the pid named
             # this one process all along, not a process that reused it.
             if _readable(pidfd, 0):
-                raise ValueError(f"pager pid {stats.pid} exited")
+                raise ValueError(f"pager pid {pid} exited")
         except (OSError, ValueError):
             if pidfd is not None:
                 os.close(pidfd)
