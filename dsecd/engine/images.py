@@ -356,7 +356,7 @@ class ImageService:
 
             try:
                 return self.images.build_from_dir(source, req.name, req.parent, config, progress_shown,
-                                                  shown=req.source, cancelled=cancelled)
+                                                  cancelled=cancelled)
             except ImageError as err:
                 raise ImageError(err.code, shown(str(err)), err.detail) from err
 

@@ -448,16 +448,15 @@ class ImageStore:
 
     def build_from_dir(self, src: str, name: str, parent: str | None = None,
                        config: dict | None = None, progress: Progress | None = None,
-                       shown: str | None = None, cancelled: threading.Event | None = None) -> Image:
+                       cancelled: threading.Event | None = None) -> Image:
         """Image `name` from `src`: a root file system (a directory or a
         tarball: one layer), or a docker save or OCI layout (a tarball or its
         unpacked directory: one layer per image layer, and its config), on
         top of `parent`'s layers. `config`: fields that override the config
         (imageconfig.overrides), which is else the archive's own, or the
-        parent's for a root file system. `shown`: how messages name the
-        source (the client's path, where `src` is where it is attached).
-        `cancelled`, once set, keeps the image from being published
-        (`conflict`); the layers made are left to `image gc`."""
+        parent's for a root file system. `cancelled`, once set, keeps the
+        image from being published (`conflict`); the layers made are left to
+        `image gc`."""
         name = self.canonical(name)
         if self._ref(name).exists():
             raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)")
@@ -469,15 +468,14 @@ class ImageStore:
         with self.pinning() as hold:
             if base:
                 self._hold_existing(hold, base.layers)
-            shown = shown or src
             if path.is_dir():
-                unpacked = self._unpacked_layers(oci.unpack_dir, path, f"directory {shown}", progress, hold)
+                unpacked = self._unpacked_layers(oci.unpack_dir, path, f"directory {path}", progress, hold)
                 if unpacked is None:         # a root file system: the directory is the layer
                     unpacked = [self.build_layer(path, progress=progress, hold=hold)], None
             elif path.is_file():
-                unpacked = self._unpacked_layers(oci.unpack_image, path, f"image tarball {shown}", progress, hold)
+                unpacked = self._unpacked_layers(oci.unpack_image, path, f"image tarball {path}", progress, hold)
             else:
-                raise ImageError("not_found", f"build source {shown!r} is neither a directory nor a file")
+                raise ImageError("not_found", f"build source {src!r} is neither a directory nor a file")
             layers, own_config = unpacked
             below = own_config if own_config is not None else (base.config if base else imageconfig.default())
             all_layers = (base.layers if base else []) + layers
