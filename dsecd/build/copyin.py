@@ -12,7 +12,12 @@ inside it (as they would for a process in it), and a path that would cross
 into one of the sandbox's own mounts (/proc, /dev, the /tmp tmpfs) fails
 with EXDEV instead of writing outside the image. The last component is
 never followed: an existing file or symlink there is replaced, an existing
-directory merged into (a file onto a directory is refused).
+directory merged into (a file onto a directory is refused). One exception:
+a directory copied onto a symlink to a directory of the image goes through
+it, and the link stays. `COPY rootfs /` onto an image with a merged /usr
+(Debian 12, Ubuntu: /bin -> usr/bin) then adds rootfs/bin's files to
+/usr/bin; replacing the link with a directory holding only those files
+would lose every command in /bin (BuildKit refuses that copy instead).
 
 Owners: COPY writes root's files unless --chown (Docker: a user without a
 group uses the uid as the gid too), and directories it makes for the
@@ -185,6 +190,16 @@ def _replace_leaf(pfd: int, name: str, path: str, want_dir: bool) -> bool:
     return False
 
 
+def _links_to_dir(rootfd: int, pfd: int, name: str, path: str) -> bool:
+    """`name` in `pfd` is a symlink to a directory of the image (resolved
+    inside it, as everything here is)."""
+    try:
+        st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISLNK(st.st_mode) and is_dir(rootfd, path)
+
+
 def _write_file(pfd: int, name: str, data_fd: int | None, chunks, mode: int,
                 owner: tuple[int, int] | None) -> int:
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=pfd)
@@ -216,6 +231,8 @@ def _put_entry(rootfd: int, path: str, e: Entry, owner: tuple[int, int] | None, 
     """One context entry at `path` in the image; returns the bytes written."""
     pfd, name = _parent(rootfd, path)
     try:
+        if e.kind == "dir" and _links_to_dir(rootfd, pfd, name, path):
+            return 0        # merged through the link; the directory it names keeps its mode and owner
         existed = _replace_leaf(pfd, name, path, e.kind == "dir")
         if e.kind == "dir":
             if not existed:

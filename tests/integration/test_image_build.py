@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tarfile
@@ -252,6 +253,39 @@ def test_add_extracts_a_local_archive_and_copy_keeps_symlinks(client, tmp_path):
         # Directories made for COPY --chown and WORKDIR belong to that user (as BuildKit makes them).
         assert sh(sb, "stat -c %U /opt /opt/new /opt/new/deep /opt/new/deep/file.txt /work /work/nb "
                       "/work/nb/sub") == "root\nnobody\nnobody\nnobody\nroot\nnobody\nnobody\n"
+    finally:
+        sb.destroy()
+
+
+def test_copy_onto_a_merged_usr_goes_through_the_images_links(client, tmp_path):
+    """`COPY rootfs /` onto an image whose /bin and /lib are links into /usr
+    (Debian 12, Ubuntu): the files land where the links point, the links stay,
+    and every command of /usr/bin is still there."""
+    base = tmp_path / "base"
+    (base / "usr" / "bin").mkdir(parents=True)
+    (base / "usr" / "lib").mkdir()
+    (base / "usr" / "lib" / "kept.txt").write_text("kept\n")
+    shutil.copy2("/bin/busybox", base / "usr" / "bin" / "busybox")
+    for cmd in ("sh", "cat", "readlink", "stat", "ls"):
+        (base / "usr" / "bin" / cmd).symlink_to("busybox")
+    (base / "bin").symlink_to("usr/bin")
+    (base / "lib").symlink_to("/usr/lib")           # absolute: resolved inside the image
+    client.build_image(str(base), "merged-usr")
+    ctx = tmp_path / "ctx"
+    (ctx / "rootfs" / "bin").mkdir(parents=True)
+    (ctx / "rootfs" / "lib").mkdir()
+    (ctx / "rootfs" / "bin" / "hello").write_text("#!/bin/sh\necho hello from bin\n")
+    (ctx / "rootfs" / "bin" / "hello").chmod(0o755)
+    (ctx / "rootfs" / "lib" / "added.txt").write_text("added\n")
+    (ctx / "rootfs" / "lib").chmod(0o700)
+    client.build_dockerfile(str(ctx), "merged-usr-app", text="FROM merged-usr\nCOPY rootfs /\nRUN hello > /ran\n")
+    sb = client.create(image="merged-usr-app")
+    try:
+        assert sh(sb, "readlink /bin; readlink /lib") == "usr/bin\n/usr/lib\n"
+        assert sh(sb, "cat /ran /usr/lib/kept.txt /usr/lib/added.txt") == "hello from bin\nkept\nadded\n"
+        assert sh(sb, "ls /usr/bin") == "busybox\ncat\nhello\nls\nreadlink\nsh\nstat\n"
+        # The directories the links name keep their own mode (rootfs/lib is 0700).
+        assert sh(sb, "stat -c %a /usr/lib") == "755\n"
     finally:
         sb.destroy()
 
