@@ -5,15 +5,20 @@ copies (its cache key).
 The daemon reads the context in place (the client names a local path; it
 is never uploaded), so a build must run on the host that holds the files.
 Sources are context-relative (a leading `/` is the context's root) and never
-leave it: `..` out of it is refused, and a source that is a symlink is
-followed only to a target inside the context. Below a copied directory,
-symlinks are copied as symlinks. FIFOs, sockets and devices are skipped.
+leave it: `..` out of it is refused, and the symlinks on a source's path
+(its last component too) are followed inside the context, as BuildKit
+resolves a COPY source: an absolute target, or a `..` past the top, is
+looked up from the context's root. What a symlink leads to must be in the
+context as .dockerignore leaves it (BuildKit never receives an excluded
+file, whatever links to it). Below a copied directory, symlinks are copied
+as symlinks. FIFOs, sockets and devices are skipped.
 
 Everything here blocks (directory walks, hashing): call it from a worker.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import posixpath
@@ -22,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import native
 from .ignore import IgnoreRules, compile_pattern
 
 GLOB_CHARS = set("*?[")
@@ -130,7 +136,8 @@ class BuildContext:
 
     def _glob(self, rel: str, pattern: str) -> Iterator[str]:
         """Context paths matching `rel` component by component (Go's
-        filepath.Match per component: `*` never crosses a /)."""
+        filepath.Match per component: `*` never crosses a /); directories
+        are listed where their path leads inside the context."""
         parts = rel.split("/")
 
         def walk(prefix: str, i: int) -> Iterator[str]:
@@ -140,19 +147,11 @@ class BuildContext:
             part = parts[i]
             if not GLOB_CHARS & set(part):
                 nxt = f"{prefix}/{part}" if prefix else part
-                if os.path.lexists(self._host(nxt)):
+                if self._lexists(nxt, pattern):
                     yield from walk(nxt, i + 1)
                 return
             regex = compile_pattern(part)
-            base = self._host(prefix or ".")
-            if prefix and not self._inside(os.path.realpath(base)):    # listed only inside the context
-                raise ContextError(f"{pattern}: a symlinked directory on the way to {prefix}/{part} leads out "
-                                   "of the build context; COPY follows symlinks only inside it")
-            try:
-                names = sorted(os.listdir(base))
-            except (NotADirectoryError, FileNotFoundError):
-                return
-            for name in names:
+            for name in self._listdir(prefix or ".", pattern):
                 nxt = f"{prefix}/{name}" if prefix else name
                 if regex.match(name) and not self.ignore.excluded(nxt):
                     yield from walk(nxt, i + 1)
@@ -163,52 +162,97 @@ class BuildContext:
         excluded = rel != "." and self.ignore.excluded(rel)
         if excluded and not self.ignore.has_exceptions:
             raise ContextError(f"{pattern}: .dockerignore excludes {rel}")
-        host = self._host(rel)
-        # A symlinked directory on the way (sub -> /etc, in sub/hostname) would
-        # take the source out of the context: checked for every source.
-        if rel != "." and not self._inside(os.path.realpath(os.path.dirname(host))):
-            raise ContextError(f"{pattern}: a symlinked directory on the way to {rel} leads out of the build "
-                               "context; COPY follows symlinks only inside it")
+        real = self._resolve(rel, pattern)
+        if real is None:
+            if self._lexists(rel, pattern):
+                raise ContextError(f"{pattern}: the symlink {rel} leads to nothing in the build context "
+                                   "(symlinks are followed inside it: an absolute target is looked up "
+                                   "from the context's root)")
+            raise ContextError(f"{pattern}: no such file or directory in the build context")
+        if real != rel:
+            # Symlinks were followed: .dockerignore applies to what they lead to.
+            excluded = excluded or (real != "." and self.ignore.excluded(real))
+            if excluded and not self.ignore.has_exceptions:
+                raise ContextError(f"{pattern}: {rel} leads to {real}, which .dockerignore excludes")
+        host = self._host(real)
         try:
-            st = os.lstat(host)
+            st = os.stat(host, follow_symlinks=False)
         except FileNotFoundError:
-            raise ContextError(f"{pattern}: no such file or directory in the build context") from None
-        if stat.S_ISLNK(st.st_mode):
-            real = os.path.realpath(host)
-            if not self._inside(real):
-                raise ContextError(self._outside(pattern, rel, host, real))
-            try:
-                st = os.stat(real)
-            except FileNotFoundError:
-                raise ContextError(f"{pattern}: the symlink {rel} is dangling") from None
-            host = real
+            raise ContextError(f"{pattern}: {rel} was removed from the build context during the build") from None
         if stat.S_ISDIR(st.st_mode):
-            below = list(self._walk(host, rel))
+            below = list(self._walk(host, real))
             if excluded and not below:          # an exception pattern brings nothing below it back
-                raise ContextError(f"{pattern}: .dockerignore excludes {rel}")
+                raise ContextError(f"{pattern}: .dockerignore excludes {rel if real == rel else real}")
             entries = [Entry("", host, "dir", stat.S_IMODE(st.st_mode)), *below]
         elif excluded:
-            raise ContextError(f"{pattern}: .dockerignore excludes {rel}")
+            raise ContextError(f"{pattern}: .dockerignore excludes {rel if real == rel else real}")
         elif stat.S_ISREG(st.st_mode):
             entries = [Entry("", host, "file", stat.S_IMODE(st.st_mode), st.st_size)]
         else:
             raise ContextError(f"{pattern}: {rel} is not a file, directory or symlink")
         return Source(rel, entries)
 
-    def _inside(self, real: str) -> bool:
-        return real == self.root or real.startswith(self.root + os.sep)
+    # ------------------------------------------------------------ paths inside the context
 
-    def _outside(self, pattern: str, rel: str, host: str, real: str) -> str:
-        """Why the source symlink `rel` is not followed. The context may be
-        attached where the client does not have it (fs/clientpaths.py), so an
-        absolute target would be looked up in the daemon's view of the host,
-        outside the context: it is refused, as anything outside is."""
-        target = os.readlink(host) if os.path.islink(host) else ""
-        if os.path.isabs(target):
-            return (f"{pattern}: the symlink {rel} points to the absolute path {target}; COPY follows a "
-                    "source symlink only by a relative path to inside the build context")
-        return (f"{pattern}: the symlink {rel} points outside the build context (to "
-                f"{os.path.relpath(real, self.root)}); COPY follows a source symlink only inside it")
+    def _open(self, rel: str, flags: int, pattern: str) -> int | None:
+        """An fd of context path `rel`, every symlink on the way followed
+        inside the context; None if it leads nowhere."""
+        rootfd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return native.openat2(rootfd, rel, flags, 0, native.RESOLVE_IN_ROOT | native.RESOLVE_NO_MAGICLINKS)
+        except OSError as err:
+            if err.errno in (errno.ENOENT, errno.ENOTDIR):
+                return None
+            if err.errno == errno.ELOOP:
+                raise ContextError(f"{pattern}: too many symlinks on the way to {rel} (a loop?)") from None
+            raise ContextError(f"{pattern}: {rel}: {err.strerror}") from None
+        finally:
+            os.close(rootfd)
+
+    def _resolve(self, rel: str, pattern: str) -> str | None:
+        """The context path `rel` leads to (symlinks followed inside the
+        context), or None if it leads nowhere: missing, dangling, a file
+        on the way."""
+        if rel == ".":
+            return "."
+        fd = self._open(rel, os.O_PATH, pattern)
+        if fd is None:
+            return None
+        try:
+            real = os.readlink(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
+        if real == self.root:
+            return "."
+        if not real.startswith(self.root + os.sep):     # RESOLVE_IN_ROOT cannot lead here
+            raise ContextError(f"{pattern}: {rel} resolved outside the build context, to {real}")
+        return real[len(self.root) + 1:]
+
+    def _lexists(self, rel: str, pattern: str) -> bool:
+        """`rel` names an entry (a dangling symlink too), its directories
+        resolved inside the context."""
+        parent, name = posixpath.split(rel)
+        fd = self._open(parent or ".", os.O_PATH | os.O_DIRECTORY, pattern)
+        if fd is None:
+            return False
+        try:
+            os.stat(name, dir_fd=fd, follow_symlinks=False)
+            return True
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        finally:
+            os.close(fd)
+
+    def _listdir(self, rel: str, pattern: str) -> list[str]:
+        """Names in directory `rel` (resolved inside the context), sorted;
+        [] if it is not a directory."""
+        fd = self._open(rel, os.O_RDONLY | os.O_DIRECTORY, pattern)
+        if fd is None:
+            return []
+        try:
+            return sorted(os.listdir(fd))
+        finally:
+            os.close(fd)
 
     def _walk(self, top: str, top_ctx: str, top_rel: str = "") -> Iterator[Entry]:
         """Everything below directory `top` (context path `top_ctx`, entry path

@@ -257,6 +257,30 @@ def test_add_extracts_a_local_archive_and_copy_keeps_symlinks(client, tmp_path):
         sb.destroy()
 
 
+def test_context_symlinks_lead_from_the_contexts_root_and_keep_dockerignore(client, tmp_path):
+    """A source's symlinks are followed inside the context (an absolute
+    target from the context's root, as BuildKit does), never to the host's
+    files, and never to a file .dockerignore excludes."""
+    ctx = tmp_path / "ctx"
+    (ctx / "etc").mkdir(parents=True)
+    (ctx / "etc" / "hostname").write_text("the context's hostname\n")
+    (ctx / "conf").symlink_to("/etc")                 # the host's /etc/hostname exists too
+    (ctx / "secrets").mkdir()
+    (ctx / "secrets" / "key.pem").write_text("KEY\n")
+    (ctx / "key").symlink_to("secrets/key.pem")
+    (ctx / ".dockerignore").write_text("secrets\n")
+    client.build_dockerfile(str(ctx), "ctx-links", text="FROM busybox\nCOPY conf/hostname /copied\n")
+    sb = client.create(image="ctx-links")
+    try:
+        assert sh(sb, "cat /copied") == "the context's hostname\n"
+    finally:
+        sb.destroy()
+    with pytest.raises(DsecError) as info:
+        client.build_dockerfile(str(ctx), "ctx-secret", text="FROM busybox\nCOPY key /key\n")
+    assert info.value.code == "bad_request"
+    assert "key leads to secrets/key.pem, which .dockerignore excludes" in info.value.message
+
+
 def test_copy_onto_a_merged_usr_goes_through_the_images_links(client, tmp_path):
     """`COPY rootfs /` onto an image whose /bin and /lib are links into /usr
     (Debian 12, Ubuntu): the files land where the links point, the links stay,
