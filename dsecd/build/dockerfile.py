@@ -44,6 +44,10 @@ FLAGS = {"COPY": {"chown", "chmod", "link", "from", "parents", "exclude"},
 
 DIRECTIVE_RE = re.compile(r"^#\s*([a-zA-Z][a-zA-Z0-9_-]*)\s*=\s*(.*?)\s*$")
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# What follows a $: a variable name, or a positional ($1, $10) or special
+# parameter ($@ $* $# $? $- $$ $!): those are never set in a Dockerfile, so
+# they expand to "", as BuildKit expands them.
+PARAM_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+|[@*#?$!-]")
 HEREDOC_RE = re.compile(r"(^|\s)<<-?\s*['\"]?[A-Za-z_]")
 
 
@@ -93,7 +97,7 @@ class Dockerfile:
 
 def parse(text: str) -> Dockerfile:
     """Parse a Dockerfile's text. Raises DockerfileError naming the line."""
-    lines = text.splitlines()
+    lines = text.removeprefix("\ufeff").splitlines()     # a UTF-8 byte-order mark is not text
     escape, directives, first = _directives(lines)
     out = []
     for start, logical in _logical_lines(lines, first, escape):
@@ -253,10 +257,15 @@ class ExpansionError(ValueError):
 
 def expand(word: str, env: dict[str, str], escape: str = "\\") -> str:
     """One word with its variables substituted and its quotes and escapes
-    removed, as Docker's ProcessWord: $NAME, ${NAME}, ${NAME:-default},
-    ${NAME-default}, ${NAME:+alt}, ${NAME+alt}, ${NAME:?msg}; an unset name
-    gives ""; single quotes keep everything literal; inside double quotes
-    the escape character escapes only ", $ and itself."""
+    removed, as BuildKit's ProcessWord: $NAME, ${NAME}, ${NAME:-default},
+    ${NAME-default}, ${NAME:+alt}, ${NAME+alt}, ${NAME:?msg}, ${NAME#pattern}
+    and ${NAME##pattern} (the shortest and the longest matching prefix
+    removed), ${NAME%pattern} and ${NAME%%pattern} (suffix),
+    ${NAME/pattern/text} and ${NAME//pattern/text} (the first and every
+    match replaced); a pattern's * is any text, ? one character, the escape
+    character makes either literal. An unset name gives ""; single quotes
+    keep everything literal; inside double quotes the escape character
+    escapes only ", $ and itself."""
     out, i, n = [], 0, len(word)
     while i < n:
         ch = word[i]
@@ -309,14 +318,14 @@ def _dollar(word: str, i: int, env: dict[str, str], escape: str) -> tuple[str, i
     """The value of the variable reference at word[i] ('$'), and where it ends."""
     if word.startswith("${", i):
         return _braced(word, i + 2, env, escape)
-    m = NAME_RE.match(word, i + 1)
+    m = PARAM_RE.match(word, i + 1)
     if m is None:
-        return "$", i + 1       # a lone $ (or $1, $@: not Dockerfile variables) stays as it is
+        return "$", i + 1       # a lone $ stays as it is
     return env.get(m.group(), ""), m.end()
 
 
 def _braced(word: str, i: int, env: dict[str, str], escape: str) -> tuple[str, int]:
-    m = NAME_RE.match(word, i)
+    m = PARAM_RE.match(word, i)
     if m is None:
         raise ExpansionError(f"bad substitution in {word!r}: ${{ must be followed by a variable name")
     name, i = m.group(), m.end()
@@ -324,9 +333,12 @@ def _braced(word: str, i: int, env: dict[str, str], escape: str) -> tuple[str, i
         return env.get(name, ""), i + 1
     colon = i < len(word) and word[i] == ":"
     op_at = i + colon
-    if op_at >= len(word) or word[op_at] not in "-+?":
-        raise ExpansionError(f"bad substitution in {word!r}: after ${{{name} comes }}, :-, -, :+, +, :? or ?")
-    op = word[op_at]
+    op = word[op_at] if op_at < len(word) else ""
+    if op and op in "#%/" and not colon:
+        return _pattern_op(word, name, op_at, env, escape)
+    if not op or op not in "-+?":
+        raise ExpansionError(f"bad substitution in {word!r}: after ${{{name} comes }}, :-, -, :+, +, :?, ?, "
+                             "#, ##, %, %%, / or //")
     end = _closing_brace(word, op_at + 1, escape)
     arg = expand(word[op_at + 1:end], env, escape)
     value = env.get(name)
@@ -340,6 +352,93 @@ def _braced(word: str, i: int, env: dict[str, str], escape: str) -> tuple[str, i
             raise ExpansionError(f"{name}: {arg or 'is not set'}")
         result = value
     return result, end + 1
+
+
+def _pattern_op(word: str, name: str, op_at: int, env: dict[str, str], escape: str) -> tuple[str, int]:
+    """${NAME#pat}, ${NAME##pat}, ${NAME%pat}, ${NAME%%pat}, ${NAME/pat/text},
+    ${NAME//pat/text} at word[op_at]: the value, and where the reference ends."""
+    op = word[op_at]
+    doubled = word.startswith(op, op_at + 1)
+    start = op_at + 1 + doubled
+    value = env.get(name, "")
+    if op == "/":
+        slash = _pattern_end(word, start, escape)
+        end = _closing_brace(word, slash + 1, escape)
+        text = expand(word[slash + 1:end], env, escape)
+        return _pattern(word[start:slash], env, escape).sub(lambda _: text, value, count=0 if doubled else 1), end + 1
+    end = _closing_brace(word, start, escape)
+    pattern = _pattern(word[start:end], env, escape)
+    n = len(value)
+    if op == "#":                       # cut the shortest (or, doubled, the longest) matching prefix
+        for k in (range(n, -1, -1) if doubled else range(n + 1)):
+            if pattern.fullmatch(value, 0, k):
+                return value[k:], end + 1
+    else:                               # the same for a suffix
+        for k in (range(n + 1) if doubled else range(n, -1, -1)):
+            if pattern.fullmatch(value, k):
+                return value[:k], end + 1
+    return value, end + 1
+
+
+def _pattern(text: str, env: dict[str, str], escape: str) -> re.Pattern:
+    """A substitution's shell pattern as a regex: * any text, ? one character,
+    everything else literal (the escape character, quotes and the values of
+    variables too)."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        ch = text[i]
+        if ch == escape and i + 1 < n:
+            out.append(re.escape(text[i + 1]))
+            i += 2
+        elif ch == "*":
+            out.append(".*")
+            i += 1
+        elif ch == "?":
+            out.append(".")
+            i += 1
+        elif ch in "'\"" or ch == "$":
+            j = _quoted_end(text, i, escape) if ch != "$" else _dollar(text, i, env, escape)[1]
+            out.append(re.escape(expand(text[i:j], env, escape)))
+            i = j
+        else:
+            out.append(re.escape(ch))
+            i += 1
+    return re.compile("".join(out), re.DOTALL)
+
+
+def _quoted_end(text: str, i: int, escape: str) -> int:
+    """Where the quoted part that opens at text[i] ends (past its closing quote)."""
+    quote, j = text[i], i + 1
+    while j < len(text):
+        if quote == '"' and text[j] == escape:
+            j += 2
+            continue
+        if text[j] == quote:
+            return j + 1
+        j += 1
+    raise ExpansionError(f"unmatched {quote} in {text!r}")
+
+
+def _pattern_end(word: str, i: int, escape: str) -> int:
+    """The / that ends the pattern of ${NAME/pattern/text} at or after word[i]."""
+    depth = 0
+    while i < len(word):
+        ch = word[i]
+        if ch == escape:
+            i += 2
+            continue
+        if word.startswith("${", i):
+            depth += 1
+            i += 2
+            continue
+        if ch == "}":
+            if depth == 0:
+                break
+            depth -= 1
+        elif ch == "/" and depth == 0:
+            return i
+        i += 1
+    raise ExpansionError(f"bad substitution in {word!r}: ${{NAME/pattern/text}} is missing its second /")
 
 
 def _closing_brace(word: str, i: int, escape: str) -> int:

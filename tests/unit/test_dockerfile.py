@@ -31,6 +31,11 @@ def test_continuations_comments_and_blank_lines_keep_the_first_line_number():
     assert df.instructions[2].args == "echo lower-case keyword"
 
 
+def test_a_byte_order_mark_is_not_text():
+    assert parse("\ufeffFROM base\n").instructions[0].cmd == "FROM"
+    assert parse("\ufeff# escape=`\nFROM base\n").escape == "`"
+
+
 def test_the_escape_directive_changes_the_continuation_character():
     df = parse("# escape=`\n# syntax=docker/dockerfile:1\nFROM base\nRUN echo C:\\path `\n  more\n")
     assert df.escape == "`" and df.directives == {"escape": "`", "syntax": "docker/dockerfile:1"}
@@ -60,18 +65,35 @@ def test_exec_form_and_shell_form():
 @pytest.mark.parametrize("word,want", [
     ("$A", "a"), ("${A}", "a"), ("${A}x", "ax"), ("$Ax", ""), ("${NOPE:-d}", "d"), ("${EMPTY:-d}", "d"),
     ("${EMPTY-d}", ""), ("${A:+alt}", "alt"), ("${NOPE:+alt}", ""), ("'$A'", "$A"), ('"$A b"', "a b"),
-    ("\\$A", "$A"), ('"\\$A"', "$A"), ("$", "$"), ("a$1", "a$1"), ("${NOPE:-${A}}", "a"),
-    ('"it\'s"', "it's"), ("x\\ y", "x y"),
+    ("\\$A", "$A"), ('"\\$A"', "$A"), ("$", "$"), ("a$1", "a"), ("costs $5", "costs "), ("$@x", "x"),
+    ("$$", ""), ("${NOPE:-${A}}", "a"), ('"it\'s"', "it's"), ("x\\ y", "x y"),
 ])
 def test_expansion(word, want):
+    """Positional and special parameters ($1, $@, $$) are never set in a Dockerfile: "" (BuildKit)."""
     assert expand(word, {"A": "a", "EMPTY": ""}) == want
+
+
+@pytest.mark.parametrize("word,want", [
+    ("${VER%.*}", "3.11"), ("${VER%%.*}", "3"), ("${VER#*.}", "11.4"), ("${VER##*.}", "4"),
+    ("${F##*/}", "c.txt"), ("${F%/*}", "/a/b"), ("${VER#3}", ".11.4"), ("${VER%x}", "3.11.4"),
+    ("${VER%\\.*}", "3.11"), ("${VER#?.}", "11.4"), ('${F#"/a"}', "/b/c.txt"), ("${F#$D}", "/c.txt"),
+    ("${VER//./_}", "3_11_4"), ("${VER/./_}", "3_11.4"), ("${VER/1*/x}", "3.x"), ("${VER/./${D}}", "3/a/b11.4"),
+    ("${NOPE%.*}", ""), ("${STAR#\\*}", "x*"), ("${STAR%\\*}", "*x"),
+])
+def test_pattern_substitutions(word, want):
+    """${NAME#pat} ## % %% / //, as BuildKit's lexer: * any text, ? one character."""
+    env = {"VER": "3.11.4", "F": "/a/b/c.txt", "D": "/a/b", "STAR": "*x*"}
+    assert expand(word, env) == want
 
 
 def test_required_variable_and_bad_substitution():
     with pytest.raises(ValueError, match="B: must be set"):
         expand("${B:?must be set}", {})
-    with pytest.raises(ValueError, match="bad substitution"):
-        expand("${A%x}", {"A": "a"})
+    for bad in ("${A:%x}", "${A^x}", "${#A}"):
+        with pytest.raises(ValueError, match="bad substitution"):
+            expand(bad, {"A": "a"})
+    with pytest.raises(ValueError, match="missing its second /"):
+        expand("${A/x}", {"A": "a"})
 
 
 def test_words_split_outside_quotes_and_braces():
