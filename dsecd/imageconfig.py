@@ -25,6 +25,9 @@ module, so it imports nothing of the daemon.
 from __future__ import annotations
 
 KEYS = ("env", "cwd", "user", "entrypoint", "cmd", "exposed_ports", "labels")
+# The PATH of a process whose image sets none (Docker's, and BuildKit's for a
+# base image without one).
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PROTOCOLS = ("tcp", "udp", "sctp")
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from ._native import ffi, lib
+from .imageconfig import DEFAULT_PATH
 
 # What the rest of the daemon may use (tests/unit/test_import_graph.py checks
 # that nothing else, and nothing private, is used from outside).
@@ -78,7 +79,6 @@ STEPS: dict[int, str] = dict(sorted({
 PATH_MAX = 4096
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 HOSTNAME_MAX = 64
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 # What each step was doing, as the verb of "verb `object`: strerror".
 _VERBS = {

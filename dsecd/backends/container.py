@@ -28,11 +28,11 @@ from pathlib import Path
 from .. import cgroup, execio, fds, initlink, native, sysfs, userns
 from ..caps import CAP_NUMBERS, cap_mask
 from ..fs import upper as upperfs
+from ..imageconfig import DEFAULT_PATH
 from ..steps import Steps
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PTMX_RDEV = os.makedev(5, 2)     # a devpts instance's ptmx, as /dev/ptmx
 
 @dataclass

@@ -22,6 +22,7 @@ import json
 import posixpath
 from dataclasses import dataclass, field, replace
 
+from ..imageconfig import DEFAULT_PATH
 from .dockerfile import (
     NAME_RE,
     Dockerfile,
@@ -146,6 +147,10 @@ def plan(dockerfile: Dockerfile, build_args: dict[str, str], base_config_of=None
                               f"before it), not {bad.cmd}")
     base, base_line = _from(instructions[i], global_args_env(global_args), esc), instructions[i].line
     config = ImageConfig.of(base_config_of(base) if base_config_of else {})
+    if "PATH" not in config.env:
+        # As BuildKit: `ENV PATH=/opt/bin:$PATH` on a base without one (an
+        # imported directory) must not make a PATH of "/opt/bin:" alone.
+        config = replace(config, env={"PATH": DEFAULT_PATH, **config.env})
     scope = _Scope(config, global_args, build_args)
     steps = []
     for n, ins in enumerate(instructions[i + 1:], start=2):
@@ -215,8 +220,9 @@ def _step(n: int, ins: Instruction, scope: _Scope, esc: str, declared: set[str])
     if cmd == "RUN":
         if ins.flags:
             flag = next(iter(ins.flags))
-            raise DockerfileError(ins.line, f"RUN --{flag} is not supported by dsec builds (the build's "
-                                  "network is `dsec image build --allow`)", "unsupported")
+            why = ("the build's network is `dsec image build --allow`" if flag == "network" else
+                   "drop it: a RUN sees only the image so far")
+            raise DockerfileError(ins.line, f"RUN --{flag} is not supported by dsec builds ({why})", "unsupported")
         argv = _command(ins, scope.shell)
         if not argv or not argv[0]:
             raise DockerfileError(ins.line, "RUN's exec form needs a program: [\"prog\", \"arg\", ...]")

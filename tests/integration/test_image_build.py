@@ -21,6 +21,7 @@ from conftest import VENV_BIN
 
 from dsecd import Client
 from dsecd.errors import DsecError
+from dsecd.imageconfig import DEFAULT_PATH
 
 PROJECT_DOCKERFILE = """\
 # syntax=docker/dockerfile:1
@@ -73,7 +74,8 @@ def test_a_python_project_builds_with_its_files_and_config(client, tmp_path):
     events = []
     img = client.build_dockerfile(str(ctx), "pyproj", build_args={"VERSION": "0.2"}, progress=events.append)
     cfg = img["config"]
-    assert cfg["env"] == {"APP_HOME": "/app", "APP_VERSION": "0.2"}
+    # The imported busybox has no PATH: the build gives it the default one, as BuildKit does.
+    assert cfg["env"] == {"PATH": DEFAULT_PATH, "APP_HOME": "/app", "APP_VERSION": "0.2"}
     assert cfg["cwd"] == "/app" and cfg["user"] == "app"
     assert cfg["cmd"] == ["/bin/sh", "-c", "python3 -m app"] and cfg["entrypoint"] == []
     assert cfg["exposed_ports"] == ["8000/tcp", "9000/udp"]

@@ -9,6 +9,7 @@ import pytest
 
 from dsecd.build.dockerfile import DockerfileError, expand, parse, split_words
 from dsecd.build.plan import COPY, META, RUN, WORKDIR, plan
+from dsecd.imageconfig import DEFAULT_PATH
 
 
 def steps_of(text: str, build_args: dict | None = None, base: dict | None = None):
@@ -104,18 +105,26 @@ def test_words_split_outside_quotes_and_braces():
 
 def test_arg_scopes_and_build_args():
     p = steps_of("ARG TAG=1.0\nARG BASE=img\nFROM $BASE\nARG TAG\nARG MODE=dev\nRUN echo\n"
-                 "ENV MODE=env-wins\nRUN echo\n", {"BASE": "other", "MODE": "prod", "UNUSED": "x"})
+                 "ENV MODE=env-wins\nRUN echo\n", {"BASE": "other", "MODE": "prod", "UNUSED": "x"},
+                 base={"env": {"PATH": "/bin"}})
     assert p.base == "other"
     first, second = p.steps[2], p.steps[4]
-    assert first.kind == RUN and first.env == {"TAG": "1.0", "MODE": "prod"}
-    assert second.env == {"TAG": "1.0", "MODE": "env-wins"}     # ENV over an ARG of the same name
+    assert first.kind == RUN and first.env == {"TAG": "1.0", "MODE": "prod", "PATH": "/bin"}
+    assert second.env == {"TAG": "1.0", "MODE": "env-wins", "PATH": "/bin"}   # ENV over an ARG of the same name
     assert p.unused_build_args == ["UNUSED"]
 
 
 def test_an_arg_before_from_is_not_in_scope_after_it():
-    p = steps_of("ARG V=1\nFROM base\nRUN echo\nENV X=$V\n")
-    assert p.steps[0].env == {}
-    assert p.steps[1].config.env == {"X": ""}
+    p = steps_of("ARG V=1\nFROM base\nRUN echo\nENV X=$V\n", base={"env": {"PATH": "/bin"}})
+    assert p.steps[0].env == {"PATH": "/bin"}
+    assert p.steps[1].config.env == {"PATH": "/bin", "X": ""}
+
+
+def test_a_base_without_path_gets_the_default_one():
+    """As BuildKit: `ENV PATH=/opt/bin:$PATH` on an imported base (no PATH)
+    must not leave a PATH of "/opt/bin:" alone."""
+    p = steps_of("FROM base\nENV PATH=/opt/bin:$PATH\n")
+    assert p.steps[0].config.env == {"PATH": f"/opt/bin:{DEFAULT_PATH}"}
 
 
 def test_env_forms_and_old_values():
@@ -167,7 +176,8 @@ def test_copy_destination_rules():
     ("FROM a\nSTOPSIGNAL TERM\n", 2, "unsupported", "STOPSIGNAL"),
     ("FROM a\nRUN x\nFROM b\n", 3, "unsupported", "multi-stage"),
     ("FROM a\nCOPY --from=b x y\n", 2, "unsupported", "multi-stage"),
-    ("FROM a\nRUN --mount=type=cache,target=/x make\n", 2, "unsupported", "RUN --mount"),
+    ("FROM a\nRUN --mount=type=cache,target=/x make\n", 2, "unsupported", "RUN --mount is not supported by dsec "
+     "builds (drop it: a RUN sees only the image so far)"),
     ("FROM a\nRUN <<EOF\n", 2, "unsupported", "here-document"),
     ("FROM a\nCOPY only\n", 2, "bad_request", "at least one source"),
     ("FROM a\nCOPY --chmod=9z x y\n", 2, "bad_request", "octal"),
