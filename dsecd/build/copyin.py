@@ -19,9 +19,9 @@ it, and the link stays. `COPY rootfs /` onto an image with a merged /usr
 /usr/bin; replacing the link with a directory holding only those files
 would lose every command in /bin (BuildKit refuses that copy instead).
 
-Owners: COPY writes root's files unless --chown (Docker: a user without a
-group uses the uid as the gid too), and directories it makes for the
-destination belong to that owner too; ADD of a tar keeps the archive's
+Owners: COPY writes root's files unless --chown, and directories it makes
+for the destination belong to that owner too (`Accounts.owner`: BuildKit's
+rules, where a numeric uid without a group is also the gid); ADD of a tar keeps the archive's
 owners unless --chown; WORKDIR's directories belong to the USER so far. Ids are the sandbox's: `to_host` maps them to the host ids
 its user namespace stores them as. Modes are the source's (or --chmod).
 
@@ -91,10 +91,21 @@ class Accounts:
             raise CopyError(f"user {spec!r}: {err}") from err
 
     def user(self, spec: str) -> tuple[int, int]:
-        """(uid, gid) of USER or --chown text: name, uid, name:group, uid:gid.
-        CopyError names what the image lacks."""
+        """(uid, gid) a RUN runs as under USER `spec` (name, uid, name:group,
+        uid:gid), as a create resolves it: a uid's gid is its /etc/passwd
+        line's where it has one. CopyError names what the image lacks."""
         ident = self._identity(spec)
         return ident.uid, ident.gid
+
+    def owner(self, spec: str) -> tuple[int, int]:
+        """(uid, gid) of files COPY --chown `spec` writes, and of the
+        directories WORKDIR makes under USER `spec`: as `user`, except that a
+        numeric uid without a group is the gid too (BuildKit's readUser; a
+        name takes its /etc/passwd gid)."""
+        name, sep, _ = spec.partition(":")
+        if name.isdigit() and not sep:
+            return int(name), int(name)
+        return self.user(spec)
 
     def home(self, spec: str) -> str | None:
         return self._identity(spec).home
@@ -291,7 +302,7 @@ def copy_sources(rootfd: int, sources: list[Source], dest: str, owner: tuple[int
                 make_dirs(rootfd, top, chmod if chmod is not None else 0o755, owner)
                 base = posixpath.join(top, posixpath.basename(src.rel))
             else:
-                make_dirs(rootfd, posixpath.dirname(top))
+                make_dirs(rootfd, posixpath.dirname(top), chmod if chmod is not None else 0o755, owner)
                 base = top
             entries = [src.entries[0]]
         for e in entries:

@@ -374,10 +374,10 @@ class _Build:
                               errno=getattr(err, "errno", None)) from err
 
     @staticmethod
-    def _ids(sb: Sandbox, accounts: copyin.Accounts, spec: str) -> tuple[int, int, int, int]:
-        """(uid, gid) of a USER or --chown spec in the image, and the host ids
-        `sb` stores them as (its user namespace's mapping)."""
-        uid, gid = accounts.user(spec)
+    def _ids(sb: Sandbox, spec: str, ids: tuple[int, int]) -> tuple[int, int, int, int]:
+        """(uid, gid) `ids` of a USER or --chown `spec` in the image, and the
+        host ids `sb` stores them as (its user namespace's mapping)."""
+        uid, gid = ids
         idmap = userns.IdMap.from_record(sb.idmap)
         if idmap is None:
             return uid, gid, uid, gid
@@ -389,7 +389,7 @@ class _Build:
     async def _run(self, sb: Sandbox, step: Step) -> None:
         accounts = await self._files(sb, step, copyin.Accounts.read, sb.handle.rootfd)
         try:
-            uid = self._ids(sb, accounts, step.config.user)[0]
+            uid, gid = self._ids(sb, step.config.user, accounts.user(step.config.user))[:2]
         except copyin.CopyError as err:
             raise self._error(step.line, f"RUN as USER {step.config.user}: {err}") from err
         env = dict(step.env)
@@ -403,7 +403,8 @@ class _Build:
 
         timeout = self.svc.limits.run_timeout_s or None
         try:
-            result = await self.svc.execs.run_streamed(sb, step.argv, env, step.config.cwd, uid, timeout, output)
+            result = await self.svc.execs.run_streamed(sb, step.argv, env, step.config.cwd, (uid, gid), timeout,
+                                                       output)
         except DsecError as err:
             raise self._error(step.line, f"RUN {step.argv[-1] if step.instruction.form is None else step.argv}: "
                               f"{err.message}", err.code, **err.detail) from err
@@ -424,7 +425,7 @@ class _Build:
         if step.config.user.partition(":")[0] not in ("0", "root"):
             accounts = await self._files(sb, step, copyin.Accounts.read, sb.handle.rootfd)
             try:
-                owner = self._ids(sb, accounts, step.config.user)[2:]
+                owner = self._ids(sb, step.config.user, accounts.owner(step.config.user))[2:]
             except copyin.CopyError as err:
                 raise self._error(step.line, f"WORKDIR as USER {step.config.user}: {err}") from err
         await self._files(sb, step, copyin.make_dirs, sb.handle.rootfd, step.dest, 0o755, owner)
@@ -434,7 +435,7 @@ class _Build:
         if step.chown is not None:
             accounts = await self._files(sb, step, copyin.Accounts.read, sb.handle.rootfd)
             try:
-                owner = self._ids(sb, accounts, step.chown)[2:]
+                owner = self._ids(sb, step.chown, accounts.owner(step.chown))[2:]
             except copyin.CopyError as err:
                 raise self._error(step.line, f"{step.instruction.cmd} --chown: {err}") from err
         idmap = userns.IdMap.from_record(sb.idmap)

@@ -322,15 +322,16 @@ class ExecService:
         except OSError as err:
             raise io_error("open a terminal (its /dev/pts/ptmx) in", f"sandbox {sb.id}", err) from err
 
-    async def run_streamed(self, sb: Sandbox, argv: list[str], env: dict[str, str], cwd: str, user: int,
-                           timeout: float | None, emit: Callable[[int, bytes], Awaitable[None]]) -> dict:
+    async def run_streamed(self, sb: Sandbox, argv: list[str], env: dict[str, str], cwd: str,
+                           ids: tuple[int, int], timeout: float | None,
+                           emit: Callable[[int, bytes], Awaitable[None]]) -> dict:
         """An exec the daemon runs for itself (a Dockerfile build's RUN): no
         stdin, its output handed to `emit(fd, data)` as it comes, with
         backpressure and no cap (the build's client reads it as a stream).
         Result and errors as `exec`'s; cancelling it kills the process group."""
         io = ExecIO(self.workers.loop, 1 << 62, emit, False)
         return await self._run_io(sb, io, argv, self.backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, env),
-                                  cwd, (user, user), timeout)
+                                  cwd, ids, timeout)
 
     async def _run_io(self, sb: Sandbox, io, argv: list[str], env: list[str], cwd: str, ids: tuple[int, int],
                       timeout: float | None, pty: bool = False, trace: bool = False,

@@ -259,6 +259,39 @@ def test_add_extracts_a_local_archive_and_copy_keeps_symlinks(client, tmp_path):
         sb.destroy()
 
 
+USERS_DOCKERFILE = """\
+FROM busybox
+RUN echo 'app:x:1001:100::/home/app:/bin/sh' >> /etc/passwd && echo 'users:x:100:' >> /etc/group \\
+ && echo 'extra:x:2000:app' >> /etc/group && mkdir -m 1777 /out
+USER app
+RUN id -u > /out/app && id -g >> /out/app
+USER 1234:4321
+RUN id -g > /out/numeric && touch /out/numeric-file
+USER app:extra
+RUN id -g > /out/named-group
+USER root
+COPY --chown=1001 a.txt /newp/deep/a.txt
+USER 1001
+WORKDIR /wd
+"""
+
+
+def test_build_steps_run_and_write_with_the_ids_docker_gives(client, tmp_path):
+    """RUN as USER takes the gid a create would (the user's /etc/passwd gid,
+    or the one named); COPY --chown and WORKDIR take BuildKit's owner rules
+    (a numeric uid alone is the gid too), for the directories they make as
+    well."""
+    (tmp_path / "a.txt").write_text("a\n")
+    client.build_dockerfile(str(tmp_path), "ids", text=USERS_DOCKERFILE)
+    sb = client.create(image="ids")
+    try:
+        assert sh(sb, "cat /out/app /out/numeric /out/named-group") == "1001\n100\n4321\n2000\n"
+        assert sh(sb, "stat -c %u:%g /out/numeric-file /newp /newp/deep /newp/deep/a.txt /wd") == \
+            "1234:4321\n1001:1001\n1001:1001\n1001:1001\n1001:1001\n"
+    finally:
+        sb.destroy()
+
+
 def test_context_symlinks_lead_from_the_contexts_root_and_keep_dockerignore(client, tmp_path):
     """A source's symlinks are followed inside the context (an absolute
     target from the context's root, as BuildKit does), never to the host's
