@@ -114,19 +114,18 @@ class BuildContext:
 
     def sources(self, pattern: str) -> list[Source]:
         """The context paths a COPY/ADD source names (a glob may name several),
-        each with its entries. ContextError if it names nothing."""
+        each with its entries. A path that names nothing is a ContextError; a
+        glob that matches nothing names nothing ([]), as BuildKit skips it:
+        `COPY package.json yarn.lock* ./` is how a Dockerfile copies a file
+        that may be missing."""
         rel = self._relative(pattern)
         if not GLOB_CHARS & set(rel):
             return [self._source(rel, pattern)]
-        matches = sorted(self._glob(rel, pattern))
-        if not matches:
-            raise ContextError(f"{pattern}: no file of the build context matches it"
-                               f"{' (or .dockerignore excludes them)' if self.ignore else ''}")
-        return [self._source(m, pattern) for m in matches]
+        return [self._source(m, pattern) for m in sorted(self._glob(rel, pattern))]
 
     def _relative(self, pattern: str) -> str:
         cleaned = posixpath.normpath("/" + pattern).lstrip("/")
-        if posixpath.normpath(pattern.lstrip("/")).startswith(".."):
+        if posixpath.normpath(pattern.lstrip("/")).split("/")[0] == "..":      # `..data` is a name
             raise ContextError(f"{pattern}: the source is outside the build context; COPY and ADD read "
                                "only files below it")
         return cleaned or "."

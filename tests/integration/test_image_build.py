@@ -292,6 +292,24 @@ def test_build_steps_run_and_write_with_the_ids_docker_gives(client, tmp_path):
         sb.destroy()
 
 
+def test_a_glob_that_matches_nothing_copies_nothing_and_says_so(client, tmp_path):
+    """As BuildKit: `COPY package.json yarn.lock* ./` is how a Dockerfile copies
+    a file that may be missing; a destination ending in / is made anyway."""
+    (tmp_path / "a.txt").write_text("a\n")
+    (tmp_path / "..data").write_text("a name, not a way up\n")
+    events = []
+    client.build_dockerfile(str(tmp_path), "globs", text="FROM busybox\nCOPY a.txt opt*.txt /globbed/\n"
+                            "COPY none*.txt /made-anyway/\nCOPY ..data /\n", progress=events.append)
+    sb = client.create(image="globs")
+    try:
+        assert sh(sb, "ls /globbed; ls -d /made-anyway; cat /..data") == \
+            "a.txt\n/made-anyway\na name, not a way up\n"
+    finally:
+        sb.destroy()
+    warnings = [e["message"] for e in events if e.get("event") == "warning"]
+    assert any("line 3: COPY none*.txt: no file of the build context matches it" in w for w in warnings), warnings
+
+
 def test_context_symlinks_lead_from_the_contexts_root_and_keep_dockerignore(client, tmp_path):
     """A source's symlinks are followed inside the context (an absolute
     target from the context's root, as BuildKit does), never to the host's
