@@ -157,8 +157,7 @@ class BgProc:
 
     def wake(self) -> None:
         tick, self.tick = self.tick, self.loop.create_future()
-        if not tick.done():         # a follower cancelled while it awaited it cancels it
-            tick.set_result(None)
+        tick.set_result(None)
 
     def public(self) -> dict:
         code, sig = self.exit_status()
@@ -525,7 +524,9 @@ class ProcessService:
                     await ctx.emit({"fd": fd, "data": data, "time": at})
             if over or not req.follow:
                 return proc.public()
-            await tick
+            # Shared by every follower: one that is cancelled (its client left)
+            # must not cancel it for the others.
+            await asyncio.shield(tick)
 
     # ------------------------------------------------------------ sandbox ends, daemon stops, restarts
 

@@ -220,6 +220,38 @@ def test_destroy_ends_followers_and_waiters(client):
     assert not t.is_alive() and result["out"][0].startswith(b"tick\n")
 
 
+def test_a_follower_that_leaves_leaves_the_others_following(daemon, client):
+    """Followers of one process share its wake-up: one that is cancelled (a
+    `dsec logs -f | head -1` whose pipe closed) must not end the others,
+    nor the followers that come after it."""
+    sb = client.create(image="busybox", memory="128M")
+    pid = sb.spawn("while read l; do echo got $l; done").pid
+
+    async def first_line(proc) -> bytes:
+        async for chunk in proc.output(follow=True):
+            if chunk.data:
+                return chunk.data
+        return b""
+
+    async def run() -> tuple[bytes, bytes]:
+        async with Client(daemon.socket) as c:
+            proc = (await c.get(sb.id)).process(pid)
+            staying = asyncio.ensure_future(first_line(proc))
+            leaving = asyncio.ensure_future(first_line(proc))
+            await asyncio.sleep(0.3)                  # both wait on the process's next output
+            leaving.cancel()
+            await asyncio.sleep(0.3)
+            late = asyncio.ensure_future(first_line(proc))
+            await asyncio.sleep(0.3)
+            await proc.write(b"x\n")
+            return await asyncio.wait_for(staying, 10), await asyncio.wait_for(late, 10)
+
+    try:
+        assert asyncio.run(run()) == (b"got x\n", b"got x\n")
+    finally:
+        sb.destroy(force=True)
+
+
 def test_pause_leaves_them_alone(any_sandbox):
     sandbox = any_sandbox
     proc = sandbox.spawn("read l; echo woke $l")
