@@ -560,7 +560,7 @@ async def cmd_exec(c: Client, a) -> int:
         return await _exec_on_terminal(sb, a)
     tracing = a.cmd == "trace"
     stream = sb.exec_stream(a.argv, timeout=a.timeout, env=_kv(a.env, "--env"), cwd=a.cwd, user=a.user,
-                            stdin=_stdin_chunks() if a.interactive else None, trace=tracing, policy=a.policy)
+                            stdin=_stdin_as_it_comes() if a.interactive else None, trace=tracing, policy=a.policy)
     out = a.kept_output = CommandOutput(a.json and not tracing)
     async for fd, data in stream:
         out.write(fd, data)

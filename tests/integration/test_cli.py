@@ -6,6 +6,8 @@ import sys
 import time
 from pathlib import Path
 
+from conftest import VENV_BIN
+
 from dsecd import protocol
 
 
@@ -559,3 +561,20 @@ def test_an_exec_killed_by_the_memory_limit_says_so(daemon):
         assert json.loads(r.stdout)["killed_by"] == "oom"
     finally:
         daemon.cli("rm", sb)
+
+
+def test_exec_i_ends_with_its_command_not_with_our_stdin(daemon):
+    """`sleep 8 | dsec exec -i SB -- sh -c 'echo quick; exit 3'` ends when sh
+    does, as `docker exec -i` does, not when our stdin closes."""
+    sb = daemon.cli("create", "--image", "busybox").stdout.decode().strip()
+    p = subprocess.Popen([str(VENV_BIN / "dsec"), "--socket", daemon.socket, "exec", "-i", sb, "--",
+                          "sh", "-c", "echo quick; exit 3"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert p.wait(timeout=15) == 3          # our stdin is still open
+        assert p.stdout.read() == b"quick\n"
+    finally:
+        p.kill()
+        p.wait()
+        p.stdin.close()
+        p.stdout.close()
+        assert daemon.cli("rm", "--force", sb).returncode == 0
