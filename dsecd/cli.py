@@ -602,8 +602,7 @@ async def _exec_on_terminal(sb, a) -> int:
         keys = loop.create_task(_forward_keys(stream, fd)) if a.interactive else None
         try:
             async for _fd, data in stream:
-                sys.stdout.buffer.write(data)
-                sys.stdout.buffer.flush()
+                _write_flush(1, data)
         except asyncio.CancelledError:
             if not killed:
                 raise
@@ -848,10 +847,14 @@ def _write_output(chunk, pid: int) -> None:
 
 
 def _write_flush(fd: int, data: bytes) -> None:
-    """Bytes to our stdout (fd 1) or stderr, at once."""
-    out = sys.stdout.buffer if fd == 1 else sys.stderr.buffer
-    out.write(data)
-    out.flush()
+    """Every byte of `data` to our stdout (fd 1) or stderr (2), at once, after
+    what was printed before. A failure raises (BrokenPipeError: nobody reads
+    it; ENOSPC: a full disk): a buffered writer can report a short write of
+    a large block instead, and the rest would be lost without a word."""
+    (sys.stdout if fd == 1 else sys.stderr).flush()
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def output_chunk_json(chunk) -> str:
@@ -1044,7 +1047,7 @@ async def cmd_cp(c: Client, a) -> int:
         if a.json:               # the one object on stdout: the bytes as text, as `cat --json` gives them
             _print_json({"sandbox": sb.id, "path": src, "size": len(data), "data": data.decode("utf-8", "replace")})
         else:
-            sys.stdout.buffer.write(data)
+            _write_flush(1, data)
         return 0
     if os.path.isdir(dst):
         dst = os.path.join(dst, os.path.basename(src))
@@ -1182,7 +1185,7 @@ async def cmd_cat(c: Client, a) -> int:
             print(json.dumps({"sandbox": sb_id, "path": path, "size": len(data),
                               "data": data.decode("utf-8", "replace")}, sort_keys=True), flush=True)
         else:
-            sys.stdout.buffer.write(data)
+            _write_flush(1, data)
     sys.stdout.flush()
     return status
 
@@ -1836,11 +1839,13 @@ def _check_image_build(a: argparse.Namespace) -> None:
             raise UsageError(f"dsec image build: {option} goes with -f DOCKERFILE (a Dockerfile build)")
 
 
-def _stdout_closed() -> bool:
-    """Whether nobody reads our stdout any more (a pipe's write end polls POLLERR then)."""
+def _closed_outputs() -> list[int]:
+    """Which of our stdout and stderr nobody reads any more (a pipe's write
+    end polls POLLERR then)."""
     poll = select.poll()
-    poll.register(sys.stdout.fileno(), select.POLLOUT)
-    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+    for fd in (1, 2):
+        poll.register(fd, select.POLLOUT)
+    return [fd for fd, events in poll.poll(0) if events & (select.POLLERR | select.POLLHUP)]
 
 
 def _flush_stdout() -> bool:
@@ -1853,11 +1858,12 @@ def _flush_stdout() -> bool:
     return True
 
 
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null, so the interpreter's last flush of a closed
-    pipe raises nothing at exit."""
+def _silence_stdout(fds: tuple[int, ...] = (1,)) -> None:
+    """Point stdout (or `fds`) at /dev/null, so the interpreter's last flush of
+    a closed pipe raises nothing at exit."""
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
+    for fd in fds:
+        os.dup2(devnull, fd)
     os.close(devnull)
 
 
@@ -1967,11 +1973,12 @@ def main(argv: list[str] | None = None) -> None:
         status = cmd_rpc(a) if a.cmd == "rpc" else asyncio.run(_run(a))
         sys.stdout.flush()       # a closed pipe shows here, not at the interpreter's exit
     except BrokenPipeError as err:
-        if not _stdout_closed():         # the daemon's socket broke, not our reader
+        closed = _closed_outputs()
+        if not closed:                   # the daemon's socket broke, not our reader
             _print_error(a, _local_error("unreachable", f"connection to dsecd lost: {err.strerror}"))
             print(f"dsec: connection to dsecd lost: {err.strerror}", file=sys.stderr)
             sys.exit(fail)
-        _silence_stdout()
+        _silence_stdout(tuple(closed))   # stdout or stderr: as a shell's command, quietly 141
         status = EXIT_BROKEN_PIPE
     except UsageError as err:
         _print_error(a, _local_error("bad_request", str(err)))

@@ -578,3 +578,25 @@ def test_exec_i_ends_with_its_command_not_with_our_stdin(daemon):
         p.stdin.close()
         p.stdout.close()
         assert daemon.cli("rm", "--force", sb).returncode == 0
+
+
+def test_output_that_cannot_be_written_is_an_error_never_a_short_file(daemon, client):
+    """A file's bytes to a reader that left end in a quiet 141, to a full
+    disk in an error, never in a silent short write; so does a command's
+    stderr whose reader left."""
+    sb = client.create(image="busybox")
+    dsec = [str(VENV_BIN / "dsec"), "--socket", daemon.socket]
+    try:
+        sb.exec(["sh", "-c", "head -c 3000000 /dev/zero > /big"])
+        for argv in (["cat", f"{sb.id}:/big"], ["cp", f"{sb.id}:/big", "-"]):
+            p = subprocess.run(["bash", "-c", '"$@" | head -c 10 > /dev/null; exit "${PIPESTATUS[0]}"', "-",
+                                *dsec, *argv], capture_output=True, timeout=60)
+            assert (p.returncode, p.stderr) == (141, b""), argv
+            with open("/dev/full", "wb") as full:
+                p = subprocess.run([*dsec, *argv], stdout=full, stderr=subprocess.PIPE, timeout=60)
+            assert p.returncode == 1 and b"No space left on device" in p.stderr, (argv, p.stderr)
+        p = subprocess.run(["bash", "-c", '"$@" 2>&1 >/dev/null | head -1 > /dev/null; exit "${PIPESTATUS[0]}"',
+                            "-", *dsec, "exec", sb.id, "--", "sh", "-c", "yes >&2"], timeout=60)
+        assert p.returncode == 141
+    finally:
+        sb.destroy(force=True)
