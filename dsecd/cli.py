@@ -1421,21 +1421,15 @@ def _exec_options(ex: argparse.ArgumentParser, verb: str) -> None:
     ex.add_argument("--env", action="append", metavar="K=V",
                     help="an environment variable, over the sandbox's (repeatable)")
     ex.add_argument("--cwd", metavar="DIR", help="working directory, an absolute path (default: the sandbox's)")
-    ex.add_argument("--user", type=_uid_or_name, metavar="USER",
-                    help="UID (its gid the same number), NAME, NAME:GROUP or UID:GID, names from the sandbox's "
-                         "/etc/passwd and /etc/group (default: the sandbox's user)")
+    ex.add_argument("--user", metavar="USER",
+                    help="NAME, UID, NAME:GROUP or UID:GID, as docker exec --user: a UID's gid and home come "
+                         "from its line in the sandbox's /etc/passwd if it has one (default: the sandbox's user)")
     ex.add_argument("--policy", type=_policy_arg, metavar="NAME|JSON",
                     help="the task policy it runs under: a name (dsec policy ls) or an inline JSON "
                          "object (default: the sandbox's)")
     if verb == "trace":
         ex.add_argument("--output", "-o", metavar="FILE", help="write the record here (default: stderr)")
     ex.add_argument("sandbox")
-
-
-def _uid_or_name(text: str) -> int | str:
-    """exec's --user: a number is a uid (run with a gid of the same number),
-    anything else a name the daemon looks up in the sandbox."""
-    return int(text) if text.isdigit() else text
 
 
 def _positive_seconds(text: str) -> float:

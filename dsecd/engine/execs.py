@@ -156,6 +156,8 @@ def exec_target(sb: Sandbox, req, backend, named: users.Identity | None = None) 
         user, gid = named.uid, named.gid
         if named.home:
             home = {"HOME": named.home}
+        elif user != 0 and "HOME" not in sb.env:
+            home = {"HOME": "/"}        # a uid without a home: not root's (docker gives / too)
     elif isinstance(req.user, str):
         raise AssertionError("a user given as a string is resolved first (named_user)")
     elif req.user is None:

@@ -541,10 +541,17 @@ def test_cat_goes_on_past_a_file_it_cannot_read(daemon):
 
 
 def test_exec_user_takes_a_name(daemon):
+    """As docker exec --user: a uid with an /etc/passwd line takes its gid and
+    home; one without has a gid of the same number and HOME=/."""
     sb = daemon.cli("create", "--image", "busybox").stdout.decode().strip()
     try:
+        assert daemon.cli("exec", sb, "--", "sh", "-c", "echo 'svc:x:1002:50:svc:/home/svc:/bin/sh' >> /etc/passwd"
+                          ).returncode == 0
         assert daemon.cli("exec", sb, "--user", "nobody", "--", "id", "-u").stdout == b"65534\n"
-        assert daemon.cli("exec", sb, "--user", "1000", "--", "id", "-g").stdout == b"1000\n"
+        assert daemon.cli("exec", sb, "--user", "1000", "--", "sh", "-c", "id -g; echo $HOME").stdout == b"1000\n/\n"
+        for user in ("svc", "1002"):
+            r = daemon.cli("exec", sb, "--user", user, "--", "sh", "-c", "id -u; id -g; echo $HOME")
+            assert r.stdout == b"1002\n50\n/home/svc\n", (user, r)
         r = daemon.cli("exec", sb, "--user", "ghost", "--", "true")
         assert r.returncode == 125 and b"ghost" in r.stderr, r
     finally:

@@ -109,9 +109,9 @@ def test_fleet_usage_errors(args, why, capsys, monkeypatch):
 
 def test_exec_options_before_and_after_the_sandbox_id():
     a = cli.parse_args(["exec", "SB", "--timeout", "2", "-i", "--user", "7", "--", "sleep", "10"])
-    assert (a.sandbox, a.timeout, a.interactive, a.user, a.argv) == ("SB", 2.0, True, 7, ["sleep", "10"])
+    assert (a.sandbox, a.timeout, a.interactive, a.user, a.argv) == ("SB", 2.0, True, "7", ["sleep", "10"])
     b = cli.parse_args(["exec", "--timeout", "2", "-i", "--user", "7", "SB", "sleep", "10"])
-    assert (b.sandbox, b.timeout, b.interactive, b.user, b.argv) == ("SB", 2.0, True, 7, ["sleep", "10"])
+    assert (b.sandbox, b.timeout, b.interactive, b.user, b.argv) == ("SB", 2.0, True, "7", ["sleep", "10"])
     t = cli.parse_args(["trace", "SB", "-o", "f", "--", "true"])
     assert (t.sandbox, t.output, t.argv) == ("SB", "f", ["true"])
 
@@ -274,7 +274,7 @@ def test_the_options_a_new_user_asked_about_have_help():
     helps = {o: act.help for act in leaves[("create",)]._actions for o in act.option_strings}
     assert "fractions" in helps["--cpu"] and "CPU" in helps["--cpu"]
     assert "UID" in {o: act.help for act in leaves[("exec",)]._actions for o in act.option_strings}["--user"]
-    assert cli.parse_args(["exec", "SB", "--user", "1000", "--", "id"]).user == 1000
+    assert cli.parse_args(["exec", "SB", "--user", "1000", "--", "id"]).user == "1000"        # the daemon resolves it, as docker does
     assert cli.parse_args(["exec", "SB", "--user", "app:staff", "--", "id"]).user == "app:staff"
 
 
