@@ -1051,7 +1051,10 @@ async def cmd_cp(c: Client, a) -> int:
         return 0
     if os.path.isdir(dst):
         dst = os.path.join(dst, os.path.basename(src))
-    _write_local(dst, data)
+    st = await sb.stat(src)
+    # Its permission bits, as docker cp keeps them; never setuid or setgid
+    # on our side (a sandbox's file, owned here by whoever runs dsec).
+    _write_local(dst, data, st["mode"] & 0o777 if st["type"] == "file" else None)
     if a.json:
         _print_json({"sandbox": sb.id, "path": src, "local": dst, "size": len(data)})
     return 0
@@ -1087,10 +1090,11 @@ async def _lists_as_dir(sb, path: str) -> bool:
     return True
 
 
-def _write_local(dst: str, data: bytes) -> None:
-    """`data` as local file `dst`, written under a temporary name beside it and
-    renamed over it (a failed copy leaves the old file or none). Errors name
-    `dst`, the path the user gave, not the temporary file."""
+def _write_local(dst: str, data: bytes, mode: int | None = None) -> None:
+    """`data` as local file `dst` (with permission bits `mode`; None: as a new
+    file gets them), written under a temporary name beside it and renamed
+    over it (a failed copy leaves the old file or none). Errors name `dst`,
+    the path the user gave, not the temporary file."""
     parent = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(parent):
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), dst)
@@ -1098,6 +1102,8 @@ def _write_local(dst: str, data: bytes) -> None:
     try:
         with open(tmp, "wb") as f:
             f.write(data)
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
     except OSError as err:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

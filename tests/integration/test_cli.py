@@ -607,3 +607,16 @@ def test_output_that_cannot_be_written_is_an_error_never_a_short_file(daemon, cl
         assert p.returncode == 141
     finally:
         sb.destroy(force=True)
+
+
+def test_cp_out_keeps_a_files_permission_bits_but_never_setuid(daemon, client, tmp_path):
+    """As docker cp: a file's mode comes with it; a sandbox's setuid or
+    setgid bit does not (the copy belongs to whoever ran dsec)."""
+    sb = client.create(image="busybox")
+    try:
+        sb.exec(["sh", "-c", "echo x > /f && chmod 750 /f && cp /f /s && chmod 6755 /s"])
+        for name, want in (("f", 0o750), ("s", 0o755)):
+            assert daemon.cli("cp", f"{sb.id}:/{name}", str(tmp_path)).returncode == 0
+            assert (tmp_path / name).stat().st_mode & 0o7777 == want, name
+    finally:
+        sb.destroy(force=True)
