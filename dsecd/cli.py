@@ -47,7 +47,7 @@ import tty
 
 from . import fleet_cli, imageconfig, pullview, topview
 from .client import Client, default_socket
-from .clitext import UsageError, argv_value, create_args, event_fields, job_done, job_verb
+from .clitext import UsageError, argv_value, create_args, env_vars, event_fields, job_done, job_verb
 from .clitext import human_bytes as _human_bytes
 from .clitext import kv as _kv
 from .clitext import pct as _pct
@@ -553,13 +553,13 @@ def _exit_status(r, timeout_msg: str) -> int:
 async def cmd_exec(c: Client, a) -> int:
     sb = await c.get(a.sandbox)
     if getattr(a, "detach", False):
-        proc = await sb.spawn(a.argv, env=_kv(a.env, "--env"), cwd=a.cwd, user=a.user, policy=a.policy)
+        proc = await sb.spawn(a.argv, env=env_vars(a), cwd=a.cwd, user=a.user, policy=a.policy)
         _print_json({"pid": proc.pid, "sandbox": sb.id}) if a.json else print(proc.pid)
         return 0
     if getattr(a, "tty", False):
         return await _exec_on_terminal(sb, a)
     tracing = a.cmd == "trace"
-    stream = sb.exec_stream(a.argv, timeout=a.timeout, env=_kv(a.env, "--env"), cwd=a.cwd, user=a.user,
+    stream = sb.exec_stream(a.argv, timeout=a.timeout, env=env_vars(a), cwd=a.cwd, user=a.user,
                             stdin=_stdin_as_it_comes() if a.interactive else None, trace=tracing, policy=a.policy)
     out = a.kept_output = CommandOutput(a.json and not tracing)
     async for fd, data in stream:
@@ -584,7 +584,7 @@ async def _exec_on_terminal(sb, a) -> int:
     terminal as typed; its window size follows ours (SIGWINCH)."""
     fd = sys.stdin.fileno()
     rows, cols = _window_size(fd)
-    stream = sb.exec_stream(a.argv, timeout=a.timeout, env=_kv(a.env, "--env"), cwd=a.cwd, user=a.user,
+    stream = sb.exec_stream(a.argv, timeout=a.timeout, env=env_vars(a), cwd=a.cwd, user=a.user,
                             pty=True, rows=rows, cols=cols)
     ended_by = None                       # the signal that ended it
     with _raw_terminal(fd) if a.interactive else contextlib.nullcontext():
@@ -1344,7 +1344,8 @@ class _SubParser(_Parser):
 # `dsec exec SB --timeout 2 sleep 10` into dsec's words and the command must
 # know that "2" belongs to --timeout (tests/unit/test_cli_args.py checks this
 # list against the parser).
-VALUED_OPTIONS = frozenset({"--timeout", "--env", "--cwd", "--user", "--output", "-o",
+VALUED_OPTIONS = frozenset({"--timeout", "--env", "-e", "--env-file", "--cwd", "-w", "--workdir", "--user", "-u",
+                            "--output", "-o",
                             "--image", "--code-file", "--stdin", "--policy",
                             # dsec run's: create's and its own
                             "--cpu", "--memory", "--pids", "--disk", "--label", "--hostname", "--net", "--allow",
@@ -1424,10 +1425,13 @@ def _exec_options(ex: argparse.ArgumentParser, verb: str) -> None:
         ex.add_argument("-d", "--detach", action="store_true",
                         help="run it in the background and print its pid (see dsec proc, logs, attach, kill, wait)")
     ex.add_argument("--timeout", type=float, help="seconds; the process group is killed after it")
-    ex.add_argument("--env", action="append", metavar="K=V",
-                    help="an environment variable, over the sandbox's (repeatable)")
-    ex.add_argument("--cwd", metavar="DIR", help="working directory, an absolute path (default: the sandbox's)")
-    ex.add_argument("--user", metavar="USER",
+    ex.add_argument("-e", "--env", action="append", metavar="K=V",
+                    help="an environment variable, over the sandbox's; K alone: ours (repeatable)")
+    ex.add_argument("--env-file", action="append", metavar="FILE",
+                    help="KEY=VALUE lines, as docker reads them; --env goes over them (repeatable)")
+    ex.add_argument("-w", "--cwd", "--workdir", dest="cwd", metavar="DIR",
+                    help="working directory, an absolute path (default: the sandbox's)")
+    ex.add_argument("-u", "--user", metavar="USER",
                     help="NAME, UID, NAME:GROUP or UID:GID, as docker exec --user: a UID's gid and home come "
                          "from its line in the sandbox's /etc/passwd if it has one (default: the sandbox's user)")
     ex.add_argument("--policy", type=_policy_arg, metavar="NAME|JSON",
@@ -1458,12 +1462,16 @@ def _create_options(p: argparse.ArgumentParser) -> None:
                    "sandbox.pids)")
     p.add_argument("--disk", metavar="SIZE", help="size cap of its writable layer, e.g. 20G (default: "
                    "sandbox.disk; needs the upperfs feature, see dsec info)")
-    p.add_argument("--env", action="append", metavar="K=V", help="over the image's environment (repeatable)")
+    p.add_argument("-e", "--env", action="append", metavar="K=V", help="over the image's environment; K alone: "
+                   "ours (repeatable)")
+    p.add_argument("--env-file", action="append", metavar="FILE",
+                   help="KEY=VALUE lines, as docker reads them; --env goes over them (repeatable)")
     p.add_argument("--label", action="append", metavar="K=V", help="a label to find it by: dsec ps --label, "
                    "rm --all --label; job=J groups it for dsec job (repeatable)")
     p.add_argument("--hostname")
-    p.add_argument("--cwd", help="working directory of its processes (default: the image's)")
-    p.add_argument("--user", help="user of its processes: NAME, UID, NAME:GROUP or UID:GID, names from the "
+    p.add_argument("-w", "--cwd", "--workdir", dest="cwd", help="working directory of its processes (default: "
+                   "the image's)")
+    p.add_argument("-u", "--user", help="user of its processes: NAME, UID, NAME:GROUP or UID:GID, names from the "
                    "image's /etc/passwd and /etc/group (default: the image's)")
     p.add_argument("--net", choices=["none", "default"], help="none: loopback only; default: bridge + "
                    "address + egress allowlist (default: the daemon's net.default_mode)")
@@ -1816,8 +1824,11 @@ def check_usage(a: argparse.Namespace) -> None:
                          "drop -t (with -i alone the command reads piped input)")
     if a.cmd == "call" and not a.argv and not a.code_file:
         raise UsageError("dsec call: give a command after --, or --code-file FILE")
-    for option in ("env", "label"):
-        _kv(getattr(a, option, None), f"--{option}")
+    if hasattr(a, "env_file"):          # docker's forms: K=V, K alone, files
+        env_vars(a)
+    else:
+        _kv(getattr(a, "env", None), "--env")
+    _kv(getattr(a, "label", None), "--label")
     if a.cmd == "cp":
         _cp_sides(a)
     if a.cmd == "image" and a.image_cmd == "build":

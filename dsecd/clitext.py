@@ -4,6 +4,7 @@ command line (cli.py) and its fleet commands (fleet_cli.py)."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 
 
@@ -21,10 +22,41 @@ def kv(items: list[str] | None, what: str) -> dict[str, str]:
     return out
 
 
+def env_vars(a) -> dict[str, str]:
+    """The environment of `--env-file FILE` and `--env` words, as docker run
+    reads them: the files first, then each --env over them; `K=V` sets K,
+    `K` alone takes our own environment's value (and sets nothing where we
+    have none). A file holds one KEY=VALUE or KEY per line, taken as it is
+    (no quotes removed); blank lines and lines starting with # are skipped."""
+    out: dict[str, str] = {}
+    for path in getattr(a, "env_file", None) or []:
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except (OSError, UnicodeDecodeError) as err:
+            raise UsageError(f"dsec: --env-file {path}: {getattr(err, 'strerror', None) or err}") from None
+        for n, line in enumerate(lines, 1):
+            if line.strip() and not line.lstrip().startswith("#"):
+                _set_env(out, line.lstrip(), f"--env-file {path}, line {n}")
+    for item in a.env or []:
+        _set_env(out, item, "--env")
+    return out
+
+
+def _set_env(env: dict[str, str], item: str, what: str) -> None:
+    k, sep, v = item.partition("=")
+    if not k or any(c.isspace() for c in k):
+        raise UsageError(f"dsec: {what} must look like KEY=VALUE or KEY, got {item!r}")
+    if sep:
+        env[k] = v
+    elif k in os.environ:
+        env[k] = os.environ[k]
+
+
 def create_args(a) -> dict:
     """The create's arguments of `dsec create`, `dsec run` and `dsec fleet
     create` (cli._create_options), but for image, key, lease and backend."""
-    return dict(cpu=a.cpu, memory=a.memory, pids=a.pids, disk=a.disk, env=kv(a.env, "--env"),
+    return dict(cpu=a.cpu, memory=a.memory, pids=a.pids, disk=a.disk, env=env_vars(a),
                 labels=kv(a.label, "--label"), hostname=a.hostname, cwd=a.cwd, user=a.user, qos=a.qos,
                 cpu_quota=a.cpu_quota, ttl=a.ttl, idle_ttl=a.idle_ttl, net=a.net, allow=a.allow,
                 publish=a.publish, policy=a.policy)

@@ -67,7 +67,7 @@ def test_rm_all_and_info(daemon):
 
 
 def test_bad_cli_input_is_reported(daemon):
-    r = daemon.cli("create", "--image", "busybox", "--env", "NOEQUALS")
+    r = daemon.cli("create", "--image", "busybox", "--env", "BAD KEY=x")
     assert r.returncode != 0 and b"KEY=VALUE" in r.stderr
     r = daemon.cli("cp", "a", "b")
     assert r.returncode != 0 and b"SANDBOX" in r.stderr

@@ -107,6 +107,29 @@ def test_fleet_usage_errors(args, why, capsys, monkeypatch):
     assert e.value.code == 2 and why in capsys.readouterr().err
 
 
+def test_docker_style_env_workdir_and_user_options(tmp_path, monkeypatch):
+    """-e, --env-file, -w/--workdir and -u, as docker run and exec take them:
+    the files first, --env over them, K alone from our environment."""
+    env_file = tmp_path / "env"
+    env_file.write_text("# comment\n\nA=from-file\nB=kept \"quoted\"\nOURS\nMISSING\n")
+    monkeypatch.setenv("OURS", "ours")
+    monkeypatch.delenv("MISSING", raising=False)
+    monkeypatch.setenv("K", "k-ours")
+    for verb in (["exec", "SB"], ["run", "img"], ["create", "--image", "img"]):
+        a = cli.parse_args([*verb, "--env-file", str(env_file), "-e", "A=over", "-e", "K", "-w", "/srv",
+                            "-u", "app", *(["--", "true"] if verb[0] != "create" else [])])
+        assert cli.env_vars(a) == {"A": "over", "B": 'kept "quoted"', "OURS": "ours", "K": "k-ours"}, verb
+        assert (a.cwd, a.user) == ("/srv", "app")
+    a = cli.parse_args(["exec", "--workdir", "/x", "SB", "-e", "Z=1", "pwd"])
+    assert (a.cwd, a.sandbox, a.argv, a.env) == ("/x", "SB", ["pwd"], ["Z=1"])
+    bad = tmp_path / "bad"
+    bad.write_text("NO SPACES=x\n")
+    with pytest.raises(cli.UsageError, match=r"--env-file .*bad, line 1 must look like KEY=VALUE"):
+        cli.env_vars(cli.parse_args(["exec", "SB", "--env-file", str(bad), "true"]))
+    with pytest.raises(cli.UsageError, match="--env-file .*nosuch"):
+        cli.env_vars(cli.parse_args(["exec", "SB", "--env-file", str(tmp_path / "nosuch"), "true"]))
+
+
 def test_exec_options_before_and_after_the_sandbox_id():
     a = cli.parse_args(["exec", "SB", "--timeout", "2", "-i", "--user", "7", "--", "sleep", "10"])
     assert (a.sandbox, a.timeout, a.interactive, a.user, a.argv) == ("SB", 2.0, True, "7", ["sleep", "10"])
@@ -141,7 +164,7 @@ def _dsec(*args, **kw) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("args", [["exec", "SB"], ["exec", "SB", "--bogus", "--", "true"], ["exec"],
                                   ["exec", "SB", "--time", "5", "sleep", "9"],    # no abbreviations
-                                  ["trace", "SB"], ["call", "--image", "i"], ["exec", "SB", "--env", "X", "true"]])
+                                  ["trace", "SB"], ["call", "--image", "i"], ["exec", "SB", "--env", "=x", "true"]])
 def test_usage_errors_of_commands_that_run_a_command_exit_125(args):
     r = _dsec(*args)
     assert r.returncode == 125, r.stderr
