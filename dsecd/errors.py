@@ -156,9 +156,15 @@ def exec_error(err: OSError, prog: str, cwd: str) -> DsecError:
 
     step = getattr(err, "step", None) or ""
     if err.errno == errno.ENOENT and "exec" in step:
-        return NotFound(f"exec {prog!r}: no such file or command in the sandbox", {"argv0": prog})
-    if err.errno in (errno.ENOENT, errno.ENOTDIR) and "chdir" in step:
+        # execve's ENOENT is also that of a script's #! interpreter, or a
+        # program's dynamic loader, that is missing.
+        also = "; if it exists, its #! interpreter or its dynamic loader does not" if "/" in prog else ""
+        return NotFound(f"exec {prog!r}: no such file or command in the sandbox{also}", {"argv0": prog})
+    if err.errno == errno.ENOENT and "chdir" in step:
         return NotFound(f"exec: working directory {cwd!r} does not exist in the sandbox", {"cwd": cwd})
+    if err.errno == errno.ENOTDIR and "chdir" in step:
+        return NotFound(f"exec: working directory {cwd!r} is not a directory in the sandbox (it, or a path "
+                        "above it, is a file)", {"cwd": cwd})
     if err.errno == errno.EACCES:
         return DsecError(f"exec {prog!r}: permission denied", {"step": step or None}, code="permission")
     if err.errno in (errno.ESRCH, errno.EINVAL) and "setns" in step:

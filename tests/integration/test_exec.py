@@ -45,8 +45,13 @@ def test_env_cwd_user(sandbox):
 def test_missing_program_and_cwd_are_not_found(sandbox):
     with pytest.raises(NotFound, match="no-such-prog"):
         sandbox.exec(["no-such-prog"])
-    with pytest.raises(NotFound, match="working directory"):
+    with pytest.raises(NotFound, match="working directory '/does/not/exist' does not exist"):
         sandbox.exec(["true"], cwd="/does/not/exist")
+    with pytest.raises(NotFound, match="working directory '/etc/passwd' is not a directory"):
+        sandbox.exec(["true"], cwd="/etc/passwd")
+    sandbox.exec(["sh", "-c", "printf '#!/no/such/shell\\necho\\n' > /s; chmod +x /s"])
+    with pytest.raises(NotFound, match="'/s': no such file .*its #! interpreter or its dynamic loader does not"):
+        sandbox.exec(["/s"])
 
 
 @pytest.mark.attack      # DSec's agents ran `yes` until tens of GB of stdout piled up
