@@ -1023,7 +1023,7 @@ def named_sandboxes(a) -> list[str]:
 
 async def cmd_cp(c: Client, a) -> int:
     src_sb, src, dst_sb, dst = _cp_sides(a)
-    if a.recursive:
+    if a.recursive and not await _is_a_file(c, src_sb, src):     # cp -r copies a file as a file
         return await _cp_dir(c, a, src_sb, src, dst_sb, dst)
     if src_sb is None and os.path.isdir(src):
         raise UsageError(f"dsec cp: {src} is a directory; copy it with dsec cp -r")
@@ -1051,6 +1051,8 @@ async def cmd_cp(c: Client, a) -> int:
         return 0
     if os.path.isdir(dst):
         dst = os.path.join(dst, os.path.basename(src))
+    elif dst.endswith("/"):
+        raise UsageError(f"dsec cp: {dst}: no such directory (a destination ending in / must be one)")
     st = await sb.stat(src)
     # Its permission bits, as docker cp keeps them; never setuid or setgid
     # on our side (a sandbox's file, owned here by whoever runs dsec).
@@ -1058,6 +1060,16 @@ async def cmd_cp(c: Client, a) -> int:
     if a.json:
         _print_json({"sandbox": sb.id, "path": src, "local": dst, "size": len(data)})
     return 0
+
+
+async def _is_a_file(c: Client, sb_id: str | None, path: str) -> bool:
+    """Whether a cp source is a regular file (a sandbox's, or ours: sb_id None)."""
+    if sb_id is None:
+        return path == "-" or os.path.isfile(path)
+    try:
+        return (await (await c.get(sb_id)).stat(path))["type"] == "file"
+    except NotFound:
+        return False        # the directory copy says what is missing
 
 
 async def _cp_remote_target(sb, src: str, dst: str) -> str:

@@ -633,6 +633,9 @@ class ProcessService:
 def parse_signal(value: int | str) -> int:
     """A signal number from 9, "9", "KILL", "SIGKILL" (any case); BadRequest otherwise."""
     text = str(value).strip()
+    if text.isdigit() and int(text) == 0:
+        raise BadRequest("signal 0 sends nothing: `dsec proc ls` (proc_list) says whether the process runs",
+                         {"signal": value})
     try:
         if text.isdigit():
             return signals.Signals(int(text)).value

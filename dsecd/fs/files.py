@@ -58,6 +58,9 @@ def _require_regular(fd: int, path: str) -> os.stat_result:
     read them the next time a client touches that path (found by
     tests/integration/test_attack_control.py)."""
     st = os.fstat(fd)
+    if stat.S_ISDIR(st.st_mode):
+        raise PathError(f"{path} is a directory, not a regular file (`dsec ls` lists it, `dsec cp -r` "
+                        "copies it)")
     if not stat.S_ISREG(st.st_mode):
         raise PathError(f"{path} is a {_type_of(st.st_mode)}, not a regular file")
     kind = native.KERNEL_FS_MAGICS.get(native.fs_magic(fd, path))

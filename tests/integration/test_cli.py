@@ -516,8 +516,9 @@ def test_cp_into_a_directory_and_errors_that_name_the_users_path(daemon, tmp_pat
         r = daemon.cli("cp", "-r", str(tmp_path / "nonexist"), f"{sb}:/work")
         assert r.returncode == 1 and b"No such file or directory" in r.stderr, r.stderr
         assert str(tmp_path / "nonexist").encode() in r.stderr and b"is not a directory" not in r.stderr
-        r = daemon.cli("cp", "-r", str(small), f"{sb}:/work")
-        assert r.returncode == 1 and b"is not a directory" in r.stderr, r.stderr
+        r = daemon.cli("cp", "-r", str(small), f"{sb}:/work")       # a file, copied as cp -r copies one
+        assert r.returncode == 0, r.stderr
+        assert daemon.cli("cat", f"{sb}:/work/small.txt").stdout == small.read_bytes()
     finally:
         daemon.cli("rm", "-f", sb)
 
@@ -618,5 +619,26 @@ def test_cp_out_keeps_a_files_permission_bits_but_never_setuid(daemon, client, t
         for name, want in (("f", 0o750), ("s", 0o755)):
             assert daemon.cli("cp", f"{sb.id}:/{name}", str(tmp_path)).returncode == 0
             assert (tmp_path / name).stat().st_mode & 0o7777 == want, name
+    finally:
+        sb.destroy(force=True)
+
+
+def test_cp_and_cat_say_what_to_do_with_a_directory_and_take_r_for_a_file(daemon, client, tmp_path):
+    """cp -r copies a file as cp(1) does; a directory read as a file, and a
+    missing directory as the destination, say what to do."""
+    sb = client.create(image="busybox")
+    try:
+        (tmp_path / "f").write_text("local\n")
+        assert daemon.cli("cp", "-r", str(tmp_path / "f"), f"{sb.id}:/f").returncode == 0
+        assert daemon.cli("cp", "-r", f"{sb.id}:/f", str(tmp_path / "back")).returncode == 0
+        assert (tmp_path / "back").read_text() == "local\n"
+        for argv in (["cat", f"{sb.id}:/etc"], ["cp", f"{sb.id}:/etc", str(tmp_path / "etc")]):
+            r = daemon.cli(*argv)
+            assert r.returncode == 1 and b"/etc is a directory" in r.stderr and b"dsec cp -r" in r.stderr, r
+        r = daemon.cli("cp", f"{sb.id}:/f", str(tmp_path / "newd") + "/")
+        assert r.returncode != 0 and b"newd/: no such directory" in r.stderr, r
+        pid = sb.spawn("sleep 60").pid
+        r = daemon.cli("kill", sb.id, str(pid), "--signal", "0")
+        assert r.returncode == 1 and b"signal 0 sends nothing" in r.stderr, r
     finally:
         sb.destroy(force=True)
