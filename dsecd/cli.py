@@ -36,7 +36,9 @@ import errno
 import json
 import os
 import posixpath
+import secrets
 import select
+import shutil
 import signal
 import socket
 import sys
@@ -979,20 +981,30 @@ def _cp_sides(a) -> tuple[str | None, str, str | None, str]:
     return src_sb, src, dst_sb, dst
 
 
+def _contents_of(path: str) -> bool:
+    """`DIR/.`: docker cp's form for a directory's contents, not the directory."""
+    return path == "." or path.endswith("/.")
+
+
 async def _cp_dir(c: Client, a, src_sb: str | None, src: str, dst_sb: str | None, dst: str) -> int:
     """cp -r: a directory as a tar stream. Like cp -r, an existing directory
-    as the destination receives the copy under the source's name. --json:
-    the daemon's result (path, count, bytes; skipped when copied from it)
-    with the sandbox and the local path."""
+    as the destination receives the copy under the source's name; with
+    `SRC/.`, as docker cp, the source's contents go into it instead
+    (_cp_contents). --json: the daemon's result (path, count, bytes;
+    skipped when copied from it) with the sandbox and the local path."""
     if src_sb is None:
         sb = await c.get(dst_sb)
         if await sb.exists(dst) and (await sb.stat(dst))["type"] == "dir":
+            if _contents_of(src):
+                return await _cp_contents(a, sb, src, dst, upload=True)
             dst = posixpath.join(dst, os.path.basename(os.path.normpath(src)))
         r = await sb.upload_dir(src, dst)
         if a.json:
             _print_json({**r, "sandbox": sb.id, "local": src})
         return 0
     sb = await c.get(src_sb)
+    if os.path.isdir(dst) and _contents_of(src):
+        return await _cp_contents(a, sb, src, dst, upload=False)
     if os.path.isdir(dst):
         dst = os.path.join(dst, posixpath.basename(posixpath.normpath(src)) or "root")
     elif not os.path.isdir(os.path.dirname(os.path.abspath(dst))):
@@ -1002,6 +1014,47 @@ async def _cp_dir(c: Client, a, src_sb: str | None, src: str, dst_sb: str | None
         _print_json({**r, "sandbox": sb.id, "local": dst})
     for item in r.get("skipped", []):
         print(f"dsec cp: not copied: {src.rstrip('/')}/{item['path']} ({item['type']}): {item['reason']}",
+              file=sys.stderr)
+    return 0
+
+
+async def _cp_contents(a, sb, src: str, dst: str, upload: bool) -> int:
+    """`dsec cp -r SRC/. DST` into an existing directory DST: SRC's entries
+    become entries of DST. The tree arrives whole in a new directory inside
+    DST (atomic, as every directory copy), then each entry is renamed to its
+    place, never over an existing name: DST is not merged into, so a name
+    both hold is refused before anything is copied (remove it first)."""
+    src_names = (sorted(os.listdir(src)) if upload else [e["name"] for e in await sb.list_files(src)])
+    dst_names = ([e["name"] for e in await sb.list_files(dst)] if upload else os.listdir(dst))
+    both = sorted(set(src_names) & set(dst_names))
+    if both:
+        raise FileExistsError(errno.EEXIST, f"the directory already holds {', '.join(both[:5])}"
+                              f"{', ...' if len(both) > 5 else ''}; a copy adds only new names to a directory: "
+                              "remove those first", dst)
+    landing = f".dsec-cp-{os.getpid()}-{secrets.token_hex(4)}"
+    if upload:
+        held = posixpath.join(dst, landing)
+        r = await sb.upload_dir(src, held)
+        try:
+            for name in src_names:
+                await sb.rename(posixpath.join(held, name), posixpath.join(dst, name))
+        finally:
+            await sb.remove(held, recursive=True)
+    else:
+        held = os.path.join(dst, landing)
+        r = await sb.download_dir(src, held)
+        try:
+            for name in src_names:
+                if os.path.lexists(os.path.join(dst, name)):        # made meanwhile
+                    raise FileExistsError(errno.EEXIST, "exists; nothing was put over it", os.path.join(dst, name))
+                os.rename(os.path.join(held, name), os.path.join(dst, name))
+        finally:
+            shutil.rmtree(held, ignore_errors=True)
+    if a.json:
+        _print_json({**r, "path": dst if upload else r["path"], "sandbox": sb.id,
+                     "local": src if upload else dst})
+    for item in r.get("skipped", []):
+        print(f"dsec cp: not copied: {src.rstrip('/.')}/{item['path']} ({item['type']}): {item['reason']}",
               file=sys.stderr)
     return 0
 

@@ -1,6 +1,7 @@
 """The `dsec` CLI against a real daemon: the commands of the README."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -640,5 +641,34 @@ def test_cp_and_cat_say_what_to_do_with_a_directory_and_take_r_for_a_file(daemon
         pid = sb.spawn("sleep 60").pid
         r = daemon.cli("kill", sb.id, str(pid), "--signal", "0")
         assert r.returncode == 1 and b"signal 0 sends nothing" in r.stderr, r
+    finally:
+        sb.destroy(force=True)
+
+
+def test_cp_r_of_dir_dot_copies_its_contents_into_an_existing_directory(daemon, client, tmp_path):
+    """docker cp's `SRC/.`: the contents of SRC go into DST, both ways; a
+    name DST already holds is refused before anything is copied."""
+    sb = client.create(image="busybox")
+    try:
+        src = tmp_path / "src"
+        (src / "sub").mkdir(parents=True)
+        (src / "a.txt").write_text("a\n")
+        (src / "sub" / "b.txt").write_text("b\n")
+        (src / "link").symlink_to("a.txt")
+        sb.exec(["mkdir", "-p", "/dst"])
+        assert daemon.cli("cp", "-r", f"{src}/.", f"{sb.id}:/dst").returncode == 0
+        assert sb.exec(["sh", "-c", "cd /dst && ls -A && cat a.txt sub/b.txt && readlink link"]).stdout == \
+            b"a.txt\nlink\nsub\na\nb\na.txt\n"
+        r = daemon.cli("cp", "-r", f"{src}/.", f"{sb.id}:/dst")
+        assert r.returncode == 1 and b"already holds a.txt, link, sub; a copy adds only new names" in r.stderr, r
+        back = tmp_path / "back"
+        back.mkdir()
+        (back / "kept").write_text("k\n")
+        assert daemon.cli("cp", "-r", f"{sb.id}:/dst/.", str(back)).returncode == 0
+        assert sorted(p.name for p in back.iterdir()) == ["a.txt", "kept", "link", "sub"]
+        assert (back / "sub" / "b.txt").read_text() == "b\n" and os.readlink(back / "link") == "a.txt"
+        assert sb.exec(["ls", "-A", "/dst"]).stdout == b"a.txt\nlink\nsub\n"     # no landing dir left
+        r = daemon.cli("cp", "-r", f"{sb.id}:/dst/.", str(back))
+        assert r.returncode == 1 and b"already holds" in r.stderr, r
     finally:
         sb.destroy(force=True)
