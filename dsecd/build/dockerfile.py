@@ -421,27 +421,22 @@ def _quoted_end(text: str, i: int, escape: str) -> int:
 
 def _pattern_end(word: str, i: int, escape: str) -> int:
     """The / that ends the pattern of ${NAME/pattern/text} at or after word[i]."""
-    depth = 0
-    while i < len(word):
-        ch = word[i]
-        if ch == escape:
-            i += 2
-            continue
-        if word.startswith("${", i):
-            depth += 1
-            i += 2
-            continue
-        if ch == "}":
-            if depth == 0:
-                break
-            depth -= 1
-        elif ch == "/" and depth == 0:
-            return i
-        i += 1
-    raise ExpansionError(f"bad substitution in {word!r}: ${{NAME/pattern/text}} is missing its second /")
+    end = _top_level(word, i, escape, "/}")
+    if end is None or word[end] != "/":
+        raise ExpansionError(f"bad substitution in {word!r}: ${{NAME/pattern/text}} is missing its second /")
+    return end
 
 
 def _closing_brace(word: str, i: int, escape: str) -> int:
+    end = _top_level(word, i, escape, "}")
+    if end is None:
+        raise ExpansionError(f"missing }} in {word!r}")
+    return end
+
+
+def _top_level(word: str, i: int, escape: str, stops: str) -> int | None:
+    """Where the first of `stops` stands at or after word[i], outside the
+    ${...} nested there and past escaped characters; None: nowhere."""
     depth = 0
     while i < len(word):
         ch = word[i]
@@ -452,12 +447,12 @@ def _closing_brace(word: str, i: int, escape: str) -> int:
             depth += 1
             i += 2
             continue
-        if ch == "}":
-            if depth == 0:
-                return i
+        if depth and ch == "}":
             depth -= 1
+        elif not depth and ch in stops:
+            return i
         i += 1
-    raise ExpansionError(f"missing }} in {word!r}")
+    return None
 
 
 def key_values(line: int, cmd: str, text: str, env: dict[str, str], escape: str) -> list[tuple[str, str]]:
