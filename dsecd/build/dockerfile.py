@@ -22,6 +22,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from . import shellpattern
+
 # Every instruction of Docker's reference: the builder runs the first group,
 # refuses the second with a clear message (UNSUPPORTED), and anything else
 # is not an instruction at all.
@@ -361,49 +363,44 @@ def _pattern_op(word: str, name: str, op_at: int, env: dict[str, str], escape: s
     doubled = word.startswith(op, op_at + 1)
     start = op_at + 1 + doubled
     value = env.get(name, "")
-    if op == "/":
-        slash = _pattern_end(word, start, escape)
-        end = _closing_brace(word, slash + 1, escape)
-        text = expand(word[slash + 1:end], env, escape)
-        return _pattern(word[start:slash], env, escape).sub(lambda _: text, value, count=0 if doubled else 1), end + 1
-    end = _closing_brace(word, start, escape)
-    pattern = _pattern(word[start:end], env, escape)
-    n = len(value)
-    if op == "#":                       # cut the shortest (or, doubled, the longest) matching prefix
-        for k in (range(n, -1, -1) if doubled else range(n + 1)):
-            if pattern.fullmatch(value, 0, k):
-                return value[k:], end + 1
-    else:                               # the same for a suffix
-        for k in (range(n + 1) if doubled else range(n, -1, -1)):
-            if pattern.fullmatch(value, k):
-                return value[:k], end + 1
-    return value, end + 1
+    try:
+        if op == "/":
+            slash = _pattern_end(word, start, escape)
+            end = _closing_brace(word, slash + 1, escape)
+            text = expand(word[slash + 1:end], env, escape)
+            return shellpattern.replace(_pattern(word[start:slash], env, escape), value, text, doubled), end + 1
+        end = _closing_brace(word, start, escape)
+        cut = shellpattern.cut_prefix if op == "#" else shellpattern.cut_suffix
+        return cut(_pattern(word[start:end], env, escape), value, doubled), end + 1
+    except shellpattern.PatternError as err:
+        raise ExpansionError(f"${{{name}{op}...}} in {word[:80]!r}: {err}") from None
 
 
-def _pattern(text: str, env: dict[str, str], escape: str) -> re.Pattern:
-    """A substitution's shell pattern as a regex: * any text, ? one character,
-    everything else literal (the escape character, quotes and the values of
-    variables too)."""
+def _pattern(text: str, env: dict[str, str], escape: str) -> list[str]:
+    """A substitution's pattern as shellpattern tokens, read as BuildKit reads
+    it: quotes are removed, variables expanded, and * and ? are wildcards
+    wherever they come from; only the escape character makes one literal."""
     out, i, n = [], 0, len(text)
     while i < n:
         ch = text[i]
         if ch == escape and i + 1 < n:
-            out.append(re.escape(text[i + 1]))
+            out.append(text[i + 1])
             i += 2
-        elif ch == "*":
-            out.append(".*")
-            i += 1
-        elif ch == "?":
-            out.append(".")
-            i += 1
-        elif ch in "'\"" or ch == "$":
-            j = _quoted_end(text, i, escape) if ch != "$" else _dollar(text, i, env, escape)[1]
-            out.append(re.escape(expand(text[i:j], env, escape)))
+        elif ch == "'":
+            j = _quoted_end(text, i, escape)
+            out += shellpattern.tokens_of(text[i + 1:j - 1])
             i = j
+        elif ch == '"':
+            j = _quoted_end(text, i, escape)
+            out += _pattern(text[i + 1:j - 1], env, escape)
+            i = j
+        elif ch == "$":
+            value, i = _dollar(text, i, env, escape)
+            out += shellpattern.tokens_of(value)
         else:
-            out.append(re.escape(ch))
+            out += shellpattern.tokens_of(ch)
             i += 1
-    return re.compile("".join(out), re.DOTALL)
+    return out
 
 
 def _quoted_end(text: str, i: int, escape: str) -> int:
@@ -436,12 +433,18 @@ def _closing_brace(word: str, i: int, escape: str) -> int:
 
 def _top_level(word: str, i: int, escape: str, stops: str) -> int | None:
     """Where the first of `stops` stands at or after word[i], outside the
-    ${...} nested there and past escaped characters; None: nowhere."""
+    ${...} nested there, quotes and escaped characters; None: nowhere."""
     depth = 0
     while i < len(word):
         ch = word[i]
         if ch == escape:
             i += 2
+            continue
+        if ch in "'\"":                 # quoted: nothing in it ends anything
+            try:
+                i = _quoted_end(word, i, escape)
+            except ExpansionError:
+                return None
             continue
         if word.startswith("${", i):
             depth += 1

@@ -87,6 +87,25 @@ def test_pattern_substitutions(word, want):
     assert expand(word, env) == want
 
 
+@pytest.mark.parametrize("word,want", [
+    ("${F#${P}/}", "a/b/c.txt"),          # a variable's * is a wildcard, as in BuildKit
+    ('${F/"/"/_}', "_a/b/c.txt"), ('${F//"/"/_}', "_a_b_c.txt"), ("${F%'.txt'}", "/a/b/c"),
+    ('${A:-"}"}', "}"), ("${F//?/.}", ".........."), ("${F/*/x}", "x"), ("${E//x/y}", ""),
+])
+def test_patterns_take_variables_and_quotes_as_buildkit_does(word, want):
+    assert expand(word, {"F": "/a/b/c.txt", "P": "*", "E": ""}) == want
+
+
+def test_a_pattern_never_backtracks():
+    """`*a*a*a*a*a*a*b` on 5,000 a's is exponential for a backtracking regex
+    (the suite's per-test timeout ends it); a pattern too large for the step
+    budget is refused, not run."""
+    assert expand("${V#*a*a*a*a*a*a*b}", {"V": "a" * 5000}) == "a" * 5000
+    assert expand("${V//a*b/x}", {"V": "ab " * 20000}) == "x "
+    with pytest.raises(ValueError, match="too large to match here"):
+        expand("${V%%*.*.*.*}", {"V": "a." * 1_000_000})
+
+
 def test_required_variable_and_bad_substitution():
     with pytest.raises(ValueError, match="B: must be set"):
         expand("${B:?must be set}", {})
