@@ -121,7 +121,14 @@ class BuildContext:
         rel = self._relative(pattern)
         if not GLOB_CHARS & set(rel):
             return [self._source(rel, pattern)]
-        return [self._source(m, pattern) for m in sorted(self._glob(rel, pattern))]
+        return [self._source(m, pattern) for m in sorted(self._glob(rel, pattern)) if not self._leads_to_excluded(m)]
+
+    def _leads_to_excluded(self, rel: str) -> bool:
+        """A glob's match whose symlinks lead to what .dockerignore excludes
+        (with no exception pattern to bring part of it back): BuildKit never
+        received it, so the glob does not match it."""
+        real = self._resolve(rel, rel)
+        return real not in (None, ".", rel) and self.ignore.excluded(real) and not self.ignore.has_exceptions
 
     def _relative(self, pattern: str) -> str:
         cleaned = posixpath.normpath("/" + pattern).lstrip("/")

@@ -172,7 +172,8 @@ class _Build:
             for step in build_plan.steps:
                 for pattern in sources[step.n][2] if step.n in sources else ():
                     await self._emit("warning", step=step.n, message=f"line {step.line}: {step.instruction.cmd} "
-                                     f"{pattern}: no file of the build context matches it; nothing is copied for it")
+                                     f"{pattern}: no file of the build context matches it (or .dockerignore "
+                                     "excludes them); nothing is copied for it")
             if build_plan.unused_build_args:
                 await self._emit("warning", message="build arguments no ARG declares: "
                                  + ", ".join(build_plan.unused_build_args))
@@ -221,15 +222,15 @@ class _Build:
             out = {}
             for step in copies:
                 try:
-                    matched = {pattern: context.sources(pattern) for pattern in step.sources}
-                    found = [src for srcs in matched.values() for src in srcs]
+                    matched = [(pattern, context.sources(pattern)) for pattern in step.sources]
+                    found = [src for _, srcs in matched for src in srcs]
                     if len(found) > 1 and not step.dest.endswith("/"):
                         raise buildctx.ContextError(
                             f"{len(found)} sources ({', '.join(s.rel for s in found[:4])}"
                             f"{', ...' if len(found) > 4 else ''}): the destination must be a directory "
                             f"ending in /, not {step.instruction.args.split()[-1]!r}")
                     out[step.n] = (found, context.digest(found, self.svc.digests),
-                                   [pattern for pattern, srcs in matched.items() if not srcs])
+                                   [pattern for pattern, srcs in matched if not srcs])
                 except buildctx.ContextError as err:
                     raise self._error(step.line, f"{step.instruction.cmd} {err}") from err
             return out
@@ -453,8 +454,6 @@ class _Build:
         def copy() -> copyin.Counts:
             rootfd = sb.handle.rootfd
             total = copyin.Counts()
-            if not sources and step.dest.endswith("/"):     # only globs that matched nothing: BuildKit
-                copyin.make_dirs(rootfd, step.dest, step.chmod if step.chmod is not None else 0o755, owner)
             for src in sources:
                 if step.add and not src.is_dir and copyin.is_archive(src.entries[0].path):
                     counts = copyin.extract_archive(rootfd, src.entries[0].path, step.dest, owner, to_host,

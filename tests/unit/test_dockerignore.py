@@ -146,6 +146,8 @@ def test_dockerignore_applies_to_what_a_symlink_leads_to(tmp_path):
     with pytest.raises(ContextError, match="dir-link leads to secrets, which .dockerignore excludes"):
         ctx.sources("dir-link")
     assert ctx.sources("ok-link")[0].entries[0].path == str(tmp_path / "ok.txt")
+    assert ctx.sources("dir-link/*") == []          # a glob skips what it would only reach through a link
+    assert [s.rel for s in ctx.sources("*-link")] == ["ok-link"]
     # With an exception pattern, only what it brings back comes through the link.
     (tmp_path / ".dockerignore").write_text("secrets\n!secrets/public.txt\n")
     ctx = BuildContext.open(str(tmp_path))
