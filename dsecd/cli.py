@@ -1108,7 +1108,9 @@ async def cmd_cp(c: Client, a) -> int:
         raise UsageError(f"dsec cp: {dst}: no such directory (a destination ending in / must be one)")
     st = await sb.stat(src)
     # Its permission bits, as docker cp keeps them; never setuid or setgid
-    # on our side (a sandbox's file, owned here by whoever runs dsec).
+    # on our side (a sandbox's file, owned here by whoever runs dsec). Those
+    # of a symlink's target are not known here (file_stat does not follow
+    # it): such a copy gets a new file's mode.
     _write_local(dst, data, st["mode"] & 0o777 if st["type"] == "file" else None)
     if a.json:
         _print_json({"sandbox": sb.id, "path": src, "local": dst, "size": len(data)})
@@ -1119,10 +1121,13 @@ async def _is_a_file(c: Client, sb_id: str | None, path: str) -> bool:
     """Whether a cp source is a regular file (a sandbox's, or ours: sb_id None)."""
     if sb_id is None:
         return path == "-" or os.path.isfile(path)
+    sb = await c.get(sb_id)
     try:
-        return (await (await c.get(sb_id)).stat(path))["type"] == "file"
+        kind = (await sb.stat(path))["type"]
     except NotFound:
         return False        # the directory copy says what is missing
+    # file_stat does not follow a symlink; listing does (a link to a directory lists).
+    return kind == "file" or (kind == "symlink" and not await _lists_as_dir(sb, path))
 
 
 async def _cp_remote_target(sb, src: str, dst: str) -> str:

@@ -633,6 +633,9 @@ def test_cp_and_cat_say_what_to_do_with_a_directory_and_take_r_for_a_file(daemon
         assert daemon.cli("cp", "-r", str(tmp_path / "f"), f"{sb.id}:/f").returncode == 0
         assert daemon.cli("cp", "-r", f"{sb.id}:/f", str(tmp_path / "back")).returncode == 0
         assert (tmp_path / "back").read_text() == "local\n"
+        sb.exec(["ln", "-s", "/f", "/f-link"])
+        assert daemon.cli("cp", "-r", f"{sb.id}:/f-link", str(tmp_path / "via-link")).returncode == 0
+        assert (tmp_path / "via-link").read_text() == "local\n"
         for argv in (["cat", f"{sb.id}:/etc"], ["cp", f"{sb.id}:/etc", str(tmp_path / "etc")]):
             r = daemon.cli(*argv)
             assert r.returncode == 1 and b"/etc is a directory" in r.stderr and b"dsec cp -r" in r.stderr, r
