@@ -13,8 +13,8 @@ into one of the sandbox's own mounts (/proc, /dev, the /tmp tmpfs) fails
 with EXDEV instead of writing outside the image. The last component is
 never followed: an existing file or symlink there is replaced, an existing
 directory merged into (a file onto a directory is refused). One exception:
-a directory copied onto a symlink to a directory of the image goes through
-it, and the link stays. `COPY rootfs /` onto an image with a merged /usr
+a directory copied (or extracted by ADD) onto a symlink to a directory of
+the image goes through it, and the link stays. `COPY rootfs /` onto an image with a merged /usr
 (Debian 12, Ubuntu: /bin -> usr/bin) then adds rootfs/bin's files to
 /usr/bin; replacing the link with a directory holding only those files
 would lose every command in /bin (BuildKit refuses that copy instead).
@@ -368,6 +368,8 @@ def _put_member(rootfd: int, tf: tarfile.TarFile, m: tarfile.TarInfo, path: str,
                 owner: tuple[int, int], dir_modes: list[tuple[str, int]], made_files: set[str]) -> int:
     pfd, name = _parent(rootfd, path)
     try:
+        if m.isdir() and _links_to_dir(rootfd, pfd, name, path):
+            return 0        # as COPY: through the image's link to a directory, which keeps its attributes
         existed = _replace_leaf(pfd, name, path, m.isdir())
         mode = m.mode & 0o7777
         if m.isdir():

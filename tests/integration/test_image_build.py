@@ -356,12 +356,19 @@ def test_copy_onto_a_merged_usr_goes_through_the_images_links(client, tmp_path):
     (ctx / "rootfs" / "bin" / "hello").chmod(0o755)
     (ctx / "rootfs" / "lib" / "added.txt").write_text("added\n")
     (ctx / "rootfs" / "lib").chmod(0o700)
-    client.build_dockerfile(str(ctx), "merged-usr-app", text="FROM merged-usr\nCOPY rootfs /\nRUN hello > /ran\n")
+    (ctx / "tarred" / "bin").mkdir(parents=True)
+    (ctx / "tarred" / "bin" / "from-tar").write_text("#!/bin/sh\necho hello from tar\n")
+    (ctx / "tarred" / "bin" / "from-tar").chmod(0o755)
+    with tarfile.open(ctx / "r.tar", "w") as tf:
+        tf.add(ctx / "tarred" / "bin", arcname="bin")
+    client.build_dockerfile(str(ctx), "merged-usr-app",
+                            text="FROM merged-usr\nCOPY rootfs /\nADD r.tar /\nRUN hello > /ran && from-tar >> /ran\n")
     sb = client.create(image="merged-usr-app")
     try:
         assert sh(sb, "readlink /bin; readlink /lib") == "usr/bin\n/usr/lib\n"
-        assert sh(sb, "cat /ran /usr/lib/kept.txt /usr/lib/added.txt") == "hello from bin\nkept\nadded\n"
-        assert sh(sb, "ls /usr/bin") == "busybox\ncat\nhello\nls\nreadlink\nsh\nstat\n"
+        assert sh(sb, "cat /ran /usr/lib/kept.txt /usr/lib/added.txt") == \
+            "hello from bin\nhello from tar\nkept\nadded\n"
+        assert sh(sb, "ls /usr/bin") == "busybox\ncat\nfrom-tar\nhello\nls\nreadlink\nsh\nstat\n"
         # The directories the links name keep their own mode (rootfs/lib is 0700).
         assert sh(sb, "stat -c %a /usr/lib") == "755\n"
     finally:
