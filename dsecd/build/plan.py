@@ -220,8 +220,9 @@ def _step(n: int, ins: Instruction, scope: _Scope, esc: str, declared: set[str])
     if cmd == "RUN":
         if ins.flags:
             flag = next(iter(ins.flags))
-            why = ("the build's network is `dsec image build --allow`" if flag == "network" else
-                   "drop it: a RUN sees only the image so far")
+            why = {"network": "the build's network is `dsec image build --allow`",
+                   "mount": "drop it: a RUN sees only the image so far",
+                   "security": "drop it: a RUN runs unprivileged in its sandbox"}.get(flag, "drop it")
             raise DockerfileError(ins.line, f"RUN --{flag} is not supported by dsec builds ({why})", "unsupported")
         argv = _command(ins, scope.shell)
         if not argv or not argv[0]:

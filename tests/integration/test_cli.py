@@ -543,8 +543,9 @@ def test_cat_goes_on_past_a_file_it_cannot_read(daemon):
 
 
 def test_exec_user_takes_a_name(daemon):
-    """As docker exec --user: a uid with an /etc/passwd line takes its gid and
-    home; one without has a gid of the same number and HOME=/."""
+    """As docker exec --user, a uid with an /etc/passwd line takes its gid and
+    home; one without has a gid of the same number (docker's would be 0: no
+    unknown user gets root's group here) and HOME=/."""
     sb = daemon.cli("create", "--image", "busybox").stdout.decode().strip()
     try:
         assert daemon.cli("exec", sb, "--", "sh", "-c", "echo 'svc:x:1002:50:svc:/home/svc:/bin/sh' >> /etc/passwd"
