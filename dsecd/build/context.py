@@ -57,10 +57,24 @@ class Source:
 
     rel: str             # context-relative ("." for the context itself)
     entries: list[Entry]
+    root: str            # the context's root on the daemon's host
 
     @property
     def is_dir(self) -> bool:
         return self.entries[0].kind == "dir"
+
+    def open(self, entry: Entry) -> int:
+        """An fd to read `entry` from, looked up inside the context again:
+        its directories' symlinks followed inside it, its last name never.
+        The client may change its context between the plan and the copy
+        (the daemon reads it in place); a directory swapped for a symlink
+        to / meanwhile must lead nowhere but into the context."""
+        rootfd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return native.openat2(rootfd, os.path.relpath(entry.path, self.root), os.O_RDONLY | os.O_NOFOLLOW,
+                                  0, native.RESOLVE_IN_ROOT | native.RESOLVE_NO_MAGICLINKS)
+        finally:
+            os.close(rootfd)
 
 
 class DigestCache:
@@ -196,7 +210,7 @@ class BuildContext:
             entries = [Entry("", host, "file", stat.S_IMODE(st.st_mode), st.st_size)]
         else:
             raise ContextError(f"{pattern}: {rel} is not a file, directory or symlink")
-        return Source(rel, entries)
+        return Source(rel, entries, self.root)
 
     # ------------------------------------------------------------ paths inside the context
 

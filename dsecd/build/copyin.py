@@ -237,9 +237,9 @@ def _write_file(pfd: int, name: str, data_fd: int | None, chunks, mode: int,
     return written
 
 
-def _put_entry(rootfd: int, path: str, e: Entry, owner: tuple[int, int] | None, chmod: int | None,
-               dir_modes: list[tuple[str, int]]) -> int:
-    """One context entry at `path` in the image; returns the bytes written."""
+def _put_entry(rootfd: int, path: str, source: Source, e: Entry, owner: tuple[int, int] | None,
+               chmod: int | None, dir_modes: list[tuple[str, int]]) -> int:
+    """One context entry of `source` at `path` in the image; returns the bytes written."""
     pfd, name = _parent(rootfd, path)
     try:
         if e.kind == "dir" and _links_to_dir(rootfd, pfd, name, path):
@@ -259,9 +259,11 @@ def _put_entry(rootfd: int, path: str, e: Entry, owner: tuple[int, int] | None, 
                 os.chown(name, *owner, dir_fd=pfd, follow_symlinks=False)
             return 0
         try:
-            src = os.open(e.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            src = source.open(e)
         except FileNotFoundError:
             raise CopyError(f"{e.path} was removed from the build context during the build") from None
+        except OSError as err:
+            raise CopyError(f"{e.path} changed in the build context during the build: {err.strerror}") from None
         try:
             return _write_file(pfd, name, src, None, chmod if chmod is not None else e.mode, owner)
         finally:
@@ -307,7 +309,7 @@ def copy_sources(rootfd: int, sources: list[Source], dest: str, owner: tuple[int
             entries = [src.entries[0]]
         for e in entries:
             path = posixpath.join(base, e.rel) if e.rel else base
-            counts.bytes += _put_entry(rootfd, path, e, owner, chmod, dir_modes)
+            counts.bytes += _put_entry(rootfd, path, src, e, owner, chmod, dir_modes)
             counts.files += 1
     _apply_dir_modes(rootfd, dir_modes)
     return counts
@@ -315,19 +317,23 @@ def copy_sources(rootfd: int, sources: list[Source], dest: str, owner: tuple[int
 
 # ---------------------------------------------------------------- ADD of an archive
 
-def is_archive(path: str) -> bool:
-    """A tar, plain or compressed (gzip, bzip2, xz): ADD extracts these."""
+def is_archive(f) -> bool:
+    """A tar, plain or compressed (gzip, bzip2, xz): ADD extracts these.
+    `f`: the file, open for reading (read from its start, left there)."""
     try:
-        return tarfile.is_tarfile(path)
+        return tarfile.is_tarfile(f)
     except OSError:
         return False
+    finally:
+        f.seek(0)
 
 
-def extract_archive(rootfd: int, archive: str, dest: str, owner: tuple[int, int] | None,
+def extract_archive(rootfd: int, f, archive: str, dest: str, owner: tuple[int, int] | None,
                     to_host: ToHost, id_count: int | None) -> Counts:
-    """ADD of a local archive: its entries into directory `dest`, owners
-    from the archive (mapped by `to_host`; an id the sandbox cannot hold,
-    `id_count` and up, is refused) unless --chown gave `owner`. Names are
+    """ADD of a local archive (`f`, open for reading; `archive` names it in
+    messages): its entries into directory `dest`, owners from the archive
+    (mapped by `to_host`; an id the sandbox cannot hold, `id_count` and up,
+    is refused) unless --chown gave `owner`. Names are
     checked as a directory copy's (tarsafe: no absolute names, no `..`);
     hard links only to files the archive made before; devices and FIFOs
     are skipped (listed in the counts)."""
@@ -337,7 +343,7 @@ def extract_archive(rootfd: int, archive: str, dest: str, owner: tuple[int, int]
     dir_modes: list[tuple[str, int]] = []
     made_files: set[str] = set()
     try:
-        with tarfile.open(archive, mode="r:*") as tf:
+        with tarfile.open(fileobj=f, mode="r:*") as tf:
             for m in tf:
                 try:
                     rel = tarsafe.entry_name(m.name)

@@ -455,11 +455,14 @@ class _Build:
             rootfd = sb.handle.rootfd
             total = copyin.Counts()
             for src in sources:
-                if step.add and not src.is_dir and copyin.is_archive(src.entries[0].path):
-                    counts = copyin.extract_archive(rootfd, src.entries[0].path, step.dest, owner, to_host,
-                                                    idmap.count if idmap else None)
-                    total.skipped.extend(counts.skipped)
-                else:
+                counts = None
+                if step.add and not src.is_dir:
+                    with open(src.open(src.entries[0]), "rb") as f:
+                        if copyin.is_archive(f):
+                            counts = copyin.extract_archive(rootfd, f, src.entries[0].path, step.dest, owner,
+                                                            to_host, idmap.count if idmap else None)
+                            total.skipped.extend(counts.skipped)
+                if counts is None:
                     counts = copyin.copy_sources(rootfd, [src], step.dest, owner, step.chmod)
                 total.files += counts.files
                 total.bytes += counts.bytes

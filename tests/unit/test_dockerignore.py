@@ -115,6 +115,28 @@ def test_sources_never_leave_the_context(tmp_path):
         BuildContext.open("relative/dir")
 
 
+def test_a_source_is_opened_inside_the_context_again_at_copy_time(tmp_path):
+    """The client may change its context between the plan and the copy: a
+    directory swapped for a symlink out of it leads nowhere outside."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "f.txt").write_text("SECRET")
+    ctx = tmp_path / "ctx"
+    make_tree(ctx, {"sub/f.txt": "in the context"})
+    [src] = BuildContext.open(str(ctx)).sources("sub/f.txt")
+    fd = src.open(src.entries[0])
+    assert os.read(fd, 100) == b"in the context"
+    os.close(fd)
+    os.rename(ctx / "sub", ctx / "sub.old")
+    os.symlink(outside, ctx / "sub")          # an absolute link: from the context's root, nothing there
+    with pytest.raises(FileNotFoundError):
+        src.open(src.entries[0])
+    os.remove(ctx / "sub")
+    os.symlink("../outside", ctx / "sub")     # `..` stops at the context's root: ctx/outside, nothing there
+    with pytest.raises(FileNotFoundError):
+        src.open(src.entries[0])
+
+
 def test_absolute_symlinks_lead_from_the_contexts_root(tmp_path):
     make_tree(tmp_path, {"sub/f": "f", "sub/g.txt": "g", "etc/hostname": "ctx-host"})
     os.symlink("/sub/f", tmp_path / "abs-link")
