@@ -44,13 +44,20 @@ def cut_suffix(tokens: list[str], value: str, longest: bool) -> str:
 def replace(tokens: list[str], value: str, text: str, every: bool) -> str:
     """${NAME/pattern/text} (the leftmost, longest match) and ${NAME//pattern/text} (each)."""
     steps = [0]
-    out, pos = [], 0
+    out, pos, last = [], 0, -1              # last: where the previous match ended
     while pos <= len(value):
         found = _leftmost_longest(tokens, value, pos, steps)
         if found is None:
             break
         start, end = found
+        if start == end == last:            # an empty match abutting the previous one is no match
+            if start == len(value):         # (Go's ReplaceAll, bash): `${V//*/X}` on "ab" is "X"
+                break
+            out.append(value[pos:start + 1])
+            pos = start + 1
+            continue
         out += [value[pos:start], text]
+        last = end
         if end == start:                    # an empty match: keep the next character, go on past it
             out.append(value[start:start + 1])
             end += 1

@@ -91,9 +91,10 @@ def test_pattern_substitutions(word, want):
     ("${F#${P}/}", "a/b/c.txt"),          # a variable's * is a wildcard, as in BuildKit
     ('${F/"/"/_}', "_a/b/c.txt"), ('${F//"/"/_}', "_a_b_c.txt"), ("${F%'.txt'}", "/a/b/c"),
     ('${A:-"}"}', "}"), ("${F//?/.}", ".........."), ("${F/*/x}", "x"), ("${E//x/y}", ""),
+    ("${F//*/x}", "x"), ("${F//**/x}", "x"), ("${S///x}", "xaxbx"),    # no empty match after a match (Go)
 ])
 def test_patterns_take_variables_and_quotes_as_buildkit_does(word, want):
-    assert expand(word, {"F": "/a/b/c.txt", "P": "*", "E": ""}) == want
+    assert expand(word, {"F": "/a/b/c.txt", "P": "*", "E": "", "S": "ab"}) == want
 
 
 def test_a_pattern_never_backtracks():
