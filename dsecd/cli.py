@@ -58,6 +58,7 @@ from .clitext import table as _table
 from .errors import BadRequest, ConnectionLost, DsecError, NotFound, PermissionDenied, io_error
 from .fds import read_ready
 from .fleet import fleet_target
+from .fs.libc import rename_noreplace
 from .localcopy import LocalCopyError
 from .pullview import PullView
 from .remote import SshOptions
@@ -1023,31 +1024,28 @@ async def _cp_contents(a, sb, src: str, dst: str, upload: bool) -> int:
     become entries of DST. The tree arrives whole in a new directory inside
     DST (atomic, as every directory copy), then each entry is renamed to its
     place, never over an existing name: DST is not merged into, so a name
-    both hold is refused before anything is copied (remove it first)."""
-    src_names = (sorted(os.listdir(src)) if upload else [e["name"] for e in await sb.list_files(src)])
-    dst_names = ([e["name"] for e in await sb.list_files(dst)] if upload else os.listdir(dst))
-    both = sorted(set(src_names) & set(dst_names))
-    if both:
-        raise FileExistsError(errno.EEXIST, f"the directory already holds {', '.join(both[:5])}"
-                              f"{', ...' if len(both) > 5 else ''}; a copy adds only new names to a directory: "
-                              "remove those first", dst)
+    both hold is refused before any is moved (remove it first)."""
     landing = f".dsec-cp-{os.getpid()}-{secrets.token_hex(4)}"
     if upload:
+        names = sorted(os.listdir(src))
+        _refuse_clashes(dst, names, {e["name"] for e in await sb.list_files(dst)})
         held = posixpath.join(dst, landing)
         r = await sb.upload_dir(src, held)
         try:
-            for name in src_names:
+            for name in names:
                 await sb.rename(posixpath.join(held, name), posixpath.join(dst, name))
         finally:
-            await sb.remove(held, recursive=True)
+            with contextlib.suppress(DsecError, ConnectionError):    # keep the error that got us here
+                await sb.remove(held, recursive=True)
     else:
         held = os.path.join(dst, landing)
         r = await sb.download_dir(src, held)
         try:
-            for name in src_names:
-                if os.path.lexists(os.path.join(dst, name)):        # made meanwhile
-                    raise FileExistsError(errno.EEXIST, "exists; nothing was put over it", os.path.join(dst, name))
-                os.rename(os.path.join(held, name), os.path.join(dst, name))
+            os.chmod(held, 0o700)        # it has SRC's mode, which may not let us move entries out
+            names = sorted(os.listdir(held))        # what came: FIFOs and devices did not
+            _refuse_clashes(dst, names, set(os.listdir(dst)) - {landing})
+            for name in names:
+                rename_noreplace(-1, os.path.join(held, name), -1, os.path.join(dst, name))
         finally:
             shutil.rmtree(held, ignore_errors=True)
     if a.json:
@@ -1057,6 +1055,14 @@ async def _cp_contents(a, sb, src: str, dst: str, upload: bool) -> int:
         print(f"dsec cp: not copied: {src.rstrip('/.')}/{item['path']} ({item['type']}): {item['reason']}",
               file=sys.stderr)
     return 0
+
+
+def _refuse_clashes(dst: str, names: list[str], there: set[str]) -> None:
+    both = sorted(set(names) & there)
+    if both:
+        raise FileExistsError(errno.EEXIST, f"the directory already holds {', '.join(both[:5])}"
+                              f"{', ...' if len(both) > 5 else ''}; a copy adds only new names to a directory: "
+                              "remove those first", dst)
 
 
 def named_sandboxes(a) -> list[str]:

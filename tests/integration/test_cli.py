@@ -674,5 +674,12 @@ def test_cp_r_of_dir_dot_copies_its_contents_into_an_existing_directory(daemon, 
         assert sb.exec(["ls", "-A", "/dst"]).stdout == b"a.txt\nlink\nsub\n"     # no landing dir left
         r = daemon.cli("cp", "-r", f"{sb.id}:/dst/.", str(back))
         assert r.returncode == 1 and b"already holds" in r.stderr, r
+        # What a directory copy leaves out (a FIFO) is said, and the rest all comes.
+        sb.exec(["sh", "-c", "mkdir -m 555 /s && cd /s && echo x > a && mkfifo b && echo y > c"])
+        more = tmp_path / "more"
+        more.mkdir()
+        r = daemon.cli("cp", "-r", f"{sb.id}:/s/.", str(more))
+        assert r.returncode == 0 and b"not copied: /s/b (fifo)" in r.stderr, r
+        assert sorted(p.name for p in more.iterdir()) == ["a", "c"]
     finally:
         sb.destroy(force=True)
