@@ -68,13 +68,20 @@ class Source:
         its directories' symlinks followed inside it, its last name never.
         The client may change its context between the plan and the copy
         (the daemon reads it in place); a directory swapped for a symlink
-        to / meanwhile must lead nowhere but into the context."""
+        to / meanwhile must lead nowhere but into the context, and a file
+        swapped for a FIFO must not block the copy (O_NONBLOCK, which a
+        regular file's reads ignore; anything else is refused)."""
         rootfd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            return native.openat2(rootfd, os.path.relpath(entry.path, self.root), os.O_RDONLY | os.O_NOFOLLOW,
-                                  0, native.RESOLVE_IN_ROOT | native.RESOLVE_NO_MAGICLINKS)
+            fd = native.openat2(rootfd, os.path.relpath(entry.path, self.root),
+                                os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, 0,
+                                native.RESOLVE_IN_ROOT | native.RESOLVE_NO_MAGICLINKS)
         finally:
             os.close(rootfd)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, "no longer a regular file", entry.path)
+        return fd
 
 
 class DigestCache:

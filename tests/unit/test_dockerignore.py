@@ -135,6 +135,12 @@ def test_a_source_is_opened_inside_the_context_again_at_copy_time(tmp_path):
     os.symlink("../outside", ctx / "sub")     # `..` stops at the context's root: ctx/outside, nothing there
     with pytest.raises(FileNotFoundError):
         src.open(src.entries[0])
+    os.remove(ctx / "sub")
+    os.rename(ctx / "sub.old", ctx / "sub")
+    os.remove(ctx / "sub" / "f.txt")
+    os.mkfifo(ctx / "sub" / "f.txt")           # a FIFO now: refused at once, never waited on
+    with pytest.raises(OSError, match="no longer a regular file"):
+        src.open(src.entries[0])
 
 
 def test_absolute_symlinks_lead_from_the_contexts_root(tmp_path):
