@@ -312,9 +312,13 @@ def test_a_host_killed_mid_burst(fleet_env):
                 return sb
 
             creates = [asyncio.ensure_future(one(k)) for k in keys]
-            while len(made) < 20:
+            # 20 made, one of them at least on the victim (a host that answered
+            # `busy` under load is passed over for a moment: wait for it).
+            while (len(made) < 20 or not any(sb.host == victim.target for sb in made)) and \
+                    not all(c.done() for c in creates):
                 await asyncio.sleep(0.01)
             on_victim_before = {sb.id for sb in made if sb.host == victim.target}
+            assert on_victim_before, f"no create went to {victim.target}: {[sb.host for sb in made]}"
             t_kill = time.time()
             await asyncio.to_thread(victim.kill)
             results = await asyncio.gather(*creates)
