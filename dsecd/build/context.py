@@ -71,17 +71,21 @@ class Source:
         to / meanwhile must lead nowhere but into the context, and a file
         swapped for a FIFO must not block the copy (O_NONBLOCK, which a
         regular file's reads ignore; anything else is refused)."""
-        rootfd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            fd = native.openat2(rootfd, os.path.relpath(entry.path, self.root),
-                                os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, 0,
-                                native.RESOLVE_IN_ROOT | native.RESOLVE_NO_MAGICLINKS)
-        finally:
-            os.close(rootfd)
+        fd = open_inside(self.root, os.path.relpath(entry.path, self.root), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise OSError(errno.EINVAL, "no longer a regular file", entry.path)
         return fd
+
+
+def open_inside(root: str, rel: str, flags: int) -> int:
+    """openat2 of `rel` from directory `root`, every symlink on the way (and
+    `..`) kept inside it: RESOLVE_IN_ROOT, no magic links."""
+    rootfd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return native.openat2(rootfd, rel, flags, 0, native.RESOLVE_IN_ROOT | native.RESOLVE_NO_MAGICLINKS)
+    finally:
+        os.close(rootfd)
 
 
 class DigestCache:
@@ -141,14 +145,18 @@ class BuildContext:
         that may be missing."""
         rel = self._relative(pattern)
         if not GLOB_CHARS & set(rel):
-            return [self._source(rel, pattern)]
-        return [self._source(m, pattern) for m in sorted(self._glob(rel, pattern)) if not self._leads_to_excluded(m)]
+            return [self._source(rel, self._resolve(rel, pattern), pattern)]
+        out = []
+        for m in sorted(self._glob(rel, pattern)):
+            real = self._resolve(m, pattern)
+            if not self._leads_to_excluded(m, real):
+                out.append(self._source(m, real, pattern))
+        return out
 
-    def _leads_to_excluded(self, rel: str) -> bool:
-        """A glob's match whose symlinks lead to what .dockerignore excludes
-        (with no exception pattern to bring part of it back): BuildKit never
-        received it, so the glob does not match it."""
-        real = self._resolve(rel, rel)
+    def _leads_to_excluded(self, rel: str, real: str | None) -> bool:
+        """A glob's match `rel` whose symlinks lead (to `real`) to what
+        .dockerignore excludes, with no exception pattern to bring part of it
+        back: BuildKit never received it, so the glob does not match it."""
         return real not in (None, ".", rel) and self.ignore.excluded(real) and not self.ignore.has_exceptions
 
     def _relative(self, pattern: str) -> str:
@@ -185,11 +193,11 @@ class BuildContext:
 
         return walk("", 0)
 
-    def _source(self, rel: str, pattern: str) -> Source:
+    def _source(self, rel: str, real: str | None, pattern: str) -> Source:
+        """Source `rel`, which leads to `real` (_resolve: None, nowhere)."""
         excluded = rel != "." and self.ignore.excluded(rel)
         if excluded and not self.ignore.has_exceptions:
             raise ContextError(f"{pattern}: .dockerignore excludes {rel}")
-        real = self._resolve(rel, pattern)
         if real is None:
             if self._lexists(rel, pattern):
                 raise ContextError(f"{pattern}: the symlink {rel} leads to nothing in the build context "
@@ -224,17 +232,14 @@ class BuildContext:
     def _open(self, rel: str, flags: int, pattern: str) -> int | None:
         """An fd of context path `rel`, every symlink on the way followed
         inside the context; None if it leads nowhere."""
-        rootfd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            return native.openat2(rootfd, rel, flags, 0, native.RESOLVE_IN_ROOT | native.RESOLVE_NO_MAGICLINKS)
+            return open_inside(self.root, rel, flags)
         except OSError as err:
             if err.errno in (errno.ENOENT, errno.ENOTDIR):
                 return None
             if err.errno == errno.ELOOP:
                 raise ContextError(f"{pattern}: too many symlinks on the way to {rel} (a loop?)") from None
             raise ContextError(f"{pattern}: {rel}: {err.strerror}") from None
-        finally:
-            os.close(rootfd)
 
     def _resolve(self, rel: str, pattern: str) -> str | None:
         """The context path `rel` leads to (symlinks followed inside the
