@@ -467,8 +467,9 @@ def key_values(line: int, cmd: str, text: str, env: dict[str, str], escape: str)
         if not words:
             raise DockerfileError(line, f"{cmd} needs a NAME=VALUE")
         if "=" not in words[0]:
-            if cmd == "LABEL" and len(words) == 1:
-                raise DockerfileError(line, f"LABEL {words[0]!r} has no value: write NAME=VALUE")
+            if len(words) == 1:    # Docker: "must have two arguments"
+                raise DockerfileError(line, f"{cmd} {words[0]!r} has no value: write NAME=VALUE "
+                                            f"(or NAME=\"\" for an empty one)")
             name = words[0]
             value = text[len(name):].strip()
             pairs = [(expand(name, env, escape), expand(value, env, escape))]

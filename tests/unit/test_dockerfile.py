@@ -208,6 +208,7 @@ def test_copy_destination_rules():
     ("FROM a\nENV A=1 B\n", 2, "bad_request", "NAME=VALUE"),
     ('FROM a\nENV A="unclosed\n', 2, "bad_request", "unmatched"),
     ("FROM a\nLABEL lonely\n", 2, "bad_request", "has no value"),
+    ("FROM a\nENV LONELY\n", 2, "bad_request", "'LONELY' has no value: write NAME=VALUE"),
     ("FROM a\nSHELL bash -c\n", 2, "bad_request", "exec form"),
     ("FROM a\nARG 1BAD=x\n", 2, "bad_request", "not a valid variable name"),
     ("FROM scratch\n", 1, "unsupported", "FROM scratch"),
