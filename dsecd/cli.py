@@ -629,7 +629,8 @@ async def _exec_on_terminal(sb, a) -> int:
 
 
 # Signals that end `dsec exec -t` (its terminal restored, the exec cancelled)
-# and `dsec run` (the command killed, its sandbox removed).
+# and that `dsec run` forwards to its command (the second one kills it and
+# removes its sandbox).
 _ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT)
 
 
@@ -637,13 +638,20 @@ async def cmd_run(c: Client, a) -> int:
     """`dsec run IMAGE [ARG...]`, as `docker run --rm`: a sandbox of the
     image, its Entrypoint and Cmd (ARGs replace Cmd) run with the output
     streamed, and the sandbox removed however that ends: the command's end,
-    an error, or a signal (the first of SIGINT, SIGTERM, SIGHUP, SIGQUIT
-    ends the run; more do not cut the removal short)."""
+    an error, or signals. The first of SIGINT, SIGTERM, SIGHUP, SIGQUIT is
+    forwarded to the command, as docker run's --sig-proxy does (^C reaches
+    it as SIGINT, and its own handling decides the end); a second one kills
+    it and ends the run, and more do not cut the removal short. A signal
+    that comes before the command has started ends the run at once."""
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
-    signals: list[int] = []
+    signals: list[int] = []       # those that ended the run
+    forwarded: list[asyncio.Task] = []
 
     def on_signal(signum: int) -> None:
+        if not forwarded and not signals and run.stream is not None:
+            forwarded.append(loop.create_task(_forward_signal(run.stream, signum)))
+            return
         if not signals:
             main.cancel()
         signals.append(signum)
@@ -675,6 +683,10 @@ async def cmd_run(c: Client, a) -> int:
     finally:
         for signum in _ENDING_SIGNALS:
             loop.remove_signal_handler(signum)
+        for task in forwarded:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     r = run.result
     if a.json:
         _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
@@ -685,6 +697,12 @@ async def cmd_run(c: Client, a) -> int:
         print("dsec: output truncated at the daemon's limits.max_exec_output_bytes; "
               "the command's pipes were closed", file=sys.stderr)
     return _exit_status(r, f"dsec: timed out after {a.timeout}s; the command's process group was killed")
+
+
+async def _forward_signal(stream, signum: int) -> None:
+    """`dsec run`'s signal to its command; one that ended meanwhile needs none."""
+    with contextlib.suppress(DsecError, ConnectionError):
+        await stream.signal(signum)
 
 
 def _cli_run_hint(err: BadRequest, image: str) -> None:

@@ -923,10 +923,10 @@ class ExecStream:
     """Async iterator of (fd, bytes) output chunks; `.result` once it is exhausted.
 
     Iterating sends the exec. While it runs, `write` sends input (to a pty
-    exec: typed into its terminal, b"\\x03" is ^C) and `resize` sets a pty
-    exec's window size; both wait until the exec request is on the wire, so
-    they are called from another task than the one iterating (or between
-    its chunks)."""
+    exec: typed into its terminal, b"\\x03" is ^C), `resize` sets a pty
+    exec's window size and `signal` signals its process group; they wait
+    until the exec request is on the wire, so they are called from another
+    task than the one iterating (or between its chunks)."""
 
     def __init__(self, sb: Sandbox, args: dict, stdin: bytes | AsyncIterator[bytes] | None):
         self.sb = sb
@@ -945,6 +945,14 @@ class ExecStream:
         """A pty exec's window size; its foreground process group gets SIGWINCH."""
         await self._sent.wait()
         await self.sb.client.request("exec_resize", exec_id=self.exec_id, rows=rows, cols=cols)
+
+    async def signal(self, signal: int | str) -> None:
+        """Send a signal to the running exec's process group: a number or a
+        name ("INT", "SIGTERM"); one still starting gets it once it has
+        started. NotFound when it has ended."""
+        await self._sent.wait()
+        sig = int(signal) if not isinstance(signal, str) else signal
+        await self.sb.client.request("exec_signal", exec_id=self.exec_id, signal=sig)
 
     async def _feed(self, exec_id: int, sent: asyncio.Event) -> None:
         c = self.sb.client

@@ -11,7 +11,8 @@ for a process the daemon's helper started (our child, CLONE_PARENT: its exit
 seen on a pidfd registered with the event loop, its status collected with
 waitpid), dsecd/initlink.py `InitExec` for one the sandbox's init forked (its
 exit reported by init). Either gives `exited` ({"status": wait status}),
-`kill()` (the process group), `abandon()` (the request is gone: kill it,
+`kill()` (the process group), `signal(signum)` (any signal to the process
+group, False once it ended), `abandon()` (the request is gone: kill it,
 and for our child reap it in a thread; returns a future done once it is
 gone, or None if it was already), `stop()` and `kill_grace` (how long its
 end may take after a kill; None: however long).
@@ -40,6 +41,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from . import native
+from .errors import BadRequest
 from .fds import close_quietly, read_ready
 
 Emit = Callable[[int, bytes], Awaitable[None]]
@@ -61,6 +63,7 @@ class ExecIO:
         self.truncated = False
         self.timed_out = False
         self.cancelled = False
+        self.watch = None            # the process's watch, once run() has it (exec_signal)
         # Set when run() was cancelled: the watch's abandon(), done once the
         # process is gone (our child reaped in a thread, or init's report of
         # its end); what it used (a call's uid) must not be handed on before.
@@ -72,6 +75,11 @@ class ExecIO:
         except BaseException:
             self.close()
             raise
+
+    def signal(self, signum: int) -> bool:
+        """Send signum to the process group (exec_signal); False when there
+        is none to send it to: not started yet, or ended."""
+        return self.watch is not None and self.watch.signal(signum)
 
     def _open_ends(self, want_stdin: bool) -> None:
         """The pipes: child ends are handed to the start, parent ends stay here."""
@@ -114,6 +122,7 @@ class ExecIO:
         raises (an exec init could not start: its NativeError), and
         TimeoutError when the end does not come watch.kill_grace after a kill."""
         started = time.monotonic()
+        self.watch = watch
         exited = watch.exited
         pumps = [asyncio.ensure_future(self._pump(fd, stream))
                  for fd, stream in ((self.out_r, 1), (self.err_r, 2)) if fd >= 0]
@@ -278,6 +287,22 @@ def kill_group(pid: int) -> None:
         pass
 
 
+def parse_signal(value: int | str) -> int:
+    """A signal number from 9, "9", "KILL", "SIGKILL" (any case); BadRequest otherwise."""
+    text = str(value).strip()
+    if text.isdigit() and int(text) == 0:
+        raise BadRequest("signal 0 sends nothing: `dsec proc ls` (proc_list) says whether the process runs",
+                         {"signal": value})
+    try:
+        if text.isdigit():
+            return signal.Signals(int(text)).value
+        name = text.upper()
+        return signal.Signals[name if name.startswith("SIG") else "SIG" + name].value
+    except (KeyError, ValueError):
+        raise BadRequest(f"unknown signal {value!r}: give a number (9) or a name (KILL, TERM, INT, HUP, ...)",
+                         {"signal": value}) from None
+
+
 def reap(pid: int) -> int:
     try:
         _, status = os.waitpid(pid, 0)
@@ -343,6 +368,9 @@ class Collector:
         self._watching = False
         self._kill: Callable[[], None] | None = None
         self._exited: asyncio.Future | None = None
+        # The process's watch, set by an exec that has one (not a call):
+        # what exec_signal reaches.
+        self.watch = None
 
     def close_child_ends(self) -> None:
         for fd in self.child_ends:
@@ -353,6 +381,11 @@ class Collector:
         """Hand the child ends over (a spawn still in flight uses them): close() leaves them alone."""
         ends, self.child_ends = self.child_ends, []
         return ends
+
+    def signal(self, signum: int) -> bool:
+        """Send signum to the process group (exec_signal); False when there
+        is none to send it to: not started yet, ended, or a call's worker."""
+        return self.watch is not None and self.watch.signal(signum)
 
     def start(self, exited: asyncio.Future, kill: Callable[[], None], timeout: float | None) -> None:
         """Watch the pipes, the exit and the clock (timeout None: no limit)."""
@@ -459,6 +492,17 @@ class ChildWatch:
 
     def kill(self) -> None:
         kill_group(self.pid)
+
+    def signal(self, signum: int) -> bool:
+        """signum to its process group; False once it was reaped (its pid
+        may be another's by then) or no member is left."""
+        if self.exited.done():
+            return False
+        try:
+            os.killpg(self.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
 
     def abandon(self) -> asyncio.Future | None:
         """Kill it and reap it in a thread, since a dying process may take a

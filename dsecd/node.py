@@ -76,7 +76,7 @@ SERVICE_ROUTES = {
     "destroy": ("lifecycle", "destroy"), "destroy_all": ("lifecycle", "destroy_all"),
     "job_rm": ("lifecycle", "job_rm"),
     "exec": ("exec_service", "exec"), "exec_input": ("exec_service", "exec_input"),
-    "exec_resize": ("exec_service", "exec_resize"),
+    "exec_resize": ("exec_service", "exec_resize"), "exec_signal": ("exec_service", "exec_signal"),
     "proc_start": ("procs", "start"), "proc_list": ("procs", "list"), "proc_logs": ("procs", "logs"),
     "proc_input": ("procs", "input"), "proc_kill": ("procs", "kill"), "proc_wait": ("procs", "wait"),
     "file_read": ("file_service", "read"), "file_write": ("file_service", "write"),

@@ -360,6 +360,12 @@ class ExecResize:
     cols: int
 
 
+@request("exec_signal")
+class ExecSignal:
+    exec_id: int             # the id of a running exec request on this connection
+    signal: int | str        # a number, or a name with or without SIG ("INT", "SIGTERM")
+
+
 # Background processes (dsecd/engine/procs.py): started detached, named by
 # their pid in the sandbox; their output is kept in a ring per process.
 PROC_STATES = ("running", "paused", "dead")

@@ -32,9 +32,9 @@ and snapshots) is a Ray streaming generator of the actor (DaemonActor.stream)
 whose frames reach the driver as the daemon sends them, in batches of what
 has come meanwhile (at most STREAM_BATCH_BYTES). It is bounded: Ray holds
 STREAM_AHEAD unread batches, then the actor stops reading that stream.
-Requests that feed a running one (exec_input, exec_resize, file_tar_input)
-name it by the driver's request id; the actor maps that to the id on its
-own connection and holds them until the stream is on that connection (Ray
+Requests that feed or signal a running one (exec_input, exec_resize,
+exec_signal, file_tar_input) name it by the driver's request id; the
+actor maps that to the id on its own connection and holds them until the stream is on that connection (Ray
 may start the two actor calls in either order). A driver that leaves a
 stream early (break, cancel) cancels the generator (ray.cancel), and the
 actor's client tells the daemon to cancel the request (an exec is killed).
@@ -95,7 +95,8 @@ STREAM_QUEUE = 64
 STREAM_AHEAD = 8
 # Requests that name a running request of this connection by its id, and the
 # field that does: the driver's id is put back to the actor's own.
-NAMING_OPS = {"exec_input": "exec_id", "exec_resize": "exec_id", "file_tar_input": "put_id", "cancel": "target"}
+NAMING_OPS = {"exec_input": "exec_id", "exec_resize": "exec_id", "exec_signal": "exec_id", "file_tar_input": "put_id",
+              "cancel": "target"}
 # How long such a request waits for the stream it names to reach the daemon
 # (Ray may run the two in either order), and how many ended streams the
 # actor remembers, so that a late input gets the daemon's own answer.
@@ -383,8 +384,8 @@ class ActorClient(Client):
                              sent: asyncio.Event | None = None) -> AsyncIterator[dict]:
         """A streamed op through the actor's streaming generator (DaemonActor.stream):
         its frames as they come, in the Client's form (stream payloads, then
-        {"__result__": ...}). Requests that feed it (exec_input, exec_resize,
-        file_tar_input) name `rid`, which the actor maps to its own id."""
+        {"__result__": ...}). Requests that name it (exec_input, exec_resize,
+        exec_signal, file_tar_input) give `rid`, which the actor maps to its own id."""
         actor = self._actor_or_lost(op)
         gen = actor.stream.options(_generator_backpressure_num_objects=STREAM_AHEAD).remote(rid, op, _plain(args))
         if sent is not None:

@@ -118,6 +118,10 @@ class RequestContext:
         one not started yet is waited for (Connection.started)."""
         return await self.conn.started(exec_id, self.conn.execs)
 
+    def exec_now(self, exec_id: int):
+        """The exec of request `exec_id` registered on this connection now, or None."""
+        return self.conn.execs.get(exec_id)
+
     def register_input(self, sink) -> None:
         """This request takes data from later requests naming its id (file_tar_input)."""
         self.conn.inputs[self.rid] = sink

@@ -54,8 +54,9 @@ class SyncSandbox:
 
     def exec_stream(self, argv, **kw) -> SyncExecStream:
         """Iterate it for (fd, data); then `.result` (also the value of
-        `yield from` it). With pty=True: `write` and `resize` from another
-        thread while one iterates (Sandbox.exec_stream)."""
+        `yield from` it). `signal` (and with pty=True: `write` and `resize`)
+        from another thread while one iterates, or between its chunks
+        (Sandbox.exec_stream)."""
         return SyncExecStream(self._owner, self._sb.exec_stream(argv, **kw))
 
     def spawn(self, argv, **kw) -> SyncProcess:
@@ -173,6 +174,9 @@ class SyncExecStream:
     def resize(self, rows: int, cols: int) -> None:
         self._owner._run(self._stream.resize(rows, cols))
 
+    def signal(self, signal: int | str) -> None:
+        self._owner._run(self._stream.signal(signal))
+
 
 class SyncWatch:
     """Iterator over a Sandbox.watch run on the SyncClient's loop."""
@@ -233,7 +237,7 @@ class SyncRunStream:
         self.image = run.image
         self.argv: list[str] | None = None
         self.sandbox: SyncSandbox | None = None
-        self.stream: SyncExecStream | None = None      # its `write` and `resize`, not to iterate besides
+        self.stream: SyncExecStream | None = None      # its `write`, `resize`, `signal`; not to iterate besides
 
     @property
     def result(self) -> ExecResult | None:

@@ -33,6 +33,7 @@ from ..execio import (
     ExecIO,
     PtyIO,
     kill_and_reap,
+    parse_signal,
 )
 from ..fs import users
 from ..imageconfig import ConfigError
@@ -202,8 +203,13 @@ async def _no_oom_count(sb: Sandbox, before: int) -> bool:
     return False
 
 
+# How long exec_signal waits for an exec that is still starting (a start
+# takes milliseconds: one not started by then is not coming).
+SIGNAL_START_WAIT_S = 5.0
+
+
 class ExecService:
-    """`exec`, `exec_input` and `exec_resize`. `ensure_running(sb, why)` resumes a paused
+    """`exec`, `exec_input`, `exec_resize` and `exec_signal`. `ensure_running(sb, why)` resumes a paused
     sandbox first (the memory service's); `devnull` is the stdin of collected
     execs (the daemon's one read-only /dev/null); `oom_killed_since(sb, n)`
     whether its OOM kill count grew past n (the memory service's)."""
@@ -400,6 +406,7 @@ class ExecService:
                 self._bind_helper(ref, watch.pid)
             else:
                 self._bind_init(ref, watch)
+            run.watch = watch
             # Sent to init, the timeout counts from the send: a start init cannot finish is killed too.
             run.kill_grace = watch.kill_grace
             run.start(watch.exited, watch.kill, timeout)
@@ -491,4 +498,21 @@ class ExecService:
             io.resize(req.rows, req.cols)
         except OSError as err:
             raise Conflict(f"exec {req.exec_id}: cannot resize its terminal: {err.strerror}") from err
+        return {}
+
+    async def exec_signal(self, req, ctx) -> dict:
+        """A signal for a running exec's process group (`dsec run` forwards
+        its ^C this way, as `docker run` does)."""
+        signum = parse_signal(req.signal)
+        io = await ctx.exec_for(req.exec_id)
+        if io is None:
+            raise NotFound(f"no running exec with id {req.exec_id} on this connection")
+        # An exec still starting (its spawn in flight, init not yet answered)
+        # has no process to signal: wait for it while the request stands.
+        deadline = time.monotonic() + SIGNAL_START_WAIT_S
+        while not io.signal(signum):
+            if ctx.exec_now(req.exec_id) is not io or time.monotonic() > deadline:
+                raise NotFound(f"exec {req.exec_id} has no process left to signal: it has ended",
+                               {"exec_id": req.exec_id})
+            await asyncio.sleep(0.01)
         return {}

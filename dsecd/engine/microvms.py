@@ -73,6 +73,14 @@ class VmExec:
         except AgentGone as err:
             raise OSError(errno.EBADF, f"the terminal is closed: {err}") from err
 
+    def signal(self, signum: int) -> bool:
+        """signum to the exec's process group in the guest; False when it
+        has not been sent to the agent yet or has ended."""
+        if self.run is None or self.run.done or self.run.ended:
+            return False
+        self.run.kill(signum)
+        return True
+
     async def feed_stdin(self, data: bytes, eof: bool) -> None:
         """Waits while the process does not read (AgentExec.send_stdin)."""
         await self.sent.wait()

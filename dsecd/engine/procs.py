@@ -35,7 +35,6 @@ import errno
 import fcntl
 import logging
 import os
-import signal as signals
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ from dataclasses import dataclass
 from .. import native
 from ..backends.container import proc_start_time
 from ..errors import BadRequest, Conflict, LimitExceeded, NotFound, Unsupported, io_error, run_error
-from ..execio import READ_CHUNK, _decode_status
+from ..execio import READ_CHUNK, _decode_status, parse_signal
 from ..fds import close_quietly, read_ready
 from ..initlink import KILLED, InitExec
 from .denials import DenialService
@@ -628,22 +627,6 @@ class ProcessService:
         log.warning("sandbox %s: background process %d: %s; recorded as exited, status unknown",
                     sb.id, proc.pid, why)
         self._ended(sb, proc, None)
-
-
-def parse_signal(value: int | str) -> int:
-    """A signal number from 9, "9", "KILL", "SIGKILL" (any case); BadRequest otherwise."""
-    text = str(value).strip()
-    if text.isdigit() and int(text) == 0:
-        raise BadRequest("signal 0 sends nothing: `dsec proc ls` (proc_list) says whether the process runs",
-                         {"signal": value})
-    try:
-        if text.isdigit():
-            return signals.Signals(int(text)).value
-        name = text.upper()
-        return signals.Signals[name if name.startswith("SIG") else "SIG" + name].value
-    except (KeyError, ValueError):
-        raise BadRequest(f"unknown signal {value!r}: give a number (9) or a name (KILL, TERM, INT, HUP, ...)",
-                         {"signal": value}) from None
 
 
 def _open_pipes(want_stdin: bool) -> tuple[dict[str, int], tuple[int, int, int]]:

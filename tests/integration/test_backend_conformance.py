@@ -117,6 +117,23 @@ def test_exec_input_is_streamed_while_it_runs(box):
     assert b"".join(seen) == b"got line 0\ngot line 1\ngot line 2\neof\n"
 
 
+def test_exec_signal_reaches_the_running_command(box):
+    """exec_signal: the signal reaches the exec's process group, whose own
+    handler decides the end; once it has ended there is nothing to signal."""
+    _, sb, _, _ = box
+    stream = sb.exec_stream(["sh", "-c", 'trap "echo got INT; exit 3" INT; echo ready; '
+                                         'while :; do sleep 0.1; done'])
+    out = b""
+    for _fd, data in stream:
+        out += data
+        if out == b"ready\n":
+            stream.signal("INT")
+    assert (stream.result.exit_code, out) == (3, b"ready\ngot INT\n")
+    with pytest.raises(DsecError) as err:
+        stream.signal("TERM")
+    assert err.value.code == "not_found"
+
+
 def test_exec_errors(box):
     _, sb, _, _ = box
     with pytest.raises(DsecError) as err:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -353,8 +354,6 @@ def test_json_rm_of_a_missing_or_busy_sandbox_prints_the_error(daemon):
 
 
 def test_json_exec_interrupted_by_sigint_prints_the_error(daemon):
-    import signal
-
     sb = daemon.cli("create", "--image", "busybox").stdout.decode().strip()
     try:
         p = _running_exec(daemon, sb, "--json")
@@ -372,28 +371,68 @@ def test_json_exec_interrupted_by_sigint_prints_the_error(daemon):
         daemon.cli("rm", "-f", sb)
 
 
-def test_json_run_ended_by_a_signal_prints_the_error(daemon):
-    import signal
+# A command that says when its handler is in place and when it handled a
+# SIGTERM, in files (--json prints nothing before the end) and on stdout;
+# given an exit status, the first SIGTERM ends it with that status.
+def _trapping(exit_status: int | None) -> list[str]:
+    action = "touch /tmp/got; echo got TERM" + (f"; exit {exit_status}" if exit_status is not None else "")
+    return ["sh", "-c", f'trap "{action}" TERM; touch /tmp/ready; while :; do sleep 0.1; done']
 
+
+def _run_when_ready(daemon, *args: str) -> tuple[subprocess.Popen, str]:
+    """`dsec ... run busybox ARGS` started; returned with its sandbox once the command's handler is set."""
     before = {s["id"] for s in json.loads(daemon.cli("--json", "ps").stdout)}
-    p = subprocess.Popen(_dsec("--socket", daemon.socket, "--json", "run", "busybox", "--", "sleep", "30"),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = subprocess.Popen(_dsec("--socket", daemon.socket, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while True:
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        for sb in {s["id"] for s in json.loads(daemon.cli("--json", "ps").stdout)} - before:
+            if daemon.cli("cat", f"{sb}:/tmp/ready").returncode == 0:
+                return p, sb
+        time.sleep(0.1)
+
+
+def _gone(daemon, sb: str) -> bool:
+    return sb not in {s["id"] for s in json.loads(daemon.cli("--json", "ps").stdout)}
+
+
+def _terminated(p: subprocess.Popen, between=None) -> tuple[bytes, bytes]:
+    """SIGTERM to a running `dsec run` (and a second once `between()` returned); its output."""
     try:
-        deadline = time.monotonic() + 20
-        while not any(s["id"] not in before and s["execs_running"]
-                      for s in json.loads(daemon.cli("--json", "ps").stdout)):
-            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
-            time.sleep(0.1)
         p.send_signal(signal.SIGTERM)
-        out, errout = p.communicate(timeout=30)
+        if between is not None:
+            between()
+            p.send_signal(signal.SIGTERM)
+        return p.communicate(timeout=30)
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_run_forwards_a_signal_to_its_command(daemon):
+    """As docker run's --sig-proxy: the command's own handler decides the end."""
+    p, sb = _run_when_ready(daemon, "run", "busybox", "--", *_trapping(3))
+    out, errout = _terminated(p)
+    assert (p.returncode, out) == (3, b"got TERM\n"), errout
+    assert _gone(daemon, sb)
+
+
+def test_json_run_ended_by_a_second_signal_prints_the_error(daemon):
+    """The first signal is the command's to handle; a second kills it and removes its sandbox."""
+    p, sb = _run_when_ready(daemon, "--json", "run", "busybox", "--", *_trapping(None))
+
+    def handled() -> None:      # the forwarded one, which did not end it: the next is dsec's
+        deadline = time.monotonic() + 30
+        while daemon.cli("cat", f"{sb}:/tmp/got").returncode != 0:
+            assert time.monotonic() < deadline and p.poll() is None, "the command did not get the first SIGTERM"
+            time.sleep(0.1)
+
+    out, errout = _terminated(p, handled)
     assert p.returncode == 128 + signal.SIGTERM and b"SIGTERM: the command was killed" in errout, errout
     err = _one_json_error(subprocess.CompletedProcess(p.args, p.returncode, out, errout), "interrupted")
-    assert err["detail"]["signal"] == "SIGTERM" and err["detail"]["sandbox"] not in before, err
-    assert err["detail"]["sandbox"] not in {s["id"] for s in json.loads(daemon.cli("--json", "ps").stdout)}
+    assert (err["detail"]["signal"], err["detail"]["sandbox"]) == ("SIGTERM", sb), err
+    assert _gone(daemon, sb)
 
 
 def test_json_connection_failure_prints_the_error(daemon, tmp_path):

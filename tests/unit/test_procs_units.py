@@ -7,8 +7,9 @@ import signal
 
 import pytest
 
-from dsecd.engine.procs import Ring, parse_signal
+from dsecd.engine.procs import Ring
 from dsecd.errors import BadRequest
+from dsecd.execio import parse_signal
 
 
 def test_ring_keeps_the_latest_bytes_and_counts_the_rest():
