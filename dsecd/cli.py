@@ -47,7 +47,7 @@ import threading
 import time
 import tty
 
-from . import fleet_cli, imageconfig, pullview, topview
+from . import cpmerge, fleet_cli, imageconfig, pullview, topview
 from .client import Client, default_socket
 from .clitext import UsageError, argv_value, create_args, env_vars, event_fields, job_done, job_verb
 from .clitext import human_bytes as _human_bytes
@@ -58,7 +58,6 @@ from .clitext import table as _table
 from .errors import BadRequest, ConnectionLost, DsecError, NotFound, PermissionDenied, io_error
 from .fds import read_ready
 from .fleet import fleet_target
-from .fs.libc import rename_noreplace
 from .localcopy import LocalCopyError
 from .pullview import PullView
 from .remote import SshOptions
@@ -1008,50 +1007,51 @@ def _contents_of(path: str) -> bool:
 async def _cp_dir(c: Client, a, src_sb: str | None, src: str, dst_sb: str | None, dst: str) -> int:
     """cp -r: a directory as a tar stream. Like cp -r, an existing directory
     as the destination receives the copy under the source's name; with
-    `SRC/.`, as docker cp, the source's contents go into it instead
-    (_cp_contents). --json: the daemon's result (path, count, bytes;
+    `SRC/.`, as docker cp, the source's contents go into it instead. Where
+    the copy's directory exists already it is merged into, as docker cp
+    does (_cp_merged). --json: the daemon's result (path, count, bytes;
     skipped when copied from it) with the sandbox and the local path."""
     if src_sb is None:
         sb = await c.get(dst_sb)
-        if await sb.exists(dst) and (await sb.stat(dst))["type"] == "dir":
-            if _contents_of(src):
-                return await _cp_contents(a, sb, src, dst, upload=True)
-            dst = posixpath.join(dst, os.path.basename(os.path.normpath(src)))
+        if await _remote_dir(sb, dst):
+            if not _contents_of(src):
+                dst = posixpath.join(dst, os.path.basename(os.path.normpath(src)))
+            if _contents_of(src) or await _remote_dir(sb, dst):
+                return await _cp_merged(a, sb, src, dst, upload=True)
         r = await sb.upload_dir(src, dst)
         if a.json:
             _print_json({**r, "sandbox": sb.id, "local": src})
         return 0
     sb = await c.get(src_sb)
-    if os.path.isdir(dst) and _contents_of(src):
-        return await _cp_contents(a, sb, src, dst, upload=False)
     if os.path.isdir(dst):
-        dst = os.path.join(dst, posixpath.basename(posixpath.normpath(src)) or "root")
+        if not _contents_of(src):
+            dst = os.path.join(dst, posixpath.basename(posixpath.normpath(src)) or "root")
+        if _contents_of(src) or os.path.isdir(dst):
+            return await _cp_merged(a, sb, src, dst, upload=False)
     elif not os.path.isdir(os.path.dirname(os.path.abspath(dst))):
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), dst)
     r = await sb.download_dir(src, dst)
     if a.json:
         _print_json({**r, "sandbox": sb.id, "local": dst})
-    for item in r.get("skipped", []):
-        print(f"dsec cp: not copied: {src.rstrip('/')}/{item['path']} ({item['type']}): {item['reason']}",
-              file=sys.stderr)
+    _report_skipped(src, r)
     return 0
 
 
-async def _cp_contents(a, sb, src: str, dst: str, upload: bool) -> int:
-    """`dsec cp -r SRC/. DST` into an existing directory DST: SRC's entries
-    become entries of DST. The tree arrives whole in a new directory inside
-    DST (atomic, as every directory copy), then each entry is renamed to its
-    place, never over an existing name: DST is not merged into, so a name
-    both hold is refused before any is moved (remove it first)."""
+async def _remote_dir(sb, path: str) -> bool:
+    return await sb.exists(path) and (await sb.stat(path))["type"] == "dir"
+
+
+async def _cp_merged(a, sb, src: str, dst: str, upload: bool) -> int:
+    """`dsec cp -r` into the existing directory DST: SRC's entries (of SRC/.,
+    or of the directory SRC where DST is its namesake) become entries of
+    DST, merged as docker cp merges (dsecd/cpmerge.py). The tree arrives
+    whole in a new directory inside DST, then moves into place."""
     landing = f".dsec-cp-{os.getpid()}-{secrets.token_hex(4)}"
     if upload:
-        names = sorted(os.listdir(src))
-        _refuse_clashes(dst, names, {e["name"] for e in await sb.list_files(dst)})
         held = posixpath.join(dst, landing)
         r = await sb.upload_dir(src, held)
         try:
-            for name in names:
-                await sb.rename(posixpath.join(held, name), posixpath.join(dst, name))
+            replaced = await cpmerge.into_sandbox(sb, held, dst)
         finally:
             with contextlib.suppress(DsecError, ConnectionError):    # keep the error that got us here
                 await sb.remove(held, recursive=True)
@@ -1060,27 +1060,21 @@ async def _cp_contents(a, sb, src: str, dst: str, upload: bool) -> int:
         r = await sb.download_dir(src, held)
         try:
             os.chmod(held, 0o700)        # it has SRC's mode, which may not let us move entries out
-            names = sorted(os.listdir(held))        # what came: FIFOs and devices did not
-            _refuse_clashes(dst, names, set(os.listdir(dst)) - {landing})
-            for name in names:
-                rename_noreplace(-1, os.path.join(held, name), -1, os.path.join(dst, name))
+            replaced = await cpmerge.into_local(held, dst)
         finally:
             shutil.rmtree(held, ignore_errors=True)
     if a.json:
         _print_json({**r, "path": dst if upload else r["path"], "sandbox": sb.id,
-                     "local": src if upload else dst})
-    for item in r.get("skipped", []):
-        print(f"dsec cp: not copied: {src.rstrip('/.')}/{item['path']} ({item['type']}): {item['reason']}",
-              file=sys.stderr)
+                     "local": src if upload else dst, "replaced": replaced})
+    _report_skipped(src, r)
     return 0
 
 
-def _refuse_clashes(dst: str, names: list[str], there: set[str]) -> None:
-    both = sorted(set(names) & there)
-    if both:
-        raise FileExistsError(errno.EEXIST, f"the directory already holds {', '.join(both[:5])}"
-                              f"{', ...' if len(both) > 5 else ''}; a copy adds only new names to a directory: "
-                              "remove those first", dst)
+def _report_skipped(src: str, r: dict) -> None:
+    """What a copy out of a sandbox left behind (FIFOs, devices, sockets)."""
+    top = src[:-2] if src.endswith("/.") else src.rstrip("/")
+    for item in r.get("skipped", []):
+        print(f"dsec cp: not copied: {top}/{item['path']} ({item['type']}): {item['reason']}", file=sys.stderr)
 
 
 def named_sandboxes(a) -> list[str]:

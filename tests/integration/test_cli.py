@@ -689,8 +689,9 @@ def test_cp_and_cat_say_what_to_do_with_a_directory_and_take_r_for_a_file(daemon
 
 
 def test_cp_r_of_dir_dot_copies_its_contents_into_an_existing_directory(daemon, client, tmp_path):
-    """docker cp's `SRC/.`: the contents of SRC go into DST, both ways; a
-    name DST already holds is refused before anything is copied."""
+    """docker cp's `SRC/.`: the contents of SRC go into DST, both ways,
+    merged into what DST holds; a directory against a file is refused
+    before anything moves."""
     sb = client.create(image="busybox")
     try:
         src = tmp_path / "src"
@@ -702,17 +703,40 @@ def test_cp_r_of_dir_dot_copies_its_contents_into_an_existing_directory(daemon, 
         assert daemon.cli("cp", "-r", f"{src}/.", f"{sb.id}:/dst").returncode == 0
         assert sb.exec(["sh", "-c", "cd /dst && ls -A && cat a.txt sub/b.txt && readlink link"]).stdout == \
             b"a.txt\nlink\nsub\na\nb\na.txt\n"
+        # Again, changed on both sides: merged, files replaced, what only DST holds kept.
+        (src / "a.txt").write_text("a2\n")
+        (src / "sub" / "c.txt").write_text("c\n")
+        sb.exec(["sh", "-c", "echo keep > /dst/sub/keep"])
+        assert daemon.cli("cp", "-r", f"{src}/.", f"{sb.id}:/dst").returncode == 0
+        assert sb.exec(["sh", "-c", "cd /dst && ls -A . sub && cat a.txt sub/keep"]).stdout == \
+            b".:\na.txt\nlink\nsub\n\nsub:\nb.txt\nc.txt\nkeep\na2\nkeep\n"
+        sb.exec(["sh", "-c", "rm /dst/sub/b.txt && mkdir /dst/sub/b.txt"])
+        (src / "a.txt").write_text("a3\n")
         r = daemon.cli("cp", "-r", f"{src}/.", f"{sb.id}:/dst")
-        assert r.returncode == 1 and b"already holds a.txt, link, sub; a copy adds only new names" in r.stderr, r
+        assert r.returncode == 1 and b"cannot overwrite directory with non-directory" in r.stderr, r
+        assert sb.exec(["sh", "-c", "cat /dst/a.txt; ls -A /dst"]).stdout == b"a2\na.txt\nlink\nsub\n"
+        sb.exec(["rmdir", "/dst/sub/b.txt"])
+        # A directory copied onto its namesake merges into it too.
+        assert daemon.cli("cp", "-r", str(src), f"{sb.id}:/").returncode == 0
+        assert daemon.cli("cp", "-r", str(src), f"{sb.id}:/").returncode == 0
+        assert sb.exec(["sh", "-c", "ls -A /src /src/sub"]).stdout == \
+            b"/src:\na.txt\nlink\nsub\n\n/src/sub:\nb.txt\nc.txt\n"
         back = tmp_path / "back"
         back.mkdir()
         (back / "kept").write_text("k\n")
         assert daemon.cli("cp", "-r", f"{sb.id}:/dst/.", str(back)).returncode == 0
         assert sorted(p.name for p in back.iterdir()) == ["a.txt", "kept", "link", "sub"]
-        assert (back / "sub" / "b.txt").read_text() == "b\n" and os.readlink(back / "link") == "a.txt"
+        assert (back / "sub" / "keep").read_text() == "keep\n" and os.readlink(back / "link") == "a.txt"
         assert sb.exec(["ls", "-A", "/dst"]).stdout == b"a.txt\nlink\nsub\n"     # no landing dir left
+        (back / "a.txt").write_text("old\n")
+        r = daemon.cli("--json", "cp", "-r", f"{sb.id}:/dst/.", str(back))
+        assert r.returncode == 0 and json.loads(r.stdout)["replaced"] == 4, r     # a.txt, link, sub/c.txt, sub/keep
+        assert (back / "a.txt").read_text() == "a2\n" and (back / "kept").read_text() == "k\n"
+        (back / "sub" / "keep").unlink()
+        (back / "sub" / "keep").mkdir()
         r = daemon.cli("cp", "-r", f"{sb.id}:/dst/.", str(back))
-        assert r.returncode == 1 and b"already holds" in r.stderr, r
+        assert r.returncode == 1 and b"cannot overwrite directory with non-directory" in r.stderr, r
+        assert sorted(p.name for p in back.iterdir()) == ["a.txt", "kept", "link", "sub"]     # no landing dir left
         # What a directory copy leaves out (a FIFO) is said, and the rest all comes.
         sb.exec(["sh", "-c", "mkdir -m 555 /s && cd /s && echo x > a && mkfifo b && echo y > c"])
         more = tmp_path / "more"

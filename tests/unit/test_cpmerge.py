@@ -1,0 +1,58 @@
+"""The merge of a copied tree into an existing directory (dsec cp -r, as docker cp)."""
+
+import asyncio
+import os
+
+import pytest
+
+from dsecd import cpmerge
+
+
+def _tree(root, spec: dict) -> None:
+    root.mkdir(exist_ok=True)
+    for name, value in spec.items():
+        if isinstance(value, dict):
+            _tree(root / name, value)
+        else:
+            (root / name).write_text(value)
+
+
+def _read(root) -> dict:
+    return {p.name: _read(p) if p.is_dir() else p.read_text() for p in root.iterdir()}
+
+
+def test_new_names_move_whole_shared_dirs_merge_files_replace(tmp_path):
+    _tree(tmp_path / "dst", {"a": "old", "only-dst": "k", "d": {"x": "old-x", "keep": "k"}})
+    _tree(tmp_path / "land", {"a": "new", "d": {"x": "new-x", "y": "y", "deep": {"z": "z"}}, "n": {"m": "m"}})
+    replaced = asyncio.run(cpmerge.into_local(str(tmp_path / "land"), str(tmp_path / "dst")))
+    assert replaced == 2
+    assert _read(tmp_path / "dst") == {"a": "new", "only-dst": "k", "n": {"m": "m"},
+                                       "d": {"x": "new-x", "keep": "k", "y": "y", "deep": {"z": "z"}}}
+    assert _read(tmp_path / "land") == {"d": {}}       # what was merged into stays for the caller to remove
+
+
+@pytest.mark.parametrize("land, there, error", [
+    ({"d": "a file"}, {"d": {"x": "x"}}, IsADirectoryError),
+    ({"d": {"x": "x"}}, {"d": "a file"}, NotADirectoryError),
+])
+def test_a_directory_against_a_file_moves_nothing(tmp_path, land, there, error):
+    _tree(tmp_path / "dst", {"a": "old", **there})
+    _tree(tmp_path / "land", {"a": "new", **land})
+    with pytest.raises(error) as err:
+        asyncio.run(cpmerge.into_local(str(tmp_path / "land"), str(tmp_path / "dst")))
+    assert err.value.filename == str(tmp_path / "dst" / "d")
+    assert (tmp_path / "dst" / "a").read_text() == "old"
+
+
+def test_a_symlink_is_not_entered(tmp_path):
+    """A link to a directory is a name like a file's: replaced by a file, never merged through."""
+    _tree(tmp_path / "dst", {"real": {"x": "x"}})
+    os.symlink("real", tmp_path / "dst" / "link")
+    _tree(tmp_path / "land", {"link": "a file now"})
+    assert asyncio.run(cpmerge.into_local(str(tmp_path / "land"), str(tmp_path / "dst"))) == 1
+    assert (tmp_path / "dst" / "link").read_text() == "a file now" and not (tmp_path / "dst" / "link").is_symlink()
+    _tree(tmp_path / "land2", {"real2": {"y": "y"}})
+    os.symlink("real", tmp_path / "dst" / "real2")
+    with pytest.raises(NotADirectoryError):
+        asyncio.run(cpmerge.into_local(str(tmp_path / "land2"), str(tmp_path / "dst")))
+    assert os.listdir(tmp_path / "dst" / "real") == ["x"]
