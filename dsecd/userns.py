@@ -58,7 +58,13 @@ class IdMap:
 
 
 class RangeAllocator:
-    """Slots of `size` ids from `base`; the lowest free slot is handed out."""
+    """Slots of `size` ids from `base`; the lowest free slot is handed out.
+
+    A restarted daemon reserves the ranges of the sandboxes it re-adopts.
+    One made under another userns_base or userns_size keeps its ids (its
+    namespace cannot change), so it is held as a foreign range, and no
+    slot overlapping it is handed out while it lives: ranges stay disjoint
+    across a configuration change."""
 
     def __init__(self, base: int, size: int, max_slots: int = 0):
         if not 0 < size <= 2**32 or base < 1 or base + size > ID_MAX:
@@ -67,36 +73,51 @@ class RangeAllocator:
         self.base, self.size = base, size
         self.slots = min(fit, max_slots) if max_slots > 0 else fit
         self.used: set[int] = set()
+        self.foreign: list[IdMap] = []      # live ranges of another base or size
         self._next = 0
 
     def _make(self, slot: int) -> IdMap:
         start = self.base + slot * self.size
         return IdMap(slot, start, start, self.size)
 
-    def allocate(self) -> IdMap:
-        if len(self.used) >= self.slots:
-            raise RangesExhausted(f"all {self.slots} user-namespace id ranges of {self.size} ids "
-                                  f"from {self.base} are in use (sandbox.userns_base/userns_size)")
-        slot = self._next
-        while slot in self.used:
-            slot = (slot + 1) % self.slots
-        self.used.add(slot)
-        self._next = (slot + 1) % self.slots   # round robin: a freed range rests before reuse
-        return self._make(slot)
+    def _overlaps_foreign(self, slot: int) -> bool:
+        start = self.base + slot * self.size
+        end = start + self.size
+        return any(f.uid < end and start < f.uid + f.count or f.gid < end and start < f.gid + f.count
+                   for f in self.foreign)
 
-    def reserve(self, idmap: IdMap) -> None:
-        """Mark a journaled range used again (daemon restart). A record that does
-        not match this configuration is refused: its sandbox keeps its ids, but
-        they could overlap the new ranges."""
-        if self._make(idmap.slot) != idmap or idmap.slot >= self.slots:
-            raise ValueError(f"journaled id range {idmap.record()} does not match sandbox.userns_base "
-                             f"{self.base} / userns_size {self.size}")
-        if idmap.slot in self.used:
-            raise ValueError(f"id range slot {idmap.slot} is journaled twice")
-        self.used.add(idmap.slot)
+    def allocate(self) -> IdMap:
+        if len(self.used) < self.slots:
+            for i in range(self.slots):
+                slot = (self._next + i) % self.slots
+                if slot not in self.used and not (self.foreign and self._overlaps_foreign(slot)):
+                    self.used.add(slot)
+                    self._next = (slot + 1) % self.slots   # round robin: a freed range rests before reuse
+                    return self._make(slot)
+        raise RangesExhausted(f"all {self.slots} user-namespace id ranges of {self.size} ids "
+                              f"from {self.base} are in use (sandbox.userns_base/userns_size)"
+                              + (f", {len(self.foreign)} of them overlapped by ranges made under an earlier "
+                                 "configuration" if self.foreign else ""))
+
+    def reserve(self, idmap: IdMap) -> bool:
+        """Mark a journaled range used again (daemon restart). True if it is
+        one of this configuration's slots; False if it was made under another
+        base or size (held as a foreign range). ValueError for a range that
+        is journaled twice."""
+        if idmap in self.foreign or (self._make(idmap.slot) == idmap and idmap.slot in self.used):
+            raise ValueError(f"id range {idmap.record()} is journaled twice")
+        if idmap.slot < self.slots and self._make(idmap.slot) == idmap:
+            self.used.add(idmap.slot)
+            return True
+        self.foreign.append(idmap)
+        return False
 
     def release(self, idmap: IdMap | None) -> None:
-        if idmap is not None:
+        if idmap is None:
+            return
+        if idmap in self.foreign:
+            self.foreign.remove(idmap)
+        elif self._make(idmap.slot) == idmap:
             self.used.discard(idmap.slot)
 
 

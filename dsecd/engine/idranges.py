@@ -49,7 +49,8 @@ class IdRanges:
         r = self.allocator
         if r is None:
             return {"enabled": False}
-        return {"enabled": True, "base": r.base, "size": r.size, "slots": r.slots, "used": len(r.used)}
+        return {"enabled": True, "base": r.base, "size": r.size, "slots": r.slots, "used": len(r.used),
+                "foreign": len(r.foreign)}
 
     def allocate(self, sb: Sandbox) -> None:
         if self.allocator is None:
@@ -69,7 +70,11 @@ class IdRanges:
         if idmap is None or self.allocator is None:
             return
         try:
-            self.allocator.reserve(idmap)
+            mine = self.allocator.reserve(idmap)
         except ValueError as err:
-            # The sandbox keeps running in its namespace; only new ranges could overlap it.
             log.error("sandbox %s: %s", sb.id, err)
+            return
+        if not mine:
+            log.warning("sandbox %s keeps the id range %d..%d of an earlier sandbox.userns_base/userns_size; "
+                        "no new sandbox gets ids that overlap it while it lives",
+                        sb.id, idmap.uid, idmap.uid + idmap.count - 1)

@@ -192,6 +192,34 @@ def test_sandboxes_survive_sigterm_and_are_readopted(fresh):
     c.close()
 
 
+def test_a_new_userns_base_never_overlaps_a_live_sandboxs_ids(fresh):
+    """userns_base changed across a restart: a re-adopted sandbox keeps its
+    ids, and no new sandbox is given any of them while it lives."""
+    c = fresh.client()
+    kept = c.create(image="busybox")
+    first = _host_uid_base(kept)
+    c.close()
+    fresh.stop(signal.SIGTERM)
+    fresh.config.write_text(fresh.config.read_text().replace(
+        "[sandbox]\n", f"[sandbox]\nuserns_base = {first - 32768}\n", 1))      # half a range lower
+    fresh.start()
+    c = fresh.client()
+    assert c.info()["userns"]["foreign"] == 1
+    for _ in range(3):
+        sb = c.create(image="busybox")
+        start = _host_uid_base(sb)
+        assert start + 65536 <= first or start >= first + 65536, (start, first)
+        sb.destroy()
+    c.get(kept.id).destroy()
+    assert c.info()["userns"]["foreign"] == 0
+    c.close()
+
+
+def _host_uid_base(sb) -> int:
+    """The host uid that sandbox root is (its init's uid_map)."""
+    return int(open(f"/proc/{sb.inspect()['init_pid']}/uid_map").read().split()[1])
+
+
 def test_kill9_readopts_and_marks_dead(fresh):
     c = fresh.client()
     alive, doomed = c.create(image="busybox"), c.create(image="busybox")
