@@ -133,9 +133,15 @@ class Daemon:
         self.state = tmp / "state"
         self.cgroup_root = f"dsecd-test-{secrets.token_hex(4)}"
         self.config = tmp / "dsecd.toml"
-        self.config.write_text(
-            f'[daemon]\nsocket = "{self.socket}"\nstate_dir = "{self.state}"\nlog_level = "{log_level}"\n'
-            f'[sandbox]\ncgroup_root = "{self.cgroup_root}"\n{_test_config(extra_config)}')
+        # The test's own [daemon] or [sandbox] keys go in the same tables;
+        # keys before any table are [sandbox] keys.
+        first = next((line.strip() for line in extra_config.splitlines()
+                      if line.strip() and not line.lstrip().startswith("#")), "[")
+        text = _test_config(extra_config if first.startswith("[") else "[sandbox]\n" + extra_config)
+        for section, key, value in (("daemon", "log_level", log_level), ("daemon", "state_dir", str(self.state)),
+                                    ("daemon", "socket", self.socket), ("sandbox", "cgroup_root", self.cgroup_root)):
+            text = with_setting(text, section, key, value)
+        self.config.write_text(text)
         self.log = tmp / "dsecd.log"
         self.proc: subprocess.Popen | None = None
         # How a test may start it differently: a command in front (setpriv,
