@@ -442,13 +442,11 @@ class InitLink:
                 return
 
 
-def take_back(pidfd: int, use: bool) -> InitLink | None:
+def take_back(pidfd: int) -> InitLink | None:
     """After a daemon restart: the channel of the sandbox whose init `pidfd`
     names, from the daemon's end init keeps (INIT_PEER_FD); None if it has
     none (made with exec_via = helper, or by an older daemon, whose init may
-    hold anything there). use False: this daemon will not use it (its
-    exec_via or capabilities differ): it is shut down, so init stops
-    serving and nothing fills its buffer."""
+    hold anything there)."""
     try:
         fd = native.pidfd_getfd(pidfd, native.INIT_PEER_FD)
     except OSError:
@@ -461,10 +459,6 @@ def take_back(pidfd: int, use: bool) -> InitLink | None:
         os.close(fd)
         return None
     if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_SEQPACKET:
-        sock.close()
-        return None
-    if not use:
-        _shutdown_quietly(sock)
         sock.close()
         return None
     return parked(sock)

@@ -50,7 +50,12 @@ class Handle:
     core_sched: bool = False  # execs share PID 1's core-scheduling cookie
     userns: bool = False     # PID 1 runs in a user namespace of its own: execs join it
     upperfd: int = -1        # mount fd of its capped upper tmpfs (dsecd/fs/upper.py); -1 = dir
-    init_link: initlink.InitLink | None = None   # its init forks execs (dsecd/initlink.py); None: the helper
+    init_link: initlink.InitLink | None = None   # the channel to its init (dsecd/initlink.py); None: none
+    # Whether its init may start new processes for this daemon: background
+    # processes always, execs and copies where sandbox.exec_via = init. False
+    # for an adopted init that lacks sandbox.capabilities as they are now;
+    # its channel still serves the background processes it runs.
+    init_starts: bool = False
 
     def upper_view(self, views: Path) -> tuple[Path, Callable[[], None] | None]:
         """The writable layer's upper dir at a host path (pack_diff), and what
@@ -194,6 +199,7 @@ class ContainerBackend:
             _protect_init_from_oom(pid)
             if ours is not None:    # long-lived: parked high like the handle's other fds (dsecd/fds.py)
                 handle.init_link = initlink.parked(ours)
+                handle.init_starts = True
             steps.commit()
         handle.upperfd = fds.park(upperfd)
         return handle
@@ -232,7 +238,10 @@ class ContainerBackend:
         except (ProcessLookupError, FileNotFoundError):
             return None
         try:
-            h.init_link = initlink.take_back(h.pidfd, self.execs_by_init and self._init_holds_caps(init_pid))
+            # Taken back whatever this daemon's exec_via: the background
+            # processes init runs report their ends on it.
+            h.init_link = initlink.take_back(h.pidfd)
+            h.init_starts = h.init_link is not None and self._init_holds_caps(init_pid)
         except BaseException:
             close_handle(h)
             raise
@@ -278,7 +287,7 @@ class ContainerBackend:
         gid: its group (None: the uid's number). policy: a task policy's plan
         (dsecd/policy.py), applied before execve; cap_keep: the capabilities it
         keeps if not the sandbox's (a subset)."""
-        if h.init_link is None:
+        if h.init_link is None or not (self.execs_by_init and h.init_starts):
             return None
         caps = self.caps if cap_keep is None else cap_keep & self.caps
         return h.init_link.spawn(loop, argv, env, cwd, uid, caps, fds, ctty, hold,
@@ -320,7 +329,7 @@ class ContainerBackend:
         """Have the sandbox's init copy src into dst from a child in the
         sandbox's cgroups (on the event loop, does not block); None if it has
         no channel or the channel cannot take it."""
-        if h.init_link is None:
+        if h.init_link is None or not (self.execs_by_init and h.init_starts):
             return None
         return h.init_link.copy(loop, src, dst)
 

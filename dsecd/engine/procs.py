@@ -205,10 +205,10 @@ class ProcessService:
         table = self.tables.setdefault(sb.id, {})
         self._make_room(sb, table)
         h = sb.handle
-        if h is None or h.init_link is None or h.init_link.closed:
+        if h is None or h.init_link is None or h.init_link.closed or not h.init_starts:
             raise Conflict(f"sandbox {sb.id} cannot start background processes: its init takes no requests "
-                           "(made with sandbox.exec_via = helper, or by an older daemon); use exec, or "
-                           "create a new sandbox", {"sandbox": sb.id})
+                           "(made with sandbox.exec_via = helper, by an older daemon, or before "
+                           "sandbox.capabilities grew); use exec, or create a new sandbox", {"sandbox": sb.id})
         await self.ensure_running(sb, "proc_start")
         ref = None if self.denials is None else await self.denials.exec_starting(sb, applied, req.argv[0])
         ours, theirs = _open_pipes(req.stdin)

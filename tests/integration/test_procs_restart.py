@@ -86,3 +86,30 @@ def test_destroy_after_a_restart_kills_them(daemon_factory, busybox_rootfs):
     sb.process(proc.pid).kill("TERM")
     assert sb.process(proc.pid).wait().signal == signal.SIGTERM
     c.close()
+
+
+def test_a_restart_with_exec_via_helper_keeps_them(daemon_factory, busybox_rootfs):
+    """exec_via picks how new execs start; a restart that switches it to the
+    helper still watches, feeds and signals the processes init runs."""
+    d = daemon_factory()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", memory="128M")
+    reader = sb.spawn("read l; echo got $l; exit 5")
+    sleeper = sb.spawn("sleep 300")
+    c.close()
+    d.stop(signal.SIGTERM)
+    d.config.write_text(d.config.read_text().replace("[sandbox]\n", '[sandbox]\nexec_via = "helper"\n', 1))
+    d.start()
+    c = d.client()
+    sb = c.get(sb.id)
+    assert {p.pid: p.state for p in sb.processes()} == {reader.pid: "running", sleeper.pid: "running"}
+    reader = sb.process(reader.pid)
+    reader.write(b"back\n")
+    assert reader.wait().exit_code == 5
+    assert b"".join(ch.data for ch in reader.output()) == b"got back\n"
+    sleeper = sb.process(sleeper.pid)
+    sleeper.kill("TERM")
+    assert sleeper.wait().signal == signal.SIGTERM
+    assert sb.exec(["sh", "-c", "echo $PPID"]).stdout == b"0\n"      # new execs: by the helper, as configured
+    c.close()

@@ -338,7 +338,7 @@ def test_take_back_refuses_what_is_not_the_channel(kind):
     proc, pidfd = _holder(keep[0])
     try:
         before = len(os.listdir("/proc/self/fd"))
-        assert take_back(pidfd, True) is None
+        assert take_back(pidfd) is None
         assert len(os.listdir("/proc/self/fd")) == before
     finally:
         proc.kill()
@@ -347,26 +347,22 @@ def test_take_back_refuses_what_is_not_the_channel(kind):
         _close(keep)
 
 
-def test_take_back_returns_the_channel_or_shuts_it_down():
+def test_take_back_returns_the_channel():
     from dsecd.initlink import take_back
 
     async def go():
-        for use in (True, False):
-            ours, init = pair()
-            proc, pidfd = _holder(ours.fileno())
-            link = take_back(pidfd, use)
-            if use:
-                assert link is not None and link.attach(asyncio.get_running_loop())
-                run = _sent(link, init)          # a request through the taken end reaches init
-                assert run.id in link.pending
-                link.close("test")               # given up: shut down for init too
-            else:
-                assert link is None
-            init.settimeout(2)
-            assert init.recv(1) == b""           # init's end sees the channel gone
-            proc.kill()
-            proc.wait()
-            os.close(pidfd)
-            ours.close()
-            init.close()
+        ours, init = pair()
+        proc, pidfd = _holder(ours.fileno())
+        link = take_back(pidfd)
+        assert link is not None and link.attach(asyncio.get_running_loop())
+        run = _sent(link, init)          # a request through the taken end reaches init
+        assert run.id in link.pending
+        link.close("test")               # given up: shut down for init too
+        init.settimeout(2)
+        assert init.recv(1) == b""       # init's end sees the channel gone
+        proc.kill()
+        proc.wait()
+        os.close(pidfd)
+        ours.close()
+        init.close()
     asyncio.run(go())
