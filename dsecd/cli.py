@@ -895,10 +895,16 @@ async def cmd_logs(c: Client, a) -> int:
 
 
 def _exit_of(st) -> int:
-    """A background process's status as a shell's: its exit code, 128+N if signal N killed it."""
+    """A background process's status as a shell's: its exit code, 128+N if
+    signal N killed it; 125 when its end is not known (a daemon recorded it
+    as exited without seeing its status: never a success)."""
     if st.signal:
         return 128 + st.signal
-    return st.exit_code or 0
+    if st.exit_code is None:
+        print(f"dsec: process {st.pid} ended with a status the daemon does not know (it lost track of the "
+              "process across a restart: see its log)", file=sys.stderr)
+        return EXIT_DSEC_ERROR
+    return st.exit_code
 
 
 async def cmd_wait(c: Client, a) -> int:

@@ -326,3 +326,13 @@ def test_packing_a_directory_that_does_not_exist_says_so(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(localcopy.LocalCopyError, match="is not a directory"):
         localcopy.pack(str(tmp_path / "f"), io.BytesIO())
+
+
+@pytest.mark.parametrize("exit_code, sig, status", [(0, None, 0), (7, None, 7), (None, 15, 143), (None, None, 125)])
+def test_a_background_process_status_as_the_shell_gives_it(capsys, exit_code, sig, status):
+    from dsecd.client import ProcStatus
+
+    st = ProcStatus(pid=9, state="exited", exit_code=exit_code, signal=sig, argv=["x"], started=0.0, ended=1.0,
+                    output_bytes=0, dropped=0, stdin_open=False)
+    assert cli._exit_of(st) == status
+    assert ("does not know" in capsys.readouterr().err) == (status == 125)
