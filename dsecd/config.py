@@ -2,7 +2,9 @@
 
 Every key the daemon reads is in default.toml with a comment; a user file may
 only name keys that exist there (a typo is an error at start, not a silently
-ignored knob).
+ignored knob), with a value of its default's kind (a whole number, a number,
+true or false, a string, a list; sizes and durations as strings or numbers)
+and in range (no negative numbers; POSITIVE lists those zero would break).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from . import policy
+from . import caps, policy
 from .errors import BadRequest
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
@@ -72,8 +74,57 @@ def _overlay(base: dict, extra: dict, where: str = "") -> dict:
                 raise ConfigError(f"config key {name!r} must be a table")
             out[key] = _overlay(base[key], value, name + ".")
         else:
+            _check_value(name, base[key], value)
             out[key] = value
     return out
+
+
+# Numbers that must be above zero (a zero would stop the daemon working, not
+# turn a feature off); every other number must not be negative.
+POSITIVE = {
+    "admission.max_active_creates", "build.cpu", "cpu.recent_half_life_s", "daemon.worker_threads", "fncall.cpu",
+    "fncall.default_timeout_s", "fncall.max_inflight", "fncall.max_timeout_s", "fncall.pids",
+    "fncall.rlimit_nofile", "fncall.uid_count", "fncall.zygote_max_calls", "fncall.zygote_start_timeout_s",
+    "images.max_pulls", "images.pull_parallel_layers", "images.pull_timeout_s", "limits.frame_timeout_s",
+    "limits.hello_timeout_s", "limits.max_connections", "limits.max_procs_per_sandbox",
+    "limits.max_requests_per_client", "limits.max_sandboxes", "limits.max_tar_entries", "limits.max_tar_puts",
+    "limits.max_watches", "memory.background_threads", "memory.freeze_timeout_s", "microvm.boot_timeout_s",
+    "microvm.max_vcpus", "net.dns_timeout_s", "net.mtu", "pool.refill_interval_s", "pool.refill_per_s",
+    "sandbox.cpu", "sandbox.cpu_period_us", "sandbox.destroy_timeout_s", "sandbox.disk_inodes", "sandbox.pids",
+    "sandbox.userns_size",
+}
+
+# String keys that take a number too: sizes ("512M" or bytes) and durations ("90s" or seconds).
+_NUMBER_OR_STRING = {"sandbox.default_ttl"}
+
+
+def _check_value(name: str, default, value) -> None:
+    """`value` for the key `name` has the kind of its default (a whole number,
+    a number, a boolean, a string, a list of strings or numbers) and is in
+    range: ConfigError naming the key otherwise."""
+    def fail(want: str):
+        raise ConfigError(f"config key {name!r} must be {want}, got {value!r}")
+
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            fail("true or false")
+    elif isinstance(default, (int, float)):
+        whole = isinstance(default, int)
+        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
+            fail("a whole number" if whole else "a number")
+        if value < 0 or (value == 0 and name in POSITIVE):
+            fail("above zero" if name in POSITIVE else "zero or more")
+    elif isinstance(default, str):
+        takes_number = name in _NUMBER_OR_STRING or bool(default and _SIZE.match(default))
+        if takes_number and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if value < 0:
+                fail("zero or more")
+        elif not isinstance(value, str):
+            fail("a string" + (" or a number" if takes_number else ""))
+    elif isinstance(default, list):
+        kinds = {type(v) for v in default} or {str}
+        if not isinstance(value, list) or not all(type(v) in kinds for v in value):
+            fail("a list of " + " or ".join(sorted("strings" if k is str else "whole numbers" for k in kinds)))
 
 
 # Where dsecd looks for its config when --config names none; absent = the
@@ -131,10 +182,17 @@ def _validate(cfg: Config) -> None:
         cfg.size(section, key)
     if cfg.size("limits", "max_file_chunk_bytes") + 4096 > cfg.size("limits", "max_frame_bytes"):
         raise ConfigError("limits.max_file_chunk_bytes must be smaller than limits.max_frame_bytes")
-    d = cfg.section("daemon")
-    for key, allowed in (("log_level", ("debug", "info", "warning", "error")), ("log_format", ("json", "logfmt"))):
-        if d[key] not in allowed:
-            raise ConfigError(f"daemon.{key} must be one of {', '.join(allowed)}, got {d[key]!r}")
+    for section, key, allowed in (("daemon", "log_level", ("debug", "info", "warning", "error")),
+                                  ("daemon", "log_format", ("json", "logfmt")),
+                                  ("sandbox", "backend", ("container", "microvm")),
+                                  ("images", "mode", ("auto", "lazy", "eager", "direct"))):
+        value = cfg.section(section)[key]
+        if value not in allowed:
+            raise ConfigError(f"{section}.{key} must be one of {', '.join(allowed)}, got {value!r}")
+    try:
+        caps.cap_mask(cfg.section("sandbox")["capabilities"])
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     try:
         policy.named(cfg.raw.get("policy", {}))
     except policy.PolicyError as err:

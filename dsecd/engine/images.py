@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from .. import cgroup, imageconfig, metrics, sysfs
+from ..config import ConfigError
 from ..errors import BadRequest, Conflict, IOFailure, image_error
 from ..features import Features
 from ..fs import clientpaths
@@ -137,8 +138,6 @@ class ImageService:
         self._pager_stop = threading.Event()
 
     def _pick_mode(self, wanted: str) -> str:
-        if wanted not in ("auto", "lazy", "eager", "direct"):
-            raise ValueError(f"images.mode must be auto, lazy, eager or direct, not {wanted!r}")
         fstype = store_fstype(self.images.store.root)       # one mountinfo read for every choice below
         if wanted == "auto":
             remote = fstype in REMOTE_FS or fstype.startswith("fuse.")
@@ -150,7 +149,7 @@ class ImageService:
                         self.features.items["fuse"].detail, fallback)
             return fallback
         if wanted == "direct" and fstype in NO_FILE_BACKED_EROFS:
-            raise ValueError(f"images.mode = direct cannot mount layers from a store on "
+            raise ConfigError(f"images.mode = direct cannot mount layers from a store on "
                              f"{fstype} ({self.images.store.root}): the "
                              "kernel cannot back EROFS with such files; use lazy or eager")
         return wanted

@@ -100,3 +100,44 @@ def test_with_setting_adds_a_key_once_and_keeps_one_the_text_sets():
     own = '[net]\nbpf_cache_dir = "/mine"\n'
     assert with_setting(own, "net", "bpf_cache_dir", "/c") == own
     assert with_setting("[a]\n", "microvm", "guest_dir", None) == "[a]\n"
+
+
+@pytest.mark.parametrize("text, says", [
+    ("[limits]\nmax_sandboxes = -1", "'limits.max_sandboxes' must be above zero, got -1"),
+    ("[limits]\nmax_sandboxes = true", "'limits.max_sandboxes' must be a whole number, got True"),
+    ('[sandbox]\npids = "many"', "'sandbox.pids' must be a whole number, got 'many'"),
+    ("[sandbox]\npids = 1.5", "'sandbox.pids' must be a whole number"),
+    ("[sandbox]\ncpu = -1.0", "'sandbox.cpu' must be above zero"),
+    ("[sandbox.cpu]\nx = 1", "'sandbox.cpu' must be a number, got {'x': 1}"),
+    ('[journal]\nfsync = "yes"', "'journal.fsync' must be true or false, got 'yes'"),
+    ("[daemon]\nworker_threads = 0", "'daemon.worker_threads' must be above zero, got 0"),
+    ('[limits]\nframe_timeout_s = "30s"', "'limits.frame_timeout_s' must be a number, got '30s'"),
+    ("[sandbox]\nmemory = -5", "'sandbox.memory' must be zero or more"),
+    ("[sandbox]\nmemory = true", "'sandbox.memory' must be a string or a number"),
+    ("[images]\npull_retries = -1", "'images.pull_retries' must be zero or more"),
+    ('[sandbox]\ncapabilities = "CHOWN"', "'sandbox.capabilities' must be a list of strings"),
+    ('[sandbox]\ncapabilities = ["CHOWN", "FLY"]', "unknown capability 'FLY' in sandbox.capabilities"),
+    ("[net]\ndns_upstreams = [1]", "'net.dns_upstreams' must be a list of strings, got [1]"),
+    ('[sandbox]\nbackend = "docker"', "sandbox.backend must be one of container, microvm, got 'docker'"),
+    ('[images]\nmode = "fast"', "images.mode must be one of auto, lazy, eager, direct, got 'fast'"),
+])
+def test_a_value_of_the_wrong_kind_or_range_is_an_error_naming_the_key(tmp_path, text, says):
+    f = tmp_path / "c.toml"
+    f.write_text(text + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(f))
+    assert says in str(err.value)
+
+
+@pytest.mark.parametrize("text", [
+    "[sandbox]\nmemory = 536870912",          # a size as bytes
+    "[sandbox]\ndefault_ttl = 30",            # a duration as seconds
+    "[sandbox]\ncpu = 2",                     # a whole number where a number goes
+    "[cpu]\noversubscription = 0",            # 0: the check is off
+    "[limits]\nmax_exec_timeout_s = 0",       # 0: no limit
+    "[images]\nsnapshot_exclude = ['/tmp']",
+])
+def test_values_of_the_kinds_the_defaults_document_load(tmp_path, text):
+    f = tmp_path / "c.toml"
+    f.write_text(text + "\n")
+    load_config(str(f))
