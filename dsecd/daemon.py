@@ -72,8 +72,12 @@ def raise_fd_limit() -> None:
 
 def lock_state_dir(state_dir: str) -> int:
     """One daemon per state dir: a second one would fight over the same sandboxes."""
-    os.makedirs(state_dir, mode=0o700, exist_ok=True)
-    fd = os.open(os.path.join(state_dir, "dsecd.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        os.makedirs(state_dir, mode=0o700, exist_ok=True)
+        fd = os.open(os.path.join(state_dir, "dsecd.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as err:
+        raise SystemExit(f"dsecd: cannot use state dir {state_dir}: {err.strerror} ({err.filename}); "
+                         "daemon.state_dir must name a writable directory") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from .. import cgroup, execio, fds, initlink, native, sysfs, userns
 from ..caps import CAP_NUMBERS, cap_mask
+from ..config import ConfigError
 from ..fs import upper as upperfs
 from ..imageconfig import DEFAULT_PATH
 from ..steps import Steps
@@ -127,9 +128,13 @@ class ContainerBackend:
             return -1
         from .. import seccomp
 
+        try:
+            number = seccomp.profile_number(name)
+        except ValueError as err:
+            raise ConfigError(f"sandbox.seccomp: {err}") from err
         n = seccomp.prepare(name)
         log.info("seccomp profile %r: %d BPF instructions, installed in every sandbox process", name, n)
-        return seccomp.profile_number(name)
+        return number
 
     def group_for(self, sb_id: str) -> cgroup.Group:
         return cgroup.Group(self.layout, f"{self.cgroup_root}/{sb_id}")

@@ -605,3 +605,18 @@ def test_networking_works_with_the_units_capabilities(world, daemon_factory, bus
     assert shown["default"]["denied_connect"] >= 1 and shown["dns"]["refused"] >= 1
     sb.destroy()
     c.close()
+
+
+@pytest.mark.parametrize("setting, says", [
+    ('[daemon]\nstate_dir = "/etc/passwd/state"\n', "cannot use state dir /etc/passwd/state: Not a directory"),
+    ('[sandbox]\nseccomp = "strict"\n', "sandbox.seccomp: unknown seccomp profile 'strict'"),
+])
+def test_a_start_that_cannot_use_a_setting_says_why(daemon_factory, setting, says):
+    """One critical line naming what failed (docs/operations.md), no traceback."""
+    d = daemon_factory(setting, start=False)
+    with pytest.raises(RuntimeError, match="exited 1"):
+        d.start()
+    lines = [json.loads(line) for line in d.log.read_text().splitlines() if line.startswith("{")]
+    failed = [line for line in lines if line.get("event") == "start_failed"]
+    assert len(failed) == 1 and says in failed[0]["msg"], lines[-3:]
+    assert "Traceback" not in d.log.read_text()
