@@ -337,6 +337,12 @@ class CreateService:
             raise NotFound(f"no image {req.image!r}", {"image": req.image}) from err
         name = pool_name(self.image_service.images.key(req.image), cpu, memory)
         pool = self.pools.get(name)
+        if pool is None and req.max == 0:
+            shapes = [p.name for p in self.pools.values() if p.image == req.image]
+            raise NotFound(f"no pool {name} to remove: a pool is named by its image, cpu and memory"
+                           + (f"; {req.image} has {', '.join(shapes)} (give the cpu and memory of the one to "
+                              "remove)" if shapes else f"; {req.image} has none"),
+                           {"pool": name, "pools": shapes})
         if pool is None:
             pool = self.pools[name] = Pool(name=name, image=req.image, cpu=cpu, memory=memory,
                                            min=req.min, max=req.max)

@@ -160,5 +160,9 @@ def test_cli_pool_and_key(daemon):
     assert daemon.cli("rm", "-f", first.stdout.decode().strip()).returncode == 0
     info = daemon.cli("info")
     assert info.returncode == 0 and b"create queue: " in info.stdout and b"wait p50" in info.stdout
+    # Removing names the pool by its shape: without it, nothing is removed, and it says which there are.
+    r = daemon.cli("pool", "set", "--image", "busybox", "--min", "0", "--max", "0")
+    assert r.returncode == 1 and b"busybox has busybox@1cpu-80M (give the cpu and memory" in r.stderr, r
+    assert b"80M" in daemon.cli("pool", "ls").stdout
     assert daemon.cli("pool", "set", "--image", "busybox", "--min", "0", "--max", "0",
                       "--memory", "80M").returncode == 0
