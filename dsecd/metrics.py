@@ -231,7 +231,8 @@ class NodeCollector:
                              f"{'cores' if kind == 'cpu' else 'MemTotal'} x the oversubscription ratio")
                 cap.add_metric([], a["capacity"] * scale)
                 yield cap
-        full = _gauge("dsecd_admission_open", "1 while admission takes creates, 0 when the host is full")
+        full = _gauge("dsecd_admission_open", "1 while a sandbox of the [sandbox] default size fits the "
+                      "admission capacity, 0 when it no longer does (smaller ones may still be admitted)")
         full.add_metric([], 1 if adm.get("state") == "open" else 0)
         yield full
         used = cpu.get("used") or {}
