@@ -478,7 +478,11 @@ int cache_read(struct blob *b, char *dst, uint64_t off, uint64_t len)
  * the next reader tries again (a store that was unreachable may be back).
  * copy (may be NULL): the fetching reader's range, served from the fetch
  * buffer; reading it back from .data cost one more disk read per miss
- * (O_DIRECT), ~1/3 of the pager's disk traffic in bench/images.py. */
+ * (O_DIRECT), ~1/3 of the pager's disk traffic in bench/images.py.
+ * A fetch the cache cannot keep (its disk full, say) still serves copy:
+ * the chunk stays ABSENT and CHUNK_SERVED_UNCACHED is returned, so a full
+ * cache disk slows reads down instead of failing them (a failed read of a
+ * mapped binary is a SIGBUS in the sandbox). */
 int chunk_fill(struct blob *b, uint64_t c, int readahead, struct chunk_copy *copy)
 {
     uint64_t len = chunk_len(b, c), off = c * g_cfg.chunk_size;
@@ -488,7 +492,7 @@ int chunk_fill(struct blob *b, uint64_t c, int readahead, struct chunk_copy *cop
     uint64_t alen = (len + DIO_ALIGN - 1) & ~(uint64_t)(DIO_ALIGN - 1);
     uint64_t t0 = now_ns();
     void *buf = NULL;
-    int rc;
+    int rc, kept = 0;
 
     cache_reserve(len);
     if (posix_memalign(&buf, DIO_ALIGN, alen) != 0) {
@@ -500,12 +504,12 @@ int chunk_fill(struct blob *b, uint64_t c, int readahead, struct chunk_copy *cop
     }
     if (rc == 0) {
         if (b->data_dfd >= 0)
-            rc = pwrite_full(b->data_dfd, buf, alen, off);
+            kept = pwrite_full(b->data_dfd, buf, alen, off);
         else
-            rc = pwrite_full(b->data_fd, buf, len, off);
-        if (rc < 0)
-            fprintf(stderr, "dsec-pager: write %s.data chunk %llu: %s\n", b->hex,
-                    (unsigned long long)c, strerror(-rc));
+            kept = pwrite_full(b->data_fd, buf, len, off);
+        if (kept < 0)
+            fprintf(stderr, "dsec-pager: write %s.data chunk %llu: %s (served, not cached)\n", b->hex,
+                    (unsigned long long)c, strerror(-kept));
         else if (b->data_dfd < 0 && g_cfg.direct_io)
             /* Start writeback, so that the pages are clean (droppable) by the
              * time cache_read copies them out. */
@@ -518,6 +522,8 @@ int chunk_fill(struct blob *b, uint64_t c, int readahead, struct chunk_copy *cop
     free(buf);
     if (rc == 0)
         lat_observe(&g_fetch_latency, now_ns() - t0);
+    if (rc == 0 && kept < 0)
+        rc = copy ? CHUNK_SERVED_UNCACHED : kept;
 
     pthread_mutex_lock(&b->lock);
     if (rc == 0) {
@@ -535,13 +541,15 @@ int chunk_fill(struct blob *b, uint64_t c, int readahead, struct chunk_copy *cop
     }
     pthread_cond_broadcast(&b->cond);
     pthread_mutex_unlock(&b->lock);
-    if (rc < 0)
+    if (rc != 0)
         cache_unreserve(len);
     return rc;
 }
 
 /* Make chunk c present and pin it. Exactly one caller fetches a missing chunk;
- * concurrent callers wait for that fetch instead of fetching again. */
+ * concurrent callers wait for that fetch instead of fetching again.
+ * CHUNK_SERVED_UNCACHED: copy was served but the cache could not keep the
+ * chunk; nothing is pinned. */
 int chunk_acquire(struct blob *b, uint64_t c, struct chunk_copy *copy)
 {
     int counted = 0, rc;
@@ -567,7 +575,7 @@ int chunk_acquire(struct blob *b, uint64_t c, struct chunk_copy *copy)
         b->state[c] = CHUNK_FETCHING;
         pthread_mutex_unlock(&b->lock);
         rc = chunk_fill(b, c, 0, copy);
-        if (rc < 0)
+        if (rc != 0)
             return rc;
         pthread_mutex_lock(&b->lock);
     }

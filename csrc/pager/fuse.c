@@ -235,6 +235,10 @@ static int blob_read(struct open_blob *ob, char *buf, uint64_t off, uint64_t siz
         struct chunk_copy copy = {buf + (s - off), s, e - s, 0};
         if ((rc = chunk_acquire(b, c, &copy)) < 0)
             break;
+        if (rc == CHUNK_SERVED_UNCACHED) {       /* nothing pinned */
+            rc = 0;
+            continue;
+        }
         if (!copy.done)
             rc = cache_read(b, buf + (s - off), s, e - s);
         chunk_release(b, c);

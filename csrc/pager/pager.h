@@ -112,6 +112,9 @@ struct chunk_copy {
     uint64_t off, len; /* blob offset and length, within the chunk */
     int done;
 };
+/* chunk_acquire and chunk_fill: the reader's copy was served from the fetch,
+ * but the cache could not keep the chunk (no pin is held). */
+#define CHUNK_SERVED_UNCACHED 1
 int chunk_acquire(struct blob *b, uint64_t c, struct chunk_copy *copy);
 void chunk_release(struct blob *b, uint64_t c);
 int chunk_fill(struct blob *b, uint64_t c, int readahead, struct chunk_copy *copy);

@@ -237,6 +237,26 @@ def test_cache_cap_evicts_cold_chunks(env):
     assert p2.stats().blobs[hexd].fetches >= 32 - cap // cs
 
 
+def test_a_full_cache_disk_slows_reads_but_fails_none(env):
+    """A fetched chunk the cache cannot keep is still served: a failed read
+    of a mapped binary would be a SIGBUS in every sandbox on the layer."""
+    env.cache.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(env.cache)], check=True)
+    try:
+        data = os.urandom(4 * MIB + 999)
+        hexd = env.blob(data)
+        p = env.pager(chunk_size=256 * KIB, readahead_chunks=0)
+        assert (env.mnt / hexd).read_bytes() == data
+        assert (env.mnt / hexd).read_bytes() == data          # again: what was not kept is fetched again
+        st = blob_stats(p, hexd)
+        assert 0 < st.cached_chunks < st.chunks and st.errors > 0
+        assert "served, not cached" in env.log()
+    finally:
+        for pager in env.pagers:
+            pager.stop(timeout=5)
+        subprocess.run(["umount", "-l", str(env.cache)], check=True)
+
+
 def test_missing_blob_is_enoent_and_mount_is_read_only(env):
     hexd = env.blob(b"x" * 10000)
     env.pager()
