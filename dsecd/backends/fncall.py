@@ -197,15 +197,20 @@ class FnCallBackend:
             os.close(null)
         return ours, pid
 
+    # A plain call keeps no capability (cap_keep 0): an exec keeps the
+    # sandbox's whatever its uid, but with DAC_OVERRIDE, CHOWN or KILL a call
+    # could rewrite the call sandbox every later call runs in, or kill
+    # another call, which its own uid is there to prevent.
+
     def start_plain_by_init(self, loop, h: Handle, argv: list[str], env: list[str], cwd: str, uid: int,
                             fds: tuple[int, int, int]):
         """A plain call sent to the call sandbox's init (on the loop); None
         when it has no channel or the channel cannot take it: spawn_plain."""
-        return self.containers.start_by_init(loop, h, argv, env, cwd, uid, fds)
+        return self.containers.start_by_init(loop, h, argv, env, cwd, uid, fds, cap_keep=0)
 
     def spawn_plain(self, h: Handle, argv: list[str], env: list[str], cwd: str, uid: int,
                     fds: tuple[int, int, int]) -> int:
-        return self.containers.spawn(h, argv, env, cwd, uid, fds)
+        return self.containers.spawn(h, argv, env, cwd, uid, fds, cap_keep=0)
 
     # Private dirs for plain argv calls, made and removed through the sandbox
     # root with RESOLVE_IN_ROOT walks (dsecd/fs/files.py): a sandbox that turns

@@ -203,6 +203,19 @@ def test_plain_calls_are_forked_by_the_call_sandboxs_init(client):
     assert after["plain_calls"] == before["plain_calls"] + 1
 
 
+PLAIN_CALL_PROBE = ("grep CapEff /proc/self/status; echo x > /etc/motd || echo no-etc; "
+                    "echo x > /tmp/leak || echo no-tmp; kill -0 1 || echo no-kill")
+
+
+def test_a_plain_call_keeps_no_capability(client):
+    """Its own uid, and none of the sandbox's capabilities (DAC_OVERRIDE,
+    CHOWN, KILL...): nothing a later call runs with can be changed."""
+    r = client.call("busybox", argv=PLAIN_CALL_PROBE)
+    lines = r.stdout.decode().split("\n")
+    assert lines[0].split() == ["CapEff:", "0000000000000000"], r
+    assert lines[1:4] == ["no-etc", "no-tmp", "no-kill"], r
+
+
 def test_plain_calls_use_the_helper_when_execs_do(daemon_factory, busybox_rootfs):
     d = daemon_factory('exec_via = "helper"\n')     # lands in [sandbox]
     c = d.client()
@@ -211,6 +224,8 @@ def test_plain_calls_use_the_helper_when_execs_do(daemon_factory, busybox_rootfs
         r = c.call("busybox", argv=["sh", "-c", "echo $PPID"])
         assert r.exit_code == 0 and r.stdout == b"0\n"     # entered from outside the pid namespace
         assert c.info()["fncall"]["plain_calls_by_init"] == 0
+        r = c.call("busybox", argv=PLAIN_CALL_PROBE)       # the helper's calls keep no capability either
+        assert r.stdout.decode().split("\n")[0].split() == ["CapEff:", "0000000000000000"], r
     finally:
         c.close()
 
