@@ -929,6 +929,9 @@ class ExecStream:
     task than the one iterating (or between its chunks)."""
 
     def __init__(self, sb: Sandbox, args: dict, stdin: bytes | AsyncIterator[bytes] | None):
+        if not (stdin is None or isinstance(stdin, (bytes, bytearray, memoryview)) or hasattr(stdin, "__aiter__")):
+            hint = ": encode it" if isinstance(stdin, str) else " (b\"\".join(...) a list of chunks)"
+            raise TypeError(f"stdin must be bytes or an async iterator of bytes, got {type(stdin).__name__}{hint}")
         self.sb = sb
         self.args = args
         self.stdin = stdin

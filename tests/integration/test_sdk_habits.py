@@ -28,6 +28,14 @@ def test_env_of_the_wrong_type_says_which_key(sandbox):
         sandbox.exec(["true"], env={"A": 1})
 
 
+@pytest.mark.parametrize("stdin, says", [("abc", "got str: encode it"), ([b"a"], "got list")])
+def test_stdin_of_the_wrong_type_fails_at_once(sandbox, stdin, says):
+    """Not a hang with the command left waiting for input that never comes."""
+    with pytest.raises(TypeError, match=f"stdin must be bytes or an async iterator of bytes, {says}"):
+        sandbox.exec(["cat"], stdin=stdin)
+    assert sandbox.inspect()["execs_running"] == 0
+
+
 def test_output_callbacks_get_each_chunk(daemon):
     async def go():
         async with dsecd.Client(daemon.socket) as c:
