@@ -201,7 +201,7 @@ class _Budget:
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
                 self.release(n)             # granted just as we were cancelled
-            else:
+            elif entry in self._waiters:    # release() may have dropped it already
                 self._waiters.remove(entry)
             raise
 

@@ -1,0 +1,42 @@
+"""The client's share of the daemon's per-connection request limit (client._Budget)."""
+
+import asyncio
+
+import pytest
+
+from dsecd.client import _Budget
+
+
+def test_waiters_cancelled_while_queued_raise_cancelled_and_free_nothing():
+    """A release that finds cancelled waiters at the head drops them; their
+    own cancellation must then not fail (it was a ValueError)."""
+    async def go():
+        b = _Budget(1)
+        await b.acquire(1)
+        waiting = [asyncio.ensure_future(b.acquire(1)) for _ in range(3)]
+        await asyncio.sleep(0)
+        for w in waiting:
+            w.cancel()
+        b.release(1)                          # meets the cancelled waiters first
+        for w in waiting:
+            with pytest.raises(asyncio.CancelledError):
+                await w
+        assert b.free == 1 and not b._waiters
+        await asyncio.wait_for(b.acquire(1), 1)    # the unit is there for the next one
+
+    asyncio.run(go())
+
+
+def test_a_unit_granted_as_its_waiter_is_cancelled_goes_back():
+    async def go():
+        b = _Budget(1)
+        await b.acquire(1)
+        w = asyncio.ensure_future(b.acquire(1))
+        await asyncio.sleep(0)
+        b.release(1)                          # granted...
+        w.cancel()                            # ...and cancelled before it ran
+        with pytest.raises(asyncio.CancelledError):
+            await w
+        assert b.free == 1
+
+    asyncio.run(go())
