@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import errno
 import fcntl
 import logging
@@ -190,6 +191,7 @@ class ProcessService:
         self.ensure_running = ensure_running
         self.limits = limits
         self.tables: dict[str, dict[int, BgProc]] = {}      # sandbox id -> pid -> process, oldest first
+        self.starting: dict[str, int] = {}                   # sandbox id -> starts not in its table yet
         self.closing = False
         self.vm = VmProcs(self)
 
@@ -199,11 +201,31 @@ class ProcessService:
         sb = self.registry.get(req.sandbox, req)
         named = await request_user(sb, req, "proc_start", self.workers, self.vms, self.ensure_running)
         env, cwd, user, gid = exec_target(sb, req, self.backend, named)
-        if sb.backend == "microvm":
-            return await self._start_vm(sb, req, env, cwd, user, gid)
-        applied = self.policies.for_exec(sb, req.policy, "proc_start")
         table = self.tables.setdefault(sb.id, {})
+        with self._room(sb, table):
+            if sb.backend == "microvm":
+                return await self._start_vm(sb, req, env, cwd, user, gid, table)
+            return await self._start_container(sb, req, env, cwd, user, gid, table)
+
+    @contextlib.contextmanager
+    def _room(self, sb: Sandbox, table: dict[int, BgProc]):
+        """A place among the sandbox's limits.max_procs_per_sandbox records,
+        held while the start awaits: starts in flight count, so concurrent
+        ones cannot all pass the check before any is recorded."""
         self._make_room(sb, table)
+        self.starting[sb.id] = self.starting.get(sb.id, 0) + 1
+        try:
+            yield
+        finally:
+            left = self.starting[sb.id] - 1
+            if left:
+                self.starting[sb.id] = left
+            else:
+                del self.starting[sb.id]
+
+    async def _start_container(self, sb: Sandbox, req, env: list[str], cwd: str, user: int, gid: int,
+                               table: dict[int, BgProc]) -> dict:
+        applied = self.policies.for_exec(sb, req.policy, "proc_start")
         h = sb.handle
         if h is None or h.init_link is None or h.init_link.closed or not h.init_starts:
             raise Conflict(f"sandbox {sb.id} cannot start background processes: its init takes no requests "
@@ -256,12 +278,11 @@ class ProcessService:
         sb.last_active = time.monotonic()
         return {"pid": pid, "started": rec["started"]}
 
-    async def _start_vm(self, sb: Sandbox, req, env: list[str], cwd: str, user: int, gid: int) -> dict:
+    async def _start_vm(self, sb: Sandbox, req, env: list[str], cwd: str, user: int, gid: int,
+                        table: dict[int, BgProc]) -> dict:
         if req.policy is not None or sb.policy is not None:
             raise Unsupported(f"sandbox {sb.id} is a microVM: task policies (Landlock in dsec-init) are "
                               "enforced in containers only")
-        table = self.tables.setdefault(sb.id, {})
-        self._make_room(sb, table)
         await self.ensure_running(sb, "proc_start")
         pid, rec = await self.vm.start(sb, req, env, cwd, user, gid)
         proc = self.new_proc(rec)
@@ -278,12 +299,14 @@ class ProcessService:
         return BgProc(self.workers.loop, rec, self.limits.output_bytes)
 
     def _make_room(self, sb: Sandbox, table: dict[int, BgProc]) -> None:
-        """Evict exited records, oldest first, until a new one fits."""
-        while len(table) >= self.limits.max_per_sandbox:
+        """Evict exited records, oldest first, until a new one fits beside
+        those being started."""
+        while len(table) + self.starting.get(sb.id, 0) >= self.limits.max_per_sandbox:
             oldest = next((p for p in table.values() if not p.running), None)
             if oldest is None:
-                raise LimitExceeded(f"sandbox {sb.id} has {len(table)} background processes running, the "
-                                    "most limits.max_procs_per_sandbox allows; kill or wait for one first",
+                live = len(table) + self.starting.get(sb.id, 0)
+                raise LimitExceeded(f"sandbox {sb.id} has {live} background processes running or starting, "
+                                    "the most limits.max_procs_per_sandbox allows; kill or wait for one first",
                                     {"sandbox": sb.id, "max": self.limits.max_per_sandbox})
             del table[oldest.pid]
             self._drop(oldest)

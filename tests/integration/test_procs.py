@@ -202,6 +202,15 @@ def test_eviction_and_the_limit(daemon_factory, busybox_rootfs):
     sb.spawn("true")                         # exited ones are evicted again
     c.close()
 
+    async def at_once():                     # starts in flight count: none overtakes the limit
+        async with Client(d.socket) as ac:
+            box = await ac.create(image="busybox", memory="128M")
+            got = await asyncio.gather(*(box.spawn("sleep 30") for _ in range(8)), return_exceptions=True)
+            return [type(g).__name__ for g in got], len(await box.processes())
+
+    kinds, listed = asyncio.run(at_once())
+    assert sorted(kinds) == ["LimitExceeded"] * 5 + ["Process"] * 3 and listed == 3, kinds
+
 
 def test_destroy_ends_followers_and_waiters(client):
     sb = client.create(image="busybox", memory="128M")
