@@ -47,8 +47,13 @@ FRAME_BUFFERS_KEPT = 4
 # Requests that steer others (stdin for an exec, a cancel) never wait for a
 # slot: the requests they serve may hold every slot. This many of the
 # daemon's per-connection limit are kept for them.
-CONTROL_OPS = ("exec_input", "exec_resize", "file_tar_input", "cancel")
+CONTROL_OPS = ("exec_input", "exec_resize", "exec_signal", "file_tar_input", "cancel")
 CONTROL_SLOTS = 8
+# Requests that follow something until it ends or they are closed (a
+# watch, events, a background process's output): they may take all but
+# this many of the other slots, so that they can never leave none for the
+# requests that end them (a process's stdin, a destroy).
+SHORT_SLOTS = 32
 # The lease of a sandbox Client.run makes and removes: renewed while the
 # command runs, so a client that dies without removing it (SIGKILL, a lost
 # host) leaves it to the daemon, which destroys it this long after.
@@ -180,6 +185,11 @@ class CallResult(ExecResult):
                    total_ms=r.get("total_ms", 0.0))
 
 
+def _follows(op: str, args: dict) -> bool:
+    """A request that lasts until what it follows ends (SHORT_SLOTS)."""
+    return op == "file_watch" or (op in ("events", "proc_logs") and args.get("follow", True) is not False)
+
+
 class _Budget:
     """Units of the daemon's per-connection request limit, handed out first
     come first served; acquire(n) takes n units at once, never part of them
@@ -237,6 +247,7 @@ class _Conn:
         # Requests past the daemon's limits.max_requests_per_client wait here
         # for a slot instead of failing; set from the hello's limits.
         self.slots: _Budget | None = None
+        self.follows: _Budget | None = None               # the slots following requests may take
         self.tails = False        # the daemon takes file_write data as a frame's tail (protocol.TAILED)
         self.garbled = False      # it ended on bytes that are not frames (said as such, not as ssh's end)
 
@@ -336,6 +347,7 @@ class Client:
         conn.tails = "frame.tail" in self.server.get("capabilities", ())
         cap = limits.get("max_requests_per_client", 256)
         conn.slots = _Budget(max(2, cap - CONTROL_SLOTS))
+        conn.follows = _Budget(max(1, cap - CONTROL_SLOTS - SHORT_SLOTS))
         self._conn = conn
 
     async def _hello(self, conn: _Conn) -> dict:
@@ -535,13 +547,20 @@ class Client:
         # file_tar_input requests.
         units = (1 + bool(op == "exec" and args.get("stdin")) + bool(op == "exec" and args.get("pty"))
                  + bool(op == "file_tar_put"))
-        await slots.acquire(units)
+        follows = conn.follows if _follows(op, args) else None
+        if follows is not None:
+            await follows.acquire(1)
         try:
-            async with contextlib.aclosing(self._frames_with_id(conn, rid, op, args, sent)) as frames:
-                async for frame in frames:
-                    yield frame
+            await slots.acquire(units)
+            try:
+                async with contextlib.aclosing(self._frames_with_id(conn, rid, op, args, sent)) as frames:
+                    async for frame in frames:
+                        yield frame
+            finally:
+                slots.release(units)
         finally:
-            slots.release(units)
+            if follows is not None:
+                follows.release(1)
 
     async def _frames_with_id(self, conn: _Conn, rid: int, op: str, args: dict,
                               sent: asyncio.Event | None) -> AsyncIterator[dict]:

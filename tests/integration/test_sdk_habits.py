@@ -81,6 +81,30 @@ def test_more_requests_than_the_daemon_takes_at_once_queue_in_the_client(daemon,
     assert [r.stdout for r in results] == [f"{i}\n".encode() for i in range(300)]
 
 
+def test_following_requests_leave_slots_for_those_that_end_them(daemon):
+    """More output followers than the client's slots: the stdin that ends
+    their processes, and any short request, still go through at once."""
+    async def go():
+        async with dsecd.Client(daemon.socket) as c:
+            cap = c.server["limits"]["max_requests_per_client"]
+            boxes = [await c.create(image="busybox", memory="64M") for _ in range(cap // 50 + 1)]
+            procs = await asyncio.gather(*(boxes[i % len(boxes)].spawn("read x; echo got $x") for i in range(cap)))
+
+            async def followed(p):
+                return b"".join([o.data async for o in p.output()])
+
+            outputs = [asyncio.ensure_future(followed(p)) for p in procs]
+            await asyncio.sleep(0.5)                     # every follower holds, or waits for, a slot
+            await asyncio.wait_for(c.list(), 10)
+            await asyncio.wait_for(asyncio.gather(*(p.write(b"1\n") for p in procs)), 60)
+            try:
+                return await asyncio.wait_for(asyncio.gather(*outputs), 60)
+            finally:
+                await asyncio.gather(*(b.destroy(force=True) for b in boxes))
+
+    assert set(asyncio.run(go())) == {b"got 1\n"}
+
+
 def test_one_sync_client_shared_by_threads(daemon, sandbox):
     c = daemon.client()
     sb = c.get(sandbox.id)
