@@ -70,9 +70,39 @@ def _require_regular(fd: int, path: str) -> os.stat_result:
     return st
 
 
+def _kernel_fs_above(rootfd: int, path: str) -> str | None:
+    """The kernel file system (proc, sysfs...) the nearest existing directory
+    above `path` is on, if any: /proc/self/status is missing as the daemon
+    resolves it (its own pid is not in the sandbox's /proc), which a plain
+    "not found" would hide."""
+    parent = path
+    while parent != "/":
+        parent = _split(parent)[0]
+        try:
+            fd = _open(rootfd, parent, os.O_PATH | os.O_DIRECTORY)
+        except OSError:
+            continue
+        try:
+            return native.KERNEL_FS_MAGICS.get(native.fs_magic(fd, parent))
+        finally:
+            os.close(fd)
+    return None
+
+
+def _open_to_read(rootfd: int, path: str) -> int:
+    try:
+        return _open(rootfd, path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        kind = _kernel_fs_above(rootfd, path)
+        if kind is None:
+            raise
+        raise PathError(f"{path} is on {kind}, a kernel interface, not an ordinary file (and /proc/self "
+                        "is not the sandbox's from outside); read it with an exec inside the sandbox") from None
+
+
 def read_file(rootfd: int, path: str, offset: int, length: int) -> dict:
     path = check_path(path)
-    fd = _open(rootfd, path, os.O_RDONLY | os.O_NONBLOCK)
+    fd = _open_to_read(rootfd, path)
     try:
         st = _require_regular(fd, path)
         data = os.pread(fd, length, offset) if length else b""

@@ -196,7 +196,7 @@ def test_file_api_does_not_read_or_write_kernel_interfaces(admin):
         sb.write_file("/root/out", b"pwned", atomic=True)          # atomic: the link is replaced
         assert sb.exec(["cat", "/proc/1/comm"]).stdout == b"dsec-init\n"
         assert sb.stat("/root/out")["type"] == "file" and sb.read_file("/root/out") == b"pwned"
-        for path in ("/root/ks", "/root/st", "/proc/1/environ", "/proc/meminfo"):
+        for path in ("/root/ks", "/root/st", "/proc/1/environ", "/proc/meminfo", "/proc/self/status"):
             with pytest.raises(BadRequest, match="kernel interface"):
                 sb.read_file(path)
         with pytest.raises(BadRequest):         # masked inside by a /dev/null bind: not a file
