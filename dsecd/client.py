@@ -491,6 +491,8 @@ class Client:
                      "sent again safely)")
         if self.reconnect and not self._closed:
             text += "; the next request connects again"
+        elif not self._closed:
+            text += "; call connect() again (or make the Client with reconnect=True) to go on"
         return ConnectionLost(text, target=self.target, op=op, sent=sent)
 
     async def _connection(self, op: str) -> _Conn:
