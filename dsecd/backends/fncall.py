@@ -43,6 +43,7 @@ from .. import cgroup
 from ..fs import files as sbfiles
 from ..fs import upper as upperfs
 from .container import ContainerBackend, Handle
+from .zygote_main import kill_leftovers
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +225,13 @@ class FnCallBackend:
         finally:
             os.close(tmpfd)
         return f"/tmp/{name}"
+
+    @staticmethod
+    def kill_leftovers(h: Handle, uid: int) -> int:
+        """SIGKILL what a plain call of `uid` left to the call sandbox's init
+        (the zygote's own check, with init's host pid; a call sandbox has
+        no user namespace, so the uid is the host's): how many it found."""
+        return kill_leftovers(uid, h.init_pid)
 
     def remove_private_dir(self, h: Handle, name: str) -> None:
         try:

@@ -1,8 +1,9 @@
 """The FnCall zygote: runs INSIDE a call sandbox, under the image's own python3.
 
-Not imported by the daemon: dsecd/backends/fncall.py reads this file and
-passes its text as `python3 -I -c TEXT CONFIG-JSON`, so it must work with
-nothing but the stdlib of whatever Python the image has (3.8+).
+dsecd/backends/fncall.py reads this file and passes its text as `python3 -I
+-c TEXT CONFIG-JSON`, so it must work with nothing but the stdlib of whatever
+Python the image has (3.8+). The daemon imports it only for kill_leftovers,
+which clears what a plain call left behind the same way.
 
 Fd 0 is one end of a SOCK_SEQPACKET socketpair made by the daemon and handed
 over as the exec's stdin: there is no path in the sandbox that reaches it.
@@ -44,6 +45,7 @@ import tempfile
 import time
 
 IDLE_MS = 20
+RECHECK_MS = 10        # how soon a uid held back for what its call left behind is looked at again
 RLIMITS = {"as": resource.RLIMIT_AS, "cpu": resource.RLIMIT_CPU, "fsize": resource.RLIMIT_FSIZE,
            "nofile": resource.RLIMIT_NOFILE, "core": resource.RLIMIT_CORE}
 
@@ -155,6 +157,50 @@ def worker(link, tmp, uid, rlimits):
     os._exit(status & 0xFF)
 
 
+def init_children(init_pid=1, fd=-1):
+    """The pids of the children of the sandbox's init (`init_pid` as this
+    process sees it: 1 inside the sandbox); through `fd`, that file kept
+    open (read again from its start: no open and close per call)."""
+    try:
+        if fd < 0:
+            with open(f"/proc/{init_pid}/task/{init_pid}/children", "rb") as f:
+                return f.read().split()
+        data = b""
+        while True:
+            chunk = os.pread(fd, 65536, len(data))
+            data += chunk
+            if len(chunk) < 65536:
+                return data.split()
+    except OSError:
+        return []
+
+
+def kill_leftovers(uid, init_pid=1, fd=-1):
+    """SIGKILL the processes running as `uid` that were left to the sandbox's
+    init: a call's process has ended, so anything of its uid that outlived
+    it (a child that left its process group or session) was reparented
+    there. Returns how many it found: their own children reach init only
+    once they are gone, so the caller looks again before the uid is used
+    again. init_pid, fd: as init_children's."""
+    pids = init_children(init_pid, fd)
+    found = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{int(pid)}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if line.startswith(("State:", "Uid:")))
+        except (OSError, ValueError):
+            continue
+        if fields.get("State", "").split()[:1] == ["Z"]:
+            continue                        # dead, waiting for init to reap it: it can do nothing
+        if str(uid) in fields.get("Uid", "").split():
+            found += 1
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except OSError:
+                pass
+    return found
+
+
 class Zygote:
     def __init__(self, sock, base, spares, uid_base, uid_count, rlimits):
         self.sock = sock
@@ -167,7 +213,10 @@ class Zygote:
         self.idle = []          # workers waiting for a call
         self.by_fd = {}         # pidfd or link fd -> worker
         self.by_id = {}         # call id -> worker
+        self.held = []          # uids whose calls left processes behind, until those are gone
         self.forked = 0
+        # Kept open: read after every call (kill_leftovers). Workers close it.
+        self.children_fd = os.open("/proc/1/task/1/children", os.O_RDONLY | os.O_CLOEXEC)
 
     def fork_worker(self):
         """A new worker. Spares do not walk a call's path ahead of it: that
@@ -230,7 +279,23 @@ class Zygote:
             pass
         except OSError:
             shutil.rmtree(w["tmp"], ignore_errors=True)
-        self.uids.append(w["uid"])
+        # What the call started and left running must not meet the next call
+        # its uid goes to (it could signal, trace or read it).
+        try:
+            os.killpg(w["pid"], signal.SIGKILL)     # its process group: a pgid is not reused while in use
+        except OSError:
+            pass
+        if kill_leftovers(w["uid"], fd=self.children_fd):
+            self.held.append(w["uid"])
+        else:
+            self.uids.append(w["uid"])
+
+    def recheck_held(self):
+        """Free the held uids whose leftovers are gone (their children, if
+        any, were reparented to init meanwhile and are killed now)."""
+        still = [uid for uid in self.held if kill_leftovers(uid, fd=self.children_fd)]
+        self.uids.extend(uid for uid in self.held if uid not in still)
+        self.held = still
 
     def on_request(self):
         msg, fds = recv(self.sock)
@@ -262,9 +327,14 @@ class Zygote:
         # at once when fewer than half are left: a fork blocks this loop for
         # a few ms (page tables), which would delay every call waiting on it.
         while True:
+            if self.held:
+                self.recheck_held()
             low = len(self.idle) < max(1, self.spares // 2)
             want = len(self.idle) < self.spares and self.uids
-            events = self.poll.poll(0 if (want and low) else (IDLE_MS if want else None))
+            wait = 0 if (want and low) else (IDLE_MS if want else None)
+            if self.held:
+                wait = RECHECK_MS if wait is None else min(wait, RECHECK_MS)
+            events = self.poll.poll(wait)
             for fd, _ev in events:
                 if fd == self.sock.fileno():
                     self.on_request()
@@ -300,4 +370,5 @@ def main():
     z.run()
 
 
-main()
+if __name__ == "__main__":      # run as `python3 -c TEXT`; the daemon imports kill_leftovers
+    main()

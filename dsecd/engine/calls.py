@@ -59,6 +59,10 @@ log = logging.getLogger(__name__)
 
 PYTHONS = ("python", "python3")
 INLINE_MAX = 48 * 1024     # a call packet up to this size carries its code itself
+# What a plain call left running is looked for this often, this many times,
+# before its uid goes back (each look kills what it finds).
+LEFTOVER_RECHECK_S = 0.01
+LEFTOVER_LOOKS = 500
 
 
 def fncall_backend(cfg, layout: cgroup.Layout, containers) -> FnCallBackend:
@@ -410,7 +414,7 @@ class CallService:
 
         def release() -> None:
             self.workers.behind(self.fncall.remove_private_dir, h, name)
-            box.free_uids.append(uid)
+            self._give_back(box, uid)
 
         abandoned = False
         try:
@@ -445,6 +449,20 @@ class CallService:
         result.update(stdout=b"".join(out[1]), stderr=b"".join(out[2]), path="exec",
                       run_ms=result["duration_ms"])
         return result
+
+
+    def _give_back(self, box: CallBox, uid: int, looks: int = 0) -> None:
+        """A plain call's uid back to its box, once nothing it started runs:
+        what it left behind (reparented to the call sandbox's init) is killed
+        first, and the uid waits while any of it, or what that in turn leaves
+        to init, is still there. On the loop: a procfs read or two."""
+        if not self.fncall.kill_leftovers(box.handle, uid):
+            box.free_uids.append(uid)
+        elif looks < LEFTOVER_LOOKS:
+            self.workers.loop.call_later(LEFTOVER_RECHECK_S, self._give_back, box, uid, looks + 1)
+        else:
+            log.warning("call sandbox %s: uid %d still runs processes after %d kills; it is not handed out "
+                        "again", box.id, uid, looks)
 
 
 def _plain_run_error(err: OSError, box: CallBox, prog: str, cwd: str) -> DsecError:

@@ -216,6 +216,42 @@ def test_a_plain_call_keeps_no_capability(client):
     assert lines[1:4] == ["no-etc", "no-tmp", "no-kill"], r
 
 
+def _running(marker: bytes) -> list[int]:
+    """Host pids of live (not zombie) processes whose argv is exactly `marker` (NUL-separated)."""
+    pids = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if (Path(f"/proc/{p}/cmdline").read_bytes() == marker + b"\0"
+                    and "\nState:\tZ" not in Path(f"/proc/{p}/status").read_text()):
+                pids.append(int(p))
+        except OSError:
+            continue
+    return pids
+
+
+def _gone_soon(marker: bytes) -> bool:
+    deadline = time.monotonic() + 10
+    while _running(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _running(marker)
+
+
+@pytest.mark.parametrize("path", ["zygote", "exec"])
+def test_what_a_call_leaves_running_is_killed(client, py_image, path):
+    """A process that left the call's process group and session dies with the
+    call: its uid goes to later calls, which it could otherwise signal or trace."""
+    marker = f"sleep\0{3170 + len(path)}".encode()
+    if path == "zygote":
+        r = client.call(py_image, code=("import os\nif os.fork() == 0:\n    os.setsid()\n"
+                                        f"    os.execv('/bin/sleep', ['sleep', '{3170 + len(path)}'])\n"
+                                        "print('forked')"))
+    else:
+        r = client.call("busybox", argv=f"setsid sleep {3170 + len(path)} & echo forked")
+    assert (r.exit_code, r.stdout, r.path) == (0, b"forked\n", path), r
+    assert _gone_soon(marker)
+    assert client.call(py_image if path == "zygote" else "busybox", argv=["true"]).exit_code == 0
+
+
 def test_plain_calls_use_the_helper_when_execs_do(daemon_factory, busybox_rootfs):
     d = daemon_factory('exec_via = "helper"\n')     # lands in [sandbox]
     c = d.client()

@@ -163,6 +163,7 @@ def test_a_plain_call_cancelled_during_its_spawn_frees_its_uid_only_after_the_ki
 
     class FnCall:
         containers = SimpleNamespace(exec_env=lambda base, env: [f"{k}={v}" for k, v in {**base, **env}.items()])
+        kill_leftovers = staticmethod(lambda h, uid: 0)     # the call left nothing running
 
         def make_private_dir(self, h, name, uid):
             return f"/tmp/{name}"
@@ -210,6 +211,7 @@ def test_a_plain_call_cancelled_while_it_runs_frees_its_uid_only_once_reaped():
 
     class FnCall:
         containers = _plain_call_fncall().containers
+        kill_leftovers = staticmethod(lambda h, uid: 0)     # the call left nothing running
         make_private_dir = staticmethod(lambda h, name, uid: f"/tmp/{name}")
         start_plain_by_init = staticmethod(lambda *args: None)     # the helper spawns it
 
@@ -246,6 +248,7 @@ def test_a_plain_call_forked_by_init_and_cancelled_frees_its_uid_only_once_init_
 
     class FnCall:
         containers = _plain_call_fncall().containers
+        kill_leftovers = staticmethod(lambda h, uid: 0)     # the call left nothing running
         make_private_dir = staticmethod(lambda h, name, uid: f"/tmp/{name}")
 
         def start_plain_by_init(self, loop, h, argv, env, cwd, uid, fds):
@@ -288,6 +291,7 @@ def test_a_plain_call_whose_channel_broke_keeps_its_uid_and_retires_its_call_san
 
     class FnCall:
         containers = _plain_call_fncall().containers
+        kill_leftovers = staticmethod(lambda h, uid: 0)     # the call left nothing running
         make_private_dir = staticmethod(lambda h, name, uid: f"/tmp/{name}")
 
         def start_plain_by_init(self, loop, h, argv, env, cwd, uid, fds):
