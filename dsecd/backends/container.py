@@ -35,6 +35,8 @@ from ..steps import Steps
 log = logging.getLogger(__name__)
 
 PTMX_RDEV = os.makedev(5, 2)     # a devpts instance's ptmx, as /dev/ptmx
+# What an exec as a uid other than 0 keeps of sandbox.capabilities (exec_caps).
+NON_ROOT_CAPS = cap_mask(["NET_BIND_SERVICE"])
 
 @dataclass
 class Handle:
@@ -294,9 +296,21 @@ class ContainerBackend:
         keeps if not the sandbox's (a subset)."""
         if h.init_link is None or not (self.execs_by_init and h.init_starts):
             return None
-        caps = self.caps if cap_keep is None else cap_keep & self.caps
+        caps = self.exec_caps(uid, cap_keep)
         return h.init_link.spawn(loop, argv, env, cwd, uid, caps, fds, ctty, hold,
                                  uid if gid is None else gid, policy)
+
+    def exec_caps(self, uid: int, cap_keep: int | None) -> int:
+        """The capabilities an exec keeps (raised as ambient ones, so that they
+        survive its execve): a task policy's set when it names one; else
+        sandbox.capabilities for root, and for any other uid only
+        NET_BIND_SERVICE. Docker gives a non-root user none (and opens the
+        low ports with a sysctl instead): `--user 1000` is then what a
+        scaffold expects it to be, a user that root's files and other users'
+        processes keep out."""
+        if cap_keep is not None:
+            return cap_keep & self.caps
+        return self.caps if uid == 0 else self.caps & NON_ROOT_CAPS
 
     def open_pty(self, h: Handle, idmap: userns.IdMap | None, uid: int, gid: int) -> tuple[int, int]:
         """A new pty (master, slave) from the sandbox's own devpts instance
@@ -342,7 +356,7 @@ class ContainerBackend:
               fds: tuple[int, int, int], ctty: bool = False, gid: int | None = None,
               policy: bytes | None = None, cap_keep: int | None = None) -> int:
         """Start argv through the daemon's exec helper; its host pid. gid: None is the uid's number."""
-        caps = self.caps if cap_keep is None else cap_keep & self.caps
+        caps = self.exec_caps(uid, cap_keep)
         spec = native.ExecSpec(pidfd=h.pidfd, cgroup_procs=h.group.procs_files(), argv=argv, env=env,
                                cwd=cwd, uid=uid, gid=uid if gid is None else gid, stdin_fd=fds[0], stdout_fd=fds[1],
                                stderr_fd=fds[2], cap_keep=caps, sched_idle=h.sched_idle,

@@ -198,10 +198,8 @@ class FnCallBackend:
             os.close(null)
         return ours, pid
 
-    # A plain call keeps no capability (cap_keep 0): an exec keeps the
-    # sandbox's whatever its uid, but with DAC_OVERRIDE, CHOWN or KILL a call
-    # could rewrite the call sandbox every later call runs in, or kill
-    # another call, which its own uid is there to prevent.
+    # A plain call keeps no capability (cap_keep 0), not even the
+    # NET_BIND_SERVICE a non-root exec keeps: a call serves no port.
 
     def start_plain_by_init(self, loop, h: Handle, argv: list[str], env: list[str], cwd: str, uid: int,
                             fds: tuple[int, int, int]):

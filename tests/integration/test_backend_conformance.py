@@ -86,6 +86,16 @@ def test_exec_and_process_users_by_name(box):
     sb.exec(["sh", "-c", "sed -i '/^agent:/d' /etc/passwd; sed -i '/^team:/d' /etc/group"])
 
 
+def test_a_non_root_exec_is_kept_out_of_roots_files(box):
+    """As docker's `--user`: a uid other than 0 gets none of root's
+    capabilities, so file modes and other users' processes keep it out."""
+    _, sb, _, _ = box
+    r = sb.exec(["sh", "-c", "echo x >> /etc/passwd && echo wrote; kill -0 1 && echo signalled; "
+                             "grep CapEff /proc/self/status"], user="nobody")
+    assert b"wrote" not in r.stdout and b"signalled" not in r.stdout, r
+    assert int(r.stdout.split()[-1], 16) & ~(1 << 10) == 0, r        # NET_BIND_SERVICE at most
+
+
 def test_exec_stdin_and_streamed_output(box):
     _, sb, _, _ = box
     seen = []

@@ -42,6 +42,13 @@ def test_env_cwd_user(sandbox):
     assert r.stdout.split() == [b"bar", b"/tmp", b"65534"]
 
 
+def test_a_non_root_exec_may_still_serve_a_low_port(sandbox):
+    """It keeps NET_BIND_SERVICE (docker opens the low ports with a sysctl)."""
+    r = sandbox.exec(["sh", "-c", "nc -l -p 80 & sleep 0.3; netstat -ltn | grep -c ':80 '; kill $!"],
+                     user=1000)
+    assert r.stdout == b"1\n", r
+
+
 def test_missing_program_and_cwd_are_not_found(sandbox):
     with pytest.raises(NotFound, match="no-such-prog"):
         sandbox.exec(["no-such-prog"])

@@ -106,9 +106,9 @@ BARE_AGENT = {"read_only": ["/usr", "/etc"], "writable": ["/workspace", "/tmp", 
 
 def test_non_root_agent_without_capabilities_cannot_stat_or_chmod_grader_files(admin, probe_binary):
     # What covers stat and chmod, which Landlock does not: file modes, with the
-    # agent a non-root user holding no capability (sandbox execs keep
-    # sandbox.capabilities, DAC_OVERRIDE and FOWNER among them, whatever
-    # their uid) and the grader's directory root-owned 0700.
+    # agent a non-root user holding no capability (a non-root exec keeps only
+    # NET_BIND_SERVICE unless its policy names capabilities) and the grader's
+    # directory root-owned 0700.
     sb = make_armed(admin, probe_binary, policy=BARE_AGENT)
     try:
         sb.mkdir("/grader", mode=0o700)
@@ -122,8 +122,10 @@ def test_non_root_agent_without_capabilities_cannot_stat_or_chmod_grader_files(a
         assert r.stdout == b"ok\n", r.stderr
         r = sb.exec(["chmod", "000", "/usr/local/bin/attack-probe"], user=1000)
         assert r.exit_code == 1 and b"Operation not permitted" in r.stderr
-        # The same uid under the sandbox's capabilities (no `capabilities` in its policy) can.
-        assert probe(sb, "stat", "/grader/secret", user=1000, policy={"rest": "writable"}) == "ok"
+        # The same uid under no policy holds none either; one that names DAC_OVERRIDE can.
+        assert probe(sb, "stat", "/grader/secret", user=1000, policy={"rest": "writable"}) == "EACCES"
+        assert probe(sb, "stat", "/grader/secret", user=1000,
+                     policy={"rest": "writable", "capabilities": ["DAC_OVERRIDE"]}) == "ok"
     finally:
         sb.destroy(force=True)
 
