@@ -594,10 +594,19 @@ class CreateService:
         steps.undo("release its id range and layers", release)
         return handle
 
-    def _now_running(self, sb: Sandbox, started: float) -> dict:
-        """A create's last step, whatever the backend: recorded, watched, announced."""
+    def _record(self, sb: Sandbox) -> None:
+        """The sandbox's journal record: a create's last step that can fail,
+        inside its undo steps, since a sandbox the journal does not hold
+        would run on unknown to a restarted daemon."""
         sb.state = "running"
-        self.registry.save(sb)
+        try:
+            self.registry.save(sb)
+        except OSError as err:
+            sb.state = "creating"
+            raise io_error("write the journal record of", f"sandbox {sb.id}", err) from err
+
+    def _now_running(self, sb: Sandbox, started: float) -> dict:
+        """A create's end, whatever the backend, once recorded: watched, announced."""
         self.lifecycle.watch(sb)
         self.memory.on_created(sb, time.monotonic() - started)
         return sb.public()
@@ -620,6 +629,7 @@ class CreateService:
             sb.handle = await self.vms.create(sb, limits, disk)
             steps.undo("destroy the VM", lambda: self.workers.run(self.vms.backend.destroy, sb.id, sb.handle))
             await self.vms.check_cwd(sb, sb.cwd)
+            self._record(sb)
             steps.commit()
         return self._now_running(sb, started)
 
@@ -681,8 +691,9 @@ class CreateService:
             (await self.process_settings(sb, image.config, req)).apply(sb)
             steps.drop(UNDO_NETNS)       # attach_net consumes it, and removes it if it fails
             await self.net.attach_net(sb, net_mode, req.allow, ready)
+            steps.undo("detach networking", lambda: self.net.detach_net(sb))
             if req.publish:
-                steps.undo("detach networking", lambda: self.net.detach_net(sb))
                 await self.net.publish_at_create(sb, req.publish)
+            self._record(sb)
             steps.commit()
         return self._now_running(sb, started)

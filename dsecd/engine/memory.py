@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .. import metrics, native
 from ..cpu.sampler import round_robin
-from ..errors import Conflict, DsecError
+from ..errors import Conflict, DsecError, io_error
 from ..journal import write_file_atomic
 from ..mem import damon, pause, swapfile, zram
 from .events import EventBus
@@ -224,12 +224,32 @@ class MemoryService:
                 raise Conflict(f"sandbox {sb.id} is {sb.state}; only a running sandbox can be paused")
             self._cancel_behind(sb.id)          # a prefetch still queued would undo the reclaim
             if _is_vm(sb):
-                return self._mark_vm_paused(sb, await self.vms.pause(sb))
+                rec = await self.vms.pause(sb)
+                try:
+                    return self._mark_vm_paused(sb, rec)
+                except OSError as err:
+                    raise await self._unpause(sb, lambda: self.vms.resume(sb, rec), err) from err
             try:
                 rec = await self.workers.run(pause.pause, sb.handle.group, self.pause_cfg)
             except OSError as err:
                 raise DsecError(f"pause sandbox {sb.id}: {err}", code="busy" if err.errno == 16 else "io") from err
-            return self._mark_paused(sb, rec)
+            try:
+                return self._mark_paused(sb, rec)
+            except OSError as err:
+                raise await self._unpause(sb, lambda: self.workers.run(
+                    pause.resume, sb.handle.group, rec, self.pause_cfg.freeze_timeout_s, "none"), err) from err
+
+    async def _unpause(self, sb, resume, err: OSError) -> DsecError:
+        """A pause whose journal record could not be written (the state dir's
+        disk full, say) is undone, so that the sandbox runs as its record says
+        and a restarted daemon finds it as it is; returns the error to raise."""
+        try:
+            await resume()
+        except (OSError, DsecError) as undo_err:
+            log.error("sandbox %s: undo a pause the journal did not record: %s", sb.id, undo_err)
+        else:
+            sb.state, sb.paused_at, sb.pause_record = "running", None, None
+        return io_error("record the pause of", f"sandbox {sb.id}", err)
 
     def _mark_vm_paused(self, sb, rec: dict, journal: bool = True) -> dict:
         """A microVM paused (dsecd/engine/microvms.py): its state in a file,
@@ -285,7 +305,12 @@ class MemoryService:
         sb.pause_record = None
         sb.last_active = time.monotonic()
         if journal:
-            self.registry.save(sb)
+            try:
+                self.registry.save(sb)
+            except OSError as err:
+                # It runs: what asked for the resume (an exec, say) goes on.
+                # Its record says paused until the next write succeeds.
+                log.error("sandbox %s resumed, but its journal record could not say so: %s", sb.id, err)
         self.events.publish("resumed", sb.id, prefetched_bytes=prefetched_bytes,
                             duration_ms=None if duration_s is None else round(duration_s * 1000, 3))
 

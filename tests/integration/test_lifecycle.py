@@ -2,12 +2,13 @@
 
 import os
 import signal
+import subprocess
 import threading
 import time
 
 import pytest
 
-from dsecd.errors import BadRequest, Busy, Conflict, NotFound
+from dsecd.errors import BadRequest, Busy, Conflict, DsecError, NotFound
 
 
 def host_counts(d) -> dict:
@@ -218,6 +219,44 @@ def test_a_new_userns_base_never_overlaps_a_live_sandboxs_ids(fresh):
 def _host_uid_base(sb) -> int:
     """The host uid that sandbox root is (its init's uid_map)."""
     return int(open(f"/proc/{sb.inspect()['init_pid']}/uid_map").read().split()[1])
+
+
+def test_a_full_state_dir_fails_creates_and_pauses_and_changes_nothing(daemon_factory, busybox_rootfs):
+    """A journal record that cannot be written undoes what it would record:
+    no sandbox runs unknown to the journal, none stays frozen."""
+    d = daemon_factory(start=False)
+    d.state.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(d.state)], check=True)  # cleanup unmounts
+    d.start()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    kept = c.create(image="busybox")
+    filler = d.state / "filler"
+    subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M"], capture_output=True)    # until ENOSPC
+    made = []
+    try:
+        for _ in range(100):        # the journal's last page takes a few records more
+            try:
+                made.append(c.create(image="busybox").id)
+            except DsecError as err:
+                failed = err
+                break
+        else:
+            raise AssertionError("100 creates fit on a full state dir")
+        assert failed.code != "internal" and "journal" in failed.message, failed
+        assert sorted(s["id"] for s in c.list()) == sorted([kept.id, *made])
+        with pytest.raises(DsecError) as err:
+            kept.pause()
+        assert err.value.code != "internal" and "record the pause" in err.value.message, err.value
+        assert kept.inspect()["state"] == "running" and kept.exec(["true"]).exit_code == 0
+    finally:
+        filler.unlink()
+    for sb_id in made:
+        c.get(sb_id).destroy()
+    c.create(image="busybox").destroy()
+    kept.pause()
+    assert kept.exec(["echo", "back"]).stdout == b"back\n"
+    c.close()
 
 
 def test_kill9_readopts_and_marks_dead(fresh):
