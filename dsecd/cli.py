@@ -38,6 +38,7 @@ import os
 import posixpath
 import secrets
 import select
+import shlex
 import shutil
 import signal
 import socket
@@ -1222,7 +1223,8 @@ async def cmd_ps(c: Client, a) -> int:
         lim = s["limits"]
         rows.append([s["id"], s["image"], s["state"], f"{lim['cpu']:g}", _human_bytes(lim["memory"]),
                      str(s["execs_running"]), time.strftime("%H:%M:%S", time.localtime(s["created"])),
-                     ",".join(f"{k}={v}" for k, v in sorted(s["labels"].items()))])
+                     # One shell word per label: a value with spaces, commas or quotes reads back whole.
+                     " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(s["labels"].items()))])
     _table(rows, ["ID", "IMAGE", "STATE", "CPU", "MEMORY", "EXECS", "CREATED", "LABELS"])
     return 0
 
