@@ -210,8 +210,11 @@ def outcomes():
 def test_forbidden_call_fails_with_errno(outcomes, name):
     control, filtered = outcomes
     assert filtered[name] == FORBIDDEN[name], f"{name}: {filtered[name]} under the filter"
+    if control[name] == FORBIDDEN[name]:
+        # Some kernels refuse a call themselves (6.18.44 answers EPERM to
+        # EXT4_IOC_MOVE_EXT for root): the filter's refusal cannot be told apart.
+        pytest.skip(f"{name}: this kernel answers {control[name]} without the filter too")
     # Without the filter the kernel answers otherwise: the filter is what refused.
-    assert control[name] != FORBIDDEN[name], f"{name}: {control[name]} even without the filter"
 
 
 @pytest.mark.parametrize("name", ALLOWED)
