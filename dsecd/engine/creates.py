@@ -304,7 +304,13 @@ class CreateService:
             sb.created = time.time()
             sb.last_active = time.monotonic()
             sb.lease_deadline = sb.last_active + lease if lease else None
-            self.registry.save(sb)
+            try:
+                self.registry.save(sb)
+            except OSError as err:
+                # Its record still says pool spare: it goes, rather than run
+                # as the caller's with a record a restart would hand out again.
+                self.workers.loop.create_task(self._destroy_quiet(sb))
+                raise io_error("write the journal record of", f"sandbox {sb.id}", err) from err
             pool.taken += 1
             pool.takes.append(time.monotonic())
             return {**sb.public(), "pool": pool.name}
