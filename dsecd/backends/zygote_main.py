@@ -185,20 +185,44 @@ def kill_leftovers(uid, init_pid=1, fd=-1):
     pids = init_children(init_pid, fd)
     found = 0
     for pid in pids:
+        pidfd = _pidfd(int(pid))            # held across the check and the kill: the pid cannot be another's
         try:
             with open(f"/proc/{int(pid)}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if line.startswith(("State:", "Uid:")))
+                fields = dict(line.split(":", 1) for line in f if line.startswith(("State:", "Uid:", "Threads:")))
         except (OSError, ValueError):
+            _close(pidfd)
             continue
-        if fields.get("State", "").split()[:1] == ["Z"]:
-            continue                        # dead, waiting for init to reap it: it can do nothing
         if str(uid) in fields.get("Uid", "").split():
-            found += 1
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except OSError:
-                pass
+            _kill(int(pid), pidfd)
+            # A zombie with one thread is dead, waiting for init to reap it.
+            # One with more is a main thread that exited while the others run.
+            zombie = fields.get("State", "").split()[:1] == ["Z"]
+            if not zombie or int((fields.get("Threads") or "1").split()[0]) > 1:
+                found += 1
+        _close(pidfd)
     return found
+
+
+def _pidfd(pid):
+    try:
+        return os.pidfd_open(pid)           # Python 3.9+
+    except (AttributeError, OSError):
+        return -1
+
+
+def _kill(pid, pidfd):
+    try:
+        if pidfd >= 0:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _close(fd):
+    if fd >= 0:
+        os.close(fd)
 
 
 class Zygote:
@@ -261,6 +285,12 @@ class Zygote:
             return
         # Its pidfd: the worker is gone; reap it, free its uid and dir.
         self.poll.unregister(fd)
+        # What the call started in its process group dies with it; killed
+        # before the reap, while the worker's zombie keeps its pid (the group's id).
+        try:
+            os.killpg(w["pid"], signal.SIGKILL)
+        except OSError:
+            pass
         _, status = os.waitpid(w["pid"], 0)
         self.report(w, status)
         for f in (w["pidfd"], w["link"].fileno()):
@@ -279,12 +309,8 @@ class Zygote:
             pass
         except OSError:
             shutil.rmtree(w["tmp"], ignore_errors=True)
-        # What the call started and left running must not meet the next call
-        # its uid goes to (it could signal, trace or read it).
-        try:
-            os.killpg(w["pid"], signal.SIGKILL)     # its process group: a pgid is not reused while in use
-        except OSError:
-            pass
+        # What the call left running outside its group must not meet the next
+        # call its uid goes to (it could signal, trace or read it).
         if kill_leftovers(w["uid"], fd=self.children_fd):
             self.held.append(w["uid"])
         else:

@@ -414,7 +414,7 @@ class CallService:
 
         def release() -> None:
             self.workers.behind(self.fncall.remove_private_dir, h, name)
-            self._give_back(box, uid)
+            self.workers.loop.create_task(self._give_back(box, uid))
 
         abandoned = False
         try:
@@ -451,18 +451,19 @@ class CallService:
         return result
 
 
-    def _give_back(self, box: CallBox, uid: int, looks: int = 0) -> None:
+    async def _give_back(self, box: CallBox, uid: int) -> None:
         """A plain call's uid back to its box, once nothing it started runs:
         what it left behind (reparented to the call sandbox's init) is killed
         first, and the uid waits while any of it, or what that in turn leaves
-        to init, is still there. On the loop: a procfs read or two."""
-        if not self.fncall.kill_leftovers(box.handle, uid):
-            box.free_uids.append(uid)
-        elif looks < LEFTOVER_LOOKS:
-            self.workers.loop.call_later(LEFTOVER_RECHECK_S, self._give_back, box, uid, looks + 1)
-        else:
-            log.warning("call sandbox %s: uid %d still runs processes after %d kills; it is not handed out "
-                        "again", box.id, uid, looks)
+        to init, is still there. In a worker: it reads the status of each of
+        init's children, as many as plain calls run."""
+        for _ in range(LEFTOVER_LOOKS):
+            if not await self.workers.run(self.fncall.kill_leftovers, box.handle, uid):
+                box.free_uids.append(uid)
+                return
+            await asyncio.sleep(LEFTOVER_RECHECK_S)
+        log.warning("call sandbox %s: uid %d still runs processes after %d kills; it is not handed out again",
+                    box.id, uid, LEFTOVER_LOOKS)
 
 
 def _plain_run_error(err: OSError, box: CallBox, prog: str, cwd: str) -> DsecError:

@@ -252,6 +252,40 @@ def test_what_a_call_leaves_running_is_killed(client, py_image, path):
     assert client.call(py_image if path == "zygote" else "busybox", argv=["true"]).exit_code == 0
 
 
+def test_a_left_thread_whose_leader_exited_is_killed_too(client, py_image):
+    """A leader that exits its main thread alone shows as a zombie while its
+    other threads run on under the call's uid: they die with the call."""
+    r = client.call(py_image, code=(
+        "import ctypes, os, threading, time\n"
+        "libc = ctypes.CDLL(None)\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    def run():\n"
+        "        libc.prctl(15, b'dsecleftover', 0, 0, 0)\n"
+        "        time.sleep(60)\n"
+        "    threading.Thread(target=run).start()\n"
+        "    time.sleep(0.3)\n"
+        "    libc.syscall(60, 0)\n"                   # SYS_exit: the main thread alone
+        "time.sleep(0.6)\n"
+        "print('left')"))
+    assert r.stdout == b"left\n", r
+
+    def threads_left() -> int:
+        n = 0
+        for task in Path("/proc").glob("[0-9]*/task/*"):
+            try:
+                if (task / "comm").read_text() == "dsecleftover\n" and "\nState:\tZ" not in (task / "status").read_text():
+                    n += 1
+            except OSError:
+                continue
+        return n
+
+    deadline = time.monotonic() + 10
+    while threads_left() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threads_left() == 0
+
+
 def test_plain_calls_use_the_helper_when_execs_do(daemon_factory, busybox_rootfs):
     d = daemon_factory('exec_via = "helper"\n')     # lands in [sandbox]
     c = d.client()
