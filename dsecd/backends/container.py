@@ -285,7 +285,8 @@ class ContainerBackend:
     def start_by_init(self, loop, h: Handle, argv: list[str], env: list[str], cwd: str, uid: int,
                       fds: tuple[int, int, int], ctty: bool = False,
                       hold: tuple[int, int, int] | None = None, gid: int | None = None,
-                      policy: bytes | None = None, cap_keep: int | None = None) -> initlink.InitExec | None:
+                      policy: bytes | None = None, cap_keep: int | None = None,
+                      background: bool = False) -> initlink.InitExec | None:
         """Send the exec to the sandbox's init (on the event loop, does not
         block); None if it has no channel or the channel cannot take it: then
         `spawn` it. The same ids and capabilities as `spawn` gives. ctty:
@@ -293,8 +294,9 @@ class ContainerBackend:
         daemon's ends of its pipes, for init to hold (a background process).
         gid: its group (None: the uid's number). policy: a task policy's plan
         (dsecd/policy.py), applied before execve; cap_keep: the capabilities it
-        keeps if not the sandbox's (a subset)."""
-        if h.init_link is None or not (self.execs_by_init and h.init_starts):
+        keeps if not the sandbox's (a subset). background: a background
+        process, which only init starts (whatever sandbox.exec_via says)."""
+        if h.init_link is None or not h.init_starts or not (self.execs_by_init or background):
             return None
         caps = self.exec_caps(uid, cap_keep)
         return h.init_link.spawn(loop, argv, env, cwd, uid, caps, fds, ctty, hold,

@@ -239,7 +239,8 @@ class ProcessService:
             hold = (ours["stdin"] if ours["stdin"] >= 0 else theirs[0], ours["stdout"], ours["stderr"])
             run = self.backend.start_by_init(self.workers.loop, h, list(req.argv), env, cwd, user, theirs,
                                              hold=hold, gid=gid, policy=applied and applied.plan,
-                                             cap_keep=applied and applied.cap_keep(self.backend.caps))
+                                             cap_keep=applied and applied.cap_keep(self.backend.caps),
+                                             background=True)
         except ValueError as err:
             _close_all(ours.values())
             raise BadRequest(f"proc_start: {err}") from err

@@ -112,4 +112,5 @@ def test_a_restart_with_exec_via_helper_keeps_them(daemon_factory, busybox_rootf
     sleeper.kill("TERM")
     assert sleeper.wait().signal == signal.SIGTERM
     assert sb.exec(["sh", "-c", "echo $PPID"]).stdout == b"0\n"      # new execs: by the helper, as configured
+    assert sb.spawn("echo new").wait().exit_code == 0                 # background ones: by init, as always
     c.close()
