@@ -19,6 +19,7 @@ import asyncio
 import errno
 import os
 import posixpath
+import stat
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -90,9 +91,21 @@ async def into_local(landing: str, dst: str) -> int:
             return {e.name: e.is_dir(follow_symlinks=False) for e in it}
 
     moves = await plan(list_dir, os.path.join, landing, dst)
+    # The copied directories keep their modes (0555, say), which would not
+    # let a user other than root move entries out of them, nor move them (a
+    # directory's move rewrites its ".."): writable for the move, then as
+    # they came.
+    for d in {os.path.dirname(m.src) for m in moves}:
+        os.chmod(d, 0o700)
     for m in moves:
+        st = os.lstat(m.src)
+        locked = stat.S_ISDIR(st.st_mode) and not st.st_mode & stat.S_IWUSR
+        if locked:
+            os.chmod(m.src, stat.S_IMODE(st.st_mode) | stat.S_IWUSR)
         if m.replace:
             os.replace(m.src, m.dst)
         else:
             rename_noreplace(-1, m.src, -1, m.dst)
+        if locked:
+            os.chmod(m.dst, stat.S_IMODE(st.st_mode))
     return sum(m.replace for m in moves)

@@ -2,6 +2,11 @@
 
 import asyncio
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +61,29 @@ def test_a_symlink_is_not_entered(tmp_path):
     with pytest.raises(NotADirectoryError):
         asyncio.run(cpmerge.into_local(str(tmp_path / "land2"), str(tmp_path / "dst")))
     assert os.listdir(tmp_path / "dst" / "real") == ["x"]
+
+
+def test_read_only_copied_directories_do_not_stop_a_non_root_merge(tmp_path):
+    """A copy out of a sandbox keeps its directories' modes (0555): a user
+    other than root must still move entries out of them."""
+    base = Path(tempfile.mkdtemp(dir="/tmp")) if os.geteuid() == 0 else tmp_path   # pytest's tmp is 0700 root's
+    try:
+        _tree(base / "dst", {"d": {"keep": "k"}})
+        _tree(base / "land", {"d": {"f": "new"}, "e": {"g": "g"}})
+        for p in (base / "land" / "d", base / "land" / "e"):
+            p.chmod(0o555)
+        if os.geteuid() != 0:
+            asyncio.run(cpmerge.into_local(str(base / "land"), str(base / "dst")))
+        else:                           # root ignores modes: run it as nobody
+            base.chmod(0o755)
+            for p in base.rglob("*"):
+                os.lchown(p, 65534, 65534)
+            merge = (f"import asyncio; from dsecd import cpmerge; "
+                     f"asyncio.run(cpmerge.into_local({str(base / 'land')!r}, {str(base / 'dst')!r}))")
+            r = subprocess.run([sys.executable, "-c", merge], user=65534, group=65534, extra_groups=[],
+                               capture_output=True, cwd="/")
+            assert r.returncode == 0, r.stderr
+        assert _read(base / "dst") == {"d": {"keep": "k", "f": "new"}, "e": {"g": "g"}}
+    finally:
+        if base != tmp_path:
+            shutil.rmtree(base)
