@@ -213,6 +213,7 @@ class _Budget:
                 self.release(n)             # granted just as we were cancelled
             elif entry in self._waiters:    # release() may have dropped it already
                 self._waiters.remove(entry)
+                self.release(0)             # those behind it may fit now
             raise
 
     def release(self, n: int) -> None:

@@ -40,3 +40,21 @@ def test_a_unit_granted_as_its_waiter_is_cancelled_goes_back():
         assert b.free == 1
 
     asyncio.run(go())
+
+
+def test_a_cancelled_waiter_does_not_hold_back_those_behind_it():
+    """A waiter for 2 units at the head, cancelled: a waiter for 1 behind it
+    gets the free unit at once."""
+    async def go():
+        b = _Budget(3)
+        await b.acquire(2)
+        big = asyncio.ensure_future(b.acquire(2))
+        small = asyncio.ensure_future(b.acquire(1))
+        await asyncio.sleep(0)
+        assert b.free == 1 and not small.done()   # first come, first served: it waits behind big
+        big.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await big
+        await asyncio.wait_for(small, 1)
+
+    asyncio.run(go())
