@@ -488,15 +488,21 @@ class ChildWatch:
     def __init__(self, loop: asyncio.AbstractEventLoop, pid: int):
         self.loop = loop
         self.pid = pid
-        self.exited, self.stop = watch_exit(loop, pid)
+        self.exited, self._stop = watch_exit(loop, pid)
+        self.stopped = False     # no longer watched: reaped elsewhere (abandon) or by the watch
+
+    def stop(self) -> None:
+        self.stopped = True
+        self._stop()
 
     def kill(self) -> None:
         kill_group(self.pid)
 
     def signal(self, signum: int) -> bool:
-        """signum to its process group; False once it was reaped (its pid
-        may be another's by then) or no member is left."""
-        if self.exited.done():
+        """signum to its process group; False once it may have been reaped
+        (its pid may be another's by then) or no member is left. Until then
+        it is our unreaped child, so the pid is still its own."""
+        if self.exited.done() or self.stopped:
             return False
         try:
             os.killpg(self.pid, signum)
