@@ -1046,7 +1046,11 @@ async def _cp_dir(c: Client, a, src_sb: str | None, src: str, dst_sb: str | None
 
 
 async def _remote_dir(sb, path: str) -> bool:
-    return await sb.exists(path) and (await sb.stat(path))["type"] == "dir"
+    """Whether `path` is a directory in the sandbox (one stat; a missing path is not)."""
+    try:
+        return (await sb.stat(path))["type"] == "dir"
+    except NotFound:
+        return False
 
 
 async def _cp_merged(a, sb, src: str, dst: str, upload: bool) -> int:
