@@ -17,6 +17,8 @@
 /* CFFI-BEGIN */
 #define DSEC_ERR_PATH_MAX 256
 #define DSEC_MAX_CGROUPS 16
+/* supplementary groups an exec may have (a user listed in more /etc/group lines is refused) */
+#define DSEC_MAX_GROUPS 1024
 /* fds a container spawn may name by /proc/self/fd/N (idmapped layers, the upper dir) */
 #define DSEC_MAX_PATH_FDS 256
 
@@ -150,6 +152,8 @@ struct dsec_exec_args {
     const char *cwd;
     uint32_t uid;
     uint32_t gid;
+    const uint32_t *groups; /* supplementary gids, set with setgroups before gid and uid */
+    uint32_t n_groups;      /* at most DSEC_MAX_GROUPS; 0: none */
     int stdin_fd;
     int stdout_fd;
     int stderr_fd;
@@ -302,6 +306,10 @@ int dsec_seccomp_export_pfc(int profile, int fd);
  * DSEC_INIT_START_POLICY: the bytes after the strings (strings_len counts
  * the strings only) are a task policy's plan (struct dsec_policy_head ...),
  * which the exec child applies with Landlock as its last step before execve.
+ * DSEC_INIT_START_GROUPS: right after the strings, a uint32_t count (at
+ * most DSEC_MAX_GROUPS) and that many uint32_t supplementary gids (native
+ * byte order, unaligned), before any policy; without the flag the exec has
+ * no supplementary groups.
  * DSEC_INIT_START_HOLD: the START carries three more fds (six in all): the
  * daemon's own ends of the exec's stdio pipes, which init holds for it until
  * the daemon asks it to let them go (DSEC_INIT_OP_RELEASE, header only, its
@@ -324,6 +332,7 @@ int dsec_seccomp_export_pfc(int profile, int fd);
 #define DSEC_INIT_START_CTTY 256
 #define DSEC_INIT_START_HOLD 512
 #define DSEC_INIT_START_POLICY 1024
+#define DSEC_INIT_START_GROUPS 2048
 #define DSEC_INIT_MAX_HELD 1024
 #define DSEC_INIT_MAX_STRINGS 65536
 struct dsec_init_req {

@@ -168,11 +168,12 @@ static inline int ctty_take(struct dsec_err *e)
 /* Groups and gid before uid (after setresuid we could no longer change them).
  * KEEPCAPS keeps the permitted set across a change to a non-root uid so that
  * caps_set can hand cap_keep on. */
-static inline int ids_set(uint32_t uid, uint32_t gid, uint64_t cap_keep, struct dsec_err *e)
+static inline int ids_set(uint32_t uid, uint32_t gid, const uint32_t *groups, uint32_t n_groups, uint64_t cap_keep,
+                          struct dsec_err *e)
 {
     if (cap_keep && check(prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0), e, DSEC_STEP_CAPS, NULL) < 0)
         return -1;
-    if (check(syscall(SYS_setgroups, 0, NULL), e, DSEC_STEP_IDS, NULL) < 0 ||
+    if (check(syscall(SYS_setgroups, n_groups, n_groups ? groups : NULL), e, DSEC_STEP_IDS, NULL) < 0 ||
         check(syscall(SYS_setresgid, gid, gid, gid), e, DSEC_STEP_IDS, NULL) < 0 ||
         check(syscall(SYS_setresuid, uid, uid, uid), e, DSEC_STEP_IDS, NULL) < 0)
         return -1;

@@ -74,11 +74,12 @@ static int n_held;
  * the daemon sets it before it answers the create. -1: not looked up yet. */
 static int oom_reset_needed = -1;
 
-/* Static, not on the stack: requests are up to 64 KiB of strings plus a
- * policy of up to 16 KiB. Untouched pages cost no memory. */
+/* Static, not on the stack: requests are up to 64 KiB of strings, a
+ * groups list and a policy of up to 16 KiB. Untouched pages cost no memory. */
+#define GROUPS_MAX_BYTES (sizeof(uint32_t) * (1 + DSEC_MAX_GROUPS))
 static union {
     struct dsec_init_req req;
-    char bytes[sizeof(struct dsec_init_req) + DSEC_INIT_MAX_STRINGS + DSEC_POLICY_MAX_BYTES];
+    char bytes[sizeof(struct dsec_init_req) + DSEC_INIT_MAX_STRINGS + GROUPS_MAX_BYTES + DSEC_POLICY_MAX_BYTES];
 } in;
 static const char *ptrs[MAX_STRINGS_PTRS];
 
@@ -87,6 +88,8 @@ struct request {
     const char *cwd;
     const char *const *argv;
     const char *const *envp;
+    uint32_t groups[DSEC_MAX_GROUPS]; /* supplementary gids (DSEC_INIT_START_GROUPS) */
+    uint32_t n_groups;
     const unsigned char *policy; /* a task policy's plan (DSEC_INIT_START_POLICY), or NULL */
     size_t policy_len;
     int ruleset;                 /* its Landlock ruleset (policy_ruleset), or -1 */
@@ -140,7 +143,7 @@ static void exec_child(const struct request *r, struct dsec_err *e)
         (r->ruleset >= 0 && policy_restrict(r->ruleset, r->policy, e) < 0) ||
         check(syscall(SYS_close_range, 3, ~0U, 0), e, DSEC_STEP_CLOSE_FDS, NULL) < 0 ||
         caps_raise(&held, e) < 0 || caps_bound_drop(held & ~q->cap_keep, e) < 0 ||
-        ids_set(q->uid, q->gid, q->cap_keep, e) < 0 || caps_set(q->cap_keep, e) < 0 ||
+        ids_set(q->uid, q->gid, r->groups, r->n_groups, q->cap_keep, e) < 0 || caps_set(q->cap_keep, e) < 0 ||
         check(chdir(r->cwd), e, DSEC_STEP_CHDIR, r->cwd) < 0)
         return;
     umask(022);
@@ -210,25 +213,46 @@ static void reply_exited(uint32_t id, int status)
     reply(&rep, -1);
 }
 
+/* The groups list after the strings (DSEC_INIT_START_GROUPS) into r; *at
+ * and *left move past it. 0 if it is cut short or too long. */
+static int parse_groups(struct request *r, const char **at, size_t *left)
+{
+    uint32_t n;
+
+    if (*left < sizeof(n))
+        return 0;
+    memcpy(&n, *at, sizeof(n));
+    if (n > DSEC_MAX_GROUPS || *left - sizeof(n) < n * sizeof(uint32_t))
+        return 0;
+    memcpy(r->groups, *at + sizeof(n), n * sizeof(uint32_t));
+    r->n_groups = n;
+    *at += sizeof(n) + n * sizeof(uint32_t);
+    *left -= sizeof(n) + n * sizeof(uint32_t);
+    return 1;
+}
+
 /* Split the strings after the header into cwd, argv and envp, and find the
- * policy after them (DSEC_INIT_START_POLICY); 0 if they are not exactly 1 +
- * argc + envc NUL-terminated strings, argv[0] non-empty, with a policy of at
- * most DSEC_POLICY_MAX_BYTES after them exactly when the flag says so. */
+ * groups (DSEC_INIT_START_GROUPS) and the policy (DSEC_INIT_START_POLICY)
+ * after them; 0 if they are not exactly 1 + argc + envc NUL-terminated
+ * strings, argv[0] non-empty, followed by a well-formed groups list and a
+ * policy of at most DSEC_POLICY_MAX_BYTES exactly when the flags say so. */
 static int parse(struct request *r, size_t len)
 {
     const struct dsec_init_req *q = &in.req;
     size_t want = 1 + (size_t)q->argc + q->envc, n = 0, extra;
-    const char *p = in.bytes + sizeof(*q), *end;
+    const char *p = in.bytes + sizeof(*q), *end, *after;
 
     if (q->strings_len > len - sizeof(*q) || q->argc < 1 || want + 2 > MAX_STRINGS_PTRS)
         return 0;
-    end = p + q->strings_len;
+    end = after = p + q->strings_len;
     extra = len - sizeof(*q) - q->strings_len;
+    if ((q->op & DSEC_INIT_START_GROUPS) && !parse_groups(r, &after, &extra))
+        return 0;
     if ((q->op & DSEC_INIT_START_POLICY) ? (extra == 0 || extra > DSEC_POLICY_MAX_BYTES) : extra != 0)
         return 0;
     if (q->strings_len > 0 && end[-1] != '\0')
         return 0;
-    r->policy = extra ? (const unsigned char *)end : NULL;
+    r->policy = extra ? (const unsigned char *)after : NULL;
     r->policy_len = extra;
     r->ruleset = -1;
     for (; p < end && n < want; n++) {
@@ -644,7 +668,8 @@ static int serve(void)
     int hold = (size_t)len >= sizeof(in.req) && (in.req.op & DSEC_INIT_START_HOLD);
 
     if ((size_t)len < sizeof(in.req) || in.req.magic != DSEC_INIT_MAGIC ||
-        (in.req.op & ~(uint32_t)(DSEC_INIT_START_CTTY | DSEC_INIT_START_HOLD | DSEC_INIT_START_POLICY)) !=
+        (in.req.op & ~(uint32_t)(DSEC_INIT_START_CTTY | DSEC_INIT_START_HOLD | DSEC_INIT_START_POLICY |
+                               DSEC_INIT_START_GROUPS)) !=
             DSEC_INIT_OP_START ||
         n != (hold ? 6 : 3) || (msg.msg_flags & MSG_TRUNC) || !parse(&r, (size_t)len)) {
         fds_close(fds, n > 0 ? n : 0);

@@ -1344,7 +1344,7 @@ static int exec_child(void *arg)
         check(syscall(SYS_close_range, 3, ~0U, 0), e, DSEC_STEP_CLOSE_FDS, NULL) < 0 ||
         check(prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), e, DSEC_STEP_NO_NEW_PRIVS, NULL) < 0 ||
         (a->policy && policy_apply(a->policy, a->policy_len, e) < 0) ||
-        caps_bound(a->cap_keep, e) < 0 || ids_set(a->uid, a->gid, a->cap_keep, e) < 0 || caps_set(a->cap_keep, e) < 0 ||
+        caps_bound(a->cap_keep, e) < 0 || ids_set(a->uid, a->gid, a->groups, a->n_groups, a->cap_keep, e) < 0 || caps_set(a->cap_keep, e) < 0 ||
         check(chdir(a->cwd), e, DSEC_STEP_CHDIR, a->cwd) < 0 ||
         seccomp_step(a->seccomp_profile, e) < 0)
         _exit(127);

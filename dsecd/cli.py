@@ -1534,7 +1534,8 @@ def _exec_options(ex: argparse.ArgumentParser, verb: str) -> None:
                     help="working directory, an absolute path (default: the sandbox's)")
     ex.add_argument("-u", "--user", metavar="USER",
                     help="NAME, UID, NAME:GROUP or UID:GID, as docker exec --user: a UID's gid and home come "
-                         "from its line in the sandbox's /etc/passwd if it has one (default: the sandbox's user)")
+                         "from its line in the sandbox's /etc/passwd if it has one, and without a GROUP the "
+                         "groups /etc/group lists it in (default: the sandbox's user)")
     ex.add_argument("--policy", type=_policy_arg, metavar="NAME|JSON",
                     help="the task policy it runs under: a name (dsec policy ls) or an inline JSON "
                          "object (default: the sandbox's)")
@@ -1573,7 +1574,8 @@ def _create_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-w", "--cwd", "--workdir", dest="cwd", help="working directory of its processes (default: "
                    "the image's)")
     p.add_argument("-u", "--user", help="user of its processes: NAME, UID, NAME:GROUP or UID:GID, names from the "
-                   "image's /etc/passwd and /etc/group (default: the image's)")
+                   "image's /etc/passwd and /etc/group, which also give a user without a GROUP its "
+                   "supplementary groups (default: the image's)")
     p.add_argument("--net", choices=["none", "default"], help="none: loopback only; default: bridge + "
                    "address + egress allowlist (default: the daemon's net.default_mode)")
     p.add_argument("--allow", action="append", metavar="RULE", help="egress rule (CIDR or host name, "

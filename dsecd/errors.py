@@ -196,7 +196,7 @@ def run_error(err: OSError, sandbox_id: str, prog: str, cwd: str) -> DsecError:
 
     if init_refused_request(err):
         return Conflict(f"cannot start {prog!r} in sandbox {sandbox_id}: its init is older than this dsecd and "
-                        "does not know the request (a pty exec, a background process or a task policy); "
+                        "does not know the request (a pty exec, a background process, a task policy or supplementary groups); "
                         "recreate the sandbox to use them", {"sandbox": sandbox_id})
     if started_by_step(err):
         return exec_error(err, prog, cwd)

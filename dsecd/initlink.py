@@ -193,7 +193,7 @@ class InitLink:
     def spawn(self, loop: asyncio.AbstractEventLoop, argv: list[str], env: list[str], cwd: str, uid: int,
               cap_keep: int, stdio: tuple[int, int, int], ctty: bool = False,
               hold: tuple[int, int, int] | None = None, gid: int | None = None,
-              policy: bytes | None = None) -> InitExec | None:
+              policy: bytes | None = None, groups: tuple[int, ...] = ()) -> InitExec | None:
         """Ask init to start argv; None if this channel cannot take it (closed,
         too big for one packet, init not reading): use the daemon's helper.
         The stdio fds are in the kernel's hands once this returns: the caller
@@ -202,10 +202,11 @@ class InitLink:
         init holds until `release` (a background process: detached). ValueError
         for strings or ids execve cannot take. gid: None is the uid's number.
         policy: a task policy's plan (dsecd/policy.py), applied with Landlock
-        before execve (an init older than the flag refuses the request: it
-        never runs without it)."""
+        before execve; groups: its supplementary gids. An init older than
+        either flag refuses the request: it never runs without them."""
         gid = uid if gid is None else gid
         raw_argv, raw_env, raw_cwd = native.check_exec_request(argv, env, cwd, uid, gid)     # as the helper's
+        native.check_groups(groups)
         strings = b"\0".join((raw_cwd, *raw_argv, *raw_env)) + b"\0"
         if len(strings) > native.INIT_MAX_STRINGS:
             return None
@@ -216,9 +217,15 @@ class InitLink:
         exec_id = self._next_id()
         op = (native.INIT_OP_START | (native.INIT_START_CTTY if ctty else 0)
               | (native.INIT_START_HOLD if hold is not None else 0)
-              | (native.INIT_START_POLICY if policy is not None else 0))
+              | (native.INIT_START_POLICY if policy is not None else 0)
+              | (native.INIT_START_GROUPS if groups else 0))
         head = _REQ.pack(native.INIT_MAGIC, exec_id, uid, gid, cap_keep, len(argv), len(env), len(strings), op)
-        started = self._request(exec_id, [head, strings, *((policy,) if policy is not None else ())],
+        parts = [head, strings]
+        if groups:
+            parts.append(struct.pack(f"=I{len(groups)}I", len(groups), *groups))
+        if policy is not None:
+            parts.append(policy)
+        started = self._request(exec_id, parts,
                                 list(stdio) + list(hold or ()), (argv[0], env, uid, cwd))
         if started is not None:
             started.detached = hold is not None

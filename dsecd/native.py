@@ -33,7 +33,8 @@ __all__ = [
     "ContainerSpec", "ExecSpec", "spawn_container", "spawn_exec", "check_exec_request", "init_exec_error",
     "cgroup_make",
     "init_binary_path", "INIT_MAGIC", "INIT_OP_START", "INIT_OP_KILL", "INIT_OP_COPY", "INIT_OP_RELEASE", "INIT_START_CTTY",
-    "INIT_START_HOLD", "INIT_START_POLICY", "POLICY_MAGIC", "POLICY_MAX_BYTES", "POLICY_MAX_CHILDREN",
+    "INIT_START_HOLD", "INIT_START_POLICY", "INIT_START_GROUPS", "MAX_GROUPS",
+    "check_groups", "POLICY_MAGIC", "POLICY_MAX_BYTES", "POLICY_MAX_CHILDREN",
     "INIT_STARTED", "INIT_EXITED", "INIT_MAX_STRINGS", "INIT_PEER_FD", "INIT_REQ_SIZE", "INIT_REPLY_SIZE",
     "INIT_REPLY_ERR_OFFSET",
     "UPPER_FD",
@@ -625,6 +626,7 @@ class ExecSpec:
     oom_reset: bool = False  # oom_score_adj back to 0 (the daemon's own is negative)
     ctty: bool = False     # stdin_fd is a pty slave: it becomes the controlling terminal
     policy: bytes | None = None   # a task policy's plan (dsecd/policy.py compile): Landlock before execve
+    groups: tuple[int, ...] = ()  # supplementary gids (at most MAX_GROUPS); none by default
 
     def __post_init__(self):
         _fd("pidfd", self.pidfd)
@@ -632,6 +634,7 @@ class ExecSpec:
             _fd(name, getattr(self, name))
         _cgroup_files(self.cgroup_procs)
         check_exec_request(self.argv, self.env, self.cwd, self.uid, self.gid)
+        check_groups(self.groups)
         if not isinstance(self.cap_keep, int) or not 0 <= self.cap_keep < 2**64:
             raise ValueError(f"cap_keep must be a 64-bit mask, got {self.cap_keep!r}")
         if self.policy is not None and not 0 < len(self.policy) <= POLICY_MAX_BYTES:
@@ -654,6 +657,14 @@ def check_exec_request(argv: list[str], env: list[str], cwd: str, uid: int,
     _id("uid", uid)
     _id("gid", gid)
     return raw_argv, raw_env, raw_cwd
+
+
+def check_groups(groups: tuple[int, ...]) -> None:
+    """ValueError unless `groups` is a supplementary group list setgroups takes."""
+    if len(groups) > MAX_GROUPS:
+        raise ValueError(f"at most {MAX_GROUPS} supplementary groups, got {len(groups)}")
+    for gid in groups:
+        _id("supplementary gid", gid)
 
 
 def spawn_exec(spec: ExecSpec) -> int:
@@ -681,6 +692,10 @@ def spawn_exec(spec: ExecSpec) -> int:
     args.userns = bool(spec.userns)
     args.oom_reset = bool(spec.oom_reset)
     args.ctty = bool(spec.ctty)
+    if spec.groups:
+        groups = ffi.new("uint32_t[]", list(spec.groups))
+        keep.append(groups)
+        args.groups, args.n_groups = groups, len(spec.groups)
     if spec.policy is not None:
         plan = ffi.new("unsigned char[]", spec.policy)
         keep.append(plan)
@@ -729,6 +744,8 @@ INIT_START_CTTY: int = lib.DSEC_INIT_START_CTTY
 INIT_OP_RELEASE: int = lib.DSEC_INIT_OP_RELEASE
 INIT_START_HOLD: int = lib.DSEC_INIT_START_HOLD
 INIT_START_POLICY: int = lib.DSEC_INIT_START_POLICY
+INIT_START_GROUPS: int = lib.DSEC_INIT_START_GROUPS
+MAX_GROUPS: int = lib.DSEC_MAX_GROUPS
 POLICY_MAGIC: int = lib.DSEC_POLICY_MAGIC
 POLICY_MAX_BYTES: int = lib.DSEC_POLICY_MAX_BYTES
 POLICY_MAX_CHILDREN: int = lib.DSEC_POLICY_MAX_CHILDREN

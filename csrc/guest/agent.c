@@ -84,7 +84,8 @@
 enum {
     M_HELLO = 1,   /* hostname, unix time ns, seed, sandbox id, keeps execs: answered READY */
     M_EXEC = 2,    /* uid, gid, flags, cwd, argc, argv..., envc, env..., [rows, cols: EXEC_PTY],
-                      [max string bytes, max argv entries: EXEC_TRACE], [window bytes: EXEC_WINDOW] */
+                      [max string bytes, max argv entries: EXEC_TRACE], [window bytes: EXEC_WINDOW],
+                      [count, gids...: EXEC_GROUPS] */
     M_STDIN = 3,   /* eof, data */
     M_KILL = 4,    /* signal */
     M_READ = 10,   /* path, offset, length */
@@ -102,7 +103,8 @@ enum {
     M_RESIZE = 21, /* rows, cols: a pty exec's window size (TIOCSWINSZ; SIGWINCH); no answer */
     /* background processes (proc_*): kept here, output ring and exit status
      * included, so they outlive the host's channel (a pause, a daemon restart) */
-    M_PROC_START = 22,  /* ring bytes, uid, gid, flags (EXEC_STDIN), cwd, argc, argv..., envc, env...: OK pid, started ns */
+    M_PROC_START = 22,  /* ring bytes, uid, gid, flags (EXEC_STDIN, EXEC_GROUPS), cwd, argc, argv..., envc, env...,
+                           [count, gids...: EXEC_GROUPS]: OK pid, started ns */
     M_PROC_LIST = 23,   /* (nothing): OK count, then per process: pid, exited, status, written, dropped, kept,
                            stdin open, input received, started ns, ended ns, argv (NUL-joined) */
     M_PROC_ATTACH = 24, /* pid, offset: its output from offset on, then its end, as A_PROC_*; then OK */
@@ -134,6 +136,8 @@ enum {
 #define EXEC_WATCH 16u      /* no program: a child of the agent watches directory argv[0] (file_watch) */
 #define EXEC_TRACE 32u      /* under a ptrace recorder (trace_main): its records on fd 3 */
 #define EXEC_WINDOW 64u     /* the host's flow control of output: a window in bytes follows all other fields */
+#define EXEC_GROUPS 128u    /* supplementary groups: a count and that many gids, after every other field */
+#define MAX_GROUPS 1024     /* at most this many supplementary groups (the host's DSEC_MAX_GROUPS) */
 #define WRITE_APPEND 1u     /* M_WRITE flags */
 #define WRITE_KEEP 2u       /* do not truncate */
 #define WRITE_PARENTS 4u    /* make missing parent directories */
@@ -146,8 +150,10 @@ enum {
 #define MAX_EXECS 256
 #define OUT_CHUNK 65536
 /* The version READY names. 3: EXEC_WINDOW and M_CREDIT are understood (an
- * older agent ignores the flag, and the host then does not send credit). */
-#define AGENT_VERSION 3
+ * older agent ignores the flag, and the host then does not send credit).
+ * 4: EXEC_GROUPS (the host sends it to no older agent: one would run the
+ * command without the groups). */
+#define AGENT_VERSION 4
 #define MAX_LIST 100000
 
 static int chan = -1;   /* the virtio-serial port */
@@ -915,13 +921,15 @@ static int trace_wait_ms(void)
 /* What a child of the agent runs: an exec's or a background process's
  * command, or one of the agent's own copies (EXEC_TAR_GET, EXEC_TAR_PUT,
  * EXEC_WATCH). setsid(), stdio (`in` -1: /dev/null; `tty` >= 0: the
- * terminal as all three and its controlling tty), no groups, uid and gid,
- * cwd, then the command; a step that fails writes errno and the step's name
- * to `report` in one write and exits 127. */
+ * terminal as all three and its controlling tty), the supplementary groups
+ * (none unless given), uid and gid, cwd, then the command; a step that fails
+ * writes errno and the step's name to `report` in one write and exits 127. */
 struct child {
     int in, out, err, tty, report;
     uid_t uid;
     gid_t gid;
+    const gid_t *groups;
+    size_t n_groups;
     const char *cwd;
     uint64_t argc;
     char **argv, **envp;
@@ -947,7 +955,7 @@ static void __attribute__((noreturn, noinline)) child_main(const struct child *c
         goto child_fail;
     }
     step = "setgroups";
-    if (setgroups(0, NULL) < 0)
+    if (setgroups(c->n_groups, c->n_groups ? c->groups : NULL) < 0)
         goto child_fail;
     step = "setgid";
     if (setgid(c->gid) < 0)
@@ -1050,6 +1058,26 @@ static int read_cmdline(struct rd *r, struct cmdline *cl)
     return !cl->envp || r->bad || !cl->argv[0][0] ? -1 : 0;
 }
 
+/* The supplementary groups of an EXEC_GROUPS request into groups[MAX_GROUPS];
+ * their count, or -1 (r->bad set) when the list is malformed. */
+static long read_groups(struct rd *r, gid_t *groups)
+{
+    uint64_t n = get_u64(r);
+
+    if (r->bad || n > MAX_GROUPS) {
+        r->bad = 1;
+        return -1;
+    }
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t gid = get_u64(r);
+
+        if (gid >= (gid_t)-1) /* (gid_t)-1 is no group: setgroups refuses it */
+            r->bad = 1;
+        groups[i] = (gid_t)gid;
+    }
+    return r->bad ? -1 : (long)n;
+}
+
 static void free_cmdline(struct cmdline *cl)
 {
     uint64_t i;
@@ -1092,6 +1120,8 @@ static void do_exec(uint32_t id, struct rd *r)
     int trace = (flags & EXEC_TRACE) != 0, trace_fd = -1, reaped = 0;
     int po[2] = {-1, -1}, pe[2] = {-1, -1}, pi[2] = {-1, -1}, perr[2] = {-1, -1};
     int pty = -1, tty = -1; /* a pty exec's master and slave */
+    gid_t groups[MAX_GROUPS];
+    long n_groups = 0;
 
     if (read_cmdline(r, &cl) < 0)
         goto bad;
@@ -1105,6 +1135,8 @@ static void do_exec(uint32_t id, struct rd *r)
     }
     if (flags & EXEC_WINDOW)
         window = get_u64(r);
+    if (flags & EXEC_GROUPS)
+        n_groups = read_groups(r, groups);
     if (r->bad || rows > 65535 || cols > 65535 || ((flags & EXEC_WINDOW) && !window))
         goto bad;
     /* A terminal's or copy's exec is never traced (the host refuses those). */
@@ -1153,7 +1185,8 @@ static void do_exec(uint32_t id, struct rd *r)
      * a fork of its own, not a vfork; a traced command stops before its
      * execve, which a vfork's parent would wait out forever. */
     struct child c = {.in = tty >= 0 ? tty : (flags & EXEC_STDIN) ? pi[0] : -1, .out = po[1], .err = pe[1],
-                      .tty = tty, .report = perr[1], .uid = (uid_t)uid, .gid = (gid_t)gid, .cwd = cl.cwd,
+                      .tty = tty, .report = perr[1], .uid = (uid_t)uid, .gid = (gid_t)gid,
+                      .groups = groups, .n_groups = (size_t)n_groups, .cwd = cl.cwd,
                       .argc = cl.argc, .argv = cl.argv, .envp = cl.envp, .stop = trace,
                       .copy = (unsigned)(flags & (EXEC_TAR_GET | EXEC_TAR_PUT | EXEC_WATCH)),
                       .agent_ends = {perr[0], po[0], pe[0], pi[1]}};
@@ -1639,8 +1672,10 @@ static void do_proc_start(uint32_t id, struct rd *r)
     uint64_t i;
     int po[2] = {-1, -1}, pe[2] = {-1, -1}, pi[2] = {-1, -1}, perr[2] = {-1, -1};
     struct proc *p = NULL;
+    gid_t groups[MAX_GROUPS];
+    long n_groups = 0;
 
-    if (read_cmdline(r, &cl) < 0 || !cap)
+    if (read_cmdline(r, &cl) < 0 || !cap || ((flags & EXEC_GROUPS) && (n_groups = read_groups(r, groups)) < 0))
         goto bad;
     if (pipe2(po, O_CLOEXEC) < 0 || pipe2(pe, O_CLOEXEC) < 0 || pipe2(perr, O_CLOEXEC) < 0 ||
         ((flags & EXEC_STDIN) && pipe2(pi, O_CLOEXEC) < 0)) {
@@ -1649,8 +1684,9 @@ static void do_proc_start(uint32_t id, struct rd *r)
     }
     /* vfork, as do_exec: the child only makes syscalls until it execs. */
     struct child c = {.in = (flags & EXEC_STDIN) ? pi[0] : -1, .out = po[1], .err = pe[1], .tty = -1,
-                      .report = perr[1], .uid = (uid_t)uid, .gid = (gid_t)gid, .cwd = cl.cwd,
-                      .argc = cl.argc, .argv = cl.argv, .envp = cl.envp, .agent_ends = {-1, -1, -1, -1}};
+                      .report = perr[1], .uid = (uid_t)uid, .gid = (gid_t)gid, .groups = groups,
+                      .n_groups = (size_t)n_groups, .cwd = cl.cwd, .argc = cl.argc, .argv = cl.argv,
+                      .envp = cl.envp, .agent_ends = {-1, -1, -1, -1}};
     pid_t pid = start_child(&c, 1);
     if (pid < 0) {
         send_err(id, errno, "fork");

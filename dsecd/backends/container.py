@@ -59,6 +59,10 @@ class Handle:
     # for an adopted init that lacks sandbox.capabilities as they are now;
     # its channel still serves the background processes it runs.
     init_starts: bool = False
+    # Whether its init is this daemon's dsec-init build (an adopted one may be
+    # an older build, which refuses requests newer than it: supplementary
+    # groups go to the helper then).
+    init_current: bool = True
 
     def upper_view(self, views: Path) -> tuple[Path, Callable[[], None] | None]:
         """The writable layer's upper dir at a host path (pack_diff), and what
@@ -249,6 +253,7 @@ class ContainerBackend:
             # processes init runs report their ends on it.
             h.init_link = initlink.take_back(h.pidfd)
             h.init_starts = h.init_link is not None and self._init_holds_caps(init_pid)
+            h.init_current = _same_file(f"/proc/{init_pid}/exe", self.init_path)
         except BaseException:
             close_handle(h)
             raise
@@ -286,7 +291,7 @@ class ContainerBackend:
                       fds: tuple[int, int, int], ctty: bool = False,
                       hold: tuple[int, int, int] | None = None, gid: int | None = None,
                       policy: bytes | None = None, cap_keep: int | None = None,
-                      background: bool = False) -> initlink.InitExec | None:
+                      background: bool = False, groups: tuple[int, ...] = ()) -> initlink.InitExec | None:
         """Send the exec to the sandbox's init (on the event loop, does not
         block); None if it has no channel or the channel cannot take it: then
         `spawn` it. The same ids and capabilities as `spawn` gives. ctty:
@@ -295,12 +300,15 @@ class ContainerBackend:
         gid: its group (None: the uid's number). policy: a task policy's plan
         (dsecd/policy.py), applied before execve; cap_keep: the capabilities it
         keeps if not the sandbox's (a subset). background: a background
-        process, which only init starts (whatever sandbox.exec_via says)."""
+        process, which only init starts (whatever sandbox.exec_via says).
+        groups: its supplementary gids (none by default)."""
         if h.init_link is None or not h.init_starts or not (self.execs_by_init or background):
             return None
+        if groups and not h.init_current and not background:
+            return None          # an older init refuses the groups; the helper sets them
         caps = self.exec_caps(uid, cap_keep)
         return h.init_link.spawn(loop, argv, env, cwd, uid, caps, fds, ctty, hold,
-                                 uid if gid is None else gid, policy)
+                                 uid if gid is None else gid, policy, groups)
 
     def exec_caps(self, uid: int, cap_keep: int | None) -> int:
         """The capabilities an exec keeps (raised as ambient ones, so that they
@@ -356,14 +364,15 @@ class ContainerBackend:
 
     def spawn(self, h: Handle, argv: list[str], env: list[str], cwd: str, uid: int,
               fds: tuple[int, int, int], ctty: bool = False, gid: int | None = None,
-              policy: bytes | None = None, cap_keep: int | None = None) -> int:
-        """Start argv through the daemon's exec helper; its host pid. gid: None is the uid's number."""
+              policy: bytes | None = None, cap_keep: int | None = None, groups: tuple[int, ...] = ()) -> int:
+        """Start argv through the daemon's exec helper; its host pid. gid: None
+        is the uid's number; groups: its supplementary gids."""
         caps = self.exec_caps(uid, cap_keep)
         spec = native.ExecSpec(pidfd=h.pidfd, cgroup_procs=h.group.procs_files(), argv=argv, env=env,
                                cwd=cwd, uid=uid, gid=uid if gid is None else gid, stdin_fd=fds[0], stdout_fd=fds[1],
                                stderr_fd=fds[2], cap_keep=caps, sched_idle=h.sched_idle,
                                core_sched=h.core_sched, seccomp_profile=self.seccomp, userns=h.userns,
-                               oom_reset=_OOM_RESET, ctty=ctty, policy=policy)
+                               oom_reset=_OOM_RESET, ctty=ctty, policy=policy, groups=groups)
         return native.spawn_exec(spec)
 
     # ------------------------------------------------------------ destroy
@@ -458,6 +467,16 @@ class _IdmappedLayers:
         for fd in self.fds:
             os.close(fd)
         self.fds.clear()
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether two paths are one file (a /proc/PID/exe: the binary the
+    process runs, even if replaced on disk since; then not the file now there)."""
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 def _own_userns(pid: int) -> bool:

@@ -97,6 +97,11 @@ class Accounts:
         ident = self._identity(spec)
         return ident.uid, ident.gid
 
+    def process_ids(self, spec: str) -> users.ProcessIds:
+        """What `user` says, with the supplementary groups a create gives the
+        same user (BuildKit's RUN has them too)."""
+        return self._identity(spec).ids
+
     def owner(self, spec: str) -> tuple[int, int]:
         """(uid, gid) of files COPY --chown `spec` writes, and of the
         directories WORKDIR makes under USER `spec`: as `user`, except that a

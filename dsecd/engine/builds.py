@@ -47,9 +47,10 @@ from ..build.dockerfile import DockerfileError, parse
 from ..build.plan import COPY, META, RUN, WORKDIR, ImageConfig, Plan, Step, plan
 from ..config import ConfigError, parse_size
 from ..errors import BadRequest, DsecError, image_error, io_error
+from ..fs import users
 from ..fs.images import Image, ImageError, Pins
 from .creates import CreateService
-from .execs import ExecService
+from .execs import ExecService, mapped_groups
 from .images import ImageService, count_image_op
 from .sandboxes import Sandbox, SandboxRegistry
 from .workers import Workers
@@ -397,7 +398,10 @@ class _Build:
     async def _run(self, sb: Sandbox, step: Step) -> None:
         accounts = await self._files(sb, step, copyin.Accounts.read, sb.handle.rootfd)
         try:
-            uid, gid = self._ids(sb, step.config.user, accounts.user(step.config.user))[:2]
+            named = accounts.process_ids(step.config.user)
+            uid, gid = self._ids(sb, step.config.user, (named.uid, named.gid))[:2]
+            idmap = userns.IdMap.from_record(sb.idmap)
+            ids = users.ProcessIds(uid, gid, mapped_groups(named.groups, idmap.count if idmap else None))
         except copyin.CopyError as err:
             raise self._error(step.line, f"RUN as USER {step.config.user}: {err}") from err
         env = dict(step.env)
@@ -411,7 +415,7 @@ class _Build:
 
         timeout = self.svc.limits.run_timeout_s or None
         try:
-            result = await self.svc.execs.run_streamed(sb, step.argv, env, step.config.cwd, (uid, gid), timeout,
+            result = await self.svc.execs.run_streamed(sb, step.argv, env, step.config.cwd, ids, timeout,
                                                        output)
         except DsecError as err:
             raise self._error(step.line, f"RUN {step.argv[-1] if step.instruction.form is None else step.argv}: "

@@ -50,7 +50,7 @@ from ..fs.images import Image, ImageError
 from ..fs.layers import overlay_lowerdirs
 from ..native import HOSTNAME_MAX, NativeError
 from ..steps import AsyncSteps
-from .execs import check_env, sandbox_identity
+from .execs import check_env, mapped_groups, sandbox_identity
 from .idranges import IdRanges
 from .images import ImageService
 from .lifecycle import LifecycleService
@@ -113,9 +113,11 @@ class ProcessSettings:
     cwd: str
     uid: int
     gid: int
+    groups: tuple[int, ...] = ()
 
     def apply(self, sb: Sandbox) -> None:
         sb.env, sb.cwd, sb.user, sb.gid = dict(self.env), self.cwd, self.uid, self.gid
+        sb.groups = list(self.groups)
 
 
 def check_hostname(name: str) -> None:
@@ -532,7 +534,7 @@ class CreateService:
             env["HOME"] = ident.home
         cwd = req.cwd or config["cwd"]
         await self.check_cwd(sb, cwd, make=req.cwd is None)
-        return ProcessSettings(env, cwd, ident.uid, ident.gid)
+        return ProcessSettings(env, cwd, ident.uid, ident.gid, mapped_groups(ident.groups, self.id_ranges.size))
 
     async def _identity(self, sb: Sandbox, spec: str, source: str) -> users.Identity:
         """`spec` -> ids, in the image's /etc/passwd and /etc/group (nothing has run in `sb` yet)."""

@@ -138,12 +138,13 @@ async def account_file(sb: Sandbox, path: str, workers: Workers, vms: MicroVMSer
         raise io_error("read", f"{sb.id}:{path}", err) from err
 
 
-def exec_target(sb: Sandbox, req, backend, named: users.Identity | None = None) -> tuple[list[str], str, int, int]:
-    """(env, cwd, uid, gid) of an exec or background process request (argv,
-    env, cwd, user) in `sb`, checked: BadRequest names what is wrong. The
-    sandbox's uid and gid by default; a request naming a uid gets a gid of
-    the same number; `named`: the user given as a string (named_user),
-    whose home is HOME unless the request's env sets it."""
+def exec_target(sb: Sandbox, req, backend,
+                named: users.Identity | None = None) -> tuple[list[str], str, users.ProcessIds]:
+    """(env, cwd, ids) of an exec or background process request (argv, env,
+    cwd, user) in `sb`, checked: BadRequest names what is wrong. The
+    sandbox's ids by default; a request naming a uid (an int) gets a gid of
+    the same number and no supplementary groups; `named`: the user given as
+    a string (named_user), whose home is HOME unless the request's env sets it."""
     if not req.argv or not all(req.argv):
         raise BadRequest("argv must be a non-empty list of non-empty strings")
     if any("\0" in a for a in req.argv):
@@ -153,8 +154,9 @@ def exec_target(sb: Sandbox, req, backend, named: users.Identity | None = None) 
     if not cwd.startswith("/"):
         raise BadRequest(f"cwd must be an absolute path inside the sandbox, got {cwd!r}")
     home = {}
+    groups: tuple[int, ...] = ()
     if named is not None:
-        user, gid = named.uid, named.gid
+        user, gid, groups = named.uid, named.gid, named.groups
         if named.home:
             home = {"HOME": named.home}
         elif user != 0 and "HOME" not in sb.env:
@@ -162,7 +164,7 @@ def exec_target(sb: Sandbox, req, backend, named: users.Identity | None = None) 
     elif isinstance(req.user, str):
         raise AssertionError("a user given as a string is resolved first (named_user)")
     elif req.user is None:
-        user, gid = sb.user, sb.user if sb.gid is None else sb.gid
+        user, gid, groups = sb.user, sb.user if sb.gid is None else sb.gid, tuple(sb.groups)
     else:
         user = gid = req.user
     idmap = userns.IdMap.from_record(sb.idmap)
@@ -170,13 +172,25 @@ def exec_target(sb: Sandbox, req, backend, named: users.Identity | None = None) 
         if idmap and not 0 <= value < idmap.count:
             raise BadRequest(f"{what} {value} does not exist in sandbox {sb.id}: its user namespace maps "
                              f"ids 0..{idmap.count - 1}", {what: value, "userns_size": idmap.count})
-    return backend.exec_env({"HOSTNAME": sb.hostname, **sb.env, **home}, req.env), cwd, user, gid
+    env = backend.exec_env({"HOSTNAME": sb.hostname, **sb.env, **home}, req.env)
+    return env, cwd, users.ProcessIds(user, gid, mapped_groups(groups, idmap.count if idmap else None))
 
 
-def _with_options(start, ctty: bool, gid: int, applied: Applied | None, backend):
+def mapped_groups(groups: tuple[int, ...], size: int | None) -> tuple[int, ...]:
+    """The supplementary groups a sandbox's user namespace of `size` ids maps
+    (None: host ids, all of them). One it does not map owns no file there
+    (such a file shows the overflow gid), so leaving it out takes nothing;
+    setgroups would refuse the whole list for it."""
+    return groups if size is None else tuple(g for g in groups if g < size)
+
+
+def _with_options(start, ctty: bool, ids: users.ProcessIds, applied: Applied | None, backend):
     """A backend's start or spawn with the options this exec needs: its
-    terminal, its group, and its task policy's plan and capabilities."""
-    options: dict = {"ctty": ctty, "gid": gid}
+    terminal, its group and supplementary groups, and its task policy's plan
+    and capabilities."""
+    options: dict = {"ctty": ctty, "gid": ids.gid}
+    if ids.groups:
+        options["groups"] = ids.groups
     if applied is not None:
         if applied.plan is not None:
             options["policy"] = applied.plan
@@ -238,7 +252,7 @@ class ExecService:
         if timeout is not None and not 0 < timeout <= (max_t or float("inf")):
             raise BadRequest(f"timeout must be in (0, {max_t}] seconds, got {timeout}")
         named = await request_user(sb, req, "exec", self.workers, self.vms, self.ensure_running)
-        env, cwd, user, gid = exec_target(sb, req, self.backend, named)
+        env, cwd, ids = exec_target(sb, req, self.backend, named)
         if sb.backend == "microvm" and (req.policy is not None or sb.policy is not None):
             raise Unsupported(f"sandbox {sb.id} is a microVM: task policies (Landlock in dsec-init) are "
                               "enforced in containers only")
@@ -247,7 +261,7 @@ class ExecService:
         await self.ensure_running(sb, "exec")
         oom_before = sb.oom_kills
         if sb.backend == "microvm":
-            result = await self.vms.exec(sb, req, env, cwd, user, timeout, ctx, gid=gid)
+            result = await self.vms.exec(sb, req, env, cwd, ids, timeout, ctx)
             metrics.EXEC_SECONDS.labels("microvm").observe(time.monotonic() - started)
             return await self._why_killed(sb, result, oom_before)
         via: list[str] = []        # who started the process: "init" or "helper" (the metrics' label)
@@ -258,7 +272,7 @@ class ExecService:
             # sandbox's own writer). Nothing ran, so a short wait and a retry are safe.
             for delay in (*ETXTBSY_RETRY_S, None):
                 try:
-                    result = await self._exec_collected(sb, list(req.argv), env, cwd, (user, gid), timeout,
+                    result = await self._exec_collected(sb, list(req.argv), env, cwd, ids, timeout,
                                                          ctx, via, applied)
                     break
                 except DsecError as err:
@@ -266,7 +280,7 @@ class ExecService:
                         raise
                 await asyncio.sleep(delay)
         else:
-            result = await self._exec_streamed(sb, req, env, cwd, (user, gid), timeout, ctx, via, applied)
+            result = await self._exec_streamed(sb, req, env, cwd, ids, timeout, ctx, via, applied)
         metrics.EXEC_SECONDS.labels(via[-1] if via else "").observe(time.monotonic() - started)
         return await self._why_killed(sb, result, oom_before)
 
@@ -283,7 +297,7 @@ class ExecService:
             result["killed_by"] = "oom"
         return result
 
-    async def _exec_streamed(self, sb: Sandbox, req, env: list[str], cwd: str, ids: tuple[int, int],
+    async def _exec_streamed(self, sb: Sandbox, req, env: list[str], cwd: str, ids: users.ProcessIds,
                              timeout: float | None, ctx, via: list[str], applied: Applied | None) -> dict:
         """An exec that streams its output, takes stdin, is traced or has a
         terminal: one ExecIO (PtyIO for a terminal)."""
@@ -314,7 +328,7 @@ class ExecService:
         self._finish(result, applied, ref)
         return result
 
-    def _open_pty(self, sb: Sandbox, ids: tuple[int, int]) -> tuple[int, int]:
+    def _open_pty(self, sb: Sandbox, ids: users.ProcessIds) -> tuple[int, int]:
         """A new pty of the sandbox's own devpts, the exec user's
         (ContainerBackend.open_pty). On the loop, as the pipes of other execs
         are made: the client may send input right behind the request, so the
@@ -326,12 +340,12 @@ class ExecService:
         if h is None:
             raise Conflict(f"sandbox {sb.id} is exiting", {"sandbox": sb.id})
         try:
-            return self.backend.open_pty(h, userns.IdMap.from_record(sb.idmap), *ids)
+            return self.backend.open_pty(h, userns.IdMap.from_record(sb.idmap), ids.uid, ids.gid)
         except OSError as err:
             raise io_error("open a terminal (its /dev/pts/ptmx) in", f"sandbox {sb.id}", err) from err
 
     async def run_streamed(self, sb: Sandbox, argv: list[str], env: dict[str, str], cwd: str,
-                           ids: tuple[int, int], timeout: float | None,
+                           ids: users.ProcessIds, timeout: float | None,
                            emit: Callable[[int, bytes], Awaitable[None]]) -> dict:
         """An exec the daemon runs for itself (a Dockerfile build's RUN): no
         stdin, its output handed to `emit(fd, data)` as it comes, with
@@ -341,7 +355,7 @@ class ExecService:
         return await self._run_io(sb, io, argv, self.backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, env),
                                   cwd, ids, timeout)
 
-    async def _run_io(self, sb: Sandbox, io, argv: list[str], env: list[str], cwd: str, ids: tuple[int, int],
+    async def _run_io(self, sb: Sandbox, io, argv: list[str], env: list[str], cwd: str, ids: users.ProcessIds,
                       timeout: float | None, pty: bool = False, trace: bool = False,
                       via: list[str] | None = None, applied: Applied | None = None,
                       ref: ExecRef | None = None) -> dict:
@@ -385,7 +399,7 @@ class ExecService:
             sb.last_active = time.monotonic()
 
     async def _exec_collected(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str,
-                              ids: tuple[int, int], timeout: float | None, ctx, via: list[str],
+                              ids: users.ProcessIds, timeout: float | None, ctx, via: list[str],
                               applied: Applied | None) -> dict:
         """An exec whose output comes back whole and that takes no stdin (most
         of them): collected by loop callbacks (dsecd/execio.py Collector), not
@@ -448,7 +462,7 @@ class ExecService:
         if ref is not None and ref.policy is not None:
             result["denials"] = self.denials.ended(ref)
 
-    def _start_by_init(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, ids: tuple[int, int], io,
+    def _start_by_init(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, ids: users.ProcessIds, io,
                        stdio: tuple[int, int, int], applied: Applied | None = None,
                        ctty: bool = False) -> InitExec | None:
         """The exec sent to the sandbox's init (dsecd/initlink.py), or None:
@@ -457,19 +471,17 @@ class ExecService:
         capabilities; or the channel cannot take this one: too big, init
         busy). `io` owns the child ends in stdio, closed once sent. Whether it
         started shows in its `exited` (a failed start: errors.run_error).
-        ctty: stdin is a pty slave, the exec's controlling terminal. ids: (uid, gid).
+        ctty: stdin is a pty slave, the exec's controlling terminal.
         applied: the task policy it runs under (its plan goes with the request)."""
         if sb.handle is None:
             return None
-        uid, gid = ids
-        start = _with_options(self.backend.start_by_init, ctty, gid, applied, self.backend)
-        return self.starter.send_to_init(start, sb.handle, argv, env, cwd, uid, io, stdio)
+        start = _with_options(self.backend.start_by_init, ctty, ids, applied, self.backend)
+        return self.starter.send_to_init(start, sb.handle, argv, env, cwd, ids.uid, io, stdio)
 
-    async def _spawn_exec(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, ids: tuple[int, int],
+    async def _spawn_exec(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, ids: users.ProcessIds,
                           fds: tuple[int, int, int], io, applied: Applied | None = None, ctty: bool = False) -> int:
-        uid, gid = ids
-        spawn = _with_options(self.backend.spawn, ctty, gid, applied, self.backend)
-        return await self.starter.spawn_by_helper(io, None, spawn, sb.handle, argv, env, cwd, uid, fds)
+        spawn = _with_options(self.backend.spawn, ctty, ids, applied, self.backend)
+        return await self.starter.spawn_by_helper(io, None, spawn, sb.handle, argv, env, cwd, ids.uid, fds)
 
     async def _start_tracer(self, pid: int, timeout: float | None):
         try:

@@ -29,7 +29,8 @@ from .workers import Workers
 log = logging.getLogger(__name__)
 
 # The journaled fields a re-adopted sandbox is rebuilt from (Sandbox.record).
-RECORD_FIELDS = ("image", "state", "created", "limits", "env", "labels", "hostname", "cwd", "user", "gid", "backend",
+RECORD_FIELDS = ("image", "state", "created", "limits", "env", "labels", "hostname", "cwd", "user", "gid", "groups",
+                 "backend",
                  "died", "qos", "core_sched", "manifest", "layers", "ttl", "idle_ttl", "lease", "pause_record",
                  "net", "key", "idmap", "procs", "policy", "vm")
 

@@ -41,7 +41,7 @@ from ..errors import (
 )
 from ..execio import DEFAULT_WINDOW, _decode_status
 from ..fs import files as sbfiles
-from ..fs import uppertar
+from ..fs import uppertar, users
 from ..fs.layers import distinct_layers
 from .sandboxes import Sandbox
 from .vmtemplates import TemplateService, is_boot_failure
@@ -400,9 +400,10 @@ class MicroVMService:
             self.balloon.wake(sb)
         return h.agent
 
-    async def exec(self, sb: Sandbox, req, env: list[str], cwd: str, user: int, timeout: float | None, ctx,
-                   gid: int | None = None) -> dict:
+    async def exec(self, sb: Sandbox, req, env: list[str], cwd: str, ids: users.ProcessIds,
+                   timeout: float | None, ctx) -> dict:
         link = self.agent(sb)
+        check_groups_sent(sb, link, ids)
         recorder = None
         if req.trace:
             # The command runs in the guest's kernel: the guest agent traces
@@ -428,9 +429,9 @@ class MicroVMService:
         try:
             try:
                 run = io.run = await link.start_exec(
-                    argv, env, cwd, user, req.stdin or req.pty, window=window,
+                    argv, env, cwd, ids.uid, req.stdin or req.pty, window=window,
                     trace=None if recorder is None else (recorder.limits.max_string, recorder.limits.max_argv),
-                    gid=gid)
+                    gid=ids.gid, groups=ids.groups)
             finally:
                 io.sent.set()
             loop = asyncio.get_running_loop()
@@ -886,6 +887,16 @@ def _reports(data: bytes, put: bool) -> dict:
         else:
             i += 1
     return out
+
+
+def check_groups_sent(sb: Sandbox, link, ids: users.ProcessIds) -> None:
+    """Conflict if the exec has supplementary groups and the VM's guest agent
+    predates them: it would run the command without them."""
+    if ids.groups and not link.sets_groups:
+        raise Conflict(f"sandbox {sb.id}: its VM's guest agent is older than this dsecd and cannot give the "
+                       f"command its user's supplementary groups {list(ids.groups)}; recreate the sandbox, "
+                       "or name a group (user:group) to run it with that group only",
+                       {"sandbox": sb.id, "groups": list(ids.groups)})
 
 
 def networked(sb: Sandbox) -> bool:

@@ -45,6 +45,7 @@ from ..backends.container import proc_start_time
 from ..errors import BadRequest, Conflict, LimitExceeded, NotFound, Unsupported, io_error, run_error
 from ..execio import READ_CHUNK, _decode_status, parse_signal
 from ..fds import close_quietly, read_ready
+from ..fs import users
 from ..initlink import KILLED, InitExec
 from .denials import DenialService
 from .execs import exec_target, request_user
@@ -200,12 +201,12 @@ class ProcessService:
     async def start(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
         named = await request_user(sb, req, "proc_start", self.workers, self.vms, self.ensure_running)
-        env, cwd, user, gid = exec_target(sb, req, self.backend, named)
+        env, cwd, ids = exec_target(sb, req, self.backend, named)
         table = self.tables.setdefault(sb.id, {})
         with self._room(sb, table):
             if sb.backend == "microvm":
-                return await self._start_vm(sb, req, env, cwd, user, gid, table)
-            return await self._start_container(sb, req, env, cwd, user, gid, table)
+                return await self._start_vm(sb, req, env, cwd, ids, table)
+            return await self._start_container(sb, req, env, cwd, ids, table)
 
     @contextlib.contextmanager
     def _room(self, sb: Sandbox, table: dict[int, BgProc]):
@@ -223,7 +224,7 @@ class ProcessService:
             else:
                 del self.starting[sb.id]
 
-    async def _start_container(self, sb: Sandbox, req, env: list[str], cwd: str, user: int, gid: int,
+    async def _start_container(self, sb: Sandbox, req, env: list[str], cwd: str, ids: users.ProcessIds,
                                table: dict[int, BgProc]) -> dict:
         applied = self.policies.for_exec(sb, req.policy, "proc_start")
         h = sb.handle
@@ -237,10 +238,10 @@ class ProcessService:
         try:
             # Without stdin init holds a copy of the process's /dev/null in its place.
             hold = (ours["stdin"] if ours["stdin"] >= 0 else theirs[0], ours["stdout"], ours["stderr"])
-            run = self.backend.start_by_init(self.workers.loop, h, list(req.argv), env, cwd, user, theirs,
-                                             hold=hold, gid=gid, policy=applied and applied.plan,
+            run = self.backend.start_by_init(self.workers.loop, h, list(req.argv), env, cwd, ids.uid, theirs,
+                                             hold=hold, gid=ids.gid, policy=applied and applied.plan,
                                              cap_keep=applied and applied.cap_keep(self.backend.caps),
-                                             background=True)
+                                             background=True, groups=ids.groups)
         except ValueError as err:
             _close_all(ours.values())
             raise BadRequest(f"proc_start: {err}") from err
@@ -279,13 +280,13 @@ class ProcessService:
         sb.last_active = time.monotonic()
         return {"pid": pid, "started": rec["started"]}
 
-    async def _start_vm(self, sb: Sandbox, req, env: list[str], cwd: str, user: int, gid: int,
+    async def _start_vm(self, sb: Sandbox, req, env: list[str], cwd: str, ids: users.ProcessIds,
                         table: dict[int, BgProc]) -> dict:
         if req.policy is not None or sb.policy is not None:
             raise Unsupported(f"sandbox {sb.id} is a microVM: task policies (Landlock in dsec-init) are "
                               "enforced in containers only")
         await self.ensure_running(sb, "proc_start")
-        pid, rec = await self.vm.start(sb, req, env, cwd, user, gid)
+        pid, rec = await self.vm.start(sb, req, env, cwd, ids)
         proc = self.new_proc(rec)
         old = table.pop(pid, None)              # an exited record of a pid the guest reused
         if old is not None:

@@ -45,6 +45,7 @@ class Sandbox:
     cwd: str = "/"
     user: int = 0               # the uid of its processes, unless an exec names another
     gid: int | None = None      # their gid; None (records of older daemons): the uid's number
+    groups: list = field(default_factory=list)   # their supplementary gids (dsecd/fs/users.py)
     backend: str = "container"
     handle: Handle | None = None
     # Runtime only (not journaled): pause/resume/destroy serialisation and clocks.
@@ -86,6 +87,7 @@ class Sandbox:
         return {"id": self.id, "image": self.image, "state": self.state, "created": self.created,
                 "limits": self.limits, "env": self.env, "labels": self.labels,
                 "hostname": self.hostname, "cwd": self.cwd, "user": self.user, "gid": self.gid,
+                "groups": self.groups,
                 "backend": self.backend,
                 "init_pid": h.init_pid if h else None, "init_start": h.init_start if h else None,
                 "died": self.died, "qos": self.qos, "core_sched": self.core_sched,

@@ -38,6 +38,8 @@ import time
 from ..backends.microvm import wire
 from ..backends.microvm.agent import AgentError, AgentGone, AgentLink
 from ..errors import BadRequest, Conflict, exec_error, io_error
+from ..fs import users
+from .microvms import check_groups_sent
 from .sandboxes import Sandbox
 
 log = logging.getLogger(__name__)
@@ -167,16 +169,19 @@ class VmProcs:
 
     # ------------------------------------------------------------ verbs
 
-    async def start(self, sb: Sandbox, req, env: list[str], cwd: str, user: int, gid: int) -> tuple[int, dict]:
+    async def start(self, sb: Sandbox, req, env: list[str], cwd: str, ids: users.ProcessIds) -> tuple[int, dict]:
         """Start it in the guest and attach to it: (pid, its record)."""
         await self.settled(sb)
         link = self._link(sb)
+        check_groups_sent(sb, link, ids)
         self._listen(sb, link)
         argv = list(req.argv)
+        flags = (wire.EXEC_STDIN if req.stdin else 0) | (wire.EXEC_GROUPS if ids.groups else 0)
         start = asyncio.ensure_future(link.request(
-            wire.PROC_START, wire.u64(self.svc.limits.output_bytes), wire.u64(user), wire.u64(gid),
-            wire.u64(wire.EXEC_STDIN if req.stdin else 0), wire.bstr(cwd), wire.u64(len(argv)),
-            *map(wire.bstr, argv), wire.u64(len(env)), *map(wire.bstr, env)))
+            wire.PROC_START, wire.u64(self.svc.limits.output_bytes), wire.u64(ids.uid), wire.u64(ids.gid),
+            wire.u64(flags), wire.bstr(cwd), wire.u64(len(argv)),
+            *map(wire.bstr, argv), wire.u64(len(env)), *map(wire.bstr, env),
+            *(wire.groups_fields(ids.groups) if ids.groups else ())))
         try:
             r = await asyncio.shield(start)
         except asyncio.CancelledError:

@@ -2,15 +2,21 @@
 against an image's /etc/passwd and /etc/group, as `docker run --user` does.
 
     ""          root: uid 0, gid 0 (no file is read)
-    "app"       uid, primary gid and home of app's line in /etc/passwd
-    "1000"      uid 1000; gid and home from /etc/passwd's line for uid 1000
-                if there is one, else gid 1000 (docker would give gid 0; a
-                group of root is more than an unknown user should get)
-    "app:staff" app's uid, the gid of staff in /etc/group
-    "1000:50"   exactly these ids: numeric ids need no entry
+    "app"       uid, primary gid and home of app's line in /etc/passwd;
+                supplementary groups: that gid and every /etc/group line
+                listing app among its members
+    "1000"      uid 1000; gid, home and groups from /etc/passwd's line for
+                uid 1000 (by its name) if there is one, else gid 1000 and no
+                groups (docker would give gid 0; a group of root is more than
+                an unknown user should get)
+    "app:staff" app's uid, the gid of staff in /etc/group, no other groups
+    "1000:50"   exactly these ids: numeric ids need no entry, no groups
 
-Supplementary groups are not looked up: every process of a sandbox runs
-with none (the exec steps call setgroups(0); csrc/exec_steps.h).
+Supplementary groups follow runc's rules (libcontainer/user GetExecUser):
+only a user found in /etc/passwd whose spec names no group gets them; its
+primary gid is among them, as initgroups(3) makes it. Root by default ("")
+gets none: no file is read for the common case of a create, and root's
+capabilities in its sandbox pass the group checks anyway.
 
 `resolve` takes the files' text; `read_account_file` reads one through a
 sandbox's root (dsecd/fs/files.py: its symlinks stay inside), in a worker
@@ -22,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..imageconfig import ConfigError, parse_user
+from ..native import MAX_GROUPS
 from . import files
 
 # Bytes of /etc/passwd or /etc/group read at most: an account database of
@@ -35,10 +42,24 @@ class UserError(ValueError):
 
 
 @dataclass(frozen=True)
+class ProcessIds:
+    """The ids a process runs with, in its sandbox's user namespace."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()     # supplementary gids (setgroups)
+
+
+@dataclass(frozen=True)
 class Identity:
     uid: int
     gid: int
     home: str | None = None      # the user's home directory from /etc/passwd, if it has a line there
+    groups: tuple[int, ...] = ()   # supplementary gids: see the module's docstring
+
+    @property
+    def ids(self) -> ProcessIds:
+        return ProcessIds(self.uid, self.gid, self.groups)
 
 
 @dataclass(frozen=True)
@@ -72,12 +93,30 @@ def parse_group(text: str) -> dict[str, int]:
     return out
 
 
+def member_gids(text: str, name: str) -> list[int]:
+    """The gids of the group file's lines that list `name` among their members."""
+    return [int(f[2]) for f in _lines(text)
+            if len(f) >= 4 and f[2].isdigit() and name in f[3].strip().split(",")]
+
+
 def files_needed(spec: str) -> tuple[bool, bool]:
-    """(passwd, group): which files resolving `spec` reads."""
+    """(passwd, group): which files resolving `spec` reads (/etc/group for a
+    named group, and for the supplementary groups of a user without one)."""
     user, group = parse_user(spec)
     if not user:
         return False, False
-    return True, group is not None and not group.isdigit()
+    return True, group is None or not group.isdigit()
+
+
+def supplementary(entry: _Entry, group: str | None) -> tuple[int, ...]:
+    """The supplementary gids of a user found in /etc/passwd whose spec names
+    no group: its primary gid and the groups listing it, sorted. UserError
+    past native.MAX_GROUPS, which setgroups would refuse in every exec."""
+    gids = sorted({entry.gid, *member_gids(group or "", entry.name)})
+    if len(gids) > MAX_GROUPS:
+        raise UserError(f"user {entry.name!r} is in {len(gids)} groups of /etc/group; a process may have at "
+                        f"most {MAX_GROUPS}: name a group (user:group) to run it with that one only")
+    return tuple(gids)
 
 
 def resolve(spec: str, passwd: str | None, group: str | None, holder: str = "the image") -> Identity:
@@ -99,19 +138,22 @@ def resolve(spec: str, passwd: str | None, group: str | None, holder: str = "the
             raise UserError(f"no user {user!r}: {where}; give a numeric uid[:gid], or add the user "
                             f"to {holder}")
         uid = entry.uid
+    groups: tuple[int, ...] = ()
     if grp is None:
         gid = entry.gid if entry is not None else uid
+        if entry is not None:
+            groups = supplementary(entry, group)
     elif grp.isdigit():
         gid = int(grp)
     else:
-        groups = parse_group(group or "")
-        if grp not in groups:
+        by_name = parse_group(group or "")
+        if grp not in by_name:
             where = "it has no /etc/group" if group is None else "its /etc/group has no such group"
             raise UserError(f"no group {grp!r}: {where}; give a numeric gid, or add the group to "
                             f"{holder}")
-        gid = groups[grp]
+        gid = by_name[grp]
     home = entry.home if entry is not None and entry.home else None
-    return Identity(uid, gid, home)
+    return Identity(uid, gid, home, groups)
 
 
 def read_account_file(rootfd: int, path: str) -> str | None:
@@ -125,5 +167,5 @@ def read_account_file(rootfd: int, path: str) -> str | None:
     return data.decode("utf-8", "replace")
 
 
-__all__ = ["ConfigError", "Identity", "MAX_ACCOUNT_FILE", "UserError", "files_needed", "parse_group",
-           "parse_passwd", "read_account_file", "resolve"]
+__all__ = ["ConfigError", "Identity", "MAX_ACCOUNT_FILE", "ProcessIds", "UserError", "files_needed",
+           "member_gids", "parse_group", "parse_passwd", "read_account_file", "resolve"]

@@ -86,6 +86,47 @@ def test_exec_and_process_users_by_name(box):
     sb.exec(["sh", "-c", "sed -i '/^agent:/d' /etc/passwd; sed -i '/^team:/d' /etc/group"])
 
 
+def _groups(out: bytes) -> list[str]:
+    """The supplementary gids in a /proc/self/status text."""
+    line = next(x for x in out.decode().splitlines() if x.startswith("Groups:"))
+    return line.split()[1:]
+
+
+def test_a_named_user_has_its_supplementary_groups(box):
+    """As docker (runc's GetExecUser): a user named without a group gets the
+    groups /etc/group lists it in, and its own gid; with a group named, or a
+    uid alone, none. Execs, background processes and terminals alike, by
+    either way a container starts them."""
+    _, sb, _, _ = box
+    sb.exec(["sh", "-c", "echo 'agent:x:2000:2001::/home/agent:/bin/sh' >> /etc/passwd; "
+                         "echo 'team:x:3000:nobody,agent' >> /etc/group; echo 'dev:x:3001:agent' >> /etc/group; "
+                         "mkdir -p /srv/team && chown 0:3000 /srv/team && chmod 0770 /srv/team"])
+    try:
+        status = ["cat", "/proc/self/status"]
+        assert _groups(sb.exec(status, user="agent").stdout) == ["2001", "3000", "3001"]
+        assert _groups(sb.exec(status, user="2000").stdout) == ["2001", "3000", "3001"]
+        assert _groups(sb.exec(status, user="agent:team").stdout) == []
+        assert _groups(sb.exec(status, user=2000).stdout) == []          # an int: exactly these ids
+        assert _groups(sb.exec(status).stdout) == []                       # root, as made
+        # The group's directory is the member's, and no one else's.
+        assert sb.exec(["touch", "/srv/team/f"], user="agent").exit_code == 0
+        denied = sb.exec(["touch", "/srv/team/g"], user="2000:2001")
+        assert denied.exit_code != 0 and b"Permission denied" in denied.stderr, denied
+        streamed = sb.exec(status, user="agent", stdin=b"")
+        assert _groups(streamed.stdout) == ["2001", "3000", "3001"]
+        terminal = sb.exec(status, user="agent", pty=True)
+        assert _groups(terminal.stdout) == ["2001", "3000", "3001"]
+        traced = sb.exec(status, user="agent", trace=True)          # a container's: by the daemon's helper
+        assert _groups(traced.stdout) == ["2001", "3000", "3001"], traced
+        proc = sb.spawn(status, user="agent")
+        assert proc.wait().exit_code == 0
+        assert _groups(b"".join(o.data for o in proc.output(follow=False))) == ["2001", "3000", "3001"]
+        assert _groups(sb.exec(status, user="nobody").stdout) == ["3000", "65534"]
+    finally:
+        sb.exec(["sh", "-c", "sed -i '/^agent:/d' /etc/passwd; sed -i '/^team:/d; /^dev:/d' /etc/group; "
+                             "rm -rf /srv/team"])
+
+
 def test_a_non_root_exec_is_kept_out_of_roots_files(box):
     """As docker's `--user`: a uid other than 0 gets none of root's
     capabilities, so file modes and other users' processes keep it out."""

@@ -264,3 +264,31 @@ def test_a_bad_exec_via_stops_the_daemon(daemon_factory):
     d = daemon_factory('exec_via = "zygote"\n', start=False)
     with pytest.raises(RuntimeError, match="exec_via must be init or helper"):
         d.start()
+
+
+def test_an_older_init_leaves_supplementary_groups_to_the_helper(daemon_factory, busybox_rootfs):
+    """A sandbox re-adopted with an init that is not this build's (its binary
+    replaced since: an upgrade) may refuse the groups flag: an exec with
+    groups then goes by the daemon's helper (its parent outside the sandbox:
+    $PPID 0) and gets them; one without stays with init ($PPID 1)."""
+    import os
+    import shutil
+
+    d = daemon_factory()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", memory="128M")
+    sb.exec(["sh", "-c", "echo 'agent:x:2000:2001::/:/bin/sh' >> /etc/passwd; echo 'team:x:3000:agent' >> /etc/group"])
+    c.close()
+    d.stop()
+    init = Path(native.init_binary_path())
+    fresh = init.with_name(".dsec-init.test")
+    shutil.copy2(init, fresh)
+    os.replace(fresh, init)              # the same bytes, another file: the running init is not it
+    d.start()
+    c = d.client()
+    sb = c.get(sb.id)
+    r = sb.exec(["sh", "-c", "echo $PPID; grep ^Groups: /proc/self/status"], user="agent")
+    assert r.stdout.split() == [b"0", b"Groups:", b"2001", b"3000"], r
+    assert sb.exec(["sh", "-c", "echo $PPID"]).stdout == b"1\n"
+    c.close()

@@ -264,11 +264,11 @@ FROM busybox
 RUN echo 'app:x:1001:100::/home/app:/bin/sh' >> /etc/passwd && echo 'users:x:100:' >> /etc/group \\
  && echo 'extra:x:2000:app' >> /etc/group && mkdir -m 1777 /out
 USER app
-RUN id -u > /out/app && id -g >> /out/app
+RUN id -u > /out/app && id -g >> /out/app && grep ^Groups: /proc/self/status > /out/app-groups
 USER 1234:4321
 RUN id -g > /out/numeric && touch /out/numeric-file
 USER app:extra
-RUN id -g > /out/named-group
+RUN id -g > /out/named-group && grep ^Groups: /proc/self/status > /out/named-groups
 USER root
 COPY --chown=1001 a.txt /newp/deep/a.txt
 USER 1001
@@ -278,7 +278,8 @@ WORKDIR /wd
 
 def test_build_steps_run_and_write_with_the_ids_docker_gives(client, tmp_path):
     """RUN as USER takes the gid a create would (the user's /etc/passwd gid,
-    or the one named); COPY --chown and WORKDIR take BuildKit's owner rules
+    or the one named) and its supplementary groups (those /etc/group lists
+    it in, with a user named alone: BuildKit's too); COPY --chown and WORKDIR take BuildKit's owner rules
     (a numeric uid alone is the gid too), for the directories they make as
     well."""
     (tmp_path / "a.txt").write_text("a\n")
@@ -286,6 +287,8 @@ def test_build_steps_run_and_write_with_the_ids_docker_gives(client, tmp_path):
     sb = client.create(image="ids")
     try:
         assert sh(sb, "cat /out/app /out/numeric /out/named-group") == "1001\n100\n4321\n2000\n"
+        assert [line.split() for line in sh(sb, "cat /out/app-groups /out/named-groups").splitlines()] == \
+            [["Groups:", "100", "2000"], ["Groups:"]]
         assert sh(sb, "stat -c %u:%g /out/numeric-file /newp /newp/deep /newp/deep/a.txt /wd") == \
             "1234:4321\n1001:1001\n1001:1001\n1001:1001\n1001:1001\n"
     finally:

@@ -78,12 +78,15 @@ def test_a_user_name_is_resolved_in_the_images_passwd_and_group(kit):
     sb = c.create(image="named")
     try:
         assert _out(sb, "id -u; id -g; echo $HOME") == "1234\n2345\n/home/app\n"
+        # With its groups (staff lists app), as docker gives them.
+        assert _out(sb, "grep ^Groups: /proc/self/status").split() == ["Groups:", "50", "2345"]
+        assert sb.info["groups"] == [50, 2345]
     finally:
         sb.destroy()
     # A create's user goes over the image's: by name and group name, or by id.
     sb = c.create(image="named", user="app:staff")
     try:
-        assert _out(sb, "id -u; id -g") == "1234\n50\n"
+        assert _out(sb, "id -u; id -g; grep ^Groups: /proc/self/status").split() == ["1234", "50", "Groups:"]
     finally:
         sb.destroy()
     sb = c.create(image="named", user=0)
@@ -358,3 +361,20 @@ def test_an_image_tarball_with_a_rootfs_beside_it_is_refused(kit):
         tf.addfile(ti)
     with pytest.raises(BadRequest, match="not both"):
         c.build_image(str(work / "both.tar"), "both")
+
+
+def test_a_users_groups_are_kept_across_a_daemon_restart(kit, daemon):
+    """Last in the module: it restarts the module's daemon. The groups a
+    create resolved are journaled with the sandbox, as its uid and gid."""
+    c, _, _ = kit
+    sb = c.create(image="named")
+    try:
+        daemon.stop()
+        daemon.start()
+        with daemon.client() as again:
+            kept = again.get(sb.id)
+            assert kept.info["groups"] == [50, 2345]
+            assert _out(kept, "grep ^Groups: /proc/self/status").split() == ["Groups:", "50", "2345"]
+    finally:
+        with daemon.client() as again:
+            again.get(sb.id).destroy()

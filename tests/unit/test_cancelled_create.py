@@ -19,6 +19,7 @@ from dsecd.engine.execs import ExecLimits, ExecService
 from dsecd.engine.network import NetworkService
 from dsecd.engine.starts import ProcessStarter
 from dsecd.engine.workers import Workers
+from dsecd.fs.users import ProcessIds
 
 
 class _Backend:
@@ -142,7 +143,7 @@ def test_an_exec_cancelled_during_its_spawn_keeps_its_fds_until_the_spawn_is_ove
             run = Collector(loop, 1 << 20, 0.1, None)
             fds = (0, *run.child_ends)
             sb = SimpleNamespace(handle=None)
-            await _cancel_soon(asyncio.ensure_future(execs._spawn_exec(sb, ["x"], [], "/", (0, 0), fds, run)))
+            await _cancel_soon(asyncio.ensure_future(execs._spawn_exec(sb, ["x"], [], "/", ProcessIds(0, 0), fds, run)))
             run.close()                           # the request's own clean-up: must not close the ends
             await _until(lambda: "pid" in seen and not running(seen["pid"]))
 

@@ -12,7 +12,7 @@ import tarfile
 
 import pytest
 
-from dsecd import imageconfig
+from dsecd import imageconfig, native
 from dsecd.fs import oci, users
 from dsecd.fs.images import ImageStore, _canonical
 from dsecd.imageconfig import ConfigError
@@ -120,19 +120,26 @@ svc:x:1002:1002::/srv:/bin/false
 GROUP = """root:x:0:
 staff:x:50:app
 app:x:1001:
+audio:x:29:svc,app
+appx:x:77:appx,apps
+wheel:x:10:root
 """
 
 
+# Supplementary groups as runc gives them (libcontainer/user GetExecUser):
+# only to a user found in /etc/passwd whose spec names no group; the
+# primary gid among them (initgroups).
 @pytest.mark.parametrize("spec, want", [
-    ("", users.Identity(0, 0, None)),
-    ("app", users.Identity(1000, 1001, "/home/app")),
+    ("", users.Identity(0, 0, None)),                                # no file read for the default
+    ("app", users.Identity(1000, 1001, "/home/app", (29, 50, 1001))),
     ("app:staff", users.Identity(1000, 50, "/home/app")),
     ("app:7", users.Identity(1000, 7, "/home/app")),
-    ("1000", users.Identity(1000, 1001, "/home/app")),       # a uid's gid and home from its line
+    ("1000", users.Identity(1000, 1001, "/home/app", (29, 50, 1001))),  # a uid's gid, home, groups from its line
     ("1000:1000", users.Identity(1000, 1000, "/home/app")),
-    ("4242", users.Identity(4242, 4242, None)),              # no line: the same number, no home
+    ("4242", users.Identity(4242, 4242, None)),              # no line: the same number, no home, no groups
     ("4242:staff", users.Identity(4242, 50, None)),
-    ("root", users.Identity(0, 0, "/root")),
+    ("root", users.Identity(0, 0, "/root", (0, 10))),
+    ("svc", users.Identity(1002, 1002, "/srv", (29, 1002))),
 ])
 def test_users_resolve_against_the_images_files(spec, want):
     assert users.resolve(spec, PASSWD, GROUP) == want
@@ -143,12 +150,24 @@ def test_numeric_ids_need_no_files():
     assert users.files_needed("") == (False, False)
     assert users.files_needed("1000:1000") == (True, False)     # for HOME
     assert users.files_needed("app:staff") == (True, True)
+    assert users.files_needed("app") == (True, True)             # its supplementary groups
+
+
+def test_groups_without_a_group_file_are_the_primary_gid_only():
+    assert users.resolve("app", PASSWD, None) == users.Identity(1000, 1001, "/home/app", (1001,))
+
+
+def test_a_user_in_more_groups_than_an_exec_may_have_is_refused_with_the_way_out():
+    many = "".join(f"g{i}:x:{2000 + i}:app\n" for i in range(native.MAX_GROUPS))
+    with pytest.raises(users.UserError, match=r"user 'app' is in 1025 groups .* name a group \(user:group\)"):
+        users.resolve("app", PASSWD, many)
+    assert users.resolve("app:staff", PASSWD, many + GROUP).groups == ()
 
 
 @pytest.mark.parametrize("spec, passwd, group, needle", [
     ("nobody", PASSWD, GROUP, "no user 'nobody': its /etc/passwd has no such user"),
     ("app", None, None, "no user 'app': it has no /etc/passwd"),
-    ("app:wheel", PASSWD, GROUP, "no group 'wheel': its /etc/group has no such group"),
+    ("app:adm", PASSWD, GROUP, "no group 'adm': its /etc/group has no such group"),
     ("app:staff", PASSWD, None, "no group 'staff': it has no /etc/group"),
 ])
 def test_a_missing_user_or_group_is_named(spec, passwd, group, needle):

@@ -118,6 +118,38 @@ def _sent(link, init, argv=("true",)):
     return run
 
 
+def test_groups_follow_the_strings_and_come_before_the_policy():
+    async def go(link, init):
+        mine, stdio = _stdio()
+        plan = b"P" * 24
+        started = link.spawn(asyncio.get_running_loop(), ["id"], [], "/", 1000, 0, stdio, gid=1001,
+                             policy=plan, groups=(50, 1001, 3000))
+        _close(mine)
+        data, fds, _flags, _addr = socket.recv_fds(init, 1 << 17, 8)
+        _close(fds)
+        head = REQ.unpack_from(data)
+        assert head[1] == started.id and (head[2], head[3]) == (1000, 1001)
+        assert head[-1] == native.INIT_OP_START | native.INIT_START_GROUPS | native.INIT_START_POLICY
+        after = data[REQ.size + head[7]:]
+        assert struct.unpack_from("=4I", after) == (3, 50, 1001, 3000)
+        assert after[16:] == plan
+    _on_link(go)
+
+
+def test_no_groups_no_flag_and_too_many_are_refused_before_sending():
+    async def go(link, init):
+        mine, stdio = _stdio()
+        link.spawn(asyncio.get_running_loop(), ["id"], [], "/", 0, 0, stdio)
+        head, _strings, fds = _read_request(init)
+        _close(fds)
+        assert head[-1] == native.INIT_OP_START
+        with pytest.raises(ValueError, match=f"at most {native.MAX_GROUPS} supplementary groups"):
+            link.spawn(asyncio.get_running_loop(), ["id"], [], "/", 0, 0, stdio,
+                       groups=tuple(range(native.MAX_GROUPS + 1)))
+        _close(mine)
+    _on_link(go)
+
+
 def test_started_then_exited_resolve_status_and_the_pidfd_kills_the_group():
     async def go(link, init):
         run = _sent(link, init)

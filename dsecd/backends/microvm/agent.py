@@ -236,6 +236,12 @@ class AgentLink:
                         wire.WINDOW_AGENT_VERSION)
         return text
 
+    @property
+    def sets_groups(self) -> bool:
+        """Whether the guest's agent sets an exec's supplementary groups (an
+        older one would ignore them: none is sent to it)."""
+        return self.agent_version >= wire.GROUPS_AGENT_VERSION
+
     def send(self, data: bytes) -> None:
         if self.closed:
             raise AgentGone(f"{self.what}: the agent channel is closed")
@@ -268,20 +274,24 @@ class AgentLink:
 
     async def start_exec(self, argv: list[str], env: list[str], cwd: str, uid: int, stdin: bool,
                          flags: int = 0, window: tuple[int, int] | None = None,
-                         trace: tuple[int, int] | None = None, gid: int | None = None) -> AgentExec:
+                         trace: tuple[int, int] | None = None, gid: int | None = None,
+                         groups: tuple[int, ...] = ()) -> AgentExec:
         """Send the exec; its events follow on the returned AgentExec (the
         first is "started" or "error"). flags: wire.EXEC_TAR_GET or
         EXEC_TAR_PUT run a directory copy of the agent's instead of argv;
         window: (rows, cols): it runs on a terminal of that size; trace:
         (bytes per string, argv entries): it runs under the guest's tracer,
         whose records come as ("out", wire.TRACE_FD, bytes). gid: the uid's
-        number when not given."""
+        number when not given; groups: supplementary gids (ValueError if the
+        agent cannot set them: sets_groups)."""
+        if groups and not self.sets_groups:
+            raise ValueError(f"{self.what}: guest agent version {self.agent_version} cannot set groups")
         windowed = self.agent_version >= wire.WINDOW_AGENT_VERSION
         run = AgentExec(self, next(self._ids), OUTPUT_WINDOW if windowed else 0)
         self._execs[run.id] = run
         try:
             self.send(wire.exec_request(run.id, argv, env, cwd, uid, uid if gid is None else gid, stdin, flags,
-                                        window, trace, run.window))
+                                        window, trace, run.window, groups))
             await self.writer.drain()
         except BaseException:
             self._execs.pop(run.id, None)

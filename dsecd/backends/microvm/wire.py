@@ -27,9 +27,13 @@ PROC_OUT, PROC_END = 109, 110      # id 0, pushed to the host attached to the pr
 EXEC_STDIN, EXEC_TAR_GET, EXEC_TAR_PUT, EXEC_PTY, EXEC_WATCH = 1, 2, 4, 8, 16   # TAR_*, WATCH: no program
 EXEC_TRACE = 32        # under the guest's ptrace recorder: its records come as OUT on fd 3 (vmtrace.py)
 EXEC_WINDOW = 64       # output flow control: the window (u64 bytes) trails every other field; CREDIT moves it
+EXEC_GROUPS = 128      # supplementary groups: a count (u64) and that many gids trail every other field
 # The agent version (its READY text, "dsec-guest-agent N") from which it
 # honours EXEC_WINDOW; an older one ignores the flag and field.
 WINDOW_AGENT_VERSION = 3
+# The version from which it sets EXEC_GROUPS's groups; an older one would
+# ignore them: such a request is not sent (agent.py).
+GROUPS_AGENT_VERSION = 4
 TRACE_FD = 3
 WRITE_APPEND, WRITE_KEEP, WRITE_PARENTS = 1, 2, 4
 RENAME_OVERWRITE, RENAME_KEEP_ATTRS = 1, 2
@@ -70,12 +74,14 @@ def frame(kind: int, msg_id: int, *fields: bytes) -> bytes:
 
 def exec_request(msg_id: int, argv: list[str], env: list[str], cwd: str, uid: int, gid: int,
                  stdin: bool, flags: int = 0, window: tuple[int, int] | None = None,
-                 trace: tuple[int, int] | None = None, output_window: int = 0) -> bytes:
+                 trace: tuple[int, int] | None = None, output_window: int = 0,
+                 groups: tuple[int, ...] = ()) -> bytes:
     """window: (rows, cols) of a pty exec's terminal (flags gets EXEC_PTY);
     trace: (bytes per string, argv entries) the guest tracer reads of each
     recorded call (flags gets EXEC_TRACE); output_window: bytes of output
     the agent may send past what CREDIT says the host took (flags gets
-    EXEC_WINDOW; 0: none, for an agent older than WINDOW_AGENT_VERSION)."""
+    EXEC_WINDOW; 0: none, for an agent older than WINDOW_AGENT_VERSION);
+    groups: supplementary gids (flags gets EXEC_GROUPS)."""
     tail: tuple[bytes, ...] = ()
     if window is not None:
         flags |= EXEC_PTY
@@ -86,8 +92,16 @@ def exec_request(msg_id: int, argv: list[str], env: list[str], cwd: str, uid: in
     if output_window:
         flags |= EXEC_WINDOW
         tail += (u64(output_window),)
+    if groups:
+        flags |= EXEC_GROUPS
+        tail += groups_fields(groups)
     return frame(EXEC, msg_id, u64(uid), u64(gid), u64(flags | (EXEC_STDIN if stdin else 0)), bstr(cwd),
                  u64(len(argv)), *map(bstr, argv), u64(len(env)), *map(bstr, env), *tail)
+
+
+def groups_fields(groups: tuple[int, ...]) -> tuple[bytes, ...]:
+    """An EXEC_GROUPS tail: the count, then the gids."""
+    return (u64(len(groups)), *map(u64, groups))
 
 
 def net_fields(mac: bytes, ipv4: ipaddress.IPv4Interface, gateway: ipaddress.IPv4Address, mtu: int,
