@@ -861,9 +861,14 @@ async def cmd_proc(c: Client, a) -> int:
 
 def _write_output(chunk, pid: int) -> None:
     """A chunk of a process's output to our stdout or stderr, or the notice of what fell out."""
+    if chunk.lost_before is not None:
+        print(f"dsec: output process {pid} wrote before {_when(chunk.lost_before)}, if any, is lost: the "
+              "daemon restarted then, and the one before did not say how much it had read (it died, or is "
+              "older than that count)", file=sys.stderr, flush=True)
     if chunk.dropped:
         print(f"dsec: {chunk.dropped} bytes of the output of process {pid} fell out of the daemon's buffer "
-              "(limits.proc_output_bytes) before this", file=sys.stderr, flush=True)
+              "(limits.proc_output_bytes, or a daemon restart) before this", file=sys.stderr, flush=True)
+    if chunk.fd == 0:
         return
     _write_flush(chunk.fd, chunk.data)
 
@@ -883,7 +888,7 @@ def output_chunk_json(chunk) -> str:
     """`dsec logs --json`: one line per chunk, as `watch --json` and `events
     --json` print theirs (the data as text; bytes that are not UTF-8 become U+FFFD)."""
     return json.dumps({"fd": chunk.fd, "data": chunk.data.decode("utf-8", "replace"), "time": chunk.time,
-                       "dropped": chunk.dropped}, sort_keys=True)
+                       "dropped": chunk.dropped, "lost_before": chunk.lost_before}, sort_keys=True)
 
 
 async def cmd_logs(c: Client, a) -> int:

@@ -1019,12 +1019,16 @@ class ExecStream:
 class ProcOutput:
     """A chunk of a background process's output: `fd` 1 or 2, `data`, and
     `time` (seconds since the epoch) when the daemon read it. A notice that
-    output fell out of the daemon's ring has fd 0, no data and `dropped` > 0."""
+    output fell out of the daemon's ring has fd 0, no data and `dropped` > 0,
+    or `lost_before`: the daemon was replaced at that time without a count
+    of what it had read (it died, or was older than that count), and what
+    the process wrote before it, if anything, is gone uncounted."""
 
     fd: int
     data: bytes
     time: float = 0.0
     dropped: int = 0
+    lost_before: float | None = None
 
 
 @dataclass
@@ -1041,6 +1045,7 @@ class ProcStatus:
     output_bytes: int        # kept in the daemon's ring
     dropped: int             # fell out of it
     stdin_open: bool
+    lost_before: float | None = None   # output before this time went, uncounted, with the daemon before
 
     @classmethod
     def from_wire(cls, r: dict) -> ProcStatus:
@@ -1081,8 +1086,8 @@ class Process:
                 if "__result__" in frame:
                     return
                 if "dropped" in frame:
-                    if frame["dropped"]:
-                        yield ProcOutput(0, b"", 0.0, frame["dropped"])
+                    if frame["dropped"] or frame.get("lost_before") is not None:
+                        yield ProcOutput(0, b"", 0.0, frame["dropped"], frame.get("lost_before"))
                     continue
                 yield ProcOutput(frame["fd"], frame["data"], frame["time"])
 

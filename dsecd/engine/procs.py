@@ -87,6 +87,17 @@ class Ring:
         self.size = 0
         self.written = 0           # offset past the last byte read from the process
         self.dropped = 0           # bytes that fell out (= the offset of the oldest kept byte)
+        # When this daemon followed one that left no count of what it read
+        # (it died, or predates the count): what the process wrote before,
+        # if anything, went with that daemon, uncounted. None: nothing unknown is lost.
+        self.lost_before: float | None = None
+
+    def skip_to(self, offset: int) -> None:
+        """Empty, with `offset` bytes counted as written and dropped: what a
+        daemon that stopped cleanly had read (ProcessService.close)."""
+        self.chunks.clear()
+        self.size = 0
+        self.written = self.dropped = offset
 
     def append(self, fd: int, data: bytes, at: float) -> None:
         offset = self.written
@@ -165,6 +176,7 @@ class BgProc:
         return {"pid": self.pid, "state": "running" if self.running else "exited", "exit_code": code,
                 "signal": sig, "argv": self.rec["argv"], "started": self.rec["started"],
                 "ended": self.rec.get("ended"), "output_bytes": self.ring.size, "dropped": self.ring.dropped,
+                "lost_before": self.ring.lost_before,
                 "stdin_open": self.vm_stdin if self.vm else self.fds["stdin"] >= 0, "policy": self.rec.get("policy")}
 
     def exit_status(self) -> tuple[int | None, int | None]:
@@ -528,8 +540,10 @@ class ProcessService:
 
     async def logs(self, req, ctx) -> dict:
         """Stream {"dropped": n} first (bytes that fell out before the first
-        chunk), then {"fd", "data", "time"} chunks, and {"dropped": n} again
-        where a slow follower lost some; the result is the process's state."""
+        chunk; with "lost_before": t when a daemon that crashed took an
+        uncounted part of it: Ring.lost_before), then {"fd", "data", "time"}
+        chunks, and {"dropped": n} again where a slow follower lost some;
+        the result is the process's state."""
         _sb, proc = await self._found(req)
         pos = 0
         first = True
@@ -539,7 +553,11 @@ class ProcessService:
             base = proc.ring.dropped
             lost, chunks = proc.ring.after(pos)
             if lost or first:
-                await ctx.emit({"dropped": lost})
+                frame: dict = {"dropped": lost}
+                gap = proc.ring.lost_before
+                if first and gap is not None and (req.since is None or req.since < gap):
+                    frame["lost_before"] = gap
+                await ctx.emit(frame)
                 first = False
             pos = max(pos, base)
             for offset, at, fd, data in chunks:       # a copy: the ring may move on while we emit
@@ -562,14 +580,24 @@ class ProcessService:
 
     def close(self) -> None:
         """Daemon shutdown: stop reading, close our ends; init holds its own,
-        so the processes run on for the next daemon."""
+        so the processes run on for the next daemon. How much of each
+        container process's output this daemon read (and takes with it) is
+        journaled, for the next daemon's `dropped` (readopt)."""
         self.closing = True
-        for table in self.tables.values():
+        for sb_id, table in self.tables.items():
             for proc in table.values():
                 for name in proc.fds:
                     self._close_end(proc, name)
                 if proc._grace is not None:
                     proc._grace.cancel()
+                if not proc.vm:
+                    proc.rec["output_seen"] = proc.ring.written
+            sb = self.registry.by_id.get(sb_id)
+            if sb is not None and table:
+                try:
+                    self._save(sb)
+                except Exception:       # the shutdown goes on: the next daemon then says the count is unknown
+                    log.exception("sandbox %s: journal its processes' output counts at shutdown", sb_id)
 
     def take_back(self, sb: Sandbox, h) -> dict[int, dict]:
         """After a restart, in a worker thread: for each journaled running
@@ -601,9 +629,11 @@ class ProcessService:
         daemon cannot watch (no channel) is recorded as exited, status unknown."""
         table = self.tables.setdefault(sb.id, {})
         link = h.init_link if h is not None else None
+        now = time.time()
         for rec in sb.procs:
             proc = self.new_proc(dict(rec))
             table[proc.pid] = proc
+            _output_gone(proc, now)
             if not proc.running:
                 if link is not None:
                     link.release(rec["id"], STDIN | STDOUT | STDERR)   # held still if the daemon died mid-end
@@ -652,6 +682,19 @@ class ProcessService:
         log.warning("sandbox %s: background process %d: %s; recorded as exited, status unknown",
                     sb.id, proc.pid, why)
         self._ended(sb, proc, None)
+
+
+def _output_gone(proc: BgProc, now: float) -> None:
+    """A re-adopted container process's output the daemon before this one read
+    is gone with it: counted as dropped when that daemon stopped cleanly and
+    journaled how much it read (ProcessService.close), else marked as an
+    uncounted loss before `now`. The count is taken off the record, which
+    readopt journals again at once: a later crash must not reuse it."""
+    seen = proc.rec.pop("output_seen", None)
+    if seen is None:
+        proc.ring.lost_before = now
+    else:
+        proc.ring.skip_to(int(seen))
 
 
 def _open_pipes(want_stdin: bool) -> tuple[dict[str, int], tuple[int, int, int]]:

@@ -50,7 +50,18 @@ def test_a_process_survives_a_restart(daemon_factory, busybox_rootfs, how):
     assert b"".join(ch.data for ch in reader.output()) == b"got again\n"
     # The ticker: what it wrote while no daemon ran, then new lines, then its exit code.
     ticker = sb.process(ticker.pid)
-    text = b"".join(ch.data for ch in ticker.output(follow=True)).decode()
+    chunks = list(ticker.output(follow=True))
+    # What the daemon before read went with it: counted when it stopped
+    # cleanly, else said to be lost, in an amount nobody knows.
+    notice = chunks[0]
+    assert (notice.fd, notice.data) == (0, b""), chunks[:2]
+    if how == signal.SIGTERM:
+        assert notice.dropped >= len("line 0\n") and notice.lost_before is None, notice
+    else:
+        assert notice.dropped == 0 and notice.lost_before is not None, notice
+        logs = d.cli("logs", sb.id, str(ticker.pid))
+        assert b"if any, is lost: the daemon restarted then" in logs.stderr, logs.stderr
+    text = b"".join(ch.data for ch in chunks).decode()
     numbers = [int(n) for n in re.findall(r"line (\d+)", text)]
     assert numbers == list(range(numbers[0], 40)), text     # in order, none lost since the restart
     assert numbers[0] <= 10            # lines written while the daemon was down are there

@@ -40,8 +40,9 @@ def test_logs_json_is_one_object_per_chunk():
     from dsecd.cli import output_chunk_json
     from dsecd.client import ProcOutput
     assert json.loads(output_chunk_json(ProcOutput(2, b"err\xff\n", 5.0))) == \
-        {"fd": 2, "data": "err\ufffd\n", "time": 5.0, "dropped": 0}
+        {"fd": 2, "data": "err\ufffd\n", "time": 5.0, "dropped": 0, "lost_before": None}
     assert json.loads(output_chunk_json(ProcOutput(0, b"", 0.0, 4096)))["dropped"] == 4096
+    assert json.loads(output_chunk_json(ProcOutput(0, b"", 0.0, 0, 7.5)))["lost_before"] == 7.5
 
 
 def test_an_argv_value_is_shell_words_or_a_json_array():
