@@ -49,6 +49,7 @@ from ..fs import users
 from ..fs.images import Image, ImageError
 from ..fs.layers import overlay_lowerdirs
 from ..native import HOSTNAME_MAX, NativeError
+from ..protocol import FileMkdir
 from ..steps import AsyncSteps
 from .execs import check_env, mapped_groups, sandbox_identity
 from .idranges import IdRanges
@@ -549,9 +550,17 @@ class CreateService:
     async def check_cwd(self, sb: Sandbox, cwd: str, make: bool = False) -> None:
         """A create's cwd must be a directory of the sandbox's image: else
         every exec in it fails. `make`: the image's own WorkingDir, made
-        (with its parents, mode 0755, owned by root) where the image lacks it."""
+        (with its parents, mode 0755, owned by root) where the image lacks it.
+        A microVM's through its guest agent (it runs by now)."""
         if cwd == "/":
             return
+        if sb.backend == "microvm":
+            if make:
+                try:
+                    await self.vms.stat_path(sb, cwd)
+                except NotFound:
+                    await self.vms.file_op(sb, FileMkdir(sandbox=sb.id, path=cwd, parents=True, mode=0o755))
+            return await self.vms.check_cwd(sb, cwd)
         idmap = userns.IdMap.from_record(sb.idmap)
         try:
             found = await self.workers.run(userns.file_op, idmap, sbfiles.is_directory, sb.handle.rootfd, cwd)
@@ -619,11 +628,13 @@ class CreateService:
         self.memory.on_created(sb, time.monotonic() - started)
         return sb.public()
 
-    async def _create_vm(self, sb: Sandbox, limits: cgroup.Limits, disk: int, net_mode: str,
-                         allow: list[str], publish: list[int], started: float) -> dict:
+    async def _create_vm(self, sb: Sandbox, req, image: Image, limits: cgroup.Limits, disk: int,
+                         net_mode: str, started: float) -> dict:
         """A microVM sandbox (dsecd/engine/microvms.py): its policy, lease and
         published ports first (--net default), then its QEMU, booted or
-        restored to its agent."""
+        restored to its agent; then what its processes get (env, cwd, user:
+        process_settings), as a container's, read from its guest."""
+        allow, publish = list(req.allow), list(req.publish or [])
         async with AsyncSteps(f"create sandbox {sb.id}") as steps:
             self.id_ranges.allocate(sb)
             steps.undo(UNDO_IDS, lambda: self.id_ranges.release(sb))
@@ -636,7 +647,7 @@ class CreateService:
                     await self.net.publish_at_create(sb, publish)
             sb.handle = await self.vms.create(sb, limits, disk)
             steps.undo("destroy the VM", lambda: self.workers.run(self.vms.backend.destroy, sb.id, sb.handle))
-            await self.vms.check_cwd(sb, sb.cwd)
+            (await self.process_settings(sb, image.config, req)).apply(sb)
             self._record(sb)
             steps.commit()
         return self._now_running(sb, started)
@@ -680,8 +691,7 @@ class CreateService:
         if sb.lease:
             sb.lease_deadline = time.monotonic() + sb.lease
         if backend == "microvm":
-            return await self._create_vm(sb, limits, disk.disk_bytes, net_mode, list(req.allow),
-                                         list(req.publish or []), started)
+            return await self._create_vm(sb, req, image, limits, disk.disk_bytes, net_mode, started)
         # The record is written once the sandbox runs. A crash before that leaves
         # a directory and cgroups without a record: the next start finds them as
         # orphans, kills what is in the cgroups and removes them.

@@ -127,6 +127,34 @@ def test_a_named_user_has_its_supplementary_groups(box):
                              "rm -rf /srv/team"])
 
 
+def test_what_a_create_and_its_image_say_its_processes_get(box, tmp_path):
+    """env, cwd and user, from the create and from the image's config (its
+    WorkingDir made where the image lacks it, as docker does), apply to
+    every exec on every backend; a cwd or user the image lacks is refused."""
+    c, _, backend, _ = box
+    shape = {"backend": backend, "memory": "256M", "net": "none", "disk": "64M"}
+    check = ["sh", "-c", 'echo "$K $PWD $(id -u) $HOME"']
+    sb = c.create("busybox", env={"K": "V"}, cwd="/tmp", user="nobody", **shape)
+    try:
+        assert sb.exec(check).stdout == b"V /tmp 65534 /nonexistent\n"
+        assert (sb.info["cwd"], sb.info["user"], sb.info["env"]["K"]) == ("/tmp", 65534, "V")
+    finally:
+        sb.destroy()
+    (tmp_path / "empty").mkdir(exist_ok=True)
+    c.build_image(str(tmp_path / "empty"), f"cfg-{backend}", parent="busybox", env={"K": "image"},
+                  cwd="/srv/app", user="nobody")
+    sb = c.create(f"cfg-{backend}", **shape)
+    try:
+        assert sb.exec(check).stdout == b"image /srv/app 65534 /nonexistent\n"
+    finally:
+        sb.destroy()
+    for bad, word in (({"cwd": "/nonexist"}, "/nonexist"), ({"user": "ghost"}, "ghost")):
+        with pytest.raises(DsecError) as err:
+            c.create("busybox", **bad, **shape)
+        assert err.value.code == "bad_request" and word in err.value.message, err.value
+    assert [s["id"] for s in c.list() if s["image"] == "busybox"] == [box[1].id]     # nothing left behind
+
+
 def test_a_non_root_exec_is_kept_out_of_roots_files(box):
     """As docker's `--user`: a uid other than 0 gets none of root's
     capabilities, so file modes and other users' processes keep it out."""
