@@ -329,8 +329,29 @@ static int sched_enter(const struct container_ctx *c)
     return 0;
 }
 
+/* fsconfig copies a string value of at most FSCONFIG_VALUE_MAX - 1 bytes
+ * (strndup_user(value, 256) in fs/fsopen.c) and refuses a longer one with
+ * EINVAL. */
+#define FSCONFIG_VALUE_MAX 256
+
+/* overlayfs's lowerdir list (top layer first, ':'-separated, modified in
+ * place) one layer per fsconfig, as "lowerdir+" (Linux 6.8): a list of 16
+ * /proc/self/fd/N paths is already past what one value may hold. */
+static int lowerdirs_append(int fs, char *list, int step, const char *path, struct dsec_err *e)
+{
+    for (char *dir = list, *next; dir; dir = next) {
+        next = strchr(dir, ':');
+        if (next)
+            *next++ = '\0';
+        if (check(syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, "lowerdir+", dir, 0), e, step, path) < 0)
+            return -1;
+    }
+    return 0;
+}
+
 /* Each "key=value" or "flag" of the comma list opts (modified in place) as
- * one fsconfig on the fs context fs. */
+ * one fsconfig on the fs context fs; a lowerdir too long for one value as
+ * one per layer. */
 static int fs_configure(int fs, char *opts, int step, const char *path, struct dsec_err *e)
 {
     for (char *opt = opts, *next; opt; opt = next) {
@@ -342,6 +363,11 @@ static int fs_configure(int fs, char *opts, int step, const char *path, struct d
         eq = strchr(opt, '=');
         if (eq)
             *eq++ = '\0';
+        if (eq && strcmp(opt, "lowerdir") == 0 && strlen(eq) >= FSCONFIG_VALUE_MAX) {
+            if (lowerdirs_append(fs, eq, step, path, e) < 0)
+                return -1;
+            continue;
+        }
         if (check(syscall(SYS_fsconfig, fs, eq ? FSCONFIG_SET_STRING : FSCONFIG_SET_FLAG, opt, eq, 0), e,
                   step, path) < 0)
             return -1;

@@ -132,7 +132,8 @@ _HINTS: dict[tuple[str, int], str] = {
     ("clone", errno.ECHILD): "the exec helper died before reporting (killed, OOM?)",
     ("mount_overlay", errno.EINVAL): "overlayfs refused the options: upperdir and workdir must "
         "be distinct, on one filesystem that supports xattrs and d_type, and no layer may "
-        "be the upper or work dir of another mounted overlay",
+        "be the upper or work dir of another mounted overlay; an image of more layers than "
+        "fit in 255 bytes of lowerdir needs Linux 6.8 or later (lowerdir+)",
     ("mount_overlay", errno.ENOENT): "a lowerdir, the upperdir or the workdir does not exist",
     ("mount_overlay", errno.EBUSY): "upperdir or workdir is in use by another overlay "
         "(a previous sandbox still dying?)",
@@ -400,9 +401,11 @@ class ContainerSpec:
         upper = _path("upperdir", self.upperdir, ",:\\")
         work = _path("workdir", self.workdir, ",:\\")
         opts = b"lowerdir=%s,upperdir=%s,workdir=%s" % (lower, upper, work)
-        # mount(2) copies at most one page of data: longer options get cut.
+        # The spawn child copies them into a buffer of one page (csrc/spawn.c
+        # DSEC_OVERLAY_OPTS_MAX), and mount(2) would take no more.
         if len(opts) >= PAGE_SIZE:
-            raise ValueError(f"overlay options are {len(opts)} bytes; mount(2) takes < {PAGE_SIZE}")
+            raise ValueError(f"overlay options of {len(self.lowerdirs)} layers are {len(opts)} bytes, past "
+                             f"{PAGE_SIZE - 1}: use an image of fewer layers (squash some)")
         return opts
 
 

@@ -422,8 +422,10 @@ class ContainerBackend:
 
 
 class _IdmappedLayers:
-    """The overlay's layers as the spawn sees them. Without an id map: the
-    paths themselves. With one: a user namespace for the sandbox, and detached
+    """The overlay's layers as the spawn sees them. Without an id map: an
+    O_PATH fd of each layer, named /proc/self/fd/N (a store path is ~100
+    bytes, and the overlay's options must fit in one page: 40 layers would
+    not). With one: a user namespace for the sandbox, and detached
     idmapped clones of every layer mount and of the directory holding upper and
     work (they must share a mount), named /proc/self/fd/N, which the spawn child (a copy
     of our fd table) resolves to the same clones. The overlay keeps its own
@@ -441,6 +443,11 @@ class _IdmappedLayers:
 
     def __enter__(self) -> _IdmappedLayers:
         if self.idmap is None:
+            try:
+                self.lowerdirs = [self._open(d) for d in self.lowerdirs]
+            except BaseException:
+                self.__exit__()
+                raise
             return self
         try:
             self.userns_fd = userns.create_namespace(self.idmap)
@@ -454,6 +461,11 @@ class _IdmappedLayers:
             raise
         return self
 
+    def _open(self, path: str) -> str:
+        fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.fds.append(fd)
+        return f"/proc/self/fd/{fd}"
+
     def _clone(self, path: str) -> str:
         fd = native.mount_idmapped(path, self.userns_fd)
         self.fds.append(fd)
@@ -461,6 +473,9 @@ class _IdmappedLayers:
 
     @property
     def clone_fds(self) -> tuple[int, ...]:
+        """The detached idmapped clones (none without an id map: its fds name the layers' own mounts)."""
+        if self.idmap is None:
+            return ()
         return tuple(fd for fd in self.fds if fd != self.userns_fd)
 
     def __exit__(self, *exc) -> None:

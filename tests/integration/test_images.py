@@ -264,3 +264,27 @@ def test_reference_names_for_local_builds(images, busybox_rootfs, tmp_path):
     c.build_image(busybox_rootfs, "busybox:latest")
     # A bare name no local image has is the default registry's `library/<name>:latest`.
     assert c.request("image_inspect", name="busybox")["name"] == "docker.io/library/busybox:latest"
+
+
+@pytest.mark.parametrize("userns", [True, False])
+def test_an_image_of_many_layers_starts(daemon_factory, busybox_rootfs, tmp_path, userns):
+    """One overlay lowerdir per layer, top first: 16 layers of /proc/self/fd/N
+    paths (a user namespace's idmapped clones), or 3 of store paths without
+    one, are past the 255 bytes one fsconfig value may hold; then each layer
+    goes as a "lowerdir+" of its own. 40 layers, as deep Dockerfiles make."""
+    d = daemon_factory("" if userns else "[sandbox]\nuserns = false\n")
+    c = d.client()
+    try:
+        c.build_image(busybox_rootfs, "l0")
+        for n in range(1, 40):
+            layer = tmp_path / f"l{n}"
+            layer.mkdir()
+            (layer / f"f{n}").write_text(f"{n}\n")
+            (layer / "top").write_text(f"{n}\n")          # each layer hides the one below
+            c.build_image(str(layer), f"l{n}", parent=f"l{n - 1}")
+        assert len(c.request("image_inspect", name="l39")["layers"]) == 40
+        with c.sandbox(image="l39") as sb:
+            r = sb.exec(["sh", "-c", "cat /f1 /f16 /f39 /top"])
+            assert (r.exit_code, r.stdout) == (0, b"1\n16\n39\n39\n"), r
+    finally:
+        c.close()

@@ -188,7 +188,7 @@ def test_container_spec_overlay_options():
     ({"lowerdirs": ["/a:b"]}, "':'"),
     ({"upperdir": "/u\\x"}, "'\\\\'"),
     ({"workdir": "/w\0"}, "'\\x00'"),
-    ({"lowerdirs": ["/" + "x" * 2000, "/" + "y" * 2000, "/" + "z" * 200]}, "mount(2)"),
+    ({"lowerdirs": ["/" + "x" * 2000, "/" + "y" * 2000, "/" + "z" * 200]}, "of fewer layers"),
     ({"hostname": ""}, "1..64"),
     ({"hostname": "h" * 65}, "1..64"),
     ({"tmp_size_bytes": 0}, "positive"),
