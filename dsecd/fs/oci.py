@@ -13,6 +13,7 @@ whose parent is a symlink (which could redirect the write onto the host).
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import hashlib
 import json
@@ -39,6 +40,9 @@ CORRUPT = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, lzma.LZMAEr
            *((zstandard.ZstdError,) if zstandard else ()))
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+# Older docker saves may hold bzip2 or xz layers (docker load takes them).
+BZIP2_MAGIC = b"BZh"
+XZ_MAGIC = b"\xfd7zX"        # the first 4 of its 6 (what a peek gives)
 STREAM_BUFFER = 1 << 20
 # A streamed tar's reads for headers and small files (_TarStream): a header
 # is sliced out of a buffer of this many bytes, so it bounds the copy per header.
@@ -224,15 +228,6 @@ def _unpack_tarfile(tf: tarfile.TarFile, root: Path) -> int:
         unpacker.entry(m, lambda fd, m=m: _copy_member(tf, m, fd))
         n += 1
     return n
-
-
-def extract_layer(fileobj, root: Path) -> int:
-    """Extract one layer tar (plain, gzip or bz2/xz) into root; returns entries."""
-    try:
-        with tarfile.open(fileobj=fileobj, mode="r:*") as tf:
-            return _unpack_tarfile(tf, root)
-    except CORRUPT as err:
-        raise TarError(f"corrupt or truncated layer: {err}") from err
 
 
 class _Hashing:
@@ -428,11 +423,34 @@ class _Gunzip:
                 return out
 
 
+class _Bunzip2:
+    """A bzip2 stream's content. bz2 says bad data with a bare OSError
+    ("Invalid data stream", no errno), which would read as an I/O failure:
+    it is a corrupt layer (TarError). An OSError with an errno is the
+    reader's own, and stays one."""
+
+    def __init__(self, blob):
+        self.inner = bz2.BZ2File(blob)
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            return self.inner.read(size)
+        except OSError as err:
+            if err.errno is None:
+                raise TarError(f"corrupt bzip2 data: {err}") from err
+            raise
+
+
 def _decompressed(blob: _Hashing, magic: bytes, what: str):
-    """The tar stream inside a layer blob: gzip and zstd by their magic bytes
-    (whatever the media type says), anything else read as a plain tar."""
+    """The tar stream inside a layer blob: gzip, zstd, bzip2 and xz by their
+    magic bytes (whatever the media type says), anything else read as a
+    plain tar."""
     if magic.startswith(GZIP_MAGIC):
         return _Gunzip(blob)
+    if magic.startswith(BZIP2_MAGIC):
+        return _Bunzip2(blob)
+    if magic.startswith(XZ_MAGIC):
+        return lzma.LZMAFile(blob)
     if magic.startswith(ZSTD_MAGIC):
         if zstandard is None:
             raise HostLacks(f"{what} is zstd-compressed and this host lacks the zstd decompressor "
@@ -808,7 +826,8 @@ def _unpack(src, kind: str, meta, work: Path, progress, wanted: dict | None) -> 
         except TarError as err:
             raise TarError(f"layer {i + 1} of {len(layers)} listed in the manifest: {err}") from None
         with member:
-            n = extract_layer(member, d)
+            # As a pulled blob: gzip, zstd or plain, by its magic bytes.
+            n = unpack_blob(member, d, f"layer {i + 1} of {len(layers)}")[0]
         if progress:
             progress({"step": "unpack", "layer": i + 1, "of": len(layers), "entries": n})
         dirs.append(d)

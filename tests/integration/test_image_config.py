@@ -293,6 +293,27 @@ def test_a_plain_rootfs_tarball_is_a_one_layer_image(kit, busybox_rootfs, compre
         assert _out(sb, "ls /bin/busybox") == "/bin/busybox\n"
 
 
+def test_layers_compressed_any_way_docker_takes_are_built(kit):
+    """A layer of a docker save or OCI layout as a pull takes it (gzip, zstd,
+    plain, by its magic bytes), and bzip2 and xz, which older docker saves
+    may hold."""
+    import bz2
+    import gzip
+    import lzma
+
+    import zstandard
+
+    c, work, base = kit
+    packs = {"gzip": gzip.compress, "zstd": zstandard.ZstdCompressor().compress, "bzip2": bz2.compress,
+             "xz": lzma.compress}
+    layers = [base] + [pack(layer_of({f"etc/{name}": f"{name}\n".encode()})) for name, pack in packs.items()]
+    docker_save(work / "packed.tar", layers, {})
+    img = c.build_image(str(work / "packed.tar"), "packed")
+    assert len(img["layers"]) == 5
+    with c.sandbox(image="packed") as sb:
+        assert _out(sb, "cat /etc/gzip /etc/zstd /etc/bzip2 /etc/xz") == "gzip\nzstd\nbzip2\nxz\n"
+
+
 def test_unpacked_docker_save_and_oci_layout_directories(kit):
     c, work, base = kit
     extra = layer_of({"etc/which": b"unpacked\n"})

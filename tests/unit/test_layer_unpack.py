@@ -114,6 +114,20 @@ def test_a_blob_corrupt_or_cut_mid_stream_is_refused(tmp_path):
         _unpack(tmp_path / "b", tar, blob[:len(blob) // 2], _sha(blob))
 
 
+@pytest.mark.parametrize("pack", ["bzip2", "xz"])
+def test_bzip2_and_xz_blobs_unpack_and_a_corrupt_one_is_refused_as_such(tmp_path, pack):
+    import bz2
+    import lzma
+
+    compress = bz2.compress if pack == "bzip2" else lzma.compress
+    tar = _tar([_member("f", data=os.urandom(1 << 20)), _member("g", data=b"g")])
+    blob = compress(tar)
+    assert (_unpack(tmp_path / "ok", tar, blob, _sha(blob)) / "g").read_bytes() == b"g"
+    damaged = blob[:len(blob) // 2] + bytes(64) + blob[len(blob) // 2 + 64:]
+    with pytest.raises(oci.TarError, match="corrupt"):          # not an I/O error
+        _unpack(tmp_path / "bad", tar, damaged, _sha(damaged))
+
+
 def test_a_blob_that_is_not_the_manifests_is_refused(tmp_path):
     tar = _tar([_member("f", data=b"f")])
     with pytest.raises(oci.TarError, match="hashes to"):
