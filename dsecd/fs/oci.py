@@ -38,6 +38,8 @@ except ImportError:        # pragma: no cover - the install has it; said when a 
 # What a damaged archive raises (disk errors such as ENOSPC stay OSErrors).
 CORRUPT = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, lzma.LZMAError,
            *((zstandard.ZstdError,) if zstandard else ()))
+# An OCI layout's tag of an image, in its index.json descriptor's annotations.
+REF_NAME = "org.opencontainers.image.ref.name"
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 # Older docker saves may hold bzip2 or xz layers (docker load takes them).
@@ -721,11 +723,24 @@ def choose_manifest(descriptors: list, where: str, wanted: dict | None = None) -
     if ranked:
         return min(ranked, key=lambda x: x[:2])[2]
     plain = [d for d in descriptors if not isinstance(d.get("platform"), dict)]
+    if len({d.get("digest") for d in plain}) > 1:
+        raise TarError(f"{where} holds {len(plain)} images ({', '.join(_ref_names(plain))}), not one image "
+                       "for several platforms: make an archive of the one you want (skopeo copy "
+                       "oci:DIR:TAG oci-archive:ONE.tar, or docker save of one image)")
     if plain:
         return plain[0]
     offered = sorted({platform_name(d["platform"]) for d in descriptors})
     raise PlatformError(f"{where} has no image for this host's platform {platform_name(wanted)}; it has "
                         f"{', '.join(offered)}: pull or save the image for {platform_name(wanted)}")
+
+
+def _ref_names(descriptors: list[dict]) -> list[str]:
+    """Each descriptor's tag (an OCI layout's ref.name annotation), else its short digest."""
+    out = []
+    for d in descriptors:
+        annotations = d.get("annotations") if isinstance(d.get("annotations"), dict) else {}
+        out.append(str(annotations.get(REF_NAME) or str(d.get("digest"))[:19]))
+    return out
 
 
 def _blob(digest: str) -> str:
@@ -753,6 +768,10 @@ def _oci_manifest(src, index: dict, wanted: dict | None) -> dict:
 def _layers_of(src, kind: str, meta, wanted: dict | None) -> tuple[list[str], dict]:
     """(layer member names, bottom first; the image's config JSON)."""
     if kind == DOCKER_SAVE:
+        if len({str(e.get("Config")) for e in meta}) > 1:         # two tags of one image are one entry each
+            tags = [", ".join(e.get("RepoTags") or []) or str(e.get("Config"))[:24] for e in meta]
+            raise TarError(f"manifest.json lists {len(meta)} images ({'; '.join(tags)}): build from a docker "
+                           "save of one image (docker save NAME:TAG)")
         entry = meta[0]
         config = entry.get("Config")
         cfg = _read_json(src, config) if config and src.is_file(config) else {}

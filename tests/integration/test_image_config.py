@@ -17,7 +17,7 @@ import time
 
 import pytest
 from conftest import VENV_BIN
-from image_kit import docker_save, layer_of, oci_layout, rootfs_layer, unpack
+from image_kit import _file, _tar_bytes, docker_save, layer_of, oci_layout, rootfs_layer, unpack
 
 from dsecd.errors import BadRequest
 from dsecd.fs.oci import host_platform
@@ -371,6 +371,29 @@ def test_an_index_without_the_hosts_platform_lists_what_it_has(kit):
     with pytest.raises(BadRequest, match=f"no image for this host's platform {host}; it has "
                                          f"linux/{other['architecture']}, windows/amd64"):
         c.build_image(str(tarball), "foreign")
+
+
+def test_an_archive_of_several_images_is_refused_naming_them(kit):
+    """docker save of two images, or an OCI layout of two tags: building
+    the first without a word would give the user an image they did not ask for."""
+    c, work, base = kit
+    oci_layout(work / "two.tar", [(None, [base], {"Env": ["V=a"]}),
+                                  (None, [base, layer_of({"v": b"b\n"})], {"Env": ["V=b"]})], nested=False)
+    with pytest.raises(BadRequest, match=r"index.json holds 2 images \(sha256:.*\), not one .*: make an archive"):
+        c.build_image(str(work / "two.tar"), "two")
+    cfgs = [_file(f"c{i}.json", json.dumps({"config": {"Env": [f"I={i}"]}}).encode()) for i in (1, 2)]
+    manifest = [{"Config": f"c{i}.json", "RepoTags": [f"img{i}:latest"], "Layers": ["l.tar"]} for i in (1, 2)]
+    (work / "two-saved.tar").write_bytes(_tar_bytes([_file("l.tar", base), *cfgs,
+                                                     _file("manifest.json", json.dumps(manifest).encode())]))
+    with pytest.raises(BadRequest, match=r"lists 2 images \(img1:latest; img2:latest\): build from a docker save "
+                                         "of one image"):
+        c.build_image(str(work / "two-saved.tar"), "two")
+    # Two tags of one image (docker save a:1 a:latest) are one image.
+    one = [{"Config": "c1.json", "RepoTags": [f"img:{tag}"], "Layers": ["l.tar"]} for tag in ("1", "latest")]
+    (work / "one-saved.tar").write_bytes(_tar_bytes([_file("l.tar", base), cfgs[0],
+                                                     _file("manifest.json", json.dumps(one).encode())]))
+    assert len(c.build_image(str(work / "one-saved.tar"), "one-of-two-tags")["layers"]) == 1
+    assert "two" not in [i["name"] for i in c.request("image_list")["images"]]
 
 
 def test_an_image_tarball_with_a_rootfs_beside_it_is_refused(kit):

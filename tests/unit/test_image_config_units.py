@@ -264,8 +264,12 @@ def test_no_image_for_the_host_lists_what_the_index_has():
         oci.choose_manifest(MULTI, "index.json", {"os": "linux", "architecture": "s390x", "variant": None})
 
 
-def test_entries_without_a_platform_are_single_images():
-    assert oci.choose_manifest([_desc("c1"), _desc("c2")], "i", AMD64)["digest"] == "sha256:c1"
+def test_an_entry_without_a_platform_is_a_single_image_and_two_are_refused():
+    assert oci.choose_manifest([_desc("c1")], "i", AMD64)["digest"] == "sha256:c1"
+    assert oci.choose_manifest([_desc("c1"), _desc("c1")], "i", AMD64)["digest"] == "sha256:c1"   # two tags, one image
+    two = [_desc("c1"), {**_desc("c2"), "annotations": {oci.REF_NAME: "v2"}}]
+    with pytest.raises(oci.TarError, match=r"i holds 2 images \(sha256:c1, v2\)"):
+        oci.choose_manifest(two, "i", AMD64)
 
 
 def test_the_hosts_platform_has_oci_names(monkeypatch):
