@@ -531,8 +531,11 @@ class CreateService:
         ident = await self._identity(sb, spec, source)
         self._check_id(ident.uid, "user", spec)
         self._check_id(ident.gid, "group", spec)
-        if ident.home and "HOME" not in env:
-            env["HOME"] = ident.home
+        if "HOME" not in env:
+            if ident.home:
+                env["HOME"] = ident.home
+            elif ident.uid != 0:
+                env["HOME"] = "/"       # a uid without a home: not root's (docker gives / too, as an exec's)
         cwd = req.cwd or config["cwd"]
         await self.check_cwd(sb, cwd, make=req.cwd is None)
         return ProcessSettings(env, cwd, ident.uid, ident.gid, mapped_groups(ident.groups, self.id_ranges.size))
