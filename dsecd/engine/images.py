@@ -421,7 +421,7 @@ class ImageService:
         return out
 
     async def du(self, req, ctx) -> dict:
-        out = await self._images_call(self.images.du)
+        out = await self._images_call(self.images.du, *self._in_use())
         out["mounted_layers"] = self.layers.in_use()
         out["cached_layers"] = await self._cached_layers()
         return out

@@ -588,13 +588,7 @@ class ImageStore:
         either before it (kept) or after it (and then finds it gone and stores
         it again), and unpins only after its name is published."""
         with self._gc_lock:
-            manifests, layers = self.referenced()
-            keep = manifests | layers | in_use_layers | in_use_manifests | set(self._pins)
-            for m in in_use_manifests:
-                try:
-                    keep.update(self._blobs_of(self._manifest(m)))
-                except ImageError:
-                    pass
+            keep = self._kept(in_use_layers, in_use_manifests)
             cache_removed = self._gc_build_cache(keep)
             removed, freed = [], 0
             for digest in sorted(self.store.all_digests() - keep):
@@ -604,6 +598,18 @@ class ImageStore:
             self._sweep_diffids()
         self.store.sweep_tmp()
         return {"removed": removed, "freed_bytes": freed, "cache_removed": cache_removed}
+
+    def _kept(self, in_use_layers: set[str], in_use_manifests: set[str]) -> set[str]:
+        """The blobs a gc keeps whatever the build cache needs: those of every
+        name, every live sandbox of this host and every build in progress."""
+        manifests, layers = self.referenced()
+        keep = manifests | layers | in_use_layers | in_use_manifests | set(self._pins)
+        for m in in_use_manifests:
+            try:
+                keep.update(self._blobs_of(self._manifest(m)))
+            except ImageError:
+                pass
+        return keep
 
     def _gc_build_cache(self, keep: set[str]) -> int:
         """Drop the build cache entries some of whose layers nothing keeps;
@@ -621,8 +627,16 @@ class ImageStore:
             dropped += 1
         return dropped
 
-    def du(self) -> dict:
-        manifests, layers = self.referenced()
+    def du(self, in_use_layers: set[str], in_use_manifests: set[str]) -> dict:
+        """Sizes; `unreferenced_bytes` is what a gc would free now (it keeps
+        the blobs of live sandboxes and builds, as gc does)."""
+        keep = self._kept(in_use_layers, in_use_manifests)
+        for _key, digest in self.build_cache.entries():
+            try:
+                if digest and self._blobs_of(self._manifest(digest)) <= keep:
+                    keep.add(digest)
+            except ImageError:
+                pass
         total = shared = 0
         counts: dict[str, int] = {}
         for image in self.list():
@@ -636,7 +650,7 @@ class ImageStore:
                 continue
         total = sum(sizes.values())
         shared = sum(sizes.get(d, 0) for d, n in counts.items() if n > 1)
-        unreferenced = sum(s for d, s in sizes.items() if d not in manifests | layers)
+        unreferenced = sum(s for d, s in sizes.items() if d not in keep)
         return {"blobs": len(sizes), "bytes": total, "shared_layer_bytes": shared,
                 "unreferenced_bytes": unreferenced, "build_cache_entries": self.build_cache.count(),
                 "images": [{"name": i.name, "bytes": i.size, "layers": len(i.layers)} for i in self.list()]}
