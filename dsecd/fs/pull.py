@@ -5,8 +5,10 @@
     2. claim     <store>/pulls/<manifest hex>.claim (claims.py): of several hosts
                  pulling one image into a shared store, one downloads; the others
                  wait, then find its layers stored and download nothing
-    3. fetch     every layer the store lacks (by diff_id, from any image),
-                 `images.pull_parallel_layers` at once, each in one streaming
+    3. fetch     every layer the store lacks (by diff_id, from any image;
+                 one that another pull of this daemon is fetching is waited
+                 for, not fetched twice), `images.pull_parallel_layers` at
+                 once, each in one streaming
                  pass: its bytes read from the registry (registry.py) as they
                  arrive, decompressed (gzip, zstd) and written straight into an
                  EROFS image (tarerofs.convert_blob: entry checks, whiteouts,
@@ -238,6 +240,11 @@ class Puller:
         self.registry_cfg = registry_cfg
         self.settings = settings
         self.root = images.store.root / "pulls"      # the claims
+        # Layers a pull of this daemon is fetching, by diff_id, each with the
+        # event set when that fetch ends: a concurrent pull of another image
+        # on the same base waits for it instead of downloading it again.
+        self._fetching: dict[str, threading.Event] = {}
+        self._fetching_lock = threading.Lock()
         self.root.mkdir(parents=True, exist_ok=True)
         self._remove_leftovers()
 
@@ -563,7 +570,36 @@ class Puller:
 
     def _fetch_layer(self, registry: Registry, layer: _Layer, hold, stop: _Stop) -> None:
         """One layer, fetched and converted (_stream_layer, else
-        _convert_blob_file), stored and recorded under its diff_id."""
+        _convert_blob_file), stored and recorded under its diff_id; or,
+        when another pull of this daemon stored it meanwhile (images on one
+        base pulled at once), that layer, waited for (_claim_fetch)."""
+        if not self._claim_fetch(layer, hold, stop):
+            return
+        try:
+            self._fetch_claimed(registry, layer, hold, stop)
+        finally:
+            with self._fetching_lock:
+                self._fetching.pop(layer.diff_id).set()
+
+    def _claim_fetch(self, layer: _Layer, hold, stop: _Stop) -> bool:
+        """True once this thread is the one to fetch the layer's diff_id; False
+        when it is stored by now (the layer then reused, pinned by `hold`). A
+        fetch by another pull is waited for; if it failed, this one goes on."""
+        while True:
+            with self._fetching_lock:
+                stored = self.images.layer_of_diff_id(layer.diff_id, hold)
+                other = None if stored is not None else self._fetching.get(layer.diff_id)
+                if stored is None and other is None:
+                    self._fetching[layer.diff_id] = threading.Event()
+                    return True
+            if stored is not None:
+                layer.stored, layer.state, layer.bytes = stored, "reused", layer.size
+                return False
+            while not other.wait(POLL_S):
+                if stop.is_set():
+                    raise _Stopped(f"layer {layer.digest}: the pull stopped")
+
+    def _fetch_claimed(self, registry: Registry, layer: _Layer, hold, stop: _Stop) -> None:
         try:
             stored = self._stream_layer(registry, layer, hold, stop)
             if stored is None:

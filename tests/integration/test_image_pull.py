@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Daemon, skip_unless_microvm
-from image_kit import INDEX, Layout, _entry, _file, _tar_bytes, push, rootfs_layer, sha256
+from image_kit import INDEX, Layout, _entry, _file, _tar_bytes, layer_of, push, rootfs_layer, sha256
 from registry_kit import (
     FakeRegistry,
     Registry,
@@ -416,6 +416,38 @@ def test_mirrors_that_are_not_hosts_stop_the_start(tmp_path, daemon_factory):
     d = daemon_factory('[images.mirrors]\n"docker.io" = ["https://mirror.gcr.io"]\n', start=False)
     with pytest.raises(RuntimeError, match=r"the mirrors of 'docker.io' must be a list of host\[:port\]\[/path\]"):
         d.start()
+
+
+def test_concurrent_pulls_of_images_on_one_base_download_it_once(busybox_rootfs, tmp_path, daemon_factory, fake):
+    """Two images on one new base, pulled at once (task images of one
+    benchmark): one pull downloads the base, the other waits for it and
+    reuses it."""
+    base = _tar_bytes([_file("base.bin", os.urandom(4 << 20))])
+    fake_image(tmp_path, fake, "share/one", [(rootfs_layer(busybox_rootfs), "gzip"), (base, "gzip"),
+                                            (layer_of({"one": b"1\n"}), "gzip")])
+    fake_image(tmp_path, fake, "share/two", [(rootfs_layer(busybox_rootfs), "gzip"), (base, "gzip"),
+                                            (layer_of({"two": b"2\n"}), "gzip")])
+    fake.slow[layer_blob(base, "gzip")] = 2.0
+    d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}"]\n')
+    results, errors = {}, []
+
+    def pull(name):
+        try:
+            c = d.client()
+            results[name] = c.pull_image(f"{fake.host}/share/{name}:v1")
+            c.close()
+        except Exception as err:   # reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=pull, args=(n,)) for n in ("one", "two")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert fake.gets[layer_blob(base, "gzip")] == 1, "two pulls downloaded the same layer"
+    assert fake.gets[layer_blob(rootfs_layer(busybox_rootfs), "gzip")] == 1
+    assert results["one"]["layers"][1]["digest"] == results["two"]["layers"][1]["digest"]
 
 
 def test_concurrent_daemons_on_one_store_download_once(busybox_rootfs, tmp_path, daemon_factory, fake):
