@@ -48,6 +48,7 @@ from ..fs import upper as upperfs
 from ..fs import users
 from ..fs.images import Image, ImageError
 from ..fs.layers import overlay_lowerdirs
+from ..fs.pull import host_os_arch
 from ..native import HOSTNAME_MAX, NativeError
 from ..protocol import FileMkdir
 from ..steps import AsyncSteps
@@ -119,6 +120,18 @@ class ProcessSettings:
     def apply(self, sb: Sandbox) -> None:
         sb.env, sb.cwd, sb.user, sb.gid = dict(self.env), self.cwd, self.uid, self.gid
         sb.groups = list(self.groups)
+
+
+def check_platform(name: str, image: Image) -> None:
+    """An image pulled for another platform (`image pull --platform`) cannot
+    run here: its programs would fail with "exec format error" (and a
+    microVM's guest is this host's architecture too)."""
+    platform = (image.source or {}).get("platform")
+    host = host_os_arch()
+    if platform and "/".join(str(platform).split("/")[:2]) != host:
+        raise BadRequest(f"image {name!r} is for {platform} (pulled with --platform); this host runs {host}, "
+                         f"where its programs cannot run: pull it for {host} (without --platform) to run it here",
+                         {"image": name, "platform": platform, "host_platform": host})
 
 
 def check_hostname(name: str) -> None:
@@ -676,6 +689,7 @@ class CreateService:
                 image = await self.workers.run(self.image_service.images.get, req.image)
             except ImageError as err:
                 raise image_error(err) from err
+        check_platform(req.image, image)
         self._admit()
         self.cpu.admit(self.registry.requested(), limits.cpu, limits.memory_bytes, plan)
         sb_id = secrets.token_hex(6)

@@ -111,6 +111,9 @@ def test_platform_choice_and_a_platform_the_index_lacks(world, c):
     reg = world["reg"]
     img = c.pull_image(f"{reg.host}/test/app:v1", platform="linux/arm64")
     assert img["source"]["platform"] == "linux/arm64" and len(img["layers"]) == 2
+    # Its programs cannot run on this host: a create says so (not "exec format error" at each exec).
+    with pytest.raises(BadRequest, match=r"is for linux/arm64 \(pulled with --platform\); this host runs linux/"):
+        c.create(image=f"{reg.host}/test/app:v1")
     with pytest.raises(NotFound, match="no image for linux/s390x"):
         c.pull_image(f"{reg.host}/test/app:v1", platform="linux/s390x")
     c.pull_image(f"{reg.host}/test/app:v1")         # back to this host's, for the tests below
