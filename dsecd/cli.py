@@ -298,7 +298,8 @@ async def cmd_image(c: Client, a) -> int:
         if a.json:
             _print_json(r)
         else:
-            print(f"removed image name {a.name} (its layers go at the next `dsec image gc`)")
+            removed = r.get("name") or a.name          # the name the daemon resolved (a pulled docker.io/...)
+            print(f"removed image name {removed} (its layers go at the next `dsec image gc`)")
         return 0
     if a.image_cmd == "gc":
         r = await c.image_gc()

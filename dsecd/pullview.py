@@ -56,7 +56,9 @@ class PullView:
         if step == "resolve":
             via = f" from {p['registry']}" if p.get("registry") and not p["ref"].startswith(p["registry"] + "/") else ""
             self.progress.update(self.status, description=f"{p['ref']}{via} ({p['platform']})",
-                                 state=f"{p['layers']} layer(s), manifest {p['digest'][7:19]}")
+                                 # The registry's digest (what `image pull REF@sha256:...` takes),
+                                 # not the store's own manifest the result names.
+                                 state=f"{p['layers']} layer(s), registry digest {p['digest'][:19]}")
         elif step == "mirror":
             # The next source's manifest may differ: its layers get bars of their own.
             for task in self.tasks.values():

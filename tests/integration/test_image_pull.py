@@ -64,7 +64,7 @@ def world(busybox_rootfs, tmp_path_factory):
         push(layout, "v1", f"{reg.host}/test/app:v1")
         push(layout, "v2", f"{reg.host}/test/app:v2")
         d = Daemon(Path(tempfile.mkdtemp(prefix="dsecd-test-")),
-                   f'[images]\ninsecure_registries = ["{reg.host}"]\n')
+                   f'[images]\ninsecure_registries = ["{reg.host}"]\ndefault_registry = "{reg.host}"\n')
         d.start()
         yield {"reg": reg, "daemon": d, "layers": L, "tmp": tmp}
     finally:
@@ -146,6 +146,11 @@ def test_repull_is_up_to_date_and_names_resolve_every_way(world, c):
     c.request("image_rm", name=by_digest["name"])
     with pytest.raises(NotFound):
         c.request("image_inspect", name=by_digest["name"])
+    # A short name resolves in images.default_registry; rm says which name it removed.
+    short = c.pull_image("test/app:v2")
+    assert short["name"] == f"{reg.host}/test/app:v2"
+    removed = world["daemon"].cli("image", "rm", "test/app:v2")
+    assert removed.stdout.decode().startswith(f"removed image name {reg.host}/test/app:v2 "), removed
     with pytest.raises(BadRequest, match="an image name is"):
         c.request("image_inspect", name="Bad/Name:x")
 
