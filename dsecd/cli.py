@@ -1486,17 +1486,26 @@ def join_signed_values(words: list[str]) -> list[str]:
     return out
 
 
-def split_command(words: list[str], positionals: int) -> tuple[list[str], list[str]]:
+def split_command(words: list[str], positionals: int,
+                  known: frozenset[str] | None = None) -> tuple[list[str], list[str]]:
     """(dsec's words, the command) of a RUNS_A_COMMAND command's arguments.
     The command follows `--`, or else starts at the first word past
-    `positionals` positional words (the sandbox id) that is neither an option
-    nor an option's value; options may come before and after the sandbox id."""
+    `positionals` positional words (the sandbox id, the image) that is
+    neither an option nor an option's value; options may come before and
+    after the sandbox id. With `known` (the verb's option strings), a word
+    past the positionals that looks like an option dsec does not have, with
+    no `--` after it, starts the command, as with docker run: `dsec run
+    --entrypoint sh IMG -c 'echo hi'`, `dsec run IMG --version` (to the
+    image's entrypoint)."""
     seen = i = 0
     while i < len(words):
         word = words[i]
         if word == "--":
             return words[:i], words[i + 1:]
         if word.startswith("-") and word != "-":
+            if known is not None and seen == positionals and not _is_option(word, known) \
+                    and "--" not in words[i:]:
+                return words[:i], words[i:]
             i += 2 if word in VALUED_OPTIONS else 1      # "--timeout=2" is one word
             continue
         if seen == positionals:
@@ -1504,6 +1513,25 @@ def split_command(words: list[str], positionals: int) -> tuple[list[str], list[s
         seen += 1
         i += 1
     return words, []
+
+
+def _is_option(word: str, known: frozenset[str]) -> bool:
+    """Whether `word` is one of `known` options: as it is, as --name=value, as
+    short flags run together (-it), or as a short option with its value
+    attached (-eK=V)."""
+    if word.startswith("--"):
+        return word.split("=", 1)[0] in known
+    if word in known:
+        return True
+    return word[:2] in known and (word[:2] in VALUED_OPTIONS or all(f"-{ch}" in known for ch in word[1:]))
+
+
+def verb_options(parser: argparse.ArgumentParser, verb: str) -> frozenset[str]:
+    """The option strings of `dsec VERB` (its subparser's, -h included)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and verb in action.choices:
+            return frozenset(s for a in action.choices[verb]._actions for s in a.option_strings)
+    return frozenset()
 
 
 # dsec's global options that take a value, and `dsec fleet`'s.
@@ -1884,11 +1912,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if verb == "fleet":
         return _parse_fleet_args(argv, at)
     command: list[str] = []
+    parser = build_parser()
     if verb in RUNS_A_COMMAND:
-        head, command = split_command(argv[at + 1:], positionals=0 if verb == "call" else 1)
+        # An exec's words after the sandbox id stay dsec's (a mistyped option
+        # is a usage error); a run's image takes the rest as docker's does.
+        head, command = split_command(argv[at + 1:], positionals=0 if verb == "call" else 1,
+                                      known=verb_options(parser, verb) if verb == "run" else None)
         argv = [*argv[:at + 1], *head]
     try:
-        a = build_parser().parse_args(join_signed_values(argv))
+        a = parser.parse_args(join_signed_values(argv))
     except SystemExit as exit_:
         if exit_.code == EXIT_USAGE and verb in GIVES_A_STATUS:
             raise SystemExit(EXIT_DSEC_ERROR) from None

@@ -37,6 +37,21 @@ def test_split_command(words, positionals, want):
     assert cli.split_command(words, positionals) == want
 
 
+def test_a_runs_unknown_options_after_the_image_are_its_command_as_dockers():
+    a = cli.parse_args(["run", "--entrypoint", "/bin/sh", "busybox", "-c", "echo hi"])
+    assert (a.image, a.entrypoint, a.argv) == ("busybox", "/bin/sh", ["-c", "echo hi"])
+    a = cli.parse_args(["run", "app", "--version"])
+    assert (a.image, a.argv) == ("app", ["--version"])
+    a = cli.parse_args(["run", "busybox", "-i", "--timeout=5", "-c", "x"])      # its own still go first
+    assert (a.interactive, a.timeout, a.argv) == (True, 5.0, ["-c", "x"])
+    a = cli.parse_args(["run", "busybox", "-eK=V", "-i", "sh"])
+    assert (a.env, a.interactive, a.argv) == (["K=V"], True, ["sh"])
+    a = cli.parse_args(["run", "busybox", "-it", "sh"])       # run has no -t: the command's from there
+    assert a.argv == ["-it", "sh"]
+    with pytest.raises(SystemExit):                         # before a "--": dsec's, mistyped
+        cli.parse_args(["run", "busybox", "--bogus", "--", "true"])
+
+
 def _leaf_parsers(parser: argparse.ArgumentParser, path=()):
     subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     if not subs:
