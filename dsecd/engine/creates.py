@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 from .. import cgroup, imageconfig, protocol, userns
 from ..admission import CreateQueue
+from ..backends.microvm.backend import upper_cap
 from ..config import ConfigError, parse_duration, parse_size
 from ..cpu.manager import CpuHost
 from ..errors import BadRequest, Busy, DsecError, NotFound, Unsupported, image_error, io_error
@@ -464,15 +465,17 @@ class CreateService:
             raise BadRequest(f"backend must be container or microvm, got {backend!r}")
         return backend
 
-    def _vm_disk_for(self, req) -> int:
-        """A microVM's writable layer: a tmpfs in the guest, capped at this."""
+    def _vm_disk_for(self, req, memory: int) -> int:
+        """A microVM's writable layer: a tmpfs in the guest, capped at this:
+        `disk`, and at most half the guest's RAM (upper_cap says why). The
+        record (inspect) holds the cap the guest really has."""
         try:
             size = self.disk_default if req.disk is None else parse_size(req.disk)
         except ConfigError as err:
             raise BadRequest(f"disk: {err}") from err
         if not 1 << 20 <= size <= 1 << 50:
             raise BadRequest(f"disk must be between 1M and 1P, got {size} bytes")
-        return size
+        return min(size, upper_cap(memory))
 
     def _disk_for(self, req) -> upperfs.Cap | None:
         """The writable layer's cap, or None where layers are uncapped dirs."""
@@ -680,7 +683,8 @@ class CreateService:
             if self.vms is None:
                 raise Unsupported("backend microvm is not set up in this daemon")
             self.vms.check_create(req, limits.memory_bytes)
-            net_mode, disk = self.net.net_mode(req), upperfs.Cap(self._vm_disk_for(req), self.sb_defaults["disk_inodes"])
+            net_mode = self.net.net_mode(req)
+            disk = upperfs.Cap(self._vm_disk_for(req, limits.memory_bytes), self.sb_defaults["disk_inodes"])
         else:
             net_mode = self.net.net_mode(req)
             disk = self._disk_for(req)

@@ -50,6 +50,14 @@ from .workers import Workers
 log = logging.getLogger(__name__)
 
 KILL_GRACE_S = 10.0     # a killed exec's EXITED should come at once; past this the result is sent anyway
+# What a file write or copy into a VM must leave of the guest's available
+# memory, for its kernel and processes: a 16th of its RAM, within these
+# bounds (as engine/copier.py keeps for a container's).
+GUEST_RESERVE_MIN = 16 << 20
+GUEST_RESERVE_MAX = 64 << 20
+# A file of a directory copy at least this big is checked against the
+# guest's memory before it is sent (smaller ones meet the layer's cap).
+PUT_CHECK_BYTES = 1 << 20
 
 
 class VmExec:
@@ -580,10 +588,13 @@ class MicroVMService:
             if not eof and (run.ended or run.done):
                 raise _CopyEnded()
 
+        def room(size: int) -> None:                     # from the worker, before a big file's record
+            asyncio.run_coroutine_threadsafe(self.check_room(sb, size, where), loop).result()
+
         async def records() -> tarsafe.Seen:
             run = await started
             try:
-                return await self.workers.run(_put_records, pipe, send, max_entries, max_bytes)
+                return await self.workers.run(_put_records, pipe, send, max_entries, max_bytes, room)
             except BaseException:
                 # Refused, broken or abandoned: the child's input ends before
                 # the end record, so it removes what it made and exits.
@@ -622,7 +633,7 @@ class MicroVMService:
             raise Conflict(f"copy into {where}: {failed}; nothing was left behind") from failed
         if failed is not None and not isinstance(failed, (_CopyEnded, OSError)) and type(failed).__name__ != "Aborted":
             raise failed
-        raise self._copy_failed("copy into", where, code, reports, max_entries, max_bytes)
+        raise self._copy_failed("copy into", where, code, reports, max_entries, max_bytes, sb)
 
     async def _copy(self, sb: Sandbox, verb: str, where: str, argv: list[str], flags: int, on_out,
                     started: asyncio.Future | None = None) -> tuple[int | None, dict]:
@@ -671,13 +682,15 @@ class MicroVMService:
 
     @staticmethod
     def _copy_failed(verb: str, where: str, code: int | None, reports: dict, max_entries: int,
-                     max_bytes: int) -> DsecError:
+                     max_bytes: int, sb: Sandbox | None = None) -> DsecError:
         if "err" in reports:
             num, what = reports["err"]
             num = int(num) or errno.EIO
             if code == 3:
                 return LimitExceeded(f"{verb} {where}: {what} (limits.max_tar_entries, limits.max_tar_bytes)",
                                      {"max_entries": max_entries, "max_bytes": max_bytes})
+            if num == errno.ENOSPC and sb is not None:
+                return MicroVMService._full(verb, where, sb)
             if num == errno.EEXIST and what.startswith("exists"):
                 return io_error(verb, where, OSError(num, f"{where.partition(':')[2]} {what}"))
             return io_error(verb, where, OSError(num, f"{os.strerror(num)} (at {what or '.'})"))
@@ -724,6 +737,58 @@ class MicroVMService:
         except AgentGone as err:
             raise Conflict(f"sandbox {sb.id} is exiting: {err}", {"sandbox": sb.id}) from err
 
+    async def check_room(self, sb: Sandbox, size: int, where: str) -> None:
+        """Refuse (`limit`) writing `size` bytes of files into the VM when
+        they would not fit in its guest's available memory (less a reserve):
+        a VM's files are tmpfs pages of its RAM, which nothing reclaims, as a
+        container's are charged to its --memory (copier.check_room). The
+        layer's cap (upper_cap) is what keeps the guest alive whatever this
+        says (its processes allocate meanwhile; a guest may fake its
+        /proc/meminfo and fool only itself); this makes the common case a
+        clear refusal before anything is written."""
+        if size <= 0:
+            return
+        available = await self._guest_available(sb)
+        if available is None:
+            return
+        memory = sb.limits["memory"]
+        reserve = min(max(GUEST_RESERVE_MIN, memory // 16), GUEST_RESERVE_MAX)
+        if size > available - reserve:
+            raise LimitExceeded(
+                f"write {where}: {size} bytes would take the sandbox past its memory limit ({memory} bytes of "
+                f"guest RAM; {max(0, available)} available, less {reserve} kept for its kernel and processes). "
+                "A microVM's files are kept in its RAM: write less, free memory or remove files in the sandbox, "
+                "or create it with more --memory",
+                {"path": where, "size": size, "left": max(0, available), "reserve": reserve})
+
+    async def _guest_available(self, sb: Sandbox) -> int | None:
+        """The guest's MemAvailable (its /proc/meminfo, read by the agent)
+        plus what its balloon holds (given back on use); None if unknown."""
+        link = self.agent(sb)
+        try:
+            r = await link.request(wire.READ, wire.bstr("/proc/meminfo"), wire.u64(0), wire.u64(16 << 10))
+        except AgentError as err:
+            log.debug("sandbox %s: its /proc/meminfo is unreadable (%s); a write is not checked against its "
+                      "memory", sb.id, err)
+            return None
+        except AgentGone as err:
+            raise Conflict(f"sandbox {sb.id} is exiting: {err}", {"sandbox": sb.id}) from err
+        r.u64()
+        available = _mem_available(r.bytes())
+        if available is None:
+            return None
+        return available + (0 if self.balloon is None else self.balloon.held(sb.id))
+
+    @staticmethod
+    def _full(verb: str, where: str, sb: Sandbox) -> LimitExceeded:
+        """ENOSPC from the guest: its writable layer or /tmp is full."""
+        memory = sb.limits["memory"]
+        return LimitExceeded(
+            f"{verb} {where}: no space left in the sandbox. A microVM's files are kept in its RAM: its "
+            f"writable layer is capped at {sb.limits.get('disk')} bytes (--disk, and at most half its --memory "
+            f"of {memory}), /tmp at an eighth of its --memory; the file is partly written. Remove files in the "
+            "sandbox, or create it with more --memory", {"path": where, "errno": "ENOSPC"})
+
     async def _require_replaceable(self, sb: Sandbox, dst: str) -> None:
         try:
             kind = (await self.stat_path(sb, dst))["type"]
@@ -766,9 +831,18 @@ class MicroVMService:
                 raise BadRequest("cannot write to /")
             flags = ((wire.WRITE_APPEND if req.append else 0) | (wire.WRITE_PARENTS if req.parents else 0)
                      | (wire.WRITE_KEEP if req.offset is not None else 0))
-            r = await self._file(sb, "write", path, wire.WRITE, wire.bstr(path), wire.u64(flags),
-                                 wire.u64(req.mode), wire.u64(wire.NO_OFFSET if req.offset is None else req.offset),
-                                 wire.bstr(bytes(req.data)))
+            where = f"{sb.id}:{path}"
+            if len(req.data) >= PUT_CHECK_BYTES:      # a smaller one meets the layer's cap (upper_cap)
+                await self.check_room(sb, len(req.data), where)
+            try:
+                r = await self._file(sb, "write", path, wire.WRITE, wire.bstr(path), wire.u64(flags),
+                                     wire.u64(req.mode),
+                                     wire.u64(wire.NO_OFFSET if req.offset is None else req.offset),
+                                     wire.bstr(bytes(req.data)))
+            except DsecError as err:
+                if err.detail.get("errno") == "ENOSPC":
+                    raise self._full("write", where, sb) from err
+                raise
             return {"size": r.u64()}
         if op == "file_list":
             r = await self._file(sb, "list", path, wire.LIST, wire.bstr(path), wire.u64(req.depth))
@@ -801,11 +875,14 @@ class _CopyEnded(Exception):
 PUT_CHUNK = 256 << 10       # records go to the guest in stdin chunks of about this size
 
 
-def _put_records(pipe, send, max_entries: int, max_bytes: int) -> tarsafe.Seen:
+def _put_records(pipe, send, max_entries: int, max_bytes: int, room=None) -> tarsafe.Seen:
     """Read the tar from `pipe` (in a worker), check each entry as the
     container backend does (tarsafe.check) and send(data, eof) its records
     (csrc/guest/agent.c, put_record): missing parent directories first,
-    directories' modes last, deepest first, then the end."""
+    directories' modes last, deepest first, then the end. room(size), if
+    given, raises when a file of PUT_CHECK_BYTES or more would not fit in
+    the guest (MicroVMService.check_room); the records before it are sent
+    first."""
     seen = tarsafe.Seen(max_entries, max_bytes)
     out = bytearray()
     made = {""}
@@ -842,6 +919,9 @@ def _put_records(pipe, send, max_entries: int, max_bytes: int) -> tarsafe.Seen:
                 continue
             make_dirs(rel.rpartition("/")[0])
             if m.isreg():
+                if room is not None and m.size >= PUT_CHECK_BYTES:
+                    flush()
+                    room(m.size)
                 record(b"f", rel, m.mode & tarsafe.KEPT_MODE, max(0, int(m.mtime)), size=m.size)
                 src = tf.extractfile(m)
                 left = m.size
@@ -865,6 +945,17 @@ def _put_records(pipe, send, max_entries: int, max_bytes: int) -> tarsafe.Seen:
     record(b"E", "")
     flush(eof=True)
     return seen
+
+
+def _mem_available(meminfo: bytes) -> int | None:
+    """MemAvailable of a /proc/meminfo, in bytes (None: not there)."""
+    for line in meminfo.decode(errors="replace").splitlines():
+        name, _, value = line.partition(":")
+        if name == "MemAvailable":
+            parts = value.split()
+            if parts and parts[0].isdigit():
+                return int(parts[0]) * (1024 if parts[1:2] == ["kB"] else 1)
+    return None
 
 
 def _reports(data: bytes, put: bool) -> dict:

@@ -222,6 +222,14 @@ class BalloonService:
 
     # ------------------------------------------------------------ reports
 
+    def held(self, sb_id: str) -> int:
+        """Guest RAM its balloon holds now (0: none, or not known): the guest
+        gets it back on a wake or, short of memory, by itself."""
+        st = self._vms.get(sb_id)
+        if st is None or st.skipped or not st.actual:
+            return 0
+        return max(0, st.ram - st.actual)
+
     def view(self, sb_id: str) -> dict | None:
         """One VM's balloon for inspect and top (None: not seen yet)."""
         st = self._vms.get(sb_id)

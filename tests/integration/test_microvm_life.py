@@ -164,6 +164,33 @@ def test_a_guest_that_panics_is_reported_dead_and_cleaned_up(vmd):
     sb.destroy()
 
 
+def test_files_bigger_than_the_guest_holds_are_refused_and_it_lives_on(vmd, tmp_path):
+    """A VM's files are tmpfs pages of its RAM, which nothing reclaims: a
+    300M copy into a 256M guest (its writable layer sized at the default
+    disk, 10G) filled it, its kernel panicked ("System is deadlocked on
+    memory") and the copy failed with a bare ConnectionResetError. The layer
+    is capped at half the guest's RAM, and a write or directory copy that
+    does not fit is refused (`limit`, naming --memory); the VM serves on."""
+    d, c = vmd
+    sb = c.create("busybox", backend="microvm", memory="256M", net="none")
+    try:
+        assert sb.inspect()["limits"]["disk"] == 128 << 20
+        big = tmp_path / "big"
+        with open(big, "wb") as f:
+            f.truncate(300 << 20)
+        r = d.cli("cp", str(big), f"{sb.id}:/root/f", timeout=300)
+        assert r.returncode != 0 and b"limit:" in r.stderr and b"--memory" in r.stderr, r.stderr
+        (tmp_path / "dir").mkdir()
+        os.link(big, tmp_path / "dir" / "big")
+        r = d.cli("cp", "-r", str(tmp_path / "dir"), f"{sb.id}:/work/d", timeout=300)
+        assert r.returncode != 0 and b"limit:" in r.stderr and b"--memory" in r.stderr, r.stderr
+        assert sb.exec(["sh", "-c", "test ! -e /work/d && echo ok"]).stdout == b"ok\n"
+        assert sb.inspect()["state"] == "running"
+        assert not [e for e in _events(d, sb.id) if e["event"] == "died"]
+    finally:
+        sb.destroy(force=True)
+
+
 def test_a_guest_that_hangs_is_killed_and_reported_dead(vmd):
     d, c = vmd
     sb, pid, cgroups = _vm_and_its_qemu(c)

@@ -150,7 +150,7 @@ class AgentExec:
                 return
             self.taken.clear()
             self.link.send(wire.frame(wire.STDIN, self.id, wire.u64(1 if eof else 0), wire.bstr(data)))
-            await self.link.writer.drain()
+            await self.link.drain()
             await self._settled()
 
     def resize(self, rows: int, cols: int) -> None:
@@ -247,6 +247,17 @@ class AgentLink:
             raise AgentGone(f"{self.what}: the agent channel is closed")
         self.writer.write(data)
 
+    async def drain(self) -> None:
+        """Wait until what was sent is out; AgentGone if the channel broke
+        meanwhile (QEMU ended: the socket resets under a large write, which
+        must say the VM went, not fail with a bare ConnectionResetError)."""
+        try:
+            await self.writer.drain()
+        except AgentGone:
+            raise
+        except (ConnectionError, OSError) as err:
+            raise AgentGone(f"{self.what}: the agent channel broke ({err}): the VM is gone or going") from err
+
     async def request(self, kind: int, *fields: bytes) -> wire.Reader:
         """A file (or hello, sync) request; the OK body, or AgentError."""
         return await self.request_with_id(next(self._ids), kind, *fields)
@@ -267,7 +278,7 @@ class AgentLink:
         self._pending[msg_id] = fut
         try:
             self.send(wire.frame(kind, msg_id, *fields))
-            await self.writer.drain()
+            await self.drain()
             return await fut
         finally:
             self._pending.pop(msg_id, None)
@@ -292,7 +303,7 @@ class AgentLink:
         try:
             self.send(wire.exec_request(run.id, argv, env, cwd, uid, uid if gid is None else gid, stdin, flags,
                                         window, trace, run.window, groups))
-            await self.writer.drain()
+            await self.drain()
         except BaseException:
             self._execs.pop(run.id, None)
             raise

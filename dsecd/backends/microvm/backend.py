@@ -61,6 +61,24 @@ NIC_MAC = "52:54:00:00:00:01"   # every VM's NIC until its agent sets the VM's o
 TEMPLATE_NETDEV = "hubport,id=net0,hubid=0"
 MAX_LAYERS = 0x20 - PMEM_SLOT0
 MIN_GUEST_MEMORY = 128 << 20   # the cloud kernel and the agent boot in less, barely
+
+
+def upper_cap(guest_memory: int) -> int:
+    """The most a VM's writable layer may hold, whatever its `disk`: half
+    its RAM. The layer is a tmpfs in guest RAM, and no swap or OOM kill
+    frees a tmpfs page: a layer let grow to the RAM (a 300 MiB `dsec cp`
+    into a 256M guest, written by the agent) leaves the guest's kernel
+    nothing to reclaim or kill, and it panics ("System is deadlocked on
+    memory"). Half is Linux's own default for a tmpfs."""
+    return guest_memory // 2
+
+
+def tmp_cap(guest_memory: int) -> int:
+    """The most a VM's /tmp (a tmpfs of its own) may hold, whatever
+    sandbox.tmp_size: an eighth of its RAM, so that it, the writable layer
+    (upper_cap) and /dev/shm (64M) together leave the guest's kernel and
+    processes room (the reason upper_cap gives)."""
+    return guest_memory // 8
 # QEMU's own processes run in the sandbox's cgroup too: TCG's translation
 # cache (tb-size), device models, its heap and the page tables of guest RAM.
 QEMU_PIDS = 256            # QEMU's threads (vCPUs, I/O, RCU, worker pools) count in pids.max
@@ -279,7 +297,9 @@ class MicroVMBackend:
                 "-smp", str(vcpus), "-m", f"{mib}M,slots=4,maxmem={maxmem}M", *ram,
                 "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
                 "-kernel", refs["kernel"], "-initrd", refs["initramfs"],
-                "-append", f"{KERNEL_ARGS} dsec.layers={len(layers)} dsec.disk={disk} dsec.tmp={self.tmp_size}",
+                "-append", f"{KERNEL_ARGS} dsec.layers={len(layers)} "
+                f"dsec.disk={min(disk, upper_cap(guest_memory))} "
+                f"dsec.tmp={min(self.tmp_size, tmp_cap(guest_memory))}",
                 "-serial", f"file:{vm_dir}/serial.log",
                 "-qmp", f"unix:{vm_dir}/qmp.sock,server=on,wait=off",
                 "-device", "virtio-serial-pci,id=vs0",
