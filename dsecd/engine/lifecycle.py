@@ -11,6 +11,7 @@ import os
 import time
 
 from ..backends.container import Handle, close_handle
+from ..backends.microvm.backend import guest_panic
 from ..cpu.manager import CpuHost
 from ..errors import Conflict, io_error
 from ..fs import upper as upperfs
@@ -195,6 +196,12 @@ class LifecycleService:
             extra = getattr(h, "extra", {}) if h is not None else {}
             why = extra.get("died_because", "exited") if h is not None else "gone"
             detail = {"detail": extra["died_why"]} if "died_why" in extra else {}
+            panic = guest_panic(h.vm_dir / "serial.log") if why == "exited" else None
+            if panic:
+                # Its kernel said why (e.g. "System is deadlocked on memory"):
+                # a few KiB read here, before _vm_dead removes the directory.
+                why, detail = "panic", {"detail": panic}
+                log.warning("sandbox %s: its guest kernel panicked: %s", sb.id, panic)
             self.events.publish("died", sb.id, reason=why, **detail)
         else:
             self.events.publish("died", sb.id, reason=why)

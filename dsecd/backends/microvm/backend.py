@@ -612,6 +612,24 @@ def _kill_wait(popen: subprocess.Popen) -> None:
         log.error("QEMU %d did not exit 10s after SIGKILL", popen.pid)
 
 
+def guest_panic(serial_log: Path, n: int = 16 << 10) -> str | None:
+    """The guest kernel's panic line ("Kernel panic - not syncing: ...") at
+    the end of its serial log, if it panicked; a dead VM's reason."""
+    try:
+        with open(serial_log, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - n))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    found = None
+    for line in text.splitlines():
+        at = line.find("Kernel panic - not syncing")
+        if at >= 0:
+            found = line[at:].strip()[:300]
+    return found
+
+
 def _tail(path: Path, n: int = 600) -> str:
     try:
         with open(path, "rb") as f:
