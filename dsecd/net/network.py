@@ -947,14 +947,19 @@ class Network:
             self.plumbing.add_sandbox(sb.ifname, netns_path(netns), self.ipam_allocate(sb_id))
         lease = self.ipam_allocate(sb_id)       # the restored one, or a fresh one if it was lost
         sb.ipv4 = str(lease.ipv4)
+        self._republish(sb, rec)
+        self._write_record(sb)
+
+    def _republish(self, sb: _Sandbox, rec: dict) -> None:
+        """A readopted sandbox's published ports (its record's), again: the
+        record written after holds only what sb.ports has."""
         for pub in rec.get("ports", []):
             try:
                 with self._lock:
                     self._publish_rules(self._nat_table(), sb, dict(pub))
             except (OSError, DsecError) as err:     # the port stays closed; the sandbox keeps the rest
                 log.error("sandbox %s: publish port %s on host port %s again after the restart: %s",
-                          sb_id, pub.get("port"), pub.get("host_port"), err)
-        self._write_record(sb)
+                          sb.id, pub.get("port"), pub.get("host_port"), err)
 
 
     def _carry_marks(self, cgroup_dir: str, previous: dict) -> None:
@@ -998,6 +1003,9 @@ class Network:
             with self._bridge_netns():
                 self.engine.attach_tap(idx, sb.ifname)
             sb.tap_index = idx
+        # Its ports go to its address whether or not its QEMU runs now (a
+        # paused VM's resume plugs a new tap; the NAT rules need none).
+        self._republish(sb, rec)
         self._write_record(sb)
 
 

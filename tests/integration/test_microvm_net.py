@@ -219,6 +219,46 @@ def test_a_published_port_reaches_the_guest_and_only_its_answers_go_out(world, v
         c.close()
 
 
+def test_published_ports_survive_a_daemon_restart(world, vmnet):
+    """A container's published ports are published again by the next
+    daemon; a VM's were dropped from its record (no PORT section in `net
+    show`, the host port refused): its readopt did not publish them."""
+    import signal
+
+    from test_net_nat import _serve_http, http_get
+
+    d, _ = vmnet
+    c = d.client()          # the module's client: a restart test ended its connection
+    sb = _vm(c, net="default", publish=[8080])
+    c2 = None
+    try:
+        _serve_http(sb, 8080)
+        host = sb.get_host(8080)
+        assert "sandbox-page" in world.in_bridge_netns(http_get, host)
+        c.close()
+        d.stop(signal.SIGTERM)
+        d.start()
+        c = c2 = d.client()
+        s2 = c2.get(sb.id)
+        assert [(p["port"], p["host"]) for p in s2.net_show()["ports"]] == [(8080, host)]
+        assert "sandbox-page" in world.in_bridge_netns(http_get, host)
+        # A second restart finds them in the record the first one wrote.
+        c2.close()
+        d.stop(signal.SIGTERM)
+        d.start()
+        c = c2 = d.client()
+        s2 = c2.get(sb.id)
+        assert [p["port"] for p in s2.net_show()["ports"]] == [8080]
+        assert "sandbox-page" in world.in_bridge_netns(http_get, host)
+        s2.destroy()
+    finally:
+        try:
+            c.get(sb.id).destroy(force=True)
+        except Exception:
+            pass
+        c.close()
+
+
 def _inet6(sb) -> list[str]:
     """The guest's IPv6 addresses on eth0 (/proc/net/if_inet6: 32 hex digits first)."""
     r = sb.exec(["sh", "-c", "cat /proc/net/if_inet6 2>/dev/null; true"])
