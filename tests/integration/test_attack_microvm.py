@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import struct
 import time
 from pathlib import Path
@@ -275,12 +276,27 @@ def test_bytes_that_are_no_frame_end_that_vm_only(victim, vmc, bystander, daemon
     _others_fine(vmc, bystander)
 
 
-def _output_for_every_low_id(size: int) -> bytes:
-    """OUT frames of `size` bytes for exec ids 1..255, one write's worth:
-    the guest cannot see which ids its execs have, but they are low."""
-    frames = b"".join(wire.frame(wire.OUT, i, wire.u64(1), wire.bstr(b"w" * size)) for i in range(1, 256))
+def _output_for(exec_id: int, size: int) -> bytes:
+    """OUT frames of `size` bytes for exec `exec_id`, one write's worth. The
+    host's exec ids start at a random point (root in the guest learns one by
+    reading its agent's memory or channel); the test reads it from the
+    daemon's debug log instead."""
+    frame = wire.frame(wire.OUT, exec_id, wire.u64(1), wire.bstr(b"w" * size))
+    frames = frame * (ONE_WRITE // len(frame))
     assert len(frames) <= ONE_WRITE
     return frames
+
+
+def _exec_id(daemon, sb_id: str, argv0: str, timeout: float = 10) -> int:
+    """The id the daemon's link gave the last exec of `argv0` in microVM `sb_id` (its debug log)."""
+    pattern = re.compile(rf"microVM {sb_id}: exec id (\d+): {re.escape(argv0)}\b")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = pattern.findall(daemon.log.read_text(errors="replace"))
+        if found:
+            return int(found[-1])
+        time.sleep(0.1)
+    raise AssertionError(f"no exec id of {argv0!r} in microVM {sb_id} in the daemon's log")
 
 
 def test_output_past_an_execs_window_ends_that_vm_only(victim, vmc, bystander, daemon):
@@ -297,8 +313,8 @@ def test_output_past_an_execs_window_ends_that_vm_only(victim, vmc, bystander, d
     stalled = SlowStream(daemon.socket, victim.id, ["cat", "/dev/zero"])    # a terminal: no output cap
     try:
         stalled.read_at_least(1)
-        payload = _output_for_every_low_id(100)
-        repeat = 4096                         # 400 kB for each id, past any window; 126 MiB in all
+        payload = _output_for(_exec_id(daemon, victim.id, "cat"), 100)
+        repeat = 4096                         # 27 kB of output a write, 110 MB in all: past any window
         with PeakRss(daemon) as rss:
             _inject(victim, payload, repeat)
             _wait_dead(vmc, victim.id)

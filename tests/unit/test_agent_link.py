@@ -16,7 +16,14 @@ import tracemalloc
 import pytest
 
 from dsecd.backends.microvm import wire
-from dsecd.backends.microvm.agent import OUTPUT_WINDOW, READY_MAX, AgentGone, AgentLink, find_ready
+from dsecd.backends.microvm.agent import (
+    ID_SPAN,
+    OUTPUT_WINDOW,
+    READY_MAX,
+    AgentGone,
+    AgentLink,
+    find_ready,
+)
 
 
 def _ready(msg_id: int, text: bytes = b"dsec-guest-agent 2") -> bytes:
@@ -54,7 +61,7 @@ def test_a_fresh_link_reads_on_after_the_ready():
         await asyncio.sleep(0)
         cut = wire.frame(wire.EXITED, 1, wire.u64(0))[3:]            # left by an earlier host
         push = wire.frame(wire.PROC_OUT, 0, wire.u64(42), wire.u64(0), wire.u64(1), wire.u64(5), wire.bstr(b"hi"))
-        reader.feed_data(cut + _ready(1) + push[:10])
+        reader.feed_data(cut + _ready(link.first_id) + push[:10])
         assert (await hello).str() == "dsec-guest-agent 2"
         reader.feed_data(push[10:])
         for _ in range(10):
@@ -85,7 +92,7 @@ def test_a_flood_before_the_ready_is_skipped_without_keeping_it():
         finally:
             tracemalloc.stop()
         assert peak < 4 * (1 << 16) + 2 * READY_MAX, peak
-        reader.feed_data(_ready(1))
+        reader.feed_data(_ready(link.first_id))
         assert (await asyncio.wait_for(hello, 5)).str() == "dsec-guest-agent 2"
         link.close()
 
@@ -139,7 +146,7 @@ def test_a_malformed_frame_ends_the_channel_and_fails_every_waiter(bad):
     async def main():
         link, guest, broken = await _link()
         run = await link.start_exec(["true"], [], "/", 0, False)
-        assert run.id == 1
+        assert run.id == link.first_id
         pending = asyncio.ensure_future(link.request(wire.PING))
         # Re-aim the frame at the running exec's id (7 above stands for it).
         bad_frame = bad[:5] + struct.pack(">I", run.id) + bad[9:]
@@ -164,11 +171,32 @@ def test_answers_to_requests_never_sent_are_dropped_and_the_channel_goes_on():
             await _send(guest, wire.frame(kind, 4000 + kind, wire.u64(5), wire.bstr(b"unasked")))
         pending = asyncio.ensure_future(link.request(wire.PING))
         await asyncio.sleep(0)
-        await _send(guest, wire.frame(wire.OK, 1))          # the PING's answer: id 1, the link's first
+        await _send(guest, wire.frame(wire.OK, link.first_id))      # the PING's answer: the link's first id
         await asyncio.wait_for(pending, 5)
         assert not link.closed and not broken
         link.close()
         guest.close()
+
+    asyncio.run(main())
+
+
+def test_a_new_link_numbers_its_requests_from_a_random_point_and_never_uses_0():
+    """A restored VM's (or a restarted daemon's) new link must not reuse the
+    ids of execs the guest agent still holds from the link before (a watch
+    left running across a pause): the agent refuses an exec under an id in
+    use (EEXIST, "exec id in use"), and a link that counted from 1 again
+    hit exactly those. Ids wrap within u32, skipping 0 (the agent's pushes)."""
+    async def main():
+        firsts = set()
+        for _ in range(4):
+            link, guest, _ = await _link()
+            firsts.add(link.first_id)
+            assert link.new_id() == link.first_id
+            link._next_id = ID_SPAN
+            assert [link.new_id(), link.new_id()] == [ID_SPAN, 1]
+            link.close()
+            guest.close()
+        assert len(firsts) > 1 and 0 not in firsts
 
     asyncio.run(main())
 
@@ -285,11 +313,11 @@ def test_an_agent_without_windows_has_its_channel_held_while_an_exec_lags():
         (_, _, body), = await _read_frames(guest, wire.EXEC)
         assert not wire.Reader(body[16:]).u64() & wire.EXEC_WINDOW
         ping = asyncio.ensure_future(link.request(wire.PING))
-        await _read_frames(guest, wire.PING)
+        (_, ping_id, _), = await _read_frames(guest, wire.PING)
         chunk = 64 << 10
         for _ in range(OUTPUT_WINDOW // chunk + 1):
             await _send(guest, _out(run.id, chunk))
-        await _send(guest, wire.frame(wire.OK, ping_id := 2))
+        await _send(guest, wire.frame(wire.OK, ping_id))
         await asyncio.sleep(0.2)
         assert not ping.done() and run.backlog() == OUTPUT_WINDOW + chunk
         await run.next_event()

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import itertools
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable
 
@@ -183,7 +183,13 @@ class AgentLink:
         self.reader, self.writer, self.what = reader, writer, what
         self._fresh = fresh
         self.on_broken = on_broken
-        self._ids = itertools.count(1)
+        # Request and exec ids start at a random point: the guest agent may
+        # still hold execs of an earlier link under their ids (orphaned by a
+        # pause's restore or a daemon restart, until they end), and an exec
+        # sent under one of them would be refused (EEXIST). The first is the
+        # HELLO's, whose READY a fresh link looks for (_skip_to_ready).
+        self._next_id = secrets.randbits(32) % ID_SPAN + 1
+        self.first_id = self._next_id
         self._pending: dict[int, asyncio.Future] = {}
         self._execs: dict[int, AgentExec] = {}
         self._streams: dict = {}            # request id -> on_data of a streamed answer (stream())
@@ -247,6 +253,12 @@ class AgentLink:
             raise AgentGone(f"{self.what}: the agent channel is closed")
         self.writer.write(data)
 
+    def new_id(self) -> int:
+        """The next request or exec id: 1..ID_SPAN (0 is the agent's pushes'), in turn."""
+        msg_id = self._next_id
+        self._next_id = msg_id % ID_SPAN + 1
+        return msg_id
+
     async def drain(self) -> None:
         """Wait until what was sent is out; AgentGone if the channel broke
         meanwhile (QEMU ended: the socket resets under a large write, which
@@ -260,13 +272,13 @@ class AgentLink:
 
     async def request(self, kind: int, *fields: bytes) -> wire.Reader:
         """A file (or hello, sync) request; the OK body, or AgentError."""
-        return await self.request_with_id(next(self._ids), kind, *fields)
+        return await self.request_with_id(self.new_id(), kind, *fields)
 
     async def stream(self, kind: int, on_data, *fields: bytes) -> wire.Reader:
         """A request answered by DATA frames, then OK (its body returned) or
         ERR: on_data(bytes) gets each frame's bytes, in order, on the loop
         (the writable layer's tar: M_TAR)."""
-        msg_id = next(self._ids)
+        msg_id = self.new_id()
         self._streams[msg_id] = on_data
         try:
             return await self.request_with_id(msg_id, kind, *fields)
@@ -298,8 +310,9 @@ class AgentLink:
         if groups and not self.sets_groups:
             raise ValueError(f"{self.what}: guest agent version {self.agent_version} cannot set groups")
         windowed = self.agent_version >= wire.WINDOW_AGENT_VERSION
-        run = AgentExec(self, next(self._ids), OUTPUT_WINDOW if windowed else 0)
+        run = AgentExec(self, self.new_id(), OUTPUT_WINDOW if windowed else 0)
         self._execs[run.id] = run
+        log.debug("%s: exec id %d: %s", self.what, run.id, argv[0] if argv else "(a copy of the agent's)")
         try:
             self.send(wire.exec_request(run.id, argv, env, cwd, uid, uid if gid is None else gid, stdin, flags,
                                         window, trace, run.window, groups))
@@ -372,7 +385,7 @@ class AgentLink:
 
     async def _skip_to_ready(self) -> bytes:
         """Route the READY answering this link's HELLO (its first request,
-        id 1) and return what was read past it; skip what came before. A new
+        id first_id) and return what was read past it; skip what came before. A new
         connection may first carry what an earlier host left unread: the
         tail of a frame cut when that host went, answers to its requests.
         Read as frames, they would be routed to this link's requests of the
@@ -384,14 +397,14 @@ class AgentLink:
             if not chunk:
                 raise asyncio.IncompleteReadError(bytes(buf), None)
             buf += chunk
-            found = find_ready(buf, 1)
+            found = find_ready(buf, self.first_id)
             if found is not None:
                 start, end = found
                 skipped += start
                 if skipped:
                     log.warning("%s: skipped %d bytes an earlier host left on the agent channel", self.what,
                                 skipped)
-                self._route(wire.READY, 1, bytes(buf[start + wire.HEADER.size:end]))
+                self._route(wire.READY, self.first_id, bytes(buf[start + wire.HEADER.size:end]))
                 return bytes(buf[end:])
             # Bounded whatever the guest sends before its READY: only the last
             # bytes can hold the start of a READY frame still arriving.
@@ -459,6 +472,9 @@ class AgentLink:
         except Exception:
             pass
 
+
+# Ids are u32 and 0 is no request's (the agent's pushes: PROC_OUT, PROC_END).
+ID_SPAN = 0xFFFFFFFF
 
 # The largest READY frame find_ready takes: u32 length + its 4,096 bytes.
 READY_MAX = 4 + 4096
