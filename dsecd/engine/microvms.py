@@ -123,6 +123,9 @@ class MicroVMService:
         self.relinked = None
         # BalloonService (engine/vmballoon.py), set by the node: every op wakes the VM's balloon.
         self.balloon = None
+        # sandbox id -> the guest children of its running file watches (start_watch):
+        # a pause ends them (_end_watches).
+        self._watches: dict[str, set[AgentExec]] = {}
 
     def info(self) -> dict:
         if self.backend is None:
@@ -311,6 +314,7 @@ class MicroVMService:
         if sb.execs:
             raise Conflict(f"sandbox {sb.id} has {sb.execs} running exec(s); a microVM pauses only idle "
                            "(its agent's channel does not survive the stop)", {"sandbox": sb.id})
+        await self._end_watches(sb)
         image = h.vm_dir / "paused.ram"
         t0 = time.monotonic()
         self.workers.loop.remove_reader(h.pidfd)       # its end is ours, not a death
@@ -326,6 +330,40 @@ class MicroVMService:
             await self.workers.run(self.net.net.unplug_vm, sb.id)       # its tap went with QEMU
         return {"vm_image": str(image), "image_bytes": size, "save_s": round(saved - t0, 4),
                 "stop_s": round(time.monotonic() - saved, 4)}
+
+    async def _end_watches(self, sb: Sandbox) -> None:
+        """A pause ends the VM's file watches, each with an error saying so
+        (engine/watches.py): its agent's channel ends with its QEMU, and a
+        watcher in the saved guest would go on after the resume for nobody
+        (the new channel knows nothing of it), holding its inotify instance,
+        while its watch heard nothing more. Their children are killed and
+        waited for here, while the guest runs, so that none is saved."""
+        runs = [r for r in self._watches.get(sb.id, ()) if not (r.done or r.ended)]
+        for run in runs:
+            run.stopped_by = "pause"
+            with contextlib.suppress(AgentGone):
+                run.kill()
+        if not runs:
+            return
+        waits = [asyncio.ensure_future(r.over.wait()) for r in runs]
+        _, pending = await asyncio.wait(waits, timeout=KILL_GRACE_S)
+        for w in pending:
+            w.cancel()
+        if pending:
+            log.warning("sandbox %s: %d file watch(es) did not end %g s after their kill; pausing all the same",
+                        sb.id, len(pending), KILL_GRACE_S)
+
+    def watching(self, sb: Sandbox) -> int:
+        """How many file watches run in the VM now."""
+        return len(self._watches.get(sb.id, ()))
+
+    def watch_over(self, sb: Sandbox, run: AgentExec) -> None:
+        """A watch's request is over (engine/watches.py): its child is no longer the pause's to end."""
+        runs = self._watches.get(sb.id)
+        if runs is not None:
+            runs.discard(run)
+            if not runs:
+                del self._watches[sb.id]
 
     def adopted(self, sb: Sandbox, handle: VmHandle) -> None:
         """A re-adopted VM's handle learns its machine from the record (a
@@ -724,6 +762,7 @@ class MicroVMService:
             raise
         except AgentGone as err:
             raise Conflict(f"sandbox {sb.id} is exiting: {err}", {"sandbox": sb.id}) from err
+        self._watches.setdefault(sb.id, set()).add(run)        # the caller ends with watch_over
         return link, run
 
     # ------------------------------------------------------------ files

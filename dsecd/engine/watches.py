@@ -20,7 +20,7 @@ import errno
 import os
 
 from .. import native
-from ..errors import BadRequest, DsecError, LimitExceeded, io_error
+from ..errors import BadRequest, Conflict, DsecError, LimitExceeded, io_error
 from ..fs import files as sbfiles
 from ..fs import watch as fswatch
 from .events import EventBus
@@ -221,6 +221,11 @@ class WatchService:
                 elif ev[0] == "error":
                     raise io_error("watch", where, ev[1])
                 elif ev[0] in ("exited", "gone"):
+                    if run.stopped_by == "pause":
+                        raise Conflict(f"watch {where}: the sandbox was paused, which ends a microVM's file "
+                                       "watches (its guest's watcher does not outlive the pause); watch again "
+                                       "(that resumes it), and rescan what may have changed meanwhile",
+                                       {"sandbox": sb.id, "path": path})
                     if ev[0] == "gone":
                         # The channel closed: the VM is going. The destroy or
                         # death that closed it publishes its event once torn down.
@@ -239,6 +244,7 @@ class WatchService:
                 with contextlib.suppress(Exception):
                     run.kill()
             link.forget(run)
+            self.vms.watch_over(sb, run)
 
     async def _vm_record(self, f: list[str], top: str, where: str, ctx) -> dict | None:
         """One record of the guest's watch child; the request's result once it is the last."""

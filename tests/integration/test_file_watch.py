@@ -155,6 +155,26 @@ def test_vm_watch_stops_when_the_guest_dies(client):
         sb.destroy(force=True)
 
 
+def test_a_vm_watch_ends_at_a_pause_and_the_vm_serves_on(vm):
+    """A pause ends a VM's agent channel. A watch held open across it heard
+    nothing more, and failed only 30 s later; its child, left in the saved
+    guest, held an exec id the resumed VM's new channel then reused, and an
+    exec failed "File exists (guest agent, at exec id in use)". The pause now
+    ends the watch at once with a `conflict` saying so, and the VM serves on."""
+    vm.exec(["sh", "-c", "rm -rf /work && mkdir -p /work/pz"])
+    w = Watcher(vm, "/work/pz", recursive=True)
+    vm.pause()
+    with pytest.raises(DsecError) as err:
+        w.until(lambda e: False, timeout=10)
+    assert err.value.code == "conflict" and "paused" in err.value.message, err.value
+    for _ in range(8):
+        assert vm.exec(["true"]).exit_code == 0
+    w2 = Watcher(vm, "/work/pz")
+    vm.exec(["touch", "/work/pz/f"])
+    assert ("create", "/work/pz/f") in pairs(w2.until(lambda e: e["kind"] == "create"))
+    w2.gen.close()
+
+
 def test_refusals(sandbox):
     sandbox.write_file("/work/file", b"x")
     with pytest.raises(Exception, match="not a directory|Not a directory"):

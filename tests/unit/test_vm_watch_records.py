@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from dsecd.engine import watches
-from dsecd.errors import BadRequest, LimitExceeded
+from dsecd.errors import BadRequest, Conflict, LimitExceeded
 
 
 def rec(*fields: str) -> bytes:
@@ -28,6 +28,7 @@ class FakeRun:
             self.events.put_nowait(end)
         self.done = False
         self.killed = False
+        self.stopped_by = None
 
     async def next_event(self):
         return await self.events.get()
@@ -44,15 +45,16 @@ class Ctx:
         self.got.append(ev)
 
 
-def follow(chunks: list[bytes], end=None, max_dirs: int = 8):
+def follow(chunks: list[bytes], end=None, max_dirs: int = 8, stopped_by: str | None = None):
     run = FakeRun(chunks, end)
+    run.stopped_by = stopped_by
     link = SimpleNamespace(forget=lambda r: setattr(r, "done", True))
 
     async def start_watch(sb, path, recursive, max_dirs):
         return link, run
 
     svc = watches.WatchService(None, None, SimpleNamespace(subscribers=set()), None, 4, max_dirs,
-                               SimpleNamespace(start_watch=start_watch))
+                               SimpleNamespace(start_watch=start_watch, watch_over=lambda sb, r: None))
     ctx = Ctx()
 
     async def main():
@@ -98,3 +100,12 @@ def test_backlog_becomes_one_overflow(n):
     else:
         assert kinds.count("overflow") == 1 and kinds.count("modify") < n
         assert "lost" in got[1]["message"]
+
+
+def test_a_watch_its_pause_ended_says_so_at_once():
+    """Its child killed by the pause (MicroVMService._end_watches), a watch
+    ends with a conflict naming the pause, not after GONE_GRACE_S with "ended
+    without saying why"."""
+    err, got, _ = follow([rec("ready", "1")], ("exited", 9), stopped_by="pause")
+    assert isinstance(err, Conflict) and "paused" in str(err), err
+    assert got[0]["kind"] == "ready"

@@ -99,6 +99,10 @@ class AgentExec:
         self.ended = False          # EXITED, ERR or the channel's end came: no TAKEN will
         self.taken = asyncio.Event()
         self.taken.set()
+        # Why the host ended it, if it did on its own (not its consumer):
+        # "pause" (MicroVMService.pause); its consumer says so.
+        self.stopped_by: str | None = None
+        self.over = asyncio.Event()     # set with `ended`
         self._stdin_lock = asyncio.Lock()      # exec_input requests in the order they came
         self.window = window
         self.received = 0           # OUT data bytes routed to `events`
@@ -171,6 +175,7 @@ class AgentExec:
     def end(self) -> None:
         self.ended = True
         self.taken.set()
+        self.over.set()
 
 
 class AgentLink:
