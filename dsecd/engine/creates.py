@@ -700,7 +700,9 @@ class CreateService:
         hostname = req.hostname or f"sb-{sb_id}"
         check_hostname(hostname)
         sb = Sandbox(id=sb_id, image=req.image, state="creating", created=time.time(),
-                     limits={"cpu": limits.cpu, "memory": limits.memory_bytes, "pids": limits.pids,
+                     # A microVM's pids are not limited (check_create): null, not the default it lacks.
+                     limits={"cpu": limits.cpu, "memory": limits.memory_bytes,
+                             "pids": None if backend == "microvm" else limits.pids,
                              "cpu_quota": limits.cpu_hard_quota,
                              "disk": disk.disk_bytes if disk else None,
                              "disk_inodes": disk.inodes if disk else None},

@@ -149,10 +149,23 @@ class MicroVMService:
     # ------------------------------------------------------------ create
 
     def check_create(self, req, memory: int) -> None:
-        """What a VM cannot do (yet), refused before anything is made."""
+        """What a VM cannot do (yet), refused before anything is made: a
+        create that boots a VM none of whose execs could run (a task policy)
+        or that asks a limit it would not have (pids) fails now, not after
+        the boot."""
         self.require()
         if memory < MIN_GUEST_MEMORY:
             raise BadRequest(f"a microVM needs memory of at least {MIN_GUEST_MEMORY >> 20}M, got {memory} bytes")
+        if req.policy is not None:
+            # (A sandbox's policy comes from its create alone: no config default applies.)
+            raise Unsupported("create --backend microvm: task policies (--policy; Landlock and seccomp applied by "
+                              "dsec-init) are enforced in containers only, and every exec of the VM would be "
+                              "refused; create the microVM without --policy, or a container with it",
+                              {"policy": req.policy if isinstance(req.policy, str) else None})
+        if req.pids is not None:
+            raise Unsupported(f"create --backend microvm: --pids {req.pids} cannot be enforced in a microVM (its "
+                              "processes are the guest kernel's, and its guest has no pids limit); its --memory "
+                              "bounds them. Create it without --pids, or a container with it", {"pids": req.pids})
 
     async def create(self, sb: Sandbox, limits, disk: int) -> VmHandle:
         """Start the VM, from its template where there is one (made now if

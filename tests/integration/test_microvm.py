@@ -201,3 +201,21 @@ def test_stdin_is_held_back_while_the_process_does_not_read(vm_client, daemon):
         assert result.exit_code == 0 and out.strip() == str(piece * count).encode()
     finally:
         sb.destroy(force=True)
+
+
+def test_what_a_vm_cannot_enforce_is_refused_before_its_boot(vm_client):
+    """A task policy was accepted at create, after a whole boot, and then
+    refused every exec; --pids was accepted, shown by inspect and not
+    enforced (the guest ran any number of processes). Both are refused
+    before anything is made; a VM's inspect says its pids are not limited."""
+    before = {s["id"] for s in vm_client.list()}
+    for kw, what in (({"policy": "agent"}, "policies"), ({"pids": 64}, "--pids")):
+        with pytest.raises(dsecd.DsecError) as err:
+            _vm(vm_client, **kw)
+        assert err.value.code == "unsupported" and what in err.value.message, err.value
+    assert {s["id"] for s in vm_client.list()} == before
+    sb = _vm(vm_client)
+    try:
+        assert sb.inspect()["limits"]["pids"] is None
+    finally:
+        sb.destroy(force=True)
