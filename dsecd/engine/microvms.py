@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import shutil
+import signal
 import struct
 import sys
 import tarfile
@@ -529,8 +530,13 @@ class MicroVMService:
                 elif kind == "error":
                     raise exec_error(ev[1], argv[0], cwd)
                 elif kind == "gone":
-                    raise Conflict(f"sandbox {sb.id} is exiting; exec {argv[0]!r} ended with its VM",
-                                   {"sandbox": sb.id})
+                    if sb.state != "stopping":
+                        raise Conflict(f"sandbox {sb.id} is exiting; exec {argv[0]!r} ended with its VM",
+                                       {"sandbox": sb.id})
+                    # A destroy ended the VM, and the process with it: the
+                    # result a container's exec gets then, SIGKILL, which
+                    # _why_killed (engine/execs.py) says was the destroy's.
+                    status = signal.SIGKILL
         except BaseException:
             if run is not None and not run.done:
                 run.kill()

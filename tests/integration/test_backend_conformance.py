@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 
 import pytest
@@ -360,7 +361,23 @@ def test_destroy_leaves_nothing(box, daemon):
     info = sb.inspect()
     pid = info["init_pid"]
     cgroups = list(info["cgroups"].values())
-    sb.destroy()
+    # An exec running when the sandbox is destroyed ends killed by the
+    # destroy, on both backends (a VM's was a `conflict`, "sandbox is exiting").
+    ended: list = []
+    other = daemon.client()
+    try:
+        running = threading.Thread(target=lambda: ended.append(_run(other.get(sb.id), ["sleep", "60"])))
+        running.start()
+        deadline = time.monotonic() + 30
+        while sb.inspect()["execs_running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sb.destroy(force=True)
+        running.join(60)
+    finally:
+        other.close()
+    r, = ended
+    assert not isinstance(r, Exception), r
+    assert (r.signal, r.killed_by) == (9, "destroy"), r
     state["destroyed"] = True
     assert not os.path.exists(f"/proc/{pid}") or _is_zombie_gone(pid)
     assert not any(os.path.exists(d) for d in cgroups)
@@ -373,6 +390,13 @@ def test_destroy_leaves_nothing(box, daemon):
                 break
             time.sleep(0.05)
         assert not d.exists() or sb.id not in os.listdir(d)
+
+
+def _run(sb, argv):
+    try:
+        return sb.exec(argv, timeout=90)
+    except Exception as err:
+        return err
 
 
 def _is_zombie_gone(pid: int) -> bool:
