@@ -517,8 +517,12 @@ class MicroVMService:
                     data = ev[2]
                     room = cap - delivered
                     if len(data) > room:
+                        # The cap. A container's process then writes to a
+                        # closed pipe and dies of SIGPIPE (signal 13): so
+                        # here, and SIGKILL if output still comes (it
+                        # ignores or handles SIGPIPE).
+                        run.kill(signal.SIGKILL if truncated else signal.SIGPIPE)
                         data, truncated = data[:room], True
-                        run.kill()       # the cap: like EPIPE on the container side, the process stops
                     delivered += len(data)
                     if data:
                         if req.stream:

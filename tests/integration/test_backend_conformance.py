@@ -356,6 +356,15 @@ def test_lease_renewed_then_expired(box):
             sb.destroy(force=True)
 
 
+def test_output_past_the_cap_ends_the_command_as_a_closed_pipe(box):
+    """Past limits.max_exec_output_bytes a container's command writes to a
+    closed pipe and dies of SIGPIPE; a VM's was SIGKILLed (9), so scripts
+    saw another status for the same thing."""
+    _, sb, _, _ = box
+    r = sb.exec(["yes"], timeout=120)
+    assert r.truncated and not r.timed_out and r.signal == 13, (r.signal, r.exit_code)
+
+
 def test_destroy_leaves_nothing(box, daemon):
     c, sb, backend, state = box
     info = sb.inspect()
