@@ -660,7 +660,8 @@ async def cmd_run(c: Client, a) -> int:
 
     stdin = _stdin_as_it_comes() if a.interactive else None
     out = a.kept_output = CommandOutput(a.json)
-    run = c.run_stream(a.image, a.argv or None, a.entrypoint, a.timeout, stdin, a.rm, **create_args(a))
+    run = c.run_stream(a.image, a.argv or None, a.entrypoint, a.timeout, stdin, a.rm, backend=a.backend,
+                       **create_args(a))
     for signum in _ENDING_SIGNALS:
         loop.add_signal_handler(signum, on_signal, signum)
     try:
@@ -1456,7 +1457,7 @@ VALUED_OPTIONS = frozenset({"--timeout", "--env", "-e", "--env-file", "--cwd", "
                             "--image", "--code-file", "--stdin", "--policy",
                             # dsec run's: create's and its own
                             "--cpu", "--memory", "--pids", "--disk", "--label", "--hostname", "--net", "--allow",
-                            "--publish", "--ttl", "--idle-ttl", "--qos", "--entrypoint"})
+                            "--publish", "--ttl", "--idle-ttl", "--qos", "--entrypoint", "--backend"})
 
 
 # Options whose value is a number or a size: a negative one ("--memory -5M")
@@ -1588,6 +1589,13 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _backend_option(p: argparse.ArgumentParser) -> None:
+    """--backend of `dsec create` and `dsec run` (`dsec fleet create` has its own)."""
+    p.add_argument("--backend", choices=["container", "microvm"], help="container: namespaces and cgroups; "
+                   "microvm: a QEMU guest of its own (default: the daemon's sandbox.backend; `dsec info` "
+                   "says whether microvm is available here, and its accelerator)")
+
+
 def _create_options(p: argparse.ArgumentParser) -> None:
     """The options of a create, shared by `dsec create`, `dsec run` and `dsec fleet create`
     (clitext.create_args)."""
@@ -1692,9 +1700,7 @@ def build_parser() -> argparse.ArgumentParser:
     _create_options(cr)
     cr.add_argument("--lease", help="destroy unless renewed (SDK: Client.hold) within this long")
     cr.add_argument("--key", help="idempotency key: a retried create with it returns the same sandbox")
-    cr.add_argument("--backend", choices=["container", "microvm"], help="container: namespaces and cgroups; "
-                    "microvm: a QEMU guest of its own (default: the daemon's sandbox.backend; `dsec info` "
-                    "says whether microvm is available here, and its accelerator)")
+    _backend_option(cr)
 
     run = sub.add_parser("run", help="run an image's command in a new sandbox, removed afterwards "
                          "(docker run --rm)", usage="dsec run [options] IMAGE [--] [ARG...] "
@@ -1706,6 +1712,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "(its Cmd is dropped: ARGs follow PROGRAM)")
     run.add_argument("--timeout", type=float, help="seconds; the process group is killed after it")
     _create_options(run)
+    _backend_option(run)
     run.add_argument("image")
 
     pol = sub.add_parser("policy", help="task policies (Landlock): file, port, signal rules per exec")

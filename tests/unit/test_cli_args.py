@@ -264,6 +264,14 @@ def test_disk_is_a_create_and_run_option():
     assert create_args(cli.parse_args(["create", "--image", "busybox"]))["disk"] is None
 
 
+def test_backend_is_a_create_and_run_option():
+    """`dsec run --backend microvm` was "unrecognized arguments: --backend"."""
+    assert cli.parse_args(["create", "--image", "busybox", "--backend", "microvm"]).backend == "microvm"
+    a = cli.parse_args(["run", "--backend", "microvm", "busybox", "--", "uname", "-r"])
+    assert (a.backend, a.image, a.argv) == ("microvm", "busybox", ["uname", "-r"])
+    assert cli.parse_args(["run", "busybox"]).backend is None
+
+
 @pytest.mark.parametrize("args,usage", [
     (["ps", "nosuch"], "usage: dsec ps"),
     (["create", "--image", "busybox", "--bogus", "1T"], "usage: dsec create"),
