@@ -9,6 +9,7 @@ own command does, against the Client of the host that holds them.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import sys
@@ -63,21 +64,29 @@ async def run(a, commands: dict, named, ssh: SshOptions) -> int:
 
 async def _each_sandbox(fleet: Fleet, a, commands: dict, ids: list[str]) -> int:
     """rm / pause / resume of sandboxes (or SANDBOX:/paths) on any hosts:
-    dsec's own command per host, with that host's ids."""
+    dsec's own command per host, with that host's ids. A host whose command
+    fails does not stop the others; the status is 1 if anything failed."""
     by_host: dict = {}
     status = 0
     for sb_id in ids:
         try:
             sb = await fleet.get(sb_id)
-        except DsecError as err:
+        except (DsecError, ConnectionError) as err:
             print(f"dsec fleet {a.cmd}: {sb_id}: {err}", file=sys.stderr)
             status = 1
             continue
         by_host.setdefault(sb.client, []).append(sb_id)
+    words = list(a.sandboxes)
     for client, mine in by_host.items():
-        words = [s for s in a.sandboxes if (s.partition(":")[0] if ":" in s else s) in mine]
-        a.sandboxes = words
-        status = max(status, await commands[a.cmd](client, a))
+        # Each host's command gets its own copy of the arguments: the words
+        # (ids, or SANDBOX:/paths) naming that host's sandboxes, in the order given.
+        own = argparse.Namespace(**vars(a))
+        own.sandboxes = [w for w in words if w.partition(":")[0] in mine]
+        try:
+            status = max(status, await commands[a.cmd](client, own))
+        except (DsecError, ConnectionError) as err:
+            print(f"dsec fleet {a.cmd}: {short_name(client.target)}: {err}", file=sys.stderr)
+            status = 1
     return status
 
 

@@ -253,8 +253,17 @@ def test_dsec_fleet_runs_commands_across_hosts(fleet_env):
     assert "pause 3 sandbox(es)" in dsec("job", "pause", "fc")
     assert "resume 3 sandbox(es)" in dsec("job", "resume", "fc")
     assert dsec("--hosts", "h1,h2,h3", "info").count(" up ") == 3
-    dsec("rm", "--force", ids[0])
-    assert "rm 2 sandbox(es)" in dsec("job", "rm", "fc", "--force")
+    # Sandboxes on three hosts in one command: each host's command gets its own.
+    assert len({r["host"] for r in all_rows(fleet_env) if r["id"] in ids}) == 3
+    assert sorted(line.split()[0] for line in dsec("pause", *ids).splitlines()) == sorted(ids)
+    assert {r["state"] for r in all_rows(fleet_env) if r["id"] in ids} == {"paused"}
+    dsec("resume", *ids)
+    assert {r["state"] for r in all_rows(fleet_env) if r["id"] in ids} == {"running"}
+    dsec("pause", ids[2], "nosuch", code=1)           # one unknown id fails the status, the rest is done
+    assert [r["state"] for r in all_rows(fleet_env) if r["id"] == ids[2]] == ["paused"]
+    dsec("resume", ids[2])
+    assert sorted(dsec("rm", "--force", ids[0], ids[1]).split()) == sorted(ids[:2])
+    assert "rm 1 sandbox(es)" in dsec("job", "rm", "fc", "--force")
 
 
 def test_a_busy_host_is_passed_over_with_the_same_key(busybox_rootfs):

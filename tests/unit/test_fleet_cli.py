@@ -1,0 +1,73 @@
+"""dsec fleet's own handling of commands (dsecd/fleet_cli.py), with a
+stand-in Fleet: which host's client each command goes to, with which ids."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from types import SimpleNamespace
+
+from dsecd import fleet_cli
+from dsecd.errors import Conflict, NotFound
+
+
+class Host:
+    def __init__(self, name: str):
+        self.target = f"ssh://{name}"
+
+
+class StandInFleet:
+    """get() finds each sandbox on the host `where` names."""
+
+    def __init__(self, where: dict[str, Host]):
+        self.where = where
+
+    async def get(self, sb_id: str):
+        host = self.where.get(sb_id)
+        if host is None:
+            raise NotFound(f"no sandbox {sb_id!r} on any host that is up")
+        return SimpleNamespace(id=sb_id, client=host)
+
+
+def each_sandbox(cmd: str, words: list[str], where: dict[str, Host], fails: dict | None = None):
+    """fleet_cli._each_sandbox of `dsec fleet cmd WORDS...`: the status, and
+    the (host, sandboxes) each host's command was run with."""
+    seen = []
+
+    async def command(client, a):
+        seen.append((client.target, list(a.sandboxes)))
+        if fails and client.target in fails:
+            raise fails[client.target]
+        return 0
+
+    a = argparse.Namespace(cmd=cmd, sandboxes=list(words), json=False, all=False)
+    ids = [w.partition(":")[0] for w in words]
+    status = asyncio.run(fleet_cli._each_sandbox(StandInFleet(where), a, {cmd: command}, ids))
+    return status, seen, a
+
+
+def test_each_host_gets_its_own_sandboxes():
+    h1, h2, h3 = Host("h1"), Host("h2"), Host("h3")
+    where = {"sb1": h1, "sb2": h2, "sb3": h3, "sb4": h1}
+    for cmd in ("pause", "resume", "rm"):
+        status, seen, a = each_sandbox(cmd, ["sb1", "sb2", "sb3", "sb4"], where)
+        assert status == 0
+        assert sorted(seen) == [("ssh://h1", ["sb1", "sb4"]), ("ssh://h2", ["sb2"]), ("ssh://h3", ["sb3"])]
+        assert a.sandboxes == ["sb1", "sb2", "sb3", "sb4"]          # the caller's arguments are left as given
+
+
+def test_paths_go_to_their_sandboxs_host():
+    h1, h2 = Host("h1"), Host("h2")
+    status, seen, _ = each_sandbox("rm", ["sb1:/tmp/a", "sb2:/tmp/b", "sb1:/tmp/c"], {"sb1": h1, "sb2": h2})
+    assert status == 0
+    assert sorted(seen) == [("ssh://h1", ["sb1:/tmp/a", "sb1:/tmp/c"]), ("ssh://h2", ["sb2:/tmp/b"])]
+
+
+def test_a_failing_host_or_an_unknown_sandbox_fails_the_status_but_not_the_others(capsys):
+    h1, h2 = Host("h1"), Host("h2")
+    status, seen, _ = each_sandbox("pause", ["sb1", "nosuch", "sb2"], {"sb1": h1, "sb2": h2},
+                                   fails={"ssh://h1": Conflict("sandbox sb1 is dead")})
+    assert status == 1
+    assert sorted(seen) == [("ssh://h1", ["sb1"]), ("ssh://h2", ["sb2"])]
+    err = capsys.readouterr().err
+    assert "nosuch: not_found" in err and "h1: conflict: sandbox sb1 is dead" in err
