@@ -21,6 +21,7 @@ import collections
 import contextlib
 import grp
 import itertools
+import logging
 import os
 import posixpath
 import secrets
@@ -58,6 +59,12 @@ SHORT_SLOTS = 32
 # command runs, so a client that dies without removing it (SIGKILL, a lost
 # host) leaves it to the daemon, which destroys it this long after.
 RUN_LEASE_S = 60.0
+# A create abandoned after it was sent (cancelled, timed out): how long the
+# caller's cancel waits for the daemon's answer and, if the sandbox was made
+# all the same, for its destroy (one or two round trips, normally).
+ABANDONED_CREATE_WAIT_S = 10.0
+
+log = logging.getLogger(__name__)
 
 
 def default_socket() -> str:
@@ -292,6 +299,7 @@ class Client:
         self._conn: _Conn | None = None
         self._reconnecting = asyncio.Lock()
         self._closed = False
+        self._undoing: set[asyncio.Task] = set()      # destroys of what cancelled creates made
         self.server: dict = {}
         self.max_frame = 16 << 20
 
@@ -382,6 +390,9 @@ class Client:
     async def close(self) -> None:
         """Close the connection: an ssh:// one ends after the host answered
         what was sent (ssh is killed if it has not exited 2 s later)."""
+        if self._undoing:
+            # A create cancelled just before: what it made goes first, over this connection.
+            await asyncio.wait(set(self._undoing), timeout=ABANDONED_CREATE_WAIT_S)
         self._closed = True
         if self._conn is not None:
             await self._drop(self._conn)
@@ -571,8 +582,12 @@ class Client:
             raise self._lost_error(conn.lost, op, sent=False)
         pending = conn.pending[rid] = _Pending()
         finished = False
+        on_wire = False
         try:
             try:
+                # Once _send starts, the frame is in the transport's buffer (only
+                # its drain awaits): a cancel from here on finds it sent.
+                on_wire = True
                 await self._send(conn, rid, op, args)
             except ConnectionError as err:
                 raise self._lost_error(conn.lost or err, op, sent=True) from None
@@ -591,13 +606,57 @@ class Client:
                 yield {"__result__": frame.get("result", {})}
                 return
         finally:
-            conn.pending.pop(rid, None)
-            if not finished and conn.lost is None and not conn.writer.is_closing():
+            abandoned = not finished and conn.lost is None and not conn.writer.is_closing()
+            # An abandoned create keeps its entry: its final frame may still
+            # come (the daemon finished it before the cancel landed), and what
+            # it made must then be destroyed.
+            undo = abandoned and on_wire and op == "create"
+            if not undo:
+                conn.pending.pop(rid, None)
+            if abandoned:
                 # Abandoned early (break, exception, cancel): tell the daemon to stop it.
                 try:
                     await self._send(conn, next(self._ids), "cancel", {"target": rid})
                 except (ConnectionError, DsecError):
                     pass
+            if undo:
+                await self._undo_abandoned_create(conn, rid, pending)
+
+    async def _undo_abandoned_create(self, conn: _Conn, rid: int, pending: _Pending) -> None:
+        """A create the caller gave up on (a cancel, a timeout) after it was
+        sent: the daemon either cancels it (its answer is `conflict`, nothing
+        is left) or had already made the sandbox, whose result then comes
+        and the cancel finds no request in flight. Such a sandbox nobody
+        holds is destroyed, so that a cancelled create leaves nothing. Waited
+        for up to ABANDONED_CREATE_WAIT_S (the caller's cancel goes on after
+        that; the undo goes on in the background, and close() waits for it)."""
+        task = asyncio.get_running_loop().create_task(self._settle_abandoned_create(conn, rid, pending))
+        self._undoing.add(task)
+        task.add_done_callback(self._undoing.discard)
+        await asyncio.wait([task], timeout=ABANDONED_CREATE_WAIT_S)
+
+    async def _settle_abandoned_create(self, conn: _Conn, rid: int, pending: _Pending) -> None:
+        try:
+            while "stream" in (frame := await pending.queue.get()):
+                pass
+        finally:
+            conn.pending.pop(rid, None)
+        # Lost: nobody can tell here (the caller was told ConnectionLost, sent:
+        # a create with its key sent again finds what it made). An error: nothing was made.
+        if "__lost__" in frame or "error" in frame:
+            return
+        info = frame.get("result") or {}
+        if not info.get("id") or info.get("existing"):
+            return                  # the key's sandbox, made by an earlier create: not this one's to undo
+        try:
+            await self.request("destroy", sandbox=info["id"], force=True)
+            log.info("create on %s was cancelled after the daemon made sandbox %s: destroyed it",
+                     self.target, info["id"])
+        except NotFound:
+            pass
+        except (DsecError, ConnectionError) as err:
+            log.warning("create on %s was cancelled after the daemon made sandbox %s, and destroying it failed "
+                        "(%s): remove it with `dsec rm --force %s`", self.target, info["id"], err, info["id"])
 
     async def request(self, op: str, **args) -> dict:
         async with contextlib.aclosing(self.frames(op, **args)) as frames:

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -222,6 +224,59 @@ def test_fleet_places_spreads_and_fans_out(fleet_env):
             assert await fleet.list() == []
 
     asyncio.run(go())
+
+
+SLOW_SSH = """
+    # Stands in front of ssh (its argv after the delay): what ssh prints
+    # reaches the client DELAY seconds late, what the client sends goes at
+    # once. A create's result then comes well after the daemon made it.
+    import os, queue, subprocess, sys, threading, time
+    delay = float(sys.argv[1])
+    ssh = subprocess.Popen(sys.argv[2:], stdout=subprocess.PIPE)
+    chunks = queue.Queue()
+    def read():
+        while data := os.read(ssh.stdout.fileno(), 65536):
+            chunks.put((time.monotonic() + delay, data))
+        chunks.put((time.monotonic() + delay, b""))
+    threading.Thread(target=read, daemon=True).start()
+    while True:
+        due, data = chunks.get()
+        time.sleep(max(0.0, due - time.monotonic()))
+        if not data:
+            break
+        os.write(1, data)
+    sys.exit(ssh.wait())
+    """
+
+
+def test_a_create_timed_out_after_the_daemon_made_it_leaves_no_sandbox(fleet_env, tmp_path):
+    """Over a link whose answers come 1 s late, a create's timeout falls
+    after the daemon made the sandbox and before its result is in: the
+    cancel finds no request in flight there. The client destroys what the
+    result names before the timeout reaches the caller."""
+    slow = tmp_path / "slow-ssh"
+    slow.write_text(textwrap.dedent(SLOW_SSH))
+    ssh = dataclasses.replace(fleet_env.ssh, command=[sys.executable, str(slow), "1.0", *fleet_env.ssh.command])
+
+    async def go():
+        async with dsecd.Client("ssh://h1", ssh=ssh) as c:
+            t = time.monotonic()
+            sb = await c.create("busybox", **SMALL)
+            took = time.monotonic() - t            # the daemon's time, plus the 1 s its answer waited
+            await sb.destroy(force=True)
+            cut = 0
+            for _ in range(3):
+                try:
+                    # Half a second after the daemon is done, half a second before its answer is here.
+                    sb = await asyncio.wait_for(c.create("busybox", **SMALL), took - 0.5)
+                except TimeoutError:
+                    cut += 1
+                else:
+                    await sb.destroy(force=True)
+                assert await asyncio.to_thread(all_rows, fleet_env) == []
+            return cut
+
+    assert asyncio.run(go()) >= 2
 
 
 def test_sync_fleet(fleet_env):

@@ -1,0 +1,114 @@
+"""Requests the caller gives up on (a cancel, a timeout), against a
+stand-in daemon on a unix socket: a create the daemon finished before the
+cancel landed is destroyed, not left for nobody to find."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dsecd import Client, protocol
+
+
+class StandInDaemon:
+    """Answers hello; holds each create until its cancel comes, then answers
+    it as `on_cancel` says: "made" (the create had finished: its result goes
+    first, and the cancel finds nothing in flight), "existing" (the same,
+    the key's sandbox from before) or "cancelled" (conflict). Notes every
+    request's op and args."""
+
+    def __init__(self, path: str, on_cancel: str):
+        self.path = path
+        self.on_cancel = on_cancel
+        self.seen: list[tuple[str, dict]] = []
+        self.server: asyncio.AbstractServer | None = None
+
+    async def __aenter__(self) -> StandInDaemon:
+        self.server = await asyncio.start_unix_server(self._serve, self.path)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+    def ops(self, op: str) -> list[dict]:
+        return [args for o, args in self.seen if o == op]
+
+    async def _serve(self, reader, writer) -> None:
+        dec = protocol.FrameDecoder(1 << 20)
+        held: dict[int, dict] = {}
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                op, rid, args = f["op"], f["id"], f.get("args", {})
+                self.seen.append((op, args))
+                if op == "hello":
+                    writer.write(protocol.encode_frame({"id": rid, "result": {"limits": {}}}))
+                elif op == "create":
+                    held[rid] = args
+                elif op == "cancel":
+                    target = args["target"]
+                    held.pop(target, None)
+                    if self.on_cancel == "cancelled":
+                        writer.write(protocol.encode_frame(
+                            {"id": target, "error": {"code": "conflict", "message": "request cancelled"}}))
+                        writer.write(protocol.encode_frame({"id": rid, "result": {"cancelled": target}}))
+                        continue
+                    made = {"id": "sb-late", **({"existing": True} if self.on_cancel == "existing" else {})}
+                    writer.write(protocol.encode_frame({"id": target, "result": made}))
+                    writer.write(protocol.encode_frame({"id": rid, "error": {
+                        "code": "bad_request", "message": f"no request {target} in flight on this connection"}}))
+                elif op == "destroy":
+                    writer.write(protocol.encode_frame({"id": rid, "result": {"id": args["sandbox"]}}))
+            await writer.drain()
+
+
+def cancelled_create(tmp_path, on_cancel: str, close_at_once: bool = False) -> StandInDaemon:
+    """A create that times out (asyncio.wait_for) against the stand-in daemon:
+    what the daemon saw by the time the timeout reached the caller (or, with
+    close_at_once, by the time the client's close() returned)."""
+    daemon = StandInDaemon(str(tmp_path / "d.sock"), on_cancel)
+
+    async def go():
+        async with daemon:
+            c = Client(daemon.path)
+            await c.connect()
+            try:
+                create = c.create("busybox", key="k1")
+                if close_at_once:
+                    task = asyncio.ensure_future(create)
+                    await asyncio.sleep(0.1)
+                    task.cancel()
+                    await asyncio.sleep(0)         # the cancel lands; close() must wait for the undo
+                else:
+                    with pytest.raises(TimeoutError):
+                        await asyncio.wait_for(create, 0.1)
+                    return [op for op, _ in daemon.seen]
+            finally:
+                await c.close()
+            return [op for op, _ in daemon.seen]
+
+    daemon.seen_by_then = asyncio.run(go())
+    return daemon
+
+
+def test_a_create_made_before_its_cancel_landed_is_destroyed(tmp_path):
+    daemon = cancelled_create(tmp_path, "made")
+    assert daemon.seen_by_then == ["hello", "create", "cancel", "destroy"]
+    assert daemon.ops("destroy") == [{"sandbox": "sb-late", "force": True}]
+
+
+def test_closing_the_client_waits_for_the_undo_of_a_cancelled_create(tmp_path):
+    daemon = cancelled_create(tmp_path, "made", close_at_once=True)
+    assert daemon.ops("destroy") == [{"sandbox": "sb-late", "force": True}]
+
+
+def test_a_create_the_daemon_cancelled_destroys_nothing(tmp_path):
+    daemon = cancelled_create(tmp_path, "cancelled")
+    assert daemon.seen_by_then == ["hello", "create", "cancel"] and daemon.ops("destroy") == []
+
+
+def test_the_sandbox_of_a_key_from_an_earlier_create_is_not_destroyed(tmp_path):
+    """`existing`: the key's sandbox, made and handed out before; not this create's to undo."""
+    daemon = cancelled_create(tmp_path, "existing")
+    assert daemon.seen_by_then == ["hello", "create", "cancel"] and daemon.ops("destroy") == []
