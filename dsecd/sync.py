@@ -9,7 +9,9 @@
 It owns a private event loop in a thread of its own and hands each call to
 it, so one SyncClient can be shared by many threads: their calls run
 concurrently over its one connection (queued past the daemon's per-client
-limit, as the async client's are).
+limit, as the async client's are). A call interrupted while it waits (a
+Ctrl-C's KeyboardInterrupt) cancels its request, as a cancelled task does
+with the async client: an exec is killed, a create leaves no sandbox.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import threading
 from collections.abc import Iterator
 
 from .client import (
+    ABANDONED_CREATE_WAIT_S,
     Client,
     ExecResult,
     ExecStream,
@@ -341,9 +344,45 @@ class SyncProcess:
         return self._owner._run(self._proc.kill(signal))
 
 
-async def _awaited(awaitable):
+# A call interrupted while it waits (KeyboardInterrupt): how long the calling
+# thread waits for its request to be cancelled on the loop (the cancel sent;
+# a create's sandbox, if the daemon made it, destroyed) before it raises. As
+# long as the client waits for such a destroy, and a little more: a program
+# that exits on the interrupt would otherwise end the loop's thread (a
+# daemon thread) with the destroy still under way, leaving the sandbox.
+CANCEL_WAIT_S = ABANDONED_CREATE_WAIT_S + 2.0
+
+
+class _Call:
+    """One call handed to the loop: its task once it runs, and `ended` once it has."""
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task | None = None
+        self.cancelled = False
+        self.ended = threading.Event()
+
+    def cancel(self) -> None:
+        """On the loop: cancel the call's task, or, if it has not started, keep it from starting."""
+        if self.task is not None:
+            self.task.cancel()
+        else:
+            self.cancelled = True
+            self.ended.set()
+
+
+async def _awaited(awaitable, call: _Call | None = None):
     """A coroutine for any awaitable (an async generator's __anext__ is not one)."""
-    return await awaitable
+    if call is None:
+        return await awaitable
+    if call.cancelled:
+        if asyncio.iscoroutine(awaitable):
+            awaitable.close()
+        raise asyncio.CancelledError
+    call.task = asyncio.current_task()
+    try:
+        return await awaitable
+    finally:
+        call.ended.set()
 
 
 class _LoopThread:
@@ -370,7 +409,20 @@ class _LoopThread:
             if asyncio.iscoroutine(awaitable):
                 awaitable.close()
             raise ConnectionError(f"this {self._what} is closed")
-        return self._submit(awaitable).result()
+        call = _Call()
+        future = asyncio.run_coroutine_threadsafe(_awaited(awaitable, call), self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            # Interrupted (KeyboardInterrupt, SystemExit from a signal handler)
+            # while the request runs on the loop: cancel it there, or it would
+            # go on unseen (an exec running, a create making a sandbox nobody
+            # holds), and give the cancel a moment to reach the daemon.
+            if not future.done():
+                with contextlib.suppress(RuntimeError):        # the loop was closed meanwhile
+                    self._loop.call_soon_threadsafe(call.cancel)
+                    call.ended.wait(CANCEL_WAIT_S)
+            raise
 
     def _submit(self, awaitable) -> concurrent.futures.Future:
         """Start `awaitable` on the loop; its future."""

@@ -1,19 +1,23 @@
-"""Requests the caller gives up on (a cancel, a timeout), against a
-stand-in daemon on a unix socket: a create the daemon finished before the
-cancel landed is destroyed, not left for nobody to find."""
+"""Requests the caller gives up on (a cancel, a timeout, a Ctrl-C in a
+SyncClient's call), against a stand-in daemon on a unix socket: the daemon
+is told to cancel them, and a create it finished before the cancel landed
+is destroyed, not left for nobody to find."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
+import threading
+import time
 
 import pytest
 
-from dsecd import Client, protocol
+from dsecd import Client, SyncClient, protocol
 
 
 class StandInDaemon:
-    """Answers hello; holds each create until its cancel comes, then answers
-    it as `on_cancel` says: "made" (the create had finished: its result goes
+    """Answers hello; holds each create and exec until its cancel comes (an
+    exec's answer is then `conflict`, a create's  as `on_cancel` says: "made" (the create had finished: its result goes
     first, and the cancel finds nothing in flight), "existing" (the same,
     the key's sandbox from before) or "cancelled" (conflict). Notes every
     request's op and args."""
@@ -44,12 +48,12 @@ class StandInDaemon:
                 self.seen.append((op, args))
                 if op == "hello":
                     writer.write(protocol.encode_frame({"id": rid, "result": {"limits": {}}}))
-                elif op == "create":
+                elif op in ("create", "exec"):
                     held[rid] = args
                 elif op == "cancel":
                     target = args["target"]
-                    held.pop(target, None)
-                    if self.on_cancel == "cancelled":
+                    what = held.pop(target, None)
+                    if self.on_cancel == "cancelled" or "argv" in (what or {}):
                         writer.write(protocol.encode_frame(
                             {"id": target, "error": {"code": "conflict", "message": "request cancelled"}}))
                         writer.write(protocol.encode_frame({"id": rid, "result": {"cancelled": target}}))
@@ -112,3 +116,58 @@ def test_the_sandbox_of_a_key_from_an_earlier_create_is_not_destroyed(tmp_path):
     """`existing`: the key's sandbox, made and handed out before; not this create's to undo."""
     daemon = cancelled_create(tmp_path, "existing")
     assert daemon.seen_by_then == ["hello", "create", "cancel"] and daemon.ops("destroy") == []
+
+
+def interrupted_sync_call(tmp_path, on_cancel: str, call) -> StandInDaemon:
+    """call(sync_client) interrupted by a SIGINT to this thread while it
+    waits: what the daemon saw soon after the KeyboardInterrupt came out
+    (before the client's close, which would end the request anyway)."""
+    daemon = StandInDaemon(str(tmp_path / "d.sock"), on_cancel)
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    stop = asyncio.Event()
+
+    async def serve():
+        async with daemon:
+            ready.set()
+            await stop.wait()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    assert ready.wait(5)
+    main = threading.get_ident()
+    c = SyncClient(daemon.path)
+    try:
+        c.connect()
+        timer = threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT))
+        timer.start()
+        t = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            call(c)
+        daemon.took = time.monotonic() - t
+        # The cancel has been sent; give the stand-in a moment to read it.
+        for _ in range(100):
+            if "cancel" in [op for op, _ in daemon.seen]:
+                break
+            time.sleep(0.01)
+        daemon.seen_by_then = [op for op, _ in daemon.seen]
+    finally:
+        c.close()
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(5)
+        loop.close()
+    return daemon
+
+
+def test_an_exec_interrupted_by_ctrl_c_in_a_sync_client_is_cancelled(tmp_path):
+    def call(c):
+        c.request("exec", sandbox="sb1", argv=["sleep", "60"])
+
+    daemon = interrupted_sync_call(tmp_path, "cancelled", call)
+    assert daemon.seen_by_then == ["hello", "exec", "cancel"] and daemon.took < 5
+
+
+def test_a_create_interrupted_by_ctrl_c_in_a_sync_client_leaves_nothing(tmp_path):
+    daemon = interrupted_sync_call(tmp_path, "made", lambda c: c.create("busybox"))
+    assert daemon.seen_by_then == ["hello", "create", "cancel", "destroy"]
+    assert daemon.ops("destroy") == [{"sandbox": "sb-late", "force": True}]
