@@ -40,10 +40,15 @@ room for the sandbox, the first by
              reads less from the store.
 
 Creates carry an idempotency key (one is made when none is given). A host
-answering `busy` (or not_found: no such image there) is skipped and the
-same key is sent to the next best; when every host refuses, the create
-fails with `busy` naming each host's reason. A key remembers its host: a
-create sent again with it goes back there and gets the same sandbox.
+answering `busy` (or not_found: no such image there; or bad_request for
+more than it can ever give a sandbox) is skipped and the same key is sent
+to the next best. When no host takes it, the create fails with `busy`
+naming each host's reason if any host is merely full, busy or down (a
+retry may succeed); if every host refused for good, with that error
+instead: `not_found` (no host has the image) or `bad_request` (no host is
+large enough; a host whose `info` says so is not even asked). A key
+remembers its host: a create sent again with it goes back there and gets
+the same sandbox.
 
 Failure. Every host is pinged each `heartbeat_s`; a host whose connection
 drops, or from which nothing (no answer, no frame) came for `down_after_s`,
@@ -193,6 +198,21 @@ class FleetHost:
             total += size
             held += size * (1.0 if d in self.mounted else self.cached.get(d, 0.0))
         return held / total
+
+    def never_fits(self, shape: _Shape) -> str | None:
+        """Why a sandbox of `shape` could not run here even on an empty host
+        (more CPUs or memory than its `info` says it can ever give one, as
+        the daemon's own check, cpu/admission.py never_fits), else None."""
+        adm = (self.info or {}).get("cpu", {}).get("admission", {})
+        cpu, mem = adm.get("cpu", {}), adm.get("memory", {})
+        cpu_max = min((x for x in (cpu.get("cpus"), cpu.get("capacity")) if x), default=None)
+        if cpu_max is not None and shape.cpu > cpu_max + 1e-9:
+            return f"asks for {shape.cpu:g} CPUs, more than this host can ever give a sandbox ({cpu_max:g})"
+        mem_max = min((x for x in (mem.get("mem_total"), mem.get("capacity")) if x), default=None)
+        if mem_max is not None and shape.memory > mem_max:
+            return (f"asks for {shape.memory >> 20} MiB of memory, more than this host can ever give a sandbox "
+                    f"({mem_max >> 20} MiB)")
+        return None
 
     def load_after(self, shape: _Shape) -> float | None:
         """The fullest resource's share once `shape` is added; None if it does not fit."""
@@ -480,18 +500,25 @@ class Fleet:
 
     # ---------------------------------------------------------------- placement
 
-    def _place(self, image: str, job: str, shape: _Shape, skip: dict[str, str]) -> FleetHost | None:
+    def _place(self, image: str, job: str, shape: _Shape, skip: dict[str, str],
+               lasting: dict[str, str] | None = None) -> FleetHost | None:
+        """The best up host not in `skip`; the hosts passed over go into
+        `skip` (host -> why), and into `lasting` (host -> error code) those
+        that can never take this create (see _no_host)."""
+        lasting = {} if lasting is None else lasting
         now = asyncio.get_running_loop().time()
         candidates = [h for h in self.up_hosts() if h.target not in skip]
         for h in candidates:
             if h.busy_until > now:
                 skip[h.target] = "answered busy moments ago"
+            elif (why := h.never_fits(shape)) is not None:
+                skip[h.target] = why
+                lasting[h.target] = BadRequest.code
         candidates = [h for h in candidates if h.target not in skip]
         holding = [h for h in candidates if h.has_image(image) is not False]
-        for h in candidates:
-            if h not in holding:
-                skip[h.target] = f"no image {image!r} there"
-        # A host whose image list is stale may have it after all: try those last.
+        # A host whose image list lacks it may have it after all (the list is
+        # stale): such hosts are tried once none that lists it is left, and
+        # count as lacking it only when they answer so.
         candidates = holding or candidates
         best: tuple | None = None
         for h in candidates:
@@ -508,14 +535,17 @@ class Fleet:
     async def create(self, image: str, *, key: str | None = None, labels: dict | None = None,
                      cpu: float | None = None, memory: int | str | None = None, **create_args) -> FleetSandbox:
         """Client.create on the best host (see the module's docstring); the
-        sandbox's `host` says where. `busy` (with detail.hosts: each host's
-        reason) when no host takes it."""
+        sandbox's `host` says where. When no host takes it: `busy` (with
+        detail.hosts: each host's reason) if some host is full, busy or
+        down; `not_found` (no host has the image) or `bad_request` (more than
+        any host can ever give a sandbox) if every host refused for good."""
         key = key or f"fleet-{secrets.token_hex(10)}"
         labels = dict(labels or {})
         job = labels.get("job", "")
         shape = _Shape(DEFAULT_CPU if cpu is None else float(cpu),
                        DEFAULT_MEMORY if memory is None else parse_size(memory))
         skip: dict[str, str] = {}
+        lasting: dict[str, str] = {}       # hosts that can never take it: host -> error code
         while True:
             home = self.hosts.get(self._key_home.get(key, ""))
             if home is not None and not home.up:
@@ -526,9 +556,9 @@ class Fleet:
             if home is not None and home.target not in skip:
                 host = home                  # the key's sandbox is there: the same answer again
             else:
-                host = self._place(image, job, shape, skip)
+                host = self._place(image, job, shape, skip, lasting)
             if host is None:
-                raise self._no_host(image, skip)
+                raise self._no_host(image, skip, lasting)
             host.count(shape, 1)
             host.pending_jobs[job] += 1
             try:
@@ -542,6 +572,14 @@ class Fleet:
                 if host.images is not None:
                     host.images.pop(image, None)
                 skip[host.target] = f"not_found: {err.message}"
+                lasting[host.target] = err.code
+                continue
+            except BadRequest as err:
+                if not err.detail.get("resource"):
+                    raise                       # the request itself is wrong: every host would say so
+                # More than this host can ever give (cpu/admission.py never_fits): a larger one may take it.
+                skip[host.target] = f"bad_request: {err.message}"
+                lasting[host.target] = err.code
                 continue
             except ConnectionLost as err:
                 if err.sent:
@@ -561,12 +599,24 @@ class Fleet:
             self._where[sb.id] = host.target
             return FleetSandbox(self, sb)
 
-    def _no_host(self, image: str, skip: dict[str, str]) -> DsecError:
+    def _no_host(self, image: str, skip: dict[str, str], lasting: dict[str, str] | None = None) -> DsecError:
+        """Why no host took a create (or call): `busy` while some host may
+        take it later (full, busy, down); when every host refused it for
+        good (`lasting`: no such image there, more than it can ever give),
+        that error instead, since retrying cannot help."""
+        lasting = lasting or {}
         down = {h.target: f"down: {h.reason}" for h in self.hosts.values() if not h.up}
         reasons = {**down, **skip}
         text = "; ".join(f"{short_name(t)}: {why}" for t, why in reasons.items())
         if not self.up_hosts():
             return Busy(f"create {image!r}: no host of the fleet is up ({text})", {"hosts": reasons})
+        if reasons and set(reasons) <= set(lasting):
+            if all(code == NotFound.code for code in lasting.values()):
+                return NotFound(f"create {image!r}: no host of the fleet has the image ({text})",
+                                {"image": image, "hosts": reasons})
+            return BadRequest(f"create {image!r}: no host of the fleet can ever take it as asked ({text}); "
+                              "ask for less, or add a host that has the image and is large enough",
+                              {"image": image, "hosts": reasons})
         return Busy(f"create {image!r}: no host took it ({text}); retry later or add hosts",
                     {"hosts": reasons, "retry_after_s": BUSY_BACKOFF_S})
 

@@ -27,7 +27,7 @@ from fleet_kit import SimFleet, kill_tree, sshd_skip_reason
 
 import dsecd
 from dsecd import ConnectionLost, protocol
-from dsecd.errors import Busy
+from dsecd.errors import BadRequest, Busy, NotFound
 
 pytestmark = pytest.mark.skipif(sshd_skip_reason() is not None, reason=sshd_skip_reason() or "")
 
@@ -221,6 +221,13 @@ def test_fleet_places_spreads_and_fans_out(fleet_env):
             assert sbs[0].id not in fleet.hosts[sbs[0].host].sandboxes
             removed = await fleet.job_rm("spread", force=True)
             assert len(removed["destroyed"]) == 11
+            assert await fleet.list() == []
+            # What no host can ever do is said as such, not as busy.
+            with pytest.raises(NotFound, match="no host of the fleet has the image"):
+                await fleet.create("nosuch", **SMALL)
+            for ask in ({"cpu": 1000, "memory": "64M"}, {"cpu": 0.1, "memory": "1T"}):
+                with pytest.raises(BadRequest, match="more than this host can ever give"):
+                    await fleet.create("busybox", **ask)
             assert await fleet.list() == []
 
     asyncio.run(go())

@@ -11,7 +11,7 @@ import pytest
 
 from dsecd import ConnectionLost, Fleet
 from dsecd.client import Sandbox
-from dsecd.errors import Busy, NotFound
+from dsecd.errors import BadRequest, Busy, NotFound
 
 
 def info(cpu_req=0.0, cpu_cap=128.0, mem_req=0, mem_cap=100 << 30, live=0, max_sandboxes=4096) -> dict:
@@ -84,8 +84,26 @@ def test_full_host_unknown_image_and_recent_busy_are_skipped():
         return skip
 
     skip = run(go())
-    assert set(skip) == {"/nonexistent/h1.sock", "/nonexistent/h2.sock", "/nonexistent/h3.sock"}
-    assert "full" in skip["/nonexistent/h1.sock"] and "no image" in skip["/nonexistent/h2.sock"]
+    # h2 is passed over while a host that lists the image is left, not skipped
+    # for good: its list may be stale (the next test).
+    assert set(skip) == {"/nonexistent/h1.sock", "/nonexistent/h3.sock"}
+    assert "full" in skip["/nonexistent/h1.sock"]
+
+
+def test_a_host_whose_list_lacks_the_image_is_asked_once_those_listing_it_refused():
+    """Lists are a second old: the one host that lists the image answers
+    not_found (its image was removed), the one that does not list it has it
+    by now. The create lands there; not_found only when it too says so."""
+    async def go():
+        f = fleet_of(2)
+        a, b = f.hosts.values()
+        b.images = {}
+        a.client = FakeClient(a.target, [NotFound("no image 'busybox'")])
+        b.client = FakeClient(b.target, ["sb-b"])
+        sb = await f.create("busybox")
+        return sb.id, len(a.client.keys), len(b.client.keys)
+
+    assert run(go()) == ("sb-b", 1, 1)
 
 
 def test_mounted_layers_win_a_tie():
@@ -148,6 +166,84 @@ def test_every_host_refusing_is_busy_with_each_reason():
     err = run(go())
     assert set(err.detail["hosts"]) == {"/nonexistent/h1.sock", "/nonexistent/h2.sock"}
     assert "cpu full" in str(err) and "no image" in str(err)
+
+
+def test_no_host_having_the_image_is_not_found_not_busy():
+    async def go():
+        f = fleet_of(2)
+        a, b = f.hosts.values()
+        a.images = b.images = {}                             # neither lists it: both are asked all the same
+        a.client = FakeClient(a.target, [NotFound("no image 'nosuch'")])
+        b.client = FakeClient(b.target, [NotFound("no image 'nosuch'")])
+        with pytest.raises(NotFound) as e:
+            await f.create("nosuch")
+        return e.value, a.client.keys + b.client.keys
+
+    err, asked = run(go())
+    assert len(asked) == 2 and "retry" not in str(err) and "retry_after_s" not in err.detail
+    assert set(err.detail["hosts"]) == {"/nonexistent/h1.sock", "/nonexistent/h2.sock"}
+    assert "no host of the fleet has the image" in str(err) and "no image 'nosuch'" in str(err)
+
+
+@pytest.mark.parametrize("ask", [{"cpu": 1000}, {"memory": "1T"}])
+def test_more_than_any_host_can_ever_give_is_a_bad_request_not_busy(ask):
+    async def go():
+        f = fleet_of(2)
+        for h in f.hosts.values():
+            h.info["cpu"]["admission"]["cpu"]["cpus"] = 16
+            h.info["cpu"]["admission"]["memory"]["mem_total"] = 64 << 30
+            h.client = FakeClient(h.target, [])              # never asked: its info says it cannot
+        with pytest.raises(BadRequest) as e:
+            await f.create("busybox", **ask)
+        return e.value
+
+    err = run(go())
+    assert "more than this host can ever give" in str(err) and "retry_after_s" not in err.detail
+    assert set(err.detail["hosts"]) == {"/nonexistent/h1.sock", "/nonexistent/h2.sock"}
+
+
+def test_a_host_too_small_by_its_own_answer_is_passed_over_for_a_larger_one():
+    async def go():
+        f = fleet_of(2)
+        a, b = f.hosts.values()
+        a.mounted = {"sha256:aa"}                            # a is tried first
+        a.client = FakeClient(a.target, [BadRequest(
+            "asks for 8 CPUs, more than this host can ever give a sandbox (4)",
+            {"resource": "cpu", "asking": 8, "max": 4})])
+        b.client = FakeClient(b.target, ["sb-b"])
+        return await f.create("busybox", cpu=8)
+
+    assert run(go()).id == "sb-b"
+
+
+def test_a_bad_request_every_host_would_give_is_raised_at_once():
+    async def go():
+        f = fleet_of(2)
+        a, b = f.hosts.values()
+        a.mounted = {"sha256:aa"}
+        a.client = FakeClient(a.target, [BadRequest("unknown qos class 'x'")])
+        b.client = FakeClient(b.target, ["sb-b"])
+        with pytest.raises(BadRequest, match="unknown qos"):
+            await f.create("busybox", qos="x")
+        return b.client.keys
+
+    assert run(go()) == []
+
+
+def test_a_permanent_refusal_beside_a_busy_or_down_host_is_still_busy():
+    async def go():
+        f = fleet_of(3)
+        a, b, c = f.hosts.values()
+        a.client = FakeClient(a.target, [NotFound("no image 'busybox'")])
+        b.client = FakeClient(b.target, [Busy("cpu full")])
+        c.up = False
+        c.reason = "heartbeat failed"
+        with pytest.raises(Busy) as e:
+            await f.create("busybox")
+        return e.value
+
+    err = run(go())
+    assert err.detail["retry_after_s"] and "down: heartbeat failed" in str(err) and "no image" in str(err)
 
 
 def test_a_lost_answer_is_settled_when_the_host_rejoins():
