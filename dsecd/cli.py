@@ -1873,6 +1873,7 @@ def build_fleet_parser() -> argparse.ArgumentParser:
 FLEET_HELP = """\
 Runs a dsec command across the hosts' daemons, reached over ssh:
   create                 placed on one host (free capacity, image, spread of its job); prints its id
+  run                    its sandbox placed as create's; the command runs there, the sandbox is removed
   ps, top, info, image ls  every host's, with a HOST column
   job pause|resume|rm, rm --all, image build|import|rm|gc, pool set
                          on every host at once

@@ -967,7 +967,8 @@ class RunStream:
         try:
             if self.remove:      # renewed at a third of the lease, to the lease it was made with
                 every = parse_duration(create_args["lease"], "lease") / 3
-                self._hold = self.client.hold([self.sandbox.id], None, every)
+                # The sandbox's own client: a fleet's run (dsec fleet run) made it on its host's.
+                self._hold = self.sandbox.client.hold([self.sandbox.id], None, every)
             self.stream = self.sandbox.exec_stream(self.argv, timeout=self.timeout, stdin=self.stdin)
         except BaseException:
             await self._remove(True)

@@ -2,8 +2,8 @@
 
 The command line is parsed as dsec's own (cli.parse_args); here it runs
 through a dsecd.Fleet instead of one Client. Commands about the whole fleet
-(create, ps, top, info, job, rm --all, events, call, image, pool) have their
-own versions below; every other command names sandboxes and runs, as dsec's
+(create, ps, top, info, job, rm --all, events, call, run, image, pool) have
+their own versions below; every other command names sandboxes and runs, as dsec's
 own command does, against the Client of the host that holds them.
 """
 
@@ -15,6 +15,7 @@ import json
 import sys
 import time
 
+from .client import RunStream
 from .clitext import (
     UsageError,
     create_args,
@@ -42,8 +43,8 @@ async def run(a, commands: dict, named, ssh: SshOptions) -> int:
                 print(f"dsec fleet: {short_name(st['host'])} is down: {st['reason']}", file=sys.stderr)
         if not up:
             raise ConnectionError("no host of the fleet answered; see the reasons above")
-        if a.cmd == "call":            # dsec's own, with the call placed by the fleet
-            return await commands["call"](_CallThroughFleet(fleet), a)
+        if a.cmd in ("call", "run"):   # dsec's own, with the call or the run's sandbox placed by the fleet
+            return await commands[a.cmd](_ThroughFleet(fleet), a)
         own = FLEET_COMMANDS.get(a.cmd)
         if own is not None and (a.cmd != "rm" or a.all):
             return await own(fleet, a)
@@ -220,11 +221,29 @@ async def fleet_events(fleet: Fleet, a) -> int:
     return 0
 
 
-class _CallThroughFleet:
-    """What cli.cmd_call needs of a client: call(), placed by the fleet."""
+class _ThroughFleet:
+    """What cli.cmd_call and cli.cmd_run need of a client, placed by the
+    fleet: call() on the least loaded host holding the image; run_stream()
+    whose sandbox fleet.create makes (placed as `dsec fleet create`'s), its
+    command, lease and removal then going straight to that sandbox's host."""
 
     def __init__(self, fleet: Fleet):
+        self.fleet = fleet
         self.call = fleet.call
+
+    def run_stream(self, image: str, args: list[str] | None = None, entrypoint=None, timeout: float | None = None,
+                   stdin=None, remove: bool = True, **create_args) -> RunStream:
+        return RunStream(self, image, args, entrypoint, timeout, stdin, remove, create_args)
+
+    async def inspect_image(self, name: str) -> dict:
+        """The image as an up host that lists it has it (placement prefers
+        those): its config says what the run starts, before anything is made."""
+        up = self.fleet.up_hosts()
+        host = next((h for h in up if h.has_image(name)), up[0])
+        return await host.client.inspect_image(name)
+
+    async def create(self, image: str, **create_args):
+        return await self.fleet.create(image, **create_args)
 
 
 async def _on_every_host(fleet: Fleet, a, what: str, fn) -> int:

@@ -326,6 +326,16 @@ def test_dsec_fleet_runs_commands_across_hosts(fleet_env):
     dsec("resume", ids[2])
     assert sorted(dsec("rm", "--force", ids[0], ids[1]).split()) == sorted(ids[:2])
     assert "rm 1 sandbox(es)" in dsec("job", "rm", "fc", "--force")
+    # run's sandbox is placed as create's: a job's runs spread over the hosts.
+    assert "  run " in dsec("--help")
+    for _ in range(3):
+        assert dsec("run", "--no-rm", "--cpu", "0.1", "--memory", "64M", "--label", "job=fr", "busybox",
+                    "--", "echo", "ran") == "ran\n"
+    runs = [r for r in all_rows(fleet_env) if r["labels"].get("job") == "fr"]
+    assert len(runs) == 3 and len({r["host"] for r in runs}) == 3, runs
+    assert "rm 3 sandbox(es)" in dsec("job", "rm", "fr", "--force")
+    assert dsec("run", "--cpu", "0.1", "--memory", "64M", "busybox", "--", "echo", "gone") == "gone\n"
+    assert all_rows(fleet_env) == []                    # the run's sandbox removed, on whichever host
 
 
 def test_a_busy_host_is_passed_over_with_the_same_key(busybox_rootfs):
