@@ -56,7 +56,15 @@ from .clitext import kv as _kv
 from .clitext import pct as _pct
 from .clitext import print_json as _print_json
 from .clitext import table as _table
-from .errors import BadRequest, ConnectionLost, DsecError, NotFound, PermissionDenied, io_error
+from .errors import (
+    BadRequest,
+    ConnectionLost,
+    DsecError,
+    HostsDown,
+    NotFound,
+    PermissionDenied,
+    io_error,
+)
 from .fds import read_ready
 from .fleet import fleet_target
 from .localcopy import LocalCopyError
@@ -2070,6 +2078,8 @@ def _connection_error(err: ConnectionError) -> dict:
     detail = {}
     if isinstance(err, ConnectionLost):
         detail = {"target": err.target, "op": err.op, "sent": err.sent}
+    elif isinstance(err, HostsDown):
+        detail = err.detail
     return _local_error("unreachable", str(err), detail)
 
 

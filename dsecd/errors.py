@@ -105,6 +105,18 @@ class ConnectionLost(ConnectionError):
         self.sent = sent
 
 
+class HostsDown(ConnectionError):
+    """A fleet request that needed hosts which are down (dsecd.Fleet): what
+    it looked for may be on one of them, so neither an answer nor
+    not_found can be given; retry once they are back (Fleet.status()).
+    The client's own failure, as ConnectionLost is. `detail`: `down`
+    (host -> why it is down), and what was sought (`sandbox`)."""
+
+    def __init__(self, message: str, detail: dict | None = None):
+        super().__init__(message)
+        self.detail = detail or {}
+
+
 _BY_CODE = {
     k.code: k
     for k in (BadRequest, NotFound, Conflict, Busy, LimitExceeded, Unsupported,

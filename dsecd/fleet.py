@@ -89,7 +89,7 @@ from dataclasses import dataclass
 from . import remote
 from .client import Client, Sandbox
 from .config import parse_size
-from .errors import BadRequest, Busy, ConnectionLost, DsecError, NotFound
+from .errors import BadRequest, Busy, ConnectionLost, DsecError, HostsDown, NotFound
 
 log = logging.getLogger(__name__)
 
@@ -623,7 +623,9 @@ class Fleet:
     # ---------------------------------------------------------------- one sandbox
 
     async def get(self, sandbox_id: str) -> FleetSandbox:
-        """A sandbox by id (or unique prefix) on whichever host holds it."""
+        """A sandbox by id (or unique prefix) on whichever host holds it.
+        `not_found` if no host has it; errors.HostsDown (a ConnectionError)
+        if no up host has it while some host is down."""
         target = self._where.get(sandbox_id)
         if target is not None and self.hosts[target].up:
             with contextlib.suppress(NotFound):
@@ -636,10 +638,16 @@ class Fleet:
         if hits:
             self._where[hits[0][1].id] = hits[0][0]
             return FleetSandbox(self, hits[0][1])
-        down = [h.name for h in self.hosts.values() if not h.up]
-        raise NotFound(f"no sandbox {sandbox_id!r} on any host that is up"
-                       + (f" (down: {', '.join(down)}; it may be there)" if down else ""),
-                       {"sandbox": sandbox_id, "down": down})
+        # Hosts that could not answer may hold it as much as those that are down.
+        down = {**self._down(), **{t: f"did not answer: {r}" for t, r in found.items()
+                                   if isinstance(r, ConnectionError)}}
+        if down:
+            # Not found where we could look; it may be on a host that is down.
+            raise HostsDown(f"no sandbox {sandbox_id!r} on any host that is up, and it may be on one that is down "
+                            f"({'; '.join(f'{short_name(t)}: {why}' for t, why in down.items())}); "
+                            "retry once that host is back (Fleet.status())",
+                            {"sandbox": sandbox_id, "down": down})
+        raise NotFound(f"no sandbox {sandbox_id!r} on any host of the fleet", {"sandbox": sandbox_id})
 
     # ---------------------------------------------------------------- every host
 

@@ -28,7 +28,7 @@ from .clitext import (
     print_json,
     table,
 )
-from .errors import DsecError
+from .errors import DsecError, HostsDown
 from .fleet import Fleet, FleetHost, short_name
 from .remote import SshOptions
 
@@ -42,7 +42,9 @@ async def run(a, commands: dict, named, ssh: SshOptions) -> int:
             if not st["up"]:
                 print(f"dsec fleet: {short_name(st['host'])} is down: {st['reason']}", file=sys.stderr)
         if not up:
-            raise ConnectionError("no host of the fleet answered; see the reasons above")
+            down = {st["host"]: st["reason"] for st in fleet.status()}
+            raise HostsDown("no host of the fleet answered: "
+                            + "; ".join(f"{short_name(t)}: {why}" for t, why in down.items()), {"down": down})
         if a.cmd in ("call", "run"):   # dsec's own, with the call or the run's sandbox placed by the fleet
             return await commands[a.cmd](_ThroughFleet(fleet), a)
         own = FLEET_COMMANDS.get(a.cmd)

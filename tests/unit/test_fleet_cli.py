@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 from types import SimpleNamespace
 
-from dsecd import fleet_cli
+import pytest
+
+from dsecd import cli, fleet_cli
 from dsecd.errors import Conflict, NotFound
 
 
@@ -71,3 +74,16 @@ def test_a_failing_host_or_an_unknown_sandbox_fails_the_status_but_not_the_other
     assert sorted(seen) == [("ssh://h1", ["sb1"]), ("ssh://h2", ["sb2"])]
     err = capsys.readouterr().err
     assert "nosuch: not_found" in err and "h1: conflict: sandbox sb1 is dead" in err
+
+
+def test_every_host_down_is_unreachable_with_each_hosts_reason_in_the_json(tmp_path, capsys):
+    """No daemon at either socket: the error object says why for each host."""
+    hosts = [str(tmp_path / "h1.sock"), str(tmp_path / "h2.sock")]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["fleet", "--hosts", ",".join(hosts), "--json", "ps"])
+    out = capsys.readouterr()
+    error = json.loads(out.out)["error"]
+    assert e.value.code == 1 and error["code"] == "unreachable"
+    assert set(error["detail"]["down"]) == set(hosts)
+    assert all("is the daemon running?" in why for why in error["detail"]["down"].values())
+    assert "h1.sock: cannot connect" in error["message"] and "h2.sock: cannot connect" in error["message"]

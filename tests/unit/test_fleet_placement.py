@@ -11,7 +11,7 @@ import pytest
 
 from dsecd import ConnectionLost, Fleet
 from dsecd.client import Sandbox
-from dsecd.errors import BadRequest, Busy, NotFound
+from dsecd.errors import BadRequest, Busy, HostsDown, NotFound
 
 
 def info(cpu_req=0.0, cpu_cap=128.0, mem_req=0, mem_cap=100 << 30, live=0, max_sandboxes=4096) -> dict:
@@ -370,3 +370,37 @@ def test_a_host_added_later_joins_and_takes_creates():
     kinds, placed = run(go())
     assert kinds == ["host_up", "host_added", "host_up"], kinds
     assert placed.target == "h2"
+
+
+class GetClient:
+    """Answers get: the sandbox if it is `held` here, else not_found."""
+
+    def __init__(self, target: str, held: set[str]):
+        self.target = target
+        self.held = held
+
+    async def get(self, sandbox_id):
+        if sandbox_id not in self.held:
+            raise NotFound(f"no sandbox {sandbox_id!r}")
+        return Sandbox(self, sandbox_id, {"id": sandbox_id})
+
+
+def test_a_sandbox_not_on_the_up_hosts_while_one_is_down_is_unreachable_not_missing():
+    async def go():
+        f = fleet_of(2)
+        a, b = f.hosts.values()
+        a.up, a.reason = False, "heartbeat failed: connection lost"
+        b.client = GetClient(b.target, {"sb-b"})
+        assert (await f.get("sb-b")).host == b.target
+        with pytest.raises(HostsDown) as e:
+            await f.get("sb-a")
+        a.up = True
+        a.client = GetClient(a.target, set())
+        with pytest.raises(NotFound):
+            await f.get("sb-a")                          # every host answered: it is nowhere
+        return e.value
+
+    err = run(go())
+    assert isinstance(err, ConnectionError) and err.detail["down"] == {"/nonexistent/h1.sock":
+                                                                      "heartbeat failed: connection lost"}
+    assert "may be on one that is down" in str(err) and "h1.sock: heartbeat failed" in str(err)
