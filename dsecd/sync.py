@@ -34,7 +34,7 @@ from .client import (
     Sandbox,
 )
 from .errors import DsecError, NotFound
-from .fleet import Fleet
+from .fleet import Fleet, FleetHost
 from .remote import SshOptions
 
 
@@ -370,6 +370,38 @@ class _Call:
             self.ended.set()
 
 
+class _Subscribed:
+    """An async iterator already waiting for its first item: Fleet.events()
+    subscribes when first iterated, and the events a SyncFleet's events()
+    gives start when it is called, not at the first next()."""
+
+    def __init__(self, agen):
+        self._agen = agen
+        self._first: asyncio.Future | None = asyncio.ensure_future(agen.__anext__())
+
+    @classmethod
+    async def start(cls, agen) -> _Subscribed:
+        it = cls(agen)
+        await asyncio.sleep(0)               # its first step runs now: subscribed
+        return it
+
+    def __anext__(self):
+        first, self._first = self._first, None
+        return first if first is not None else self._agen.__anext__()
+
+    async def aclose(self) -> None:
+        if self._first is not None:
+            self._first.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await self._first
+        await self._agen.aclose()
+
+
+async def _now(fn, *args):
+    """fn(*args) called on the loop (what touches the loop's state, or starts tasks there)."""
+    return fn(*args)
+
+
 async def _awaited(awaitable, call: _Call | None = None):
     """A coroutine for any awaitable (an async generator's __anext__ is not one)."""
     if call is None:
@@ -628,8 +660,11 @@ class _SyncSandboxContext:
 
 class SyncFleet(_LoopThread):
     """dsecd.Fleet for scripts: the same methods, blocking; sandboxes are
-    SyncSandbox (requests straight to their host). on_event runs on the
-    fleet's own thread: it may not call the SyncFleet (queue the event)."""
+    SyncSandbox (requests straight to their host), events() an iterator
+    (SyncEvents), and each_host's `fn` gets each host's async Client and
+    returns an awaitable (`lambda c: c.image_du()`), run on the fleet's
+    loop. on_event runs on the fleet's own thread: it may not call the
+    SyncFleet (queue the event, or iterate events() instead)."""
 
     _what = "SyncFleet"
 
@@ -652,6 +687,26 @@ class SyncFleet(_LoopThread):
 
     def status(self) -> list[dict]:
         return self._fleet.status()
+
+    def up_hosts(self) -> list[FleetHost]:
+        """The hosts up now (what the fleet knows of each; make requests through the SyncFleet)."""
+        return self._run(_now(self._fleet.up_hosts))
+
+    def add_host(self, host: str) -> FleetHost:
+        """Fleet.add_host: joins in the background (`host_added` now, `host_up` once it answered)."""
+        return self._run(_now(self._fleet.add_host, host))
+
+    def events(self) -> SyncEvents:
+        """Fleet.events as an iterator, from now on; its close() ends it from
+        any thread (the one iterating sees the iteration end), as does the
+        fleet's close()."""
+        return SyncEvents(self, self._run(_Subscribed.start(self._fleet.events())))
+
+    def each_host(self, fn) -> dict[str, object]:
+        """Fleet.each_host: `fn(client)` on every up host at once, where
+        `client` is the host's async Client and `fn` returns an awaitable;
+        host -> its result or the exception it raised."""
+        return self._run(self._fleet.each_host(fn))
 
     def create(self, image: str, **kw) -> SyncSandbox:
         return SyncSandbox(self, self._run(self._fleet.create(image, **kw)))

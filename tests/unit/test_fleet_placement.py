@@ -404,3 +404,24 @@ def test_a_sandbox_not_on_the_up_hosts_while_one_is_down_is_unreachable_not_miss
     assert isinstance(err, ConnectionError) and err.detail["down"] == {"/nonexistent/h1.sock":
                                                                       "heartbeat failed: connection lost"}
     assert "may be on one that is down" in str(err) and "h1.sock: heartbeat failed" in str(err)
+
+
+def test_sync_fleet_has_the_fleets_events_hosts_and_each_host():
+    from dsecd import SyncFleet
+
+    with SyncFleet(["h1"], client_factory=JoinableClient, heartbeat_s=0.05) as f:
+        assert [h.target for h in f.up_hosts()] == ["h1"]
+        events = f.events()
+        first = f.add_host("h2")
+        assert first.target == "h2"
+        seen = []
+        for ev in events:
+            seen.append((ev["event"], ev["host"]))
+            if ev["event"] == "host_up":
+                events.close()
+        assert seen == [("host_added", "h2"), ("host_up", "h2")]
+        assert sorted(h.target for h in f.up_hosts()) == ["h1", "h2"]
+        found = f.each_host(lambda c: c.image_du())
+        assert found == {"h1": {"mounted_layers": {}}, "h2": {"mounted_layers": {}}}
+        f.events().close()                                   # closed before any next(): unsubscribed too
+        assert f._fleet._subscribers == []
