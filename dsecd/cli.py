@@ -1909,8 +1909,11 @@ def ssh_options(a) -> SshOptions:
 
 def make_client(a) -> Client:
     if a.host:
-        return Client(fleet_target(a.host), name=f"dsec {a.cmd}", ssh=ssh_options(a))
-    return Client(a.socket or default_socket(), name=f"dsec {a.cmd}")
+        c = Client(fleet_target(a.host), name=f"dsec {a.cmd}", ssh=ssh_options(a))
+    else:
+        c = Client(a.socket or default_socket(), name=f"dsec {a.cmd}")
+    c.lost_advice = "run the command again once the daemon answers"
+    return c
 
 
 async def _run(a) -> int:

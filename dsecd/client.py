@@ -294,6 +294,10 @@ class Client:
         # Called with a reason as soon as a connection is lost (not when this
         # client closes it); dsecd.Fleet marks the host down from it.
         self.on_lost: Callable[[str], object] | None = None
+        # What to do about a lost connection when this client does not
+        # reconnect by itself, for whoever owns it (a Fleet, the CLI); None:
+        # the SDK user's advice, connect() again.
+        self.lost_advice: str | None = None
         self.last_frame_at = 0.0         # loop time of the last frame received: the host is alive
         self._ids = itertools.count(1)
         self._conn: _Conn | None = None
@@ -504,7 +508,7 @@ class Client:
         if self.reconnect and not self._closed:
             text += "; the next request connects again"
         elif not self._closed:
-            text += "; call connect() again (or make the Client with reconnect=True) to go on"
+            text += f"; {self.lost_advice or 'call connect() again (or make the Client with reconnect=True) to go on'}"
         return ConnectionLost(text, target=self.target, op=op, sent=sent)
 
     async def _connection(self, op: str) -> _Conn:

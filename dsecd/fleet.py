@@ -293,6 +293,9 @@ class Fleet:
             # so a request to a host that is down fails at once.
             client = Client(target, name=self.name, connect_timeout=self.connect_timeout, ssh=self.ssh,
                             reconnect=False)
+        # The fleet, not the caller, connects a host again (its rejoin).
+        client.lost_advice = (f"the fleet connects to {short_name(target)} again once it answers "
+                              "(Fleet.status(); event host_up); retry then")
         h = self.hosts[target] = FleetHost(target, client)
         return h
 

@@ -64,3 +64,46 @@ def test_a_client_never_connected_says_how_to_connect_in_its_own_terms(tmp_path)
         return str(e.value)
 
     assert asyncio.run(go()).endswith("call connect() first (or use `async with`)")
+
+
+def test_a_lost_connections_advice_is_its_owners(tmp_path):
+    """A stand-in daemon answers hello, then drops the connection at the
+    first request: the SDK's own Client says to connect() again, a Fleet's
+    that the fleet connects again, the CLI's to run the command again."""
+    from types import SimpleNamespace
+
+    from dsecd import ConnectionLost, Fleet, protocol
+    from dsecd.cli import make_client
+
+    path = str(tmp_path / "d.sock")
+
+    async def serve(reader, writer):
+        dec = protocol.FrameDecoder(1 << 20)
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                if f["op"] != "hello":
+                    writer.transport.abort()
+                    return
+                writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
+
+    async def lost(c) -> str:
+        await c.connect()
+        with pytest.raises(ConnectionLost) as e:
+            await c.request("list")
+        await c.close()
+        return str(e.value)
+
+    async def go():
+        server = await asyncio.start_unix_server(serve, path)
+        try:
+            fleet = Fleet([path])
+            cli = make_client(SimpleNamespace(host=None, socket=path, cmd="ps"))
+            return await lost(Client(path)), await lost(fleet.hosts[path].client), await lost(cli)
+        finally:
+            server.close()
+
+    sdk, fleet, cli = asyncio.run(go())
+    assert sdk.endswith("call connect() again (or make the Client with reconnect=True) to go on")
+    assert fleet.endswith(f"the fleet connects to {path} again once it answers (Fleet.status(); event host_up); "
+                          "retry then")
+    assert cli.endswith("run the command again once the daemon answers")
