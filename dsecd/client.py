@@ -487,12 +487,15 @@ class Client:
         error = conn.lost = conn.lost or error
         conn.writer.close()
         if not cancelled and not self._closed and not (conn.link and conn.link.aborted):
+            if conn.link is not None and not isinstance(error, DsecError) and not conn.garbled:
+                # ssh's exit status and last words say what went wrong (a
+                # daemon that went, a link cut): read before on_lost is told,
+                # so that its reason (a fleet's host_down) is that, not the
+                # end of the socket pair that both look like here.
+                error = conn.lost = ConnectionError(await conn.link.why_ended())
             if self.on_lost is not None:
                 with contextlib.suppress(Exception):
                     self.on_lost(str(error))
-            if conn.link is not None and not isinstance(error, DsecError) and not conn.garbled:
-                # ssh's exit status and last words say what went wrong.
-                error = conn.lost = ConnectionError(await conn.link.why_ended())
         for pending in conn.pending.values():
             pending.queue.put_nowait({"__lost__": error})
 

@@ -193,3 +193,46 @@ def test_a_lost_connection_fails_what_is_in_flight_and_the_next_request_reconnec
         return starts.read_text()
 
     assert asyncio.run(go()) == "xx"
+
+
+CUT = RELAY + """
+    # The link is cut under a working connection: ssh says so and exits 255.
+    print("Connection to h1 closed by remote host.", file=sys.stderr)
+    sys.exit(255)
+    """
+
+
+def test_a_link_cut_after_a_good_connection_is_told_as_such(tmp_path, monkeypatch):
+    """A stand-in daemon answers hello, then drops the connection; the
+    stand-in ssh exits 255 saying the remote host closed it. on_lost (a
+    fleet's host_down reason) and the request in flight say that."""
+    from dsecd import protocol
+
+    sock_path = str(tmp_path / "d.sock")
+    monkeypatch.setenv("FAKE_DSEC_SOCKET", sock_path)
+    monkeypatch.setenv("FAKE_STARTS", str(tmp_path / "starts"))
+
+    async def serve(reader, writer):
+        dec = protocol.FrameDecoder(1 << 20)
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                if f["op"] != "hello":
+                    writer.transport.abort()
+                    return
+                writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
+
+    async def go():
+        server = await asyncio.start_unix_server(serve, sock_path)
+        c = Client("ssh://h1", ssh=SshOptions(command=_fake_ssh(tmp_path, CUT)), reconnect=False)
+        told = []
+        c.on_lost = told.append
+        async with server:
+            await c.connect()
+            with pytest.raises(ConnectionLost) as e:
+                await c.request("list")
+            await c.close()
+        return told, str(e.value)
+
+    told, text = asyncio.run(go())
+    assert len(told) == 1 and "Connection to h1 closed by remote host" in told[0], told
+    assert "Connection to h1 closed by remote host" in text
