@@ -354,6 +354,8 @@ class Client:
             # this connection may stay, an ssh process and its pipes least of all.
             await asyncio.shield(self._drop(conn, grace=0))
             raise
+        if conn.link is not None:
+            conn.link.established = True
         limits = self.server.get("limits", {})
         self.max_frame = limits.get("max_frame_bytes", self.max_frame)
         conn.frames.max_frame = self.max_frame + FRAME_SLACK

@@ -166,6 +166,9 @@ class SshLink:
         self._stderr: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
         self._stderr_task: asyncio.Task | None = None
         self.aborted: str | None = None          # why this side ended it, if it did
+        # The daemon answered through it (the client's hello): a later 255 is
+        # the connection dropping, not a login that failed.
+        self.established = False
 
     async def open(self, protocol_factory):
         """Start ssh; (transport, protocol) of our end of its stdin/stdout."""
@@ -238,6 +241,9 @@ class SshLink:
         rc = None if self.proc is None else self.proc.returncode
         if rc is None:
             return f"ssh to {host} closed the connection but has not exited ({said})"
+        if rc == SSH_FAILED and self.established:
+            return (f"the ssh connection to {host} dropped after it had worked: {said}. The host, its sshd "
+                    "or the network path to it went away; check that it is up and reachable")
         if rc == SSH_FAILED:
             return (f"ssh to {host} failed: {said}. Check that `{shlex.join(self.options.command)} "
                     f"-o BatchMode=yes {self.target.host} true` works from here (keys or agent, known_hosts, "

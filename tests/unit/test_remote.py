@@ -203,9 +203,16 @@ CUT = RELAY + """
 
 
 def test_a_link_cut_after_a_good_connection_is_told_as_such(tmp_path, monkeypatch):
+    """on_lost (a fleet's host_down reason) and the request in flight say what ssh said."""
+    told, text = _cut_after_hello(tmp_path, monkeypatch)
+    assert len(told) == 1 and "Connection to h1 closed by remote host" in told[0], told
+    assert "Connection to h1 closed by remote host" in text
+
+
+def _cut_after_hello(tmp_path, monkeypatch) -> tuple[list[str], str]:
     """A stand-in daemon answers hello, then drops the connection; the
-    stand-in ssh exits 255 saying the remote host closed it. on_lost (a
-    fleet's host_down reason) and the request in flight say that."""
+    stand-in ssh exits 255 saying the remote host closed it: what on_lost
+    was told, and the request in flight's error."""
     from dsecd import protocol
 
     sock_path = str(tmp_path / "d.sock")
@@ -233,6 +240,11 @@ def test_a_link_cut_after_a_good_connection_is_told_as_such(tmp_path, monkeypatc
             await c.close()
         return told, str(e.value)
 
-    told, text = asyncio.run(go())
-    assert len(told) == 1 and "Connection to h1 closed by remote host" in told[0], told
-    assert "Connection to h1 closed by remote host" in text
+    return asyncio.run(go())
+
+
+def test_a_255_after_a_good_connection_is_a_drop_not_a_login_failure(tmp_path, monkeypatch):
+    told, text = _cut_after_hello(tmp_path, monkeypatch)
+    assert "the ssh connection to ssh://h1 dropped after it had worked" in told[0]
+    assert "check that it is up and reachable" in text
+    assert "keys or agent" not in text and "BatchMode=yes h1 true" not in text
