@@ -795,7 +795,9 @@ class MicroVMService:
         try:
             return await link.request(kind, *fields)
         except AgentError as err:
-            raise io_error(verb, f"{sb.id}:{where}", err) from err
+            failed = io_error(verb, f"{sb.id}:{where}", _as_a_containers(err, where))
+            failed.detail["guest_step"] = err.step
+            raise failed from err
         except AgentGone as err:
             raise Conflict(f"sandbox {sb.id} is exiting: {err}", {"sandbox": sb.id}) from err
 
@@ -1040,6 +1042,19 @@ def _reports(data: bytes, put: bool) -> dict:
         else:
             i += 1
     return out
+
+
+def _as_a_containers(err: AgentError, where: str) -> OSError:
+    """A guest agent's file error in the words a container's gets
+    (dsecd/fs/files.py), so that a client reads the same advice whatever
+    the backend; the agent's step goes to the error's detail."""
+    if err.errno == errno.EISDIR:
+        return OSError(err.errno, f"{where} is a directory, not a regular file (`dsec ls` lists it, "
+                       "`dsec cp -r` copies it)")
+    if err.errno == errno.ENOTEMPTY:
+        return OSError(err.errno, f"{where} is a directory that is not empty; remove it recursively "
+                       "(`dsec rm -r`, SDK remove(path, recursive=True))")
+    return OSError(err.errno, f"{err.step} `{where}`: {os.strerror(err.errno)}")
 
 
 def check_groups_sent(sb: Sandbox, link, ids: users.ProcessIds) -> None:

@@ -256,6 +256,17 @@ def test_file_errors(box):
     with pytest.raises(DsecError) as err:
         sb.read_file("/no/such/file")
     assert err.value.code == "not_found" and err.value.detail["errno"] == "ENOENT"
+    assert err.value.message.endswith(": open `/no/such/file`: No such file or directory"), err.value
+    # The same advice on every backend: what the path is, and the command that takes it.
+    sb.mkdir("/work/tree/sub", parents=True)
+    with pytest.raises(DsecError) as err:
+        sb.read_file("/work/tree")
+    assert "/work/tree is a directory, not a regular file (`dsec ls` lists it, `dsec cp -r` copies it)" \
+        in err.value.message, err.value
+    with pytest.raises(DsecError) as err:
+        sb.remove("/work/tree")
+    assert "is a directory that is not empty; remove it recursively (`dsec rm -r`" in err.value.message, err.value
+    sb.remove("/work/tree", recursive=True)
     with pytest.raises(DsecError) as err:
         sb.read_file("/../etc/passwd")
     assert err.value.code == "bad_request"
