@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ctypes
 import os
 import shlex
 import signal
@@ -52,6 +53,8 @@ EXIT_WAIT_S = 0.5
 # close(): how long ssh gets to finish (the remote answers what was sent,
 # then exits) before it is killed.
 CLOSE_GRACE_S = 2.0
+# <linux/prctl.h>
+PR_SET_PDEATHSIG = 1
 
 
 def is_remote(target: str | None) -> bool:
@@ -155,6 +158,34 @@ class SshOptions:
         return [*argv, "--", target.host, self.remote_command()]
 
 
+def _die_with(parent: int):
+    """A preexec_fn that makes ssh die (SIGKILL) with the thread that starts
+    it: the client's event loop, so with the client's process.
+
+    Nothing else would end it. Its own session keeps it from the terminal's
+    signals, and the end of its stdin (our end of the socketpair closed by
+    the kernel) only half-closes the remote `dsec rpc --stdio`, which then
+    runs every request already sent to its end (a scripted half close must
+    keep working that way). A dead ssh instead ends the sshd session: the
+    relay's stdout loses its reader and it closes the daemon connection, so
+    the daemon cancels that client's requests and kills its execs, as it
+    does for a local client whose socket closes. The prctl function is
+    looked up here, before the fork: the child only calls it. None where
+    there is no prctl (a client on macOS): there ssh outlives a killed
+    client as before."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except AttributeError:
+        return None
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:       # the client died before the prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
 class SshLink:
     """One ssh process carrying one protocol connection."""
 
@@ -179,7 +210,7 @@ class SshLink:
                 # which then closes the connection in order, not ssh.
                 self.proc = await asyncio.create_subprocess_exec(
                     *self.argv, stdin=theirs, stdout=theirs, stderr=asyncio.subprocess.PIPE,
-                    start_new_session=True)
+                    start_new_session=True, preexec_fn=_die_with(os.getpid()))
             except FileNotFoundError:
                 raise ConnectionError(
                     f"cannot reach {self.target.url()}: the ssh program {self.argv[0]!r} was not found; "

@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
-from fleet_kit import SimFleet, kill_tree, sshd_skip_reason
+from fleet_kit import SimFleet, descendants, kill_tree, sshd_skip_reason
 
 import dsecd
 from dsecd import ConnectionLost, protocol
@@ -186,6 +188,95 @@ def test_dsec_with_host_runs_the_commands_over_ssh(fleet_env, tmp_path):
     # A host that cannot be reached says why and what to check.
     r = subprocess.run([*DSEC, "--host", "ssh://nosuchhost", "ps"], capture_output=True, env=env, timeout=60)
     assert r.returncode == 1 and b"ssh to ssh://nosuchhost failed" in r.stderr, r.stderr
+
+
+def _execs_running(sim: SimFleet) -> dict[str, int]:
+    """Each host's running execs, asked through its daemon's local socket."""
+    counts = {}
+    for host in sim.hosts:
+        c = host.daemon.client()
+        try:
+            counts[host.name] = sum(c.get(r["id"]).info["execs_running"] for r in c.list())
+        finally:
+            c.close()
+    return counts
+
+
+def _wait_for_execs(sim: SimFleet, want: dict[str, int], within: float) -> dict[str, int]:
+    """Each host's running execs once they are `want`, or after `within` s."""
+    deadline = time.monotonic() + within
+    while (counts := _execs_running(sim)) != want and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return counts
+
+
+def _alive(pids: list[int]) -> list[int]:
+    """Those of `pids` that still run (neither exited nor a zombie)."""
+    left = []
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError):
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] != "Z":
+                    left.append(pid)
+    return left
+
+
+def _stop_started(pids: list[int]) -> None:
+    """A failed test's leftovers: processes its client started, by pid."""
+    for pid in _alive(pids):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+TRAINER = """
+import asyncio, sys
+import dsecd
+
+async def main():
+    async with dsecd.Fleet(sys.argv[1].split(",")) as fleet:
+        sbs = [await fleet.get(sb_id) for sb_id in sys.argv[2].split(",")]
+        await asyncio.gather(*(sb.exec(["sleep", "60"]) for sb in sbs))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("how", ["fleet-sigkill", "cli-sigterm"])
+def test_a_client_that_dies_leaves_no_ssh_and_no_exec_behind(fleet_env, how):
+    """A program holding a Fleet, killed (SIGKILL: no close, no finally),
+    and `dsec --host ... exec` stopped by `timeout` (SIGTERM): their ssh
+    processes die with them, so each host's sshd session ends and the
+    daemon kills the execs of the client that is gone, as it does when a
+    local client's socket closes."""
+    ids = []
+    for host in fleet_env.hosts:
+        c = host.daemon.client()
+        try:
+            ids.append(c.create(image="busybox", **SMALL).id)
+        finally:
+            c.close()
+    if how == "fleet-sigkill":
+        argv = [sys.executable, "-c", TRAINER, ",".join(fleet_env.targets), ",".join(ids)]
+        running = {"h1": 1, "h2": 1, "h3": 1}
+    else:
+        argv = [*DSEC, "--host", fleet_env.hosts[0].target, "exec", ids[0], "--", "sleep", "60"]
+        running = {"h1": 1, "h2": 0, "h3": 0}
+    none = {h.name: 0 for h in fleet_env.hosts}
+    client = subprocess.Popen(argv, env=fleet_env.env())
+    ssh = []
+    try:
+        assert _wait_for_execs(fleet_env, running, 30) == running
+        ssh = descendants(client.pid)
+        assert ssh, "no ssh below the client"
+        client.send_signal(signal.SIGKILL if how == "fleet-sigkill" else signal.SIGTERM)
+        client.wait(10)
+        assert _wait_for_execs(fleet_env, none, 15) == none, "execs of a client that is gone still run"
+        assert _alive(ssh) == [], "ssh outlived its client"
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+        _stop_started(ssh)
 
 
 # ---------------------------------------------------------------- the fleet

@@ -4,9 +4,13 @@ command line, what an ended ssh says, and a Client over a stand-in `ssh`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -248,3 +252,76 @@ def test_a_255_after_a_good_connection_is_a_drop_not_a_login_failure(tmp_path, m
     assert "the ssh connection to ssh://h1 dropped after it had worked" in told[0]
     assert "check that it is up and reachable" in text
     assert "keys or agent" not in text and "BatchMode=yes h1 true" not in text
+
+
+def _gone(pid: int, within: float) -> bool:
+    """Whether process `pid` exited (or is a zombie nobody reaped yet) within `within` s."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _started(pidfile) -> int:
+    """The stand-in ssh's pid, once it is running."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            return int(pidfile.read_text())
+        time.sleep(0.05)
+    raise AssertionError("the stand-in ssh did not start in 10 s")
+
+
+def _kill_if_left(pidfile) -> None:
+    """The test's own stand-in ssh, by its pid, if a failing test left it."""
+    with contextlib.suppress(FileNotFoundError, ValueError, ProcessLookupError):
+        os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+
+# Like ssh once its input ended: still there, waiting for the host to end what was sent.
+LINGERING_SSH = """
+    import os, time
+    open(os.environ["FAKE_SSH_PID"], "w").write(str(os.getpid()))
+    while os.read(0, 65536):
+        pass
+    time.sleep(60)
+    """
+
+
+def test_ssh_dies_with_the_client_process(tmp_path):
+    """A client process killed (SIGKILL: no close, no finally) takes its ssh
+    with it; an ssh left running would keep the host's relay, hence the
+    client's execs there, going."""
+    pidfile = tmp_path / "ssh.pid"
+    program = textwrap.dedent(f"""
+        import asyncio, sys, time
+        from dsecd.remote import SshLink, SshOptions, SshTarget
+
+        async def main():
+            link = SshLink(SshTarget("h1"), SshOptions(command={_fake_ssh(tmp_path, LINGERING_SSH)!r}))
+            await link.open(asyncio.Protocol)
+            print("open", flush=True)
+            await asyncio.sleep(60)
+
+        asyncio.run(main())
+        """)
+    client = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE,
+                              env={**os.environ, "FAKE_SSH_PID": str(pidfile)})
+    try:
+        assert client.stdout.readline() == b"open\n"
+        ssh_pid = _started(pidfile)
+        client.kill()
+        client.wait()
+        assert _gone(ssh_pid, 5), "ssh outlived the client process that started it"
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+        _kill_if_left(pidfile)
+
