@@ -488,6 +488,17 @@ class Client:
         # abort's reason, set first, is the one that is true.
         error = conn.lost = conn.lost or error
         conn.writer.close()
+        if cancelled and conn.link is not None:
+            # The connection is given up: by _drop (close()'s grace ran out,
+            # an abort, a failed connect), or by asyncio.run() ending with
+            # the client still open. Only closing our end would half-close
+            # the remote relay, which then runs what was sent to its end; a
+            # dead ssh ends its session, and the daemon cancels this
+            # client's requests and kills its execs, as it does when a
+            # local client's socket closes.
+            conn.link.kill()
+            with contextlib.suppress(Exception):
+                await conn.link.close(remote.EXIT_WAIT_S)   # reaped while the loop still runs
         if not cancelled and not self._closed and not (conn.link and conn.link.aborted):
             if conn.link is not None and not isinstance(error, DsecError) and not conn.garbled:
                 # ssh's exit status and last words say what went wrong (a

@@ -279,6 +279,34 @@ def test_a_client_that_dies_leaves_no_ssh_and_no_exec_behind(fleet_env, how):
         _stop_started(ssh)
 
 
+def test_a_client_left_open_when_its_loop_ends_leaves_no_exec_behind(fleet_env):
+    """asyncio.run() returns with an exec in flight and no close(), in a
+    program that goes on: the loop's end gives the connection up, its ssh
+    is killed, and the host kills the exec (closing ssh's input would only
+    half-close the relay, which runs what was sent to its end)."""
+    c = fleet_env.hosts[0].daemon.client()
+    sb = c.create(image="busybox", **SMALL)
+    c.close()
+    running = {"h1": 1, "h2": 0, "h3": 0}
+    none = {h.name: 0 for h in fleet_env.hosts}
+    kept = []                   # the program keeps its client (a global, say)
+
+    async def go():
+        client = dsecd.Client(fleet_env.hosts[0].target, ssh=fleet_env.ssh)
+        kept.append(client)
+        await client.connect()
+        kept.append(client._conn.link.proc.pid)
+        asyncio.ensure_future((await client.get(sb.id)).exec(["sleep", "60"]))
+        assert await asyncio.to_thread(_wait_for_execs, fleet_env, running, 30) == running
+
+    try:
+        asyncio.run(go())
+        assert _wait_for_execs(fleet_env, none, 15) == none, "the exec of a client given up still runs"
+        assert _alive(kept[1:]) == [], "ssh outlived the loop of its client"
+    finally:
+        _stop_started(kept[1:])
+
+
 # ---------------------------------------------------------------- the fleet
 
 

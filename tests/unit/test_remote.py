@@ -325,3 +325,40 @@ def test_ssh_dies_with_the_client_process(tmp_path):
             client.wait()
         _kill_if_left(pidfile)
 
+
+# Answers hello, holds every other request (a long exec), and lingers once
+# its input ended, as ssh does while the host still runs what was sent.
+HOLDING_SSH = """
+    import os, time
+    from dsecd import protocol
+    open(os.environ["FAKE_SSH_PID"], "w").write(str(os.getpid()))
+    frames = protocol.FrameDecoder(1 << 20)
+    while data := os.read(0, 65536):
+        for f in frames.feed(data):
+            if f["op"] == "hello":
+                os.write(1, protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
+    time.sleep(60)
+    """
+
+
+def test_a_client_left_open_when_its_loop_ends_ends_its_ssh(tmp_path, monkeypatch):
+    """asyncio.run() returning with a request in flight and no close():
+    the loop's end cancels the connection's reader, which kills ssh, so
+    the host drops the connection and kills the execs of a client that is
+    gone. Only closing its input would leave the host running them."""
+    pidfile = tmp_path / "ssh.pid"
+    monkeypatch.setenv("FAKE_SSH_PID", str(pidfile))
+    kept = []           # a program holding its client past the loop (a global, say)
+
+    async def go():
+        c = Client("ssh://h1", ssh=SshOptions(command=_fake_ssh(tmp_path, HOLDING_SSH)))
+        kept.append(c)
+        await c.connect()
+        asyncio.ensure_future(c.request("exec", sandbox="sb", argv=["sleep", "60"]))
+        await asyncio.sleep(0.2)
+
+    try:
+        asyncio.run(go())
+        assert _gone(_started(pidfile), 5), "ssh outlived the loop of a client left open"
+    finally:
+        _kill_if_left(pidfile)
