@@ -318,6 +318,12 @@ int dsec_seccomp_export_pfc(int profile, int fd);
  * a full pipe instead of dying of SIGPIPE; what it wrote stays in the pipe),
  * and a restarted daemon takes the ends back with pidfd_getfd. A RELEASE of
  * an id init holds nothing for is ignored.
+ * DSEC_INIT_OP_PRUNE (no fds; `argc` uint32 exec ids as its strings, in
+ * native byte order) has init SIGKILL the process group of every exec and
+ * copy it still runs whose id is not listed: a daemon started after one
+ * that died keeps the background processes it adopts and ends the
+ * foreground execs whose clients went with that daemon. No answer; an init
+ * older than the op refuses it (a failure answer for an id nobody awaits).
  * Init also keeps the daemon's end, never used, as DSEC_INIT_PEER_FD: a
  * restarted daemon takes it back with pidfd_getfd. */
 #define DSEC_INIT_CTL_FD 4
@@ -329,6 +335,7 @@ int dsec_seccomp_export_pfc(int profile, int fd);
 #define DSEC_INIT_OP_KILL 1
 #define DSEC_INIT_OP_COPY 2
 #define DSEC_INIT_OP_RELEASE 3
+#define DSEC_INIT_OP_PRUNE 4
 #define DSEC_INIT_START_CTTY 256
 #define DSEC_INIT_START_HOLD 512
 #define DSEC_INIT_START_POLICY 1024
@@ -344,7 +351,7 @@ struct dsec_init_req {
     uint32_t argc;
     uint32_t envc;
     uint32_t strings_len; /* bytes after this header: cwd, argv, envp, each NUL-terminated (a policy after them) */
-    uint32_t op;          /* DSEC_INIT_OP_START (| _START_CTTY | _START_HOLD | _START_POLICY), _KILL, _COPY or _RELEASE */
+    uint32_t op;          /* DSEC_INIT_OP_START (| _START_*), _KILL, _COPY, _RELEASE or _PRUNE */
 };
 struct dsec_init_reply {
     uint32_t magic;

@@ -634,6 +634,24 @@ static void kill_exec(uint32_t id)
         }
 }
 
+/* DSEC_INIT_OP_PRUNE: SIGKILL the group of every exec not among the `n`
+ * ids at `ids` (unaligned): what a daemon that died left running. */
+static void prune_execs(const char *ids, uint32_t n)
+{
+    for (int i = 0; i < n_execs; i++) {
+        int kept = 0;
+
+        for (uint32_t k = 0; k < n && !kept; k++) {
+            uint32_t id;
+
+            memcpy(&id, ids + (size_t)k * sizeof(id), sizeof(id));
+            kept = id == execs[i].id;
+        }
+        if (!kept)
+            kill_group(execs[i].pid);
+    }
+}
+
 /* One request; -1 when the channel is gone (the daemon shut it down). */
 static int serve(void)
 {
@@ -653,6 +671,12 @@ static int serve(void)
     if ((size_t)len >= sizeof(in.req) && in.req.magic == DSEC_INIT_MAGIC && in.req.op == DSEC_INIT_OP_KILL &&
         n == 0) {
         kill_exec(in.req.id);
+        return 0;
+    }
+    if ((size_t)len >= sizeof(in.req) && in.req.magic == DSEC_INIT_MAGIC && in.req.op == DSEC_INIT_OP_PRUNE &&
+        n == 0 && in.req.strings_len == (size_t)in.req.argc * sizeof(uint32_t) &&
+        (size_t)len == sizeof(in.req) + in.req.strings_len) {
+        prune_execs(in.bytes + sizeof(in.req), in.req.argc);
         return 0;
     }
     if ((size_t)len >= sizeof(in.req) && in.req.magic == DSEC_INIT_MAGIC && in.req.op == DSEC_INIT_OP_RELEASE &&

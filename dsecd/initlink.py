@@ -257,6 +257,28 @@ class InitLink:
             assert self.loop is not None
             self.loop.call_later(0.1, self.release, exec_id, mask)
 
+    def prune(self, keep: list[int]) -> None:
+        """OP_PRUNE: init kills every exec (and copy) it runs whose id is not
+        in `keep`, the journaled background processes this daemon adopts:
+        what a daemon that died left running, whose clients went with it. An
+        init older than the op refuses it with an answer for an id nobody
+        awaits (dropped): its sandbox keeps such execs until they end.
+        Retried from the loop while init's queue is full; what this daemon
+        started on the channel meanwhile (its pending ids) is kept too."""
+        if self.closed:
+            return
+        kept = sorted(set(keep) | set(self.pending))
+        ids = struct.pack(f"={len(kept)}I", *kept)
+        head = _REQ.pack(native.INIT_MAGIC, self._next_id(), 0, 0, 0, len(kept), 0, len(ids), native.INIT_OP_PRUNE)
+        try:
+            self.sock.send(head + ids)
+        except BlockingIOError:
+            assert self.loop is not None
+            self.loop.call_later(0.1, self.prune, keep)
+        except OSError as err:
+            if err.errno in _GONE:
+                self.close(None)
+
     def copy(self, loop: asyncio.AbstractEventLoop, src: int, dst: int) -> InitExec | None:
         """OP_COPY: init forks a child (in the sandbox's cgroups) that copies
         src to its end into dst and exits with 0 or an errno; None if this

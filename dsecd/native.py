@@ -32,7 +32,8 @@ __all__ = [
     # container spawn and execs (spawn.c, init.c)
     "ContainerSpec", "ExecSpec", "spawn_container", "spawn_exec", "check_exec_request", "init_exec_error",
     "cgroup_make",
-    "init_binary_path", "INIT_MAGIC", "INIT_OP_START", "INIT_OP_KILL", "INIT_OP_COPY", "INIT_OP_RELEASE", "INIT_START_CTTY",
+    "init_binary_path", "INIT_MAGIC", "INIT_OP_START", "INIT_OP_KILL", "INIT_OP_COPY", "INIT_OP_RELEASE", "INIT_OP_PRUNE",
+    "INIT_START_CTTY",
     "INIT_START_HOLD", "INIT_START_POLICY", "INIT_START_GROUPS", "MAX_GROUPS",
     "check_groups", "POLICY_MAGIC", "POLICY_MAX_BYTES", "POLICY_MAX_CHILDREN",
     "INIT_STARTED", "INIT_EXITED", "INIT_MAX_STRINGS", "INIT_PEER_FD", "INIT_REQ_SIZE", "INIT_REPLY_SIZE",
@@ -745,6 +746,7 @@ INIT_OP_KILL: int = lib.DSEC_INIT_OP_KILL
 INIT_OP_COPY: int = lib.DSEC_INIT_OP_COPY
 INIT_START_CTTY: int = lib.DSEC_INIT_START_CTTY
 INIT_OP_RELEASE: int = lib.DSEC_INIT_OP_RELEASE
+INIT_OP_PRUNE: int = lib.DSEC_INIT_OP_PRUNE
 INIT_START_HOLD: int = lib.DSEC_INIT_START_HOLD
 INIT_START_POLICY: int = lib.DSEC_INIT_START_POLICY
 INIT_START_GROUPS: int = lib.DSEC_INIT_START_GROUPS

@@ -60,6 +60,11 @@ from .net.network import bpf_cache_dir
 
 log = logging.getLogger(__name__)
 
+# In the state dir while a daemon runs; a clean stop removes it. Found at
+# start, it says the daemon before died (killed, crashed) with its execs
+# still running, so re-adoption kills them (LifecycleService.recover_all).
+RUNNING_MARK = "dsecd.running"
+
 # The order sandbox states are counted in systemd's STATUS= line.
 STATUS_ORDER = ("running", "paused", "dead", "creating", "stopping")
 
@@ -214,7 +219,8 @@ class Node:
         await self.workers.run(upperfs.sweep_views, self.cfg.state_dir / upperfs.VIEWS_DIR)
         await self.workers.run(self.image_service.client_paths.sweep)
         await self.workers.run(self.image_service.start)
-        await self.lifecycle.recover_all()
+        after_death = await self.workers.run(_mark_running, self.cfg.state_dir)
+        await self.lifecycle.recover_all(after_death)
         self.denials.start()
         await self.call_service.start()
         await self.create_service.start()
@@ -262,6 +268,11 @@ class Node:
         self.journal.close()
         close_quietly(self._devnull)
         self._devnull = -1
+        # Last: a stop that fails before here is taken for a death by the next daemon.
+        try:
+            os.unlink(self.cfg.state_dir / RUNNING_MARK)
+        except FileNotFoundError:
+            pass
 
     # ------------------------------------------------------------ host-wide requests
 
@@ -354,6 +365,20 @@ def make_microvm_service(cfg: Config, features: Features, layout: cgroup.Layout,
         tmpl = TemplateService(backend, store, workers, float(vm_cfg["boot_timeout_s"]), int(vm_cfg["uid"]))
     return MicroVMService(backend, why, workers, store_path, vm_cfg, cfg.size("limits", "max_exec_output_bytes"),
                           int(vm_cfg["uid"]), tmpl, cfg.size("limits", "max_trace_bytes"))
+
+
+def _mark_running(state_dir: Path) -> bool:
+    """Mark the state dir as in use by a running daemon (RUNNING_MARK);
+    whether the daemon before left its mark there, having died without a
+    clean stop. A state dir of a daemon older than the mark counts as
+    stopped cleanly."""
+    path = Path(state_dir) / RUNNING_MARK
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        return True
+    os.close(fd)
+    return False
 
 
 def pick_exec_via(configured: str, features: Features) -> bool:

@@ -279,6 +279,43 @@ class ContainerBackend:
             return False
         return True
 
+    def kill_leftover_execs(self, h: Handle, background: set[int]) -> list[int]:
+        """After a daemon died (killed, crashed; a clean stop kills its execs
+        itself): kill the execs its helper started that still run in this
+        sandbox, each with its process group. Their clients went with that
+        daemon, so nothing would ever read, time out or cancel them, and no
+        later daemon counts them. The execs init started are init's to end
+        (InitLink.prune: it knows them by id). `background`: the sandbox
+        pids of the journaled background processes, which are kept.
+        Blocking (reads /proc); the sandbox pids of the execs killed."""
+        init_ids = _proc_ids(h.init_pid)
+        if init_ids is None:
+            return []                     # init is gone: the kernel kills the rest
+        level = len(init_ids.nspid) - 1   # the sandbox's pid namespace in NSpid
+        killed = []
+        for pid in sorted(h.group.pids() - {h.init_pid}):
+            ids = _proc_ids(pid)
+            if ids is None or ids.session != pid or len(ids.nspid) <= level:
+                # Not a session leader: a child of an exec (its group goes
+                # with it), or one left by an exec that ended (`cmd &`).
+                continue
+            in_sandbox = ids.nspid[level]
+            if in_sandbox in background:
+                continue
+            # The helper's execs had the daemon, outside the sandbox's pid
+            # namespace, as parent, and now have its reaper (ppid 0 if that
+            # is outside ours too). A session leader whose parent is in the
+            # sandbox, init included, is an exec of init's (pruned by init)
+            # or a process an exec detached on purpose (setsid, a service's
+            # start script), which must live on.
+            if ids.ppid != 0:
+                parent = _proc_ids(ids.ppid)
+                if parent is None or len(parent.nspid) > level:
+                    continue              # in the sandbox (or gone as we look: left alone)
+            if _kill_group_of(pid, ids.start):
+                killed.append(in_sandbox)
+        return killed
+
     # ------------------------------------------------------------ exec
 
     def exec_env(self, sandbox_env: dict, exec_env: dict) -> list[str]:
@@ -532,6 +569,50 @@ def _wait_exit(h: Handle, timeout: float) -> None:
             os.waitpid(h.init_pid, 0)
         except ChildProcessError:
             pass
+
+
+@dataclass(frozen=True)
+class _ProcIds:
+    ppid: int
+    session: int
+    start: int
+    nspid: tuple[int, ...]      # its pid in each pid namespace, the host's first
+
+
+def _proc_ids(pid: int) -> _ProcIds | None:
+    """Parent, session, start time and namespaced pids of host pid `pid`; None if it is gone."""
+    stat_data = sysfs.read_small(f"/proc/{pid}/stat")
+    status = sysfs.read_small(f"/proc/{pid}/status")
+    if stat_data is None or status is None:
+        return None
+    # After the comm field (which may hold spaces and parentheses): state,
+    # ppid, pgrp, session, ... starttime is the 20th.
+    fields = stat_data[stat_data.rindex(b")") + 2:].split()
+    nspid = next((line.split()[1:] for line in status.splitlines() if line.startswith(b"NSpid:")), [])
+    return _ProcIds(int(fields[1]), int(fields[3]), int(fields[19]), tuple(int(n) for n in nspid))
+
+
+def _kill_group_of(pid: int, start: int) -> bool:
+    """SIGKILL the process group `pid` leads, if `pid` is still the process
+    that started at `start` (the start time read after pidfd_open says the
+    pidfd names that very process, and a signal through it reaches no
+    other); whether it was."""
+    try:
+        pidfd = native.pidfd_open(pid)
+    except OSError:
+        return False
+    try:
+        if proc_start_time(pid) != start:
+            return False
+        try:
+            native.pidfd_kill_group(pidfd, signal.SIGKILL)
+        except OSError as err:
+            if err.errno == errno.ESRCH:
+                return False
+            execio.kill_group(pid)        # a kernel before 6.9: no group signal through a pidfd
+        return True
+    finally:
+        os.close(pidfd)
 
 
 def _kill_and_reap(pid: int) -> None:

@@ -61,12 +61,14 @@ class LifecycleService:
 
     # ------------------------------------------------------------ start / stop
 
-    async def recover_all(self) -> None:
+    async def recover_all(self, after_death: bool = False) -> None:
         """Re-adopt journaled sandboxes; clean up what died or was half-made,
-        and what no record names (orphans of a crash mid-create)."""
+        and what no record names (orphans of a crash mid-create).
+        after_death: the daemon before did not stop cleanly, so the execs it
+        ran may still run: they are killed (_kill_leftover_execs)."""
         records = await self.workers.run(self.registry.journal.load_all)
         for sb_id, rec in records.items():
-            await self._recover(sb_id, rec)
+            await self._recover(sb_id, rec, after_death)
         orphans = await self.workers.run(self.backend.orphans, set(self.registry.by_id))
         for sb_id in orphans:
             log.warning("removing orphaned sandbox resources %s (no journal record)", sb_id)
@@ -78,7 +80,7 @@ class LifecycleService:
         if self.vms.templates is not None:
             await self.workers.run(self.vms.templates.sweep_builds)
 
-    async def _recover(self, sb_id: str, rec: dict) -> None:
+    async def _recover(self, sb_id: str, rec: dict, after_death: bool = False) -> None:
         sb = Sandbox(id=sb_id, **{k: rec[k] for k in RECORD_FIELDS if k in rec})
         if sb.state in ("creating", "stopping"):
             # Interrupted mid-create or mid-destroy: finish tearing it down.
@@ -107,6 +109,8 @@ class LifecycleService:
             # A kill -9 between a pause's freeze and its journal write leaves a
             # "running" sandbox frozen: thaw it, or its next exec hangs joining it.
             await self.workers.run(lambda: pause.Freezer.of(handle.group).thaw())
+        if after_death:
+            await self._kill_leftover_execs(sb, handle)
         sb.last_active = time.monotonic()          # idle and lease clocks restart with the daemon
         if sb.lease:
             sb.lease_deadline = sb.last_active + sb.lease
@@ -115,6 +119,25 @@ class LifecycleService:
         self.watch(sb)
         lifelog.adopted(sb_id, state=sb.state, init_pid=handle.init_pid, image=sb.image,
                         job=sb.labels.get("job"))
+
+    async def _kill_leftover_execs(self, sb: Sandbox, handle) -> None:
+        """The execs the helper of a daemon that died left running (init's
+        are pruned by init: ProcessService.readopt): their connections went
+        with it, so no client reads, times out or cancels them. They are
+        killed like the execs of a client that is gone; the journaled
+        background processes (proc_start) run on. A graceful stop kills its
+        execs itself, so this /proc scan runs only after a death."""
+        background = {rec["pid"] for rec in sb.procs if rec.get("state") == "running"}
+        try:
+            killed = await self.workers.run(self.backend.kill_leftover_execs, handle, background)
+        except OSError as err:
+            log.error("sandbox %s: cannot look for the execs the daemon before left running: %s; they may "
+                      "still run (dsec exec %s -- ps shows them)", sb.id, err, sb.id)
+            return
+        if killed:
+            log.warning("sandbox %s: killed %d exec(s) the daemon before left running when it died "
+                        "(pids %s in the sandbox): their clients went with it", sb.id, len(killed),
+                        ", ".join(map(str, killed)))
 
     async def _recover_vm(self, sb: Sandbox, rec: dict) -> None:
         """A microVM sandbox after a restart: its QEMU, and both channels again."""

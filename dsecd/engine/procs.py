@@ -629,6 +629,10 @@ class ProcessService:
         daemon cannot watch (no channel) is recorded as exited, status unknown."""
         table = self.tables.setdefault(sb.id, {})
         link = h.init_link if h is not None else None
+        if link is not None:
+            # The foreground execs (and copies) a daemon that died left to init
+            # go: their clients went with it. A clean stop left none.
+            link.prune([rec["id"] for rec in sb.procs])
         now = time.time()
         for rec in sb.procs:
             proc = self.new_proc(dict(rec))

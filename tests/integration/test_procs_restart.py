@@ -4,9 +4,11 @@ back and reads on, and learns their end from init's queued report."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -124,4 +126,81 @@ def test_a_restart_with_exec_via_helper_keeps_them(daemon_factory, busybox_rootf
     assert sleeper.wait().signal == signal.SIGTERM
     assert sb.exec(["sh", "-c", "echo $PPID"]).stdout == b"0\n"      # new execs: by the helper, as configured
     assert sb.spawn("echo new").wait().exit_code == 0                 # background ones: by init, as always
+    c.close()
+
+
+def _running(sb) -> list[str]:
+    """The command lines running in the sandbox (zombies left out)."""
+    out = sb.exec(["ps", "-o", "stat,args"]).stdout.decode().splitlines()[1:]
+    return [line.split(None, 1)[1] for line in out if not line.lstrip().startswith("Z")]
+
+
+def _wait_gone(sb, args: str, timeout: float = 10) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while args in (running := _running(sb)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return running
+
+
+@pytest.mark.parametrize("via", ["init", "helper"])
+def test_execs_of_a_daemon_that_died_are_killed_at_the_restart(daemon_factory, busybox_rootfs, via):
+    """An exec running when the daemon is SIGKILLed lost its client with
+    that daemon's connections: the next daemon kills it (and its group),
+    whether init (told to prune what it runs but the background processes)
+    or the daemon's helper forked it. Background processes run on, and so
+    does what an earlier exec left behind (`cmd &`), even detached into a
+    session of its own (`setsid`, as a service's start script does)."""
+    d = daemon_factory(f'exec_via = "{via}"\n')
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", memory="128M")
+    kept = ["sleep 301", "sleep 302"]
+    if via == "init":                  # background processes need init's channel
+        sb.spawn("sleep 300")
+        kept.append("sleep 300")
+    sb.exec(["sh", "-c", "sleep 301 >/dev/null 2>&1 &"])
+    sb.exec(["sh", "-c", "setsid sleep 302 >/dev/null 2>&1 &"])
+    ended = threading.Event()
+
+    def foreground() -> None:
+        with contextlib.suppress(ConnectionError):      # the daemon dies under it
+            sb.exec(["sleep", "100"])
+        ended.set()
+
+    threading.Thread(target=foreground, daemon=True).start()
+    deadline = time.monotonic() + 10
+    while sb.info["execs_running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "sleep 100" in _running(sb)
+    d.stop(signal.SIGKILL)
+    assert ended.wait(10)              # its client saw the connection go
+    c.close()
+    d.start()
+    c = d.client()
+    sb = c.get(sb.id)
+    running = _wait_gone(sb, "sleep 100")
+    assert "sleep 100" not in running, running
+    assert all(k in running for k in kept), running
+    assert sb.info["execs_running"] == 0
+    if via == "helper":                # init's are pruned by init, which says nothing
+        assert "killed 1 exec(s) the daemon before left running" in d.log.read_text()
+    c.close()
+
+
+def test_a_clean_restart_kills_nothing_an_exec_left_behind(daemon_factory, busybox_rootfs):
+    """A graceful stop ends its own execs: the next daemon looks for none,
+    so a process an exec detached into a session of its own (setsid, as
+    a service's start script does) runs on."""
+    d = daemon_factory()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", memory="128M")
+    sb.exec(["sh", "-c", "setsid sleep 302 >/dev/null 2>&1 &"])
+    c.close()
+    d.stop(signal.SIGTERM)
+    d.start()
+    c = d.client()
+    sb = c.get(sb.id)
+    assert "sleep 302" in _running(sb)
+    assert "left running" not in d.log.read_text()
     c.close()

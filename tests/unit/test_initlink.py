@@ -150,6 +150,26 @@ def test_no_groups_no_flag_and_too_many_are_refused_before_sending():
     _on_link(go)
 
 
+def test_prune_names_the_ids_init_keeps_and_carries_no_fds():
+    async def go(link, init):
+        link.attach(asyncio.get_running_loop())
+        link.prune([7, 0xFFFFFFFE])
+        data, fds, _flags, _addr = socket.recv_fds(init, 1 << 17, 8)
+        head = REQ.unpack_from(data)
+        assert (head[0], head[5], head[7], head[-1], fds) == (native.INIT_MAGIC, 2, 8, native.INIT_OP_PRUNE, [])
+        assert struct.unpack_from("=2I", data, REQ.size) == (7, 0xFFFFFFFE) and len(data) == REQ.size + 8
+        # What this link started itself is never pruned (a retry after a full queue).
+        mine, stdio = _stdio()
+        started = link.spawn(asyncio.get_running_loop(), ["true"], [], "/", 0, 0, stdio)
+        _close(mine)
+        _head, _strings, fds = _read_request(init)
+        _close(fds)
+        link.prune([7])
+        data, _fds, _flags, _addr = socket.recv_fds(init, 1 << 17, 8)
+        assert sorted(struct.unpack_from("=2I", data, REQ.size)) == sorted([7, started.id])
+    _on_link(go)
+
+
 def test_started_then_exited_resolve_status_and_the_pidfd_kills_the_group():
     async def go(link, init):
         run = _sent(link, init)
