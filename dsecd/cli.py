@@ -592,13 +592,31 @@ async def cmd_exec(c: Client, a) -> int:
 
 
 async def _exec_on_terminal(sb, a) -> int:
-    """`dsec exec -t`: the command on a pty in the sandbox, our terminal in
-    raw mode (with -i) so that every key, ^C included, goes to the sandbox's
-    terminal as typed; its window size follows ours (SIGWINCH)."""
-    fd = sys.stdin.fileno()
-    rows, cols = _window_size(fd)
+    """`dsec exec -t`: the command on a pty in the sandbox (_on_terminal)."""
+    rows, cols = _window_size(sys.stdin.fileno())
     stream = sb.exec_stream(a.argv, timeout=a.timeout, env=env_vars(a), cwd=a.cwd, user=a.user,
                             pty=True, rows=rows, cols=cols)
+    ended_by = await _on_terminal(stream, a)
+    if ended_by is not None:              # the terminal is ours again: --json's error on it
+        _interrupted(a, ended_by, f"{signal.Signals(ended_by).name}: the exec was cancelled")
+        return 128 + ended_by
+    return _terminal_status(stream.result, a)
+
+
+def _terminal_status(r, a) -> int:
+    if a.json:
+        _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
+                     "killed_by": r.killed_by,
+                     "duration_ms": r.duration_ms})
+    return _exit_status(r, f"dsec: timed out after {a.timeout}s; the command's process group was killed")
+
+
+async def _on_terminal(stream, a) -> int | None:
+    """A pty exec's stream (`dsec exec -t`, `dsec run -t`) driven from our
+    terminal: raw mode (with -i) so that every key, ^C included, goes to the
+    sandbox's terminal as typed; its window size follows ours (SIGWINCH).
+    The signal that ended it (the stream cancelled), or None at its end."""
+    fd = sys.stdin.fileno()
     ended_by = None                       # the signal that ended it
     with _raw_terminal(fd) if a.interactive else contextlib.nullcontext():
         loop = asyncio.get_running_loop()
@@ -627,15 +645,7 @@ async def _exec_on_terminal(sb, a) -> int:
                 keys.cancel()
                 with contextlib.suppress(asyncio.CancelledError, DsecError, ConnectionError):
                     await keys
-    if ended_by is not None:              # the terminal is ours again: --json's error on it
-        _interrupted(a, ended_by, f"{signal.Signals(ended_by).name}: the exec was cancelled")
-        return 128 + ended_by
-    r = stream.result
-    if a.json:
-        _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
-                     "killed_by": r.killed_by,
-                     "duration_ms": r.duration_ms})
-    return _exit_status(r, f"dsec: timed out after {a.timeout}s; the command's process group was killed")
+    return ended_by
 
 
 # Signals that end `dsec exec -t` (its terminal restored, the exec cancelled)
@@ -666,6 +676,8 @@ async def cmd_run(c: Client, a) -> int:
             main.cancel()
         signals.append(signum)
 
+    if a.tty:
+        return await _run_on_terminal(c, a)
     stdin = _stdin_as_it_comes() if a.interactive else None
     out = a.kept_output = CommandOutput(a.json)
     run = c.run_stream(a.image, a.argv or None, a.entrypoint, a.timeout, stdin, a.rm, backend=a.backend,
@@ -708,6 +720,30 @@ async def cmd_run(c: Client, a) -> int:
         print("dsec: output truncated at the daemon's limits.max_exec_output_bytes; "
               "the command's pipes were closed", file=sys.stderr)
     return _exit_status(r, f"dsec: timed out after {a.timeout}s; the command's process group was killed")
+
+
+async def _run_on_terminal(c: Client, a) -> int:
+    """`dsec run -t`: the image's command on a pty of a sandbox of its own,
+    driven from our terminal as `dsec exec -t` does (^C is a key, typed into
+    it), the sandbox removed however it ends."""
+    rows, cols = _window_size(sys.stdin.fileno())
+    run = c.run_stream(a.image, a.argv or None, a.entrypoint, a.timeout, None, a.rm, pty=True, rows=rows,
+                       cols=cols, backend=a.backend, **create_args(a))
+    try:
+        async with run:
+            if not a.rm:
+                print(f"dsec run: sandbox {run.sandbox.id} (kept: --no-rm)", file=sys.stderr, flush=True)
+            ended_by = await _on_terminal(run.stream, a)
+    except BadRequest as err:
+        _cli_run_hint(err, a.image)
+        raise
+    if ended_by is not None:
+        message = f"{signal.Signals(ended_by).name}: the command was killed" + \
+            (" and its sandbox removed" if a.rm else "")
+        _interrupted(a, ended_by, message, sandbox=run.sandbox.id)
+        print(f"dsec run: {message}", file=sys.stderr)
+        return 128 + ended_by
+    return _terminal_status(run.result, a)
 
 
 async def _forward_signal(stream, signum: int) -> None:
@@ -1714,6 +1750,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(docker run --rm)", usage="dsec run [options] IMAGE [--] [ARG...] "
                          "(ARGs replace the image's Cmd)")
     run.add_argument("-i", "--interactive", action="store_true", help="pass stdin to the command")
+    run.add_argument("-t", "--tty", action="store_true",
+                     help="run the command on a terminal (with -i: ours, in raw mode, is its keyboard)")
     run.add_argument("--rm", action=argparse.BooleanOptionalAction, default=True,
                      help="remove the sandbox when the command ends (default; --no-rm keeps it)")
     run.add_argument("--entrypoint", metavar="PROGRAM", help="run this instead of the image's Entrypoint "
@@ -1980,7 +2018,7 @@ def check_usage(a: argparse.Namespace) -> None:
     if a.cmd == "logs":
         a.since_ts = None if a.since is None else parse_since(a.since)
     if getattr(a, "tty", False) and not (sys.stdin is not None and os.isatty(0)):
-        raise UsageError("dsec exec: -t needs a terminal, but the input device is not a TTY; "
+        raise UsageError(f"dsec {a.cmd}: -t needs a terminal, but the input device is not a TTY; "
                          "drop -t (with -i alone the command reads piped input)")
     if a.cmd == "call" and not a.argv and not a.code_file:
         raise UsageError("dsec call: give a command after --, or --code-file FILE")

@@ -815,7 +815,8 @@ class Client:
 
     def run_stream(self, image: str, args: list[str] | None = None, entrypoint: list[str] | str | None = None,
                    timeout: float | None = None, stdin: bytes | AsyncIterator[bytes] | None = None,
-                   remove: bool = True, **create_args) -> RunStream:
+                   remove: bool = True, pty: bool = False, rows: int | None = None, cols: int | None = None,
+                   **create_args) -> RunStream:
         """`async with c.run_stream(image, args) as run:` makes a sandbox of
         `image` (create's arguments: env, cwd, user, net, allow, memory, ...)
         and starts its command as `docker run` does: the image's Entrypoint
@@ -824,8 +825,10 @@ class Client:
         `run.result` is its ExecResult, `run.sandbox` the sandbox. On the way
         out, however it is left (an error, a cancel), the sandbox is destroyed
         unless remove=False; meanwhile it is leased (RUN_LEASE_S), so it goes
-        even if this process dies."""
-        return RunStream(self, image, args, entrypoint, timeout, stdin, remove, create_args)
+        even if this process dies. pty: the command runs on a terminal of
+        rows x cols (as exec_stream's; `run.stream.write` is its keyboard)."""
+        return RunStream(self, image, args, entrypoint, timeout, stdin, remove, create_args,
+                         {"pty": True, "rows": rows, "cols": cols} if pty else {})
 
     async def run(self, image: str, args: list[str] | None = None, entrypoint: list[str] | str | None = None,
                   timeout: float | None = None, stdin: bytes | AsyncIterator[bytes] | None = None,
@@ -953,8 +956,9 @@ class RunStream:
 
     def __init__(self, client: Client, image: str, args: list[str] | None, entrypoint: list[str] | str | None,
                  timeout: float | None, stdin: bytes | AsyncIterator[bytes] | None, remove: bool,
-                 create_args: dict):
+                 create_args: dict, terminal: dict | None = None):
         self.client = client
+        self.terminal = terminal or {}          # exec_stream's pty, rows, cols
         self.image = image
         if args is not None and (isinstance(args, str) or not all(isinstance(a, str) for a in args)):
             raise TypeError(f"args must be a list of strings (they replace the image's Cmd), got {args!r}")
@@ -989,7 +993,8 @@ class RunStream:
                 every = parse_duration(create_args["lease"], "lease") / 3
                 # The sandbox's own client: a fleet's run (dsec fleet run) made it on its host's.
                 self._hold = self.sandbox.client.hold([self.sandbox.id], None, every)
-            self.stream = self.sandbox.exec_stream(self.argv, timeout=self.timeout, stdin=self.stdin)
+            self.stream = self.sandbox.exec_stream(self.argv, timeout=self.timeout, stdin=self.stdin,
+                                                   **self.terminal)
         except BaseException:
             await self._remove(True)
             raise

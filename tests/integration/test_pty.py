@@ -306,3 +306,31 @@ def test_cli_tty_without_a_terminal_is_a_clear_error(daemon, sandbox):
     r = daemon.cli("exec", "-it", sandbox.id, "--", "sh", input=b"echo hi\n")
     assert r.returncode == 125
     assert b"the input device is not a TTY" in r.stderr
+
+
+def test_cli_run_it_is_a_terminal_session_in_a_sandbox_of_its_own(daemon, client):
+    """`dsec run -it IMAGE sh`, as docker users type it: the image's command
+    on a terminal, ^C typed into it, its exit status ours, its sandbox gone."""
+    before = {s["id"] for s in client.list()}
+    term = Terminal(daemon, "run", "-it", "busybox", "sh")
+    try:
+        term.expect(rb"# ")
+        term.type(b"stty size; tty\r")
+        term.expect(rb"\r\n24 80\r\n/dev/pts/\d+\r\n")
+        term.type(b"sleep 100; echo after $?\r")
+        term.expect(rb"sleep 100; echo after \$\?\r\n")
+        time.sleep(0.3)
+        term.type(b"\x03")                         # to the sandbox's terminal, not a signal to dsec run
+        term.type(b"echo alive\r")
+        term.expect(rb"\r\nalive\r\n")
+        term.type(b"exit 4\r")
+        code, attrs = term.wait()
+    finally:
+        if term.proc.poll() is None:
+            term.proc.kill()
+            term.proc.wait()
+    assert code == 4
+    assert attrs == term.before, "dsec left the terminal in raw mode"
+    assert {s["id"] for s in client.list()} == before          # removed, as docker run --rm
+    r = daemon.cli("run", "-it", "busybox", "sh", input=b"echo hi\n")
+    assert r.returncode == 125 and b"dsec run: -t needs a terminal" in r.stderr

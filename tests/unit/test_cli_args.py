@@ -46,8 +46,10 @@ def test_a_runs_unknown_options_after_the_image_are_its_command_as_dockers():
     assert (a.interactive, a.timeout, a.argv) == (True, 5.0, ["-c", "x"])
     a = cli.parse_args(["run", "busybox", "-eK=V", "-i", "sh"])
     assert (a.env, a.interactive, a.argv) == (["K=V"], True, ["sh"])
-    a = cli.parse_args(["run", "busybox", "-it", "sh"])       # run has no -t: the command's from there
-    assert a.argv == ["-it", "sh"]
+    a = cli.parse_args(["run", "busybox", "-it", "sh"])       # run's -i and -t, run together
+    assert (a.interactive, a.tty, a.argv) == (True, True, ["sh"])
+    a = cli.parse_args(["run", "busybox", "-ix", "sh"])       # not all of them run's: the command's
+    assert a.argv == ["-ix", "sh"]
     with pytest.raises(SystemExit):                         # before a "--": dsec's, mistyped
         cli.parse_args(["run", "busybox", "--bogus", "--", "true"])
 
