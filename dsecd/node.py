@@ -354,7 +354,8 @@ def make_microvm_service(cfg: Config, features: Features, layout: cgroup.Layout,
                                      cfg.size("microvm", "memory_overhead"), cfg.size("sandbox", "tmp_size"),
                                      probed.own_root if vm_cfg["own_root"] else Feature(
                                          False, "microvm.own_root is false: QEMU runs in the host's mount "
-                                                "namespace"))
+                                                "namespace"),
+                                     shm_size=cfg.size("sandbox", "shm_size"))
         except (guestimg.GuestImageError, OSError) as err:
             why = str(err)
             log.warning("backend microvm unavailable: %s", why)

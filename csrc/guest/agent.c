@@ -14,7 +14,8 @@
  *   4. serves the host over the virtio-serial port named "dsec.agent".
  *
  * Kernel command-line parameters it reads: dsec.layers=N (pmem devices to
- * mount), dsec.disk=BYTES (the upper tmpfs cap), dsec.tmp=BYTES (/tmp cap).
+ * mount), dsec.disk=BYTES (the upper tmpfs cap), dsec.tmp=BYTES (/tmp cap),
+ * dsec.shm=BYTES (/dev/shm cap; 64 MiB without it, as before the parameter).
  *
  * The channel: frames of  u32 length (big-endian, of what follows) | u8 type |
  * u32 id | body, where a body is a sequence of fields, each a u64 (big-endian)
@@ -3880,6 +3881,7 @@ static void mount_root(void)
 {
     int nlayers = (int)param_u64("dsec.layers", 0);
     uint64_t disk = param_u64("dsec.disk", 1ull << 30), tmp = param_u64("dsec.tmp", 64ull << 20);
+    uint64_t shm = param_u64("dsec.shm", 64ull << 20);
     char devs[64][16], opt[8192], lower[4096] = "";
     int found = 0;
 
@@ -3927,7 +3929,8 @@ static void mount_root(void)
         die("mount /dev");
     mkdirs((const char *const[]){"/newroot/dev/pts", "/newroot/dev/shm", NULL});
     mount("devpts", "/newroot/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666");
-    mount("tmpfs", "/newroot/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m");
+    snprintf(opt, sizeof(opt), "size=%llu", (unsigned long long)shm);
+    mount("tmpfs", "/newroot/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, opt);
     snprintf(opt, sizeof(opt), "size=%llu,mode=1777", (unsigned long long)tmp);
     if (mount("tmpfs", "/newroot/tmp", "tmpfs", MS_NOSUID | MS_NODEV, opt) < 0)
         die("mount /tmp");

@@ -176,6 +176,9 @@ def test_files_bigger_than_the_guest_holds_are_refused_and_it_lives_on(vmd, tmp_
     sb = c.create("busybox", backend="microvm", memory="256M", net="none")
     try:
         assert sb.inspect()["limits"]["disk"] == 128 << 20
+        # /tmp and /dev/shm, tmpfs in RAM too: an eighth of it each, at most.
+        sizes = sb.exec(["sh", "-c", "df -k /tmp /dev/shm | tail -n 2"]).stdout.split()
+        assert [int(sizes[1]), int(sizes[7])] == [32 << 10, 32 << 10], sizes
         big = tmp_path / "big"
         with open(big, "wb") as f:
             f.truncate(300 << 20)

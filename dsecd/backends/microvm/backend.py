@@ -74,10 +74,10 @@ def upper_cap(guest_memory: int) -> int:
 
 
 def tmp_cap(guest_memory: int) -> int:
-    """The most a VM's /tmp (a tmpfs of its own) may hold, whatever
-    sandbox.tmp_size: an eighth of its RAM, so that it, the writable layer
-    (upper_cap) and /dev/shm (64M) together leave the guest's kernel and
-    processes room (the reason upper_cap gives)."""
+    """The most a VM's /tmp, and its /dev/shm, (tmpfs each) may hold,
+    whatever sandbox.tmp_size and shm_size: an eighth of its RAM each, so
+    that they and the writable layer (upper_cap) together leave the guest's
+    kernel and processes a quarter of it (the reason upper_cap gives)."""
     return guest_memory // 8
 # QEMU's own processes run in the sandbox's cgroup too: TCG's translation
 # cache (tb-size), device models, its heap and the page tables of guest RAM.
@@ -238,7 +238,8 @@ class MicroVMBackend:
     name = "microvm"
 
     def __init__(self, layout: cgroup.Layout, cfg: dict, sandbox_cfg: dict, state_dir: Path, guest: GuestImage,
-                 accel: str, memory_overhead: int, tmp_size: int, own_root: Feature = NOT_PROBED):
+                 accel: str, memory_overhead: int, tmp_size: int, own_root: Feature = NOT_PROBED,
+                 shm_size: int = 64 << 20):
         """own_root: whether each QEMU runs in a mount namespace of its own
         (vmroot.py): the probe's answer (features.probe_microvm)."""
         self.layout = layout
@@ -252,6 +253,7 @@ class MicroVMBackend:
         self.accel = accel
         self.memory_overhead = memory_overhead
         self.tmp_size = tmp_size
+        self.shm_size = shm_size
         self.qemu = shutil.which(cfg["qemu"]) or cfg["qemu"]
         # Every VM's namespace mounts its root's tmpfs here (in itself only): an empty dir.
         self.own_root = own_root
@@ -299,7 +301,8 @@ class MicroVMBackend:
                 "-kernel", refs["kernel"], "-initrd", refs["initramfs"],
                 "-append", f"{KERNEL_ARGS} dsec.layers={len(layers)} "
                 f"dsec.disk={min(disk, upper_cap(guest_memory))} "
-                f"dsec.tmp={min(self.tmp_size, tmp_cap(guest_memory))}",
+                f"dsec.tmp={min(self.tmp_size, tmp_cap(guest_memory))} "
+                f"dsec.shm={min(self.shm_size, tmp_cap(guest_memory))}",
                 "-serial", f"file:{vm_dir}/serial.log",
                 "-qmp", f"unix:{vm_dir}/qmp.sock,server=on,wait=off",
                 "-device", "virtio-serial-pci,id=vs0",
