@@ -1277,10 +1277,11 @@ async def cmd_ps(c: Client, a) -> int:
     for s in sorted(sbs, key=lambda s: s["created"]):
         lim = s["limits"]
         rows.append([s["id"], s["image"], s["state"], f"{lim['cpu']:g}", _human_bytes(lim["memory"]),
-                     str(s["execs_running"]), time.strftime("%H:%M:%S", time.localtime(s["created"])),
+                     str(s["execs_running"]), str(s.get("procs_running", 0)),
+                     time.strftime("%H:%M:%S", time.localtime(s["created"])),
                      # One shell word per label: a value with spaces, commas or quotes reads back whole.
                      " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(s["labels"].items()))])
-    _table(rows, ["ID", "IMAGE", "STATE", "CPU", "MEMORY", "EXECS", "CREATED", "LABELS"])
+    _table(rows, ["ID", "IMAGE", "STATE", "CPU", "MEMORY", "EXECS", "PROCS", "CREATED", "LABELS"])
     return 0
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import sys
 import time
 
@@ -106,10 +107,11 @@ async def fleet_ps(fleet: Fleet, a) -> int:
     for s in sorted(rows, key=lambda s: (s["host"], s["created"])):
         lim = s["limits"]
         out.append([_host_col(s["host"]), s["id"], s["image"], s["state"], f"{lim['cpu']:g}",
-                    human_bytes(lim["memory"]), str(s["execs_running"]),
+                    human_bytes(lim["memory"]), str(s["execs_running"]), str(s.get("procs_running", 0)),
                     time.strftime("%H:%M:%S", time.localtime(s["created"])),
-                    ",".join(f"{k}={v}" for k, v in sorted(s["labels"].items()))])
-    table(out, ["HOST", "ID", "IMAGE", "STATE", "CPU", "MEMORY", "EXECS", "CREATED", "LABELS"])
+                    # One shell word per label, as `dsec ps` prints them.
+                    " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(s["labels"].items()))])
+    table(out, ["HOST", "ID", "IMAGE", "STATE", "CPU", "MEMORY", "EXECS", "PROCS", "CREATED", "LABELS"])
     return 0
 
 

@@ -103,6 +103,8 @@ class Sandbox:
         out.pop("procs")
         out.pop("vm")           # inspect's "vm" says it for a microVM
         out["execs_running"] = self.execs
+        # Background processes (proc_start) that run: their records say so as they start and end.
+        out["procs_running"] = sum(1 for rec in self.procs if rec.get("state") == "running")
         out["denials"] = self.denials
         return out
 

@@ -76,6 +76,7 @@ def test_spawn_returns_at_once_and_wait_gives_the_exit_code(any_sandbox):
 
 def test_list_shows_running_and_exited(any_sandbox):
     sandbox = any_sandbox
+    before = sandbox.inspect()["procs_running"]
     a = sandbox.spawn(["sleep", "30"])
     b = sandbox.spawn(["sh", "-c", "echo hello"])
     b.wait()
@@ -83,8 +84,10 @@ def test_list_shows_running_and_exited(any_sandbox):
     assert by_pid[a.pid].state == "running" and by_pid[a.pid].argv == ["sleep", "30"]
     assert by_pid[b.pid].state == "exited" and by_pid[b.pid].exit_code == 0
     assert by_pid[b.pid].output_bytes == 6 and by_pid[b.pid].dropped == 0
+    assert sandbox.inspect()["procs_running"] == before + 1           # `dsec ps`'s PROCS
     a.kill()
     assert a.wait().signal == signal.SIGKILL
+    assert sandbox.inspect()["procs_running"] == before
 
 
 def test_follow_sees_lines_as_they_come(any_sandbox):
