@@ -316,7 +316,7 @@ class NodeCollector:
         if "blobs" not in p:           # no pager (images.mode is not lazy), or its stats unreadable
             return
         sums = dict.fromkeys(("fetches", "fetched_bytes", "chunk_hits", "chunk_misses", "kernel_read_bytes",
-                              "evictions", "errors", "corrupt"), 0)
+                              "evictions", "errors", "uncached", "corrupt"), 0)
         for b in p["blobs"].values():
             for key in sums:
                 sums[key] += int(b.get(key, 0))
@@ -324,7 +324,8 @@ class NodeCollector:
                          ("fetched_bytes", "Bytes fetched from the store (misses and read-ahead)"),
                          ("kernel_read_bytes", "Bytes the kernel read through the pager"),
                          ("evictions", "Chunks evicted from the local cache"),
-                         ("errors", "Failed fetches"), ("corrupt", "Fetched chunks that failed their check")):
+                         ("errors", "Failed fetches"), ("corrupt", "Fetched chunks that failed their check"),
+                         ("uncached", "Fetched chunks the local cache could not keep (its disk full)")):
             c = _counter(f"dsecd_pager_{key}", f"{doc} (since the pager started)")
             c.add_metric([], sums[key])
             yield c

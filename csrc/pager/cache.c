@@ -483,6 +483,10 @@ int cache_read(struct blob *b, char *dst, uint64_t off, uint64_t len)
  * the chunk stays ABSENT and CHUNK_SERVED_UNCACHED is returned, so a full
  * cache disk slows reads down instead of failing them (a failed read of a
  * mapped binary is a SIGBUS in the sandbox). */
+/* How long read-ahead stays off after the cache could not keep a chunk. */
+#define CACHE_FULL_PAUSE_NS (5ull * 1000000000ull)
+_Atomic uint64_t g_cache_full_until_ns;
+
 int chunk_fill(struct blob *b, uint64_t c, int readahead, struct chunk_copy *copy)
 {
     uint64_t len = chunk_len(b, c), off = c * g_cfg.chunk_size;
@@ -522,8 +526,11 @@ int chunk_fill(struct blob *b, uint64_t c, int readahead, struct chunk_copy *cop
     free(buf);
     if (rc == 0)
         lat_observe(&g_fetch_latency, now_ns() - t0);
-    if (rc == 0 && kept < 0)
+    if (rc == 0 && kept < 0) {
         rc = copy ? CHUNK_SERVED_UNCACHED : kept;
+        b->st.uncached++;
+        atomic_store(&g_cache_full_until_ns, now_ns() + CACHE_FULL_PAUSE_NS);
+    }
 
     pthread_mutex_lock(&b->lock);
     if (rc == 0) {
@@ -537,7 +544,8 @@ int chunk_fill(struct blob *b, uint64_t c, int readahead, struct chunk_copy *cop
             b->st.readahead++;
     } else {
         b->state[c] = CHUNK_ABSENT;
-        b->st.errors++;
+        if (kept >= 0)        /* the fetch failed; one the cache could not keep is counted as uncached */
+            b->st.errors++;
     }
     pthread_cond_broadcast(&b->cond);
     pthread_mutex_unlock(&b->lock);

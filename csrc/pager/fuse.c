@@ -120,12 +120,13 @@ static void json_blob(FILE *f, struct blob *b, int first)
         "%s\n  \"%s\": {\"size\": %" PRIu64 ", \"chunks\": %" PRIu64 ", \"cached_chunks\": %" PRIu64
         ", \"kernel_read_bytes\": %" PRIu64 ", \"reads\": %" PRIu64 ", \"fetched_bytes\": %" PRIu64
         ", \"fetches\": %" PRIu64 ", \"chunk_hits\": %" PRIu64 ", \"chunk_misses\": %" PRIu64
-        ", \"readahead_chunks\": %" PRIu64 ", \"evictions\": %" PRIu64 ", \"errors\": %" PRIu64 ", \"verified\": %s"
+        ", \"readahead_chunks\": %" PRIu64 ", \"evictions\": %" PRIu64 ", \"errors\": %" PRIu64
+        ", \"uncached\": %" PRIu64 ", \"verified\": %s"
         ", \"verified_bytes\": %" PRIu64 ", \"corrupt\": %" PRIu64 "}",
         first ? "" : ",", b->hex, b->size, b->nchunks, (uint64_t)b->cached_chunks,
         (uint64_t)s->kernel_read_bytes, (uint64_t)s->reads, (uint64_t)s->fetched_bytes,
         (uint64_t)s->fetches, (uint64_t)s->hits, (uint64_t)s->misses, (uint64_t)s->readahead,
-        (uint64_t)s->evictions, (uint64_t)s->errors, b->index ? "true" : "false",
+        (uint64_t)s->evictions, (uint64_t)s->errors, (uint64_t)s->uncached, b->index ? "true" : "false",
         (uint64_t)s->verified_bytes, (uint64_t)s->corrupt);
 }
 

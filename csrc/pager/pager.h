@@ -50,7 +50,8 @@ struct blob_stats {
     _Atomic uint64_t misses;    /* chunk needed by a read and not cached (fetched or waited) */
     _Atomic uint64_t readahead; /* chunks fetched by read-ahead */
     _Atomic uint64_t evictions; /* chunks evicted */
-    _Atomic uint64_t errors;    /* failed fetches (store I/O, truncated blob, cache I/O) */
+    _Atomic uint64_t errors;    /* failed fetches (store I/O, truncated blob) */
+    _Atomic uint64_t uncached;  /* fetched chunks the cache could not keep (its disk full): served if read */
     _Atomic uint64_t verified_bytes; /* fetched bytes checked against the chunk index */
     _Atomic uint64_t corrupt;        /* fetched blocks that did not match it (EIO) */
 };
@@ -69,6 +70,10 @@ struct lat_hist {
 };
 extern const uint64_t pager_lat_bounds_ns[PAGER_LAT_BOUNDS];
 extern struct lat_hist g_fetch_latency;
+
+/* Until this time (now_ns) read-ahead is not queued: the cache could not keep
+ * a chunk, and more read-ahead would fetch chunks only to drop them. */
+extern _Atomic uint64_t g_cache_full_until_ns;
 
 struct blob {
     char hex[PAGER_HEX_LEN + 1];

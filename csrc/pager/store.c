@@ -209,7 +209,7 @@ static void *ra_worker(void *arg)
  * it a second time. Lock order: blob lock, then queue lock. */
 void readahead_queue(struct blob *b, uint64_t first, uint64_t count)
 {
-    if (!g_ra.nthreads)
+    if (!g_ra.nthreads || now_ns() < atomic_load(&g_cache_full_until_ns))
         return;
     pthread_mutex_lock(&b->lock);
     pthread_mutex_lock(&g_ra.lock);

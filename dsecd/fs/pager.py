@@ -137,7 +137,8 @@ class BlobStats:
     chunk_misses: int
     readahead_chunks: int
     evictions: int
-    errors: int
+    errors: int              # failed fetches (the store's I/O, a truncated blob)
+    uncached: int = 0        # fetched chunks its cache could not keep (its disk full); a read's was served
     verified_bytes: int = 0  # fetched bytes checked against the layer's chunk index
     corrupt: int = 0         # fetched blocks that did not match it (readers got EIO)
     verified: bool = False   # the blob has a chunk index loaded: fetches are checked
@@ -186,7 +187,7 @@ def parse_stats(text: str) -> PagerStats:
         raise ValueError(f"unknown .stats version {doc.get('version')!r}")
     names = [f.name for f in fields(BlobStats)]
     # The integrity fields came later: a pager adopted across an upgrade lacks them.
-    optional = {"verified_bytes", "corrupt", "verified"}
+    optional = {"verified_bytes", "corrupt", "verified", "uncached"}
     blobs = {h: BlobStats(**{n: bool(b[n]) if n == "verified" else int(b[n])
                              for n in names if n in b or n not in optional}) for h, b in doc["blobs"].items()}
     latency = doc.get("fetch_latency")          # so did the histogram
