@@ -144,8 +144,8 @@ def is_dir(rootfd: int, path: str) -> bool:
 def make_dirs(rootfd: int, path: str, mode: int = 0o755, owner: tuple[int, int] | None = None) -> bool:
     """mkdir -p `path` in the image; True if its last component was made.
     Every directory made belongs to `owner` (host ids; None: the sandbox's
-    root), as BuildKit makes them for WORKDIR and COPY --chown; the last one
-    gets `mode`, the ones above it 0755."""
+    root) and gets `mode`, as BuildKit makes them for WORKDIR and COPY
+    --chown/--chmod (fsutil's MkdirAll gives each the one mode)."""
     path = "/" + path.strip("/")
     if path == "/" or is_dir(rootfd, path):
         return False
@@ -165,7 +165,7 @@ def make_dirs(rootfd: int, path: str, mode: int = 0o755, owner: tuple[int, int] 
                 raise CopyError(f"{current} exists and is not a directory; cannot make {path}")
             os.mkdir(name, 0o755, dir_fd=pfd)
             made = current == path
-            _set_attrs_at(pfd, name, current, mode if made else 0o755, owner)
+            _set_attrs_at(pfd, name, current, mode, owner)
         except OSError as err:
             raise _failed(current, err) from err
         finally:

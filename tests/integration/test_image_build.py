@@ -243,6 +243,7 @@ def test_add_extracts_a_local_archive_and_copy_keeps_symlinks(client, tmp_path):
         COPY tree /opt/tree
         RUN /opt/pkg/run.sh > /opt/ran
         COPY --chown=nobody tree/file.txt /opt/new/deep/
+        COPY --chmod=750 tree/file.txt /srv/m1/m2/
         USER nobody
         WORKDIR /work/nb/sub
         """)
@@ -255,6 +256,8 @@ def test_add_extracts_a_local_archive_and_copy_keeps_symlinks(client, tmp_path):
         # Directories made for COPY --chown and WORKDIR belong to that user (as BuildKit makes them).
         assert sh(sb, "stat -c %U /opt /opt/new /opt/new/deep /opt/new/deep/file.txt /work /work/nb "
                       "/work/nb/sub") == "root\nnobody\nnobody\nnobody\nroot\nnobody\nnobody\n"
+        # --chmod gives its mode to every directory the COPY makes (BuildKit's fsutil MkdirAll).
+        assert sh(sb, "stat -c %a /srv /srv/m1 /srv/m1/m2 /srv/m1/m2/file.txt", user=0) == "750\n750\n750\n750\n"
     finally:
         sb.destroy()
 
