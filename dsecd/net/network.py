@@ -104,17 +104,19 @@ class Network:
         self.ipam = Ipam(cfg["ipv4_subnet"], cfg.get("ipv4_pool", ""), cfg.get("ipv6_subnet", ""))
         self._migrate(netdir)
         self._restore_leases()
-        # What the resolver may never add (hostile answers): loopback, link-local,
-        # unspecified, the gateway and the sandboxes' own addresses.
-        self.dns_blocked = [ipaddress.ip_network(n) for n in ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16",
-                                                               "224.0.0.0/3", "::/127", "fe80::/10", "ff00::/8")]
-        self.dns_blocked += [ipaddress.ip_network(self.ipam.gateway4), self.ipam.pool]
+        # The gateway and the sandboxes' own addresses, in both families.
+        self.own_nets = [ipaddress.ip_network(self.ipam.gateway4), self.ipam.pool]
         if self.ipam.subnet6:
             off = int(self.ipam.pool.network_address) - int(self.ipam.subnet.network_address)
             base6 = int(self.ipam.subnet6.network_address) + off
-            self.dns_blocked += [ipaddress.ip_network(self.ipam.gateway6)]
-            self.dns_blocked += ipaddress.summarize_address_range(
+            self.own_nets += [ipaddress.ip_network(self.ipam.gateway6)]
+            self.own_nets += ipaddress.summarize_address_range(
                 ipaddress.IPv6Address(base6), ipaddress.IPv6Address(base6 + self.ipam.pool.num_addresses - 1))
+        # What the resolver may never add (hostile answers): loopback, link-local,
+        # unspecified, multicast, and those.
+        self.dns_blocked = [ipaddress.ip_network(n) for n in ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16",
+                                                               "224.0.0.0/3", "::/127", "fe80::/10", "ff00::/8")]
+        self.dns_blocked += self.own_nets
         # Sandboxes reach the resolver on the gateway, and nothing else there.
         self.resolver_rule = R.Rule(R.FAM_V4, int(self.ipam.gateway4), 32, 53, 53, R.P_TCP | R.P_UDP) \
             if self.dns_enabled else None
@@ -135,6 +137,13 @@ class Network:
         # Pool entries are `dp<tag><n>`; tag = this state dir, so daemons sharing a
         # bridge netns never take each other's for leftovers.
         self.tag = pool_tag(state_dir)
+        # What no rule broader than them reaches (rules.compile_prefixes), and
+        # no resolver answer may point at: the gateway and the other
+        # sandboxes, and the host's own addresses.
+        host_nets = self._host_nets()
+        self.dns_blocked += host_nets
+        self.fences = tuple((R.FAM_V4 if n.version == 4 else R.FAM_V6, int(n.network_address), n.prefixlen)
+                            for n in self.own_nets + host_nets)
         self._seq = itertools.count()
         in_use = {r.get("ifname") for r in self.records.records.values()}
         for name in set(self.plumbing.links_with_prefix(f"dp{self.tag}")) - in_use:
@@ -154,6 +163,19 @@ class Network:
                 raise
         self.pool = NetnsPool(int(cfg.get("pool_size", 0)), self._make_ready, self._destroy_ready,
                               housekeeping=self._compact, wanted=self.records.needs_compaction)
+
+    def _host_nets(self) -> list:
+        """Each address of the host side (the bridge's netns: its uplink's,
+        any other interface's, as they are at start) that is not the gateway,
+        as a one-address network. With the gateway and the pool they are the
+        fences: a sandbox reaches them only through a rule naming them or a
+        narrower range, never through a broader one (`0.0.0.0/0:443` is the
+        internet's HTTPS, not another sandbox's or the host's services)."""
+        out = []
+        for addr in self.plumbing.local_addresses():
+            if not (addr.is_loopback or addr.is_link_local or any(addr in n for n in self.own_nets)):
+                out.append(ipaddress.ip_network(addr))
+        return out
 
     def close(self) -> None:
         """Daemon shutdown: sandboxes keep their veths and attached programs; the
@@ -610,12 +632,12 @@ class Network:
         change, only the prefixes they can affect are recomputed (a 1,000-rule
         policy stays cheap to edit)."""
         delta = set(rules) ^ sb.counters.keys()
-        if not sb.policy or len(delta) > 8:
-            return R.compile_prefixes(rules), None, delta
+        if not sb.policy or len(delta) > 8 or R.touches_fence(delta, self.fences):
+            return R.compile_prefixes(rules, fences=self.fences), None, delta
         # Every rule not in the delta is on a prefix the policy already has.
         keys = sb.prefixes.keys() | {r.key for r in delta}
         affected = R.affected_prefixes(delta, keys)
-        partial = R.compile_prefixes(rules, only=affected)
+        partial = R.compile_prefixes(rules, only=affected, fences=self.fences)
         prefixes = dict(sb.prefixes)
         for k in affected:
             if k in partial:

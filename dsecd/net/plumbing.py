@@ -386,6 +386,19 @@ class Plumbing:
         return [n for n in names if n.startswith(prefix)]
 
 
+    def local_addresses(self) -> list:
+        """The addresses of every interface of the bridge netns (the host
+        side: its uplink's, the gateways, any other), as ipaddress objects."""
+        import ipaddress
+
+        ipr = IPRoute(fileno=netlink_socket(self.ns_path).detach(), groups=0)
+        try:
+            return [ipaddress.ip_address(a.get_attr("IFA_ADDRESS")) for a in ipr.get_addr()
+                    if a.get_attr("IFA_ADDRESS")]
+        finally:
+            ipr.close()
+
+
 def bridge_exists(host_netns: str, name: str) -> bool:
     """Whether `name` is a link in `host_netns` ("" = this process's netns): a daemon
     start asks whether networking was in use on this host before (the bridge

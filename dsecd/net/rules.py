@@ -279,7 +279,35 @@ class Entry:
     rule: Rule            # whose counter this entry bumps
 
 
-def compile_prefixes(rules: list[Rule], only: set | None = None) -> dict[tuple[int, int, int], list[Entry]]:
+Key = tuple[int, int, int]       # (family, network address, prefix length): a trie key
+
+
+def _within(key: Key, outer: Key) -> bool:
+    """Whether prefix `key` lies inside prefix `outer` (or is it)."""
+    fam, addr, plen = key
+    ofam, oaddr, oplen = outer
+    if fam != ofam or plen < oplen:
+        return False
+    bits = 32 if fam == FAM_V4 else 128
+    mask = ((1 << oplen) - 1) << (bits - oplen) if oplen else 0
+    return addr & mask == oaddr
+
+
+def fence_keys(rules: list[Rule], fences: tuple[Key, ...]) -> set[Key]:
+    """The fences some rule on a broader prefix covers: each gets a trie entry
+    of its own, holding only the rules inside it, so that the broader rule
+    does not reach into it (compile_prefixes)."""
+    return {f for f in fences if any(r.key != f and _within(f, r.key) for r in rules)}
+
+
+def touches_fence(rules, fences: tuple[Key, ...]) -> bool:
+    """Whether any of `rules` lies inside a fence or covers one (its change
+    can change a fence's own entry: recompile the whole policy)."""
+    return any(_within(r.key, f) or _within(f, r.key) for r in rules for f in fences)
+
+
+def compile_prefixes(rules: list[Rule], only: set | None = None,
+                     fences: tuple[Key, ...] = ()) -> dict[Key, list[Entry]]:
     """{(family, addr, plen): entries} for the LPM trie (only the keys in `only`, if given).
 
     The trie returns only the longest matching prefix, so each prefix also
@@ -287,11 +315,21 @@ def compile_prefixes(rules: list[Rule], only: set | None = None) -> dict[tuple[i
     first (a connection is counted against the most specific rule that allows
     it). Entries an earlier one already covers are dropped: they could never
     match first.
+
+    `fences` are prefixes no broader rule reaches into (the sandboxes'
+    bridge subnet, the host's own addresses): a prefix inside a fence takes
+    the entries of covering prefixes inside that fence only, and a fence a
+    broader rule covers gets an entry of its own (empty unless a rule names
+    it), so `0.0.0.0/0:443` does not open another sandbox or the host while
+    `10.88.1.7:443` does.
     """
-    by_prefix: dict[tuple[int, int, int], list[Rule]] = {}
+    by_prefix: dict[Key, list[Rule]] = {}
+    walled = fence_keys(rules, fences)
     if only is None:
         for r in rules:
             by_prefix.setdefault(r.key, []).append(r)
+        for f in walled:
+            by_prefix.setdefault(f, [])
     else:
         # Only the rules on a key of `only` or on a prefix covering one matter.
         need = set()
@@ -301,18 +339,22 @@ def compile_prefixes(rules: list[Rule], only: set | None = None) -> dict[tuple[i
         for r in rules:
             if r.key in need:
                 by_prefix.setdefault(r.key, []).append(r)
+        for f in walled & set(only):
+            by_prefix.setdefault(f, [])
     # Only prefix lengths the policy uses can cover anything: walk those, not all 32/128.
     plens: dict[int, list[int]] = {}
     for fam, _addr, plen in by_prefix:
         plens.setdefault(fam, []).append(plen)
     plens = {f: sorted(set(v), reverse=True) for f, v in plens.items()}
-    out: dict[tuple[int, int, int], list[Entry]] = {}
+    out: dict[Key, list[Entry]] = {}
     keys = by_prefix if only is None else [k for k in only if k in by_prefix]
     for key in keys:
         fam, addr, plen = key
         bits = 32 if fam == FAM_V4 else 128
         chain = list(by_prefix[key])
-        for p in (q for q in plens[fam] if q < plen):      # covering prefixes, most specific first
+        # Inside a fence, nothing broader than the fence covers it.
+        floor = max((f[2] for f in fences if _within(key, f)), default=0)
+        for p in (q for q in plens[fam] if floor <= q < plen):      # covering prefixes, most specific first
             mask = ((1 << p) - 1) << (bits - p) if p else 0
             chain.extend(by_prefix.get((fam, addr & mask, p), ()))
         kept: list[Rule] = []

@@ -84,6 +84,12 @@ def test_egress_through_nat_needs_the_rule(iworld, natd):
     assert code == 0 and f"whoami {iworld.uplink_addr}" in out      # masqueraded to the uplink's address
     code, out = wget(denied, f"http://{iworld.inet}/")
     assert code != 0 and "whoami" not in out
+    # A rule for the whole internet is not one for the host: its uplink's
+    # address (a service of the host there) stays out of reach, at once.
+    broad = c.create(image="busybox", net="default", allow=["0.0.0.0/0:80/tcp"])
+    assert wget(broad, f"http://{iworld.inet}/")[0] == 0
+    r = broad.exec(["sh", "-c", f"nc -w 2 {iworld.uplink_addr} 80 </dev/null"], timeout=20)
+    assert r.exit_code != 0 and b"not permitted" in r.stderr, r
     nat = c.info()["net"]["nat"]
     assert nat["uplink"] == iworld.uplink and nat["table"] == "inet dsecd"
     table = ruleset(iworld.br_ns)

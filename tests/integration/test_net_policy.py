@@ -143,6 +143,25 @@ def test_sandbox_cannot_touch_its_policy(world, sandbox):
     assert held >= 10          # 5 maps + 5 programs
 
 
+def test_a_broad_rule_reaches_neither_other_sandboxes_nor_the_gateway(world, sandbox):
+    """`0.0.0.0/0:443/tcp` is the internet's HTTPS: it does not open another
+    sandbox's listeners or the host's services on the gateway (EPERM at
+    once); a rule naming the sandbox's address does (its connect reaches
+    it: nothing listens there, ECONNREFUSED); the resolver stays reachable."""
+    b = sandbox([])
+    b_ip = world.net.show(b.name)["lease"]["ipv4"].split("/")[0]
+    gateway = f"10.{world.octet}.0.1"
+    a = sandbox(["0.0.0.0/0:443/tcp"])
+    assert a.ask(op="connect", host=world.pkg, port=443)["ok"]          # the internet, as asked
+    assert a.ask(op="connect", host=b_ip, port=443) == {"errno": "EPERM"}
+    assert a.ask(op="connect", host=gateway, port=443) == {"errno": "EPERM"}
+    world.net.update(a.name, add=[f"{b_ip}:443/tcp"])
+    assert a.ask(op="connect", host=b_ip, port=443) == {"errno": "ECONNREFUSED"}
+    assert a.ask(op="connect", host=gateway, port=443) == {"errno": "EPERM"}
+    world.net.update(a.name, remove=[f"{b_ip}:443/tcp"])
+    assert a.ask(op="connect", host=b_ip, port=443) == {"errno": "EPERM"}
+
+
 def test_net_none_is_loopback_only(world, sandbox):
     a = sandbox(mode="none")
     assert world.net.show(a.name) == {"sandbox": a.name, "mode": "none"}

@@ -128,6 +128,33 @@ def test_compile_inherits_covering_prefixes():
     assert [str(e.rule) for e in eight] == ["10.0.0.0/8:443/tcp", "0.0.0.0/0:53/udp"]
 
 
+def _key(text: str) -> tuple[int, int, int]:
+    return R.parse_rule(text).key
+
+
+def test_a_fence_keeps_broader_rules_out_and_lets_rules_inside_it_in():
+    """The sandboxes' subnet and the host's address are fences: 0.0.0.0/0 does
+    not reach into them; a rule naming an address inside does; the resolver's
+    rule on the gateway stays the gateway's only entry."""
+    subnet, host = _key("10.88.0.0/16"), _key("198.18.0.1")
+    rules = [R.parse_rule(t) for t in ("0.0.0.0/0:443/tcp", "10.88.1.7:8080/tcp", "10.88.0.1:53")]
+    out = R.compile_prefixes(rules, fences=(subnet, host))
+    assert out[subnet] == [] and out[host] == []            # walled off: nothing allowed there
+    assert [str(e.rule) for e in out[_key("10.88.1.7")]] == ["10.88.1.7:8080/tcp"]
+    assert [str(e.rule) for e in out[_key("10.88.0.1")]] == ["10.88.0.1:53"]
+    assert [str(e.rule) for e in out[_key("0.0.0.0/0")]] == ["0.0.0.0/0:443/tcp"]
+    # A rule on the fence itself opens it, to the rules inside it.
+    out = R.compile_prefixes(rules + [R.parse_rule("10.88.0.0/16:22/tcp")], fences=(subnet, host))
+    assert [str(e.rule) for e in out[subnet]] == ["10.88.0.0/16:22/tcp"]
+    assert [str(e.rule) for e in out[_key("10.88.1.7")]] == ["10.88.1.7:8080/tcp", "10.88.0.0/16:22/tcp"]
+    # No rule covers a fence: it needs no entry (the default deny is enough).
+    assert _key("198.18.0.1") not in R.compile_prefixes([R.parse_rule("10.0.0.0/8:443")], fences=(host,))
+    # Only the keys asked for, as an update recompiles them.
+    assert R.compile_prefixes(rules, only={subnet}, fences=(subnet, host)) == {subnet: []}
+    assert R.touches_fence([R.parse_rule("0.0.0.0/0:80")], (host,))
+    assert not R.touches_fence([R.parse_rule("192.0.2.0/24:80")], (subnet, host))
+
+
 def test_compile_families_do_not_mix():
     out = R.compile_prefixes([R.parse_rule("::/0"), R.parse_rule("10.0.0.0/8:443/tcp")])
     assert [str(e.rule) for e in out[(R.FAM_V4, 10 << 24, 8)]] == ["10.0.0.0/8:443/tcp"]
