@@ -52,6 +52,7 @@ from ..fs.images import Image, ImageError, Pins
 from .creates import CreateService
 from .execs import ExecService, mapped_groups
 from .images import ImageService, count_image_op
+from .network import NET_FILES
 from .sandboxes import Sandbox, SandboxRegistry
 from .workers import Workers
 
@@ -59,9 +60,6 @@ log = logging.getLogger(__name__)
 
 BUILD_LABEL = "dsec.build"       # on every build sandbox: the image being built
 BUILD_JOB = "dsec.build"         # their create-queue job
-# Written into a --net default sandbox's writable layer at create (the
-# daemon's resolver): the sandbox's, not the image's, so never packed.
-RESOLV_CONF = "etc/resolv.conf"
 OUTPUT_TAIL = 4096               # bytes of a failed RUN's output its error carries
 KEY_VERSION = 1                  # bump when what a step key hashes changes
 
@@ -337,7 +335,7 @@ class _Build:
                 await self._copy(sb, step, sources)
             elif step.kind == WORKDIR:
                 await self._workdir(sb, step)
-            exclude = list(self.svc.images.snapshot_exclude) + ([RESOLV_CONF] if networked else [])
+            exclude = list(self.svc.images.snapshot_exclude) + (list(NET_FILES) if networked else [])
             try:
                 async with self.svc.images.frozen_upper(sb) as upper:
                     return await self._store_call(self.store.pack_layer, upper, exclude, self.pins.hold, None,

@@ -33,6 +33,7 @@ from ..fs.pull import Puller, PullSettings
 from ..fs.registry import RegistryConfig
 from ..fs.store import INDEX_BLOCK, StoreError, check_index, unreachable_hint
 from ..mem import pause
+from .network import NET_FILES
 from .sandboxes import SandboxRegistry
 from .workers import Workers
 
@@ -447,7 +448,9 @@ class ImageService:
         check_excludes(req.exclude)
         sb = self.registry.get(req.sandbox, req)
         base = await self._images_call(self.images.get_manifest, sb.manifest, sb.image)
-        exclude = self.snapshot_exclude + list(req.exclude)
+        # What dsecd wrote into a networked sandbox (its resolver, its hosts) is not its image's.
+        networked = bool(sb.net) and sb.net.get("mode") == "default"
+        exclude = self.snapshot_exclude + list(req.exclude) + (list(NET_FILES) if networked else [])
         if sb.backend == "microvm":
             async with self.vm_upper(sb, self.images.scratch, self.max_snapshot_bytes) as upper:
                 image = await self._images_call(self.images.snapshot, upper, base, req.name, exclude,

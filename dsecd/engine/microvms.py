@@ -44,6 +44,7 @@ from ..execio import DEFAULT_WINDOW, _decode_status
 from ..fs import files as sbfiles
 from ..fs import uppertar, users
 from ..fs.layers import distinct_layers
+from .network import hosts_text
 from .sandboxes import Sandbox
 from .vmtemplates import TemplateService, is_boot_failure
 from .workers import Workers
@@ -277,20 +278,23 @@ class MicroVMService:
         except AgentError as err:
             raise VmError(err.errno, f"set up the network of microVM {sb.id}: {err.strerror}") from err
         net = await self.net.network()
+        files = {"/etc/hosts": hosts_text(sb.hostname, {"ipv4": str(iface.ip),
+                                                        "ipv6": str(guest["ipv6"].ip) if guest.get("ipv6") else ""})}
         if net.dns_enabled:
-            link = handle.agent
+            files["/etc/resolv.conf"] = f"nameserver {net.ipam.gateway4}\n"
+        link = handle.agent
+        for path, text in files.items():
             try:
-                st = (await link.request(wire.STAT, wire.bstr("/etc/resolv.conf"))).stat()
-                if st["type"] == "symlink":       # replaced, not followed (as write_resolv_conf does)
-                    await link.request(wire.REMOVE, wire.bstr("/etc/resolv.conf"), wire.u64(0))
+                st = (await link.request(wire.STAT, wire.bstr(path))).stat()
+                if st["type"] == "symlink":       # replaced, not followed (as write_net_files does)
+                    await link.request(wire.REMOVE, wire.bstr(path), wire.u64(0))
             except AgentError:
                 pass
             try:
-                await link.request(wire.WRITE, wire.bstr("/etc/resolv.conf"), wire.u64(wire.WRITE_PARENTS),
-                                   wire.u64(0o644), wire.u64(wire.NO_OFFSET),
-                                   wire.bstr(f"nameserver {net.ipam.gateway4}\n"))
+                await link.request(wire.WRITE, wire.bstr(path), wire.u64(wire.WRITE_PARENTS),
+                                   wire.u64(0o644), wire.u64(wire.NO_OFFSET), wire.bstr(text))
             except AgentError as err:
-                raise VmError(err.errno, f"write /etc/resolv.conf of microVM {sb.id}: {err.strerror}") from err
+                raise VmError(err.errno, f"write {path} of microVM {sb.id}: {err.strerror}") from err
 
     async def reconnect(self, sb: Sandbox, handle: VmHandle) -> None:
         """The monitor and agent of a VM re-adopted after a daemon restart.

@@ -255,12 +255,14 @@ class NetworkService:
                 self.workers.behind(net.detach, sb.id)
             raise
         sb.net = {"mode": mode, "lease": view.get("lease")}
+        files = {"/etc/hosts": hosts_text(sb.hostname, view.get("lease") or {})}
         if net.dns_enabled:
-            try:
-                await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap), write_resolv_conf,
-                                       h.rootfd, f"nameserver {net.ipam.gateway4}\n")
-            except (OSError, sbfiles.PathError) as err:
-                raise io_error("write /etc/resolv.conf of sandbox", sb.id, err) from err
+            files["/etc/resolv.conf"] = f"nameserver {net.ipam.gateway4}\n"
+        try:
+            await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap), write_net_files,
+                                   h.rootfd, files)
+        except (OSError, sbfiles.PathError) as err:
+            raise io_error("write /etc/hosts and /etc/resolv.conf of sandbox", sb.id, err) from err
 
     async def attach_vm_net(self, sb, allow: list[str]) -> None:
         """A microVM's policy and lease, before its QEMU starts (its tap comes
@@ -453,18 +455,36 @@ def _networked(sb) -> bool:
     return bool(sb.net) and sb.net.get("mode") == "default"
 
 
-def write_resolv_conf(rootfd: int, text: str) -> None:
-    """/etc/resolv.conf of a sandbox's root, as its root user (userns.file_op). A
-    symlink there (images often point it at a resolver daemon's runtime file) is
-    replaced by the file, not followed."""
-    try:
-        if sbfiles.stat_path(rootfd, "/etc/resolv.conf").get("type") == "symlink":
-            sbfiles.remove(rootfd, "/etc/resolv.conf", recursive=False)
-    except OSError as err:
-        if err.errno != errno.ENOENT:
-            raise
-    fd = sbfiles.open_for_write(rootfd, "/etc/resolv.conf", append=False, keep=False, mode=0o644, parents=True)
-    try:
-        sbfiles.write_data(fd, text.encode())
-    finally:
-        os.close(fd)
+# Written into a --net default sandbox's writable layer at create: the
+# sandbox's, not its image's, so a snapshot or a build step never packs them
+# (docker's are bind mounts, which a commit leaves out too).
+NET_FILES = ("etc/hosts", "etc/resolv.conf")
+
+
+def hosts_text(hostname: str, lease: dict) -> str:
+    """A networked sandbox's /etc/hosts, as docker writes one: localhost, and
+    its hostname on its addresses, so that gethostbyname(gethostname())
+    works (Ray, torch.distributed and MPI ask it) with no DNS record."""
+    lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
+    for family in ("ipv4", "ipv6"):
+        if lease.get(family):
+            lines.append(f"{str(lease[family]).split('/')[0]}\t{hostname}")
+    return "\n".join(lines) + "\n"
+
+
+def write_net_files(rootfd: int, files: dict[str, str]) -> None:
+    """Each path -> text of `files` in a sandbox's root, as its root user
+    (userns.file_op). A symlink there (images often point /etc/resolv.conf
+    at a resolver daemon's runtime file) is replaced by the file, not followed."""
+    for path, text in files.items():
+        try:
+            if sbfiles.stat_path(rootfd, path).get("type") == "symlink":
+                sbfiles.remove(rootfd, path, recursive=False)
+        except OSError as err:
+            if err.errno != errno.ENOENT:
+                raise
+        fd = sbfiles.open_for_write(rootfd, path, append=False, keep=False, mode=0o644, parents=True)
+        try:
+            sbfiles.write_data(fd, text.encode())
+        finally:
+            os.close(fd)

@@ -60,6 +60,8 @@ def test_allowlist_on_the_tap(world, vmnet):
         assert code != 0, out
         view = sb.net_show()
         assert sb.read_file("/etc/resolv.conf") == f"nameserver 10.{world.octet}.0.1\n".encode()
+        ip = view["lease"]["ipv4"].split("/")[0]
+        assert f"{ip}\t{sb.info['hostname']}" in sb.read_file("/etc/hosts").decode().splitlines()
         assert view["interface"].startswith("dv")
         assert view["lease"]["ipv4"].startswith(f"10.{world.octet}.4.")
         assert any(r["allowed"] >= 1 for r in view["rules"] if r["rule"].startswith(world.pkg))

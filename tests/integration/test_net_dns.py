@@ -51,6 +51,27 @@ def test_resolv_conf_and_refused_names(world, dnsd):
     sb.destroy()
 
 
+def test_a_sandbox_resolves_its_own_hostname_and_snapshots_keep_none_of_it(world, dnsd):
+    """Its /etc/hosts names its hostname on its address (Ray, torch.distributed
+    and MPI resolve gethostname() with no DNS record for it), as docker's
+    does; that file and /etc/resolv.conf are the sandbox's, not its image's:
+    a snapshot leaves them out."""
+    d, c = dnsd
+    sb = c.create(image="busybox", net="default", hostname="worker-3")
+    try:
+        ip = sb.info["net"]["lease"]["ipv4"].split("/")[0]
+        hosts = sb.read_file("/etc/hosts").decode().splitlines()
+        assert f"{ip}\tworker-3" in hosts and "127.0.0.1\tlocalhost" in hosts, hosts
+        sb.exec(["sh", "-c", "echo kept > /etc/kept"])
+        sb.snapshot("net-snap")
+    finally:
+        sb.destroy()
+    with c.sandbox(image="net-snap") as plain:            # --net none: nothing written for it
+        assert plain.read_file("/etc/kept") == b"kept\n"
+        assert plain.read_file("/etc/hosts") == b"127.0.0.1\tlocalhost\n::1\tlocalhost\n"     # the image's
+        assert not plain.exists("/etc/resolv.conf")
+
+
 def test_nxdomain_mode(world, upstream, daemon_factory, busybox_rootfs):
     cfg = dict(world.cfg, ipv4_pool=f"10.{world.octet}.4.0/24", rule_sets={}, dns_upstreams=[upstream.address])
     extra = dns_config(upstream) + 'dns_refuse = "nxdomain"\n'
