@@ -144,8 +144,9 @@ class Network:
         self.dns_blocked += host_nets
         self.fences = tuple((R.FAM_V4 if n.version == 4 else R.FAM_V6, int(n.network_address), n.prefixlen)
                             for n in self.own_nets + host_nets)
-        self._seq = itertools.count()
         in_use = {r.get("ifname") for r in self.records.records.values()}
+        # Pool entries a sandbox took keep their name: new ones are numbered past them.
+        self._seq = itertools.count(1 + max((_pool_seq(n, f"dp{self.tag}") for n in in_use), default=-1))
         for name in set(self.plumbing.links_with_prefix(f"dp{self.tag}")) - in_use:
             log.info("removing netns pool entry %s left by a previous daemon", name)
             self.plumbing.remove_sandbox(name)
@@ -1055,6 +1056,16 @@ class Learned:
     expires: float        # time.monotonic()
     source: R.NameRule    # the name rule it was learned for
     qname: str            # the name the sandbox asked for
+
+
+def _pool_seq(name: str | None, prefix: str) -> int:
+    """The number of a pool entry's name `<prefix><hex>`; -1 for any other name."""
+    if not name or not name.startswith(prefix):
+        return -1
+    try:
+        return int(name[len(prefix):], 16)
+    except ValueError:
+        return -1
 
 
 def pool_tag(state_dir: Path | str) -> str:

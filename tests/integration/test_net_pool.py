@@ -95,6 +95,8 @@ def test_kill_9_leaves_no_pool_entry_behind(world, pooled):
     assert _connect(s2, world.pkg, 80)[0] == 0 and _connect(s2, world.ref, 443)[0] != 0
     _wait(lambda: _pool(c2).get("ready") == 2, "the new pool to fill")
     assert len(bridge_links(world, prefix)) == len(theirs) + 2          # the sandboxes' + 2 ready
+    # New entries are numbered past the adopted sandboxes' names: none failed on a name in use.
+    assert _pool(c2).get("failed", 0) == 0, _pool(c2)
     s2.destroy()
     c2.get(first.id).destroy()
     c2.close()
