@@ -423,7 +423,7 @@ class NetworkService:
     async def publish_at_create(self, sb, ports: list[int]) -> None:
         """`create`'s publish: each port on a host port of net.publish_ports."""
         net = await self.network()
-        for port in ports:
+        for port in dict.fromkeys(ports):          # `--publish 8080 --publish 8080` is one port
             await self._publish(net, sb.id, port, None, "")
 
     async def _publish(self, net, sb_id: str, port: int, host_port: int | None, bind: str) -> dict:

@@ -483,8 +483,14 @@ class Network:
             if sb.mode != "default":
                 raise Conflict(f"sandbox {sb_id} has --net none: it has no address to publish a port of")
             if port in sb.ports:
+                pub = sb.ports[port]
+                if host_port in (None, pub["host_port"]) and bind in ("", pub["bind"]):
+                    return self._port_view(sb, pub)          # asked again: where it is (`dsec port SB 8080`)
                 raise Conflict(f"port {port} of sandbox {sb_id} is published already, on host port "
-                               f"{sb.ports[port]['host_port']}", {"sandbox": sb_id, "port": port})
+                               f"{pub['host_port']}{' of ' + pub['bind'] if pub['bind'] else ''}; unpublish it "
+                               "first (dsec port --rm) to move it", {"sandbox": sb_id, "port": port})
+            if bind:
+                self._check_local(bind)
             hp = self._pick_host_port(nat, host_port, bind, sb_id)
             self._publish_rules(nat, sb, {"port": int(port), "host_port": hp, "bind": bind})
             try:
@@ -493,6 +499,17 @@ class Network:
                 self._unpublish_one(sb, int(port))
                 raise
             return self._port_view(sb, sb.ports[port])
+
+    def _check_local(self, bind: str) -> None:
+        """BadRequest unless `bind` is an address of the host side (the
+        bridge's netns), where a published port can listen."""
+        import ipaddress
+
+        have = [a for a in self.plumbing.local_addresses() if a.version == 4 and not a.is_loopback]
+        if ipaddress.IPv4Address(bind) not in have:
+            raise BadRequest(f"bind address {bind} is not an address of the host side (the bridge's network "
+                             f"namespace); give one of {', '.join(sorted(map(str, have))) or '(none)'}, or none "
+                             "for all of them", {"bind": bind})
 
     def _pick_host_port(self, nat: HostNat, host_port: int | None, bind: str, sb_id: str) -> int:
         def taken(hp: int) -> str | None:

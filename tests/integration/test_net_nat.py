@@ -122,9 +122,15 @@ def _serve_http(sb, port: int) -> None:
 
 def test_published_port(iworld, natd):
     d, c = natd
-    sb = c.create(image="busybox", net="default", publish=[8080])
+    sb = c.create(image="busybox", net="default", publish=[8080, 8080])      # one port, named twice
     _serve_http(sb, 8080)
     host = sb.get_host(8080)
+    # Asked again (`dsec port SB 8080`), the port says where it is published.
+    again = d.cli("port", sb.id, "8080")
+    assert (again.returncode, again.stdout.decode().strip()) == (0, host), again
+    # A bind address the host side does not have: said so at once.
+    bad = d.cli("port", sb.id, "9090", "--bind", "192.0.2.77")
+    assert bad.returncode != 0 and b"not an address of the host side" in bad.stderr, bad
     gateway = f"10.{iworld.octet}.0.1"
     assert host.startswith(f"{gateway}:")
     hp = int(host.rsplit(":", 1)[1])
