@@ -7,6 +7,7 @@ import socket
 import time
 
 import pytest
+from standin_kit import hello_then_drop
 
 from dsecd import Client
 
@@ -72,19 +73,10 @@ def test_a_lost_connections_advice_is_its_owners(tmp_path):
     that the fleet connects again, the CLI's to run the command again."""
     from types import SimpleNamespace
 
-    from dsecd import ConnectionLost, Fleet, protocol
+    from dsecd import ConnectionLost, Fleet
     from dsecd.cli import make_client
 
     path = str(tmp_path / "d.sock")
-
-    async def serve(reader, writer):
-        dec = protocol.FrameDecoder(1 << 20)
-        while data := await reader.read(65536):
-            for f in dec.feed(data):
-                if f["op"] != "hello":
-                    writer.transport.abort()
-                    return
-                writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
 
     async def lost(c) -> str:
         await c.connect()
@@ -94,7 +86,7 @@ def test_a_lost_connections_advice_is_its_owners(tmp_path):
         return str(e.value)
 
     async def go():
-        server = await asyncio.start_unix_server(serve, path)
+        server = await asyncio.start_unix_server(hello_then_drop, path)
         try:
             fleet = Fleet([path])
             cli = make_client(SimpleNamespace(host=None, socket=path, cmd="ps"))

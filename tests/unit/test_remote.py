@@ -13,6 +13,7 @@ import textwrap
 import time
 
 import pytest
+from standin_kit import hello_then_drop
 
 from dsecd import Client, ConnectionLost, SshOptions
 from dsecd.remote import SshTarget
@@ -217,23 +218,12 @@ def _cut_after_hello(tmp_path, monkeypatch) -> tuple[list[str], str]:
     """A stand-in daemon answers hello, then drops the connection; the
     stand-in ssh exits 255 saying the remote host closed it: what on_lost
     was told, and the request in flight's error."""
-    from dsecd import protocol
-
     sock_path = str(tmp_path / "d.sock")
     monkeypatch.setenv("FAKE_DSEC_SOCKET", sock_path)
     monkeypatch.setenv("FAKE_STARTS", str(tmp_path / "starts"))
 
-    async def serve(reader, writer):
-        dec = protocol.FrameDecoder(1 << 20)
-        while data := await reader.read(65536):
-            for f in dec.feed(data):
-                if f["op"] != "hello":
-                    writer.transport.abort()
-                    return
-                writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
-
     async def go():
-        server = await asyncio.start_unix_server(serve, sock_path)
+        server = await asyncio.start_unix_server(hello_then_drop, sock_path)
         c = Client("ssh://h1", ssh=SshOptions(command=_fake_ssh(tmp_path, CUT)), reconnect=False)
         told = []
         c.on_lost = told.append
