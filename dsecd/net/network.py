@@ -304,16 +304,20 @@ class Network:
             if mode == "default":
                 self._check_request_size(len(rules or []))
                 terms = R.merge((), self.sets, replace=list(rules or []))
-                self._bpf_attach(sb, terms)
+                # The lease first: the policy lets the sandbox reach its own
+                # address (_effective). Its veth comes after the policy.
                 if ready is not None:
                     _check_joined(netns, ready)
                     with self._lock:
                         sb.ifname, lease = ready.name, self.ipam.rekey(ready.name, sb_id)
                     handed_over = True
                 else:
-                    sb.ifname, lease = host_ifname(sb_id), self.ipam_allocate(sb_id)
-                    self.plumbing.add_sandbox(sb.ifname, netns_path(netns), lease)
+                    lease = self.ipam_allocate(sb_id)
                 sb.ipv4 = str(lease.ipv4)
+                self._bpf_attach(sb, terms)
+                if ready is None:
+                    sb.ifname = host_ifname(sb_id)
+                    self.plumbing.add_sandbox(sb.ifname, netns_path(netns), lease)
             self._write_record(sb)
         except BaseException:
             self._teardown(sb)
@@ -341,8 +345,8 @@ class Network:
             self._sbs[sb_id] = sb
         try:
             self._check_request_size(len(rules or []))
-            self._bpf_attach(sb, R.merge((), self.sets, replace=list(rules or [])))
             sb.ipv4 = str(self.ipam_allocate(sb_id).ipv4)
+            self._bpf_attach(sb, R.merge((), self.sets, replace=list(rules or [])))
             self._write_record(sb)
         except BaseException:
             self._teardown(sb)
@@ -588,6 +592,11 @@ class Network:
         addrs = [r for r in rules if not isinstance(r, R.NameRule)]
         if self.resolver_rule is not None:
             addrs.append(self.resolver_rule)
+        if sb is not None and sb.ipv4:
+            # Its own address, as its loopback: a server it runs on its eth0
+            # and reaches by its hostname (/etc/hosts). Inside the pool's
+            # fence, so no broader rule was ever needed for it.
+            addrs.append(R.parse_rule(str(ipaddress.ip_interface(sb.ipv4).ip)))
         if sb is not None and sb.learned:
             keep = set(names)
             addrs += [r for r, ln in sb.learned.items() if ln.source in keep]

@@ -160,6 +160,11 @@ def test_a_broad_rule_reaches_neither_other_sandboxes_nor_the_gateway(world, san
     assert a.ask(op="connect", host=gateway, port=443) == {"errno": "EPERM"}
     world.net.update(a.name, remove=[f"{b_ip}:443/tcp"])
     assert a.ask(op="connect", host=b_ip, port=443) == {"errno": "EPERM"}
+    # Its own address is as its loopback, whatever its rules (a server on its
+    # eth0 reached by its hostname): nothing listens there, so refused, not denied.
+    for sb in (a, b):
+        own = world.net.show(sb.name)["lease"]["ipv4"].split("/")[0]
+        assert sb.ask(op="connect", host=own, port=9) == {"errno": "ECONNREFUSED"}
 
 
 def test_net_none_is_loopback_only(world, sandbox):
