@@ -51,7 +51,6 @@ from ..fs.images import Image, ImageError
 from ..fs.layers import overlay_lowerdirs
 from ..fs.pull import host_os_arch
 from ..native import HOSTNAME_MAX, NativeError
-from ..protocol import FileMkdir
 from ..steps import AsyncSteps
 from .execs import check_env, mapped_groups, sandbox_identity
 from .idranges import IdRanges
@@ -574,12 +573,7 @@ class CreateService:
         if cwd == "/":
             return
         if sb.backend == "microvm":
-            if make:
-                try:
-                    await self.vms.stat_path(sb, cwd)
-                except NotFound:
-                    await self.vms.file_op(sb, FileMkdir(sandbox=sb.id, path=cwd, parents=True, mode=0o755))
-            return await self.vms.check_cwd(sb, cwd)
+            return await self.vms.check_cwd(sb, cwd, make)
         idmap = userns.IdMap.from_record(sb.idmap)
         try:
             found = await self.workers.run(userns.file_op, idmap, sbfiles.is_directory, sb.handle.rootfd, cwd)

@@ -36,6 +36,7 @@ from ..errors import (
     Conflict,
     DsecError,
     LimitExceeded,
+    NotFound,
     Unsupported,
     exec_error,
     io_error,
@@ -44,6 +45,7 @@ from ..execio import DEFAULT_WINDOW, _decode_status
 from ..fs import files as sbfiles
 from ..fs import uppertar, users
 from ..fs.layers import distinct_layers
+from ..protocol import FileMkdir
 from .network import hosts_text
 from .sandboxes import Sandbox
 from .vmtemplates import TemplateService, is_boot_failure
@@ -440,11 +442,19 @@ class MicroVMService:
         if self.relinked is not None:
             self.relinked(sb)
 
-    async def check_cwd(self, sb: Sandbox, cwd: str) -> None:
+    async def check_cwd(self, sb: Sandbox, cwd: str, make: bool = False) -> None:
+        """As CreateService.check_cwd, in the guest: one stat, and the
+        directory made (with its parents, 0755) where `make` says so and the
+        image lacks it."""
         if cwd == "/":
             return
         try:
             st = await self.stat_path(sb, cwd)
+        except NotFound:
+            if make:
+                await self.file_op(sb, FileMkdir(sandbox=sb.id, path=cwd, parents=True, mode=0o755))
+                return
+            st = None
         except DsecError:
             st = None
         if st is None or st["type"] != "dir":
