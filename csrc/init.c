@@ -88,7 +88,7 @@ struct request {
     const char *cwd;
     const char *const *argv;
     const char *const *envp;
-    uint32_t groups[DSEC_MAX_GROUPS]; /* supplementary gids (DSEC_INIT_START_GROUPS) */
+    const uint32_t *groups; /* supplementary gids (DSEC_INIT_START_GROUPS): req_groups */
     uint32_t n_groups;
     const unsigned char *policy; /* a task policy's plan (DSEC_INIT_START_POLICY), or NULL */
     size_t policy_len;
@@ -213,6 +213,11 @@ static void reply_exited(uint32_t id, int status)
     reply(&rep, -1);
 }
 
+/* A request's supplementary gids, copied aligned out of in.bytes. Static,
+ * not in struct request: serve() zeroes that per request, and a request is
+ * served (its child started) before the next is read. */
+static uint32_t req_groups[DSEC_MAX_GROUPS];
+
 /* The groups list after the strings (DSEC_INIT_START_GROUPS) into r; *at
  * and *left move past it. 0 if it is cut short or too long. */
 static int parse_groups(struct request *r, const char **at, size_t *left)
@@ -224,7 +229,8 @@ static int parse_groups(struct request *r, const char **at, size_t *left)
     memcpy(&n, *at, sizeof(n));
     if (n > DSEC_MAX_GROUPS || *left - sizeof(n) < n * sizeof(uint32_t))
         return 0;
-    memcpy(r->groups, *at + sizeof(n), n * sizeof(uint32_t));
+    memcpy(req_groups, *at + sizeof(n), n * sizeof(uint32_t));
+    r->groups = req_groups;
     r->n_groups = n;
     *at += sizeof(n) + n * sizeof(uint32_t);
     *left -= sizeof(n) + n * sizeof(uint32_t);
