@@ -676,6 +676,9 @@ async def cmd_run(c: Client, a) -> int:
             main.cancel()
         signals.append(signum)
 
+    if a.detach:
+        return await _run_detached(c, a)
+    a.rm = a.rm is not False              # --rm is the default without -d
     if a.tty:
         return await _run_on_terminal(c, a)
     stdin = _stdin_as_it_comes() if a.interactive else None
@@ -720,6 +723,20 @@ async def cmd_run(c: Client, a) -> int:
         print("dsec: output truncated at the daemon's limits.max_exec_output_bytes; "
               "the command's pipes were closed", file=sys.stderr)
     return _exit_status(r, f"dsec: timed out after {a.timeout}s; the command's process group was killed")
+
+
+async def _run_detached(c: Client, a) -> int:
+    """`dsec run -d`: the sandbox's id on stdout (as docker run -d prints the
+    container's), where its command runs on stderr."""
+    proc = await c.run_detached(a.image, a.argv or None, a.entrypoint, backend=a.backend, **create_args(a))
+    sb = proc.sb.id
+    if a.json:
+        _print_json({"sandbox": sb, "pid": proc.pid})
+    else:
+        print(sb)
+        print(f"dsec run: process {proc.pid} in {sb}: dsec logs {sb} {proc.pid}; dsec rm --force {sb} ends it",
+              file=sys.stderr)
+    return 0
 
 
 async def _run_on_terminal(c: Client, a) -> int:
@@ -1753,8 +1770,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-i", "--interactive", action="store_true", help="pass stdin to the command")
     run.add_argument("-t", "--tty", action="store_true",
                      help="run the command on a terminal (with -i: ours, in raw mode, is its keyboard)")
-    run.add_argument("--rm", action=argparse.BooleanOptionalAction, default=True,
-                     help="remove the sandbox when the command ends (default; --no-rm keeps it)")
+    run.add_argument("-d", "--detach", action="store_true",
+                     help="start the command in the background and print the sandbox's id; the sandbox stays "
+                     "until dsec rm (bound it with --ttl, --idle-ttl); dsec logs, attach, wait take the command")
+    run.add_argument("--rm", action=argparse.BooleanOptionalAction, default=None,
+                     help="remove the sandbox when the command ends (default without -d; --no-rm keeps it)")
     run.add_argument("--entrypoint", metavar="PROGRAM", help="run this instead of the image's Entrypoint "
                      "(its Cmd is dropped: ARGs follow PROGRAM)")
     run.add_argument("--timeout", type=float, help="seconds; the process group is killed after it")
@@ -2014,8 +2034,11 @@ def check_usage(a: argparse.Namespace) -> None:
     if a.cmd in ("exec", "trace") and not a.argv:
         raise UsageError(f"dsec {a.cmd}: give a command after the sandbox id, e.g. dsec {a.cmd} SB -- ls /")
     if getattr(a, "detach", False) and (a.tty or a.interactive or a.timeout is not None):
-        raise UsageError("dsec exec: -d runs the command in the background: drop -t, -i and --timeout "
+        raise UsageError(f"dsec {a.cmd}: -d runs the command in the background: drop -t, -i and --timeout "
                          "(send input with dsec attach, end it with dsec kill)")
+    if a.cmd == "run" and a.detach and a.rm:
+        raise UsageError("dsec run: -d leaves the command running in a sandbox that stays until dsec rm: "
+                         "drop --rm (--ttl or --idle-ttl bound its life)")
     if a.cmd == "logs":
         a.since_ts = None if a.since is None else parse_since(a.since)
     if getattr(a, "tty", False) and not (sys.stdin is not None and os.isatty(0)):

@@ -842,6 +842,14 @@ class Client:
         async with self.run_stream(image, args, entrypoint, timeout, stdin, remove, **create_args) as run:
             return await _collect(run, on_stdout, on_stderr)
 
+    async def run_detached(self, image: str, args: list[str] | None = None,
+                           entrypoint: list[str] | str | None = None, **create_args) -> Process:
+        """`docker run -d`: a sandbox of `image` (create's arguments) with
+        run_stream's command started in it in the background; returns that
+        Process (its `.sb` is the sandbox, which stays until destroyed:
+        bound it with ttl= or idle_ttl=). Nothing is left if it fails."""
+        return await run_detached(self, image, args, entrypoint, **create_args)
+
     def sandbox(self, image: str, **create_args) -> _SandboxContext:
         """`async with client.sandbox(image=...) as sb:` creates a sandbox
         (create's arguments) and destroys it on the way out, killing its execs."""
@@ -950,6 +958,41 @@ class _SandboxContext:
                 pass                        # destroyed inside the block already
 
 
+def _run_args(args: list[str] | None) -> list[str] | None:
+    if args is not None and (isinstance(args, str) or not all(isinstance(a, str) for a in args)):
+        raise TypeError(f"args must be a list of strings (they replace the image's Cmd), got {args!r}")
+    return None if args is None else list(args)
+
+
+async def _run_argv(client, image: str, args: list[str] | None, entrypoint: list[str] | str | None) -> list[str]:
+    """What a run of `image` starts, as docker run says: its Entrypoint and
+    Cmd, args replacing Cmd, entrypoint replacing Entrypoint (and Cmd)."""
+    config = (await client.inspect_image(image))["config"]
+    try:
+        return imageconfig.run_argv(config, args, entrypoint)
+    except imageconfig.ConfigError as err:
+        raise BadRequest(f"run {image}: {err} (args=)", {"image": image, "needs": "command"}) from None
+
+
+async def run_detached(client, image: str, args: list[str] | None = None,
+                       entrypoint: list[str] | str | None = None, **create_args) -> Process:
+    """`docker run -d` on `client` (a Client, or anything with its
+    inspect_image and create: the fleet's placing one): a sandbox of `image`
+    with the run's command started in it as a background process. If the
+    command cannot be started the sandbox is removed again, so a failed or
+    cancelled run leaves nothing behind."""
+    argv = await _run_argv(client, image, _run_args(args), entrypoint)
+    sb = await client.create(image, **create_args)
+    try:
+        return await sb.spawn(argv)
+    except BaseException:
+        # Shielded: a cancel is one way to get here, and the sandbox must go all the same.
+        destroy = asyncio.ensure_future(sb.destroy(force=True))
+        with contextlib.suppress(asyncio.CancelledError, DsecError, ConnectionError):
+            await asyncio.shield(destroy)
+        raise
+
+
 class RunStream:
     """Client.run_stream: an image's command in a sandbox of its own, which
     goes when the block ends. Iterate it for (fd, data)."""
@@ -960,9 +1003,7 @@ class RunStream:
         self.client = client
         self.terminal = terminal or {}          # exec_stream's pty, rows, cols
         self.image = image
-        if args is not None and (isinstance(args, str) or not all(isinstance(a, str) for a in args)):
-            raise TypeError(f"args must be a list of strings (they replace the image's Cmd), got {args!r}")
-        self.args = None if args is None else list(args)
+        self.args = _run_args(args)
         self.entrypoint = entrypoint
         self.timeout = timeout
         self.stdin = stdin
@@ -978,12 +1019,7 @@ class RunStream:
         return self.stream.result if self.stream is not None else None
 
     async def __aenter__(self) -> RunStream:
-        config = (await self.client.inspect_image(self.image))["config"]
-        try:
-            self.argv = imageconfig.run_argv(config, self.args, self.entrypoint)
-        except imageconfig.ConfigError as err:
-            raise BadRequest(f"run {self.image}: {err} (args=)", {"image": self.image, "needs": "command"}) \
-                from None
+        self.argv = await _run_argv(self.client, self.image, self.args, self.entrypoint)
         create_args = dict(self.create_args)
         if self.remove:
             create_args.setdefault("lease", RUN_LEASE_S)

@@ -16,7 +16,7 @@ import shlex
 import sys
 import time
 
-from .client import RunStream
+from .client import RunStream, run_detached
 from .clitext import (
     UsageError,
     create_args,
@@ -228,8 +228,9 @@ async def fleet_events(fleet: Fleet, a) -> int:
 class _ThroughFleet:
     """What cli.cmd_call and cli.cmd_run need of a client, placed by the
     fleet: call() on the least loaded host holding the image; run_stream()
-    whose sandbox fleet.create makes (placed as `dsec fleet create`'s), its
-    command, lease and removal then going straight to that sandbox's host."""
+    and run_detached() whose sandbox fleet.create makes (placed as `dsec
+    fleet create`'s), its command, lease and removal then going straight to
+    that sandbox's host."""
 
     def __init__(self, fleet: Fleet):
         self.fleet = fleet
@@ -238,6 +239,9 @@ class _ThroughFleet:
     def run_stream(self, image: str, args: list[str] | None = None, entrypoint=None, timeout: float | None = None,
                    stdin=None, remove: bool = True, **create_args) -> RunStream:
         return RunStream(self, image, args, entrypoint, timeout, stdin, remove, create_args)
+
+    async def run_detached(self, image: str, args: list[str] | None = None, entrypoint=None, **create_args):
+        return await run_detached(self, image, args, entrypoint, **create_args)
 
     async def inspect_image(self, name: str) -> dict:
         """The image as an up host that lists it has it (placement prefers

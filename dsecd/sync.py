@@ -313,6 +313,7 @@ class SyncProcess:
         self._owner = owner
         self._proc = proc
         self.pid = proc.pid
+        self.sb = SyncSandbox(owner, proc.sb)
 
     def __repr__(self) -> str:
         return f"<SyncProcess {self.pid}>"
@@ -548,6 +549,11 @@ class SyncClient(_LoopThread):
         on_stdout / on_stderr run on the client's loop thread: print from
         them, make no SyncClient calls."""
         return self._run(self._client.run(image, args, **kw))
+
+    def run_detached(self, image: str, args: list[str] | None = None, **kw) -> SyncProcess:
+        """Client.run_detached: `docker run -d`; the image's command started
+        in the background in a sandbox of its own (`.sb`), which stays."""
+        return SyncProcess(self, self._run(self._client.run_detached(image, args, **kw)))
 
     def call(self, image: str, **kw):
         """Client.call: a stateless function call; returns a CallResult."""

@@ -467,6 +467,31 @@ def test_run_of_an_image_without_a_command_says_the_cli_form(daemon):
     assert "dsec run busybox COMMAND" in err["message"] and "args=" not in err["message"], err
 
 
+def test_run_detached_leaves_its_command_running_in_a_sandbox_that_stays(daemon):
+    r = daemon.cli("--json", "run", "-d", "-e", "K=V", "--label", "run=detached", "busybox", "--",
+                   "sh", "-c", "echo up $K; sleep 600")
+    assert r.returncode == 0, r.stderr
+    started = json.loads(r.stdout)
+    sb, pid = started["sandbox"], started["pid"]
+    try:
+        deadline = time.monotonic() + 10
+        while daemon.cli("logs", sb, str(pid)).stdout != b"up V\n":
+            assert time.monotonic() < deadline, daemon.cli("logs", sb, str(pid))
+            time.sleep(0.1)
+        procs = json.loads(daemon.cli("proc", "ls", sb, "--json").stdout)
+        assert [(p["pid"], p["state"]) for p in procs] == [(pid, "running")], procs
+        r = daemon.cli("run", "-d", "busybox", "sleep", "600")        # text: the id alone on stdout
+        assert r.returncode == 0 and f"dsec logs {r.stdout.decode().strip()} ".encode() in r.stderr, r.stderr
+        daemon.cli("rm", "-f", r.stdout.decode().strip())
+        # A command that cannot start leaves no sandbox behind.
+        r = daemon.cli("--json", "run", "-d", "--label", "run=detached", "busybox", "--", "/no/such/program")
+        assert r.returncode == 125 and _one_json_error(r, "not_found")["detail"]["argv0"] == "/no/such/program"
+        listed = json.loads(daemon.cli("ps", "--label", "run=detached", "--json").stdout)
+        assert [s["id"] for s in listed] == [sb], listed
+    finally:
+        daemon.cli("rm", "-f", sb)
+
+
 def test_json_cp_and_image_rm_print_their_result(daemon, tmp_path):
     sb = daemon.cli("create", "--image", "busybox").stdout.decode().strip()
     try:

@@ -455,6 +455,10 @@ def test_dsec_fleet_runs_commands_across_hosts(fleet_env):
     assert "rm 3 sandbox(es)" in dsec("job", "rm", "fr", "--force")
     assert dsec("run", "--cpu", "0.1", "--memory", "64M", "busybox", "--", "echo", "gone") == "gone\n"
     assert all_rows(fleet_env) == []                    # the run's sandbox removed, on whichever host
+    # run -d: placed as create's too; its command runs on, its sandbox stays.
+    detached = dsec("run", "-d", "--cpu", "0.1", "--memory", "64M", "busybox", "--", "sleep", "600").strip()
+    assert [(r["id"], r["procs_running"]) for r in all_rows(fleet_env)] == [(detached, 1)]
+    dsec("rm", "--force", detached)
 
 
 def test_a_busy_host_is_passed_over_with_the_same_key(busybox_rootfs):

@@ -252,6 +252,19 @@ def test_sync_client_run_stream(client):
     assert _ids(client, labels) == set()         # an error in the block removes it too
 
 
+def test_sync_client_run_detached(client):
+    labels = {"habits": "run_detached"}
+    proc = client.run_detached("busybox", ["sh", "-c", "read line; echo got $line"], labels=labels)
+    try:
+        assert isinstance(proc.sb, dsecd.SyncSandbox) and _ids(client, labels) == {proc.sb.id}
+        proc.write(b"it\n")
+        assert proc.wait().exit_code == 0
+        assert b"".join(o.data for o in proc.output(follow=False)) == b"got it\n"
+        assert _ids(client, labels) == {proc.sb.id}        # the sandbox stays after its command
+    finally:
+        client.destroy_all(force=True, labels=labels)
+
+
 def test_sync_client_hold_renews_leases_until_cancelled(daemon, client):
     with pytest.raises(ValueError, match="give the lease"):
         client.hold(["x"], None)

@@ -54,6 +54,22 @@ def test_a_runs_unknown_options_after_the_image_are_its_command_as_dockers():
         cli.parse_args(["run", "busybox", "--bogus", "--", "true"])
 
 
+def test_run_detach_keeps_the_sandbox_unless_rm_is_asked_for():
+    a = cli.parse_args(["run", "-d", "busybox", "sleep", "9"])
+    assert (a.detach, a.rm, a.argv) == (True, None, ["sleep", "9"])
+    assert cli.parse_args(["run", "busybox", "true"]).rm is None      # cmd_run: removed unless --no-rm
+
+
+@pytest.mark.parametrize("args, says", [
+    (["run", "-d", "--rm", "busybox", "true"], "drop --rm"),
+    (["run", "-d", "-t", "busybox", "sh"], "drop -t, -i and --timeout"),
+    (["run", "-d", "--timeout", "5", "busybox", "sleep", "9"], "drop -t, -i and --timeout"),
+])
+def test_run_detach_usage_errors_say_what_to_drop(args, says):
+    r = _dsec(*args)
+    assert r.returncode == 125 and "dsec run: -d " in r.stderr and says in r.stderr, r.stderr
+
+
 def _leaf_parsers(parser: argparse.ArgumentParser, path=()):
     subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     if not subs:
