@@ -56,6 +56,8 @@ class NetworkService:
         self.net_error: str | None = None
         self.resolver = None
         self.dns_error: str | None = None
+        self.address_watch = None
+        self.address_watch_error: str | None = None
         self._net_ready: asyncio.Future | None = None
         self._warmup: asyncio.Task | None = None
         self._bpf_loader: threading.Thread | None = None
@@ -71,6 +73,7 @@ class NetworkService:
                     if _networked(s) and s.handle is not None}
             try:
                 self.net = await self.workers.run(self._build_network, live)
+                self._watch_host_addresses(self.net)
                 await self._start_resolver(self.net)
                 self._net_ready.set_result(self.net)
             except Exception as err:       # no bcc, no v2 tree, compile error: degrade, say why
@@ -81,6 +84,30 @@ class NetworkService:
         if net is None:
             raise Unsupported(f"--net default is unavailable on this host: {self.net_error}")
         return net
+
+    def _watch_host_addresses(self, net) -> None:
+        """Keep the egress fences on the host's addresses as they change. If
+        that cannot be watched, they stay as they were at start, which
+        `dsec info` says (net.fences)."""
+        from ..net.addrwatch import HostAddressWatch
+
+        watch = HostAddressWatch(net.plumbing.ns_path, net.refresh_host_fences, net.fences_pending,
+                                 self.workers.run, self.workers.loop)
+        try:
+            watch.start()
+        except OSError as err:
+            self.address_watch_error = f"the host's addresses are fenced as they were at start: {err}"
+            log.error("%s", self.address_watch_error)
+            return
+        self.address_watch = watch
+
+    def _fences_info(self) -> dict:
+        """The host addresses fenced off from broad egress rules, and whether they follow changes."""
+        out = {"host_addresses": [str(n.network_address) for n in self.net.host_nets],
+               "follows_changes": self.address_watch is not None}
+        if self.address_watch_error:
+            out["error"] = self.address_watch_error
+        return out
 
     async def _start_resolver(self, net) -> None:
         """The sandboxes' resolver; if it cannot start, networking works without
@@ -332,6 +359,8 @@ class NetworkService:
             await self._warmup        # not cancelled: a Network half built in a worker would leak its pool
         if self.resolver is not None:
             await self.resolver.close()
+        if self.address_watch is not None:
+            await self.address_watch.close()
         if self.net is not None:
             await self.workers.run(self.net.close)
 
@@ -364,7 +393,7 @@ class NetworkService:
                     f"{self.net_cfg['ipv4_subnet']}, eBPF allowlists loaded",
                     "pool": self.net.pool.stats(), "updates": self.net.update_stats(),
                     "bpf": dict(self.net.engine.load_stats), "nat": self.net.nat_info(),
-                    "dns": dns}
+                    "dns": dns, "fences": self._fences_info()}
         if self.net_error:
             return {"available": False, "detail": self.net_error}
         from ..net.policy import Engine

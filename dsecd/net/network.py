@@ -114,9 +114,9 @@ class Network:
                 ipaddress.IPv6Address(base6), ipaddress.IPv6Address(base6 + self.ipam.pool.num_addresses - 1))
         # What the resolver may never add (hostile answers): loopback, link-local,
         # unspecified, multicast, and those.
-        self.dns_blocked = [ipaddress.ip_network(n) for n in ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16",
-                                                               "224.0.0.0/3", "::/127", "fe80::/10", "ff00::/8")]
-        self.dns_blocked += self.own_nets
+        self._always_blocked = [ipaddress.ip_network(n) for n in (
+            "0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/3", "::/127", "fe80::/10", "ff00::/8")]
+        self._always_blocked += self.own_nets
         # Sandboxes reach the resolver on the gateway, and nothing else there.
         self.resolver_rule = R.Rule(R.FAM_V4, int(self.ipam.gateway4), 32, 53, 53, R.P_TCP | R.P_UDP) \
             if self.dns_enabled else None
@@ -130,6 +130,7 @@ class Network:
         self.engine.set_level(self.level)
         self._lock = threading.RLock()
         self._sbs: dict[str, _Sandbox] = {}
+        self._stale_fences: set[str] = set()     # sandboxes whose policy missed a change of the fences
         self._update_ms: collections.deque[float] = collections.deque(maxlen=1024)
         # What the default-deny refused and the resolver answered for sandboxes
         # that are gone: drop_totals() adds them, so its sums never go down.
@@ -137,13 +138,7 @@ class Network:
         # Pool entries are `dp<tag><n>`; tag = this state dir, so daemons sharing a
         # bridge netns never take each other's for leftovers.
         self.tag = pool_tag(state_dir)
-        # What no rule broader than them reaches (rules.compile_prefixes), and
-        # no resolver answer may point at: the gateway and the other
-        # sandboxes, and the host's own addresses.
-        host_nets = self._host_nets()
-        self.dns_blocked += host_nets
-        self.fences = tuple((R.FAM_V4 if n.version == 4 else R.FAM_V6, int(n.network_address), n.prefixlen)
-                            for n in self.own_nets + host_nets)
+        self._fence_host_nets(self._host_nets())
         in_use = {r.get("ifname") for r in self.records.records.values()}
         # Pool entries a sandbox took keep their name: new ones are numbered past them.
         self._seq = itertools.count(1 + max((_pool_seq(n, f"dp{self.tag}") for n in in_use), default=-1))
@@ -177,6 +172,58 @@ class Network:
             if not (addr.is_loopback or addr.is_link_local or any(addr in n for n in self.own_nets)):
                 out.append(ipaddress.ip_network(addr))
         return out
+
+    def _fence_host_nets(self, host_nets: list) -> None:
+        """What no rule broader than them reaches (rules.compile_prefixes),
+        and no resolver answer may point at: the gateway and the other
+        sandboxes, and the host's own addresses `host_nets`."""
+        self.host_nets = host_nets
+        self.dns_blocked = self._always_blocked + host_nets
+        self.fences = tuple((R.FAM_V4 if n.version == 4 else R.FAM_V6, int(n.network_address), n.prefixlen)
+                            for n in self.own_nets + host_nets)
+
+    def refresh_host_fences(self) -> bool:
+        """Fence the host's addresses as they are now: an address the host
+        side gained since start (an interface brought up, a new lease) is
+        walled off from broad rules in every sandbox's policy, and resolver
+        answers learned for it are dropped; one it lost is no longer fenced.
+        Whether anything changed. The lock is taken per sandbox, so creates
+        and rule updates go on meanwhile (they compile with the new fences
+        already). A sandbox whose policy could not be rewritten is retried
+        at the next call (fences_pending)."""
+        host_nets = self._host_nets()
+        with self._lock:
+            moved = set(host_nets) != set(self.host_nets)
+            if not moved and not self._stale_fences:
+                return False
+            if moved:
+                log.info("the host's addresses changed: fencing %s", ", ".join(str(n) for n in host_nets) or "none")
+            todo = sorted(self._sbs) if moved else sorted(self._stale_fences)
+            self._fence_host_nets(host_nets)
+            self._stale_fences = set()
+        for sb_id in todo:
+            with self._lock:
+                self._refence(sb_id)
+        return True
+
+    def _refence(self, sb_id: str) -> None:
+        """Recompile a sandbox's policy with the current fences. Caller holds the lock."""
+        sb = self._sbs.get(sb_id)
+        if sb is None or sb.state != "attached" or not sb.policy:
+            return                        # gone, going, or its policy is still to be written (with them)
+        old = sb.learned
+        sb.learned = {r: ln for r, ln in old.items() if not self.is_blocked(r.network.network_address)}
+        try:
+            self._apply(sb, sb.terms, whole=True)
+        except Exception as err:
+            sb.learned = old
+            self._stale_fences.add(sb_id)
+            log.error("sandbox %s: fence the host's addresses %s in its egress policy: %s; retried",
+                      sb_id, ", ".join(str(n) for n in self.host_nets), err)
+
+    def fences_pending(self) -> bool:
+        """Whether some sandbox's policy still misses the fences' last change."""
+        return bool(self._stale_fences)
 
     def close(self) -> None:
         """Daemon shutdown: sandboxes keep their veths and attached programs; the
@@ -612,8 +659,10 @@ class Network:
         if sb.kind == "container":       # a VM's programs go on its tap (plug_vm)
             eng.attach(sb.cgroup_dir)
 
-    def _apply(self, sb: _Sandbox, terms: tuple[str, ...]) -> None:
+    def _apply(self, sb: _Sandbox, terms: tuple[str, ...], whole: bool = False) -> None:
         """Make `terms` the sandbox's policy, atomically. Caller holds the lock.
+        whole: recompile all of it even if the rules did not change (the
+        fences did).
 
         If the change touches one trie prefix, that prefix is rewritten in place:
         one map update, atomic by itself, O(1) whatever the policy's size. Otherwise
@@ -623,7 +672,7 @@ class Network:
         """
         eng = self.engine
         rules, names = self._effective(terms, sb)
-        prefixes, candidates, delta = self._compile(sb, rules)
+        prefixes, candidates, delta = self._compile(sb, rules, whole)
         whole = candidates is None
         if whole:                       # recompiled whole: compare every prefix
             fresh = [r for r in rules if r not in sb.counters]
@@ -653,13 +702,13 @@ class Network:
         gone = old_counters.keys() - counters.keys() if whole else [r for r in delta if r in old_counters]
         eng.counters.give([old_counters[r] for r in gone])
 
-    def _compile(self, sb: _Sandbox, rules: list[R.Rule]) -> tuple[dict, set | None, set]:
+    def _compile(self, sb: _Sandbox, rules: list[R.Rule], whole: bool = False) -> tuple[dict, set | None, set]:
         """(the new policy's trie entries, the keys that may differ from the sandbox's
         current ones - None: any -, the rules added or removed). When few rules
         change, only the prefixes they can affect are recomputed (a 1,000-rule
-        policy stays cheap to edit)."""
+        policy stays cheap to edit), unless `whole` is asked for."""
         delta = set(rules) ^ sb.counters.keys()
-        if not sb.policy or len(delta) > 8 or R.touches_fence(delta, self.fences):
+        if whole or not sb.policy or len(delta) > 8 or R.touches_fence(delta, self.fences):
             return R.compile_prefixes(rules, fences=self.fences), None, delta
         # Every rule not in the delta is on a prefix the policy already has.
         keys = sb.prefixes.keys() | {r.key for r in delta}

@@ -104,14 +104,15 @@ def in_netns(path: str):
         os.close(back)
 
 
-def netlink_socket(path: str | None = None) -> socket.socket:
-    """A bound NETLINK_ROUTE socket in netns `path` (None: this thread's)."""
+def netlink_socket(path: str | None = None, groups: int = 0) -> socket.socket:
+    """A bound NETLINK_ROUTE socket in netns `path` (None: this thread's),
+    receiving the notifications of the multicast `groups` (RTMGRP_* bits)."""
     if path is None:
         s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, NETLINK_ROUTE)
     else:
         with in_netns(path):
             s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, NETLINK_ROUTE)
-    s.bind((0, 0))
+    s.bind((0, groups))
     return s
 
 

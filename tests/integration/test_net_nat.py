@@ -96,6 +96,33 @@ def test_egress_through_nat_needs_the_rule(iworld, natd):
     assert "masquerade" in table and f'oifname "{iworld.uplink}"' in table
 
 
+def test_an_address_the_host_gains_is_fenced_at_once(iworld, natd):
+    """An address the host side gains while the daemon runs (here a second
+    one on the uplink) is walled off from a broad rule as the first one is,
+    within moments; once it is gone it is no longer fenced."""
+    d, c = natd
+    gained = "198.18.77.1"
+    broad = c.create(image="busybox", net="default", allow=["0.0.0.0/0:80/tcp"])
+
+    def refused_by_policy() -> bool:
+        r = broad.exec(["sh", "-c", f"nc -w 1 {gained} 80 </dev/null"], timeout=20)
+        return b"not permitted" in r.stderr
+
+    assert not refused_by_policy()           # not the host's yet: the broad rule reaches it
+    subprocess.run(["ip", "-n", iworld.br_ns, "addr", "add", f"{gained}/32", "dev", iworld.uplink], check=True)
+    try:
+        deadline = time.monotonic() + 5
+        while not refused_by_policy():
+            assert time.monotonic() < deadline, c.info()["net"]["fences"]
+        fences = c.info()["net"]["fences"]
+        assert gained in fences["host_addresses"] and fences["follows_changes"], fences
+    finally:
+        subprocess.run(["ip", "-n", iworld.br_ns, "addr", "del", f"{gained}/32", "dev", iworld.uplink], check=True)
+    deadline = time.monotonic() + 5
+    while refused_by_policy():
+        assert time.monotonic() < deadline, c.info()["net"]["fences"]
+
+
 def test_uplink_off_is_unreachable(iworld, daemon_factory, busybox_rootfs):
     cfg = dict(iworld.cfg, ipv4_pool=f"10.{iworld.octet}.4.0/24")
     d = daemon_factory(_toml_net(cfg))

@@ -167,6 +167,25 @@ def test_a_broad_rule_reaches_neither_other_sandboxes_nor_the_gateway(world, san
         assert sb.ask(op="connect", host=own, port=9) == {"errno": "ECONNREFUSED"}
 
 
+def test_refreshed_fences_take_in_an_address_the_host_gained(world, sandbox):
+    """refresh_host_fences: an address the host side gained is walled off
+    from a broad rule in a running sandbox's policy; unchanged, nothing is
+    rewritten; once the address is gone, the broad rule reaches it again."""
+    gained = "198.18.77.2"
+    a = sandbox(["0.0.0.0/0:443/tcp"])
+    assert world.net.refresh_host_fences() is False
+    subprocess.run(["ip", "-n", world.br_ns, "addr", "add", f"{gained}/32", "dev", "dsec0"], check=True)
+    try:
+        assert a.ask(op="connect", host=gained, port=443) == {"errno": "ECONNREFUSED"}   # the host's, open
+        assert world.net.refresh_host_fences() is True
+        assert a.ask(op="connect", host=gained, port=443) == {"errno": "EPERM"}
+        assert world.net.refresh_host_fences() is False and not world.net.fences_pending()
+    finally:
+        subprocess.run(["ip", "-n", world.br_ns, "addr", "del", f"{gained}/32", "dev", "dsec0"], check=True)
+    assert world.net.refresh_host_fences() is True
+    assert a.ask(op="connect", host=gained, port=443) != {"errno": "EPERM"}
+
+
 def test_net_none_is_loopback_only(world, sandbox):
     a = sandbox(mode="none")
     assert world.net.show(a.name) == {"sandbox": a.name, "mode": "none"}
