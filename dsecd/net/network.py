@@ -138,6 +138,14 @@ class Network:
         # Pool entries are `dp<tag><n>`; tag = this state dir, so daemons sharing a
         # bridge netns never take each other's for leftovers.
         self.tag = pool_tag(state_dir)
+        # Never the internet whatever a rule's breadth (rules.LINK_SCOPED), and
+        # the subnet's broadcast, which reaches the host and every sandbox (in
+        # the pool's fence already only when the pool is the whole subnet).
+        self._scoped = [ipaddress.ip_network(n) for n in R.LINK_SCOPED]
+        broadcast = ipaddress.ip_network(self.ipam.subnet.broadcast_address)
+        if not broadcast.subnet_of(self.ipam.pool):
+            self._scoped.append(broadcast)
+            self._always_blocked.append(broadcast)
         self._fence_host_nets(self._host_nets())
         in_use = {r.get("ifname") for r in self.records.records.values()}
         # Pool entries a sandbox took keep their name: new ones are numbered past them.
@@ -176,11 +184,12 @@ class Network:
     def _fence_host_nets(self, host_nets: list) -> None:
         """What no rule broader than them reaches (rules.compile_prefixes),
         and no resolver answer may point at: the gateway and the other
-        sandboxes, and the host's own addresses `host_nets`."""
+        sandboxes, what is never the internet, and the host's own addresses
+        `host_nets`."""
         self.host_nets = host_nets
         self.dns_blocked = self._always_blocked + host_nets
         self.fences = tuple((R.FAM_V4 if n.version == 4 else R.FAM_V6, int(n.network_address), n.prefixlen)
-                            for n in self.own_nets + host_nets)
+                            for n in self.own_nets + host_nets + self._scoped)
 
     def refresh_host_fences(self) -> bool:
         """Fence the host's addresses as they are now: an address the host

@@ -40,6 +40,13 @@ FAM_V4, FAM_V6 = 4, 6
 MAX_ENTRIES = 16          # port/protocol entries per prefix: MAX_ENTRIES in bpf/net_policy.c
 MAX_RULE_TEXT = 128
 
+# Never the internet, whatever a rule's breadth, so fenced (Network.fences)
+# beside the gateway, the pool and the host: link-local (the host's bridge and
+# every sandbox's eth0 have an fe80:: address; a cloud's metadata service is
+# 169.254.169.254), multicast and the limited broadcast (one datagram there
+# reaches the host and every sandbox on the bridge).
+LINK_SCOPED = ("169.254.0.0/16", "224.0.0.0/4", "255.255.255.255/32", "fe80::/10", "ff00::/8")
+
 _NAME = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
 _PORTS = re.compile(r"^(\d{1,5})(?:-(\d{1,5}))?$")
 # A host name: dot-separated LDH labels, the last one starting with a letter (so

@@ -14,6 +14,7 @@
 #include <linux/io_uring.h>
 #include <linux/perf_event.h>
 #include <arpa/inet.h>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sched.h>
@@ -312,13 +313,54 @@ static int a_files(char **v)
     return report(n < max ? -1 : 0);
 }
 
+/* HOST (IPv4, or IPv6 with an optional %IFNAME scope) and PORT as a sockaddr;
+ * its length. */
+static socklen_t inet_addr_of(const char *host, const char *port, struct sockaddr_storage *ss)
+{
+    char buf[64];
+    char *scope;
+
+    memset(ss, 0, sizeof(*ss));
+    if (!strchr(host, ':')) {
+        struct sockaddr_in *sa = (struct sockaddr_in *)ss;
+
+        sa->sin_family = AF_INET;
+        sa->sin_port = htons(atoi(port));
+        inet_pton(AF_INET, host, &sa->sin_addr);
+        return sizeof(*sa);
+    }
+    struct sockaddr_in6 *sa6 = (struct sockaddr_in6 *)ss;
+
+    snprintf(buf, sizeof(buf), "%s", host);
+    scope = strchr(buf, '%');
+    if (scope) {
+        *scope++ = 0;
+        sa6->sin6_scope_id = if_nametoindex(scope);
+    }
+    sa6->sin6_family = AF_INET6;
+    sa6->sin6_port = htons(atoi(port));
+    inet_pton(AF_INET6, buf, &sa6->sin6_addr);
+    return sizeof(*sa6);
+}
+
 static int a_connect(char **v)
 {
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(atoi(v[1]))};
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_storage ss;
+    socklen_t len = inet_addr_of(v[0], v[1], &ss);
+    int fd = socket(ss.ss_family, SOCK_STREAM, 0);
 
-    inet_pton(AF_INET, v[0], &sa.sin_addr);
-    return report(connect(fd, (struct sockaddr *)&sa, sizeof(sa)));
+    return report(connect(fd, (struct sockaddr *)&ss, len));
+}
+
+/* One UDP datagram to HOST PORT, broadcast allowed (SO_BROADCAST). */
+static int a_udp(char **v)
+{
+    struct sockaddr_storage ss;
+    socklen_t len = inet_addr_of(v[0], v[1], &ss);
+    int fd = socket(ss.ss_family, SOCK_DGRAM, 0), one = 1;
+
+    setsockopt(fd, SOL_SOCKET, SO_BROADCAST, &one, sizeof(one));
+    return report(sendto(fd, "probe", 5, 0, (struct sockaddr *)&ss, len));
 }
 
 /* Task policies (test_task_policies.py): the file operations Landlock checks, one
@@ -505,7 +547,7 @@ static const struct { const char *name; int nargs; int (*fn)(char **); } actions
     {"perf_event_open", 0, a_perf}, {"io_uring", 0, a_io_uring}, {"tty_ioctl", 1, a_tty_ioctl},
     {"file_ioctl", 2, a_file_ioctl}, {"open_by_handle_at", 0, a_open_by_handle}, {"fds", 0, a_fds},
     {"forkbomb", 1, a_forkbomb}, {"alloc", 1, a_alloc}, {"files", 2, a_files},
-    {"connect", 2, a_connect}, {"listen", 1, a_listen}, {"list", 1, a_list}, {"rename", 2, a_rename},
+    {"connect", 2, a_connect}, {"udp", 2, a_udp}, {"listen", 1, a_listen}, {"list", 1, a_list}, {"rename", 2, a_rename},
     {"link", 2, a_link}, {"symlink", 2, a_symlink}, {"truncate", 1, a_truncate}, {"mkdir", 1, a_mkdir},
     {"ulisten", 1, a_ulisten}, {"uconnect", 1, a_uconnect}, {"uself", 1, a_uself},
     {"fork_kill", 0, a_fork_kill}, {"fd_inject", 3, a_fd_inject},

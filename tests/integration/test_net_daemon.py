@@ -6,6 +6,7 @@ never leaves namespaces this test made.
 """
 
 import json
+import re
 import subprocess
 import time
 
@@ -228,6 +229,41 @@ def test_sandbox_cannot_reach_another_sandbox_or_the_bridge(world, netd, probe_b
     assert outcome(a, "connect", gateway, "22") == "EPERM"            # nor the host side of the bridge
     assert outcome(a, "socket", "raw_icmp") == "EPERM"                # no raw packets to go around it
     assert outcome(b, "connect", "127.0.0.1", "7777") == "ok"         # B's one-shot listener was up
+    c.destroy_all(force=True)
+
+
+def _link_local(lines: str) -> str:
+    """The fe80:: address in `ip -6 addr` output."""
+    return re.search(r"inet6 (fe80::[0-9a-f:]+)/64", lines).group(1)
+
+
+@pytest.mark.attack
+def test_a_broad_rule_reaches_no_link_local_multicast_or_broadcast_address(world, netd, probe_binary):
+    """`[::/0]:7777` and `0.0.0.0/0:7777` are the internet's port 7777. Every
+    interface on the bridge has a link-local address (the host's bridge, each
+    sandbox's eth0), and a datagram to a multicast group or a broadcast address
+    reaches the host and every sandbox at once: none of them is the internet,
+    so only a rule naming them opens them."""
+    from attack_kit import install_probe, outcome
+
+    d, c = netd
+    a = c.create(image="busybox", memory="64M", net="default",
+                 allow=["[::/0]:7777/tcp", "[::/0]:7777/udp", "0.0.0.0/0:7777/udp"])
+    b = c.create(image="busybox", memory="64M", net="default")
+    install_probe(a, probe_binary)
+    ip6 = ["ip", "-6", "addr", "show", "dev"]
+    bridge_ll = _link_local(world.in_bridge_netns(
+        lambda: subprocess.run([*ip6, "dsec0"], capture_output=True, text=True, check=True).stdout))
+    b_ll = _link_local(b.exec([*ip6, "eth0"], timeout=20).stdout.decode())
+    subnet_broadcast = world.subnet.replace(".0.0/16", ".255.255")
+    assert outcome(a, "connect", world.pkg6, "7777") == "ECONNREFUSED"    # the rule works: nobody listens
+    assert outcome(a, "udp", world.pkg, "7777") == "ok"
+    assert outcome(a, "connect", f"{bridge_ll}%eth0", "7777") == "EPERM"  # the host, by its link-local address
+    assert outcome(a, "connect", f"{b_ll}%eth0", "7777") == "EPERM"       # another sandbox, by its own
+    for dest in (f"{bridge_ll}%eth0", "ff02::1%eth0", "224.0.0.1", "255.255.255.255", subnet_broadcast):
+        assert outcome(a, "udp", dest, "7777") == "EPERM", dest
+    a.net_set(add=["fe80::/10"])                                            # named: open
+    assert outcome(a, "connect", f"{bridge_ll}%eth0", "7777") == "ECONNREFUSED"
     c.destroy_all(force=True)
 
 

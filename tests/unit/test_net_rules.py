@@ -155,6 +155,18 @@ def test_a_fence_keeps_broader_rules_out_and_lets_rules_inside_it_in():
     assert not R.touches_fence([R.parse_rule("192.0.2.0/24:80")], (subnet, host))
 
 
+def test_link_scoped_prefixes_are_no_part_of_the_internet():
+    """::/0 and 0.0.0.0/0 leave link-local, multicast and broadcast out (the
+    bridge and every sandbox have an fe80:: address); naming them opens them."""
+    fences = tuple(_key(n) for n in R.LINK_SCOPED)
+    rules = [R.parse_rule(t) for t in ("[::/0]:22/tcp", "0.0.0.0/0:5353/udp")]
+    out = R.compile_prefixes(rules, fences=fences)
+    for net in R.LINK_SCOPED:
+        assert out[_key(net)] == [], net
+    out = R.compile_prefixes(rules + [R.parse_rule("[fe80::/10]:22")], fences=fences)
+    assert [str(e.rule) for e in out[_key("fe80::/10")]] == ["[fe80::/10]:22"]
+
+
 def test_compile_families_do_not_mix():
     out = R.compile_prefixes([R.parse_rule("::/0"), R.parse_rule("10.0.0.0/8:443/tcp")])
     assert [str(e.rule) for e in out[(R.FAM_V4, 10 << 24, 8)]] == ["10.0.0.0/8:443/tcp"]
