@@ -122,6 +122,10 @@ class Ipam:
         raise Busy(f"no free address in net.ipv4_pool {self.pool} ({len(self._leases)} leased)",
                    {"pool": str(self.pool), "leased": len(self._leases)})
 
+    def own_ipv6(self, ipv4: ipaddress.IPv4Address) -> ipaddress.IPv6Address:
+        """The IPv6 address that mirrors `ipv4` (net.ipv6_subnet set)."""
+        return self.subnet6.network_address + (int(ipv4) - int(self.subnet.network_address))
+
     def get(self, owner: str) -> Lease | None:
         a = self._leases.get(owner)
         return None if a is None else self._lease(owner, a)

@@ -649,10 +649,13 @@ class Network:
         if self.resolver_rule is not None:
             addrs.append(self.resolver_rule)
         if sb is not None and sb.ipv4:
-            # Its own address, as its loopback: a server it runs on its eth0
+            # Its own addresses, as its loopback: a server it runs on its eth0
             # and reaches by its hostname (/etc/hosts). Inside the pool's
-            # fence, so no broader rule was ever needed for it.
-            addrs.append(R.parse_rule(str(ipaddress.ip_interface(sb.ipv4).ip)))
+            # fence, so no broader rule was ever needed for them.
+            own = ipaddress.ip_interface(sb.ipv4).ip
+            addrs.append(R.Rule(R.FAM_V4, int(own), 32))
+            if self.ipam.subnet6 is not None:
+                addrs.append(R.Rule(R.FAM_V6, int(self.ipam.own_ipv6(own)), 128))
         if sb is not None and sb.learned:
             keep = set(names)
             addrs += [r for r, ln in sb.learned.items() if ln.source in keep]

@@ -163,8 +163,9 @@ def test_a_broad_rule_reaches_neither_other_sandboxes_nor_the_gateway(world, san
     # Its own address is as its loopback, whatever its rules (a server on its
     # eth0 reached by its hostname): nothing listens there, so refused, not denied.
     for sb in (a, b):
-        own = world.net.show(sb.name)["lease"]["ipv4"].split("/")[0]
-        assert sb.ask(op="connect", host=own, port=9) == {"errno": "ECONNREFUSED"}
+        lease = world.net.show(sb.name)["lease"]
+        for own in (lease["ipv4"], lease["ipv6"]):
+            assert sb.ask(op="connect", host=own.split("/")[0], port=9) == {"errno": "ECONNREFUSED"}, own
 
 
 def test_refreshed_fences_take_in_an_address_the_host_gained(world, sandbox):

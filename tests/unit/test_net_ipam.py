@@ -75,6 +75,7 @@ def test_ipv6_mirrors_ipv4_offset():
     ipam = Ipam("10.88.0.0/24", subnet6="fd00:88::/64")
     a = ipam.allocate("a")
     assert str(a.ipv6) == "fd00:88::2/64" and str(a.gateway6) == "fd00:88::1"
+    assert ipam.own_ipv6(a.ipv4.ip) == a.ipv6.ip
 
 
 def test_corrupt_legacy_file_is_a_clear_error(tmp_path):
