@@ -1051,12 +1051,13 @@ class Network:
             except BadRequest as err:     # a rule set renamed or removed from the config meanwhile
                 log.warning("sandbox %s: dropping rule %r on readopt: %s", sb_id, t, err.message)
         terms = tuple(terms)
+        # The lease before the policy, which lets the sandbox reach its own address.
+        lease = self.ipam_allocate(sb_id)       # the restored one, or a fresh one if it was lost
+        sb.ipv4 = str(lease.ipv4)
         self._carry_marks(cgroup_dir, previous)
         self._bpf_attach(sb, terms)
         if not self.plumbing.has_sandbox(sb.ifname):
-            self.plumbing.add_sandbox(sb.ifname, netns_path(netns), self.ipam_allocate(sb_id))
-        lease = self.ipam_allocate(sb_id)       # the restored one, or a fresh one if it was lost
-        sb.ipv4 = str(lease.ipv4)
+            self.plumbing.add_sandbox(sb.ifname, netns_path(netns), lease)
         self._republish(sb, rec)
         self._write_record(sb)
 
@@ -1099,12 +1100,12 @@ class Network:
                 terms.append(R.canonical_term(t, self.sets))
             except BadRequest as err:
                 log.warning("sandbox %s: dropping rule %r on readopt: %s", sb_id, t, err.message)
-        self._bpf_attach(sb, tuple(terms))
         lease = self.ipam_allocate(sb_id)
         if rec.get("ipv4") and str(lease.ipv4) != rec["ipv4"]:
             raise OSError(errno.EADDRNOTAVAIL, f"its address {rec['ipv4']} was lost (given {lease.ipv4} now); "
                           "the guest still uses the old one")
         sb.ipv4 = str(lease.ipv4)
+        self._bpf_attach(sb, tuple(terms))      # after the lease: the policy holds its own address
         idx = self.plumbing.link_index(sb.ifname)
         if idx is not None:
             iface, ipv6 = ipaddress.ip_interface(sb.ipv4), self._vm_ipv6(sb_id)

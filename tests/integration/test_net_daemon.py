@@ -108,6 +108,9 @@ def test_lease_freed_on_destroy_and_kept_across_restart(world, netd):
     s2 = c2.get(sb.id)
     assert s2.net_show()["lease"]["ipv4"] == ip
     assert connect(s2, world.pkg, 80)[0] == 0 and connect(s2, world.ref, 443)[0] != 0
+    # Its own addresses stay as its loopback: refused (nothing listens), not denied.
+    for own in (ip, s2.net_show()["lease"]["ipv6"]):
+        assert "refused" in connect(s2, own.split("/")[0], 9)[1], own
     s2.destroy()
     assert sb.id not in read_records(d.state / "net" / "records.log")     # lease and record gone
     c2.close()
