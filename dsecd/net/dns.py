@@ -55,6 +55,11 @@ log = logging.getLogger(__name__)
 MAX_CNAME = 8                 # links of a CNAME chain followed; a longer one gives no address
 MAX_INFLIGHT = 1024           # queries being answered at once (UDP beyond that is dropped)
 MAX_TCP_CLIENTS = 256
+# One source address's (one sandbox's) share of those: a sandbox flooding
+# queries of a slow name, or holding idle TCP connections, must not leave
+# the other sandboxes without a resolver.
+MAX_INFLIGHT_PER_CLIENT = 128
+MAX_TCP_PER_CLIENT = 16
 TCP_IDLE_S = 10.0
 SWEEP_S = 1.0                 # at most this late, an expired entry is removed
 IP_FREEBIND = 15
@@ -111,7 +116,9 @@ class Resolver:
             raise ValueError(f"net.dns_ttl_min_s {self.ttl_min} must be in [0, net.dns_ttl_max_s {self.ttl_max}]")
         self.stats: collections.Counter = collections.Counter()     # queries of no sandbox, malformed, ...
         self._inflight = 0
+        self._inflight_by_src: collections.Counter = collections.Counter()
         self._tcp_clients = 0
+        self._tcp_by_src: collections.Counter = collections.Counter()
         self._udp: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.Task | None = None
@@ -184,11 +191,12 @@ class Resolver:
 
     async def _tcp_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         src = (writer.get_extra_info("peername") or ("",))[0]
-        if self._tcp_clients >= MAX_TCP_CLIENTS:
+        if self._tcp_clients >= MAX_TCP_CLIENTS or self._tcp_by_src[src] >= MAX_TCP_PER_CLIENT:
             self.stats["tcp_refused"] += 1
             writer.close()
             return
         self._tcp_clients += 1
+        self._tcp_by_src[src] += 1
         try:
             while True:
                 head = await asyncio.wait_for(reader.readexactly(2), TCP_IDLE_S)
@@ -204,6 +212,7 @@ class Resolver:
             log.exception("resolver: TCP client %s", src)
         finally:
             self._tcp_clients -= 1
+            _release(self._tcp_by_src, src)
             writer.close()
 
     # ------------------------------------------------------------ answers
@@ -360,10 +369,11 @@ class _UdpProtocol(asyncio.DatagramProtocol):
         self.transport = transport
 
     def datagram_received(self, data: bytes, addr) -> None:
-        if self.r._inflight >= MAX_INFLIGHT:
+        if self.r._inflight >= MAX_INFLIGHT or self.r._inflight_by_src[addr[0]] >= MAX_INFLIGHT_PER_CLIENT:
             self.r.stats["dropped_busy"] += 1
             return
         self.r._inflight += 1
+        self.r._inflight_by_src[addr[0]] += 1
         asyncio.get_running_loop().create_task(self._one(data, addr))
 
     async def _one(self, data: bytes, addr) -> None:
@@ -375,6 +385,14 @@ class _UdpProtocol(asyncio.DatagramProtocol):
             log.exception("resolver: query from %s", addr[0])
         finally:
             self.r._inflight -= 1
+            _release(self.r._inflight_by_src, addr[0])
+
+
+def _release(counts: collections.Counter, src: str) -> None:
+    """One of `src`'s slots free again (no key kept for a source that holds none)."""
+    counts[src] -= 1
+    if counts[src] <= 0:
+        del counts[src]
 
 
 def _reply(q: dns.message.Message, rcode: int, wire: bool = True):

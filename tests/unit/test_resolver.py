@@ -1,0 +1,93 @@
+"""The sandboxes' resolver's admission (dsecd/net/dns.py), with a stand-in
+Network: no root, no sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+from dsecd.net import dns as D
+
+
+def _resolver() -> D.Resolver:
+    net = types.SimpleNamespace(ipam=types.SimpleNamespace(gateway4="10.88.0.1"),
+                                plumbing=types.SimpleNamespace(ns_path=""), client=lambda src: None)
+    return D.Resolver(net, {"dns_upstreams": ["192.0.2.53"]}, run_blocking=None)
+
+
+class _Writer:
+    def __init__(self, src: str):
+        self.src, self.closed = src, False
+
+    def get_extra_info(self, key):
+        return (self.src, 4242) if key == "peername" else None
+
+    def write(self, data) -> None:
+        pass
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_one_sandbox_cannot_take_every_tcp_connection_of_the_resolver():
+    """A sandbox holding idle TCP connections to the resolver leaves room
+    for the others: it gets at most MAX_TCP_PER_CLIENT at once."""
+    async def run():
+        r = _resolver()
+        readers, tasks, writers = [], [], []
+
+        def connect(src: str) -> _Writer:
+            reader, writer = asyncio.StreamReader(), _Writer(src)
+            readers.append(reader)
+            writers.append(writer)
+            tasks.append(asyncio.ensure_future(r._tcp_client(reader, writer)))
+            return writer
+
+        hog = [connect("10.88.3.5") for _ in range(D.MAX_TCP_CLIENTS)]
+        other = connect("10.88.3.6")
+        await asyncio.sleep(0.01)
+        held = [w for w in hog if not w.closed]
+        assert len(held) == D.MAX_TCP_PER_CLIENT
+        assert not other.closed                   # served: waits for its query
+        assert r.stats["tcp_refused"] == D.MAX_TCP_CLIENTS - D.MAX_TCP_PER_CLIENT
+        for reader in readers:
+            reader.feed_eof()
+        await asyncio.gather(*tasks)
+        assert r._tcp_clients == 0 and not r._tcp_by_src
+        connect("10.88.3.5")                      # its slots are free again
+        await asyncio.sleep(0.01)
+        assert not writers[-1].closed
+        readers[-1].feed_eof()
+        await tasks[-1]
+
+    asyncio.run(run())
+
+
+def test_one_sandbox_cannot_take_every_udp_query_slot_of_the_resolver():
+    """Queries of one sandbox waiting for a slow upstream fill at most
+    MAX_INFLIGHT_PER_CLIENT slots; another sandbox's query is still answered."""
+    async def run():
+        r = _resolver()
+        release = asyncio.Event()
+        answered = []
+
+        async def answer(data, src, tcp):
+            await release.wait()
+            answered.append(src)
+            return None
+
+        r.answer = answer
+        proto = D._UdpProtocol(r)
+        for _ in range(D.MAX_INFLIGHT):
+            proto.datagram_received(b"q", ("10.88.3.5", 5353))
+        proto.datagram_received(b"q", ("10.88.3.6", 5353))
+        assert r._inflight == D.MAX_INFLIGHT_PER_CLIENT + 1
+        assert r.stats["dropped_busy"] == D.MAX_INFLIGHT - D.MAX_INFLIGHT_PER_CLIENT
+        release.set()
+        await asyncio.sleep(0.01)
+        assert answered.count("10.88.3.6") == 1 and r._inflight == 0 and not r._inflight_by_src
+
+    asyncio.run(run())
