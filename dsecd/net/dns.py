@@ -234,7 +234,10 @@ class Resolver:
         if q.opcode() != dns.opcode.QUERY or len(q.question) != 1:
             return _reply(q, dns.rcode.NOTIMP if q.opcode() != dns.opcode.QUERY else dns.rcode.FORMERR)
         qname = q.question[0].name.to_text(omit_final_dot=True).lower()
-        rules = [r for r in sb.names if r.matches(qname)]
+        # An escape in the text is a byte no host name has in a label: a dot
+        # (`evil\.com\.pythonhosted.org` is one label under org, whose text
+        # still ends in `.pythonhosted.org`) or an unprintable one. No rule's.
+        rules = [r for r in sb.names if r.matches(qname)] if "\\" not in qname else []
         if not rules:
             sb.dns["refused"] += 1
             return _reply(q, self.refuse)

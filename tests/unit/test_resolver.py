@@ -91,3 +91,37 @@ def test_one_sandbox_cannot_take_every_udp_query_slot_of_the_resolver():
         assert answered.count("10.88.3.6") == 1 and r._inflight == 0 and not r._inflight_by_src
 
     asyncio.run(run())
+
+
+def test_a_label_holding_a_dot_is_no_name_below_a_wildcard():
+    """`evil\\.com\\.pythonhosted.org` is one label under org, not a name
+    below pythonhosted.org, though its text ends so: refused, upstream
+    never asked. A name of the rule's, whatever its case, is forwarded."""
+    import collections
+
+    import dns.message
+    import dns.name
+    import dns.rcode
+
+    from dsecd.net import rules as R
+
+    sb = types.SimpleNamespace(names=(R.parse_rule("*.pythonhosted.org:443/tcp"),), dns=collections.Counter())
+    r = _resolver()
+    r.net.client = lambda src: sb
+    asked = []
+
+    async def forward(q, data, tcp):
+        asked.append(q.question[0].name)
+        return None                               # no upstream here: SERVFAIL
+
+    r._forward = forward
+
+    def ask(name: dns.name.Name) -> int:
+        wire = dns.message.make_query(name, "A").to_wire()
+        return dns.message.from_wire(asyncio.run(r.answer(wire, "10.88.3.5", tcp=False))).rcode()
+
+    assert ask(dns.name.Name([b"evil.com.pythonhosted", b"org", b""])) == dns.rcode.REFUSED
+    assert ask(dns.name.Name([b"x", b"pythonhosted.org", b""])) == dns.rcode.REFUSED
+    assert asked == [] and sb.dns["refused"] == 2
+    assert ask(dns.name.from_text("Files.PythonHosted.org")) == dns.rcode.SERVFAIL
+    assert len(asked) == 1
