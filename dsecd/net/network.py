@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 MODES = ("default", "none")
 # The resolver's per-sandbox counters (dsecd/net/dns.py), shown by `net show`.
 DNS_COUNTERS = ("queries", "answered", "refused", "learned", "expired", "hostile_dropped", "capped",
-                "upstream_failed")
+                "learned_full", "upstream_failed")
 INLINE_MAX_RULES = 64          # update_now(): larger policies go to a worker thread
 
 
@@ -871,7 +871,9 @@ class Network:
         """Allow `entries` (address rules of a resolver's answer) until their expiry,
         atomically with the rest of the policy; a known entry's expiry only grows.
         blocking=False (the event loop): None, having done nothing, if the lock is
-        busy or the change is not small. On error nothing is added."""
+        busy or the change is not small. On error nothing is added; False, having
+        added nothing, when the sandbox would hold more than
+        net.max_rules_per_sandbox learned entries."""
         if not self._lock.acquire(blocking=blocking):
             return None
         try:
@@ -884,6 +886,11 @@ class Network:
                      if r not in sb.learned or sb.learned[r].expires < ln.expires}
             if not fresh:
                 return True
+            if len(sb.learned) + sum(1 for r in fresh if r not in sb.learned) > self.max_rules:
+                # A zone whose names map to any address (ec2-A-B-C-D.compute-1.amazonaws.com)
+                # must not let one sandbox fill the trie every sandbox shares.
+                sb.dns["learned_full"] += 1
+                return False
             old = sb.learned
             sb.learned = {**old, **fresh}
             new_rules = [r for r in fresh if r not in old]

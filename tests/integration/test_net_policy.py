@@ -385,3 +385,32 @@ def test_update_now_only_when_short(world, sandbox):
     with pytest.raises(BadRequest):
         world.net.update_now(a.name, add=["10.0.0.0/33"])                  # errors as update()'s
     assert world.net.update_now("no-such-sandbox", add=["pypi"]) is None
+
+
+def test_learned_addresses_are_capped_per_sandbox(world, sandbox, monkeypatch):
+    """A name rule on a zone whose names map to any address (`*.amazonaws.com`:
+    ec2-A-B-C-D.compute-1.amazonaws.com is A.B.C.D) must not let one sandbox
+    learn addresses without end: the trie they go to is every sandbox's. At
+    most net.max_rules_per_sandbox; past it the resolver answers SERVFAIL
+    until some expire. A known address is still renewed."""
+    import ipaddress
+
+    from dsecd.net import rules as R
+    from dsecd.net.network import Learned
+
+    monkeypatch.setattr(world.net, "max_rules", 8)
+    a = sandbox(["*.example.test:443/tcp"])
+    rule = R.parse_rule("*.example.test:443/tcp")
+    expires = time.monotonic() + 60
+
+    def entry(i: int) -> dict:
+        addr = int(ipaddress.IPv4Address(f"198.51.100.{i}"))
+        return {rule.address_rule(R.FAM_V4, addr): Learned(expires + i, rule, f"h{i}.example.test")}
+
+    for i in range(8):
+        assert world.net.learn(a.name, entry(i)) is True
+    assert world.net.learn(a.name, entry(8)) is False
+    view = world.net.show(a.name)
+    assert len(view["learned"]) == 8 and view["dns"]["learned_full"] == 1
+    assert world.net.learn(a.name, {r: Learned(expires + 99, rule, "h3.example.test")
+                                    for r in entry(3)}) is True
