@@ -262,17 +262,48 @@ int dsec_connect6(struct bpf_sock_addr *ctx) { return sock_addr_v6(ctx, 0); }
 int dsec_sendmsg4(struct bpf_sock_addr *ctx) { return sock_addr_v4(ctx, 1); }
 int dsec_sendmsg6(struct bpf_sock_addr *ctx) { return sock_addr_v6(ctx, 1); }
 
+// A connection the sandbox made to itself: from loopback (127/8, ::1, their
+// IPv4-mapped forms) or from its own address. Its answers need no mark (the
+// sandbox's loopback and own address are always allowed), and marking them
+// let one sandbox churn `accepted`, an LRU every sandbox shares, with
+// thousands of connections to itself until other sandboxes' marks fell out.
+static __always_inline int from_itself(struct bpf_sock_ops *skops)
+{
+    if (skops->family == 2 /* AF_INET */)
+        return (bpf_ntohl(skops->remote_ip4) >> 24) == 127 || skops->remote_ip4 == skops->local_ip4;
+    u32 r0 = skops->remote_ip6[0], r1 = skops->remote_ip6[1], r2 = skops->remote_ip6[2];
+    u32 r3 = skops->remote_ip6[3];
+    if (r0 == skops->local_ip6[0] && r1 == skops->local_ip6[1] && r2 == skops->local_ip6[2] &&
+        r3 == skops->local_ip6[3])
+        return 1;
+    if (r0 | r1)
+        return 0;
+    return (r2 == 0 && r3 == bpf_htonl(1)) ||
+           (r2 == bpf_htonl(0xffff) && (bpf_ntohl(r3) >> 24) == 127);
+}
+
 // A TCP connection the sandbox accepted (the 3-way handshake completed on a
 // listening socket of the sandbox: someone connected to it, through a published
 // port or from the bridge) is marked on its socket, so that dsec_egress lets its
 // replies out whatever the allowlist says. The mark is made by the kernel's
 // passive-open callback only; a socket the sandbox connect()s never gets it.
+// The socket then reports its state changes here, and its mark goes when it
+// closes: `accepted` holds the connections that are open, not every one
+// since the daemon started (the LRU would push out a long-lived one's).
 int dsec_sockops(struct bpf_sock_ops *skops)
 {
+    u64 cookie;
+
     if (skops->op == BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB) {
-        u64 cookie = bpf_get_socket_cookie(skops);
+        if (from_itself(skops))
+            return 1;
+        cookie = bpf_get_socket_cookie(skops);
         u8 one = 1;
         accepted.update(&cookie, &one);
+        bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
+    } else if (skops->op == BPF_SOCK_OPS_STATE_CB && skops->args[1] == BPF_TCP_CLOSE) {
+        cookie = bpf_get_socket_cookie(skops);
+        accepted.delete(&cookie);
     }
     return 1;
 }

@@ -60,6 +60,19 @@ for line in sys.stdin:
             else: r = talk(s, b"hello", 2); s.close()
         elif op == "talk":
             r = talk(held[q["hold"]], b"again", q.get("timeout", 1))
+        elif op == "listen":      # a listener on every address, kept as "listen<port>"
+            s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("0.0.0.0", q["port"])); s.listen(64); held[f"listen{q['port']}"] = s; r = {"ok": True}
+        elif op == "accept":      # one connection to that listener, kept as `hold`
+            s = held[f"listen{q['port']}"]; s.settimeout(q.get("timeout", 2))
+            held[q["hold"]] = s.accept()[0]; r = {"ok": True}
+        elif op == "selfconnect":  # n connections to that listener from the sandbox itself, closed
+            s = held[f"listen{q['port']}"]
+            for _ in range(q["n"]):
+                c = socket.create_connection((q["host"], q["port"]), timeout=2); s.accept()[0].close(); c.close()
+            r = {"ok": True}
+        elif op == "close":
+            held.pop(q["hold"]).close(); r = {"ok": True}
         elif op == "udp":
             s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(q.get("timeout", 1))
             s.sendto(b"ping", (q["host"], q["port"]))

@@ -414,3 +414,35 @@ def test_learned_addresses_are_capped_per_sandbox(world, sandbox, monkeypatch):
     assert len(view["learned"]) == 8 and view["dns"]["learned_full"] == 1
     assert world.net.learn(a.name, {r: Learned(expires + 99, rule, "h3.example.test")
                                     for r in entry(3)}) is True
+
+
+def test_accepted_marks_are_for_connections_from_outside_while_they_last(world, sandbox):
+    """The map of connections a sandbox accepted (their answers pass its
+    allowlist) is every sandbox's, an LRU of MAX_ACCEPTED: a sandbox making
+    thousands of connections to itself pushed out another sandbox's mark of
+    a long-lived connection from the host, whose answers were then dropped.
+    Connections to itself (loopback, its own address) need no mark, and a
+    mark goes when its connection closes."""
+    import socket
+
+    marks = world.net.engine.marks["accepted"]
+
+    def count() -> int:
+        return sum(1 for _ in marks.keys())
+
+    a = sandbox([])
+    own = world.net.show(a.name)["lease"]["ipv4"].split("/")[0]
+    base = count()
+    assert a.ask(op="listen", port=7100) == {"ok": True}
+    for host in ("127.0.0.1", own):
+        assert a.ask(op="selfconnect", host=host, port=7100, n=20) == {"ok": True}
+    assert count() == base
+    conn = world.in_bridge_netns(lambda: socket.create_connection((own, 7100), timeout=5))
+    assert a.ask(op="accept", port=7100, hold="h") == {"ok": True}
+    assert count() == base + 1                      # from outside: marked
+    conn.close()
+    assert a.ask(op="close", hold="h") == {"ok": True}
+    deadline = time.monotonic() + 5
+    while count() != base and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert count() == base                          # closed: its mark went with it
