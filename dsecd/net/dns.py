@@ -240,6 +240,11 @@ class Resolver:
         rules = [r for r in sb.names if r.matches(qname)] if "\\" not in qname else []
         if not rules:
             sb.dns["refused"] += 1
+            # The client only sees a failed lookup (glibc: "Temporary failure in
+            # name resolution"); `net show` names what was refused.
+            if qname in sb.refused_names:
+                sb.refused_names.remove(qname)
+            sb.refused_names.append(qname)
             return _reply(q, self.refuse)
         resp = await self._forward(q, data, tcp)
         if resp is None:

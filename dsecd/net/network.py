@@ -59,6 +59,7 @@ MODES = ("default", "none")
 DNS_COUNTERS = ("queries", "answered", "refused", "learned", "expired", "hostile_dropped", "capped",
                 "learned_full", "upstream_failed")
 INLINE_MAX_RULES = 64          # update_now(): larger policies go to a worker thread
+REFUSED_NAMES = 8              # the names the resolver refused a sandbox last, shown by `net show`
 
 
 @dataclass
@@ -80,6 +81,7 @@ class _Sandbox:
     names: tuple = ()                                 # name rules of the policy (the resolver reads it)
     learned: dict = field(default_factory=dict)       # Rule -> Learned (not recorded)
     dns: collections.Counter = field(default_factory=collections.Counter)   # resolver counters
+    refused_names: collections.deque = field(default_factory=lambda: collections.deque(maxlen=REFUSED_NAMES))
     kind: str = "container"                           # container (veth, cgroup programs) | vm (tap, dsec_tap)
     tap_index: int = 0                                # a VM's current tap (0: no QEMU runs)
 
@@ -990,7 +992,8 @@ class Network:
                    ports=[self._port_view(sb, p) for p in sb.ports.values()],
                    names=[{"rule": str(r), "from": src} for r, src in names.items()], learned=learned)
         if self.dns_enabled:
-            out["dns"] = {"resolver": str(self.ipam.gateway4), **{k: sb.dns.get(k, 0) for k in DNS_COUNTERS}}
+            out["dns"] = {"resolver": str(self.ipam.gateway4), **{k: sb.dns.get(k, 0) for k in DNS_COUNTERS},
+                          "refused_names": list(sb.refused_names)}
         if counters:
             out["default"] = {"action": "deny", **eng.stats(sb.slot)}
         return out

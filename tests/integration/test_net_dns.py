@@ -44,6 +44,11 @@ def test_resolv_conf_and_refused_names(world, dnsd):
     assert code != 0 and "REFUSED" in out, out
     view = sb.net_show()
     assert view["dns"]["refused"] >= 1 and view["learned"] == []
+    # A refused name looks like an outage to the client ("Temporary failure in
+    # name resolution"): `net show` says which names were refused, and what to do.
+    assert view["dns"]["refused_names"] == ["other.test"]
+    shown = d.cli("net", "show", sb.id).stdout.decode()
+    assert "refused names: other.test" in shown and f"dsec net set {sb.id} --add" in shown, shown
     # Its address stays closed, also after the refused query.
     assert connect(sb, world.ref, 443)[0] != 0
     # The resolver's port is the only thing open on the gateway.

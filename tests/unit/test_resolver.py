@@ -105,7 +105,8 @@ def test_a_label_holding_a_dot_is_no_name_below_a_wildcard():
 
     from dsecd.net import rules as R
 
-    sb = types.SimpleNamespace(names=(R.parse_rule("*.pythonhosted.org:443/tcp"),), dns=collections.Counter())
+    sb = types.SimpleNamespace(names=(R.parse_rule("*.pythonhosted.org:443/tcp"),), dns=collections.Counter(),
+                               refused_names=collections.deque(maxlen=8))
     r = _resolver()
     r.net.client = lambda src: sb
     asked = []
@@ -123,5 +124,8 @@ def test_a_label_holding_a_dot_is_no_name_below_a_wildcard():
     assert ask(dns.name.Name([b"evil.com.pythonhosted", b"org", b""])) == dns.rcode.REFUSED
     assert ask(dns.name.Name([b"x", b"pythonhosted.org", b""])) == dns.rcode.REFUSED
     assert asked == [] and sb.dns["refused"] == 2
+    assert list(sb.refused_names) == ["evil\\.com\\.pythonhosted.org", "x.pythonhosted\\.org"]
+    ask(dns.name.Name([b"evil.com.pythonhosted", b"org", b""]))      # again: the most recent last, once
+    assert list(sb.refused_names) == ["x.pythonhosted\\.org", "evil\\.com\\.pythonhosted.org"]
     assert ask(dns.name.from_text("Files.PythonHosted.org")) == dns.rcode.SERVFAIL
     assert len(asked) == 1
