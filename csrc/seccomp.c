@@ -33,6 +33,7 @@
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -107,6 +108,13 @@ static const uint64_t denied_ioctls_exact[] = {
  * that compared 64 bits could be passed by TIOCSTI | 1 << 32). */
 #define LOW32 0xffffffffULL
 
+/* Socket families outside the sandbox's network namespace: vsock is not
+ * namespaced, so a vsock socket reaches the hypervisor of a host that is a
+ * VM (CID 2) and the host's other VMs, whatever the sandbox's network
+ * (--net none included) and its egress allowlist. Docker's default profile
+ * refuses it too. socket() takes the family as an int: masked as ioctl's. */
+static const uint64_t denied_socket_families[] = {AF_VSOCK};
+
 static int add_rules(scmp_filter_ctx ctx, uint32_t deny)
 {
     int rc = 0;
@@ -140,6 +148,10 @@ static int add_rules(scmp_filter_ctx ctx, uint32_t deny)
     for (size_t i = 0; i < sizeof(denied_ioctls_exact) / sizeof(denied_ioctls_exact[0]); i++)
         if ((rc = seccomp_rule_add(ctx, deny, SCMP_SYS(ioctl), 1,
                                    SCMP_A1(SCMP_CMP_MASKED_EQ, LOW32, denied_ioctls_exact[i]))) < 0)
+            return rc;
+    for (size_t i = 0; i < sizeof(denied_socket_families) / sizeof(denied_socket_families[0]); i++)
+        if ((rc = seccomp_rule_add(ctx, deny, SCMP_SYS(socket), 1,
+                                   SCMP_A0(SCMP_CMP_MASKED_EQ, LOW32, denied_socket_families[i]))) < 0)
             return rc;
     return 0;
 }

@@ -101,7 +101,12 @@ static int a_socket(char **v)
         {"packet", AF_PACKET, SOCK_RAW, 0},
         {"udp", AF_INET, SOCK_DGRAM, 0},
         {"tcp", AF_INET, SOCK_STREAM, 0},
+        {"vsock", AF_VSOCK, SOCK_STREAM, 0},
     };
+
+    /* The family with bits above the 32 the kernel reads (it takes an int). */
+    if (!strcmp(v[0], "vsock_high_bits"))
+        return report(syscall(SYS_socket, (1L << 32) | AF_VSOCK, SOCK_STREAM, 0));
 
     for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++)
         if (!strcmp(v[0], kinds[i].name))

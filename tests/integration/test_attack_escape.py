@@ -25,6 +25,10 @@ SYSCALL_ATTACKS = [
     ("raw_socket", ["socket", "raw_icmp"], "EPERM", ["socket", "udp"]),
     ("raw_socket_v6", ["socket", "raw6"], "EPERM", ["socket", "tcp"]),
     ("packet_socket", ["socket", "packet"], "EPERM", ["socket", "udp"]),
+    # vsock is not network-namespaced: it reaches the host's hypervisor (CID 2)
+    # or other VMs whatever the sandbox's network. Only the socket is made here.
+    ("vsock_socket", ["socket", "vsock"], "EPERM", ["socket", "tcp"]),
+    ("vsock_socket_high_bits", ["socket", "vsock_high_bits"], "EPERM", ["socket", "tcp"]),
     ("mknod_block_device", ["mknod", "/dev/vdx", "b", "254", "0"], "EPERM", ["mknod", "/tmp/fifo1", "p", "0", "0"]),
     ("mknod_kvm", ["mknod", "/tmp/kvm", "c", "10", "232"], "EPERM", ["mknod", "/tmp/fifo2", "p", "0", "0"]),
     ("setns_net", ["setns", "/proc/self/ns/net"], "EPERM", ["open", "/proc/self/ns/net"]),

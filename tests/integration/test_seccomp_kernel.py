@@ -34,7 +34,7 @@ NR = {  # x86_64 numbers (the tests skip on other architectures)
     "reboot": 169, "init_module": 175, "ptrace": 101, "unshare": 272, "setns": 308,
     "perf_event_open": 298, "open_by_handle_at": 304, "kexec_file_load": 320, "bpf": 321,
     "userfaultfd": 323, "keyctl": 250, "pivot_root": 155, "fsopen": 430, "clone3": 435,
-    "io_uring_setup": 425, "process_vm_readv": 310,
+    "io_uring_setup": 425, "process_vm_readv": 310, "socket": 41,
 }
 X32_BIT = 0x40000000
 CLONE_NEWUSER, CLONE_NEWUTS, CLONE_NEWNS, CLONE_NEWNET = 0x10000000, 0x04000000, 0x20000, 0x40000000
@@ -44,6 +44,7 @@ XFS_IOC_SWAPEXT = 0xC0C0586D   # _IOWR('X', 109, struct xfs_swapext): size bits 
 EXT4_IOC_MOVE_EXT = 0xC028660F  # _IOWR('f', 15, struct move_extent)
 KEYCTL_GET_KEYRING_ID, KEY_SPEC_SESSION_KEYRING = 0, -3
 PTRACE_PEEKDATA = 2
+AF_UNIX, AF_VSOCK, SOCK_STREAM = 1, 40, 1
 
 
 def sys(name: str, *args, nr: int | None = None) -> int:
@@ -124,6 +125,8 @@ def run_probes(scratch: str) -> dict[str, str]:
         "ioctl_xfs_swapext_other_size": err(sys("ioctl", fd, (XFS_IOC_SWAPEXT & 0xC000FFFF) | 8 << 16, 0)),
         "ioctl_ext4_move_ext": err(sys("ioctl", fd, EXT4_IOC_MOVE_EXT, 0)),
         "x32_getpid": err(sys("getpid", nr=X32_BIT | NR["getpid"])),
+        "socket_vsock": err(sys("socket", AF_VSOCK, SOCK_STREAM, 0)),
+        "socket_vsock_high_bits": err(sys("socket", 1 << 32 | AF_VSOCK, SOCK_STREAM, 0)),
         # allowed neighbours (expected "ok" with the filter)
         "getpid": err(sys("getpid")),
         "unshare_files": err(sys("unshare", CLONE_FILES)),
@@ -133,6 +136,7 @@ def run_probes(scratch: str) -> dict[str, str]:
         "ioctl_tcgets": err(sys("ioctl", slave, TCGETS, ctypes.create_string_buffer(64))),
         "ioctl_fionread": err(sys("ioctl", rfd, FIONREAD, ctypes.byref(ctypes.c_int()))),
         "open_read": "ok" if open("/proc/self/status").read() else "empty",
+        "socket_unix": err(sys("socket", AF_UNIX, SOCK_STREAM, 0)),
     }
     # Last: without a filter this really enters a new user namespace, where
     # the caller has no capabilities left for the probes above.
@@ -155,10 +159,10 @@ FORBIDDEN = {
     "process_vm_readv": "EPERM", "io_uring_setup": "EPERM", "ioctl_tiocsti": "EPERM",
     "ioctl_tiocsti_high_bits": "EPERM", "ioctl_xfs_swapext": "EPERM",
     "ioctl_xfs_swapext_other_size": "EPERM", "ioctl_ext4_move_ext": "EPERM",
-    "x32_getpid": "EPERM",
+    "x32_getpid": "EPERM", "socket_vsock": "EPERM", "socket_vsock_high_bits": "EPERM",
 }
 ALLOWED = ("getpid", "unshare_files", "fork", "clone_plain", "thread", "ioctl_tcgets",
-           "ioctl_fionread", "open_read")
+           "ioctl_fionread", "open_read", "socket_unix")
 
 
 def _run_child(filtered: bool) -> dict[str, str]:

@@ -36,8 +36,8 @@ def test_every_listed_syscall_is_in_the_filter(pfc):
     named = set(re.findall(r'filter for syscall "(\w+)"', pfc))
     assert set(seccomp.DENIED_SYSCALLS) <= named
     # the ones with argument checks, plus clone3 (ENOSYS)
-    assert {"unshare", "clone", "clone3", "ioctl"} <= named
-    assert named - set(seccomp.DENIED_SYSCALLS) == {"unshare", "clone", "clone3", "ioctl"}
+    assert {"unshare", "clone", "clone3", "ioctl", "socket"} <= named
+    assert named - set(seccomp.DENIED_SYSCALLS) == {"unshare", "clone", "clone3", "ioctl", "socket"}
 
 
 def test_denials_are_eperm_and_clone3_enosys(pfc):
@@ -70,3 +70,11 @@ def test_clone_checks_every_namespace_flag_but_not_the_exit_signal(pfc):
         assert f"& 0x{flag:08x} == {flag}" in unshare
     assert "& 0x00000080 == 128" in unshare      # CLONE_NEWTIME
     assert "& 0x00000080" not in clone           # clone's low byte is the exit signal
+
+
+def test_vsock_sockets_are_refused_whatever_the_upper_32_bits(pfc):
+    # vsock is not network-namespaced; socket() reads its family as an int.
+    assert seccomp.DENIED_SOCKET_FAMILIES == ("AF_VSOCK",)
+    sock = pfc.split('filter for syscall "socket"')[1].split("# filter")[0].split("# default action")[0]
+    assert "$a0.hi32 & 0x00000000 == 0" in sock
+    assert "$a0.lo32 & 0xffffffff == 40" in sock
