@@ -157,6 +157,10 @@ def parse_rule(text: str) -> Rule | NameRule:
         if not sep:
             raise _bad(text, "missing ']' after an IPv6 address")
         if rest:
+            if rest.startswith("/"):      # [::]/0:443: the prefix length outside the brackets
+                plen = re.match(r"/\d*", rest).group(0)
+                raise _bad(text, f"the prefix length goes inside the brackets: did you mean "
+                                 f"{text.replace(f']{plen}', f'{plen}]', 1)!r}?")
             if not rest.startswith(":"):
                 raise _bad(text, "expected ':port' after ']'")
             ports = rest[1:]
@@ -169,6 +173,13 @@ def parse_rule(text: str) -> Rule | NameRule:
     if is_name and (len(name) > 253 or not _HOST.match(name)):
         raise _bad(text, f"bad host name {host!r} (letters, digits, '-' and '_' in dot-separated labels, "
                          "the last one starting with a letter; '*.' in front for every name below)")
+    if not is_name and host.count(":") > 1 and "/" in host.rpartition(":")[0] \
+            and _PORTS.match(host.rpartition(":")[2]):
+        # 2001:db8::/32:443: a port after an IPv6 prefix needs the brackets
+        # (without a prefix length, 2001:db8::1:443 is an address itself).
+        head, _, port = host.rpartition(":")
+        raise _bad(text, f"an IPv6 rule with a port takes brackets: did you mean "
+                         f"{text.replace(host, f'[{head}]:{port}', 1)!r}?")
     net = None if is_name else _parse_net(text, host)
     lo, hi = (0, 65535) if ports is None else _parse_ports(text, ports)
     if ports is None and proto is not None:

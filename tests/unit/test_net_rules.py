@@ -44,6 +44,9 @@ def test_parse_rule(text, canon, protos, ports):
     ("10.0.0.0/8:http", "bad port"),
     ("[2001:db8::/32:443", "missing ']'"),
     ("[2001:db8::/32]443", "expected ':port'"),
+    ("[::]/0:443/tcp", "did you mean '[::/0]:443/tcp'"),
+    ("[2001:db8::]/32", "did you mean '[2001:db8::/32]'"),
+    ("2001:db8::/32:443/tcp", "did you mean '[2001:db8::/32]:443/tcp'"),
     ("x" * 200, "longer than"),
 ])
 def test_parse_rule_rejects(text, why):
