@@ -457,6 +457,9 @@ async def cmd_net(c: Client, a) -> int:
         print(f"dns ({q['resolver']}:53): {q['queries']} queries, {q['refused']} refused, {q['learned']} "
               f"learned, {q['expired']} expired, {q['hostile_dropped']} hostile dropped, {q['capped']} capped, "
               f"{q['upstream_failed']} upstream failed")
+        if q.get("learned_full"):
+            print(f"{q['learned_full']} answers over the learned cap (net.max_rules_per_sandbox): answered "
+                  "SERVFAIL until learned addresses expire")
         if q.get("refused_names"):
             print(f"refused names: {' '.join(q['refused_names'])} (no name rule allows them; the sandbox saw a "
                   f"failed lookup: allow one with `dsec net set {sb.id} --add NAME:443/tcp`)")

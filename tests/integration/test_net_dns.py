@@ -89,6 +89,25 @@ def test_nxdomain_mode(world, upstream, daemon_factory, busybox_rootfs):
     c.close()
 
 
+def test_learned_addresses_stop_at_max_rules_per_sandbox(world, upstream, daemon_factory, busybox_rootfs):
+    """Past net.max_rules_per_sandbox learned addresses an answer is SERVFAIL,
+    and `net show` says why (the trie is every sandbox's)."""
+    cfg = dict(world.cfg, ipv4_pool=f"10.{world.octet}.5.0/24", rule_sets={}, dns_upstreams=[upstream.address])
+    extra = dns_config(upstream) + "max_rules_per_sandbox = 4\n"
+    d = daemon_factory(_toml_net(cfg).replace("[net.rule_sets]", extra + "[net.rule_sets]"))
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", net="default", allow=["*.pythonhosted.org:443/tcp"])
+    assert len(addresses(nslookup(sb, "big.pythonhosted.org")[1])) == 4      # 4 learned: the cap
+    code, out = nslookup(sb, "files.pythonhosted.org")
+    assert code != 0 and "SERVFAIL" in out, out
+    view = sb.net_show()
+    assert len(view["learned"]) == 4 and view["dns"]["learned_full"] >= 1, view
+    shown = d.cli("net", "show", sb.id).stdout.decode()
+    assert "answers over the learned cap (net.max_rules_per_sandbox)" in shown, shown
+    c.close()
+
+
 def test_name_rule_allows_after_resolution_and_expires(world, dnsd):
     d, c = dnsd
     sb = c.create(image="busybox", net="default", allow=["pypi"])
