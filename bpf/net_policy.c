@@ -124,6 +124,21 @@ BPF_HASH(taps, u32, struct tap_val, MAX_SANDBOXES);
 // it: an answer only ever goes to the peer that connected. Ports and address
 // in network byte order; the LRU drops the oldest. Every byte of a key is
 // set (pad included): the hash compares them all.
+//
+// A flow leaves the map when its connection ends, so that the LRU, which
+// every VM shares, holds the open ones and churn does not push out an idle
+// long-lived connection's flow: at a RST either way, and after both FINs at
+// the ACK of the second one (the value keeps which FINs were seen: VM_FLOW_*).
+// The guest's frames are looked up only when its policy refuses them or they
+// carry FIN or RST, so the flow of a peer its policy allows, closed by the
+// guest's ACK, stays until the LRU drops it (its answers need no flow).
+#define VM_FLOW_OPEN 1
+#define VM_FLOW_GUEST_FIN 2
+#define VM_FLOW_PEER_FIN 4
+#define TCP_FIN 0x01
+#define TCP_SYN 0x02
+#define TCP_RST 0x04
+#define TCP_ACK 0x10
 struct vm_flow {
     u64 key;        // the VM's `sandboxes` key
     u8 peer[16];    // IPv4 in the first 4 bytes
@@ -421,25 +436,41 @@ static __always_inline int all_zero16(const u8 *a)
 // holds the destination, `l4` where the transport header starts. What the
 // cgroup hooks count (a connect, a datagram sent) is counted here as a TCP
 // SYN without ACK, and every UDP or other datagram. 1 pass, 0 drop.
+// What a frame's TCP flags do to its flow in `vm_inbound` (`v`, its value),
+// `from_guest` telling which way it goes: whether the flow is over and
+// leaves the map. The frame itself passes either way.
+static __always_inline int vm_flow_ends(u8 *v, u8 flags, int from_guest)
+{
+    if (flags & TCP_RST)
+        return 1;
+    u8 mine = from_guest ? VM_FLOW_GUEST_FIN : VM_FLOW_PEER_FIN;
+    u8 theirs = from_guest ? VM_FLOW_PEER_FIN : VM_FLOW_GUEST_FIN;
+    if (flags & TCP_FIN) {
+        *v |= mine;
+        return 0;
+    }
+    // Both FINs seen, and this side's ACK of the other's: the last frame.
+    return (*v & mine) && (*v & theirs) && (flags & TCP_ACK);
+}
+
 static __always_inline int tap_decide(struct __sk_buff *skb, struct tap_val *tap, struct sb_val *sb,
                                       struct lpm_key *k, u8 proto, u32 l4)
 {
     u8 bit = proto_bit(proto);
     u16 ports[2] = {};  // source, destination; network byte order
+    u8 flags = 0;
     int count = bit != P_TCP;
     if (bit != P_OTHER) {
         if (bpf_skb_load_bytes(skb, l4, ports, sizeof(ports)) < 0)
             return 0;
         if (bit == P_TCP) {
-            u8 flags;
             if (bpf_skb_load_bytes(skb, l4 + 13, &flags, 1) < 0)
                 return 0;
-            count = (flags & 0x12) == 0x02;  // SYN, no ACK
+            count = (flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;  // a connect of the guest's
         }
     }
-    if (decide(sb, k, bpf_ntohs(ports[1]), bit, count))
-        return 1;
-    if (bit == P_TCP && !count) {
+    int allowed = decide(sb, k, bpf_ntohs(ports[1]), bit, count);
+    if (bit == P_TCP && !count && (!allowed || (flags & (TCP_FIN | TCP_RST)))) {
         // Not a connection of the guest's own: an answer to one made to it?
         struct vm_flow f = {};
         f.key = tap->key;
@@ -447,9 +478,15 @@ static __always_inline int tap_decide(struct __sk_buff *skb, struct tap_val *tap
         f.peer_port = ports[1];
         f.vm_port = ports[0];
         f.family = k->family;
-        if (vm_inbound.lookup(&f))
+        u8 *v = vm_inbound.lookup(&f);
+        if (v) {
+            if (vm_flow_ends(v, flags, 1))
+                vm_inbound.delete(&f);
             return 1;
+        }
     }
+    if (allowed)
+        return 1;
     if (count)
         bump_denied(sb->slot, bit != P_TCP);
     return 0;
@@ -600,16 +637,16 @@ drop:;
     return TC_ACT_SHOT;
 }
 
-// A TCP SYN without ACK to the VM's own address: a connection made to it,
-// whose flow goes into `vm_inbound` (peer = the frame's source).
+// A TCP frame to the VM's own address: a SYN without ACK is a connection
+// made to it, whose flow goes into `vm_inbound` (peer = the frame's
+// source); the peer's FIN, RST and last ACK of a flow there end it
+// (vm_flow_ends).
 static __always_inline void note_inbound(struct __sk_buff *skb, struct tap_val *tap, u8 family,
                                          const u8 *peer, int peer_len, u32 l4)
 {
     u16 ports[2];
     u8 flags;
     if (bpf_skb_load_bytes(skb, l4, ports, sizeof(ports)) < 0 || bpf_skb_load_bytes(skb, l4 + 13, &flags, 1) < 0)
-        return;
-    if ((flags & 0x12) != 0x02)
         return;
     struct vm_flow f = {};
     f.key = tap->key;
@@ -620,15 +657,24 @@ static __always_inline void note_inbound(struct __sk_buff *skb, struct tap_val *
     f.peer_port = ports[0];
     f.vm_port = ports[1];
     f.family = family;
-    u8 one = 1;
-    vm_inbound.update(&f, &one);
+    if ((flags & (TCP_SYN | TCP_ACK)) == TCP_SYN) {
+        u8 open = VM_FLOW_OPEN;
+        vm_inbound.update(&f, &open);
+        return;
+    }
+    if (!(flags & (TCP_FIN | TCP_RST | TCP_ACK)))
+        return;
+    u8 *v = vm_inbound.lookup(&f);
+    if (v && vm_flow_ends(v, flags, 0))
+        vm_inbound.delete(&f);
 }
 
 // What goes *to* a microVM: tc egress of its tap (TCX), every frame let
 // through. A TCP SYN without ACK to the VM's own address (IPv4, or IPv6 with
 // an IPv6 lease) is a connection made to it: its flow goes into `vm_inbound`
-// so that dsec_tap lets the answers out. Nothing the guest does can add an
-// entry: these frames come from the bridge.
+// so that dsec_tap lets the answers out, until the connection ends
+// (note_inbound). Nothing the guest does can add an entry: these frames come
+// from the bridge.
 int dsec_tap_in(struct __sk_buff *skb)
 {
     u32 ifindex = skb->ifindex;

@@ -221,6 +221,70 @@ def test_a_published_port_reaches_the_guest_and_only_its_answers_go_out(world, v
         c.close()
 
 
+def _vm_inbound_map(world, ifname: str):
+    """The daemon's `vm_inbound` map, found through the programs on the VM's tap."""
+    import os
+
+    from dsecd.net import bpfsys
+    from dsecd.net.plumbing import in_netns
+
+    with in_netns(f"/run/netns/{world.br_ns}"):
+        idx = socket.if_nametoindex(ifname)
+        progs = bpfsys.tcx_query(idx, bpfsys.ATTACH_TYPES["TCX_EGRESS"], "query")
+    fd = bpfsys.prog_fd_by_id(progs[0])
+    try:
+        ids = bpfsys.prog_map_ids(fd)
+    finally:
+        os.close(fd)
+    return next(bpfsys.Map.by_id(i) for i in ids if bpfsys.map_info_by_id(i)["name"] == "vm_inbound")
+
+
+def test_an_inbound_flow_leaves_the_shared_map_when_its_connection_ends(world, vmnet):
+    """`vm_inbound` (the flows whose answers a VM's tap lets out) is every
+    VM's, an LRU: a flow stays while its connection is open and goes at its
+    end, whichever side closes first, so that churn does not push out an
+    idle long-lived connection's flow and stall its answers."""
+    import struct
+    import time
+
+    from test_net_nat import _serve_http, http_get
+
+    from dsecd.net.network import vm_key
+
+    d, _ = vmnet
+    c = d.client()
+    sb = _vm(c, net="default")                 # no rule: every answer needs its flow
+    flows = None
+    try:
+        ifname = sb.net_show()["interface"]
+        vm_ip = sb.net_show()["lease"]["ipv4"].split("/")[0]
+        flows = _vm_inbound_map(world, ifname)
+        key = struct.pack("=Q", vm_key(sb.id))
+
+        def held_after_close() -> int:
+            deadline = time.monotonic() + 5
+            while (n := sum(1 for k in flows.keys() if k[:8] == key)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return n
+
+        _serve_http(sb, 8080)                  # the guest closes first (httpd after its answer)
+        for _ in range(3):
+            assert "sandbox-page" in world.in_bridge_netns(http_get, f"{vm_ip}:8080")
+        assert held_after_close() == 0
+        echo_server(sb, 9000)                  # the peer closes first
+        conn = world.in_bridge_netns(lambda: socket.create_connection((vm_ip, 9000), timeout=10))
+        conn.sendall(b"open\n")
+        assert _recv_line(conn) == b"open\n"
+        assert sum(1 for k in flows.keys() if k[:8] == key) == 1
+        conn.close()
+        assert held_after_close() == 0
+    finally:
+        if flows is not None:
+            flows.close()
+        sb.destroy()
+        c.close()
+
+
 def test_published_ports_survive_a_daemon_restart(world, vmnet):
     """A container's published ports are published again by the next
     daemon; a VM's were dropped from its record (no PORT section in `net
