@@ -457,6 +457,9 @@ async def cmd_net(c: Client, a) -> int:
         print(f"dns ({q['resolver']}:53): {q['queries']} queries, {q['refused']} refused, {q['learned']} "
               f"learned, {q['expired']} expired, {q['hostile_dropped']} hostile dropped, {q['capped']} capped, "
               f"{q['upstream_failed']} upstream failed")
+        if q.get("rate_limited"):
+            print(f"{q['rate_limited']} queries over net.dns_rate_per_s went unanswered (the sandbox saw them "
+                  "time out)")
         if q.get("learned_full"):
             print(f"{q['learned_full']} answers over the learned cap (net.max_rules_per_sandbox): answered "
                   "SERVFAIL until learned addresses expire")

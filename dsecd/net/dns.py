@@ -65,6 +65,40 @@ SWEEP_S = 1.0                 # at most this late, an expired entry is removed
 IP_FREEBIND = 15
 
 
+class RateLimiter:
+    """A token bucket per source address (one per sandbox): `rate` queries
+    a second on average, up to twice that at once. rate 0: no limit. A
+    source whose bucket is full again holds no entry (prune)."""
+
+    def __init__(self, rate: float, clock=time.monotonic):
+        self.rate = float(rate)
+        self.burst = 2.0 * self.rate
+        self.clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}     # src -> (tokens, when)
+
+    def allow(self, src: str) -> bool:
+        if not self.rate:
+            return True
+        now = self.clock()
+        tokens, then = self._buckets.get(src, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - then) * self.rate)
+        if tokens < 1.0:
+            self._buckets[src] = (tokens, now)
+            return False
+        self._buckets[src] = (tokens - 1.0, now)
+        return True
+
+    def prune(self) -> None:
+        now = self.clock()
+        full = [src for src, (tokens, then) in self._buckets.items()
+                if tokens + (now - then) * self.rate >= self.burst]
+        for src in full:
+            del self._buckets[src]
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+
 def parse_upstreams(cfg: dict, resolv_conf: str = "/etc/resolv.conf") -> list[tuple[str, int]]:
     """net.dns_upstreams ("addr", "addr:port", "[v6]:port"), else the host's nameservers."""
     given = list(cfg.get("dns_upstreams") or [])
@@ -112,6 +146,7 @@ class Resolver:
         self.grace = float(cfg.get("dns_grace_s", 300))
         self.max_addrs = int(cfg.get("dns_max_addrs_per_answer", 16))
         self.timeout = float(cfg.get("dns_timeout_s", 2.0))
+        self.limiter = RateLimiter(float(cfg.get("dns_rate_per_s", 500)))
         if not 0 <= self.ttl_min <= self.ttl_max:
             raise ValueError(f"net.dns_ttl_min_s {self.ttl_min} must be in [0, net.dns_ttl_max_s {self.ttl_max}]")
         self.stats: collections.Counter = collections.Counter()     # queries of no sandbox, malformed, ...
@@ -173,13 +208,15 @@ class Resolver:
                 **dict(self.stats)}
 
     async def _sweep(self) -> None:
-        """Removes learned entries at expiry (on a worker: map updates block)."""
+        """Removes learned entries at expiry (on a worker: map updates block),
+        and the rate limiter's idle buckets."""
         nxt = None
         while True:
             delay = SWEEP_S if nxt is None else min(SWEEP_S, max(0.0, nxt - time.monotonic()))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), delay)
             self._wake.clear()
+            self.limiter.prune()          # the buckets of sources quiet long enough to be full again
             if nxt is None or nxt <= time.monotonic():
                 try:
                     nxt = await self.run_blocking(self.net.expire)
@@ -201,6 +238,8 @@ class Resolver:
             while True:
                 head = await asyncio.wait_for(reader.readexactly(2), TCP_IDLE_S)
                 data = await asyncio.wait_for(reader.readexactly(struct.unpack("!H", head)[0]), TCP_IDLE_S)
+                if not self.admit(src):
+                    break                # over its rate: the connection ends unanswered
                 out = await self.answer(data, src, tcp=True)
                 if out is None:
                     break
@@ -216,6 +255,19 @@ class Resolver:
             writer.close()
 
     # ------------------------------------------------------------ answers
+
+    def admit(self, src: str) -> bool:
+        """Whether a query from `src` is within its sandbox's rate
+        (net.dns_rate_per_s), checked before it is parsed: a sandbox
+        flooding the resolver costs the daemon little, and the others
+        keep their answers. Counted where refused."""
+        if self.limiter.allow(src):
+            return True
+        self.stats["rate_limited"] += 1
+        sb = self.net.client(src)
+        if sb is not None:
+            sb.dns["rate_limited"] += 1
+        return False
 
     async def answer(self, data: bytes, src: str, tcp: bool) -> bytes | None:
         """The reply to one query from `src` (None: no reply)."""
@@ -377,6 +429,8 @@ class _UdpProtocol(asyncio.DatagramProtocol):
         self.transport = transport
 
     def datagram_received(self, data: bytes, addr) -> None:
+        if not self.r.admit(addr[0]):
+            return                       # as a lost datagram: the client retries later
         if self.r._inflight >= MAX_INFLIGHT or self.r._inflight_by_src[addr[0]] >= MAX_INFLIGHT_PER_CLIENT:
             self.r.stats["dropped_busy"] += 1
             return

@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 MODES = ("default", "none")
 # The resolver's per-sandbox counters (dsecd/net/dns.py), shown by `net show`.
 DNS_COUNTERS = ("queries", "answered", "refused", "learned", "expired", "hostile_dropped", "capped",
-                "learned_full", "upstream_failed")
+                "learned_full", "upstream_failed", "rate_limited")
 INLINE_MAX_RULES = 64          # update_now(): larger policies go to a worker thread
 REFUSED_NAMES = 8              # the names the resolver refused a sandbox last, shown by `net show`
 

@@ -9,6 +9,7 @@ leaves the namespaces the test made.
 import time
 
 import pytest
+from attack_kit import PROBE_IN_SANDBOX, install_probe
 from dns_kit import Dnsmasq, addresses, dns_config, nslookup
 from test_net_daemon import _toml_net, connect
 from test_net_kit import bpf_skip_reason
@@ -105,6 +106,32 @@ def test_learned_addresses_stop_at_max_rules_per_sandbox(world, upstream, daemon
     assert len(view["learned"]) == 4 and view["dns"]["learned_full"] >= 1, view
     shown = d.cli("net", "show", sb.id).stdout.decode()
     assert "answers over the learned cap (net.max_rules_per_sandbox)" in shown, shown
+    c.close()
+
+
+def test_a_sandbox_flooding_the_resolver_is_held_to_its_rate(world, upstream, daemon_factory, busybox_rootfs,
+                                                             probe_binary):
+    """Past net.dns_rate_per_s (twice that at once) a sandbox's datagrams to
+    the resolver go unanswered, before they are parsed, counted and said by
+    `net show`; another sandbox's queries are answered meanwhile."""
+    cfg = dict(world.cfg, ipv4_pool=f"10.{world.octet}.6.0/24", rule_sets={}, dns_upstreams=[upstream.address])
+    extra = dns_config(upstream) + "dns_rate_per_s = 5\n"
+    d = daemon_factory(_toml_net(cfg).replace("[net.rule_sets]", extra + "[net.rule_sets]"))
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    flood = c.create(image="busybox", net="default", allow=["pypi"])
+    calm = c.create(image="busybox", net="default", allow=["pypi"])
+    install_probe(flood, probe_binary)
+    gw = f"10.{world.octet}.0.1"
+    r = flood.exec(["sh", "-c", f"i=0; while [ $i -lt 100 ]; do {PROBE_IN_SANDBOX} udp {gw} 53 >/dev/null; "
+                                "i=$((i+1)); done"], timeout=60)
+    assert r.exit_code == 0, r
+    dns = flood.net_show()["dns"]
+    assert dns["rate_limited"] >= 50, dns
+    assert addresses(nslookup(calm, "pypi.org")[1]), calm.net_show()["dns"]
+    assert calm.net_show()["dns"]["rate_limited"] == 0
+    shown = d.cli("net", "show", flood.id).stdout.decode()
+    assert "over net.dns_rate_per_s went unanswered" in shown, shown
     c.close()
 
 

@@ -9,10 +9,11 @@ import types
 from dsecd.net import dns as D
 
 
-def _resolver() -> D.Resolver:
+def _resolver(rate: float = 0) -> D.Resolver:
+    """A resolver with no sandbox; rate: net.dns_rate_per_s (0, no limit: the slot tests)."""
     net = types.SimpleNamespace(ipam=types.SimpleNamespace(gateway4="10.88.0.1"),
                                 plumbing=types.SimpleNamespace(ns_path=""), client=lambda src: None)
-    return D.Resolver(net, {"dns_upstreams": ["192.0.2.53"]}, run_blocking=None)
+    return D.Resolver(net, {"dns_upstreams": ["192.0.2.53"], "dns_rate_per_s": rate}, run_blocking=None)
 
 
 class _Writer:
@@ -89,6 +90,27 @@ def test_one_sandbox_cannot_take_every_udp_query_slot_of_the_resolver():
         release.set()
         await asyncio.sleep(0.01)
         assert answered.count("10.88.3.6") == 1 and r._inflight == 0 and not r._inflight_by_src
+
+    asyncio.run(run())
+
+
+def test_a_source_over_its_rate_is_dropped_before_its_query_is_read():
+    async def run():
+        r = _resolver(rate=2)
+        seen = []
+
+        async def answer(data, src, tcp):
+            seen.append(src)
+            return None
+
+        r.answer = answer
+        proto = D._UdpProtocol(r)
+        for _ in range(10):
+            proto.datagram_received(b"q", ("10.88.3.5", 5353))
+        proto.datagram_received(b"q", ("10.88.3.6", 5353))
+        await asyncio.sleep(0.01)
+        assert seen.count("10.88.3.5") == 4 and seen.count("10.88.3.6") == 1     # a burst of twice the rate
+        assert r.stats["rate_limited"] == 6
 
     asyncio.run(run())
 
