@@ -38,6 +38,9 @@ actor maps that to the id on its own connection and holds them until the stream 
 may start the two actor calls in either order). A driver that leaves a
 stream early (break, cancel) cancels the generator (ray.cancel), and the
 actor's client tells the daemon to cancel the request (an exec is killed).
+A request the driver cancels (a task cancelled, a timeout) cancels its
+actor call the same way; a create's sandbox the daemon made before the
+cancel landed is then destroyed by the actor's client, as a local one does.
 
 A host is a daemon socket on a machine, named ray://<node address><socket>.
 The fleet reads the cluster's nodes when it is made and again every
@@ -369,7 +372,17 @@ class ActorClient(Client):
 
     async def _call(self, method: str, op: str, args: dict) -> dict:
         actor = self._actor_or_lost(op)
-        answer = await self._until_aborted(_await(getattr(actor, method).remote(op, _plain(args))), op)
+        ref = getattr(actor, method).remote(op, _plain(args))
+        try:
+            answer = await self._until_aborted(_await(ref), op)
+        except asyncio.CancelledError:
+            # The caller gave up (a cancel, a timeout): the actor's call is
+            # cancelled too, so that its Client does what a local one does:
+            # the daemon cancels the request (an exec is killed), and a
+            # sandbox a create made before that is destroyed.
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)
+            raise
         if "lost" in answer:
             # The actor lives but its daemon connection dropped: the host is down as far as the fleet goes.
             raise self._lost_now(f"the daemon's socket on node {self.node_id}: {answer['lost']}", op, sent=True)

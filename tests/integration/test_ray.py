@@ -20,6 +20,7 @@ RAY_TMPDIR, so another Ray on this machine is neither seen nor touched.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import shutil
@@ -314,5 +315,57 @@ def test_ray_fleet_host_of_a_restarted_raylet_rejoins(cluster):
             assert (await sb.exec(["echo", "back"])).stdout == b"back\n"
             await events.aclose()
             await fleet.job_rm("rn", force=True)
+
+    asyncio.run(go())
+
+
+def test_ray_fleet_caller_cancels_undo_at_the_daemon(cluster):
+    """A create or an exec the driver cancels (a task cancelled, a timeout)
+    is cancelled at the daemon too, as on a local Client: a create leaves no
+    sandbox (one the daemon made before the cancel landed is destroyed), and
+    an exec's process is killed."""
+    import dsecd.ray
+
+    def live(daemon) -> list[str]:
+        with daemon.client() as c:
+            return [r["id"] for r in c.list() if r["state"] != "dead"]
+
+    async def go():
+        async with dsecd.ray.RayFleet(sockets=cluster["sockets"], socket=cluster["unused_socket"]) as fleet:
+            kept = []
+            for delay in (0.0, 0.005, 0.01, 0.02, 0.05):
+                task = asyncio.ensure_future(fleet.create(image="busybox", labels={"job": "cx"}, **SMALL))
+                await asyncio.sleep(delay)
+                task.cancel()
+                try:
+                    kept.append((await task).id)        # it was done before the cancel: the caller holds it
+                except asyncio.CancelledError:
+                    pass
+            daemons = cluster["daemons"][:2]
+            for _ in range(150):
+                left = sorted(sb for d in daemons for sb in live(d))
+                if left == sorted(kept):
+                    break
+                await asyncio.sleep(0.1)
+            assert left == sorted(kept), (left, kept)
+
+            sb = await fleet.create(image="busybox", **SMALL)
+            task = asyncio.ensure_future(sb.exec(["sh", "-c", "exec sleep 1000"]))
+            for _ in range(100):
+                if b"sleep 1000" in (await sb.exec(["ps", "-o", "args"])).stdout:
+                    break
+                await asyncio.sleep(0.1)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            for _ in range(100):
+                ps = await sb.exec(["ps", "-o", "args"])
+                if b"sleep 1000" not in ps.stdout:
+                    break
+                await asyncio.sleep(0.1)
+            assert b"sleep 1000" not in ps.stdout, ps.stdout
+            if kept:
+                await fleet.job_rm("cx", force=True)
+            await sb.destroy(force=True)
 
     asyncio.run(go())
