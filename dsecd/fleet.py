@@ -83,7 +83,7 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from . import remote
@@ -376,16 +376,11 @@ class Fleet:
         for q in self._subscribers:
             q.put_nowait(ev)
 
-    async def events(self) -> AsyncIterator[dict]:
+    def events(self) -> FleetEvents:
         """The fleet's events (host_down, sandbox_lost, host_up, sandbox_back,
-        duplicate_removed, host_added) from now until the loop stops or the fleet closes."""
-        q: asyncio.Queue = asyncio.Queue()
-        self._subscribers.append(q)
-        try:
-            while (ev := await q.get()) is not None:
-                yield ev
-        finally:
-            self._subscribers.remove(q)
+        duplicate_removed, host_added) from this call on, until aclose(), the
+        loop stops or the fleet closes."""
+        return FleetEvents(self._subscribers)
 
     # ---------------------------------------------------------------- health
 
@@ -776,6 +771,41 @@ class Fleet:
         target = self._where.pop(sandbox_id, None)
         if target is not None:
             self.hosts[target].forget(sandbox_id)
+
+
+class FleetEvents:
+    """Fleet.events(): an async iterator subscribed when made, so that an
+    event between the call and the first next() is kept, not missed (an
+    async generator would subscribe only once first iterated)."""
+
+    def __init__(self, subscribers: list[asyncio.Queue]):
+        self._subscribers = subscribers
+        self._queue: asyncio.Queue | None = asyncio.Queue()
+        subscribers.append(self._queue)
+
+    def __aiter__(self) -> FleetEvents:
+        return self
+
+    async def __anext__(self) -> dict:
+        if self._queue is None:
+            raise StopAsyncIteration
+        ev = await self._queue.get()
+        if ev is None:                      # the fleet closed
+            self._unsubscribe()
+            raise StopAsyncIteration
+        return ev
+
+    async def aclose(self) -> None:
+        self._unsubscribe()
+
+    def _unsubscribe(self) -> None:
+        q, self._queue = self._queue, None
+        if q is not None:
+            with contextlib.suppress(ValueError):
+                self._subscribers.remove(q)
+
+    def __del__(self) -> None:
+        self._unsubscribe()                 # dropped unclosed: its queue must not grow on
 
 
 class FleetSandbox(Sandbox):

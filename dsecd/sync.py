@@ -372,9 +372,10 @@ class _Call:
 
 
 class _Subscribed:
-    """An async iterator already waiting for its first item: Fleet.events()
-    subscribes when first iterated, and the events a SyncFleet's events()
-    gives start when it is called, not at the first next()."""
+    """An async iterator already waiting for its first item on the loop, so
+    that the events a SyncFleet's events() gives start when it is called,
+    not at the first next() (Fleet.events() is subscribed when called, and
+    any async iterator handed here is made to be)."""
 
     def __init__(self, agen):
         self._agen = agen

@@ -425,3 +425,23 @@ def test_sync_fleet_has_the_fleets_events_hosts_and_each_host():
         assert found == {"h1": {"mounted_layers": {}}, "h2": {"mounted_layers": {}}}
         f.events().close()                                   # closed before any next(): unsubscribed too
         assert f._fleet._subscribers == []
+
+
+def test_fleet_events_hold_what_came_after_the_call():
+    """events() is subscribed when called: an event between the call and
+    the first next() is not missed; closed, it is unsubscribed."""
+    async def go():
+        f = fleet_of(1)
+        host = next(iter(f.hosts.values()))
+        events = f.events()
+        f._emit("host_down", host, reason="test", sandboxes=[])
+        ev = await asyncio.wait_for(anext(events), 1.0)
+        assert (ev["event"], ev["host"]) == ("host_down", host.target)
+        await events.aclose()
+        unused = f.events()
+        await unused.aclose()                        # closed before any next(): unsubscribed too
+        assert f._subscribers == []
+        async for _ in events:                      # a closed one gives nothing more
+            raise AssertionError("an event after aclose")
+
+    run(go())
