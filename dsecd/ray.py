@@ -175,7 +175,16 @@ class DaemonActor:
         except DsecError as err:
             return {"error": err.to_wire()}
         except (ConnectionError, OSError) as err:
-            return {"lost": str(err)}
+            return {"lost": self._why_lost(err)}
+
+    def _why_lost(self, err: BaseException) -> str:
+        """What ended the daemon's connection here: its cause, without this
+        Client's advice (which is not the driver's: the fleet reconnects, and
+        the driver's ActorClient says so with what the request may have done)."""
+        conn = self.client._conn
+        if isinstance(err, ConnectionLost) and conn is not None and conn.lost is not None:
+            return f"connection lost: {conn.lost}"
+        return str(err)
 
     async def stream(self, rid: int, op: str, args: dict):
         """A streamed op (a Ray streaming generator): its frames in batches,
@@ -210,7 +219,7 @@ class DaemonActor:
         except DsecError as err:
             await queue.put({"__error__": err.to_wire()})
         except (ConnectionError, OSError) as err:
-            await queue.put({"__lost__": str(err)})
+            await queue.put({"__lost__": self._why_lost(err)})
 
 
 def host_target(address: str, socket: str) -> str:
@@ -341,12 +350,15 @@ class ActorClient(Client):
         text = f"{op} on {self.target}: {why}"
         if sent:
             text += "; the request may have been carried out (a create with an idempotency key can be sent again safely)"
-        return ConnectionLost(text, target=self.target, op=op, sent=sent)
+        return ConnectionLost(f"{text}; {self._advice()}", target=self.target, op=op, sent=sent)
+
+    def _advice(self) -> str:
+        return self.lost_advice or "call connect() again to go on"
 
     def _actor_or_lost(self, op: str):
         if self._actor is None or self._lost is not None:
-            raise ConnectionLost(f"{op} on {self.target}: not connected ({self._lost or 'no actor'})",
-                                 target=self.target, op=op, sent=False)
+            raise ConnectionLost(f"{op} on {self.target}: not connected ({self._lost or 'no actor'}); "
+                                 f"{self._advice()}", target=self.target, op=op, sent=False)
         return self._actor
 
     async def _until_aborted(self, awaitable, op: str):

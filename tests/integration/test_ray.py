@@ -369,3 +369,46 @@ def test_ray_fleet_caller_cancels_undo_at_the_daemon(cluster):
             await sb.destroy(force=True)
 
     asyncio.run(go())
+
+
+def test_ray_fleet_host_whose_daemon_is_killed_says_so_and_rejoins(cluster):
+    """A host's daemon killed (SIGKILL) under an exec: the exec fails with
+    ConnectionLost saying what happened there and what to do (the fleet
+    reconnects; it says so once, and not the actor's own client's advice),
+    the host goes down with its sandbox lost, and once the daemon is
+    started again the host rejoins with the sandbox, which runs execs."""
+    import dsecd.ray
+
+    async def go():
+        victim = cluster["daemons"][0]
+        fleet = dsecd.ray.RayFleet(sockets=cluster["sockets"], socket=cluster["unused_socket"], heartbeat_s=0.5,
+                                   rejoin_s=0.5)
+        async with fleet:
+            host = next(h for h in fleet.hosts.values() if h.target.endswith(victim.socket))
+            sb = await fleet.create(image="busybox", labels={"job": "dk"}, **SMALL)
+            while sb.host != host.target:
+                sb = await fleet.create(image="busybox", labels={"job": "dk"}, **SMALL)
+            events = fleet.events()
+            running = asyncio.ensure_future(sb.exec(["sleep", "60"]))
+            await asyncio.sleep(0.5)
+            victim.proc.kill()
+            victim.proc.wait()
+            with pytest.raises(dsecd.ConnectionLost) as lost:
+                await running
+            text = str(lost.value)
+            assert text.startswith(f"exec on {host.target}: ") and "the daemon closed it" in text, text
+            assert text.count("may have been carried out") == 1, text
+            assert "next request connects again" not in text and "the fleet connects to" in text, text
+            down = await next_event(events, "host_down", DOWN_BOUND_S)
+            assert down["host"] == host.target and sb.id in down["sandboxes"], down
+            with pytest.raises(dsecd.ConnectionLost) as refused:
+                await sb.exec("true")
+            assert "the fleet connects to" in str(refused.value), refused.value
+            victim.start()
+            up = await next_event(events, "host_up", 60.0)
+            assert up["host"] == host.target and sb.id in up["back"], up
+            assert (await sb.exec(["echo", "back"])).stdout == b"back\n"
+            await events.aclose()
+            await fleet.job_rm("dk", force=True)
+
+    asyncio.run(go())
