@@ -1957,6 +1957,9 @@ Runs a dsec command across the hosts' daemons, reached over ssh:
   events                 every host's, merged (each line names its host)
   any command naming sandboxes (exec, cp, ls, cat, logs, pause, rm SB, ...)
                          goes to the host holding them
+A host that is down or fails to answer is named on stderr, and a command
+that lacks its part (ps, top, image ls, pool ls, the ones on every host)
+exits 1, --json too, with what the other hosts gave.
 """
 
 

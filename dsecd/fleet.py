@@ -661,13 +661,16 @@ class Fleet:
     def _down(self) -> dict[str, str]:
         return {h.target: h.reason for h in self.hosts.values() if not h.up}
 
-    async def list(self, labels: dict | None = None) -> list[dict]:
+    async def list(self, labels: dict | None = None, errors: dict[str, BaseException] | None = None) -> list[dict]:
         """Every up host's sandboxes, each with `host`. Hosts that failed to
-        answer are skipped (see `status()`)."""
+        answer are skipped: `errors`, if given, gets host -> what it raised
+        (the hosts that are down: `status()`)."""
         found = await self._each(lambda h: h.client.list(labels))
         out = []
         for target, rows in found.items():
             if isinstance(rows, BaseException):
+                if errors is not None:
+                    errors[target] = rows
                 continue
             if not labels:
                 self.hosts[target].resync(rows)
@@ -747,8 +750,11 @@ class Fleet:
                 self._forget(sb)
         return out
 
-    async def list_images(self) -> list[dict]:
+    async def list_images(self, errors: dict[str, BaseException] | None = None) -> list[dict]:
+        """Every up host's images, each with `host`; `errors` as for list()."""
         found = await self._each(lambda h: h.client.list_images())
+        if errors is not None:
+            errors.update({t: r for t, r in found.items() if isinstance(r, BaseException)})
         return [{**img, "host": t} for t, imgs in found.items() if not isinstance(imgs, BaseException)
                 for img in imgs]
 

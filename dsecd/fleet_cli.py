@@ -98,11 +98,23 @@ def _host_col(target: str) -> str:
     return short_name(target)
 
 
+def _incomplete(fleet: Fleet, what: str, errors: dict) -> int:
+    """The status of a command that merges every host's answer: 1 when some
+    host's part is missing, a host down (said when the command started) or
+    one that failed to answer (said here), so that a script, --json too,
+    can tell an empty answer from a partial one."""
+    for target, err in errors.items():
+        print(f"dsec fleet {what}: {_host_col(target)}: {err}", file=sys.stderr)
+    return 1 if errors or not all(h.up for h in fleet.hosts.values()) else 0
+
+
 async def fleet_ps(fleet: Fleet, a) -> int:
-    rows = await fleet.list(kv(a.label, "--label"))
+    errors: dict = {}
+    rows = await fleet.list(kv(a.label, "--label"), errors)
+    status = _incomplete(fleet, "ps", errors)
     if a.json:
         print_json(rows)
-        return 0
+        return status
     out = []
     for s in sorted(rows, key=lambda s: (s["host"], s["created"])):
         lim = s["limits"]
@@ -112,14 +124,15 @@ async def fleet_ps(fleet: Fleet, a) -> int:
                     # One shell word per label, as `dsec ps` prints them.
                     " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(s["labels"].items()))])
     table(out, ["HOST", "ID", "IMAGE", "STATE", "CPU", "MEMORY", "EXECS", "PROCS", "CREATED", "LABELS"])
-    return 0
+    return status
 
 
 async def fleet_top(fleet: Fleet, a) -> int:
     top = await fleet.top(kv(a.label, "--label"))
+    status = _incomplete(fleet, "top", top["errors"])
     if a.json:
         print_json(top)
-        return 0
+        return status
     table([[_host_col(t), str(h.get("cpus", "-")), pct(h.get("cpu_pct")),
             " ".join(map(str, h.get("loadavg", []))) or "-",
             f"{human_bytes(h['mem_total'] - h['mem_available'])}/{human_bytes(h['mem_total'])}"
@@ -131,7 +144,7 @@ async def fleet_top(fleet: Fleet, a) -> int:
              human_bytes(s["memory_limit"])]
             for s in sorted(top["sandboxes"], key=lambda s: -(s["cpu_pct"] or 0))]
     table(rows, ["HOST", "ID", "QOS", "STATE", "CPU", "CPU%", "THROTTLED", "MEM", "MEM LIMIT"])
-    return 0
+    return status
 
 
 async def fleet_info(fleet: Fleet, a) -> int:
@@ -255,11 +268,14 @@ class _ThroughFleet:
 
 
 async def _on_every_host(fleet: Fleet, a, what: str, fn) -> int:
-    """fn(client) on every up host; one line (or JSON object) per host."""
+    """fn(client) on every up host; one line (or JSON object) per host. A
+    host that is down did not run it: its error in the JSON, status 1."""
     found = await fleet.each_host(fn)
-    status = 0
+    status = 1 if not all(h.up for h in fleet.hosts.values()) else 0
     if a.json:
-        print_json({t: {"error": str(r)} if isinstance(r, BaseException) else r for t, r in found.items()})
+        down = {h.target: {"error": f"down: {h.reason}"} for h in fleet.hosts.values() if not h.up}
+        print_json({**down, **{t: {"error": str(r)} if isinstance(r, BaseException) else r
+                               for t, r in found.items()}})
     for target, r in found.items():
         if isinstance(r, BaseException):
             print(f"dsec fleet {what}: {_host_col(target)}: {r}", file=sys.stderr)
@@ -284,14 +300,16 @@ def _summary(r) -> str:
 
 async def fleet_image(fleet: Fleet, a) -> int:
     if a.image_cmd == "ls":
-        images = await fleet.list_images()
+        errors: dict = {}
+        images = await fleet.list_images(errors)
+        status = _incomplete(fleet, "image ls", errors)
         if a.json:
             print_json(images)
         else:
             table([[_host_col(i["host"]), i["name"], str(len(i["layers"])), human_bytes(i["bytes"]),
                     i["manifest"][7:19]] for i in sorted(images, key=lambda i: (i["name"], i["host"]))],
                   ["HOST", "NAME", "LAYERS", "SIZE", "MANIFEST"])
-        return 0
+        return status
     if a.image_cmd in ("build", "import"):
         if not a.path.startswith("/"):
             raise UsageError(f"dsec fleet image {a.image_cmd}: give an absolute path: each host reads "
@@ -315,12 +333,13 @@ async def fleet_pool(fleet: Fleet, a) -> int:
                                     lambda c: c.pool_set(a.image, a.min, a.max, cpu=a.cpu, memory=a.memory))
     found = await fleet.each_host(lambda c: c.pool_list())
     pools = [{**p, "host": t} for t, ps in found.items() if not isinstance(ps, BaseException) for p in ps]
+    status = _incomplete(fleet, "pool ls", {t: r for t, r in found.items() if isinstance(r, BaseException)})
     if a.json:
         print_json(pools)
-        return 0
+        return status
     table([[_host_col(p["host"]), p["name"], str(p["min"]), str(p["max"]), str(p["ready"]), str(p["taken"]),
             p["error"] or ""] for p in pools], ["HOST", "POOL", "MIN", "MAX", "READY", "TAKEN", "ERROR"])
-    return 0
+    return status
 
 
 FLEET_COMMANDS = {"ps": fleet_ps, "top": fleet_top, "info": fleet_info, "create": fleet_create,

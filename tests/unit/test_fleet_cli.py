@@ -87,3 +87,69 @@ def test_every_host_down_is_unreachable_with_each_hosts_reason_in_the_json(tmp_p
     assert set(error["detail"]["down"]) == set(hosts)
     assert all("is the daemon running?" in why for why in error["detail"]["down"].values())
     assert "h1.sock: cannot connect" in error["message"] and "h2.sock: cannot connect" in error["message"]
+
+
+class ListingClient:
+    """A host that lists one sandbox, one image, one pool, and builds; or fails every request."""
+
+    def __init__(self, target: str, fails: bool = False):
+        self.target = target
+        self.fails = fails
+
+    async def _answer(self, value):
+        if self.fails:
+            raise ConnectionError("timed out")
+        return value
+
+    async def list(self, labels=None):
+        return await self._answer([{"id": f"sb-{self.target}", "state": "running", "labels": {}}])
+
+    async def list_images(self):
+        return await self._answer([{"name": "busybox"}])
+
+    async def pool_list(self):
+        return await self._answer([])
+
+    async def build_image(self, *args, **config):
+        return await self._answer({"name": "img", "layers": [], "bytes": 0})
+
+
+def fleet_of_three():
+    """h1 answers, h2 is up but fails to answer, h3 is down."""
+    from dsecd import Fleet
+
+    f = Fleet(["/nonexistent/h1", "/nonexistent/h2", "/nonexistent/h3"])
+    for name, host in zip(("h1", "h2", "h3"), f.hosts.values(), strict=True):
+        host.client = ListingClient(host.target, fails=name == "h2")
+        host.up = name != "h3"
+        host.reason = "heartbeat failed"
+    return f
+
+
+@pytest.mark.parametrize("words", [["ps"], ["image", "ls"], ["pool", "ls"], ["top"]])
+def test_a_merged_listing_missing_a_host_fails_the_status(words, capsys):
+    """ps, image ls, pool ls, top: a host down or failing to answer means a
+    partial answer, --json too: status 1, and the failing host said on stderr."""
+    a = cli.parse_args(["fleet", "--hosts", "x", "--json", *words])
+    fleet = fleet_of_three()
+    if words == ["top"]:
+        async def top(labels=None):
+            return {"hosts": {}, "sandboxes": [], "down": {}, "errors": {"/nonexistent/h2": "timed out"}}
+        fleet.top = top
+    status = asyncio.run(fleet_cli.FLEET_COMMANDS[words[0]](fleet, a))
+    out = capsys.readouterr()
+    assert status == 1
+    assert "h2: timed out" in out.err, out.err
+    json.loads(out.out)
+    if words == ["ps"]:
+        assert [r["host"] for r in json.loads(out.out)] == ["/nonexistent/h1"]
+
+
+def test_a_command_on_every_host_names_the_hosts_down_in_its_json(capsys):
+    a = cli.parse_args(["fleet", "--hosts", "x", "--json", "image", "build", "/src", "--name", "img"])
+    status = asyncio.run(fleet_cli.fleet_image(fleet_of_three(), a))
+    found = json.loads(capsys.readouterr().out)
+    assert status == 1
+    assert found["/nonexistent/h1"]["name"] == "img"
+    assert found["/nonexistent/h2"] == {"error": "timed out"}
+    assert found["/nonexistent/h3"] == {"error": "down: heartbeat failed"}
