@@ -29,7 +29,7 @@ from .clitext import (
     print_json,
     table,
 )
-from .errors import DsecError, HostsDown
+from .errors import ConnectionLost, DsecError, HostsDown, NotFound
 from .fleet import Fleet, FleetHost, short_name
 from .remote import SshOptions
 
@@ -207,23 +207,43 @@ async def fleet_rm_all(fleet: Fleet, a) -> int:
 
 
 async def fleet_events(fleet: Fleet, a) -> int:
-    """Every up host's events, merged as they come; each names its host."""
+    """Every up host's events, merged as they come; each names its host. A
+    host whose stream fails (its daemon or connection gone) is said, on
+    stderr and with --json as one more line, its error naming the host;
+    the others' go on, and the status is 1. With a sandbox named, the
+    hosts that do not hold it answer not_found: that is said only when
+    every host does."""
     queue: asyncio.Queue = asyncio.Queue()
+    named = a.sandbox or getattr(a, "sandbox_id", None)
+    missing: list[NotFound] = []
 
     async def pump(host: FleetHost) -> None:
         try:
             async for ev in host.client.events(a.sandbox, a.replay, a.follow):
                 queue.put_nowait({**ev, "host": host.target})
+        except (DsecError, ConnectionError) as err:
+            queue.put_nowait((host.target, err))
         finally:
             queue.put_nowait(None)
 
     tasks = [asyncio.get_running_loop().create_task(pump(h)) for h in fleet.up_hosts()]
     left = len(tasks)
+    status = 0
     try:
         while left:
             ev = await queue.get()
             if ev is None:
                 left -= 1
+                continue
+            if isinstance(ev, tuple):              # (host, the error its stream ended on)
+                target, err = ev
+                if named and isinstance(err, NotFound):
+                    missing.append(err)             # not there: another host holds it
+                    continue
+                status = 1
+                if a.json:
+                    print(json.dumps({"error": _error_wire(err), "host": target}, sort_keys=True), flush=True)
+                print(f"dsec fleet events: {_host_col(target)}: {err}", file=sys.stderr)
                 continue
             if a.json:
                 print(json.dumps(ev, sort_keys=True), flush=True)
@@ -235,7 +255,17 @@ async def fleet_events(fleet: Fleet, a) -> int:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return 0
+    if missing and len(missing) == len(tasks):
+        raise missing[0]                            # no host holds it
+    return status
+
+
+def _error_wire(err: DsecError | ConnectionError) -> dict:
+    """An error as dsec's --json prints it: the daemon's, or `unreachable`."""
+    if isinstance(err, DsecError):
+        return err.to_wire()
+    detail = {"target": err.target, "op": err.op, "sent": err.sent} if isinstance(err, ConnectionLost) else {}
+    return {"code": "unreachable", "message": str(err), "detail": detail}
 
 
 class _ThroughFleet:

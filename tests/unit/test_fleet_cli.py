@@ -153,3 +153,64 @@ def test_a_command_on_every_host_names_the_hosts_down_in_its_json(capsys):
     assert found["/nonexistent/h1"]["name"] == "img"
     assert found["/nonexistent/h2"] == {"error": "timed out"}
     assert found["/nonexistent/h3"] == {"error": "down: heartbeat failed"}
+
+
+class EventsClient:
+    """A host whose events stream gives one event, then fails (or ends)."""
+
+    def __init__(self, target: str, fails: BaseException | None):
+        self.target = target
+        self.fails = fails
+
+    async def events(self, sandbox=None, replay=False, follow=True):
+        yield {"seq": 1, "time": 0.0, "event": "created", "sandbox": f"sb-{self.target[-2:]}"}
+        if self.fails is not None:
+            raise self.fails
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_fleet_events_says_a_host_whose_stream_failed(as_json, capsys):
+    """h1's stream is cut (its daemon went): the status is 1 and the error
+    names h1, on stderr and, with --json, as one more line; h2's events
+    are all there."""
+    from dsecd import ConnectionLost
+
+    hosts = [SimpleNamespace(target="ssh://h1", client=None), SimpleNamespace(target="ssh://h2", client=None)]
+    hosts[0].client = EventsClient("ssh://h1", ConnectionLost("events on ssh://h1: connection lost: gone",
+                                                             target="ssh://h1", op="events", sent=True))
+    hosts[1].client = EventsClient("ssh://h2", None)
+    fleet = SimpleNamespace(up_hosts=lambda: hosts)
+    a = argparse.Namespace(sandbox=None, replay=False, follow=True, json=as_json)
+    status = asyncio.run(fleet_cli.fleet_events(fleet, a))
+    out = capsys.readouterr()
+    assert status == 1
+    assert "dsec fleet events: h1: events on ssh://h1: connection lost: gone" in out.err, out.err
+    if as_json:
+        lines = [json.loads(line) for line in out.out.splitlines()]
+        errors = [line for line in lines if "error" in line]
+        assert errors == [{"error": {"code": "unreachable", "message": "events on ssh://h1: connection lost: gone",
+                                     "detail": {"target": "ssh://h1", "op": "events", "sent": True}},
+                           "host": "ssh://h1"}]
+        assert sorted(line["sandbox"] for line in lines if "event" in line) == ["sb-h1", "sb-h2"]
+
+
+def test_fleet_events_of_one_sandbox_come_from_its_host_quietly(capsys):
+    """`dsec fleet events SB`: the hosts without SB answer not_found, which
+    is no failure while one host holds it; when none does, it is the error."""
+    hosts = [SimpleNamespace(target="ssh://h1", client=EventsClient("ssh://h1", None)),
+             SimpleNamespace(target="ssh://h2", client=None)]
+
+    class NotHere:
+        async def events(self, sandbox=None, replay=False, follow=True):
+            raise NotFound(f"no sandbox {sandbox!r}")
+            yield
+
+    hosts[1].client = NotHere()
+    fleet = SimpleNamespace(up_hosts=lambda: hosts)
+    a = argparse.Namespace(sandbox="sb-h1", sandbox_id=None, replay=True, follow=False, json=True)
+    assert asyncio.run(fleet_cli.fleet_events(fleet, a)) == 0
+    out = capsys.readouterr()
+    assert [json.loads(line)["sandbox"] for line in out.out.splitlines()] == ["sb-h1"] and out.err == ""
+    hosts[0].client = NotHere()
+    with pytest.raises(NotFound):
+        asyncio.run(fleet_cli.fleet_events(fleet, a))
