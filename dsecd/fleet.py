@@ -48,7 +48,8 @@ retry may succeed); if every host refused for good, with that error
 instead: `not_found` (no host has the image) or `bad_request` (no host is
 large enough; a host whose `info` says so is not even asked). A key
 remembers its host: a create sent again with it goes back there and gets
-the same sandbox.
+the same sandbox. Keys made before the fleet (a driver restarted) are
+learned from each host's sandboxes when it joins.
 
 Failure. Every host is pinged each `heartbeat_s`; a host whose connection
 drops, or from which nothing (no answer, no frame) came for `down_after_s`,
@@ -412,6 +413,13 @@ class Fleet:
             raise
         for sb_id in host.sandboxes:
             self._where[sb_id] = host.target
+        for row in rows:
+            if row.get("key") and not row.get("_removed"):
+                # A key made before this fleet (by a driver since restarted, or
+                # another client): a create sent again with it goes back here,
+                # where the daemon answers with its sandbox, not to a host that
+                # would make a second one.
+                self._key_home.setdefault(row["key"], host.target)
         back = sorted(host.reported_lost & set(host.sandboxes))
         gone = sorted(host.reported_lost - set(host.sandboxes))
         host.reported_lost = set()

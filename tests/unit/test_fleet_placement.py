@@ -445,3 +445,40 @@ def test_fleet_events_hold_what_came_after_the_call():
             raise AssertionError("an event after aclose")
 
     run(go())
+
+
+class KeyedHostClient(JoinableClient):
+    """A host already holding sandboxes made with idempotency keys (by an
+    earlier fleet); a create with a key it holds is answered with that sandbox."""
+
+    held: dict[str, dict[str, str]] = {}             # target -> key -> sandbox id
+
+    def __init__(self, target: str):
+        super().__init__(target)
+        self.creates: list[str] = []
+
+    async def list(self, labels=None):
+        return [{"id": sb, "key": key, "state": "running", "labels": {"job": "j"}}
+                for key, sb in self.held.get(self.target, {}).items()]
+
+    async def create(self, image, key=None, labels=None, **kw):
+        self.creates.append(key)
+        sb = self.held.setdefault(self.target, {}).setdefault(key, f"sb-{key}-{self.target}")
+        return Sandbox(self, sb, {"id": sb, "key": key, "labels": labels or {}})
+
+
+def test_a_key_made_before_the_fleet_goes_back_to_its_host():
+    """A driver restarted sends its creates again with their keys: each
+    goes to the host already holding the key's sandbox (learned when the
+    host joined), not, by placement, to another host as a second one."""
+    KeyedHostClient.held = {"h2": {"k1": "sb-old", "k2": "sb-old2"}}
+
+    async def go():
+        async with Fleet(["h1", "h2"], client_factory=KeyedHostClient, heartbeat_s=0.05) as f:
+            # h2 holds two of job j, h1 none: placement alone would pick h1.
+            got = [await f.create("busybox", key=k, labels={"job": "j"}, cpu=0.1, memory="1M") for k in ("k1", "k2")]
+            return [(sb.host, sb.id) for sb in got], f.hosts["h1"].client.creates
+
+    got, h1_creates = run(go())
+    assert got == [("h2", "sb-old"), ("h2", "sb-old2")]
+    assert h1_creates == []
