@@ -2037,6 +2037,13 @@ def _parse_fleet_args(argv: list[str], at: int) -> argparse.Namespace:
     if a.host:
         build_fleet_parser().error("--host names one host; a fleet's are in --hosts")
     a.fleet = [h.strip() for h in f.hosts.split(",") if h.strip()]
+    if not a.fleet:
+        build_fleet_parser().error(f"--hosts {f.hosts!r} names no host: give H1,H2,...")
+    seen: set[str] = set()
+    for host in a.fleet:
+        if fleet_target(host) in seen:
+            build_fleet_parser().error(f"--hosts: {host} is given twice (a bare name is ssh://name)")
+        seen.add(fleet_target(host))
     a.json = a.json or getattr(f, "json", False)
     return a
 

@@ -377,3 +377,12 @@ def test_a_background_process_status_as_the_shell_gives_it(capsys, exit_code, si
                     output_bytes=0, dropped=0, stdin_open=False)
     assert cli._exit_of(st) == status
     assert ("does not know" in capsys.readouterr().err) == (status == 125)
+
+
+@pytest.mark.parametrize("hosts, said", [("h1,h1", "h1 is given twice"), ("h1,ssh://h1", "ssh://h1 is given twice"),
+                                         (" , ", "names no host")])
+def test_fleet_hosts_given_twice_or_none_are_a_usage_error_of_dsec_fleet(hosts, said, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["fleet", "--hosts", hosts, "ps"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "dsec fleet: error:" in err and said in err, err
