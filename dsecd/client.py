@@ -63,6 +63,8 @@ RUN_LEASE_S = 60.0
 # caller's cancel waits for the daemon's answer and, if the sandbox was made
 # all the same, for its destroy (one or two round trips, normally).
 ABANDONED_CREATE_WAIT_S = 10.0
+# How soon Client.hold renews again after a renew found the connection gone.
+HOLD_RETRY_S = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -897,15 +899,31 @@ class Client:
 
     def hold(self, sandbox_ids: list[str], lease: float | None, every: float | None = None) -> asyncio.Task:
         """Renew the leases of these sandboxes in the background until the task is
-        cancelled or the client goes away; then they expire after `lease` seconds
-        (None: each one's own lease, renewed `every` seconds)."""
+        cancelled or the client is closed; then they expire after `lease` seconds
+        (None: each one's own lease, renewed `every` seconds). A renew that
+        finds the connection gone is tried again (HOLD_RETRY_S) until it
+        is back: the daemon's restart keeps the sandboxes, an ssh:// client
+        reconnects, a fleet rejoins the host."""
         if lease is None and every is None:
             raise ValueError("hold: give the lease, or how often to renew (every=)")
+        period = every or lease / 3
 
         async def renew_forever() -> None:
+            failing = False
             while True:
-                await self.renew(sandbox_ids, lease)
-                await asyncio.sleep(every or lease / 3)
+                try:
+                    await self.renew(sandbox_ids, lease)
+                except ConnectionError as err:
+                    if self._closed:
+                        return
+                    if not failing:
+                        log.warning("hold on %s: renewing the leases failed (%s); trying again every %g s",
+                                    self.target, err, min(period, HOLD_RETRY_S))
+                    failing = True
+                    await asyncio.sleep(min(period, HOLD_RETRY_S))
+                    continue
+                failing = False
+                await asyncio.sleep(period)
 
         return asyncio.get_running_loop().create_task(renew_forever())
 
