@@ -499,7 +499,11 @@ class SyncClient(_LoopThread):
         return self._client.target
 
     def __enter__(self) -> SyncClient:
-        self.connect()
+        try:
+            self.connect()
+        except BaseException:
+            self.close()            # no __exit__ follows: the loop's thread must not outlive it
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -680,7 +684,11 @@ class SyncFleet(_LoopThread):
         super().__init__()
 
     def __enter__(self) -> SyncFleet:
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.close()            # no __exit__ follows: the loop's thread must not outlive it
+            raise
         return self
 
     def __exit__(self, *exc) -> None:

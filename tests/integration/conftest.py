@@ -224,7 +224,11 @@ class Daemon:
         from dsecd import SyncClient
 
         c = SyncClient(self.socket, connect_timeout=connect_timeout)
-        c.connect()
+        try:
+            c.connect()
+        except BaseException:
+            c.close()               # its loop's thread, or each try of start() would leave one
+            raise
         return c
 
     def stop(self, sig: int = signal.SIGTERM) -> None:

@@ -99,3 +99,19 @@ def test_a_lost_connections_advice_is_its_owners(tmp_path):
     assert fleet.endswith(f"the fleet connects to {path} again once it answers (Fleet.status(); event host_up); "
                           "retry then")
     assert cli.endswith("run the command again once the daemon answers")
+
+
+def test_a_sync_client_whose_connect_fails_in_with_leaves_no_thread(tmp_path):
+    """`with SyncClient(target)` that cannot connect raises, and its loop's
+    thread is stopped: a script retrying a host that is down does not
+    gather one thread (and event loop) per try."""
+    import threading
+
+    from dsecd import SyncClient
+
+    before = {t.ident for t in threading.enumerate()}
+    for _ in range(3):
+        with pytest.raises(ConnectionError), SyncClient(str(tmp_path / "none.sock")):
+            pass
+    left = [t.name for t in threading.enumerate() if t.ident not in before]
+    assert left == [], left
