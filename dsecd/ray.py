@@ -256,6 +256,9 @@ class ActorClient(Client):
                  connect_timeout: float = CONNECT_TIMEOUT_S):
         address, socket = parse_target(target)
         super().__init__(socket, name=name, connect_timeout=connect_timeout, reconnect=False)
+        # The daemon is on the node's machine: a path it reads there (build_image)
+        # is that machine's, so it must be absolute, as over ssh://.
+        self.remote = True
         self.target = target
         self.address = address
         self.node_id = node_id

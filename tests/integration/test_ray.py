@@ -412,3 +412,19 @@ def test_ray_fleet_host_whose_daemon_is_killed_says_so_and_rejoins(cluster):
             await fleet.job_rm("dk", force=True)
 
     asyncio.run(go())
+
+
+def test_ray_fleet_paths_are_the_hosts_own(cluster):
+    """A path the daemon reads on its host (an image's root file system)
+    must be absolute through the actor, as over ssh://: a relative one is
+    refused on the driver, not made absolute against the driver's cwd,
+    which names nothing on another machine."""
+    import dsecd.ray
+
+    async def go():
+        async with dsecd.ray.RayFleet(sockets=cluster["sockets"], socket=cluster["unused_socket"]) as fleet:
+            found = await fleet.each_host(lambda c: c.build_image("rootfs", "relative"))
+            assert found and all(isinstance(r, ValueError) and "must be an absolute path on that host" in str(r)
+                                 for r in found.values()), found
+
+    asyncio.run(go())
