@@ -39,8 +39,9 @@ may start the two actor calls in either order). A driver that leaves a
 stream early (break, cancel) cancels the generator (ray.cancel), and the
 actor's client tells the daemon to cancel the request (an exec is killed).
 A request the driver cancels (a task cancelled, a timeout) cancels its
-actor call the same way; a create's sandbox the daemon made before the
-cancel landed is then destroyed by the actor's client, as a local one does.
+actor call the same way, but a create: Ray may say such a call was
+cancelled though it ran to its end, so a cancelled create's call is let
+end and the sandbox it made is destroyed (ActorClient._settle_cancelled_create).
 
 A host is a daemon socket on a machine, named ray://<node address><socket>.
 The fleet reads the cluster's nodes when it is made and again every
@@ -75,8 +76,8 @@ except ModuleNotFoundError as err:
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .client import Client, default_socket
-from .errors import BadRequest, ConnectionLost, DsecError
+from .client import ABANDONED_CREATE_WAIT_S, Client, default_socket
+from .errors import BadRequest, ConnectionLost, DsecError, NotFound
 from .fleet import CONNECT_TIMEOUT_S, Fleet
 
 RESOURCE = "dsec"          # the custom resource a Ray node advertises to be a dsec host
@@ -324,6 +325,9 @@ class ActorClient(Client):
                 ray.kill(actor, no_restart=True)
 
     async def close(self) -> None:
+        if self._undoing and self._lost is None:
+            # Destroys of what cancelled creates made, through the actor: before it goes.
+            await asyncio.wait(set(self._undoing), timeout=ABANDONED_CREATE_WAIT_S)
         self._closed = True
         self._lost = "closed"
         self._aborted.set()
@@ -391,12 +395,18 @@ class ActorClient(Client):
         try:
             answer = await self._until_aborted(_await(ref), op)
         except asyncio.CancelledError:
-            # The caller gave up (a cancel, a timeout): the actor's call is
-            # cancelled too, so that its Client does what a local one does:
-            # the daemon cancels the request (an exec is killed), and a
-            # sandbox a create made before that is destroyed.
-            with contextlib.suppress(Exception):
-                ray.cancel(ref)
+            # The caller gave up (a cancel, a timeout).
+            if op == "create":
+                # Not ray.cancel: Ray (2.60) may answer an async actor call it
+                # was asked to cancel with TaskCancelledError though the call
+                # ran to its end, and nobody would then destroy the sandbox.
+                # The call ends, and what it made is destroyed here.
+                await self._settle_cancelled_create(ref)
+            else:
+                # The actor's call is cancelled too: its Client tells the
+                # daemon to cancel the request (an exec is killed).
+                with contextlib.suppress(Exception):
+                    ray.cancel(ref)
             raise
         if "lost" in answer:
             # The actor lives but its daemon connection dropped: the host is down as far as the fleet goes.
@@ -404,6 +414,36 @@ class ActorClient(Client):
         if "error" in answer:
             raise DsecError.from_wire(answer["error"])
         return answer["result"]
+
+    async def _settle_cancelled_create(self, ref) -> None:
+        """A create the caller cancelled: once its actor call ends, the
+        sandbox it made for nobody is destroyed, as Client._undo_abandoned_create
+        does for a local one whose answer was on its way. Waited for up to
+        ABANDONED_CREATE_WAIT_S; the undo goes on in the background after
+        that, and close() waits for it."""
+        async def settle() -> None:
+            try:
+                answer = await ref
+            except Exception:               # the actor died: the host is down, the fleet settles keys on rejoin
+                return
+            info = answer.get("result") or {}
+            if not info.get("id") or info.get("existing"):
+                return                      # failed, or the key's sandbox of an earlier create
+            try:
+                await self.request("destroy", sandbox=info["id"], force=True)
+                log.info("create on %s was cancelled after the daemon made sandbox %s: destroyed it",
+                         self.target, info["id"])
+            except NotFound:
+                pass
+            except (DsecError, ConnectionError) as err:
+                log.warning("create on %s was cancelled after the daemon made sandbox %s, and destroying it "
+                            "failed (%s): remove it with `dsec rm --force %s`", self.target, info["id"], err,
+                            info["id"])
+
+        task = asyncio.get_running_loop().create_task(settle())
+        self._undoing.add(task)
+        task.add_done_callback(self._undoing.discard)
+        await asyncio.wait([task], timeout=ABANDONED_CREATE_WAIT_S)
 
     async def request(self, op: str, **args) -> dict:
         return await self._call("request", op, args)

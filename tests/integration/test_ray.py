@@ -328,12 +328,14 @@ def test_ray_fleet_caller_cancels_undo_at_the_daemon(cluster):
 
     def live(daemon) -> list[str]:
         with daemon.client() as c:
-            return [r["id"] for r in c.list() if r["state"] != "dead"]
+            return [r["id"] for r in c.list({"job": "cx"}) if r["state"] != "dead"]
 
     async def go():
         async with dsecd.ray.RayFleet(sockets=cluster["sockets"], socket=cluster["unused_socket"]) as fleet:
             kept = []
-            for delay in (0.0, 0.005, 0.01, 0.02, 0.05):
+            # Cancelled before the actor runs it, while it runs, and after
+            # it ended with its answer on the way to the driver.
+            for delay in [i * 0.004 for i in range(25)]:
                 task = asyncio.ensure_future(fleet.create(image="busybox", labels={"job": "cx"}, **SMALL))
                 await asyncio.sleep(delay)
                 task.cancel()
