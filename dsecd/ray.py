@@ -144,7 +144,12 @@ class DaemonActor:
         try:
             await self.client.connect()
         except (ConnectionError, OSError) as err:
-            return {"lost": f"node {ray.get_runtime_context().get_node_id()}: {err}"}
+            node = ray.get_runtime_context().get_node_id()
+            cause = err.__cause__ if isinstance(err.__cause__, OSError) else None
+            if cause is not None:           # no socket, or nobody listening: said without dsec's own advice
+                return {"lost": f"no daemon at {self.client.socket_path} on node {node}: {cause.strerror}",
+                        "socket": True}
+            return {"lost": f"node {node}: {err}"}
         return {"result": self.client.server}
 
     def _stream(self, rid: int) -> _ActorStream:
@@ -302,7 +307,9 @@ class ActorClient(Client):
                                   f"{_first_line(err)}") from None
         if "lost" in answer:
             self._kill_actor()
-            raise ConnectionError(f"{self.target}: the actor started, but reaches no daemon: {answer['lost']}")
+            advice = ("; is dsecd running there? RayFleet(socket=PATH) names where the nodes' daemons listen, "
+                      "sockets={node id: PATH} one node's") if answer.get("socket") else ""
+            raise ConnectionError(f"{self.target}: the actor started, but reaches no daemon: {answer['lost']}{advice}")
         self.server = answer["result"]
         self.max_frame = self.server.get("limits", {}).get("max_frame_bytes", self.max_frame)
         self._lost = None

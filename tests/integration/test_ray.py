@@ -430,3 +430,19 @@ def test_ray_fleet_paths_are_the_hosts_own(cluster):
                                  for r in found.values()), found
 
     asyncio.run(go())
+
+
+def test_ray_fleet_says_how_to_name_a_daemon_it_cannot_reach(cluster):
+    """No daemon on the socket a node's host names: the host is down, and
+    its reason says what to change in RayFleet (not dsec's own --socket)."""
+    import dsecd.ray
+
+    async def go():
+        async with dsecd.ray.RayFleet(socket=cluster["unused_socket"], rejoin_s=60) as fleet:
+            return fleet.status()
+
+    status = asyncio.run(go())
+    assert status and not any(s["up"] for s in status), status
+    for s in status:
+        assert f"no daemon at {cluster['unused_socket']}" in s["reason"], s["reason"]
+        assert "RayFleet(socket=" in s["reason"] and "--socket" not in s["reason"], s["reason"]
