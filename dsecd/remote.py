@@ -268,7 +268,8 @@ class SshLink:
 
     def describe(self) -> str:
         host = self.target.url()
-        said = " | ".join(self._stderr) or "nothing on stderr"
+        # ssh's lines may end with a period; the sentences below add their own.
+        said = " | ".join(self._stderr).rstrip(".") or "nothing on stderr"
         rc = None if self.proc is None else self.proc.returncode
         if rc is None:
             return f"ssh to {host} closed the connection but has not exited ({said})"

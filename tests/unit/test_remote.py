@@ -16,7 +16,7 @@ import pytest
 from standin_kit import hello_then_drop
 
 from dsecd import Client, ConnectionLost, SshOptions
-from dsecd.remote import SshTarget
+from dsecd.remote import SshLink, SshTarget
 
 
 @pytest.mark.parametrize("text,want", [
@@ -352,3 +352,16 @@ def test_a_client_left_open_when_its_loop_ends_ends_its_ssh(tmp_path, monkeypatc
         assert _gone(_started(pidfile), 5), "ssh outlived the loop of a client left open"
     finally:
         _kill_if_left(pidfile)
+
+
+def test_a_dropped_connection_says_sshs_words_once_stopped():
+    """ssh's own line ends with a period ("closed by remote host."): the
+    reason built around it reads as one sentence, not with "..""."""
+    from types import SimpleNamespace
+
+    link = SshLink(SshTarget("h1"), SshOptions())
+    link.proc = SimpleNamespace(returncode=255)
+    link._stderr.append("Connection to 10.0.0.11 closed by remote host.")
+    link.established = True
+    said = link.describe()
+    assert "closed by remote host. The host, its sshd" in said and ".." not in said, said
