@@ -214,3 +214,39 @@ def test_fleet_events_of_one_sandbox_come_from_its_host_quietly(capsys):
     hosts[0].client = NotHere()
     with pytest.raises(NotFound):
         asyncio.run(fleet_cli.fleet_events(fleet, a))
+
+
+def test_a_host_lost_under_a_fleet_command_says_to_run_it_again(tmp_path):
+    """A host's daemon that drops the connection under `dsec fleet exec`:
+    the error's advice is the command's (run it again), not the SDK
+    fleet's (it reconnects; Fleet.status()), which a one-shot dsec never
+    does."""
+    from dsecd import ConnectionLost, SshOptions, protocol
+
+    answers = {"hello": {"limits": {}}, "list": {"sandboxes": []}, "info": {}, "image_list": {"images": []},
+               "image_du": {}, "ping": {}, "inspect": {"id": "sb1"}}
+
+    async def daemon(reader, writer):
+        dec = protocol.FrameDecoder(1 << 20)
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                if f["op"] not in answers:
+                    writer.transport.abort()            # dies under the exec
+                    return
+                writer.write(protocol.encode_frame({"id": f["id"], "result": answers[f["op"]]}))
+
+    path = str(tmp_path / "h1.sock")
+
+    async def go():
+        server = await asyncio.start_unix_server(daemon, path)
+        try:
+            a = cli.parse_args(["fleet", "--hosts", path, "exec", "sb1", "--", "true"])
+            with pytest.raises(ConnectionLost) as e:
+                await fleet_cli.run(a, cli.COMMANDS, cli.named_sandboxes, SshOptions())
+            return str(e.value)
+        finally:
+            server.close()
+
+    said = asyncio.run(go())
+    assert said.startswith(f"exec on {path}: connection lost") and "run the command again" in said, said
+    assert "Fleet.status()" not in said, said
