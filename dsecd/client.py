@@ -150,6 +150,13 @@ def _given(args: dict, /, **optional) -> dict:
     return args
 
 
+def lost_after_sending(op: str) -> str:
+    """What a connection lost after `op` was sent leaves open, for its error."""
+    if op == "create":
+        return "; the create may have been carried out (sent again with the same idempotency key, it is safe)"
+    return "; the request may have been carried out"
+
+
 @dataclass
 class ExecResult:
     exit_code: int | None
@@ -521,8 +528,7 @@ class Client:
             return cause
         text = f"{op} on {self.target}: connection lost: {cause}"
         if sent:
-            text += ("; the request may have been carried out (a create with an idempotency key can be "
-                     "sent again safely)")
+            text += lost_after_sending(op)
         if self.reconnect and not self._closed:
             text += "; the next request connects again"
         elif not self._closed:

@@ -76,7 +76,7 @@ except ModuleNotFoundError as err:
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .client import ABANDONED_CREATE_WAIT_S, Client, default_socket
+from .client import ABANDONED_CREATE_WAIT_S, Client, default_socket, lost_after_sending
 from .errors import BadRequest, ConnectionLost, DsecError, NotFound
 from .fleet import CONNECT_TIMEOUT_S, Fleet
 
@@ -363,7 +363,7 @@ class ActorClient(Client):
                     self.on_lost(why)
         text = f"{op} on {self.target}: {why}"
         if sent:
-            text += "; the request may have been carried out (a create with an idempotency key can be sent again safely)"
+            text += lost_after_sending(op)
         return ConnectionLost(f"{text}; {self._advice()}", target=self.target, op=op, sent=sent)
 
     def _advice(self) -> str:

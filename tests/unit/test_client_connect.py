@@ -115,3 +115,14 @@ def test_a_sync_client_whose_connect_fails_in_with_leaves_no_thread(tmp_path):
             pass
     left = [t.name for t in threading.enumerate() if t.ident not in before]
     assert left == [], left
+
+
+def test_a_lost_connection_names_the_idempotency_key_only_for_a_create():
+    from dsecd import Client
+
+    c = Client("/nonexistent/dsecd.sock")
+    create = str(c._lost_error(ConnectionResetError("reset"), "create", sent=True))
+    events = str(c._lost_error(ConnectionResetError("reset"), "events", sent=True))
+    assert "idempotency key" in create and "may have been carried out" in create
+    assert "idempotency key" not in events and "may have been carried out" in events
+    assert "carried out" not in str(c._lost_error(ConnectionResetError("reset"), "create", sent=False))
