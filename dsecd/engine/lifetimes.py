@@ -48,7 +48,13 @@ class LifetimeService:
             if sb is None:
                 missing.append(sb_id)
                 continue
-            sb.lease = lease or sb.lease
+            if lease and lease != sb.lease:
+                sb.lease = lease
+                # Journaled, as a create's lease is: a restarted daemon that
+                # brought the old length back would end the sandbox before a
+                # client renewing at a third of the new one comes again.
+                if sb.state in ("running", "paused", "dead"):
+                    self.registry.save(sb)
             if sb.lease:
                 sb.lease_deadline = time.monotonic() + sb.lease
                 renewed.append(sb_id)

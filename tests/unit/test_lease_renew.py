@@ -1,0 +1,53 @@
+"""`renew` (dsecd/engine/lifetimes.py): a new lease length outlives a
+daemon restart (no root)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from dsecd.engine.lifetimes import LifetimeService
+from dsecd.engine.sandboxes import Sandbox, SandboxRegistry
+from dsecd.journal import Journal
+from dsecd.protocol import Renew
+
+
+def _service(tmp_path) -> tuple[LifetimeService, SandboxRegistry]:
+    registry = SandboxRegistry(Journal(tmp_path))
+    return LifetimeService(registry, None, None, None, None), registry
+
+
+def _sandbox(registry: SandboxRegistry, lease: float | None) -> Sandbox:
+    sb = Sandbox(id="abc123def456", image="busybox", state="running", created=0.0,
+                 limits={"cpu": 1.0, "memory": 1 << 28}, lease=lease)
+    registry.add(sb)
+    registry.save(sb)
+    return sb
+
+
+def test_a_new_lease_length_is_journaled(tmp_path):
+    lifetimes, registry = _service(tmp_path)
+    sb = _sandbox(registry, lease=3.0)
+    out = asyncio.run(lifetimes.renew(Renew(sandboxes=[sb.id], lease="60s"), None))
+    assert out == {"renewed": [sb.id], "missing": []}
+    registry.journal.close()
+    # What the next daemon re-adopts it with: the lease the client asked for,
+    # not the create's 3 s, which would end it before the client renews again.
+    assert Journal(tmp_path).load_all()[sb.id]["lease"] == 60.0
+
+
+def test_a_lease_given_by_renew_alone_is_journaled(tmp_path):
+    lifetimes, registry = _service(tmp_path)
+    sb = _sandbox(registry, lease=None)
+    asyncio.run(lifetimes.renew(Renew(sandboxes=[sb.id], lease=30), None))
+    registry.journal.close()
+    assert Journal(tmp_path).load_all()[sb.id]["lease"] == 30.0
+
+
+def test_a_renew_of_the_same_length_writes_nothing(tmp_path):
+    lifetimes, registry = _service(tmp_path)
+    sb = _sandbox(registry, lease=30.0)
+    lines = registry.journal.lines
+    for _ in range(3):
+        asyncio.run(lifetimes.renew(Renew(sandboxes=[sb.id], lease=30), None))
+        asyncio.run(lifetimes.renew(Renew(sandboxes=[sb.id]), None))
+    assert registry.journal.lines == lines
