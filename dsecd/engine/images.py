@@ -485,4 +485,7 @@ class ImageService:
                     if undo is not None:
                         await self.workers.run(undo)
             finally:
-                await self.workers.run(freezer.thaw)
+                # A job pause takes no sandbox's lock: one that came meanwhile
+                # found it frozen and marked it paused. It stays frozen.
+                if sb.state != "paused":
+                    await self.workers.run(freezer.thaw)

@@ -2,6 +2,7 @@
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -226,3 +227,36 @@ def test_daemon_swapfile_in_info_and_gone_after_shutdown(daemon_factory, tmp_pat
             from dsecd import native
 
             native.swapoff(path)
+
+
+def _frozen(sb) -> bool:
+    """Whether the sandbox's v2 freezer holds it (the freezer dsecd uses where
+    a v2 tree exists, hybrid hosts too), read on the host: no request that
+    would resume it."""
+    events = Path(sb.inspect()["cgroups"]["unified"], "cgroup.events").read_text()
+    return "frozen 1" in events.splitlines()
+
+
+def test_job_pause_during_a_snapshot_leaves_the_job_frozen(mem):
+    import concurrent.futures
+
+    d, c = mem
+    sb = c.create(image="busybox", memory="1G", labels={"job": "run-19"})
+    if "unified" not in sb.inspect()["cgroups"]:
+        pytest.skip("no v2 freezer on this host")
+    # Enough to pack that the snapshot holds the sandbox frozen for a while.
+    sb.exec(["sh", "-c", "mkdir -p /work && head -c 200000000 /dev/urandom > /work/big"], timeout=120)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        snap = pool.submit(sb.snapshot, "job-paused-mid-snapshot")
+        deadline = time.monotonic() + 30
+        while not _frozen(sb):                  # the snapshot froze it
+            assert time.monotonic() < deadline and not snap.done(), snap
+            time.sleep(0.01)
+        assert c.job_pause("run-19")["paused"] == [sb.id]
+        assert snap.result(120)["name"] == "job-paused-mid-snapshot"
+    # The snapshot's end must not thaw what the job pause froze meanwhile.
+    assert sb.inspect()["state"] == "paused" and _frozen(sb)
+    assert c.job_resume("run-19")["resumed"] == [sb.id]
+    assert not _frozen(sb) and sb.exec(["true"]).exit_code == 0
+    sb.destroy()
+
