@@ -488,4 +488,11 @@ class ImageService:
                 # A job pause takes no sandbox's lock: one that came meanwhile
                 # found it frozen and marked it paused. It stays frozen.
                 if sb.state != "paused":
-                    await self.workers.run(freezer.thaw)
+                    try:
+                        await self.workers.run(freezer.thaw)
+                    except OSError:
+                        # A destroy (which does not wait for the lock) removed
+                        # its cgroup meanwhile: nothing is left to thaw, and
+                        # what was packed is published.
+                        if sb.state != "stopping" and self.registry.by_id.get(sb.id) is sb:
+                            raise

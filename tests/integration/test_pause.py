@@ -260,3 +260,26 @@ def test_job_pause_during_a_snapshot_leaves_the_job_frozen(mem):
     assert not _frozen(sb) and sb.exec(["true"]).exit_code == 0
     sb.destroy()
 
+
+
+def test_destroy_during_a_snapshot_is_no_internal_error(mem):
+    import concurrent.futures
+
+    d, c = mem
+    sb = c.create(image="busybox", memory="1G")
+    sb.exec(["sh", "-c", "mkdir -p /work && head -c 200000000 /dev/urandom > /work/big"], timeout=120)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        snap = pool.submit(sb.snapshot, "destroyed-mid-snapshot")
+        deadline = time.monotonic() + 30
+        while not _frozen(sb):                  # the snapshot froze it
+            assert time.monotonic() < deadline and not snap.done(), snap
+            time.sleep(0.01)
+        sb.destroy(force=True)
+        try:
+            result = snap.result(120)
+        except Exception as err:                # failed as the sandbox went: it says so, no image
+            assert err.code in ("conflict", "not_found", "io"), err
+            assert "destroyed-mid-snapshot" not in {i["name"] for i in c.list_images()}
+        else:                                   # packed before it went: the image is there
+            assert result["name"] == "destroyed-mid-snapshot"
+            assert "destroyed-mid-snapshot" in {i["name"] for i in c.list_images()}
