@@ -262,7 +262,7 @@ class ImageDu:
     pass
 
 
-@request("snapshot", states=RUNNING, stream=True)
+@request("snapshot", states=ACTIVE, stream=True)
 class Snapshot:
     sandbox: str
     name: str

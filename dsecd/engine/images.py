@@ -444,7 +444,8 @@ class ImageService:
                 if b.chunks and b.cached_chunks}
 
     async def snapshot(self, req, ctx) -> dict:
-        """pack_diff: freeze the sandbox, pack its upper dir as a layer, thaw."""
+        """pack_diff: freeze the sandbox, pack its upper dir as a layer, thaw
+        (a paused one is packed as it is, and stays paused)."""
         check_excludes(req.exclude)
         sb = self.registry.get(req.sandbox, req)
         base = await self._images_call(self.images.get_manifest, sb.manifest, sb.image)
@@ -452,6 +453,9 @@ class ImageService:
         networked = bool(sb.net) and sb.net.get("mode") == "default"
         exclude = self.snapshot_exclude + list(req.exclude) + (list(NET_FILES) if networked else [])
         if sb.backend == "microvm":
+            if sb.state == "paused":      # its guest is stopped or saved: no agent to stream its layer
+                raise Conflict(f"sandbox {sb.id} is a paused microVM; resume it first (dsec resume {sb.id})",
+                               {"sandbox": sb.id, "state": sb.state})
             async with self.vm_upper(sb, self.images.scratch, self.max_snapshot_bytes) as upper:
                 image = await self._images_call(self.images.snapshot, upper, base, req.name, exclude,
                                                 self._progress(ctx), self.max_snapshot_bytes)
@@ -468,12 +472,16 @@ class ImageService:
         """The sandbox's writable layer (its overlay upper dir) at a host path,
         the sandbox frozen meanwhile and no pause or resume in between: what
         snapshot and each filesystem step of a Dockerfile build pack."""
-        if sb.state != "running" or sb.handle is None:       # changed during the caller's awaits
-            raise Conflict(f"sandbox {sb.id} is {sb.state}; snapshot needs it running")
-        freezer = pause.Freezer.of(sb.handle.group)
         async with sb.lock:
+            if sb.state not in ("running", "paused") or sb.handle is None:   # changed during the awaits
+                raise Conflict(f"sandbox {sb.id} is {sb.state}; snapshot needs it running or paused",
+                               {"sandbox": sb.id, "state": sb.state})
+            # A paused sandbox is frozen already, and stays so: packed as it is.
+            was_paused = sb.state == "paused"
+            freezer = pause.Freezer.of(sb.handle.group)
             try:
-                await self.workers.run(freezer.freeze, self.freeze_timeout_s)
+                if not was_paused:
+                    await self.workers.run(freezer.freeze, self.freeze_timeout_s)
             except OSError as err:      # destroyed meanwhile: its cgroup is gone
                 raise Conflict(f"snapshot of sandbox {sb.id}: cannot freeze it ({err}); is it being destroyed?",
                                {"sandbox": sb.id}) from err
@@ -487,7 +495,7 @@ class ImageService:
             finally:
                 # A job pause takes no sandbox's lock: one that came meanwhile
                 # found it frozen and marked it paused. It stays frozen.
-                if sb.state != "paused":
+                if not was_paused and sb.state != "paused":
                     try:
                         await self.workers.run(freezer.thaw)
                     except OSError:

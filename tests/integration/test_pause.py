@@ -283,3 +283,18 @@ def test_destroy_during_a_snapshot_is_no_internal_error(mem):
         else:                                   # packed before it went: the image is there
             assert result["name"] == "destroyed-mid-snapshot"
             assert "destroyed-mid-snapshot" in {i["name"] for i in c.list_images()}
+
+
+def test_snapshot_of_a_paused_sandbox_leaves_it_paused(mem):
+    d, c = mem
+    sb = c.create(image="busybox")
+    sb.exec(["sh", "-c", "mkdir -p /work && echo kept > /work/f"])
+    sb.pause()
+    assert sb.snapshot("from-paused")["name"] == "from-paused"
+    assert sb.inspect()["state"] == "paused"
+    if "unified" in sb.inspect()["cgroups"]:
+        assert _frozen(sb)
+    again = c.create(image="from-paused")
+    assert again.exec(["cat", "/work/f"]).stdout == b"kept\n"
+    again.destroy()
+    sb.destroy()
