@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import time
 
 from .. import tarsafe, userns
 from ..errors import BadRequest, Conflict, LimitExceeded, NotFound, io_error
@@ -83,6 +84,14 @@ class ChunkPipe:
         return out
 
 
+def busy(sb: Sandbox, n: int) -> None:
+    """A directory copy of `sb` begins (+1) or ends (-1). One request may
+    stream for longer than the sandbox's idle TTL: the reaper waits for it
+    as for an exec, and the idle clock starts again at its end."""
+    sb.copies += n
+    sb.last_active = time.monotonic()
+
+
 class DirCopyService:
     """`file_tar_put`, `file_tar_input`, `file_tar_get`. `ensure_running(sb,
     why)` resumes a paused sandbox first; `max_chunk` is
@@ -129,6 +138,7 @@ class DirCopyService:
         pipe = ChunkPipe(asyncio.get_running_loop(), self.idle_timeout)
         self.puts += 1
         ctx.register_input(pipe)
+        busy(sb, +1)
         try:
             if sb.backend == "microvm":
                 return await self.vms.tar_put(sb, req.path, pipe, self.max_entries, self.max_bytes)
@@ -145,6 +155,7 @@ class DirCopyService:
             pipe.end("the copy request ended")
             ctx.unregister_input()
             self.puts -= 1
+            busy(sb, -1)
 
     def _filler(self, sb: Sandbox, where: str):
         """fill(fd, chunks, size) for the files of a copy into `sb`: written
@@ -180,6 +191,13 @@ class DirCopyService:
     async def get(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
         await self.ensure_running(sb, "directory copy")
+        busy(sb, +1)
+        try:
+            return await self._get(sb, req, ctx)
+        finally:
+            busy(sb, -1)
+
+    async def _get(self, sb: Sandbox, req, ctx) -> dict:
         if sb.backend == "microvm":
             return await self.vms.tar_get(sb, req.path, self.max_entries, self.max_bytes, ctx)
         where = f"{sb.id}:{req.path}"

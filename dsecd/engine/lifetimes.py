@@ -69,7 +69,7 @@ class LifetimeService:
             return "ttl"
         if sb.lease_deadline and now > sb.lease_deadline:
             return "lease"
-        if sb.idle_ttl and sb.state == "running" and not sb.execs:
+        if sb.idle_ttl and sb.state == "running" and not sb.execs and not sb.copies:
             if now - sb.last_active > sb.idle_ttl:
                 return "idle_ttl"
         return None

@@ -60,6 +60,7 @@ class Sandbox:
     lease_deadline: float | None = None
     oom_kills: int = 0                # the memory cgroup's OOM-kill count last seen
     execs: int = 0
+    copies: int = 0                   # directory copies in or out running (the idle TTL waits for them)
     exit_status: int | None = None
     died: float | None = None
     manifest: str = ""          # image manifest digest: what snapshot and gc go by

@@ -104,6 +104,40 @@ def test_ttl_idle_ttl_and_lease_expire(mem):
     assert leased.id not in {s["id"] for s in c.list()}
 
 
+class _SlowTar:
+    """A tar of `files` files of 100 KB whose every read waits `delay` s
+    first: an upload that outlasts an idle TTL."""
+
+    def __init__(self, files: int, delay: float):
+        import io
+        import tarfile
+
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for i in range(files):
+                info = tarfile.TarInfo(f"f{i}")
+                info.size = 100_000
+                tar.addfile(info, io.BytesIO(b"x" * info.size))
+        self.data, self.pos, self.delay, self.reads = buf.getvalue(), 0, delay, 0
+
+    def read(self, n: int) -> bytes:
+        time.sleep(self.delay)
+        self.reads += 1
+        out = self.data[self.pos:self.pos + n]
+        self.pos += len(out)
+        return out
+
+
+def test_a_copy_longer_than_the_idle_ttl_keeps_the_sandbox(mem):
+    d, c = mem
+    sb = c.create(image="busybox", idle_ttl=2)
+    tar = _SlowTar(files=100, delay=2.0)         # 10 MB: 3 reads of a 4 MiB chunk, 2 s each
+    assert sb.upload_tar(tar, "/work/up")["count"] >= 100
+    assert tar.reads >= 2                        # it did outlast the idle TTL
+    assert sb.exec(["sh", "-c", "ls /work/up | wc -l"]).stdout.strip() == b"100"
+    sb.destroy()
+
+
 def test_paused_time_does_not_count_as_idle(mem):
     d, c = mem
     sb = c.create(image="busybox", idle_ttl=2)

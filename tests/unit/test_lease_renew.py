@@ -1,5 +1,5 @@
-"""`renew` (dsecd/engine/lifetimes.py): a new lease length outlives a
-daemon restart (no root)."""
+"""Leases and idle TTLs (dsecd/engine/lifetimes.py): a new lease length
+outlives a daemon restart; a copy running keeps a sandbox busy (no root)."""
 
 from __future__ import annotations
 
@@ -51,3 +51,12 @@ def test_a_renew_of_the_same_length_writes_nothing(tmp_path):
         asyncio.run(lifetimes.renew(Renew(sandboxes=[sb.id], lease=30), None))
         asyncio.run(lifetimes.renew(Renew(sandboxes=[sb.id]), None))
     assert registry.journal.lines == lines
+
+
+def test_a_directory_copy_keeps_the_idle_clock_at_zero(tmp_path):
+    _, registry = _service(tmp_path)
+    sb = _sandbox(registry, lease=None)
+    sb.idle_ttl, sb.last_active = 2.0, 100.0
+    assert LifetimeService.expired(sb, 103.0) == "idle_ttl"
+    sb.copies = 1                  # a cp -r in or out, begun at 100 and running on
+    assert LifetimeService.expired(sb, 103.0) is None
