@@ -1249,6 +1249,23 @@ class Process:
         return await self.sb.client.request("proc_kill", **self._args(signal=sig))
 
 
+def _read_chunk(fileobj, n: int) -> bytes:
+    """Up to `n` bytes of `fileobj`, fewer only at its end: a raw stream (a
+    pipe, a socket, an HTTP body) may return fewer from one read without
+    being at its end."""
+    data = fileobj.read(n)
+    if data is None or len(data) >= n:
+        return data or b""
+    parts, size = [data], len(data)
+    while size < n:
+        more = fileobj.read(n - size)
+        if not more:
+            break
+        parts.append(more)
+        size += len(more)
+    return b"".join(parts)
+
+
 class Sandbox:
     def __init__(self, client: Client, sandbox_id: str, info: dict):
         self.client = client
@@ -1501,7 +1518,7 @@ class Sandbox:
         """The tar, a chunk per file_tar_input; the last one says eof."""
         await sent.wait()          # the inputs must follow their put on the wire
         while True:
-            data = await asyncio.to_thread(fileobj.read, chunk)
+            data = await asyncio.to_thread(_read_chunk, fileobj, chunk)
             last = len(data) < chunk
             await self.client.request("file_tar_input", put_id=rid, data=data, eof=last)
             if last:

@@ -1,0 +1,63 @@
+"""Sandbox.upload_tar (dsecd/client.py) sends the whole tar whatever size
+the file object's reads come back in (no daemon, no root)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+from dsecd.client import Sandbox
+
+
+class _Recorder:
+    """What upload_tar's feeder sends: each file_tar_input's data and eof."""
+
+    def __init__(self):
+        self.inputs: list[tuple[bytes, bool]] = []
+
+    async def request(self, op: str, **args) -> dict:
+        assert op == "file_tar_input"
+        self.inputs.append((bytes(args["data"]), args["eof"]))
+        return {}
+
+
+class _Trickle(io.RawIOBase):
+    """A raw stream (a pipe, a socket, an HTTP body) whose reads return at
+    most `step` bytes: short reads that are not its end."""
+
+    def __init__(self, data: bytes, step: int):
+        self.data, self.step = data, step
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        n = min(len(buf), self.step, len(self.data))
+        buf[:n], self.data = self.data[:n], self.data[n:]
+        return n
+
+
+def _feed(fileobj, chunk: int) -> list[tuple[bytes, bool]]:
+    client = _Recorder()
+    sb = Sandbox(client, "abc123def456", {})
+
+    async def run():
+        sent = asyncio.Event()
+        sent.set()
+        await sb._feed_tar(1, sent, fileobj, chunk)
+
+    asyncio.run(run())
+    return client.inputs
+
+
+def test_short_reads_are_not_the_end_of_the_tar():
+    data = bytes(range(256)) * 40                  # 10,240 bytes
+    inputs = _feed(_Trickle(data, step=1000), chunk=4096)
+    assert b"".join(d for d, _ in inputs) == data
+    assert [eof for _, eof in inputs] == [False] * (len(inputs) - 1) + [True]
+
+
+def test_a_buffered_file_is_sent_in_whole_chunks():
+    data = b"x" * 10_000
+    inputs = _feed(io.BytesIO(data), chunk=4096)
+    assert [(len(d), eof) for d, eof in inputs] == [(4096, False), (4096, False), (1808, True)]
