@@ -146,7 +146,7 @@ class DirCopyService:
                                           sb.handle.rootfd, req.path, pipe, self.max_entries, self.max_bytes,
                                           self._filler(sb, where))
         except Exception as err:
-            mapped = self._error("copy into", where, err)
+            mapped = self.registry.destroyed_error(sb, f"copy into {where}") or self._error("copy into", where, err)
             if mapped is None:
                 raise
             raise mapped from err
@@ -224,7 +224,7 @@ class DirCopyService:
                 await ctx.emit({"data": data})
         except Exception as err:
             reading = False
-            mapped = self._error("copy out of", where, err)
+            mapped = self.registry.destroyed_error(sb, f"copy out of {where}") or self._error("copy out of", where, err)
             if mapped is None:
                 raise
             raise mapped from err

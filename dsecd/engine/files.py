@@ -15,7 +15,7 @@ import os
 from collections.abc import Awaitable, Callable
 
 from .. import protocol, userns
-from ..errors import BadRequest, LimitExceeded, io_error
+from ..errors import BadRequest, DsecError, LimitExceeded, io_error
 from ..fs import files as sbfiles
 from ..initlink import InitExec
 from . import copier
@@ -105,7 +105,13 @@ class FileService:
             return
         async with sb.copy_lock:
             copier.check_room(sb.handle and sb.handle.group, len(data), where)
-            await self._copy(sb, fd, data, where)
+            try:
+                await self._copy(sb, fd, data, where)
+            except DsecError as err:
+                gone = self.registry.destroyed_error(sb, f"write {where}")
+                if gone is None:
+                    raise
+                raise gone from err
 
     async def _copy(self, sb: Sandbox, fd: int, data: bytes, where: str) -> None:
         loop, handle = self.workers.loop, sb.handle

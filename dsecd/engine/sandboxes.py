@@ -194,6 +194,15 @@ class SandboxRegistry:
         # for the disk; use a slower but crash-proof config knowingly.
         self.journal.write(sb.id, sb.record())
 
+    def destroyed_error(self, sb: Sandbox, what: str) -> Conflict | None:
+        """The error for a request on `sb` that failed because a destroy (a
+        request, a TTL, a job's) took the sandbox away under it, or None if
+        it is still here: its copier or exec was killed by the destroy, not
+        by its memory limit or its own doing."""
+        if sb.state != "stopping" and self.by_id.get(sb.id) is sb:
+            return None
+        return Conflict(f"{what}: sandbox {sb.id} was destroyed meanwhile", {"sandbox": sb.id})
+
     def mark_dead(self, sb: Sandbox) -> None:
         """`sb`'s init is gone: it stays listed, as dead, until destroyed."""
         if self.by_id.get(sb.id) is sb:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dsecd.errors import BadRequest, NotFound
+from dsecd.errors import BadRequest, DsecError, NotFound
 from dsecd.mem.zram import active_swaps
 
 
@@ -136,6 +136,26 @@ def test_a_copy_longer_than_the_idle_ttl_keeps_the_sandbox(mem):
     assert tar.reads >= 2                        # it did outlast the idle TTL
     assert sb.exec(["sh", "-c", "ls /work/up | wc -l"]).stdout.strip() == b"100"
     sb.destroy()
+
+
+def test_a_copy_into_a_sandbox_destroyed_meanwhile_says_so(mem):
+    d, c = mem
+    sb = c.create(image="busybox")
+    tar = _SlowTar(files=100, delay=0)
+
+    def read(n: int) -> bytes:
+        if tar.reads == 1:                      # the first chunk is in: it goes
+            other = d.client()
+            other.get(sb.id).destroy(force=True)
+            other.close()
+        return _SlowTar.read(tar, n)
+
+    tar.read = read
+    with pytest.raises(DsecError) as e:
+        sb.upload_tar(tar, "/work/up")
+    # Not a memory limit (the copier's kill was the destroy's), nor `internal`.
+    assert e.value.code in ("conflict", "not_found"), e.value
+    assert "destroyed" in e.value.message or "no sandbox" in e.value.message, e.value
 
 
 def test_paused_time_does_not_count_as_idle(mem):
