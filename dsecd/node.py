@@ -53,7 +53,7 @@ from .engine.watches import WatchService
 from .engine.workers import Workers
 from .fds import close_quietly
 from .feature import Feature
-from .features import Features, suid_dumpable_hazard
+from .features import Features, probe_swap, suid_dumpable_hazard
 from .fs import upper as upperfs
 from .journal import Journal
 from .net.network import bpf_cache_dir
@@ -227,6 +227,8 @@ class Node:
         self._cpu_task = loop.create_task(self.cpu.run(self._cpu_entries, self.workers.run))
         self.image_service.start_layer_sweeper()
         await self.workers.run(self.memory.start)
+        # Probed before the daemon's own zram device or swap file was on: again.
+        self.features.items["swap"] = await self.workers.run(probe_swap)
         await self.net_service.readopt_net()
         self.lifetimes.start()
         if self.vms.backend is not None:
