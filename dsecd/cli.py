@@ -336,11 +336,19 @@ def _pause_summary(r: dict) -> str:
 
 
 async def cmd_pause_resume(c: Client, a) -> int:
-    """`dsec pause` and `dsec resume`: the op is the command's name."""
+    """`dsec pause` and `dsec resume`: the op is the command's name. As `rm`,
+    a sandbox that fails is said and the others are still done."""
+    status = 0
     for sb_id in a.sandboxes:
-        r = await c.request(a.cmd, sandbox=sb_id)
+        try:
+            r = await c.request(a.cmd, sandbox=sb_id)
+        except DsecError as err:
+            _print_item_error(a, err, sandbox=sb_id)
+            print(f"dsec: {a.cmd} {sb_id}: {err}", file=sys.stderr)
+            status = 1
+            continue
         _print_json(r) if a.json else print(f"{r['id']} {r['state']}{_pause_summary(r)}")
-    return 0
+    return status
 
 
 async def cmd_job(c: Client, a) -> int:

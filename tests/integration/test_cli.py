@@ -771,3 +771,32 @@ def test_cp_r_of_dir_dot_copies_its_contents_into_an_existing_directory(daemon, 
         assert sorted(p.name for p in more.iterdir()) == ["a", "c"]
     finally:
         sb.destroy(force=True)
+
+
+
+def _json_objects(text: str) -> list[dict]:
+    """The JSON objects printed one after another (pretty-printed: several lines each)."""
+    dec, objs, at = json.JSONDecoder(), [], 0
+    while at < len(text.rstrip()):
+        obj, at = dec.raw_decode(text, at)
+        objs.append(obj)
+        while at < len(text) and text[at].isspace():
+            at += 1
+    return objs
+
+
+def test_pause_and_resume_go_on_past_a_sandbox_they_cannot_take(daemon, client):
+    a, b = client.create(image="busybox"), client.create(image="busybox")
+    try:
+        r = daemon.cli("pause", a.id, "nosuch", b.id)
+        assert r.returncode == 1 and b"nosuch" in r.stderr
+        assert a.inspect()["state"] == "paused" and b.inspect()["state"] == "paused"
+        r = daemon.cli("--json", "resume", "nosuch", a.id, b.id)
+        assert r.returncode == 1
+        assert a.inspect()["state"] == "running" and b.inspect()["state"] == "running"
+        objs = _json_objects(r.stdout.decode())
+        assert objs[0]["error"]["code"] == "not_found" and objs[0]["error"]["detail"]["sandbox"] == "nosuch"
+        assert [o["id"] for o in objs[1:]] == [a.id, b.id]
+    finally:
+        a.destroy()
+        b.destroy()
