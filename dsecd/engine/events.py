@@ -53,13 +53,18 @@ class EventBus:
             return not sandbox or ev["sandbox"] == sandbox
 
         sub = Subscriber(self)
-        for ev in list(self.recent) if req.replay else []:
-            if wanted(ev):
-                await ctx.emit(ev)
-        if not req.follow:
-            return {}
-        self.subscribers.add(sub)
+        # The history and the subscription are taken together, before the
+        # replay's first await: what is published while the replay is sent
+        # is queued for after it, none missed and none twice.
+        history = list(self.recent) if req.replay else []
+        if req.follow:
+            self.subscribers.add(sub)
         try:
+            for ev in history:
+                if wanted(ev):
+                    await ctx.emit(ev)
+            if not req.follow:
+                return {}
             while True:
                 await sub.wake.wait()
                 sub.wake.clear()
