@@ -70,11 +70,14 @@ class EventBus:
                 sub.wake.clear()
                 while sub.queue:
                     ev = sub.queue.popleft()
+                    if not wanted(ev):
+                        continue
+                    # Told with the next event it sends: those it drops would
+                    # swallow the count (what was lost may have been wanted).
                     if sub.lost:
                         ev = {**ev, "lost_before": sub.lost}
                         sub.lost = 0
-                    if wanted(ev):
-                        await ctx.emit(ev)
+                    await ctx.emit(ev)
         finally:
             self.subscribers.discard(sub)
 

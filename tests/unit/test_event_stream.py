@@ -56,3 +56,24 @@ def test_no_event_comes_twice_between_replay_and_live():
         return [ev["seq"] for ev in ctx.got]
 
     assert asyncio.run(run()) == [1, 2, 3, 4]
+
+
+def test_a_stream_of_one_sandbox_hears_that_it_lost_events():
+    async def run() -> list[dict]:
+        bus = EventBus(per_subscriber=2)
+        bus.named = lambda sb_id: sb_id
+        ctx = _SlowClient()
+        stream = asyncio.ensure_future(bus.stream(Events(sandbox="a"), ctx))
+        await asyncio.sleep(0)                    # subscribed
+        bus.publish("paused", "a")                # pushed out by the others: lost
+        for _ in range(3):
+            bus.publish("created", "b")
+        bus.publish("resumed", "a")
+        for _ in range(10):
+            await asyncio.sleep(0)
+        stream.cancel()
+        return ctx.got
+
+    got = asyncio.run(run())
+    assert [ev["event"] for ev in got] == ["resumed"]
+    assert got[0]["lost_before"] >= 1
