@@ -22,7 +22,7 @@ from .. import cgroup, imageconfig, metrics, sysfs
 from ..config import ConfigError
 from ..errors import BadRequest, Conflict, IOFailure, image_error
 from ..features import Features
-from ..fs import clientpaths
+from ..fs import clientpaths, erofs
 from ..fs import upper as upperfs
 from ..fs.clientpaths import ClientPathError, ClientPaths
 from ..fs.httpstop import Stop
@@ -80,6 +80,9 @@ def check_excludes(paths: list[str]) -> None:
         if ".." in path.split("/") or "\0" in path:
             raise BadRequest(f"snapshot: exclude paths must not hold '..' or NUL, got {path!r}",
                              {"exclude": path})
+        if not erofs.exclude_rel(path):
+            raise BadRequest(f"snapshot: exclude path {path!r} is the sandbox's root, which would leave the "
+                             "whole sandbox out; name a path inside it", {"exclude": path})
 
 
 # A client path's errno -> the protocol's code (the rest: io).

@@ -41,6 +41,14 @@ class ErofsError(Exception):
         self.code = code
 
 
+def exclude_rel(path: str) -> str:
+    """An exclude path as mkfs.erofs matches it: relative to the tree's top
+    and normalised ("//work/./a/" is "work/a"); "" names the top itself.
+    The size bound and the no-change check (fs/images.py) read excludes
+    through this too, so that they leave out exactly what the layer does."""
+    return os.path.normpath("/" + path).lstrip("/")
+
+
 def build(src: Path, out: Path, exclude: Iterable[str] = ()) -> None:
     """mkfs.erofs `out` from directory `src`; `exclude` are paths relative to src."""
     # noinline_data: every regular file's data in whole blocks of its own
@@ -50,9 +58,10 @@ def build(src: Path, out: Path, exclude: Iterable[str] = ()) -> None:
     # multiple (almost all) were read into each guest's own page cache. It
     # costs the tail block's slack: +5.7% on /usr/lib/python3.11.
     cmd = [MKFS, "--quiet", "-T0", f"-U{FIXED_UUID}", "-Enoinline_data"]
-    for rel in exclude:
-        # mkfs.erofs 1.5 matches exclusions against the path relative to src.
-        cmd.append(f"--exclude-path={rel.strip('/')}")
+    for path in exclude:
+        # mkfs.erofs 1.5 matches exclusions against the path relative to src, as spelt.
+        if rel := exclude_rel(path):
+            cmd.append(f"--exclude-path={rel}")
     cmd += [str(out), str(src)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)

@@ -663,7 +663,7 @@ def check_apparent_size(top: Path, exclude: list[str], max_bytes: int) -> int:
     byte of it: measured, a 2 GiB sparse file became a 2 GiB blob in 20 s.
     Without this bound one snapshot could fill the blob store (shared by
     every host) and keep a worker thread busy for hours."""
-    skip = {os.path.normpath(os.path.join(top, rel.strip("/"))) for rel in exclude}
+    skip = {os.path.join(top, rel) for rel in map(erofs.exclude_rel, exclude) if rel}
     total = 0
     for dirpath, dirnames, filenames in os.walk(top):
         dirnames[:] = [d for d in dirnames if os.path.join(dirpath, d) not in skip]
@@ -687,7 +687,7 @@ def check_apparent_size(top: Path, exclude: list[str], max_bytes: int) -> int:
 def has_changes(upper: Path, exclude: list[str]) -> bool:
     """Whether an upper dir holds anything but the `exclude`d paths (and the
     directories above them, which overlay copied up to hold them)."""
-    skip = {rel.strip("/") for rel in exclude}
+    skip = {rel for rel in map(erofs.exclude_rel, exclude) if rel}
     above = {"/".join(p.split("/")[:i]) for p in skip for i in range(1, p.count("/") + 1)}
     for dirpath, dirnames, filenames in os.walk(upper):
         rel_dir = os.path.relpath(dirpath, upper)
@@ -698,7 +698,7 @@ def has_changes(upper: Path, exclude: list[str]) -> bool:
         for name in list(dirnames):
             rel = os.path.join(rel_dir, name)
             if rel in skip:
-                dirnames.remove(rel)
+                dirnames.remove(name)
             elif rel not in above:
                 return True
     return False

@@ -1,0 +1,47 @@
+"""A snapshot's exclude paths (dsecd/fs/erofs.py, images.py): however a
+path is spelt, what mkfs.erofs leaves out is what the size bound and the
+no-change check leave out. No root; needs mkfs.erofs."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from dsecd.engine.images import check_excludes
+from dsecd.errors import BadRequest
+from dsecd.fs import erofs
+from dsecd.fs.images import check_apparent_size, has_changes
+
+pytestmark = pytest.mark.skipif(shutil.which("mkfs.erofs") is None, reason="needs erofs-utils")
+
+SPELLINGS = ["work/a", "/work/a", "/work/a/", "//work//a", "/work/./a", "./work/a"]
+
+
+def _tree(tmp_path):
+    top = tmp_path / "upper"
+    (top / "work" / "a" / "b").mkdir(parents=True)
+    (top / "work" / "a" / "b" / "f").write_bytes(b"x" * 100_000)
+    (top / "work" / "keep").write_text("k")
+    return top
+
+
+@pytest.mark.parametrize("spelt", SPELLINGS)
+def test_every_spelling_leaves_the_same_out(tmp_path, spelt):
+    top = _tree(tmp_path)
+    erofs.build(top, tmp_path / "plain.erofs", ["work/a"])
+    erofs.build(top, tmp_path / "spelt.erofs", [spelt])
+    erofs.build(top, tmp_path / "all.erofs", [])
+    plain = (tmp_path / "plain.erofs").read_bytes()
+    assert (tmp_path / "spelt.erofs").read_bytes() == plain
+    assert (tmp_path / "all.erofs").read_bytes() != plain
+    # The bound on what is packed counts what is packed: 1 byte, not 100 KB.
+    assert check_apparent_size(top, [spelt], 10) == 1
+    assert has_changes(top, [spelt, "work/keep"]) is False
+
+
+@pytest.mark.parametrize("whole", ["/", "", ".", "//", "/./"])
+def test_an_exclude_of_the_whole_root_is_refused(whole):
+    with pytest.raises(BadRequest, match="the whole sandbox") as info:
+        check_excludes([whole])
+    assert info.value.detail == {"exclude": whole}
