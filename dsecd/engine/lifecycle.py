@@ -109,6 +109,16 @@ class LifecycleService:
             # A kill -9 between a pause's freeze and its journal write leaves a
             # "running" sandbox frozen: thaw it, or its next exec hangs joining it.
             await self.workers.run(lambda: pause.Freezer.of(handle.group).thaw())
+        elif sb.state == "paused" and await self.workers.run(lambda: pause.Freezer.of(handle.group).state()) \
+                == "THAWED":
+            # A kill -9 between a resume's thaw and its journal write (a job
+            # resume's takes a while) leaves a "paused" sandbox running: it
+            # is recorded as it is, or it would run while listed as paused
+            # and a pause would take it for paused already.
+            log.warning("sandbox %s was journaled paused but runs (its resume was not recorded): running",
+                        sb_id)
+            sb.state, sb.pause_record = "running", None
+            self.registry.save(sb)
         if after_death:
             await self._kill_leftover_execs(sb, handle)
         sb.last_active = time.monotonic()          # idle and lease clocks restart with the daemon

@@ -354,3 +354,28 @@ def test_snapshot_of_a_paused_sandbox_leaves_it_paused(mem):
     assert again.exec(["cat", "/work/f"]).stdout == b"kept\n"
     again.destroy()
     sb.destroy()
+
+
+
+def test_a_resume_the_journal_missed_is_taken_for_done_at_restart(mem):
+    import signal
+
+    d, c = mem
+    sb = c.create(image="busybox")
+    group = Path(sb.inspect()["cgroups"].get("unified", "/nonexistent"))
+    if not (group / "cgroup.freeze").exists():
+        pytest.skip("no v2 freezer on this host")
+    sb.pause()
+    c.close()
+    d.stop(signal.SIGKILL)
+    # What a daemon killed between a resume's thaw and its journal write
+    # leaves: a sandbox thawed and running, journaled as paused.
+    (group / "cgroup.freeze").write_text("0")
+    d.start()
+    c2 = d.client()
+    s2 = c2.get(sb.id)
+    assert s2.info["state"] == "running"         # as it is: a pause then pauses it again
+    r = s2.pause()
+    assert r["state"] == "paused" and not r.get("already") and _frozen(s2)
+    s2.destroy()
+    c2.close()
