@@ -91,6 +91,8 @@ class LifecycleService:
         self.registry.add(sb)
         self.id_ranges.reserve(sb)
         if sb.state == "dead":
+            if sb.lease:        # a lease clock restarts with the daemon, a dead sandbox's too
+                sb.lease_deadline = time.monotonic() + sb.lease
             return
         if sb.backend == "microvm":
             await self._recover_vm(sb, rec)

@@ -62,8 +62,11 @@ class LifetimeService:
 
     @staticmethod
     def expired(sb: Sandbox, now: float) -> str | None:
-        """Why `sb` must go now (ttl, lease, idle_ttl), or None."""
-        if sb.state not in ("running", "paused"):
+        """Why `sb` must go now (ttl, lease, idle_ttl), or None. A dead one
+        (its init exited) too, but for idleness: its record would otherwise
+        stay, holding its id range, long after its TTL or the client that
+        held its lease."""
+        if sb.state not in ("running", "paused", "dead"):
             return None
         if sb.ttl and time.time() - sb.created > sb.ttl:
             return "ttl"

@@ -1,5 +1,7 @@
 """Pause/resume with reclaim, auto-resume, jobs, TTLs, leases and events through the daemon."""
 
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -156,6 +158,16 @@ def test_a_copy_into_a_sandbox_destroyed_meanwhile_says_so(mem):
     # Not a memory limit (the copier's kill was the destroy's), nor `internal`.
     assert e.value.code in ("conflict", "not_found"), e.value
     assert "destroyed" in e.value.message or "no sandbox" in e.value.message, e.value
+
+
+def test_a_dead_sandbox_goes_when_its_lease_runs_out(mem):
+    d, c = mem
+    sb = c.create(image="busybox", lease=2)
+    os.kill(sb.inspect()["init_pid"], signal.SIGKILL)      # it dies; its client is gone too
+    deadline = time.monotonic() + 10
+    while sb.id in {s["id"] for s in c.list()}:
+        assert time.monotonic() < deadline, c.list()
+        time.sleep(0.2)
 
 
 def test_paused_time_does_not_count_as_idle(mem):

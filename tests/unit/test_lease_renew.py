@@ -60,3 +60,18 @@ def test_a_directory_copy_keeps_the_idle_clock_at_zero(tmp_path):
     assert LifetimeService.expired(sb, 103.0) == "idle_ttl"
     sb.copies = 1                  # a cp -r in or out, begun at 100 and running on
     assert LifetimeService.expired(sb, 103.0) is None
+
+
+def test_a_dead_sandbox_goes_when_its_ttl_or_lease_runs_out(tmp_path):
+    # Its init exited on its own: the record stays for inspect and its
+    # processes' logs, but a TTL or a lease a vanished client left still ends it.
+    _, registry = _service(tmp_path)
+    sb = _sandbox(registry, lease=None)
+    sb.state = "dead"
+    sb.ttl = 10.0
+    assert LifetimeService.expired(sb, 0.0) == "ttl"          # created at 0 (the epoch): long past
+    sb.ttl, sb.lease, sb.lease_deadline = None, 3.0, 100.0
+    assert LifetimeService.expired(sb, 99.0) is None
+    assert LifetimeService.expired(sb, 101.0) == "lease"
+    sb.lease, sb.lease_deadline, sb.idle_ttl, sb.last_active = None, None, 2.0, 100.0
+    assert LifetimeService.expired(sb, 1000.0) is None        # no requests come: idle means nothing
