@@ -472,6 +472,10 @@ class ProcessService:
             raise Conflict(f"process {proc.pid} in sandbox {sb.id} has already exited ({how}); nothing to signal",
                            {"sandbox": sb.id, "pid": proc.pid, "state": "exited", "exit_code": code,
                             "signal": sig})
+        # Paused, it would act on the signal only at its resume (a
+        # container's is relayed by its init, frozen with it): resumed first,
+        # as for an exec.
+        await self.ensure_running(sb, "proc_kill")
         if proc.vm:
             sent = await self.vm.kill(sb, proc, signum)
         else:

@@ -170,6 +170,24 @@ def test_a_dead_sandbox_goes_when_its_lease_runs_out(mem):
         time.sleep(0.2)
 
 
+def test_a_signal_to_a_process_of_a_paused_sandbox_is_acted_on(mem):
+    d, c = mem
+    sb = c.create(image="busybox")
+    proc = sb.spawn(["sh", "-c", "trap 'exit 3' TERM; while true; do sleep 0.1; done"])
+    time.sleep(0.5)                             # its trap is set
+    sb.pause()
+    assert proc.kill("TERM")["sent"]
+    ended: list = []
+    t = threading.Thread(target=lambda: ended.append(proc.wait()), daemon=True)
+    t.start()
+    t.join(10)                  # its signals go through the sandbox's init: frozen, it relayed nothing
+    try:
+        assert ended and ended[0].exit_code == 3
+        assert sb.inspect()["state"] == "running"
+    finally:
+        sb.destroy(force=True)
+
+
 def test_paused_time_does_not_count_as_idle(mem):
     d, c = mem
     sb = c.create(image="busybox", idle_ttl=2)
