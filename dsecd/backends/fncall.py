@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -66,15 +67,71 @@ class Zygote:
     calls: int = 0
     alive: bool = True
     ready: asyncio.Future | None = None
+    # The socket is non-blocking, and the zygote's queue holds only
+    # net.unix.max_dgram_qlen packets (10 by default): a burst of calls fills
+    # it while the zygote forks. Kills wait in `unsent`, calls in `waiters`.
+    unsent: collections.deque = field(default_factory=collections.deque)
+    waiters: list = field(default_factory=list)
+    writing: bool = False
 
-    def send(self, msg: dict, fds: list[int] = ()) -> None:
-        self.send_raw(json.dumps(msg).encode(), fds)
+    def send(self, msg: dict) -> None:
+        """A message without fds (a kill): sent now, or once there is room."""
+        if not self.alive:
+            return
+        data = json.dumps(msg).encode()
+        if not self.unsent:
+            try:
+                self.send_raw(data)
+                return
+            except BlockingIOError:
+                pass
+        self.unsent.append(data)
+        self._want_room()
+
+    async def send_call(self, data: bytes, fds: list[int]) -> None:
+        """A call's packet and its fds; waits while the zygote's queue is full
+        (the fds stay the caller's until this returns)."""
+        while True:
+            try:
+                self.send_raw(data, fds)
+                return
+            except BlockingIOError:
+                if not self.alive:
+                    raise ZygoteDied(f"zygote {self.pid} is gone") from None
+                fut = asyncio.get_running_loop().create_future()
+                self.waiters.append(fut)
+                self._want_room()
+                await fut
 
     def send_raw(self, data: bytes, fds: list[int] = ()) -> None:
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-        # A blocking send on a SOCK_SEQPACKET pair: the zygote drains it at
-        # once, and the socket buffer holds hundreds of these small packets.
         self.sock.sendmsg([data], anc)
+
+    def _want_room(self) -> None:
+        if not self.writing:
+            asyncio.get_running_loop().add_writer(self.sock.fileno(), self._on_room)
+            self.writing = True
+
+    def _on_room(self) -> None:
+        while self.unsent:
+            try:
+                self.send_raw(self.unsent[0])
+            except BlockingIOError:
+                return
+            except OSError as err:
+                self.fail(f"send to zygote {self.pid}: {err}")
+                return
+            self.unsent.popleft()
+        self._stop_writing()
+        waiters, self.waiters = self.waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def _stop_writing(self) -> None:
+        if self.writing:
+            self.writing = False
+            asyncio.get_running_loop().remove_writer(self.sock.fileno())
 
     def on_readable(self) -> None:
         try:
@@ -115,6 +172,12 @@ class Zygote:
         self.pending.clear()
         if self.ready and not self.ready.done():
             self.ready.set_exception(err)
+        self._stop_writing()
+        self.unsent.clear()
+        waiters, self.waiters = self.waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_exception(err)
 
 
 @dataclass

@@ -345,12 +345,18 @@ class CallService:
             exited = self.workers.loop.create_future()
             zyg.pending[call_id] = exited
             try:
-                zyg.send_raw(data, fds)
+                await zyg.send_call(data, fds)
             except OSError as err:
                 zyg.pending.pop(call_id, None)
                 zyg.fail(f"send to zygote {zyg.pid}: {err}")
                 self._retire(box, "its socket failed")
                 raise IOFailure(f"fncall zygote for {box.image} is gone; retry") from err
+            except ZygoteDied as err:
+                raise IOFailure(f"fncall zygote for {box.image} died before the call started ({err}); "
+                                "retry") from err
+            except asyncio.CancelledError:
+                zyg.pending.pop(call_id, None)
+                raise
         except BaseException:
             run.close()
             raise

@@ -187,6 +187,28 @@ def test_many_calls_in_flight_on_one_connection(daemon, py_image):
     assert [r.stdout for r in results] == [f"{i * 2}\n".encode() for i in range(60)]
 
 
+def test_hundreds_of_calls_in_flight_from_several_clients(daemon, py_image):
+    """More calls at once than the zygote's socket queues (net.unix.max_dgram_qlen
+    packets): they wait for room; none fails, the zygote is not replaced."""
+    c = daemon.client()
+    before = c.info()["fncall"]["zygotes_replaced"]
+
+    async def one(i):
+        async with Client(daemon.socket) as ac:
+            return await asyncio.gather(*(ac.call(py_image, code=f"print({i} * {j})") for j in range(100)),
+                                        return_exceptions=True)
+
+    async def run():
+        return await asyncio.gather(*(one(i) for i in range(4)))
+
+    results = asyncio.run(run())
+    for i, rs in enumerate(results):
+        assert [r if isinstance(r, Exception) else r.stdout for r in rs] == \
+            [f"{i * j}\n".encode() for j in range(100)]
+    assert c.info()["fncall"]["zygotes_replaced"] == before
+    c.close()
+
+
 @pytest.mark.skipif(native.probe_pidfd_group_signal() != 0,
                     reason="execs go through the daemon's helper on kernels without PIDFD_SIGNAL_PROCESS_GROUP")
 def test_plain_calls_are_forked_by_the_call_sandboxs_init(client):

@@ -1,0 +1,85 @@
+"""The daemon's end of a zygote's socket (dsecd/backends/fncall.py Zygote):
+a full queue (net.unix.max_dgram_qlen packets, 10 by default) makes a call
+wait, not fail. A real SOCK_SEQPACKET pair; the test reads the zygote's end."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+from dsecd.backends.fncall import Zygote, ZygoteDied
+
+
+def _pair():
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.setblocking(False)
+    zyg = Zygote(sock=ours, pid=0, pidfd=-1)
+    return zyg, theirs
+
+
+def _fill(zyg: Zygote) -> int:
+    """Packets sent until the zygote's queue is full."""
+    n = 0
+    while True:
+        try:
+            zyg.send_raw(b"x")
+        except BlockingIOError:
+            return n
+        n += 1
+
+
+def test_a_call_waits_for_room_in_a_full_queue():
+    async def go():
+        zyg, theirs = _pair()
+        queued = _fill(zyg)
+        r, w = os.pipe()
+        sent = asyncio.create_task(zyg.send_call(b'{"op": "call"}', [r, w]))
+        await asyncio.sleep(0.05)
+        assert not sent.done()              # waits: the zygote has not read yet
+        got = [theirs.recvmsg(1 << 16, socket.CMSG_SPACE(16)) for _ in range(queued)]
+        await asyncio.wait_for(sent, 2)
+        msg, anc, _flags, _addr = theirs.recvmsg(1 << 16, socket.CMSG_SPACE(16))
+        for fd in (r, w):
+            os.close(fd)
+        for _level, _kind, data in anc:       # the fds came along
+            for i in range(0, len(data), 4):
+                os.close(int.from_bytes(data[i:i + 4], "little"))
+        theirs.close()
+        zyg.sock.close()
+        return len(got), msg, len(anc)
+
+    n, msg, fds = asyncio.run(go())
+    assert n > 0 and msg == b'{"op": "call"}' and fds == 1
+
+
+def test_a_kill_sent_to_a_full_queue_goes_once_there_is_room():
+    async def go():
+        zyg, theirs = _pair()
+        queued = _fill(zyg)
+        zyg.send({"op": "kill", "id": 7})      # no error, and not lost
+        for _ in range(queued):
+            theirs.recv(1 << 16)
+        await asyncio.sleep(0.05)
+        theirs.setblocking(False)
+        msg = theirs.recv(1 << 16)
+        theirs.close()
+        zyg.sock.close()
+        return msg
+
+    assert asyncio.run(go()) == b'{"op": "kill", "id": 7}'
+
+
+def test_a_call_waiting_for_room_fails_when_the_zygote_dies():
+    async def go():
+        zyg, theirs = _pair()
+        _fill(zyg)
+        sent = asyncio.create_task(zyg.send_call(b"call", []))
+        await asyncio.sleep(0.02)
+        zyg.fail("zygote exited")
+        done, _ = await asyncio.wait([sent], timeout=2)
+        theirs.close()
+        zyg.sock.close()
+        return sent.exception() if done else None
+
+    assert isinstance(asyncio.run(go()), ZygoteDied)
