@@ -32,6 +32,7 @@ call can leave state for the next one.
 """
 
 import array
+import atexit
 import gc
 import json
 import os
@@ -119,19 +120,12 @@ def worker(link, tmp, uid, rlimits):
         sys.argv = list(req["argv"]) or ["-c"]
         tempfile.tempdir = None
         gc.enable()
-        status = 0
         try:
             exec(compile(src, "<call>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-        except SystemExit as e:
-            code = e.code
-            status = code if isinstance(code, int) else (0 if code is None else 1)
-            if code is not None and not isinstance(code, int):
-                print(code, file=sys.stderr)
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-            status = 1
+            status = 0
+        except BaseException as e:
+            status = ended_by(e)
+        status = at_exit(status)
         for f in (sys.stdout, sys.stderr):
             try:
                 f.flush()
@@ -155,6 +149,40 @@ def worker(link, tmp, uid, rlimits):
         except OSError:
             pass
     os._exit(status & 0xFF)
+
+
+def ended_by(e):
+    """The exit status of a call its exception ended, said as the
+    interpreter says it: a SystemExit's code (its text on stderr), else
+    sys.excepthook's traceback, from the call's own code on (not this
+    file's frame), and 1."""
+    if isinstance(e, SystemExit):
+        code = e.code
+        if code is None or isinstance(code, int):
+            return code or 0
+        print(code, file=sys.stderr)
+        return 1
+    tb = e.__traceback__.tb_next if e.__traceback__ else None     # a SyntaxError has no frame of the call
+    e.with_traceback(tb)         # the default hook prints the exception's own, not its argument
+    try:
+        sys.excepthook(type(e), e, tb)
+    except BaseException:
+        sys.__excepthook__(type(e), e, tb)
+    return 1
+
+
+def at_exit(status):
+    """What the interpreter does once `python3 -c` ran its code: wait for
+    the call's non-daemon threads, then run its atexit functions (their
+    errors are printed, not raised). A SystemExit meanwhile sets the status."""
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        try:
+            threading._shutdown()
+        except BaseException as e:
+            status = ended_by(e)
+    atexit._run_exitfuncs()
+    return status
 
 
 def init_children(init_pid=1, fd=-1):

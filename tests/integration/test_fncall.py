@@ -152,6 +152,26 @@ def test_stdin_exceptions_and_exit_codes(client, py_image):
     assert client.call(py_image, code="import sys; sys.exit(7)").exit_code == 7
 
 
+def test_a_code_call_ends_as_the_interpreter_does(client, py_image):
+    """As under `python3 -c`: the call's non-daemon threads are waited for,
+    its atexit functions run, and an uncaught exception goes to
+    sys.excepthook with a traceback that starts at the call's own code."""
+    r = client.call(py_image, code=(
+        "import atexit, threading, time\n"
+        "atexit.register(print, 'atexit')\n"
+        "def late():\n    time.sleep(0.2)\n    print('thread', flush=True)\n"
+        "threading.Thread(target=late).start()\n"
+        "print('main', flush=True)\n"))
+    assert (r.exit_code, r.stdout) == (0, b"main\nthread\natexit\n"), r.stderr
+    r = client.call(py_image, code="def f():\n    raise ValueError('boom')\nf()\n")
+    assert r.exit_code == 1
+    assert r.stderr.startswith(b'Traceback (most recent call last):\n  File "<call>", line 3, in <module>\n')
+    assert r.stderr.endswith(b"ValueError: boom\n") and b"worker" not in r.stderr, r.stderr
+    r = client.call(py_image, code="import sys\nsys.excepthook = lambda t, v, tb: print('hook', t.__name__)\n"
+                                   "raise KeyError(1)\n")
+    assert (r.exit_code, r.stdout, r.stderr) == (1, b"hook KeyError\n", b"")
+
+
 def test_rlimit_bounds_a_call(client, py_image):
     r = client.call(py_image, code="try:\n    b = bytearray(3 << 30)\nexcept MemoryError:\n    print('capped')")
     assert r.stdout == b"capped\n", r.stderr
