@@ -47,6 +47,7 @@ import time
 
 IDLE_MS = 20
 RECHECK_MS = 10        # how soon a uid held back for what its call left behind is looked at again
+FORK_RETRY_MS = 100    # how soon a spare that could not be forked is tried again
 RLIMITS = {"as": resource.RLIMIT_AS, "cpu": resource.RLIMIT_CPU, "fsize": resource.RLIMIT_FSIZE,
            "nofile": resource.RLIMIT_NOFILE, "core": resource.RLIMIT_CORE}
 
@@ -267,6 +268,7 @@ class Zygote:
         self.by_id = {}         # call id -> worker
         self.held = []          # uids whose calls left processes behind, until those are gone
         self.forked = 0
+        self.fork_failed = False    # the last spare could not be forked
         # Kept open: read after every call (kill_leftovers). Workers close it.
         self.children_fd = os.open("/proc/1/task/1/children", os.O_RDONLY | os.O_CLOEXEC)
 
@@ -280,7 +282,15 @@ class Zygote:
         self.forked += 1
         tmp = f"{self.base}/w{uid}-{self.forked}"    # unique: the counter never repeats
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:
+            # No pid (a call holds the sandbox's pids limit) or memory: the
+            # uid was never used.
+            self.uids.append(uid)
+            ours.close()
+            theirs.close()
+            raise
         if pid == 0:
             self.sock.close()
             ours.close()
@@ -386,6 +396,8 @@ class Zygote:
             low = len(self.idle) < max(1, self.spares // 2)
             want = len(self.idle) < self.spares and self.uids
             wait = 0 if (want and low) else (IDLE_MS if want else None)
+            if want and self.fork_failed:
+                wait = FORK_RETRY_MS
             if self.held:
                 wait = RECHECK_MS if wait is None else min(wait, RECHECK_MS)
             events = self.poll.poll(wait)
@@ -395,7 +407,13 @@ class Zygote:
                 elif fd in self.by_fd:
                     self.on_worker(fd, self.by_fd[fd])
             if not events and want:
-                self.idle.append(self.fork_worker())
+                try:
+                    self.idle.append(self.fork_worker())
+                    self.fork_failed = False
+                except OSError:
+                    # Tried again after FORK_RETRY_MS; a call meanwhile
+                    # gets a worker forked for it, or an error.
+                    self.fork_failed = True
 
 
 def main():

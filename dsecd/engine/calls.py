@@ -386,7 +386,9 @@ class CallService:
         except ZygoteDied as err:
             raise IOFailure(f"fncall zygote for {box.image} died during the call ({err}); retry") from err
         except OSError as err:        # the zygote could not fork
-            raise DsecError(f"fncall: the zygote could not start the call: {err}", code="io") from err
+            raise DsecError(f"fncall: the zygote for {box.image} could not fork a worker for the call ({err}): "
+                            "its call sandbox is at fncall.pids or fncall.memory (shared by every call of "
+                            "the image), or every fncall uid is in use; retry", code="io") from err
         finally:
             zyg.pending.pop(call_id, None)
             run.close()

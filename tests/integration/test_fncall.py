@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dsecd import Client, native
-from dsecd.errors import BadRequest, Unsupported
+from dsecd.errors import BadRequest, DsecError, Unsupported
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -338,6 +338,49 @@ def test_plain_calls_use_the_helper_when_execs_do(daemon_factory, busybox_rootfs
         assert c.info()["fncall"]["plain_calls_by_init"] == 0
         r = c.call("busybox", argv=PLAIN_CALL_PROBE)       # the helper's calls keep no capability either
         assert r.stdout.decode().split("\n")[0].split() == ["CapEff:", "0000000000000000"], r
+    finally:
+        c.close()
+
+
+def test_a_call_holding_every_pid_does_not_kill_the_zygote(daemon_factory):
+    """A call that keeps its call sandbox at fncall.pids leaves the zygote no
+    pid for a spare: the zygote tries again later (a call meanwhile may fail
+    to get a worker, and says why), the call times out as any other, and
+    the zygote stays."""
+    d = daemon_factory("[fncall]\npids = 64\nspares = 2\n")
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "mkpyrootfs.sh")], check=True,
+                         capture_output=True, text=True)
+    c = d.client()
+    try:
+        c.import_image(out.stdout.strip().splitlines()[-1], "py")
+        assert c.call("py", code="print(1)").exit_code == 0
+        hog = ("import os, time\n"
+               "while True:\n"
+               "    try:\n"
+               "        if os.fork() == 0:\n"
+               "            time.sleep(60)\n"
+               "            os._exit(0)\n"
+               "    except OSError:\n"
+               "        time.sleep(0.001)\n")
+
+        async def run():
+            async with Client(d.socket) as ac:
+                held = asyncio.ensure_future(ac.call("py", code=hog, timeout=4))
+                await asyncio.sleep(1.5)
+                beside = []
+                for _ in range(4):            # each takes a spare or needs a fork
+                    try:
+                        beside.append((await ac.call("py", code="print(2)", timeout=10)).stdout)
+                    except DsecError as err:
+                        beside.append(str(err))
+                return await held, beside
+
+        held, beside = asyncio.run(run())
+        assert held.timed_out, held
+        for b in beside:
+            assert b == b"2\n" or "fncall.pids" in b, beside
+        assert c.info()["fncall"]["zygotes_replaced"] == 0
+        assert c.call("py", code="print(3)").stdout == b"3\n"
     finally:
         c.close()
 

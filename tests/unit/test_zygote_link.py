@@ -83,3 +83,23 @@ def test_a_call_waiting_for_room_fails_when_the_zygote_dies():
         return sent.exception() if done else None
 
     assert isinstance(asyncio.run(go()), ZygoteDied)
+
+
+def test_a_worker_that_could_not_be_forked_gives_its_uid_back(monkeypatch):
+    """The zygote (dsecd/backends/zygote_main.py) at a full pids limit: the
+    fork fails, and the uid it took for the worker goes back to the free ones."""
+    from dsecd.backends import zygote_main
+
+    z = zygote_main.Zygote.__new__(zygote_main.Zygote)
+    z.uids, z.forked, z.base = [100001, 100000], 0, "/nonexistent"
+
+    def no_pid():
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(zygote_main.os, "fork", no_pid)
+    for _ in range(3):
+        try:
+            z.fork_worker()
+        except BlockingIOError:
+            pass
+    assert sorted(z.uids) == [100000, 100001]
