@@ -380,6 +380,9 @@ class CallService:
             kill()
             raise
         except TimeoutError as err:
+            # This call's end is no longer awaited: out of pending before the
+            # fail, which would set an error on it that nothing retrieves.
+            zyg.pending.pop(call_id, None)
             zyg.fail(f"zygote {zyg.pid} did not end call {call_id} after a kill")
             self._retire(box, "unresponsive zygote")
             raise IOFailure(f"fncall zygote for {box.image} stopped answering; retry") from err

@@ -103,3 +103,47 @@ def test_a_worker_that_could_not_be_forked_gives_its_uid_back(monkeypatch):
         except BlockingIOError:
             pass
     assert sorted(z.uids) == [100000, 100001]
+
+
+def test_a_zygote_silent_after_a_kill_leaves_no_unretrieved_error():
+    """A call whose kill the zygote never answers fails with `io`, and the
+    zygote is dropped; the call's own end (failed with the zygote) is not
+    left for the loop to log as 'Future exception was never retrieved'."""
+    import gc
+
+    from dsecd.backends.fncall import CallBox
+    from dsecd.engine.calls import CallService
+    from dsecd.engine.execs import ExecLimits
+    from dsecd.engine.starts import ProcessStarter
+    from dsecd.engine.workers import Workers
+    from dsecd.errors import IOFailure
+
+    unhandled = []
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _loop, ctx: unhandled.append(ctx.get("message")))
+        workers = Workers(1)
+        workers.start(loop)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        zyg, theirs = _pair()
+        box = CallBox(id="box1", image="py", layers=[], handle=None, zygote=zyg)
+        limits = ExecLimits(max_timeout_s=0, drain_grace_s=0.05, max_output=1 << 20, max_trace=0)
+        node = CallService(None, {"kill_grace_s": 0.1}, {}, 100_000, None, None, workers,
+                           ProcessStarter(workers), limits, devnull)
+        node.call_boxes = {"py": box}
+        try:
+            await node._zygote_call(box, zyg, ["-c"], "pass", {}, b"", 0.05)
+        except IOFailure as err:
+            error = str(err)
+        await asyncio.sleep(0.05)
+        gc.collect()
+        await asyncio.sleep(0)
+        theirs.close()
+        os.close(devnull)
+        workers.pool.shutdown(wait=True)
+        return error, zyg.alive
+
+    error, alive = asyncio.run(go())
+    assert "stopped answering" in error and not alive
+    assert unhandled == []
