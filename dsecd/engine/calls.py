@@ -97,6 +97,7 @@ class CallService:
         self.exec_limits = exec_limits
         self.devnull = devnull
         self.call_boxes: dict[str, CallBox] = {}
+        self._draining: dict[str, CallBox] = {}   # retired, dropped when their running calls end
         self._box_locks: dict[str, asyncio.Lock] = {}
         self.call_stats = {"calls": 0, "inflight": 0, "zygote_calls": 0, "plain_calls": 0, "plain_calls_by_init": 0,
                            "zygotes_started": 0, "zygotes_replaced": 0, "busy": 0}
@@ -113,7 +114,8 @@ class CallService:
             await self.workers.run(self.fncall.destroy_box, box_id, None)
 
     async def close(self) -> None:
-        boxes, self.call_boxes = list(self.call_boxes.values()), {}
+        boxes, self.call_boxes = [*self.call_boxes.values(), *self._draining.values()], {}
+        self._draining = {}
         await asyncio.gather(*(self._drop_box(b, "daemon shutdown") for b in boxes), return_exceptions=True)
 
     def info(self) -> dict:
@@ -157,7 +159,10 @@ class CallService:
                 box.running -= 1
                 box.calls += 1
                 if zyg is not None and zyg.calls >= self.fn_cfg["zygote_max_calls"]:
-                    self._retire(box, "recycled after fncall.zygote_max_calls calls")
+                    self._retire(box, "recycled after fncall.zygote_max_calls calls", drain=True)
+                if box.id in self._draining and not box.running:
+                    del self._draining[box.id]
+                    self.workers.loop.create_task(self._drop_box(box, "recycled; its last call ended"))
         finally:
             stats["inflight"] -= 1
         stats["calls"] += 1
@@ -297,10 +302,18 @@ class CallService:
             self.workers.loop.remove_reader(zyg.sock.fileno())
             zyg.sock.close()
 
-    def _retire(self, box: CallBox, why: str) -> None:
+    def _retire(self, box: CallBox, why: str, drain: bool = False) -> None:
+        """The next call of its image makes a new call sandbox; this one goes
+        now, with the calls running in it, or with `drain` (a recycle: the
+        zygote is sound) once the last of them has ended."""
         if self.call_boxes.get(box.image) is box:
             del self.call_boxes[box.image]
             self.call_stats["zygotes_replaced"] += 1 if box.zygote else 0
+            if drain and box.running:
+                log.info("call sandbox %s of %s: %s; it goes once its %d running calls end",
+                         box.id, box.image, why, box.running)
+                self._draining[box.id] = box
+                return
             self.workers.loop.create_task(self._drop_box(box, why))
 
     async def _drop_box(self, box: CallBox, why: str) -> None:

@@ -342,6 +342,37 @@ def test_plain_calls_use_the_helper_when_execs_do(daemon_factory, busybox_rootfs
         c.close()
 
 
+def test_a_recycled_zygote_lets_its_running_calls_end(daemon_factory):
+    """After fncall.zygote_max_calls calls the zygote is replaced: new calls
+    go to a new one, and the calls still running on the old one end as
+    they would have, not with an `io` error."""
+    d = daemon_factory("[fncall]\nzygote_max_calls = 10\n")
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "mkpyrootfs.sh")], check=True,
+                         capture_output=True, text=True)
+    c = d.client()
+    try:
+        c.import_image(out.stdout.strip().splitlines()[-1], "py")
+
+        async def run():
+            async with Client(d.socket) as ac:
+                return await asyncio.gather(*(ac.call("py", code=f"import time; time.sleep(0.3); print({i})")
+                                              for i in range(30)), return_exceptions=True)
+
+        results = asyncio.run(run())
+        assert [r if isinstance(r, Exception) else r.stdout for r in results] == \
+            [f"{i}\n".encode() for i in range(30)]
+        assert c.call("py", code="print('next')").stdout == b"next\n"
+        assert c.info()["fncall"]["zygotes_replaced"] >= 1
+        # The recycled call sandboxes went once their calls ended: one is left.
+        fncall_groups = d.cgroup_dirs()[0] / ".fncall"
+        deadline = time.monotonic() + 10
+        while len([p for p in fncall_groups.iterdir() if p.is_dir()]) != 1:
+            assert time.monotonic() < deadline, list(fncall_groups.iterdir())
+            time.sleep(0.1)
+    finally:
+        c.close()
+
+
 def test_a_call_holding_every_pid_does_not_kill_the_zygote(daemon_factory):
     """A call that keeps its call sandbox at fncall.pids leaves the zygote no
     pid for a spare: the zygote tries again later (a call meanwhile may fail
