@@ -79,12 +79,15 @@ def _overlay(base: dict, extra: dict, where: str = "") -> dict:
     return out
 
 
-# Numbers that must be above zero (a zero would stop the daemon working, not
-# turn a feature off); every other number must not be negative.
+# Numbers and sizes that must be above zero (a zero would stop the daemon
+# working, not turn a feature off); every other number must not be negative.
 POSITIVE = {
     "admission.max_active_creates", "build.cpu", "cpu.recent_half_life_s", "daemon.worker_threads", "fncall.cpu",
     "fncall.default_timeout_s", "fncall.max_inflight", "fncall.max_timeout_s", "fncall.pids",
-    "fncall.rlimit_nofile", "fncall.uid_count", "fncall.zygote_max_calls", "fncall.zygote_start_timeout_s",
+    "fncall.rlimit_nofile", "fncall.tmp_size", "fncall.uid_count", "fncall.zygote_max_calls",
+    "fncall.zygote_start_timeout_s",
+    # A call's uid: 0 is root, whose setuid keeps the zygote's capabilities.
+    "fncall.uid_base",
     "images.max_pulls", "images.pull_parallel_layers", "images.pull_timeout_s", "limits.frame_timeout_s",
     "limits.hello_timeout_s", "limits.max_connections", "limits.max_procs_per_sandbox",
     "limits.max_requests_per_client", "limits.max_sandboxes", "limits.max_tar_entries", "limits.max_tar_puts",
@@ -115,12 +118,20 @@ def _check_value(name: str, default, value) -> None:
         if value < 0 or (value == 0 and name in POSITIVE):
             fail("above zero" if name in POSITIVE else "zero or more")
     elif isinstance(default, str):
-        takes_number = name in _NUMBER_OR_STRING or bool(default and _SIZE.match(default))
+        size = bool(default and _SIZE.match(default)) and name not in _NUMBER_OR_STRING
+        takes_number = size or name in _NUMBER_OR_STRING
         if takes_number and isinstance(value, (int, float)) and not isinstance(value, bool):
-            if value < 0:
-                fail("zero or more")
+            if value < 0 or (value == 0 and name in POSITIVE):
+                fail("above zero" if name in POSITIVE else "zero or more")
         elif not isinstance(value, str):
             fail("a string" + (" or a number" if takes_number else ""))
+        elif size:
+            # Parsed where it is used, maybe only at the first call or create:
+            # a bad one must stop the start, not fail that request.
+            if not _SIZE.match(value):
+                fail("a size (bytes, or a number with K, M, G or T)")
+            if name in POSITIVE and parse_size(value) == 0:
+                fail("above zero")
     elif isinstance(default, list):
         kinds = {type(v) for v in default} or {str}
         if not isinstance(value, list) or not all(type(v) in kinds for v in value):
@@ -185,10 +196,14 @@ def _validate(cfg: Config) -> None:
     for section, key, allowed in (("daemon", "log_level", ("debug", "info", "warning", "error")),
                                   ("daemon", "log_format", ("json", "logfmt")),
                                   ("sandbox", "backend", ("container", "microvm")),
+                                  ("fncall", "qos", ("ls", "be")),
                                   ("images", "mode", ("auto", "lazy", "eager", "direct"))):
         value = cfg.section(section)[key]
         if value not in allowed:
             raise ConfigError(f"{section}.{key} must be one of {', '.join(allowed)}, got {value!r}")
+    if not cfg.section("fncall")["python"].strip():
+        raise ConfigError("fncall.python must name the interpreter of the zygote (\"python3\"); "
+                          "fncall.zygote = false turns the zygote off")
     try:
         caps.cap_mask(cfg.section("sandbox")["capabilities"])
     except ValueError as err:

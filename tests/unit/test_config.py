@@ -120,6 +120,13 @@ def test_with_setting_adds_a_key_once_and_keeps_one_the_text_sets():
     ("[net]\ndns_upstreams = [1]", "'net.dns_upstreams' must be a list of strings, got [1]"),
     ('[sandbox]\nbackend = "docker"', "sandbox.backend must be one of container, microvm, got 'docker'"),
     ('[images]\nmode = "fast"', "images.mode must be one of auto, lazy, eager, direct, got 'fast'"),
+    ('[fncall]\nmemory = "lots"', "'fncall.memory' must be a size (bytes, or a number with K, M, G or T), got 'lots'"),
+    ('[fncall]\nrlimit_as = "1X"', "'fncall.rlimit_as' must be a size"),
+    ('[fncall]\ntmp_size = "0"', "'fncall.tmp_size' must be above zero"),
+    ('[fncall]\nqos = "x"', "fncall.qos must be one of ls, be, got 'x'"),
+    ('[fncall]\npython = ""', "fncall.python must name the interpreter"),
+    # uid 0 is root: setuid(0) would keep the zygote's capabilities.
+    ("[fncall]\nuid_base = 0", "'fncall.uid_base' must be above zero, got 0"),
 ])
 def test_a_value_of_the_wrong_kind_or_range_is_an_error_naming_the_key(tmp_path, text, says):
     f = tmp_path / "c.toml"
@@ -136,6 +143,7 @@ def test_a_value_of_the_wrong_kind_or_range_is_an_error_naming_the_key(tmp_path,
     "[cpu]\noversubscription = 0",            # 0: the check is off
     "[limits]\nmax_exec_timeout_s = 0",       # 0: no limit
     "[images]\nsnapshot_exclude = ['/tmp']",
+    '[fncall]\nmemory = "1.5G"',
 ])
 def test_values_of_the_kinds_the_defaults_document_load(tmp_path, text):
     f = tmp_path / "c.toml"
