@@ -189,7 +189,8 @@ class CallBox:
     layers: list[str]
     handle: Handle
     zygote: Zygote | None = None
-    zygote_error: str | None = None
+    zygote_error: str | None = None     # why it has no zygote and takes argv calls only
+    start_failed: str | None = None     # why its zygote did not start (it is being dropped)
     calls: int = 0
     running: int = 0
     created: float = field(default_factory=time.time)

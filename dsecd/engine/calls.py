@@ -252,6 +252,8 @@ class CallService:
                 return box.zygote
             if box.zygote_error:
                 return None
+            if box.start_failed:
+                raise IOFailure(f"fncall zygote for {box.image} did not start ({box.start_failed}); retry")
             try:
                 box.zygote = await self._start_zygote(box)
             except NativeError as err:
@@ -273,13 +275,18 @@ class CallService:
         self.workers.loop.add_reader(sock.fileno(), zyg.on_readable)
         self.workers.loop.add_reader(zyg.pidfd, lambda: self._on_zygote_exit(box, zyg))
         self.call_stats["zygotes_started"] += 1
+        limit = self.fn_cfg["zygote_start_timeout_s"]
         try:
-            info = await asyncio.wait_for(asyncio.shield(zyg.ready), self.fn_cfg["zygote_start_timeout_s"])
+            info = await asyncio.wait_for(asyncio.shield(zyg.ready), limit)
         except (TimeoutError, ZygoteDied) as err:
-            zyg.fail(f"zygote did not start: {err or 'timeout'}")
+            why = str(err) or f"not ready within fncall.zygote_start_timeout_s ({limit:g} s)"
+            zyg.fail(f"zygote did not start: {why}")
             self._close_zygote(zyg)
-            box.zygote_error = f"the zygote did not start ({err or 'timeout'})"
-            raise IOFailure(f"fncall zygote for {box.image} did not start: {err or 'timeout'}") from err
+            # Maybe only a busy host: the next call starts over in a new call
+            # sandbox. Calls waiting for this start fail with the same reason.
+            box.start_failed = why
+            self._retire(box, f"its zygote did not start ({why})")
+            raise IOFailure(f"fncall zygote for {box.image} did not start ({why}); retry") from err
         if info.get("failed"):
             log.warning("zygote for %s could not import %s", box.image, info["failed"])
         log.info("zygote %d for image %s ready (modules %s)", pid, box.image, info.get("modules"))

@@ -342,6 +342,30 @@ def test_plain_calls_use_the_helper_when_execs_do(daemon_factory, busybox_rootfs
         c.close()
 
 
+def test_a_zygote_that_did_not_start_in_time_is_tried_again(daemon_factory):
+    """A zygote not ready within fncall.zygote_start_timeout_s fails that
+    call with `io`, saying so; it does not leave the image without a zygote
+    for good (code calls `unsupported`, as if it had no python3)."""
+    d = daemon_factory("[fncall]\nzygote_start_timeout_s = 0.001\n")
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "mkpyrootfs.sh")], check=True,
+                         capture_output=True, text=True)
+    c = d.client()
+    try:
+        c.import_image(out.stdout.strip().splitlines()[-1], "py")
+        for _ in range(2):
+            with pytest.raises(DsecError) as err:
+                c.call("py", code="print(1)")
+            assert err.value.code == "io" and "fncall.zygote_start_timeout_s" in str(err.value), err.value
+        # The call sandboxes of the failed starts went with them.
+        fncall_groups = d.cgroup_dirs()[0] / ".fncall"
+        deadline = time.monotonic() + 10
+        while [p for p in fncall_groups.iterdir() if p.is_dir()]:
+            assert time.monotonic() < deadline, list(fncall_groups.iterdir())
+            time.sleep(0.1)
+    finally:
+        c.close()
+
+
 def test_a_recycled_zygote_lets_its_running_calls_end(daemon_factory):
     """After fncall.zygote_max_calls calls the zygote is replaced: new calls
     go to a new one, and the calls still running on the old one end as
