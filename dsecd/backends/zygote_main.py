@@ -115,7 +115,15 @@ def worker(link, tmp, uid, rlimits):
         env = dict(req["env"], TMPDIR=tmp, HOME=tmp)
         if src is None:
             link.close()
-            os.execvpe(req["argv"][0], req["argv"], env)
+            prog = req["argv"][0]
+            try:
+                os.execvpe(prog, req["argv"], env)
+            except OSError as e:
+                # As sh says it: 127 when no PATH dir has it, else 126.
+                where = "" if "/" in prog else f" (PATH {env.get('PATH', os.defpath)})"
+                missing = isinstance(e, FileNotFoundError)
+                os.write(2, f"fncall: {prog}: {'not found' + where if missing else e.strerror}\n".encode())
+                os._exit(127 if missing else 126)
         os.environ.clear()
         os.environ.update(env)
         sys.argv = list(req["argv"]) or ["-c"]

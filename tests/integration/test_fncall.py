@@ -47,6 +47,17 @@ def test_python_c_argv_goes_through_the_zygote(client, py_image):
     assert (r.exit_code, r.stdout, r.path) == (3, b"hi\n", "zygote")
 
 
+def test_an_argv_the_zygote_cannot_exec_exits_as_a_shell_says(client, py_image):
+    """As sh says it: 127 and `not found` for a command in no PATH dir, 126
+    for a file that is not executable; named as given, not as the last
+    PATH dir tried."""
+    r = client.call(py_image, argv=["no-such-cmd", "x"])
+    assert (r.exit_code, r.path) == (127, "zygote")
+    assert r.stderr == b"fncall: no-such-cmd: not found (PATH /usr/local/bin:/usr/bin:/bin)\n", r.stderr
+    r = client.call(py_image, argv=["/etc/passwd"])
+    assert r.exit_code == 126 and r.stderr == b"fncall: /etc/passwd: Permission denied\n", r
+
+
 def test_each_call_starts_from_fresh_private_state(client, py_image):
     first = client.call(py_image, code=(
         "import os, json\n"
