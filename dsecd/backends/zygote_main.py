@@ -303,6 +303,12 @@ class Zygote:
             self.sock.close()
             ours.close()
             worker(theirs, tmp, uid, self.rlimits)
+        # The worker makes its process group too, but maybe only after a kill
+        # of its call (killpg on a group not made yet: ESRCH, the kill lost).
+        try:
+            os.setpgid(pid, pid)
+        except OSError:
+            pass
         theirs.close()
         w = {"pid": pid, "pidfd": os.pidfd_open(pid), "link": ours, "uid": uid, "tmp": tmp,
              "id": None, "started": 0.0, "reported": False}

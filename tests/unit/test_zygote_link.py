@@ -147,3 +147,37 @@ def test_a_zygote_silent_after_a_kill_leaves_no_unretrieved_error():
     error, alive = asyncio.run(go())
     assert "stopped answering" in error and not alive
     assert unhandled == []
+
+
+def test_a_new_worker_is_in_its_own_process_group_at_once(monkeypatch):
+    """A call's kill is a killpg on its worker's group, which may come
+    before the worker ran its first step: the zygote makes the group too."""
+    import select
+    import signal
+    import time
+
+    from dsecd.backends import zygote_main
+
+    def slow_worker(link, tmp, uid, rlimits):      # not yet at its setpgid when the kill comes
+        time.sleep(0.5)
+        os._exit(0)
+
+    monkeypatch.setattr(zygote_main, "worker", slow_worker)
+    z = zygote_main.Zygote.__new__(zygote_main.Zygote)
+    z.uids, z.forked, z.base, z.rlimits, z.by_fd = [100000], 0, "/nonexistent", {}, {}
+    z.poll = select.poll()
+    z.sock, other = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    w = z.fork_worker()
+    try:
+        os.killpg(w["pid"], signal.SIGKILL)       # ProcessLookupError if the group is not there yet
+    finally:
+        try:
+            os.kill(w["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _, status = os.waitpid(w["pid"], 0)
+        os.close(w["pidfd"])
+        w["link"].close()
+        z.sock.close()
+        other.close()
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
