@@ -408,6 +408,43 @@ def test_a_recycled_zygote_lets_its_running_calls_end(daemon_factory):
         c.close()
 
 
+def test_calls_that_keep_the_cpu_busy_do_not_starve_the_zygote(daemon_factory):
+    """Calls share their call sandbox's CPU with the zygote, which forks
+    their workers and relays their kills: beside a call that keeps 30
+    processes busy, calls killed at once (a tiny timeout) still end within
+    fncall.kill_grace_s, and the zygote is not taken for unresponsive."""
+    d = daemon_factory("[fncall]\nspares = 0\n")
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "mkpyrootfs.sh")], check=True,
+                         capture_output=True, text=True)
+    c = d.client()
+    try:
+        c.import_image(out.stdout.strip().splitlines()[-1], "py")
+        assert c.call("py", code="import os; print(os.nice(0))").stdout == b"19\n"
+        spin = ("import os\n"
+                "for _ in range(30):\n"
+                "    if os.fork() == 0:\n"
+                "        break\n"
+                "while True:\n"
+                "    pass\n")
+
+        async def run():
+            async with Client(d.socket) as ac:
+                hog = asyncio.ensure_future(ac.call("py", code=spin, timeout=10))
+                await asyncio.sleep(1)
+                killed = []
+                for _ in range(2):
+                    killed += await asyncio.gather(*(ac.call("py", code="import time; time.sleep(5)", timeout=0.001)
+                                                     for _ in range(30)), return_exceptions=True)
+                return await hog, killed
+
+        hog, killed = asyncio.run(run())
+        assert hog.timed_out
+        assert [k if isinstance(k, Exception) else k.timed_out for k in killed] == [True] * 60
+        assert c.info()["fncall"]["zygotes_replaced"] == 0
+    finally:
+        c.close()
+
+
 def test_a_call_holding_every_pid_does_not_kill_the_zygote(daemon_factory):
     """A call that keeps its call sandbox at fncall.pids leaves the zygote no
     pid for a spare: the zygote tries again later (a call meanwhile may fail
