@@ -193,6 +193,7 @@ class CallBox:
     start_failed: str | None = None     # why its zygote did not start (it is being dropped)
     calls: int = 0
     running: int = 0
+    oom_kills: int = 0      # its OOM kill count, as last read (at the end of a SIGKILLed call)
     created: float = field(default_factory=time.time)
     free_uids: list = field(default_factory=list)    # plain calls: one uid per running call
 

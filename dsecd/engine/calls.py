@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import time
 
 from .. import cgroup, metrics
@@ -49,6 +50,7 @@ from ..execio import ChildWatch, Collector, ExecIO, reap
 from ..fs import upper as upperfs
 from ..fs.images import ImageError
 from ..fs.layers import overlay_lowerdirs
+from ..mem import pause
 from ..native import NativeError
 from .execs import ExecLimits, check_env
 from .images import ImageService
@@ -150,11 +152,13 @@ class CallService:
                                   "code calls need python3 in the image (argv calls work)",
                                   {"image": req.image})
             box.running += 1
+            oom_before = box.oom_kills
             try:
                 if zyg is not None:
                     result = await self._zygote_call(box, zyg, argv, code, req.env, stdin, timeout)
                 else:
                     result = await self._plain_call(box, argv, req.env, stdin, timeout)
+                await self._why_killed(box, result, oom_before)
             finally:
                 box.running -= 1
                 box.calls += 1
@@ -171,6 +175,21 @@ class CallService:
         result["total_ms"] = round(elapsed * 1000, 3)
         metrics.CALL_SECONDS.labels("zygote" if zyg is not None else "plain").observe(elapsed)
         return result
+
+    async def _why_killed(self, box: CallBox, result: dict, oom_before: int) -> None:
+        """A call that ended by SIGKILL, not at its timeout, says `killed_by`
+        "oom" when its call sandbox's OOM kill count grew while it ran, as an
+        exec does. One cgroup read, for SIGKILLed calls only; the count a
+        call started from is the one the last such read saw."""
+        if result.get("signal") != signal.SIGKILL or result.get("timed_out") or box.handle is None:
+            return
+        try:
+            n = await self.workers.run(pause.oom_kills, box.handle.group)
+        except OSError:
+            return
+        if n > oom_before:
+            result["killed_by"] = "oom"
+        box.oom_kills = max(box.oom_kills, n)
 
     def _call_route(self, req) -> tuple[list[str], str | None]:
         """(argv, code): code is None for an argv call; argv is sys.argv for a code call."""

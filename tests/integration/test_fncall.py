@@ -377,6 +377,26 @@ def test_a_zygote_that_did_not_start_in_time_is_tried_again(daemon_factory):
         c.close()
 
 
+def test_a_call_the_oom_killer_took_says_so(daemon_factory):
+    """A call SIGKILLed by its call sandbox's OOM killer (fncall.memory,
+    shared by every call of the image) says `killed_by` "oom", as an exec
+    does; one that SIGKILLs itself does not."""
+    d = daemon_factory('[fncall]\nmemory = "256M"\n')
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "mkpyrootfs.sh")], check=True,
+                         capture_output=True, text=True)
+    c = d.client()
+    try:
+        c.import_image(out.stdout.strip().splitlines()[-1], "py")
+        r = c.call("py", code="b = bytearray(400 << 20)\nfor i in range(0, len(b), 4096):\n    b[i] = 1\n")
+        assert (r.signal, r.killed_by) == (signal.SIGKILL, "oom"), r
+        r = c.call("py", code="import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+        assert (r.signal, r.killed_by) == (signal.SIGKILL, None), r
+        cli = d.cli("call", "--image", "py", "--", "python3", "-c", "b'x' * (400 << 20)")
+        assert cli.returncode == 137 and b"memory limit" in cli.stderr, cli.stderr
+    finally:
+        c.close()
+
+
 def test_a_recycled_zygote_lets_its_running_calls_end(daemon_factory):
     """After fncall.zygote_max_calls calls the zygote is replaced: new calls
     go to a new one, and the calls still running on the old one end as
