@@ -147,8 +147,11 @@ def worker(link, tmp, uid, rlimits):
             except BaseException:
                 pass
         # Report before the (slower) exit: the output pipes close with it.
-        os.close(1)
-        os.close(2)
+        for fd in (1, 2):
+            try:
+                os.close(fd)
+            except OSError:         # the call closed it itself
+                pass
         try:
             link.send(json.dumps({"done": status & 0xFF}).encode())
         except OSError:

@@ -58,6 +58,11 @@ def test_an_argv_the_zygote_cannot_exec_exits_as_a_shell_says(client, py_image):
     assert r.exit_code == 126 and r.stderr == b"fncall: /etc/passwd: Permission denied\n", r
 
 
+def test_a_call_that_closed_its_stdout_ends_quietly(client, py_image):
+    r = client.call(py_image, code="import os\nprint('x', flush=True)\nos.close(1)\nos.close(0)\n")
+    assert (r.exit_code, r.stdout, r.stderr) == (0, b"x\n", b"")
+
+
 def test_each_call_starts_from_fresh_private_state(client, py_image):
     first = client.call(py_image, code=(
         "import os, json\n"
