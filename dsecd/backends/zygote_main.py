@@ -133,6 +133,9 @@ def worker(link, tmp, uid, rlimits):
         os.environ.clear()
         os.environ.update(env)
         sys.argv = list(req["argv"]) or ["-c"]
+        # sys.path as `python3 -c` starts with it (the zygote runs -I, which
+        # leaves out both): the cwd first, then PYTHONPATH's dirs.
+        sys.path[0:0] = ["", *(d for d in env.get("PYTHONPATH", "").split(os.pathsep) if d)]
         tempfile.tempdir = None
         gc.enable()
         try:

@@ -63,6 +63,16 @@ def test_a_call_that_closed_its_stdout_ends_quietly(client, py_image):
     assert (r.exit_code, r.stdout, r.stderr) == (0, b"x\n", b"")
 
 
+def test_a_code_call_imports_from_its_dir_and_pythonpath(client, py_image):
+    """As under `python3 -c`: its cwd (the private dir) heads sys.path, then
+    the dirs of PYTHONPATH from the call's env (the zygote itself runs -I)."""
+    r = client.call(py_image, code="open('helper.py', 'w').write('X = 41\\n')\nimport helper\nprint(helper.X + 1)")
+    assert (r.exit_code, r.stdout) == (0, b"42\n"), r.stderr
+    r = client.call(py_image, argv=["python3", "-c", "import sys; print(sys.path[:3])"],
+                    env={"PYTHONPATH": "/opt/a:/opt/b"})
+    assert r.stdout == b"['', '/opt/a', '/opt/b']\n", r
+
+
 def test_each_call_starts_from_fresh_private_state(client, py_image):
     first = client.call(py_image, code=(
         "import os, json\n"
