@@ -44,6 +44,7 @@ import socket
 import sys
 import tempfile
 import time
+import types
 
 IDLE_MS = 20
 RECHECK_MS = 10        # how soon a uid held back for what its call left behind is looked at again
@@ -139,7 +140,13 @@ def worker(link, tmp, uid, rlimits):
         tempfile.tempdir = None
         gc.enable()
         try:
-            exec(compile(src, "<call>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+            # A __main__ of its own, as `python3 -c` runs in: what the call
+            # defines pickles by reference, and the zygote's module stays out
+            # of its sight (this function keeps that module's globals alive).
+            main = types.ModuleType("__main__")
+            main.__builtins__ = __builtins__
+            sys.modules["__main__"] = main
+            exec(compile(src, "<call>", "exec"), main.__dict__)
             status = 0
         except BaseException as e:
             status = ended_by(e)

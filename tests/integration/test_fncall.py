@@ -73,6 +73,19 @@ def test_a_code_call_imports_from_its_dir_and_pythonpath(client, py_image):
     assert r.stdout == b"['', '/opt/a', '/opt/b']\n", r
 
 
+def test_a_code_call_runs_as_the_main_module(client, py_image):
+    """Its globals are sys.modules['__main__'], as under `python3 -c`: what it
+    defines pickles by reference (multiprocessing, concurrent.futures), and
+    nothing of the zygote's own module shows."""
+    r = client.call(py_image, code=(
+        "import pickle, sys\n"
+        "def f(x):\n    return x + 1\n"
+        "class C:\n    pass\n"
+        "print(pickle.loads(pickle.dumps(f))(1), type(pickle.loads(pickle.dumps(C()))).__name__,"
+        " sys.modules['__main__'].f is f, hasattr(sys.modules['__main__'], 'Zygote'))\n"))
+    assert (r.exit_code, r.stdout) == (0, b"2 C True False\n"), r.stderr
+
+
 def test_each_call_starts_from_fresh_private_state(client, py_image):
     first = client.call(py_image, code=(
         "import os, json\n"
