@@ -196,6 +196,7 @@ class CallBox:
     oom_kills: int = 0      # its OOM kill count, as last read (at the end of a SIGKILLed call)
     created: float = field(default_factory=time.time)
     free_uids: list = field(default_factory=list)    # plain calls: one uid per running call
+    env: dict = field(default_factory=dict)     # the image's environment, under each call's
 
 
 class FnCallBackend:
@@ -243,8 +244,9 @@ class FnCallBackend:
     def destroy_box(self, box_id: str, h: Handle | None) -> None:
         self.containers.destroy(box_id, h)
 
-    def spawn_zygote(self, h: Handle, conf: dict) -> tuple[socket.socket, int]:
-        """Start python3 + the zygote source in the call sandbox; (our socket end, host pid)."""
+    def spawn_zygote(self, h: Handle, conf: dict, image_env: dict) -> tuple[socket.socket, int]:
+        """Start python3 + the zygote source in the call sandbox, under the
+        image's environment (its PATH finds python3); (our socket end, host pid)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         try:
@@ -253,7 +255,7 @@ class FnCallBackend:
             # zygote; lazily, each worker resolved (and wrote into the GOT, a
             # copy-on-write fault) every libc function it called first: setsid,
             # setuid, setrlimit... Workers get the call's environment instead.
-            env = self.containers.exec_env({"HOSTNAME": "fncall", "LD_BIND_NOW": "1"}, {})
+            env = self.containers.exec_env({**image_env, "HOSTNAME": "fncall", "LD_BIND_NOW": "1"}, {})
             pid = self.containers.spawn(h, argv, env, "/", 0, (theirs.fileno(), null, null))
         except BaseException:
             ours.close()

@@ -257,7 +257,8 @@ class CallService:
             raise
         log.info("call sandbox %s for image %s", box_id, image_name)
         uids = list(range(fc["uid_base"] + fc["uid_count"] - 1, fc["uid_base"] - 1, -1))   # lowest last
-        return CallBox(id=box_id, image=image_name, layers=image.layer_digests, handle=handle, free_uids=uids)
+        return CallBox(id=box_id, image=image_name, layers=image.layer_digests, handle=handle, free_uids=uids,
+                       env=dict(image.config.get("env") or {}))
 
     async def _zygote(self, box: CallBox) -> Zygote | None:
         if box.zygote is not None and box.zygote.alive:
@@ -288,7 +289,7 @@ class CallService:
                 "uid_count": fc["uid_count"],
                 "rlimits": {"as": self._call_sizes["rlimit_as"], "core": 0,
                             "fsize": self._call_sizes["rlimit_fsize"], "nofile": fc["rlimit_nofile"]}}
-        sock, pid = await self.workers.run(self.fncall.spawn_zygote, box.handle, conf)
+        sock, pid = await self.workers.run(self.fncall.spawn_zygote, box.handle, conf, box.env)
         sock.setblocking(False)
         zyg = Zygote(sock=sock, pid=pid, pidfd=os.pidfd_open(pid), ready=self.workers.loop.create_future())
         self.workers.loop.add_reader(sock.fileno(), zyg.on_readable)
@@ -376,7 +377,7 @@ class CallService:
             stdin_fd = _memfd("fncall-stdin", stdin, extra) if stdin else self.devnull
             fds = [stdin_fd, *run.child_ends]
             msg = {"op": "call", "id": call_id, "argv": argv, "code": code is not None,
-                   "cpu_s": int(timeout) + 1, "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", **env}}
+                   "cpu_s": int(timeout) + 1, "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", **box.env, **env}}
             data = json.dumps({**msg, "src": code} if code is not None else msg).encode()
             if len(data) > INLINE_MAX:       # the zygote reads packets of at most 64 KiB
                 data = json.dumps(msg).encode()
@@ -468,7 +469,8 @@ class CallService:
 
         abandoned = False
         try:
-            envl = self.fncall.containers.exec_env({"HOSTNAME": "fncall"}, {"HOME": cwd, "TMPDIR": cwd, **env})
+            envl = self.fncall.containers.exec_env({**box.env, "HOSTNAME": "fncall"},
+                                                   {"HOME": cwd, "TMPDIR": cwd, **env})
             try:
                 watch = await self._start_plain(box, argv, envl, cwd, uid, io, release)
             except asyncio.CancelledError:

@@ -86,6 +86,23 @@ def test_a_code_call_runs_as_the_main_module(client, py_image):
     assert (r.exit_code, r.stdout) == (0, b"2 C True False\n"), r.stderr
 
 
+def test_calls_get_the_images_environment(daemon, client, py_image, tmp_path):
+    """The image's ENV, under the call's own env, as an exec gets it: for
+    zygote calls, their argv and plain calls alike."""
+    r = daemon.cli("image", "build", str(tmp_path), "--from", py_image, "--name", "py-env",
+                   "--env", "GREETING=hi", "--env", "SHARED=image")
+    assert r.returncode == 0, r.stderr
+    r = daemon.cli("image", "build", str(tmp_path), "--from", "busybox", "--name", "busybox-env",
+                   "--env", "GREETING=hi", "--env", "SHARED=image")
+    assert r.returncode == 0, r.stderr
+    show = "import os; print(os.environ.get('GREETING'), os.environ.get('SHARED'))"
+    assert client.call("py-env", code=show, env={"SHARED": "call"}).stdout == b"hi call\n"
+    r = client.call("py-env", argv=["sh", "-c", "echo $GREETING $SHARED"])
+    assert (r.stdout, r.path) == (b"hi image\n", "zygote")
+    r = client.call("busybox-env", argv=["sh", "-c", "echo $GREETING $SHARED"], env={"SHARED": "call"})
+    assert (r.stdout, r.path) == (b"hi call\n", "exec")
+
+
 def test_each_call_starts_from_fresh_private_state(client, py_image):
     first = client.call(py_image, code=(
         "import os, json\n"
