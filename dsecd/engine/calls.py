@@ -101,6 +101,8 @@ class CallService:
         self.call_boxes: dict[str, CallBox] = {}
         self._draining: dict[str, CallBox] = {}   # retired, dropped when their running calls end
         self._box_locks: dict[str, asyncio.Lock] = {}
+        if images is not None:
+            images.images.changed.append(self._image_changed)
         self.call_stats = {"calls": 0, "inflight": 0, "zygote_calls": 0, "plain_calls": 0, "plain_calls_by_init": 0,
                            "zygotes_started": 0, "zygotes_replaced": 0, "busy": 0}
 
@@ -311,6 +313,17 @@ class CallService:
             log.warning("zygote for %s could not import %s", box.image, info["failed"])
         log.info("zygote %d for image %s ready (modules %s)", pid, box.image, info.get("modules"))
         return zyg
+
+    def _image_changed(self, key: str) -> None:
+        """An image name now stands for another manifest, or for none (from
+        the thread that changed it): its next call makes a call sandbox of
+        what it names now; calls running in the old one end there."""
+        def retire() -> None:
+            box = self.call_boxes.get(key)
+            if box is not None:
+                self._retire(box, "its image name was rebuilt or removed", drain=True)
+
+        self.workers.loop.call_soon_threadsafe(retire)
 
     def _on_zygote_exit(self, box: CallBox, zyg: Zygote) -> None:
         zyg.fail(f"zygote {zyg.pid} exited")

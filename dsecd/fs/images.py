@@ -102,6 +102,9 @@ class ImageStore:
         # same store: a stat tells whether the parsed copy is still current,
         # instead of an open, read and JSON parse on every create.
         self._refs: dict[str, tuple[tuple[int, int, int], dict]] = {}
+        # Called with a name's key (key()) once this daemon pointed it at
+        # another manifest or removed it; from whichever thread did.
+        self.changed: list = []
         # Blobs a build in progress has written or relies on but no name
         # reaches yet: gc keeps them. One lock orders pins against a whole gc
         # pass (found by fuzzing: image_build beside image_gc lost its fresh
@@ -303,6 +306,7 @@ class ImageStore:
                 except FileNotFoundError:
                     if attempt == 4:
                         raise
+            self._changed(name)
             return before
         except FileExistsError:
             raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)") from None
@@ -322,8 +326,14 @@ class ImageStore:
             raise ImageError("not_found", f"no image named {name!r} (removed meanwhile)") from None
         finally:
             self._refs.pop(image.name, None)
+        self._changed(image.name)
         self._prune(path.parent)
         return image
+
+    def _changed(self, name: str) -> None:
+        key = self.key(name)
+        for hook in self.changed:
+            hook(key)
 
     def _prune(self, directory: Path) -> None:
         """Remove a reference's directories once empty, up to refs/_repos."""

@@ -103,6 +103,36 @@ def test_calls_get_the_images_environment(daemon, client, py_image, tmp_path):
     assert (r.stdout, r.path) == (b"hi call\n", "exec")
 
 
+def test_calls_of_a_rebuilt_image_run_in_the_new_one(daemon, client, tmp_path):
+    """A name rebuilt (rm + build, or a Dockerfile build replacing it) runs
+    its next call in a call sandbox of the new image, not of the old one;
+    a call running meanwhile ends in the old one."""
+    def build(value: str) -> None:
+        r = daemon.cli("image", "build", str(tmp_path), "--from", "busybox", "--name", "bb-rebuilt",
+                       "--env", f"V={value}")
+        assert r.returncode == 0, r.stderr
+
+    build("one")
+    assert client.call("bb-rebuilt", argv=["sh", "-c", "echo $V"]).stdout == b"one\n"
+
+    async def running():
+        async with Client(daemon.socket) as ac:
+            return await ac.call("bb-rebuilt", argv=["sh", "-c", "sleep 1; echo $V"])
+
+    task = asyncio.new_event_loop()
+    slow = task.create_task(running())
+    task.run_until_complete(asyncio.sleep(0.3))
+    assert daemon.cli("image", "rm", "bb-rebuilt").returncode == 0
+    build("two")
+    assert client.call("bb-rebuilt", argv=["sh", "-c", "echo $V"]).stdout == b"two\n"
+    assert task.run_until_complete(slow).stdout == b"one\n"
+    task.close()
+    (tmp_path / "Dockerfile").write_text("FROM busybox\nENV V=three\n")
+    r = daemon.cli("image", "build", "-f", str(tmp_path / "Dockerfile"), str(tmp_path), "--name", "bb-rebuilt")
+    assert r.returncode == 0, r.stderr
+    assert client.call("bb-rebuilt", argv=["sh", "-c", "echo $V"]).stdout == b"three\n"
+
+
 def test_each_call_starts_from_fresh_private_state(client, py_image):
     first = client.call(py_image, code=(
         "import os, json\n"
