@@ -90,6 +90,7 @@ class Pool:
     failed: int = 0
     error: str | None = None
     takes: deque = field(default_factory=lambda: deque(maxlen=4096))   # monotonic times of takes
+    image_changes: int = 0       # how often its image name was rebuilt or removed (this daemon)
 
     def target(self, window: float) -> int:
         """min, plus what was taken in the last `window` seconds (demand), up to max."""
@@ -187,6 +188,8 @@ class CreateService:
         self._pools_path = cfg.state_dir / "pools.json"
         self._pool_task: asyncio.Task | None = None
         self._refills: set[asyncio.Task] = set()
+        if images is not None:
+            images.images.changed.append(self._image_changed)
 
     async def start(self) -> None:
         """After the journal was re-adopted: keys and pool membership from the records."""
@@ -411,9 +414,27 @@ class CreateService:
                     self._refills.add(task)
                     task.add_done_callback(self._refills.discard)
 
+    def _image_changed(self, key: str) -> None:
+        """An image name now stands for another manifest, or none (from the
+        thread that changed it): the ready sandboxes of its pools, made of
+        what it named before, go, and so do the refills under way; the
+        refiller makes new ones of what it names now."""
+        def drop_stale() -> None:
+            for pool in self.pools.values():
+                if self.image_service.images.key(pool.image) != key:
+                    continue
+                pool.image_changes += 1
+                while pool.ready:
+                    sb = self.registry.by_id.get(pool.ready.popleft())
+                    if sb is not None:
+                        self.workers.loop.create_task(self._destroy_quiet(sb))
+
+        self.workers.loop.call_soon_threadsafe(drop_stale)
+
     async def _refill_one(self, pool: Pool) -> None:
         req = protocol.Create(image=pool.image, cpu=pool.cpu, memory=pool.memory,
                               labels={POOL_LABEL: pool.name})
+        image_changes = pool.image_changes
         try:
             async with self.admission.slot(POOL_JOB):
                 result = await self.create_now(req, None)
@@ -428,7 +449,7 @@ class CreateService:
         finally:
             pool.creating -= 1
         pool.created += 1
-        if self.pools.get(pool.name) is pool and len(pool.ready) < pool.max:
+        if self.pools.get(pool.name) is pool and len(pool.ready) < pool.max and pool.image_changes == image_changes:
             pool.ready.append(result["id"])
         else:
             sb = self.registry.by_id.get(result["id"])

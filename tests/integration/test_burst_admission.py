@@ -166,3 +166,30 @@ def test_cli_pool_and_key(daemon):
     assert b"80M" in daemon.cli("pool", "ls").stdout
     assert daemon.cli("pool", "set", "--image", "busybox", "--min", "0", "--max", "0",
                       "--memory", "80M").returncode == 0
+
+
+def test_a_pool_of_a_rebuilt_image_hands_out_the_new_image(daemon, tmp_path):
+    """Its ready sandboxes were made of what the name stood for then: after
+    the name is rebuilt, a matching create gets a sandbox of the new image."""
+    def build(value: str) -> None:
+        r = daemon.cli("image", "build", str(tmp_path), "--from", "busybox", "--name", "bb-pooled",
+                       "--env", f"V={value}")
+        assert r.returncode == 0, r.stderr
+
+    c = daemon.client()
+    try:
+        build("one")
+        name = c.pool_set("bb-pooled", 2, 2, cpu=0.5, memory="96M")["name"]
+        assert _wait_ready(c, name, 2)["ready"] >= 2
+        assert daemon.cli("image", "rm", "bb-pooled").returncode == 0
+        build("two")
+        sb = c.create("bb-pooled", cpu=0.5, memory="96M")
+        assert sb.exec(["sh", "-c", "echo $V"]).stdout == b"two\n"
+        sb.destroy(force=True)
+        assert _wait_ready(c, name, 2)["ready"] >= 2
+        sb = c.create("bb-pooled", cpu=0.5, memory="96M")
+        assert sb.exec(["sh", "-c", "echo $V"]).stdout == b"two\n"
+        sb.destroy(force=True)
+        c.pool_set("bb-pooled", 0, 0, cpu=0.5, memory="96M")
+    finally:
+        c.close()
