@@ -545,7 +545,9 @@ async def cmd_call(c: Client, a) -> int:
         with open(a.code_file) as f:
             code = f.read()
     stdin = None
-    if a.stdin:
+    if a.stdin == "-":
+        stdin = sys.stdin.buffer.read()
+    elif a.stdin:
         with open(a.stdin, "rb") as f:
             stdin = f.read()
     r = await c.call(a.image, argv=None if code is not None else a.argv, code=code,
@@ -1823,7 +1825,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(with --code-file: the code's sys.argv[1:])")
     call.add_argument("--image", required=True, help="the image the call runs in (a name dsec image ls lists)")
     call.add_argument("--code-file", help="Python source to run through the image's zygote")
-    call.add_argument("--stdin", metavar="FILE", help="file fed to the call's stdin")
+    call.add_argument("--stdin", metavar="FILE", help="file fed to the call's stdin ('-': dsec's own stdin)")
     call.add_argument("--timeout", type=float, help="seconds; the call's process group is killed after it")
     call.add_argument("--env", action="append", metavar="K=V")
 

@@ -605,3 +605,6 @@ def test_cli_call(daemon, py_image, tmp_path):
     inp.write_text("12")
     r = daemon.cli("call", "--image", py_image, "--code-file", str(code), "--stdin", str(inp), "--timeout", "5")
     assert (r.returncode, r.stdout) == (2, b"144\n"), r.stderr
+    # '-': dsec's own stdin, as `dsec cp - SB:/path` reads it.
+    r = daemon.cli("call", "--image", "busybox", "--stdin", "-", "--", "wc", "-c", input=b"12345")
+    assert (r.returncode, r.stdout.strip()) == (0, b"5"), r.stderr
