@@ -83,7 +83,7 @@ def _overlay(base: dict, extra: dict, where: str = "") -> dict:
 # working, not turn a feature off); every other number must not be negative.
 POSITIVE = {
     "admission.max_active_creates", "build.cpu", "cpu.recent_half_life_s", "daemon.worker_threads", "fncall.cpu",
-    "fncall.default_timeout_s", "fncall.max_inflight", "fncall.max_timeout_s", "fncall.pids",
+    "fncall.default_timeout_s", "fncall.kill_grace_s", "fncall.max_inflight", "fncall.max_timeout_s", "fncall.pids",
     "fncall.rlimit_nofile", "fncall.tmp_size", "fncall.uid_count", "fncall.zygote_max_calls",
     "fncall.zygote_start_timeout_s",
     # A call's uid: 0 is root, whose setuid keeps the zygote's capabilities.

@@ -127,6 +127,8 @@ def test_with_setting_adds_a_key_once_and_keeps_one_the_text_sets():
     ('[fncall]\npython = ""', "fncall.python must name the interpreter"),
     # uid 0 is root: setuid(0) would keep the zygote's capabilities.
     ("[fncall]\nuid_base = 0", "'fncall.uid_base' must be above zero, got 0"),
+    # 0 s for the zygote to report a killed call's end: every timeout replaced the zygote.
+    ("[fncall]\nkill_grace_s = 0", "'fncall.kill_grace_s' must be above zero, got 0"),
 ])
 def test_a_value_of_the_wrong_kind_or_range_is_an_error_naming_the_key(tmp_path, text, says):
     f = tmp_path / "c.toml"
