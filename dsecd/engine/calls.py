@@ -99,7 +99,8 @@ class CallService:
         self.exec_limits = exec_limits
         self.devnull = devnull
         self.call_boxes: dict[str, CallBox] = {}
-        self._draining: dict[str, CallBox] = {}   # retired, dropped when their running calls end
+        # Retired, dropped when their running calls end: id -> (box, why).
+        self._draining: dict[str, tuple[CallBox, str]] = {}
         self._box_locks: dict[str, asyncio.Lock] = {}
         if images is not None:
             images.images.changed.append(self._image_changed)
@@ -118,7 +119,7 @@ class CallService:
             await self.workers.run(self.fncall.destroy_box, box_id, None)
 
     async def close(self) -> None:
-        boxes, self.call_boxes = [*self.call_boxes.values(), *self._draining.values()], {}
+        boxes, self.call_boxes = [*self.call_boxes.values(), *(b for b, _why in self._draining.values())], {}
         self._draining = {}
         await asyncio.gather(*(self._drop_box(b, "daemon shutdown") for b in boxes), return_exceptions=True)
 
@@ -167,8 +168,8 @@ class CallService:
                 if zyg is not None and zyg.calls >= self.fn_cfg["zygote_max_calls"]:
                     self._retire(box, "recycled after fncall.zygote_max_calls calls", drain=True)
                 if box.id in self._draining and not box.running:
-                    del self._draining[box.id]
-                    self.workers.loop.create_task(self._drop_box(box, "recycled; its last call ended"))
+                    _box, why = self._draining.pop(box.id)
+                    self.workers.loop.create_task(self._drop_box(box, f"{why}; its last call ended"))
         finally:
             stats["inflight"] -= 1
         stats["calls"] += 1
@@ -352,7 +353,7 @@ class CallService:
             if drain and box.running:
                 log.info("call sandbox %s of %s: %s; it goes once its %d running calls end",
                          box.id, box.image, why, box.running)
-                self._draining[box.id] = box
+                self._draining[box.id] = (box, why)
                 return
             self.workers.loop.create_task(self._drop_box(box, why))
 
