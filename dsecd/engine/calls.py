@@ -128,6 +128,8 @@ class CallService:
             {"image": b.image, "id": b.id, "calls": b.calls, "running": b.running,
              "zygote_pid": b.zygote.pid if b.zygote and b.zygote.alive else None,
              "modules": (b.zygote.info.get("modules") if b.zygote else None),
+             # [fncall] modules the zygote could not import: name -> why (else only in the log)
+             "modules_failed": (b.zygote.info.get("failed") if b.zygote else None),
              "zygote_error": b.zygote_error} for b in self.call_boxes.values()]}
 
     # ------------------------------------------------------------ the op

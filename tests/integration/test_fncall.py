@@ -428,6 +428,21 @@ def test_plain_calls_use_the_helper_when_execs_do(daemon_factory, busybox_rootfs
         c.close()
 
 
+def test_info_says_which_modules_the_zygote_could_not_import(daemon_factory):
+    d = daemon_factory('[fncall]\nmodules = ["json", "no_such_module_here"]\n')
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "mkpyrootfs.sh")], check=True,
+                         capture_output=True, text=True)
+    c = d.client()
+    try:
+        c.import_image(out.stdout.strip().splitlines()[-1], "py")
+        assert c.call("py", code="print(1)").exit_code == 0
+        box = next(b for b in c.info()["fncall"]["boxes"] if b["image"] == "py")
+        assert box["modules"] == ["json"]
+        assert "No module named 'no_such_module_here'" in box["modules_failed"]["no_such_module_here"]
+    finally:
+        c.close()
+
+
 def test_a_zygote_that_did_not_start_in_time_is_tried_again(daemon_factory):
     """A zygote not ready within fncall.zygote_start_timeout_s fails that
     call with `io`, saying so; it does not leave the image without a zygote
