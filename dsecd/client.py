@@ -673,9 +673,14 @@ class Client:
         # a create with its key sent again finds what it made). An error: nothing was made.
         if "__lost__" in frame or "error" in frame:
             return
-        info = frame.get("result") or {}
+        await self._destroy_made_for_nobody(frame.get("result") or {})
+
+    async def _destroy_made_for_nobody(self, info: dict) -> None:
+        """Destroy the sandbox a cancelled create made (`info`: its answer),
+        unless it made none or answered with the sandbox of an earlier
+        create of its key, which is not this one's to undo."""
         if not info.get("id") or info.get("existing"):
-            return                  # the key's sandbox, made by an earlier create: not this one's to undo
+            return
         try:
             await self.request("destroy", sandbox=info["id"], force=True)
             log.info("create on %s was cancelled after the daemon made sandbox %s: destroyed it",

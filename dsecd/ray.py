@@ -77,7 +77,7 @@ from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .client import ABANDONED_CREATE_WAIT_S, Client, default_socket, lost_after_sending
-from .errors import BadRequest, ConnectionLost, DsecError, NotFound
+from .errors import BadRequest, ConnectionLost, DsecError
 from .fleet import CONNECT_TIMEOUT_S, Fleet
 
 RESOURCE = "dsec"          # the custom resource a Ray node advertises to be a dsec host
@@ -433,19 +433,7 @@ class ActorClient(Client):
                 answer = await ref
             except Exception:               # the actor died: the host is down, the fleet settles keys on rejoin
                 return
-            info = answer.get("result") or {}
-            if not info.get("id") or info.get("existing"):
-                return                      # failed, or the key's sandbox of an earlier create
-            try:
-                await self.request("destroy", sandbox=info["id"], force=True)
-                log.info("create on %s was cancelled after the daemon made sandbox %s: destroyed it",
-                         self.target, info["id"])
-            except NotFound:
-                pass
-            except (DsecError, ConnectionError) as err:
-                log.warning("create on %s was cancelled after the daemon made sandbox %s, and destroying it "
-                            "failed (%s): remove it with `dsec rm --force %s`", self.target, info["id"], err,
-                            info["id"])
+            await self._destroy_made_for_nobody(answer.get("result") or {})
 
         task = asyncio.get_running_loop().create_task(settle())
         self._undoing.add(task)
