@@ -481,7 +481,8 @@ class ImageService:
                                {"sandbox": sb.id, "state": sb.state})
             # A paused sandbox is frozen already, and stays so: packed as it is.
             was_paused = sb.state == "paused"
-            freezer = pause.Freezer.of(sb.handle.group)
+            handle = sb.handle
+            freezer = pause.Freezer.of(handle.group)
             try:
                 if not was_paused:
                     await self.workers.run(freezer.freeze, self.freeze_timeout_s)
@@ -489,7 +490,16 @@ class ImageService:
                 raise Conflict(f"snapshot of sandbox {sb.id}: cannot freeze it ({err}); is it being destroyed?",
                                {"sandbox": sb.id}) from err
             try:
-                upper, undo = await self.workers.run(sb.handle.upper_view, self.state_dir / upperfs.VIEWS_DIR)
+                # A destroy takes no sandbox's lock: one that came while it
+                # froze has taken its handle (and is removing its layers).
+                if sb.handle is not handle:
+                    raise _destroyed_mid_snapshot(sb)
+                try:
+                    upper, undo = await self.workers.run(handle.upper_view, self.state_dir / upperfs.VIEWS_DIR)
+                except OSError as err:
+                    if sb.handle is not handle:
+                        raise _destroyed_mid_snapshot(sb) from err
+                    raise
                 try:
                     yield upper
                 finally:
@@ -507,3 +517,8 @@ class ImageService:
                         # what was packed is published.
                         if sb.state != "stopping" and self.registry.by_id.get(sb.id) is sb:
                             raise
+
+
+def _destroyed_mid_snapshot(sb) -> Conflict:
+    return Conflict(f"snapshot of sandbox {sb.id}: it was destroyed while its snapshot began",
+                    {"sandbox": sb.id, "state": sb.state})
