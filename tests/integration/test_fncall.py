@@ -19,15 +19,22 @@ from dsecd.errors import BadRequest, DsecError, Unsupported
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def py_image(daemon) -> str:
-    """The host's python3 + stdlib as an image (scripts/mkpyrootfs.sh, cached)."""
+def import_py(c) -> str:
+    """The host's python3 + stdlib imported as the image "py" through client
+    `c` (scripts/mkpyrootfs.sh, cached)."""
     out = subprocess.run(["bash", str(ROOT / "scripts" / "mkpyrootfs.sh")], check=True,
                          capture_output=True, text=True)
-    c = daemon.client()
     c.import_image(out.stdout.strip().splitlines()[-1], "py")
-    c.close()
     return "py"
+
+
+@pytest.fixture(scope="module")
+def py_image(daemon) -> str:
+    c = daemon.client()
+    try:
+        return import_py(c)
+    finally:
+        c.close()
 
 
 def test_code_call_runs_in_the_zygote(client, py_image):
@@ -430,11 +437,9 @@ def test_plain_calls_use_the_helper_when_execs_do(daemon_factory, busybox_rootfs
 
 def test_info_says_which_modules_the_zygote_could_not_import(daemon_factory):
     d = daemon_factory('[fncall]\nmodules = ["json", "no_such_module_here"]\n')
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "mkpyrootfs.sh")], check=True,
-                         capture_output=True, text=True)
     c = d.client()
     try:
-        c.import_image(out.stdout.strip().splitlines()[-1], "py")
+        import_py(c)
         assert c.call("py", code="print(1)").exit_code == 0
         box = next(b for b in c.info()["fncall"]["boxes"] if b["image"] == "py")
         assert box["modules"] == ["json"]
@@ -448,11 +453,9 @@ def test_a_zygote_that_did_not_start_in_time_is_tried_again(daemon_factory):
     call with `io`, saying so; it does not leave the image without a zygote
     for good (code calls `unsupported`, as if it had no python3)."""
     d = daemon_factory("[fncall]\nzygote_start_timeout_s = 0.001\n")
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "mkpyrootfs.sh")], check=True,
-                         capture_output=True, text=True)
     c = d.client()
     try:
-        c.import_image(out.stdout.strip().splitlines()[-1], "py")
+        import_py(c)
         for _ in range(2):
             with pytest.raises(DsecError) as err:
                 c.call("py", code="print(1)")
@@ -472,11 +475,9 @@ def test_a_call_the_oom_killer_took_says_so(daemon_factory):
     shared by every call of the image) says `killed_by` "oom", as an exec
     does; one that SIGKILLs itself does not."""
     d = daemon_factory('[fncall]\nmemory = "256M"\n')
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "mkpyrootfs.sh")], check=True,
-                         capture_output=True, text=True)
     c = d.client()
     try:
-        c.import_image(out.stdout.strip().splitlines()[-1], "py")
+        import_py(c)
         r = c.call("py", code="b = bytearray(400 << 20)\nfor i in range(0, len(b), 4096):\n    b[i] = 1\n")
         assert (r.signal, r.killed_by) == (signal.SIGKILL, "oom"), r
         r = c.call("py", code="import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
@@ -492,11 +493,9 @@ def test_a_recycled_zygote_lets_its_running_calls_end(daemon_factory):
     go to a new one, and the calls still running on the old one end as
     they would have, not with an `io` error."""
     d = daemon_factory("[fncall]\nzygote_max_calls = 10\n")
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "mkpyrootfs.sh")], check=True,
-                         capture_output=True, text=True)
     c = d.client()
     try:
-        c.import_image(out.stdout.strip().splitlines()[-1], "py")
+        import_py(c)
 
         async def run():
             async with Client(d.socket) as ac:
@@ -524,11 +523,9 @@ def test_calls_that_keep_the_cpu_busy_do_not_starve_the_zygote(daemon_factory):
     processes busy, calls killed at once (a tiny timeout) still end within
     fncall.kill_grace_s, and the zygote is not taken for unresponsive."""
     d = daemon_factory("[fncall]\nspares = 0\n")
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "mkpyrootfs.sh")], check=True,
-                         capture_output=True, text=True)
     c = d.client()
     try:
-        c.import_image(out.stdout.strip().splitlines()[-1], "py")
+        import_py(c)
         assert c.call("py", code="import os; print(os.nice(0))").stdout == b"19\n"
         spin = ("import os\n"
                 "for _ in range(30):\n"
@@ -561,11 +558,9 @@ def test_a_call_holding_every_pid_does_not_kill_the_zygote(daemon_factory):
     to get a worker, and says why), the call times out as any other, and
     the zygote stays."""
     d = daemon_factory("[fncall]\npids = 64\nspares = 2\n")
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "mkpyrootfs.sh")], check=True,
-                         capture_output=True, text=True)
     c = d.client()
     try:
-        c.import_image(out.stdout.strip().splitlines()[-1], "py")
+        import_py(c)
         assert c.call("py", code="print(1)").exit_code == 0
         hog = ("import os, time\n"
                "while True:\n"
