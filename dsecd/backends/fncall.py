@@ -44,7 +44,7 @@ from .. import cgroup
 from ..fs import files as sbfiles
 from ..fs import upper as upperfs
 from .container import ContainerBackend, Handle
-from .zygote_main import kill_leftovers
+from .zygote_main import kill_leftovers, remove_owned
 
 log = logging.getLogger(__name__)
 
@@ -227,17 +227,23 @@ class FnCallBackend:
             raise
         return h
 
+    # /tmp of a call sandbox is root-only (0711): a call (as its fncall uid)
+    # writes in its own private dir there. /dev/shm is sticky and
+    # world-writable but not listable (01733): glibc makes POSIX shared
+    # memory and named semaphores (multiprocessing's locks and queues) there
+    # and nowhere else; a call cannot list, remove or rename another's
+    # entries, and what it leaves is removed before its uid is handed out
+    # again (zygote_main.remove_owned), so no call leaves a file for the next.
+    SHARED_DIR_MODES = {"/tmp": 0o711, "/dev/shm": 0o1733}
+
     def seal_shared_dirs(self, h: Handle) -> None:
-        """/tmp and /dev/shm of a call sandbox: root-only (0711), so the only
-        place a call (as fncall.uid) can write is its own private dir, and no
-        call leaves a file for the next."""
-        for path in ("/tmp", "/dev/shm"):
+        for path, mode in self.SHARED_DIR_MODES.items():
             try:
                 fd = sbfiles._open(h.rootfd, path, os.O_RDONLY | os.O_DIRECTORY)
             except OSError:
                 continue
             try:
-                os.fchmod(fd, 0o711)
+                os.fchmod(fd, mode)
             finally:
                 os.close(fd)
 
@@ -297,6 +303,19 @@ class FnCallBackend:
         (the zygote's own check, with init's host pid; a call sandbox has
         no user namespace, so the uid is the host's): how many it found."""
         return kill_leftovers(uid, h.init_pid)
+
+    @staticmethod
+    def remove_shm_files(h: Handle, uid: int) -> None:
+        """What a plain call of `uid` left in the call sandbox's /dev/shm
+        (the zygote's own cleanup, through the sandbox root)."""
+        try:
+            fd = sbfiles._open(h.rootfd, "/dev/shm", os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return
+        try:
+            remove_owned(fd, uid)
+        finally:
+            os.close(fd)
 
     def remove_private_dir(self, h: Handle, name: str) -> None:
         try:

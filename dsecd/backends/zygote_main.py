@@ -259,6 +259,30 @@ def kill_leftovers(uid, init_pid=1, fd=-1):
     return found
 
 
+def remove_owned(dirfd, uid):
+    """Remove the entries of the directory open at `dirfd` (the call
+    sandbox's /dev/shm) that `uid` owns: what a call made there (POSIX
+    shared memory, named semaphores) must not reach the next call its uid
+    goes to. Entries are not followed: a symlink goes, not its target; a
+    directory goes with what is in it."""
+    with os.scandir(dirfd) as entries:
+        owned = [e.name for e in entries if _owner(e) == uid]
+    for name in owned:
+        try:
+            os.unlink(name, dir_fd=dirfd)
+        except IsADirectoryError:
+            shutil.rmtree(name, dir_fd=dirfd, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _owner(entry):
+    try:
+        return entry.stat(follow_symlinks=False).st_uid
+    except OSError:
+        return None
+
+
 def _pidfd(pid):
     try:
         return os.pidfd_open(pid)           # Python 3.9+
@@ -298,6 +322,11 @@ class Zygote:
         self.fork_failed = False    # the last spare could not be forked
         # Kept open: read after every call (kill_leftovers). Workers close it.
         self.children_fd = os.open("/proc/1/task/1/children", os.O_RDONLY | os.O_CLOEXEC)
+        # Kept open: looked through whenever a uid is freed (free_uid).
+        try:
+            self.shm_fd = os.open("/dev/shm", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            self.shm_fd = -1
 
     def fork_worker(self):
         """A new worker. Spares do not walk a call's path ahead of it: that
@@ -385,13 +414,23 @@ class Zygote:
         if kill_leftovers(w["uid"], fd=self.children_fd):
             self.held.append(w["uid"])
         else:
-            self.uids.append(w["uid"])
+            self.free_uid(w["uid"])
+
+    def free_uid(self, uid):
+        """A uid back to the free list, once nothing of its call runs: what
+        the call left in /dev/shm goes first (nothing of it runs to make
+        more)."""
+        if self.shm_fd >= 0:
+            remove_owned(self.shm_fd, uid)
+        self.uids.append(uid)
 
     def recheck_held(self):
         """Free the held uids whose leftovers are gone (their children, if
         any, were reparented to init meanwhile and are killed now)."""
         still = [uid for uid in self.held if kill_leftovers(uid, fd=self.children_fd)]
-        self.uids.extend(uid for uid in self.held if uid not in still)
+        for uid in self.held:
+            if uid not in still:
+                self.free_uid(uid)
         self.held = still
 
     def on_request(self):

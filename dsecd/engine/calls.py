@@ -520,13 +520,14 @@ class CallService:
 
 
     async def _give_back(self, box: CallBox, uid: int) -> None:
-        """A plain call's uid back to its box, once nothing it started runs:
-        what it left behind (reparented to the call sandbox's init) is killed
-        first, and the uid waits while any of it, or what that in turn leaves
+        """A plain call's uid back to its box, once nothing it started runs
+        and what it left in /dev/shm is gone: what it left running
+        (reparented to the call sandbox's init) is killed first, and the uid waits while any of it, or what that in turn leaves
         to init, is still there. In a worker: it reads the status of each of
         init's children, as many as plain calls run."""
         for _ in range(LEFTOVER_LOOKS):
             if not await self.workers.run(self.fncall.kill_leftovers, box.handle, uid):
+                await self.workers.run(self.fncall.remove_shm_files, box.handle, uid)
                 box.free_uids.append(uid)
                 return
             await asyncio.sleep(LEFTOVER_RECHECK_S)

@@ -165,6 +165,15 @@ def test_a_call_cannot_touch_its_zygote(client, py_image):
     assert client.call(py_image, code="print(1)").stdout == b"1\n"
 
 
+def _calls_at_once(daemon, image: str, *codes: str) -> list:
+    """The results of code calls sent together on one connection."""
+    async def run():
+        async with Client(daemon.socket) as c:
+            return await asyncio.gather(*(c.call(image, code=code) for code in codes))
+
+    return asyncio.run(run())
+
+
 def test_concurrent_calls_cannot_reach_each_other(daemon, py_image):
     """Calls run under different uids: one cannot list the dir that holds the
     others' private dirs, nor signal the other calls' (or idle workers') processes."""
@@ -183,14 +192,58 @@ def test_concurrent_calls_cannot_reach_each_other(daemon, py_image):
              "        except PermissionError:\n            denied += 1\n"
              "print(others > 0 and denied == others)")
 
-    async def run():
-        async with Client(daemon.socket) as c:
-            return await asyncio.gather(c.call(py_image, code=probe), c.call(py_image, code=probe))
-
-    a, b = asyncio.run(run())
+    a, b = _calls_at_once(daemon, py_image, probe, probe)
     assert a.stdout.split()[0] != b.stdout.split()[0]
     assert a.stdout.split()[1:] == [b"nolist", b"True"], a.stderr
     assert b.stdout.split()[1:] == [b"nolist", b"True"], b.stderr
+
+
+def test_multiprocessing_works_in_a_call(client, py_image):
+    """Its locks, queues and shared memory live in /dev/shm (glibc makes
+    them nowhere else): a call may make them there."""
+    r = client.call(py_image, code=(
+        "import multiprocessing as mp\n"
+        "from multiprocessing import shared_memory\n"
+        "with mp.Pool(2) as pool:\n    print(pool.map(abs, [-1, -2]))\n"
+        "q = mp.Queue()\nq.put(3)\nprint(q.get())\n"
+        "m = shared_memory.SharedMemory(create=True, size=8)\nm.buf[0] = 7\nprint(m.buf[0])\n"
+        "m.close()\nm.unlink()\n"))
+    assert (r.exit_code, r.stdout) == (0, b"[1, 2]\n3\n7\n"), r.stderr
+
+
+def test_calls_cannot_list_or_remove_each_others_dev_shm_files(daemon, py_image):
+    holder = ("import os, time\n"
+              "open('/dev/shm/held', 'w').write('mine')\n"
+              "print('made', flush=True)\n"
+              "time.sleep(1)\n"
+              "print(open('/dev/shm/held').read())\n")
+    other = ("import os, time\n"
+             "time.sleep(0.4)\n"
+             "for what, op in (('list', lambda: os.listdir('/dev/shm')), ('rm', lambda: os.unlink('/dev/shm/held')),\n"
+             "                 ('mv', lambda: os.rename('/dev/shm/held', '/dev/shm/x'))):\n"
+             "    try:\n        op()\n        print(what, 'done')\n"
+             "    except PermissionError:\n        print(what, 'denied')\n")
+
+    a, b = _calls_at_once(daemon, py_image, holder, other)
+    assert (a.exit_code, a.stdout) == (0, b"made\nmine\n"), a.stderr
+    assert b.stdout == b"list denied\nrm denied\nmv denied\n", b.stderr
+
+
+@pytest.mark.parametrize("path", ["zygote", "exec"])
+def test_what_a_call_leaves_in_dev_shm_is_removed(client, py_image, path):
+    """Before its uid goes to another call: a later call of that uid would
+    own it (and could read it whatever its mode)."""
+    name = f"/dev/shm/left-by-{path}"
+    image = py_image if path == "zygote" else "busybox"
+    if path == "zygote":
+        r = client.call(py_image, code=f"open({name!r}, 'w').write('x')\nprint('left')")
+    else:
+        r = client.call("busybox", argv=["sh", "-c", f"echo x > {name} && echo left"])
+    assert (r.exit_code, r.stdout, r.path) == (0, b"left\n", path), r
+    deadline = time.monotonic() + 5
+    while client.call(image, argv=["test", "-e", name]).exit_code == 0:
+        assert time.monotonic() < deadline, f"{name} is still there"
+        time.sleep(0.05)
 
 
 def test_call_workers_run_under_the_seccomp_filter(client, py_image):
