@@ -116,11 +116,13 @@ class ExecIO:
         if eof:
             await self._stdin_q.put(None)
 
-    async def run(self, watch, timeout: float | None, drain_grace: float) -> dict:
+    async def run(self, watch, timeout: float | None, drain_grace: float,
+                  paused_for: Callable[[], float] | None = None) -> dict:
         """Wait for the process (`watch`: ChildWatch or InitExec) and its
-        output; kill its process group on timeout. Raises what its `exited`
-        raises (an exec init could not start: its NativeError), and
-        TimeoutError when the end does not come watch.kill_grace after a kill."""
+        output; kill its process group on timeout (paused_for: as
+        RunTimer's). Raises what its `exited` raises (an exec init could not
+        start: its NativeError), and TimeoutError when the end does not come
+        watch.kill_grace after a kill."""
         started = time.monotonic()
         self.watch = watch
         exited = watch.exited
@@ -130,7 +132,7 @@ class ExecIO:
         status = None
         try:
             try:
-                await asyncio.wait_for(asyncio.shield(exited), timeout)
+                await _wait_run(exited, timeout if timeout is None else RunTimer(timeout, paused_for))
             except TimeoutError:
                 self.timed_out = True
                 watch.kill()
@@ -324,6 +326,39 @@ def _decode_status(status: int) -> tuple[int | None, int | None]:
     return os.WEXITSTATUS(status), None
 
 
+async def _wait_run(exited: asyncio.Future, timer: RunTimer | None) -> None:
+    """Wait for `exited` (not cancelling it) until `timer` runs out: TimeoutError."""
+    if timer is None:
+        await asyncio.shield(exited)
+        return
+    while (left := timer.left()) > 0:
+        try:
+            await asyncio.wait_for(asyncio.shield(exited), left)
+            return
+        except TimeoutError:
+            pass
+    raise TimeoutError
+
+
+class RunTimer:
+    """How long a run has left before its timeout: the timeout counts the
+    time its sandbox runs, not the time it spends paused. A frozen command
+    makes no progress, and a pause (a trainer's GPUs preempted) must not
+    turn into a kill of the commands it froze. `paused_for()`: the
+    sandbox's paused time so far, a pause in progress included
+    (Sandbox.paused_for); None for runs that are never paused (calls)."""
+
+    def __init__(self, timeout: float, paused_for: Callable[[], float] | None = None):
+        self.timeout = timeout
+        self._paused_for = paused_for or (lambda: 0.0)
+        self._started = time.monotonic()
+        self._paused_at_start = self._paused_for()
+
+    def left(self) -> float:
+        ran = time.monotonic() - self._started - (self._paused_for() - self._paused_at_start)
+        return self.timeout - ran
+
+
 class Collector:
     """One run's capped output, timeout, kill and end, driven by loop callbacks.
 
@@ -365,6 +400,7 @@ class Collector:
         self.done: asyncio.Future = loop.create_future()
         self.started = 0.0                      # set by start()
         self._timers: list[asyncio.TimerHandle] = []
+        self._timer: RunTimer | None = None
         self._watching = False
         self._kill: Callable[[], None] | None = None
         self._exited: asyncio.Future | None = None
@@ -387,8 +423,10 @@ class Collector:
         is none to send it to: not started yet, ended, or a call's worker."""
         return self.watch is not None and self.watch.signal(signum)
 
-    def start(self, exited: asyncio.Future, kill: Callable[[], None], timeout: float | None) -> None:
-        """Watch the pipes, the exit and the clock (timeout None: no limit)."""
+    def start(self, exited: asyncio.Future, kill: Callable[[], None], timeout: float | None,
+              paused_for: Callable[[], float] | None = None) -> None:
+        """Watch the pipes, the exit and the clock (timeout None: no limit;
+        paused_for: as RunTimer's)."""
         self.started = time.monotonic()
         self._kill = kill
         self._exited = exited
@@ -397,6 +435,7 @@ class Collector:
             self.loop.add_reader(fd, self._on_readable, fd, stream)
         exited.add_done_callback(self._on_exited)
         if timeout is not None:
+            self._timer = RunTimer(timeout, paused_for)
             self._timers.append(self.loop.call_later(timeout, self._on_timeout))
 
     def _on_readable(self, fd: int, stream: int) -> None:
@@ -438,6 +477,10 @@ class Collector:
         # The exit future, not self.exit: it is set (and the pid reaped) one
         # loop turn before _on_exited runs.
         if self._exited.done() or self.done.done():
+            return
+        left = self._timer.left()
+        if left > 0:            # the sandbox was paused meanwhile
+            self._timers.append(self.loop.call_later(left, self._on_timeout))
             return
         self.timed_out = True
         self._kill()

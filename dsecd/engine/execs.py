@@ -382,7 +382,7 @@ class ExecService:
             else:
                 self._bind_init(ref, watch)
             try:
-                result = await io.run(watch, timeout, self.limits.drain_grace_s)
+                result = await io.run(watch, timeout, self.limits.drain_grace_s, sb.paused_for)
             except OSError as err:
                 raise run_error(err, sb.id, argv[0], cwd) from err
             if tracer is not None:
@@ -423,7 +423,7 @@ class ExecService:
             run.watch = watch
             # Sent to init, the timeout counts from the send: a start init cannot finish is killed too.
             run.kill_grace = watch.kill_grace
-            run.start(watch.exited, watch.kill, timeout)
+            run.start(watch.exited, watch.kill, timeout, sb.paused_for)
             try:
                 result = await run.done
             except OSError as err:

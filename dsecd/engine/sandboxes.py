@@ -16,6 +16,7 @@ next daemon re-adopts it; runtime-only fields are rebuilt then.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -82,6 +83,11 @@ class Sandbox:
     # A microVM's machine (backend.Machine.to_record) and the template it was
     # restored from: what a resume must start QEMU with (engine/microvms.py).
     vm: dict | None = None
+
+    def paused_for(self) -> float:
+        """Seconds it has spent paused so far, a pause in progress included."""
+        now_paused = time.monotonic() - self.paused_at if self.paused_at is not None else 0.0
+        return self.paused_total + now_paused
 
     def record(self) -> dict:
         h = self.handle

@@ -198,6 +198,33 @@ def test_paused_time_does_not_count_as_idle(mem):
     sb.destroy()
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_paused_time_does_not_count_toward_an_execs_timeout(mem, stream):
+    """A pause freezes the command, and does not kill it: it ends as it
+    would have after the resume, and its timeout still fires on run time.
+    stream: an exec with stdin (output streamed), else one collected whole."""
+    d, c = mem
+    sb = c.create(image="busybox")
+
+    def paused_meanwhile(argv, timeout, pause_s):
+        out = {}
+        t = threading.Thread(target=lambda: out.update(r=sb.exec(argv, timeout=timeout, stdin=b"" if stream else None)))
+        t0 = time.monotonic()
+        t.start()
+        time.sleep(0.3)
+        sb.pause()
+        time.sleep(pause_s)
+        sb.resume()
+        t.join(30)
+        return out["r"], time.monotonic() - t0
+
+    r, _ = paused_meanwhile(["sh", "-c", "sleep 1; echo done"], 2, 3)
+    assert (r.exit_code, r.timed_out, r.stdout) == (0, False, b"done\n"), r
+    r, took = paused_meanwhile(["sleep", "100"], 1.5, 2)
+    assert r.timed_out and r.signal == signal.SIGKILL, r
+    assert took >= 1.5 + 2, took
+
+
 def test_bad_durations(mem):
     d, c = mem
     for bad in ("soon", -1, "0s"):
