@@ -236,7 +236,11 @@ class ImageService:
         os.rename(tmp, target)
 
     def start(self) -> None:
-        """Start (or adopt) the pager and its supervisor; blocking, in a thread."""
+        """Sweep the store's temp files of writes that died; start (or adopt)
+        the pager and its supervisor. Blocking, in a thread."""
+        swept = self.images.store.sweep_tmp()
+        if swept:
+            log.info("removed %d temp file(s) of writes that died from %s", len(swept), self.images.store.tmp)
         if self.pager is None:
             return
         try:

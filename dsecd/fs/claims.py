@@ -31,7 +31,7 @@ from pathlib import Path
 HEARTBEATS_PER_STALE = 4
 
 
-def _start_time(pid: int) -> str | None:
+def process_start_time(pid: int) -> str | None:
     """A process's start time (clock ticks since boot), None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -54,7 +54,7 @@ class Claim:
 
     def _mine(self) -> dict:
         pid = os.getpid()
-        return {"host": socket.gethostname(), "pid": pid, "start": _start_time(pid), "token": self.token}
+        return {"host": socket.gethostname(), "pid": pid, "start": process_start_time(pid), "token": self.token}
 
     def _try_create(self) -> bool:
         try:
@@ -82,7 +82,7 @@ class Claim:
 
     def _stale(self, holder: dict) -> bool:
         if holder.get("host") == socket.gethostname() and holder.get("pid"):
-            start = _start_time(int(holder["pid"]))
+            start = process_start_time(int(holder["pid"]))
             if start is None or (holder.get("start") and start != holder["start"]):
                 return True
         return holder["age_s"] > self.stale_s

@@ -1,7 +1,7 @@
 """The blob store: a directory of content-addressed files.
 
     <root>/blobs/sha256/<hex>     immutable blobs (EROFS layers, manifests)
-    <root>/tmp/                   writes in progress
+    <root>/tmp/                   writes in progress, named by their writer
 
 By default the root is on local disk; in production it is a mount of a
 distributed file system shared by every host, so a layer built on one host is
@@ -19,11 +19,14 @@ import hashlib
 import os
 import re
 import shutil
+import socket
 import struct
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+
+from .claims import process_start_time
 
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 CHUNK = 1 << 20
@@ -183,8 +186,10 @@ class BlobStore:
         return self.path(digest).exists()
 
     def temp_path(self, suffix: str = "") -> Path:
-        """A fresh path in the store's file system, for a blob being written."""
-        return self.tmp / f"{uuid.uuid4().hex}{suffix}"
+        """A fresh path in the store's file system, for a blob being written,
+        named by its writer (writer_tag) so that sweep_tmp can tell a write
+        whose process died on this host from one still going."""
+        return self.tmp / f"{writer_tag()}{uuid.uuid4().hex}{suffix}"
 
     def ingest_layer(self, tmp_file: Path, hold: Callable[[str], None] | None = None,
                      chunks: ChunkHasher | None = None) -> tuple[str, bool, str]:
@@ -277,14 +282,43 @@ class BlobStore:
         except FileNotFoundError:
             return 0
 
-    def sweep_tmp(self, older_than_s: float = 3600) -> None:
-        """Remove temp files of builds that died (a crash mid-build)."""
-        import time
-
+    def sweep_tmp(self, older_than_s: float = 3600) -> list[str]:
+        """Remove the temp files of writes that died (a daemon killed in a
+        pull, build or snapshot): at once those of a process of this host
+        that no longer runs, others (another host's, or unnamed) once they
+        were not written to for `older_than_s`. Returns the names removed."""
         now = time.time()
+        removed = []
         for e in os.scandir(self.tmp):
             try:
-                if now - e.stat(follow_symlinks=False).st_mtime > older_than_s:
+                if _writer_gone(e.name) or now - e.stat(follow_symlinks=False).st_mtime > older_than_s:
                     shutil.rmtree(e.path) if e.is_dir(follow_symlinks=False) else os.unlink(e.path)
+                    removed.append(e.name)
             except OSError:
                 continue
+        return removed
+
+
+# A temp file's name starts with its writer's pid, start time and host:
+# "<pid>-<start>-<host hash>-", then a uuid. A host is hashed (a hostname
+# may hold any character a file name cannot).
+_WRITER_RE = re.compile(r"^(\d+)-(\d+)-([0-9a-f]{12})-")
+
+
+def _host_hash() -> str:
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:12]
+
+
+def writer_tag() -> str:
+    """The prefix of this process's temp files ("" when its start time
+    cannot be read: such files are swept by age only)."""
+    pid = os.getpid()
+    start = process_start_time(pid)
+    return f"{pid}-{start}-{_host_hash()}-" if start is not None else ""
+
+
+def _writer_gone(name: str) -> bool:
+    """Whether `name` was written by a process of this host that no longer
+    runs (its pid gone, or another program's: the start time differs)."""
+    m = _WRITER_RE.match(name)
+    return bool(m) and m[3] == _host_hash() and process_start_time(int(m[1])) != m[2]

@@ -115,3 +115,25 @@ def test_ingest_layer_stores_the_index_and_replaces_a_truncated_copy(tmp_path):
     again.write_bytes(data)
     assert store.ingest_layer(again)[:2] == (digest, True)
     assert store.path(digest).read_bytes() == data
+
+
+def test_sweep_removes_temp_files_of_dead_writers_of_this_host_at_once(tmp_path):
+    store = BlobStore(tmp_path / "store")
+    mine = store.temp_path(".erofs")
+    mine.write_bytes(b"in progress")
+    child = os.fork()
+    if child == 0:
+        store.temp_path(".erofs").write_bytes(b"left by a writer that died")
+        os._exit(0)
+    os.waitpid(child, 0)
+    other_host = store.tmp / f"{child}-1-000000000000-{'0' * 32}.erofs"
+    other_host.write_bytes(b"another host's write")
+    unnamed = store.tmp / "0123abcd"
+    unnamed.write_bytes(b"a write of an older daemon")
+    removed = store.sweep_tmp()
+    assert len(removed) == 1 and removed[0].startswith(f"{child}-")
+    assert sorted(p.name for p in store.tmp.iterdir()) == sorted([mine.name, other_host.name, unnamed.name])
+    old = time.time() - 7200
+    for p in (mine, other_host, unnamed):
+        os.utime(p, (old, old))
+    assert sorted(store.sweep_tmp()) == sorted([mine.name, other_host.name, unnamed.name])
