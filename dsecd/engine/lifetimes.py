@@ -87,8 +87,12 @@ class LifetimeService:
                 why = self.expired(sb, now)
                 if why is None:
                     continue
+                # Announced before its destroy, and once: a follower that
+                # stops at `destroyed` has seen why.
+                if not sb.expired:
+                    sb.expired = True
+                    self.events.publish("expired", sb.id, reason=why)
                 try:
                     await self.destroy(sb, True, reason=why)
-                    self.events.publish("expired", sb.id, reason=why)
                 except DsecError as err:
                     log.warning("expire sandbox %s (%s): %s", sb.id, why, err)

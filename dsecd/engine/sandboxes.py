@@ -59,6 +59,7 @@ class Sandbox:
     paused_at: float | None = None
     paused_total: float = 0.0
     lease_deadline: float | None = None
+    expired: bool = False             # its `expired` event was published (its destroy may be retried)
     oom_kills: int = 0                # the memory cgroup's OOM-kill count last seen
     execs: int = 0
     copies: int = 0                   # directory copies in or out running (the idle TTL waits for them)

@@ -232,8 +232,9 @@ def test_bad_durations(mem):
             c.create(image="busybox", ttl=bad)
 
 
-def test_events_stream(mem):
-    d, c = mem
+def _events_of(d, make) -> list[dict]:
+    """The events of the sandbox `make()` returns, as a follower that
+    connected before it and stopped at its `destroyed` saw them."""
     import asyncio
 
     import dsecd
@@ -252,13 +253,29 @@ def test_events_stream(mem):
     t.start()
     ready.wait(10)
     time.sleep(0.2)
-    sb = c.create(image="busybox")
-    sb.pause()
-    sb.resume()
-    sb.destroy()
+    sb_id = make()
     t.join(10)
-    kinds = [e["event"] for e in seen if e["sandbox"] == sb.id]
-    assert kinds == ["created", "paused", "resumed", "destroyed"]
+    return [e for e in seen if e["sandbox"] == sb_id]
+
+
+def test_events_stream(mem):
+    d, c = mem
+
+    def lifecycle():
+        sb = c.create(image="busybox")
+        sb.pause()
+        sb.resume()
+        sb.destroy()
+        return sb.id
+
+    assert [e["event"] for e in _events_of(d, lifecycle)] == ["created", "paused", "resumed", "destroyed"]
+
+
+def test_an_expired_sandbox_says_why_before_it_is_destroyed(mem):
+    d, c = mem
+    mine = _events_of(d, lambda: c.create(image="busybox", ttl=1).id)
+    assert [e["event"] for e in mine] == ["created", "expired", "destroyed"], mine
+    assert mine[1]["reason"] == "ttl"
 
 
 def test_paused_sandbox_survives_a_daemon_restart(mem):
