@@ -285,10 +285,21 @@ class LifecycleService:
     # ------------------------------------------------------------ views
 
     async def top(self, req, ctx) -> dict:
+        shown = [s for s in self.registry.by_id.values() if labels_match(s, req.labels)]
         rows = [{"id": s.id, "state": s.state, "qos": s.qos, "cpu": s.limits["cpu"],
                  "memory_limit": s.limits["memory"], "vm_balloon": self._balloon_row(s)}
-                for s in self.registry.by_id.values() if labels_match(s, req.labels)]
-        return self.cpu.top(rows)
+                for s in shown]
+        out = self.cpu.top(rows)
+        # The sampler reads running sandboxes only; a paused container's
+        # memory (what its pause left resident) is read here, once per top.
+        paused = {s.id: s.handle.group for s in shown
+                  if s.state == "paused" and s.backend == "container" and s.handle is not None}
+        if paused:
+            memory = await self.workers.run(pause.charged, paused)
+            for row in out["sandboxes"]:
+                if row["id"] in memory:
+                    row["memory"] = memory[row["id"]]
+        return out
 
     def _balloon_row(self, sb: Sandbox) -> dict | None:
         """A microVM's guest size against its RAM (engine/vmballoon.py), for

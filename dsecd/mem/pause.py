@@ -216,6 +216,19 @@ def usage(group: cgroup.Group) -> MemUsage:
                     stat.get("cache", 0), stat.get("swap", 0))
 
 
+def charged(groups: dict[str, cgroup.Group]) -> dict[str, int]:
+    """What each group is charged now (memory.current, v1
+    memory.usage_in_bytes); a group whose file cannot be read is left out."""
+    out = {}
+    for key, group in groups.items():
+        try:
+            version, d = memory_dir(group)
+            out[key] = int(_read(d / ("memory.current" if version == "v2" else "memory.usage_in_bytes")))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def charge(group: cgroup.Group) -> tuple[int, int] | None:
     """(the memory limit, what is charged) of the group; None without a limit."""
     version, d = memory_dir(group)

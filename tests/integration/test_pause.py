@@ -42,6 +42,16 @@ def test_pause_frees_memory_and_exec_resumes(mem):
     sb.destroy()
 
 
+def test_top_shows_what_a_paused_sandbox_still_holds(mem):
+    d, c = mem
+    sb = c.create(image="busybox", memory="256M")
+    sb.exec(["sh", "-c", "head -c 30000000 /dev/urandom > /tmp/data"])      # tmpfs: stays charged
+    sb.pause()
+    row = next(r for r in c.top()["sandboxes"] if r["id"] == sb.id)
+    assert row["state"] == "paused" and row["memory"] is not None and row["memory"] >= 30_000_000, row
+    sb.destroy()
+
+
 def test_explicit_resume_and_destroy_while_paused(mem):
     d, c = mem
     sb = c.create(image="busybox")
