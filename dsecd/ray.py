@@ -164,6 +164,13 @@ class DaemonActor:
         while len(self.ended) > ENDED_KEPT:
             self.streams.pop(self.ended.popleft(), None)
 
+    def _forget_unsent(self, rid: int, stream: _ActorStream) -> None:
+        """A request named `rid` and it never came: its entry goes (one per
+        bad id would otherwise stay for the actor's life). Should it come
+        later after all, it makes a new entry."""
+        if not stream.sent.is_set() and self.streams.get(rid) is stream:
+            del self.streams[rid]
+
     async def request(self, op: str, args: dict) -> dict:
         try:
             field = NAMING_OPS.get(op)
@@ -173,6 +180,7 @@ class DaemonActor:
                     async with asyncio.timeout(NAMED_WAIT_S):
                         await stream.sent.wait()
                 except TimeoutError:
+                    self._forget_unsent(args[field], stream)
                     raise BadRequest(f"{op}: the request {args[field]} it names did not reach the daemon "
                                      f"in {NAMED_WAIT_S:g} s through this actor; send that request first",
                                      {field: args[field]}) from None

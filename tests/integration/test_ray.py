@@ -446,3 +446,24 @@ def test_ray_fleet_says_how_to_name_a_daemon_it_cannot_reach(cluster):
     for s in status:
         assert f"no daemon at {cluster['unused_socket']}" in s["reason"], s["reason"]
         assert "RayFleet(socket=" in s["reason"] and "--socket" not in s["reason"], s["reason"]
+
+
+def test_an_input_naming_no_stream_leaves_nothing_in_the_actor(daemon, monkeypatch):
+    """The actor's table of the driver's streams keeps no entry for an
+    exec_input whose exec never came (a wrong id): it answers bad_request
+    after NAMED_WAIT_S, and forgets the id."""
+    import dsecd.ray as dray
+
+    monkeypatch.setattr(dray, "NAMED_WAIT_S", 0.2)
+
+    async def go():
+        actor = dray.DaemonActor(daemon.socket, "t")
+        try:
+            answer = await actor.request("exec_input", {"exec_id": 424242, "data": b"x"})
+            return answer, dict(actor.streams)
+        finally:
+            await actor.client.close()
+
+    answer, streams = asyncio.run(go())
+    assert answer["error"]["code"] == "bad_request" and "424242" in answer["error"]["message"], answer
+    assert streams == {}
