@@ -204,6 +204,11 @@ def _validate(cfg: Config) -> None:
     if not cfg.section("fncall")["python"].strip():
         raise ConfigError("fncall.python must name the interpreter of the zygote (\"python3\"); "
                           "fncall.zygote = false turns the zygote off")
+    fc, sb = cfg.section("fncall"), cfg.section("sandbox")
+    if sb["userns"] and fc["uid_base"] + fc["uid_count"] > sb["userns_size"]:
+        raise ConfigError(f"fncall.uid_base + fncall.uid_count ({fc['uid_base']} + {fc['uid_count']}) must be at "
+                          f"most sandbox.userns_size ({sb['userns_size']}): calls run under ids of their call "
+                          "sandbox's user namespace")
     try:
         caps.cap_mask(cfg.section("sandbox")["capabilities"])
     except ValueError as err:

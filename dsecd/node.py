@@ -193,7 +193,8 @@ class Node:
                                          self.vms)
         self.call_service = CallService(fncall_backend(cfg, layout, self.backend), cfg.section("fncall"),
                                         CallService.sizes_from(cfg), sb["cpu_period_us"], self.image_service,
-                                        self.cpu, self.workers, self.starter, exec_limits, self._devnull)
+                                        self.cpu, self.workers, self.starter, exec_limits, self._devnull,
+                                        self.id_ranges)
         self._cpu_task: asyncio.Task | None = None
         self.started = time.time()
         self.default_memory = parse_size(sb["memory"])

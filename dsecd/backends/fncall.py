@@ -1,7 +1,7 @@
 """FnCall backend: per-image call sandboxes, each with a pre-imported zygote.
 
 A call sandbox is an ordinary container sandbox (dsecd/backends/container.py:
-mount, pid, uts, ipc, net and cgroup namespaces, an overlay of the image, the
+user, mount, pid, uts, ipc, net and cgroup namespaces, an overlay of the image, the
 container's dsec-init as PID 1, cgroup limits from [fncall]) that belongs to
 the daemon, not to a client: it lives under `<cgroup_root>/.fncall/<id>` and
 `<state_dir>/fncall/sandboxes/<id>`, is never journaled, and is destroyed at
@@ -20,7 +20,7 @@ is dropped with its whole call sandbox; the next call makes new ones.
 
 Images without python3 (or with [fncall] zygote = false) take plain argv
 calls only: each is an exec in the call sandbox under a uid of its own (from
-fncall.uid_base), in a fresh dir under /tmp created and removed by the
+fncall.uid_base, an id of the call sandbox's user namespace), in a fresh dir under /tmp created and removed by the
 daemon through the sandbox root; forked by the call sandbox's init when
 sandbox.exec_via is "init" (else, or when its channel cannot take one, by
 the daemon's helper).
@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import cgroup
+from .. import cgroup, userns
 from ..fs import files as sbfiles
 from ..fs import upper as upperfs
 from .container import ContainerBackend, Handle
@@ -197,6 +197,13 @@ class CallBox:
     created: float = field(default_factory=time.time)
     free_uids: list = field(default_factory=list)    # plain calls: one uid per running call
     env: dict = field(default_factory=dict)     # the image's environment, under each call's
+    idmap: userns.IdMap | None = None           # its user namespace's range; None: host ids
+
+    def host_ids(self, uid: int) -> tuple[int, int]:
+        """A call's uid (and gid of the same number) as the host sees them."""
+        if self.idmap is None:
+            return uid, uid
+        return self.idmap.uid + uid, self.idmap.gid + uid
 
 
 class FnCallBackend:
@@ -218,8 +225,10 @@ class FnCallBackend:
         """Call sandboxes of an earlier daemon (none are ever re-adopted)."""
         return sorted(self.containers.orphans(set()))
 
-    def create_box(self, box_id: str, lowerdirs: list[str], limits: cgroup.Limits, plan) -> Handle:
-        h = self.containers.create(box_id, lowerdirs, limits, "fncall", plan, disk=self.disk)
+    def create_box(self, box_id: str, lowerdirs: list[str], limits: cgroup.Limits, plan,
+                   idmap: userns.IdMap | None = None) -> Handle:
+        """A call sandbox, in a user namespace of `idmap`'s range (None: host ids)."""
+        h = self.containers.create(box_id, lowerdirs, limits, "fncall", plan, idmap=idmap, disk=self.disk)
         try:
             self.seal_shared_dirs(h)
         except BaseException:
@@ -288,32 +297,34 @@ class FnCallBackend:
     # root with RESOLVE_IN_ROOT walks (dsecd/fs/files.py): a sandbox that turns
     # /tmp into a symlink cannot make the daemon write or delete outside it.
 
-    def make_private_dir(self, h: Handle, name: str, uid: int) -> str:
+    def make_private_dir(self, h: Handle, name: str, host_ids: tuple[int, int]) -> str:
+        """/tmp/NAME, owned by the call's ids as the host sees them (CallBox.host_ids)."""
         tmpfd = sbfiles._open(h.rootfd, "/tmp", os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.mkdir(name, 0o700, dir_fd=tmpfd)
-            os.chown(name, uid, uid, dir_fd=tmpfd, follow_symlinks=False)
+            os.chown(name, *host_ids, dir_fd=tmpfd, follow_symlinks=False)
         finally:
             os.close(tmpfd)
         return f"/tmp/{name}"
 
     @staticmethod
-    def kill_leftovers(h: Handle, uid: int) -> int:
-        """SIGKILL what a plain call of `uid` left to the call sandbox's init
-        (the zygote's own check, with init's host pid; a call sandbox has
-        no user namespace, so the uid is the host's): how many it found."""
-        return kill_leftovers(uid, h.init_pid)
+    def kill_leftovers(h: Handle, host_uid: int) -> int:
+        """SIGKILL what a plain call left to the call sandbox's init (the
+        zygote's own check, with init's host pid and the call's uid as the
+        host sees it): how many it found."""
+        return kill_leftovers(host_uid, h.init_pid)
 
     @staticmethod
-    def remove_shm_files(h: Handle, uid: int) -> None:
-        """What a plain call of `uid` left in the call sandbox's /dev/shm
-        (the zygote's own cleanup, through the sandbox root)."""
+    def remove_shm_files(h: Handle, host_uid: int) -> None:
+        """What a plain call left in the call sandbox's /dev/shm (the
+        zygote's own cleanup, through the sandbox root; the call's uid as the
+        host sees it)."""
         try:
             fd = sbfiles._open(h.rootfd, "/dev/shm", os.O_RDONLY | os.O_DIRECTORY)
         except OSError:
             return
         try:
-            remove_owned(fd, uid)
+            remove_owned(fd, host_uid)
         finally:
             os.close(fd)
 

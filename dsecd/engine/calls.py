@@ -53,6 +53,7 @@ from ..fs.layers import overlay_lowerdirs
 from ..mem import pause
 from ..native import NativeError
 from .execs import ExecLimits, check_env
+from .idranges import IdRanges
 from .images import ImageService
 from .starts import ProcessStarter
 from .workers import Workers
@@ -82,12 +83,12 @@ def fncall_backend(cfg, layout: cgroup.Layout, containers) -> FnCallBackend:
 class CallService:
     """`call`. `fncall` makes call sandboxes and zygotes (fncall_backend);
     `sizes` are the byte limits of [fncall] (CallService.sizes_from);
-    `images` gives their layers, `cpu` their QoS plan; `devnull` is the stdin
-    of calls that take none."""
+    `images` gives their layers, `cpu` their QoS plan, `id_ranges` their user
+    namespaces' ranges; `devnull` is the stdin of calls that take none."""
 
     def __init__(self, fncall: FnCallBackend, fn_cfg: dict, sizes: dict, cpu_period_us: int,
                  images: ImageService, cpu: CpuHost, workers: Workers, starter: ProcessStarter,
-                 exec_limits: ExecLimits, devnull: int):
+                 exec_limits: ExecLimits, devnull: int, id_ranges: IdRanges):
         self.fncall = fncall
         self.fn_cfg = fn_cfg
         self._call_sizes = sizes
@@ -98,6 +99,7 @@ class CallService:
         self.starter = starter
         self.exec_limits = exec_limits
         self.devnull = devnull
+        self.id_ranges = id_ranges
         self.call_boxes: dict[str, CallBox] = {}
         # Retired, dropped when their running calls end: id -> (box, why).
         self._draining: dict[str, tuple[CallBox, str]] = {}
@@ -252,9 +254,15 @@ class CallService:
         except OSError as err:
             raise io_error("mount layers of image", image_name, err) from err
         try:
+            idmap = self.id_ranges.take()
+        except BaseException:
+            self.image_service.layers.release(image.layer_digests)
+            raise
+        try:
             handle = await self.workers.run(self.fncall.create_box, box_id, overlay_lowerdirs(mounts),
-                                             limits, plan)
+                                             limits, plan, idmap)
         except BaseException as err:
+            self.id_ranges.give_back(idmap)
             self.image_service.layers.release(image.layer_digests)
             if isinstance(err, (NativeError, OSError)):
                 raise IOFailure(f"create call sandbox for {image_name}: {err}",
@@ -263,7 +271,7 @@ class CallService:
         log.info("call sandbox %s for image %s", box_id, image_name)
         uids = list(range(fc["uid_base"] + fc["uid_count"] - 1, fc["uid_base"] - 1, -1))   # lowest last
         return CallBox(id=box_id, image=image_name, layers=image.layer_digests, handle=handle, free_uids=uids,
-                       env=dict(image.config.get("env") or {}))
+                       env=dict(image.config.get("env") or {}), idmap=idmap)
 
     async def _zygote(self, box: CallBox) -> Zygote | None:
         if box.zygote is not None and box.zygote.alive:
@@ -369,6 +377,7 @@ class CallService:
             return
         await self.workers.run(self.fncall.destroy_box, box.id, h)
         self.image_service.layers.release(box.layers)
+        self.id_ranges.give_back(box.idmap)
 
     # ------------------------------------------------------------ one call
 
@@ -473,7 +482,7 @@ class CallService:
             raise Busy(f"every fncall uid of {box.image} is in use", {"retry_after_s": 0.05})
         uid = box.free_uids.pop()
         try:
-            cwd = await self.workers.run(self.fncall.make_private_dir, h, name, uid)
+            cwd = await self.workers.run(self.fncall.make_private_dir, h, name, box.host_ids(uid))
         except OSError as err:
             box.free_uids.append(uid)
             raise io_error("make the private dir of a call in", box.id, err) from err
@@ -522,12 +531,14 @@ class CallService:
     async def _give_back(self, box: CallBox, uid: int) -> None:
         """A plain call's uid back to its box, once nothing it started runs
         and what it left in /dev/shm is gone: what it left running
-        (reparented to the call sandbox's init) is killed first, and the uid waits while any of it, or what that in turn leaves
-        to init, is still there. In a worker: it reads the status of each of
-        init's children, as many as plain calls run."""
+        (reparented to the call sandbox's init) is killed first, and the uid
+        waits while any of it, or what that in turn leaves to init, is still
+        there. In a worker: it reads the status of each of init's children,
+        as many as plain calls run."""
+        host_uid = box.host_ids(uid)[0]
         for _ in range(LEFTOVER_LOOKS):
-            if not await self.workers.run(self.fncall.kill_leftovers, box.handle, uid):
-                await self.workers.run(self.fncall.remove_shm_files, box.handle, uid)
+            if not await self.workers.run(self.fncall.kill_leftovers, box.handle, host_uid):
+                await self.workers.run(self.fncall.remove_shm_files, box.handle, host_uid)
                 box.free_uids.append(uid)
                 return
             await asyncio.sleep(LEFTOVER_RECHECK_S)

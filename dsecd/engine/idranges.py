@@ -53,17 +53,25 @@ class IdRanges:
                 "foreign": len(r.foreign)}
 
     def allocate(self, sb: Sandbox) -> None:
+        idmap = self.take()
+        sb.idmap = idmap.record() if idmap is not None else None
+
+    def release(self, sb: Sandbox) -> None:
+        self.give_back(userns.IdMap.from_record(sb.idmap))
+
+    def take(self) -> userns.IdMap | None:
+        """A free range (None: host ids), for a sandbox or a call sandbox."""
         if self.allocator is None:
-            return
+            return None
         try:
-            sb.idmap = self.allocator.allocate().record()
+            return self.allocator.allocate()
         except userns.RangesExhausted as err:
             raise Busy(f"{err}; retry once a sandbox is destroyed",
                        {"userns_slots": self.allocator.slots}) from err
 
-    def release(self, sb: Sandbox) -> None:
+    def give_back(self, idmap: userns.IdMap | None) -> None:
         if self.allocator is not None:
-            self.allocator.release(userns.IdMap.from_record(sb.idmap))
+            self.allocator.release(idmap)
 
     def reserve(self, sb: Sandbox) -> None:
         idmap = userns.IdMap.from_record(sb.idmap)

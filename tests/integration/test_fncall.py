@@ -42,7 +42,7 @@ def test_code_call_runs_in_the_zygote(client, py_image):
                     args=["a", "b"])
     assert r.exit_code == 0, r.stderr
     assert r.stdout.startswith(b"45 ['a', 'b'] ")
-    assert 100000 <= int(r.stdout.split()[-1]) < 100000 + 4096      # fncall.uid_base, uid_count
+    assert 60000 <= int(r.stdout.split()[-1]) < 60000 + 4096      # fncall.uid_base, uid_count
     assert r.path == "zygote" and r.run_ms > 0 and r.total_ms >= r.run_ms
 
 
@@ -158,6 +158,23 @@ def test_each_call_starts_from_fresh_private_state(client, py_image):
     assert second.stdout == b"False [] 1 None True\n", second.stderr
 
 
+def _host_uid(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("Uid:")).split()[1])
+
+
+def test_a_call_sandbox_has_a_user_namespace_of_its_own(client, py_image):
+    """Its zygote is root only inside it, and a call's uid is an id of its
+    range: on the host both are unprivileged ids of the sandbox.userns range."""
+    r = client.call(py_image, argv=["sh", "-c", "id -u; cat /proc/self/uid_map"])
+    uid, first, host_first, count = (int(x) for x in r.stdout.split())
+    userns = client.info()["userns"]
+    assert r.exit_code == 0 and (first, count) == (0, userns["size"]) and host_first >= userns["base"], r
+    assert 60000 <= uid < 60000 + 4096                            # fncall.uid_base, inside the range
+    box = next(b for b in client.info()["fncall"]["boxes"] if b["image"] == py_image)
+    assert _host_uid(box["zygote_pid"]) == host_first             # the zygote's root, mapped
+
+
 def test_a_call_cannot_touch_its_zygote(client, py_image):
     r = client.call(py_image, code="import os\ntry:\n    os.kill(os.getppid(), 9)\n"
                                    "except PermissionError as e:\n    print(e.errno)")
@@ -186,7 +203,7 @@ def test_concurrent_calls_cannot_reach_each_other(daemon, py_image):
              "others = denied = 0\n"
              "for p in filter(str.isdigit, os.listdir('/proc')):\n"
              "    try:\n        uid = os.stat('/proc/' + p).st_uid\n    except OSError:\n        continue\n"
-             "    if uid >= 100000 and uid != me:\n"
+             "    if uid >= 60000 and uid != me:\n"
              "        others += 1\n"
              "        try:\n            os.kill(int(p), signal.SIGKILL)\n"
              "        except PermissionError:\n            denied += 1\n"
@@ -386,7 +403,7 @@ def test_plain_calls_are_forked_by_the_call_sandboxs_init(client):
     after = client.info()["fncall"]
     ppid, uid, echoed = r.stdout.decode().split()
     assert r.exit_code == 0 and ppid == "1" and echoed == "in", r
-    assert int(uid) >= 100000                 # its own uid, as through the helper
+    assert int(uid) >= 60000                 # its own uid, as through the helper
     assert after["plain_calls_by_init"] == before["plain_calls_by_init"] + 1
     assert after["plain_calls"] == before["plain_calls"] + 1
 
@@ -650,7 +667,7 @@ def test_plain_argv_calls_work_on_any_image(client, py_image):
     r = client.call("busybox", argv=["sh", "-c", "pwd; id -u; touch f; ls; echo $TMPDIR"])
     assert r.exit_code == 0 and r.path == "exec"
     pwd, uid, ls, tmpdir = r.stdout.decode().split()
-    assert pwd.startswith("/tmp/call-") and int(uid) >= 100000 and ls == "f" and tmpdir == pwd
+    assert pwd.startswith("/tmp/call-") and int(uid) >= 60000 and ls == "f" and tmpdir == pwd
     again = client.call("busybox", argv=["sh", "-c", f"ls {pwd} 2>&1; ls /tmp | wc -l"])
     assert b"No such file" in again.stdout
     with pytest.raises(Unsupported):

@@ -16,6 +16,7 @@ from proc_kit import running
 
 from dsecd.engine.calls import CallService
 from dsecd.engine.execs import ExecLimits, ExecService
+from dsecd.engine.idranges import IdRanges
 from dsecd.engine.network import NetworkService
 from dsecd.engine.starts import ProcessStarter
 from dsecd.engine.workers import Workers
@@ -349,7 +350,8 @@ class _FakeInitExec:
 def _call_node(workers, fncall) -> CallService:
     """A call service with what _plain_call uses (a fake fncall backend), and nothing else."""
     limits = ExecLimits(max_timeout_s=0, drain_grace_s=0.1, max_output=1 << 20, max_trace=0)
-    return CallService(fncall, {}, {}, 100_000, None, None, workers, ProcessStarter(workers), limits, -1)
+    return CallService(fncall, {}, {}, 100_000, None, None, workers, ProcessStarter(workers), limits, -1,
+                       IdRanges(None))
 
 
 def _plain_call_fncall():

@@ -127,6 +127,9 @@ def test_with_setting_adds_a_key_once_and_keeps_one_the_text_sets():
     ('[fncall]\npython = ""', "fncall.python must name the interpreter"),
     # uid 0 is root: setuid(0) would keep the zygote's capabilities.
     ("[fncall]\nuid_base = 0", "'fncall.uid_base' must be above zero, got 0"),
+    # Calls run under ids of their call sandbox's user namespace.
+    ("[fncall]\nuid_base = 100000", "fncall.uid_base + fncall.uid_count (100000 + 4096) must be at most "
+                                    "sandbox.userns_size (65536)"),
     # 0 s for the zygote to report a killed call's end: every timeout replaced the zygote.
     ("[fncall]\nkill_grace_s = 0", "'fncall.kill_grace_s' must be above zero, got 0"),
 ])
