@@ -503,6 +503,11 @@ class CallService:
                 # `release` runs once a process it made anyway is killed and reaped.
                 abandoned = True
                 raise
+            except DsecError as err:            # the helper's spawn: exec_error of its NativeError
+                ended = _ended_as_sh_says(err.__cause__, argv[0], envl)
+                if ended is None:
+                    raise
+                return ended
             if stdin:
                 await io.feed_stdin(stdin, True)
             self.call_stats["plain_calls"] += 1
@@ -516,6 +521,9 @@ class CallService:
                     # sandbox goes (and the process with it).
                     abandoned = True
                     self._retire(box, f"lost track of a plain call: {err}")
+                ended = _ended_as_sh_says(err, argv[0], envl)
+                if ended is not None:
+                    return ended
                 raise _plain_run_error(err, box, argv[0], cwd) from err
         finally:
             io.close()
@@ -544,6 +552,23 @@ class CallService:
             await asyncio.sleep(LEFTOVER_RECHECK_S)
         log.warning("call sandbox %s: uid %d still runs processes after %d kills; it is not handed out again",
                     box.id, uid, LEFTOVER_LOOKS)
+
+
+def _ended_as_sh_says(err: BaseException | None, prog: str, envl: list[str]) -> dict | None:
+    """The result of a plain call whose program could not run (`envl`: the
+    environment it was given), as a call through the zygote ends
+    (zygote_main.worker) and as sh says it: 127 and `not found` when it
+    does not exist, 126 when it cannot be run; None for any other failure."""
+    if not isinstance(err, NativeError) or "exec" not in (err.step or "") or \
+            err.errno not in (errno.ENOENT, errno.EACCES, errno.ENOEXEC):
+        return None
+    missing = err.errno == errno.ENOENT
+    path = next((e[5:] for e in envl if e.startswith("PATH=")), os.defpath)
+    where = "" if "/" in prog else f" (PATH {path})"
+    message = f"fncall: {prog}: {'not found' + where if missing else os.strerror(err.errno)}\n"
+    return {"exit_code": 127 if missing else 126, "signal": None, "timed_out": False, "truncated": False,
+            "cancelled": False, "duration_ms": 0.0, "stdout": b"", "stderr": message.encode(), "path": "exec",
+            "run_ms": 0.0}
 
 
 def _plain_run_error(err: OSError, box: CallBox, prog: str, cwd: str) -> DsecError:

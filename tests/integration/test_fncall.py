@@ -54,14 +54,20 @@ def test_python_c_argv_goes_through_the_zygote(client, py_image):
     assert (r.exit_code, r.stdout, r.path) == (3, b"hi\n", "zygote")
 
 
-def test_an_argv_the_zygote_cannot_exec_exits_as_a_shell_says(client, py_image):
+@pytest.mark.parametrize("path", ["zygote", "exec"])
+def test_an_argv_that_cannot_run_exits_as_a_shell_says(client, py_image, path):
     """As sh says it: 127 and `not found` for a command in no PATH dir, 126
     for a file that is not executable; named as given, not as the last
-    PATH dir tried."""
-    r = client.call(py_image, argv=["no-such-cmd", "x"])
-    assert (r.exit_code, r.path) == (127, "zygote")
-    assert r.stderr == b"fncall: no-such-cmd: not found (PATH /usr/local/bin:/usr/bin:/bin)\n", r.stderr
-    r = client.call(py_image, argv=["/etc/passwd"])
+    PATH dir tried. The same through the zygote and as a plain call."""
+    check_cannot_run(client, py_image if path == "zygote" else "busybox", path)
+
+
+def check_cannot_run(client, image: str, path: str) -> None:
+    path_dirs = client.call(image, argv=["sh", "-c", "echo $PATH"]).stdout.strip()
+    r = client.call(image, argv=["no-such-cmd", "x"])
+    assert (r.exit_code, r.path) == (127, path)
+    assert r.stderr == b"fncall: no-such-cmd: not found (PATH " + path_dirs + b")\n", r.stderr
+    r = client.call(image, argv=["/etc/passwd"])
     assert r.exit_code == 126 and r.stderr == b"fncall: /etc/passwd: Permission denied\n", r
 
 
@@ -501,6 +507,7 @@ def test_plain_calls_use_the_helper_when_execs_do(daemon_factory, busybox_rootfs
         assert c.info()["fncall"]["plain_calls_by_init"] == 0
         r = c.call("busybox", argv=PLAIN_CALL_PROBE)       # the helper's calls keep no capability either
         assert r.stdout.decode().split("\n")[0].split() == ["CapEff:", "0000000000000000"], r
+        check_cannot_run(c, "busybox", "exec")
     finally:
         c.close()
 
