@@ -158,7 +158,7 @@ class Zygote:
         if op == "exit":
             fut.set_result(msg)
         else:
-            fut.set_exception(OSError(msg.get("message", "zygote error")))
+            fut.set_exception(OSError(msg.get("errno") or 0, msg.get("message", "zygote error")))
 
     def fail(self, why: str) -> None:
         if not self.alive:

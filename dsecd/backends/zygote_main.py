@@ -17,7 +17,7 @@ Messages are JSON, one per packet.
                       {"op": "kill", "id": N}
     zygote -> daemon  {"op": "ready", "pid": P, "modules": [...], "failed": {...}}
                       {"op": "exit", "id": N, "status": wait-status, "run_ms": F}
-                      {"op": "error", "id": N, "message": "..."}
+                      {"op": "error", "id": N, "errno": E, "message": "..."}
 
 The zygote imports the configured modules once, then keeps `spares` workers
 forked ahead of need, each already in its own process group, in its own fresh dir
@@ -453,7 +453,7 @@ class Zygote:
             # The packet as it came: the worker parses it anyway.
             w["link"].sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         except OSError as e:
-            send(self.sock, {"op": "error", "id": req["id"], "message": str(e)})
+            send(self.sock, {"op": "error", "id": req["id"], "errno": e.errno, "message": e.strerror or str(e)})
         finally:
             for f in fds:
                 os.close(f)

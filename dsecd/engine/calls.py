@@ -454,9 +454,12 @@ class CallService:
         except ZygoteDied as err:
             raise IOFailure(f"fncall zygote for {box.image} died during the call ({err}); retry") from err
         except OSError as err:        # the zygote could not fork
-            raise DsecError(f"fncall: the zygote for {box.image} could not fork a worker for the call ({err}): "
-                            "its call sandbox is at fncall.pids or fncall.memory (shared by every call of "
-                            "the image), or every fncall uid is in use; retry", code="io") from err
+            why = (f"fncall: the zygote for {box.image} could not fork a worker for the call ({err}): its call "
+                   "sandbox is at fncall.pids or fncall.memory (shared by every call of the image), or every "
+                   "fncall uid is in use; retry")
+            if err.errno == errno.EAGAIN:      # no pid or uid until running calls end: as a plain call's
+                raise Busy(why, {"retry_after_s": 0.05}) from err
+            raise DsecError(why, code="io") from err
         finally:
             zyg.pending.pop(call_id, None)
             run.close()

@@ -629,6 +629,29 @@ def test_calls_that_keep_the_cpu_busy_do_not_starve_the_zygote(daemon_factory):
         c.close()
 
 
+def test_a_call_past_every_uid_is_busy_on_either_route(daemon_factory, busybox_rootfs):
+    """More calls at once than fncall.uid_count: `busy` with a retry hint,
+    through the zygote as for plain calls."""
+    d = daemon_factory("[fncall]\nuid_count = 2\nspares = 1\n")
+    c = d.client()
+    try:
+        import_py(c)
+        c.import_image(busybox_rootfs, "busybox")
+
+        async def run(image):
+            async with Client(d.socket) as ac:
+                return await asyncio.gather(*(ac.call(image, argv=["sleep", "1"]) for _ in range(3)),
+                                            return_exceptions=True)
+
+        for image in ("py", "busybox"):
+            out = asyncio.run(run(image))
+            busy = [e for e in out if isinstance(e, DsecError)]
+            assert len(busy) == 1 and busy[0].code == "busy" and busy[0].detail["retry_after_s"] > 0, (image, out)
+            assert "uid" in str(busy[0]), busy
+    finally:
+        c.close()
+
+
 def test_a_call_holding_every_pid_does_not_kill_the_zygote(daemon_factory):
     """A call that keeps its call sandbox at fncall.pids leaves the zygote no
     pid for a spare: the zygote tries again later (a call meanwhile may fail
