@@ -70,6 +70,10 @@ def build(src: Path, out: Path, exclude: Iterable[str] = ()) -> None:
     if proc.returncode != 0:
         msg = (proc.stderr or proc.stdout).strip().splitlines()
         detail = msg[-1] if msg else f"exit {proc.returncode}"
-        code = "io" if "No space" in detail or "ENOSPC" in detail else "bad_request"
-        raise ErofsError(code, f"mkfs.erofs {src}: {detail}")
+        if "No space" in detail or "ENOSPC" in detail:
+            # The device mkfs.erofs names is `out`, not the `src` it reads:
+            # say which file system to free space on.
+            raise ErofsError("io", f"mkfs.erofs {src}: {detail} writing {out}; free space "
+                             f"on the file system of {out.parent}")
+        raise ErofsError("bad_request", f"mkfs.erofs {src}: {detail}")
     pad_to_pmem(out)

@@ -45,3 +45,19 @@ def test_an_exclude_of_the_whole_root_is_refused(whole):
     with pytest.raises(BadRequest, match="the whole sandbox") as info:
         check_excludes([whole])
     assert info.value.detail == {"exclude": whole}
+
+
+def test_a_full_disk_names_the_file_system_to_free(tmp_path, monkeypatch):
+    """mkfs.erofs says only "Could not format the device: No space left on
+    device"; the error names the file system the layer is written to, not
+    just the tree it reads."""
+    fake = tmp_path / "mkfs.erofs"
+    fake.write_text("#!/bin/sh\necho '<E> erofs: \tCould not format the device : "
+                    "[Error 28] No space left on device' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(erofs, "MKFS", str(fake))
+    out = tmp_path / "store" / "tmp" / "x.erofs"
+    with pytest.raises(erofs.ErofsError) as err:
+        erofs.build(_tree(tmp_path), out)
+    assert err.value.code == "io"
+    assert f"free space on the file system of {out.parent}" in str(err.value)
