@@ -231,6 +231,7 @@ class Node:
         # Probed before the daemon's own zram device or swap file was on: again.
         self.features.items["swap"] = await self.workers.run(probe_swap)
         await self.net_service.readopt_net()
+        await self.builds.start()          # after readopt_net: a RUN with --allow had a network
         self.lifetimes.start()
         if self.vms.backend is not None:
             self.vm_watchdog.start()

@@ -49,7 +49,7 @@ from ..config import ConfigError, parse_size
 from ..errors import BadRequest, DsecError, image_error, io_error
 from ..fs import users
 from ..fs.images import Image, ImageError, Pins
-from .creates import CreateService
+from .creates import BUILD_LABEL, CreateService
 from .execs import ExecService, mapped_groups
 from .images import ImageService, count_image_op
 from .network import NET_FILES
@@ -58,7 +58,6 @@ from .workers import Workers
 
 log = logging.getLogger(__name__)
 
-BUILD_LABEL = "dsec.build"       # on every build sandbox: the image being built
 BUILD_JOB = "dsec.build"         # their create-queue job
 OUTPUT_TAIL = 4096               # bytes of a failed RUN's output its error carries
 KEY_VERSION = 1                  # bump when what a step key hashes changes
@@ -104,6 +103,18 @@ class BuildService:
         self.limits = BuildLimits.from_config(cfg)
         self.capped_layers = capped_layers        # writable layers are capped tmpfs: `disk` applies
         self.digests = buildctx.DigestCache()     # context file hashes, kept across builds
+
+    async def start(self) -> None:
+        """Remove the step sandboxes of builds a killed daemon ran: a build
+        ends with its daemon, so nothing would use or destroy them before
+        their TTL."""
+        for sb in [s for s in self.registry.by_id.values() if BUILD_LABEL in s.labels]:
+            log.info("removing sandbox %s of build %s, which ended with an earlier daemon",
+                     sb.id, sb.labels[BUILD_LABEL])
+            try:
+                await self.destroy(sb, True)
+            except DsecError as err:
+                log.error("build %s: destroy step sandbox %s: %s", sb.labels[BUILD_LABEL], sb.id, err)
 
     async def build(self, req, ctx) -> dict:
         with count_image_op("dockerfile") as done:

@@ -73,6 +73,7 @@ HOSTNAME_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")   
 
 POOL_LABEL = "dsec.pool"
 POOL_JOB = "dsec.pool"
+BUILD_LABEL = "dsec.build"       # on every build sandbox (engine/builds.py): the image being built
 
 
 @dataclass
@@ -232,6 +233,8 @@ class CreateService:
             raise BadRequest("key must be 1 to 256 characters")
         if req.labels.get(POOL_LABEL) is not None:
             raise BadRequest(f"label {POOL_LABEL} is reserved for warm pools")
+        if req.labels.get(BUILD_LABEL) is not None:
+            raise BadRequest(f"label {BUILD_LABEL} is reserved for the sandboxes of Dockerfile builds")
         if not req.key:
             return await self._create_admitted(req)
         keys = self.registry.keys

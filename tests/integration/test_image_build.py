@@ -405,6 +405,37 @@ def test_a_cancelled_build_leaves_no_sandbox_and_no_name(daemon, client, tmp_pat
     assert "cancelled" not in [i["name"] for i in client.list_images()]
 
 
+def test_a_build_sandbox_of_a_killed_daemon_goes_at_its_restart(daemon_factory, busybox_rootfs, tmp_path):
+    """A daemon killed mid-RUN leaves its build's sandbox running; the
+    build is gone with the daemon, so the next one removes the sandbox
+    instead of re-adopting it for the build's TTL (over an hour)."""
+    d = daemon_factory()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    kept = c.create(image="busybox")
+    with pytest.raises(DsecError, match="dsec.build"):
+        c.create(image="busybox", labels={"dsec.build": "mine"})
+    c.close()
+    (tmp_path / "Dockerfile").write_text("FROM busybox\nRUN sleep 60\n")
+    build = subprocess.Popen([str(VENV_BIN / "dsec"), "--socket", d.socket, "image", "build", "-f",
+                              str(tmp_path / "Dockerfile"), str(tmp_path), "--name", "killed"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        c = d.client()
+        deadline = time.monotonic() + 30
+        while not any("dsec.build" in s["labels"] for s in c.list()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        c.close()
+        d.stop(signal.SIGKILL)
+    finally:
+        build.wait(30)
+    d.start()
+    c = d.client()
+    assert [s["id"] for s in c.list()] == [kept.id]
+    assert "killed" not in [i["name"] for i in c.list_images()]
+    c.close()
+
+
 def test_a_daemon_that_cannot_see_its_clients_pid_reads_paths_as_it_sees_them(daemon_factory, busybox_rootfs):
     """A daemon in a pid namespace of its own gets pid 0 for its clients: it
     cannot enter their mount namespace, and reads their paths in its own."""
