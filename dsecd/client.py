@@ -104,6 +104,29 @@ def command_argv(command) -> list[str]:
                        if isinstance(command, (list, tuple)) else ""))
 
 
+def _read_dockerfile(path: str, default: bool) -> str:
+    """The Dockerfile at `path` (CONTEXT/Dockerfile where `default`), read
+    here, on the client's side; an error names it and how it was found."""
+    if default:
+        where = " (without -f, the build reads CONTEXT/Dockerfile; give another with -f)"
+    elif not os.path.isabs(path):
+        where = f" (a relative -f is read from the current directory, {os.getcwd()})"
+    else:
+        where = ""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as err:
+        raise BadRequest(f"the Dockerfile {path} is not UTF-8 text (byte {err.start}: {err.reason}); "
+                         "is it the Dockerfile?", {"dockerfile": path}) from None
+    except FileNotFoundError:
+        raise NotFound(f"read the Dockerfile {path}: No such file or directory{where}",
+                       {"dockerfile": path}) from None
+    except OSError as err:
+        raise BadRequest(f"read the Dockerfile {path}: {err.strerror or err}{where}",
+                         {"dockerfile": path}) from None
+
+
 def string_map(values: dict | None, what: str) -> dict[str, str]:
     """`values` (env, labels) checked to be str -> str, with the key and type that is not."""
     if values is None:
@@ -754,8 +777,7 @@ class Client:
         layer), `seconds`, `replaced` (the manifest the name had before)."""
         context = os.path.abspath(context)
         if text is None:
-            with open(dockerfile or os.path.join(context, "Dockerfile"), encoding="utf-8") as f:
-                text = f.read()
+            text = _read_dockerfile(dockerfile or os.path.join(context, "Dockerfile"), dockerfile is None)
         shown = dockerfile or "Dockerfile"
         args = _given({"context": context, "dockerfile": text, "name": name, "dockerfile_name": shown,
                        "build_args": string_map(build_args, "build_args"), "no_cache": bool(no_cache)},

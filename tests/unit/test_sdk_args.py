@@ -160,3 +160,27 @@ def test_atomic_write_errors_name_the_callers_path_not_the_temporary_file():
         asyncio.run(sb.write_file("/work/f", b"x"))
     assert info.value.message == "rename sb-1:/work/f: quota"
     assert info.value.detail == {"errno": "EDQUOT", "path": "/work/f"} and info.value.code == "limit"
+
+
+def test_a_dockerfile_that_cannot_be_read_says_which_and_why(tmp_path, monkeypatch):
+    """build_dockerfile reads the Dockerfile on the client's side: a missing,
+    binary or directory one is an error that names it, not a bare strerror
+    or a codec's message."""
+    import asyncio
+
+    from dsecd import Client
+    from dsecd.errors import BadRequest, NotFound
+
+    def build(dockerfile=None):
+        return asyncio.run(Client(str(tmp_path / "none.sock")).build_dockerfile(str(tmp_path), "x", dockerfile))
+
+    with pytest.raises(NotFound, match=rf"read the Dockerfile {tmp_path}/Dockerfile: No such file.*-f"):
+        build()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(NotFound, match=rf"Dockerfile Df: No such file.*relative -f is read from the current directory, {tmp_path}"):
+        build("Df")
+    (tmp_path / "bin.df").write_bytes(b"\xd2\x00FROM busybox\n")
+    with pytest.raises(BadRequest, match=r"the Dockerfile bin.df is not UTF-8 text \(byte 0"):
+        build("bin.df")
+    with pytest.raises(BadRequest, match=r"read the Dockerfile \.: Is a directory"):
+        build(".")
