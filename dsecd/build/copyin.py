@@ -367,7 +367,10 @@ def extract_archive(rootfd: int, f, archive: str, dest: str, owner: tuple[int, i
                                         f"sandbox maps (0..{id_count - 1}); ADD it with --chown")
                     ids = to_host(m.uid, m.gid)
                 make_dirs(rootfd, posixpath.dirname(path))
-                counts.bytes += _put_member(rootfd, tf, m, path, top, ids, dir_modes, made_files)
+                try:
+                    counts.bytes += _put_member(rootfd, tf, m, path, top, ids, dir_modes, made_files)
+                except CopyError as err:
+                    raise CopyError(f"{archive}: {err}") from None
                 counts.files += 1
     except (tarfile.TarError, EOFError) as err:
         raise CopyError(f"{archive}: not a readable archive: {err}") from None
@@ -394,7 +397,10 @@ def _put_member(rootfd: int, tf: tarfile.TarFile, m: tarfile.TarInfo, path: str,
             os.chown(name, *owner, dir_fd=pfd, follow_symlinks=False)
             return 0
         if m.islnk():
-            target = f"{top.rstrip('/')}/{tarsafe.entry_name(m.linkname)}"
+            try:
+                target = f"{top.rstrip('/')}/{tarsafe.entry_name(m.linkname)}"
+            except tarsafe.Refused as err:
+                raise CopyError(f"hard link {m.name} -> {m.linkname}: {err}") from None
             if target not in made_files:
                 raise CopyError(f"hard link {m.name} -> {m.linkname}: the target is not a file the archive "
                                 "made before it")
@@ -409,8 +415,6 @@ def _put_member(rootfd: int, tf: tarfile.TarFile, m: tarfile.TarInfo, path: str,
         written = _write_file(pfd, name, None, iter(lambda: src.read(COPY_CHUNK), b""), mode, owner)
         made_files.add(path)
         return written
-    except tarsafe.Refused as err:
-        raise CopyError(str(err)) from None
     except OSError as err:
         raise _failed(path, err) from err
     finally:

@@ -472,7 +472,7 @@ class _Build:
                 if step.add and not src.is_dir:
                     with open(src.open(src.entries[0]), "rb") as f:
                         if copyin.is_archive(f):
-                            counts = copyin.extract_archive(rootfd, f, src.entries[0].path, step.dest, owner,
+                            counts = copyin.extract_archive(rootfd, f, src.rel, step.dest, owner,
                                                             to_host, idmap.count if idmap else None)
                             total.skipped.extend(counts.skipped)
                 if counts is None:

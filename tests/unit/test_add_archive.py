@@ -1,0 +1,46 @@
+"""ADD of a local archive (dsecd/build/copyin.py, extract_archive) into a
+directory standing in for a build sandbox's root: what it refuses names
+the archive as the Dockerfile does, and the entry at fault. No root."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+
+import pytest
+
+from dsecd.build import copyin
+
+
+def _archive(members: list[tarfile.TarInfo]) -> io.BytesIO:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for m in members:
+            tf.addfile(m, io.BytesIO(b"x" * m.size) if m.isreg() else None)
+    buf.seek(0)
+    return buf
+
+
+def _entry(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
+    m = tarfile.TarInfo(name)
+    m.type, m.linkname = kind, link
+    m.size = 1 if kind == tarfile.REGTYPE else 0
+    return m
+
+
+@pytest.mark.parametrize("members,words", [
+    ([_entry("../../escape")], "entry '../../escape' has a '..' component"),
+    ([_entry("/etc/x")], "entry '/etc/x' has an absolute name"),
+    ([_entry("h", tarfile.LNKTYPE, "/etc/passwd")], "hard link h -> /etc/passwd: entry '/etc/passwd' has an absolute"),
+    ([_entry("h", tarfile.LNKTYPE, "nothing")], "hard link h -> nothing: the target is not a file the archive"),
+])
+def test_a_refused_entry_names_the_archive_and_the_entry(tmp_path, members, words):
+    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(copyin.CopyError) as err:
+            copyin.extract_archive(root, _archive(members), "pkg/app.tar", "/dst", (os.getuid(), os.getgid()),
+                                   lambda uid, gid: (uid, gid), None)
+    finally:
+        os.close(root)
+    assert str(err.value).startswith("pkg/app.tar: ") and words in str(err.value)
