@@ -423,10 +423,34 @@ class ImageService:
         layers, manifests = self._in_use()
         await self.workers.run(self.layers.sweep, True)
         out = await self._images_call(self.images.gc, layers, manifests)
-        if self.after_gc is not None:
+        if self.after_gc is not None or self.image_mode == "eager":
+            listed = time.time()
             live = await self.workers.run(self.images.store.all_digests)
-            out["vm_templates_removed"] = await self.after_gc(live)
+            if self.image_mode == "eager":
+                await self.workers.run(self._sweep_eager, live, listed)
+            if self.after_gc is not None:
+                out["vm_templates_removed"] = await self.after_gc(live)
         return out
+
+    def _sweep_eager(self, live: set[str], listed: float) -> None:
+        """eager: remove the local copies (and half-made ones) of layers the
+        store no longer holds, removed by this gc or another host's, and
+        that no mount of this host uses. A copy written since the store was
+        listed (`listed`) is of a layer stored since, maybe being mounted:
+        it stays."""
+        keep = live | set(self.layers.in_use())
+        try:
+            entries = list(os.scandir(self.eager_dir))
+        except FileNotFoundError:
+            return
+        for e in entries:
+            with contextlib.suppress(FileNotFoundError):
+                if e.stat(follow_symlinks=False).st_mtime >= listed - 1:
+                    continue
+            if f"sha256:{e.name.removesuffix('.tmp')}" not in keep:
+                log.info("image gc: removing the eager copy %s (its layer left the store)", e.name)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(e.path)
 
     async def du(self, req, ctx) -> dict:
         out = await self._images_call(self.images.du, *self._in_use())

@@ -85,6 +85,33 @@ def test_rm_name_keeps_running_sandboxes_and_gc_keeps_their_layers(images):
     assert c.request("image_du")["blobs"] == 0
 
 
+def test_gc_removes_the_eager_copies_of_the_layers_it_removes(daemon_factory, busybox_rootfs, tmp_path):
+    """images.mode eager copies each layer to <state>/eager before its first
+    mount; once gc has removed the layer from the store, its copy goes too,
+    or every layer the host ever ran would stay on its disk."""
+    d = daemon_factory('[images]\nmode = "eager"\n')
+    c = d.client()
+    c.build_image(busybox_rootfs, "base")
+    (tmp_path / "ws" / "work").mkdir(parents=True)
+    (tmp_path / "ws" / "work" / "f").write_text("f\n")
+    top = c.build_image(str(tmp_path / "ws"), "ws", parent="base")["layers"][-1]["digest"]
+    c.create(image="ws").destroy()
+    eager = d.state / "eager"
+    assert top[7:] in os.listdir(eager)
+    (eager / ("0" * 64 + ".tmp")).write_bytes(b"half a copy of a layer no store holds")
+    (eager / ("1" * 64 + ".tmp")).write_bytes(b"a copy being written as gc lists the store")
+    for name in os.listdir(eager):                   # made a while ago, but the one being written
+        if not name.startswith("1"):
+            os.utime(eager / name, (time.time() - 60, time.time() - 60))
+    c.request("image_rm", name="ws")
+    gc = c.request("image_gc")
+    assert top in gc["removed"]
+    base = c.request("image_inspect", name="base")["layers"][0]["digest"]
+    assert sorted(os.listdir(eager)) == sorted([base[7:], "1" * 64 + ".tmp"])      # the kept image's copy stays
+    assert c.create(image="base").exec(["true"]).exit_code == 0
+    c.close()
+
+
 def test_bad_builds(images, tmp_path):
     d, c = images
     with pytest.raises(Conflict):
