@@ -2099,6 +2099,13 @@ def _check_image_build(a: argparse.Namespace) -> None:
     for option, value in (("--build-arg", a.build_arg), ("--allow", a.allow), ("--no-cache", a.no_cache)):
         if value:
             raise UsageError(f"dsec image build: {option} goes with -f DOCKERFILE (a Dockerfile build)")
+    # `docker build .` habit: without -f the directory itself becomes the
+    # image's root, and an image of a project's sources runs nothing.
+    dockerfile = os.path.join(a.path, "Dockerfile")
+    if not (a.host or getattr(a, "fleet", None)) and os.path.isfile(dockerfile):
+        print(f"dsec image build: warning: {a.path} holds a Dockerfile, but without -f the directory is "
+              f"imported as the image's root file system; to build from the Dockerfile: "
+              f"dsec image build -f {dockerfile} {a.path} --name {a.name}", file=sys.stderr)
 
 
 def _closed_outputs() -> list[int]:

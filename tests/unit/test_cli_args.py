@@ -386,3 +386,23 @@ def test_fleet_hosts_given_twice_or_none_are_a_usage_error_of_dsec_fleet(hosts, 
         cli.parse_args(["fleet", "--hosts", hosts, "ps"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "dsec fleet: error:" in err and said in err, err
+
+
+def test_a_directory_build_of_a_dockerfile_project_warns(tmp_path, capsys):
+    """`dsec image build . --name app` (docker build's habit) imports the
+    directory as a root file system; where it holds a Dockerfile, stderr
+    says so and how to build from it. -f, `image import` and a host's
+    own paths (--host) are left alone."""
+    (tmp_path / "Dockerfile").write_text("FROM busybox\n")
+    cli.check_usage(cli.parse_args(["image", "build", str(tmp_path), "--name", "app"]))
+    err = capsys.readouterr().err
+    assert f"{tmp_path} holds a Dockerfile" in err
+    assert f"dsec image build -f {tmp_path}/Dockerfile {tmp_path} --name app" in err
+    for args in (["image", "build", "-f", str(tmp_path / "Dockerfile"), str(tmp_path), "--name", "app"],
+                 ["image", "import", str(tmp_path), "--name", "app"],
+                 ["--host", "ssh://h", "image", "build", str(tmp_path), "--name", "app"]):
+        cli.check_usage(cli.parse_args(args))
+        assert capsys.readouterr().err == "", args
+    (tmp_path / "Dockerfile").unlink()
+    cli.check_usage(cli.parse_args(["image", "build", str(tmp_path), "--name", "app"]))
+    assert capsys.readouterr().err == ""
