@@ -160,7 +160,7 @@ class _Build:
         started = time.monotonic()
         req = self.req
         try:
-            self.store.check_name(req.name)
+            self.store.new_name(req.name)
         except ImageError as err:
             raise image_error(err) from err
         try:

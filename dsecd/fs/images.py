@@ -123,8 +123,16 @@ class ImageStore:
         except names.BadName as err:
             raise ImageError("bad_request", str(err)) from None
 
-    def check_name(self, name: str) -> None:
-        self.parse_name(name)
+    def new_name(self, name: str) -> str:
+        """canonical(name) for an image made here (a build, import or
+        snapshot). A digest names what a registry serves under it, which an
+        image made here is not: such a name is refused."""
+        parsed = self.parse_name(name)
+        if parsed.digest:
+            raise ImageError("bad_request", f"image name {name!r} has a digest (@{parsed.digest}), which "
+                             "names what a registry serves under it, not an image made here; give NAME "
+                             "or NAME:TAG")
+        return str(parsed)
 
     def canonical(self, name: str) -> str:
         """The one spelling of a name (`python:3.11` -> `docker.io/library/python:3.11`):
@@ -467,7 +475,7 @@ class ImageStore:
         parent's for a root file system. `cancelled`, once set, keeps the
         image from being published (`conflict`); the layers made are left to
         `image gc`."""
-        name = self.canonical(name)
+        name = self.new_name(name)
         if self._ref(name).exists():
             raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)")
         path = Path(src)
@@ -516,7 +524,7 @@ class ImageStore:
                  progress: Progress | None = None, max_bytes: int = 0) -> Image:
         """pack_diff: the sandbox's upper dir as a new top layer over `base`.
         `max_bytes` (0 = none) bounds the files' apparent size, checked first."""
-        name = self.canonical(name)
+        name = self.new_name(name)
         if self._ref(name).exists():
             raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)")
         if max_bytes:

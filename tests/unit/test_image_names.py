@@ -59,3 +59,18 @@ def test_ref_paths_never_leave_refs_or_collide_with_local_names():
     assert nested[0].parent in nested[1].parents and nested[0] not in nested[1].parents
     assert names.from_ref_path(PurePosixPath("_repos/r.io/a/stray.tmp")) is None
     assert names.from_ref_path(PurePosixPath(".hidden")) is None
+
+
+def test_an_image_made_here_is_not_named_by_a_digest(tmp_path):
+    """A digest names the image a registry serves under it: a build, import
+    or snapshot given such a name is refused (it would claim a digest its
+    content does not have), a name or name:tag is taken."""
+    from dsecd.fs.images import ImageError, ImageStore
+
+    store = ImageStore(tmp_path / "store", tmp_path / "scratch")
+    assert store.new_name("team/app:1") == "docker.io/team/app:1"
+    assert store.new_name("app") == "app"
+    for name in (f"app@sha256:{HEX}", f"quay.io/x/app:1@sha256:{HEX}"):
+        with pytest.raises(ImageError, match=r"has a digest .*NAME or NAME:TAG") as err:
+            store.new_name(name)
+        assert err.value.code == "bad_request"
