@@ -63,6 +63,9 @@ def _failed(path: str, err: OSError) -> CopyError:
     if err.errno == errno.EXDEV:
         return CopyError(f"{path}: the path crosses into a mount of the build sandbox (/proc, /dev and "
                          "/tmp are the sandbox's own, not part of the image); copy somewhere else")
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return CopyError(f"{path}: {err.strerror}: the step's writable layer is full; what one step may add "
+                         "is bounded by the daemon's [build] disk and memory")
     return CopyError(f"{path}: {err.strerror or err}")
 
 

@@ -44,3 +44,24 @@ def test_a_refused_entry_names_the_archive_and_the_entry(tmp_path, members, word
     finally:
         os.close(root)
     assert str(err.value).startswith("pkg/app.tar: ") and words in str(err.value)
+
+
+def test_a_full_writable_layer_names_the_limits_that_bound_it(tmp_path, monkeypatch):
+    """ENOSPC while writing a step's files is its writable layer's cap, which
+    the daemon's [build] settings set: the error says which, not only
+    "No space left on device"."""
+    import errno
+
+    def full(*args, **kw):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(copyin, "_write_file", full)
+    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(copyin.CopyError) as err:
+            copyin.extract_archive(root, _archive([_entry("big")]), "big.tar", "/dst", (os.getuid(), os.getgid()),
+                                   lambda uid, gid: (uid, gid), None)
+    finally:
+        os.close(root)
+    assert "big.tar: /dst/big: No space left on device" in str(err.value)
+    assert "[build] disk and memory" in str(err.value)
