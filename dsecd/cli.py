@@ -223,9 +223,15 @@ async def cmd_image_dockerfile(c: Client, a) -> int:
         from .buildview import BuildView
 
         view = BuildView()
+
+    def warnings_only(event: dict) -> None:
+        # Off a terminal: no steps, but what a warning says (files left out) on stderr.
+        if event.get("event") == "warning":
+            print(f"dsec image build: warning: {event['message']}", file=sys.stderr)
+
     try:
         img = await c.build_dockerfile(a.path, a.name, a.file, build_args=_kv(a.build_arg, "--build-arg"),
-                                       allow=a.allow, no_cache=a.no_cache, progress=view)
+                                       allow=a.allow, no_cache=a.no_cache, progress=view or warnings_only)
     except DsecError as err:
         if view is not None:
             view.close()

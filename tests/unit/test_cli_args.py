@@ -406,3 +406,25 @@ def test_a_directory_build_of_a_dockerfile_project_warns(tmp_path, capsys):
     (tmp_path / "Dockerfile").unlink()
     cli.check_usage(cli.parse_args(["image", "build", str(tmp_path), "--name", "app"]))
     assert capsys.readouterr().err == ""
+
+
+def test_build_warnings_reach_stderr_off_a_terminal(capsys):
+    """Off a terminal the build prints its result alone on stdout; its
+    warnings (a COPY glob that copies nothing, unused build args) still go
+    to stderr, or a CI log never shows that files were left out."""
+    import asyncio
+
+    class Fake:
+        async def build_dockerfile(self, *args, progress=None, **kw):
+            progress({"event": "step", "step": 1, "of": 2, "line": 1, "instruction": "FROM busybox"})
+            progress({"event": "warning", "step": 2, "message": "line 2: COPY *.txt: no file matches it"})
+            progress({"event": "output", "step": 2, "fd": 1, "data": b"run output\n"})
+            return {"name": "app", "layers": [], "bytes": 0, "manifest": "sha256:" + "0" * 64, "steps": [],
+                    "seconds": 0.1}
+
+    for json_out in (False, True):
+        a = cli.parse_args(["image", "build", "-f", "Dockerfile", ".", "--name", "app", *(["--json"] * json_out)])
+        assert asyncio.run(cli.cmd_image_dockerfile(Fake(), a)) == 0
+        out, err = capsys.readouterr()
+        assert err == "dsec image build: warning: line 2: COPY *.txt: no file matches it\n"
+        assert "warning" not in out and "run output" not in out
