@@ -266,12 +266,14 @@ def _put_entry(rootfd: int, path: str, source: Source, e: Entry, owner: tuple[in
             if owner is not None:
                 os.chown(name, *owner, dir_fd=pfd, follow_symlinks=False)
             return 0
+        # Named below the context, as the Dockerfile names it (e.path is where the daemon reads it).
+        shown = posixpath.normpath(posixpath.join(source.rel, e.rel))
         try:
             src = source.open(e)
         except FileNotFoundError:
-            raise CopyError(f"{e.path} was removed from the build context during the build") from None
+            raise CopyError(f"{shown} was removed from the build context during the build") from None
         except OSError as err:
-            raise CopyError(f"{e.path} changed in the build context during the build: {err.strerror}") from None
+            raise CopyError(f"{shown} changed in the build context during the build: {err.strerror}") from None
         try:
             return _write_file(pfd, name, src, None, chmod if chmod is not None else e.mode, owner)
         finally:

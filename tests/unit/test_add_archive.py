@@ -65,3 +65,24 @@ def test_a_full_writable_layer_names_the_limits_that_bound_it(tmp_path, monkeypa
         os.close(root)
     assert "big.tar: /dst/big: No space left on device" in str(err.value)
     assert "[build] disk and memory" in str(err.value)
+
+
+def test_a_source_gone_during_the_copy_is_named_by_its_context_path(tmp_path):
+    """The daemon reads the context where it attached it (a path of its
+    own); a file removed from the context between the plan and the copy is
+    named as the Dockerfile names it, below the context."""
+    from dsecd.build.context import BuildContext
+
+    ctx, root = tmp_path / "ctx", tmp_path / "root"
+    (ctx / "src" / "pkg").mkdir(parents=True)
+    (ctx / "src" / "pkg" / "mod.py").write_text("x\n")
+    root.mkdir()
+    sources = BuildContext.open(str(ctx)).sources("src")
+    (ctx / "src" / "pkg" / "mod.py").unlink()
+    rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(copyin.CopyError) as err:
+            copyin.copy_sources(rootfd, sources, "/app/", None, None)
+    finally:
+        os.close(rootfd)
+    assert str(err.value) == "src/pkg/mod.py was removed from the build context during the build"
