@@ -327,11 +327,13 @@ class BuildContext:
             h.update(f"S {src.rel}\0".encode(errors="surrogateescape"))
             for e in src.entries:
                 if e.kind == "file":
+                    shown = posixpath.normpath(posixpath.join(src.rel, e.rel))     # e.path: the daemon's
                     try:
                         content = cache.file_digest(e.path, os.stat(e.path))
                     except FileNotFoundError:
-                        raise ContextError(f"{src.rel}: {e.rel or e.path} was removed while the build "
-                                           "read the context") from None
+                        raise ContextError(f"{shown} was removed while the build read the context") from None
+                    except OSError as err:
+                        raise ContextError(f"{shown}: cannot read it: {err.strerror or err}") from None
                 else:
                     content = e.target
                 h.update(f"{e.rel}\0{e.kind}\0{e.mode:o}\0{e.size}\0{content}\n"

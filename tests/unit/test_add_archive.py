@@ -86,3 +86,26 @@ def test_a_source_gone_during_the_copy_is_named_by_its_context_path(tmp_path):
     finally:
         os.close(rootfd)
     assert str(err.value) == "src/pkg/mod.py was removed from the build context during the build"
+
+
+@pytest.mark.parametrize("error,says", [
+    (FileNotFoundError(2, "No such file or directory"), "app.py was removed while the build read the context"),
+    (PermissionError(13, "Permission denied"), "app.py: cannot read it: Permission denied"),
+])
+def test_a_source_that_cannot_be_hashed_is_named_by_its_context_path(tmp_path, monkeypatch, error, says):
+    """Hashing a COPY's files for the step cache: a file gone meanwhile, or
+    one the daemon may not read (root squashed on NFS, say), is named below
+    the context, not by the daemon's path to it nor as the whole context."""
+    from dsecd.build import context as buildctx
+
+    (tmp_path / "app.py").write_text("x\n")
+    ctx = buildctx.BuildContext.open(str(tmp_path))
+    sources = ctx.sources("app.py")
+
+    def fail(self, path, st):
+        raise error
+
+    monkeypatch.setattr(buildctx.DigestCache, "file_digest", fail)
+    with pytest.raises(buildctx.ContextError) as err:
+        ctx.digest(sources, buildctx.DigestCache())
+    assert str(err.value) == says
