@@ -314,6 +314,8 @@ async def cmd_image(c: Client, a) -> int:
         else:
             removed = r.get("name") or a.name          # the name the daemon resolved (a pulled docker.io/...)
             print(f"removed image name {removed} (its layers go at the next `dsec image gc`)")
+            if r.get("damaged"):
+                print(f"dsec image rm: the image could not be read: {r['damaged']}", file=sys.stderr)
         return 0
     if a.image_cmd == "gc":
         r = await c.image_gc()

@@ -226,6 +226,9 @@ class ImageStore:
                 log.warning("image %s: cannot read its ref %s (%s): using the copy read before", name,
                             path, what)
                 return cached[1]
+            if isinstance(err, ValueError):     # read, but not a ref: the store answers, the file is bad
+                raise ImageError("io", f"image {name!r}: its ref {path} is damaged: {what}; remove the "
+                                 f"name (`dsec image rm {name}`) and build or pull the image again") from err
             raise ImageError("io", f"image {name!r}: read its ref {path}: {what}; "
                              f"{unreachable_hint(self.store.root)}") from err
         self._refs[name] = (key, ref)
@@ -326,12 +329,27 @@ class ImageStore:
                 tmp.unlink(missing_ok=True)
 
     def remove(self, name: str) -> Image:
-        image = self.get(name, pull_hint=False)        # removing a missing image wants no pull
+        """Remove a name. One whose ref or manifest cannot be read (a damaged
+        ref, a manifest another host's gc collected) fails every lookup, and
+        is removed all the same: rm is the way out. Its image then has no
+        manifest, and extra["damaged"] says what was wrong."""
+        try:
+            image = self.get(name, pull_hint=False)        # removing a missing image wants no pull
+        except ImageError as err:
+            parsed = self.parse_name(name)
+            if err.code == "bad_request" or not os.path.lexists(parsed.ref_path(self.refs)):
+                raise
+            log.warning("image %s cannot be read (%s); removing its name all the same", parsed, err)
+            image = Image(name=str(parsed), manifest=None, layers=[], config=imageconfig.default(),
+                          created=0.0, extra={"damaged": str(err)})
         path = self._ref(image.name)
         try:
             path.unlink()
         except FileNotFoundError:     # a concurrent rm of the same name won
             raise ImageError("not_found", f"no image named {name!r} (removed meanwhile)") from None
+        except OSError as err:
+            raise ImageError("io", f"image {image.name!r}: remove its ref {path}: {err.strerror}; "
+                             f"{unreachable_hint(self.store.root)}") from err
         finally:
             self._refs.pop(image.name, None)
         self._changed(image.name)

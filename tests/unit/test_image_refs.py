@@ -81,3 +81,31 @@ def test_removing_a_missing_image_points_at_the_list_not_at_a_pull(tmp_path, nam
         store.remove(name)
     assert info.value.code == "not_found"
     assert str(info.value) == f"no image named {name!r} (see `dsec image ls`)"
+
+
+@pytest.mark.parametrize("damage", ["truncated ref", "manifest gone"])
+def test_a_name_whose_image_cannot_be_read_can_still_be_removed(tmp_path, damage):
+    """A ref left half-written by a crash, or whose manifest a gc (of
+    another host on the store) collected, fails every lookup; `image rm`
+    is the way out, so it removes the name all the same and says what was
+    wrong with it."""
+    store = ImageStore(tmp_path / "store", tmp_path / "scratch")
+    built = store.build_from_dir(_src(tmp_path, "a", "one"), "team/app:1")
+    store.build_from_dir(_src(tmp_path, "b", "two"), "other")
+    ref = tmp_path / "store" / "refs" / "_repos" / "docker.io" / "team" / "app" / ":1"
+    if damage == "truncated ref":
+        ref.write_text('{"manif')
+    else:
+        store.store.remove(built.manifest)
+    store = ImageStore(tmp_path / "store", tmp_path / "scratch")         # nothing read before
+    with pytest.raises(ImageError) as info:
+        store.get("team/app:1")
+    if damage == "truncated ref":
+        assert "is damaged" in str(info.value) and "dsec image rm docker.io/team/app:1" in str(info.value)
+    removed = store.remove("team/app:1")
+    assert removed.name == "docker.io/team/app:1" and removed.manifest is None and removed.extra["damaged"]
+    assert not ref.exists()
+    with pytest.raises(ImageError) as info:
+        store.remove("team/app:1")
+    assert info.value.code == "not_found"
+    assert store.get("other").name == "other"
