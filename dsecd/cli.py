@@ -229,8 +229,9 @@ async def cmd_image_dockerfile(c: Client, a) -> int:
         if event.get("event") == "warning":
             print(f"dsec image build: warning: {event['message']}", file=sys.stderr)
 
+    dockerfile, text = (a.file, None) if a.file != "-" else ("<stdin>", sys.stdin.read())    # docker's -f -
     try:
-        img = await c.build_dockerfile(a.path, a.name, a.file, build_args=_kv(a.build_arg, "--build-arg"),
+        img = await c.build_dockerfile(a.path, a.name, dockerfile, text, build_args=_kv(a.build_arg, "--build-arg"),
                                        allow=a.allow, no_cache=a.no_cache, progress=view or warnings_only)
     except DsecError as err:
         if view is not None:
@@ -1752,8 +1753,8 @@ def build_parser() -> argparse.ArgumentParser:
         if verb == "build":
             imp.add_argument("--from", dest="parent", help="put the new layer on top of this image")
             imp.add_argument("-f", "--file", metavar="DOCKERFILE",
-                             help="build from this Dockerfile (FROM a local image; RUN in sandboxes; "
-                             "steps cached); replaces an image of that name")
+                             help="build from this Dockerfile ('-': stdin; FROM a local image; RUN in "
+                             "sandboxes; steps cached); replaces an image of that name")
             imp.add_argument("--build-arg", action="append", metavar="K=V", help="with -f: an ARG's value")
             imp.add_argument("--allow", action="append", metavar="RULE", help="with -f: egress rule or "
                              "rule-set name for RUN steps, e.g. pypi (repeatable; none: RUN has no network)")

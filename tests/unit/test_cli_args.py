@@ -428,3 +428,23 @@ def test_build_warnings_reach_stderr_off_a_terminal(capsys):
         out, err = capsys.readouterr()
         assert err == "dsec image build: warning: line 2: COPY *.txt: no file matches it\n"
         assert "warning" not in out and "run output" not in out
+
+
+def test_a_dockerfile_on_stdin_with_f_dash(monkeypatch, capsys):
+    """`-f -` reads the Dockerfile from stdin, as docker build does; its
+    errors name it <stdin>."""
+    import asyncio
+    import io
+
+    seen = {}
+
+    class Fake:
+        async def build_dockerfile(self, context, name, dockerfile=None, text=None, **kw):
+            seen.update(dockerfile=dockerfile, text=text)
+            return {"name": name, "layers": [], "bytes": 0, "manifest": "sha256:" + "0" * 64, "steps": [],
+                    "seconds": 0.1}
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("FROM busybox\nRUN true\n"))
+    a = cli.parse_args(["image", "build", "-f", "-", ".", "--name", "app"])
+    assert asyncio.run(cli.cmd_image_dockerfile(Fake(), a)) == 0
+    assert seen == {"dockerfile": "<stdin>", "text": "FROM busybox\nRUN true\n"}
