@@ -234,13 +234,12 @@ async def cmd_image_dockerfile(c: Client, a) -> int:
         img = await c.build_dockerfile(a.path, a.name, dockerfile, text, build_args=_kv(a.build_arg, "--build-arg"),
                                        allow=a.allow, no_cache=a.no_cache, progress=view or warnings_only)
     except DsecError as err:
-        if view is not None:
-            view.close()
-        elif err.detail.get("output_tail"):     # nothing of the failed RUN was shown: its last output
+        if view is None and err.detail.get("output_tail"):     # nothing of the failed RUN was shown: its last output
             print(err.detail["output_tail"].rstrip("\n"), file=sys.stderr)
         raise
-    if view is not None:
-        view.close()
+    finally:
+        if view is not None:        # whatever ends the build (Ctrl-C too): or the cursor stays hidden
+            view.close()
     if a.json:
         _print_json(img)
         return 0
@@ -279,9 +278,11 @@ async def cmd_image(c: Client, a) -> int:
                   "entrypoint": argv_value(a.entrypoint, "--entrypoint"),
                   "cmd": argv_value(a.cmd_args, "--cmd"), "labels": _kv(a.label, "--label") or None,
                   "exposed_ports": a.expose}
-        img = await c.build_image(a.path, a.name, getattr(a, "parent", None), bar,
-                                  **{k: v for k, v in config.items() if v is not None})
-        bar.done()
+        try:
+            img = await c.build_image(a.path, a.name, getattr(a, "parent", None), bar,
+                                      **{k: v for k, v in config.items() if v is not None})
+        finally:
+            bar.done()          # ends its status line: an error goes on a line of its own
         _print_json(img) if a.json else _print_image(img, "built")
         return 0
     if a.image_cmd == "pull":

@@ -4,6 +4,7 @@ after any command, usage exit codes, and the messages of a refused socket."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import socket
 import subprocess
@@ -448,3 +449,40 @@ def test_a_dockerfile_on_stdin_with_f_dash(monkeypatch, capsys):
     a = cli.parse_args(["image", "build", "-f", "-", ".", "--name", "app"])
     assert asyncio.run(cli.cmd_image_dockerfile(Fake(), a)) == 0
     assert seen == {"dockerfile": "<stdin>", "text": "FROM busybox\nRUN true\n"}
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, asyncio.CancelledError])
+def test_an_interrupted_build_closes_its_terminal_view(monkeypatch, stop):
+    """Ctrl-C during a build on a terminal: the step view is closed (rich
+    shows the cursor again and ends the live line), not left hiding the
+    terminal's cursor after dsec exits."""
+    import io
+
+    from dsecd import buildview
+
+    closed = []
+
+    class View:
+        def __init__(self):
+            pass
+
+        def __call__(self, event):
+            pass
+
+        def close(self):
+            closed.append(True)
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    class Fake:
+        async def build_dockerfile(self, *args, **kw):
+            raise stop()
+
+    monkeypatch.setattr(buildview, "BuildView", View)
+    monkeypatch.setattr("sys.stdout", Tty())
+    a = cli.parse_args(["image", "build", "-f", "Dockerfile", ".", "--name", "app"])
+    with pytest.raises(stop):
+        asyncio.run(cli.cmd_image_dockerfile(Fake(), a))
+    assert closed == [True]
