@@ -607,15 +607,26 @@ class ImageStore:
     # ------------------------------------------------------------ accounting
 
     def referenced(self) -> tuple[set[str], set[str]]:
-        """(manifest digests, layer and chunk index digests) reachable from names."""
+        """(manifest digests, layer and chunk index digests) reachable from names.
+        A name removed meanwhile, a damaged ref and a manifest no longer in
+        the store name nothing to keep; a ref or manifest that cannot be read
+        (the store failing) is `io`: what it keeps is unknown, so gc stops."""
         manifests, layers = set(), set()
         for name in self.names():
             try:
                 digest = self._read_ref(name)["manifest"]
                 manifests.add(digest)
                 layers.update(self._blobs_of(self._manifest(digest)))
-            except (OSError, ValueError, KeyError, ImageError):
+            except (FileNotFoundError, ValueError, KeyError):
                 continue
+            except ImageError as err:
+                if err.code == "not_found" or isinstance(err.__cause__, ValueError):
+                    continue
+                raise ImageError("io", f"image gc: cannot read image {name!r} ({err}); nothing was "
+                                 "removed: run it again once the store answers") from err
+            except OSError as err:
+                raise ImageError("io", f"image gc: cannot read image {name!r} ({err.strerror or err}); "
+                                 "nothing was removed: run it again once the store answers") from err
         return manifests, layers
 
     def gc(self, in_use_layers: set[str], in_use_manifests: set[str]) -> dict:

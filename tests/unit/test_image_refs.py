@@ -109,3 +109,37 @@ def test_a_name_whose_image_cannot_be_read_can_still_be_removed(tmp_path, damage
         store.remove("team/app:1")
     assert info.value.code == "not_found"
     assert store.get("other").name == "other"
+
+
+def test_gc_removes_nothing_when_a_ref_cannot_be_read(tmp_path, monkeypatch):
+    """A ref the store does not answer for (a distributed file system with
+    the brick holding it down: ENOTCONN) leaves its image's blobs unknown:
+    gc stops before removing anything instead of collecting them as
+    unreferenced. A ref that reads but is not JSON names nothing gc could
+    keep, and does not stop it."""
+    import errno
+    from pathlib import Path
+
+    store = tmp_path / "store"
+    builder = ImageStore(store, tmp_path / "s1")
+    kept = builder.build_from_dir(_src(tmp_path, "a", "one"), "kept")
+    builder.build_from_dir(_src(tmp_path, "b", "two"), "damaged")
+    here = ImageStore(store, tmp_path / "s2")           # a daemon that never read these names
+    read_text = Path.read_text
+
+    def brick_down(path, *args, **kw):
+        if path.name == "kept":
+            raise OSError(errno.ENOTCONN, "Transport endpoint is not connected", str(path))
+        return read_text(path, *args, **kw)
+
+    monkeypatch.setattr(Path, "read_text", brick_down)
+    blobs = set(here.store.all_digests())
+    with pytest.raises(ImageError) as info:
+        here.gc(set(), set())
+    assert info.value.code == "io" and "'kept'" in str(info.value) and "nothing was removed" in str(info.value)
+    assert here.store.all_digests() == blobs
+    monkeypatch.setattr(Path, "read_text", read_text)
+    (store / "refs" / "damaged").write_text('{"manif')
+    gc = here.gc(set(), set())
+    assert gc["removed"] and kept.manifest not in gc["removed"]
+    assert here.get("kept").manifest == kept.manifest
