@@ -297,7 +297,11 @@ async def cmd_image(c: Client, a) -> int:
                          f", from the mirror {via}" if mirrored else "")
         return 0
     if a.image_cmd == "ls":
-        images = await c.list_images()
+        listing = await c.request("image_list")
+        images = listing["images"]
+        for bad in listing.get("unreadable", []):
+            print(f"dsec image ls: image {bad['name']} cannot be read: {bad['error']} (`dsec image rm "
+                  f"{bad['name']}` removes the name)", file=sys.stderr)
         if a.json:
             _print_json(images)
         else:

@@ -392,8 +392,8 @@ class ImageService:
         return {**image.to_dict(), "pull": stats}
 
     async def list(self, req, ctx) -> dict:
-        images = await self._images_call(self.images.list)
-        return {"images": [i.to_dict() for i in images]}
+        images, unreadable = await self._images_call(self.images.list)
+        return {"images": [i.to_dict() for i in images], "unreadable": unreadable}
 
     async def inspect(self, req, ctx) -> dict:
         image = await self._images_call(self.images.get, req.name)

@@ -278,14 +278,16 @@ class ImageStore:
             found.extend(n for f in files if (n := names.from_ref_path(rel / f)))
         return sorted(out) + sorted(found)
 
-    def list(self) -> list[Image]:
-        out = []
+    def list(self) -> tuple[list[Image], list[dict]]:
+        """(the images, the names that cannot be read: {"name", "error"}):
+        a damaged ref, a manifest gc removed, a store that does not answer."""
+        images, unreadable = [], []
         for name in self.names():
             try:
-                out.append(self.get(name))
-            except ImageError:
-                continue     # a name whose manifest is gone: shown by `gc`, not here
-        return out
+                images.append(self.get(name))
+            except ImageError as err:
+                unreadable.append({"name": name, "error": str(err)})
+        return images, unreadable
 
     def _publish(self, name: str, manifest_digest: str, parent: str | None,
                  source: dict | None = None, replace: bool = False) -> str | None:
@@ -686,7 +688,8 @@ class ImageStore:
                 pass
         total = shared = 0
         counts: dict[str, int] = {}
-        for image in self.list():
+        images, _unreadable = self.list()
+        for image in images:
             for digest in image.layer_digests:
                 counts[digest] = counts.get(digest, 0) + 1
         sizes = {}
@@ -700,7 +703,7 @@ class ImageStore:
         unreferenced = sum(s for d, s in sizes.items() if d not in keep)
         return {"blobs": len(sizes), "bytes": total, "shared_layer_bytes": shared,
                 "unreferenced_bytes": unreferenced, "build_cache_entries": self.build_cache.count(),
-                "images": [{"name": i.name, "bytes": i.size, "layers": len(i.layers)} for i in self.list()]}
+                "images": [{"name": i.name, "bytes": i.size, "layers": len(i.layers)} for i in images]}
 
 
 def check_apparent_size(top: Path, exclude: list[str], max_bytes: int) -> int:

@@ -143,3 +143,17 @@ def test_gc_removes_nothing_when_a_ref_cannot_be_read(tmp_path, monkeypatch):
     gc = here.gc(set(), set())
     assert gc["removed"] and kept.manifest not in gc["removed"]
     assert here.get("kept").manifest == kept.manifest
+
+
+def test_the_listing_names_what_it_cannot_read(tmp_path):
+    """`image ls` shows the images it can read and says which names it
+    cannot, instead of leaving them out unsaid."""
+    store = ImageStore(tmp_path / "store", tmp_path / "scratch")
+    store.build_from_dir(_src(tmp_path, "a", "one"), "team/app:1")
+    store.build_from_dir(_src(tmp_path, "b", "two"), "other")
+    ref = tmp_path / "store" / "refs" / "_repos" / "docker.io" / "team" / "app" / ":1"
+    ref.write_text('{"manif')
+    store = ImageStore(tmp_path / "store", tmp_path / "scratch")
+    images, unreadable = store.list()
+    assert [i.name for i in images] == ["other"]
+    assert [u["name"] for u in unreadable] == ["docker.io/team/app:1"] and "damaged" in unreadable[0]["error"]
