@@ -199,6 +199,12 @@ class MemoryService:
     async def ensure_running(self, sb, why: str) -> None:
         """Called before exec and file ops: resume a paused sandbox (or refuse)."""
         sb.last_active = time.monotonic()
+        if _is_vm(sb) and sb.lock.locked():
+            # A pause (or resume, or snapshot) under way: a VM's pause saves the
+            # guest and ends its QEMU, with the agent's channel, while its state
+            # still says running. Wait for it, then resume it below if paused.
+            async with sb.lock:
+                pass
         if sb.state != "paused":
             return
         if not self.auto_resume:

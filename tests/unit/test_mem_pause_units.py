@@ -206,3 +206,34 @@ def test_an_on_demand_resume_prefetches_the_working_set_behind_the_request():
                            _behind_answer=lambda s, fn, *args: behind.append((s.id, fn, args)))
     asyncio.run(MemoryService.ensure_running(node, sb, "exec"))
     assert behind == [("sb1", mp.prefetch, ({42: [(4096, 8192)]}, "populate"))]
+
+
+def test_an_op_on_a_vm_being_paused_waits_for_the_pause_then_resumes_it():
+    # dsecd/engine/memory.py ensure_running: a VM's pause holds the sandbox's
+    # lock while it saves the guest and ends QEMU, its state still "running";
+    # an exec that went ahead then met the ending channel ("is exiting").
+    import asyncio
+    from types import SimpleNamespace
+
+    from dsecd.engine.memory import MemoryService
+
+    async def main():
+        sb = SimpleNamespace(id="vm1", backend="microvm", state="running", pause_record=None, last_active=0.0,
+                             lock=asyncio.Lock())
+        resumed = []
+
+        async def resume(s, mode=None):
+            resumed.append(s.id)
+            s.state = "running"
+
+        node = SimpleNamespace(auto_resume=True, _resume=resume)
+        await sb.lock.acquire()                 # the pause, under way
+        op = asyncio.ensure_future(MemoryService.ensure_running(node, sb, "exec"))
+        await asyncio.sleep(0.01)
+        assert not op.done(), "the exec went on while the VM was being paused"
+        sb.state = "paused"
+        sb.lock.release()
+        await asyncio.wait_for(op, 1)
+        assert resumed == ["vm1"]
+
+    asyncio.run(main())
