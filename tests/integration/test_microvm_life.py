@@ -12,8 +12,10 @@ stops and starts that daemon. Each test destroys its own VMs.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -143,6 +145,29 @@ def test_job_pause_and_resume_cover_vms(vmd):
     assert all(sb.exec(["true"]).exit_code == 0 for sb in sbs)
     for sb in sbs:
         sb.destroy()
+
+
+def test_a_pause_during_a_file_write_waits_for_it_and_the_vm_resumes(vmd):
+    """A pause that ended QEMU while a file_write's frame was still on its
+    way to the guest left the agent holding half a frame: the resume's HELLO
+    was read as the rest of it, never answered, and the VM could not be
+    resumed (the agent did not answer within 120s). The pause waits for the
+    VM's file requests under way; the write's later chunks resume it."""
+    d, c = vmd
+    sb = _vm(c, memory="512M", disk="128M")
+    data = os.urandom(1 << 20) * 48
+    done: list = []
+    try:
+        writer = threading.Thread(target=lambda: done.append(sb.write_file("/work/big", data)))
+        writer.start()
+        time.sleep(0.5)
+        sb.pause()
+        writer.join(120)
+        assert done == [len(data)]
+        out = sb.exec(["sh", "-c", "md5sum < /work/big"], timeout=60).stdout
+        assert out.split()[0] == hashlib.md5(data).hexdigest().encode()
+    finally:
+        sb.destroy(force=True)
 
 
 def _vm_and_its_qemu(c):
