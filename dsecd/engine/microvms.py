@@ -805,7 +805,7 @@ class MicroVMService:
                 return LimitExceeded(f"{verb} {where}: {what} (limits.max_tar_entries, limits.max_tar_bytes)",
                                      {"max_entries": max_entries, "max_bytes": max_bytes})
             if num == errno.ENOSPC and sb is not None:
-                return MicroVMService._full(verb, where, sb)
+                return MicroVMService._full(verb, where, sb, "nothing of the copy is left")
             if num == errno.EEXIST and what.startswith("exists"):
                 return io_error(verb, where, OSError(num, f"{where.partition(':')[2]} {what}"))
             return io_error(verb, where, OSError(num, f"{os.strerror(num)} (at {what or '.'})"))
@@ -898,14 +898,18 @@ class MicroVMService:
         return available + (0 if self.balloon is None else self.balloon.held(sb.id))
 
     @staticmethod
-    def _full(verb: str, where: str, sb: Sandbox) -> LimitExceeded:
-        """ENOSPC from the guest: its writable layer or /tmp is full."""
-        memory = sb.limits["memory"]
+    def _full(verb: str, where: str, sb: Sandbox, left: str = "the file is partly written") -> LimitExceeded:
+        """ENOSPC from the guest: its writable layer or /tmp is full. `left`:
+        what the failed request left behind. The advice names the cap that
+        was met: the layer's is --disk where that is below half the RAM."""
+        memory, disk = sb.limits["memory"], sb.limits.get("disk")
+        bigger = ("a larger --disk (up to half its --memory) or, for /tmp, more --memory"
+                  if disk is not None and disk < memory // 2 else "more --memory")
         return LimitExceeded(
             f"{verb} {where}: no space left in the sandbox. A microVM's files are kept in its RAM: its "
-            f"writable layer is capped at {sb.limits.get('disk')} bytes (--disk, and at most half its --memory "
-            f"of {memory}), /tmp at an eighth of its --memory; the file is partly written. Remove files in the "
-            "sandbox, or create it with more --memory", {"path": where, "errno": "ENOSPC"})
+            f"writable layer is capped at {disk} bytes (--disk, and at most half its --memory "
+            f"of {memory}), /tmp at an eighth of its --memory; {left}. Remove files in the "
+            f"sandbox, or create it with {bigger}", {"path": where, "errno": "ENOSPC"})
 
     async def _require_replaceable(self, sb: Sandbox, dst: str) -> None:
         try:
