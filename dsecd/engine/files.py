@@ -11,6 +11,7 @@ charged to its memory cgroup.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from collections.abc import Awaitable, Callable
 
@@ -66,6 +67,8 @@ class FileService:
         if not 0 <= length <= chunk or req.offset < 0:
             raise LimitExceeded(f"file_read length must be in [0, {chunk}] and offset >= 0; read in chunks",
                                 {"max_file_chunk_bytes": chunk})
+        if req.length is None:        # a VM's agent is sent the length: the default's, given
+            req = dataclasses.replace(req, length=length)
         out = await self._file_op(req, "read", sbfiles.read_file, req.path, req.offset, length)
         if req.tail:
             out["data"] = protocol.AsTail(out["data"])

@@ -29,3 +29,30 @@ def test_a_directory_copy_says_it_left_nothing():
     err = MicroVMService._copy_failed("copy into", "vm1:/work/d", 1, reports, 10, 10, _vm(128 << 20))
     assert err.code == "limit" and "partly written" not in err.message, err.message
     assert "nothing of the copy is left" in err.message, err.message
+
+
+def test_a_file_read_without_a_length_reads_a_chunk_of_a_vm():
+    # The protocol's length is optional (up to limits.max_file_chunk_bytes);
+    # a VM's read sent None to the agent: `internal: required argument is
+    # not an integer`.
+    import asyncio
+
+    from dsecd.engine.files import FileService
+    from dsecd.protocol import FileRead
+
+    sent = []
+
+    async def file_op(sb, req):
+        sent.append(req)
+        return {"data": b"", "size": 0, "eof": True}
+
+    async def ensure_running(sb, why):
+        pass
+
+    svc = object.__new__(FileService)
+    sb = SimpleNamespace(id="vm1", backend="microvm")
+    svc.max_chunk, svc.ensure_running = 4 << 20, ensure_running
+    svc.registry = SimpleNamespace(get=lambda sid, req: sb)
+    svc.vms = SimpleNamespace(file_op=file_op)
+    asyncio.run(svc.read(FileRead(sandbox="vm1", path="/etc/passwd"), None))
+    assert sent[0].length == 4 << 20
