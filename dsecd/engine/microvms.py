@@ -849,11 +849,24 @@ class MicroVMService:
         try:
             return await link.request(kind, *fields)
         except AgentError as err:
+            if err.errno == errno.EINVAL and err.step == "open" and kind in (wire.READ, wire.WRITE):
+                await self._refuse_irregular(sb, where)     # the agent's require_regular
             failed = io_error(verb, f"{sb.id}:{where}", _as_a_containers(err, where))
             failed.detail["guest_step"] = err.step
             raise failed from err
         except AgentGone as err:
             raise Conflict(f"sandbox {sb.id} is exiting: {err}", {"sandbox": sb.id}) from err
+
+    async def _refuse_irregular(self, sb: Sandbox, path: str) -> None:
+        """BadRequest, in a container's words (fs/files.py _require_regular),
+        if `path` is a FIFO, socket or device: the guest agent reads and
+        writes regular files only and says EINVAL of the others."""
+        try:
+            kind = (await self.stat_path(sb, path))["type"]
+        except DsecError:
+            return
+        if kind not in ("file", "dir"):
+            raise BadRequest(f"{path} is a {kind}, not a regular file", {"path": path})
 
     async def check_room(self, sb: Sandbox, size: int, where: str) -> None:
         """Refuse (`limit`) writing `size` bytes of files into the VM when

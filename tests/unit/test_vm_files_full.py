@@ -56,3 +56,37 @@ def test_a_file_read_without_a_length_reads_a_chunk_of_a_vm():
     svc.vms = SimpleNamespace(file_op=file_op)
     asyncio.run(svc.read(FileRead(sandbox="vm1", path="/etc/passwd"), None))
     assert sent[0].length == 4 << 20
+
+
+class _FifoLink:
+    """A guest agent whose /w/fifo is a FIFO: READ and WRITE refuse it
+    (require_regular: EINVAL at "open"), STAT says what it is."""
+    closed = False
+
+    async def request(self, kind, *fields):
+        from dsecd.backends.microvm import wire
+        from dsecd.backends.microvm.agent import AgentError
+
+        if kind == wire.STAT:
+            return wire.Reader(wire.bstr("fifo") + wire.u64(0) + wire.u64(0o644) + wire.u64(0) * 3)
+        raise AgentError(errno.EINVAL, "open")
+
+
+def test_reading_a_fifo_says_what_it_is_as_a_containers_does():
+    import asyncio
+
+    import pytest
+
+    from dsecd.errors import BadRequest
+    from dsecd.protocol import FileRead, FileWrite
+
+    svc = object.__new__(MicroVMService)
+    svc._file_ops, svc._files_idle, svc.balloon = {}, {}, None
+    link = _FifoLink()
+    svc.agent = lambda sb: link
+    sb = _vm(128 << 20)
+    for req in (FileRead(sandbox="vm1", path="/w/fifo", length=4096), FileWrite(sandbox="vm1", path="/w/fifo", data=b"x")):
+        with pytest.raises(BadRequest) as exc:
+            asyncio.run(svc.file_op(sb, req))
+        assert exc.value.message == "/w/fifo is a fifo, not a regular file", exc.value.message
+        assert exc.value.detail["path"] == "/w/fifo"
