@@ -152,17 +152,26 @@ def file_data(data, what: str) -> bytes | bytearray | memoryview:
     raise TypeError(f"{what}: data must be bytes (got {type(data).__name__}): convert it, e.g. bytes(data)")
 
 
-def _named_as(err: DsecError, tmp: str, path: str) -> DsecError:
+# What the daemon's write errors say of a file a failed write left part of
+# (engine/copier.py, engine/microvms.py).
+PARTLY_WRITTEN = "the file is partly written"
+
+
+def _named_as(err: DsecError, tmp: str, path: str, removed: bool = False) -> DsecError:
     """`err`, met on an atomic write's temporary file `tmp`, as the caller
     sees it: naming `path`, the file they gave; same class, code and detail
     (`errno` kept), `detail["path"]` the target's (the daemon's spelling,
-    `sandbox:path`, where it gave one)."""
+    `sandbox:path`, where it gave one). removed: `tmp` was removed, so what
+    the daemon said was "partly written" is gone and `path` is as it was."""
     def rename(text: str) -> str:
         return text.replace(f"{tmp} -> {path}", path).replace(tmp, path)
 
+    message = err.message
+    if removed:
+        message = message.replace(PARTLY_WRITTEN, f"{path} is as it was (the part written was removed)")
     detail = {k: rename(v) if isinstance(v, str) else v for k, v in err.detail.items()}
     detail.setdefault("path", path)
-    named = type(err)(rename(err.message), detail)
+    named = type(err)(rename(message), detail)
     named.code = err.code
     return named
 
@@ -1401,10 +1410,12 @@ class Sandbox:
             await self.client.request("file_rename", sandbox=self.id, src=tmp, dst=path, overwrite=True,
                                       keep_attrs=True)
         except BaseException as err:
+            removed = False
             with contextlib.suppress(DsecError, ConnectionError):
                 await asyncio.shield(self.remove(tmp))
+                removed = True
             if isinstance(err, DsecError):      # the caller knows no temporary file: name theirs
-                raise _named_as(err, tmp, path) from None
+                raise _named_as(err, tmp, path, removed) from None
             raise
         return size
 

@@ -184,3 +184,35 @@ def test_a_dockerfile_that_cannot_be_read_says_which_and_why(tmp_path, monkeypat
         build("bin.df")
     with pytest.raises(BadRequest, match=r"read the Dockerfile \.: Is a directory"):
         build(".")
+
+
+def test_an_atomic_write_that_failed_part_way_says_it_left_nothing():
+    # The daemon says of the file it wrote (the temporary one) that it is
+    # "partly written"; the atomic write removed it, so the caller's file
+    # is as it was: the error must not send them to clean up.
+    import asyncio
+
+    from dsecd.errors import LimitExceeded
+
+    def full(op, args):
+        if op == "file_write" and args.get("offset"):
+            raise LimitExceeded(f"write sb-1:{args['path']}: no space left in the sandbox; the file is partly "
+                                "written. Remove files in the sandbox", {"errno": "ENOSPC"})
+        return {"size": len(args.get("data", b"")), "removed": 1}
+
+    sb = _sandbox(full)
+    with pytest.raises(LimitExceeded) as info:
+        asyncio.run(sb.write_file("/work/big", b"x" * (3 << 20)))
+    assert "partly written" not in info.value.message, info.value.message
+    assert "/work/big is as it was (the part written was removed)" in info.value.message, info.value.message
+    assert [op for op, _ in sb.client.requests][-1] == "file_remove"
+
+    def gone(op, args):                 # the removal fails too: the part stays, and the error says so
+        if op == "file_remove":
+            raise ConnectionError("lost")
+        return full(op, args)
+
+    sb = _sandbox(gone)
+    with pytest.raises(LimitExceeded) as info:
+        asyncio.run(sb.write_file("/work/big", b"x" * (3 << 20)))
+    assert "partly written" in info.value.message
