@@ -357,3 +357,34 @@ def test_a_hello_says_whether_the_host_still_follows_its_execs():
         guest.close()
 
     asyncio.run(main())
+
+
+def test_a_request_whose_send_broke_as_the_channel_closed_leaves_no_unretrieved_error():
+    # QEMU ended (a pause) under a large write: the read loop failed the
+    # request's future with AgentGone while its drain raised a broken pipe;
+    # nobody took the future's error, and the daemon logged "Future
+    # exception was never retrieved" at error level.
+    import gc
+
+    class BrokenWriter(_Writer):
+        def __init__(self, reader):
+            self.reader = reader
+
+        async def drain(self) -> None:
+            self.reader.feed_eof()              # the channel closes ...
+            for _ in range(5):
+                await asyncio.sleep(0)          # ... and the read loop fails the waiters
+            raise BrokenPipeError(32, "Broken pipe")
+
+    async def run():
+        unretrieved = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: unretrieved.append(ctx["message"]))
+        reader = asyncio.StreamReader()
+        link = AgentLink(reader, BrokenWriter(reader), "test VM")
+        with pytest.raises(AgentGone, match="broke"):
+            await link.request(wire.WRITE, wire.bstr("/big"))
+        await asyncio.sleep(0)
+        gc.collect()
+        return unretrieved
+
+    assert asyncio.run(run()) == []

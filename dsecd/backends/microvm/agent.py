@@ -299,6 +299,8 @@ class AgentLink:
             return await fut
         finally:
             self._pending.pop(msg_id, None)
+            if fut.done() and not fut.cancelled():
+                fut.exception()         # taken: a drain that broke first raised its own error
 
     async def start_exec(self, argv: list[str], env: list[str], cwd: str, uid: int, stdin: bool,
                          flags: int = 0, window: tuple[int, int] | None = None,
