@@ -1128,6 +1128,8 @@ def _as_a_containers(err: AgentError, where: str) -> OSError:
     if err.errno == errno.EISDIR:
         return OSError(err.errno, f"{where} is a directory, not a regular file (`dsec ls` lists it, "
                        "`dsec cp -r` copies it)")
+    if err.errno == errno.EEXIST and err.step == "rename":
+        return OSError(err.errno, f"{where.rpartition(' -> ')[2]} exists; rename with overwrite to replace it")
     if err.errno == errno.ENOTEMPTY:
         return OSError(err.errno, f"{where} is a directory that is not empty; remove it recursively "
                        "(`dsec rm -r`, SDK remove(path, recursive=True))")

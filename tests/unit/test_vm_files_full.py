@@ -90,3 +90,12 @@ def test_reading_a_fifo_says_what_it_is_as_a_containers_does():
             asyncio.run(svc.file_op(sb, req))
         assert exc.value.message == "/w/fifo is a fifo, not a regular file", exc.value.message
         assert exc.value.detail["path"] == "/w/fifo"
+
+
+def test_a_rename_onto_an_existing_name_says_what_to_do_as_a_containers_does():
+    from dsecd.backends.microvm.agent import AgentError
+    from dsecd.engine.microvms import _as_a_containers
+
+    err = _as_a_containers(AgentError(errno.EEXIST, "rename"), "/w/l -> /w/f")
+    assert err.errno == errno.EEXIST
+    assert err.strerror == "/w/f exists; rename with overwrite to replace it"
