@@ -621,7 +621,7 @@ class MicroVMService:
         guest process stopped meanwhile), unpacked under `scratch`
         (dsecd/fs/uppertar.py); removed on exit. No pause or resume runs
         meanwhile (the sandbox's lock)."""
-        link = self.agent(sb)
+        self.agent(sb)
         work = Path(tempfile.mkdtemp(prefix=f"vm-upper-{sb.id}-", dir=scratch))
         try:
             tar, tree = work / "upper.tar", work / "upper"
@@ -640,7 +640,10 @@ class MicroVMService:
 
             try:
                 async with sb.lock:
-                    r = await link.stream(wire.TAR, on_data, wire.u64(max_bytes))
+                    if sb.state == "paused":        # by a pause this waited for: its channel went
+                        raise Conflict(f"sandbox {sb.id} is a paused microVM; resume it first (dsec resume "
+                                       f"{sb.id})", {"sandbox": sb.id, "state": sb.state})
+                    r = await self.agent(sb).stream(wire.TAR, on_data, wire.u64(max_bytes))
             except AgentError as err:
                 raise io_error("read the writable layer of", sb.id, err) from err
             except AgentGone as err:

@@ -99,3 +99,36 @@ def test_a_rename_onto_an_existing_name_says_what_to_do_as_a_containers_does():
     err = _as_a_containers(AgentError(errno.EEXIST, "rename"), "/w/l -> /w/f")
     assert err.errno == errno.EEXIST
     assert err.strerror == "/w/f exists; rename with overwrite to replace it"
+
+
+def test_a_snapshot_that_waited_for_a_pause_says_the_vm_is_paused(tmp_path):
+    # A snapshot that came as a pause ran waited for the sandbox's lock, then
+    # sent its TAR on the channel the pause had closed: "conflict: sandbox
+    # ... is exiting: the agent channel is closed", though nothing was.
+    import asyncio
+
+    import pytest
+
+    from dsecd.errors import Conflict
+
+    async def main():
+        class Link:
+            closed = False
+
+            async def stream(self, *args):
+                raise AssertionError("TAR sent to a paused VM's channel")
+
+        link = Link()
+        sb = SimpleNamespace(id="vm1", state="running", lock=asyncio.Lock(), handle=SimpleNamespace(agent=link))
+        svc = object.__new__(MicroVMService)
+        svc.balloon = None
+        svc.workers = SimpleNamespace(run=lambda fn, *a: asyncio.sleep(0, fn(*a)))
+        await sb.lock.acquire()                 # the pause, under way
+        snap = asyncio.ensure_future(svc.upper_tree(sb, tmp_path, 1 << 20).__aenter__())
+        await asyncio.sleep(0.01)
+        sb.state, link.closed = "paused", True  # saved, its QEMU and channel gone
+        sb.lock.release()
+        with pytest.raises(Conflict, match="is a paused microVM; resume it first"):
+            await snap
+
+    asyncio.run(main())
