@@ -322,7 +322,8 @@ class MicroVMService:
 
     def inspect(self, sb: Sandbox) -> dict:
         h = sb.handle
-        return {"qemu_pid": h.init_pid, "accel": h.accel, "dir": str(h.vm_dir),
+        return {"qemu_pid": h.init_pid if h.pidfd >= 0 else None,          # none while paused: QEMU ended
+                "accel": h.accel, "dir": str(h.vm_dir),
                 "serial_log": str(h.vm_dir / "serial.log"), "guest_memory": h.guest_memory,
                 "agent": h.agent is not None and not h.agent.closed,
                 "template": (sb.vm or {}).get("template"), "ram": h.machine.ram,

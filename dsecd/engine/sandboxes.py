@@ -110,6 +110,8 @@ class Sandbox:
         out.pop("pause_record")
         out.pop("procs")
         out.pop("vm")           # inspect's "vm" says it for a microVM
+        if self.backend == "microvm" and self.handle is not None and self.handle.pidfd < 0:
+            out["init_pid"] = None  # a paused VM: its QEMU ended, and its pid may be another's now
         out["execs_running"] = self.execs
         # Background processes (proc_start) that run: their records say so as they start and end.
         out["procs_running"] = sum(1 for rec in self.procs if rec.get("state") == "running")

@@ -132,3 +132,26 @@ def test_a_snapshot_that_waited_for_a_pause_says_the_vm_is_paused(tmp_path):
             await snap
 
     asyncio.run(main())
+
+
+def test_a_paused_vm_shows_no_pid_of_its_ended_qemu():
+    # A pause saves the guest and ends its QEMU; inspect and ps went on
+    # showing that QEMU's pid (init_pid, vm.qemu_pid), which the host may
+    # since have given to any other process.
+    from pathlib import Path
+
+    from dsecd.backends.microvm.backend import Machine, VmHandle
+    from dsecd.engine.sandboxes import Sandbox
+
+    h = VmHandle(init_pid=4242, init_start=1, pidfd=-1, group=None, vm_dir=Path("/nonexistent"),
+                 is_child=False, accel="tcg", machine=Machine())
+    sb = Sandbox(id="vm1", image="busybox", state="paused", created=0.0, limits={"memory": 256 << 20},
+                 backend="microvm", handle=h)
+    assert sb.public()["init_pid"] is None
+    assert sb.record()["init_pid"] == 4242          # the journal's record is the backend's to read
+    svc = object.__new__(MicroVMService)
+    svc.balloon = None
+    assert svc.inspect(sb)["qemu_pid"] is None
+    assert svc.inspect(sb)["dir"] == "/nonexistent"
+    h.pidfd = 7                                     # a running (or only stopped) QEMU
+    assert sb.public()["init_pid"] == 4242 and svc.inspect(sb)["qemu_pid"] == 4242
