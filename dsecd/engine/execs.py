@@ -91,8 +91,8 @@ async def named_user(sb: Sandbox, spec: str, workers: Workers, vms: MicroVMServi
                          "the sandbox's user", {"user": spec})
     try:
         return await sandbox_identity(sb, spec, workers, vms, "the sandbox")
-    except ConfigError as err:
-        raise BadRequest(f"user {spec!r}: {err}", {"user": spec}) from err
+    except ConfigError as err:              # parse_user's: it names the spec
+        raise BadRequest(str(err), {"user": spec}) from err
     except users.UserError as err:
         raise BadRequest(f"sandbox {sb.id} cannot run as user {spec!r}: {err}",
                          {"sandbox": sb.id, "user": spec}) from err

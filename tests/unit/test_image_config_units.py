@@ -313,3 +313,18 @@ def test_a_build_stacks_its_config_on_the_parents(tmp_path):
     assert base.config["cmd"] == ["app.py"]
     assert top.config == {**imageconfig.default(), "env": {"A": "1", "B": "2"}, "entrypoint": ["sh"],
                           "labels": {"x": "1"}}
+
+
+def test_a_malformed_exec_user_is_named_once():
+    # "user '99999999999': user '99999999999': user id 99999999999 is too large"
+    import asyncio
+    from types import SimpleNamespace
+
+    from dsecd.engine.execs import named_user
+    from dsecd.errors import BadRequest
+
+    sb = SimpleNamespace(id="sb1", backend="container")
+    with pytest.raises(BadRequest) as exc:
+        asyncio.run(named_user(sb, "99999999999", None, None))
+    assert exc.value.message.count("99999999999") == 2, exc.value.message     # the spec, then the id
+    assert exc.value.message.startswith("user '99999999999': user id 99999999999 is too large")

@@ -155,3 +155,4 @@ def test_a_paused_vm_shows_no_pid_of_its_ended_qemu():
     assert svc.inspect(sb)["dir"] == "/nonexistent"
     h.pidfd = 7                                     # a running (or only stopped) QEMU
     assert sb.public()["init_pid"] == 4242 and svc.inspect(sb)["qemu_pid"] == 4242
+
