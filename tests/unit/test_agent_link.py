@@ -388,3 +388,16 @@ def test_a_request_whose_send_broke_as_the_channel_closed_leaves_no_unretrieved_
         return unretrieved
 
     assert asyncio.run(run()) == []
+
+
+def test_an_agent_error_gives_the_hint_a_containers_gets():
+    # A VM's exec of too long an argv said only "[Errno 7] Argument list too
+    # long (guest agent, at exec)"; a container's says what the limit is.
+    import errno
+
+    from dsecd.backends.microvm.agent import AgentError
+
+    err = AgentError(errno.E2BIG, "exec")
+    assert err.errno == errno.E2BIG and err.step == "exec"
+    assert "argv plus env exceed the kernel's limit (ARG_MAX)" in str(err), str(err)
+    assert str(AgentError(errno.EIO, "open")).endswith("Input/output error (guest agent, at open)")

@@ -26,6 +26,7 @@ import secrets
 import time
 from collections.abc import Callable
 
+from ... import native
 from . import wire
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,9 @@ class AgentError(OSError):
     dsecd.errors.exec_error."""
 
     def __init__(self, err: int, step: str):
-        super().__init__(err, f"{os.strerror(err)} (guest agent, at {step})")
+        # An exec's last steps are named as dsec-init's: the same hints (E2BIG, ETXTBSY, ...).
+        what = native.describe_errno(step, err) if step in ("chdir", "exec") else os.strerror(err)
+        super().__init__(err, f"{what} (guest agent, at {step})")
         self.step = step
 
 
