@@ -1543,10 +1543,16 @@ static void orphan_execs(void)
             execs[i].taken = UINT64_MAX;
 }
 
+/* Set when the host went: what the input buffer holds is the rest of its
+ * frames (a daemon killed mid-request leaves half a frame), which the next
+ * host's frames must not be read after (read_channel drops it). */
+static int input_stale;
+
 static void host_gone(void)
 {
     detach_procs();
     orphan_execs();
+    input_stale = 1;
 }
 
 /* Read a stdout/stderr pipe into the ring (all it holds, with drain); 0 at EOF. */
@@ -3739,6 +3745,10 @@ static size_t in_len, in_cap;
 
 static int read_channel(void)
 {
+    if (input_stale) {
+        in_len = 0;
+        input_stale = 0;
+    }
     if (in_cap - in_len < 65536) {
         size_t cap = in_cap ? in_cap * 2 : 1 << 20;
         unsigned char *p = realloc(inb, cap);
@@ -3768,10 +3778,28 @@ static int read_channel(void)
                       inb[at + 8];
         dispatch(inb[at + 4], id, inb + at + 9, len - 5);
         at += 4 + (size_t)len;
+        if (input_stale) { /* the host went while it was answered: the rest was its */
+            in_len = 0;
+            input_stale = 0;
+            return 0;
+        }
     }
     memmove(inb, inb + at, in_len - at);
     in_len -= at;
     return 0;
+}
+
+/* With no host connected: what the port still holds came from the host that
+ * went (the rest of a frame it was sending), and so does what the buffer
+ * holds. Both go, so that the next host's first frame is read as one. */
+static void drop_channel_input(void)
+{
+    static unsigned char scratch[65536];
+
+    while (read(chan, scratch, sizeof(scratch)) > 0)
+        ;
+    in_len = 0;
+    input_stale = 0;
 }
 
 /* ---- boot ------------------------------------------------------------------- */
@@ -4100,12 +4128,15 @@ int main(void)
         for (int i = 0; i < MAX_EXECS; i++)
             if (execs[i].pid && execs[i].reaped)
                 exec_settle(&execs[i]); /* the tracer's end came, or its wait ran out */
-        if (p[1].revents & POLLIN) {
+        if (p[1].revents & POLLHUP) {
+            /* No host connected. What the port still holds is the rest of
+             * what the host that went sent: read and dropped (input_stale). */
+            host_gone();
+            drop_channel_input();
+            usleep(20000); /* wait for the next host */
+        } else if (p[1].revents & POLLIN) {
             if (read_channel() < 0)
                 die("read the channel");
-        } else if (p[1].revents & POLLHUP) {
-            host_gone();
-            usleep(20000); /* no host connected: wait for one */
         }
         reap(); /* a child may have exited while its pipes were read */
     }

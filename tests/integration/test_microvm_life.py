@@ -170,6 +170,36 @@ def test_a_pause_during_a_file_write_waits_for_it_and_the_vm_resumes(vmd):
         sb.destroy(force=True)
 
 
+def test_a_daemon_killed_during_a_file_write_leaves_a_vm_the_next_one_reaches(vmd):
+    """The killed daemon's connection ended in the middle of a write's
+    frame; the agent drops what it held of it when its host goes, so the
+    next daemon's HELLO is read as a frame of its own, and the VM is
+    re-adopted and answers."""
+    d, c = vmd
+    sb = _vm(c, memory="512M", disk="128M")
+    data = os.urandom(1 << 20) * 48
+    threading.Thread(target=lambda: _quietly(lambda: sb.write_file("/work/big", data)), daemon=True).start()
+    time.sleep(0.3)                 # the whole write takes ~1 s
+    d.stop(signal.SIGKILL)
+    c.close()
+    d.start()
+    c2 = d.client()
+    try:
+        again = c2.get(sb.id)
+        assert again.inspect()["state"] == "running"
+        assert again.exec(["echo", "answers"], timeout=60).stdout == b"answers\n"
+        again.destroy(force=True)
+    finally:
+        c2.close()
+
+
+def _quietly(fn):
+    try:
+        fn()
+    except Exception:
+        pass
+
+
 def _vm_and_its_qemu(c):
     """A new VM, its QEMU's pid and its cgroup dirs (to check they go)."""
     sb = _vm(c)
