@@ -266,6 +266,18 @@ class SshLink:
                     await asyncio.wait_for(asyncio.shield(self._stderr_task), EXIT_WAIT_S)
         return self.describe()
 
+    def check_command(self) -> str:
+        """The ssh command line that tries this host as the link does: same
+        program, config file, port and user, running `true`."""
+        words = [*self.options.command, "-o", "BatchMode=yes"]
+        if self.options.config:
+            words += ["-F", self.options.config]
+        if self.target.port:
+            words += ["-p", str(self.target.port)]
+        if self.target.user:
+            words += ["-l", self.target.user]
+        return shlex.join([*words, self.target.host, "true"])
+
     def describe(self) -> str:
         host = self.target.url()
         # ssh's lines may end with a period; the sentences below add their own.
@@ -277,9 +289,8 @@ class SshLink:
             return (f"the ssh connection to {host} dropped after it had worked: {said}. The host, its sshd "
                     "or the network path to it went away; check that it is up and reachable")
         if rc == SSH_FAILED:
-            return (f"ssh to {host} failed: {said}. Check that `{shlex.join(self.options.command)} "
-                    f"-o BatchMode=yes {self.target.host} true` works from here (keys or agent, known_hosts, "
-                    "ssh config)")
+            return (f"ssh to {host} failed: {said}. Check that `{self.check_command()}` works from here "
+                    "(keys or agent, known_hosts, ssh config)")
         if rc == NOT_FOUND:
             return (f"{self.options.remote_dsec!r} was not found on {host} ({said}); install dsecd there, or "
                     "give the path of its dsec: remote_dsec=..., --remote-dsec, DSEC_REMOTE_DSEC")

@@ -85,6 +85,25 @@ def test_ssh_failing_says_so_and_how_to_check(tmp_path):
     assert "BatchMode=yes h1 true" in text
 
 
+def test_the_check_command_tries_the_same_port_user_and_config(tmp_path):
+    """The `ssh ... true` to try names what the link used: a refused port
+    22 would say nothing about the port 2222 that failed."""
+    fake = _fake_ssh(tmp_path, """
+        import sys
+        print("ssh: connect to host h1 port 2222: Connection refused", file=sys.stderr)
+        sys.exit(255)
+        """)
+
+    async def go():
+        c = Client("ssh://bob@h1:2222", ssh=SshOptions(command=fake, config="/etc/fleet ssh"), connect_timeout=10)
+        with pytest.raises(ConnectionError) as e:
+            await c.connect()
+        return str(e.value)
+
+    text = asyncio.run(go())
+    assert f"`{fake[0]} -o BatchMode=yes -F '/etc/fleet ssh' -p 2222 -l bob h1 true`" in text
+
+
 def test_no_dsec_on_the_host_says_how_to_name_it(tmp_path):
     text = _reason(tmp_path, """
         import sys
