@@ -575,6 +575,13 @@ class Client:
         if conn is None:
             raise ConnectionError(f"{op}: not connected to dsecd at {self.target}: call connect() first "
                                   "(or use `async with`)")
+        if conn.reader is not None and not conn.reader.done():
+            # Ended, but its reader is still reading why (ssh's exit status
+            # and last words): this request's error, a fleet's host_down
+            # reason when it is a heartbeat, is that, not the bare end of the
+            # stream; and a reconnect must not cancel the reader before it
+            # has told on_lost.
+            await asyncio.wait([conn.reader], timeout=2 * remote.EXIT_WAIT_S)
         if not self.reconnect or self._closed:
             raise self._lost_error(conn.lost, op, sent=False)
         async with self._reconnecting:

@@ -263,6 +263,44 @@ def test_a_255_after_a_good_connection_is_a_drop_not_a_login_failure(tmp_path, m
     assert "keys or agent" not in text and "BatchMode=yes h1 true" not in text
 
 
+SLOW_CUT = RELAY + """
+    # As ssh does on the channel's EOF: it shuts down the sending side of its
+    # output (a socket) at once, and says why and exits a moment later.
+    import time
+    socket.socket(fileno=os.dup(1)).shutdown(socket.SHUT_WR)
+    time.sleep(0.4)
+    print("Connection to h1 closed by remote host.", file=sys.stderr)
+    sys.exit(255)
+    """
+
+
+def test_a_request_made_while_ssh_is_exiting_says_what_ssh_said(tmp_path, monkeypatch):
+    """A request (a fleet's heartbeat) sent between the end of the stream
+    and ssh's exit fails with ssh's reason, not a guess: the first of the
+    two to reach a Fleet becomes the host_down reason."""
+    sock_path = str(tmp_path / "d.sock")
+    monkeypatch.setenv("FAKE_DSEC_SOCKET", sock_path)
+    monkeypatch.setenv("FAKE_STARTS", str(tmp_path / "starts"))
+
+    async def go():
+        server = await asyncio.start_unix_server(hello_then_drop, sock_path)
+        c = Client("ssh://h1", ssh=SshOptions(command=_fake_ssh(tmp_path, SLOW_CUT)), reconnect=False)
+        async with server:
+            await c.connect()
+            held = asyncio.ensure_future(c.request("list"))
+            while c.connected:
+                await asyncio.sleep(0.01)
+            with pytest.raises(ConnectionLost) as e:
+                await c.request("ping")
+            with contextlib.suppress(ConnectionLost):
+                await held
+            await c.close()
+        return str(e.value)
+
+    text = asyncio.run(go())
+    assert "Connection to h1 closed by remote host" in text and "the daemon closed it" not in text
+
+
 def _gone(pid: int, within: float) -> bool:
     """Whether process `pid` exited (or is a zombie nobody reaped yet) within `within` s."""
     deadline = time.monotonic() + within
