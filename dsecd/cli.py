@@ -1477,7 +1477,10 @@ def cmd_rpc(a) -> int:
     try:
         sock.connect(path)
     except OSError as err:
-        raise ConnectionError(f"rpc: cannot connect to dsecd at {path}: {err.strerror}") from err
+        # Read on the client's side, in the ssh:// connection's error.
+        raise ConnectionError(f"rpc: cannot connect to dsecd at {path}: {err.strerror}; is the daemon running "
+                              "on this host? (a client names another socket here with --socket or "
+                              "DSEC_REMOTE_SOCKET)") from err
 
     def upstream() -> None:
         fd = sys.stdin.fileno()

@@ -113,6 +113,19 @@ def test_no_dsec_on_the_host_says_how_to_name_it(tmp_path):
     assert "'dsec' was not found on ssh://h1" in text and "DSEC_REMOTE_DSEC" in text
 
 
+def test_the_relay_finding_no_daemon_says_what_to_check(tmp_path, capsys):
+    """What `dsec rpc --stdio` says on the host reaches the client as the
+    connection's error: it names the socket and how to name another."""
+    from dsecd import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--socket", str(tmp_path / "none.sock"), "rpc", "--stdio"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1
+    assert f"cannot connect to dsecd at {tmp_path / 'none.sock'}: No such file or directory" in err
+    assert "is the daemon running on this host?" in err and "DSEC_REMOTE_SOCKET" in err
+
+
 def test_a_shell_printing_to_stdout_is_named(tmp_path):
     text = _reason(tmp_path, """
         import os, sys, time
