@@ -80,7 +80,9 @@ class SshTarget:
         try:
             port = parts.port
         except ValueError:
-            raise ValueError(f"{target!r}: the port must be a number from 1 to 65535") from None
+            port = 0
+        if port == 0:            # urlsplit takes port 0, which ssh would read as "the default port"
+            raise ValueError(f"{target!r}: the port must be a number from 1 to 65535")
         if not parts.hostname:
             raise ValueError(f"{target!r}: no host name")
         return cls(host=parts.hostname, user=parts.username or None, port=port)
