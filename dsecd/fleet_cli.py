@@ -300,9 +300,10 @@ class _ThroughFleet:
         return await self.fleet.create(image, **create_args)
 
 
-async def _on_every_host(fleet: Fleet, a, what: str, fn) -> int:
-    """fn(client) on every up host; one line (or JSON object) per host. A
-    host that is down did not run it: its error in the JSON, status 1."""
+async def _on_every_host(fleet: Fleet, a, what: str, fn, summary=None) -> int:
+    """fn(client) on every up host; one line (or JSON object) per host, its
+    text summary(result) (default _summary). A host that is down did not
+    run it: its error in the JSON, status 1."""
     found = await fleet.each_host(fn)
     status = 1 if not all(h.up for h in fleet.hosts.values()) else 0
     if a.json:
@@ -314,7 +315,7 @@ async def _on_every_host(fleet: Fleet, a, what: str, fn) -> int:
             print(f"dsec fleet {what}: {_host_col(target)}: {r}", file=sys.stderr)
             status = 1
         elif not a.json:
-            print(f"{_host_col(target)}: {_summary(r)}")
+            print(f"{_host_col(target)}: {(summary or _summary)(r)}")
     return status
 
 
@@ -354,7 +355,11 @@ async def fleet_image(fleet: Fleet, a) -> int:
     if a.image_cmd == "inspect":
         return await _on_every_host(fleet, a, "image inspect", lambda c: c.inspect_image(a.name))
     if a.image_cmd == "rm":
-        return await _on_every_host(fleet, a, "image rm", lambda c: c.remove_image(a.name))
+        # As `dsec image rm` says it: the answer is the image removed, which
+        # _summary would print as a build's.
+        return await _on_every_host(fleet, a, "image rm", lambda c: c.remove_image(a.name),
+                                    lambda r: f"removed image name {r.get('name') or a.name} "
+                                              "(its layers go at the next `dsec image gc`)")
     if a.image_cmd == "gc":
         return await _on_every_host(fleet, a, "image gc", lambda c: c.image_gc())
     return await _on_every_host(fleet, a, "image du", lambda c: c.image_du())

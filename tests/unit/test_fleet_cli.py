@@ -155,6 +155,22 @@ def test_a_command_on_every_host_names_the_hosts_down_in_its_json(capsys):
     assert found["/nonexistent/h3"] == {"error": "down: heartbeat failed"}
 
 
+def test_fleet_image_rm_says_the_image_was_removed(capsys):
+    """The daemon answers image_rm with the image it removed: each host's
+    line says it was removed, not what a build would print."""
+    fleet = fleet_of_three()
+    for host in fleet.hosts.values():
+        async def remove_image(name):
+            return {"name": name, "layers": [{"digest": "sha256:0"}], "bytes": 8 << 20}
+        host.client.remove_image = remove_image
+    a = cli.parse_args(["fleet", "--hosts", "x", "image", "rm", "img"])
+    status = asyncio.run(fleet_cli.fleet_image(fleet, a))
+    out = capsys.readouterr().out
+    assert status == 1                                   # h3 is down
+    assert "h1: removed image name img (its layers go at the next `dsec image gc`)" in out
+    assert "layer(s)" not in out
+
+
 class EventsClient:
     """A host whose events stream gives one event, then fails (or ends)."""
 
