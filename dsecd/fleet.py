@@ -48,7 +48,8 @@ retry may succeed); if every host refused for good, with that error
 instead: `not_found` (no host has the image) or `bad_request` (no host is
 large enough; a host whose `info` says so is not even asked). A key
 remembers its host: a create sent again with it goes back there and gets
-the same sandbox. Keys made before the fleet (a driver restarted) are
+the same sandbox (until the sandbox is destroyed: the daemon frees the key
+then, and so does the fleet). Keys made before the fleet (a driver restarted) are
 learned from each host's sandboxes when it joins.
 
 Failure. Every host is pinged each `heartbeat_s`; a host whose connection
@@ -278,6 +279,7 @@ class Fleet:
             self._new_host(host)
         self._key_home: dict[str, str] = {}          # idempotency key -> the host holding its sandbox
         self._where: dict[str, str] = {}             # sandbox id -> host
+        self._key_of: dict[str, str] = {}            # sandbox id -> its idempotency key
         self._tasks: list[asyncio.Task] = []
         self._subscribers: list[asyncio.Queue] = []
         self._started = False
@@ -415,6 +417,7 @@ class Fleet:
             self._where[sb_id] = host.target
         for row in rows:
             if row.get("key") and not row.get("_removed"):
+                self._key_of[row["id"]] = row["key"]
                 # A key made before this fleet (by a driver since restarted, or
                 # another client): a create sent again with it goes back here,
                 # where the daemon answers with its sandbox, not to a host that
@@ -603,6 +606,7 @@ class Fleet:
             host.add(sb.id, job)
             self._key_home[key] = host.target
             self._where[sb.id] = host.target
+            self._key_of[sb.id] = key
             return FleetSandbox(self, sb)
 
     def _no_host(self, image: str, skip: dict[str, str], lasting: dict[str, str] | None = None) -> DsecError:
@@ -729,7 +733,7 @@ class Fleet:
                 failed.update(f if isinstance(f, dict) else {sb: "failed" for sb in f})
                 if verb == "job_rm":
                     for sb in r.get(done_key, []):
-                        self._forget(sb)
+                        self._forget(sb, destroyed=True)
         if not done and not failed and all(v == "none there" for v in hosts.values()) and not self._down():
             raise NotFound(f"no sandbox has the label job={job} on any host", {"job": job})
         return {"job": job, done_key: done, "failed": failed, "hosts": hosts, "down": self._down()}
@@ -755,7 +759,7 @@ class Fleet:
             out["destroyed"] += r["destroyed"]
             out["failed"].update(r["failed"])
             for sb in r["destroyed"]:
-                self._forget(sb)
+                self._forget(sb, destroyed=True)
         return out
 
     async def list_images(self, errors: dict[str, BaseException] | None = None) -> list[dict]:
@@ -781,10 +785,20 @@ class Fleet:
                 skip[host.target] = str(err)
         raise self._no_host(image, skip)
 
-    def _forget(self, sandbox_id: str) -> None:
+    def _forget(self, sandbox_id: str, destroyed: bool = False) -> None:
+        """Stop counting a sandbox; `destroyed`: its host said it is gone."""
         target = self._where.pop(sandbox_id, None)
         if target is not None:
             self.hosts[target].forget(sandbox_id)
+        key = self._key_of.pop(sandbox_id, None) if destroyed else self._key_of.get(sandbox_id)
+        # The daemon frees a key with its sandbox, and so does the fleet: a
+        # create with it again is placed anew, and a fleet making sandboxes
+        # for days does not hold every key it ever used. Kept while a host
+        # may hold a copy from a create whose answer was lost: its rejoin
+        # destroys that copy by the key's home (_settle_keys).
+        if (destroyed and key is not None and self._key_home.get(key) == target
+                and not any(key in h.uncertain_keys for h in self.hosts.values())):
+            del self._key_home[key]
 
 
 class FleetEvents:
@@ -832,6 +846,9 @@ class FleetSandbox(Sandbox):
 
     async def destroy(self, force: bool = False) -> dict:
         try:
-            return await super().destroy(force)
-        finally:
+            r = await super().destroy(force)
+        except BaseException:
             self.fleet._forget(self.id)
+            raise
+        self.fleet._forget(self.id, destroyed=True)
+        return r

@@ -286,6 +286,48 @@ def test_a_key_whose_host_is_down_is_not_made_again_elsewhere():
     assert run(go()) == []
 
 
+def test_a_destroyed_sandboxs_key_is_free_again_and_not_kept():
+    """The daemon frees a key with its sandbox. The fleet forgets it too: a
+    long-lived fleet holds no key per sandbox it ever made, and a create
+    with the key again is placed anew, not sent to the old host (here down)."""
+    async def go():
+        f = fleet_of(2)
+        a, b = f.hosts.values()
+        a.client = FakeClient(a.target, [f"sb-a{i}" for i in range(102)])
+        b.client = FakeClient(b.target, [f"sb-b{i}" for i in range(102)])
+        for i in range(100):
+            await (await f.create("busybox", key=f"k{i}")).destroy()
+        kept = (dict(f._key_home), dict(f._key_of))
+        first = await f.create("busybox", key="k1")
+        await first.destroy()
+        f.hosts[first.host].up = False
+        again = await f.create("busybox", key="k1")
+        return kept, first.host, again.host
+
+    (key_home, key_of), first, again = run(go())
+    assert key_home == {} and key_of == {}
+    assert again != first
+
+
+def test_a_key_that_may_have_a_copy_on_a_down_host_is_kept_past_a_destroy():
+    """The answer of a create was lost on h1 and it was made on h2; the
+    sandbox on h2 is destroyed while h1 is away. h1's copy is still removed
+    when it rejoins: the key still names h2 as its home."""
+    async def go():
+        f = fleet_of(2)
+        a, b = f.hosts.values()
+        lost = ConnectionLost("create: connection lost", target=a.target, op="create", sent=True)
+        a.client = FakeClient(a.target, [lost])
+        b.client = FakeClient(b.target, ["sb-b"])
+        a.mounted = {"sha256:aa"}
+        sb = await f.create("busybox", key="k1")
+        await sb.destroy()
+        await f._settle_keys(a, [{"id": "sb-a", "key": "k1", "labels": {}, "state": "running"}])
+        return a.client.destroyed
+
+    assert run(go()) == ["sb-a"]
+
+
 def test_creates_since_the_last_info_count_against_the_room():
     async def go():
         from dsecd.fleet import _Shape
