@@ -284,6 +284,9 @@ class Fleet:
         self._subscribers: list[asyncio.Queue] = []
         self._started = False
         self._closing = False
+        # What to do about a sandbox that may be on a host that is down (for
+        # the SDK user; `dsec fleet` names its own).
+        self.down_advice = "retry once that host is back (Fleet.status())"
 
     def _new_host(self, host: str) -> FleetHost:
         target = host if self.client_factory else fleet_target(host)
@@ -655,7 +658,7 @@ class Fleet:
             # Not found where we could look; it may be on a host that is down.
             raise HostsDown(f"no sandbox {sandbox_id!r} on any host that is up, and it may be on one that is down "
                             f"({'; '.join(f'{short_name(t)}: {why}' for t, why in down.items())}); "
-                            "retry once that host is back (Fleet.status())",
+                            f"{self.down_advice}",
                             {"sandbox": sandbox_id, "down": down})
         raise NotFound(f"no sandbox {sandbox_id!r} on any host of the fleet", {"sandbox": sandbox_id})
 

@@ -41,6 +41,7 @@ async def run(a, commands: dict, named, ssh: SshOptions) -> int:
         for host in fleet.hosts.values():
             # One command: nothing here connects again, as a long-lived Fleet would.
             host.client.lost_advice = f"run the command again once {host.name} answers"
+        fleet.down_advice = "run the command again once that host answers (`dsec fleet ... info` shows it)"
         up = fleet.up_hosts()
         for st in fleet.status():
             if not st["up"]:

@@ -266,3 +266,38 @@ def test_a_host_lost_under_a_fleet_command_says_to_run_it_again(tmp_path):
     said = asyncio.run(go())
     assert said.startswith(f"exec on {path}: connection lost") and "run the command again" in said, said
     assert "Fleet.status()" not in said, said
+
+
+def test_a_sandbox_maybe_on_a_host_down_says_to_run_the_command_again(tmp_path):
+    """`dsec fleet exec SB` with SB on no host that answered while another
+    is down: unreachable, with the command's advice, not the SDK's
+    (Fleet.status() means nothing at a shell)."""
+    from dsecd import SshOptions, protocol
+    from dsecd.errors import HostsDown
+
+    async def daemon(reader, writer):
+        dec = protocol.FrameDecoder(1 << 20)
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                if f["op"] == "inspect":
+                    err = NotFound(f"no sandbox {f['args']['sandbox']!r}").to_wire()
+                    writer.write(protocol.encode_frame({"id": f["id"], "error": err}))
+                    continue
+                answers = {"list": {"sandboxes": []}, "image_list": {"images": []}}
+                writer.write(protocol.encode_frame({"id": f["id"], "result": answers.get(f["op"], {})}))
+
+    path = str(tmp_path / "h1.sock")
+
+    async def go():
+        server = await asyncio.start_unix_server(daemon, path)
+        try:
+            a = cli.parse_args(["fleet", "--hosts", f"{path},{tmp_path / 'h2.sock'}", "exec", "sb1", "--", "true"])
+            with pytest.raises(HostsDown) as e:
+                await fleet_cli.run(a, cli.COMMANDS, cli.named_sandboxes, SshOptions())
+            return str(e.value)
+        finally:
+            server.close()
+
+    said = asyncio.run(go())
+    assert "may be on one that is down" in said and "run the command again" in said, said
+    assert "Fleet.status()" not in said, said
