@@ -575,13 +575,8 @@ class Client:
         if conn is None:
             raise ConnectionError(f"{op}: not connected to dsecd at {self.target}: call connect() first "
                                   "(or use `async with`)")
-        if conn.reader is not None and not conn.reader.done():
-            # Ended, but its reader is still reading why (ssh's exit status
-            # and last words): this request's error, a fleet's host_down
-            # reason when it is a heartbeat, is that, not the bare end of the
-            # stream; and a reconnect must not cancel the reader before it
-            # has told on_lost.
-            await asyncio.wait([conn.reader], timeout=2 * remote.EXIT_WAIT_S)
+        # A reconnect must not cancel the reader before it has told on_lost.
+        await self._reason(conn)
         if not self.reconnect or self._closed:
             raise self._lost_error(conn.lost, op, sent=False)
         async with self._reconnecting:
@@ -592,6 +587,16 @@ class Client:
         if conn is None or conn.lost is not None:
             raise self._lost_error(conn.lost if conn else ConnectionError("closed"), op, sent=False)
         return conn
+
+    @staticmethod
+    async def _reason(conn: _Conn) -> None:
+        """Wait (a second at most) for the reader of a connection that ended
+        to say why in conn.lost: over ssh it reads ssh's exit status and
+        last words first. A request failing meanwhile (a fleet's heartbeat,
+        whose error is the host_down reason) fails with that, not with the
+        bare end of the stream or a write that failed."""
+        if conn.reader is not None and not conn.reader.done():
+            await asyncio.wait([conn.reader], timeout=2 * remote.EXIT_WAIT_S)
 
     async def _send(self, conn: _Conn, rid: int, op: str, args: dict) -> None:
         if conn.writer.is_closing():
@@ -657,6 +662,7 @@ class Client:
                 on_wire = True
                 await self._send(conn, rid, op, args)
             except ConnectionError as err:
+                await self._reason(conn)
                 raise self._lost_error(conn.lost or err, op, sent=True) from None
             if sent is not None:
                 sent.set()

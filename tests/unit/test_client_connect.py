@@ -126,3 +126,42 @@ def test_a_lost_connection_names_the_idempotency_key_only_for_a_create():
     assert "idempotency key" in create and "may have been carried out" in create
     assert "idempotency key" not in events and "may have been carried out" in events
     assert "carried out" not in str(c._lost_error(ConnectionResetError("reset"), "create", sent=False))
+
+
+def test_a_request_whose_send_fails_says_why_the_connection_ended(tmp_path, monkeypatch):
+    """The write of a request fails as the connection ends, before the
+    reader has seen the end: the error is the reader's reason (over ssh,
+    what ssh said), not the bare "connection lost" of the failed write."""
+    from dsecd import ConnectionLost, protocol
+
+    path = str(tmp_path / "d.sock")
+    served = []
+
+    async def daemon(reader, writer):
+        served.append(writer)
+        dec = protocol.FrameDecoder(1 << 20)
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
+
+    async def go():
+        server = await asyncio.start_unix_server(daemon, path)
+        try:
+            c = Client(path)
+            await c.connect()
+
+            async def send(conn, rid, op, args):
+                # The daemon goes as this request is written.
+                asyncio.get_running_loop().call_soon(served[0].transport.abort)
+                raise ConnectionResetError("connection lost")
+
+            monkeypatch.setattr(c, "_send", send)
+            with pytest.raises(ConnectionLost) as e:
+                await c.request("list")
+            await c.close()
+            return str(e.value)
+        finally:
+            server.close()
+
+    said = asyncio.run(go())
+    assert said.startswith(f"list on {path}: connection lost: the daemon closed it"), said
