@@ -561,10 +561,15 @@ class Client:
         text = f"{op} on {self.target}: connection lost: {cause}"
         if sent:
             text += lost_after_sending(op)
-        if self.reconnect and not self._closed:
+        if self._closed:
+            pass
+        elif self.lost_advice:
+            # Its owner's words: `dsec --host` sends no next request to connect again.
+            text += f"; {self.lost_advice}"
+        elif self.reconnect:
             text += "; the next request connects again"
-        elif not self._closed:
-            text += f"; {self.lost_advice or 'call connect() again (or make the Client with reconnect=True) to go on'}"
+        else:
+            text += "; call connect() again (or make the Client with reconnect=True) to go on"
         return ConnectionLost(text, target=self.target, op=op, sent=sent)
 
     async def _connection(self, op: str) -> _Conn:

@@ -99,6 +99,12 @@ def test_a_lost_connections_advice_is_its_owners(tmp_path):
     assert fleet.endswith(f"the fleet connects to {path} again once it answers (Fleet.status(); event host_up); "
                           "retry then")
     assert cli.endswith("run the command again once the daemon answers")
+    # dsec --host: its ssh:// client reconnects within a command, but the
+    # command sends no request after the one that failed.
+    over_ssh = make_client(SimpleNamespace(host="ssh://h1", socket=None, cmd="cp", fleet=None,
+                                           ssh_config=None, remote_dsec=None))
+    said = str(over_ssh._lost_error(ConnectionResetError("reset"), "file_put", sent=True))
+    assert said.endswith("run the command again once the daemon answers"), said
 
 
 def test_a_sync_client_whose_connect_fails_in_with_leaves_no_thread(tmp_path):
