@@ -2061,8 +2061,9 @@ def _parse_fleet_args(argv: list[str], at: int) -> argparse.Namespace:
     if not f.hosts:
         build_fleet_parser().error("--hosts H1,H2,... is required (or DSEC_HOSTS)")
     a = parse_args([*argv[:at], *inner])
-    if a.host:
+    if any(w == "--host" or w.startswith("--host=") for w in argv[:at]):
         build_fleet_parser().error("--host names one host; a fleet's are in --hosts")
+    a.host = None            # DSEC_HOST, set for plain commands, is not the fleet's
     a.fleet = [h.strip() for h in f.hosts.split(",") if h.strip()]
     if not a.fleet:
         build_fleet_parser().error(f"--hosts {f.hosts!r} names no host: give H1,H2,...")

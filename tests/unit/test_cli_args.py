@@ -141,6 +141,15 @@ def test_fleet_usage_errors(args, why, capsys, monkeypatch):
     assert e.value.code == 2 and why in capsys.readouterr().err
 
 
+def test_fleet_runs_with_dsec_host_set_for_plain_commands(monkeypatch):
+    """DSEC_HOST exported for `dsec ps` and the like does not stop `dsec
+    fleet --hosts ...`: only a --host given with it is a usage error."""
+    monkeypatch.setenv("DSEC_HOST", "ssh://h9")
+    a = cli.parse_args(["fleet", "--hosts", "h1,h2", "ps"])
+    assert (a.fleet, a.host, a.cmd) == (["h1", "h2"], None, "ps")
+    assert cli.parse_args(["ps"]).host == "ssh://h9"
+
+
 def test_docker_style_env_workdir_and_user_options(tmp_path, monkeypatch):
     """-e, --env-file, -w/--workdir and -u, as docker run and exec take them:
     the files first, --env over them, K alone from our environment."""
