@@ -261,6 +261,9 @@ class Fleet:
         close, on_lost and last_frame_at keep the Client's meaning (dsecd.ray
         gives one that goes through a Ray actor); hosts are then taken as
         they are written."""
+        if isinstance(hosts, str):
+            # Iterated, a string is its characters: a fleet of hosts "h", "1", ...
+            raise TypeError(f"Fleet takes a list of hosts, not a string: Fleet({hosts.split(',')!r})")
         if not hosts:
             raise ValueError("a Fleet needs at least one host")
         if heartbeat_s <= 0 or down_after_s <= 0:

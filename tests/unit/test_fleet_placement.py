@@ -56,6 +56,12 @@ def run(coro):
     return asyncio.run(coro)
 
 
+@pytest.mark.parametrize("hosts", ["h12", "h1,h2"])
+def test_hosts_given_as_one_string_say_to_give_a_list(hosts):
+    with pytest.raises(TypeError, match=r"Fleet takes a list of hosts, not a string: Fleet\(\['h1"):
+        Fleet(hosts)
+
+
 def test_a_jobs_sandboxes_spread_over_equal_hosts():
     async def go():
         f = fleet_of(4)
