@@ -81,6 +81,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import inspect
 import logging
 import random
 import secrets
@@ -266,6 +267,10 @@ class Fleet:
             raise TypeError(f"Fleet takes a list of hosts, not a string: Fleet({hosts.split(',')!r})")
         if not hosts:
             raise ValueError("a Fleet needs at least one host")
+        if any(inspect.iscoroutinefunction(f) for f in (on_event, type(on_event).__call__)):
+            # Called, it would only make a coroutine nobody awaits: every event lost.
+            raise TypeError("on_event is called as each event happens and must not be async; "
+                            "iterate fleet.events() in a task of your own instead")
         if heartbeat_s <= 0 or down_after_s <= 0:
             raise ValueError("heartbeat_s and down_after_s must be positive")
         self.ssh = ssh or remote.SshOptions.from_env()

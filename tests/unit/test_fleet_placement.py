@@ -62,6 +62,20 @@ def test_hosts_given_as_one_string_say_to_give_a_list(hosts):
         Fleet(hosts)
 
 
+def test_an_async_on_event_is_refused_not_left_unawaited():
+    async def on_event(ev):
+        pass
+
+    class Handler:
+        async def __call__(self, ev):
+            pass
+
+    for handler in (on_event, Handler()):
+        with pytest.raises(TypeError, match=r"must not be async; iterate fleet.events\(\)"):
+            Fleet(["h1"], on_event=handler)
+    Fleet(["h1"], on_event=print)
+
+
 def test_a_jobs_sandboxes_spread_over_equal_hosts():
     async def go():
         f = fleet_of(4)
