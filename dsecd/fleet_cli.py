@@ -223,7 +223,7 @@ async def fleet_events(fleet: Fleet, a) -> int:
 
     async def pump(host: FleetHost) -> None:
         try:
-            async for ev in host.client.events(a.sandbox, a.replay, a.follow):
+            async for ev in host.client.events(named, a.replay, a.follow):
                 queue.put_nowait({**ev, "host": host.target})
         except (DsecError, ConnectionError) as err:
             queue.put_nowait((host.target, err))

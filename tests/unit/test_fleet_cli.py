@@ -301,3 +301,21 @@ def test_a_sandbox_maybe_on_a_host_down_says_to_run_the_command_again(tmp_path):
     said = asyncio.run(go())
     assert "may be on one that is down" in said and "run the command again" in said, said
     assert "Fleet.status()" not in said, said
+
+
+@pytest.mark.parametrize("words", [["sb-h1"], ["--sandbox", "sb-h1"]])
+def test_fleet_events_asks_each_host_for_the_sandbox_named(words, capsys):
+    """`dsec fleet events SB` (as `dsec events SB`) and `--sandbox SB`:
+    each host is asked for SB's events only, not for all of its events."""
+    asked = []
+
+    class Recording:
+        async def events(self, sandbox=None, replay=False, follow=True):
+            asked.append(sandbox)
+            if sandbox != "sb-h1":
+                yield {"seq": 1, "time": 0.0, "event": "created", "sandbox": "sb-other"}
+
+    hosts = [SimpleNamespace(target="ssh://h1", client=Recording())]
+    a = cli.parse_args(["fleet", "--hosts", "x", "events", *words, "--replay", "--no-follow", "--json"])
+    assert asyncio.run(fleet_cli.fleet_events(SimpleNamespace(up_hosts=lambda: hosts), a)) == 0
+    assert asked == ["sb-h1"] and capsys.readouterr().out == ""
