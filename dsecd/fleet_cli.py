@@ -32,6 +32,7 @@ from .clitext import (
 from .errors import ConnectionLost, DsecError, HostsDown, NotFound
 from .fleet import Fleet, FleetHost, short_name
 from .remote import SshOptions
+from .topview import SORTS
 
 
 async def run(a, commands: dict, named, ssh: SshOptions) -> int:
@@ -146,7 +147,7 @@ async def fleet_top(fleet: Fleet, a) -> int:
     rows = [[_host_col(s["host"]), s["id"], s["qos"], s["state"], f"{s['cpu']:g}", pct(s["cpu_pct"]),
              pct(s["throttled_pct"]), "-" if s["memory"] is None else human_bytes(s["memory"]),
              human_bytes(s["memory_limit"])]
-            for s in sorted(top["sandboxes"], key=lambda s: -(s["cpu_pct"] or 0))]
+            for s in sorted(top["sandboxes"], key=SORTS[a.sort][0], reverse=SORTS[a.sort][2])]
     table(rows, ["HOST", "ID", "QOS", "STATE", "CPU", "CPU%", "THROTTLED", "MEM", "MEM LIMIT"])
     return status
 

@@ -319,3 +319,23 @@ def test_fleet_events_asks_each_host_for_the_sandbox_named(words, capsys):
     a = cli.parse_args(["fleet", "--hosts", "x", "events", *words, "--replay", "--no-follow", "--json"])
     assert asyncio.run(fleet_cli.fleet_events(SimpleNamespace(up_hosts=lambda: hosts), a)) == 0
     assert asked == ["sb-h1"] and capsys.readouterr().out == ""
+
+
+def test_fleet_top_orders_its_rows_by_sort(capsys):
+    """`dsec fleet top --sort mem` (or id, state...) as `dsec top --sort`."""
+    def row(sb, host, cpu_pct, memory):
+        return {"id": sb, "host": host, "qos": "be", "state": "running", "cpu": 1.0, "cpu_pct": cpu_pct,
+                "throttled_pct": 0.0, "memory": memory, "memory_limit": 1 << 30}
+
+    async def top(labels=None):
+        return {"hosts": {}, "down": {}, "errors": {},
+                "sandboxes": [row("sb-a", "ssh://h1", 90.0, 1 << 20), row("sb-b", "ssh://h2", 5.0, 300 << 20),
+                              row("sb-c", "ssh://h1", 50.0, 100 << 20)]}
+
+    fleet = SimpleNamespace(top=top, hosts={})
+    for sort, want in (("mem", ["sb-b", "sb-c", "sb-a"]), ("cpu", ["sb-a", "sb-c", "sb-b"]),
+                       ("id", ["sb-a", "sb-b", "sb-c"])):
+        a = cli.parse_args(["fleet", "--hosts", "x", "top", "--sort", sort])
+        assert asyncio.run(fleet_cli.fleet_top(fleet, a)) == 0
+        rows = [line.split()[1] for line in capsys.readouterr().out.splitlines() if " sb-" in line]
+        assert rows == want, (sort, rows)
