@@ -562,8 +562,16 @@ class Fleet:
         key = key or f"fleet-{secrets.token_hex(10)}"
         labels = dict(labels or {})
         job = labels.get("job", "")
-        shape = _Shape(DEFAULT_CPU if cpu is None else float(cpu),
-                       DEFAULT_MEMORY if memory is None else parse_size(memory))
+        # Read here to place it: a value that does not read is the request's
+        # error, as a host's own create would answer it, not a ValueError.
+        try:
+            shape = _Shape(DEFAULT_CPU if cpu is None else float(cpu), DEFAULT_MEMORY)
+        except (TypeError, ValueError) as err:
+            raise BadRequest(f"create: cpu {cpu!r} is not a number of CPUs ({err})", {"cpu": cpu}) from None
+        try:
+            shape.memory = DEFAULT_MEMORY if memory is None else parse_size(memory)
+        except (TypeError, ValueError) as err:
+            raise BadRequest(f"create: memory: {err}", {"memory": memory}) from None
         skip: dict[str, str] = {}
         lasting: dict[str, str] = {}       # hosts that can never take it: host -> error code
         while True:

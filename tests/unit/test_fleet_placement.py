@@ -76,6 +76,21 @@ def test_an_async_on_event_is_refused_not_left_unawaited():
     Fleet(["h1"], on_event=print)
 
 
+@pytest.mark.parametrize("ask", [{"memory": "lots"}, {"memory": -5}, {"cpu": "x"}, {"cpu": [1]}])
+def test_a_cpu_or_memory_that_does_not_read_is_a_bad_request(ask):
+    """As a host's own create answers it: a BadRequest (a DsecError), not
+    the ValueError of reading it for placement; no host is asked."""
+    async def go():
+        f = fleet_of(2)
+        for h in f.hosts.values():
+            h.client = FakeClient(h.target, [])
+        with pytest.raises(BadRequest, match=f"create: {next(iter(ask))}"):
+            await f.create("busybox", **ask)
+        return [h.client.keys for h in f.hosts.values()]
+
+    assert run(go()) == [[], []]
+
+
 def test_a_jobs_sandboxes_spread_over_equal_hosts():
     async def go():
         f = fleet_of(4)
