@@ -500,7 +500,8 @@ class Client:
                             f"{err.size} bytes); does a shell start-up file on that host print to stdout?") from None
                     raise LimitExceeded(f"server frame of {err.size} bytes exceeds the limit") from None
                 if payload is None:
-                    error = ConnectionError("the daemon closed it")
+                    # After close() the stream ends as ssh exits, as when the daemon goes.
+                    error = ConnectionError("the client closed it" if self._closed else "the daemon closed it")
                     break
                 self.last_frame_at = loop.time()
                 try:

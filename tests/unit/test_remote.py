@@ -232,6 +232,36 @@ def test_a_lost_connection_fails_what_is_in_flight_and_the_next_request_reconnec
     assert asyncio.run(go()) == "xx"
 
 
+def test_a_request_after_close_says_the_client_closed_it(tmp_path, monkeypatch):
+    """close() lets ssh end by itself, so the reader sees the stream end as
+    it would if the daemon went: the error says who closed it, this client."""
+    from dsecd import protocol
+
+    sock_path = str(tmp_path / "d.sock")
+    monkeypatch.setenv("FAKE_DSEC_SOCKET", sock_path)
+    monkeypatch.setenv("FAKE_STARTS", str(tmp_path / "starts"))
+
+    async def serve(reader, writer):
+        dec = protocol.FrameDecoder(1 << 20)
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
+        writer.close()
+
+    async def go():
+        server = await asyncio.start_unix_server(serve, sock_path)
+        async with server:
+            c = Client("ssh://h1", ssh=SshOptions(command=_fake_ssh(tmp_path, RELAY)))
+            await c.connect()
+            await c.close()
+            with pytest.raises(ConnectionLost) as e:
+                await c.request("list")
+        return str(e.value)
+
+    said = asyncio.run(go())
+    assert said.startswith("list on ssh://h1: connection lost: the client closed it"), said
+
+
 CUT = RELAY + """
     # The link is cut under a working connection: ssh says so and exits 255.
     print("Connection to h1 closed by remote host.", file=sys.stderr)
