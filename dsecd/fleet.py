@@ -348,8 +348,7 @@ class Fleet:
         It starts down and is connected by its own task, as a host that
         could not be reached at start is: `host_added` now, `host_up` once
         it answered; placement takes it from then on."""
-        if self._closing:
-            raise RuntimeError(f"add_host({host!r}): the fleet is closed")
+        self._check_open(f"add_host({host!r})")
         h = self._new_host(host)
         h.client.on_lost = lambda why, h=h: self._host_down(h, f"connection lost: {why}")
         self._emit("host_added", h)
@@ -368,6 +367,12 @@ class Fleet:
         await asyncio.gather(*(h.client.close() for h in self.hosts.values()), return_exceptions=True)
         for q in self._subscribers:
             q.put_nowait(None)
+
+    def _check_open(self, what: str) -> None:
+        """A closed fleet's hosts still read as up, and their clients answer
+        ConnectionLost: a create would be `busy`, a list empty. Say it instead."""
+        if self._closing:
+            raise RuntimeError(f"{what}: the fleet is closed")
 
     def status(self) -> list[dict]:
         """Each host: up, since when (unix time), why it is down, sandboxes known."""
@@ -559,6 +564,7 @@ class Fleet:
         detail.hosts: each host's reason) if some host is full, busy or
         down; `not_found` (no host has the image) or `bad_request` (more than
         any host can ever give a sandbox) if every host refused for good."""
+        self._check_open(f"create {image!r}")
         key = key or f"fleet-{secrets.token_hex(10)}"
         labels = dict(labels or {})
         job = labels.get("job", "")
@@ -655,6 +661,7 @@ class Fleet:
         """A sandbox by id (or unique prefix) on whichever host holds it.
         `not_found` if no host has it; errors.HostsDown (a ConnectionError)
         if no up host has it while some host is down."""
+        self._check_open(f"get {sandbox_id!r}")
         target = self._where.get(sandbox_id)
         if target is not None and self.hosts[target].up:
             with contextlib.suppress(NotFound):
@@ -682,6 +689,7 @@ class Fleet:
 
     async def _each(self, fn: Callable[[FleetHost], Awaitable]) -> dict[str, object]:
         """fn on every host that is up, at once: host -> result or exception."""
+        self._check_open("a request to every host")
         up = self.up_hosts()
         results = await asyncio.gather(*(fn(h) for h in up), return_exceptions=True)
         for r in results:
@@ -796,6 +804,7 @@ class Fleet:
 
     async def call(self, image: str, **call_args):
         """Client.call on the least loaded up host holding the image; on `busy`, the next."""
+        self._check_open(f"call {image!r}")
         skip: dict[str, str] = {}
         while (host := self._place(image, "", _Shape(0.0, 0), skip)) is not None:
             try:

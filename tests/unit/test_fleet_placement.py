@@ -51,6 +51,9 @@ class FakeClient:
         self.destroyed.append(args["sandbox"])
         return {}
 
+    async def close(self):
+        pass
+
 
 def run(coro):
     return asyncio.run(coro)
@@ -89,6 +92,26 @@ def test_a_cpu_or_memory_that_does_not_read_is_a_bad_request(ask):
         return [h.client.keys for h in f.hosts.values()]
 
     assert run(go()) == [[], []]
+
+
+def test_a_closed_fleet_says_so_instead_of_busy_or_empty():
+    """Its hosts still read as up: a create was `busy` (retry later), a
+    list an empty list. Each request now says the fleet is closed."""
+    async def go():
+        f = fleet_of(2)
+        for h in f.hosts.values():
+            h.client = FakeClient(h.target, ["sb"])
+        await f.close()
+        said = []
+        for call in (lambda: f.create("busybox"), f.list, lambda: f.get("abcd1234"), lambda: f.job_pause("j"),
+                     lambda: f.call("busybox")):
+            with pytest.raises(RuntimeError, match="the fleet is closed") as e:
+                await call()
+            said.append(str(e.value))
+        return said
+
+    said = run(go())
+    assert said[0] == "create 'busybox': the fleet is closed"
 
 
 def test_a_jobs_sandboxes_spread_over_equal_hosts():
