@@ -271,8 +271,13 @@ class Fleet:
             # Called, it would only make a coroutine nobody awaits: every event lost.
             raise TypeError("on_event is called as each event happens and must not be async; "
                             "iterate fleet.events() in a task of your own instead")
-        if heartbeat_s <= 0 or down_after_s <= 0:
-            raise ValueError("heartbeat_s and down_after_s must be positive")
+        # Each is a sleep or a timeout of a loop per host: at 0 (or below) a
+        # host that is down would be tried again, by a new ssh, without pause,
+        # and every host's info read again without pause.
+        for name, value in (("heartbeat_s", heartbeat_s), ("down_after_s", down_after_s),
+                            ("rejoin_s", rejoin_s), ("refresh_s", refresh_s), ("connect_timeout", connect_timeout)):
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value!r}")
         self.ssh = ssh or remote.SshOptions.from_env()
         self.heartbeat_s = heartbeat_s
         self.down_after_s = down_after_s

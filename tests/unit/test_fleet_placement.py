@@ -114,6 +114,15 @@ def test_a_closed_fleet_says_so_instead_of_busy_or_empty():
     assert said[0] == "create 'busybox': the fleet is closed"
 
 
+@pytest.mark.parametrize("arg", ["heartbeat_s", "down_after_s", "rejoin_s", "refresh_s", "connect_timeout"])
+def test_every_period_of_the_fleet_must_be_positive(arg):
+    """rejoin_s=0 would start a new ssh to a down host without pause, refresh_s=0
+    read every host's info, images and du without pause."""
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=f"{arg} must be positive, got {bad}"):
+            Fleet(["h1"], **{arg: bad})
+
+
 def test_a_jobs_sandboxes_spread_over_equal_hosts():
     async def go():
         f = fleet_of(4)
