@@ -153,10 +153,13 @@ async def fleet_top(fleet: Fleet, a) -> int:
 
 
 async def fleet_info(fleet: Fleet, a) -> int:
+    """Every host's row; a host down, or failing to answer, is a row saying
+    why, and (as for ps) the status 1: the answer is partial."""
     infos = await fleet.info()
+    status = 0 if all(i.get("up") for i in infos.values()) else 1
     if a.json:
         print_json({"hosts": infos, "status": fleet.status()})
-        return 0
+        return status
     rows = []
     for target, i in infos.items():
         if not i.get("up"):
@@ -171,7 +174,7 @@ async def fleet_info(fleet: Fleet, a) -> int:
                      f"{human_bytes(mem.get('requested', 0))}/{human_bytes(mem['capacity'])}"
                      if mem.get("capacity") else "-", i["kernel"]])
     table(rows, ["HOST", "STATE", "VERSION", "SANDBOXES", "ADMISSION", "CPU REQ/CAP", "MEM REQ/CAP", "KERNEL"])
-    return 0
+    return status
 
 
 async def fleet_create(fleet: Fleet, a) -> int:

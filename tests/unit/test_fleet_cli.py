@@ -107,6 +107,9 @@ class ListingClient:
     async def list_images(self):
         return await self._answer([{"name": "busybox"}])
 
+    async def info(self):
+        return await self._answer({"version": "0.1.0", "kernel": "6.1", "sandboxes": {}})
+
     async def pool_list(self):
         return await self._answer([])
 
@@ -339,3 +342,22 @@ def test_fleet_top_orders_its_rows_by_sort(capsys):
         assert asyncio.run(fleet_cli.fleet_top(fleet, a)) == 0
         rows = [line.split()[1] for line in capsys.readouterr().out.splitlines() if " sb-" in line]
         assert rows == want, (sort, rows)
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_fleet_info_with_a_host_down_or_failing_fails_the_status(as_json, capsys):
+    """As ps and top: the rows of hosts that are down say so, and the status
+    is 1, so that `dsec fleet info && ...` does not take a partial fleet for
+    a whole one."""
+    a = cli.parse_args(["fleet", "--hosts", "x", *(["--json"] if as_json else []), "info"])
+    assert asyncio.run(fleet_cli.fleet_info(fleet_of_three(), a)) == 1
+    out = capsys.readouterr().out
+    if as_json:
+        hosts = json.loads(out)["hosts"]
+        assert [hosts[f"/nonexistent/h{i}"]["up"] for i in (1, 2, 3)] == [True, False, False]
+    else:
+        assert "timed out" in out and "heartbeat failed" in out
+    fleet = fleet_of_three()
+    for host in fleet.hosts.values():
+        host.up, host.client.fails = True, False
+    assert asyncio.run(fleet_cli.fleet_info(fleet, a)) == 0
