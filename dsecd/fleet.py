@@ -679,6 +679,9 @@ class Fleet:
         if hits:
             self._where[hits[0][1].id] = hits[0][0]
             return FleetSandbox(self, hits[0][1])
+        for r in found.values():
+            if isinstance(r, DsecError) and not isinstance(r, NotFound):
+                raise r                 # a host's own answer about the id (a prefix it finds ambiguous)
         # Hosts that could not answer may hold it as much as those that are down.
         down = {**self._down(), **{t: f"did not answer: {r}" for t, r in found.items()
                                    if isinstance(r, ConnectionError)}}

@@ -515,6 +515,26 @@ def test_a_sandbox_not_on_the_up_hosts_while_one_is_down_is_unreachable_not_miss
     assert "may be on one that is down" in str(err) and "h1.sock: heartbeat failed" in str(err)
 
 
+def test_a_prefix_one_host_finds_ambiguous_is_said_not_missing():
+    """A prefix naming two sandboxes on one host: that host's bad_request
+    (ambiguous, with the matches) is the answer, not "no sandbox"."""
+    class Ambiguous(GetClient):
+        async def get(self, sandbox_id):
+            raise BadRequest(f"sandbox prefix {sandbox_id!r} is ambiguous", {"matches": ["abcd1", "abcd2"]})
+
+    async def go():
+        f = fleet_of(2)
+        a, b = f.hosts.values()
+        a.client = Ambiguous(a.target, set())
+        b.client = GetClient(b.target, set())
+        with pytest.raises(BadRequest) as e:
+            await f.get("abcd")
+        return e.value
+
+    err = run(go())
+    assert "is ambiguous" in str(err) and err.detail["matches"] == ["abcd1", "abcd2"]
+
+
 def test_sync_fleet_has_the_fleets_events_hosts_and_each_host():
     from dsecd import SyncFleet
 
