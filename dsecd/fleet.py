@@ -337,7 +337,9 @@ class Fleet:
             if isinstance(r, (KeyboardInterrupt, SystemExit, asyncio.CancelledError)):
                 raise r
             if isinstance(r, BaseException):
-                host.reason = f"cannot connect: {r}"
+                # A DsecError is the daemon's own answer: the link works.
+                host.reason = (f"connected, but joining failed: {r}" if isinstance(r, DsecError)
+                               else f"cannot connect: {r}")
         for host in self.hosts.values():
             self._tend(host)
         self._started = True

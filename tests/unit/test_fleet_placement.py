@@ -458,6 +458,22 @@ class JoinableClient:
         pass
 
 
+def test_a_host_that_connects_but_fails_to_join_does_not_say_cannot_connect():
+    """Its daemon answered hello, then an error on what joining reads (a
+    daemon without image_du, say): the reason is that error, not "cannot
+    connect", which sends the user to check ssh."""
+    class NoDu(JoinableClient):
+        async def image_du(self):
+            raise BadRequest("unknown op 'image_du'")
+
+    async def go():
+        async with Fleet(["h1"], client_factory=NoDu, heartbeat_s=0.05, rejoin_s=60) as f:
+            return f.status()[0]["reason"]
+
+    reason = run(go())
+    assert reason == "connected, but joining failed: bad_request: unknown op 'image_du'", reason
+
+
 def test_a_host_added_later_joins_and_takes_creates():
     async def go():
         events = []
