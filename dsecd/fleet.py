@@ -50,7 +50,9 @@ large enough; a host whose `info` says so is not even asked). A key
 remembers its host: a create sent again with it goes back there and gets
 the same sandbox (until the sandbox is destroyed: the daemon frees the key
 then, and so does the fleet). Keys made before the fleet (a driver restarted) are
-learned from each host's sandboxes when it joins.
+learned from each host's sandboxes when it joins; until every host has
+answered once, a create with a key of the caller's that the fleet has not
+learned is HostsDown (its sandbox may be on the host not heard from).
 
 Failure. Every host is pinged each `heartbeat_s`; a host whose connection
 drops, or from which nothing (no answer, no frame) came for `down_after_s`,
@@ -137,6 +139,7 @@ class FleetHost:
         self.name = short_name(target)
         self.client = client
         self.up = False
+        self.joined = False          # it answered once: the keys of its sandboxes are known
         self.since = time.time()
         self.reason = "not connected yet"                  # why it is down
         self.rejoin_error = ""                             # why the last try to connect again failed
@@ -450,6 +453,7 @@ class Fleet:
         gone = sorted(host.reported_lost - set(host.sandboxes))
         host.reported_lost = set()
         host.up = True
+        host.joined = True
         host.since = time.time()
         host.reason = ""
         host.last_answer = asyncio.get_running_loop().time()
@@ -572,6 +576,8 @@ class Fleet:
         down; `not_found` (no host has the image) or `bad_request` (more than
         any host can ever give a sandbox) if every host refused for good."""
         self._check_open(f"create {image!r}")
+        if key is not None and key not in self._key_home:
+            self._check_key_unknown_everywhere(key)
         key = key or f"fleet-{secrets.token_hex(10)}"
         labels = dict(labels or {})
         job = labels.get("job", "")
@@ -640,6 +646,19 @@ class Fleet:
             self._where[sb.id] = host.target
             self._key_of[sb.id] = key
             return FleetSandbox(self, sb)
+
+    def _check_key_unknown_everywhere(self, key: str) -> None:
+        """A caller's key this fleet has not seen may be that of a sandbox on
+        a host that has not answered since the fleet started (a driver
+        restarted while it was down): placed elsewhere, the create would
+        make a second sandbox for the key. HostsDown until every host has
+        answered once."""
+        unknown = {h.target: h.reason for h in self.hosts.values() if not h.joined}
+        if unknown:
+            raise HostsDown(f"create with key {key!r}: the key's sandbox may be on a host that has not answered "
+                            f"since this fleet started ({'; '.join(f'{short_name(t)}: {why}' for t, why in unknown.items())}), "
+                            f"and a create placed elsewhere would make a second one; {self.down_advice}",
+                            {"key": key, "down": unknown})
 
     def _no_host(self, image: str, skip: dict[str, str], lasting: dict[str, str] | None = None) -> DsecError:
         """Why no host took a create (or call): `busy` while some host may

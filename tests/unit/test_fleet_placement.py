@@ -24,7 +24,7 @@ def info(cpu_req=0.0, cpu_cap=128.0, mem_req=0, mem_cap=100 << 30, live=0, max_s
 def fleet_of(n: int) -> Fleet:
     f = Fleet([f"/nonexistent/h{i}.sock" for i in range(1, n + 1)])
     for h in f.hosts.values():
-        h.up = True
+        h.up = h.joined = True
         h.info = info()
         h.images = {"busybox": ["sha256:aa"]}
     return f
@@ -351,6 +351,30 @@ def test_a_key_whose_host_is_down_is_not_made_again_elsewhere():
         return b.client.keys
 
     assert run(go()) == []
+
+
+def test_a_new_key_waits_for_hosts_that_never_answered():
+    """A driver restarted while a host was down: a key it sends again may
+    be that of a sandbox on that host, which this fleet has not learned.
+    Placed elsewhere it would be a second sandbox for the key, so a keyed
+    create is HostsDown until every host answered once; one without a key
+    is placed as usual."""
+    async def go():
+        f = fleet_of(2)
+        a, b = f.hosts.values()
+        a.client = FakeClient(a.target, ["sb-a1", "sb-a2"])
+        b.up = b.joined = False
+        b.reason = "cannot connect: refused"
+        with pytest.raises(HostsDown, match="may be on a host that has not answered") as err:
+            await f.create("busybox", key="k1")
+        anonymous = await f.create("busybox")
+        b.joined = True               # it answered once, and went down again: its keys are known
+        keyed = await f.create("busybox", key="k1")
+        return err.value.detail, anonymous.host, keyed.host, a.client.keys
+
+    detail, anonymous, keyed, keys = run(go())
+    assert detail["key"] == "k1" and list(detail["down"]) == ["/nonexistent/h2.sock"]
+    assert anonymous == keyed == "/nonexistent/h1.sock" and keys[-1] == "k1"
 
 
 def test_a_destroyed_sandboxs_key_is_free_again_and_not_kept():
