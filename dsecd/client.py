@@ -1411,12 +1411,15 @@ class Sandbox:
         Atomic (the default): written under a temporary name beside the
         target and renamed over it, so a write that fails (ENOSPC, the
         sandbox's memory limit, a lost connection) leaves the old file or
-        none, never a part, and readers in the sandbox see the old bytes or
-        the new ones. A file it replaces passes on its owner, group and mode;
-        a new file gets `mode`. A symlink at `path` is replaced, not written
-        through, and hard links to the old file keep the old bytes. With
-        atomic=False the bytes go into the file in place (through a symlink,
-        keeping the inode), and a failure leaves what was written so far."""
+        none at `path`, never a part, and readers in the sandbox see the old
+        bytes or the new ones. The temporary file is removed when a write
+        fails; one cut by a lost connection (or a daemon gone) stays beside
+        the target as `.dsec-<hex>`, a part. A file it replaces passes on
+        its owner, group and mode; a new file gets `mode`. A symlink at
+        `path` is replaced, not written through, and hard links to the old
+        file keep the old bytes. With atomic=False the bytes go into the
+        file in place (through a symlink, keeping the inode), and a failure
+        leaves what was written so far."""
         data = file_data(data, "write_file")
         if not atomic:
             return await self._write_chunks(path, data, mode, parents)
