@@ -240,7 +240,7 @@ def test_a_host_lost_under_a_fleet_command_says_to_run_it_again(tmp_path):
     the error's advice is the command's (run it again), not the SDK
     fleet's (it reconnects; Fleet.status()), which a one-shot dsec never
     does."""
-    from dsecd import ConnectionLost, SshOptions, protocol
+    from dsecd import ConnectionLost, protocol
 
     answers = {"hello": {"limits": {}}, "list": {"sandboxes": []}, "info": {}, "image_list": {"images": []},
                "image_du": {}, "ping": {}, "inspect": {"id": "sb1"}}
@@ -255,18 +255,7 @@ def test_a_host_lost_under_a_fleet_command_says_to_run_it_again(tmp_path):
                 writer.write(protocol.encode_frame({"id": f["id"], "result": answers[f["op"]]}))
 
     path = str(tmp_path / "h1.sock")
-
-    async def go():
-        server = await asyncio.start_unix_server(daemon, path)
-        try:
-            a = cli.parse_args(["fleet", "--hosts", path, "exec", "sb1", "--", "true"])
-            with pytest.raises(ConnectionLost) as e:
-                await fleet_cli.run(a, cli.COMMANDS, cli.named_sandboxes, SshOptions())
-            return str(e.value)
-        finally:
-            server.close()
-
-    said = asyncio.run(go())
+    said = _fleet_cli_fails(daemon, path, ["fleet", "--hosts", path, "exec", "sb1", "--", "true"], ConnectionLost)
     assert said.startswith(f"exec on {path}: connection lost") and "run the command again" in said, said
     assert "Fleet.status()" not in said, said
 
@@ -275,7 +264,7 @@ def test_a_sandbox_maybe_on_a_host_down_says_to_run_the_command_again(tmp_path):
     """`dsec fleet exec SB` with SB on no host that answered while another
     is down: unreachable, with the command's advice, not the SDK's
     (Fleet.status() means nothing at a shell)."""
-    from dsecd import SshOptions, protocol
+    from dsecd import protocol
     from dsecd.errors import HostsDown
 
     async def daemon(reader, writer):
@@ -290,18 +279,8 @@ def test_a_sandbox_maybe_on_a_host_down_says_to_run_the_command_again(tmp_path):
                 writer.write(protocol.encode_frame({"id": f["id"], "result": answers.get(f["op"], {})}))
 
     path = str(tmp_path / "h1.sock")
-
-    async def go():
-        server = await asyncio.start_unix_server(daemon, path)
-        try:
-            a = cli.parse_args(["fleet", "--hosts", f"{path},{tmp_path / 'h2.sock'}", "exec", "sb1", "--", "true"])
-            with pytest.raises(HostsDown) as e:
-                await fleet_cli.run(a, cli.COMMANDS, cli.named_sandboxes, SshOptions())
-            return str(e.value)
-        finally:
-            server.close()
-
-    said = asyncio.run(go())
+    said = _fleet_cli_fails(daemon, path, ["fleet", "--hosts", f"{path},{tmp_path / 'h2.sock'}", "exec", "sb1",
+                                           "--", "true"], HostsDown)
     assert "may be on one that is down" in said and "run the command again" in said, said
     assert "Fleet.status()" not in said, said
 
@@ -361,3 +340,21 @@ def test_fleet_info_with_a_host_down_or_failing_fails_the_status(as_json, capsys
     for host in fleet.hosts.values():
         host.up, host.client.fails = True, False
     assert asyncio.run(fleet_cli.fleet_info(fleet, a)) == 0
+
+
+def _fleet_cli_fails(daemon, path: str, argv: list[str], raises: type) -> str:
+    """What `dsec ARGV` raises (of type `raises`) with a fake daemon (a
+    coroutine serving one connection) listening at `path`."""
+    from dsecd import SshOptions
+
+    async def go():
+        server = await asyncio.start_unix_server(daemon, path)
+        try:
+            a = cli.parse_args(argv)
+            with pytest.raises(raises) as e:
+                await fleet_cli.run(a, cli.COMMANDS, cli.named_sandboxes, SshOptions())
+            return str(e.value)
+        finally:
+            server.close()
+
+    return asyncio.run(go())

@@ -313,16 +313,23 @@ def test_a_permanent_refusal_beside_a_busy_or_down_host_is_still_busy():
     assert err.detail["retry_after_s"] and "down: heartbeat failed" in str(err) and "no image" in str(err)
 
 
+def _answer_lost_on_the_first_host():
+    """A fleet of two whose first host (placed first: its layers are there)
+    loses the answer of its create, and whose second one makes "sb-b"."""
+    f = fleet_of(2)
+    a, b = f.hosts.values()
+    lost = ConnectionLost("create: connection lost", target=a.target, op="create", sent=True)
+    a.client = FakeClient(a.target, [lost])
+    b.client = FakeClient(b.target, ["sb-b"])
+    a.mounted = {"sha256:aa"}
+    return f, a, b
+
+
 def test_a_lost_answer_is_settled_when_the_host_rejoins():
     """The create's answer was lost on h1 (it may exist there); it was made on
     h2 with the same key. When h1 rejoins, its copy is destroyed."""
     async def go():
-        f = fleet_of(2)
-        a, b = f.hosts.values()
-        lost = ConnectionLost("create: connection lost", target=a.target, op="create", sent=True)
-        a.client = FakeClient(a.target, [lost])
-        b.client = FakeClient(b.target, ["sb-b"])
-        a.mounted = {"sha256:aa"}
+        f, a, b = _answer_lost_on_the_first_host()
         events = []
         f.on_event = events.append
         sb = await f.create("busybox", key="k1")
@@ -405,12 +412,7 @@ def test_a_key_that_may_have_a_copy_on_a_down_host_is_kept_past_a_destroy():
     sandbox on h2 is destroyed while h1 is away. h1's copy is still removed
     when it rejoins: the key still names h2 as its home."""
     async def go():
-        f = fleet_of(2)
-        a, b = f.hosts.values()
-        lost = ConnectionLost("create: connection lost", target=a.target, op="create", sent=True)
-        a.client = FakeClient(a.target, [lost])
-        b.client = FakeClient(b.target, ["sb-b"])
-        a.mounted = {"sha256:aa"}
+        f, a, b = _answer_lost_on_the_first_host()
         sb = await f.create("busybox", key="k1")
         await sb.destroy()
         await f._settle_keys(a, [{"id": "sb-a", "key": "k1", "labels": {}, "state": "running"}])
