@@ -939,6 +939,50 @@ struct child {
     int agent_ends[4];   /* the agent's ends of the child's pipes, which a copy closes */
 };
 
+/* What a container's exec uses when the env names no PATH (dsecd/imageconfig.py DEFAULT_PATH). */
+#define EXEC_DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+/* execvpe as a container's exec does it (csrc/exec_steps.h exec_search):
+ * the PATH searched is the command's own (envp's), not the agent's, and a
+ * file that is neither a binary nor a #! script fails with ENOEXEC instead
+ * of being run by /bin/sh. Returns only when nothing ran, errno set: the
+ * first EACCES of a candidate found, else the first other error that is
+ * not "not in this directory", else ENOENT. */
+static void exec_in_path(char *const argv[], char *const envp[])
+{
+    const char *file = argv[0], *dir = EXEC_DEFAULT_PATH;
+    size_t flen = strlen(file);
+    char buf[PATH_MAX];
+    int denied = 0;
+
+    if (strchr(file, '/')) {
+        execve(file, argv, envp);
+        return;
+    }
+    for (char *const *e = envp; *e; e++)
+        if (!strncmp(*e, "PATH=", 5))
+            dir = *e + 5;
+    for (;;) {
+        const char *end = strchrnul(dir, ':');
+        size_t dlen = end > dir ? (size_t)(end - dir) : 1; /* an empty entry is the cwd */
+
+        if (dlen + flen + 2 <= sizeof(buf)) {
+            memcpy(buf, end > dir ? dir : ".", dlen);
+            buf[dlen] = '/';
+            memcpy(buf + dlen + 1, file, flen + 1);
+            execve(buf, argv, envp);
+            if (errno == EACCES)
+                denied = 1;
+            else if (errno != ENOENT && errno != ENOTDIR && errno != ELOOP && errno != ENAMETOOLONG)
+                return;
+        }
+        if (!*end)
+            break;
+        dir = end + 1;
+    }
+    errno = denied ? EACCES : ENOENT;
+}
+
 static void __attribute__((noreturn, noinline)) child_main(const struct child *c)
 {
     int err, in = c->in >= 0 ? c->in : open("/dev/null", O_RDONLY);
@@ -994,7 +1038,7 @@ static void __attribute__((noreturn, noinline)) child_main(const struct child *c
     if (c->stop)
         kill(getpid(), SIGSTOP); /* until its tracer has seized it: the execve is its first record */
     step = "exec";
-    execvpe(c->argv[0], c->argv, c->envp);
+    exec_in_path(c->argv, c->envp);
 child_fail:
     err = errno;
     {

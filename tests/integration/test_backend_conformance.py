@@ -222,6 +222,24 @@ def test_exec_errors(box):
     with pytest.raises(DsecError) as err:
         sb.exec(["true"], cwd="/no/such/dir")
     assert err.value.code == "not_found"
+    # An executable file that is neither a binary nor a #! script does not
+    # run (execve's ENOEXEC), in PATH or named: no shell runs it instead.
+    sb.write_file("/usr/local/bin/no-shebang", b"echo ran\n", mode=0o755)
+    for argv in (["no-shebang"], ["/usr/local/bin/no-shebang"]):
+        with pytest.raises(DsecError) as err:
+            sb.exec(argv)
+        assert err.value.code == "io" and "Exec format error" in err.value.message, (argv, err.value)
+
+
+def test_a_command_is_found_in_its_own_path(box):
+    """The PATH searched is the exec's env's (an image's ENV PATH, a
+    caller's env), not the one of whatever starts the command."""
+    _, sb, _, _ = box
+    sb.write_file("/opt/tools/mytool", b"#!/bin/sh\necho tool\n", mode=0o755)
+    assert sb.exec(["mytool"], env={"PATH": "/opt/tools:/bin"}).stdout == b"tool\n"
+    with pytest.raises(DsecError) as err:
+        sb.exec(["mytool"])
+    assert err.value.code == "not_found"
 
 
 def test_exec_timeout_kills_the_group(box):
