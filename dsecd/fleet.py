@@ -52,7 +52,10 @@ the same sandbox (until the sandbox is destroyed: the daemon frees the key
 then, and so does the fleet). Keys made before the fleet (a driver restarted) are
 learned from each host's sandboxes when it joins; until every host has
 answered once, a create with a key of the caller's that the fleet has not
-learned is HostsDown (its sandbox may be on the host not heard from).
+learned is HostsDown (its sandbox may be on the host not heard from). A
+sandbox that goes without this fleet (its TTL, its lease, another client)
+is forgotten, with its key, at the next refresh whose `info` counts fewer
+live sandboxes on its host than the fleet does.
 
 Failure. Every host is pinged each `heartbeat_s`; a host whose connection
 drops, or from which nothing (no answer, no frame) came for `down_after_s`,
@@ -520,11 +523,15 @@ class Fleet:
                     await self._refresh(host)
 
     async def _refresh(self, host: FleetHost) -> None:
-        """Read the host's capacity (info) and images again."""
+        """Read the host's capacity (info) and images again; forget the
+        sandboxes it no longer runs."""
         loop = asyncio.get_running_loop()
         asked = loop.time()
         info, images, du = await asyncio.gather(host.client.info(), host.client.list_images(),
                                                 host.client.image_du())
+        live = sum(n for state, n in info.get("sandboxes", {}).items() if state != "dead")
+        if len(host.sandboxes) > live:
+            await self._prune(host)
         host.info = info
         host.images = {i["name"]: [layer["digest"] for layer in i.get("layers", [])] for i in images}
         host.layer_sizes = {layer["digest"]: layer.get("size", 1) for i in images for layer in i.get("layers", [])}
@@ -841,6 +848,21 @@ class Fleet:
             except (Busy, ConnectionError) as err:
                 skip[host.target] = str(err)
         raise self._no_host(image, skip)
+
+    async def _prune(self, host: FleetHost) -> None:
+        """The host runs fewer sandboxes than the fleet counts there: some
+        were destroyed by their TTL, their lease or another client, or died.
+        Those gone are forgotten with their keys (as the daemon freed them),
+        dead ones no longer count for placement. Only sandboxes known before
+        the listing are looked at: one a create answered meanwhile stays."""
+        known = set(host.sandboxes)
+        rows = {r["id"]: r for r in await host.client.list() if not r.get("_removed")}
+        for sb_id in known:
+            row = rows.get(sb_id)
+            if row is None and self._where.get(sb_id) == host.target:
+                self._forget(sb_id, destroyed=True)
+            elif row is None or row.get("state") == "dead":
+                host.forget(sb_id)
 
     def _forget(self, sandbox_id: str, destroyed: bool = False) -> None:
         """Stop counting a sandbox; `destroyed`: its host said it is gone."""

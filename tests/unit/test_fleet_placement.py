@@ -653,3 +653,42 @@ def test_a_key_made_before_the_fleet_goes_back_to_its_host():
     got, h1_creates = run(go())
     assert got == [("h2", "sb-old"), ("h2", "sb-old2")]
     assert h1_creates == []
+
+
+def test_sandboxes_a_host_no_longer_runs_are_forgotten_at_a_refresh():
+    """Destroyed by their TTL or another client: the fleet counted them
+    for placement and kept their keys for ever. When a host's info counts
+    fewer live sandboxes than the fleet does, it lists them and forgets
+    the gone ones (their keys too) and stops counting the dead."""
+    class Host:
+        def __init__(self, rows):
+            self.rows = rows
+
+        async def info(self):
+            return {**info(), "sandboxes": {"running": 1, "dead": 1}}
+
+        async def list_images(self):
+            return []
+
+        async def image_du(self):
+            return {}
+
+        async def list(self, labels=None):
+            return self.rows
+
+    async def go():
+        f = fleet_of(1)
+        (h,) = f.hosts.values()
+        for sb_id, key in (("kept", "k1"), ("gone", "k2"), ("died", "k3")):
+            h.add(sb_id, "j")
+            f._where[sb_id] = h.target
+            f._key_of[sb_id] = key
+            f._key_home[key] = h.target
+        h.client = Host([{"id": "kept", "state": "running"}, {"id": "died", "state": "dead"}])
+        await f._refresh(h)
+        return dict(h.sandboxes), h.jobs["j"], set(f._where), set(f._key_home)
+
+    sandboxes, job_count, where, keys = run(go())
+    assert sandboxes == {"kept": "j"} and job_count == 1
+    assert where == {"kept", "died"} and keys == {"k1", "k3"}     # a dead one can still be inspected or destroyed
+
