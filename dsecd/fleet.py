@@ -528,7 +528,7 @@ class Fleet:
         loop = asyncio.get_running_loop()
         asked = loop.time()
         info, images, du = await asyncio.gather(host.client.info(), host.client.list_images(),
-                                                host.client.image_du())
+                                                _image_du(host.client))
         live = sum(n for state, n in info.get("sandboxes", {}).items() if state != "dead")
         if len(host.sandboxes) > live:
             await self._prune(host)
@@ -878,6 +878,17 @@ class Fleet:
         if (destroyed and key is not None and self._key_home.get(key) == target
                 and not any(key in h.uncertain_keys for h in self.hosts.values())):
             del self._key_home[key]
+
+
+async def _image_du(client) -> dict:
+    """The host's image_du; {} from a daemon older than the op (a fleet
+    mid-upgrade): its warmth is then unknown, and the host still joins."""
+    try:
+        return await client.image_du()
+    except BadRequest as err:
+        if "image_du" in err.detail.get("ops", ["image_du"]):
+            raise
+        return {}
 
 
 class FleetEvents:

@@ -692,3 +692,26 @@ def test_sandboxes_a_host_no_longer_runs_are_forgotten_at_a_refresh():
     assert sandboxes == {"kept": "j"} and job_count == 1
     assert where == {"kept", "died"} and keys == {"k1", "k3"}     # a dead one can still be inspected or destroyed
 
+
+def test_a_host_whose_daemon_predates_image_du_still_refreshes():
+    """A fleet mid-upgrade: an older daemon answers image_du with "unknown
+    op"; the host's warmth is unknown, and it is not kept down for it."""
+    class OlderHost:
+        async def info(self):
+            return info()
+
+        async def list_images(self):
+            return [{"name": "busybox", "layers": [{"digest": "sha256:aa", "size": 1}]}]
+
+        async def image_du(self):
+            raise BadRequest("unknown op 'image_du'", {"id": 7, "ops": ["info", "image_list"]})
+
+    async def go():
+        f = fleet_of(1)
+        (h,) = f.hosts.values()
+        h.client = OlderHost()
+        await f._refresh(h)
+        return h.images, h.mounted, h.cached
+
+    assert run(go()) == ({"busybox": ["sha256:aa"]}, set(), {})
+
