@@ -315,16 +315,20 @@ class FnCallBackend:
         return kill_leftovers(host_uid, h.init_pid)
 
     @staticmethod
-    def remove_shm_files(h: Handle, host_uid: int) -> None:
+    def remove_shm_files(h: Handle, host_uid: int) -> bool:
         """What a plain call left in the call sandbox's /dev/shm (the
         zygote's own cleanup, through the sandbox root; the call's uid as the
-        host sees it)."""
+        host sees it). False when it could not all be removed (a tree deeper
+        than the walk goes): the uid must not be handed out again."""
         try:
             fd = sbfiles._open(h.rootfd, "/dev/shm", os.O_RDONLY | os.O_DIRECTORY)
         except OSError:
-            return
+            return True
         try:
             remove_owned(fd, host_uid)
+            return True
+        except Exception:
+            return False
         finally:
             os.close(fd)
 

@@ -260,20 +260,53 @@ def kill_leftovers(uid, init_pid=1, fd=-1):
 
 
 def remove_owned(dirfd, uid):
-    """Remove the entries of the directory open at `dirfd` (the call
-    sandbox's /dev/shm) that `uid` owns: what a call made there (POSIX
-    shared memory, named semaphores) must not reach the next call its uid
-    goes to. Entries are not followed: a symlink goes, not its target; a
-    directory goes with what is in it."""
+    """Remove what `uid` owns in the directory open at `dirfd` (the call
+    sandbox's /dev/shm): what a call made there (POSIX shared memory, named
+    semaphores) must not reach the next call its uid goes to. An entry it
+    owns goes whole; a directory of another uid is looked through, since a
+    call may put files in one another call left writable. Nothing is
+    followed: a symlink goes, not its target. Fd-relative throughout, with
+    nothing newer than Python 3.8 (the image's own python3 runs this)."""
     with os.scandir(dirfd) as entries:
-        owned = [e.name for e in entries if _owner(e) == uid]
-    for name in owned:
-        try:
+        found = [(e.name, _owner(e), e.is_dir(follow_symlinks=False)) for e in entries]
+    for name, owner, is_dir in found:
+        if owner == uid:
+            _remove_entry(dirfd, name, is_dir)
+        elif is_dir:
+            fd = _open_dir(dirfd, name)
+            if fd >= 0:
+                try:
+                    remove_owned(fd, uid)
+                finally:
+                    os.close(fd)
+
+
+def _remove_entry(dirfd, name, is_dir):
+    """Remove `name` in `dirfd`, a directory with all it holds."""
+    if is_dir:
+        fd = _open_dir(dirfd, name)
+        if fd >= 0:
+            try:
+                with os.scandir(fd) as entries:
+                    inner = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+                for sub, sub_is_dir in inner:
+                    _remove_entry(fd, sub, sub_is_dir)
+            finally:
+                os.close(fd)
+    try:
+        if is_dir:
+            os.rmdir(name, dir_fd=dirfd)
+        else:
             os.unlink(name, dir_fd=dirfd)
-        except IsADirectoryError:
-            shutil.rmtree(name, dir_fd=dirfd, ignore_errors=True)
-        except OSError:
-            pass
+    except OSError:
+        pass
+
+
+def _open_dir(dirfd, name):
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+    except OSError:
+        return -1
 
 
 def _owner(entry):
@@ -419,9 +452,14 @@ class Zygote:
     def free_uid(self, uid):
         """A uid back to the free list, once nothing of its call runs: what
         the call left in /dev/shm goes first (nothing of it runs to make
-        more)."""
+        more). A uid whose leftovers could not be removed (a tree deeper than
+        the walk goes) is never handed out again: the next call of it would
+        own them."""
         if self.shm_fd >= 0:
-            remove_owned(self.shm_fd, uid)
+            try:
+                remove_owned(self.shm_fd, uid)
+            except Exception:
+                return
         self.uids.append(uid)
 
     def recheck_held(self):

@@ -549,8 +549,11 @@ class CallService:
         host_uid = box.host_ids(uid)[0]
         for _ in range(LEFTOVER_LOOKS):
             if not await self.workers.run(self.fncall.kill_leftovers, box.handle, host_uid):
-                await self.workers.run(self.fncall.remove_shm_files, box.handle, host_uid)
-                box.free_uids.append(uid)
+                if await self.workers.run(self.fncall.remove_shm_files, box.handle, host_uid):
+                    box.free_uids.append(uid)
+                else:
+                    log.warning("call sandbox %s: what uid %d left in /dev/shm could not be removed; it is not "
+                                "handed out again", box.id, uid)
                 return
             await asyncio.sleep(LEFTOVER_RECHECK_S)
         log.warning("call sandbox %s: uid %d still runs processes after %d kills; it is not handed out again",

@@ -252,16 +252,34 @@ def test_calls_cannot_list_or_remove_each_others_dev_shm_files(daemon, py_image)
     assert b.stdout == b"list denied\nrm denied\nmv denied\n", b.stderr
 
 
+def test_what_a_call_left_in_another_calls_dir_goes_with_its_uid(daemon, py_image):
+    """One call leaves a world-writable dir in /dev/shm and runs on; another
+    puts a file in it and ends: that file goes when its uid is freed, not
+    when the dir's owner ends."""
+    holder = ("import os, time\n"
+              "os.mkdir('/dev/shm/open-dir', 0o777)\nos.chmod('/dev/shm/open-dir', 0o777)\n"
+              "time.sleep(0.5)\n"
+              "deadline = time.monotonic() + 5\n"
+              "while os.path.exists('/dev/shm/open-dir/f') and time.monotonic() < deadline:\n"
+              "    time.sleep(0.05)\n"
+              "print(os.path.exists('/dev/shm/open-dir/f'))\n")
+    other = ("import time\ntime.sleep(0.2)\nopen('/dev/shm/open-dir/f', 'w').write('x')\nprint('put')\n")
+    a, b = _calls_at_once(daemon, py_image, holder, other)
+    assert (b.stdout, a.stdout) == (b"put\n", b"False\n"), (a, b)
+
+
 @pytest.mark.parametrize("path", ["zygote", "exec"])
-def test_what_a_call_leaves_in_dev_shm_is_removed(client, py_image, path):
+@pytest.mark.parametrize("kind", ["file", "tree"])
+def test_what_a_call_leaves_in_dev_shm_is_removed(client, py_image, path, kind):
     """Before its uid goes to another call: a later call of that uid would
-    own it (and could read it whatever its mode)."""
-    name = f"/dev/shm/left-by-{path}"
+    own it (and could read it whatever its mode). A tree goes whole."""
+    name = f"/dev/shm/left-by-{path}-{kind}"
     image = py_image if path == "zygote" else "busybox"
+    make = f"echo x > {name}" if kind == "file" else f"mkdir -p {name}/a/b && echo x > {name}/a/b/f"
     if path == "zygote":
-        r = client.call(py_image, code=f"open({name!r}, 'w').write('x')\nprint('left')")
+        r = client.call(py_image, code=f"import os\nos.system({make!r})\nprint('left')")
     else:
-        r = client.call("busybox", argv=["sh", "-c", f"echo x > {name} && echo left"])
+        r = client.call("busybox", argv=["sh", "-c", f"{make} && echo left"])
     assert (r.exit_code, r.stdout, r.path) == (0, b"left\n", path), r
     deadline = time.monotonic() + 5
     while client.call(image, argv=["test", "-e", name]).exit_code == 0:

@@ -166,7 +166,7 @@ def test_a_plain_call_cancelled_during_its_spawn_frees_its_uid_only_after_the_ki
     class FnCall:
         containers = SimpleNamespace(exec_env=lambda base, env: [f"{k}={v}" for k, v in {**base, **env}.items()])
         kill_leftovers = staticmethod(lambda h, uid: 0)     # the call left nothing running
-        remove_shm_files = staticmethod(lambda h, uid: None)
+        remove_shm_files = staticmethod(lambda h, uid: True)
 
         def make_private_dir(self, h, name, uid):
             return f"/tmp/{name}"
@@ -215,7 +215,7 @@ def test_a_plain_call_cancelled_while_it_runs_frees_its_uid_only_once_reaped():
     class FnCall:
         containers = _plain_call_fncall().containers
         kill_leftovers = staticmethod(lambda h, uid: 0)     # the call left nothing running
-        remove_shm_files = staticmethod(lambda h, uid: None)
+        remove_shm_files = staticmethod(lambda h, uid: True)
         make_private_dir = staticmethod(lambda h, name, uid: f"/tmp/{name}")
         start_plain_by_init = staticmethod(lambda *args: None)     # the helper spawns it
 
@@ -253,7 +253,7 @@ def test_a_plain_call_forked_by_init_and_cancelled_frees_its_uid_only_once_init_
     class FnCall:
         containers = _plain_call_fncall().containers
         kill_leftovers = staticmethod(lambda h, uid: 0)     # the call left nothing running
-        remove_shm_files = staticmethod(lambda h, uid: None)
+        remove_shm_files = staticmethod(lambda h, uid: True)
         make_private_dir = staticmethod(lambda h, name, uid: f"/tmp/{name}")
 
         def start_plain_by_init(self, loop, h, argv, env, cwd, uid, fds):
@@ -297,7 +297,7 @@ def test_a_plain_call_whose_channel_broke_keeps_its_uid_and_retires_its_call_san
     class FnCall:
         containers = _plain_call_fncall().containers
         kill_leftovers = staticmethod(lambda h, uid: 0)     # the call left nothing running
-        remove_shm_files = staticmethod(lambda h, uid: None)
+        remove_shm_files = staticmethod(lambda h, uid: True)
         make_private_dir = staticmethod(lambda h, name, uid: f"/tmp/{name}")
 
         def start_plain_by_init(self, loop, h, argv, env, cwd, uid, fds):
