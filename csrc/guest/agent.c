@@ -943,25 +943,29 @@ struct child {
 #define EXEC_DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 /* execvpe as a container's exec does it (csrc/exec_steps.h exec_search):
- * the PATH searched is the command's own (envp's), not the agent's, and a
- * file that is neither a binary nor a #! script fails with ENOEXEC instead
- * of being run by /bin/sh. Returns only when nothing ran, errno set: the
- * first EACCES of a candidate found, else the first other error that is
- * not "not in this directory", else ENOENT. */
+ * the PATH searched is the command's own (envp's first PATH=), not the
+ * agent's, and a file that is neither a binary nor a #! script fails with
+ * ENOEXEC instead of being run by /bin/sh. A candidate that exists but
+ * cannot run (EACCES, or ENOENT: its #! interpreter or dynamic loader is
+ * missing) is remembered while later directories are tried, and the first
+ * such is reported; any other error but "not in this directory" ends the
+ * search. Returns only when nothing ran, errno set. */
 static void exec_in_path(char *const argv[], char *const envp[])
 {
     const char *file = argv[0], *dir = EXEC_DEFAULT_PATH;
     size_t flen = strlen(file);
     char buf[PATH_MAX];
-    int denied = 0;
+    int first = 0; /* the errno of the first candidate that exists but cannot run */
 
     if (strchr(file, '/')) {
         execve(file, argv, envp);
         return;
     }
     for (char *const *e = envp; *e; e++)
-        if (!strncmp(*e, "PATH=", 5))
+        if (!strncmp(*e, "PATH=", 5)) {
             dir = *e + 5;
+            break;
+        }
     for (;;) {
         const char *end = strchrnul(dir, ':');
         size_t dlen = end > dir ? (size_t)(end - dir) : 1; /* an empty entry is the cwd */
@@ -971,16 +975,23 @@ static void exec_in_path(char *const argv[], char *const envp[])
             buf[dlen] = '/';
             memcpy(buf + dlen + 1, file, flen + 1);
             execve(buf, argv, envp);
-            if (errno == EACCES)
-                denied = 1;
-            else if (errno != ENOENT && errno != ENOTDIR && errno != ELOOP && errno != ENAMETOOLONG)
+            int err = errno;
+            int exists = err == ENOENT && faccessat(AT_FDCWD, buf, F_OK, 0) == 0;
+
+            if (err == EACCES || exists) {
+                if (!first)
+                    first = err;
+            } else if (err != ENOENT && err != ENOTDIR && err != ESTALE && err != ENODEV && err != ETIMEDOUT &&
+                       err != ELOOP && err != ENAMETOOLONG) {
+                errno = err;
                 return;
+            }
         }
         if (!*end)
             break;
         dir = end + 1;
     }
-    errno = denied ? EACCES : ENOENT;
+    errno = first ? first : ENOENT;
 }
 
 static void __attribute__((noreturn, noinline)) child_main(const struct child *c)
@@ -3840,8 +3851,15 @@ static void drop_channel_input(void)
 {
     static unsigned char scratch[65536];
 
-    while (read(chan, scratch, sizeof(scratch)) > 0)
-        ;
+    for (;;) {
+        /* Only while still hung up: a host that connected meanwhile sent
+         * its own first frame, which must be read, not dropped. */
+        struct pollfd pf = {.fd = chan, .events = POLLIN};
+        if (poll(&pf, 1, 0) < 0 || !(pf.revents & POLLHUP) || !(pf.revents & POLLIN))
+            break;
+        if (read(chan, scratch, sizeof(scratch)) <= 0)
+            break;
+    }
     in_len = 0;
     input_stale = 0;
 }

@@ -240,6 +240,13 @@ def test_a_command_is_found_in_its_own_path(box):
     with pytest.raises(DsecError) as err:
         sb.exec(["mytool"])
     assert err.value.code == "not_found"
+    # As execvpe: one found that cannot run (its #! interpreter missing) is
+    # passed over for a later one of the name, and is the answer if none runs.
+    sb.write_file("/opt/first/mytool", b"#!/no/such/interpreter\n", mode=0o755)
+    assert sb.exec(["mytool"], env={"PATH": "/opt/first:/opt/tools"}).stdout == b"tool\n"
+    with pytest.raises(DsecError) as err:
+        sb.exec(["mytool"], env={"PATH": "/opt/first"})
+    assert err.value.code == "not_found", err.value
 
 
 def test_exec_timeout_kills_the_group(box):
