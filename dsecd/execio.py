@@ -326,18 +326,23 @@ def _decode_status(status: int) -> tuple[int | None, int | None]:
     return os.WEXITSTATUS(status), None
 
 
+# How often a run whose sandbox was paused past its timeout looks again
+# whether it has run that long (RunTimer.until_next_look).
+PAUSED_LOOK_S = 0.25
+
+
 async def _wait_run(exited: asyncio.Future, timer: RunTimer | None) -> None:
     """Wait for `exited` (not cancelling it) until `timer` runs out: TimeoutError."""
     if timer is None:
         await asyncio.shield(exited)
         return
-    while (left := timer.left()) > 0:
+    while True:
         try:
-            await asyncio.wait_for(asyncio.shield(exited), left)
+            await asyncio.wait_for(asyncio.shield(exited), timer.until_next_look())
             return
         except TimeoutError:
-            pass
-    raise TimeoutError
+            if timer.expired():
+                raise
 
 
 class RunTimer:
@@ -353,10 +358,27 @@ class RunTimer:
         self._paused_for = paused_for or (lambda: 0.0)
         self._started = time.monotonic()
         self._paused_at_start = self._paused_for()
+        self._paused_meanwhile = False
 
     def left(self) -> float:
         ran = time.monotonic() - self._started - (self._paused_for() - self._paused_at_start)
         return self.timeout - ran
+
+    def expired(self) -> bool:
+        """Whether the run has used its timeout; when not, the sandbox was
+        paused meanwhile, and later looks come at most every PAUSED_LOOK_S."""
+        if self.left() > 0:
+            self._paused_meanwhile = True
+            return False
+        return True
+
+    def until_next_look(self) -> float:
+        """How long to wait before asking `expired` (again). While the
+        sandbox is paused what is left stands still, however little: a
+        floor keeps a pause begun just before the timeout from waking the
+        loop without end."""
+        left = self.left()
+        return max(left, PAUSED_LOOK_S) if self._paused_meanwhile else max(left, 0.0)
 
 
 class Collector:
@@ -401,6 +423,7 @@ class Collector:
         self.started = 0.0                      # set by start()
         self._timers: list[asyncio.TimerHandle] = []
         self._timer: RunTimer | None = None
+        self._deadline: asyncio.TimerHandle | None = None     # the timeout's (replaced while paused)
         self._watching = False
         self._kill: Callable[[], None] | None = None
         self._exited: asyncio.Future | None = None
@@ -436,7 +459,7 @@ class Collector:
         exited.add_done_callback(self._on_exited)
         if timeout is not None:
             self._timer = RunTimer(timeout, paused_for)
-            self._timers.append(self.loop.call_later(timeout, self._on_timeout))
+            self._deadline = self.loop.call_later(timeout, self._on_timeout)
 
     def _on_readable(self, fd: int, stream: int) -> None:
         data = read_ready(fd, READ_CHUNK)
@@ -478,9 +501,8 @@ class Collector:
         # loop turn before _on_exited runs.
         if self._exited.done() or self.done.done():
             return
-        left = self._timer.left()
-        if left > 0:            # the sandbox was paused meanwhile
-            self._timers.append(self.loop.call_later(left, self._on_timeout))
+        if not self._timer.expired():           # the sandbox was paused meanwhile
+            self._deadline = self.loop.call_later(self._timer.until_next_look(), self._on_timeout)
             return
         self.timed_out = True
         self._kill()
@@ -518,6 +540,9 @@ class Collector:
         for t in self._timers:
             t.cancel()
         self._timers = []
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
         self.close_reads()
         self.close_child_ends()
 

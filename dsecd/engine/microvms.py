@@ -41,7 +41,7 @@ from ..errors import (
     exec_error,
     io_error,
 )
-from ..execio import DEFAULT_WINDOW, _decode_status
+from ..execio import DEFAULT_WINDOW, RunTimer, _decode_status
 from ..fs import files as sbfiles
 from ..fs import uppertar, users
 from ..fs.layers import distinct_layers
@@ -550,19 +550,27 @@ class MicroVMService:
             finally:
                 io.sent.set()
             loop = asyncio.get_running_loop()
-            deadline = None if timeout is None else loop.time() + timeout
+            # The timeout counts the VM's run time: a job pause stops its
+            # vCPUs and keeps QEMU, and the exec goes on after the resume.
+            timer = None if timeout is None else RunTimer(timeout, sb.paused_for)
+            kill_deadline = None
             status = None
             while status is None:
-                wait = None if deadline is None else max(0.0, deadline - loop.time())
+                if kill_deadline is not None:
+                    wait = max(0.0, kill_deadline - loop.time())
+                else:
+                    wait = None if timer is None else timer.until_next_look()
                 try:
                     ev = await asyncio.wait_for(run.next_event(), wait)
                 except TimeoutError:
                     if timed_out:      # killed, and no end reported within the grace
                         raise DsecError(f"exec {argv[0]!r} in sandbox {sb.id}: did not end "
                                         f"{KILL_GRACE_S:.0f}s after a kill", code="io") from None
+                    if not timer.expired():
+                        continue
                     timed_out = True
                     run.kill()
-                    deadline = loop.time() + KILL_GRACE_S
+                    kill_deadline = loop.time() + KILL_GRACE_S
                     continue
                 kind = ev[0]
                 if kind == "out" and ev[1] == wire.TRACE_FD:
