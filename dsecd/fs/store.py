@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import os
 import re
 import shutil
-import socket
 import struct
 import time
 import uuid
@@ -299,14 +299,25 @@ class BlobStore:
         return removed
 
 
-# A temp file's name starts with its writer's pid, start time and host:
-# "<pid>-<start>-<host hash>-", then a uuid. A host is hashed (a hostname
-# may hold any character a file name cannot).
+# A temp file's name starts with its writer's pid, start time and boot:
+# "<pid>-<start>-<boot hash>-", then a uuid. The boot is the kernel's boot
+# id, random at every boot of every machine, so no two hosts on a shared
+# store take each other's files for their own (hostnames can be the same,
+# and so can the machine ids of cloned VMs); a pid is only looked up in the
+# /proc of the boot that wrote it.
 _WRITER_RE = re.compile(r"^(\d+)-(\d+)-([0-9a-f]{12})-")
 
 
+@functools.cache
 def _host_hash() -> str:
-    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:12]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    if not boot:            # no procfs: a boot of no other host is known for sure, so none is claimed
+        return "0" * 12
+    return hashlib.sha256(boot.encode()).hexdigest()[:12]
 
 
 def writer_tag() -> str:
@@ -314,11 +325,12 @@ def writer_tag() -> str:
     cannot be read: such files are swept by age only)."""
     pid = os.getpid()
     start = process_start_time(pid)
-    return f"{pid}-{start}-{_host_hash()}-" if start is not None else ""
+    return f"{pid}-{start}-{_host_hash()}-" if start is not None and _host_hash() != "0" * 12 else ""
 
 
 def _writer_gone(name: str) -> bool:
-    """Whether `name` was written by a process of this host that no longer
-    runs (its pid gone, or another program's: the start time differs)."""
+    """Whether `name` was written in this boot of this host by a process
+    that no longer runs (its pid gone, or another program's: the start time
+    differs)."""
     m = _WRITER_RE.match(name)
     return bool(m) and m[3] == _host_hash() and process_start_time(int(m[1])) != m[2]
