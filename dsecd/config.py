@@ -86,8 +86,6 @@ POSITIVE = {
     "fncall.default_timeout_s", "fncall.kill_grace_s", "fncall.max_inflight", "fncall.max_timeout_s", "fncall.pids",
     "fncall.rlimit_nofile", "fncall.tmp_size", "fncall.uid_count", "fncall.zygote_max_calls",
     "fncall.zygote_start_timeout_s",
-    # A call's uid: 0 is root, whose setuid keeps the zygote's capabilities.
-    "fncall.uid_base",
     "images.max_pulls", "images.pull_parallel_layers", "images.pull_timeout_s", "limits.frame_timeout_s",
     "limits.hello_timeout_s", "limits.max_connections", "limits.max_procs_per_sandbox",
     "limits.max_requests_per_client", "limits.max_sandboxes", "limits.max_tar_entries", "limits.max_tar_puts",
@@ -205,8 +203,9 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("fncall.python must name the interpreter of the zygote (\"python3\"); "
                           "fncall.zygote = false turns the zygote off")
     fc, sb = cfg.section("fncall"), cfg.section("sandbox")
-    if sb["userns"] and fc["uid_base"] + fc["uid_count"] > sb["userns_size"]:
-        raise ConfigError(f"fncall.uid_base + fncall.uid_count ({fc['uid_base']} + {fc['uid_count']}) must be at "
+    base = call_uid_base(cfg)
+    if sb["userns"] and base + fc["uid_count"] > sb["userns_size"]:
+        raise ConfigError(f"fncall.uid_base + fncall.uid_count ({base} + {fc['uid_count']}) must be at "
                           f"most sandbox.userns_size ({sb['userns_size']}): calls run under ids of their call "
                           "sandbox's user namespace")
     try:
@@ -247,3 +246,19 @@ def parse_duration(value, what: str) -> float | None:
     if not 0 < seconds <= 365 * 86400:
         raise BadRequest(f"{what} must be more than 0 s and at most 365 days, got {value!r}")
     return seconds
+
+
+# fncall.uid_base = 0 (the default) picks the first uid of calls: with user
+# namespaces an id of the call sandbox's range (below userns_size, 65536 by
+# default, and above an image's own users); without, a host uid past those
+# of host users and services (systemd's dynamic users end at 65519).
+CALL_UID_BASE_USERNS = 60000
+CALL_UID_BASE_HOST = 100000
+
+
+def call_uid_base(cfg: Config) -> int:
+    """The first uid of calls ([fncall] uid_base, 0: picked as above)."""
+    base = cfg.section("fncall")["uid_base"]
+    if base:
+        return base
+    return CALL_UID_BASE_USERNS if cfg.section("sandbox")["userns"] else CALL_UID_BASE_HOST

@@ -23,7 +23,7 @@ from .backends.container import ContainerBackend
 from .backends.microvm import guestimg
 from .backends.microvm.backend import MicroVMBackend
 from .backends.microvm.templates import TemplateStore, qemu_identity
-from .config import Config, ConfigError, parse_size
+from .config import Config, ConfigError, call_uid_base, parse_size
 from .cpu.manager import CpuHost
 from .denials import Monitor
 from .engine import lifelog
@@ -191,7 +191,8 @@ class Node:
                                          cfg.size("limits", "max_tar_bytes"), self.limits["max_tar_puts"],
                                          float(self.limits["frame_timeout_s"]), self.backend.copy_by_init,
                                          self.vms)
-        self.call_service = CallService(fncall_backend(cfg, layout, self.backend), cfg.section("fncall"),
+        fn_cfg = {**cfg.section("fncall"), "uid_base": call_uid_base(cfg)}      # 0 picked by userns
+        self.call_service = CallService(fncall_backend(cfg, layout, self.backend), fn_cfg,
                                         CallService.sizes_from(cfg), sb["cpu_period_us"], self.image_service,
                                         self.cpu, self.workers, self.starter, exec_limits, self._devnull,
                                         self.id_ranges)

@@ -181,6 +181,20 @@ def test_a_call_sandbox_has_a_user_namespace_of_its_own(client, py_image):
     assert _host_uid(box["zygote_pid"]) == host_first             # the zygote's root, mapped
 
 
+def test_without_user_namespaces_calls_run_as_host_uids_past_the_hosts_own(daemon_factory):
+    """sandbox.userns = false: a call's uid is a host uid, picked from
+    100000 up, past host users and services (systemd's dynamic users end
+    at 65519), not the 60000 a user namespace's range starts calls at."""
+    d = daemon_factory("[sandbox]\nuserns = false\n")
+    c = d.client()
+    try:
+        import_py(c)
+        r = c.call("py", code="import os\nprint(os.getuid())")
+        assert r.exit_code == 0 and 100000 <= int(r.stdout) < 100000 + 4096, r
+    finally:
+        c.close()
+
+
 def test_a_call_cannot_touch_its_zygote(client, py_image):
     r = client.call(py_image, code="import os\ntry:\n    os.kill(os.getppid(), 9)\n"
                                    "except PermissionError as e:\n    print(e.errno)")

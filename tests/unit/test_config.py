@@ -125,8 +125,7 @@ def test_with_setting_adds_a_key_once_and_keeps_one_the_text_sets():
     ('[fncall]\ntmp_size = "0"', "'fncall.tmp_size' must be above zero"),
     ('[fncall]\nqos = "x"', "fncall.qos must be one of ls, be, got 'x'"),
     ('[fncall]\npython = ""', "fncall.python must name the interpreter"),
-    # uid 0 is root: setuid(0) would keep the zygote's capabilities.
-    ("[fncall]\nuid_base = 0", "'fncall.uid_base' must be above zero, got 0"),
+    ("[fncall]\nuid_base = -1", "'fncall.uid_base' must be zero or more, got -1"),
     # Calls run under ids of their call sandbox's user namespace.
     ("[fncall]\nuid_base = 100000", "fncall.uid_base + fncall.uid_count (100000 + 4096) must be at most "
                                     "sandbox.userns_size (65536)"),
