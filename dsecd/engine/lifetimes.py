@@ -86,6 +86,9 @@ class LifetimeService:
             for sb in list(self.registry.by_id.values()):
                 why = self.expired(sb, now)
                 if why is None:
+                    # Expired once, its destroy failed, and it is no longer
+                    # (renewed, active again): a later expiry is said again.
+                    sb.expired = False
                     continue
                 # Announced before its destroy, and once: a follower that
                 # stops at `destroyed` has seen why.

@@ -286,7 +286,8 @@ class ImageStore:
             try:
                 images.append(self.get(name))
             except ImageError as err:
-                unreadable.append({"name": name, "error": str(err)})
+                if err.code != "not_found" or self._ref(name).exists():    # not removed meanwhile
+                    unreadable.append({"name": name, "error": str(err)})
         return images, unreadable
 
     def _publish(self, name: str, manifest_digest: str, parent: str | None,

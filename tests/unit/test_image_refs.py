@@ -157,3 +157,19 @@ def test_the_listing_names_what_it_cannot_read(tmp_path):
     images, unreadable = store.list()
     assert [i.name for i in images] == ["other"]
     assert [u["name"] for u in unreadable] == ["docker.io/team/app:1"] and "damaged" in unreadable[0]["error"]
+
+
+def test_a_name_removed_while_listed_is_not_called_unreadable(tmp_path, monkeypatch):
+    store = ImageStore(tmp_path / "store", tmp_path / "scratch")
+    store.build_from_dir(_src(tmp_path, "a", "one"), "gone")
+    store.build_from_dir(_src(tmp_path, "b", "two"), "other")
+    get = store.get
+
+    def removed_first(name, **kw):
+        if name == "gone":
+            store._ref("gone").unlink()     # another client's image rm, between names() and get()
+        return get(name, **kw)
+
+    monkeypatch.setattr(store, "get", removed_first)
+    images, unreadable = store.list()
+    assert [i.name for i in images] == ["other"] and unreadable == []
