@@ -118,6 +118,7 @@ class _ActorStream:
     def __init__(self, own: int):
         self.own = own
         self.sent = asyncio.Event()
+        self.waiting = 0            # requests naming it that wait for it to be sent
 
 
 def _final(frame: dict) -> bool:
@@ -165,10 +166,11 @@ class DaemonActor:
             self.streams.pop(self.ended.popleft(), None)
 
     def _forget_unsent(self, rid: int, stream: _ActorStream) -> None:
-        """A request named `rid` and it never came: its entry goes (one per
-        bad id would otherwise stay for the actor's life). Should it come
-        later after all, it makes a new entry."""
-        if not stream.sent.is_set() and self.streams.get(rid) is stream:
+        """A request named `rid` and it never came: its entry goes, once no
+        other request waits on it (one per bad id would otherwise stay for
+        the actor's life). Should it come later after all, it makes a new
+        entry."""
+        if not stream.sent.is_set() and not stream.waiting and self.streams.get(rid) is stream:
             del self.streams[rid]
 
     async def request(self, op: str, args: dict) -> dict:
@@ -176,10 +178,16 @@ class DaemonActor:
             field = NAMING_OPS.get(op)
             if field is not None and field in args:
                 stream = self._stream(args[field])
+                stream.waiting += 1
                 try:
                     async with asyncio.timeout(NAMED_WAIT_S):
                         await stream.sent.wait()
+                    came = True
                 except TimeoutError:
+                    came = False
+                finally:
+                    stream.waiting -= 1
+                if not came:
                     self._forget_unsent(args[field], stream)
                     raise BadRequest(f"{op}: the request {args[field]} it names did not reach the daemon "
                                      f"in {NAMED_WAIT_S:g} s through this actor; send that request first",

@@ -467,3 +467,28 @@ def test_an_input_naming_no_stream_leaves_nothing_in_the_actor(daemon, monkeypat
     answer, streams = asyncio.run(go())
     assert answer["error"]["code"] == "bad_request" and "424242" in answer["error"]["message"], answer
     assert streams == {}
+
+
+def test_an_input_that_gave_up_leaves_the_others_waiting_on_the_stream(daemon, monkeypatch):
+    """Two inputs wait for the same exec; the first gives up: the second
+    still gets through once the exec's stream is sent."""
+    import dsecd.ray as dray
+
+    monkeypatch.setattr(dray, "NAMED_WAIT_S", 0.3)
+
+    async def go():
+        actor = dray.DaemonActor(daemon.socket, "t")
+        try:
+            first = asyncio.ensure_future(actor.request("exec_signal", {"exec_id": 77, "signal": "TERM"}))
+            await asyncio.sleep(0.2)
+            second = asyncio.ensure_future(actor.request("exec_signal", {"exec_id": 77, "signal": "TERM"}))
+            gave_up = await first
+            actor._ended(77, actor._stream(77))     # the exec's stream reaches the daemon, and ends
+            return gave_up, await second
+        finally:
+            await actor.client.close()
+
+    gave_up, second = asyncio.run(go())
+    assert gave_up["error"]["code"] == "bad_request", gave_up
+    # Sent through: the daemon's own answer for an exec no longer running, not the actor's timeout.
+    assert "did not reach the daemon" not in str(second), second
