@@ -55,7 +55,8 @@ answered once, a create with a key of the caller's that the fleet has not
 learned is HostsDown (its sandbox may be on the host not heard from). A
 sandbox that goes without this fleet (its TTL, its lease, another client)
 is forgotten, with its key, at the next refresh whose `info` counts fewer
-live sandboxes on its host than the fleet does.
+live sandboxes on its host than the fleet does, or at a listing of the
+host's sandboxes every PRUNE_S.
 
 Failure. Every host is pinged each `heartbeat_s`; a host whose connection
 drops, or from which nothing (no answer, no frame) came for `down_after_s`,
@@ -105,6 +106,7 @@ HEARTBEAT_S = 1.0
 DOWN_AFTER_S = 3.0
 REJOIN_S = 1.0
 REFRESH_S = 2.0            # how often each host's info and images are read again
+PRUNE_S = 30.0             # how often, at least, each host's sandboxes are listed to forget those gone
 CONNECT_TIMEOUT_S = 10.0
 # Loads closer than this (a share of a host) are equal for placement, and
 # mounted layers decide between such hosts (see the module's docstring).
@@ -157,6 +159,7 @@ class FleetHost:
         self.reported_lost: set[str] = set()
         self.uncertain_keys: set[str] = set()                # creates sent here whose answer was lost
         self.busy_until = 0.0
+        self.pruned_at = float("-inf")                       # loop time of the last listing (Fleet._prune)
         # Creates sent since the last info: done ones (loop time, shape), and
         # the totals of those and the ones in flight (kept as sums: placement
         # reads them for every host on every create).
@@ -530,7 +533,9 @@ class Fleet:
         info, images, du = await asyncio.gather(host.client.info(), host.client.list_images(),
                                                 _image_du(host.client))
         live = sum(n for state, n in info.get("sandboxes", {}).items() if state != "dead")
-        if len(host.sandboxes) > live:
+        # Fewer live than counted: some went. Equal counts can hide a gone
+        # one behind another client's new one, so list every PRUNE_S anyway.
+        if len(host.sandboxes) > live or loop.time() - host.pruned_at >= PRUNE_S:
             await self._prune(host)
         host.info = info
         host.images = {i["name"]: [layer["digest"] for layer in i.get("layers", [])] for i in images}
@@ -856,6 +861,7 @@ class Fleet:
         dead ones no longer count for placement. Only sandboxes known before
         the listing are looked at: one a create answered meanwhile stays."""
         known = set(host.sandboxes)
+        host.pruned_at = asyncio.get_running_loop().time()
         rows = {r["id"]: r for r in await host.client.list() if not r.get("_removed")}
         for sb_id in known:
             row = rows.get(sb_id)

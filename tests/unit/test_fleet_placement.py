@@ -693,6 +693,42 @@ def test_sandboxes_a_host_no_longer_runs_are_forgotten_at_a_refresh():
     assert where == {"kept", "died"} and keys == {"k1", "k3"}     # a dead one can still be inspected or destroyed
 
 
+def test_a_gone_sandbox_hidden_by_a_new_one_is_forgotten_at_the_next_listing():
+    """The counts match (another client made one as one of ours went): the
+    listing every PRUNE_S forgets the gone one all the same."""
+    class Host:
+        listed = 0
+
+        async def info(self):
+            return info(live=1)
+
+        async def list_images(self):
+            return []
+
+        async def image_du(self):
+            return {}
+
+        async def list(self, labels=None):
+            Host.listed += 1
+            return [{"id": "theirs", "state": "running"}]
+
+    async def go():
+        f = fleet_of(1)
+        (h,) = f.hosts.values()
+        h.add("ours", "j")
+        f._where["ours"] = h.target
+        h.client = Host()
+        await f._refresh(h)              # the first refresh lists
+        first = (Host.listed, set(h.sandboxes))
+        h.add("ours2", "j")
+        f._where["ours2"] = h.target
+        await f._refresh(h)              # within PRUNE_S, counts equal: no listing
+        return first, Host.listed, set(h.sandboxes)
+
+    first, listed, left = run(go())
+    assert first == (1, set()) and listed == 1 and left == {"ours2"}
+
+
 def test_a_host_whose_daemon_predates_image_du_still_refreshes():
     """A fleet mid-upgrade: an older daemon answers image_du with "unknown
     op"; the host's warmth is unknown, and it is not kept down for it."""
@@ -705,6 +741,9 @@ def test_a_host_whose_daemon_predates_image_du_still_refreshes():
 
         async def image_du(self):
             raise BadRequest("unknown op 'image_du'", {"id": 7, "ops": ["info", "image_list"]})
+
+        async def list(self, labels=None):
+            return []
 
     async def go():
         f = fleet_of(1)
