@@ -136,6 +136,11 @@ class _Shape:
     memory: int
 
 
+def live_sandboxes(info: dict) -> int:
+    """The sandboxes a host's `info` counts, but the dead."""
+    return sum(n for state, n in info.get("sandboxes", {}).items() if state != "dead")
+
+
 class FleetHost:
     """What the fleet knows of one host, and its Client."""
 
@@ -242,7 +247,7 @@ class FleetHost:
         if userns.get("enabled"):
             slots = min(slots or userns["slots"], userns["slots"])
         if slots:
-            live = sum(n for state, n in self.info.get("sandboxes", {}).items() if state != "dead")
+            live = live_sandboxes(self.info)
             queued = self.info.get("admission", {}).get("queued", 0)
             shares.append((live + queued + self.extra_n + 1) / slots)
         load = max(shares, default=0.0)
@@ -532,7 +537,7 @@ class Fleet:
         asked = loop.time()
         info, images, du = await asyncio.gather(host.client.info(), host.client.list_images(),
                                                 _image_du(host.client))
-        live = sum(n for state, n in info.get("sandboxes", {}).items() if state != "dead")
+        live = live_sandboxes(info)
         # Fewer live than counted: some went. Equal counts can hide a gone
         # one behind another client's new one, so list every PRUNE_S anyway.
         if len(host.sandboxes) > live or loop.time() - host.pruned_at >= PRUNE_S:

@@ -33,6 +33,7 @@ call can leave state for the next one.
 
 import array
 import atexit
+import errno
 import gc
 import json
 import os
@@ -126,11 +127,9 @@ def worker(link, tmp, uid, rlimits):
             try:
                 os.execvpe(prog, req["argv"], env)
             except OSError as e:
-                # As sh says it: 127 when no PATH dir has it, else 126.
-                where = "" if "/" in prog else f" (PATH {env.get('PATH', os.defpath)})"
-                missing = isinstance(e, FileNotFoundError)
-                os.write(2, f"fncall: {prog}: {'not found' + where if missing else e.strerror}\n".encode())
-                os._exit(127 if missing else 126)
+                status, message = cannot_run(prog, e.errno, env.get("PATH", os.defpath))
+                os.write(2, message.encode())
+                os._exit(status)
         os.environ.clear()
         os.environ.update(env)
         sys.argv = list(req["argv"]) or ["-c"]
@@ -177,6 +176,17 @@ def worker(link, tmp, uid, rlimits):
         except OSError:
             pass
     os._exit(status & 0xFF)
+
+
+def cannot_run(prog, err, path):
+    """(exit status, stderr line) of a call whose command could not be
+    exec'ed with errno `err`, searched in `path`, as sh says it: 127 and
+    "not found" when no PATH dir has it, else 126 and the reason. The
+    daemon's plain calls end the same way (engine/calls.py)."""
+    if err == errno.ENOENT:
+        where = "" if "/" in prog else f" (PATH {path})"
+        return 127, f"fncall: {prog}: not found{where}\n"
+    return 126, f"fncall: {prog}: {os.strerror(err)}\n"
 
 
 def ended_by(e):

@@ -32,6 +32,7 @@ import time
 
 from .. import cgroup, metrics
 from ..backends.fncall import CallBox, FnCallBackend, Zygote, ZygoteDied
+from ..backends.zygote_main import cannot_run
 from ..config import parse_size
 from ..cpu.manager import CpuHost
 from ..errors import (
@@ -568,11 +569,8 @@ def _ended_as_sh_says(err: BaseException | None, prog: str, envl: list[str]) -> 
     if not isinstance(err, NativeError) or "exec" not in (err.step or "") or \
             err.errno not in (errno.ENOENT, errno.EACCES, errno.ENOEXEC):
         return None
-    missing = err.errno == errno.ENOENT
-    path = next((e[5:] for e in envl if e.startswith("PATH=")), os.defpath)
-    where = "" if "/" in prog else f" (PATH {path})"
-    message = f"fncall: {prog}: {'not found' + where if missing else os.strerror(err.errno)}\n"
-    return {"exit_code": 127 if missing else 126, "signal": None, "timed_out": False, "truncated": False,
+    status, message = cannot_run(prog, err.errno, next((e[5:] for e in envl if e.startswith("PATH=")), os.defpath))
+    return {"exit_code": status, "signal": None, "timed_out": False, "truncated": False,
             "cancelled": False, "duration_ms": 0.0, "stdout": b"", "stderr": message.encode(), "path": "exec",
             "run_ms": 0.0}
 
