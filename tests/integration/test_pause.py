@@ -1,5 +1,6 @@
 """Pause/resume with reclaim, auto-resume, jobs, TTLs, leases and events through the daemon."""
 
+import contextlib
 import os
 import signal
 import threading
@@ -377,21 +378,28 @@ def _frozen(sb) -> bool:
     return "frozen 1" in events.splitlines()
 
 
-def test_job_pause_during_a_snapshot_leaves_the_job_frozen(mem):
+@contextlib.contextmanager
+def _snapshot_under_way(sb, name: str):
+    """A snapshot of `sb` running in a thread (its future), once it froze
+    the sandbox: a 200 MB file to pack holds it frozen for a while."""
     import concurrent.futures
 
-    d, c = mem
-    sb = c.create(image="busybox", memory="1G", labels={"job": "run-19"})
-    if "unified" not in sb.inspect()["cgroups"]:
-        pytest.skip("no v2 freezer on this host")
-    # Enough to pack that the snapshot holds the sandbox frozen for a while.
     sb.exec(["sh", "-c", "mkdir -p /work && head -c 200000000 /dev/urandom > /work/big"], timeout=120)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        snap = pool.submit(sb.snapshot, "job-paused-mid-snapshot")
+        snap = pool.submit(sb.snapshot, name)
         deadline = time.monotonic() + 30
         while not _frozen(sb):                  # the snapshot froze it
             assert time.monotonic() < deadline and not snap.done(), snap
             time.sleep(0.01)
+        yield snap
+
+
+def test_job_pause_during_a_snapshot_leaves_the_job_frozen(mem):
+    d, c = mem
+    sb = c.create(image="busybox", memory="1G", labels={"job": "run-19"})
+    if "unified" not in sb.inspect()["cgroups"]:
+        pytest.skip("no v2 freezer on this host")
+    with _snapshot_under_way(sb, "job-paused-mid-snapshot") as snap:
         assert c.job_pause("run-19")["paused"] == [sb.id]
         assert snap.result(120)["name"] == "job-paused-mid-snapshot"
     # The snapshot's end must not thaw what the job pause froze meanwhile.
@@ -401,19 +409,10 @@ def test_job_pause_during_a_snapshot_leaves_the_job_frozen(mem):
     sb.destroy()
 
 
-
 def test_destroy_during_a_snapshot_is_no_internal_error(mem):
-    import concurrent.futures
-
     d, c = mem
     sb = c.create(image="busybox", memory="1G")
-    sb.exec(["sh", "-c", "mkdir -p /work && head -c 200000000 /dev/urandom > /work/big"], timeout=120)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        snap = pool.submit(sb.snapshot, "destroyed-mid-snapshot")
-        deadline = time.monotonic() + 30
-        while not _frozen(sb):                  # the snapshot froze it
-            assert time.monotonic() < deadline and not snap.done(), snap
-            time.sleep(0.01)
+    with _snapshot_under_way(sb, "destroyed-mid-snapshot") as snap:
         sb.destroy(force=True)
         try:
             result = snap.result(120)

@@ -225,12 +225,7 @@ def test_ray_fleet_streams_as_they_come_fed_and_endless(cluster):
         async for _fd, chunk in sb.exec_stream(["sh", "-c", "echo started; exec sleep 1000"]):
             assert chunk == b"started\n"
             break
-        for _ in range(100):
-            ps = await sb.exec(["ps", "-o", "args"])
-            if b"sleep 1000" not in ps.stdout:
-                break
-            await asyncio.sleep(0.1)
-        assert b"sleep 1000" not in ps.stdout, ps.stdout
+        await _sleep_gone(sb)
 
     asyncio.run(go())
 
@@ -360,12 +355,7 @@ def test_ray_fleet_caller_cancels_undo_at_the_daemon(cluster):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            for _ in range(100):
-                ps = await sb.exec(["ps", "-o", "args"])
-                if b"sleep 1000" not in ps.stdout:
-                    break
-                await asyncio.sleep(0.1)
-            assert b"sleep 1000" not in ps.stdout, ps.stdout
+            await _sleep_gone(sb)
             if kept:
                 await fleet.job_rm("cx", force=True)
             await sb.destroy(force=True)
@@ -492,3 +482,14 @@ def test_an_input_that_gave_up_leaves_the_others_waiting_on_the_stream(daemon, m
     assert gave_up["error"]["code"] == "bad_request", gave_up
     # Sent through: the daemon's own answer for an exec no longer running, not the actor's timeout.
     assert "did not reach the daemon" not in str(second), second
+
+
+async def _sleep_gone(sb) -> None:
+    """The `sleep 1000` of a cancelled exec is gone from the sandbox (10 s at most)."""
+    for _ in range(100):
+        ps = await sb.exec(["ps", "-o", "args"])
+        if b"sleep 1000" not in ps.stdout:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"sleep 1000 still runs: {ps.stdout}")
+
