@@ -187,7 +187,8 @@ def load_config(path: str | None = None, overrides: dict | None = None) -> Confi
 def _validate(cfg: Config) -> None:
     for section, key in (("limits", "max_frame_bytes"), ("limits", "max_file_chunk_bytes"),
                          ("limits", "max_exec_output_bytes"), ("sandbox", "memory"),
-                         ("sandbox", "tmp_size"), ("sandbox", "shm_size"), ("images", "pull_tmpfs")):
+                         ("sandbox", "tmp_size"), ("sandbox", "shm_size"), ("images", "pull_tmpfs"),
+                         ("images", "max_snapshot_bytes"), ("images", "max_layer_bytes")):
         cfg.size(section, key)
     if cfg.size("limits", "max_file_chunk_bytes") + 4096 > cfg.size("limits", "max_frame_bytes"):
         raise ConfigError("limits.max_file_chunk_bytes must be smaller than limits.max_frame_bytes")

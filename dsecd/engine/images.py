@@ -118,7 +118,7 @@ class ImageService:
             raise ValueError(f"images.pull_parallel_layers must be at least 1, not {section['pull_parallel_layers']}")
         self.puller = Puller(self.images, RegistryConfig.from_section(section), PullSettings(
             parallel_layers=int(section["pull_parallel_layers"]),
-            tmpfs_bytes=cfg.size("images", "pull_tmpfs"),
+            tmpfs_bytes=cfg.size("images", "pull_tmpfs"), max_layer_bytes=cfg.size("images", "max_layer_bytes"),
             claim_stale_s=float(section["pull_claim_stale_s"]), timeout_s=float(section["pull_timeout_s"])))
         if int(section["max_pulls"]) < 1:
             raise ValueError(f"images.max_pulls must be at least 1, not {section['max_pulls']}")

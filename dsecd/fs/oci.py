@@ -69,6 +69,19 @@ class DigestMismatch(TarError):
     source (a registry) sent other bytes, not a bad image."""
 
 
+class LayerTooLarge(TarError):
+    """A layer that unpacks to more than the configured bound
+    (images.max_layer_bytes): a few KiB of gzip or a sparse entry can stand
+    for terabytes, and every byte of them would be written to the scratch
+    disk and the blob store."""
+
+
+def too_large(max_bytes: int, detail: str) -> LayerTooLarge:
+    """The error for a layer past `max_bytes`; its message reads after the layer's name."""
+    return LayerTooLarge(f"unpacks to more than images.max_layer_bytes ({max_bytes} bytes; {detail}); "
+                         "use another image, or raise images.max_layer_bytes if it is meant to be this large")
+
+
 def _safe_name(name: str) -> PurePosixPath:
     p = PurePosixPath(name)
     if p.is_absolute() or ".." in p.parts:
@@ -101,11 +114,16 @@ class _Unpacker:
     one lstat and a pathlib object per component (pulling the bench's
     1,500-file layers spent most of its unpack time there)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, max_bytes: int = 0):
         self.root = str(root)
         if os.listdir(self.root):
             raise TarError(f"unpacking into {root}: the directory is not empty; a layer is unpacked into a new one")
         self.tree: dict = {}
+        # Regular files' apparent sizes, bounded by max_bytes (0: no bound)
+        # before a byte of the file is written: a sparse member is written
+        # whole, as mkfs.erofs stores it.
+        self.max_bytes = max_bytes
+        self.file_bytes = 0
 
     def _path(self, parts: list[str]) -> str:
         return self.root + "/" + "/".join(parts) if parts else self.root
@@ -166,6 +184,7 @@ class _Unpacker:
         else:
             self._remove(parent, base, path)
             if m.isreg():
+                self._count(m)
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
                 try:
                     parent[base] = None
@@ -191,6 +210,12 @@ class _Unpacker:
         os.lchown(path, m.uid, m.gid)
         if not m.issym():
             os.chmod(path, m.mode & 0o7777)
+
+    def _count(self, m: tarfile.TarInfo) -> None:
+        self.file_bytes += m.size
+        if self.max_bytes and self.file_bytes > self.max_bytes:
+            raise too_large(self.max_bytes, f"its files add up to {self.file_bytes} bytes "
+                            f"at {m.name!r}, {m.size} bytes{' (sparse)' if m.issparse() else ''}")
 
     def _link(self, m: tarfile.TarInfo, path: str) -> None:
         """A hard link to a non-directory this layer made earlier, the link
@@ -469,17 +494,19 @@ def tar_reader(blob: _Hashing, what: str) -> _Hashing:
     return blob if inner is blob else _Hashing(inner)
 
 
-def unpack_blob(raw, root: Path, what: str) -> tuple[int, str, str]:
+def unpack_blob(raw, root: Path, what: str, max_bytes: int = 0) -> tuple[int, str, str]:
     """Unpack a layer blob (gzip, zstd or plain tar) read from `raw` (any
     reader with read(size)) into `root`, an empty directory, in one
     streaming pass, with the entry checks and whiteout handling of a
     tarball's layers: (entries, the blob's digest, the uncompressed tar's
-    digest). TarError starts with `what` (the layer) and says what was wrong."""
+    digest). TarError starts with `what` (the layer) and says what was
+    wrong; LayerTooLarge when its files add up to more than `max_bytes`
+    (0: no bound)."""
     n = 0
     try:
         blob = _Hashing(raw)
         tar = _TarStream(_decompressed(blob, blob.peek(4), what))
-        unpacker = _Unpacker(root)
+        unpacker = _Unpacker(root, max_bytes)
         for m in tar.members():
             unpacker.entry(m, lambda fd, m=m: tar.write_member(m, fd))
             n += 1
@@ -487,6 +514,8 @@ def unpack_blob(raw, root: Path, what: str) -> tuple[int, str, str]:
         blob.drain()
     except CORRUPT as err:
         raise TarError(f"{what} is corrupt or truncated: {err}") from err
+    except LayerTooLarge as err:
+        raise LayerTooLarge(f"{what} {err}") from err
     except TarError as err:
         raise TarError(f"{what}: {err}") from err
     return n, blob.digest(), tar.digest()
@@ -507,14 +536,15 @@ def check_digests(what: str, blob_digest: str, tar_digest: str, digest: str, dif
                        f"config's diff_id is {diff_id}")
 
 
-def extract_blob(path: Path, digest: str, diff_id: str, root: Path) -> int:
-    """Extract a downloaded OCI layer blob into `root` (unpack_blob), checking
-    both digests: the blob's against `digest` (the manifest's) and the
-    uncompressed tar's against `diff_id` (the image config's). Returns the
-    number of entries; TarError names the layer and what did not match."""
+def extract_blob(path: Path, digest: str, diff_id: str, root: Path, max_bytes: int = 0) -> int:
+    """Extract a downloaded OCI layer blob into `root` (unpack_blob, files
+    bounded by `max_bytes`), checking both digests: the blob's against
+    `digest` (the manifest's) and the uncompressed tar's against `diff_id`
+    (the image config's). Returns the number of entries; TarError names the
+    layer and what did not match."""
     what = f"layer {digest}"
     with open(path, "rb") as raw:
-        n, blob_digest, tar_digest = unpack_blob(raw, root, what)
+        n, blob_digest, tar_digest = unpack_blob(raw, root, what, max_bytes)
     check_digests(what, blob_digest, tar_digest, digest, diff_id)
     return n
 

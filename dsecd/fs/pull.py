@@ -104,6 +104,7 @@ class PullError(ImageError):
 class PullSettings:
     parallel_layers: int = 3        # layers fetched and converted at once
     tmpfs_bytes: int = 1 << 30      # cap of the tmpfs a layer is unpacked into (0: the scratch disk)
+    max_layer_bytes: int = 0        # the most a layer may unpack to (0: no bound)
     claim_stale_s: float = 60.0
     timeout_s: float = 3600.0
 
@@ -496,6 +497,8 @@ class Puller:
                 raise PullError("io", f"pull {r.name}: {err}") from err
             except oci.HostLacks as err:
                 raise PullError("unsupported", f"pull {r.name}: {err}") from err
+            except oci.LayerTooLarge as err:
+                raise PullError("limit", f"pull {r.name}: {err}") from err
             except oci.TarError as err:             # the image's: unsafe entries, a diff_id that lies
                 raise PullError("bad_request", f"pull {r.name}: {err}") from err
             return self.images.commit_pulled(str(r.name), [layer.stored for layer in layers], config, source,
@@ -619,8 +622,9 @@ class Puller:
         chunks = ChunkHasher()
         try:
             with stop.open(registry, layer) as stream:
-                _, blob_digest, tar_digest = tarerofs.convert_blob(_LayerReader(stream, layer, stop), tmp, what,
-                                                                   digest=layer.digest, chunks=chunks)
+                _, blob_digest, tar_digest = tarerofs.convert_blob(
+                    _LayerReader(stream, layer, stop), tmp, what, digest=layer.digest, chunks=chunks,
+                    max_bytes=self.settings.max_layer_bytes)
             oci.check_digests(what, blob_digest, tar_digest, layer.digest, layer.diff_id)
             return self.images.store_layer(tmp, hold=hold, chunks=chunks)
         except tarerofs.Unserved as err:
@@ -649,7 +653,7 @@ class Puller:
             if stored is None:
                 tree = Path(tempfile.mkdtemp(prefix=TREE_PREFIX, dir=self.images.scratch))
                 try:
-                    oci.extract_blob(blob, layer.digest, layer.diff_id, tree)
+                    oci.extract_blob(blob, layer.digest, layer.diff_id, tree, self.settings.max_layer_bytes)
                     stored = self.images.build_layer(tree, hold=hold)
                 finally:
                     shutil.rmtree(tree, ignore_errors=True)
@@ -660,7 +664,7 @@ class Puller:
     def _convert_in_tmpfs(self, layer: _Layer, blob: Path, hold, cap: int) -> dict | None:
         """The layer unpacked and built in a tmpfs (_in_tmpfs), or None."""
         def unpack_and_build(mnt: Path) -> dict:
-            oci.extract_blob(blob, layer.digest, layer.diff_id, mnt)
+            oci.extract_blob(blob, layer.digest, layer.diff_id, mnt, self.settings.max_layer_bytes)
             return self.images.build_layer(mnt, hold=hold)
 
         return self._in_tmpfs(f"layer {layer.digest}", cap, unpack_and_build)

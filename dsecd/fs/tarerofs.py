@@ -62,7 +62,8 @@ def _check_blob_digest(blob, digest: str | None, what: str) -> None:
 
 
 def convert_blob(raw, out: Path, what: str, max_entries: int = MAX_ENTRIES,
-                 digest: str | None = None, chunks: ChunkHasher | None = None) -> tuple[int, str, str]:
+                 digest: str | None = None, chunks: ChunkHasher | None = None,
+                 max_bytes: int = 0) -> tuple[int, str, str]:
     """Write layer blob `raw` (a reader with read(size)) as the EROFS image
     `out` (a new file, padded for pmem like erofs.build's). Returns (tar
     members, the blob's digest, the uncompressed tar's digest); the caller
@@ -72,7 +73,9 @@ def convert_blob(raw, out: Path, what: str, max_entries: int = MAX_ENTRIES,
     decompress is read to its end first, and one that is not that digest's
     bytes is said to be that: the cause, where the decompressor's error is
     its symptom. With `chunks`, the image's chunk-index hashes are made
-    as its data is written (store.ChunkHasher)."""
+    as its data is written (store.ChunkHasher). oci.LayerTooLarge when the
+    uncompressed tar passes `max_bytes` (0: no bound): the writer serves no
+    sparse member, so the tar's length bounds what the image holds."""
     umask = _umask()
     fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)    # read back by `chunks`
     ok = False
@@ -86,12 +89,16 @@ def convert_blob(raw, out: Path, what: str, max_entries: int = MAX_ENTRIES,
             tar = oci.tar_reader(blob, what)
             ended = False
             while not ended and (chunk := tar.read(FEED_CHUNK)):
+                if max_bytes and tar.bytes > max_bytes:
+                    raise oci.too_large(max_bytes, f"its tar passed {max_bytes} bytes")
                 ended = writer.feed(chunk)
                 if chunks is not None:
                     chunks.advance(fd, writer.final_bytes())
             tar.drain()          # past the archive's end: the diff_id covers every byte
             blob.drain()
             entries = writer.finish()
+        except oci.LayerTooLarge as err:
+            raise oci.LayerTooLarge(f"{what} {err}") from None
         except oci.CORRUPT as err:
             _check_blob_digest(blob, digest, what)
             raise oci.TarError(f"{what} is corrupt or truncated: {err}") from err

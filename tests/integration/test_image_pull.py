@@ -5,6 +5,7 @@ shared by daemons on one store, resumption, and hostile registries."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import io
 import json
 import os
@@ -659,6 +660,41 @@ def test_a_layer_too_big_for_the_tmpfs_is_unpacked_on_disk_into_the_same_layer(b
         assert not pull_mounts(d), "a conversion tmpfs is still mounted"
         c.close()
     assert layers["256K"] == layers["1G"] == layers["0"], "tmpfs and disk conversions differ"
+
+
+def _sparse_tar(tmp: Path, size: int) -> bytes:
+    """A tar (GNU tar -S) of one sparse file of `size` bytes: a few KiB."""
+    src = tmp / "sparse-src"
+    src.mkdir()
+    with open(src / "hole", "wb") as f:
+        f.truncate(size)
+    out = tmp / "sparse.tar"
+    subprocess.run(["tar", "-S", "-cf", str(out), "-C", str(src), "hole"], check=True)
+    return out.read_bytes()
+
+
+@pytest.mark.parametrize("shape", ["zeros", "sparse"])
+def test_a_layer_that_unpacks_past_max_layer_bytes_is_refused_before_it_is_written(
+        busybox_rootfs, tmp_path, daemon_factory, fake, shape):
+    # 8 MiB of zeros gzip to ~8 KiB (the direct EROFS writer's path); a
+    # 64 MiB sparse file is ~10 KiB of tar (unpack-and-mkfs, which would
+    # write every byte of it). Both are `limit` at a 4 MiB bound, before
+    # the store or the scratch disk hold the bytes.
+    layer = (_tar_bytes([_file("zeros", bytes(8 << 20))]) if shape == "zeros"
+             else _sparse_tar(tmp_path, 64 << 20))
+    assert len(gzip.compress(layer)) < 64 << 10
+    fake_image(tmp_path, fake, "bomb/app", [(rootfs_layer(busybox_rootfs), "gzip"), (layer, "gzip")])
+    ref = f"{fake.host}/bomb/app:v1"
+    d = daemon_factory(f'[images]\ninsecure_registries = ["{fake.host}"]\nmax_layer_bytes = "4M"\n')
+    c = d.client()
+    before = store_blobs(d)
+    with pytest.raises(DsecError) as e:
+        c.pull_image(ref)
+    assert e.value.code == "limit", e.value
+    assert "max_layer_bytes (4194304 bytes" in str(e.value), e.value
+    assert ("(sparse)" in str(e.value)) == (shape == "sparse"), e.value
+    assert_a_failed_pull_left_nothing(c, d, ref, before)
+    c.close()
 
 
 # The code each hostile case fails with: the registry's fault (other bytes
