@@ -67,8 +67,18 @@ class LifecycleService:
         after_death: the daemon before did not stop cleanly, so the execs it
         ran may still run: they are killed (_kill_leftover_execs)."""
         records = await self.workers.run(self.registry.journal.load_all)
+        vms = {sb_id: rec for sb_id, rec in records.items() if rec.get("backend") == "microvm"}
         for sb_id, rec in records.items():
-            await self._recover(sb_id, rec, after_death)
+            if sb_id not in vms:
+                await self._recover(sb_id, rec, after_death)
+        # A VM's channels are reached again with a timeout of their own (30 s
+        # for a guest that does not answer): one after the other, a host's
+        # hung VMs would hold the socket closed that many times over.
+        ended = await asyncio.gather(*(self._recover(sb_id, rec, after_death) for sb_id, rec in vms.items()),
+                                     return_exceptions=True)
+        for err in ended:
+            if isinstance(err, BaseException):
+                raise err
         orphans = await self.workers.run(self.backend.orphans, set(self.registry.by_id))
         for sb_id in orphans:
             log.warning("removing orphaned sandbox resources %s (no journal record)", sb_id)

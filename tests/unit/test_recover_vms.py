@@ -1,0 +1,71 @@
+"""Re-adoption at start (LifecycleService.recover_all): the microVMs' channels
+are reached again side by side, each with its own timeout, so a host's VMs
+that do not answer cost one timeout before the socket serves, not one each."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from dsecd.engine.lifecycle import LifecycleService
+
+
+class _Workers:
+    async def run(self, fn, *args):
+        return fn(*args)
+
+
+def _service(records: dict) -> LifecycleService:
+    svc = object.__new__(LifecycleService)
+    svc.workers = _Workers()
+    svc.registry = SimpleNamespace(journal=SimpleNamespace(load_all=lambda: records), by_id={})
+    svc.backend = SimpleNamespace(orphans=lambda known: [])
+    svc.vms = SimpleNamespace(backend=None, templates=None)
+    return svc
+
+
+def _records() -> dict:
+    return {"c1": {"backend": "container"}, "v1": {"backend": "microvm"}, "v2": {"backend": "microvm"},
+            "c2": {}, "v3": {"backend": "microvm"}}
+
+
+def test_vms_are_recovered_side_by_side_after_the_containers(monkeypatch):
+    svc = _service(_records())
+    log, waiting = [], []
+
+    async def run():
+        gate = asyncio.Event()      # set once every VM's recovery has begun
+
+        async def recover(self, sb_id, rec, after_death=False):
+            log.append(("start", sb_id))
+            if rec.get("backend") == "microvm":
+                waiting.append(sb_id)
+                if len(waiting) == 3:
+                    gate.set()
+                await asyncio.wait_for(gate.wait(), 5)   # one after the other, the first times out here
+            log.append(("end", sb_id))
+
+        monkeypatch.setattr(LifecycleService, "_recover", recover)
+        await svc.recover_all()
+
+    asyncio.run(run())
+    assert log[:4] == [("start", "c1"), ("end", "c1"), ("start", "c2"), ("end", "c2")]
+    assert log[4:7] == [("start", "v1"), ("start", "v2"), ("start", "v3")]
+
+
+def test_a_vm_whose_recovery_fails_fails_the_start_after_the_others_ended(monkeypatch):
+    svc = _service(_records())
+    ended = []
+
+    async def recover(self, sb_id, rec, after_death=False):
+        if sb_id == "v1":
+            raise RuntimeError("journal record of v1 is broken")
+        await asyncio.sleep(0.01)
+        ended.append(sb_id)
+
+    monkeypatch.setattr(LifecycleService, "_recover", recover)
+    with pytest.raises(RuntimeError, match="v1"):
+        asyncio.run(svc.recover_all())
+    assert ended == ["c1", "c2", "v2", "v3"]
