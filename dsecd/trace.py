@@ -432,18 +432,54 @@ class _Tracer:
             self.resume(pid)
 
 
+FROZEN_LOOK_S = 0.5      # how often a timeout that skips paused time looks at the freezer
+
+
+def frozen_by(path: str) -> Callable[[], bool]:
+    """Whether the group whose freezer file is `path` (v1 freezer.state,
+    v2 cgroup.freeze) is paused, or being paused; False once it is gone."""
+    def frozen() -> bool:
+        try:
+            with open(path) as f:
+                return f.read().strip() in ("FROZEN", "FREEZING", "1")
+        except OSError:
+            return False
+    return frozen
+
+
+def _run_timer(seconds: float, expire: Callable[[], None], frozen: Callable[[], bool] | None,
+               done: threading.Event) -> threading.Thread:
+    """A thread that calls expire() once `seconds` have passed outside the
+    pauses `frozen` reports (looked at every FROZEN_LOOK_S), unless `done`
+    is set first. Without `frozen`, wall time."""
+    def run() -> None:
+        left, last = seconds, time.monotonic()
+        while not done.wait(left if frozen is None else min(left, FROZEN_LOOK_S)):
+            now = time.monotonic()
+            if frozen is None or not frozen():
+                left -= now - last
+            last = now
+            if left <= 0:
+                expire()
+                return
+    thread = threading.Thread(target=run, name="trace-timeout", daemon=True)
+    thread.start()
+    return thread
+
+
 def trace_pid(pid: int, limits: Limits | None = None, timeout: float | None = None,
-              stop_wait: float = 5.0) -> Trace:
+              stop_wait: float = 5.0, frozen: Callable[[], bool] | None = None) -> Trace:
     """Trace `pid`, a process stopped (SIGSTOP) before it execs, to the exit
     of it and all it forks. Blocks; see the module doc on waitpid(-1). After
-    `timeout` seconds every tracee is SIGKILLed (`timed_out`)."""
+    `timeout` seconds every tracee is SIGKILLed (`timed_out`); with
+    `frozen`, seconds while it says False (a paused sandbox's time does not count)."""
     _wait_stopped(pid, stop_wait)
     tracer = _Tracer(pid, limits or Limits())
     try:
         ptrace_func.ptrace(PTRACE_SEIZE, pid, 0, OPTIONS)
     except PtraceError as err:
         raise OSError(err.errno or errno.EPERM, f"seize pid {pid}: {err}") from err
-    timer = None
+    done = threading.Event()
     if timeout is not None:
         def expire():
             tracer.trace.timed_out = True
@@ -452,14 +488,11 @@ def trace_pid(pid: int, limits: Limits | None = None, timeout: float | None = No
                     os.kill(p, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        timer = threading.Timer(timeout, expire)
-        timer.daemon = True
-        timer.start()
+        _run_timer(timeout, expire, frozen, done)
     try:
         tracer.loop()
     finally:
-        if timer:
-            timer.cancel()
+        done.set()
         tracer.mem.close()
     tracer.trace.duration_s = round(time.monotonic() - tracer.start, 6)
     return tracer.trace
@@ -540,6 +573,8 @@ def main(args: list[str] | None = None) -> int:
     p.add_argument("--max-events", type=int, default=Limits.max_events)
     p.add_argument("--max-bytes", type=int, default=Limits.max_bytes)
     p.add_argument("--timeout", type=float)
+    p.add_argument("--frozen-file", help="with --timeout: a cgroup freezer file (v1 freezer.state, v2 "
+                   "cgroup.freeze); time while it says frozen does not count")
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     ns = p.parse_args(args)
     cmd = ns.cmd[1:] if ns.cmd[:1] == ["--"] else ns.cmd
@@ -547,7 +582,7 @@ def main(args: list[str] | None = None) -> int:
         p.error("give either --pid or a command after --")
     limits = Limits(max_events=ns.max_events, max_bytes=ns.max_bytes)
     if ns.pid is not None:
-        result = trace_pid(ns.pid, limits, ns.timeout)
+        result = trace_pid(ns.pid, limits, ns.timeout, frozen=frozen_by(ns.frozen_file) if ns.frozen_file else None)
     else:
         result = trace_command(cmd, limits, ns.timeout)
     sys.stdout.write(result.to_json() + "\n" if ns.json else result.to_text())

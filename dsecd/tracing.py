@@ -43,11 +43,16 @@ def traced_argv(argv: list[str]) -> list[str]:
     return STOP_THEN_EXEC + list(argv)
 
 
-def start_tracer(pid: int, timeout: float | None, max_bytes: int) -> subprocess.Popen:
-    """The helper that seizes `pid` (stopped by the stub) and records until it exits."""
+def start_tracer(pid: int, timeout: float | None, max_bytes: int,
+                 frozen_file: str | None = None) -> subprocess.Popen:
+    """The helper that seizes `pid` (stopped by the stub) and records until
+    it exits. `frozen_file`: the sandbox's freezer file (pause.Freezer.asked_file),
+    so that the backstop counts run time only, as the exec's timeout does."""
     cmd = [sys.executable, "-m", "dsecd.trace", "--pid", str(pid), "--json", "--max-bytes", str(max_bytes)]
     if timeout is not None:
         cmd += ["--timeout", str(timeout + 5)]      # backstop: the exec's own timeout fires first
+        if frozen_file is not None:
+            cmd += ["--frozen-file", frozen_file]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                             close_fds=True)
 

@@ -38,6 +38,7 @@ from ..execio import (
 from ..fs import users
 from ..imageconfig import ConfigError
 from ..initlink import InitExec
+from ..mem import pause
 from ..protocol import FileRead
 from .denials import DenialService, ExecRef
 from .microvms import MicroVMService
@@ -376,7 +377,7 @@ class ExecService:
             if watch is None:
                 pid = await self._spawn_exec(sb, argv, env, cwd, ids, io.child_fds(), io, applied, pty)
                 if trace:
-                    tracer = await self._start_tracer(pid, timeout)
+                    tracer = await self._start_tracer(sb, pid, timeout)
                 watch = ChildWatch(loop, pid)
                 self._bind_helper(ref, pid)
             else:
@@ -483,9 +484,13 @@ class ExecService:
         spawn = _with_options(self.backend.spawn, ctty, ids, applied, self.backend)
         return await self.starter.spawn_by_helper(io, None, spawn, sb.handle, argv, env, cwd, ids.uid, fds)
 
-    async def _start_tracer(self, pid: int, timeout: float | None):
+    async def _start_tracer(self, sb: Sandbox, pid: int, timeout: float | None):
         try:
-            return await self.workers.run(tracing.start_tracer, pid, timeout, self.limits.max_trace)
+            frozen_file = str(pause.Freezer.of(sb.handle.group).asked_file())
+        except OSError:
+            frozen_file = None          # no freezer, so no pause either: wall time is run time
+        try:
+            return await self.workers.run(tracing.start_tracer, pid, timeout, self.limits.max_trace, frozen_file)
         except OSError as err:
             kill_and_reap(self.workers.loop, pid)     # it is stopped, waiting for a tracer that will not come
             raise io_error("start the tracer for", f"pid {pid}", err) from err

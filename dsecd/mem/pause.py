@@ -93,6 +93,12 @@ class Freezer:
             return "FROZEN"
         return "FREEZING" if asked else "THAWED"
 
+    def asked_file(self) -> Path:
+        """The file that says whether the group is asked to be frozen: v1
+        freezer.state ("FROZEN" or "FREEZING"), v2 cgroup.freeze ("1"). For
+        a reader outside the daemon (the exec tracer, dsecd/trace.py)."""
+        return self.dir / ("cgroup.freeze" if self.version == "v2" else "freezer.state")
+
     def request_freeze(self) -> None:
         """Ask for the freeze without waiting (see freeze_all)."""
         if self.version == "v2":

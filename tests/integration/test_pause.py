@@ -236,6 +236,28 @@ def test_paused_time_does_not_count_toward_an_execs_timeout(mem, stream):
     assert took >= 1.5 + 2, took
 
 
+def test_a_traced_exec_is_not_ended_by_its_tracer_while_paused(mem):
+    """The tracer (dsecd/trace.py) ends its tracees at the exec's timeout
+    + 5 s as a backstop: paused time must not count there either."""
+    d, c = mem
+    sb = c.create(image="busybox")
+    try:
+        out = {}
+        t = threading.Thread(target=lambda: out.update(
+            r=sb.exec(["sh", "-c", "sleep 1; echo done"], timeout=2, trace=True)))
+        t.start()
+        time.sleep(0.3)
+        sb.pause()
+        time.sleep(2 + 5 + 1.5)         # past the backstop in wall time
+        sb.resume()
+        t.join(30)
+        r = out["r"]
+        assert (r.exit_code, r.timed_out, r.stdout) == (0, False, b"done\n"), r
+        assert not r.trace.get("timed_out") and "error" not in r.trace, r.trace
+    finally:
+        sb.destroy(force=True)
+
+
 def test_bad_durations(mem):
     d, c = mem
     for bad in ("soon", -1, "0s"):
