@@ -20,7 +20,8 @@ is dropped with its whole call sandbox; the next call makes new ones.
 
 Images without python3 (or with [fncall] zygote = false) take plain argv
 calls only: each is an exec in the call sandbox under a uid of its own (from
-fncall.uid_base, an id of the call sandbox's user namespace), in a fresh dir under /tmp created and removed by the
+fncall.uid_base: an id of the call sandbox's user namespace, or a host id
+where sandboxes run without one), in a fresh dir under /tmp created and removed by the
 daemon through the sandbox root; forked by the call sandbox's init when
 sandbox.exec_via is "init" (else, or when its channel cannot take one, by
 the daemon's helper).
@@ -318,15 +319,14 @@ class FnCallBackend:
     def remove_shm_files(h: Handle, host_uid: int) -> bool:
         """What a plain call left in the call sandbox's /dev/shm (the
         zygote's own cleanup, through the sandbox root; the call's uid as the
-        host sees it). False when it could not all be removed (a tree deeper
-        than the walk goes): the uid must not be handed out again."""
+        host sees it). False when it could not all be removed: the uid must
+        not be handed out again."""
         try:
             fd = sbfiles._open(h.rootfd, "/dev/shm", os.O_RDONLY | os.O_DIRECTORY)
         except OSError:
             return True
         try:
-            remove_owned(fd, host_uid)
-            return True
+            return remove_owned(fd, host_uid)
         except Exception:
             return False
         finally:

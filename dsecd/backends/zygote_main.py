@@ -2,8 +2,9 @@
 
 dsecd/backends/fncall.py reads this file and passes its text as `python3 -I
 -c TEXT CONFIG-JSON`, so it must work with nothing but the stdlib of whatever
-Python the image has (3.8+). The daemon imports it only for kill_leftovers,
-which clears what a plain call left behind the same way.
+Python the image has (3.8+). The daemon imports kill_leftovers and
+remove_owned from it, to clear what a plain call left behind the same way,
+and cannot_run, to answer as it does for a program that cannot run.
 
 Fd 0 is one end of a SOCK_SEQPACKET socketpair made by the daemon and handed
 over as the exec's stdin: there is no path in the sandbox that reaches it.
@@ -269,47 +270,122 @@ def kill_leftovers(uid, init_pid=1, fd=-1):
     return found
 
 
-def remove_owned(dirfd, uid):
-    """Remove what `uid` owns in the directory open at `dirfd` (the call
+# Directories the cleanup walk holds open at once: the depth it looks into
+# another uid's tree, and the depth at which it moves part of a tree it
+# removes up to the top to go on there. A call can make a tree of any
+# depth; recursion or an fd per level would fail on it (RecursionError,
+# EMFILE), and the uid would be held for good.
+MAX_OPEN_DIRS = 64
+
+
+def remove_owned(top, uid):
+    """Remove what `uid` owns in the directory open at `top` (the call
     sandbox's /dev/shm): what a call made there (POSIX shared memory, named
     semaphores) must not reach the next call its uid goes to. An entry it
-    owns goes whole; a directory of another uid is looked through, since a
-    call may put files in one another call left writable. Nothing is
-    followed: a symlink goes, not its target. Fd-relative throughout, with
-    nothing newer than Python 3.8 (the image's own python3 runs this)."""
-    with os.scandir(dirfd) as entries:
-        found = [(e.name, _owner(e), e.is_dir(follow_symlinks=False)) for e in entries]
-    for name, owner, is_dir in found:
-        if owner == uid:
-            _remove_entry(dirfd, name, is_dir)
-        elif is_dir:
-            fd = _open_dir(dirfd, name)
-            if fd >= 0:
-                try:
-                    remove_owned(fd, uid)
-                finally:
-                    os.close(fd)
+    owns goes whole; a directory of another uid is looked through (a call
+    may put files in one another call left writable), to MAX_OPEN_DIRS
+    levels: deeper parts of another uid's tree go when that uid is freed.
+    Nothing is followed: a symlink goes, not its target. Fd-relative
+    throughout, with nothing newer than Python 3.8 (the image's own python3
+    runs this). False when something the uid owns could not be removed:
+    the caller must not hand the uid out again."""
+    moved = []              # parts of deep trees moved up to `top`, removed in turn
+    ok = True
+    stack = [(os.dup(top), None)]        # (directory fd, its entries still to look at)
+    try:
+        while stack:
+            fd, todo = stack[-1]
+            if todo is None:
+                todo = _entries(fd, uid)
+                if todo is None:
+                    return False
+                stack[-1] = (fd, todo)
+            if not todo:
+                os.close(stack.pop()[0])
+                continue
+            name, owned, is_dir = todo.pop()
+            if owned:
+                ok = _remove_tree(fd, name, is_dir, top, moved) and ok
+            elif is_dir and len(stack) < MAX_OPEN_DIRS:
+                sub = _open_dir(fd, name)
+                if sub >= 0:
+                    stack.append((sub, None))
+        while moved:
+            ok = _remove_tree(top, moved.pop(), True, top, moved) and ok
+        return ok
+    finally:
+        for fd, _ in stack:
+            os.close(fd)
 
 
-def _remove_entry(dirfd, name, is_dir):
-    """Remove `name` in `dirfd`, a directory with all it holds."""
-    if is_dir:
-        fd = _open_dir(dirfd, name)
-        if fd >= 0:
-            try:
-                with os.scandir(fd) as entries:
-                    inner = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
-                for sub, sub_is_dir in inner:
-                    _remove_entry(fd, sub, sub_is_dir)
-            finally:
+def _entries(fd, uid=None):
+    """[(name, owned by uid, a directory)] of the directory open at fd; None
+    if unreadable. Without `uid`, owned is False (no stat per entry)."""
+    try:
+        with os.scandir(fd) as entries:
+            return [(e.name, uid is not None and _owner(e) == uid, e.is_dir(follow_symlinks=False))
+                    for e in entries]
+    except OSError:
+        return None
+
+
+def _remove_tree(parent, name, is_dir, top, moved):
+    """Remove `name` in `parent`, a directory with all it holds, whoever
+    owns what is inside. Past MAX_OPEN_DIRS levels a directory is renamed
+    into `top` and its name added to `moved`, for the caller to remove
+    next. False when something could not be removed."""
+    if not is_dir:
+        return _unlink(parent, name, False)
+    ok = True
+    stack = [(parent, name, _open_dir(parent, name), None)]    # (parent fd, name, fd, entries left)
+    try:
+        while stack:
+            pfd, dname, fd, todo = stack[-1]
+            if fd < 0:
+                stack.pop()
+                ok = _unlink(pfd, dname, True) and ok
+                continue
+            if todo is None:
+                todo = _entries(fd)
+                if todo is None:
+                    todo, ok = [], False
+                stack[-1] = (pfd, dname, fd, todo)
+            if not todo:
+                stack.pop()
                 os.close(fd)
+                ok = _unlink(pfd, dname, True) and ok
+                continue
+            sub, _, sub_is_dir = todo.pop()
+            if not sub_is_dir:
+                ok = _unlink(fd, sub, False) and ok
+            elif len(stack) < MAX_OPEN_DIRS:
+                stack.append((fd, sub, _open_dir(fd, sub), None))
+            else:
+                up = f".dsec-rm-{os.getpid()}-{len(moved)}-{time.monotonic_ns()}"
+                try:
+                    os.rename(sub, up, src_dir_fd=fd, dst_dir_fd=top)
+                    moved.append(up)
+                except OSError:
+                    ok = False
+        return ok
+    finally:
+        for _, _, fd, _ in stack:
+            if fd >= 0:
+                os.close(fd)
+
+
+def _unlink(dirfd, name, is_dir):
+    """Remove one entry; True when it is gone."""
     try:
         if is_dir:
             os.rmdir(name, dir_fd=dirfd)
         else:
             os.unlink(name, dir_fd=dirfd)
-    except OSError:
+    except FileNotFoundError:
         pass
+    except OSError:
+        return False
+    return True
 
 
 def _open_dir(dirfd, name):
@@ -462,12 +538,12 @@ class Zygote:
     def free_uid(self, uid):
         """A uid back to the free list, once nothing of its call runs: what
         the call left in /dev/shm goes first (nothing of it runs to make
-        more). A uid whose leftovers could not be removed (a tree deeper than
-        the walk goes) is never handed out again: the next call of it would
-        own them."""
+        more). A uid whose leftovers could not be removed is never handed
+        out again: the next call of it would own them."""
         if self.shm_fd >= 0:
             try:
-                remove_owned(self.shm_fd, uid)
+                if not remove_owned(self.shm_fd, uid):
+                    return
             except Exception:
                 return
         self.uids.append(uid)
@@ -562,5 +638,5 @@ def main():
     z.run()
 
 
-if __name__ == "__main__":      # run as `python3 -c TEXT`; the daemon imports kill_leftovers
+if __name__ == "__main__":      # run as `python3 -c TEXT`; the daemon imports a few functions
     main()

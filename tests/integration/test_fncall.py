@@ -283,13 +283,16 @@ def test_what_a_call_left_in_another_calls_dir_goes_with_its_uid(daemon, py_imag
 
 
 @pytest.mark.parametrize("path", ["zygote", "exec"])
-@pytest.mark.parametrize("kind", ["file", "tree"])
+@pytest.mark.parametrize("kind", ["file", "tree", "deep"])
 def test_what_a_call_leaves_in_dev_shm_is_removed(client, py_image, path, kind):
     """Before its uid goes to another call: a later call of that uid would
-    own it (and could read it whatever its mode). A tree goes whole."""
+    own it (and could read it whatever its mode). A tree goes whole, one
+    deeper than recursion or an fd per level reach too."""
     name = f"/dev/shm/left-by-{path}-{kind}"
     image = py_image if path == "zygote" else "busybox"
-    make = f"echo x > {name}" if kind == "file" else f"mkdir -p {name}/a/b && echo x > {name}/a/b/f"
+    make = {"file": f"echo x > {name}", "tree": f"mkdir -p {name}/a/b && echo x > {name}/a/b/f",
+            "deep": f"mkdir {name} && cd {name} && i=0 && while [ $i -lt 1200 ]; do mkdir d && cd d && "
+                    "i=$((i+1)) || exit 1; done && echo x > f"}[kind]
     if path == "zygote":
         r = client.call(py_image, code=f"import os\nos.system({make!r})\nprint('left')")
     else:

@@ -1,0 +1,109 @@
+"""What a call's uid leaves in /dev/shm goes before the uid is handed out
+again (zygote_main.remove_owned): whole entries it owns, its files inside
+other uids' directories, trees of any depth, nothing followed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dsecd.backends import zygote_main
+from dsecd.backends.zygote_main import remove_owned
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="files of other uids are made with chown: root")
+
+CALL, OTHER = 60123, 60124
+
+
+def _owned(path, uid, kind="file"):
+    if kind == "dir":
+        os.mkdir(path, 0o777)
+    else:
+        with open(path, "w") as f:
+            f.write("x")
+    os.chown(path, uid, uid, follow_symlinks=False)
+
+
+def _walk(top):
+    return sorted(os.path.relpath(os.path.join(d, n), top) for d, ds, fs in os.walk(top) for n in ds + fs)
+
+
+def _remove(top, uid) -> bool:
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return remove_owned(fd, uid)
+    finally:
+        os.close(fd)
+
+
+def test_only_what_the_uid_owns_goes_and_links_are_not_followed(tmp_path):
+    shm, outside = tmp_path / "shm", tmp_path / "outside"
+    shm.mkdir()
+    outside.mkdir()
+    _owned(outside / "target", CALL)
+    _owned(shm / "mine", CALL)
+    _owned(shm / "mydir", CALL, "dir")
+    _owned(shm / "mydir" / "theirs-inside-mine", OTHER)
+    _owned(shm / "theirs", OTHER)
+    _owned(shm / "theirdir", OTHER, "dir")
+    _owned(shm / "theirdir" / "mine-inside-theirs", CALL)
+    _owned(shm / "theirdir" / "kept", OTHER)
+    os.symlink(outside, shm / "link")
+    os.lchown(shm / "link", CALL, CALL)
+    os.symlink(outside, shm / "theirlink")
+    os.lchown(shm / "theirlink", OTHER, OTHER)
+    assert _remove(shm, CALL)
+    assert _walk(shm) == ["theirdir", "theirdir/kept", "theirlink", "theirs"]
+    assert _walk(outside) == ["target"]
+
+
+def _chain(top, depth, uid) -> str:
+    """A chain of `depth` directories owned by `uid` under `top`, made fd by fd."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(depth):
+        os.mkdir("d", 0o777, dir_fd=fd)
+        os.chown("d", uid, uid, dir_fd=fd)
+        nxt = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = nxt
+    os.close(fd)
+    return "d"
+
+
+def test_a_tree_deeper_than_recursion_and_fds_allow_goes_whole(tmp_path):
+    # Deeper than Python's recursion limit and than the walk's open fds:
+    # recursion would raise and the uid would be held for good.
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    _chain(shm, 1500, CALL)
+    _owned(shm / "theirs", OTHER)
+    assert _remove(shm, CALL)
+    assert os.listdir(shm) == ["theirs"]
+
+
+def test_another_uids_deep_tree_is_looked_through_to_the_limit_and_not_an_error(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    _chain(shm, 1500, OTHER)
+    shallow = shm / "/".join(["d"] * 3)
+    _owned(shallow / "mine", CALL)
+    assert _remove(shm, CALL)
+    assert not (shallow / "mine").exists()
+    assert (shallow / "d").is_dir(), "another uid's tree was removed"
+    assert _remove(shm, OTHER) and os.listdir(shm) == []       # not left for pytest's rmtree
+
+
+def test_an_entry_that_cannot_be_removed_says_so(tmp_path, monkeypatch):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    _owned(shm / "mine", CALL)
+    real = os.unlink
+
+    def refused(name, dir_fd=None):
+        raise PermissionError(1, "refused", name)
+
+    monkeypatch.setattr(zygote_main.os, "unlink", refused)
+    assert not _remove(shm, CALL)
+    monkeypatch.setattr(zygote_main.os, "unlink", real)
+    assert _remove(shm, CALL) and os.listdir(shm) == []
