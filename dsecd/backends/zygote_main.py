@@ -75,6 +75,9 @@ def worker(link, tmp, uid, rlimits):
     it, run it, report, exit. Never returns."""
     status = 127
     try:
+        # The zygote's SIGCHLD wakeup (without pidfds) is not the call's.
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         # Its own process group (a kill reaches all it forked), not its own
         # session: setsid also makes a scheduler autogroup per worker, work
         # with no use inside the call sandbox's cpu cgroup.
@@ -446,6 +449,25 @@ class Zygote:
             self.shm_fd = os.open("/dev/shm", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
             self.shm_fd = -1
+        # A worker's end is seen on its pidfd. Without pidfds (Python 3.8
+        # has no os.pidfd_open, kernels before 5.3 no pidfd_open), on
+        # SIGCHLD: its handler's wakeup fd is polled like a pidfd.
+        self.unwatched = {}     # pid -> worker without a pidfd
+        self.sigchld_fd = -1
+        probe = _pidfd(os.getpid())
+        if probe < 0:
+            self.sigchld_fd = self._wake_on_sigchld()
+        _close(probe)
+
+    def _wake_on_sigchld(self):
+        r, w = os.pipe()
+        for fd in (r, w):
+            os.set_blocking(fd, False)
+            os.set_inheritable(fd, False)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.set_wakeup_fd(w)
+        self.poll.register(r, select.POLLIN)
+        return r
 
     def fork_worker(self):
         """A new worker. Spares do not walk a call's path ahead of it: that
@@ -477,13 +499,33 @@ class Zygote:
         except OSError:
             pass
         theirs.close()
-        w = {"pid": pid, "pidfd": os.pidfd_open(pid), "link": ours, "uid": uid, "tmp": tmp,
+        w = {"pid": pid, "pidfd": _pidfd(pid), "link": ours, "uid": uid, "tmp": tmp,
              "id": None, "started": 0.0, "reported": False}
-        self.by_fd[w["pidfd"]] = w
+        if w["pidfd"] >= 0:
+            self.by_fd[w["pidfd"]] = w
+            self.poll.register(w["pidfd"], select.POLLIN)
+        else:
+            self.unwatched[pid] = w
+            self.on_sigchld()           # it may have ended before it was listed
         self.by_fd[ours.fileno()] = w
-        self.poll.register(w["pidfd"], select.POLLIN)
         self.poll.register(ours.fileno(), select.POLLIN)
         return w
+
+    def on_sigchld(self):
+        """Without pidfds: the workers that ended, each looked at with
+        waitid(WNOWAIT), which leaves its zombie for worker_gone to reap."""
+        try:
+            while os.read(self.sigchld_fd, 512):
+                pass
+        except OSError:
+            pass
+        for w in list(self.unwatched.values()):
+            try:
+                ended = os.waitid(os.P_PID, w["pid"], os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                ended = True
+            if ended is not None:
+                self.worker_gone(w)
 
     def report(self, w, status):
         if w["id"] is not None and not w["reported"]:
@@ -502,23 +544,29 @@ class Zygote:
             if msg:
                 self.report(w, (json.loads(msg)["done"] & 0xFF) << 8)
             return
-        # Its pidfd: the worker is gone; reap it, free its uid and dir.
-        self.poll.unregister(fd)
+        self.worker_gone(w)         # its pidfd: the worker ended
+
+    def worker_gone(self, w):
+        """A worker ended (its zombie not reaped yet): reap it, free its uid and dir."""
+        self.unwatched.pop(w["pid"], None)
         # What the call started in its process group dies with it; killed
         # before the reap, while the worker's zombie keeps its pid (the group's id).
         try:
             os.killpg(w["pid"], signal.SIGKILL)
         except OSError:
             pass
-        _, status = os.waitpid(w["pid"], 0)
+        try:
+            _, status = os.waitpid(w["pid"], 0)
+        except ChildProcessError:
+            status = signal.SIGKILL         # reaped by someone else: its status is lost
         self.report(w, status)
         for f in (w["pidfd"], w["link"].fileno()):
             self.by_fd.pop(f, None)
-        try:
-            self.poll.unregister(w["link"].fileno())
-        except (KeyError, ValueError):
-            pass
-        os.close(w["pidfd"])
+            try:
+                self.poll.unregister(f)
+            except (KeyError, ValueError):
+                pass
+        _close(w["pidfd"])
         w["link"].close()
         if w in self.idle:
             self.idle.remove(w)
@@ -600,6 +648,8 @@ class Zygote:
             for fd, _ev in events:
                 if fd == self.sock.fileno():
                     self.on_request()
+                elif fd == self.sigchld_fd:
+                    self.on_sigchld()
                 elif fd in self.by_fd:
                     self.on_worker(fd, self.by_fd[fd])
             if not events and want:

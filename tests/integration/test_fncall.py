@@ -8,6 +8,7 @@ import errno
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -44,6 +45,27 @@ def test_code_call_runs_in_the_zygote(client, py_image):
     assert r.stdout.startswith(b"45 ['a', 'b'] ")
     assert 60000 <= int(r.stdout.split()[-1]) < 60000 + 4096      # fncall.uid_base, uid_count
     assert r.path == "zygote" and r.run_ms > 0 and r.total_ms >= r.run_ms
+
+
+def test_the_zygote_serves_on_a_python_without_pidfd_open(client, py_image, tmp_path):
+    """Python 3.8 has no os.pidfd_open (an image's python3 runs the zygote):
+    it sees its workers end on SIGCHLD instead. Stood in for by the host's
+    python3 with os.pidfd_open taken away before anything runs."""
+    ver = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    (tmp_path / "sitecustomize.py").write_text("import os\ndel os.pidfd_open\n")
+    client.build_dockerfile(str(tmp_path), "py-nopidfd",
+                            text=f"FROM {py_image}\nCOPY sitecustomize.py /usr/lib/{ver}/sitecustomize.py\n")
+    probe = client.call("py-nopidfd", code="import os\nprint(hasattr(os, 'pidfd_open'))")
+    assert (probe.exit_code, probe.stdout, probe.path) == (0, b"False\n", "zygote"), probe
+    for i in range(12):                 # more than the spares: workers end, are reaped, forked again
+        r = client.call("py-nopidfd", code=f"import subprocess\nprint({i}, subprocess.run(['true']).returncode)")
+        assert (r.exit_code, r.stdout) == (0, f"{i} 0\n".encode()), r
+    r = client.call("py-nopidfd", code="import sys\nsys.exit(7)")
+    assert r.exit_code == 7, r
+    r = client.call("py-nopidfd", code="import time\ntime.sleep(30)", timeout=0.5)
+    assert r.timed_out, r
+    r = client.call("py-nopidfd", code="print('after')")
+    assert (r.exit_code, r.stdout, r.path) == (0, b"after\n", "zygote"), r
 
 
 def test_python_c_argv_goes_through_the_zygote(client, py_image):
