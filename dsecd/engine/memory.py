@@ -235,9 +235,14 @@ class MemoryService:
                     return self._mark_vm_paused(sb, rec)
                 except OSError as err:
                     raise await self._unpause(sb, lambda: self.vms.resume(sb, rec), err) from err
+            # Paused time from the freeze on: the reclaim after it can take
+            # seconds, during which the sandbox's execs are frozen but their
+            # run-time timeouts (Sandbox.paused_for) would still count.
+            sb.paused_at = time.monotonic()
             try:
                 rec = await self.workers.run(pause.pause, sb.handle.group, self.pause_cfg)
             except OSError as err:
+                sb.end_paused_time()
                 raise DsecError(f"pause sandbox {sb.id}: {err}", code="busy" if err.errno == 16 else "io") from err
             try:
                 return self._mark_paused(sb, rec)
@@ -254,7 +259,8 @@ class MemoryService:
         except (OSError, DsecError) as undo_err:
             log.error("sandbox %s: undo a pause the journal did not record: %s", sb.id, undo_err)
         else:
-            sb.state, sb.paused_at, sb.pause_record = "running", None, None
+            sb.state, sb.pause_record = "running", None
+            sb.end_paused_time()
         return io_error("record the pause of", f"sandbox {sb.id}", err)
 
     def _mark_vm_paused(self, sb, rec: dict, journal: bool = True) -> dict:
@@ -273,7 +279,8 @@ class MemoryService:
 
     def _mark_paused(self, sb, rec: pause.PauseRecord, journal: bool = True) -> dict:
         sb.state = "paused"
-        sb.paused_at = time.monotonic()
+        if sb.paused_at is None:            # set before the freeze by a pause of its own (_pause)
+            sb.paused_at = time.monotonic()
         sb.pause_record = rec.to_json()
         if journal:
             self.registry.save(sb)
@@ -305,9 +312,7 @@ class MemoryService:
     def _mark_resumed(self, sb, prefetched_bytes: int, journal: bool = True,
                       duration_s: float | None = None) -> None:
         sb.state = "running"
-        if sb.paused_at is not None:
-            sb.paused_total += time.monotonic() - sb.paused_at
-        sb.paused_at = None
+        sb.end_paused_time()
         sb.pause_record = None
         sb.last_active = time.monotonic()
         if journal:

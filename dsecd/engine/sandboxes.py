@@ -90,6 +90,13 @@ class Sandbox:
         now_paused = time.monotonic() - self.paused_at if self.paused_at is not None else 0.0
         return self.paused_total + now_paused
 
+    def end_paused_time(self) -> None:
+        """The pause clock stopped (a resume, or a pause that was undone):
+        the time since paused_at joins paused_total."""
+        if self.paused_at is not None:
+            self.paused_total += time.monotonic() - self.paused_at
+        self.paused_at = None
+
     def record(self) -> dict:
         h = self.handle
         return {"id": self.id, "image": self.image, "state": self.state, "created": self.created,

@@ -1,0 +1,69 @@
+"""A pause's clock (Sandbox.paused_for, which exec timeouts subtract): it
+runs from the freeze on, through the reclaim that follows it, and a pause
+that fails adds its frozen time but leaves the sandbox running."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from dsecd.engine import memory as memory_mod
+from dsecd.engine.memory import MemoryService
+from dsecd.engine.sandboxes import Sandbox
+from dsecd.errors import DsecError
+from dsecd.mem import pause
+
+
+class _Workers:
+    async def run(self, fn, *args):
+        return await asyncio.to_thread(fn, *args)
+
+
+def _service() -> MemoryService:
+    svc = object.__new__(MemoryService)
+    svc.workers = _Workers()
+    svc._behind = {}
+    svc.pause_cfg = None
+    svc.registry = SimpleNamespace(save=lambda sb: None)
+    svc.events = SimpleNamespace(publish=lambda *a, **k: None)
+    return svc
+
+
+def _sandbox() -> Sandbox:
+    return Sandbox(id="sb1", image="busybox", state="running", created=0.0, limits={},
+                   handle=SimpleNamespace(group=None))
+
+
+def test_paused_time_counts_from_the_freeze_through_the_reclaim(monkeypatch):
+    sb, seen = _sandbox(), []
+
+    def slow_pause(group, cfg):           # freezes, then reclaims for a while
+        time.sleep(0.3)
+        seen.append(sb.paused_for())
+        return pause.PauseRecord(frozen_s=0.0, reclaim_s=0.3)
+
+    monkeypatch.setattr(memory_mod.pause, "pause", slow_pause)
+    asyncio.run(_service()._pause(sb))
+    assert sb.state == "paused"
+    assert seen[0] >= 0.29, "the reclaim's time counted as run time"
+    assert sb.paused_for() >= 0.3
+
+
+def test_a_pause_that_fails_keeps_its_frozen_time_and_the_sandbox_running(monkeypatch):
+    sb = _sandbox()
+
+    def failing_pause(group, cfg):
+        time.sleep(0.2)
+        raise pause.PauseError(16, "tasks not frozen after 0.2s; thawed again")
+
+    monkeypatch.setattr(memory_mod.pause, "pause", failing_pause)
+    with pytest.raises(DsecError):
+        asyncio.run(_service()._pause(sb))
+    assert sb.state == "running" and sb.paused_at is None
+    before = sb.paused_for()
+    assert before >= 0.19
+    time.sleep(0.05)
+    assert sb.paused_for() == before, "the clock runs on after a failed pause"
