@@ -303,8 +303,10 @@ class BlobStore:
 # "<pid>-<start>-<boot hash>-", then a uuid. The boot is the kernel's boot
 # id, random at every boot of every machine, so no two hosts on a shared
 # store take each other's files for their own (hostnames can be the same,
-# and so can the machine ids of cloned VMs); a pid is only looked up in the
-# /proc of the boot that wrote it.
+# and so can the machine ids of cloned VMs), with the writer's pid
+# namespace: two daemons of one kernel in two pid namespaces (two pods of
+# one node) see each other's pids as other processes, or as none. A pid
+# is only looked up in the /proc of the boot and namespace that wrote it.
 _WRITER_RE = re.compile(r"^(\d+)-(\d+)-([0-9a-f]{12})-")
 
 
@@ -313,6 +315,7 @@ def _host_hash() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
+        boot += " " + os.readlink("/proc/self/ns/pid")
     except OSError:
         boot = ""
     if not boot:            # no procfs: a boot of no other host is known for sure, so none is claimed

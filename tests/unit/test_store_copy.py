@@ -3,6 +3,8 @@ layer chunk indexes (no root)."""
 
 import hashlib
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -137,3 +139,23 @@ def test_sweep_removes_temp_files_of_dead_writers_of_this_host_at_once(tmp_path)
     for p in (mine, other_host, unnamed):
         os.utime(p, (old, old))
     assert sorted(store.sweep_tmp()) == sorted([mine.name, other_host.name, unnamed.name])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a pid namespace of its own: root")
+def test_sweep_keeps_the_temp_files_of_a_live_writer_in_another_pid_namespace(tmp_path):
+    # Two daemons of one kernel in two pid namespaces (two pods of a node)
+    # share the boot id; the other's pid means another process here, or none.
+    store = BlobStore(tmp_path / "store")
+    script = ("import sys, time\nfrom pathlib import Path\nfrom dsecd.fs.store import BlobStore\n"
+              f"p = BlobStore(Path({str(tmp_path / 'store')!r})).temp_path('.erofs')\n"
+              "p.write_bytes(b'in progress')\nprint(p.name, flush=True)\nsys.stdin.read()\n")
+    writer = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", script],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        name = writer.stdout.readline().strip()
+        assert name and (store.tmp / name).exists()
+        assert store.sweep_tmp() == []
+        assert (store.tmp / name).exists()
+    finally:
+        writer.stdin.close()
+        writer.wait(10)
