@@ -119,6 +119,7 @@ class _ActorStream:
         self.own = own
         self.sent = asyncio.Event()
         self.waiting = 0            # requests naming it that wait for it to be sent
+        self.streaming = False      # its own stream() runs (sent or about to be: the entry stays)
 
 
 def _final(frame: dict) -> bool:
@@ -170,7 +171,7 @@ class DaemonActor:
         other request waits on it (one per bad id would otherwise stay for
         the actor's life). Should it come later after all, it makes a new
         entry."""
-        if not stream.sent.is_set() and not stream.waiting and self.streams.get(rid) is stream:
+        if not (stream.sent.is_set() or stream.waiting or stream.streaming) and self.streams.get(rid) is stream:
             del self.streams[rid]
 
     async def request(self, op: str, args: dict) -> dict:
@@ -185,10 +186,10 @@ class DaemonActor:
                     came = True
                 except TimeoutError:
                     came = False
-                finally:
+                finally:                    # a timeout, or the request cancelled while it waits
                     stream.waiting -= 1
-                if not came:
                     self._forget_unsent(args[field], stream)
+                if not came:
                     raise BadRequest(f"{op}: the request {args[field]} it names did not reach the daemon "
                                      f"in {NAMED_WAIT_S:g} s through this actor; send that request first",
                                      {field: args[field]}) from None
@@ -214,6 +215,7 @@ class DaemonActor:
         {"__lost__": why}) last. Cancelled (ray.cancel, the driver gone),
         it stops reading, and the daemon is told to cancel the request."""
         stream = self._stream(rid)
+        stream.streaming = True
         queue: asyncio.Queue[dict] = asyncio.Queue(STREAM_QUEUE)
         pump = asyncio.get_running_loop().create_task(self._pump(stream, op, args, queue))
         try:

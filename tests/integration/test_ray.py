@@ -484,6 +484,48 @@ def test_an_input_that_gave_up_leaves_the_others_waiting_on_the_stream(daemon, m
     assert "did not reach the daemon" not in str(second), second
 
 
+def test_an_input_that_gave_up_before_its_stream_was_sent_leaves_the_stream_its_entry(daemon, monkeypatch):
+    """The exec's stream has begun on the actor but is not on the daemon's
+    connection yet (a reconnect, say) when an input gives up: the entry
+    stays, so the next input reaches the exec. One cancelled while it
+    waits for a stream that never comes leaves nothing."""
+    import dsecd.ray as dray
+
+    monkeypatch.setattr(dray, "NAMED_WAIT_S", 0.2)
+
+    async def slow_pump(self, stream, op, args, queue):
+        await asyncio.sleep(0.5)            # not on the daemon's connection for a while
+        stream.sent.set()
+        await queue.put({"__result__": {"exit_code": 0}})
+
+    monkeypatch.setattr(dray.DaemonActor, "_pump", slow_pump)
+
+    async def go():
+        actor = dray.DaemonActor(daemon.socket, "t")
+        try:
+            frames = actor.stream(5, "exec", {})
+            first_batch = asyncio.ensure_future(frames.__anext__())
+            await asyncio.sleep(0.05)
+            entry = actor.streams[5]
+            gave_up = await actor.request("exec_signal", {"exec_id": 5, "signal": "TERM"})
+            kept = actor.streams.get(5) is entry
+            await first_batch
+            await frames.aclose()
+            waiting = asyncio.ensure_future(actor.request("exec_input", {"exec_id": 99, "data": b"x"}))
+            await asyncio.sleep(0.05)
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            return gave_up, kept, 99 in actor.streams
+        finally:
+            await actor.client.close()
+
+    gave_up, kept, left = asyncio.run(go())
+    assert gave_up["error"]["code"] == "bad_request", gave_up
+    assert kept, "the input that gave up took the entry its running stream uses"
+    assert not left, "a cancelled input left its entry for the actor's life"
+
+
 async def _sleep_gone(sb) -> None:
     """The `sleep 1000` of a cancelled exec is gone from the sandbox (10 s at most)."""
     for _ in range(100):
