@@ -41,6 +41,7 @@ import json
 import logging
 import os
 import platform as host_platform
+import re
 import shutil
 import tempfile
 import threading
@@ -85,6 +86,10 @@ POLL_S = 0.2                   # how often progress is reported and a cancel loo
 READ_PIECE = 1 << 20
 ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "ppc64le": "ppc64le", "s390x": "s390x",
         "riscv64": "riscv64", "i686": "386"}
+
+
+# One part of an os/arch/variant platform, as image indexes spell them.
+PLATFORM_PART_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 
 def host_os_arch() -> str:
@@ -401,8 +406,9 @@ class Puller:
         cancelled = cancelled if cancelled is not None else Stop()
         name = self.reference(ref)
         wanted = wanted or host_os_arch()
-        if len(wanted.split("/")) not in (2, 3):
-            raise PullError("bad_request", f"platform {wanted!r}: want os/arch or os/arch/variant (linux/arm64)")
+        if len(wanted.split("/")) not in (2, 3) or not all(map(PLATFORM_PART_RE.match, wanted.split("/"))):
+            raise PullError("bad_request", f"platform {wanted!r}: want os/arch or os/arch/variant, each part "
+                            "lowercase letters, digits, '.', '_' or '-' (linux/amd64, linux/arm64/v8)")
         sources = self.registry_cfg.sources(name.registry, name.repository)
         stats = {"downloaded_bytes": 0}                 # from every source tried
         for i, source in enumerate(sources):

@@ -70,3 +70,13 @@ def test_a_registry_client_that_cannot_be_made_fails_the_pull_as_a_pull_error(tm
     with pytest.raises(PullError) as e:
         puller.pull("registry.lab/a/b:v1")
     assert e.value.code == "bad_request" and "client.key" in str(e.value)
+
+
+@pytest.mark.parametrize("platform", ["bogus//x", "linux", "linux/amd64/v8/extra", "/amd64", "linux/AMD64",
+                                      "linux/amd 64"])
+def test_a_malformed_platform_is_refused_before_any_source_is_asked(puller, monkeypatch, platform):
+    asked = sources_answering(monkeypatch, {"down.lab": "unused", "cache.lab": "unused", "registry.lab": "unused"})
+    with pytest.raises(PullError) as e:
+        puller.pull("registry.lab/a/b:v1", wanted=platform)
+    assert e.value.code == "bad_request" and repr(platform) in str(e.value), e.value
+    assert asked == []
