@@ -101,6 +101,7 @@ class BuildService:
         self.execs = execs
         self.destroy = destroy
         self.limits = BuildLimits.from_config(cfg)
+        self.rule_sets_cfg = cfg.section("net").get("rule_sets", {})    # what --allow NAME may name
         self.capped_layers = capped_layers        # writable layers are capped tmpfs: `disk` applies
         self.digests = buildctx.DigestCache()     # context file hashes, kept across builds
 
@@ -115,6 +116,17 @@ class BuildService:
                 await self.destroy(sb, True)
             except DsecError as err:
                 log.error("build %s: destroy step sandbox %s: %s", sb.labels[BUILD_LABEL], sb.id, err)
+
+    def check_allow(self, name: str, allow: list[str]) -> None:
+        """BadRequest for a build's --allow rule that is no rule or rule
+        set, at its start: not at its first RUN, after the steps before."""
+        # Not at import: dsecd.net loads the BPF side.
+        from ..net import rules as R
+
+        try:
+            R.merge((), R.parse_rule_sets(self.rule_sets_cfg), replace=list(allow))
+        except DsecError as err:
+            raise BadRequest(f"build of {name!r}: --allow: {err.message}", err.detail) from err
 
     async def build(self, req, ctx) -> dict:
         with count_image_op("dockerfile") as done:
@@ -167,6 +179,7 @@ class _Build:
             dockerfile = parse(req.dockerfile)
         except DockerfileError as err:
             raise self._error(err.line, err.message, err.code) from err
+        self.svc.check_allow(req.name, req.allow)
         base_images: dict[str, Image] = {}
         try:
             build_plan = await self.svc.workers.run(plan, dockerfile, dict(req.build_args),

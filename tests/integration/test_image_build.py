@@ -20,7 +20,7 @@ import pytest
 from conftest import VENV_BIN
 
 from dsecd import Client
-from dsecd.errors import DsecError
+from dsecd.errors import BadRequest, DsecError
 from dsecd.imageconfig import DEFAULT_PATH
 
 PROJECT_DOCKERFILE = """\
@@ -102,6 +102,18 @@ def test_a_python_project_builds_with_its_files_and_config(client, tmp_path):
                                               "/app/src/app/__init__.py\n/app/src/app/__main__.py\n")
     finally:
         sb.destroy()
+
+
+@pytest.mark.parametrize("rule, words", [("no-such-set", "unknown rule set 'no-such-set'"),
+                                         ("10.0.0.0/33:80", "10.0.0.0/33")])
+def test_a_bad_allow_rule_fails_the_build_before_its_first_step(client, tmp_path, rule, words):
+    (tmp_path / "f").write_text("x")
+    events = []
+    with pytest.raises(BadRequest) as e:
+        client.build_dockerfile(str(tmp_path), "bad-allow", text="FROM busybox\nCOPY f /f\nRUN true\n",
+                                allow=[rule], progress=events.append)
+    assert "--allow" in str(e.value) and words in str(e.value), e.value
+    assert not [ev for ev in events if ev.get("event") == "step"], events
 
 
 def test_dockerignore_excludes_files_and_exceptions_come_back(client, tmp_path):
