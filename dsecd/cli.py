@@ -751,11 +751,17 @@ async def cmd_run(c: Client, a) -> int:
         _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
                      "killed_by": r.killed_by,
                      "truncated": r.truncated, "duration_ms": r.duration_ms, "sandbox": run.sandbox.id,
-                     "argv": run.argv, **out.fields()})
+                     **_fleet_host(a, run.sandbox), "argv": run.argv, **out.fields()})
     if r.truncated:
         print("dsec: output truncated at the daemon's limits.max_exec_output_bytes; "
               "the command's pipes were closed", file=sys.stderr)
     return _exit_status(r, f"dsec: timed out after {a.timeout}s; the command's process group was killed")
+
+
+def _fleet_host(a, sb) -> dict:
+    """{"host": where `sb` was placed} for `dsec fleet run --json` (a
+    script needs it to reach the sandbox again); {} for a local run."""
+    return {"host": sb.host} if getattr(a, "fleet", None) else {}
 
 
 async def _run_detached(c: Client, a) -> int:
@@ -764,7 +770,7 @@ async def _run_detached(c: Client, a) -> int:
     proc = await c.run_detached(a.image, a.argv or None, a.entrypoint, backend=a.backend, **create_args(a))
     sb = proc.sb.id
     if a.json:
-        _print_json({"sandbox": sb, "pid": proc.pid})
+        _print_json({"sandbox": sb, **_fleet_host(a, proc.sb), "pid": proc.pid})
     else:
         print(sb)
         print(f"dsec run: process {proc.pid} in {sb}: dsec logs {sb} {proc.pid}; dsec rm --force {sb} ends it",

@@ -453,11 +453,15 @@ def test_dsec_fleet_runs_commands_across_hosts(fleet_env):
     runs = [r for r in all_rows(fleet_env) if r["labels"].get("job") == "fr"]
     assert len(runs) == 3 and len({r["host"] for r in runs}) == 3, runs
     assert "rm 3 sandbox(es)" in dsec("job", "rm", "fr", "--force")
-    assert dsec("run", "--cpu", "0.1", "--memory", "64M", "busybox", "--", "echo", "gone") == "gone\n"
+    ran = json.loads(dsec("--json", "run", "--cpu", "0.1", "--memory", "64M", "busybox", "--", "echo", "gone"))
+    assert ran["stdout"] == "gone\n" and ran["host"] in [h.target for h in fleet_env.hosts], ran
     assert all_rows(fleet_env) == []                    # the run's sandbox removed, on whichever host
     # run -d: placed as create's too; its command runs on, its sandbox stays.
-    detached = dsec("run", "-d", "--cpu", "0.1", "--memory", "64M", "busybox", "--", "sleep", "600").strip()
-    assert [(r["id"], r["procs_running"]) for r in all_rows(fleet_env)] == [(detached, 1)]
+    detached = json.loads(dsec("--json", "run", "-d", "--cpu", "0.1", "--memory", "64M", "busybox", "--",
+                               "sleep", "600"))
+    assert [(r["id"], r["host"], r["procs_running"]) for r in all_rows(fleet_env)] == \
+        [(detached["sandbox"], detached["host"], 1)]
+    detached = detached["sandbox"]
     dsec("rm", "--force", detached)
 
 
