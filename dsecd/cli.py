@@ -1798,9 +1798,11 @@ def build_parser() -> argparse.ArgumentParser:
         x = img.add_parser(name)
         x.add_argument("name")
 
-    cr = sub.add_parser("create", help="create a sandbox; prints its id (it runs nothing: see dsec run)")
-    cr.add_argument("--image", required=True, help="the image to make it of (a name dsec image ls lists; "
-                    "dsec image pull fetches one)")
+    cr = sub.add_parser("create", help="create a sandbox; prints its id (it runs nothing: see dsec run)",
+                        usage="dsec create [options] IMAGE (or --image IMAGE)")
+    image_help = "the image to make it of (a name dsec image ls lists; dsec image pull fetches one)"
+    cr.add_argument("image_pos", nargs="?", metavar="IMAGE", help=image_help + ", as docker create takes it")
+    cr.add_argument("--image", help=image_help + ", as an option")
     _create_options(cr)
     cr.add_argument("--lease", help="destroy unless renewed (SDK: Client.hold) within this long")
     cr.add_argument("--key", help="idempotency key: a retried create with it returns the same sandbox")
@@ -2050,7 +2052,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise
     a.argv = command
     a.fleet = None
+    if a.cmd == "create":
+        _create_image(parser, a)
     return a
+
+
+def _create_image(parser: argparse.ArgumentParser, a) -> None:
+    """`dsec create IMAGE` and `dsec create --image IMAGE` are one: a.image."""
+    given = {i for i in (a.image_pos, a.image) if i is not None}
+    if len(given) != 1:
+        parser.error("create needs its image: dsec create IMAGE (or --image IMAGE)" if not given
+                     else f"create: two images given ({a.image_pos!r} and --image {a.image!r}); give one")
+    a.image = given.pop()
 
 
 def _parse_fleet_args(argv: list[str], at: int) -> argparse.Namespace:

@@ -495,3 +495,18 @@ def test_an_interrupted_build_closes_its_terminal_view(monkeypatch, stop):
     with pytest.raises(stop):
         asyncio.run(cli.cmd_image_dockerfile(Fake(), a))
     assert closed == [True]
+
+
+@pytest.mark.parametrize("argv", [["create", "busybox"], ["create", "--image", "busybox"],
+                                  ["create", "--cpu", "0.5", "busybox", "--memory", "64M"],
+                                  ["fleet", "--hosts", "h1", "create", "busybox"]])
+def test_create_takes_its_image_as_docker_create_does_or_as_an_option(argv):
+    assert cli.parse_args(argv).image == "busybox"
+
+
+@pytest.mark.parametrize("argv, words", [(["create"], "create needs its image"),
+                                         (["create", "a", "--image", "b"], "two images given")])
+def test_create_without_an_image_or_with_two_says_so(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(argv)
+    assert e.value.code == 2 and words in capsys.readouterr().err
