@@ -47,6 +47,8 @@ MAX_RULE_TEXT = 128
 # reaches the host and every sandbox on the bridge).
 LINK_SCOPED = ("169.254.0.0/16", "224.0.0.0/4", "255.255.255.255/32", "fe80::/10", "ff00::/8")
 
+# A URL given as a rule: the port its scheme implies, for the "did you mean".
+_URL_PORTS = {"http": 80, "https": 443}
 _NAME = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
 _PORTS = re.compile(r"^(\d{1,5})(?:-(\d{1,5}))?$")
 # A host name: dot-separated LDH labels, the last one starting with a letter (so
@@ -145,6 +147,15 @@ def parse_rule(text: str) -> Rule | NameRule:
     if len(text) > MAX_RULE_TEXT:
         raise _bad(text[:40] + "...", f"longer than {MAX_RULE_TEXT} characters")
     s = text.strip()
+    if "://" in s:
+        scheme, _, rest = s.partition("://")
+        host, port = rest.split("/", 1)[0] or "NAME", ""
+        if re.search(r":\d+$", host) and (host.count(":") == 1 or "]:" in host):
+            host, _, port = host.rpartition(":")
+        port = port or _URL_PORTS.get(scheme.lower(), "PORT")
+        raise _bad(text, f"a rule names a host and port, not a URL: did you mean '{host}:{port}/tcp'?")
+    if "," in s or any(c.isspace() for c in s):
+        raise _bad(text, "one rule per term: give each rule its own --allow (--add, or list item)")
     proto = None
     head, slash, tail = s.rpartition("/")
     if slash and tail.lower() in PROTOS:
@@ -174,7 +185,7 @@ def parse_rule(text: str) -> Rule | NameRule:
         raise _bad(text, f"bad host name {host!r} (letters, digits, '-' and '_' in dot-separated labels, "
                          "the last one starting with a letter; '*.' in front for every name below)")
     if not is_name and host.count(":") > 1 and "/" in host.rpartition(":")[0] \
-            and _PORTS.match(host.rpartition(":")[2]):
+            and _PORTS.match(host.rpartition(":")[2]) and _is_ipv6_net(host.rpartition(":")[0]):
         # 2001:db8::/32:443: a port after an IPv6 prefix needs the brackets
         # (without a prefix length, 2001:db8::1:443 is an address itself).
         head, _, port = host.rpartition(":")
@@ -189,6 +200,13 @@ def parse_rule(text: str) -> Rule | NameRule:
         return NameRule(name, lo, hi, protos)
     family = FAM_V4 if net.version == 4 else FAM_V6
     return Rule(family, int(net.network_address), net.prefixlen, lo, hi, protos)
+
+
+def _is_ipv6_net(text: str) -> bool:
+    try:
+        return ipaddress.ip_network(text, strict=False).version == 6
+    except ValueError:
+        return False
 
 
 def _parse_net(text: str, host: str):

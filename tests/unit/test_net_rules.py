@@ -48,6 +48,12 @@ def test_parse_rule(text, canon, protos, ports):
     ("[2001:db8::]/32", "did you mean '[2001:db8::/32]'"),
     ("2001:db8::/32:443/tcp", "did you mean '[2001:db8::/32]:443/tcp'"),
     ("x" * 200, "longer than"),
+    # A list in one term, or a URL: said so, not taken for an IPv6 rule or a host name.
+    ("pypi.org:443/tcp,files.pythonhosted.org:443/tcp", "one rule per term: give each rule its own --allow"),
+    ("pypi.org files.pythonhosted.org", "one rule per term"),
+    ("10.0.0.0/8,10.1.0.0/16", "one rule per term"),
+    ("https://pypi.org/simple", "not a URL: did you mean 'pypi.org:443/tcp'?"),
+    ("http://example.org:8080", "not a URL: did you mean 'example.org:8080/tcp'?"),
 ])
 def test_parse_rule_rejects(text, why):
     with pytest.raises(BadRequest) as ei:
