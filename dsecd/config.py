@@ -196,10 +196,19 @@ def _validate(cfg: Config) -> None:
                                   ("daemon", "log_format", ("json", "logfmt")),
                                   ("sandbox", "backend", ("container", "microvm")),
                                   ("fncall", "qos", ("ls", "be")),
-                                  ("images", "mode", ("auto", "lazy", "eager", "direct"))):
+                                  ("images", "mode", ("auto", "lazy", "eager", "direct")),
+                                  ("net", "default_mode", ("none", "default")),
+                                  ("net", "dns_refuse", ("refused", "nxdomain"))):
         value = cfg.section(section)[key]
         if value not in allowed:
             raise ConfigError(f"{section}.{key} must be one of {', '.join(allowed)}, got {value!r}")
+    # Read when the network is first built, maybe at the first --net default
+    # create: a bad one must stop the start, not make networking unavailable.
+    ports = cfg.section("net")["publish_ports"]
+    m = re.fullmatch(r"\s*(\d{1,5})\s*(?:-\s*(\d{1,5})\s*)?", ports)
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2) or m.group(1)) <= 65535:
+        raise ConfigError(f"net.publish_ports must be a port range LO-HI (or one port) within 1-65535, "
+                          f"LO <= HI, got {ports!r}")
     if not cfg.section("fncall")["python"].strip():
         raise ConfigError("fncall.python must name the interpreter of the zygote (\"python3\"); "
                           "fncall.zygote = false turns the zygote off")

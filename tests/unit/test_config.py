@@ -131,6 +131,14 @@ def test_with_setting_adds_a_key_once_and_keeps_one_the_text_sets():
                                     "sandbox.userns_size (65536)"),
     # 0 s for the zygote to report a killed call's end: every timeout replaced the zygote.
     ("[fncall]\nkill_grace_s = 0", "'fncall.kill_grace_s' must be above zero, got 0"),
+    # Read only when the network is built: stopped at start, naming the key.
+    ('[net]\ndefault_mode = "bridge"', "net.default_mode must be one of none, default, got 'bridge'"),
+    ('[net]\ndns_refuse = "drop"', "net.dns_refuse must be one of refused, nxdomain, got 'drop'"),
+    ('[net]\npublish_ports = "abc"', "net.publish_ports must be a port range LO-HI (or one port) within "
+                                      "1-65535, LO <= HI, got 'abc'"),
+    ('[net]\npublish_ports = "40000-30000"', "net.publish_ports must be a port range"),
+    ('[net]\npublish_ports = "0-100"', "net.publish_ports must be a port range"),
+    ('[net]\npublish_ports = "30000-70000"', "net.publish_ports must be a port range"),
 ])
 def test_a_value_of_the_wrong_kind_or_range_is_an_error_naming_the_key(tmp_path, text, says):
     f = tmp_path / "c.toml"
@@ -142,6 +150,7 @@ def test_a_value_of_the_wrong_kind_or_range_is_an_error_naming_the_key(tmp_path,
 
 @pytest.mark.parametrize("text", [
     "[sandbox]\nmemory = 536870912",          # a size as bytes
+    '[net]\npublish_ports = "8080"',            # one port
     "[sandbox]\ndefault_ttl = 30",            # a duration as seconds
     "[sandbox]\ncpu = 2",                     # a whole number where a number goes
     "[cpu]\noversubscription = 0",            # 0: the check is off
