@@ -588,7 +588,7 @@ class Network:
             try:
                 nat.check_host_port(host_port, bind)
             except NatError as err:
-                raise Conflict(str(err), {"host_port": host_port}) from None
+                raise Conflict(err.strerror or str(err), {"host_port": host_port}) from None
             return int(host_port)
         lo, hi = self.publish_range
         for hp in range(lo, hi + 1):

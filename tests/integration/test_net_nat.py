@@ -192,3 +192,26 @@ def test_published_port(iworld, natd):
     with pytest.raises(OSError):
         iworld.in_bridge_netns(http_get, host)
     c.close()
+
+
+def test_a_host_port_in_use_is_refused_saying_why(iworld, natd):
+    d, c = natd
+    sb = c.create(image="busybox", net="default")
+
+    def listen() -> socket.socket:
+        s = socket.socket()
+        s.bind(("0.0.0.0", 0))
+        s.listen(1)
+        return s
+
+    held = iworld.in_bridge_netns(listen)
+    try:
+        port = held.getsockname()[1]
+        r = d.cli("port", sb.id, "8080", "--host-port", str(port))
+        err = r.stderr.decode()
+        assert r.returncode != 0 and err.startswith(f"dsec port: conflict: host port {port} on every address"), err
+        assert "Address already in use; pick another --host-port" in err and "[Errno" not in err, err
+    finally:
+        held.close()
+    assert sb.net_show()["ports"] == []
+    sb.destroy()
