@@ -687,6 +687,17 @@ async def _on_terminal(stream, a) -> int | None:
 _ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT)
 
 
+async def _say_published(sb, a) -> None:
+    """`dsec run --publish PORT`: where the host reaches each port (a host port
+    the daemon picked), on stderr as the command starts: the user knows no
+    id of the sandbox to ask `dsec port` with."""
+    if not getattr(a, "publish", None):
+        return
+    for p in (await sb.net_show()).get("ports", []):
+        print(f"dsec run: port {p['port']} of sandbox {sb.id} is published on {p['host']}", file=sys.stderr,
+              flush=True)
+
+
 async def cmd_run(c: Client, a) -> int:
     """`dsec run IMAGE [ARG...]`, as `docker run --rm`: a sandbox of the
     image, its Entrypoint and Cmd (ARGs replace Cmd) run with the output
@@ -724,6 +735,7 @@ async def cmd_run(c: Client, a) -> int:
         async with run:
             if not a.rm:
                 print(f"dsec run: sandbox {run.sandbox.id} (kept: --no-rm)", file=sys.stderr, flush=True)
+            await _say_published(run.sandbox, a)
             async for fd, data in run:
                 # In a thread: a reader that stalls our stdout must not stall the
                 # loop, which renews the sandbox's lease meanwhile.
@@ -789,6 +801,7 @@ async def _run_on_terminal(c: Client, a) -> int:
         async with run:
             if not a.rm:
                 print(f"dsec run: sandbox {run.sandbox.id} (kept: --no-rm)", file=sys.stderr, flush=True)
+            await _say_published(run.sandbox, a)
             ended_by = await _on_terminal(run.stream, a)
     except BadRequest as err:
         _cli_run_hint(err, a.image)

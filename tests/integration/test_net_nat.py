@@ -6,6 +6,7 @@ traffic, route or rule ever touches the host's own interfaces or ruleset:
 the test checks the host's ruleset is the same before and after.
 """
 
+import re
 import signal
 import socket
 import subprocess
@@ -215,3 +216,12 @@ def test_a_host_port_in_use_is_refused_saying_why(iworld, natd):
         held.close()
     assert sb.net_show()["ports"] == []
     sb.destroy()
+
+
+def test_run_with_publish_says_where_the_port_is(iworld, natd):
+    d, c = natd
+    r = d.cli("run", "--net", "default", "--publish", "8080", "busybox", "--", "echo", "up")
+    err = r.stderr.decode()
+    assert (r.returncode, r.stdout) == (0, b"up\n"), err
+    assert re.fullmatch(rf"dsec run: port 8080 of sandbox \w+ is published on 10\.{iworld.octet}\.0\.1:\d+\n", err), err
+    assert c.list() == []
