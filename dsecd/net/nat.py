@@ -143,6 +143,14 @@ def default_route_ifname(ns_path: str | None) -> str:
                    "set net.uplink to an interface name, or \"\" for no egress NAT")
 
 
+def link_exists(ns_path: str | None, ifname: str) -> bool:
+    """An interface named `ifname` is in the netns (now)."""
+    from pyroute2 import IPRoute
+
+    with IPRoute(fileno=netlink_socket(ns_path).detach(), groups=0) as ipr:
+        return bool(ipr.link_lookup(ifname=ifname))
+
+
 def enable_ip_forward(ns_path: str | None) -> bool:
     """net.ipv4.ip_forward = 1 in the netns (per netns; /proc/sys/net follows the
     opening thread's netns). True if this call turned it on."""
@@ -204,6 +212,10 @@ class HostNat:
             self._handles.clear()
             self.started = True
         if self.uplink:
+            if not link_exists(self.ns_path, self.uplink):
+                log.warning("net.uplink = %s: %s has no interface %s: nothing the sandboxes send beyond the "
+                            "bridge is masqueraded until one of that name appears (their connections time "
+                            "out); `ip link` lists the interfaces", self.uplink_cfg, self._where(), self.uplink)
             if enable_ip_forward(self.ns_path):
                 log.warning("net.uplink = %s: turned net.ipv4.ip_forward on in %s (sandboxes' traffic is "
                             "routed out of %s, masqueraded); dsecd leaves it on at stop",

@@ -139,6 +139,20 @@ def test_uplink_off_is_unreachable(iworld, daemon_factory, busybox_rootfs):
         c.close()
 
 
+def test_an_uplink_that_is_not_there_is_said_at_start(iworld, daemon_factory):
+    cfg = dict(iworld.cfg, ipv4_pool=f"10.{iworld.octet}.4.0/24")
+    d = daemon_factory(_toml_net(cfg).replace("[net]\n", '[net]\nuplink = "upx9"\n'))
+    log = d.log.read_text()
+    assert "has no interface upx9: nothing the sandboxes send beyond the bridge is masqueraded" in log, log[-2000:]
+    c = d.client()
+    try:
+        assert c.info()["net"]["nat"]["uplink"] == "upx9"
+    finally:
+        c.close()
+    d.stop(signal.SIGTERM)
+    assert "dsecd" not in ruleset(iworld.br_ns)
+
+
 def _serve_http(sb, port: int) -> None:
     sb.exec(["sh", "-c", "mkdir -p /tmp/www && echo sandbox-page > /tmp/www/index.html"])
     sb.exec(["sh", "-c", f"setsid httpd -p {port} -h /tmp/www </dev/null >/dev/null 2>&1 &"])
