@@ -428,9 +428,13 @@ async def cmd_policy(c: Client, a) -> int:
 
 def net_set_summary(sb_id: str, view: dict) -> str:
     """One line after `dsec net set`: the rules as given (a set name such as
-    pypi is one rule here, however many addresses or names it expands to)."""
+    pypi is one rule here, however many addresses or names it expands to),
+    and the daemon's net.essentials, which every policy has besides them."""
     terms = view.get("terms", [])
-    return f"{sb_id}: {len(terms)} rule(s): {' '.join(terms) or '(none)'}"
+    line = f"{sb_id}: {len(terms)} rule(s): {' '.join(terms) or '(none)'}"
+    if view.get("essentials"):
+        line += f"; in force besides: {' '.join(view['essentials'])} (net.essentials)"
+    return line
 
 
 async def cmd_net(c: Client, a) -> int:

@@ -32,6 +32,10 @@ def test_net_set_counts_the_rules_it_lists():
             "terms": ["10.1.2.0/24:443/tcp", "pypi", "*.pythonhosted.org:443/tcp"]}
     assert net_set_summary("abc", view) == "abc: 3 rule(s): 10.1.2.0/24:443/tcp pypi *.pythonhosted.org:443/tcp"
     assert net_set_summary("abc", {"rules": [], "terms": []}) == "abc: 0 rule(s): (none)"
+    # net.essentials stay in force whatever the terms: said, not hidden behind "(none)".
+    view = {"terms": [], "essentials": ["10.9.0.0/16:443/tcp"]}
+    assert net_set_summary("abc", view) == \
+        "abc: 0 rule(s): (none); in force besides: 10.9.0.0/16:443/tcp (net.essentials)"
 
 
 def test_logs_json_is_one_object_per_chunk():
