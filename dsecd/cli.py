@@ -143,12 +143,41 @@ async def cmd_info(c: Client, a) -> int:
         if "denials" in p:
             d = p["denials"]
             print(f"  denials: {d['total']} counted; monitor {d['monitor']}")
+    if "net" in info:
+        for line in net_info_lines(info["net"]):
+            print(line)
     if "fncall" in info:
         f = info["fncall"]
         print(f"fncall: {f['calls']} calls ({f['zygote_calls']} zygote, {f['plain_calls']} plain, "
               f"{f.get('plain_calls_by_init', 0)} of them forked by init), "
               f"{f['inflight']} in flight, zygotes started {f['zygotes_started']} replaced {f['zygotes_replaced']}")
     return 0
+
+
+def net_info_lines(net: dict) -> list[str]:
+    """`dsec info`'s networking (info's "net"): whether --net default works
+    and why not, what is still starting, the netns pool, resolver and NAT."""
+    state = {True: "available: ", False: "unavailable: "}.get(net.get("available"), "")
+    out = [f"net: {state}{net.get('detail', '')}"]
+    if net.get("starting"):
+        out.append(f"  starting   {', '.join(net['starting'])}")
+    if "pool" in net:
+        p = net["pool"]
+        out.append(f"  pool       {p.get('ready', 0)} ready of {p.get('size', 0)}, {p.get('taken', 0)} taken, "
+                   f"{p.get('misses', 0)} misses, {p.get('failed', 0)} failed"
+                   + (f" (last error: {p['last_error']})" if p.get("last_error") else ""))
+    dns = net.get("dns")
+    if dns is not None:
+        out.append(f"  resolver   {dns['address']} -> {', '.join(dns.get('upstreams', []))}" if "address" in dns
+                   else f"  resolver   {dns.get('error', 'off')}")
+    nat = net.get("nat")
+    if nat is not None:
+        if nat.get("table"):
+            out.append(f"  nat        table {nat['table']}, uplink {nat.get('uplink') or '(none)'}, "
+                       f"{nat.get('published', 0)} port(s) published")
+        else:
+            out.append(f"  nat        {nat.get('detail') or 'off'}")
+    return out
 
 
 def _print_cpu_info(cpu: dict) -> None:

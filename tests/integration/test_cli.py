@@ -65,7 +65,7 @@ def test_rm_all_and_info(daemon):
     assert {"overlayfs", "pidfd", "openat2", "damon", "bpf_cgroup", "landlock", "seccomp", "kvm",
             "swap", "erofs_file_backed", "fuse"} <= set(info["features"])
     text = daemon.cli("info").stdout.decode()
-    assert "kernel" in text and "features:" in text
+    assert "kernel" in text and "features:" in text and "\nnet: " in text
 
 
 def test_bad_cli_input_is_reported(daemon):

@@ -59,3 +59,27 @@ def test_an_argv_value_is_shell_words_or_a_json_array():
                       ("'open", "quote it"), ("  ", "is empty")):
         with pytest.raises(UsageError, match=says):
             argv_value(bad, "--cmd")
+
+
+def test_info_says_how_networking_is():
+    from dsecd.cli import net_info_lines
+    up = {"available": True, "detail": "bridge dsec0, 10.88.0.0/16, eBPF allowlists loaded",
+          "pool": {"size": 8, "ready": 6, "taken": 3, "misses": 1, "failed": 0},
+          "dns": {"address": "10.88.0.1:53", "upstreams": ["192.0.2.53:53"], "queries": 4},
+          "nat": {"table": "inet dsecd", "uplink": "eth0", "published": 2, "ports": 2},
+          "starting": ["filling the netns pool"]}
+    assert net_info_lines(up) == [
+        "net: available: bridge dsec0, 10.88.0.0/16, eBPF allowlists loaded",
+        "  starting   filling the netns pool",
+        "  pool       6 ready of 8, 3 taken, 1 misses, 0 failed",
+        "  resolver   10.88.0.1:53 -> 192.0.2.53:53",
+        "  nat        table inet dsecd, uplink eth0, 2 port(s) published"]
+    no_dns = {**up, "dns": {"error": "net.dns_upstreams: 'x' is not an address[:port]"},
+              "nat": {"uplink": "", "detail": "net.uplink is off: no egress NAT"}}
+    assert net_info_lines(no_dns)[3:] == ["  resolver   net.dns_upstreams: 'x' is not an address[:port]",
+                                          "  nat        net.uplink is off: no egress NAT"]
+    # Why --net default is refused is the first thing said.
+    assert net_info_lines({"available": False, "detail": "no cgroup v2 hierarchy"}) == \
+        ["net: unavailable: no cgroup v2 hierarchy"]
+    assert net_info_lines({"available": None, "detail": "not started yet (on the first --net default create)"}) \
+        == ["net: not started yet (on the first --net default create)"]
