@@ -1076,11 +1076,18 @@ class Network:
         record written after holds only what sb.ports has."""
         for pub in rec.get("ports", []):
             try:
+                nat = self._nat_table()
+                # While no daemon ran (its table goes at stop) a process of the
+                # host side may have taken the port: the DNAT would hide it.
+                nat.check_host_port(int(pub["host_port"]), pub.get("bind", ""))
                 with self._lock:
-                    self._publish_rules(self._nat_table(), sb, dict(pub))
+                    self._publish_rules(nat, sb, dict(pub))
             except (OSError, DsecError) as err:     # the port stays closed; the sandbox keeps the rest
-                log.error("sandbox %s: publish port %s on host port %s again after the restart: %s",
-                          sb.id, pub.get("port"), pub.get("host_port"), err)
+                why = (err.strerror if isinstance(err, OSError) else None) or str(err)
+                log.error("sandbox %s: port %s not published again after the restart (host port %s): %s; "
+                          "`dsec port %s %s` publishes it on a free one", sb.id, pub.get("port"),
+                          pub.get("host_port"), why.removesuffix("; pick another --host-port"), sb.id,
+                          pub.get("port"))
 
 
     def _carry_marks(self, cgroup_dir: str, previous: dict) -> None:

@@ -239,3 +239,37 @@ def test_run_with_publish_says_where_the_port_is(iworld, natd):
     assert (r.returncode, r.stdout) == (0, b"up\n"), err
     assert re.fullmatch(rf"dsec run: port 8080 of sandbox \w+ is published on 10\.{iworld.octet}\.0\.1:\d+\n", err), err
     assert c.list() == []
+
+
+def test_a_host_port_taken_while_no_daemon_ran_is_not_published_over(iworld, natd):
+    d, c = natd
+    sb = c.create(image="busybox", net="default", publish=[8080])
+    _serve_http(sb, 8080)
+    hp = int(sb.get_host(8080).rsplit(":", 1)[1])
+    c.close()
+    d.stop(signal.SIGTERM)            # the table goes with the daemon: the port is free on the host side
+
+    def listen() -> socket.socket:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", hp))
+        s.listen(1)
+        return s
+
+    held = iworld.in_bridge_netns(listen)
+    try:
+        d.start()
+        c = d.client()
+        sb = c.get(sb.id)
+        # Not DNATed over the process that listens there now; the log says why and what to do.
+        assert sb.net_show()["ports"] == []
+        assert f"dport {hp} " not in ruleset(iworld.br_ns)
+        assert f"port 8080 not published again after the restart (host port {hp})" in d.log.read_text()
+        # Asked again, it goes on a free host port, and serves there.
+        host = sb.get_host(8080)
+        assert int(host.rsplit(":", 1)[1]) != hp
+        assert "sandbox-page" in iworld.in_bridge_netns(http_get, host)
+        sb.destroy()
+        c.close()
+    finally:
+        held.close()
