@@ -36,6 +36,7 @@ import errno
 import json
 import os
 import posixpath
+import re
 import secrets
 import select
 import shlex
@@ -1739,6 +1740,22 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _sandbox_port(text: str) -> int:
+    """--publish PORT: the sandbox's port alone; docker's HOST:PORT and PORT/udp
+    are refused saying what dsec takes instead."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    if re.fullmatch(r"(?:[\d.]+:)?\d+:\d+", text):
+        raise argparse.ArgumentTypeError(
+            f"takes the sandbox's port alone, got {text!r}: the daemon picks the host port "
+            f"(net.publish_ports); to choose it, `dsec port SB {text.rsplit(':', 1)[1]} --host-port "
+            f"{text.rsplit(':', 2)[-2]}` after the create")
+    raise argparse.ArgumentTypeError(f"takes a TCP port of the sandbox (1-65535; UDP is not published), "
+                                     f"got {text!r}")
+
+
 def _backend_option(p: argparse.ArgumentParser) -> None:
     """--backend of `dsec create` and `dsec run` (`dsec fleet create` has its own)."""
     p.add_argument("--backend", choices=["container", "microvm"], help="container: namespaces and cgroups; "
@@ -1773,7 +1790,7 @@ def _create_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow", action="append", metavar="RULE", help="egress rule (CIDR or host name, "
                    "'*.name' for every name below: ADDR[:port[-port]][/tcp|udp]) "
                    "or rule-set name (repeatable)")
-    p.add_argument("--publish", action="append", type=int, metavar="PORT", help="make this TCP port of the "
+    p.add_argument("--publish", action="append", type=_sandbox_port, metavar="PORT", help="make this TCP port of the "
                    "sandbox reachable from the host (on a host port the daemon picks; `dsec net show`, "
                    "`dsec port`); needs --net default (repeatable)")
     p.add_argument("--ttl", help="max lifetime, e.g. 2h")

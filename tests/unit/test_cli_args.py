@@ -214,6 +214,16 @@ def test_usage_errors_of_commands_that_run_a_command_exit_125(args):
     assert "cannot connect" not in r.stderr          # said before the daemon is asked anything
 
 
+@pytest.mark.parametrize("value, says", [
+    ("8080:80", "takes the sandbox's port alone, got '8080:80': the daemon picks the host port "
+                "(net.publish_ports); to choose it, `dsec port SB 80 --host-port 8080` after the create"),
+    ("53/udp", "takes a TCP port of the sandbox (1-65535; UDP is not published), got '53/udp'"),
+])
+def test_publish_takes_the_sandbox_port_and_says_so(value, says):
+    r = _dsec("create", "--image", "img", "--net", "default", "--publish", value)
+    assert r.returncode == 2 and f"argument --publish: {says}" in r.stderr, r.stderr
+
+
 def test_usage_errors_of_other_commands_exit_2():
     assert _dsec("ps", "--bogus").returncode == 2
     r = _dsec("cp", "a", "b")
