@@ -1688,7 +1688,7 @@ def verb_options(parser: argparse.ArgumentParser, verb: str) -> frozenset[str]:
 
 # dsec's global options that take a value, and `dsec fleet`'s.
 GLOBAL_VALUED = frozenset({"--socket", "--host", "--ssh-config", "--remote-dsec"})
-FLEET_VALUED = frozenset({"--hosts"})
+FLEET_VALUED = frozenset({"--hosts", "--connect-timeout"})
 
 
 def find_verb(argv: list[str], valued: frozenset[str] = GLOBAL_VALUED) -> int | None:
@@ -2041,7 +2041,25 @@ def build_fleet_parser() -> argparse.ArgumentParser:
     p.add_argument("--hosts", default=os.environ.get("DSEC_HOSTS") or None, metavar="H1,H2,...",
                    help="the fleet: ssh://[user@]host[:port] or bare host names, comma-separated "
                    "(env DSEC_HOSTS)")
+    p.add_argument("--connect-timeout", type=_positive_seconds, default=FLEET_CONNECT_TIMEOUT_S, metavar="S",
+                   help=f"how long a host may take to answer before the command goes on without it "
+                   f"(default {FLEET_CONNECT_TIMEOUT_S:g}); a host that hangs costs every command this long")
     return p
+
+
+# A one-shot fleet command waits this long for each host (ssh, then the
+# daemon's hello), all at once: a host that hangs delays it by that much.
+FLEET_CONNECT_TIMEOUT_S = 15.0
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds above 0")
+    return value
 
 
 FLEET_HELP = """\
@@ -2155,6 +2173,7 @@ def _parse_fleet_args(argv: list[str], at: int) -> argparse.Namespace:
             build_fleet_parser().error(f"--hosts: {host} is given twice (a bare name is ssh://name)")
         seen.add(fleet_target(host))
     a.json = a.json or getattr(f, "json", False)
+    a.connect_timeout = f.connect_timeout
     return a
 
 

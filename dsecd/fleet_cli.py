@@ -38,7 +38,7 @@ from .topview import SORTS
 async def run(a, commands: dict, named, ssh: SshOptions) -> int:
     """Run command `a` across the fleet `a.fleet`. commands: dsec's own
     (verb -> coroutine(client, a)); named(a): the sandbox ids `a` names."""
-    async with Fleet(a.fleet, ssh=ssh, name=f"dsec fleet {a.cmd}", connect_timeout=15) as fleet:
+    async with Fleet(a.fleet, ssh=ssh, name=f"dsec fleet {a.cmd}", connect_timeout=a.connect_timeout) as fleet:
         for host in fleet.hosts.values():
             # One command: nothing here connects again, as a long-lived Fleet would.
             host.client.lost_advice = f"run the command again once {host.name} answers"

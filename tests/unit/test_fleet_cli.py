@@ -358,3 +358,22 @@ def _fleet_cli_fails(daemon, path: str, argv: list[str], raises: type) -> str:
             server.close()
 
     return asyncio.run(go())
+
+
+def test_a_fleet_command_waits_for_a_hung_host_only_as_long_as_asked(tmp_path):
+    async def hung(reader, writer):          # takes the connection, never says hello
+        await asyncio.sleep(30)
+
+    from dsecd.errors import HostsDown
+
+    path = str(tmp_path / "hung.sock")
+    said = _fleet_cli_fails(hung, path, ["fleet", "--hosts", path, "--connect-timeout", "0.4", "ps"], HostsDown)
+    assert "did not answer in 0.4 s" in said, said
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon"])
+def test_a_bad_connect_timeout_is_a_usage_error(value, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["fleet", "--hosts", "h1", "--connect-timeout", value, "ps"])
+    assert e.value.code == 2 and "--connect-timeout" in capsys.readouterr().err
+    assert cli.parse_args(["fleet", "--hosts", "h1", "ps"]).connect_timeout == cli.FLEET_CONNECT_TIMEOUT_S
