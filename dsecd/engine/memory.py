@@ -407,13 +407,13 @@ class MemoryService:
         async with sb.lock:
             if sb.state != "paused" or not (sb.pause_record or {}).get("vm_stopped") or sb.handle is None:
                 return
-            if sb.execs or self.vms.watching(sb) or self.vms.file_ops(sb):
+            if sb.execs or self.vms.watching(sb) or self.vms.requests_under_way(sb):
                 # A save would end them (a watch) or is refused (an exec), or
-                # would wait for file requests the stopped guest cannot answer:
+                # would wait for requests the stopped guest cannot answer:
                 # stopped, they go on after the job's resume.
                 log.info("job-paused microVM %s keeps its QEMU (vCPUs stopped): %d exec(s), %d file "
-                         "watch(es) and %d file request(s) wait for its resume on its agent's channel", sb.id,
-                         sb.execs, self.vms.watching(sb), self.vms.file_ops(sb))
+                         "watch(es) and %d file or process request(s) wait for its resume on its agent's "
+                         "channel", sb.id, sb.execs, self.vms.watching(sb), self.vms.requests_under_way(sb))
                 return
             try:
                 rec = await self.vms.pause(sb)

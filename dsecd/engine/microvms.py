@@ -62,9 +62,9 @@ GUEST_RESERVE_MAX = 64 << 20
 # A file of a directory copy at least this big is checked against the
 # guest's memory before it is sent (smaller ones meet the layer's cap).
 PUT_CHECK_BYTES = 1 << 20
-# How long a pause waits for the VM's file requests under way (a chunk of
-# limits.max_file_chunk_bytes takes about a second under TCG).
-FILES_SETTLE_S = 30.0
+# How long a pause waits for the VM's agent requests under way (a file
+# chunk of limits.max_file_chunk_bytes takes about a second under TCG).
+REQUESTS_SETTLE_S = 30.0
 
 
 class VmExec:
@@ -133,10 +133,11 @@ class MicroVMService:
         # sandbox id -> the guest children of its running file watches (start_watch):
         # a pause ends them (_end_watches).
         self._watches: dict[str, set[AgentExec]] = {}
-        # sandbox id -> its file requests under way (file_op), and the event
-        # a pause waits on for the last of them to end (_files_settled).
-        self._file_ops: dict[str, int] = {}
-        self._files_idle: dict[str, asyncio.Event] = {}
+        # sandbox id -> its agent requests under way that a pause must not
+        # cut (file ops, background process starts and kills: request_running),
+        # and the event a pause waits on for the last of them to end (_requests_settled).
+        self._requests: dict[str, int] = {}
+        self._requests_idle: dict[str, asyncio.Event] = {}
 
     def info(self) -> dict:
         if self.backend is None:
@@ -342,7 +343,7 @@ class MicroVMService:
         if sb.execs:
             raise Conflict(f"sandbox {sb.id} has {sb.execs} running exec(s); a microVM pauses only idle "
                            "(its agent's channel does not survive the stop)", {"sandbox": sb.id})
-        await self._files_settled(sb)
+        await self._requests_settled(sb)
         await self._end_watches(sb)
         image = h.vm_dir / "paused.ram"
         t0 = time.monotonic()
@@ -360,36 +361,40 @@ class MicroVMService:
         return {"vm_image": str(image), "image_bytes": size, "save_s": round(saved - t0, 4),
                 "stop_s": round(time.monotonic() - saved, 4)}
 
-    async def _files_settled(self, sb: Sandbox) -> None:
-        """Wait for the VM's file requests under way to be answered (the
+    async def _requests_settled(self, sb: Sandbox) -> None:
+        """Wait for the VM's agent requests under way to be answered (the
         caller holds the sandbox's lock, so no new one starts: ensure_running
         waits for it). A QEMU ended while a request's frame was on its way
         would leave the guest agent half a frame, which it would take the
-        resume's HELLO for the rest of: the VM would never answer again."""
-        if not self._file_ops.get(sb.id):
+        resume's HELLO for the rest of: the VM would never answer again. And
+        a process start cut there could not be sent again: it may have run."""
+        if not self._requests.get(sb.id):
             return
-        idle = self._files_idle.setdefault(sb.id, asyncio.Event())
+        idle = self._requests_idle.setdefault(sb.id, asyncio.Event())
         try:
-            await asyncio.wait_for(idle.wait(), FILES_SETTLE_S)
+            await asyncio.wait_for(idle.wait(), REQUESTS_SETTLE_S)
         except TimeoutError:
-            raise Conflict(f"sandbox {sb.id} has file requests under way for {FILES_SETTLE_S:.0f}s; a microVM "
-                           "pauses only idle (its agent's channel does not survive the stop); retry",
+            raise Conflict(f"sandbox {sb.id} has file or process requests under way for {REQUESTS_SETTLE_S:.0f}s; "
+                           "a microVM pauses only idle (its agent's channel does not survive the stop); retry",
                            {"sandbox": sb.id}) from None
 
-    def file_ops(self, sb: Sandbox) -> int:
-        """How many file requests to the VM are under way."""
-        return self._file_ops.get(sb.id, 0)
+    def requests_under_way(self, sb: Sandbox) -> int:
+        """How many agent requests a pause waits for are under way in the VM."""
+        return self._requests.get(sb.id, 0)
 
     @contextlib.contextmanager
-    def _file_op_running(self, sb: Sandbox):
-        self._file_ops[sb.id] = self._file_ops.get(sb.id, 0) + 1
+    def request_running(self, sb: Sandbox):
+        """Count an agent request a pause must wait for, from the caller's
+        first step (before its first await, so that a pause that takes the
+        sandbox's lock after the caller's ensure_running waits for it)."""
+        self._requests[sb.id] = self._requests.get(sb.id, 0) + 1
         try:
             yield
         finally:
-            left = self._file_ops.pop(sb.id) - 1
+            left = self._requests.pop(sb.id) - 1
             if left:
-                self._file_ops[sb.id] = left
-            elif (idle := self._files_idle.pop(sb.id, None)) is not None:
+                self._requests[sb.id] = left
+            elif (idle := self._requests_idle.pop(sb.id, None)) is not None:
                 idle.set()
 
     async def _end_watches(self, sb: Sandbox) -> None:
@@ -957,7 +962,7 @@ class MicroVMService:
         file_remove, file_rename (their checks done by FileService).
         Counted before its first await, so that a pause that takes the
         sandbox's lock after the caller's ensure_running waits for it."""
-        with self._file_op_running(sb):
+        with self.request_running(sb):
             return await self._file_op(sb, req)
 
     async def _file_op(self, sb: Sandbox, req) -> dict:

@@ -170,7 +170,12 @@ class VmProcs:
     # ------------------------------------------------------------ verbs
 
     async def start(self, sb: Sandbox, req, env: list[str], cwd: str, ids: users.ProcessIds) -> tuple[int, dict]:
-        """Start it in the guest and attach to it: (pid, its record)."""
+        """Start it in the guest: (pid, its record). A pause waits for the
+        start's answer (it could not be sent again: it may have run)."""
+        with self.svc.vms.request_running(sb):
+            return await self._start(sb, req, env, cwd, ids)
+
+    async def _start(self, sb: Sandbox, req, env: list[str], cwd: str, ids: users.ProcessIds) -> tuple[int, dict]:
         await self.settled(sb)
         link = self._link(sb)
         check_groups_sent(sb, link, ids)
@@ -220,9 +225,10 @@ class VmProcs:
 
     async def kill(self, sb: Sandbox, proc, signum: int) -> bool:
         await self.svc.ensure_running(sb, "proc_kill")
-        await self.settled(sb)
         try:
-            r = await self._link(sb).request(wire.PROC_KILL, wire.u64(proc.pid), wire.u64(signum))
+            with self.svc.vms.request_running(sb):       # a pause waits for the signal to be sent
+                await self.settled(sb)
+                r = await self._link(sb).request(wire.PROC_KILL, wire.u64(proc.pid), wire.u64(signum))
         except AgentGone as err:
             raise Conflict(f"sandbox {sb.id} is exiting: {err}", {"sandbox": sb.id}) from err
         except AgentError as err:

@@ -170,6 +170,31 @@ def test_a_pause_during_a_file_write_waits_for_it_and_the_vm_resumes(vmd):
         sb.destroy(force=True)
 
 
+def test_a_pause_racing_background_starts_and_kills_waits_for_them(vmd):
+    """A pause that ended QEMU while a background process's start (or its
+    kill) was on its way to the agent failed that request with "exiting",
+    and a start cannot be sent again (it may have run). The pause waits
+    for them, as for file requests: both succeed, every round."""
+    d, c = vmd
+    sb = _vm(c)
+
+    async def rounds():
+        async with dsecd.Client(d.socket) as ac:
+            vm = await ac.get(sb.id)
+            for i in range(4):
+                proc, paused = await asyncio.gather(vm.spawn(["sleep", "600"]), vm.pause())
+                assert paused["state"] == "paused" and proc.pid > 0, (i, paused)
+                await vm.resume()
+                sent, paused = await asyncio.gather(proc.kill(), vm.pause())
+                assert paused["state"] == "paused", (i, paused)
+                await vm.resume()
+
+    try:
+        asyncio.run(rounds())
+    finally:
+        sb.destroy(force=True)
+
+
 def test_a_daemon_killed_during_a_file_write_leaves_a_vm_the_next_one_reaches(vmd):
     """The killed daemon's connection ended in the middle of a write's
     frame; the agent drops what it held of it when its host goes, so the

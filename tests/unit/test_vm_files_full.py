@@ -81,7 +81,7 @@ def test_reading_a_fifo_says_what_it_is_as_a_containers_does():
     from dsecd.protocol import FileRead, FileWrite
 
     svc = object.__new__(MicroVMService)
-    svc._file_ops, svc._files_idle, svc.balloon = {}, {}, None
+    svc._requests, svc._requests_idle, svc.balloon = {}, {}, None
     link = _FifoLink()
     svc.agent = lambda sb: link
     sb = _vm(128 << 20)
