@@ -197,11 +197,16 @@ def _validate(cfg: Config) -> None:
                                   ("sandbox", "backend", ("container", "microvm")),
                                   ("fncall", "qos", ("ls", "be")),
                                   ("images", "mode", ("auto", "lazy", "eager", "direct")),
+                                  ("memory", "prefetch", ("populate", "willneed", "both", "none")),
+                                  ("memory.damon", "operations", ("paddr", "vaddr")),
                                   ("net", "default_mode", ("none", "default")),
                                   ("net", "dns_refuse", ("refused", "nxdomain"))):
-        value = cfg.section(section)[key]
+        value = _table(cfg, section)[key]
         if value not in allowed:
             raise ConfigError(f"{section}.{key} must be one of {', '.join(allowed)}, got {value!r}")
+    for method in cfg.section("memory")["v1_reclaim"]:
+        if method not in ("pageout", "limit", "force_empty"):
+            raise ConfigError(f"memory.v1_reclaim must name only pageout, limit, force_empty, got {method!r}")
     # Read when the network is first built, maybe at the first --net default
     # create: a bad one must stop the start, not make networking unavailable.
     ports = cfg.section("net")["publish_ports"]
@@ -226,6 +231,14 @@ def _validate(cfg: Config) -> None:
         policy.named(cfg.raw.get("policy", {}))
     except policy.PolicyError as err:
         raise ConfigError(str(err)) from err
+
+
+def _table(cfg: Config, dotted: str) -> dict:
+    """The table `dotted` names ("memory.damon": [memory.damon])."""
+    table = cfg.raw
+    for part in dotted.split("."):
+        table = table[part]
+    return table
 
 
 def with_setting(text: str, section: str, key: str, value: str | None) -> str:

@@ -124,6 +124,13 @@ def test_with_setting_adds_a_key_once_and_keeps_one_the_text_sets():
     ('[fncall]\nrlimit_as = "1X"', "'fncall.rlimit_as' must be a size"),
     ('[fncall]\ntmp_size = "0"', "'fncall.tmp_size' must be above zero"),
     ('[fncall]\nqos = "x"', "fncall.qos must be one of ls, be, got 'x'"),
+    # Names read only where they are used: a bad one stopped the start with a
+    # traceback, or failed every create that took the default.
+    ('[memory]\nprefetch = "always"', "memory.prefetch must be one of populate, willneed, both, none, got 'always'"),
+    ('[memory.damon]\noperations = "x"', "memory.damon.operations must be one of paddr, vaddr, got 'x'"),
+    ('[memory]\nv1_reclaim = ["drop"]', "memory.v1_reclaim must name only pageout, limit, force_empty, got 'drop'"),
+    ('[net]\ndefault_mode = "bridge"', "net.default_mode must be one of none, default, got 'bridge'"),
+    ('[net]\ndns_refuse = "drop"', "net.dns_refuse must be one of refused, nxdomain, got 'drop'"),
     ('[fncall]\npython = ""', "fncall.python must name the interpreter"),
     ("[fncall]\nuid_base = -1", "'fncall.uid_base' must be zero or more, got -1"),
     # Calls run under ids of their call sandbox's user namespace.
