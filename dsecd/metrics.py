@@ -50,6 +50,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.utils import floatToGoString
 
 from . import __version__, unixsock
+from .protocol import ANY_STATE
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,10 @@ class NodeCollector:
         info.add_metric([__version__], 1)
         yield info
         live = _gauge("dsecd_sandboxes", "Sandboxes by state and QoS class", ["state", "qos"])
-        for (state, qos), n in sorted(s.states.items()):
+        # Every state of both classes, 0 when none is in it: a series that
+        # vanished would be "no data" to Prometheus, not 0.
+        counts = {(state, qos): 0 for state in ANY_STATE for qos in ("be", "ls")} | s.states
+        for (state, qos), n in sorted(counts.items()):
             live.add_metric([state, qos], n)
         yield live
         conns = _gauge("dsecd_connections", "Client connections open")

@@ -83,6 +83,17 @@ def test_the_figures_services_keep_become_series(monkeypatch):
     assert not any(name.startswith("dsecd_sandbox_cpu_percent") for name, _ in _samples(text))
 
 
+def test_sandbox_counts_go_back_to_zero_when_none_are_left(monkeypatch):
+    # A state with no sandbox left must read 0, not vanish: a vanished series
+    # is "no data" to Prometheus, and the last paused sandbox resumed would
+    # leave the dashboard's paused line at its old value until it went stale.
+    monkeypatch.setattr(metrics.COLLECTOR, "snapshot", metrics.Snapshot())
+    text = metrics.render()[0].decode()
+    for state in ("creating", "running", "paused", "stopping"):
+        for qos in ("be", "ls"):
+            assert _value(text, "dsecd_sandboxes", state=state, qos=qos) == 0
+
+
 def test_per_sandbox_series_only_when_asked(monkeypatch):
     snap = metrics.Snapshot(sandboxes=[{"id": "ab12", "qos": "be", "cpu_pct": 12.5, "throttled_pct": None,
                                         "memory": 4096, "memory_limit": 1 << 20}])
