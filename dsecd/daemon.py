@@ -8,7 +8,7 @@ metrics.listen) -> READY=1 to systemd (dsecd/sdnotify.py; nothing without
 $NOTIFY_SOCKET). From then on a loop monitor (dsecd/looplag.py) measures the
 event loop's lag and sends systemd WATCHDOG=1 and STATUS=. SIGTERM/SIGINT
 stop the daemon and leave every sandbox running; the next daemon re-adopts
-them from the journal.
+them from the journal. SIGHUP only logs that nothing is reloaded.
 
 A start that fails says why in one log line (level critical) and exits 1.
 """
@@ -114,6 +114,9 @@ async def serve(cfg) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # SIGHUP's default would end the daemon without a word, and systemd
+    # takes a death by SIGHUP for a clean exit (no Restart=on-failure).
+    loop.add_signal_handler(signal.SIGHUP, sighup)
     log.info("dsecd ready: %d sandboxes adopted, pid %d", len(node.registry.by_id), os.getpid(),
              extra={"fields": {"event": "ready", "adopted": len(node.registry.by_id), "pid": os.getpid(),
                                "config": cfg.path, "socket": cfg.socket,
@@ -128,6 +131,11 @@ async def serve(cfg) -> None:
     await server.stop()
     await node.close()
     notifier.close()
+
+
+def sighup() -> None:
+    log.warning("SIGHUP: dsecd does not reload its config; restart it to apply a change "
+                "(systemctl restart dsecd: sandboxes keep running)", extra={"fields": {"event": "sighup"}})
 
 
 async def start_metrics(cfg, node: Node, server: Server):

@@ -358,6 +358,21 @@ def test_ready_after_readoption_then_status_watchdog_and_stopping(daemon_factory
     c.close()
 
 
+def test_sighup_leaves_the_daemon_serving_and_says_it_did_not_reload(daemon_factory, busybox_rootfs):
+    """A `kill -HUP` (the habit of asking a daemon to reload) ended dsecd
+    with no log line, and systemd counts a death by SIGHUP as a clean exit:
+    Restart=on-failure did not start it again."""
+    d = daemon_factory()
+    d.proc.send_signal(signal.SIGHUP)
+    said = wait_for(lambda: [line for line in log_lines(d) if line.get("event") == "sighup"], timeout=5)
+    assert d.proc.poll() is None, "SIGHUP ended the daemon"
+    assert said and said[0]["level"] == "warning" and "restart" in said[0]["msg"], said
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    assert c.create(image="busybox").exec(["true"]).exit_code == 0
+    c.close()
+
+
 # ---------------------------------------------------------------- dsec top
 
 def test_top_piped_prints_one_snapshot(daemon, client):
