@@ -101,8 +101,20 @@ async def serve(cfg) -> None:
     await node.start()
     server = Server(node, cfg.socket, cfg.section("daemon")["socket_group"], cfg.section("limits"),
                     cfg.size("limits", "max_frame_bytes"))
-    await server.start()
-    exporter = await start_metrics(cfg, node, server)
+    try:
+        await server.start()
+        try:
+            exporter = await start_metrics(cfg, node, server)
+        except BaseException:
+            await server.stop()
+            raise
+    except BaseException:
+        # As a clean stop: else the next daemon takes this one for a death
+        # (output of background processes marked lost, execs killed). The
+        # server's stop is only for a server that started: a socket path
+        # another daemon serves is that daemon's.
+        await node.close()
+        raise
     monitor = node.loop_monitor = LoopMonitor(notifier, lambda: node.status_line(len(server.connections)))
     monitor.start()
     # What start-up made (modules, config, re-adopted sandboxes) lives as long

@@ -14,6 +14,7 @@ test's own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -370,6 +371,38 @@ def test_sighup_leaves_the_daemon_serving_and_says_it_did_not_reload(daemon_fact
     c = d.client()
     c.import_image(busybox_rootfs, "busybox")
     assert c.create(image="busybox").exec(["true"]).exit_code == 0
+    c.close()
+
+
+def test_a_metrics_address_in_use_stops_the_start_cleanly(daemon_factory, busybox_rootfs):
+    """The endpoint is bound after the sandboxes are adopted and the socket
+    serves: a start that fails there must still stop as a clean stop does,
+    or the next daemon takes it for a death (its background processes'
+    output marked lost, their execs killed) and the socket file stays."""
+    d = daemon_factory()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", memory="64M")
+    sb.spawn("sleep 300")
+    c.close()
+    d.stop()
+    good = d.config.read_text()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        d.config.write_text(good + f'\n[metrics]\nlisten = "127.0.0.1:{taken.getsockname()[1]}"\n')
+        with contextlib.suppress(RuntimeError):    # its socket may serve a moment before the failure
+            d.start()
+        assert d.proc.wait(15) == 1
+    failed = [line for line in log_lines(d) if line.get("event") == "start_failed"]
+    assert failed and "address already in use" in failed[-1]["msg"], failed
+    assert not os.path.exists(d.socket), "the failed start left its socket file"
+    assert not (d.state / "dsecd.running").exists(), "the failed start left the mark of a running daemon"
+    d.config.write_text(good)
+    d.start()
+    c = d.client()
+    procs = c.request("proc_list", sandbox=sb.id)["processes"]
+    assert [p["state"] for p in procs] == ["running"] and not procs[0].get("lost_before"), procs
     c.close()
 
 
