@@ -129,14 +129,17 @@ async def serve(cfg) -> None:
     # SIGHUP's default would end the daemon without a word, and systemd
     # takes a death by SIGHUP for a clean exit (no Restart=on-failure).
     loop.add_signal_handler(signal.SIGHUP, sighup)
-    log.info("dsecd ready: %d sandboxes adopted, pid %d", len(node.registry.by_id), os.getpid(),
-             extra={"fields": {"event": "ready", "adopted": len(node.registry.by_id), "pid": os.getpid(),
+    # The registry keeps dead sandboxes too (for inspect and rm): not adopted, not running.
+    adopted = sum(1 for sb in node.registry.by_id.values() if sb.state != "dead")
+    log.info("dsecd ready: %d sandboxes adopted, pid %d", adopted, os.getpid(),
+             extra={"fields": {"event": "ready", "adopted": adopted, "pid": os.getpid(),
                                "config": cfg.path, "socket": cfg.socket,
                                "metrics": exporter.describe() if exporter else None}})
     notifier.ready(node.status_line(0))
     await stop.wait()
     log.info("stopping; sandboxes keep running")
-    notifier.stopping(f"stopping; {len(node.registry.by_id)} sandboxes keep running")
+    live = sum(1 for sb in node.registry.by_id.values() if sb.state != "dead")
+    notifier.stopping(f"stopping; {live} sandboxes keep running")
     monitor.stop()
     if exporter is not None:
         await exporter.stop()

@@ -406,6 +406,28 @@ def test_a_metrics_address_in_use_stops_the_start_cleanly(daemon_factory, busybo
     c.close()
 
 
+def test_ready_counts_the_sandboxes_adopted_not_those_found_dead(daemon_factory, busybox_rootfs):
+    """A sandbox whose init ended while no daemon ran is logged `died` at
+    the start, not `adopted`: the ready line's count agrees with the
+    adopted lines and dsecd_sandboxes_adopted_total."""
+    d = daemon_factory()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    kept, gone = c.create(image="busybox", memory="64M"), c.create(image="busybox", memory="64M")
+    init_pid = c.request("inspect", sandbox=gone.id)["init_pid"]
+    c.close()
+    d.stop(signal.SIGKILL)
+    os.kill(init_pid, signal.SIGKILL)
+    wait_for(lambda: not os.path.exists(f"/proc/{init_pid}"))
+    d.start()
+    lines = log_lines(d)
+    ready = [line for line in lines if line.get("event") == "ready"][-1]
+    adopted = [line["sandbox"] for line in lines if line.get("event") == "adopted"]
+    died = [line["sandbox"] for line in lines if line.get("event") == "died"]
+    assert adopted == [kept.id] and died == [gone.id], (adopted, died)
+    assert ready["adopted"] == 1, ready
+
+
 # ---------------------------------------------------------------- dsec top
 
 def test_top_piped_prints_one_snapshot(daemon, client):
