@@ -204,6 +204,13 @@ def _validate(cfg: Config) -> None:
         value = _table(cfg, section)[key]
         if value not in allowed:
             raise ConfigError(f"{section}.{key} must be one of {', '.join(allowed)}, got {value!r}")
+    # At start every group below it that no journal record names is destroyed
+    # (orphans of a crash): it must be a subtree of dsecd's own, never a
+    # hierarchy's root or above it, whose groups are the host's.
+    root = cfg.section("sandbox")["cgroup_root"]
+    if any(not part.strip() or part in (".", "..") for part in root.split("/")):
+        raise ConfigError(f"sandbox.cgroup_root must be a relative path of names below each cgroup "
+                          f"hierarchy's root, such as \"dsecd\", got {root!r}")
     for method in cfg.section("memory")["v1_reclaim"]:
         if method not in ("pageout", "limit", "force_empty"):
             raise ConfigError(f"memory.v1_reclaim must name only pageout, limit, force_empty, got {method!r}")

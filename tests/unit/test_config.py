@@ -155,6 +155,20 @@ def test_a_value_of_the_wrong_kind_or_range_is_an_error_naming_the_key(tmp_path,
     assert says in str(err.value)
 
 
+@pytest.mark.parametrize("root", ["", "/", ".", "..", "/dsecd", "../dsecd", "dsecd/../..", "dsecd//x", " "])
+def test_the_cgroup_root_must_name_a_subtree_of_its_own(root):
+    # At start the daemon destroys every group below cgroup_root that no
+    # journal record names: "" or ".." would be the host's own groups
+    # (system.slice, user.slice, ...), every process in them killed.
+    with pytest.raises(ConfigError, match="sandbox.cgroup_root must be"):
+        load_config(overrides={"sandbox": {"cgroup_root": root}})
+
+
+@pytest.mark.parametrize("root", ["dsecd", "dsecd-test-1a2b", "dsecd/nested"])
+def test_a_cgroup_root_of_names_loads(root):
+    assert load_config(overrides={"sandbox": {"cgroup_root": root}}).section("sandbox")["cgroup_root"] == root
+
+
 @pytest.mark.parametrize("text", [
     "[sandbox]\nmemory = 536870912",          # a size as bytes
     '[net]\npublish_ports = "8080"',            # one port
