@@ -81,7 +81,13 @@ def lock_state_dir(state_dir: str) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise SystemExit(f"dsecd: another daemon uses state dir {state_dir}") from None
+        try:
+            holder = f" (pid {int(os.pread(fd, 32, 0))})"      # what the holder wrote below
+        except ValueError:
+            holder = ""
+        os.close(fd)
+        raise SystemExit(f"dsecd: another daemon{holder} uses state dir {state_dir}; stop it, or give this "
+                         "one a daemon.state_dir (--state-dir) and daemon.socket of its own") from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd

@@ -1,0 +1,21 @@
+"""The daemon's start (dsecd/daemon.py): what a start that cannot go on says."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dsecd import daemon
+
+
+def test_a_state_dir_in_use_names_the_daemon_using_it_and_what_to_do(tmp_path):
+    held = daemon.lock_state_dir(str(tmp_path))
+    try:
+        with pytest.raises(SystemExit) as err:
+            daemon.lock_state_dir(str(tmp_path))
+        said = str(err.value.code)
+        assert f"another daemon (pid {os.getpid()}) uses state dir {tmp_path}" in said, said
+        assert "stop it" in said and "daemon.state_dir" in said, said
+    finally:
+        os.close(held)
