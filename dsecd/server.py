@@ -445,12 +445,17 @@ class Server:
 
     async def start(self) -> None:
         _remove_stale_socket(self.path)
-        os.makedirs(os.path.dirname(self.path) or ".", mode=0o755, exist_ok=True)
         loop = asyncio.get_running_loop()
-        self._server = await unixsock.serve_private(
-            self.path, self.gid if self.gid is not None else 0,
-            lambda sock: loop.create_unix_server(self._new_protocol, sock=sock,
-                                                 backlog=min(self.max_connections, 4096)))
+        try:
+            os.makedirs(os.path.dirname(self.path) or ".", mode=0o755, exist_ok=True)
+            self._server = await unixsock.serve_private(
+                self.path, self.gid if self.gid is not None else 0,
+                lambda sock: loop.create_unix_server(self._new_protocol, sock=sock,
+                                                     backlog=min(self.max_connections, 4096)))
+        except OSError as err:
+            where = f" ({err.filename})" if err.filename else ""
+            raise SystemExit(f"dsecd: daemon.socket {self.path}: {err.strerror or err}{where}; it must name "
+                             "a path in a directory the daemon can write") from None
         log.info("listening on %s (group %s)", self.path, self.group or "root")
 
     def _allowed(self, uid: int, gid: int, groups: set[int]) -> bool:

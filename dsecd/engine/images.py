@@ -113,7 +113,13 @@ class ImageService:
         self.state_dir = cfg.state_dir
         section = cfg.section("images")
         store = Path(section["store"]) if section["store"] else cfg.state_dir / "store"
-        self.images = ImageStore(store, cfg.state_dir / "scratch", section["default_registry"])
+        try:
+            self.images = ImageStore(store, cfg.state_dir / "scratch", section["default_registry"])
+        except OSError as err:
+            where = f" ({err.filename})" if err.filename else ""
+            raise ConfigError(f"images.store {store}: {err.strerror or err}{where}; it must name a directory "
+                              "the daemon can write (under systemd: outside /usr, /etc, /home and /root, "
+                              "or in a ReadWritePaths= of a drop-in)") from None
         if int(section["pull_parallel_layers"]) < 1:
             raise ValueError(f"images.pull_parallel_layers must be at least 1, not {section['pull_parallel_layers']}")
         self.puller = Puller(self.images, RegistryConfig.from_section(section), PullSettings(

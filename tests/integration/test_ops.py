@@ -680,6 +680,9 @@ def test_networking_works_with_the_units_capabilities(world, daemon_factory, bus
 @pytest.mark.parametrize("setting, says", [
     ('[daemon]\nstate_dir = "/etc/passwd/state"\n', "cannot use state dir /etc/passwd/state: Not a directory"),
     ('[sandbox]\nseccomp = "strict"\n', "sandbox.seccomp: unknown seccomp profile 'strict'"),
+    ('[daemon]\nsocket = "/proc/none/dsecd.sock"\n',
+     "daemon.socket /proc/none/dsecd.sock: No such file or directory (/proc/none)"),
+    ('[images]\nstore = "/proc/none/store"\n', "images.store /proc/none/store: No such file or directory (/proc/none)"),
 ])
 def test_a_start_that_cannot_use_a_setting_says_why(daemon_factory, setting, says):
     """One critical line naming what failed (docs/operations.md), no traceback."""
