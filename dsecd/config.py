@@ -89,8 +89,9 @@ POSITIVE = {
     "images.max_pulls", "images.pull_parallel_layers", "images.pull_timeout_s", "limits.frame_timeout_s",
     "limits.hello_timeout_s", "limits.max_connections", "limits.max_procs_per_sandbox",
     "limits.max_requests_per_client", "limits.max_sandboxes", "limits.max_tar_entries", "limits.max_tar_puts",
-    "limits.max_watches", "memory.background_threads", "memory.freeze_timeout_s", "microvm.boot_timeout_s",
-    "microvm.max_vcpus", "net.dns_timeout_s", "net.mtu", "pool.refill_interval_s", "pool.refill_per_s",
+    "limits.max_watches", "memory.background_threads", "memory.freeze_timeout_s", "microvm.balloon_idle_s",
+    "microvm.balloon_interval_s", "microvm.boot_timeout_s", "microvm.max_vcpus", "net.dns_timeout_s", "net.mtu",
+    "pool.refill_interval_s", "pool.refill_per_s",
     "sandbox.cpu", "sandbox.cpu_period_us", "sandbox.destroy_timeout_s", "sandbox.disk_inodes", "sandbox.pids",
     "sandbox.userns_size",
 }
@@ -211,6 +212,11 @@ def _validate(cfg: Config) -> None:
     if any(not part.strip() or part in (".", "..") for part in root.split("/")):
         raise ConfigError(f"sandbox.cgroup_root must be a relative path of names below each cgroup "
                           f"hierarchy's root, such as \"dsecd\", got {root!r}")
+    vm = cfg.section("microvm")
+    if vm["watchdog_interval_s"] > 0 and vm["watchdog_timeout_s"] <= vm["watchdog_interval_s"]:
+        raise ConfigError(f"microvm.watchdog_timeout_s ({vm['watchdog_timeout_s']}) must be longer than "
+                          f"microvm.watchdog_interval_s ({vm['watchdog_interval_s']}): a VM answers one ping "
+                          "per interval, and one silent past the timeout is killed as hung")
     for method in cfg.section("memory")["v1_reclaim"]:
         if method not in ("pageout", "limit", "force_empty"):
             raise ConfigError(f"memory.v1_reclaim must name only pageout, limit, force_empty, got {method!r}")

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from ..backends.microvm import balloon as qballoon
 from ..backends.microvm.qmp import QMPError
-from ..config import Config
+from ..config import Config, ConfigError
 from ..mem.balloon import BalloonSettings, Decision, Observation, decide, working_set
 from .sandboxes import Sandbox, SandboxRegistry
 
@@ -50,10 +50,13 @@ SKIP_TEMPLATE = ("template RAM: its inflated pages would not leave QEMU (QEMU 7.
 def settings_from(cfg: Config) -> BalloonSettings:
     """The policy's settings from the [microvm] section (default.toml says what each is)."""
     vm = cfg.section("microvm")
-    return BalloonSettings(idle_s=float(vm["balloon_idle_s"]), headroom=cfg.size("microvm", "balloon_headroom"),
-                           floor=cfg.size("microvm", "balloon_floor"),
-                           low_available=cfg.size("microvm", "balloon_low_available"),
-                           interval_s=float(vm["balloon_interval_s"]))
+    try:
+        return BalloonSettings(idle_s=float(vm["balloon_idle_s"]), headroom=cfg.size("microvm", "balloon_headroom"),
+                               floor=cfg.size("microvm", "balloon_floor"),
+                               low_available=cfg.size("microvm", "balloon_low_available"),
+                               interval_s=float(vm["balloon_interval_s"]))
+    except ValueError as err:        # settings that contradict each other: the start says which
+        raise ConfigError(f"microvm: {err}") from None
 
 
 @dataclass

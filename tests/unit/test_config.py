@@ -131,6 +131,13 @@ def test_with_setting_adds_a_key_once_and_keeps_one_the_text_sets():
     ('[memory]\nv1_reclaim = ["drop"]', "memory.v1_reclaim must name only pageout, limit, force_empty, got 'drop'"),
     ('[net]\ndefault_mode = "bridge"', "net.default_mode must be one of none, default, got 'bridge'"),
     ('[net]\ndns_refuse = "drop"', "net.dns_refuse must be one of refused, nxdomain, got 'drop'"),
+    # 0 s: the balloon policy stopped the start with a traceback.
+    ("[microvm]\nballoon_idle_s = 0", "'microvm.balloon_idle_s' must be above zero, got 0"),
+    ("[microvm]\nballoon_interval_s = 0", "'microvm.balloon_interval_s' must be above zero, got 0"),
+    # A VM answers a ping per interval: a timeout not longer killed every VM as hung.
+    ("[microvm]\nwatchdog_timeout_s = 0", "microvm.watchdog_timeout_s (0) must be longer than "
+                                            "microvm.watchdog_interval_s (10.0)"),
+    ("[microvm]\nwatchdog_timeout_s = 5\nwatchdog_interval_s = 5", "microvm.watchdog_timeout_s (5) must be"),
     ('[fncall]\npython = ""', "fncall.python must name the interpreter"),
     ("[fncall]\nuid_base = -1", "'fncall.uid_base' must be zero or more, got -1"),
     # Calls run under ids of their call sandbox's user namespace.
@@ -155,6 +162,14 @@ def test_a_value_of_the_wrong_kind_or_range_is_an_error_naming_the_key(tmp_path,
     assert says in str(err.value)
 
 
+def test_balloon_sizes_that_contradict_each_other_are_a_config_error():
+    from dsecd.engine.vmballoon import settings_from
+
+    cfg = load_config(overrides={"microvm": {"balloon_low_available": "64M", "balloon_headroom": "64M"}})
+    with pytest.raises(ConfigError, match="microvm: balloon_low_available must be below balloon_headroom"):
+        settings_from(cfg)
+
+
 @pytest.mark.parametrize("root", ["", "/", ".", "..", "/dsecd", "../dsecd", "dsecd/../..", "dsecd//x", " "])
 def test_the_cgroup_root_must_name_a_subtree_of_its_own(root):
     # At start the daemon destroys every group below cgroup_root that no
@@ -176,6 +191,7 @@ def test_a_cgroup_root_of_names_loads(root):
     "[sandbox]\ncpu = 2",                     # a whole number where a number goes
     "[cpu]\noversubscription = 0",            # 0: the check is off
     "[limits]\nmax_exec_timeout_s = 0",       # 0: no limit
+    "[microvm]\nwatchdog_interval_s = 0\nwatchdog_timeout_s = 0",    # 0: no liveness check
     "[images]\nsnapshot_exclude = ['/tmp']",
     '[fncall]\nmemory = "1.5G"',
 ])
