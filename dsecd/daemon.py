@@ -2,13 +2,14 @@
 
 Start-up order: config (--config, else /etc/dsecd/dsecd.toml if it exists,
 over the embedded defaults) -> logging (dsecd/logs.py) -> single-instance
-lock on the state dir -> feature probe (stop on a missing required feature)
--> node (re-adopt sandboxes) -> socket -> metrics endpoint (if
-metrics.listen) -> READY=1 to systemd (dsecd/sdnotify.py; nothing without
-$NOTIFY_SOCKET). From then on a loop monitor (dsecd/looplag.py) measures the
-event loop's lag and sends systemd WATCHDOG=1 and STATUS=. SIGTERM/SIGINT
-stop the daemon and leave every sandbox running; the next daemon re-adopts
-them from the journal. SIGHUP only logs that nothing is reloaded.
+locks on the state dir and on sandbox.cgroup_root -> feature probe (stop
+on a missing required feature) -> node (re-adopt sandboxes) -> socket ->
+metrics endpoint (if metrics.listen) -> READY=1 to systemd
+(dsecd/sdnotify.py; nothing without $NOTIFY_SOCKET). From then on a loop
+monitor (dsecd/looplag.py) measures the event loop's lag and sends systemd
+WATCHDOG=1 and STATUS=. SIGTERM/SIGINT stop the daemon and leave every
+sandbox running; the next daemon re-adopts them from the journal. SIGHUP
+only logs that nothing is reloaded.
 
 A start that fails says why in one log line (level critical) and exits 1.
 """
@@ -59,6 +60,31 @@ def build_config(args: argparse.Namespace):
     daemon = {k: v for k, v in (("socket", args.socket), ("state_dir", args.state_dir),
                                 ("log_level", args.log_level)) if v}
     return load_config(config_path(args.config), {"daemon": daemon} if daemon else None)
+
+
+def lock_cgroup_root(root: str) -> int:
+    """One daemon per sandbox.cgroup_root: at start a daemon destroys every
+    group below its root that its own journal does not name, which would be
+    another daemon's sandboxes. A flock on the root's directory in one
+    hierarchy (the same one for every daemon of the host), held for life."""
+    layout = cgroup.detect_layout()
+    mounts = [layout.v2] if layout.v2 else sorted(layout.hierarchies().values())
+    if not mounts:
+        return -1               # no cgroup file system: the feature probe stops the start, saying so
+    path = mounts[0] / root
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as err:
+        raise SystemExit(f"dsecd: cannot use sandbox.cgroup_root {root!r}: {err.strerror} ({path})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SystemExit(f"dsecd: another daemon uses sandbox.cgroup_root {root!r} ({path}), and would lose "
+                         "its sandboxes to this one's start; stop it, or give this one a cgroup_root of its "
+                         "own") from None
+    return fd
 
 
 def raise_fd_limit() -> None:
@@ -194,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
         if os.geteuid() != 0:
             raise SystemExit("dsecd: must run as root (namespaces, cgroups, mounts)")
         lock_state_dir(str(cfg.state_dir))
+        lock_cgroup_root(cfg.section("sandbox")["cgroup_root"])
         raise_fd_limit()
         fds.init_parking()
         try:

@@ -428,6 +428,28 @@ def test_ready_counts_the_sandboxes_adopted_not_those_found_dead(daemon_factory,
     assert ready["adopted"] == 1, ready
 
 
+def test_a_second_daemon_on_the_same_cgroup_root_is_refused(daemon_factory, busybox_rootfs):
+    """A daemon destroys at start every group below its sandbox.cgroup_root
+    that its own journal does not name: a second daemon (its own state dir
+    and socket, the default cgroup_root, say a test run beside the service)
+    killed every sandbox of the first. It is refused, naming the root."""
+    first = daemon_factory()
+    c = first.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", memory="64M")
+    second = daemon_factory(f'[sandbox]\ncgroup_root = "{first.cgroup_root}"\n', start=False)
+    with pytest.raises(RuntimeError, match="exited 1"):
+        second.start()
+    failed = [line for line in log_lines(second) if line.get("event") == "start_failed"]
+    assert failed and f"sandbox.cgroup_root '{first.cgroup_root}'" in failed[0]["msg"], failed
+    assert "orphan" not in second.log.read_text()
+    assert sb.exec(["true"]).exit_code == 0
+    c.close()
+    first.stop()
+    second.start()                     # the root is free again once the first has stopped
+    second.stop()
+
+
 # ---------------------------------------------------------------- dsec top
 
 def test_top_piped_prints_one_snapshot(daemon, client):
