@@ -59,9 +59,10 @@ ProcessCollector(registry=REGISTRY)        # the daemon's CPU seconds, RSS, open
 PlatformCollector(registry=REGISTRY)
 GCCollector(registry=REGISTRY)
 
-# Latency buckets, seconds: a create or exec is milliseconds; an exec may run for an hour.
+# Latency buckets, seconds: a create or exec is milliseconds (an exec or a
+# zygote call 1-2 ms); an exec may run for an hour.
 _FAST = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-_LONG = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0)
+_LONG = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0)
 _DISK = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _LAG = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 

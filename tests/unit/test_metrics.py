@@ -160,6 +160,19 @@ def test_lifecycle_events_move_their_counters():
     assert _count("dsecd_resume_duration_seconds_count") == n0 + 1
 
 
+def test_millisecond_execs_and_calls_fall_in_buckets_of_their_size():
+    # An exec or a call through the zygote takes 1-2 ms: with 5 ms as the
+    # smallest bucket every one of them fell in it, and the dashboard's p99
+    # (histogram_quantile) read ~5 ms whatever they took.
+    for hist, name in ((metrics.EXEC_SECONDS, "dsecd_exec_duration_seconds"),
+                       (metrics.CALL_SECONDS, "dsecd_call_duration_seconds")):
+        hist.labels("bucket-test").observe(0.0012)
+        hist.labels("bucket-test").observe(0.0018)
+        label = "backend" if hist is metrics.EXEC_SECONDS else "path"
+        assert _count(f"{name}_bucket", **{label: "bucket-test", "le": "0.001"}) == 0
+        assert _count(f"{name}_bucket", **{label: "bucket-test", "le": "0.0025"}) == 2
+
+
 @pytest.mark.parametrize("value,want", [("127.0.0.1:9464", ("127.0.0.1", 9464)), ("[::1]:9464", ("::1", 9464)),
                                         ("localhost:1", ("localhost", 1)), ("/run/dsecd/metrics.sock",
                                                                             "/run/dsecd/metrics.sock")])
