@@ -132,6 +132,10 @@ class Daemon:
         self.socket = str(tmp / "dsecd.sock")
         self.state = tmp / "state"
         self.cgroup_root = f"dsecd-test-{secrets.token_hex(4)}"
+        # A bridge of its own, unless the test names one: a daemon without
+        # net.host_netns makes its bridge in the host's namespace, where the
+        # default dsec0 would be shared with any other daemon and outlive it.
+        self.bridge = f"dsect-{secrets.token_hex(4)}"
         self.config = tmp / "dsecd.toml"
         # The test's own [daemon] or [sandbox] keys go in the same tables;
         # keys before any table are [sandbox] keys.
@@ -139,7 +143,8 @@ class Daemon:
                       if line.strip() and not line.lstrip().startswith("#")), "[")
         text = _test_config(extra_config if first.startswith("[") else "[sandbox]\n" + extra_config)
         for section, key, value in (("daemon", "log_level", log_level), ("daemon", "state_dir", str(self.state)),
-                                    ("daemon", "socket", self.socket), ("sandbox", "cgroup_root", self.cgroup_root)):
+                                    ("daemon", "socket", self.socket), ("sandbox", "cgroup_root", self.cgroup_root),
+                                    ("net", "bridge", self.bridge)):
             text = with_setting(text, section, key, value)
         self.config.write_text(text)
         self.log = tmp / "dsecd.log"
@@ -267,6 +272,9 @@ class Daemon:
         _kill_and_remove_cgroups(self.cgroup_dirs())
         _unmount_below(self.tmp)
         shutil.rmtree(self.tmp, ignore_errors=True)
+        # Made in this namespace when the test gave no net.host_netns (else
+        # it went with the test's own namespace); no such link: nothing to do.
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
 
 
 def _unmount_below(top: Path) -> None:
