@@ -209,7 +209,7 @@ async def cmd_top(c: Client, a) -> int:
         return await topview.run_live(lambda: c.top(labels), a.interval, a.sort, labels)
     top = await c.top(labels)
     if a.json:
-        _print_json(top)
+        _print_json({**top, "sandboxes": topview.ordered(top, a.sort)})
     else:
         topview.print_snapshot(top, a.sort)
     return 0

@@ -32,7 +32,7 @@ from .clitext import (
 from .errors import ConnectionLost, DsecError, HostsDown, NotFound
 from .fleet import Fleet, FleetHost, short_name
 from .remote import SshOptions
-from .topview import SORTS
+from .topview import ordered
 
 
 async def run(a, commands: dict, named, ssh: SshOptions) -> int:
@@ -136,7 +136,7 @@ async def fleet_top(fleet: Fleet, a) -> int:
     top = await fleet.top(kv(a.label, "--label"))
     status = _incomplete(fleet, "top", top["errors"])
     if a.json:
-        print_json(top)
+        print_json({**top, "sandboxes": ordered(top, a.sort)})
         return status
     table([[_host_col(t), str(h.get("cpus", "-")), pct(h.get("cpu_pct")),
             " ".join(map(str, h.get("loadavg", []))) or "-",
@@ -147,7 +147,7 @@ async def fleet_top(fleet: Fleet, a) -> int:
     rows = [[_host_col(s["host"]), s["id"], s["qos"], s["state"], f"{s['cpu']:g}", pct(s["cpu_pct"]),
              pct(s["throttled_pct"]), "-" if s["memory"] is None else human_bytes(s["memory"]),
              human_bytes(s["memory_limit"])]
-            for s in sorted(top["sandboxes"], key=SORTS[a.sort][0], reverse=SORTS[a.sort][2])]
+            for s in ordered(top, a.sort)]
     table(rows, ["HOST", "ID", "QOS", "STATE", "CPU", "CPU%", "THROTTLED", "MEM", "MEM LIMIT"])
     return status
 

@@ -66,13 +66,17 @@ def balloon_cell(b: dict | None) -> str:
     return f"{cell} (off)" if b.get("skipped") else cell
 
 
-def rows(top: dict, sort: str = "cpu", reverse: bool = False) -> list[list[str]]:
+def ordered(top: dict, sort: str = "cpu", reverse: bool = False) -> list[dict]:
+    """The sandboxes of a `top` answer in the order `sort` names."""
     key, _, biggest_first = SORTS[sort]
-    ordered = sorted(top["sandboxes"], key=key, reverse=biggest_first != reverse)
+    return sorted(top["sandboxes"], key=key, reverse=biggest_first != reverse)
+
+
+def rows(top: dict, sort: str = "cpu", reverse: bool = False) -> list[list[str]]:
     return [[s["id"], s["qos"] or "-", s["state"], f"{s['cpu']:g}", pct(s["cpu_pct"]), pct(s["throttled_pct"]),
              "-" if s["memory"] is None else human_bytes(s["memory"]), human_bytes(s["memory_limit"]),
              balloon_cell(s.get("vm_balloon"))]
-            for s in ordered]
+            for s in ordered(top, sort, reverse)]
 
 
 def print_snapshot(top: dict, sort: str) -> None:

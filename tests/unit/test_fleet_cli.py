@@ -321,6 +321,9 @@ def test_fleet_top_orders_its_rows_by_sort(capsys):
         assert asyncio.run(fleet_cli.fleet_top(fleet, a)) == 0
         rows = [line.split()[1] for line in capsys.readouterr().out.splitlines() if " sb-" in line]
         assert rows == want, (sort, rows)
+        a = cli.parse_args(["fleet", "--hosts", "x", "--json", "top", "--sort", sort])
+        assert asyncio.run(fleet_cli.fleet_top(fleet, a)) == 0
+        assert [s["id"] for s in json.loads(capsys.readouterr().out)["sandboxes"]] == want, sort
 
 
 @pytest.mark.parametrize("as_json", [False, True])
@@ -377,3 +380,20 @@ def test_a_bad_connect_timeout_is_a_usage_error(value, capsys):
         cli.parse_args(["fleet", "--hosts", "h1", "--connect-timeout", value, "ps"])
     assert e.value.code == 2 and "--connect-timeout" in capsys.readouterr().err
     assert cli.parse_args(["fleet", "--hosts", "h1", "ps"]).connect_timeout == cli.FLEET_CONNECT_TIMEOUT_S
+
+
+def test_dsec_top_json_orders_its_sandboxes_by_sort(capsys):
+    """`dsec top --json --sort mem` lists them as the table would."""
+    def row(sb, cpu_pct, memory):
+        return {"id": sb, "qos": "be", "state": "running", "cpu": 1.0, "cpu_pct": cpu_pct,
+                "throttled_pct": 0.0, "memory": memory, "memory_limit": 1 << 30}
+
+    class Top:
+        async def top(self, labels=None):
+            return {"host": {}, "sandboxes": [row("sb-a", 90.0, 1 << 20), row("sb-b", 5.0, 300 << 20),
+                                              row("sb-c", 50.0, 100 << 20)]}
+
+    for sort, want in (("mem", ["sb-b", "sb-c", "sb-a"]), ("cpu", ["sb-a", "sb-c", "sb-b"])):
+        a = cli.parse_args(["top", "--json", "--sort", sort])
+        assert asyncio.run(cli.cmd_top(Top(), a)) == 0
+        assert [s["id"] for s in json.loads(capsys.readouterr().out)["sandboxes"]] == want, sort
