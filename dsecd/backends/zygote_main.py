@@ -541,8 +541,14 @@ class Zygote:
             except OSError:
                 msg = b""
             self.poll.unregister(fd)
-            if msg:
-                self.report(w, (json.loads(msg)["done"] & 0xFF) << 8)
+            # The call's own code holds this link (a code call runs in the
+            # worker): what comes on it may be anything. Garbage is ignored
+            # (the worker's wait status is reported when it is reaped).
+            try:
+                status = (int(json.loads(msg)["done"]) & 0xFF) << 8
+            except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError):
+                return
+            self.report(w, status)
             return
         self.worker_gone(w)         # its pidfd: the worker ended
 

@@ -520,6 +520,21 @@ def test_what_a_call_leaves_running_is_killed(client, py_image, path):
     assert client.call(py_image if path == "zygote" else "busybox", argv=["true"]).exit_code == 0
 
 
+def test_garbage_on_a_workers_link_does_not_kill_the_zygote(client, py_image):
+    """A code call holds its worker's link to the zygote (fd 3): what it
+    writes there must not take down the zygote, and with it every call in
+    flight beside it."""
+    def zygote_pid() -> int:
+        return next(b for b in client.info()["fncall"]["boxes"] if b["image"] == py_image)["zygote_pid"]
+
+    assert client.call(py_image, code="print(1)").exit_code == 0
+    zyg = zygote_pid()
+    for junk in (b"garbage", b'{"done": "x"}', b'{"done": 1e999}', b"[]"):
+        r = client.call(py_image, code=f"import os\nos.write(3, {junk!r})\nprint('sent')")
+        assert (r.exit_code, r.stdout, r.path) == (0, b"sent\n", "zygote"), r
+    assert zygote_pid() == zyg
+
+
 def test_a_left_thread_whose_leader_exited_is_killed_too(client, py_image):
     """A leader that exits its main thread alone shows as a zombie while its
     other threads run on under the call's uid: they die with the call."""
