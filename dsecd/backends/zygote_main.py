@@ -543,12 +543,18 @@ class Zygote:
             self.poll.unregister(fd)
             # The call's own code holds this link (a code call runs in the
             # worker): what comes on it may be anything. Garbage is ignored
-            # (the worker's wait status is reported when it is reaped).
+            # (the worker's wait status is reported when it is reaped); a
+            # report ends the call there, so the group is killed with it,
+            # or a call that reported early would run on past its timeout.
             try:
                 status = (int(json.loads(msg)["done"]) & 0xFF) << 8
             except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError):
                 return
             self.report(w, status)
+            try:
+                os.killpg(w["pid"], signal.SIGKILL)
+            except OSError:
+                pass
             return
         self.worker_gone(w)         # its pidfd: the worker ended
 

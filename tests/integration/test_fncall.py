@@ -535,6 +535,16 @@ def test_garbage_on_a_workers_link_does_not_kill_the_zygote(client, py_image):
     assert zygote_pid() == zyg
 
 
+def test_a_call_that_says_it_is_done_is_not_left_running(client, py_image):
+    """A call that writes its own end report on its link and sleeps on
+    ends there: it may not outlive the call (and its timeout)."""
+    r = client.call(py_image, code=("import json, os, time\nos.write(3, json.dumps({'done': 0}).encode())\n"
+                                    "os.close(1)\nos.close(2)\nos.execv('/bin/sleep', ['sleep', '3181'])"),
+                    timeout=2)
+    assert r.exit_code == 0 or r.signal == signal.SIGKILL, r
+    assert _gone_soon(b"sleep\x003181")
+
+
 def test_a_left_thread_whose_leader_exited_is_killed_too(client, py_image):
     """A leader that exits its main thread alone shows as a zombie while its
     other threads run on under the call's uid: they die with the call."""
