@@ -391,6 +391,62 @@ def _unlink(dirfd, name, is_dir):
     return True
 
 
+SYSV_IPC = ("shm", "sem", "msg")
+SHM_DEST = 0o1000       # a removed segment some process still has attached
+
+
+def ipc_owned(uid):
+    """(kind, id) of the SysV IPC objects of the sandbox's IPC namespace that
+    `uid` owns or created ("shm", "sem", "msg"; /proc/sysvipc shows the ids
+    as the reader's user namespace sees them). A removed segment still
+    attached elsewhere is left out: it goes at its last detach and no new
+    process can find it by its key."""
+    found = []
+    for kind in SYSV_IPC:
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                head = f.readline().split()
+                rows = [line.split() for line in f]
+        except OSError:
+            continue
+        uid_at, cuid_at, perms_at = head.index("uid"), head.index("cuid"), head.index("perms")
+        for row in rows:
+            if str(uid) in (row[uid_at], row[cuid_at]) and not int(row[perms_at], 8) & SHM_DEST:
+                found.append((kind, int(row[1])))
+    return found
+
+
+def remove_ipc(uid):
+    """Remove the SysV IPC objects `uid` owns or created: they outlive the
+    call that made them, and a later call could read or write them (a later
+    call of that uid would own them). IPC_RMID takes the owner's or the
+    creator's euid (the zygote has no CAP_SYS_ADMIN over the namespace), so
+    a child drops to `uid` to do it. True when none is left."""
+    objs = ipc_owned(uid)
+    if not objs:
+        return True
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            for kind, ident in objs:
+                if kind == "sem":
+                    libc.semctl(ident, 0, 0)                    # IPC_RMID
+                else:
+                    getattr(libc, kind + "ctl")(ident, 0, None)
+            code = 0
+        finally:
+            os._exit(code)
+    os.waitpid(pid, 0)
+    return not ipc_owned(uid)
+
+
 def _open_dir(dirfd, name):
     try:
         return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
@@ -597,15 +653,21 @@ class Zygote:
 
     def free_uid(self, uid):
         """A uid back to the free list, once nothing of its call runs: what
-        the call left in /dev/shm goes first (nothing of it runs to make
-        more). A uid whose leftovers could not be removed is never handed
-        out again: the next call of it would own them."""
+        the call left in /dev/shm and in SysV IPC goes first (nothing of it
+        runs to make more). A uid whose leftovers could not be removed (an
+        image's python3 without ctypes, say) is never handed out again: the
+        next call of it would own them."""
         if self.shm_fd >= 0:
             try:
                 if not remove_owned(self.shm_fd, uid):
                     return
             except Exception:
                 return
+        try:
+            if not remove_ipc(uid):
+                return
+        except Exception:
+            return
         self.uids.append(uid)
 
     def recheck_held(self):
