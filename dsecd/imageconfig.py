@@ -89,6 +89,12 @@ def check_ports(ports) -> list[str]:
     return sorted({port_key(p) for p in ports})
 
 
+def is_id(part: str) -> bool:
+    """Whether a user spec's part (or an account file's field) is a decimal
+    id: ASCII digits only (str.isdigit also takes '²', which int() refuses)."""
+    return part.isascii() and part.isdigit()
+
+
 def parse_user(spec: str) -> tuple[str, str | None]:
     """A user spec as OCI's config.User gives it -> (user, group or None).
     "" is root. Each part is a name or a decimal id; ids must fit a uid_t
@@ -102,7 +108,7 @@ def parse_user(spec: str) -> tuple[str, str | None]:
         if not part or ":" in part or any(c.isspace() or c == "\0" for c in part):
             raise ConfigError(f"user {spec!r}: expected NAME, UID, NAME:GROUP or UID:GID (each part "
                               f"non-empty, without spaces); the {what} part is {part!r}")
-        if part.isdigit() and int(part) >= 2**32 - 1:
+        if is_id(part) and int(part) >= 2**32 - 1:
             raise ConfigError(f"user {spec!r}: {what} id {part} is too large (ids are below 2^32-1)")
     return user, group if sep else None
 

@@ -39,7 +39,7 @@ import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .. import native, tarsafe
+from .. import imageconfig, native, tarsafe
 from ..fs import users
 from .context import Entry, Source
 
@@ -111,7 +111,7 @@ class Accounts:
         numeric uid without a group is the gid too (BuildKit's readUser; a
         name takes its /etc/passwd gid)."""
         name, sep, _ = spec.partition(":")
-        if name.isdigit() and not sep:
+        if imageconfig.is_id(name) and not sep:
             return int(name), int(name)
         return self.user(spec)
 

@@ -535,7 +535,7 @@ class CreateService:
             except imageconfig.ConfigError as err:
                 raise BadRequest(str(err), {"user": req.user}) from err
             for part, what in ((user, "user"), (group, "group")):
-                if part and part.isdigit():
+                if part and imageconfig.is_id(part):
                     self._check_id(int(part), what, req.user)
 
     def _check_id(self, n: int, what: str, spec) -> None:

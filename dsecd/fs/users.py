@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..imageconfig import ConfigError, parse_user
+from ..imageconfig import ConfigError, is_id, parse_user
 from ..native import MAX_GROUPS
 from . import files
 
@@ -79,7 +79,7 @@ def parse_passwd(text: str) -> list[_Entry]:
     malformed lines are skipped, as getpwnam skips them."""
     out = []
     for f in _lines(text):
-        if len(f) >= 4 and f[2].isdigit() and f[3].isdigit():
+        if len(f) >= 4 and is_id(f[2]) and is_id(f[3]):
             out.append(_Entry(f[0], int(f[2]), int(f[3]), f[5] if len(f) > 5 else ""))
     return out
 
@@ -88,7 +88,7 @@ def parse_group(text: str) -> dict[str, int]:
     """Group name -> gid of a group file (name:password:gid:members); the first line of a name wins."""
     out: dict[str, int] = {}
     for f in _lines(text):
-        if len(f) >= 3 and f[2].isdigit():
+        if len(f) >= 3 and is_id(f[2]):
             out.setdefault(f[0], int(f[2]))
     return out
 
@@ -96,7 +96,7 @@ def parse_group(text: str) -> dict[str, int]:
 def member_gids(text: str, name: str) -> list[int]:
     """The gids of the group file's lines that list `name` among their members."""
     return [int(f[2]) for f in _lines(text)
-            if len(f) >= 4 and f[2].isdigit() and name in f[3].strip().split(",")]
+            if len(f) >= 4 and is_id(f[2]) and name in f[3].strip().split(",")]
 
 
 def files_needed(spec: str) -> tuple[bool, bool]:
@@ -105,7 +105,7 @@ def files_needed(spec: str) -> tuple[bool, bool]:
     user, group = parse_user(spec)
     if not user:
         return False, False
-    return True, group is None or not group.isdigit()
+    return True, group is None or not is_id(group)
 
 
 def supplementary(entry: _Entry, group: str | None) -> tuple[int, ...]:
@@ -128,7 +128,7 @@ def resolve(spec: str, passwd: str | None, group: str | None, holder: str = "the
     if not user:
         return Identity(0, 0, None)
     entries = parse_passwd(passwd or "")
-    if user.isdigit():
+    if is_id(user):
         uid = int(user)
         entry = next((e for e in entries if e.uid == uid), None)
     else:
@@ -143,7 +143,7 @@ def resolve(spec: str, passwd: str | None, group: str | None, holder: str = "the
         gid = entry.gid if entry is not None else uid
         if entry is not None:
             groups = supplementary(entry, group)
-    elif grp.isdigit():
+    elif is_id(grp):
         gid = int(grp)
     else:
         by_name = parse_group(group or "")

@@ -164,6 +164,26 @@ def test_a_user_in_more_groups_than_an_exec_may_have_is_refused_with_the_way_out
     assert users.resolve("app:staff", PASSWD, many + GROUP).groups == ()
 
 
+def test_ids_are_ascii_decimal_digits():
+    """Other characters str.isdigit takes ('²', '١') are no id to int() or
+    to the kernel: a spec of them is a name, a file line with them is
+    malformed and skipped (getpwnam skips it too), never an internal error.
+    A sandbox's root can write such a line in its own /etc/passwd."""
+    with pytest.raises(users.UserError, match="no user '²'"):
+        users.resolve("²", PASSWD, GROUP)
+    with pytest.raises(users.UserError, match="no user '١٠٠٠'"):
+        users.resolve("١٠٠٠", PASSWD, GROUP)
+    with pytest.raises(users.UserError, match="no group '²'"):
+        users.resolve("1000:²", PASSWD, GROUP)
+    odd_passwd = PASSWD + "odd:x:²:0::/:/bin/sh\nodd2:x:7:³::/:/bin/sh\n"
+    odd_group = GROUP + "g2:x:³:app\n"
+    assert users.resolve("app", odd_passwd, odd_group) == users.Identity(1000, 1001, "/home/app", (29, 50, 1001))
+    assert users.resolve("app:staff", odd_passwd, odd_group).gid == 50
+    with pytest.raises(users.UserError, match="no user 'odd'"):
+        users.resolve("odd", odd_passwd, odd_group)
+    assert users.files_needed("1000:²") == (True, True)
+
+
 @pytest.mark.parametrize("spec, passwd, group, needle", [
     ("nobody", PASSWD, GROUP, "no user 'nobody': its /etc/passwd has no such user"),
     ("app", None, None, "no user 'app': it has no /etc/passwd"),
