@@ -32,6 +32,7 @@ from __future__ import annotations
 import array
 import asyncio
 import collections
+import ctypes
 import json
 import logging
 import os
@@ -45,7 +46,7 @@ from .. import cgroup, userns
 from ..fs import files as sbfiles
 from ..fs import upper as upperfs
 from .container import ContainerBackend, Handle
-from .zygote_main import kill_leftovers, remove_owned
+from .zygote_main import kill_leftovers, remove_ipc, remove_owned
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +180,16 @@ class Zygote:
         for fut in waiters:
             if not fut.done():
                 fut.set_exception(err)
+
+
+CLONE_NEWIPC = 0x08000000
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _setns(fd: int, nstype: int) -> None:
+    if _libc.setns(fd, nstype) < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
 
 
 @dataclass
@@ -331,6 +342,24 @@ class FnCallBackend:
             return False
         finally:
             os.close(fd)
+
+    @staticmethod
+    def remove_ipc(h: Handle, host_uid: int) -> bool:
+        """What a plain call left in the call sandbox's SysV IPC (the
+        zygote's own cleanup, the call's uid as the host sees it): this
+        thread joins the sandbox's IPC namespace for it (setns changes the
+        calling thread only; /proc/sysvipc shows the opener's namespace) and
+        comes back. False when something is left: the uid must not be handed
+        out again."""
+        back = os.open("/proc/thread-self/ns/ipc", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _setns(h.pidfd, CLONE_NEWIPC)
+            try:
+                return remove_ipc(host_uid, drop=False)
+            finally:
+                _setns(back, CLONE_NEWIPC)
+        finally:
+            os.close(back)
 
     def remove_private_dir(self, h: Handle, name: str) -> None:
         try:

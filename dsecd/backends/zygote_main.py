@@ -416,15 +416,19 @@ def ipc_owned(uid):
     return found
 
 
-def remove_ipc(uid):
+def remove_ipc(uid, drop=True):
     """Remove the SysV IPC objects `uid` owns or created: they outlive the
     call that made them, and a later call could read or write them (a later
     call of that uid would own them). IPC_RMID takes the owner's or the
-    creator's euid (the zygote has no CAP_SYS_ADMIN over the namespace), so
-    a child drops to `uid` to do it. True when none is left."""
+    creator's euid, or CAP_SYS_ADMIN over the namespace, which the zygote
+    lacks: with `drop` a child drops to `uid` to do it; without, the caller
+    (the daemon, in the namespace) does. True when none is left."""
     objs = ipc_owned(uid)
     if not objs:
         return True
+    if not drop:
+        _rmid(objs)
+        return not ipc_owned(uid)
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -432,19 +436,24 @@ def remove_ipc(uid):
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            for kind, ident in objs:
-                if kind == "sem":
-                    libc.semctl(ident, 0, 0)                    # IPC_RMID
-                else:
-                    getattr(libc, kind + "ctl")(ident, 0, None)
+            _rmid(objs)
             code = 0
         finally:
             os._exit(code)
     os.waitpid(pid, 0)
     return not ipc_owned(uid)
+
+
+def _rmid(objs):
+    # Imported here: only a call that left something pays for it.
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for kind, ident in objs:
+        if kind == "sem":
+            libc.semctl(ident, 0, 0)                    # IPC_RMID
+        else:
+            getattr(libc, kind + "ctl")(ident, 0, None)
 
 
 def _open_dir(dirfd, name):

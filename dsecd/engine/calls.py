@@ -542,7 +542,7 @@ class CallService:
 
     async def _give_back(self, box: CallBox, uid: int) -> None:
         """A plain call's uid back to its box, once nothing it started runs
-        and what it left in /dev/shm is gone: what it left running
+        and what it left in /dev/shm and SysV IPC is gone: what it left running
         (reparented to the call sandbox's init) is killed first, and the uid
         waits while any of it, or what that in turn leaves to init, is still
         there. In a worker: it reads the status of each of init's children,
@@ -550,15 +550,23 @@ class CallService:
         host_uid = box.host_ids(uid)[0]
         for _ in range(LEFTOVER_LOOKS):
             if not await self.workers.run(self.fncall.kill_leftovers, box.handle, host_uid):
-                if await self.workers.run(self.fncall.remove_shm_files, box.handle, host_uid):
+                if await self.workers.run(self._remove_left, box.handle, host_uid):
                     box.free_uids.append(uid)
                 else:
-                    log.warning("call sandbox %s: what uid %d left in /dev/shm could not be removed; it is not "
-                                "handed out again", box.id, uid)
+                    log.warning("call sandbox %s: what uid %d left in /dev/shm or SysV IPC could not be removed; "
+                                "it is not handed out again", box.id, uid)
                 return
             await asyncio.sleep(LEFTOVER_RECHECK_S)
         log.warning("call sandbox %s: uid %d still runs processes after %d kills; it is not handed out again",
                     box.id, uid, LEFTOVER_LOOKS)
+
+    def _remove_left(self, h, host_uid: int) -> bool:
+        """What a plain call left in /dev/shm and SysV IPC, removed (a worker)."""
+        try:
+            ipc = self.fncall.remove_ipc(h, host_uid)
+        except OSError:
+            ipc = False
+        return self.fncall.remove_shm_files(h, host_uid) and ipc
 
 
 def _ended_as_sh_says(err: BaseException | None, prog: str, envl: list[str]) -> dict | None:

@@ -326,35 +326,51 @@ def test_what_a_call_leaves_in_dev_shm_is_removed(client, py_image, path, kind):
         time.sleep(0.05)
 
 
-def test_what_a_call_leaves_in_sysv_ipc_is_removed(client, py_image):
+SYSV_LEFTOVERS = (
+    "import ctypes, os\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "shm = libc.shmget(0x5ec21, 4096, 0o1666)\n"
+    "sem = libc.semget(0x5ec22, 1, 0o1666)\n"
+    "msg = libc.msgget(0x5ec23, 0o1666)\n"
+    "given = libc.shmget(0x5ec24, 4096, 0o1600)\n"
+    "perm = (ctypes.c_uint * 32)()\n"
+    "assert libc.shmctl(given, 2, perm) == 0\n"           # IPC_STAT
+    "perm[1] = os.getuid() + 1\n"                         # ipc_perm.uid: another call's
+    "assert libc.shmctl(given, 1, perm) == 0\n"           # IPC_SET
+    "print(min(shm, sem, msg, given) >= 0)")
+
+
+def check_sysv_leftovers_go(c, image: str, path: str) -> None:
     """SysV shared memory, semaphores and message queues live in the call
     sandbox's IPC namespace, past the call that made them: before its uid
     goes to another call they go too (a later call could read them, and a
     later call of that uid would own them). Even one given to another uid
     (IPC_SET) goes: its creator is the call's uid."""
-    r = client.call(py_image, code=(
-        "import ctypes, os\n"
-        "libc = ctypes.CDLL(None, use_errno=True)\n"
-        "shm = libc.shmget(0x5ec21, 4096, 0o1666)\n"
-        "sem = libc.semget(0x5ec22, 1, 0o1666)\n"
-        "msg = libc.msgget(0x5ec23, 0o1666)\n"
-        "given = libc.shmget(0x5ec24, 4096, 0o1600)\n"
-        "perm = (ctypes.c_uint * 32)()\n"
-        "assert libc.shmctl(given, 2, perm) == 0\n"           # IPC_STAT
-        "perm[1] = os.getuid() + 1\n"                         # ipc_perm.uid: another call's
-        "assert libc.shmctl(given, 1, perm) == 0\n"           # IPC_SET
-        "print(min(shm, sem, msg, given) >= 0)"))
-    assert (r.exit_code, r.stdout) == (0, b"True\n"), r
+    r = c.call(image, argv=["sh", "-c", 'exec python3 -c "$0"', SYSV_LEFTOVERS])     # not routed as code
+    assert (r.exit_code, r.stdout, r.path) == (0, b"True\n", path), r
     keys = {f"{k}" for k in range(0x5ec21, 0x5ec25)}
-    probe = ("for k in shm sem msg; do tail -n +2 /proc/sysvipc/$k; done")
+    probe = "for k in shm sem msg; do tail -n +2 /proc/sysvipc/$k; done"
     deadline = time.monotonic() + 5
     while True:
-        left = client.call(py_image, argv=["sh", "-c", probe]).stdout.decode().split("\n")
+        left = c.call(image, argv=["sh", "-c", probe]).stdout.decode().split("\n")
         left = [line for line in left if line.split()[:1] and line.split()[0] in keys]
         if not left:
             break
         assert time.monotonic() < deadline, f"still there: {left}"
         time.sleep(0.05)
+
+
+def test_what_a_call_leaves_in_sysv_ipc_is_removed(client, py_image):
+    check_sysv_leftovers_go(client, py_image, "zygote")
+
+
+def test_what_a_plain_call_leaves_in_sysv_ipc_is_removed(daemon_factory):
+    d = daemon_factory("[fncall]\nzygote = false\n")
+    c = d.client()
+    try:
+        check_sysv_leftovers_go(c, import_py(c), "exec")
+    finally:
+        c.close()
 
 
 def test_call_workers_run_under_the_seccomp_filter(client, py_image):

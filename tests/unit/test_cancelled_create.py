@@ -167,6 +167,7 @@ def test_a_plain_call_cancelled_during_its_spawn_frees_its_uid_only_after_the_ki
         containers = SimpleNamespace(exec_env=lambda base, env: [f"{k}={v}" for k, v in {**base, **env}.items()])
         kill_leftovers = staticmethod(lambda h, uid: 0)     # the call left nothing running
         remove_shm_files = staticmethod(lambda h, uid: True)
+        remove_ipc = staticmethod(lambda h, uid: True)
 
         def make_private_dir(self, h, name, uid):
             return f"/tmp/{name}"
@@ -216,6 +217,7 @@ def test_a_plain_call_cancelled_while_it_runs_frees_its_uid_only_once_reaped():
         containers = _plain_call_fncall().containers
         kill_leftovers = staticmethod(lambda h, uid: 0)     # the call left nothing running
         remove_shm_files = staticmethod(lambda h, uid: True)
+        remove_ipc = staticmethod(lambda h, uid: True)
         make_private_dir = staticmethod(lambda h, name, uid: f"/tmp/{name}")
         start_plain_by_init = staticmethod(lambda *args: None)     # the helper spawns it
 
@@ -254,6 +256,7 @@ def test_a_plain_call_forked_by_init_and_cancelled_frees_its_uid_only_once_init_
         containers = _plain_call_fncall().containers
         kill_leftovers = staticmethod(lambda h, uid: 0)     # the call left nothing running
         remove_shm_files = staticmethod(lambda h, uid: True)
+        remove_ipc = staticmethod(lambda h, uid: True)
         make_private_dir = staticmethod(lambda h, name, uid: f"/tmp/{name}")
 
         def start_plain_by_init(self, loop, h, argv, env, cwd, uid, fds):
@@ -298,6 +301,7 @@ def test_a_plain_call_whose_channel_broke_keeps_its_uid_and_retires_its_call_san
         containers = _plain_call_fncall().containers
         kill_leftovers = staticmethod(lambda h, uid: 0)     # the call left nothing running
         remove_shm_files = staticmethod(lambda h, uid: True)
+        remove_ipc = staticmethod(lambda h, uid: True)
         make_private_dir = staticmethod(lambda h, name, uid: f"/tmp/{name}")
 
         def start_plain_by_init(self, loop, h, argv, env, cwd, uid, fds):
