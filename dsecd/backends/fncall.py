@@ -249,13 +249,16 @@ class FnCallBackend:
         return h
 
     # /tmp of a call sandbox is root-only (0711): a call (as its fncall uid)
-    # writes in its own private dir there. /dev/shm is sticky and
+    # writes in its own private dir there. So are the image's other usual
+    # world-writable dirs (/var/lock is a link to /run/lock in Debian's):
+    # nothing removes what a call left in them. /dev/shm is sticky and
     # world-writable but not listable (01733): glibc makes POSIX shared
     # memory and named semaphores (multiprocessing's locks and queues) there
     # and nowhere else; a call cannot list, remove or rename another's
     # entries, and what it leaves is removed before its uid is handed out
     # again (zygote_main.remove_owned), so no call leaves a file for the next.
-    SHARED_DIR_MODES = {"/tmp": 0o711, "/dev/shm": 0o1733}
+    SHARED_DIR_MODES = {"/tmp": 0o711, "/var/tmp": 0o711, "/run/lock": 0o711, "/var/lock": 0o711,
+                        "/dev/shm": 0o1733}
 
     def seal_shared_dirs(self, h: Handle) -> None:
         for path, mode in self.SHARED_DIR_MODES.items():

@@ -168,6 +168,23 @@ def test_calls_of_a_rebuilt_image_run_in_the_new_one(daemon, client, tmp_path):
     assert client.call("bb-rebuilt", argv=["sh", "-c", "echo $V"]).stdout == b"three\n"
 
 
+def test_no_shared_dir_of_the_image_keeps_what_a_call_writes(daemon, client, tmp_path):
+    """/var/tmp and /run/lock (and /var/lock, a link to it on Debian) are
+    world-writable in most images: a file one call left there would be
+    read, and owned, by later calls. In a call sandbox they are root-only,
+    as /tmp is."""
+    (tmp_path / "Dockerfile").write_text(
+        "FROM busybox\nRUN mkdir -p /var/tmp /run/lock && chmod 1777 /var/tmp /run/lock && "
+        "ln -s /run/lock /var/lock\n")
+    r = daemon.cli("image", "build", "-f", str(tmp_path / "Dockerfile"), str(tmp_path), "--name", "bb-shared-dirs")
+    assert r.returncode == 0, r.stderr
+    for d in ("/var/tmp", "/run/lock", "/var/lock"):
+        r = client.call("bb-shared-dirs", argv=["sh", "-c", f"echo left > {d}/f || echo refused"])
+        assert r.stdout == b"refused\n", (d, r)
+    r = client.call("bb-shared-dirs", argv=["sh", "-c", "echo $HOME/x; echo ok > $HOME/x && cat $HOME/x"])
+    assert r.stdout.endswith(b"ok\n"), r
+
+
 def test_each_call_starts_from_fresh_private_state(client, py_image):
     first = client.call(py_image, code=(
         "import os, json\n"
