@@ -505,6 +505,7 @@ class Zygote:
         self.by_fd = {}         # pidfd or link fd -> worker
         self.by_id = {}         # call id -> worker
         self.held = []          # uids whose calls left processes behind, until those are gone
+        self.lost = set()       # uids whose calls left what could not be removed: never handed out again
         self.forked = 0
         self.fork_failed = False    # the last spare could not be forked
         # Kept open: read after every call (kill_leftovers). Workers close it.
@@ -652,7 +653,13 @@ class Zygote:
         except FileNotFoundError:
             pass
         except OSError:
-            shutil.rmtree(w["tmp"], ignore_errors=True)
+            try:
+                shutil.rmtree(w["tmp"], ignore_errors=True)
+            except RecursionError:
+                # A tree deeper than rmtree's recursion (before Python 3.12)
+                # stays, and so does its uid: the next call of it would own
+                # the dir, whose name is no secret.
+                self.lost.add(w["uid"])
         # What the call left running outside its group must not meet the next
         # call its uid goes to (it could signal, trace or read it).
         if kill_leftovers(w["uid"], fd=self.children_fd):
@@ -663,9 +670,11 @@ class Zygote:
     def free_uid(self, uid):
         """A uid back to the free list, once nothing of its call runs: what
         the call left in /dev/shm and in SysV IPC goes first (nothing of it
-        runs to make more). A uid whose leftovers could not be removed (an
-        image's python3 without ctypes, say) is never handed out again: the
-        next call of it would own them."""
+        runs to make more). A uid whose leftovers could not be removed (in
+        /dev/shm or its call's dir; an image's python3 without ctypes) is
+        never handed out again: the next call of it would own them."""
+        if uid in self.lost:
+            return
         if self.shm_fd >= 0:
             try:
                 if not remove_owned(self.shm_fd, uid):

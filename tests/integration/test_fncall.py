@@ -599,6 +599,21 @@ def test_garbage_on_a_workers_link_does_not_kill_the_zygote(client, py_image):
     assert zygote_pid() == zyg
 
 
+def test_a_call_that_nests_dirs_deeply_does_not_kill_the_zygote(client, py_image):
+    """Its dir is removed after it by the zygote: a tree deeper than a
+    recursive walk goes must not take the zygote (and every call in flight
+    beside it) down."""
+    assert client.call(py_image, code="print(1)").exit_code == 0
+    box = next(b for b in client.info()["fncall"]["boxes"] if b["image"] == py_image)
+    r = client.call(py_image, code="import os\nfor _ in range(3000):\n    os.mkdir('d')\n    os.chdir('d')\n"
+                                   "print('deep')")
+    assert (r.exit_code, r.stdout) == (0, b"deep\n"), r
+    time.sleep(0.5)
+    assert client.call(py_image, code="print(2)").stdout == b"2\n"
+    after = next(b for b in client.info()["fncall"]["boxes"] if b["image"] == py_image)
+    assert after["zygote_pid"] == box["zygote_pid"]
+
+
 def test_a_call_that_says_it_is_done_is_not_left_running(client, py_image):
     """A call that writes its own end report on its link and sleeps on
     ends there: it may not outlive the call (and its timeout)."""
