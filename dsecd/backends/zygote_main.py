@@ -245,16 +245,18 @@ def init_children(init_pid=1, fd=-1):
         return []
 
 
-def kill_leftovers(uid, init_pid=1, fd=-1):
+def kill_leftovers(uid, init_pid=1, fd=-1, skip=()):
     """SIGKILL the processes running as `uid` that were left to the sandbox's
     init: a call's process has ended, so anything of its uid that outlived
     it (a child that left its process group or session) was reparented
     there. Returns how many it found: their own children reach init only
     once they are gone, so the caller looks again before the uid is used
-    again. init_pid, fd: as init_children's."""
+    again. init_pid, fd: as init_children's; skip: pids not to look at."""
     pids = init_children(init_pid, fd)
     found = 0
     for pid in pids:
+        if int(pid) in skip:
+            continue
         pidfd = _pidfd(int(pid))            # held across the check and the kill: the pid cannot be another's
         try:
             with open(f"/proc/{int(pid)}/status") as f:
@@ -510,6 +512,8 @@ class Zygote:
         self.fork_failed = False    # the last spare could not be forked
         # Kept open: read after every call (kill_leftovers). Workers close it.
         self.children_fd = os.open("/proc/1/task/1/children", os.O_RDONLY | os.O_CLOEXEC)
+        me = os.getpid()
+        self.own_children_fd = os.open(f"/proc/{me}/task/{me}/children", os.O_RDONLY | os.O_CLOEXEC)
         # Kept open: looked through whenever a uid is freed (free_uid).
         try:
             self.shm_fd = os.open("/dev/shm", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -662,10 +666,26 @@ class Zygote:
                 self.lost.add(w["uid"])
         # What the call left running outside its group must not meet the next
         # call its uid goes to (it could signal, trace or read it).
-        if kill_leftovers(w["uid"], fd=self.children_fd):
+        if self.kill_leftovers(w["uid"]):
             self.held.append(w["uid"])
         else:
             self.free_uid(w["uid"])
+
+    def kill_leftovers(self, uid):
+        """kill_leftovers of `uid` among init's children, and among this
+        zygote's own that are no worker: clone(CLONE_PARENT) by a call's
+        process makes the zygote its child's parent. Those of them that are
+        dead are reaped. How many still ran."""
+        found = kill_leftovers(uid, fd=self.children_fd)
+        workers = {w["pid"] for w in self.by_fd.values()}
+        found += kill_leftovers(uid, fd=self.own_children_fd, skip=workers)
+        for pid in init_children(fd=self.own_children_fd):
+            if int(pid) not in workers:
+                try:
+                    os.waitpid(int(pid), os.WNOHANG)
+                except ChildProcessError:
+                    pass
+        return found
 
     def free_uid(self, uid):
         """A uid back to the free list, once nothing of its call runs: what
@@ -691,7 +711,7 @@ class Zygote:
     def recheck_held(self):
         """Free the held uids whose leftovers are gone (their children, if
         any, were reparented to init meanwhile and are killed now)."""
-        still = [uid for uid in self.held if kill_leftovers(uid, fd=self.children_fd)]
+        still = [uid for uid in self.held if self.kill_leftovers(uid)]
         for uid in self.held:
             if uid not in still:
                 self.free_uid(uid)

@@ -624,6 +624,26 @@ def test_a_call_that_says_it_is_done_is_not_left_running(client, py_image):
     assert _gone_soon(b"sleep\x003181")
 
 
+def test_a_process_a_call_cloned_onto_the_zygote_is_killed(client, py_image):
+    """clone(CLONE_PARENT) gives the new process the caller's parent: for a
+    call through the zygote, the zygote, not the call sandbox's init. In its
+    own session it outlived the call, under the uid the next call gets (which
+    it could then trace, signal and read)."""
+    r = client.call(py_image, code=(
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "pid = libc.syscall(56, 0x00008000 | 17, 0, 0, 0, 0)\n"     # clone(CLONE_PARENT | SIGCHLD)
+        "if pid == 0:\n    os.setsid()\n    os.execv('/bin/sleep', ['sleep', '3183'])\n"
+        "print('cloned' if pid > 0 else ctypes.get_errno())"))
+    assert (r.exit_code, r.stdout) == (0, b"cloned\n"), r
+    assert _gone_soon(b"sleep\x003183")
+    left = client.call(py_image, code=(
+        "import os\nfor p in filter(str.isdigit, os.listdir('/proc')):\n"
+        "    s = open(f'/proc/{p}/status').read()\n"
+        "    print('Z' if '\\nState:\\tZ' in s else '', end='')"))
+    assert left.stdout == b"", left        # and reaped: no zombie of it stays with the zygote
+
+
 def test_a_left_thread_whose_leader_exited_is_killed_too(client, py_image):
     """A leader that exits its main thread alone shows as a zombie while its
     other threads run on under the call's uid: they die with the call."""
