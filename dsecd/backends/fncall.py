@@ -36,7 +36,9 @@ import ctypes
 import json
 import logging
 import os
+import select
 import shutil
+import signal
 import socket
 import time
 from dataclasses import dataclass, field
@@ -46,7 +48,7 @@ from .. import cgroup, userns
 from ..fs import files as sbfiles
 from ..fs import upper as upperfs
 from .container import ContainerBackend, Handle
-from .zygote_main import kill_leftovers, remove_ipc, remove_owned
+from .zygote_main import init_children, kill_leftovers, remove_ipc, remove_owned
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +194,39 @@ def _setns(fd: int, nstype: int) -> None:
         raise OSError(err, f"setns: {os.strerror(err)}")
 
 
+def _kill_own_children(h: Handle, host_uid: int) -> int:
+    """SIGKILL and reap this daemon's children that run as `host_uid` in the
+    call sandbox's pid namespace (with sandbox.userns = false, other call
+    sandboxes' calls have the same host uids). How many did not end within
+    a second (looked for again)."""
+    try:
+        ns = os.stat(f"/proc/{h.init_pid}/ns/pid").st_ino
+    except OSError:
+        return 0
+    left = 0
+    for tid in os.listdir("/proc/self/task"):
+        for pid in init_children(int(tid)):
+            try:
+                pidfd = os.pidfd_open(int(pid))
+            except OSError:
+                continue
+            try:      # the pidfd held across the checks, the kill and the reap: the pid cannot be another's
+                with open(f"/proc/{int(pid)}/status") as f:
+                    uids = next((line.split()[1:] for line in f if line.startswith("Uid:")), [])
+                if str(host_uid) not in uids or os.stat(f"/proc/{int(pid)}/ns/pid").st_ino != ns:
+                    continue
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                if select.select([pidfd], [], [], 1.0)[0]:
+                    os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
+                else:
+                    left += 1
+            except OSError:
+                continue
+            finally:
+                os.close(pidfd)
+    return left
+
+
 @dataclass
 class CallBox:
     """One image's call sandbox."""
@@ -326,8 +361,10 @@ class FnCallBackend:
     def kill_leftovers(h: Handle, host_uid: int) -> int:
         """SIGKILL what a plain call left to the call sandbox's init (the
         zygote's own check, with init's host pid and the call's uid as the
-        host sees it): how many it found."""
-        return kill_leftovers(host_uid, h.init_pid)
+        host sees it), and to this daemon: forked by the helper, a plain call
+        is the daemon's child, and clone(CLONE_PARENT) by it gives its child
+        the same parent. How many it found."""
+        return kill_leftovers(host_uid, h.init_pid) + _kill_own_children(h, host_uid)
 
     @staticmethod
     def remove_shm_files(h: Handle, host_uid: int) -> bool:

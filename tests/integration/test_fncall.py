@@ -644,6 +644,30 @@ def test_a_process_a_call_cloned_onto_the_zygote_is_killed(client, py_image):
     assert left.stdout == b"", left        # and reaped: no zombie of it stays with the zygote
 
 
+CLONE_ONTO_PARENT = (
+    "import ctypes, os\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "pid = libc.syscall(56, 0x00008000 | 17, 0, 0, 0, 0)\n"     # clone(CLONE_PARENT | SIGCHLD)
+    "if pid == 0:\n    os.setsid()\n    os.execv('/bin/sleep', ['sleep', '{secs}'])\n"
+    "print('cloned' if pid > 0 else ctypes.get_errno())")
+
+
+@pytest.mark.parametrize("exec_via", ["init", "helper"])
+def test_a_process_a_plain_call_cloned_onto_its_parent_is_killed(daemon_factory, exec_via):
+    """A plain call's parent is the call sandbox's init, or, forked by the
+    helper, the daemon: what it clones onto it (CLONE_PARENT) dies with it."""
+    d = daemon_factory(f'exec_via = "{exec_via}"\n[fncall]\nzygote = false\n')
+    c = d.client()
+    try:
+        py = import_py(c)
+        secs = 3190 + len(exec_via)
+        r = c.call(py, argv=["sh", "-c", 'exec python3 -c "$0"', CLONE_ONTO_PARENT.format(secs=secs)])
+        assert (r.exit_code, r.stdout, r.path) == (0, b"cloned\n", "exec"), r
+        assert _gone_soon(f"sleep\0{secs}".encode())
+    finally:
+        c.close()
+
+
 def test_a_left_thread_whose_leader_exited_is_killed_too(client, py_image):
     """A leader that exits its main thread alone shows as a zombie while its
     other threads run on under the call's uid: they die with the call."""
