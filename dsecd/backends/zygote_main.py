@@ -704,6 +704,11 @@ class Zygote:
         try:
             if not remove_ipc(uid):
                 return
+        except OSError:
+            # No pid for the child that removes them (a call holds the
+            # sandbox's pids limit): tried again with the held uids.
+            self.held.append(uid)
+            return
         except Exception:
             return
         self.uids.append(uid)
@@ -711,11 +716,12 @@ class Zygote:
     def recheck_held(self):
         """Free the held uids whose leftovers are gone (their children, if
         any, were reparented to init meanwhile and are killed now)."""
-        still = [uid for uid in self.held if self.kill_leftovers(uid)]
-        for uid in self.held:
-            if uid not in still:
-                self.free_uid(uid)
-        self.held = still
+        held, self.held = self.held, []
+        for uid in held:
+            if self.kill_leftovers(uid):
+                self.held.append(uid)
+            else:
+                self.free_uid(uid)          # which may hold it again
 
     def on_request(self):
         msg, fds = recv(self.sock)

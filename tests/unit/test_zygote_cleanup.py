@@ -117,3 +117,40 @@ def test_an_entry_that_cannot_be_removed_says_so(shm, monkeypatch):
     assert not _remove(shm, CALL)
     monkeypatch.setattr(zygote_main.os, "unlink", real)
     assert _remove(shm, CALL) and os.listdir(shm) == []
+
+
+def test_a_uid_whose_ipc_cleanup_could_not_fork_is_tried_again(monkeypatch):
+    """Removing a call's SysV IPC objects forks a child (it drops to the
+    uid): when no pid is free (another call holds the pids limit) the uid
+    waits and is tried again, rather than being lost for good."""
+    import socket
+
+    from dsecd.backends import zygote_main
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    z = zygote_main.Zygote(theirs, "/nonexistent", 0, 60000, 2, {})
+    try:
+        z.uids.clear()
+        monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: True)
+        monkeypatch.setattr(z, "kill_leftovers", lambda uid: 0)     # (the host's pid 1 is no call sandbox's)
+
+        def no_pid(uid):
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+
+        monkeypatch.setattr(zygote_main, "remove_ipc", no_pid)
+        z.free_uid(60001)
+        assert (z.uids, z.held) == ([], [60001])
+        z.recheck_held()                                 # still no pid
+        assert (z.uids, z.held) == ([], [60001])
+        monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid: True)
+        z.recheck_held()
+        assert (z.uids, z.held) == ([60001], [])
+        monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid: False)    # left for good: never again
+        z.free_uid(60000)
+        assert (z.uids, z.held) == ([60001], [])
+    finally:
+        for fd in (z.children_fd, z.own_children_fd, z.shm_fd):
+            if fd >= 0:
+                os.close(fd)
+        ours.close()
+        theirs.close()
