@@ -185,6 +185,9 @@ class Zygote:
 
 
 CLONE_NEWIPC = 0x08000000
+SYS_FSOPEN, SYS_FSCONFIG, SYS_FSMOUNT = 430, 431, 432     # the same on every architecture
+FSOPEN_CLOEXEC = FSMOUNT_CLOEXEC = 1
+FSCONFIG_CMD_CREATE = 6
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -245,6 +248,7 @@ class CallBox:
     free_uids: list = field(default_factory=list)    # plain calls: one uid per running call
     env: dict = field(default_factory=dict)     # the image's environment, under each call's
     idmap: userns.IdMap | None = None           # its user namespace's range; None: host ids
+    mq_fd: int = -1         # its POSIX message queues' directory (FnCallBackend.mqueue_dir); -1: none
 
     def host_ids(self, uid: int) -> tuple[int, int]:
         """A call's uid (and gid of the same number) as the host sees them."""
@@ -400,6 +404,48 @@ class FnCallBackend:
                 _setns(back, CLONE_NEWIPC)
         finally:
             os.close(back)
+
+    @staticmethod
+    def mqueue_dir(h: Handle) -> int:
+        """An fd of the directory of the call sandbox's POSIX message queues:
+        an mqueue fs of its IPC namespace, mounted nowhere (this thread joins
+        the namespace to make it, and comes back), from which what a call
+        leaves is removed as from /dev/shm. -1 when it cannot be made."""
+        back = os.open("/proc/thread-self/ns/ipc", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _setns(h.pidfd, CLONE_NEWIPC)
+            try:
+                fs = _libc.syscall(SYS_FSOPEN, b"mqueue", FSOPEN_CLOEXEC)
+                if fs < 0:
+                    return -1
+                try:
+                    if _libc.syscall(SYS_FSCONFIG, fs, FSCONFIG_CMD_CREATE, None, None, 0) < 0:
+                        return -1
+                    mnt = _libc.syscall(SYS_FSMOUNT, fs, FSMOUNT_CLOEXEC, 0)
+                finally:
+                    os.close(fs)
+            finally:
+                _setns(back, CLONE_NEWIPC)
+        finally:
+            os.close(back)
+        if mnt < 0:
+            return -1
+        try:
+            return os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=mnt)
+        finally:
+            os.close(mnt)
+
+    @staticmethod
+    def remove_mqueues(mq_fd: int, host_uid: int) -> bool:
+        """What a plain call left in the call sandbox's message queues (the
+        zygote's own cleanup). False when it could not all be removed."""
+        if mq_fd < 0:
+            return True
+        try:
+            remove_owned(mq_fd, host_uid)
+            return True
+        except Exception:
+            return False
 
     def remove_private_dir(self, h: Handle, name: str) -> None:
         try:

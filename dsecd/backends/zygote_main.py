@@ -16,6 +16,8 @@ Messages are JSON, one per packet.
                       (the code travels in "src" when the packet stays small,
                       else in a memfd as the fourth fd)
                       {"op": "kill", "id": N}
+                      {"op": "mqueue"} + SCM_RIGHTS [dir] (first, if at all:
+                      the call sandbox's message queues, to clean up)
     zygote -> daemon  {"op": "ready", "pid": P, "modules": [...], "failed": {...}}
                       {"op": "exit", "id": N, "status": wait-status, "run_ms": F}
                       {"op": "error", "id": N, "errno": E, "message": "..."}
@@ -519,6 +521,7 @@ class Zygote:
             self.shm_fd = os.open("/dev/shm", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
             self.shm_fd = -1
+        self.mq_fd = -1         # the daemon's first message says where message queues are
         # A worker's end is seen on its pidfd. Without pidfds (Python 3.8
         # has no os.pidfd_open, kernels before 5.3 no pidfd_open), on
         # SIGCHLD: its handler's wakeup fd is polled like a pidfd.
@@ -689,18 +692,20 @@ class Zygote:
 
     def free_uid(self, uid):
         """A uid back to the free list, once nothing of its call runs: what
-        the call left in /dev/shm and in SysV IPC goes first (nothing of it
-        runs to make more). A uid whose leftovers could not be removed (in
-        /dev/shm or its call's dir; an image's python3 without ctypes) is
-        never handed out again: the next call of it would own them."""
+        the call left in /dev/shm, in SysV IPC and in message queues goes
+        first (nothing of it runs to make more). A uid whose leftovers could
+        not be removed (in /dev/shm, the message queues or its call's dir; an
+        image's python3 without ctypes) is never handed out again: the next
+        call of it would own them."""
         if uid in self.lost:
             return
-        if self.shm_fd >= 0:
-            try:
-                if not remove_owned(self.shm_fd, uid):
+        for fd in (self.shm_fd, self.mq_fd):
+            if fd >= 0:
+                try:
+                    if not remove_owned(fd, uid):
+                        return
+                except Exception:
                     return
-            except Exception:
-                return
         try:
             if not remove_ipc(uid):
                 return
@@ -728,6 +733,11 @@ class Zygote:
         if not msg:
             os._exit(0)      # the daemon closed its end
         req = json.loads(msg)
+        if req["op"] == "mqueue":      # the directory of the call sandbox's message queues
+            self.mq_fd = fds[0] if fds else -1
+            for f in fds[1:]:
+                os.close(f)
+            return
         if req["op"] == "kill":
             w = self.by_id.get(req["id"])
             if w:

@@ -21,6 +21,7 @@ memory, pids).
 
 from __future__ import annotations
 
+import array
 import asyncio
 import errno
 import json
@@ -28,6 +29,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import time
 
 from .. import cgroup, metrics
@@ -271,8 +273,13 @@ class CallService:
             raise
         log.info("call sandbox %s for image %s", box_id, image_name)
         uids = list(range(fc["uid_base"] + fc["uid_count"] - 1, fc["uid_base"] - 1, -1))   # lowest last
+        try:
+            mq_fd = await self.workers.run(self.fncall.mqueue_dir, handle)
+        except OSError as err:
+            log.warning("call sandbox %s: no fd of its message queues (%s): what calls leave there stays", box_id, err)
+            mq_fd = -1
         return CallBox(id=box_id, image=image_name, layers=image.layer_digests, handle=handle, free_uids=uids,
-                       env=dict(image.config.get("env") or {}), idmap=idmap)
+                       env=dict(image.config.get("env") or {}), idmap=idmap, mq_fd=mq_fd)
 
     async def _zygote(self, box: CallBox) -> Zygote | None:
         if box.zygote is not None and box.zygote.alive:
@@ -304,6 +311,8 @@ class CallService:
                 "rlimits": {"as": self._call_sizes["rlimit_as"], "core": 0,
                             "fsize": self._call_sizes["rlimit_fsize"], "nofile": fc["rlimit_nofile"]}}
         sock, pid = await self.workers.run(self.fncall.spawn_zygote, box.handle, conf, box.env)
+        if box.mq_fd >= 0:      # first, so before any call: where the calls' message queues are
+            sock.sendmsg([b'{"op": "mqueue"}'], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [box.mq_fd]))])
         sock.setblocking(False)
         zyg = Zygote(sock=sock, pid=pid, pidfd=os.pidfd_open(pid), ready=self.workers.loop.create_future())
         self.workers.loop.add_reader(sock.fileno(), zyg.on_readable)
@@ -376,6 +385,9 @@ class CallService:
         h, box.handle = box.handle, None
         if h is None:
             return
+        if box.mq_fd >= 0:
+            os.close(box.mq_fd)
+            box.mq_fd = -1
         await self.workers.run(self.fncall.destroy_box, box.id, h)
         self.image_service.layers.release(box.layers)
         self.id_ranges.give_back(box.idmap)
@@ -550,7 +562,7 @@ class CallService:
         host_uid = box.host_ids(uid)[0]
         for _ in range(LEFTOVER_LOOKS):
             if not await self.workers.run(self.fncall.kill_leftovers, box.handle, host_uid):
-                if await self.workers.run(self._remove_left, box.handle, host_uid):
+                if await self.workers.run(self._remove_left, box, host_uid):
                     box.free_uids.append(uid)
                 else:
                     log.warning("call sandbox %s: what uid %d left in /dev/shm or SysV IPC could not be removed; "
@@ -560,13 +572,15 @@ class CallService:
         log.warning("call sandbox %s: uid %d still runs processes after %d kills; it is not handed out again",
                     box.id, uid, LEFTOVER_LOOKS)
 
-    def _remove_left(self, h, host_uid: int) -> bool:
-        """What a plain call left in /dev/shm and SysV IPC, removed (a worker)."""
+    def _remove_left(self, box: CallBox, host_uid: int) -> bool:
+        """What a plain call left in /dev/shm, SysV IPC and message queues,
+        removed (a worker)."""
         try:
-            ipc = self.fncall.remove_ipc(h, host_uid)
+            ipc = self.fncall.remove_ipc(box.handle, host_uid)
         except OSError:
             ipc = False
-        return self.fncall.remove_shm_files(h, host_uid) and ipc
+        mq = self.fncall.remove_mqueues(box.mq_fd, host_uid)
+        return self.fncall.remove_shm_files(box.handle, host_uid) and ipc and mq
 
 
 def _ended_as_sh_says(err: BaseException | None, prog: str, envl: list[str]) -> dict | None:

@@ -390,6 +390,40 @@ def test_what_a_plain_call_leaves_in_sysv_ipc_is_removed(daemon_factory):
         c.close()
 
 
+MQ_LEFT = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+           "q = libc.mq_open(b'/left-by-a-call', 0o100 | 2, 0o666, None)\n"      # O_CREAT | O_RDWR
+           "print(q >= 0 and libc.mq_send(q, b'secret', 6, 0) == 0)")
+MQ_PROBE = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "q = libc.mq_open(b'/left-by-a-call', 0)\nprint(q >= 0 or ctypes.get_errno())")
+
+
+def check_mqueue_leftovers_go(c, image: str, path: str) -> None:
+    """A POSIX message queue lives in the call sandbox's IPC namespace, past
+    the call that made it: it goes before the call's uid goes to another."""
+    def run(code):
+        return c.call(image, argv=["sh", "-c", 'exec python3 -c "$0"', code])     # not routed as code
+
+    r = run(MQ_LEFT)
+    assert (r.exit_code, r.stdout, r.path) == (0, b"True\n", path), r
+    deadline = time.monotonic() + 5
+    while (left := run(MQ_PROBE).stdout) != f"{errno.ENOENT}\n".encode():
+        assert time.monotonic() < deadline, f"still there: {left}"
+        time.sleep(0.05)
+
+
+def test_a_message_queue_a_call_leaves_is_removed(client, py_image):
+    check_mqueue_leftovers_go(client, py_image, "zygote")
+
+
+def test_a_message_queue_a_plain_call_leaves_is_removed(daemon_factory):
+    d = daemon_factory("[fncall]\nzygote = false\n")
+    c = d.client()
+    try:
+        check_mqueue_leftovers_go(c, import_py(c), "exec")
+    finally:
+        c.close()
+
+
 def test_call_workers_run_under_the_seccomp_filter(client, py_image):
     """The zygote is started by the exec helper with the sandbox profile
     (sandbox.seccomp) and every worker it forks inherits it: a denied syscall

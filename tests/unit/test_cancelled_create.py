@@ -168,6 +168,7 @@ def test_a_plain_call_cancelled_during_its_spawn_frees_its_uid_only_after_the_ki
         kill_leftovers = staticmethod(lambda h, uid: 0)     # the call left nothing running
         remove_shm_files = staticmethod(lambda h, uid: True)
         remove_ipc = staticmethod(lambda h, uid: True)
+        remove_mqueues = staticmethod(lambda fd, uid: True)
 
         def make_private_dir(self, h, name, uid):
             return f"/tmp/{name}"
@@ -218,6 +219,7 @@ def test_a_plain_call_cancelled_while_it_runs_frees_its_uid_only_once_reaped():
         kill_leftovers = staticmethod(lambda h, uid: 0)     # the call left nothing running
         remove_shm_files = staticmethod(lambda h, uid: True)
         remove_ipc = staticmethod(lambda h, uid: True)
+        remove_mqueues = staticmethod(lambda fd, uid: True)
         make_private_dir = staticmethod(lambda h, name, uid: f"/tmp/{name}")
         start_plain_by_init = staticmethod(lambda *args: None)     # the helper spawns it
 
@@ -257,6 +259,7 @@ def test_a_plain_call_forked_by_init_and_cancelled_frees_its_uid_only_once_init_
         kill_leftovers = staticmethod(lambda h, uid: 0)     # the call left nothing running
         remove_shm_files = staticmethod(lambda h, uid: True)
         remove_ipc = staticmethod(lambda h, uid: True)
+        remove_mqueues = staticmethod(lambda fd, uid: True)
         make_private_dir = staticmethod(lambda h, name, uid: f"/tmp/{name}")
 
         def start_plain_by_init(self, loop, h, argv, env, cwd, uid, fds):
@@ -302,6 +305,7 @@ def test_a_plain_call_whose_channel_broke_keeps_its_uid_and_retires_its_call_san
         kill_leftovers = staticmethod(lambda h, uid: 0)     # the call left nothing running
         remove_shm_files = staticmethod(lambda h, uid: True)
         remove_ipc = staticmethod(lambda h, uid: True)
+        remove_mqueues = staticmethod(lambda fd, uid: True)
         make_private_dir = staticmethod(lambda h, name, uid: f"/tmp/{name}")
 
         def start_plain_by_init(self, loop, h, argv, env, cwd, uid, fds):
