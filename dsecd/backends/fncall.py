@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import select
-import shutil
 import signal
 import socket
 import time
@@ -48,7 +47,7 @@ from .. import cgroup, userns
 from ..fs import files as sbfiles
 from ..fs import upper as upperfs
 from .container import ContainerBackend, Handle
-from .zygote_main import init_children, kill_leftovers, remove_ipc, remove_owned
+from .zygote_main import init_children, kill_leftovers, remove_ipc, remove_owned, remove_tree
 
 log = logging.getLogger(__name__)
 
@@ -447,12 +446,14 @@ class FnCallBackend:
         except Exception:
             return False
 
-    def remove_private_dir(self, h: Handle, name: str) -> None:
+    def remove_private_dir(self, h: Handle, name: str) -> bool:
+        """/tmp/NAME of a plain call, whole at any depth (zygote_main.remove_tree);
+        False when some of it stays (its uid must not be handed out again)."""
         try:
             tmpfd = sbfiles._open(h.rootfd, "/tmp", os.O_RDONLY | os.O_DIRECTORY)
         except OSError:
-            return
+            return False
         try:
-            shutil.rmtree(name, dir_fd=tmpfd, ignore_errors=True)
+            return remove_tree(tmpfd, name)
         finally:
             os.close(tmpfd)

@@ -42,9 +42,9 @@ import json
 import os
 import resource
 import select
-import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -323,6 +323,24 @@ def remove_owned(top, uid):
     finally:
         for fd, _ in stack:
             os.close(fd)
+
+
+def remove_tree(dirfd, name):
+    """Remove `name` in the directory open at `dirfd`, whole, at any depth
+    (past MAX_OPEN_DIRS levels parts of it are moved up into `dirfd` and
+    removed in turn), nothing followed. True when all of it is gone:
+    shutil.rmtree recurses (before Python 3.12) and stops at ~1,000 levels."""
+    try:
+        is_dir = stat.S_ISDIR(os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    moved = []
+    ok = _remove_tree(dirfd, name, is_dir, dirfd, moved)
+    while moved:
+        ok = _remove_tree(dirfd, moved.pop(), True, dirfd, moved) and ok
+    return ok
 
 
 def _entries(fd, uid=None):
@@ -660,13 +678,14 @@ class Zygote:
         except FileNotFoundError:
             pass
         except OSError:
+            base = os.open(self.base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
-                shutil.rmtree(w["tmp"], ignore_errors=True)
-            except RecursionError:
-                # A tree deeper than rmtree's recursion (before Python 3.12)
-                # stays, and so does its uid: the next call of it would own
-                # the dir, whose name is no secret.
-                self.lost.add(w["uid"])
+                if not remove_tree(base, os.path.basename(w["tmp"])):
+                    # What stays keeps its uid: the next call of it would
+                    # own the dir, whose name is no secret.
+                    self.lost.add(w["uid"])
+            finally:
+                os.close(base)
         # What the call left running outside its group must not meet the next
         # call its uid goes to (it could signal, trace or read it).
         if self.kill_leftovers(w["uid"]):

@@ -505,8 +505,7 @@ class CallService:
         io, out = self._call_io(stdin)
 
         def release() -> None:
-            self.workers.behind(self.fncall.remove_private_dir, h, name)
-            self.workers.loop.create_task(self._give_back(box, uid))
+            self.workers.loop.create_task(self._give_back(box, uid, name))
 
         abandoned = False
         try:
@@ -552,9 +551,11 @@ class CallService:
         return result
 
 
-    async def _give_back(self, box: CallBox, uid: int) -> None:
+    async def _give_back(self, box: CallBox, uid: int, private_dir: str) -> None:
         """A plain call's uid back to its box, once nothing it started runs
-        and what it left in /dev/shm and SysV IPC is gone: what it left running
+        and what it left (its dir /tmp/`private_dir`, /dev/shm, SysV IPC,
+        message queues) is gone, removed after its leftovers are killed (one
+        could write on meanwhile): what it left running
         (reparented to the call sandbox's init) is killed first, and the uid
         waits while any of it, or what that in turn leaves to init, is still
         there. In a worker: it reads the status of each of init's children,
@@ -562,25 +563,26 @@ class CallService:
         host_uid = box.host_ids(uid)[0]
         for _ in range(LEFTOVER_LOOKS):
             if not await self.workers.run(self.fncall.kill_leftovers, box.handle, host_uid):
-                if await self.workers.run(self._remove_left, box, host_uid):
+                if await self.workers.run(self._remove_left, box, host_uid, private_dir):
                     box.free_uids.append(uid)
                 else:
-                    log.warning("call sandbox %s: what uid %d left in /dev/shm or SysV IPC could not be removed; "
-                                "it is not handed out again", box.id, uid)
+                    log.warning("call sandbox %s: what uid %d left in its dir, /dev/shm, SysV IPC or message "
+                                "queues could not be removed; it is not handed out again", box.id, uid)
                 return
             await asyncio.sleep(LEFTOVER_RECHECK_S)
         log.warning("call sandbox %s: uid %d still runs processes after %d kills; it is not handed out again",
                     box.id, uid, LEFTOVER_LOOKS)
 
-    def _remove_left(self, box: CallBox, host_uid: int) -> bool:
-        """What a plain call left in /dev/shm, SysV IPC and message queues,
-        removed (a worker)."""
+    def _remove_left(self, box: CallBox, host_uid: int, private_dir: str) -> bool:
+        """What a plain call left in its dir, /dev/shm, SysV IPC and message
+        queues, removed (a worker)."""
+        own = self.fncall.remove_private_dir(box.handle, private_dir)
         try:
             ipc = self.fncall.remove_ipc(box.handle, host_uid)
         except OSError:
             ipc = False
         mq = self.fncall.remove_mqueues(box.mq_fd, host_uid)
-        return self.fncall.remove_shm_files(box.handle, host_uid) and ipc and mq
+        return self.fncall.remove_shm_files(box.handle, host_uid) and ipc and mq and own
 
 
 def _ended_as_sh_says(err: BaseException | None, prog: str, envl: list[str]) -> dict | None:

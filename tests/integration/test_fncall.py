@@ -957,3 +957,37 @@ def test_cli_call(daemon, py_image, tmp_path):
     # '-': dsec's own stdin, as `dsec cp - SB:/path` reads it.
     r = daemon.cli("call", "--image", "busybox", "--stdin", "-", "--", "wc", "-c", input=b"12345")
     assert (r.returncode, r.stdout.strip()) == (0, b"5"), r.stderr
+
+
+DEEP_TREE = ("import os\nos.mkdir({top!r}, 0o777)\nos.chdir({top!r})\n"
+             "for _ in range(3000):\n    os.mkdir('d', 0o777)\n    os.chdir('d')\nprint('deep')")
+
+
+@pytest.mark.parametrize("route", ["zygote", "exec"])
+def test_a_deep_tree_a_call_leaves_in_its_dir_costs_no_uid(daemon_factory, busybox_rootfs, route):
+    """A call's own dir is removed after it at any depth (shutil.rmtree
+    recurses, and stops at ~1,000 levels): with 2 uids, calls that each
+    leave a tree 3,000 deep would run out of uids by the third, through
+    the zygote or as plain calls (an image without python3)."""
+    d = daemon_factory("[fncall]\nuid_count = 2\nspares = 1\n")
+    c = d.client()
+    try:
+        if route == "zygote":
+            py = import_py(c)
+        else:
+            c.import_image(busybox_rootfs, "busybox")
+        for i in range(6):
+            if route == "zygote":
+                r = c.call(py, code=DEEP_TREE.format(top="deep"))
+            else:
+                r = c.call("busybox", argv=["sh", "-c", "mkdir deep && cd deep && i=0 && while [ $i -lt 1500 ]; "
+                                            "do mkdir d && cd d && i=$((i+1)) || exit 1; done && echo deep"])
+            assert (r.exit_code, r.stdout, r.path) == (0, b"deep\n", route), (i, r)
+        if route == "exec":         # every call's dir went before its uid came back
+            time.sleep(0.5)
+            box = next(b for b in c.info()["fncall"]["boxes"] if b["image"] == "busybox")
+            pid = next(p for top in d.cgroup_dirs() for f in top.rglob("cgroup.procs") if box["id"] in str(f)
+                       for p in f.read_text().split())
+            assert [n for n in os.listdir(f"/proc/{pid}/root/tmp") if n.startswith("call-")] == []
+    finally:
+        c.close()

@@ -184,6 +184,7 @@ def test_a_plain_call_cancelled_during_its_spawn_frees_its_uid_only_after_the_ki
         def remove_private_dir(self, h, name):
             seen["removed"].append(name)
             seen["alive_at_release"] = running(seen["pid"])
+            return True
 
     async def go():
         with _workers() as workers:
@@ -234,6 +235,7 @@ def test_a_plain_call_cancelled_while_it_runs_frees_its_uid_only_once_reaped():
 
         def remove_private_dir(self, h, name):
             seen["removed"].append(name)
+            return True
 
     async def go():
         with _workers() as workers:
@@ -272,6 +274,7 @@ def test_a_plain_call_forked_by_init_and_cancelled_frees_its_uid_only_once_init_
         def remove_private_dir(self, h, name):
             seen["removed"].append(name)
             seen["over_at_uid_back"] = seen["watch"].over.done()
+            return True
 
     async def go():
         with _workers() as workers:
@@ -316,6 +319,7 @@ def test_a_plain_call_whose_channel_broke_keeps_its_uid_and_retires_its_call_san
 
         def remove_private_dir(self, h, name):
             seen["removed"].append(name)
+            return True
 
     async def go():
         with _workers() as workers:

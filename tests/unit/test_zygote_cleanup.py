@@ -9,7 +9,7 @@ import os
 import pytest
 
 from dsecd.backends import zygote_main
-from dsecd.backends.zygote_main import remove_owned
+from dsecd.backends.zygote_main import remove_owned, remove_tree
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="files of other uids are made with chown: root")
 
@@ -154,3 +154,21 @@ def test_a_uid_whose_ipc_cleanup_could_not_fork_is_tried_again(monkeypatch):
                 os.close(fd)
         ours.close()
         theirs.close()
+
+
+def test_remove_tree_takes_a_call_dir_whole_at_any_depth_following_nothing(shm, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("x")
+    call = shm / "call"
+    call.mkdir()
+    _chain(call, 1500, CALL)
+    (call / "link").symlink_to(outside)
+    (call / "filelink").symlink_to(outside / "keep")
+    fd = os.open(shm, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert remove_tree(fd, "call")
+        assert remove_tree(fd, "call")          # gone already: nothing to do
+    finally:
+        os.close(fd)
+    assert os.listdir(shm) == [] and (outside / "keep").read_text() == "x"
