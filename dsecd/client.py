@@ -290,6 +290,9 @@ class _Conn:
         self.writer = writer
         self.frames = frames
         self.link = link                                  # the ssh process of an ssh:// client
+        # The event loop it was opened in: its reader hands every answer to
+        # futures of that loop, so only that loop's tasks may use it.
+        self.loop = asyncio.get_running_loop()
         self.pending: dict[int, _Pending] = {}
         self.reader: asyncio.Task | None = None
         self.lost: BaseException | None = None            # why it ended, once it has
@@ -521,7 +524,11 @@ class Client:
         except (asyncio.IncompleteReadError, ConnectionError) as err:
             error = ConnectionError(str(err))
         except asyncio.CancelledError:
-            error = ConnectionError("the client closed it")
+            # Not by close() nor a reconnect (which set conn.lost first): the
+            # loop is ending with the connection open (asyncio.run returning).
+            error = ConnectionError("the client closed it" if self._closed else
+                                    "the event loop it was connected in ended (a Client serves the loop "
+                                    "it connected in)")
             cancelled = True
         except Exception as err:
             error = err
@@ -576,6 +583,11 @@ class Client:
     async def _connection(self, op: str) -> _Conn:
         """The live connection; after a loss, a new one if `reconnect`."""
         conn = self._conn
+        if conn is not None and conn.loop is not asyncio.get_running_loop() and not conn.loop.is_closed():
+            # Its answers would go to futures of a loop that nobody wakes for them: a hang.
+            raise RuntimeError(f"{op} on {self.target}: this Client is connected in another event loop, "
+                               "the only one that may use it; share a dsecd.SyncClient among threads, "
+                               "or make a Client per event loop")
         if conn is not None and conn.lost is None:
             return conn
         if conn is None:

@@ -9,7 +9,7 @@ import time
 import pytest
 from standin_kit import hello_then_drop
 
-from dsecd import Client
+from dsecd import Client, protocol
 
 
 def test_a_socket_nobody_serves_is_a_connection_error_after_the_timeout(tmp_path):
@@ -171,3 +171,84 @@ def test_a_request_whose_send_fails_says_why_the_connection_ended(tmp_path, monk
 
     said = asyncio.run(go())
     assert said.startswith(f"list on {path}: connection lost: the daemon closed it"), said
+
+
+async def _answer_everything(reader, writer) -> None:
+    dec = protocol.FrameDecoder(1 << 20)
+    while data := await reader.read(65536):
+        for f in dec.feed(data):
+            writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}, "sandboxes": []}}))
+
+
+def _loop_in_a_thread():
+    import threading
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    return loop, thread
+
+
+def test_a_client_used_from_another_event_loop_says_so_at_once(tmp_path):
+    """Connected in one thread's loop and called from another loop (a
+    scaffold's worker threads, each with its own asyncio.run): its answers
+    would be handed to a loop that nobody wakes, and the request would hang
+    until something else woke that loop. It fails at once instead, saying
+    what to use."""
+    path = str(tmp_path / "d.sock")
+    loop, thread = _loop_in_a_thread()
+    try:
+        server = asyncio.run_coroutine_threadsafe(asyncio.start_unix_server(_answer_everything, path), loop).result()
+        c = Client(path)
+        asyncio.run_coroutine_threadsafe(c.connect(), loop).result(5)
+
+        async def elsewhere():
+            return await asyncio.wait_for(c.request("list"), 5)
+
+        t = time.monotonic()
+        with pytest.raises(RuntimeError) as e:
+            asyncio.run(elsewhere())
+        assert time.monotonic() - t < 2
+        assert str(e.value).startswith(f"list on {path}: this Client is connected in another event loop"), e.value
+        assert "SyncClient" in str(e.value)
+        # Its own loop goes on using it.
+        assert asyncio.run_coroutine_threadsafe(c.request("list"), loop).result(5) == {"limits": {}, "sandboxes": []}
+        asyncio.run_coroutine_threadsafe(c.close(), loop).result(5)
+        server.close()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+
+def test_a_client_whose_event_loop_ended_says_so(tmp_path):
+    """connect() in one asyncio.run, a request in the next: that first loop's
+    end cancelled the connection's reader. The client did not close it, so
+    the error says what did, and the new loop connects again."""
+    from dsecd import ConnectionLost
+
+    path = str(tmp_path / "d.sock")
+    loop, thread = _loop_in_a_thread()
+    try:
+        server = asyncio.run_coroutine_threadsafe(asyncio.start_unix_server(_answer_everything, path), loop).result()
+        c = Client(path)
+        asyncio.run(c.connect())
+        with pytest.raises(ConnectionLost) as e:
+            asyncio.run(c.request("list"))
+        assert "the client closed it" not in str(e.value), e.value
+        assert "the event loop it was connected in ended" in str(e.value), e.value
+
+        async def again():
+            await c.connect()
+            try:
+                return await c.request("list")
+            finally:
+                await c.close()
+
+        assert asyncio.run(again()) == {"limits": {}, "sandboxes": []}
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(5)
+        server.close()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
