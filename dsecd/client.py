@@ -1172,6 +1172,7 @@ class ExecStream:
         self.result: ExecResult | None = None
         self.exec_id = sb.client.new_id()        # the exec request's id: exec_input and exec_resize name it
         self._sent = asyncio.Event()
+        self._iterated = False
 
     async def write(self, data: bytes) -> None:
         """Input for the running exec (one exec_input; waits while it does not read)."""
@@ -1205,6 +1206,12 @@ class ExecStream:
         await c.request("exec_input", exec_id=exec_id, eof=True)
 
     async def __aiter__(self):
+        if self._iterated:
+            # Again, it would run the command a second time, under the same request id.
+            raise RuntimeError(f"exec_stream {self.args['argv']!r} in {self.sb.id} runs once: it was iterated "
+                               "already (its output went to that loop; .result is its result); call "
+                               "exec_stream again to run the command again")
+        self._iterated = True
         c = self.sb.client
         feeder = None
         rid, sent = self.exec_id, self._sent

@@ -216,3 +216,35 @@ def test_an_atomic_write_that_failed_part_way_says_it_left_nothing():
     with pytest.raises(LimitExceeded) as info:
         asyncio.run(sb.write_file("/work/big", b"x" * (3 << 20)))
     assert "partly written" in info.value.message
+
+
+def test_an_exec_stream_runs_its_command_once():
+    """Iterating an ExecStream sends its exec; a second iteration (a loop
+    over it again, or a second task reading it) would send it again under
+    the same request id and run the command twice. It is refused instead."""
+    import asyncio
+
+    from dsecd.client import Sandbox
+
+    class Execs(_FakeClient):
+        def new_id(self) -> int:
+            return 7
+
+        async def frames_with_id(self, rid, op, args, sent=None):
+            self.requests.append((op, args))
+            sent.set()
+            yield {"fd": 1, "data": b"hi\n"}
+            yield {"__result__": {"exit_code": 0}}
+
+    stream = Sandbox(Execs(None), "sb-1", {}).exec_stream(["echo", "hi"])
+
+    async def twice():
+        first = [chunk async for chunk in stream]
+        with pytest.raises(RuntimeError, match=r"^exec_stream \['echo', 'hi'\] in sb-1 runs once"):
+            async for _ in stream:
+                pass
+        return first
+
+    assert asyncio.run(twice()) == [(1, b"hi\n")]
+    assert [op for op, _ in stream.sb.client.requests] == ["exec"]
+    assert stream.result.exit_code == 0
