@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import grp
 import itertools
 import logging
@@ -1613,6 +1614,10 @@ class Sandbox:
         local = os.path.abspath(local)
         if os.path.lexists(local):
             raise localcopy.LocalCopyError(f"{local} exists; remove it first or copy to a new path")
+        if not os.path.isdir(os.path.dirname(local)):
+            # Else the spool's open below would fail naming a temporary file of its own.
+            raise FileNotFoundError(errno.ENOENT, f"download_dir to {local}: no directory to make it in "
+                                    "(make its parent first)", os.path.dirname(local))
         with tempfile.TemporaryFile(dir=os.path.dirname(local)) as spool:
             result = None
             args = {"sandbox": self.id, "path": remote}

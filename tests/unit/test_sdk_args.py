@@ -248,3 +248,18 @@ def test_an_exec_stream_runs_its_command_once():
     assert asyncio.run(twice()) == [(1, b"hi\n")]
     assert [op for op, _ in stream.sb.client.requests] == ["exec"]
     assert stream.result.exit_code == 0
+
+
+def test_download_dir_into_a_missing_directory_names_it(tmp_path):
+    """The local parent of download_dir's target does not exist: the error
+    names that directory, not a temporary file the caller never gave, and
+    nothing is asked of the daemon."""
+    import asyncio
+
+    sb = _sandbox()
+    local = tmp_path / "no" / "such" / "dir"
+    with pytest.raises(FileNotFoundError) as info:
+        asyncio.run(sb.download_dir("/work/d", str(local)))
+    assert info.value.filename == str(local.parent), info.value
+    assert str(info.value).startswith(f"[Errno 2] download_dir to {local}: no directory to make it in"), info.value
+    assert sb.client.requests == []
