@@ -72,7 +72,27 @@ def put_tree(rootfd: int, dst: str, fileobj, max_entries: int, max_bytes: int, f
         os.close(pfd)
 
 
+# The first bytes of compressed streams: a .tar.gz given where a tar goes
+# (docker cp and put_archive take one) is said to be one.
+COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
+
+
+class _Head:
+    """A stream read through, keeping its first bytes."""
+
+    def __init__(self, fileobj):
+        self.fileobj = fileobj
+        self.head = b""
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.fileobj.read(n)
+        if len(self.head) < 8:
+            self.head += data[:8 - len(self.head)]
+        return data
+
+
 def _extract_into(pfd: int, tmp: str, fileobj, seen: tarsafe.Seen, fill) -> dict:
+    fileobj = _Head(fileobj)
     topfd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
     dir_modes: dict[str, tuple[int, float]] = {"": (0o755, -1.0)}
     made = {""}
@@ -95,6 +115,10 @@ def _extract_into(pfd: int, tmp: str, fileobj, seen: tarsafe.Seen, fill) -> dict
     except tarsafe.Refused as err:
         raise PathError(str(err)) from err
     except (tarfile.TarError, EOFError) as err:
+        kind = next((k for magic, k in COMPRESSED if fileobj.head.startswith(magic)), None)
+        if kind is not None and not seen.entries:
+            raise PathError(f"the tar stream is not a valid archive: it is a {kind}-compressed stream; a "
+                            "directory copy takes an uncompressed tar: decompress it first") from err
         raise PathError(f"the tar stream is not a valid archive: {err}") from err
     finally:
         os.close(topfd)
