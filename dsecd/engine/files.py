@@ -54,7 +54,7 @@ class FileService:
             return await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap), fn,
                                           sb.handle.rootfd, *args)
         except sbfiles.PathError as err:
-            raise BadRequest(str(err), {"path": _where(req)}) from err
+            raise BadRequest(f"{verb} {sb.id}:{_where(req)}: {err}", {"path": _where(req)}) from err
         except RecursionError as err:        # a tree deeper than a walk goes (remove, list)
             raise LimitExceeded(f"{verb} {sb.id}:{_where(req)}: the tree is deeper than this request "
                                 "walks; remove or list its deeper parts first", {"path": _where(req)}) from err

@@ -81,3 +81,22 @@ def test_cli_ls_cat_rm(daemon, sandbox):
     r = daemon.cli("rm", sandbox.id, f"{sandbox.id}:/work")
     assert r.returncode == 2 and b"not both" in r.stderr
     assert daemon.cli("ls", "/local/path").returncode == 2
+
+
+def test_a_refused_path_says_which_request_and_sandbox(sandbox):
+    """A scaffold running many sandboxes at once reads which one and which
+    request a refusal was about, as it does for a file that is missing."""
+    sandbox.exec(["sh", "-c", "mkdir -p /work/d && mkfifo /work/fifo"])
+    cases = [(lambda: sandbox.read_file("/work/d"), "read", "/work/d", "is a directory, not a regular file"),
+             (lambda: sandbox.read_file("/work/fifo"), "read", "/work/fifo", "is a fifo, not a regular file"),
+             (lambda: sandbox.list_files("work"), "list", "work", "must be absolute"),
+             (lambda: sandbox.stat("/work/../etc"), "stat", "/work/../etc", "must not contain '..'"),
+             (lambda: sandbox.read_file("/proc/self/status"), "read", "/proc/self/status", "kernel interface")]
+    for call, verb, path, says in cases:
+        with pytest.raises(BadRequest) as err:
+            call()
+        assert err.value.message.startswith(f"{verb} {sandbox.id}:{path}: "), err.value
+        assert says in err.value.message and err.value.detail["path"] == path, err.value
+    with pytest.raises(NotFound) as err:             # how a missing file has always been said
+        sandbox.read_file("/work/none")
+    assert err.value.message.startswith(f"read {sandbox.id}:/work/none: "), err.value
