@@ -1193,7 +1193,8 @@ class ExecStream:
         sig = int(signal) if not isinstance(signal, str) else signal
         await self.sb.client.request("exec_signal", exec_id=self.exec_id, signal=sig)
 
-    async def _feed(self, exec_id: int, sent: asyncio.Event) -> None:
+    async def _feed(self, exec_id: int, sent: asyncio.Event) -> Exception | None:
+        """stdin as exec_input requests; the stdin iterator's own error, if it failed."""
         c = self.sb.client
         await sent.wait()      # exec_input must follow the exec request on the wire
         chunk = c.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
@@ -1202,9 +1203,23 @@ class ExecStream:
             for i in range(0, len(data), chunk):
                 await c.request("exec_input", exec_id=exec_id, data=data[i:i + chunk])
         elif self.stdin is not None:
-            async for piece in self.stdin:
+            source = aiter(self.stdin)
+            while True:
+                try:
+                    piece = await anext(source)
+                    if not isinstance(piece, (bytes, bytearray, memoryview)):
+                        raise TypeError(f"exec stdin: the async iterator gave a {type(piece).__name__}; give bytes"
+                                        + (": encode it" if isinstance(piece, str) else ""))
+                except StopAsyncIteration:
+                    break
+                except Exception as err:
+                    # The command would wait for the rest of its input, and
+                    # its caller with it: it is cancelled (killed), and
+                    # __aiter__ raises the iterator's error once it has ended.
+                    return await _cancel_for(c, exec_id, err)
                 await c.request("exec_input", exec_id=exec_id, data=bytes(piece))
         await c.request("exec_input", exec_id=exec_id, eof=True)
+        return None
 
     async def __aiter__(self):
         if self._iterated:
@@ -1229,10 +1244,13 @@ class ExecStream:
             if feeder:
                 if not feeder.done():
                     feeder.cancel()
+                failed = None
                 try:
-                    await feeder
+                    failed = await feeder
                 except (asyncio.CancelledError, DsecError, ConnectionError):
                     pass
+                if failed is not None:
+                    raise failed
 
 
 @dataclass
@@ -1322,6 +1340,14 @@ class Process:
         """Signal its process group: a number or a name ("TERM", "SIGINT")."""
         sig = int(signal) if not isinstance(signal, str) else signal
         return await self.sb.client.request("proc_kill", **self._args(signal=sig))
+
+
+async def _cancel_for(client, rid: int, err: Exception) -> Exception:
+    """Cancel request `rid`, whose input failed with `err` (its source's own
+    error, to be raised once the request has ended); `err`."""
+    with contextlib.suppress(DsecError, ConnectionError):
+        await client.request("cancel", target=rid)
+    return err
 
 
 def _read_chunk(fileobj, n: int) -> bytes:
@@ -1590,19 +1616,29 @@ class Sandbox:
         finally:
             if not feeder.done():
                 feeder.cancel()
+            failed = None
             with contextlib.suppress(asyncio.CancelledError, DsecError, ConnectionError):
-                await feeder
+                failed = await feeder
+            if failed is not None:
+                raise failed
         raise ConnectionError("file_tar_put: no final frame")
 
-    async def _feed_tar(self, rid: int, sent: asyncio.Event, fileobj, chunk: int) -> None:
-        """The tar, a chunk per file_tar_input; the last one says eof."""
+    async def _feed_tar(self, rid: int, sent: asyncio.Event, fileobj, chunk: int) -> Exception | None:
+        """The tar, a chunk per file_tar_input; the last one says eof. The
+        file object's own error, if a read failed."""
         await sent.wait()          # the inputs must follow their put on the wire
         while True:
-            data = await asyncio.to_thread(_read_chunk, fileobj, chunk)
+            try:
+                data = await asyncio.to_thread(_read_chunk, fileobj, chunk)
+            except Exception as err:
+                # The daemon would wait for the rest of the tar (limits.frame_timeout_s),
+                # and the caller with it: the copy is cancelled (nothing is left), and
+                # upload_tar raises the read's error once the put has ended.
+                return await _cancel_for(self.client, rid, err)
             last = len(data) < chunk
             await self.client.request("file_tar_input", put_id=rid, data=data, eof=last)
             if last:
-                return
+                return None
 
     async def download_dir(self, remote: str, local: str) -> dict:
         """Copy directory `remote` of the sandbox as the new local directory

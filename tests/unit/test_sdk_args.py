@@ -263,3 +263,58 @@ def test_download_dir_into_a_missing_directory_names_it(tmp_path):
     assert info.value.filename == str(local.parent), info.value
     assert str(info.value).startswith(f"[Errno 2] download_dir to {local}: no directory to make it in"), info.value
     assert sb.client.requests == []
+
+
+@pytest.mark.parametrize("bad,raised", [(ValueError("the source broke"), ValueError),
+                                        (ConnectionResetError("its socket was reset"), ConnectionResetError),
+                                        ("text", TypeError)])
+def test_an_exec_whose_stdin_iterator_fails_ends_at_once(bad, raised):
+    """An async iterator given as stdin raises (or gives a str) part way:
+    the command would wait for the rest of its input forever, and so would
+    the caller. The exec is cancelled (killed) and the iterator's error
+    raised at once."""
+    import asyncio
+    import time
+
+    from dsecd.client import Sandbox
+    from dsecd.errors import Conflict
+
+    class Execs(_FakeClient):
+        def __init__(self):
+            super().__init__(lambda op, args: {})
+            self.cancelled = asyncio.Event()
+
+        def new_id(self) -> int:
+            return 7
+
+        async def request(self, op, **args):
+            self.requests.append((op, args))
+            if op == "cancel":
+                self.cancelled.set()
+            return {}
+
+        async def frames_with_id(self, rid, op, args, sent=None):
+            sent.set()
+            await self.cancelled.wait()             # the command reads stdin till its end
+            raise Conflict("request cancelled")
+            yield
+
+    async def stdin():
+        yield b"one\n"
+        if isinstance(bad, Exception):
+            raise bad
+        yield bad
+
+    async def go():
+        client = Execs()
+        t = time.monotonic()
+        with pytest.raises(raised) as info:
+            await asyncio.wait_for(Sandbox(client, "sb-1", {}).exec(["cat"], stdin=stdin()), 5)
+        return time.monotonic() - t, info.value, client.requests
+
+    took, err, requests = asyncio.run(go())
+    assert took < 2, took
+    assert ("cancel", {"target": 7}) in requests
+    assert err is bad or raised is TypeError
+    if raised is TypeError:
+        assert str(err) == "exec stdin: the async iterator gave a str; give bytes: encode it", err

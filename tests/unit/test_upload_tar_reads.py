@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import io
 
+import pytest
+
 from dsecd.client import Sandbox
 
 
@@ -61,3 +63,54 @@ def test_a_buffered_file_is_sent_in_whole_chunks():
     data = b"x" * 10_000
     inputs = _feed(io.BytesIO(data), chunk=4096)
     assert [(len(d), eof) for d, eof in inputs] == [(4096, False), (4096, False), (1808, True)]
+
+
+@pytest.mark.parametrize("error", [OSError, ConnectionResetError])
+def test_a_read_that_fails_cancels_the_copy_at_once(error):
+    """The file object's read raises part way (a broken download): the
+    daemon would wait for more of the tar until its frame timeout (30 s),
+    and the caller with it. The copy is cancelled, and the read's error
+    raised at once."""
+    import time
+
+    from dsecd.errors import Conflict
+
+    class Broken(io.RawIOBase):
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buf) -> int:
+            raise error("the download broke")
+
+    class Puts:
+        server: dict = {"limits": {"max_file_chunk_bytes": 4096}}
+
+        def __init__(self):
+            self.requests: list[tuple[str, dict]] = []
+            self.cancelled = asyncio.Event()
+
+        def new_id(self) -> int:
+            return 7
+
+        async def request(self, op: str, **args) -> dict:
+            self.requests.append((op, args))
+            if op == "cancel":
+                self.cancelled.set()
+            return {}
+
+        async def frames_with_id(self, rid, op, args, sent=None):
+            sent.set()
+            await self.cancelled.wait()             # the daemon waits for the rest of the tar
+            raise Conflict("request cancelled")
+            yield
+
+    async def go():
+        client = Puts()
+        t = time.monotonic()
+        with pytest.raises(error, match="the download broke"):
+            await asyncio.wait_for(Sandbox(client, "sb-1", {}).upload_tar(Broken(), "/work/t"), 5)
+        return time.monotonic() - t, client.requests
+
+    took, requests = asyncio.run(go())
+    assert took < 2, took
+    assert ("cancel", {"target": 7}) in requests
