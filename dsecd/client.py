@@ -292,8 +292,10 @@ class _Conn:
         self.frames = frames
         self.link = link                                  # the ssh process of an ssh:// client
         # The event loop it was opened in: its reader hands every answer to
-        # futures of that loop, so only that loop's tasks may use it.
+        # futures of that loop, so only that loop's tasks may use it; and
+        # the process, whose forked children share its socket.
         self.loop = asyncio.get_running_loop()
+        self.pid = os.getpid()
         self.pending: dict[int, _Pending] = {}
         self.reader: asyncio.Task | None = None
         self.lost: BaseException | None = None            # why it ended, once it has
@@ -441,6 +443,10 @@ class Client:
     async def close(self) -> None:
         """Close the connection: an ssh:// one ends after the host answered
         what was sent (ssh is killed if it has not exited 2 s later)."""
+        if self._conn is not None and self._conn.pid != os.getpid():
+            # A forked child's copy: the connection is its parent's to close.
+            self._conn, self._closed = None, True
+            return
         if self._undoing:
             # A create cancelled just before: what it made goes first, over this connection.
             await asyncio.wait(set(self._undoing), timeout=ABANDONED_CREATE_WAIT_S)
@@ -584,6 +590,11 @@ class Client:
     async def _connection(self, op: str) -> _Conn:
         """The live connection; after a loss, a new one if `reconnect`."""
         conn = self._conn
+        if conn is not None and conn.pid != os.getpid():
+            # Its frames would interleave with the parent's on the one socket.
+            raise RuntimeError(f"{op} on {self.target}: this Client was connected in process {conn.pid}; a "
+                               "process forked from it (a multiprocessing Pool, say) cannot share its "
+                               "connection: make a Client in the child")
         if conn is not None and conn.loop is not asyncio.get_running_loop() and not conn.loop.is_closed():
             # Its answers would go to futures of a loop that nobody wakes for them: a hang.
             raise RuntimeError(f"{op} on {self.target}: this Client is connected in another event loop, "

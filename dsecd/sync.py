@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 
@@ -426,6 +427,7 @@ class _LoopThread:
     _what = "SyncClient"
 
     def __init__(self) -> None:
+        self._pid = os.getpid()          # a forked child has no thread to run the loop
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dsecd-sync-loop", daemon=True)
         self._thread.start()
@@ -443,6 +445,13 @@ class _LoopThread:
             if asyncio.iscoroutine(awaitable):
                 awaitable.close()
             raise ConnectionError(f"this {self._what} is closed")
+        if os.getpid() != self._pid:
+            if asyncio.iscoroutine(awaitable):
+                awaitable.close()
+            # Its loop's thread is not in this process: the call would wait forever.
+            raise RuntimeError(f"this {self._named()} was made in process {self._pid}; a process forked "
+                               "from it (a multiprocessing Pool, say) cannot use it: make one in the child "
+                               "(in the Pool's initializer, say)")
         call = _Call()
         future = asyncio.run_coroutine_threadsafe(_awaited(awaitable, call), self._loop)
         try:
@@ -462,9 +471,12 @@ class _LoopThread:
         """Start `awaitable` on the loop; its future."""
         return asyncio.run_coroutine_threadsafe(_awaited(awaitable), self._loop)
 
+    def _named(self) -> str:
+        return self._what
+
     def _stop_loop(self, last) -> None:
         """Run `last` (a coroutine: the close), then stop the loop's thread."""
-        if self._loop.is_closed():
+        if self._loop.is_closed() or os.getpid() != self._pid:      # a forked child's copy: the parent's to close
             last.close()
             return
         try:
@@ -497,6 +509,9 @@ class SyncClient(_LoopThread):
     @property
     def target(self) -> str:
         return self._client.target
+
+    def _named(self) -> str:
+        return f"{self._what} of {self.target}"
 
     def __enter__(self) -> SyncClient:
         try:

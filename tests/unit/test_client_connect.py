@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 
@@ -247,6 +248,64 @@ def test_a_client_whose_event_loop_ended_says_so(tmp_path):
 
         assert asyncio.run(again()) == {"limits": {}, "sandboxes": []}
         asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(5)
+        server.close()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+
+def _in_a_forked_child(call) -> str:
+    """What call() raises in a child forked now (multiprocessing's default
+    start on Linux), or "hung" when it has not returned in 5 s."""
+    import os
+    import select
+    import signal
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                # the child: report, and never return into pytest
+        try:
+            try:
+                call()
+                said = "no error"
+            except BaseException as e:          # noqa: BLE001 - anything, to the parent
+                said = f"{type(e).__name__}: {e}"
+            os.write(w, said.encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        ready, _, _ = select.select([r], [], [], 5)
+        return os.read(r, 65536).decode() if ready else "hung"
+    finally:
+        os.close(r)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def test_a_client_used_in_a_forked_child_says_so(tmp_path):
+    """A scaffold makes its client, then forks workers (a multiprocessing
+    Pool): a SyncClient's loop thread is not in the child, so a call there
+    waited forever, and an async Client would share its socket with the
+    parent. Both refuse at once, saying to make a client in the child."""
+    from dsecd import SyncClient
+
+    path = str(tmp_path / "d.sock")
+    loop, thread = _loop_in_a_thread()
+    try:
+        server = asyncio.run_coroutine_threadsafe(asyncio.start_unix_server(_answer_everything, path), loop).result()
+        with SyncClient(path) as c:
+            said = _in_a_forked_child(c.list)
+            assert said.startswith(f"RuntimeError: this SyncClient of {path} was made in process "), said
+            assert "make one in the child" in said, said
+            assert c.list() == []               # the parent's goes on
+        c = Client(path)
+        asyncio.run_coroutine_threadsafe(c.connect(), loop).result(5)
+        said = _in_a_forked_child(lambda: asyncio.run(c.request("list")))
+        assert said.startswith(f"RuntimeError: list on {path}: this Client was connected in process "), said
+        asyncio.run_coroutine_threadsafe(c.close(), loop).result(5)
         server.close()
     finally:
         loop.call_soon_threadsafe(loop.stop)
