@@ -1529,10 +1529,16 @@ class Sandbox:
         return len(data)
 
     async def write_at(self, path: str, offset: int, data: bytes) -> int:
-        """Write `data` at `offset` of an existing file (up to one chunk),
-        neither truncating nor appending; the file's size after it."""
+        """Write `data` at `offset` of a file (made if missing), neither
+        truncating nor appending; any size, in chunks at their offsets, one
+        after another (a failure leaves those before it written). The
+        file's size after it."""
         data = file_data(data, "write_at")
-        r = await self.client.request("file_write", sandbox=self.id, path=path, data=data, offset=offset)
+        chunk = self.client.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
+        view = memoryview(data)
+        for start in range(0, max(len(view), 1), chunk):
+            r = await self.client.request("file_write", sandbox=self.id, path=path, offset=offset + start,
+                                          data=bytes(view[start:start + chunk]))
         return r["size"]
 
     async def read_file(self, path: str) -> bytes:

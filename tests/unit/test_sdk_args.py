@@ -318,3 +318,26 @@ def test_an_exec_whose_stdin_iterator_fails_ends_at_once(bad, raised):
     assert err is bad or raised is TypeError
     if raised is TypeError:
         assert str(err) == "exec stdin: the async iterator gave a str; give bytes: encode it", err
+
+
+def test_write_at_takes_data_of_any_size():
+    """write_at with more than a chunk of data (limits.max_file_chunk_bytes)
+    was refused by the daemon with advice (append=true) the SDK does not
+    take; it goes in chunks at their offsets instead, as write_file's do."""
+    import asyncio
+
+    sizes = {}
+
+    def answer(op, args):
+        assert len(args["data"]) <= 1 << 20
+        sizes["end"] = max(sizes.get("end", 0), args["offset"] + len(args["data"]))
+        return {"size": sizes["end"]}
+
+    sb = _sandbox(answer)
+    data = bytes(range(256)) * (10 << 10)           # 2.5 MiB
+    assert asyncio.run(sb.write_at("/work/f", 10, data)) == 10 + len(data)
+    sent = [(args["offset"], bytes(args["data"])) for op, args in sb.client.requests]
+    assert [op for op, _ in sb.client.requests] == ["file_write"] * 3
+    assert [o for o, _ in sent] == [10, 10 + (1 << 20), 10 + (2 << 20)]
+    assert b"".join(d for _, d in sent) == data
+    assert asyncio.run(sb.write_at("/work/f", 0, b"")) == sizes["end"]      # nothing: one request still
