@@ -33,3 +33,12 @@ def test_a_request_an_older_init_refuses_says_to_recreate_the_sandbox():
     err = run_error(NativeError(errno.EINVAL, "have the sandbox's init start an exec: Invalid argument",
                                 step="init_request"), "sb1", "sh", "/")
     assert isinstance(err, Conflict) and "recreate the sandbox" in str(err) and "older than this dsecd" in str(err)
+
+
+def test_the_package_names_the_class_of_every_code():
+    """A scaffold catches `dsecd.NotFound` as it imports `dsecd.Client`."""
+    import dsecd
+    from dsecd.errors import _BY_CODE
+
+    for code, cls in _BY_CODE.items():
+        assert getattr(dsecd, cls.__name__) is cls and cls.__name__ in dsecd.__all__, code
