@@ -1185,6 +1185,7 @@ class ExecStream:
         self.exec_id = sb.client.new_id()        # the exec request's id: exec_input and exec_resize name it
         self._sent = asyncio.Event()
         self._iterated = False
+        self._stdin_failed: Exception | None = None      # the stdin iterator's own error
 
     async def write(self, data: bytes) -> None:
         """Input for the running exec (one exec_input; waits while it does not read)."""
@@ -1204,8 +1205,8 @@ class ExecStream:
         sig = int(signal) if not isinstance(signal, str) else signal
         await self.sb.client.request("exec_signal", exec_id=self.exec_id, signal=sig)
 
-    async def _feed(self, exec_id: int, sent: asyncio.Event) -> Exception | None:
-        """stdin as exec_input requests; the stdin iterator's own error, if it failed."""
+    async def _feed(self, exec_id: int, sent: asyncio.Event) -> None:
+        """stdin as exec_input requests; a stdin iterator that fails cancels the exec."""
         c = self.sb.client
         await sent.wait()      # exec_input must follow the exec request on the wire
         chunk = c.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
@@ -1226,11 +1227,13 @@ class ExecStream:
                 except Exception as err:
                     # The command would wait for the rest of its input, and
                     # its caller with it: it is cancelled (killed), and
-                    # __aiter__ raises the iterator's error once it has ended.
-                    return await _cancel_for(c, exec_id, err)
+                    # __aiter__ raises the iterator's error once it has ended
+                    # (which may come before the cancel's own answer).
+                    self._stdin_failed = err
+                    await _cancel(c, exec_id)
+                    return
                 await c.request("exec_input", exec_id=exec_id, data=bytes(piece))
         await c.request("exec_input", exec_id=exec_id, eof=True)
-        return None
 
     async def __aiter__(self):
         if self._iterated:
@@ -1255,13 +1258,10 @@ class ExecStream:
             if feeder:
                 if not feeder.done():
                     feeder.cancel()
-                failed = None
-                try:
-                    failed = await feeder
-                except (asyncio.CancelledError, DsecError, ConnectionError):
-                    pass
-                if failed is not None:
-                    raise failed
+                with contextlib.suppress(asyncio.CancelledError, DsecError, ConnectionError):
+                    await feeder
+                if self._stdin_failed is not None:
+                    raise self._stdin_failed
 
 
 @dataclass
@@ -1353,12 +1353,11 @@ class Process:
         return await self.sb.client.request("proc_kill", **self._args(signal=sig))
 
 
-async def _cancel_for(client, rid: int, err: Exception) -> Exception:
-    """Cancel request `rid`, whose input failed with `err` (its source's own
-    error, to be raised once the request has ended); `err`."""
+async def _cancel(client, rid: int) -> None:
+    """Cancel request `rid`, whose input failed: its source's own error is
+    raised once the request has ended."""
     with contextlib.suppress(DsecError, ConnectionError):
         await client.request("cancel", target=rid)
-    return err
 
 
 def _read_chunk(fileobj, n: int) -> bytes:
@@ -1623,7 +1622,8 @@ class Sandbox:
         c = self.client
         chunk = c.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
         rid, sent = c.new_id(), asyncio.Event()
-        feeder = asyncio.get_running_loop().create_task(self._feed_tar(rid, sent, fileobj, chunk))
+        failed: list[Exception] = []           # the file object's own error
+        feeder = asyncio.get_running_loop().create_task(self._feed_tar(rid, sent, fileobj, chunk, failed))
         try:
             async with contextlib.aclosing(c.frames_with_id(rid, "file_tar_put",
                                                             {"sandbox": self.id, "path": remote}, sent)) as frames:
@@ -1633,16 +1633,16 @@ class Sandbox:
         finally:
             if not feeder.done():
                 feeder.cancel()
-            failed = None
             with contextlib.suppress(asyncio.CancelledError, DsecError, ConnectionError):
-                failed = await feeder
-            if failed is not None:
-                raise failed
+                await feeder
+            if failed:
+                raise failed[0]
         raise ConnectionError("file_tar_put: no final frame")
 
-    async def _feed_tar(self, rid: int, sent: asyncio.Event, fileobj, chunk: int) -> Exception | None:
-        """The tar, a chunk per file_tar_input; the last one says eof. The
-        file object's own error, if a read failed."""
+    async def _feed_tar(self, rid: int, sent: asyncio.Event, fileobj, chunk: int,
+                        failed: list[Exception] | None = None) -> None:
+        """The tar, a chunk per file_tar_input; the last one says eof. A
+        read that fails goes into `failed`, and cancels the put."""
         await sent.wait()          # the inputs must follow their put on the wire
         while True:
             try:
@@ -1650,12 +1650,16 @@ class Sandbox:
             except Exception as err:
                 # The daemon would wait for the rest of the tar (limits.frame_timeout_s),
                 # and the caller with it: the copy is cancelled (nothing is left), and
-                # upload_tar raises the read's error once the put has ended.
-                return await _cancel_for(self.client, rid, err)
+                # upload_tar raises the read's error once the put has ended (which
+                # may come before the cancel's own answer).
+                if failed is not None:
+                    failed.append(err)
+                await _cancel(self.client, rid)
+                return
             last = len(data) < chunk
             await self.client.request("file_tar_input", put_id=rid, data=data, eof=last)
             if last:
-                return None
+                return
 
     async def download_dir(self, remote: str, local: str) -> dict:
         """Copy directory `remote` of the sandbox as the new local directory

@@ -291,6 +291,7 @@ def test_an_exec_whose_stdin_iterator_fails_ends_at_once(bad, raised):
             self.requests.append((op, args))
             if op == "cancel":
                 self.cancelled.set()
+                await asyncio.sleep(0.5)            # the exec's end comes first
             return {}
 
         async def frames_with_id(self, rid, op, args, sent=None):

@@ -96,6 +96,7 @@ def test_a_read_that_fails_cancels_the_copy_at_once(error):
             self.requests.append((op, args))
             if op == "cancel":
                 self.cancelled.set()
+                await asyncio.sleep(0.5)            # the put's end comes first
             return {}
 
         async def frames_with_id(self, rid, op, args, sent=None):
