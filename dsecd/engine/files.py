@@ -45,12 +45,19 @@ class FileService:
         self.copy_by_init = copy_by_init
         self.vms = vms
 
-    async def _file_op(self, req, verb: str, fn, *args):
+    async def _file_op(self, req, verb: str, fn, *args, opens: bool = False):
+        """fn(rootfd, *args) in a worker, its errors said as the protocol's.
+        opens: fn returns an fd; if the request is cancelled while fn runs
+        (the work goes on), the fd it opens is closed when it returns."""
         sb = self.registry.get(req.sandbox, req)
         await self.ensure_running(sb, f"file {verb}")
         if sb.backend == "microvm":
             return await self.vms.file_op(sb, req)
         try:
+            if opens:
+                return await self.workers.run_shielded(_close_opened, userns.file_op,
+                                                       userns.IdMap.from_record(sb.idmap), fn, sb.handle.rootfd,
+                                                       *args)
             return await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap), fn,
                                           sb.handle.rootfd, *args)
         except sbfiles.PathError as err:
@@ -90,7 +97,7 @@ class FileService:
             await self.ensure_running(sb, "file write")
             return await self.vms.file_op(sb, req)
         fd = await self._file_op(req, "write", sbfiles.open_for_write, req.path, req.append, keep, req.mode,
-                                 req.parents)
+                                 req.parents, opens=True)
         try:
             if req.offset is not None:
                 os.lseek(fd, req.offset, os.SEEK_SET)        # the copier writes from the fd's position
@@ -169,6 +176,12 @@ class FileService:
             raise BadRequest("keep_attrs applies to a file replaced by the rename: give overwrite too")
         return await self._file_op(req, "rename", sbfiles.rename, req.src, req.dst, req.overwrite,
                                    req.keep_attrs)
+
+
+def _close_opened(fut: asyncio.Future) -> None:
+    """The fd an open returned after its request was cancelled: nobody else will close it."""
+    if not fut.cancelled() and fut.exception() is None:
+        os.close(fut.result())
 
 
 def _where(req) -> str:

@@ -94,3 +94,44 @@ def test_a_directory_copy_is_charged_to_the_sandbox(client, tmp_path):
         assert sb.list_files("/tmp") == []                        # the half-made copy is gone
     finally:
         sb.destroy(force=True)
+
+
+def _fds_into(pid: int, part: str) -> list[str]:
+    held = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:           # closed meanwhile
+            continue
+        if part in target:
+            held.append(target)
+    return held
+
+
+def test_a_cancelled_write_leaves_no_open_file_in_the_daemon(daemon):
+    """A write_file cancelled by its caller (a timeout, a task cancelled)
+    while the daemon opens the file: the open goes on in a worker, and the
+    file it opened was never closed. Each such cancel kept a file of the
+    sandbox open in the daemon, past the sandbox's destroy."""
+    import asyncio
+
+    import dsecd
+
+    async def go():
+        async with dsecd.Client(daemon.socket) as c:
+            sb = await c.create(image="busybox", memory="256M")
+            try:
+                for i in range(12):
+                    for atomic in (True, False):
+                        task = asyncio.create_task(sb.write_file("/leakcheck/big", os.urandom(8 * MiB),
+                                                                 atomic=atomic))
+                        await asyncio.sleep(0.002 * i)
+                        task.cancel()
+                        with pytest.raises((asyncio.CancelledError, LimitExceeded)):
+                            await task
+                await asyncio.sleep(1)
+                return _fds_into(daemon.proc.pid, "/leakcheck/")
+            finally:
+                await sb.destroy(force=True)
+
+    assert asyncio.run(go()) == []
