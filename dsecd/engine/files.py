@@ -149,6 +149,8 @@ class FileService:
                 for run in started:
                     run.kill()
                 await asyncio.wait({work})
+                if not work.cancelled():
+                    work.exception()        # the copier this kill ended: no error of the write's
                 raise
         try:
             await self.workers.run(sbfiles.write_data, fd, data)
