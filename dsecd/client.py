@@ -947,9 +947,12 @@ class Client:
                    timeout: float | None = None) -> CallResult:
         """A stateless function call (FnCall backend): `argv`, or Python `code` run by a fork of
         the image's pre-imported zygote. Many may be in flight on one client."""
+        if stdin is not None and not isinstance(stdin, (bytes, bytearray, memoryview)):
+            raise TypeError(f"call stdin must be bytes, got {type(stdin).__name__}"
+                            + (": encode it" if isinstance(stdin, str) else ""))
         req = _given({"image": image, "env": string_map(env, "env")},
-                     argv=None if argv is None else command_argv(argv), code=code, args=args, stdin=stdin,
-                     timeout=timeout)
+                     argv=None if argv is None else command_argv(argv), code=code, args=args,
+                     stdin=None if stdin is None else bytes(stdin), timeout=timeout)
         return CallResult.from_call(await self.request("call", **req))
 
     async def pool_set(self, image: str, min: int, max: int, cpu: float | None = None,

@@ -342,3 +342,17 @@ def test_write_at_takes_data_of_any_size():
     assert [o for o, _ in sent] == [10, 10 + (1 << 20), 10 + (2 << 20)]
     assert b"".join(d for _, d in sent) == data
     assert asyncio.run(sb.write_at("/work/f", 0, b"")) == sizes["end"]      # nothing: one request still
+
+
+def test_call_stdin_of_the_wrong_type_fails_at_once_as_execs_does():
+    """exec(stdin="text") is a TypeError saying to encode it; call's was a
+    daemon's bad_request about a field's type."""
+    import asyncio
+
+    from dsecd.client import Client
+
+    c = Client("/nonexistent/dsecd.sock")
+    with pytest.raises(TypeError, match=r"^call stdin must be bytes, got str: encode it$"):
+        asyncio.run(c.call("busybox", ["cat"], stdin="text"))
+    with pytest.raises(TypeError, match=r"^call stdin must be bytes, got list$"):
+        asyncio.run(c.call("busybox", ["cat"], stdin=[b"a"]))
