@@ -75,7 +75,7 @@ class WatchService:
             if sb.backend == "microvm":
                 return await self._follow_vm(sb, req.path, req.recursive, where, ctx)
             tree = await self._open(sb.handle.rootfd, req.path, req.recursive, where)
-            return await self._follow(sb.id, tree, where, ctx)
+            return await self._follow(sb, tree, where, ctx)
         finally:
             self.active -= 1
 
@@ -116,11 +116,11 @@ class WatchService:
         except OSError as err:
             raise io_error("watch", where, err) from err
 
-    async def _follow(self, sandbox: str, tree: fswatch.TreeWatch, where: str, ctx) -> dict:
+    async def _follow(self, sb, tree: fswatch.TreeWatch, where: str, ctx) -> dict:
         """Stream the tree's events until it stops or the request is cancelled."""
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
-        gone = _SandboxGone(sandbox, wake)
+        gone = _SandboxGone(sb.id, wake)
 
         def readable() -> None:
             # Off until these events are sent: the loop must not spin on a
@@ -143,6 +143,10 @@ class WatchService:
                     tree.stopped = gone.gone
                 else:
                     await self._deliver(tree, where, ctx)
+                if tree.stopped == "unmounted" and sb.state in ("stopping", "dead"):
+                    # A mount of its own (/tmp, /dev/shm) that went with the
+                    # sandbox, before the event saying so.
+                    tree.stopped = "sandbox destroyed" if sb.state == "stopping" else "sandbox died"
                 if tree.stopped:
                     await ctx.emit({"kind": "stopped", "path": tree.top, "is_dir": True, "reason": tree.stopped})
                     return {"reason": tree.stopped}

@@ -142,6 +142,16 @@ def test_watch_stops_when_its_directory_or_sandbox_goes(client, sandbox, backend
     assert w2.until(lambda e: e["kind"] == "stopped")[-1]["reason"] == "sandbox destroyed"
 
 
+def test_a_watch_of_tmp_says_its_sandbox_was_destroyed(client, backend):
+    """/tmp is a mount of its own, taken down by the destroy before the
+    sandbox's `destroyed` event: its watch said "unmounted", as if
+    something had unmounted /tmp, where /work's says "sandbox destroyed"."""
+    sb = _create(client, backend)
+    w = Watcher(sb, "/tmp")
+    sb.destroy(force=True)
+    assert w.until(lambda e: e["kind"] == "stopped")[-1]["reason"] == "sandbox destroyed"
+
+
 def test_vm_watch_stops_when_the_guest_dies(client):
     skip_unless_microvm(client, close=False)
     sb = _create(client, "microvm")
