@@ -85,7 +85,7 @@ class WatchService:
             path = sbfiles.check_path(path)
             top_id = await self.workers.run(fswatch.top_identity, rootfd, path)
         except sbfiles.PathError as err:
-            raise BadRequest(str(err), {"path": path}) from err
+            raise BadRequest(f"watch {where}: {err}", {"path": path}) from err
         except OSError as err:
             raise io_error("watch", where, err) from err
         own_root = os.dup(rootfd)
@@ -183,7 +183,7 @@ class WatchService:
         try:
             path = sbfiles.check_path(path)
         except sbfiles.PathError as err:
-            raise BadRequest(str(err), {"path": path}) from err
+            raise BadRequest(f"watch {where}: {err}", {"path": path}) from err
         wake = asyncio.Event()
         gone = _SandboxGone(sb.id, wake)
         self.events.subscribers.add(gone)
@@ -271,7 +271,7 @@ class WatchService:
             raise io_error("watch", where, OSError(num, os.strerror(num)))
         elif tag == "kernel" and len(f) == 2:
             kind = native.KERNEL_FS_MAGICS.get(int(f[1]), "a kernel filesystem")
-            raise BadRequest(fswatch.on_kernel_fs(top, kind), {"path": top})
+            raise BadRequest(f"watch {where}: {fswatch.on_kernel_fs(top, kind)}", {"path": top})
         elif tag == "limit" and len(f) == 3:
             if f[1] == "dirs":
                 raise LimitExceeded(fswatch.too_many_dirs(top, self.max_dirs), {"max_watch_dirs": self.max_dirs})

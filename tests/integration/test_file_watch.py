@@ -189,10 +189,13 @@ def test_refusals(sandbox):
     sandbox.write_file("/work/file", b"x")
     with pytest.raises(Exception, match="not a directory|Not a directory"):
         next(sandbox.watch("/work/file"))
-    with pytest.raises(BadRequest, match="kernel interface"):
+    with pytest.raises(BadRequest, match="kernel interface") as err:
         next(sandbox.watch("/proc"))
-    with pytest.raises(BadRequest, match="absolute"):
+    # Which request and sandbox, as a file request's refusal says it.
+    assert err.value.message.startswith(f"watch {sandbox.id}:/proc: "), err.value
+    with pytest.raises(BadRequest, match="absolute") as err:
         next(sandbox.watch("work"))
+    assert err.value.message.startswith(f"watch {sandbox.id}:work: "), err.value
 
 
 def test_directory_cap_is_a_limit(daemon_factory, busybox_rootfs, backend):
