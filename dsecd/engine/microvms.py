@@ -686,7 +686,7 @@ class MicroVMService:
         writes the tar to its stdout (csrc/guest/agent.c, tar_get_main), by
         the container backend's rules; its chunks go to the client as they
         come."""
-        path = _check(path)
+        path = _check(path, f"copy out of {sb.id}:{path}")
         where = f"{sb.id}:{path}"
 
         async def emit(data: bytes) -> None:
@@ -706,7 +706,7 @@ class MicroVMService:
         new directory and renames it into place (agent.c, tar_put_main). A
         refused or broken copy leaves nothing: the child removes what it made
         when its input ends before the end record."""
-        path = _check(path)
+        path = _check(path, f"copy into {sb.id}:{path}")
         where = f"{sb.id}:{path}"
         if path == "/":
             raise BadRequest(f"copy into {where}: cannot copy a directory onto /; name a new directory below it",
@@ -867,14 +867,14 @@ class MicroVMService:
             return await link.request(kind, *fields)
         except AgentError as err:
             if err.errno == errno.EINVAL and err.step == "open" and kind in (wire.READ, wire.WRITE):
-                await self._refuse_irregular(sb, where)     # the agent's require_regular
+                await self._refuse_irregular(sb, verb, where)     # the agent's require_regular
             failed = io_error(verb, f"{sb.id}:{where}", _as_a_containers(err, where))
             failed.detail["guest_step"] = err.step
             raise failed from err
         except AgentGone as err:
             raise Conflict(f"sandbox {sb.id} is exiting: {err}", {"sandbox": sb.id}) from err
 
-    async def _refuse_irregular(self, sb: Sandbox, path: str) -> None:
+    async def _refuse_irregular(self, sb: Sandbox, verb: str, path: str) -> None:
         """BadRequest, in a container's words (fs/files.py _require_regular),
         if `path` is a FIFO, socket or device: the guest agent reads and
         writes regular files only and says EINVAL of the others."""
@@ -883,7 +883,7 @@ class MicroVMService:
         except DsecError:
             return
         if kind not in ("file", "dir"):
-            raise BadRequest(f"{path} is a {kind}, not a regular file", {"path": path})
+            raise BadRequest(f"{verb} {sb.id}:{path}: {path} is a {kind}, not a regular file", {"path": path})
 
     async def check_room(self, sb: Sandbox, size: int, where: str) -> None:
         """Refuse (`limit`) writing `size` bytes of files into the VM when
@@ -953,7 +953,7 @@ class MicroVMService:
             raise BadRequest(why, {"sandbox": sb.id, "path": dst})
 
     async def stat_path(self, sb: Sandbox, path: str) -> dict:
-        path = _check(path)
+        path = _check(path, f"stat {sb.id}:{path}")
         r = await self._file(sb, "stat", path, wire.STAT, wire.bstr(path))
         return {**r.stat(), "path": path}
 
@@ -970,7 +970,8 @@ class MicroVMService:
         if op == "file_stat":
             return await self.stat_path(sb, req.path)
         if op == "file_rename":
-            src, dst = _check(req.src), _check(req.dst)
+            src = _check(req.src, f"rename {sb.id}:{req.src} -> {req.dst}")
+            dst = _check(req.dst, f"rename {sb.id}:{req.src} -> {req.dst}")
             flags = ((wire.RENAME_OVERWRITE if req.overwrite else 0)
                      | (wire.RENAME_KEEP_ATTRS if req.keep_attrs else 0))
             if req.keep_attrs:             # an atomic write's: as a container's (sbfiles.rename)
@@ -978,7 +979,7 @@ class MicroVMService:
             await self._file(sb, "rename", f"{src} -> {dst}", wire.RENAME, wire.bstr(src), wire.bstr(dst),
                              wire.u64(flags))
             return {"src": src, "dst": dst}
-        path = _check(req.path)
+        path = _check(req.path, f"{FILE_VERBS.get(op, op)} {sb.id}:{req.path}")
         if op == "file_read":
             r = await self._file(sb, "read", path, wire.READ, wire.bstr(path), wire.u64(req.offset),
                                  wire.u64(req.length))
@@ -1168,11 +1169,18 @@ def networked(sb: Sandbox) -> bool:
     return bool(sb.net) and sb.net.get("mode") == "default"
 
 
-def _check(path: str) -> str:
+# The verb a file op's errors start with, as FileService's for a container.
+FILE_VERBS = {"file_read": "read", "file_write": "write", "file_list": "list", "file_mkdir": "mkdir",
+              "file_remove": "remove"}
+
+
+def _check(path: str, what: str = "") -> str:
+    """`path` checked as a container's file ops check it; `what` (e.g.
+    "read <sandbox>:<path>") goes first in the error, as theirs has it."""
     try:
         return sbfiles.check_path(path)
     except sbfiles.PathError as err:
-        raise BadRequest(str(err), {"path": path}) from err
+        raise BadRequest(f"{what}: {err}" if what else str(err), {"path": path}) from err
 
 
 def _run_over(sb: Sandbox, link, run) -> None:

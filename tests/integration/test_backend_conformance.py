@@ -288,6 +288,7 @@ def test_file_errors(box):
         sb.read_file("/work/tree")
     assert "/work/tree is a directory, not a regular file (`dsec ls` lists it, `dsec cp -r` copies it)" \
         in err.value.message, err.value
+    assert err.value.message.startswith(f"read {sb.id}:/work/tree: "), err.value
     with pytest.raises(DsecError) as err:
         sb.remove("/work/tree")
     assert "is a directory that is not empty; remove it recursively (`dsec rm -r`" in err.value.message, err.value
@@ -295,6 +296,7 @@ def test_file_errors(box):
     with pytest.raises(DsecError) as err:
         sb.read_file("/../etc/passwd")
     assert err.value.code == "bad_request"
+    assert err.value.message.startswith(f"read {sb.id}:/../etc/passwd: "), err.value     # which request, which sandbox
     sb.mkdir("/work/full")
     with pytest.raises(DsecError) as err:
         sb.mkdir("/work/full", parents=False)

@@ -88,7 +88,8 @@ def test_reading_a_fifo_says_what_it_is_as_a_containers_does():
     for req in (FileRead(sandbox="vm1", path="/w/fifo", length=4096), FileWrite(sandbox="vm1", path="/w/fifo", data=b"x")):
         with pytest.raises(BadRequest) as exc:
             asyncio.run(svc.file_op(sb, req))
-        assert exc.value.message == "/w/fifo is a fifo, not a regular file", exc.value.message
+        verb = "read" if isinstance(req, FileRead) else "write"
+        assert exc.value.message == f"{verb} vm1:/w/fifo: /w/fifo is a fifo, not a regular file", exc.value.message
         assert exc.value.detail["path"] == "/w/fifo"
 
 
