@@ -377,8 +377,10 @@ class FnCallBackend:
         not be handed out again."""
         try:
             fd = sbfiles._open(h.rootfd, "/dev/shm", os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            return True             # no /dev/shm: nothing could be left there
         except OSError:
-            return True
+            return False
         try:
             return remove_owned(fd, host_uid)
         except Exception:

@@ -52,6 +52,11 @@ import types
 
 IDLE_MS = 20
 RECHECK_MS = 10        # how soon a uid held back for what its call left behind is looked at again
+# A uid whose call's leftovers could not all be removed (remove_owned says
+# why: mostly another call's doing) is tried again this often, this many
+# times, before it is given up for good.
+CLEANUP_RETRY_MS = 1000
+CLEANUP_TRIES = 60
 FORK_RETRY_MS = 100    # how soon a spare that could not be forked is tried again
 WORKER_NICE = 19       # a worker's weight is 1/68 of the zygote's (nice 0)
 RLIMITS = {"as": resource.RLIMIT_AS, "cpu": resource.RLIMIT_CPU, "fsize": resource.RLIMIT_FSIZE,
@@ -281,21 +286,31 @@ def kill_leftovers(uid, init_pid=1, fd=-1, skip=()):
 # another uid's tree, and the depth at which it moves part of a tree it
 # removes up to the top to go on there. A call can make a tree of any
 # depth; recursion or an fd per level would fail on it (RecursionError,
-# EMFILE), and the uid would be held for good.
+# EMFILE).
 MAX_OPEN_DIRS = 64
+# Parts of a deep tree one cleanup moves up and removes (~64 levels each):
+# past it the cleanup stops, unfinished, to be tried again later. A call
+# still running can deepen a tree as fast as it is removed (mkdir d; cd d
+# in a directory another call left writable): the zygote's one loop must
+# not go on with it for ever.
+MAX_MOVED = 256
 
 
 def remove_owned(top, uid):
     """Remove what `uid` owns in the directory open at `top` (the call
-    sandbox's /dev/shm): what a call made there (POSIX shared memory, named
-    semaphores) must not reach the next call its uid goes to. An entry it
-    owns goes whole; a directory of another uid is looked through (a call
-    may put files in one another call left writable), to MAX_OPEN_DIRS
-    levels: deeper parts of another uid's tree go when that uid is freed.
-    Nothing is followed: a symlink goes, not its target. Fd-relative
-    throughout, with nothing newer than Python 3.8 (the image's own python3
-    runs this). False when something the uid owns could not be removed:
-    the caller must not hand the uid out again."""
+    sandbox's /dev/shm or message queues): what a call made there (POSIX
+    shared memory, named semaphores) must not reach the next call its uid
+    goes to. An entry it owns goes whole; a directory of another uid is
+    looked through (a call may put files in one another call left
+    writable), to MAX_OPEN_DIRS levels. Nothing is followed: a symlink
+    goes, not its target. Fd-relative throughout, with nothing newer than
+    Python 3.8 (the image's own python3 runs this).
+
+    False when the uid may still own something here: an entry that could
+    not be removed, a directory of another uid deeper than the walk looks,
+    a tree past MAX_MOVED parts, or an entry swapped for another's meanwhile.
+    The caller holds the uid back and tries again later (such a state is
+    another call's doing, and ends with that call)."""
     moved = []              # parts of deep trees moved up to `top`, removed in turn
     ok = True
     stack = [(os.dup(top), None)]        # (directory fd, its entries still to look at)
@@ -312,14 +327,14 @@ def remove_owned(top, uid):
                 continue
             name, owned, is_dir = todo.pop()
             if owned:
-                ok = _remove_tree(fd, name, is_dir, top, moved) and ok
+                ok = _remove_tree(fd, name, is_dir, top, moved, uid) and ok
             elif is_dir and len(stack) < MAX_OPEN_DIRS:
                 sub = _open_dir(fd, name)
                 if sub >= 0:
                     stack.append((sub, None))
-        while moved:
-            ok = _remove_tree(top, moved.pop(), True, top, moved) and ok
-        return ok
+            elif is_dir:
+                ok = False          # not looked into: the uid may own something below
+        return _remove_moved(top, moved) and ok
     finally:
         for fd, _ in stack:
             os.close(fd)
@@ -328,8 +343,9 @@ def remove_owned(top, uid):
 def remove_tree(dirfd, name):
     """Remove `name` in the directory open at `dirfd`, whole, at any depth
     (past MAX_OPEN_DIRS levels parts of it are moved up into `dirfd` and
-    removed in turn), nothing followed. True when all of it is gone:
-    shutil.rmtree recurses (before Python 3.12) and stops at ~1,000 levels."""
+    removed in turn, up to MAX_MOVED of them), nothing followed. True when
+    all of it is gone: shutil.rmtree recurses (before Python 3.12) and
+    stops at ~1,000 levels."""
     try:
         is_dir = stat.S_ISDIR(os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode)
     except FileNotFoundError:
@@ -338,8 +354,18 @@ def remove_tree(dirfd, name):
         return False
     moved = []
     ok = _remove_tree(dirfd, name, is_dir, dirfd, moved)
+    return _remove_moved(dirfd, moved) and ok
+
+
+def _remove_moved(top, moved):
+    """Remove the parts _remove_tree moved up into `top` (and those their
+    removal moves), at most MAX_MOVED in all; False if some stay."""
+    ok, done = True, 0
     while moved:
-        ok = _remove_tree(dirfd, moved.pop(), True, dirfd, moved) and ok
+        if done >= MAX_MOVED:
+            return False
+        ok = _remove_tree(top, moved.pop(), True, top, moved) and ok
+        done += 1
     return ok
 
 
@@ -354,15 +380,21 @@ def _entries(fd, uid=None):
         return None
 
 
-def _remove_tree(parent, name, is_dir, top, moved):
+def _remove_tree(parent, name, is_dir, top, moved, owner=None):
     """Remove `name` in `parent`, a directory with all it holds, whoever
     owns what is inside. Past MAX_OPEN_DIRS levels a directory is renamed
     into `top` and its name added to `moved`, for the caller to remove
-    next. False when something could not be removed."""
+    next. With `owner`, a directory opened under `name` that is not that
+    uid's (another call renamed one in its place since it was listed) is
+    left alone. False when something could not be removed."""
     if not is_dir:
         return _unlink(parent, name, False)
+    first = _open_dir(parent, name)
+    if first >= 0 and owner is not None and os.fstat(first).st_uid != owner:
+        os.close(first)
+        return False
     ok = True
-    stack = [(parent, name, _open_dir(parent, name), None)]    # (parent fd, name, fd, entries left)
+    stack = [(parent, name, first, None)]    # (parent fd, name, fd, entries left)
     try:
         while stack:
             pfd, dname, fd, todo = stack[-1]
@@ -528,6 +560,7 @@ class Zygote:
         self.by_id = {}         # call id -> worker
         self.held = []          # uids whose calls left processes behind, until those are gone
         self.lost = set()       # uids whose calls left what could not be removed: never handed out again
+        self.unclean = {}       # uid -> (when to try its cleanup again, tries so far)
         self.forked = 0
         self.fork_failed = False    # the last spare could not be forked
         # Kept open: read after every call (kill_leftovers). Workers close it.
@@ -713,29 +746,60 @@ class Zygote:
         """A uid back to the free list, once nothing of its call runs: what
         the call left in /dev/shm, in SysV IPC and in message queues goes
         first (nothing of it runs to make more). A uid whose leftovers could
-        not be removed (in /dev/shm, the message queues or its call's dir; an
-        image's python3 without ctypes) is never handed out again: the next
-        call of it would own them."""
+        not all be removed waits (unclean) and is tried again every
+        CLEANUP_RETRY_MS; after CLEANUP_TRIES it is never handed out again,
+        as one whose call's dir could not be removed: the next call of it
+        would own what is left."""
         if uid in self.lost:
             return
+        try:
+            clean = self.remove_left(uid)
+        except OSError:
+            # No pid for the child that removes its SysV IPC objects (a call
+            # holds the sandbox's pids limit): tried again with the held uids.
+            self.held.append(uid)
+            return
+        if clean:
+            self.unclean.pop(uid, None)
+            self.uids.append(uid)
+            return
+        tries = self.unclean.get(uid, (0.0, 0))[1] + 1
+        if tries >= CLEANUP_TRIES:
+            self.unclean.pop(uid, None)
+            self.lost.add(uid)
+        else:
+            self.unclean[uid] = (time.monotonic() + CLEANUP_RETRY_MS / 1000, tries)
+
+    def remove_left(self, uid):
+        """What `uid` left in /dev/shm, message queues and SysV IPC removed:
+        True when nothing of it is left. OSError when the child that removes
+        the IPC objects could not be forked."""
         for fd in (self.shm_fd, self.mq_fd):
             if fd >= 0:
                 try:
                     if not remove_owned(fd, uid):
-                        return
+                        return False
                 except Exception:
-                    return
+                    return False
         try:
-            if not remove_ipc(uid):
-                return
+            return remove_ipc(uid)
         except OSError:
-            # No pid for the child that removes them (a call holds the
-            # sandbox's pids limit): tried again with the held uids.
-            self.held.append(uid)
-            return
+            raise
         except Exception:
-            return
-        self.uids.append(uid)
+            return False
+
+    def retry_unclean(self):
+        """free_uid again for the unclean uids whose time has come."""
+        now = time.monotonic()
+        for uid, (at, _) in list(self.unclean.items()):
+            if at <= now:
+                self.free_uid(uid)
+
+    def unclean_wait_ms(self):
+        """Milliseconds until the next unclean uid is tried again (None: none waits)."""
+        if not self.unclean:
+            return None
+        return max(0, int((min(at for at, _ in self.unclean.values()) - time.monotonic()) * 1000) + 1)
 
     def recheck_held(self):
         """Free the held uids whose leftovers are gone (their children, if
@@ -784,6 +848,8 @@ class Zygote:
         while True:
             if self.held:
                 self.recheck_held()
+            if self.unclean:
+                self.retry_unclean()
             low = len(self.idle) < max(1, self.spares // 2)
             want = len(self.idle) < self.spares and self.uids
             wait = 0 if (want and low) else (IDLE_MS if want else None)
@@ -791,6 +857,9 @@ class Zygote:
                 wait = FORK_RETRY_MS
             if self.held:
                 wait = RECHECK_MS if wait is None else min(wait, RECHECK_MS)
+            retry = self.unclean_wait_ms()
+            if retry is not None:
+                wait = retry if wait is None else min(wait, retry)
             events = self.poll.poll(wait)
             for fd, _ev in events:
                 if fd == self.sock.fileno():

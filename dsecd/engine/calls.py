@@ -34,7 +34,7 @@ import time
 
 from .. import cgroup, metrics
 from ..backends.fncall import CallBox, FnCallBackend, Zygote, ZygoteDied
-from ..backends.zygote_main import cannot_run
+from ..backends.zygote_main import CLEANUP_RETRY_MS, CLEANUP_TRIES, cannot_run
 from ..config import parse_size
 from ..cpu.manager import CpuHost
 from ..errors import (
@@ -69,6 +69,7 @@ INLINE_MAX = 48 * 1024     # a call packet up to this size carries its code itse
 # before its uid goes back (each look kills what it finds).
 LEFTOVER_RECHECK_S = 0.01
 LEFTOVER_LOOKS = 500
+CLEANUP_RETRY_S = CLEANUP_RETRY_MS / 1000      # the zygote's pace for leftovers that stay, on this route too
 
 
 def fncall_backend(cfg, layout: cgroup.Layout, containers) -> FnCallBackend:
@@ -563,15 +564,24 @@ class CallService:
         host_uid = box.host_ids(uid)[0]
         for _ in range(LEFTOVER_LOOKS):
             if not await self.workers.run(self.fncall.kill_leftovers, box.handle, host_uid):
-                if await self.workers.run(self._remove_left, box, host_uid, private_dir):
-                    box.free_uids.append(uid)
-                else:
-                    log.warning("call sandbox %s: what uid %d left in its dir, /dev/shm, SysV IPC or message "
-                                "queues could not be removed; it is not handed out again", box.id, uid)
+                await self._give_back_clean(box, uid, host_uid, private_dir)
                 return
             await asyncio.sleep(LEFTOVER_RECHECK_S)
         log.warning("call sandbox %s: uid %d still runs processes after %d kills; it is not handed out again",
                     box.id, uid, LEFTOVER_LOOKS)
+
+    async def _give_back_clean(self, box: CallBox, uid: int, host_uid: int, private_dir: str) -> None:
+        """The uid back once what its call left is removed, tried again every
+        CLEANUP_RETRY_S (another call can keep it in place for a while: a
+        file in that call's writable dir, a tree it deepens), and given up
+        after CLEANUP_TRIES (as the zygote does)."""
+        for _ in range(CLEANUP_TRIES):
+            if await self.workers.run(self._remove_left, box, host_uid, private_dir):
+                box.free_uids.append(uid)
+                return
+            await asyncio.sleep(CLEANUP_RETRY_S)
+        log.warning("call sandbox %s: what uid %d left in its dir, /dev/shm, SysV IPC or message queues could not "
+                    "be removed in %d tries; it is not handed out again", box.id, uid, CLEANUP_TRIES)
 
     def _remove_left(self, box: CallBox, host_uid: int, private_dir: str) -> bool:
         """What a plain call left in its dir, /dev/shm, SysV IPC and message

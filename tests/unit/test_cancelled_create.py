@@ -382,3 +382,34 @@ def _is_open(fd: int) -> bool:
         return False
 
 
+
+
+def test_a_plain_calls_uid_whose_leftovers_stay_awhile_comes_back_once_they_go(monkeypatch):
+    """Another call can keep what a call left in place for a while (a file
+    in its own writable dir): the uid is held and tried again, not lost,
+    and given back once the cleanup finds nothing left."""
+    from types import SimpleNamespace
+
+    from dsecd.backends.fncall import CallBox
+    from dsecd.engine import calls
+
+    monkeypatch.setattr(calls, "CLEANUP_RETRY_S", 0.01)
+    box = CallBox(id="box1", image="busybox", layers=[], handle=None, free_uids=[])
+    box.host_ids = lambda uid: (uid, uid)
+    tries = []
+
+    def remove_shm_files(h, uid):
+        tries.append(uid)
+        return len(tries) >= 3              # gone at the third look
+
+    fncall = SimpleNamespace(kill_leftovers=lambda h, uid: 0, remove_shm_files=remove_shm_files,
+                             remove_ipc=lambda h, uid: True, remove_mqueues=lambda fd, uid: True,
+                             remove_private_dir=lambda h, name: True)
+
+    async def go():
+        with _workers() as workers:
+            node = _call_node(workers, fncall)
+            await node._give_back(box, 7003, "call-x")
+
+    asyncio.run(go())
+    assert box.free_uids == [7003] and len(tries) == 3

@@ -97,13 +97,47 @@ def test_a_tree_deeper_than_recursion_and_fds_allow_goes_whole(shm):
     assert os.listdir(shm) == ["theirs"]
 
 
-def test_another_uids_deep_tree_is_looked_through_to_the_limit_and_not_an_error(shm):
+def test_another_uids_deep_tree_is_looked_through_to_the_limit_then_called_unfinished(shm):
+    # Past MAX_OPEN_DIRS levels of another uid's tree the walk does not
+    # look: the uid may own something there, so the cleanup is not done.
     _chain(shm, 1500, OTHER)
     shallow = shm / "/".join(["d"] * 3)
     _owned(shallow / "mine", CALL)
-    assert _remove(shm, CALL)
+    assert not _remove(shm, CALL)
     assert not (shallow / "mine").exists()
     assert (shallow / "d").is_dir(), "another uid's tree was removed"
+    shallow_tree = shm / "/".join(["d"] * (zygote_main.MAX_OPEN_DIRS - 2))
+    for d in list(shm.iterdir()):
+        os.rename(d, shm / "gone")                           # its call ended: the tree went
+    fd = os.open(shm, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert remove_tree(fd, "gone")
+    finally:
+        os.close(fd)
+    _chain(shm, zygote_main.MAX_OPEN_DIRS - 3, OTHER)
+    assert shallow_tree.parent.exists()
+    assert _remove(shm, CALL), "a tree the walk sees whole is no reason to hold the uid"
+
+
+def test_a_tree_too_deep_for_one_cleanup_is_left_unfinished_not_walked_for_ever(shm, monkeypatch):
+    # Another call still running can deepen a tree as fast as it goes.
+    monkeypatch.setattr(zygote_main, "MAX_MOVED", 2)
+    _chain(shm, 1500, CALL)
+    assert not _remove(shm, CALL)
+    monkeypatch.setattr(zygote_main, "MAX_MOVED", 256)
+    assert _remove(shm, CALL) and os.listdir(shm) == []
+
+
+def test_a_directory_swapped_in_under_an_owned_name_is_left_alone(shm):
+    # Listed as the call's, then another call renamed its own dir there.
+    _owned(shm / "theirs", OTHER, "dir")
+    _owned(shm / "theirs" / "keep", OTHER)
+    fd = os.open(shm, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert not zygote_main._remove_tree(fd, "theirs", True, fd, [], owner=CALL)
+    finally:
+        os.close(fd)
+    assert (shm / "theirs" / "keep").exists()
 
 
 def test_an_entry_that_cannot_be_removed_says_so(shm, monkeypatch):
@@ -145,9 +179,9 @@ def test_a_uid_whose_ipc_cleanup_could_not_fork_is_tried_again(monkeypatch):
         monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid: True)
         z.recheck_held()
         assert (z.uids, z.held) == ([60001], [])
-        monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid: False)    # left for good: never again
+        monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid: False)    # not removed: tried again later
         z.free_uid(60000)
-        assert (z.uids, z.held) == ([60001], [])
+        assert (z.uids, z.held, list(z.unclean)) == ([60001], [], [60000])
     finally:
         for fd in (z.children_fd, z.own_children_fd, z.shm_fd):
             if fd >= 0:
@@ -172,3 +206,37 @@ def test_remove_tree_takes_a_call_dir_whole_at_any_depth_following_nothing(shm, 
     finally:
         os.close(fd)
     assert os.listdir(shm) == [] and (outside / "keep").read_text() == "x"
+
+
+def test_a_uid_whose_leftovers_stay_is_tried_again_then_given_up(monkeypatch):
+    """What another call keeps in place (a tree it deepens, a file in its
+    writable dir) holds a freed uid back, not for good: it is tried again
+    every CLEANUP_RETRY_MS, and given up after CLEANUP_TRIES."""
+    import socket
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    z = zygote_main.Zygote(theirs, "/nonexistent", 0, 60000, 2, {})
+    try:
+        z.uids.clear()
+        clean = {"now": False}
+        monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: clean["now"])
+        monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid: True)
+        monkeypatch.setattr(zygote_main, "CLEANUP_RETRY_MS", 0)
+        z.free_uid(60001)
+        assert z.uids == [] and z.unclean[60001][1] == 1 and z.unclean_wait_ms() is not None
+        z.retry_unclean()
+        assert z.uids == [] and z.unclean[60001][1] == 2
+        clean["now"] = True
+        z.retry_unclean()
+        assert (z.uids, z.unclean, z.lost) == ([60001], {}, set())
+        clean["now"] = False
+        z.free_uid(60000)
+        for _ in range(zygote_main.CLEANUP_TRIES):
+            z.retry_unclean()
+        assert (z.uids, z.unclean, z.lost) == ([60001], {}, {60000})
+    finally:
+        for fd in (z.children_fd, z.own_children_fd, z.shm_fd):
+            if fd >= 0:
+                os.close(fd)
+        ours.close()
+        theirs.close()
