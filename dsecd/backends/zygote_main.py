@@ -573,17 +573,16 @@ class Zygote:
         except OSError:
             self.shm_fd = -1
         self.mq_fd = -1         # the daemon's first message says where message queues are
-        # A worker's end is seen on its pidfd. Without pidfds (Python 3.8
-        # has no os.pidfd_open, kernels before 5.3 no pidfd_open), on
-        # SIGCHLD: its handler's wakeup fd is polled like a pidfd.
+        # A worker's end is seen on its pidfd. Without one (Python 3.8 has
+        # no os.pidfd_open, kernels before 5.3 no pidfd_open; or the open
+        # failed), on SIGCHLD: its handler's wakeup fd is polled like a pidfd.
         self.unwatched = {}     # pid -> worker without a pidfd
         self.sigchld_fd = -1
-        probe = _pidfd(os.getpid())
-        if probe < 0:
-            self.sigchld_fd = self._wake_on_sigchld()
-        _close(probe)
 
     def _wake_on_sigchld(self):
+        """The read end of a pipe that SIGCHLD writes a byte to, in the poll.
+        A byte is written now too: a worker that ended before the handler
+        was there (its SIGCHLD ignored) is looked for once all the same."""
         r, w = os.pipe()
         for fd in (r, w):
             os.set_blocking(fd, False)
@@ -591,6 +590,7 @@ class Zygote:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.set_wakeup_fd(w)
         self.poll.register(r, select.POLLIN)
+        os.write(w, b"\0")
         return r
 
     def fork_worker(self):
@@ -629,8 +629,12 @@ class Zygote:
             self.by_fd[w["pidfd"]] = w
             self.poll.register(w["pidfd"], select.POLLIN)
         else:
+            # Seen on SIGCHLD (its wakeup installed now, for the first worker
+            # without a pidfd); one that ended already left its byte in the
+            # wakeup pipe, which the loop reads once this worker is listed.
+            if self.sigchld_fd < 0:
+                self.sigchld_fd = self._wake_on_sigchld()
             self.unwatched[pid] = w
-            self.on_sigchld()           # it may have ended before it was listed
         self.by_fd[ours.fileno()] = w
         self.poll.register(ours.fileno(), select.POLLIN)
         return w

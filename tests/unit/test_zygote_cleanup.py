@@ -240,3 +240,45 @@ def test_a_uid_whose_leftovers_stay_is_tried_again_then_given_up(monkeypatch):
                 os.close(fd)
         ours.close()
         theirs.close()
+
+
+def test_a_worker_without_a_pidfd_is_seen_to_end_even_if_it_ended_at_once(monkeypatch):
+    """A worker whose pidfd could not be opened (Python 3.8 has no
+    pidfd_open; EMFILE elsewhere) is watched on SIGCHLD, whose wakeup is
+    installed for it then: one that ended before that is found all the
+    same, and fork_worker itself survives it."""
+    import signal
+    import socket
+
+    monkeypatch.setattr(zygote_main, "worker", lambda link, tmp, uid, rlimits: os._exit(3))
+    monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid: True)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    z = zygote_main.Zygote(theirs, "/nonexistent", 0, 60000, 1, {})   # on a host with pidfds
+    monkeypatch.setattr(zygote_main, "_pidfd", lambda pid: -1)         # then one cannot be opened
+    real_fork = os.fork
+
+    def fork_that_ends_first():             # the worker is gone before fork_worker goes on
+        pid = real_fork()
+        if pid:
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        return pid
+
+    monkeypatch.setattr(zygote_main.os, "fork", fork_that_ends_first)
+    monkeypatch.setattr(z, "kill_leftovers", lambda uid: 0)     # (the host's pid 1 is no call sandbox's)
+    os.close(z.shm_fd)
+    z.shm_fd = -1
+    try:
+        w = z.fork_worker()
+        assert z.sigchld_fd >= 0
+        assert [fd for fd, _ in z.poll.poll(2000) if fd == z.sigchld_fd] == [z.sigchld_fd]
+        z.on_sigchld()
+        assert z.unwatched == {} and z.uids == [60000]
+        assert not os.path.exists(f"/proc/{w['pid']}")          # reaped
+    finally:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in (z.children_fd, z.own_children_fd, z.sigchld_fd):
+            if fd >= 0:
+                os.close(fd)
+        ours.close()
+        theirs.close()
