@@ -282,9 +282,12 @@ class _Hashing:
         self.bytes += len(data)
         return data
 
-    def drain(self) -> None:
+    def drain(self, limit: int = 0) -> None:
+        """Read to the end; LayerTooLarge once more than `limit` bytes (0: no
+        bound) passed through, counting what was read before."""
         while self.read(STREAM_BUFFER):
-            pass
+            if limit and self.bytes > limit:
+                raise too_large(limit, f"its tar passed {limit} bytes")
 
     def digest(self) -> str:
         return "sha256:" + self.sha.hexdigest()
@@ -407,11 +410,17 @@ class _TarStream:
         self.seek(m.offset_data)
         self.copy_to(fd, m.size)
 
-    def drain(self) -> None:
-        """Read to the end (the padding after the end-of-archive blocks counts in the diff_id)."""
+    def drain(self, limit: int = 0) -> None:
+        """Read to the end (the padding after the end-of-archive blocks counts
+        in the diff_id); LayerTooLarge once the tar passes `limit` bytes (0: no
+        bound): zeros after the archive's end cost no disk, but the time to
+        inflate and hash them."""
+        self.pos += len(self.buf) - self.at
         self.buf, self.at = b"", 0
-        while self._pull(STREAM_BUFFER):
-            pass
+        while chunk := self._pull(STREAM_BUFFER):
+            self.pos += len(chunk)
+            if limit and self.pos > limit:
+                raise too_large(limit, f"its tar passed {limit} bytes")
 
     def digest(self) -> str:
         return "sha256:" + self.sha.hexdigest()
@@ -508,9 +517,11 @@ def unpack_blob(raw, root: Path, what: str, max_bytes: int = 0) -> tuple[int, st
         tar = _TarStream(_decompressed(blob, blob.peek(4), what))
         unpacker = _Unpacker(root, max_bytes)
         for m in tar.members():
+            if max_bytes and tar.pos > max_bytes:
+                raise too_large(max_bytes, f"its tar passed {max_bytes} bytes")
             unpacker.entry(m, lambda fd, m=m: tar.write_member(m, fd))
             n += 1
-        tar.drain()
+        tar.drain(max_bytes)
         blob.drain()
     except CORRUPT as err:
         raise TarError(f"{what} is corrupt or truncated: {err}") from err

@@ -94,7 +94,7 @@ def convert_blob(raw, out: Path, what: str, max_entries: int = MAX_ENTRIES,
                 ended = writer.feed(chunk)
                 if chunks is not None:
                     chunks.advance(fd, writer.final_bytes())
-            tar.drain()          # past the archive's end: the diff_id covers every byte
+            tar.drain(max_bytes)     # past the archive's end: the diff_id covers every byte
             blob.drain()
             entries = writer.finish()
         except oci.LayerTooLarge as err:

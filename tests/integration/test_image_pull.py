@@ -673,15 +673,18 @@ def _sparse_tar(tmp: Path, size: int) -> bytes:
     return out.read_bytes()
 
 
-@pytest.mark.parametrize("shape", ["zeros", "sparse"])
+@pytest.mark.parametrize("shape", ["zeros", "sparse", "trailing"])
 def test_a_layer_that_unpacks_past_max_layer_bytes_is_refused_before_it_is_written(
         busybox_rootfs, tmp_path, daemon_factory, fake, shape):
     # 8 MiB of zeros gzip to ~8 KiB (the direct EROFS writer's path); a
     # 64 MiB sparse file is ~10 KiB of tar (unpack-and-mkfs, which would
     # write every byte of it). Both are `limit` at a 4 MiB bound, before
     # the store or the scratch disk hold the bytes.
-    layer = (_tar_bytes([_file("zeros", bytes(8 << 20))]) if shape == "zeros"
-             else _sparse_tar(tmp_path, 64 << 20))
+    # A small tar followed by 8 MiB of zeros past its end (the diff_id
+    # covers them: they are inflated and hashed) is bounded the same way.
+    layer = {"zeros": lambda: _tar_bytes([_file("zeros", bytes(8 << 20))]),
+             "sparse": lambda: _sparse_tar(tmp_path, 64 << 20),
+             "trailing": lambda: _tar_bytes([_file("small", b"x")]) + bytes(8 << 20)}[shape]()
     assert len(gzip.compress(layer)) < 64 << 10
     fake_image(tmp_path, fake, "bomb/app", [(rootfs_layer(busybox_rootfs), "gzip"), (layer, "gzip")])
     ref = f"{fake.host}/bomb/app:v1"
