@@ -89,7 +89,7 @@ ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "ppc64le": "ppc6
 
 
 # One part of an os/arch/variant platform, as image indexes spell them.
-PLATFORM_PART_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+PLATFORM_PART_RE = re.compile(r"[a-z0-9][a-z0-9._-]*")
 
 
 def host_os_arch() -> str:
@@ -406,7 +406,7 @@ class Puller:
         cancelled = cancelled if cancelled is not None else Stop()
         name = self.reference(ref)
         wanted = wanted or host_os_arch()
-        if len(wanted.split("/")) not in (2, 3) or not all(map(PLATFORM_PART_RE.match, wanted.split("/"))):
+        if len(wanted.split("/")) not in (2, 3) or not all(map(PLATFORM_PART_RE.fullmatch, wanted.split("/"))):
             raise PullError("bad_request", f"platform {wanted!r}: want os/arch or os/arch/variant, each part "
                             "lowercase letters, digits, '.', '_' or '-' (linux/amd64, linux/arm64/v8)")
         sources = self.registry_cfg.sources(name.registry, name.repository)

@@ -73,7 +73,7 @@ def test_a_registry_client_that_cannot_be_made_fails_the_pull_as_a_pull_error(tm
 
 
 @pytest.mark.parametrize("platform", ["bogus//x", "linux", "linux/amd64/v8/extra", "/amd64", "linux/AMD64",
-                                      "linux/amd 64"])
+                                      "linux/amd 64", "linux/amd64\n"])
 def test_a_malformed_platform_is_refused_before_any_source_is_asked(puller, monkeypatch, platform):
     asked = sources_answering(monkeypatch, {"down.lab": "unused", "cache.lab": "unused", "registry.lab": "unused"})
     with pytest.raises(PullError) as e:
