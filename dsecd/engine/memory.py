@@ -244,6 +244,9 @@ class MemoryService:
             except OSError as err:
                 sb.end_paused_time()
                 raise DsecError(f"pause sandbox {sb.id}: {err}", code="busy" if err.errno == 16 else "io") from err
+            except BaseException:
+                sb.end_paused_time()        # a cancelled request: not recorded as paused
+                raise
             try:
                 return self._mark_paused(sb, rec)
             except OSError as err:

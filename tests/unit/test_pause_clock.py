@@ -67,3 +67,27 @@ def test_a_pause_that_fails_keeps_its_frozen_time_and_the_sandbox_running(monkey
     assert before >= 0.19
     time.sleep(0.05)
     assert sb.paused_for() == before, "the clock runs on after a failed pause"
+
+
+def test_a_cancelled_pause_request_stops_its_clock(monkeypatch):
+    """Its client gone during a long reclaim: the request is cancelled,
+    and the clock it started before the freeze stops with it."""
+    sb = _sandbox()
+    started = asyncio.Event()
+
+    async def go():
+        svc = _service()
+
+        async def slow_run(fn, *args):
+            started.set()
+            await asyncio.sleep(30)
+
+        svc.workers.run = slow_run
+        task = asyncio.ensure_future(svc._pause(sb))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(go())
+    assert sb.paused_at is None and sb.state == "running"
