@@ -450,15 +450,21 @@ def frozen_by(path: str) -> Callable[[], bool]:
 def _run_timer(seconds: float, expire: Callable[[], None], frozen: Callable[[], bool] | None,
                done: threading.Event) -> threading.Thread:
     """A thread that calls expire() once `seconds` have passed outside the
-    pauses `frozen` reports (looked at every FROZEN_LOOK_S), unless `done`
-    is set first. Without `frozen`, wall time."""
+    pauses `frozen` reports (looked at every FROZEN_LOOK_S; a slice with a
+    pause at either end does not count, so the timer errs towards the
+    command, as a backstop should), unless `done` is set first. Without
+    `frozen`, wall time."""
     def run() -> None:
         left, last = seconds, time.monotonic()
+        was_frozen = frozen is not None and frozen()
         while not done.wait(left if frozen is None else min(left, FROZEN_LOOK_S)):
             now = time.monotonic()
-            if frozen is None or not frozen():
+            is_frozen = frozen is not None and frozen()
+            # A slice counts only when it ran at both of its ends: one that
+            # was paused at either may have been paused all but a moment.
+            if not (was_frozen or is_frozen):
                 left -= now - last
-            last = now
+            last, was_frozen = now, is_frozen
             if left <= 0:
                 expire()
                 return

@@ -61,3 +61,27 @@ def test_helper_needs_pid_or_command():
         trace.main([])
     with pytest.raises(SystemExit):
         trace.main(["--pid", "1", "--", "true"])
+
+
+def test_the_backstop_counts_only_slices_that_ran_at_both_ends(monkeypatch):
+    """dsecd/trace.py _run_timer with a freezer that says paused at every
+    other look: no slice ran at both ends, so no time counts; then running
+    throughout, the timer ends after its seconds."""
+    import threading
+    import time
+
+    monkeypatch.setattr(trace, "FROZEN_LOOK_S", 0.01)
+    looks = {"n": 0}
+
+    def flapping():
+        looks["n"] += 1
+        return looks["n"] % 2 == 0
+
+    expired, done = threading.Event(), threading.Event()
+    trace._run_timer(0.05, expired.set, flapping, done)
+    time.sleep(0.3)
+    assert not expired.is_set(), "paused-at-one-end slices were counted"
+    done.set()
+    expired2 = threading.Event()
+    trace._run_timer(0.05, expired2.set, lambda: False, threading.Event())
+    assert expired2.wait(2)
