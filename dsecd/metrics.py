@@ -493,6 +493,8 @@ class MetricsServer:
     async def start(self) -> None:
         if isinstance(self.where, str):
             _remove_dead_socket(self.where)
+            # As the protocol's socket's: /run/dsecd may not be there yet.
+            os.makedirs(os.path.dirname(self.where), mode=0o755, exist_ok=True)
             self._server = await unixsock.serve_private(                # 0660, like the protocol's socket
                 self.where, os.getegid(),
                 lambda sock: asyncio.start_unix_server(self._serve, sock=sock, limit=MAX_REQUEST_BYTES))

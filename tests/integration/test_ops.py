@@ -87,7 +87,7 @@ OOM_LOOP = 'x=aaaaaaaaaaaaaaaa; while :; do x="$x$x"; done'
 
 @pytest.fixture
 def metrics_daemon(daemon_factory, busybox_rootfs, tmp_path):
-    sock = tmp_path / "metrics.sock"
+    sock = tmp_path / "run" / "metrics.sock"          # its directory made by the daemon, as the socket's is
     d = daemon_factory(f'[metrics]\nlisten = "{sock}"\n')
     d.metrics = str(sock)
     c = d.client()
