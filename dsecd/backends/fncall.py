@@ -443,8 +443,7 @@ class FnCallBackend:
         if mq_fd < 0:
             return True
         try:
-            remove_owned(mq_fd, host_uid)
-            return True
+            return remove_owned(mq_fd, host_uid)
         except Exception:
             return False
 

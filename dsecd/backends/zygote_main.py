@@ -313,7 +313,14 @@ def remove_owned(top, uid):
     another call's doing, and ends with that call)."""
     moved = []              # parts of deep trees moved up to `top`, removed in turn
     ok = True
-    stack = [(os.dup(top), None)]        # (directory fd, its entries still to look at)
+    # An open file description of its own (not os.dup's, which shares the
+    # read offset): the daemon walks one box's directory for several uids at
+    # once, and a listing from another's offset would see nothing.
+    try:
+        mine = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=top)
+    except OSError:
+        return False
+    stack = [(mine, None)]        # (directory fd, its entries still to look at)
     try:
         while stack:
             fd, todo = stack[-1]

@@ -282,3 +282,19 @@ def test_a_worker_without_a_pidfd_is_seen_to_end_even_if_it_ended_at_once(monkey
                 os.close(fd)
         ours.close()
         theirs.close()
+
+
+def test_a_walk_sees_every_entry_while_another_listing_of_the_same_fd_is_open(shm):
+    # The daemon keeps one fd of a box's message queue dir and cleans up
+    # after several calls at once: a dup would share the read offset, and
+    # a walk starting at another's end would see nothing and say done.
+    _owned(shm / "mine", CALL)
+    _owned(shm / "theirs", OTHER)
+    fd = os.open(shm, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with os.scandir(fd) as other_walk:
+            next(other_walk)                 # under way: the offset it shares is past every entry
+            assert remove_owned(fd, CALL)
+        assert os.listdir(shm) == ["theirs"]
+    finally:
+        os.close(fd)
