@@ -568,6 +568,7 @@ class Zygote:
         self.held = []          # uids whose calls left processes behind, until those are gone
         self.lost = set()       # uids whose calls left what could not be removed: never handed out again
         self.unclean = {}       # uid -> (when to try its cleanup again, tries so far)
+        self.dirs = {}          # uid -> its call's dir (in `base`) that was not empty, to remove
         self.forked = 0
         self.fork_failed = False    # the last spare could not be forked
         # Kept open: read after every call (kill_leftovers). Workers close it.
@@ -722,14 +723,9 @@ class Zygote:
         except FileNotFoundError:
             pass
         except OSError:
-            base = os.open(self.base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                if not remove_tree(base, os.path.basename(w["tmp"])):
-                    # What stays keeps its uid: the next call of it would
-                    # own the dir, whose name is no secret.
-                    self.lost.add(w["uid"])
-            finally:
-                os.close(base)
+            # Removed with the rest of what the call left (free_uid), once
+            # what it left running is killed: one could write on meanwhile.
+            self.dirs[w["uid"]] = os.path.basename(w["tmp"])
         # What the call left running outside its group must not meet the next
         # call its uid goes to (it could signal, trace or read it).
         if self.kill_leftovers(w["uid"]):
@@ -755,12 +751,11 @@ class Zygote:
 
     def free_uid(self, uid):
         """A uid back to the free list, once nothing of its call runs: what
-        the call left in /dev/shm, in SysV IPC and in message queues goes
+        the call left (its dir, /dev/shm, SysV IPC, message queues) goes
         first (nothing of it runs to make more). A uid whose leftovers could
         not all be removed waits (unclean) and is tried again every
-        CLEANUP_RETRY_MS; after CLEANUP_TRIES it is never handed out again,
-        as one whose call's dir could not be removed: the next call of it
-        would own what is left."""
+        CLEANUP_RETRY_MS; after CLEANUP_TRIES it is never handed out again:
+        the next call of it would own what is left."""
         if uid in self.lost:
             return
         try:
@@ -782,18 +777,29 @@ class Zygote:
             self.unclean[uid] = (time.monotonic() + CLEANUP_RETRY_MS / 1000, tries)
 
     def remove_left(self, uid):
-        """What `uid` left in /dev/shm, message queues and SysV IPC removed:
-        True when nothing of it is left. OSError when the child that removes
-        the IPC objects could not be forked."""
+        """What `uid`'s call left removed, every part tried whatever another
+        part did: its dir, /dev/shm, message queues, SysV IPC. True when
+        nothing of it is left. OSError when the child that removes the IPC
+        objects could not be forked."""
+        ok = True
+        name = self.dirs.get(uid)
+        if name is not None:
+            base = os.open(self.base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                if remove_tree(base, name):
+                    del self.dirs[uid]
+                else:
+                    ok = False
+            finally:
+                os.close(base)
         for fd in (self.shm_fd, self.mq_fd):
             if fd >= 0:
                 try:
-                    if not remove_owned(fd, uid):
-                        return False
+                    ok = remove_owned(fd, uid) and ok
                 except Exception:
-                    return False
+                    ok = False
         try:
-            return remove_ipc(uid)
+            return remove_ipc(uid) and ok
         except OSError:
             raise
         except Exception:

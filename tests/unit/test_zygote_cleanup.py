@@ -298,3 +298,33 @@ def test_a_walk_sees_every_entry_while_another_listing_of_the_same_fd_is_open(sh
         assert os.listdir(shm) == ["theirs"]
     finally:
         os.close(fd)
+
+
+def test_every_part_of_a_calls_leftovers_is_removed_whatever_another_part_did(tmp_path, monkeypatch):
+    """The zygote's cleanup of a freed uid: its call's dir (left for it by
+    worker_gone, after what the call left running is killed), /dev/shm,
+    message queues and SysV IPC are each tried; one that stays does not
+    keep the others in place."""
+    import socket
+
+    base = tmp_path / "fncall-x"
+    base.mkdir()
+    (base / "w60001-1" / "sub").mkdir(parents=True)
+    (base / "w60001-1" / "sub" / "f").write_text("x")
+    ipc_asked = []
+    monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: False)    # /dev/shm: something stays
+    monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid: ipc_asked.append(uid) or True)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    z = zygote_main.Zygote(theirs, str(base), 0, 60000, 2, {})
+    try:
+        z.dirs[60001] = "w60001-1"
+        assert not z.remove_left(60001)
+        assert ipc_asked == [60001] and os.listdir(base) == [] and z.dirs == {}
+        monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: True)
+        assert z.remove_left(60001)
+    finally:
+        for fd in (z.children_fd, z.own_children_fd, z.shm_fd):
+            if fd >= 0:
+                os.close(fd)
+        ours.close()
+        theirs.close()
