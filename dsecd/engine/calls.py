@@ -24,6 +24,7 @@ from __future__ import annotations
 import array
 import asyncio
 import errno
+import functools
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ import socket
 import time
 
 from .. import cgroup, metrics
+from ..backends.container import Handle
 from ..backends.fncall import CallBox, FnCallBackend, Zygote, ZygoteDied
 from ..backends.zygote_main import CLEANUP_RETRY_MS, CLEANUP_TRIES, cannot_run
 from ..config import parse_size
@@ -262,9 +264,15 @@ class CallService:
         except BaseException:
             self.image_service.layers.release(image.layer_digests)
             raise
+        # In a worker, which a cancelled request cannot stop: what it makes
+        # then is undone once it is made (_undo_abandoned_box).
+        made = asyncio.ensure_future(self.workers.run(self._new_box, box_id, overlay_lowerdirs(mounts), limits,
+                                                      plan, idmap))
         try:
-            handle = await self.workers.run(self.fncall.create_box, box_id, overlay_lowerdirs(mounts),
-                                             limits, plan, idmap)
+            handle, mq_fd = await asyncio.shield(made)
+        except asyncio.CancelledError:
+            made.add_done_callback(functools.partial(self._undo_abandoned_box, box_id, idmap, image.layer_digests))
+            raise
         except BaseException as err:
             self.id_ranges.give_back(idmap)
             self.image_service.layers.release(image.layer_digests)
@@ -274,13 +282,42 @@ class CallService:
             raise
         log.info("call sandbox %s for image %s", box_id, image_name)
         uids = list(range(fc["uid_base"] + fc["uid_count"] - 1, fc["uid_base"] - 1, -1))   # lowest last
+        return CallBox(id=box_id, image=image_name, layers=image.layer_digests, handle=handle, free_uids=uids,
+                       env=dict(image.config.get("env") or {}), idmap=idmap, mq_fd=mq_fd)
+
+    def _new_box(self, box_id: str, lowerdirs, limits, plan, idmap) -> tuple[Handle, int]:
+        """A call sandbox and the fd of its message-queue directory (-1 when
+        none can be made); in a worker."""
+        handle = self.fncall.create_box(box_id, lowerdirs, limits, plan, idmap)
         try:
-            mq_fd = await self.workers.run(self.fncall.mqueue_dir, handle)
+            mq_fd = self.fncall.mqueue_dir(handle)
         except OSError as err:
             log.warning("call sandbox %s: no fd of its message queues (%s): what calls leave there stays", box_id, err)
             mq_fd = -1
-        return CallBox(id=box_id, image=image_name, layers=image.layer_digests, handle=handle, free_uids=uids,
-                       env=dict(image.config.get("env") or {}), idmap=idmap, mq_fd=mq_fd)
+        return handle, mq_fd
+
+    def _undo_abandoned_box(self, box_id: str, idmap, layers: list[str], made: asyncio.Future) -> None:
+        """A call sandbox made for a request cancelled meanwhile: destroyed,
+        its id range and layers given back (those of one never made at once)."""
+        if made.cancelled() or made.exception() is not None:
+            self.id_ranges.give_back(idmap)
+            self.image_service.layers.release(layers)
+            return
+        handle, mq_fd = made.result()
+        if mq_fd >= 0:
+            os.close(mq_fd)
+
+        async def destroy() -> None:
+            try:
+                await self.workers.run(self.fncall.destroy_box, box_id, handle)
+            except Exception as err:       # noqa: BLE001 -- the next start's sweep removes what stays
+                log.error("call sandbox %s (its request cancelled): destroy: %s", box_id, err)
+                return
+            self.image_service.layers.release(layers)
+            self.id_ranges.give_back(idmap)
+
+        log.info("call sandbox %s was made for a cancelled request: destroying it", box_id)
+        self.workers.loop.create_task(destroy())
 
     async def _zygote(self, box: CallBox) -> Zygote | None:
         if box.zygote is not None and box.zygote.alive:

@@ -413,3 +413,52 @@ def test_a_plain_calls_uid_whose_leftovers_stay_awhile_comes_back_once_they_go(m
 
     asyncio.run(go())
     assert box.free_uids == [7003] and len(tries) == 3
+
+
+def test_a_call_sandbox_made_for_a_cancelled_request_is_destroyed_once_made():
+    """The first call of an image makes its call sandbox in a worker, which
+    a cancel cannot stop: what it makes then is destroyed, its message
+    queue fd closed, its id range and layers given back."""
+    import os
+    from types import SimpleNamespace
+
+    from dsecd.cpu.manager import CpuHost
+
+    seen = {"destroyed": [], "released": [], "given_back": []}
+    mq_fd = os.open(os.devnull, os.O_RDONLY)
+
+    class FnCall:
+        def create_box(self, box_id, lowerdirs, limits, plan, idmap):
+            time.sleep(0.3)
+            return SimpleNamespace(box=box_id)
+
+        def mqueue_dir(self, handle):
+            return mq_fd
+
+        def destroy_box(self, box_id, handle):
+            seen["destroyed"].append((box_id, handle.box))
+
+    image = SimpleNamespace(layer_digests=["sha256:l1"], config={})
+    images = SimpleNamespace(images=SimpleNamespace(get=lambda name: image, changed=[]),
+                             layers=SimpleNamespace(acquire=lambda digests: [],
+                                                    release=lambda digests: seen["released"].append(digests)))
+    ranges = SimpleNamespace(take=lambda: "range-1", give_back=lambda idmap: seen["given_back"].append(idmap))
+
+    async def go():
+        with _workers() as workers:
+            limits = ExecLimits(max_timeout_s=0, drain_grace_s=0.1, max_output=1 << 20, max_trace=0)
+            node = CallService(FnCall(), {"cpu": 1, "memory": "64M", "pids": 64, "qos": "be", "uid_base": 60000,
+                                          "uid_count": 4}, {}, 100_000, images, CpuHost.__new__(CpuHost), workers,
+                               ProcessStarter(workers), limits, -1, ranges)
+            node.cpu = SimpleNamespace(plan=lambda qos: None)
+            await _cancel_soon(asyncio.ensure_future(node._make_box("py")))
+            await _until(lambda: seen["given_back"])
+
+    asyncio.run(go())
+    assert [b for _, b in seen["destroyed"]] == [seen["destroyed"][0][0]] and seen["given_back"] == ["range-1"]
+    assert seen["released"] == [["sha256:l1"]]
+    try:
+        os.fstat(mq_fd)
+        raise AssertionError("the message queue fd of the abandoned box is still open")
+    except OSError:
+        pass
