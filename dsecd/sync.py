@@ -445,13 +445,7 @@ class _LoopThread:
             if asyncio.iscoroutine(awaitable):
                 awaitable.close()
             raise ConnectionError(f"this {self._what} is closed")
-        if os.getpid() != self._pid:
-            if asyncio.iscoroutine(awaitable):
-                awaitable.close()
-            # Its loop's thread is not in this process: the call would wait forever.
-            raise RuntimeError(f"this {self._named()} was made in process {self._pid}; a process forked "
-                               "from it (a multiprocessing Pool, say) cannot use it: make one in the child "
-                               "(in the Pool's initializer, say)")
+        self._check_process(awaitable)
         call = _Call()
         future = asyncio.run_coroutine_threadsafe(_awaited(awaitable, call), self._loop)
         try:
@@ -467,8 +461,19 @@ class _LoopThread:
                     call.ended.wait(CANCEL_WAIT_S)
             raise
 
+    def _check_process(self, awaitable) -> None:
+        """RuntimeError in a process forked from the one that made this
+        client: its loop's thread is not there, and a call would wait forever."""
+        if os.getpid() != self._pid:
+            if asyncio.iscoroutine(awaitable):
+                awaitable.close()
+            raise RuntimeError(f"this {self._named()} was made in process {self._pid}; a process forked "
+                               "from it (a multiprocessing Pool, say) cannot use it: make one in the child "
+                               "(in the Pool's initializer, say)")
+
     def _submit(self, awaitable) -> concurrent.futures.Future:
-        """Start `awaitable` on the loop; its future."""
+        """Start `awaitable` on the loop; its future (streams: events, watch)."""
+        self._check_process(awaitable)
         return asyncio.run_coroutine_threadsafe(_awaited(awaitable), self._loop)
 
     def _named(self) -> str:

@@ -300,6 +300,9 @@ def test_a_client_used_in_a_forked_child_says_so(tmp_path):
             said = _in_a_forked_child(c.list)
             assert said.startswith(f"RuntimeError: this SyncClient of {path} was made in process "), said
             assert "make one in the child" in said, said
+            # Streams (events, a sandbox's watch) wait on the same loop.
+            said = _in_a_forked_child(lambda: next(iter(c.events(follow=False))))
+            assert said.startswith("RuntimeError: this SyncClient"), said
             assert c.list() == []               # the parent's goes on
         c = Client(path)
         asyncio.run_coroutine_threadsafe(c.connect(), loop).result(5)
