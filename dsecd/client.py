@@ -595,6 +595,13 @@ class Client:
             raise RuntimeError(f"{op} on {self.target}: this Client was connected in process {conn.pid}; a "
                                "process forked from it (a multiprocessing Pool, say) cannot share its "
                                "connection: make a Client in the child")
+        if conn is not None and conn.loop.is_closed() and conn.lost is None:
+            # Its loop was closed without closing it (asyncio.run would have
+            # cancelled its reader, which says so): nothing reads its answers.
+            self._conn = None
+            raise ConnectionError(f"{op} on {self.target}: this Client's connection was made in an event loop "
+                                  "that was closed without closing the Client; call connect() again (or use "
+                                  "`async with`, which closes it with its loop)")
         if conn is not None and conn.loop is not asyncio.get_running_loop() and not conn.loop.is_closed():
             # Its answers would go to futures of a loop that nobody wakes for them: a hang.
             raise RuntimeError(f"{op} on {self.target}: this Client is connected in another event loop, "

@@ -314,3 +314,33 @@ def test_a_client_used_in_a_forked_child_says_so(tmp_path):
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
         loop.close()
+
+
+def test_a_client_whose_loop_was_closed_under_it_says_so_instead_of_hanging(tmp_path):
+    """connect() run on a loop that is then closed without closing the
+    Client: nothing reads its connection any more; a request from a new
+    loop raises at once, and connect() there makes a new one."""
+    path = str(tmp_path / "d.sock")
+    loop, thread = _loop_in_a_thread()
+    try:
+        server = asyncio.run_coroutine_threadsafe(asyncio.start_unix_server(_answer_everything, path), loop).result()
+        c = Client(path)
+        old = asyncio.new_event_loop()
+        old.run_until_complete(c.connect())
+        old.close()
+
+        async def use():
+            with pytest.raises(ConnectionError, match="closed without closing the Client"):
+                await asyncio.wait_for(c.request("list"), 5)
+            await c.connect()
+            try:
+                return await asyncio.wait_for(c.request("list"), 5)
+            finally:
+                await c.close()
+
+        assert asyncio.run(use())["sandboxes"] == []
+        server.close()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
