@@ -121,6 +121,16 @@ def lock_state_dir(state_dir: str) -> int:
 
 async def serve(cfg) -> None:
     notifier = Notifier()
+    # From the first step: a start can take minutes (re-adoption), and a
+    # signal's default meanwhile would end the daemon without a clean stop
+    # (SIGTERM: the next start takes it for a death) or without a word
+    # (SIGHUP, which systemd takes for a clean exit). A SIGTERM during the
+    # start stops the daemon as soon as it is up.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, sighup)
     feats = probe_all(cfg.section("sandbox")["cgroup_root"], str(cfg.state_dir), cfg.section("microvm"))
     missing = feats.missing_required()
     if missing:
@@ -154,13 +164,6 @@ async def serve(cfg) -> None:
     # during a burst walk only what came after.
     gc.collect()
     gc.freeze()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    # SIGHUP's default would end the daemon without a word, and systemd
-    # takes a death by SIGHUP for a clean exit (no Restart=on-failure).
-    loop.add_signal_handler(signal.SIGHUP, sighup)
     # The registry keeps dead sandboxes too (for inspect and rm): not adopted, not running.
     adopted = sum(1 for sb in node.registry.by_id.values() if sb.state != "dead")
     log.info("dsecd ready: %d sandboxes adopted, pid %d", adopted, os.getpid(),
