@@ -81,6 +81,9 @@ def _canonical(obj: dict) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
+UNPACK_PREFIX = "unpack-"       # a tarball or layout unpacked in the scratch dir, one dir per layer
+
+
 class ImageStore:
     """`default_registry`: where a reference without a registry lives (names.py)."""
 
@@ -93,6 +96,7 @@ class ImageStore:
         self.default_registry = default_registry
         self.scratch = Path(scratch)      # local disk, for unpacking tarballs
         self.scratch.mkdir(parents=True, exist_ok=True)
+        self._remove_scratch_leftovers()
         # digest -> parsed manifest. Content-addressed, so never stale: every
         # create resolves its image, and need not re-read and re-hash the blob.
         self._manifests: dict[str, dict] = {}
@@ -522,13 +526,23 @@ class ImageStore:
                 raise ImageError("conflict", f"build of {name!r} cancelled: nothing published")
             return self._commit(name, all_layers, imageconfig.stack(below, config or {}), parent, hold)
 
+    def _remove_scratch_leftovers(self) -> None:
+        """Remove the trees a killed daemon left unpacking a tarball
+        (_unpacked_layers) or a microVM's writable layer (MicroVMService.
+        upper_tree): nothing else removes them, and they can hold an image's
+        every byte. The scratch dir is its daemon's alone (the state dir's
+        lock), so at start none of them is a write still going."""
+        for prefix in (UNPACK_PREFIX, "vm-upper-"):
+            for entry in self.scratch.glob(f"{prefix}*"):
+                shutil.rmtree(entry, ignore_errors=True)
+
     def _unpacked_layers(self, unpack, path: Path, what: str, progress: Progress | None,
                          hold: Callable[[str], None]) -> tuple[list[dict], dict | None] | None:
         """(one EROFS layer per layer of the archive at `path`, its config or
         None for a root file system tarball), by `unpack` (oci.unpack_image or
         oci.unpack_dir) in a scratch directory; None: `unpack` found a root
         file system directory, to be built as it is."""
-        work = Path(tempfile.mkdtemp(prefix="unpack-", dir=self.scratch))
+        work = Path(tempfile.mkdtemp(prefix=UNPACK_PREFIX, dir=self.scratch))
         try:
             try:
                 unpacked = unpack(path, work, progress)

@@ -349,3 +349,27 @@ def _quietly(fn):
         fn()
     except Exception:
         pass
+
+
+def test_a_tarball_import_the_daemon_died_in_leaves_no_tree_after_a_restart(daemon_factory, tmp_path):
+    """A daemon killed unpacking a docker save leaves the layers' trees in
+    its scratch dir; the next daemon removes them at start."""
+    import signal
+    import threading
+
+    layer = _tar_bytes([_file(f"d/f{i}", os.urandom(2000)) for i in range(30000)])
+    docker_save(tmp_path / "save.tar", [layer, layer])
+    d = daemon_factory()
+    c = d.client()
+    threading.Thread(target=lambda: _quietly(lambda: c.build_image(str(tmp_path / "save.tar"), "big")),
+                     daemon=True).start()
+    scratch = d.state / "scratch"
+    deadline = time.monotonic() + 30
+    while not any(p.name.startswith("unpack-") for p in scratch.iterdir()):
+        assert time.monotonic() < deadline, "the import unpacked nothing"
+        time.sleep(0.02)
+    d.stop(signal.SIGKILL)
+    c.close()
+    assert any(scratch.iterdir())
+    d.start()
+    assert list(scratch.iterdir()) == []
