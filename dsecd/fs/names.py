@@ -31,12 +31,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-LOCAL_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,127}$")
+LOCAL_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,127}\Z")
 _DOMAIN_PART = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
-DOMAIN_RE = re.compile(rf"^{_DOMAIN_PART}(?:\.{_DOMAIN_PART})*(?::[0-9]+)?$")
-PATH_PART_RE = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*$")
-TAG_RE = re.compile(r"^[\w][\w.-]{0,127}$")
-DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+DOMAIN_RE = re.compile(rf"^{_DOMAIN_PART}(?:\.{_DOMAIN_PART})*(?::[0-9]+)?\Z")
+PATH_PART_RE = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*\Z")
+TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}\Z")
+DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}\Z")
 MAX_REPOSITORY = 255          # registry + repository, as docker's reference grammar bounds it
 REPOS_DIR = "_repos"          # under refs/: the references' tree
 

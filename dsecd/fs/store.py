@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .claims import process_start_time
 
-DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}\Z")
 CHUNK = 1 << 20
 # Chunk index of a layer (csrc/pager/verify.c has the format): the sha256 of
 # every INDEX_BLOCK bytes, so the lazy pager can check each chunk it fetches

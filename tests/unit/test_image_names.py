@@ -42,6 +42,9 @@ def test_another_default_registry():
     ("../x", "registry '..'"), ("a:b:c", "path component 'a:b'"), ("x:.tag", "tag '.tag'"),
     ("x@sha256:12", "digest"), (f"x@md5:{HEX}", "digest"), ("/abs", "no repository|path component"),
     ("a/b_", "path component 'b_'"), ("r.io/" + "a" * 260, "longer than 255"),
+    # A name read from a file keeps its newline: it is not the name without one.
+    ("app\n", "local name"), ("app:v1\n", "tag"), ("r.io\n/app", "registry"),
+    ("app/x\n", "path component"), (f"app@sha256:{HEX}\n", "digest"), ("app:t\u00fcg", "tag"),
 ])
 def test_bad_names_say_what_and_the_grammar(bad, why):
     with pytest.raises(names.BadName, match=why) as info:
