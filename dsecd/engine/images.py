@@ -115,6 +115,7 @@ class ImageService:
         store = Path(section["store"]) if section["store"] else cfg.state_dir / "store"
         try:
             self.images = ImageStore(store, cfg.state_dir / "scratch", section["default_registry"])
+            self.images.max_layer_bytes = cfg.size("images", "max_layer_bytes")
         except OSError as err:
             where = f" ({err.filename})" if err.filename else ""
             raise ConfigError(f"images.store {store}: {err.strerror or err}{where}; it must name a directory "

@@ -97,6 +97,10 @@ class ImageStore:
         self.scratch = Path(scratch)      # local disk, for unpacking tarballs
         self.scratch.mkdir(parents=True, exist_ok=True)
         self._remove_scratch_leftovers()
+        # The most an imported layer (a docker save's, an OCI layout's, a
+        # root file system tarball) may unpack to, as for a pulled one
+        # (images.max_layer_bytes; 0: no bound).
+        self.max_layer_bytes = 0
         # digest -> parsed manifest. Content-addressed, so never stale: every
         # create resolves its image, and need not re-read and re-hash the blob.
         self._manifests: dict[str, dict] = {}
@@ -545,7 +549,9 @@ class ImageStore:
         work = Path(tempfile.mkdtemp(prefix=UNPACK_PREFIX, dir=self.scratch))
         try:
             try:
-                unpacked = unpack(path, work, progress)
+                unpacked = unpack(path, work, progress, max_bytes=self.max_layer_bytes)
+            except oci.LayerTooLarge as err:
+                raise ImageError("limit", f"{what}: {err}") from err
             except oci.TarError as err:
                 raise ImageError("bad_request", f"{what}: {err}") from err
             if unpacked is None:

@@ -248,12 +248,15 @@ def _write_all(fd: int, data) -> None:
         view = view[os.write(fd, view):]
 
 
-def _unpack_tarfile(tf: tarfile.TarFile, root: Path) -> int:
-    unpacker = _Unpacker(root)
+def _unpack_tarfile(tf: tarfile.TarFile, root: Path, max_bytes: int = 0) -> int:
+    unpacker = _Unpacker(root, max_bytes)
     n = 0
-    for m in tf:
-        unpacker.entry(m, lambda fd, m=m: _copy_member(tf, m, fd))
-        n += 1
+    try:
+        for m in tf:
+            unpacker.entry(m, lambda fd, m=m: _copy_member(tf, m, fd))
+            n += 1
+    except LayerTooLarge as err:
+        raise LayerTooLarge(f"the root file system {err}") from err
     return n
 
 
@@ -829,10 +832,12 @@ Unpacked = tuple[list[Path], dict | None]
 
 
 def unpack_image(path: Path, work: Path, progress: Callable[[dict], None] | None = None,
-                 wanted: dict | None = None) -> Unpacked:
+                 wanted: dict | None = None, max_bytes: int = 0) -> Unpacked:
     """A tarball (plain, gzip, bz2 or xz) into work/layer-N: a docker save or
     OCI layout one layer per image layer (for the platform `wanted`, default
-    this host's), a root file system as one layer (and no config)."""
+    this host's), a root file system as one layer (and no config).
+    LayerTooLarge when a layer's files add up to more than `max_bytes`
+    (0: no bound), as for a pulled layer."""
     try:
         tf = tarfile.open(path, mode="r:*")
     except (tarfile.ReadError, EOFError):
@@ -847,18 +852,18 @@ def unpack_image(path: Path, work: Path, progress: Callable[[dict], None] | None
             if kind == ROOTFS:
                 d = work / "layer-0"
                 d.mkdir()
-                n = _unpack_tarfile(tf, d)
+                n = _unpack_tarfile(tf, d, max_bytes)
                 if progress:
                     progress({"step": "unpack", "layer": 1, "of": 1, "entries": n})
                 return [d], None
-            return _unpack(src, kind, meta, work, progress, wanted)
+            return _unpack(src, kind, meta, work, progress, wanted, max_bytes)
     except CORRUPT as err:
         raise TarError(f"corrupt or truncated archive (expected a tarball of a docker save, an OCI image "
                        f"layout or a root file system): {err}") from err
 
 
 def unpack_dir(path: Path, work: Path, progress: Callable[[dict], None] | None = None,
-               wanted: dict | None = None) -> Unpacked | None:
+               wanted: dict | None = None, max_bytes: int = 0) -> Unpacked | None:
     """An unpacked docker save or OCI layout directory into work/layer-N as
     its tarball would be; None when `path` is a root file system (to be
     built as it is)."""
@@ -866,10 +871,10 @@ def unpack_dir(path: Path, work: Path, progress: Callable[[dict], None] | None =
     kind, meta = classify(src)
     if kind == ROOTFS:
         return None
-    return _unpack(src, kind, meta, work, progress, wanted)
+    return _unpack(src, kind, meta, work, progress, wanted, max_bytes)
 
 
-def _unpack(src, kind: str, meta, work: Path, progress, wanted: dict | None) -> Unpacked:
+def _unpack(src, kind: str, meta, work: Path, progress, wanted: dict | None, max_bytes: int) -> Unpacked:
     try:
         layers, cfg = _layers_of(src, kind, meta, wanted)
         config = imageconfig.from_oci(cfg)
@@ -887,7 +892,7 @@ def _unpack(src, kind: str, meta, work: Path, progress, wanted: dict | None) -> 
             raise TarError(f"layer {i + 1} of {len(layers)} listed in the manifest: {err}") from None
         with member:
             # As a pulled blob: gzip, zstd or plain, by its magic bytes.
-            n = unpack_blob(member, d, f"layer {i + 1} of {len(layers)}")[0]
+            n = unpack_blob(member, d, f"layer {i + 1} of {len(layers)}", max_bytes)[0]
         if progress:
             progress({"step": "unpack", "layer": i + 1, "of": len(layers), "entries": n})
         dirs.append(d)
