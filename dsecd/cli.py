@@ -245,6 +245,17 @@ def _print_image(img: dict, verb: str, note: str = "") -> None:
           f"manifest {img['manifest'][:19]}{note}")
 
 
+def _stdin_dockerfile() -> str:
+    """The Dockerfile `-f -` reads from stdin: UTF-8, as a Dockerfile read
+    from a file must be (stdin's text layer would pass other bytes on as
+    surrogates, which no request can carry)."""
+    try:
+        return sys.stdin.buffer.read().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise BadRequest(f"the Dockerfile on stdin (-f -) is not UTF-8 text (byte {err.start}: {err.reason}); "
+                         "is it the Dockerfile?", {"dockerfile": "<stdin>"}) from None
+
+
 async def cmd_image_dockerfile(c: Client, a) -> int:
     """`dsec image build -f Dockerfile CONTEXT --name N`: progress on a
     terminal (dsecd/buildview.py), else only the result."""
@@ -259,7 +270,7 @@ async def cmd_image_dockerfile(c: Client, a) -> int:
         if event.get("event") == "warning":
             print(f"dsec image build: warning: {event['message']}", file=sys.stderr)
 
-    dockerfile, text = (a.file, None) if a.file != "-" else ("<stdin>", sys.stdin.read())    # docker's -f -
+    dockerfile, text = (a.file, None) if a.file != "-" else ("<stdin>", _stdin_dockerfile())    # docker's -f -
     try:
         img = await c.build_dockerfile(a.path, a.name, dockerfile, text, build_args=_kv(a.build_arg, "--build-arg"),
                                        allow=a.allow, no_cache=a.no_cache, progress=view or warnings_only)

@@ -464,10 +464,17 @@ def test_a_dockerfile_on_stdin_with_f_dash(monkeypatch, capsys):
             return {"name": name, "layers": [], "bytes": 0, "manifest": "sha256:" + "0" * 64, "steps": [],
                     "seconds": 0.1}
 
-    monkeypatch.setattr("sys.stdin", io.StringIO("FROM busybox\nRUN true\n"))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"FROM busybox\nRUN true\n")))
     a = cli.parse_args(["image", "build", "-f", "-", ".", "--name", "app"])
     assert asyncio.run(cli.cmd_image_dockerfile(Fake(), a)) == 0
     assert seen == {"dockerfile": "<stdin>", "text": "FROM busybox\nRUN true\n"}
+    # Not UTF-8 (a binary piped by mistake): said as a Dockerfile file's is,
+    # not as the codec's complaint when the request is encoded.
+    seen.clear()
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe garbage"), errors="surrogateescape"))
+    with pytest.raises(BadRequest, match=r"the Dockerfile on stdin \(-f -\) is not UTF-8 text \(byte 0"):
+        asyncio.run(cli.cmd_image_dockerfile(Fake(), a))
+    assert seen == {}
 
 
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, asyncio.CancelledError])
