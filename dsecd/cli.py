@@ -1866,7 +1866,8 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--platform", help="os/arch[/variant] to take from a multi-platform image "
                       "(default: this host's)")
     img.add_parser("ls", help="list images")
-    img.add_parser("gc", help="remove blobs no image and no live sandbox uses")
+    img.add_parser("gc", help="remove blobs no image and no live sandbox or build of this daemon uses "
+                   "(on a shared store, not other hosts')")
     img.add_parser("du", help="disk use of the blob store")
     for name in ("inspect", "rm"):
         x = img.add_parser(name)
