@@ -874,6 +874,21 @@ def unpack_dir(path: Path, work: Path, progress: Callable[[dict], None] | None =
     return _unpack(src, kind, meta, work, progress, wanted, max_bytes)
 
 
+_BLOB_NAME = re.compile(r"blobs/sha256/([0-9a-f]{64})\Z")
+
+
+def _diff_ids(cfg: dict, layers: int) -> list[str]:
+    """The config's rootfs.diff_ids, one per layer; [] when it lists none
+    (nothing to check them against); TarError when it lists another number."""
+    ids = (cfg.get("rootfs") or {}).get("diff_ids") if isinstance(cfg, dict) else None
+    if not ids:
+        return []
+    if not isinstance(ids, list) or len(ids) != layers:
+        raise TarError(f"the image config lists {len(ids) if isinstance(ids, list) else ids!r} diff_ids for "
+                       f"{layers} layers; the archive is inconsistent")
+    return [str(i) for i in ids]
+
+
 def _unpack(src, kind: str, meta, work: Path, progress, wanted: dict | None, max_bytes: int) -> Unpacked:
     try:
         layers, cfg = _layers_of(src, kind, meta, wanted)
@@ -882,17 +897,29 @@ def _unpack(src, kind: str, meta, work: Path, progress, wanted: dict | None, max
         raise TarError(f"image config: {err}") from err
     except (KeyError, IndexError, TypeError, AttributeError) as err:
         raise TarError(f"malformed image metadata ({kind}): {err!r}") from err
+    diff_ids = _diff_ids(cfg, len(layers))
     dirs = []
     for i, name in enumerate(layers):
         d = work / f"layer-{i}"
         d.mkdir()
+        what = f"layer {i + 1} of {len(layers)} ({name})"
         try:
             member = src.open(name)
         except TarError as err:
             raise TarError(f"layer {i + 1} of {len(layers)} listed in the manifest: {err}") from None
         with member:
             # As a pulled blob: gzip, zstd or plain, by its magic bytes.
-            n = unpack_blob(member, d, f"layer {i + 1} of {len(layers)}", max_bytes)[0]
+            n, blob_digest, tar_digest = unpack_blob(member, d, what, max_bytes)
+        # What the archive says of its bytes, checked as a pull checks a
+        # registry's: a blob named by its digest (an OCI layout's, a newer
+        # docker save's) must hash to it, and its tar to the config's diff_id.
+        named = _BLOB_NAME.match(_norm(name))
+        if named and blob_digest != f"sha256:{named[1]}":
+            raise TarError(f"{what}: its bytes hash to {blob_digest}, not to the digest it is named by; the "
+                           "archive was changed or damaged after it was written")
+        if diff_ids and tar_digest != diff_ids[i]:
+            raise TarError(f"{what}: its content hashes to {tar_digest}, but the image config's diff_id is "
+                           f"{diff_ids[i]}; the archive was changed or damaged after it was written")
         if progress:
             progress({"step": "unpack", "layer": i + 1, "of": len(layers), "entries": n})
         dirs.append(d)

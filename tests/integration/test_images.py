@@ -159,6 +159,42 @@ def test_tarball_with_unsafe_names_is_refused(images, tmp_path, evil):
         c.request("image_inspect", name="evil")
 
 
+def test_an_archive_whose_bytes_are_not_what_it_says_is_refused(images, tmp_path):
+    """A tampered OCI layout blob (named by a digest it no longer has), and
+    a docker save whose config's diff_id does not match its layer: both
+    refused, as a pull refuses a registry's, nothing named."""
+    import io
+    import json
+
+    from image_kit import oci_layout
+
+    d, c = images
+    good, evil = _tar_bytes([_file("f", b"good")]), _tar_bytes([_file("f", b"evil")])
+    layout = tmp_path / "layout.tar"
+    oci_layout(layout, [(None, [good], {})], nested=False)
+    buf = io.BytesIO()
+    with tarfile.open(layout) as src, tarfile.open(fileobj=buf, mode="w") as dst:
+        for m in src.getmembers():
+            data = src.extractfile(m).read() if m.isfile() else None
+            if data == good:
+                data, m.size = evil, len(evil)
+            dst.addfile(m, io.BytesIO(data) if data is not None else None)
+    layout.write_bytes(buf.getvalue())
+    with pytest.raises(BadRequest, match="not to the digest it is named by"):
+        c.build_image(str(layout), "tampered-layout")
+
+    cfg = {"config": {}, "rootfs": {"type": "layers", "diff_ids": ["sha256:" + "0" * 64]}}
+    save = tmp_path / "save.tar"
+    save.write_bytes(_tar_bytes([_file("l0/layer.tar", good), _file("config.json", json.dumps(cfg).encode()),
+                                 _file("manifest.json", json.dumps([{"Config": "config.json", "RepoTags": ["t:1"],
+                                                                     "Layers": ["l0/layer.tar"]}]).encode())]))
+    with pytest.raises(BadRequest, match="diff_id"):
+        c.build_image(str(save), "tampered-save")
+    for name in ("tampered-layout", "tampered-save"):
+        with pytest.raises(NotFound):
+            c.request("image_inspect", name=name)
+
+
 def test_tarball_writing_through_a_symlink_is_refused(images, tmp_path):
     d, c = images
     host_dir = tmp_path / "hostdir"
