@@ -2064,16 +2064,6 @@ def build_fleet_parser() -> argparse.ArgumentParser:
 FLEET_CONNECT_TIMEOUT_S = 15.0
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds above 0")
-    return value
-
-
 FLEET_HELP = """\
 Runs a dsec command across the hosts' daemons, reached over ssh:
   create                 placed on one host (free capacity, image, spread of its job); prints its id

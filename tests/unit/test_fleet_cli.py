@@ -374,12 +374,21 @@ def test_a_fleet_command_waits_for_a_hung_host_only_as_long_as_asked(tmp_path):
     assert "did not answer in 0.4 s" in said, said
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "soon"])
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "nan", "inf", "1e-9"])
 def test_a_bad_connect_timeout_is_a_usage_error(value, capsys):
     with pytest.raises(SystemExit) as e:
         cli.parse_args(["fleet", "--hosts", "h1", "--connect-timeout", value, "ps"])
     assert e.value.code == 2 and "--connect-timeout" in capsys.readouterr().err
     assert cli.parse_args(["fleet", "--hosts", "h1", "ps"]).connect_timeout == cli.FLEET_CONNECT_TIMEOUT_S
+
+
+@pytest.mark.parametrize("value", ["0.001", "inf", "nan", "1e9"])
+def test_top_interval_keeps_its_bounds_beside_the_fleet_connect_timeout(value, capsys):
+    # `dsec top --interval` refreshes every S seconds: 0.001 would redraw
+    # (and ask the daemon) a thousand times a second.
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["top", "--interval", value])
+    assert e.value.code == 2 and "between 0.1 and 3600" in capsys.readouterr().err
 
 
 def test_dsec_top_json_orders_its_sandboxes_by_sort(capsys):
