@@ -73,7 +73,11 @@ class SshTarget:
     def parse(cls, target: str) -> SshTarget:
         if not is_remote(target):
             raise ValueError(f"{target!r} is not an ssh:// address: give ssh://[user@]host[:port]")
-        parts = urlsplit(target)
+        try:
+            parts = urlsplit(target)
+        except ValueError as err:                # an unbalanced [ or ] of an IPv6 address
+            raise ValueError(f"{target!r}: {err}: give ssh://[user@]host[:port], an IPv6 host "
+                             "in brackets as ssh://[fd00::1]:22") from None
         if parts.path not in ("", "/") or parts.query or parts.fragment or parts.password is not None:
             raise ValueError(f"{target!r}: an ssh:// address is ssh://[user@]host[:port], nothing more "
                              "(keys and options go in the ssh config, SshOptions or DSEC_SSH_COMMAND)")

@@ -31,7 +31,7 @@ def test_addresses(text, want):
 
 
 @pytest.mark.parametrize("text", ["h1", "ssh://", "ssh://h1/path", "ssh://h1?x=1", "ssh://u:pw@h1",
-                                  "ssh://h1:99999", "ssh://h1:0"])
+                                  "ssh://h1:99999", "ssh://h1:0", "ssh://[::1", "ssh://h1]:22"])
 def test_bad_addresses_say_what_an_address_is(text):
     with pytest.raises(ValueError, match="ssh://"):
         SshTarget.parse(text)
