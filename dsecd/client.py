@@ -389,6 +389,13 @@ class Client:
                 self.server = await self._hello(conn)
         except TimeoutError:
             await self._drop(conn, grace=0)
+            if conn.link is not None:
+                # ssh's own connect and login are in this wait: the host
+                # may never have taken a connection at all.
+                raise ConnectionError(
+                    f"dsecd at {self.target} did not answer in {self.connect_timeout:g} s (ssh's connect and "
+                    f"login, then the daemon's hello): check that `{conn.link.check_command()}` answers "
+                    "quickly and that the host's daemon runs") from None
             raise ConnectionError(f"dsecd at {self.target} took the connection but did not answer in "
                                   f"{self.connect_timeout:g} s: is the daemon stuck?") from None
         except ConnectionLost as err:        # ssh could not log in, or found no dsec there

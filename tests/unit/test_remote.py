@@ -144,6 +144,24 @@ def test_the_ssh_program_missing(tmp_path):
     asyncio.run(go())
 
 
+def test_a_host_silent_within_the_connect_timeout_is_not_said_to_have_taken_the_connection(tmp_path):
+    """Over ssh the wait covers ssh's own connect and login too: a host
+    whose link is cut never took any connection, and "is the daemon
+    stuck?" sent the user to the wrong place."""
+    async def go():
+        c = Client("ssh://h1", ssh=SshOptions(command=_fake_ssh(tmp_path, """
+            import time
+            time.sleep(60)
+            """)), connect_timeout=0.3)
+        with pytest.raises(ConnectionError) as e:
+            await c.connect()
+        return str(e.value)
+
+    text = asyncio.run(go())
+    assert "did not answer in 0.3 s" in text and "took the connection" not in text, text
+    assert "ssh -o BatchMode=yes h1 true" in text, text
+
+
 def test_a_connect_cancelled_before_the_hello_leaves_nothing(tmp_path):
     """A caller's timeout (dsecd.Fleet's reconnects to a dead host) cancels
     connect() while the stand-in ssh says nothing: its process is killed and
