@@ -55,8 +55,8 @@ answered once, a create with a key of the caller's that the fleet has not
 learned is HostsDown (its sandbox may be on the host not heard from). A
 sandbox that goes without this fleet (its TTL, its lease, another client)
 is forgotten, with its key, at the next refresh whose `info` counts fewer
-live sandboxes on its host than the fleet does, or at a listing of the
-host's sandboxes every PRUNE_S.
+live sandboxes on its host than the fleet does, at a listing of the
+host's sandboxes every PRUNE_S, or when its host rejoins.
 
 Failure. Every host is pinged each `heartbeat_s`; a host whose connection
 drops, or from which nothing (no answer, no frame) came for `down_after_s`,
@@ -450,6 +450,12 @@ class Fleet:
         except BaseException:
             await host.client.abort("joining failed")
             raise
+        # Those it no longer runs went while it was away (their TTL, another
+        # client): forgotten with their keys, as _prune does, or a key would
+        # keep naming this host as its sandbox's.
+        present = {r["id"] for r in rows if not r.get("_removed")}
+        for sb_id in [s for s, t in self._where.items() if t == host.target and s not in present]:
+            self._forget(sb_id, destroyed=True)
         for sb_id in host.sandboxes:
             self._where[sb_id] = host.target
         for row in rows:

@@ -754,3 +754,31 @@ def test_a_host_whose_daemon_predates_image_du_still_refreshes():
 
     assert run(go()) == ({"busybox": ["sha256:aa"]}, set(), {})
 
+
+
+def test_a_sandbox_gone_while_its_host_was_down_is_forgotten_with_its_key_at_the_rejoin():
+    """Its TTL ended it while its host was down: the rejoin says it is gone
+    (host_up's `gone`), and the fleet forgets it and its key. Kept, the
+    key still named that host, and a create with it, once that host was
+    down again, was refused as "its sandbox is on" a host that held none."""
+    async def go():
+        f = fleet_of(2)
+        a, b = f.hosts.values()
+        a.client = JoinableClient(a.target)          # lists no sandbox: "gone" went meanwhile
+        b.client = FakeClient(b.target, ["sb-new"])
+        a.add("gone", "j")
+        f._where["gone"] = a.target
+        f._key_of["gone"] = "k1"
+        f._key_home["k1"] = a.target
+        events = []
+        f.on_event = events.append
+        f._host_down(a, "test")
+        await f._join(a)
+        a.up = False                                  # down again
+        sb = await f.create("busybox", key="k1")
+        return events[-1], set(f._where), f._key_of, sb.host
+
+    up, where, key_of, placed = run(go())
+    assert up["event"] == "host_up" and up["gone"] == ["gone"]
+    assert "gone" not in where and "gone" not in key_of
+    assert placed == "/nonexistent/h2.sock"
