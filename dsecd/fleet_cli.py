@@ -299,7 +299,18 @@ class _ThroughFleet:
         those): its config says what the run starts, before anything is made."""
         up = self.fleet.up_hosts()
         host = next((h for h in up if h.has_image(name)), up[0])
-        return await host.client.inspect_image(name)
+        try:
+            return await host.client.inspect_image(name)
+        except NotFound as err:
+            if any(h.has_image(name) is not False for h in up):
+                raise                   # a host listing it, or one not listed yet, answered for itself
+            # One host's answer (and its `dsec image ls` advice) would name
+            # neither that host nor the others, which lack it as well.
+            hosts = {h.target: "no such image" for h in up} | self.fleet._down()
+            raise NotFound(f"no host of the fleet has an image named {name!r} "
+                           f"({', '.join(short_name(t) for t in hosts)}; see `dsec fleet --hosts ... image ls`; "
+                           f"`dsec fleet --hosts ... image pull {name}` fetches it on each host)",
+                           {"image": name, "hosts": hosts}) from err
 
     async def create(self, image: str, **create_args):
         return await self.fleet.create(image, **create_args)

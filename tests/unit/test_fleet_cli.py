@@ -406,3 +406,37 @@ def test_dsec_top_json_orders_its_sandboxes_by_sort(capsys):
         a = cli.parse_args(["top", "--json", "--sort", sort])
         assert asyncio.run(cli.cmd_top(Top(), a)) == 0
         assert [s["id"] for s in json.loads(capsys.readouterr().out)["sandboxes"]] == want, sort
+
+
+def test_fleet_run_of_an_image_no_host_has_says_so_for_the_fleet():
+    """`dsec fleet run nosuch` answered with one host's own not_found (which
+    host unsaid, `dsec image ls` advised): it now names the fleet's hosts."""
+    from dsecd.errors import NotFound
+    from dsecd.fleet import Fleet
+
+    class Host:
+        def __init__(self, target):
+            self.target = target
+            self.asked = 0
+
+        async def inspect_image(self, name):
+            self.asked += 1
+            raise NotFound(f"no image named {name!r}", {})
+
+        async def close(self):
+            pass
+
+    async def go():
+        f = Fleet(["/nonexistent/h1.sock", "/nonexistent/h2.sock"])
+        for h in f.hosts.values():
+            h.up = h.joined = True
+            h.images = {"busybox": []}
+            h.client = Host(h.target)
+        with pytest.raises(NotFound) as e:
+            await fleet_cli._ThroughFleet(f).inspect_image("nosuch")
+        return str(e.value), e.value.detail
+
+    said, detail = asyncio.run(go())
+    assert "no host of the fleet has an image named 'nosuch'" in said and "dsec fleet" in said, said
+    assert set(detail["hosts"]) == {"/nonexistent/h1.sock", "/nonexistent/h2.sock"}
+
