@@ -378,7 +378,16 @@ async def fleet_image(fleet: Fleet, a) -> int:
                                               "(its layers go at the next `dsec image gc`)")
     if a.image_cmd == "gc":
         return await _on_every_host(fleet, a, "image gc", lambda c: c.image_gc())
-    return await _on_every_host(fleet, a, "image du", lambda c: c.image_du())
+    if a.image_cmd == "pull":
+        # Each host pulls from the registry itself (no progress view: the
+        # hosts' would interleave); one line per host once it has it.
+        return await _on_every_host(fleet, a, "image pull", lambda c: c.pull_image(a.ref, None, a.platform),
+                                    lambda r: f"{'up to date' if r.get('pull', {}).get('up_to_date') else 'pulled'} "
+                                              f"{_summary({**r, 'bytes': r.get('bytes', 0)})}")
+    if a.image_cmd == "du":
+        return await _on_every_host(fleet, a, "image du", lambda c: c.image_du())
+    raise UsageError(f"dsec fleet image {a.image_cmd}: not run across a fleet; run it on each host "
+                     "(dsec --host HOST image ...)")
 
 
 async def fleet_pool(fleet: Fleet, a) -> int:

@@ -440,3 +440,34 @@ def test_fleet_run_of_an_image_no_host_has_says_so_for_the_fleet():
     assert "no host of the fleet has an image named 'nosuch'" in said and "dsec fleet" in said, said
     assert set(detail["hosts"]) == {"/nonexistent/h1.sock", "/nonexistent/h2.sock"}
 
+
+def test_fleet_image_pull_pulls_on_every_host_instead_of_printing_du(capsys):
+    """`dsec fleet image pull REF` fell through to `image du`: each host's
+    store totals printed, exit 0, and nothing pulled."""
+    from dsecd.fleet import Fleet
+
+    class Host:
+        def __init__(self, target):
+            self.target = target
+
+        async def pull_image(self, ref, progress=None, platform=None):
+            return {"name": f"docker.io/library/{ref}", "layers": [{}], "bytes": 2048,
+                    "pull": {"platform": platform}}
+
+        async def image_du(self):
+            raise AssertionError("image du asked instead of a pull")
+
+        async def close(self):
+            pass
+
+    async def go():
+        f = Fleet(["/nonexistent/h1.sock", "/nonexistent/h2.sock"])
+        for h in f.hosts.values():
+            h.up = h.joined = True
+            h.client = Host(h.target)
+        a = cli.parse_args(["fleet", "--hosts", "h1,h2", "image", "pull", "alpine:3", "--platform", "linux/arm64"])
+        return await fleet_cli.fleet_image(f, a)
+
+    assert asyncio.run(go()) == 0
+    out = capsys.readouterr().out
+    assert out.count("docker.io/library/alpine:3") == 2 and "pulled" in out, out
