@@ -51,7 +51,15 @@ import tty
 
 from . import cpmerge, fleet_cli, imageconfig, pullview, topview
 from .client import Client, default_socket
-from .clitext import UsageError, argv_value, create_args, env_vars, event_fields, job_done, job_verb
+from .clitext import (
+    UsageError,
+    create_args,
+    env_vars,
+    event_fields,
+    image_config,
+    job_done,
+    job_verb,
+)
 from .clitext import human_bytes as _human_bytes
 from .clitext import kv as _kv
 from .clitext import pct as _pct
@@ -315,13 +323,8 @@ async def cmd_image(c: Client, a) -> int:
         return await cmd_image_dockerfile(c, a)
     if a.image_cmd in ("build", "import"):
         bar = _ProgressBar(not a.json)
-        config = {"env": _kv(a.env, "--env") or None, "cwd": a.cwd, "user": a.user,
-                  "entrypoint": argv_value(a.entrypoint, "--entrypoint"),
-                  "cmd": argv_value(a.cmd_args, "--cmd"), "labels": _kv(a.label, "--label") or None,
-                  "exposed_ports": a.expose}
         try:
-            img = await c.build_image(a.path, a.name, getattr(a, "parent", None), bar,
-                                      **{k: v for k, v in config.items() if v is not None})
+            img = await c.build_image(a.path, a.name, getattr(a, "parent", None), bar, **image_config(a))
         finally:
             bar.done()          # ends its status line: an error goes on a line of its own
         _print_json(img) if a.json else _print_image(img, "built")

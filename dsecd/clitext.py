@@ -62,6 +62,15 @@ def create_args(a) -> dict:
                 publish=a.publish, policy=a.policy)
 
 
+def image_config(a) -> dict:
+    """The image config `dsec image build|import` options give (those set)."""
+    config = {"env": kv(a.env, "--env") or None, "cwd": a.cwd, "user": a.user,
+              "entrypoint": argv_value(a.entrypoint, "--entrypoint"),
+              "cmd": argv_value(a.cmd_args, "--cmd"), "labels": kv(a.label, "--label") or None,
+              "exposed_ports": a.expose}
+    return {k: v for k, v in config.items() if v is not None}
+
+
 def argv_value(value: str | None, what: str) -> list[str] | None:
     """An image config's Entrypoint or Cmd given as one option value: a JSON
     array (exec form, `'["python3", "-m", "app"]'`) or shell words

@@ -22,6 +22,7 @@ from .clitext import (
     create_args,
     event_fields,
     human_bytes,
+    image_config,
     job_done,
     job_verb,
     kv,
@@ -364,8 +365,10 @@ async def fleet_image(fleet: Fleet, a) -> int:
         if not a.path.startswith("/"):
             raise UsageError(f"dsec fleet image {a.image_cmd}: give an absolute path: each host reads "
                              f"{a.path!r} from its own disk")
-        config = {"env": kv(a.env, "--env") or None, "cwd": a.cwd, "user": a.user, "entrypoint": a.entrypoint}
-        config = {k: v for k, v in config.items() if v is not None}
+        if getattr(a, "file", None):
+            raise UsageError("dsec fleet image build: --file (a Dockerfile build) runs on one host: "
+                             "dsec --host HOST image build -f ...")
+        config = image_config(a)
         return await _on_every_host(fleet, a, "image build", lambda c: c.build_image(
             a.path, a.name, getattr(a, "parent", None), None, **config))
     if a.image_cmd == "inspect":

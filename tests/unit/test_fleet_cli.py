@@ -471,3 +471,38 @@ def test_fleet_image_pull_pulls_on_every_host_instead_of_printing_du(capsys):
     assert asyncio.run(go()) == 0
     out = capsys.readouterr().out
     assert out.count("docker.io/library/alpine:3") == 2 and "pulled" in out, out
+
+
+def test_fleet_image_build_sends_the_config_dsec_image_build_does():
+    """--entrypoint went as one string (every host answered bad_request),
+    and --cmd, --label and --expose were dropped without a word."""
+    from dsecd.fleet import Fleet
+
+    built = []
+
+    class Host:
+        def __init__(self, target):
+            self.target = target
+
+        async def build_image(self, path, name, parent=None, progress=None, **config):
+            built.append(config)
+            return {"name": name, "layers": [{}], "bytes": 1}
+
+        async def close(self):
+            pass
+
+    async def go(argv):
+        f = Fleet(["/nonexistent/h1.sock"])
+        for h in f.hosts.values():
+            h.up = h.joined = True
+            h.client = Host(h.target)
+        return await fleet_cli.fleet_image(f, cli.parse_args(argv))
+
+    fleet = ["fleet", "--hosts", "h1", "image", "build", "/rootfs", "--name", "b"]
+    assert asyncio.run(go([*fleet, "--entrypoint", "/bin/sh -c", "--cmd", '["echo", "hi"]',
+                           "--label", "a=b", "--expose", "80", "--env", "X=1"])) == 0
+    assert built == [{"entrypoint": ["/bin/sh", "-c"], "cmd": ["echo", "hi"], "labels": {"a": "b"},
+                      "exposed_ports": ["80"], "env": {"X": "1"}}]
+    # A Dockerfile is read from this machine's disk: not something each host can run from a path.
+    with pytest.raises(cli.UsageError, match="--file"):
+        asyncio.run(go([*fleet[:4], "build", "-f", "/ctx/Dockerfile", "/ctx", "--name", "b"]))
