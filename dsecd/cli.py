@@ -833,7 +833,9 @@ async def _run_detached(c: Client, a) -> int:
         _print_json({"sandbox": sb, **_fleet_host(a, proc.sb), "pid": proc.pid})
     else:
         print(sb)
-        print(f"dsec run: process {proc.pid} in {sb}: dsec logs {sb} {proc.pid}; dsec rm --force {sb} ends it",
+        # Over ssh (--host, a fleet's placement), a bare `dsec` would ask this machine's daemon.
+        dsec = f"dsec --host {proc.sb.client.target}" if a.host or getattr(a, "fleet", None) else "dsec"
+        print(f"dsec run: process {proc.pid} in {sb}: {dsec} logs {sb} {proc.pid}; {dsec} rm --force {sb} ends it",
               file=sys.stderr)
     return 0
 

@@ -506,3 +506,24 @@ def test_fleet_image_build_sends_the_config_dsec_image_build_does():
     # A Dockerfile is read from this machine's disk: not something each host can run from a path.
     with pytest.raises(cli.UsageError, match="--file"):
         asyncio.run(go([*fleet[:4], "build", "-f", "/ctx/Dockerfile", "/ctx", "--name", "b"]))
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["fleet", "--hosts", "h1,h2", "run", "-d", "busybox", "true"], "dsec --host ssh://h2 logs sb1 7"),
+    (["--host", "ssh://h2", "run", "-d", "busybox", "true"], "dsec --host ssh://h2 logs sb1 7"),
+    (["run", "-d", "busybox", "true"], "dsec logs sb1 7"),
+])
+def test_run_detached_names_the_host_in_the_commands_it_suggests(argv, says, capsys):
+    """`dsec fleet run -d` said `dsec logs SB PID; dsec rm --force SB`:
+    run as written they asked this machine's daemon, not the sandbox's host."""
+    from types import SimpleNamespace
+
+    class C:
+        async def run_detached(self, image, argv, entrypoint, **kw):
+            client = SimpleNamespace(target="ssh://h2")
+            return SimpleNamespace(pid=7, sb=SimpleNamespace(id="sb1", host="ssh://h2", client=client))
+
+    a = cli.parse_args(argv)
+    assert asyncio.run(cli._run_detached(C(), a)) == 0
+    err = capsys.readouterr().err
+    assert says in err and says.replace("logs sb1 7", "rm --force sb1") in err, err
