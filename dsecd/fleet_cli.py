@@ -82,6 +82,9 @@ async def _each_sandbox(fleet: Fleet, a, commands: dict, ids: list[str]) -> int:
         try:
             sb = await fleet.get(sb_id)
         except (DsecError, ConnectionError) as err:
+            if a.json:              # as `dsec --json rm` prints one sandbox's failure, naming it
+                wire = _error_wire(err)
+                print_json({"error": {**wire, "detail": {"sandbox": sb_id, **wire["detail"]}}})
             print(f"dsec fleet {a.cmd}: {sb_id}: {err}", file=sys.stderr)
             status = 1
             continue

@@ -527,3 +527,35 @@ def test_run_detached_names_the_host_in_the_commands_it_suggests(argv, says, cap
     assert asyncio.run(cli._run_detached(C(), a)) == 0
     err = capsys.readouterr().err
     assert says in err and says.replace("logs sb1 7", "rm --force sb1") in err, err
+
+
+@pytest.mark.parametrize("verb", [["rm", "--force"], ["pause"], ["resume"]])
+def test_fleet_json_rm_pause_resume_print_each_missing_sandbox_as_json(verb, capsys):
+    """`dsec --json rm nosuch` prints the error object on stdout; `dsec
+    fleet --json rm nosuch` printed nothing there (stderr only), so a
+    script reading stdout saw no answer for that sandbox."""
+    from dsecd.errors import NotFound
+    from dsecd.fleet import Fleet
+
+    class Host:
+        def __init__(self, target):
+            self.target = target
+
+        async def get(self, sandbox_id):
+            raise NotFound(f"no sandbox {sandbox_id!r}", {"sandbox": sandbox_id})
+
+        async def close(self):
+            pass
+
+    async def go():
+        f = Fleet(["/nonexistent/h1.sock"])
+        for h in f.hosts.values():
+            h.up = h.joined = True
+            h.client = Host(h.target)
+        a = cli.parse_args(["fleet", "--hosts", "h1", "--json", *verb, "nosuch"])
+        return await fleet_cli._each_sandbox(f, a, cli.COMMANDS, ["nosuch"])
+
+    assert asyncio.run(go()) == 1
+    out = capsys.readouterr().out
+    err = json.loads(out)["error"]
+    assert err["code"] == "not_found" and err["detail"]["sandbox"] == "nosuch", out
