@@ -518,10 +518,15 @@ class ImageService:
             was_paused = sb.state == "paused"
             handle = sb.handle
             freezer = pause.Freezer.of(handle.group)
+            # Frozen, its execs stand still: their run-time timeouts
+            # (Sandbox.paused_for) must not count the pack, as under a pause.
+            if not was_paused:
+                sb.paused_at = time.monotonic()
             try:
                 if not was_paused:
                     await self.workers.run(freezer.freeze, self.freeze_timeout_s)
             except OSError as err:      # destroyed meanwhile: its cgroup is gone
+                sb.end_paused_time()
                 raise Conflict(f"snapshot of sandbox {sb.id}: cannot freeze it ({err}); is it being destroyed?",
                                {"sandbox": sb.id}) from err
             try:
@@ -552,6 +557,8 @@ class ImageService:
                         # what was packed is published.
                         if sb.state != "stopping" and self.registry.by_id.get(sb.id) is sb:
                             raise
+                    finally:
+                        sb.end_paused_time()
 
 
 def _destroyed_mid_snapshot(sb) -> Conflict:

@@ -431,6 +431,24 @@ def test_job_pause_during_a_snapshot_leaves_the_job_frozen(mem):
     sb.destroy()
 
 
+def test_a_snapshots_freeze_does_not_count_toward_an_execs_timeout(mem):
+    """A snapshot freezes a running sandbox while it packs: as under a
+    pause, its execs stand still and their timeouts count run time only."""
+    d, c = mem
+    sb = c.create(image="busybox", memory="1G")
+    if "unified" not in sb.inspect()["cgroups"]:
+        pytest.skip("no v2 freezer on this host")
+    sb.exec(["sh", "-c", "mkdir -p /work && head -c 200000000 /dev/urandom > /work/more"], timeout=120)
+    with _snapshot_under_way(sb, "frozen-under-an-exec") as snap:   # 400 MB to pack: frozen a while
+        t0 = time.monotonic()
+        r = sb.exec(["echo", "done"], timeout=0.5)   # waits for the thaw
+        frozen_s = time.monotonic() - t0
+        snap.result(120)
+    assert frozen_s > 0.7, frozen_s             # the freeze outlasted the timeout
+    assert (r.exit_code, r.timed_out, r.stdout) == (0, False, b"done\n"), (r, frozen_s)
+    sb.destroy()
+
+
 def test_destroy_during_a_snapshot_is_no_internal_error(mem):
     d, c = mem
     sb = c.create(image="busybox", memory="1G")
