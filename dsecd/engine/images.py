@@ -33,6 +33,7 @@ from ..fs.pull import Puller, PullSettings
 from ..fs.registry import RegistryConfig
 from ..fs.store import INDEX_BLOCK, StoreError, check_index, unreachable_hint
 from ..mem import pause
+from .dircopies import busy
 from .network import NET_FILES
 from .sandboxes import SandboxRegistry
 from .workers import Workers
@@ -486,6 +487,15 @@ class ImageService:
         (a paused one is packed as it is, and stays paused)."""
         check_excludes(req.exclude)
         sb = self.registry.get(req.sandbox, req)
+        # Busy as a directory copy out is: its idle TTL must not end the
+        # sandbox while its layer is packed, and starts again at the end.
+        busy(sb, 1)
+        try:
+            return await self._snapshot(sb, req, ctx)
+        finally:
+            busy(sb, -1)
+
+    async def _snapshot(self, sb, req, ctx) -> dict:
         base = await self._images_call(self.images.get_manifest, sb.manifest, sb.image)
         # What dsecd wrote into a networked sandbox (its resolver, its hosts) is not its image's.
         networked = bool(sb.net) and sb.net.get("mode") == "default"

@@ -449,6 +449,22 @@ def test_a_snapshots_freeze_does_not_count_toward_an_execs_timeout(mem):
     sb.destroy()
 
 
+def test_a_snapshot_keeps_its_sandbox_from_its_idle_ttl(mem):
+    """A snapshot is busy as a directory copy out is: the sandbox is not
+    expired while its layer is packed, and its idle clock starts again at
+    the end."""
+    d, c = mem
+    sb = c.create(image="busybox", memory="2G", idle_ttl=0.5)
+    sb.exec(["sh", "-c", "mkdir -p /work && head -c 700000000 /dev/urandom > /work/big"], timeout=120)
+    t0 = time.monotonic()
+    assert sb.snapshot("packed-past-the-idle-ttl")["name"] == "packed-past-the-idle-ttl"
+    ended, took = time.time(), time.monotonic() - t0
+    assert took > 1.5, took                     # past the idle TTL at a reaper's pass (1 s apart)
+    time.sleep(2)                               # now it is idle
+    expired = [e for e in c.events(sb.id, replay=True, follow=False) if e["event"] == "expired"]
+    assert len(expired) == 1 and expired[0]["time"] >= ended, (expired, ended)
+
+
 def test_destroy_during_a_snapshot_is_no_internal_error(mem):
     d, c = mem
     sb = c.create(image="busybox", memory="1G")
