@@ -354,6 +354,12 @@ class MemoryService:
         vms = [s for s in everyone if _is_vm(s)]
         freezers = [pause.Freezer.of(s.handle.group) for s in sbs]
         t0 = time.monotonic()
+        # Paused time from the freeze on, as a pause of one sandbox counts
+        # it: freeze_all waits for the slowest group (up to freeze_timeout_s)
+        # while the others stand frozen. A snapshot's freeze may have begun it.
+        for s in sbs:
+            if s.paused_at is None:
+                s.paused_at = t0
         # A microVM freezes by stopping its vCPUs (QMP stop, a few ms), at the
         # same time as the containers' freezers; its state is saved and its
         # QEMU ended behind the answer (save_stopped_vm), as a container's
@@ -363,6 +369,9 @@ class MemoryService:
             asyncio.gather(*(self.vms.stop_vcpus(s) for s in vms), return_exceptions=True))
         freeze_s = time.monotonic() - t0
         failed_ids = {s.id for s, f in zip(sbs, freezers, strict=True) if f in frozen}
+        for s in sbs:
+            if s.id in failed_ids:
+                s.end_paused_time()         # thawed again: it runs on, its frozen time kept
         for s, r in zip(vms, stops, strict=True):
             if isinstance(r, BaseException):
                 log.warning("job %s: microVM %s not stopped: %s", req.job, s.id, r)

@@ -91,3 +91,43 @@ def test_a_cancelled_pause_request_stops_its_clock(monkeypatch):
 
     asyncio.run(go())
     assert sb.paused_at is None and sb.state == "running"
+
+
+def test_a_job_pause_counts_paused_time_from_its_freeze(monkeypatch):
+    """freeze_all waits for the slowest group while the others stand
+    frozen; one it thawed again runs on with that time counted as paused."""
+    frozen_sb, failed_sb = _sandbox(), _sandbox()
+    failed_sb.id = "sb2"
+    svc = _service()
+    svc.registry = SimpleNamespace(of_job=lambda job, states: [frozen_sb, failed_sb],
+                                   by_id={"sb1": frozen_sb, "sb2": failed_sb},
+                                   journal=SimpleNamespace(write_many=lambda records: None))
+    svc.mem_pool = None
+    for sb in (frozen_sb, failed_sb):
+        sb.handle = SimpleNamespace(group=object(), init_pid=1, init_start=0)
+    freezers = {id(frozen_sb.handle.group): "f1", id(failed_sb.handle.group): "f2"}
+    monkeypatch.setattr(memory_mod.pause.Freezer, "of", staticmethod(lambda group: freezers[id(group)]))
+    monkeypatch.setattr(memory_mod.pause, "reclaim_frozen", lambda group, cfg: pause.PauseRecord())
+
+    def slow_freeze_all(fs, timeout):       # the slowest group takes its time, then is thawed again
+        time.sleep(0.3)
+        return ["f2"]
+
+    monkeypatch.setattr(memory_mod.pause, "freeze_all", slow_freeze_all)
+    svc.pause_cfg = SimpleNamespace(freeze_timeout_s=0.3)
+
+    async def main():
+        svc.workers.loop = asyncio.get_running_loop()
+        svc.vms = None
+        r = await svc.job_pause(SimpleNamespace(job="j"), None)
+        await asyncio.sleep(0.05)           # the reclaim behind the answer
+        return r
+
+    r = asyncio.run(main())
+    assert r["paused"] == ["sb1"] and r["failed"] == ["sb2"]
+    assert frozen_sb.state == "paused" and frozen_sb.paused_for() >= 0.29, "the freeze's wait counted as run time"
+    assert failed_sb.state == "running" and failed_sb.paused_at is None
+    before = failed_sb.paused_for()
+    assert before >= 0.29
+    time.sleep(0.05)
+    assert failed_sb.paused_for() == before, "the clock runs on for a sandbox the job pause thawed again"
