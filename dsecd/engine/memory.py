@@ -281,6 +281,8 @@ class MemoryService:
                 "freed_bytes": freed, "methods": ["vm-save"], "image_bytes": rec.get("image_bytes", 0)}
 
     def _mark_paused(self, sb, rec: pause.PauseRecord, journal: bool = True) -> dict:
+        """journal False: a job pause's, whose reclaim comes behind the
+        answer: its event has no duration (null, as a job resume's)."""
         sb.state = "paused"
         if sb.paused_at is None:            # set before the freeze by a pause of its own (_pause)
             sb.paused_at = time.monotonic()
@@ -288,7 +290,7 @@ class MemoryService:
         if journal:
             self.registry.save(sb)
         self.events.publish("paused", sb.id, freed_bytes=rec.freed,
-                            duration_ms=round((rec.frozen_s + rec.reclaim_s) * 1000, 3))
+                            duration_ms=round((rec.frozen_s + rec.reclaim_s) * 1000, 3) if journal else None)
         return {"id": sb.id, "state": "paused", "frozen_s": round(rec.frozen_s, 4),
                 "reclaim_s": round(rec.reclaim_s, 4), "freed_bytes": rec.freed, "methods": rec.methods}
 

@@ -304,6 +304,19 @@ def test_events_stream(mem):
     assert [e["event"] for e in _events_of(d, lifecycle)] == ["created", "paused", "resumed", "destroyed"]
 
 
+def test_a_job_pause_event_has_no_duration_it_did_not_measure(mem):
+    """A job pause answers before its reclaim: its event says freed 0 and
+    no duration (null, as a job resume's), not a pause of 0 ms."""
+    d, c = mem
+    sb = c.create(image="busybox", labels={"job": "run-23"})
+    c.job_pause("run-23")
+    c.job_resume("run-23")
+    evs = {e["event"]: e for e in c.events(sb.id, replay=True, follow=False)}
+    assert evs["paused"]["freed_bytes"] == 0 and evs["paused"]["duration_ms"] is None, evs["paused"]
+    assert evs["resumed"]["duration_ms"] is None, evs["resumed"]
+    sb.destroy()
+
+
 def test_an_expired_sandbox_says_why_before_it_is_destroyed(mem):
     d, c = mem
     mine = _events_of(d, lambda: c.create(image="busybox", ttl=1).id)
