@@ -381,13 +381,19 @@ def test_what_a_call_leaves_in_sysv_ipc_is_removed(client, py_image):
     check_sysv_leftovers_go(client, py_image, "zygote")
 
 
-def test_what_a_plain_call_leaves_in_sysv_ipc_is_removed(daemon_factory):
+def with_plain_calls(daemon_factory, check) -> None:
+    """check(client, the py image, "exec") on a daemon whose calls all go
+    the plain route (no zygote), python3 in the image all the same."""
     d = daemon_factory("[fncall]\nzygote = false\n")
     c = d.client()
     try:
-        check_sysv_leftovers_go(c, import_py(c), "exec")
+        check(c, import_py(c), "exec")
     finally:
         c.close()
+
+
+def test_what_a_plain_call_leaves_in_sysv_ipc_is_removed(daemon_factory):
+    with_plain_calls(daemon_factory, check_sysv_leftovers_go)
 
 
 MQ_LEFT = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
@@ -416,12 +422,7 @@ def test_a_message_queue_a_call_leaves_is_removed(client, py_image):
 
 
 def test_a_message_queue_a_plain_call_leaves_is_removed(daemon_factory):
-    d = daemon_factory("[fncall]\nzygote = false\n")
-    c = d.client()
-    try:
-        check_mqueue_leftovers_go(c, import_py(c), "exec")
-    finally:
-        c.close()
+    with_plain_calls(daemon_factory, check_mqueue_leftovers_go)
 
 
 def test_call_workers_run_under_the_seccomp_filter(client, py_image):

@@ -4,6 +4,7 @@ other uids' directories, trees of any depth, nothing followed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -32,6 +33,24 @@ def shm(tmp_path):
             zygote_main._remove_tree(fd, moved.pop(), True, fd, moved)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def _zygote(base: str = "/nonexistent", uid_count: int = 2):
+    """A Zygote object in this process (its loop never run, so nothing it
+    forks or walks is the host's), its fds and socket closed after."""
+    import socket
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    z = zygote_main.Zygote(theirs, base, 0, 60000, uid_count, {})
+    try:
+        yield z
+    finally:
+        for fd in (z.children_fd, z.own_children_fd, z.shm_fd, z.sigchld_fd):
+            if fd >= 0:
+                os.close(fd)
+        ours.close()
+        theirs.close()
 
 
 def _owned(path, uid, kind="file"):
@@ -157,13 +176,10 @@ def test_a_uid_whose_ipc_cleanup_could_not_fork_is_tried_again(monkeypatch):
     """Removing a call's SysV IPC objects forks a child (it drops to the
     uid): when no pid is free (another call holds the pids limit) the uid
     waits and is tried again, rather than being lost for good."""
-    import socket
 
     from dsecd.backends import zygote_main
 
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    z = zygote_main.Zygote(theirs, "/nonexistent", 0, 60000, 2, {})
-    try:
+    with _zygote() as z:
         z.uids.clear()
         monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: True)
         monkeypatch.setattr(z, "kill_leftovers", lambda uid: 0)     # (the host's pid 1 is no call sandbox's)
@@ -182,12 +198,6 @@ def test_a_uid_whose_ipc_cleanup_could_not_fork_is_tried_again(monkeypatch):
         monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid: False)    # not removed: tried again later
         z.free_uid(60000)
         assert (z.uids, z.held, list(z.unclean)) == ([60001], [], [60000])
-    finally:
-        for fd in (z.children_fd, z.own_children_fd, z.shm_fd):
-            if fd >= 0:
-                os.close(fd)
-        ours.close()
-        theirs.close()
 
 
 def test_remove_tree_takes_a_call_dir_whole_at_any_depth_following_nothing(shm, tmp_path):
@@ -212,11 +222,8 @@ def test_a_uid_whose_leftovers_stay_is_tried_again_then_given_up(monkeypatch):
     """What another call keeps in place (a tree it deepens, a file in its
     writable dir) holds a freed uid back, not for good: it is tried again
     every CLEANUP_RETRY_MS, and given up after CLEANUP_TRIES."""
-    import socket
 
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    z = zygote_main.Zygote(theirs, "/nonexistent", 0, 60000, 2, {})
-    try:
+    with _zygote() as z:
         z.uids.clear()
         clean = {"now": False}
         monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: clean["now"])
@@ -234,12 +241,6 @@ def test_a_uid_whose_leftovers_stay_is_tried_again_then_given_up(monkeypatch):
         for _ in range(zygote_main.CLEANUP_TRIES):
             z.retry_unclean()
         assert (z.uids, z.unclean, z.lost) == ([60001], {}, {60000})
-    finally:
-        for fd in (z.children_fd, z.own_children_fd, z.shm_fd):
-            if fd >= 0:
-                os.close(fd)
-        ours.close()
-        theirs.close()
 
 
 def test_a_worker_without_a_pidfd_is_seen_to_end_even_if_it_ended_at_once(monkeypatch):
@@ -305,7 +306,6 @@ def test_every_part_of_a_calls_leftovers_is_removed_whatever_another_part_did(tm
     worker_gone, after what the call left running is killed), /dev/shm,
     message queues and SysV IPC are each tried; one that stays does not
     keep the others in place."""
-    import socket
 
     base = tmp_path / "fncall-x"
     base.mkdir()
@@ -314,17 +314,9 @@ def test_every_part_of_a_calls_leftovers_is_removed_whatever_another_part_did(tm
     ipc_asked = []
     monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: False)    # /dev/shm: something stays
     monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid: ipc_asked.append(uid) or True)
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    z = zygote_main.Zygote(theirs, str(base), 0, 60000, 2, {})
-    try:
+    with _zygote(str(base)) as z:
         z.dirs[60001] = "w60001-1"
         assert not z.remove_left(60001)
         assert ipc_asked == [60001] and os.listdir(base) == [] and z.dirs == {}
         monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: True)
         assert z.remove_left(60001)
-    finally:
-        for fd in (z.children_fd, z.own_children_fd, z.shm_fd):
-            if fd >= 0:
-                os.close(fd)
-        ours.close()
-        theirs.close()
