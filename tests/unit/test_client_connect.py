@@ -190,6 +190,21 @@ def _loop_in_a_thread():
     return loop, thread
 
 
+@contextlib.contextmanager
+def _answering_in_a_thread(path: str):
+    """A fake daemon answering every request at `path`, served by a loop in
+    a thread of its own (the loop, yielded), all stopped after."""
+    loop, thread = _loop_in_a_thread()
+    try:
+        server = asyncio.run_coroutine_threadsafe(asyncio.start_unix_server(_answer_everything, path), loop).result()
+        yield loop
+        server.close()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+
 def test_a_client_used_from_another_event_loop_says_so_at_once(tmp_path):
     """Connected in one thread's loop and called from another loop (a
     scaffold's worker threads, each with its own asyncio.run): its answers
@@ -197,9 +212,7 @@ def test_a_client_used_from_another_event_loop_says_so_at_once(tmp_path):
     until something else woke that loop. It fails at once instead, saying
     what to use."""
     path = str(tmp_path / "d.sock")
-    loop, thread = _loop_in_a_thread()
-    try:
-        server = asyncio.run_coroutine_threadsafe(asyncio.start_unix_server(_answer_everything, path), loop).result()
+    with _answering_in_a_thread(path) as loop:
         c = Client(path)
         asyncio.run_coroutine_threadsafe(c.connect(), loop).result(5)
 
@@ -215,11 +228,6 @@ def test_a_client_used_from_another_event_loop_says_so_at_once(tmp_path):
         # Its own loop goes on using it.
         assert asyncio.run_coroutine_threadsafe(c.request("list"), loop).result(5) == {"limits": {}, "sandboxes": []}
         asyncio.run_coroutine_threadsafe(c.close(), loop).result(5)
-        server.close()
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join()
-        loop.close()
 
 
 def test_a_client_whose_event_loop_ended_says_so(tmp_path):
@@ -229,9 +237,7 @@ def test_a_client_whose_event_loop_ended_says_so(tmp_path):
     from dsecd import ConnectionLost
 
     path = str(tmp_path / "d.sock")
-    loop, thread = _loop_in_a_thread()
-    try:
-        server = asyncio.run_coroutine_threadsafe(asyncio.start_unix_server(_answer_everything, path), loop).result()
+    with _answering_in_a_thread(path) as loop:
         c = Client(path)
         asyncio.run(c.connect())
         with pytest.raises(ConnectionLost) as e:
@@ -248,11 +254,6 @@ def test_a_client_whose_event_loop_ended_says_so(tmp_path):
 
         assert asyncio.run(again()) == {"limits": {}, "sandboxes": []}
         asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(5)
-        server.close()
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join()
-        loop.close()
 
 
 def _in_a_forked_child(call) -> str:
@@ -293,9 +294,7 @@ def test_a_client_used_in_a_forked_child_says_so(tmp_path):
     from dsecd import SyncClient
 
     path = str(tmp_path / "d.sock")
-    loop, thread = _loop_in_a_thread()
-    try:
-        server = asyncio.run_coroutine_threadsafe(asyncio.start_unix_server(_answer_everything, path), loop).result()
+    with _answering_in_a_thread(path) as loop:
         with SyncClient(path) as c:
             said = _in_a_forked_child(c.list)
             assert said.startswith(f"RuntimeError: this SyncClient of {path} was made in process "), said
@@ -309,11 +308,6 @@ def test_a_client_used_in_a_forked_child_says_so(tmp_path):
         said = _in_a_forked_child(lambda: asyncio.run(c.request("list")))
         assert said.startswith(f"RuntimeError: list on {path}: this Client was connected in process "), said
         asyncio.run_coroutine_threadsafe(c.close(), loop).result(5)
-        server.close()
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join()
-        loop.close()
 
 
 def test_a_client_whose_loop_was_closed_under_it_says_so_instead_of_hanging(tmp_path):
@@ -321,9 +315,7 @@ def test_a_client_whose_loop_was_closed_under_it_says_so_instead_of_hanging(tmp_
     Client: nothing reads its connection any more; a request from a new
     loop raises at once, and connect() there makes a new one."""
     path = str(tmp_path / "d.sock")
-    loop, thread = _loop_in_a_thread()
-    try:
-        server = asyncio.run_coroutine_threadsafe(asyncio.start_unix_server(_answer_everything, path), loop).result()
+    with _answering_in_a_thread(path):
         c = Client(path)
         old = asyncio.new_event_loop()
         old.run_until_complete(c.connect())
@@ -339,8 +331,3 @@ def test_a_client_whose_loop_was_closed_under_it_says_so_instead_of_hanging(tmp_
                 await c.close()
 
         assert asyncio.run(use())["sandboxes"] == []
-        server.close()
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join()
-        loop.close()

@@ -412,7 +412,6 @@ def test_fleet_run_of_an_image_no_host_has_says_so_for_the_fleet():
     """`dsec fleet run nosuch` answered with one host's own not_found (which
     host unsaid, `dsec image ls` advised): it now names the fleet's hosts."""
     from dsecd.errors import NotFound
-    from dsecd.fleet import Fleet
 
     class Host:
         def __init__(self, target):
@@ -427,11 +426,7 @@ def test_fleet_run_of_an_image_no_host_has_says_so_for_the_fleet():
             pass
 
     async def go():
-        f = Fleet(["/nonexistent/h1.sock", "/nonexistent/h2.sock"])
-        for h in f.hosts.values():
-            h.up = h.joined = True
-            h.images = {"busybox": []}
-            h.client = Host(h.target)
+        f = _two_up_hosts(Host, images={"busybox": []})
         with pytest.raises(NotFound) as e:
             await fleet_cli._ThroughFleet(f).inspect_image("nosuch")
         return str(e.value), e.value.detail
@@ -444,7 +439,6 @@ def test_fleet_run_of_an_image_no_host_has_says_so_for_the_fleet():
 def test_fleet_image_pull_pulls_on_every_host_instead_of_printing_du(capsys):
     """`dsec fleet image pull REF` fell through to `image du`: each host's
     store totals printed, exit 0, and nothing pulled."""
-    from dsecd.fleet import Fleet
 
     class Host:
         def __init__(self, target):
@@ -461,10 +455,7 @@ def test_fleet_image_pull_pulls_on_every_host_instead_of_printing_du(capsys):
             pass
 
     async def go():
-        f = Fleet(["/nonexistent/h1.sock", "/nonexistent/h2.sock"])
-        for h in f.hosts.values():
-            h.up = h.joined = True
-            h.client = Host(h.target)
+        f = _two_up_hosts(Host)
         a = cli.parse_args(["fleet", "--hosts", "h1,h2", "image", "pull", "alpine:3", "--platform", "linux/arm64"])
         return await fleet_cli.fleet_image(f, a)
 
@@ -559,3 +550,17 @@ def test_fleet_json_rm_pause_resume_print_each_missing_sandbox_as_json(verb, cap
     out = capsys.readouterr().out
     err = json.loads(out)["error"]
     assert err["code"] == "not_found" and err["detail"]["sandbox"] == "nosuch", out
+
+
+def _two_up_hosts(client_of, **attrs):
+    """A Fleet of two hosts taken as joined and up, each host's client
+    client_of(its target), and `attrs` set on each host."""
+    from dsecd.fleet import Fleet
+
+    f = Fleet(["/nonexistent/h1.sock", "/nonexistent/h2.sock"])
+    for h in f.hosts.values():
+        h.up = h.joined = True
+        h.client = client_of(h.target)
+        for name, value in attrs.items():
+            setattr(h, name, value)
+    return f
