@@ -36,7 +36,7 @@ from ..mem import pause
 from .dircopies import busy
 from .network import NET_FILES
 from .sandboxes import SandboxRegistry
-from .workers import Workers
+from .workers import Workers, outcome
 
 log = logging.getLogger(__name__)
 
@@ -532,43 +532,65 @@ class ImageService:
             # (Sandbox.paused_for) must not count the pack, as under a pause.
             if not was_paused:
                 sb.paused_at = time.monotonic()
-            try:
-                if not was_paused:
-                    await self.workers.run(freezer.freeze, self.freeze_timeout_s)
-            except OSError as err:      # destroyed meanwhile: its cgroup is gone
-                sb.end_paused_time()
-                raise Conflict(f"snapshot of sandbox {sb.id}: cannot freeze it ({err}); is it being destroyed?",
-                               {"sandbox": sb.id}) from err
+                freezing = asyncio.ensure_future(self.workers.run(freezer.freeze, self.freeze_timeout_s))
+                try:
+                    await asyncio.shield(freezing)
+                except OSError as err:      # destroyed meanwhile: its cgroup is gone
+                    sb.end_paused_time()
+                    raise Conflict(f"snapshot of sandbox {sb.id}: cannot freeze it ({err}); is it being destroyed?",
+                                   {"sandbox": sb.id}) from err
+                except asyncio.CancelledError:
+                    # The freeze goes on in its thread: thawed after it, the
+                    # lock still held, or the sandbox would stay frozen while
+                    # its state says running (unless a job pause, which takes
+                    # no lock, marked it paused meanwhile: as below).
+                    await outcome(freezing)
+                    if sb.state != "paused":
+                        await outcome(asyncio.ensure_future(self.workers.run(freezer.thaw)))
+                        sb.end_paused_time()
+                    raise
             try:
                 # A destroy takes no sandbox's lock: one that came while it
                 # froze has taken its handle (and is removing its layers).
                 if sb.handle is not handle:
                     raise _destroyed_mid_snapshot(sb)
+                # The view and the thaw are waited for whatever cancels this
+                # meanwhile (a `cancel`, then the client's connection closing):
+                # a worker's work not yet started would be dropped by the
+                # cancel, leaving a view mounted or the sandbox frozen while
+                # its state says running.
+                viewing = asyncio.ensure_future(self.workers.run(handle.upper_view,
+                                                                 self.state_dir / upperfs.VIEWS_DIR))
                 try:
-                    upper, undo = await self.workers.run(handle.upper_view, self.state_dir / upperfs.VIEWS_DIR)
+                    upper, undo = await asyncio.shield(viewing)
                 except OSError as err:
                     if sb.handle is not handle:
                         raise _destroyed_mid_snapshot(sb) from err
+                    raise
+                except asyncio.CancelledError:
+                    made = await outcome(viewing)
+                    if not isinstance(made, BaseException) and made[1] is not None:
+                        await outcome(asyncio.ensure_future(self.workers.run(made[1])))
                     raise
                 try:
                     yield upper
                 finally:
                     if undo is not None:
-                        await self.workers.run(undo)
+                        undone = await outcome(asyncio.ensure_future(self.workers.run(undo)))
+                        if isinstance(undone, Exception):
+                            raise undone
             finally:
                 # A job pause takes no sandbox's lock: one that came meanwhile
                 # found it frozen and marked it paused. It stays frozen.
                 if not was_paused and sb.state != "paused":
-                    try:
-                        await self.workers.run(freezer.thaw)
-                    except OSError:
-                        # A destroy (which does not wait for the lock) removed
-                        # its cgroup meanwhile: nothing is left to thaw, and
-                        # what was packed is published.
-                        if sb.state != "stopping" and self.registry.by_id.get(sb.id) is sb:
-                            raise
-                    finally:
-                        sb.end_paused_time()
+                    thawed = await outcome(asyncio.ensure_future(self.workers.run(freezer.thaw)))
+                    sb.end_paused_time()
+                    # A destroy (which does not wait for the lock) removed its
+                    # cgroup meanwhile: nothing is left to thaw, and what was
+                    # packed is published.
+                    if (isinstance(thawed, OSError) and sb.state != "stopping"
+                            and self.registry.by_id.get(sb.id) is sb):
+                        raise thawed
 
 
 def _destroyed_mid_snapshot(sb) -> Conflict:

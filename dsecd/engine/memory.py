@@ -14,7 +14,6 @@ does not count towards the idle TTL.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -27,7 +26,7 @@ from ..journal import write_file_atomic
 from ..mem import damon, pause, swapfile, zram
 from .events import EventBus
 from .sandboxes import SandboxRegistry
-from .workers import Workers
+from .workers import Workers, to_the_end
 
 log = logging.getLogger(__name__)
 
@@ -223,35 +222,42 @@ class MemoryService:
     # ------------------------------------------------------------ pause / resume
 
     async def _pause(self, sb) -> dict:
-        async with sb.lock:
-            if sb.state == "paused":
-                return {"id": sb.id, "state": "paused", "already": True}
-            if sb.state != "running":
-                raise Conflict(f"sandbox {sb.id} is {sb.state}; only a running sandbox can be paused")
-            self._cancel_behind(sb.id)          # a prefetch still queued would undo the reclaim
-            if _is_vm(sb):
-                rec = await self.vms.pause(sb)
-                try:
-                    return self._mark_vm_paused(sb, rec)
-                except OSError as err:
-                    raise await self._unpause(sb, lambda: self.vms.resume(sb, rec), err) from err
-            # Paused time from the freeze on: the reclaim after it can take
-            # seconds, during which the sandbox's execs are frozen but their
-            # run-time timeouts (Sandbox.paused_for) would still count.
-            sb.paused_at = time.monotonic()
+        """Pause a sandbox. Once begun a pause finishes, recorded, even if
+        its request is cancelled (its client gone, a `cancel`): its freeze
+        goes on in a worker thread either way, and a sandbox frozen while
+        its state says running would hang every exec. So do a resume and a
+        job's pause and resume."""
+        return await to_the_end(self._pause_locked(sb), [sb.lock])
+
+    async def _pause_locked(self, sb) -> dict:
+        if sb.state == "paused":
+            return {"id": sb.id, "state": "paused", "already": True}
+        if sb.state != "running":
+            raise Conflict(f"sandbox {sb.id} is {sb.state}; only a running sandbox can be paused")
+        self._cancel_behind(sb.id)          # a prefetch still queued would undo the reclaim
+        if _is_vm(sb):
+            rec = await self.vms.pause(sb)
             try:
-                rec = await self.workers.run(pause.pause, sb.handle.group, self.pause_cfg)
+                return self._mark_vm_paused(sb, rec)
             except OSError as err:
-                sb.end_paused_time()
-                raise DsecError(f"pause sandbox {sb.id}: {err}", code="busy" if err.errno == 16 else "io") from err
-            except BaseException:
-                sb.end_paused_time()        # a cancelled request: not recorded as paused
-                raise
-            try:
-                return self._mark_paused(sb, rec)
-            except OSError as err:
-                raise await self._unpause(sb, lambda: self.workers.run(
-                    pause.resume, sb.handle.group, rec, self.pause_cfg.freeze_timeout_s, "none"), err) from err
+                raise await self._unpause(sb, lambda: self.vms.resume(sb, rec), err) from err
+        # Paused time from the freeze on: the reclaim after it can take
+        # seconds, during which the sandbox's execs are frozen but their
+        # run-time timeouts (Sandbox.paused_for) would still count.
+        sb.paused_at = time.monotonic()
+        try:
+            rec = await self.workers.run(pause.pause, sb.handle.group, self.pause_cfg)
+        except OSError as err:
+            sb.end_paused_time()
+            raise DsecError(f"pause sandbox {sb.id}: {err}", code="busy" if err.errno == 16 else "io") from err
+        except Exception:
+            sb.end_paused_time()
+            raise
+        try:
+            return self._mark_paused(sb, rec)
+        except OSError as err:
+            raise await self._unpause(sb, lambda: self.workers.run(
+                pause.resume, sb.handle.group, rec, self.pause_cfg.freeze_timeout_s, "none"), err) from err
 
     async def _unpause(self, sb, resume, err: OSError) -> DsecError:
         """A pause whose journal record could not be written (the state dir's
@@ -295,24 +301,27 @@ class MemoryService:
                 "reclaim_s": round(rec.reclaim_s, 4), "freed_bytes": rec.freed, "methods": rec.methods}
 
     async def _resume(self, sb, mode: str | None = None) -> dict:
-        async with sb.lock:
-            if sb.state != "paused":
-                return {"id": sb.id, "state": sb.state, "already": True}
-            self._cancel_behind(sb.id)          # a reclaim still queued after a job pause
-            if _is_vm(sb):
-                res = await self.vms.resume(sb, sb.pause_record or {})
-                self._mark_resumed(sb, 0)
-                return {"id": sb.id, "state": "running", "prefetch_s": 0.0, "thaw_s": res["restore_s"],
-                        "prefetched_bytes": 0}
-            rec = pause.PauseRecord.from_json(sb.pause_record or {})
-            try:
-                res = await self.workers.run(pause.resume, sb.handle.group, rec, self.pause_cfg.freeze_timeout_s,
-                                             mode or self.pause_cfg.prefetch_mode)
-            except OSError as err:
-                raise DsecError(f"resume sandbox {sb.id}: {err}", code="io") from err
-            self._mark_resumed(sb, res.prefetched_bytes, duration_s=res.thaw_s + res.prefetch_s)
-            return {"id": sb.id, "state": "running", "prefetch_s": round(res.prefetch_s, 4),
-                    "thaw_s": round(res.thaw_s, 4), "prefetched_bytes": res.prefetched_bytes}
+        """Resume a paused sandbox; once begun, to its end (see _pause)."""
+        return await to_the_end(self._resume_locked(sb, mode), [sb.lock])
+
+    async def _resume_locked(self, sb, mode: str | None) -> dict:
+        if sb.state != "paused":
+            return {"id": sb.id, "state": sb.state, "already": True}
+        self._cancel_behind(sb.id)          # a reclaim still queued after a job pause
+        if _is_vm(sb):
+            res = await self.vms.resume(sb, sb.pause_record or {})
+            self._mark_resumed(sb, 0)
+            return {"id": sb.id, "state": "running", "prefetch_s": 0.0, "thaw_s": res["restore_s"],
+                    "prefetched_bytes": 0}
+        rec = pause.PauseRecord.from_json(sb.pause_record or {})
+        try:
+            res = await self.workers.run(pause.resume, sb.handle.group, rec, self.pause_cfg.freeze_timeout_s,
+                                         mode or self.pause_cfg.prefetch_mode)
+        except OSError as err:
+            raise DsecError(f"resume sandbox {sb.id}: {err}", code="io") from err
+        self._mark_resumed(sb, res.prefetched_bytes, duration_s=res.thaw_s + res.prefetch_s)
+        return {"id": sb.id, "state": "running", "prefetch_s": round(res.prefetch_s, 4),
+                "thaw_s": round(res.thaw_s, 4), "prefetched_bytes": res.prefetched_bytes}
 
     def _mark_resumed(self, sb, prefetched_bytes: int, journal: bool = True,
                       duration_s: float | None = None) -> None:
@@ -350,7 +359,11 @@ class MemoryService:
 
     async def job_pause(self, req, ctx) -> dict:
         """Freeze the whole job at once (what the caller waits for), answer, and
-        reclaim each sandbox's memory behind the answer."""
+        reclaim each sandbox's memory behind the answer. Once begun, to its
+        end (see _pause)."""
+        return await to_the_end(self._job_pause(req))
+
+    async def _job_pause(self, req) -> dict:
         everyone = self.registry.of_job(req.job, ("running",))
         sbs = [s for s in everyone if not _is_vm(s)]
         vms = [s for s in everyone if _is_vm(s)]
@@ -445,43 +458,45 @@ class MemoryService:
         """Thaw the whole job at once (what the caller waits for: one blocking
         call that asks every group, then waits, as freeze_all does; a thaw per
         sandbox through the pool took 2.2 s for 500), then bring each one's
-        working set back behind the answer, as an on-demand resume does."""
+        working set back behind the answer, as an on-demand resume does.
+        Once begun, to its end (see _pause)."""
         sbs = sorted(self.registry.of_job(req.job, ("paused",)), key=lambda s: s.id)
-        async with contextlib.AsyncExitStack() as held:
-            for s in sbs:                   # serialised with pause/exec/destroy of each
-                await held.enter_async_context(s.lock)
-            everyone = [s for s in sbs if s.state == "paused" and s.handle is not None]
-            sbs = [s for s in everyone if not _is_vm(s)]
-            vms = [s for s in everyone if _is_vm(s)]
-            for s in sbs:
-                self._cancel_behind(s.id)   # reclaims still queued after the job pause
-            freezers = [pause.Freezer.of(s.handle.group) for s in sbs]
-            t0 = time.monotonic()
-            # microVMs: vCPUs stopped (cont) or state saved (a new QEMU loads it), in parallel.
-            thawed, vm_results = await asyncio.gather(
-                self.workers.run(pause.thaw_all, freezers, self.pause_cfg.freeze_timeout_s),
-                asyncio.gather(*(self.vms.resume(s, s.pause_record or {}) for s in vms), return_exceptions=True))
-            thaw_s = time.monotonic() - t0
-            failed_ids = {s.id for s, f in zip(sbs, freezers, strict=True) if f in thawed}
-            for s, r in zip(vms, vm_results, strict=True):
-                if isinstance(r, BaseException):
-                    log.warning("job %s: microVM %s not resumed: %s", req.job, s.id, r)
-                    failed_ids.add(s.id)
-            sbs = everyone
-            if failed_ids:
-                log.warning("job %s: %d sandbox(es) not thawed within %gs, left paused: %s", req.job,
-                            len(failed_ids), self.pause_cfg.freeze_timeout_s, sorted(failed_ids)[:8])
-            resumed = [s for s in sbs if s.id not in failed_ids and self.registry.by_id.get(s.id) is s
-                       and s.state == "paused"]   # not destroyed meanwhile
-            for s in resumed:
-                if _is_vm(s):
-                    self._mark_resumed(s, 0, journal=False)
-                    continue
-                rec = pause.PauseRecord.from_json(s.pause_record or {})
+        # Serialised with pause/exec/destroy of each.
+        return await to_the_end(self._job_resume_locked(req, sbs), [s.lock for s in sbs])
+
+    async def _job_resume_locked(self, req, sbs: list) -> dict:
+        everyone = [s for s in sbs if s.state == "paused" and s.handle is not None]
+        sbs = [s for s in everyone if not _is_vm(s)]
+        vms = [s for s in everyone if _is_vm(s)]
+        for s in sbs:
+            self._cancel_behind(s.id)   # reclaims still queued after the job pause
+        freezers = [pause.Freezer.of(s.handle.group) for s in sbs]
+        t0 = time.monotonic()
+        # microVMs: vCPUs stopped (cont) or state saved (a new QEMU loads it), in parallel.
+        thawed, vm_results = await asyncio.gather(
+            self.workers.run(pause.thaw_all, freezers, self.pause_cfg.freeze_timeout_s),
+            asyncio.gather(*(self.vms.resume(s, s.pause_record or {}) for s in vms), return_exceptions=True))
+        thaw_s = time.monotonic() - t0
+        failed_ids = {s.id for s, f in zip(sbs, freezers, strict=True) if f in thawed}
+        for s, r in zip(vms, vm_results, strict=True):
+            if isinstance(r, BaseException):
+                log.warning("job %s: microVM %s not resumed: %s", req.job, s.id, r)
+                failed_ids.add(s.id)
+        sbs = everyone
+        if failed_ids:
+            log.warning("job %s: %d sandbox(es) not thawed within %gs, left paused: %s", req.job,
+                        len(failed_ids), self.pause_cfg.freeze_timeout_s, sorted(failed_ids)[:8])
+        resumed = [s for s in sbs if s.id not in failed_ids and self.registry.by_id.get(s.id) is s
+                   and s.state == "paused"]   # not destroyed meanwhile
+        for s in resumed:
+            if _is_vm(s):
                 self._mark_resumed(s, 0, journal=False)
-                if rec.working_set and self.pause_cfg.prefetch_mode != "none":
-                    self._behind_answer(s, pause.prefetch, rec.working_set, self.pause_cfg.prefetch_mode)
-            self._journal_job(resumed)
+                continue
+            rec = pause.PauseRecord.from_json(s.pause_record or {})
+            self._mark_resumed(s, 0, journal=False)
+            if rec.working_set and self.pause_cfg.prefetch_mode != "none":
+                self._behind_answer(s, pause.prefetch, rec.working_set, self.pause_cfg.prefetch_mode)
+        self._journal_job(resumed)
         return {"job": req.job, "resumed": [s.id for s in resumed], "thaw_s": round(thaw_s, 4),
                 "failed": {i: "not thawed in time (see the daemon log)" for i in sorted(failed_ids)}}
 

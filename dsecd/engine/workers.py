@@ -8,7 +8,10 @@ thread pool (`daemon.worker_threads`) and the loop the answers go back to.
 from __future__ import annotations
 
 import asyncio
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+
+log = logging.getLogger(__name__)
 
 
 class Workers:
@@ -77,6 +80,54 @@ class Workers:
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def to_the_end(coro, locks=()):
+    """Run `coro` to its end even when the caller is cancelled (its client
+    gone, a `cancel`): for a change of state that, once begun, must finish
+    so the sandbox is what its state says (a pause's freeze goes on in its
+    worker thread whatever the caller does). The cancelled caller stops
+    waiting; an error the coroutine ends with then is logged. `locks` are
+    taken first, in order, while a cancel still stops it all (nothing has
+    begun: `coro` never runs), and held until `coro` has ended."""
+    taken = []
+    try:
+        for lock in locks:
+            await lock.acquire()
+            taken.append(lock)
+    except BaseException:
+        for lock in reversed(taken):
+            lock.release()
+        coro.close()
+        raise
+    task = asyncio.ensure_future(coro)
+    if taken:
+        task.add_done_callback(lambda _task: [lock.release() for lock in reversed(taken)])
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_log_abandoned)
+        raise
+
+
+def _log_abandoned(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("%s (its request was cancelled meanwhile)", task.exception())
+
+
+async def outcome(fut: asyncio.Future):
+    """Wait for `fut` to be done, whatever cancels the waiter meanwhile;
+    its result, or the exception it ended with (returned, not raised)."""
+    while not fut.done():
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            pass
+        except BaseException:
+            break
+    if fut.cancelled():
+        return asyncio.CancelledError()
+    return fut.exception() or fut.result()
 
 
 def _settle(fut: asyncio.Future, work: Future) -> None:

@@ -5,6 +5,7 @@ that fails adds its frozen time but leaves the sandbox running."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from types import SimpleNamespace
 
@@ -22,12 +23,12 @@ class _Workers:
         return await asyncio.to_thread(fn, *args)
 
 
-def _service() -> MemoryService:
+def _service(*sbs) -> MemoryService:
     svc = object.__new__(MemoryService)
     svc.workers = _Workers()
     svc._behind = {}
     svc.pause_cfg = None
-    svc.registry = SimpleNamespace(save=lambda sb: None)
+    svc.registry = SimpleNamespace(save=lambda sb: None, by_id={sb.id: sb for sb in sbs})
     svc.events = SimpleNamespace(publish=lambda *a, **k: None)
     return svc
 
@@ -46,7 +47,7 @@ def test_paused_time_counts_from_the_freeze_through_the_reclaim(monkeypatch):
         return pause.PauseRecord(frozen_s=0.0, reclaim_s=0.3)
 
     monkeypatch.setattr(memory_mod.pause, "pause", slow_pause)
-    asyncio.run(_service()._pause(sb))
+    asyncio.run(_service(sb)._pause(sb))
     assert sb.state == "paused"
     assert seen[0] >= 0.29, "the reclaim's time counted as run time"
     assert sb.paused_for() >= 0.3
@@ -61,7 +62,7 @@ def test_a_pause_that_fails_keeps_its_frozen_time_and_the_sandbox_running(monkey
 
     monkeypatch.setattr(memory_mod.pause, "pause", failing_pause)
     with pytest.raises(DsecError):
-        asyncio.run(_service()._pause(sb))
+        asyncio.run(_service(sb)._pause(sb))
     assert sb.state == "running" and sb.paused_at is None
     before = sb.paused_for()
     assert before >= 0.19
@@ -69,28 +70,100 @@ def test_a_pause_that_fails_keeps_its_frozen_time_and_the_sandbox_running(monkey
     assert sb.paused_for() == before, "the clock runs on after a failed pause"
 
 
-def test_a_cancelled_pause_request_stops_its_clock(monkeypatch):
-    """Its client gone during a long reclaim: the request is cancelled,
-    and the clock it started before the freeze stops with it."""
+def test_a_cancelled_pause_request_still_pauses_the_sandbox(monkeypatch):
+    """Its client gone during a long reclaim: the request is cancelled, but
+    the freeze goes on in its worker thread, so the pause finishes: the
+    sandbox's state says paused, as its freezer does, and its clock runs."""
     sb = _sandbox()
-    started = asyncio.Event()
+    go_on = threading.Event()
+
+    def slow_pause(group, cfg):
+        go_on.wait(5)
+        return pause.PauseRecord(frozen_s=0.0, reclaim_s=0.1)
+
+    monkeypatch.setattr(memory_mod.pause, "pause", slow_pause)
 
     async def go():
-        svc = _service()
+        task = asyncio.ensure_future(_service(sb)._pause(sb))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        go_on.set()
+        await _until(lambda: sb.state == "paused")
 
-        async def slow_run(fn, *args):
-            started.set()
-            await asyncio.sleep(30)
+    asyncio.run(go())
+    assert sb.state == "paused" and sb.paused_at is not None
 
-        svc.workers.run = slow_run
-        task = asyncio.ensure_future(svc._pause(sb))
-        await started.wait()
+
+def test_a_cancelled_job_pause_still_pauses_the_job(monkeypatch):
+    sb = _sandbox()
+    sb.handle = SimpleNamespace(group=object(), init_pid=1, init_start=0)
+    svc = _service()
+    svc.registry = SimpleNamespace(of_job=lambda job, states: [sb], by_id={"sb1": sb},
+                                   journal=SimpleNamespace(write_many=lambda records: None))
+    svc.pause_cfg = SimpleNamespace(freeze_timeout_s=1.0)
+    go_on = threading.Event()
+    monkeypatch.setattr(memory_mod.pause.Freezer, "of", staticmethod(lambda group: "f1"))
+    monkeypatch.setattr(memory_mod.pause, "freeze_all", lambda fs, timeout: go_on.wait(5) and [])
+    monkeypatch.setattr(memory_mod.pause, "reclaim_frozen", lambda group, cfg: pause.PauseRecord())
+
+    async def go():
+        svc.workers.loop = asyncio.get_running_loop()
+        svc.vms = None
+        task = asyncio.ensure_future(svc.job_pause(SimpleNamespace(job="j"), None))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        go_on.set()
+        await _until(lambda: sb.state == "paused")
+        await asyncio.sleep(0.05)           # the reclaim behind the answer
+
+    asyncio.run(go())
+    assert sb.state == "paused" and sb.paused_at is not None
+
+
+def test_a_snapshot_cancelled_during_its_freeze_thaws_the_sandbox_and_stops_its_clock(monkeypatch):
+    from dsecd.engine import images as images_mod
+    from dsecd.engine.images import ImageService
+
+    sb = _sandbox()
+    calls = []
+
+    class Freezer:
+        def freeze(self, timeout):
+            time.sleep(0.2)
+            calls.append("freeze")
+
+        def thaw(self):
+            calls.append("thaw")
+
+    monkeypatch.setattr(images_mod.pause.Freezer, "of", staticmethod(lambda group: Freezer()))
+    svc = object.__new__(ImageService)
+    svc.workers = _Workers()
+    svc.freeze_timeout_s = 1.0
+
+    async def snapshot():
+        async with svc.frozen_upper(sb):
+            raise AssertionError("packed although cancelled")
+
+    async def go():
+        task = asyncio.ensure_future(snapshot())
+        await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
     asyncio.run(go())
-    assert sb.paused_at is None and sb.state == "running"
+    assert calls == ["freeze", "thaw"]
+    assert sb.state == "running" and sb.paused_at is None
+
+
+async def _until(done, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
 
 
 def test_a_job_pause_counts_paused_time_from_its_freeze(monkeypatch):
@@ -131,3 +204,76 @@ def test_a_job_pause_counts_paused_time_from_its_freeze(monkeypatch):
     assert before >= 0.29
     time.sleep(0.05)
     assert failed_sb.paused_for() == before, "the clock runs on for a sandbox the job pause thawed again"
+
+
+def test_a_pause_cancelled_before_it_began_never_runs(monkeypatch):
+    """Queued behind a snapshot (which holds the sandbox's lock), a pause
+    whose client gives up is called off: it does not pause the sandbox
+    once the lock is free."""
+    sb = _sandbox()
+    ran = []
+    monkeypatch.setattr(memory_mod.pause, "pause", lambda group, cfg: ran.append(1) or pause.PauseRecord())
+
+    async def go():
+        await sb.lock.acquire()
+        task = asyncio.ensure_future(_service(sb)._pause(sb))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        sb.lock.release()
+        await asyncio.sleep(0.1)
+        return sb.lock.locked()
+
+    assert asyncio.run(go()) is False
+    assert ran == [] and sb.state == "running" and sb.paused_at is None
+
+
+def test_a_snapshot_cancelled_twice_still_thaws_its_sandbox(monkeypatch, tmp_path):
+    """A `cancel`, then the client's connection closing, cancel a snapshot
+    twice: its thaw, queued behind a busy worker, must not be dropped."""
+    from dsecd.engine import images as images_mod
+    from dsecd.engine.images import ImageService
+    from dsecd.engine.workers import Workers
+
+    calls = []
+
+    class Freezer:
+        def freeze(self, timeout):
+            calls.append("freeze")
+
+        def thaw(self):
+            calls.append("thaw")
+
+    monkeypatch.setattr(images_mod.pause.Freezer, "of", staticmethod(lambda group: Freezer()))
+    sb = _sandbox()
+    sb.handle.upper_view = lambda views: ("/upper", lambda: calls.append("undo"))
+    svc = object.__new__(ImageService)
+    svc.workers = Workers(1)
+    svc.freeze_timeout_s = 1.0
+    svc.state_dir = tmp_path
+    svc.registry = SimpleNamespace(by_id={sb.id: sb})
+    busy = threading.Event()
+
+    async def snapshot():
+        async with svc.frozen_upper(sb):
+            svc.workers.behind(busy.wait, 0.5)      # the pool's one thread taken meanwhile
+            await asyncio.sleep(10)
+
+    async def go():
+        svc.workers.start(asyncio.get_running_loop())
+        task = asyncio.ensure_future(snapshot())
+        await asyncio.sleep(0.1)
+        task.cancel()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(go())
+    finally:
+        svc.workers.shutdown()
+    assert calls == ["freeze", "undo", "thaw"]
+    assert sb.state == "running" and sb.paused_at is None and not sb.lock.locked()
