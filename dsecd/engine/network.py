@@ -248,7 +248,7 @@ class NetworkService:
             return
         try:
             net = await self.network()
-            self.check_names(net, allow)
+            await self.check_names(net, allow)
         except BaseException:
             self.release_netns(ready)
             raise
@@ -297,7 +297,7 @@ class NetworkService:
         with each QEMU: MicroVMService). A create cancelled meanwhile leaves
         nothing: what the worker attached after the cancel is detached."""
         net = await self.network()
-        self.check_names(net, allow)
+        await self.check_names(net, allow)
 
         def abandoned(fut) -> None:
             if not fut.cancelled() and fut.exception() is None:
@@ -309,22 +309,23 @@ class NetworkService:
             raise io_error("attach networking of sandbox", sb.id, err) from err
         sb.net = {"mode": "default", "lease": view.get("lease")}
 
-    def check_names(self, net, terms: list[str]) -> None:
+    async def check_names(self, net, terms: list[str]) -> None:
         """BadRequest for name rules (given, or in a named set) while the
         sandboxes' resolver does not run: a name is allowed only through
         the addresses the resolver answers, so such a rule would be taken
-        and then allow nothing, and the sandbox only see lookups fail."""
+        and then allow nothing, and the sandbox only see lookups fail. A
+        request too large is refused before it is parsed, and the parse
+        (~30 us a term) runs in a worker, not on the loop every client
+        shares."""
         if self.resolver is not None or not terms:
             return
-        from ..net import rules as R
-
-        names = [str(r) for t in terms for r in R.expand([R.canonical_term(t, net.sets)], net.sets)
-                 if isinstance(r, R.NameRule)]
+        net.check_request_size(len(terms))
+        names = await self.workers.run(_name_rules, net.sets, terms)
         if names:
             why = f"did not start: {self.dns_error}" if self.dns_error else "is off (net.dns = false)"
-            raise BadRequest(f"name rules ({', '.join(dict.fromkeys(names))}) allow the addresses the daemon's "
+            raise BadRequest(f"name rules ({', '.join(names)}) allow the addresses the daemon's "
                              f"resolver answers, and its resolver {why}; give addresses (CIDR rules) instead",
-                             {"names": list(dict.fromkeys(names))})
+                             {"names": names})
 
     async def detach_net(self, sb) -> None:
         if self.net is None or not _networked(sb):
@@ -458,7 +459,7 @@ class NetworkService:
         if req.replace is not None and (req.add or req.remove):
             raise BadRequest("give either replace, or add/remove, not both")
         net = await self.network()
-        self.check_names(net, (req.add or []) + (req.replace or []))
+        await self.check_names(net, (req.add or []) + (req.replace or []))
         try:
             # Small policies are updated right here (Network.update_now says why and when).
             view = net.update_now(sb.id, add=req.add, remove=req.remove, replace=req.replace)
@@ -537,3 +538,11 @@ def write_net_files(rootfd: int, files: dict[str, str]) -> None:
             sbfiles.write_data(fd, text.encode())
         finally:
             os.close(fd)
+
+
+def _name_rules(sets: dict, terms: list[str]) -> list[str]:
+    """The name rules among `terms` (named sets expanded), each once."""
+    from ..net import rules as R
+
+    return list(dict.fromkeys(str(r) for t in terms for r in R.expand([R.canonical_term(t, sets)], sets)
+                              if isinstance(r, R.NameRule)))

@@ -360,7 +360,7 @@ class Network:
         handed_over = False
         try:
             if mode == "default":
-                self._check_request_size(len(rules or []))
+                self.check_request_size(len(rules or []))
                 terms = R.merge((), self.sets, replace=list(rules or []))
                 # The lease first: the policy lets the sandbox reach its own
                 # address (_effective). Its veth comes after the policy.
@@ -402,7 +402,7 @@ class Network:
             sb = _Sandbox(sb_id, "default", "", vm_key(sb_id), kind="vm", ifname=vm_ifname(sb_id))
             self._sbs[sb_id] = sb
         try:
-            self._check_request_size(len(rules or []))
+            self.check_request_size(len(rules or []))
             sb.ipv4 = str(self.ipam_allocate(sb_id).ipv4)
             self._bpf_attach(sb, R.merge((), self.sets, replace=list(rules or [])))
             self._write_record(sb)
@@ -801,7 +801,7 @@ class Network:
         finally:
             self._lock.release()
 
-    def _check_request_size(self, n: int) -> None:
+    def check_request_size(self, n: int) -> None:
         """Every term is at least one rule: refuse a huge request before parsing it
         (parsing is ~30 us a rule; a 100k-rule request would hold the lock for seconds)."""
         if n > self.max_rules:
@@ -834,7 +834,7 @@ class Network:
             sb = self._get(sb_id)
             if sb.mode != "default":
                 raise Conflict(f"sandbox {sb_id} has --net {sb.mode}: it has no policy to change")
-            self._check_request_size(len(add or []) + len(replace or []))
+            self.check_request_size(len(add or []) + len(replace or []))
             blocked = [t for t in (remove or []) if t in self.essentials]
             if blocked:
                 raise BadRequest(f"{blocked} are essentials (net.essentials) and cannot be removed")
