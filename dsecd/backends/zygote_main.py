@@ -456,40 +456,64 @@ SYSV_IPC = ("shm", "sem", "msg")
 SHM_DEST = 0o1000       # a removed segment some process still has attached
 
 
-def ipc_owned(uid):
+def ipc_owned(uid, fds=None):
     """(kind, id) of the SysV IPC objects of the sandbox's IPC namespace that
     `uid` owns or created ("shm", "sem", "msg"; /proc/sysvipc shows the ids
     as the reader's user namespace sees them). A removed segment still
     attached elsewhere is left out: it goes at its last detach and no new
-    process can find it by its key."""
+    process can find it by its key. `fds`: kind -> /proc/sysvipc/KIND kept
+    open, read again from its start (the zygote reads them after every
+    call: an open and close each took most of the time)."""
     found = []
     for kind in SYSV_IPC:
         try:
-            with open(f"/proc/sysvipc/{kind}") as f:
-                head = f.readline().split()
-                rows = [line.split() for line in f]
+            fd = fds.get(kind, -1) if fds else -1
+            if fd >= 0:
+                text = read_from_start(fd)
+            else:
+                with open(f"/proc/sysvipc/{kind}", "rb") as f:
+                    text = f.read()
         except OSError:
             continue
-        uid_at, cuid_at, perms_at = head.index("uid"), head.index("cuid"), head.index("perms")
-        for row in rows:
-            if str(uid) in (row[uid_at], row[cuid_at]) and not int(row[perms_at], 8) & SHM_DEST:
+        lines = text.split(b"\n")
+        if len(lines) < 3:          # the header alone (and the last newline): none of this kind
+            continue
+        head = lines[0].split()
+        uid_at, cuid_at, perms_at = head.index(b"uid"), head.index(b"cuid"), head.index(b"perms")
+        mine = str(uid).encode()
+        for row in (line.split() for line in lines[1:] if line):
+            if mine in (row[uid_at], row[cuid_at]) and not int(row[perms_at], 8) & SHM_DEST:
                 found.append((kind, int(row[1])))
     return found
 
 
-def remove_ipc(uid, drop=True):
+def read_from_start(fd):
+    """All of a /proc file kept open, read again from its start. Up to an
+    empty read: a seq_file answers a read with at most what fits its own
+    buffer (about a page), whatever was asked for, so a short read is not
+    the end (a call's objects past the first page would go unseen)."""
+    data = b""
+    while True:
+        chunk = os.pread(fd, 65536, len(data))
+        if not chunk:
+            return data
+        data += chunk
+
+
+def remove_ipc(uid, drop=True, fds=None):
     """Remove the SysV IPC objects `uid` owns or created: they outlive the
     call that made them, and a later call could read or write them (a later
     call of that uid would own them). IPC_RMID takes the owner's or the
     creator's euid, or CAP_SYS_ADMIN over the namespace, which the zygote
     lacks: with `drop` a child drops to `uid` to do it; without, the caller
-    (the daemon, in the namespace) does. True when none is left."""
-    objs = ipc_owned(uid)
+    (the daemon, in the namespace) does. True when none is left. `fds`:
+    as ipc_owned's."""
+    objs = ipc_owned(uid, fds)
     if not objs:
         return True
     if not drop:
         _rmid(objs)
-        return not ipc_owned(uid)
+        return not ipc_owned(uid, fds)
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -502,7 +526,7 @@ def remove_ipc(uid, drop=True):
         finally:
             os._exit(code)
     os.waitpid(pid, 0)
-    return not ipc_owned(uid)
+    return not ipc_owned(uid, fds)
 
 
 def _rmid(objs):
@@ -574,6 +598,7 @@ class Zygote:
         # Kept open: read after every call (kill_leftovers). Workers close it.
         self.children_fd = os.open("/proc/1/task/1/children", os.O_RDONLY | os.O_CLOEXEC)
         me = os.getpid()
+        self.me = {me}
         self.own_children_fd = os.open(f"/proc/{me}/task/{me}/children", os.O_RDONLY | os.O_CLOEXEC)
         # Kept open: looked through whenever a uid is freed (free_uid).
         try:
@@ -581,6 +606,13 @@ class Zygote:
         except OSError:
             self.shm_fd = -1
         self.mq_fd = -1         # the daemon's first message says where message queues are
+        # Kept open: read whenever a uid is freed (ipc_owned).
+        self.ipc_fds = {}
+        for kind in SYSV_IPC:
+            try:
+                self.ipc_fds[kind] = os.open(f"/proc/sysvipc/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                pass
         # A worker's end is seen on its pidfd. Without one (Python 3.8 has
         # no os.pidfd_open, kernels before 5.3 no pidfd_open; or the open
         # failed), on SIGCHLD: its handler's wakeup fd is polled like a pidfd.
@@ -738,7 +770,7 @@ class Zygote:
         zygote's own that are no worker: clone(CLONE_PARENT) by a call's
         process makes the zygote its child's parent. Those of them that are
         dead are reaped. How many still ran."""
-        found = kill_leftovers(uid, fd=self.children_fd)
+        found = kill_leftovers(uid, fd=self.children_fd, skip=self.me)      # init's children: this one too
         workers = {w["pid"] for w in self.by_fd.values()}
         found += kill_leftovers(uid, fd=self.own_children_fd, skip=workers)
         for pid in init_children(fd=self.own_children_fd):
@@ -799,7 +831,7 @@ class Zygote:
                 except Exception:
                     ok = False
         try:
-            return remove_ipc(uid) and ok
+            return remove_ipc(uid, fds=self.ipc_fds) and ok
         except OSError:
             raise
         except Exception:

@@ -46,7 +46,7 @@ def _zygote(base: str = "/nonexistent", uid_count: int = 2):
     try:
         yield z
     finally:
-        for fd in (z.children_fd, z.own_children_fd, z.shm_fd, z.sigchld_fd):
+        for fd in (z.children_fd, z.own_children_fd, z.shm_fd, z.sigchld_fd, *z.ipc_fds.values()):
             if fd >= 0:
                 os.close(fd)
         ours.close()
@@ -184,7 +184,7 @@ def test_a_uid_whose_ipc_cleanup_could_not_fork_is_tried_again(monkeypatch):
         monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: True)
         monkeypatch.setattr(z, "kill_leftovers", lambda uid: 0)     # (the host's pid 1 is no call sandbox's)
 
-        def no_pid(uid):
+        def no_pid(uid, **_):
             raise BlockingIOError(11, "Resource temporarily unavailable")
 
         monkeypatch.setattr(zygote_main, "remove_ipc", no_pid)
@@ -192,10 +192,10 @@ def test_a_uid_whose_ipc_cleanup_could_not_fork_is_tried_again(monkeypatch):
         assert (z.uids, z.held) == ([], [60001])
         z.recheck_held()                                 # still no pid
         assert (z.uids, z.held) == ([], [60001])
-        monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid: True)
+        monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid, **_: True)
         z.recheck_held()
         assert (z.uids, z.held) == ([60001], [])
-        monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid: False)    # not removed: tried again later
+        monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid, **_: False)    # not removed: tried again later
         z.free_uid(60000)
         assert (z.uids, z.held, list(z.unclean)) == ([60001], [], [60000])
 
@@ -227,7 +227,7 @@ def test_a_uid_whose_leftovers_stay_is_tried_again_then_given_up(monkeypatch):
         z.uids.clear()
         clean = {"now": False}
         monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: clean["now"])
-        monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid: True)
+        monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid, **_: True)
         monkeypatch.setattr(zygote_main, "CLEANUP_RETRY_MS", 0)
         z.free_uid(60001)
         assert z.uids == [] and z.unclean[60001][1] == 1 and z.unclean_wait_ms() is not None
@@ -252,7 +252,7 @@ def test_a_worker_without_a_pidfd_is_seen_to_end_even_if_it_ended_at_once(monkey
     import socket
 
     monkeypatch.setattr(zygote_main, "worker", lambda link, tmp, uid, rlimits: os._exit(3))
-    monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid: True)
+    monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid, **_: True)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     z = zygote_main.Zygote(theirs, "/nonexistent", 0, 60000, 1, {})   # on a host with pidfds
     monkeypatch.setattr(zygote_main, "_pidfd", lambda pid: -1)         # then one cannot be opened
@@ -278,7 +278,7 @@ def test_a_worker_without_a_pidfd_is_seen_to_end_even_if_it_ended_at_once(monkey
     finally:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for fd in (z.children_fd, z.own_children_fd, z.sigchld_fd):
+        for fd in (z.children_fd, z.own_children_fd, z.sigchld_fd, *z.ipc_fds.values()):
             if fd >= 0:
                 os.close(fd)
         ours.close()
@@ -313,10 +313,44 @@ def test_every_part_of_a_calls_leftovers_is_removed_whatever_another_part_did(tm
     (base / "w60001-1" / "sub" / "f").write_text("x")
     ipc_asked = []
     monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: False)    # /dev/shm: something stays
-    monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid: ipc_asked.append(uid) or True)
+    monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid, **_: ipc_asked.append(uid) or True)
     with _zygote(str(base)) as z:
         z.dirs[60001] = "w60001-1"
         assert not z.remove_left(60001)
         assert ipc_asked == [60001] and os.listdir(base) == [] and z.dirs == {}
         monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: True)
         assert z.remove_left(60001)
+
+
+IPC_PROBE = """
+import os, subprocess, sys
+sys.path.insert(0, sys.argv[1])
+from dsecd.backends.zygote_main import SYSV_IPC, ipc_owned
+fds = {k: os.open(f"/proc/sysvipc/{k}", os.O_RDONLY) for k in SYSV_IPC}
+seen = [ipc_owned(0, fds)]
+# More than a page of /proc/sysvipc/shm (~180 bytes a segment), which a
+# seq_file hands out a page per read.
+ids = [subprocess.run(["ipcmk", flag, *size], capture_output=True, text=True, check=True).stdout.split()[-1]
+       for flag, size in [("-M", ["4096"])] * 60 + [("-S", ["2"]), ("-Q", [])]]
+seen += [sorted(ipc_owned(0, fds)), sorted(ipc_owned(0)), ipc_owned(1234, fds)]
+for flag, ident in zip(["-m"] * 60 + ["-s", "-q"], ids):
+    subprocess.run(["ipcrm", flag, ident], check=True)
+seen.append(ipc_owned(0, fds))
+print(repr((seen, [int(i) for i in ids])))
+"""
+
+
+def test_ipc_objects_are_found_through_files_kept_open_as_through_new_ones():
+    """The zygote reads /proc/sysvipc from fds kept open, from their start
+    each time: what was made and removed since is seen as a fresh open
+    sees it (a private IPC namespace: nothing of the host's)."""
+    import ast
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(["unshare", "--ipc", sys.executable, "-c", IPC_PROBE, repo],
+                         capture_output=True, text=True, check=True).stdout
+    (before, kept, fresh, other, after), ids = ast.literal_eval(out)
+    assert before == [] and after == [] and other == []
+    assert kept == fresh == sorted([("shm", i) for i in ids[:60]] + [("sem", ids[60]), ("msg", ids[61])])
