@@ -84,7 +84,7 @@ def _overlay(base: dict, extra: dict, where: str = "") -> dict:
 POSITIVE = {
     "admission.max_active_creates", "build.cpu", "cpu.recent_half_life_s", "daemon.worker_threads", "fncall.cpu",
     "fncall.default_timeout_s", "fncall.kill_grace_s", "fncall.max_inflight", "fncall.max_timeout_s", "fncall.pids",
-    "fncall.rlimit_nofile", "fncall.tmp_size", "fncall.uid_count", "fncall.zygote_max_calls",
+    "fncall.rlimit_nofile", "fncall.rlimit_nproc", "fncall.tmp_size", "fncall.uid_count", "fncall.zygote_max_calls",
     "fncall.zygote_start_timeout_s",
     "images.max_pulls", "images.pull_parallel_layers", "images.pull_timeout_s", "limits.frame_timeout_s",
     "limits.hello_timeout_s", "limits.max_connections", "limits.max_procs_per_sandbox",

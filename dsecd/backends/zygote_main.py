@@ -60,7 +60,7 @@ CLEANUP_TRIES = 60
 FORK_RETRY_MS = 100    # how soon a spare that could not be forked is tried again
 WORKER_NICE = 19       # a worker's weight is 1/68 of the zygote's (nice 0)
 RLIMITS = {"as": resource.RLIMIT_AS, "cpu": resource.RLIMIT_CPU, "fsize": resource.RLIMIT_FSIZE,
-           "nofile": resource.RLIMIT_NOFILE, "core": resource.RLIMIT_CORE}
+           "nofile": resource.RLIMIT_NOFILE, "core": resource.RLIMIT_CORE, "nproc": resource.RLIMIT_NPROC}
 
 
 def recv(sock):

@@ -347,7 +347,8 @@ class CallService:
         conf = {"modules": list(fc["modules"]), "spares": fc["spares"], "uid_base": fc["uid_base"],
                 "uid_count": fc["uid_count"],
                 "rlimits": {"as": self._call_sizes["rlimit_as"], "core": 0,
-                            "fsize": self._call_sizes["rlimit_fsize"], "nofile": fc["rlimit_nofile"]}}
+                            "fsize": self._call_sizes["rlimit_fsize"], "nofile": fc["rlimit_nofile"],
+                            "nproc": fc["rlimit_nproc"]}}
         sock, pid = await self.workers.run(self.fncall.spawn_zygote, box.handle, conf, box.env)
         if box.mq_fd >= 0:      # first, so before any call: where the calls' message queues are
             sock.sendmsg([b'{"op": "mqueue"}'], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [box.mq_fd]))])

@@ -504,6 +504,38 @@ def test_rlimit_bounds_a_call(client, py_image):
     assert big.stdout == b"67108864\n"
 
 
+FORK_ALL = ("import os, time\n"
+            "kids = []\n"
+            "try:\n"
+            "    for _ in range(64):\n"
+            "        pid = os.fork()\n"
+            "        if pid == 0:\n"
+            "            time.sleep(30)\n"
+            "            os._exit(0)\n"
+            "        kids.append(pid)\n"
+            "except BlockingIOError:\n"
+            "    pass\n"
+            "time.sleep(0.5)\n"          # the others' calls run meanwhile
+            "print(len(kids))\n"
+            "for pid in kids:\n"
+            "    os.kill(pid, 9)\n")
+
+
+def test_a_call_that_forks_without_end_leaves_room_for_the_others(daemon_factory):
+    """fncall.rlimit_nproc bounds each call's processes (RLIMIT_NPROC of its
+    own uid): one call's fork loop stops there, and a call beside it still
+    forks what it needs, from the same call sandbox's pids."""
+    d = daemon_factory("[fncall]\nrlimit_nproc = 16\n")
+    c = d.client()
+    try:
+        image = import_py(c)
+        hog, other = _calls_at_once(d, image, FORK_ALL, "import time\ntime.sleep(0.2)\n" + FORK_ALL.replace("64", "8"))
+    finally:
+        c.close()
+    assert hog.exit_code == 0 and int(hog.stdout) == 15, hog.stderr          # 16 with the call's own process
+    assert other.exit_code == 0 and int(other.stdout) == 8, other.stderr
+
+
 def test_dead_zygote_is_replaced(client, py_image):
     assert client.call(py_image, code="print(1)").exit_code == 0
     info = client.info()["fncall"]
