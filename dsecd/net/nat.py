@@ -37,6 +37,7 @@ import contextlib
 import errno
 import ipaddress
 import logging
+import os
 import socket
 import threading
 
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 FAMILY = "inet"
 TABLE = "dsecd"
+NETLINK_NETFILTER = 12
 
 
 class NatError(OSError):
@@ -149,6 +151,53 @@ def link_exists(ns_path: str | None, ifname: str) -> bool:
 
     with IPRoute(fileno=netlink_socket(ns_path).detach(), groups=0) as ipr:
         return bool(ipr.link_lookup(ifname=ifname))
+
+
+def forget_connections(ns_path: str | None, host_port: int, sb_addr: str, port: int) -> int:
+    """Delete the conntrack entries of the netns for TCP connections made to
+    `host_port` and DNATed to `sb_addr`:`port` (the reply comes from there), and
+    no other (a connection made to the sandbox's address itself has no DNAT):
+    the next packet of such a connection finds no DNAT and is answered with a
+    reset. Returns how many were deleted.
+
+    pyroute2's ctnetlink client over a socket opened in the netns: the
+    `conntrack` tool is not installed with dsecd, and one process per unpublish
+    would be the only subprocess on this path."""
+    from pyroute2 import Conntrack
+    from pyroute2.netlink.exceptions import NetlinkError
+    from pyroute2.netlink.nfnetlink.nfctsocket import IPS_DST_NAT, NFCTAttrTuple
+
+    with _maybe_netns(ns_path):
+        s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, NETLINK_NETFILTER)
+    try:
+        s.bind((0, 0))
+    except OSError:
+        s.close()
+        raise
+    fd = s.detach()
+    try:
+        ct = Conntrack(fileno=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    n = 0
+    try:
+        with ct:
+            match = NFCTAttrTuple(proto=socket.IPPROTO_TCP, dport=int(host_port))
+            for entry in list(ct.dump_entries(tuple_orig=match)):
+                reply = entry.tuple_reply
+                if (not (entry.status or 0) & IPS_DST_NAT or reply is None or reply.saddr != sb_addr
+                        or reply.sport != int(port)):
+                    continue
+                try:
+                    ct.delete(entry)
+                    n += 1
+                except NetlinkError as err:
+                    if err.code != errno.ENOENT:             # else it ended meanwhile
+                        raise
+    except NetlinkError as err:
+        raise NatError(err.code, f"conntrack: {os.strerror(err.code)}") from err
+    return n
 
 
 def enable_ip_forward(ns_path: str | None) -> bool:
@@ -288,14 +337,28 @@ class HostNat:
                 raise NatError(errno.EPROTO, f"nftables: publish {key}: no rule handles in the echo {out!r}")
             self._handles[key] = handles
 
-    def unpublish(self, key: str) -> bool:
+    def unpublish(self, key: str, host_port: int | None = None, sb_addr: str = "", port: int = 0) -> bool:
+        """Delete the publication's rules, then (given `host_port`, `sb_addr` and
+        `port`) the conntrack entries of the connections made through it: an entry
+        keeps its DNAT for the connection's life, so without this an open
+        connection would go on reaching the sandbox through a port no longer published."""
         with self._lock:
             handles = self._handles.pop(key, None)
             if not handles or not self.started:
                 return False
             self._run([{"delete": {"rule": {"family": FAMILY, "table": TABLE, "chain": c, "handle": h}}}
                        for c, h in handles], f"unpublish {key}")
-            return True
+        if host_port is not None:
+            try:
+                cut = forget_connections(self.ns_path, host_port, sb_addr, port)
+            except OSError as err:
+                log.warning("unpublish %s: connections already open through host port %s were not cut "
+                            "(deleting their conntrack entries in %s failed: %s); they go on until they close",
+                            key, host_port, self._where(), err)
+            else:
+                if cut:
+                    log.info("unpublish %s: cut %d open connection(s) through host port %s", key, cut, host_port)
+        return True
 
     def info(self) -> dict:
         return {"table": f"{FAMILY} {TABLE}", "uplink": self.uplink, "published": len(self._handles)}

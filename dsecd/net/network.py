@@ -610,7 +610,7 @@ class Network:
         pub = sb.ports.pop(port)
         self._host_ports.pop((pub["bind"], pub["host_port"]), None)
         if self.nat is not None:
-            self.nat.unpublish(f"{sb.id}:{port}")
+            self.nat.unpublish(f"{sb.id}:{port}", pub["host_port"], sb.ipv4.split("/")[0], port)
 
     def unpublish(self, sb_id: str, port: int) -> dict:
         with self._lock:

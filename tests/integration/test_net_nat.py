@@ -10,11 +10,14 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
 from test_net_daemon import _toml_net
 from test_net_kit import World, bpf_skip_reason
+
+from dsecd.net.plumbing import in_netns
 
 pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None, reason=bpf_skip_reason() or "")
 
@@ -273,3 +276,71 @@ def test_a_host_port_taken_while_no_daemon_ran_is_not_published_over(iworld, nat
         c.close()
     finally:
         held.close()
+
+
+def _connect_in(ns: str, addr: str) -> socket.socket:
+    """A TCP connection to `addr` ("host:port") made from the netns `ns`."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            with in_netns(f"/run/netns/{ns}"):
+                host, port = addr.rsplit(":", 1)
+                out["sock"] = socket.create_connection((host, int(port)), timeout=3)
+        except BaseException as err:      # handed to the caller
+            out["error"] = err
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["sock"]
+
+
+def _echoes(s: socket.socket, data: bytes) -> bool:
+    """`data` comes back on `s` (an echo server at the other end); False on a reset,
+    end of stream or silence."""
+    try:
+        s.sendall(data)
+        got = b""
+        while len(got) < len(data):
+            chunk = s.recv(64)
+            if not chunk:
+                return False
+            got += chunk
+        return got == data
+    except OSError:
+        return False
+
+
+def test_unpublish_cuts_connections_made_through_the_port(iworld, natd):
+    """An unpublished port takes its open connections with it (their conntrack
+    entries, which would keep forwarding them, are deleted); a connection through
+    another port of the sandbox, still published, goes on."""
+    d, c = natd
+    sb = c.create(image="busybox", net="default", publish=[8080, 8081])
+    for port in (8080, 8081):
+        sb.exec(["sh", "-c", f"setsid nc -ll -p {port} -e cat </dev/null >/dev/null 2>&1 &"])
+    deadline = time.monotonic() + 5
+    while sb.exec(["sh", "-c", "netstat -ltn | grep -q ':8081 '"]).exit_code != 0:
+        assert time.monotonic() < deadline, "nc did not listen"
+        time.sleep(0.05)
+    hp = int(sb.get_host(8080).rsplit(":", 1)[1])
+    kept_hp = int(sb.get_host(8081).rsplit(":", 1)[1])
+    gateway = f"10.{iworld.octet}.0.1"
+    conns = [_connect_in(iworld.br_ns, f"{gateway}:{hp}"),                 # the host side's own
+             _connect_in(iworld.inet_ns, f"{iworld.uplink_addr}:{hp}")]   # from beyond the uplink
+    kept = _connect_in(iworld.inet_ns, f"{iworld.uplink_addr}:{kept_hp}")
+    try:
+        for s in (*conns, kept):
+            s.settimeout(3)
+            assert _echoes(s, b"before\n")
+        sb.unpublish(8080)
+        for s in conns:
+            assert not _echoes(s, b"after\n")
+        assert _echoes(kept, b"after\n")
+    finally:
+        for s in (*conns, kept):
+            s.close()
+    sb.destroy()
