@@ -1772,6 +1772,15 @@ def _sandbox_port(text: str) -> int:
                                      f"got {text!r}")
 
 
+def _port_to_publish(text: str) -> int:
+    """`dsec port SB PORT`: the sandbox's TCP port; docker's HOST:PORT and
+    PORT/udp are refused saying what to give instead."""
+    if re.fullmatch(r"(?:[\d.]+:)?\d+:\d+", text):
+        raise argparse.ArgumentTypeError(f"takes the sandbox's port alone, got {text!r}: give the host port "
+                                         f"with --host-port {text.rsplit(':', 2)[-2]}")
+    return _sandbox_port(text)
+
+
 def _backend_option(p: argparse.ArgumentParser) -> None:
     """--backend of `dsec create` and `dsec run` (`dsec fleet create` has its own)."""
     p.add_argument("--backend", choices=["container", "microvm"], help="container: namespaces and cgroups; "
@@ -1972,7 +1981,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser("port", help="publish a sandbox's TCP port on the host side (prints host:port)")
     x.add_argument("sandbox")
-    x.add_argument("port", type=int)
+    x.add_argument("port", type=_port_to_publish)
     x.add_argument("--host-port", type=int, help="the host port (default: a free one of net.publish_ports)")
     x.add_argument("--bind", help="a local non-loopback IPv4 address of the daemon's host side "
                    "(default: all of them)")

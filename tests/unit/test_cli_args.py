@@ -224,6 +224,15 @@ def test_publish_takes_the_sandbox_port_and_says_so(value, says):
     assert r.returncode == 2 and f"argument --publish: {says}" in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("value, says", [
+    ("53/udp", "takes a TCP port of the sandbox (1-65535; UDP is not published), got '53/udp'"),
+    ("8080:80", "takes the sandbox's port alone, got '8080:80': give the host port with --host-port 8080"),
+])
+def test_port_takes_the_sandbox_tcp_port_and_says_so(value, says):
+    r = _dsec("port", "SB", value)
+    assert r.returncode == 2 and f"argument port: {says}" in r.stderr, r.stderr
+
+
 def test_usage_errors_of_other_commands_exit_2():
     assert _dsec("ps", "--bogus").returncode == 2
     r = _dsec("cp", "a", "b")
