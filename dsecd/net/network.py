@@ -1011,6 +1011,14 @@ class Network:
         records = dict(self.records.records)
         adopted, released, failed = [], [], {}
         previous: dict = {}                 # the previous daemon's mark maps, held open (Engine.hold_marks)
+        if self.nat is None and any(rec.get("ports") for rec in records.values()):
+            # The previous daemon published ports, and if it was killed its table is
+            # still there: replace it now, or the DNAT of a sandbox that is gone
+            # would stay, towards an address IPAM leases again.
+            try:
+                self._nat_table()
+            except NatError as err:
+                log.error("replace the nftables table a previous daemon left: %s", err)
         for sb_id, rec in records.items():
             if sb_id not in live:
                 self._release_leftovers(sb_id)

@@ -6,6 +6,7 @@ traffic, route or rule ever touches the host's own interfaces or ruleset:
 the test checks the host's ruleset is the same before and after.
 """
 
+import os
 import re
 import signal
 import socket
@@ -344,3 +345,32 @@ def test_unpublish_cuts_connections_made_through_the_port(iworld, natd):
         for s in (*conns, kept):
             s.close()
     sb.destroy()
+
+
+def test_a_port_of_a_sandbox_that_died_while_no_daemon_ran_is_not_left_published(iworld, daemon_factory,
+                                                                                   busybox_rootfs):
+    """Without net.uplink the table exists only for published ports. A daemon
+    killed with -9 leaves it (the kernel keeps forwarding meanwhile); if the
+    sandbox whose port it published is gone by the restart, the next daemon
+    must not leave its DNAT behind, pointing at an address IPAM will lease again."""
+    cfg = dict(iworld.cfg, ipv4_pool=f"10.{iworld.octet}.6.0/24")
+    d = daemon_factory(_toml_net(cfg))
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", net="default", publish=[8080])
+    hp = int(sb.get_host(8080).rsplit(":", 1)[1])
+    assert f"dport {hp} " in ruleset(iworld.br_ns)
+    init_pid = sb.inspect()["init_pid"]
+    c.close()
+    d.stop(signal.SIGKILL)
+    os.kill(init_pid, signal.SIGKILL)          # the sandbox dies while no daemon runs
+    d.start()
+    c = d.client()
+    try:
+        assert [x["state"] for x in c.list()] == ["dead"]
+        assert f"dport {hp} " not in ruleset(iworld.br_ns)
+        c.destroy_all(force=True)
+    finally:
+        c.close()
+    d.stop(signal.SIGTERM)
+    assert "dsecd" not in ruleset(iworld.br_ns)
