@@ -9,7 +9,9 @@
 Everything goes through libnftables' JSON API (Debian's python3-nftables):
 one transaction per change, so a rule set is either fully in or not at all,
 and no `nft` process is spawned. dsecd creates, changes and deletes only its
-table `inet dsecd`; every other table of the host's ruleset is left alone.
+table `inet dsecd` (`inet dsecd-<bridge>` when net.bridge is not dsec0, so that
+daemons sharing a netns keep apart); every other table of the host's ruleset
+is left alone.
 Its chains are base chains with their own hooks: an `accept` here does not
 override a `drop` of another table (an operator's firewall keeps the last word).
 
@@ -47,7 +49,15 @@ log = logging.getLogger(__name__)
 
 FAMILY = "inet"
 TABLE = "dsecd"
+DEFAULT_BRIDGE = "dsec0"
 NETLINK_NETFILTER = 12
+
+
+def table_name(bridge: str) -> str:
+    """The table of the daemon whose bridge is `bridge`: `dsecd` for the default
+    bridge, `dsecd-<bridge>` for another. Daemons sharing a netns have bridges
+    of their own, so each replaces and deletes only its own table."""
+    return TABLE if bridge == DEFAULT_BRIDGE else f"{TABLE}-{bridge}"
 
 
 class NatError(OSError):
@@ -86,13 +96,13 @@ def run(nft, cmds: list[dict], what: str) -> list:
     return (out or {}).get("nftables", []) if isinstance(out, dict) else []
 
 
-def _base_chain(name: str, typ: str, hook: str, prio: int) -> dict:
-    return {"chain": {"family": FAMILY, "table": TABLE, "name": name, "type": typ, "hook": hook,
+def _base_chain(table: str, name: str, typ: str, hook: str, prio: int) -> dict:
+    return {"chain": {"family": FAMILY, "table": table, "name": name, "type": typ, "hook": hook,
                       "prio": prio, "policy": "accept"}}
 
 
-def _rule(chain: str, expr: list, comment: str | None = None) -> dict:
-    r = {"family": FAMILY, "table": TABLE, "chain": chain, "expr": expr}
+def _rule(table: str, chain: str, expr: list, comment: str | None = None) -> dict:
+    r = {"family": FAMILY, "table": table, "chain": chain, "expr": expr}
     if comment:
         r["comment"] = comment
     return {"rule": r}
@@ -217,6 +227,7 @@ class HostNat:
     def __init__(self, ns_path: str | None, bridge: str, subnet4: str, uplink: str):
         self.ns_path = ns_path
         self.bridge = bridge
+        self.table = table_name(bridge)
         self.subnet4 = ipaddress.ip_network(subnet4)
         self.uplink_cfg = uplink
         self.uplink = ""
@@ -236,28 +247,28 @@ class HostNat:
             self.uplink = default_route_ifname(self.ns_path)
         else:
             self.uplink = self.uplink_cfg
-        br = self.bridge
-        cmds = [{"add": {"table": {"family": FAMILY, "name": TABLE}}},
-                {"delete": {"table": {"family": FAMILY, "name": TABLE}}},
-                {"add": {"table": {"family": FAMILY, "name": TABLE}}},
-                {"add": _base_chain("postrouting", "nat", "postrouting", 100)},
-                {"add": _base_chain("prerouting", "nat", "prerouting", -100)},
-                {"add": _base_chain("output", "nat", "output", -100)},
-                {"add": _base_chain("forward", "filter", "forward", 0)},
+        br, t = self.bridge, self.table
+        cmds = [{"add": {"table": {"family": FAMILY, "name": t}}},
+                {"delete": {"table": {"family": FAMILY, "name": t}}},
+                {"add": {"table": {"family": FAMILY, "name": t}}},
+                {"add": _base_chain(t, "postrouting", "nat", "postrouting", 100)},
+                {"add": _base_chain(t, "prerouting", "nat", "prerouting", -100)},
+                {"add": _base_chain(t, "output", "nat", "output", -100)},
+                {"add": _base_chain(t, "forward", "filter", "forward", 0)},
                 # Into the bridge from elsewhere: only published ports and answers.
-                {"add": _rule("forward", [_match(_meta("oifname"), br), _match({"ct": {"key": "status"}}, "dnat",
-                                                                               "in"), {"accept": None}])},
-                {"add": _rule("forward", [_match(_meta("oifname"), br),
-                                          _match({"ct": {"key": "state"}}, ["established", "related"], "in"),
-                                          {"accept": None}])},
-                {"add": _rule("forward", [_match(_meta("oifname"), br), _match(_meta("iifname"), br, "!="),
-                                          {"drop": None}])}]
+                {"add": _rule(t, "forward", [_match(_meta("oifname"), br), _match({"ct": {"key": "status"}}, "dnat",
+                                                                                  "in"), {"accept": None}])},
+                {"add": _rule(t, "forward", [_match(_meta("oifname"), br),
+                                             _match({"ct": {"key": "state"}}, ["established", "related"], "in"),
+                                             {"accept": None}])},
+                {"add": _rule(t, "forward", [_match(_meta("oifname"), br), _match(_meta("iifname"), br, "!="),
+                                             {"drop": None}])}]
         if self.uplink:
-            cmds.append({"add": _rule("postrouting", [
+            cmds.append({"add": _rule(t, "postrouting", [
                 _match(_payload("ip", "saddr"), _prefix(self.subnet4)),
                 _match(_meta("oifname"), self.uplink), {"masquerade": None}])})
         with self._lock:
-            self._run(cmds, f"create table {FAMILY} {TABLE} in {self._where()}")
+            self._run(cmds, f"create table {FAMILY} {self.table} in {self._where()}")
             self._handles.clear()
             self.started = True
         if self.uplink:
@@ -270,7 +281,7 @@ class HostNat:
                             "routed out of %s, masqueraded); dsecd leaves it on at stop",
                             self.uplink_cfg, self._where(), self.uplink)
             log.info("egress NAT: %s masqueraded out of %s (nftables table %s %s)", self.subnet4, self.uplink,
-                     FAMILY, TABLE)
+                     FAMILY, self.table)
 
     def _where(self) -> str:
         return f"netns `{self.ns_path}`" if self.ns_path else "the daemon's netns"
@@ -283,8 +294,8 @@ class HostNat:
             self.started = False
             self._handles.clear()
             try:
-                self._run([{"delete": {"table": {"family": FAMILY, "name": TABLE}}}],
-                          f"delete table {FAMILY} {TABLE} in {self._where()}")
+                self._run([{"delete": {"table": {"family": FAMILY, "name": self.table}}}],
+                          f"delete table {FAMILY} {self.table} in {self._where()}")
             except NatError as err:
                 if "No such file" not in str(err):
                     raise
@@ -316,8 +327,8 @@ class HostNat:
                    _match(_payload("ip", "daddr"), {"prefix": {"addr": "127.0.0.0", "len": 8}}, "!=")]
         tail = dst + [_match(_payload("tcp", "dport"), host_port),
                       {"dnat": {"family": "ip", "addr": sb_addr, "port": port}}]
-        cmds = [{"add": _rule("prerouting", [_match(_meta("iifname"), self.bridge, "!="), *tail], key)},
-                {"add": _rule("output", tail, key)}]
+        cmds = [{"add": _rule(self.table, "prerouting", [_match(_meta("iifname"), self.bridge, "!="), *tail], key)},
+                {"add": _rule(self.table, "output", tail, key)}]
         with self._lock:
             if not self.started:
                 raise NatError(errno.ESHUTDOWN, "nftables table of dsecd is not set up (daemon stopping)")
@@ -346,7 +357,7 @@ class HostNat:
             handles = self._handles.pop(key, None)
             if not handles or not self.started:
                 return False
-            self._run([{"delete": {"rule": {"family": FAMILY, "table": TABLE, "chain": c, "handle": h}}}
+            self._run([{"delete": {"rule": {"family": FAMILY, "table": self.table, "chain": c, "handle": h}}}
                        for c, h in handles], f"unpublish {key}")
         if host_port is not None:
             try:
@@ -361,4 +372,4 @@ class HostNat:
         return True
 
     def info(self) -> dict:
-        return {"table": f"{FAMILY} {TABLE}", "uplink": self.uplink, "published": len(self._handles)}
+        return {"table": f"{FAMILY} {self.table}", "uplink": self.uplink, "published": len(self._handles)}
