@@ -316,6 +316,28 @@ class HostNat:
         finally:
             s.close()
 
+    def dnat_ports_of_others(self) -> set[int]:
+        """The TCP ports other tables of the netns DNAT (another daemon's published
+        ports, a container engine's): a publication of one of them here too would
+        not get its connections (the other table's rule, at the same hook, sees
+        them as well), so they count as taken."""
+        with self._lock:
+            items = self._run([{"list": {"ruleset": None}}], f"list the ruleset of {self._where()}")
+        tcp_dport = {"payload": {"protocol": "tcp", "field": "dport"}}
+        ports: set[int] = set()
+        for it in items:
+            r = it.get("rule") if isinstance(it, dict) else None
+            if not r or (r.get("family"), r.get("table")) == (FAMILY, self.table):
+                continue
+            exprs = r.get("expr") or []
+            if not any("dnat" in e or "redirect" in e for e in exprs):
+                continue
+            for e in exprs:
+                m = e.get("match") or {}
+                if m.get("op") == "==" and m.get("left") == tcp_dport and isinstance(m.get("right"), int):
+                    ports.add(m["right"])
+        return ports
+
     def publish(self, key: str, host_port: int, bind: str, sb_addr: str, port: int) -> None:
         """DNAT tcp `bind`:`host_port` (bind "" = every local non-loopback address) to
         `sb_addr`:`port`, for connections from outside (prerouting, not from the

@@ -580,11 +580,20 @@ class Network:
                     return owner
             return None
 
+        try:
+            others = nat.dnat_ports_of_others()
+        except NatError as err:
+            log.warning("publish a port of sandbox %s: %s; host ports other tables DNAT are not avoided", sb_id, err)
+            others = set()
         if host_port is not None:
             owner = taken(host_port)
             if owner is not None:
                 raise Conflict(f"host port {host_port} is published already (sandbox {owner}); pick another "
                                "--host-port", {"host_port": host_port})
+            if host_port in others:
+                raise Conflict(f"host port {host_port} is DNATed by another nftables table of the host side "
+                               "(the bridge's network namespace: another daemon's published port, or a "
+                               "container engine's); pick another --host-port", {"host_port": host_port})
             try:
                 nat.check_host_port(host_port, bind)
             except NatError as err:
@@ -592,7 +601,7 @@ class Network:
             return int(host_port)
         lo, hi = self.publish_range
         for hp in range(lo, hi + 1):
-            if taken(hp) is None:
+            if taken(hp) is None and hp not in others:
                 try:
                     nat.check_host_port(hp, bind)
                 except NatError:

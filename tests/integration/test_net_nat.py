@@ -376,25 +376,35 @@ def test_a_port_of_a_sandbox_that_died_while_no_daemon_ran_is_not_left_published
     assert "dsecd" not in ruleset(iworld.br_ns)
 
 
-def test_daemons_sharing_a_netns_keep_their_own_tables(iworld, natd, daemon_factory):
+def test_daemons_sharing_a_netns_keep_their_own_tables(iworld, natd, daemon_factory, busybox_rootfs):
     """A second daemon in the same bridge netns (a bridge and subnet of its
     own) neither replaces the first one's table at its start nor deletes it at
-    its stop: the first one's published port and egress NAT go on."""
+    its stop: the first one's published port and egress NAT go on. Neither
+    publishes on a host port the other one's table DNATs."""
     d, c = natd
     sb = c.create(image="busybox", net="default", publish=[8080], allow=[f"{iworld.inet}:80/tcp"])
     _serve_http(sb, 8080)
     host = sb.get_host(8080)
     cfg = dict(iworld.cfg, bridge="dsec1", ipv4_subnet="10.77.0.0/16", ipv4_pool="10.77.1.0/24", ipv6_subnet="")
     other = daemon_factory(_toml_net(cfg).replace("[net]\n", '[net]\nuplink = "auto"\n'))
-    assert "sandbox-page" in iworld.in_bridge_netns(http_get, host)
-    assert wget(sb, f"http://{iworld.inet}/")[0] == 0
-    oc = other.client()
     try:
-        assert oc.info()["net"]["nat"]["table"] == "inet dsecd-dsec1"
+        assert "sandbox-page" in iworld.in_bridge_netns(http_get, host)
+        assert wget(sb, f"http://{iworld.inet}/")[0] == 0
+        oc = other.client()
+        try:
+            assert oc.info()["net"]["nat"]["table"] == "inet dsecd-dsec1"
+            oc.import_image(busybox_rootfs, "busybox")
+            osb = oc.create(image="busybox", net="default", publish=[8080])
+            assert osb.get_host(8080).rsplit(":", 1)[1] != host.rsplit(":", 1)[1]
+            r = other.cli("port", osb.id, "9090", "--host-port", host.rsplit(":", 1)[1])
+            err = r.stderr.decode()
+            assert r.returncode != 0 and "is DNATed by another nftables table of the host side" in err, err
+            osb.destroy()
+        finally:
+            oc.close()
+        assert c.info()["net"]["nat"]["table"] == "inet dsecd"
     finally:
-        oc.close()
-    assert c.info()["net"]["nat"]["table"] == "inet dsecd"
-    other.stop(signal.SIGTERM)
+        other.stop(signal.SIGTERM)
     assert "dsecd-dsec1" not in ruleset(iworld.br_ns)
     assert "sandbox-page" in iworld.in_bridge_netns(http_get, host)
     assert wget(sb, f"http://{iworld.inet}/")[0] == 0
