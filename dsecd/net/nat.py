@@ -139,6 +139,25 @@ def probe(ns_path: str) -> None:
         "load a masquerade rule")
 
 
+def delete_table(ns_path: str | None, bridge: str) -> bool:
+    """Delete the table of the daemon whose bridge is `bridge` from the netns,
+    if there is one (a previous daemon's); whether there was."""
+    name = table_name(bridge)
+    try:
+        nft = _nft(ns_path)
+    except NatError as err:
+        if err.errno == errno.ENOSYS:   # no python3-nftables: no daemon here could have made one
+            return False
+        raise
+    try:
+        run(nft, [{"delete": {"table": {"family": FAMILY, "name": name}}}], f"delete table {FAMILY} {name}")
+    except NatError as err:
+        if "No such file" in str(err):
+            return False
+        raise
+    return True
+
+
 def default_route_ifname(ns_path: str | None) -> str:
     """The interface of the IPv4 default route in the netns (net.uplink = "auto")."""
     from pyroute2 import IPRoute
@@ -285,6 +304,19 @@ class HostNat:
 
     def _where(self) -> str:
         return f"netns `{self.ns_path}`" if self.ns_path else "the daemon's netns"
+
+    def leave(self, sandboxes: int) -> None:
+        """A daemon stop while `sandboxes` networked sandboxes run on: the table
+        stays, so their egress NAT and published ports (and the connections
+        made through them) go on while no daemon runs; the next daemon
+        replaces it whole (start, or Network.readopt)."""
+        with self._lock:
+            if not self.started:
+                return
+            self.started = False
+            self._handles.clear()
+        log.info("nftables table %s %s in %s kept at stop for %d networked sandbox(es) that run on; the next "
+                 "daemon replaces it", FAMILY, self.table, self._where(), sandboxes)
 
     def close(self) -> None:
         """Delete the table (and with it every rule dsecd added); nothing else."""

@@ -47,7 +47,7 @@ from ..fds import close_quietly
 from ..journal import RecordLog, read_record_dir
 from . import rules as R
 from .ipam import Ipam, Lease
-from .nat import HostNat, NatError
+from .nat import HostNat, NatError, delete_table, table_name
 from .plumbing import BridgeSpec, Plumbing, host_ifname, in_netns, netns_path, vm_ifname, vm_mac
 from .policy import Engine
 from .pool import NetnsPool, Ready
@@ -239,11 +239,17 @@ class Network:
     def close(self) -> None:
         """Daemon shutdown: sandboxes keep their veths and attached programs; the
         pool's entries are removed (no sandbox uses them); dsecd's nftables table
-        goes (egress NAT and published ports stop until the next daemon)."""
+        stays while networked sandboxes run on (their egress NAT and published
+        ports go on until the next daemon, as across a kill -9), else goes."""
         self.pool.close()
         try:
             if self.nat is not None:
-                self.nat.close()
+                with self._lock:
+                    running = len(self._sbs)
+                if running:
+                    self.nat.leave(running)
+                else:
+                    self.nat.close()
         finally:
             self.records.close()
             self.plumbing.close()
@@ -1028,6 +1034,16 @@ class Network:
                 self._nat_table()
             except NatError as err:
                 log.error("replace the nftables table a previous daemon left: %s", err)
+        elif self.nat is None:
+            # No uplink and no published port: this daemon needs no table, and one
+            # the previous daemon kept at its stop (or left when killed), with an
+            # uplink then, would masquerade on for no daemon.
+            try:
+                if delete_table(self.plumbing.ns_path, self.cfg["bridge"]):
+                    log.info("deleted the nftables table %s a previous daemon left (no net.uplink, no "
+                             "published port now)", table_name(self.cfg["bridge"]))
+            except NatError as err:
+                log.error("delete the nftables table a previous daemon left: %s", err)
         for sb_id, rec in records.items():
             if sb_id not in live:
                 self._release_leftovers(sb_id)

@@ -273,8 +273,16 @@ class Daemon:
         _unmount_below(self.tmp)
         shutil.rmtree(self.tmp, ignore_errors=True)
         # Made in this namespace when the test gave no net.host_netns (else
-        # it went with the test's own namespace); no such link: nothing to do.
+        # they went with the test's own namespace); none there: nothing to do.
+        # The nftables table stays after a stop with networked sandboxes alive,
+        # or a kill -9.
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        try:
+            from dsecd.net.nat import delete_table
+
+            delete_table(None, self.bridge)
+        except Exception as err:   # keep cleaning up; report below
+            print(f"cleanup: delete the nftables table of bridge {self.bridge}: {err}", file=sys.stderr)
 
 
 def _unmount_below(top: Path) -> None:

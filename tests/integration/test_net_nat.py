@@ -191,7 +191,7 @@ def test_published_port(iworld, natd):
     # Restart: the port is journaled and published again.
     c.close()
     d.stop(signal.SIGTERM)
-    assert "dsecd" not in ruleset(iworld.br_ns)
+    assert "sandbox-page" in iworld.in_bridge_netns(http_get, host)     # kept for the sandbox that runs on
     d.start()
     c = d.client()
     sb = c.get(sb.id)
@@ -345,6 +345,68 @@ def test_unpublish_cuts_connections_made_through_the_port(iworld, natd):
         for s in (*conns, kept):
             s.close()
     sb.destroy()
+
+
+def _echo_server(sb, port: int) -> None:
+    sb.exec(["sh", "-c", f"setsid nc -ll -p {port} -e cat </dev/null >/dev/null 2>&1 &"])
+    deadline = time.monotonic() + 5
+    while sb.exec(["sh", "-c", f"netstat -ltn | grep -q ':{port} '"]).exit_code != 0:
+        assert time.monotonic() < deadline, "nc did not listen"
+        time.sleep(0.05)
+
+
+def test_a_stopped_daemon_keeps_published_ports_for_sandboxes_that_run_on(iworld, natd):
+    """Sandboxes run on while no daemon does (a restart): so do their egress NAT
+    and published ports. A stop keeps the table while networked sandboxes
+    live; an open connection through a published port goes on, and a new one
+    is made, until and after the next daemon replaces the table."""
+    d, c = natd
+    sb = c.create(image="busybox", net="default", publish=[8080])
+    _echo_server(sb, 8080)
+    addr = f"{iworld.uplink_addr}:{sb.get_host(8080).rsplit(':', 1)[1]}"
+    conn = _connect_in(iworld.inet_ns, addr)
+    try:
+        conn.settimeout(3)
+        assert _echoes(conn, b"before\n")
+        d.stop(signal.SIGTERM)
+        assert "dsecd" in ruleset(iworld.br_ns)
+        assert _echoes(conn, b"while stopped\n")
+        fresh = _connect_in(iworld.inet_ns, addr)
+        fresh.settimeout(3)
+        assert _echoes(fresh, b"new\n")
+        fresh.close()
+        d.start()
+        assert _echoes(conn, b"after\n")
+    finally:
+        conn.close()
+
+
+def test_a_table_no_daemon_needs_now_is_deleted_at_start(iworld, daemon_factory, busybox_rootfs):
+    """A stop kept the table (egress NAT) for a sandbox that runs on; the next
+    daemon runs without net.uplink and publishes nothing: the table would
+    masquerade on for no daemon, and goes."""
+    cfg = dict(iworld.cfg, ipv4_pool=f"10.{iworld.octet}.7.0/24")
+    with_uplink = _toml_net(cfg).replace("[net]\n", '[net]\nuplink = "auto"\n')
+    d = daemon_factory(with_uplink)
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    c.create(image="busybox", net="default")
+    c.close()
+    d.stop(signal.SIGTERM)
+    assert "masquerade" in ruleset(iworld.br_ns)
+    d.config.write_text(d.config.read_text().replace('uplink = "auto"\n', ""))
+    d.start()
+    c = d.client()
+    try:
+        assert [x["state"] for x in c.list()] == ["running"]
+        deadline = time.monotonic() + 10          # the Network is built behind the start
+        while "dsecd" in ruleset(iworld.br_ns):
+            assert time.monotonic() < deadline, ruleset(iworld.br_ns)
+            time.sleep(0.1)
+        c.destroy_all(force=True)
+    finally:
+        c.close()
+    d.stop(signal.SIGTERM)
 
 
 def test_a_port_of_a_sandbox_that_died_while_no_daemon_ran_is_not_left_published(iworld, daemon_factory,
