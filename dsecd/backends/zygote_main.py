@@ -242,12 +242,7 @@ def init_children(init_pid=1, fd=-1):
         if fd < 0:
             with open(f"/proc/{init_pid}/task/{init_pid}/children", "rb") as f:
                 return f.read().split()
-        data = b""
-        while True:
-            chunk = os.pread(fd, 65536, len(data))
-            data += chunk
-            if len(chunk) < 65536:
-                return data.split()
+        return read_from_start(fd).split()
     except OSError:
         return []
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import time
 
 import pytest
 
@@ -354,3 +356,28 @@ def test_ipc_objects_are_found_through_files_kept_open_as_through_new_ones():
     (before, kept, fresh, other, after), ids = ast.literal_eval(out)
     assert before == [] and after == [] and other == []
     assert kept == fresh == sorted([("shm", i) for i in ids[:60]] + [("sem", ids[60]), ("msg", ids[61])])
+
+
+def test_a_childrens_list_longer_than_a_page_is_read_whole():
+    """init_children through a kept fd: a seq_file hands out a page per read,
+    so a process with more children than a page lists (~680 pids) must be
+    read to its end, or leftovers past the first page escape the kill."""
+    import subprocess
+
+    parent = subprocess.Popen(["sh", "-c", "for i in $(seq 900); do sleep 60 & done; wait"])
+    try:
+        path = f"/proc/{parent.pid}/task/{parent.pid}/children"
+        deadline = time.monotonic() + 30
+        while len(open(path).read().split()) < 900:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert len(zygote_main.init_children(parent.pid, fd=fd)) == 900
+        finally:
+            os.close(fd)
+    finally:
+        for pid in open(f"/proc/{parent.pid}/task/{parent.pid}/children").read().split():
+            os.kill(int(pid), signal.SIGKILL)
+        parent.kill()
+        parent.wait()
