@@ -318,9 +318,10 @@ class Client:
     SshOptions, default from the environment).
 
     A lost connection fails the requests in flight with errors.ConnectionLost.
-    With `reconnect` (the default for ssh://, where a network can drop a
-    connection that a daemon never would), the next request connects again
-    first; otherwise every later request fails with ConnectionLost too."""
+    With `reconnect` (the default: a daemon restart, which leaves the
+    sandboxes running, or a network over ssh:// drops a connection), the
+    next request connects again first; otherwise every later request fails
+    with ConnectionLost too, until connect() is called again."""
 
     def __init__(self, target: str | None = None, name: str = "dsecd-sdk", connect_timeout: float = 30.0,
                  *, ssh: remote.SshOptions | None = None, reconnect: bool | None = None):
@@ -337,7 +338,7 @@ class Client:
         # How long connect() waits for the daemon's hello: a socket someone
         # holds open but nobody serves (a wedged daemon) must not hang a client.
         self.connect_timeout = connect_timeout
-        self.reconnect = self.remote if reconnect is None else reconnect
+        self.reconnect = True if reconnect is None else reconnect
         # Called with a reason as soon as a connection is lost (not when this
         # client closes it); dsecd.Fleet marks the host down from it.
         self.on_lost: Callable[[str], object] | None = None
@@ -478,7 +479,8 @@ class Client:
 
     async def abort(self, reason: str) -> None:
         """abort_now, then wait until the requests in flight have failed and
-        the connection (and its ssh) is gone; a later connect() connects again."""
+        the connection (and its ssh) is gone; the next request (with
+        `reconnect`, the default) or a later connect() connects again."""
         conn = self.abort_now(reason)
         if conn is None:
             return

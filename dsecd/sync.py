@@ -548,7 +548,8 @@ class SyncClient(_LoopThread):
 
     def abort(self, reason: str) -> None:
         """Client.abort: end the connection now (requests in flight fail with
-        ConnectionLost); a later connect() connects again."""
+        ConnectionLost); the next request (with reconnect, the default) or
+        a later connect() connects again."""
         self._run(self._client.abort(reason))
 
     def sandbox(self, image: str, **create_args) -> _SyncSandboxContext:

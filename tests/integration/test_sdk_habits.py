@@ -285,8 +285,18 @@ def test_sync_client_hold_renews_leases_until_cancelled(daemon, client):
 
 
 def test_sync_client_abort_and_connect_again(daemon):
+    """After abort() the next request connects again (reconnect, the
+    default); with reconnect=False it fails until connect() is called."""
     c = daemon.client()
     try:
+        c.abort("the test's watchdog")
+        assert not c.connected
+        assert isinstance(c.list(), list) and c.connected
+    finally:
+        c.close()
+    c = dsecd.SyncClient(daemon.socket, reconnect=False)
+    try:
+        c.connect()
         assert c.connected
         c.abort("the test's watchdog")
         assert not c.connected

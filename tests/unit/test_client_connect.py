@@ -96,7 +96,7 @@ def test_a_lost_connections_advice_is_its_owners(tmp_path):
             server.close()
 
     sdk, fleet, cli = asyncio.run(go())
-    assert sdk.endswith("call connect() again (or make the Client with reconnect=True) to go on")
+    assert sdk.endswith("the next request connects again")
     assert fleet.endswith(f"the fleet connects to {path} again once it answers (Fleet.status(); event host_up); "
                           "retry then")
     assert cli.endswith("run the command again once the daemon answers")
@@ -232,13 +232,24 @@ def test_a_client_used_from_another_event_loop_says_so_at_once(tmp_path):
 
 def test_a_client_whose_event_loop_ended_says_so(tmp_path):
     """connect() in one asyncio.run, a request in the next: that first loop's
-    end cancelled the connection's reader. The client did not close it, so
-    the error says what did, and the new loop connects again."""
+    end cancelled the connection's reader. By default the request connects
+    again in the new loop; with reconnect=False it fails, saying what ended
+    the connection (the client did not close it)."""
     from dsecd import ConnectionLost
 
     path = str(tmp_path / "d.sock")
     with _answering_in_a_thread(path) as loop:
         c = Client(path)
+        asyncio.run(c.connect())
+
+        async def list_and_close():
+            try:
+                return await c.request("list")
+            finally:
+                await c.close()
+
+        assert asyncio.run(list_and_close()) == {"limits": {}, "sandboxes": []}
+        c = Client(path, reconnect=False)
         asyncio.run(c.connect())
         with pytest.raises(ConnectionLost) as e:
             asyncio.run(c.request("list"))
@@ -247,10 +258,7 @@ def test_a_client_whose_event_loop_ended_says_so(tmp_path):
 
         async def again():
             await c.connect()
-            try:
-                return await c.request("list")
-            finally:
-                await c.close()
+            return await list_and_close()
 
         assert asyncio.run(again()) == {"limits": {}, "sandboxes": []}
         asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(5)
@@ -331,3 +339,41 @@ def test_a_client_whose_loop_was_closed_under_it_says_so_instead_of_hanging(tmp_
                 await c.close()
 
         assert asyncio.run(use())["sandboxes"] == []
+
+
+def test_after_a_daemon_restart_the_next_request_connects_again(tmp_path):
+    """A daemon restart drops every connection while the sandboxes run on:
+    the request in flight fails (it may have been carried out), the next
+    one is sent on a new connection. reconnect=False keeps failing."""
+    from dsecd import ConnectionLost
+
+    path = str(tmp_path / "d.sock")
+    conns = []
+
+    async def daemon(reader, writer):
+        conns.append(writer)
+        if len(conns) == 1:
+            return await hello_then_drop(reader, writer)
+        dec = protocol.FrameDecoder(1 << 20)
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                result = {"limits": {}} if f["op"] == "hello" else {"time": 1.0}
+                writer.write(protocol.encode_frame({"id": f["id"], "result": result}))
+
+    async def go(reconnect):
+        conns.clear()
+        server = await asyncio.start_unix_server(daemon, path)
+        try:
+            async with Client(path, reconnect=reconnect) as c:
+                with pytest.raises(ConnectionLost):
+                    await c.request("ping")
+                try:
+                    return await c.request("ping"), len(conns)
+                except ConnectionLost as err:
+                    return str(err), len(conns)
+        finally:
+            server.close()
+
+    assert asyncio.run(go(None)) == ({"time": 1.0}, 2)
+    said, made = asyncio.run(go(False))
+    assert made == 1 and said.endswith("call connect() again (or make the Client with reconnect=True) to go on")
