@@ -14,7 +14,7 @@ import pytest
 from dsecd.engine import memory as memory_mod
 from dsecd.engine.memory import MemoryService
 from dsecd.engine.sandboxes import Sandbox
-from dsecd.errors import DsecError
+from dsecd.errors import Conflict, DsecError
 from dsecd.mem import pause
 
 
@@ -227,6 +227,26 @@ def test_a_pause_cancelled_before_it_began_never_runs(monkeypatch):
 
     assert asyncio.run(go()) is False
     assert ran == [] and sb.state == "running" and sb.paused_at is None
+
+
+def test_a_pause_that_outlives_a_destroy_writes_no_record(monkeypatch):
+    """A destroy takes no sandbox lock: one that came during the freeze has
+    deleted the sandbox's journal record, and a pause recorded after it
+    would make the next daemon adopt a ghost."""
+    sb = _sandbox()
+    svc = _service(sb)
+    saved = []
+    svc.registry.save = saved.append
+
+    def pause_while_destroyed(group, cfg):
+        sb.state = "stopping"
+        svc.registry.by_id.pop(sb.id)
+        return pause.PauseRecord()
+
+    monkeypatch.setattr(memory_mod.pause, "pause", pause_while_destroyed)
+    with pytest.raises(Conflict, match="destroyed while it was being paused"):
+        asyncio.run(svc._pause(sb))
+    assert saved == [] and sb.paused_at is None
 
 
 def test_a_snapshot_cancelled_twice_still_thaws_its_sandbox(monkeypatch, tmp_path):
