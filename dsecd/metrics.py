@@ -38,6 +38,7 @@ import contextlib
 import logging
 import os
 import socket
+import stat
 import time
 from dataclasses import dataclass, field
 
@@ -559,13 +560,23 @@ class MetricsServer:
 
 
 def _remove_dead_socket(path: str) -> None:
-    """Remove the socket file a dead daemon left; one still answering stays
-    (the bind then fails with EADDRINUSE, naming the path)."""
+    """Remove the socket file a dead daemon left. A file that is not a
+    socket, or a socket a server still answers on (the daemon's own
+    protocol socket, say), stays: ValueError naming it, since the bind
+    would rename the new socket over it."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ValueError(f"{path} exists and is not a socket")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        if probe.connect_ex(path) != 0:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        if probe.connect_ex(path) == 0:
+            raise ValueError(f"a server already serves on {path} (daemon.socket, or another daemon's "
+                             "endpoint)")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
     finally:
         probe.close()
 

@@ -204,3 +204,50 @@ def test_the_grafana_dashboard_names_only_series_the_daemon_serves(monkeypatch):
     dash = json.loads((Path(__file__).resolve().parents[2] / "ops" / "grafana-dsecd.json").read_text())
     named = {m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"\b(?:dsecd|process)_\w+", t["expr"])}
     assert named and named <= served, sorted(named - served)
+
+
+def _start_endpoint(path) -> metrics.MetricsServer:
+    import asyncio
+
+    async def start():
+        server = metrics.MetricsServer(None, str(path), False, set)
+        await server.start()
+        await server.stop()
+
+    asyncio.run(start())
+
+
+def test_a_socket_path_naming_a_file_leaves_the_file_alone(tmp_path):
+    """metrics.listen naming a file that is not a socket (a typo, the
+    journal) stops the start, saying so; the file is kept as it was."""
+    kept = tmp_path / "journal"
+    kept.write_text("records\n")
+    with pytest.raises(ValueError, match="not a socket"):
+        _start_endpoint(kept)
+    assert kept.read_text() == "records\n"
+
+
+def test_a_socket_path_something_serves_is_not_taken_over(tmp_path):
+    """metrics.listen naming the daemon's own socket (or another server's)
+    stops the start; the socket stays with the server that has it."""
+    import socket
+
+    path = tmp_path / "dsecd.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as live:
+        live.bind(str(path))
+        live.listen()
+        with pytest.raises(ValueError, match="already serves"):
+            _start_endpoint(path)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.connect(str(path))
+            assert live.accept()[0] is not None
+
+
+def test_a_socket_a_dead_daemon_left_is_replaced(tmp_path):
+    import socket
+
+    path = tmp_path / "metrics.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(str(path))
+    _start_endpoint(path)
+    assert not path.exists()
