@@ -22,6 +22,7 @@ import logging
 import os
 import select
 import socket
+import stat
 import struct
 
 from . import framing, metrics, protocol, unixsock
@@ -535,9 +536,15 @@ def _group_id(group: str) -> int | None:
 
 
 def _remove_stale_socket(path: str) -> None:
-    """Remove a socket file left by a dead daemon; refuse if one is still listening."""
-    if not os.path.exists(path):
+    """Remove a socket file left by a dead daemon; refuse if one is still
+    listening, or if the file is not a socket (the bind would replace it)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
         return
+    if not stat.S_ISSOCK(mode):
+        raise SystemExit(f"dsecd: {path} exists and is not a socket; daemon.socket (--socket) must name a "
+                         "path of the daemon's own")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)

@@ -19,3 +19,17 @@ def test_a_state_dir_in_use_names_the_daemon_using_it_and_what_to_do(tmp_path):
         assert "stop it" in said and "daemon.state_dir" in said, said
     finally:
         os.close(held)
+
+
+def test_a_socket_path_naming_a_file_leaves_the_file_alone(tmp_path):
+    """daemon.socket (--socket) naming a file that is not a socket stops
+    the start, saying so; the file is kept as it was."""
+    from dsecd import server
+
+    kept = tmp_path / "dsecd.toml"
+    kept.write_text("[daemon]\n")
+    with pytest.raises(SystemExit) as err:
+        server._remove_stale_socket(str(kept))
+    said = str(err.value.code)
+    assert f"{kept} exists and is not a socket" in said and "daemon.socket" in said, said
+    assert kept.read_text() == "[daemon]\n"
