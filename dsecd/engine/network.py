@@ -29,6 +29,7 @@ import os
 import threading
 
 from .. import cgroup, userns
+from ..config import ConfigError
 from ..errors import BadRequest, DsecError, Unsupported, io_error
 from ..fs import files as sbfiles
 from .sandboxes import SandboxRegistry
@@ -61,6 +62,15 @@ class NetworkService:
         self._net_ready: asyncio.Future | None = None
         self._warmup: asyncio.Task | None = None
         self._bpf_loader: threading.Thread | None = None
+        from ..net import rules as R
+
+        # Parsed again when the network is built, maybe at the first --net
+        # default create: a bad set must stop the start, not leave
+        # networking unavailable with the daemon up.
+        try:
+            R.parse_rule_sets(self.net_cfg.get("rule_sets", {}))
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
 
     async def network(self):
         """The Network, built once (in a worker thread) on first use."""

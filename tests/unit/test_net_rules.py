@@ -71,6 +71,21 @@ def test_rule_sets_from_config():
         R.parse_rule_sets({"x": []})
 
 
+
+@pytest.mark.parametrize("sets", [{"x": 5}, {"x": ["bogus rule"]}, {"Bad Name": ["10.0.0.0/8"]}])
+def test_a_bad_rule_set_in_the_config_stops_the_start(sets):
+    """Not only when the network is first built (the first --net default
+    create, maybe hours later), which would leave networking unavailable
+    with the daemon up and `dsec net sets` failing with an internal error."""
+    from types import SimpleNamespace
+
+    from dsecd.config import ConfigError
+    from dsecd.engine.network import NetworkService
+
+    cfg = SimpleNamespace(section=lambda name: {"rule_sets": sets}, state_dir=None)
+    with pytest.raises(ConfigError, match="net.rule_sets"):
+        NetworkService(cfg, None, "dsecd-test", 1, None, None, None)
+
 def test_unknown_set_name():
     with pytest.raises(BadRequest, match=r"unknown rule set 'npm' \(known: dns, pypi\)") as info:
         R.canonical_term("npm", SETS)
