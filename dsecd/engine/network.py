@@ -38,6 +38,29 @@ from .workers import Workers
 log = logging.getLogger(__name__)
 
 
+def _check_config(net: dict) -> None:
+    """ConfigError for a [net] setting the network could not be built with.
+    They are read when it is built, maybe at the first --net default create:
+    a bad one must stop the start, not leave networking unavailable with
+    the daemon up."""
+    from ..net import rules as R
+    from ..net.ipam import Ipam
+
+    try:
+        sets = R.parse_rule_sets(net.get("rule_sets", {}))
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    for term in net.get("essentials", []):
+        try:
+            R.canonical_term(term, sets)
+        except BadRequest as err:
+            raise ConfigError(f"net.essentials: {err.message}") from err
+    try:
+        Ipam(net["ipv4_subnet"], net["ipv4_pool"], net["ipv6_subnet"])
+    except ValueError as err:
+        raise ConfigError(f"net.ipv4_subnet, ipv4_pool or ipv6_subnet: {err}") from err
+
+
 class NetworkService:
     """`backend` destroys a sandbox whose create was cancelled mid-spawn
     (spawn_joining); `cgroup_root` and `max_sandboxes` size and place the
@@ -62,15 +85,7 @@ class NetworkService:
         self._net_ready: asyncio.Future | None = None
         self._warmup: asyncio.Task | None = None
         self._bpf_loader: threading.Thread | None = None
-        from ..net import rules as R
-
-        # Parsed again when the network is built, maybe at the first --net
-        # default create: a bad set must stop the start, not leave
-        # networking unavailable with the daemon up.
-        try:
-            R.parse_rule_sets(self.net_cfg.get("rule_sets", {}))
-        except ValueError as err:
-            raise ConfigError(str(err)) from err
+        _check_config(self.net_cfg)
 
     async def network(self):
         """The Network, built once (in a worker thread) on first use."""

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 from proc_kit import running
 
+from dsecd.config import load_config
 from dsecd.engine.calls import CallService
 from dsecd.engine.execs import ExecLimits, ExecService
 from dsecd.engine.idranges import IdRanges
@@ -57,7 +58,7 @@ def _workers():
 
 def _ops(workers, backend) -> NetworkService:
     """The network service, whose spawn_joining a create goes through."""
-    cfg = SimpleNamespace(section=lambda name: {}, state_dir=None)
+    cfg = SimpleNamespace(section=load_config().section, state_dir=None)
     return NetworkService(cfg, None, "dsecd-test", 1, None, workers, backend)
 
 

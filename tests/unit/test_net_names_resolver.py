@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from dsecd.config import load_config
 from dsecd.engine.network import NetworkService
 from dsecd.errors import BadRequest, LimitExceeded
 from dsecd.net import rules as R
@@ -34,7 +35,7 @@ class _Workers:
 
 
 def _service(resolver=None, dns_error=None) -> NetworkService:
-    ops = NetworkService(SimpleNamespace(section=lambda name: {}, state_dir=None), None, "dsecd-test", 1,
+    ops = NetworkService(SimpleNamespace(section=load_config().section, state_dir=None), None, "dsecd-test", 1,
                          None, None, None)
     ops.resolver, ops.dns_error = resolver, dns_error
     ops.workers = _Workers()

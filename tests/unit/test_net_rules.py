@@ -72,19 +72,30 @@ def test_rule_sets_from_config():
 
 
 
-@pytest.mark.parametrize("sets", [{"x": 5}, {"x": ["bogus rule"]}, {"Bad Name": ["10.0.0.0/8"]}])
-def test_a_bad_rule_set_in_the_config_stops_the_start(sets):
+@pytest.mark.parametrize("net,says", [
+    ({"rule_sets": {"x": 5}}, "net.rule_sets.x: must be a non-empty list"),
+    ({"rule_sets": {"x": ["bogus rule"]}}, "net.rule_sets.x: bad rule"),
+    ({"rule_sets": {"Bad Name": ["10.0.0.0/8"]}}, "net.rule_sets: bad set name"),
+    ({"essentials": ["nosuchset"]}, "net.essentials: unknown rule set 'nosuchset'"),
+    ({"ipv4_subnet": "garbage"}, "net.ipv4_subnet, ipv4_pool or ipv6_subnet: .*'garbage'"),
+    ({"ipv4_pool": "10.1.0.0/24"}, "net.ipv4_pool 10.1.0.0/24 is not inside"),
+    ({"ipv6_subnet": "zz"}, "net.ipv4_subnet, ipv4_pool or ipv6_subnet: .*'zz'"),
+])
+def test_a_bad_net_setting_stops_the_start(net, says):
     """Not only when the network is first built (the first --net default
     create, maybe hours later), which would leave networking unavailable
     with the daemon up and `dsec net sets` failing with an internal error."""
     from types import SimpleNamespace
 
-    from dsecd.config import ConfigError
+    from dsecd.config import ConfigError, load_config
     from dsecd.engine.network import NetworkService
 
-    cfg = SimpleNamespace(section=lambda name: {"rule_sets": sets}, state_dir=None)
-    with pytest.raises(ConfigError, match="net.rule_sets"):
+    defaults = load_config()
+    cfg = SimpleNamespace(section=lambda name: defaults.section(name) | net, state_dir=None)
+    with pytest.raises(ConfigError, match=says):
         NetworkService(cfg, None, "dsecd-test", 1, None, None, None)
+    NetworkService(SimpleNamespace(section=defaults.section, state_dir=None), None, "dsecd-test", 1, None, None,
+                   None)
 
 def test_unknown_set_name():
     with pytest.raises(BadRequest, match=r"unknown rule set 'npm' \(known: dns, pypi\)") as info:
