@@ -112,7 +112,12 @@ async def cmd_info(c: Client, a) -> int:
     print("sandboxes: " + (", ".join(f"{k} {v}" for k, v in sorted(info["sandboxes"].items())) or "none"))
     print("paths:")
     for k, v in sorted(info["paths"].items()):
-        print(f"  {k:<12} {v}")
+        if isinstance(v, dict):          # cgroup_dirs: a dir per hierarchy
+            print(f"  {k}:")
+            for name, path in sorted(v.items()):
+                print(f"    {name:<10} {path}")
+        else:
+            print(f"  {k:<12} {v}")
     if "cpu" in info:
         _print_cpu_info(info["cpu"])
     for name, b in info.get("memory", {}).items():

@@ -536,3 +536,22 @@ def test_create_without_an_image_or_with_two_says_so(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
         cli.parse_args(argv)
     assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_info_prints_the_cgroup_dirs_one_per_line(capsys):
+    """`dsec info`'s paths: the cgroup dir of each hierarchy on a line of
+    its own, not a Python dict."""
+    class Info:
+        async def info(self):
+            return {"version": "0.1.0", "protocol": 1, "pid": 1, "uptime_s": 5.0, "kernel": "6.1",
+                    "cgroup_mode": "v2", "cgroup_controllers": {"cpu": "v2"}, "features": {}, "limits": {},
+                    "sandboxes": {}, "paths": {"cgroup_dirs": {"cpu": "/sys/fs/cgroup/cpu/dsecd",
+                                                               "memory": "/sys/fs/cgroup/memory/dsecd"},
+                                               "socket": "/run/dsecd/dsecd.sock"}}
+
+    assert asyncio.run(cli.cmd_info(Info(), cli.parse_args(["info"]))) == 0
+    out = capsys.readouterr().out
+    assert "{" not in out, out
+    lines = [line.split() for line in out.splitlines()]
+    assert ["cpu", "/sys/fs/cgroup/cpu/dsecd"] in lines and ["memory", "/sys/fs/cgroup/memory/dsecd"] in lines, out
+    assert ["socket", "/run/dsecd/dsecd.sock"] in lines, out
