@@ -25,7 +25,7 @@ import os
 import signal
 import sys
 
-from . import cgroup, fds, logs, profiling
+from . import __version__, cgroup, fds, logs, profiling
 from .config import DEFAULT_PATH, ConfigError, load_config
 from .features import probe_all
 from .looplag import LoopMonitor
@@ -45,6 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--state-dir", help="journal, sandbox and image directory (daemon.state_dir)")
     p.add_argument("--log-level", help="debug, info, warning or error (daemon.log_level)")
     p.add_argument("--print-config", action="store_true", help="print the effective config as JSON and exit")
+    p.add_argument("--version", action="version", version=f"dsecd {__version__}")
     return p.parse_args(argv)
 
 

@@ -33,3 +33,12 @@ def test_a_socket_path_naming_a_file_leaves_the_file_alone(tmp_path):
     said = str(err.value.code)
     assert f"{kept} exists and is not a socket" in said and "daemon.socket" in said, said
     assert kept.read_text() == "[daemon]\n"
+
+
+def test_version_prints_the_version_and_exits(capsys):
+    from dsecd import __version__
+
+    with pytest.raises(SystemExit) as err:
+        daemon.parse_args(["--version"])
+    assert err.value.code == 0
+    assert capsys.readouterr().out.strip() == f"dsecd {__version__}"
