@@ -506,7 +506,10 @@ class MetricsServer:
         log.info("metrics on %s", self.describe())
 
     def describe(self) -> str:
-        return self.where if isinstance(self.where, str) else f"http://{self.where[0]}:{self.where[1]}/metrics"
+        if isinstance(self.where, str):
+            return self.where
+        host, port = self.where
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"      # an IPv6 address in brackets
 
     async def stop(self) -> None:
         if self._server is not None:

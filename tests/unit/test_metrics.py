@@ -251,3 +251,11 @@ def test_a_socket_a_dead_daemon_left_is_replaced(tmp_path):
         dead.bind(str(path))
     _start_endpoint(path)
     assert not path.exists()
+
+
+@pytest.mark.parametrize("listen,url", [("127.0.0.1:9464", "http://127.0.0.1:9464/metrics"),
+                                        ("[::1]:9464", "http://[::1]:9464/metrics"),
+                                        ("/run/dsecd/metrics.sock", "/run/dsecd/metrics.sock")])
+def test_the_endpoint_is_described_as_a_url_curl_takes(listen, url):
+    """The `ready` log line and the "metrics on" line name it so."""
+    assert metrics.MetricsServer(None, listen, False, set).describe() == url
