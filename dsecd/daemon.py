@@ -29,7 +29,7 @@ from . import __version__, cgroup, fds, logs, profiling
 from .config import DEFAULT_PATH, ConfigError, load_config
 from .features import probe_all
 from .looplag import LoopMonitor
-from .metrics import MetricsServer
+from .metrics import MetricsServer, parse_listen
 from .node import Node
 from .sdnotify import Notifier
 from .server import Server
@@ -60,7 +60,15 @@ def config_path(given: str | None) -> str | None:
 def build_config(args: argparse.Namespace):
     daemon = {k: v for k, v in (("socket", args.socket), ("state_dir", args.state_dir),
                                 ("log_level", args.log_level)) if v}
-    return load_config(config_path(args.config), {"daemon": daemon} if daemon else None)
+    cfg = load_config(config_path(args.config), {"daemon": daemon} if daemon else None)
+    # Bound only once the sandboxes are re-adopted: a bad address must stop
+    # the start before that work, not after it.
+    if cfg.section("metrics")["listen"]:
+        try:
+            parse_listen(cfg.section("metrics")["listen"])
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+    return cfg
 
 
 def lock_cgroup_root(root: str) -> int:

@@ -42,3 +42,16 @@ def test_version_prints_the_version_and_exits(capsys):
         daemon.parse_args(["--version"])
     assert err.value.code == 0
     assert capsys.readouterr().out.strip() == f"dsecd {__version__}"
+
+
+def test_a_bad_metrics_address_is_a_config_error(tmp_path):
+    """Found with the rest of the config, before the state dir is locked
+    and every sandbox re-adopted (minutes on a busy host), not after."""
+    from dsecd.config import ConfigError
+
+    conf = tmp_path / "dsecd.toml"
+    conf.write_text('[metrics]\nlisten = "9464"\n')
+    with pytest.raises(ConfigError, match="metrics.listen must be HOST:PORT"):
+        daemon.build_config(daemon.parse_args(["--config", str(conf)]))
+    conf.write_text('[metrics]\nlisten = "127.0.0.1:9464"\n')
+    assert daemon.build_config(daemon.parse_args(["--config", str(conf)])).section("metrics")["listen"]
