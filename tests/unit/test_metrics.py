@@ -259,3 +259,31 @@ def test_a_socket_a_dead_daemon_left_is_replaced(tmp_path):
 def test_the_endpoint_is_described_as_a_url_curl_takes(listen, url):
     """The `ready` log line and the "metrics on" line name it so."""
     assert metrics.MetricsServer(None, listen, False, set).describe() == url
+
+
+def test_every_series_served_is_in_the_operations_doc(monkeypatch):
+    """docs/operations.md, section 4, names each dsecd_ family a scrape can
+    hold (with every source present); `_name` after a full name shares its
+    prefix (`dsecd_pager_fetches_total`, `_errors_total`)."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    monkeypatch.setattr(metrics.COLLECTOR, "snapshot", dataclasses.replace(SNAPSHOT, balloon={
+        "enabled": True, "vms": 1, "ballooned": 0, "skipped": 0, "held_bytes": 0, "inflates": 0,
+        "deflates_wake": 0, "deflates_pressure": 0}))
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    named = set()
+    for row in re.findall(r"^\| (`.*?) \|", doc, re.M):
+        prefix = ""
+        for name in re.findall(r"`(_?\w+)", row):
+            if name.startswith("dsecd_"):
+                prefix = name.removesuffix("_total").rpartition("_")[0]
+            elif name.startswith("_") and prefix:
+                name = prefix + name
+            named.add(name.removesuffix("_total"))
+    served = {fam.name for fam in text_string_to_metric_families(metrics.render()[0].decode())
+              if fam.name.startswith("dsecd_") and not fam.name.endswith("_created")}
+    per_sandbox = {"dsecd_sandbox_cpu_percent", "dsecd_sandbox_throttled_percent", "dsecd_sandbox_memory_bytes",
+                   "dsecd_sandbox_memory_limit_bytes", "dsecd_sandbox_vm_guest_bytes"}    # named in the text
+    assert served - per_sandbox <= named, sorted(served - per_sandbox - named)
