@@ -149,7 +149,10 @@ async def serve(cfg) -> None:
         node = Node(cfg, feats, cgroup.detect_layout())
     except ConfigError as err:      # a setting this host cannot honour (e.g. sandbox.writable_layer)
         raise SystemExit(f"dsecd: {err}") from err
-    await node.start()
+    try:
+        await node.start()
+    except ConfigError as err:      # a journaled sandbox this config cannot take back
+        raise SystemExit(f"dsecd: {err}") from err
     server = Server(node, cfg.socket, cfg.section("daemon")["socket_group"], cfg.section("limits"),
                     cfg.size("limits", "max_frame_bytes"))
     try:

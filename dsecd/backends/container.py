@@ -82,6 +82,38 @@ def proc_start_time(pid: int) -> int | None:
     return int(data[data.rindex(b")") + 2:].split()[19])
 
 
+def check_adopted_group(sb_id: str, init_pid: int, rel: str) -> None:
+    """ConfigError when `init_pid` is in a live group of this sandbox made
+    under another sandbox.cgroup_root than `rel`'s (the root was changed
+    while sandboxes ran): this daemon could neither freeze, limit nor kill
+    it through its groups."""
+    try:
+        with open(f"/proc/{init_pid}/cgroup") as f:
+            paths = [line.split(":", 2)[2] for line in f.read().splitlines() if line.count(":") >= 2]
+    except (FileNotFoundError, ProcessLookupError):
+        return                  # gone meanwhile: adopt() finds it dead
+    why = foreign_group(sb_id, paths, rel)
+    if why:
+        raise ConfigError(f"sandbox {sb_id}: its init (pid {init_pid}) {why}")
+
+
+def foreign_group(sb_id: str, paths: list[str], rel: str) -> str | None:
+    """What is wrong with a sandbox whose init is in the cgroups `paths`
+    (of /proc/PID/cgroup) when its group should be `rel`: None when it is
+    there (or below), or in no live group of this sandbox at all (a
+    removed group: "... (deleted)"), which adoption deals with as before."""
+    want = "/" + rel.strip("/")
+    if any(p == want or p.startswith(want + "/") for p in paths):
+        return None
+    where = next((p for p in paths if p.endswith(f"/{sb_id}")), None)
+    if where is None:
+        return None
+    root, made = rel.strip("/").rpartition("/")[0], where.removesuffix(f"/{sb_id}").strip("/")
+    return (f"is in cgroup {where}, made under sandbox.cgroup_root {made!r}, not this config's {root!r}: the "
+            f"root was changed while sandboxes ran; set it back to {made!r}, and destroy the sandboxes before "
+            "changing it")
+
+
 class ContainerBackend:
     name = "container"
 
@@ -243,6 +275,7 @@ class ContainerBackend:
         upper_tmpfs: its writable layer is a capped tmpfs, whose fd its init holds."""
         if not init_pid or proc_start_time(init_pid) != init_start:
             return None
+        check_adopted_group(sb_id, init_pid, self.group_for(sb_id).rel)
         try:
             h = self._open_handle(init_pid, self.group_for(sb_id), None if upper_tmpfs else self.root / sb_id,
                                   is_child=False)

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import _kill_and_remove_cgroups
 from prometheus_client.parser import text_string_to_metric_families
 
 from dsecd.errors import DsecError, NotFound
@@ -448,6 +449,40 @@ def test_a_second_daemon_on_the_same_cgroup_root_is_refused(daemon_factory, busy
     first.stop()
     second.start()                     # the root is free again once the first has stopped
     second.stop()
+
+
+
+def test_a_cgroup_root_changed_under_live_sandboxes_stops_the_start_saying_why(daemon_factory, busybox_rootfs):
+    """Sandboxes made under one sandbox.cgroup_root cannot be taken back
+    by a daemon configured with another (it could not freeze, limit or kill
+    them): the start stops naming the sandbox and the root it was made
+    under, not with a traceback from the first cgroup call; with the root
+    set back, the next start adopts it."""
+    d = daemon_factory()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", memory="64M")
+    c.close()
+    d.stop()
+    good, old = d.config.read_text(), d.cgroup_root
+    new = f"dsecd-test-{secrets.token_hex(4)}"
+    d.config.write_text(good.replace(old, new))
+    try:
+        with pytest.raises(RuntimeError, match="exited 1"):
+            d.start()
+    finally:
+        d.cgroup_root = new
+        _kill_and_remove_cgroups(d.cgroup_dirs())
+        d.cgroup_root = old
+    failed = [line for line in log_lines(d) if line.get("event") == "start_failed"]
+    assert failed and f"sandbox {sb.id}" in failed[-1]["msg"] and f"sandbox.cgroup_root '{old}'" in failed[-1]["msg"] \
+        and "set it back" in failed[-1]["msg"], failed
+    assert not [line for line in log_lines(d) if "exc" in line], "a traceback"
+    d.config.write_text(good)
+    d.start()
+    c = d.client()
+    assert c.request("inspect", sandbox=sb.id)["state"] == "running"
+    c.close()
 
 
 # ---------------------------------------------------------------- dsec top

@@ -55,3 +55,21 @@ def test_a_bad_metrics_address_is_a_config_error(tmp_path):
         daemon.build_config(daemon.parse_args(["--config", str(conf)]))
     conf.write_text('[metrics]\nlisten = "127.0.0.1:9464"\n')
     assert daemon.build_config(daemon.parse_args(["--config", str(conf)])).section("metrics")["listen"]
+
+
+
+def test_a_sandbox_outside_the_cgroup_root_stops_the_start_saying_why():
+    """A sandbox.cgroup_root changed while sandboxes ran: their processes
+    are in groups below the old root, which the new one cannot freeze,
+    limit or kill. The start stops naming the sandbox, where it is and what
+    to do, rather than with a traceback from the first cgroup call."""
+    from dsecd.backends import container
+
+    said = container.foreign_group("abc", ["/", "/dsecd-old/abc", "/dsecd-old/abc"], "dsecd-new/abc")
+    assert said and "/dsecd-old/abc" in said and "sandbox.cgroup_root 'dsecd-old'" in said \
+        and "'dsecd-new'" in said and "set it back to 'dsecd-old'" in said, said
+    # In its group (or below it), or in no live group of its own: adoption goes on.
+    assert container.foreign_group("abc", ["/", "/dsecd/abc"], "dsecd/abc") is None
+    assert container.foreign_group("abc", ["/dsecd/abc/init"], "dsecd/abc") is None
+    assert container.foreign_group("abc", ["/", "/dsecd-old/abc (deleted)"], "dsecd-new/abc") is None
+    assert container.foreign_group("abc", ["/"], "dsecd/abc") is None
