@@ -1281,6 +1281,8 @@ def named_sandboxes(a) -> list[str]:
 
 async def cmd_cp(c: Client, a) -> int:
     src_sb, src, dst_sb, dst = _cp_sides(a)
+    if src_sb is not None and dst != "-" and not a.follow_link and await _cp_link_out(c, a, src_sb, src, dst):
+        return 0
     if a.recursive and not await _is_a_file(c, src_sb, src):     # cp -r copies a file as a file
         return await _cp_dir(c, a, src_sb, src, dst_sb, dst)
     if src_sb is None and os.path.isdir(src):
@@ -1312,14 +1314,55 @@ async def cmd_cp(c: Client, a) -> int:
     elif dst.endswith("/"):
         raise UsageError(f"dsec cp: {dst}: no such directory (a destination ending in / must be one)")
     st = await sb.stat(src)
+    if st["type"] == "symlink":     # -L (or a microVM's link): its target's bits
+        with contextlib.suppress(BadRequest):       # a microVM's stat does not follow: a new file's mode
+            st = await sb.stat(src, follow=True)
     # Its permission bits, as docker cp keeps them; never setuid or setgid
-    # on our side (a sandbox's file, owned here by whoever runs dsec). Those
-    # of a symlink's target are not known here (file_stat does not follow
-    # it): such a copy gets a new file's mode.
+    # on our side (a sandbox's file, owned here by whoever runs dsec).
     _write_local(dst, data, st["mode"] & 0o777 if st["type"] == "file" else None)
     if a.json:
         _print_json({"sandbox": sb.id, "path": src, "local": dst, "size": len(data)})
     return 0
+
+
+async def _cp_link_out(c: Client, a, sb_id: str, src: str, dst: str) -> bool:
+    """`dsec cp SB:/link DST`, as cp -a and docker cp do it: a symlink comes
+    out as a symlink with the same target (-L, a trailing / or /. follows
+    it). False when `src` is no symlink, or its target is not known (a
+    microVM's stat does not read links): the caller copies what it leads to."""
+    if src.endswith("/") or _contents_of(src):
+        return False
+    sb = await c.get(sb_id)
+    try:
+        st = await sb.stat(src)
+    except NotFound:
+        return False        # the copy says what is missing
+    if st["type"] != "symlink" or "target" not in st:
+        return False
+    if os.path.isdir(dst):
+        dst = os.path.join(dst, posixpath.basename(src))
+    elif dst.endswith("/"):
+        raise UsageError(f"dsec cp: {dst}: no such directory (a destination ending in / must be one)")
+    _link_local(dst, st["target"])         # str, or bytes where it is not UTF-8
+    if a.json:
+        _print_json({"sandbox": sb.id, "path": src, "local": dst, "target": os.fsdecode(st["target"])})
+    return True
+
+
+def _link_local(dst: str, target: str | bytes) -> None:
+    """Symlink `dst` -> `target`, made under a temporary name beside it and
+    renamed over what `dst` was (as _write_local does a file)."""
+    parent = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), dst)
+    tmp = f"{dst}.dsec-tmp-{os.getpid()}"
+    try:
+        os.symlink(target, tmp)
+        os.replace(tmp, dst)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise type(err)(err.errno, err.strerror, dst) from err
 
 
 async def _is_a_file(c: Client, sb_id: str | None, path: str) -> bool:
@@ -1952,6 +1995,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "-r: a directory")
     cp.add_argument("-r", "--recursive", action="store_true",
                     help="copy a directory tree (symlinks as symlinks; FIFOs and devices are not copied)")
+    cp.add_argument("-L", "--follow-link", action="store_true",
+                    help="out of a sandbox: a SOURCE that is a symlink is followed (its target's content "
+                         "and mode), not copied as a symlink")
     cp.add_argument("src")
     cp.add_argument("dst")
 

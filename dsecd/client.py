@@ -1599,8 +1599,12 @@ class Sandbox:
             args["depth"] = depth
         return (await self.client.request("file_list", **args))["entries"]
 
-    async def stat(self, path: str) -> dict:
-        return await self.client.request("file_stat", sandbox=self.id, path=path)
+    async def stat(self, path: str, follow: bool = False) -> dict:
+        """lstat: a symlink is itself (type "symlink", its `target`: the
+        link's text, in a container); with `follow`, what it leads to
+        (containers only)."""
+        args = {"follow": True} if follow else {}      # sent only when asked: older daemons do not know it
+        return await self.client.request("file_stat", sandbox=self.id, path=path, **args)
 
     async def exists(self, path: str) -> bool:
         """Whether `path` exists in the sandbox (a dangling symlink does)."""

@@ -452,6 +452,7 @@ class FileList:
 class FileStat:
     sandbox: str
     path: str
+    follow: bool = False         # stat, not lstat: what a symlink leads to (containers)
 
 
 @request("file_mkdir", states=ACTIVE)

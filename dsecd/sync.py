@@ -85,8 +85,8 @@ class SyncSandbox:
     def list_files(self, path: str, depth: int = 1) -> list[dict]:
         return self._run(self._sb.list_files(path, depth))
 
-    def stat(self, path: str) -> dict:
-        return self._run(self._sb.stat(path))
+    def stat(self, path: str, follow: bool = False) -> dict:
+        return self._run(self._sb.stat(path, follow))
 
     def exists(self, path: str) -> bool:
         return self._run(self._sb.exists(path))

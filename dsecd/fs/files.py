@@ -203,13 +203,27 @@ def is_directory(rootfd: int, path: str) -> bool:
     return True
 
 
-def stat_path(rootfd: int, path: str) -> dict:
-    """lstat semantics: a symlink is reported as a symlink, not followed."""
-    path = check_path(path)
-    fd = _open(rootfd, path, os.O_PATH | os.O_NOFOLLOW)
+def _text(raw: bytes) -> str | bytes:
+    """A name as the protocol carries it: str, or bytes where it is not UTF-8
+    (a str with surrogates cannot be sent)."""
     try:
-        out = _stat_dict(os.fstat(fd))
+        return raw.decode()
+    except UnicodeDecodeError:
+        return raw
+
+
+def stat_path(rootfd: int, path: str, follow: bool = False) -> dict:
+    """lstat semantics: a symlink is reported as a symlink, not followed, with
+    its `target` (the link's text); with `follow`, stat: what it leads to
+    (inside the root)."""
+    path = check_path(path)
+    fd = _open(rootfd, path, os.O_PATH | (0 if follow else os.O_NOFOLLOW))
+    try:
+        st = os.fstat(fd)
+        out = _stat_dict(st)
         out["path"] = path
+        if stat.S_ISLNK(st.st_mode):
+            out["target"] = _text(os.readlink(b"", dir_fd=fd))     # readlinkat of the O_PATH fd: this very link
         return out
     finally:
         os.close(fd)
