@@ -1489,7 +1489,9 @@ class Sandbox:
         none at `path`, never a part, and readers in the sandbox see the old
         bytes or the new ones. The temporary file is removed when a write
         fails; one cut by a lost connection (or a daemon gone) stays beside
-        the target as `.dsec-<hex>`, a part. A file it replaces passes on
+        the target as `.dsec-<hex>`, a part, until the daemon next starts
+        (in a container: the daemon records the file while it is
+        temporary, and removes it at its start). A file it replaces passes on
         its owner, group and mode; a new file gets `mode`. A symlink at
         `path` is replaced, not written through, and hard links to the old
         file keep the old bytes. With atomic=False the bytes go into the
@@ -1503,7 +1505,7 @@ class Sandbox:
             raise ValueError(f"write_file: give an absolute path of a file, got {path!r}")
         tmp = f"{parent}/.dsec-{secrets.token_hex(6)}"         # short: the target's name may be 255 bytes
         try:
-            size = await self._write_chunks(tmp, data, mode, parents)
+            size = await self._write_chunks(tmp, data, mode, parents, temporary=True)
             await self.client.request("file_rename", sandbox=self.id, src=tmp, dst=path, overwrite=True,
                                       keep_attrs=True)
         except BaseException as err:
@@ -1516,14 +1518,16 @@ class Sandbox:
             raise
         return size
 
-    async def _write_chunks(self, path: str, data: bytes, mode: int, parents: bool) -> int:
+    async def _write_chunks(self, path: str, data: bytes, mode: int, parents: bool, temporary: bool = False) -> int:
         """The first chunk truncates (or creates) the file; the others go at
         their offsets, PIPELINE requests at once, so that one chunk travels
         while the sandbox's copier writes the one before."""
         chunk = self.client.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
         view = memoryview(data)
+        # temporary: the daemon records the file until its rename, and a daemon
+        # that dies first has the next one remove it. Sent only when true.
         r = await self.client.request("file_write", sandbox=self.id, path=path, data=bytes(view[:chunk]),
-                                      mode=mode, parents=parents)
+                                      mode=mode, parents=parents, **({"temporary": True} if temporary else {}))
         offsets = iter(range(chunk, len(data), chunk))
         failed: list[Exception] = []
 

@@ -54,7 +54,9 @@ from .engine.workers import Workers
 from .fds import close_quietly
 from .feature import Feature
 from .features import Features, probe_swap, suid_dumpable_hazard
+from .fs import copytemps
 from .fs import upper as upperfs
+from .fs.copytemps import CopyTemps
 from .journal import Journal
 from .net.network import bpf_cache_dir
 
@@ -181,16 +183,17 @@ class Node:
                                         self.denials, self.vms, self.memory.oom_killed_since)
         self.builds = BuildService(cfg, self.registry, self.workers, self.image_service, self.create_service,
                                    self.exec_service, self.lifecycle.destroy_sandbox, upper_mode == "tmpfs")
+        copy_temps = CopyTemps(state / copytemps.DIR)
         self.file_service = FileService(self.registry, self.workers, self.memory.ensure_running,
                                         cfg.size("limits", "max_file_chunk_bytes"), self.backend.copy_by_init,
-                                        self.vms)
+                                        self.vms, copy_temps)
         self.watch_service = WatchService(self.registry, self.workers, self.events, self.memory.ensure_running,
                                           self.limits["max_watches"], self.limits["max_watch_dirs"], self.vms)
         self.dir_copies = DirCopyService(self.registry, self.workers, self.memory.ensure_running,
                                          cfg.size("limits", "max_file_chunk_bytes"), self.limits["max_tar_entries"],
                                          cfg.size("limits", "max_tar_bytes"), self.limits["max_tar_puts"],
                                          float(self.limits["frame_timeout_s"]), self.backend.copy_by_init,
-                                         self.vms)
+                                         self.vms, copy_temps)
         fn_cfg = {**cfg.section("fncall"), "uid_base": call_uid_base(cfg)}      # 0 picked by userns
         self.call_service = CallService(fncall_backend(cfg, layout, self.backend), fn_cfg,
                                         CallService.sizes_from(cfg), sb["cpu_period_us"], self.image_service,
@@ -223,6 +226,7 @@ class Node:
         await self.workers.run(self.image_service.start)
         after_death = await self.workers.run(_mark_running, self.cfg.state_dir)
         await self.lifecycle.recover_all(after_death)
+        await self.file_service.sweep_temps()
         self.denials.start()
         await self.call_service.start()
         await self.create_service.start()

@@ -439,6 +439,7 @@ class FileWrite:
     mode: int = 0o644
     parents: bool = False
     offset: int | None = None       # write at this offset, neither truncating nor appending
+    temporary: bool = False         # a new file renamed or removed next (recorded: removed after a crash)
 
 
 @request("file_list", states=ACTIVE)

@@ -21,6 +21,7 @@ from .. import tarsafe, userns
 from ..errors import BadRequest, Conflict, LimitExceeded, NotFound, io_error
 from ..fs import files as sbfiles
 from ..fs import tarcopy
+from ..fs.copytemps import CopyTemps
 from ..initlink import InitExec
 from . import copier
 from .files import CopyByInit
@@ -100,8 +101,9 @@ class DirCopyService:
 
     def __init__(self, registry: SandboxRegistry, workers: Workers, ensure_running, max_chunk: int,
                  max_entries: int, max_bytes: int, max_puts: int, idle_timeout: float, copy_by_init: CopyByInit,
-                 vms: MicroVMService | None = None):
+                 vms: MicroVMService | None = None, temps: CopyTemps | None = None):
         self.registry = registry
+        self.temps = temps              # where a put's temporary directory is recorded while it exists
         self.vms = vms                  # microVM sandboxes' copies run in their guests (MicroVMService)
         self.copy_by_init = copy_by_init
         self.workers = workers
@@ -139,12 +141,13 @@ class DirCopyService:
         self.puts += 1
         ctx.register_input(pipe)
         busy(sb, +1)
+        records: list = []
         try:
             if sb.backend == "microvm":
                 return await self.vms.tar_put(sb, req.path, pipe, self.max_entries, self.max_bytes)
             return await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap), tarcopy.put_tree,
                                           sb.handle.rootfd, req.path, pipe, self.max_entries, self.max_bytes,
-                                          self._filler(sb, where))
+                                          self._filler(sb, where), self._recorder(sb, records))
         except Exception as err:
             mapped = self.registry.destroyed_error(sb, f"copy into {where}") or self._error("copy into", where, err)
             if mapped is None:
@@ -153,9 +156,29 @@ class DirCopyService:
         finally:
             # A cancelled put's worker is still reading: this stops it, and it removes what it made.
             pipe.end("the copy request ended")
+            for rec in records:         # renamed into place or removed by now
+                self.temps.drop(rec)
             ctx.unregister_input()
             self.puts -= 1
             busy(sb, -1)
+
+    def _recorder(self, sb: Sandbox, records: list):
+        """made(path, st) for put_tree: the temporary directory recorded (on
+        the loop: the worker runs with the sandbox's fs ids, which may not
+        write the state dir), its record kept in `records`."""
+        if self.temps is None:
+            return None
+        loop = self.workers.loop
+
+        def keep(path: str, st) -> None:
+            rec = self.temps.record(sb.id, path, st)
+            if rec is not None:
+                records.append(rec)
+
+        def made(path: str, st) -> None:
+            loop.call_soon_threadsafe(keep, path, st)
+
+        return made
 
     def _filler(self, sb: Sandbox, where: str):
         """fill(fd, chunks, size) for the files of a copy into `sb`: written

@@ -12,17 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from .. import protocol, userns
 from ..errors import BadRequest, DsecError, LimitExceeded, io_error
+from ..fs import copytemps
 from ..fs import files as sbfiles
+from ..fs.copytemps import CopyTemps
 from ..initlink import InitExec
 from . import copier
 from .microvms import MicroVMService
 from .sandboxes import Sandbox, SandboxRegistry
 from .workers import Workers
+
+log = logging.getLogger(__name__)
 
 # copy_by_init(loop, handle, src, dst): the backend's (dsecd/backends/container.py).
 CopyByInit = Callable[[object, object, int, int], "InitExec | None"]
@@ -37,8 +43,12 @@ class FileService:
 
     def __init__(self, registry: SandboxRegistry, workers: Workers,
                  ensure_running: Callable[[Sandbox, str], Awaitable[None]], max_chunk: int,
-                 copy_by_init: CopyByInit, vms: MicroVMService | None = None):
+                 copy_by_init: CopyByInit, vms: MicroVMService | None = None, temps: CopyTemps | None = None):
         self.registry = registry
+        # A write's temporary file (file_write temporary), recorded until its
+        # rename or remove: (sandbox, path) -> its record.
+        self.temps = temps
+        self._temp_records: dict[tuple[str, str], Path] = {}
         self.workers = workers
         self.ensure_running = ensure_running
         self.max_chunk = max_chunk
@@ -99,6 +109,10 @@ class FileService:
         fd = await self._file_op(req, "write", sbfiles.open_for_write, req.path, req.append, keep, req.mode,
                                  req.parents, opens=True)
         try:
+            if req.temporary and not keep and self.temps is not None and (sb.id, req.path) not in self._temp_records:
+                rec = self.temps.record(sb.id, req.path, os.fstat(fd))
+                if rec is not None:
+                    self._temp_records[(sb.id, req.path)] = rec
             if req.offset is not None:
                 os.lseek(fd, req.offset, os.SEEK_SET)        # the copier writes from the fd's position
             await self._write_data(self.registry.get(req.sandbox, req), fd, req.data, f"{req.sandbox}:{req.path}")
@@ -174,13 +188,45 @@ class FileService:
         return await self._file_op(req, "mkdir", sbfiles.make_dir, req.path, req.parents, req.mode)
 
     async def remove(self, req, ctx) -> dict:
-        return await self._file_op(req, "remove", sbfiles.remove, req.path, req.recursive)
+        out = await self._file_op(req, "remove", sbfiles.remove, req.path, req.recursive)
+        self._drop_temp(req.sandbox, req.path)
+        return out
 
     async def rename(self, req, ctx) -> dict:
         if req.keep_attrs and not req.overwrite:
             raise BadRequest("keep_attrs applies to a file replaced by the rename: give overwrite too")
-        return await self._file_op(req, "rename", sbfiles.rename, req.src, req.dst, req.overwrite,
-                                   req.keep_attrs)
+        out = await self._file_op(req, "rename", sbfiles.rename, req.src, req.dst, req.overwrite,
+                                  req.keep_attrs)
+        self._drop_temp(req.sandbox, req.src)
+        return out
+
+    def _drop_temp(self, sb_id: str, path: str) -> None:
+        rec = self._temp_records.pop((sb_id, path), None)
+        if rec is not None:
+            self.temps.drop(rec)
+
+    async def sweep_temps(self) -> None:
+        """At start, once sandboxes are re-adopted: remove the temporary
+        files and directories of the copies the daemon before was making
+        when it died (dsecd/fs/copytemps.py), and forget every record."""
+        if self.temps is None:
+            return
+        for rec_path, rec in await self.workers.run(self.temps.load):
+            sb = self.registry.by_id.get(rec["sandbox"]) if rec else None
+            if sb is not None and sb.backend != "microvm" and sb.handle is not None:
+                try:
+                    removed = await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap),
+                                                     copytemps.remove_if_same, sb.handle.rootfd, rec["path"],
+                                                     rec["dev"], rec["ino"])
+                except (OSError, sbfiles.PathError) as err:
+                    log.warning("sandbox %s: cannot remove %s, the temporary copy of a write the daemon before "
+                                "did not finish: %s; remove it with dsec rm -r %s:%s", sb.id, rec["path"], err,
+                                sb.id, rec["path"])
+                else:
+                    if removed:
+                        log.info("sandbox %s: removed %s, the temporary copy of a write the daemon before did "
+                                 "not finish", sb.id, rec["path"])
+            await self.workers.run(self.temps.drop, rec_path)
 
 
 def _close_opened(fut: asyncio.Future) -> None:

@@ -11,4 +11,5 @@ layers.py  each layer mounted once per host, shared by every sandbox
 pager.py   the FUSE pager (dsec-pager) that fetches a layer by chunks
 upper.py   the writable layer: a capped tmpfs per sandbox
 files.py   host-side file access inside a sandbox (openat2 RESOLVE_IN_ROOT)
+copytemps.py  records of the temporary names copies make in a sandbox, for a restart to remove
 """

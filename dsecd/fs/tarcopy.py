@@ -43,10 +43,11 @@ READ = 1 << 20
 
 # ---------------------------------------------------------------- into the sandbox
 
-def put_tree(rootfd: int, dst: str, fileobj, max_entries: int, max_bytes: int, fill=None) -> dict:
+def put_tree(rootfd: int, dst: str, fileobj, max_entries: int, max_bytes: int, fill=None, made=None) -> dict:
     """Extract the tar read from `fileobj` as the new directory `dst`; the
     bytes of its files are written by fill(fd, chunks, size=) (see
-    files.write_regular)."""
+    files.write_regular). made(path, stat) is told the temporary directory
+    it extracts into, once made."""
     dst = check_path(dst)
     if dst == "/":
         raise PathError("cannot copy a directory onto /; name a new directory below it")
@@ -62,6 +63,8 @@ def put_tree(rootfd: int, dst: str, fileobj, max_entries: int, max_bytes: int, f
         tmp = f".dsec-put-{secrets.token_hex(6)}"
         os.mkdir(tmp, 0o700, dir_fd=pfd)
         try:
+            if made is not None:
+                made(f"{parent.rstrip('/')}/{tmp}", os.stat(tmp, dir_fd=pfd, follow_symlinks=False))
             counts = _extract_into(pfd, tmp, fileobj, tarsafe.Seen(max_entries, max_bytes), fill)
             libc.rename_noreplace(pfd, tmp, pfd, name)
         except BaseException:

@@ -3,6 +3,7 @@
 import os
 import signal
 import subprocess
+import tarfile
 import threading
 import time
 
@@ -348,3 +349,56 @@ def test_no_leaks_after_200_cycles_and_a_kill9_mid_burst(fresh):
     assert final["mounts"] == before["mounts"], final
     assert final["cgroups"] == 0 and final["dirs"] == 0, final
     assert final["pids"] <= before["pids"] + 10, final
+
+
+def test_kill9_mid_copy_leaves_no_temporary_file_once_readopted(fresh):
+    """A daemon killed while an atomic write (`dsec cp FILE SB:/dir/`) or a
+    directory copy was under way left its `.dsec-<hex>` file or
+    `.dsec-put-<hex>` directory in the sandbox for good; the next daemon
+    removes them once it re-adopts the sandbox, and nothing else: not the
+    user's files of the same look, nor a file that took a temporary's name."""
+    c = fresh.client()
+    sb = c.create(image="busybox")
+    sb.exec(["sh", "-c", "mkdir -p /work/.dsec-put-0123456789ab && echo mine > /work/.dsec-0123456789ab"])
+    # What the SDK's write_file sends first: its temporary file, cut there.
+    c.request("file_write", sandbox=sb.id, path="/work/.dsec-aaaaaaaaaaaa", data=b"part", mode=0o644,
+              temporary=True)
+    c.request("file_write", sandbox=sb.id, path="/work/.dsec-bbbbbbbbbbbb", data=b"part", mode=0o644,
+              temporary=True)
+    sb.exec(["sh", "-c", "mv /work/.dsec-bbbbbbbbbbbb /work/kept && echo user > /work/.dsec-bbbbbbbbbbbb"])
+    # A directory copy whose tar stops half-way through a file: the daemon waits for the rest.
+    r, w = os.pipe()
+    head = tarfile.TarInfo("big")
+    head.size = 1 << 20
+    os.write(w, head.tobuf(tarfile.PAX_FORMAT) + b"x" * 4096)
+    uploader = fresh.client()
+    failed: list[BaseException] = []
+
+    def upload() -> None:
+        try:
+            with os.fdopen(r, "rb") as f:
+                uploader.get(sb.id).upload_tar(f, "/work/tree")
+        except BaseException as err:       # the daemon's death
+            failed.append(err)
+
+    t = threading.Thread(target=upload)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not [e for e in sb.list_files("/work") if e["name"].startswith(".dsec-put-") and e["name"][-1] != "b"]:
+        assert time.monotonic() < deadline, sb.list_files("/work")
+        time.sleep(0.05)
+    c.close()
+    fresh.stop(signal.SIGKILL)
+    os.close(w)
+    t.join(30)
+    uploader.close()
+    assert failed and not t.is_alive()
+    fresh.start()
+    c = fresh.client()
+    sb = c.get(sb.id)
+    assert sorted(e["name"] for e in sb.list_files("/work")) == [".dsec-0123456789ab", ".dsec-bbbbbbbbbbbb",
+                                                                  ".dsec-put-0123456789ab", "kept"]
+    assert sb.read_file("/work/.dsec-bbbbbbbbbbbb") == b"user\n"
+    assert os.listdir(fresh.state / "copy-temps") == []
+    sb.destroy()
+    c.close()

@@ -1,0 +1,47 @@
+"""The records of copies' temporary names (dsecd/fs/copytemps.py), against a
+plain directory as a sandbox's root: what a restart removes, and what not."""
+
+from __future__ import annotations
+
+import os
+
+from dsecd.fs.copytemps import CopyTemps, remove_if_same
+
+
+def _root(tmp_path):
+    root = tmp_path / "root"
+    (root / "work").mkdir(parents=True)
+    return root, os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def test_the_recorded_inode_goes_and_a_file_that_took_its_name_stays(tmp_path):
+    root, fd = _root(tmp_path)
+    temps = CopyTemps(tmp_path / "state" / "copy-temps")
+    try:
+        (root / "work/.dsec-put-1").mkdir()
+        (root / "work/.dsec-put-1/f").write_text("part")
+        (root / "work/.dsec-2").write_text("part")
+        for name in (".dsec-put-1", ".dsec-2"):
+            temps.add("sb1", f"/work/{name}", os.lstat(root / "work" / name))
+        os.rename(root / "work/.dsec-2", root / "work/kept")      # the sandbox moved it: it is its file now
+        (root / "work/.dsec-2").write_text("the user's")         # and a new one took the name
+        recs = temps.load()
+        assert sorted(r["path"] for _, r in recs) == ["/work/.dsec-2", "/work/.dsec-put-1"]
+        assert [remove_if_same(fd, r["path"], r["dev"], r["ino"]) for _, r in sorted(recs, key=lambda x: x[1]["path"])] \
+            == [False, True]
+        assert sorted(os.listdir(root / "work")) == [".dsec-2", "kept"]
+        assert remove_if_same(fd, "/work/gone/.dsec-3", 1, 1) is False
+        for path, _ in recs:
+            temps.drop(path)
+        assert temps.load() == []
+    finally:
+        os.close(fd)
+
+
+def test_a_half_written_or_unreadable_record_is_not_acted_on(tmp_path):
+    temps = CopyTemps(tmp_path)
+    (tmp_path / "sb.1.part").write_text("{")
+    (tmp_path / "sb.2.json").write_text("{not json")
+    assert temps.load() == [(tmp_path / "sb.2.json", None)]
+    assert not (tmp_path / "sb.1.part").exists()
+    assert CopyTemps(tmp_path / "missing").load() == []
