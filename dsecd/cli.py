@@ -2225,6 +2225,15 @@ def _parse_fleet_args(argv: list[str], at: int) -> argparse.Namespace:
         build_fleet_parser().error("give a command after the fleet's options, e.g. dsec fleet --hosts h1,h2 ps")
     if inner[0] in ("fleet", "rpc"):
         build_fleet_parser().error(f"`{inner[0]}` does not run across a fleet")
+    option = _fleet_option_after_command(inner)
+    if option is not None:
+        i = inner.index(option)
+        span = 1 if "=" in option or i + 1 == len(inner) else 2       # --opt=value, or --opt value
+        rest = inner[:i] + inner[i + span:]
+        build_fleet_parser().error(
+            f"{option.split('=')[0]} is an option of dsec fleet, not of `{inner[0]}`: give it before the "
+            f"command: dsec fleet {shlex.join([*own, *inner[i:i + span], *rest[:4]])}"
+            f"{' ...' if len(rest) > 4 else ''}")
     if not f.hosts:
         build_fleet_parser().error("--hosts H1,H2,... is required (or DSEC_HOSTS)")
     a = parse_args([*argv[:at], *inner])
@@ -2242,6 +2251,26 @@ def _parse_fleet_args(argv: list[str], at: int) -> argparse.Namespace:
     a.json = a.json or getattr(f, "json", False)
     a.connect_timeout = f.connect_timeout
     return a
+
+
+def _fleet_option_after_command(inner: list[str]) -> str | None:
+    """A fleet option (--hosts, --connect-timeout, or --opt=value) among the
+    words of the command `inner`, which the command does not have. A
+    command's arguments (after `--`, or the words a run or exec runs) are
+    not looked at."""
+    verb, words = inner[0], inner[1:]
+    parser = build_parser()
+    if verb in RUNS_A_COMMAND:
+        words, _ = split_command(words, positionals=0 if verb == "call" else 1,
+                                 known=verb_options(parser, verb) if verb == "run" else None)
+    own = verb_options(parser, verb)
+    for word in words:
+        if word == "--":
+            break
+        name = word.split("=", 1)[0]
+        if name in FLEET_VALUED and name not in own:
+            return word
+    return None
 
 
 def check_usage(a: argparse.Namespace) -> None:

@@ -141,6 +141,30 @@ def test_fleet_usage_errors(args, why, capsys, monkeypatch):
     assert e.value.code == 2 and why in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args,fix", [
+    (["ps", "--connect-timeout", "5"], "dsec fleet --hosts h1,h2 --connect-timeout 5 ps"),
+    (["ps", "--connect-timeout=5", "--json"], "dsec fleet --hosts h1,h2 --connect-timeout=5 ps --json"),
+    (["run", "busybox", "--connect-timeout", "5", "--", "echo", "hi"],
+     "dsec fleet --hosts h1,h2 --connect-timeout 5 run busybox -- echo ..."),
+    (["exec", "SB", "--hosts", "h3", "--", "ls"], "dsec fleet --hosts h1,h2 --hosts h3 exec SB -- ls")])
+def test_a_fleet_option_after_the_command_says_where_it_goes(args, fix, capsys, monkeypatch):
+    """They were refused by the command's own parser, as an option it does
+    not know, with no word of the fleet."""
+    monkeypatch.delenv("DSEC_HOSTS", raising=False)
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["fleet", "--hosts", "h1,h2", *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "is an option of dsec fleet" in err and f"before the command: {fix}\n" in err, err
+
+
+def test_a_fleet_option_in_the_command_it_runs_is_the_commands():
+    a = cli.parse_args(["fleet", "--hosts", "h1", "exec", "SB", "--", "prog", "--hosts", "x"])
+    assert (a.fleet, a.argv) == (["h1"], ["prog", "--hosts", "x"])
+    a = cli.parse_args(["fleet", "--hosts", "h1", "run", "busybox", "prog", "--connect-timeout", "3"])
+    assert (a.fleet, a.argv, a.connect_timeout) == (["h1"], ["prog", "--connect-timeout", "3"], 15.0)
+    assert cli.parse_args(["fleet", "--hosts", "h1", "ps", "--json"]).json is True
+
+
 def test_fleet_runs_with_dsec_host_set_for_plain_commands(monkeypatch):
     """DSEC_HOST exported for `dsec ps` and the like does not stop `dsec
     fleet --hosts ...`: only a --host given with it is a usage error."""
