@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 from . import __version__, cgroup, fds, logs, profiling
 from .config import DEFAULT_PATH, ConfigError, load_config
@@ -71,29 +72,78 @@ def build_config(args: argparse.Namespace):
     return cfg
 
 
-def lock_cgroup_root(root: str) -> int:
-    """One daemon per sandbox.cgroup_root: at start a daemon destroys every
-    group below its root that its own journal does not name, which would be
-    another daemon's sandboxes. A flock on the root's directory in one
-    hierarchy (the same one for every daemon of the host), held for life."""
-    layout = cgroup.detect_layout()
-    mounts = [layout.v2] if layout.v2 else sorted(layout.hierarchies().values())
-    if not mounts:
-        return -1               # no cgroup file system: the feature probe stops the start, saying so
-    path = mounts[0] / root
+def lock_cgroup_root(root: str, mount: Path | None = None) -> list[int]:
+    """One daemon per sandbox.cgroup_root, and no two whose roots nest
+    (dsecd-x and dsecd-x/sub): at start a daemon destroys every group below
+    its root that its own journal does not name, which would be another
+    daemon's sandboxes. Flocks in one hierarchy (the same one for every
+    daemon of the host; `mount`, else the first one), held for life: an
+    exclusive one on the root's directory, a shared one on each directory
+    above it, taken top down before the next is made. Returns their fds."""
+    if mount is None:
+        layout = cgroup.detect_layout()
+        mounts = [layout.v2] if layout.v2 else sorted(layout.hierarchies().values())
+        if not mounts:
+            return []           # no cgroup file system: the feature probe stops the start, saying so
+        mount = mounts[0]
+    parts = Path(root).parts
+    held: list[int] = []
     try:
-        os.makedirs(path, exist_ok=True)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as err:
-        raise SystemExit(f"dsecd: cannot use sandbox.cgroup_root {root!r}: {err.strerror} ({path})") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise SystemExit(f"dsecd: another daemon uses sandbox.cgroup_root {root!r} ({path}), and would lose "
-                         "its sandboxes to this one's start; stop it, or give this one a cgroup_root of its "
-                         "own") from None
-    return fd
+        for depth in range(1, len(parts) + 1):
+            name = "/".join(parts[:depth])
+            path = mount / name
+            try:
+                os.makedirs(path, exist_ok=True)
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError as err:
+                raise SystemExit(f"dsecd: cannot use sandbox.cgroup_root {root!r}: {err.strerror} "
+                                 f"({path})") from None
+            held.append(fd)
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_EX if depth == len(parts) else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise SystemExit(_cgroup_root_taken(mount, root, name)) from None
+    except BaseException:
+        for fd in held:
+            os.close(fd)
+        raise
+    return held
+
+
+def _cgroup_root_taken(mount: Path, root: str, name: str) -> str:
+    """What a daemon whose lock on `name` (its root, or a directory above
+    it) is refused says: which other daemon's root is in the way."""
+    shown = f"sandbox.cgroup_root {root!r} ({mount / root})"
+    fix = "; stop it, or give this one a cgroup_root that neither holds nor is held by another daemon's"
+    if name != root:
+        return (f"dsecd: another daemon uses sandbox.cgroup_root {name!r} ({mount / name}), which holds this "
+                f"one's {shown}: each would take the other's sandboxes for leftovers at its start{fix}")
+    below = _locked_below(mount / root)
+    if below is not None:
+        other = str(below.relative_to(mount))
+        return (f"dsecd: another daemon uses sandbox.cgroup_root {other!r} ({below}), below this one's "
+                f"{shown}: each would take the other's sandboxes for leftovers at its start{fix}")
+    return (f"dsecd: another daemon uses {shown}, and would lose its sandboxes to this one's start; stop it, "
+            "or give this one a cgroup_root of its own")
+
+
+def _locked_below(top: Path) -> Path | None:
+    """The first directory below `top` another daemon holds as its root (an
+    exclusive flock); its own groups are not looked into."""
+    for dirpath, dirnames, _ in os.walk(top):
+        for d in list(dirnames):
+            try:
+                fd = os.open(os.path.join(dirpath, d), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError:
+                dirnames.remove(d)
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return Path(dirpath) / d
+            finally:
+                os.close(fd)
+    return None
 
 
 def raise_fd_limit() -> None:

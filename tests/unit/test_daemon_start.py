@@ -73,3 +73,38 @@ def test_a_sandbox_outside_the_cgroup_root_stops_the_start_saying_why():
     assert container.foreign_group("abc", ["/dsecd/abc/init"], "dsecd/abc") is None
     assert container.foreign_group("abc", ["/", "/dsecd-old/abc (deleted)"], "dsecd-new/abc") is None
     assert container.foreign_group("abc", ["/"], "dsecd/abc") is None
+
+
+def _locks(tmp_path, *roots) -> list[int]:
+    return [fd for root in roots for fd in daemon.lock_cgroup_root(root, mount=tmp_path)]
+
+
+def test_cgroup_roots_that_nest_are_refused_naming_both(tmp_path):
+    """A second daemon whose cgroup_root held the first's, or was held by
+    it, started: at their next start each removes the other's sandboxes."""
+    for first, second in (("dsecd-x", "dsecd-x/sub"), ("dsecd-x/sub/deep", "dsecd-x")):
+        held = _locks(tmp_path / first.replace("/", "_"), first)
+        try:
+            with pytest.raises(SystemExit) as err:
+                _locks(tmp_path / first.replace("/", "_"), second)
+            said = str(err.value.code)
+            assert f"another daemon uses sandbox.cgroup_root {first!r}" in said, said
+            assert f"{second!r} ({tmp_path / first.replace('/', '_') / second})" in said, said
+            assert "neither holds nor is held by another daemon's" in said, said
+        finally:
+            for fd in held:
+                os.close(fd)
+
+
+def test_cgroup_roots_side_by_side_or_freed_are_taken(tmp_path):
+    held = _locks(tmp_path, "dsecd-x/a", "dsecd-x/b", "dsecd-xy", "other")
+    try:
+        with pytest.raises(SystemExit) as err:
+            _locks(tmp_path, "dsecd-x/a")
+        assert "another daemon uses sandbox.cgroup_root 'dsecd-x/a'" in str(err.value.code)
+        assert "a cgroup_root of its own" in str(err.value.code)
+    finally:
+        for fd in held:
+            os.close(fd)
+    for fd in _locks(tmp_path, "dsecd-x"):          # the ones below stopped: free again
+        os.close(fd)
