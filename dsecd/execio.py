@@ -305,6 +305,50 @@ def parse_signal(value: int | str) -> int:
                          {"signal": value}) from None
 
 
+# Our children a ChildWatch waits for (and reaps): reap_strays leaves them alone.
+WATCHED: set[int] = set()
+
+
+def reap_strays(pidns: int, leaders: bool = True) -> int:
+    """Reap our exited children in the pid namespace of inode `pidns` (a
+    sandbox's) that no ChildWatch waits for. A process the daemon's helper
+    started is our child (CLONE_PARENT), and so is what it starts with
+    clone(CLONE_PARENT): nobody else waits for those, and the sandbox's init
+    cannot finish exiting while one is left unreaped. An exec being started
+    is our child before its watch is made: with `leaders` False, session
+    leaders (as every exec of the helper is) are left alone, which is safe
+    while execs start. How many were reaped."""
+    reaped = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                pids = [int(p) for p in f.read().split()]
+        except OSError:
+            continue            # a thread that ended meanwhile
+        for pid in pids:
+            if pid in WATCHED:
+                continue
+            try:
+                pidfd = os.pidfd_open(pid)
+            except OSError:
+                continue
+            try:        # the wait is on the pidfd: only the process it was opened on is reaped
+                if os.stat(f"/proc/{pid}/ns/pid").st_ino != pidns or not (leaders or _session(pid) != pid):
+                    continue
+                if os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG) is not None:
+                    reaped += 1
+            except OSError:
+                continue
+            finally:
+                os.close(pidfd)
+    return reaped
+
+
+def _session(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rpartition(")")[2].split()[3])
+
+
 def reap(pid: int) -> int:
     try:
         _, status = os.waitpid(pid, 0)
@@ -556,12 +600,15 @@ class ChildWatch:
     def __init__(self, loop: asyncio.AbstractEventLoop, pid: int):
         self.loop = loop
         self.pid = pid
+        WATCHED.add(pid)
         self.exited, self._stop = watch_exit(loop, pid)
+        self.exited.add_done_callback(lambda _: WATCHED.discard(pid))
         self.stopped = False     # no longer watched: reaped elsewhere (abandon) or by the watch
 
     def stop(self) -> None:
         self.stopped = True
         self._stop()
+        WATCHED.discard(self.pid)
 
     def kill(self) -> None:
         kill_group(self.pid)

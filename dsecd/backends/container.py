@@ -459,12 +459,13 @@ class ContainerBackend:
         timeout = self.cfg["destroy_timeout_s"]
         group = h.group if h else self.group_for(sb_id)
         if h:
+            pidns = _pidns(h.init_pid)
             # SIGKILL to a pid namespace's init kills every process in it.
             try:
                 native.pidfd_send_signal(h.pidfd, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            _wait_exit(h, timeout)
+            _wait_exit(h, timeout, pidns)
             # The sandbox's mount namespace is gone with its init: our fd is
             # the last reference to the upper tmpfs. Free its memory now,
             # before the memory cgroup it is charged to is removed.
@@ -582,21 +583,36 @@ def _close_fd(h: Handle, name: str) -> None:
     setattr(h, name, -1)
 
 
-def _wait_exit(h: Handle, timeout: float) -> None:
+def _pidns(pid: int) -> int | None:
+    """The inode of the pid namespace of process `pid` (None: gone)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _wait_exit(h: Handle, timeout: float, pidns: int | None = None) -> None:
     """Wait for a killed init to exit, then reap it if it is our child.
 
     An init only finishes exiting once every other process of its pid
     namespace has been reaped; execs are reaped elsewhere (by the event loop
     for the helper's, by init for its own), so this must never block the
-    loop, and never forever.
+    loop, and never forever. What a helper's exec cloned with CLONE_PARENT
+    is our child too, and nobody else's to reap: those of namespace `pidns`
+    are reaped here while init waits for them (execio.reap_strays).
     """
     import select
+    import time
 
     poller = select.poll()
     poller.register(h.pidfd, select.POLLIN)
-    if not poller.poll(int(timeout * 1000)):
-        log.error("sandbox init %d did not exit %.0fs after SIGKILL", h.init_pid, timeout)
-        return
+    deadline = time.monotonic() + timeout
+    while not poller.poll(50):
+        if pidns is not None:
+            execio.reap_strays(pidns)
+        if time.monotonic() > deadline:
+            log.error("sandbox init %d did not exit %.0fs after SIGKILL", h.init_pid, timeout)
+            return
     if h.is_child:
         try:
             os.waitpid(h.init_pid, 0)

@@ -459,6 +459,29 @@ static int a_fork_kill(char **v)
     return report(rc);
 }
 
+/* N children made with clone(CLONE_PARENT): they are our parent's, not
+ * ours. Each sleeps SECS seconds (0: exits at once), in a session of its
+ * own if SETSID is 1. */
+static int a_clone_parent(char **v)
+{
+    int n = atoi(v[0]), secs = atoi(v[1]), own_session = atoi(v[2]);
+
+    for (int i = 0; i < n; i++) {
+        long pid = syscall(SYS_clone, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0);
+
+        if (pid < 0)
+            return report(-1);
+        if (pid == 0) {
+            if (own_session)
+                setsid();
+            if (secs)
+                sleep((unsigned)secs);
+            _exit(0);
+        }
+    }
+    return report(0);
+}
+
 /* Listen on PORT of every address of the sandbox, say so, then accept one
  * connection and say that. */
 static int a_listen(char **v)
@@ -555,7 +578,7 @@ static const struct { const char *name; int nargs; int (*fn)(char **); } actions
     {"connect", 2, a_connect}, {"udp", 2, a_udp}, {"listen", 1, a_listen}, {"list", 1, a_list}, {"rename", 2, a_rename},
     {"link", 2, a_link}, {"symlink", 2, a_symlink}, {"truncate", 1, a_truncate}, {"mkdir", 1, a_mkdir},
     {"ulisten", 1, a_ulisten}, {"uconnect", 1, a_uconnect}, {"uself", 1, a_uself},
-    {"fork_kill", 0, a_fork_kill}, {"fd_inject", 3, a_fd_inject},
+    {"fork_kill", 0, a_fork_kill}, {"fd_inject", 3, a_fd_inject}, {"clone_parent", 3, a_clone_parent},
 };
 
 int main(int argc, char **argv)

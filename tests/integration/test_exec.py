@@ -5,6 +5,7 @@ import threading
 import time
 
 import pytest
+from attack_kit import install_probe, run_probe
 
 from dsecd.errors import Conflict, DsecError, NotFound
 
@@ -187,3 +188,52 @@ def test_an_exec_ended_by_its_sandboxs_destroy_says_so(daemon):
     t.join(15)
     assert (answer.get("signal"), answer.get("killed_by")) == (9, "destroy"), answer
     c.close()
+
+
+def _daemon_children(pid: int, pidns: int) -> dict[int, str]:
+    """The children of process `pid` in pid namespace `pidns`: pid -> state (R, S, Z...)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            kids = open(f"/proc/{pid}/task/{tid}/children").read().split()
+        except OSError:
+            continue
+        for kid in kids:
+            try:
+                if os.stat(f"/proc/{kid}/ns/pid").st_ino == pidns:
+                    out[int(kid)] = open(f"/proc/{kid}/stat").read().rpartition(")")[2].split()[0]
+            except OSError:
+                pass
+    return out
+
+
+def test_what_a_helper_exec_clones_onto_the_daemon_is_reaped(daemon_factory, busybox_rootfs, probe_binary):
+    """Started by the daemon's helper, an exec is the daemon's child, and so
+    is what it makes with clone(CLONE_PARENT). Nothing reaped those: each
+    stayed a zombie of the daemon, and the sandbox's init, which finishes
+    exiting only once every process of its pid namespace is reaped, hung in
+    its exit: a destroy waited sandbox.destroy_timeout_s and left them all."""
+    d = daemon_factory('exec_via = "helper"\n')
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        sb = c.create(image="busybox")
+        install_probe(sb, probe_binary)
+        init_pid = sb.inspect()["init_pid"]
+        pidns = os.stat(f"/proc/{init_pid}/ns/pid").st_ino
+        assert run_probe(sb, "clone_parent", 3, 0, 0)[-1] == "ok"
+        deadline = time.monotonic() + 5
+        while "Z" in _daemon_children(d.proc.pid, pidns).values():      # ended: reaped after the exec
+            assert time.monotonic() < deadline, _daemon_children(d.proc.pid, pidns)
+            time.sleep(0.05)
+        assert run_probe(sb, "clone_parent", 2, 60, 1)[-1] == "ok"        # outlive the exec, sessions of their own
+        assert list(_daemon_children(d.proc.pid, pidns).values()).count("S") >= 3     # init and both sleepers
+        start = time.monotonic()
+        sb.destroy()
+        assert time.monotonic() - start < 5
+        deadline = time.monotonic() + 5
+        while _daemon_children(d.proc.pid, pidns):                        # init too: it could end
+            assert time.monotonic() < deadline, _daemon_children(d.proc.pid, pidns)
+            time.sleep(0.05)
+    finally:
+        c.close()
