@@ -28,6 +28,7 @@ from .fs.libc import rename_noreplace
 # Renames in flight at once when the moves go to a sandbox: each is one
 # request, and a tree re-copied over itself replaces every file.
 MOVES_IN_FLIGHT = 32
+AT_FDCWD = -100
 
 ListDir = Callable[[str], Awaitable[dict[str, bool]]]     # path -> {name: is a directory}
 
@@ -105,7 +106,7 @@ async def into_local(landing: str, dst: str) -> int:
         if m.replace:
             os.replace(m.src, m.dst)
         else:
-            rename_noreplace(-1, m.src, -1, m.dst)
+            rename_noreplace(AT_FDCWD, m.src, AT_FDCWD, m.dst)      # relative paths are the cwd's
         if locked:
             os.chmod(m.dst, stat.S_IMODE(st.st_mode))
     return sum(m.replace for m in moves)

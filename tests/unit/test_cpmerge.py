@@ -36,6 +36,16 @@ def test_new_names_move_whole_shared_dirs_merge_files_replace(tmp_path):
     assert _read(tmp_path / "land") == {"d": {}}       # what was merged into stays for the caller to remove
 
 
+def test_relative_paths_merge(tmp_path, monkeypatch):
+    """`dsec cp -r SB:/etc/. out` (out relative to the working directory)
+    failed at its first new name: "renameat2: Bad file descriptor"."""
+    _tree(tmp_path / "dst", {"a": "old"})
+    _tree(tmp_path / "land", {"a": "new", "b": "b"})
+    monkeypatch.chdir(tmp_path)
+    assert asyncio.run(cpmerge.into_local("land", "dst")) == 1
+    assert _read(tmp_path / "dst") == {"a": "new", "b": "b"}
+
+
 @pytest.mark.parametrize("land, there, error", [
     ({"d": "a file"}, {"d": {"x": "x"}}, IsADirectoryError),
     ({"d": {"x": "x"}}, {"d": "a file"}, NotADirectoryError),
