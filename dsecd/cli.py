@@ -1466,7 +1466,18 @@ def _remote_path(spec: str, verb: str) -> tuple[str, str]:
 
 async def cmd_ls(c: Client, a) -> int:
     sb_id, path = _remote_path(a.target, "ls")
-    entries = await (await c.get(sb_id)).list_files(path, a.depth)
+    sb = await c.get(sb_id)
+    try:
+        entries = await sb.list_files(path, a.depth)
+    except DsecError as err:
+        if err.detail.get("errno") != "ENOTDIR" or path.endswith("/"):
+            raise
+        try:                # not a directory: the entry itself, as ls(1) lists a file
+            st = await sb.stat(path)
+        except DsecError:
+            raise err from None         # a path below a file: the listing's own error
+        st.pop("path", None)
+        entries = [{**st, "name": posixpath.basename(path)}]
     if a.json:
         _print_json(entries)
         return 0

@@ -726,6 +726,24 @@ def test_cp_out_of_a_symlink_gives_what_cp_a_and_docker_cp_give(daemon, client, 
         sb.destroy(force=True)
 
 
+def test_ls_of_a_file_or_symlink_lists_that_entry_as_ls_does(daemon, client):
+    """It failed with `not_found: ... Not a directory`, for a file that is there."""
+    sb = client.create(image="busybox")
+    try:
+        sb.exec(["sh", "-c", "echo hi > /f && ln -s f /lf"])
+        for name, kind in (("f", "file"), ("lf", "symlink")):
+            r = daemon.cli("ls", "--json", f"{sb.id}:/{name}")
+            assert r.returncode == 0, r.stderr
+            [entry] = json.loads(r.stdout)
+            assert (entry["name"], entry["type"]) == (name, kind)
+        r = daemon.cli("ls", f"{sb.id}:/f")
+        assert r.returncode == 0 and r.stdout.split(b"\n")[1].split()[0] == b"file", r
+        r = daemon.cli("ls", f"{sb.id}:/f/below")
+        assert r.returncode == 1 and b"list " in r.stderr and b"Not a directory" in r.stderr, r
+    finally:
+        sb.destroy(force=True)
+
+
 def test_cp_and_cat_say_what_to_do_with_a_directory_and_take_r_for_a_file(daemon, client, tmp_path):
     """cp -r copies a file as cp(1) does; a directory read as a file, and a
     missing directory as the destination, say what to do."""
