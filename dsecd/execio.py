@@ -344,6 +344,24 @@ def reap_strays(pidns: int, leaders: bool = True) -> int:
     return reaped
 
 
+PF_EXITING = 0x4           # /proc/PID/stat flags: the process is exiting
+
+
+def reap_strays_of_exiting(init_pids: list[int]) -> None:
+    """reap_strays for each sandbox init of `init_pids` that is exiting. An
+    init killed (or dead of its own) finishes exiting, and so can be seen
+    to have died, only once every process of its pid namespace is reaped;
+    no exec can start there any more, so session leaders are reaped too."""
+    for pid in init_pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                flags = int(f.read().rpartition(")")[2].split()[6])
+            if flags & PF_EXITING:
+                reap_strays(os.stat(f"/proc/{pid}/ns/pid").st_ino)
+        except (OSError, ValueError, IndexError):
+            continue
+
+
 def _session(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rpartition(")")[2].split()[3])

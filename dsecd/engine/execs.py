@@ -461,7 +461,9 @@ class ExecService:
     def _reap_strays(self, sb: Sandbox) -> None:
         """After an exec of the daemon's helper: what it cloned with
         CLONE_PARENT (our children) and has ended is reaped, in a worker;
-        the rest is once the sandbox ends (its stop)."""
+        the rest is once the sandbox ends (its stop, or the reaper's pass
+        once its init exits: execio.reap_strays_of_exiting)."""
+        sb.helper_execs = True
         h = sb.handle
         if h is not None:
             self.workers.behind(_reap_strays_of, h.init_pid)

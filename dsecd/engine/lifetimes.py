@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from ..config import parse_duration
 from ..errors import DsecError
+from ..execio import reap_strays_of_exiting
 from .events import EventBus
 from .memory import MemoryService
 from .sandboxes import Sandbox, SandboxRegistry
@@ -82,6 +83,10 @@ class LifetimeService:
             await asyncio.sleep(1.0)
             for sb, n in await self.workers.run(self.memory.oom_check):
                 self.memory.report_oom(sb, n)
+            helped = [sb.handle.init_pid for sb in self.registry.by_id.values()
+                      if sb.helper_execs and sb.handle is not None and sb.backend != "microvm"]
+            if helped:
+                await self.workers.run(reap_strays_of_exiting, helped)
             now = time.monotonic()
             for sb in list(self.registry.by_id.values()):
                 why = self.expired(sb, now)

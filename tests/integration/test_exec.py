@@ -1,6 +1,7 @@
 """exec in a real container sandbox: output, status, timeout, stdin, caps."""
 
 import os
+import signal
 import threading
 import time
 
@@ -212,7 +213,8 @@ def test_what_a_helper_exec_clones_onto_the_daemon_is_reaped(daemon_factory, bus
     is what it makes with clone(CLONE_PARENT). Nothing reaped those: each
     stayed a zombie of the daemon, and the sandbox's init, which finishes
     exiting only once every process of its pid namespace is reaped, hung in
-    its exit: a destroy waited sandbox.destroy_timeout_s and left them all."""
+    its exit: a destroy waited sandbox.destroy_timeout_s and left them all,
+    and an init that died was never seen to (the sandbox stayed running)."""
     d = daemon_factory('exec_via = "helper"\n')
     c = d.client()
     try:
@@ -235,5 +237,17 @@ def test_what_a_helper_exec_clones_onto_the_daemon_is_reaped(daemon_factory, bus
         while _daemon_children(d.proc.pid, pidns):                        # init too: it could end
             assert time.monotonic() < deadline, _daemon_children(d.proc.pid, pidns)
             time.sleep(0.05)
+        # An init that dies meanwhile (killed here) was never seen to: it waited for them.
+        sb = c.create(image="busybox")
+        install_probe(sb, probe_binary)
+        assert run_probe(sb, "clone_parent", 2, 60, 1)[-1] == "ok"
+        init_pid = sb.inspect()["init_pid"]
+        pidns = os.stat(f"/proc/{init_pid}/ns/pid").st_ino
+        os.kill(init_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while sb.inspect()["state"] != "dead" or _daemon_children(d.proc.pid, pidns):
+            assert time.monotonic() < deadline, (sb.inspect()["state"], _daemon_children(d.proc.pid, pidns))
+            time.sleep(0.1)
+        sb.destroy()
     finally:
         c.close()
