@@ -1280,6 +1280,35 @@ def named_sandboxes(a) -> list[str]:
 
 
 async def cmd_cp(c: Client, a) -> int:
+    """SIGTERM and SIGHUP (a `timeout`, a closed terminal) end a copy as ^C
+    does: the copy is cancelled, and an upload's temporary file in the
+    sandbox removed, not left there half-written; exits 128+signal."""
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    signals: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        if not signals:
+            main.cancel()
+        signals.append(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        return await _cp(c, a)
+    except asyncio.CancelledError:
+        if not signals:
+            raise
+        message = f"{signal.Signals(signals[0]).name}: the copy was cancelled"
+        _interrupted(a, signals[0], message)
+        print(f"dsec cp: {message}", file=sys.stderr)
+        return 128 + signals[0]
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            loop.remove_signal_handler(signum)
+
+
+async def _cp(c: Client, a) -> int:
     src_sb, src, dst_sb, dst = _cp_sides(a)
     if src_sb is not None and dst != "-" and not a.follow_link and await _cp_link_out(c, a, src_sb, src, dst):
         return 0

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import VENV_BIN
 
 from dsecd import protocol
@@ -740,6 +741,30 @@ def test_ls_of_a_file_or_symlink_lists_that_entry_as_ls_does(daemon, client):
         assert r.returncode == 0 and r.stdout.split(b"\n")[1].split()[0] == b"file", r
         r = daemon.cli("ls", f"{sb.id}:/f/below")
         assert r.returncode == 1 and b"list " in r.stderr and b"Not a directory" in r.stderr, r
+    finally:
+        sb.destroy(force=True)
+
+
+def test_a_cp_ended_by_sigterm_leaves_no_temporary_file_in_the_sandbox(daemon, client, tmp_path):
+    """`timeout 60 dsec cp BIG SB:/dir/` that ran out left the upload's
+    `.dsec-<hex>` part in /dir: SIGTERM killed dsec before it removed it."""
+    sb = client.create(image="busybox", memory="1G")
+    try:
+        sb.mkdir("/dir")
+        big = tmp_path / "big"
+        big.write_bytes(os.urandom(1 << 20) * 300)
+        p = subprocess.Popen([str(VENV_BIN / "dsec"), "--socket", daemon.socket, "cp", str(big), f"{sb.id}:/dir/"],
+                             stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 30
+        while not sb.list_files("/dir"):
+            assert time.monotonic() < deadline and p.poll() is None, p.poll()
+            time.sleep(0.01)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=30)
+        if p.returncode == 0:
+            pytest.skip("the copy ended before the signal came")
+        assert p.returncode == 128 + signal.SIGTERM and b"SIGTERM: the copy was cancelled" in err, (p.returncode, err)
+        assert sb.list_files("/dir") == []
     finally:
         sb.destroy(force=True)
 
