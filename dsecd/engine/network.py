@@ -35,6 +35,10 @@ from ..fs import files as sbfiles
 from .sandboxes import SandboxRegistry
 from .workers import Workers
 
+# Name-rule checks of requests up to this many rules parse on the loop (~30 us
+# a rule), as Network.update_now applies small policies: no thread hop for them.
+NAMES_INLINE_MAX = 64
+
 log = logging.getLogger(__name__)
 
 
@@ -344,8 +348,13 @@ class NetworkService:
         shares."""
         if self.resolver is not None or not terms:
             return
-        net.check_request_size(len(terms))
-        names = await self.workers.run(_name_rules, net.sets, terms)
+        terms = list(dict.fromkeys(terms))
+        size = net.expanded_size(terms)
+        net.check_request_size(size)
+        if size <= NAMES_INLINE_MAX:
+            names = _name_rules(net.sets, terms)
+        else:
+            names = await self.workers.run(_name_rules, net.sets, terms)
         if names:
             why = f"did not start: {self.dns_error}" if self.dns_error else "is off (net.dns = false)"
             raise BadRequest(f"name rules ({', '.join(names)}) allow the addresses the daemon's "

@@ -809,7 +809,7 @@ class Network:
             sb = self._sbs.get(sb_id)
             if sb is None or sb.state != "attached" or sb.mode != "default":
                 return None                       # the thread path gives the precise error
-            if len(sb.counters) > INLINE_MAX_RULES or self._expanded_size(
+            if len(sb.counters) > INLINE_MAX_RULES or self.expanded_size(
                     (add or []) + (remove or []) + (replace or [])) > INLINE_MAX_RULES:
                 return None
             return self.update(sb_id, add=add, remove=remove, replace=replace)
@@ -823,7 +823,8 @@ class Network:
             raise LimitExceeded(f"{n} rules in one request; net.max_rules_per_sandbox is {self.max_rules}",
                                 {"rules": n, "max": self.max_rules})
 
-    def _expanded_size(self, terms: list[str]) -> int:
+    def expanded_size(self, terms: list[str]) -> int:
+        """How many rules `terms` stand for, named sets counted whole; no parse."""
         return sum(len(self.sets[t]) if t in self.sets else 1 for t in terms)
 
     def update(self, sb_id: str, add: list[str] | None = None, remove: list[str] | None = None,
