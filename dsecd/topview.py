@@ -101,7 +101,22 @@ def live_possible() -> bool:
 
 # rich is imported where the live view starts: it costs ~0.1 s, which every
 # other dsec command (and a piped `dsec top`) need not pay.
-def _screen(top: dict, sort: str, reverse: bool, interval: float, labels: dict):
+def _screen(top: dict | None, sort: str, reverse: bool, interval: float, labels: dict, lost: str | None = None):
+    """The live view; with `lost`, why the last fetch failed, above the
+    figures of the one before (if any)."""
+    from rich.console import Group
+    from rich.text import Text
+
+    if lost is None:
+        return _figures(top, sort, reverse, interval, labels)
+    said = Text(f"{lost}\ntrying again every {interval:g}s (q quits)", style="bold red")
+    if top is None:
+        return said
+    return Group(said, Text("the figures below are from before", style="dim"),
+                 _figures(top, sort, reverse, interval, labels))
+
+
+def _figures(top: dict, sort: str, reverse: bool, interval: float, labels: dict):
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -133,10 +148,16 @@ async def run_live(fetch, interval: float, sort: str, labels: dict) -> int:
     try:
         tty.setcbreak(fd)
         loop.add_reader(fd, lambda: keys.put_nowait(os.read(fd, 32).decode(errors="replace")))
+        top = None
         with Live(console=Console(), screen=True, auto_refresh=False) as live:
             while True:
-                top = await fetch()
-                live.update(_screen(top, sort, reverse, interval, labels), refresh=True)
+                try:
+                    top, lost = await fetch(), None
+                except ConnectionError as err:
+                    # A daemon restart (the sandboxes run on): the client
+                    # connects again at the next fetch.
+                    lost = str(err)
+                live.update(_screen(top, sort, reverse, interval, labels, lost), refresh=True)
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(interval):
                         pressed = await keys.get()

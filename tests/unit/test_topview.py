@@ -17,3 +17,48 @@ def test_balloon_column_says_guest_size_over_ram_or_why_not():
     cells = {r[0]: r[-1] for r in topview.rows(top, "id")}
     assert topview.HEADER[-1] == "BALLOON"
     assert cells == {"vm": "129.0M/256.0M", "tmpl": "256.0M/256.0M (off)", "box": "-", "old": "-"}
+
+
+def test_the_live_view_goes_on_through_a_daemon_restart(monkeypatch):
+    """A restart drops the connection while the sandboxes run on: the live
+    view says why its fetch failed, keeps the last figures, and shows new
+    ones once the daemon answers again (the client connects again)."""
+    import asyncio
+    import io
+    import os
+    import pty
+
+    from rich.console import Console
+
+    master, slave = pty.openpty()
+    monkeypatch.setattr(topview.sys, "stdin", os.fdopen(slave, "r", closefd=False))
+    screens = []
+    real_screen = topview._screen
+
+    def screen(*args):
+        out = Console(file=io.StringIO(), width=200, record=True)
+        out.print(real_screen(*args))
+        screens.append(out.export_text())
+        return real_screen(*args)
+
+    monkeypatch.setattr(topview, "_screen", screen)
+    answers = iter([{"sandboxes": [_row(id="before")]}, ConnectionError("connection lost: the daemon closed it"),
+                    {"sandboxes": [_row(id="after")]}])
+
+    async def fetch():
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        if answer["sandboxes"][0]["id"] == "after":
+            os.write(master, b"q")
+        return answer
+
+    try:
+        assert asyncio.run(topview.run_live(fetch, 0.05, "id", {})) == 0
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert len(screens) == 3
+    assert "before" in screens[0] and "connection lost" not in screens[0]
+    assert "connection lost: the daemon closed it" in screens[1] and "before" in screens[1]
+    assert "after" in screens[2] and "connection lost" not in screens[2]
