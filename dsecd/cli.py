@@ -1310,7 +1310,7 @@ async def cmd_cp(c: Client, a) -> int:
 
 async def _cp(c: Client, a) -> int:
     src_sb, src, dst_sb, dst = _cp_sides(a)
-    if src_sb is not None and dst != "-" and not a.follow_link and await _cp_link_out(c, a, src_sb, src, dst):
+    if src_sb is not None and dst != "-" and _keeps_links(a) and await _cp_link_out(c, a, src_sb, src, dst):
         return 0
     if a.recursive and not await _is_a_file(c, src_sb, src):     # cp -r copies a file as a file
         return await _cp_dir(c, a, src_sb, src, dst_sb, dst)
@@ -1354,11 +1354,20 @@ async def _cp(c: Client, a) -> int:
     return 0
 
 
+def _keeps_links(a) -> bool:
+    """Whether a symlink named as the source of a copy out comes out as a
+    symlink, as cp(1) has it: with -r (or -P), not without (or with -L). A
+    plain copy follows it inside the sandbox: a link the sandbox made would
+    otherwise land on the host as a link resolved against the host's files
+    (/etc/shadow, ~/.ssh/id_rsa), which the next copy into a sandbox sends."""
+    return (a.recursive or getattr(a, "no_dereference", False)) and not getattr(a, "follow_link", False)
+
+
 async def _cp_link_out(c: Client, a, sb_id: str, src: str, dst: str) -> bool:
-    """`dsec cp SB:/link DST`, as cp -a and docker cp do it: a symlink comes
-    out as a symlink with the same target (-L, a trailing / or /. follows
-    it). False when `src` is no symlink, or its target is not known (a
-    microVM's stat does not read links): the caller copies what it leads to."""
+    """`dsec cp -r SB:/link DST` (or -P), as cp -a and docker cp do it: a
+    symlink comes out as a symlink with the same target (a trailing / or /.
+    follows it). False when `src` is no symlink, or its target is not known
+    (a microVM's stat does not read links): the caller copies what it leads to."""
     if src.endswith("/") or _contents_of(src):
         return False
     sb = await c.get(sb_id)
@@ -2037,7 +2046,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="copy a directory tree (symlinks as symlinks; FIFOs and devices are not copied)")
     cp.add_argument("-L", "--follow-link", action="store_true",
                     help="out of a sandbox: a SOURCE that is a symlink is followed (its target's content "
-                         "and mode), not copied as a symlink")
+                         "and mode) with -r too")
+    cp.add_argument("-P", "--no-dereference", action="store_true",
+                    help="out of a sandbox: a SOURCE that is a symlink comes out as a symlink (as with -r); "
+                         "without -r or -P a plain copy follows it inside the sandbox")
     cp.add_argument("src")
     cp.add_argument("dst")
 

@@ -690,27 +690,33 @@ def test_cp_out_keeps_a_files_permission_bits_but_never_setuid(daemon, client, t
         sb.destroy(force=True)
 
 
-def test_cp_out_of_a_symlink_gives_what_cp_a_and_docker_cp_give(daemon, client, tmp_path):
-    """A symlink comes out as a symlink with the same target, dangling or
-    not, with or without -r; -L copies what it leads to, with the target's
-    permission bits (they were a new file's: file_stat did not follow)."""
+def test_cp_out_of_a_symlink_gives_what_cp_gives(daemon, client, tmp_path):
+    """As cp(1): a plain copy follows a symlink named as the source, inside
+    the sandbox, and gives its target's content and permission bits (never
+    a host symlink a sandbox could aim at the host's own files); with -r or
+    -P it comes out as a symlink with the same target, dangling or not, as
+    cp -a and docker cp give it; -L follows it with -r too."""
     sb = client.create(image="busybox")
     try:
         sb.exec(["sh", "-c", "mkdir -p /t/sub && echo hi > /t/f && chmod 751 /t/f && ln -s f /t/lf && "
-                             "ln -s /t/f /t/abs && ln -s sub /t/ld && ln -s nowhere /t/dang && echo y > /t/sub/y"])
+                             "ln -s /t/f /t/abs && ln -s sub /t/ld && ln -s nowhere /t/dang && echo y > /t/sub/y && "
+                             "ln -s /etc/hostname /t/host && echo sandbox-name > /etc/hostname"])
+        out = tmp_path / "host"
+        assert daemon.cli("cp", f"{sb.id}:/t/host", str(out)).returncode == 0
+        assert not out.is_symlink() and out.read_text() == "sandbox-name\n"      # the sandbox's, not ours
         for name, target in (("lf", "f"), ("abs", "/t/f"), ("ld", "sub"), ("dang", "nowhere")):
-            for flags in ([], ["-r"]):
+            for flags in (["-P"], ["-r"]):
                 out = tmp_path / f"{name}{''.join(flags)}"
                 r = daemon.cli("cp", *flags, f"{sb.id}:/t/{name}", str(out))
                 assert r.returncode == 0, (name, flags, r.stderr)
                 assert out.is_symlink() and os.readlink(out) == target, (name, flags)
         (tmp_path / "into").mkdir()
-        r = daemon.cli("cp", "--json", f"{sb.id}:/t/lf", str(tmp_path / "into"))
+        r = daemon.cli("cp", "-P", "--json", f"{sb.id}:/t/lf", str(tmp_path / "into"))
         assert r.returncode == 0 and json.loads(r.stdout)["target"] == "f", r
         assert os.readlink(tmp_path / "into" / "lf") == "f"
-        for name in ("lf", "abs"):
-            out = tmp_path / f"{name}-L"
-            assert daemon.cli("cp", "-L", f"{sb.id}:/t/{name}", str(out)).returncode == 0
+        for name, flags in (("lf", []), ("abs", []), ("lf", ["-L"]), ("abs", ["-r", "-L"])):
+            out = tmp_path / f"{name}-followed{''.join(flags)}"
+            assert daemon.cli("cp", *flags, f"{sb.id}:/t/{name}", str(out)).returncode == 0
             assert not out.is_symlink() and out.read_text() == "hi\n"
             assert out.stat().st_mode & 0o7777 == 0o751, name
         assert daemon.cli("cp", "-r", "-L", f"{sb.id}:/t/ld", str(tmp_path / "ld-L")).returncode == 0
@@ -718,10 +724,10 @@ def test_cp_out_of_a_symlink_gives_what_cp_a_and_docker_cp_give(daemon, client, 
         assert daemon.cli("cp", "-r", f"{sb.id}:/t", str(tmp_path / "tree")).returncode == 0
         assert os.readlink(tmp_path / "tree" / "lf") == "f"
         assert (tmp_path / "tree" / "f").stat().st_mode & 0o7777 == 0o751
-        r = daemon.cli("cp", "-L", f"{sb.id}:/t/dang", str(tmp_path / "dang-L"))
+        r = daemon.cli("cp", f"{sb.id}:/t/dang", str(tmp_path / "dang-L"))
         assert r.returncode == 1 and b"/t/dang" in r.stderr and b"No such file" in r.stderr, r
         sb.exec(["sh", "-c", "ln -s \"$(printf '\\377')x\" /t/raw"])       # a target that is not UTF-8
-        assert daemon.cli("cp", f"{sb.id}:/t/raw", str(tmp_path / "raw")).returncode == 0
+        assert daemon.cli("cp", "-P", f"{sb.id}:/t/raw", str(tmp_path / "raw")).returncode == 0
         assert os.readlink(os.fsencode(tmp_path / "raw")) == b"\xffx"
     finally:
         sb.destroy(force=True)
