@@ -1318,7 +1318,7 @@ async def _cp(c: Client, a) -> int:
         raise UsageError(f"dsec cp: {src} is a directory; copy it with dsec cp -r")
     if src_sb is None:
         if src == "-":
-            data = sys.stdin.buffer.read()
+            data = await _in_a_thread_of_its_own(_read_stdin)
             mode = 0o644
         else:
             with open(src, "rb") as f:
@@ -1336,7 +1336,7 @@ async def _cp(c: Client, a) -> int:
         if a.json:               # the one object on stdout: the bytes as text, as `cat --json` gives them
             _print_json({"sandbox": sb.id, "path": src, "size": len(data), "data": data.decode("utf-8", "replace")})
         else:
-            _write_flush(1, data)
+            await _in_a_thread_of_its_own(_write_flush, 1, data)
         return 0
     if os.path.isdir(dst):
         dst = os.path.join(dst, os.path.basename(src))
@@ -1352,6 +1352,40 @@ async def _cp(c: Client, a) -> int:
     if a.json:
         _print_json({"sandbox": sb.id, "path": src, "local": dst, "size": len(data)})
     return 0
+
+
+async def _in_a_thread_of_its_own(fn, *args):
+    """fn(*args) (a read of stdin, a write to stdout: either may block for
+    as long as the other end likes) in a daemon thread, so that the loop
+    runs meanwhile: cmd_cp's SIGTERM handler cancels the copy at once, and
+    dsec exits without waiting for the thread."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(ok: bool, value) -> None:
+        if not fut.done():
+            (fut.set_result if ok else fut.set_exception)(value)
+
+    def run() -> None:
+        try:
+            out = True, fn(*args)
+        except BaseException as err:       # handed to the caller
+            out = False, err
+        with contextlib.suppress(RuntimeError):        # the loop ended meanwhile
+            loop.call_soon_threadsafe(settle, *out)
+
+    threading.Thread(target=run, name="dsec-cp-io", daemon=True).start()
+    return await fut
+
+
+def _read_stdin() -> bytes:
+    """All of fd 0, unbuffered: a thread left blocked in sys.stdin's
+    buffered read at exit holds its lock, and the interpreter's shutdown
+    aborts on it."""
+    chunks = []
+    while chunk := os.read(0, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _keeps_links(a) -> bool:

@@ -579,3 +579,35 @@ def test_info_prints_the_cgroup_dirs_one_per_line(capsys):
     lines = [line.split() for line in out.splitlines()]
     assert ["cpu", "/sys/fs/cgroup/cpu/dsecd"] in lines and ["memory", "/sys/fs/cgroup/memory/dsecd"] in lines, out
     assert ["socket", "/run/dsecd/dsecd.sock"] in lines, out
+
+
+CP_FROM_STDIN = """
+import asyncio, sys
+from dsecd import cli
+a = cli.parse_args(["cp", "-", "sbx:/tmp/x"])
+print("ready", flush=True, file=sys.stderr)
+sys.exit(asyncio.run(cli.cmd_cp(object(), a)))
+"""
+
+
+def test_cp_from_stdin_ends_at_sigterm_while_stdin_stays_open(tmp_path):
+    """`producer | timeout 60 dsec cp - SB:/x`: the SIGTERM cancels the copy
+    at once, though stdin is still open (its read runs beside the loop)."""
+    import signal
+    import time
+
+    r, w = os.pipe()                       # a producer that never ends
+    p = subprocess.Popen([sys.executable, "-c", CP_FROM_STDIN], stdin=r, stderr=subprocess.PIPE,
+                         env={**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])})
+    os.close(r)
+    try:
+        assert p.stderr.readline() == b"ready\n"
+        time.sleep(0.3)                    # in the read by now
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(10) == 128 + signal.SIGTERM
+        assert b"SIGTERM: the copy was cancelled" in p.stderr.read()
+    finally:
+        os.close(w)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
