@@ -335,6 +335,8 @@ def reap_strays(pidns: int, leaders: bool = True) -> int:
             try:        # the wait is on the pidfd: only the process it was opened on is reaped
                 if os.stat(f"/proc/{pid}/ns/pid").st_ino != pidns or not (leaders or _session(pid) != pid):
                     continue
+                if _is_ns_init(pid):
+                    continue        # the sandbox's init: its end is waited for, its status read, elsewhere
                 if os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG) is not None:
                     reaped += 1
             except OSError:
@@ -360,6 +362,15 @@ def reap_strays_of_exiting(init_pids: list[int]) -> None:
                 reap_strays(os.stat(f"/proc/{pid}/ns/pid").st_ino)
         except (OSError, ValueError, IndexError):
             continue
+
+
+def _is_ns_init(pid: int) -> bool:
+    """Whether `pid` is pid 1 of its own pid namespace (NSpid's last id)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("NSpid:"):
+                return line.split()[-1] == "1"
+    return False
 
 
 def _session(pid: int) -> int:
