@@ -377,11 +377,16 @@ class World:
 
     def in_bridge_netns(self, fn, *args):
         """fn(*args) on a thread in the bridge netns (the daemon's host side)."""
+        return self.in_netns(self.br_ns, fn, *args)
+
+    @staticmethod
+    def in_netns(ns: str, fn, *args):
+        """fn(*args) on a thread in the netns `ns` (its name under /run/netns)."""
         out: dict = {}
 
         def run() -> None:
             try:
-                with in_netns(f"/run/netns/{self.br_ns}"):
+                with in_netns(f"/run/netns/{ns}"):
                     out["value"] = fn(*args)
             except BaseException as err:      # handed to the caller
                 out["error"] = err

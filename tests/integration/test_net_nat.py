@@ -11,14 +11,11 @@ import re
 import signal
 import socket
 import subprocess
-import threading
 import time
 
 import pytest
 from test_net_daemon import _toml_net
 from test_net_kit import World, bpf_skip_reason
-
-from dsecd.net.plumbing import in_netns
 
 pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None, reason=bpf_skip_reason() or "")
 
@@ -159,10 +156,15 @@ def test_an_uplink_that_is_not_there_is_said_at_start(iworld, daemon_factory):
 
 def _serve_http(sb, port: int) -> None:
     sb.exec(["sh", "-c", "mkdir -p /tmp/www && echo sandbox-page > /tmp/www/index.html"])
-    sb.exec(["sh", "-c", f"setsid httpd -p {port} -h /tmp/www </dev/null >/dev/null 2>&1 &"])
+    _serve(sb, port, f"httpd -p {port} -h /tmp/www")
+
+
+def _serve(sb, port: int, server: str) -> None:
+    """Start `server` in the sandbox, in a session of its own; wait until `port` listens."""
+    sb.exec(["sh", "-c", f"setsid {server} </dev/null >/dev/null 2>&1 &"])
     deadline = time.monotonic() + 5
     while sb.exec(["sh", "-c", f"netstat -ltn | grep -q ':{port} '"]).exit_code != 0:
-        assert time.monotonic() < deadline, "httpd did not listen"
+        assert time.monotonic() < deadline, f"{server} did not listen"
         time.sleep(0.05)
 
 
@@ -281,22 +283,8 @@ def test_a_host_port_taken_while_no_daemon_ran_is_not_published_over(iworld, nat
 
 def _connect_in(ns: str, addr: str) -> socket.socket:
     """A TCP connection to `addr` ("host:port") made from the netns `ns`."""
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            with in_netns(f"/run/netns/{ns}"):
-                host, port = addr.rsplit(":", 1)
-                out["sock"] = socket.create_connection((host, int(port)), timeout=3)
-        except BaseException as err:      # handed to the caller
-            out["error"] = err
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    if "error" in out:
-        raise out["error"]
-    return out["sock"]
+    host, port = addr.rsplit(":", 1)
+    return World.in_netns(ns, socket.create_connection, (host, int(port)), 3)
 
 
 def _echoes(s: socket.socket, data: bytes) -> bool:
@@ -322,11 +310,7 @@ def test_unpublish_cuts_connections_made_through_the_port(iworld, natd):
     d, c = natd
     sb = c.create(image="busybox", net="default", publish=[8080, 8081])
     for port in (8080, 8081):
-        sb.exec(["sh", "-c", f"setsid nc -ll -p {port} -e cat </dev/null >/dev/null 2>&1 &"])
-    deadline = time.monotonic() + 5
-    while sb.exec(["sh", "-c", "netstat -ltn | grep -q ':8081 '"]).exit_code != 0:
-        assert time.monotonic() < deadline, "nc did not listen"
-        time.sleep(0.05)
+        _echo_server(sb, port)
     hp = int(sb.get_host(8080).rsplit(":", 1)[1])
     kept_hp = int(sb.get_host(8081).rsplit(":", 1)[1])
     gateway = f"10.{iworld.octet}.0.1"
@@ -348,11 +332,7 @@ def test_unpublish_cuts_connections_made_through_the_port(iworld, natd):
 
 
 def _echo_server(sb, port: int) -> None:
-    sb.exec(["sh", "-c", f"setsid nc -ll -p {port} -e cat </dev/null >/dev/null 2>&1 &"])
-    deadline = time.monotonic() + 5
-    while sb.exec(["sh", "-c", f"netstat -ltn | grep -q ':{port} '"]).exit_code != 0:
-        assert time.monotonic() < deadline, "nc did not listen"
-        time.sleep(0.05)
+    _serve(sb, port, f"nc -ll -p {port} -e cat")
 
 
 def test_a_stopped_daemon_keeps_published_ports_for_sandboxes_that_run_on(iworld, natd):

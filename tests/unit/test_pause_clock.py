@@ -84,11 +84,7 @@ def test_a_cancelled_pause_request_still_pauses_the_sandbox(monkeypatch):
     monkeypatch.setattr(memory_mod.pause, "pause", slow_pause)
 
     async def go():
-        task = asyncio.ensure_future(_service(sb)._pause(sb))
-        await asyncio.sleep(0.05)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await _cancelled_meanwhile(_service(sb)._pause(sb))
         go_on.set()
         await _until(lambda: sb.state == "paused")
 
@@ -111,11 +107,7 @@ def test_a_cancelled_job_pause_still_pauses_the_job(monkeypatch):
     async def go():
         svc.workers.loop = asyncio.get_running_loop()
         svc.vms = None
-        task = asyncio.ensure_future(svc.job_pause(SimpleNamespace(job="j"), None))
-        await asyncio.sleep(0.05)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await _cancelled_meanwhile(svc.job_pause(SimpleNamespace(job="j"), None))
         go_on.set()
         await _until(lambda: sb.state == "paused")
         await asyncio.sleep(0.05)           # the reclaim behind the answer
@@ -148,16 +140,18 @@ def test_a_snapshot_cancelled_during_its_freeze_thaws_the_sandbox_and_stops_its_
         async with svc.frozen_upper(sb):
             raise AssertionError("packed although cancelled")
 
-    async def go():
-        task = asyncio.ensure_future(snapshot())
-        await asyncio.sleep(0.05)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(go())
+    asyncio.run(_cancelled_meanwhile(snapshot()))
     assert calls == ["freeze", "thaw"]
     assert sb.state == "running" and sb.paused_at is None
+
+
+async def _cancelled_meanwhile(coro) -> None:
+    """Run `coro` as a request, cancel it 50 ms in; its caller sees the cancel."""
+    task = asyncio.ensure_future(coro)
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
 
 
 async def _until(done, timeout=5.0):
