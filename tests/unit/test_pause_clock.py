@@ -63,11 +63,7 @@ def test_a_pause_that_fails_keeps_its_frozen_time_and_the_sandbox_running(monkey
     monkeypatch.setattr(memory_mod.pause, "pause", failing_pause)
     with pytest.raises(DsecError):
         asyncio.run(_service(sb)._pause(sb))
-    assert sb.state == "running" and sb.paused_at is None
-    before = sb.paused_for()
-    assert before >= 0.19
-    time.sleep(0.05)
-    assert sb.paused_for() == before, "the clock runs on after a failed pause"
+    _ran_on_with_its_frozen_time(sb, 0.19)
 
 
 def test_a_cancelled_pause_request_still_pauses_the_sandbox(monkeypatch):
@@ -145,6 +141,16 @@ def test_a_snapshot_cancelled_during_its_freeze_thaws_the_sandbox_and_stops_its_
     assert sb.state == "running" and sb.paused_at is None
 
 
+def _ran_on_with_its_frozen_time(sb, frozen_s: float) -> None:
+    """A sandbox a pause froze, then thawed again: running, the time it was
+    frozen (at least `frozen_s`) counted as paused, and its clock stopped."""
+    assert sb.state == "running" and sb.paused_at is None
+    before = sb.paused_for()
+    assert before >= frozen_s
+    time.sleep(0.05)
+    assert sb.paused_for() == before, "the pause clock runs on"
+
+
 async def _cancelled_meanwhile(coro) -> None:
     """Run `coro` as a request, cancel it 50 ms in; its caller sees the cancel."""
     task = asyncio.ensure_future(coro)
@@ -193,11 +199,7 @@ def test_a_job_pause_counts_paused_time_from_its_freeze(monkeypatch):
     r = asyncio.run(main())
     assert r["paused"] == ["sb1"] and r["failed"] == ["sb2"]
     assert frozen_sb.state == "paused" and frozen_sb.paused_for() >= 0.29, "the freeze's wait counted as run time"
-    assert failed_sb.state == "running" and failed_sb.paused_at is None
-    before = failed_sb.paused_for()
-    assert before >= 0.29
-    time.sleep(0.05)
-    assert failed_sb.paused_for() == before, "the clock runs on for a sandbox the job pause thawed again"
+    _ran_on_with_its_frozen_time(failed_sb, 0.29)
 
 
 def test_a_pause_cancelled_before_it_began_never_runs(monkeypatch):
