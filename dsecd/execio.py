@@ -318,6 +318,12 @@ def reap_strays(pidns: int, leaders: bool = True) -> int:
     is our child before its watch is made: with `leaders` False, session
     leaders (as every exec of the helper is) are left alone, which is safe
     while execs start. How many were reaped."""
+    return _reap_in({pidns: leaders})
+
+
+def _reap_in(namespaces: dict[int, bool]) -> int:
+    """reap_strays for several pid namespaces in one look at our children:
+    {pid namespace inode: leaders}."""
     reaped = 0
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -333,7 +339,8 @@ def reap_strays(pidns: int, leaders: bool = True) -> int:
             except OSError:
                 continue
             try:        # the wait is on the pidfd: only the process it was opened on is reaped
-                if os.stat(f"/proc/{pid}/ns/pid").st_ino != pidns or not (leaders or _session(pid) != pid):
+                leaders = namespaces.get(os.stat(f"/proc/{pid}/ns/pid").st_ino)
+                if leaders is None or not (leaders or _session(pid) != pid):
                     continue
                 if _is_ns_init(pid):
                     continue        # the sandbox's init: its end is waited for, its status read, elsewhere
@@ -349,19 +356,24 @@ def reap_strays(pidns: int, leaders: bool = True) -> int:
 PF_EXITING = 0x4           # /proc/PID/stat flags: the process is exiting
 
 
-def reap_strays_of_exiting(init_pids: list[int]) -> None:
-    """reap_strays for each sandbox init of `init_pids` that is exiting. An
-    init killed (or dead of its own) finishes exiting, and so can be seen
-    to have died, only once every process of its pid namespace is reaped;
-    no exec can start there any more, so session leaders are reaped too."""
+def reap_strays_of_helped(init_pids: list[int]) -> None:
+    """Once a second, for the sandboxes whose execs went through the
+    daemon's helper (their inits' pids): reap what those execs cloned onto
+    the daemon and has ended, in one look at our children. Session leaders
+    too where the init is exiting: it finishes exiting, and so can be seen
+    to have died, only once every process of its pid namespace is reaped,
+    and no exec can start there any more. (Done after every helper exec,
+    the look took 2.7 ms of CPU an exec.)"""
+    namespaces = {}
     for pid in init_pids:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 flags = int(f.read().rpartition(")")[2].split()[6])
-            if flags & PF_EXITING:
-                reap_strays(os.stat(f"/proc/{pid}/ns/pid").st_ino)
+            namespaces[os.stat(f"/proc/{pid}/ns/pid").st_ino] = bool(flags & PF_EXITING)
         except (OSError, ValueError, IndexError):
             continue
+    if namespaces:
+        _reap_in(namespaces)
 
 
 def _is_ns_init(pid: int) -> bool:

@@ -34,7 +34,6 @@ from ..execio import (
     PtyIO,
     kill_and_reap,
     parse_signal,
-    reap_strays,
 )
 from ..fs import users
 from ..imageconfig import ConfigError
@@ -224,14 +223,6 @@ async def _no_oom_count(sb: Sandbox, before: int) -> bool:
 SIGNAL_START_WAIT_S = 5.0
 
 
-def _reap_strays_of(init_pid: int) -> None:
-    try:
-        pidns = os.stat(f"/proc/{init_pid}/ns/pid").st_ino
-    except OSError:
-        return          # the sandbox ended: its stop reaps them
-    reap_strays(pidns, leaders=False)
-
-
 class ExecService:
     """`exec`, `exec_input`, `exec_resize` and `exec_signal`. `ensure_running(sb, why)` resumes a paused
     sandbox first (the memory service's); `devnull` is the stdin of collected
@@ -409,7 +400,7 @@ class ExecService:
             sb.execs -= 1
             sb.last_active = time.monotonic()
             if isinstance(watch, ChildWatch):
-                self._reap_strays(sb)
+                self._note_helper_exec(sb)
 
     async def _exec_collected(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str,
                               ids: users.ProcessIds, timeout: float | None, ctx, via: list[str],
@@ -456,17 +447,14 @@ class ExecService:
             sb.last_active = time.monotonic()
             ctx.unregister_exec()
             if isinstance(watch, ChildWatch):
-                self._reap_strays(sb)
+                self._note_helper_exec(sb)
 
-    def _reap_strays(self, sb: Sandbox) -> None:
+    def _note_helper_exec(self, sb: Sandbox) -> None:
         """After an exec of the daemon's helper: what it cloned with
-        CLONE_PARENT (our children) and has ended is reaped, in a worker;
-        the rest is once the sandbox ends (its stop, or the reaper's pass
-        once its init exits: execio.reap_strays_of_exiting)."""
+        CLONE_PARENT (our children) is reaped once it ends, by the reaper's
+        pass once a second (execio.reap_strays_of_helped), and the rest when
+        the sandbox ends (its stop)."""
         sb.helper_execs = True
-        h = sb.handle
-        if h is not None:
-            self.workers.behind(_reap_strays_of, h.init_pid)
 
     async def _counting(self, sb: Sandbox, applied: Applied | None, argv0: str) -> ExecRef | None:
         """Before the start: what counts this exec's policy denials (None: nothing)."""

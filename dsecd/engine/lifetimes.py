@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from ..config import parse_duration
 from ..errors import DsecError
-from ..execio import reap_strays_of_exiting
+from ..execio import reap_strays_of_helped
 from .events import EventBus
 from .memory import MemoryService
 from .sandboxes import Sandbox, SandboxRegistry
@@ -86,7 +86,7 @@ class LifetimeService:
             helped = [sb.handle.init_pid for sb in self.registry.by_id.values()
                       if sb.helper_execs and sb.handle is not None and sb.backend != "microvm"]
             if helped:
-                await self.workers.run(reap_strays_of_exiting, helped)
+                await self.workers.run(reap_strays_of_helped, helped)
             now = time.monotonic()
             for sb in list(self.registry.by_id.values()):
                 why = self.expired(sb, now)
