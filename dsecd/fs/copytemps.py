@@ -34,9 +34,12 @@ class CopyTemps:
 
     def __init__(self, top: Path):
         self.top = Path(top)
+        self._made = False          # top made by this process (once, not per record)
 
     def add(self, sb_id: str, path: str, st: os.stat_result) -> Path:
-        self.top.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not self._made:
+            self.top.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._made = True
         rec = self.top / f"{sb_id}.{secrets.token_hex(8)}.json"
         tmp = rec.with_suffix(".part")
         tmp.write_text(json.dumps({"sandbox": sb_id, "path": path, "dev": st.st_dev, "ino": st.st_ino}))
