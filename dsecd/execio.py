@@ -309,21 +309,21 @@ def parse_signal(value: int | str) -> int:
 WATCHED: set[int] = set()
 
 
-def reap_strays(pidns: int, leaders: bool = True) -> int:
+def reap_strays(pidns: int) -> int:
     """Reap our exited children in the pid namespace of inode `pidns` (a
-    sandbox's) that no ChildWatch waits for. A process the daemon's helper
-    started is our child (CLONE_PARENT), and so is what it starts with
-    clone(CLONE_PARENT): nobody else waits for those, and the sandbox's init
-    cannot finish exiting while one is left unreaped. An exec being started
-    is our child before its watch is made: with `leaders` False, session
-    leaders (as every exec of the helper is) are left alone, which is safe
-    while execs start. How many were reaped."""
-    return _reap_in({pidns: leaders})
+    sandbox's being destroyed) that no ChildWatch waits for. A process the
+    daemon's helper started is our child (CLONE_PARENT), and so is what it
+    starts with clone(CLONE_PARENT): nobody else waits for those, and the
+    sandbox's init cannot finish exiting while one is left unreaped. How
+    many were reaped."""
+    return _reap_in({pidns: True})
 
 
 def _reap_in(namespaces: dict[int, bool]) -> int:
     """reap_strays for several pid namespaces in one look at our children:
-    {pid namespace inode: leaders}."""
+    {pid namespace inode: leaders}. An exec being started is our child
+    before its watch is made: where `leaders` is False, session leaders (as
+    every exec of the helper is) are left alone."""
     reaped = 0
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -340,7 +340,7 @@ def _reap_in(namespaces: dict[int, bool]) -> int:
                 continue
             try:        # the wait is on the pidfd: only the process it was opened on is reaped
                 leaders = namespaces.get(os.stat(f"/proc/{pid}/ns/pid").st_ino)
-                if leaders is None or not (leaders or _session(pid) != pid):
+                if leaders is None or not (leaders or os.getsid(pid) != pid):
                     continue
                 if _is_ns_init(pid):
                     continue        # the sandbox's init: its end is waited for, its status read, elsewhere
@@ -383,11 +383,6 @@ def _is_ns_init(pid: int) -> bool:
             if line.startswith("NSpid:"):
                 return line.split()[-1] == "1"
     return False
-
-
-def _session(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rpartition(")")[2].split()[3])
 
 
 def reap(pid: int) -> int:

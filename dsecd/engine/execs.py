@@ -366,7 +366,6 @@ class ExecService:
         loop = self.workers.loop
         sb.execs += 1
         prog = argv[0]
-        watch = None
         try:
             argv = tracing.traced_argv(argv) if trace else argv
             # A traced exec needs the daemon's helper: the tracer attaches to the daemon's child.
@@ -399,8 +398,6 @@ class ExecService:
             io.close()
             sb.execs -= 1
             sb.last_active = time.monotonic()
-            if isinstance(watch, ChildWatch):
-                self._note_helper_exec(sb)
 
     async def _exec_collected(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str,
                               ids: users.ProcessIds, timeout: float | None, ctx, via: list[str],
@@ -446,15 +443,6 @@ class ExecService:
             sb.execs -= 1
             sb.last_active = time.monotonic()
             ctx.unregister_exec()
-            if isinstance(watch, ChildWatch):
-                self._note_helper_exec(sb)
-
-    def _note_helper_exec(self, sb: Sandbox) -> None:
-        """After an exec of the daemon's helper: what it cloned with
-        CLONE_PARENT (our children) is reaped once it ends, by the reaper's
-        pass once a second (execio.reap_strays_of_helped), and the rest when
-        the sandbox ends (its stop)."""
-        sb.helper_execs = True
 
     async def _counting(self, sb: Sandbox, applied: Applied | None, argv0: str) -> ExecRef | None:
         """Before the start: what counts this exec's policy denials (None: nothing)."""
@@ -494,6 +482,10 @@ class ExecService:
     async def _spawn_exec(self, sb: Sandbox, argv: list[str], env: list[str], cwd: str, ids: users.ProcessIds,
                           fds: tuple[int, int, int], io, applied: Applied | None = None, ctty: bool = False) -> int:
         spawn = _with_options(self.backend.spawn, ctty, ids, applied, self.backend)
+        # What the exec clones with CLONE_PARENT is our child: reaped once it
+        # ends by the reaper's pass once a second (execio.reap_strays_of_helped),
+        # the rest when the sandbox ends (its stop).
+        sb.helper_execs = True
         return await self.starter.spawn_by_helper(io, None, spawn, sb.handle, argv, env, cwd, ids.uid, fds)
 
     async def _start_tracer(self, sb: Sandbox, pid: int, timeout: float | None):

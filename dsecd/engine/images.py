@@ -532,7 +532,7 @@ class ImageService:
             # (Sandbox.paused_for) must not count the pack, as under a pause.
             if not was_paused:
                 sb.paused_at = time.monotonic()
-                freezing = asyncio.ensure_future(self.workers.run(freezer.freeze, self.freeze_timeout_s))
+                freezing = self.workers.behind(freezer.freeze, self.freeze_timeout_s)
                 try:
                     await asyncio.shield(freezing)
                 except OSError as err:      # destroyed meanwhile: its cgroup is gone
@@ -546,7 +546,7 @@ class ImageService:
                     # no lock, marked it paused meanwhile: as below).
                     await outcome(freezing)
                     if sb.state != "paused":
-                        await outcome(asyncio.ensure_future(self.workers.run(freezer.thaw)))
+                        await outcome(self.workers.behind(freezer.thaw))
                         sb.end_paused_time()
                     raise
             try:
@@ -559,8 +559,7 @@ class ImageService:
                 # a worker's work not yet started would be dropped by the
                 # cancel, leaving a view mounted or the sandbox frozen while
                 # its state says running.
-                viewing = asyncio.ensure_future(self.workers.run(handle.upper_view,
-                                                                 self.state_dir / upperfs.VIEWS_DIR))
+                viewing = self.workers.behind(handle.upper_view, self.state_dir / upperfs.VIEWS_DIR)
                 try:
                     upper, undo = await asyncio.shield(viewing)
                 except OSError as err:
@@ -570,20 +569,20 @@ class ImageService:
                 except asyncio.CancelledError:
                     made = await outcome(viewing)
                     if not isinstance(made, BaseException) and made[1] is not None:
-                        await outcome(asyncio.ensure_future(self.workers.run(made[1])))
+                        await outcome(self.workers.behind(made[1]))
                     raise
                 try:
                     yield upper
                 finally:
                     if undo is not None:
-                        undone = await outcome(asyncio.ensure_future(self.workers.run(undo)))
+                        undone = await outcome(self.workers.behind(undo))
                         if isinstance(undone, Exception):
                             raise undone
             finally:
                 # A job pause takes no sandbox's lock: one that came meanwhile
                 # found it frozen and marked it paused. It stays frozen.
                 if not was_paused and sb.state != "paused":
-                    thawed = await outcome(asyncio.ensure_future(self.workers.run(freezer.thaw)))
+                    thawed = await outcome(self.workers.behind(freezer.thaw))
                     sb.end_paused_time()
                     # A destroy (which does not wait for the lock) removed its
                     # cgroup meanwhile: nothing is left to thaw, and what was

@@ -22,6 +22,9 @@ class _Workers:
     async def run(self, fn, *args):
         return await asyncio.to_thread(fn, *args)
 
+    def behind(self, fn, *args):
+        return asyncio.ensure_future(asyncio.to_thread(fn, *args))
+
 
 def _service(*sbs) -> MemoryService:
     svc = object.__new__(MemoryService)
