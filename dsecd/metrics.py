@@ -37,8 +37,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
-import stat
 import time
 from dataclasses import dataclass, field
 
@@ -493,7 +491,10 @@ class MetricsServer:
 
     async def start(self) -> None:
         if isinstance(self.where, str):
-            _remove_dead_socket(self.where)
+            try:
+                unixsock.remove_dead_socket(self.where)
+            except ValueError as err:
+                raise ValueError(f"{err} (daemon.socket, or another daemon's endpoint)") from None
             # As the protocol's socket's: /run/dsecd may not be there yet.
             os.makedirs(os.path.dirname(self.where), mode=0o755, exist_ok=True)
             self._server = await unixsock.serve_private(                # 0660, like the protocol's socket
@@ -560,28 +561,6 @@ class MetricsServer:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
-
-
-def _remove_dead_socket(path: str) -> None:
-    """Remove the socket file a dead daemon left. A file that is not a
-    socket, or a socket a server still answers on (the daemon's own
-    protocol socket, say), stays: ValueError naming it, since the bind
-    would rename the new socket over it."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise ValueError(f"{path} exists and is not a socket")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        if probe.connect_ex(path) == 0:
-            raise ValueError(f"a server already serves on {path} (daemon.socket, or another daemon's "
-                             "endpoint)")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-    finally:
-        probe.close()
 
 
 async def _answer(writer: asyncio.StreamWriter, status: int, body: bytes, ctype: str, extra: str = "",

@@ -22,7 +22,6 @@ import logging
 import os
 import select
 import socket
-import stat
 import struct
 
 from . import framing, metrics, protocol, unixsock
@@ -539,20 +538,7 @@ def _remove_stale_socket(path: str) -> None:
     """Remove a socket file left by a dead daemon; refuse if one is still
     listening, or if the file is not a socket (the bind would replace it)."""
     try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise SystemExit(f"dsecd: {path} exists and is not a socket; daemon.socket (--socket) must name a "
-                         "path of the daemon's own")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except OSError as err:
-        if err.errno in (errno.ECONNREFUSED, errno.ENOENT):
-            os.unlink(path)
-            return
-        raise
-    finally:
-        probe.close()
-    raise SystemExit(f"dsecd: another daemon is listening on {path}; stop it or use --socket")
+        unixsock.remove_dead_socket(path)
+    except ValueError as err:
+        raise SystemExit(f"dsecd: {err}; daemon.socket (--socket) must name a socket path of this daemon's "
+                         "own (stop the daemon serving there, or pick another --socket)") from None

@@ -3,9 +3,34 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
+import stat
 import tempfile
+
+
+def remove_dead_socket(path: str) -> None:
+    """Remove the socket file a dead server left at `path`. A file that is
+    not a socket, or a socket a server still answers on, stays: ValueError
+    naming it, since bind_private would rename the new socket over it."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ValueError(f"{path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        err = probe.connect_ex(path)
+    finally:
+        probe.close()
+    if err == 0:
+        raise ValueError(f"a server already serves on {path}")
+    if err not in (errno.ECONNREFUSED, errno.ENOENT):
+        raise OSError(err, os.strerror(err), path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def bind_private(path: str, gid: int) -> socket.socket:
