@@ -198,6 +198,7 @@ def test_the_grafana_dashboard_names_only_series_the_daemon_serves(monkeypatch):
                          (metrics.JOURNAL_FSYNC, ("journal",)), (metrics.IMAGE_BUILD_SECONDS, ("build",))):
         hist.labels(*labels)                          # labelled series exist once used
     metrics.DESTROYS.labels("request")
+    metrics.CREATES.labels("burst")
     metrics.REQUESTS.labels("create", "ok")
     metrics.IMAGE_BUILDS.labels("build", "ok")
     served = {s.name for fam in text_string_to_metric_families(metrics.render()[0].decode()) for s in fam.samples}
