@@ -35,10 +35,6 @@ from ..fs import files as sbfiles
 from .sandboxes import SandboxRegistry
 from .workers import Workers
 
-# Name-rule checks of requests up to this many rules parse on the loop (~30 us
-# a rule), as Network.update_now applies small policies: no thread hop for them.
-NAMES_INLINE_MAX = 64
-
 log = logging.getLogger(__name__)
 
 
@@ -348,10 +344,12 @@ class NetworkService:
         shares."""
         if self.resolver is not None or not terms:
             return
+        # As small as Network.update_now applies on the loop: no thread hop for those.
+        from ..net.network import INLINE_MAX_RULES
         terms = list(dict.fromkeys(terms))
         size = net.expanded_size(terms)
         net.check_request_size(size)
-        if size <= NAMES_INLINE_MAX:
+        if size <= INLINE_MAX_RULES:
             names = _name_rules(net.sets, terms)
         else:
             names = await self.workers.run(_name_rules, net.sets, terms)
