@@ -237,7 +237,7 @@ class MemoryService:
         self._cancel_behind(sb.id)          # a prefetch still queued would undo the reclaim
         if _is_vm(sb):
             rec = await self.vms.pause(sb)
-            self._check_not_destroyed(sb, "paused")
+            self._check_not_destroyed(sb, "pause")
             try:
                 return self._mark_vm_paused(sb, rec)
             except OSError as err:
@@ -248,7 +248,7 @@ class MemoryService:
         sb.paused_at = time.monotonic()
         try:
             rec = await self.workers.run(pause.pause, sb.handle.group, self.pause_cfg)
-            self._check_not_destroyed(sb, "paused")
+            self._check_not_destroyed(sb, "pause")
         except OSError as err:
             sb.end_paused_time()
             raise DsecError(f"pause sandbox {sb.id}: {err}", code="busy" if err.errno == 16 else "io") from err
@@ -261,13 +261,13 @@ class MemoryService:
             raise await self._unpause(sb, lambda: self.workers.run(
                 pause.resume, sb.handle.group, rec, self.pause_cfg.freeze_timeout_s, "none"), err) from err
 
-    def _check_not_destroyed(self, sb, done: str) -> None:
+    def _check_not_destroyed(self, sb, what: str) -> None:
         """Conflict if a destroy (which takes no sandbox lock) came while the
         sandbox was being paused or resumed: its record is gone from the
         journal, and one written now would be adopted as a ghost."""
-        if self.registry.by_id.get(sb.id) is not sb or sb.state == "stopping":
-            raise Conflict(f"sandbox {sb.id} was destroyed while it was being {done}",
-                           {"sandbox": sb.id, "state": sb.state})
+        gone = self.registry.destroyed_error(sb, what)
+        if gone is not None:
+            raise gone
 
     async def _unpause(self, sb, resume, err: OSError) -> DsecError:
         """A pause whose journal record could not be written (the state dir's
@@ -320,7 +320,7 @@ class MemoryService:
         self._cancel_behind(sb.id)          # a reclaim still queued after a job pause
         if _is_vm(sb):
             res = await self.vms.resume(sb, sb.pause_record or {})
-            self._check_not_destroyed(sb, "resumed")
+            self._check_not_destroyed(sb, "resume")
             self._mark_resumed(sb, 0)
             return {"id": sb.id, "state": "running", "prefetch_s": 0.0, "thaw_s": res["restore_s"],
                     "prefetched_bytes": 0}
@@ -330,7 +330,7 @@ class MemoryService:
                                          mode or self.pause_cfg.prefetch_mode)
         except OSError as err:
             raise DsecError(f"resume sandbox {sb.id}: {err}", code="io") from err
-        self._check_not_destroyed(sb, "resumed")
+        self._check_not_destroyed(sb, "resume")
         self._mark_resumed(sb, res.prefetched_bytes, duration_s=res.thaw_s + res.prefetch_s)
         return {"id": sb.id, "state": "running", "prefetch_s": round(res.prefetch_s, 4),
                 "thaw_s": round(res.thaw_s, 4), "prefetched_bytes": res.prefetched_bytes}

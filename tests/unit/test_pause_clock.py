@@ -13,7 +13,7 @@ import pytest
 
 from dsecd.engine import memory as memory_mod
 from dsecd.engine.memory import MemoryService
-from dsecd.engine.sandboxes import Sandbox
+from dsecd.engine.sandboxes import Sandbox, SandboxRegistry
 from dsecd.errors import Conflict, DsecError
 from dsecd.mem import pause
 
@@ -26,12 +26,17 @@ class _Workers:
         return asyncio.ensure_future(asyncio.to_thread(fn, *args))
 
 
+class _Registry(SimpleNamespace):
+    """The registry's attributes a test gives, and its real destroyed check."""
+    destroyed_error = SandboxRegistry.destroyed_error
+
+
 def _service(*sbs) -> MemoryService:
     svc = object.__new__(MemoryService)
     svc.workers = _Workers()
     svc._behind = {}
     svc.pause_cfg = None
-    svc.registry = SimpleNamespace(save=lambda sb: None, by_id={sb.id: sb for sb in sbs})
+    svc.registry = _Registry(save=lambda sb: None, by_id={sb.id: sb for sb in sbs})
     svc.events = SimpleNamespace(publish=lambda *a, **k: None)
     return svc
 
@@ -95,8 +100,8 @@ def test_a_cancelled_job_pause_still_pauses_the_job(monkeypatch):
     sb = _sandbox()
     sb.handle = SimpleNamespace(group=object(), init_pid=1, init_start=0)
     svc = _service()
-    svc.registry = SimpleNamespace(of_job=lambda job, states: [sb], by_id={"sb1": sb},
-                                   journal=SimpleNamespace(write_many=lambda records: None))
+    svc.registry = _Registry(of_job=lambda job, states: [sb], by_id={"sb1": sb},
+                             journal=SimpleNamespace(write_many=lambda records: None))
     svc.pause_cfg = SimpleNamespace(freeze_timeout_s=1.0)
     go_on = threading.Event()
     monkeypatch.setattr(memory_mod.pause.Freezer, "of", staticmethod(lambda group: "f1"))
@@ -175,9 +180,9 @@ def test_a_job_pause_counts_paused_time_from_its_freeze(monkeypatch):
     frozen_sb, failed_sb = _sandbox(), _sandbox()
     failed_sb.id = "sb2"
     svc = _service()
-    svc.registry = SimpleNamespace(of_job=lambda job, states: [frozen_sb, failed_sb],
-                                   by_id={"sb1": frozen_sb, "sb2": failed_sb},
-                                   journal=SimpleNamespace(write_many=lambda records: None))
+    svc.registry = _Registry(of_job=lambda job, states: [frozen_sb, failed_sb],
+                             by_id={"sb1": frozen_sb, "sb2": failed_sb},
+                             journal=SimpleNamespace(write_many=lambda records: None))
     svc.mem_pool = None
     for sb in (frozen_sb, failed_sb):
         sb.handle = SimpleNamespace(group=object(), init_pid=1, init_start=0)
@@ -243,7 +248,7 @@ def test_a_pause_that_outlives_a_destroy_writes_no_record(monkeypatch):
         return pause.PauseRecord()
 
     monkeypatch.setattr(memory_mod.pause, "pause", pause_while_destroyed)
-    with pytest.raises(Conflict, match="destroyed while it was being paused"):
+    with pytest.raises(Conflict, match="pause: sandbox .* was destroyed meanwhile"):
         asyncio.run(svc._pause(sb))
     assert saved == [] and sb.paused_at is None
 
