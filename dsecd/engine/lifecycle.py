@@ -12,6 +12,7 @@ import time
 
 from ..backends.container import Handle, close_handle
 from ..backends.microvm.backend import guest_panic
+from ..config import ConfigError
 from ..cpu.manager import CpuHost
 from ..errors import Conflict, io_error
 from ..fs import upper as upperfs
@@ -68,6 +69,7 @@ class LifecycleService:
         ran may still run: they are killed (_kill_leftover_execs)."""
         records = await self.workers.run(self.registry.journal.load_all)
         vms = {sb_id: rec for sb_id, rec in records.items() if rec.get("backend") == "microvm"}
+        self._check_vms_adoptable(vms)
         for sb_id, rec in records.items():
             if sb_id not in vms:
                 await self._recover(sb_id, rec, after_death)
@@ -89,6 +91,20 @@ class LifecycleService:
                 await self.workers.run(self.vms.backend.destroy, sb_id, None)
         if self.vms.templates is not None:
             await self.workers.run(self.vms.templates.sweep_builds)
+
+    def _check_vms_adoptable(self, vms: dict[str, dict]) -> None:
+        """ConfigError when microVMs are journaled and live but this start has
+        no microVM backend (QEMU or the guest image gone, a config changed):
+        re-adopting them without it would take their QEMUs for dead, and the
+        container backend's teardown would kill them. They are left as they
+        are, and the start stops, saying so."""
+        live = sorted(sb_id for sb_id, rec in vms.items() if rec.get("state") != "dead")
+        if live and self.vms.backend is None:
+            raise ConfigError(
+                f"{len(live)} microVM sandbox(es) are journaled ({', '.join(live[:5])}"
+                f"{', ...' if len(live) > 5 else ''}) but the microVM backend is not available: {self.vms.why}. "
+                "Their VMs are left as they are; make the backend available again and start the "
+                "daemon, then `dsec rm` the VMs to give up")
 
     async def _recover(self, sb_id: str, rec: dict, after_death: bool = False) -> None:
         sb = Sandbox(id=sb_id, **{k: rec[k] for k in RECORD_FIELDS if k in rec})

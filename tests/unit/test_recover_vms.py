@@ -22,7 +22,7 @@ def _service(records: dict) -> LifecycleService:
     svc.workers = _Workers()
     svc.registry = SimpleNamespace(journal=SimpleNamespace(load_all=lambda: records), by_id={})
     svc.backend = SimpleNamespace(orphans=lambda known: [])
-    svc.vms = SimpleNamespace(backend=None, templates=None)
+    svc.vms = SimpleNamespace(backend=SimpleNamespace(orphans=lambda known: []), templates=None, why="")
     return svc
 
 
@@ -69,3 +69,38 @@ def test_a_vm_whose_recovery_fails_fails_the_start_after_the_others_ended(monkey
     with pytest.raises(RuntimeError, match="v1"):
         asyncio.run(svc.recover_all())
     assert ended == ["c1", "c2", "v2", "v3"]
+
+
+def test_live_vms_without_their_backend_stop_the_start_untouched(monkeypatch):
+    """No microVM backend at this start (QEMU removed, say): journaled VMs
+    are neither marked dead nor torn down by the container backend; the
+    start stops, naming them and why."""
+    from dsecd.config import ConfigError
+
+    records = {"c1": {}, "v1": {"backend": "microvm", "state": "running"},
+               "v2": {"backend": "microvm", "state": "paused"}, "v3": {"backend": "microvm", "state": "dead"}}
+    svc = _service(records)
+    svc.vms = SimpleNamespace(backend=None, templates=None, why="qemu-system-x86_64 not found")
+    touched = []
+
+    async def recover(self, sb_id, rec, after_death=False):
+        touched.append(sb_id)
+
+    monkeypatch.setattr(LifecycleService, "_recover", recover)
+    with pytest.raises(ConfigError, match=r"2 microVM sandbox\(es\) are journaled \(v1, v2\).*qemu-system-x86_64 "
+                                          "not found"):
+        asyncio.run(svc.recover_all())
+    assert touched == []
+
+
+def test_dead_vms_alone_do_not_need_the_backend(monkeypatch):
+    svc = _service({"c1": {}, "v3": {"backend": "microvm", "state": "dead"}})
+    svc.vms = SimpleNamespace(backend=None, templates=None, why="qemu-system-x86_64 not found")
+    touched = []
+
+    async def recover(self, sb_id, rec, after_death=False):
+        touched.append(sb_id)
+
+    monkeypatch.setattr(LifecycleService, "_recover", recover)
+    asyncio.run(svc.recover_all())
+    assert touched == ["c1", "v3"]
