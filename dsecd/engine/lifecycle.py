@@ -292,7 +292,7 @@ class LifecycleService:
                 self.memory.report_oom(sb, kills)
             await self.net.detach_net(sb)      # frees its lease and policy; the veth died with the netns
         finally:
-            self.registry.save(sb)
+            self._save_dead(sb)
 
     async def _vm_dead(self, sb: Sandbox, h) -> None:
         """A microVM whose QEMU exited (a guest panic, an OOM kill of QEMU):
@@ -306,6 +306,14 @@ class LifecycleService:
                 await self.workers.run(self.vms.backend.release, sb.id, h)
             await self.net.detach_net(sb)      # its tap died with QEMU; its policy and lease go
         finally:
+            self._save_dead(sb)
+
+    def _save_dead(self, sb: Sandbox) -> None:
+        """Journal a sandbox as dead, unless a destroy (a client reacting to
+        its "died" event, a TTL) took it while its remains were released:
+        the destroy deleted its record, and one written now would bring it
+        back as a ghost at the next start."""
+        if self.registry.listed(sb):
             self.registry.save(sb)
 
     # ------------------------------------------------------------ views

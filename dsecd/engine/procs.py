@@ -429,7 +429,7 @@ class ProcessService:
 
     def _save(self, sb: Sandbox) -> None:
         """Journal the sandbox's process records (not once it is going: its record is gone)."""
-        if self.registry.by_id.get(sb.id) is not sb or sb.state not in ("running", "paused", "dead"):
+        if not self.registry.listed(sb) or sb.state not in ("running", "paused", "dead"):
             return
         sb.procs = [p.rec for p in self.tables.get(sb.id, {}).values()]
         self.registry.save(sb)

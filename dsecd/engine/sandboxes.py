@@ -211,18 +211,22 @@ class SandboxRegistry:
         # for the disk; use a slower but crash-proof config knowingly.
         self.journal.write(sb.id, sb.record())
 
+    def listed(self, sb: Sandbox) -> bool:
+        """`sb` is still the registry's (no destroy took it away meanwhile)."""
+        return self.by_id.get(sb.id) is sb
+
     def destroyed_error(self, sb: Sandbox, what: str) -> Conflict | None:
         """The error for a request on `sb` that failed because a destroy (a
         request, a TTL, a job's) took the sandbox away under it, or None if
         it is still here: its copier or exec was killed by the destroy, not
         by its memory limit or its own doing."""
-        if sb.state != "stopping" and self.by_id.get(sb.id) is sb:
+        if sb.state != "stopping" and self.listed(sb):
             return None
         return Conflict(f"{what}: sandbox {sb.id} was destroyed meanwhile", {"sandbox": sb.id})
 
     def mark_dead(self, sb: Sandbox) -> None:
         """`sb`'s init is gone: it stays listed, as dead, until destroyed."""
-        if self.by_id.get(sb.id) is sb:
+        if self.listed(sb):
             self._uncount(sb.id)
         sb.state = "dead"
 

@@ -28,6 +28,7 @@ class _Workers:
 
 class _Registry(SimpleNamespace):
     """The registry's attributes a test gives, and its real destroyed check."""
+    listed = SandboxRegistry.listed
     destroyed_error = SandboxRegistry.destroyed_error
 
 
