@@ -386,10 +386,10 @@ class LifecycleService:
         return await asyncio.shield(self._teardown(sb, prev, reason))
 
     async def _teardown(self, sb: Sandbox, prev: str, reason: str) -> dict:
-        sb.state = prev                        # before_destroy looks at paused or not
-        if self.memory.damon_running or sb.state == "paused":     # else before_destroy has nothing to do
-            await self.workers.run(self.memory.before_destroy, sb)
-        sb.state = "stopping"
+        # The state stays "stopping" meanwhile: a second destroy (a TTL, a
+        # retry) is refused rather than tearing the sandbox down twice.
+        if self.memory.damon_running or prev == "paused":     # else before_destroy has nothing to do
+            await self.workers.run(self.memory.before_destroy, sb, prev == "paused")
         h, sb.handle = sb.handle, None
         if h and h.pidfd >= 0:
             self.workers.loop.remove_reader(h.pidfd)

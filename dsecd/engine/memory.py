@@ -180,16 +180,17 @@ class MemoryService:
                             qos=sb.qos, cpu=sb.limits["cpu"], memory=sb.limits["memory"],
                             pids=sb.limits["pids"], duration_ms=round(duration_s * 1000, 3))
 
-    def before_destroy(self, sb) -> None:
+    def before_destroy(self, sb, paused: bool) -> None:
         """Blocking: drop the DAMON scheme before the memcg goes (else commit is
-        EINVAL), and thaw a frozen sandbox (a frozen v1 task only dies thawed)."""
+        EINVAL), and thaw a sandbox that was `paused` (a frozen v1 task only
+        dies thawed)."""
         self.workers.loop.call_soon_threadsafe(self._cancel_behind, sb.id)
         if self.damon_running:
             try:
                 self.damon.remove(sb.id)
             except OSError as err:
                 log.error("remove DAMON scheme of sandbox %s: %s", sb.id, err)
-        if sb.state == "paused" and sb.handle is not None:
+        if paused and sb.handle is not None:
             try:
                 pause.Freezer.of(sb.handle.group).thaw()
             except OSError as err:
