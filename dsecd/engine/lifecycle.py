@@ -404,9 +404,21 @@ class LifecycleService:
         if kills is not None:
             self.memory.report_oom(sb, kills)
         await self.net.detach_net(sb)
-        self.registry.remove(sb)       # its record, and its idempotency key
+        try:
+            self.registry.remove(sb)       # its record, and its idempotency key
+            unrecorded = False
+        except OSError as err:
+            # Its processes are gone: the release goes on, and the record
+            # left behind is found dead at the next start.
+            log.error("sandbox %s is destroyed, but its journal record could not be deleted (%s): the next "
+                      "daemon start lists it as dead; `dsec rm` it then", sb.id, err)
+            unrecorded = True
         self.procs.forget(sb.id)             # its background processes died with it
-        self.id_ranges.release(sb)        # its processes are gone: stop() waited for them
+        if not unrecorded:
+            # Its processes are gone: stop() waited for them. A record left
+            # behind still names the range, and the next start reserves it
+            # again: handed out now, two sandboxes would share its host ids.
+            self.id_ranges.release(sb)
         if prev != "dead" and sb.backend != "microvm":   # a dead sandbox gave its layers back already
             self.layers.release(sb.layers)
         self.workers.behind(self.backend_of(sb).release, sb.id, h)

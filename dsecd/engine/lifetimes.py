@@ -104,3 +104,5 @@ class LifetimeService:
                     await self.destroy(sb, True, reason=why)
                 except DsecError as err:
                     log.warning("expire sandbox %s (%s): %s", sb.id, why, err)
+                except Exception:       # a bug must not end the expiry of every sandbox after it
+                    log.exception("expire sandbox %s (%s)", sb.id, why)

@@ -104,3 +104,36 @@ def test_a_second_destroy_while_the_first_thaws_is_refused(tmp_path):
     with pytest.raises(Conflict, match="already being destroyed"):
         asyncio.run(run())
     assert destroyed == ["destroyed"]
+
+
+def test_a_destroy_whose_record_cannot_be_deleted_still_releases_everything(tmp_path):
+    """The state dir's disk full at a destroy: the sandbox is gone and its
+    layers and event come as for any destroy; its record stays, and with it
+    its id range (the next start reserves it again for the dead record)."""
+    import errno
+
+    sb = _sandbox()
+    released = []
+
+    async def nothing(s):
+        pass
+
+    svc = _service(tmp_path, nothing)
+    svc.workers = _ThreadWorkers()
+    svc.memory = SimpleNamespace(damon_running=False, report_oom=lambda sb, n: None)
+    svc.stop_counting_oom = lambda sb_id, h, group, backend: None
+    svc.backend_of = lambda s: SimpleNamespace(release=None)
+    svc.procs = SimpleNamespace(forget=lambda sb_id: released.append("procs"))
+    svc.id_ranges = SimpleNamespace(release=lambda s: released.append("ids"))
+    svc.layers = SimpleNamespace(release=lambda layers: released.append("layers"))
+    svc.events = SimpleNamespace(publish=lambda kind, sb_id, **k: released.append(kind))
+    svc.registry.add(sb)
+    svc.registry.save(sb)
+
+    def full(key):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    svc.registry.journal.delete = full
+    assert asyncio.run(svc.destroy_sandbox(sb, True)) == {"id": "sb1", "previous_state": "running"}
+    assert released == ["procs", "layers", "destroyed"]       # its id range stays with its record
+    assert "sb1" not in svc.registry.by_id
