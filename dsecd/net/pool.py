@@ -111,7 +111,11 @@ class NetnsPool:
                 try:
                     self._housekeeping()
                 except Exception as err:          # a failed compaction must not stop the pool
-                    log.error("net housekeeping: %s", err)
+                    # ... nor spin it: wanted() stays true until one succeeds
+                    # (a full disk), so the next try waits.
+                    log.error("net housekeeping: %s (retry in %.0f s)", err, RETRY_AFTER_FAILURE_S)
+                    with self._cond:
+                        self._cond.wait(RETRY_AFTER_FAILURE_S)
             if short:
                 self._fill_one()
 
