@@ -72,23 +72,25 @@ class LifecycleService:
         self._check_vms_adoptable(vms)
         for sb_id, rec in records.items():
             if sb_id not in vms:
-                await self._recover(sb_id, rec, after_death)
+                await self._recover_or_leave(sb_id, rec, after_death)
         # A VM's channels are reached again with a timeout of their own (30 s
         # for a guest that does not answer): one after the other, a host's
         # hung VMs would hold the socket closed that many times over.
-        ended = await asyncio.gather(*(self._recover(sb_id, rec, after_death) for sb_id, rec in vms.items()),
-                                     return_exceptions=True)
+        ended = await asyncio.gather(*(self._recover_or_leave(sb_id, rec, after_death)
+                                       for sb_id, rec in vms.items()), return_exceptions=True)
         for err in ended:
             if isinstance(err, BaseException):
                 raise err
-        orphans = await self.workers.run(self.backend.orphans, set(self.registry.by_id))
-        for sb_id in orphans:
-            log.warning("removing orphaned sandbox resources %s (no journal record)", sb_id)
-            await self.workers.run(self.backend.destroy, sb_id, None)
-        if self.vms.backend is not None:
-            for sb_id in await self.workers.run(self.vms.backend.orphans, set(self.registry.by_id)):
-                log.warning("removing orphaned microVM %s (no journal record)", sb_id)
-                await self.workers.run(self.vms.backend.destroy, sb_id, None)
+        journaled = set(self.registry.by_id) | set(records)     # a record left above is no orphan
+        for backend, what in ((self.backend, "sandbox resources"), (self.vms.backend, "microVM")):
+            if backend is None:
+                continue
+            for sb_id in await self.workers.run(backend.orphans, journaled):
+                log.warning("removing orphaned %s %s (no journal record)", what, sb_id)
+                try:
+                    await self.workers.run(backend.destroy, sb_id, None)
+                except OSError as err:
+                    log.error("could not remove orphaned %s %s: %s; the next start tries again", what, sb_id, err)
         if self.vms.templates is not None:
             await self.workers.run(self.vms.templates.sweep_builds)
 
@@ -105,6 +107,20 @@ class LifecycleService:
                 f"{', ...' if len(live) > 5 else ''}) but the microVM backend is not available: {self.vms.why}. "
                 "Their VMs are left as they are; make the backend available again and start the "
                 "daemon, then `dsec rm` the VMs to give up")
+
+    async def _recover_or_leave(self, sb_id: str, rec: dict, after_death: bool) -> None:
+        """_recover, where a sandbox the host will not let go of (a cgroup
+        still busy after destroy_timeout_s: a process stuck in D state on a
+        hung store) is logged and left as its record says, for the next
+        start, instead of stopping this one and every other sandbox's."""
+        try:
+            await self._recover(sb_id, rec, after_death)
+        except OSError as err:
+            log.error("sandbox %s: re-adoption or clean-up failed: %s; its record is kept, and the next "
+                      "daemon start tries again", sb_id, err)
+            sb = self.registry.by_id.get(sb_id)
+            if sb is not None and sb.state != "dead":
+                self.registry.forget(sb_id)     # not served half-adopted; its id range stays reserved
 
     async def _recover(self, sb_id: str, rec: dict, after_death: bool = False) -> None:
         sb = Sandbox(id=sb_id, **{k: rec[k] for k in RECORD_FIELDS if k in rec})

@@ -1,6 +1,8 @@
 """Re-adoption at start (LifecycleService.recover_all): the microVMs' channels
 are reached again side by side, each with its own timeout, so a host's VMs
-that do not answer cost one timeout before the socket serves, not one each."""
+that do not answer cost one timeout before the socket serves, not one each;
+a sandbox that cannot be re-adopted or cleaned up stops neither the others
+nor the start."""
 
 from __future__ import annotations
 
@@ -104,3 +106,25 @@ def test_dead_vms_alone_do_not_need_the_backend(monkeypatch):
     monkeypatch.setattr(LifecycleService, "_recover", recover)
     asyncio.run(svc.recover_all())
     assert touched == ["c1", "v3"]
+
+
+def test_a_sandbox_the_host_will_not_let_go_of_does_not_stop_the_start(monkeypatch):
+    """A cgroup still busy after the destroy timeout (a process in D state):
+    that sandbox is logged and left, with its record, for the next start;
+    the others are re-adopted, and the orphan sweep leaves it alone."""
+    from dsecd.cgroup import CgroupError
+
+    svc = _service(_records())
+    swept_with = []
+    svc.backend = SimpleNamespace(orphans=lambda known: swept_with.append(set(known)) or [])
+    ended = []
+
+    async def recover(self, sb_id, rec, after_death=False):
+        if sb_id == "c1":
+            raise CgroupError(16, "rmdir dsecd/c1: Device or resource busy")
+        ended.append(sb_id)
+
+    monkeypatch.setattr(LifecycleService, "_recover", recover)
+    asyncio.run(svc.recover_all())
+    assert ended == ["c2", "v1", "v2", "v3"]
+    assert "c1" in swept_with[0]
