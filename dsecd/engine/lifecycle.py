@@ -201,16 +201,13 @@ class LifecycleService:
         saved = sb.state == "paused" and not (sb.pause_record or {}).get("vm_stopped")
         saved = saved or bool((sb.pause_record or {}).get("vm_image"))
         if self.vms.backend is not None and saved:
-            handle = self.vms.backend.paused_handle(sb.id, sb.limits["memory"])
-            if handle is not None:
-                self.vms.adopted(sb, handle)
-                sb.handle = handle          # no QEMU until resumed: nothing to watch
-                self.procs.readopt_vm(sb)   # attached at its resume
-                log.info("re-adopted sandbox %s (microVM, paused)", sb.id)
+            if await self._adopt_paused_vm(sb):
                 return
         elif self.vms.backend is not None:
             handle = await self.workers.run(self.vms.backend.adopt, sb.id, rec.get("init_pid"),
                                             rec.get("init_start"))
+            if handle is None and await self._adopt_paused_vm(sb, unrecorded=True):
+                return
         if handle is not None:
             try:
                 await self.vms.reconnect(sb, handle)
@@ -218,6 +215,9 @@ class LifecycleService:
                 log.error("sandbox %s: its VM runs but cannot be reached again (%s): destroying it", sb.id, err)
                 await self.workers.run(self.vms.backend.destroy, sb.id, handle)
                 handle = None
+            else:
+                if sb.state == "running":       # a state file of a pause that did not end it is stale
+                    await self.workers.run(self.vms.backend.drop_saved_state, sb.id)
         if handle is None:
             log.warning("sandbox %s (microVM) died while the daemon was down", sb.id)
             await self._mark_dead(sb, None, "its VM ended while no daemon ran")
@@ -230,6 +230,26 @@ class LifecycleService:
             sb.lease_deadline = sb.last_active + sb.lease
         self.watch(sb)
         log.info("re-adopted sandbox %s (microVM, QEMU pid %d)", sb.id, handle.init_pid)
+
+    async def _adopt_paused_vm(self, sb: Sandbox, unrecorded: bool = False) -> bool:
+        """A VM re-adopted paused, from the state file in its dir; False if
+        there is none. unrecorded: its record says otherwise (running, or
+        vCPUs stopped), but its QEMU is gone and its state was saved: a
+        pause ended it and the daemon died before the record said so. It is
+        recorded paused, as that pause would have left it."""
+        handle = await self.workers.run(self.vms.backend.paused_handle, sb.id, sb.limits["memory"])
+        if handle is None:
+            return False
+        if unrecorded:
+            log.warning("sandbox %s (microVM): its QEMU ended in a pause its record does not show; re-adopted "
+                        "paused, from its saved state", sb.id)
+            sb.state, sb.pause_record = "paused", {"vm_image": str(handle.vm_dir / "paused.ram")}
+            self.registry.save(sb)
+        self.vms.adopted(sb, handle)
+        sb.handle = handle          # no QEMU until resumed: nothing to watch
+        self.procs.readopt_vm(sb)   # attached at its resume
+        log.info("re-adopted sandbox %s (microVM, paused)", sb.id)
+        return True
 
     def backend_of(self, sb: Sandbox):
         return self.vms.backend if sb.backend == "microvm" and self.vms.backend is not None else self.backend

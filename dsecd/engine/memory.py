@@ -322,7 +322,8 @@ class MemoryService:
         if _is_vm(sb):
             res = await self.vms.resume(sb, sb.pause_record or {})
             self._check_not_destroyed(sb, "resume")
-            self._mark_resumed(sb, 0)
+            if self._mark_resumed(sb, 0):
+                self.vms.saved_state_done(sb)
             return {"id": sb.id, "state": "running", "prefetch_s": 0.0, "thaw_s": res["restore_s"],
                     "prefetched_bytes": 0}
         rec = pause.PauseRecord.from_json(sb.pause_record or {})
@@ -337,7 +338,9 @@ class MemoryService:
                 "thaw_s": round(res.thaw_s, 4), "prefetched_bytes": res.prefetched_bytes}
 
     def _mark_resumed(self, sb, prefetched_bytes: int, journal: bool = True,
-                      duration_s: float | None = None) -> None:
+                      duration_s: float | None = None) -> bool:
+        """True when the record says running now (journal: written here)."""
+        recorded = journal
         sb.state = "running"
         sb.end_paused_time()
         sb.pause_record = None
@@ -349,8 +352,10 @@ class MemoryService:
                 # It runs: what asked for the resume (an exec, say) goes on.
                 # Its record says paused until the next write succeeds.
                 log.error("sandbox %s resumed, but its journal record could not say so: %s", sb.id, err)
+                recorded = False
         self.events.publish("resumed", sb.id, prefetched_bytes=prefetched_bytes,
                             duration_ms=None if duration_s is None else round(duration_s * 1000, 3))
+        return recorded
 
     async def pause(self, req, ctx) -> dict:
         return await self._pause(self.registry.get(req.sandbox, req))
@@ -510,6 +515,9 @@ class MemoryService:
             if rec.working_set and self.pause_cfg.prefetch_mode != "none":
                 self._behind_answer(s, pause.prefetch, rec.working_set, self.pause_cfg.prefetch_mode)
         self._journal_job(resumed)
+        for s in resumed:
+            if _is_vm(s):
+                self.vms.saved_state_done(s)
         return {"job": req.job, "resumed": [s.id for s in resumed], "thaw_s": round(thaw_s, 4),
                 "failed": {i: "not thawed in time (see the daemon log)" for i in sorted(failed_ids)}}
 

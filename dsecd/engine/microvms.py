@@ -310,7 +310,8 @@ class MicroVMService:
         """The monitor and agent of a VM re-adopted after a daemon restart.
         A paused VM's agent is not reached until it is resumed."""
         paused = sb.state == "paused"
-        await self.require().connect(handle, f"microVM {sb.id}", sb.hostname, 30.0, hello=not paused)
+        await self.require().connect(handle, f"microVM {sb.id}", sb.hostname, 30.0, hello=not paused,
+                                     wake=not paused)
 
     def detach(self, handle: VmHandle) -> None:
         """Daemon shutdown: the channels close, the VM runs on for the next daemon."""
@@ -475,7 +476,9 @@ class MicroVMService:
             await backend.restore(h, image, f"microVM {sb.id}", sb.hostname, sandbox_id=sb.id)
         except OSError as err:
             raise DsecError(f"resume sandbox {sb.id}: {err}; its saved state stays in {image}", code="io") from err
-        image.unlink(missing_ok=True)
+        # The state file stays until the record says running (saved_state_done):
+        # a daemon that dies before that is followed by one that pauses the
+        # VM again from it (MicroVMBackend.paused_handle).
         sb.vm = {**(sb.vm or {}), "machine": h.machine.to_record()}
         if self.watch is not None:
             self.watch(sb)
@@ -483,6 +486,11 @@ class MicroVMService:
         if self.balloon is not None:
             await self.balloon.resumed(sb)
         return {"restore_s": round(time.monotonic() - t0, 4)}
+
+    def saved_state_done(self, sb: Sandbox) -> None:
+        """`sb`'s resume is journaled: the state file it loaded goes."""
+        if self.backend is not None:
+            self.workers.behind(self.backend.drop_saved_state, sb.id)
 
     def _relinked(self, sb: Sandbox) -> None:
         if self.relinked is not None:

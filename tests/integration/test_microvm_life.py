@@ -15,6 +15,7 @@ import asyncio
 import hashlib
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -214,6 +215,108 @@ def test_a_daemon_killed_during_a_file_write_leaves_a_vm_the_next_one_reaches(vm
         assert again.inspect()["state"] == "running"
         assert again.exec(["echo", "answers"], timeout=60).stdout == b"answers\n"
         again.destroy(force=True)
+    finally:
+        c2.close()
+
+
+def _qmp(d, sb_id: str, *commands, save_to=None) -> None:
+    """Run QMP `commands` on a VM's monitor while no daemon holds it, as a
+    daemon killed mid-pause left it; save_to: then save the VM's state
+    there and end QEMU, as a pause does (MicroVMBackend.save, end_process)."""
+    from dsecd.backends.microvm.qmp import QMP
+
+    async def run():
+        qmp = await QMP.connect(str(d.state / "vms" / sb_id / "qmp.sock"), f"microVM {sb_id}", 10)
+        try:
+            for name in commands:
+                await qmp.command(name)
+            if save_to is not None:
+                await qmp.command("migrate-set-capabilities",
+                                  {"capabilities": [{"capability": "x-ignore-shared", "state": False}]})
+                fd = os.open(save_to, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                try:
+                    await qmp.send_fd("state-out", fd)
+                finally:
+                    os.close(fd)
+                await qmp.command("migrate", {"uri": "fd:state-out"})
+                await qmp.migrate_wait(120)
+                await qmp.command("quit")
+        finally:
+            qmp.close()
+
+    asyncio.run(run())
+
+
+def _wait_gone(pid: int) -> None:
+    for _ in range(200):
+        if not os.path.exists(f"/proc/{pid}"):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} still runs")
+
+
+def test_a_pause_the_killed_daemon_did_not_record_is_undone_or_finished(vmd):
+    """A daemon killed between a pause's QMP stop and its record (a job
+    pause's freeze takes seconds) left a "running" VM with stopped vCPUs:
+    the next daemon runs them again, instead of waiting for an agent that
+    cannot answer and destroying the VM. Killed after the pause saved the
+    state and ended QEMU: the VM is re-adopted paused, and resumes."""
+    d, c = vmd
+    stopped, saved = _vm(c), _vm(c)
+    stopped.write_file("/tmp/a", b"stopped, not lost")
+    saved.write_file("/tmp/b", b"saved, not lost")
+    saved_qemu = saved.inspect()["vm"]["qemu_pid"]
+    c.close()
+    d.stop(signal.SIGKILL)
+    _qmp(d, stopped.id, "stop")
+    _qmp(d, saved.id, "stop", save_to=d.state / "vms" / saved.id / "paused.ram")
+    _wait_gone(saved_qemu)
+    d.start()
+    c2 = d.client()
+    try:
+        a, b = c2.get(stopped.id), c2.get(saved.id)
+        assert a.inspect()["state"] == "running"
+        assert a.exec(["cat", "/tmp/a"], timeout=60).stdout == b"stopped, not lost"
+        assert b.inspect()["state"] == "paused"
+        assert b.resume()["state"] == "running"
+        assert b.exec(["cat", "/tmp/b"], timeout=60).stdout == b"saved, not lost"
+        assert not (d.state / "vms" / saved.id / "paused.ram").exists()
+        a.destroy()
+        b.destroy()
+    finally:
+        c2.close()
+
+
+def test_a_resume_the_killed_daemon_did_not_record_leaves_the_vm_paused(vmd):
+    """A daemon killed between a resume's new QEMU and its record: the
+    next daemon finds the record paused, the state file kept and a process
+    in the VM's cgroups (here a stand-in for that QEMU). The process is
+    killed, not leaked beside the QEMU of the next resume; the VM resumes
+    from its state file."""
+    d, c = vmd
+    sb = _vm(c)
+    sb.write_file("/tmp/c", b"paused, not lost")
+    cgroups = list(sb.inspect()["cgroups"].values())
+    sb.pause()
+    c.close()
+    d.stop(signal.SIGKILL)
+    stray = subprocess.Popen(["sleep", "300"])
+    try:
+        for group in cgroups:
+            with open(os.path.join(group, "cgroup.procs"), "w") as f:
+                f.write(str(stray.pid))
+        d.start()
+        assert stray.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        stray.kill()
+        stray.wait()
+    c2 = d.client()
+    try:
+        again = c2.get(sb.id)
+        assert again.inspect()["state"] == "paused"
+        assert again.resume()["state"] == "running"
+        assert again.exec(["cat", "/tmp/c"], timeout=60).stdout == b"paused, not lost"
+        again.destroy()
     finally:
         c2.close()
 

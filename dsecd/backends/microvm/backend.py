@@ -39,6 +39,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -385,12 +386,15 @@ class MicroVMBackend:
                                     start_new_session=True, close_fds=True, pass_fds=files.fds)
 
     async def connect(self, h: VmHandle, what: str, hostname: str, timeout: float,
-                      hello: bool = True, sandbox_id: str = "") -> None:
+                      hello: bool = True, sandbox_id: str = "", wake: bool = False) -> None:
         """The monitor and the agent's channel; with hello, wait for the agent
-        (the guest booted and mounted its root). Raises VmError with the
-        tails of the serial and QEMU logs when it does not come."""
+        (the guest booted and mounted its root). wake: first run the vCPUs
+        if they are stopped (run_if_stopped). Raises VmError with the tails
+        of the serial and QEMU logs when it does not come."""
         async def channels() -> None:
             h.qmp = await QMP.connect(str(h.vm_dir / "qmp.sock"), what, timeout)
+            if wake:
+                await self.run_if_stopped(h, what)
             if hello:
                 h.agent = await self.connect_agent(h, what, hostname, timeout, sandbox_id)
 
@@ -399,6 +403,17 @@ class MicroVMBackend:
         except (TimeoutError, OSError) as err:
             raise VmError(errno.EIO, f"{what}: {err}; serial log: {_tail(h.vm_dir / 'serial.log')}; "
                           f"QEMU: {_tail(h.vm_dir / 'qemu.log')}") from err
+
+    async def run_if_stopped(self, h: VmHandle, what: str) -> None:
+        """A VM re-adopted as running whose vCPUs are stopped: a daemon died
+        between a pause's QMP stop (or its save, "postmigrate") or a job
+        pause's freeze and the journal record saying paused. They run
+        again, as the record says; else the agent never answers."""
+        status = (await h.qmp.command("query-status")).get("status")
+        if status in ("paused", "postmigrate"):
+            log.warning("%s: its vCPUs were stopped (%s) by a pause its record does not show; running them",
+                        what, status)
+            await h.qmp.command("cont")
 
     async def connect_agent(self, h: VmHandle, what: str, hostname: str, timeout: float,
                             sandbox_id: str = "") -> AgentLink:
@@ -565,13 +580,30 @@ class MicroVMBackend:
                         vm_dir=self.root / sb_id, is_child=False, accel=self.accel)
 
     def paused_handle(self, sb_id: str, guest_memory: int) -> VmHandle | None:
-        """After a daemon restart: a paused VM (no QEMU; its saved state in
-        its dir), or None if that state is gone."""
+        """Blocking. After a daemon restart: a paused VM (no QEMU; its saved
+        state in its dir), or None if that state is gone. A process in its
+        cgroups is the QEMU of a resume the daemon died in before the record
+        said running (the state file goes only after that record): it is
+        killed, and the VM is paused as its record says."""
         vm_dir = self.root / sb_id
         if not (vm_dir / "paused.ram").exists():
             return None
-        return VmHandle(init_pid=0, init_start=0, pidfd=-1, group=self.group_for(sb_id), vm_dir=vm_dir,
+        group = self.group_for(sb_id)
+        if group.pids():
+            log.warning("microVM %s: killing the QEMU of a resume its record does not show (pids %s); it stays "
+                        "paused, from its saved state", sb_id, sorted(group.pids()))
+            group.kill_all()
+            deadline = time.monotonic() + self.destroy_timeout
+            while group.pids() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        return VmHandle(init_pid=0, init_start=0, pidfd=-1, group=group, vm_dir=vm_dir,
                         is_child=False, accel=self.accel, guest_memory=guest_memory)
+
+    def drop_saved_state(self, sb_id: str) -> None:
+        """Blocking: the state file of a VM that runs again (its resume is
+        recorded, or it was re-adopted running): GiBs of disk, no longer
+        wanted."""
+        (self.root / sb_id / "paused.ram").unlink(missing_ok=True)
 
     def template_build_leftovers(self) -> set[str]:
         """The VM dirs and cgroups of template builds (`.template-<key>`)
