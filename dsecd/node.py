@@ -50,7 +50,7 @@ from .engine.vmballoon import BalloonService, settings_from
 from .engine.vmtemplates import TemplateService
 from .engine.vmwatchdog import VmWatchdog
 from .engine.watches import WatchService
-from .engine.workers import Workers
+from .engine.workers import Workers, finish_under_way
 from .fds import close_quietly
 from .feature import Feature
 from .features import Features, probe_swap, suid_dumpable_hazard
@@ -66,6 +66,10 @@ log = logging.getLogger(__name__)
 # start, it says the daemon before died (killed, crashed) with its execs
 # still running, so re-adoption kills them (LifecycleService.recover_all).
 RUNNING_MARK = "dsecd.running"
+
+# How long a stop waits for pauses and resumes under way: inside systemd's
+# default TimeoutStopSec (90 s), long enough for a VM's save under TCG.
+STOP_WAIT_S = 60.0
 
 # The order sandbox states are counted in systemd's STATUS= line.
 STATUS_ORDER = ("running", "paused", "dead", "creating", "stopping")
@@ -248,6 +252,13 @@ class Node:
 
     async def close(self) -> None:
         """Daemon shutdown: stop watching, close fds, leave sandboxes running."""
+        # A pause or resume under way finishes and writes its record first
+        # (a VM's save can take seconds); one that does not end in time is
+        # finished or undone by the next daemon's re-adoption.
+        left = await finish_under_way(STOP_WAIT_S)
+        if left:
+            log.warning("stopping with %d pause(s) or resume(s) still under way after %.0f s; the next daemon "
+                        "takes their sandboxes back as it finds them", left, STOP_WAIT_S)
         # First: from here on, output and ends of background processes stay in
         # init's pipes for the next daemon; what this one read would be lost.
         self.procs.close()

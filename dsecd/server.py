@@ -515,6 +515,10 @@ class Server:
     async def stop(self) -> None:
         if self._server:
             self._server.close()
+        # Every connection's task: one accepted but not yet started never
+        # serves; the others end as their requests do, below.
+        for task in self._connecting:
+            task.cancel()
         for conn in list(self.connections):
             for task in conn.tasks.values():
                 task.cancel()

@@ -26,7 +26,7 @@ from ..journal import write_file_atomic
 from ..mem import damon, pause, swapfile, zram
 from .events import EventBus
 from .sandboxes import SandboxRegistry
-from .workers import Workers, to_the_end
+from .workers import Workers, before_stop, to_the_end
 
 log = logging.getLogger(__name__)
 
@@ -419,7 +419,7 @@ class MemoryService:
         self._journal_job(paused)
         for s in paused:
             if _is_vm(s):
-                self.workers.loop.create_task(self._save_stopped_vm(s))
+                before_stop(self.workers.loop.create_task(self._save_stopped_vm(s)))
         paused_ctr = [s for s in paused if not _is_vm(s)]
 
         async def reclaim(s) -> None:

@@ -82,6 +82,11 @@ class Workers:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+# to_the_end's tasks not ended yet: the daemon's stop waits for them
+# (finish_under_way) before it closes the journal their records go to.
+_UNDER_WAY: set[asyncio.Task] = set()
+
+
 async def to_the_end(coro, locks=()):
     """Run `coro` to its end even when the caller is cancelled (its client
     gone, a `cancel`): for a change of state that, once begun, must finish
@@ -100,7 +105,7 @@ async def to_the_end(coro, locks=()):
             lock.release()
         coro.close()
         raise
-    task = asyncio.ensure_future(coro)
+    task = before_stop(asyncio.ensure_future(coro))
     if taken:
         task.add_done_callback(lambda _task: [lock.release() for lock in reversed(taken)])
     try:
@@ -108,6 +113,25 @@ async def to_the_end(coro, locks=()):
     except asyncio.CancelledError:
         task.add_done_callback(_log_abandoned)
         raise
+
+
+def before_stop(task: asyncio.Task) -> asyncio.Task:
+    """`task`, a change of state with a record to write (to_the_end's, or
+    one behind an answer: a job pause's VM save), is waited for by the
+    daemon's stop (finish_under_way)."""
+    _UNDER_WAY.add(task)
+    task.add_done_callback(_UNDER_WAY.discard)
+    return task
+
+
+async def finish_under_way(timeout: float) -> int:
+    """Daemon stop: wait up to `timeout` s for the changes of state under
+    way (pauses, resumes, job ones; their requests cancelled by the
+    server's stop) to end and write their records; how many did not."""
+    if not _UNDER_WAY:
+        return 0
+    _done, pending = await asyncio.wait(set(_UNDER_WAY), timeout=timeout)
+    return len(pending)
 
 
 def _log_abandoned(task: asyncio.Task) -> None:

@@ -1,0 +1,61 @@
+"""to_the_end (dsecd/engine/workers.py): a change of state, once begun,
+runs to its end though its request is cancelled, and the daemon's stop
+waits for it (finish_under_way) before the journal closes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dsecd.engine.workers import finish_under_way, to_the_end
+
+
+def test_a_cancelled_request_leaves_its_change_running_and_the_stop_waits_for_it():
+    ended = []
+
+    async def change(delay):
+        await asyncio.sleep(delay)
+        ended.append(delay)
+
+    async def run():
+        request = asyncio.ensure_future(to_the_end(change(0.2)))
+        await asyncio.sleep(0.05)
+        request.cancel()                    # the server's stop cancels its requests
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        assert ended == []
+        assert await finish_under_way(5.0) == 0
+        assert ended == [0.2]
+
+    asyncio.run(run())
+
+
+def test_the_stop_waits_only_so_long():
+    async def run():
+        request = asyncio.ensure_future(to_the_end(asyncio.sleep(2)))
+        await asyncio.sleep(0.01)
+        assert await finish_under_way(0.05) == 1
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+
+    asyncio.run(run())
+
+
+def test_work_behind_an_answer_given_to_before_stop_is_waited_for():
+    """A job pause's VM save runs behind its answer: the stop waits for it too."""
+    from dsecd.engine.workers import before_stop
+
+    ended = []
+
+    async def save():
+        await asyncio.sleep(0.1)
+        ended.append("saved")
+
+    async def run():
+        before_stop(asyncio.get_running_loop().create_task(save()))
+        assert await finish_under_way(5.0) == 0
+        assert ended == ["saved"]
+
+    asyncio.run(run())
