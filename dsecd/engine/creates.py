@@ -206,15 +206,33 @@ class CreateService:
             saved = {}
         for name, conf in saved.items():
             self.pools[name] = Pool(name=name, **conf)
+        now_named: dict[str, str | None] = {}       # pool name -> the manifest its image names now
         for sb in sorted(self.registry.by_id.values(), key=lambda s: s.created):
             name = sb.labels.get(POOL_LABEL)
             if name is None or sb.state != "running":
                 continue
-            if name in self.pools:
-                self.pools[name].ready.append(sb.id)
-            else:        # its pool was removed meanwhile
+            pool = self.pools.get(name)
+            if pool is not None and name not in now_named:
+                now_named[name] = await self.workers.run(self._manifest_named, pool.image)
+            if pool is not None and now_named[name] == sb.manifest:
+                pool.ready.append(sb.id)
+            else:
+                # Its pool was removed, or its image name stands for another
+                # manifest (rebuilt, pulled anew) since it was made, as
+                # _image_changed would have found had the daemon run.
                 self.workers.loop.create_task(self._destroy_quiet(sb))
         self._pool_task = self.workers.loop.create_task(self._refill_loop())
+
+    def _manifest_named(self, image: str) -> str | None:
+        """Blocking: the manifest `image` names now; None if none (removed,
+        or its ref unreadable: its pool's spares go, new ones say why)."""
+        try:
+            return self.image_service.images.get(image).manifest
+        except ImageError:
+            return None
+        except (OSError, ValueError) as err:
+            log.error("pool image %s: %s", image, err)
+            return None
 
     def close(self) -> None:
         for task in (self._pool_task, *self._refills):

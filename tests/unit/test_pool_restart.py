@@ -1,0 +1,63 @@
+"""Warm pools after a daemon restart (CreateService.start): the ready
+sandboxes go back to their pool only while its image name still stands for
+the manifest they were made of; the others are destroyed, as a change of
+the image while the daemon ran would have done."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+from dsecd.engine.creates import POOL_LABEL, CreateService
+from dsecd.engine.sandboxes import Sandbox
+from dsecd.fs.images import ImageError
+
+
+def _sandbox(sb_id: str, pool: str, manifest: str, created: float) -> Sandbox:
+    return Sandbox(id=sb_id, image="busybox", state="running", created=created, limits={},
+                   labels={POOL_LABEL: pool}, manifest=manifest)
+
+
+def test_ready_sandboxes_of_an_image_that_changed_go(tmp_path):
+    pools = tmp_path / "pools.json"
+    pools.write_text(json.dumps({
+        "web": {"image": "busybox", "cpu": 1.0, "memory": 1 << 20, "min": 2, "max": 2},
+        "gone": {"image": "removed", "cpu": 1.0, "memory": 1 << 20, "min": 1, "max": 1}}))
+    sbs = [_sandbox("old", "web", "sha256:before", 1.0), _sandbox("new", "web", "sha256:now", 2.0),
+           _sandbox("orphan", "gone", "sha256:x", 3.0)]
+
+    def get(name):
+        if name == "removed":
+            raise ImageError("not_found", f"no image named {name!r}")
+        return SimpleNamespace(manifest="sha256:now")
+
+    destroyed = []
+
+    async def run():
+        svc = object.__new__(CreateService)
+        svc._pools_path = pools
+        svc.pools = {}
+        svc.registry = SimpleNamespace(by_id={s.id: s for s in sbs}, keys={})
+        async def run_now(fn, *args):
+            return fn(*args)
+
+        svc.workers = SimpleNamespace(loop=asyncio.get_running_loop(), run=run_now)
+        svc.image_service = SimpleNamespace(images=SimpleNamespace(get=get))
+
+        async def destroy_quiet(sb):
+            destroyed.append(sb.id)
+
+        async def refill_loop():
+            pass
+
+        svc._destroy_quiet = destroy_quiet
+        svc._refill_loop = refill_loop
+        await svc.start()
+        await asyncio.sleep(0)
+        return svc
+
+    svc = asyncio.run(run())
+    assert list(svc.pools["web"].ready) == ["new"]
+    assert list(svc.pools["gone"].ready) == []
+    assert sorted(destroyed) == ["old", "orphan"]
