@@ -255,6 +255,28 @@ class RecordLog:
         return fd
 
 
+    def migrate_dir(self, old: Path, fix: Callable[[str, dict], dict] | None = None) -> None:
+        """Records in the format before the logs (a JSON file per record in
+        `old`, read_record_dir), each through `fix` if given, into this log,
+        synced before the old files go; unreadable ones are set aside in
+        `<old>.corrupt` for a human."""
+        if not old.is_dir():
+            return
+        unreadable: list[str] = []
+        records = read_record_dir(old, unreadable)
+        self.put_many([(key, fix(key, rec) if fix else rec) for key, rec in records.items()])
+        with self._lock:
+            os.fsync(self._fd)          # in the log for good before the old copies go
+        if unreadable:
+            aside = old.with_name(old.name + ".corrupt")
+            os.rename(old, aside)
+            log.error("records of %s moved into %s; %d unreadable ones kept in %s",
+                      old, self.path, len(unreadable), aside)
+            return
+        shutil.rmtree(old)
+        log.info("records of %s moved into %s", old, self.path)
+
+
 class Journal(RecordLog):
     """The sandbox registry: <state_dir>/journal.log, a record per sandbox.
 
@@ -265,7 +287,7 @@ class Journal(RecordLog):
     def __init__(self, state_dir: Path, fsync: bool = False,
                  compact_with: Callable[[Callable[[], None]], object] | None = None):
         super().__init__(Path(state_dir) / "journal.log", fsync, compact_with)
-        self._migrate(Path(state_dir) / "journal")
+        self.migrate_dir(Path(state_dir) / "journal")
 
     def write(self, key: str, record: dict) -> None:
         self.write_many([(key, record)])
@@ -279,23 +301,6 @@ class Journal(RecordLog):
     def load_all(self) -> dict[str, dict]:
         with self._lock:
             return dict(self.records)
-
-    def _migrate(self, old: Path) -> None:
-        if not old.is_dir():
-            return
-        unreadable: list[str] = []
-        self.put_many(list(read_record_dir(old, unreadable).items()))
-        with self._lock:
-            os.fsync(self._fd)          # in the log for good before the old copies go
-        if unreadable:                  # kept for a human, as the old journal did
-            aside = old.with_name(old.name + ".corrupt")
-            os.rename(old, aside)
-            log.error("journal records of %s moved into %s; %d unreadable ones kept in %s",
-                      old, self.path, len(unreadable), aside)
-            return
-        shutil.rmtree(old)
-        log.info("journal records of %s moved into %s", old, self.path)
-
 
 def read_record_dir(old: Path, unreadable: list[str] | None = None) -> dict[str, dict]:
     """Records in the format before the logs: a JSON file per record (<id>.json).

@@ -35,7 +35,6 @@ import ipaddress
 import itertools
 import logging
 import os
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ from pathlib import Path
 from .. import native
 from ..errors import BadRequest, Conflict, DsecError, LimitExceeded, NotFound
 from ..fds import close_quietly
-from ..journal import RecordLog, read_record_dir
+from ..journal import RecordLog
 from . import rules as R
 from .ipam import Ipam, Lease
 from .nat import HostNat, NatError, delete_table, table_name
@@ -277,12 +276,14 @@ class Network:
         if not old.is_dir():
             return
         leases = Ipam.read_legacy(netdir / "leases.json")
-        for sb_id, rec in read_record_dir(old).items():
+
+        def fix(sb_id: str, rec: dict) -> dict:
             rec.setdefault("ifname", host_ifname(sb_id) if rec.get("mode") == "default" else "")
             if sb_id in leases:
                 rec.setdefault("ipv4", f"{leases[sb_id]}/{self.ipam.subnet.prefixlen}")
-            self.records.put(sb_id, rec)
-        shutil.rmtree(old)
+            return rec
+
+        self.records.migrate_dir(old, fix)
         (netdir / "leases.json").unlink(missing_ok=True)
 
     def _restore_leases(self) -> None:

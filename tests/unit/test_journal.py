@@ -179,3 +179,29 @@ def test_a_bad_key_in_a_batch_writes_none_of_it(tmp_path):
     with pytest.raises(ValueError, match="bad journal key"):
         j.write_many([("ok", {"a": 1}), ("bad\nkey", {"a": 2})])
     assert j.load_all() == {}
+
+
+def test_network_records_of_a_file_per_record_daemon_keep_the_unreadable_ones(tmp_path):
+    """As the journal's: the network's old records (a file per sandbox and
+    leases.json) move into its log with their address; one that does not
+    parse is set aside for a human, not deleted."""
+    import ipaddress
+    from types import SimpleNamespace
+
+    from dsecd.journal import RecordLog
+    from dsecd.net.network import Network
+
+    old = tmp_path / "sandboxes"
+    old.mkdir()
+    (old / "abc.json").write_text(json.dumps({"mode": "default"}))
+    (old / "bad.json").write_text("{not json")
+    (tmp_path / "leases.json").write_text(json.dumps({"leases": {"abc": "10.88.0.5"}}))
+    net = object.__new__(Network)
+    net.records = RecordLog(tmp_path / "records.log")
+    net.ipam = SimpleNamespace(subnet=ipaddress.ip_network("10.88.0.0/16"))
+    net._migrate(tmp_path)
+    net.records.close()
+    rec = read_records(tmp_path / "records.log")["abc"]
+    assert rec["ipv4"] == "10.88.0.5/16" and rec["ifname"]
+    assert (tmp_path / "sandboxes.corrupt" / "bad.json").read_text() == "{not json"
+    assert not old.exists() and not (tmp_path / "leases.json").exists()
