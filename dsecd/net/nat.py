@@ -149,8 +149,13 @@ def delete_table(ns_path: str | None, bridge: str) -> bool:
         if err.errno == errno.ENOSYS:   # no python3-nftables: no daemon here could have made one
             return False
         raise
+    return _delete(nft, name, f"delete table {FAMILY} {name}")
+
+
+def _delete(nft, table: str, what: str) -> bool:
+    """Delete `table` (and every rule in it); whether it was there."""
     try:
-        run(nft, [{"delete": {"table": {"family": FAMILY, "name": name}}}], f"delete table {FAMILY} {name}")
+        run(nft, [{"delete": {"table": {"family": FAMILY, "name": table}}}], what)
     except NatError as err:
         if "No such file" in str(err):
             return False
@@ -311,26 +316,25 @@ class HostNat:
         made through them) go on while no daemon runs; the next daemon
         replaces it whole (start, or Network.readopt)."""
         with self._lock:
-            if not self.started:
+            if not self._let_go():
                 return
-            self.started = False
-            self._handles.clear()
         log.info("nftables table %s %s in %s kept at stop for %d networked sandbox(es) that run on; the next "
                  "daemon replaces it", FAMILY, self.table, self._where(), sandboxes)
 
     def close(self) -> None:
         """Delete the table (and with it every rule dsecd added); nothing else."""
         with self._lock:
-            if not self.started:
-                return
-            self.started = False
-            self._handles.clear()
-            try:
-                self._run([{"delete": {"table": {"family": FAMILY, "name": self.table}}}],
-                          f"delete table {FAMILY} {self.table} in {self._where()}")
-            except NatError as err:
-                if "No such file" not in str(err):
-                    raise
+            if self._let_go():
+                _delete(self.nft, self.table, f"delete table {FAMILY} {self.table} in {self._where()}")
+
+    def _let_go(self) -> bool:
+        """Under the lock: the table is no longer this daemon's to change
+        (stop); whether it was."""
+        if not self.started:
+            return False
+        self.started = False
+        self._handles.clear()
+        return True
 
     # ------------------------------------------------------------ published ports
 
