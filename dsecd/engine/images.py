@@ -545,9 +545,7 @@ class ImageService:
                     # its state says running (unless a job pause, which takes
                     # no lock, marked it paused meanwhile: as below).
                     await outcome(freezing)
-                    if sb.state != "paused":
-                        await outcome(self.workers.behind(freezer.thaw))
-                        sb.end_paused_time()
+                    await self._thaw_after_pack(sb, freezer)
                     raise
             try:
                 # A destroy takes no sandbox's lock: one that came while it
@@ -579,17 +577,23 @@ class ImageService:
                         if isinstance(undone, Exception):
                             raise undone
             finally:
-                # A job pause takes no sandbox's lock: one that came meanwhile
-                # found it frozen and marked it paused. It stays frozen.
-                if not was_paused and sb.state != "paused":
-                    thawed = await outcome(self.workers.behind(freezer.thaw))
-                    sb.end_paused_time()
+                if not was_paused:
+                    thawed = await self._thaw_after_pack(sb, freezer)
                     # A destroy (which does not wait for the lock) removed its
                     # cgroup meanwhile: nothing is left to thaw, and what was
                     # packed is published.
-                    if (isinstance(thawed, OSError) and sb.state != "stopping"
-                            and self.registry.by_id.get(sb.id) is sb):
+                    if isinstance(thawed, OSError) and sb.state != "stopping" and self.registry.listed(sb):
                         raise thawed
+
+    async def _thaw_after_pack(self, sb, freezer):
+        """Thaw a sandbox frozen for a pack, unless a job pause (which takes
+        no sandbox's lock) came meanwhile, found it frozen and marked it
+        paused: it stays frozen. The thaw's outcome (None: no thaw)."""
+        if sb.state == "paused":
+            return None
+        thawed = await outcome(self.workers.behind(freezer.thaw))
+        sb.end_paused_time()
+        return thawed
 
 
 def _destroyed_mid_snapshot(sb) -> Conflict:

@@ -277,7 +277,7 @@ def test_a_snapshot_cancelled_twice_still_thaws_its_sandbox(monkeypatch, tmp_pat
     svc.workers = Workers(1)
     svc.freeze_timeout_s = 1.0
     svc.state_dir = tmp_path
-    svc.registry = SimpleNamespace(by_id={sb.id: sb})
+    svc.registry = _Registry(by_id={sb.id: sb})
     busy = threading.Event()
 
     async def snapshot():
