@@ -11,7 +11,8 @@ run follows `--` (or starts at the first word that is not an option).
 
 Exit status: the command's own for `exec`, `trace`, `call` and `run` (and for
 `wait` and `attach`, the background process's); 124 when it timed out;
-128+N when it died of signal N; 125 when dsec itself failed for them
+128+N when it died of signal N; 127 when the program to run was not found,
+126 when it could not be executed; 125 when dsec itself failed for them
 (daemon error, bad input, usage). Other commands: 1 when the daemon
 refused or failed, 2 on a usage error. A closed stdout (`dsec ps | head -1`)
 ends dsec quietly with 141, as SIGPIPE would.
@@ -2526,6 +2527,19 @@ def _usage_failed(argv: list[str], code) -> None:
     _print_error(a, _local_error("bad_request", _usage_error[-1]))
 
 
+def _failed_status(a, err: DsecError) -> int:
+    """The exit status of a command dsec failed: for one that runs a command
+    line, 127 when its program was not found and 126 when it could not be
+    executed (the errors name it: detail argv0), as a shell and docker give
+    them; else 125 (RUNS_A_COMMAND, GIVES_A_STATUS) or 1."""
+    if a.cmd in RUNS_A_COMMAND and "argv0" in err.detail:
+        if err.code == "not_found":
+            return 127
+        if err.code == "permission":
+            return 126
+    return EXIT_DSEC_ERROR if a.cmd in GIVES_A_STATUS else 1
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -2559,7 +2573,7 @@ def main(argv: list[str] | None = None) -> None:
     except DsecError as err:
         _print_error(a, err.to_wire())
         print(f"dsec {a.cmd}: {err.code}: {err.message}", file=sys.stderr)
-        status = fail
+        status = _failed_status(a, err)
     except ConnectionError as err:
         _print_error(a, _connection_error(err))
         print(f"dsec: {err}", file=sys.stderr)

@@ -177,8 +177,12 @@ def exec_error(err: OSError, prog: str, cwd: str) -> DsecError:
     if err.errno == errno.ENOTDIR and "chdir" in step:
         return NotFound(f"exec: working directory {cwd!r} is not a directory in the sandbox (it, or a path "
                         "above it, is a file)", {"cwd": cwd})
+    if err.errno == errno.EACCES and "chdir" in step:
+        return DsecError(f"exec: working directory {cwd!r}: permission denied in the sandbox", {"step": step,
+                         "cwd": cwd}, code="permission")
     if err.errno == errno.EACCES:
-        return DsecError(f"exec {prog!r}: permission denied", {"step": step or None}, code="permission")
+        return DsecError(f"exec {prog!r}: permission denied", {"step": step or None, "argv0": prog},
+                         code="permission")
     if err.errno in (errno.ESRCH, errno.EINVAL) and "setns" in step:
         return Conflict("sandbox is exiting; cannot enter it", {"step": step})
     return DsecError(f"exec {prog!r}: {err}", {"errno": errno.errorcode.get(err.errno or 0),

@@ -33,7 +33,9 @@ def test_create_exec_cp_ps_rm(daemon, tmp_path):
     assert r.returncode == 128 + 15
 
     r = daemon.cli("exec", sb, "--", "no-such-command")
-    assert r.returncode == 125 and b"not_found" in r.stderr
+    assert r.returncode == 127 and b"not_found" in r.stderr
+    r = daemon.cli("exec", sb, "--", "/etc/passwd")                  # exists, not executable
+    assert r.returncode == 126 and b"permission" in r.stderr
 
     src = tmp_path / "a.py"
     src.write_text("print('hi')\n")
@@ -486,7 +488,7 @@ def test_run_detached_leaves_its_command_running_in_a_sandbox_that_stays(daemon)
         daemon.cli("rm", "-f", r.stdout.decode().strip())
         # A command that cannot start leaves no sandbox behind.
         r = daemon.cli("--json", "run", "-d", "--label", "run=detached", "busybox", "--", "/no/such/program")
-        assert r.returncode == 125 and _one_json_error(r, "not_found")["detail"]["argv0"] == "/no/such/program"
+        assert r.returncode == 127 and _one_json_error(r, "not_found")["detail"]["argv0"] == "/no/such/program"
         listed = json.loads(daemon.cli("ps", "--label", "run=detached", "--json").stdout)
         assert [s["id"] for s in listed] == [sb], listed
     finally:

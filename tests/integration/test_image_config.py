@@ -182,7 +182,7 @@ def test_a_failing_command_or_a_failed_start_leaves_no_sandbox(kit, daemon):
     r = daemon.cli("run", "busybox", "--", "sh", "-c", "exit 3")
     assert r.returncode == 3
     r = daemon.cli("run", "busybox", "--", "no-such-program")
-    assert r.returncode == 125 and b"not_found" in r.stderr
+    assert r.returncode == 127 and b"not_found" in r.stderr
     r = daemon.cli("run", "busybox")                                  # busybox has no Entrypoint or Cmd
     assert r.returncode == 125 and b"no Entrypoint or Cmd" in r.stderr
     r = daemon.cli("run", "ghost", "--", "true")

@@ -357,7 +357,7 @@ def test_a_background_start_that_fails_is_answered_and_not_logged_as_an_error(da
     """A missing program is the caller's mistake: its answer says so, and the
     daemon's log gets no error (an unanswered future's traceback) for it."""
     r = daemon.cli("exec", "-d", any_sandbox.id, "/nope")
-    assert r.returncode == 125 and b"/nope" in r.stderr
+    assert r.returncode == 127 and b"/nope" in r.stderr
     assert daemon.cli("inspect", any_sandbox.id).returncode == 0       # the run is dropped by now
     assert "never retrieved" not in daemon.log.read_text()
 

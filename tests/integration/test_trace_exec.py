@@ -145,7 +145,7 @@ def test_a_traced_exec_of_a_missing_program_is_not_found_as_an_untraced_one(daem
     with pytest.raises(NotFound, match="no such file or command"):
         sandbox.exec(["/nope"], trace=True, timeout=20)
     r = daemon.cli("trace", sandbox.id, "--", "/nope")
-    assert r.returncode == 125 and b"not_found" in r.stderr, r
+    assert r.returncode == 127 and b"not_found" in r.stderr, r
     with pytest.raises(DsecError) as err:                 # exists, not executable
         sandbox.exec(["/etc/passwd"], trace=True, timeout=20)
     assert err.value.code == "permission"

@@ -17,7 +17,7 @@ import pytest
 from dsecd import cli
 from dsecd.clitext import create_args
 from dsecd.config import parse_duration
-from dsecd.errors import BadRequest
+from dsecd.errors import BadRequest, DsecError, NotFound
 
 DSEC = [sys.executable, "-m", "dsecd.cli"]
 
@@ -611,3 +611,17 @@ def test_cp_from_stdin_ends_at_sigterm_while_stdin_stays_open(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+@pytest.mark.parametrize("cmd, err, status", [
+    ("exec", NotFound("exec 'x': no such file", {"argv0": "x"}), 127),
+    ("run", NotFound("exec 'x': no such file", {"argv0": "x"}), 127),
+    ("trace", DsecError("exec 'x': permission denied", {"argv0": "x", "step": "exec"}, code="permission"), 126),
+    ("exec", NotFound("no sandbox sb-1", {"sandbox": "sb-1"}), 125),
+    ("exec", DsecError("exec: working directory '/root': permission denied", {"step": "chdir"},
+                       code="permission"), 125),
+    ("ps", NotFound("exec 'x': no such file", {"argv0": "x"}), 1),
+])
+def test_a_command_that_cannot_start_exits_127_or_126_as_a_shell_says(cmd, err, status):
+    a = argparse.Namespace(cmd=cmd)
+    assert cli._failed_status(a, err) == status

@@ -42,3 +42,13 @@ def test_the_package_names_the_class_of_every_code():
 
     for code, cls in _BY_CODE.items():
         assert getattr(dsecd, cls.__name__) is cls and cls.__name__ in dsecd.__all__, code
+
+
+def test_an_exec_denied_names_its_program_and_a_working_directory_denied_names_it():
+    from dsecd.errors import exec_error
+    from dsecd.native import NativeError
+
+    err = exec_error(NativeError(errno.EACCES, "execve: Permission denied", step="exec"), "/etc/passwd", "/")
+    assert err.code == "permission" and err.detail["argv0"] == "/etc/passwd", err.detail
+    err = exec_error(NativeError(errno.EACCES, "chdir: Permission denied", step="chdir"), "ls", "/root")
+    assert err.code == "permission" and "argv0" not in err.detail and "'/root'" in err.message, err.message
