@@ -23,6 +23,7 @@ import os
 import select
 import socket
 import struct
+from collections.abc import Awaitable, Callable
 
 from . import framing, metrics, protocol, unixsock
 from .errors import (
@@ -130,6 +131,13 @@ class RequestContext:
     def unregister_input(self) -> None:
         self.conn.inputs.pop(self.rid, None)
 
+    def at_close(self, fn: Callable[[], Awaitable[None]]) -> Callable[[], None]:
+        """await fn() once this connection closes (its requests ended);
+        returns what forgets it, for when the work no longer needs it."""
+        key = object()
+        self.conn.closing[key] = fn
+        return lambda: self.conn.closing.pop(key, None)
+
     def peer_pidfd(self) -> int | None:
         """A pidfd of the client's process (server.peer_pidfd), for reaching
         host paths it names as it sees them (fs/clientpaths.py); any thread
@@ -167,6 +175,7 @@ class Connection:
         self.starting: set[int] = set()
         self.gates: dict[int, _StartGate] = {}
         self.inputs: dict[int, object] = {}
+        self.closing: dict[object, Callable[[], Awaitable[None]]] = {}   # RequestContext.at_close
         self.sock = None       # the connection's socket and the peer's pid (SO_PEERCRED), once known
         self.pid = -1
         self.max_frame = server.max_frame
@@ -420,6 +429,12 @@ class Connection:
             task.cancel()
         if self.tasks:
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        while self.closing:
+            _, fn = self.closing.popitem()
+            try:
+                await fn()
+            except Exception:           # a bug: the other closers still run
+                log.exception("cleanup of connection %s failed", self.peer)
         self.writer.close()
         try:
             await self.writer.wait_closed()

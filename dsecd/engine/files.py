@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -46,9 +47,10 @@ class FileService:
                  copy_by_init: CopyByInit, vms: MicroVMService | None = None, temps: CopyTemps | None = None):
         self.registry = registry
         # A write's temporary file (file_write temporary), recorded until its
-        # rename or remove: (sandbox, path) -> its record.
+        # rename or remove, or until the connection that made it closes:
+        # (sandbox, path) -> its record, and what forgets its connection's hook.
         self.temps = temps
-        self._temp_records: dict[tuple[str, str], Path] = {}
+        self._temp_records: dict[tuple[str, str], tuple[Path, Callable[[], None]]] = {}
         self.workers = workers
         self.ensure_running = ensure_running
         self.max_chunk = max_chunk
@@ -110,9 +112,14 @@ class FileService:
                                  req.parents, opens=True)
         try:
             if req.temporary and not keep and self.temps is not None and (sb.id, req.path) not in self._temp_records:
-                rec = self.temps.record(sb.id, req.path, os.fstat(fd))
+                st = os.fstat(fd)
+                rec = self.temps.record(sb.id, req.path, st)
                 if rec is not None:
-                    self._temp_records[(sb.id, req.path)] = rec
+                    # A client gone before its rename (killed, its connection
+                    # cut) will never finish the copy: its part goes at once.
+                    forget = ctx.at_close(functools.partial(self._temp_orphaned, sb.id, req.path, st.st_dev,
+                                                            st.st_ino))
+                    self._temp_records[(sb.id, req.path)] = (rec, forget)
             if req.offset is not None:
                 os.lseek(fd, req.offset, os.SEEK_SET)        # the copier writes from the fd's position
             await self._write_data(self.registry.get(req.sandbox, req), fd, req.data, f"{req.sandbox}:{req.path}")
@@ -201,9 +208,34 @@ class FileService:
         return out
 
     def _drop_temp(self, sb_id: str, path: str) -> None:
-        rec = self._temp_records.pop((sb_id, path), None)
-        if rec is not None:
+        entry = self._temp_records.pop((sb_id, path), None)
+        if entry is not None:
+            rec, forget = entry
+            forget()
             self.temps.drop(rec)
+
+    async def _temp_orphaned(self, sb_id: str, path: str, dev: int, ino: int) -> None:
+        """The connection that wrote temporary file `path` closed before
+        renaming or removing it: removed now, as a restart would."""
+        entry = self._temp_records.pop((sb_id, path), None)
+        if entry is None:
+            return
+        sb = self.registry.by_id.get(sb_id)
+        if sb is not None and sb.handle is not None:
+            await self._remove_temp(sb, path, dev, ino, "its client left unfinished")
+        await self.workers.run(self.temps.drop, entry[0])
+
+    async def _remove_temp(self, sb: Sandbox, path: str, dev: int, ino: int, why: str) -> None:
+        """Remove temporary `path` of `sb` if it is still inode (dev, ino); logged."""
+        try:
+            removed = await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap),
+                                             copytemps.remove_if_same, sb.handle.rootfd, path, dev, ino)
+        except (OSError, sbfiles.PathError) as err:
+            log.warning("sandbox %s: cannot remove %s, the temporary copy of a write %s: %s; remove it with "
+                        "dsec rm -r %s:%s", sb.id, path, why, err, sb.id, path)
+        else:
+            if removed:
+                log.info("sandbox %s: removed %s, the temporary copy of a write %s", sb.id, path, why)
 
     async def sweep_temps(self) -> None:
         """At start, once sandboxes are re-adopted: remove the temporary
@@ -214,18 +246,8 @@ class FileService:
         for rec_path, rec in await self.workers.run(self.temps.load):
             sb = self.registry.by_id.get(rec["sandbox"]) if rec else None
             if sb is not None and sb.backend != "microvm" and sb.handle is not None:
-                try:
-                    removed = await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap),
-                                                     copytemps.remove_if_same, sb.handle.rootfd, rec["path"],
-                                                     rec["dev"], rec["ino"])
-                except (OSError, sbfiles.PathError) as err:
-                    log.warning("sandbox %s: cannot remove %s, the temporary copy of a write the daemon before "
-                                "did not finish: %s; remove it with dsec rm -r %s:%s", sb.id, rec["path"], err,
-                                sb.id, rec["path"])
-                else:
-                    if removed:
-                        log.info("sandbox %s: removed %s, the temporary copy of a write the daemon before did "
-                                 "not finish", sb.id, rec["path"])
+                await self._remove_temp(sb, rec["path"], rec["dev"], rec["ino"],
+                                        "the daemon before left unfinished")
             await self.workers.run(self.temps.drop, rec_path)
 
 

@@ -9,7 +9,9 @@ in the state dir, naming the sandbox, the path and the inode made) while
 it exists, and the next daemon removes what the records name once it has
 re-adopted their sandboxes. A path is removed only if it still has the
 device and inode number recorded: not a user's file that took the
-(random) name meanwhile, nor one of a similar name.
+(random) name meanwhile, nor one of a similar name. A write's record
+also serves while the daemon runs: the client that made the temporary
+gone before its rename, the daemon removes it then (engine/files.py).
 """
 
 from __future__ import annotations

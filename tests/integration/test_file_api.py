@@ -4,6 +4,11 @@ with the escapes a sandbox could plant (symlinks out of it) refused."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -100,3 +105,42 @@ def test_a_refused_path_says_which_request_and_sandbox(sandbox):
     with pytest.raises(NotFound) as err:             # how a missing file has always been said
         sandbox.read_file("/work/none")
     assert err.value.message.startswith(f"read {sandbox.id}:/work/none: "), err.value
+
+
+# A client that starts an atomic write (what `dsec cp FILE SB:/dir/` sends
+# first: its temporary file) and then waits to be killed.
+_CUT_WRITER = """
+import asyncio, sys, dsecd
+async def main():
+    async with dsecd.Client(sys.argv[1]) as c:
+        for name in sys.argv[3:]:
+            await c.request("file_write", sandbox=sys.argv[2], path=name, data=b"part", temporary=True)
+        print("written", flush=True)
+        await asyncio.sleep(600)
+asyncio.run(main())
+"""
+
+
+def test_a_client_killed_mid_write_has_its_temporary_file_removed_at_once(daemon, sandbox):
+    """A `dsec cp BIG SB:/work/` killed with SIGKILL left its `.dsec-<hex>`
+    part in the sandbox until the daemon restarted; the daemon removes it
+    when the client's connection drops, and no file that took its name."""
+    sandbox.exec(["mkdir", "-p", "/work/cut"])
+    writer = subprocess.Popen([sys.executable, "-c", _CUT_WRITER, daemon.socket, sandbox.id,
+                               "/work/cut/.dsec-aaaaaaaaaaaa", "/work/cut/.dsec-bbbbbbbbbbbb"],
+                              stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert writer.stdout.readline() == b"written\n"
+        sandbox.exec(["sh", "-c", "mv /work/cut/.dsec-bbbbbbbbbbbb /work/cut/kept && "
+                                  "echo user > /work/cut/.dsec-bbbbbbbbbbbb"])
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+        writer.stdout.close()
+    deadline = time.monotonic() + 10
+    while ".dsec-aaaaaaaaaaaa" in (names := sorted(e["name"] for e in sandbox.list_files("/work/cut"))):
+        assert time.monotonic() < deadline, names
+        time.sleep(0.05)
+    assert names == [".dsec-bbbbbbbbbbbb", "kept"]
+    assert sandbox.read_file("/work/cut/.dsec-bbbbbbbbbbbb") == b"user\n"
+    assert not [n for n in os.listdir(daemon.state / "copy-temps") if n.startswith(sandbox.id)]

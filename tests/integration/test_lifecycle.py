@@ -387,8 +387,8 @@ def test_kill9_mid_copy_leaves_no_temporary_file_once_readopted(fresh):
     while not [e for e in sb.list_files("/work") if e["name"].startswith(".dsec-put-") and e["name"][-1] != "b"]:
         assert time.monotonic() < deadline, sb.list_files("/work")
         time.sleep(0.05)
+    fresh.stop(signal.SIGKILL)      # its connections open: a closed one has its temporaries removed at once
     c.close()
-    fresh.stop(signal.SIGKILL)
     os.close(w)
     t.join(30)
     uploader.close()
