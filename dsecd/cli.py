@@ -1554,6 +1554,10 @@ async def cmd_ls(c: Client, a) -> int:
     if a.json:
         _print_json(entries)
         return 0
+    # A name that is not UTF-8 (its odd bytes held as surrogates) is printed
+    # as its bytes, as ls(1) prints it into a pipe.
+    with contextlib.suppress(AttributeError):
+        sys.stdout.reconfigure(errors="surrogateescape")
     _table([[e["type"], f"{e['mode']:04o}", str(e["size"]), time.strftime("%Y-%m-%d %H:%M", time.localtime(e["mtime"])),
              e["name"]] for e in entries], ["TYPE", "MODE", "SIZE", "MODIFIED", "NAME"])
     return 0

@@ -1598,11 +1598,18 @@ class Sandbox:
         return b"".join(out)
 
     async def list_files(self, path: str, depth: int = 1) -> list[dict]:
-        """A directory's entries; with depth > 1 its subdirectories' too ("a/b")."""
+        """A directory's entries; with depth > 1 its subdirectories' too ("a/b").
+        Names are str: one that is not UTF-8 has its odd bytes as
+        surrogates, as os.listdir gives it (os.fsencode(name): its bytes),
+        and is a path the other calls take as it is."""
         args = {"sandbox": self.id, "path": path}
         if depth != 1:          # sent only when asked: older daemons do not know the field
             args["depth"] = depth
-        return (await self.client.request("file_list", **args))["entries"]
+        entries = (await self.client.request("file_list", **args))["entries"]
+        for e in entries:
+            if isinstance(e["name"], bytes):        # not UTF-8: the daemon sent its bytes
+                e["name"] = os.fsdecode(e["name"])
+        return entries
 
     async def stat(self, path: str, follow: bool = False) -> dict:
         """lstat: a symlink is itself (type "symlink", its `target`: the

@@ -74,7 +74,7 @@ async def into_sandbox(sb, landing: str, dst: str) -> int:
         if r.get("truncated"):
             raise OSError(errno.E2BIG, "more names than one listing holds (100,000): copy it to a new "
                                        "directory instead", path)
-        return {e["name"]: e["type"] == "dir" for e in r["entries"]}
+        return {os.fsdecode(e["name"]): e["type"] == "dir" for e in r["entries"]}     # bytes: not UTF-8
 
     moves = await plan(list_dir, posixpath.join, landing, dst)
     for i in range(0, len(moves), MOVES_IN_FLIGHT):

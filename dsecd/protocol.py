@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import struct
 import types
 import typing
@@ -81,15 +82,48 @@ def encode_frame_parts(obj: dict, max_bytes: int | None = None) -> tuple[bytes, 
             marked = {**obj, "result": {**result, "data": msgpack.ExtType(TAIL_EXT, b"")}}
             return _tailed(marked, data, max_bytes)
         obj = {**obj, "result": {**result, "data": data}}
-    payload = msgpack.packb(obj, use_bin_type=True)
+    payload = _packb(obj)
     _check_size(len(payload), max_bytes)
     return HEADER.pack(len(payload)), payload
+
+
+# Names of a sandbox's files are bytes, as Linux has them, and Python holds
+# one that is not UTF-8 as the str os.fsdecode makes (its odd bytes as
+# surrogates), which a msgpack str cannot carry: such a str travels as
+# bytes (bin), and as escaped text (\xff) in an error's message. A request's
+# path (PATH_FIELDS) may so come as bytes, and is the str again once decoded.
+PATH_FIELDS = {"file_read": ("path",), "file_write": ("path",), "file_list": ("path",), "file_stat": ("path",),
+               "file_mkdir": ("path",), "file_remove": ("path",), "file_rename": ("src", "dst"),
+               "file_watch": ("path",), "file_tar_put": ("path",), "file_tar_get": ("path",)}
+
+
+def _packb(obj: dict) -> bytes:
+    try:
+        return msgpack.packb(obj, use_bin_type=True)
+    except UnicodeEncodeError:          # rare: walk it only then
+        return msgpack.packb({k: _sendable(v, k != "error") for k, v in obj.items()}, use_bin_type=True)
+
+
+def _sendable(obj, as_bytes: bool):
+    """obj with each str that is not UTF-8 as bytes (as_bytes) or escaped text."""
+    if isinstance(obj, str):
+        try:
+            obj.encode()
+            return obj
+        except UnicodeEncodeError:
+            raw = os.fsencode(obj)
+            return raw if as_bytes else raw.decode(errors="backslashreplace")
+    if isinstance(obj, dict):
+        return {_sendable(k, False): _sendable(v, as_bytes) for k, v in obj.items()}
+    if isinstance(obj, list) or type(obj) is tuple:     # not an ExtType, a namedtuple
+        return [_sendable(v, as_bytes) for v in obj]
+    return obj
 
 
 def _tailed(marked: dict, data, max_bytes: int | None) -> tuple[bytes, ...]:
     """(header, head, data) of a tailed frame whose map `marked` holds the
     TAIL_EXT extension where `data` goes."""
-    head = msgpack.packb(marked, use_bin_type=True)
+    head = _packb(marked)
     size = 1 + _MAP_LEN.size + len(head) + len(data)
     _check_size(size, max_bytes)
     return HEADER.pack(size), bytes((TAILED,)) + _MAP_LEN.pack(len(head)) + head, data
@@ -681,6 +715,9 @@ def _plan(cls) -> tuple[tuple[str, typing.Callable[[object], bool], bool], ...]:
 
 def build_request(cls, args: dict):
     hints, fields = _schema(cls)
+    paths = PATH_FIELDS.get(cls.OP)
+    if paths and any(isinstance(args.get(name), bytes) for name in paths):
+        args = {k: os.fsdecode(v) if k in paths and isinstance(v, bytes) else v for k, v in args.items()}
     if not args.keys() <= fields.keys():
         unknown = set(args) - set(fields)
         raise BadRequest(f"{cls.OP}: unknown fields: {', '.join(sorted(map(str, unknown)))}",

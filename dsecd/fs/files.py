@@ -32,7 +32,7 @@ def check_path(path: str) -> str:
         raise PathError(f"path {path!r} must be absolute (paths are inside the sandbox)")
     if "\0" in path:
         raise PathError("path must not contain NUL bytes")
-    if len(path.encode()) > 4095:
+    if len(os.fsencode(path)) > 4095:
         raise PathError("path is longer than PATH_MAX (4095 bytes)")
     parts = [p for p in path.split("/") if p not in ("", ".")]
     if ".." in parts:

@@ -144,3 +144,35 @@ def test_a_client_killed_mid_write_has_its_temporary_file_removed_at_once(daemon
     assert names == [".dsec-bbbbbbbbbbbb", "kept"]
     assert sandbox.read_file("/work/cut/.dsec-bbbbbbbbbbbb") == b"user\n"
     assert not [n for n in os.listdir(daemon.state / "copy-temps") if n.startswith(sandbox.id)]
+
+
+def test_names_that_are_not_utf8_list_and_copy_byte_exact(daemon, sandbox, tmp_path):
+    """A name made in the sandbox of bytes that are not UTF-8 (`touch
+    $'\\xff'`) broke `dsec ls` (an internal error) and every file call
+    naming it; it lists (as its bytes; in JSON and the SDK as os.listdir's
+    surrogates) and copies both ways as the same bytes."""
+    sandbox.exec(["sh", "-c", 'mkdir -p /work/odd && cd /work/odd && printf one > "$(printf "\\377x")" && '
+                              'mkdir "$(printf "sub\\376")" && printf two > "$(printf "sub\\376/a\\300b")"'])
+    ff, sub, c0, new = (os.fsdecode(raw) for raw in (b"\xffx", b"sub\xfe", b"a\xc0b", b"new\x80"))
+    assert sorted(e["name"] for e in sandbox.list_files("/work/odd", depth=2)) == [sub, f"{sub}/{c0}", ff]
+    r = daemon.cli("ls", f"{sandbox.id}:/work/odd")
+    assert r.returncode == 0 and b" \xffx\n" in r.stdout and b" sub\xfe\n" in r.stdout, r
+    r = daemon.cli("ls", "--json", f"{sandbox.id}:/work/odd")
+    assert r.returncode == 0 and sorted(e["name"] for e in json.loads(r.stdout)) == [sub, ff], r
+    assert sandbox.read_file(f"/work/odd/{ff}") == b"one"
+    # Out and in again under CLI arguments of the same bytes, file by file and as a tree.
+    r = daemon.cli("cp", f"{sandbox.id}:/work/odd/{ff}", str(tmp_path))
+    assert r.returncode == 0 and (tmp_path / ff).read_bytes() == b"one", r
+    assert daemon.cli("cat", f"{sandbox.id}:/work/odd/{sub}/{c0}").stdout == b"two"
+    r = daemon.cli("cp", "-r", f"{sandbox.id}:/work/odd", str(tmp_path / "tree"))
+    assert r.returncode == 0 and (tmp_path / "tree" / sub / c0).read_bytes() == b"two", r
+    (tmp_path / "tree" / sub / new).write_bytes(b"three")
+    r = daemon.cli("cp", "-r", f"{tmp_path / 'tree'}/.", f"{sandbox.id}:/work/odd")    # merged into it
+    assert r.returncode == 0, r
+    assert sandbox.read_file(f"/work/odd/{sub}/{new}") == b"three"
+    r = daemon.cli("cp", str(tmp_path / ff), f"{sandbox.id}:/work/{ff}")
+    assert r.returncode == 0 and sandbox.exec(["sh", "-c", "cat /work/?x"]).stdout == b"one", r
+    r = daemon.cli("rm", f"{sandbox.id}:/work/{ff}")
+    assert r.returncode == 0 and not sandbox.exists(f"/work/{ff}"), r
+    r = daemon.cli("ls", f"{sandbox.id}:/work/{os.fsdecode(b'gone' + bytes([0xff]))}")
+    assert r.returncode == 1 and b"not_found" in r.stderr and b"gone\\xff" in r.stderr, r

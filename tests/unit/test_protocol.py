@@ -1,5 +1,7 @@
 """Frame codec and typed request decoding (no root, no daemon)."""
 
+import os
+
 import msgpack
 import pytest
 from hypothesis import given, settings
@@ -100,3 +102,20 @@ def test_decoder_on_garbage_raises_only_protocol_errors(data):
         dec.feed(data)
     except (BadRequest, LimitExceeded):
         pass
+
+
+def test_a_path_that_is_not_utf8_travels_as_bytes_and_decodes_as_the_same_name():
+    name = os.fsdecode(b"/work/\xffx")          # as argv or os.listdir give it
+    frame = protocol.decode_payload(protocol.encode_frame(
+        {"id": 1, "op": "file_rename", "args": {"sandbox": "sb", "src": name, "dst": "/work/y"}})[4:])
+    assert frame["args"]["src"] == b"/work/\xffx"
+    _, req = protocol.parse_request(frame)
+    assert (req.src, req.dst) == (name, "/work/y")
+    # An answer's names as bytes; an error's text escaped, still text.
+    answer = protocol.decode_payload(protocol.encode_frame(
+        {"id": 1, "result": {"entries": [{"name": name[6:]}]}})[4:])
+    assert answer["result"]["entries"] == [{"name": b"\xffx"}]
+    error = protocol.decode_payload(protocol.encode_frame(
+        {"id": 1, "error": {"code": "not_found", "message": f"list sb:{name}: gone", "detail": {"path": name}}})[4:])
+    assert error["error"]["message"] == "list sb:/work/\\xffx: gone" and error["error"]["detail"]["path"] == \
+        "/work/\\xffx"
