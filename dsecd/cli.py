@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import contextlib
 import errno
+import io
 import json
 import os
 import posixpath
@@ -45,13 +46,14 @@ import shutil
 import signal
 import socket
 import sys
+import tarfile
 import termios
 import threading
 import time
 import tty
 
 from . import cpmerge, fleet_cli, imageconfig, pullview, topview
-from .client import Client, default_socket
+from .client import Client, _named_as, default_socket
 from .clitext import (
     UsageError,
     create_args,
@@ -1313,6 +1315,11 @@ async def _cp(c: Client, a) -> int:
     src_sb, src, dst_sb, dst = _cp_sides(a)
     if src_sb is not None and dst != "-" and _keeps_links(a) and await _cp_link_out(c, a, src_sb, src, dst):
         return 0
+    if src_sb is None and _keeps_links(a) and await _cp_link_in(c, a, src, dst_sb, dst):
+        return 0
+    if src_sb is None and a.recursive and getattr(a, "follow_link", False) and os.path.islink(src) \
+            and os.path.isdir(src):
+        src += "/"              # -L: the directory it leads to, as LINK/ names it
     if a.recursive and not await _is_a_file(c, src_sb, src):     # cp -r copies a file as a file
         return await _cp_dir(c, a, src_sb, src, dst_sb, dst)
     if src_sb is None and os.path.isdir(src):
@@ -1390,8 +1397,8 @@ def _read_stdin() -> bytes:
 
 
 def _keeps_links(a) -> bool:
-    """Whether a symlink named as the source of a copy out comes out as a
-    symlink, as cp(1) has it: with -r (or -P), not without (or with -L). A
+    """Whether a symlink named as the source of a copy (out, or in) is copied
+    as a symlink, as cp(1) has it: with -r (or -P), not without (or with -L). A
     plain copy follows it inside the sandbox: a link the sandbox made would
     otherwise land on the host as a link resolved against the host's files
     (/etc/shadow, ~/.ssh/id_rsa), which the next copy into a sandbox sends."""
@@ -1419,6 +1426,41 @@ async def _cp_link_out(c: Client, a, sb_id: str, src: str, dst: str) -> bool:
     _link_local(dst, st["target"])         # str, or bytes where it is not UTF-8
     if a.json:
         _print_json({"sandbox": sb.id, "path": src, "local": dst, "target": os.fsdecode(st["target"])})
+    return True
+
+
+async def _cp_link_in(c: Client, a, src: str, sb_id: str, dst: str) -> bool:
+    """`dsec cp -r LINK SB:DST` (or -P): the host symlink LINK arrives as a
+    symlink with the same target, as _cp_link_out gives one out; nothing it
+    leads to is read. False when `src` is no symlink (or LINK/ follows it).
+    It is sent as a tar of that one entry into a new directory beside the
+    destination, and renamed from there over DST."""
+    if src.endswith("/") or _contents_of(src) or not os.path.islink(src):
+        return False
+    target = os.readlink(src)
+    sb = await c.get(sb_id)
+    dst = await _cp_remote_target(sb, src, dst)
+    parent, name = posixpath.split(dst)
+    landing = posixpath.join(parent, f".dsec-cp-{os.getpid()}-{secrets.token_hex(4)}")
+    spool = io.BytesIO()
+    with tarfile.open(fileobj=spool, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        link = tarfile.TarInfo(name)
+        link.type, link.linkname, link.mode = tarfile.SYMTYPE, target, 0o777
+        link.mtime = int(os.lstat(src).st_mtime)
+        tf.addfile(link)
+    spool.seek(0)
+    await sb.mkdir(parent, parents=True)      # as a file's copy makes them
+    try:
+        await sb.upload_tar(spool, landing)
+        try:
+            await sb.rename(posixpath.join(landing, name), dst, overwrite=True)
+        finally:
+            with contextlib.suppress(DsecError, ConnectionError):    # keep the error that got us here
+                await sb.remove(landing, recursive=True)
+    except DsecError as err:                  # named as the user named it, not by the landing
+        raise _named_as(_named_as(err, posixpath.join(landing, name), dst), landing, dst) from None
+    if a.json:
+        _print_json({"sandbox": sb.id, "path": dst, "local": src, "target": target})
     return True
 
 
@@ -2084,11 +2126,10 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("-r", "--recursive", action="store_true",
                     help="copy a directory tree (symlinks as symlinks; FIFOs and devices are not copied)")
     cp.add_argument("-L", "--follow-link", action="store_true",
-                    help="out of a sandbox: a SOURCE that is a symlink is followed (its target's content "
-                         "and mode) with -r too")
+                    help="a SOURCE that is a symlink is followed (its target's content and mode) with -r too")
     cp.add_argument("-P", "--no-dereference", action="store_true",
-                    help="out of a sandbox: a SOURCE that is a symlink comes out as a symlink (as with -r); "
-                         "without -r or -P a plain copy follows it inside the sandbox")
+                    help="a SOURCE that is a symlink is copied as a symlink (as with -r); without -r or -P "
+                         "a plain copy follows it (out of a sandbox: inside the sandbox)")
     cp.add_argument("src")
     cp.add_argument("dst")
 

@@ -735,6 +735,56 @@ def test_cp_out_of_a_symlink_gives_what_cp_gives(daemon, client, tmp_path):
         sb.destroy(force=True)
 
 
+def test_cp_into_a_sandbox_of_a_symlink_gives_what_cp_gives(daemon, client, tmp_path):
+    """The same rules into a sandbox: with -r or -P a host symlink named as
+    the source arrives as a symlink with the same target (it sent its
+    target's bytes, or -r of a link to a directory failed); a plain copy,
+    -L or LINK/ follow it, dsec reading the target; a link inside a copied
+    tree stays a link, /etc/shadow's never sent."""
+    sb = client.create(image="busybox")
+    try:
+        src = tmp_path / "src"
+        (src / "sub").mkdir(parents=True)
+        (src / "f").write_text("hi\n")
+        (src / "f").chmod(0o751)
+        (src / "sub" / "y").write_text("y\n")
+        for name, target in (("lf", "f"), ("ld", "sub"), ("dang", "nowhere"), ("shadow", "/etc/shadow"),
+                             ("raw", os.fsdecode(b"\xffx"))):
+            (src / name).symlink_to(target)
+        sb.exec(["mkdir", "/in"])
+        for name, target in (("lf", "f"), ("ld", "sub"), ("dang", "nowhere"), ("shadow", "/etc/shadow"),
+                             ("raw", b"\xffx")):
+            for flags in (["-P"], ["-r"]):
+                dst = f"/in/{name}{''.join(flags)}"
+                r = daemon.cli("cp", *flags, str(src / name), f"{sb.id}:{dst}")
+                assert r.returncode == 0, (name, flags, r.stderr)
+                st = sb.stat(dst)
+                assert (st["type"], st["target"]) == ("symlink", target), (name, flags, st)
+        r = daemon.cli("cp", "-P", "--json", str(src / "lf"), f"{sb.id}:/in")          # into a directory
+        assert r.returncode == 0 and json.loads(r.stdout)["target"] == "f", r
+        assert sb.stat("/in/lf")["target"] == "f"
+        for flags in ([], ["-L"], ["-r", "-L"]):
+            dst = f"/in/lf-followed{''.join(flags)}"
+            assert daemon.cli("cp", *flags, str(src / "lf"), f"{sb.id}:{dst}").returncode == 0
+            st = sb.stat(dst)
+            assert st["type"] == "file" and st["mode"] & 0o7777 == 0o751 and sb.read_file(dst) == b"hi\n"
+        for flags, name in ((["-r", "-L"], "ld"), (["-r"], "ld/")):
+            r = daemon.cli("cp", *flags, f"{src}/{name}", f"{sb.id}:/in/ld-followed{len(flags)}")
+            assert r.returncode == 0, r.stderr
+            assert sb.read_file(f"/in/ld-followed{len(flags)}/y") == b"y\n"
+        assert daemon.cli("cp", "-r", str(src), f"{sb.id}:/tree").returncode == 0
+        assert sb.stat("/tree/shadow")["target"] == "/etc/shadow" and sb.stat("/tree/ld")["type"] == "symlink"
+        r = daemon.cli("cp", str(src / "dang"), f"{sb.id}:/in/dang-followed")
+        assert r.returncode == 1 and b"dang" in r.stderr and b"No such file" in r.stderr, r
+        sb.exec(["mkdir", "-p", "/in/d/lf"])
+        r = daemon.cli("cp", "-P", str(src / "lf"), f"{sb.id}:/in/d")          # a directory of that name there
+        assert r.returncode == 1 and b"/in/d/lf: Is a directory" in r.stderr and b".dsec" not in r.stderr, r
+        r = daemon.cli("cp", "-P", str(src / "lf"), f"{sb.id}:/proc/")
+        assert r.returncode == 1 and b"/proc/lf" in r.stderr and b".dsec" not in r.stderr, r
+    finally:
+        sb.destroy(force=True)
+
+
 def test_ls_of_a_file_or_symlink_lists_that_entry_as_ls_does(daemon, client):
     """It failed with `not_found: ... Not a directory`, for a file that is there."""
     sb = client.create(image="busybox")
