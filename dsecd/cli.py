@@ -1609,6 +1609,8 @@ async def cmd_watch(c: Client, a) -> int:
     """Print changes under a directory until interrupted, or until it or its sandbox goes."""
     sb_id, path = _remote_path(a.target, "watch")
     sb = await c.get(sb_id)
+    with contextlib.suppress(AttributeError):      # a name that is not UTF-8: its bytes, as `dsec ls` prints them
+        sys.stdout.reconfigure(errors="surrogateescape")
     async for ev in sb.watch(path, recursive=a.recursive):
         if a.json:
             print(json.dumps(ev, sort_keys=True), flush=True)

@@ -1731,12 +1731,15 @@ class Sandbox:
         the kernel lost events; ready first, once every directory is
         watched; stopped last, with a `reason`), `path` (in the sandbox) and
         `is_dir`. Runs until the loop stops (break) or the directory or the
-        sandbox goes; with `recursive`, subdirectories too, new ones included."""
+        sandbox goes; with `recursive`, subdirectories too, new ones included.
+        A `path` that is not UTF-8 is a str as list_files gives one."""
         args = {"sandbox": self.id, "path": path, "recursive": recursive}
         async with contextlib.aclosing(self.client.frames("file_watch", **args)) as frames:
             async for frame in frames:
                 if "__result__" in frame:
                     return
+                if isinstance(frame.get("path"), bytes):        # not UTF-8: the daemon sent its bytes
+                    frame["path"] = os.fsdecode(frame["path"])
                 yield frame
 
     async def snapshot(self, name: str, exclude: list[str] | None = None,

@@ -270,3 +270,31 @@ def daemon_bin():
     from pathlib import Path
 
     return Path(sys.executable).parent / "dsec"
+
+
+def test_a_name_that_is_not_utf8_is_watched_as_its_bytes(daemon, sandbox, backend):
+    """Such a name made the watch's events unsendable, and `dsec watch
+    --json` a traceback; they come as list_files gives names."""
+    if backend != "container":
+        pytest.skip("the names of a container's files")
+    sandbox.mkdir("/work/odd")
+    w = Watcher(sandbox, "/work/odd")
+    p = subprocess.Popen([str(daemon_bin()), "--socket", daemon.socket, "watch", f"{sandbox.id}:/work/odd",
+                          "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    t = subprocess.Popen([str(daemon_bin()), "--socket", daemon.socket, "watch", f"{sandbox.id}:/work/odd"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert json.loads(p.stdout.readline())["kind"] == "ready"
+        deadline = time.monotonic() + 10
+        while b"watching" not in t.stderr.readline():
+            assert time.monotonic() < deadline
+        sandbox.exec(["sh", "-c", 'touch "/work/odd/$(printf "\\377x")"'])
+        name = "/work/odd/" + b"\xffx".decode(errors="surrogateescape")
+        assert ("create", name) in pairs(w.until(lambda e: e["kind"] == "create"))
+        assert json.loads(p.stdout.readline()) == {"kind": "create", "path": name, "is_dir": False}
+        assert t.stdout.readline() == b"create    /work/odd/\xffx\n"
+    finally:
+        w.gen.close()
+        for proc in (p, t):
+            proc.kill()
+            proc.wait()
