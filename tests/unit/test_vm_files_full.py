@@ -157,3 +157,14 @@ def test_a_paused_vm_shows_no_pid_of_its_ended_qemu():
     h.pidfd = 7                                     # a running (or only stopped) QEMU
     assert sb.public()["init_pid"] == 4242 and svc.inspect(sb)["qemu_pid"] == 4242
 
+
+
+def test_a_vm_path_that_is_not_utf8_goes_to_the_agent_as_its_bytes():
+    """A name a file op takes as bytes (not UTF-8) is the str os.fsdecode
+    makes; to a VM's agent it goes as those bytes, as its names come back."""
+    import os
+    import struct
+
+    from dsecd.backends.microvm import wire
+
+    assert wire.bstr(os.fsdecode(b"/work/\xffx")) == struct.pack(">I", 8) + b"/work/\xffx"

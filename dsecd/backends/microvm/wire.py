@@ -63,7 +63,7 @@ def u64(v: int) -> bytes:
 
 def bstr(v: bytes | str) -> bytes:
     if isinstance(v, str):
-        v = v.encode()
+        v = v.encode(errors="surrogateescape")     # a name that is not UTF-8: its bytes (see str())
     return struct.pack(">I", len(v)) + v
 
 
