@@ -158,6 +158,15 @@ def file_data(data, what: str) -> bytes | bytearray | memoryview:
 PARTLY_WRITTEN = "the file is partly written"
 
 
+def _paths(result: dict) -> dict:
+    """A file op's result with the paths it echoes as the caller gave them:
+    one that is not UTF-8 comes as bytes, and is os.fsdecode's str again."""
+    for key in ("path", "src", "dst"):
+        if isinstance(result.get(key), bytes):
+            result[key] = os.fsdecode(result[key])
+    return result
+
+
 def _named_as(err: DsecError, tmp: str, path: str, removed: bool = False) -> DsecError:
     """`err`, met on an atomic write's temporary file `tmp`, as the caller
     sees it: naming `path`, the file they gave; same class, code and detail
@@ -1616,7 +1625,7 @@ class Sandbox:
         link's text, in a container); with `follow`, what it leads to
         (containers only)."""
         args = {"follow": True} if follow else {}      # sent only when asked: older daemons do not know it
-        return await self.client.request("file_stat", sandbox=self.id, path=path, **args)
+        return _paths(await self.client.request("file_stat", sandbox=self.id, path=path, **args))
 
     async def exists(self, path: str) -> bool:
         """Whether `path` exists in the sandbox (a dangling symlink does)."""
@@ -1628,14 +1637,16 @@ class Sandbox:
 
     async def mkdir(self, path: str, parents: bool = True, mode: int = 0o755) -> dict:
         """mkdir -p by default: the missing parents too, and no error if it exists."""
-        return await self.client.request("file_mkdir", sandbox=self.id, path=path, parents=parents, mode=mode)
+        return _paths(await self.client.request("file_mkdir", sandbox=self.id, path=path, parents=parents,
+                                                mode=mode))
 
     async def remove(self, path: str, recursive: bool = False) -> dict:
         """rm, or rm -r with recursive; symlinks are removed, never followed."""
-        return await self.client.request("file_remove", sandbox=self.id, path=path, recursive=recursive)
+        return _paths(await self.client.request("file_remove", sandbox=self.id, path=path, recursive=recursive))
 
     async def rename(self, src: str, dst: str, overwrite: bool = False) -> dict:
-        return await self.client.request("file_rename", sandbox=self.id, src=src, dst=dst, overwrite=overwrite)
+        return _paths(await self.client.request("file_rename", sandbox=self.id, src=src, dst=dst,
+                                                overwrite=overwrite))
 
     async def upload_dir(self, local: str, remote: str) -> dict:
         """Copy local directory `local` as the new directory `remote` in the

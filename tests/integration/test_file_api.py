@@ -172,7 +172,9 @@ def test_names_that_are_not_utf8_list_and_copy_byte_exact(daemon, sandbox, tmp_p
     assert sandbox.read_file(f"/work/odd/{sub}/{new}") == b"three"
     r = daemon.cli("cp", str(tmp_path / ff), f"{sandbox.id}:/work/{ff}")
     assert r.returncode == 0 and sandbox.exec(["sh", "-c", "cat /work/?x"]).stdout == b"one", r
-    r = daemon.cli("rm", f"{sandbox.id}:/work/{ff}")
-    assert r.returncode == 0 and not sandbox.exists(f"/work/{ff}"), r
+    assert sandbox.stat(f"/work/{ff}")["path"] == f"/work/{ff}"
+    r = daemon.cli("rm", "--json", f"{sandbox.id}:/work/{ff}")
+    assert r.returncode == 0 and json.loads(r.stdout)["path"] == f"/work/{ff}", r
+    assert not sandbox.exists(f"/work/{ff}")
     r = daemon.cli("ls", f"{sandbox.id}:/work/{os.fsdecode(b'gone' + bytes([0xff]))}")
     assert r.returncode == 1 and b"not_found" in r.stderr and b"gone\\xff" in r.stderr, r
