@@ -1239,7 +1239,10 @@ async def _cp_merged(a, sb, src: str, dst: str, upload: bool) -> int:
     landing = f".dsec-cp-{os.getpid()}-{secrets.token_hex(4)}"
     if upload:
         held = posixpath.join(dst, landing)
-        r = await sb.upload_dir(src, held)
+        try:
+            r = await sb.upload_dir(src, held)
+        except DsecError as err:            # named as the user named it, not by the landing
+            raise _named_as(err, held, dst) from None
         try:
             replaced = await cpmerge.into_sandbox(sb, held, dst)
         finally:

@@ -785,6 +785,22 @@ def test_cp_into_a_sandbox_of_a_symlink_gives_what_cp_gives(daemon, client, tmp_
         sb.destroy(force=True)
 
 
+def test_a_failed_merge_into_a_directory_names_that_directory(daemon, client, tmp_path):
+    """`dsec cp -r DIR SB:/work` into an existing /work/DIR that fails (its
+    disk full) named the copy's landing directory, `.dsec-cp-<pid>-<hex>`,
+    a name the user never gave and that is gone by then."""
+    sb = client.create(image="busybox", memory="128M", disk="4M")
+    try:
+        (tmp_path / "sub").mkdir()
+        (tmp_path / "sub" / "big").write_bytes(os.urandom(6 << 20))
+        sb.mkdir("/work/sub")
+        r = daemon.cli("cp", "-r", str(tmp_path / "sub"), f"{sb.id}:/work")
+        assert r.returncode == 1 and b"/work/sub: No space left" in r.stderr and b".dsec" not in r.stderr, r
+        assert sb.list_files("/work/sub") == []
+    finally:
+        sb.destroy(force=True)
+
+
 def test_ls_of_a_file_or_symlink_lists_that_entry_as_ls_does(daemon, client):
     """It failed with `not_found: ... Not a directory`, for a file that is there."""
     sb = client.create(image="busybox")
