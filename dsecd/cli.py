@@ -1598,14 +1598,24 @@ async def cmd_ls(c: Client, a) -> int:
         entries = [{**st, "name": posixpath.basename(path)}]
     if a.json:
         _print_json(entries)
-        return 0
+        return _listed_whole(a, entries)
     # A name that is not UTF-8 (its odd bytes held as surrogates) is printed
     # as its bytes, as ls(1) prints it into a pipe.
     with contextlib.suppress(AttributeError):
         sys.stdout.reconfigure(errors="surrogateescape")
     _table([[e["type"], f"{e['mode']:04o}", str(e["size"]), time.strftime("%Y-%m-%d %H:%M", time.localtime(e["mtime"])),
              e["name"]] for e in entries], ["TYPE", "MODE", "SIZE", "MODIFIED", "NAME"])
-    return 0
+    return _listed_whole(a, entries)
+
+
+def _listed_whole(a, entries) -> int:
+    """0, or 1 and why on stderr when the listing was cut short (the most
+    entries one listing gives), as ls(1) fails on a directory it could not read whole."""
+    if not getattr(entries, "truncated", False):
+        return 0
+    print(f"dsec ls: {a.target}: only {len(entries)} of its entries are listed (the most one listing gives); "
+          f"list its subdirectories one by one, or run `dsec exec SANDBOX -- ls` for all of it", file=sys.stderr)
+    return 1
 
 
 async def cmd_watch(c: Client, a) -> int:

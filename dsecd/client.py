@@ -158,6 +158,12 @@ def file_data(data, what: str) -> bytes | bytearray | memoryview:
 PARTLY_WRITTEN = "the file is partly written"
 
 
+class Listing(list):
+    """list_files' entries, and whether the listing was cut short (`truncated`)."""
+
+    truncated = False
+
+
 def _paths(result: dict) -> dict:
     """A file op's result with the paths it echoes as the caller gave them:
     one that is not UTF-8 comes as bytes, and is os.fsdecode's str again."""
@@ -1606,15 +1612,19 @@ class Sandbox:
                 break
         return b"".join(out)
 
-    async def list_files(self, path: str, depth: int = 1) -> list[dict]:
+    async def list_files(self, path: str, depth: int = 1) -> Listing:
         """A directory's entries; with depth > 1 its subdirectories' too ("a/b").
         Names are str: one that is not UTF-8 has its odd bytes as
         surrogates, as os.listdir gives it (os.fsencode(name): its bytes),
-        and is a path the other calls take as it is."""
+        and is a path the other calls take as it is. A list, whose
+        `truncated` is true when the directory holds more entries than one
+        listing gives (100,000): only some of them are in it."""
         args = {"sandbox": self.id, "path": path}
         if depth != 1:          # sent only when asked: older daemons do not know the field
             args["depth"] = depth
-        entries = (await self.client.request("file_list", **args))["entries"]
+        r = await self.client.request("file_list", **args)
+        entries = Listing(r["entries"])
+        entries.truncated = bool(r.get("truncated"))
         for e in entries:
             if isinstance(e["name"], bytes):        # not UTF-8: the daemon sent its bytes
                 e["name"] = os.fsdecode(e["name"])

@@ -178,3 +178,16 @@ def test_names_that_are_not_utf8_list_and_copy_byte_exact(daemon, sandbox, tmp_p
     assert not sandbox.exists(f"/work/{ff}")
     r = daemon.cli("ls", f"{sandbox.id}:/work/{os.fsdecode(b'gone' + bytes([0xff]))}")
     assert r.returncode == 1 and b"not_found" in r.stderr and b"gone\\xff" in r.stderr, r
+
+
+def test_a_listing_cut_short_says_so(daemon, sandbox):
+    """A directory of more entries than one listing gives (100,000): `dsec
+    ls` printed 100,000 of them and exited 0, as if that were all."""
+    sandbox.exec(["sh", "-c", "mkdir /work/many && cd /work/many && seq 1 100003 | xargs touch"], timeout=120)
+    listed = sandbox.list_files("/work/many")
+    assert listed.truncated and len(listed) == 100_000
+    assert not sandbox.list_files("/work").truncated
+    for args in ((), ("--json",)):
+        r = daemon.cli("ls", *args, f"{sandbox.id}:/work/many")
+        assert r.returncode == 1 and b"only 100000 of its entries are listed" in r.stderr, r.stderr
+    sandbox.remove("/work/many", recursive=True)
