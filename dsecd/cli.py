@@ -1588,9 +1588,9 @@ async def cmd_ls(c: Client, a) -> int:
     try:
         entries = await sb.list_files(path, a.depth)
     except DsecError as err:
-        if err.detail.get("errno") != "ENOTDIR" or path.endswith("/"):
+        if err.detail.get("errno") not in ("ENOTDIR", "ENOENT") or path.endswith("/"):
             raise
-        try:                # not a directory: the entry itself, as ls(1) lists a file
+        try:                # not a directory (or a dangling symlink): the entry itself, as ls(1) lists it
             st = await sb.stat(path)
         except DsecError:
             raise err from None         # a path below a file: the listing's own error

@@ -815,6 +815,12 @@ def test_ls_of_a_file_or_symlink_lists_that_entry_as_ls_does(daemon, client):
         assert r.returncode == 0 and r.stdout.split(b"\n")[1].split()[0] == b"file", r
         r = daemon.cli("ls", f"{sb.id}:/f/below")
         assert r.returncode == 1 and b"list " in r.stderr and b"Not a directory" in r.stderr, r
+        sb.exec(["ln", "-s", "nowhere", "/dang"])             # a dangling link: ls lists the link too
+        r = daemon.cli("ls", "--json", f"{sb.id}:/dang")
+        assert r.returncode == 0 and [(e["name"], e["type"]) for e in json.loads(r.stdout)] == \
+            [("dang", "symlink")], r
+        r = daemon.cli("ls", f"{sb.id}:/nowhere")
+        assert r.returncode == 1 and b"list " in r.stderr and b"No such file" in r.stderr, r
     finally:
         sb.destroy(force=True)
 
