@@ -72,11 +72,11 @@ class LifecycleService:
         self._check_vms_adoptable(vms)
         for sb_id, rec in records.items():
             if sb_id not in vms:
-                await self._recover_or_leave(sb_id, rec, after_death)
+                await self._recover(sb_id, rec, after_death)
         # A VM's channels are reached again with a timeout of their own (30 s
         # for a guest that does not answer): one after the other, a host's
         # hung VMs would hold the socket closed that many times over.
-        ended = await asyncio.gather(*(self._recover_or_leave(sb_id, rec, after_death)
+        ended = await asyncio.gather(*(self._recover(sb_id, rec, after_death)
                                        for sb_id, rec in vms.items()), return_exceptions=True)
         for err in ended:
             if isinstance(err, BaseException):
@@ -108,26 +108,20 @@ class LifecycleService:
                 "Their VMs are left as they are; make the backend available again and start the "
                 "daemon, then `dsec rm` the VMs to give up")
 
-    async def _recover_or_leave(self, sb_id: str, rec: dict, after_death: bool) -> None:
-        """_recover, where a sandbox the host will not let go of (a cgroup
-        still busy after destroy_timeout_s: a process stuck in D state on a
-        hung store) is logged and left as its record says, for the next
-        start, instead of stopping this one and every other sandbox's."""
-        try:
-            await self._recover(sb_id, rec, after_death)
-        except OSError as err:
-            log.error("sandbox %s: re-adoption or clean-up failed: %s; its record is kept, and the next "
-                      "daemon start tries again", sb_id, err)
-            sb = self.registry.by_id.get(sb_id)
-            if sb is not None and sb.state != "dead":
-                self.registry.forget(sb_id)     # not served half-adopted; its id range stays reserved
-
     async def _recover(self, sb_id: str, rec: dict, after_death: bool = False) -> None:
         sb = Sandbox(id=sb_id, **{k: rec[k] for k in RECORD_FIELDS if k in rec})
         if sb.state in ("creating", "stopping"):
             # Interrupted mid-create or mid-destroy: finish tearing it down.
             log.info("sandbox %s was %s when the daemon stopped; removing it", sb_id, sb.state)
-            await self.workers.run(self.backend_of(sb).destroy, sb_id, None)
+            try:
+                await self.workers.run(self.backend_of(sb).destroy, sb_id, None)
+            except OSError as err:
+                # A cgroup still busy after destroy_timeout_s (a process in D
+                # state on a hung store): not this start's to wait for. Its
+                # record stays (the orphan sweep skips journaled ids) and the
+                # next start tries again.
+                log.error("sandbox %s: could not remove it: %s; the next daemon start tries again", sb_id, err)
+                return
             self.registry.journal.delete(sb_id)
             return
         self.registry.add(sb)
@@ -142,7 +136,7 @@ class LifecycleService:
         handle = await self.workers.run(self.backend.adopt, sb_id, rec.get("init_pid"), rec.get("init_start"),
                                         bool(sb.limits.get("disk")))
         if handle is None:
-            await self._mark_dead(sb, None, "its init exited while no daemon ran")
+            await self._mark_dead_found(sb, "its init exited while no daemon ran")
             return
         taken = await self.workers.run(self.procs.take_back, sb, handle)
         if handle.init_link is not None:
@@ -213,14 +207,17 @@ class LifecycleService:
                 await self.vms.reconnect(sb, handle)
             except Exception as err:
                 log.error("sandbox %s: its VM runs but cannot be reached again (%s): destroying it", sb.id, err)
-                await self.workers.run(self.vms.backend.destroy, sb.id, handle)
+                try:
+                    await self.workers.run(self.vms.backend.destroy, sb.id, handle)
+                except OSError as destroy_err:      # its remains: _mark_dead_found below says so
+                    log.error("sandbox %s: destroy its VM: %s", sb.id, destroy_err)
                 handle = None
             else:
                 if sb.state == "running":       # a state file of a pause that did not end it is stale
                     await self.workers.run(self.vms.backend.drop_saved_state, sb.id)
         if handle is None:
             log.warning("sandbox %s (microVM) died while the daemon was down", sb.id)
-            await self._mark_dead(sb, None, "its VM ended while no daemon ran")
+            await self._mark_dead_found(sb, "its VM ended while no daemon ran")
             return
         self.vms.adopted(sb, handle)
         sb.handle = handle
@@ -230,6 +227,18 @@ class LifecycleService:
             sb.lease_deadline = sb.last_active + sb.lease
         self.watch(sb)
         log.info("re-adopted sandbox %s (microVM, QEMU pid %d)", sb.id, handle.init_pid)
+
+    async def _mark_dead_found(self, sb: Sandbox, why: str) -> None:
+        """_mark_dead for a sandbox found dead at re-adoption. Remains the
+        host will not let go of (a cgroup still busy after
+        destroy_timeout_s: a process in D state on a hung store) are logged,
+        not waited for: it is listed dead, `dsec rm` tries again, and the
+        start and every other sandbox go on."""
+        try:
+            await self._mark_dead(sb, None, why)
+        except OSError as err:
+            log.error("sandbox %s: %s, and its remains could not be removed: %s; it is listed dead, and "
+                      "`dsec rm %s` tries again", sb.id, why, err, sb.id)
 
     async def _adopt_paused_vm(self, sb: Sandbox, unrecorded: bool = False) -> bool:
         """A VM re-adopted paused, from the state file in its dir; False if

@@ -108,23 +108,34 @@ def test_dead_vms_alone_do_not_need_the_backend(monkeypatch):
     assert touched == ["c1", "v3"]
 
 
-def test_a_sandbox_the_host_will_not_let_go_of_does_not_stop_the_start(monkeypatch):
+def test_a_sandbox_the_host_will_not_let_go_of_does_not_stop_the_start(tmp_path):
     """A cgroup still busy after the destroy timeout (a process in D state):
-    that sandbox is logged and left, with its record, for the next start;
-    the others are re-adopted, and the orphan sweep leaves it alone."""
+    a sandbox caught mid-create keeps its record for the next start, one
+    that died while no daemon ran is listed dead; the others are
+    re-adopted, and the orphan sweep leaves the journaled ids alone."""
     from dsecd.cgroup import CgroupError
+    from dsecd.engine.sandboxes import SandboxRegistry
+    from dsecd.journal import Journal
 
-    svc = _service(_records())
+    base = {"image": "busybox", "created": 0.0, "limits": {"cpu": 1, "memory": 1 << 20}}
+    journal = Journal(tmp_path)
+    journal.write_many([("half", {**base, "state": "creating"}), ("died", {**base, "state": "running"})])
+    svc = _service({})
+    svc.registry = SandboxRegistry(journal)
+    svc.id_ranges = SimpleNamespace(reserve=lambda sb: None)
     swept_with = []
-    svc.backend = SimpleNamespace(orphans=lambda known: swept_with.append(set(known)) or [])
-    ended = []
 
-    async def recover(self, sb_id, rec, after_death=False):
-        if sb_id == "c1":
-            raise CgroupError(16, "rmdir dsecd/c1: Device or resource busy")
-        ended.append(sb_id)
+    def busy(*args):
+        raise CgroupError(16, "remove cgroup dsecd/x: Device or resource busy after 10s")
 
-    monkeypatch.setattr(LifecycleService, "_recover", recover)
+    svc.backend = SimpleNamespace(destroy=busy, stop=busy, adopt=lambda *a: None, group_for=lambda sb_id: None,
+                                  orphans=lambda known: swept_with.append(set(known)) or [])
+    svc.events = SimpleNamespace(publish=lambda *a, **k: None)
+    svc.memory = SimpleNamespace(oom_count=lambda group: None)
+    svc.net = SimpleNamespace(detach_net=None)
     asyncio.run(svc.recover_all())
-    assert ended == ["c2", "v1", "v2", "v3"]
-    assert "c1" in swept_with[0]
+    assert svc.registry.by_id["died"].state == "dead"
+    assert "half" not in svc.registry.by_id
+    assert journal.load_all()["half"]["state"] == "creating"      # the next start tries again
+    assert journal.load_all()["died"]["state"] == "dead"
+    assert {"half", "died"} <= swept_with[0]
