@@ -11,7 +11,7 @@ import os
 import time
 
 from ..backends.container import Handle, close_handle
-from ..backends.microvm.backend import guest_panic
+from ..backends.microvm.backend import SAVED_STATE, guest_panic
 from ..config import ConfigError
 from ..cpu.manager import CpuHost
 from ..errors import Conflict, io_error
@@ -194,8 +194,16 @@ class LifecycleService:
         # answer: a VM paused only that far still has its QEMU, adopted below.
         saved = sb.state == "paused" and not (sb.pause_record or {}).get("vm_stopped")
         saved = saved or bool((sb.pause_record or {}).get("vm_image"))
+        resumed_unrecorded = False
         if self.vms.backend is not None and saved:
-            if await self._adopt_paused_vm(sb):
+            try:
+                handle = await self._resumed_unrecorded(sb)
+            except OSError as err:
+                await self._mark_dead_found(sb, f"the QEMU of a resume its record does not show could not be "
+                                                f"ended ({err})")
+                return
+            resumed_unrecorded = handle is not None
+            if handle is None and await self._adopt_paused_vm(sb):
                 return
         elif self.vms.backend is not None:
             handle = await self.workers.run(self.vms.backend.adopt, sb.id, rec.get("init_pid"),
@@ -213,6 +221,8 @@ class LifecycleService:
                     log.error("sandbox %s: destroy its VM: %s", sb.id, destroy_err)
                 handle = None
             else:
+                if resumed_unrecorded:
+                    self.registry.save(sb)      # running, its new QEMU's pid
                 if sb.state == "running":       # a state file of a pause that did not end it is stale
                     await self.workers.run(self.vms.backend.drop_saved_state, sb.id)
         if handle is None:
@@ -240,6 +250,36 @@ class LifecycleService:
             log.error("sandbox %s: %s, and its remains could not be removed: %s; it is listed dead, and "
                       "`dsec rm %s` tries again", sb.id, why, err, sb.id)
 
+    async def _resumed_unrecorded(self, sb: Sandbox):
+        """The QEMU of a resume the daemon died in before the record said
+        running (MicroVMBackend.found_qemu), if its load had finished and the
+        VM runs: the sandbox runs again, recorded so once it is reached.
+        None otherwise; such a QEMU whose load had not finished is killed,
+        and the VM stays paused, from its state file (whose guest never ran
+        past it). OSError if it will not die."""
+        backend = self.vms.backend
+        found = await self.workers.run(backend.found_qemu, sb.id)
+        if found is None:
+            return None
+        try:
+            await backend.connect(found, f"microVM {sb.id}", sb.hostname, 5.0, hello=False)
+            status = (await found.qmp.command("query-status")).get("status")
+        except Exception as err:
+            status = f"unreachable: {err}"
+        finally:
+            if found.qmp is not None:       # QEMU's monitor takes one client: reconnect's, next
+                found.qmp.close()
+                found.qmp = None
+        if status == "running":
+            log.warning("sandbox %s (microVM): its resume ran, but its record did not say so; re-adopted "
+                        "running", sb.id)
+            sb.state, sb.pause_record = "running", None
+            return found
+        log.warning("sandbox %s (microVM): killing the QEMU of a resume its record does not show (%s); it stays "
+                    "paused, from its saved state", sb.id, status)
+        await self.workers.run(backend.kill_found, found)
+        return None
+
     async def _adopt_paused_vm(self, sb: Sandbox, unrecorded: bool = False) -> bool:
         """A VM re-adopted paused, from the state file in its dir; False if
         there is none. unrecorded: its record says otherwise (running, or
@@ -252,7 +292,7 @@ class LifecycleService:
         if unrecorded:
             log.warning("sandbox %s (microVM): its QEMU ended in a pause its record does not show; re-adopted "
                         "paused, from its saved state", sb.id)
-            sb.state, sb.pause_record = "paused", {"vm_image": str(handle.vm_dir / "paused.ram")}
+            sb.state, sb.pause_record = "paused", {"vm_image": str(handle.vm_dir / SAVED_STATE)}
             self.registry.save(sb)
         self.vms.adopted(sb, handle)
         sb.handle = handle          # no QEMU until resumed: nothing to watch

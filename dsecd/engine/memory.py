@@ -323,7 +323,7 @@ class MemoryService:
             res = await self.vms.resume(sb, sb.pause_record or {})
             self._check_not_destroyed(sb, "resume")
             if self._mark_resumed(sb, 0):
-                self.vms.saved_state_done(sb)
+                await self.vms.saved_state_done(sb)
             return {"id": sb.id, "state": "running", "prefetch_s": 0.0, "thaw_s": res["restore_s"],
                     "prefetched_bytes": 0}
         rec = pause.PauseRecord.from_json(sb.pause_record or {})
@@ -515,9 +515,7 @@ class MemoryService:
             if rec.working_set and self.pause_cfg.prefetch_mode != "none":
                 self._behind_answer(s, pause.prefetch, rec.working_set, self.pause_cfg.prefetch_mode)
         self._journal_job(resumed)
-        for s in resumed:
-            if _is_vm(s):
-                self.vms.saved_state_done(s)
+        await asyncio.gather(*(self.vms.saved_state_done(s) for s in resumed if _is_vm(s)))
         return {"job": req.job, "resumed": [s.id for s in resumed], "thaw_s": round(thaw_s, 4),
                 "failed": {i: "not thawed in time (see the daemon log)" for i in sorted(failed_ids)}}
 

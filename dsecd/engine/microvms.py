@@ -30,7 +30,14 @@ from pathlib import Path
 from .. import fds, tarsafe, userns
 from ..backends.microvm import wire
 from ..backends.microvm.agent import AgentError, AgentExec, AgentGone
-from ..backends.microvm.backend import MIN_GUEST_MEMORY, Machine, MicroVMBackend, VmError, VmHandle
+from ..backends.microvm.backend import (
+    MIN_GUEST_MEMORY,
+    SAVED_STATE,
+    Machine,
+    MicroVMBackend,
+    VmError,
+    VmHandle,
+)
 from ..errors import (
     BadRequest,
     Conflict,
@@ -346,7 +353,7 @@ class MicroVMService:
                            "(its agent's channel does not survive the stop)", {"sandbox": sb.id})
         await self._requests_settled(sb)
         await self._end_watches(sb)
-        image = h.vm_dir / "paused.ram"
+        image = h.vm_dir / SAVED_STATE
         t0 = time.monotonic()
         self.workers.loop.remove_reader(h.pidfd)       # its end is ours, not a death
         try:
@@ -463,7 +470,7 @@ class MicroVMService:
                 raise DsecError(f"resume sandbox {sb.id}: {err}", code="io") from err
             self._relinked(sb)
             return {"restore_s": round(time.monotonic() - t0, 4)}
-        image = Path(rec.get("vm_image") or h.vm_dir / "paused.ram")
+        image = Path(rec.get("vm_image") or h.vm_dir / SAVED_STATE)
         t0 = time.monotonic()
         layers = self._layer_files(distinct_layers(sb.layers))
         tap_fd = (await self._plug(sb))[0] if h.machine.net else -1
@@ -476,9 +483,11 @@ class MicroVMService:
             await backend.restore(h, image, f"microVM {sb.id}", sb.hostname, sandbox_id=sb.id)
         except OSError as err:
             raise DsecError(f"resume sandbox {sb.id}: {err}; its saved state stays in {image}", code="io") from err
-        # The state file stays until the record says running (saved_state_done):
-        # a daemon that dies before that is followed by one that pauses the
-        # VM again from it (MicroVMBackend.paused_handle).
+        # Loaded, and the VM runs: the state file is set aside (".loaded") and
+        # goes once the record says running (saved_state_done). A daemon that
+        # dies in between leaves a record saying paused, no paused.ram, and
+        # this QEMU, which the next one adopts as running (found_qemu).
+        await self.workers.run(os.rename, image, image.with_name(image.name + ".loaded"))
         sb.vm = {**(sb.vm or {}), "machine": h.machine.to_record()}
         if self.watch is not None:
             self.watch(sb)
@@ -487,10 +496,11 @@ class MicroVMService:
             await self.balloon.resumed(sb)
         return {"restore_s": round(time.monotonic() - t0, 4)}
 
-    def saved_state_done(self, sb: Sandbox) -> None:
-        """`sb`'s resume is journaled: the state file it loaded goes."""
+    async def saved_state_done(self, sb: Sandbox) -> None:
+        """`sb`'s resume is journaled: the state file it loaded goes, before
+        the sandbox's lock is let go (a pause right after writes a new one)."""
         if self.backend is not None:
-            self.workers.behind(self.backend.drop_saved_state, sb.id)
+            await self.workers.run(self.backend.drop_saved_state, sb.id)
 
     def _relinked(self, sb: Sandbox) -> None:
         if self.relinked is not None:

@@ -247,6 +247,33 @@ def _qmp(d, sb_id: str, *commands, save_to=None) -> None:
     asyncio.run(run())
 
 
+def _stuck_save(d, sb_id: str):
+    """Start a save of a VM (as a pause does) into a socket nobody reads,
+    so it stays under way, as when a daemon dies during one; returns the
+    socket's other end, to close once done."""
+    import socket
+
+    from dsecd.backends.microvm.qmp import QMP
+
+    async def run():
+        qmp = await QMP.connect(str(d.state / "vms" / sb_id / "qmp.sock"), f"microVM {sb_id}", 10)
+        ours, qemus = socket.socketpair()
+        try:
+            await qmp.command("stop")
+            await qmp.send_fd("state-out", qemus.fileno())
+            await qmp.command("migrate", {"uri": "fd:state-out"})
+            for _ in range(100):
+                if (await qmp.command("query-migrate")).get("status") == "active":
+                    return ours
+                await asyncio.sleep(0.05)
+            raise AssertionError("the save did not start")
+        finally:
+            qemus.close()
+            qmp.close()
+
+    return asyncio.run(run())
+
+
 def _wait_gone(pid: int) -> None:
     for _ in range(200):
         if not os.path.exists(f"/proc/{pid}"):
@@ -259,24 +286,37 @@ def test_a_pause_the_killed_daemon_did_not_record_is_undone_or_finished(vmd):
     """A daemon killed between a pause's QMP stop and its record (a job
     pause's freeze takes seconds) left a "running" VM with stopped vCPUs:
     the next daemon runs them again, instead of waiting for an agent that
-    cannot answer and destroying the VM. Killed after the pause saved the
-    state and ended QEMU: the VM is re-adopted paused, and resumes."""
+    cannot answer and destroying the VM; killed during the save, the save
+    is cancelled first. Killed after the pause saved the state and ended
+    QEMU: the VM is re-adopted paused, and resumes."""
     d, c = vmd
-    stopped, saved = _vm(c), _vm(c)
+    stopped, saved, saving = _vm(c), _vm(c), _vm(c)
     stopped.write_file("/tmp/a", b"stopped, not lost")
     saved.write_file("/tmp/b", b"saved, not lost")
+    saving.write_file("/tmp/s", b"saving, not lost")
     saved_qemu = saved.inspect()["vm"]["qemu_pid"]
     c.close()
     d.stop(signal.SIGKILL)
     _qmp(d, stopped.id, "stop")
     _qmp(d, saved.id, "stop", save_to=d.state / "vms" / saved.id / "paused.ram")
     _wait_gone(saved_qemu)
-    d.start()
+    unread = _stuck_save(d, saving.id)
+    try:
+        d.start()
+    finally:
+        # Read now: a save not cancelled would finish and stop the VM again.
+        threading.Thread(target=lambda: [None for _ in iter(lambda: unread.recv(1 << 20), b"")],
+                         daemon=True).start()
     c2 = d.client()
     try:
-        a, b = c2.get(stopped.id), c2.get(saved.id)
+        a, b, s = c2.get(stopped.id), c2.get(saved.id), c2.get(saving.id)
         assert a.inspect()["state"] == "running"
         assert a.exec(["cat", "/tmp/a"], timeout=60).stdout == b"stopped, not lost"
+        assert s.inspect()["state"] == "running"
+        time.sleep(1)           # what was left of a save not cancelled is read by now
+        assert s.exec(["cat", "/tmp/s"], timeout=30).stdout == b"saving, not lost"
+        s.destroy()
+        unread.close()
         assert b.inspect()["state"] == "paused"
         assert b.resume()["state"] == "running"
         assert b.exec(["cat", "/tmp/b"], timeout=60).stdout == b"saved, not lost"
@@ -316,6 +356,39 @@ def test_a_resume_the_killed_daemon_did_not_record_leaves_the_vm_paused(vmd):
         assert again.inspect()["state"] == "paused"
         assert again.resume()["state"] == "running"
         assert again.exec(["cat", "/tmp/c"], timeout=60).stdout == b"paused, not lost"
+        again.destroy()
+    finally:
+        c2.close()
+
+
+def test_a_daemon_killed_during_a_resume_leaves_one_qemu_and_the_vms_state(vmd):
+    """Whatever moment of a resume the kill hits (before its new QEMU,
+    during the load, after it, before or after its record), the next
+    daemon has the VM paused or running, with one QEMU at most, its files
+    intact, and no state file left once it runs."""
+    d, c = vmd
+    sb = _vm(c)
+    sb.write_file("/tmp/d", b"resumed, not lost")
+    cgroups = list(sb.inspect()["cgroups"].values())
+    sb.pause()
+    resuming = threading.Thread(target=lambda: _quietly(sb.resume), daemon=True)
+    resuming.start()
+    time.sleep(0.15)        # within the resume (0.1-0.3 s here: QEMU's start, the load, the agent's HELLO)
+    d.stop(signal.SIGKILL)
+    resuming.join(30)
+    c.close()
+    d.start()
+    c2 = d.client()
+    try:
+        again = c2.get(sb.id)
+        state = again.inspect()["state"]
+        assert state in ("paused", "running"), state
+        if state == "paused":
+            assert again.resume()["state"] == "running"
+        assert again.exec(["cat", "/tmp/d"], timeout=60).stdout == b"resumed, not lost"
+        qemus = {int(p) for g in cgroups for p in open(os.path.join(g, "cgroup.procs")).read().split()}
+        assert qemus == {again.inspect()["vm"]["qemu_pid"]}, qemus
+        assert not list((d.state / "vms" / sb.id).glob("paused.ram*"))
         again.destroy()
     finally:
         c2.close()

@@ -55,6 +55,14 @@ from .vmroot import VmRoots
 
 log = logging.getLogger(__name__)
 
+# A paused VM's state (RAM and devices) in its dir: written as SAVED_STATE +
+# ".part" and renamed when whole, so that one that exists is complete; renamed
+# to SAVED_STATE + ".loaded" once a resume has loaded it and runs the VM.
+SAVED_STATE = "paused.ram"
+
+# query-migrate states of a migration (a save) still under way.
+MIGRATING = ("setup", "active", "pre-switchover", "device", "wait-unplug", "cancelling")
+
 PMEM_SLOT0 = 0x10          # PCI slot of the bottom layer; layer i at PMEM_SLOT0 + i
 NIC_MAC = "52:54:00:00:00:01"   # every VM's NIC until its agent sets the VM's own; the tap drops frames from it
 # A template's NIC: a hub port with no other port (a dead end). The template
@@ -406,11 +414,23 @@ class MicroVMBackend:
 
     async def run_if_stopped(self, h: VmHandle, what: str) -> None:
         """A VM re-adopted as running whose vCPUs are stopped: a daemon died
-        between a pause's QMP stop (or its save, "postmigrate") or a job
-        pause's freeze and the journal record saying paused. They run
-        again, as the record says; else the agent never answers."""
+        between a pause's QMP stop (or during or after its save) or a job
+        pause's freeze and the journal record saying paused. A save still
+        under way is cancelled (its file is partial, paused.ram.part), and
+        the vCPUs run again, as the record says; else the agent never
+        answers."""
+        migration = (await h.qmp.command("query-migrate")).get("status", "none")
+        if migration in MIGRATING:
+            log.warning("%s: cancelling a save its record does not show (%s)", what, migration)
+            await h.qmp.command("migrate_cancel")
+            deadline = time.monotonic() + 30.0
+            while migration in MIGRATING:
+                if time.monotonic() > deadline:
+                    raise VmError(errno.ETIMEDOUT, f"{what}: its save under way did not cancel in 30 s")
+                await asyncio.sleep(0.05)
+                migration = (await h.qmp.command("query-migrate")).get("status", "none")
         status = (await h.qmp.command("query-status")).get("status")
-        if status in ("paused", "postmigrate"):
+        if status in ("paused", "postmigrate", "finish-migrate"):
             log.warning("%s: its vCPUs were stopped (%s) by a pause its record does not show; running them",
                         what, status)
             await h.qmp.command("cont")
@@ -463,7 +483,12 @@ class MicroVMBackend:
         # its RAM is private, saved either way, but the setting must match at
         # resume: off, as a resume sets it.
         await self._ignore_shared(h, False)
-        return await self._migrate_out(h, image, timeout)
+        # Written whole under another name first: a paused.ram that exists
+        # is complete (re-adoption takes a VM with one for paused).
+        part = image.with_name(image.name + ".part")
+        size = await self._migrate_out(h, part, timeout)
+        os.rename(part, image)
+        return size
 
     async def snapshot(self, h: VmHandle, state: Path, timeout: float = 120.0) -> int:
         """A template: stop the vCPUs (the agent is idle, waiting for its next
@@ -580,30 +605,60 @@ class MicroVMBackend:
                         vm_dir=self.root / sb_id, is_child=False, accel=self.accel)
 
     def paused_handle(self, sb_id: str, guest_memory: int) -> VmHandle | None:
-        """Blocking. After a daemon restart: a paused VM (no QEMU; its saved
-        state in its dir), or None if that state is gone. A process in its
-        cgroups is the QEMU of a resume the daemon died in before the record
-        said running (the state file goes only after that record): it is
-        killed, and the VM is paused as its record says."""
+        """After a daemon restart: a paused VM (no QEMU; its saved state in
+        its dir), or None if that state is gone."""
         vm_dir = self.root / sb_id
-        if not (vm_dir / "paused.ram").exists():
+        if not (vm_dir / SAVED_STATE).exists():
             return None
-        group = self.group_for(sb_id)
-        if group.pids():
-            log.warning("microVM %s: killing the QEMU of a resume its record does not show (pids %s); it stays "
-                        "paused, from its saved state", sb_id, sorted(group.pids()))
-            group.kill_all()
-            deadline = time.monotonic() + self.destroy_timeout
-            while group.pids() and time.monotonic() < deadline:
-                time.sleep(0.02)
-        return VmHandle(init_pid=0, init_start=0, pidfd=-1, group=group, vm_dir=vm_dir,
+        return VmHandle(init_pid=0, init_start=0, pidfd=-1, group=self.group_for(sb_id), vm_dir=vm_dir,
                         is_child=False, accel=self.accel, guest_memory=guest_memory)
 
+    def found_qemu(self, sb_id: str) -> VmHandle | None:
+        """Blocking. After a daemon restart: the process in the cgroups of a
+        VM recorded paused, which has no QEMU of its own: the QEMU of a
+        resume the daemon died in before the record said running. None if
+        there is none."""
+        for pid in sorted(self.group_for(sb_id).pids()):
+            start = proc_start_time(pid)
+            handle = self.adopt(sb_id, pid, start) if start is not None else None
+            if handle is not None:
+                return handle
+        return None
+
+    def kill_found(self, h: VmHandle) -> None:
+        """Blocking: end a QEMU found_qemu gave (its load had not finished:
+        the VM stays paused, from its state file), waiting for it to exit
+        so that a resume's new QEMU does not run beside it. VmError if it
+        does not exit within destroy_timeout_s (a process stuck in D state)."""
+        import select
+
+        for link in (h.agent, h.qmp):
+            if link is not None:
+                link.close()
+        h.agent = h.qmp = None
+        try:
+            native.pidfd_send_signal(h.pidfd, signal.SIGKILL)
+            poller = select.poll()
+            poller.register(h.pidfd, select.POLLIN)
+            if not poller.poll(int(self.destroy_timeout * 1000)):
+                raise VmError(errno.EBUSY, f"QEMU {h.init_pid} did not exit {self.destroy_timeout:.0f}s after "
+                              "SIGKILL")
+        except ProcessLookupError:
+            pass
+        finally:
+            fds.close_quietly(h.pidfd)
+            h.pidfd = -1
+
     def drop_saved_state(self, sb_id: str) -> None:
-        """Blocking: the state file of a VM that runs again (its resume is
+        """Blocking: the state files of a VM that runs again (its resume is
         recorded, or it was re-adopted running): GiBs of disk, no longer
-        wanted."""
-        (self.root / sb_id / "paused.ram").unlink(missing_ok=True)
+        wanted. Best effort: a file left is removed with the VM's dir."""
+        vm_dir = self.root / sb_id
+        for name in (SAVED_STATE, SAVED_STATE + ".part", SAVED_STATE + ".loaded"):
+            try:
+                (vm_dir / name).unlink(missing_ok=True)
+            except OSError as err:
+                log.error("microVM %s: remove %s: %s", sb_id, vm_dir / name, err)
 
     def template_build_leftovers(self) -> set[str]:
         """The VM dirs and cgroups of template builds (`.template-<key>`)
