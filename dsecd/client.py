@@ -1540,31 +1540,47 @@ class Sandbox:
         while the sandbox's copier writes the one before."""
         chunk = self.client.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
         view = memoryview(data)
-        # temporary: the daemon records the file until its rename, and a daemon
-        # that dies first has the next one remove it. Sent only when true.
-        r = await self.client.request("file_write", sandbox=self.id, path=path, data=bytes(view[:chunk]),
-                                      mode=mode, parents=parents, **({"temporary": True} if temporary else {}))
-        offsets = iter(range(chunk, len(data), chunk))
-        failed: list[Exception] = []
+        # A chunk whose request is cancelled goes on in the daemon (its open
+        # runs in a worker) and makes the file again if it is missing: a
+        # cancelled write lets the chunks in flight end before it ends, so
+        # that whoever then removes the file comes after them.
+        in_flight: set[asyncio.Future] = set()
 
-        async def writer() -> None:
-            for offset in offsets:
-                if failed:
-                    return
-                try:
-                    await self.client.request("file_write", sandbox=self.id, path=path, offset=offset,
-                                              data=view[offset:offset + chunk])     # packed as is
-                except Exception as err:
-                    failed.append(err)
+        async def put(**args) -> dict:
+            fut = asyncio.ensure_future(self.client.request("file_write", sandbox=self.id, path=path, **args))
+            in_flight.add(fut)
+            fut.add_done_callback(_settled_in(in_flight))
+            return await asyncio.shield(fut)
 
-        if len(data) <= chunk:
-            return r["size"]
-        # A failure stops new chunks but lets the one in flight end: whoever
-        # then removes the file must not race a write still going on.
-        await asyncio.gather(*(writer() for _ in range(PIPELINE)))
-        if failed:
-            raise failed[0]
-        return len(data)
+        try:
+            # temporary: the daemon records the file until its rename, and a daemon
+            # that dies first has the next one remove it. Sent only when true.
+            r = await put(data=bytes(view[:chunk]), mode=mode, parents=parents,
+                          **({"temporary": True} if temporary else {}))
+            offsets = iter(range(chunk, len(data), chunk))
+            failed: list[Exception] = []
+
+            async def writer() -> None:
+                for offset in offsets:
+                    if failed:
+                        return
+                    try:
+                        await put(offset=offset, data=view[offset:offset + chunk])     # packed as is
+                    except Exception as err:
+                        failed.append(err)
+
+            if len(data) <= chunk:
+                return r["size"]
+            # A failure stops new chunks but lets the one in flight end: whoever
+            # then removes the file must not race a write still going on.
+            await asyncio.gather(*(writer() for _ in range(PIPELINE)))
+            if failed:
+                raise failed[0]
+            return len(data)
+        except asyncio.CancelledError:
+            if in_flight:
+                await asyncio.wait(set(in_flight))
+            raise
 
     async def write_at(self, path: str, offset: int, data: bytes) -> int:
         """Write `data` at `offset` of a file (made if missing), neither
@@ -1810,6 +1826,16 @@ class Sandbox:
 
     async def destroy(self, force: bool = False) -> dict:
         return await self.client.request("destroy", sandbox=self.id, force=force)
+
+
+def _settled_in(futures: set[asyncio.Future]) -> Callable[[asyncio.Future], None]:
+    """A done callback: the future leaves `futures`, its error retrieved
+    (nobody may await it once its caller was cancelled)."""
+    def settled(fut: asyncio.Future) -> None:
+        futures.discard(fut)
+        if not fut.cancelled():
+            fut.exception()
+    return settled
 
 
 async def _collect(stream, on_stdout, on_stderr) -> ExecResult:

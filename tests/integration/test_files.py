@@ -1,9 +1,12 @@
 """File access from the host never leaves the sandbox (openat2 RESOLVE_IN_ROOT)."""
 
+import asyncio
+import contextlib
 import os
 
 import pytest
 
+import dsecd
 from dsecd.errors import BadRequest, NotFound
 
 
@@ -98,3 +101,21 @@ def test_missing_file_and_dir(sandbox):
         sandbox.read_file("/nope")
     with pytest.raises(NotFound):
         sandbox.list_files("/nope")
+
+
+def test_a_cancelled_write_leaves_no_temporary_file(daemon):
+    """A write_file cancelled mid-way (asyncio.wait_for, a task cancelled)
+    leaves no `.dsec-` part beside its target: a chunk the daemon was
+    writing when the cancel came must not make the file again after the
+    write's clean-up removed it."""
+    async def go() -> list[str]:
+        data = os.urandom(30 << 20)
+        async with dsecd.Client(daemon.socket) as c:
+            async with c.sandbox(image="busybox") as sb:
+                for i in range(60):             # cancelled at every stage of it
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(sb.write_file("/work/out.bin", data), i % 20 * 0.003)
+                await asyncio.sleep(0.5)          # what the daemon was still doing is done
+                return [e["name"] for e in await sb.list_files("/work")]
+
+    assert asyncio.run(go()) in ([], ["out.bin"])
