@@ -490,7 +490,7 @@ class LifecycleService:
             self.memory.report_oom(sb, kills)
         await self.net.detach_net(sb)
         try:
-            self.registry.remove(sb)       # its record, and its idempotency key
+            self.registry.remove(sb, reason)       # its record, and its idempotency key
             unrecorded = False
         except OSError as err:
             # Its processes are gone: the release goes on, and the record

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -127,13 +128,25 @@ class Sandbox:
         return out
 
 
+# Why a destroyed sandbox went (destroy_sandbox's reasons), for the error of
+# a request that names it later.
+DESTROYED_BECAUSE = {"ttl": "its ttl ran out", "idle_ttl": "it was idle past its idle_ttl",
+                     "lease": "its lease was not renewed", "request": "by a destroy request",
+                     "job": "by a job rm", "all": "by a destroy of all sandboxes", "pool": "by its warm pool"}
+
+
 class SandboxRegistry:
     """The sandboxes by id (live and dead), by idempotency key, and the
     journal their records go to."""
 
+    # How many destroyed sandboxes it remembers (id -> when and why), so that a
+    # request naming one says it was destroyed and why, not only "no sandbox".
+    REMEMBER_DESTROYED = 4096
+
     def __init__(self, journal: Journal):
         self.journal = journal
         self.by_id: dict[str, Sandbox] = {}
+        self.destroyed: OrderedDict[str, tuple[float, str]] = OrderedDict()
         # Idempotency key -> the id of the sandbox a create with it made, or
         # the future of the create still making it (dsecd/engine/creates.py).
         # A key is free again once its sandbox is destroyed.
@@ -158,6 +171,10 @@ class SandboxRegistry:
         if len(matches) > 1:
             raise BadRequest(f"sandbox prefix {sb_id!r} is ambiguous", {"matches": [s.id for s in matches]})
         if not matches:
+            if sb_id in self.destroyed:
+                at, reason = self.destroyed[sb_id]
+                raise NotFound(f"no sandbox {sb_id!r}: it was destroyed {time.monotonic() - at:.0f} s ago, "
+                               f"{DESTROYED_BECAUSE.get(reason, reason)}", {"sandbox": sb_id, "destroyed": reason})
             raise NotFound(f"no sandbox {sb_id!r} (see `dsec ps`)", {"sandbox": sb_id})
         return matches[0]
 
@@ -235,10 +252,13 @@ class SandboxRegistry:
         if self.by_id.pop(sb_id, None) is not None:
             self._uncount(sb_id)
 
-    def remove(self, sb: Sandbox) -> None:
-        """`sb` is destroyed: its record and its key go too."""
+    def remove(self, sb: Sandbox, reason: str = "request") -> None:
+        """`sb` is destroyed (`reason`: destroy_sandbox's): its record and its key go too."""
         if self.by_id.pop(sb.id, None) is sb:
             self._uncount(sb.id)
+        self.destroyed[sb.id] = (time.monotonic(), reason)
+        while len(self.destroyed) > self.REMEMBER_DESTROYED:
+            self.destroyed.popitem(last=False)
         if sb.key and self.keys.get(sb.key) == sb.id:
             del self.keys[sb.key]
         self.journal.delete(sb.id)

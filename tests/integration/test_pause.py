@@ -115,6 +115,11 @@ def test_ttl_idle_ttl_and_lease_expire(mem):
     kept.destroy()
     time.sleep(3.5)                         # no more renewals: the lease runs out
     assert leased.id not in {s["id"] for s in c.list()}
+    # A request naming one says it was destroyed, and why.
+    for sb, why in ((ttl, "its ttl ran out"), (idle, "it was idle past its idle_ttl"),
+                    (leased, "its lease was not renewed"), (kept, "by a destroy request")):
+        with pytest.raises(NotFound, match=f"no sandbox '{sb.id}': it was destroyed [0-9]+ s ago, {why}"):
+            sb.exec(["true"])
 
 
 class _SlowTar:

@@ -96,3 +96,33 @@ def test_requested_equals_a_scan_after_many_random_changes():
     # The exact sum, rounded once: what a correctly rounded sum of the live ones gives.
     assert got.cpu == math.fsum(s.limits["cpu"] for s in reg.by_id.values() if s.state != "dead")
     assert reg.live_count() == want.sandboxes
+
+
+@pytest.mark.parametrize("reason, says", [
+    ("ttl", "its ttl ran out"), ("idle_ttl", "it was idle past its idle_ttl"),
+    ("lease", "its lease was not renewed"), ("request", "by a destroy request"),
+    ("job", "by a job rm"), ("all", "by a destroy of all sandboxes"), ("pool", "by its warm pool")])
+def test_a_request_on_a_destroyed_sandbox_says_it_was_destroyed_and_why(reason, says):
+    """A scaffold whose sandbox a TTL took away is told so, not only that
+    there is no such sandbox."""
+    from dsecd.errors import NotFound
+
+    reg = SandboxRegistry(Journal())
+    a = _sb(1, 0.1, GiB)
+    reg.add(a)
+    reg.remove(a, reason)
+    with pytest.raises(NotFound, match=f"no sandbox '{a.id}': it was destroyed .* ago, {says}") as info:
+        reg.named(a.id)
+    assert info.value.detail == {"sandbox": a.id, "destroyed": reason}
+    with pytest.raises(NotFound, match=r"no sandbox 'ffffffffffff' \(see `dsec ps`\)$"):
+        reg.named("ffffffffffff")
+
+
+def test_destroyed_sandboxes_are_remembered_up_to_a_bound():
+    reg = SandboxRegistry(Journal())
+    for i in range(reg.REMEMBER_DESTROYED + 10):
+        sb = _sb(i, 0.1, GiB)
+        reg.add(sb)
+        reg.remove(sb, "request")
+    assert len(reg.destroyed) == reg.REMEMBER_DESTROYED
+    assert f"{0:012x}" not in reg.destroyed and f"{reg.REMEMBER_DESTROYED + 9:012x}" in reg.destroyed
