@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from . import framing, imageconfig, localcopy, protocol, remote
 from .config import parse_duration
-from .errors import BadRequest, ConnectionLost, DsecError, LimitExceeded, NotFound
+from .errors import BadRequest, Conflict, ConnectionLost, DsecError, LimitExceeded, NotFound
 
 DEFAULT_SOCKET = "/run/dsecd/dsecd.sock"
 DEFAULT_CHUNK = 4 << 20
@@ -42,6 +42,8 @@ DEFAULT_CHUNK = 4 << 20
 # 249-463 MiB/s one at a time, 337-558 two, 326-416 three; read as frame
 # tails: 406-438 one at a time, 446-463 two).
 PIPELINE = 2
+# How many times read_file reads a file again that was replaced while it read it.
+READ_AGAIN = 3
 # A server frame may exceed max_frame_bytes by its envelope (id, field names).
 FRAME_SLACK = 4096
 # Big-frame buffers a connection keeps for reuse (framing.FrameProtocol).
@@ -1598,18 +1600,34 @@ class Sandbox:
     async def read_file(self, path: str) -> bytes:
         """The whole file: chunks read at their offsets, PIPELINE requests at
         once, until one comes back short (the end of the file); as frame
-        tails (views of the frames) where the daemon sends them, joined once."""
+        tails (views of the frames) where the daemon sends them, joined once.
+        Each chunk's request opens the file again: one replaced meanwhile
+        (an atomic write, a `mv` over it) is read again from the start, up
+        to READ_AGAIN times, so the bytes are never part old, part new."""
+        again = 0
+        while True:
+            try:
+                return await self._read_file(path)
+            except Conflict as err:
+                again += 1
+                if not err.detail.get("replaced") or again > READ_AGAIN:
+                    raise
+
+    async def _read_file(self, path: str) -> bytes:
         chunk = self.client.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
         tail = {"tail": True} if self.client._tails else {}
 
-        async def read_at(offset: int):
-            r = await self.client.request("file_read", sandbox=self.id, path=path, offset=offset, length=chunk,
-                                          **tail)
-            return r["data"]
+        async def read_at(offset: int, **same_as) -> dict:
+            return await self.client.request("file_read", sandbox=self.id, path=path, offset=offset, length=chunk,
+                                             **tail, **same_as)
 
-        first = await read_at(0)
+        r = await read_at(0)
+        first = r["data"]
         if len(first) < chunk:
             return bytes(first)
+        # The file the first chunk came from (a container's daemon says): the
+        # others must come from it too, or the daemon answers conflict.
+        same_as = {"same_as": r["file"]} if "file" in r else {}
         parts = {0: first}
         cursor = {"next": chunk, "short": False}
 
@@ -1617,7 +1635,11 @@ class Sandbox:
             while not cursor["short"]:
                 offset = cursor["next"]
                 cursor["next"] += chunk
-                parts[offset] = await read_at(offset)
+                try:
+                    parts[offset] = (await read_at(offset, **same_as))["data"]
+                except BaseException:
+                    cursor["short"] = True          # the other readers stop too
+                    raise
                 cursor["short"] = cursor["short"] or len(parts[offset]) < chunk
 
         await asyncio.gather(*(reader() for _ in range(PIPELINE)))

@@ -462,6 +462,7 @@ class FileRead:
     offset: int = 0
     length: int | None = None
     tail: bool = False              # the answer's data may come as the frame's tail (TAILED)
+    same_as: str | None = None      # the `file` of an earlier chunk's answer: conflict if it was replaced
 
 
 @request("file_write", states=ACTIVE)

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from .. import protocol, userns
-from ..errors import BadRequest, DsecError, LimitExceeded, io_error
+from ..errors import BadRequest, Conflict, DsecError, LimitExceeded, io_error
 from ..fs import copytemps
 from ..fs import files as sbfiles
 from ..fs.copytemps import CopyTemps
@@ -89,6 +89,9 @@ class FileService:
         if req.length is None:        # a VM's agent is sent the length: the default's, given
             req = dataclasses.replace(req, length=length)
         out = await self._file_op(req, "read", sbfiles.read_file, req.path, req.offset, length)
+        if req.same_as is not None and out.get("file", req.same_as) != req.same_as:
+            raise Conflict(f"read {req.sandbox}:{req.path}: the file was replaced since the chunk before was "
+                           "read; read it again from the start", {"path": req.path, "replaced": True})
         if req.tail:
             out["data"] = protocol.AsTail(out["data"])
         return out

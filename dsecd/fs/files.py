@@ -106,7 +106,8 @@ def read_file(rootfd: int, path: str, offset: int, length: int) -> dict:
     try:
         st = _require_regular(fd, path)
         data = os.pread(fd, length, offset) if length else b""
-        return {"data": data, "size": st.st_size, "eof": offset + len(data) >= st.st_size}
+        return {"data": data, "size": st.st_size, "eof": offset + len(data) >= st.st_size,
+                "file": f"{st.st_dev}:{st.st_ino}"}
     finally:
         os.close(fd)
 

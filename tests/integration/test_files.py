@@ -119,3 +119,34 @@ def test_a_cancelled_write_leaves_no_temporary_file(daemon):
                 return [e["name"] for e in await sb.list_files("/work")]
 
     assert asyncio.run(go()) in ([], ["out.bin"])
+
+
+def test_a_read_is_never_torn_by_a_file_replaced_meanwhile(daemon):
+    """read_file reads a large file in chunks, each request opening it
+    again: a file replaced meanwhile (an atomic write_file, an editor's or
+    a `mv`) must come back whole, old or new, never the start of one and
+    the rest of the other."""
+    a, b = b"a" * (20 << 20), b"b" * (12 << 20)
+
+    async def go() -> list[bytes]:
+        async with dsecd.Client(daemon.socket) as c:
+            async with c.sandbox(image="busybox", memory="1G") as sb:
+                await sb.write_file("/work/f", a)
+                writes = 0
+
+                async def replace() -> None:
+                    nonlocal writes
+                    while True:
+                        await sb.write_file("/work/f", b if writes % 2 else a)
+                        writes += 1
+
+                writer = asyncio.create_task(replace())
+                try:
+                    return [await sb.read_file("/work/f") for _ in range(20)]
+                finally:
+                    writer.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await writer
+
+    torn = [i for i, data in enumerate(asyncio.run(go())) if data not in (a, b)]
+    assert torn == []

@@ -162,6 +162,47 @@ def test_atomic_write_errors_name_the_callers_path_not_the_temporary_file():
     assert info.value.detail == {"errno": "EDQUOT", "path": "/work/f"} and info.value.code == "limit"
 
 
+def test_read_file_reads_a_file_replaced_meanwhile_again_from_the_start():
+    """Its chunks name the file the first came from; a conflict saying it
+    was replaced starts the read over, READ_AGAIN times at most."""
+    import asyncio
+
+    from dsecd.client import READ_AGAIN
+    from dsecd.errors import Conflict
+
+    chunk = 1 << 20
+    versions = [b"a" * (3 * chunk), b"b" * (2 * chunk + 5)]
+    state = {"now": 0, "replace_after": 1}
+
+    def answer(op, args):
+        assert op == "file_read"
+        if args["offset"] > 0 and state["replace_after"]:          # replaced after the first chunk
+            state["replace_after"] -= 1
+            state["now"] = 1
+        ident = f"1:{state['now']}"
+        if args.get("same_as", ident) != ident:
+            raise Conflict("read sb-1:/f: the file was replaced", {"path": "/f", "replaced": True})
+        data = versions[state["now"]]
+        return {"data": data[args["offset"]:args["offset"] + args["length"]], "size": len(data), "file": ident}
+
+    sb = _sandbox(answer)
+    sb.client._tails = False
+    assert asyncio.run(sb.read_file("/f")) == versions[1]
+    asked = [(a["offset"] // chunk, a.get("same_as")) for _, a in sb.client.requests]
+    assert asked[:3] == [(0, None), (1, "1:0"), (0, None)] and (1, "1:1") in asked     # refused, then again
+
+    def always_replaced(op, args):
+        if "same_as" in args:
+            raise Conflict("read sb-1:/f: the file was replaced", {"path": "/f", "replaced": True})
+        return {"data": b"x" * chunk, "size": 2 * chunk, "file": "1:1"}
+
+    sb = _sandbox(always_replaced)
+    sb.client._tails = False
+    with pytest.raises(Conflict, match="replaced"):
+        asyncio.run(sb.read_file("/f"))
+    assert sum(1 for _, a in sb.client.requests if a["offset"] == 0) == READ_AGAIN + 1
+
+
 def test_a_dockerfile_that_cannot_be_read_says_which_and_why(tmp_path, monkeypatch):
     """build_dockerfile reads the Dockerfile on the client's side: a missing,
     binary or directory one is an error that names it, not a bare strerror
