@@ -504,7 +504,8 @@ class ExecService:
         if io is None:
             raise NotFound(f"no running exec with id {req.exec_id} on this connection")
         if not io.takes_stdin:
-            raise Conflict(f"exec {req.exec_id} was started without stdin")
+            raise Conflict(f"exec {req.exec_id} was started without stdin; to write to it, start it with stdin "
+                           "(SDK: exec_stream(..., stdin=...) or pty=True; CLI: dsec exec -i)")
         await io.feed_stdin(req.data, req.eof)
         return {}
 

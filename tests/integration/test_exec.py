@@ -39,6 +39,19 @@ def test_stdin_is_passed(sandbox):
     assert r.stdout == b"data\n" * 1000
 
 
+def test_input_to_an_exec_started_without_stdin_says_how_to_give_it(sandbox):
+    stream = sandbox.exec_stream(["sleep", "1"])
+    chunks = threading.Thread(target=lambda: list(stream))
+    chunks.start()
+    try:
+        time.sleep(0.3)
+        with pytest.raises(Conflict, match=r"was started without stdin; to write to it, start it with stdin "
+                                           r"\(SDK: exec_stream\(\.\.\., stdin=\.\.\.\) or pty=True"):
+            stream.write(b"x")
+    finally:
+        chunks.join()
+
+
 def test_env_cwd_user(sandbox):
     r = sandbox.exec(["sh", "-c", "echo $FOO; pwd; id -u"], env={"FOO": "bar"}, cwd="/tmp", user=65534)
     assert r.stdout.split() == [b"bar", b"/tmp", b"65534"]
