@@ -2098,7 +2098,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the command on a terminal (with -i: ours, in raw mode, is its keyboard)")
     run.add_argument("-d", "--detach", action="store_true",
                      help="start the command in the background and print the sandbox's id; the sandbox stays "
-                     "until dsec rm (bound it with --ttl, --idle-ttl); dsec logs, attach, wait take the command")
+                     "until dsec rm (bound it with --ttl; --idle-ttl counts requests, not the command running); "
+                     "dsec logs, attach, wait take the command")
     run.add_argument("--rm", action=argparse.BooleanOptionalAction, default=None,
                      help="remove the sandbox when the command ends (default without -d; --no-rm keeps it)")
     run.add_argument("--entrypoint", metavar="PROGRAM", help="run this instead of the image's Entrypoint "

@@ -967,7 +967,9 @@ class Client:
         """`docker run -d`: a sandbox of `image` (create's arguments) with
         run_stream's command started in it in the background; returns that
         Process (its `.sb` is the sandbox, which stays until destroyed:
-        bound it with ttl= or idle_ttl=). Nothing is left if it fails."""
+        bound it with ttl= or lease=; idle_ttl= counts requests on the
+        sandbox, not its command running, so it ends a quiet server
+        too). Nothing is left if it fails."""
         return await run_detached(self, image, args, entrypoint, **create_args)
 
     def sandbox(self, image: str, **create_args) -> _SandboxContext:
