@@ -102,7 +102,7 @@ class FileService:
             raise LimitExceeded(f"file_write data of {len(req.data)} bytes exceeds {chunk}; write in chunks "
                                 "with append=true", {"max_file_chunk_bytes": chunk})
         if not 0 <= req.mode <= 0o7777:
-            raise BadRequest(f"mode must be in [0, 0o7777], got {req.mode:o}")
+            raise BadRequest(f"mode must be in [0, 0o7777], got {req.mode:#o}")
         if req.offset is not None and (req.append or req.offset < 0):
             raise BadRequest(f"offset must be >= 0 and not given with append, got offset {req.offset} "
                              f"append {req.append}")
@@ -194,7 +194,7 @@ class FileService:
 
     async def mkdir(self, req, ctx) -> dict:
         if not 0 <= req.mode <= 0o7777:
-            raise BadRequest(f"mode must be in [0, 0o7777], got {req.mode:o}")
+            raise BadRequest(f"mode must be in [0, 0o7777], got {req.mode:#o}")
         return await self._file_op(req, "mkdir", sbfiles.make_dir, req.path, req.parents, req.mode)
 
     async def remove(self, req, ctx) -> dict:

@@ -59,6 +59,14 @@ def test_dotdot_in_path_is_refused(sandbox):
         sandbox.read_file("etc/passwd")
 
 
+def test_a_mode_out_of_range_is_shown_in_octal(sandbox):
+    """0o17777 given, "got 17777" said: a reader takes that for decimal."""
+    with pytest.raises(BadRequest, match=r"mode must be in \[0, 0o7777\], got 0o17777$"):
+        sandbox.write_file("/work/m", b"x", mode=0o17777)
+    with pytest.raises(BadRequest, match=r"got 0o10000$"):
+        sandbox.mkdir("/work/d", mode=0o10000)
+
+
 def test_absolute_symlink_stays_inside(sandbox, tmp_path):
     host_secret = tmp_path / "secret"
     host_secret.write_text("host data")
