@@ -62,6 +62,10 @@ SHORT_SLOTS = 32
 # command runs, so a client that dies without removing it (SIGKILL, a lost
 # host) leaves it to the daemon, which destroys it this long after.
 RUN_LEASE_S = 60.0
+# A request the daemon refused for its in-flight limit is sent again after
+# this long, doubled at each refusal up to the max.
+REFUSED_AGAIN_S = 0.005
+REFUSED_AGAIN_MAX_S = 0.2
 # A create abandoned after it was sent (cancelled, timed out): how long the
 # caller's cancel waits for the daemon's answer and, if the sandbox was made
 # all the same, for its destroy (one or two round trips, normally).
@@ -254,6 +258,12 @@ class CallResult(ExecResult):
 def _follows(op: str, args: dict) -> bool:
     """A request that lasts until what it follows ends (SHORT_SLOTS)."""
     return op == "file_watch" or (op in ("events", "proc_logs") and args.get("follow", True) is not False)
+
+
+def _refused_in_flight(error: dict) -> bool:
+    """Whether an error answer is the daemon's refusal of a request over its
+    in-flight limit, which it gives before the request runs."""
+    return error.get("code") == "limit" and "in_flight" in (error.get("detail") or {})
 
 
 class _Budget:
@@ -718,23 +728,40 @@ class Client:
         pending = conn.pending[rid] = _Pending()
         finished = False
         on_wire = False
-        try:
+
+        async def send() -> None:
             try:
-                # Once _send starts, the frame is in the transport's buffer (only
-                # its drain awaits): a cancel from here on finds it sent.
-                on_wire = True
                 await self._send(conn, rid, op, args)
             except ConnectionError as err:
                 await self._reason(conn)
                 raise self._lost_error(conn.lost or err, op, sent=True) from None
+
+        try:
+            # Once _send starts, the frame is in the transport's buffer (only
+            # its drain awaits): a cancel from here on finds it sent.
+            on_wire = True
+            await send()
             if sent is not None:
                 sent.set()
+            again = REFUSED_AGAIN_S
             while True:
                 frame = await pending.queue.get()
                 if "__lost__" in frame:
                     raise self._lost_error(frame["__lost__"], op, sent=True)
                 if "stream" in frame:
                     yield frame["stream"]
+                    continue
+                if "error" in frame and sent is None and _refused_in_flight(frame["error"]):
+                    # Nothing ran: the daemon still counted answers this
+                    # client has read (they were draining). Send it again;
+                    # meanwhile it is not in flight, so there is nothing to
+                    # cancel or undo. (Not one that others follow on the
+                    # wire, `sent`: an exec's stdin would find no exec.)
+                    on_wire = False
+                    await asyncio.sleep(again)
+                    again = min(2 * again, REFUSED_AGAIN_MAX_S)
+                    on_wire = True
+                    await send()
                     continue
                 finished = True
                 if "error" in frame:
@@ -749,7 +776,7 @@ class Client:
             undo = abandoned and on_wire and op == "create"
             if not undo:
                 conn.pending.pop(rid, None)
-            if abandoned:
+            if abandoned and on_wire:
                 # Abandoned early (break, exception, cancel): tell the daemon to stop it.
                 try:
                     await self._send(conn, next(self._ids), "cancel", {"target": rid})

@@ -354,9 +354,12 @@ class Connection:
             self.send_nowait({"id": rid, "error": BadRequest(f"request id {rid} is already in flight").to_wire()})
             return
         if len(self.tasks) >= self.server.max_requests:
+            # `in_flight`: refused before it ran, so the SDK sends it again.
+            # A request counts until its answer has drained to the socket,
+            # which may be after the client has read it.
             self.send_nowait({"id": rid, "error": LimitExceeded(
                 f"{len(self.tasks)} requests in flight on this connection (max {self.server.max_requests})",
-                {"max": self.server.max_requests}).to_wire()})
+                {"max": self.server.max_requests, "in_flight": len(self.tasks)}).to_wire()})
             return
         task = asyncio.get_running_loop().create_task(self._run(rid, req))
         self.tasks[rid] = task

@@ -6,6 +6,7 @@ counterparts of every Client method (images, events, run_stream, hold, abort).""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -79,6 +80,26 @@ def test_more_requests_than_the_daemon_takes_at_once_queue_in_the_client(daemon,
 
     results = asyncio.run(go())
     assert [r.stdout for r in results] == [f"{i}\n".encode() for i in range(300)]
+
+
+def test_requests_queue_in_the_client_while_large_answers_drain(daemon):
+    """The daemon counts a request in flight until its answer has drained
+    to the socket: with large reads under way, the client's next request
+    may come while answers it has already read still count. It waits its
+    turn instead of failing with `limit`."""
+    async def go():
+        async with dsecd.Client(daemon.socket) as c:
+            async with c.sandbox(image="busybox", memory="1G") as sb:
+                big = os.urandom(12 << 20)
+                await sb.write_file("/work/big", big)
+                results = await asyncio.gather(*(sb.read_file("/work/big") for _ in range(40)),
+                                               *(sb.write_file(f"/work/s/{i}", b"x" * i) for i in range(600)),
+                                               return_exceptions=True)
+                return big, results
+
+    big, results = asyncio.run(go())
+    assert [r for r in results if isinstance(r, BaseException)] == []
+    assert results[:40] == [big] * 40 and results[40:] == list(range(600))
 
 
 def test_following_requests_leave_slots_for_those_that_end_them(daemon):
