@@ -21,6 +21,7 @@ import collections
 import contextlib
 import errno
 import grp
+import io
 import itertools
 import logging
 import os
@@ -1739,9 +1740,16 @@ class Sandbox:
             return await self.upload_tar(spool, remote)
 
     async def upload_tar(self, fileobj, remote: str) -> dict:
-        """Extract an uncompressed tar read from binary file `fileobj` as the
-        new directory `remote` in the sandbox (see upload_dir: the daemon
+        """Extract an uncompressed tar read from binary file `fileobj` (or
+        given as bytes, as docker's put_archive takes it) as the new
+        directory `remote` in the sandbox (see upload_dir: the daemon
         checks every entry; a refused archive leaves nothing)."""
+        if isinstance(fileobj, (bytes, bytearray, memoryview)):
+            fileobj = io.BytesIO(fileobj)
+        elif not callable(getattr(fileobj, "read", None)):
+            raise TypeError("upload_tar: give a binary file object (open(path, 'rb')) or the tar's bytes, got "
+                            f"{type(fileobj).__name__}" + (" (a path: open it; a directory: upload_dir)"
+                                                           if isinstance(fileobj, str) else ""))
         c = self.client
         chunk = c.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
         rid, sent = c.new_id(), asyncio.Event()

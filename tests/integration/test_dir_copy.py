@@ -151,6 +151,18 @@ def test_a_truncated_archive_leaves_nothing(sandbox):
     assert not sandbox.exists("/work/cut") and leftovers(sandbox) == []
 
 
+def test_upload_tar_takes_bytes_and_says_what_else_it_takes(sandbox):
+    """docker's put_archive takes the tar's bytes: so does upload_tar; a
+    path given as a str is a TypeError saying to open it, not an
+    AttributeError from deep inside, and nothing is sent."""
+    assert sandbox.upload_tar(tar_of(OK_FILE).getvalue(), "/work/from-bytes")["count"] >= 1
+    assert sandbox.read_file("/work/from-bytes/" + OK_FILE[0]["name"]) == OK_FILE[1]
+    with pytest.raises(TypeError, match=r"upload_tar: give a binary file object \(open\(path, 'rb'\)\) or "
+                                        r"the tar's bytes, got str"):
+        sandbox.upload_tar("/etc/hostname", "/work/from-str")
+    assert not sandbox.exists("/work/from-str") and leftovers(sandbox) == []
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_entry_and_byte_caps(daemon_factory, busybox_rootfs, tmp_path, backend):
     d = daemon_factory('[limits]\nmax_tar_entries = 5\nmax_tar_bytes = "1K"\n',
