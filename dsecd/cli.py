@@ -631,7 +631,16 @@ async def cmd_call(c: Client, a) -> int:
                      "killed_by": r.killed_by,
                      "truncated": r.truncated, "path": r.path, "run_ms": r.run_ms, "total_ms": r.total_ms,
                      **out.fields()})
+    _say_truncated(r)
     return _exit_status(r, f"dsec: call timed out after {a.timeout}s; its process group was killed")
+
+
+def _say_truncated(r) -> None:
+    """A command's output past the daemon's cap is cut and its pipes closed
+    (it then mostly dies of SIGPIPE): said, or the end looks like its own."""
+    if r.truncated:
+        print("dsec: output truncated at the daemon's limits.max_exec_output_bytes; "
+              "the command's pipes were closed", file=sys.stderr)
 
 
 # Why the daemon says a command was SIGKILLed (ExecResult.killed_by).
@@ -674,9 +683,7 @@ async def cmd_exec(c: Client, a) -> int:
                      "killed_by": r.killed_by,
                      "truncated": r.truncated, "duration_ms": r.duration_ms, "policy": r.policy,
                      "denials": r.denials, **out.fields()})
-    if r.truncated:
-        print("dsec: output truncated at the daemon's limits.max_exec_output_bytes; "
-              "the command's pipes were closed", file=sys.stderr)
+    _say_truncated(r)
     return _exit_status(r, f"dsec: timed out after {a.timeout}s; the command's process group was killed")
 
 
@@ -820,9 +827,7 @@ async def cmd_run(c: Client, a) -> int:
                      "killed_by": r.killed_by,
                      "truncated": r.truncated, "duration_ms": r.duration_ms, "sandbox": run.sandbox.id,
                      **_fleet_host(a, run.sandbox), "argv": run.argv, **out.fields()})
-    if r.truncated:
-        print("dsec: output truncated at the daemon's limits.max_exec_output_bytes; "
-              "the command's pipes were closed", file=sys.stderr)
+    _say_truncated(r)
     return _exit_status(r, f"dsec: timed out after {a.timeout}s; the command's process group was killed")
 
 

@@ -625,3 +625,33 @@ def test_cp_from_stdin_ends_at_sigterm_while_stdin_stays_open(tmp_path):
 def test_a_command_that_cannot_start_exits_127_or_126_as_a_shell_says(cmd, err, status):
     a = argparse.Namespace(cmd=cmd)
     assert cli._failed_status(a, err) == status
+
+
+class _CallClient:
+    """Answers `call` with a set CallResult."""
+
+    def __init__(self, result):
+        self.result = result
+
+    async def call(self, image, **kw):
+        return self.result
+
+
+def _call_result(**kw):
+    from dsecd.client import CallResult
+
+    fields = dict(exit_code=0, signal=None, stdout=b"", stderr=b"", truncated=False, timed_out=False,
+                  cancelled=False, duration_ms=1.0, path="zygote")
+    return CallResult(**{**fields, **kw})
+
+
+def test_call_says_its_output_was_truncated(tmp_path, capfd):
+    """As exec does: the cut output and the SIGPIPE the call then got are the daemon's cap, said so."""
+    code = tmp_path / "c.py"
+    code.write_text("print('x' * (1 << 30))\n")
+    a = cli.parse_args(["call", "--image", "py", "--code-file", str(code)])
+    r = _call_result(exit_code=None, signal=13, stdout=b"x" * 10, truncated=True)
+    assert asyncio.run(cli.cmd_call(_CallClient(r), a)) == 128 + 13
+    out, err = capfd.readouterr()
+    assert out == "x" * 10
+    assert "output truncated at the daemon's limits.max_exec_output_bytes" in err
