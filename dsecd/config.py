@@ -84,8 +84,8 @@ def _overlay(base: dict, extra: dict, where: str = "") -> dict:
 POSITIVE = {
     "admission.max_active_creates", "build.cpu", "cpu.recent_half_life_s", "daemon.worker_threads", "fncall.cpu",
     "fncall.default_timeout_s", "fncall.kill_grace_s", "fncall.max_inflight", "fncall.max_timeout_s", "fncall.pids",
-    "fncall.rlimit_nofile", "fncall.rlimit_nproc", "fncall.tmp_size", "fncall.uid_count", "fncall.zygote_max_calls",
-    "fncall.zygote_start_timeout_s",
+    "fncall.rlimit_as", "fncall.rlimit_fsize", "fncall.rlimit_nofile", "fncall.rlimit_nproc", "fncall.tmp_size",
+    "fncall.uid_count", "fncall.zygote_max_calls", "fncall.zygote_start_timeout_s",
     "images.max_pulls", "images.pull_parallel_layers", "images.pull_timeout_s", "limits.frame_timeout_s",
     "limits.hello_timeout_s", "limits.max_connections", "limits.max_procs_per_sandbox",
     "limits.max_requests_per_client", "limits.max_sandboxes", "limits.max_tar_entries", "limits.max_tar_puts",
@@ -231,6 +231,11 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("fncall.python must name the interpreter of the zygote (\"python3\"); "
                           "fncall.zygote = false turns the zygote off")
     fc, sb = cfg.section("fncall"), cfg.section("sandbox")
+    # A worker sets its rlimits before it receives its call: fds 0-3 (its
+    # link to the zygote on 3) plus the call's stdin, stdout, stderr and code.
+    if fc["rlimit_nofile"] < 8:
+        raise ConfigError(f"fncall.rlimit_nofile must be at least 8, got {fc['rlimit_nofile']}: a call's "
+                          "worker holds 4 fds and receives the call's stdin, stdout, stderr and code as 4 more")
     base = call_uid_base(cfg)
     if sb["userns"] and base + fc["uid_count"] > sb["userns_size"]:
         raise ConfigError(f"fncall.uid_base + fncall.uid_count ({base} + {fc['uid_count']}) must be at "

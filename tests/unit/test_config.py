@@ -145,6 +145,11 @@ def test_with_setting_adds_a_key_once_and_keeps_one_the_text_sets():
                                     "sandbox.userns_size (65536)"),
     # 0 s for the zygote to report a killed call's end: every timeout replaced the zygote.
     ("[fncall]\nkill_grace_s = 0", "'fncall.kill_grace_s' must be above zero, got 0"),
+    # Every call's worker took the limit: each ended with SIGSEGV, 127 or a
+    # MemoryError, with nothing saying why (0 is no "unlimited" here).
+    ('[fncall]\nrlimit_as = "0"', "'fncall.rlimit_as' must be above zero, got '0'"),
+    ("[fncall]\nrlimit_fsize = 0", "'fncall.rlimit_fsize' must be above zero, got 0"),
+    ("[fncall]\nrlimit_nofile = 7", "fncall.rlimit_nofile must be at least 8, got 7"),
     # Read only when the network is built: stopped at start, naming the key.
     ('[net]\ndefault_mode = "bridge"', "net.default_mode must be one of none, default, got 'bridge'"),
     ('[net]\ndns_refuse = "drop"', "net.dns_refuse must be one of refused, nxdomain, got 'drop'"),
