@@ -609,11 +609,24 @@ async def _stdin_chunks():
         yield data
 
 
+def _read_code(path: str) -> str:
+    """A --code-file's text, decoded as python3 decodes a script: by its
+    coding declaration (PEP 263), else as UTF-8, whatever our locale."""
+    import tokenize
+
+    try:
+        with tokenize.open(path) as f:
+            return f.read()
+    except (UnicodeDecodeError, SyntaxError) as err:
+        # SyntaxError: its first two lines (where a declaration goes) did not decode, or name no codec
+        why = (f"not UTF-8 text (byte {err.start}: {err.reason})" if isinstance(err, UnicodeDecodeError)
+               else err.msg.replace(f" for {path!r}", ""))
+        raise BadRequest(f"--code-file {path}: {why}; save it as UTF-8 or declare its encoding "
+                         "(# -*- coding: NAME -*-)", {"code_file": path}) from None
+
+
 async def cmd_call(c: Client, a) -> int:
-    code = None
-    if a.code_file:
-        with open(a.code_file) as f:
-            code = f.read()
+    code = _read_code(a.code_file) if a.code_file else None
     stdin = None
     if a.stdin == "-":
         stdin = sys.stdin.buffer.read()

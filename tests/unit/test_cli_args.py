@@ -655,3 +655,24 @@ def test_call_says_its_output_was_truncated(tmp_path, capfd):
     out, err = capfd.readouterr()
     assert out == "x" * 10
     assert "output truncated at the daemon's limits.max_exec_output_bytes" in err
+
+
+def test_call_reads_its_code_file_as_python_reads_a_script(tmp_path):
+    """By its coding declaration (PEP 263), else UTF-8 whatever the locale;
+    bytes it cannot decode are an error naming the file."""
+    class Recorder(_CallClient):
+        async def call(self, image, **kw):
+            self.code = kw["code"]
+            return self.result
+
+    code = tmp_path / "latin.py"
+    code.write_bytes(b"# -*- coding: latin-1 -*-\nprint('caf\xe9')\n")
+    c = Recorder(_call_result())
+    assert asyncio.run(cli.cmd_call(c, cli.parse_args(["call", "--image", "py", "--code-file", str(code)]))) == 0
+    assert c.code == "# -*- coding: latin-1 -*-\nprint('caf\u00e9')\n"
+    for text, why in ((b"\n\nprint('caf\xe9')\n", r"not UTF-8 text \(byte 12: invalid continuation byte\)"),
+                      (b"print('caf\xe9')\n", "invalid or missing encoding declaration"),
+                      (b"# coding: nosuch\n", "unknown encoding: nosuch")):
+        code.write_bytes(text)
+        with pytest.raises(BadRequest, match=f"--code-file {code}: {why}; save it as UTF-8 or declare"):
+            asyncio.run(cli.cmd_call(c, cli.parse_args(["call", "--image", "py", "--code-file", str(code)])))
