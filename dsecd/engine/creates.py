@@ -470,6 +470,7 @@ class CreateService:
         finally:
             pool.creating -= 1
         pool.created += 1
+        pool.error = None            # what failed before (its image gone, say) no longer does
         if self.pools.get(pool.name) is pool and len(pool.ready) < pool.max and pool.image_changes == image_changes:
             pool.ready.append(result["id"])
         else:

@@ -193,3 +193,30 @@ def test_a_pool_of_a_rebuilt_image_hands_out_the_new_image(daemon, tmp_path):
         c.pool_set("bb-pooled", 0, 0, cpu=0.5, memory="96M")
     finally:
         c.close()
+
+
+def test_a_pool_that_refills_again_shows_no_error(daemon, tmp_path):
+    """The error of a refill that failed (its image gone) stays in `pool ls`
+    only until a refill works again: a pool that is full again is not shown
+    as failing."""
+    def build() -> None:
+        r = daemon.cli("image", "build", str(tmp_path), "--from", "busybox", "--name", "bb-back")
+        assert r.returncode == 0, r.stderr
+
+    c = daemon.client()
+    try:
+        build()
+        name = c.pool_set("bb-back", 1, 1, cpu=0.5, memory="80M")["name"]
+        assert _wait_ready(c, name, 1)["ready"] == 1
+        assert daemon.cli("image", "rm", "bb-back").returncode == 0
+        deadline = time.monotonic() + 20
+        while "no image named 'bb-back'" not in str(pool := c.pool_list()[0]).replace('"', "'"):
+            assert time.monotonic() < deadline, pool
+            time.sleep(0.05)
+        build()
+        pool = _wait_ready(c, name, 1)
+        assert (pool["ready"], pool["error"]) == (1, None), pool
+        assert b"no image" not in daemon.cli("pool", "ls").stdout
+        c.pool_set("bb-back", 0, 0, cpu=0.5, memory="80M")
+    finally:
+        c.close()
