@@ -11,10 +11,11 @@ over as the exec's stdin: there is no path in the sandbox that reaches it.
 Messages are JSON, one per packet.
 
     daemon -> zygote  {"op": "call", "id": N, "argv": [...], "env": {...},
-                       "code": bool, "src": "..." (optional), "cpu_s": S}
-                      + SCM_RIGHTS [stdin, stdout, stderr(, code memfd)]
-                      (the code travels in "src" when the packet stays small,
-                      else in a memfd as the fourth fd)
+                       "code": bool, "src": "..." (with code), "cpu_s": S}
+                      + SCM_RIGHTS [stdin, stdout, stderr]
+                      (a request that would not fit in a small packet is
+                      {"op": "call", "id": N, "in_memfd": true}, the whole
+                      request as above in a memfd passed as a fourth fd)
                       {"op": "kill", "id": N}
                       {"op": "mqueue"} + SCM_RIGHTS [dir] (first, if at all:
                       the call sandbox's message queues, to clean up)
@@ -118,10 +119,10 @@ def worker(link, tmp, uid, rlimits):
         req = json.loads(msg)
         for i in range(3):
             os.dup2(fds[i], i)
-        src = req.get("src")
-        if req.get("code") and src is None:
+        if req.get("in_memfd"):
             with os.fdopen(fds[3], "rb") as f:
-                src = f.read()
+                req = json.loads(f.read())
+        src = req.get("src")
         for fd in fds:
             if fd > 3:
                 try:

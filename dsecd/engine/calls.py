@@ -66,7 +66,7 @@ from .workers import Workers
 log = logging.getLogger(__name__)
 
 PYTHONS = ("python", "python3")
-INLINE_MAX = 48 * 1024     # a call packet up to this size carries its code itself
+INLINE_MAX = 48 * 1024     # a call packet up to this size carries the request itself
 # What a plain call left running is looked for this often, this many times,
 # before its uid goes back (each look kills what it finds).
 LEFTOVER_RECHECK_S = 0.01
@@ -456,9 +456,11 @@ class CallService:
             msg = {"op": "call", "id": call_id, "argv": argv, "code": code is not None,
                    "cpu_s": int(timeout) + 1, "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", **box.env, **env}}
             data = json.dumps({**msg, "src": code} if code is not None else msg).encode()
-            if len(data) > INLINE_MAX:       # the zygote reads packets of at most 64 KiB
-                data = json.dumps(msg).encode()
-                fds.append(_memfd("fncall-code", code.encode(), extra))
+            if len(data) > INLINE_MAX:
+                # The zygote and the worker read packets of at most 64 KiB: a
+                # larger request (its code, argv or env) is read from a memfd.
+                fds.append(_memfd("fncall-call", data, extra))
+                data = json.dumps({"op": "call", "id": call_id, "in_memfd": True}).encode()
             exited = self.workers.loop.create_future()
             zyg.pending[call_id] = exited
             try:

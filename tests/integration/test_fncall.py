@@ -461,6 +461,22 @@ def test_large_code_stdin_and_output_cap(client, py_image):
     assert r.truncated and len(r.stdout) == 8 << 20
 
 
+def test_large_argv_and_env_go_through_the_zygote(client, py_image):
+    """A request past the inline packet size travels in a memfd whatever
+    makes it large: the argv of an argv call, or the env of any call (the
+    zygote reads packets of at most 64 KiB)."""
+    words = [f"{i:04}" + "w" * 996 for i in range(100)]          # 100 KB of argv
+    r = client.call(py_image, argv=["sh", "-c", 'echo "$#" "${100%%w*}"', "sh", *words])
+    assert (r.exit_code, r.stdout, r.path) == (0, b"100 0099\n", "zygote"), r
+    env = {f"K{i}": "v" * 1000 for i in range(100)}
+    r = client.call(py_image, code="import os\nprint(len(os.environ['K99']), len(os.environ))", env=env)
+    assert (r.exit_code, r.stdout[:5]) == (0, b"1000 "), r
+    r = client.call(py_image, argv=["sh", "-c", "echo ${#K5}"], env=env)
+    assert (r.exit_code, r.stdout) == (0, b"1000\n"), r
+    r = client.call(py_image, code="print('the zygote is still there')")
+    assert r.stdout == b"the zygote is still there\n" and client.info()["fncall"]["zygotes_replaced"] == 0
+
+
 def test_timeout_kills_the_call(client, py_image):
     t = time.monotonic()
     r = client.call(py_image, code="import time\nprint('start', flush=True)\ntime.sleep(30)", timeout=0.5)
