@@ -459,8 +459,9 @@ class CreateService:
         try:
             async with self.admission.slot(POOL_JOB):
                 result = await self.create_now(req, None)
-        except Busy:
-            return                   # full: the next round tries again
+        except Busy as err:
+            pool.error = str(err)    # full: the next round tries again; meanwhile `pool ls` says why
+            return
         except DsecError as err:
             pool.failed += 1
             if pool.error != str(err):

@@ -220,3 +220,25 @@ def test_a_pool_that_refills_again_shows_no_error(daemon, tmp_path):
         c.pool_set("bb-back", 0, 0, cpu=0.5, memory="80M")
     finally:
         c.close()
+
+
+def test_a_pool_the_full_host_keeps_short_says_why(daemon_factory, busybox_rootfs):
+    """A refill the host has no room for is tried again (not a failure), but
+    `pool ls` says why the pool stays below its target, until it fills."""
+    d = daemon_factory("[limits]\nmax_sandboxes = 3\n")
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        other = [c.create("busybox", memory="64M") for _ in range(2)]
+        name = c.pool_set("busybox", 2, 2, cpu=0.5, memory="80M")["name"]
+        deadline = time.monotonic() + 20
+        while not ((pool := c.pool_list()[0])["error"] and pool["ready"] == 1):
+            assert time.monotonic() < deadline, pool
+            time.sleep(0.05)
+        assert pool["failed"] == 0 and "host is full" in pool["error"], pool
+        assert b"host is full" in d.cli("pool", "ls").stdout
+        other[0].destroy(force=True)
+        pool = _wait_ready(c, name, 2)
+        assert (pool["ready"], pool["error"]) == (2, None), pool
+    finally:
+        c.close()
