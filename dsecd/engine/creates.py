@@ -150,8 +150,10 @@ def check_hostname(name: str) -> None:
 
 def pool_name(image: str, cpu: float, memory: int) -> str:
     """`image` in its canonical form (ImageStore.key): `python:3.11` and
-    `docker.io/library/python:3.11` are one pool."""
-    return f"{image}@{cpu:g}cpu-{memory >> 20}M"
+    `docker.io/library/python:3.11` are one pool. The shape is exact (memory
+    in bytes when not whole MiB): a create takes from the pool of its name."""
+    mem = f"{memory >> 20}M" if memory % (1 << 20) == 0 else f"{memory}B"
+    return f"{image}@{cpu:.15g}cpu-{mem}"
 
 
 class CreateService:

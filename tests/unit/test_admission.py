@@ -83,3 +83,15 @@ def test_cancelled_waiter_leaves_no_slot_behind():
 
     q = asyncio.run(run())
     assert q.active == 0 and q.queued == 0
+
+
+def test_a_pool_is_named_by_its_exact_shape():
+    """A create takes from the pool of its name: two shapes must never share
+    one, or a create asking for 95M would get a pool's 95.9M sandbox."""
+    from dsecd.engine.creates import pool_name
+
+    assert pool_name("busybox", 1.0, 512 << 20) == "busybox@1cpu-512M"
+    assert pool_name("busybox", 0.5, 64 << 20) == "busybox@0.5cpu-64M"
+    memories = [95 << 20, (95 << 20) + 1, int(95.9 * (1 << 20))]
+    assert len({pool_name("busybox", 1.0, m) for m in memories}) == 3
+    assert pool_name("busybox", 0.3333333, 64 << 20) != pool_name("busybox", 0.333333, 64 << 20)
