@@ -65,7 +65,6 @@ from .workers import Workers
 
 log = logging.getLogger(__name__)
 
-PYTHONS = ("python", "python3")
 INLINE_MAX = 48 * 1024     # a call packet up to this size carries the request itself
 # What a plain call left running is looked for this often, this many times,
 # before its uid goes back (each look kills what it finds).
@@ -160,6 +159,8 @@ class CallService:
         try:
             box = await self._call_box(self.image_service.images.key(req.image))
             zyg = await self._zygote(box)
+            if zyg is None and req.argv is not None:
+                argv, code = list(req.argv), None       # `python3 -c` without a zygote: as any argv
             if zyg is None and code is not None:
                 raise Unsupported(f"image {req.image!r} has no Python zygote ({box.zygote_error}); "
                                   "code calls need python3 in the image (argv calls work)",
@@ -219,7 +220,10 @@ class CallService:
         if not argv or not all(argv) or any("\0" in a for a in argv):
             raise BadRequest("argv must be a non-empty list of non-empty strings without NUL bytes")
         # `python3 -c CODE ARGS...` is a code call: no interpreter start-up.
-        if len(argv) >= 3 and os.path.basename(argv[0]).rstrip("0123456789.") in PYTHONS and argv[1] == "-c":
+        # Only under the name the zygote's interpreter was started by, and in
+        # the image's PATH: another name (python2, a venv's python, a path)
+        # or a PATH of the call's own may find another interpreter.
+        if len(argv) >= 3 and argv[0] == self.fn_cfg["python"] and argv[1] == "-c" and "PATH" not in (req.env or {}):
             return ["-c", *argv[3:]], argv[2]
         return argv, None
 

@@ -76,6 +76,32 @@ def test_python_c_argv_goes_through_the_zygote(client, py_image):
     assert (r.exit_code, r.stdout, r.path) == (3, b"hi\n", "zygote")
 
 
+def test_only_the_zygotes_own_python_c_is_routed_as_code(daemon, client, py_image, tmp_path):
+    """`python3 -c` (fncall.python, as the zygote was started) runs in the
+    zygote; another interpreter's -c (python2, a venv's python, python3 on
+    a PATH of the call's own) runs that interpreter, as in a sandbox."""
+    (tmp_path / "other").write_text("#!/bin/sh\necho \"other got $*\"\n")
+    (tmp_path / "other").chmod(0o755)
+    client.build_dockerfile(str(tmp_path), "py-two", text=f"FROM {py_image}\nCOPY other /usr/local/bin/python2\n"
+                                                          "COPY other /opt/venv/bin/python3\n")
+    for argv, env in ((["python2", "-c", "print 1", "x"], None), (["/opt/venv/bin/python3", "-c", "print 1"], None),
+                      (["python3", "-c", "print 1"], {"PATH": "/opt/venv/bin:/usr/bin:/bin"})):
+        r = client.call("py-two", argv=argv, env=env)
+        assert (r.exit_code, r.stdout) == (0, f"other got {' '.join(argv[1:])}\n".encode()), r
+    r = client.call("py-two", argv=["python3", "-c", "print(3)"])
+    assert (r.exit_code, r.stdout, r.path) == (0, b"3\n", "zygote"), r
+
+
+def test_python_c_argv_runs_where_there_is_no_zygote(daemon_factory):
+    """An argv call is one whatever its command: without a zygote
+    (fncall.zygote = false) `python3 -c` runs as the image's python3."""
+    def check(c, image, path):
+        r = c.call(image, argv=["python3", "-c", "import sys; print(sys.argv)", "x"])
+        assert (r.exit_code, r.stdout, r.path) == (0, b"['-c', 'x']\n", path), r
+
+    with_plain_calls(daemon_factory, check)
+
+
 @pytest.mark.parametrize("path", ["zygote", "exec"])
 def test_an_argv_that_cannot_run_exits_as_a_shell_says(client, py_image, path):
     """As sh says it: 127 and `not found` for a command in no PATH dir, 126
