@@ -455,7 +455,8 @@ class CreateService:
         self.workers.loop.call_soon_threadsafe(drop_stale)
 
     async def _refill_one(self, pool: Pool) -> None:
-        req = protocol.Create(image=pool.image, cpu=pool.cpu, memory=pool.memory,
+        # Containers whatever sandbox.backend says: only a container create takes from a pool.
+        req = protocol.Create(image=pool.image, cpu=pool.cpu, memory=pool.memory, backend="container",
                               labels={POOL_LABEL: pool.name})
         image_changes = pool.image_changes
         try:

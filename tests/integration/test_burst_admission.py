@@ -242,3 +242,23 @@ def test_a_pool_the_full_host_keeps_short_says_why(daemon_factory, busybox_rootf
         assert (pool["ready"], pool["error"]) == (2, None), pool
     finally:
         c.close()
+
+
+def test_a_pool_holds_container_sandboxes_whatever_the_default_backend(daemon_factory, busybox_rootfs):
+    """Pools are of container sandboxes (a create takes from one only when it
+    asks for a container): with sandbox.backend = "microvm" their refills
+    must not make VMs, which no create would take, or which a container
+    create would be handed."""
+    d = daemon_factory('backend = "microvm"\n')
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        name = c.pool_set("busybox", 1, 1, cpu=0.5, memory="80M")["name"]
+        assert _wait_ready(c, name, 1, timeout=60)["ready"] == 1
+        assert [s["backend"] for s in c.list({"dsec.pool": name})] == ["container"]
+        sb = c.create("busybox", cpu=0.5, memory="80M", backend="container")
+        assert sb.info.get("pool") == name and sb.info["backend"] == "container"
+        sb.destroy(force=True)
+        c.pool_set("busybox", 0, 0, cpu=0.5, memory="80M")
+    finally:
+        c.close()
