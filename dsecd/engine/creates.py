@@ -90,11 +90,12 @@ class Pool:
     created: int = 0
     failed: int = 0
     error: str | None = None
-    takes: deque = field(default_factory=lambda: deque(maxlen=4096))   # monotonic times of takes
+    # Monotonic times of the matching creates (its demand), taken from it or not.
+    takes: deque = field(default_factory=lambda: deque(maxlen=4096))
     image_changes: int = 0       # how often its image name was rebuilt or removed (this daemon)
 
     def target(self, window: float) -> int:
-        """min, plus what was taken in the last `window` seconds (demand), up to max."""
+        """min, plus the matching creates of the last `window` seconds (demand), up to max."""
         now = time.monotonic()
         while self.takes and now - self.takes[0] > window:
             self.takes.popleft()
@@ -356,6 +357,8 @@ class CreateService:
             pool.taken += 1
             pool.takes.append(time.monotonic())
             return {**sb.public(), "pool": pool.name}
+        # None ready: demand all the same, or a pool with min 0 would never fill.
+        pool.takes.append(time.monotonic())
         return None
 
     def _return_to_pool(self, pool: Pool, sb) -> None:

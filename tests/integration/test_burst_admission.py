@@ -262,3 +262,23 @@ def test_a_pool_holds_container_sandboxes_whatever_the_default_backend(daemon_fa
         c.pool_set("busybox", 0, 0, cpu=0.5, memory="80M")
     finally:
         c.close()
+
+
+def test_creates_that_find_a_pool_empty_count_as_its_demand(daemon):
+    """A pool's target is min plus its recent demand: the matching creates,
+    served from it or not. Counting only those it served, a pool with min 0
+    never filled however many creates asked for its shape."""
+    c = daemon.client()
+    try:
+        name = c.pool_set("busybox", 0, 2, cpu=0.5, memory="72M")["name"]
+        missed = [c.create("busybox", cpu=0.5, memory="72M") for _ in range(2)]
+        assert all("pool" not in sb.info for sb in missed)
+        pool = _wait_ready(c, name, 2)
+        assert (pool["ready"], pool["target"], pool["taken"]) == (2, 2, 0), pool
+        sb = c.create("busybox", cpu=0.5, memory="72M")
+        assert sb.info.get("pool") == name
+        for s in (*missed, sb):
+            s.destroy(force=True)
+        c.pool_set("busybox", 0, 0, cpu=0.5, memory="72M")
+    finally:
+        c.close()
