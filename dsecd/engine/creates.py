@@ -207,7 +207,11 @@ class CreateService:
         except ValueError as err:
             log.error("ignoring unreadable %s: %s", self._pools_path, err)
             saved = {}
-        for name, conf in saved.items():
+        for conf in saved.values():
+            # Named as its shape is named now (an older daemon cut memory to
+            # whole MiB): creates find a pool by that name. Ready sandboxes
+            # labelled with another name go below, and are made again.
+            name = pool_name(self.image_service.images.key(conf["image"]), conf["cpu"], conf["memory"])
             self.pools[name] = Pool(name=name, **conf)
         now_named: dict[str, str | None] = {}       # pool name -> the manifest its image names now
         for sb in sorted(self.registry.by_id.values(), key=lambda s: s.created):

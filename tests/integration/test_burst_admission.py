@@ -282,3 +282,29 @@ def test_creates_that_find_a_pool_empty_count_as_its_demand(daemon):
         c.pool_set("busybox", 0, 0, cpu=0.5, memory="72M")
     finally:
         c.close()
+
+
+def test_a_saved_pool_is_found_by_the_name_its_shape_has_now(daemon_factory, busybox_rootfs):
+    """pools.json keys pools by name; one saved under an older name for its
+    shape (memory cut to whole MiB) is renamed at start, or no create of that
+    shape would ever find it."""
+    import json
+
+    d = daemon_factory()
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        name = c.pool_set("busybox", 1, 1, cpu=0.5, memory=100000001)["name"]
+        assert name == "busybox@0.5cpu-100000001B"
+        c.close()
+        d.stop()
+        saved = d.state / "pools.json"
+        saved.write_text(json.dumps({"busybox@0.5cpu-95M": json.loads(saved.read_text())[name]}))
+        d.start()
+        c = d.client()
+        assert [p["name"] for p in c.pool_list()] == [name]
+        assert _wait_ready(c, name, 1)["ready"] == 1
+        sb = c.create("busybox", cpu=0.5, memory=100000001)
+        assert sb.info.get("pool") == name
+    finally:
+        c.close()
