@@ -597,6 +597,8 @@ class Collector:
         if self.exit is None or self.reads or self.done.done():
             return
         code, sig = _decode_status(self.exit["status"])
+        # An exit of its own came before the timeout's kill took: it ran to its end.
+        self.timed_out = self.timed_out and sig is not None
         result = {"exit_code": code, "signal": sig, "timed_out": self.timed_out, "truncated": self.truncated,
                   "cancelled": False, "duration_ms": round((time.monotonic() - self.started) * 1000, 3),
                   "stdout": b"".join(self.out[1]), "stderr": b"".join(self.out[2])}

@@ -80,6 +80,25 @@ def test_timeout_asks_for_a_kill_and_a_silent_zygote_is_an_error():
     assert kills == [1] and timed_out
 
 
+@pytest.mark.parametrize("status, timed_out", [(0, False), (3 << 8, False), (signal.SIGKILL, True)])
+def test_a_run_that_ended_before_its_timeouts_kill_did_not_time_out(status, timed_out):
+    """The timeout's kill crossed the end: a run that exited by itself (its
+    own status, not the kill's SIGKILL) says so, not both exit 0 and
+    timed_out."""
+    async def go():
+        run = _run()
+        run.close_child_ends()
+        exited = asyncio.get_running_loop().create_future()
+        run.start(exited, lambda: exited.set_result({"status": status}), 0.05)
+        result = await asyncio.wait_for(run.done, 2)
+        run.close()
+        return result
+
+    r = asyncio.run(go())
+    assert r["timed_out"] is timed_out and (r["exit_code"], r["signal"]) == (
+        (None, signal.SIGKILL) if status == signal.SIGKILL else (status >> 8, None))
+
+
 def test_a_background_holder_of_the_pipes_does_not_hold_the_answer():
     """The exit is reported while something still holds stdout open: the
     result comes drain_grace later with what was read so far."""
