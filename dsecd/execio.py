@@ -153,6 +153,8 @@ class ExecIO:
                 self.reaped = watch.abandon()
             self.close()
         code, sig = _decode_status(status)
+        # An exit of its own came before the timeout's kill took: it ran to its end.
+        self.timed_out = self.timed_out and sig is not None
         return {"exit_code": code, "signal": sig, "timed_out": self.timed_out,
                 "truncated": self.truncated, "cancelled": self.cancelled,
                 "duration_ms": round((time.monotonic() - started) * 1000, 3)}

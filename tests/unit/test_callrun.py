@@ -155,3 +155,33 @@ def test_an_exec_child_collected_through_its_pidfd():
 
     r = asyncio.run(go())
     assert (r["exit_code"], r["stdout"], r["stderr"]) == (7, b"out", b"") and "path" not in r
+
+
+@pytest.mark.parametrize("status, timed_out", [(0, False), (signal.SIGKILL, True)])
+def test_an_exec_that_ended_before_its_timeouts_kill_did_not_time_out(status, timed_out):
+    """The same crossing for an exec with stdin or streamed output (ExecIO)."""
+    from dsecd.execio import ExecIO
+
+    class Watch:
+        kill_grace = 2.0
+
+        def __init__(self, loop):
+            self.exited = loop.create_future()
+
+        def kill(self):
+            self.exited.set_result({"status": status})
+
+        def stop(self):
+            pass
+
+    async def emit(stream, data):
+        pass
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        io = ExecIO(loop, 1 << 20, emit, False)
+        io.close_child_ends()
+        return await asyncio.wait_for(io.run(Watch(loop), 0.05, 0.1), 2)
+
+    r = asyncio.run(go())
+    assert r["timed_out"] is timed_out, r
