@@ -9,7 +9,7 @@ import asyncio
 import json
 from types import SimpleNamespace
 
-from dsecd.engine.creates import POOL_LABEL, CreateService
+from dsecd.engine.creates import POOL_LABEL, CreateService, pool_name
 from dsecd.engine.sandboxes import Sandbox
 from dsecd.fs.images import ImageError
 
@@ -20,12 +20,13 @@ def _sandbox(sb_id: str, pool: str, manifest: str, created: float) -> Sandbox:
 
 
 def test_ready_sandboxes_of_an_image_that_changed_go(tmp_path):
+    web, gone = pool_name("busybox", 1.0, 1 << 20), pool_name("removed", 1.0, 1 << 20)
     pools = tmp_path / "pools.json"
     pools.write_text(json.dumps({
-        "web": {"image": "busybox", "cpu": 1.0, "memory": 1 << 20, "min": 2, "max": 2},
-        "gone": {"image": "removed", "cpu": 1.0, "memory": 1 << 20, "min": 1, "max": 1}}))
-    sbs = [_sandbox("old", "web", "sha256:before", 1.0), _sandbox("new", "web", "sha256:now", 2.0),
-           _sandbox("orphan", "gone", "sha256:x", 3.0)]
+        web: {"image": "busybox", "cpu": 1.0, "memory": 1 << 20, "min": 2, "max": 2},
+        gone: {"image": "removed", "cpu": 1.0, "memory": 1 << 20, "min": 1, "max": 1}}))
+    sbs = [_sandbox("old", web, "sha256:before", 1.0), _sandbox("new", web, "sha256:now", 2.0),
+           _sandbox("orphan", gone, "sha256:x", 3.0)]
 
     def get(name):
         if name == "removed":
@@ -43,7 +44,7 @@ def test_ready_sandboxes_of_an_image_that_changed_go(tmp_path):
             return fn(*args)
 
         svc.workers = SimpleNamespace(loop=asyncio.get_running_loop(), run=run_now)
-        svc.image_service = SimpleNamespace(images=SimpleNamespace(get=get))
+        svc.image_service = SimpleNamespace(images=SimpleNamespace(get=get, key=lambda name: name))
 
         async def destroy_quiet(sb):
             destroyed.append(sb.id)
@@ -58,6 +59,6 @@ def test_ready_sandboxes_of_an_image_that_changed_go(tmp_path):
         return svc
 
     svc = asyncio.run(run())
-    assert list(svc.pools["web"].ready) == ["new"]
-    assert list(svc.pools["gone"].ready) == []
+    assert list(svc.pools[web].ready) == ["new"]
+    assert list(svc.pools[gone].ready) == []
     assert sorted(destroyed) == ["old", "orphan"]
