@@ -394,6 +394,26 @@ def test_a_daemon_killed_during_a_resume_leaves_one_qemu_and_the_vms_state(vmd):
         c2.close()
 
 
+def test_a_vm_readopted_after_a_kill_pauses_and_resumes_at_once(vmd):
+    """A re-adopted QEMU is not the daemon's child: a pause must wait for it
+    to be gone before a resume starts the next QEMU in its dir, or the
+    resume's monitor connection reaches the dying one's socket and is reset."""
+    d, c = vmd
+    sb = _vm(c)
+    sb.write_file("/work/kept", b"before the kill")
+    c.close()
+    d.stop(signal.SIGKILL)
+    d.start()
+    c2 = d.client()
+    try:
+        again = c2.get(sb.id)
+        assert again.pause()["state"] == "paused"
+        assert again.exec(["cat", "/work/kept"], timeout=60).stdout == b"before the kill"
+        again.destroy(force=True)
+    finally:
+        c2.close()
+
+
 def _quietly(fn):
     try:
         fn()

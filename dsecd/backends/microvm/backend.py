@@ -36,6 +36,7 @@ import errno
 import logging
 import math
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -535,6 +536,12 @@ class MicroVMBackend:
             pass
         if h.popen is not None:
             h.popen.wait(self.destroy_timeout)
+        elif h.pidfd >= 0 and not _exited(h.pidfd, self.destroy_timeout):
+            # A re-adopted QEMU is not our child: its pidfd says when it is
+            # gone. A resume must not start the next QEMU in the same dir
+            # while this one still holds its sockets (the new monitor's
+            # connect would reach the dying one's and be reset).
+            log.error("QEMU %d did not exit %.0fs after SIGKILL", h.init_pid, self.destroy_timeout)
         fds.close_quietly(h.pidfd)
         h.pidfd = -1
 
@@ -689,6 +696,14 @@ async def _unless_exits(h: VmHandle, work) -> None:
         await asyncio.gather(task, return_exceptions=True)
         raise VmError(errno.ESRCH, "QEMU exited")
     task.result()
+
+
+def _exited(pidfd: int, timeout: float) -> bool:
+    """Blocking: wait up to `timeout` s for the process of `pidfd` to exit
+    (its pidfd turns readable); whether it did."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(timeout * 1000))
 
 
 def _kill_wait(popen: subprocess.Popen) -> None:
