@@ -263,6 +263,8 @@ class Node:
         # init's pipes for the next daemon; what this one read would be lost.
         self.procs.close()
         self.create_service.close()
+        if self.vms.templates is not None:
+            await self.vms.templates.close()
         await self.call_service.close()      # call sandboxes belong to this daemon: they go
         self.image_service.stop_layer_sweeper()
         self.lifetimes.stop()

@@ -116,6 +116,16 @@ class TemplateService:
     async def gc(self, live_layers: set[str]) -> list[str]:
         return await self.workers.run(self.store.gc, live_layers)
 
+    async def close(self) -> None:
+        """Daemon shutdown: builds under way end now, their QEMU destroyed
+        while the workers still run (a build left to asyncio's last cancel
+        could not clean up: its QEMU, VM dir and cgroups would outlive the
+        daemon until the next one's sweep_builds)."""
+        builds = list(self._building.values())
+        for fut in builds:
+            fut.cancel()
+        await asyncio.gather(*builds, return_exceptions=True)
+
     def sweep_builds(self) -> None:
         """Blocking, at the daemon's start: what a build interrupted by a
         crash left (QEMU in its cgroup, its VM dir), and stale templates."""

@@ -137,3 +137,43 @@ def test_machine_records_and_resumes():
     # A resume loads all the RAM from the pause's image: anonymous memory, same devices.
     assert m.resumed() == Machine(ram="anon", reporting=False)
     assert Machine(ram="legacy").resumed() == Machine(ram="legacy")
+
+
+def test_a_daemon_stop_ends_a_template_build_under_way():
+    """The build's guest does not answer yet when the daemon stops: close()
+    ends it, its QEMU destroyed while the workers still run (after their
+    shutdown the build's cleanup could not run, and its QEMU, VM dir and
+    cgroups would outlive the daemon)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from dsecd.engine.vmtemplates import TemplateService
+    from dsecd.engine.workers import Workers
+
+    destroyed = []
+
+    class Backend:
+        def create(self, name, *args):
+            return SimpleNamespace(vm_dir=None)
+
+        async def connect(self, *args):
+            await asyncio.sleep(3600)          # a guest still booting
+
+        def destroy(self, name, handle):
+            destroyed.append(name)
+
+    async def main():
+        workers = Workers(2)
+        workers.start(asyncio.get_running_loop())
+        service = TemplateService(Backend(), SimpleNamespace(get=lambda key: None), workers, 60.0, 0)
+        limits = SimpleNamespace(memory_bytes=4 * MIB)
+        creating = asyncio.ensure_future(service.get("k" * 64, [], [], limits, 1 << 20))
+        await asyncio.sleep(0.1)
+        creating.cancel()                      # the server's stop cancels the create's request
+        await service.close()
+        workers.shutdown()
+        return creating
+
+    creating = asyncio.run(main())
+    assert creating.cancelled()
+    assert destroyed == [".template-" + "k" * 16]
