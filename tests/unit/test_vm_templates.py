@@ -177,3 +177,38 @@ def test_a_daemon_stop_ends_a_template_build_under_way():
     creating = asyncio.run(main())
     assert creating.cancelled()
     assert destroyed == [".template-" + "k" * 16]
+
+
+def test_a_cancelled_wait_for_the_guest_ends_its_channel_task():
+    """A create or template build cancelled while its guest boots: the task
+    that waits for the monitor and the agent ends with it, instead of failing
+    later on its own ("Task exception was never retrieved" in the log)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from dsecd import native
+    from dsecd.backends.microvm.backend import _unless_exits
+
+    seen = []
+
+    async def channels():
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+
+    async def main():
+        pidfd = native.pidfd_open(os.getpid())        # a QEMU that runs on
+        try:
+            waiting = asyncio.ensure_future(_unless_exits(SimpleNamespace(pidfd=pidfd), channels()))
+            await asyncio.sleep(0.05)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            await asyncio.sleep(0)
+            assert seen == ["cancelled"]
+        finally:
+            os.close(pidfd)
+
+    asyncio.run(main())

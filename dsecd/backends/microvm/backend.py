@@ -689,6 +689,12 @@ async def _unless_exits(h: VmHandle, work) -> None:
     task = asyncio.ensure_future(work)
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        # Cancelled (a create whose client went, a daemon stop): the wait
+        # for the guest ends with us, not later on its own with an error
+        # nobody reads.
+        task.cancel()
+        raise
     finally:
         loop.remove_reader(h.pidfd)
     if not task.done():
