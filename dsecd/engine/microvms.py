@@ -482,6 +482,12 @@ class MicroVMService:
         try:
             await backend.restore(h, image, f"microVM {sb.id}", sb.hostname, sandbox_id=sb.id)
         except OSError as err:
+            # Its new QEMU goes, as a pause ends one: it would hold the dir's
+            # sockets under the QEMU of the next resume, which then never
+            # reaches its agent, and its memory for as long as the VM is paused.
+            await self.workers.run(backend.end_process, h)
+            if networked(sb) and self.net is not None and self.net.net is not None:
+                await self.workers.run(self.net.net.unplug_vm, sb.id)
             raise DsecError(f"resume sandbox {sb.id}: {err}; its saved state stays in {image}", code="io") from err
         # Loaded, and the VM runs: the state file is set aside (".loaded") and
         # goes once the record says running (saved_state_done). A daemon that

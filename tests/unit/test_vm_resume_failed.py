@@ -1,0 +1,52 @@
+"""A microVM resume that fails once its new QEMU runs (the saved state
+loaded, the agent never answering): that QEMU is ended, the VM stays
+paused in its saved state, and a later resume starts one of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from dsecd.backends.microvm.backend import Machine, VmError
+from dsecd.engine.microvms import MicroVMService
+from dsecd.errors import DsecError
+
+
+class _Workers:
+    async def run(self, fn, *args):
+        return fn(*args)
+
+
+class _Backend:
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def respawn(self, h, *args):
+        self.calls.append("respawn")
+        h.pidfd = 99            # its new QEMU
+
+    async def restore(self, h, *args, **kw):
+        self.calls.append("restore")
+        raise VmError(errno.EIO, "microVM v1: the guest agent did not answer within 120s")
+
+    def end_process(self, h):
+        self.calls.append("end_process")
+        h.pidfd = -1
+
+
+def test_a_failed_resume_ends_the_qemu_it_started(tmp_path):
+    backend = _Backend()
+    svc = object.__new__(MicroVMService)
+    svc.backend, svc.workers, svc.store_path = backend, _Workers(), lambda d: Path("/blobs") / d
+    h = SimpleNamespace(machine=Machine(), vm_dir=tmp_path, pidfd=-1)
+    sb = SimpleNamespace(id="v1", handle=h, layers=["sha256:aa"], limits={"cpu": 1.0, "disk": 1 << 20},
+                         idmap=None, hostname="sb-v1", vm={}, net=None)
+    svc.uid_fallback = 1000
+    with pytest.raises(DsecError, match="its saved state stays"):
+        asyncio.run(svc.resume(sb, {"vm_image": str(tmp_path / "paused.ram")}))
+    assert backend.calls == ["respawn", "restore", "end_process"]
+    assert h.pidfd == -1
