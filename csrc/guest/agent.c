@@ -2954,9 +2954,16 @@ static void do_tar(uint32_t id, struct rd *r)
         send_err(id, EINVAL, "malformed tar request");
         return;
     }
-    fd = dup(upperfd);
+    /* A description of its own: a dup() would share the directory position
+     * with upperfd, which the walk leaves at the end, and the next snapshot
+     * would find the layer empty. */
+    fd = openat(upperfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0 || fstat(fd, &st) < 0) {
-        send_err(id, errno, "open the writable layer");
+        int err = errno;
+
+        if (fd >= 0)
+            close(fd);
+        send_err(id, err, "open the writable layer");
         return;
     }
     kill(-1, SIGSTOP); /* every process but PID 1: the tree holds still */

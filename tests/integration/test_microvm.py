@@ -159,6 +159,27 @@ def test_snapshot_of_a_vm_is_an_image_both_backends_run(vm_client):
     vm_client.request("image_rm", name="vm-snap")
 
 
+def test_a_second_snapshot_of_a_vm_has_its_changes(vm_client):
+    """Each snapshot reads the guest's writable layer from its start: the
+    agent's walk opens the layer's directory anew, not a dup of one the
+    previous walk left at its end (which made the second image empty)."""
+    sb = _vm(vm_client)
+    try:
+        sb.exec(["sh", "-c", "echo one > /work/one"])
+        sb.snapshot("vm-snap-1")
+        sb.exec(["sh", "-c", "echo two > /work/two"])
+        sb.snapshot("vm-snap-2")
+        box = vm_client.create("vm-snap-2", memory="64M")
+        try:
+            assert box.exec(["cat", "/work/one", "/work/two"]).stdout == b"one\ntwo\n"
+        finally:
+            box.destroy()
+    finally:
+        sb.destroy()
+        for name in ("vm-snap-1", "vm-snap-2"):
+            vm_client.request("image_rm", name=name)
+
+
 def test_stdin_is_held_back_while_the_process_does_not_read(vm_client, daemon):
     """One chunk of stdin at a time is in the agent (it answers TAKEN once
     the process's pipe has it): a process that does not read holds its
