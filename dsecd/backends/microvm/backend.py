@@ -524,8 +524,9 @@ class MicroVMBackend:
         await h.qmp.command("cont")
         h.agent = await self.connect_agent(h, what, hostname, timeout, sandbox_id)
 
-    def end_process(self, h: VmHandle) -> None:
-        """Blocking: end a VM's QEMU (its state saved), keep its dir and cgroups."""
+    def end_process(self, h: VmHandle) -> bool:
+        """Blocking: end a VM's QEMU (its state saved), keep its dir and
+        cgroups; whether it exited within destroy_timeout_s."""
         for link in (h.agent, h.qmp):
             if link is not None:
                 link.close()
@@ -534,6 +535,7 @@ class MicroVMBackend:
             native.pidfd_send_signal(h.pidfd, signal.SIGKILL)
         except OSError:
             pass
+        exited = True
         if h.popen is not None:
             h.popen.wait(self.destroy_timeout)
         elif h.pidfd >= 0 and not _exited(h.pidfd, self.destroy_timeout):
@@ -542,8 +544,10 @@ class MicroVMBackend:
             # while this one still holds its sockets (the new monitor's
             # connect would reach the dying one's and be reset).
             log.error("QEMU %d did not exit %.0fs after SIGKILL", h.init_pid, self.destroy_timeout)
+            exited = False
         fds.close_quietly(h.pidfd)
         h.pidfd = -1
+        return exited
 
     def respawn(self, h: VmHandle, layers: list[Path], cpu: float, disk: int, uid: int, tap_fd: int = -1) -> None:
         """Blocking: a new QEMU for a paused VM's dir and cgroups, waiting
@@ -637,24 +641,9 @@ class MicroVMBackend:
         the VM stays paused, from its state file), waiting for it to exit
         so that a resume's new QEMU does not run beside it. VmError if it
         does not exit within destroy_timeout_s (a process stuck in D state)."""
-        import select
-
-        for link in (h.agent, h.qmp):
-            if link is not None:
-                link.close()
-        h.agent = h.qmp = None
-        try:
-            native.pidfd_send_signal(h.pidfd, signal.SIGKILL)
-            poller = select.poll()
-            poller.register(h.pidfd, select.POLLIN)
-            if not poller.poll(int(self.destroy_timeout * 1000)):
-                raise VmError(errno.EBUSY, f"QEMU {h.init_pid} did not exit {self.destroy_timeout:.0f}s after "
-                              "SIGKILL")
-        except ProcessLookupError:
-            pass
-        finally:
-            fds.close_quietly(h.pidfd)
-            h.pidfd = -1
+        pid = h.init_pid
+        if not self.end_process(h):
+            raise VmError(errno.EBUSY, f"QEMU {pid} did not exit {self.destroy_timeout:.0f}s after SIGKILL")
 
     def drop_saved_state(self, sb_id: str) -> None:
         """Blocking: the state files of a VM that runs again (its resume is
