@@ -612,11 +612,14 @@ async def _stdin_chunks():
 def _read_code(path: str) -> str:
     """A --code-file's text, decoded as python3 decodes a script: by its
     coding declaration (PEP 263), else as UTF-8, whatever our locale."""
+    import io
     import tokenize
 
+    with open(path, "rb") as f:         # once, not tokenize.open's seek: a pipe or <(...) is read too
+        raw = f.read()
     try:
-        with tokenize.open(path) as f:
-            return f.read()
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(raw).readline)
+        return raw.decode(encoding)
     except (UnicodeDecodeError, SyntaxError) as err:
         # SyntaxError: its first two lines (where a declaration goes) did not decode, or name no codec
         why = (f"not UTF-8 text (byte {err.start}: {err.reason})" if isinstance(err, UnicodeDecodeError)

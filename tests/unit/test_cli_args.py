@@ -676,3 +676,22 @@ def test_call_reads_its_code_file_as_python_reads_a_script(tmp_path):
         code.write_bytes(text)
         with pytest.raises(BadRequest, match=f"--code-file {code}: {why}; save it as UTF-8 or declare"):
             asyncio.run(cli.cmd_call(c, cli.parse_args(["call", "--image", "py", "--code-file", str(code)])))
+
+
+def test_call_reads_a_code_file_that_is_a_pipe(tmp_path):
+    """`--code-file /dev/stdin` (a heredoc) or `<(...)`: read once, not seeked."""
+    class Recorder(_CallClient):
+        async def call(self, image, **kw):
+            self.code = kw["code"]
+            return self.result
+
+    r, w = os.pipe()
+    try:
+        os.write(w, b"# -*- coding: latin-1 -*-\nprint('caf\xe9')\n")
+        os.close(w)
+        c = Recorder(_call_result())
+        args = cli.parse_args(["call", "--image", "py", "--code-file", f"/dev/fd/{r}"])
+        assert asyncio.run(cli.cmd_call(c, args)) == 0
+        assert c.code == "# -*- coding: latin-1 -*-\nprint('caf\u00e9')\n"
+    finally:
+        os.close(r)
