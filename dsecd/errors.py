@@ -180,8 +180,10 @@ def exec_error(err: OSError, prog: str, cwd: str) -> DsecError:
     if err.errno == errno.EACCES and "chdir" in step:
         return DsecError(f"exec: working directory {cwd!r}: permission denied in the sandbox", {"step": step,
                          "cwd": cwd}, code="permission")
-    if err.errno == errno.EACCES:
-        return DsecError(f"exec {prog!r}: permission denied", {"step": step or None, "argv0": prog},
+    if err.errno == errno.EACCES and "exec" in step:
+        return DsecError(f"exec {prog!r}: permission denied", {"step": step, "argv0": prog}, code="permission")
+    if err.errno == errno.EACCES:       # a step of the daemon's own (a cgroup join, a setns): no argv0, no 126
+        return DsecError(f"exec {prog!r}: permission denied at {step or 'its start'}", {"step": step or None},
                          code="permission")
     if err.errno in (errno.ESRCH, errno.EINVAL) and "setns" in step:
         return Conflict("sandbox is exiting; cannot enter it", {"step": step})

@@ -52,3 +52,17 @@ def test_an_exec_denied_names_its_program_and_a_working_directory_denied_names_i
     assert err.code == "permission" and err.detail["argv0"] == "/etc/passwd", err.detail
     err = exec_error(NativeError(errno.EACCES, "chdir: Permission denied", step="chdir"), "ls", "/root")
     assert err.code == "permission" and "argv0" not in err.detail and "'/root'" in err.message, err.message
+
+
+def test_a_denied_step_of_the_daemons_own_is_no_program_denied():
+    """EACCES joining the cgroup or a namespace is dsec's own failure
+    (exit 125), not the program's (126): no argv0."""
+    import argparse
+
+    from dsecd import cli
+    from dsecd.errors import exec_error
+    from dsecd.native import NativeError
+
+    err = exec_error(NativeError(errno.EACCES, "setns: Permission denied", step="setns"), "ls", "/")
+    assert err.code == "permission" and "argv0" not in err.detail and "at setns" in err.message, err.message
+    assert cli._failed_status(argparse.Namespace(cmd="exec"), err) == 125
