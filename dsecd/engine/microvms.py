@@ -641,6 +641,8 @@ class MicroVMService:
             _run_over(sb, link, run)
             ctx.unregister_exec()
         code, sig = _decode_status(status)
+        # An exit of its own came before the timeout's kill took: it ran to its end (as ExecIO.wait).
+        timed_out = timed_out and sig is not None
         result = {"exit_code": code, "signal": sig, "timed_out": timed_out, "truncated": truncated,
                   "cancelled": io.cancelled, "duration_ms": round((time.monotonic() - started) * 1000, 3)}
         if not req.stream:
