@@ -172,9 +172,10 @@ class Listing(list):
 
 
 def _paths(result: dict) -> dict:
-    """A file op's result with the paths it echoes as the caller gave them:
-    one that is not UTF-8 comes as bytes, and is os.fsdecode's str again."""
-    for key in ("path", "src", "dst"):
+    """A file op's result with the paths it echoes as the caller gave them
+    (and a symlink's target): one that is not UTF-8 comes as bytes, and is
+    os.fsdecode's str again."""
+    for key in ("path", "src", "dst", "target"):
         if isinstance(result.get(key), bytes):
             result[key] = os.fsdecode(result[key])
     return result
