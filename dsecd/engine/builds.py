@@ -92,7 +92,7 @@ class BuildService:
     """`image_build_dockerfile`. `destroy(sb, force)` is the lifecycle's."""
 
     def __init__(self, cfg, registry: SandboxRegistry, workers: Workers, images: ImageService,
-                 creates: CreateService, execs: ExecService, destroy: Callable[[Sandbox, bool], Awaitable],
+                 creates: CreateService, execs: ExecService, destroy: Callable[[Sandbox, bool, str], Awaitable],
                  capped_layers: bool):
         self.registry = registry
         self.workers = workers
@@ -113,7 +113,7 @@ class BuildService:
             log.info("removing sandbox %s of build %s, which ended with an earlier daemon",
                      sb.id, sb.labels[BUILD_LABEL])
             try:
-                await self.destroy(sb, True)
+                await self.destroy(sb, True, "build")
             except DsecError as err:
                 log.error("build %s: destroy step sandbox %s: %s", sb.labels[BUILD_LABEL], sb.id, err)
 
@@ -369,7 +369,7 @@ class _Build:
                                   err.code) from err
         finally:
             try:
-                await self.svc.destroy(sb, True)
+                await self.svc.destroy(sb, True, "build")
             except DsecError as err:
                 log.error("build %s: destroy step sandbox %s: %s", self.req.name, sb.id, err)
 

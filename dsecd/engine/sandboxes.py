@@ -132,7 +132,8 @@ class Sandbox:
 # a request that names it later.
 DESTROYED_BECAUSE = {"ttl": "its ttl ran out", "idle_ttl": "it was idle past its idle_ttl",
                      "lease": "its lease was not renewed", "request": "by a destroy request",
-                     "job": "by a job rm", "all": "by a destroy of all sandboxes", "pool": "by its warm pool"}
+                     "job": "by a job rm", "all": "by a destroy of all sandboxes", "pool": "by its warm pool",
+                     "build": "by its image build, whose step it ran"}
 
 
 class SandboxRegistry:
