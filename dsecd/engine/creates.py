@@ -90,6 +90,7 @@ class Pool:
     created: int = 0
     failed: int = 0
     error: str | None = None
+    error_is_busy: bool = False  # `error` says the host was full: gone once the pool no longer waits
     # Monotonic times of the matching creates (its demand), taken from it or not.
     takes: deque = field(default_factory=lambda: deque(maxlen=4096))
     image_changes: int = 0       # how often its image name was rebuilt or removed (this daemon)
@@ -436,6 +437,8 @@ class CreateService:
             budget = min(budget + self.pool_cfg["refill_per_s"] * interval, self.pool_cfg["refill_per_s"])
             for pool in list(self.pools.values()):
                 need = pool.target(self.pool_cfg["demand_window_s"]) - len(pool.ready) - pool.creating
+                if need <= 0 and pool.error_is_busy:      # full or not, it no longer waits for room
+                    pool.error, pool.error_is_busy = None, False
                 while need > 0 and budget >= 1 and self.admission.queued < self.admission.max_queued // 2:
                     need -= 1
                     budget -= 1
@@ -470,18 +473,18 @@ class CreateService:
             async with self.admission.slot(POOL_JOB):
                 result = await self.create_now(req, None)
         except Busy as err:
-            pool.error = str(err)    # full: the next round tries again; meanwhile `pool ls` says why
+            pool.error, pool.error_is_busy = str(err), True   # full: the next round tries again; `pool ls` says why
             return
         except DsecError as err:
             pool.failed += 1
             if pool.error != str(err):
                 log.error("refill pool %s: %s", pool.name, err)
-            pool.error = str(err)
+            pool.error, pool.error_is_busy = str(err), False
             return
         finally:
             pool.creating -= 1
         pool.created += 1
-        pool.error = None            # what failed before (its image gone, say) no longer does
+        pool.error, pool.error_is_busy = None, False      # what failed before (its image gone, say) no longer does
         if self.pools.get(pool.name) is pool and len(pool.ready) < pool.max and pool.image_changes == image_changes:
             pool.ready.append(result["id"])
         else:

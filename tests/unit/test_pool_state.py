@@ -1,7 +1,8 @@
-"""Warm pools after a daemon restart (CreateService.start): the ready
+"""Warm pools' state (CreateService): after a daemon restart the ready
 sandboxes go back to their pool only while its image name still stands for
-the manifest they were made of; the others are destroyed, as a change of
-the image while the daemon ran would have done."""
+the manifest they were made of (the others are destroyed, as a change of
+the image while the daemon ran would have done); the error `pool ls` shows
+says what holds the pool back now, not what once did."""
 
 from __future__ import annotations
 
@@ -62,3 +63,26 @@ def test_ready_sandboxes_of_an_image_that_changed_go(tmp_path):
     assert list(svc.pools[web].ready) == ["new"]
     assert list(svc.pools[gone].ready) == []
     assert sorted(destroyed) == ["old", "orphan"]
+
+
+def test_a_pool_no_longer_short_drops_its_host_full_error():
+    """The host was full when the pool wanted more; then its demand fell
+    so that it holds its target without a refill: `pool ls` no longer says
+    it waits for room."""
+    from dsecd.engine.creates import Pool
+
+    pool = Pool(name="p", image="busybox", cpu=1.0, memory=1 << 20, min=1, max=4, error="the host is full",
+                error_is_busy=True)
+    pool.ready.append("sb1")
+
+    async def run():
+        svc = object.__new__(CreateService)
+        svc.pools = {"p": pool}
+        svc.pool_cfg = {"refill_interval_s": 0.01, "refill_per_s": 10.0, "demand_window_s": 60.0}
+        svc.admission = SimpleNamespace(queued=0, max_queued=100)
+        loop = asyncio.ensure_future(svc._refill_loop())
+        await asyncio.sleep(0.1)
+        loop.cancel()
+
+    asyncio.run(run())
+    assert (pool.error, pool.error_is_busy) == (None, False)
