@@ -214,6 +214,8 @@ class CreateService:
             # labelled with another name go below, and are made again.
             name = pool_name(self.image_service.images.key(conf["image"]), conf["cpu"], conf["memory"])
             self.pools[name] = Pool(name=name, **conf)
+        if set(saved) != set(self.pools):
+            self._save_pools()      # under the names they go by now
         now_named: dict[str, str | None] = {}       # pool name -> the manifest its image names now
         for sb in sorted(self.registry.by_id.values(), key=lambda s: s.created):
             name = sb.labels.get(POOL_LABEL)

@@ -303,6 +303,7 @@ def test_a_saved_pool_is_found_by_the_name_its_shape_has_now(daemon_factory, bus
         d.start()
         c = d.client()
         assert [p["name"] for p in c.pool_list()] == [name]
+        assert list(json.loads(saved.read_text())) == [name]      # saved as it is named now
         assert _wait_ready(c, name, 1)["ready"] == 1
         sb = c.create("busybox", cpu=0.5, memory=100000001)
         assert sb.info.get("pool") == name
