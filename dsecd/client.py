@@ -1642,7 +1642,10 @@ class Sandbox:
         tails (views of the frames) where the daemon sends them, joined once.
         Each chunk's request opens the file again: one replaced meanwhile
         (an atomic write, a `mv` over it) is read again from the start, up
-        to READ_AGAIN times, so the bytes are never part old, part new."""
+        to READ_AGAIN times, so the bytes are never part old, part new; a
+        file replaced faster than that raises Conflict (detail "replaced").
+        A file changed in place (not replaced) while it is read is not
+        detected: what its writer has not finished may be read."""
         again = 0
         while True:
             try:
