@@ -152,9 +152,7 @@ class ExecIO:
                 # Cancelled (client gone, `cancel`, daemon stopping).
                 self.reaped = watch.abandon()
             self.close()
-        code, sig = _decode_status(status)
-        # An exit of its own came before the timeout's kill took: it ran to its end.
-        self.timed_out = self.timed_out and sig is not None
+        code, sig, self.timed_out = ended(status, self.timed_out)
         return {"exit_code": code, "signal": sig, "timed_out": self.timed_out,
                 "truncated": self.truncated, "cancelled": self.cancelled,
                 "duration_ms": round((time.monotonic() - started) * 1000, 3)}
@@ -408,6 +406,15 @@ def _decode_status(status: int) -> tuple[int | None, int | None]:
     return os.WEXITSTATUS(status), None
 
 
+def ended(status: int, timed_out: bool) -> tuple[int | None, int | None, bool]:
+    """(exit code, signal, timed out) of a run that ended with wait status
+    `status` after its timeout's kill was sent (`timed_out`) or not. An
+    exit of its own that came before the kill took is no timeout: the run
+    went to its end."""
+    code, sig = _decode_status(status)
+    return code, sig, timed_out and sig is not None
+
+
 # How often a run whose sandbox was paused past its timeout looks again
 # whether it has run that long (RunTimer.until_next_look).
 PAUSED_LOOK_S = 0.25
@@ -598,9 +605,7 @@ class Collector:
     def _check(self) -> None:
         if self.exit is None or self.reads or self.done.done():
             return
-        code, sig = _decode_status(self.exit["status"])
-        # An exit of its own came before the timeout's kill took: it ran to its end.
-        self.timed_out = self.timed_out and sig is not None
+        code, sig, self.timed_out = ended(self.exit["status"], self.timed_out)
         result = {"exit_code": code, "signal": sig, "timed_out": self.timed_out, "truncated": self.truncated,
                   "cancelled": False, "duration_ms": round((time.monotonic() - self.started) * 1000, 3),
                   "stdout": b"".join(self.out[1]), "stderr": b"".join(self.out[2])}

@@ -48,7 +48,7 @@ from ..errors import (
     exec_error,
     io_error,
 )
-from ..execio import DEFAULT_WINDOW, RunTimer, _decode_status
+from ..execio import DEFAULT_WINDOW, RunTimer, _decode_status, ended
 from ..fs import files as sbfiles
 from ..fs import uppertar, users
 from ..fs.layers import distinct_layers
@@ -640,9 +640,7 @@ class MicroVMService:
         finally:
             _run_over(sb, link, run)
             ctx.unregister_exec()
-        code, sig = _decode_status(status)
-        # An exit of its own came before the timeout's kill took: it ran to its end (as ExecIO.wait).
-        timed_out = timed_out and sig is not None
+        code, sig, timed_out = ended(status, timed_out)
         result = {"exit_code": code, "signal": sig, "timed_out": timed_out, "truncated": truncated,
                   "cancelled": io.cancelled, "duration_ms": round((time.monotonic() - started) * 1000, 3)}
         if not req.stream:
