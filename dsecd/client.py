@@ -172,10 +172,10 @@ class Listing(list):
 
 
 def _paths(result: dict) -> dict:
-    """A file op's result with the paths it echoes as the caller gave them
-    (and a symlink's target): one that is not UTF-8 comes as bytes, and is
-    os.fsdecode's str again."""
-    for key in ("path", "src", "dst", "target"):
+    """A file op's result (or a listing's entry, a watch event) with the
+    paths and names it holds as os.listdir gives them: one that is not
+    UTF-8 comes from the daemon as bytes, and is os.fsdecode's str again."""
+    for key in ("path", "src", "dst", "target", "name"):
         if isinstance(result.get(key), bytes):
             result[key] = os.fsdecode(result[key])
     return result
@@ -1706,8 +1706,7 @@ class Sandbox:
         entries = Listing(r["entries"])
         entries.truncated = bool(r.get("truncated"))
         for e in entries:
-            if isinstance(e["name"], bytes):        # not UTF-8: the daemon sent its bytes
-                e["name"] = os.fsdecode(e["name"])
+            _paths(e)
         return entries
 
     async def stat(self, path: str, follow: bool = False) -> dict:
@@ -1846,9 +1845,7 @@ class Sandbox:
             async for frame in frames:
                 if "__result__" in frame:
                     return
-                if isinstance(frame.get("path"), bytes):        # not UTF-8: the daemon sent its bytes
-                    frame["path"] = os.fsdecode(frame["path"])
-                yield frame
+                yield _paths(frame)
 
     async def snapshot(self, name: str, exclude: list[str] | None = None,
                        progress: Callable[[dict], None] | None = None) -> dict:

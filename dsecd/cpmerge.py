@@ -70,11 +70,11 @@ async def into_sandbox(sb, landing: str, dst: str) -> int:
     the directories that were merged into, for the caller to remove."""
 
     async def list_dir(path: str) -> dict[str, bool]:
-        r = await sb.client.request("file_list", sandbox=sb.id, path=path)
-        if r.get("truncated"):
+        entries = await sb.list_files(path)
+        if entries.truncated:
             raise OSError(errno.E2BIG, "more names than one listing holds (100,000): copy it to a new "
                                        "directory instead", path)
-        return {os.fsdecode(e["name"]): e["type"] == "dir" for e in r["entries"]}     # bytes: not UTF-8
+        return {e["name"]: e["type"] == "dir" for e in entries}
 
     moves = await plan(list_dir, posixpath.join, landing, dst)
     for i in range(0, len(moves), MOVES_IN_FLIGHT):
