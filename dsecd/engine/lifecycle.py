@@ -195,7 +195,8 @@ class LifecycleService:
         saved = sb.state == "paused" and not (sb.pause_record or {}).get("vm_stopped")
         saved = saved or bool((sb.pause_record or {}).get("vm_image"))
         resumed_unrecorded = False
-        if self.vms.backend is not None and saved:
+        # The backend is there: a start without it stopped before (_check_vms_adoptable).
+        if saved:
             try:
                 handle = await self._resumed_unrecorded(sb)
             except OSError as err:
@@ -205,7 +206,7 @@ class LifecycleService:
             resumed_unrecorded = handle is not None
             if handle is None and await self._adopt_paused_vm(sb):
                 return
-        elif self.vms.backend is not None:
+        else:
             handle = await self.workers.run(self.vms.backend.adopt, sb.id, rec.get("init_pid"),
                                             rec.get("init_start"))
             if handle is None and await self._adopt_paused_vm(sb, unrecorded=True):
@@ -224,7 +225,7 @@ class LifecycleService:
                 if resumed_unrecorded:
                     self.registry.save(sb)      # running, its new QEMU's pid
                 if sb.state == "running":       # a state file of a pause that did not end it is stale
-                    await self.workers.run(self.vms.backend.drop_saved_state, sb.id)
+                    await self.vms.saved_state_done(sb)
         if handle is None:
             log.warning("sandbox %s (microVM) died while the daemon was down", sb.id)
             await self._mark_dead_found(sb, "its VM ended while no daemon ran")
