@@ -612,7 +612,6 @@ async def _stdin_chunks():
 def _read_code(path: str) -> str:
     """A --code-file's text, decoded as python3 decodes a script: by its
     coding declaration (PEP 263), else as UTF-8, whatever our locale."""
-    import io
     import tokenize
 
     with open(path, "rb") as f:         # once, not tokenize.open's seek: a pipe or <(...) is read too
@@ -1447,9 +1446,9 @@ async def _cp_link_out(c: Client, a, sb_id: str, src: str, dst: str) -> bool:
         dst = os.path.join(dst, posixpath.basename(src))
     elif dst.endswith("/"):
         raise UsageError(f"dsec cp: {dst}: no such directory (a destination ending in / must be one)")
-    _link_local(dst, st["target"])         # str, or bytes where it is not UTF-8
+    _link_local(dst, st["target"])         # os.fsdecode's str where it is not UTF-8 (the SDK's stat)
     if a.json:
-        _print_json({"sandbox": sb.id, "path": src, "local": dst, "target": os.fsdecode(st["target"])})
+        _print_json({"sandbox": sb.id, "path": src, "local": dst, "target": st["target"]})
     return True
 
 
@@ -1488,7 +1487,7 @@ async def _cp_link_in(c: Client, a, src: str, sb_id: str, dst: str) -> bool:
     return True
 
 
-def _link_local(dst: str, target: str | bytes) -> None:
+def _link_local(dst: str, target: str) -> None:
     """Symlink `dst` -> `target`, made under a temporary name beside it and
     renamed over what `dst` was (as _write_local does a file)."""
     parent = os.path.dirname(os.path.abspath(dst))
@@ -1620,13 +1619,17 @@ async def cmd_ls(c: Client, a) -> int:
     if a.json:
         _print_json(entries)
         return _listed_whole(a, entries)
-    # A name that is not UTF-8 (its odd bytes held as surrogates) is printed
-    # as its bytes, as ls(1) prints it into a pipe.
-    with contextlib.suppress(AttributeError):
-        sys.stdout.reconfigure(errors="surrogateescape")
+    _names_as_bytes()
     _table([[e["type"], f"{e['mode']:04o}", str(e["size"]), time.strftime("%Y-%m-%d %H:%M", time.localtime(e["mtime"])),
              e["name"]] for e in entries], ["TYPE", "MODE", "SIZE", "MODIFIED", "NAME"])
     return _listed_whole(a, entries)
+
+
+def _names_as_bytes() -> None:
+    """Print a name that is not UTF-8 (its odd bytes held as surrogates,
+    os.fsdecode's) as its bytes, as ls(1) prints it into a pipe."""
+    with contextlib.suppress(AttributeError):       # stdout replaced by something else (a test's)
+        sys.stdout.reconfigure(errors="surrogateescape")
 
 
 def _listed_whole(a, entries) -> int:
@@ -1643,8 +1646,7 @@ async def cmd_watch(c: Client, a) -> int:
     """Print changes under a directory until interrupted, or until it or its sandbox goes."""
     sb_id, path = _remote_path(a.target, "watch")
     sb = await c.get(sb_id)
-    with contextlib.suppress(AttributeError):      # a name that is not UTF-8: its bytes, as `dsec ls` prints them
-        sys.stdout.reconfigure(errors="surrogateescape")
+    _names_as_bytes()
     async for ev in sb.watch(path, recursive=a.recursive):
         if a.json:
             print(json.dumps(ev, sort_keys=True), flush=True)
