@@ -335,6 +335,8 @@ class CreateService:
         self.check_process(req)
         ttl, idle_ttl = self._ttl(req), parse_duration(req.idle_ttl, "idle_ttl")
         lease = parse_duration(req.lease, "lease")
+        # Demand, served from the pool or not: else a pool with min 0 would never fill.
+        pool.takes.append(time.monotonic())
         while pool.ready:
             sb = self.registry.by_id.get(pool.ready.popleft())
             if sb is None or sb.state != "running" or sb.labels.get(POOL_LABEL) != pool.name:
@@ -362,10 +364,7 @@ class CreateService:
                 self.workers.loop.create_task(self._destroy_quiet(sb))
                 raise io_error("write the journal record of", f"sandbox {sb.id}", err) from err
             pool.taken += 1
-            pool.takes.append(time.monotonic())
             return {**sb.public(), "pool": pool.name}
-        # None ready: demand all the same, or a pool with min 0 would never fill.
-        pool.takes.append(time.monotonic())
         return None
 
     def _return_to_pool(self, pool: Pool, sb) -> None:

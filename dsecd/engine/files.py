@@ -198,21 +198,28 @@ class FileService:
         return await self._file_op(req, "mkdir", sbfiles.make_dir, req.path, req.parents, req.mode)
 
     async def remove(self, req, ctx) -> dict:
-        sb_id = self.registry.get(req.sandbox, req).id      # records are keyed by the id, not its prefix
         out = await self._file_op(req, "remove", sbfiles.remove, req.path, req.recursive)
-        self._drop_temp(sb_id, req.path)
+        self._drop_temp(req, req.path)
         return out
 
     async def rename(self, req, ctx) -> dict:
         if req.keep_attrs and not req.overwrite:
             raise BadRequest("keep_attrs applies to a file replaced by the rename: give overwrite too")
-        sb_id = self.registry.get(req.sandbox, req).id
         out = await self._file_op(req, "rename", sbfiles.rename, req.src, req.dst, req.overwrite,
                                   req.keep_attrs)
-        self._drop_temp(sb_id, req.src)
+        self._drop_temp(req, req.src)
         return out
 
-    def _drop_temp(self, sb_id: str, path: str) -> None:
+    def _drop_temp(self, req, path: str) -> None:
+        """A write's temporary `path` renamed or removed by its writer: its
+        record goes. (Records are keyed by the sandbox's id, which a request
+        may give as a prefix: looked up only when there are records.)"""
+        if not self._temp_records:
+            return
+        try:
+            sb_id = self.registry.get(req.sandbox, req).id
+        except DsecError:           # destroyed meanwhile: its records went with it
+            return
         entry = self._temp_records.pop((sb_id, path), None)
         if entry is not None:
             rec, forget = entry
