@@ -373,7 +373,7 @@ class MemoryService:
         stale "paused" after a resume's "running")."""
         # One destroyed meanwhile (a destroy does not wait for a job op) is not
         # written back: a restarted daemon would adopt it as a ghost.
-        self.registry.journal.write_many([(s.id, s.record()) for s in sbs if self.registry.by_id.get(s.id) is s])
+        self.registry.journal.write_many([(s.id, s.record()) for s in sbs if self.registry.listed(s)])
 
     async def job_pause(self, req, ctx) -> dict:
         """Freeze the whole job at once (what the caller waits for), answer, and
@@ -409,7 +409,7 @@ class MemoryService:
             if isinstance(r, BaseException):
                 log.warning("job %s: microVM %s not stopped: %s", req.job, s.id, r)
                 failed_ids.add(s.id)
-        paused = [s for s in everyone if s.id not in failed_ids and self.registry.by_id.get(s.id) is s
+        paused = [s for s in everyone if s.id not in failed_ids and self.registry.listed(s)
                   and s.state == "running"]       # not destroyed or paused alone meanwhile
         for s in paused:
             if _is_vm(s):
@@ -504,7 +504,7 @@ class MemoryService:
         if failed_ids:
             log.warning("job %s: %d sandbox(es) not thawed within %gs, left paused: %s", req.job,
                         len(failed_ids), self.pause_cfg.freeze_timeout_s, sorted(failed_ids)[:8])
-        resumed = [s for s in sbs if s.id not in failed_ids and self.registry.by_id.get(s.id) is s
+        resumed = [s for s in sbs if s.id not in failed_ids and self.registry.listed(s)
                    and s.state == "paused"]   # not destroyed meanwhile
         for s in resumed:
             if _is_vm(s):

@@ -124,7 +124,7 @@ class VmProcs:
             return
         table = svc.tables.setdefault(sb.id, {})
         for pid, g in guest.items():
-            if pid not in table and svc.registry.by_id.get(sb.id) is sb:
+            if pid not in table and svc.registry.listed(sb):
                 # Started just before the daemon stopped, not journaled: taken up.
                 rec = {"pid": pid, "argv": g["argv"], "started": g["started"], "state": "running",
                        "policy": None, "vm": True}
@@ -269,7 +269,7 @@ class VmProcs:
         processes attached; BrokenPipeError if the process or sandbox ends first."""
         while True:
             h = sb.handle
-            if self.svc.registry.by_id.get(sb.id) is not sb or not proc.running or sb.state == "dead":
+            if not self.svc.registry.listed(sb) or not proc.running or sb.state == "dead":
                 raise BrokenPipeError(errno.EPIPE, "the process ended with its VM")
             if h is not None and h.agent is not None and h.agent is not old and not h.agent.closed:
                 await self.settled(sb)
