@@ -53,7 +53,7 @@ import time
 import tty
 
 from . import cpmerge, fleet_cli, imageconfig, pullview, topview
-from .client import Client, _named_as, default_socket
+from .client import Client, default_socket, named_as
 from .clitext import (
     UsageError,
     create_args,
@@ -1251,18 +1251,24 @@ async def _remote_dir(sb, path: str) -> bool:
         return False
 
 
+def _landing_name() -> str:
+    """A name of this client's own, beside what a copy lands on, for the
+    copy to arrive whole under before it moves into place."""
+    return f".dsec-cp-{os.getpid()}-{secrets.token_hex(4)}"
+
+
 async def _cp_merged(a, sb, src: str, dst: str, upload: bool) -> int:
     """`dsec cp -r` into the existing directory DST: SRC's entries (of SRC/.,
     or of the directory SRC where DST is its namesake) become entries of
     DST, merged as docker cp merges (dsecd/cpmerge.py). The tree arrives
     whole in a new directory inside DST, then moves into place."""
-    landing = f".dsec-cp-{os.getpid()}-{secrets.token_hex(4)}"
+    landing = _landing_name()
     if upload:
         held = posixpath.join(dst, landing)
         try:
             r = await sb.upload_dir(src, held)
         except DsecError as err:            # named as the user named it, not by the landing
-            raise _named_as(err, held, dst) from None
+            raise named_as(err, held, dst) from None
         try:
             replaced = await cpmerge.into_sandbox(sb, held, dst)
         finally:
@@ -1464,7 +1470,7 @@ async def _cp_link_in(c: Client, a, src: str, sb_id: str, dst: str) -> bool:
     sb = await c.get(sb_id)
     dst = await _cp_remote_target(sb, src, dst)
     parent, name = posixpath.split(dst)
-    landing = posixpath.join(parent, f".dsec-cp-{os.getpid()}-{secrets.token_hex(4)}")
+    landing = posixpath.join(parent, _landing_name())
     spool = io.BytesIO()
     with tarfile.open(fileobj=spool, mode="w", format=tarfile.PAX_FORMAT) as tf:
         link = tarfile.TarInfo(name)
@@ -1481,7 +1487,7 @@ async def _cp_link_in(c: Client, a, src: str, sb_id: str, dst: str) -> bool:
             with contextlib.suppress(DsecError, ConnectionError):    # keep the error that got us here
                 await sb.remove(landing, recursive=True)
     except DsecError as err:                  # named as the user named it, not by the landing
-        raise _named_as(_named_as(err, posixpath.join(landing, name), dst), landing, dst) from None
+        raise named_as(named_as(err, posixpath.join(landing, name), dst), landing, dst) from None
     if a.json:
         _print_json({"sandbox": sb.id, "path": dst, "local": src, "target": target})
     return True

@@ -181,9 +181,10 @@ def _paths(result: dict) -> dict:
     return result
 
 
-def _named_as(err: DsecError, tmp: str, path: str, removed: bool = False) -> DsecError:
-    """`err`, met on an atomic write's temporary file `tmp`, as the caller
-    sees it: naming `path`, the file they gave; same class, code and detail
+def named_as(err: DsecError, tmp: str, path: str, removed: bool = False) -> DsecError:
+    """`err`, met on a temporary path `tmp` (an atomic write's file, a
+    copy's landing directory), as the caller sees it: naming `path`, the one
+    they gave; same class, code and detail
     (`errno` kept), `detail["path"]` the target's (the daemon's spelling,
     `sandbox:path`, where it gave one). removed: `tmp` was removed, so what
     the daemon said was "partly written" is gone and `path` is as it was."""
@@ -1571,7 +1572,7 @@ class Sandbox:
                 await asyncio.shield(self.remove(tmp))
                 removed = True
             if isinstance(err, DsecError):      # the caller knows no temporary file: name theirs
-                raise _named_as(err, tmp, path, removed) from None
+                raise named_as(err, tmp, path, removed) from None
             raise
         return size
 
