@@ -252,7 +252,10 @@ def _list_into(fd: int, prefix: str, depth: int, max_entries: int, entries: list
         for entry in it:
             if len(entries) >= max_entries:
                 return True
-            st = entry.stat(follow_symlinks=False)
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue        # removed since it was read: a listing is of one moment or other
             entries.append({"name": prefix + entry.name, **_stat_dict(st)})
             if depth > 1 and stat.S_ISDIR(st.st_mode):
                 subdirs.append(entry.name)
