@@ -51,6 +51,7 @@ import termios
 import threading
 import time
 import tty
+from collections.abc import AsyncIterator
 
 from . import cpmerge, fleet_cli, imageconfig, pullview, topview
 from .client import Client, default_socket, named_as
@@ -1354,26 +1355,24 @@ async def _cp(c: Client, a) -> int:
     if src_sb is None and os.path.isdir(src):
         raise UsageError(f"dsec cp: {src} is a directory; copy it with dsec cp -r")
     if src_sb is None:
-        if src == "-":
-            data = await _in_a_thread_of_its_own(_read_stdin)
-            mode = 0o644
-        else:
-            with open(src, "rb") as f:
-                data = f.read()
-            mode = os.stat(src).st_mode & 0o7777
         sb = await c.get(dst_sb)
         dst = await _cp_remote_target(sb, src, dst)
-        await sb.write_file(dst, data, mode=mode, atomic=True)    # a failed copy leaves nothing
+        # Streamed, never all in memory; atomic: a failed copy leaves nothing.
+        if src == "-":
+            size = await sb.write_file(dst, _stdin_chunks(), mode=0o644, atomic=True)
+        else:
+            with open(src, "rb") as f:
+                size = await sb.write_file(dst, f, mode=os.fstat(f.fileno()).st_mode & 0o7777, atomic=True)
         if a.json:
-            _print_json({"sandbox": sb.id, "path": dst, "local": src, "size": len(data)})
+            _print_json({"sandbox": sb.id, "path": dst, "local": src, "size": size})
         return 0
     sb = await c.get(src_sb)
-    data = await sb.read_file(src)
     if dst == "-":
         if a.json:               # the one object on stdout: the bytes as text, as `cat --json` gives them
+            data = await sb.read_file(src)
             _print_json({"sandbox": sb.id, "path": src, "size": len(data), "data": data.decode("utf-8", "replace")})
         else:
-            await _in_a_thread_of_its_own(_write_flush, 1, data)
+            await _to_stdout(sb, src)
         return 0
     if os.path.isdir(dst):
         dst = os.path.join(dst, os.path.basename(src))
@@ -1385,10 +1384,31 @@ async def _cp(c: Client, a) -> int:
             st = await sb.stat(src, follow=True)
     # Its permission bits, as docker cp keeps them; never setuid or setgid
     # on our side (a sandbox's file, owned here by whoever runs dsec).
-    _write_local(dst, data, st["mode"] & 0o777 if st["type"] == "file" else None)
+    size = await _copy_out(sb, src, dst, st["mode"] & 0o777 if st["type"] == "file" else None)
     if a.json:
-        _print_json({"sandbox": sb.id, "path": src, "local": dst, "size": len(data)})
+        _print_json({"sandbox": sb.id, "path": src, "local": dst, "size": size})
     return 0
+
+
+async def _stdin_chunks() -> AsyncIterator[bytes]:
+    """fd 0 as it comes, each read in a thread of its own (cmd_cp's SIGTERM
+    ends the copy while one blocks), unbuffered: a thread left blocked in
+    sys.stdin's buffered read at exit holds its lock, and the interpreter's
+    shutdown aborts on it."""
+    while chunk := await _in_a_thread_of_its_own(os.read, 0, 1 << 20):
+        yield chunk
+
+
+async def _to_stdout(sb, path: str) -> int:
+    """The sandbox's file onto stdout as it comes, never all in memory; the
+    bytes written. A file replaced while it is read fails (Conflict) after
+    what was written: a pipe cannot be written again."""
+    written = 0
+    async with contextlib.aclosing(sb.read_chunks(path)) as chunks:
+        async for piece in chunks:
+            await _in_a_thread_of_its_own(_write_flush, 1, piece)
+            written += len(piece)
+    return written
 
 
 async def _in_a_thread_of_its_own(fn, *args):
@@ -1413,16 +1433,6 @@ async def _in_a_thread_of_its_own(fn, *args):
 
     threading.Thread(target=run, name="dsec-cp-io", daemon=True).start()
     return await fut
-
-
-def _read_stdin() -> bytes:
-    """All of fd 0, unbuffered: a thread left blocked in sys.stdin's
-    buffered read at exit holds its lock, and the interpreter's shutdown
-    aborts on it."""
-    chunks = []
-    while chunk := os.read(0, 1 << 20):
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _keeps_links(a) -> bool:
@@ -1495,7 +1505,7 @@ async def _cp_link_in(c: Client, a, src: str, sb_id: str, dst: str) -> bool:
 
 def _link_local(dst: str, target: str) -> None:
     """Symlink `dst` -> `target`, made under a temporary name beside it and
-    renamed over what `dst` was (as _write_local does a file)."""
+    renamed over what `dst` was (as _copy_out does a file)."""
     parent = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(parent):
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), dst)
@@ -1552,31 +1562,33 @@ async def _lists_as_dir(sb, path: str) -> bool:
     return True
 
 
-def _write_local(dst: str, data: bytes, mode: int | None = None) -> None:
-    """`data` as local file `dst` (with permission bits `mode`; None: as a new
-    file gets them), written under a temporary name beside it and renamed
-    over it (a failed copy leaves the old file or none). Errors name `dst`,
-    the path the user gave, not the temporary file."""
+async def _copy_out(sb, src: str, dst: str, mode: int | None = None) -> int:
+    """The sandbox's file `src` as local file `dst` (with permission bits
+    `mode`; None: as a new file gets them), streamed into a temporary name
+    beside it and renamed over it (a failed or cancelled copy leaves the old
+    file or none). Errors name `dst`, the path the user gave, not the
+    temporary file. The bytes copied."""
     parent = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(parent):
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), dst)
     tmp = f"{dst}.dsec-tmp-{os.getpid()}"
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if mode is not None:
-                os.fchmod(f.fileno(), mode)
-    except OSError as err:
+        try:
+            with open(tmp, "wb") as f:
+                if mode is not None:
+                    os.fchmod(f.fileno(), mode)
+                size = await sb.read_file_to(src, f)
+        except OSError as err:
+            raise type(err)(err.errno, f"{err.strerror} (creating the copy in {parent} first)", dst) from err
+        try:
+            os.replace(tmp, dst)
+        except OSError as err:
+            raise type(err)(err.errno, err.strerror, dst) from err
+    except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise type(err)(err.errno, f"{err.strerror} (creating the copy in {parent} first)",
-                        dst) from err
-    try:
-        os.replace(tmp, dst)
-    except OSError as err:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise type(err)(err.errno, err.strerror, dst) from err
+        raise
+    return size
 
 
 async def cmd_ps(c: Client, a) -> int:
@@ -1674,18 +1686,18 @@ async def cmd_cat(c: Client, a) -> int:
     status = 0
     for sb_id, path in [_remote_path(spec, "cat") for spec in a.targets]:
         try:
-            data = await (await c.get(sb_id)).read_file(path)
+            sb = await c.get(sb_id)
+            if a.json:
+                data = await sb.read_file(path)
+                print(json.dumps({"sandbox": sb_id, "path": path, "size": len(data),
+                                  "data": data.decode("utf-8", "replace")}, sort_keys=True), flush=True)
+            else:
+                await _to_stdout(sb, path)      # streamed: a file of any size
         except DsecError as err:
             sys.stdout.flush()             # what came before, before the error
             _print_item_error(a, err, sandbox=sb_id, path=path)
             print(f"dsec cat: {err.code}: {err.message}", file=sys.stderr, flush=True)
             status = 1
-            continue
-        if a.json:
-            print(json.dumps({"sandbox": sb_id, "path": path, "size": len(data),
-                              "data": data.decode("utf-8", "replace")}, sort_keys=True), flush=True)
-        else:
-            _write_flush(1, data)
     sys.stdout.flush()
     return status
 

@@ -160,6 +160,59 @@ def file_data(data, what: str) -> bytes | bytearray | memoryview:
     raise TypeError(f"{what}: data must be bytes (got {type(data).__name__}): convert it, e.g. bytes(data)")
 
 
+def file_pieces(data, size: int, what: str) -> AsyncIterator[bytes | memoryview]:
+    """What write_file takes (bytes-like; a binary file open for reading; an
+    async iterable of bytes) as pieces of `size` bytes, the last one
+    shorter: one empty piece for no bytes at all. Only bytes-like data is
+    held whole; from a file or an iterable, one piece at a time."""
+    if hasattr(data, "read"):
+        return _file_pieces(data, size, what)
+    if hasattr(data, "__aiter__"):
+        return _regrouped(data, size, what)
+    return _view_pieces(file_data(data, what), size)
+
+
+async def _view_pieces(data, size: int) -> AsyncIterator[memoryview]:
+    view = memoryview(data)
+    for start in range(0, max(len(view), 1), size):
+        yield view[start:start + size]
+
+
+async def _file_pieces(f, size: int, what: str) -> AsyncIterator[bytes]:
+    """A file's reads, each in a thread (a pipe's may block, a disk's take a
+    while): the loop runs meanwhile. (asyncio.run waits for that thread at
+    its end: a read of a pipe nobody writes to holds it up.)"""
+    loop = asyncio.get_running_loop()
+    piece, given = bytearray(), False
+    while True:
+        got = await loop.run_in_executor(None, f.read, size - len(piece))
+        if got is None:             # a non-blocking file with nothing yet
+            await asyncio.sleep(0.01)
+            continue
+        if not isinstance(got, (bytes, bytearray)):
+            raise TypeError(f"{what}: the file must be opened in binary mode ('rb'); its read gave "
+                            f"{type(got).__name__}")
+        piece += got
+        if len(piece) == size or (not got and (piece or not given)):
+            yield bytes(piece)
+            piece, given = bytearray(), True
+        if not got:
+            return
+
+
+async def _regrouped(chunks, size: int, what: str) -> AsyncIterator[bytes]:
+    """An async iterable's chunks of any size as pieces of `size` bytes."""
+    buf, given = bytearray(), False
+    async for got in chunks:
+        buf += file_data(got, what)
+        while len(buf) >= size:
+            yield bytes(buf[:size])
+            del buf[:size]
+            given = True
+    if buf or not given:
+        yield bytes(buf)
+
+
 # What the daemon's write errors say of a file a failed write left part of
 # (engine/copier.py, engine/microvms.py).
 PARTLY_WRITTEN = "the file is partly written"
@@ -1537,33 +1590,37 @@ class Sandbox:
         r = await self.client.request("proc_list", sandbox=self.id)
         return [ProcStatus.from_wire(p) for p in r["processes"]]
 
-    async def write_file(self, path: str, data: bytes, mode: int = 0o644, parents: bool = True,
+    async def write_file(self, path: str, data, mode: int = 0o644, parents: bool = True,
                          atomic: bool = True) -> int:
-        """Write `data` to `path` (any size: chunked under the frame limit).
+        """Write `data` to `path`: bytes-like, or, without holding it all in
+        memory, a binary file open for reading (read from where it is to its
+        end) or an async iterable of bytes (any size: chunked under the
+        frame limit). The bytes written.
         Atomic (the default): written under a temporary name beside the
         target and renamed over it, so a write that fails (ENOSPC, the
-        sandbox's memory limit, a lost connection) leaves the old file or
-        none at `path`, never a part, and readers in the sandbox see the old
-        bytes or the new ones. The temporary file is removed when a write
-        fails; in a container, one cut by a lost connection (the client
-        killed) is removed by the daemon when the connection drops, and one
-        cut by the daemon's death by the next daemon at its start (it
-        records the file while it is temporary). In a microVM, such a part
-        stays beside the target as `.dsec-<hex>`. A file it replaces passes on
-        its owner, group and mode; a new file gets `mode`. A symlink at
-        `path` is replaced, not written through, and hard links to the old
-        file keep the old bytes. With atomic=False the bytes go into the
-        file in place (through a symlink, keeping the inode), and a failure
-        leaves what was written so far."""
-        data = file_data(data, "write_file")
+        sandbox's memory limit, a lost connection, a failed read of the
+        source) leaves the old file or none at `path`, never a part, and
+        readers in the sandbox see the old bytes or the new ones. The
+        temporary file is removed when a write fails; in a container, one
+        cut by a lost connection (the client killed) is removed by the
+        daemon when the connection drops, and one cut by the daemon's death
+        by the next daemon at its start (it records the file while it is
+        temporary). In a microVM, such a part stays beside the target as
+        `.dsec-<hex>`. A file it replaces passes on its owner, group and
+        mode; a new file gets `mode`. A symlink at `path` is replaced, not
+        written through, and hard links to the old file keep the old bytes.
+        With atomic=False the bytes go into the file in place (through a
+        symlink, keeping the inode), and a failure leaves what was written
+        so far."""
+        pieces = file_pieces(data, self._chunk_size(), "write_file")
         if not atomic:
-            return await self._write_chunks(path, data, mode, parents)
+            return await self._write_chunks(path, pieces, mode, parents)
         parent, _, name = posixpath.normpath(path).rpartition("/")
         if not path.startswith("/") or not name:
             raise ValueError(f"write_file: give an absolute path of a file, got {path!r}")
         tmp = f"{parent}/.dsec-{secrets.token_hex(6)}"         # short: the target's name may be 255 bytes
         try:
-            size = await self._write_chunks(tmp, data, mode, parents, temporary=True)
+            size = await self._write_chunks(tmp, pieces, mode, parents, temporary=True)
             await self.client.request("file_rename", sandbox=self.id, src=tmp, dst=path, overwrite=True,
                                       keep_attrs=True)
         except BaseException as err:
@@ -1576,12 +1633,16 @@ class Sandbox:
             raise
         return size
 
-    async def _write_chunks(self, path: str, data: bytes, mode: int, parents: bool, temporary: bool = False) -> int:
-        """The first chunk truncates (or creates) the file; the others go at
-        their offsets, PIPELINE requests at once, so that one chunk travels
-        while the sandbox's copier writes the one before."""
-        chunk = self.client.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
-        view = memoryview(data)
+    def _chunk_size(self) -> int:
+        """The most bytes one file_write or file_read request carries."""
+        return self.client.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
+
+    async def _write_chunks(self, path: str, pieces: AsyncIterator, mode: int, parents: bool,
+                            temporary: bool = False) -> int:
+        """The first piece truncates (or creates) the file; the others go at
+        their offsets, PIPELINE requests at once, so that one piece travels
+        while the sandbox's copier writes the one before (and the next is
+        read from its source). The bytes written."""
         # A chunk whose request is cancelled goes on in the daemon (its open
         # runs in a worker) and makes the file again if it is missing: a
         # cancelled write lets the chunks in flight end before it ends, so
@@ -1595,30 +1656,36 @@ class Sandbox:
             return await asyncio.shield(fut)
 
         try:
-            # temporary: the daemon records the file until its rename, and a daemon
-            # that dies first has the next one remove it. Sent only when true.
-            r = await put(data=bytes(view[:chunk]), mode=mode, parents=parents,
+            async with contextlib.aclosing(pieces):
+                first = await anext(pieces)
+                # temporary: the daemon records the file until its rename, and a daemon
+                # that dies first has the next one remove it. Sent only when true.
+                await put(data=bytes(first), mode=mode, parents=parents,
                           **({"temporary": True} if temporary else {}))
-            offsets = iter(range(chunk, len(data), chunk))
-            failed: list[Exception] = []
+                written = len(first)
+                taking = asyncio.Lock()         # one writer reads the source at a time
+                failed: list[Exception] = []
 
-            async def writer() -> None:
-                for offset in offsets:
-                    if failed:
-                        return
-                    try:
-                        await put(offset=offset, data=view[offset:offset + chunk])     # packed as is
-                    except Exception as err:
-                        failed.append(err)
+                async def writer() -> None:
+                    nonlocal written
+                    while not failed:
+                        try:
+                            async with taking:
+                                piece = await anext(pieces, None)
+                                if piece is None or failed:
+                                    return
+                                offset, written = written, written + len(piece)
+                            await put(offset=offset, data=piece)       # packed as is
+                        except Exception as err:
+                            failed.append(err)
 
-            if len(data) <= chunk:
-                return r["size"]
-            # A failure stops new chunks but lets the one in flight end: whoever
-            # then removes the file must not race a write still going on.
-            await asyncio.gather(*(writer() for _ in range(PIPELINE)))
-            if failed:
-                raise failed[0]
-            return len(data)
+                # A failure (of a write, or of the source's read) stops new
+                # pieces but lets the one in flight end: whoever then removes
+                # the file must not race a write still going on.
+                await asyncio.gather(*(writer() for _ in range(PIPELINE)))
+                if failed:
+                    raise failed[0]
+                return written
         except asyncio.CancelledError:
             if in_flight:
                 await asyncio.wait(set(in_flight))
@@ -1630,7 +1697,7 @@ class Sandbox:
         after another (a failure leaves those before it written). The
         file's size after it."""
         data = file_data(data, "write_at")
-        chunk = self.client.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
+        chunk = self._chunk_size()
         view = memoryview(data)
         for start in range(0, max(len(view), 1), chunk):
             r = await self.client.request("file_write", sandbox=self.id, path=path, offset=offset + start,
@@ -1638,60 +1705,97 @@ class Sandbox:
         return r["size"]
 
     async def read_file(self, path: str) -> bytes:
-        """The whole file: chunks read at their offsets, PIPELINE requests at
-        once, until one comes back short (the end of the file); as frame
-        tails (views of the frames) where the daemon sends them, joined once.
-        Each chunk's request opens the file again: one replaced meanwhile
-        (an atomic write, a `mv` over it) is read again from the start, up
-        to READ_AGAIN times, so the bytes are never part old, part new; a
-        file replaced faster than that raises Conflict (detail "replaced").
-        A file changed in place (not replaced) while it is read is not
-        detected: what its writer has not finished may be read."""
+        """The whole file (read_chunks, joined once). A file replaced while
+        it is read (an atomic write, a `mv` over it) is read again from the
+        start, up to READ_AGAIN times, so the bytes are never part old, part
+        new; a file replaced faster than that raises Conflict (detail
+        "replaced"). A file changed in place (not replaced) while it is read
+        is not detected: what its writer has not finished may be read."""
         again = 0
         while True:
             try:
-                return await self._read_file(path)
+                return await self._read_whole(path)
             except Conflict as err:
                 again += 1
-                if not err.detail.get("replaced") or again > READ_AGAIN:
+                if not _read_again(err, again):
                     raise
 
-    async def _read_file(self, path: str) -> bytes:
-        chunk = self.client.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
+    async def read_file_to(self, path: str, file) -> int:
+        """The file's bytes written into `file` (a binary file open for
+        writing) as they come, never all in memory; the bytes written. A
+        file replaced while it is read is read again, as read_file does,
+        into a seekable `file` from where it was (what was written since
+        truncated); into one that is not (a pipe), Conflict (detail
+        "replaced")."""
+        loop = asyncio.get_running_loop()
+        start = file.tell() if file.seekable() else None
+        again = 0
+        while True:
+            written = 0
+            try:
+                async with contextlib.aclosing(self.read_chunks(path)) as chunks:
+                    async for piece in chunks:
+                        await loop.run_in_executor(None, _write_all, file, piece)
+                        written += len(piece)
+                return written
+            except Conflict as err:
+                again += 1
+                if start is None or not _read_again(err, again):
+                    raise
+                file.seek(start)
+                file.truncate()
+
+    async def _read_whole(self, path: str) -> bytes:
+        async with contextlib.aclosing(self.read_chunks(path)) as chunks:
+            parts = [piece async for piece in chunks]
+        return b"".join(parts)
+
+    async def read_chunks(self, path: str) -> AsyncIterator[bytes | memoryview]:
+        """The file's bytes in order, one chunk (at most the frame limit) at a
+        time, the next PIPELINE read ahead meanwhile; as frame tails (views
+        of the frames) where the daemon sends them. Every chunk comes from
+        the file the first came from: one replaced meanwhile raises Conflict
+        (detail "replaced"), as nothing already given can be read again
+        (read_file and read_file_to start again)."""
+        chunk = self._chunk_size()
         tail = {"tail": True} if self.client._tails else {}
 
         async def read_at(offset: int, **same_as) -> dict:
             return await self.client.request("file_read", sandbox=self.id, path=path, offset=offset, length=chunk,
                                              **tail, **same_as)
 
-        r = await read_at(0)
-        first = r["data"]
-        if len(first) < chunk:
-            return bytes(first)
+        first = (await read_at(0))
+        if len(first["data"]) < chunk:
+            yield first["data"]
+            return
         # The file the first chunk came from (a container's daemon says): the
         # others must come from it too, or the daemon answers conflict.
-        same_as = {"same_as": r["file"]} if "file" in r else {}
-        parts = {0: first}
-        cursor = {"next": chunk, "short": False}
+        same_as = {"same_as": first["file"]} if "file" in first else {}
+        ahead: collections.deque[asyncio.Task] = collections.deque()
+        next_offset = chunk
 
-        async def reader() -> None:
-            while not cursor["short"]:
-                offset = cursor["next"]
-                cursor["next"] += chunk
-                try:
-                    parts[offset] = (await read_at(offset, **same_as))["data"]
-                except BaseException:
-                    cursor["short"] = True          # the other readers stop too
-                    raise
-                cursor["short"] = cursor["short"] or len(parts[offset]) < chunk
+        def read_ahead() -> None:
+            nonlocal next_offset
+            while len(ahead) < PIPELINE:
+                ahead.append(asyncio.ensure_future(read_at(next_offset, **same_as)))
+                next_offset += chunk
 
-        await asyncio.gather(*(reader() for _ in range(PIPELINE)))
-        out = []
-        for offset in sorted(parts):        # up to the first short chunk: the end of the file
-            out.append(parts[offset])
-            if len(parts[offset]) < chunk:
-                break
-        return b"".join(out)
+        try:
+            read_ahead()
+            yield first["data"]
+            while True:
+                data = (await ahead[0])["data"]
+                ahead.popleft()
+                if len(data) < chunk:       # the end of the file
+                    if data:
+                        yield data
+                    return
+                read_ahead()
+                yield data
+        finally:
+            for task in ahead:
+                task.cancel()
+            await asyncio.gather(*ahead, return_exceptions=True)
 
     async def list_files(self, path: str, depth: int = 1) -> Listing:
         """A directory's entries; with depth > 1 its subdirectories' too ("a/b").
@@ -1895,6 +1999,23 @@ class Sandbox:
 
     async def destroy(self, force: bool = False) -> dict:
         return await self.client.request("destroy", sandbox=self.id, force=force)
+
+
+def _write_all(file, data) -> None:
+    """All of `data` into `file`: an unbuffered one may take only part."""
+    view = memoryview(data)
+    while view:
+        n = file.write(view)
+        if n is None:
+            raise BlockingIOError(errno.EAGAIN, "read_file_to: the file takes no bytes now (non-blocking): "
+                                                "give a blocking one")
+        view = view[n:]
+
+
+def _read_again(err: Conflict, again: int) -> bool:
+    """Whether a read that failed with `err` is read again from the start,
+    for the `again`-th time: only for a file replaced while it was read."""
+    return bool(err.detail.get("replaced")) and again <= READ_AGAIN
 
 
 def _settled_in(futures: set[asyncio.Future]) -> Callable[[asyncio.Future], None]:

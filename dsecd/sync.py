@@ -73,7 +73,8 @@ class SyncSandbox:
     def processes(self) -> list[ProcStatus]:
         return self._run(self._sb.processes())
 
-    def write_file(self, path: str, data: bytes, **kw) -> int:
+    def write_file(self, path: str, data, **kw) -> int:
+        """Sandbox.write_file: bytes, or a binary file open for reading."""
         return self._run(self._sb.write_file(path, data, **kw))
 
     def write_at(self, path: str, offset: int, data: bytes) -> int:
@@ -81,6 +82,10 @@ class SyncSandbox:
 
     def read_file(self, path: str) -> bytes:
         return self._run(self._sb.read_file(path))
+
+    def read_file_to(self, path: str, file) -> int:
+        """Sandbox.read_file_to: into a binary file open for writing, never all in memory."""
+        return self._run(self._sb.read_file_to(path, file))
 
     def list_files(self, path: str, depth: int = 1) -> list[dict]:
         return self._run(self._sb.list_files(path, depth))

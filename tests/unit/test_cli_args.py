@@ -395,18 +395,47 @@ def test_the_options_a_new_user_asked_about_have_help():
     assert cli.parse_args(["exec", "SB", "--user", "app:staff", "--", "id"]).user == "app:staff"
 
 
+class _FileSandbox:
+    """A sandbox whose every file holds `data`; or whose read fails midway."""
+
+    def __init__(self, data: bytes, fail_after: bool = False):
+        self.data, self.fail_after = data, fail_after
+
+    async def read_file_to(self, path, f):
+        f.write(self.data)
+        if self.fail_after:
+            from dsecd.errors import NotFound
+            raise NotFound(f"read sb:{path}: the sandbox was destroyed")
+        return len(self.data)
+
+
+def _copy_out(sb, dst, mode=None):
+    import asyncio
+    return asyncio.run(cli._copy_out(sb, "/f", str(dst), mode))
+
+
 def test_a_failed_local_copy_names_the_users_path(tmp_path):
     with pytest.raises(FileNotFoundError) as e:
-        cli._write_local(str(tmp_path / "nonexist-dir" / "x"), b"data")
+        _copy_out(_FileSandbox(b"data"), tmp_path / "nonexist-dir" / "x")
     assert e.value.filename == str(tmp_path / "nonexist-dir" / "x")
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "x").mkdir()                   # a directory where the file would go
     with pytest.raises(OSError) as e:
-        cli._write_local(str(tmp_path / "d" / "x"), b"data")
+        _copy_out(_FileSandbox(b"data"), tmp_path / "d" / "x")
     assert e.value.filename == str(tmp_path / "d" / "x") and ".dsec-tmp" not in str(e.value), e.value
     assert os.listdir(tmp_path / "d") == ["x"]        # no temporary file left
-    cli._write_local(str(tmp_path / "d" / "y"), b"data")
+    assert _copy_out(_FileSandbox(b"data"), tmp_path / "d" / "y", 0o750) == 4
     assert (tmp_path / "d" / "y").read_bytes() == b"data"
+    assert (tmp_path / "d" / "y").stat().st_mode & 0o777 == 0o750
+
+
+def test_a_copy_out_cut_midway_leaves_the_old_file_and_no_part(tmp_path):
+    from dsecd.errors import NotFound
+
+    (tmp_path / "y").write_bytes(b"old")
+    with pytest.raises(NotFound, match="destroyed"):
+        _copy_out(_FileSandbox(b"part", fail_after=True), tmp_path / "y")
+    assert os.listdir(tmp_path) == ["y"] and (tmp_path / "y").read_bytes() == b"old"
 
 
 def test_packing_a_directory_that_does_not_exist_says_so(tmp_path):
@@ -584,9 +613,20 @@ def test_info_prints_the_cgroup_dirs_one_per_line(capsys):
 CP_FROM_STDIN = """
 import asyncio, sys
 from dsecd import cli
+from dsecd.errors import NotFound
+class Sandbox:
+    id = "sbx"
+    async def stat(self, path):
+        raise NotFound(path)
+    async def write_file(self, path, data, **kw):
+        async for chunk in data:
+            pass
+class Client:
+    async def get(self, sb_id):
+        return Sandbox()
 a = cli.parse_args(["cp", "-", "sbx:/tmp/x"])
 print("ready", flush=True, file=sys.stderr)
-sys.exit(asyncio.run(cli.cmd_cp(object(), a)))
+sys.exit(asyncio.run(cli.cmd_cp(Client(), a)))
 """
 
 
