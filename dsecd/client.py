@@ -316,11 +316,6 @@ def _follows(op: str, args: dict) -> bool:
     return op == "file_watch" or (op in ("events", "proc_logs") and args.get("follow", True) is not False)
 
 
-# Chunks of one stream of input: one resent after a refusal could overtake a
-# later one sent meanwhile, so a refused one fails instead.
-ORDERED_OPS = ("exec_input", "proc_input", "file_tar_input")
-
-
 def _refused_in_flight(error: dict) -> bool:
     """Whether an error answer is the daemon's refusal of a request over its
     in-flight limit, which it gives before the request runs."""
@@ -812,13 +807,14 @@ class Client:
                 if "stream" in frame:
                     yield frame["stream"]
                     continue
-                if ("error" in frame and sent is None and op not in ORDERED_OPS
-                        and _refused_in_flight(frame["error"])):
+                if "error" in frame and sent is None and _refused_in_flight(frame["error"]):
                     # Nothing ran: the daemon still counted answers this
                     # client has read (they were draining). Send it again;
                     # meanwhile it is not in flight, so there is nothing to
                     # cancel or undo. (Not one that others follow on the
-                    # wire, `sent`: an exec's stdin would find no exec.)
+                    # wire, `sent`: an exec's stdin would find no exec. A
+                    # chunk of input is: the SDK's feeders await each
+                    # chunk's answer before the next, so it overtakes none.)
                     on_wire = False
                     await asyncio.sleep(again)
                     if conn.lost is not None:       # gone meanwhile: it never ran

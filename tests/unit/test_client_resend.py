@@ -1,0 +1,50 @@
+"""The SDK's resend of a request the daemon refused over its in-flight
+limit (before it ran), against a stand-in daemon on a unix socket."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dsecd import protocol
+from dsecd.client import Client
+from dsecd.errors import LimitExceeded
+
+
+@pytest.mark.parametrize("op,args", [("exec_input", {"exec_id": "e1", "data": b"chunk"}),
+                                     ("proc_input", {"sandbox": "sb", "pid": 3, "data": b"chunk"}),
+                                     ("file_tar_input", {"put_id": 7, "data": b"tar", "eof": False}),
+                                     ("file_stat", {"sandbox": "sb", "path": "/x"})])
+def test_a_refused_request_is_sent_again_input_chunks_too(tmp_path, op, args):
+    """A stdin chunk refused while the daemon still counted answers being
+    drained failed, and the SDK's feeder (which ignores its own errors)
+    left the process waiting for input that never came. Nothing ran: it is
+    sent again, and its feeders await each chunk before the next, so it
+    overtakes nothing."""
+    sock_path = str(tmp_path / "d.sock")
+    seen: list[dict] = []
+
+    async def serve(reader, writer):
+        dec = protocol.FrameDecoder(1 << 20)
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                if f["op"] == "hello":
+                    writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
+                    continue
+                seen.append(f)
+                if len(seen) == 1:
+                    refusal = LimitExceeded("64 requests in flight on this connection (max 64)",
+                                            {"max": 64, "in_flight": 64})
+                    writer.write(protocol.encode_frame({"id": f["id"], "error": refusal.to_wire()}))
+                else:
+                    writer.write(protocol.encode_frame({"id": f["id"], "result": {"ok": True}}))
+
+    async def go():
+        server = await asyncio.start_unix_server(serve, sock_path)
+        async with server:
+            async with Client(sock_path) as c:
+                assert await asyncio.wait_for(c.request(op, **args), 10) == {"ok": True}
+
+    asyncio.run(go())
+    assert [f["op"] for f in seen] == [op, op]
