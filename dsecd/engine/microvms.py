@@ -363,16 +363,22 @@ class MicroVMService:
                 self.watch(sb)
             raise DsecError(f"pause sandbox {sb.id}: {err}", code="io") from err
         saved = time.monotonic()
-        await self._end_qemu(sb)
+        if not await self._end_qemu(sb):
+            raise DsecError(f"pause sandbox {sb.id}: its state is saved in {image}, but its QEMU (pid "
+                            f"{h.init_pid}) did not exit after SIGKILL: it is stuck in the kernel (hung "
+                            "storage?); destroy the sandbox once the host recovers", {"sandbox": sb.id},
+                            code="io")
         return {"vm_image": str(image), "image_bytes": size, "save_s": round(saved - t0, 4),
                 "stop_s": round(time.monotonic() - saved, 4)}
 
-    async def _end_qemu(self, sb: Sandbox) -> None:
+    async def _end_qemu(self, sb: Sandbox) -> bool:
         """End the VM's QEMU (its state saved, or its restore failed) and
-        unplug its tap, which went with it; its dir and cgroups stay."""
-        await self.workers.run(self.require().end_process, sb.handle)
+        unplug its tap, which went with it; its dir and cgroups stay.
+        Whether it exited (if not, end_process logged it)."""
+        exited = await self.workers.run(self.require().end_process, sb.handle)
         if networked(sb) and self.net is not None and self.net.net is not None:
             await self.workers.run(self.net.net.unplug_vm, sb.id)
+        return exited
 
     async def _requests_settled(self, sb: Sandbox) -> None:
         """Wait for the VM's agent requests under way to be answered (the
@@ -490,7 +496,7 @@ class MicroVMService:
             # Its new QEMU goes, as a pause ends one: it would hold the dir's
             # sockets under the QEMU of the next resume, which then never
             # reaches its agent, and its memory for as long as the VM is paused.
-            await self._end_qemu(sb)
+            await self._end_qemu(sb)        # one that does not exit is logged: the restore's error is the news
             raise DsecError(f"resume sandbox {sb.id}: {err}; its saved state stays in {image}", code="io") from err
         # Loaded, and the VM runs: the state file is set aside (".loaded") and
         # goes once the record says running (saved_state_done). A daemon that

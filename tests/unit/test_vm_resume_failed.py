@@ -50,3 +50,45 @@ def test_a_failed_resume_ends_the_qemu_it_started(tmp_path):
         asyncio.run(svc.resume(sb, {"vm_image": str(tmp_path / "paused.ram")}))
     assert backend.calls == ["respawn", "restore", "end_process"]
     assert h.pidfd == -1
+
+
+def test_a_qemu_child_that_outlives_its_sigkill_is_said_not_to_have_exited(tmp_path):
+    """end_process of a QEMU stuck in the kernel (D state: hung storage):
+    Popen.wait's TimeoutExpired escaped it as an internal error, after the
+    pause had saved the state; it now returns False, as for a re-adopted
+    QEMU, and logs it."""
+    import subprocess
+
+    from dsecd.backends.microvm.backend import MicroVMBackend, VmHandle
+
+    class StuckPopen:
+        def wait(self, timeout=None):
+            raise subprocess.TimeoutExpired("qemu", timeout)
+
+    backend = object.__new__(MicroVMBackend)
+    backend.destroy_timeout = 0.01
+    h = VmHandle(init_pid=4242, init_start=0, pidfd=-1, group=None, vm_dir=tmp_path, is_child=True,
+                 accel="tcg", popen=StuckPopen())
+    assert backend.end_process(h) is False
+    h.popen = SimpleNamespace(wait=lambda timeout=None: 0)
+    assert backend.end_process(h) is True
+
+
+def test_a_pause_whose_qemu_does_not_exit_says_so_and_what_to_do(tmp_path):
+    from dsecd.engine.microvms import MicroVMService
+
+    class Saving(_Backend):
+        async def save(self, h, image):
+            return 1 << 20
+
+        def end_process(self, h):
+            return False
+
+    svc = object.__new__(MicroVMService)
+    svc.backend, svc.workers, svc.watch, svc.net = Saving(), _Workers(), None, None
+    svc._requests, svc._watches = {}, {}
+    svc.workers.loop = SimpleNamespace(remove_reader=lambda fd: None)
+    h = SimpleNamespace(machine=Machine(), vm_dir=tmp_path, pidfd=5, init_pid=4242)
+    sb = SimpleNamespace(id="v1", handle=h, net=None, vm={}, execs=0)
+    with pytest.raises(DsecError, match=r"QEMU \(pid 4242\) did not exit after SIGKILL.*destroy the sandbox"):
+        asyncio.run(svc.pause(sb))

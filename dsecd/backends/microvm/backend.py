@@ -535,16 +535,21 @@ class MicroVMBackend:
             native.pidfd_send_signal(h.pidfd, signal.SIGKILL)
         except OSError:
             pass
-        exited = True
+        # A re-adopted QEMU is not our child: its pidfd says when it is gone.
+        # A resume must not start the next QEMU in the same dir while this
+        # one still holds its sockets (the new monitor's connect would reach
+        # the dying one's and be reset).
         if h.popen is not None:
-            h.popen.wait(self.destroy_timeout)
-        elif h.pidfd >= 0 and not _exited(h.pidfd, self.destroy_timeout):
-            # A re-adopted QEMU is not our child: its pidfd says when it is
-            # gone. A resume must not start the next QEMU in the same dir
-            # while this one still holds its sockets (the new monitor's
-            # connect would reach the dying one's and be reset).
-            log.error("QEMU %d did not exit %.0fs after SIGKILL", h.init_pid, self.destroy_timeout)
-            exited = False
+            try:
+                h.popen.wait(self.destroy_timeout)
+                exited = True
+            except subprocess.TimeoutExpired:
+                exited = False
+        else:
+            exited = h.pidfd < 0 or _exited(h.pidfd, self.destroy_timeout)
+        if not exited:
+            log.error("QEMU %d did not exit %.0fs after SIGKILL (stuck in the kernel: hung storage?)",
+                      h.init_pid, self.destroy_timeout)
         fds.close_quietly(h.pidfd)
         h.pidfd = -1
         return exited
