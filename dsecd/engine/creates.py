@@ -215,7 +215,11 @@ class CreateService:
             name = pool_name(self.image_service.images.key(conf["image"]), conf["cpu"], conf["memory"])
             self.pools[name] = Pool(name=name, **conf)
         if set(saved) != set(self.pools):
-            self._save_pools()      # under the names they go by now
+            try:
+                self._save_pools()      # under the names they go by now
+            except OSError as err:      # the next start names them so again: no reason not to start
+                log.warning("cannot save the pools under their new names in %s: %s; it keeps the old ones "
+                            "until a pool is set", self._pools_path, err)
         now_named: dict[str, str | None] = {}       # pool name -> the manifest its image names now
         for sb in sorted(self.registry.by_id.values(), key=lambda s: s.created):
             name = sb.labels.get(POOL_LABEL)

@@ -86,3 +86,41 @@ def test_a_pool_no_longer_short_drops_its_host_full_error():
 
     asyncio.run(run())
     assert (pool.error, pool.error_is_busy) == (None, False)
+
+
+def test_pools_that_cannot_be_saved_under_new_names_do_not_stop_the_start(tmp_path, caplog):
+    """A pool saved under a name an older daemon gave it is saved again at
+    start under today's; a state dir that cannot take the write (full,
+    read-only) failed the daemon's start with a traceback."""
+    now = pool_name("busybox", 1.0, 1 << 20)
+    pools = tmp_path / "pools.json"
+    pools.write_text(json.dumps({"busybox@1cpu-1M-old": {"image": "busybox", "cpu": 1.0, "memory": 1 << 20,
+                                                         "min": 1, "max": 1}}))
+
+    async def run():
+        svc = object.__new__(CreateService)
+        svc._pools_path = pools
+        svc.pools = {}
+        svc.registry = SimpleNamespace(by_id={}, keys={})
+
+        async def run_now(fn, *args):
+            return fn(*args)
+
+        async def refill_loop():
+            pass
+
+        svc.workers = SimpleNamespace(loop=asyncio.get_running_loop(), run=run_now)
+        svc.image_service = SimpleNamespace(images=SimpleNamespace(key=lambda name: name))
+        svc._refill_loop = refill_loop
+
+        def full():
+            raise OSError(28, "No space left on device")
+
+        svc._save_pools = full
+        await svc.start()
+        await asyncio.sleep(0)
+        return svc
+
+    svc = asyncio.run(run())
+    assert list(svc.pools) == [now]
+    assert "No space left on device" in caplog.text and str(pools) in caplog.text
