@@ -25,6 +25,7 @@ from ..fs import files as sbfiles
 from ..fs.copytemps import CopyTemps
 from ..initlink import InitExec
 from . import copier
+from .events import EventBus
 from .microvms import MicroVMService
 from .sandboxes import Sandbox, SandboxRegistry
 from .workers import Workers
@@ -44,13 +45,17 @@ class FileService:
 
     def __init__(self, registry: SandboxRegistry, workers: Workers,
                  ensure_running: Callable[[Sandbox, str], Awaitable[None]], max_chunk: int,
-                 copy_by_init: CopyByInit, vms: MicroVMService | None = None, temps: CopyTemps | None = None):
+                 copy_by_init: CopyByInit, vms: MicroVMService | None = None, temps: CopyTemps | None = None,
+                 events: EventBus | None = None):
         self.registry = registry
-        # A write's temporary file (file_write temporary), recorded until its
-        # rename or remove, or until the connection that made it closes:
-        # (sandbox, path) -> its record, and what forgets its connection's hook.
         self.temps = temps
+        # A write's temporary file (file_write temporary), recorded until its
+        # rename or remove, until the connection that made it closes, or until
+        # its sandbox is destroyed: (sandbox, path) -> its record, and what
+        # forgets its connection's hook.
         self._temp_records: dict[tuple[str, str], tuple[Path, Callable[[], None]]] = {}
+        if events is not None:
+            events.listeners.append(self._on_event)
         self.workers = workers
         self.ensure_running = ensure_running
         self.max_chunk = max_chunk
@@ -218,13 +223,24 @@ class FileService:
             return
         try:
             sb_id = self.registry.get(req.sandbox, req).id
-        except DsecError:           # destroyed meanwhile: its records went with it
+        except DsecError:           # destroyed meanwhile (its records went with it), or stopping
             return
         entry = self._temp_records.pop((sb_id, path), None)
         if entry is not None:
             rec, forget = entry
             forget()
             self.temps.drop(rec)
+
+    def _on_event(self, ev: dict) -> None:
+        """A destroyed sandbox's temporary files went with it: their records
+        go now, not when their writers' connections close (days, for an
+        SDK's)."""
+        if ev["event"] != "destroyed" or not self._temp_records:
+            return
+        for key in [k for k in self._temp_records if k[0] == ev["sandbox"]]:
+            rec, forget = self._temp_records.pop(key)
+            forget()
+            self.workers.behind(self.temps.drop, rec)
 
     async def _temp_orphaned(self, sb_id: str, path: str, dev: int, ino: int) -> None:
         """The connection that wrote temporary file `path` closed before

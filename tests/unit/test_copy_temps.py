@@ -45,3 +45,29 @@ def test_a_half_written_or_unreadable_record_is_not_acted_on(tmp_path):
     assert temps.load() == [(tmp_path / "sb.2.json", None)]
     assert not (tmp_path / "sb.1.part").exists()
     assert CopyTemps(tmp_path / "missing").load() == []
+
+
+def test_a_destroyed_sandboxs_records_go_with_it(tmp_path):
+    """A temporary file's record lasted until its writer's connection
+    closed, though its sandbox (and the file) were destroyed: an SDK
+    connection open for days kept the record, its file in the state dir
+    and its close hook. They go at the sandbox's destroyed event."""
+    from types import SimpleNamespace
+
+    from dsecd.engine.events import EventBus
+    from dsecd.engine.files import FileService
+
+    temps = CopyTemps(tmp_path / "copy-temps")
+    st = os.lstat(tmp_path)
+    events = EventBus(named=lambda sb_id: sb_id)
+    svc = FileService(registry=None, workers=SimpleNamespace(behind=lambda fn, *args: fn(*args)),
+                      ensure_running=None, max_chunk=1 << 20, copy_by_init=None, temps=temps, events=events)
+    forgotten = []
+    for sb_id in ("sb1", "sb2"):
+        rec = temps.record(sb_id, "/work/.dsec-1", st)
+        svc._temp_records[(sb_id, "/work/.dsec-1")] = (rec, lambda sb_id=sb_id: forgotten.append(sb_id))
+    events.publish("paused", "sb1")
+    assert len(temps.load()) == 2 and forgotten == []
+    events.publish("destroyed", "sb1")
+    assert forgotten == ["sb1"] and list(svc._temp_records) == [("sb2", "/work/.dsec-1")]
+    assert [r["sandbox"] for _, r in temps.load()] == ["sb2"]
