@@ -40,6 +40,7 @@ from ..backends.microvm.backend import (
 )
 from ..errors import (
     BadRequest,
+    Busy,
     Conflict,
     DsecError,
     LimitExceeded,
@@ -204,6 +205,9 @@ class MicroVMService:
             except OSError as err:
                 if is_boot_failure(err):
                     raise DsecError(f"create sandbox {sb.id}: {err.strerror}", {"errno": "EIO"}, code="io") from err
+                if err.errno == errno.ECANCELED:        # nor a boot now: the daemon stops
+                    raise Busy(f"create sandbox {sb.id}: {err.strerror}; create it again once dsecd runs",
+                               {"sandbox": sb.id}) from err
                 log.warning("sandbox %s: no VM template (%s); booting it", sb.id, err)
             else:
                 handle, guest_net = await self._start(sb, layers, limits, disk,

@@ -45,6 +45,11 @@ class TemplateService:
         self.boot_timeout = boot_timeout
         self.uid = uid
         self._building: dict[str, asyncio.Future] = {}
+        # The daemon's stop (close): builds end at their next step. Not by a
+        # cancel: one that came while a step ran in a worker would leave the
+        # step running unseen, its QEMU (create) or the RAM fd (commit)
+        # destroyed or closed under it, or made after the clean-up.
+        self._stopping = asyncio.Event()
 
     def key(self, layers: list[Path], digests: list[str], memory: int, cpu: float, disk: int,
             net: bool = False) -> str:
@@ -76,20 +81,24 @@ class TemplateService:
         ram = await self.workers.run(templates.new_ram, limits.memory_bytes)
         handle: VmHandle | None = None
         try:
+            self._go_on(what)
             handle = await self.workers.run(self.backend.create, name, layers, limits, disk, self.uid, False,
                                             Machine(ram="shared", reporting=False, net=net), ram)
-            await self.backend.connect(handle, what, TEMPLATE_HOSTNAME, self.boot_timeout)
+            await self._unless_stopping(self.backend.connect(handle, what, TEMPLATE_HOSTNAME, self.boot_timeout),
+                                        what)
             booted = time.monotonic()
             state = handle.vm_dir / "state"
             try:
-                await self.backend.snapshot(handle, state)
+                await self._unless_stopping(self.backend.snapshot(handle, state), what)
             except OSError as err:
                 raise templates.TemplateError(errno.EIO, f"{what}: snapshot: {err}") from err
             # Its QEMU ends before the seal: a writable shared mapping of the
             # memfd refuses F_SEAL_WRITE.
+            self._go_on(what)
             await self.workers.run(self.backend.stop, name, handle)
             meta = {"layers": list(digests), "created": time.time(), "boot_s": round(booted - t0, 3),
                     "build_s": round(time.monotonic() - t0, 3)}
+            self._go_on(what)
             t = await self.workers.run(self.store.commit, key, ram, state, meta)
             ram = -1                                    # commit took it over
         finally:
@@ -101,6 +110,30 @@ class TemplateService:
                  time.monotonic() - t0, meta["boot_s"], t.meta.get("ram_data_bytes", 0) >> 20,
                  t.meta.get("state_bytes", 0) >> 10)
         return t
+
+    def _go_on(self, what: str) -> None:
+        """Before a build's next step: none once the daemon stops."""
+        if self._stopping.is_set():
+            raise templates.TemplateError(errno.ECANCELED, f"{what}: not built: the daemon is stopping")
+
+    async def _unless_stopping(self, step, what: str):
+        """Await coroutine `step` (a guest's boot, its snapshot: on the loop,
+        safe to cut), cut short by the daemon's stop."""
+        if self._stopping.is_set():
+            step.close()            # never started
+            self._go_on(what)
+        task = asyncio.ensure_future(step)
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})
+        if task.cancelled():
+            self._go_on(what)
+        return task.result()
 
     async def restore(self, handle: VmHandle, t: Template, what: str, hostname: str, sandbox_id: str) -> None:
         """Load template `t` into `handle`, a QEMU started incoming on its
@@ -117,14 +150,13 @@ class TemplateService:
         return await self.workers.run(self.store.gc, live_layers)
 
     async def close(self) -> None:
-        """Daemon shutdown: builds under way end now, their QEMU destroyed
-        while the workers still run (a build left to asyncio's last cancel
-        could not clean up: its QEMU, VM dir and cgroups would outlive the
-        daemon until the next one's sweep_builds)."""
-        builds = list(self._building.values())
-        for fut in builds:
-            fut.cancel()
-        await asyncio.gather(*builds, return_exceptions=True)
+        """Daemon shutdown: builds under way end at their next step (a boot
+        or snapshot at once), their QEMU destroyed while the workers still
+        run (a build left to asyncio's last cancel could not clean up: its
+        QEMU, VM dir and cgroups would outlive the daemon until the next
+        one's sweep_builds)."""
+        self._stopping.set()
+        await asyncio.gather(*self._building.values(), return_exceptions=True)
 
     def sweep_builds(self) -> None:
         """Blocking, at the daemon's start: what a build interrupted by a

@@ -179,6 +179,83 @@ def test_a_daemon_stop_ends_a_template_build_under_way():
     assert destroyed == [".template-" + "k" * 16]
 
 
+@pytest.mark.parametrize("slow_step", ["create", "commit"])
+def test_a_daemon_stop_during_a_build_step_in_a_worker_cleans_up_after_it(slow_step):
+    """A stop that came while the build's QEMU was being created left that
+    QEMU running (the clean-up found no handle yet); one that came while
+    the template was committed destroyed the VM dir and closed the RAM fd
+    under the commit. The step now ends first, and the clean-up after it
+    knows what it made."""
+    import asyncio
+    import os
+    import threading
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from dsecd.engine.vmtemplates import TemplateService
+    from dsecd.engine.workers import Workers
+
+    events = []
+    in_step, go_on = threading.Event(), threading.Event()
+
+    def slow(what):
+        events.append(f"{what} begins")
+        in_step.set()
+        go_on.wait(10)
+        events.append(f"{what} ends")
+
+    class Backend:
+        def create(self, name, *args):
+            if slow_step == "create":
+                slow("create")
+            return SimpleNamespace(vm_dir=Path("/nonexistent"))     # only joined
+
+        async def connect(self, *args):
+            pass
+
+        async def snapshot(self, handle, state):
+            pass
+
+        def stop(self, name, handle):
+            pass
+
+        def destroy(self, name, handle):
+            events.append(f"destroy {handle is not None}")
+
+    class Store:
+        def get(self, key):
+            return None
+
+        def commit(self, key, ram, state, meta):
+            slow("commit")
+            os.close(ram)                       # taken over, as the real store's
+            return SimpleNamespace(meta={})
+
+    async def main():
+        workers = Workers(2)
+        workers.start(asyncio.get_running_loop())
+        service = TemplateService(Backend(), Store(), workers, 60.0, 0)
+        limits = SimpleNamespace(memory_bytes=4 * MIB)
+        creating = asyncio.ensure_future(service.get("k" * 64, [], [], limits, 1 << 20))
+        while not in_step.is_set():
+            assert not creating.done(), creating.exception()
+            await asyncio.sleep(0.01)
+        closing = asyncio.ensure_future(service.close())
+        await asyncio.sleep(0.2)
+        go_on.set()
+        await closing
+        workers.shutdown()
+        return creating
+
+    creating = asyncio.run(main())
+    if slow_step == "create":       # a boot that never starts
+        with pytest.raises(templates.TemplateError, match="not built: the daemon is stopping"):
+            creating.result()
+    else:                           # committed whole: the next daemon has it
+        assert creating.result() is not None
+    assert events == [f"{slow_step} begins", f"{slow_step} ends", "destroy True"], events
+
+
 def test_a_cancelled_wait_for_the_guest_ends_its_channel_task():
     """A create or template build cancelled while its guest boots: the task
     that waits for the monitor and the agent ends with it, instead of failing
