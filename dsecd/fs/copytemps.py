@@ -75,10 +75,17 @@ class CopyTemps:
                 continue
             try:
                 rec = json.loads(path.read_text())
-                out.append((path, rec if {"sandbox", "path", "dev", "ino"} <= set(rec) else None))
             except (OSError, ValueError):
-                out.append((path, None))
+                rec = None
+            out.append((path, rec if _well_formed(rec) else None))
         return out
+
+
+def _well_formed(rec) -> bool:
+    """Whether a loaded record has the fields add writes, of their types (a
+    damaged one must not stop the daemon's start)."""
+    return (isinstance(rec, dict) and isinstance(rec.get("sandbox"), str) and isinstance(rec.get("path"), str)
+            and isinstance(rec.get("dev"), int) and isinstance(rec.get("ino"), int))
 
 
 def remove_if_same(rootfd: int, path: str, dev: int, ino: int) -> bool:

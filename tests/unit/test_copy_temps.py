@@ -42,7 +42,11 @@ def test_a_half_written_or_unreadable_record_is_not_acted_on(tmp_path):
     temps = CopyTemps(tmp_path)
     (tmp_path / "sb.1.part").write_text("{")
     (tmp_path / "sb.2.json").write_text("{not json")
-    assert temps.load() == [(tmp_path / "sb.2.json", None)]
+    # Damaged into other JSON: a start that loads it failed on it.
+    (tmp_path / "sb.3.json").write_text('["sandbox", "path", "dev", "ino"]')
+    (tmp_path / "sb.4.json").write_text("5")
+    (tmp_path / "sb.5.json").write_text('{"sandbox": "sb", "path": 7, "dev": 1, "ino": 2}')
+    assert temps.load() == [(tmp_path / f"sb.{n}.json", None) for n in (2, 3, 4, 5)]
     assert not (tmp_path / "sb.1.part").exists()
     assert CopyTemps(tmp_path / "missing").load() == []
 
