@@ -88,9 +88,13 @@ class FileService:
     async def read(self, req, ctx) -> dict:
         chunk = self.max_chunk
         length = chunk if req.length is None else req.length
-        if not 0 <= length <= chunk or req.offset < 0:
-            raise LimitExceeded(f"file_read length must be in [0, {chunk}] and offset >= 0; read in chunks",
-                                {"max_file_chunk_bytes": chunk})
+        where = f"read {req.sandbox}:{req.path}"
+        if length < 0 or req.offset < 0:
+            raise BadRequest(f"{where}: offset and length must be >= 0, got offset {req.offset} length {length}",
+                             {"path": req.path})
+        if length > chunk:
+            raise LimitExceeded(f"{where}: length {length} exceeds {chunk}; read in chunks at their offsets",
+                                {"max_file_chunk_bytes": chunk, "path": req.path})
         if req.length is None:        # a VM's agent is sent the length: the default's, given
             req = dataclasses.replace(req, length=length)
         out = await self._file_op(req, "read", sbfiles.read_file, req.path, req.offset, length)
@@ -103,13 +107,15 @@ class FileService:
 
     async def write(self, req, ctx) -> dict:
         chunk = self.max_chunk
+        where = f"write {req.sandbox}:{req.path}"
         if len(req.data) > chunk:
-            raise LimitExceeded(f"file_write data of {len(req.data)} bytes exceeds {chunk}; write in chunks "
-                                "with append=true", {"max_file_chunk_bytes": chunk})
+            raise LimitExceeded(f"{where}: data of {len(req.data)} bytes exceeds {chunk}; write in chunks at "
+                                "their offsets (or with append=true)", {"max_file_chunk_bytes": chunk,
+                                                                         "path": req.path})
         if not 0 <= req.mode <= 0o7777:
-            raise BadRequest(f"mode must be in [0, 0o7777], got {req.mode:#o}")
+            raise BadRequest(f"{where}: mode must be in [0, 0o7777], got {req.mode:#o}", {"path": req.path})
         if req.offset is not None and (req.append or req.offset < 0):
-            raise BadRequest(f"offset must be >= 0 and not given with append, got offset {req.offset} "
+            raise BadRequest(f"{where}: offset must be >= 0 and not given with append, got offset {req.offset} "
                              f"append {req.append}")
         keep = req.append or req.offset is not None
         sb = self.registry.get(req.sandbox, req)
