@@ -14,6 +14,7 @@ otherwise.
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import threading
 import time
@@ -266,6 +267,10 @@ def test_files(box):
     assert sb.read_file("/work/conf/a/b/f.txt") == b"hello world"
     sb.write_file("/work/conf/big", os.urandom(6 << 20) + b"end", atomic=False)    # past one chunk
     assert sb.read_file("/work/conf/big")[-3:] == b"end"
+    data = os.urandom(9 << 20)
+    assert sb.write_file("/work/conf/big", io.BytesIO(data)) == len(data)             # streamed both ways
+    out = io.BytesIO()
+    assert sb.read_file_to("/work/conf/big", out) == len(data) and out.getvalue() == data
     sb.remove("/work/conf/big")
     st = sb.stat("/work/conf/a/b/f.txt")
     assert (st["type"], st["size"]) == ("file", 11)
