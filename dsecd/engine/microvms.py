@@ -1009,6 +1009,7 @@ class MicroVMService:
         if op == "file_rename":
             src = _check(req.src, f"rename {sb.id}:{req.src} -> {req.dst}")
             dst = _check(req.dst, f"rename {sb.id}:{req.src} -> {req.dst}")
+            _refuse_root("rename", f"{sb.id}:{src} -> {dst}", src, dst)
             flags = ((wire.RENAME_OVERWRITE if req.overwrite else 0)
                      | (wire.RENAME_KEEP_ATTRS if req.keep_attrs else 0))
             if req.keep_attrs:             # an atomic write's: as a container's (sbfiles.rename)
@@ -1023,8 +1024,7 @@ class MicroVMService:
             size, data = r.u64(), r.bytes()
             return {"data": data, "size": size, "eof": req.offset + len(data) >= size}
         if op == "file_write":
-            if path == "/":
-                raise BadRequest("cannot write to /")
+            _refuse_root("write", f"{sb.id}:{path}", path)
             flags = ((wire.WRITE_APPEND if req.append else 0) | (wire.WRITE_PARENTS if req.parents else 0)
                      | (wire.WRITE_KEEP if req.offset is not None else 0))
             where = f"{sb.id}:{path}"
@@ -1056,8 +1056,7 @@ class MicroVMService:
                                  wire.u64(req.mode))
             return {"path": path, "created": bool(r.u64())}
         if op == "file_remove":
-            if path == "/":
-                raise BadRequest("cannot remove /")
+            _refuse_root("remove", f"{sb.id}:{path}", path)
             r = await self._file(sb, "remove", path, wire.REMOVE, wire.bstr(path),
                                  wire.u64(1 if req.recursive else 0))
             return {"path": path, "removed": r.u64()}
@@ -1218,6 +1217,14 @@ def _check(path: str, what: str = "") -> str:
         return sbfiles.check_path(path)
     except sbfiles.PathError as err:
         raise BadRequest(f"{what}: {err}" if what else str(err), {"path": path}) from err
+
+
+def _refuse_root(verb: str, where: str, *paths: str) -> None:
+    """BadRequest, as a container's file ops give it, if one of `paths` is /."""
+    try:
+        sbfiles.refuse_root(verb, *paths)
+    except sbfiles.PathError as err:
+        raise BadRequest(f"{verb} {where}: {err}", {"path": where.partition(":")[2]}) from err
 
 
 def _run_over(sb: Sandbox, link, run) -> None:

@@ -44,6 +44,18 @@ def _open(rootfd: int, path: str, flags: int, mode: int = 0) -> int:
     return native.openat2(rootfd, path, flags | os.O_CLOEXEC, mode, RESOLVE)
 
 
+# What a write, remove or rename may not do to the sandbox's root, in the
+# words both backends give (the microVM's checks it before its agent does).
+_ROOT_REFUSED = {"write": "cannot write to /", "remove": "refusing to remove / (remove what is under it instead)",
+                 "rename": "cannot rename / or onto /"}
+
+
+def refuse_root(verb: str, *paths: str) -> None:
+    """PathError if one of the checked `paths` is / (verb: write, remove or rename)."""
+    if "/" in paths:
+        raise PathError(_ROOT_REFUSED[verb])
+
+
 def _split(path: str) -> tuple[str, str]:
     parent, _, name = path.rpartition("/")
     return parent or "/", name
@@ -137,8 +149,7 @@ def open_for_write(rootfd: int, path: str, append: bool, keep: bool, mode: int, 
     then fills. The truncation waits for the checks, so a FIFO or a kernel
     file is never truncated."""
     path = check_path(path)
-    if path == "/":
-        raise PathError("cannot write to /")
+    refuse_root("write", path)
     if parents:
         make_parents(rootfd, path)
     flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | (os.O_APPEND if append else 0)
@@ -301,8 +312,7 @@ def remove(rootfd: int, path: str, recursive: bool) -> dict:
     """rm (-r with `recursive`). A symlink is removed, never followed, at any
     depth: what a sandbox points elsewhere is not the daemon's to delete."""
     path = check_path(path)
-    if path == "/":
-        raise PathError("refusing to remove / (remove what is under it instead)")
+    refuse_root("remove", path)
     parent, name = _split(path)
     pfd = _open(rootfd, parent, os.O_PATH | os.O_DIRECTORY)
     try:
@@ -345,8 +355,7 @@ def rename(rootfd: int, src: str, dst: str, overwrite: bool, keep_attrs: bool = 
     owner, group and mode first: what an atomic write_file needs to look,
     from the sandbox, like a write in place."""
     src, dst = check_path(src), check_path(dst)
-    if "/" in (src, dst):
-        raise PathError("cannot rename / or onto /")
+    refuse_root("rename", src, dst)
     (sparent, sname), (dparent, dname) = _split(src), _split(dst)
     sfd = _open(rootfd, sparent, os.O_PATH | os.O_DIRECTORY)
     try:

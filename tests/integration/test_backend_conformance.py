@@ -312,6 +312,16 @@ def test_file_errors(box):
         sb.write_file("/no/such/f", b"x", parents=False)
     assert err.value.code == "not_found" and err.value.detail["errno"] == "ENOENT"
     assert "/no/such/f" in err.value.message and ".dsec-" not in f"{err.value} {err.value.detail}"
+    # The root, in the same words everywhere (a microVM's said less, or left it to its agent).
+    for call, message, path in [
+            (lambda: sb.write_file("/", b"x", atomic=False), f"write {sb.id}:/: cannot write to /", "/"),
+            (lambda: sb.remove("/", recursive=True),
+             f"remove {sb.id}:/: refusing to remove / (remove what is under it instead)", "/"),
+            (lambda: sb.rename("/work", "/", overwrite=True),
+             f"rename {sb.id}:/work -> /: cannot rename / or onto /", "/work -> /")]:
+        with pytest.raises(DsecError) as err:
+            call()
+        assert (err.value.code, err.value.message, err.value.detail) == ("bad_request", message, {"path": path})
 
 
 def test_an_atomic_write_does_not_replace_a_device_or_fifo(box):
