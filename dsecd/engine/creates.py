@@ -5,6 +5,8 @@ itself (create_now). `create` here, in order:
    with the same sandbox (or waits for the create still making it); the key
    is journaled with the sandbox, so this holds across a daemon restart. A
    key is free again once its sandbox is destroyed or its create failed.
+   A key stands for one create: given again with other arguments (another
+   image, shape, env...) it is a conflict, not the first one's sandbox.
 2. **warm pool**: a create that matches a pool's (image, shape) takes one of
    its ready sandboxes: labels, env, cwd, user, TTLs, lease and key are set
    on it, and it is out of the pool for good (never handed out twice).
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -36,14 +39,23 @@ import re
 import secrets
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from .. import cgroup, imageconfig, protocol, userns
 from ..admission import CreateQueue
 from ..backends.microvm.backend import upper_cap
 from ..config import ConfigError, parse_duration, parse_size
 from ..cpu.manager import CpuHost
-from ..errors import BadRequest, Busy, DsecError, NotFound, Unsupported, image_error, io_error
+from ..errors import (
+    BadRequest,
+    Busy,
+    Conflict,
+    DsecError,
+    NotFound,
+    Unsupported,
+    image_error,
+    io_error,
+)
 from ..fs import files as sbfiles
 from ..fs import upper as upperfs
 from ..fs import users
@@ -150,6 +162,14 @@ def check_hostname(name: str) -> None:
                          "ending with a letter or digit (e.g. web-1 or db.internal)", {"hostname": name})
 
 
+def create_args_digest(req) -> str:
+    """A digest of a create's arguments besides its key, as sent: a retry of
+    the same create has the same (the SDK and the CLI send the same request
+    again), another create under the same key has not."""
+    args = {k: v for k, v in asdict(req).items() if k != "key"}
+    return hashlib.sha256(json.dumps(args, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
 def pool_name(image: str, cpu: float, memory: int) -> str:
     """`image` in its canonical form (ImageStore.key): `python:3.11` and
     `docker.io/library/python:3.11` are one pool. The shape is exact (memory
@@ -193,6 +213,8 @@ class CreateService:
         self._pools_path = cfg.state_dir / "pools.json"
         self._pool_task: asyncio.Task | None = None
         self._refills: set[asyncio.Task] = set()
+        # key -> create_args_digest of the create under way that took it.
+        self._key_args_creating: dict[str, str] = {}
         if images is not None:
             images.images.changed.append(self._image_changed)
 
@@ -272,22 +294,38 @@ class CreateService:
         keys = self.registry.keys
         known = keys.get(req.key)
         if isinstance(known, str) and known in self.registry.by_id:
-            return {**self.registry.by_id[known].public(), "existing": True}
+            sb = self.registry.by_id[known]
+            self._same_create(req, sb.key_args, f"sandbox {sb.id}, of image {sb.image}")
+            return {**sb.public(), "existing": True}
         if isinstance(known, asyncio.Future):
+            self._same_create(req, self._key_args_creating.get(req.key), "a create under way")
             return {**await asyncio.shield(known), "existing": True}
         fut = self.workers.loop.create_future()
         keys[req.key] = fut
+        self._key_args_creating[req.key] = create_args_digest(req)
         try:
             result = await self._create_admitted(req)
         except BaseException as err:
             keys.pop(req.key, None)
+            self._key_args_creating.pop(req.key, None)
             fut.set_exception(err if isinstance(err, Exception) else DsecError("create cancelled",
                                                                             code="conflict"))
             fut.exception()      # retrieved: nobody else may be waiting
             raise
         keys[req.key] = result["id"]
+        self._key_args_creating.pop(req.key, None)
         fut.set_result(result)
         return result
+
+    @staticmethod
+    def _same_create(req, key_args: str | None, first: str) -> None:
+        """Conflict if `req` reuses its key with other arguments than the
+        create that took it (`first`, for the message). A sandbox of an
+        older daemon's create has no digest: taken as the same."""
+        if key_args is not None and key_args != create_args_digest(req):
+            raise Conflict(f"create: key {req.key!r} was given to a create of other arguments ({first}); a key "
+                           "stands for one create: give the same arguments to get its sandbox, or another key",
+                           {"key": req.key})
 
     async def create_of(self, req, image: Image) -> dict:
         """A create from an image that may have no name (a Dockerfile build's
@@ -356,6 +394,7 @@ class CreateService:
             sb.labels = dict(req.labels)
             settings.apply(sb)
             sb.ttl, sb.idle_ttl, sb.lease, sb.key = ttl, idle_ttl, lease, req.key
+            sb.key_args = create_args_digest(req) if req.key else None
             sb.policy = self.policy_for_create(req.policy)
             sb.created = time.time()
             sb.last_active = time.monotonic()
@@ -765,7 +804,8 @@ class CreateService:
                      labels=dict(req.labels), hostname=hostname, qos=plan.qos, core_sched=plan.core_sched,
                      manifest=image.manifest, layers=image.layer_digests,
                      ttl=self._ttl(req), idle_ttl=parse_duration(req.idle_ttl, "idle_ttl"),
-                     lease=parse_duration(req.lease, "lease"), key=req.key, backend=backend,
+                     lease=parse_duration(req.lease, "lease"), key=req.key,
+                     key_args=create_args_digest(req) if req.key else None, backend=backend,
                      policy=self.policy_for_create(req.policy))
         if sb.lease:
             sb.lease_deadline = time.monotonic() + sb.lease

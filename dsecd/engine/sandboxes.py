@@ -77,6 +77,7 @@ class Sandbox:
     qos: str = "be"             # CPU class (dsecd/cpu/qos.py)
     core_sched: str = "off"     # on | off | unavailable
     key: str | None = None      # idempotency key of the create (dsecd/engine/creates.py)
+    key_args: str | None = None  # digest of that create's other arguments: a reuse must match them
     idmap: dict | None = None   # user-namespace id range (dsecd/userns.py); None = host ids
     procs: list = field(default_factory=list)   # background processes' records (dsecd/engine/procs.py)
     # Default task policy of its execs, {"name", "spec"} (dsecd/engine/policies.py); None: none.
@@ -110,7 +111,7 @@ class Sandbox:
                 "died": self.died, "qos": self.qos, "core_sched": self.core_sched,
                 "manifest": self.manifest, "layers": self.layers, "ttl": self.ttl,
                 "idle_ttl": self.idle_ttl, "lease": self.lease, "pause_record": self.pause_record,
-                "net": self.net, "key": self.key, "idmap": self.idmap, "procs": self.procs,
+                "net": self.net, "key": self.key, "key_args": self.key_args, "idmap": self.idmap, "procs": self.procs,
                 "policy": self.policy, "vm": self.vm}
 
     def public(self) -> dict:

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from dsecd import Client
-from dsecd.errors import BadRequest, Busy
+from dsecd.errors import BadRequest, Busy, Conflict
 
 
 def _live(client) -> list[dict]:
@@ -19,9 +19,16 @@ def _live(client) -> list[dict]:
 def test_same_key_same_sandbox_even_when_concurrent(daemon):
     async def run():
         async with Client(daemon.socket) as c:
-            sbs = await asyncio.gather(*(c.create("busybox", key="k-concurrent", memory="64M")
-                                         for _ in range(8)))
+            # One of another shape under the same key while the first is made: refused.
+            *sbs, odd = await asyncio.gather(*(c.create("busybox", key="k-concurrent", memory="64M")
+                                               for _ in range(8)),
+                                             c.create("busybox", key="k-concurrent", memory="96M"),
+                                             return_exceptions=True)
+            assert isinstance(odd, Conflict) and "other arguments" in odd.message, odd
             again = await c.create("busybox", key="k-concurrent", memory="64M")
+            with pytest.raises(Conflict, match=r"key 'k-concurrent' was given to a create of other arguments "
+                                               r"\(sandbox \w+, of image busybox\)"):
+                await c.create("busybox", key="k-concurrent", memory="64M", env={"A": "1"})
             other = await c.create("busybox", key="k-other", memory="64M")
             return sbs, again, other
 
@@ -53,6 +60,8 @@ def test_key_survives_a_daemon_restart(daemon_factory, busybox_rootfs):
     c = d.client()
     again = c.create("busybox", key="job7-task3", memory="64M")
     assert again.id == sb.id and again.info["existing"] is True
+    with pytest.raises(Conflict, match="other arguments"):      # what the key stood for was journaled too
+        c.create("busybox", key="job7-task3", memory="128M")
     assert len(_live(c)) == 1
     c.close()
 
