@@ -1267,7 +1267,7 @@ async def _cp_merged(a, sb, src: str, dst: str, upload: bool) -> int:
     if upload:
         held = posixpath.join(dst, landing)
         try:
-            r = await sb.upload_dir(src, held)
+            r = await sb.upload_dir(src, held, temporary=True)
         except DsecError as err:            # named as the user named it, not by the landing
             raise named_as(err, held, dst) from None
         try:
@@ -1490,7 +1490,7 @@ async def _cp_link_in(c: Client, a, src: str, sb_id: str, dst: str) -> bool:
     spool.seek(0)
     await sb.mkdir(parent, parents=True)      # as a file's copy makes them
     try:
-        await sb.upload_tar(spool, landing)
+        await sb.upload_tar(spool, landing, temporary=True)
         try:
             await sb.rename(posixpath.join(landing, name), dst, overwrite=True)
         finally:

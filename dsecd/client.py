@@ -1838,24 +1838,27 @@ class Sandbox:
         return _paths(await self.client.request("file_rename", sandbox=self.id, src=src, dst=dst,
                                                 overwrite=overwrite))
 
-    async def upload_dir(self, local: str, remote: str) -> dict:
+    async def upload_dir(self, local: str, remote: str, temporary: bool = False) -> dict:
         """Copy local directory `local` as the new directory `remote` in the
         sandbox (which must not exist), as a tar stream: symlinks stay
         symlinks, modes and mtimes are kept, owners become the sandbox's
         root. The daemon checks every entry and extracts beside `remote`,
         renaming into place at the end: a refused or failed copy leaves
         nothing. A FIFO, socket or device in `local` is refused before
-        anything is sent. Result: path, count (entries), bytes."""
+        anything is sent. With `temporary`, `remote` is a landing place this
+        client renames or removes later: in a container, the daemon removes
+        it if this client's connection closes first. Result: path, count
+        (entries), bytes."""
         with tempfile.TemporaryFile() as spool:
             await asyncio.to_thread(localcopy.pack, local, spool)
             spool.seek(0)
-            return await self.upload_tar(spool, remote)
+            return await self.upload_tar(spool, remote, temporary)
 
-    async def upload_tar(self, fileobj, remote: str) -> dict:
+    async def upload_tar(self, fileobj, remote: str, temporary: bool = False) -> dict:
         """Extract an uncompressed tar read from binary file `fileobj` (or
         given as bytes, as docker's put_archive takes it) as the new
         directory `remote` in the sandbox (see upload_dir: the daemon
-        checks every entry; a refused archive leaves nothing)."""
+        checks every entry; a refused archive leaves nothing; `temporary`)."""
         if isinstance(fileobj, (bytes, bytearray, memoryview)):
             fileobj = io.BytesIO(fileobj)
         elif not callable(getattr(fileobj, "read", None)):
@@ -1868,8 +1871,9 @@ class Sandbox:
         failed: list[Exception] = []           # the file object's own error
         feeder = asyncio.get_running_loop().create_task(self._feed_tar(rid, sent, fileobj, chunk, failed))
         try:
-            async with contextlib.aclosing(c.frames_with_id(rid, "file_tar_put",
-                                                            {"sandbox": self.id, "path": remote}, sent)) as frames:
+            # temporary: sent only when true (older daemons do not know it).
+            args = {"sandbox": self.id, "path": remote, **({"temporary": True} if temporary else {})}
+            async with contextlib.aclosing(c.frames_with_id(rid, "file_tar_put", args, sent)) as frames:
                 async for frame in frames:
                     if "__result__" in frame:
                         return frame["__result__"]

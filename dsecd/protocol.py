@@ -526,6 +526,9 @@ class FileWatch:
 class FileTarPut:
     sandbox: str
     path: str                    # the new directory; must not exist
+    # A client's landing directory, renamed or removed by it later: removed by
+    # the daemon if the client's connection closes first (containers).
+    temporary: bool = False
 
 
 @request("file_tar_input")

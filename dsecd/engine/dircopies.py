@@ -97,13 +97,16 @@ class DirCopyService:
     """`file_tar_put`, `file_tar_input`, `file_tar_get`. `ensure_running(sb,
     why)` resumes a paused sandbox first; `max_chunk` is
     limits.max_file_chunk_bytes, the most one frame carries; `copy_by_init`
-    starts a sandbox's copier (the backend's)."""
+    starts a sandbox's copier (the backend's); `hold_temporary(sb_id, path,
+    st, ctx)` (FileService's) records a put's directory that its client
+    named temporary, to be removed if the client goes before it does."""
 
     def __init__(self, registry: SandboxRegistry, workers: Workers, ensure_running, max_chunk: int,
                  max_entries: int, max_bytes: int, max_puts: int, idle_timeout: float, copy_by_init: CopyByInit,
-                 vms: MicroVMService | None = None, temps: CopyTemps | None = None):
+                 vms: MicroVMService | None = None, temps: CopyTemps | None = None, hold_temporary=None):
         self.registry = registry
         self.temps = temps              # where a put's temporary directory is recorded while it exists
+        self.hold_temporary = hold_temporary
         self.vms = vms                  # microVM sandboxes' copies run in their guests (MicroVMService)
         self.copy_by_init = copy_by_init
         self.workers = workers
@@ -142,12 +145,16 @@ class DirCopyService:
         ctx.register_input(pipe)
         busy(sb, +1)
         records: list = []
+        stats: list = []        # the new directory's stat (its inode, renamed into place, is the same)
         try:
             if sb.backend == "microvm":
                 return await self.vms.tar_put(sb, req.path, pipe, self.max_entries, self.max_bytes)
-            return await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap), tarcopy.put_tree,
-                                          sb.handle.rootfd, req.path, pipe, self.max_entries, self.max_bytes,
-                                          self._filler(sb, where), self._recorder(sb, records))
+            out = await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap), tarcopy.put_tree,
+                                         sb.handle.rootfd, req.path, pipe, self.max_entries, self.max_bytes,
+                                         self._filler(sb, where), self._recorder(sb, records, stats))
+            if req.temporary and stats and self.hold_temporary is not None:
+                self.hold_temporary(sb.id, req.path, stats[0], ctx)
+            return out
         except Exception as err:
             mapped = self.registry.destroyed_error(sb, f"copy into {where}") or self._error("copy into", where, err)
             if mapped is None:
@@ -162,15 +169,17 @@ class DirCopyService:
             self.puts -= 1
             busy(sb, -1)
 
-    def _recorder(self, sb: Sandbox, records: list):
+    def _recorder(self, sb: Sandbox, records: list, stats: list):
         """made(path, st) for put_tree: the temporary directory recorded (on
         the loop: the worker runs with the sandbox's fs ids, which may not
-        write the state dir), its record kept in `records`."""
+        write the state dir), its record kept in `records`, its stat in
+        `stats` (both before put_tree's result reaches the loop)."""
         if self.temps is None:
             return None
         loop = self.workers.loop
 
         def keep(path: str, st) -> None:
+            stats.append(st)
             rec = self.temps.record(sb.id, path, st)
             if rec is not None:
                 records.append(rec)

@@ -125,15 +125,8 @@ class FileService:
         fd = await self._file_op(req, "write", sbfiles.open_for_write, req.path, req.append, keep, req.mode,
                                  req.parents, opens=True)
         try:
-            if req.temporary and not keep and self.temps is not None and (sb.id, req.path) not in self._temp_records:
-                st = os.fstat(fd)
-                rec = self.temps.record(sb.id, req.path, st)
-                if rec is not None:
-                    # A client gone before its rename (killed, its connection
-                    # cut) will never finish the copy: its part goes at once.
-                    forget = ctx.at_close(functools.partial(self._temp_orphaned, sb.id, req.path, st.st_dev,
-                                                            st.st_ino))
-                    self._temp_records[(sb.id, req.path)] = (rec, forget)
+            if req.temporary and not keep:
+                self.hold_temporary(sb.id, req.path, os.fstat(fd), ctx)
             if req.offset is not None:
                 os.lseek(fd, req.offset, os.SEEK_SET)        # the copier writes from the fd's position
             await self._write_data(self.registry.get(req.sandbox, req), fd, req.data, f"{req.sandbox}:{req.path}")
@@ -220,6 +213,19 @@ class FileService:
                                   req.keep_attrs)
         self._drop_temp(req, req.src)
         return out
+
+    def hold_temporary(self, sb_id: str, path: str, st: os.stat_result, ctx) -> None:
+        """Record `path` of sandbox sb_id (inode `st`), made by a client under
+        a temporary name (a write's part, a directory copy's landing), until
+        that client renames or removes it: a client gone first (killed, its
+        connection cut) will never finish, and its part goes at once; one
+        left by the daemon's death goes at the next start (sweep_temps)."""
+        if self.temps is None or (sb_id, path) in self._temp_records:
+            return
+        rec = self.temps.record(sb_id, path, st)
+        if rec is not None:
+            forget = ctx.at_close(functools.partial(self._temp_orphaned, sb_id, path, st.st_dev, st.st_ino))
+            self._temp_records[(sb_id, path)] = (rec, forget)
 
     def _drop_temp(self, req, path: str) -> None:
         """A write's temporary `path` renamed or removed by its writer: its

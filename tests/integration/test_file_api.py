@@ -146,6 +146,50 @@ def test_a_client_killed_mid_write_has_its_temporary_file_removed_at_once(daemon
     assert not [n for n in os.listdir(daemon.state / "copy-temps") if n.startswith(sandbox.id)]
 
 
+_CUT_LANDER = """
+import asyncio, io, sys, tarfile, dsecd
+def tar():
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        info = tarfile.TarInfo("part.txt"); info.size = 4
+        tf.addfile(info, io.BytesIO(b"part"))
+    return buf.getvalue()
+async def main():
+    async with dsecd.Client(sys.argv[1]) as c:
+        sb = await c.get(sys.argv[2])
+        await sb.upload_tar(tar(), sys.argv[3], temporary=True)
+        await sb.upload_tar(tar(), sys.argv[4], temporary=True)
+        await sb.remove(sys.argv[4], recursive=True)        # its own, removed by itself: forgotten
+        print("landed", flush=True)
+        await asyncio.sleep(600)
+asyncio.run(main())
+"""
+
+
+def test_a_client_killed_mid_merge_has_its_landing_directory_removed(daemon, sandbox):
+    """`dsec cp -r DIR/. SB:/work/in` lands the tree in `.dsec-cp-*` inside
+    /work/in and merges it from there; killed in between, the landing
+    directory stayed in the user's directory for good. The daemon removes
+    it when the connection drops."""
+    sandbox.exec(["mkdir", "-p", "/work/in"])
+    lander = subprocess.Popen([sys.executable, "-c", _CUT_LANDER, daemon.socket, sandbox.id,
+                               "/work/in/.dsec-cp-1-aaaa", "/work/in/.dsec-cp-1-bbbb"],
+                              stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert lander.stdout.readline() == b"landed\n"
+        assert sorted(e["name"] for e in sandbox.list_files("/work/in")) == [".dsec-cp-1-aaaa"]
+        assert [n for n in os.listdir(daemon.state / "copy-temps") if n.startswith(sandbox.id)]
+    finally:
+        lander.send_signal(signal.SIGKILL)
+        lander.wait()
+        lander.stdout.close()
+    deadline = time.monotonic() + 10
+    while sandbox.list_files("/work/in"):
+        assert time.monotonic() < deadline, sandbox.list_files("/work/in")
+        time.sleep(0.05)
+    assert not [n for n in os.listdir(daemon.state / "copy-temps") if n.startswith(sandbox.id)]
+
+
 def test_names_that_are_not_utf8_list_and_copy_byte_exact(daemon, sandbox, tmp_path):
     """A name made in the sandbox of bytes that are not UTF-8 (`touch
     $'\\xff'`) broke `dsec ls` (an internal error) and every file call
