@@ -88,6 +88,10 @@ POOL_JOB = "dsec.pool"
 BUILD_LABEL = "dsec.build"       # on every build sandbox (engine/builds.py): the image being built
 
 
+REFILL_BACKOFF_MIN_S = 1.0
+REFILL_BACKOFF_MAX_S = 60.0
+
+
 @dataclass
 class Pool:
     name: str
@@ -106,6 +110,18 @@ class Pool:
     # Monotonic times of the matching creates (its demand), taken from it or not.
     takes: deque = field(default_factory=lambda: deque(maxlen=4096))
     image_changes: int = 0       # how often its image name was rebuilt or removed (this daemon)
+    # After a refill failed for a reason that is no full host (its image gone):
+    # no refill before retry_at (monotonic), backing off 1 s, 2 s ... 60 s.
+    backoff: float = 0.0
+    retry_at: float = 0.0
+
+    def refill_failed(self) -> None:
+        self.backoff = min(max(2 * self.backoff, REFILL_BACKOFF_MIN_S), REFILL_BACKOFF_MAX_S)
+        self.retry_at = time.monotonic() + self.backoff
+
+    def refill_may_work(self) -> None:
+        """A refill worked, or its image changed: refills go on at once."""
+        self.backoff = self.retry_at = 0.0
 
     def target(self, window: float) -> int:
         """min, plus the matching creates of the last `window` seconds (demand), up to max."""
@@ -447,6 +463,7 @@ class CreateService:
             pool = self.pools[name] = Pool(name=name, image=req.image, cpu=cpu, memory=memory,
                                            min=req.min, max=req.max)
         pool.min, pool.max, pool.error = req.min, req.max, None
+        pool.refill_may_work()              # set again: tried again now
         self._save_pools()
         # Shrink now: ready sandboxes past max go (a pool with max 0 is removed).
         while len(pool.ready) > pool.max:
@@ -480,6 +497,8 @@ class CreateService:
             await asyncio.sleep(interval)
             budget = min(budget + self.pool_cfg["refill_per_s"] * interval, self.pool_cfg["refill_per_s"])
             for pool in list(self.pools.values()):
+                if pool.retry_at > time.monotonic():       # failing: not 20 failed creates a second
+                    continue
                 need = pool.target(self.pool_cfg["demand_window_s"]) - len(pool.ready) - pool.creating
                 if need <= 0 and pool.error_is_busy:      # full or not, it no longer waits for room
                     pool.error, pool.error_is_busy = None, False
@@ -501,6 +520,7 @@ class CreateService:
                 if self.image_service.images.key(pool.image) != key:
                     continue
                 pool.image_changes += 1
+                pool.refill_may_work()          # a missing image may be there now
                 while pool.ready:
                     sb = self.registry.by_id.get(pool.ready.popleft())
                     if sb is not None:
@@ -521,13 +541,15 @@ class CreateService:
             return
         except DsecError as err:
             pool.failed += 1
+            pool.refill_failed()
             if pool.error != str(err):
-                log.error("refill pool %s: %s", pool.name, err)
+                log.error("refill pool %s: %s; trying again in %.0fs", pool.name, err, pool.backoff)
             pool.error, pool.error_is_busy = str(err), False
             return
         finally:
             pool.creating -= 1
         pool.created += 1
+        pool.refill_may_work()
         pool.error, pool.error_is_busy = None, False      # what failed before (its image gone, say) no longer does
         if self.pools.get(pool.name) is pool and len(pool.ready) < pool.max and pool.image_changes == image_changes:
             pool.ready.append(result["id"])

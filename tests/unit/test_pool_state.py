@@ -124,3 +124,48 @@ def test_pools_that_cannot_be_saved_under_new_names_do_not_stop_the_start(tmp_pa
     svc = asyncio.run(run())
     assert list(svc.pools) == [now]
     assert "No space left on device" in caplog.text and str(pools) in caplog.text
+
+
+def test_a_pool_whose_refills_fail_backs_off():
+    """A pool whose image was removed made ~20 failed creates a second, for
+    as long as the daemon ran. Its refills now back off (1 s, 2 s, ... 60
+    s), and go on at once when its image changes or a refill works."""
+    from dsecd.engine.creates import REFILL_BACKOFF_MAX_S, Pool
+    from dsecd.errors import NotFound
+
+    pool = Pool(name="p", image="gone", cpu=1.0, memory=1 << 20, min=2, max=2)
+    tries = []
+
+    async def run():
+        svc = object.__new__(CreateService)
+        svc.pools = {"p": pool}
+        svc.pool_cfg = {"refill_interval_s": 0.01, "refill_per_s": 100.0, "demand_window_s": 60.0}
+
+        class Slot:
+            async def __aenter__(self):
+                pass
+
+            async def __aexit__(self, *exc):
+                pass
+
+        svc.admission = SimpleNamespace(queued=0, max_queued=100, slot=lambda job: Slot())
+        svc._refills = set()
+        svc.workers = SimpleNamespace(loop=asyncio.get_running_loop())
+
+        async def create_now(req, image):
+            tries.append(req.image)
+            raise NotFound("no image 'gone'")
+
+        svc.create_now = create_now
+        loop = asyncio.ensure_future(svc._refill_loop())
+        await asyncio.sleep(0.5)
+        loop.cancel()
+
+    asyncio.run(run())
+    assert 1 <= len(tries) <= 2, len(tries)       # one round (two refills at most), then 1 s of nothing
+    assert pool.failed == len(tries) and pool.backoff >= 1.0 and "no image" in pool.error
+    for _ in range(10):
+        pool.refill_failed()
+    assert pool.backoff == REFILL_BACKOFF_MAX_S
+    pool.refill_may_work()
+    assert (pool.backoff, pool.retry_at) == (0.0, 0.0)
