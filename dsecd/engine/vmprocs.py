@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import errno
 import logging
+import signal
 import struct
 import time
 
@@ -211,9 +212,11 @@ class VmProcs:
         return pid, rec
 
     def _kill_orphan(self, link: AgentLink, fut: asyncio.Future) -> None:
+        """A process start whose request was abandoned: the process it started
+        (the answer's pid), which nobody will ever name, is killed."""
         if fut.cancelled() or fut.exception() is not None or link.closed:
             return
-        self._send_quietly(link, wire.PROC_KILL, wire.u64(fut.result().u64()), wire.u64(9))
+        self._send_quietly(link, wire.PROC_KILL, wire.u64(fut.result().u64()), wire.u64(signal.SIGKILL))
 
     async def attach(self, sb: Sandbox, proc) -> None:
         """Follow a process just started, from its first byte."""
