@@ -387,15 +387,28 @@ class Plumbing:
         return [n for n in names if n.startswith(prefix)]
 
 
-    def local_addresses(self) -> list:
+    def local_addresses(self, broadcasts: bool = False) -> list:
         """The addresses of every interface of the bridge netns (the host
-        side: its uplink's, the gateways, any other), as ipaddress objects."""
+        side: its uplink's, the gateways, any other), as ipaddress objects.
+        broadcasts: with the IPv4 broadcast addresses of their subnets (and
+        any IFA_BROADCAST given), which the host takes as its own from
+        whichever interface a datagram comes."""
         import ipaddress
 
         ipr = IPRoute(fileno=netlink_socket(self.ns_path).detach(), groups=0)
         try:
-            return [ipaddress.ip_address(a.get_attr("IFA_ADDRESS")) for a in ipr.get_addr()
-                    if a.get_attr("IFA_ADDRESS")]
+            out = []
+            for a in ipr.get_addr():
+                if not a.get_attr("IFA_ADDRESS"):
+                    continue
+                addr = ipaddress.ip_address(a.get_attr("IFA_ADDRESS"))
+                out.append(addr)
+                if broadcasts and addr.version == 4 and not addr.is_loopback:
+                    if a["prefixlen"] < 31:
+                        out.append(ipaddress.ip_interface(f"{addr}/{a['prefixlen']}").network.broadcast_address)
+                    if a.get_attr("IFA_BROADCAST"):
+                        out.append(ipaddress.ip_address(a.get_attr("IFA_BROADCAST")))
+            return list(dict.fromkeys(out))
         finally:
             ipr.close()
 

@@ -125,6 +125,40 @@ def test_an_address_the_host_gains_is_fenced_at_once(iworld, natd):
         assert time.monotonic() < deadline, c.info()["net"]["fences"]
 
 
+@pytest.mark.attack
+def test_a_broad_udp_rule_reaches_no_broadcast_address_of_the_host(iworld, natd, probe_binary):
+    """The host takes a datagram to the broadcast address of any of its
+    subnets (here the uplink's, 198.18.x.255) as its own, from whichever
+    interface it comes: a UDP service of the host bound to every address
+    gets it, and can answer. `0.0.0.0/0:7777/udp` is the internet's port
+    7777, not the host's."""
+    from attack_kit import install_probe, outcome
+
+    d, c = natd
+    received = []
+
+    def bind() -> socket.socket:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("0.0.0.0", 7777))
+        s.settimeout(3)
+        return s
+
+    host_service = iworld.in_bridge_netns(bind)
+    try:
+        sb = c.create(image="busybox", net="default", allow=["0.0.0.0/0:7777/udp"])
+        install_probe(sb, probe_binary)
+        broadcast = iworld.inet_net.replace(".0/24", ".255")
+        assert outcome(sb, "udp", broadcast, "7777") == "EPERM"
+        assert outcome(sb, "udp", iworld.uplink_addr, "7777") == "EPERM"
+        with pytest.raises(TimeoutError):
+            received.append(host_service.recvfrom(100))
+        assert received == []
+        assert outcome(sb, "udp", iworld.inet, "7777") == "ok"           # the rule itself works
+        assert broadcast in c.info()["net"]["fences"]["host_addresses"]
+    finally:
+        host_service.close()
+
+
 def test_uplink_off_is_unreachable(iworld, daemon_factory, busybox_rootfs):
     cfg = dict(iworld.cfg, ipv4_pool=f"10.{iworld.octet}.4.0/24")
     d = daemon_factory(_toml_net(cfg))
