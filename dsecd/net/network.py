@@ -172,14 +172,15 @@ class Network:
     def _host_nets(self) -> list:
         """Each address of the host side (the bridge's netns: its uplink's,
         any other interface's, as they are now) that is not the gateway, and
-        the broadcast address of each of their IPv4 subnets (a datagram there
-        reaches the host's UDP services as one to its own address does), as
-        a one-address network. With the gateway and the pool they are the
+        the broadcast address of each of their IPv4 subnets and the
+        subnet-router anycast of each IPv6 prefix (a datagram there reaches
+        the host's UDP services as one to its own address does), as a
+        one-address network. With the gateway and the pool they are the
         fences: a sandbox reaches them only through a rule naming them or a
         narrower range, never through a broader one (`0.0.0.0/0:443` is the
         internet's HTTPS, not another sandbox's or the host's services)."""
         out = []
-        for addr in self.plumbing.local_addresses(broadcasts=True):
+        for addr in self.plumbing.local_addresses(subnets=True):
             if not (addr.is_loopback or addr.is_link_local or any(addr in n for n in self.own_nets + self._scoped)):
                 out.append(ipaddress.ip_network(addr))
         return out

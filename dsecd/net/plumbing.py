@@ -387,12 +387,14 @@ class Plumbing:
         return [n for n in names if n.startswith(prefix)]
 
 
-    def local_addresses(self, broadcasts: bool = False) -> list:
+    def local_addresses(self, subnets: bool = False) -> list:
         """The addresses of every interface of the bridge netns (the host
         side: its uplink's, the gateways, any other), as ipaddress objects.
-        broadcasts: with the IPv4 broadcast addresses of their subnets (and
-        any IFA_BROADCAST given), which the host takes as its own from
-        whichever interface a datagram comes."""
+        subnets: with the addresses of their subnets the host also takes as
+        its own, from whichever interface a packet comes: each IPv4 subnet's
+        broadcast (and any IFA_BROADCAST given), and each IPv6 prefix's
+        subnet-router anycast (the prefix itself, answered while the host
+        forwards IPv6)."""
         import ipaddress
 
         ipr = IPRoute(fileno=netlink_socket(self.ns_path).detach(), groups=0)
@@ -403,11 +405,15 @@ class Plumbing:
                     continue
                 addr = ipaddress.ip_address(a.get_attr("IFA_ADDRESS"))
                 out.append(addr)
-                if broadcasts and addr.version == 4 and not addr.is_loopback:
-                    if a["prefixlen"] < 31:
-                        out.append(ipaddress.ip_interface(f"{addr}/{a['prefixlen']}").network.broadcast_address)
-                    if a.get_attr("IFA_BROADCAST"):
-                        out.append(ipaddress.ip_address(a.get_attr("IFA_BROADCAST")))
+                if not subnets or addr.is_loopback:
+                    continue
+                net = ipaddress.ip_interface(f"{addr}/{a['prefixlen']}").network
+                if addr.version == 4 and net.prefixlen < 31:
+                    out.append(net.broadcast_address)
+                elif addr.version == 6 and net.prefixlen < 127:
+                    out.append(net.network_address)
+                if a.get_attr("IFA_BROADCAST"):
+                    out.append(ipaddress.ip_address(a.get_attr("IFA_BROADCAST")))
             return list(dict.fromkeys(out))
         finally:
             ipr.close()

@@ -270,6 +270,43 @@ def test_a_broad_rule_reaches_no_link_local_multicast_or_broadcast_address(world
     c.destroy_all(force=True)
 
 
+@pytest.mark.attack
+def test_a_broad_ipv6_rule_reaches_no_subnet_router_anycast_of_the_host(world, netd, probe_binary):
+    """A host that forwards IPv6 answers the subnet-router anycast address
+    of each of its prefixes (the prefix with an all-zero interface id, here
+    the bridge's own fd00:x::) as one of its own: a UDP service of the host
+    bound to every address gets a datagram sent there. `[::/0]:7777/udp` is
+    the internet's port 7777, not the host's."""
+    import socket
+
+    from attack_kit import install_probe, outcome
+
+    d, c = netd
+    forwarding = ["ip", "netns", "exec", world.br_ns, "sysctl", "-qw"]
+    subprocess.run([*forwarding, "net.ipv6.conf.all.forwarding=1"], check=True)
+
+    def bind() -> socket.socket:
+        s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+        s.bind(("::", 7777))
+        s.settimeout(3)
+        return s
+
+    host_service = world.in_bridge_netns(bind)
+    try:
+        sb = c.create(image="busybox", memory="64M", net="default", allow=["[::/0]:7777/udp"])
+        install_probe(sb, probe_binary)
+        anycast = world.subnet6.split("/")[0]
+        assert outcome(sb, "udp", anycast, "7777") == "EPERM"
+        with pytest.raises(TimeoutError):
+            host_service.recvfrom(100)
+        assert outcome(sb, "udp", world.pkg6, "7777") == "ok"            # the rule itself works
+        assert anycast in c.info()["net"]["fences"]["host_addresses"]
+    finally:
+        host_service.close()
+        subprocess.run([*forwarding, "net.ipv6.conf.all.forwarding=0"], check=True)
+        c.destroy_all(force=True)
+
+
 def test_kill9_after_net_set_keeps_rule_and_restart_compiles_nothing(world, netd):
     """An answered net_set is in the record log (one write(2) to an open fd, in the
     page cache before the answer): a kill -9 right after it loses nothing. The
