@@ -148,6 +148,7 @@ class NetworkService:
         except (OSError, ValueError) as err:
             self.dns_error = str(err)
             log.error("the sandboxes' resolver did not start (name rules resolve nothing): %s", err)
+            await self.workers.run(net.resolver_gone)
 
     def _build_network(self, live: dict):
         """Build, then re-adopt the live sandboxes' networking and free what the records

@@ -234,6 +234,20 @@ class Network:
             log.error("sandbox %s: fence the host's addresses %s in its egress policy: %s; retried",
                       sb_id, ", ".join(str(n) for n in self.host_nets), err)
 
+    def resolver_gone(self) -> None:
+        """The resolver did not start: gateway:53 is open to sandboxes for
+        it alone, and whatever else listens there (a host's own DNS server
+        bound to every address) is a service of the host like any other.
+        Every sandbox's policy is compiled again without it."""
+        with self._lock:
+            if self.resolver_rule is None:
+                return
+            self.resolver_rule = None
+            todo = sorted(self._sbs)
+        for sb_id in todo:
+            with self._lock:
+                self._refence(sb_id)
+
     def fences_pending(self) -> bool:
         """Whether some sandbox's policy still misses the fences' last change."""
         return bool(self._stale_fences)

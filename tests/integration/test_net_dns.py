@@ -9,7 +9,7 @@ leaves the namespaces the test made.
 import time
 
 import pytest
-from attack_kit import PROBE_IN_SANDBOX, install_probe
+from attack_kit import PROBE_IN_SANDBOX, install_probe, outcome
 from dns_kit import Dnsmasq, addresses, dns_config, nslookup
 from test_net_daemon import _toml_net, connect
 from test_net_kit import bpf_skip_reason
@@ -133,6 +133,41 @@ def test_a_sandbox_flooding_the_resolver_is_held_to_its_rate(world, upstream, da
     shown = d.cli("net", "show", flood.id).stdout.decode()
     assert "over net.dns_rate_per_s went unanswered" in shown, shown
     c.close()
+
+
+@pytest.mark.attack
+def test_a_resolver_that_did_not_start_opens_nothing_on_the_gateway(world, daemon_factory, busybox_rootfs,
+                                                                     probe_binary):
+    """Something of the host listens on port 53 of every address (a host's own
+    dnsmasq): the resolver cannot bind the gateway's. Gateway:53 is open to
+    sandboxes for dsecd's resolver; what listens there now is not it, and a
+    sandbox reaches it no more than any other service of the host."""
+    import socket
+
+    def bind() -> socket.socket:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("0.0.0.0", 53))
+        s.settimeout(3)
+        return s
+
+    host_service = world.in_bridge_netns(bind)
+    try:
+        cfg = dict(world.cfg, ipv4_pool=f"10.{world.octet}.7.0/24", rule_sets={})
+        d = daemon_factory(_toml_net(cfg))
+        c = d.client()
+        c.import_image(busybox_rootfs, "busybox")
+        sb = c.create(image="busybox", net="default")
+        install_probe(sb, probe_binary)
+        assert "did not start" in d.cli("net", "show", sb.id).stdout.decode() or \
+            "error" in c.info()["net"]["dns"], c.info()["net"]
+        gw = f"10.{world.octet}.0.1"
+        assert outcome(sb, "udp", gw, "53") == "EPERM"
+        with pytest.raises(TimeoutError):
+            host_service.recvfrom(100)
+        c.destroy_all(force=True)
+        c.close()
+    finally:
+        host_service.close()
 
 
 def test_name_rule_allows_after_resolution_and_expires(world, dnsd):
