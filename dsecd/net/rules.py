@@ -47,6 +47,7 @@ MAX_RULE_TEXT = 128
 # reaches the host and every sandbox on the bridge).
 LINK_SCOPED = ("169.254.0.0/16", "224.0.0.0/4", "255.255.255.255/32", "fe80::/10", "ff00::/8")
 
+_V4_MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
 # A URL given as a rule: the port its scheme implies, for the "did you mean".
 _URL_PORTS = {"http": 80, "https": 443}
 _NAME = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
@@ -192,6 +193,13 @@ def parse_rule(text: str) -> Rule | NameRule:
         raise _bad(text, f"an IPv6 rule with a port takes brackets: did you mean "
                          f"{text.replace(host, f'[{head}]:{port}', 1)!r}?")
     net = None if is_name else _parse_net(text, host)
+    if net is not None and net.version == 6 and net.subnet_of(_V4_MAPPED):
+        # The hooks look a connection to ::ffff:a.b.c.d up as one to a.b.c.d
+        # (bpf/net_policy.c fold_v4_mapped): as an IPv6 rule it would allow nothing.
+        v4 = ipaddress.IPv4Network((int(net.network_address) & 0xFFFFFFFF, net.prefixlen - 96))
+        want = str(v4.network_address) if v4.prefixlen == 32 else str(v4)
+        want += (f":{ports}" if ports is not None else "") + (f"/{proto}" if proto else "")
+        raise _bad(text, f"an IPv4-mapped address is IPv4 to the allowlist: did you mean {want!r}?")
     lo, hi = (0, 65535) if ports is None else _parse_ports(text, ports)
     if ports is None and proto is not None:
         raise _bad(text, "a protocol needs a port or port range (e.g. 10.0.0.0/8:1-65535/tcp)")

@@ -48,6 +48,10 @@ def test_parse_rule(text, canon, protos, ports):
     ("[2001:db8::]/32", "did you mean '[2001:db8::/32]'"),
     ("2001:db8::/32:443/tcp", "did you mean '[2001:db8::/32]:443/tcp'"),
     ("x" * 200, "longer than"),
+    # An IPv4-mapped IPv6 address is IPv4 to the allowlist (the hooks look it up as such).
+    ("[::ffff:10.1.2.3]:443/tcp", "did you mean '10.1.2.3:443/tcp'"),
+    ("[::ffff:10.1.2.0/120]:443", "did you mean '10.1.2.0/24:443'"),
+    ("::ffff:0:0/96", "did you mean '0.0.0.0/0'"),
     # A list in one term, or a URL: said so, not taken for an IPv6 rule or a host name.
     ("pypi.org:443/tcp,files.pythonhosted.org:443/tcp", "one rule per term: give each rule its own --allow"),
     ("pypi.org files.pythonhosted.org", "one rule per term"),
