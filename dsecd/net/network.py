@@ -1115,6 +1115,11 @@ class Network:
         terms = tuple(terms)
         # The lease before the policy, which lets the sandbox reach its own address.
         lease = self.ipam_allocate(sb_id)       # the restored one, or a fresh one if it was lost
+        if rec.get("ipv4") and str(lease.ipv4) != rec["ipv4"] and self.plumbing.has_sandbox(sb.ifname):
+            # Its eth0 keeps the old address, outside the pool's fence now
+            # (net.ipv4_pool changed): fail closed, as a microVM does.
+            raise OSError(errno.EADDRNOTAVAIL, f"its address {rec['ipv4']} was lost (not in net.ipv4_pool "
+                          f"{self.ipam.pool} now); its eth0 still has it")
         sb.ipv4 = str(lease.ipv4)
         self._carry_marks(cgroup_dir, previous)
         self._bpf_attach(sb, terms)

@@ -116,6 +116,39 @@ def test_lease_freed_on_destroy_and_kept_across_restart(world, netd):
     c2.close()
 
 
+@pytest.mark.attack
+def test_a_sandbox_whose_address_left_the_pool_is_cut_off_at_restart(world, netd, probe_binary):
+    """net.ipv4_pool changed while a sandbox ran on: its address is outside
+    the pool's fence now, where another sandbox's broad rule would reach it,
+    and its lease would be an address its eth0 does not have. It keeps
+    loopback only, as a microVM whose address was lost does."""
+    import signal
+
+    from attack_kit import install_probe, outcome
+
+    d, c = netd
+    a = c.create(image="busybox", memory="64M", net="default")
+    old = a.net_show()["lease"]["ipv4"].split("/")[0]
+    install_probe(a, probe_binary)
+    c.close()
+    d.stop(signal.SIGTERM)
+    d.config.write_text(d.config.read_text().replace(f"10.{world.octet}.3.0/24", f"10.{world.octet}.4.0/24"))
+    d.start()
+    c = d.client()
+    try:
+        a = c.get(a.id)
+        assert "inet " not in a.exec(["ip", "-4", "addr", "show"]).stdout.decode().replace("inet 127.", ""), \
+            "the sandbox kept an address outside net.ipv4_pool"
+        assert "lost its networking across the restart" in d.log.read_text()
+        b = c.create(image="busybox", memory="64M", net="default", allow=["0.0.0.0/0:7777/tcp"])
+        install_probe(b, probe_binary)
+        _listen(a, 7777)
+        assert outcome(b, "connect", old, "7777") != "ok"
+    finally:
+        c.destroy_all(force=True)
+        c.close()
+
+
 def echo_server(sb, port: int, timeout: float = 20.0) -> None:
     """One connection's echo (busybox nc -e cat) on `port` of the sandbox,
     listening once this returns."""
