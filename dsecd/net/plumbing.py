@@ -401,9 +401,13 @@ class Plumbing:
         try:
             out = []
             for a in ipr.get_addr():
-                if not a.get_attr("IFA_ADDRESS"):
+                # IFA_LOCAL is this side's address; IFA_ADDRESS is the same
+                # but on a point-to-point one (`ip addr add A peer B`), where
+                # it is the peer's.
+                text = a.get_attr("IFA_LOCAL") or a.get_attr("IFA_ADDRESS")
+                if not text:
                     continue
-                addr = ipaddress.ip_address(a.get_attr("IFA_ADDRESS"))
+                addr = ipaddress.ip_address(text)
                 out.append(addr)
                 if not subnets or addr.is_loopback:
                     continue

@@ -340,6 +340,44 @@ def test_a_broad_ipv6_rule_reaches_no_subnet_router_anycast_of_the_host(world, n
         c.destroy_all(force=True)
 
 
+@pytest.mark.attack
+def test_the_host_side_of_a_point_to_point_address_is_fenced(world, netd, probe_binary):
+    """An address with a peer (a tunnel's: `ip addr add A peer B`) is the
+    host's A; B is the other end. A broad rule reaches the host's services
+    at A no more than at its other addresses."""
+    import socket
+
+    from attack_kit import install_probe, outcome
+
+    d, c = netd
+    local, peer = "192.0.2.1", "192.0.2.2"
+    ip = ["ip", "-n", world.br_ns]
+    subprocess.run([*ip, "link", "add", "dsecptp0", "type", "veth", "peer", "name", "dsecptp1"], check=True)
+    try:
+        subprocess.run([*ip, "addr", "add", local, "peer", f"{peer}/32", "dev", "dsecptp0"], check=True)
+        subprocess.run([*ip, "link", "set", "dsecptp0", "up"], check=True)
+
+        def bind() -> socket.socket:
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.bind(("0.0.0.0", 7777))
+            s.settimeout(3)
+            return s
+
+        host_service = world.in_bridge_netns(bind)
+        try:
+            sb = c.create(image="busybox", memory="64M", net="default", allow=["0.0.0.0/0:7777/udp"])
+            install_probe(sb, probe_binary)
+            assert outcome(sb, "udp", local, "7777") == "EPERM"
+            with pytest.raises(TimeoutError):
+                host_service.recvfrom(100)
+            assert local in c.info()["net"]["fences"]["host_addresses"]
+        finally:
+            host_service.close()
+    finally:
+        subprocess.run([*ip, "link", "del", "dsecptp0"], check=True)
+        c.destroy_all(force=True)
+
+
 def test_kill9_after_net_set_keeps_rule_and_restart_compiles_nothing(world, netd):
     """An answered net_set is in the record log (one write(2) to an open fd, in the
     page cache before the answer): a kill -9 right after it loses nothing. The
