@@ -140,12 +140,13 @@ class Network:
         # bridge netns never take each other's for leftovers.
         self.tag = pool_tag(state_dir)
         # Never the internet whatever a rule's breadth (rules.LINK_SCOPED), and
-        # the subnet's broadcast, which reaches the host and every sandbox (in
-        # the pool's fence already only when the pool is the whole subnet).
+        # the subnet's broadcast, which reaches the host and every sandbox: a
+        # fence of its own also inside the pool's (the whole subnet, by
+        # default), so that a rule naming the pool reaches the sandboxes only.
         self._scoped = [ipaddress.ip_network(n) for n in R.LINK_SCOPED]
         broadcast = ipaddress.ip_network(self.ipam.subnet.broadcast_address)
+        self._scoped.append(broadcast)
         if not broadcast.subnet_of(self.ipam.pool):
-            self._scoped.append(broadcast)
             self._always_blocked.append(broadcast)
         self._fence_host_nets(self._host_nets())
         in_use = {r.get("ifname") for r in self.records.records.values()}
@@ -179,9 +180,13 @@ class Network:
         fences: a sandbox reaches them only through a rule naming them or a
         narrower range, never through a broader one (`0.0.0.0/0:443` is the
         internet's HTTPS, not another sandbox's or the host's services)."""
+        gateways = {self.ipam.gateway4, self.ipam.gateway6}
         out = []
         for addr in self.plumbing.local_addresses(subnets=True):
-            if not (addr.is_loopback or addr.is_link_local or any(addr in n for n in self.own_nets + self._scoped)):
+            # In the pool's fence too, they are fences of their own: a rule
+            # naming the pool reaches the sandboxes, not the host.
+            if not (addr.is_loopback or addr.is_link_local or addr in gateways
+                    or any(addr in n for n in self._scoped)):
                 out.append(ipaddress.ip_network(addr))
         return out
 

@@ -378,6 +378,44 @@ def test_the_host_side_of_a_point_to_point_address_is_fenced(world, netd, probe_
         c.destroy_all(force=True)
 
 
+@pytest.mark.attack
+def test_a_rule_naming_the_pool_reaches_no_broadcast_of_the_host(world, daemon_factory, busybox_rootfs,
+                                                                  probe_binary):
+    """With the pool the whole subnet (the default), a rule naming it
+    (`10.x.0.0/16:7777/udp`, to let sandboxes talk) reaches the sandboxes,
+    not the host: neither the gateway nor the subnet's broadcast, which the
+    host (and every sandbox) takes as its own."""
+    import socket
+
+    from attack_kit import install_probe, outcome
+
+    d = daemon_factory(_toml_net(dict(world.cfg, ipv4_pool="")))
+    c = d.client()
+
+    def bind() -> socket.socket:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("0.0.0.0", 7777))
+        s.settimeout(3)
+        return s
+
+    host_service = world.in_bridge_netns(bind)
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        a = c.create(image="busybox", memory="64M", net="default", allow=[f"{world.subnet}:7777/udp"])
+        b = c.create(image="busybox", memory="64M", net="default")
+        install_probe(a, probe_binary)
+        broadcast = world.subnet.replace(".0.0/16", ".255.255")
+        assert outcome(a, "udp", broadcast, "7777") == "EPERM"
+        assert outcome(a, "udp", f"10.{world.octet}.0.1", "7777") == "EPERM"
+        with pytest.raises(TimeoutError):
+            host_service.recvfrom(100)
+        assert outcome(a, "udp", b.net_show()["lease"]["ipv4"].split("/")[0], "7777") == "ok"
+    finally:
+        host_service.close()
+        c.destroy_all(force=True)
+        c.close()
+
+
 def test_kill9_after_net_set_keeps_rule_and_restart_compiles_nothing(world, netd):
     """An answered net_set is in the record log (one write(2) to an open fd, in the
     page cache before the answer): a kill -9 right after it loses nothing. The
