@@ -549,7 +549,17 @@ async def cmd_net(c: Client, a) -> int:
 
 
 async def cmd_port(c: Client, a) -> int:
+    if a.port is None and (a.remove or a.host_port is not None or a.bind):
+        raise UsageError("dsec port: --rm, --host-port and --bind take the sandbox's port: "
+                         "dsec port SANDBOX PORT [...]")
     sb = await c.get(a.sandbox)
+    if a.port is None:
+        ports = (await sb.net_show()).get("ports", [])
+        if a.json:
+            _print_json(ports)
+        for p in [] if a.json else ports:
+            print(f"{p['port']}/tcp -> {p['host']}")
+        return 0
     if a.remove:
         out = await sb.unpublish(a.port)
     else:
@@ -2219,9 +2229,11 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--remove", action="append", metavar="RULE",
                    help="drop a rule or rule-set name the policy has, as it was added (repeatable)")
 
-    x = sub.add_parser("port", help="publish a sandbox's TCP port on the host side (prints host:port)")
+    x = sub.add_parser("port", help="publish a sandbox's TCP port on the host side (prints host:port); "
+                       "without a port, list what is published")
     x.add_argument("sandbox")
-    x.add_argument("port", type=_port_to_publish)
+    x.add_argument("port", type=_port_to_publish, nargs="?",
+                   help="the sandbox's TCP port (none: list its published ports, PORT/tcp -> HOST:PORT)")
     x.add_argument("--host-port", type=int, help="the host port (default: a free one of net.publish_ports)")
     x.add_argument("--bind", help="a local non-loopback IPv4 address of the daemon's host side "
                    "(default: all of them)")

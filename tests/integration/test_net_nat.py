@@ -210,6 +210,11 @@ def test_published_port(iworld, natd):
     # Asked again (`dsec port SB 8080`), the port says where it is published.
     again = d.cli("port", sb.id, "8080")
     assert (again.returncode, again.stdout.decode().strip()) == (0, host), again
+    # Without a port (`docker port` habit), what is published.
+    listed = d.cli("port", sb.id)
+    assert (listed.returncode, listed.stdout.decode()) == (0, f"8080/tcp -> {host}\n"), listed
+    bare = d.cli("port", sb.id, "--rm")
+    assert bare.returncode == 2 and b"--rm, --host-port and --bind take the sandbox's port" in bare.stderr, bare
     # A bind address the host side does not have: said so at once.
     bad = d.cli("port", sb.id, "9090", "--bind", "192.0.2.77")
     assert bad.returncode != 0 and b"not an address of the host side" in bad.stderr, bad
