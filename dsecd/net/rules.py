@@ -42,10 +42,14 @@ MAX_RULE_TEXT = 128
 
 # Never the internet, whatever a rule's breadth, so fenced (Network.fences)
 # beside the gateway, the pool and the host: link-local (the host's bridge and
-# every sandbox's eth0 have an fe80:: address; a cloud's metadata service is
-# 169.254.169.254), multicast and the limited broadcast (one datagram there
-# reaches the host and every sandbox on the bridge).
-LINK_SCOPED = ("169.254.0.0/16", "224.0.0.0/4", "255.255.255.255/32", "fe80::/10", "ff00::/8")
+# every sandbox's eth0 have an fe80:: address; most clouds' metadata service
+# is 169.254.169.254), multicast, the limited broadcast (one datagram there
+# reaches the host and every sandbox on the bridge), and the metadata
+# services that are not link-local (Alibaba Cloud's 100.100.100.200, EC2's
+# IPv6 fd00:ec2::254): reached through the host's NAT, they would hand a
+# sandbox the host's cloud credentials.
+LINK_SCOPED = ("169.254.0.0/16", "224.0.0.0/4", "255.255.255.255/32", "fe80::/10", "ff00::/8",
+               "100.100.100.200/32", "fd00:ec2::254/128")
 
 _V4_MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
 # A URL given as a rule: the port its scheme implies, for the "did you mean".

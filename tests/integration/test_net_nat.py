@@ -98,6 +98,19 @@ def test_egress_through_nat_needs_the_rule(iworld, natd):
     assert "masquerade" in table and f'oifname "{iworld.uplink}"' in table
 
 
+def test_a_broad_rule_reaches_no_cloud_metadata_service(iworld, natd):
+    """Alibaba Cloud's metadata service (100.100.100.200) is no link-local
+    address: a broad rule reached it through the NAT, and with it the
+    host's cloud credentials. It is fenced; a rule naming it opens it."""
+    d, c = natd
+    broad = c.create(image="busybox", net="default", allow=["0.0.0.0/0:80/tcp"])
+    named = c.create(image="busybox", net="default", allow=["100.100.100.200:80/tcp"])
+    r = broad.exec(["sh", "-c", "nc -w 1 100.100.100.200 80 </dev/null"], timeout=20)
+    assert r.exit_code != 0 and b"not permitted" in r.stderr, r
+    r = named.exec(["sh", "-c", "nc -w 1 100.100.100.200 80 </dev/null"], timeout=20)
+    assert b"not permitted" not in r.stderr, r          # let through (nobody answers in the test's internet)
+
+
 def test_an_address_the_host_gains_is_fenced_at_once(iworld, natd):
     """An address the host side gains while the daemon runs (here a second
     one on the uplink) is walled off from a broad rule as the first one is,

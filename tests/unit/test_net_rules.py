@@ -204,6 +204,11 @@ def test_link_scoped_prefixes_are_no_part_of_the_internet():
         assert out[_key(net)] == [], net
     out = R.compile_prefixes(rules + [R.parse_rule("[fe80::/10]:22")], fences=fences)
     assert [str(e.rule) for e in out[_key("fe80::/10")]] == ["[fe80::/10]:22"]
+    # Metadata services the host reaches by its NAT, not link-local: fenced too.
+    for metadata in ("100.100.100.200/32", "fd00:ec2::254/128"):
+        assert metadata in R.LINK_SCOPED
+    out = R.compile_prefixes([R.parse_rule("0.0.0.0/0:80/tcp")], fences=fences)
+    assert out[_key("100.100.100.200/32")] == []
 
 
 def test_compile_families_do_not_mix():
