@@ -1583,22 +1583,57 @@ async def _copy_out(sb, src: str, dst: str, mode: int | None = None) -> int:
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), dst)
     tmp = f"{dst}.dsec-tmp-{os.getpid()}"
     try:
-        try:
-            with open(tmp, "wb") as f:
-                if mode is not None:
-                    os.fchmod(f.fileno(), mode)
-                size = await sb.read_file_to(src, f)
-        except OSError as err:
-            raise type(err)(err.errno, f"{err.strerror} (creating the copy in {parent} first)", dst) from err
-        try:
+        with _named_as_ours(dst, f" (creating the copy in {parent} first)"):
+            f = open(tmp, "wb")
+        with f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
+            # Its own errors (the daemon's, a lost connection) as they are;
+            # the local file's writes say which file.
+            size = await sb.read_file_to(src, _LocalFile(f, dst, parent))
+        with _named_as_ours(dst):
             os.replace(tmp, dst)
-        except OSError as err:
-            raise type(err)(err.errno, err.strerror, dst) from err
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     return size
+
+
+@contextlib.contextmanager
+def _named_as_ours(dst: str, where: str = ""):
+    """An OSError of our side's file (not a daemon's error, nor a lost
+    connection: no plain OSError) named as the path the user gave."""
+    try:
+        yield
+    except ConnectionError:
+        raise
+    except OSError as err:
+        raise OSError(err.errno, f"{err.strerror}{where}", dst) from err
+
+
+class _LocalFile:
+    """The local file a copy out writes, whose write errors (a full disk)
+    name the path the user gave, not the temporary file."""
+
+    def __init__(self, f, dst: str, parent: str):
+        self.f, self.dst, self.parent = f, dst, parent
+
+    def write(self, data) -> int:
+        with _named_as_ours(self.dst, f" (writing the copy in {self.parent})"):
+            return self.f.write(data)
+
+    def seekable(self) -> bool:
+        return self.f.seekable()
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def seek(self, pos: int) -> int:
+        return self.f.seek(pos)
+
+    def truncate(self) -> int:
+        return self.f.truncate()
 
 
 async def cmd_ps(c: Client, a) -> int:

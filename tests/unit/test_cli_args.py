@@ -430,12 +430,22 @@ def test_a_failed_local_copy_names_the_users_path(tmp_path):
 
 
 def test_a_copy_out_cut_midway_leaves_the_old_file_and_no_part(tmp_path):
-    from dsecd.errors import NotFound
+    from dsecd.errors import ConnectionLost, NotFound
 
     (tmp_path / "y").write_bytes(b"old")
     with pytest.raises(NotFound, match="destroyed"):
         _copy_out(_FileSandbox(b"part", fail_after=True), tmp_path / "y")
     assert os.listdir(tmp_path) == ["y"] and (tmp_path / "y").read_bytes() == b"old"
+
+    class Lost(_FileSandbox):          # the daemon restarted mid-copy: a ConnectionError, an OSError
+        async def read_file_to(self, path, f):
+            f.write(b"part")
+            raise ConnectionLost("connection lost: the daemon closed it", target="/run/dsecd.sock",
+                                 op="file_read", sent=True)
+
+    with pytest.raises(ConnectionLost, match="connection lost"):       # not a TypeError of its re-raise
+        _copy_out(Lost(b""), tmp_path / "y")
+    assert os.listdir(tmp_path) == ["y"]
 
 
 def test_packing_a_directory_that_does_not_exist_says_so(tmp_path):
