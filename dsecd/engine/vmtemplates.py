@@ -90,6 +90,8 @@ class TemplateService:
             state = handle.vm_dir / "state"
             try:
                 await self._unless_stopping(self.backend.snapshot(handle, state), what)
+            except templates.TemplateError:
+                raise               # the daemon stops: said as such, not as a failed snapshot
             except OSError as err:
                 raise templates.TemplateError(errno.EIO, f"{what}: snapshot: {err}") from err
             # Its QEMU ends before the seal: a writable shared mapping of the

@@ -256,6 +256,47 @@ def test_a_daemon_stop_during_a_build_step_in_a_worker_cleans_up_after_it(slow_s
     assert events == [f"{slow_step} begins", f"{slow_step} ends", "destroy True"], events
 
 
+def test_a_stop_during_the_snapshot_says_the_daemon_stops_not_a_failed_snapshot():
+    """The cut snapshot's error was wrapped as an EIO snapshot failure, so a
+    create waiting for the build booted a VM without a template while the
+    daemon stopped (microvms.create takes ECANCELED as busy)."""
+    import asyncio
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from dsecd.engine.vmtemplates import TemplateService
+    from dsecd.engine.workers import Workers
+
+    class Backend:
+        def create(self, name, *args):
+            return SimpleNamespace(vm_dir=Path("/nonexistent"))
+
+        async def connect(self, *args):
+            pass
+
+        async def snapshot(self, handle, state):
+            await asyncio.sleep(3600)
+
+        def destroy(self, name, handle):
+            pass
+
+    async def main():
+        workers = Workers(2)
+        workers.start(asyncio.get_running_loop())
+        service = TemplateService(Backend(), SimpleNamespace(get=lambda key: None), workers, 60.0, 0)
+        creating = asyncio.ensure_future(service.get("k" * 64, [], [], SimpleNamespace(memory_bytes=4 * MIB),
+                                                     1 << 20))
+        await asyncio.sleep(0.2)
+        await service.close()
+        workers.shutdown()
+        return creating
+
+    creating = asyncio.run(main())
+    with pytest.raises(templates.TemplateError) as info:
+        creating.result()
+    assert info.value.errno == errno.ECANCELED and "the daemon is stopping" in str(info.value)
+
+
 def test_a_cancelled_wait_for_the_guest_ends_its_channel_task():
     """A create or template build cancelled while its guest boots: the task
     that waits for the monitor and the agent ends with it, instead of failing
