@@ -145,16 +145,19 @@ class DirCopyService:
         ctx.register_input(pipe)
         busy(sb, +1)
         records: list = []
-        stats: list = []        # the new directory's stat (its inode, renamed into place, is the same)
+        # A client's landing place is held from the moment its directory is
+        # made (its inode is the one renamed into place): a client killed
+        # while the put still runs in its worker leaves it to be removed.
+        hold = None
+        if req.temporary and self.hold_temporary is not None:
+            def hold(st) -> None:
+                self.hold_temporary(sb.id, req.path, st, ctx)
         try:
             if sb.backend == "microvm":
                 return await self.vms.tar_put(sb, req.path, pipe, self.max_entries, self.max_bytes)
-            out = await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap), tarcopy.put_tree,
-                                         sb.handle.rootfd, req.path, pipe, self.max_entries, self.max_bytes,
-                                         self._filler(sb, where), self._recorder(sb, records, stats))
-            if req.temporary and stats and self.hold_temporary is not None:
-                self.hold_temporary(sb.id, req.path, stats[0], ctx)
-            return out
+            return await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap), tarcopy.put_tree,
+                                          sb.handle.rootfd, req.path, pipe, self.max_entries, self.max_bytes,
+                                          self._filler(sb, where), self._recorder(sb, records, hold))
         except Exception as err:
             mapped = self.registry.destroyed_error(sb, f"copy into {where}") or self._error("copy into", where, err)
             if mapped is None:
@@ -169,17 +172,18 @@ class DirCopyService:
             self.puts -= 1
             busy(sb, -1)
 
-    def _recorder(self, sb: Sandbox, records: list, stats: list):
+    def _recorder(self, sb: Sandbox, records: list, hold=None):
         """made(path, st) for put_tree: the temporary directory recorded (on
         the loop: the worker runs with the sandbox's fs ids, which may not
-        write the state dir), its record kept in `records`, its stat in
-        `stats` (both before put_tree's result reaches the loop)."""
+        write the state dir), its record kept in `records`; hold(st), if
+        given, told its stat there too."""
         if self.temps is None:
             return None
         loop = self.workers.loop
 
         def keep(path: str, st) -> None:
-            stats.append(st)
+            if hold is not None:
+                hold(st)
             rec = self.temps.record(sb.id, path, st)
             if rec is not None:
                 records.append(rec)
