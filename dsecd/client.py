@@ -1629,6 +1629,12 @@ class Sandbox:
             raise
         return size
 
+    def _keeps_temporaries(self) -> bool:
+        """Whether the daemon takes `temporary` on file_write and file_tar_put
+        (an older one refuses the field: the copy then goes without it, its
+        part left behind only if this client is killed mid-copy)."""
+        return "files.temporary" in self.client.server.get("capabilities", ())
+
     def _chunk_size(self) -> int:
         """The most bytes one file_write or file_read request carries."""
         return self.client.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
@@ -1654,10 +1660,10 @@ class Sandbox:
         try:
             async with contextlib.aclosing(pieces):
                 first = await anext(pieces)
-                # temporary: the daemon records the file until its rename, and a daemon
+                    # temporary: the daemon records the file until its rename, and a daemon
                 # that dies first has the next one remove it. Sent only when true.
                 await put(data=bytes(first), mode=mode, parents=parents,
-                          **({"temporary": True} if temporary else {}))
+                          **({"temporary": True} if temporary and self._keeps_temporaries() else {}))
                 written = len(first)
                 taking = asyncio.Lock()         # one writer reads the source at a time
                 failed: list[Exception] = []
@@ -1871,8 +1877,8 @@ class Sandbox:
         failed: list[Exception] = []           # the file object's own error
         feeder = asyncio.get_running_loop().create_task(self._feed_tar(rid, sent, fileobj, chunk, failed))
         try:
-            # temporary: sent only when true (older daemons do not know it).
-            args = {"sandbox": self.id, "path": remote, **({"temporary": True} if temporary else {})}
+            args = {"sandbox": self.id, "path": remote,
+                    **({"temporary": True} if temporary and self._keeps_temporaries() else {})}
             async with contextlib.aclosing(c.frames_with_id(rid, "file_tar_put", args, sent)) as frames:
                 async for frame in frames:
                     if "__result__" in frame:
