@@ -21,6 +21,7 @@ import collections
 import contextlib
 import errno
 import grp
+import inspect
 import io
 import itertools
 import logging
@@ -165,10 +166,13 @@ def file_pieces(data, size: int, what: str) -> AsyncIterator[bytes | memoryview]
     async iterable of bytes) as pieces of `size` bytes, the last one
     shorter: one empty piece for no bytes at all. Only bytes-like data is
     held whole; from a file or an iterable, one piece at a time."""
-    if hasattr(data, "read"):
-        return _file_pieces(data, size, what)
-    if hasattr(data, "__aiter__"):
+    if hasattr(data, "__aiter__"):            # an asyncio StreamReader too, which has a read
         return _regrouped(data, size, what)
+    if hasattr(data, "read"):
+        if inspect.iscoroutinefunction(data.read):
+            raise TypeError(f"{what}: a reader whose read is a coroutine is taken as an async iterable of "
+                            f"bytes; give one ({type(data).__name__} is not)")
+        return _file_pieces(data, size, what)
     return _view_pieces(file_data(data, what), size)
 
 

@@ -250,6 +250,30 @@ def test_write_file_streams_a_file_or_an_iterable_in_chunks(kind, tmp_path):
         source.close()
 
 
+def test_write_file_takes_an_asyncio_stream_reader_as_an_async_iterable():
+    """An asyncio subprocess's stdout (a StreamReader: a coroutine `read`,
+    and async iteration by lines) was read as a sync file in a thread, and
+    failed saying the file was not opened in binary mode."""
+    import asyncio
+
+    async def go():
+        reader = asyncio.StreamReader()
+        reader.feed_data(b"line one\nline two\n")
+        reader.feed_eof()
+        sb = _sandbox()
+        assert await sb.write_file("/work/out", reader) == 18
+        assert _written(sb.client.requests) == b"line one\nline two\n"
+
+        class OnlyAsyncRead:
+            async def read(self, n=-1):
+                return b""
+
+        with pytest.raises(TypeError, match="a reader whose read is a coroutine"):
+            await sb.write_file("/work/out", OnlyAsyncRead())
+
+    asyncio.run(go())
+
+
 def test_write_file_of_an_empty_or_exact_source_sends_no_empty_tail():
     import asyncio
     import io
