@@ -39,7 +39,7 @@ import re
 import secrets
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from .. import cgroup, imageconfig, protocol, userns
 from ..admission import CreateQueue
@@ -181,8 +181,12 @@ def check_hostname(name: str) -> None:
 def create_args_digest(req) -> str:
     """A digest of a create's arguments besides its key, as sent: a retry of
     the same create has the same (the SDK and the CLI send the same request
-    again), another create under the same key has not."""
-    args = {k: v for k, v in asdict(req).items() if k != "key"}
+    again), another create under the same key has not. Only the fields that
+    differ from their defaults count: a field a later daemon adds (with a
+    default) leaves the digests of journaled sandboxes as they were."""
+    defaults = {f.name: f.default if f.default is not MISSING else f.default_factory()
+                for f in fields(req) if f.default is not MISSING or f.default_factory is not MISSING}
+    args = {k: v for k, v in asdict(req).items() if k != "key" and (k not in defaults or v != defaults[k])}
     return hashlib.sha256(json.dumps(args, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 

@@ -169,3 +169,25 @@ def test_a_pool_whose_refills_fail_backs_off():
     assert pool.backoff == REFILL_BACKOFF_MAX_S
     pool.refill_may_work()
     assert (pool.backoff, pool.retry_at) == (0.0, 0.0)
+
+
+def test_a_create_key_digest_counts_only_what_was_given():
+    """A key stands for one create (its other arguments' digest); a field a
+    later daemon adds, left at its default, must not make the retry of a
+    journaled create look like another one."""
+    from dataclasses import dataclass
+
+    from dsecd import protocol
+    from dsecd.engine.creates import create_args_digest
+
+    @dataclass(frozen=True)
+    class LaterCreate(protocol.Create):
+        gpus: int = 0
+
+    first = protocol.Create(image="busybox", memory="64M", env={"A": "1"}, key="k")
+    assert create_args_digest(first) == create_args_digest(LaterCreate(image="busybox", memory="64M",
+                                                                        env={"A": "1"}, key="k2"))
+    for other in (protocol.Create(image="busybox", memory="96M", env={"A": "1"}, key="k"),
+                  protocol.Create(image="busybox", memory="64M", key="k"),
+                  LaterCreate(image="busybox", memory="64M", env={"A": "1"}, key="k", gpus=1)):
+        assert create_args_digest(other) != create_args_digest(first), other
