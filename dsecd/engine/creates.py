@@ -116,8 +116,12 @@ class Pool:
     retry_at: float = 0.0
 
     def refill_failed(self) -> None:
-        self.backoff = min(max(2 * self.backoff, REFILL_BACKOFF_MIN_S), REFILL_BACKOFF_MAX_S)
-        self.retry_at = time.monotonic() + self.backoff
+        """A refill failed: the next waits twice as long as the last wait.
+        The other refills of the same round failing count once."""
+        now = time.monotonic()
+        if now >= self.retry_at:
+            self.backoff = min(max(2 * self.backoff, REFILL_BACKOFF_MIN_S), REFILL_BACKOFF_MAX_S)
+            self.retry_at = now + self.backoff
 
     def refill_may_work(self) -> None:
         """A refill worked, or its image changed: refills go on at once."""

@@ -163,10 +163,14 @@ def test_a_pool_whose_refills_fail_backs_off():
 
     asyncio.run(run())
     assert 1 <= len(tries) <= 2, len(tries)       # one round (two refills at most), then 1 s of nothing
-    assert pool.failed == len(tries) and pool.backoff >= 1.0 and "no image" in pool.error
-    for _ in range(10):
+    # Both refills of that round failed: one step of the backoff, not two.
+    assert pool.failed == len(tries) and pool.backoff == 1.0 and "no image" in pool.error
+    waits = []
+    for _ in range(8):                            # round after round
+        pool.retry_at = 0.0
         pool.refill_failed()
-    assert pool.backoff == REFILL_BACKOFF_MAX_S
+        waits.append(pool.backoff)
+    assert waits == [2.0, 4.0, 8.0, 16.0, 32.0, REFILL_BACKOFF_MAX_S, REFILL_BACKOFF_MAX_S, REFILL_BACKOFF_MAX_S]
     pool.refill_may_work()
     assert (pool.backoff, pool.retry_at) == (0.0, 0.0)
 
