@@ -463,8 +463,11 @@ class MemoryService:
             try:
                 rec = await self.vms.pause(sb)
             except DsecError as err:
-                log.warning("job-paused microVM %s: its state could not be saved (%s); it stays stopped in "
-                            "its QEMU", sb.id, err)
+                if err.detail.get("qemu_stuck"):        # saved, but its QEMU outlived SIGKILL: the error says
+                    log.error("job-paused microVM %s: %s", sb.id, err)
+                else:
+                    log.warning("job-paused microVM %s: its state could not be saved (%s); it stays stopped "
+                                "in its QEMU", sb.id, err)
                 return
             sb.pause_record = rec
             try:

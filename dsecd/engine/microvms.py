@@ -370,8 +370,8 @@ class MicroVMService:
         if not await self._end_qemu(sb):
             raise DsecError(f"pause sandbox {sb.id}: its state is saved in {image}, but its QEMU (pid "
                             f"{h.init_pid}) did not exit after SIGKILL: it is stuck in the kernel (hung "
-                            "storage?); destroy the sandbox once the host recovers", {"sandbox": sb.id},
-                            code="io")
+                            "storage?); destroy the sandbox once the host recovers",
+                            {"sandbox": sb.id, "qemu_stuck": h.init_pid}, code="io")
         return {"vm_image": str(image), "image_bytes": size, "save_s": round(saved - t0, 4),
                 "stop_s": round(time.monotonic() - saved, 4)}
 
