@@ -253,12 +253,13 @@ class Node:
     async def close(self) -> None:
         """Daemon shutdown: stop watching, close fds, leave sandboxes running."""
         # A pause or resume under way finishes and writes its record first
-        # (a VM's save can take seconds); one that does not end in time is
-        # finished or undone by the next daemon's re-adoption.
+        # (a VM's save can take seconds), a cancelled snapshot thaws its
+        # sandbox; one that does not end in time is finished or undone by
+        # the next daemon's re-adoption.
         left = await finish_under_way(STOP_WAIT_S)
         if left:
-            log.warning("stopping with %d pause(s) or resume(s) still under way after %.0f s; the next daemon "
-                        "takes their sandboxes back as it finds them", left, STOP_WAIT_S)
+            log.warning("stopping with %d pause(s), resume(s) or snapshot(s) still under way after %.0f s; "
+                        "the next daemon takes their sandboxes back as it finds them", left, STOP_WAIT_S)
         # First: from here on, output and ends of background processes stay in
         # init's pipes for the next daemon; what this one read would be lost.
         self.procs.close()

@@ -36,7 +36,7 @@ from ..mem import pause
 from .dircopies import busy
 from .network import NET_FILES
 from .sandboxes import SandboxRegistry
-from .workers import Workers, outcome
+from .workers import Workers, before_stop, outcome
 
 log = logging.getLogger(__name__)
 
@@ -526,6 +526,10 @@ class ImageService:
                                {"sandbox": sb.id, "state": sb.state})
             # A paused sandbox is frozen already, and stays so: packed as it is.
             was_paused = sb.state == "paused"
+            # The daemon's stop cancels this request, and its thaw and the
+            # view's unmount below go through the worker pool the stop then
+            # shuts down: the stop waits for this request's end first.
+            before_stop(asyncio.current_task())
             handle = sb.handle
             freezer = pause.Freezer.of(handle.group)
             # Frozen, its execs stand still: their run-time timeouts

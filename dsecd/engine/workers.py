@@ -117,8 +117,8 @@ async def to_the_end(coro, locks=()):
 
 def before_stop(task: asyncio.Task) -> asyncio.Task:
     """`task`, a change of state with a record to write (to_the_end's, or
-    one behind an answer: a job pause's VM save), is waited for by the
-    daemon's stop (finish_under_way)."""
+    one behind an answer: a job pause's VM save) or a sandbox to thaw (a
+    snapshot's), is waited for by the daemon's stop (finish_under_way)."""
     _UNDER_WAY.add(task)
     task.add_done_callback(_UNDER_WAY.discard)
     return task
@@ -126,8 +126,8 @@ def before_stop(task: asyncio.Task) -> asyncio.Task:
 
 async def finish_under_way(timeout: float) -> int:
     """Daemon stop: wait up to `timeout` s for the changes of state under
-    way (pauses, resumes, job ones; their requests cancelled by the
-    server's stop) to end and write their records; how many did not."""
+    way (pauses, resumes, job ones, snapshots; their requests cancelled by
+    the server's stop) to end and write their records; how many did not."""
     if not _UNDER_WAY:
         return 0
     _done, pending = await asyncio.wait(set(_UNDER_WAY), timeout=timeout)

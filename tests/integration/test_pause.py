@@ -536,3 +536,27 @@ def test_a_resume_the_journal_missed_is_taken_for_done_at_restart(mem):
     assert r["state"] == "paused" and not r.get("already") and _frozen(s2)
     s2.destroy()
     c2.close()
+
+
+def test_a_daemon_stopped_during_a_snapshot_thaws_its_sandbox(mem):
+    """A stop (SIGTERM) cancels a snapshot under way: the sandbox it froze
+    is thawed and its layer's view unmounted before the daemon exits, as
+    a cancel does; it is not left frozen until the next daemon's start."""
+    d, c = mem
+    sb = c.create(image="busybox", memory="1G")
+    if "unified" not in sb.inspect()["cgroups"]:
+        pytest.skip("no v2 freezer on this host")
+    events = Path(sb.inspect()["cgroups"]["unified"], "cgroup.events")
+    # Many files: packing them holds the sandbox frozen for seconds.
+    sb.exec(["sh", "-c", "mkdir -p /work/m && cd /work/m && seq 1 40000 | xargs touch"], timeout=120)
+    with _snapshot_under_way(sb, "stopped-mid-snapshot") as snap:
+        time.sleep(1)                           # packing
+        d.stop(signal.SIGTERM)
+        with contextlib.suppress(Exception):
+            snap.result(60)
+    assert d.proc.returncode == 0, d.log.read_text()[-3000:]
+    assert "frozen 0" in events.read_text().splitlines()
+    views = Path(d.state, "upper-views")
+    with open("/proc/self/mountinfo") as f:
+        assert not [line for line in f if str(views) in line]
+    assert "internal error in snapshot" not in d.log.read_text()
