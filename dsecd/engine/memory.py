@@ -121,15 +121,17 @@ class MemoryService:
                 self.damon.stop()
             except OSError as err:
                 log.error("stop DAMON: %s", err)
+        swaps = [(name, backend) for name, backend in (("swap file", self.swapfile), ("zram", self.zram))
+                 if backend.cfg.enabled]
         if any(s.state == "paused" for s in self.registry.by_id.values()):
-            log.warning("swap left on: paused sandboxes hold pages in it")
+            if swaps:
+                log.warning("swap left on: paused sandboxes hold pages in it")
             return
-        for name, backend in (("swap file", self.swapfile), ("zram", self.zram)):
-            if backend.cfg.enabled:
-                try:
-                    backend.teardown()
-                except OSError as err:
-                    log.error("%s teardown: %s", name, err)
+        for name, backend in swaps:
+            try:
+                backend.teardown()
+            except OSError as err:
+                log.error("%s teardown: %s", name, err)
         if self.zram.device is None:
             (self.state_dir / "zram.json").unlink(missing_ok=True)
 

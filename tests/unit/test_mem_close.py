@@ -1,0 +1,30 @@
+"""MemoryService.close: what it says about the swap it leaves at a stop."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+from dsecd.config import load_config
+from dsecd.engine.memory import MemoryService
+
+
+def _service(tmp_path, overrides: dict, states: list[str]) -> MemoryService:
+    cfg = load_config(overrides={"daemon": {"state_dir": str(tmp_path)}, **overrides})
+    sbs = {str(i): SimpleNamespace(state=s) for i, s in enumerate(states)}
+    return MemoryService(cfg, "dsecd-unit", SimpleNamespace(by_id=sbs), None, None)
+
+
+def test_no_swap_is_said_to_be_left_on_when_dsecd_has_none(tmp_path, caplog):
+    svc = _service(tmp_path, {}, ["paused"])
+    with caplog.at_level(logging.WARNING, "dsecd.engine.memory"):
+        svc.close()
+    assert not [r for r in caplog.records if "swap" in r.getMessage()], caplog.records
+
+
+def test_a_swap_file_with_paused_sandboxes_is_left_on_and_said_so(tmp_path, caplog, monkeypatch):
+    svc = _service(tmp_path, {"memory": {"swapfile": {"enabled": True}}}, ["paused", "running"])
+    monkeypatch.setattr(svc.swapfile, "teardown", lambda: (_ for _ in ()).throw(AssertionError("torn down")))
+    with caplog.at_level(logging.WARNING, "dsecd.engine.memory"):
+        svc.close()
+    assert ["swap left on: paused sandboxes hold pages in it"] == [r.getMessage() for r in caplog.records]
