@@ -1111,16 +1111,19 @@ class Client:
     async def renew(self, sandbox_ids: list[str], lease: float | str | None = None) -> dict:
         return await self.request("renew", sandboxes=list(sandbox_ids), lease=lease)
 
-    def hold(self, sandbox_ids: list[str], lease: float | None, every: float | None = None) -> asyncio.Task:
+    def hold(self, sandbox_ids: list[str], lease: float | str | None,
+             every: float | str | None = None) -> asyncio.Task:
         """Renew the leases of these sandboxes in the background until the task is
         cancelled or the client is closed; then they expire after `lease` seconds
         (None: each one's own lease, renewed `every` seconds). A renew that
         finds the connection gone is tried again (HOLD_RETRY_S) until it
         is back: the daemon's restart keeps the sandboxes, an ssh:// client
-        reconnects, a fleet rejoins the host."""
+        reconnects, a fleet rejoins the host. Durations as create's lease:
+        seconds or "90s", "5m"; one out of range is BadRequest here, not
+        an end of the task behind it that nobody would see."""
         if lease is None and every is None:
             raise ValueError("hold: give the lease, or how often to renew (every=)")
-        period = every or lease / 3
+        period = parse_duration(every, "hold: every") or parse_duration(lease, "hold: lease") / 3
 
         async def renew_forever() -> None:
             failing = False

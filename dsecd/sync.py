@@ -639,12 +639,13 @@ class SyncClient(_LoopThread):
     def renew(self, sandbox_ids: list[str], lease: float | str | None = None) -> dict:
         return self._run(self._client.renew(sandbox_ids, lease))
 
-    def hold(self, sandbox_ids: list[str], lease: float | None, every: float | None = None) -> SyncHold:
+    def hold(self, sandbox_ids: list[str], lease: float | str | None, every: float | str | None = None) -> SyncHold:
         """Client.hold, renewing on the client's loop; a SyncHold instead of a
         Task: `with c.hold(ids, lease):`, or its cancel(), stops renewing."""
         return SyncHold(self, self._run(self._hold(sandbox_ids, lease, every)))
 
-    async def _hold(self, sandbox_ids: list[str], lease: float | None, every: float | None) -> asyncio.Task:
+    async def _hold(self, sandbox_ids: list[str], lease: float | str | None,
+                    every: float | str | None) -> asyncio.Task:
         task = self._client.hold(sandbox_ids, lease, every)
         self._holds.add(task)
         task.add_done_callback(self._holds.discard)

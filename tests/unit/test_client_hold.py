@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from dsecd import Client, ConnectionLost
+from dsecd import BadRequest, Client, ConnectionLost
 
 
 def test_hold_goes_on_renewing_after_the_connection_dropped():
@@ -44,3 +44,33 @@ def test_hold_of_a_closed_client_ends():
 
     task = asyncio.run(go())
     assert task.done() and task.exception() is None
+
+
+def test_hold_takes_a_lease_as_create_does_and_refuses_a_bad_one_at_once():
+    """A lease as create(lease=) takes it, "5m" too; one the daemon would
+    refuse fails the hold() call itself, not the renewing task behind it,
+    where nobody would see it while the leases ran out."""
+    async def go():
+        c = Client("/nonexistent/dsecd.sock")
+        sent = []
+
+        async def renew(ids, lease=None):
+            sent.append(lease)
+            return {"renewed": list(ids), "missing": []}
+
+        c.renew = renew
+        task = c.hold(["sb1"], lease="6m")
+        await asyncio.sleep(0.1)
+        alive = not task.done()
+        task.cancel()
+        refused = []
+        for bad in ({"lease": 0}, {"lease": "soon"}, {"lease": None, "every": 0}, {"lease": -3}):
+            try:
+                c.hold(["sb1"], **bad)
+            except (ValueError, BadRequest) as err:
+                refused.append(str(err))
+        return alive, sent, refused
+
+    alive, sent, refused = asyncio.run(go())
+    assert alive and sent == ["6m"], sent
+    assert len(refused) == 4, refused
