@@ -189,8 +189,10 @@ class SandboxRegistry:
                               "with backend microvm); see docs/architecture.md, \"The microVM backend\"",
                               {"sandbox": sb.id, "backend": sb.backend})
         if op_cls.STATES and sb.state not in op_cls.STATES:
-            raise Conflict(f"sandbox {sb.id} is {sb.state}; {op_cls.OP} needs it {' or '.join(op_cls.STATES)}",
-                           {"sandbox": sb.id, "state": sb.state})
+            # Dead stays dead (its init or QEMU exited): only its record is left to remove.
+            then = f"; a dead sandbox never runs again: `dsec rm {sb.id}` removes it" if sb.state == "dead" else ""
+            raise Conflict(f"sandbox {sb.id} is {sb.state}; {op_cls.OP} needs it {' or '.join(op_cls.STATES)}"
+                           + then, {"sandbox": sb.id, "state": sb.state})
         return sb
 
     def add(self, sb: Sandbox) -> None:

@@ -126,3 +126,17 @@ def test_destroyed_sandboxes_are_remembered_up_to_a_bound():
         reg.remove(sb, "request")
     assert len(reg.destroyed) == reg.REMEMBER_DESTROYED
     assert f"{0:012x}" not in reg.destroyed and f"{reg.REMEMBER_DESTROYED + 9:012x}" in reg.destroyed
+
+
+def test_a_request_for_a_dead_sandbox_says_how_to_be_rid_of_it():
+    from dsecd import protocol
+    from dsecd.errors import Conflict
+
+    reg = SandboxRegistry(Journal())
+    sb = _sb(7, 0.1, GiB, state="dead")
+    reg.add(sb)
+    with pytest.raises(Conflict) as err:
+        reg.get(sb.id, protocol.REQUESTS["exec"])
+    assert f"sandbox {sb.id} is dead" in err.value.message
+    assert f"dsec rm {sb.id}" in err.value.message, err.value.message
+    assert err.value.detail == {"sandbox": sb.id, "state": "dead"}
