@@ -201,10 +201,13 @@ class MemoryService:
     async def ensure_running(self, sb, why: str) -> None:
         """Called before exec and file ops: resume a paused sandbox (or refuse)."""
         sb.last_active = time.monotonic()
-        if _is_vm(sb) and sb.lock.locked():
-            # A pause (or resume, or snapshot) under way: a VM's pause saves the
-            # guest and ends its QEMU, with the agent's channel, while its state
-            # still says running. Wait for it, then resume it below if paused.
+        if (_is_vm(sb) or sb.pausing) and sb.lock.locked():
+            # A pause (or, for a VM, a resume or snapshot) under way: a VM's
+            # pause saves the guest and ends its QEMU, with the agent's
+            # channel, and a container's freezes it and reclaims (seconds into
+            # swap), while its state still says running: an exec sent in
+            # then would stand frozen until someone resumed it. Wait for it,
+            # then resume it below if paused.
             async with sb.lock:
                 pass
         if sb.state != "paused":
@@ -237,6 +240,13 @@ class MemoryService:
             return {"id": sb.id, "state": "paused", "already": True}
         if sb.state != "running":
             raise Conflict(f"sandbox {sb.id} is {sb.state}; only a running sandbox can be paused")
+        sb.pausing = True                   # requests that come meanwhile wait for its end (ensure_running)
+        try:
+            return await self._pause_running(sb)
+        finally:
+            sb.pausing = False
+
+    async def _pause_running(self, sb) -> dict:
         self._cancel_behind(sb.id)          # a prefetch still queued would undo the reclaim
         if _is_vm(sb):
             rec = await self.vms.pause(sb)

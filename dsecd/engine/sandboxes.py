@@ -52,6 +52,7 @@ class Sandbox:
     handle: Handle | None = None
     # Runtime only (not journaled): pause/resume/destroy serialisation and clocks.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    pausing: bool = False             # a pause holds `lock`, frozen but its state still running
     # Copiers one at a time (file_write, directory copies: dsecd/engine/
     # copier.py), each checking the room under the memory limit: two at once
     # could both pass the check and fill it together.

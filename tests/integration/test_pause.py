@@ -560,3 +560,65 @@ def test_a_daemon_stopped_during_a_snapshot_thaws_its_sandbox(mem):
     with open("/proc/self/mountinfo") as f:
         assert not [line for line in f if str(views) in line]
     assert "internal error in snapshot" not in d.log.read_text()
+
+
+def test_an_exec_sent_while_a_pause_reclaims_waits_for_it_then_resumes(daemon_factory, busybox_rootfs, tmp_path):
+    """A pause holds the sandbox frozen for its whole reclaim (seconds, into
+    swap) while its state still says running: an exec sent then joined the
+    frozen cgroup and stood there (its timeout counts run time only) until
+    something else resumed the sandbox. It waits for the pause's end and
+    resumes it, as an exec to a paused sandbox does."""
+    import concurrent.futures
+
+    from dsecd.mem import swapfile as sf
+
+    fstype, _ = sf.fs_type(tmp_path)
+    if fstype in sf.NO_SWAP_FS:
+        pytest.skip(f"{tmp_path} is on {fstype}, which cannot hold swap")
+    path = str(tmp_path / "swapfile")
+    d = daemon_factory(f'[memory.swapfile]\nenabled = true\npath = "{path}"\nsize = "512M"\n')
+    try:
+        c = d.client()
+        c.import_image(busybox_rootfs, "busybox")
+        sb = c.create(image="busybox", memory="1G")
+        if "unified" not in sb.inspect()["cgroups"]:
+            pytest.skip("no v2 freezer on this host")
+        # ~135 MB of anonymous memory for the pause to write to the swap file.
+        p = sb.spawn("X=$(head -c 100000000 /dev/urandom | base64); echo held; sleep 1000; true")
+        deadline = time.monotonic() + 120
+        while b"held" not in b"".join(chunk.data for chunk in sb.process(p.pid).output(follow=False)):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        pool = concurrent.futures.ThreadPoolExecutor(2)
+        try:
+            for _ in range(5):
+                pausing = pool.submit(sb.pause)
+                while not _frozen(sb) and not pausing.done():
+                    time.sleep(0.005)
+                if pausing.done() or sb.inspect()["state"] != "running":
+                    pausing.result()
+                    sb.resume()
+                    continue
+                # Frozen, still "running": the reclaim is under way.
+                execing = pool.submit(sb.exec, ["echo", "hi"], timeout=5)
+                try:
+                    r = execing.result(30)
+                except concurrent.futures.TimeoutError:
+                    sb.resume()                 # lets it end
+                    raise AssertionError("an exec sent during a pause stood frozen after it") from None
+                assert (r.exit_code, r.stdout) == (0, b"hi\n"), r
+                pausing.result(60)
+                assert sb.inspect()["state"] == "running" and not _frozen(sb)
+                break
+            else:
+                pytest.skip("each pause's reclaim ended before an exec could be sent into it")
+        finally:
+            pool.shutdown(wait=False)
+        sb.destroy(force=True)
+        c.close()
+    finally:
+        d.stop()
+        if path in active_swaps():
+            from dsecd import native
+
+            native.swapoff(path)

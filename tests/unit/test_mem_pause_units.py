@@ -195,7 +195,7 @@ def test_an_on_demand_resume_prefetches_the_working_set_behind_the_request():
     from dsecd.engine.memory import MemoryService
 
     rec = mp.PauseRecord(working_set={42: [(4096, 8192)]})
-    sb = SimpleNamespace(id="sb1", state="paused", pause_record=rec.to_json(), last_active=0.0)
+    sb = SimpleNamespace(id="sb1", state="paused", pause_record=rec.to_json(), last_active=0.0, pausing=False)
     behind = []
 
     async def resume(s, mode):
@@ -235,5 +235,56 @@ def test_an_op_on_a_vm_being_paused_waits_for_the_pause_then_resumes_it():
         sb.lock.release()
         await asyncio.wait_for(op, 1)
         assert resumed == ["vm1"]
+
+    asyncio.run(main())
+
+
+def test_an_op_on_a_container_being_paused_waits_for_the_pause_then_resumes_it():
+    # dsecd/engine/memory.py ensure_running: a pause holds the sandbox's lock
+    # from its freeze through its reclaim (seconds into swap), its state
+    # still "running"; an exec that went ahead joined the frozen cgroup and
+    # stood there, its timeout not counting, until someone resumed it.
+    import asyncio
+    from types import SimpleNamespace
+
+    from dsecd.engine.memory import MemoryService
+
+    async def main():
+        sb = SimpleNamespace(id="sb1", backend="container", state="running", pause_record=None, last_active=0.0,
+                             lock=asyncio.Lock(), pausing=True)
+        resumed = []
+
+        async def resume(s, mode=None):
+            resumed.append(s.id)
+            s.state = "running"
+
+        node = SimpleNamespace(auto_resume=True, _resume=resume, _behind_answer=None,
+                               pause_cfg=SimpleNamespace(prefetch_mode="populate"))
+        await sb.lock.acquire()                 # the pause, under way
+        op = asyncio.ensure_future(MemoryService.ensure_running(node, sb, "exec"))
+        await asyncio.sleep(0.01)
+        assert not op.done(), "the exec went on while the sandbox was being paused"
+        sb.state, sb.pausing = "paused", False
+        sb.lock.release()
+        await asyncio.wait_for(op, 1)
+        assert resumed == ["sb1"]
+
+    asyncio.run(main())
+
+
+def test_an_op_on_a_container_being_snapshotted_does_not_wait_for_its_lock():
+    # A snapshot holds the lock too, for as long as its pack takes: a file
+    # read, which the daemon serves without the sandbox's processes, goes on.
+    import asyncio
+    from types import SimpleNamespace
+
+    from dsecd.engine.memory import MemoryService
+
+    async def main():
+        sb = SimpleNamespace(id="sb1", backend="container", state="running", pause_record=None, last_active=0.0,
+                             lock=asyncio.Lock(), pausing=False)
+        node = SimpleNamespace(auto_resume=True)
+        async with sb.lock:
+            await asyncio.wait_for(MemoryService.ensure_running(node, sb, "file read"), 1)
 
     asyncio.run(main())
