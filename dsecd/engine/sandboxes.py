@@ -50,7 +50,7 @@ class Sandbox:
     groups: list = field(default_factory=list)   # their supplementary gids (dsecd/fs/users.py)
     backend: str = "container"
     handle: Handle | None = None
-    # Runtime only (not journaled): pause/resume/destroy serialisation and clocks.
+    # Runtime only (not journaled): pause/resume/snapshot serialisation and clocks.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     pausing: bool = False             # a pause holds `lock`, frozen but its state still running
     # Copiers one at a time (file_write, directory copies: dsecd/engine/
