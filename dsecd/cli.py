@@ -399,7 +399,9 @@ def _pause_summary(r: dict) -> str:
         return ""
     if r["state"] == "paused":
         return f": froze in {r['frozen_s'] * 1000:.0f} ms, freed {_human_bytes(r['freed_bytes'])}"
-    return f": prefetched {_human_bytes(r['prefetched_bytes'])} in {r['prefetch_s'] * 1000:.0f} ms"
+    # A microVM's resume is its restore (thaw_s), with nothing to prefetch.
+    took = (r["prefetch_s"] + r["thaw_s"]) * 1000
+    return f": resumed in {took:.0f} ms, prefetched {_human_bytes(r['prefetched_bytes'])}"
 
 
 async def cmd_pause_resume(c: Client, a) -> int:

@@ -83,3 +83,14 @@ def test_info_says_how_networking_is():
         ["net: unavailable: no cgroup v2 hierarchy"]
     assert net_info_lines({"available": None, "detail": "not started yet (on the first --net default create)"}) \
         == ["net: not started yet (on the first --net default create)"]
+
+
+def test_a_resume_says_how_long_it_took_thaw_or_restore_included():
+    """A microVM's resume is its restore (`thaw_s`), with nothing to
+    prefetch: the line said "prefetched 0B in 0 ms" after half a second."""
+    from dsecd.cli import _pause_summary
+
+    vm = {"id": "v", "state": "running", "prefetch_s": 0.0, "thaw_s": 0.48, "prefetched_bytes": 0}
+    assert _pause_summary(vm) == ": resumed in 480 ms, prefetched 0B"
+    ctr = {"id": "c", "state": "running", "prefetch_s": 0.002, "thaw_s": 0.0004, "prefetched_bytes": 5 << 19}
+    assert _pause_summary(ctr) == ": resumed in 2 ms, prefetched 2.5M"
