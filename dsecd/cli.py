@@ -420,6 +420,34 @@ async def cmd_pause_resume(c: Client, a) -> int:
     return status
 
 
+async def cmd_renew(c: Client, a) -> int:
+    """`dsec renew SB... [--lease D]`: what Client.hold does once, for a
+    sandbox made with --lease. Each is named as the other commands take
+    it (an id or a unique prefix); one missing or without a lease is said,
+    and the exit status is then 1."""
+    ids, status = [], 0
+    for spec in a.sandboxes:
+        try:
+            ids.append((await c.get(spec)).id)
+        except DsecError as err:
+            _print_item_error(a, err, sandbox=spec)
+            print(f"dsec renew: {spec}: {err}", file=sys.stderr)
+            status = 1
+    if not ids:
+        return status
+    r = await c.renew(ids, a.lease)
+    if a.json:
+        _print_json(r)
+    for sb_id in r["renewed"]:
+        if not a.json:
+            print(f"{sb_id} renewed")
+    for sb_id in r["missing"]:
+        print(f"dsec renew: {sb_id}: gone meanwhile", file=sys.stderr)
+    for sb_id in r.get("no_lease", ()):
+        print(f"dsec renew: {sb_id} has no lease to renew (give --lease to set one)", file=sys.stderr)
+    return 1 if status or r["missing"] or r.get("no_lease") else 0
+
+
 async def cmd_job(c: Client, a) -> int:
     r = await job_verb(c, a)
     if a.json:
@@ -1318,7 +1346,7 @@ def named_sandboxes(a) -> list[str]:
         return [_split_remote(a.target)[0] or a.target]
     if a.cmd == "cat":
         return [_split_remote(t)[0] or t for t in a.targets]
-    if a.cmd in ("rm", "pause", "resume"):
+    if a.cmd in ("rm", "pause", "resume", "renew"):
         return [_split_remote(s)[0] or s for s in a.sandboxes]
     sb = getattr(a, "sandbox", None)
     return [sb] if sb else []
@@ -2246,6 +2274,10 @@ def build_parser() -> argparse.ArgumentParser:
         x = sub.add_parser(verb, help=text)
         x.add_argument("sandboxes", nargs="+")
 
+    x = sub.add_parser("renew", help="renew the leases of sandboxes made with --lease (SDK: Client.hold)")
+    x.add_argument("sandboxes", nargs="+")
+    x.add_argument("--lease", help="a new lease length (e.g. 10m; default: each sandbox's own)")
+
     job = sub.add_parser("job", help="all sandboxes labelled job=JOB").add_subparsers(dest="job_cmd", required=True)
     for verb in ("pause", "resume", "rm"):
         x = job.add_parser(verb)
@@ -2385,7 +2417,8 @@ exits 1, --json too, with what the other hosts gave.
 
 
 COMMANDS = {"policy": cmd_policy, "info": cmd_info, "image": cmd_image, "snapshot": cmd_snapshot,
-            "pause": cmd_pause_resume, "resume": cmd_pause_resume, "job": cmd_job, "events": cmd_events,
+            "pause": cmd_pause_resume, "resume": cmd_pause_resume, "renew": cmd_renew, "job": cmd_job,
+            "events": cmd_events,
             "net": cmd_net, "port": cmd_port, "trace": cmd_exec, "create": cmd_create, "run": cmd_run,
             "exec": cmd_exec, "call": cmd_call, "pool": cmd_pool, "cp": cmd_cp,
             "ps": cmd_ps, "inspect": cmd_inspect, "rm": cmd_rm, "top": cmd_top, "ls": cmd_ls, "cat": cmd_cat,

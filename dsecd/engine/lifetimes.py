@@ -43,7 +43,7 @@ class LifetimeService:
 
     async def renew(self, req, ctx) -> dict:
         lease = parse_duration(req.lease, "lease")
-        renewed, missing = [], []
+        renewed, missing, no_lease = [], [], []
         for sb_id in req.sandboxes:
             sb = self.registry.by_id.get(sb_id)
             if sb is None:
@@ -59,7 +59,9 @@ class LifetimeService:
             if sb.lease:
                 sb.lease_deadline = time.monotonic() + sb.lease
                 renewed.append(sb_id)
-        return {"renewed": renewed, "missing": missing}
+            else:                   # nothing to renew: it lives on without one (its TTLs aside)
+                no_lease.append(sb_id)
+        return {"renewed": renewed, "missing": missing, "no_lease": no_lease}
 
     @staticmethod
     def expired(sb: Sandbox, now: float) -> str | None:

@@ -394,7 +394,8 @@ def test_lease_renewed_then_expired(box):
     sb = c.create("busybox", backend=backend, memory="256M", net="none", disk="64M", lease=3)
     try:
         for _ in range(5):                  # longer than the lease, renewed within it
-            assert c.renew([sb.id, "nosuchsandbox"]) == {"renewed": [sb.id], "missing": ["nosuchsandbox"]}
+            assert c.renew([sb.id, "nosuchsandbox"]) == {"renewed": [sb.id], "missing": ["nosuchsandbox"],
+                                                         "no_lease": []}
             time.sleep(1)
         assert sb.id in {s["id"] for s in c.list()}
         pid = sb.inspect()["init_pid"]

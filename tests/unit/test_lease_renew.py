@@ -28,7 +28,7 @@ def test_a_new_lease_length_is_journaled(tmp_path):
     lifetimes, registry = _service(tmp_path)
     sb = _sandbox(registry, lease=3.0)
     out = asyncio.run(lifetimes.renew(Renew(sandboxes=[sb.id], lease="60s"), None))
-    assert out == {"renewed": [sb.id], "missing": []}
+    assert out == {"renewed": [sb.id], "missing": [], "no_lease": []}
     registry.journal.close()
     # What the next daemon re-adopts it with: the lease the client asked for,
     # not the create's 3 s, which would end it before the client renews again.
@@ -75,3 +75,13 @@ def test_a_dead_sandbox_goes_when_its_ttl_or_lease_runs_out(tmp_path):
     assert LifetimeService.expired(sb, 101.0) == "lease"
     sb.lease, sb.lease_deadline, sb.idle_ttl, sb.last_active = None, None, 2.0, 100.0
     assert LifetimeService.expired(sb, 1000.0) is None        # no requests come: idle means nothing
+
+
+def test_a_sandbox_without_a_lease_is_said_to_have_none(tmp_path):
+    """It was in neither `renewed` nor `missing`: a renew of it looked like
+    one that went nowhere."""
+    lifetimes, registry = _service(tmp_path)
+    sb = _sandbox(registry, lease=None)
+    out = asyncio.run(lifetimes.renew(Renew(sandboxes=[sb.id, "gone"]), None))
+    assert out == {"renewed": [], "missing": ["gone"], "no_lease": [sb.id]}
+    registry.journal.close()
