@@ -347,8 +347,6 @@ def _summary(r) -> str:
             return f"removed {len(r['removed'])} blob(s), freed {human_bytes(r.get('freed_bytes', 0))}"
         if "blobs" in r:
             return f"{r['blobs']} blobs, {human_bytes(r['bytes'])}"
-        if "min" in r:
-            return f"pool {r['name']}: min {r['min']} max {r['max']}"
     return str(r)
 
 
@@ -398,8 +396,12 @@ async def fleet_image(fleet: Fleet, a) -> int:
 
 async def fleet_pool(fleet: Fleet, a) -> int:
     if a.pool_cmd == "set":
+        # As `dsec pool set` says it: a pool set to min 0 max 0 is removed
+        # (its answer's `removed`), which _summary would take for an image gc's.
         return await _on_every_host(fleet, a, "pool set",
-                                    lambda c: c.pool_set(a.image, a.min, a.max, cpu=a.cpu, memory=a.memory))
+                                    lambda c: c.pool_set(a.image, a.min, a.max, cpu=a.cpu, memory=a.memory),
+                                    lambda p: f"pool {p['name']}: min {p['min']} max {p['max']}"
+                                              + (" (removed)" if p.get("removed") else ""))
     found = await fleet.each_host(lambda c: c.pool_list())
     pools = [{**p, "host": t} for t, ps in found.items() if not isinstance(ps, BaseException) for p in ps]
     status = _incomplete(fleet, "pool ls", {t: r for t, r in found.items() if isinstance(r, BaseException)})

@@ -564,3 +564,26 @@ def _two_up_hosts(client_of, **attrs):
         for name, value in attrs.items():
             setattr(h, name, value)
     return f
+
+
+@pytest.mark.parametrize("removed", [False, True])
+def test_fleet_pool_set_says_each_hosts_pool_and_a_removal(removed, capsys):
+    """`pool set --min 0 --max 0` removes the pool, and the daemon's answer
+    then has removed: true: each host's line was taken for an image gc's
+    and the command died with a TypeError after the pools were removed."""
+
+    class Host:
+        def __init__(self, target):
+            self.target = target
+
+        async def pool_set(self, image, min, max, cpu=None, memory=None):
+            return {"name": f"{image}@1cpu-512M", "image": image, "min": min, "max": max, "ready": 0,
+                    **({"removed": True} if removed else {})}
+
+    n = 0 if removed else 2
+    a = cli.parse_args(["fleet", "--hosts", "h1,h2", "pool", "set", "--image", "busybox", "--min", str(n),
+                        "--max", str(n)])
+    assert asyncio.run(fleet_cli.fleet_pool(_two_up_hosts(Host), a)) == 0
+    out = capsys.readouterr().out
+    line = f"busybox@1cpu-512M: min {n} max {n}" + (" (removed)" if removed else "")
+    assert out.splitlines() == [f"/nonexistent/h1.sock: pool {line}", f"/nonexistent/h2.sock: pool {line}"], out
