@@ -756,8 +756,9 @@ class SyncFleet(_LoopThread):
     def get(self, sandbox_id: str) -> SyncSandbox:
         return SyncSandbox(self, self._run(self._fleet.get(sandbox_id)))
 
-    def list(self, labels: dict | None = None) -> list[dict]:
-        return self._run(self._fleet.list(labels))
+    def list(self, labels: dict | None = None, errors: dict[str, BaseException] | None = None) -> list[dict]:
+        """Fleet.list: `errors`, if given, gets each up host that failed to answer."""
+        return self._run(self._fleet.list(labels, errors))
 
     def top(self, labels: dict | None = None) -> dict:
         return self._run(self._fleet.top(labels))
@@ -777,8 +778,8 @@ class SyncFleet(_LoopThread):
     def destroy_all(self, force: bool = False, labels: dict | None = None) -> dict:
         return self._run(self._fleet.destroy_all(force, labels))
 
-    def list_images(self) -> list[dict]:
-        return self._run(self._fleet.list_images())
+    def list_images(self, errors: dict[str, BaseException] | None = None) -> list[dict]:
+        return self._run(self._fleet.list_images(errors))
 
     def call(self, image: str, **kw):
         return self._run(self._fleet.call(image, **kw))

@@ -782,3 +782,23 @@ def test_a_sandbox_gone_while_its_host_was_down_is_forgotten_with_its_key_at_the
     assert up["event"] == "host_up" and up["gone"] == ["gone"]
     assert "gone" not in where and "gone" not in key_of
     assert placed == "/nonexistent/h2.sock"
+
+
+def test_sync_fleet_listings_say_which_host_failed_to_answer():
+    """SyncFleet.list and list_images take Fleet's `errors`: without it a
+    script could not tell a listing missing an up host that failed to
+    answer from a whole one (it was a TypeError)."""
+    from dsecd import SyncFleet
+
+    async def fails(*args):
+        raise ConnectionLost("list on h2: connection lost", target="h2", op="list", sent=True)
+
+    with SyncFleet(["h1", "h2"], client_factory=JoinableClient, heartbeat_s=0.05) as f:
+        h2 = f._fleet.hosts["h2"].client
+        h2.list = h2.list_images = fails
+        for listing in (f.list, f.list_images):
+            errors = {}
+            assert listing(errors=errors) == ([] if listing == f.list else
+                                               [{"name": "busybox", "layers": [{"digest": "sha256:aa"}],
+                                                 "host": "h1"}])
+            assert list(errors) == ["h2"] and isinstance(errors["h2"], ConnectionLost)
