@@ -1882,7 +1882,12 @@ def cmd_rpc(a) -> int:
             return EXIT_BROKEN_PIPE
         if not events.get(sock.fileno()):
             continue
-        data = sock.recv(1 << 16)
+        try:
+            data = sock.recv(1 << 16)
+        except ConnectionResetError:
+            # The daemon closed with bytes of ours unread (killed mid-request):
+            # its end all the same, which the client says as such.
+            data = b""
         if not data:
             return 0
         view = memoryview(data)

@@ -126,6 +126,35 @@ def test_the_relay_finding_no_daemon_says_what_to_check(tmp_path, capsys):
     assert "is the daemon running on this host?" in err and "DSEC_REMOTE_SOCKET" in err
 
 
+def test_the_relay_ends_as_the_daemon_does_when_it_drops_bytes_unread(tmp_path):
+    """A daemon killed with a request of ours not yet read resets the
+    socket: the relay died with "dsec: [Errno 104] Connection reset by
+    peer" (exit 1), which the client printed as the remote dsec failing.
+    Its end is the daemon's: the relay ends as at the daemon's close."""
+    import socket
+    import threading
+
+    path = str(tmp_path / "d.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+
+    def daemon_that_dies() -> None:
+        conn, _ = server.accept()
+        time.sleep(0.5)              # the relay's input lands in our receive buffer, unread
+        conn.close()
+
+    t = threading.Thread(target=daemon_that_dies)
+    t.start()
+    try:
+        r = subprocess.run([sys.executable, "-m", "dsecd.cli", "--socket", path, "rpc", "--stdio"],
+                           input=b"x" * 4096, capture_output=True, timeout=30)
+    finally:
+        t.join()
+        server.close()
+    assert (r.returncode, r.stderr) == (0, b""), r
+
+
 def test_a_shell_printing_to_stdout_is_named(tmp_path):
     text = _reason(tmp_path, """
         import os, sys, time
