@@ -82,7 +82,7 @@ from .fds import read_ready
 from .fleet import fleet_target
 from .localcopy import LocalCopyError
 from .pullview import PullView
-from .remote import SshOptions
+from .remote import SshOptions, SshTarget, is_remote
 from .tarsafe import Refused, TooLarge
 
 EXIT_DSEC_ERROR = 125
@@ -2521,9 +2521,16 @@ def _parse_fleet_args(argv: list[str], at: int) -> argparse.Namespace:
         build_fleet_parser().error(f"--hosts {f.hosts!r} names no host: give H1,H2,...")
     seen: set[str] = set()
     for host in a.fleet:
-        if fleet_target(host) in seen:
+        # Here, not at connect: a host that cannot be one is the command line's error.
+        try:
+            target = fleet_target(host)
+            if is_remote(target):
+                SshTarget.parse(target)
+        except ValueError as err:
+            build_fleet_parser().error(f"--hosts: {err}")
+        if target in seen:
             build_fleet_parser().error(f"--hosts: {host} is given twice (a bare name is ssh://name)")
-        seen.add(fleet_target(host))
+        seen.add(target)
     a.json = a.json or getattr(f, "json", False)
     a.connect_timeout = f.connect_timeout
     return a

@@ -123,6 +123,11 @@ def fleet_target(host: str) -> str:
     """A Client target for a host as given: ssh:// or a socket path as it is, a bare name as ssh://name."""
     if remote.is_remote(host) or host.startswith("/"):
         return host
+    if "/" in host:
+        # A relative socket path: as ssh://run/x.sock it would be refused as
+        # an ssh:// address with a path, which says nothing of sockets.
+        raise ValueError(f"{host!r} is neither a host nor a socket path: give ssh://[user@]host[:port], "
+                         "a host name, or the absolute path of a daemon's socket")
     return remote.SCHEME + host
 
 

@@ -141,6 +141,19 @@ def test_fleet_usage_errors(args, why, capsys, monkeypatch):
     assert e.value.code == 2 and why in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("hosts,why", [
+    ("h1,run/dsecd.sock", "'run/dsecd.sock' is neither a host nor a socket path: give ssh://[user@]host[:port]"),
+    ("h1,h2:x", "'ssh://h2:x': the port must be a number from 1 to 65535"),
+    ("ssh://h1/x", "'ssh://h1/x': an ssh:// address is ssh://[user@]host[:port], nothing more")])
+def test_a_host_that_cannot_be_one_is_a_usage_error_of_hosts(hosts, why, capsys):
+    """Found only at connect, it was said as the command's failure (`dsec
+    ps: ...`, exit 1), and a relative socket path as a bad ssh:// address."""
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["fleet", "--hosts", hosts, "ps"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"dsec fleet: error: --hosts: {why}" in err, err
+
+
 @pytest.mark.parametrize("args,fix", [
     (["ps", "--connect-timeout", "5"], "dsec fleet --hosts h1,h2 --connect-timeout 5 ps"),
     (["ps", "--connect-timeout=5", "--json"], "dsec fleet --hosts h1,h2 --connect-timeout=5 ps --json"),
