@@ -117,6 +117,9 @@ DEFAULT_CPU = 1.0
 DEFAULT_MEMORY = 512 << 20
 # A host that answered `busy` gets no create for this long (or its retry_after_s, if shorter).
 BUSY_BACKOFF_S = 2.0
+# How a create's `lasting` refusals (see Fleet._no_host) record a host that
+# lacks the image, apart from a not_found about another thing the create names.
+NO_IMAGE = "no_image"
 
 
 def fleet_target(host: str) -> str:
@@ -567,7 +570,7 @@ class Fleet:
     def _place(self, image: str, job: str, shape: _Shape, skip: dict[str, str],
                lasting: dict[str, str] | None = None) -> FleetHost | None:
         """The best up host not in `skip`; the hosts passed over go into
-        `skip` (host -> why), and into `lasting` (host -> error code) those
+        `skip` (host -> why), and into `lasting` (host -> error code, or NO_IMAGE) those
         that can never take this create (see _no_host)."""
         lasting = {} if lasting is None else lasting
         now = asyncio.get_running_loop().time()
@@ -620,7 +623,7 @@ class Fleet:
         except (TypeError, ValueError) as err:
             raise BadRequest(f"create: memory: {err}", {"memory": memory}) from None
         skip: dict[str, str] = {}
-        lasting: dict[str, str] = {}       # hosts that can never take it: host -> error code
+        lasting: dict[str, str] = {}       # hosts that can never take it: host -> error code or NO_IMAGE
         while True:
             home = self.hosts.get(self._key_home.get(key, ""))
             if home is not None and not home.up:
@@ -644,10 +647,15 @@ class Fleet:
                 skip[host.target] = f"busy: {err.message}"
                 continue
             except NotFound as err:
-                if host.images is not None:
-                    host.images.pop(image, None)
+                # The daemon's not_found of a missing image names nothing else;
+                # one naming a policy (say) is about that, which another host may have.
+                if set(err.detail) <= {"image"}:
+                    if host.images is not None:
+                        host.images.pop(image, None)
+                    lasting[host.target] = NO_IMAGE
+                else:
+                    lasting[host.target] = err.code
                 skip[host.target] = f"not_found: {err.message}"
-                lasting[host.target] = err.code
                 continue
             except BadRequest as err:
                 if not err.detail.get("resource"):
@@ -700,8 +708,11 @@ class Fleet:
         if not self.up_hosts():
             return Busy(f"create {image!r}: no host of the fleet is up ({text})", {"hosts": reasons})
         if reasons and set(reasons) <= set(lasting):
-            if all(code == NotFound.code for code in lasting.values()):
+            if all(code == NO_IMAGE for code in lasting.values()):
                 return NotFound(f"create {image!r}: no host of the fleet has the image ({text})",
+                                {"image": image, "hosts": reasons})
+            if all(code in (NO_IMAGE, NotFound.code) for code in lasting.values()):
+                return NotFound(f"create {image!r}: no host of the fleet can take it as asked ({text})",
                                 {"image": image, "hosts": reasons})
             return BadRequest(f"create {image!r}: no host of the fleet can ever take it as asked ({text}); "
                               "ask for less, or add a host that has the image and is large enough",

@@ -252,6 +252,32 @@ def test_no_host_having_the_image_is_not_found_not_busy():
     assert "no host of the fleet has the image" in str(err) and "no image 'nosuch'" in str(err)
 
 
+def test_a_not_found_of_something_else_than_the_image_is_not_said_to_be_the_image():
+    """A create naming a policy no host has: every host answers not_found
+    about the policy. That was "no host of the fleet has the image" (for
+    an image every host has), and each host's image list lost the image
+    until its next refresh. A host lacking the policy is still passed
+    over for one that may have it."""
+    policy = NotFound("create: policy: no policy 'nosuch'; this daemon has agent",
+                      {"policy": "nosuch", "known": ["agent"]})
+
+    async def go():
+        f = fleet_of(2)
+        a, b = f.hosts.values()
+        a.client = FakeClient(a.target, [policy])
+        b.client = FakeClient(b.target, [policy])
+        with pytest.raises(NotFound) as e:
+            await f.create("busybox", policy="nosuch")
+        return e.value, a.client.keys + b.client.keys, [h.images for h in (a, b)]
+
+    err, asked, images = run(go())
+    assert len(asked) == 2 and "retry_after_s" not in err.detail
+    assert "has the image" not in str(err) and "no policy 'nosuch'" in str(err), str(err)
+    assert "no host of the fleet can take it as asked" in str(err), str(err)
+    assert set(err.detail["hosts"]) == {"/nonexistent/h1.sock", "/nonexistent/h2.sock"}
+    assert images == [{"busybox": ["sha256:aa"]}] * 2
+
+
 @pytest.mark.parametrize("ask", [{"cpu": 1000}, {"memory": "1T"}])
 def test_more_than_any_host_can_ever_give_is_a_bad_request_not_busy(ask):
     async def go():
