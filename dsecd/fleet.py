@@ -647,15 +647,7 @@ class Fleet:
                 skip[host.target] = f"busy: {err.message}"
                 continue
             except NotFound as err:
-                # The daemon's not_found of a missing image names nothing else;
-                # one naming a policy (say) is about that, which another host may have.
-                if set(err.detail) <= {"image"}:
-                    if host.images is not None:
-                        host.images.pop(image, None)
-                    lasting[host.target] = NO_IMAGE
-                else:
-                    lasting[host.target] = err.code
-                skip[host.target] = f"not_found: {err.message}"
+                self._not_there(host, image, err, skip, lasting)
                 continue
             except BadRequest as err:
                 if not err.detail.get("resource"):
@@ -683,6 +675,19 @@ class Fleet:
             self._key_of[sb.id] = key
             return FleetSandbox(self, sb)
 
+    def _not_there(self, host: FleetHost, image: str, err: NotFound, skip: dict[str, str],
+                   lasting: dict[str, str]) -> None:
+        """A host's not_found to a create or call: it is passed over for good.
+        The daemon's not_found of a missing image names nothing else; one
+        naming a policy (say) is about that, which another host may have."""
+        if set(err.detail) <= {"image"}:
+            if host.images is not None:
+                host.images.pop(image, None)
+            lasting[host.target] = NO_IMAGE
+        else:
+            lasting[host.target] = err.code
+        skip[host.target] = f"not_found: {err.message}"
+
     def _check_key_unknown_everywhere(self, key: str) -> None:
         """A caller's key this fleet has not seen may be that of a sandbox on
         a host that has not answered since the fleet started (a driver
@@ -696,7 +701,8 @@ class Fleet:
                             f"and a create placed elsewhere would make a second one; {self.down_advice}",
                             {"key": key, "down": unknown})
 
-    def _no_host(self, image: str, skip: dict[str, str], lasting: dict[str, str] | None = None) -> DsecError:
+    def _no_host(self, image: str, skip: dict[str, str], lasting: dict[str, str] | None = None,
+                 what: str = "create") -> DsecError:
         """Why no host took a create (or call): `busy` while some host may
         take it later (full, busy, down); when every host refused it for
         good (`lasting`: no such image there, more than it can ever give),
@@ -706,18 +712,18 @@ class Fleet:
         reasons = {**down, **skip}
         text = "; ".join(f"{short_name(t)}: {why}" for t, why in reasons.items())
         if not self.up_hosts():
-            return Busy(f"create {image!r}: no host of the fleet is up ({text})", {"hosts": reasons})
+            return Busy(f"{what} {image!r}: no host of the fleet is up ({text})", {"hosts": reasons})
         if reasons and set(reasons) <= set(lasting):
             if all(code == NO_IMAGE for code in lasting.values()):
-                return NotFound(f"create {image!r}: no host of the fleet has the image ({text})",
+                return NotFound(f"{what} {image!r}: no host of the fleet has the image ({text})",
                                 {"image": image, "hosts": reasons})
             if all(code in (NO_IMAGE, NotFound.code) for code in lasting.values()):
-                return NotFound(f"create {image!r}: no host of the fleet can take it as asked ({text})",
+                return NotFound(f"{what} {image!r}: no host of the fleet can take it as asked ({text})",
                                 {"image": image, "hosts": reasons})
-            return BadRequest(f"create {image!r}: no host of the fleet can ever take it as asked ({text}); "
+            return BadRequest(f"{what} {image!r}: no host of the fleet can ever take it as asked ({text}); "
                               "ask for less, or add a host that has the image and is large enough",
                               {"image": image, "hosts": reasons})
-        return Busy(f"create {image!r}: no host took it ({text}); retry later or add hosts",
+        return Busy(f"{what} {image!r}: no host took it ({text}); retry later or add hosts",
                     {"hosts": reasons, "retry_after_s": BUSY_BACKOFF_S})
 
     # ---------------------------------------------------------------- one sandbox
@@ -871,15 +877,20 @@ class Fleet:
         return await self._each(lambda h: fn(h.client))
 
     async def call(self, image: str, **call_args):
-        """Client.call on the least loaded up host holding the image; on `busy`, the next."""
+        """Client.call on the least loaded up host holding the image; on
+        `busy`, or not_found there, the next. When none takes it, the error
+        is as create's (_no_host)."""
         self._check_open(f"call {image!r}")
         skip: dict[str, str] = {}
-        while (host := self._place(image, "", _Shape(0.0, 0), skip)) is not None:
+        lasting: dict[str, str] = {}
+        while (host := self._place(image, "", _Shape(0.0, 0), skip, lasting)) is not None:
             try:
                 return await host.client.call(image, **call_args)
+            except NotFound as err:
+                self._not_there(host, image, err, skip, lasting)
             except (Busy, ConnectionError) as err:
                 skip[host.target] = str(err)
-        raise self._no_host(image, skip)
+        raise self._no_host(image, skip, lasting, "call")
 
     async def _prune(self, host: FleetHost) -> None:
         """The host runs fewer sandboxes than the fleet counts there: some

@@ -828,3 +828,43 @@ def test_sync_fleet_listings_say_which_host_failed_to_answer():
                                                [{"name": "busybox", "layers": [{"digest": "sha256:aa"}],
                                                  "host": "h1"}])
             assert list(errors) == ["h2"] and isinstance(errors["h2"], ConnectionLost)
+
+
+class CallClient:
+    """Answers call: `answer` (raised if an exception)."""
+
+    def __init__(self, target: str, answer):
+        self.target = target
+        self.answer = answer
+        self.calls = 0
+
+    async def call(self, image, **kw):
+        self.calls += 1
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer
+
+
+def test_a_call_goes_on_past_a_host_without_the_image_and_says_which_lack_it():
+    """A call placed on a host whose image list is stale (not_found there)
+    failed with that one host's error, naming neither it nor the fleet,
+    while another host had the image; with no host having it, the error
+    now names each host, as create's does."""
+    async def go():
+        f = fleet_of(2)
+        a, b = f.hosts.values()
+        a.mounted = {"sha256:aa"}                            # a is tried first
+        a.client = CallClient(a.target, NotFound("no image named 'busybox'"))
+        b.client = CallClient(b.target, {"exit_code": 0})
+        found = await f.call("busybox")
+        a.client.calls = 0
+        b.client = CallClient(b.target, NotFound("no image named 'busybox'"))
+        a.images = b.images = {"busybox": ["sha256:aa"]}
+        with pytest.raises(NotFound) as e:
+            await f.call("busybox")
+        return found, e.value, a.client.calls + b.client.calls
+
+    found, err, asked = run(go())
+    assert found == {"exit_code": 0}
+    assert asked == 2 and str(err).startswith("not_found: call 'busybox': no host of the fleet has the image (")
+    assert set(err.detail["hosts"]) == {"/nonexistent/h1.sock", "/nonexistent/h2.sock"}
