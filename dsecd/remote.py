@@ -89,6 +89,10 @@ class SshTarget:
             raise ValueError(f"{target!r}: the port must be a number from 1 to 65535")
         if not parts.hostname:
             raise ValueError(f"{target!r}: no host name")
+        if parts.hostname.startswith("-"):
+            # ssh refuses it, and in the `ssh ... HOST true` an error suggests
+            # trying, it would be read as one of ssh's options.
+            raise ValueError(f"{target!r}: a host name cannot begin with '-'")
         return cls(host=parts.hostname, user=parts.username or None, port=port)
 
     def url(self) -> str:

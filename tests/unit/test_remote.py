@@ -37,6 +37,15 @@ def test_bad_addresses_say_what_an_address_is(text):
         SshTarget.parse(text)
 
 
+@pytest.mark.parametrize("text", ["ssh://-oProxyCommand=id", "ssh://root@-h1:22"])
+def test_a_host_name_starting_with_a_dash_is_refused(text):
+    """ssh itself refuses it ("hostname contains invalid characters"), but
+    the error's `ssh ... HOST true` to try it by hand then ran the host as
+    ssh's option: with -oProxyCommand=..., that command."""
+    with pytest.raises(ValueError, match="a host name cannot begin with '-'"):
+        SshTarget.parse(text)
+
+
 def test_the_ssh_command_line():
     o = SshOptions(command=["ssh", "-i", "k"], config="/c", remote_dsec="/opt/venv/bin/dsec",
                    remote_socket="/run/x.sock", keepalive_s=2, keepalive_count=4, options=["Compression=yes"])
