@@ -2,11 +2,12 @@
 itself (create_now). `create` here, in order:
 
 1. **key**: a create with an idempotency key that was seen before answers
-   with the same sandbox (or waits for the create still making it); the key
-   is journaled with the sandbox, so this holds across a daemon restart. A
-   key is free again once its sandbox is destroyed or its create failed.
-   A key stands for one create: given again with other arguments (another
-   image, shape, env...) it is a conflict, not the first one's sandbox.
+   with the same sandbox (or waits for the create still making it, and
+   makes it itself if that one is cancelled); the key is journaled with the
+   sandbox, so this holds across a daemon restart. A key is free again once
+   its sandbox is destroyed or its create failed. A key stands for one
+   create: given again with other arguments (another image, shape, env...)
+   it is a conflict, not the first one's sandbox.
 2. **warm pool**: a create that matches a pool's (image, shape) takes one of
    its ready sandboxes: labels, env, cwd, user, TTLs, lease and key are set
    on it, and it is out of the pool for good (never handed out twice).
@@ -316,14 +317,17 @@ class CreateService:
         if not req.key:
             return await self._create_admitted(req)
         keys = self.registry.keys
-        known = keys.get(req.key)
+        while isinstance(known := keys.get(req.key), asyncio.Future):
+            self._same_create(req, self._key_args_creating.get(req.key), "a create under way")
+            result = await asyncio.shield(known)
+            if result is not None:
+                return {**result, "existing": True}
+            # That create was cancelled (its caller gave up) and made nothing:
+            # this one, often the caller's retry, makes the sandbox itself.
         if isinstance(known, str) and known in self.registry.by_id:
             sb = self.registry.by_id[known]
             self._same_create(req, sb.key_args, f"sandbox {sb.id}, of image {sb.image}")
             return {**sb.public(), "existing": True}
-        if isinstance(known, asyncio.Future):
-            self._same_create(req, self._key_args_creating.get(req.key), "a create under way")
-            return {**await asyncio.shield(known), "existing": True}
         fut = self.workers.loop.create_future()
         keys[req.key] = fut
         self._key_args_creating[req.key] = create_args_digest(req)
@@ -332,9 +336,11 @@ class CreateService:
         except BaseException as err:
             keys.pop(req.key, None)
             self._key_args_creating.pop(req.key, None)
-            fut.set_exception(err if isinstance(err, Exception) else DsecError("create cancelled",
-                                                                            code="conflict"))
-            fut.exception()      # retrieved: nobody else may be waiting
+            if isinstance(err, Exception):
+                fut.set_exception(err)
+                fut.exception()      # retrieved: nobody else may be waiting
+            else:
+                fut.set_result(None)
             raise
         keys[req.key] = result["id"]
         self._key_args_creating.pop(req.key, None)

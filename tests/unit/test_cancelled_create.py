@@ -463,3 +463,49 @@ def test_a_call_sandbox_made_for_a_cancelled_request_is_destroyed_once_made():
         raise AssertionError("the message queue fd of the abandoned box is still open")
     except OSError:
         pass
+
+
+def test_a_create_waiting_on_its_keys_create_that_is_cancelled_makes_the_sandbox_itself():
+    """A create sent again with its key (a caller's retry after its
+    timeout) waits for the first create of the key still running. That
+    first one cancelled (its caller gave up) made nothing: the retry was
+    answered `conflict: create cancelled`, which no retry of a create
+    should get. It now makes the sandbox; a create that failed still
+    gives its waiters its error."""
+    from dsecd.engine.creates import CreateService
+    from dsecd.errors import Busy
+
+    made = []
+
+    async def go(first_fails: BaseException | None):
+        svc = object.__new__(CreateService)
+        svc.registry = SimpleNamespace(by_id={}, keys={})
+        svc.workers = SimpleNamespace(loop=asyncio.get_running_loop())
+        started = asyncio.Event()
+
+        async def create_admitted(req):
+            if not made:
+                made.append("first")
+                started.set()
+                await asyncio.sleep(0.1)
+                raise first_fails
+            made.append("retry")
+            return {"id": "sb-retry"}
+
+        svc._create_admitted = create_admitted
+        req = SimpleNamespace(key="k", labels={})
+        first = asyncio.ensure_future(svc.create(req, None))
+        await started.wait()
+        retry = asyncio.ensure_future(svc.create(req, None))
+        await asyncio.sleep(0.01)
+        if first_fails is None:
+            first.cancel()
+        results = await asyncio.gather(first, retry, return_exceptions=True)
+        return results, svc.registry.keys
+
+    (first, retry), keys = asyncio.run(go(None))
+    assert isinstance(first, asyncio.CancelledError)
+    assert retry == {"id": "sb-retry"} and keys == {"k": "sb-retry"} and made == ["first", "retry"]
+    made.clear()
+    (first, retry), keys = asyncio.run(go(Busy("the host is full")))
+    assert isinstance(first, Busy) and isinstance(retry, Busy) and made == ["first"] and keys == {}
