@@ -439,6 +439,11 @@ class Client:
         self._reconnecting = asyncio.Lock()
         self._closed = False
         self._undoing: set[asyncio.Task] = set()      # destroys of what cancelled creates made
+        # The keys of creates in flight (key -> how many), and of those being
+        # undone (key -> a create of it was sent again meanwhile): see
+        # _settle_abandoned_create.
+        self._keyed_creates: collections.Counter[str] = collections.Counter()
+        self._undone_keys: dict[str, bool] = {}
         self.server: dict = {}
         self.max_frame = 16 << 20
 
@@ -788,6 +793,11 @@ class Client:
         pending = conn.pending[rid] = _Pending()
         finished = False
         on_wire = False
+        key = args.get("key") if op == "create" else None
+        if key:
+            self._keyed_creates[key] += 1
+            if key in self._undone_keys:
+                self._undone_keys[key] = True
 
         async def send() -> None:
             try:
@@ -840,6 +850,12 @@ class Client:
             undo = abandoned and on_wire and op == "create"
             if not undo:
                 conn.pending.pop(rid, None)
+            if key:
+                self._keyed_creates[key] -= 1
+                if not self._keyed_creates[key]:
+                    del self._keyed_creates[key]
+                if undo:
+                    self._undone_keys[key] = self._undone_keys.get(key, False) or key in self._keyed_creates
             if abandoned and on_wire:
                 # Abandoned early (break, exception, cancel): tell the daemon to stop it.
                 try:
@@ -847,9 +863,9 @@ class Client:
                 except (ConnectionError, DsecError):
                     pass
             if undo:
-                await self._undo_abandoned_create(conn, rid, pending)
+                await self._undo_abandoned_create(conn, rid, pending, key)
 
-    async def _undo_abandoned_create(self, conn: _Conn, rid: int, pending: _Pending) -> None:
+    async def _undo_abandoned_create(self, conn: _Conn, rid: int, pending: _Pending, key: str | None) -> None:
         """A create the caller gave up on (a cancel, a timeout) after it was
         sent: the daemon either cancels it (its answer is `conflict`, nothing
         is left) or had already made the sandbox, whose result then comes
@@ -857,20 +873,23 @@ class Client:
         holds is destroyed, so that a cancelled create leaves nothing. Waited
         for up to ABANDONED_CREATE_WAIT_S (the caller's cancel goes on after
         that; the undo goes on in the background, and close() waits for it)."""
-        task = asyncio.get_running_loop().create_task(self._settle_abandoned_create(conn, rid, pending))
+        task = asyncio.get_running_loop().create_task(self._settle_abandoned_create(conn, rid, pending, key))
         self._undoing.add(task)
         task.add_done_callback(self._undoing.discard)
         await asyncio.wait([task], timeout=ABANDONED_CREATE_WAIT_S)
 
-    async def _settle_abandoned_create(self, conn: _Conn, rid: int, pending: _Pending) -> None:
+    async def _settle_abandoned_create(self, conn: _Conn, rid: int, pending: _Pending, key: str | None) -> None:
         try:
             while "stream" in (frame := await pending.queue.get()):
                 pass
         finally:
             conn.pending.pop(rid, None)
+            # A create of its key sent meanwhile (the caller's retry) is, or
+            # will be, answered with what this one made: it is not nobody's.
+            asked_again = key is not None and (self._undone_keys.pop(key, False) or key in self._keyed_creates)
         # Lost: nobody can tell here (the caller was told ConnectionLost, sent:
         # a create with its key sent again finds what it made). An error: nothing was made.
-        if "__lost__" in frame or "error" in frame:
+        if "__lost__" in frame or "error" in frame or asked_again:
             return
         await self._destroy_made_for_nobody(frame.get("result") or {})
 

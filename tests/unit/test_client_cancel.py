@@ -171,3 +171,55 @@ def test_a_create_interrupted_by_ctrl_c_in_a_sync_client_leaves_nothing(tmp_path
     daemon = interrupted_sync_call(tmp_path, "made", lambda c: c.create("busybox"))
     assert daemon.seen_by_then == ["hello", "create", "cancel", "destroy"]
     assert daemon.ops("destroy") == [{"sandbox": "sb-late", "force": True}]
+
+
+class SlowKeyDaemon(StandInDaemon):
+    """A create of a key is made, but answered only when a create of the
+    same key comes again (after the first one's cancel): first the
+    first one's result, then the second's, the key's sandbox (`existing`)."""
+
+    async def _serve(self, reader, writer) -> None:
+        dec = protocol.FrameDecoder(1 << 20)
+        held: dict[str, int] = {}
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                op, rid, args = f["op"], f["id"], f.get("args", {})
+                self.seen.append((op, args))
+                if op == "hello":
+                    writer.write(protocol.encode_frame({"id": rid, "result": {"limits": {}}}))
+                elif op == "create" and args["key"] not in held:
+                    held[args["key"]] = rid
+                elif op == "create":
+                    sb = f"sb-{args['key']}"
+                    writer.write(protocol.encode_frame({"id": held.pop(args["key"]), "result": {"id": sb}}))
+                    writer.write(protocol.encode_frame({"id": rid, "result": {"id": sb, "existing": True}}))
+                elif op == "cancel":
+                    writer.write(protocol.encode_frame({"id": rid, "error": {
+                        "code": "bad_request", "message": "no request in flight"}}))
+                elif op == "destroy":
+                    writer.write(protocol.encode_frame({"id": rid, "result": {"id": args["sandbox"]}}))
+            await writer.drain()
+
+
+def test_a_timed_out_create_whose_key_was_asked_again_leaves_the_sandbox_to_that_create(tmp_path, monkeypatch):
+    """A create timed out on a slow daemon; the caller sent it again with
+    its key while the first one's answer had not come. The daemon had made
+    the sandbox, and answered the retry with it (`existing`); the undo of
+    the first then destroyed it under the caller, who held the retry's
+    handle. A sandbox of a key asked for again is the retry's."""
+    from dsecd import client as client_mod
+
+    monkeypatch.setattr(client_mod, "ABANDONED_CREATE_WAIT_S", 0.2)
+    daemon = SlowKeyDaemon(str(tmp_path / "d.sock"), "made")
+
+    async def go():
+        async with daemon:
+            async with Client(daemon.path) as c:
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(c.create("busybox", key="k1"), 0.1)
+                sb = await c.create("busybox", key="k1")
+                await asyncio.sleep(0.3)             # the first one's undo has seen its answer by now
+                return sb.id
+
+    assert asyncio.run(go()) == "sb-k1"
+    assert [op for op, _ in daemon.seen] == ["hello", "create", "cancel", "create"]
