@@ -433,7 +433,7 @@ class Client:
         # reconnect by itself, for whoever owns it (a Fleet, the CLI); None:
         # the SDK user's advice, connect() again.
         self.lost_advice: str | None = None
-        self.last_frame_at = 0.0         # loop time of the last frame received: the host is alive
+        self._last_frame_at = 0.0        # see last_frame_at
         self._ids = itertools.count(1)
         self._conn: _Conn | None = None
         self._reconnecting = asyncio.Lock()
@@ -553,6 +553,19 @@ class Client:
         self._closed = True
         if self._conn is not None:
             await self._drop(self._conn)
+
+    @property
+    def last_frame_at(self) -> float:
+        """Loop time bytes last came from the daemon, of a frame complete or
+        not: the host is alive (dsecd.Fleet's heartbeat). A frame of
+        megabytes (an exec's output, a file's chunk) takes seconds on a
+        slow link, all of them signs of life."""
+        conn = self._conn
+        return max(self._last_frame_at, conn.frames.bytes_at if conn is not None else 0.0)
+
+    @last_frame_at.setter
+    def last_frame_at(self, at: float) -> None:
+        self._last_frame_at = at
 
     def abort_now(self, reason: str) -> _Conn | None:
         """End the connection now (dsecd.Fleet, for a host that stopped

@@ -59,7 +59,7 @@ live sandboxes on its host than the fleet does, at a listing of the
 host's sandboxes every PRUNE_S, or when its host rejoins.
 
 Failure. Every host is pinged each `heartbeat_s`; a host whose connection
-drops, or from which nothing (no answer, no frame) came for `down_after_s`,
+drops, or from which nothing (no answer, no bytes) came for `down_after_s`,
 is marked down at once (so within down_after_s + heartbeat_s, 4 s by
 default): its connection is closed (requests in flight on it fail with
 ConnectionLost), placement avoids it, and the caller is told through

@@ -79,6 +79,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._queued = 0
         self._reading_paused = False
         self._started_at: float | None = None   # when the first byte of an incomplete frame came
+        self.bytes_at = 0.0                     # when bytes last came (of a frame complete or not)
         self._error: BaseException | None = None
         self._eof = False
         self._waiter: asyncio.Future | None = None
@@ -99,8 +100,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         return memoryview(self._scratch)[self._fill:]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.bytes_at = self._loop.time()
         if self._started_at is None:
-            self._started_at = self._loop.time()
+            self._started_at = self.bytes_at
         if self._big is not None:
             self._got += nbytes
             if self._got == self._size:

@@ -521,3 +521,44 @@ def test_a_dropped_connection_says_sshs_words_once_stopped():
     link.established = True
     said = link.describe()
     assert "closed by remote host. The host, its sshd" in said and ".." not in said, said
+
+
+def test_the_bytes_of_a_frame_still_coming_are_a_sign_of_life(tmp_path):
+    """dsecd.Fleet marks a host down when nothing came from it for
+    down_after_s. Only whole frames counted: on a slow link, an exec's
+    output or a file's chunk (megabytes in one frame) took longer than that
+    to arrive, and the host was marked down, the transfer cut, while its
+    bytes were coming all along."""
+    from dsecd import protocol
+
+    path = str(tmp_path / "d.sock")
+    big = protocol.encode_frame({"id": 2, "result": {"data": b"x" * 200_000}})
+
+    async def serve(reader, writer):
+        dec = protocol.FrameDecoder(1 << 20)
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                if f["op"] == "hello":
+                    writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
+                else:
+                    for i in range(0, len(big), len(big) // 8):      # a slow link: the frame in pieces
+                        writer.write(big[i:i + len(big) // 8])
+                        await writer.drain()
+                        await asyncio.sleep(0.1)
+
+    async def go():
+        server = await asyncio.start_unix_server(serve, path)
+        try:
+            async with Client(path) as c:
+                loop = asyncio.get_running_loop()
+                answer = asyncio.ensure_future(c.request("info"))
+                asked = loop.time()
+                await asyncio.sleep(0.45)
+                mid = c.last_frame_at - asked
+                assert not answer.done()
+                await answer
+                return mid
+        finally:
+            server.close()
+
+    assert asyncio.run(go()) > 0.2

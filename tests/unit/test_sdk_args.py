@@ -42,6 +42,7 @@ SYNC_LEAVES_OUT = {
     ("Client", "frames_with_id"): "raw frames under a caller's request id, ordered by an asyncio.Event: "
                                   "plumbing of the async client's own streams",
     ("Client", "new_id"): "a request id, only of use to frames_with_id",
+    ("Client", "last_frame_at"): "a time of the client's own event loop, for dsecd.Fleet's heartbeat",
     ("Client", "abort_now"): "must run on the loop's thread and returns the internal connection for "
                              "abort's second half; SyncClient.abort does both",
     ("Sandbox", "read_chunks"): "an async iterator of a file's chunks; sync code streams a file with "
