@@ -472,6 +472,7 @@ def test_a_create_waiting_on_its_keys_create_that_is_cancelled_makes_the_sandbox
     answered `conflict: create cancelled`, which no retry of a create
     should get. It now makes the sandbox; a create that failed still
     gives its waiters its error."""
+    from dsecd import protocol
     from dsecd.engine.creates import CreateService
     from dsecd.errors import Busy
 
@@ -481,6 +482,7 @@ def test_a_create_waiting_on_its_keys_create_that_is_cancelled_makes_the_sandbox
         svc = object.__new__(CreateService)
         svc.registry = SimpleNamespace(by_id={}, keys={})
         svc.workers = SimpleNamespace(loop=asyncio.get_running_loop())
+        svc._key_args_creating = {}
         started = asyncio.Event()
 
         async def create_admitted(req):
@@ -493,7 +495,7 @@ def test_a_create_waiting_on_its_keys_create_that_is_cancelled_makes_the_sandbox
             return {"id": "sb-retry"}
 
         svc._create_admitted = create_admitted
-        req = SimpleNamespace(key="k", labels={})
+        req = protocol.Create(image="busybox", key="k")
         first = asyncio.ensure_future(svc.create(req, None))
         await started.wait()
         retry = asyncio.ensure_future(svc.create(req, None))
