@@ -149,9 +149,22 @@ class BuildContext:
         out = []
         for m in sorted(self._glob(rel, pattern)):
             real = self._resolve(m, pattern)
-            if not self._leads_to_excluded(m, real):
+            if not self._leads_to_excluded(m, real) and not self._special(real):
                 out.append(self._source(m, real, pattern))
         return out
+
+    def _special(self, real: str | None) -> bool:
+        """A glob's match that leads to a FIFO, socket or device: the glob
+        does not match it, as a copied directory's walk skips them (a
+        project's socket must not fail `COPY * /app/` that `COPY . /app/`
+        copies). Named on its own, such a file is refused (_source)."""
+        if real is None or real == ".":
+            return False
+        try:
+            mode = os.stat(self._host(real), follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            return False
+        return not (stat.S_ISDIR(mode) or stat.S_ISREG(mode))
 
     def _leads_to_excluded(self, rel: str, real: str | None) -> bool:
         """A glob's match `rel` whose symlinks lead (to `real`) to what

@@ -5,6 +5,7 @@ exceptions, and the content hash a step's cache key uses. No root."""
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 
@@ -219,3 +220,22 @@ def test_the_digest_cache_rehashes_a_rewritten_file(tmp_path):
     f.write_text("bbbb")                          # same size; ctime moves
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert cache.file_digest(str(f), os.stat(f)) != first
+
+
+def test_a_glob_skips_fifos_and_sockets_as_a_copied_directory_does(tmp_path):
+    """`COPY * /app/` in a project dir holding a socket (a dev server's, an
+    agent's) copies what `COPY . /app/` copies; only a special file named on
+    its own is refused."""
+    make_tree(tmp_path, {"a.txt": "a", "d/b.txt": "b"})
+    os.mkfifo(tmp_path / "fifo")
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.bind(str(tmp_path / "s.sock"))
+        ctx = BuildContext.open(str(tmp_path))
+        assert rels(ctx.sources(".")) == [["", "a.txt", "d", "d/b.txt"]]
+        assert [s.rel for s in ctx.sources("*")] == ["a.txt", "d"]
+        assert ctx.sources("*.sock") == []
+        with pytest.raises(ContextError, match="fifo is not a file, directory or symlink"):
+            ctx.sources("fifo")
+    finally:
+        sock.close()
