@@ -57,6 +57,7 @@ from ..fs.images import ImageError
 from ..fs.layers import overlay_lowerdirs
 from ..mem import pause
 from ..native import NativeError
+from .creates import check_platform
 from .execs import ExecLimits, check_env
 from .idranges import IdRanges
 from .images import ImageService
@@ -254,6 +255,7 @@ class CallService:
             image = await self.workers.run(self.image_service.images.get, image_name)
         except ImageError as err:
             raise image_error(err) from err
+        check_platform(image_name, image)
         fc = self.fn_cfg
         limits = cgroup.Limits(cpu=float(fc["cpu"]), memory_bytes=parse_size(fc["memory"]), pids=fc["pids"],
                                cpu_hard_quota=False, cpu_period_us=self.cpu_period_us)

@@ -115,6 +115,9 @@ def test_platform_choice_and_a_platform_the_index_lacks(world, c):
     # Its programs cannot run on this host: a create says so (not "exec format error" at each exec).
     with pytest.raises(BadRequest, match=r"is for linux/arm64 \(pulled with --platform\); this host runs linux/"):
         c.create(image=f"{reg.host}/test/app:v1")
+    # Nor in a call sandbox, which is made without a create.
+    with pytest.raises(BadRequest, match=r"is for linux/arm64 \(pulled with --platform\)"):
+        c.call(image=f"{reg.host}/test/app:v1", argv=["true"])
     with pytest.raises(NotFound, match="no image for linux/s390x"):
         c.pull_image(f"{reg.host}/test/app:v1", platform="linux/s390x")
     c.pull_image(f"{reg.host}/test/app:v1")         # back to this host's, for the tests below

@@ -439,7 +439,7 @@ def test_a_call_sandbox_made_for_a_cancelled_request_is_destroyed_once_made():
         def destroy_box(self, box_id, handle):
             seen["destroyed"].append((box_id, handle.box))
 
-    image = SimpleNamespace(layer_digests=["sha256:l1"], config={})
+    image = SimpleNamespace(layer_digests=["sha256:l1"], config={}, source=None)
     images = SimpleNamespace(images=SimpleNamespace(get=lambda name: image, changed=[]),
                              layers=SimpleNamespace(acquire=lambda digests: [],
                                                     release=lambda digests: seen["released"].append(digests)))
