@@ -51,7 +51,7 @@ from ..fs import users
 from ..fs.images import Image, ImageError, Pins
 from .creates import BUILD_LABEL, CreateService
 from .execs import ExecService, mapped_groups
-from .images import ImageService, count_image_op
+from .images import ImageService, check_platform, count_image_op
 from .network import NET_FILES
 from .sandboxes import Sandbox, SandboxRegistry
 from .workers import Workers
@@ -189,6 +189,10 @@ class _Build:
         except ImageError as err:
             line = next(i.line for i in dockerfile.instructions if i.cmd == "FROM")
             raise self._error(line, f"FROM: {err}", err.code) from err
+        try:
+            check_platform(build_plan.base, base_images[build_plan.base])
+        except DsecError as err:
+            raise self._error(build_plan.base_line, f"FROM {err.message}", err.code, **err.detail) from err
         try:
             sources = await self._find_sources(build_plan)
             self.total = 1 + len(build_plan.steps)

@@ -57,10 +57,9 @@ from ..fs.images import ImageError
 from ..fs.layers import overlay_lowerdirs
 from ..mem import pause
 from ..native import NativeError
-from .creates import check_platform
 from .execs import ExecLimits, check_env
 from .idranges import IdRanges
-from .images import ImageService
+from .images import ImageService, check_platform
 from .starts import ProcessStarter
 from .workers import Workers
 

@@ -62,12 +62,11 @@ from ..fs import upper as upperfs
 from ..fs import users
 from ..fs.images import Image, ImageError
 from ..fs.layers import overlay_lowerdirs
-from ..fs.pull import host_os_arch
 from ..native import HOSTNAME_MAX, NativeError
 from ..steps import AsyncSteps
 from .execs import check_env, mapped_groups, sandbox_identity
 from .idranges import IdRanges
-from .images import ImageService
+from .images import ImageService, check_platform
 from .lifecycle import LifecycleService
 from .memory import MemoryService
 from .microvms import MicroVMService
@@ -157,18 +156,6 @@ class ProcessSettings:
     def apply(self, sb: Sandbox) -> None:
         sb.env, sb.cwd, sb.user, sb.gid = dict(self.env), self.cwd, self.uid, self.gid
         sb.groups = list(self.groups)
-
-
-def check_platform(name: str, image: Image) -> None:
-    """An image pulled for another platform (`image pull --platform`) cannot
-    run here: its programs would fail with "exec format error" (and a
-    microVM's guest is this host's architecture too)."""
-    platform = (image.source or {}).get("platform")
-    host = host_os_arch()
-    if platform and "/".join(str(platform).split("/")[:2]) != host:
-        raise BadRequest(f"image {name!r} is for {platform} (pulled with --platform); this host runs {host}, "
-                         f"where its programs cannot run: pull it for {host} (without --platform) to run it here",
-                         {"image": name, "platform": platform, "host_platform": host})
 
 
 def check_hostname(name: str) -> None:

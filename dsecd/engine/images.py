@@ -29,7 +29,7 @@ from ..fs.httpstop import Stop
 from ..fs.images import Image, ImageError, ImageStore
 from ..fs.layers import LayerMounts
 from ..fs.pager import Pager, PagerConfig
-from ..fs.pull import Puller, PullSettings
+from ..fs.pull import Puller, PullSettings, host_os_arch
 from ..fs.registry import RegistryConfig
 from ..fs.store import INDEX_BLOCK, StoreError, check_index, unreachable_hint
 from ..mem import pause
@@ -90,6 +90,19 @@ def check_excludes(paths: list[str]) -> None:
 _CLIENT_PATH_CODES = {errno.ENOENT: "not_found", errno.ENOTDIR: "not_found", errno.EACCES: "permission",
                       errno.EPERM: "permission", errno.ELOOP: "bad_request", errno.ENAMETOOLONG: "bad_request",
                       errno.EINVAL: "bad_request"}
+
+
+def check_platform(name: str, image: Image) -> None:
+    """An image pulled for another platform (`image pull --platform`) cannot
+    run here: its programs would fail with "exec format error" (and a
+    microVM's guest is this host's architecture too). Nor can it be the base
+    of a build: the image made would not say its platform."""
+    platform = (image.source or {}).get("platform")
+    host = host_os_arch()
+    if platform and "/".join(str(platform).split("/")[:2]) != host:
+        raise BadRequest(f"image {name!r} is for {platform} (pulled with --platform); this host runs {host}, "
+                         f"where its programs cannot run: pull it for {host} (without --platform) to run it here",
+                         {"image": name, "platform": platform, "host_platform": host})
 
 
 class ImageService:
@@ -362,6 +375,8 @@ class ImageService:
         progress name the client's path, not where it is attached. Blocking."""
         if not os.path.isabs(req.source):
             raise ImageError("bad_request", f"build source must be an absolute path, got {req.source!r}")
+        if req.parent:
+            check_platform(req.parent, self.images.get(req.parent))
         with self.client_path(peer_pidfd, req.source, "build source", "source") as source:
             def shown(text: str) -> str:
                 return text.replace(source, req.source) if source != req.source else text

@@ -118,6 +118,13 @@ def test_platform_choice_and_a_platform_the_index_lacks(world, c):
     # Nor in a call sandbox, which is made without a create.
     with pytest.raises(BadRequest, match=r"is for linux/arm64 \(pulled with --platform\)"):
         c.call(image=f"{reg.host}/test/app:v1", argv=["true"])
+    # Nor under an image built on it, which would not know where it came from.
+    ctx = world["tmp"] / "platform-ctx"
+    ctx.mkdir(exist_ok=True)
+    with pytest.raises(BadRequest, match=r"Dockerfile:1: FROM .*is for linux/arm64 \(pulled with --platform\)"):
+        c.build_dockerfile(str(ctx), "on-arm", text=f"FROM {reg.host}/test/app:v1\nENV A=1\n")
+    with pytest.raises(BadRequest, match=r"is for linux/arm64 \(pulled with --platform\)"):
+        c.build_image(str(ctx), "on-arm", parent=f"{reg.host}/test/app:v1")
     with pytest.raises(NotFound, match="no image for linux/s390x"):
         c.pull_image(f"{reg.host}/test/app:v1", platform="linux/s390x")
     c.pull_image(f"{reg.host}/test/app:v1")         # back to this host's, for the tests below
