@@ -450,6 +450,11 @@ class _Build:
         if result.get("timed_out"):
             raise self._error(step.line, f"RUN did not finish in {timeout:g} s ([build] run_timeout_s); "
                               "it was killed", "io", output_tail=text)
+        if result.get("killed_by") == "oom":
+            raise self._error(step.line, "RUN was killed at the step sandbox's memory limit ([build] memory = "
+                              f"{self.svc.limits.memory / 2**20:g} MiB; the kernel's OOM killer took it): raise "
+                              f"[build] memory or make the RUN use less: {step.instruction.args[:200]}", "io",
+                              exit_code=None, signal=result.get("signal"), killed_by="oom", output_tail=text)
         if result.get("exit_code") != 0:
             how = (f"exit code {result['exit_code']}" if result.get("exit_code") is not None
                    else f"signal {result.get('signal')}")

@@ -351,10 +351,13 @@ class ExecService:
         """An exec the daemon runs for itself (a Dockerfile build's RUN): no
         stdin, its output handed to `emit(fd, data)` as it comes, with
         backpressure and no cap (the build's client reads it as a stream).
-        Result and errors as `exec`'s; cancelling it kills the process group."""
+        Result (with `killed_by`) and errors as `exec`'s; cancelling it kills
+        the process group."""
         io = ExecIO(self.workers.loop, 1 << 62, emit, False)
-        return await self._run_io(sb, io, argv, self.backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, env),
-                                  cwd, ids, timeout)
+        oom_before = sb.oom_kills
+        result = await self._run_io(sb, io, argv, self.backend.exec_env({"HOSTNAME": sb.hostname, **sb.env}, env),
+                                    cwd, ids, timeout)
+        return await self._why_killed(sb, result, oom_before)
 
     async def _run_io(self, sb: Sandbox, io, argv: list[str], env: list[str], cwd: str, ids: users.ProcessIds,
                       timeout: float | None, pty: bool = False, trace: bool = False,

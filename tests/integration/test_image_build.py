@@ -144,6 +144,23 @@ def test_a_failing_run_names_its_line_and_exit_code(client, tmp_path):
     assert client.list() == []                    # the step's sandbox is gone
 
 
+def test_a_run_killed_by_the_build_memory_limit_says_so(daemon_factory, busybox_rootfs, tmp_path):
+    """A RUN the OOM killer ends names the limit it hit, not only signal 9."""
+    d = daemon_factory('[build]\nmemory = "48M"\n')
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        dockerfile = "FROM busybox\nRUN x=$(head -c 100000000 /dev/zero | tr '\\0' a); echo ${#x}\n"
+        with pytest.raises(DsecError) as info:
+            c.build_dockerfile(str(tmp_path), "oom", text=dockerfile)
+        err = info.value
+        assert err.code == "io" and err.detail["line"] == 2 and err.detail["signal"] == 9, err
+        assert err.detail["killed_by"] == "oom"
+        assert "memory limit ([build] memory = 48 MiB" in err.message, err.message
+    finally:
+        c.close()
+
+
 @pytest.mark.parametrize("dockerfile,line,code,words", [
     ("FROM busybox\nRUN true\nONBUILD RUN true\n", 3, "unsupported", "ONBUILD is not supported"),
     ("FROM busybox\nHEALTHCHECK CMD true\n", 2, "unsupported", "HEALTHCHECK is not supported"),
