@@ -327,6 +327,22 @@ def _print_image_details(img: dict) -> None:
         print(f"{name + ':':<15}{value}")
 
 
+async def _warn_if_shadowed(c: Client, ref: str, pulled: str) -> None:
+    """A bare name (`app`) finds a local image of that name before the
+    pulled `app:latest` (local names first): say so after a pull of one, or
+    the next `dsec run app` runs the other image without a word."""
+    if any(ch in ref for ch in "/:@"):
+        return
+    try:
+        found = await c.inspect_image(ref)
+    except DsecError:
+        return
+    if found["name"] != pulled:
+        print(f"dsec image pull: warning: {ref!r} names the local image {found['name']} (made here), which a "
+              f"bare name finds first; name the pulled image {pulled}, or remove the local one "
+              f"(`dsec image rm {found['name']}`)", file=sys.stderr)
+
+
 async def cmd_image(c: Client, a) -> int:
     if a.image_cmd == "build" and a.file:
         return await cmd_image_dockerfile(c, a)
@@ -348,6 +364,7 @@ async def cmd_image(c: Client, a) -> int:
             mirrored = via and not img["name"].startswith(f"{via}/") and via != "docker.io"
             _print_image(img, "up to date" if img["pull"].get("up_to_date") else "pulled",
                          f", from the mirror {via}" if mirrored else "")
+        await _warn_if_shadowed(c, a.ref, img["name"])
         return 0
     if a.image_cmd == "ls":
         listing = await c.request("image_list")

@@ -5,6 +5,7 @@ shared by daemons on one store, resumption, and hostile registries."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import io
 import json
@@ -185,6 +186,33 @@ def test_cli_pull_prints_the_result_alone_off_a_terminal_and_bars_on_one(world):
     text = tty.stdout.decode(errors="replace")
     assert tty.returncode == 0, text
     assert "layer 2/2" in text and f"pulled {ref}" in text
+
+
+def test_cli_pull_of_a_bare_name_says_when_a_local_image_has_it(world, busybox_rootfs):
+    """`dsec image pull app` stores <registry>/app:latest, but a local image
+    named app is what `app` names (local names first): the CLI says so, or
+    the next `dsec run app` runs the other image without a word."""
+    reg, d = world["reg"], world["daemon"]
+    subprocess.run(["skopeo", "copy", "--quiet", "--src-tls-verify=false", "--dest-tls-verify=false",
+                    f"docker://{reg.host}/test/app:v2", f"docker://{reg.host}/shadowed:latest"],
+                   check=True, capture_output=True, timeout=120)
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "shadowed")
+        out = d.cli("image", "pull", "shadowed")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.decode().startswith(f"pulled {reg.host}/shadowed:latest")
+        warning = out.stderr.decode()
+        assert "'shadowed' names the local image shadowed" in warning, warning
+        assert f"{reg.host}/shadowed:latest" in warning
+        c.remove_image("shadowed")
+        again = d.cli("image", "pull", "shadowed")         # no local image: the name finds the pulled one
+        assert again.returncode == 0 and again.stderr == b"", again.stderr
+    finally:
+        for name in ("shadowed", f"{reg.host}/shadowed:latest"):
+            with contextlib.suppress(NotFound):
+                c.remove_image(name)
+        c.close()
 
 
 def _pull_and_run(d: Daemon, ref: str) -> None:
