@@ -262,6 +262,7 @@ class ImageService:
         swept = self.images.store.sweep_tmp()
         if swept:
             log.info("removed %d temp file(s) of writes that died from %s", len(swept), self.images.store.tmp)
+        self._sweep_eager_temps()
         if self.pager is None:
             return
         try:
@@ -280,6 +281,19 @@ class ImageService:
                 log.exception("pager supervision gave up; lazy layers are unavailable until a restart")
 
         threading.Thread(target=supervise, name="dsecd-pager-supervisor", daemon=True).start()
+
+    def _sweep_eager_temps(self) -> None:
+        """eager: remove the half-made copies (<hex>.tmp) of a daemon killed
+        while it copied a layer. No copy runs at start; a gc keeps them while
+        their layer is in the store, so nothing else would."""
+        try:
+            entries = [e for e in os.scandir(self.eager_dir) if e.name.endswith(".tmp")]
+        except FileNotFoundError:
+            return
+        for e in entries:
+            log.info("removing the half-made eager copy %s of a daemon that died", e.name)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(e.path)
 
     def _on_pager_restart(self, generation: int) -> None:
         done = self.layers.remount_all()

@@ -3,6 +3,7 @@
 import hashlib
 import io
 import os
+import signal
 import tarfile
 import time
 
@@ -109,6 +110,26 @@ def test_gc_removes_the_eager_copies_of_the_layers_it_removes(daemon_factory, bu
     base = c.request("image_inspect", name="base")["layers"][0]["digest"]
     assert sorted(os.listdir(eager)) == sorted([base[7:], "1" * 64 + ".tmp"])      # the kept image's copy stays
     assert c.create(image="base").exec(["true"]).exit_code == 0
+    c.close()
+
+
+def test_a_half_made_eager_copy_goes_at_the_next_start(daemon_factory, busybox_rootfs):
+    """A daemon killed while it copied a layer (eager) leaves <hex>.tmp. The
+    layer is still in the store, so no gc removes it: the next start does
+    (no copy runs then)."""
+    d = daemon_factory('[images]\nmode = "eager"\n')
+    c = d.client()
+    base = c.build_image(busybox_rootfs, "base")["layers"][0]["digest"]
+    c.close()
+    eager = d.state / "eager"
+    eager.mkdir(exist_ok=True)
+    (eager / f"{base[7:]}.tmp").write_bytes(b"half a copy of a layer the store holds")
+    d.stop(signal.SIGKILL)
+    d.start()
+    assert os.listdir(eager) == []
+    c = d.client()
+    assert c.create(image="base").exec(["true"]).exit_code == 0
+    assert os.listdir(eager) == [base[7:]]
     c.close()
 
 
