@@ -53,8 +53,10 @@ class BuildView:
             self.partial[(step, fd)] = rest
 
     def _line(self, line: bytes, fd: int) -> None:
-        self.console.print(Text("  " + line.decode(errors="replace").rstrip("\r"),
-                                style="dim" if fd == 1 else "dim red"), soft_wrap=True)
+        # What a terminal would show of it: a \r (progress redrawn in place)
+        # starts the line over; one before the \n (CRLF) ends it.
+        shown = line.decode(errors="replace").rstrip("\r").rpartition("\r")[2]
+        self.console.print(Text("  " + shown, style="dim" if fd == 1 else "dim red"), soft_wrap=True)
 
     def _done(self, event: dict) -> None:
         n = event["step"]
