@@ -289,7 +289,7 @@ async def cmd_image_dockerfile(c: Client, a) -> int:
 
     dockerfile, text = (a.file, None) if a.file != "-" else ("<stdin>", _stdin_dockerfile())    # docker's -f -
     try:
-        img = await c.build_dockerfile(a.path, a.name, dockerfile, text, build_args=_kv(a.build_arg, "--build-arg"),
+        img = await c.build_dockerfile(a.path, a.name, dockerfile, text, build_args=_build_args(a.build_arg),
                                        allow=a.allow, no_cache=a.no_cache, progress=view or warnings_only)
     except DsecError as err:
         if view is None and err.detail.get("output_tail"):     # nothing of the failed RUN was shown: its last output
@@ -2188,7 +2188,8 @@ def build_parser() -> argparse.ArgumentParser:
             imp.add_argument("-f", "--file", metavar="DOCKERFILE",
                              help="build from this Dockerfile ('-': stdin; FROM a local image; RUN in "
                              "sandboxes; steps cached); replaces an image of that name")
-            imp.add_argument("--build-arg", action="append", metavar="K=V", help="with -f: an ARG's value")
+            imp.add_argument("--build-arg", action="append", metavar="K=V",
+                             help="with -f: an ARG's value (K alone: $K's value here, as docker build)")
             imp.add_argument("--allow", action="append", metavar="RULE", help="with -f: egress rule or "
                              "rule-set name for RUN steps, e.g. pypi (repeatable; none: RUN has no network)")
             imp.add_argument("--no-cache", action="store_true", help="with -f: run every step again")
@@ -2601,6 +2602,20 @@ def check_usage(a: argparse.Namespace) -> None:
         _check_image_build(a)
 
 
+def _build_args(items: list[str] | None) -> dict[str, str]:
+    """--build-arg K=V, or K alone for the value of $K here (none when it is
+    unset), as docker build takes them: `--build-arg HTTP_PROXY`."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        if "=" in item:
+            out.update(_kv([item], "--build-arg"))
+        elif not item:
+            raise UsageError("dsec: --build-arg must look like KEY=VALUE or KEY (its value from the environment)")
+        elif item in os.environ:
+            out[item] = os.environ[item]
+    return out
+
+
 def _check_image_build(a: argparse.Namespace) -> None:
     """A Dockerfile build (-f) and a directory or tarball build take different options."""
     if a.file:
@@ -2609,7 +2624,7 @@ def _check_image_build(a: argparse.Namespace) -> None:
             if value:
                 raise UsageError(f"dsec image build: {option} is for a directory or tarball build; with -f "
                                  "the Dockerfile says it (FROM, ENV, WORKDIR, USER, ENTRYPOINT)")
-        _kv(a.build_arg, "--build-arg")
+        _build_args(a.build_arg)
         return
     for option, value in (("--build-arg", a.build_arg), ("--allow", a.allow), ("--no-cache", a.no_cache)):
         if value:

@@ -758,3 +758,23 @@ def test_call_reads_a_code_file_that_is_a_pipe(tmp_path):
         assert c.code == "# -*- coding: latin-1 -*-\nprint('caf\u00e9')\n"
     finally:
         os.close(r)
+
+
+def test_a_build_arg_without_a_value_is_taken_from_the_environment(monkeypatch):
+    """`--build-arg HTTP_PROXY`, as docker build takes it: the value of that
+    variable here, and no value at all when it is unset."""
+    seen = {}
+
+    class Fake:
+        async def build_dockerfile(self, context, name, dockerfile=None, text=None, build_args=None, **kw):
+            seen.update(build_args)
+            return {"name": name, "layers": [], "bytes": 0, "manifest": "sha256:" + "0" * 64, "steps": [],
+                    "seconds": 0.1}
+
+    monkeypatch.setenv("DSEC_TEST_PROXY", "http://proxy:3128")
+    monkeypatch.delenv("DSEC_TEST_UNSET", raising=False)
+    a = cli.parse_args(["image", "build", "-f", "Dockerfile", ".", "--name", "app", "--build-arg", "V=2",
+                        "--build-arg", "DSEC_TEST_PROXY", "--build-arg", "DSEC_TEST_UNSET", "--json"])
+    cli.check_usage(a)
+    assert asyncio.run(cli.cmd_image_dockerfile(Fake(), a)) == 0
+    assert seen == {"V": "2", "DSEC_TEST_PROXY": "http://proxy:3128"}
