@@ -2177,11 +2177,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("info", help="version, kernel features, limits, paths, CPU capacity")
 
     img = sub.add_parser("image", help="manage images").add_subparsers(dest="image_cmd", required=True)
-    for verb, text in (("build", "build an image from a directory or a docker-save/OCI tarball"),
-                       ("import", "same as build (a root directory as a one-layer image)")):
+    for verb, text in (("build", "build an image from a directory or tarball (a root file system, a docker "
+                                 "save or an OCI layout), or from a Dockerfile (-f)"),
+                       ("import", "build without --from or -f: a directory or tarball (a root file system, "
+                                  "a docker save or an OCI layout) as an image")):
         imp = img.add_parser(verb, help=text)
-        imp.add_argument("path", help="a directory or tarball on the daemon's host; with -f, the build "
-                         "context (a directory the daemon reads COPY and ADD sources from, in place)")
+        imp.add_argument("path", help="a directory or tarball on the daemon's host" + (
+            "; with -f, the build context (a directory the daemon reads COPY and ADD sources from, in place)"
+            if verb == "build" else ""))
         imp.add_argument("--name", required=True)
         if verb == "build":
             imp.add_argument("--from", dest="parent", help="put the new layer on top of this image")
