@@ -25,7 +25,6 @@ import posixpath
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from .. import native
 from .ignore import IgnoreRules, compile_pattern
@@ -88,6 +87,23 @@ def open_inside(root: str, rel: str, flags: int) -> int:
         os.close(rootfd)
 
 
+def _read_dockerignore(root: str, shown: str) -> str:
+    """The context's .dockerignore ("" when it has none), looked up inside
+    it as COPY sources are: a symlink out of the context must not make the
+    daemon read a file of the host the client may not read."""
+    try:
+        fd = open_inside(root, ".dockerignore", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno in (errno.ENOENT, errno.ENOTDIR):
+            return ""
+        raise ContextError(f"{shown}/.dockerignore: {err.strerror or err}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ContextError(f"{shown}/.dockerignore is not a file; remove or rename it")
+    with os.fdopen(fd, "rb") as f:
+        return f.read().decode(errors="surrogateescape")
+
+
 class DigestCache:
     """File content digests by (device, inode, size, mtime, ctime): a rebuild
     hashes only the files that changed. A change to a file's content moves
@@ -129,11 +145,7 @@ class BuildContext:
             raise ContextError(f"the build context must be an absolute path on the daemon's host, got {shown!r}")
         if not os.path.isdir(root):
             raise ContextError(f"the build context {shown} is not a directory on the daemon's host")
-        try:
-            text = Path(root, ".dockerignore").read_text(errors="surrogateescape")
-        except FileNotFoundError:
-            text = ""
-        return cls(root, IgnoreRules.parse(text))
+        return cls(root, IgnoreRules.parse(_read_dockerignore(root, shown)))
 
     # ------------------------------------------------------------ sources
 

@@ -239,3 +239,21 @@ def test_a_glob_skips_fifos_and_sockets_as_a_copied_directory_does(tmp_path):
             ctx.sources("fifo")
     finally:
         sock.close()
+
+
+def test_the_dockerignore_is_read_inside_the_context(tmp_path):
+    """A .dockerignore that links out of the context is looked up inside it,
+    as COPY sources are (the daemon reads as root what the client may not
+    read); one that is a directory says which file is wrong."""
+    ctx_dir = tmp_path / "ctx"
+    make_tree(ctx_dir, {"a.txt": "a", "b.txt": "b", "rules": "b.txt\n"})
+    (tmp_path / "outside").write_text("a.txt\n")
+    (ctx_dir / ".dockerignore").symlink_to(tmp_path / "outside")
+    assert [s.rel for s in BuildContext.open(str(ctx_dir)).sources("*.txt")] == ["a.txt", "b.txt"]
+    (ctx_dir / ".dockerignore").unlink()
+    (ctx_dir / ".dockerignore").symlink_to("/rules")            # absolute: from the context's root
+    assert [s.rel for s in BuildContext.open(str(ctx_dir)).sources("*.txt")] == ["a.txt"]
+    (ctx_dir / ".dockerignore").unlink()
+    (ctx_dir / ".dockerignore").mkdir()
+    with pytest.raises(ContextError, match=r"\.dockerignore .*is not a file"):
+        BuildContext.open(str(ctx_dir))
