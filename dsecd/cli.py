@@ -621,6 +621,10 @@ async def cmd_port(c: Client, a) -> int:
 
 
 async def cmd_snapshot(c: Client, a) -> int:
+    for path in a.exclude or []:
+        if set(path) & set("*?["):        # a glob habit: nothing expands it, so little or nothing is left out
+            print(f"dsec snapshot: warning: --exclude {path!r} is a path, not a pattern: only an entry of that "
+                  "exact name is left out (name a directory to leave out all of it)", file=sys.stderr)
     sb = await c.get(a.sandbox)
     bar = _ProgressBar(not a.json)
     img = await sb.snapshot(a.name, a.exclude or [], bar)
@@ -2344,7 +2348,8 @@ def build_parser() -> argparse.ArgumentParser:
     snap = sub.add_parser("snapshot", help="pack a sandbox's changes as a new image (pack_diff)")
     snap.add_argument("sandbox")
     snap.add_argument("--name", required=True, help="name of the new image (a name no image has yet)")
-    snap.add_argument("--exclude", action="append", metavar="PATH", help="leave out this path (repeatable)")
+    snap.add_argument("--exclude", action="append", metavar="PATH",
+                      help="leave out this path, a file or a directory: no pattern (repeatable)")
 
     proc = sub.add_parser("proc", help="background processes (dsec exec -d)").add_subparsers(dest="proc_cmd",
                                                                                           required=True)

@@ -778,3 +778,25 @@ def test_a_build_arg_without_a_value_is_taken_from_the_environment(monkeypatch):
     cli.check_usage(a)
     assert asyncio.run(cli.cmd_image_dockerfile(Fake(), a)) == 0
     assert seen == {"V": "2", "DSEC_TEST_PROXY": "http://proxy:3128"}
+
+
+def test_a_snapshot_exclude_that_looks_like_a_pattern_warns(capsys):
+    """--exclude takes paths: `/root/*` leaves out an entry named `*`, not
+    everything in /root, so the CLI says so instead of packing it all."""
+    seen = {}
+
+    class Sandbox:
+        async def snapshot(self, name, exclude, progress=None):
+            seen["exclude"] = exclude
+            return {"name": name, "layers": [], "bytes": 0, "manifest": "sha256:" + "0" * 64}
+
+    class Fake:
+        async def get(self, sandbox_id):
+            return Sandbox()
+
+    a = cli.parse_args(["snapshot", "sb1", "--name", "snap", "--exclude", "/root/*", "--exclude", "/root/.cache"])
+    cli.check_usage(a)
+    assert asyncio.run(cli.cmd_snapshot(Fake(), a)) == 0
+    err = capsys.readouterr().err
+    assert seen["exclude"] == ["/root/*", "/root/.cache"]
+    assert "--exclude '/root/*' is a path, not a pattern" in err and ".cache" not in err
