@@ -889,9 +889,24 @@ def _diff_ids(cfg: dict, layers: int) -> list[str]:
     return [str(i) for i in ids]
 
 
+def _check_platform(cfg: dict, wanted: dict) -> None:
+    """PlatformError for an image whose config names another os/architecture
+    (a docker save, or an OCI layout's single image, made for another
+    host): its programs cannot run here, as a pull of it says. A config
+    that names none is taken."""
+    got = {"os": cfg.get("os"), "architecture": cfg.get("architecture")} if isinstance(cfg, dict) else {}
+    if got.get("architecture") and (got["os"] or "linux", got["architecture"]) != (wanted["os"],
+                                                                                    wanted["architecture"]):
+        got["os"] = got["os"] or "linux"
+        raise PlatformError(f"the image is for {platform_name(got)}, not for this host's "
+                            f"{platform_name(wanted)}: its programs cannot run here; save or pull the image "
+                            f"for {platform_name(wanted)}")
+
+
 def _unpack(src, kind: str, meta, work: Path, progress, wanted: dict | None, max_bytes: int) -> Unpacked:
     try:
         layers, cfg = _layers_of(src, kind, meta, wanted)
+        _check_platform(cfg, wanted or host_platform())
         config = imageconfig.from_oci(cfg)
     except imageconfig.ConfigError as err:
         raise TarError(f"image config: {err}") from err

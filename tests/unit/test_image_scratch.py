@@ -33,7 +33,7 @@ def _zeros_tar(size: int) -> bytes:
     return buf.getvalue()
 
 
-def _docker_save(path: Path, layers: list[bytes]) -> None:
+def _docker_save(path: Path, layers: list[bytes], config: dict | None = None) -> None:
     with tarfile.open(path, "w") as tf:
         names = []
         for i, data in enumerate(layers):
@@ -41,7 +41,7 @@ def _docker_save(path: Path, layers: list[bytes]) -> None:
             info = tarfile.TarInfo(names[-1])
             info.size = len(data)
             tf.addfile(info, io.BytesIO(data))
-        for name, data in (("config.json", b'{"config": {}}'), ("manifest.json", json.dumps(
+        for name, data in (("config.json", json.dumps(config or {"config": {}}).encode()), ("manifest.json", json.dumps(
                 [{"Config": "config.json", "RepoTags": ["t:1"], "Layers": names}]).encode())):
             info = tarfile.TarInfo(name)
             info.size = len(data)
@@ -66,3 +66,21 @@ def test_an_imported_layer_past_max_layer_bytes_is_refused_before_it_is_written(
     assert "images.max_layer_bytes (1048576 bytes" in str(e.value) and str(src) in str(e.value), e.value
     assert ("layer 2 of 2" in str(e.value)) == (kind == "docker-save"), e.value
     assert list((tmp_path / "scratch").iterdir()) == []
+
+
+def test_an_archive_of_an_image_for_another_platform_is_refused(tmp_path):
+    """A docker save of an image for another architecture: its programs
+    cannot run here, as a pull of it says; nothing is unpacked or named.
+    A config that names no architecture (some tools write none) is taken."""
+    from dsecd.fs.oci import host_platform
+
+    other = "s390x" if host_platform()["architecture"] != "s390x" else "amd64"
+    src = tmp_path / "image.tar"
+    _docker_save(src, [_zeros_tar(1000)], {"architecture": other, "os": "linux", "config": {}})
+    store = ImageStore(tmp_path / "store", tmp_path / "scratch")
+    with pytest.raises(ImageError) as e:
+        store.build_from_dir(str(src), "foreign")
+    assert e.value.code == "bad_request" and f"linux/{other}" in str(e.value), e.value
+    assert list((tmp_path / "scratch").iterdir()) == []
+    _docker_save(src, [_zeros_tar(1000)], {"config": {}})
+    assert store.build_from_dir(str(src), "plain").name == "plain"
