@@ -318,13 +318,7 @@ def test_a_broad_ipv6_rule_reaches_no_subnet_router_anycast_of_the_host(world, n
     forwarding = ["ip", "netns", "exec", world.br_ns, "sysctl", "-qw"]
     subprocess.run([*forwarding, "net.ipv6.conf.all.forwarding=1"], check=True)
 
-    def bind() -> socket.socket:
-        s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
-        s.bind(("::", 7777))
-        s.settimeout(3)
-        return s
-
-    host_service = world.in_bridge_netns(bind)
+    host_service = world.host_udp_service(7777, socket.AF_INET6)
     try:
         sb = c.create(image="busybox", memory="64M", net="default", allow=["[::/0]:7777/udp"])
         install_probe(sb, probe_binary)
@@ -345,7 +339,6 @@ def test_the_host_side_of_a_point_to_point_address_is_fenced(world, netd, probe_
     """An address with a peer (a tunnel's: `ip addr add A peer B`) is the
     host's A; B is the other end. A broad rule reaches the host's services
     at A no more than at its other addresses."""
-    import socket
 
     from attack_kit import install_probe, outcome
 
@@ -357,13 +350,7 @@ def test_the_host_side_of_a_point_to_point_address_is_fenced(world, netd, probe_
         subprocess.run([*ip, "addr", "add", local, "peer", f"{peer}/32", "dev", "dsecptp0"], check=True)
         subprocess.run([*ip, "link", "set", "dsecptp0", "up"], check=True)
 
-        def bind() -> socket.socket:
-            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            s.bind(("0.0.0.0", 7777))
-            s.settimeout(3)
-            return s
-
-        host_service = world.in_bridge_netns(bind)
+        host_service = world.host_udp_service(7777)
         try:
             sb = c.create(image="busybox", memory="64M", net="default", allow=["0.0.0.0/0:7777/udp"])
             install_probe(sb, probe_binary)
@@ -385,20 +372,13 @@ def test_a_rule_naming_the_pool_reaches_no_broadcast_of_the_host(world, daemon_f
     (`10.x.0.0/16:7777/udp`, to let sandboxes talk) reaches the sandboxes,
     not the host: neither the gateway nor the subnet's broadcast, which the
     host (and every sandbox) takes as its own."""
-    import socket
 
     from attack_kit import install_probe, outcome
 
     d = daemon_factory(_toml_net(dict(world.cfg, ipv4_pool="")))
     c = d.client()
 
-    def bind() -> socket.socket:
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        s.bind(("0.0.0.0", 7777))
-        s.settimeout(3)
-        return s
-
-    host_service = world.in_bridge_netns(bind)
+    host_service = world.host_udp_service(7777)
     try:
         c.import_image(busybox_rootfs, "busybox")
         a = c.create(image="busybox", memory="64M", net="default", allow=[f"{world.subnet}:7777/udp"])

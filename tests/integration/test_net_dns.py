@@ -142,15 +142,7 @@ def test_a_resolver_that_did_not_start_opens_nothing_on_the_gateway(world, daemo
     dnsmasq): the resolver cannot bind the gateway's. Gateway:53 is open to
     sandboxes for dsecd's resolver; what listens there now is not it, and a
     sandbox reaches it no more than any other service of the host."""
-    import socket
-
-    def bind() -> socket.socket:
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        s.bind(("0.0.0.0", 53))
-        s.settimeout(3)
-        return s
-
-    host_service = world.in_bridge_netns(bind)
+    host_service = world.host_udp_service(53)
     try:
         cfg = dict(world.cfg, ipv4_pool=f"10.{world.octet}.7.0/24", rule_sets={})
         d = daemon_factory(_toml_net(cfg))

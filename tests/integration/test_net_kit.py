@@ -379,6 +379,18 @@ class World:
         """fn(*args) on a thread in the bridge netns (the daemon's host side)."""
         return self.in_netns(self.br_ns, fn, *args)
 
+    def host_udp_service(self, port: int, family: int = socket.AF_INET) -> socket.socket:
+        """A UDP socket of the host side (the bridge netns) bound to every
+        address at `port`, its reads timing out after 3 s: what a sandbox
+        must not reach through a broad rule."""
+        def bind() -> socket.socket:
+            s = socket.socket(family, socket.SOCK_DGRAM)
+            s.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", port))
+            s.settimeout(3)
+            return s
+
+        return self.in_bridge_netns(bind)
+
     @staticmethod
     def in_netns(ns: str, fn, *args):
         """fn(*args) on a thread in the netns `ns` (its name under /run/netns)."""

@@ -150,13 +150,7 @@ def test_a_broad_udp_rule_reaches_no_broadcast_address_of_the_host(iworld, natd,
     d, c = natd
     received = []
 
-    def bind() -> socket.socket:
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        s.bind(("0.0.0.0", 7777))
-        s.settimeout(3)
-        return s
-
-    host_service = iworld.in_bridge_netns(bind)
+    host_service = iworld.host_udp_service(7777)
     try:
         sb = c.create(image="busybox", net="default", allow=["0.0.0.0/0:7777/udp"])
         install_probe(sb, probe_binary)
