@@ -2776,6 +2776,21 @@ def _failed_status(a, err: DsecError) -> int:
     return EXIT_DSEC_ERROR if a.cmd in GIVES_A_STATUS else 1
 
 
+class _EndedBySignal(BaseException):
+    """SIGTERM or SIGHUP (a `timeout`, a closed terminal) while a command
+    that has no handler of its own runs: dsec ends as ^C ends it (its
+    requests cancelled as the loop closes), with the `interrupted` error
+    --json promises and 128+signal, not killed where it stood."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _end_by_signal(signum: int, frame) -> None:
+    raise _EndedBySignal(signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -2792,7 +2807,12 @@ def main(argv: list[str] | None = None) -> None:
     fail = EXIT_DSEC_ERROR if a.cmd in GIVES_A_STATUS else 1
     try:
         check_usage(a)
-        status = cmd_rpc(a) if a.cmd == "rpc" else asyncio.run(_run(a))
+        if a.cmd == "rpc":
+            status = cmd_rpc(a)
+        else:
+            for signum in (signal.SIGTERM, signal.SIGHUP):
+                signal.signal(signum, _end_by_signal)
+            status = asyncio.run(_run(a))
         sys.stdout.flush()       # a closed pipe shows here, not at the interpreter's exit
     except BrokenPipeError as err:
         closed = _closed_outputs()
@@ -2829,6 +2849,11 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         _interrupted(a, signal.SIGINT, "interrupted (SIGINT)")
         status = 130
+    except _EndedBySignal as ended:
+        name = signal.Signals(ended.signum).name
+        _interrupted(a, ended.signum, f"interrupted ({name})")
+        print(f"dsec {a.cmd}: interrupted ({name})", file=sys.stderr)
+        status = 128 + ended.signum
     except Exception as err:            # a bug: its traceback as without --json, after the error object
         _print_error(a, _local_error("internal", f"{type(err).__name__}: {err}"))
         raise

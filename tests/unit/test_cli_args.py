@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -800,3 +801,51 @@ def test_a_snapshot_exclude_that_looks_like_a_pattern_warns(capsys):
     err = capsys.readouterr().err
     assert seen["exclude"] == ["/root/*", "/root/.cache"]
     assert "--exclude '/root/*' is a path, not a pattern" in err and ".cache" not in err
+
+
+HELD_DAEMON = """
+import asyncio, os, sys
+from dsecd import protocol
+async def serve(reader, writer):
+    dec = protocol.FrameDecoder(1 << 20)
+    while data := await reader.read(65536):
+        for f in dec.feed(data):
+            if f["op"] == "hello":
+                writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
+            # anything else: held, as a daemon busy with it
+async def main():
+    server = await asyncio.start_unix_server(serve, sys.argv[1])
+    print("ready", flush=True)
+    async with server:
+        await server.serve_forever()
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
+def test_a_command_ended_by_sigterm_says_interrupted_and_exits_128_plus(tmp_path, signame):
+    """`timeout 60 dsec --json exec ...` killed dsec where it stood: exit
+    -15 and no `interrupted` error on stdout, which --json promises for a
+    command a signal ended."""
+    import signal
+    import time
+
+    sock = str(tmp_path / "d.sock")
+    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
+    held = subprocess.Popen([sys.executable, "-c", HELD_DAEMON, sock], stdout=subprocess.PIPE, env=env)
+    try:
+        assert held.stdout.readline() == b"ready\n"
+        p = subprocess.Popen([sys.executable, "-m", "dsecd.cli", "--json", "--socket", sock, "exec", "sb1", "--",
+                              "true"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        time.sleep(1.0)                    # waiting for its request's answer by now
+        p.send_signal(getattr(signal, signame))
+        out, err = p.communicate(timeout=10)
+        signum = getattr(signal, signame)
+        assert p.returncode == 128 + signum, (p.returncode, err)
+        error = json.loads(out)["error"]
+        assert error["code"] == "interrupted" and error["detail"]["signal"] == signame, out
+        assert f"interrupted ({signame})".encode() in err
+    finally:
+        held.kill()
+        held.wait()
+        held.stdout.close()
