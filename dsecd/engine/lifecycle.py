@@ -460,9 +460,9 @@ class LifecycleService:
         if sb.state == "creating":
             raise Conflict(f"sandbox {sb.id} is still being created; retry", {"sandbox": sb.id})
         if sb.execs and not force:
+            how = "dsec job rm --force JOB" if reason == "job" else "dsec rm --force / -f"
             raise Conflict(f"sandbox {sb.id} has {sb.execs} running exec(s); to kill them, destroy "
-                           "it with force=True (dsec rm --force / -f)",
-                           {"sandbox": sb.id, "execs": sb.execs})
+                           f"it with force=True ({how})", {"sandbox": sb.id, "execs": sb.execs})
         # No journal write for "stopping": a crash mid-destroy leaves the record
         # as it was, and the next daemon re-adopts the sandbox or marks it dead.
         prev, sb.state = sb.state, "stopping"

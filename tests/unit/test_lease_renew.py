@@ -85,3 +85,19 @@ def test_a_sandbox_without_a_lease_is_said_to_have_none(tmp_path):
     out = asyncio.run(lifetimes.renew(Renew(sandboxes=[sb.id, "gone"]), None))
     assert out == {"renewed": [], "missing": ["gone"], "no_lease": [sb.id]}
     registry.journal.close()
+
+
+def test_a_job_rm_refused_for_running_execs_names_the_job_command():
+    """A job's destroy refused for running execs said to use `dsec rm
+    --force`, which takes one sandbox, not the job."""
+    import pytest
+
+    from dsecd.engine.lifecycle import LifecycleService
+    from dsecd.errors import Conflict
+
+    svc = object.__new__(LifecycleService)
+    sb = Sandbox(id="abc123def456", image="busybox", state="running", created=0.0, limits={}, execs=2)
+    with pytest.raises(Conflict, match=r"dsec job rm --force JOB"):
+        asyncio.run(svc.destroy_sandbox(sb, False, reason="job"))
+    with pytest.raises(Conflict, match=r"dsec rm --force / -f"):
+        asyncio.run(svc.destroy_sandbox(sb, False))
