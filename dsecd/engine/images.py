@@ -525,6 +525,9 @@ class ImageService:
             busy(sb, -1)
 
     async def _snapshot(self, sb, req, ctx) -> dict:
+        # A name taken is said before the sandbox is frozen for nothing (and
+        # checked again at the commit, for one taken meanwhile).
+        await self._images_call(self.images.name_free, req.name)
         base = await self._images_call(self.images.get_manifest, sb.manifest, sb.image)
         # What dsecd wrote into a networked sandbox (its resolver, its hosts) is not its image's.
         networked = bool(sb.net) and sb.net.get("mode") == "default"

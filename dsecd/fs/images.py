@@ -561,13 +561,19 @@ class ImageStore:
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
+    def name_free(self, name: str) -> str:
+        """`name` checked as a new image's (new_name), and taken by no image
+        yet: ImageError conflict, saying how to free it."""
+        name = self.new_name(name)
+        if self._ref(name).exists():
+            raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)")
+        return name
+
     def snapshot(self, upper: Path, base: Image, name: str, exclude: list[str],
                  progress: Progress | None = None, max_bytes: int = 0) -> Image:
         """pack_diff: the sandbox's upper dir as a new top layer over `base`.
         `max_bytes` (0 = none) bounds the files' apparent size, checked first."""
-        name = self.new_name(name)
-        if self._ref(name).exists():
-            raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)")
+        name = self.name_free(name)
         if max_bytes:
             check_apparent_size(upper, exclude, max_bytes)
         with self.pinning() as hold:
