@@ -135,7 +135,7 @@ class DirCopyService:
 
     async def put(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
-        await self.ensure_running(sb, "directory copy")
+        await self.ensure_running(sb, "a directory copy")
         if self.puts >= self.max_puts:
             raise LimitExceeded(f"{self.puts} directory copies into sandboxes are running (limits.max_tar_puts); "
                                 "wait for one to end", {"max_tar_puts": self.max_puts})
@@ -226,7 +226,7 @@ class DirCopyService:
 
     async def get(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
-        await self.ensure_running(sb, "directory copy")
+        await self.ensure_running(sb, "a directory copy")
         busy(sb, +1)
         try:
             return await self._get(sb, req, ctx)

@@ -252,14 +252,14 @@ class ExecService:
         max_t = self.limits.max_timeout_s
         if timeout is not None and not 0 < timeout <= (max_t or float("inf")):
             raise BadRequest(f"timeout must be in (0, {max_t}] seconds, got {timeout}")
-        named = await request_user(sb, req, "exec", self.workers, self.vms, self.ensure_running)
+        named = await request_user(sb, req, "an exec", self.workers, self.vms, self.ensure_running)
         env, cwd, ids = exec_target(sb, req, self.backend, named)
         if sb.backend == "microvm" and (req.policy is not None or sb.policy is not None):
             raise Unsupported(f"sandbox {sb.id} is a microVM: task policies (Landlock in dsec-init) are "
                               "enforced in containers only")
         applied = self.policies.for_exec(sb, req.policy)
         started = time.monotonic()
-        await self.ensure_running(sb, "exec")
+        await self.ensure_running(sb, "an exec")
         oom_before = sb.oom_kills
         if sb.backend == "microvm":
             result = await self.vms.exec(sb, req, env, cwd, ids, timeout, ctx)

@@ -67,7 +67,7 @@ class FileService:
         opens: fn returns an fd; if the request is cancelled while fn runs
         (the work goes on), the fd it opens is closed when it returns."""
         sb = self.registry.get(req.sandbox, req)
-        await self.ensure_running(sb, f"file {verb}")
+        await self.ensure_running(sb, f"a file {verb}")
         if sb.backend == "microvm":
             return await self.vms.file_op(sb, req)
         try:
@@ -120,7 +120,7 @@ class FileService:
         keep = req.append or req.offset is not None
         sb = self.registry.get(req.sandbox, req)
         if sb.backend == "microvm":
-            await self.ensure_running(sb, "file write")
+            await self.ensure_running(sb, "a file write")
             return await self.vms.file_op(sb, req)
         fd = await self._file_op(req, "write", sbfiles.open_for_write, req.path, req.append, keep, req.mode,
                                  req.parents, opens=True)

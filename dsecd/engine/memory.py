@@ -213,7 +213,8 @@ class MemoryService:
         if sb.state != "paused":
             return
         if not self.auto_resume:
-            raise Conflict(f"sandbox {sb.id} is paused; resume it before {why} (memory.auto_resume is off)",
+            raise Conflict(f"sandbox {sb.id} is paused; resume it (dsec resume {sb.id}) before {why}: "
+                           "memory.auto_resume is off",
                            {"sandbox": sb.id, "state": "paused"})
         if _is_vm(sb):
             await self._resume(sb)

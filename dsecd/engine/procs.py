@@ -212,7 +212,7 @@ class ProcessService:
 
     async def start(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
-        named = await request_user(sb, req, "proc_start", self.workers, self.vms, self.ensure_running)
+        named = await request_user(sb, req, "starting a process", self.workers, self.vms, self.ensure_running)
         env, cwd, ids = exec_target(sb, req, self.backend, named)
         table = self.tables.setdefault(sb.id, {})
         with self._room(sb, table):
@@ -244,7 +244,7 @@ class ProcessService:
             raise Conflict(f"sandbox {sb.id} cannot start background processes: its init takes no requests "
                            "(made with sandbox.exec_via = helper, by an older daemon, or before "
                            "sandbox.capabilities grew); use exec, or create a new sandbox", {"sandbox": sb.id})
-        await self.ensure_running(sb, "proc_start")
+        await self.ensure_running(sb, "starting a process")
         ref = None if self.denials is None else await self.denials.exec_starting(sb, applied, req.argv[0])
         ours, theirs = _open_pipes(req.stdin)
         try:
@@ -297,7 +297,7 @@ class ProcessService:
         if req.policy is not None or sb.policy is not None:
             raise Unsupported(f"sandbox {sb.id} is a microVM: task policies (Landlock in dsec-init) are "
                               "enforced in containers only")
-        await self.ensure_running(sb, "proc_start")
+        await self.ensure_running(sb, "starting a process")
         pid, rec = await self.vm.start(sb, req, env, cwd, ids)
         proc = self.new_proc(rec)
         old = table.pop(pid, None)              # an exited record of a pid the guest reused
@@ -475,7 +475,7 @@ class ProcessService:
         # Paused, it would act on the signal only at its resume (a
         # container's is relayed by its init, frozen with it): resumed first,
         # as for an exec.
-        await self.ensure_running(sb, "proc_kill")
+        await self.ensure_running(sb, "signalling a process")
         if proc.vm:
             sent = await self.vm.kill(sb, proc, signum)
         else:

@@ -227,7 +227,7 @@ class VmProcs:
             log.info("sandbox %s: attach to background process %d: %s", sb.id, proc.pid, err)
 
     async def kill(self, sb: Sandbox, proc, signum: int) -> bool:
-        await self.svc.ensure_running(sb, "proc_kill")
+        await self.svc.ensure_running(sb, "signalling a process")
         try:
             with self.svc.vms.request_running(sb):       # a pause waits for the signal to be sent
                 await self.settled(sb)
@@ -247,7 +247,7 @@ class VmProcs:
         data in all the input (proc.vm_in: what the agent took before), so
         when the channel goes before the answer it is sent again on the next
         one and the agent skips what it already took."""
-        await self.svc.ensure_running(sb, "proc_input")
+        await self.svc.ensure_running(sb, "writing to a process's stdin")
         await self.settled(sb)
         offset, data = proc.vm_in, bytes(data)
         while True:

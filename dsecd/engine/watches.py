@@ -65,7 +65,7 @@ class WatchService:
 
     async def watch(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
-        await self.ensure_running(sb, "file watch")
+        await self.ensure_running(sb, "a file watch")
         if self.active >= self.max_watches:
             raise LimitExceeded(f"{self.active} file watches are running on this host (limits.max_watches); "
                                 "cancel one first", {"max_watches": self.max_watches})

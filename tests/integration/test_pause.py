@@ -73,7 +73,11 @@ def test_auto_resume_off_refuses(daemon_factory, busybox_rootfs):
     sb.pause()
     with pytest.raises(Exception) as e:
         sb.exec(["true"])
-    assert e.value.code == "conflict" and "paused" in e.value.message
+    assert e.value.code == "conflict" and e.value.message == (
+        f"sandbox {sb.id} is paused; resume it (dsec resume {sb.id}) before an exec: memory.auto_resume is off")
+    with pytest.raises(Exception) as e:
+        sb.stat("/etc")
+    assert "before a file stat:" in e.value.message, e.value     # no op names ("proc_kill", "file stat")
     sb.resume()
     assert sb.exec(["true"]).exit_code == 0
     sb.destroy()
