@@ -238,10 +238,11 @@ class _Build:
         matched nothing), for every COPY/ADD, found and hashed before the
         first step runs."""
         copies = [s for s in build_plan.steps if s.kind == COPY]
-        if not copies:
-            return {}
         req = self.req
 
+        # Attached and opened even with no COPY: a context that is no
+        # directory (a typo) is said now, as docker build says it, not
+        # taken for one nothing was copied from.
         where = await self._attach_context()
 
         def find() -> dict:

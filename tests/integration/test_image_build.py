@@ -116,6 +116,18 @@ def test_a_bad_allow_rule_fails_the_build_before_its_first_step(client, tmp_path
     assert not [ev for ev in events if ev.get("event") == "step"], events
 
 
+@pytest.mark.parametrize("make", ["missing", "a file"])
+def test_a_context_that_is_no_directory_fails_a_build_without_copy(client, tmp_path, make):
+    """docker build says a bad context at once; a Dockerfile with no COPY
+    built from a context that did not exist (a typo) as if it were one."""
+    ctx = tmp_path / "ctx"
+    if make == "a file":
+        ctx.write_text("x")
+    with pytest.raises(DsecError) as e:
+        client.build_dockerfile(str(ctx), "no-ctx", text="FROM busybox\nRUN true\n")
+    assert str(ctx) in e.value.message and e.value.code in ("not_found", "bad_request"), e.value
+
+
 def test_dockerignore_excludes_files_and_exceptions_come_back(client, tmp_path):
     ctx = write_project(tmp_path / "ctx", "FROM busybox\nCOPY . /ctx/\n")
     client.build_dockerfile(str(ctx), "ignored")
