@@ -960,3 +960,24 @@ def test_pause_and_resume_go_on_past_a_sandbox_they_cannot_take(daemon, client):
     finally:
         a.destroy()
         b.destroy()
+
+
+def test_renew_keeps_a_leased_sandbox_and_says_what_it_could_not_renew(daemon, client):
+    """A sandbox made with `dsec create --lease` could be renewed only from
+    the SDK; `dsec renew` does it, by id prefix too."""
+    leased = client.create(image="busybox", lease="3s")
+    plain = client.create(image="busybox")
+    try:
+        for _ in range(3):                      # 4.5 s in all: past its lease, renewed within it
+            time.sleep(1.5)
+            r = daemon.cli("renew", leased.id[:8])
+            assert (r.returncode, r.stdout) == (0, f"{leased.id} renewed\n".encode()), r
+        assert leased.inspect()["state"] == "running"
+        r = daemon.cli("--json", "renew", leased.id, plain.id, "nosuch")
+        assert r.returncode == 1
+        assert b"nosuch" in r.stderr and f"{plain.id} has no lease to renew".encode() in r.stderr, r.stderr
+        answer = _json_objects(r.stdout.decode())[-1]
+        assert answer == {"renewed": [leased.id], "missing": [], "no_lease": [plain.id]}, answer
+    finally:
+        leased.destroy()
+        plain.destroy()
