@@ -2417,8 +2417,8 @@ def build_fleet_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dsec fleet", usage="dsec [--ssh-config F] [--remote-dsec C] fleet --hosts H1,H2[,...] "
                 "COMMAND [ARGS]", description=FLEET_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hosts", default=os.environ.get("DSEC_HOSTS") or None, metavar="H1,H2,...",
-                   help="the fleet: ssh://[user@]host[:port] or bare host names, comma-separated "
-                   "(env DSEC_HOSTS)")
+                   help="the fleet: ssh://[user@]host[:port], bare host names, or local daemons' socket "
+                   "paths (/run/dsecd/dsecd.sock), comma-separated (env DSEC_HOSTS)")
     p.add_argument("--connect-timeout", type=_positive_seconds, default=FLEET_CONNECT_TIMEOUT_S, metavar="S",
                    help=f"how long a host may take to answer before the command goes on without it "
                    f"(default {FLEET_CONNECT_TIMEOUT_S:g}); a host that hangs costs every command this long")
