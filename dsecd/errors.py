@@ -182,6 +182,11 @@ def exec_error(err: OSError, prog: str, cwd: str) -> DsecError:
                          "cwd": cwd}, code="permission")
     if err.errno == errno.EACCES and "exec" in step:
         return DsecError(f"exec {prog!r}: permission denied", {"step": step, "argv0": prog}, code="permission")
+    if err.errno == errno.ENOEXEC and "exec" in step:
+        # A file that is no program (no ELF, no #! line) cannot be executed,
+        # as EACCES: 126 from dsec exec, as a shell says it.
+        return DsecError(f"exec {prog!r}: {err}", {"step": step, "argv0": prog, "errno": "ENOEXEC"},
+                         code="permission")
     if err.errno == errno.EACCES:       # a step of the daemon's own (a cgroup join, a setns): no argv0, no 126
         return DsecError(f"exec {prog!r}: permission denied at {step or 'its start'}", {"step": step or None},
                          code="permission")

@@ -224,12 +224,14 @@ def test_exec_errors(box):
         sb.exec(["true"], cwd="/no/such/dir")
     assert err.value.code == "not_found"
     # An executable file that is neither a binary nor a #! script does not
-    # run (execve's ENOEXEC), in PATH or named: no shell runs it instead.
+    # run (execve's ENOEXEC), in PATH or named: no shell runs it instead. It
+    # cannot be executed, as EACCES: `permission` naming it (dsec exec: 126).
     sb.write_file("/usr/local/bin/no-shebang", b"echo ran\n", mode=0o755)
     for argv in (["no-shebang"], ["/usr/local/bin/no-shebang"]):
         with pytest.raises(DsecError) as err:
             sb.exec(argv)
-        assert err.value.code == "io" and "Exec format error" in err.value.message, (argv, err.value)
+        assert err.value.code == "permission" and "Exec format error" in err.value.message, (argv, err.value)
+        assert err.value.detail["argv0"] == argv[0], err.value.detail
 
 
 def test_a_command_is_found_in_its_own_path(box):

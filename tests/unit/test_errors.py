@@ -54,6 +54,23 @@ def test_an_exec_denied_names_its_program_and_a_working_directory_denied_names_i
     assert err.code == "permission" and "argv0" not in err.detail and "'/root'" in err.message, err.message
 
 
+def test_a_program_of_no_executable_format_cannot_be_executed_as_a_shell_says():
+    """execve's ENOEXEC (no ELF, no #! line) is a program that cannot be
+    executed: `permission` naming it, which dsec exec turns into 126 as bash
+    does, not dsec's own failure (io, 125)."""
+    import argparse
+
+    from dsecd import cli
+    from dsecd.errors import exec_error
+    from dsecd.native import NativeError
+
+    err = exec_error(NativeError(errno.ENOEXEC, "exec `/work/x`: Exec format error; not an ELF binary and no #! "
+                                 "line", step="exec"), "/work/x", "/")
+    assert err.code == "permission" and err.detail["argv0"] == "/work/x", (err.code, err.detail)
+    assert "Exec format error" in err.message and "/work/x" in err.message, err.message
+    assert cli._failed_status(argparse.Namespace(cmd="exec"), err) == 126
+
+
 def test_a_denied_step_of_the_daemons_own_is_no_program_denied():
     """EACCES joining the cgroup or a namespace is dsec's own failure
     (exit 125), not the program's (126): no argv0."""
