@@ -449,7 +449,9 @@ class _LoopThread:
         if self._loop.is_closed():
             if asyncio.iscoroutine(awaitable):
                 awaitable.close()
-            raise ConnectionError(f"this {self._what} is closed")
+            # close() stopped its loop's thread for good: no connect() brings it back.
+            raise ConnectionError(f"this {self._what} is closed: make a new {self._what} to talk to the "
+                                  "daemon again")
         self._check_process(awaitable)
         call = _Call()
         future = asyncio.run_coroutine_threadsafe(_awaited(awaitable, call), self._loop)

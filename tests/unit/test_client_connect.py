@@ -44,6 +44,19 @@ def test_no_socket_is_a_connection_error_at_once(tmp_path):
     assert "is the daemon running?" in asyncio.run(go())
 
 
+def test_a_closed_sync_client_says_a_new_one_is_needed(tmp_path):
+    """A closed SyncClient's loop thread is gone: unlike an async Client,
+    connect() cannot bring it back, and every call says so."""
+    from dsecd import SyncClient
+
+    c = SyncClient(str(tmp_path / "none.sock"))
+    c.close()
+    for call in (c.list, c.connect):
+        with pytest.raises(ConnectionError) as e:
+            call()
+        assert str(e.value) == "this SyncClient is closed: make a new SyncClient to talk to the daemon again"
+
+
 def test_a_client_never_connected_says_how_to_connect_in_its_own_terms(tmp_path):
     """SyncClient's advice is `with`, the async Client's `async with`."""
     from dsecd import SyncClient
