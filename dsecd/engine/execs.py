@@ -78,7 +78,8 @@ def check_pty(req) -> None:
 def check_env(env: dict) -> None:
     for k, v in env.items():
         if not k or "=" in k or "\0" in k or "\0" in v:
-            raise BadRequest(f"bad environment variable name or value: {k!r}")
+            raise BadRequest(f"bad environment variable {k!r}: a name must be non-empty, without '=' or NUL, "
+                             "and a value without NUL", {"name": k})
 
 
 async def named_user(sb: Sandbox, spec: str, workers: Workers, vms: MicroVMService) -> users.Identity:

@@ -1,5 +1,7 @@
 import errno
 
+import pytest
+
 from dsecd.errors import ERROR_CODES, BadRequest, DsecError, NotFound, io_error
 
 
@@ -83,3 +85,14 @@ def test_a_denied_step_of_the_daemons_own_is_no_program_denied():
     err = exec_error(NativeError(errno.EACCES, "setns: Permission denied", step="setns"), "ls", "/")
     assert err.code == "permission" and "argv0" not in err.detail and "at setns" in err.message, err.message
     assert cli._failed_status(argparse.Namespace(cmd="exec"), err) == 125
+
+
+def test_a_bad_environment_variable_says_what_a_name_and_a_value_may_hold():
+    """env {"A=B": "1"} (a create's, an exec's, a call's) is refused naming
+    the variable and the rule it breaks, not only "bad name or value"."""
+    from dsecd.engine.execs import check_env
+
+    for env, bad in (({"A=B": "1"}, "'A=B'"), ({"": "1"}, "''"), ({"A": "x\0y"}, "'A'")):
+        with pytest.raises(BadRequest) as err:
+            check_env(env)
+        assert bad in err.value.message and "without '='" in err.value.message, err.value.message
