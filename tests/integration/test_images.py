@@ -274,6 +274,19 @@ def test_snapshot_roundtrip(images):
     sb2.destroy()
 
 
+def test_a_snapshot_has_its_images_config_not_its_creates(images):
+    """As the README says: what a create gave (env, cwd, user) is not in a
+    snapshot's config, which is its image's (docker commit keeps them)."""
+    d, c = images
+    sb = c.create(image="base", env={"K": "V"}, cwd="/tmp", user="65534")
+    img = sb.snapshot("snap-config")
+    assert (img["config"]["env"], img["config"]["cwd"], img["config"]["user"]) == ({}, "/", "")
+    sb2 = c.create(image="snap-config")
+    assert sb2.exec("echo K=$K; pwd; id -u").stdout == b"K=\n/\n0\n"
+    sb.destroy()
+    sb2.destroy()
+
+
 def test_snapshot_name_conflict_and_missing_sandbox(images):
     d, c = images
     sb = c.create(image="base")
