@@ -238,17 +238,22 @@ def _paths(result: dict) -> dict:
     return result
 
 
-def named_as(err: DsecError, tmp: str, path: str, removed: bool = False) -> DsecError:
+def named_as(err: DsecError, tmp: str, path: str, removed: bool = False,
+             verb: tuple[str, str] | None = None) -> DsecError:
     """`err`, met on a temporary path `tmp` (an atomic write's file, a
     copy's landing directory), as the caller sees it: naming `path`, the one
     they gave; same class, code and detail
     (`errno` kept), `detail["path"]` the target's (the daemon's spelling,
     `sandbox:path`, where it gave one). removed: `tmp` was removed, so what
-    the daemon said was "partly written" is gone and `path` is as it was."""
+    the daemon said was "partly written" is gone and `path` is as it was.
+    verb: (the request's, the caller's), e.g. ("rename", "write"): the
+    message's first word said as what the caller asked for."""
     def rename(text: str) -> str:
         return text.replace(f"{tmp} -> {path}", path).replace(tmp, path)
 
     message = err.message
+    if verb is not None and message.startswith(f"{verb[0]} "):
+        message = f"{verb[1]} {message[len(verb[0]) + 1:]}"
     if removed:
         message = message.replace(PARTLY_WRITTEN, f"{path} is as it was (the part written was removed)")
     detail = {k: rename(v) if isinstance(v, str) else v for k, v in err.detail.items()}
@@ -1664,7 +1669,7 @@ class Sandbox:
                 await asyncio.shield(self.remove(tmp))
                 removed = True
             if isinstance(err, DsecError):      # the caller knows no temporary file: name theirs
-                raise named_as(err, tmp, path, removed) from None
+                raise named_as(err, tmp, path, removed, verb=("rename", "write")) from None
             raise
         return size
 

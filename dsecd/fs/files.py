@@ -374,7 +374,8 @@ def rename(rootfd: int, src: str, dst: str, overwrite: bool, keep_attrs: bool = 
                 except FileNotFoundError:
                     target = None
                 if target is not None:
-                    if why := unreplaceable(dst, _type_of(target.st_mode)):
+                    source = _type_of(os.stat(sname, dir_fd=sfd, follow_symlinks=False).st_mode)
+                    if why := unreplaceable(dst, _type_of(target.st_mode), source):
                         raise PathError(why)
                     _take_attrs(sfd, sname, target)
             os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
@@ -385,11 +386,15 @@ def rename(rootfd: int, src: str, dst: str, overwrite: bool, keep_attrs: bool = 
         os.close(sfd)
 
 
-def unreplaceable(dst: str, kind: str) -> str | None:
+def unreplaceable(dst: str, kind: str, source: str = "file") -> str | None:
     """Why an atomic write may not replace `dst`, of type `kind` (_type_of),
-    or None: a device, fifo or socket would be swapped for a regular file (a
-    sandbox's /dev/null becoming one, say). A write in place refuses them
-    too (_require_regular)."""
+    with its temporary `source` (a file's type), or None: a device, fifo or
+    socket would be swapped for a regular file (a sandbox's /dev/null
+    becoming one, say). A write in place refuses them too
+    (_require_regular). A directory would fail the rename with a bare
+    EISDIR; said here as what it is."""
+    if kind == "dir" and source != "dir":
+        return f"{dst} is a directory, not a file: a write goes to regular files only (write to a path in it)"
     if kind not in ("char", "block", "fifo", "socket"):
         return None
     what = f"a {kind} device" if kind in ("char", "block") else f"a {kind}"

@@ -94,6 +94,7 @@ def test_a_refused_path_says_which_request_and_sandbox(sandbox):
     sandbox.exec(["sh", "-c", "mkdir -p /work/d && mkfifo /work/fifo"])
     cases = [(lambda: sandbox.read_file("/work/d"), "read", "/work/d", "is a directory, not a regular file"),
              (lambda: sandbox.read_file("/work/fifo"), "read", "/work/fifo", "is a fifo, not a regular file"),
+             (lambda: sandbox.write_file("/work/d", b"x"), "write", "/work/d", "is a directory, not a file"),
              (lambda: sandbox.list_files("work"), "list", "work", "must be absolute"),
              (lambda: sandbox.stat("/work/../etc"), "stat", "/work/../etc", "must not contain '..'"),
              (lambda: sandbox.read_file("/proc/self/status"), "read", "/proc/self/status", "kernel interface")]

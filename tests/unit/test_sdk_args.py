@@ -163,7 +163,7 @@ def test_atomic_write_errors_name_the_callers_path_not_the_temporary_file():
     sb = _sandbox(full)
     with pytest.raises(LimitExceeded) as info:
         asyncio.run(sb.write_file("/work/f", b"x"))
-    assert info.value.message == "rename sb-1:/work/f: quota"
+    assert info.value.message == "write sb-1:/work/f: quota"         # the rename under it said as the write
     assert info.value.detail == {"errno": "EDQUOT", "path": "/work/f"} and info.value.code == "limit"
 
 
