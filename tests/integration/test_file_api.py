@@ -287,3 +287,17 @@ def test_a_copy_larger_than_memory_allows_streams_both_ways(daemon, client, tmp_
             assert peak - floor < 48 << 10, f"dsec {what} held {peak - floor} KiB more than dsec version"
     finally:
         sb.destroy(force=True)
+
+
+def test_what_the_file_api_writes_is_the_sandbox_roots_whatever_its_user(client):
+    """As the README says: a write_file or upload_dir into a sandbox that
+    runs as nobody makes files of uid 0, which a chown as root hands over."""
+    sb = client.create(image="busybox", memory="128M", user="nobody")
+    try:
+        sb.write_file("/work/a.txt", b"x")
+        assert sb.stat("/work/a.txt")["uid"] == 0
+        assert sb.exec("echo >> /work/a.txt").exit_code != 0
+        assert sb.exec(["chown", "nobody", "/work/a.txt"], user="0").exit_code == 0
+        assert sb.exec("echo >> /work/a.txt").exit_code == 0
+    finally:
+        sb.destroy(force=True)
