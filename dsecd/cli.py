@@ -705,7 +705,7 @@ async def cmd_call(c: Client, a) -> int:
     out.write(2, r.stderr)
     if a.json:
         _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
-                     "killed_by": r.killed_by,
+                     "killed_by": r.killed_by, "destroyed_by": r.destroyed_by,
                      "truncated": r.truncated, "path": r.path, "run_ms": r.run_ms, "total_ms": r.total_ms,
                      **out.fields()})
     _say_truncated(r)
@@ -723,6 +723,12 @@ def _say_truncated(r) -> None:
 # Why the daemon says a command was SIGKILLed (ExecResult.killed_by).
 KILLED_BY = {"oom": "the sandbox reached its memory limit (the kernel's OOM killer took it)",
              "destroy": "its sandbox was destroyed"}
+# Why that destroy came (ExecResult.destroyed_by), as a later request on the
+# sandbox says it (dsecd/engine/sandboxes.py DESTROYED_BECAUSE).
+DESTROYED_BY = {"ttl": "its ttl ran out", "idle_ttl": "it was idle past its idle_ttl",
+                "lease": "its lease was not renewed", "request": "by a destroy request", "job": "by a job rm",
+                "all": "by a destroy of all sandboxes", "pool": "by its warm pool",
+                "build": "by its image build, whose step it ran"}
 
 
 def _exit_status(r, timeout_msg: str) -> int:
@@ -733,7 +739,8 @@ def _exit_status(r, timeout_msg: str) -> int:
         return EXIT_TIMEOUT
     if r.signal:
         if r.killed_by in KILLED_BY:
-            print(f"dsec: killed: {KILLED_BY[r.killed_by]}", file=sys.stderr)
+            why = f": {DESTROYED_BY[r.destroyed_by]}" if r.destroyed_by in DESTROYED_BY else ""
+            print(f"dsec: killed: {KILLED_BY[r.killed_by]}{why}", file=sys.stderr)
         return 128 + r.signal
     return r.exit_code or 0
 
@@ -757,7 +764,7 @@ async def cmd_exec(c: Client, a) -> int:
         _print_trace(r.trace or {}, a.json, a.output)
     elif a.json:
         _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
-                     "killed_by": r.killed_by,
+                     "killed_by": r.killed_by, "destroyed_by": r.destroyed_by,
                      "truncated": r.truncated, "duration_ms": r.duration_ms, "policy": r.policy,
                      "denials": r.denials, **out.fields()})
     _say_truncated(r)
@@ -779,7 +786,7 @@ async def _exec_on_terminal(sb, a) -> int:
 def _terminal_status(r, a) -> int:
     if a.json:
         _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
-                     "killed_by": r.killed_by,
+                     "killed_by": r.killed_by, "destroyed_by": r.destroyed_by,
                      "duration_ms": r.duration_ms})
     return _exit_status(r, f"dsec: timed out after {a.timeout}s; the command's process group was killed")
 
@@ -901,7 +908,7 @@ async def cmd_run(c: Client, a) -> int:
     r = run.result
     if a.json:
         _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
-                     "killed_by": r.killed_by,
+                     "killed_by": r.killed_by, "destroyed_by": r.destroyed_by,
                      "truncated": r.truncated, "duration_ms": r.duration_ms, "sandbox": run.sandbox.id,
                      **_fleet_host(a, run.sandbox), "argv": run.argv, **out.fields()})
     _say_truncated(r)

@@ -290,6 +290,7 @@ class ExecResult:
     policy: str | None = None        # the task policy it ran under (a name, "inline"; None: none)
     denials: int | None = None       # its policy denials, when counted (dsec info: policy.denials)
     killed_by: str | None = None     # SIGKILLed, not at its timeout: "oom" (memory limit), "destroy", None: unknown
+    destroyed_by: str | None = None  # with killed_by "destroy", why: "ttl", "idle_ttl", "lease", "request", ...
 
     @property
     def ok(self) -> bool:
@@ -302,7 +303,7 @@ class ExecResult:
                    truncated=r.get("truncated", False), timed_out=r.get("timed_out", False),
                    cancelled=r.get("cancelled", False), duration_ms=r.get("duration_ms", 0.0),
                    trace=r.get("trace"), policy=r.get("policy"), denials=r.get("denials"),
-                   killed_by=r.get("killed_by"))
+                   killed_by=r.get("killed_by"), destroyed_by=r.get("destroyed_by"))
 
 
 @dataclass

@@ -289,12 +289,15 @@ class ExecService:
     async def _why_killed(self, sb: Sandbox, result: dict, oom_before: int) -> dict:
         """An exec that ended by SIGKILL, not at its timeout, says why when
         the daemon knows: `killed_by` "destroy" (the sandbox is being
-        destroyed) or "oom" (its memory limit: the sandbox's OOM kill count
-        grew while the exec ran). One cgroup read, for SIGKILLed execs only."""
+        destroyed; `destroyed_by` its reason: ttl, request, ...) or "oom"
+        (its memory limit: the sandbox's OOM kill count grew while the exec
+        ran). One cgroup read, for SIGKILLed execs only."""
         if result.get("signal") != signal.SIGKILL or result.get("timed_out"):
             return result
         if sb.state == "stopping":               # a destroy; "dead" is a death of its own, not said
             result["killed_by"] = "destroy"
+            if sb.stopping_by:
+                result["destroyed_by"] = sb.stopping_by
         elif await self.oom_killed_since(sb, oom_before):
             result["killed_by"] = "oom"
         return result

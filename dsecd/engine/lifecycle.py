@@ -466,6 +466,7 @@ class LifecycleService:
         # No journal write for "stopping": a crash mid-destroy leaves the record
         # as it was, and the next daemon re-adopts the sandbox or marks it dead.
         prev, sb.state = sb.state, "stopping"
+        sb.stopping_by = reason
         # Once accepted, a destroy finishes even if its request is cancelled
         # (client gone, `cancel`): the client gave up on the answer, not on the
         # destroy, and a half-done one would leave the sandbox "stopping" forever.

@@ -64,6 +64,7 @@ class Sandbox:
     expired: bool = False             # its `expired` event was published (its destroy may be retried)
     oom_kills: int = 0                # the memory cgroup's OOM-kill count last seen
     execs: int = 0
+    stopping_by: str | None = None    # a destroy under way: its reason (ttl, request, ...), for its execs' results
     helper_execs: bool = False        # the daemon's helper started one: its CLONE_PARENT children are ours
     copies: int = 0                   # directory copies in or out running (the idle TTL waits for them)
     exit_status: int | None = None

@@ -442,7 +442,7 @@ def test_destroy_leaves_nothing(box, daemon):
         other.close()
     r, = ended
     assert not isinstance(r, Exception), r
-    assert (r.signal, r.killed_by) == (9, "destroy"), r
+    assert (r.signal, r.killed_by, r.destroyed_by) == (9, "destroy", "request"), r
     state["destroyed"] = True
     assert not os.path.exists(f"/proc/{pid}") or _is_zombie_gone(pid)
     assert not any(os.path.exists(d) for d in cgroups)

@@ -201,7 +201,22 @@ def test_an_exec_ended_by_its_sandboxs_destroy_says_so(daemon):
     sb.destroy(force=True)
     t.join(15)
     assert (answer.get("signal"), answer.get("killed_by")) == (9, "destroy"), answer
+    assert answer.get("destroyed_by") == "request", answer
     c.close()
+
+
+def test_an_exec_ended_by_its_sandboxs_ttl_says_the_ttl(daemon):
+    """A long exec whose sandbox's ttl ran out says so, not only that the
+    sandbox was destroyed (which reads as someone else's doing)."""
+    c = daemon.client()
+    try:
+        sb = c.create(image="busybox", ttl=2)
+        r = sb.exec(["sleep", "30"])
+        assert (r.signal, r.killed_by, r.destroyed_by) == (9, "destroy", "ttl"), r
+        out = daemon.cli("exec", c.create(image="busybox", ttl=2).id, "--", "sleep", "30")
+        assert out.returncode == 137 and b"killed: its sandbox was destroyed: its ttl ran out" in out.stderr, out
+    finally:
+        c.close()
 
 
 def _daemon_children(pid: int, pidns: int) -> dict[int, str]:

@@ -96,3 +96,12 @@ def test_a_bad_environment_variable_says_what_a_name_and_a_value_may_hold():
         with pytest.raises(BadRequest) as err:
             check_env(env)
         assert bad in err.value.message and "without '='" in err.value.message, err.value.message
+
+
+def test_the_cli_says_every_reason_of_a_destroy_as_the_daemon_does():
+    """`dsec exec` killed by its sandbox's destroy says why (destroyed_by)
+    in the words a later request on the sandbox gets from the daemon."""
+    from dsecd import cli
+    from dsecd.engine.sandboxes import DESTROYED_BECAUSE
+
+    assert cli.DESTROYED_BY == DESTROYED_BECAUSE
