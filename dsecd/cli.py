@@ -2069,7 +2069,7 @@ def _exec_options(ex: argparse.ArgumentParser, verb: str) -> None:
                         help="run the command on a terminal (with -i: ours, in raw mode, is its keyboard)")
         ex.add_argument("-d", "--detach", action="store_true",
                         help="run it in the background and print its pid (see dsec proc, logs, attach, kill, wait)")
-    ex.add_argument("--timeout", type=float, help="seconds; the process group is killed after it")
+    ex.add_argument("--timeout", type=_timeout_arg, help="seconds or a duration (5m); the process group is killed after it")
     ex.add_argument("-e", "--env", action="append", metavar="K=V",
                     help="an environment variable, over the sandbox's; K alone: ours (repeatable)")
     ex.add_argument("--env-file", action="append", metavar="FILE",
@@ -2086,6 +2086,17 @@ def _exec_options(ex: argparse.ArgumentParser, verb: str) -> None:
     if verb == "trace":
         ex.add_argument("--output", "-o", metavar="FILE", help="write the record here (default: stderr)")
     ex.add_argument("sandbox")
+
+
+def _timeout_arg(text: str) -> float:
+    """A command's --timeout: seconds or a duration (90, 1.5, 90s, 5m, 2h),
+    as --ttl takes them; the daemon checks its range (a negative one too)."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    word = text.strip().lower()
+    try:
+        return float(word[:-1]) * units[word[-1]] if word and word[-1] in units else float(word)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be seconds or a duration like 90s, 5m, 2h; got {text!r}") from None
 
 
 def _positive_seconds(text: str) -> float:
@@ -2257,7 +2268,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="remove the sandbox when the command ends (default without -d; --no-rm keeps it)")
     run.add_argument("--entrypoint", metavar="PROGRAM", help="run this instead of the image's Entrypoint "
                      "(its Cmd is dropped: ARGs follow PROGRAM)")
-    run.add_argument("--timeout", type=float, help="seconds; the process group is killed after it")
+    run.add_argument("--timeout", type=_timeout_arg, help="seconds or a duration (5m); the process group is killed after it")
     _create_options(run)
     _backend_option(run)
     run.add_argument("image")
@@ -2287,7 +2298,7 @@ def build_parser() -> argparse.ArgumentParser:
     call.add_argument("--image", required=True, help="the image the call runs in (a name dsec image ls lists)")
     call.add_argument("--code-file", help="Python source to run through the image's zygote")
     call.add_argument("--stdin", metavar="FILE", help="file fed to the call's stdin ('-': dsec's own stdin)")
-    call.add_argument("--timeout", type=float, help="seconds; the call's process group is killed after it")
+    call.add_argument("--timeout", type=_timeout_arg, help="seconds or a duration (5m); the call's process group is killed after it")
     call.add_argument("--env", action="append", metavar="K=V")
 
     cp = sub.add_parser("cp", help="copy a file: LOCAL SB:/path or SB:/path LOCAL ('-' = stdin/stdout); "

@@ -1063,7 +1063,7 @@ class Client:
         return Sandbox(self, info["id"], info)
 
     def run_stream(self, image: str, args: list[str] | None = None, entrypoint: list[str] | str | None = None,
-                   timeout: float | None = None, stdin: bytes | AsyncIterator[bytes] | None = None,
+                   timeout: float | str | None = None, stdin: bytes | AsyncIterator[bytes] | None = None,
                    remove: bool = True, pty: bool = False, rows: int | None = None, cols: int | None = None,
                    **create_args) -> RunStream:
         """`async with c.run_stream(image, args) as run:` makes a sandbox of
@@ -1080,7 +1080,7 @@ class Client:
                          {"pty": True, "rows": rows, "cols": cols} if pty else {})
 
     async def run(self, image: str, args: list[str] | None = None, entrypoint: list[str] | str | None = None,
-                  timeout: float | None = None, stdin: bytes | AsyncIterator[bytes] | None = None,
+                  timeout: float | str | None = None, stdin: bytes | AsyncIterator[bytes] | None = None,
                   on_stdout: Callable[[bytes], object] | None = None,
                   on_stderr: Callable[[bytes], object] | None = None, remove: bool = True,
                   **create_args) -> ExecResult:
@@ -1108,12 +1108,14 @@ class Client:
 
     async def call(self, image: str, argv: list[str] | None = None, code: str | None = None,
                    args: list[str] | None = None, stdin: bytes | None = None, env: dict | None = None,
-                   timeout: float | None = None) -> CallResult:
+                   timeout: float | str | None = None) -> CallResult:
         """A stateless function call (FnCall backend): `argv`, or Python `code` run by a fork of
         the image's pre-imported zygote. Many may be in flight on one client."""
         if stdin is not None and not isinstance(stdin, (bytes, bytearray, memoryview)):
             raise TypeError(f"call stdin must be bytes, got {type(stdin).__name__}"
                             + (": encode it" if isinstance(stdin, str) else ""))
+        if isinstance(timeout, str):        # "5m", as exec's
+            timeout = parse_duration(timeout, "timeout")
         req = _given({"image": image, "env": string_map(env, "env")},
                      argv=None if argv is None else command_argv(argv), code=code, args=args,
                      stdin=None if stdin is None else bytes(stdin), timeout=timeout)
@@ -1564,6 +1566,8 @@ class Sandbox:
     def _exec_args(self, argv, env, cwd, user, timeout, stdin: bool, stream: bool, trace: bool = False,
                    pty: bool = False, rows: int | None = None, cols: int | None = None,
                    policy: str | dict | None = None) -> dict:
+        if isinstance(timeout, str):        # "5m", as a ttl takes it
+            timeout = parse_duration(timeout, "timeout")
         args = _given({"sandbox": self.id, "argv": command_argv(argv), "env": string_map(env, "env"),
                        "stdin": stdin, "stream": stream, "trace": trace}, cwd=cwd, user=user, timeout=timeout,
                       policy=policy)
@@ -1573,7 +1577,7 @@ class Sandbox:
             raise ValueError("rows and cols are a terminal's window size: give them with pty=True")
         return args
 
-    async def exec(self, argv: list[str] | str, timeout: float | None = None, env: dict | None = None,
+    async def exec(self, argv: list[str] | str, timeout: float | str | None = None, env: dict | None = None,
                    cwd: str | None = None, user: int | str | None = None, stdin: bytes | None = None,
                    trace: bool = False, on_stdout: Callable[[bytes], object] | None = None,
                    on_stderr: Callable[[bytes], object] | None = None, pty: bool = False,
@@ -1597,7 +1601,7 @@ class Sandbox:
                                   pty=pty, rows=rows, cols=cols, policy=policy)
         return await _collect(stream, on_stdout, on_stderr)
 
-    def exec_stream(self, argv: list[str] | str, timeout: float | None = None, env: dict | None = None,
+    def exec_stream(self, argv: list[str] | str, timeout: float | str | None = None, env: dict | None = None,
                     cwd: str | None = None, user: int | str | None = None,
                     stdin: bytes | AsyncIterator[bytes] | None = None, trace: bool = False, pty: bool = False,
                     rows: int | None = None, cols: int | None = None,

@@ -849,3 +849,23 @@ def test_a_command_ended_by_sigterm_says_interrupted_and_exits_128_plus(tmp_path
         held.kill()
         held.wait()
         held.stdout.close()
+
+
+def test_a_timeout_takes_a_duration_as_a_ttl_does():
+    """`--ttl 5m` worked and `--timeout 5m` was "invalid float value": a
+    command's timeout takes the same seconds or durations."""
+    for verb, rest in ((["exec", "SB"], ["--", "true"]), (["run", "busybox"], ["true"]),
+                       (["call", "--image", "i"], ["--", "true"])):
+        for given, seconds in (("90", 90.0), ("1.5", 1.5), ("2m", 120.0), ("1h", 3600.0)):
+            a = cli.parse_args([verb[0], "--timeout", given, *verb[1:], *rest])
+            assert a.timeout == seconds, (verb, given, a.timeout)
+    with pytest.raises(SystemExit):
+        cli.parse_args(["exec", "--timeout", "soon", "SB", "--", "true"])
+
+
+def test_the_sdks_exec_timeout_takes_a_duration_as_its_ttl_does():
+    from dsecd.client import Sandbox
+
+    sb = Sandbox(None, "0123456789ab", {})
+    assert sb._exec_args(["true"], None, None, None, "2m", False, False)["timeout"] == 120.0
+    assert sb._exec_args(["true"], None, None, None, 1.5, False, False)["timeout"] == 1.5
