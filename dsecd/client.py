@@ -814,9 +814,7 @@ class Client:
         on_wire = False
         key = args.get("key") if op == "create" else None
         if key:
-            self._keyed_creates[key] += 1
-            if key in self._undone_keys:
-                self._undone_keys[key] = True
+            self._keyed_create_sent(key)
 
         async def send() -> None:
             try:
@@ -870,11 +868,7 @@ class Client:
             if not undo:
                 conn.pending.pop(rid, None)
             if key:
-                self._keyed_creates[key] -= 1
-                if not self._keyed_creates[key]:
-                    del self._keyed_creates[key]
-                if undo:
-                    self._undone_keys[key] = self._undone_keys.get(key, False) or key in self._keyed_creates
+                self._keyed_create_ended(key, undo)
             if abandoned and on_wire:
                 # Abandoned early (break, exception, cancel): tell the daemon to stop it.
                 try:
@@ -903,14 +897,33 @@ class Client:
                 pass
         finally:
             conn.pending.pop(rid, None)
-            # A create of its key sent meanwhile (the caller's retry) is, or
-            # will be, answered with what this one made: it is not nobody's.
-            asked_again = key is not None and (self._undone_keys.pop(key, False) or key in self._keyed_creates)
+            asked_again = self._asked_again(key)
         # Lost: nobody can tell here (the caller was told ConnectionLost, sent:
         # a create with its key sent again finds what it made). An error: nothing was made.
         if "__lost__" in frame or "error" in frame or asked_again:
             return
         await self._destroy_made_for_nobody(frame.get("result") or {})
+
+    def _keyed_create_sent(self, key: str) -> None:
+        """A create with idempotency key `key` is on its way (see _asked_again)."""
+        self._keyed_creates[key] += 1
+        if key in self._undone_keys:
+            self._undone_keys[key] = True
+
+    def _keyed_create_ended(self, key: str, undo: bool) -> None:
+        """That create ended; `undo`: abandoned, what it made is to be destroyed."""
+        self._keyed_creates[key] -= 1
+        if not self._keyed_creates[key]:
+            del self._keyed_creates[key]
+        if undo:
+            self._undone_keys[key] = self._undone_keys.get(key, False) or key in self._keyed_creates
+
+    def _asked_again(self, key: str | None) -> bool:
+        """Whether a create of `key` was sent while an abandoned one of it was
+        under way (the caller's retry): it is, or will be, answered with what
+        the abandoned one made, which is then not nobody's. Asked once, by
+        that create's undo."""
+        return key is not None and (self._undone_keys.pop(key, False) or key in self._keyed_creates)
 
     async def _destroy_made_for_nobody(self, info: dict) -> None:
         """Destroy the sandbox a cancelled create made (`info`: its answer),

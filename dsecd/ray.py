@@ -417,6 +417,10 @@ class ActorClient(Client):
     async def _call(self, method: str, op: str, args: dict) -> dict:
         actor = self._actor_or_lost(op)
         ref = getattr(actor, method).remote(op, _plain(args))
+        key = args.get("key") if op == "create" else None
+        if key:
+            self._keyed_create_sent(key)
+        undone = False
         try:
             answer = await self._until_aborted(_await(ref), op)
         except asyncio.CancelledError:
@@ -426,13 +430,21 @@ class ActorClient(Client):
                 # was asked to cancel with TaskCancelledError though the call
                 # ran to its end, and nobody would then destroy the sandbox.
                 # The call ends, and what it made is destroyed here.
-                await self._settle_cancelled_create(ref)
+                if key:
+                    # Now, before the undo waits: a create of the key sent
+                    # from here on is the caller's retry (_asked_again).
+                    self._keyed_create_ended(key, undo=True)
+                    undone = True
+                await self._settle_cancelled_create(ref, key)
             else:
                 # The actor's call is cancelled too: its Client tells the
                 # daemon to cancel the request (an exec is killed).
                 with contextlib.suppress(Exception):
                     ray.cancel(ref)
             raise
+        finally:
+            if key and not undone:
+                self._keyed_create_ended(key, undo=False)
         if "lost" in answer:
             # The actor lives but its daemon connection dropped: the host is down as far as the fleet goes.
             raise self._lost_now(f"the daemon's socket on node {self.node_id}: {answer['lost']}", op, sent=True)
@@ -440,18 +452,22 @@ class ActorClient(Client):
             raise DsecError.from_wire(answer["error"])
         return answer["result"]
 
-    async def _settle_cancelled_create(self, ref) -> None:
+    async def _settle_cancelled_create(self, ref, key: str | None) -> None:
         """A create the caller cancelled: once its actor call ends, the
         sandbox it made for nobody is destroyed, as Client._undo_abandoned_create
-        does for a local one whose answer was on its way. Waited for up to
-        ABANDONED_CREATE_WAIT_S; the undo goes on in the background after
-        that, and close() waits for it."""
+        does for a local one whose answer was on its way, unless a create of
+        its key was sent meanwhile (the caller's retry, answered with that
+        sandbox). Waited for up to ABANDONED_CREATE_WAIT_S; the undo goes on
+        in the background after that, and close() waits for it."""
         async def settle() -> None:
             try:
                 answer = await ref
             except Exception:               # the actor died: the host is down, the fleet settles keys on rejoin
                 return
-            await self._destroy_made_for_nobody(answer.get("result") or {})
+            finally:
+                asked_again = self._asked_again(key)
+            if not asked_again:
+                await self._destroy_made_for_nobody(answer.get("result") or {})
 
         task = asyncio.get_running_loop().create_task(settle())
         self._undoing.add(task)

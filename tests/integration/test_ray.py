@@ -363,6 +363,40 @@ def test_ray_fleet_caller_cancels_undo_at_the_daemon(cluster):
     asyncio.run(go())
 
 
+def test_ray_cancelled_create_leaves_its_sandbox_to_a_retry_of_its_key(cluster, monkeypatch):
+    """A create with a key cancelled while its actor call runs, and sent
+    again with the key (the caller's retry after a timeout): the daemon
+    answers the retry with the sandbox the first one makes, so the undo of
+    the first must leave it to the retry, not destroy it under the caller.
+    The caller's wait for the undo is 0 here, as for a create slower than
+    ABANDONED_CREATE_WAIT_S (one queued for admission)."""
+    import dsecd.ray
+
+    monkeypatch.setattr(dsecd.ray, "ABANDONED_CREATE_WAIT_S", 0.0)
+
+    async def go():
+        async with dsecd.ray.RayFleet(sockets=cluster["sockets"], socket=cluster["unused_socket"]) as fleet:
+            client = next(h.client for h in fleet.hosts.values() if h.up)
+            got = []
+            for i in range(4):
+                args = {"key": f"retry-{i}", "labels": {"job": "rk"}, **SMALL}
+                first = asyncio.ensure_future(client.create("busybox", **args))
+                await asyncio.sleep(0)          # its actor call is on its way
+                first.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await first
+                got.append((await client.create("busybox", **args)).id)
+            while client._undoing:
+                await asyncio.wait(set(client._undoing))
+            live = sorted(r["id"] for r in await client.list({"job": "rk"}) if r["state"] != "dead")
+            if live:
+                await fleet.job_rm("rk", force=True)
+            return sorted(got), live
+
+    got, live = asyncio.run(go())
+    assert live == got, f"the retries' sandboxes {got}, of which these are left: {live}"
+
+
 def test_ray_fleet_host_whose_daemon_is_killed_says_so_and_rejoins(cluster):
     """A host's daemon killed (SIGKILL) under an exec: the exec fails with
     ConnectionLost saying what happened there and what to do (the fleet
