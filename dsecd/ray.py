@@ -73,7 +73,7 @@ except ModuleNotFoundError as err:
     raise ModuleNotFoundError(f"dsecd.ray needs Ray, which is not installed ({err}): pip install "
                               "'dsecd[ray]', or DSECD_SETUP_RAY=1 bash scripts/setup.sh in a checkout",
                               name=err.name) from err
-from ray.exceptions import RayError
+from ray.exceptions import RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .client import ABANDONED_CREATE_WAIT_S, Client, default_socket, lost_after_sending
@@ -221,11 +221,19 @@ class DaemonActor:
         try:
             while True:
                 frame = await queue.get()
-                batch, size = [frame], _frame_bytes(frame)
-                while not _final(frame) and size < STREAM_BATCH_BYTES and not queue.empty():
-                    frame = queue.get_nowait()
+                batch, size = [], 0
+                while True:
+                    if "__raise__" in frame:
+                        # What the Client here raised (an argument it cannot
+                        # send): raised to the driver, after what came before.
+                        if batch:
+                            yield batch
+                        raise frame["__raise__"]
                     batch.append(frame)
                     size += _frame_bytes(frame)
+                    if _final(frame) or size >= STREAM_BATCH_BYTES or queue.empty():
+                        break
+                    frame = queue.get_nowait()
                 yield batch
                 if _final(frame):
                     return
@@ -244,6 +252,8 @@ class DaemonActor:
             await queue.put({"__error__": err.to_wire()})
         except (ConnectionError, OSError) as err:
             await queue.put({"__lost__": self._why_lost(err)})
+        except Exception as err:            # else the stream would wait for a frame forever
+            await queue.put({"__raise__": err})
 
 
 def host_target(address: str, socket: str) -> str:
@@ -408,6 +418,12 @@ class ActorClient(Client):
             raise self._lost_now(self._lost or "aborted", op, sent=True)
         try:
             answer = answer_f.result()
+        except RayTaskError as err:
+            # The actor's method raised, and the actor lives: what its Client
+            # raised for this request (an argument it cannot send, say) is the
+            # caller's error, as a local Client raises it, not the host's.
+            self.last_frame_at = asyncio.get_running_loop().time()
+            raise err.cause from None
         except RayError as err:          # RayActorError above all: the actor, its worker or its node died
             raise self._lost_now(f"the actor on node {self.node_id} failed: {_first_line(err)}", op,
                                  sent=True) from None

@@ -397,6 +397,41 @@ def test_ray_cancelled_create_leaves_its_sandbox_to_a_retry_of_its_key(cluster, 
     assert live == got, f"the retries' sandboxes {got}, of which these are left: {live}"
 
 
+def test_ray_request_the_actor_cannot_send_is_the_callers_error_not_the_hosts(cluster):
+    """A request whose arguments the actor's Client cannot encode (a raw
+    request given an object msgpack has no form for) raises that error to
+    the caller, as a local Client does; it took the host down (host_down,
+    every sandbox reported lost, the actor killed under the other callers),
+    and as a stream it waited forever for a frame."""
+    import dsecd.ray
+
+    async def go():
+        async with dsecd.ray.RayFleet(sockets=cluster["sockets"], socket=cluster["unused_socket"],
+                                      heartbeat_s=0.5) as fleet:
+            sb = await fleet.create(image="busybox", **SMALL)
+            events = fleet.events()
+            with pytest.raises(TypeError, match="serialize"):
+                await sb.client.request("ping", x=object())
+            with pytest.raises(TypeError, match="serialize"):
+                async with asyncio.timeout(30):
+                    async for _ in sb.client.frames("exec", sandbox=sb.id, argv=["true"], x=object()):
+                        pass
+            assert (await sb.exec(["echo", "still"])).stdout == b"still\n"
+            await asyncio.sleep(1.5)            # three heartbeats
+            seen = []
+            while not events._queue.empty():
+                ev = events._queue.get_nowait()
+                if ev["host"] == sb.host:
+                    seen.append(ev["event"])
+            await events.aclose()
+            up = fleet.hosts[sb.host].up
+            await sb.destroy(force=True)
+            return seen, up
+
+    seen, up = asyncio.run(go())
+    assert "host_down" not in seen and up, seen
+
+
 def test_ray_fleet_host_whose_daemon_is_killed_says_so_and_rejoins(cluster):
     """A host's daemon killed (SIGKILL) under an exec: the exec fails with
     ConnectionLost saying what happened there and what to do (the fleet
