@@ -395,6 +395,9 @@ class ActorClient(Client):
         return ConnectionLost(f"{text}; {self._advice()}", target=self.target, op=op, sent=sent)
 
     def _advice(self) -> str:
+        if self._closed:
+            # Nothing connects it again (lost_advice, the fleet's, says it would).
+            return "it was closed (RayFleet.close); make a new RayFleet to go on"
         return self.lost_advice or "call connect() again to go on"
 
     def _actor_or_lost(self, op: str):

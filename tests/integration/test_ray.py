@@ -432,6 +432,38 @@ def test_ray_request_the_actor_cannot_send_is_the_callers_error_not_the_hosts(cl
     assert "host_down" not in seen and up, seen
 
 
+def test_ray_requests_after_the_fleet_closed_say_so(cluster):
+    """A sandbox's request in flight when its RayFleet closes, and one made
+    after, fail saying the fleet was closed, not that it connects to the
+    host again once it answers: nothing would."""
+    import dsecd
+    import dsecd.ray
+
+    async def go():
+        fleet = dsecd.ray.RayFleet(sockets=cluster["sockets"], socket=cluster["unused_socket"])
+        await fleet.start()
+        sb = await fleet.create(image="busybox", **SMALL)
+        try:
+            running = asyncio.ensure_future(sb.exec(["sleep", "30"]))
+            await asyncio.sleep(0.5)
+        finally:
+            await fleet.close()
+        errors = []
+        with pytest.raises(dsecd.ConnectionLost) as lost:
+            await running
+        errors.append(str(lost.value))
+        with pytest.raises(dsecd.ConnectionLost) as lost:
+            await sb.exec("true")
+        errors.append(str(lost.value))
+        for d in cluster["daemons"][:2]:
+            with d.client() as c, contextlib.suppress(dsecd.NotFound):
+                c.request("destroy", sandbox=sb.id, force=True)
+        return errors
+
+    for text in asyncio.run(go()):
+        assert "RayFleet.close" in text and "again once it answers" not in text, text
+
+
 def test_ray_fleet_host_whose_daemon_is_killed_says_so_and_rejoins(cluster):
     """A host's daemon killed (SIGKILL) under an exec: the exec fails with
     ConnectionLost saying what happened there and what to do (the fleet
