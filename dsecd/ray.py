@@ -108,6 +108,9 @@ NAMED_WAIT_S = 30.0
 ENDED_KEPT = 4096
 # Async actor methods running at once: every open stream holds one.
 ACTOR_CONCURRENCY = 4096
+# How much longer than connect_timeout the driver waits for the daemon's
+# hello through a started actor, whose own Client gives up (saying why) first.
+HELLO_SLACK_S = 2.0
 
 
 class _ActorStream:
@@ -137,10 +140,14 @@ class DaemonActor:
     {"error": wire error} or {"lost": why}) and a stream's frames are lists
     of dicts, so that nothing but builtins crosses Ray's serialization."""
 
-    def __init__(self, socket: str, name: str):
-        self.client = Client(socket, name=name, reconnect=True)
+    def __init__(self, socket: str, name: str, connect_timeout: float = CONNECT_TIMEOUT_S):
+        self.client = Client(socket, name=name, reconnect=True, connect_timeout=connect_timeout)
         self.streams: dict[int, _ActorStream] = {}           # the driver's request id -> its stream here
         self.ended: collections.deque[int] = collections.deque()
+
+    async def ready(self) -> bool:
+        """Answers once the actor runs (ActorClient.connect asks before hello)."""
+        return True
 
     async def hello(self) -> dict:
         try:
@@ -320,13 +327,24 @@ class ActorClient(Client):
         self.node_id = await asyncio.to_thread(self._pick_node)
         self._actor = _daemon_actor().options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(self.node_id, soft=False),
-        ).remote(self.socket_path, self.name)
+        ).remote(self.socket_path, self.name, self.connect_timeout)
         self._aborted = asyncio.Event()
+        started = False
         try:
+            # Two waits, so that a timeout says what did not answer: the
+            # actor (its node), then the daemon, whose hello the actor's
+            # Client bounds by connect_timeout and answers why (a daemon
+            # that took the connection but is stuck) before this side gives up.
             async with asyncio.timeout(self.connect_timeout):
+                await self._actor.ready.remote()
+            started = True
+            async with asyncio.timeout(self.connect_timeout + HELLO_SLACK_S):
                 answer = await self._actor.hello.remote()
         except TimeoutError:
             self._kill_actor()
+            if started:
+                raise ConnectionError(f"{self.target}: the actor on node {self.node_id} started, but its hello "
+                                      f"to the daemon did not end in {self.connect_timeout:g} s") from None
             raise ConnectionError(f"{self.target}: the actor on node {self.node_id} did not answer in "
                                   f"{self.connect_timeout:g} s: is the node alive (ray status)?") from None
         except RayError as err:

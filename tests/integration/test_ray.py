@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -537,6 +538,28 @@ def test_ray_fleet_says_how_to_name_a_daemon_it_cannot_reach(cluster):
     for s in status:
         assert f"no daemon at {cluster['unused_socket']}" in s["reason"], s["reason"]
         assert "RayFleet(socket=" in s["reason"] and "--socket" not in s["reason"], s["reason"]
+
+
+def test_ray_fleet_says_a_stuck_daemon_is_stuck_not_the_node(cluster):
+    """A daemon that takes the connection but does not answer (stopped):
+    its host's reason names the daemon, not the actor's node, which is up.
+    The driver gave up on the hello first and asked whether the node was
+    alive (ray status), which sent the user to the wrong machine part."""
+    import dsecd.ray
+
+    stuck = cluster["daemons"][0]
+
+    async def go():
+        async with dsecd.ray.RayFleet(sockets=cluster["sockets"], socket=cluster["unused_socket"],
+                                      connect_timeout=2, rejoin_s=60) as fleet:
+            return fleet.hosts[next(t for t in fleet.hosts if t.endswith(stuck.socket))].reason
+
+    os.kill(stuck.proc.pid, signal.SIGSTOP)
+    try:
+        reason = asyncio.run(go())
+    finally:
+        os.kill(stuck.proc.pid, signal.SIGCONT)
+    assert "is the daemon stuck" in reason and "ray status" not in reason, reason
 
 
 def test_an_input_naming_no_stream_leaves_nothing_in_the_actor(daemon, monkeypatch):
