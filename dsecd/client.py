@@ -1001,7 +1001,13 @@ class Client:
         {"event": "output", step, fd, data}, {"event": "step_done", step, of,
         cached, seconds, layer}, {"event": "warning", message}. Result: the
         image, plus `steps` (each step's line, instruction, cached, seconds,
-        layer), `seconds`, `replaced` (the manifest the name had before)."""
+        layer), `seconds`, `replaced` (the manifest the name had before).
+        Over ssh:// (or through a Ray actor) the daemon reads `context` on
+        its host, so it must be absolute there."""
+        if self.remote and not context.startswith("/"):
+            # Made absolute here, it would name this machine's directory on that host.
+            raise ValueError(f"build_dockerfile on {self.target}: the context {context!r} must be an absolute "
+                             "path on that host (the daemon reads it there)")
         context = os.path.abspath(context)
         if text is None:
             text = _read_dockerfile(dockerfile or os.path.join(context, "Dockerfile"), dockerfile is None)
