@@ -98,6 +98,10 @@ async def _each_sandbox(fleet: Fleet, a, commands: dict, ids: list[str]) -> int:
         try:
             status = max(status, await commands[a.cmd](client, own))
         except (DsecError, ConnectionError) as err:
+            if a.json:              # its command ended early: that host's sandboxes, some maybe done
+                wire = _error_wire(err)
+                print_json({"error": {**wire, "detail": {"host": client.target, "sandboxes": own.sandboxes,
+                                                         **wire["detail"]}}})
             print(f"dsec fleet {a.cmd}: {short_name(client.target)}: {err}", file=sys.stderr)
             status = 1
     return status

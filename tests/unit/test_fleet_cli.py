@@ -32,7 +32,8 @@ class StandInFleet:
         return SimpleNamespace(id=sb_id, client=host)
 
 
-def each_sandbox(cmd: str, words: list[str], where: dict[str, Host], fails: dict | None = None):
+def each_sandbox(cmd: str, words: list[str], where: dict[str, Host], fails: dict | None = None,
+                 as_json: bool = False):
     """fleet_cli._each_sandbox of `dsec fleet cmd WORDS...`: the status, and
     the (host, sandboxes) each host's command was run with."""
     seen = []
@@ -43,7 +44,7 @@ def each_sandbox(cmd: str, words: list[str], where: dict[str, Host], fails: dict
             raise fails[client.target]
         return 0
 
-    a = argparse.Namespace(cmd=cmd, sandboxes=list(words), json=False, all=False)
+    a = argparse.Namespace(cmd=cmd, sandboxes=list(words), json=as_json, all=False)
     ids = [w.partition(":")[0] for w in words]
     status = asyncio.run(fleet_cli._each_sandbox(StandInFleet(where), a, {cmd: command}, ids))
     return status, seen, a
@@ -74,6 +75,22 @@ def test_a_failing_host_or_an_unknown_sandbox_fails_the_status_but_not_the_other
     assert sorted(seen) == [("ssh://h1", ["sb1"]), ("ssh://h2", ["sb2"])]
     err = capsys.readouterr().err
     assert "nosuch: not_found" in err and "h1: conflict: sandbox sb1 is dead" in err
+
+
+def test_a_host_lost_under_rm_says_so_in_the_json_naming_its_sandboxes(capsys):
+    """--json: a host whose connection went while its part of `dsec fleet
+    rm` ran printed nothing on stdout for its sandboxes, only a line on
+    stderr; a script reading the JSON could not tell they were not removed."""
+    from dsecd import ConnectionLost
+
+    h1, h2 = Host("h1"), Host("h2")
+    lost = ConnectionLost("destroy on ssh://h1: connection lost", target="ssh://h1", op="destroy", sent=True)
+    status, _, _ = each_sandbox("rm", ["sb1", "sb2", "sb3"], {"sb1": h1, "sb2": h2, "sb3": h1},
+                                fails={"ssh://h1": lost}, as_json=True)
+    assert status == 1
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["code"] == "unreachable" and error["detail"]["host"] == "ssh://h1", error
+    assert error["detail"]["sandboxes"] == ["sb1", "sb3"] and error["detail"]["sent"] is True, error
 
 
 def test_every_host_down_is_unreachable_with_each_hosts_reason_in_the_json(tmp_path, capsys):
