@@ -2491,10 +2491,30 @@ def make_client(a) -> Client:
 
 
 async def _run(a) -> int:
-    if a.fleet:
-        return await fleet_cli.run(a, COMMANDS, named_sandboxes, ssh_options(a))
-    async with make_client(a) as c:
-        return await COMMANDS[a.cmd](c, a)
+    """The command, ended by SIGTERM or SIGHUP (a `timeout`, a closed
+    terminal) as ^C ends it: the command is cancelled (its requests with
+    it) and _EndedBySignal raised, unless the command handles these
+    signals itself (cp, run, exec -t replace this handler while they run)."""
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    ended: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        if not ended:
+            main.cancel()
+        ended.append(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        if a.fleet:
+            return await fleet_cli.run(a, COMMANDS, named_sandboxes, ssh_options(a))
+        async with make_client(a) as c:
+            return await COMMANDS[a.cmd](c, a)
+    except asyncio.CancelledError:
+        if not ended:
+            raise
+        raise _EndedBySignal(ended[0]) from None
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -2795,18 +2815,13 @@ def _failed_status(a, err: DsecError) -> int:
 
 
 class _EndedBySignal(BaseException):
-    """SIGTERM or SIGHUP (a `timeout`, a closed terminal) while a command
-    that has no handler of its own runs: dsec ends as ^C ends it (its
-    requests cancelled as the loop closes), with the `interrupted` error
-    --json promises and 128+signal, not killed where it stood."""
+    """SIGTERM or SIGHUP ended a command (_run): main prints the
+    `interrupted` error --json promises and exits 128+signal, where the
+    signal's default would have killed dsec where it stood."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
-
-
-def _end_by_signal(signum: int, frame) -> None:
-    raise _EndedBySignal(signum)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -2825,12 +2840,7 @@ def main(argv: list[str] | None = None) -> None:
     fail = EXIT_DSEC_ERROR if a.cmd in GIVES_A_STATUS else 1
     try:
         check_usage(a)
-        if a.cmd == "rpc":
-            status = cmd_rpc(a)
-        else:
-            for signum in (signal.SIGTERM, signal.SIGHUP):
-                signal.signal(signum, _end_by_signal)
-            status = asyncio.run(_run(a))
+        status = cmd_rpc(a) if a.cmd == "rpc" else asyncio.run(_run(a))
         sys.stdout.flush()       # a closed pipe shows here, not at the interpreter's exit
     except BrokenPipeError as err:
         closed = _closed_outputs()
