@@ -973,6 +973,8 @@ def test_renew_keeps_a_leased_sandbox_and_says_what_it_could_not_renew(daemon, c
             r = daemon.cli("renew", leased.id[:8])
             assert (r.returncode, r.stdout) == (0, f"{leased.id} renewed\n".encode()), r
         assert leased.inspect()["state"] == "running"
+        r = daemon.cli("renew", plain.id)                  # lives on without one: no failure
+        assert r.returncode == 0 and f"{plain.id} has no lease to renew".encode() in r.stderr, r
         r = daemon.cli("--json", "renew", leased.id, plain.id, "nosuch")
         assert r.returncode == 1
         assert b"nosuch" in r.stderr and f"{plain.id} has no lease to renew".encode() in r.stderr, r.stderr
