@@ -444,7 +444,10 @@ class ActorClient(Client):
             # raised for this request (an argument it cannot send, say) is the
             # caller's error, as a local Client raises it, not the host's.
             self.last_frame_at = asyncio.get_running_loop().time()
-            raise err.cause from None
+            cause = getattr(err, "cause", None)
+            if isinstance(cause, Exception):
+                raise cause from None
+            raise err.as_instanceof_cause() from None     # one Ray could not rebuild: its text kept
         except RayError as err:          # RayActorError above all: the actor, its worker or its node died
             raise self._lost_now(f"the actor on node {self.node_id} failed: {_first_line(err)}", op,
                                  sent=True) from None
