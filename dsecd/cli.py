@@ -1380,13 +1380,15 @@ def named_sandboxes(a) -> list[str]:
     return [sb] if sb else []
 
 
-async def cmd_cp(c: Client, a) -> int:
-    """SIGTERM and SIGHUP (a `timeout`, a closed terminal) end a copy as ^C
-    does: the copy is cancelled, and an upload's temporary file in the
-    sandbox removed, not left there half-written; exits 128+signal."""
+@contextlib.contextmanager
+def _cancelled_by_ending_signals(signals: list[int]):
+    """For the with block: SIGTERM and SIGHUP (a `timeout`, a closed
+    terminal) cancel the current task, as ^C would end it, through the
+    loop (a handler raising from wherever the interpreter is could land in
+    one of asyncio's callbacks, which drops it); each is added to
+    `signals`, whose first tells the CancelledError from any other."""
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
-    signals: list[int] = []
 
     def on_signal(signum: int) -> None:
         if not signals:
@@ -1396,7 +1398,20 @@ async def cmd_cp(c: Client, a) -> int:
     for signum in (signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(signum, on_signal, signum)
     try:
-        return await _cp(c, a)
+        yield
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            loop.remove_signal_handler(signum)
+
+
+async def cmd_cp(c: Client, a) -> int:
+    """SIGTERM and SIGHUP end a copy as ^C does: the copy is cancelled, and
+    an upload's temporary file in the sandbox removed, not left there
+    half-written; exits 128+signal."""
+    signals: list[int] = []
+    try:
+        with _cancelled_by_ending_signals(signals):
+            return await _cp(c, a)
     except asyncio.CancelledError:
         if not signals:
             raise
@@ -1404,9 +1419,6 @@ async def cmd_cp(c: Client, a) -> int:
         _interrupted(a, signals[0], message)
         print(f"dsec cp: {message}", file=sys.stderr)
         return 128 + signals[0]
-    finally:
-        for signum in (signal.SIGTERM, signal.SIGHUP):
-            loop.remove_signal_handler(signum)
 
 
 async def _cp(c: Client, a) -> int:
@@ -2495,22 +2507,13 @@ async def _run(a) -> int:
     terminal) as ^C ends it: the command is cancelled (its requests with
     it) and _EndedBySignal raised, unless the command handles these
     signals itself (cp, run, exec -t replace this handler while they run)."""
-    loop = asyncio.get_running_loop()
-    main = asyncio.current_task()
     ended: list[int] = []
-
-    def on_signal(signum: int) -> None:
-        if not ended:
-            main.cancel()
-        ended.append(signum)
-
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        loop.add_signal_handler(signum, on_signal, signum)
     try:
-        if a.fleet:
-            return await fleet_cli.run(a, COMMANDS, named_sandboxes, ssh_options(a))
-        async with make_client(a) as c:
-            return await COMMANDS[a.cmd](c, a)
+        with _cancelled_by_ending_signals(ended):
+            if a.fleet:
+                return await fleet_cli.run(a, COMMANDS, named_sandboxes, ssh_options(a))
+            async with make_client(a) as c:
+                return await COMMANDS[a.cmd](c, a)
     except asyncio.CancelledError:
         if not ended:
             raise
