@@ -6,13 +6,34 @@ from __future__ import annotations
 from dsecd import protocol
 
 
-async def hello_then_drop(reader, writer) -> None:
-    """Answers hello, then drops the connection at the first other request
-    (a daemon that dies under a request in flight)."""
-    dec = protocol.FrameDecoder(1 << 20)
-    while data := await reader.read(65536):
-        for f in dec.feed(data):
-            if f["op"] != "hello":
-                writer.transport.abort()
-                return
-            writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
+def serving(on_request):
+    """A connection callback for asyncio.start_unix_server: hello answered
+    as a daemon answers it (no limits), every other request frame handed to
+    `await on_request(frame, writer)` in order; a true return ends the
+    connection's reading."""
+    async def serve(reader, writer) -> None:
+        dec = protocol.FrameDecoder(1 << 20)
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                if f["op"] == "hello":
+                    writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
+                elif await on_request(f, writer):
+                    return
+    return serve
+
+
+async def _drop(frame: dict, writer) -> bool:
+    writer.transport.abort()
+    return True
+
+
+async def _hold(frame: dict, writer) -> bool:
+    return False
+
+
+# Answers hello, then drops the connection at the first other request (a
+# daemon that dies under a request in flight).
+hello_then_drop = serving(_drop)
+# Answers hello, then leaves every other request unanswered (a daemon busy
+# with it).
+hello_then_hold = serving(_hold)

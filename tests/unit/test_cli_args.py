@@ -804,17 +804,10 @@ def test_a_snapshot_exclude_that_looks_like_a_pattern_warns(capsys):
 
 
 HELD_DAEMON = """
-import asyncio, os, sys
-from dsecd import protocol
-async def serve(reader, writer):
-    dec = protocol.FrameDecoder(1 << 20)
-    while data := await reader.read(65536):
-        for f in dec.feed(data):
-            if f["op"] == "hello":
-                writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
-            # anything else: held, as a daemon busy with it
+import asyncio, sys
+from standin_kit import hello_then_hold
 async def main():
-    server = await asyncio.start_unix_server(serve, sys.argv[1])
+    server = await asyncio.start_unix_server(hello_then_hold, sys.argv[1])
     print("ready", flush=True)
     async with server:
         await server.serve_forever()
@@ -832,7 +825,8 @@ def test_a_command_ended_by_sigterm_says_interrupted_and_exits_128_plus(tmp_path
 
     sock = str(tmp_path / "d.sock")
     env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
-    held = subprocess.Popen([sys.executable, "-c", HELD_DAEMON, sock], stdout=subprocess.PIPE, env=env)
+    held = subprocess.Popen([sys.executable, "-c", HELD_DAEMON, sock], stdout=subprocess.PIPE,
+                            env={**env, "PYTHONPATH": os.pathsep.join([env["PYTHONPATH"], str(Path(__file__).parent)])})
     try:
         assert held.stdout.readline() == b"ready\n"
         p = subprocess.Popen([sys.executable, "-m", "dsecd.cli", "--json", "--socket", sock, "exec", "sb1", "--",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from standin_kit import serving
 
 from dsecd import protocol
 from dsecd.client import Client
@@ -25,23 +26,18 @@ def test_a_refused_request_is_sent_again_input_chunks_too(tmp_path, op, args):
     sock_path = str(tmp_path / "d.sock")
     seen: list[dict] = []
 
-    async def serve(reader, writer):
-        dec = protocol.FrameDecoder(1 << 20)
-        while data := await reader.read(65536):
-            for f in dec.feed(data):
-                if f["op"] == "hello":
-                    writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
-                    continue
-                seen.append(f)
-                if len(seen) == 1:
-                    refusal = LimitExceeded("64 requests in flight on this connection (max 64)",
-                                            {"max": 64, "in_flight": 64})
-                    writer.write(protocol.encode_frame({"id": f["id"], "error": refusal.to_wire()}))
-                else:
-                    writer.write(protocol.encode_frame({"id": f["id"], "result": {"ok": True}}))
+    async def refuse_the_first(f: dict, writer) -> bool:
+        seen.append(f)
+        if len(seen) == 1:
+            refusal = LimitExceeded("64 requests in flight on this connection (max 64)",
+                                    {"max": 64, "in_flight": 64})
+            writer.write(protocol.encode_frame({"id": f["id"], "error": refusal.to_wire()}))
+        else:
+            writer.write(protocol.encode_frame({"id": f["id"], "result": {"ok": True}}))
+        return False
 
     async def go():
-        server = await asyncio.start_unix_server(serve, sock_path)
+        server = await asyncio.start_unix_server(serving(refuse_the_first), sock_path)
         async with server:
             async with Client(sock_path) as c:
                 assert await asyncio.wait_for(c.request(op, **args), 10) == {"ok": True}

@@ -13,7 +13,7 @@ import textwrap
 import time
 
 import pytest
-from standin_kit import hello_then_drop
+from standin_kit import hello_then_drop, serving
 
 from dsecd import Client, ConnectionLost, SshOptions
 from dsecd.remote import SshLink, SshTarget
@@ -534,20 +534,15 @@ def test_the_bytes_of_a_frame_still_coming_are_a_sign_of_life(tmp_path):
     path = str(tmp_path / "d.sock")
     big = protocol.encode_frame({"id": 2, "result": {"data": b"x" * 200_000}})
 
-    async def serve(reader, writer):
-        dec = protocol.FrameDecoder(1 << 20)
-        while data := await reader.read(65536):
-            for f in dec.feed(data):
-                if f["op"] == "hello":
-                    writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
-                else:
-                    for i in range(0, len(big), len(big) // 8):      # a slow link: the frame in pieces
-                        writer.write(big[i:i + len(big) // 8])
-                        await writer.drain()
-                        await asyncio.sleep(0.1)
+    async def answer_slowly(f: dict, writer) -> bool:
+        for i in range(0, len(big), len(big) // 8):      # a slow link: the frame in pieces
+            writer.write(big[i:i + len(big) // 8])
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        return False
 
     async def go():
-        server = await asyncio.start_unix_server(serve, path)
+        server = await asyncio.start_unix_server(serving(answer_slowly), path)
         try:
             async with Client(path) as c:
                 loop = asyncio.get_running_loop()
