@@ -40,32 +40,36 @@ class StandInDaemon:
         return [args for o, args in self.seen if o == op]
 
     async def _serve(self, reader, writer) -> None:
+        """Every frame noted, hello answered, the others to answer()."""
         dec = protocol.FrameDecoder(1 << 20)
-        held: dict[int, dict] = {}
+        held: dict = {}             # this connection's requests answer() keeps for later
         while data := await reader.read(65536):
             for f in dec.feed(data):
                 op, rid, args = f["op"], f["id"], f.get("args", {})
                 self.seen.append((op, args))
                 if op == "hello":
                     writer.write(protocol.encode_frame({"id": rid, "result": {"limits": {}}}))
-                elif op in ("create", "exec"):
-                    held[rid] = args
-                elif op == "cancel":
-                    target = args["target"]
-                    what = held.pop(target, None)
-                    if self.on_cancel == "cancelled" or "argv" in (what or {}):
-                        writer.write(protocol.encode_frame(
-                            {"id": target, "error": {"code": "conflict", "message": "request cancelled"}}))
-                        writer.write(protocol.encode_frame({"id": rid, "result": {"cancelled": target}}))
-                        continue
-                    made = {"id": "sb-late", **({"existing": True} if self.on_cancel == "existing" else {})}
-                    writer.write(protocol.encode_frame({"id": target, "result": made}))
-                    writer.write(protocol.encode_frame({"id": rid, "error": {
-                        "code": "bad_request", "message": f"no request {target} in flight on this connection"}}))
-                elif op == "destroy":
-                    writer.write(protocol.encode_frame({"id": rid, "result": {"id": args["sandbox"]}}))
+                else:
+                    self.answer(op, rid, args, held, writer)
             await writer.drain()
 
+    def answer(self, op: str, rid: int, args: dict, held: dict, writer) -> None:
+        if op in ("create", "exec"):
+            held[rid] = args
+        elif op == "cancel":
+            target = args["target"]
+            what = held.pop(target, None)
+            if self.on_cancel == "cancelled" or "argv" in (what or {}):
+                writer.write(protocol.encode_frame(
+                    {"id": target, "error": {"code": "conflict", "message": "request cancelled"}}))
+                writer.write(protocol.encode_frame({"id": rid, "result": {"cancelled": target}}))
+                return
+            made = {"id": "sb-late", **({"existing": True} if self.on_cancel == "existing" else {})}
+            writer.write(protocol.encode_frame({"id": target, "result": made}))
+            writer.write(protocol.encode_frame({"id": rid, "error": {
+                "code": "bad_request", "message": f"no request {target} in flight on this connection"}}))
+        elif op == "destroy":
+            writer.write(protocol.encode_frame({"id": rid, "result": {"id": args["sandbox"]}}))
 
 def cancelled_create(tmp_path, on_cancel: str, close_at_once: bool = False) -> StandInDaemon:
     """A create that times out (asyncio.wait_for) against the stand-in daemon:
@@ -178,28 +182,18 @@ class SlowKeyDaemon(StandInDaemon):
     same key comes again (after the first one's cancel): first the
     first one's result, then the second's, the key's sandbox (`existing`)."""
 
-    async def _serve(self, reader, writer) -> None:
-        dec = protocol.FrameDecoder(1 << 20)
-        held: dict[str, int] = {}
-        while data := await reader.read(65536):
-            for f in dec.feed(data):
-                op, rid, args = f["op"], f["id"], f.get("args", {})
-                self.seen.append((op, args))
-                if op == "hello":
-                    writer.write(protocol.encode_frame({"id": rid, "result": {"limits": {}}}))
-                elif op == "create" and args["key"] not in held:
-                    held[args["key"]] = rid
-                elif op == "create":
-                    sb = f"sb-{args['key']}"
-                    writer.write(protocol.encode_frame({"id": held.pop(args["key"]), "result": {"id": sb}}))
-                    writer.write(protocol.encode_frame({"id": rid, "result": {"id": sb, "existing": True}}))
-                elif op == "cancel":
-                    writer.write(protocol.encode_frame({"id": rid, "error": {
-                        "code": "bad_request", "message": "no request in flight"}}))
-                elif op == "destroy":
-                    writer.write(protocol.encode_frame({"id": rid, "result": {"id": args["sandbox"]}}))
-            await writer.drain()
-
+    def answer(self, op: str, rid: int, args: dict, held: dict, writer) -> None:
+        if op == "create" and args["key"] not in held:
+            held[args["key"]] = rid
+        elif op == "create":
+            sb = f"sb-{args['key']}"
+            writer.write(protocol.encode_frame({"id": held.pop(args["key"]), "result": {"id": sb}}))
+            writer.write(protocol.encode_frame({"id": rid, "result": {"id": sb, "existing": True}}))
+        elif op == "cancel":
+            writer.write(protocol.encode_frame({"id": rid, "error": {
+                "code": "bad_request", "message": "no request in flight"}}))
+        elif op == "destroy":
+            writer.write(protocol.encode_frame({"id": rid, "result": {"id": args["sandbox"]}}))
 
 def test_a_timed_out_create_whose_key_was_asked_again_leaves_the_sandbox_to_that_create(tmp_path, monkeypatch):
     """A create timed out on a slow daemon; the caller sent it again with
