@@ -3,6 +3,7 @@ with the escapes a sandbox could plant (symlinks out of it) refused."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -122,22 +123,30 @@ asyncio.run(main())
 """
 
 
+@contextlib.contextmanager
+def _killed_after(daemon, script: str, *args: str, ready: bytes):
+    """A client (`script` run with the daemon's socket and `args`) that has
+    printed `ready`, SIGKILLed when the with block ends, however it ends."""
+    client = subprocess.Popen([sys.executable, "-c", script, daemon.socket, *args], stdout=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert client.stdout.readline() == ready
+        yield
+    finally:
+        client.send_signal(signal.SIGKILL)
+        client.wait()
+        client.stdout.close()
+
+
 def test_a_client_killed_mid_write_has_its_temporary_file_removed_at_once(daemon, sandbox):
     """A `dsec cp BIG SB:/work/` killed with SIGKILL left its `.dsec-<hex>`
     part in the sandbox until the daemon restarted; the daemon removes it
     when the client's connection drops, and no file that took its name."""
     sandbox.exec(["mkdir", "-p", "/work/cut"])
-    writer = subprocess.Popen([sys.executable, "-c", _CUT_WRITER, daemon.socket, sandbox.id,
-                               "/work/cut/.dsec-aaaaaaaaaaaa", "/work/cut/.dsec-bbbbbbbbbbbb"],
-                              stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    try:
-        assert writer.stdout.readline() == b"written\n"
+    with _killed_after(daemon, _CUT_WRITER, sandbox.id, "/work/cut/.dsec-aaaaaaaaaaaa",
+                       "/work/cut/.dsec-bbbbbbbbbbbb", ready=b"written\n"):
         sandbox.exec(["sh", "-c", "mv /work/cut/.dsec-bbbbbbbbbbbb /work/cut/kept && "
                                   "echo user > /work/cut/.dsec-bbbbbbbbbbbb"])
-    finally:
-        writer.send_signal(signal.SIGKILL)
-        writer.wait()
-        writer.stdout.close()
     deadline = time.monotonic() + 10
     while ".dsec-aaaaaaaaaaaa" in (names := sorted(e["name"] for e in sandbox.list_files("/work/cut"))):
         assert time.monotonic() < deadline, names
@@ -173,17 +182,10 @@ def test_a_client_killed_mid_merge_has_its_landing_directory_removed(daemon, san
     directory stayed in the user's directory for good. The daemon removes
     it when the connection drops."""
     sandbox.exec(["mkdir", "-p", "/work/in"])
-    lander = subprocess.Popen([sys.executable, "-c", _CUT_LANDER, daemon.socket, sandbox.id,
-                               "/work/in/.dsec-cp-1-aaaa", "/work/in/.dsec-cp-1-bbbb"],
-                              stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    try:
-        assert lander.stdout.readline() == b"landed\n"
+    with _killed_after(daemon, _CUT_LANDER, sandbox.id, "/work/in/.dsec-cp-1-aaaa", "/work/in/.dsec-cp-1-bbbb",
+                       ready=b"landed\n"):
         assert sorted(e["name"] for e in sandbox.list_files("/work/in")) == [".dsec-cp-1-aaaa"]
         assert [n for n in os.listdir(daemon.state / "copy-temps") if n.startswith(sandbox.id)]
-    finally:
-        lander.send_signal(signal.SIGKILL)
-        lander.wait()
-        lander.stdout.close()
     deadline = time.monotonic() + 10
     while sandbox.list_files("/work/in"):
         assert time.monotonic() < deadline, sandbox.list_files("/work/in")
