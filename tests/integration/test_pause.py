@@ -387,16 +387,22 @@ def test_job_pause_is_journaled_for_a_restarted_daemon(mem):
     c2.close()
 
 
-def test_daemon_swapfile_in_info_and_gone_after_shutdown(daemon_factory, tmp_path):
-    import signal
-
+def _swapfile_config(tmp_path, size: str) -> str:
+    """The daemon config of a swap file of `size` in tmp_path (skipped where
+    its file system cannot hold swap)."""
     from dsecd.mem import swapfile as sf
 
     fstype, _ = sf.fs_type(tmp_path)
     if fstype in sf.NO_SWAP_FS:
         pytest.skip(f"{tmp_path} is on {fstype}, which cannot hold swap")
+    return f'[memory.swapfile]\nenabled = true\npath = "{tmp_path / "swapfile"}"\nsize = "{size}"\n'
+
+
+def test_daemon_swapfile_in_info_and_gone_after_shutdown(daemon_factory, tmp_path):
+    import signal
+
     path = str(tmp_path / "swapfile")
-    d = daemon_factory(f'[memory.swapfile]\nenabled = true\npath = "{path}"\nsize = "64M"\n')
+    d = daemon_factory(_swapfile_config(tmp_path, "64M"))
     try:
         c = d.client()
         info = c.info()["memory"]["swapfile"]
@@ -574,13 +580,8 @@ def test_an_exec_sent_while_a_pause_reclaims_waits_for_it_then_resumes(daemon_fa
     resumes it, as an exec to a paused sandbox does."""
     import concurrent.futures
 
-    from dsecd.mem import swapfile as sf
-
-    fstype, _ = sf.fs_type(tmp_path)
-    if fstype in sf.NO_SWAP_FS:
-        pytest.skip(f"{tmp_path} is on {fstype}, which cannot hold swap")
     path = str(tmp_path / "swapfile")
-    d = daemon_factory(f'[memory.swapfile]\nenabled = true\npath = "{path}"\nsize = "512M"\n')
+    d = daemon_factory(_swapfile_config(tmp_path, "512M"))
     try:
         c = d.client()
         c.import_image(busybox_rootfs, "busybox")
