@@ -105,7 +105,19 @@ enum dsec_step {
     /* a path as a client sees it (dsec_peer_tree): its mount namespace
      * and root entered, the tree at the path cloned */
     DSEC_STEP_PEER_NS = 62,
-    DSEC_STEP_PEER_TREE = 63
+    DSEC_STEP_PEER_TREE = 63,
+    /* ... as a client other than root: its ids taken, the path opened with them */
+    DSEC_STEP_PEER_IDS = 64,
+    DSEC_STEP_PEER_OPEN = 65
+};
+
+/* Whose access checks a lookup makes (dsec_peer_tree, dsec_reader_ids_set):
+ * a client's uid, gid and supplementary groups. */
+struct dsec_reader {
+    uint32_t uid;
+    uint32_t gid;
+    const uint32_t *groups;
+    int n_groups;
 };
 
 struct dsec_err {
@@ -233,7 +245,8 @@ struct dsec_root_entry {
 int dsec_spawn_container(const struct dsec_container_args *args, struct dsec_err *err);
 int dsec_root_ns(const char *dir, struct dsec_err *err);
 int dsec_vm_root(const char *dir, const struct dsec_root_entry *entries, int n, struct dsec_err *err);
-int dsec_peer_tree(int pidfd, int rootfd, const char *path, struct dsec_err *err);
+int dsec_peer_tree(int pidfd, int rootfd, const char *path, const struct dsec_reader *reader,
+                   struct dsec_err *err);
 int dsec_attach_tree(int tree, const char *target);
 int dsec_spawn_exec(const struct dsec_exec_args *args, struct dsec_err *err);
 int dsec_pidfd_open(int pid, unsigned int flags);
@@ -378,6 +391,8 @@ int dsec_umount(const char *target, int flags);
 int dsec_userns_create(uint32_t uid, uint32_t gid, uint32_t count, struct dsec_err *err);
 int dsec_mount_idmapped(const char *path, int userns_fd);
 int dsec_fsids_set(uint32_t uid, uint32_t gid);
+int dsec_reader_ids_set(const struct dsec_reader *reader);
+int dsec_thread_groups_set(const uint32_t *groups, int n);
 /* tarerofs.c: an OCI layer's tar stream into an EROFS image (-EOPNOTSUPP:
  * a layer it does not serve; -EINVAL: bad content, dsec_tarfs_error says what) */
 struct dsec_tarfs;

@@ -1265,9 +1265,32 @@ struct peer_tree_ctx {
     int pidfd;
     int rootfd;
     const char *path;
+    const struct dsec_reader *reader; /* NULL: as the daemon */
     struct dsec_err *err;
     int fd;
 };
+
+/* The path opened with the reader's ids and the fd cloned, so that a client
+ * other than root reaches only what it could open itself: every directory
+ * on the way must let it search, the path itself let it read. The clone is
+ * of what was opened (a symlink swapped in afterwards changes nothing). */
+static int peer_tree_as_reader(const struct peer_tree_ctx *c)
+{
+    int rc = dsec_reader_ids_set(c->reader), opened, fd, saved;
+
+    if (rc < 0) {
+        err_set(c->err, DSEC_STEP_PEER_IDS, -rc, c->path);
+        return -1;
+    }
+    opened = open(c->path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+    if (check(opened, c->err, DSEC_STEP_PEER_OPEN, c->path) < 0)
+        return -1;
+    fd = open_tree(opened, "", AT_EMPTY_PATH | OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE);
+    saved = errno;
+    close(opened);
+    errno = saved;
+    return fd;
+}
 
 /* In the mount namespace of the process behind pidfd, and under its root
  * (rootfd: its /proc/<pid>/root; setns alone would give the namespace's
@@ -1291,7 +1314,13 @@ static int peer_tree_child(void *arg)
         check(fchdir(c->rootfd), c->err, DSEC_STEP_PEER_NS, c->path) < 0 ||
         check(chroot("."), c->err, DSEC_STEP_PEER_NS, c->path) < 0)
         _exit(127);
-    fd = open_tree(AT_FDCWD, c->path, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE);
+    if (c->reader) {
+        fd = peer_tree_as_reader(c);
+        if (fd < 0 && c->err->err)
+            _exit(127);
+    } else {
+        fd = open_tree(AT_FDCWD, c->path, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE);
+    }
     if (check(fd, c->err, DSEC_STEP_PEER_TREE, c->path) < 0)
         _exit(127);
     if (check(mount_setattr(fd, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr, sizeof(attr)), c->err,
@@ -1307,10 +1336,13 @@ static int peer_tree_child(void *arg)
  * the fd of a detached clone of the tree at absolute `path` in the mount
  * namespace of the process behind `pidfd`, under its root `rootfd`, or
  * -errno with the step. Needs CAP_SYS_ADMIN and CAP_SYS_CHROOT (setns into
- * a mount namespace, chroot). */
-int dsec_peer_tree(int pidfd, int rootfd, const char *path, struct dsec_err *err)
+ * a mount namespace, chroot). With `reader`, the path is looked up and
+ * opened with the reader's ids (peer_tree_as_reader). */
+int dsec_peer_tree(int pidfd, int rootfd, const char *path, const struct dsec_reader *reader,
+                   struct dsec_err *err)
 {
-    struct peer_tree_ctx c = {.pidfd = pidfd, .rootfd = rootfd, .path = path, .err = err, .fd = -1};
+    struct peer_tree_ctx c = {.pidfd = pidfd, .rootfd = rootfd, .path = path, .reader = reader, .err = err,
+                              .fd = -1};
 
     return make_ns_in_child(peer_tree_child, &c, &c.fd, err);
 }

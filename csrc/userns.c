@@ -207,3 +207,31 @@ int dsec_fsids_set(uint32_t uid, uint32_t gid)
         return -errno;
     return 0;
 }
+
+/* The calling thread's access checks become a reader's (a client's): its
+ * supplementary groups, then its fs gid and uid. Moving fsuid away from 0
+ * clears CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH & co. from the effective set,
+ * and unlike dsec_fsids_set nothing raises them again, so the kernel checks
+ * every lookup and open against the reader's ids and modes. Other
+ * capabilities (CAP_SYS_ADMIN for open_tree) stay. Undo with
+ * dsec_thread_groups_set(the daemon's) and dsec_fsids_set(0, 0). Raw
+ * syscalls: this thread only (glibc's setgroups would change every thread),
+ * and safe in spawn children. */
+int dsec_reader_ids_set(const struct dsec_reader *reader)
+{
+    if (reader->uid == 0)
+        return -EINVAL; /* fsuid 0 would keep the DAC capabilities: root needs no check */
+    if (syscall(SYS_setgroups, reader->n_groups, reader->groups) < 0)
+        return -errno;
+    syscall(SYS_setfsgid, reader->gid);
+    syscall(SYS_setfsuid, reader->uid);
+    if ((uint32_t)syscall(SYS_setfsgid, -1) != reader->gid || (uint32_t)syscall(SYS_setfsuid, -1) != reader->uid)
+        return -EPERM;
+    return 0;
+}
+
+/* The calling thread's supplementary groups (raw syscall: this thread only). */
+int dsec_thread_groups_set(const uint32_t *groups, int n)
+{
+    return syscall(SYS_setgroups, n, groups) < 0 ? -errno : 0;
+}

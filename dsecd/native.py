@@ -47,7 +47,7 @@ __all__ = [
     "RESOLVE_BENEATH", "RESOLVE_NO_XDEV", "RESOLVE_CACHED", "TarErofs", "TarErofsError",
     # processes and namespaces
     "pidfd_open", "pidfd_getfd", "pidfd_send_signal", "pidfd_kill_group", "netns_create", "userns_create",
-    "fs_ids", "sched_set_idle", "sched_core_create", "sched_core_share_from", "PAGE_SIZE", "root_ns",
+    "fs_ids", "reader_ids", "Reader", "sched_set_idle", "sched_core_create", "sched_core_share_from", "PAGE_SIZE", "root_ns",
     "RootEntry", "vm_root", "MS_RDONLY", "MS_NOSUID", "MS_NODEV", "MS_NOEXEC",
     # memory
     "MADV_WILLNEED", "MADV_COLD", "MADV_PAGEOUT", "MadviseResult", "process_madvise", "process_populate",
@@ -102,6 +102,7 @@ _VERBS = {
     "userns_sysctl": "write sysctl", "userns_enter": "enter user namespace of",
     "netns_join": "join the pooled network namespace of",
     "peer_ns": "enter the client's mount namespace to reach", "peer_tree": "reach",
+    "peer_ids": "take the client's ids to reach", "peer_open": "open, as the client,",
     "ctl_fd": "hand the exec channel to", "init_request": "have the sandbox's init start",
     "root_ns": "set up the sandbox root's mount namespace at",
     "vm_root": "set up the VM's root on", "vm_root_bind": "bind into the VM's root at",
@@ -481,18 +482,46 @@ def root_ns(mount_dir: str) -> int:
     return fd
 
 
-def peer_tree(pidfd: int, path: str) -> int:
+@dataclass(frozen=True)
+class Reader:
+    """A client other than root, whose access checks a lookup makes
+    (peer_tree, reader_ids): uid, primary gid, supplementary gids."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.uid == 0:
+            raise ValueError("root reads everything: give no Reader for it")
+        _id("uid", self.uid)
+        _id("gid", self.gid)
+        for g in self.groups:
+            _id("group", g)
+
+    def _struct(self):
+        """The struct dsec_reader, and the array it points to (keep both alive)."""
+        groups = ffi.new("uint32_t[]", list(self.groups) or [0])
+        raw = ffi.new("struct dsec_reader *", {"uid": self.uid, "gid": self.gid, "groups": groups,
+                                              "n_groups": len(self.groups)})
+        return raw, groups
+
+
+def peer_tree(pidfd: int, path: str, reader: Reader | None = None) -> int:
     """The fd of a detached clone of the tree at absolute `path` as the
     process behind `pidfd` sees it (its mount namespace and root),
-    submounts included (csrc/spawn.c dsec_peer_tree). Close-on-exec; attach
-    it with attach_tree(). NativeError naming the path on failure (ESRCH:
-    the process is gone)."""
+    submounts included (csrc/spawn.c dsec_peer_tree). With `reader`, the
+    path is looked up and opened with the reader's ids first: EACCES when
+    it could not open it itself. Close-on-exec; attach it with
+    attach_tree(). NativeError naming the path on failure (ESRCH: the
+    process is gone)."""
     if not path.startswith("/"):
         raise ValueError(f"path must be absolute, got {path!r}")
+    raw_reader, _groups = reader._struct() if reader is not None else (ffi.NULL, None)
     rootfd = _peer_root(pidfd, path)
     try:
         err = ffi.new("struct dsec_err *")
-        fd = lib.dsec_peer_tree(pidfd, rootfd, _cstring("path", path), err)
+        fd = lib.dsec_peer_tree(pidfd, rootfd, _cstring("path", path), raw_reader, err)
     finally:
         os.close(rootfd)
     if fd < 0:
@@ -811,6 +840,37 @@ class fs_ids:
         if rc < 0:
             raise_error(-rc, "set fs uid/gid back to", "0/0", "fsids")
         return False
+
+
+class reader_ids:
+    """Context manager: the calling thread's lookups and opens are checked
+    against a client's ids (Reader) instead of root's, with no capability
+    to override them, until exit puts the thread's groups and ids back
+    (csrc/userns.c dsec_reader_ids_set). Other threads are not affected."""
+
+    def __init__(self, reader: Reader):
+        self.reader = reader
+
+    def __enter__(self):
+        self._own_groups = os.getgroups()       # the thread's: every daemon thread has the same
+        raw, self._keep = self.reader._struct()
+        rc = lib.dsec_reader_ids_set(raw)
+        if rc < 0:
+            self._restore()
+            raise_error(-rc, "take the ids of", f"uid {self.reader.uid}", "fsids")
+        return self
+
+    def __exit__(self, *exc):
+        self._restore()
+        return False
+
+    def _restore(self) -> None:
+        groups = ffi.new("uint32_t[]", self._own_groups or [0])
+        rc = lib.dsec_thread_groups_set(groups, len(self._own_groups))
+        if rc >= 0:
+            rc = lib.dsec_fsids_set(0, 0)
+        if rc < 0:
+            raise_error(-rc, "give the daemon's ids back to", "this thread", "fsids")
 
 
 # ---------------------------------------------------------------- files, pidfds

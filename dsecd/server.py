@@ -146,6 +146,13 @@ class RequestContext:
             return None
         return peer_pidfd(self.conn.sock, self.conn.pid)
 
+    @property
+    def peer_ids(self) -> tuple[int, int, tuple[int, ...]] | None:
+        """(uid, gid, supplementary gids) of a client other than root, whose
+        own access the daemon checks before it reads a host path the
+        client names (fs/clientpaths.py); None for root."""
+        return self.conn.ids
+
     async def input_for(self, rid: int):
         """The input sink request `rid` registered, or None; one not
         registered yet is waited for (Connection.started)."""
@@ -178,6 +185,9 @@ class Connection:
         self.closing: dict[object, Callable[[], Awaitable[None]]] = {}   # RequestContext.at_close
         self.sock = None       # the connection's socket and the peer's pid (SO_PEERCRED), once known
         self.pid = -1
+        # (uid, gid, supplementary gids) of a peer other than root, as it
+        # connected (SO_PEERCRED, SO_PEERGROUPS); None for root.
+        self.ids: tuple[int, int, tuple[int, ...]] | None = None
         self.max_frame = server.max_frame
         self.peer = "?"
         self.client = ""
@@ -512,7 +522,10 @@ class Server:
             pid = uid = gid = -1
         conn.peer = f"pid={pid} uid={uid} gid={gid}"
         conn.sock, conn.pid = sock, pid
-        if not self._allowed(uid, gid, peer_groups(sock) if uid not in (0, -1) else set()):
+        groups = peer_groups(sock) if uid not in (0, -1) else set()
+        if uid > 0:
+            conn.ids = (uid, gid, tuple(sorted(groups)))
+        if not self._allowed(uid, gid, groups):
             log.warning("refused connection from %s: not root or in group %r", conn.peer, self.group)
             await conn.send({"id": None, "error": PermissionDenied(
                 f"uid {uid} may not use dsecd; ask for membership of group {self.group or 'root'}").to_wire()})

@@ -282,7 +282,7 @@ class _Build:
             with self._attach_lock:
                 if self._detached:
                     raise ImageError("conflict", "the build ended before its context was attached")
-                return self._attached.enter_context(self.svc.images.client_path(self.ctx.peer_pidfd, context,
+                return self._attached.enter_context(self.svc.images.client_path(self.ctx, context,
                                                                                 "build context", "context"))
 
         try:

@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from .. import cgroup, imageconfig, metrics, sysfs
+from .. import cgroup, imageconfig, metrics, native, sysfs
 from ..config import ConfigError
 from ..errors import BadRequest, Conflict, IOFailure, image_error
 from ..features import Features
@@ -373,7 +373,7 @@ class ImageService:
         cancelled = threading.Event()      # a cancel stops the build short of publishing it
         with count_image_op("build") as done:
             try:
-                image = await self._images_call(self._build_from_client_path, ctx.peer_pidfd, req, config,
+                image = await self._images_call(self._build_from_client_path, ctx, req, config,
                                                 self._progress(ctx), cancelled)
             except asyncio.CancelledError:
                 cancelled.set()
@@ -381,17 +381,17 @@ class ImageService:
             done(image)
         return image.to_dict()
 
-    def _build_from_client_path(self, peer_pidfd, req, config: dict, progress,
+    def _build_from_client_path(self, ctx, req, config: dict, progress,
                                 cancelled: threading.Event) -> Image:
-        """build_from_dir on req.source as the client sees it (fs/clientpaths.py;
-        peer_pidfd: RequestContext.peer_pidfd, called here, in the worker, so
-        that a request cancelled before it runs opens nothing). Messages and
+        """build_from_dir on req.source as the client of request context
+        `ctx` sees it (fs/clientpaths.py; its pidfd is asked for here, in the
+        worker, so that a request cancelled before it runs opens nothing). Messages and
         progress name the client's path, not where it is attached. Blocking."""
         if not os.path.isabs(req.source):
             raise ImageError("bad_request", f"build source must be an absolute path, got {req.source!r}")
         if req.parent:
             check_platform(req.parent, self.images.get(req.parent))
-        with self.client_path(peer_pidfd, req.source, "build source", "source") as source:
+        with self.client_path(ctx, req.source, "build source", "source") as source:
             def shown(text: str) -> str:
                 return text.replace(source, req.source) if source != req.source else text
 
@@ -405,11 +405,13 @@ class ImageService:
                 raise ImageError(err.code, shown(str(err)), err.detail) from err
 
     @contextlib.contextmanager
-    def client_path(self, peer_pidfd, path: str, what: str, field: str):
-        """ClientPaths.reach, its failures as ImageErrors naming `what`, with
-        the errno and the path (under `field`) in their detail. Blocking."""
+    def client_path(self, ctx, path: str, what: str, field: str):
+        """ClientPaths.reach for the client of request context `ctx`, its
+        failures as ImageErrors naming `what`, with the errno and the path
+        (under `field`) in their detail. Blocking."""
+        reader = native.Reader(*ctx.peer_ids) if ctx.peer_ids is not None else None
         try:
-            with self.client_paths.reach(peer_pidfd, path) as source:
+            with self.client_paths.reach(ctx.peer_pidfd, path, reader) as source:
                 yield source
         except ClientPathError as err:      # only reach() raises it: the body never does
             raise ImageError(_CLIENT_PATH_CODES.get(err.errno, "io"), f"{what} {err}",

@@ -12,6 +12,16 @@ in the client's mount namespace, through a pidfd of the connected process
 reads it, then detached (csrc/spawn.c dsec_peer_tree). The clone is a bind
 of the same files: nothing is copied.
 
+The daemon reads as root, so a client other than root (a member of
+`daemon.socket_group`) reaches only what it could read itself: its path is
+looked up and opened with the client's ids (every directory on the way
+searchable, the path readable by it), and everything below it is walked
+with them before the request reads any of it (`unreadable_below`): a
+directory the client cannot list or a file it cannot open refuses the
+request, naming it. The walk is a check before the read, not the read
+itself: a file the client could not read, moved into the tree by someone
+else between the walk and the build, would be read.
+
 Every call blocks (a clone and a mount): run it in a worker thread.
 """
 
@@ -68,21 +78,26 @@ class ClientPaths:
         return len(points)
 
     @contextlib.contextmanager
-    def reach(self, peer_pidfd: Callable[[], int | None], path: str) -> Iterator[str]:
+    def reach(self, peer_pidfd: Callable[[], int | None], path: str,
+              reader: native.Reader | None = None) -> Iterator[str]:
         """`path` (absolute) as the client sees it: a path of the daemon's
         where that tree is attached for the with block. `peer_pidfd` gives a
         pidfd of the client (closed here), None when the client has no pid
         in the daemon's pid namespace: `path` is then taken as the daemon
-        sees it. ClientPathError if it cannot be reached."""
+        sees it. `reader`: the client's ids when it is not root (the
+        module's docstring). ClientPathError if it cannot be reached, or
+        (EACCES) the reader cannot read all of it."""
         try:
             pidfd = peer_pidfd()
         except OSError as err:
             raise _unreachable(path, err) from err
         if pidfd is None:
+            if reader is not None:
+                _check_own_view(path, reader)
             yield path
             return
         try:
-            point = self._attach(pidfd, path)
+            point = self._attach(pidfd, path, reader)
         finally:
             os.close(pidfd)
         try:
@@ -92,12 +107,14 @@ class ClientPaths:
             _remove_point(point)
             point.parent.rmdir()
 
-    def _attach(self, pidfd: int, path: str) -> Path:
+    def _attach(self, pidfd: int, path: str, reader: native.Reader | None) -> Path:
         try:
-            tree = native.peer_tree(pidfd, path)
+            tree = native.peer_tree(pidfd, path, reader)
         except OSError as err:
-            raise _unreachable(path, err) from err
+            raise _unreachable(path, err, reader) from err
         try:
+            if reader is not None:
+                _check_below(tree, path, reader)
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             holder = Path(tempfile.mkdtemp(dir=self.root))
             point = holder / point_name(path)
@@ -129,11 +146,101 @@ def point_name(path: str) -> str:
     return name if name not in ("", ".", "..") else "root"
 
 
-def _unreachable(path: str, err: OSError) -> ClientPathError:
+def _unreachable(path: str, err: OSError, reader: native.Reader | None = None) -> ClientPathError:
     code = err.errno or errno.EIO
-    why = ("the process that connected has exited: name the path from a client that stays connected"
-           if code == errno.ESRCH else os.strerror(code))
+    if code == errno.ESRCH:
+        why = "the process that connected has exited: name the path from a client that stays connected"
+    elif code == errno.EACCES and reader is not None:
+        why = (f"uid {reader.uid} (the client) may not read it, or search a directory above it; the daemon "
+               "reads for a client only what the client could read itself")
+    else:
+        why = os.strerror(code)
     return ClientPathError(code, f"{path}: {why} (looked up as the client sees it)")
+
+
+def _check_own_view(path: str, reader: native.Reader) -> None:
+    """A client with no pid here: `path` opened as the daemon sees it, with
+    the reader's ids, and what is below it walked with them."""
+    with native.reader_ids(reader):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        except OSError as err:
+            raise _unreachable(path, err, reader) from err
+    try:
+        _check_below(fd, path, reader)
+    finally:
+        os.close(fd)
+
+
+def _check_below(top: int, path: str, reader: native.Reader) -> None:
+    """ClientPathError (EACCES) naming the first entry below open `top`
+    (the client's `path`) that the reader cannot read."""
+    try:
+        with native.reader_ids(reader):
+            bad = unreadable_below(top)
+    except OSError as err:          # ENAMETOOLONG: deeper than a path reaches; EIO, ...
+        raise ClientPathError(err.errno or errno.EIO, f"{path}: check, as uid {reader.uid} (the client), what "
+                                                      f"is below it: {err.strerror or err}") from err
+    if bad is not None:
+        where = posixpath.join(path, bad)
+        raise ClientPathError(errno.EACCES, f"{path}: uid {reader.uid} (the client) may not read {where}; the "
+                                            "daemon reads for a client only what the client could read "
+                                            "itself: make it readable, or leave it out of the path")
+
+
+# Opens of the walk: never through a symlink, never blocking on a FIFO or
+# taking a terminal (only directories and regular files are opened).
+_DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_FILE_OPEN = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_BELOW = native.RESOLVE_BENEATH | native.RESOLVE_NO_SYMLINKS | native.RESOLVE_NO_MAGICLINKS
+
+
+def unreadable_below(top: int) -> str | None:
+    """The first entry below the open file or directory `top`, by its
+    path relative to top, that the calling thread may not read (a
+    directory: list; a regular file: open), None if there is none.
+    Symlinks are not followed, other entries not opened; an entry that
+    went, or became a symlink, while walked is passed over (the read
+    after sees what is there then). Iterative: any depth."""
+    if not stat.S_ISDIR(os.fstat(top).st_mode):
+        return None
+    pending = ["."]
+    while pending:
+        rel = pending.pop()
+        try:
+            fd = native.openat2(top, rel, _DIR_OPEN, resolve=_BELOW)
+        except OSError as err:
+            if err.errno in (errno.EACCES, errno.EPERM):
+                return rel
+            if err.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
+                continue
+            raise
+        try:
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    name = entry.name if rel == "." else f"{rel}/{entry.name}"
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(name)
+                    elif entry.is_file(follow_symlinks=False):
+                        if not _can_open(fd, entry.name):
+                            return name
+        except PermissionError:         # listed, but an entry's type needs a stat it may not make
+            return rel
+        finally:
+            os.close(fd)
+    return None
+
+
+def _can_open(dirfd: int, name: str) -> bool:
+    try:
+        os.close(native.openat2(dirfd, name, _FILE_OPEN, resolve=_BELOW))
+    except OSError as err:
+        if err.errno in (errno.EACCES, errno.EPERM):
+            return False
+        if err.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
+            return True
+        raise
+    return True
 
 
 def _remove_point(point: Path) -> None:

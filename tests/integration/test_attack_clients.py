@@ -260,3 +260,82 @@ def test_root_only_daemon_refuses_everybody_else(daemon_factory):
     os.chmod(d.socket, 0o660)                   # as the daemon made it: the file mode refuses first
     assert _as_user(d, 65534, 65534, []) == {"connect": 13}          # EACCES
     assert "result" in _as_user(d, 0, 0, [])
+
+
+BUILD_AS = r"""
+import json, sys
+sys.path.insert(0, sys.argv[2])
+from dsecd import DsecError, SyncClient
+c = SyncClient(sys.argv[1])
+c.connect()
+try:
+    args = json.loads(sys.argv[3])
+    print(json.dumps({"result": c.request(args.pop("op"), **args)}, default=str))
+except DsecError as err:
+    print(json.dumps({"code": err.code, "message": str(err)}))
+finally:
+    c.close()
+"""
+
+
+def _request_as(d, uid: int, gid: int, op: str, **args) -> dict:
+    import json
+
+    root = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, "-c", BUILD_AS, d.socket, root, json.dumps({"op": op, **args})],
+                         user=uid, group=gid, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory anyone may search (pytest's tmp dirs are root's alone)."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="dsecd-test-paths-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+def test_a_group_member_builds_only_from_files_it_may_read(group_daemon, shared_dir):
+    """The daemon reads a named host path as root: for a member of
+    socket_group it first checks that the member could read all of it."""
+    d, gid = group_daemon
+    nobody = 65534
+    ctx = shared_dir / "ctx"
+    (ctx / "etc").mkdir(parents=True)
+    (ctx / "etc" / "motd").write_text("hello")
+    for p in (ctx, ctx / "etc"):
+        p.chmod(0o755)
+    (ctx / "etc" / "motd").chmod(0o644)
+    secret = shared_dir / "secret"
+    secret.write_text("root's alone")
+    secret.chmod(0o600)
+    private = shared_dir / "private"
+    private.mkdir(mode=0o700)
+    (private / "ctx").mkdir(mode=0o755)
+
+    ok = _request_as(d, nobody, gid, "image_build", source=str(ctx), name="member-ok")
+    assert "result" in ok, ok
+
+    (ctx / "etc" / "shadow").write_text("root's alone")     # a root-only file inside the tree
+    (ctx / "etc" / "shadow").chmod(0o600)
+    refused = _request_as(d, nobody, gid, "image_build", source=str(ctx), name="member-shadow")
+    assert refused["code"] == "permission", refused
+    assert f"may not read {ctx}/etc/shadow" in refused["message"]
+    refused = _request_as(d, nobody, gid, "image_build", source=str(secret), name="member-secret")
+    assert refused["code"] == "permission", refused
+    refused = _request_as(d, nobody, gid, "image_build", source=str(private / "ctx"), name="member-private")
+    assert refused["code"] == "permission" and "search a directory above it" in refused["message"], refused
+    refused = _request_as(d, nobody, gid, "image_build_dockerfile", context=str(ctx), name="member-df",
+                          dockerfile="FROM member-ok\nCOPY etc/motd /motd\n")
+    assert refused["code"] == "permission" and "etc/shadow" in refused["message"], refused
+
+    with d.client() as root:               # root builds what it names, as before
+        assert root.request("image_build", source=str(ctx), name="root-ok")["name"] == "root-ok"
+        names = {i["name"] for i in root.request("image_list")["images"]}
+    assert "member-ok" in names and not names & {"member-shadow", "member-secret", "member-private", "member-df"}
+    assert not any(d.state.joinpath("client-paths").iterdir()), "nothing left attached"

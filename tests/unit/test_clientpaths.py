@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from dsecd import server
-from dsecd.fs.clientpaths import ClientPathError, ClientPaths, point_name
+from dsecd import native, server
+from dsecd.fs.clientpaths import ClientPathError, ClientPaths, point_name, unreadable_below
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="attaching a tree needs root")
 
@@ -90,7 +93,7 @@ def test_sweep_detaches_what_a_dead_daemon_left_and_removes_none_of_its_files(tm
     cp = ClientPaths(tmp_path / "cp")
     pidfd = os.pidfd_open(os.getpid())
     try:
-        path = str(cp._attach(pidfd, str(src)))    # never detached: what a killed daemon leaves
+        path = str(cp._attach(pidfd, str(src), None))    # never detached: what a killed daemon leaves
     finally:
         os.close(pidfd)
     assert _mounted(path)
@@ -121,3 +124,113 @@ def test_a_chrooted_clients_path_is_looked_up_under_its_root(tmp_path):
                                        ("/a/image.tar", "image.tar")])
 def test_the_attach_point_takes_the_paths_own_name(path, name):
     assert point_name(path) == name
+
+
+# ---- a client other than root reaches only what it could read itself
+
+NOBODY = native.Reader(65534, 65534)
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory anyone may search (tmp_path's parents are root's alone)."""
+    path = tempfile.mkdtemp(prefix="dsecd-test-reader-", dir="/tmp")
+    os.chmod(path, 0o755)
+    yield Path(path)
+    shutil.rmtree(path)
+
+
+def _tree(top: Path) -> Path:
+    """A context readable by anyone: a file, a subdirectory, a symlink to a
+    file only root may read (a symlink is never followed)."""
+    ctx = top / "ctx"
+    (ctx / "sub").mkdir(parents=True)
+    (ctx / "sub" / "a.txt").write_text("a")
+    (ctx / "shadow").symlink_to("/etc/shadow")
+    for p in (ctx, ctx / "sub"):
+        p.chmod(0o755)
+    (ctx / "sub" / "a.txt").chmod(0o644)
+    return ctx
+
+
+def _reach(cp: ClientPaths, path: Path, reader) -> list[str]:
+    with cp.reach(lambda: os.pidfd_open(os.getpid()), str(path), reader) as point:
+        return sorted(os.listdir(point))
+
+
+@needs_root
+def test_a_client_other_than_root_reaches_what_it_may_read(tmp_path, shared_dir):
+    ctx = _tree(shared_dir)
+    assert _reach(ClientPaths(tmp_path / "cp"), ctx, NOBODY) == ["shadow", "sub"]
+
+
+@needs_root
+@pytest.mark.parametrize("hidden,named", [("sub/a.txt", "sub/a.txt"), ("sub", "sub")])
+def test_a_file_or_directory_below_the_path_the_client_may_not_read_refuses_it(tmp_path, shared_dir, hidden,
+                                                                                named):
+    ctx = _tree(shared_dir)
+    (ctx / hidden).chmod(0o600 if hidden.endswith(".txt") else 0o700)
+    cp = ClientPaths(tmp_path / "cp")
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ClientPathError) as exc:
+        _reach(cp, ctx, NOBODY)
+    assert exc.value.errno == errno.EACCES
+    assert f"uid 65534 (the client) may not read {ctx}/{named};" in str(exc.value)
+    assert not cp.root.exists() or os.listdir(cp.root) == [], "nothing left attached"
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert _reach(cp, ctx, None) == ["shadow", "sub"], "root reads it all"
+
+
+@needs_root
+def test_a_path_under_a_directory_the_client_may_not_search_is_refused(tmp_path, shared_dir):
+    ctx = _tree(shared_dir / "private")
+    (shared_dir / "private").chmod(0o700)
+    tar = shared_dir / "root-only.tar"
+    tar.write_bytes(b"tar bytes")
+    tar.chmod(0o600)
+    cp = ClientPaths(tmp_path / "cp")
+    for path in (ctx, tar):
+        with pytest.raises(ClientPathError) as exc:
+            _reach(cp, path, NOBODY)
+        assert exc.value.errno == errno.EACCES
+        assert "uid 65534 (the client) may not read it, or search a directory above it" in str(exc.value)
+    with pytest.raises(ClientPathError) as exc:        # without a pidfd: the daemon's view, the same check
+        with cp.reach(lambda: None, str(tar), NOBODY):
+            pass
+    assert exc.value.errno == errno.EACCES
+
+
+@needs_root
+def test_the_walk_gives_the_thread_its_own_ids_back(shared_dir):
+    ctx = _tree(shared_dir)
+    (ctx / "sub" / "a.txt").chmod(0o600)
+    groups = os.getgroups()
+    fd = os.open(ctx, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with native.reader_ids(NOBODY):
+            assert unreadable_below(fd) == "sub/a.txt"
+            with pytest.raises(PermissionError):
+                open(ctx / "sub" / "a.txt").close()
+        assert unreadable_below(fd) is None, "root again"
+    finally:
+        os.close(fd)
+    assert os.getgroups() == groups
+    with pytest.raises(ValueError):
+        native.Reader(0, 0)
+
+
+def test_a_deep_tree_is_walked_without_recursion(tmp_path):
+    top = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    fd = top
+    for _ in range(1200):          # past Python's recursion limit
+        os.mkdir("d", dir_fd=fd)
+        sub = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        if fd != top:
+            os.close(fd)
+        fd = sub
+    os.close(fd)
+    try:
+        assert unreadable_below(top) is None
+    finally:
+        os.close(top)
+        subprocess.run(["rm", "-rf", "--", str(tmp_path / "d")], check=True)   # pytest's own removal recurses
