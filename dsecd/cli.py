@@ -1293,7 +1293,7 @@ async def _cp_dir(c: Client, a, src_sb: str | None, src: str, dst_sb: str | None
                 dst = posixpath.join(dst, os.path.basename(os.path.normpath(src)))
             if _contents_of(src) or await _remote_dir(sb, dst):
                 return await _cp_merged(a, sb, src, dst, upload=True)
-        r = await sb.upload_dir(src, dst)
+        r = await sb.upload_dir(src, dst, owner=a.owner)
         if a.json:
             _print_json({**r, "sandbox": sb.id, "local": src})
         return 0
@@ -1335,7 +1335,7 @@ async def _cp_merged(a, sb, src: str, dst: str, upload: bool) -> int:
     if upload:
         held = posixpath.join(dst, landing)
         try:
-            r = await sb.upload_dir(src, held, temporary=True)
+            r = await sb.upload_dir(src, held, temporary=True, owner=a.owner)
         except DsecError as err:            # named as the user named it, not by the landing
             raise named_as(err, held, dst) from None
         try:
@@ -1423,6 +1423,9 @@ async def cmd_cp(c: Client, a) -> int:
 
 async def _cp(c: Client, a) -> int:
     src_sb, src, dst_sb, dst = _cp_sides(a)
+    if a.owner is not None and src_sb is not None:
+        raise UsageError("dsec cp: --owner gives what a copy into a sandbox makes to a user of the sandbox; "
+                         "a copy out of one belongs to whoever runs dsec")
     if src_sb is not None and dst != "-" and _keeps_links(a) and await _cp_link_out(c, a, src_sb, src, dst):
         return 0
     if src_sb is None and _keeps_links(a) and await _cp_link_in(c, a, src, dst_sb, dst):
@@ -1439,10 +1442,11 @@ async def _cp(c: Client, a) -> int:
         dst = await _cp_remote_target(sb, src, dst)
         # Streamed, never all in memory; atomic: a failed copy leaves nothing.
         if src == "-":
-            size = await sb.write_file(dst, _stdin_chunks(), mode=0o644, atomic=True)
+            size = await sb.write_file(dst, _stdin_chunks(), mode=0o644, atomic=True, owner=a.owner)
         else:
             with open(src, "rb") as f:
-                size = await sb.write_file(dst, f, mode=os.fstat(f.fileno()).st_mode & 0o7777, atomic=True)
+                size = await sb.write_file(dst, f, mode=os.fstat(f.fileno()).st_mode & 0o7777, atomic=True,
+                                           owner=a.owner)
         if a.json:
             _print_json({"sandbox": sb.id, "path": dst, "local": src, "size": size})
         return 0
@@ -1568,9 +1572,9 @@ async def _cp_link_in(c: Client, a, src: str, sb_id: str, dst: str) -> bool:
         link.mtime = int(os.lstat(src).st_mtime)
         tf.addfile(link)
     spool.seek(0)
-    await sb.mkdir(parent, parents=True)      # as a file's copy makes them
+    await sb.mkdir(parent, parents=True, owner=a.owner)      # as a file's copy makes them
     try:
-        await sb.upload_tar(spool, landing, temporary=True)
+        await sb.upload_tar(spool, landing, temporary=True, owner=a.owner)
         try:
             await sb.rename(posixpath.join(landing, name), dst, overwrite=True)
         finally:
@@ -2322,6 +2326,9 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("-P", "--no-dereference", action="store_true",
                     help="a SOURCE that is a symlink is copied as a symlink (as with -r); without -r or -P "
                          "a plain copy follows it (out of a sandbox: inside the sandbox)")
+    cp.add_argument("--owner", metavar="USER",
+                    help="into a sandbox: who what the copy makes belongs to, a uid, NAME, UID:GID or NAME:GROUP "
+                         "of the sandbox (default: its root, as docker cp gives it)")
     cp.add_argument("src")
     cp.add_argument("dst")
 

@@ -1655,7 +1655,7 @@ class Sandbox:
         return [ProcStatus.from_wire(p) for p in r["processes"]]
 
     async def write_file(self, path: str, data, mode: int = 0o644, parents: bool = True,
-                         atomic: bool = True) -> int:
+                         atomic: bool = True, owner: int | str | None = None) -> int:
         """Write `data` to `path`: bytes-like, or, without holding it all in
         memory, a binary file open for reading (read from where it is to its
         end) or an async iterable of bytes (any size: chunked under the
@@ -1675,16 +1675,19 @@ class Sandbox:
         written through, and hard links to the old file keep the old bytes.
         With atomic=False the bytes go into the file in place (through a
         symlink, keeping the inode), and a failure leaves what was written
-        so far."""
+        so far. `owner`: who a new file (and the parents it makes) belongs
+        to, as exec's `user` names one (a uid, "name", "uid:gid",
+        "name:group"); the sandbox's root by default, as `docker cp` gives
+        it."""
         pieces = file_pieces(data, self._chunk_size(), "write_file")
         if not atomic:
-            return await self._write_chunks(path, pieces, mode, parents)
+            return await self._write_chunks(path, pieces, mode, parents, owner=owner)
         parent, _, name = posixpath.normpath(path).rpartition("/")
         if not path.startswith("/") or not name:
             raise ValueError(f"write_file: give an absolute path of a file, got {path!r}")
         tmp = f"{parent}/.dsec-{secrets.token_hex(6)}"         # short: the target's name may be 255 bytes
         try:
-            size = await self._write_chunks(tmp, pieces, mode, parents, temporary=True)
+            size = await self._write_chunks(tmp, pieces, mode, parents, temporary=True, owner=owner)
             await self.client.request("file_rename", sandbox=self.id, src=tmp, dst=path, overwrite=True,
                                       keep_attrs=True)
         except BaseException as err:
@@ -1708,7 +1711,7 @@ class Sandbox:
         return self.client.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
 
     async def _write_chunks(self, path: str, pieces: AsyncIterator, mode: int, parents: bool,
-                            temporary: bool = False) -> int:
+                            temporary: bool = False, owner: int | str | None = None) -> int:
         """The first piece truncates (or creates) the file; the others go at
         their offsets, PIPELINE requests at once, so that one piece travels
         while the sandbox's copier writes the one before (and the next is
@@ -1730,8 +1733,10 @@ class Sandbox:
                 first = await anext(pieces)
                     # temporary: the daemon records the file until its rename, and a daemon
                 # that dies first has the next one remove it. Sent only when true.
+                # owner: on the piece that makes the file; sent only when given.
                 await put(data=bytes(first), mode=mode, parents=parents,
-                          **({"temporary": True} if temporary and self._keeps_temporaries() else {}))
+                          **({"temporary": True} if temporary and self._keeps_temporaries() else {}),
+                          **({"owner": owner} if owner is not None else {}))
                 written = len(first)
                 taking = asyncio.Lock()         # one writer reads the source at a time
                 failed: list[Exception] = []
@@ -1899,10 +1904,13 @@ class Sandbox:
             return False
         return True
 
-    async def mkdir(self, path: str, parents: bool = True, mode: int = 0o755) -> dict:
-        """mkdir -p by default: the missing parents too, and no error if it exists."""
+    async def mkdir(self, path: str, parents: bool = True, mode: int = 0o755,
+                    owner: int | str | None = None) -> dict:
+        """mkdir -p by default: the missing parents too, and no error if it
+        exists. `owner`: who the directories it makes belong to (as
+        write_file's; root by default)."""
         return _paths(await self.client.request("file_mkdir", sandbox=self.id, path=path, parents=parents,
-                                                mode=mode))
+                                                mode=mode, **({"owner": owner} if owner is not None else {})))
 
     async def remove(self, path: str, recursive: bool = False) -> dict:
         """rm, or rm -r with recursive; symlinks are removed, never followed."""
@@ -1912,11 +1920,12 @@ class Sandbox:
         return _paths(await self.client.request("file_rename", sandbox=self.id, src=src, dst=dst,
                                                 overwrite=overwrite))
 
-    async def upload_dir(self, local: str, remote: str, temporary: bool = False) -> dict:
+    async def upload_dir(self, local: str, remote: str, temporary: bool = False,
+                         owner: int | str | None = None) -> dict:
         """Copy local directory `local` as the new directory `remote` in the
         sandbox (which must not exist), as a tar stream: symlinks stay
-        symlinks, modes and mtimes are kept, owners become the sandbox's
-        root. The daemon checks every entry and extracts beside `remote`,
+        symlinks, modes and mtimes are kept, every entry belongs to `owner`
+        (as write_file's; the sandbox's root by default). The daemon checks every entry and extracts beside `remote`,
         renaming into place at the end: a refused or failed copy leaves
         nothing. A FIFO, socket or device in `local` is refused before
         anything is sent. With `temporary`, `remote` is a landing place this
@@ -1926,13 +1935,15 @@ class Sandbox:
         with tempfile.TemporaryFile() as spool:
             await asyncio.to_thread(localcopy.pack, local, spool)
             spool.seek(0)
-            return await self.upload_tar(spool, remote, temporary)
+            return await self.upload_tar(spool, remote, temporary, owner)
 
-    async def upload_tar(self, fileobj, remote: str, temporary: bool = False) -> dict:
+    async def upload_tar(self, fileobj, remote: str, temporary: bool = False,
+                         owner: int | str | None = None) -> dict:
         """Extract an uncompressed tar read from binary file `fileobj` (or
         given as bytes, as docker's put_archive takes it) as the new
         directory `remote` in the sandbox (see upload_dir: the daemon
-        checks every entry; a refused archive leaves nothing; `temporary`)."""
+        checks every entry; a refused archive leaves nothing; `temporary`;
+        `owner`)."""
         if isinstance(fileobj, (bytes, bytearray, memoryview)):
             fileobj = io.BytesIO(fileobj)
         elif not callable(getattr(fileobj, "read", None)):
@@ -1946,7 +1957,8 @@ class Sandbox:
         feeder = asyncio.get_running_loop().create_task(self._feed_tar(rid, sent, fileobj, chunk, failed))
         try:
             args = {"sandbox": self.id, "path": remote,
-                    **({"temporary": True} if temporary and self._keeps_temporaries() else {})}
+                    **({"temporary": True} if temporary and self._keeps_temporaries() else {}),
+                    **({"owner": owner} if owner is not None else {})}
             async with contextlib.aclosing(c.frames_with_id(rid, "file_tar_put", args, sent)) as frames:
                 async for frame in frames:
                     if "__result__" in frame:

@@ -475,6 +475,7 @@ class FileWrite:
     parents: bool = False
     offset: int | None = None       # write at this offset, neither truncating nor appending
     temporary: bool = False         # a new file renamed or removed next (recorded: removed after a crash)
+    owner: int | str | None = None  # who a file (and parents) it makes belongs to: as exec's user; None = root
 
 
 @request("file_list", states=ACTIVE)
@@ -497,6 +498,7 @@ class FileMkdir:
     path: str
     parents: bool = False        # mkdir -p: missing parents too, and no error if it exists
     mode: int = 0o755
+    owner: int | str | None = None   # who the directories it makes belong to: as file_write's
 
 
 @request("file_remove", states=ACTIVE)
@@ -529,6 +531,7 @@ class FileTarPut:
     # A client's landing directory, renamed or removed by it later: removed by
     # the daemon if the client's connection closes first (containers).
     temporary: bool = False
+    owner: int | str | None = None   # who every entry it makes belongs to: as file_write's
 
 
 @request("file_tar_input")

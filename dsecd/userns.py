@@ -152,10 +152,20 @@ def as_sandbox_root(idmap: IdMap | None):
     return native.fs_ids(idmap.uid, idmap.gid)
 
 
-def file_op(idmap: IdMap | None, fn, *args):
+def as_sandbox_ids(idmap: IdMap | None, uid: int, gid: int):
+    """as_sandbox_root, but what the thread creates belongs to the sandbox's
+    (uid, gid) (in the sandbox's range: the caller checks it). The
+    capabilities stay, so access is still checked as the sandbox root's."""
+    if idmap is None:
+        return native.fs_ids(uid, gid) if (uid, gid) != (0, 0) else contextlib.nullcontext()
+    return native.fs_ids(idmap.uid + uid, idmap.gid + gid)
+
+
+def file_op(idmap: IdMap | None, fn, *args, owner: tuple[int, int] | None = None):
     """Run a host-side file operation of dsecd/fs/files.py as the sandbox's
-    root, and report the ids it returns (stat, list) as the sandbox sees them."""
-    with as_sandbox_root(idmap):
+    root, what it creates owned by `owner` (sandbox uid, gid; None: root),
+    and report the ids it returns (stat, list) as the sandbox sees them."""
+    with as_sandbox_root(idmap) if owner is None else as_sandbox_ids(idmap, *owner):
         out = fn(*args)
     if idmap is not None and isinstance(out, dict):
         for item in (out, *out.get("entries", ())):

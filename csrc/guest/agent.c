@@ -63,6 +63,7 @@
 #include <sys/xattr.h>
 #include <time.h>
 #include <unistd.h>
+#include <linux/capability.h>
 #include <linux/random.h>
 #include <sys/ioctl.h>
 #include <termios.h>
@@ -90,10 +91,10 @@ enum {
     M_STDIN = 3,   /* eof, data */
     M_KILL = 4,    /* signal */
     M_READ = 10,   /* path, offset, length */
-    M_WRITE = 11,  /* path, flags, mode, offset (2^64-1: none), data */
+    M_WRITE = 11,  /* path, flags, mode, offset (2^64-1: none), data[, owner uid, gid] */
     M_STAT = 12,   /* path */
     M_LIST = 13,   /* path, depth */
-    M_MKDIR = 14,  /* path, parents, mode */
+    M_MKDIR = 14,  /* path, parents, mode[, owner uid, gid] */
     M_REMOVE = 15, /* path, recursive */
     M_RENAME = 16, /* src, dst, flags (RENAME_*) */
     M_SYNC = 17,   /* (nothing): sync(), answered OK */
@@ -154,7 +155,7 @@ enum {
  * older agent ignores the flag, and the host then does not send credit).
  * 4: EXEC_GROUPS (the host sends it to no older agent: one would run the
  * command without the groups). */
-#define AGENT_VERSION 4
+#define AGENT_VERSION 5
 #define MAX_LIST 100000
 
 static int chan = -1;   /* the virtio-serial port */
@@ -492,6 +493,7 @@ static void flush_stdin(struct exec *x)
 static void close_proc_fds(void);
 static int tar_get_main(const char *path, uint64_t max_entries, uint64_t max_bytes);
 static int tar_put_main(const char *path);
+static int owner_set(uint32_t uid, uint32_t gid);
 static int watch_main(const char *path, int recursive, uint64_t max_dirs);
 
 /* ---- traced execs (EXEC_TRACE) -----------------------------------------------
@@ -1038,8 +1040,15 @@ static void __attribute__((noreturn, noinline)) child_main(const struct child *c
             close_fd(&execs[j].in);
         }
         close_proc_fds();
-        if (c->copy & EXEC_TAR_PUT)
+        if (c->copy & EXEC_TAR_PUT) {
+            /* argv: the directory, then its owner's uid and gid if not root */
+            if (c->argc > 2 && owner_set((uint32_t)strtoul(c->argv[1], NULL, 10),
+                                         (uint32_t)strtoul(c->argv[2], NULL, 10)) < 0) {
+                step = "take the owner's ids";
+                goto child_fail;
+            }
             _exit(tar_put_main(c->argv[0]));
+        }
         if (c->copy & EXEC_WATCH)
             _exit(watch_main(c->argv[0], c->argc > 1 && !strcmp(c->argv[1], "1"),
                              c->argc > 2 ? strtoull(c->argv[2], NULL, 10) : 0));
@@ -2050,6 +2059,48 @@ done:
     free(path);
 }
 
+static void die(const char *what);
+
+/* What this process creates from now on belongs to uid:gid (a file
+ * request's owner; 0:0 gives it back to root), with root's access kept:
+ * moving the fs uid away from 0 clears CAP_DAC_OVERRIDE & co. from the
+ * effective set, so they are raised again from the permitted set (as the
+ * host's dsec_fsids_set does for a thread). */
+static int owner_set(uint32_t uid, uint32_t gid)
+{
+    struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3};
+    struct __user_cap_data_struct data[2];
+
+    syscall(SYS_setfsgid, gid);
+    syscall(SYS_setfsuid, uid);
+    if ((uint32_t)syscall(SYS_setfsgid, -1) != gid || (uint32_t)syscall(SYS_setfsuid, -1) != uid) {
+        errno = EPERM;
+        return -1;
+    }
+    if (syscall(SYS_capget, &hdr, data) < 0)
+        return -1;
+    data[0].effective = data[0].permitted;
+    data[1].effective = data[1].permitted;
+    return syscall(SYS_capset, &hdr, data) < 0 ? -1 : 0;
+}
+
+/* A file request's owner, after its other fields (an agent before version 5
+ * took none: the host sends it only when it is not root): 0 with *uid and
+ * *gid set, or 0 with them 0 when the request has none; -1 if malformed. */
+static int get_owner(struct rd *r, uint32_t *uid, uint32_t *gid)
+{
+    *uid = *gid = 0;
+    if (r->p == r->end)
+        return 0;
+    uint64_t u = get_u64(r), g = get_u64(r);
+
+    if (r->bad || u > UINT32_MAX - 1 || g > UINT32_MAX - 1)
+        return -1;
+    *uid = (uint32_t)u;
+    *gid = (uint32_t)g;
+    return 0;
+}
+
 static int mkdir_parents(const char *path)
 {
     char p[4096];
@@ -2088,9 +2139,14 @@ static void do_write(uint32_t id, struct rd *r)
     const unsigned char *data = get_bytes(r, &n);
     struct stat st;
     int fd = -1;
+    uint32_t uid, gid;
 
-    if (r->bad) {
+    if (r->bad || get_owner(r, &uid, &gid) < 0) {
         send_err(id, EINVAL, "malformed write request");
+        goto done;
+    }
+    if ((uid || gid) && owner_set(uid, gid) < 0) {
+        send_err(id, errno, "take the owner's ids");
         goto done;
     }
     if ((flags & WRITE_PARENTS) && mkdir_parents(path) < 0) {
@@ -2129,6 +2185,8 @@ static void do_write(uint32_t id, struct rd *r)
 done:
     if (fd >= 0)
         close(fd);
+    if ((uid || gid) && owner_set(0, 0) < 0)
+        die("give root's fs ids back after a write");
     free(path);
 }
 
@@ -2223,9 +2281,14 @@ static void do_mkdir(uint32_t id, struct rd *r)
     uint64_t parents = get_u64(r), mode = get_u64(r);
     const char *name;
     int dfd = -1, created = 1;
+    uint32_t uid, gid;
 
-    if (r->bad) {
+    if (r->bad || get_owner(r, &uid, &gid) < 0) {
         send_err(id, EINVAL, "malformed mkdir request");
+        goto done;
+    }
+    if ((uid || gid) && owner_set(uid, gid) < 0) {
+        send_err(id, errno, "take the owner's ids");
         goto done;
     }
     if (parents && mkdir_parents(path) < 0) {
@@ -2252,6 +2315,8 @@ static void do_mkdir(uint32_t id, struct rd *r)
 done:
     if (dfd >= 0)
         close(dfd);
+    if ((uid || gid) && owner_set(0, 0) < 0)
+        die("give root's fs ids back after a mkdir");
     free(path);
 }
 

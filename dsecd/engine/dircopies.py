@@ -14,6 +14,7 @@ they are charged to its memory cgroup (dsecd/engine/copier.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import time
 
@@ -24,6 +25,7 @@ from ..fs import tarcopy
 from ..fs.copytemps import CopyTemps
 from ..initlink import InitExec
 from . import copier
+from .execs import owner_ids
 from .files import CopyByInit
 from .microvms import MicroVMService
 from .sandboxes import Sandbox, SandboxRegistry
@@ -136,6 +138,7 @@ class DirCopyService:
     async def put(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
         await self.ensure_running(sb, "a directory copy")
+        owner = await owner_ids(sb, req.owner, self.workers, self.vms)
         if self.puts >= self.max_puts:
             raise LimitExceeded(f"{self.puts} directory copies into sandboxes are running (limits.max_tar_puts); "
                                 "wait for one to end", {"max_tar_puts": self.max_puts})
@@ -154,8 +157,9 @@ class DirCopyService:
                 self.hold_temporary(sb.id, req.path, st, ctx)
         try:
             if sb.backend == "microvm":
-                return await self.vms.tar_put(sb, req.path, pipe, self.max_entries, self.max_bytes)
-            return await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap), tarcopy.put_tree,
+                return await self.vms.tar_put(sb, req.path, pipe, self.max_entries, self.max_bytes, owner)
+            return await self.workers.run(functools.partial(userns.file_op, owner=owner),
+                                          userns.IdMap.from_record(sb.idmap), tarcopy.put_tree,
                                           sb.handle.rootfd, req.path, pipe, self.max_entries, self.max_bytes,
                                           self._filler(sb, where), self._recorder(sb, records, hold))
         except Exception as err:

@@ -100,6 +100,38 @@ async def named_user(sb: Sandbox, spec: str, workers: Workers, vms: MicroVMServi
                          {"sandbox": sb.id, "user": spec}) from err
 
 
+async def owner_ids(sb: Sandbox, owner: int | str | None, workers: Workers,
+                    vms: MicroVMService | None) -> tuple[int, int] | None:
+    """The sandbox (uid, gid) that the entries a file request makes belong
+    to: its `owner` as an exec's `user` is given (a uid, whose gid is the
+    same number; or "name", "uid", "name:group", "uid:gid" looked up in the
+    sandbox's /etc/passwd and /etc/group as they are now); None for the
+    sandbox's root, the default. A microVM must be running."""
+    if owner is None:
+        return None
+    if isinstance(owner, str):
+        if not owner:
+            raise BadRequest("owner must not be empty: give a uid, a name, name:group or uid:gid, or none for "
+                             "root", {"owner": owner})
+        try:
+            ident = await sandbox_identity(sb, owner, workers, vms, "the sandbox")
+        except ConfigError as err:
+            raise BadRequest(str(err).replace("user", "owner", 1), {"owner": owner}) from err
+        except users.UserError as err:
+            raise BadRequest(f"sandbox {sb.id} cannot give files to owner {owner!r}: {err}",
+                             {"sandbox": sb.id, "owner": owner}) from err
+        uid, gid = ident.uid, ident.gid
+    else:
+        uid = gid = owner
+    idmap = userns.IdMap.from_record(sb.idmap)
+    top = idmap.count if idmap else 1 << 32
+    for what, value in (("uid", uid), ("gid", gid)):
+        if not 0 <= value < top:
+            raise BadRequest(f"owner {what} {value} does not exist in sandbox {sb.id}: its ids are 0 to {top - 1}",
+                             {"sandbox": sb.id, "owner": owner})
+    return uid, gid
+
+
 async def request_user(sb: Sandbox, req, why: str, workers: Workers, vms: MicroVMService,
                        ensure_running: Callable[[Sandbox, str], Awaitable[None]]) -> users.Identity | None:
     """The user an exec or background process request names as a string

@@ -26,6 +26,7 @@ from ..fs.copytemps import CopyTemps
 from ..initlink import InitExec
 from . import copier
 from .events import EventBus
+from .execs import owner_ids
 from .microvms import MicroVMService
 from .sandboxes import Sandbox, SandboxRegistry
 from .workers import Workers
@@ -63,20 +64,21 @@ class FileService:
         self.vms = vms
 
     async def _file_op(self, req, verb: str, fn, *args, opens: bool = False):
-        """fn(rootfd, *args) in a worker, its errors said as the protocol's.
+        """fn(rootfd, *args) in a worker, its errors said as the protocol's;
+        what it creates belongs to the request's `owner`, if it names one.
         opens: fn returns an fd; if the request is cancelled while fn runs
         (the work goes on), the fd it opens is closed when it returns."""
         sb = self.registry.get(req.sandbox, req)
         await self.ensure_running(sb, f"a file {verb}")
+        owner = await owner_ids(sb, getattr(req, "owner", None), self.workers, self.vms)
         if sb.backend == "microvm":
-            return await self.vms.file_op(sb, req)
+            return await self.vms.file_op(sb, req, owner)
+        op = functools.partial(userns.file_op, owner=owner)
         try:
             if opens:
-                return await self.workers.run_shielded(_close_opened, userns.file_op,
-                                                       userns.IdMap.from_record(sb.idmap), fn, sb.handle.rootfd,
-                                                       *args)
-            return await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap), fn,
-                                          sb.handle.rootfd, *args)
+                return await self.workers.run_shielded(_close_opened, op, userns.IdMap.from_record(sb.idmap), fn,
+                                                       sb.handle.rootfd, *args)
+            return await self.workers.run(op, userns.IdMap.from_record(sb.idmap), fn, sb.handle.rootfd, *args)
         except sbfiles.PathError as err:
             raise BadRequest(f"{verb} {sb.id}:{_where(req)}: {err}", {"path": _where(req)}) from err
         except RecursionError as err:        # a tree deeper than a walk goes (remove, list)
@@ -121,7 +123,7 @@ class FileService:
         sb = self.registry.get(req.sandbox, req)
         if sb.backend == "microvm":
             await self.ensure_running(sb, "a file write")
-            return await self.vms.file_op(sb, req)
+            return await self.vms.file_op(sb, req, await owner_ids(sb, req.owner, self.workers, self.vms))
         fd = await self._file_op(req, "write", sbfiles.open_for_write, req.path, req.append, keep, req.mode,
                                  req.parents, opens=True)
         try:

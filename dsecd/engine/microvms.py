@@ -736,7 +736,8 @@ class MicroVMService:
             return {"path": path, "count": int(count), "bytes": int(size), "skipped": reports["skip"]}
         raise self._copy_failed("copy out of", where, code, reports, max_entries, max_bytes)
 
-    async def tar_put(self, sb: Sandbox, path: str, pipe, max_entries: int, max_bytes: int) -> dict:
+    async def tar_put(self, sb: Sandbox, path: str, pipe, max_entries: int, max_bytes: int,
+                      owner: tuple[int, int] | None = None) -> dict:
         """file_tar_put: the client's tar (`pipe`, a dircopies.ChunkPipe) is
         read and checked here (dsecd/tarsafe.py, in a worker) and its entries
         sent as records to a child of the guest agent that makes them under a
@@ -748,6 +749,8 @@ class MicroVMService:
         if path == "/":
             raise BadRequest(f"copy into {where}: cannot copy a directory onto /; name a new directory below it",
                              {"path": path})
+        # The put child's argv: the directory, then its owner's ids (agent.c).
+        argv = [path, *(str(i) for i in owner)] if self._owner_fields(sb, owner, f"copy into {where}") else [path]
         loop = asyncio.get_running_loop()
         started: asyncio.Future = loop.create_future()
 
@@ -773,7 +776,7 @@ class MicroVMService:
 
         feeding = loop.create_task(records())
         try:
-            code, reports = await self._copy(sb, "copy into", where, [path], wire.EXEC_TAR_PUT, None, started)
+            code, reports = await self._copy(sb, "copy into", where, argv, wire.EXEC_TAR_PUT, None, started)
         except BaseException:
             feeding.add_done_callback(lambda f: f.cancelled() or f.exception())
             raise
@@ -994,15 +997,30 @@ class MicroVMService:
         r = await self._file(sb, "stat", path, wire.STAT, wire.bstr(path))
         return {**r.stat(), "path": path}
 
-    async def file_op(self, sb: Sandbox, req) -> dict:
+    async def file_op(self, sb: Sandbox, req, owner: tuple[int, int] | None = None) -> dict:
         """file_read, file_write, file_list, file_stat, file_mkdir,
-        file_remove, file_rename (their checks done by FileService).
-        Counted before its first await, so that a pause that takes the
-        sandbox's lock after the caller's ensure_running waits for it."""
+        file_remove, file_rename (their checks done by FileService);
+        `owner`: the (uid, gid) what a write or mkdir makes belongs to
+        (None: root). Counted before its first await, so that a pause that
+        takes the sandbox's lock after the caller's ensure_running waits for it."""
         with self.request_running(sb):
-            return await self._file_op(sb, req)
+            return await self._file_op(sb, req, self._owner_fields(sb, owner, f"{req.OP} {sb.id}"))
 
-    async def _file_op(self, sb: Sandbox, req) -> dict:
+    def _owner_fields(self, sb: Sandbox, owner: tuple[int, int] | None, what: str) -> tuple[bytes, ...]:
+        """A write's, mkdir's or put's owner as the agent's trailing fields
+        (none for root, which every agent gives files); `unsupported` from
+        an agent older than OWNER_AGENT_VERSION, which would ignore them."""
+        if owner is None or owner == (0, 0):
+            return ()
+        version = self.agent(sb).agent_version
+        if version < wire.OWNER_AGENT_VERSION:
+            raise Unsupported(f"{what}: this microVM's guest agent (version {version}) cannot give files an "
+                              f"owner (version {wire.OWNER_AGENT_VERSION} can): leave owner out and chown "
+                              "them with an exec, or recreate the sandbox on this daemon's guest image",
+                              {"sandbox": sb.id, "agent_version": version})
+        return wire.u64(owner[0]), wire.u64(owner[1])
+
+    async def _file_op(self, sb: Sandbox, req, owner_fields: tuple[bytes, ...] = ()) -> dict:
         op = req.OP
         if op == "file_stat":
             return await self.stat_path(sb, req.path)
@@ -1034,7 +1052,7 @@ class MicroVMService:
                 r = await self._file(sb, "write", path, wire.WRITE, wire.bstr(path), wire.u64(flags),
                                      wire.u64(req.mode),
                                      wire.u64(wire.NO_OFFSET if req.offset is None else req.offset),
-                                     wire.bstr(bytes(req.data)))
+                                     wire.bstr(bytes(req.data)), *owner_fields)
             except DsecError as err:
                 if err.detail.get("errno") == "ENOSPC":
                     raise self._full("write", where, sb) from err
@@ -1053,7 +1071,7 @@ class MicroVMService:
             return {"path": path, "entries": entries, "truncated": truncated}
         if op == "file_mkdir":
             r = await self._file(sb, "mkdir", path, wire.MKDIR, wire.bstr(path), wire.u64(1 if req.parents else 0),
-                                 wire.u64(req.mode))
+                                 wire.u64(req.mode), *owner_fields)
             return {"path": path, "created": bool(r.u64())}
         if op == "file_remove":
             _refuse_root("remove", f"{sb.id}:{path}", path)

@@ -303,3 +303,49 @@ def test_what_the_file_api_writes_is_the_sandbox_roots_whatever_its_user(client)
         assert sb.exec("echo >> /work/a.txt").exit_code == 0
     finally:
         sb.destroy(force=True)
+
+
+def check_owners(sb, local_dir) -> None:
+    """What the file API makes belongs to the `owner` a request names (a
+    name, a uid, name:group), its parents too; without one, to the
+    sandbox's root; a file it replaces keeps its own owner. (A microVM's
+    too: test_microvm.py.)"""
+    def ids(path: str) -> tuple[int, int]:
+        st = sb.stat(path)
+        return st["uid"], st["gid"]
+
+    sb.write_file("/work/own/a/f.txt", b"x", owner="nobody")
+    assert ids("/work/own/a/f.txt") == ids("/work/own/a") == ids("/work/own") == (65534, 65534)
+    assert sb.exec(["sh", "-c", "echo y >> /work/own/a/f.txt"], user="nobody").exit_code == 0
+    sb.write_file("/work/own/raw.txt", b"x", owner=1000, atomic=False)
+    assert ids("/work/own/raw.txt") == (1000, 1000)
+    assert sb.mkdir("/work/own/m/n", owner="nobody:root")["created"] is True
+    assert ids("/work/own/m/n") == ids("/work/own/m") == (65534, 0)
+    sb.write_file("/work/root.txt", b"r")
+    assert ids("/work/root.txt") == (0, 0)
+    sb.write_file("/work/root.txt", b"r2", owner="nobody")          # replaced: its owner stays
+    assert ids("/work/root.txt") == (0, 0) and sb.read_file("/work/root.txt") == b"r2"
+    (local_dir / "sub").mkdir(parents=True)
+    (local_dir / "sub" / "g.txt").write_text("g")
+    (local_dir / "link").symlink_to("sub/g.txt")
+    sb.upload_dir(str(local_dir), "/work/up", owner="65534")
+    for path in ("/work/up", "/work/up/sub", "/work/up/sub/g.txt", "/work/up/link"):
+        assert ids(path) == (65534, 65534), path
+    with pytest.raises(BadRequest, match="cannot give files to owner 'nosuch'"):
+        sb.write_file("/work/own/x", b"x", owner="nosuch")
+    with pytest.raises(BadRequest, match="owner uid 70000 does not exist"):
+        sb.mkdir("/work/own/y", owner=70000)
+    assert not sb.exists("/work/own/x") and not sb.exists("/work/own/y")
+
+
+def test_what_the_file_api_makes_belongs_to_the_owner_named(daemon, sandbox, tmp_path):
+    check_owners(sandbox, tmp_path / "tree")
+    (tmp_path / "cli.txt").write_text("c")
+    r = daemon.cli("cp", "--owner", "nobody", str(tmp_path / "cli.txt"), f"{sandbox.id}:/work/cli/c.txt")
+    assert r.returncode == 0, r.stderr
+    assert (sandbox.stat("/work/cli/c.txt")["uid"], sandbox.stat("/work/cli")["uid"]) == (65534, 65534)
+    r = daemon.cli("cp", "-r", "--owner", "1000:1000", str(tmp_path / "tree"), f"{sandbox.id}:/work/cli")
+    assert r.returncode == 0, r.stderr
+    assert sandbox.stat("/work/cli/tree/sub/g.txt")["uid"] == 1000
+    r = daemon.cli("cp", "--owner", "nobody", f"{sandbox.id}:/work/cli/c.txt", str(tmp_path / "back.txt"))
+    assert r.returncode == 2 and b"--owner" in r.stderr, r.stderr

@@ -240,3 +240,13 @@ def test_what_a_vm_cannot_enforce_is_refused_before_its_boot(vm_client):
         assert sb.inspect()["limits"]["pids"] is None
     finally:
         sb.destroy(force=True)
+
+
+def test_what_the_file_api_makes_in_a_vm_belongs_to_the_owner_named(vm_client, tmp_path):
+    from test_file_api import check_owners
+
+    sb = _vm(vm_client)
+    try:
+        check_owners(sb, tmp_path / "tree")
+    finally:
+        sb.destroy(force=True)

@@ -42,7 +42,7 @@ def test_a_file_read_without_a_length_reads_a_chunk_of_a_vm():
 
     sent = []
 
-    async def file_op(sb, req):
+    async def file_op(sb, req, owner=None):
         sent.append(req)
         return {"data": b"", "size": 0, "eof": True}
 
@@ -51,7 +51,7 @@ def test_a_file_read_without_a_length_reads_a_chunk_of_a_vm():
 
     svc = object.__new__(FileService)
     sb = SimpleNamespace(id="vm1", backend="microvm")
-    svc.max_chunk, svc.ensure_running = 4 << 20, ensure_running
+    svc.max_chunk, svc.ensure_running, svc.workers = 4 << 20, ensure_running, None
     svc.registry = SimpleNamespace(get=lambda sid, req: sb)
     svc.vms = SimpleNamespace(file_op=file_op)
     asyncio.run(svc.read(FileRead(sandbox="vm1", path="/etc/passwd"), None))
@@ -168,3 +168,23 @@ def test_a_vm_path_that_is_not_utf8_goes_to_the_agent_as_its_bytes():
     from dsecd.backends.microvm import wire
 
     assert wire.bstr(os.fsdecode(b"/work/\xffx")) == struct.pack(">I", 8) + b"/work/\xffx"
+
+
+def test_an_owner_goes_only_to_an_agent_that_sets_it():
+    """An agent before version 5 would ignore the owner's fields and make
+    root's files: such a request is refused, saying so; root needs none."""
+    import pytest
+
+    from dsecd.backends.microvm import wire
+    from dsecd.errors import Unsupported
+
+    svc = object.__new__(MicroVMService)
+    link = SimpleNamespace(agent_version=4)
+    svc.agent = lambda sb: link
+    sb = SimpleNamespace(id="vm1")
+    assert svc._owner_fields(sb, None, "file_write vm1") == ()
+    assert svc._owner_fields(sb, (0, 0), "file_write vm1") == ()
+    with pytest.raises(Unsupported, match=r"guest agent \(version 4\) cannot give files an owner"):
+        svc._owner_fields(sb, (65534, 65534), "file_write vm1")
+    link.agent_version = wire.OWNER_AGENT_VERSION
+    assert svc._owner_fields(sb, (65534, 100), "file_write vm1") == (wire.u64(65534), wire.u64(100))

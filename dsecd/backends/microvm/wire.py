@@ -34,6 +34,10 @@ WINDOW_AGENT_VERSION = 3
 # The version from which it sets EXEC_GROUPS's groups; an older one would
 # ignore them: such a request is not sent (agent.py).
 GROUPS_AGENT_VERSION = 4
+# The version from which a write, a mkdir and a put take an owner (trailing
+# uid and gid fields; the put's in its argv); an older one would make root's
+# files: such a request is refused (MicroVMService._owner_fields).
+OWNER_AGENT_VERSION = 5
 TRACE_FD = 3
 WRITE_APPEND, WRITE_KEEP, WRITE_PARENTS = 1, 2, 4
 RENAME_OVERWRITE, RENAME_KEEP_ATTRS = 1, 2
