@@ -196,7 +196,7 @@ class Network:
         sandboxes, what is never the internet, and the host's own addresses
         `host_nets`."""
         self.host_nets = host_nets
-        self.dns_blocked = self._always_blocked + host_nets
+        self.dns_blocked = self._always_blocked + self._scoped + host_nets
         self.fences = tuple((R.FAM_V4 if n.version == 4 else R.FAM_V6, int(n.network_address), n.prefixlen)
                             for n in self.own_nets + host_nets + self._scoped)
 
@@ -903,7 +903,9 @@ class Network:
         return sb if sb is not None and sb.state == "attached" and sb.mode == "default" else None
 
     def is_blocked(self, addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-        """An address no answer may add: loopback, link-local, the gateway, the sandboxes' pool."""
+        """An address no answer may add: loopback, link-local, the gateway, the
+        sandboxes' pool, the host's addresses, and what is never the internet
+        (rules.LINK_SCOPED: the cloud metadata services among them)."""
         if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
             addr = addr.ipv4_mapped
         return any(addr.version == n.version and addr in n for n in self.dns_blocked)

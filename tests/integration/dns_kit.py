@@ -60,6 +60,7 @@ class Dnsmasq:
             "b.fastly.test": ref, "loop.pythonhosted.org": "127.0.0.1",
             "gw.pythonhosted.org": f"10.{o}.0.1", "nbr.pythonhosted.org": f"10.{o}.3.77",
             "ll.pythonhosted.org": "169.254.1.1", "l10.chain.test": pkg,
+            "meta.pythonhosted.org": "100.100.100.200",      # Alibaba Cloud's metadata service
         }
         args = ["--local=/org/", "--local=/test/"]      # answered here (NODATA, NXDOMAIN), never forwarded
         args.append(f"--host-record=pypi.org,{pkg},2")
