@@ -315,8 +315,13 @@ class NetworkService:
         try:
             await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap), write_net_files,
                                    h.rootfd, files)
-        except (OSError, sbfiles.PathError) as err:
-            raise io_error("write /etc/hosts and /etc/resolv.conf of sandbox", sb.id, err) from err
+        except BaseException as err:
+            # Attached, but the create fails (or was cancelled) before it
+            # registers the detach: its slot, lease and policy go now.
+            self.workers.behind(net.detach, sb.id)
+            if isinstance(err, (OSError, sbfiles.PathError)):
+                raise io_error("write /etc/hosts and /etc/resolv.conf of sandbox", sb.id, err) from err
+            raise
 
     async def attach_vm_net(self, sb, allow: list[str]) -> None:
         """A microVM's policy and lease, before its QEMU starts (its tap comes

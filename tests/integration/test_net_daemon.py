@@ -448,3 +448,30 @@ def test_a_start_where_the_bridge_exists_builds_networking_in_the_background(wor
     assert _net_available(lazy, 1.0) is None
     assert "starting" not in lazy.info()["net"]          # preload off: nothing runs in the background
     lazy.close()
+
+
+def test_a_create_failing_after_its_network_was_attached_gives_it_back(world, daemon_factory, busybox_rootfs,
+                                                                      tmp_path):
+    """An image whose /etc/hosts is a directory fails its create after the
+    network was attached (the hosts file cannot be written): the lease,
+    slot and policy go with it, so a pool of 8 addresses serves 9 such
+    creates and then a good one."""
+    cfg = dict(world.cfg, ipv4_pool=f"10.{world.octet}.3.0/29")
+    d = daemon_factory(_toml_net(cfg))
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        bad = tmp_path / "rootfs"
+        subprocess.run(["cp", "-a", str(busybox_rootfs), str(bad)], check=True)
+        (bad / "etc" / "hosts").unlink(missing_ok=True)
+        (bad / "etc" / "hosts").mkdir()
+        c.import_image(str(bad), "hosts-dir")
+        for _ in range(9):
+            with pytest.raises(Exception, match="/etc/hosts"):
+                c.create(image="hosts-dir", net="default")
+        sb = c.create(image="busybox", net="default")
+        assert sb.net_show()["lease"]["ipv4"].startswith(f"10.{world.octet}.3.")
+        sb.destroy()
+        assert c.list() == []
+    finally:
+        c.close()
