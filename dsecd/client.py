@@ -1734,9 +1734,14 @@ class Sandbox:
                     # temporary: the daemon records the file until its rename, and a daemon
                 # that dies first has the next one remove it. Sent only when true.
                 # owner: on the piece that makes the file; sent only when given.
-                await put(data=bytes(first), mode=mode, parents=parents,
-                          **({"temporary": True} if temporary and self._keeps_temporaries() else {}),
-                          **({"owner": owner} if owner is not None else {}))
+                made = await put(data=bytes(first), mode=mode, parents=parents,
+                                 **({"temporary": True} if temporary and self._keeps_temporaries() else {}),
+                                 **({"owner": owner} if owner is not None else {}))
+                # The later pieces go into that very file (a container's
+                # daemon names it): if it was removed meanwhile (a temporary
+                # file whose connection ended, the client reconnecting), they
+                # fail instead of making a new one without the pieces before.
+                same = {"same_as": made["file"]} if made.get("file") else {}
                 written = len(first)
                 taking = asyncio.Lock()         # one writer reads the source at a time
                 failed: list[Exception] = []
@@ -1750,7 +1755,7 @@ class Sandbox:
                                 if piece is None or failed:
                                     return
                                 offset, written = written, written + len(piece)
-                            await put(offset=offset, data=piece)       # packed as is
+                            await put(offset=offset, data=piece, **same)       # packed as is
                         except Exception as err:
                             failed.append(err)
 

@@ -476,6 +476,7 @@ class FileWrite:
     offset: int | None = None       # write at this offset, neither truncating nor appending
     temporary: bool = False         # a new file renamed or removed next (recorded: removed after a crash)
     owner: int | str | None = None  # who a file (and parents) it makes belongs to: as exec's user; None = root
+    same_as: str | None = None      # the file must be this one (a write's `file`): never made, never another
 
 
 @request("file_list", states=ACTIVE)

@@ -1043,6 +1043,8 @@ class MicroVMService:
             return {"data": data, "size": size, "eof": req.offset + len(data) >= size}
         if op == "file_write":
             _refuse_root("write", f"{sb.id}:{path}", path)
+            if req.same_as is not None:         # its writes give no `file` to name
+                raise BadRequest(f"write {sb.id}:{path}: same_as is not available for a microVM sandbox's files")
             flags = ((wire.WRITE_APPEND if req.append else 0) | (wire.WRITE_PARENTS if req.parents else 0)
                      | (wire.WRITE_KEEP if req.offset is not None else 0))
             where = f"{sb.id}:{path}"

@@ -143,17 +143,18 @@ def make_parents(rootfd: int, path: str) -> None:
         current = nxt
 
 
-def open_for_write(rootfd: int, path: str, append: bool, keep: bool, mode: int, parents: bool) -> int:
-    """An fd of the regular file at `path`, created (with `mode`) if missing,
-    O_APPEND if `append`, emptied unless `keep`: what write_data or a copier
-    then fills. The truncation waits for the checks, so a FIFO or a kernel
-    file is never truncated."""
+def open_for_write(rootfd: int, path: str, append: bool, keep: bool, mode: int, parents: bool,
+                   create: bool = True) -> int:
+    """An fd of the regular file at `path`, created (with `mode`) if missing
+    and `create` (else FileNotFoundError), O_APPEND if `append`, emptied
+    unless `keep`: what write_data or a copier then fills. The truncation
+    waits for the checks, so a FIFO or a kernel file is never truncated."""
     path = check_path(path)
     refuse_root("write", path)
-    if parents:
+    if parents and create:
         make_parents(rootfd, path)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | (os.O_APPEND if append else 0)
-    fd = _open(rootfd, path, flags, mode & 0o7777)
+    flags = os.O_WRONLY | (os.O_CREAT if create else 0) | os.O_NONBLOCK | (os.O_APPEND if append else 0)
+    fd = _open(rootfd, path, flags, mode & 0o7777 if create else 0)      # openat2: no mode without O_CREAT
     try:
         _require_regular(fd, path)
         if not keep:

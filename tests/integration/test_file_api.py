@@ -349,3 +349,28 @@ def test_what_the_file_api_makes_belongs_to_the_owner_named(daemon, sandbox, tmp
     assert sandbox.stat("/work/cli/tree/sub/g.txt")["uid"] == 1000
     r = daemon.cli("cp", "--owner", "nobody", f"{sandbox.id}:/work/cli/c.txt", str(tmp_path / "back.txt"))
     assert r.returncode == 2 and b"--owner" in r.stderr, r.stderr
+
+
+def test_a_later_chunk_never_makes_again_a_file_that_went(daemon, sandbox):
+    """A streamed write's later chunks name the file its first chunk made
+    (same_as): one removed meanwhile (a temporary file whose connection
+    ended, the SDK reconnecting) is not made again holding only the later
+    chunks, and another file at the path is not written into."""
+    with daemon.client() as a:
+        fid = a.request("file_write", sandbox=sandbox.id, path="/work/part", data=b"AAAA", temporary=True)["file"]
+    deadline = time.monotonic() + 10
+    while sandbox.exists("/work/part") and time.monotonic() < deadline:    # removed as a's connection ends
+        time.sleep(0.05)
+    assert not sandbox.exists("/work/part")
+    with daemon.client() as b:
+        with pytest.raises(NotFound):
+            b.request("file_write", sandbox=sandbox.id, path="/work/part", offset=4, data=b"BB", same_as=fid)
+        assert not sandbox.exists("/work/part")
+        sandbox.write_file("/work/part", b"other", atomic=False)
+        with pytest.raises(Conflict) as exc:
+            b.request("file_write", sandbox=sandbox.id, path="/work/part", offset=4, data=b"BB", same_as=fid)
+        assert exc.value.detail.get("replaced") is True
+        assert sandbox.read_file("/work/part") == b"other"
+        fid = b.request("file_write", sandbox=sandbox.id, path="/work/part", data=b"1234")["file"]
+        b.request("file_write", sandbox=sandbox.id, path="/work/part", offset=4, data=b"56", same_as=fid)
+        assert sandbox.read_file("/work/part") == b"123456"
