@@ -166,12 +166,13 @@ def file_pieces(data, size: int, what: str) -> AsyncIterator[bytes | memoryview]
     async iterable of bytes) as pieces of `size` bytes, the last one
     shorter: one empty piece for no bytes at all. Only bytes-like data is
     held whole; from a file or an iterable, one piece at a time."""
-    if hasattr(data, "__aiter__"):            # an asyncio StreamReader too, which has a read
+    if inspect.iscoroutinefunction(getattr(data, "read", None)):
+        # An asyncio StreamReader (a subprocess's stdout): read by size. Its
+        # own iteration goes by lines, and fails on 64 KiB without a newline.
+        return _reader_pieces(data, size, what)
+    if hasattr(data, "__aiter__"):
         return _regrouped(data, size, what)
     if hasattr(data, "read"):
-        if inspect.iscoroutinefunction(data.read):
-            raise TypeError(f"{what}: a reader whose read is a coroutine is taken as an async iterable of "
-                            f"bytes; give one ({type(data).__name__} is not)")
         return _file_pieces(data, size, what)
     return _view_pieces(file_data(data, what), size)
 
@@ -196,6 +197,19 @@ async def _file_pieces(f, size: int, what: str) -> AsyncIterator[bytes]:
         if not isinstance(got, (bytes, bytearray)):
             raise TypeError(f"{what}: the file must be opened in binary mode ('rb'); its read gave "
                             f"{type(got).__name__}")
+        piece += got
+        if len(piece) == size or (not got and (piece or not given)):
+            yield bytes(piece)
+            piece, given = bytearray(), True
+        if not got:
+            return
+
+
+async def _reader_pieces(reader, size: int, what: str) -> AsyncIterator[bytes]:
+    """`await reader.read(n)` until it gives b"", as pieces of `size` bytes."""
+    piece, given = bytearray(), False
+    while True:
+        got = file_data(await reader.read(size - len(piece)), what)
         piece += got
         if len(piece) == size or (not got and (piece or not given)):
             yield bytes(piece)
@@ -1658,8 +1672,9 @@ class Sandbox:
                          atomic: bool = True, owner: int | str | None = None) -> int:
         """Write `data` to `path`: bytes-like, or, without holding it all in
         memory, a binary file open for reading (read from where it is to its
-        end) or an async iterable of bytes (any size: chunked under the
-        frame limit). The bytes written.
+        end), an asyncio StreamReader (or any reader whose `read(n)` is a
+        coroutine) or an async iterable of bytes (any size: chunked under
+        the frame limit). The bytes written.
         Atomic (the default): written under a temporary name beside the
         target and renamed over it, so a write that fails (ENOSPC, the
         sandbox's memory limit, a lost connection, a failed read of the

@@ -251,26 +251,32 @@ def test_write_file_streams_a_file_or_an_iterable_in_chunks(kind, tmp_path):
         source.close()
 
 
-def test_write_file_takes_an_asyncio_stream_reader_as_an_async_iterable():
+def test_write_file_reads_an_asyncio_stream_reader_by_size():
     """An asyncio subprocess's stdout (a StreamReader: a coroutine `read`,
-    and async iteration by lines) was read as a sync file in a thread, and
-    failed saying the file was not opened in binary mode."""
+    and async iteration by lines, which fails on 64 KiB without a newline
+    and loses what it had read) is read with `await read(n)`, whatever its
+    bytes; so is any reader whose read is a coroutine."""
     import asyncio
 
     async def go():
+        zeros = bytes(300_000)                      # no newline anywhere
         reader = asyncio.StreamReader()
-        reader.feed_data(b"line one\nline two\n")
+        reader.feed_data(b"line one\n" + zeros)
         reader.feed_eof()
         sb = _sandbox()
-        assert await sb.write_file("/work/out", reader) == 18
-        assert _written(sb.client.requests) == b"line one\nline two\n"
+        assert await sb.write_file("/work/out", reader) == 9 + len(zeros)
+        assert _written(sb.client.requests) == b"line one\n" + zeros
 
         class OnlyAsyncRead:
-            async def read(self, n=-1):
-                return b""
+            def __init__(self):
+                self.left = [b"ab", b"cd", b""]
 
-        with pytest.raises(TypeError, match="a reader whose read is a coroutine"):
-            await sb.write_file("/work/out", OnlyAsyncRead())
+            async def read(self, n=-1):
+                return self.left.pop(0)
+
+        sb = _sandbox()
+        assert await sb.write_file("/work/out", OnlyAsyncRead()) == 4
+        assert _written(sb.client.requests) == b"abcd"
 
     asyncio.run(go())
 
