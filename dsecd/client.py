@@ -1196,7 +1196,10 @@ class Client:
         an end of the task behind it that nobody would see."""
         if lease is None and every is None:
             raise ValueError("hold: give the lease, or how often to renew (every=)")
-        period = parse_duration(every, "hold: every") or parse_duration(lease, "hold: lease") / 3
+        # Both checked here, whichever gives the period.
+        given_every = parse_duration(every, "hold: every")
+        given_lease = parse_duration(lease, "hold: lease")
+        period = given_every or given_lease / 3
 
         async def renew_forever() -> None:
             failing = False

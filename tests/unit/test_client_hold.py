@@ -64,7 +64,8 @@ def test_hold_takes_a_lease_as_create_does_and_refuses_a_bad_one_at_once():
         alive = not task.done()
         task.cancel()
         refused = []
-        for bad in ({"lease": 0}, {"lease": "soon"}, {"lease": None, "every": 0}, {"lease": -3}):
+        for bad in ({"lease": 0}, {"lease": "soon"}, {"lease": None, "every": 0}, {"lease": -3},
+                    {"lease": "10 min", "every": 30}):       # a bad lease beside a good period
             try:
                 c.hold(["sb1"], **bad)
             except (ValueError, BadRequest) as err:
@@ -73,4 +74,4 @@ def test_hold_takes_a_lease_as_create_does_and_refuses_a_bad_one_at_once():
 
     alive, sent, refused = asyncio.run(go())
     assert alive and sent == ["6m"], sent
-    assert len(refused) == 4, refused
+    assert len(refused) == 5, refused
