@@ -158,6 +158,9 @@ class Resolver:
         self._tcp: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.Task | None = None
         self._wake = asyncio.Event()
+        # The soonest expiry of what was learned since the sweeper last
+        # asked the Network for its next one (None: nothing since).
+        self._learned_due: float | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -212,12 +215,16 @@ class Resolver:
         and the rate limiter's idle buckets."""
         nxt = None
         while True:
-            delay = SWEEP_S if nxt is None else min(SWEEP_S, max(0.0, nxt - time.monotonic()))
+            due = _sooner(nxt, self._learned_due)      # an entry learned meanwhile may expire first
+            delay = SWEEP_S if due is None else min(SWEEP_S, max(0.0, due - time.monotonic()))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), delay)
             self._wake.clear()
             self.limiter.prune()          # the buckets of sources quiet long enough to be full again
-            if nxt is None or nxt <= time.monotonic():
+            due = _sooner(nxt, self._learned_due)
+            if due is None or due <= time.monotonic():
+                # What is learned from here on is not surely in expire's answer.
+                self._learned_due = None
                 try:
                     nxt = await self.run_blocking(self.net.expire)
                 except Exception:
@@ -315,6 +322,7 @@ class Resolver:
                 if not done:
                     return _reply(q, dns.rcode.SERVFAIL)
                 sb.dns["learned"] += len(entries)
+                self._learned_due = _sooner(self._learned_due, min(ln.expires for ln in entries.values()))
                 self._wake.set()
         sb.dns["answered"] += 1
         try:
@@ -468,3 +476,8 @@ def _formerr(data: bytes) -> bytes | None:
     if len(data) < 12 or data[2] & 0x80:
         return None
     return data[:2] + bytes([0x80 | (data[2] & 0x79), 0x01]) + b"\0" * 8
+
+
+def _sooner(a: float | None, b: float | None) -> float | None:
+    """The earlier of two times, either of which may be None (no time)."""
+    return b if a is None else a if b is None else min(a, b)

@@ -151,3 +151,34 @@ def test_a_label_holding_a_dot_is_no_name_below_a_wildcard():
     assert list(sb.refused_names) == ["x.pythonhosted\\.org", "evil\\.com\\.pythonhosted.org"]
     assert ask(dns.name.from_text("Files.PythonHosted.org")) == dns.rcode.SERVFAIL
     assert len(asked) == 1
+
+
+def test_an_entry_learned_after_the_sweep_planned_its_next_expiry_goes_on_time():
+    """The sweeper asked the Network for its next expiry (a long TTL, 100 s
+    away); an entry learned after that with a TTL of 0.3 s must go at 0.3 s,
+    not when the long one does."""
+    async def run():
+        r = _resolver()
+        calls = []
+        t0 = D.time.monotonic()
+
+        def expire():
+            calls.append(D.time.monotonic() - t0)
+            return t0 + 100.0
+
+        async def run_blocking(fn, *args):
+            return fn(*args)
+
+        r.net.expire, r.run_blocking = expire, run_blocking
+        sweeper = asyncio.ensure_future(r._sweep())
+        await asyncio.sleep(D.SWEEP_S + 0.1)
+        assert len(calls) == 1                          # its first pass: the next expiry is 100 s away
+        learned = D.time.monotonic() - t0
+        r._learned_due = D._sooner(r._learned_due, t0 + learned + 0.3)     # what a learn does
+        r._wake.set()
+        await asyncio.sleep(0.6)
+        sweeper.cancel()
+        return calls, learned
+
+    calls, learned = asyncio.run(run())
+    assert len(calls) == 2 and 0.3 <= calls[1] - learned < 0.5, (calls, learned)
