@@ -874,6 +874,7 @@ class Network:
             if sb.mode != "default":
                 raise Conflict(f"sandbox {sb_id} has --net {sb.mode}: it has no policy to change")
             self.check_request_size(len(add or []) + len(replace or []))
+            self.check_request_size(len(remove or []))        # parsed too: as long a list is as slow
             blocked = [t for t in (remove or []) if t in self.essentials]
             if blocked:
                 raise BadRequest(f"{blocked} are essentials (net.essentials) and cannot be removed")

@@ -13,7 +13,7 @@ import time
 import pytest
 from test_net_kit import bpf_skip_reason
 
-from dsecd.errors import BadRequest
+from dsecd.errors import BadRequest, LimitExceeded
 from dsecd.journal import read_records
 
 pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None, reason=bpf_skip_reason() or "")
@@ -74,6 +74,10 @@ def test_allowlist_enforced_and_changed_live(world, netd):
     # A bad update changes nothing.
     with pytest.raises(BadRequest):
         sb.net_set(add=["10.0.0.0/33"])
+    # Nor does one too large to parse: what it removes counts as what it adds
+    # (each term is parsed under the lock every sandbox's updates share).
+    with pytest.raises(LimitExceeded, match="net.max_rules_per_sandbox"):
+        sb.net_set(remove=[f"10.9.{i // 256}.{i % 256}/32" for i in range(4097)])
     assert connect(sb, world.ref, 443)[0] == 0
     sb.destroy()
 
