@@ -59,6 +59,7 @@ RECHECK_MS = 10        # how soon a uid held back for what its call left behind 
 CLEANUP_RETRY_MS = 1000
 CLEANUP_TRIES = 60
 FORK_RETRY_MS = 100    # how soon a spare that could not be forked is tried again
+REAPER_WAIT_S = 1.0    # how long the reaper may take to answer before it is replaced
 WORKER_NICE = 19       # a worker's weight is 1/68 of the zygote's (nice 0)
 RLIMITS = {"as": resource.RLIMIT_AS, "cpu": resource.RLIMIT_CPU, "fsize": resource.RLIMIT_FSIZE,
            "nofile": resource.RLIMIT_NOFILE, "core": resource.RLIMIT_CORE, "nproc": resource.RLIMIT_NPROC}
@@ -246,6 +247,53 @@ def init_children(init_pid=1, fd=-1):
         return read_from_start(fd).split()
     except OSError:
         return []
+
+
+def reaper(sock):
+    """The zygote's child that kills, when asked over `sock`, every process
+    of a uid (never returns). As that uid (its real and effective uid; its
+    saved uid stays 0, to come back), kill(-1, SIGKILL) reaches every
+    process of the uid in the call sandbox at once but this one and init,
+    whatever its process group, session or parent, and the kernel fails a
+    fork whose parent has the signal pending: nothing of the uid outruns it,
+    where a walk of init's children can miss a process forked after it
+    looked. Not done by the zygote itself: for that instant a process of the
+    uid may signal the process doing it (its real uid is theirs); it can
+    kill or stop this one (the zygote then gives up on the uid), never the
+    zygote. Answers b"1" when the kill was made; never in the host's user
+    namespace (a zygote object made outside a call sandbox), where
+    kill(-1) would reach the host's processes of the uid."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        with open("/proc/self/uid_map") as f:
+            on_host = f.read().split() == ["0", "0", "4294967295"]
+    except OSError:
+        on_host = True
+    while True:
+        try:
+            msg = sock.recv(32)
+        except OSError:
+            os._exit(1)
+        if not msg:
+            os._exit(0)
+        done = b"0"
+        if on_host:
+            sock.send(done)
+            continue
+        try:
+            os.setresuid(int(msg), int(msg), 0)
+            try:
+                os.kill(-1, signal.SIGKILL)
+            except ProcessLookupError:          # nothing of the uid runs
+                pass
+            done = b"1"
+        except (OSError, ValueError):
+            pass
+        try:
+            os.setresuid(0, 0, 0)
+            sock.send(done)
+        except OSError:
+            os._exit(1)
 
 
 def kill_leftovers(uid, init_pid=1, fd=-1, skip=()):
@@ -614,6 +662,7 @@ class Zygote:
         # failed), on SIGCHLD: its handler's wakeup fd is polled like a pidfd.
         self.unwatched = {}     # pid -> worker without a pidfd
         self.sigchld_fd = -1
+        self.reaper = None      # (pid, socket) of the reaper (kill_uid), forked when first needed
 
     def _wake_on_sigchld(self):
         """The read end of a pipe that SIGCHLD writes a byte to, in the poll.
@@ -715,12 +764,21 @@ class Zygote:
             except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError):
                 return
             self.report(w, status)
-            try:
-                os.killpg(w["pid"], signal.SIGKILL)
-            except OSError:
-                pass
+            self.kill_worker(w)
             return
         self.worker_gone(w)         # its pidfd: the worker ended
+
+    @staticmethod
+    def kill_worker(w):
+        """SIGKILL a worker's process group, and the worker itself: a call
+        may move it into another group (setpgid to the zygote's), out of
+        the group's kill. Its pid is ours until it is reaped (worker_gone,
+        which kills what else of its uid runs)."""
+        for kill, target in ((os.killpg, w["pid"]), (os.kill, w["pid"])):
+            try:
+                kill(target, signal.SIGKILL)
+            except OSError:
+                pass
 
     def worker_gone(self, w):
         """A worker ended (its zombie not reaped yet): reap it, free its uid and dir."""
@@ -755,11 +813,57 @@ class Zygote:
             # what it left running is killed: one could write on meanwhile.
             self.dirs[w["uid"]] = os.path.basename(w["tmp"])
         # What the call left running outside its group must not meet the next
-        # call its uid goes to (it could signal, trace or read it).
-        if self.kill_leftovers(w["uid"]):
+        # call its uid goes to (it could signal, trace or read it): killed
+        # as the uid (kill_uid), then looked for among init's and this
+        # zygote's children, which reaps those of them that are ours.
+        if not self.kill_uid(w["uid"]) or self.kill_leftovers(w["uid"]):
             self.held.append(w["uid"])
         else:
             self.free_uid(w["uid"])
+
+    def kill_uid(self, uid):
+        """Every process of `uid` killed by the reaper (reaper()); False if
+        that could not be done: the reaper could not be forked, or did not
+        answer (killed or stopped by a process of the uid in its instant as
+        it). A reaper that failed is ended and another forked next time."""
+        for _ in range(2):
+            if self.reaper is None:
+                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                try:
+                    pid = os.fork()
+                except OSError:
+                    ours.close()
+                    theirs.close()
+                    return False
+                if pid == 0:
+                    # Nothing of the zygote's kept open here (its workers'
+                    # links: a spare sees the zygote's end as their EOF).
+                    signal.set_wakeup_fd(-1)
+                    fd = theirs.detach()
+                    if fd != 3:
+                        os.dup2(fd, 3)
+                    os.closerange(4, 1 << 16)
+                    reaper(socket.socket(fileno=3))
+                theirs.close()
+                ours.settimeout(REAPER_WAIT_S)
+                self.reaper = (pid, ours)
+                self.me.add(pid)            # not one of a call's leftovers
+            pid, sock = self.reaper
+            try:
+                sock.send(b"%d" % uid)
+                if sock.recv(8) == b"1":
+                    return True
+            except OSError:                 # it went, or did not answer in time
+                pass
+            self.reaper = None
+            self.me.discard(pid)
+            sock.close()
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except OSError:
+                pass
+        return False
 
     def kill_leftovers(self, uid):
         """kill_leftovers of `uid` among init's children, and among this
@@ -851,7 +955,7 @@ class Zygote:
         any, were reparented to init meanwhile and are killed now)."""
         held, self.held = self.held, []
         for uid in held:
-            if self.kill_leftovers(uid):
+            if not self.kill_uid(uid) or self.kill_leftovers(uid):
                 self.held.append(uid)
             else:
                 self.free_uid(uid)          # which may hold it again
@@ -869,10 +973,7 @@ class Zygote:
         if req["op"] == "kill":
             w = self.by_id.get(req["id"])
             if w:
-                try:
-                    os.killpg(w["pid"], signal.SIGKILL)
-                except OSError:
-                    pass
+                self.kill_worker(w)
             return
         try:
             w = self.idle.pop() if self.idle else self.fork_worker()

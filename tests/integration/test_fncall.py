@@ -733,6 +733,35 @@ def test_a_call_that_says_it_is_done_is_not_left_running(client, py_image):
     assert _gone_soon(b"sleep\x003181")
 
 
+# A call's code moving its worker out of its process group, into the
+# zygote's (a session leader's, whose workers share its session).
+INTO_ZYGOTES_GROUP = "import json, os, time\nos.setpgid(0, os.getpgid(os.getppid()))\n"
+
+
+def test_a_call_that_left_its_process_group_is_killed_at_its_end(client, py_image):
+    """A call that moves itself out of its process group and reports its own
+    end, then sleeps on: the kill after the report reaches it all the same,
+    and the uid it held goes to later calls only once it is gone."""
+    r = client.call(py_image, code=INTO_ZYGOTES_GROUP + (
+        "os.write(3, json.dumps({'done': 0}).encode())\n"
+        "os.close(1)\nos.close(2)\nos.execv('/bin/sleep', ['sleep', '3188'])"), timeout=30)
+    assert r.exit_code == 0 or r.signal == signal.SIGKILL, r
+    assert _gone_soon(b"sleep\x003188")
+
+
+def test_a_call_that_left_its_process_group_is_killed_at_its_timeout(client, py_image):
+    """Its timeout's kill reaches it outside its group: the call ends timed
+    out, and the zygote (and every call beside it) goes on."""
+    assert client.call(py_image, code="print(1)").exit_code == 0
+    zygote = next(b for b in client.info()["fncall"]["boxes"] if b["image"] == py_image)["zygote_pid"]
+    t0 = time.monotonic()
+    r = client.call(py_image, code=INTO_ZYGOTES_GROUP + "os.execv('/bin/sleep', ['sleep', '3189'])", timeout=1)
+    assert r.timed_out and time.monotonic() - t0 < 10, r
+    assert _gone_soon(b"sleep\x003189")
+    assert client.call(py_image, code="print(2)").stdout == b"2\n"
+    assert next(b for b in client.info()["fncall"]["boxes"] if b["image"] == py_image)["zygote_pid"] == zygote
+
+
 def test_a_process_a_call_cloned_onto_the_zygote_is_killed(client, py_image):
     """clone(CLONE_PARENT) gives the new process the caller's parent: for a
     call through the zygote, the zygote, not the call sandbox's init. In its

@@ -185,6 +185,7 @@ def test_a_uid_whose_ipc_cleanup_could_not_fork_is_tried_again(monkeypatch):
         z.uids.clear()
         monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: True)
         monkeypatch.setattr(z, "kill_leftovers", lambda uid: 0)     # (the host's pid 1 is no call sandbox's)
+        monkeypatch.setattr(z, "kill_uid", lambda uid: True)        # (nor is the host's uid 60000 a call's)
 
         def no_pid(uid, **_):
             raise BlockingIOError(11, "Resource temporarily unavailable")
@@ -268,6 +269,7 @@ def test_a_worker_without_a_pidfd_is_seen_to_end_even_if_it_ended_at_once(monkey
 
     monkeypatch.setattr(zygote_main.os, "fork", fork_that_ends_first)
     monkeypatch.setattr(z, "kill_leftovers", lambda uid: 0)     # (the host's pid 1 is no call sandbox's)
+    monkeypatch.setattr(z, "kill_uid", lambda uid: True)        # (nor is the host's uid 60000 a call's)
     os.close(z.shm_fd)
     z.shm_fd = -1
     try:
