@@ -608,7 +608,7 @@ class CallService:
         as many as plain calls run."""
         host_uid = box.host_ids(uid)[0]
         for _ in range(LEFTOVER_LOOKS):
-            if not await self.workers.run(self.fncall.kill_leftovers, box.handle, host_uid):
+            if not await self.workers.run(self.fncall.kill_leftovers, box.handle, host_uid, box.idmap is not None):
                 await self._give_back_clean(box, uid, host_uid, private_dir)
                 return
             await asyncio.sleep(LEFTOVER_RECHECK_S)

@@ -166,7 +166,7 @@ def test_a_plain_call_cancelled_during_its_spawn_frees_its_uid_only_after_the_ki
 
     class FnCall:
         containers = SimpleNamespace(exec_env=lambda base, env: [f"{k}={v}" for k, v in {**base, **env}.items()])
-        kill_leftovers = staticmethod(lambda h, uid: 0)     # the call left nothing running
+        kill_leftovers = staticmethod(lambda h, uid, own_range=True: 0)     # the call left nothing running
         remove_shm_files = staticmethod(lambda h, uid: True)
         remove_ipc = staticmethod(lambda h, uid: True)
         remove_mqueues = staticmethod(lambda fd, uid: True)
@@ -218,7 +218,7 @@ def test_a_plain_call_cancelled_while_it_runs_frees_its_uid_only_once_reaped():
 
     class FnCall:
         containers = _plain_call_fncall().containers
-        kill_leftovers = staticmethod(lambda h, uid: 0)     # the call left nothing running
+        kill_leftovers = staticmethod(lambda h, uid, own_range=True: 0)     # the call left nothing running
         remove_shm_files = staticmethod(lambda h, uid: True)
         remove_ipc = staticmethod(lambda h, uid: True)
         remove_mqueues = staticmethod(lambda fd, uid: True)
@@ -259,7 +259,7 @@ def test_a_plain_call_forked_by_init_and_cancelled_frees_its_uid_only_once_init_
 
     class FnCall:
         containers = _plain_call_fncall().containers
-        kill_leftovers = staticmethod(lambda h, uid: 0)     # the call left nothing running
+        kill_leftovers = staticmethod(lambda h, uid, own_range=True: 0)     # the call left nothing running
         remove_shm_files = staticmethod(lambda h, uid: True)
         remove_ipc = staticmethod(lambda h, uid: True)
         remove_mqueues = staticmethod(lambda fd, uid: True)
@@ -306,7 +306,7 @@ def test_a_plain_call_whose_channel_broke_keeps_its_uid_and_retires_its_call_san
 
     class FnCall:
         containers = _plain_call_fncall().containers
-        kill_leftovers = staticmethod(lambda h, uid: 0)     # the call left nothing running
+        kill_leftovers = staticmethod(lambda h, uid, own_range=True: 0)     # the call left nothing running
         remove_shm_files = staticmethod(lambda h, uid: True)
         remove_ipc = staticmethod(lambda h, uid: True)
         remove_mqueues = staticmethod(lambda fd, uid: True)
@@ -403,7 +403,7 @@ def test_a_plain_calls_uid_whose_leftovers_stay_awhile_comes_back_once_they_go(m
         tries.append(uid)
         return len(tries) >= 3              # gone at the third look
 
-    fncall = SimpleNamespace(kill_leftovers=lambda h, uid: 0, remove_shm_files=remove_shm_files,
+    fncall = SimpleNamespace(kill_leftovers=lambda h, uid, own_range=True: 0, remove_shm_files=remove_shm_files,
                              remove_ipc=lambda h, uid: True, remove_mqueues=lambda fd, uid: True,
                              remove_private_dir=lambda h, name: True)
 

@@ -256,3 +256,27 @@ def test_init_binary_is_installed_and_static():
     phnum = int.from_bytes(data[0x38:0x3A], "little")
     types = [int.from_bytes(data[phoff + i * phentsize:][:4], "little") for i in range(phnum)]
     assert 3 not in types  # no PT_INTERP: needs no ld.so, runs in any rootfs
+
+
+def test_kill_uid_refuses_root_and_leaves_the_thread_as_it_was():
+    """kill(-1) as root would reach every process of the host: refused.
+    A uid no process has: nothing to kill, and the thread is root again."""
+    import errno as errno_mod
+    import os
+
+    import pytest
+
+    from dsecd import native
+
+    if os.geteuid() != 0:
+        pytest.skip("takes a uid: needs root")
+    with pytest.raises(OSError) as exc:
+        native.kill_uid(0)
+    assert exc.value.errno == errno_mod.EINVAL
+    def caps() -> str:
+        with open("/proc/thread-self/status") as f:
+            return next(line for line in f if line.startswith("CapEff:"))
+
+    before = caps()
+    native.kill_uid(4_000_000_000)            # no process has it
+    assert os.getresuid() == (0, 0, 0) and caps() == before
