@@ -20,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .. import metrics, native
+from ..config import ConfigError
 from ..cpu.sampler import round_robin
 from ..errors import Conflict, DsecError, io_error
 from ..journal import write_file_atomic
@@ -48,10 +49,18 @@ class MemoryService:
         self.events = events
         self.vms = vms          # MicroVMService: a microVM pauses by saving its state (dsecd/engine/microvms.py)
         mem = cfg.section("memory")
-        self.pause_cfg = pause.PauseConfig.from_section(mem)
+        # Settings out of range or contradicting each other (ValueError naming
+        # the key): a config error, which stops the start in one log line.
+        try:
+            self.pause_cfg = pause.PauseConfig.from_section(mem)
+            zram_cfg = zram.ZramConfig.from_section(mem["zram"])
+            swapfile_cfg = swapfile.SwapfileConfig.from_section(mem["swapfile"], cfg.state_dir)
+            damon_cfg = damon.DamonConfig.from_section(mem["damon"], cfg.state_dir)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         self.auto_resume = mem["auto_resume"]
-        self.zram = zram.ZramSwap(zram.ZramConfig.from_section(mem["zram"]))
-        self.swapfile = swapfile.Swapfile(swapfile.SwapfileConfig.from_section(mem["swapfile"], cfg.state_dir))
+        self.zram = zram.ZramSwap(zram_cfg)
+        self.swapfile = swapfile.Swapfile(swapfile_cfg)
         self.swap_errors: dict[str, str] = {}
         # Work nobody waits for (reclaim after a job pause, prefetch after a
         # resume) runs on its own small pool: on the request pool, 500
@@ -61,7 +70,7 @@ class MemoryService:
                                            initializer=_background_io)
         self._behind: dict[str, asyncio.Future] = {}
         self._oom_cursor = 0          # where the next OOM check pass starts (oom_check)
-        self.damon = damon.DamonController(damon.DamonConfig.from_section(mem["damon"], cfg.state_dir))
+        self.damon = damon.DamonController(damon_cfg)
         self.damon_running = False
 
     # ------------------------------------------------------------ start / stop

@@ -101,16 +101,21 @@ class DamonConfig:
     iomem: str = "/proc/iomem"
 
     def __post_init__(self):
+        # Named as the [memory.damon] keys they come from: the memory service
+        # turns these into the config error that stops the start.
         if self.operations not in OPERATIONS:
-            raise ValueError(f"damon.operations must be one of {OPERATIONS}, got {self.operations!r}")
+            raise ValueError(f"memory.damon.operations must be one of {OPERATIONS}, got {self.operations!r}")
         if not self.sample_us <= self.aggr_us <= self.update_us:
-            raise ValueError("damon intervals need sample_us <= aggr_us <= update_us")
+            raise ValueError(f"memory.damon.sample_us <= aggr_us <= update_us must hold, got {self.sample_us}, "
+                             f"{self.aggr_us}, {self.update_us}")
         if not 0 < self.min_nr_regions <= self.max_nr_regions:
-            raise ValueError("damon needs 0 < min_nr_regions <= max_nr_regions")
+            raise ValueError(f"memory.damon.min_nr_regions must be above 0 and at most max_nr_regions, got "
+                             f"{self.min_nr_regions} and {self.max_nr_regions}")
         if not self.wmark_low_permil <= self.wmark_mid_permil <= self.wmark_high_permil <= 1000:
-            raise ValueError("damon watermarks need low <= mid <= high <= 1000")
+            raise ValueError(f"memory.damon.wmark_low <= wmark_mid <= wmark_high <= 1000 must hold (per mille), "
+                             f"got {self.wmark_low_permil}, {self.wmark_mid_permil}, {self.wmark_high_permil}")
         if self.wmark_metric not in ("none", "free_mem_rate"):
-            raise ValueError(f"damon.wmark_metric must be none or free_mem_rate, got {self.wmark_metric!r}")
+            raise ValueError(f"memory.damon.wmark_metric must be none or free_mem_rate, got {self.wmark_metric!r}")
 
     @classmethod
     def from_section(cls, d: dict, state_dir: str | os.PathLike) -> DamonConfig:
