@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import fcntl
 import gc
 import logging
@@ -199,10 +200,7 @@ async def serve(cfg) -> None:
         node = Node(cfg, feats, cgroup.detect_layout())
     except ConfigError as err:      # a setting this host cannot honour (e.g. sandbox.writable_layer)
         raise SystemExit(f"dsecd: {err}") from err
-    try:
-        await node.start()
-    except ConfigError as err:      # a journaled sandbox this config cannot take back
-        raise SystemExit(f"dsecd: {err}") from err
+    await start_node(node)
     server = Server(node, cfg.socket, cfg.section("daemon")["socket_group"], cfg.section("limits"),
                     cfg.size("limits", "max_frame_bytes"))
     try:
@@ -243,6 +241,27 @@ async def serve(cfg) -> None:
     await server.stop()
     await node.close()
     notifier.close()
+
+
+async def start_node(node) -> None:
+    """node.start(), or SystemExit saying why it could not: a journaled
+    sandbox this config cannot take back, or a file the start writes (the
+    journal, first of all, as sandboxes are re-adopted) that it cannot."""
+    try:
+        await node.start()
+    except ConfigError as err:
+        raise SystemExit(f"dsecd: {err}") from err
+    except OSError as err:
+        # The sandboxes live in cgroups of their own, outside the daemon's:
+        # a start that stops here leaves them running for the next one.
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            todo = "free space on that file system and start dsecd again"
+        elif err.errno == errno.EROFS:
+            todo = "make that file system writable and start dsecd again"
+        else:
+            todo = "fix that and start dsecd again"
+        what = (err.strerror or str(err)) + (f" ({err.filename})" if err.filename else "")
+        raise SystemExit(f"dsecd: start failed: {what}; {todo} (sandboxes keep running meanwhile)") from err
 
 
 def sighup() -> None:

@@ -108,3 +108,36 @@ def test_cgroup_roots_side_by_side_or_freed_are_taken(tmp_path):
             os.close(fd)
     for fd in _locks(tmp_path, "dsecd-x"):          # the ones below stopped: free again
         os.close(fd)
+
+
+class _NodeFailingToStart:
+    def __init__(self, err: BaseException):
+        self.err = err
+
+    async def start(self):
+        raise self.err
+
+
+def test_a_full_disk_at_start_stops_it_saying_what_to_do():
+    """Re-adoption writes the journal: on a full state dir that write
+    fails. The start stops with one line naming the file, the error and
+    what to do, not an uncaught exception and its traceback."""
+    import asyncio
+    import errno
+
+    err = OSError(errno.ENOSPC, "write `/var/lib/dsecd/journal.log`: No space left on device")
+    with pytest.raises(SystemExit) as stopped:
+        asyncio.run(daemon.start_node(_NodeFailingToStart(err)))
+    said = str(stopped.value.code)
+    assert said.startswith("dsecd: ") and "/var/lib/dsecd/journal.log" in said, said
+    assert "No space left on device" in said and "free space" in said and "sandboxes keep running" in said, said
+
+
+def test_a_journaled_sandbox_the_config_cannot_take_back_stops_the_start():
+    import asyncio
+
+    from dsecd.config import ConfigError
+
+    with pytest.raises(SystemExit) as stopped:
+        asyncio.run(daemon.start_node(_NodeFailingToStart(ConfigError("sandbox.userns: abc"))))
+    assert stopped.value.code == "dsecd: sandbox.userns: abc"
