@@ -115,6 +115,25 @@ SCRAPES = Counter("dsecd_scrapes", "Scrapes of this endpoint", registry=REGISTRY
 SCRAPE_SECONDS = Gauge("dsecd_scrape_duration_seconds", "Wall time of the previous scrape, gathering "
                        "and rendering", registry=REGISTRY)
 
+# The values the labels of these counters take: each series is served from
+# the daemon's start, at 0. One that first shows up at 1 has no earlier
+# sample, so increase() and rate() miss that first event (an alert on the
+# first expiry or failed build after a start would not fire) and a
+# dashboard shows "no data" instead of 0.
+QOS_CLASSES = ("be", "ls")
+DESTROY_REASONS = ("request", "job", "all", "ttl", "lease", "idle_ttl", "pool")
+EXPIRY_REASONS = ("ttl", "lease", "idle_ttl")
+IMAGE_BUILD_KINDS = ("build", "dockerfile", "pull", "snapshot")
+for _qos in QOS_CLASSES:
+    CREATES.labels(_qos)
+for _reason in DESTROY_REASONS:
+    DESTROYS.labels(_reason)
+for _reason in EXPIRY_REASONS:
+    EXPIRED.labels(_reason)
+for _kind in IMAGE_BUILD_KINDS:
+    for _result in ("ok", "failed"):
+        IMAGE_BUILDS.labels(_kind, _result)
+
 
 # ---------------------------------------------------------------- the figures services keep
 

@@ -288,3 +288,25 @@ def test_every_series_served_is_in_the_operations_doc(monkeypatch):
     per_sandbox = {"dsecd_sandbox_cpu_percent", "dsecd_sandbox_throttled_percent", "dsecd_sandbox_memory_bytes",
                    "dsecd_sandbox_memory_limit_bytes", "dsecd_sandbox_vm_guest_bytes"}    # named in the text
     assert served - per_sandbox <= named, sorted(served - per_sandbox - named)
+
+
+def test_counters_of_known_labels_are_served_at_zero_before_their_first_event():
+    """A series that first shows up at 1 has no earlier sample: increase()
+    and rate() over it miss that first event (an alert on the first expiry
+    or failed build after each daemon start never fires), and a dashboard
+    shows "no data" instead of 0. Read from a fresh interpreter: in this
+    one other tests' events make the series."""
+    import subprocess
+    import sys
+
+    code = "from dsecd import metrics; import sys; sys.stdout.write(metrics.render()[0].decode())"
+    text = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    samples = _samples(text)
+    want = [("dsecd_sandboxes_created_total", {"qos": q}) for q in ("be", "ls")]
+    want += [("dsecd_sandboxes_destroyed_total", {"reason": r})
+             for r in ("request", "job", "all", "ttl", "lease", "idle_ttl", "pool")]
+    want += [("dsecd_sandboxes_expired_total", {"reason": r}) for r in ("ttl", "lease", "idle_ttl")]
+    want += [("dsecd_image_builds_total", {"kind": k, "result": r})
+             for k in ("build", "dockerfile", "pull", "snapshot") for r in ("ok", "failed")]
+    missing = [(name, labels) for name, labels in want if samples.get((name, tuple(sorted(labels.items())))) != 0]
+    assert not missing, missing
