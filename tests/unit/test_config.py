@@ -204,3 +204,11 @@ def test_values_of_the_kinds_the_defaults_document_load(tmp_path, text):
     f = tmp_path / "c.toml"
     f.write_text(text + "\n")
     load_config(str(f))
+
+
+@pytest.mark.parametrize("key", ["cache_max_bytes", "bandwidth_bps"])
+@pytest.mark.parametrize("value, size", [('"10G"', 10 << 30), ('"512M"', 512 << 20), ("4096", 4096), ("0", 0)])
+def test_the_pagers_byte_counts_take_a_size_as_other_sizes_do(tmp_path, key, value, size):
+    f = tmp_path / "c.toml"
+    f.write_text(f"[pager]\n{key} = {value}\n")
+    assert load_config(str(f)).size("pager", key) == size
