@@ -481,6 +481,10 @@ def render(accept: str = "") -> tuple[bytes, str]:
 
 MAX_REQUEST_BYTES = 8192
 REQUEST_TIMEOUT_S = 5.0
+# How long an answer may take to reach its scraper (Prometheus gives a scrape
+# 10 s by default). One that reads nothing (stopped, hung, its peer gone
+# silent) is dropped past it, with the body it would hold for ever.
+WRITE_TIMEOUT_S = 30.0
 
 
 def parse_listen(value: str) -> tuple[str, int] | str:
@@ -569,7 +573,13 @@ class MetricsServer:
                 await _answer(writer, 404, b"the metrics are at /metrics\n", "text/plain")
             else:
                 body, ctype = await self.scrape(headers.get("accept", ""))
-                await _answer(writer, 200, body, ctype, head_only=method == "HEAD")
+                try:
+                    async with asyncio.timeout(WRITE_TIMEOUT_S):
+                        await _answer(writer, 200, body, ctype, head_only=method == "HEAD")
+                except TimeoutError:
+                    # close() would wait to flush what the scraper does not read.
+                    writer.transport.abort()
+                    raise
         except (asyncio.LimitOverrunError, asyncio.IncompleteReadError, TimeoutError, ConnectionError):
             pass                                # a broken or slow client: dropped
         except Exception:

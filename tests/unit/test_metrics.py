@@ -310,3 +310,49 @@ def test_counters_of_known_labels_are_served_at_zero_before_their_first_event():
              for k in ("build", "dockerfile", "pull", "snapshot") for r in ("ok", "failed")]
     missing = [(name, labels) for name, labels in want if samples.get((name, tuple(sorted(labels.items())))) != 0]
     assert not missing, missing
+
+
+def test_a_scraper_that_stops_reading_is_dropped(tmp_path, monkeypatch):
+    """A scraper that sends its GET and then reads nothing (stopped, hung,
+    a peer gone silent) must not hold its connection and the rendered
+    body for ever: past metrics.WRITE_TIMEOUT_S its connection is closed.
+    The body is bigger than any socket buffer, as per-sandbox series on a
+    busy host are."""
+    import asyncio
+    import socket
+
+    monkeypatch.setattr(metrics, "WRITE_TIMEOUT_S", 0.5)
+    ended = asyncio.Event
+
+    async def run():
+        done = ended()
+        serve = metrics.MetricsServer._serve
+
+        async def serve_and_say(self, reader, writer):
+            try:
+                await serve(self, reader, writer)
+            finally:
+                done.set()
+
+        monkeypatch.setattr(metrics.MetricsServer, "_serve", serve_and_say)
+
+        async def big_scrape(self, accept=""):
+            return b"x" * (64 << 20), "text/plain"
+
+        monkeypatch.setattr(metrics.MetricsServer, "scrape", big_scrape)
+        path = tmp_path / "metrics.sock"
+        server = metrics.MetricsServer(None, str(path), False, set)
+        await server.start()
+        stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            await asyncio.get_running_loop().run_in_executor(None, stalled.connect, str(path))
+            stalled.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            # A hang guard, not a measure: without the write deadline the
+            # handler waits for the reader for ever.
+            await asyncio.wait_for(done.wait(), 30)
+        finally:
+            stalled.close()
+            await server.stop()
+
+    asyncio.run(run())
