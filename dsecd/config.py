@@ -96,6 +96,10 @@ POSITIVE = {
     "sandbox.userns_size",
 }
 
+# Paths the daemon uses; "" where a key has one means its default or none.
+ABSOLUTE_PATHS = ("daemon.socket", "daemon.state_dir", "images.store", "images.auth_file", "images.certs_dir",
+                  "net.bpf_cache_dir", "microvm.guest_dir")
+
 # String keys that take a number too: sizes ("512M" or bytes) and durations ("90s" or seconds).
 _NUMBER_OR_STRING = {"sandbox.default_ttl"}
 
@@ -205,6 +209,17 @@ def _validate(cfg: Config) -> None:
         value = _table(cfg, section)[key]
         if value not in allowed:
             raise ConfigError(f"{section}.{key} must be one of {', '.join(allowed)}, got {value!r}")
+    # Relative to the daemon's working directory, a path would name one place
+    # when dsecd is started by hand and another under systemd (cwd /): one
+    # config, two state dirs, and the start with the second destroys the
+    # sandboxes of the first under the same cgroup_root as leftovers.
+    for dotted in ABSOLUTE_PATHS:
+        section, _, key = dotted.rpartition(".")
+        value = _table(cfg, section)[key]
+        if value and not value.startswith("/"):
+            raise ConfigError(f"{dotted} must be an absolute path, got {value!r}")
+        if not value and dotted in ("daemon.socket", "daemon.state_dir"):
+            raise ConfigError(f"{dotted} must be an absolute path, got ''")
     # At start every group below it that no journal record names is destroyed
     # (orphans of a crash): it must be a subtree of dsecd's own, never a
     # hierarchy's root or above it, whose groups are the host's.

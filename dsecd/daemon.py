@@ -60,7 +60,9 @@ def config_path(given: str | None) -> str | None:
 
 
 def build_config(args: argparse.Namespace):
-    daemon = {k: v for k, v in (("socket", args.socket), ("state_dir", args.state_dir),
+    # Paths on the command line are taken from where dsecd is started.
+    daemon = {k: v for k, v in (("socket", args.socket and os.path.abspath(args.socket)),
+                                ("state_dir", args.state_dir and os.path.abspath(args.state_dir)),
                                 ("log_level", args.log_level)) if v}
     cfg = load_config(config_path(args.config), {"daemon": daemon} if daemon else None)
     # Bound only once the sandboxes are re-adopted: a bad address must stop

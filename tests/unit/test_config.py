@@ -212,3 +212,39 @@ def test_the_pagers_byte_counts_take_a_size_as_other_sizes_do(tmp_path, key, val
     f = tmp_path / "c.toml"
     f.write_text(f"[pager]\n{key} = {value}\n")
     assert load_config(str(f)).size("pager", key) == size
+
+
+@pytest.mark.parametrize("section, key", [("daemon", "socket"), ("daemon", "state_dir"), ("images", "store"),
+                                          ("images", "auth_file"), ("images", "certs_dir"),
+                                          ("net", "bpf_cache_dir"), ("microvm", "guest_dir")])
+def test_a_relative_path_is_an_error_naming_the_key(tmp_path, section, key):
+    """Relative to the daemon's working directory, a path names one place
+    when dsecd is started by hand and another under systemd (cwd /): the
+    same config, two state dirs, and the second start destroys the first
+    one's sandboxes under the same cgroup_root as leftovers."""
+    f = tmp_path / "c.toml"
+    f.write_text(f'[{section}]\n{key} = "var/lib/x"\n')
+    with pytest.raises(ConfigError, match=rf"{section}\.{key} must be an absolute path, got 'var/lib/x'"):
+        load_config(str(f))
+    f.write_text(f'[{section}]\n{key} = "/var/lib/x"\n')
+    assert load_config(str(f)).section(section)[key] == "/var/lib/x"
+
+
+@pytest.mark.parametrize("section, key", [("images", "store"), ("images", "auth_file"), ("images", "certs_dir"),
+                                          ("net", "bpf_cache_dir"), ("memory.swapfile", "path")])
+def test_an_empty_path_keeps_meaning_its_default(section, key):
+    table = {}
+    overrides = table
+    for part in section.split("."):
+        table[part] = {}
+        table = table[part]
+    table[key] = ""
+    load_config(overrides=overrides)
+
+
+def test_the_daemons_path_options_are_taken_from_where_it_is_started(tmp_path, monkeypatch):
+    from dsecd import daemon
+
+    monkeypatch.chdir(tmp_path)
+    cfg = daemon.build_config(daemon.parse_args(["--state-dir", "state", "--socket", "run/d.sock"]))
+    assert cfg.state_dir == tmp_path / "state" and cfg.socket == str(tmp_path / "run" / "d.sock")
