@@ -242,6 +242,15 @@ def _validate(cfg: Config) -> None:
     if not m or not 1 <= int(m.group(1)) <= int(m.group(2) or m.group(1)) <= 65535:
         raise ConfigError(f"net.publish_ports must be a port range LO-HI (or one port) within 1-65535, "
                           f"LO <= HI, got {ports!r}")
+    # Made when the network is first built too: a name the kernel refuses
+    # (dev_valid_name: 1 to 15 bytes, no "/", ":" or white space, not "." or
+    # "..") would leave networking unavailable with a netlink error.
+    for key in ("bridge", "sandbox_ifname"):
+        name = cfg.section("net")[key]
+        if (not 0 < len(name.encode()) < 16 or name in (".", "..")
+                or any(c in "/:" or c.isspace() for c in name)):
+            raise ConfigError(f"net.{key} must be a network interface name: 1 to 15 bytes, without '/', ':' "
+                              f"or white space, got {name!r}")
     if not cfg.section("fncall")["python"].strip():
         raise ConfigError("fncall.python must name the interpreter of the zygote (\"python3\"); "
                           "fncall.zygote = false turns the zygote off")

@@ -248,3 +248,19 @@ def test_the_daemons_path_options_are_taken_from_where_it_is_started(tmp_path, m
     monkeypatch.chdir(tmp_path)
     cfg = daemon.build_config(daemon.parse_args(["--state-dir", "state", "--socket", "run/d.sock"]))
     assert cfg.state_dir == tmp_path / "state" and cfg.socket == str(tmp_path / "run" / "d.sock")
+
+
+@pytest.mark.parametrize("key", ["bridge", "sandbox_ifname"])
+@pytest.mark.parametrize("name", ["averyverylongname", "", "a/b", "a b", "a:b", ".", ".."])
+def test_an_interface_name_the_kernel_refuses_is_a_config_error(key, name):
+    """Made when the network is first built, maybe at the first --net
+    default create: a name the kernel refuses must stop the start, not
+    leave networking "unavailable: NetlinkError: (34, 'Numerical result out
+    of range')" naming no key."""
+    with pytest.raises(ConfigError, match=rf"net\.{key} must be a network interface name"):
+        load_config(overrides={"net": {key: name}})
+
+
+@pytest.mark.parametrize("name", ["dsec0", "dsect-1a2b3c4d", "fifteen-chars-x", "eth0"])
+def test_an_interface_name_the_kernel_takes_loads(name):
+    assert load_config(overrides={"net": {"bridge": name}}).section("net")["bridge"] == name
