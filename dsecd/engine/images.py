@@ -136,13 +136,17 @@ class ImageService:
                               "the daemon can write (under systemd: outside /usr, /etc, /home and /root, "
                               "or in a ReadWritePaths= of a drop-in)") from None
         if int(section["pull_parallel_layers"]) < 1:
-            raise ValueError(f"images.pull_parallel_layers must be at least 1, not {section['pull_parallel_layers']}")
-        self.puller = Puller(self.images, RegistryConfig.from_section(section), PullSettings(
+            raise ConfigError(f"images.pull_parallel_layers must be at least 1, not {section['pull_parallel_layers']}")
+        try:
+            registries = RegistryConfig.from_section(section)
+        except ValueError as err:       # images.mirrors as the registry client cannot take it
+            raise ConfigError(str(err)) from None
+        self.puller = Puller(self.images, registries, PullSettings(
             parallel_layers=int(section["pull_parallel_layers"]),
             tmpfs_bytes=cfg.size("images", "pull_tmpfs"), max_layer_bytes=cfg.size("images", "max_layer_bytes"),
             claim_stale_s=float(section["pull_claim_stale_s"]), timeout_s=float(section["pull_timeout_s"])))
         if int(section["max_pulls"]) < 1:
-            raise ValueError(f"images.max_pulls must be at least 1, not {section['max_pulls']}")
+            raise ConfigError(f"images.max_pulls must be at least 1, not {section['max_pulls']}")
         self._pull_slots = asyncio.Semaphore(int(section["max_pulls"]))
         self.image_mode = self._pick_mode(section["mode"])
         self.pager = self._make_pager(cfg) if self.image_mode == "lazy" else None
@@ -183,7 +187,7 @@ class ImageService:
         p = cfg.section("pager")
         state = cfg.state_dir
         if cfg.section("images")["verify"] and cfg.size("pager", "chunk_size") % INDEX_BLOCK:
-            raise ValueError(f"pager.chunk_size must be a multiple of {INDEX_BLOCK // 1024}K while "
+            raise ConfigError(f"pager.chunk_size must be a multiple of {INDEX_BLOCK // 1024}K while "
                              "images.verify is on (chunks are checked in blocks of that size)")
         group = cgroup.Group(self.layout, f"{self.cgroup_root}/.pager")
         self.pager_group = group

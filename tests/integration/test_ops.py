@@ -740,6 +740,11 @@ def test_networking_works_with_the_units_capabilities(world, daemon_factory, bus
     ('[daemon]\nsocket = "/proc/none/dsecd.sock"\n',
      "daemon.socket /proc/none/dsecd.sock: No such file or directory (/proc/none)"),
     ('[images]\nstore = "/proc/none/store"\n', "images.store /proc/none/store: No such file or directory (/proc/none)"),
+    ('[images.mirrors]\n"docker.io" = "mirror.gcr.io"\n',
+     "images.mirrors: the mirrors of 'docker.io' must be a list of host[:port][/path]"),
+    ('[images]\nmode = "lazy"\n[pager]\nchunk_size = "4K"\n', "pager.chunk_size must be a multiple of 64K"),
+    ('[memory.damon]\nwmark_high = 2000\n', "memory.damon.wmark_low <= wmark_mid <= wmark_high <= 1000"),
+    ('[memory.swapfile]\npriority = 40000\n', "memory.swapfile.priority must be -1..32767"),
 ])
 def test_a_start_that_cannot_use_a_setting_says_why(daemon_factory, setting, says):
     """One critical line naming what failed (docs/operations.md), no traceback."""
