@@ -251,6 +251,12 @@ def _validate(cfg: Config) -> None:
                 or any(c in "/:" or c.isspace() for c in name)):
             raise ConfigError(f"net.{key} must be a network interface name: 1 to 15 bytes, without '/', ':' "
                               f"or white space, got {name!r}")
+    net = cfg.section("net")
+    if not 68 <= net["mtu"] <= 65535:
+        raise ConfigError(f"net.mtu must be 68 to 65535, got {net['mtu']}: the kernel refuses the bridge "
+                          "and veths another MTU")
+    if net["ipv6_subnet"] and net["mtu"] < 1280:
+        raise ConfigError(f"net.mtu must be at least 1280 with net.ipv6_subnet (IPv6's minimum), got {net['mtu']}")
     if not cfg.section("fncall")["python"].strip():
         raise ConfigError("fncall.python must name the interpreter of the zygote (\"python3\"); "
                           "fncall.zygote = false turns the zygote off")

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from dsecd.config import ConfigError, load_config, parse_size, with_setting
@@ -264,3 +266,21 @@ def test_an_interface_name_the_kernel_refuses_is_a_config_error(key, name):
 @pytest.mark.parametrize("name", ["dsec0", "dsect-1a2b3c4d", "fifteen-chars-x", "eth0"])
 def test_an_interface_name_the_kernel_takes_loads(name):
     assert load_config(overrides={"net": {"bridge": name}}).section("net")["bridge"] == name
+
+
+@pytest.mark.parametrize("net, says", [
+    ({"mtu": 90000}, "net.mtu must be 68 to 65535, got 90000"),
+    ({"mtu": 60}, "net.mtu must be 68 to 65535, got 60"),
+    ({"mtu": 1000, "ipv6_subnet": "fd00:abcd:1::/64"}, "net.mtu must be at least 1280 with net.ipv6_subnet"),
+])
+def test_an_mtu_the_kernel_refuses_is_a_config_error(net, says):
+    """Set on the bridge and veths when the network is first built: out of
+    the kernel's range it left --net default "unavailable: NetlinkError:
+    (22, 'Invalid argument')", naming no key."""
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_config(overrides={"net": net})
+
+
+@pytest.mark.parametrize("net", [{"mtu": 68}, {"mtu": 65535}, {"mtu": 1280, "ipv6_subnet": "fd00:abcd:1::/64"}])
+def test_an_mtu_the_kernel_takes_loads(net):
+    load_config(overrides={"net": net})
