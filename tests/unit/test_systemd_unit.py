@@ -104,3 +104,13 @@ def test_the_capability_set_keeps_what_sandbox_processes_are_given():
     caps = set(capability_set(UNIT.read_text()))
     defaults = tomllib.loads((ROOT / "dsecd" / "default.toml").read_text())
     assert {c.lower() for c in defaults["sandbox"]["capabilities"]} <= caps
+
+
+def test_the_state_dir_systemd_makes_is_the_daemons_alone():
+    """StateDirectory= makes /var/lib/dsecd before the daemon starts, 0755
+    unless told: every local user could then read the image store under it
+    (layers, snapshots of sandboxes) and the writable layers of
+    writable_layer = "dir". The daemon makes its state dir 0700 itself
+    (lock_state_dir), and the tests run it so."""
+    d = directives(UNIT.read_text())
+    assert d["StateDirectory"] == ["dsecd"] and d.get("StateDirectoryMode") == ["0700"], d.get("StateDirectoryMode")
