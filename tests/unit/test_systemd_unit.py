@@ -114,3 +114,13 @@ def test_the_state_dir_systemd_makes_is_the_daemons_alone():
     (lock_state_dir), and the tests run it so."""
     d = directives(UNIT.read_text())
     assert d["StateDirectory"] == ["dsecd"] and d.get("StateDirectoryMode") == ["0700"], d.get("StateDirectoryMode")
+
+
+def test_journald_keeps_every_lifecycle_line_of_a_busy_host():
+    """One line per create and per destroy at info (docs/operations.md,
+    section 3): a 2-core host's 200-400 creates/s make 400-800 lines/s,
+    past journald's default per-unit limit (RateLimitBurst=10000 per
+    RateLimitIntervalSec=30s: 333/s), which would drop them, and the
+    warnings among them, as "Suppressed N messages"."""
+    d = directives(UNIT.read_text())
+    assert d.get("LogRateLimitIntervalSec") == ["0"], d.get("LogRateLimitIntervalSec")
