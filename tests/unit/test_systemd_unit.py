@@ -124,3 +124,13 @@ def test_journald_keeps_every_lifecycle_line_of_a_busy_host():
     warnings among them, as "Suppressed N messages"."""
     d = directives(UNIT.read_text())
     assert d.get("LogRateLimitIntervalSec") == ["0"], d.get("LogRateLimitIntervalSec")
+
+
+def test_the_daemon_starts_after_the_hosts_network_file_systems():
+    """images.store is, in production, a mount of a file system shared by
+    every host (dsecd/default.toml): a daemon started before it is mounted
+    finds the empty mount point, makes a store of its own on the local
+    disk under it and lists none of the fleet's images."""
+    d = directives(UNIT.read_text())
+    after = " ".join(d.get("After", [])).split()
+    assert "remote-fs.target" in after and "local-fs.target" in after, after
