@@ -22,8 +22,8 @@ every id is a new series for the time-series database.
 
 The endpoint (`metrics.listen`: "host:port" or a unix socket path; off when
 empty) is an asyncio handler on the daemon's loop: a scrape reads the
-blocking sources (sysfs, BPF maps, the pager's stats file) in a worker
-thread, then renders. Without per-sandbox series the render (~300 lines)
+blocking sources (sysfs, BPF maps, the pager's stats file) in worker
+threads, each within SOURCE_TIMEOUT_S, then renders. Without per-sandbox series the render (~300 lines)
 takes ~1.3 ms and runs on the loop; with them it grows with the sandboxes
 (16 ms for 500) and runs in a worker, where the loop gets the interpreter
 back at every switch interval (5 ms) instead of waiting for the whole
@@ -175,20 +175,41 @@ class Snapshot:
                 {"id": s.id, "state": s.state, "qos": s.qos, "cpu": s.limits["cpu"],
                  "memory_limit": s.limits["memory"], "vm_guest_size": (node.vm_balloon.view(s.id) or {}).get(
                      "guest_size")} for s in node.registry.by_id.values()])["sandboxes"]
-        for name, source in (("memory", node.memory.info), ("images", node.image_service.info)):
-            try:
-                setattr(snap, name, await node.workers.run(source))
-            except Exception as err:     # one source down must not cost the scrape the rest
-                snap.errors.append(f"{name}: {err}")
-        try:
-            snap.net = await node.net_service.drop_totals()
-        except Exception as err:
-            snap.errors.append(f"net: {err}")
+        # At once, each with a deadline: one source down or stuck must not
+        # cost the scrape the rest.
+        snap.memory, snap.images, snap.net = await asyncio.gather(
+            _read("memory", lambda: node.workers.run(node.memory.info), snap.errors),
+            _read("images", lambda: node.workers.run(node.image_service.info), snap.errors),
+            _read("net", node.net_service.drop_totals, snap.errors))
         try:
             snap.denials = node.denials.info()
         except Exception as err:
             snap.errors.append(f"policy denials: {err}")
         return snap
+
+
+# How long a scrape waits for each blocking source (Prometheus gives a scrape
+# 10 s by default). A source's read still under way from an earlier scrape (a
+# worker stuck on a hung store or file) is waited for again, not asked anew,
+# so that scrapes do not pile reads up behind it in the workers' queue.
+SOURCE_TIMEOUT_S = 5.0
+_READS: dict[str, asyncio.Future] = {}
+
+
+async def _read(name: str, start, errors: list[str]) -> dict:
+    """The figures of source `name` (start() reads them), or {} with why in `errors`."""
+    fut = _READS.get(name)
+    if fut is None or fut.done() or fut.get_loop() is not asyncio.get_running_loop():
+        fut = _READS[name] = asyncio.ensure_future(start())
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())     # read by a later scrape, or nobody
+    try:
+        return await asyncio.wait_for(asyncio.shield(fut), SOURCE_TIMEOUT_S)
+    except TimeoutError:
+        errors.append(f"{name}: no answer in {SOURCE_TIMEOUT_S:g} s (every worker thread busy, or a read hangs); "
+                      "its series are left out until it answers")
+    except Exception as err:
+        errors.append(f"{name}: {err}")
+    return {}
 
 
 def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:

@@ -356,3 +356,62 @@ def test_a_scraper_that_stops_reading_is_dropped(tmp_path, monkeypatch):
             await server.stop()
 
     asyncio.run(run())
+
+
+def test_a_source_that_does_not_answer_costs_the_scrape_only_its_own_series(monkeypatch):
+    """A blocking source (the memory service's sysfs reads, the pager's
+    stats, BPF maps) read in a worker that never comes back (every worker
+    stuck on a hung store, a read that hangs): the scrape still answers in
+    bounded time with the other series and counts the source as an error,
+    and later scrapes do not queue another read behind the stuck one."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from dsecd.engine.workers import Workers
+
+    monkeypatch.setattr(metrics, "SOURCE_TIMEOUT_S", 0.2)
+    release = threading.Event()
+    asked = []
+
+    def stuck_memory_info():
+        asked.append(1)
+        release.wait(30)
+        return {"swapfile": {"on": False, "size": 4096}}
+
+    async def drop_totals():
+        return {}
+
+    workers = Workers(4)
+    node = SimpleNamespace(
+        registry=SimpleNamespace(by_id={}, requested=lambda: {}), sb_defaults={"cpu": 1.0}, default_memory=1,
+        cpu=SimpleNamespace(info=lambda *a: {}), create_service=SimpleNamespace(info=dict),
+        call_service=SimpleNamespace(info=dict), vm_balloon=SimpleNamespace(info=dict),
+        memory=SimpleNamespace(info=stuck_memory_info), image_service=SimpleNamespace(info=dict),
+        net_service=SimpleNamespace(drop_totals=drop_totals), denials=SimpleNamespace(info=dict), workers=workers)
+
+    async def run():
+        workers.start(asyncio.get_running_loop())
+        try:
+            # Hang guards, not measures: without the source's deadline take() waits for ever.
+            first = await asyncio.wait_for(metrics.Snapshot.take(node, 3, False), 30)
+            second = await asyncio.wait_for(metrics.Snapshot.take(node, 3, False), 30)
+            asked_while_stuck = len(asked)
+            release.set()
+            await asyncio.sleep(0)
+            for _ in range(300):
+                third = await asyncio.wait_for(metrics.Snapshot.take(node, 3, False), 30)
+                if not third.errors:
+                    break
+            return first, second, third, asked_while_stuck
+        finally:
+            release.set()
+
+    try:
+        first, second, third, asked_while_stuck = asyncio.run(run())
+    finally:
+        workers.pool.shutdown(wait=True)
+    assert first.connections == 3 and [e.split(":")[0] for e in first.errors] == ["memory"], first.errors
+    assert [e.split(":")[0] for e in second.errors] == ["memory"], second.errors
+    assert third.errors == [] and third.memory["swapfile"]["size"] == 4096
+    assert asked_while_stuck == 1, f"the stuck read was asked again {asked_while_stuck - 1} time(s)"
