@@ -178,9 +178,9 @@ class Snapshot:
         # At once, each with a deadline: one source down or stuck must not
         # cost the scrape the rest.
         snap.memory, snap.images, snap.net = await asyncio.gather(
-            _read("memory", lambda: node.workers.run(node.memory.info), snap.errors),
-            _read("images", lambda: node.workers.run(node.image_service.info), snap.errors),
-            _read("net", node.net_service.drop_totals, snap.errors))
+            read_source("memory", lambda: node.workers.run(node.memory.info), snap.errors),
+            read_source("images", lambda: node.workers.run(node.image_service.info), snap.errors),
+            read_source("net", node.net_service.drop_totals, snap.errors))
         try:
             snap.denials = node.denials.info()
         except Exception as err:
@@ -196,7 +196,7 @@ SOURCE_TIMEOUT_S = 5.0
 _READS: dict[str, asyncio.Future] = {}
 
 
-async def _read(name: str, start, errors: list[str]) -> dict:
+async def read_source(name: str, start, errors: list[str]) -> dict:
     """The figures of source `name` (start() reads them), or {} with why in `errors`."""
     fut = _READS.get(name)
     if fut is None or fut.done() or fut.get_loop() is not asyncio.get_running_loop():

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import __version__, cgroup, protocol
+from . import __version__, cgroup, metrics, protocol
 from .backends.container import ContainerBackend
 from .backends.microvm import guestimg
 from .backends.microvm.backend import MicroVMBackend
@@ -329,23 +329,33 @@ class Node:
             states[sb.state] = states.get(sb.state, 0) + 1
         d = self.cfg.section("daemon")
         root = self.sb_defaults["cgroup_root"]
-        return {"version": __version__, "protocol": protocol.PROTOCOL_VERSION, "pid": os.getpid(),
-                "uptime_s": round(time.time() - self.started, 3), **self.features.to_dict(),
-                "limits": self.wire_limits(), "sandboxes": states,
-                "cpu": self.cpu.info(self.registry.requested(), self.sb_defaults["cpu"], self.default_memory),
-                "images": await self.workers.run(self.image_service.info),
-                "net": self.net_service.net_info(),
-                "memory": await self.workers.run(self.memory.info),
-                "fncall": self.call_service.info(),
-                "backends": {"container": {"available": True}, "microvm": self.vms.info()},
-                "admission": self.create_service.info(),
-                "userns": self.id_ranges.info(),
-                "policy": {**self.policies.info(), "denials": self.denials.info()},
-                "paths": {"socket": d["socket"], "state_dir": str(self.cfg.state_dir), "cgroup_root": root,
-                          "cgroup_dirs": {k: str(v / root) for k, v in self.layout.hierarchies().items()}},
-                "daemon": {"config": self.cfg.path, "log_level": d["log_level"], "log_format": d["log_format"],
-                           "metrics": self.cfg.section("metrics")["listen"] or None,
-                           "loop_lag": self.loop_monitor.stats() if self.loop_monitor else None}}
+        # Read in workers, each within the metrics' deadline: with every
+        # worker stuck (a hung store) or a read hanging, info still answers,
+        # saying what it could not read.
+        unread: list[str] = []
+        images, memory = await asyncio.gather(
+            metrics.read_source("images", lambda: self.workers.run(self.image_service.info), unread),
+            metrics.read_source("memory", lambda: self.workers.run(self.memory.info), unread))
+        out = {"version": __version__, "protocol": protocol.PROTOCOL_VERSION, "pid": os.getpid(),
+               "uptime_s": round(time.time() - self.started, 3), **self.features.to_dict(),
+               "limits": self.wire_limits(), "sandboxes": states,
+               "cpu": self.cpu.info(self.registry.requested(), self.sb_defaults["cpu"], self.default_memory),
+               "images": images,
+               "net": self.net_service.net_info(),
+               "memory": memory,
+               "fncall": self.call_service.info(),
+               "backends": {"container": {"available": True}, "microvm": self.vms.info()},
+               "admission": self.create_service.info(),
+               "userns": self.id_ranges.info(),
+               "policy": {**self.policies.info(), "denials": self.denials.info()},
+               "paths": {"socket": d["socket"], "state_dir": str(self.cfg.state_dir), "cgroup_root": root,
+                         "cgroup_dirs": {k: str(v / root) for k, v in self.layout.hierarchies().items()}},
+               "daemon": {"config": self.cfg.path, "log_level": d["log_level"], "log_format": d["log_format"],
+                          "metrics": self.cfg.section("metrics")["listen"] or None,
+                          "loop_lag": self.loop_monitor.stats() if self.loop_monitor else None}}
+        if unread:
+            out["unread"] = unread
+        return out
 
     def status_line(self, connections: int) -> str:
         """One line for systemd's STATUS= (`systemctl status dsecd`)."""

@@ -1,0 +1,56 @@
+"""`info` (Node.info): what it answers when a source it reads in a worker
+does not answer."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+from dsecd import metrics
+from dsecd.engine.workers import Workers
+from dsecd.node import Node
+
+
+def test_info_answers_without_a_source_that_does_not_and_says_which(monkeypatch):
+    """`dsec info` is what an operator runs first when a host misbehaves:
+    with every worker stuck (a hung shared store) or a read hanging, it
+    must still answer, with the figures it could read and which it could
+    not, rather than hang with them."""
+    monkeypatch.setattr(metrics, "SOURCE_TIMEOUT_S", 0.2)
+    release = threading.Event()
+
+    def stuck_images_info():
+        release.wait(30)
+        return {"mode": "direct"}
+
+    workers = Workers(2)
+    info = Node.info.__get__(SimpleNamespace(
+        registry=SimpleNamespace(by_id={}, requested=lambda: {}),
+        cfg=SimpleNamespace(section=lambda name: {"daemon": {"socket": "/s", "log_level": "info",
+                                                             "log_format": "json"},
+                                                  "metrics": {"listen": ""}}[name],
+                            state_dir="/state", path=None),
+        sb_defaults={"cgroup_root": "dsecd", "cpu": 1.0}, default_memory=1, started=0.0,
+        features=SimpleNamespace(to_dict=dict), wire_limits=dict, cpu=SimpleNamespace(info=lambda *a: {}),
+        workers=workers, image_service=SimpleNamespace(info=stuck_images_info),
+        memory=SimpleNamespace(info=lambda: {"zram": {"on": False}}),
+        net_service=SimpleNamespace(net_info=dict), call_service=SimpleNamespace(info=dict),
+        vms=SimpleNamespace(info=dict), create_service=SimpleNamespace(info=dict),
+        id_ranges=SimpleNamespace(info=dict), policies=SimpleNamespace(info=dict),
+        denials=SimpleNamespace(info=dict), layout=SimpleNamespace(hierarchies=dict), loop_monitor=None))
+
+    async def run():
+        workers.start(asyncio.get_running_loop())
+        try:
+            # A hang guard, not a measure: without the deadline info waits for ever.
+            return await asyncio.wait_for(info(None, None), 30)
+        finally:
+            release.set()
+
+    try:
+        out = asyncio.run(run())
+    finally:
+        workers.pool.shutdown(wait=True)
+    assert out["memory"] == {"zram": {"on": False}} and out["images"] == {}, out
+    assert [u.split(":")[0] for u in out["unread"]] == ["images"], out["unread"]
