@@ -11,21 +11,36 @@ The same task sends systemd WATCHDOG=1 (when WatchdogSec= armed one) and
 STATUS= with the live counts. So a wedged loop stops the pings, and systemd
 restarts the daemon (Restart=on-failure covers a watchdog timeout); the
 sandboxes keep running and the next daemon re-adopts them.
+
+A wedged loop cannot say where it is stuck, and systemd's kill (SIGABRT)
+leaves only "Watchdog timeout" in the journal: a thread of the monitor's
+own looks at the task's last turn every STALL_CHECK_S, and once the loop
+has not turned for STALL_REPORT_S (well before the unit's 30 s) logs the
+loop thread's stack, one warning per stall (event `loop_stalled`), then
+how long the stall lasted if it ends (`loop_resumed`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import sys
+import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 
 from . import metrics
 from .sdnotify import Notifier
 
+log = logging.getLogger(__name__)
+
 TICK_S = 0.1
 STATUS_EVERY_S = 5.0
 WINDOW = 36000          # samples kept for stats(): an hour at TICK_S
+STALL_REPORT_S = 10.0   # a loop that has not turned for this long is reported
+STALL_CHECK_S = 1.0
 
 
 class LoopMonitor:
@@ -35,13 +50,43 @@ class LoopMonitor:
         self.tick_s = tick_s
         self.lags: deque[float] = deque(maxlen=WINDOW)
         self._task: asyncio.Task | None = None
+        self.last_turn = time.monotonic()
+        self._done = threading.Event()
+        self._watch: threading.Thread | None = None
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
+        self.last_turn = time.monotonic()
+        self._done.clear()
+        self._watch = threading.Thread(target=self._watch_stalls, args=(threading.get_ident(),),
+                                       name="dsecd-loop-watch", daemon=True)
+        self._watch.start()
 
     def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        self._done.set()
+        if self._watch is not None and self._watch is not threading.current_thread():
+            self._watch.join()
+
+    def _watch_stalls(self, loop_thread: int) -> None:
+        """In a thread: report a loop that stopped turning, with its stack."""
+        stalled_since = None
+        while not self._done.wait(STALL_CHECK_S):
+            last = self.last_turn
+            late = time.monotonic() - last
+            if stalled_since is not None and last != stalled_since:
+                log.info("event loop turned again after %.1f s", last - stalled_since,
+                         extra={"fields": {"event": "loop_resumed", "stalled_s": round(last - stalled_since, 1)}})
+                stalled_since = None
+            if stalled_since is None and late >= STALL_REPORT_S:
+                stalled_since = last
+                frame = sys._current_frames().get(loop_thread)
+                stack = "".join(traceback.format_stack(frame)).rstrip() if frame is not None else "(not found)"
+                log.warning("event loop has not turned for %.0f s (systemd's watchdog kills the daemon at "
+                            "WatchdogSec=); it is in the stack below", late,
+                            extra={"fields": {"event": "loop_stalled", "stalled_s": round(late, 1),
+                                              "stack": stack}})
 
     async def _run(self) -> None:
         ping_every = self.notifier.watchdog_s
@@ -50,7 +95,7 @@ class LoopMonitor:
         while True:
             asked = time.monotonic()
             await asyncio.sleep(self.tick_s)
-            now = time.monotonic()
+            now = self.last_turn = time.monotonic()
             lag = max(0.0, now - asked - self.tick_s)
             self.lags.append(lag)
             metrics.LOOP_LAG.observe(lag)

@@ -1,0 +1,57 @@
+"""LoopMonitor's stall report: when the event loop stops turning, the log
+says where it is stuck before systemd's watchdog kills the daemon, which
+leaves nothing but "Watchdog timeout" and a SIGABRT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from dsecd import looplag
+from dsecd.sdnotify import Notifier
+
+
+def wedged_in_a_callback():
+    time.sleep(4.0)
+
+
+def test_a_stalled_loop_is_reported_with_where_it_is_stuck(monkeypatch, caplog):
+    monkeypatch.setattr(looplag, "STALL_REPORT_S", 1.0)
+    monkeypatch.setattr(looplag, "STALL_CHECK_S", 0.05)
+
+    async def run():
+        monitor = looplag.LoopMonitor(Notifier(environ={}), lambda: "")
+        monitor.start()
+        try:
+            await asyncio.sleep(0.3)         # turning: nothing said
+            wedged_in_a_callback()           # the loop stops turning here
+            await asyncio.sleep(1.0)         # and turns again
+        finally:
+            monitor.stop()
+
+    with caplog.at_level(logging.INFO, "dsecd.looplag"):
+        asyncio.run(run())
+    stalled = [r for r in caplog.records if getattr(r, "fields", {}).get("event") == "loop_stalled"]
+    assert len(stalled) == 1, [r.getMessage() for r in caplog.records]
+    assert stalled[0].levelno == logging.WARNING and "wedged_in_a_callback" in stalled[0].fields["stack"]
+    assert "has not turned" in stalled[0].getMessage()
+    resumed = [r for r in caplog.records if getattr(r, "fields", {}).get("event") == "loop_resumed"]
+    assert len(resumed) == 1 and resumed[0].fields["stalled_s"] > 0, [r.getMessage() for r in caplog.records]
+
+
+def test_a_loop_that_turns_is_not_reported(monkeypatch, caplog):
+    monkeypatch.setattr(looplag, "STALL_REPORT_S", 1.0)
+    monkeypatch.setattr(looplag, "STALL_CHECK_S", 0.05)
+
+    async def run():
+        monitor = looplag.LoopMonitor(Notifier(environ={}), lambda: "")
+        monitor.start()
+        try:
+            await asyncio.sleep(0.5)
+        finally:
+            monitor.stop()
+
+    with caplog.at_level(logging.INFO, "dsecd.looplag"):
+        asyncio.run(run())
+    assert not [r for r in caplog.records if getattr(r, "fields", {}).get("event")], caplog.records
