@@ -72,6 +72,11 @@ REFUSED_AGAIN_MAX_S = 0.2
 # caller's cancel waits for the daemon's answer and, if the sandbox was made
 # all the same, for its destroy (one or two round trips, normally).
 ABANDONED_CREATE_WAIT_S = 10.0
+# Requests whose abandonment (a cancel, a timeout) waits for their final
+# frame: the daemon sends it once it has removed what the request made
+# (a directory copy's partial tree), so the caller's cancel returns with
+# nothing of it left. Waited for ABANDONED_CREATE_WAIT_S at most.
+SETTLED_WHEN_ABANDONED = ("file_tar_put",)
 # How soon Client.hold renews again after a renew found the connection gone.
 HOLD_RETRY_S = 1.0
 
@@ -879,7 +884,8 @@ class Client:
             # come (the daemon finished it before the cancel landed), and what
             # it made must then be destroyed.
             undo = abandoned and on_wire and op == "create"
-            if not undo:
+            settle = abandoned and on_wire and op in SETTLED_WHEN_ABANDONED
+            if not (undo or settle):
                 conn.pending.pop(rid, None)
             if key:
                 self._keyed_create_ended(key, undo)
@@ -891,6 +897,24 @@ class Client:
                     pass
             if undo:
                 await self._undo_abandoned_create(conn, rid, pending, key)
+            elif settle:
+                await self._await_final_frame(conn, rid, pending)
+
+    @staticmethod
+    async def _await_final_frame(conn: _Conn, rid: int, pending: _Pending) -> None:
+        """Wait (ABANDONED_CREATE_WAIT_S at most) for the final frame of a
+        request abandoned after it was sent, which the daemon sends once it
+        has undone what the request began."""
+        async def final() -> None:
+            while "stream" in await pending.queue.get():
+                pass
+
+        waiter = asyncio.ensure_future(final())
+        try:
+            await asyncio.wait([waiter], timeout=ABANDONED_CREATE_WAIT_S)
+        finally:
+            waiter.cancel()
+            conn.pending.pop(rid, None)
 
     async def _undo_abandoned_create(self, conn: _Conn, rid: int, pending: _Pending, key: str | None) -> None:
         """A create the caller gave up on (a cancel, a timeout) after it was
@@ -1966,7 +1990,8 @@ class Sandbox:
         given as bytes, as docker's put_archive takes it) as the new
         directory `remote` in the sandbox (see upload_dir: the daemon
         checks every entry; a refused archive leaves nothing; `temporary`;
-        `owner`)."""
+        `owner`). Cancelled, it returns once the daemon has removed what
+        the copy made (in a container), so nothing of it is seen after."""
         if isinstance(fileobj, (bytes, bytearray, memoryview)):
             fileobj = io.BytesIO(fileobj)
         elif not callable(getattr(fileobj, "read", None)):

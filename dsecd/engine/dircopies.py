@@ -87,6 +87,13 @@ class ChunkPipe:
         return out
 
 
+def _retrieved(fut: asyncio.Future) -> None:
+    """A done callback: the future's outcome taken, so that an abandoned
+    one's error is not logged as never retrieved."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 def busy(sb: Sandbox, n: int) -> None:
     """A directory copy of `sb` begins (+1) or ends (-1). One request may
     stream for longer than the sandbox's idle TTL: the reaper waits for it
@@ -158,10 +165,21 @@ class DirCopyService:
         try:
             if sb.backend == "microvm":
                 return await self.vms.tar_put(sb, req.path, pipe, self.max_entries, self.max_bytes, owner)
-            return await self.workers.run(functools.partial(userns.file_op, owner=owner),
-                                          userns.IdMap.from_record(sb.idmap), tarcopy.put_tree,
-                                          sb.handle.rootfd, req.path, pipe, self.max_entries, self.max_bytes,
-                                          self._filler(sb, where), self._recorder(sb, records, hold))
+            work = asyncio.ensure_future(self.workers.run(
+                functools.partial(userns.file_op, owner=owner), userns.IdMap.from_record(sb.idmap),
+                tarcopy.put_tree, sb.handle.rootfd, req.path, pipe, self.max_entries, self.max_bytes,
+                self._filler(sb, where), self._recorder(sb, records, hold)))
+            try:
+                return await asyncio.shield(work)
+            except asyncio.CancelledError:
+                # The worker goes on reading the archive: ended, it removes
+                # the partial directory. The request ends after that (within
+                # limits.frame_timeout_s: a frozen copier can hold it up), so
+                # that a client told the copy was cancelled finds nothing of it.
+                pipe.end("the copy request was cancelled")
+                await asyncio.wait([work], timeout=self.idle_timeout)
+                work.add_done_callback(_retrieved)
+                raise
         except Exception as err:
             mapped = self.registry.destroyed_error(sb, f"copy into {where}") or self._error("copy into", where, err)
             if mapped is None:

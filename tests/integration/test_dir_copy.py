@@ -10,14 +10,17 @@ takes seconds to start."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import stat
 import tarfile
+import threading
 
 import pytest
 from conftest import sandbox_on, shared_vm, skip_unless_microvm
 
+import dsecd
 from dsecd.errors import BadRequest, Conflict, DsecError, LimitExceeded, NotFound
 from dsecd.localcopy import LocalCopyError
 
@@ -249,3 +252,57 @@ def test_a_relative_source_is_a_bad_request(sandbox, tmp_path):
     with pytest.raises(BadRequest, match="must be absolute"):
         sandbox.download_dir("relative/path", str(tmp_path / "r"))
     assert not (tmp_path / "r").exists()
+
+
+class _StalledTar(io.RawIOBase):
+    """A tar whose reads give its first `head` bytes, then wait for
+    `release`: a copy left in progress, its first chunk extracted."""
+
+    def __init__(self, data: bytes, head: int, release: threading.Event):
+        self.data, self.head, self.release, self.pos = data, head, release, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        if self.pos >= self.head:
+            self.release.wait()
+            end = len(self.data) if n < 0 else self.pos + n
+        else:
+            end = self.head if n < 0 else min(self.pos + n, self.head)
+        piece = self.data[self.pos:end]
+        self.pos += len(piece)
+        return piece
+
+
+def test_a_cancelled_upload_has_left_nothing_when_its_cancel_returns(daemon, client):
+    """A caller's timeout around upload_tar (a trainer's step): once the
+    cancelled call has returned, the partial directory beside the target
+    is gone, so what comes next (a listing, a snapshot) never sees it."""
+    sb = client.create(image="busybox", memory="256M")
+    data = tar_of(*(({"name": f"f{i}"}, os.urandom(1 << 20)) for i in range(8))).getvalue()
+    release = threading.Event()
+
+    async def go() -> list[str]:
+        async with dsecd.Client(daemon.socket) as c:
+            asb = await c.get(sb.id)
+            chunk = asb._chunk_size()
+            task = asyncio.ensure_future(asb.upload_tar(_StalledTar(data, chunk, release), "/work/up"))
+            try:
+                for _ in range(600):            # until the first chunk is extracted beside /work/up
+                    if any(e["name"].startswith(".dsec-put-") for e in await asb.list_files("/work")):
+                        break
+                    await asyncio.sleep(0.05)
+                else:
+                    raise AssertionError("the copy never began")
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                return [e["name"] for e in await asb.list_files("/work")]
+            finally:
+                release.set()               # the read the cancel left waiting in its thread
+
+    try:
+        assert asyncio.run(go()) == []
+    finally:
+        sb.destroy(force=True)
