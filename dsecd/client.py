@@ -29,6 +29,7 @@ import os
 import posixpath
 import secrets
 import tempfile
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -2047,7 +2048,8 @@ class Sandbox:
         `local` (which must not exist). Symlinks come as symlinks, never
         followed; FIFOs, sockets, devices and kernel filesystems are left out
         and listed in the result's `skipped`. Every entry is checked again
-        here, extracted beside `local` and renamed into place at the end.
+        here, extracted beside `local` and renamed into place at the end;
+        a failed or cancelled copy leaves nothing there once it returns.
         Result: path, count (entries), bytes, skipped."""
         local = os.path.abspath(local)
         if os.path.lexists(local):
@@ -2068,7 +2070,20 @@ class Sandbox:
             if result is None:
                 raise ConnectionError("file_tar_get: no final frame")
             spool.seek(0)
-            await asyncio.to_thread(localcopy.unpack, spool, local)
+            stop = threading.Event()
+            unpacking = asyncio.ensure_future(asyncio.to_thread(localcopy.unpack, spool, local, stop=stop))
+            try:
+                await asyncio.shield(unpacking)
+            except asyncio.CancelledError:
+                # The thread unpacks on: told to stop, it removes its
+                # temporary directory, and is waited for, so that nothing
+                # of the copy turns up after the cancel (a retry to `local`
+                # would find it).
+                stop.set()
+                await asyncio.wait([unpacking])
+                if not unpacking.cancelled():
+                    unpacking.exception()       # its Stopped, taken
+                raise
         return result
 
     async def watch(self, path: str, recursive: bool = False) -> AsyncIterator[dict]:

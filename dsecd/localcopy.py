@@ -18,6 +18,7 @@ import secrets
 import shutil
 import stat
 import tarfile
+import threading
 
 from . import tarsafe
 
@@ -70,8 +71,15 @@ def _info(tf: tarfile.TarFile, path: str, rel: str) -> tarfile.TarInfo:
     return info
 
 
-def unpack(src, dst: str, max_entries: int = 10**7, max_bytes: int = 1 << 62) -> int:
-    """Extract the tar in binary file `src` as the new directory `dst`; the number of entries."""
+class Stopped(Exception):
+    """unpack was told to stop (its caller was cancelled): nothing was left."""
+
+
+def unpack(src, dst: str, max_entries: int = 10**7, max_bytes: int = 1 << 62,
+           stop: threading.Event | None = None) -> int:
+    """Extract the tar in binary file `src` as the new directory `dst`; the
+    number of entries. `stop`, once set, ends it (Stopped) before the next
+    entry or the rename into place, with its temporary directory removed."""
     dst = os.path.abspath(dst)
     if os.path.lexists(dst):
         raise LocalCopyError(f"{dst} exists; remove it first or copy to a new path")
@@ -83,6 +91,7 @@ def unpack(src, dst: str, max_entries: int = 10**7, max_bytes: int = 1 << 62) ->
     try:
         with tarfile.open(fileobj=src, mode="r|") as tf:
             for m in tf:
+                _check_stop(stop)
                 rel = tarsafe.check(m, seen)
                 path = _below(tmp, rel)
                 if m.isdir():
@@ -103,11 +112,17 @@ def unpack(src, dst: str, max_entries: int = 10**7, max_bytes: int = 1 << 62) ->
             os.utime(path, (mtime, mtime))
         if "" not in dir_modes:
             os.chmod(tmp, 0o755)
+        _check_stop(stop)
         os.rename(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return seen.entries
+
+
+def _check_stop(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise Stopped("the copy was cancelled")
 
 
 def _below(tmp: str, rel: str) -> str:

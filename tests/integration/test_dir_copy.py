@@ -306,3 +306,34 @@ def test_a_cancelled_upload_has_left_nothing_when_its_cancel_returns(daemon, cli
         assert asyncio.run(go()) == []
     finally:
         sb.destroy(force=True)
+
+
+def test_a_cancelled_download_has_left_nothing_when_its_cancel_returns(daemon, client, tmp_path):
+    """A caller's timeout around download_dir that comes while the tree is
+    being unpacked here: once the cancelled call has returned, neither
+    the destination nor its temporary directory beside it is there, nor
+    turns up later (a retry to the same destination would find it)."""
+    sb = client.create(image="busybox", memory="256M")
+    sb.exec(["sh", "-c", "mkdir -p /work/d && cd /work/d && for i in $(seq 1 3000); do echo $i > f$i; done"])
+    dst = tmp_path / "out" / "d"
+    dst.parent.mkdir()
+
+    def temporaries() -> list[str]:
+        return [n for n in os.listdir(dst.parent) if n.startswith(".dsec-get-")]
+
+    async def go() -> tuple[bool, list[str]]:
+        async with dsecd.Client(daemon.socket) as c:
+            task = asyncio.ensure_future((await c.get(sb.id)).download_dir("/work/d", str(dst)))
+            while not temporaries():        # until the unpacking here has begun
+                assert not task.done(), "the download ended before its unpacking was seen"
+                await asyncio.sleep(0.005)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return dst.exists(), temporaries()
+
+    try:
+        assert asyncio.run(go()) == (False, [])
+        assert not dst.exists() and temporaries() == []
+    finally:
+        sb.destroy(force=True)
