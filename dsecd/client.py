@@ -74,10 +74,12 @@ REFUSED_AGAIN_MAX_S = 0.2
 # all the same, for its destroy (one or two round trips, normally).
 ABANDONED_CREATE_WAIT_S = 10.0
 # Requests whose abandonment (a cancel, a timeout) waits for their final
-# frame: the daemon sends it once it has removed what the request made
-# (a directory copy's partial tree), so the caller's cancel returns with
-# nothing of it left. Waited for ABANDONED_CREATE_WAIT_S at most.
-SETTLED_WHEN_ABANDONED = ("file_tar_put",)
+# frame, as a create's does: a directory copy's comes once the daemon has
+# removed its partial tree; a background process's may say it was started
+# (the daemon was done before the cancel landed), and it is then killed.
+# So the caller's cancel returns with nothing of it left. Waited for
+# ABANDONED_CREATE_WAIT_S at most (close() waits for the rest).
+SETTLED_WHEN_ABANDONED = ("file_tar_put", "proc_start")
 # How soon Client.hold renews again after a renew found the connection gone.
 HOLD_RETRY_S = 1.0
 
@@ -897,38 +899,43 @@ class Client:
                 except (ConnectionError, DsecError):
                     pass
             if undo:
-                await self._undo_abandoned_create(conn, rid, pending, key)
+                await self._undo_abandoned(self._settle_abandoned_create(conn, rid, pending, key))
             elif settle:
-                await self._await_final_frame(conn, rid, pending)
+                await self._undo_abandoned(self._settle_abandoned(conn, rid, pending, op, args))
 
-    @staticmethod
-    async def _await_final_frame(conn: _Conn, rid: int, pending: _Pending) -> None:
-        """Wait (ABANDONED_CREATE_WAIT_S at most) for the final frame of a
-        request abandoned after it was sent, which the daemon sends once it
-        has undone what the request began."""
-        async def final() -> None:
-            while "stream" in await pending.queue.get():
-                pass
-
-        waiter = asyncio.ensure_future(final())
-        try:
-            await asyncio.wait([waiter], timeout=ABANDONED_CREATE_WAIT_S)
-        finally:
-            waiter.cancel()
-            conn.pending.pop(rid, None)
-
-    async def _undo_abandoned_create(self, conn: _Conn, rid: int, pending: _Pending, key: str | None) -> None:
-        """A create the caller gave up on (a cancel, a timeout) after it was
-        sent: the daemon either cancels it (its answer is `conflict`, nothing
-        is left) or had already made the sandbox, whose result then comes
-        and the cancel finds no request in flight. Such a sandbox nobody
-        holds is destroyed, so that a cancelled create leaves nothing. Waited
-        for up to ABANDONED_CREATE_WAIT_S (the caller's cancel goes on after
-        that; the undo goes on in the background, and close() waits for it)."""
-        task = asyncio.get_running_loop().create_task(self._settle_abandoned_create(conn, rid, pending, key))
+    async def _undo_abandoned(self, settle) -> None:
+        """Run `settle`, the undo of a request the caller gave up on (a
+        cancel, a timeout) after it was sent, waiting for it up to
+        ABANDONED_CREATE_WAIT_S (the caller's cancel goes on after that;
+        the undo goes on in the background, and close() waits for it)."""
+        task = asyncio.get_running_loop().create_task(settle)
         self._undoing.add(task)
         task.add_done_callback(self._undoing.discard)
         await asyncio.wait([task], timeout=ABANDONED_CREATE_WAIT_S)
+
+    async def _settle_abandoned(self, conn: _Conn, rid: int, pending: _Pending, op: str, args: dict) -> None:
+        """An abandoned request of SETTLED_WHEN_ABANDONED: its final frame
+        waited for; a background process it started all the same is killed."""
+        try:
+            while "stream" in (frame := await pending.queue.get()):
+                pass
+        finally:
+            conn.pending.pop(rid, None)
+        if op == "proc_start" and "result" in frame:
+            await self._kill_started_for_nobody(args["sandbox"], frame["result"])
+
+    async def _kill_started_for_nobody(self, sandbox: str, info: dict) -> None:
+        """Kill the background process a cancelled proc_start started (`info`: its answer)."""
+        try:
+            await self.request("proc_kill", sandbox=sandbox, pid=info["pid"], signal="KILL")
+            log.info("proc_start on %s was cancelled after the daemon started pid %s in sandbox %s: killed it",
+                     self.target, info["pid"], sandbox)
+        except (NotFound, Conflict):
+            pass                            # gone, or ended, already
+        except (DsecError, ConnectionError) as err:
+            log.warning("proc_start on %s was cancelled after the daemon started pid %s in sandbox %s, and "
+                        "killing it failed (%s): `dsec kill %s %s` ends it", self.target, info["pid"], sandbox,
+                        err, sandbox, info["pid"])
 
     async def _settle_abandoned_create(self, conn: _Conn, rid: int, pending: _Pending, key: str | None) -> None:
         try:
@@ -1681,7 +1688,7 @@ class Sandbox:
         /bin/sh -c); returns once it runs. It outlives this client and a
         daemon restart; take it up again with `process(pid)`. stdin: a pipe
         fed by Process.write until close_stdin (False: /dev/null). policy:
-        its task policy, as exec's."""
+        its task policy, as exec's. Cancelled, it leaves no process running."""
         args = _given({"sandbox": self.id, "argv": command_argv(argv), "env": string_map(env, "env"),
                        "stdin": stdin}, cwd=cwd, user=user, policy=policy)
         r = await self.client.request("proc_start", **args)

@@ -494,7 +494,7 @@ class ActorClient(Client):
 
     async def _settle_cancelled_create(self, ref, key: str | None) -> None:
         """A create the caller cancelled: once its actor call ends, the
-        sandbox it made for nobody is destroyed, as Client._undo_abandoned_create
+        sandbox it made for nobody is destroyed, as Client._undo_abandoned
         does for a local one whose answer was on its way, unless a create of
         its key was sent meanwhile (the caller's retry, answered with that
         sandbox). Waited for up to ABANDONED_CREATE_WAIT_S; the undo goes on

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from dsecd import Client, SyncClient, protocol
+from dsecd import Client, Sandbox, SyncClient, protocol
 
 
 class StandInDaemon:
@@ -54,22 +54,28 @@ class StandInDaemon:
             await writer.drain()
 
     def answer(self, op: str, rid: int, args: dict, held: dict, writer) -> None:
-        if op in ("create", "exec"):
-            held[rid] = args
+        if op in ("create", "exec", "proc_start"):
+            held[rid] = op
         elif op == "cancel":
             target = args["target"]
             what = held.pop(target, None)
-            if self.on_cancel == "cancelled" or "argv" in (what or {}):
+            if self.on_cancel == "cancelled" or what == "exec":
                 writer.write(protocol.encode_frame(
                     {"id": target, "error": {"code": "conflict", "message": "request cancelled"}}))
                 writer.write(protocol.encode_frame({"id": rid, "result": {"cancelled": target}}))
                 return
-            made = {"id": "sb-late", **({"existing": True} if self.on_cancel == "existing" else {})}
+            if what == "proc_start":
+                made = {"pid": 42, "started": 1.0}
+            else:
+                made = {"id": "sb-late", **({"existing": True} if self.on_cancel == "existing" else {})}
             writer.write(protocol.encode_frame({"id": target, "result": made}))
             writer.write(protocol.encode_frame({"id": rid, "error": {
                 "code": "bad_request", "message": f"no request {target} in flight on this connection"}}))
         elif op == "destroy":
             writer.write(protocol.encode_frame({"id": rid, "result": {"id": args["sandbox"]}}))
+        elif op == "proc_kill":
+            writer.write(protocol.encode_frame({"id": rid, "result": {"pid": args["pid"], "signal": 9,
+                                                                      "sent": True}}))
 
 def cancelled_create(tmp_path, on_cancel: str, close_at_once: bool = False) -> StandInDaemon:
     """A create that times out (asyncio.wait_for) against the stand-in daemon:
@@ -120,6 +126,35 @@ def test_the_sandbox_of_a_key_from_an_earlier_create_is_not_destroyed(tmp_path):
     """`existing`: the key's sandbox, made and handed out before; not this create's to undo."""
     daemon = cancelled_create(tmp_path, "existing")
     assert daemon.seen_by_then == ["hello", "create", "cancel"] and daemon.ops("destroy") == []
+
+
+def cancelled_spawn(tmp_path, on_cancel: str) -> StandInDaemon:
+    """A spawn that times out (asyncio.wait_for) against the stand-in
+    daemon: what the daemon saw by the time the timeout reached the caller."""
+    daemon = StandInDaemon(str(tmp_path / "d.sock"), on_cancel)
+
+    async def go():
+        async with daemon:
+            async with Client(daemon.path) as c:
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(Sandbox(c, "sb-1", {}).spawn("sleep 100"), 0.1)
+                return [op for op, _ in daemon.seen]
+
+    daemon.seen_by_then = asyncio.run(go())
+    return daemon
+
+
+def test_a_process_started_before_its_cancel_landed_is_killed(tmp_path):
+    """A spawn the caller gave up on (a step's timeout) that the daemon had
+    started: its pid reached nobody, so it is killed, not left running."""
+    daemon = cancelled_spawn(tmp_path, "made")
+    assert daemon.seen_by_then == ["hello", "proc_start", "cancel", "proc_kill"]
+    assert daemon.ops("proc_kill") == [{"sandbox": "sb-1", "pid": 42, "signal": "KILL"}]
+
+
+def test_a_spawn_the_daemon_cancelled_kills_nothing(tmp_path):
+    daemon = cancelled_spawn(tmp_path, "cancelled")
+    assert daemon.seen_by_then == ["hello", "proc_start", "cancel"] and daemon.ops("proc_kill") == []
 
 
 def interrupted_sync_call(tmp_path, on_cancel: str, call) -> StandInDaemon:
