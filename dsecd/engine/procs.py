@@ -87,17 +87,27 @@ class Ring:
         self.size = 0
         self.written = 0           # offset past the last byte read from the process
         self.dropped = 0           # bytes that fell out (= the offset of the oldest kept byte)
+        # When the newest of them was read (None: unknown): a follower asking
+        # only for output read since a later time wanted none of them.
+        self.dropped_until: float | None = None
         # When this daemon followed one that left no count of what it read
         # (it died, or predates the count): what the process wrote before,
         # if anything, went with that daemon, uncounted. None: nothing unknown is lost.
         self.lost_before: float | None = None
 
-    def skip_to(self, offset: int) -> None:
+    def skip_to(self, offset: int, at: float | None = None) -> None:
         """Empty, with `offset` bytes counted as written and dropped: what a
-        daemon that stopped cleanly had read (ProcessService.close)."""
+        daemon that stopped cleanly had read (ProcessService.close), the
+        last of it at time `at` (None: unknown)."""
         self.chunks.clear()
         self.size = 0
         self.written = self.dropped = offset
+        self.dropped_until = at
+
+    @property
+    def read_until(self) -> float | None:
+        """When the newest byte written was read (None: unknown, or none)."""
+        return self.chunks[-1][1] if self.chunks else self.dropped_until
 
     def append(self, fd: int, data: bytes, at: float) -> None:
         offset = self.written
@@ -105,11 +115,13 @@ class Ring:
         if len(data) > self.cap:            # only its tail fits
             offset += len(data) - self.cap
             data = data[-self.cap:]
+            self.dropped_until = at
         self.chunks.append((offset, at, fd, data))
         self.size += len(data)
         while self.size > self.cap:
-            _, _, _, old = self.chunks.popleft()
+            _, old_at, _, old = self.chunks.popleft()
             self.size -= len(old)
+            self.dropped_until = old_at if self.dropped_until is None else max(self.dropped_until, old_at)
         self.dropped = self.chunks[0][0] if self.chunks else self.written
 
     def put(self, offset: int, fd: int, data: bytes, at: float) -> None:
@@ -123,19 +135,25 @@ class Ring:
         if offset < self.written:
             data = data[self.written - offset:]
         elif offset > self.written:
+            # The gap was written before this chunk was read: no later than `at`.
             self.chunks.clear()
             self.size = 0
             self.written = offset
+            self.dropped_until = at
         self.append(fd, data, at)
 
-    def after(self, pos: int) -> tuple[int, list[tuple[int, float, int, bytes]]]:
-        """(bytes lost past `pos` because they fell out, the chunks from `pos` on)."""
+    def after(self, pos: int, since: float | None = None) -> tuple[int, list[tuple[int, float, int, bytes]]]:
+        """(bytes lost past `pos` because they fell out, the chunks from `pos`
+        on); with `since`, a follower's who wants only what was read at or
+        after that time, none are lost when all were read before it."""
         out = []
         for chunk in reversed(self.chunks):          # a follower near the end reads few
             if chunk[0] < pos:
                 break
             out.append(chunk)
         out.reverse()
+        if since is not None and self.dropped_until is not None and self.dropped_until < since:
+            return 0, out
         return max(0, self.dropped - pos), out
 
 
@@ -555,7 +573,7 @@ class ProcessService:
             tick = proc.tick            # taken before the read: nothing between them is missed
             over = proc.over.done()
             base = proc.ring.dropped
-            lost, chunks = proc.ring.after(pos)
+            lost, chunks = proc.ring.after(pos, req.since)
             if lost or first:
                 frame: dict = {"dropped": lost}
                 gap = proc.ring.lost_before
@@ -596,6 +614,7 @@ class ProcessService:
                     proc._grace.cancel()
                 if not proc.vm:
                     proc.rec["output_seen"] = proc.ring.written
+                    proc.rec["output_seen_at"] = proc.ring.read_until
             sb = self.registry.by_id.get(sb_id)
             if sb is not None and table:
                 try:
@@ -699,10 +718,11 @@ def _output_gone(proc: BgProc, now: float) -> None:
     uncounted loss before `now`. The count is taken off the record, which
     readopt journals again at once: a later crash must not reuse it."""
     seen = proc.rec.pop("output_seen", None)
+    seen_at = proc.rec.pop("output_seen_at", None)
     if seen is None:
         proc.ring.lost_before = now
     else:
-        proc.ring.skip_to(int(seen))
+        proc.ring.skip_to(int(seen), seen_at)
 
 
 def _open_pipes(want_stdin: bool) -> tuple[dict[str, int], tuple[int, int, int]]:

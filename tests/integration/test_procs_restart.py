@@ -79,6 +79,34 @@ def test_a_process_survives_a_restart(daemon_factory, busybox_rootfs, how):
     c.close()
 
 
+def test_a_follower_resuming_since_its_last_chunk_is_told_of_no_loss(daemon_factory, busybox_rootfs):
+    """A follower cut off by a clean restart takes up the output again with
+    what was read after the last chunk it got (`since` is inclusive: just
+    past that chunk's time): what the daemon before read, and took with
+    it, is older, so nothing it asked for is reported lost, and the lines
+    go on where they stopped."""
+    d = daemon_factory()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", memory="128M")
+    # Two lines, then nothing until its stdin says: the daemon stopped has read all it wrote before.
+    ticker = sb.spawn("echo line 0; echo line 1; read go; i=2; while [ $i -lt 6 ]; do echo line $i; "
+                      "i=$((i+1)); done")
+    _wait_for_output(ticker, len("line 0\nline 1\n"))
+    last = list(ticker.output(follow=False))[-1]
+    c.close()
+    d.stop(signal.SIGTERM)
+    d.start()
+    c = d.client()
+    ticker = c.get(sb.id).process(ticker.pid)
+    ticker.write(b"go\n")
+    chunks = list(ticker.output(follow=True, since=last.time + 0.001))
+    assert [ch for ch in chunks if not ch.data] == [], chunks[:2]
+    assert b"".join(ch.data for ch in chunks) == b"line 2\nline 3\nline 4\nline 5\n"
+    assert ticker.status().dropped == len("line 0\nline 1\n")     # the count itself is kept
+    c.close()
+
+
 def _pipes_held(pid: int) -> list[str]:
     fds = os.listdir(f"/proc/{pid}/fd")
     return [t for t in (os.readlink(f"/proc/{pid}/fd/{fd}") for fd in fds) if t.startswith("pipe:")]

@@ -52,6 +52,29 @@ def test_a_vm_agents_pushes_repeat_and_skip_by_offset():
     assert (ring.written, ring.dropped, lost, [c[3] for c in chunks]) == (13, 10, 10, [b"xyz"])
 
 
+def test_bytes_dropped_before_what_a_follower_asks_since_are_not_reported_lost():
+    """A follower that resumes with `since` (the time of the last chunk it
+    got) asked for nothing older: bytes that fell out of the ring before
+    that time are no loss to it, while a newer one is."""
+    ring = Ring(10)
+    for i in range(5):
+        ring.append(1, b"%d%d%d" % (i, i, i), float(i))      # "000" and "111" fall out
+    assert ring.after(0, since=2.0)[0] == 0
+    assert ring.after(0, since=1.0)[0] == 6                # "111" was read at 1.0: asked for, lost
+    assert ring.after(0)[0] == 6
+
+
+def test_what_a_stopped_daemon_read_is_no_loss_to_a_follower_since_later():
+    """skip_to: the output a daemon that stopped cleanly read went with it,
+    up to the time it read the last of it; unknown time: always reported."""
+    ring = Ring(100)
+    ring.skip_to(24, 5.0)
+    assert ring.after(0, since=5.5)[0] == 0 and ring.after(0, since=4.0)[0] == 24
+    ring = Ring(100)
+    ring.skip_to(24)
+    assert ring.after(0, since=5.5)[0] == 24
+
+
 @pytest.mark.parametrize("given, want", [("KILL", 9), ("sigterm", 15), ("9", 9), (2, 2), (" HUP ", 1)])
 def test_signals_by_name_or_number(given, want):
     assert parse_signal(given) == signal.Signals(want)
