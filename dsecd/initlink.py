@@ -172,6 +172,14 @@ class InitExec:
             self._fd = -1
 
 
+def start_strings(argv: list[str], env: list[str], cwd: str, uid: int, gid: int) -> bytes:
+    """The strings of a start request (cwd, argv, env, each NUL-ended), as
+    init takes them: at most native.INIT_MAX_STRINGS bytes fit in one.
+    ValueError for strings or ids execve cannot take, as the helper's."""
+    raw_argv, raw_env, raw_cwd = native.check_exec_request(argv, env, cwd, uid, gid)
+    return b"\0".join((raw_cwd, *raw_argv, *raw_env)) + b"\0"
+
+
 class InitLink:
     """The daemon's end of one sandbox's exec channel.
 
@@ -205,9 +213,8 @@ class InitLink:
         before execve; groups: its supplementary gids. An init older than
         either flag refuses the request: it never runs without them."""
         gid = uid if gid is None else gid
-        raw_argv, raw_env, raw_cwd = native.check_exec_request(argv, env, cwd, uid, gid)     # as the helper's
+        strings = start_strings(argv, env, cwd, uid, gid)
         native.check_groups(groups)
-        strings = b"\0".join((raw_cwd, *raw_argv, *raw_env)) + b"\0"
         if len(strings) > native.INIT_MAX_STRINGS:
             return None
         if policy is not None and not 0 < len(policy) <= native.POLICY_MAX_BYTES:

@@ -46,7 +46,7 @@ from ..errors import BadRequest, Conflict, LimitExceeded, NotFound, Unsupported,
 from ..execio import READ_CHUNK, _decode_status, parse_signal
 from ..fds import close_quietly, read_ready
 from ..fs import users
-from ..initlink import KILLED, InitExec
+from ..initlink import KILLED, InitExec, start_strings
 from .denials import DenialService
 from .execs import exec_target, request_user
 from .policies import PolicyService
@@ -262,6 +262,17 @@ class ProcessService:
             raise Conflict(f"sandbox {sb.id} cannot start background processes: its init takes no requests "
                            "(made with sandbox.exec_via = helper, by an older daemon, or before "
                            "sandbox.capabilities grew); use exec, or create a new sandbox", {"sandbox": sb.id})
+        try:
+            size = len(start_strings(list(req.argv), env, cwd, ids.uid, ids.gid))
+        except ValueError as err:
+            raise BadRequest(f"proc_start: {err}") from err
+        if size > native.INIT_MAX_STRINGS:
+            # Only init starts background processes, and its channel takes one
+            # message: no retry can start this one.
+            raise LimitExceeded(f"proc_start: its command, environment and working directory come to {size} "
+                                f"bytes; the sandbox's init, which starts background processes, takes at most "
+                                f"{native.INIT_MAX_STRINGS}: pass long input through its stdin or a file (an "
+                                "exec takes more)", {"bytes": size, "max": native.INIT_MAX_STRINGS})
         await self.ensure_running(sb, "starting a process")
         ref = None if self.denials is None else await self.denials.exec_starting(sb, applied, req.argv[0])
         ours, theirs = _open_pipes(req.stdin)

@@ -187,6 +187,19 @@ def test_bad_input(any_sandbox):
         sandbox.spawn([""])
 
 
+def test_a_command_too_long_for_init_is_a_limit_not_a_conflict_to_retry(sandbox):
+    """A background process is started by the sandbox's init, whose channel
+    takes one message: a longer command (a prompt passed as an argument)
+    can never start, so it is `limit` saying so, not a `conflict` saying to
+    retry. An exec of the same command runs."""
+    long_arg = "x" * 100_000
+    with pytest.raises(LimitExceeded, match="its stdin or a file") as err:
+        sandbox.spawn(["sh", "-c", "echo ${#0}", long_arg])
+    assert err.value.detail["max"] < err.value.detail["bytes"]
+    assert sandbox.processes() == []
+    assert sandbox.exec(["sh", "-c", "echo ${#0}", long_arg]).stdout == b"100000\n"
+
+
 def test_eviction_and_the_limit(daemon_factory, busybox_rootfs):
     d = daemon_factory("[limits]\nmax_procs_per_sandbox = 3\n")
     c = d.client()
