@@ -74,12 +74,14 @@ REFUSED_AGAIN_MAX_S = 0.2
 # all the same, for its destroy (one or two round trips, normally).
 ABANDONED_CREATE_WAIT_S = 10.0
 # Requests whose abandonment (a cancel, a timeout) waits for their final
-# frame, as a create's does: a directory copy's comes once the daemon has
-# removed its partial tree; a background process's may say it was started
-# (the daemon was done before the cancel landed), and it is then killed.
-# So the caller's cancel returns with nothing of it left. Waited for
-# ABANDONED_CREATE_WAIT_S at most (close() waits for the rest).
-SETTLED_WHEN_ABANDONED = ("file_tar_put", "proc_start")
+# frame, as a create's does: an exec's comes once the daemon no longer
+# counts it as running (a destroy without force right after is not refused
+# for it); a directory copy's once the daemon has removed its partial
+# tree; a background process's may say it was started (the daemon was done
+# before the cancel landed), and it is then killed. So the caller's cancel
+# returns with nothing of it left. Waited for ABANDONED_CREATE_WAIT_S at
+# most (close() waits for the rest).
+SETTLED_WHEN_ABANDONED = ("exec", "file_tar_put", "proc_start")
 # How soon Client.hold renews again after a renew found the connection gone.
 HOLD_RETRY_S = 1.0
 

@@ -1,5 +1,7 @@
 """exec in a real container sandbox: output, status, timeout, stdin, caps."""
 
+import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -8,6 +10,7 @@ import time
 import pytest
 from attack_kit import install_probe, run_probe
 
+import dsecd
 from dsecd.errors import Conflict, DsecError, NotFound
 
 
@@ -131,6 +134,39 @@ def test_destroy_with_running_exec_needs_force(client):
     t.join(10)
     c2.close()
     assert not t.is_alive()
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_timed_out_exec_no_longer_holds_its_sandbox_when_the_timeout_returns(daemon, streamed):
+    """A step's timeout around an exec (asyncio.wait_for): once it has
+    returned, the exec it cancelled no longer counts as running, so a
+    plain destroy (no force) right after it removes the sandbox instead of
+    answering conflict."""
+    async def exec_until_cancelled(sb) -> None:
+        if streamed:
+            async for _ in sb.exec_stream(["sh", "-c", "touch /tmp/started; exec sleep 30"]):
+                pass
+        else:
+            await sb.exec(["sh", "-c", "touch /tmp/started; exec sleep 30"])
+
+    async def go() -> None:
+        async with dsecd.Client(daemon.socket) as c:
+            for _ in range(3):
+                sb = await c.create(image="busybox")
+                try:
+                    task = asyncio.ensure_future(exec_until_cancelled(sb))
+                    while not await sb.exists("/tmp/started"):
+                        await asyncio.sleep(0.02)
+                    task.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await task
+                    assert (await sb.destroy())["id"] == sb.id
+                except BaseException:
+                    with contextlib.suppress(DsecError):
+                        await sb.destroy(force=True)
+                    raise
+
+    asyncio.run(go())
 
 
 def test_exec_on_missing_sandbox(client):
