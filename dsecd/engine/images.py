@@ -543,15 +543,29 @@ class ImageService:
                 raise Conflict(f"sandbox {sb.id} is a paused microVM; resume it first (dsec resume {sb.id})",
                                {"sandbox": sb.id, "state": sb.state})
             async with self.vm_upper(sb, self.images.scratch, self.max_snapshot_bytes) as upper:
-                image = await self._images_call(self.images.snapshot, upper, base, req.name, exclude,
-                                                self._progress(ctx), self.max_snapshot_bytes)
+                image = await self._pack(upper, base, req.name, exclude, ctx)
             return image.to_dict()
         async with self.frozen_upper(sb) as upper:
             with count_image_op("snapshot") as done:
-                image = await self._images_call(self.images.snapshot, upper, base, req.name, exclude,
-                                                self._progress(ctx), self.max_snapshot_bytes)
+                image = await self._pack(upper, base, req.name, exclude, ctx)
                 done(image)
         return image.to_dict()
+
+    async def _pack(self, upper, base: Image, name: str, exclude: list[str], ctx) -> Image:
+        """images.snapshot of `upper` in a worker. Cancelled, the pack is
+        kept from publishing the image and waited for: the view it reads
+        is removed, and the sandbox thawed, only after it has ended, and the
+        request's final frame comes after that."""
+        cancelled = threading.Event()
+        packing = asyncio.ensure_future(self._images_call(self.images.snapshot, upper, base, name, exclude,
+                                                          self._progress(ctx), self.max_snapshot_bytes,
+                                                          cancelled))
+        try:
+            return await asyncio.shield(packing)
+        except asyncio.CancelledError:
+            cancelled.set()
+            await outcome(packing)
+            raise
 
     @contextlib.asynccontextmanager
     async def frozen_upper(self, sb):

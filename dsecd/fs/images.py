@@ -570,15 +570,20 @@ class ImageStore:
         return name
 
     def snapshot(self, upper: Path, base: Image, name: str, exclude: list[str],
-                 progress: Progress | None = None, max_bytes: int = 0) -> Image:
+                 progress: Progress | None = None, max_bytes: int = 0,
+                 cancelled: threading.Event | None = None) -> Image:
         """pack_diff: the sandbox's upper dir as a new top layer over `base`.
-        `max_bytes` (0 = none) bounds the files' apparent size, checked first."""
+        `max_bytes` (0 = none) bounds the files' apparent size, checked first.
+        `cancelled`, once set, keeps the image from being published
+        (`conflict`); the layer made is left to `image gc`."""
         name = self.name_free(name)
         if max_bytes:
             check_apparent_size(upper, exclude, max_bytes)
         with self.pinning() as hold:
             self._hold_existing(hold, base.layers)
             layer = self.build_layer(upper, exclude=exclude, progress=progress, hold=hold)
+            if cancelled is not None and cancelled.is_set():
+                raise ImageError("conflict", f"snapshot to {name!r} cancelled: nothing published")
             return self._commit(name, base.layers + [layer], base.config, base.name, hold)
 
     # ------------------------------------------------------------ Dockerfile builds

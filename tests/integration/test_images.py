@@ -1,15 +1,18 @@
 """EROFS images: build, layers, dedup, names, gc, tarballs, and pack_diff snapshots."""
 
+import asyncio
 import hashlib
 import io
 import os
 import signal
 import tarfile
 import time
+from pathlib import Path
 
 import pytest
 from image_kit import _entry, _file, _tar_bytes, docker_save
 
+import dsecd
 from dsecd.errors import BadRequest, Conflict, NotFound
 
 
@@ -285,6 +288,58 @@ def test_a_snapshot_has_its_images_config_not_its_creates(images):
     assert sb2.exec("echo K=$K; pwd; id -u").stdout == b"K=\n/\n0\n"
     sb.destroy()
     sb2.destroy()
+
+
+def _frozen(cgroups: dict) -> bool:
+    """Whether the freezer of a sandbox (inspect's `cgroups`) holds it frozen."""
+    for path in cgroups.values():
+        if (Path(path) / "cgroup.freeze").exists():
+            return (Path(path) / "cgroup.freeze").read_text().strip() == "1"
+        if (Path(path) / "freezer.state").exists():
+            return (Path(path) / "freezer.state").read_text().strip() != "THAWED"
+    raise AssertionError(f"no freezer among {cgroups}")
+
+
+def test_a_snapshot_cancelled_while_it_packs_publishes_nothing(daemon_factory, busybox_rootfs):
+    """A caller's timeout around a snapshot that comes while its layer is
+    packed: once the cancel has returned, the pack is over, its image is
+    not published (now or later: a retry under the same name is not told
+    the name is taken) and the sandbox is thawed and runs with its files
+    as they were."""
+    d = daemon_factory()
+    with d.client() as c:
+        c.build_image(busybox_rootfs, "base")
+
+    async def go() -> list[str]:
+        async with dsecd.Client(d.socket) as c:
+            sb = await c.create(image="base", memory="512M")
+            cgroups = (await sb.inspect())["cgroups"]
+            await sb.exec("head -c 64M /dev/urandom > /work/big")
+            want = (await sb.exec("md5sum /work/big")).stdout
+            published = []
+            for i in range(4):
+                name = f"cut-{i}"
+                began = asyncio.Event()
+
+                def on_progress(p: dict, began=began) -> None:
+                    if p.get("step") == "mkfs.erofs":       # the pack has begun
+                        began.set()
+
+                task = asyncio.ensure_future(sb.snapshot(name, progress=on_progress))
+                await began.wait()
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                assert not _frozen(cgroups)
+                assert (await sb.inspect())["state"] == "running"
+                assert (await sb.exec("md5sum /work/big")).stdout == want
+                await asyncio.sleep(1)          # a pack left running would publish meanwhile
+                published += [i["name"] for i in await c.list_images() if i["name"] == name]
+            assert (await sb.snapshot("cut-0"))["name"] == "cut-0"      # the name is free
+            await sb.destroy()
+            return published
+
+    assert asyncio.run(go()) == []
 
 
 def test_snapshot_name_conflict_and_missing_sandbox(images):
