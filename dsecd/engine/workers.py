@@ -91,10 +91,13 @@ async def to_the_end(coro, locks=()):
     """Run `coro` to its end even when the caller is cancelled (its client
     gone, a `cancel`): for a change of state that, once begun, must finish
     so the sandbox is what its state says (a pause's freeze goes on in its
-    worker thread whatever the caller does). The cancelled caller stops
-    waiting; an error the coroutine ends with then is logged. `locks` are
-    taken first, in order, while a cancel still stops it all (nothing has
-    begun: `coro` never runs), and held until `coro` has ended."""
+    worker thread whatever the caller does). The cancelled caller waits
+    for that end before it ends too, so that the request's final frame
+    comes after the change: a client told its pause was cancelled, which
+    then resumes, is not overtaken by the pause's freeze. An error the
+    coroutine ends with then is logged. `locks` are taken first, in order,
+    while a cancel still stops it all (nothing has begun: `coro` never
+    runs), and held until `coro` has ended."""
     taken = []
     try:
         for lock in locks:
@@ -112,6 +115,7 @@ async def to_the_end(coro, locks=()):
         return await asyncio.shield(task)
     except asyncio.CancelledError:
         task.add_done_callback(_log_abandoned)
+        await outcome(task)
         raise
 
 

@@ -1,5 +1,6 @@
 """Pause/resume with reclaim, auto-resume, jobs, TTLs, leases and events through the daemon."""
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import dsecd
 from dsecd.errors import BadRequest, DsecError, NotFound
 from dsecd.mem.zram import active_swaps
 
@@ -369,6 +371,35 @@ def test_oom_kill_is_an_event(mem):
     ev = asyncio.run(asyncio.wait_for(first_oom(), 10))
     assert ev["kills"] >= 1
     sb.destroy()
+
+
+def test_a_job_resume_after_a_cancelled_job_pause_leaves_the_job_running(mem):
+    """A trainer's timeout around a job pause, then a job resume: once the
+    cancel has returned, the pause it cancelled (which, begun, runs to its
+    end) is over, so the resume that follows thaws the job instead of
+    coming before the pause's freeze and leaving every sandbox frozen."""
+    d, c = mem
+    sbs = [c.create(image="busybox", memory="64M", cpu=0.25, labels={"job": "cut"}) for _ in range(40)]
+    freezes = [Path(sb.inspect()["cgroups"]["unified"]) / "cgroup.freeze" for sb in sbs]
+
+    async def go() -> list[tuple[int, int]]:
+        seen = []
+        async with dsecd.Client(d.socket) as ac:
+            for _ in range(4):
+                pausing = asyncio.ensure_future(ac.job_pause("cut"))
+                await asyncio.sleep(0)          # sent
+                pausing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pausing
+                await ac.job_resume("cut")
+                states = [s["state"] for s in await ac.list(labels={"job": "cut"})]
+                seen.append((states.count("paused"), sum(f.read_text().strip() == "1" for f in freezes)))
+        return seen
+
+    try:
+        assert asyncio.run(go()) == [(0, 0)] * 4
+    finally:
+        c.job_rm("cut", force=True)
 
 
 def test_job_pause_is_journaled_for_a_restarted_daemon(mem):

@@ -1,6 +1,7 @@
 """to_the_end (dsecd/engine/workers.py): a change of state, once begun,
-runs to its end though its request is cancelled, and the daemon's stop
-waits for it (finish_under_way) before the journal closes."""
+runs to its end though its request is cancelled, the cancelled request
+ends after it (its final frame then comes after the change), and the
+daemon's stop waits for it (finish_under_way) before the journal closes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from dsecd.engine.workers import finish_under_way, to_the_end
 
 
-def test_a_cancelled_request_leaves_its_change_running_and_the_stop_waits_for_it():
+def test_a_cancelled_request_ends_after_its_change_and_the_stop_waits_for_it():
     ended = []
 
     async def change(delay):
@@ -21,12 +22,14 @@ def test_a_cancelled_request_leaves_its_change_running_and_the_stop_waits_for_it
     async def run():
         request = asyncio.ensure_future(to_the_end(change(0.2)))
         await asyncio.sleep(0.05)
-        request.cancel()                    # the server's stop cancels its requests
+        request.cancel()                    # a `cancel`, or the server's stop
+        stopping = asyncio.ensure_future(finish_under_way(5.0))
+        await asyncio.sleep(0)
+        assert ended == [] and not stopping.done()      # the change runs on, and the stop waits for it
         with pytest.raises(asyncio.CancelledError):
             await request
-        assert ended == []
-        assert await finish_under_way(5.0) == 0
-        assert ended == [0.2]
+        assert ended == [0.2]               # the cancelled request ended after its change
+        assert await stopping == 0
 
     asyncio.run(run())
 
