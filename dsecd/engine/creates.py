@@ -314,6 +314,13 @@ class CreateService:
         if isinstance(known, str) and known in self.registry.by_id:
             sb = self.registry.by_id[known]
             self._same_create(req, sb.key_args, f"sandbox {sb.id}, of image {sb.image}")
+            if sb.state == "stopping":
+                # Not the caller's to have: it is about to go, and the key
+                # with it; a retry then makes a new sandbox.
+                raise Busy(f"idempotency key {req.key!r} names sandbox {sb.id}, which is being destroyed; "
+                           "retry once it is gone: the key is free then",
+                           {"key": req.key, "sandbox": sb.id,
+                            "retry_after_s": self.adm_cfg["full_retry_after_s"]})
             return {**sb.public(), "existing": True}
         fut = self.workers.loop.create_future()
         keys[req.key] = fut

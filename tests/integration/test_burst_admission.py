@@ -49,6 +49,27 @@ def test_same_key_same_sandbox_even_when_concurrent(daemon):
         c.close()
 
 
+def test_a_key_whose_sandbox_is_being_destroyed_is_busy_then_free(daemon):
+    """A create whose key names a sandbox being destroyed (a trainer's
+    retry after a destroy it gave up waiting for) is not answered with that
+    sandbox, about to be gone, as its own: it is busy, with when to retry,
+    and once the destroy is done the key makes a new sandbox."""
+    async def go() -> None:
+        async with Client(daemon.socket) as c:
+            sb = await c.create(image="busybox", key="k-stopping")
+            destroying = asyncio.ensure_future(sb.destroy())
+            await asyncio.sleep(0)                  # the destroy goes out first
+            with pytest.raises(Busy, match="being destroyed") as err:
+                await c.create(image="busybox", key="k-stopping")
+            assert err.value.detail["sandbox"] == sb.id and err.value.detail["retry_after_s"] > 0
+            await destroying
+            again = await c.create(image="busybox", key="k-stopping")
+            assert again.id != sb.id and not again.info.get("existing")
+            await again.destroy()
+
+    asyncio.run(go())
+
+
 def test_key_survives_a_daemon_restart(daemon_factory, busybox_rootfs):
     d = daemon_factory()
     c = d.client()
