@@ -92,3 +92,41 @@ def test_a_pause_whose_qemu_does_not_exit_says_so_and_what_to_do(tmp_path):
     sb = SimpleNamespace(id="v1", handle=h, net=None, vm={}, execs=0)
     with pytest.raises(DsecError, match=r"QEMU \(pid 4242\) did not exit after SIGKILL.*destroy the sandbox"):
         asyncio.run(svc.pause(sb))
+
+
+def test_the_wait_for_a_guest_ends_when_a_destroy_ends_its_qemu(tmp_path):
+    """A destroy takes no sandbox lock: one during a resume's wait for the
+    new QEMU's monitor removed the loop's reader of the handle's pidfd (the
+    one the wait watched), closed the fd and killed QEMU, so the wait went
+    on to the monitor's connect timeout: the resume hung for 120 s. The wait
+    watches a pidfd of its own, and ends when QEMU does."""
+    import os
+    import subprocess
+
+    from dsecd.backends.microvm.backend import _unless_exits
+
+    qemu = subprocess.Popen(["sleep", "600"])
+    h = SimpleNamespace(pidfd=os.pidfd_open(qemu.pid))
+
+    async def destroy_meanwhile():
+        await asyncio.sleep(0.1)
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(h.pidfd)             # LifecycleService._teardown
+        qemu.kill()                             # MicroVMBackend.stop
+        os.close(h.pidfd)                       # MicroVMBackend.release
+        h.pidfd = -1
+
+    async def go():
+        destroy = asyncio.ensure_future(destroy_meanwhile())
+        try:
+            # The work stands for the monitor's connect, retried until its timeout.
+            with pytest.raises(VmError, match="QEMU exited"):
+                await asyncio.wait_for(_unless_exits(h, asyncio.sleep(3600)), 30)
+        finally:
+            await destroy
+
+    try:
+        asyncio.run(go())
+    finally:
+        qemu.kill()
+        qemu.wait()

@@ -679,7 +679,11 @@ async def _unless_exits(h: VmHandle, work) -> None:
     a guest that panicked) instead of at the end of a timeout."""
     loop = asyncio.get_running_loop()
     gone = loop.create_future()
-    loop.add_reader(h.pidfd, lambda: gone.done() or gone.set_result(None))
+    # A copy of the pidfd of our own: a destroy meanwhile (which takes no
+    # sandbox lock) removes the loop's reader of h.pidfd, closes it and sets
+    # it to -1, which would leave this wait to the work's own timeout.
+    pidfd = os.dup(h.pidfd)
+    loop.add_reader(pidfd, lambda: gone.done() or gone.set_result(None))
     task = asyncio.ensure_future(work)
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -690,7 +694,8 @@ async def _unless_exits(h: VmHandle, work) -> None:
         task.cancel()
         raise
     finally:
-        loop.remove_reader(h.pidfd)
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
     if not task.done():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
