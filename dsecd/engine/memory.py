@@ -259,7 +259,16 @@ class MemoryService:
     async def _pause_running(self, sb) -> dict:
         self._cancel_behind(sb.id)          # a prefetch still queued would undo the reclaim
         if _is_vm(sb):
-            rec = await self.vms.pause(sb)
+            try:
+                rec = await self.vms.pause(sb)
+            except Exception as err:
+                # A destroy that came meanwhile ended its QEMU under it (the
+                # monitor closed mid-save, the handle taken): that is the
+                # news, not how the cut step failed.
+                gone = self.registry.destroyed_error(sb, "pause")
+                if gone is None:
+                    raise
+                raise gone from err
             self._check_not_destroyed(sb, "pause")
             try:
                 return self._mark_vm_paused(sb, rec)
@@ -342,7 +351,16 @@ class MemoryService:
             return {"id": sb.id, "state": sb.state, "already": True}
         self._cancel_behind(sb.id)          # a reclaim still queued after a job pause
         if _is_vm(sb):
-            res = await self.vms.resume(sb, sb.pause_record or {})
+            try:
+                res = await self.vms.resume(sb, sb.pause_record or {})
+            except Exception as err:
+                # A destroy that came meanwhile ended its QEMU under it (the
+                # monitor closed mid-load, the handle taken): that is the
+                # news, not how the cut step failed.
+                gone = self.registry.destroyed_error(sb, "resume")
+                if gone is None:
+                    raise
+                raise gone from err
             self._check_not_destroyed(sb, "resume")
             if self._mark_resumed(sb, 0):
                 await self.vms.saved_state_done(sb)

@@ -363,11 +363,11 @@ class MicroVMService:
         try:
             size = await backend.save(h, image)
         except OSError as err:
-            if self.watch is not None:
+            if self.watch is not None and sb.handle is h:     # not taken by a destroy meanwhile
                 self.watch(sb)
             raise DsecError(f"pause sandbox {sb.id}: {err}", code="io") from err
         saved = time.monotonic()
-        if not await self._end_qemu(sb):
+        if not await self._end_qemu(sb, h):
             raise DsecError(f"pause sandbox {sb.id}: its state is saved in {image}, but its QEMU (pid "
                             f"{h.init_pid}) did not exit after SIGKILL: it is stuck in the kernel (hung "
                             "storage?); destroy the sandbox once the host recovers",
@@ -375,11 +375,12 @@ class MicroVMService:
         return {"vm_image": str(image), "image_bytes": size, "save_s": round(saved - t0, 4),
                 "stop_s": round(time.monotonic() - saved, 4)}
 
-    async def _end_qemu(self, sb: Sandbox) -> bool:
-        """End the VM's QEMU (its state saved, or its restore failed) and
+    async def _end_qemu(self, sb: Sandbox, h: VmHandle) -> bool:
+        """End the VM's QEMU `h` (its state saved, or its restore failed) and
         unplug its tap, which went with it; its dir and cgroups stay.
-        Whether it exited (if not, end_process logged it)."""
-        exited = await self.workers.run(self.require().end_process, sb.handle)
+        Whether it exited (if not, end_process logged it). `h` is the
+        caller's: a destroy meanwhile takes sb.handle (and ends QEMU itself)."""
+        exited = await self.workers.run(self.require().end_process, h)
         if networked(sb) and self.net is not None and self.net.net is not None:
             await self.workers.run(self.net.net.unplug_vm, sb.id)
         return exited
@@ -500,7 +501,7 @@ class MicroVMService:
             # Its new QEMU goes, as a pause ends one: it would hold the dir's
             # sockets under the QEMU of the next resume, which then never
             # reaches its agent, and its memory for as long as the VM is paused.
-            await self._end_qemu(sb)        # one that does not exit is logged: the restore's error is the news
+            await self._end_qemu(sb, h)     # one that does not exit is logged: the restore's error is the news
             raise DsecError(f"resume sandbox {sb.id}: {err}; its saved state stays in {image}", code="io") from err
         # Loaded, and the VM runs: the state file is set aside (".loaded") and
         # goes once the record says running (saved_state_done). A daemon that

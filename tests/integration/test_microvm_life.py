@@ -196,6 +196,41 @@ def test_a_pause_racing_background_starts_and_kills_waits_for_them(vmd):
         sb.destroy(force=True)
 
 
+def test_a_destroy_during_a_pause_or_resume_is_what_that_request_reports(vmd):
+    """A destroy takes no sandbox lock: one that ends QEMU in the middle of
+    a pause's save or a resume's load made that request fail as `internal`
+    (a write to the closed monitor, the resume's clean-up reaching for the
+    handle the destroy had taken). The request now says the sandbox was
+    destroyed (meanwhile, or before it came), or succeeds if it finished
+    first, and nothing is left. The destroy comes at several points of
+    each, so that some rounds cut it."""
+    d, c = vmd
+    for op in ("pause", "resume"):
+        for delay in (0.05, 0.15, 0.3, 0.5):
+            sb, qemu, cgroups = _vm_and_its_qemu(c)
+            if op == "resume":
+                sb.pause()
+            outcome: list = []
+
+            def request(sb=sb, op=op, outcome=outcome):
+                try:
+                    outcome.append(getattr(sb, op)()["state"])
+                except DsecError as err:
+                    outcome.append(err)
+
+            t = threading.Thread(target=request)
+            t.start()
+            time.sleep(delay)
+            sb.destroy(force=True)
+            t.join(90)
+            assert len(outcome) == 1, (op, delay)
+            got = outcome[0]
+            if isinstance(got, DsecError):
+                # (not_found, or "is stopping": the destroy came before the request did.)
+                assert got.code in ("conflict", "not_found"), (op, delay, got)
+            _gone(d, sb.id, qemu, cgroups)
+
+
 def test_a_daemon_killed_during_a_file_write_leaves_a_vm_the_next_one_reaches(vmd):
     """The killed daemon's connection ended in the middle of a write's
     frame; the agent drops what it held of it when its host goes, so the

@@ -298,3 +298,36 @@ def test_a_snapshot_cancelled_twice_still_thaws_its_sandbox(monkeypatch, tmp_pat
         svc.workers.shutdown()
     assert calls == ["freeze", "undo", "thaw"]
     assert sb.state == "running" and sb.paused_at is None and not sb.lock.locked()
+
+
+@pytest.mark.parametrize("op", ["pause", "resume"])
+def test_a_vm_pause_or_resume_a_destroy_cut_short_says_so(op):
+    """A destroy takes no sandbox lock: one during a microVM's save or load
+    ends its QEMU under it, and the step that then fails (a write to the
+    closed monitor, say) made the request an `internal` error. It is a
+    conflict saying the sandbox was destroyed meanwhile; a failure with no
+    destroy behind it is still itself."""
+    from dsecd.backends.microvm.qmp import QMPError
+
+    for destroyed in (True, False):
+        sb = _sandbox()
+        sb.backend = "microvm"
+        if op == "resume":
+            sb.state, sb.pause_record = "paused", {"vm_image": "/nonexistent"}
+        svc = _service(sb)
+        svc.auto_resume = True
+
+        async def cut(*args, sb=sb, svc=svc, destroyed=destroyed):
+            if destroyed:
+                sb.state = "stopping"
+                svc.registry.by_id.pop(sb.id)
+            raise QMPError("microVM sb1: QMP monitor closed")
+
+        svc.vms = SimpleNamespace(pause=cut, resume=cut)
+        run = svc._pause(sb) if op == "pause" else svc._resume(sb)
+        if destroyed:
+            with pytest.raises(Conflict, match=f"{op}: sandbox sb1 was destroyed meanwhile"):
+                asyncio.run(run)
+        else:
+            with pytest.raises(QMPError, match="monitor closed"):
+                asyncio.run(run)

@@ -130,3 +130,80 @@ def test_the_wait_for_a_guest_ends_when_a_destroy_ends_its_qemu(tmp_path):
     finally:
         qemu.kill()
         qemu.wait()
+
+
+def test_a_resume_a_destroy_cut_short_ends_the_qemu_it_started(tmp_path):
+    """A destroy during the restore takes the sandbox's handle (sb.handle
+    None): the failed resume's clean-up reached for QEMU through it and
+    failed with AttributeError. It ends the QEMU it started, through its own
+    handle."""
+    class Destroyed(_Backend):
+        async def restore(self, h, *args, **kw):
+            self.calls.append("restore")
+            sb.handle = None                 # LifecycleService._teardown
+            raise VmError(errno.ESRCH, "QEMU exited")
+
+        def end_process(self, h):
+            assert h is handle
+            return super().end_process(h)
+
+    backend = Destroyed()
+    svc = object.__new__(MicroVMService)
+    svc.backend, svc.workers, svc.store_path = backend, _Workers(), lambda d: Path("/blobs") / d
+    svc.uid_fallback, svc.net = 1000, None
+    handle = SimpleNamespace(machine=Machine(), vm_dir=tmp_path, pidfd=-1)
+    sb = SimpleNamespace(id="v1", handle=handle, layers=["sha256:aa"], limits={"cpu": 1.0, "disk": 1 << 20},
+                         idmap=None, hostname="sb-v1", vm={}, net=None)
+    with pytest.raises(DsecError, match="QEMU exited"):
+        asyncio.run(svc.resume(sb, {"vm_image": str(tmp_path / "paused.ram")}))
+    assert backend.calls == ["respawn", "restore", "end_process"]
+
+
+def test_a_pause_whose_save_a_destroy_cut_short_leaves_the_dead_vm_unwatched(tmp_path):
+    """A destroy during the save took the handle: the pause's error path
+    watched the sandbox's QEMU again through sb.handle and failed with
+    AttributeError. Only a handle still the sandbox's is watched again."""
+    from dsecd.backends.microvm.qmp import QMPError
+
+    class Cut(_Backend):
+        async def save(self, h, image):
+            sb.handle = None                 # LifecycleService._teardown
+            raise QMPError("microVM v1: QMP monitor closed")
+
+    watched = []
+    svc = object.__new__(MicroVMService)
+    svc.backend, svc.workers, svc.watch, svc.net = Cut(), _Workers(), watched.append, None
+    svc._requests, svc._watches = {}, {}
+    svc.workers.loop = SimpleNamespace(remove_reader=lambda fd: None)
+    h = SimpleNamespace(machine=Machine(), vm_dir=tmp_path, pidfd=5, init_pid=4242)
+    sb = SimpleNamespace(id="v1", handle=h, net=None, vm={}, execs=0)
+    with pytest.raises(DsecError, match="monitor closed"):
+        asyncio.run(svc.pause(sb))
+    assert watched == []
+
+
+def test_a_command_on_a_closed_monitor_is_a_qmp_error():
+    """A destroy closes the VM's monitor under a pause's or resume's next
+    command: under uvloop (the daemon's loop) the write raised RuntimeError,
+    which no caller maps. It is a QMPError (an OSError), as a monitor that
+    QEMU closed is."""
+    import socket
+
+    import uvloop
+
+    from dsecd.backends.microvm.qmp import QMP, QMPError
+
+    async def go():
+        ours, qemus = socket.socketpair()
+        reader, writer = await asyncio.open_unix_connection(sock=ours)
+        qmp = QMP(reader, writer, "microVM v1")
+        qmp.close()
+        await writer.wait_closed()
+        try:
+            for send in (lambda: qmp.command("query-migrate"), lambda: qmp.send_fd("state-out", 0)):
+                with pytest.raises(QMPError, match="monitor closed"):
+                    await send()
+        finally:
+            qemus.close()
+
+    uvloop.run(go())

@@ -82,6 +82,10 @@ class QMP:
 
     async def _command_now(self, name: str, args: dict | None, timeout: float) -> object:
         msg = {"execute": name, **({"arguments": args} if args else {})}
+        if self.writer.is_closing():
+            # close() was called (a destroy ends the VM under a pause or a
+            # resume): uvloop raises RuntimeError on a write to it.
+            raise QMPError(f"{self.what}: QMP monitor closed (its VM is being ended)")
         self.writer.write(json.dumps(msg).encode() + b"\n")
         await self.writer.drain()
         answer = await asyncio.wait_for(self._read(), timeout)
@@ -102,6 +106,8 @@ class QMP:
         import socket
 
         async with self._lock:
+            if self.writer.is_closing():
+                raise QMPError(f"{self.what}: QMP monitor closed (its VM is being ended)")
             await self.writer.drain()
             sock = self.writer.get_extra_info("socket")
             line = json.dumps({"execute": "getfd", "arguments": {"fdname": name}}).encode() + b"\n"
