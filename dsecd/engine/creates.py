@@ -597,7 +597,7 @@ class CreateService:
 
     def _vm_disk_for(self, req, memory: int) -> int:
         """A microVM's writable layer: a tmpfs in the guest, capped at this:
-        `disk`, and at most half the guest's RAM (upper_cap says why). The
+        `disk`, and at most half the guest's room (upper_cap says why). The
         record (inspect) holds the cap the guest really has."""
         try:
             size = self.disk_default if req.disk is None else parse_size(req.disk)

@@ -31,12 +31,15 @@ from .. import fds, tarsafe, userns
 from ..backends.microvm import wire
 from ..backends.microvm.agent import AgentError, AgentExec, AgentGone
 from ..backends.microvm.backend import (
+    GUEST_FIXED,
     MIN_GUEST_MEMORY,
     SAVED_STATE,
     Machine,
     MicroVMBackend,
     VmError,
     VmHandle,
+    tmp_cap,
+    upper_cap,
 )
 from ..errors import (
     BadRequest,
@@ -972,15 +975,17 @@ class MicroVMService:
     def _full(verb: str, where: str, sb: Sandbox, left: str = "the file is partly written") -> LimitExceeded:
         """ENOSPC from the guest: its writable layer or /tmp is full. `left`:
         what the failed request left behind. The advice names the cap that
-        was met: the layer's is --disk where that is below half the RAM."""
+        was met: the layer's is --disk where that is below upper_cap."""
         memory, disk = sb.limits["memory"], sb.limits.get("disk")
-        bigger = ("a larger --disk (up to half its --memory) or, for /tmp, more --memory"
-                  if disk is not None and disk < memory // 2 else "more --memory")
+        most = upper_cap(memory)
+        bigger = (f"a larger --disk (up to {most} bytes) or, for /tmp, more --memory"
+                  if disk is not None and disk < most else "more --memory")
         return LimitExceeded(
             f"{verb} {where}: no space left in the sandbox. A microVM's files are kept in its RAM: its "
-            f"writable layer is capped at {disk} bytes (--disk, and at most half its --memory "
-            f"of {memory}), /tmp at an eighth of its --memory; {left}. Remove files in the "
-            f"sandbox, or create it with {bigger}", {"path": where, "errno": "ENOSPC"})
+            f"writable layer is capped at {disk} bytes (--disk, and at most half of its --memory of "
+            f"{memory} less {GUEST_FIXED >> 20}M for the guest's kernel), /tmp at {tmp_cap(memory)} bytes "
+            f"(an eighth of the same); {left}. Remove files in the sandbox, or create it with {bigger}",
+            {"path": where, "errno": "ENOSPC"})
 
     async def _require_replaceable(self, sb: Sandbox, dst: str) -> None:
         try:

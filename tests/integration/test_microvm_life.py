@@ -481,15 +481,16 @@ def test_files_bigger_than_the_guest_holds_are_refused_and_it_lives_on(vmd, tmp_
     300M copy into a 256M guest (its writable layer sized at the default
     disk, 10G) filled it, its kernel panicked ("System is deadlocked on
     memory") and the copy failed with a bare ConnectionResetError. The layer
-    is capped at half the guest's RAM, and a write or directory copy that
-    does not fit is refused (`limit`, naming --memory); the VM serves on."""
+    is capped at half the guest's room (its RAM less 64M its kernel keeps),
+    and a write or directory copy that does not fit is refused (`limit`,
+    naming --memory); the VM serves on."""
     d, c = vmd
     sb = c.create("busybox", backend="microvm", memory="256M", net="none")
     try:
-        assert sb.inspect()["limits"]["disk"] == 128 << 20
-        # /tmp and /dev/shm, tmpfs in RAM too: an eighth of it each, at most.
+        assert sb.inspect()["limits"]["disk"] == 96 << 20
+        # /tmp and /dev/shm, tmpfs in RAM too: an eighth of its room each, at most.
         sizes = sb.exec(["sh", "-c", "df -k /tmp /dev/shm | tail -n 2"]).stdout.split()
-        assert [int(sizes[1]), int(sizes[7])] == [32 << 10, 32 << 10], sizes
+        assert [int(sizes[1]), int(sizes[7])] == [24 << 10, 24 << 10], sizes
         big = tmp_path / "big"
         with open(big, "wb") as f:
             f.truncate(300 << 20)
@@ -504,6 +505,27 @@ def test_files_bigger_than_the_guest_holds_are_refused_and_it_lives_on(vmd, tmp_
         assert not [e for e in _events(d, sb.id) if e["event"] == "died"]
     finally:
         sb.destroy(force=True)
+
+
+def test_a_vm_whose_own_commands_fill_its_files_lives_on(vmd):
+    """The writable layer at half the guest's RAM and /tmp and /dev/shm at
+    an eighth each, all filled by the guest's own commands, left a 256M
+    guest 4 MiB: its OOM killer found nothing to free (tmpfs pages) and its
+    kernel panicked ("System is deadlocked on memory"), the VM dead; a 128M
+    one died so from its layer and /tmp. The caps are fractions of what the
+    guest has once booted: each fill ends with ENOSPC and the VM serves on."""
+    d, c = vmd
+    for memory in ("128M", "256M"):
+        sb = c.create("busybox", backend="microvm", memory=memory, net="none")
+        try:
+            for path in ("/big", "/tmp/big", "/dev/shm/big"):
+                r = sb.exec(["dd", "if=/dev/zero", f"of={path}", "bs=1M", "count=512"], timeout=300)
+                assert r.exit_code == 1 and b"No space left" in r.stderr, (memory, path, r)
+            assert sb.exec(["echo", "alive"], timeout=120).stdout == b"alive\n"
+            assert sb.inspect()["state"] == "running"
+            assert not [e for e in _events(d, sb.id) if e["event"] == "died"]
+        finally:
+            sb.destroy(force=True)
 
 
 def test_a_guest_that_hangs_is_killed_and_reported_dead(vmd):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 from types import SimpleNamespace
 
+from dsecd.backends.microvm.backend import upper_cap
 from dsecd.engine.microvms import MicroVMService
 
 
@@ -20,7 +21,7 @@ def test_a_disk_below_half_the_memory_is_the_cap_to_raise():
 
 
 def test_half_the_memory_is_the_cap_to_raise():
-    err = MicroVMService._full("write", "vm1:/big", _vm(128 << 20))
+    err = MicroVMService._full("write", "vm1:/big", _vm(upper_cap(256 << 20)))
     assert "more --memory" in err.message and "a larger --disk" not in err.message, err.message
 
 

@@ -73,22 +73,40 @@ MAX_LAYERS = 0x20 - PMEM_SLOT0
 MIN_GUEST_MEMORY = 128 << 20   # the cloud kernel and the agent boot in less, barely
 
 
+# What of a guest's RAM its files can never have: what its kernel keeps
+# from the start (outside MemTotal: its image, the page structs, reserved
+# ranges; ~34 MiB of a 128M guest and of a 256M one) and what the kernel
+# and the agent use once booted (~22 MiB). MemAvailable after a boot: 70 MiB
+# of a 128M guest, 196 MiB of a 256M one.
+GUEST_FIXED = 64 << 20
+
+
+def guest_room(guest_memory: int) -> int:
+    """What a guest of `guest_memory` bytes of RAM has for its files and
+    processes (MIN_GUEST_MEMORY keeps it positive)."""
+    return guest_memory - GUEST_FIXED
+
+
 def upper_cap(guest_memory: int) -> int:
     """The most a VM's writable layer may hold, whatever its `disk`: half
-    its RAM. The layer is a tmpfs in guest RAM, and no swap or OOM kill
-    frees a tmpfs page: a layer let grow to the RAM (a 300 MiB `dsec cp`
-    into a 256M guest, written by the agent) leaves the guest's kernel
-    nothing to reclaim or kill, and it panics ("System is deadlocked on
-    memory"). Half is Linux's own default for a tmpfs."""
-    return guest_memory // 2
+    its room (guest_room). The layer is a tmpfs in guest RAM, and no swap
+    or OOM kill frees a tmpfs page: a layer let grow to the RAM (a 300 MiB
+    `dsec cp` into a 256M guest, written by the agent) leaves the guest's
+    kernel nothing to reclaim or kill, and it panics ("System is deadlocked
+    on memory"). Half of the RAM itself was not enough: the layer, /tmp and
+    /dev/shm filled to their caps by the guest's own commands left a 256M
+    guest 4 MiB, and it panicked so."""
+    return guest_room(guest_memory) // 2
 
 
 def tmp_cap(guest_memory: int) -> int:
     """The most a VM's /tmp, and its /dev/shm, (tmpfs each) may hold,
-    whatever sandbox.tmp_size and shm_size: an eighth of its RAM each, so
-    that they and the writable layer (upper_cap) together leave the guest's
-    kernel and processes a quarter of it (the reason upper_cap gives)."""
-    return guest_memory // 8
+    whatever sandbox.tmp_size and shm_size: an eighth of its room each, so
+    that they and the writable layer (upper_cap) together leave its kernel
+    and processes a quarter of it (the reason upper_cap gives)."""
+    return guest_room(guest_memory) // 8
+
+
 # QEMU's own processes run in the sandbox's cgroup too: TCG's translation
 # cache (tb-size), device models, its heap and the page tables of guest RAM.
 QEMU_PIDS = 256            # QEMU's threads (vCPUs, I/O, RCU, worker pools) count in pids.max
