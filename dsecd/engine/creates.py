@@ -819,6 +819,8 @@ class CreateService:
             except ImageError as err:
                 raise image_error(err) from err
         check_platform(req.image, image)
+        if backend == "microvm":
+            self.vms.check_layers(req.image, image.layer_digests)
         self._admit()
         self.cpu.admit(self.registry.requested(), limits.cpu, limits.memory_bytes, plan)
         sb_id = secrets.token_hex(6)

@@ -32,6 +32,7 @@ from ..backends.microvm import wire
 from ..backends.microvm.agent import AgentError, AgentExec, AgentGone
 from ..backends.microvm.backend import (
     GUEST_FIXED,
+    MAX_LAYERS,
     MIN_GUEST_MEMORY,
     SAVED_STATE,
     Machine,
@@ -189,6 +190,17 @@ class MicroVMService:
             raise Unsupported(f"create --backend microvm: --pids {req.pids} cannot be enforced in a microVM (its "
                               "processes are the guest kernel's, and its guest has no pids limit); its --memory "
                               "bounds them. Create it without --pids, or a container with it", {"pids": req.pids})
+
+    @staticmethod
+    def check_layers(image: str, digests: list[str]) -> None:
+        """An image with more distinct layers than a VM has virtio-pmem
+        slots for is refused before anything is made (QEMU would not start)."""
+        n = len(distinct_layers(digests))
+        if n > MAX_LAYERS:
+            raise BadRequest(f"image {image!r} has {n} distinct layers, and a microVM takes at most {MAX_LAYERS} "
+                             "layers (one virtio-pmem device each): build one with fewer (`dsec image build` of "
+                             "a directory or root file system tarball makes one layer), or run it in a container",
+                             {"layers": n, "max_layers": MAX_LAYERS})
 
     async def create(self, sb: Sandbox, limits, disk: int) -> VmHandle:
         """Start the VM, from its template where there is one (made now if

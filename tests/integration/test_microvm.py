@@ -130,6 +130,34 @@ def test_a_layer_the_image_repeats_is_attached_once(vm_client, busybox_rootfs, t
         vm_client.request("image_rm", name="bb-repeat")
 
 
+def test_an_image_of_too_many_layers_is_refused_and_the_most_boot(vm_client, busybox_rootfs, tmp_path):
+    """Layer i is a virtio-pmem device at PCI slot 0x10 + i, and q35 has
+    its LPC bridge at 0x1f: an image of 16 distinct layers was let through
+    and its QEMU failed at once ("slot 31 function 0 not available"), the
+    create an `io` error (one of 17 was one too, after admission). It is
+    refused as a bad request before anything is made, and an image of the
+    most a VM takes, 15, boots with every layer's files."""
+    layers = [rootfs_layer(busybox_rootfs)] + [layer_of({f"etc/l{i}": f"{i}\n".encode()}) for i in range(1, 15)]
+    docker_save(tmp_path / "most.tar", layers, {})
+    docker_save(tmp_path / "over.tar", layers + [layer_of({"etc/l15": b"15\n"})], {})
+    vm_client.build_image(str(tmp_path / "most.tar"), "bb-most")
+    vm_client.build_image(str(tmp_path / "over.tar"), "bb-over")
+    try:
+        before = {s["id"] for s in vm_client.list()}
+        with pytest.raises(dsecd.DsecError) as err:
+            _vm(vm_client, "bb-over")
+        assert err.value.code == "bad_request" and "at most 15 layers" in err.value.message, err.value
+        assert {s["id"] for s in vm_client.list()} == before
+        sb = _vm(vm_client, "bb-most")
+        try:
+            assert sb.exec(["cat", "/etc/l1", "/etc/l14"]).stdout == b"1\n14\n"
+        finally:
+            sb.destroy()
+    finally:
+        vm_client.request("image_rm", name="bb-most")
+        vm_client.request("image_rm", name="bb-over")
+
+
 def test_snapshot_of_a_vm_is_an_image_both_backends_run(vm_client):
     """pack_diff of a VM: its writable layer (a tmpfs in the guest) comes as
     a tar from the agent and becomes a layer, with the overlay's deletions

@@ -69,7 +69,8 @@ NIC_MAC = "52:54:00:00:00:01"   # every VM's NIC until its agent sets the VM's o
 # A template's NIC: a hub port with no other port (a dead end). The template
 # never sends; its restores get a tap (devices match, backends need not).
 TEMPLATE_NETDEV = "hubport,id=net0,hubid=0"
-MAX_LAYERS = 0x20 - PMEM_SLOT0
+# Up to slot 0x1e: q35 has its ICH9 LPC bridge (and SATA, SMBus) at 0x1f.
+MAX_LAYERS = 0x1F - PMEM_SLOT0
 MIN_GUEST_MEMORY = 128 << 20   # the cloud kernel and the agent boot in less, barely
 
 
