@@ -502,7 +502,13 @@ class MemoryService:
                 return
             try:
                 rec = await self.vms.pause(sb)
-            except DsecError as err:
+            except Exception as err:
+                if self.registry.destroyed_error(sb, "save") is not None:
+                    # A destroy (which takes no sandbox lock) ended QEMU under the save.
+                    log.debug("job-paused microVM %s was destroyed during its save (%s)", sb.id, err)
+                    return
+                if not isinstance(err, DsecError):
+                    raise
                 if err.detail.get("qemu_stuck"):        # saved, but its QEMU outlived SIGKILL: the error says
                     log.error("job-paused microVM %s: %s", sb.id, err)
                 else:

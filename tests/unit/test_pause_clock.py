@@ -331,3 +331,29 @@ def test_a_vm_pause_or_resume_a_destroy_cut_short_says_so(op):
         else:
             with pytest.raises(QMPError, match="monitor closed"):
                 asyncio.run(run)
+
+
+@pytest.mark.parametrize("failure", ["monitor closed", "handle taken"])
+def test_a_job_paused_vm_destroyed_during_its_save_is_let_go_quietly(failure, caplog):
+    """Behind a job pause's answer a microVM's state is saved; a destroy
+    meanwhile (it takes no sandbox lock) ends QEMU under the save, which
+    then logged that the VM "stays stopped in its QEMU" (a QEMU gone with
+    the sandbox), or, where the save failed on the taken handle, left an
+    exception no task retrieved. A destroyed VM's save is let go quietly."""
+    from dsecd.backends.microvm.qmp import QMPError
+
+    sb = _sandbox()
+    sb.backend, sb.state, sb.pause_record = "microvm", "paused", {"vm_stopped": True}
+    svc = _service(sb)
+
+    async def save(s):
+        s.state = "stopping"
+        svc.registry.by_id.pop(s.id)
+        if failure == "monitor closed":
+            raise DsecError(f"pause sandbox {s.id}: {QMPError('QMP monitor closed')}", code="io")
+        raise ValueError("Invalid file descriptor: -1")
+
+    svc.vms = SimpleNamespace(pause=save, watching=lambda s: 0, requests_under_way=lambda s: 0)
+    with caplog.at_level("DEBUG", logger="dsecd.engine.memory"):
+        asyncio.run(svc._save_stopped_vm(sb))
+    assert [r for r in caplog.records if r.levelno >= 30] == []
