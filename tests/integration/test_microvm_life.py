@@ -571,6 +571,7 @@ def test_qemu_killed_by_its_memory_limit_is_an_oom_event(daemon_factory, busybox
     # ends it. A booted VM (no template): every page its guest touched is
     # charged to its cgroup, so the host's limit comes well before the
     # guest's own memory runs out (whose OOM killer would end only the dd).
+    # Its files hold at most 96M (upper_cap): a dd's buffer touches the rest.
     d = daemon_factory("[microvm]\nmemory_overhead = \"16M\"\nwatchdog_interval_s = 0\ntemplates = false\n")
     c = d.client()
     try:
@@ -579,7 +580,8 @@ def test_qemu_killed_by_its_memory_limit_is_an_oom_event(daemon_factory, busybox
         sb = _vm(c, disk="240M")
         pid = sb.inspect()["vm"]["qemu_pid"]
         try:
-            r = sb.exec(["sh", "-c", "dd if=/dev/zero of=/fill bs=1M count=180; sleep 30"], timeout=120)
+            r = sb.exec(["sh", "-c", "dd if=/dev/zero of=/fill bs=1M count=180; "
+                                     "dd if=/dev/zero of=/dev/null bs=160M count=1; sleep 30"], timeout=120)
         except DsecError:
             pass
         else:
