@@ -257,7 +257,14 @@ class CreateService:
         now_named: dict[str, str | None] = {}       # pool name -> the manifest its image names now
         for sb in sorted(self.registry.by_id.values(), key=lambda s: s.created):
             name = sb.labels.get(POOL_LABEL)
-            if name is None or sb.state != "running":
+            if name is None:
+                continue
+            if sb.state == "dead":
+                # A spare whose init went (the host rebooted): nobody holds
+                # it, and kept it would hold its journal record and id range.
+                self.workers.loop.create_task(self._destroy_quiet(sb))
+                continue
+            if sb.state != "running":
                 continue
             pool = self.pools.get(name)
             if pool is not None and name not in now_named:
@@ -406,6 +413,7 @@ class CreateService:
         while pool.ready:
             sb = self.registry.by_id.get(pool.ready.popleft())
             if sb is None or sb.state != "running" or sb.labels.get(POOL_LABEL) != pool.name:
+                self._drop_if_dead(sb)
                 continue
             try:
                 settings = await self.process_settings(sb, await self._config_of(sb), req)
@@ -492,6 +500,20 @@ class CreateService:
         tmp.write_text(json.dumps({n: p.config() for n, p in self.pools.items() if p.max > 0}))
         os.replace(tmp, self._pools_path)
 
+    def _prune(self, pool: Pool) -> None:
+        """Ready spares that are no longer (one whose init died, one paused or
+        destroyed by hand) leave `ready`, so they are neither counted there
+        nor handed out, and the refiller replaces them; dead ones go."""
+        gone = [i for i in pool.ready if (s := self.registry.by_id.get(i)) is None or s.state != "running"]
+        for sb_id in gone:
+            pool.ready.remove(sb_id)
+            self._drop_if_dead(self.registry.by_id.get(sb_id))
+
+    def _drop_if_dead(self, sb) -> None:
+        """Destroy a pool spare that died (no client ever held it)."""
+        if sb is not None and sb.state == "dead" and POOL_LABEL in sb.labels:
+            self.workers.loop.create_task(self._destroy_quiet(sb))
+
     async def _destroy_quiet(self, sb) -> None:
         try:
             await self.lifecycle.destroy_sandbox(sb, True, reason="pool")
@@ -505,6 +527,7 @@ class CreateService:
             await asyncio.sleep(interval)
             budget = min(budget + self.pool_cfg["refill_per_s"] * interval, self.pool_cfg["refill_per_s"])
             for pool in list(self.pools.values()):
+                self._prune(pool)
                 if pool.retry_at > time.monotonic():       # failing: not 20 failed creates a second
                     continue
                 need = pool.target(self.pool_cfg["demand_window_s"]) - len(pool.ready) - pool.creating

@@ -339,3 +339,59 @@ def test_a_saved_pool_is_found_by_the_name_its_shape_has_now(daemon_factory, bus
         assert sb.info.get("pool") == name
     finally:
         c.close()
+
+
+def test_a_spare_that_died_is_destroyed_and_replaced(daemon):
+    """A ready spare whose init dies is neither counted ready nor handed
+    out: it is destroyed (nobody holds it) and the refiller makes another."""
+    import os
+    import signal
+
+    c = daemon.client()
+    try:
+        name = c.pool_set("busybox", 2, 2, cpu=0.5, memory="80M")["name"]
+        assert _wait_ready(c, name, 2)["ready"] == 2
+        spares = c.list({"dsec.pool": name})
+        doomed = spares[0]
+        os.kill(c.get(doomed["id"]).inspect()["init_pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            now = {s["id"]: s["state"] for s in c.list({"dsec.pool": name})}
+            if doomed["id"] not in now and len(now) == 2 and set(now.values()) == {"running"}:
+                break
+            time.sleep(0.1)
+        assert doomed["id"] not in now and len(now) == 2, now
+        assert _wait_ready(c, name, 2)["ready"] == 2
+        c.pool_set("busybox", 0, 0, cpu=0.5, memory="80M")
+    finally:
+        c.close()
+
+
+def test_a_spare_found_dead_at_start_is_destroyed(daemon):
+    """The host rebooted (here: the daemon killed, then a spare's init): the
+    next daemon finds the spare dead and destroys it, keeping no record or
+    id range for it, and the pool is refilled."""
+    import os
+    import signal
+
+    c = daemon.client()
+    name = c.pool_set("busybox", 2, 2, cpu=0.5, memory="80M")["name"]
+    assert _wait_ready(c, name, 2)["ready"] == 2
+    doomed = c.list({"dsec.pool": name})[0]
+    pid = c.get(doomed["id"]).inspect()["init_pid"]
+    c.close()
+    daemon.stop(signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
+    daemon.start()
+    c = daemon.client()
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            now = {s["id"]: s["state"] for s in c.list({"dsec.pool": name})}
+            if doomed["id"] not in now and len(now) == 2:
+                break
+            time.sleep(0.1)
+        assert doomed["id"] not in now and len(now) == 2, now
+        c.pool_set("busybox", 0, 0, cpu=0.5, memory="80M")
+    finally:
+        c.close()

@@ -80,6 +80,7 @@ def test_a_pool_no_longer_short_drops_its_host_full_error():
         svc.pools = {"p": pool}
         svc.pool_cfg = {"refill_interval_s": 0.01, "refill_per_s": 10.0, "demand_window_s": 60.0}
         svc.admission = SimpleNamespace(queued=0, max_queued=100)
+        svc.registry = SimpleNamespace(by_id={"sb1": SimpleNamespace(state="running", labels={})})
         loop = asyncio.ensure_future(svc._refill_loop())
         await asyncio.sleep(0.1)
         loop.cancel()
