@@ -302,9 +302,11 @@ def test_creates_that_find_a_pool_empty_count_as_its_demand(daemon):
     try:
         name = c.pool_set("busybox", 0, 2, cpu=0.5, memory="72M")["name"]
         missed = [c.create("busybox", cpu=0.5, memory="72M") for _ in range(2)]
-        assert all("pool" not in sb.info for sb in missed)
+        assert "pool" not in missed[0].info
+        # The first one's demand may have had a spare made before the second came.
+        served = sum("pool" in sb.info for sb in missed)
         pool = _wait_ready(c, name, 2)
-        assert (pool["ready"], pool["target"], pool["taken"]) == (2, 2, 0), pool
+        assert (pool["ready"], pool["target"], pool["taken"]) == (2, 2, served), pool
         sb = c.create("busybox", cpu=0.5, memory="72M")
         assert sb.info.get("pool") == name
         for s in (*missed, sb):
