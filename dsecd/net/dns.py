@@ -309,7 +309,9 @@ class Resolver:
         if resp is None:
             sb.dns["upstream_failed"] += 1
             return _reply(q, dns.rcode.SERVFAIL)
-        if resp.rcode() == dns.rcode.NOERROR:
+        if resp.rcode() != dns.rcode.NOERROR:
+            _trim_failed(sb, resp)
+        else:
             entries = self._trim(sb, resp, rules, qname)
             if entries:
                 try:
@@ -481,3 +483,16 @@ def _formerr(data: bytes) -> bytes | None:
 def _sooner(a: float | None, b: float | None) -> float | None:
     """The earlier of two times, either of which may be None (no time)."""
     return b if a is None else a if b is None else min(a, b)
+
+
+def _trim_failed(sb, resp: dns.message.Message) -> None:
+    """A failed answer (NXDOMAIN, SERVFAIL, ...) carries no record the
+    sandbox needs but the authority's SOA (how long to cache the failure):
+    the rest, addresses of any name among them, is dropped and counted."""
+    dropped = sum(len(rr) for rr in resp.answer + resp.additional
+                  if rr.rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA))
+    dropped += sum(len(rr) for rr in resp.authority if rr.rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA))
+    sb.dns["hostile_dropped"] += dropped
+    resp.answer = []
+    resp.additional = []
+    resp.authority = [rr for rr in resp.authority if rr.rdtype == dns.rdatatype.SOA]

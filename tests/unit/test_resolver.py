@@ -182,3 +182,29 @@ def test_an_entry_learned_after_the_sweep_planned_its_next_expiry_goes_on_time()
 
     calls, learned = asyncio.run(run())
     assert len(calls) == 2 and 0.3 <= calls[1] - learned < 0.5, (calls, learned)
+
+
+def test_a_failed_answer_keeps_only_its_soa():
+    """An NXDOMAIN (or any failure) from the upstream leaves with no record
+    but the SOA that says how long to cache it: addresses of other names,
+    the gateway's or loopback among them, are dropped and counted."""
+    import collections
+
+    import dns.message
+    import dns.rcode
+    import dns.rrset
+
+    q = dns.message.make_query("nope.pythonhosted.org", "A")
+    resp = dns.message.make_response(q)
+    resp.set_rcode(dns.rcode.NXDOMAIN)
+    resp.answer.append(dns.rrset.from_text("other.test.", 60, "IN", "A", "127.0.0.1"))
+    resp.authority.append(dns.rrset.from_text("pythonhosted.org.", 60, "IN", "SOA",
+                                              "ns. host. 1 2 3 4 5"))
+    resp.authority.append(dns.rrset.from_text("pythonhosted.org.", 60, "IN", "NS", "ns.pythonhosted.org."))
+    resp.additional.append(dns.rrset.from_text("ns.pythonhosted.org.", 60, "IN", "A", "10.88.0.1"))
+    sb = types.SimpleNamespace(dns=collections.Counter())
+    D._trim_failed(sb, resp)
+    assert resp.answer == [] and resp.additional == []
+    assert [rr.rdtype for rr in resp.authority] == [dns.rdatatype.SOA]
+    assert sb.dns["hostile_dropped"] == 2
+    assert dns.message.from_wire(resp.to_wire()).rcode() == dns.rcode.NXDOMAIN
