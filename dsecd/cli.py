@@ -1388,13 +1388,17 @@ def _cancelled_by_ending_signals(signals: list[int]):
     terminal) cancel the current task, as ^C would end it, through the
     loop (a handler raising from wherever the interpreter is could land in
     one of asyncio's callbacks, which drops it); each is added to
-    `signals`, whose first tells the CancelledError from any other."""
+    `signals`, whose first tells the CancelledError from any other. A
+    second one ends the process at once, as a second ^C does: the clean-up
+    the first started (a temporary file's removal, a cancel's answer) may
+    wait on a daemon that no longer answers."""
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
 
     def on_signal(signum: int) -> None:
-        if not signals:
-            main.cancel()
+        if signals:
+            os._exit(128 + signum)
+        main.cancel()
         signals.append(signum)
 
     for signum in (signal.SIGTERM, signal.SIGHUP):

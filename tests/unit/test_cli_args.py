@@ -863,3 +863,55 @@ def test_the_sdks_exec_timeout_takes_a_duration_as_its_ttl_does():
     sb = Sandbox(None, "0123456789ab", {})
     assert sb._exec_args(["true"], None, None, None, "2m", False, False)["timeout"] == 120.0
     assert sb._exec_args(["true"], None, None, None, 1.5, False, False)["timeout"] == 1.5
+
+
+WRITE_HELD_DAEMON = """
+import asyncio, sys
+from dsecd import protocol
+from standin_kit import serving
+async def answer(frame, writer):
+    op, rid = frame["op"], frame["id"]
+    if op == "inspect":
+        writer.write(protocol.encode_frame({"id": rid, "result": {"id": "0123456789ab", "state": "running"}}))
+    elif op == "file_stat":
+        writer.write(protocol.encode_frame({"id": rid, "error": {"code": "not_found", "message": "no", "detail": {}}}))
+    return False        # a write, and the removal of its temporary file after a cancel: never answered
+async def main():
+    server = await asyncio.start_unix_server(serving(answer), sys.argv[1])
+    print("ready", flush=True)
+    async with server:
+        await server.serve_forever()
+asyncio.run(main())
+"""
+
+
+def test_a_second_sigterm_ends_a_command_whose_clean_up_waits(tmp_path):
+    """The first SIGTERM cancels a copy, whose clean-up (the removal of its
+    temporary file) waits on a daemon that answers nothing more; a second
+    ends dsec at once, as a second ^C does, instead of being noted only."""
+    import signal
+    import time
+
+    sock = str(tmp_path / "d.sock")
+    src = tmp_path / "f"
+    src.write_bytes(b"x" * 1000)
+    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
+    held = subprocess.Popen([sys.executable, "-c", WRITE_HELD_DAEMON, sock], stdout=subprocess.PIPE,
+                            env={**env, "PYTHONPATH": os.pathsep.join([env["PYTHONPATH"], str(Path(__file__).parent)])})
+    try:
+        assert held.stdout.readline() == b"ready\n"
+        p = subprocess.Popen([sys.executable, "-m", "dsecd.cli", "--socket", sock, "cp", str(src), "sb1:/work/f"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        time.sleep(1.0)                    # its first chunk sent, waiting for the answer by now
+        p.send_signal(signal.SIGTERM)
+        time.sleep(1.0)                    # cancelled, removing its temporary file
+        assert p.poll() is None, p.communicate()
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=15)
+        assert p.returncode == 128 + signal.SIGTERM and time.monotonic() - t0 < 3, (p.returncode,
+                                                                                     time.monotonic() - t0)
+    finally:
+        held.kill()
+        held.wait()
+        held.stdout.close()
