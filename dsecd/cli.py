@@ -45,6 +45,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tarfile
 import termios
@@ -660,17 +661,6 @@ async def cmd_pool(c: Client, a) -> int:
              str(p["ready"]), str(p["creating"]), str(p["taken"]), p["error"] or ""] for p in pools],
            ["POOL", "IMAGE", "CPU", "MEMORY", "MIN", "MAX", "READY", "CREATING", "TAKEN", "ERROR"])
     return 0
-
-
-async def _stdin_chunks():
-    """Read our stdin in a thread (it may be a tty or a pipe) and yield chunks."""
-    loop = asyncio.get_running_loop()
-    fd = sys.stdin.fileno()
-    while True:
-        data = await loop.run_in_executor(None, os.read, fd, 1 << 16)
-        if not data:
-            return
-        yield data
 
 
 def _read_code(path: str) -> str:
@@ -1451,8 +1441,10 @@ async def _cp(c: Client, a) -> int:
             size = await sb.write_file(dst, _stdin_chunks(), mode=0o644, atomic=True, owner=a.owner)
         else:
             with open(src, "rb") as f:
-                size = await sb.write_file(dst, f, mode=os.fstat(f.fileno()).st_mode & 0o7777, atomic=True,
-                                           owner=a.owner)
+                st = os.fstat(f.fileno())
+                # A pipe or FIFO (<(cmd), /dev/stdin) may block for as long as its writer likes.
+                source = f if stat.S_ISREG(st.st_mode) else _stdin_chunks(f.fileno())
+                size = await sb.write_file(dst, source, mode=st.st_mode & 0o7777, atomic=True, owner=a.owner)
         if a.json:
             _print_json({"sandbox": sb.id, "path": dst, "local": src, "size": size})
         return 0
@@ -1480,12 +1472,13 @@ async def _cp(c: Client, a) -> int:
     return 0
 
 
-async def _stdin_chunks() -> AsyncIterator[bytes]:
-    """fd 0 as it comes, each read in a thread of its own (cmd_cp's SIGTERM
-    ends the copy while one blocks), unbuffered: a thread left blocked in
-    sys.stdin's buffered read at exit holds its lock, and the interpreter's
-    shutdown aborts on it."""
-    while chunk := await _in_a_thread_of_its_own(os.read, 0, 1 << 20):
+async def _stdin_chunks(fd: int = 0) -> AsyncIterator[bytes]:
+    """fd 0 (or a FIFO's `fd`) as it comes, each read in a thread of its
+    own (cmd_cp's SIGTERM ends the copy while one blocks: an executor's
+    thread would hold the exit until the writer wrote or closed),
+    unbuffered: a thread left blocked in sys.stdin's buffered read at exit
+    holds its lock, and the interpreter's shutdown aborts on it."""
+    while chunk := await _in_a_thread_of_its_own(os.read, fd, 1 << 20):
         yield chunk
 
 

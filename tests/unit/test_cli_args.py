@@ -873,9 +873,9 @@ async def answer(frame, writer):
     op, rid = frame["op"], frame["id"]
     if op == "inspect":
         writer.write(protocol.encode_frame({"id": rid, "result": {"id": "0123456789ab", "state": "running"}}))
-    elif op == "file_stat":
+    elif op == "file_stat" or (op == "file_remove" and sys.argv[2:] == ["removes"]):
         writer.write(protocol.encode_frame({"id": rid, "error": {"code": "not_found", "message": "no", "detail": {}}}))
-    return False        # a write, and the removal of its temporary file after a cancel: never answered
+    return False        # a write, and (unless told) the removal of its temporary file after a cancel: never answered
 async def main():
     server = await asyncio.start_unix_server(serving(answer), sys.argv[1])
     print("ready", flush=True)
@@ -912,6 +912,39 @@ def test_a_second_sigterm_ends_a_command_whose_clean_up_waits(tmp_path):
         assert p.returncode == 128 + signal.SIGTERM and time.monotonic() - t0 < 3, (p.returncode,
                                                                                      time.monotonic() - t0)
     finally:
+        held.kill()
+        held.wait()
+        held.stdout.close()
+
+
+def test_a_copy_from_a_fifo_nobody_writes_ends_at_sigterm(tmp_path):
+    """dsec cp FIFO SB:/f read the FIFO in an executor's thread, which the
+    interpreter waits for at exit: cancelled by SIGTERM, dsec then hung
+    until the FIFO's writer wrote or closed."""
+    import signal
+    import time
+
+    sock = str(tmp_path / "d.sock")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
+    held = subprocess.Popen([sys.executable, "-c", WRITE_HELD_DAEMON, sock, "removes"], stdout=subprocess.PIPE,
+                            env={**env, "PYTHONPATH": os.pathsep.join([env["PYTHONPATH"], str(Path(__file__).parent)])})
+    writer = None
+    try:
+        assert held.stdout.readline() == b"ready\n"
+        p = subprocess.Popen([sys.executable, "-m", "dsecd.cli", "--socket", sock, "cp", str(fifo), "sb1:/work/f"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        writer = os.open(fifo, os.O_WRONLY)          # open, and silent: the copy waits on its first read
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=15)
+        assert p.returncode == 128 + signal.SIGTERM and time.monotonic() - t0 < 3, (p.returncode,
+                                                                                     time.monotonic() - t0)
+    finally:
+        if writer is not None:
+            os.close(writer)
         held.kill()
         held.wait()
         held.stdout.close()
