@@ -59,7 +59,7 @@ RECHECK_MS = 10        # how soon a uid held back for what its call left behind 
 CLEANUP_RETRY_MS = 1000
 CLEANUP_TRIES = 60
 FORK_RETRY_MS = 100    # how soon a spare that could not be forked is tried again
-REAPER_WAIT_S = 1.0    # how long the reaper may take to answer before it is replaced
+REAPER_WAIT_S = 0.5    # how long the reaper may take to answer before it is replaced
 WORKER_NICE = 19       # a worker's weight is 1/68 of the zygote's (nice 0)
 RLIMITS = {"as": resource.RLIMIT_AS, "cpu": resource.RLIMIT_CPU, "fsize": resource.RLIMIT_FSIZE,
            "nofile": resource.RLIMIT_NOFILE, "core": resource.RLIMIT_CORE, "nproc": resource.RLIMIT_NPROC}
@@ -249,6 +249,17 @@ def init_children(init_pid=1, fd=-1):
         return []
 
 
+def in_host_user_namespace():
+    """Whether this process sees the host's ids (a call sandbox made without
+    a user namespace, or a Zygote object made outside one): kill(-1) as a
+    call's uid would then reach the host's processes of that uid."""
+    try:
+        with open("/proc/self/uid_map") as f:
+            return f.read().split() == ["0", "0", "4294967295"]
+    except OSError:
+        return True
+
+
 def reaper(sock):
     """The zygote's child that kills, when asked over `sock`, every process
     of a uid (never returns). As that uid (its real and effective uid; its
@@ -259,41 +270,30 @@ def reaper(sock):
     where a walk of init's children can miss a process forked after it
     looked. Not done by the zygote itself: for that instant a process of the
     uid may signal the process doing it (its real uid is theirs); it can
-    kill or stop this one (the zygote then gives up on the uid), never the
-    zygote. Answers b"1" when the kill was made; never in the host's user
-    namespace (a zygote object made outside a call sandbox), where
-    kill(-1) would reach the host's processes of the uid."""
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    stop or kill this one (the zygote then gives up on the uid for a while),
+    never the zygote. Every signal it can block is blocked, and nothing of
+    the zygote's code runs here (any error ends it). Answers b"1" when the
+    kill was made."""
     try:
-        with open("/proc/self/uid_map") as f:
-            on_host = f.read().split() == ["0", "0", "4294967295"]
-    except OSError:
-        on_host = True
-    while True:
-        try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        while True:
             msg = sock.recv(32)
-        except OSError:
-            os._exit(1)
-        if not msg:
-            os._exit(0)
-        done = b"0"
-        if on_host:
-            sock.send(done)
-            continue
-        try:
-            os.setresuid(int(msg), int(msg), 0)
+            if not msg:
+                break
+            done = b"0"
             try:
-                os.kill(-1, signal.SIGKILL)
-            except ProcessLookupError:          # nothing of the uid runs
+                os.setresuid(int(msg), int(msg), 0)
+                try:
+                    os.kill(-1, signal.SIGKILL)
+                except ProcessLookupError:          # nothing of the uid runs
+                    pass
+                done = b"1"
+            except (OSError, ValueError):
                 pass
-            done = b"1"
-        except (OSError, ValueError):
-            pass
-        try:
             os.setresuid(0, 0, 0)
             sock.send(done)
-        except OSError:
-            os._exit(1)
+    finally:
+        os._exit(0)
 
 
 def kill_leftovers(uid, init_pid=1, fd=-1, skip=()):
@@ -663,6 +663,9 @@ class Zygote:
         self.unwatched = {}     # pid -> worker without a pidfd
         self.sigchld_fd = -1
         self.reaper = None      # (pid, socket) of the reaper (kill_uid), forked when first needed
+        # Without a user namespace of its own the call sandbox's uids are the
+        # host's: no kill by uid there (kill_uid), only the walk.
+        self.kill_by_uid = not in_host_user_namespace()
 
     def _wake_on_sigchld(self):
         """The read end of a pipe that SIGCHLD writes a byte to, in the poll.
@@ -825,7 +828,10 @@ class Zygote:
         """Every process of `uid` killed by the reaper (reaper()); False if
         that could not be done: the reaper could not be forked, or did not
         answer (killed or stopped by a process of the uid in its instant as
-        it). A reaper that failed is ended and another forked next time."""
+        it). A reaper that failed is ended and another forked next time.
+        True at once where the sandbox has no user namespace (kill_by_uid)."""
+        if not self.kill_by_uid:
+            return True
         for _ in range(2):
             if self.reaper is None:
                 ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -383,3 +383,13 @@ def test_a_childrens_list_longer_than_a_page_is_read_whole():
             os.kill(int(pid), signal.SIGKILL)
         parent.kill()
         parent.wait()
+
+
+def test_a_zygote_in_the_hosts_user_namespace_kills_by_no_uid():
+    """Without a user namespace (sandbox.userns = false) a call's uid is a
+    host uid: kill(-1) as it would reach the host's processes. No reaper is
+    forked, and the uid is not held back for want of one (every call's uid
+    was, and after uid_count calls every call was busy)."""
+    with _zygote() as z:
+        assert z.kill_by_uid is False
+        assert z.kill_uid(60000) is True and z.reaper is None
