@@ -393,6 +393,7 @@ int dsec_mount_idmapped(const char *path, int userns_fd);
 int dsec_fsids_set(uint32_t uid, uint32_t gid);
 int dsec_reader_ids_set(const struct dsec_reader *reader);
 int dsec_thread_groups_set(const uint32_t *groups, int n);
+int dsec_caps_raise(void);
 int dsec_kill_uid(uint32_t uid);
 /* tarerofs.c: an OCI layer's tar stream into an EROFS image (-EOPNOTSUPP:
  * a layer it does not serve; -EINVAL: bad content, dsec_tarfs_error says what) */

@@ -1285,6 +1285,12 @@ static int peer_tree_as_reader(const struct peer_tree_ctx *c)
     opened = open(c->path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
     if (check(opened, c->err, DSEC_STEP_PEER_OPEN, c->path) < 0)
         return -1;
+    rc = dsec_caps_raise(); /* CAP_SYS_ADMIN for the clone; the lookups are done */
+    if (rc < 0) {
+        close(opened);
+        err_set(c->err, DSEC_STEP_PEER_IDS, -rc, c->path);
+        return -1;
+    }
     fd = open_tree(opened, "", AT_EMPTY_PATH | OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE);
     saved = errno;
     close(opened);

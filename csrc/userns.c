@@ -210,16 +210,20 @@ int dsec_fsids_set(uint32_t uid, uint32_t gid)
 }
 
 /* The calling thread's access checks become a reader's (a client's): its
- * supplementary groups, then its fs gid and uid. Moving fsuid away from 0
- * clears CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH & co. from the effective set,
- * and unlike dsec_fsids_set nothing raises them again, so the kernel checks
- * every lookup and open against the reader's ids and modes. Other
- * capabilities (CAP_SYS_ADMIN for open_tree) stay. Undo with
- * dsec_thread_groups_set(the daemon's) and dsec_fsids_set(0, 0). Raw
- * syscalls: this thread only (glibc's setgroups would change every thread),
- * and safe in spawn children. */
+ * supplementary groups, its fs gid and uid, and no effective capability at
+ * all (CAP_DAC_* would pass the file modes, CAP_SYS_PTRACE the ptrace check
+ * that guards /proc/<pid>/cwd and root), so the kernel checks every lookup
+ * and open against the reader's ids and modes. The permitted set stays:
+ * dsec_caps_raise gives them back (a spawn child's open_tree after its open
+ * as the reader). Undo with dsec_thread_groups_set(the daemon's) and
+ * dsec_fsids_set(0, 0), which raises them too. Raw syscalls: this thread
+ * only (glibc's setgroups would change every thread), and safe in spawn
+ * children. */
 int dsec_reader_ids_set(const struct dsec_reader *reader)
 {
+    struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3};
+    struct __user_cap_data_struct data[2];
+
     if (reader->uid == 0)
         return -EINVAL; /* fsuid 0 would keep the DAC capabilities: root needs no check */
     if (syscall(SYS_setgroups, reader->n_groups, reader->groups) < 0)
@@ -228,7 +232,24 @@ int dsec_reader_ids_set(const struct dsec_reader *reader)
     syscall(SYS_setfsuid, reader->uid);
     if ((uint32_t)syscall(SYS_setfsgid, -1) != reader->gid || (uint32_t)syscall(SYS_setfsuid, -1) != reader->uid)
         return -EPERM;
-    return 0;
+    if (syscall(SYS_capget, &hdr, data) < 0)
+        return -errno;
+    data[0].effective = data[1].effective = 0;
+    return syscall(SYS_capset, &hdr, data) < 0 ? -errno : 0;
+}
+
+/* The calling thread's effective capabilities back to its permitted set
+ * (after dsec_reader_ids_set), its fs ids left as they are. */
+int dsec_caps_raise(void)
+{
+    struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3};
+    struct __user_cap_data_struct data[2];
+
+    if (syscall(SYS_capget, &hdr, data) < 0)
+        return -errno;
+    data[0].effective = data[0].permitted;
+    data[1].effective = data[1].permitted;
+    return syscall(SYS_capset, &hdr, data) < 0 ? -errno : 0;
 }
 
 /* The calling thread's supplementary groups (raw syscall: this thread only). */

@@ -875,10 +875,11 @@ class reader_ids:
         return False
 
     def _restore(self) -> None:
+        # Root's fs ids and capabilities first: setgroups needs CAP_SETGID.
         groups = ffi.new("uint32_t[]", self._own_groups or [0])
-        rc = lib.dsec_thread_groups_set(groups, len(self._own_groups))
+        rc = lib.dsec_fsids_set(0, 0)
         if rc >= 0:
-            rc = lib.dsec_fsids_set(0, 0)
+            rc = lib.dsec_thread_groups_set(groups, len(self._own_groups))
         if rc < 0:
             raise_error(-rc, "give the daemon's ids back to", "this thread", "fsids")
 

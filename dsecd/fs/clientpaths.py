@@ -14,13 +14,16 @@ of the same files: nothing is copied.
 
 The daemon reads as root, so a client other than root (a member of
 `daemon.socket_group`) reaches only what it could read itself: its path is
-looked up and opened with the client's ids (every directory on the way
-searchable, the path readable by it), and everything below it is walked
-with them before the request reads any of it (`unreadable_below`): a
-directory the client cannot list or a file it cannot open refuses the
-request, naming it. The walk is a check before the read, not the read
-itself: a file the client could not read, moved into the tree by someone
-else between the walk and the build, would be read.
+looked up and opened with the client's ids and no capability (every
+directory on the way searchable, the path readable by it; no magic link of
+/proc taken past a directory it may not search), and everything below it is
+walked so before the request reads any of it (`unreadable_below`): a
+directory the client cannot list or a file it cannot open, whatever is
+mounted where, refuses the request, naming it. A client other than root
+whose pid the daemon cannot see is refused (its path would be read again
+by name). The walk is a check before the read, not the read itself: a file
+swapped into the tree between the walk and the build (by a rename the
+client races against it) would be read as root.
 
 Every call blocks (a clone and a mount): run it in a worker thread.
 """
@@ -93,7 +96,12 @@ class ClientPaths:
             raise _unreachable(path, err) from err
         if pidfd is None:
             if reader is not None:
-                _check_own_view(path, reader)
+                # Checked and then read again by name, its path could be
+                # swapped between the two: not served.
+                raise ClientPathError(errno.EACCES, f"{path}: uid {reader.uid} (the client) runs in a pid "
+                                                    "namespace the daemon cannot see into, so the path cannot be "
+                                                    "reached as it sees it; name it from a client in the "
+                                                    "daemon's pid namespace, or as root")
             yield path
             return
         try:
@@ -158,20 +166,6 @@ def _unreachable(path: str, err: OSError, reader: native.Reader | None = None) -
     return ClientPathError(code, f"{path}: {why} (looked up as the client sees it)")
 
 
-def _check_own_view(path: str, reader: native.Reader) -> None:
-    """A client with no pid here: `path` opened as the daemon sees it, with
-    the reader's ids, and what is below it walked with them."""
-    with native.reader_ids(reader):
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-        except OSError as err:
-            raise _unreachable(path, err, reader) from err
-    try:
-        _check_below(fd, path, reader)
-    finally:
-        os.close(fd)
-
-
 def _check_below(top: int, path: str, reader: native.Reader) -> None:
     """ClientPathError (EACCES) naming the first entry below open `top`
     (the client's `path`) that the reader cannot read."""
@@ -219,12 +213,19 @@ def unreadable_below(top: int) -> str | None:
             with os.scandir(fd) as entries:
                 for entry in entries:
                     name = entry.name if rel == "." else f"{rel}/{entry.name}"
-                    if entry.is_dir(follow_symlinks=False):
+                    # The type of what is there, by a stat: a directory entry's
+                    # own type is of the file under a mount, and a client can
+                    # bind a root-only file over a FIFO or symlink of its tree.
+                    try:
+                        mode = os.stat(entry.name, dir_fd=fd, follow_symlinks=False).st_mode
+                    except FileNotFoundError:       # gone meanwhile
+                        continue
+                    if stat.S_ISDIR(mode):
                         pending.append(name)
-                    elif entry.is_file(follow_symlinks=False):
+                    elif stat.S_ISREG(mode):
                         if not _can_open(fd, entry.name):
                             return name
-        except PermissionError:         # listed, but an entry's type needs a stat it may not make
+        except PermissionError:         # listed, but an entry may not be looked at
             return rel
         finally:
             os.close(fd)

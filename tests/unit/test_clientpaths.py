@@ -234,3 +234,41 @@ def test_a_deep_tree_is_walked_without_recursion(tmp_path):
     finally:
         os.close(top)
         subprocess.run(["rm", "-rf", "--", str(tmp_path / "d")], check=True)   # pytest's own removal recurses
+
+
+@needs_root
+def test_a_root_only_file_bound_over_a_fifo_of_the_tree_is_refused(tmp_path, shared_dir):
+    """The clone takes the client's mounts along, and a directory entry's
+    type is that of the file under a mount: a client that binds a root-only
+    file over a FIFO of its tree (in a user namespace of its own) must not
+    have it read because a FIFO is never opened."""
+    ctx = _tree(shared_dir)
+    os.mkfifo(ctx / "sub" / "shadow")
+    secret = shared_dir / "secret"
+    secret.write_text("root's alone")
+    secret.chmod(0o600)
+    subprocess.run(["mount", "--bind", str(secret), str(ctx / "sub" / "shadow")], check=True)
+    try:
+        with pytest.raises(ClientPathError) as exc:
+            _reach(ClientPaths(tmp_path / "cp"), ctx, NOBODY)
+        assert exc.value.errno == errno.EACCES and "sub/shadow" in str(exc.value)
+    finally:
+        subprocess.run(["umount", str(ctx / "sub" / "shadow")], check=True)
+
+
+@needs_root
+def test_a_processs_cwd_link_does_not_carry_the_client_past_a_directory_it_may_not_search(tmp_path, shared_dir):
+    """/proc/PID/cwd is a magic link, guarded by a ptrace check that
+    CAP_SYS_PTRACE passes: the client's lookup keeps no capability, so it
+    cannot jump into a directory below one it may not search."""
+    ctx = _tree(shared_dir / "private")
+    (shared_dir / "private").chmod(0o700)
+    child = subprocess.Popen(["sleep", "60"], cwd=ctx)
+    try:
+        with pytest.raises(ClientPathError) as exc:
+            _reach(ClientPaths(tmp_path / "cp"), Path(f"/proc/{child.pid}/cwd"), NOBODY)
+        assert exc.value.errno == errno.EACCES
+        assert _reach(ClientPaths(tmp_path / "cp"), Path(f"/proc/{child.pid}/cwd"), None) == ["shadow", "sub"]
+    finally:
+        child.kill()
+        child.wait()
