@@ -124,17 +124,22 @@ class FileService:
         if sb.backend == "microvm":
             await self.ensure_running(sb, "a file write")
             return await self.vms.file_op(sb, req, await owner_ids(sb, req.owner, self.workers, self.vms))
-        fd = await self._file_op(req, "write", sbfiles.open_for_write, req.path, req.append, keep, req.mode,
-                                 req.parents, req.same_as is None, opens=True)
+        # With same_as, nothing is truncated before the file is known to be that one.
+        fd = await self._file_op(req, "write", sbfiles.open_for_write, req.path, req.append,
+                                 keep or req.same_as is not None, req.mode, req.parents, req.same_as is None,
+                                 opens=True)
         try:
             st = os.fstat(fd)
             file_id = f"{st.st_dev}:{st.st_ino}"
-            if req.same_as is not None and file_id != req.same_as:
-                # A later chunk of a file that was removed and made again
-                # meanwhile (a temporary file its connection's end removed):
-                # the chunks before it are not in this one.
-                raise Conflict(f"{where}: the file was replaced since the chunk before was written; write it "
-                               "again from the start", {"path": req.path, "replaced": True})
+            if req.same_as is not None:
+                if file_id != req.same_as:
+                    # A later chunk of a file that was removed and made again
+                    # meanwhile (a temporary file its connection's end
+                    # removed): the chunks before it are not in this one.
+                    raise Conflict(f"{where}: the file was replaced since the chunk before was written; write "
+                                   "it again from the start", {"path": req.path, "replaced": True})
+                if not keep:
+                    os.ftruncate(fd, 0)
             if req.temporary and not keep:
                 self.hold_temporary(sb.id, req.path, st, ctx)
             if req.offset is not None:

@@ -370,6 +370,8 @@ def test_a_later_chunk_never_makes_again_a_file_that_went(daemon, sandbox):
         with pytest.raises(Conflict) as exc:
             b.request("file_write", sandbox=sandbox.id, path="/work/part", offset=4, data=b"BB", same_as=fid)
         assert exc.value.detail.get("replaced") is True
+        with pytest.raises(Conflict):               # nor emptied, by a write from the start
+            b.request("file_write", sandbox=sandbox.id, path="/work/part", data=b"BB", same_as=fid)
         assert sandbox.read_file("/work/part") == b"other"
         fid = b.request("file_write", sandbox=sandbox.id, path="/work/part", data=b"1234")["file"]
         b.request("file_write", sandbox=sandbox.id, path="/work/part", offset=4, data=b"56", same_as=fid)
