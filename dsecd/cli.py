@@ -1440,7 +1440,8 @@ async def _cp(c: Client, a) -> int:
         if src == "-":
             size = await sb.write_file(dst, _stdin_chunks(), mode=0o644, atomic=True, owner=a.owner)
         else:
-            with open(src, "rb") as f:
+            # A FIFO's open waits for its writer: not on the loop, or no signal could end dsec.
+            with await _in_a_thread_of_its_own(open, src, "rb") as f:
                 st = os.fstat(f.fileno())
                 # A pipe or FIFO (<(cmd), /dev/stdin) may block for as long as its writer likes.
                 source = f if stat.S_ISREG(st.st_mode) else _stdin_chunks(f.fileno())

@@ -917,10 +917,12 @@ def test_a_second_sigterm_ends_a_command_whose_clean_up_waits(tmp_path):
         held.stdout.close()
 
 
-def test_a_copy_from_a_fifo_nobody_writes_ends_at_sigterm(tmp_path):
+@pytest.mark.parametrize("writer_opens", [True, False])
+def test_a_copy_from_a_fifo_nobody_writes_ends_at_sigterm(tmp_path, writer_opens):
     """dsec cp FIFO SB:/f read the FIFO in an executor's thread, which the
     interpreter waits for at exit: cancelled by SIGTERM, dsec then hung
-    until the FIFO's writer wrote or closed."""
+    until the FIFO's writer wrote or closed; and with no writer at all its
+    open blocked the event loop, where no signal's handler ran."""
     import signal
     import time
 
@@ -935,7 +937,8 @@ def test_a_copy_from_a_fifo_nobody_writes_ends_at_sigterm(tmp_path):
         assert held.stdout.readline() == b"ready\n"
         p = subprocess.Popen([sys.executable, "-m", "dsecd.cli", "--socket", sock, "cp", str(fifo), "sb1:/work/f"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-        writer = os.open(fifo, os.O_WRONLY)          # open, and silent: the copy waits on its first read
+        if writer_opens:
+            writer = os.open(fifo, os.O_WRONLY)      # open, and silent: the copy waits on its first read
         time.sleep(1.0)
         t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)
