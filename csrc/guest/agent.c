@@ -2139,7 +2139,7 @@ static void do_write(uint32_t id, struct rd *r)
     const unsigned char *data = get_bytes(r, &n);
     struct stat st;
     int fd = -1;
-    uint32_t uid, gid;
+    uint32_t uid = 0, gid = 0;
 
     if (r->bad || get_owner(r, &uid, &gid) < 0) {
         send_err(id, EINVAL, "malformed write request");
@@ -2281,7 +2281,7 @@ static void do_mkdir(uint32_t id, struct rd *r)
     uint64_t parents = get_u64(r), mode = get_u64(r);
     const char *name;
     int dfd = -1, created = 1;
-    uint32_t uid, gid;
+    uint32_t uid = 0, gid = 0;
 
     if (r->bad || get_owner(r, &uid, &gid) < 0) {
         send_err(id, EINVAL, "malformed mkdir request");
