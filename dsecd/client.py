@@ -197,26 +197,31 @@ async def _view_pieces(data, size: int) -> AsyncIterator[memoryview]:
         yield view[start:start + size]
 
 
-async def _file_pieces(f, size: int, what: str) -> AsyncIterator[bytes]:
-    """A file's reads, each in a thread (a pipe's may block, a disk's take a
-    while): the loop runs meanwhile. (asyncio.run waits for that thread at
-    its end: a read of a pipe nobody writes to holds it up.)"""
-    loop = asyncio.get_running_loop()
-    piece, given = bytearray(), False
-    while True:
-        got = await loop.run_in_executor(None, f.read, size - len(piece))
-        if got is None:             # a non-blocking file with nothing yet
-            await asyncio.sleep(0.01)
-            continue
-        if not isinstance(got, (bytes, bytearray)):
-            raise TypeError(f"{what}: the file must be opened in binary mode ('rb'); its read gave "
-                            f"{type(got).__name__}")
-        piece += got
-        if len(piece) == size or (not got and (piece or not given)):
-            yield bytes(piece)
-            piece, given = bytearray(), True
-        if not got:
-            return
+def _file_pieces(f, size: int, what: str) -> AsyncIterator[bytes]:
+    """A file's reads as pieces of `size` bytes (_reader_pieces)."""
+    return _reader_pieces(_InThreads(f, what), size, what)
+
+
+class _InThreads:
+    """A binary file's read as a coroutine, each in a thread (a pipe's may
+    block, a disk's take a while): the loop runs meanwhile. (asyncio.run
+    waits for that thread at its end: a read of a pipe nobody writes to
+    holds it up.)"""
+
+    def __init__(self, f, what: str):
+        self.f, self.what = f, what
+
+    async def read(self, n: int) -> bytes:
+        loop = asyncio.get_running_loop()
+        while True:
+            got = await loop.run_in_executor(None, self.f.read, n)
+            if got is None:             # a non-blocking file with nothing yet
+                await asyncio.sleep(0.01)
+                continue
+            if not isinstance(got, (bytes, bytearray)):
+                raise TypeError(f"{self.what}: the file must be opened in binary mode ('rb'); its read gave "
+                                f"{type(got).__name__}")
+            return got
 
 
 async def _reader_pieces(reader, size: int, what: str) -> AsyncIterator[bytes]:
