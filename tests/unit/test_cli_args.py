@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -885,6 +886,36 @@ asyncio.run(main())
 """
 
 
+@contextlib.contextmanager
+def _stand_in(script: str, sock: str, *args: str):
+    """A stand-in daemon (`script`, on `sock`) while the block runs; the env a
+    dsec process run against it takes."""
+    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
+    held = subprocess.Popen([sys.executable, "-c", script, sock, *args], stdout=subprocess.PIPE,
+                            env={**env, "PYTHONPATH": os.pathsep.join([env["PYTHONPATH"], str(Path(__file__).parent)])})
+    try:
+        assert held.stdout.readline() == b"ready\n"
+        yield env
+    finally:
+        held.kill()
+        held.wait()
+        held.stdout.close()
+
+
+def _ends_within(p: subprocess.Popen, t0: float, seconds: float) -> None:
+    import signal
+    import time
+
+    try:
+        p.communicate(timeout=15)
+    finally:
+        if p.poll() is None:            # hung: not left behind
+            p.kill()
+            p.wait()
+    assert p.returncode == 128 + signal.SIGTERM and time.monotonic() - t0 < seconds, (p.returncode,
+                                                                                     time.monotonic() - t0)
+
+
 def test_a_second_sigterm_ends_a_command_whose_clean_up_waits(tmp_path):
     """The first SIGTERM cancels a copy, whose clean-up (the removal of its
     temporary file) waits on a daemon that answers nothing more; a second
@@ -895,11 +926,7 @@ def test_a_second_sigterm_ends_a_command_whose_clean_up_waits(tmp_path):
     sock = str(tmp_path / "d.sock")
     src = tmp_path / "f"
     src.write_bytes(b"x" * 1000)
-    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
-    held = subprocess.Popen([sys.executable, "-c", WRITE_HELD_DAEMON, sock], stdout=subprocess.PIPE,
-                            env={**env, "PYTHONPATH": os.pathsep.join([env["PYTHONPATH"], str(Path(__file__).parent)])})
-    try:
-        assert held.stdout.readline() == b"ready\n"
+    with _stand_in(WRITE_HELD_DAEMON, sock) as env:
         p = subprocess.Popen([sys.executable, "-m", "dsecd.cli", "--socket", sock, "cp", str(src), "sb1:/work/f"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         time.sleep(1.0)                    # its first chunk sent, waiting for the answer by now
@@ -908,13 +935,7 @@ def test_a_second_sigterm_ends_a_command_whose_clean_up_waits(tmp_path):
         assert p.poll() is None, p.communicate()
         t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)
-        p.communicate(timeout=15)
-        assert p.returncode == 128 + signal.SIGTERM and time.monotonic() - t0 < 3, (p.returncode,
-                                                                                     time.monotonic() - t0)
-    finally:
-        held.kill()
-        held.wait()
-        held.stdout.close()
+        _ends_within(p, t0, 3)
 
 
 @pytest.mark.parametrize("writer_opens", [True, False])
@@ -929,25 +950,17 @@ def test_a_copy_from_a_fifo_nobody_writes_ends_at_sigterm(tmp_path, writer_opens
     sock = str(tmp_path / "d.sock")
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
-    held = subprocess.Popen([sys.executable, "-c", WRITE_HELD_DAEMON, sock, "removes"], stdout=subprocess.PIPE,
-                            env={**env, "PYTHONPATH": os.pathsep.join([env["PYTHONPATH"], str(Path(__file__).parent)])})
     writer = None
     try:
-        assert held.stdout.readline() == b"ready\n"
-        p = subprocess.Popen([sys.executable, "-m", "dsecd.cli", "--socket", sock, "cp", str(fifo), "sb1:/work/f"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-        if writer_opens:
-            writer = os.open(fifo, os.O_WRONLY)      # open, and silent: the copy waits on its first read
-        time.sleep(1.0)
-        t0 = time.monotonic()
-        p.send_signal(signal.SIGTERM)
-        p.communicate(timeout=15)
-        assert p.returncode == 128 + signal.SIGTERM and time.monotonic() - t0 < 3, (p.returncode,
-                                                                                     time.monotonic() - t0)
+        with _stand_in(WRITE_HELD_DAEMON, sock, "removes") as env:
+            p = subprocess.Popen([sys.executable, "-m", "dsecd.cli", "--socket", sock, "cp", str(fifo),
+                                  "sb1:/work/f"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+            if writer_opens:
+                writer = os.open(fifo, os.O_WRONLY)      # open, and silent: the copy waits on its first read
+            time.sleep(1.0)
+            t0 = time.monotonic()
+            p.send_signal(signal.SIGTERM)
+            _ends_within(p, t0, 3)
     finally:
         if writer is not None:
             os.close(writer)
-        held.kill()
-        held.wait()
-        held.stdout.close()

@@ -16,7 +16,8 @@ def wedged_in_a_callback():
     time.sleep(4.0)
 
 
-def test_a_stalled_loop_is_reported_with_where_it_is_stuck(monkeypatch, caplog):
+def _monitored(monkeypatch, caplog, body) -> None:
+    """Run `await body()` under a LoopMonitor that reports a stall of 1 s."""
     monkeypatch.setattr(looplag, "STALL_REPORT_S", 1.0)
     monkeypatch.setattr(looplag, "STALL_CHECK_S", 0.05)
 
@@ -24,14 +25,21 @@ def test_a_stalled_loop_is_reported_with_where_it_is_stuck(monkeypatch, caplog):
         monitor = looplag.LoopMonitor(Notifier(environ={}), lambda: "")
         monitor.start()
         try:
-            await asyncio.sleep(0.3)         # turning: nothing said
-            wedged_in_a_callback()           # the loop stops turning here
-            await asyncio.sleep(1.0)         # and turns again
+            await body()
         finally:
             monitor.stop()
 
     with caplog.at_level(logging.INFO, "dsecd.looplag"):
         asyncio.run(run())
+
+
+def test_a_stalled_loop_is_reported_with_where_it_is_stuck(monkeypatch, caplog):
+    async def body():
+        await asyncio.sleep(0.3)         # turning: nothing said
+        wedged_in_a_callback()           # the loop stops turning here
+        await asyncio.sleep(1.0)         # and turns again
+
+    _monitored(monkeypatch, caplog, body)
     stalled = [r for r in caplog.records if getattr(r, "fields", {}).get("event") == "loop_stalled"]
     assert len(stalled) == 1, [r.getMessage() for r in caplog.records]
     assert stalled[0].levelno == logging.WARNING and "wedged_in_a_callback" in stalled[0].fields["stack"]
@@ -41,17 +49,5 @@ def test_a_stalled_loop_is_reported_with_where_it_is_stuck(monkeypatch, caplog):
 
 
 def test_a_loop_that_turns_is_not_reported(monkeypatch, caplog):
-    monkeypatch.setattr(looplag, "STALL_REPORT_S", 1.0)
-    monkeypatch.setattr(looplag, "STALL_CHECK_S", 0.05)
-
-    async def run():
-        monitor = looplag.LoopMonitor(Notifier(environ={}), lambda: "")
-        monitor.start()
-        try:
-            await asyncio.sleep(0.5)
-        finally:
-            monitor.stop()
-
-    with caplog.at_level(logging.INFO, "dsecd.looplag"):
-        asyncio.run(run())
+    _monitored(monkeypatch, caplog, lambda: asyncio.sleep(0.5))
     assert not [r for r in caplog.records if getattr(r, "fields", {}).get("event")], caplog.records
