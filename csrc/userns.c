@@ -185,28 +185,42 @@ int dsec_mount_idmapped(const char *path, int userns_fd)
     return fd;
 }
 
-/* File-system ids of the calling thread only (raw syscalls: glibc would not
- * broadcast these anyway, but its wrappers are not async-signal-safe). Moving
- * fsuid away from 0 clears CAP_DAC_OVERRIDE & co. from the effective set; they
- * are raised again from the permitted set, so the thread keeps acting with
- * root's power, under the new ids. setfsuid reports no error: reading the
- * value back is the check (EPERM if the change did not take). */
-int dsec_fsids_set(uint32_t uid, uint32_t gid)
+/* The calling thread's fs gid and uid (raw syscalls: glibc would not
+ * broadcast these anyway, but its wrappers are not async-signal-safe).
+ * setfsuid reports no error: reading the value back is the check (EPERM if
+ * the change did not take). */
+static int fsids_take(uint32_t uid, uint32_t gid)
 {
-    struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3};
-    struct __user_cap_data_struct data[2];
-
     syscall(SYS_setfsgid, gid);
     syscall(SYS_setfsuid, uid);
     if ((uint32_t)syscall(SYS_setfsgid, -1) != gid || (uint32_t)syscall(SYS_setfsuid, -1) != uid)
         return -EPERM;
+    return 0;
+}
+
+/* The calling thread's effective capabilities: its whole permitted set
+ * (`raised`), or none. */
+static int caps_effective(int raised)
+{
+    struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3};
+    struct __user_cap_data_struct data[2];
+
     if (syscall(SYS_capget, &hdr, data) < 0)
         return -errno;
-    data[0].effective = data[0].permitted;
-    data[1].effective = data[1].permitted;
-    if (syscall(SYS_capset, &hdr, data) < 0)
-        return -errno;
-    return 0;
+    data[0].effective = raised ? data[0].permitted : 0;
+    data[1].effective = raised ? data[1].permitted : 0;
+    return syscall(SYS_capset, &hdr, data) < 0 ? -errno : 0;
+}
+
+/* File-system ids of the calling thread only. Moving fsuid away from 0
+ * clears CAP_DAC_OVERRIDE & co. from the effective set; they are raised
+ * again from the permitted set, so the thread keeps acting with root's
+ * power, under the new ids. */
+int dsec_fsids_set(uint32_t uid, uint32_t gid)
+{
+    int rc = fsids_take(uid, gid);
+
+    return rc < 0 ? rc : caps_effective(1);
 }
 
 /* The calling thread's access checks become a reader's (a client's): its
@@ -215,41 +229,27 @@ int dsec_fsids_set(uint32_t uid, uint32_t gid)
  * that guards /proc/<pid>/cwd and root), so the kernel checks every lookup
  * and open against the reader's ids and modes. The permitted set stays:
  * dsec_caps_raise gives them back (a spawn child's open_tree after its open
- * as the reader). Undo with dsec_thread_groups_set(the daemon's) and
- * dsec_fsids_set(0, 0), which raises them too. Raw syscalls: this thread
+ * as the reader). Undo with dsec_fsids_set(0, 0), which raises them too,
+ * then dsec_thread_groups_set(the daemon's). Raw syscalls: this thread
  * only (glibc's setgroups would change every thread), and safe in spawn
  * children. */
 int dsec_reader_ids_set(const struct dsec_reader *reader)
 {
-    struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3};
-    struct __user_cap_data_struct data[2];
+    int rc;
 
     if (reader->uid == 0)
         return -EINVAL; /* fsuid 0 would keep the DAC capabilities: root needs no check */
     if (syscall(SYS_setgroups, reader->n_groups, reader->groups) < 0)
         return -errno;
-    syscall(SYS_setfsgid, reader->gid);
-    syscall(SYS_setfsuid, reader->uid);
-    if ((uint32_t)syscall(SYS_setfsgid, -1) != reader->gid || (uint32_t)syscall(SYS_setfsuid, -1) != reader->uid)
-        return -EPERM;
-    if (syscall(SYS_capget, &hdr, data) < 0)
-        return -errno;
-    data[0].effective = data[1].effective = 0;
-    return syscall(SYS_capset, &hdr, data) < 0 ? -errno : 0;
+    rc = fsids_take(reader->uid, reader->gid);
+    return rc < 0 ? rc : caps_effective(0);
 }
 
 /* The calling thread's effective capabilities back to its permitted set
  * (after dsec_reader_ids_set), its fs ids left as they are. */
 int dsec_caps_raise(void)
 {
-    struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3};
-    struct __user_cap_data_struct data[2];
-
-    if (syscall(SYS_capget, &hdr, data) < 0)
-        return -errno;
-    data[0].effective = data[0].permitted;
-    data[1].effective = data[1].permitted;
-    return syscall(SYS_capset, &hdr, data) < 0 ? -errno : 0;
+    return caps_effective(1);
 }
 
 /* The calling thread's supplementary groups (raw syscall: this thread only). */

@@ -47,7 +47,8 @@ __all__ = [
     "RESOLVE_BENEATH", "RESOLVE_NO_XDEV", "RESOLVE_CACHED", "TarErofs", "TarErofsError",
     # processes and namespaces
     "pidfd_open", "pidfd_getfd", "pidfd_send_signal", "pidfd_kill_group", "netns_create", "userns_create",
-    "fs_ids", "reader_ids", "Reader", "kill_uid", "sched_set_idle", "sched_core_create", "sched_core_share_from", "PAGE_SIZE", "root_ns",
+    "fs_ids", "reader_ids", "Reader", "kill_uid", "sched_set_idle", "sched_core_create", "sched_core_share_from",
+    "PAGE_SIZE", "root_ns",
     "RootEntry", "vm_root", "MS_RDONLY", "MS_NOSUID", "MS_NODEV", "MS_NOEXEC",
     # memory
     "MADV_WILLNEED", "MADV_COLD", "MADV_PAGEOUT", "MadviseResult", "process_madvise", "process_populate",

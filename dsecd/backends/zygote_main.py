@@ -79,6 +79,17 @@ def send(sock, msg, fds=()):
     sock.sendmsg([json.dumps(msg).encode()], anc)
 
 
+def only_fd_3(sock):
+    """In a child of the zygote: `sock` as fd 3, every fd above it closed
+    (no other worker's link or pidfd: a spare sees the zygote's end of its
+    link as EOF only when no other process holds it)."""
+    fd = sock.detach()
+    if fd != 3:
+        os.dup2(fd, 3)
+    os.closerange(4, 1 << 16)
+    return socket.socket(fileno=3)
+
+
 def worker(link, tmp, uid, rlimits):
     """A pre-forked worker: set up what does not depend on the call, wait for
     it, run it, report, exit. Never returns."""
@@ -95,12 +106,7 @@ def worker(link, tmp, uid, rlimits):
         # part of every call, this process runs beside it.
         os.mkdir(tmp, 0o700)
         os.chown(tmp, uid, uid)
-        # Everything but the link to the zygote goes: no other worker's fds.
-        fd = link.detach()
-        if fd != 3:
-            os.dup2(fd, 3)
-        os.closerange(4, 1 << 16)
-        link = socket.socket(fileno=3)
+        link = only_fd_3(link)
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         os.chdir(tmp)
         for name, value in rlimits.items():
@@ -833,27 +839,8 @@ class Zygote:
         if not self.kill_by_uid:
             return True
         for _ in range(2):
-            if self.reaper is None:
-                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-                try:
-                    pid = os.fork()
-                except OSError:
-                    ours.close()
-                    theirs.close()
-                    return False
-                if pid == 0:
-                    # Nothing of the zygote's kept open here (its workers'
-                    # links: a spare sees the zygote's end as their EOF).
-                    signal.set_wakeup_fd(-1)
-                    fd = theirs.detach()
-                    if fd != 3:
-                        os.dup2(fd, 3)
-                    os.closerange(4, 1 << 16)
-                    reaper(socket.socket(fileno=3))
-                theirs.close()
-                ours.settimeout(REAPER_WAIT_S)
-                self.reaper = (pid, ours)
-                self.me.add(pid)            # not one of a call's leftovers
+            if self.reaper is None and not self._start_reaper():
+                return False
             pid, sock = self.reaper
             try:
                 sock.send(b"%d" % uid)
@@ -861,15 +848,38 @@ class Zygote:
                     return True
             except OSError:                 # it went, or did not answer in time
                 pass
-            self.reaper = None
-            self.me.discard(pid)
-            sock.close()
-            try:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            except OSError:
-                pass
+            self._end_reaper()
         return False
+
+    def _start_reaper(self):
+        """Fork the reaper; False if it could not be forked."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            pid = os.fork()
+        except OSError:
+            ours.close()
+            theirs.close()
+            return False
+        if pid == 0:
+            signal.set_wakeup_fd(-1)
+            reaper(only_fd_3(theirs))
+        theirs.close()
+        ours.settimeout(REAPER_WAIT_S)
+        self.reaper = (pid, ours)
+        self.me.add(pid)            # not one of a call's leftovers
+        return True
+
+    def _end_reaper(self):
+        """Kill and reap the reaper (gone, stopped, or failing)."""
+        pid, sock = self.reaper
+        self.reaper = None
+        self.me.discard(pid)
+        sock.close()
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
 
     def kill_leftovers(self, uid):
         """kill_leftovers of `uid` among init's children, and among this

@@ -259,12 +259,10 @@ class CreateService:
             name = sb.labels.get(POOL_LABEL)
             if name is None:
                 continue
-            if sb.state == "dead":
-                # A spare whose init went (the host rebooted): nobody holds
-                # it, and kept it would hold its journal record and id range.
-                self.workers.loop.create_task(self._destroy_quiet(sb))
-                continue
             if sb.state != "running":
+                # One whose init went (the host rebooted) goes: kept, it would
+                # hold its journal record and id range for good.
+                self._drop_if_dead(sb)
                 continue
             pool = self.pools.get(name)
             if pool is not None and name not in now_named:

@@ -489,9 +489,8 @@ def _trim_failed(sb, resp: dns.message.Message) -> None:
     """A failed answer (NXDOMAIN, SERVFAIL, ...) carries no record the
     sandbox needs but the authority's SOA (how long to cache the failure):
     the rest, addresses of any name among them, is dropped and counted."""
-    dropped = sum(len(rr) for rr in resp.answer + resp.additional
+    dropped = sum(len(rr) for rr in resp.answer + resp.authority + resp.additional
                   if rr.rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA))
-    dropped += sum(len(rr) for rr in resp.authority if rr.rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA))
     sb.dns["hostile_dropped"] += dropped
     resp.answer = []
     resp.additional = []
