@@ -77,15 +77,15 @@ ABANDONED_CREATE_WAIT_S = 10.0
 # frame, as a create's does: an exec's comes once the daemon no longer
 # counts it as running (a destroy without force right after is not refused
 # for it); a directory copy's once the daemon has removed its partial
-# tree; a snapshot's once its pack has ended unpublished and the sandbox
+# tree; a remove's once it has stopped; a snapshot's once its pack has ended unpublished and the sandbox
 # is thawed; a pause's or resume's (of a sandbox or a job: once begun, they
 # finish) once it has, so that the next request is not overtaken by its
 # freeze or thaw; a background process's may say it was started (the
 # daemon was done before the cancel landed), and it is then killed. So the
 # caller's cancel returns with nothing of it left or under way. Waited for
 # ABANDONED_CREATE_WAIT_S at most (close() waits for the rest).
-SETTLED_WHEN_ABANDONED = ("exec", "file_tar_put", "proc_start", "snapshot", "pause", "resume", "job_pause",
-                          "job_resume")
+SETTLED_WHEN_ABANDONED = ("exec", "file_tar_put", "file_remove", "proc_start", "snapshot", "pause", "resume",
+                          "job_pause", "job_resume")
 # How soon Client.hold renews again after a renew found the connection gone.
 HOLD_RETRY_S = 1.0
 

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -63,11 +64,14 @@ class FileService:
         self.copy_by_init = copy_by_init
         self.vms = vms
 
-    async def _file_op(self, req, verb: str, fn, *args, opens: bool = False):
+    async def _file_op(self, req, verb: str, fn, *args, opens: bool = False,
+                       stop: threading.Event | None = None):
         """fn(rootfd, *args) in a worker, its errors said as the protocol's;
         what it creates belongs to the request's `owner`, if it names one.
         opens: fn returns an fd; if the request is cancelled while fn runs
-        (the work goes on), the fd it opens is closed when it returns."""
+        (the work goes on), the fd it opens is closed when it returns.
+        stop: an event fn checks as it goes; a cancel sets it and waits for
+        fn to return."""
         sb = self.registry.get(req.sandbox, req)
         await self.ensure_running(sb, f"a file {verb}")
         owner = await owner_ids(sb, getattr(req, "owner", None), self.workers, self.vms)
@@ -78,6 +82,9 @@ class FileService:
             if opens:
                 return await self.workers.run_shielded(_close_opened, op, userns.IdMap.from_record(sb.idmap), fn,
                                                        sb.handle.rootfd, *args)
+            if stop is not None:
+                return await self.workers.run_stoppable(stop, op, userns.IdMap.from_record(sb.idmap), fn,
+                                                        sb.handle.rootfd, *args)
             return await self.workers.run(op, userns.IdMap.from_record(sb.idmap), fn, sb.handle.rootfd, *args)
         except sbfiles.PathError as err:
             raise BadRequest(f"{verb} {sb.id}:{_where(req)}: {err}", {"path": _where(req)}) from err
@@ -217,7 +224,10 @@ class FileService:
         return await self._file_op(req, "mkdir", sbfiles.make_dir, req.path, req.parents, req.mode)
 
     async def remove(self, req, ctx) -> dict:
-        out = await self._file_op(req, "remove", sbfiles.remove, req.path, req.recursive)
+        # A cancel (or the client's end) stops a recursive remove between two
+        # entries and is answered once it has stopped: nothing is deleted after.
+        stop = threading.Event()
+        out = await self._file_op(req, "remove", sbfiles.remove, req.path, req.recursive, stop, stop=stop)
         self._drop_temp(req, req.path)
         return out
 

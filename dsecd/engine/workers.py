@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,20 @@ class Workers:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             on_cancel()
+            raise
+
+    async def run_stoppable(self, stop: threading.Event, fn, *args):
+        """fn(*args) in a worker that checks `stop` as it goes: cancelling the
+        caller sets it and waits for fn to return, so the work has stopped
+        (nothing more of it happens) once the caller's cancel is through."""
+        fut = self._submit(fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            stop.set()
+            await asyncio.wait({fut})
+            if not fut.cancelled():
+                fut.exception()             # the stop's own error: the caller was told of its cancel
             raise
 
     def behind(self, fn, *args) -> asyncio.Future:

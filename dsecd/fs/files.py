@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 
 from .. import native
 from . import libc
@@ -309,21 +310,25 @@ def make_dir(rootfd: int, path: str, parents: bool, mode: int) -> dict:
         os.close(pfd)
 
 
-def remove(rootfd: int, path: str, recursive: bool) -> dict:
+def remove(rootfd: int, path: str, recursive: bool, stop: threading.Event | None = None) -> dict:
     """rm (-r with `recursive`). A symlink is removed, never followed, at any
-    depth: what a sandbox points elsewhere is not the daemon's to delete."""
+    depth: what a sandbox points elsewhere is not the daemon's to delete.
+    `stop`, once set (the request cancelled), ends a recursive remove before
+    its next entry, with InterruptedError."""
     path = check_path(path)
     refuse_root("remove", path)
     parent, name = _split(path)
     pfd = _open(rootfd, parent, os.O_PATH | os.O_DIRECTORY)
     try:
-        return {"path": path, "removed": _remove_at(pfd, name, recursive, path)}
+        return {"path": path, "removed": _remove_at(pfd, name, recursive, path, stop)}
     finally:
         os.close(pfd)
 
 
-def _remove_at(dirfd: int, name: str, recursive: bool, shown: str) -> int:
+def _remove_at(dirfd: int, name: str, recursive: bool, shown: str, stop: threading.Event | None = None) -> int:
     """Remove `name` in `dirfd`; the number of entries removed."""
+    if stop is not None and stop.is_set():
+        raise InterruptedError(errno.EINTR, f"the remove stopped before {shown}: it was cancelled")
     st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
     if not stat.S_ISDIR(st.st_mode):
         os.unlink(name, dir_fd=dirfd)
@@ -342,7 +347,7 @@ def _remove_at(dirfd: int, name: str, recursive: bool, shown: str) -> int:
     removed = 0
     try:
         for entry in os.listdir(fd):
-            removed += _remove_at(fd, entry, True, f"{shown}/{entry}")
+            removed += _remove_at(fd, entry, True, f"{shown}/{entry}", stop)
     finally:
         os.close(fd)
     os.rmdir(name, dir_fd=dirfd)

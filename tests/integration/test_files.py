@@ -158,3 +158,33 @@ def test_a_read_is_never_torn_by_a_file_replaced_meanwhile(daemon):
 
     torn = [i for i, data in enumerate(asyncio.run(go())) if data not in (a, b)]
     assert torn == []
+
+
+def test_a_cancelled_recursive_remove_deletes_nothing_after_its_cancel(daemon):
+    """A recursive remove runs in a daemon thread: cancelled (a timeout, the
+    caller gone), it went on deleting the tree after the caller was told
+    it was cancelled. It stops, and the cancel returns once it has."""
+    files = 60_000
+
+    async def go() -> tuple[int, int]:
+        async with dsecd.Client(daemon.socket) as c:
+            async with c.sandbox(image="busybox", memory="1G", disk="512M") as sb:
+                await sb.exec(["sh", "-c", f"mkdir /work/t && cd /work/t && i=0; "
+                                           f"while [ $i -lt {files} ]; do : > $i; i=$((i+1)); done"],
+                              timeout=300)
+
+                async def count() -> int:
+                    out = await sb.exec(["sh", "-c", "ls /work/t 2>/dev/null | wc -l"])
+                    return int(out.stdout)
+
+                # Cancelled ever later until it has begun (it first lists the tree).
+                for attempt in range(1, 40):
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(sb.remove("/work/t", recursive=True), 0.05 * attempt)
+                    if (left := await count()) < files:
+                        break
+                await asyncio.sleep(1.0)
+                return left, await count()
+
+    left, later = asyncio.run(go())
+    assert 0 < left < files and later == left
