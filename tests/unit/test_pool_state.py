@@ -196,3 +196,18 @@ def test_a_create_key_digest_counts_only_what_was_given():
                   protocol.Create(image="busybox", memory="64M", key="k"),
                   LaterCreate(image="busybox", memory="64M", env={"A": "1"}, key="k", gpus=1)):
         assert create_args_digest(other) != create_args_digest(first), other
+
+
+def test_a_key_digest_is_the_one_journaled_sandboxes_carry():
+    """Sandboxes in the journal carry the digest of the create that made
+    them; a retry after a daemon upgrade must compute the same one, or it
+    is refused as another create under the key. The values are those of
+    the first implementation (dataclasses.asdict of the request)."""
+    from dsecd import protocol
+    from dsecd.engine.creates import create_args_digest
+
+    assert create_args_digest(protocol.Create(image="busybox", key="k")) == "d6b8fea136d02fd718b44113cbc256d1"
+    full = protocol.Create(image="b", cpu=0.5, memory="1G", env={"A": "1"}, labels={"job": "j"},
+                           allow=["pypi.org:443/tcp"], publish=[80], policy={"x": [1, 2]}, key="z", ttl="2h",
+                           user=1000)
+    assert create_args_digest(full) == "d4d193337a0b27cbdaa14d577f28000d"
