@@ -153,6 +153,7 @@ struct dsec_container_args {
     uint64_t init_caps; /* capabilities init keeps permitted (never effective) for the execs it forks */
     int root_ns_fd;   /* >= 0: a mount namespace from dsec_root_ns(): init gets a copy of it, with the
                        * overlay on its root, instead of a copy of the daemon's pivot_root'ed */
+    const char *proc_opts; /* mount data of the sandbox's /proc ("hidepid=invisible,gid=N"); NULL: none */
 };
 
 struct dsec_exec_args {

@@ -508,8 +508,9 @@ static int rootfs_mount_here(const struct container_ctx *c)
     return 0;
 }
 
-/* The merged root, then /proc in it. From here on the child works relative
- * to the merged root (its cwd). */
+/* The merged root, then /proc in it, with the sandbox's proc options (a
+ * call sandbox hides each process from the others' uids). From here on the
+ * child works relative to the merged root (its cwd). */
 static int rootfs_mount(const struct container_ctx *c)
 {
     struct dsec_err *e = c->err;
@@ -520,7 +521,7 @@ static int rootfs_mount(const struct container_ctx *c)
         mkdir_strict("tmp", 01777, e) < 0)
         return -1;
     return mount_step(DSEC_STEP_MOUNT_PROC, "proc", "proc", "proc",
-                      MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL, e);
+                      MS_NOSUID | MS_NODEV | MS_NOEXEC, c->a->proc_opts, e);
 }
 
 /* ---- the scratch tmpfs: /dev, /dev/shm, /tmp, the masks of /proc dirs -- */

@@ -367,6 +367,7 @@ class ContainerSpec:
     park_fds: tuple[int, ...] = ()  # detached mounts named in the overlay options (idmapped layer
                            # clones) that PID 1 attaches under its overlay (with root_ns_fd), to
                            # go with its mount namespace (csrc/spawn.c layers_park)
+    proc_options: str = ""  # mount data of the sandbox's /proc ("hidepid=invisible,gid=N"); "": none
 
     def __post_init__(self):
         self.overlay_options()
@@ -380,6 +381,7 @@ class ContainerSpec:
         _path("rootfs", self.rootfs)
         _path("init_path", self.init_path)
         _cgroup_files(self.cgroup_procs)
+        _cstring("proc_options", self.proc_options)
         name = _cstring("hostname", self.hostname)
         if not 0 < len(name) <= HOSTNAME_MAX:
             raise ValueError(f"hostname must be 1..{HOSTNAME_MAX} bytes, got {self.hostname!r}")
@@ -438,6 +440,9 @@ def spawn_container(spec: ContainerSpec) -> int:
     args.ctl_peer_fd = int(spec.ctl_peer_fd) if spec.ctl_fd >= 0 else -1
     args.oom_reset = bool(spec.oom_reset)
     args.root_ns_fd = int(spec.root_ns_fd)
+    if spec.proc_options:
+        keep.append(ffi.new("char[]", _cstring("proc_options", spec.proc_options)))
+        args.proc_opts = keep[-1]
     path_fds = sorted({int(n) for n in _PROC_FD_PATH.findall(b" ".join(strings[:2]))})
     if len(path_fds) > lib.DSEC_MAX_PATH_FDS:
         raise ValueError(f"{len(path_fds)} layers named through fds; a spawn takes at most {lib.DSEC_MAX_PATH_FDS}")

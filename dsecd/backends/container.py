@@ -181,9 +181,10 @@ class ContainerBackend:
 
     def create(self, sb_id: str, lowerdirs: list[str], limits: cgroup.Limits, hostname: str,
                cpu_plan=None, idmap: userns.IdMap | None = None, netns_fd: int = -1,
-               disk: upperfs.Cap | None = None) -> Handle:
+               disk: upperfs.Cap | None = None, proc_options: str = "") -> Handle:
         """netns_fd >= 0: PID 1 joins that network namespace (the netns pool's) instead of a new one.
-        disk: the writable layer's cap (a tmpfs of its own); None: a dir in the state dir."""
+        disk: the writable layer's cap (a tmpfs of its own); None: a dir in the state dir.
+        proc_options: mount data of its /proc (native.ContainerSpec.proc_options)."""
         group = self.group_for(sb_id)
         with Steps(f"create sandbox {sb_id}") as steps:
             upperfd = -1
@@ -231,7 +232,8 @@ class ContainerBackend:
                         netns_fd=netns_fd, upper_fd=upperfd,
                         ctl_fd=theirs.fileno() if theirs else -1, ctl_peer_fd=ours.fileno() if ours else -1,
                         init_caps=self.init_caps,
-                        oom_reset=_OOM_RESET, root_ns_fd=self.root_ns_fd, park_fds=layers.clone_fds)
+                        oom_reset=_OOM_RESET, root_ns_fd=self.root_ns_fd, park_fds=layers.clone_fds,
+                        proc_options=proc_options)
                     pid = native.spawn_container(spec)
             finally:
                 if theirs is not None:

@@ -277,8 +277,17 @@ class FnCallBackend:
 
     def create_box(self, box_id: str, lowerdirs: list[str], limits: cgroup.Limits, plan,
                    idmap: userns.IdMap | None = None) -> Handle:
-        """A call sandbox, in a user namespace of `idmap`'s range (None: host ids)."""
-        h = self.containers.create(box_id, lowerdirs, limits, "fncall", plan, idmap=idmap, disk=self.disk)
+        """A call sandbox, in a user namespace of `idmap`'s range (None: host ids).
+
+        Its /proc hides every process from the other uids (hidepid=invisible):
+        a call sees its own processes only, not another call's argv,
+        environment or pids, nor the zygote's or init's. Root's group of the
+        call sandbox (gid=, as the host sees it) sees them all: the zygote,
+        which holds no CAP_SYS_PTRACE, reads the status of what a call left
+        behind (zygote_main.kill_leftovers); no call holds that group."""
+        root_gid = idmap.gid if idmap is not None else 0
+        h = self.containers.create(box_id, lowerdirs, limits, "fncall", plan, idmap=idmap, disk=self.disk,
+                                   proc_options=f"hidepid=invisible,gid={root_gid}")
         try:
             self.seal_shared_dirs(h)
         except BaseException:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -278,26 +279,61 @@ def _calls_at_once(daemon, image: str, *codes: str) -> list:
 
 def test_concurrent_calls_cannot_reach_each_other(daemon, py_image):
     """Calls run under different uids: one cannot list the dir that holds the
-    others' private dirs, nor signal the other calls' (or idle workers') processes."""
+    others' private dirs, nor signal the other calls' (or idle workers')
+    processes. Their pids are not in its /proc: it tries every pid given out
+    in the call sandbox so far."""
     probe = ("import os, signal, time\n"
              "me = os.getuid()\n"
              "print(me, flush=True)\n"
              "time.sleep(0.3)\n"
              "try:\n    os.listdir(os.path.dirname(os.getcwd()))\n    print('listed')\n"
              "except PermissionError:\n    print('nolist')\n"
-             "others = denied = 0\n"
-             "for p in filter(str.isdigit, os.listdir('/proc')):\n"
-             "    try:\n        uid = os.stat('/proc/' + p).st_uid\n    except OSError:\n        continue\n"
-             "    if uid >= 60000 and uid != me:\n"
-             "        others += 1\n"
-             "        try:\n            os.kill(int(p), signal.SIGKILL)\n"
-             "        except PermissionError:\n            denied += 1\n"
-             "print(others > 0 and denied == others)")
+             "killed = denied = 0\n"
+             "for p in range(2, int(open('/proc/sys/kernel/ns_last_pid').read()) + 1):\n"
+             "    if p == os.getpid():\n        continue\n"
+             "    try:\n        os.kill(p, signal.SIGKILL)\n        killed += 1\n"
+             "    except PermissionError:\n        denied += 1\n"
+             "    except ProcessLookupError:\n        pass\n"
+             "print(denied > 0 and killed == 0)")
 
     a, b = _calls_at_once(daemon, py_image, probe, probe)
     assert a.stdout.split()[0] != b.stdout.split()[0]
     assert a.stdout.split()[1:] == [b"nolist", b"True"], a.stderr
     assert b.stdout.split()[1:] == [b"nolist", b"True"], b.stderr
+
+
+def _argv_calls_at_once(daemon, image: str, *argvs: list[str]) -> list:
+    """The results of argv calls sent together on one connection."""
+    async def run():
+        async with Client(daemon.socket) as c:
+            return await asyncio.gather(*(c.call(image, argv=argv, timeout=30) for argv in argvs))
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("path", ["zygote", "exec"])
+def test_a_call_cannot_see_another_calls_processes(daemon, py_image, path):
+    """A call's /proc shows none of the other calls' processes (nor the
+    zygote's, nor init's): no other call's argv, environment or pid. The
+    running call says its pid through /dev/shm (a name the other knows),
+    and ends once told to; the other waits for its file to go (removed
+    with what the call left), so neither misses the other's."""
+    tag = secrets.token_hex(4)
+    ready, done = f"/dev/shm/ready-{tag}", f"/dev/shm/done-{tag}"
+    holder = ["sh", "-c", f"echo $$ > {ready}; until [ -e {done} ]; do sleep 0.05; done", f"secret-{tag}"]
+    looker = ["sh", "-c",
+              f"until [ -e {ready} ]; do sleep 0.05; done; pid=$(cat {ready}); id -u; "
+              "for p in /proc/[0-9]*; do stat -c %u $p; done 2>/dev/null | sort -u | tr '\\n' ' '; echo; "
+              "cat /proc/$pid/cmdline 2>/dev/null | tr '\\0' ' '; echo; "
+              f"[ -e /proc/$pid ] && echo seen || echo hidden; touch {done}; "
+              f"while [ -e {ready} ]; do sleep 0.05; done"]
+    image = py_image if path == "zygote" else "busybox"
+    held, looked = _argv_calls_at_once(daemon, image, holder, looker)
+    assert looked.exit_code == 0 and looked.path == path, looked
+    assert held.exit_code == 0 and held.path == path, held
+    me, owners, cmdline, seen = looked.stdout.decode().split("\n")[:4]
+    assert owners.split() == [me], looked
+    assert f"secret-{tag}" not in cmdline and seen == "hidden", looked
 
 
 def test_multiprocessing_works_in_a_call(client, py_image):
