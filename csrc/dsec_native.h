@@ -154,6 +154,7 @@ struct dsec_container_args {
     int root_ns_fd;   /* >= 0: a mount namespace from dsec_root_ns(): init gets a copy of it, with the
                        * overlay on its root, instead of a copy of the daemon's pivot_root'ed */
     const char *proc_opts; /* mount data of the sandbox's /proc ("hidepid=invisible,gid=N"); NULL: none */
+    int root_readonly;     /* nonzero: the merged root (not /proc, /dev, /tmp, /dev/shm) is read-only */
 };
 
 struct dsec_exec_args {

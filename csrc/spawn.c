@@ -773,6 +773,20 @@ static int proc_protect(const struct container_ctx *c)
     return 0;
 }
 
+/* A read-only merged root, when asked (a call sandbox's: no place of the
+ * image keeps what one call wrote for the next). Only the overlay's own
+ * mount: /proc, /dev, /tmp and /dev/shm are mounts of their own and stay as
+ * they are. Nothing inside can make it writable again: that needs
+ * CAP_SYS_ADMIN over this mount namespace, and seccomp denies it. */
+static int root_readonly(const struct container_ctx *c)
+{
+    struct mount_attr attr = {.attr_set = MOUNT_ATTR_RDONLY};
+
+    if (!c->a->root_readonly)
+        return 0;
+    return check(mount_setattr(AT_FDCWD, ".", 0, &attr, sizeof(attr)), c->err, DSEC_STEP_MOUNT_OVERLAY, ".");
+}
+
 static int hostname_set(const struct container_ctx *c)
 {
     const char *name = c->a->hostname;
@@ -956,7 +970,7 @@ static int oom_reset(const struct container_ctx *c)
 /* The container child's checklist, in order (docs/native-api.md). */
 static int (*const container_steps[])(const struct container_ctx *) = {
     fds_own,       oom_reset,     netns_join,    cgroups_enter, sched_enter,  userns_fsids, rootfs_mount,
-    userns_sysctls, scratch_mount, proc_protect, hostname_set,
+    userns_sysctls, scratch_mount, proc_protect, root_readonly, hostname_set,
     loopback_up,   root_enter,    init_stdio,   upper_handoff, ctl_handoff,
     userns_enter,  privileges_drop,
 };

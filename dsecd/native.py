@@ -368,6 +368,7 @@ class ContainerSpec:
                            # clones) that PID 1 attaches under its overlay (with root_ns_fd), to
                            # go with its mount namespace (csrc/spawn.c layers_park)
     proc_options: str = ""  # mount data of the sandbox's /proc ("hidepid=invisible,gid=N"); "": none
+    root_readonly: bool = False  # the merged root read-only (/proc, /dev, /tmp, /dev/shm are not)
 
     def __post_init__(self):
         self.overlay_options()
@@ -440,6 +441,7 @@ def spawn_container(spec: ContainerSpec) -> int:
     args.ctl_peer_fd = int(spec.ctl_peer_fd) if spec.ctl_fd >= 0 else -1
     args.oom_reset = bool(spec.oom_reset)
     args.root_ns_fd = int(spec.root_ns_fd)
+    args.root_readonly = bool(spec.root_readonly)
     if spec.proc_options:
         keep.append(ffi.new("char[]", _cstring("proc_options", spec.proc_options)))
         args.proc_opts = keep[-1]

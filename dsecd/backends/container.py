@@ -181,10 +181,11 @@ class ContainerBackend:
 
     def create(self, sb_id: str, lowerdirs: list[str], limits: cgroup.Limits, hostname: str,
                cpu_plan=None, idmap: userns.IdMap | None = None, netns_fd: int = -1,
-               disk: upperfs.Cap | None = None, proc_options: str = "") -> Handle:
+               disk: upperfs.Cap | None = None, proc_options: str = "", root_readonly: bool = False) -> Handle:
         """netns_fd >= 0: PID 1 joins that network namespace (the netns pool's) instead of a new one.
         disk: the writable layer's cap (a tmpfs of its own); None: a dir in the state dir.
-        proc_options: mount data of its /proc (native.ContainerSpec.proc_options)."""
+        proc_options: mount data of its /proc (native.ContainerSpec.proc_options);
+        root_readonly: its merged root read-only (the ContainerSpec field)."""
         group = self.group_for(sb_id)
         with Steps(f"create sandbox {sb_id}") as steps:
             upperfd = -1
@@ -233,7 +234,7 @@ class ContainerBackend:
                         ctl_fd=theirs.fileno() if theirs else -1, ctl_peer_fd=ours.fileno() if ours else -1,
                         init_caps=self.init_caps,
                         oom_reset=_OOM_RESET, root_ns_fd=self.root_ns_fd, park_fds=layers.clone_fds,
-                        proc_options=proc_options)
+                        proc_options=proc_options, root_readonly=root_readonly)
                     pid = native.spawn_container(spec)
             finally:
                 if theirs is not None:

@@ -284,10 +284,18 @@ class FnCallBackend:
         environment or pids, nor the zygote's or init's. Root's group of the
         call sandbox (gid=, as the host sees it) sees them all: the zygote,
         which holds no CAP_SYS_PTRACE, reads the status of what a call left
-        behind (zygote_main.kill_leftovers); no call holds that group."""
+        behind (zygote_main.kill_leftovers); no call holds that group.
+
+        Its root is read-only: whatever the image leaves writable to a call
+        (a world-writable dir or file anywhere, a dir owned by an id in the
+        calls' range) would keep what one call wrote for the calls after it,
+        under other uids, and finding those places means a walk of the whole
+        image at every start (~40-110 us an entry on a loaded two-core host:
+        seconds for a Debian image). Calls write in their private dirs under
+        /tmp and in /dev/shm, tmpfs mounts of their own (seal_shared_dirs)."""
         root_gid = idmap.gid if idmap is not None else 0
         h = self.containers.create(box_id, lowerdirs, limits, "fncall", plan, idmap=idmap, disk=self.disk,
-                                   proc_options=f"hidepid=invisible,gid={root_gid}")
+                                   proc_options=f"hidepid=invisible,gid={root_gid}", root_readonly=True)
         try:
             self.seal_shared_dirs(h)
         except BaseException:
@@ -295,17 +303,15 @@ class FnCallBackend:
             raise
         return h
 
-    # /tmp of a call sandbox is root-only (0711): a call (as its fncall uid)
-    # writes in its own private dir there. So are the image's other usual
-    # world-writable dirs (/var/lock is a link to /run/lock in Debian's):
-    # nothing removes what a call left in them. /dev/shm is sticky and
+    # The two writable places of a call sandbox (tmpfs mounts; its root is
+    # read-only). /tmp is root-only (0711): a call (as its fncall uid)
+    # writes in its own private dir there. /dev/shm is sticky and
     # world-writable but not listable (01733): glibc makes POSIX shared
     # memory and named semaphores (multiprocessing's locks and queues) there
     # and nowhere else; a call cannot list, remove or rename another's
     # entries, and what it leaves is removed before its uid is handed out
     # again (zygote_main.remove_owned), so no call leaves a file for the next.
-    SHARED_DIR_MODES = {"/tmp": 0o711, "/var/tmp": 0o711, "/run/lock": 0o711, "/var/lock": 0o711,
-                        "/dev/shm": 0o1733}
+    SHARED_DIR_MODES = {"/tmp": 0o711, "/dev/shm": 0o1733}
 
     def seal_shared_dirs(self, h: Handle) -> None:
         for path, mode in self.SHARED_DIR_MODES.items():

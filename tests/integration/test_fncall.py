@@ -198,8 +198,8 @@ def test_calls_of_a_rebuilt_image_run_in_the_new_one(daemon, client, tmp_path):
 def test_no_shared_dir_of_the_image_keeps_what_a_call_writes(daemon, client, tmp_path):
     """/var/tmp and /run/lock (and /var/lock, a link to it on Debian) are
     world-writable in most images: a file one call left there would be
-    read, and owned, by later calls. In a call sandbox they are root-only,
-    as /tmp is."""
+    read, and owned, by later calls. A call sandbox's root is read-only;
+    /tmp is root-only."""
     (tmp_path / "Dockerfile").write_text(
         "FROM busybox\nRUN mkdir -p /var/tmp /run/lock && chmod 1777 /var/tmp /run/lock && "
         "ln -s /run/lock /var/lock\n")
@@ -210,6 +210,25 @@ def test_no_shared_dir_of_the_image_keeps_what_a_call_writes(daemon, client, tmp
         assert r.stdout == b"refused\n", (d, r)
     r = client.call("bb-shared-dirs", argv=["sh", "-c", "echo $HOME/x; echo ok > $HOME/x && cat $HOME/x"])
     assert r.stdout.endswith(b"ok\n"), r
+
+
+@pytest.mark.parametrize("base", ["busybox", "py"])
+def test_no_world_writable_place_of_the_image_keeps_what_a_call_writes(daemon, client, py_image, tmp_path, base):
+    """Any dir or file of the image that is world-writable (or owned by a
+    call's uid) would keep what one call wrote for the calls after it,
+    under other uids: a call sandbox's root is read-only, and a call writes
+    in its own dir under /tmp only."""
+    (tmp_path / "Dockerfile").write_text(
+        f"FROM {base}\nRUN mkdir -p /srv/drop && chmod 1777 /srv/drop && touch /etc/shared.conf && "
+        "chmod 666 /etc/shared.conf\n")
+    name = f"{base}-world-writable"
+    r = daemon.cli("image", "build", "-f", str(tmp_path / "Dockerfile"), str(tmp_path), "--name", name)
+    assert r.returncode == 0, r.stderr
+    for probe in ("echo left > /srv/drop/f", "echo left >> /etc/shared.conf", "mkdir /srv/drop/d"):
+        r = client.call(name, argv=["sh", "-c", f"{probe} 2>/dev/null || echo refused"])
+        assert (r.exit_code, r.stdout) == (0, b"refused\n"), (probe, r)
+    r = client.call(name, argv=["sh", "-c", "ls -A /srv/drop; cat /etc/shared.conf; echo ok > $HOME/x && cat $HOME/x"])
+    assert (r.exit_code, r.stdout) == (0, b"ok\n"), r
 
 
 def test_each_call_starts_from_fresh_private_state(client, py_image):
