@@ -243,6 +243,8 @@ class CallBox:
     calls: int = 0
     running: int = 0
     oom_kills: int = 0      # its OOM kill count, as last read (at the end of a SIGKILLed call)
+    claims: int = 0         # calls that took it and have not ended (it is not dropped as idle meanwhile)
+    last_used: float = field(default_factory=time.monotonic)    # when its last call ended
     created: float = field(default_factory=time.time)
     free_uids: list = field(default_factory=list)    # plain calls: one uid per running call
     env: dict = field(default_factory=dict)     # the image's environment, under each call's

@@ -1,8 +1,10 @@
 """FnCall: the `call` request (stateless function calls, no sandbox to manage).
 
 The mechanism is dsecd/backends/fncall.py.
-One call sandbox per image, made on the first call and kept; in it, when the
-image has python3, one zygote. Routing:
+One call sandbox per image, made on the first call and kept until no call
+used it for [fncall] idle_ttl_s, or until it is the idle one used least
+recently when another image needs one past [fncall] max_boxes; in it, when
+the image has python3, one zygote. Routing:
 
 - `code`, or argv `python3 -c CODE ARGS...`: forked from the zygote (the
   interpreter and [fncall] modules already imported); `code` on an image
@@ -109,6 +111,8 @@ class CallService:
         # Retired, dropped when their running calls end: id -> (box, why).
         self._draining: dict[str, tuple[CallBox, str]] = {}
         self._box_locks: dict[str, asyncio.Lock] = {}
+        self._making = 0        # call sandboxes being made
+        self._sweeper: asyncio.Task | None = None
         if images is not None:
             images.images.changed.append(self._image_changed)
         self.call_stats = {"calls": 0, "inflight": 0, "zygote_calls": 0, "plain_calls": 0, "plain_calls_by_init": 0,
@@ -124,8 +128,41 @@ class CallService:
         for box_id in await self.workers.run(self.fncall.leftovers):
             log.info("removing call sandbox %s of an earlier daemon", box_id)
             await self.workers.run(self.fncall.destroy_box, box_id, None)
+        if self.fn_cfg["idle_ttl_s"] > 0:
+            self._sweeper = self.workers.loop.create_task(self._sweep_idle())
+
+    async def _sweep_idle(self) -> None:
+        """Drop the call sandboxes no call has used for fncall.idle_ttl_s
+        (their zygote, memory, layers and id range), looking every quarter
+        of it (at most every 30 s)."""
+        ttl = self.fn_cfg["idle_ttl_s"]
+        while True:
+            await asyncio.sleep(min(ttl / 4, 30.0))
+            now = time.monotonic()
+            for box in list(self.call_boxes.values()):
+                if not box.claims and now - box.last_used >= ttl:
+                    self._retire(box, f"no call for fncall.idle_ttl_s ({ttl:g} s)")
+
+    def _make_room(self) -> None:
+        """Room for one more call sandbox under fncall.max_boxes: the idle
+        ones used least recently are dropped; Busy when every one has calls.
+        Retired ones still draining are not counted: they go as their
+        running calls end, and counting them would make every call of a
+        recycled image wait for its longest call."""
+        cap = self.fn_cfg["max_boxes"]
+        while cap and len(self.call_boxes) + self._making >= cap:
+            idle = [b for b in self.call_boxes.values() if not b.claims]
+            if not idle:
+                self.call_stats["busy"] += 1
+                raise Busy(f"{cap} call sandboxes (fncall.max_boxes), each with calls running; retry shortly",
+                           {"max": cap, "retry_after_s": 0.05})
+            self._retire(min(idle, key=lambda b: b.last_used),
+                         f"the least recently used idle one of fncall.max_boxes ({cap})")
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         boxes, self.call_boxes = [*self.call_boxes.values(), *(b for b, _why in self._draining.values())], {}
         self._draining = {}
         await asyncio.gather(*(self._drop_box(b, "daemon shutdown") for b in boxes), return_exceptions=True)
@@ -156,7 +193,9 @@ class CallService:
             raise Busy(f"{stats['inflight']} calls in flight (fncall.max_inflight {cap}); retry shortly",
                        {"inflight": stats["inflight"], "max": cap, "retry_after_s": 0.05})
         stats["inflight"] += 1
+        box = None
         try:
+            # Claimed (not dropped as idle, nor to make room) until this call is done with it.
             box = await self._call_box(self.image_service.images.key(req.image))
             zyg = await self._zygote(box)
             if zyg is None and req.argv is not None:
@@ -183,6 +222,9 @@ class CallService:
                     self.workers.loop.create_task(self._drop_box(box, f"{why}; its last call ended"))
         finally:
             stats["inflight"] -= 1
+            if box is not None:
+                box.claims -= 1
+                box.last_used = time.monotonic()
         stats["calls"] += 1
         result["image"] = req.image
         elapsed = time.monotonic() - started
@@ -238,16 +280,23 @@ class CallService:
     # ------------------------------------------------------------ call sandboxes and zygotes
 
     async def _call_box(self, image_name: str) -> CallBox:
+        """The image's call sandbox, made if it has none, claimed by the
+        caller (CallBox.claims), who gives it back at the call's end."""
         box = self.call_boxes.get(image_name)
-        if box is not None:
-            return box
-        lock = self._box_locks.setdefault(image_name, asyncio.Lock())
-        async with lock:
-            box = self.call_boxes.get(image_name)
-            if box is None:
-                box = await self._make_box(image_name)
-                self.call_boxes[image_name] = box
-            return box
+        if box is None:
+            lock = self._box_locks.setdefault(image_name, asyncio.Lock())
+            async with lock:
+                box = self.call_boxes.get(image_name)
+                if box is None:
+                    self._make_room()
+                    self._making += 1
+                    try:
+                        box = await self._make_box(image_name)
+                    finally:
+                        self._making -= 1
+                    self.call_boxes[image_name] = box
+        box.claims += 1
+        return box
 
     async def _make_box(self, image_name: str) -> CallBox:
         try:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dsecd import Client, native
-from dsecd.errors import BadRequest, DsecError, Unsupported
+from dsecd.errors import BadRequest, Busy, DsecError, Unsupported
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -988,6 +988,82 @@ def test_a_recycled_zygote_lets_its_running_calls_end(daemon_factory):
         while len([p for p in fncall_groups.iterdir() if p.is_dir()]) != 1:
             assert time.monotonic() < deadline, list(fncall_groups.iterdir())
             time.sleep(0.1)
+    finally:
+        c.close()
+
+
+def _numbered_images(d, c, busybox_rootfs: str, tmp_path, n: int) -> list[str]:
+    """n images bb-0... on busybox, each a call sandbox of its own."""
+    c.import_image(busybox_rootfs, "busybox")
+    for i in range(n):
+        (tmp_path / "Dockerfile").write_text(f"FROM busybox\nRUN echo {i} > /n\n")
+        r = d.cli("image", "build", "-f", str(tmp_path / "Dockerfile"), str(tmp_path), "--name", f"bb-{i}")
+        assert r.returncode == 0, r.stderr
+    return [f"bb-{i}" for i in range(n)]
+
+
+def _box_images(c) -> list[str]:
+    return sorted(b["image"].split(":")[0].rsplit("/", 1)[-1] for b in c.info()["fncall"]["boxes"])
+
+
+def test_past_fncall_max_boxes_the_least_recently_used_idle_call_sandbox_goes(daemon_factory, busybox_rootfs,
+                                                                              tmp_path):
+    """Each image called keeps a call sandbox (its zygote, layers, id
+    range): at most fncall.max_boxes; the idle one used least recently
+    makes room, and with calls running in every one a call to another
+    image is `busy`."""
+    d = daemon_factory("[fncall]\nmax_boxes = 2\n")
+    c = d.client()
+    try:
+        a, b, other = _numbered_images(d, c, busybox_rootfs, tmp_path, 3)
+        for image in (a, b, a, other):
+            r = c.call(image, argv=["cat", "/n"])
+            assert (r.exit_code, r.stdout) == (0, f"{image[-1]}\n".encode()), r
+        assert _box_images(c) == [a, other]
+
+        async def hold_both_then_call_b():
+            async with Client(d.socket) as ac:
+                held = [asyncio.ensure_future(ac.call(image, argv=["sleep", "60"], timeout=60)) for image in (a, other)]
+                try:
+                    while sorted(x["running"] for x in (await ac.info())["fncall"]["boxes"]) != [1, 1]:
+                        await asyncio.sleep(0.05)
+                    with pytest.raises(DsecError) as err:
+                        await ac.call(b, argv=["true"])
+                    return err.value
+                finally:
+                    for t in held:
+                        t.cancel()
+                    await asyncio.gather(*held, return_exceptions=True)
+
+        err = asyncio.run(hold_both_then_call_b())
+        assert err.code == "busy" and "fncall.max_boxes" in str(err), err
+        # The held calls end once their cancels reach the daemon: busy until then, as it says.
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                r = c.call(b, argv=["cat", "/n"])
+                break
+            except Busy:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert r.stdout == b"1\n"
+        assert len(_box_images(c)) <= 2
+    finally:
+        c.close()
+
+
+def test_a_call_sandbox_no_call_used_for_fncall_idle_ttl_s_goes(daemon_factory, busybox_rootfs, tmp_path):
+    d = daemon_factory("[fncall]\nidle_ttl_s = 0.5\n")
+    c = d.client()
+    try:
+        (image,) = _numbered_images(d, c, busybox_rootfs, tmp_path, 1)
+        assert c.call(image, argv=["cat", "/n"]).stdout == b"0\n"
+        fncall_groups = d.cgroup_dirs()[0] / ".fncall"
+        deadline = time.monotonic() + 20
+        while c.info()["fncall"]["boxes"] or [p for p in fncall_groups.iterdir() if p.is_dir()]:
+            assert time.monotonic() < deadline, (c.info()["fncall"], list(fncall_groups.iterdir()))
+            time.sleep(0.1)
+        assert c.call(image, argv=["cat", "/n"]).stdout == b"0\n"      # a new one
     finally:
         c.close()
 
