@@ -1107,6 +1107,7 @@ async def cmd_proc(c: Client, a) -> int:
     if a.json:
         _print_json([vars(p) for p in procs])
         return 0
+    _names_as_bytes()           # an argument that is not UTF-8, as ps(1) prints it
     _table([[str(p.pid), _proc_state(p), "-" if p.exit_code is None else str(p.exit_code), _when(p.started),
              _human_bytes(p.output_bytes), _human_bytes(p.dropped), " ".join(p.argv)] for p in procs],
            ["PID", "STATE", "EXIT", "STARTED", "KEPT", "DROPPED", "COMMAND"])

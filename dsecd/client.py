@@ -115,15 +115,19 @@ def _who_may_connect(path: str) -> str:
             f"(daemon.socket_group): run dsec as root, or `usermod -aG {group} USER` and log in again")
 
 
-def command_argv(command) -> list[str]:
+def command_argv(command) -> list[str | bytes]:
     """A command as the daemon's argv: a list (or tuple) of strings as it is,
-    a string run by /bin/sh -c (as `docker exec SB sh -c '...'` would)."""
+    a string run by /bin/sh -c (as `docker exec SB sh -c '...'` would). An
+    argument may be bytes (a file name that is not UTF-8, as os.listdir(b".")
+    gives it), or the str os.fsdecode makes of them: both reach execve as
+    those bytes."""
     if isinstance(command, str):
         return ["/bin/sh", "-c", command]
-    if isinstance(command, (list, tuple)) and all(isinstance(a, str) for a in command):
+    if isinstance(command, (list, tuple)) and all(isinstance(a, (str, bytes)) for a in command):
         return list(command)
-    raise TypeError(f"a command must be a list of strings or a shell string, got {type(command).__name__}"
-                    + (f" holding {type(next(a for a in command if not isinstance(a, str))).__name__}"
+    raise TypeError(f"a command must be a list of strings or a shell string (an argument may be bytes), "
+                    f"got {type(command).__name__}"
+                    + (f" holding {type(next(a for a in command if not isinstance(a, (str, bytes)))).__name__}"
                        if isinstance(command, (list, tuple)) else ""))
 
 
@@ -150,16 +154,19 @@ def _read_dockerfile(path: str, default: bool) -> str:
                          {"dockerfile": path}) from None
 
 
-def string_map(values: dict | None, what: str) -> dict[str, str]:
-    """`values` (env, labels) checked to be str -> str, with the key and type that is not."""
+def string_map(values: dict | None, what: str, raw: bool = False) -> dict[str, str]:
+    """`values` (env, labels) checked to be str -> str, with the key and type
+    that is not. raw: bytes are strings too (a command's environment: what
+    execve takes is bytes, and a value read from a file need not be UTF-8)."""
     if values is None:
         return {}
     if not isinstance(values, dict):
         raise TypeError(f"{what} must be a dict of str to str, got {type(values).__name__}")
+    kinds = (str, bytes) if raw else str
     for key, value in values.items():
-        if not isinstance(key, str):
+        if not isinstance(key, kinds):
             raise TypeError(f"{what} keys must be str, got {type(key).__name__} {key!r}")
-        if not isinstance(value, str):
+        if not isinstance(value, kinds):
             raise TypeError(f"{what}[{key!r}] must be a str, got {type(value).__name__} {value!r}; "
                             f"convert it, e.g. str({value!r})")
     return dict(values)
@@ -1192,7 +1199,7 @@ class Client:
                             + (": encode it" if isinstance(stdin, str) else ""))
         if isinstance(timeout, str):        # "5m", as exec's
             timeout = parse_duration(timeout, "timeout")
-        req = _given({"image": image, "env": string_map(env, "env")},
+        req = _given({"image": image, "env": string_map(env, "env", raw=True)},
                      argv=None if argv is None else command_argv(argv), code=code, args=args,
                      stdin=None if stdin is None else bytes(stdin), timeout=timeout)
         return CallResult.from_call(await self.request("call", **req))
@@ -1549,7 +1556,9 @@ class ProcStatus:
 
     @classmethod
     def from_wire(cls, r: dict) -> ProcStatus:
-        return cls(**{k: r.get(k) for k in cls.__dataclass_fields__})
+        # An argument that is not UTF-8 comes as bytes: os.fsdecode's str, as sys.argv holds one.
+        argv = [os.fsdecode(a) if isinstance(a, bytes) else a for a in r.get("argv") or []]
+        return cls(**{**{k: r.get(k) for k in cls.__dataclass_fields__}, "argv": argv})
 
 
 class Process:
@@ -1647,7 +1656,7 @@ class Sandbox:
                    policy: str | dict | None = None) -> dict:
         if isinstance(timeout, str):        # "5m", as a ttl takes it
             timeout = parse_duration(timeout, "timeout")
-        args = _given({"sandbox": self.id, "argv": command_argv(argv), "env": string_map(env, "env"),
+        args = _given({"sandbox": self.id, "argv": command_argv(argv), "env": string_map(env, "env", raw=True),
                        "stdin": stdin, "stream": stream, "trace": trace}, cwd=cwd, user=user, timeout=timeout,
                       policy=policy)
         if pty:            # sent only when asked: older daemons do not know the fields
@@ -1700,7 +1709,7 @@ class Sandbox:
         daemon restart; take it up again with `process(pid)`. stdin: a pipe
         fed by Process.write until close_stdin (False: /dev/null). policy:
         its task policy, as exec's. Cancelled, it leaves no process running."""
-        args = _given({"sandbox": self.id, "argv": command_argv(argv), "env": string_map(env, "env"),
+        args = _given({"sandbox": self.id, "argv": command_argv(argv), "env": string_map(env, "env", raw=True),
                        "stdin": stdin}, cwd=cwd, user=user, policy=policy)
         r = await self.client.request("proc_start", **args)
         return Process(self, r["pid"])

@@ -31,7 +31,9 @@ def env_vars(a) -> dict[str, str]:
     out: dict[str, str] = {}
     for path in getattr(a, "env_file", None) or []:
         try:
-            with open(path, encoding="utf-8") as f:
+            # A value that is not UTF-8 is kept as its bytes (os.fsdecode's
+            # surrogates, sent as bytes), as docker passes it on.
+            with open(path, encoding="utf-8", errors="surrogateescape") as f:
                 lines = f.read().splitlines()
         except (OSError, UnicodeDecodeError) as err:
             raise UsageError(f"dsec: --env-file {path}: {getattr(err, 'strerror', None) or err}") from None

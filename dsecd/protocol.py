@@ -96,6 +96,13 @@ PATH_FIELDS = {"file_read": ("path",), "file_write": ("path",), "file_list": ("p
                "file_mkdir": ("path",), "file_remove": ("path",), "file_rename": ("src", "dst"),
                "file_watch": ("path",), "file_tar_put": ("path",), "file_tar_get": ("path",)}
 
+# A command's arguments and environment are bytes to execve as well: an
+# argument naming such a file, or a value read from one, may come as bytes
+# (bin) in place of a str: each item of these lists, each key and value of
+# these maps (ARG_FIELDS), is the str os.fsdecode makes of it once decoded,
+# and the exec paths give the kernel its bytes again (os.fsencode).
+ARG_FIELDS = {"exec": ("argv", "env"), "proc_start": ("argv", "env"), "call": ("argv", "args", "env")}
+
 
 def _packb(obj: dict) -> bytes:
     try:
@@ -114,7 +121,9 @@ def _sendable(obj, as_bytes: bool):
             raw = os.fsencode(obj)
             return raw if as_bytes else raw.decode(errors="backslashreplace")
     if isinstance(obj, dict):
-        return {_sendable(k, False): _sendable(v, as_bytes) for k, v in obj.items()}
+        # A key too: an environment variable's name is bytes to execve, and
+        # an escaped one would name another variable.
+        return {_sendable(k, as_bytes): _sendable(v, as_bytes) for k, v in obj.items()}
     if isinstance(obj, list) or type(obj) is tuple:     # not an ExtType, a namedtuple
         return [_sendable(v, as_bytes) for v in obj]
     return obj
@@ -726,6 +735,9 @@ def build_request(cls, args: dict):
     paths = PATH_FIELDS.get(cls.OP)
     if paths and any(isinstance(args.get(name), bytes) for name in paths):
         args = {k: os.fsdecode(v) if k in paths and isinstance(v, bytes) else v for k, v in args.items()}
+    raw = ARG_FIELDS.get(cls.OP)
+    if raw and any(_holds_bytes(args.get(name)) for name in raw):
+        args = {k: _fsdecoded(v) if k in raw else v for k, v in args.items()}
     if not args.keys() <= fields.keys():
         unknown = set(args) - set(fields)
         raise BadRequest(f"{cls.OP}: unknown fields: {', '.join(sorted(map(str, unknown)))}",
@@ -737,8 +749,50 @@ def build_request(cls, args: dict):
             continue
         if not check(args[name]):
             raise BadRequest(f"{cls.OP}: field {name!r} must be {_type_name(hints[name])}, "
-                             f"got {type(args[name]).__name__}")
+                             f"got {_got(hints[name], args[name])}")
     return cls(**args)
+
+
+def _got(hint, value) -> str:
+    """What a value that failed its field's check is, naming the first item
+    of a list or map that is wrong (`list with int at [2]`): the type of a
+    container alone does not say what to fix."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    kinds = typing.get_args(hint) if union else (hint,)
+    for kind in kinds:
+        origin = typing.get_origin(kind)
+        if origin is list and isinstance(value, list):
+            item = _checker(typing.get_args(kind)[0])
+            bad = next((i for i, v in enumerate(value) if not item(v)), None)
+            if bad is not None:
+                return f"list with {type(value[bad]).__name__} at [{bad}]"
+        if origin is dict and isinstance(value, dict):
+            ka, va = (_checker(h) for h in typing.get_args(kind))
+            for k, v in value.items():
+                if not ka(k):
+                    return f"map with {type(k).__name__} key {k!r}"
+                if not va(v):
+                    return f"map with {type(v).__name__} at [{k!r}]"
+    return type(value).__name__
+
+
+def _holds_bytes(value) -> bool:
+    if isinstance(value, list):
+        return any(isinstance(v, bytes) for v in value)
+    if isinstance(value, dict):
+        return any(isinstance(k, bytes) or isinstance(v, bytes) for k, v in value.items())
+    return False
+
+
+def _fsdecoded(value):
+    """An ARG_FIELDS list or map with its bytes items, keys and values as
+    os.fsdecode's str; anything else as it is (the type check sees it)."""
+    if isinstance(value, list):
+        return [os.fsdecode(v) if isinstance(v, bytes) else v for v in value]
+    if isinstance(value, dict):
+        return {os.fsdecode(k) if isinstance(k, bytes) else k: os.fsdecode(v) if isinstance(v, bytes) else v
+                for k, v in value.items()}
+    return value
 
 
 def op_fields(op: str) -> dict[str, str]:

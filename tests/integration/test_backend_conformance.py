@@ -63,6 +63,18 @@ def test_exec_env_cwd_user(box):
     assert r.stdout == b"bar /tmp 1000\n"
 
 
+def test_arguments_and_environment_that_are_not_utf8_reach_the_command(box):
+    """Bytes, as execve takes them: the SDK sends os.fsdecode's str (a
+    latin-1 file name from sys.argv or os.listdir) as those bytes."""
+    _, sb, _, _ = box
+    name = os.fsdecode(b"caf\xe9")
+    r = sb.exec(["sh", "-c", 'printf %s "$1$V"', "x", name], env={"V": name})
+    assert (r.exit_code, r.stdout) == (0, b"caf\xe9caf\xe9"), r
+    proc = sb.spawn([b"sh", "-c", 'printf %s "$1$V"', "x", b"\xff"], env={b"V": b"\xfe"})
+    assert proc.wait().exit_code == 0
+    assert b"".join(c.data for c in proc.output() if c.fd == 1) == b"\xff\xfe"
+
+
 def test_exec_and_process_users_by_name(box):
     """As `docker exec --user`: a name or name:group from the sandbox's own
     /etc/passwd and /etc/group as they are now."""

@@ -60,6 +60,32 @@ def test_env_cwd_user(sandbox):
     assert r.stdout.split() == [b"bar", b"/tmp", b"65534"]
 
 
+def test_arguments_and_environment_that_are_not_utf8_reach_the_command_as_bytes(daemon, sandbox, tmp_path):
+    """A file name with latin-1 bytes (as sys.argv or os.listdir(b".") give
+    it) is an argument as any other: through the SDK (as os.fsdecode's str
+    or as bytes), collected or streamed, in the background, and from the CLI."""
+    name = os.fsdecode(b"caf\xe9")
+    show = 'printf "%s|%s|" "$1" "$V"; test -e "/work/$1" && echo there'
+    sandbox.exec(["mkdir", "-p", "/work"])
+    sandbox.exec(["touch", f"/work/{name}"])
+    assert sandbox.list_files("/work")[0]["name"] == name
+    r = sandbox.exec(["sh", "-c", show, "x", name], env={"V": name})
+    assert (r.exit_code, r.stdout) == (0, b"caf\xe9|caf\xe9|there\n"), r
+    r = sandbox.exec([b"sh", "-c", show, "x", b"caf\xe9"], env={b"V": b"\xfe"}, on_stdout=lambda _: None)
+    assert (r.exit_code, r.stdout) == (0, b"caf\xe9|\xfe|there\n"), r
+    proc = sandbox.spawn(["sh", "-c", 'printf %s "$1$V"', "x", name], env={"V": name})
+    assert proc.wait().exit_code == 0
+    assert b"".join(c.data for c in proc.output() if c.fd == 1) == b"caf\xe9caf\xe9"
+    assert next(p for p in sandbox.processes() if p.pid == proc.pid).argv[-1] == name
+    r = daemon.cli("exec", "-e", f"V={name}", sandbox.id, "--", "sh", "-c", show, "x", name)
+    assert (r.returncode, r.stdout) == (0, b"caf\xe9|caf\xe9|there\n"), r
+    (tmp_path / "env").write_bytes(b"V=\xfe\n")
+    r = daemon.cli("exec", "--env-file", str(tmp_path / "env"), sandbox.id, "--", "sh", "-c", show, "x", name)
+    assert (r.returncode, r.stdout) == (0, b"caf\xe9|\xfe|there\n"), r
+    r = daemon.cli("proc", "ls", sandbox.id)
+    assert r.returncode == 0 and b" caf\xe9caf\xe9" not in r.stdout and b"x caf\xe9\n" in r.stdout, r
+
+
 def test_a_non_root_exec_may_still_serve_a_low_port(sandbox):
     """It keeps NET_BIND_SERVICE (docker opens the low ports with a sysctl)."""
     r = sandbox.exec(["sh", "-c", "nc -l -p 80 & sleep 0.3; netstat -ltn | grep -c ':80 '; kill $!"],

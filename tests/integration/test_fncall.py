@@ -48,6 +48,18 @@ def test_code_call_runs_in_the_zygote(client, py_image):
     assert r.path == "zygote" and r.run_ms > 0 and r.total_ms >= r.run_ms
 
 
+def test_arguments_and_environment_that_are_not_utf8_reach_a_call_as_bytes(client, py_image):
+    """Through the zygote (a code call's args, an argv it execs) and as a
+    plain exec, a latin-1 argument or value is the same bytes in the call."""
+    name = os.fsdecode(b"caf\xe9")
+    r = client.call(py_image, code="import os, sys\nsys.stdout.buffer.write(os.fsencode(sys.argv[1]) + "
+                                   "os.environb[b'V'])", args=[name], env={"V": name})
+    assert (r.exit_code, r.path, r.stdout) == (0, "zygote", b"caf\xe9caf\xe9"), r
+    for image, path in ((py_image, "zygote"), ("busybox", "exec")):
+        r = client.call(image, argv=["sh", "-c", 'printf %s "$1$V"', "x", b"\xff"], env={b"V": name})
+        assert (r.exit_code, r.path, r.stdout) == (0, path, b"\xffcaf\xe9"), r
+
+
 def test_the_zygote_serves_on_a_python_without_pidfd_open(client, py_image, tmp_path):
     """Python 3.8 has no os.pidfd_open (an image's python3 runs the zygote):
     it sees its workers end on SIGCHLD instead. Stood in for by the host's

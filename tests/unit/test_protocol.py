@@ -119,3 +119,36 @@ def test_a_path_that_is_not_utf8_travels_as_bytes_and_decodes_as_the_same_name()
         {"id": 1, "error": {"code": "not_found", "message": f"list sb:{name}: gone", "detail": {"path": name}}})[4:])
     assert error["error"]["message"] == "list sb:/work/\\xffx: gone" and error["error"]["detail"]["path"] == \
         "/work/\\xffx"
+
+
+@pytest.mark.parametrize("op,base", [("exec", {"sandbox": "sb"}), ("proc_start", {"sandbox": "sb"}),
+                                     ("call", {"image": "busybox"})])
+def test_argv_and_env_that_are_not_utf8_travel_as_bytes_and_decode_as_fsdecode_does(op, base):
+    """A command's arguments and environment are bytes to execve: a file
+    name with latin-1 bytes (sys.argv's surrogates in Python) goes as msgpack
+    bin, and the daemon gets os.fsdecode's str back, which os.fsencode turns
+    into the same bytes at the exec."""
+    arg, key, value = (os.fsdecode(raw) for raw in (b"caf\xe9", b"K\xff", b"v\xe9"))
+    sent = {**base, "argv": ["ls", arg, b"raw\xff"], "env": {key: value, b"B": b"\xfe"}}
+    frame = protocol.decode_payload(protocol.encode_frame({"id": 1, "op": op, "args": sent})[4:])
+    assert frame["args"]["argv"] == ["ls", b"caf\xe9", b"raw\xff"]
+    _, req = protocol.parse_request(frame)
+    assert [os.fsencode(a) for a in req.argv] == [b"ls", b"caf\xe9", b"raw\xff"]
+    assert {os.fsencode(k): os.fsencode(v) for k, v in req.env.items()} == {b"K\xff": b"v\xe9", b"B": b"\xfe"}
+
+
+def test_a_call_codes_args_may_be_bytes_too():
+    _, req = protocol.parse_request({"id": 1, "op": "call", "args": {"image": "py", "code": "pass",
+                                                                     "args": [b"\xff", "x"]}})
+    assert req.args == [os.fsdecode(b"\xff"), "x"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    ({"argv": ["ls", 3]}, "field 'argv' must be list[str], got list with int at [1]"),
+    ({"argv": ["ls"], "env": {"A": 1}}, "field 'env' must be dict[str, str], got map with int at ['A']"),
+    ({"argv": "ls"}, "field 'argv' must be list[str], got str"),
+])
+def test_a_wrong_item_of_a_list_or_map_is_named(args, needle):
+    with pytest.raises(BadRequest) as err:
+        protocol.parse_request({"id": 1, "op": "exec", "args": {"sandbox": "sb", **args}})
+    assert needle in str(err.value)

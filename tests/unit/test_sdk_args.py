@@ -15,6 +15,13 @@ def test_a_string_runs_through_the_shell_and_a_list_as_it_is():
     assert command_argv("echo hi | wc -c") == ["/bin/sh", "-c", "echo hi | wc -c"]
     assert command_argv(["echo", "hi"]) == ["echo", "hi"]
     assert command_argv(("ls", "-l")) == ["ls", "-l"]
+    assert command_argv(["ls", b"caf\xe9"]) == ["ls", b"caf\xe9"]       # a file name that is not UTF-8
+
+
+def test_a_commands_environment_may_hold_bytes_but_labels_may_not():
+    assert string_map({b"K": b"\xe9", "A": "1"}, "env", raw=True) == {b"K": b"\xe9", "A": "1"}
+    with pytest.raises(TypeError, match="labels keys must be str, got bytes"):
+        string_map({b"K": "v"}, "labels")
 
 
 @pytest.mark.parametrize("bad,words", [(None, "NoneType"), (["echo", 1], "holding int"), (b"ls", "bytes")])
