@@ -121,12 +121,22 @@ def _incomplete(fleet: Fleet, what: str, errors: dict) -> int:
     return 1 if errors or not all(h.up for h in fleet.hosts.values()) else 0
 
 
+def _missing_rows(fleet: Fleet, errors: dict) -> list[dict]:
+    """--json of a merged listing: one row per host whose part is missing,
+    {"host", "error": {code, message, detail}} (`unreachable` for a host
+    down, as dsec --json prints an error), after the rows: without them a
+    script reading the JSON could not tell which hosts its rows leave out."""
+    down = [{"host": h.target, "error": {"code": "unreachable", "message": f"down: {h.reason}", "detail": {}}}
+            for h in fleet.hosts.values() if not h.up]
+    return down + [{"host": target, "error": _error_wire(err)} for target, err in errors.items()]
+
+
 async def fleet_ps(fleet: Fleet, a) -> int:
     errors: dict = {}
     rows = await fleet.list(kv(a.label, "--label"), errors)
     status = _incomplete(fleet, "ps", errors)
     if a.json:
-        print_json(rows)
+        print_json(rows + _missing_rows(fleet, errors))
         return status
     out = []
     for s in sorted(rows, key=lambda s: (s["host"], s["created"])):
@@ -276,8 +286,9 @@ async def fleet_events(fleet: Fleet, a) -> int:
     return status
 
 
-def _error_wire(err: DsecError | ConnectionError) -> dict:
-    """An error as dsec's --json prints it: the daemon's, or `unreachable`."""
+def _error_wire(err: BaseException) -> dict:
+    """An error as dsec's --json prints it: the daemon's, or `unreachable`
+    (a connection that failed or went silent)."""
     if isinstance(err, DsecError):
         return err.to_wire()
     detail = {"target": err.target, "op": err.op, "sent": err.sent} if isinstance(err, ConnectionLost) else {}
@@ -360,7 +371,7 @@ async def fleet_image(fleet: Fleet, a) -> int:
         images = await fleet.list_images(errors)
         status = _incomplete(fleet, "image ls", errors)
         if a.json:
-            print_json(images)
+            print_json(images + _missing_rows(fleet, errors))
         else:
             table([[_host_col(i["host"]), i["name"], str(len(i["layers"])), human_bytes(i["bytes"]),
                     i["manifest"][7:19]] for i in sorted(images, key=lambda i: (i["name"], i["host"]))],
@@ -408,9 +419,10 @@ async def fleet_pool(fleet: Fleet, a) -> int:
                                               + (" (removed)" if p.get("removed") else ""))
     found = await fleet.each_host(lambda c: c.pool_list())
     pools = [{**p, "host": t} for t, ps in found.items() if not isinstance(ps, BaseException) for p in ps]
-    status = _incomplete(fleet, "pool ls", {t: r for t, r in found.items() if isinstance(r, BaseException)})
+    errors = {t: r for t, r in found.items() if isinstance(r, BaseException)}
+    status = _incomplete(fleet, "pool ls", errors)
     if a.json:
-        print_json(pools)
+        print_json(pools + _missing_rows(fleet, errors))
         return status
     table([[_host_col(p["host"]), p["name"], str(p["min"]), str(p["max"]), str(p["ready"]), str(p["taken"]),
             p["error"] or ""] for p in pools], ["HOST", "POOL", "MIN", "MAX", "READY", "TAKEN", "ERROR"])

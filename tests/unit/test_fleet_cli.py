@@ -161,8 +161,15 @@ def test_a_merged_listing_missing_a_host_fails_the_status(words, capsys):
     assert status == 1
     assert "h2: timed out" in out.err, out.err
     json.loads(out.out)
-    if words == ["ps"]:
-        assert [r["host"] for r in json.loads(out.out)] == ["/nonexistent/h1"]
+    if words != ["top"]:
+        # The rows h1 gave (none in pool ls), then one per missing host with its error.
+        rows = json.loads(out.out)
+        assert [r["host"] for r in rows if "error" not in r] == (["/nonexistent/h1"] if words != ["pool", "ls"]
+                                                                 else [])
+        missing = {r["host"]: r["error"] for r in rows if "error" in r}
+        assert missing == {"/nonexistent/h2": {"code": "unreachable", "message": "timed out", "detail": {}},
+                           "/nonexistent/h3": {"code": "unreachable", "message": "down: heartbeat failed",
+                                               "detail": {}}}, rows
 
 
 def test_a_command_on_every_host_names_the_hosts_down_in_its_json(capsys):
