@@ -72,7 +72,7 @@ from .memory import MemoryService
 from .microvms import MicroVMService
 from .network import NetworkService
 from .sandboxes import Sandbox, SandboxRegistry
-from .workers import Workers
+from .workers import Workers, to_the_end
 
 log = logging.getLogger(__name__)
 
@@ -376,6 +376,37 @@ class CreateService:
         return await self._create_admitted(req, image)
 
     async def _create_admitted(self, req, image: Image | None = None) -> dict:
+        job = req.labels.get("job")
+        if not job:
+            return await self._create_admitted_now(req, image)
+        create = self.registry.job_create_begun(job)
+        try:
+            result = await self._create_admitted_now(req, image)
+            # Once made, to the end: a job op's sandbox left running would
+            # not be what the job's op said it made of all of them.
+            return await to_the_end(self._join_job_ops(result, job, create))
+        finally:
+            self.registry.job_create_ended(job, create)
+
+    async def _join_job_ops(self, result: dict, job: str, create) -> dict:
+        """A create's sandbox of `job` made: the job ops begun while the
+        create ran (their lists of the job's sandboxes could not hold it)
+        applied to it, the last one's state its answer's. A job_rm
+        destroys it, and the create fails: the caller's job is gone."""
+        sb = self.registry.by_id.get(result["id"])
+        while sb is not None and (op := create.take()) is not None:
+            if op == "rm":
+                if self.registry.listed(sb) and sb.state != "stopping":
+                    await self.lifecycle.destroy_sandbox(sb, True, reason="job")
+                raise Conflict(f"create: job {job} was removed (job_rm) while this create ran; its sandbox "
+                               f"{sb.id} was destroyed with the job's others", {"job": job, "sandbox": sb.id})
+            try:
+                await self.memory.join_job_op(sb, op)
+            except DsecError as err:
+                log.warning("sandbox %s, created during a job %s of job %s, not %sd: %s", sb.id, op, job, op, err)
+        return result if sb is None else {**result, **sb.public()}
+
+    async def _create_admitted_now(self, req, image: Image | None = None) -> dict:
         if req.hostname:                      # "" is the default, as None
             check_hostname(req.hostname)
         limits = self._limits_for(req)        # a bad request fails before it queues

@@ -530,7 +530,7 @@ class LifecycleService:
 
     async def job_rm(self, req, ctx) -> dict:
         destroyed, failed = await self._destroy_many(
-            self.registry.of_job(req.job, ("running", "paused", "dead")), req.force, "job")
+            self.registry.job_op_begun(req.job, "rm", ("running", "paused", "dead")), req.force, "job")
         return {"job": req.job, "destroyed": destroyed, "failed": failed}
 
     async def destroy_all(self, req, ctx) -> dict:

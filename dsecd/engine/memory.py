@@ -403,6 +403,15 @@ class MemoryService:
     async def resume(self, req, ctx) -> dict:
         return await self._resume(self.registry.get(req.sandbox, req))
 
+    async def join_job_op(self, sb, op: str) -> None:
+        """A sandbox whose create ran while a job_pause (op "pause") or
+        job_resume ("resume") of its job began: paused or resumed as the
+        job's others were (CreateService). Already so: nothing to do."""
+        if op == "pause" and sb.state == "running":
+            await self._pause(sb)
+        elif op == "resume" and sb.state == "paused":
+            await self._resume(sb)
+
     # ------------------------------------------------------------ jobs (label job=<id>)
 
     def _journal_job(self, sbs: list) -> None:
@@ -422,7 +431,7 @@ class MemoryService:
         return await to_the_end(self._job_pause(req))
 
     async def _job_pause(self, req) -> dict:
-        everyone = self.registry.of_job(req.job, ("running",))
+        everyone = self.registry.job_op_begun(req.job, "pause", ("running",))
         sbs = [s for s in everyone if not _is_vm(s)]
         vms = [s for s in everyone if _is_vm(s)]
         freezers = [pause.Freezer.of(s.handle.group) for s in sbs]
@@ -527,7 +536,7 @@ class MemoryService:
         sandbox through the pool took 2.2 s for 500), then bring each one's
         working set back behind the answer, as an on-demand resume does.
         Once begun, to its end (see _pause)."""
-        sbs = sorted(self.registry.of_job(req.job, ("paused",)), key=lambda s: s.id)
+        sbs = sorted(self.registry.job_op_begun(req.job, "resume", ("paused",)), key=lambda s: s.id)
         # Serialised with pause/exec/destroy of each.
         return await to_the_end(self._job_resume_locked(req, sbs), [s.lock for s in sbs])
 

@@ -139,6 +139,27 @@ DESTROYED_BECAUSE = {"ttl": "its ttl ran out", "idle_ttl": "it was idle past its
                      "build": "by its image build, whose step it ran"}
 
 
+class JobCreate:
+    """A create of a job under way (SandboxRegistry.job_create_begun), and the
+    job op begun while it ran that its sandbox is yet to join."""
+
+    __slots__ = ("op",)
+
+    def __init__(self):
+        self.op: str | None = None
+
+    def left(self, op: str) -> None:
+        # The last op wins, but a job removed stays removed: a pause or
+        # resume after the rm does not bring its sandboxes back.
+        if self.op != "rm":
+            self.op = op
+
+    def take(self) -> str | None:
+        """The op to apply now (None: none since the last take)."""
+        op, self.op = self.op, None
+        return op
+
+
 class SandboxRegistry:
     """The sandboxes by id (live and dead), by idempotency key, and the
     journal their records go to."""
@@ -164,6 +185,11 @@ class SandboxRegistry:
         self._counted: dict[str, tuple[Fraction, int]] = {}
         self._cpu = Fraction(0)
         self._memory = 0
+        # The creates under way of each job (label job=...), each with the
+        # job op (pause, resume, rm) begun while it ran, if any: the op's
+        # list of the job's sandboxes cannot hold one that does not run yet,
+        # so the create applies it to its sandbox once made (CreateService).
+        self._job_creates: dict[str, dict[JobCreate, None]] = {}
 
     def named(self, sb_id: str) -> Sandbox:
         """The sandbox `sb_id`, or the one sandbox whose id starts with it (4
@@ -213,6 +239,33 @@ class SandboxRegistry:
         cpu, memory = self._counted.pop(sb_id, (0, 0))
         self._cpu -= cpu
         self._memory -= memory
+
+    def job_create_begun(self, job: str) -> JobCreate:
+        """A create of `job` under way, until job_create_ended: job ops begun
+        meanwhile are left on it (JobCreate.take)."""
+        create = JobCreate()
+        self._job_creates.setdefault(job, {})[create] = None
+        return create
+
+    def job_create_ended(self, job: str, create: JobCreate) -> None:
+        creates = self._job_creates.get(job, {})
+        creates.pop(create, None)
+        if not creates:
+            self._job_creates.pop(job, None)
+
+    def job_op_begun(self, job: str, op: str, states: tuple[str, ...]) -> list[Sandbox]:
+        """A job op (`op`: pause, resume, rm) begins: it is left on each create
+        of the job under way, and its sandboxes in one of `states` are
+        returned (of_job); none is not_found only if no create is under way."""
+        creates = self._job_creates.get(job, {})
+        for create in creates:
+            create.left(op)
+        try:
+            return self.of_job(job, states)
+        except NotFound:
+            if creates:
+                return []
+            raise
 
     def of_job(self, job: str, states: tuple[str, ...]) -> list[Sandbox]:
         """The sandboxes labelled job=`job` in one of `states`; not_found if none has the label."""

@@ -102,7 +102,7 @@ def test_a_cancelled_job_pause_still_pauses_the_job(monkeypatch):
     sb = _sandbox()
     sb.handle = SimpleNamespace(group=object(), init_pid=1, init_start=0)
     svc = _service()
-    svc.registry = _Registry(of_job=lambda job, states: [sb], by_id={"sb1": sb},
+    svc.registry = _Registry(job_op_begun=lambda job, op, states: [sb], by_id={"sb1": sb},
                              journal=SimpleNamespace(write_many=lambda records: None))
     svc.pause_cfg = SimpleNamespace(freeze_timeout_s=1.0)
     go_on = threading.Event()
@@ -177,7 +177,7 @@ def test_a_job_pause_counts_paused_time_from_its_freeze(monkeypatch):
     frozen_sb, failed_sb = _sandbox(), _sandbox()
     failed_sb.id = "sb2"
     svc = _service()
-    svc.registry = _Registry(of_job=lambda job, states: [frozen_sb, failed_sb],
+    svc.registry = _Registry(job_op_begun=lambda job, op, states: [frozen_sb, failed_sb],
                              by_id={"sb1": frozen_sb, "sb2": failed_sb},
                              journal=SimpleNamespace(write_many=lambda records: None))
     svc.mem_pool = None
