@@ -529,8 +529,11 @@ class LifecycleService:
         return destroyed, failed
 
     async def job_rm(self, req, ctx) -> dict:
-        destroyed, failed = await self._destroy_many(
-            self.registry.job_op_begun(req.job, "rm", ("running", "paused", "dead")), req.force, "job")
+        # After a job op under way (a job_pause's freeze): a destroy does not
+        # kill what is being frozen, nor a pause mark what is being destroyed.
+        async with self.registry.job_lock(req.job):
+            destroyed, failed = await self._destroy_many(
+                self.registry.job_op_begun(req.job, "rm", ("running", "paused", "dead")), req.force, "job")
         return {"job": req.job, "destroyed": destroyed, "failed": failed}
 
     async def destroy_all(self, req, ctx) -> dict:

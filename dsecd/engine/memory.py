@@ -428,10 +428,24 @@ class MemoryService:
         """Freeze the whole job at once (what the caller waits for), answer, and
         reclaim each sandbox's memory behind the answer. Once begun, to its
         end (see _pause)."""
-        return await to_the_end(self._job_pause(req))
+        async with self.registry.job_lock(req.job):
+            everyone = sorted(self.registry.job_op_begun(req.job, "pause", ("running",)), key=lambda s: s.id)
+            # Serialised with pause/resume/snapshot of each, as job_resume is,
+            # in the same (id) order.
+            return await to_the_end(self._job_pause_locked(req, everyone), [s.lock for s in everyone])
 
-    async def _job_pause(self, req) -> dict:
-        everyone = self.registry.job_op_begun(req.job, "pause", ("running",))
+    async def _job_pause_locked(self, req, everyone: list) -> dict:
+        # Paused or destroyed by a request the locks waited for.
+        everyone = [s for s in everyone if s.state == "running" and s.handle is not None]
+        for s in everyone:
+            s.pausing = True        # an exec or file request waits for the freeze's end (ensure_running)
+        try:
+            return await self._job_pause(req, everyone)
+        finally:
+            for s in everyone:
+                s.pausing = False
+
+    async def _job_pause(self, req, everyone: list) -> dict:
         sbs = [s for s in everyone if not _is_vm(s)]
         vms = [s for s in everyone if _is_vm(s)]
         freezers = [pause.Freezer.of(s.handle.group) for s in sbs]
@@ -536,9 +550,10 @@ class MemoryService:
         sandbox through the pool took 2.2 s for 500), then bring each one's
         working set back behind the answer, as an on-demand resume does.
         Once begun, to its end (see _pause)."""
-        sbs = sorted(self.registry.job_op_begun(req.job, "resume", ("paused",)), key=lambda s: s.id)
-        # Serialised with pause/exec/destroy of each.
-        return await to_the_end(self._job_resume_locked(req, sbs), [s.lock for s in sbs])
+        async with self.registry.job_lock(req.job):
+            sbs = sorted(self.registry.job_op_begun(req.job, "resume", ("paused",)), key=lambda s: s.id)
+            # Serialised with pause/exec/destroy of each.
+            return await to_the_end(self._job_resume_locked(req, sbs), [s.lock for s in sbs])
 
     async def _job_resume_locked(self, req, sbs: list) -> dict:
         everyone = [s for s in sbs if s.state == "paused" and s.handle is not None]

@@ -16,6 +16,7 @@ next daemon re-adopts it; runtime-only fields are rebuilt then.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -190,6 +191,8 @@ class SandboxRegistry:
         # list of the job's sandboxes cannot hold one that does not run yet,
         # so the create applies it to its sandbox once made (CreateService).
         self._job_creates: dict[str, dict[JobCreate, None]] = {}
+        # One job op of a job at a time (job_lock): {job: [lock, its holders and waiters]}.
+        self._job_locks: dict[str, list] = {}
 
     def named(self, sb_id: str) -> Sandbox:
         """The sandbox `sb_id`, or the one sandbox whose id starts with it (4
@@ -239,6 +242,22 @@ class SandboxRegistry:
         cpu, memory = self._counted.pop(sb_id, (0, 0))
         self._cpu -= cpu
         self._memory -= memory
+
+    @contextlib.asynccontextmanager
+    async def job_lock(self, job: str):
+        """Held by a job op (job_pause, job_resume, job_rm) from before it
+        lists the job's sandboxes to its end: the next op of the job lists
+        them as this one left them (a job_resume sent after a job_pause finds
+        the sandboxes it paused), and neither freezes what the other thaws."""
+        entry = self._job_locks.setdefault(job, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                del self._job_locks[job]
 
     def job_create_begun(self, job: str) -> JobCreate:
         """A create of `job` under way, until job_create_ended: job ops begun

@@ -6,6 +6,7 @@ sandboxes the op found running did."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -186,3 +187,90 @@ def test_the_last_job_op_wins_and_other_jobs_and_later_creates_are_left_alone(mo
 
     assert asyncio.run(main())["state"] == "running"
     assert w.frozen == []
+
+
+class _Gate:
+    """A freeze_all that stands until `open`: `freezing` is set once it began."""
+
+    def __init__(self, monkeypatch, events: list):
+        self.freezing = asyncio.Event()
+        self.opened = threading.Event()
+        loop = asyncio.get_running_loop()
+
+        def freeze_all(fs, timeout):
+            loop.call_soon_threadsafe(self.freezing.set)
+            self.opened.wait(10)
+            events.append("frozen")
+            return []
+
+        monkeypatch.setattr(memory_mod.pause, "freeze_all", freeze_all)
+
+
+def test_a_job_resume_sent_during_a_job_pause_resumes_what_it_paused(monkeypatch):
+    """job_resume listed the job's paused sandboxes while a job_pause was
+    still freezing them (their state said running): it resumed none, and
+    the job stayed paused although the resume came last."""
+    w = World(monkeypatch, _sandbox("old"))
+    events: list = []
+
+    async def main():
+        w.workers.loop = asyncio.get_running_loop()
+        gate = _Gate(monkeypatch, events)
+        paused = asyncio.ensure_future(w.memory.job_pause(SimpleNamespace(job="j"), None))
+        await gate.freezing.wait()
+        resumed = asyncio.ensure_future(w.memory.job_resume(SimpleNamespace(job="j"), None))
+        await asyncio.sleep(0)
+        gate.opened.set()
+        return await paused, await resumed
+
+    paused, resumed = asyncio.run(main())
+    assert paused["paused"] == ["old"] and resumed["resumed"] == ["old"], (paused, resumed)
+    assert w.registry.by_id["old"].state == "running"
+
+
+def test_a_request_during_a_job_pauses_freeze_waits_for_it_then_resumes(monkeypatch):
+    """An exec or file request (ensure_running) that came while a job pause
+    froze its sandbox went ahead, its state still running, and its process
+    then stood frozen; it waits for the freeze's end, and resumes it."""
+    w = World(monkeypatch, _sandbox("old"))
+    w.memory.auto_resume = True
+    monkeypatch.setattr(memory_mod.pause, "resume",
+                        lambda group, rec, timeout, mode: SimpleNamespace(prefetched_bytes=0, thaw_s=0.0,
+                                                                          prefetch_s=0.0))
+    events: list = []
+
+    async def main():
+        w.workers.loop = asyncio.get_running_loop()
+        gate = _Gate(monkeypatch, events)
+        paused = asyncio.ensure_future(w.memory.job_pause(SimpleNamespace(job="j"), None))
+        await gate.freezing.wait()
+        sb = w.registry.by_id["old"]
+        request = asyncio.ensure_future(w.memory.ensure_running(sb, "exec"))
+        request.add_done_callback(lambda _: events.append(f"request goes on, {sb.state}"))
+        await asyncio.sleep(0)
+        gate.opened.set()
+        await paused
+        await request
+
+    asyncio.run(main())
+    assert events == ["frozen", "request goes on, running"], events
+
+
+def test_a_job_rm_during_a_job_pause_destroys_after_the_freeze(monkeypatch):
+    w = World(monkeypatch, _sandbox("old"))
+    events: list = []
+
+    async def main():
+        w.workers.loop = asyncio.get_running_loop()
+        gate = _Gate(monkeypatch, events)
+        paused = asyncio.ensure_future(w.memory.job_pause(SimpleNamespace(job="j"), None))
+        await gate.freezing.wait()
+        removed = asyncio.ensure_future(w.lifecycle.job_rm(SimpleNamespace(job="j", force=True), None))
+        removed.add_done_callback(lambda _: events.append("removed"))
+        await asyncio.sleep(0)
+        gate.opened.set()
+        return await paused, await removed
+
+    paused, removed = asyncio.run(main())
+    assert paused["paused"] == ["old"] and removed["destroyed"] == ["old"]
+    assert events == ["frozen", "removed"]

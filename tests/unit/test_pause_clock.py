@@ -30,6 +30,10 @@ class _Registry(SimpleNamespace):
     """The registry's attributes a test gives, and its real destroyed check."""
     listed = SandboxRegistry.listed
     destroyed_error = SandboxRegistry.destroyed_error
+    job_lock = SandboxRegistry.job_lock
+
+    def __init__(self, **kw):
+        super().__init__(_job_locks={}, **kw)
 
 
 def _service(*sbs) -> MemoryService:
