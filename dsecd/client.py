@@ -278,6 +278,17 @@ def _paths(result: dict) -> dict:
     return result
 
 
+def _sandbox_info(info: dict) -> dict:
+    """A sandbox's create, inspect or list entry with its env as create took
+    it: a name or value that is not UTF-8 comes as bytes, and is
+    os.fsdecode's str again (what os.environ would hold)."""
+    env = info.get("env")
+    if isinstance(env, dict) and any(isinstance(k, bytes) or isinstance(v, bytes) for k, v in env.items()):
+        info["env"] = {os.fsdecode(k) if isinstance(k, bytes) else k: os.fsdecode(v) if isinstance(v, bytes) else v
+                       for k, v in env.items()}
+    return info
+
+
 def named_as(err: DsecError, tmp: str, path: str, removed: bool = False,
              verb: tuple[str, str] | None = None) -> DsecError:
     """`err`, met on a temporary path `tmp` (an atomic write's file, a
@@ -1137,12 +1148,12 @@ class Client:
             if not isinstance(network_rules, dict):
                 raise TypeError(f"network_rules must be a dict of rule -> bool, got {type(network_rules).__name__}")
             allow += [r for r, on in network_rules.items() if on and r not in allow]
-        args = _given({"image": image, "env": string_map(env, "env"), "labels": string_map(labels, "labels"),
+        args = _given({"image": image, "env": string_map(env, "env", raw=True), "labels": string_map(labels, "labels"),
                        "allow": allow, **({"publish": [int(p) for p in publish]} if publish else {})},
                       cwd=cwd, user=user, cpu=cpu, memory=memory, pids=pids, hostname=hostname, ttl=ttl,
                       idle_ttl=idle_ttl, lease=lease, qos=qos, cpu_quota=cpu_quota, net=net, key=key, disk=disk,
                       backend=backend, policy=policy)
-        info = await self.request("create", **args)
+        info = _sandbox_info(await self.request("create", **args))
         return Sandbox(self, info["id"], info)
 
     def run_stream(self, image: str, args: list[str] | None = None, entrypoint: list[str] | str | None = None,
@@ -1284,11 +1295,11 @@ class Client:
                 yield frame
 
     async def get(self, sandbox_id: str) -> Sandbox:
-        info = await self.request("inspect", sandbox=sandbox_id)
+        info = _sandbox_info(await self.request("inspect", sandbox=sandbox_id))
         return Sandbox(self, info["id"], info)
 
     async def list(self, labels: dict | None = None) -> list[dict]:
-        return (await self.request("list", labels=labels or {}))["sandboxes"]
+        return [_sandbox_info(s) for s in (await self.request("list", labels=labels or {}))["sandboxes"]]
 
     async def destroy_all(self, force: bool = False, labels: dict | None = None) -> dict:
         return await self.request("destroy_all", force=force, labels=labels or {})
@@ -2170,7 +2181,7 @@ class Sandbox:
         return await self.client.request("resume", sandbox=self.id)
 
     async def inspect(self) -> dict:
-        self.info = await self.client.request("inspect", sandbox=self.id)
+        self.info = _sandbox_info(await self.client.request("inspect", sandbox=self.id))
         return self.info
 
     async def destroy(self, force: bool = False) -> dict:

@@ -100,8 +100,10 @@ PATH_FIELDS = {"file_read": ("path",), "file_write": ("path",), "file_list": ("p
 # argument naming such a file, or a value read from one, may come as bytes
 # (bin) in place of a str: each item of these lists, each key and value of
 # these maps (ARG_FIELDS), is the str os.fsdecode makes of it once decoded,
-# and the exec paths give the kernel its bytes again (os.fsencode).
-ARG_FIELDS = {"exec": ("argv", "env"), "proc_start": ("argv", "env"), "call": ("argv", "args", "env")}
+# and the exec paths give the kernel its bytes again (os.fsencode). A
+# create's env is the default of its sandbox's execs: the same holds.
+ARG_FIELDS = {"exec": ("argv", "env"), "proc_start": ("argv", "env"), "call": ("argv", "args", "env"),
+              "create": ("env",)}
 
 
 def _packb(obj: dict) -> bytes:

@@ -86,6 +86,23 @@ def test_arguments_and_environment_that_are_not_utf8_reach_the_command_as_bytes(
     assert r.returncode == 0 and b" caf\xe9caf\xe9" not in r.stdout and b"x caf\xe9\n" in r.stdout, r
 
 
+def test_a_creates_environment_may_hold_values_that_are_not_utf8(daemon, client):
+    """A sandbox's env is its execs' default: bytes too, as execve takes
+    them, given to the SDK as os.fsdecode's str (or bytes) and given back so."""
+    name = os.fsdecode(b"caf\xe9")
+    sb = client.create(image="busybox", memory="128M", env={"V": name, b"W\xff": b"\xfe"})
+    try:
+        assert sb.info["env"]["V"] == name and sb.inspect()["env"][os.fsdecode(b"W\xff")] == os.fsdecode(b"\xfe")
+        assert next(s for s in client.list() if s["id"] == sb.id)["env"]["V"] == name
+        r = sb.exec(["env"])
+        lines = (b"\n" + r.stdout).split(b"\n")
+        assert r.exit_code == 0 and b"V=caf\xe9" in lines and b"W\xff=\xfe" in lines, r
+    finally:
+        sb.destroy(force=True)
+    r = daemon.cli("run", "--env", f"V={name}", "busybox", "--", "sh", "-c", 'printf %s "$V"')
+    assert (r.returncode, r.stdout) == (0, b"caf\xe9"), r
+
+
 def test_a_non_root_exec_may_still_serve_a_low_port(sandbox):
     """It keeps NET_BIND_SERVICE (docker opens the low ports with a sysctl)."""
     r = sandbox.exec(["sh", "-c", "nc -l -p 80 & sleep 0.3; netstat -ltn | grep -c ':80 '; kill $!"],
