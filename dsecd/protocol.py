@@ -94,7 +94,9 @@ def encode_frame_parts(obj: dict, max_bytes: int | None = None) -> tuple[bytes, 
 # path (PATH_FIELDS) may so come as bytes, and is the str again once decoded.
 PATH_FIELDS = {"file_read": ("path",), "file_write": ("path",), "file_list": ("path",), "file_stat": ("path",),
                "file_mkdir": ("path",), "file_remove": ("path",), "file_rename": ("src", "dst"),
-               "file_watch": ("path",), "file_tar_put": ("path",), "file_tar_get": ("path",)}
+               "file_watch": ("path",), "file_tar_put": ("path",), "file_tar_get": ("path",),
+               # The working directory a command starts in, a path in the sandbox too.
+               "exec": ("cwd",), "proc_start": ("cwd",), "create": ("cwd",)}
 
 # A command's arguments and environment are bytes to execve as well: an
 # argument naming such a file, or a value read from one, may come as bytes

@@ -79,6 +79,11 @@ def test_arguments_and_environment_that_are_not_utf8_reach_the_command_as_bytes(
     assert next(p for p in sandbox.processes() if p.pid == proc.pid).argv[-1] == name
     r = daemon.cli("exec", "-e", f"V={name}", sandbox.id, "--", "sh", "-c", show, "x", name)
     assert (r.returncode, r.stdout) == (0, b"caf\xe9|caf\xe9|there\n"), r
+    sandbox.exec(["mkdir", f"/work/{name}.d"])       # a working directory is a path like any other
+    r = sandbox.exec(["pwd"], cwd=f"/work/{name}.d")
+    assert (r.exit_code, r.stdout) == (0, b"/work/caf\xe9.d\n"), r
+    r = daemon.cli("exec", "-w", f"/work/{name}.d", sandbox.id, "--", "pwd")
+    assert (r.returncode, r.stdout) == (0, b"/work/caf\xe9.d\n"), r
     (tmp_path / "env").write_bytes(b"V=\xfe\n")
     r = daemon.cli("exec", "--env-file", str(tmp_path / "env"), sandbox.id, "--", "sh", "-c", show, "x", name)
     assert (r.returncode, r.stdout) == (0, b"caf\xe9|\xfe|there\n"), r

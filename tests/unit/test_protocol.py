@@ -130,11 +130,14 @@ def test_argv_and_env_that_are_not_utf8_travel_as_bytes_and_decode_as_fsdecode_d
     into the same bytes at the exec."""
     arg, key, value = (os.fsdecode(raw) for raw in (b"caf\xe9", b"K\xff", b"v\xe9"))
     sent = {**base, "argv": ["ls", arg, b"raw\xff"], "env": {key: value, b"B": b"\xfe"}}
+    if op != "call":
+        sent["cwd"] = os.fsdecode(b"/w\xe9")
     frame = protocol.decode_payload(protocol.encode_frame({"id": 1, "op": op, "args": sent})[4:])
     assert frame["args"]["argv"] == ["ls", b"caf\xe9", b"raw\xff"]
     _, req = protocol.parse_request(frame)
     assert [os.fsencode(a) for a in req.argv] == [b"ls", b"caf\xe9", b"raw\xff"]
     assert {os.fsencode(k): os.fsencode(v) for k, v in req.env.items()} == {b"K\xff": b"v\xe9", b"B": b"\xfe"}
+    assert op == "call" or os.fsencode(req.cwd) == b"/w\xe9"
 
 
 def test_a_call_codes_args_may_be_bytes_too():
