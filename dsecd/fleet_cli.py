@@ -223,13 +223,18 @@ async def fleet_job(fleet: Fleet, a) -> int:
 
 async def fleet_rm_all(fleet: Fleet, a) -> int:
     r = await fleet.destroy_all(force=a.force, labels=kv(a.label, "--label"))
+    # A host that failed to answer removed nothing that it said: as a job
+    # verb's, its outcome fails the status, and stderr names it.
+    failed_hosts = {t: outcome for t, outcome in r["hosts"].items() if outcome.startswith("failed")}
     if a.json:
         print_json(r)
     else:
-        print(f"removed {len(r['destroyed'])} sandbox(es) on {len(r['hosts'])} host(s)")
+        print(f"removed {len(r['destroyed'])} sandbox(es) on {len(r['hosts']) - len(failed_hosts)} host(s)")
         for sb_id, err in r["failed"].items():
             print(f"dsec fleet: rm {sb_id}: {err}", file=sys.stderr)
-    return 1 if r["failed"] or r["down"] else 0
+    for target, outcome in failed_hosts.items():
+        print(f"dsec fleet rm --all: {_host_col(target)}: {outcome}", file=sys.stderr)
+    return 1 if r["failed"] or r["down"] or failed_hosts else 0
 
 
 async def fleet_events(fleet: Fleet, a) -> int:

@@ -172,6 +172,31 @@ def test_a_merged_listing_missing_a_host_fails_the_status(words, capsys):
                                                "detail": {}}}, rows
 
 
+@pytest.mark.parametrize("as_json", [False, True])
+def test_rm_all_on_a_host_that_fails_to_answer_fails_the_status(as_json, capsys):
+    """`dsec fleet rm --all`: a host up but failing to answer (its
+    connection lost mid-request) removed nothing there, yet the status was
+    0 and nothing said which host; the sandboxes of the others are removed."""
+    fleet = fleet_of_three()
+    fleet.hosts["/nonexistent/h3"].up = True
+
+    for host in fleet.hosts.values():
+        async def destroy_all(force, labels, client=host.client):
+            return await client._answer({"destroyed": [f"sb-{client.target}"], "failed": {}})
+        host.client.destroy_all = destroy_all
+    a = cli.parse_args(["fleet", "--hosts", "x", *(["--json"] if as_json else []), "rm", "--all"])
+    status = asyncio.run(fleet_cli.fleet_rm_all(fleet, a))
+    out = capsys.readouterr()
+    assert status == 1
+    assert out.err == "dsec fleet rm --all: /nonexistent/h2: failed: timed out\n", out.err
+    if as_json:
+        r = json.loads(out.out)
+        assert r["destroyed"] == ["sb-/nonexistent/h1", "sb-/nonexistent/h3"] and r["hosts"]["/nonexistent/h2"] \
+            == "failed: timed out", r
+    else:
+        assert out.out == "removed 2 sandbox(es) on 2 host(s)\n", out.out
+
+
 def test_a_command_on_every_host_names_the_hosts_down_in_its_json(capsys):
     a = cli.parse_args(["fleet", "--hosts", "x", "--json", "image", "build", "/src", "--name", "img"])
     status = asyncio.run(fleet_cli.fleet_image(fleet_of_three(), a))
