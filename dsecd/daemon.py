@@ -23,6 +23,7 @@ import fcntl
 import gc
 import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -47,6 +48,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--state-dir", help="journal, sandbox and image directory (daemon.state_dir)")
     p.add_argument("--log-level", help="debug, info, warning or error (daemon.log_level)")
     p.add_argument("--print-config", action="store_true", help="print the effective config as JSON and exit")
+    p.add_argument("--check-config", nargs="?", const="", default=None, metavar="FILE",
+                   help="check the config (FILE, else --config, else the default file) as a start would and "
+                   "exit: 0 if it would start, 1 saying what is wrong; starts nothing, touches no state")
+    p.add_argument("--json", action="store_true", help="with --check-config: the verdict as one JSON object")
     p.add_argument("--version", action="version", version=f"dsecd {__version__}")
     return p.parse_args(argv)
 
@@ -72,7 +77,86 @@ def build_config(args: argparse.Namespace):
             parse_listen(cfg.section("metrics")["listen"])
         except ValueError as err:
             raise ConfigError(str(err)) from err
+    check_services(cfg)
     return cfg
+
+
+def check_services(cfg) -> None:
+    """ConfigError for a setting a service would refuse as it is built (in
+    Node, after the state dir and cgroup root are locked), checked here as
+    that service checks it, without building it: so that a bad one stops
+    the start before anything is touched, and `--check-config` finds it.
+    What only the host can say (kernel features, the image store's
+    directory, cgroup controllers) is left to the start."""
+    from .engine.builds import BuildLimits
+    from .engine.network import _check_config as check_net
+    from .engine.vmballoon import settings_from
+    from .fs.registry import RegistryConfig
+    from .mem import damon, pause, swapfile, zram
+
+    check_net(cfg.section("net"))
+    BuildLimits.from_config(cfg)
+    settings_from(cfg)
+    mem = cfg.section("memory")
+    try:
+        pause.PauseConfig.from_section(mem)
+        zram.ZramConfig.from_section(mem["zram"])
+        swapfile.SwapfileConfig.from_section(mem["swapfile"], cfg.state_dir)
+        damon.DamonConfig.from_section(mem["damon"], cfg.state_dir)
+        RegistryConfig.from_section(cfg.section("images"))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    exec_via = cfg.section("sandbox")["exec_via"]
+    if exec_via not in ("init", "helper"):
+        raise ConfigError(f"sandbox.exec_via must be init or helper, got {exec_via!r}")
+
+
+def config_key_named(message: str, raw: dict) -> str | None:
+    """The config key a ConfigError's message is about: the one it quotes
+    as `config key 'x.y'`, else the first dotted name in it that is a key
+    (or table) of the config; None if it names none."""
+    m = re.search(r"config key '([^']+)'", message)
+    if m:
+        return m.group(1)
+    for name in re.findall(r"\b[a-z][a-z0-9_]*(?:\.[a-z0-9_]+)+", message):
+        table = raw
+        for part in name.split("."):
+            if not isinstance(table, dict) or part not in table:
+                break
+            table = table[part]
+        else:
+            return name
+    return None
+
+
+def check_config(args: argparse.Namespace) -> int:
+    """`dsecd --check-config [FILE]`: load and check the config as a start
+    does (build_config), print the verdict, and return the exit status: 0
+    when a start would take the config, 1 when it would stop, saying why
+    and naming the key. Nothing else runs: no lock, no log, no state dir."""
+    import json
+
+    if args.check_config:
+        if args.config is not None and os.path.abspath(args.config) != os.path.abspath(args.check_config):
+            print(f"dsecd: --check-config {args.check_config} and --config {args.config} name two files; "
+                  "give one", file=sys.stderr)
+            return 2
+        args.config = args.check_config
+    path = config_path(args.config)
+    try:
+        build_config(args)
+    except ConfigError as err:
+        key = config_key_named(str(err), load_config().raw)
+        if args.json:
+            print(json.dumps({"ok": False, "config": path, "error": str(err), "key": key}))
+        else:
+            print(f"dsecd: config {path or '(embedded defaults)'}: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"ok": True, "config": path, "error": None, "key": None}))
+    else:
+        print(f"dsecd: config {path or '(embedded defaults: ' + DEFAULT_PATH + ' does not exist)'} is valid")
+    return 0
 
 
 def lock_cgroup_root(root: str, mount: Path | None = None) -> list[int]:
@@ -287,6 +371,8 @@ async def start_metrics(cfg, node: Node, server: Server):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.check_config is not None:
+        sys.exit(check_config(args))
     profiling.start_from_env()      # DSECD_PROFILE: a debug hook, off by default
     try:
         cfg = build_config(args)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
 from dsecd import daemon
+from dsecd.config import ConfigError
 
 
 def test_a_state_dir_in_use_names_the_daemon_using_it_and_what_to_do(tmp_path):
@@ -141,3 +143,58 @@ def test_a_journaled_sandbox_the_config_cannot_take_back_stops_the_start():
     with pytest.raises(SystemExit) as stopped:
         asyncio.run(daemon.start_node(_NodeFailingToStart(ConfigError("sandbox.userns: abc"))))
     assert stopped.value.code == "dsecd: sandbox.userns: abc"
+
+
+def _check(argv, capsys):
+    with pytest.raises(SystemExit) as err:
+        daemon.main(["--check-config", *argv])
+    out = capsys.readouterr()
+    return err.value.code, out.out, out.err
+
+
+def test_check_config_names_the_bad_key_and_exits_1_touching_nothing(tmp_path, capsys):
+    conf = tmp_path / "dsecd.toml"
+    conf.write_text("[limits]\nmax_sandboxez = 10\n")
+    state = tmp_path / "state"
+    status, out, err = _check([str(conf), "--state-dir", str(state)], capsys)
+    assert status == 1 and out == ""
+    assert f"config {conf}: unknown config key 'limits.max_sandboxez'" in err, err
+    status, out, _ = _check([str(conf), "--json"], capsys)
+    said = json.loads(out)
+    assert status == 1 and said["ok"] is False and said["key"] == "limits.max_sandboxez", said
+    assert said["config"] == str(conf) and "max_sandboxez" in said["error"]
+    conf.write_text('[daemon]\nlog_level = "loud"\n')
+    status, out, _ = _check(["--json", "--config", str(conf)], capsys)
+    assert status == 1 and json.loads(out)["key"] == "daemon.log_level", out
+    assert not state.exists()
+
+
+def test_check_config_passes_a_good_file_and_starts_nothing(tmp_path, capsys):
+    conf = tmp_path / "dsecd.toml"
+    state = tmp_path / "state"
+    conf.write_text(f'[daemon]\nstate_dir = "{state}"\nsocket = "{tmp_path}/s.sock"\n')
+    status, out, err = _check([str(conf)], capsys)
+    assert status == 0 and f"config {conf} is valid" in out, (out, err)
+    status, out, _ = _check([str(conf), "--json"], capsys)
+    assert status == 0 and json.loads(out) == {"ok": True, "config": str(conf), "error": None, "key": None}
+    assert not state.exists() and not (tmp_path / "s.sock").exists()
+
+
+def test_check_config_refuses_what_a_service_would_refuse_at_start(tmp_path, capsys):
+    """Settings read as the services are built (after the state dir is
+    locked) are checked too, as those services check them."""
+    conf = tmp_path / "dsecd.toml"
+    for text, key in (('[net]\nipv4_subnet = "10.0.0.0/40"\n', "net.ipv4_subnet"),
+                      ("[memory.zram]\npriority = 40000\n", "memory.zram.priority"),
+                      ('[sandbox]\nexec_via = "magic"\n', "sandbox.exec_via")):
+        conf.write_text(text)
+        status, out, _ = _check([str(conf), "--json"], capsys)
+        said = json.loads(out)
+        assert status == 1 and said["key"] == key, (text, said)
+        with pytest.raises(ConfigError):
+            daemon.build_config(daemon.parse_args(["--config", str(conf)]))
+
+
+def test_check_config_and_config_naming_two_files_is_a_usage_error(tmp_path, capsys):
+    status, _, err = _check([str(tmp_path / "a.toml"), "--config", str(tmp_path / "b.toml")], capsys)
+    assert status == 2 and "two files" in err
