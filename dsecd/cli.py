@@ -139,6 +139,12 @@ async def cmd_info(c: Client, a) -> int:
                  if q["queued_by_job"] else ""))
         for name, p in q["pools"].items():
             print(f"  pool {name}: {p['ready']} ready, {p['creating']} creating, {p['taken']} taken")
+    drain = info.get("drain") or {}
+    if drain.get("drained"):
+        print(f"drain: DRAINED since {_utc(drain['since'])}" + (f" ({drain['reason']})" if drain["reason"] else "")
+              + ": creates and pool refills are refused; `dsec undrain` takes them again")
+    elif drain:
+        print("drain: no (creates taken)")
     for name, b in info.get("backends", {}).items():
         detail = (f"accel {b['accel']}, guest kernel {b['guest_kernel']}" if b.get("accel")
                   else b.get("why", "")) if name == "microvm" else ""
@@ -660,6 +666,22 @@ async def cmd_pool(c: Client, a) -> int:
     _table([[p["name"], p["image"], f"{p['cpu']:g}", f"{p['memory'] >> 20}M", str(p["min"]), str(p["max"]),
              str(p["ready"]), str(p["creating"]), str(p["taken"]), p["error"] or ""] for p in pools],
            ["POOL", "IMAGE", "CPU", "MEMORY", "MIN", "MAX", "READY", "CREATING", "TAKEN", "ERROR"])
+    return 0
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+async def cmd_drain(c: Client, a) -> int:
+    r = await (c.drain(a.reason or "") if a.cmd == "drain" else c.undrain())
+    if a.json:
+        _print_json(r)
+    elif r["drained"]:
+        print(f"drained since {_utc(r['since'])}" + (f" ({r['reason']})" if r["reason"] else "")
+              + ": new creates and pool refills are refused; running sandboxes keep working")
+    else:
+        print("undrained: creates are taken again")
     return 0
 
 
@@ -2304,6 +2326,11 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--memory", help="e.g. 256M")
     pool.add_parser("ls", help="pools: shape, bounds, ready, taken")
 
+    dr = sub.add_parser("drain", help="refuse new creates and pool refills on this host (kept across daemon "
+                        "restarts); its sandboxes keep working")
+    dr.add_argument("--reason", help="why, shown by dsec info and in the refusals (e.g. 'kernel update')")
+    sub.add_parser("undrain", help="take creates and refill pools again after a drain")
+
     for verb, text in (("exec", "run a command in a sandbox"),
                        ("trace", "run a command under ptrace and record its execve, opens, connects, signals")):
         ex = sub.add_parser(verb, help=text, usage=f"dsec {verb} [options] SANDBOX [--] COMMAND [ARG...]")
@@ -2489,7 +2516,8 @@ COMMANDS = {"policy": cmd_policy, "info": cmd_info, "image": cmd_image, "snapsho
             "pause": cmd_pause_resume, "resume": cmd_pause_resume, "renew": cmd_renew, "job": cmd_job,
             "events": cmd_events,
             "net": cmd_net, "port": cmd_port, "trace": cmd_exec, "create": cmd_create, "run": cmd_run,
-            "exec": cmd_exec, "call": cmd_call, "pool": cmd_pool, "cp": cmd_cp,
+            "exec": cmd_exec, "call": cmd_call, "pool": cmd_pool, "drain": cmd_drain, "undrain": cmd_drain,
+            "cp": cmd_cp,
             "ps": cmd_ps, "inspect": cmd_inspect, "rm": cmd_rm, "top": cmd_top, "ls": cmd_ls, "cat": cmd_cat,
             "watch": cmd_watch, "proc": cmd_proc, "logs": cmd_logs, "attach": cmd_attach, "kill": cmd_kill,
             "wait": cmd_wait}

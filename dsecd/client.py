@@ -1224,6 +1224,16 @@ class Client:
     async def pool_list(self) -> list[dict]:
         return (await self.request("pool_list"))["pools"]
 
+    async def drain(self, reason: str = "") -> dict:
+        """Drain the host: it refuses new creates (`Busy`, detail `drained`) and
+        refills no pool until undrain; its sandboxes run on. Kept across
+        daemon restarts. Returns {drained, reason, since}."""
+        return await self.request("drain", reason=reason)
+
+    async def undrain(self) -> dict:
+        """Take creates again after a drain. Returns {drained, reason, since}."""
+        return await self.request("undrain")
+
     async def policy_list(self) -> dict:
         """The daemon's named task policies and its Landlock ABI (`dsec policy ls`)."""
         return await self.request("policy_list")

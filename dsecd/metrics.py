@@ -298,6 +298,11 @@ class NodeCollector:
         for what in ("active", "queued", "max_active", "max_queued"):
             g.add_metric([what], q[what])
         yield g
+        if "drain" in q:
+            d = _gauge("dsecd_drained", "1 while the host is drained (dsec drain): it refuses creates and "
+                       "refills no pool; 0 otherwise")
+            d.add_metric([], 1 if q["drain"]["drained"] else 0)
+            yield d
         c = _counter("dsecd_admission_admitted", "Creates that got a slot of the create queue")
         c.add_metric([], q["admitted"])
         yield c

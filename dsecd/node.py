@@ -83,6 +83,7 @@ SERVICE_ROUTES = {
     "ping": ("node", "ping"), "info": ("node", "info"),
     "create": ("create_service", "create"), "pool_set": ("create_service", "pool_set"),
     "pool_list": ("create_service", "pool_list"),
+    "drain": ("create_service", "drain"), "undrain": ("create_service", "undrain"),
     "list": ("lifecycle", "list"), "inspect": ("lifecycle", "inspect"), "top": ("lifecycle", "top"),
     "destroy": ("lifecycle", "destroy"), "destroy_all": ("lifecycle", "destroy_all"),
     "job_rm": ("lifecycle", "job_rm"),
@@ -346,6 +347,7 @@ class Node:
                "fncall": self.call_service.info(),
                "backends": {"container": {"available": True}, "microvm": self.vms.info()},
                "admission": self.create_service.info(),
+               "drain": self.create_service.drain_info(),
                "userns": self.id_ranges.info(),
                "policy": {**self.policies.info(), "denials": self.denials.info()},
                "paths": {"socket": d["socket"], "state_dir": str(self.cfg.state_dir), "cgroup_root": root,
@@ -364,7 +366,8 @@ class Node:
             states[sb.state] = states.get(sb.state, 0) + 1
         live = ", ".join(f"{n} {s}" for s, n in states.items() if n) or "none"
         q = self.create_service.admission
-        return f"sandboxes: {live}; creates: {q.active} running, {q.queued} queued; {connections} clients"
+        drained = "; DRAINED (dsec undrain takes creates again)" if self.create_service.drained else ""
+        return f"sandboxes: {live}; creates: {q.active} running, {q.queued} queued; {connections} clients{drained}"
 
     # ------------------------------------------------------------ counters for tests and bench
 

@@ -646,6 +646,16 @@ class PoolList:
     pass
 
 
+@request("drain")
+class Drain:
+    reason: str = ""                     # why, for info and the refusals: "kernel update", a ticket
+
+
+@request("undrain")
+class Undrain:
+    pass
+
+
 @request("call")
 class Call:
     image: str

@@ -598,6 +598,12 @@ class SyncClient(_LoopThread):
     def pool_list(self) -> list[dict]:
         return self._run(self._client.pool_list())
 
+    def drain(self, reason: str = "") -> dict:
+        return self._run(self._client.drain(reason))
+
+    def undrain(self) -> dict:
+        return self._run(self._client.undrain())
+
     def net_sets(self) -> list[dict]:
         return self._run(self._client.net_sets())
 

@@ -20,6 +20,12 @@ image's config under the create's: `process_settings`, for a fresh sandbox
 and a pooled one alike. A create runs no command: the image's Entrypoint
 and Cmd are what `dsec run` (the SDK's Client.run) starts in an exec.
 
+A **drained** host (`drain`, `dsec drain`) refuses every create that would
+make a sandbox, pooled or not, with `busy` naming the drain, and refills no
+pool, until `undrain`; a keyed create whose sandbox exists still gets it,
+and the sandboxes already there run on. The drain is kept in
+`<state_dir>/drain.json`, so it holds across restarts.
+
 Pools (`pool_set`, `pool_ls`) are kept in `<state_dir>/pools.json`; their
 sandboxes are ordinary journaled sandboxes labelled `dsec.pool=<pool>`,
 re-adopted after a restart like any other, and count against capacity. A
@@ -85,6 +91,11 @@ HOSTNAME_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")   
 
 POOL_LABEL = "dsec.pool"
 POOL_JOB = "dsec.pool"
+# In the state dir while the host is drained: {"reason", "since"}.
+DRAIN_FILE = "drain.json"
+# retry_after_s of a create a drained host refuses: a drain lasts as long as
+# the operator's work on the host, and a fleet places the create elsewhere.
+DRAIN_RETRY_AFTER_S = 60.0
 BUILD_LABEL = "dsec.build"       # on every build sandbox (engine/builds.py): the image being built
 
 
@@ -204,8 +215,10 @@ def pool_name(image: str, cpu: float, memory: int) -> str:
 
 
 class CreateService:
-    """`create`, `pool_set`, `pool_list`. `disk_default` is sandbox.disk, the
-    writable layer's cap when a create names none."""
+    """`create`, `pool_set`, `pool_list`, `drain`, `undrain`. `disk_default` is
+    sandbox.disk, the writable layer's cap when a create names none."""
+
+    drained: dict | None = None         # {"reason", "since"} while the host is drained
 
     def __init__(self, cfg, registry: SandboxRegistry, workers: Workers, backend, images: ImageService,
                  net: NetworkService, memory: MemoryService, cpu: CpuHost, id_ranges: IdRanges,
@@ -236,6 +249,7 @@ class CreateService:
         self.pool_cfg = cfg.section("pool")
         self.pools: dict[str, Pool] = {}
         self._pools_path = cfg.state_dir / "pools.json"
+        self._drain_path = cfg.state_dir / DRAIN_FILE
         self._pool_task: asyncio.Task | None = None
         self._refills: set[asyncio.Task] = set()
         # key -> create_args_digest of the create under way that took it.
@@ -245,6 +259,12 @@ class CreateService:
 
     async def start(self) -> None:
         """After the journal was re-adopted: keys and pool membership from the records."""
+        self.drained = await self.workers.run(self._read_drain)
+        if self.drained is not None:
+            log.warning("host is drained (since %s%s): creates are refused until `dsec undrain`",
+                        time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.drained["since"])),
+                        f": {self.drained['reason']}" if self.drained["reason"] else "",
+                        extra={"fields": {"event": "drained", **self.drained}})
         for sb in self.registry.by_id.values():
             if sb.key:
                 self.registry.keys[sb.key] = sb.id
@@ -306,7 +326,7 @@ class CreateService:
                 task.cancel()
 
     def info(self) -> dict:
-        return {**self.admission.info(), "keys": len(self.registry.keys),
+        return {**self.admission.info(), "keys": len(self.registry.keys), "drain": self.drain_info(),
                 "pools": {n: {"ready": len(p.ready), "creating": p.creating, "taken": p.taken}
                           for n, p in self.pools.items()}}
 
@@ -320,6 +340,7 @@ class CreateService:
         if req.labels.get(BUILD_LABEL) is not None:
             raise BadRequest(f"label {BUILD_LABEL} is reserved for the sandboxes of Dockerfile builds")
         if not req.key:
+            self._refuse_if_drained()
             return await self._create_admitted(req)
         keys = self.registry.keys
         while isinstance(known := keys.get(req.key), asyncio.Future):
@@ -340,6 +361,7 @@ class CreateService:
                            {"key": req.key, "sandbox": sb.id,
                             "retry_after_s": self.adm_cfg["full_retry_after_s"]})
             return {**sb.public(), "existing": True}
+        self._refuse_if_drained()
         fut = self.workers.loop.create_future()
         keys[req.key] = fut
         self._key_args_creating[req.key] = create_args_digest(req)
@@ -431,6 +453,83 @@ class CreateService:
                 raise
         result["queued_ms"] = round(waited * 1000, 3)
         return result
+
+    # ------------------------------------------------------------ drain
+
+    def drain_info(self) -> dict:
+        d = self.drained
+        return {"drained": d is not None, "reason": d["reason"] if d else None, "since": d["since"] if d else None}
+
+    def _refuse_if_drained(self) -> None:
+        if self.drained is not None:
+            raise self._drained_error()
+
+    def _drained_error(self) -> Busy:
+        d = self.drained
+        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(d["since"]))
+        return Busy(f"host is drained (since {since}" + (f": {d['reason']}" if d["reason"] else "")
+                   + "): it makes no new sandboxes; create on another host, or `dsec undrain` it",
+                   {"drained": True, "reason": d["reason"], "since": d["since"],
+                    "retry_after_s": DRAIN_RETRY_AFTER_S})
+
+    def _read_drain(self) -> dict | None:
+        """Blocking: the drain the state dir holds, None if the host is not
+        drained. A file that cannot be read still drains it: the operator
+        asked for that, and an undrain removes the file."""
+        try:
+            text = self._drain_path.read_text()
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            log.error("cannot read %s: %s; the host stays drained until `dsec undrain`", self._drain_path, err)
+            return {"reason": f"{DRAIN_FILE} unreadable: {err.strerror}", "since": time.time()}
+        try:
+            d = json.loads(text)
+            return {"reason": str(d.get("reason") or ""), "since": float(d["since"])}
+        except (ValueError, TypeError, KeyError, AttributeError) as err:
+            log.error("unreadable %s: %s; the host stays drained until `dsec undrain`", self._drain_path, err)
+            return {"reason": f"{DRAIN_FILE} unreadable", "since": time.time()}
+
+    def _write_drain(self, d: dict | None) -> None:
+        """Blocking: record the drain (None: remove it), atomically."""
+        if d is None:
+            try:
+                os.unlink(self._drain_path)
+            except FileNotFoundError:
+                pass
+            return
+        tmp = self._drain_path.with_name(f".{DRAIN_FILE}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(d, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._drain_path)
+
+    async def drain(self, req, ctx) -> dict:
+        """Refuse new creates and pool refills until undrain; saved first, so
+        that a drain the daemon answered holds across a restart. Draining a
+        drained host keeps its `since` and takes the new reason, if any."""
+        d = {"reason": req.reason or (self.drained or {}).get("reason") or "",
+             "since": self.drained["since"] if self.drained else time.time()}
+        try:
+            await self.workers.run(self._write_drain, d)
+        except OSError as err:
+            raise io_error("write", str(self._drain_path), err) from err
+        first = self.drained is None
+        self.drained = d
+        log.info("host drained: creates refused until `dsec undrain`" + (f" ({d['reason']})" if d["reason"] else ""),
+                 extra={"fields": {"event": "drained", "reason": d["reason"], "first": first}})
+        return self.drain_info()
+
+    async def undrain(self, req, ctx) -> dict:
+        try:
+            await self.workers.run(self._write_drain, None)
+        except OSError as err:
+            raise io_error("remove", str(self._drain_path), err) from err
+        if self.drained is not None:
+            log.info("host undrained: creates taken again", extra={"fields": {"event": "undrained"}})
+        self.drained = None
+        return self.drain_info()
 
     # ------------------------------------------------------------ warm pools
 
@@ -568,6 +667,11 @@ class CreateService:
         while True:
             await asyncio.sleep(interval)
             budget = min(budget + self.pool_cfg["refill_per_s"] * interval, self.pool_cfg["refill_per_s"])
+            if self.drained is not None:     # a drained host makes no sandboxes, spares neither
+                for pool in self.pools.values():
+                    if pool.target(self.pool_cfg["demand_window_s"]) > len(pool.ready) + pool.creating:
+                        pool.error, pool.error_is_busy = self._drained_error().message, True
+                continue
             for pool in list(self.pools.values()):
                 self._prune(pool)
                 if pool.retry_at > time.monotonic():       # failing: not 20 failed creates a second
@@ -608,6 +712,7 @@ class CreateService:
         image_changes = pool.image_changes
         try:
             async with self.admission.slot(POOL_JOB):
+                self._refuse_if_drained()       # drained while this refill waited for its slot
                 result = await self.create_now(req, None)
         except Busy as err:
             pool.error, pool.error_is_busy = str(err), True   # full: the next round tries again; `pool ls` says why

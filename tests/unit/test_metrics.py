@@ -28,7 +28,8 @@ SNAPSHOT = metrics.Snapshot(
                        "memory": {"requested": 1 << 30, "capacity": 4 << 30}},
          "used": {"sandbox_cores": {"be": 0.5, "ls": 0.25}, "host_cpu_pct": 40.0}},
     admission={"active": 2, "queued": 5, "max_active": 16, "max_queued": 100, "admitted": 40,
-               "rejected_busy": 3, "pools": {"busybox@1cpu-512M": {"ready": 2, "creating": 1, "taken": 9}}},
+               "rejected_busy": 3, "pools": {"busybox@1cpu-512M": {"ready": 2, "creating": 1, "taken": 9}},
+               "drain": {"drained": True, "reason": "kernel update", "since": 1.0}},
     fncall={"zygote_calls": 7, "plain_calls": 2, "busy": 1, "inflight": 0, "zygotes_started": 1,
             "zygotes_replaced": 0},
     memory={"zram": {"on": True, "stats": {"orig_data_size": 1000, "compr_data_size": 300,
@@ -59,6 +60,7 @@ def test_the_figures_services_keep_become_series(monkeypatch):
     assert _value(text, "dsecd_committed_memory_bytes") == 1 << 30
     assert _value(text, "dsecd_create_queue", what="queued") == 5
     assert _value(text, "dsecd_admission_rejected_total") == 3
+    assert _value(text, "dsecd_drained") == 1
     assert _value(text, "dsecd_pool_taken_total", pool="busybox@1cpu-512M") == 9
     assert _value(text, "dsecd_calls_total", path="zygote") == 7
     assert _value(text, "dsecd_zram_bytes", what="orig") == 1000

@@ -39,6 +39,7 @@ def test_ready_sandboxes_of_an_image_that_changed_go(tmp_path):
     async def run():
         svc = object.__new__(CreateService)
         svc._pools_path = pools
+        svc._drain_path = pools.with_name("drain.json")
         svc.pools = {}
         svc.registry = SimpleNamespace(by_id={s.id: s for s in sbs}, keys={})
         async def run_now(fn, *args):
@@ -101,6 +102,7 @@ def test_pools_that_cannot_be_saved_under_new_names_do_not_stop_the_start(tmp_pa
     async def run():
         svc = object.__new__(CreateService)
         svc._pools_path = pools
+        svc._drain_path = pools.with_name("drain.json")
         svc.pools = {}
         svc.registry = SimpleNamespace(by_id={}, keys={})
 
