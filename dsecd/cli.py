@@ -212,8 +212,13 @@ def _print_cpu_info(cpu: dict) -> None:
     c, m = adm["cpu"], adm["memory"]
     print(f"cpu: {cpu['cpus']} cores, default qos {cpu['default_qos']}, LS weight x{cpu['ls_weight_factor']:g}, "
           f"cpu.idle {'yes' if cpu['cpu_idle'] else 'no'}, core scheduling {cpu['core_sched']}")
-    print(f"  admission   {adm['state']}" + (f" (full on {adm['full_on']}: a sandbox of the default size no "
-                                            "longer fits; smaller ones may)" if adm["full_on"] else ""))
+    if adm["full_on"] == "sandboxes":
+        n = adm["sandboxes"]
+        print(f"  admission   full (full on sandboxes: {n['live']} live and {n['queued']} queued of "
+              f"limits.max_sandboxes {n['max']}; no create is admitted)")
+    else:
+        print(f"  admission   {adm['state']}" + (f" (full on {adm['full_on']}: a sandbox of the default size no "
+                                                "longer fits; smaller ones may)" if adm["full_on"] else ""))
     print(f"  cpu         requested {c['requested']:g} of capacity "
           + (f"{c['capacity']:g} ({c['cpus']} x {c['ratio']:g})" if c["capacity"] is not None else "unchecked"))
     print(f"  memory      requested {_human_bytes(m['requested'])} of capacity "

@@ -165,8 +165,7 @@ class Snapshot:
         for sb in node.registry.by_id.values():
             key = (sb.state, sb.qos or "")
             snap.states[key] = snap.states.get(key, 0) + 1
-        snap.cpu = node.cpu.info(node.registry.requested(), node.sb_defaults["cpu"],
-                                 node.default_memory)
+        snap.cpu = node.cpu_info()
         snap.admission = node.create_service.info()
         snap.fncall = node.call_service.info()
         snap.balloon = node.vm_balloon.info()
@@ -276,7 +275,8 @@ class NodeCollector:
                 cap.add_metric([], a["capacity"] * scale)
                 yield cap
         full = _gauge("dsecd_admission_open", "1 while a sandbox of the [sandbox] default size fits the "
-                      "admission capacity, 0 when it no longer does (smaller ones may still be admitted)")
+                      "admission capacity and the host holds fewer than limits.max_sandboxes, 0 when not "
+                      "(smaller ones may still be admitted when only CPU or memory is short)")
         full.add_metric([], 1 if adm.get("state") == "open" else 0)
         yield full
         used = cpu.get("used") or {}

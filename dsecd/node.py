@@ -340,7 +340,7 @@ class Node:
         out = {"version": __version__, "protocol": protocol.PROTOCOL_VERSION, "pid": os.getpid(),
                "uptime_s": round(time.time() - self.started, 3), **self.features.to_dict(),
                "limits": self.wire_limits(), "sandboxes": states,
-               "cpu": self.cpu.info(self.registry.requested(), self.sb_defaults["cpu"], self.default_memory),
+               "cpu": self.cpu_info(),
                "images": images,
                "net": self.net_service.net_info(),
                "memory": memory,
@@ -358,6 +358,13 @@ class Node:
         if unread:
             out["unread"] = unread
         return out
+
+    def cpu_info(self) -> dict:
+        """CPU figures and the admission state (info's `cpu`, the metrics'),
+        counting every limit a create meets: CPU, memory and the number of
+        sandboxes (the live ones and the creates queued, as a create counts them)."""
+        return self.cpu.info(self.registry.requested(), self.sb_defaults["cpu"], self.default_memory,
+                             self.limits["max_sandboxes"], self.create_service.admission.queued)
 
     def status_line(self, connections: int) -> str:
         """One line for systemd's STATUS= (`systemctl status dsecd`)."""

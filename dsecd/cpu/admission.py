@@ -83,11 +83,20 @@ def never_fits(cap: Capacity, cpu: float, memory: int, ls: bool = False) -> dict
     return None
 
 
-def state(cap: Capacity, req: Requested, probe_cpu: float, probe_memory: int) -> dict:
+def state(cap: Capacity, req: Requested, probe_cpu: float, probe_memory: int, max_sandboxes: int | None = None,
+          queued: int = 0) -> dict:
     """The admission figures for `dsec info`: "open" while a sandbox of the
-    default size still fits, else "full" and which resource is exhausted."""
-    why = refusal(cap, req, probe_cpu, probe_memory)
+    default size still fits, else "full" and which resource is exhausted:
+    "sandboxes" when the live sandboxes and the creates queued for a slot
+    reach `max_sandboxes` (limits.max_sandboxes: a create is then refused as
+    the host is full, whatever CPU and memory are left), else "cpu" or
+    "memory"."""
+    if max_sandboxes is not None and req.sandboxes + queued >= max_sandboxes:
+        why = {"resource": "sandboxes"}
+    else:
+        why = refusal(cap, req, probe_cpu, probe_memory)
     return {"state": "full" if why else "open", "full_on": why["resource"] if why else None,
+            "sandboxes": {"live": req.sandboxes, "queued": queued, "max": max_sandboxes},
             "cpu": {"requested": round(req.cpu, 3), "capacity": cap.cpu, "ratio": cap.cpu_ratio,
                     "cpus": cap.cpus},
             "memory": {"requested": req.memory, "capacity": cap.memory, "ratio": cap.mem_ratio,

@@ -387,7 +387,7 @@ def test_a_source_that_does_not_answer_costs_the_scrape_only_its_own_series(monk
     workers = Workers(4)
     node = SimpleNamespace(
         registry=SimpleNamespace(by_id={}, requested=lambda: {}), sb_defaults={"cpu": 1.0}, default_memory=1,
-        cpu=SimpleNamespace(info=lambda *a: {}), create_service=SimpleNamespace(info=dict),
+        cpu_info=dict, create_service=SimpleNamespace(info=dict),
         call_service=SimpleNamespace(info=dict), vm_balloon=SimpleNamespace(info=dict),
         memory=SimpleNamespace(info=stuck_memory_info), image_service=SimpleNamespace(info=dict),
         net_service=SimpleNamespace(drop_totals=drop_totals), denials=SimpleNamespace(info=dict), workers=workers)

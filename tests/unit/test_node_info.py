@@ -32,7 +32,7 @@ def test_info_answers_without_a_source_that_does_not_and_says_which(monkeypatch)
                                                   "metrics": {"listen": ""}}[name],
                             state_dir="/state", path=None),
         sb_defaults={"cgroup_root": "dsecd", "cpu": 1.0}, default_memory=1, started=0.0,
-        features=SimpleNamespace(to_dict=dict), wire_limits=dict, cpu=SimpleNamespace(info=lambda *a: {}),
+        features=SimpleNamespace(to_dict=dict), wire_limits=dict, cpu_info=dict,
         workers=workers, image_service=SimpleNamespace(info=stuck_images_info),
         memory=SimpleNamespace(info=lambda: {"zram": {"on": False}}),
         net_service=SimpleNamespace(net_info=dict), call_service=SimpleNamespace(info=dict),
