@@ -197,7 +197,8 @@ class ImageService:
             mountpoint=str(state / "pager"), chunk_size=cfg.size("pager", "chunk_size"),
             cache_max_bytes=cfg.size("pager", "cache_max_bytes"), readahead_chunks=p["readahead_chunks"],
             bandwidth_bps=cfg.size("pager", "bandwidth_bps"), latency_us=p["latency_us"],
-            direct_io=p["direct_io"], log_path=str(state / "pager.log"), cgroup_procs=procs))
+            direct_io=p["direct_io"], log_path=str(state / "pager.log"),
+            log_max_bytes=cfg.size("pager", "log_max_bytes"), cgroup_procs=procs))
 
     # Layer sources: the file a layer is mounted from, per images.mode. Each
     # one is where that mode checks the layer against its digest (images.verify;
@@ -327,6 +328,11 @@ class ImageService:
                     await self.workers.run(self.layers.sweep)
                 except Exception:
                     log.exception("layer sweep failed")
+                if self.pager is not None:      # its log, which it writes for as long as it lives
+                    try:
+                        await self.workers.run(self.pager.rotate_log)
+                    except OSError as err:
+                        log.warning("rotate the pager's log: %s", err)
 
         self._sweep_task = self.workers.loop.create_task(sweep())
 

@@ -29,6 +29,7 @@ import math
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import threading
@@ -77,6 +78,7 @@ class PagerConfig:
     direct_io: bool = True          # no page cache on the FUSE files: the EROFS mount
                                     # above caches (else the host holds pages twice)
     log_path: str | None = None     # the pager's stderr (appended); None = the daemon's
+    log_max_bytes: int = 0          # past it the log is rotated (rotate_log); 0 = never
     cgroup_procs: str | None = None  # cgroup.procs the pager is moved to once spawned (a
                                      # group outside the daemon's, so that it outlives it)
     start_timeout_s: float = 10.0
@@ -98,7 +100,7 @@ class PagerConfig:
         cs = self.chunk_size
         if cs < 4096 or cs > 1 << 30 or cs & (cs - 1):
             raise ValueError(f"chunk_size must be a power of two in [4096, 1 GiB]: {cs}")
-        for name in ("cache_max_bytes", "readahead_threads", "bandwidth_bps", "latency_us"):
+        for name in ("cache_max_bytes", "readahead_threads", "bandwidth_bps", "latency_us", "log_max_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if not 0 <= self.readahead_chunks <= 1024:
@@ -253,11 +255,45 @@ class Pager:
             raise PagerError(err.errno, f"read pager stats `{self.config.mountpoint}/.stats`: "
                                         f"{os.strerror(err.errno or errno.EIO)}") from err
 
+    # ---------------------------------------------------------- its log
+
+    def rotate_log(self) -> bool:
+        """Blocking: once the log is past `log_max_bytes`, copy it to
+        `<log>.1` (replacing the one before) and truncate it, so that it and
+        its copy together hold at most about twice that. The pager lives
+        for days, across daemon restarts, with the log as its stderr: it
+        cannot be renamed from under it, but it is open O_APPEND, so after
+        the truncation its next line goes at the start of the empty file.
+        A line written between the copy and the truncation is lost. When
+        the copy cannot be written (the disk full) the log is truncated all
+        the same: it must not be what fills the disk. Whether it rotated."""
+        path, cap = self.config.log_path, self.config.log_max_bytes
+        if not path or not cap:
+            return False
+        try:
+            if os.stat(path).st_size <= cap:
+                return False
+        except FileNotFoundError:
+            return False
+        old = path + ".1"
+        tmp = path + ".1.tmp"
+        try:
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, old)
+        except OSError as err:
+            log.warning("pager log %s: cannot keep a copy in %s (%s); truncating it without one",
+                        path, old, err.strerror or err)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        os.truncate(path, 0)
+        return True
+
     # ---------------------------------------------------------- start / stop
 
     def start(self) -> None:
         """Adopt a live pager on the mountpoint or start one; return once mounted."""
         cfg = self.config
+        self.rotate_log()
         if self._try_adopt():
             return
         # Before touching the mountpoint: stat(2) on a dead FUSE mount is ENOTCONN.

@@ -144,3 +144,35 @@ def test_a_recorded_pid_that_is_not_the_pager_answering_is_not_adopted(tmp_path,
         p.start()                 # not adopted: it tries to spawn one
     assert "not built" in str(exc.value)
     assert p.pid is None and p.blob_path(HEX) == f"{tmp_path}/m/{HEX}"
+
+
+def test_the_pagers_log_is_rotated_past_its_cap_and_its_writer_goes_on_at_the_start(tmp_path):
+    """The pager writes its log for days through an O_APPEND fd it got at
+    start: past log_max_bytes the log is copied to <log>.1 and emptied, and
+    the writer's next line lands at the start of the empty file."""
+    path = tmp_path / "pager.log"
+    p = pg.Pager(cfg(log_path=str(path), log_max_bytes=100), binary="/nonexistent")
+    with open(path, "ab", buffering=0) as writer:          # as Pager.start opens the pager's stderr
+        writer.write(b"a" * 100)
+        assert p.rotate_log() is False and path.stat().st_size == 100      # at the cap, not past it
+        writer.write(b"b\n")
+        assert p.rotate_log() is True
+        assert (tmp_path / "pager.log.1").read_bytes() == b"a" * 100 + b"b\n" and path.stat().st_size == 0
+        writer.write(b"next\n")
+    assert path.read_bytes() == b"next\n"
+
+
+def test_the_pagers_log_is_emptied_even_when_its_copy_cannot_be_written(tmp_path):
+    path = tmp_path / "pager.log"
+    path.write_bytes(b"x" * 200)
+    (tmp_path / "pager.log.1.tmp").mkdir()                  # the copy cannot be written there
+    p = pg.Pager(cfg(log_path=str(path), log_max_bytes=100), binary="/nonexistent")
+    assert p.rotate_log() is True and path.stat().st_size == 0
+
+
+def test_the_pagers_log_is_capped_by_default():
+    from dsecd.config import load_config
+
+    c = load_config()
+    assert c.size("pager", "log_max_bytes") > 0
+    assert pg.Pager(cfg(log_path="/l", log_max_bytes=0), binary="/x").rotate_log() is False

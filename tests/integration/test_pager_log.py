@@ -1,0 +1,25 @@
+"""The lazy pager's log (<state_dir>/pager.log) is rotated by the daemon
+while the pager runs on: it is the pager's stderr for as long as it lives."""
+
+from __future__ import annotations
+
+import time
+
+
+def test_the_daemon_rotates_the_pagers_log_past_its_cap(daemon_factory):
+    d = daemon_factory('[images]\nmode = "lazy"\nlayer_grace_s = 2.0\n[pager]\nlog_max_bytes = 1000\n')
+    c = d.client()
+    try:
+        pid = c.info()["images"]["pager"]["pid"]
+        log, old = d.state / "pager.log", d.state / "pager.log.1"
+        with open(log, "ab") as f:          # lines as the pager writes them, past the cap
+            f.write(b"dsec-pager: read store blob 00: Input/output error\n" * 40)
+        # A hang guard, not a measure: the daemon checks every layer_grace_s / 2.
+        deadline = time.monotonic() + 30
+        while not old.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert old.read_bytes().count(b"Input/output error") == 40
+        assert log.stat().st_size < 1000
+        assert c.info()["images"]["pager"]["pid"] == pid        # the same pager writes on
+    finally:
+        c.close()
