@@ -103,6 +103,10 @@ ABSOLUTE_PATHS = ("daemon.socket", "daemon.state_dir", "images.store", "images.a
 # String keys that take a number too: sizes ("512M" or bytes) and durations ("90s" or seconds).
 _NUMBER_OR_STRING = {"sandbox.default_ttl"}
 
+# Size keys that also take "auto", a size worked out on the host where it is
+# used (pager.cache_max_bytes: dsecd.fs.pager.cache_cap).
+SIZE_OR_AUTO = {"pager.cache_max_bytes"}
+
 
 def _check_value(name: str, default, value) -> None:
     """`value` for the key `name` has the kind of its default (a whole number,
@@ -111,6 +115,10 @@ def _check_value(name: str, default, value) -> None:
     def fail(want: str):
         raise ConfigError(f"config key {name!r} must be {want}, got {value!r}")
 
+    if name in SIZE_OR_AUTO:
+        if value == "auto":
+            return
+        default = "0"               # else checked as any size is
     if isinstance(default, bool):
         if not isinstance(value, bool):
             fail("true or false")
@@ -132,7 +140,8 @@ def _check_value(name: str, default, value) -> None:
             # Parsed where it is used, maybe only at the first call or create:
             # a bad one must stop the start, not fail that request.
             if not _SIZE.match(value):
-                fail("a size (bytes, or a number with K, M, G or T)")
+                fail("a size (bytes, or a number with K, M, G or T)"
+                     + (' or "auto"' if name in SIZE_OR_AUTO else ""))
             if name in POSITIVE and parse_size(value) == 0:
                 fail("above zero")
     elif isinstance(default, list):

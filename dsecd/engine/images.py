@@ -28,7 +28,7 @@ from ..fs.clientpaths import ClientPathError, ClientPaths
 from ..fs.httpstop import Stop
 from ..fs.images import Image, ImageError, ImageStore
 from ..fs.layers import LayerMounts
-from ..fs.pager import Pager, PagerConfig
+from ..fs.pager import Pager, PagerConfig, cache_cap
 from ..fs.pull import Puller, PullSettings, host_os_arch
 from ..fs.registry import RegistryConfig
 from ..fs.store import INDEX_BLOCK, StoreError, check_index, unreachable_hint
@@ -195,7 +195,8 @@ class ImageService:
         return Pager(PagerConfig(
             store_dir=str(self.images.store.blobs), cache_dir=str(state / "pager-cache"),
             mountpoint=str(state / "pager"), chunk_size=cfg.size("pager", "chunk_size"),
-            cache_max_bytes=cfg.size("pager", "cache_max_bytes"), readahead_chunks=p["readahead_chunks"],
+            cache_max_bytes=cache_cap(p["cache_max_bytes"], str(state / "pager-cache")),
+            readahead_chunks=p["readahead_chunks"],
             bandwidth_bps=cfg.size("pager", "bandwidth_bps"), latency_us=p["latency_us"],
             direct_io=p["direct_io"], log_path=str(state / "pager.log"),
             log_max_bytes=cfg.size("pager", "log_max_bytes"), cgroup_procs=procs))

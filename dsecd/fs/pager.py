@@ -63,6 +63,28 @@ def blob_hex(digest: str) -> str:
     return hexpart
 
 
+# pager.cache_max_bytes = "auto": the cache may fill this share of the file
+# system it is on. The state dir's file system holds the journal too (a
+# write that fails there fails creates), and by default the image store:
+# an uncapped cache of a big image set filled it.
+CACHE_AUTO_SHARE = 0.25
+
+
+def cache_cap(value: int | str, cache_dir: str) -> int:
+    """pager.cache_max_bytes in bytes (0: no cap): "auto" is CACHE_AUTO_SHARE
+    of the size of the file system that holds `cache_dir` (or, before it is
+    made, its nearest existing parent), else the size given."""
+    from ..config import parse_size
+
+    if value != "auto":
+        return parse_size(value)
+    where = Path(cache_dir)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    st = os.statvfs(where)
+    return max(1, int(st.f_blocks * st.f_frsize * CACHE_AUTO_SHARE))
+
+
 @dataclass(frozen=True)
 class PagerConfig:
     store_dir: str          # the blobs, one file per digest: <store_dir>/<hex>

@@ -23,3 +23,19 @@ def test_the_daemon_rotates_the_pagers_log_past_its_cap(daemon_factory):
         assert c.info()["images"]["pager"]["pid"] == pid        # the same pager writes on
     finally:
         c.close()
+
+
+def test_the_pagers_cache_is_capped_by_default(daemon_factory):
+    """pager.cache_max_bytes = "auto" (the default): a quarter of the state
+    dir's file system, which the pager is started with and reports."""
+    import os
+
+    from dsecd.fs.pager import CACHE_AUTO_SHARE
+
+    d = daemon_factory('[images]\nmode = "lazy"\n')
+    c = d.client()
+    try:
+        st = os.statvfs(d.state)
+        assert c.info()["images"]["pager"]["cache_max"] == int(st.f_blocks * st.f_frsize * CACHE_AUTO_SHARE)
+    finally:
+        c.close()

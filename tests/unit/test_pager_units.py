@@ -176,3 +176,21 @@ def test_the_pagers_log_is_capped_by_default():
     c = load_config()
     assert c.size("pager", "log_max_bytes") > 0
     assert pg.Pager(cfg(log_path="/l", log_max_bytes=0), binary="/x").rotate_log() is False
+
+
+def test_the_pagers_cache_is_capped_by_default_at_a_share_of_its_file_system(tmp_path):
+    from dsecd.config import ConfigError, load_config
+
+    default = load_config().section("pager")["cache_max_bytes"]
+    st = os.statvfs(tmp_path)
+    # The cache dir is made at the pager's start: its parent's file system until then.
+    cap = pg.cache_cap(default, str(tmp_path / "state" / "pager-cache"))
+    assert cap == int(st.f_blocks * st.f_frsize * pg.CACHE_AUTO_SHARE) and cap > 0
+    assert pg.cache_cap("10G", "/nonexistent") == 10 << 30 and pg.cache_cap(0, "/x") == 0
+    f = tmp_path / "c.toml"
+    for text in ('"auto"', '"20G"', "0"):
+        f.write_text(f"[pager]\ncache_max_bytes = {text}\n")
+        load_config(str(f))
+    f.write_text('[pager]\ncache_max_bytes = "lots"\n')
+    with pytest.raises(ConfigError, match="pager.cache_max_bytes' must be a size .* or \"auto\""):
+        load_config(str(f))
