@@ -212,7 +212,9 @@ def _print_cpu_info(cpu: dict) -> None:
     c, m = adm["cpu"], adm["memory"]
     print(f"cpu: {cpu['cpus']} cores, default qos {cpu['default_qos']}, LS weight x{cpu['ls_weight_factor']:g}, "
           f"cpu.idle {'yes' if cpu['cpu_idle'] else 'no'}, core scheduling {cpu['core_sched']}")
-    if adm["full_on"] == "sandboxes":
+    if adm["full_on"] == "drain":
+        print("  admission   full (full on drain: the host is drained; no create is admitted)")
+    elif adm["full_on"] == "sandboxes":
         n = adm["sandboxes"]
         print(f"  admission   full (full on sandboxes: {n['live']} live and {n['queued']} queued of "
               f"limits.max_sandboxes {n['max']}; no create is admitted)")

@@ -275,8 +275,8 @@ class NodeCollector:
                 cap.add_metric([], a["capacity"] * scale)
                 yield cap
         full = _gauge("dsecd_admission_open", "1 while a sandbox of the [sandbox] default size fits the "
-                      "admission capacity and the host holds fewer than limits.max_sandboxes, 0 when not "
-                      "(smaller ones may still be admitted when only CPU or memory is short)")
+                      "admission capacity, the host holds fewer than limits.max_sandboxes and is not drained, 0 "
+                      "when not (smaller ones may still be admitted when only CPU or memory is short)")
         full.add_metric([], 1 if adm.get("state") == "open" else 0)
         yield full
         used = cpu.get("used") or {}

@@ -361,10 +361,11 @@ class Node:
 
     def cpu_info(self) -> dict:
         """CPU figures and the admission state (info's `cpu`, the metrics'),
-        counting every limit a create meets: CPU, memory and the number of
-        sandboxes (the live ones and the creates queued, as a create counts them)."""
+        counting everything a create meets: a drain, CPU, memory and the number
+        of sandboxes (the live ones and the creates queued, as a create counts them)."""
         return self.cpu.info(self.registry.requested(), self.sb_defaults["cpu"], self.default_memory,
-                             self.limits["max_sandboxes"], self.create_service.admission.queued)
+                             self.limits["max_sandboxes"], self.create_service.admission.queued,
+                             self.create_service.drained is not None)
 
     def status_line(self, connections: int) -> str:
         """One line for systemd's STATUS= (`systemctl status dsecd`)."""

@@ -84,14 +84,16 @@ def never_fits(cap: Capacity, cpu: float, memory: int, ls: bool = False) -> dict
 
 
 def state(cap: Capacity, req: Requested, probe_cpu: float, probe_memory: int, max_sandboxes: int | None = None,
-          queued: int = 0) -> dict:
+          queued: int = 0, drained: bool = False) -> dict:
     """The admission figures for `dsec info`: "open" while a sandbox of the
-    default size still fits, else "full" and which resource is exhausted:
-    "sandboxes" when the live sandboxes and the creates queued for a slot
-    reach `max_sandboxes` (limits.max_sandboxes: a create is then refused as
-    the host is full, whatever CPU and memory are left), else "cpu" or
-    "memory"."""
-    if max_sandboxes is not None and req.sandboxes + queued >= max_sandboxes:
+    default size still fits, else "full" and why: "drain" while the host is
+    drained (`dsec drain`: it admits no create at all), "sandboxes" when the
+    live sandboxes and the creates queued for a slot reach `max_sandboxes`
+    (limits.max_sandboxes: a create is then refused as the host is full,
+    whatever CPU and memory are left), else "cpu" or "memory"."""
+    if drained:
+        why = {"resource": "drain"}
+    elif max_sandboxes is not None and req.sandboxes + queued >= max_sandboxes:
         why = {"resource": "sandboxes"}
     else:
         why = refusal(cap, req, probe_cpu, probe_memory)

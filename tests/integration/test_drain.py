@@ -49,6 +49,8 @@ def test_a_drained_host_refuses_creates_keeps_its_sandboxes_and_survives_a_resta
         assert pool["ready"] == 0 and "host is drained" in (pool["error"] or ""), pool
         info = json.loads(d.cli("info", "--json").stdout)
         assert info["drain"]["drained"] is True and info["drain"]["reason"] == "kernel update", info["drain"]
+        # Admission says no create is admitted (dsecd_admission_open 0, from the same figures).
+        assert (info["cpu"]["admission"]["state"], info["cpu"]["admission"]["full_on"]) == ("full", "drain")
         assert b"drain: DRAINED since" in d.cli("info").stdout
         c.close()
 
@@ -63,6 +65,7 @@ def test_a_drained_host_refuses_creates_keeps_its_sandboxes_and_survives_a_resta
         r = d.cli("undrain", "--json")
         assert r.returncode == 0 and json.loads(r.stdout)["drained"] is False, r
         assert c.info()["drain"] == {"drained": False, "reason": None, "since": None}
+        assert c.info()["cpu"]["admission"]["state"] == "open"
         assert b"drain: no" in d.cli("info").stdout
         assert c.create(image="busybox", memory="64M").exec(["true"]).exit_code == 0
         assert _wait_pool(c, name, lambda p: p["ready"] >= 1)["ready"] == 1
