@@ -20,10 +20,11 @@ image's config under the create's: `process_settings`, for a fresh sandbox
 and a pooled one alike. A create runs no command: the image's Entrypoint
 and Cmd are what `dsec run` (the SDK's Client.run) starts in an exec.
 
-A **drained** host (`drain`, `dsec drain`) refuses every create that would
+A **drained** host (`drain`, `dsec drain`) refuses every `create` that would
 make a sandbox, pooled or not, with `busy` naming the drain, and refills no
 pool, until `undrain`; a keyed create whose sandbox exists still gets it,
-and the sandboxes already there run on. The drain is kept in
+and the sandboxes already there run on. A Dockerfile build's steps
+(`create_of`) are not refused: their sandboxes go with the build. The drain is kept in
 `<state_dir>/drain.json`, so it holds across restarts.
 
 Pools (`pool_set`, `pool_ls`) are kept in `<state_dir>/pools.json`; their
