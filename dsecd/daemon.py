@@ -88,13 +88,28 @@ def check_services(cfg) -> None:
     the start before anything is touched, and `--check-config` finds it.
     What only the host can say (kernel features, the image store's
     directory, cgroup controllers) is left to the start."""
+    from . import userns
+    from .config import parse_duration
+    from .cpu import qos
     from .engine.builds import BuildLimits
     from .engine.network import _check_config as check_net
     from .engine.vmballoon import settings_from
+    from .errors import BadRequest
     from .fs.registry import RegistryConfig
     from .mem import damon, pause, swapfile, zram
 
     check_net(cfg.section("net"))
+    sb = cfg.section("sandbox")
+    try:
+        qos.check_config(cfg.section("cpu"))
+        if sb["userns"]:
+            userns.RangeAllocator(int(sb["userns_base"]), int(sb["userns_size"]))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    try:
+        parse_duration(sb["default_ttl"] or None, "sandbox.default_ttl")
+    except BadRequest as err:
+        raise ConfigError(err.message) from None
     BuildLimits.from_config(cfg)
     settings_from(cfg)
     mem = cfg.section("memory")
@@ -106,7 +121,7 @@ def check_services(cfg) -> None:
         RegistryConfig.from_section(cfg.section("images"))
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    exec_via = cfg.section("sandbox")["exec_via"]
+    exec_via = sb["exec_via"]
     if exec_via not in ("init", "helper"):
         raise ConfigError(f"sandbox.exec_via must be init or helper, got {exec_via!r}")
 

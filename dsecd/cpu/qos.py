@@ -65,17 +65,22 @@ def has_cpu_idle(layout: cgroup.Layout) -> bool:
         return False
 
 
+def check_config(cfg: dict) -> None:
+    """QosError for a [cpu] QoS setting out of its range."""
+    if cfg["default_qos"] not in CLASSES:
+        raise QosError(f"cpu.default_qos must be one of {CLASSES}, got {cfg['default_qos']!r}")
+    if cfg["core_sched"] not in ("auto", "off"):
+        raise QosError(f"cpu.core_sched must be 'auto' or 'off', got {cfg['core_sched']!r}")
+    if not cfg["ls_weight_factor"] >= 1:
+        raise QosError(f"cpu.ls_weight_factor must be >= 1, got {cfg['ls_weight_factor']}")
+
+
 class Classes:
     """Turns a requested class into a Plan, given config and kernel features."""
 
     def __init__(self, cfg: dict, cpu_idle: bool, core_available: bool, core_detail: str):
+        check_config(cfg)
         self.default = cfg["default_qos"]
-        if self.default not in CLASSES:
-            raise QosError(f"cpu.default_qos must be one of {CLASSES}, got {self.default!r}")
-        if cfg["core_sched"] not in ("auto", "off"):
-            raise QosError(f"cpu.core_sched must be 'auto' or 'off', got {cfg['core_sched']!r}")
-        if not cfg["ls_weight_factor"] >= 1:
-            raise QosError(f"cpu.ls_weight_factor must be >= 1, got {cfg['ls_weight_factor']}")
         self.ls_factor = float(cfg["ls_weight_factor"])
         self.cpu_idle = cpu_idle
         self.core_wanted = cfg["core_sched"] == "auto"

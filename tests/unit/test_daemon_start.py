@@ -186,7 +186,11 @@ def test_check_config_refuses_what_a_service_would_refuse_at_start(tmp_path, cap
     conf = tmp_path / "dsecd.toml"
     for text, key in (('[net]\nipv4_subnet = "10.0.0.0/40"\n', "net.ipv4_subnet"),
                       ("[memory.zram]\npriority = 40000\n", "memory.zram.priority"),
-                      ('[sandbox]\nexec_via = "magic"\n', "sandbox.exec_via")):
+                      ('[sandbox]\nexec_via = "magic"\n', "sandbox.exec_via"),
+                      ('[cpu]\ndefault_qos = "gold"\n', "cpu.default_qos"),
+                      ("[cpu]\nls_weight_factor = 0.5\n", "cpu.ls_weight_factor"),
+                      ('[sandbox]\ndefault_ttl = "forever"\n', "sandbox.default_ttl"),
+                      ("[sandbox]\nuserns_base = 4294967000\n", "sandbox.userns_base")):
         conf.write_text(text)
         status, out, _ = _check([str(conf), "--json"], capsys)
         said = json.loads(out)
