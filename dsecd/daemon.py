@@ -88,13 +88,14 @@ def check_services(cfg) -> None:
     the start before anything is touched, and `--check-config` finds it.
     What only the host can say (kernel features, the image store's
     directory, cgroup controllers) is left to the start."""
-    from . import userns
+    from . import seccomp, userns
     from .config import parse_duration
     from .cpu import qos
     from .engine.builds import BuildLimits
     from .engine.network import _check_config as check_net
     from .engine.vmballoon import settings_from
     from .errors import BadRequest
+    from .fs import upper as upperfs
     from .fs.registry import RegistryConfig
     from .mem import damon, pause, swapfile, zram
 
@@ -124,6 +125,14 @@ def check_services(cfg) -> None:
     exec_via = sb["exec_via"]
     if exec_via not in ("init", "helper"):
         raise ConfigError(f"sandbox.exec_via must be init or helper, got {exec_via!r}")
+    if sb["writable_layer"] not in upperfs.MODES:      # whether this kernel can give "tmpfs": the start's
+        raise ConfigError(f"sandbox.writable_layer must be one of {', '.join(upperfs.MODES)}, "
+                          f"got {sb['writable_layer']!r}")
+    if sb["seccomp"]:
+        try:
+            seccomp.profile_number(sb["seccomp"])
+        except ValueError as err:
+            raise ConfigError(f"sandbox.seccomp: {err}") from None
 
 
 def config_key_named(message: str, raw: dict) -> str | None:

@@ -190,7 +190,9 @@ def test_check_config_refuses_what_a_service_would_refuse_at_start(tmp_path, cap
                       ('[cpu]\ndefault_qos = "gold"\n', "cpu.default_qos"),
                       ("[cpu]\nls_weight_factor = 0.5\n", "cpu.ls_weight_factor"),
                       ('[sandbox]\ndefault_ttl = "forever"\n', "sandbox.default_ttl"),
-                      ("[sandbox]\nuserns_base = 4294967000\n", "sandbox.userns_base")):
+                      ("[sandbox]\nuserns_base = 4294967000\n", "sandbox.userns_base"),
+                      ('[sandbox]\nwritable_layer = "disk"\n', "sandbox.writable_layer"),
+                      ('[sandbox]\nseccomp = "strict"\n', "sandbox.seccomp")):
         conf.write_text(text)
         status, out, _ = _check([str(conf), "--json"], capsys)
         said = json.loads(out)
