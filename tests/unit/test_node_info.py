@@ -54,3 +54,15 @@ def test_info_answers_without_a_source_that_does_not_and_says_which(monkeypatch)
         workers.pool.shutdown(wait=True)
     assert out["memory"] == {"zram": {"on": False}} and out["images"] == {}, out
     assert [u.split(":")[0] for u in out["unread"]] == ["images"], out["unread"]
+
+
+def test_the_status_line_says_a_host_is_drained():
+    """systemd's STATUS= (`systemctl status dsecd`) is where an operator sees
+    a host at a glance: a drained one says so, and how to undo it."""
+    def line(drained):
+        return Node.status_line(SimpleNamespace(
+            registry=SimpleNamespace(by_id={"a": SimpleNamespace(state="running")}),
+            create_service=SimpleNamespace(admission=SimpleNamespace(active=0, queued=2), drained=drained)), 3)
+
+    assert line(None) == "sandboxes: 1 running; creates: 0 running, 2 queued; 3 clients"
+    assert line({"reason": "", "since": 1.0}).endswith("3 clients; DRAINED (dsec undrain takes creates again)")
