@@ -2507,8 +2507,8 @@ Runs a dsec command across the hosts' daemons, reached over ssh:
   create                 placed on one host (free capacity, image, spread of its job); prints its id
   run                    its sandbox placed as create's; the command runs there, the sandbox is removed
   ps, top, info, image ls  every host's, with a HOST column
-  job pause|resume|rm, rm --all, image build|import|pull|rm|gc, pool set
-                         on every host at once
+  job pause|resume|rm, rm --all, image build|import|pull|rm|gc, pool set,
+  drain, undrain         on every host at once
   call                   on the least loaded host
   events                 every host's, merged (each line names its host)
   any command naming sandboxes (exec, cp, ls, cat, logs, pause, rm SB, ...)

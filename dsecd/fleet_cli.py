@@ -2,7 +2,8 @@
 
 The command line is parsed as dsec's own (cli.parse_args); here it runs
 through a dsecd.Fleet instead of one Client. Commands about the whole fleet
-(create, ps, top, info, job, rm --all, events, call, run, image, pool) have
+(create, ps, top, info, job, rm --all, events, call, run, image, pool, drain,
+undrain) have
 their own versions below; every other command names sandboxes and runs, as dsec's
 own command does, against the Client of the host that holds them.
 """
@@ -434,6 +435,15 @@ async def fleet_pool(fleet: Fleet, a) -> int:
     return status
 
 
+async def fleet_drain(fleet: Fleet, a) -> int:
+    """drain / undrain every host named: a host left out (down) is said, and
+    the status is 1, as the operator takes the whole fleet for drained."""
+    if a.cmd == "drain":
+        return await _on_every_host(fleet, a, "drain", lambda c: c.drain(a.reason or ""),
+                                    lambda r: "drained" + (f" ({r['reason']})" if r.get("reason") else ""))
+    return await _on_every_host(fleet, a, "undrain", lambda c: c.undrain(), lambda r: "undrained")
+
+
 FLEET_COMMANDS = {"ps": fleet_ps, "top": fleet_top, "info": fleet_info, "create": fleet_create,
                   "job": fleet_job, "rm": fleet_rm_all, "events": fleet_events,
-                  "image": fleet_image, "pool": fleet_pool}
+                  "image": fleet_image, "pool": fleet_pool, "drain": fleet_drain, "undrain": fleet_drain}

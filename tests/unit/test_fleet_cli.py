@@ -636,3 +636,30 @@ def test_fleet_pool_set_says_each_hosts_pool_and_a_removal(removed, capsys):
     out = capsys.readouterr().out
     line = f"busybox@1cpu-512M: min {n} max {n}" + (" (removed)" if removed else "")
     assert out.splitlines() == [f"/nonexistent/h1.sock: pool {line}", f"/nonexistent/h2.sock: pool {line}"], out
+
+
+@pytest.mark.parametrize("verb", ["drain", "undrain"])
+def test_fleet_drain_drains_every_host_not_just_one(verb, capsys):
+    """A command about no sandbox went to the first host up: `dsec fleet
+    drain` drained one host and said nothing of the others."""
+    done = []
+
+    class Host:
+        def __init__(self, target):
+            self.target = target
+
+        async def drain(self, reason=""):
+            done.append(("drain", self.target, reason))
+            return {"drained": True, "reason": reason, "since": 1.0}
+
+        async def undrain(self):
+            done.append(("undrain", self.target, None))
+            return {"drained": False, "reason": None, "since": None}
+
+    words = ["drain", "--reason", "rack move"] if verb == "drain" else ["undrain"]
+    a = cli.parse_args(["fleet", "--hosts", "h1,h2", *words])
+    assert asyncio.run(fleet_cli.FLEET_COMMANDS[verb](_two_up_hosts(Host), a)) == 0
+    reason = "rack move" if verb == "drain" else None
+    assert sorted(done) == [(verb, "/nonexistent/h1.sock", reason), (verb, "/nonexistent/h2.sock", reason)]
+    said = "drained (rack move)" if verb == "drain" else "undrained"
+    assert capsys.readouterr().out.splitlines() == [f"/nonexistent/h1.sock: {said}", f"/nonexistent/h2.sock: {said}"]
