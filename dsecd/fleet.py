@@ -13,7 +13,8 @@ Client, so exec, files, pause and destroy go straight there.
 
 Placement (`create`). Among the hosts that are up, not refusing creates
 (`busy` in the last few seconds), holding the image (image_list) and with
-room for the sandbox, the first by
+room for the sandbox and not drained (`dsec drain`, by its last `info`), the
+first by
 
     (its sandboxes of this job,   only for a create labelled job=...
      its load, in steps of LOAD_STEP,
@@ -238,6 +239,11 @@ class FleetHost:
             return (f"asks for {shape.memory >> 20} MiB of memory, more than this host can ever give a sandbox "
                     f"({mem_max >> 20} MiB)")
         return None
+
+    def drained(self) -> bool:
+        """Whether the host's last `info` says it is drained (op drain): it
+        refuses every create until undrained, so none is sent there."""
+        return bool(((self.info or {}).get("drain") or {}).get("drained"))
 
     def load_after(self, shape: _Shape) -> float | None:
         """The fullest resource's share once `shape` is added; None if it does not fit."""
@@ -581,6 +587,8 @@ class Fleet:
             elif (why := h.never_fits(shape)) is not None:
                 skip[h.target] = why
                 lasting[h.target] = BadRequest.code
+            elif h.drained():
+                skip[h.target] = "drained (dsec drain)"
         candidates = [h for h in candidates if h.target not in skip]
         holding = [h for h in candidates if h.has_image(image) is not False]
         # A host whose image list lacks it may have it after all (the list is

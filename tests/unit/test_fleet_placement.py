@@ -868,3 +868,20 @@ def test_a_call_goes_on_past_a_host_without_the_image_and_says_which_lack_it():
     assert found == {"exit_code": 0}
     assert asked == 2 and str(err).startswith("not_found: call 'busybox': no host of the fleet has the image (")
     assert set(err.detail["hosts"]) == {"/nonexistent/h1.sock", "/nonexistent/h2.sock"}
+
+
+def test_a_drained_host_gets_no_create():
+    """A drained host refuses every create (busy): placement skips it by its
+    info rather than send it each create first, which cost a round trip
+    and, for BUSY_BACKOFF_S only, left it out."""
+    async def go():
+        f = fleet_of(2)
+        a, b = f.hosts.values()
+        a.info = {**info(), "drain": {"drained": True, "reason": "", "since": 1.0}}
+        b.info = {**info(cpu_req=100.0), "drain": {"drained": False, "reason": None, "since": None}}
+        a.client = FakeClient(a.target, ["sb-a"])
+        b.client = FakeClient(b.target, ["sb-b"])
+        sb = await f.create("busybox")
+        return sb.id, a.client.keys
+
+    assert run(go()) == ("sb-b", [])
