@@ -52,6 +52,9 @@ def test_a_drained_host_refuses_creates_keeps_its_sandboxes_and_survives_a_resta
         # Admission says no create is admitted (dsecd_admission_open 0, from the same figures).
         assert (info["cpu"]["admission"]["state"], info["cpu"]["admission"]["full_on"]) == ("full", "drain")
         assert b"drain: DRAINED since" in d.cli("info").stdout
+        # Drained again (the SDK's way): it keeps its start and, given none, its reason.
+        again = c.drain()
+        assert again == {**info["drain"], "drained": True}, (again, info["drain"])
         c.close()
 
         d.stop()
