@@ -31,6 +31,7 @@ import re
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -288,14 +289,19 @@ class Pager:
         the truncation its next line goes at the start of the empty file.
         A line written between the copy and the truncation is lost. When
         the copy cannot be written (the disk full) the log is truncated all
-        the same: it must not be what fills the disk. Whether it rotated."""
+        the same: it must not be what fills the disk. Whether it rotated;
+        a log that cannot be looked at or truncated is logged and left as it
+        is, never an error: the pager starts and serves without it."""
         path, cap = self.config.log_path, self.config.log_max_bytes
         if not path or not cap:
             return False
         try:
-            if os.stat(path).st_size <= cap:
+            if not stat.S_ISREG((st := os.stat(path)).st_mode) or st.st_size <= cap:
                 return False
         except FileNotFoundError:
+            return False
+        except OSError as err:
+            log.warning("pager log %s: %s; not rotated", path, err.strerror or err)
             return False
         old = path + ".1"
         tmp = path + ".1.tmp"
@@ -307,7 +313,11 @@ class Pager:
                         path, old, err.strerror or err)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-        os.truncate(path, 0)
+        try:
+            os.truncate(path, 0)
+        except OSError as err:
+            log.warning("pager log %s: cannot truncate it: %s", path, err.strerror or err)
+            return False
         return True
 
     # ---------------------------------------------------------- start / stop

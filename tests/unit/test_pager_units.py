@@ -194,3 +194,19 @@ def test_the_pagers_cache_is_capped_by_default_at_a_share_of_its_file_system(tmp
     f.write_text('[pager]\ncache_max_bytes = "lots"\n')
     with pytest.raises(ConfigError, match="pager.cache_max_bytes' must be a size .* or \"auto\""):
         load_config(str(f))
+
+
+def test_a_pager_log_that_cannot_be_rotated_is_left_and_says_so(tmp_path, caplog):
+    """Pager.start rotates the log first: a log path that is no regular file
+    (a directory, a FIFO) or cannot be looked at (a symlink loop) is left as
+    it is and logged, never an error that stops the pager's start."""
+    odd = tmp_path / "pager.log"
+    odd.mkdir()
+    assert pg.Pager(cfg(log_path=str(odd), log_max_bytes=1), binary="/x").rotate_log() is False
+    fifo = tmp_path / "fifo.log"
+    os.mkfifo(fifo)
+    assert pg.Pager(cfg(log_path=str(fifo), log_max_bytes=1), binary="/x").rotate_log() is False
+    link = tmp_path / "loop.log"
+    link.symlink_to(link)
+    assert pg.Pager(cfg(log_path=str(link), log_max_bytes=1), binary="/x").rotate_log() is False
+    assert "not rotated" in caplog.text
