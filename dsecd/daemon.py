@@ -49,11 +49,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-level", help="debug, info, warning or error (daemon.log_level)")
     p.add_argument("--print-config", action="store_true", help="print the effective config as JSON and exit")
     p.add_argument("--check-config", nargs="?", const="", default=None, metavar="FILE",
-                   help="check the config (FILE, else --config, else the default file) as a start would and "
-                   "exit: 0 if it would start, 1 saying what is wrong; starts nothing, touches no state")
+                   help="check the config (FILE, else --config, else the default file) as a start does and "
+                   "exit: 0 if a start takes it, 1 saying what is wrong and naming the key; starts nothing, "
+                   "touches no state (what only the host can refuse, such as a kernel feature, is left to "
+                   "the start)")
     p.add_argument("--json", action="store_true", help="with --check-config: the verdict as one JSON object")
     p.add_argument("--version", action="version", version=f"dsecd {__version__}")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.json and args.check_config is None:
+        p.error("--json goes with --check-config")
+    return args
 
 
 def config_path(given: str | None) -> str | None:

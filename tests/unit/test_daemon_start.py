@@ -204,3 +204,9 @@ def test_check_config_refuses_what_a_service_would_refuse_at_start(tmp_path, cap
 def test_check_config_and_config_naming_two_files_is_a_usage_error(tmp_path, capsys):
     status, _, err = _check([str(tmp_path / "a.toml"), "--config", str(tmp_path / "b.toml")], capsys)
     assert status == 2 and "two files" in err
+
+
+def test_json_without_check_config_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as err:
+        daemon.parse_args(["--json"])
+    assert err.value.code == 2 and "--json goes with --check-config" in capsys.readouterr().err
