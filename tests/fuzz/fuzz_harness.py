@@ -149,6 +149,9 @@ class FuzzTarget:
             self._ctl = None
 
     def ensure_target(self) -> None:
+        # A fuzzed `drain` refuses every create after it, the harness's too:
+        # undone here, as a fuzzed pause is below.
+        self.control("undrain")
         live = {s["id"]: s for s in self.control("list")["sandboxes"]}
         if live.get(self.target, {}).get("state") == "paused":   # a fuzzed `pause` or `job_pause`
             self.control("resume", sandbox=self.target)
