@@ -94,6 +94,8 @@ POOL_LABEL = "dsec.pool"
 POOL_JOB = "dsec.pool"
 # In the state dir while the host is drained: {"reason", "since"}.
 DRAIN_FILE = "drain.json"
+# Longest drain reason: it is repeated in every create a drained host refuses.
+DRAIN_REASON_MAX = 256
 # retry_after_s of a create a drained host refuses: a drain lasts as long as
 # the operator's work on the host, and a fleet places the create elsewhere.
 DRAIN_RETRY_AFTER_S = 60.0
@@ -510,6 +512,9 @@ class CreateService:
         """Refuse new creates and pool refills until undrain; saved first, so
         that a drain the daemon answered holds across a restart. Draining a
         drained host keeps its `since` and takes the new reason, if any."""
+        if len(req.reason) > DRAIN_REASON_MAX or not req.reason.isprintable():
+            raise BadRequest(f"reason must be at most {DRAIN_REASON_MAX} printable characters (it is said in "
+                             f"every create the drain refuses), got {len(req.reason)}", {"reason": req.reason[:64]})
         d = {"reason": req.reason or (self.drained or {}).get("reason") or "",
              "since": self.drained["since"] if self.drained else time.time()}
         try:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from dsecd.errors import Busy
+from dsecd.errors import BadRequest, Busy
 
 
 def _pool(c, name: str) -> dict:
@@ -30,6 +30,11 @@ def test_a_drained_host_refuses_creates_keeps_its_sandboxes_and_survives_a_resta
     try:
         c.import_image(busybox_rootfs, "busybox")
         kept = c.create(image="busybox", memory="64M", key="made-before")
+        # A reason is said in every refusal: one line, bounded.
+        for bad in ("x" * 257, "line\nbreak"):
+            with pytest.raises(BadRequest, match="printable"):
+                c.drain(bad)
+        assert c.info()["drain"]["drained"] is False
         r = d.cli("drain", "--reason", "kernel update")
         assert r.returncode == 0 and b"drained since" in r.stdout and b"kernel update" in r.stdout, r
         with pytest.raises(Busy, match="host is drained .*kernel update") as err:
