@@ -79,3 +79,29 @@ def test_a_drained_host_refuses_creates_keeps_its_sandboxes_and_survives_a_resta
         assert _wait_pool(c, name, lambda p: p["ready"] >= 1)["ready"] == 1
     finally:
         c.close()
+
+
+def test_dsec_fleet_drains_each_host_named_and_places_creates_elsewhere(daemon_factory, busybox_rootfs):
+    """Two local daemons as a fleet (socket paths as hosts): `dsec fleet
+    drain` drains each host it names, and fleet creates go to the others."""
+    a, b = daemon_factory(), daemon_factory()
+    for d in (a, b):
+        c = d.client()
+        c.import_image(busybox_rootfs, "busybox")
+        c.close()
+
+    def fleet(hosts, *args):
+        r = a.cli("fleet", "--hosts", ",".join(h.socket for h in hosts), *args)
+        assert r.returncode == 0, (args, r.stderr.decode())
+        return r.stdout.decode()
+
+    assert fleet([a], "drain", "--reason", "disk swap") == f"{a.socket}: drained (disk swap)\n"
+    made = [fleet([a, b], "create", "--image", "busybox", "--memory", "48M").strip() for _ in range(3)]
+    ps = b.cli("ps", "--json")
+    assert sorted(s["id"] for s in json.loads(ps.stdout)) == sorted(made)
+    assert fleet([a, b], "undrain").splitlines() == [f"{a.socket}: undrained", f"{b.socket}: undrained"]
+    ca = a.client()
+    try:
+        assert ca.info()["drain"]["drained"] is False
+    finally:
+        ca.close()
