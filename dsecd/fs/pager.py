@@ -443,6 +443,13 @@ class Pager:
         if stats.chunk_size != self.config.chunk_size:
             log.warning("adopted pager on %s runs with chunk size %d, not %d: restart it to "
                         "change", self.config.mountpoint, stats.chunk_size, self.config.chunk_size)
+        if stats.cache_max != self.config.cache_max_bytes:
+            # Its cap is an argument of its start: a pager an older daemon (or
+            # another config) started keeps its own, uncapped perhaps, for its life.
+            log.warning("adopted pager on %s caps its cache at %s, not %d (pager.cache_max_bytes): "
+                        "the new cap takes effect when the pager is restarted (a daemon stop with no "
+                        "sandbox left stops it)", self.config.mountpoint,
+                        stats.cache_max or "nothing", self.config.cache_max_bytes)
         self._pidfd, self._pid, self._proc = pidfd, stats.pid, None
         self.generation += 1
         log.info("adopted pager pid %d on %s%s", stats.pid, self.config.mountpoint,

@@ -39,3 +39,27 @@ def test_the_pagers_cache_is_capped_by_default(daemon_factory):
         assert c.info()["images"]["pager"]["cache_max"] == int(st.f_blocks * st.f_frsize * CACHE_AUTO_SHARE)
     finally:
         c.close()
+
+
+def test_an_adopted_pager_with_another_cache_cap_is_said(daemon_factory, busybox_rootfs):
+    """The pager outlives a daemon restart while sandboxes use its layers,
+    and keeps the cache cap it was started with: a restart with another
+    pager.cache_max_bytes says the new one waits for the pager's restart."""
+    d = daemon_factory('[images]\nmode = "lazy"\n[pager]\ncache_max_bytes = "0"\n')
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        c.create(image="busybox", memory="48M")
+        pid = c.info()["images"]["pager"]["pid"]
+    finally:
+        c.close()
+    d.stop()
+    d.config.write_text(d.config.read_text().replace('cache_max_bytes = "0"', 'cache_max_bytes = "1G"'))
+    d.start()
+    c = d.client()
+    try:
+        pager = c.info()["images"]["pager"]
+        assert (pager["pid"], pager["cache_max"]) == (pid, 0)
+    finally:
+        c.close()
+    assert "caps its cache at nothing, not 1073741824 (pager.cache_max_bytes)" in d.log.read_text()
