@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -826,10 +827,23 @@ def mount_idmapped(path: str, userns_fd: int) -> int:
     return fd
 
 
+# Per thread: the fs ids fs_ids gave it, (0, 0) outside of one, and the
+# Reader whose ids reader_ids gave it, if any: reader_ids inside fs_ids
+# gives the thread back the fs ids it had (a COPY opens a context file as
+# the client while it writes as the sandbox's root), and reader_ids inside
+# one of the same reader changes nothing.
+_thread_ids = threading.local()
+
+
+def _fs_now() -> tuple[int, int]:
+    return getattr(_thread_ids, "fs", (0, 0))
+
+
 class fs_ids:
     """Context manager: the calling thread's file-system uid/gid become
-    (uid, gid), capabilities kept, and are set back to 0/0 on exit. Files
-    created meanwhile belong to those ids; other threads are not affected."""
+    (uid, gid), capabilities kept, and are set back to what they were
+    (0/0 outside of another fs_ids) on exit. Files created meanwhile belong
+    to those ids; other threads are not affected."""
 
     def __init__(self, uid: int, gid: int):
         _id("uid", uid)
@@ -837,16 +851,19 @@ class fs_ids:
         self.uid, self.gid = uid, gid
 
     def __enter__(self):
+        self._before = _fs_now()
         rc = lib.dsec_fsids_set(self.uid, self.gid)
         if rc < 0:
-            lib.dsec_fsids_set(0, 0)
+            lib.dsec_fsids_set(*self._before)
             raise_error(-rc, "set fs uid/gid to", f"{self.uid}/{self.gid}", "fsids")
+        _thread_ids.fs = (self.uid, self.gid)
         return self
 
     def __exit__(self, *exc):
-        rc = lib.dsec_fsids_set(0, 0)
+        _thread_ids.fs = self._before
+        rc = lib.dsec_fsids_set(*self._before)
         if rc < 0:
-            raise_error(-rc, "set fs uid/gid back to", "0/0", "fsids")
+            raise_error(-rc, "set fs uid/gid back to", "{}/{}".format(*self._before), "fsids")
         return False
 
 
@@ -863,29 +880,44 @@ def kill_uid(uid: int) -> None:
 class reader_ids:
     """Context manager: the calling thread's lookups and opens are checked
     against a client's ids (Reader) instead of root's, with no capability
-    to override them, until exit puts the thread's groups and ids back
-    (csrc/userns.c dsec_reader_ids_set). Other threads are not affected."""
+    to override them, until exit puts the thread's groups and fs ids back
+    (those of an fs_ids it runs in, else root's) (csrc/userns.c
+    dsec_reader_ids_set). Inside a reader_ids of the same reader it
+    changes nothing. Other threads are not affected."""
 
     def __init__(self, reader: Reader):
         self.reader = reader
 
     def __enter__(self):
+        active = getattr(_thread_ids, "reader", None)
+        self._nested = active is not None
+        if self._nested:
+            if active != self.reader:
+                raise ValueError(f"this thread reads as uid {active.uid} already, not as uid {self.reader.uid}")
+            return self
         self._own_groups = os.getgroups()       # the thread's: every daemon thread has the same
         raw, self._keep = self.reader._struct()
         rc = lib.dsec_reader_ids_set(raw)
         if rc < 0:
             self._restore()
             raise_error(-rc, "take the ids of", f"uid {self.reader.uid}", "fsids")
+        _thread_ids.reader = self.reader
         return self
 
     def __exit__(self, *exc):
-        self._restore()
+        if not self._nested:
+            _thread_ids.reader = None
+            self._restore()
         return False
 
     def _restore(self) -> None:
-        # Root's fs ids and capabilities first: setgroups needs CAP_SETGID.
+        # Root's fs ids and capabilities first: setgroups needs CAP_SETGID,
+        # and only they let the thread take other fs ids (those of an fs_ids
+        # it runs in) again.
         groups = ffi.new("uint32_t[]", self._own_groups or [0])
         rc = lib.dsec_fsids_set(0, 0)
+        if rc >= 0 and _fs_now() != (0, 0):
+            rc = lib.dsec_fsids_set(*_fs_now())
         if rc >= 0:
             rc = lib.dsec_thread_groups_set(groups, len(self._own_groups))
         if rc < 0:

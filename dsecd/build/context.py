@@ -18,6 +18,7 @@ Everything here blocks (directory walks, hashing): call it from a worker.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -50,49 +51,78 @@ class Entry:
     target: str = ""     # a symlink's target
 
 
+class ContextRoot:
+    """The build context's top directory, open (by the daemon), and every
+    lookup below it: made as `reader` (the client's ids, no capability)
+    when one is given, as the calling thread otherwise. Symlinks on the way
+    (and `..`) stay inside the top: RESOLVE_IN_ROOT, no magic links."""
+
+    def __init__(self, path: str, reader: native.Reader | None = None):
+        self.path = os.path.realpath(path)
+        self.reader = reader
+        self.fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def __del__(self):
+        fd, self.fd = getattr(self, "fd", -1), -1
+        if fd >= 0:
+            os.close(fd)
+
+    def reading(self):
+        """Lookups and opens of the thread as the reader, for the with block."""
+        return native.reader_ids(self.reader) if self.reader is not None else contextlib.nullcontext()
+
+    def open(self, rel: str, flags: int) -> int:
+        with self.reading():
+            return native.openat2(self.fd, rel, flags, 0, native.RESOLVE_IN_ROOT | native.RESOLVE_NO_MAGICLINKS)
+
+    def lstat(self, rel: str) -> os.stat_result:
+        """The entry `rel` itself (a symlink's own), its directories resolved inside."""
+        if rel == ".":
+            return os.fstat(self.fd)
+        parent, name = posixpath.split(rel)
+        pfd = self.open(parent or ".", os.O_PATH | os.O_DIRECTORY)
+        try:
+            with self.reading():
+                return os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        finally:
+            os.close(pfd)
+
+
 @dataclass(frozen=True)
 class Source:
     """One matched source of a COPY/ADD: its context path and its entries."""
 
     rel: str             # context-relative ("." for the context itself)
     entries: list[Entry]
-    root: str            # the context's root on the daemon's host
+    root: ContextRoot    # the context's top, and who reads below it
 
     @property
     def is_dir(self) -> bool:
         return self.entries[0].kind == "dir"
 
     def open(self, entry: Entry) -> int:
-        """An fd to read `entry` from, looked up inside the context again:
-        its directories' symlinks followed inside it, its last name never.
-        The client may change its context between the plan and the copy
-        (the daemon reads it in place); a directory swapped for a symlink
-        to / meanwhile must lead nowhere but into the context, and a file
-        swapped for a FIFO must not block the copy (O_NONBLOCK, which a
-        regular file's reads ignore; anything else is refused)."""
-        fd = open_inside(self.root, os.path.relpath(entry.path, self.root), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        """An fd to read `entry` from, looked up inside the context again
+        (as the client, for one other than root): its directories' symlinks
+        followed inside it, its last name never. The client may change its
+        context between the plan and the copy (the daemon reads it in
+        place); a directory swapped for a symlink to / meanwhile must lead
+        nowhere but into the context, and a file swapped for a FIFO must
+        not block the copy (O_NONBLOCK, which a regular file's reads ignore;
+        anything else is refused)."""
+        fd = self.root.open(os.path.relpath(entry.path, self.root.path),
+                            os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise OSError(errno.EINVAL, "no longer a regular file", entry.path)
         return fd
 
 
-def open_inside(root: str, rel: str, flags: int) -> int:
-    """openat2 of `rel` from directory `root`, every symlink on the way (and
-    `..`) kept inside it: RESOLVE_IN_ROOT, no magic links."""
-    rootfd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        return native.openat2(rootfd, rel, flags, 0, native.RESOLVE_IN_ROOT | native.RESOLVE_NO_MAGICLINKS)
-    finally:
-        os.close(rootfd)
-
-
-def _read_dockerignore(root: str, shown: str) -> str:
+def _read_dockerignore(root: ContextRoot, shown: str) -> str:
     """The context's .dockerignore ("" when it has none), looked up inside
     it as COPY sources are: a symlink out of the context must not make the
     daemon read a file of the host the client may not read."""
     try:
-        fd = open_inside(root, ".dockerignore", os.O_RDONLY | os.O_CLOEXEC)
+        fd = root.open(".dockerignore", os.O_RDONLY | os.O_CLOEXEC)
     except OSError as err:
         if err.errno in (errno.ENOENT, errno.ENOTDIR):
             return ""
@@ -114,15 +144,19 @@ class DigestCache:
         self.max_entries = max_entries
         self._cache: dict[str, tuple[tuple[int, ...], str]] = {}
 
-    def file_digest(self, path: str, st: os.stat_result) -> str:
+    def file_digest(self, path: str, fd: int) -> str:
+        """The digest of the file open at `fd` (read from its start), kept
+        under `path`."""
+        st = os.fstat(fd)
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         hit = self._cache.get(path)
         if hit is not None and hit[0] == key:
             return hit[1]
         h = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(HASH_CHUNK):
-                h.update(chunk)
+        offset = 0
+        while chunk := os.pread(fd, HASH_CHUNK, offset):
+            h.update(chunk)
+            offset += len(chunk)
         digest = h.hexdigest()
         if len(self._cache) >= self.max_entries:
             self._cache.clear()
@@ -131,21 +165,24 @@ class DigestCache:
 
 
 class BuildContext:
-    def __init__(self, root: str, ignore: IgnoreRules):
-        self.root = os.path.realpath(root)
+    def __init__(self, top: ContextRoot, ignore: IgnoreRules):
+        self.top = top
+        self.root = top.path
         self.ignore = ignore
 
     @classmethod
-    def open(cls, root: str, shown: str | None = None) -> BuildContext:
+    def open(cls, root: str, shown: str | None = None, reader: native.Reader | None = None) -> BuildContext:
         """The context at `root` (an absolute directory) with its .dockerignore.
         `shown`: how messages name it (the client's path, where `root` is
-        where the daemon has it attached)."""
+        where the daemon has it attached). `reader`: the client's ids when
+        it is not root; everything below `root` is read as it."""
         shown = shown or root
         if not os.path.isabs(root):
             raise ContextError(f"the build context must be an absolute path on the daemon's host, got {shown!r}")
         if not os.path.isdir(root):
             raise ContextError(f"the build context {shown} is not a directory on the daemon's host")
-        return cls(root, IgnoreRules.parse(_read_dockerignore(root, shown)))
+        top = ContextRoot(root, reader)
+        return cls(top, IgnoreRules.parse(_read_dockerignore(top, shown)))
 
     # ------------------------------------------------------------ sources
 
@@ -173,8 +210,8 @@ class BuildContext:
         if real is None or real == ".":
             return False
         try:
-            mode = os.stat(self._host(real), follow_symlinks=False).st_mode
-        except FileNotFoundError:
+            mode = self.top.lstat(real).st_mode
+        except (FileNotFoundError, NotADirectoryError):
             return False
         return not (stat.S_ISDIR(mode) or stat.S_ISREG(mode))
 
@@ -236,11 +273,11 @@ class BuildContext:
                 raise ContextError(f"{pattern}: {rel} leads to {real}, which .dockerignore excludes")
         host = self._host(real)
         try:
-            st = os.stat(host, follow_symlinks=False)
-        except FileNotFoundError:
+            st = self.top.lstat(real)
+        except (FileNotFoundError, NotADirectoryError):
             raise ContextError(f"{pattern}: {rel} was removed from the build context during the build") from None
         if stat.S_ISDIR(st.st_mode):
-            below = list(self._walk(host, real))
+            below = list(self._walk(real))
             if excluded and not below:          # an exception pattern brings nothing below it back
                 raise ContextError(f"{pattern}: .dockerignore excludes {rel if real == rel else real}")
             entries = [Entry("", host, "dir", stat.S_IMODE(st.st_mode)), *below]
@@ -250,7 +287,7 @@ class BuildContext:
             entries = [Entry("", host, "file", stat.S_IMODE(st.st_mode), st.st_size)]
         else:
             raise ContextError(f"{pattern}: {rel} is not a file, directory or symlink")
-        return Source(rel, entries, self.root)
+        return Source(rel, entries, self.top)
 
     # ------------------------------------------------------------ paths inside the context
 
@@ -258,7 +295,7 @@ class BuildContext:
         """An fd of context path `rel`, every symlink on the way followed
         inside the context; None if it leads nowhere."""
         try:
-            return open_inside(self.root, rel, flags)
+            return self.top.open(rel, flags)
         except OSError as err:
             if err.errno in (errno.ENOENT, errno.ENOTDIR):
                 return None
@@ -293,7 +330,8 @@ class BuildContext:
         if fd is None:
             return False
         try:
-            os.stat(name, dir_fd=fd, follow_symlinks=False)
+            with self.top.reading():
+                os.stat(name, dir_fd=fd, follow_symlinks=False)
             return True
         except (FileNotFoundError, NotADirectoryError):
             return False
@@ -311,35 +349,51 @@ class BuildContext:
         finally:
             os.close(fd)
 
-    def _walk(self, top: str, top_ctx: str, top_rel: str = "") -> Iterator[Entry]:
-        """Everything below directory `top` (context path `top_ctx`, entry path
+    def _walk(self, top_ctx: str, top_rel: str = "") -> Iterator[Entry]:
+        """Everything below directory `top_ctx` (a context path; entry path
         `top_rel`) that .dockerignore leaves in, directories before their
         contents, names sorted. An excluded directory is entered only when an
         exception pattern could bring something below it back; it is then
-        listed if something below it is."""
-        for name in sorted(os.listdir(top)):
-            path = os.path.join(top, name)
-            ctx = name if top_ctx == "." else f"{top_ctx}/{name}"
-            rel = f"{top_rel}/{name}" if top_rel else name
-            excluded = self.ignore.excluded(ctx)
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                continue            # removed while we walked
-            if stat.S_ISDIR(st.st_mode):
-                if excluded and not self.ignore.has_exceptions:
+        listed if something below it is. Each directory is listed, and its
+        entries looked at, through a descriptor of it opened inside the
+        context: one swapped for a symlink meanwhile leads nowhere else."""
+        try:
+            fd = self.top.open(top_ctx, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError as err:
+            if err.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                return              # removed or replaced while we walked
+            raise
+        try:
+            for name in sorted(os.listdir(fd)):
+                ctx = name if top_ctx == "." else f"{top_ctx}/{name}"
+                rel = f"{top_rel}/{name}" if top_rel else name
+                excluded = self.ignore.excluded(ctx)
+                try:
+                    with self.top.reading():
+                        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                        target = os.readlink(name, dir_fd=fd) if stat.S_ISLNK(st.st_mode) else ""
+                except FileNotFoundError:
+                    continue        # removed while we walked
+                except OSError as err:
+                    if err.errno == errno.EINVAL:
+                        continue    # no longer a symlink
+                    raise
+                if stat.S_ISDIR(st.st_mode):
+                    if excluded and not self.ignore.has_exceptions:
+                        continue
+                    below = list(self._walk(ctx, rel))
+                    if excluded and not below:
+                        continue
+                    yield Entry(rel, self._host(ctx), "dir", stat.S_IMODE(st.st_mode))
+                    yield from below
+                elif excluded:
                     continue
-                below = list(self._walk(path, ctx, rel))
-                if excluded and not below:
-                    continue
-                yield Entry(rel, path, "dir", stat.S_IMODE(st.st_mode))
-                yield from below
-            elif excluded:
-                continue
-            elif stat.S_ISREG(st.st_mode):
-                yield Entry(rel, path, "file", stat.S_IMODE(st.st_mode), st.st_size)
-            elif stat.S_ISLNK(st.st_mode):
-                yield Entry(rel, path, "symlink", 0o777, 0, os.readlink(path))
+                elif stat.S_ISREG(st.st_mode):
+                    yield Entry(rel, self._host(ctx), "file", stat.S_IMODE(st.st_mode), st.st_size)
+                elif stat.S_ISLNK(st.st_mode):
+                    yield Entry(rel, self._host(ctx), "symlink", 0o777, 0, target)
+        finally:
+            os.close(fd)
 
     # ------------------------------------------------------------ hashing
 
@@ -354,7 +408,11 @@ class BuildContext:
                 if e.kind == "file":
                     shown = posixpath.normpath(posixpath.join(src.rel, e.rel))     # e.path: the daemon's
                     try:
-                        content = cache.file_digest(e.path, os.stat(e.path))
+                        fd = src.open(e)
+                        try:
+                            content = cache.file_digest(e.path, fd)
+                        finally:
+                            os.close(fd)
                     except FileNotFoundError:
                         raise ContextError(f"{shown} was removed while the build read the context") from None
                     except OSError as err:

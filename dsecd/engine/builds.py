@@ -40,7 +40,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from .. import protocol, userns
+from .. import native, protocol, userns
 from ..build import context as buildctx
 from ..build import copyin
 from ..build.dockerfile import DockerfileError, parse
@@ -245,8 +245,13 @@ class _Build:
         # taken for one nothing was copied from.
         where = await self._attach_context()
 
+        # A client other than root: everything below the context's top is
+        # looked up, listed and opened with its ids, now and when a COPY
+        # reads it (context.ContextRoot).
+        reader = native.Reader(*self.ctx.peer_ids) if self.ctx.peer_ids is not None else None
+
         def find() -> dict:
-            context = buildctx.BuildContext.open(where, shown=req.context)
+            context = buildctx.BuildContext.open(where, shown=req.context, reader=reader)
             out = {}
             for step in copies:
                 try:

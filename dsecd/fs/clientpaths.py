@@ -23,7 +23,9 @@ mounted where, refuses the request, naming it. A client other than root
 whose pid the daemon cannot see is refused (its path would be read again
 by name). The walk is a check before the read, not the read itself: a file
 swapped into the tree between the walk and the build (by a rename the
-client races against it) would be read as root.
+client races against it) is read with whatever ids the reader uses. A
+Dockerfile build reads its context as the client too (build/context.py
+ContextRoot); `image_build` of a directory is read by mkfs.erofs as root.
 
 Every call blocks (a clone and a mount): run it in a worker thread.
 """

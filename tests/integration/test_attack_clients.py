@@ -10,6 +10,7 @@ marked `attack` there too.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import struct
@@ -209,8 +210,6 @@ print(json.dumps(msgpack.unpackb(body, raw=False), default=str))
 
 
 def _as_user(d, uid: int, gid: int, groups: list[int]) -> dict:
-    import json
-
     root = str(Path(__file__).resolve().parents[2])
     out = subprocess.run([sys.executable, "-c", PEER, d.socket, root], user=uid, group=gid,
                          extra_groups=groups, capture_output=True, text=True, timeout=30)
@@ -279,8 +278,6 @@ finally:
 
 
 def _request_as(d, uid: int, gid: int, op: str, **args) -> dict:
-    import json
-
     root = str(Path(__file__).resolve().parents[2])
     out = subprocess.run([sys.executable, "-c", BUILD_AS, d.socket, root, json.dumps({"op": op, **args})],
                          user=uid, group=gid, capture_output=True, text=True, timeout=120)
@@ -338,4 +335,110 @@ def test_a_group_member_builds_only_from_files_it_may_read(group_daemon, shared_
         assert root.request("image_build", source=str(ctx), name="root-ok")["name"] == "root-ok"
         names = {i["name"] for i in root.request("image_list")["images"]}
     assert "member-ok" in names and not names & {"member-shadow", "member-secret", "member-private", "member-df"}
+    assert not any(d.state.joinpath("client-paths").iterdir()), "nothing left attached"
+
+
+RACE_AS = r"""
+import ctypes, json, os, sys, threading
+sys.path.insert(0, sys.argv[2])
+from dsecd import DsecError, SyncClient
+sock, ctx, pairs, attempts = sys.argv[1], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+args = json.loads(sys.argv[6])
+op = args.pop("op")
+libc = ctypes.CDLL(None, use_errno=True)
+names = [(os.path.join(ctx, f"d{i}").encode(), os.path.join(ctx, f"l{i}").encode()) for i in range(pairs)]
+done = threading.Event()
+
+def swap():
+    # Each directory d<i> and symlink l<i> trade names, again and again
+    # (renameat2 RENAME_EXCHANGE): whatever looks at d<i> finds a directory
+    # of the member's one moment and a symlink to the secret the next.
+    while not done.is_set():
+        for a, b in names:
+            libc.renameat2(-100, a, -100, b, 2)
+
+swapper = threading.Thread(target=swap)
+swapper.start()
+c = SyncClient(sock)
+c.connect()
+out = {"ok": 0, "failed": []}
+for i in range(attempts):
+    try:
+        c.request(op, name=f"race-{i}", **args)
+        out["ok"] += 1
+    except DsecError as err:
+        out["failed"].append(f"{err.code}: {err}")
+done.set()
+swapper.join()
+c.request(op, name="after", **args)       # the tree left still: it builds
+print(json.dumps(out))
+"""
+
+
+class _Inotify:
+    """Opens and reads (IN_OPEN, IN_ACCESS) of a directory and what is in it."""
+
+    def __init__(self, path: Path):
+        import ctypes
+
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        assert self.fd >= 0
+        assert self._libc.inotify_add_watch(self.fd, os.fsencode(path), 0x20 | 0x01) >= 0
+
+    def events(self) -> list[str]:
+        out = []
+        while True:
+            try:
+                buf = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return out
+            i = 0
+            while i < len(buf):
+                _, mask, _, n = struct.unpack_from("iIII", buf, i)
+                out.append(f"{mask:#x} {buf[i + 16:i + 16 + n].rstrip(bytes(1)).decode() or '.'}")
+                i += 16 + n
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+@pytest.mark.parametrize("op", ["image_build_dockerfile"])
+def test_a_member_racing_renames_in_its_tree_reads_nothing_it_may_not(group_daemon, shared_dir,
+                                                                       busybox_rootfs, op):
+    """The daemon checks a member's tree as the member before a build; the
+    member owns the tree and may rename in it while the build reads it,
+    swapping a directory for a symlink to a directory only root may read,
+    with a file of the same name (/etc/shadow's, say). Whatever it swaps
+    in, the daemon opens for it only what the member itself could open:
+    the secret directory is never listed nor its file opened."""
+    d, gid = group_daemon
+    nobody, pairs = 65534, 24
+    with d.client() as root:
+        root.import_image(busybox_rootfs, "busybox")
+    secret = shared_dir / "secret"
+    secret.mkdir(mode=0o700)
+    (secret / "f").write_text("root's alone\n")
+    (secret / "f").chmod(0o600)
+    ctx = shared_dir / "ctx"
+    ctx.mkdir()
+    for i in range(pairs):
+        (ctx / f"d{i}").mkdir()
+        (ctx / f"d{i}" / "f").write_text("member's f\n")      # the secret's name and size
+        os.symlink(secret, ctx / f"l{i}")
+    subprocess.run(["chown", "-hR", f"{nobody}:{gid}", str(ctx)], check=True)
+    args = {"op": op, "context": str(ctx), "dockerfile": "FROM busybox\nCOPY . /ctx/\n"}
+    where = "Dockerfile:2: COPY"
+    watch = _Inotify(secret)
+    try:
+        out = subprocess.run([sys.executable, "-c", RACE_AS, d.socket, str(Path(__file__).resolve().parents[2]),
+                              str(ctx), str(pairs), "40", json.dumps(args)],
+                             user=nobody, group=gid, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        assert watch.events() == [], result
+    finally:
+        watch.close()
+    # A build fails only where a file it read changed under it.
+    assert all(f.startswith("bad_request") and where in f for f in result["failed"]), result["failed"]
     assert not any(d.state.joinpath("client-paths").iterdir()), "nothing left attached"

@@ -219,6 +219,31 @@ def test_the_walk_gives_the_thread_its_own_ids_back(shared_dir):
         native.Reader(0, 0)
 
 
+@needs_root
+def test_reading_as_a_client_inside_fs_ids_gives_those_ids_back(shared_dir):
+    """A COPY writes into a sandbox as its root (fs_ids) and opens each
+    context file as the client (reader_ids) in between: after the open the
+    thread writes as the sandbox's root again, not as the daemon's."""
+    ctx = _tree(shared_dir)
+    (ctx / "sub" / "a.txt").chmod(0o600)
+    out = shared_dir / "out"
+    out.mkdir()
+    with native.fs_ids(4321, 4321):
+        with native.reader_ids(NOBODY):
+            with native.reader_ids(NOBODY):         # the same reader again: nothing changes
+                pass
+            with pytest.raises(PermissionError):   # still the client's ids
+                open(ctx / "sub" / "a.txt").close()
+            with pytest.raises(ValueError):
+                native.reader_ids(native.Reader(65533, 65533)).__enter__()
+        open(ctx / "sub" / "a.txt").close()         # the capabilities are back
+        (out / "made").touch()
+    st = os.stat(out / "made")
+    assert (st.st_uid, st.st_gid) == (4321, 4321)
+    (out / "after").touch()
+    assert os.stat(out / "after").st_uid == 0
+
+
 def test_a_deep_tree_is_walked_without_recursion(tmp_path):
     top = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     fd = top
