@@ -14,6 +14,8 @@ import dataclasses
 import errno
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,7 +28,7 @@ from ..fs import clientpaths, erofs
 from ..fs import upper as upperfs
 from ..fs.clientpaths import ClientPathError, ClientPaths
 from ..fs.httpstop import Stop
-from ..fs.images import Image, ImageError, ImageStore
+from ..fs.images import UNPACK_PREFIX, Image, ImageError, ImageStore
 from ..fs.layers import LayerMounts
 from ..fs.pager import Pager, PagerConfig, cache_cap
 from ..fs.pull import Puller, PullSettings, host_os_arch
@@ -402,7 +404,9 @@ class ImageService:
             raise ImageError("bad_request", f"build source must be an absolute path, got {req.source!r}")
         if req.parent:
             check_platform(req.parent, self.images.get(req.parent))
-        with self.client_path(ctx, req.source, "build source", "source") as source:
+        reader = native.Reader(*ctx.peer_ids) if ctx.peer_ids is not None else None
+        with self.client_path(ctx, req.source, "build source", "source") as source, \
+                self._read_as_client(source, req.source, reader, cancelled) as source:
             def shown(text: str) -> str:
                 return text.replace(source, req.source) if source != req.source else text
 
@@ -414,6 +418,45 @@ class ImageService:
                                                   cancelled=cancelled)
             except ImageError as err:
                 raise ImageError(err.code, shown(str(err)), err.detail) from err
+
+    @contextlib.contextmanager
+    def _read_as_client(self, source: str, path: str, reader: native.Reader | None,
+                        cancelled: threading.Event):
+        """Where to build from for a client that reads `source` (attached;
+        the client's `path`) as `reader`: a directory's copy in the scratch
+        dir, made reading it as the client (clientpaths.copy_as), for the
+        with block. mkfs.erofs and the layout reader read as root, by path,
+        and the client may rename in its tree while they do. A file (a
+        tarball) is the one inode the client opened, attached: read in place;
+        so is everything for root (no `reader`)."""
+        if reader is None or not os.path.isdir(source):
+            yield source
+            return
+        # The copy's top takes the tree's owner and mode: it goes in a
+        # directory of root's alone, so that the client cannot reach the
+        # copy (whatever the state dir's mode) while it is read as root.
+        holder = tempfile.mkdtemp(prefix=UNPACK_PREFIX, dir=self.images.scratch)
+        try:
+            copy = os.path.join(holder, "tree")
+            os.mkdir(copy, 0o700)
+            top = os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                clientpaths.copy_as(top, copy, reader, cancelled.is_set)
+            except PermissionError as err:
+                where = os.path.join(path, err.filename) if err.filename not in (None, ".") else path
+                raise ImageError("permission", f"build source {path}: uid {reader.uid} (the client) may not read "
+                                 f"{where}; the daemon reads for a client only what the client could read itself",
+                                 {"source": path}) from None
+            except clientpaths.TreeChanged as err:
+                raise ImageError("conflict", f"build source {path}: {err}; build it again when it holds still",
+                                 {"source": path}) from None
+            except InterruptedError:
+                raise ImageError("conflict", f"build from {path} cancelled: nothing published") from None
+            finally:
+                os.close(top)
+            yield copy
+        finally:
+            shutil.rmtree(holder, ignore_errors=True)
 
     @contextlib.contextmanager
     def client_path(self, ctx, path: str, what: str, field: str):

@@ -23,9 +23,11 @@ mounted where, refuses the request, naming it. A client other than root
 whose pid the daemon cannot see is refused (its path would be read again
 by name). The walk is a check before the read, not the read itself: a file
 swapped into the tree between the walk and the build (by a rename the
-client races against it) is read with whatever ids the reader uses. A
-Dockerfile build reads its context as the client too (build/context.py
-ContextRoot); `image_build` of a directory is read by mkfs.erofs as root.
+client races against it) is read with whatever ids the reader uses. So
+the reads are the client's too: a Dockerfile build reads its context as it
+(build/context.py ContextRoot), and `image_build` of a directory builds
+from a copy made reading the tree as it (`copy_as`): mkfs.erofs reads as
+root, by path.
 
 Every call blocks (a clone and a mount): run it in a worker thread.
 """
@@ -253,3 +255,171 @@ def _remove_point(point: Path) -> None:
         point.rmdir()
     else:
         point.unlink(missing_ok=True)
+
+
+class TreeChanged(Exception):
+    """copy_as: the tree changed under the copy (an entry went, or became
+    something else, between its listing and its open); the message names it."""
+
+
+# Lookups of copy_as below its top: no symlink, no magic link, never above
+# the top; a mount below it is crossed (the clone holds the client's).
+_NO_LINKS = native.RESOLVE_BENEATH | native.RESOLVE_NO_SYMLINKS | native.RESOLVE_NO_MAGICLINKS
+COPY_CHUNK = 1 << 20
+
+
+def copy_as(top: int, dest: str, reader: native.Reader, stop: Callable[[], bool] = lambda: False) -> int:
+    """Copy the tree below the open directory `top` into the empty
+    directory `dest` (the daemon's), reading it as `reader`: every lookup,
+    listing and open below `top` with the client's ids and no capability,
+    relative to a directory opened so, never through a symlink; what is
+    written, as the calling thread (root), with the source's types, modes,
+    owners, xattrs the reader can list, and hard links. The copy is what
+    the client could read at the moment it was read, whatever it renames
+    meanwhile. `stop()` is asked between entries (InterruptedError).
+    PermissionError (its filename: the entry, relative to top) for what the
+    reader may not read; TreeChanged for what changed under the copy.
+    Returns the number of entries copied. Blocking."""
+    links: dict[tuple[int, int], str] = {}
+    dirs: list[tuple[str, os.stat_result]] = []
+    with native.reader_ids(reader):
+        st = os.fstat(top)
+        xattrs = _xattrs_of(top)
+    _xattrs_put(dest, xattrs)
+    dirs.append((".", st))
+    pending = ["."]
+    count = 0
+    while pending:
+        rel = pending.pop()
+        with native.reader_ids(reader):
+            try:
+                fd = top if rel == "." else native.openat2(top, rel, _DIR_OPEN | os.O_NOFOLLOW, resolve=_NO_LINKS)
+            except OSError as err:
+                _raise_read(err, rel)
+            try:
+                names = sorted(os.listdir(fd))
+            except OSError as err:
+                if fd != top:
+                    os.close(fd)
+                _raise_read(err, rel)
+        try:
+            for name in names:
+                if stop():
+                    raise InterruptedError("the copy was stopped")
+                sub = name if rel == "." else f"{rel}/{name}"
+                out = os.path.join(dest, sub)
+                count += 1
+                if _copy_entry(fd, name, sub, out, reader, links):
+                    with native.reader_ids(reader):
+                        try:
+                            dfd = native.openat2(fd, name, _DIR_OPEN | os.O_NOFOLLOW, resolve=_NO_LINKS)
+                        except OSError as err:
+                            _raise_read(err, sub)
+                        try:
+                            dst = os.fstat(dfd)
+                            xattrs = _xattrs_of(dfd)
+                        finally:
+                            os.close(dfd)
+                    _xattrs_put(out, xattrs)
+                    dirs.append((sub, dst))
+                    pending.append(sub)
+        finally:
+            if fd != top:
+                os.close(fd)
+    # Owners, then modes (a chown clears set-id bits), deepest first: a
+    # read-only directory must not stop what goes in it.
+    for sub, dst in sorted(dirs, key=lambda d: -d[0].count("/") - (d[0] != ".")):
+        path = dest if sub == "." else os.path.join(dest, sub)
+        os.chown(path, dst.st_uid, dst.st_gid)
+        os.chmod(path, stat.S_IMODE(dst.st_mode))
+    return count
+
+
+def _raise_read(err: OSError, rel: str):
+    if err.errno in (errno.EACCES, errno.EPERM):
+        raise PermissionError(err.errno, os.strerror(err.errno), rel) from None
+    if err.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
+        raise TreeChanged(f"{rel} changed while the build read it (renamed, removed or replaced)") from None
+    raise err
+
+
+def _copy_entry(dirfd: int, name: str, rel: str, out: str, reader: native.Reader,
+                links: dict[tuple[int, int], str]) -> bool:
+    """Copy entry `name` of open directory `dirfd` (as `reader`) to `out`;
+    True if it is a directory (made, left for the caller to fill)."""
+    with native.reader_ids(reader):
+        try:
+            st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+            target = os.readlink(name, dir_fd=dirfd) if stat.S_ISLNK(st.st_mode) else None
+        except OSError as err:
+            if err.errno == errno.EINVAL:       # no longer a symlink
+                err = OSError(errno.ENOENT, "changed")
+            _raise_read(err, rel)
+    mode = st.st_mode
+    if stat.S_ISDIR(mode):
+        os.mkdir(out, 0o700)
+        return True
+    if stat.S_ISLNK(mode):
+        os.symlink(target, out)
+        os.chown(out, st.st_uid, st.st_gid, follow_symlinks=False)
+        return False
+    if not stat.S_ISREG(mode):
+        # A device, FIFO or socket: its inode alone, never opened.
+        os.mknod(out, stat.S_IFMT(mode) | 0o600, st.st_rdev)
+        os.chown(out, st.st_uid, st.st_gid)
+        os.chmod(out, stat.S_IMODE(mode))
+        return False
+    with native.reader_ids(reader):
+        try:
+            src = native.openat2(dirfd, name, _FILE_OPEN | os.O_NOFOLLOW, resolve=_NO_LINKS)
+        except OSError as err:
+            _raise_read(err, rel)
+    try:
+        st = os.fstat(src)          # what was opened is what is copied
+        if not stat.S_ISREG(st.st_mode):
+            raise TreeChanged(f"{rel} changed while the build read it (no longer a regular file)")
+        key = (st.st_dev, st.st_ino)
+        if st.st_nlink > 1 and key in links:
+            os.link(links[key], out)
+            return False
+        dst = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            while os.sendfile(dst, src, None, COPY_CHUNK):
+                pass
+            with native.reader_ids(reader):
+                xattrs = _xattrs_of(src)
+            _xattrs_put(dst, xattrs)
+            os.fchown(dst, st.st_uid, st.st_gid)
+            os.fchmod(dst, stat.S_IMODE(st.st_mode))
+        finally:
+            os.close(dst)
+        if st.st_nlink > 1:
+            links[key] = out
+    finally:
+        os.close(src)
+    return False
+
+
+def _xattrs_of(src: int) -> list[tuple[str, bytes]]:
+    """The xattrs of open `src` the calling thread can list and read (as
+    the reader: trusted.* are not among them)."""
+    try:
+        names = os.listxattr(src)
+    except OSError as err:
+        if err.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            return []
+        raise
+    out = []
+    for name in names:
+        try:
+            out.append((name, os.getxattr(src, name)))
+        except OSError as err:
+            if err.errno in (errno.ENODATA, errno.EACCES, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+                continue        # gone meanwhile, or not the reader's to read
+            raise
+    return out
+
+
+def _xattrs_put(dst: int | str, xattrs: list[tuple[str, bytes]]) -> None:
+    for name, value in xattrs:
+        os.setxattr(dst, name, value)

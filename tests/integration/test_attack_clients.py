@@ -403,7 +403,7 @@ class _Inotify:
         os.close(self.fd)
 
 
-@pytest.mark.parametrize("op", ["image_build_dockerfile"])
+@pytest.mark.parametrize("op", ["image_build_dockerfile", "image_build"])
 def test_a_member_racing_renames_in_its_tree_reads_nothing_it_may_not(group_daemon, shared_dir,
                                                                        busybox_rootfs, op):
     """The daemon checks a member's tree as the member before a build; the
@@ -427,8 +427,11 @@ def test_a_member_racing_renames_in_its_tree_reads_nothing_it_may_not(group_daem
         (ctx / f"d{i}" / "f").write_text("member's f\n")      # the secret's name and size
         os.symlink(secret, ctx / f"l{i}")
     subprocess.run(["chown", "-hR", f"{nobody}:{gid}", str(ctx)], check=True)
-    args = {"op": op, "context": str(ctx), "dockerfile": "FROM busybox\nCOPY . /ctx/\n"}
-    where = "Dockerfile:2: COPY"
+    if op == "image_build":
+        args, failure = {"op": op, "source": str(ctx)}, ("conflict", "changed while the build read it")
+    else:
+        args = {"op": op, "context": str(ctx), "dockerfile": "FROM busybox\nCOPY . /ctx/\n"}
+        failure = ("bad_request", "Dockerfile:2: COPY")
     watch = _Inotify(secret)
     try:
         out = subprocess.run([sys.executable, "-c", RACE_AS, d.socket, str(Path(__file__).resolve().parents[2]),
@@ -440,5 +443,39 @@ def test_a_member_racing_renames_in_its_tree_reads_nothing_it_may_not(group_daem
     finally:
         watch.close()
     # A build fails only where a file it read changed under it.
-    assert all(f.startswith("bad_request") and where in f for f in result["failed"]), result["failed"]
+    assert all(f.startswith(failure[0]) and failure[1] in f for f in result["failed"]), result["failed"]
     assert not any(d.state.joinpath("client-paths").iterdir()), "nothing left attached"
+
+
+def test_a_members_directory_builds_the_layer_roots_build_makes(group_daemon, shared_dir):
+    """A member's directory is copied reading it as the member and built
+    from the copy: the layer is the one root's build of it makes (names,
+    types, modes, owners, xattrs, hard links; mkfs.erofs keeps no times)."""
+    d, gid = group_daemon
+    nobody = 65534
+    ctx = shared_dir / "tree"
+    (ctx / "etc" / "private").mkdir(parents=True)
+    (ctx / "etc" / "motd").write_text("hello\n")
+    (ctx / "etc" / "private" / "key").write_text("the member's\n")
+    os.link(ctx / "etc" / "motd", ctx / "etc" / "motd.link")
+    os.symlink("motd", ctx / "etc" / "motd.sym")
+    os.symlink("/nowhere", ctx / "dangling")
+    os.mkfifo(ctx / "fifo")
+    (ctx / "bin").mkdir()
+    (ctx / "bin" / "tool").write_bytes(b"#!/bin/sh\n")
+    os.setxattr(ctx / "bin" / "tool", "user.note", b"kept")
+    (ctx / "empty").mkdir()
+    subprocess.run(["chown", "-hR", f"{nobody}:{gid}", str(ctx)], check=True)
+    os.chown(ctx / "etc" / "motd", 0, 0)          # root's, readable by all: the member reads it
+    (ctx / "etc" / "private").chmod(0o700)
+    (ctx / "etc" / "private" / "key").chmod(0o600)
+    (ctx / "bin" / "tool").chmod(0o4755)
+    (ctx / "empty").chmod(0o555)
+
+    member = _request_as(d, nobody, gid, "image_build", source=str(ctx), name="tree-member")
+    assert "result" in member, member
+    with d.client() as root:
+        built = root.request("image_build", source=str(ctx), name="tree-root")
+    assert [la["digest"] for la in member["result"]["layers"]] == [la["digest"] for la in built["layers"]]
+    assert d.state.joinpath("scratch").is_dir() and not any(d.state.joinpath("scratch").glob("unpack-*")), \
+        "the copy is removed"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dsecd import native, server
-from dsecd.fs.clientpaths import ClientPathError, ClientPaths, point_name, unreadable_below
+from dsecd.fs.clientpaths import ClientPathError, ClientPaths, copy_as, point_name, unreadable_below
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="attaching a tree needs root")
 
@@ -242,6 +242,35 @@ def test_reading_as_a_client_inside_fs_ids_gives_those_ids_back(shared_dir):
     assert (st.st_uid, st.st_gid) == (4321, 4321)
     (out / "after").touch()
     assert os.stat(out / "after").st_uid == 0
+
+
+@needs_root
+def test_a_copy_as_the_client_reads_only_what_it_may(shared_dir, tmp_path):
+    ctx = _tree(shared_dir)
+    (ctx / "sub" / "b.txt").write_text("b")
+    os.chown(ctx / "sub" / "b.txt", 65534, 65534)
+    (ctx / "sub" / "b.txt").chmod(0o4750)
+    fd = os.open(ctx, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        out = tmp_path / "copy"
+        out.mkdir()
+        assert copy_as(fd, str(out), NOBODY) == 4
+        assert (out / "sub" / "a.txt").read_text() == "a"
+        assert os.readlink(out / "shadow") == "/etc/shadow"        # a symlink, never followed
+        st = os.stat(out / "sub" / "b.txt")
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (65534, 65534, 0o4750)
+
+        (ctx / "sub" / "a.txt").chmod(0o600)                       # root's alone now
+        again = tmp_path / "again"
+        again.mkdir()
+        with pytest.raises(PermissionError) as exc:
+            copy_as(fd, str(again), NOBODY)
+        assert exc.value.filename == "sub/a.txt"
+        with pytest.raises(InterruptedError):
+            copy_as(fd, str(tmp_path / "again"), NOBODY, stop=lambda: True)
+    finally:
+        os.close(fd)
+    assert open(ctx / "sub" / "a.txt").read() == "a", "root again"
 
 
 def test_a_deep_tree_is_walked_without_recursion(tmp_path):
