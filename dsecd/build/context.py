@@ -120,9 +120,11 @@ class Source:
 def _read_dockerignore(root: ContextRoot, shown: str) -> str:
     """The context's .dockerignore ("" when it has none), looked up inside
     it as COPY sources are: a symlink out of the context must not make the
-    daemon read a file of the host the client may not read."""
+    daemon read a file of the host the client may not read. Opened without
+    waiting: a FIFO there must fail the build, not hold the daemon's worker
+    until something writes to it."""
     try:
-        fd = root.open(".dockerignore", os.O_RDONLY | os.O_CLOEXEC)
+        fd = root.open(".dockerignore", os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as err:
         if err.errno in (errno.ENOENT, errno.ENOTDIR):
             return ""

@@ -144,6 +144,36 @@ def test_dockerignore_excludes_files_and_exceptions_come_back(client, tmp_path):
     assert "Dockerfile:3:" in info.value.message and ".dockerignore excludes" in info.value.message
 
 
+def test_a_fifo_for_a_dockerignore_is_refused_not_waited_on(client, tmp_path):
+    """Opening a FIFO for reading waits for a writer: a .dockerignore that is
+    one must fail the build, not hold a worker of the daemon until someone
+    opens it (a client could take every worker so)."""
+    import threading
+
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "a").write_text("a")
+    os.mkfifo(ctx / ".dockerignore")
+    answer: list = []
+
+    def build() -> None:
+        try:
+            client.build_dockerfile(str(ctx), "fifo-ignore", text="FROM busybox\nCOPY a /a\n")
+        except DsecError as err:
+            answer.append(err)
+
+    worker = threading.Thread(target=build, daemon=True)
+    worker.start()
+    worker.join(60)
+    waited = worker.is_alive()
+    if waited:                      # let the daemon's worker go before failing
+        os.close(os.open(ctx / ".dockerignore", os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(60)
+    assert not waited, "the build waited on the FIFO for a writer"
+    [err] = answer
+    assert err.code == "bad_request" and ".dockerignore is not a file" in err.message, err
+
+
 def test_a_failing_run_names_its_line_and_exit_code(client, tmp_path):
     dockerfile = "FROM busybox\nENV A=1\n# a comment\nRUN echo about to fail; \\\n    exit 7\nRUN true\n"
     with pytest.raises(DsecError) as info:
