@@ -25,7 +25,7 @@ import os
 import posixpath
 import stat
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import native
 from .ignore import IgnoreRules, compile_pattern
@@ -95,6 +95,9 @@ class Source:
     rel: str             # context-relative ("." for the context itself)
     entries: list[Entry]
     root: ContextRoot    # the context's top, and who reads below it
+    # Entry.rel -> the sha256 of the file's content that went into the
+    # step's key (BuildContext.digest): what a copy must read, or fail.
+    digests: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
     def is_dir(self) -> bool:
@@ -415,6 +418,7 @@ class BuildContext:
                             content = cache.file_digest(e.path, fd)
                         finally:
                             os.close(fd)
+                        src.digests[e.rel] = content
                     except FileNotFoundError:
                         raise ContextError(f"{shown} was removed while the build read the context") from None
                     except OSError as err:

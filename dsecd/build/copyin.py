@@ -32,6 +32,7 @@ The caller runs these in a worker thread with the sandbox root's fs ids
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import posixpath
 import stat
@@ -245,6 +246,21 @@ def _write_file(pfd: int, name: str, data_fd: int | None, chunks, mode: int,
     return written
 
 
+def changed_since_hashed(shown: str) -> str:
+    return (f"{shown} changed in the build context during the build, after it was hashed for the step's cache "
+            "key; build again when it holds still")
+
+
+def _hashed(fd: int, h):
+    """The bytes of open file `fd` from where it is, in chunks, each added to `h`.
+    The copy's own read is what is checked against the step's key: the
+    build cache must never hold, under a key, other bytes than the key's
+    (the next build with those files would take them)."""
+    while chunk := os.read(fd, COPY_CHUNK):
+        h.update(chunk)
+        yield chunk
+
+
 def _put_entry(rootfd: int, path: str, source: Source, e: Entry, owner: tuple[int, int] | None,
                chmod: int | None, dir_modes: list[tuple[str, int]]) -> int:
     """One context entry of `source` at `path` in the image; returns the bytes written."""
@@ -275,7 +291,14 @@ def _put_entry(rootfd: int, path: str, source: Source, e: Entry, owner: tuple[in
         except OSError as err:
             raise CopyError(f"{shown} changed in the build context during the build: {err.strerror}") from None
         try:
-            return _write_file(pfd, name, src, None, chmod if chmod is not None else e.mode, owner)
+            want = source.digests.get(e.rel)
+            if want is None:
+                return _write_file(pfd, name, src, None, chmod if chmod is not None else e.mode, owner)
+            h = hashlib.sha256()
+            written = _write_file(pfd, name, None, _hashed(src, h), chmod if chmod is not None else e.mode, owner)
+            if h.hexdigest() != want:
+                raise CopyError(changed_since_hashed(shown))
+            return written
         finally:
             os.close(src)
     except OSError as err:
@@ -338,6 +361,28 @@ def is_archive(f) -> bool:
         f.seek(0)
 
 
+class HashedReader:
+    """A file read forward only (tarfile's stream mode), every byte read
+    added to a sha256 once; `check` reads on to the end and raises
+    CopyError unless the whole file hashed to `want` (None: not checked).
+    What an ADD extracts is then what its step's key hashed."""
+
+    def __init__(self, f, want: str | None, shown: str):
+        self.f, self.want, self.shown = f, want, shown
+        self.h = hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self.h.update(data)
+        return data
+
+    def check(self) -> None:
+        while self.read(COPY_CHUNK):
+            pass
+        if self.want is not None and self.h.hexdigest() != self.want:
+            raise CopyError(changed_since_hashed(self.shown))
+
+
 def extract_archive(rootfd: int, f, archive: str, dest: str, owner: tuple[int, int] | None,
                     to_host: ToHost, id_count: int | None) -> Counts:
     """ADD of a local archive (`f`, open for reading; `archive` names it in
@@ -353,7 +398,8 @@ def extract_archive(rootfd: int, f, archive: str, dest: str, owner: tuple[int, i
     dir_modes: list[tuple[str, int]] = []
     made_files: set[str] = set()
     try:
-        with tarfile.open(fileobj=f, mode="r:*") as tf:
+        # Stream mode: the archive is read once, forward (HashedReader).
+        with tarfile.open(fileobj=f, mode="r|*") as tf:
             for m in tf:
                 try:
                     rel = tarsafe.entry_name(m.name)

@@ -500,8 +500,10 @@ class _Build:
                 if step.add and not src.is_dir:
                     with open(src.open(src.entries[0]), "rb") as f:
                         if copyin.is_archive(f):
-                            counts = copyin.extract_archive(rootfd, f, src.rel, step.dest, owner,
+                            hashed = copyin.HashedReader(f, src.digests.get(""), src.rel)
+                            counts = copyin.extract_archive(rootfd, hashed, src.rel, step.dest, owner,
                                                             to_host, idmap.count if idmap else None)
+                            hashed.check()
                             total.skipped.extend(counts.skipped)
                 if counts is None:
                     counts = copyin.copy_sources(rootfd, [src], step.dest, owner, step.chmod)

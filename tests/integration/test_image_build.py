@@ -174,6 +174,48 @@ def test_a_fifo_for_a_dockerignore_is_refused_not_waited_on(client, tmp_path):
     assert err.code == "bad_request" and ".dockerignore is not a file" in err.message, err
 
 
+def _tar_of(path: Path, name: str, data: bytes) -> None:
+    import io
+
+    with tarfile.open(path, "w") as tf:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tf.addfile(info, io.BytesIO(data))
+
+
+@pytest.mark.parametrize("kind", ["COPY f /x/f", "ADD f.tar /x/"])
+def test_a_source_changed_after_hashing_never_reaches_the_build_cache(client, tmp_path, kind):
+    """A COPY's key hashes its sources when the build is planned; the copy
+    reads them steps later. A source changed in between (by the client, or
+    by anyone who builds the same Dockerfile to poison its cache) fails
+    the step: the cache must not hold other bytes under the key, which the
+    next build of the original files would take."""
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+
+    def write(data: bytes) -> None:
+        (ctx / "f").write_bytes(data)
+        _tar_of(ctx / "f.tar", "f", data)
+
+    write(b"good\n")
+    dockerfile = f"FROM busybox\nRUN sleep 3\n{kind}\n"
+
+    def swap(ev: dict) -> None:
+        if ev.get("event") == "step" and ev.get("step") == 2:      # the RUN starts: the plan is made
+            write(b"evil\n")
+
+    with pytest.raises(DsecError) as err:
+        client.build_dockerfile(str(ctx), f"poison-{kind[:3]}", text=dockerfile, progress=swap)
+    assert "changed in the build context during the build, after it was hashed" in err.value.message, err.value
+    write(b"good\n")
+    client.build_dockerfile(str(ctx), f"victim-{kind[:3]}", text=dockerfile)
+    sb = client.create(image=f"victim-{kind[:3]}")
+    try:
+        assert sh(sb, "cat /x/f") == "good\n"
+    finally:
+        sb.destroy()
+
+
 def test_a_failing_run_names_its_line_and_exit_code(client, tmp_path):
     dockerfile = "FROM busybox\nENV A=1\n# a comment\nRUN echo about to fail; \\\n    exit 7\nRUN true\n"
     with pytest.raises(DsecError) as info:
