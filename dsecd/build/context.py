@@ -143,18 +143,19 @@ class DigestCache:
     """File content digests by (device, inode, size, mtime, ctime): a rebuild
     hashes only the files that changed. A change to a file's content moves
     its ctime (which nothing but the kernel sets), so a hit is the same
-    bytes. Bounded: past `max_entries` it starts again empty."""
+    bytes. Kept by the file, not by its path: each build attaches its
+    context at a path of its own (fs/clientpaths.py). Bounded: past
+    `max_entries` it starts again empty."""
 
     def __init__(self, max_entries: int = 200_000):
         self.max_entries = max_entries
-        self._cache: dict[str, tuple[tuple[int, ...], str]] = {}
+        self._cache: dict[tuple[int, int], tuple[tuple[int, ...], str]] = {}
 
-    def file_digest(self, path: str, fd: int) -> str:
-        """The digest of the file open at `fd` (read from its start), kept
-        under `path`."""
+    def file_digest(self, fd: int) -> str:
+        """The digest of the file open at `fd` (read from its start)."""
         st = os.fstat(fd)
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        hit = self._cache.get(path)
+        key = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        hit = self._cache.get((st.st_dev, st.st_ino))
         if hit is not None and hit[0] == key:
             return hit[1]
         h = hashlib.sha256()
@@ -165,7 +166,7 @@ class DigestCache:
         digest = h.hexdigest()
         if len(self._cache) >= self.max_entries:
             self._cache.clear()
-        self._cache[path] = (key, digest)
+        self._cache[(st.st_dev, st.st_ino)] = (key, digest)
         return digest
 
 
@@ -415,7 +416,7 @@ class BuildContext:
                     try:
                         fd = src.open(e)
                         try:
-                            content = cache.file_digest(e.path, fd)
+                            content = cache.file_digest(fd)
                         finally:
                             os.close(fd)
                         src.digests[e.rel] = content

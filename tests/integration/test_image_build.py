@@ -216,6 +216,34 @@ def test_a_source_changed_after_hashing_never_reaches_the_build_cache(client, tm
         sb.destroy()
 
 
+def test_a_rebuild_does_not_read_unchanged_context_files_again(client, tmp_path):
+    """The service keeps the digests of context files across builds, by
+    the file (device, inode, size, times): each build attaches its context
+    at a path of its own, and an unchanged file is not read to be hashed
+    again (its COPY, cached, reads nothing either)."""
+    import ctypes
+    import struct
+
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "data").write_bytes(os.urandom(1 << 16))
+    dockerfile = "FROM busybox\nCOPY data /data\n"
+    client.build_dockerfile(str(ctx), "reread-1", text=dockerfile)
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    assert fd >= 0 and libc.inotify_add_watch(fd, os.fsencode(ctx / "data"), 0x01) >= 0    # IN_ACCESS
+    try:
+        second = client.build_dockerfile(str(ctx), "reread-2", text=dockerfile)
+        try:
+            events = os.read(fd, 4096)
+        except BlockingIOError:
+            events = b""
+    finally:
+        os.close(fd)
+    assert all(step["cached"] for step in second["steps"]), second["steps"]
+    assert events == b"", f"read {len(events) // struct.calcsize('iIII')} times"
+
+
 def test_a_failing_run_names_its_line_and_exit_code(client, tmp_path):
     dockerfile = "FROM busybox\nENV A=1\n# a comment\nRUN echo about to fail; \\\n    exit 7\nRUN true\n"
     with pytest.raises(DsecError) as info:

@@ -102,7 +102,7 @@ def test_a_source_that_cannot_be_hashed_is_named_by_its_context_path(tmp_path, m
     ctx = buildctx.BuildContext.open(str(tmp_path))
     sources = ctx.sources("app.py")
 
-    def fail(self, path, fd):
+    def fail(self, fd):
         raise error
 
     monkeypatch.setattr(buildctx.DigestCache, "file_digest", fail)

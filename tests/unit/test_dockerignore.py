@@ -219,7 +219,7 @@ def test_the_digest_cache_rehashes_a_rewritten_file(tmp_path):
     def digest() -> str:
         fd = os.open(f, os.O_RDONLY)
         try:
-            return cache.file_digest(str(f), fd)
+            return cache.file_digest(fd)
         finally:
             os.close(fd)
 
