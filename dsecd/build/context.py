@@ -169,6 +169,12 @@ class DigestCache:
         self._cache[(st.st_dev, st.st_ino)] = (key, digest)
         return digest
 
+    def forget(self, file: tuple[int, int]) -> None:
+        """Drop the digest of the file with this (device, inode): its bytes
+        were found to be others than the digest's, under the same size and
+        times (a write within the times' granularity, or through a mapping)."""
+        self._cache.pop(file, None)
+
 
 class BuildContext:
     def __init__(self, top: ContextRoot, ignore: IgnoreRules):

@@ -246,9 +246,15 @@ def _write_file(pfd: int, name: str, data_fd: int | None, chunks, mode: int,
     return written
 
 
-def changed_since_hashed(shown: str) -> str:
-    return (f"{shown} changed in the build context during the build, after it was hashed for the step's cache "
-            "key; build again when it holds still")
+class ChangedSinceHashed(CopyError):
+    """A source's bytes, as the copy read them, are not those its step's key
+    hashed. `file`: its (device, inode), whose digest the caller's cache
+    must forget (a write that moved no time would leave it there)."""
+
+    def __init__(self, shown: str, file: tuple[int, int]):
+        super().__init__(f"{shown} changed in the build context during the build, after it was hashed for the "
+                         "step's cache key; build again when it holds still")
+        self.file = file
 
 
 def _hashed(fd: int, h):
@@ -297,7 +303,8 @@ def _put_entry(rootfd: int, path: str, source: Source, e: Entry, owner: tuple[in
             h = hashlib.sha256()
             written = _write_file(pfd, name, None, _hashed(src, h), chmod if chmod is not None else e.mode, owner)
             if h.hexdigest() != want:
-                raise CopyError(changed_since_hashed(shown))
+                st = os.fstat(src)
+                raise ChangedSinceHashed(shown, (st.st_dev, st.st_ino))
             return written
         finally:
             os.close(src)
@@ -364,8 +371,8 @@ def is_archive(f) -> bool:
 class HashedReader:
     """A file read forward only (tarfile's stream mode), every byte read
     added to a sha256 once; `check` reads on to the end and raises
-    CopyError unless the whole file hashed to `want` (None: not checked).
-    What an ADD extracts is then what its step's key hashed."""
+    ChangedSinceHashed unless the whole file hashed to `want` (None: not
+    checked). What an ADD extracts is then what its step's key hashed."""
 
     def __init__(self, f, want: str | None, shown: str):
         self.f, self.want, self.shown = f, want, shown
@@ -380,7 +387,8 @@ class HashedReader:
         while self.read(COPY_CHUNK):
             pass
         if self.want is not None and self.h.hexdigest() != self.want:
-            raise CopyError(changed_since_hashed(self.shown))
+            st = os.fstat(self.f.fileno())
+            raise ChangedSinceHashed(self.shown, (st.st_dev, st.st_ino))
 
 
 def extract_archive(rootfd: int, f, archive: str, dest: str, owner: tuple[int, int] | None,

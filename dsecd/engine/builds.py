@@ -511,7 +511,14 @@ class _Build:
                 total.bytes += counts.bytes
             return total
 
-        counts = await self._files(sb, step, copy)
+        def checked_copy() -> copyin.Counts:
+            try:
+                return copy()
+            except copyin.ChangedSinceHashed as err:
+                self.svc.digests.forget(err.file)      # the next build hashes it again
+                raise
+
+        counts = await self._files(sb, step, checked_copy)
         if counts.skipped:
             await self._emit("warning", step=step.n, message=f"line {step.line}: {len(counts.skipped)} archive "
                              f"entries are devices or FIFOs and were not extracted: {', '.join(counts.skipped[:5])}")

@@ -4,6 +4,7 @@ the archive as the Dockerfile does, and the entry at fault. No root."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import tarfile
@@ -86,6 +87,48 @@ def test_a_source_gone_during_the_copy_is_named_by_its_context_path(tmp_path):
     finally:
         os.close(rootfd)
     assert str(err.value) == "src/pkg/mod.py was removed from the build context during the build"
+
+
+def test_a_copy_that_reads_other_bytes_than_its_key_fails_and_the_digest_is_forgotten(tmp_path):
+    """A file rewritten within its times' granularity (or through a
+    mapping) keeps its size and times: the cached digest is stale. The copy
+    reads other bytes than the key hashed: it fails, naming the file, and
+    the digest goes from the cache so that the next build hashes it anew."""
+    from dsecd.build.context import BuildContext, DigestCache
+
+    ctx, root = tmp_path / "ctx", tmp_path / "root"
+    ctx.mkdir()
+    root.mkdir()
+    f = ctx / "app.py"
+    f.write_text("old\n")
+    context = BuildContext.open(str(ctx))
+    cache = DigestCache()
+    key = context.digest(context.sources("app.py"), cache)
+    f.write_text("new\n")
+    st = os.stat(f)
+    # A write the times did not show: the cache holds the old bytes' digest
+    # under the file's size and times as they are now.
+    cache._cache[(st.st_dev, st.st_ino)] = ((st.st_size, st.st_mtime_ns, st.st_ctime_ns),
+                                            hashlib.sha256(b"old\n").hexdigest())
+    sources = context.sources("app.py")
+    assert context.digest(sources, cache) == key                # stale: the old bytes' key
+    rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(copyin.ChangedSinceHashed) as err:
+            copyin.copy_sources(rootfd, sources, "/app/", None, None)
+    finally:
+        os.close(rootfd)
+    assert "app.py changed in the build context during the build, after it was hashed" in str(err.value)
+    assert err.value.file == (st.st_dev, st.st_ino)
+    cache.forget(err.value.file)
+    sources = context.sources("app.py")
+    assert context.digest(sources, cache) != key                # hashed anew
+    rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        copyin.copy_sources(rootfd, sources, "/app/", None, None)
+    finally:
+        os.close(rootfd)
+    assert (root / "app" / "app.py").read_text() == "new\n"
 
 
 @pytest.mark.parametrize("error,says", [
