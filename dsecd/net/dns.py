@@ -7,7 +7,13 @@ sockets made inside net.host_netns (a socket stays in the netns it was made
 in), and forwards to the upstreams (net.dns_upstreams, else the nameservers of
 the host's /etc/resolv.conf), from that same netns.
 
-A query's source address is a lease, so it names the sandbox. For a name no
+A query's source address is a lease, so it names the sandbox - on the bridge
+only, where a sandbox cannot send with another's address (a container's
+socket cannot use an address its netns does not have, a microVM's tap drops
+frames from any but its own). Elsewhere a sandbox's address is anyone's to
+put in a packet (a host on the uplink, a process of the host side), so the
+sockets are bound to the bridge (SO_BINDTODEVICE) and what arrives on another
+interface never reaches the resolver. For a name no
 name rule of that sandbox matches, the answer is REFUSED (or NXDOMAIN,
 net.dns_refuse) without asking upstream. For a matching name, the upstream's
 answer is checked and trimmed before it leaves:
@@ -135,6 +141,7 @@ class Resolver:
         self.net = net
         self.run_blocking = run_blocking
         self.address = str(net.ipam.gateway4)
+        self.bridge = net.plumbing.spec.name
         self.ns_path = net.plumbing.ns_path
         self.upstreams = parse_upstreams(cfg)
         refuse = cfg.get("dns_refuse", "refused")
@@ -174,6 +181,9 @@ class Resolver:
             tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             for s in (udp, tcp):
                 s.setsockopt(socket.IPPROTO_IP, IP_FREEBIND, 1)
+                # Only what comes through the bridge: a query's source address
+                # is its sandbox's identity there and nowhere else.
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, self.bridge.encode())
                 s.bind((self.address, 53))
                 s.setblocking(False)
             tcp.listen(128)

@@ -6,13 +6,22 @@ config (net.dns_upstreams). Every name and address is test-owned; nothing
 leaves the namespaces the test made.
 """
 
+import contextlib
+import os
+import secrets
+import socket
 import time
 
+import dns.message
 import pytest
 from attack_kit import PROBE_IN_SANDBOX, install_probe, outcome
 from dns_kit import Dnsmasq, addresses, dns_config, nslookup
+from pyroute2 import IPRoute
+from pyroute2 import netns as pr_netns
 from test_net_daemon import _toml_net, connect
-from test_net_kit import bpf_skip_reason
+from test_net_kit import bpf_skip_reason, lo_up
+
+from dsecd.net.plumbing import netlink_socket
 
 pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None or Dnsmasq.missing() is not None,
                                 reason=bpf_skip_reason() or Dnsmasq.missing() or "")
@@ -262,3 +271,72 @@ def test_sdk_network_rules_dict(world, dnsd):
                                                                   "files.pythonhosted.org:443/tcp": False})
     assert sb.net_show()["terms"] == ["pypi", "*.fastly.test:443/tcp"]
     sb.destroy()
+
+
+def _spoofer(world, address: str, gw: str) -> str:
+    """A netns of the test linked to the bridge's netns by a veth that is no
+    port of the bridge, holding `address` (a sandbox's lease) with a route to
+    the gateway through that veth: a host on another interface of the host
+    side that sends with a sandbox's source address. Removed with the World."""
+    ns = f"{world.prefix}-spf{secrets.token_hex(2)}"
+    pr_netns.create(ns)
+    world.netns.append(ns)
+    lo_up(f"/run/netns/{ns}")
+    fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+    try:
+        with IPRoute(fileno=netlink_socket(f"/run/netns/{world.br_ns}").detach(), groups=0) as ipr:
+            name = f"spf{secrets.token_hex(3)}"
+            ipr.link("add", ifname=name, kind="veth", peer={"ifname": "eth0", "net_ns_fd": fd})
+            ipr.link("set", index=ipr.link_lookup(ifname=name)[0], state="up")
+    finally:
+        os.close(fd)
+    with IPRoute(fileno=netlink_socket(f"/run/netns/{ns}").detach(), groups=0) as ipr:
+        idx = ipr.link_lookup(ifname="eth0")[0]
+        ipr.addr("add", index=idx, address=address, prefixlen=32)
+        ipr.link("set", index=idx, state="up")
+        ipr.route("add", dst=f"{gw}/32", oif=idx, scope=253)        # RT_SCOPE_LINK
+    return ns
+
+
+@pytest.mark.attack
+def test_a_query_with_a_sandbox_address_from_another_interface_is_not_the_sandbox_s(world, dnsd):
+    """The resolver takes a query's source address for its sandbox's
+    identity, which holds only on the bridge: a query carrying a sandbox's
+    address that arrives on another interface of the host side is not the
+    sandbox's. It gets no answer, and the sandbox learns nothing from it and
+    is charged nothing for it."""
+    d, c = dnsd
+    sb = c.create(image="busybox", net="default", allow=["pypi"])
+    ip = sb.info["net"]["lease"]["ipv4"].split("/")[0]
+    gw = f"10.{world.octet}.0.1"
+    ns = _spoofer(world, ip, gw)
+    # A socket of the host side on another port: it shows that datagrams from
+    # `ip` through the spoofer's veth do reach the bridge's netns, and when.
+    control = world.host_udp_service(5399)
+
+    def spoof() -> list:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind((ip, 0))
+        s.settimeout(1)
+        for name in ("other.test", "pypi.org"):
+            s.sendto(dns.message.make_query(name, "A").to_wire(), (gw, 53))
+        answers = []
+        with contextlib.suppress(TimeoutError, ConnectionRefusedError):
+            answers.append(s.recv(512))
+        s.sendto(b"after the queries", (gw, 5399))
+        s.close()
+        return answers
+
+    try:
+        assert world.in_netns(ns, spoof) == []
+        data, (src, _) = control.recvfrom(100)        # so the queries are in the resolver's socket too
+        assert (data, src) == (b"after the queries", ip)
+    finally:
+        control.close()
+    # The sandbox's own queries come after them and are its own.
+    code, out = nslookup(sb, "files.pythonhosted.org")
+    assert code == 0 and world.pkg in out, out
+    assert "REFUSED" in nslookup(sb, "own.test")[1]
+    view = sb.net_show()
+    assert view["dns"]["refused_names"] == ["own.test"], view["dns"]
+    assert [x["name"] for x in view["learned"]] == ["files.pythonhosted.org"], view["learned"]

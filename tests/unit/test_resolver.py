@@ -12,7 +12,8 @@ from dsecd.net import dns as D
 def _resolver(rate: float = 0) -> D.Resolver:
     """A resolver with no sandbox; rate: net.dns_rate_per_s (0, no limit: the slot tests)."""
     net = types.SimpleNamespace(ipam=types.SimpleNamespace(gateway4="10.88.0.1"),
-                                plumbing=types.SimpleNamespace(ns_path=""), client=lambda src: None)
+                                plumbing=types.SimpleNamespace(ns_path="", spec=types.SimpleNamespace(name="dsec0")),
+                                client=lambda src: None)
     return D.Resolver(net, {"dns_upstreams": ["192.0.2.53"], "dns_rate_per_s": rate}, run_blocking=None)
 
 
