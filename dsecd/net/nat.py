@@ -412,11 +412,15 @@ class HostNat:
         keeps its DNAT for the connection's life, so without this an open
         connection would go on reaching the sandbox through a port no longer published."""
         with self._lock:
-            handles = self._handles.pop(key, None)
+            handles = self._handles.get(key)
             if not handles or not self.started:
+                self._handles.pop(key, None)
                 return False
-            self._run([{"delete": {"rule": {"family": FAMILY, "table": self.table, "chain": c, "handle": h}}}
-                       for c, h in handles], f"unpublish {key}")
+            self._delete_rules(key, handles)
+            # Forgotten only once deleted: a rule left in place still sends the
+            # host port's connections to the sandbox's address, so it stays
+            # known, and a retry deletes it.
+            del self._handles[key]
         if host_port is not None:
             try:
                 cut = forget_connections(self.ns_path, host_port, sb_addr, port)
@@ -428,6 +432,26 @@ class HostNat:
                 if cut:
                     log.info("unpublish %s: cut %d open connection(s) through host port %s", key, cut, host_port)
         return True
+
+    def _delete_rules(self, key: str, handles: list[tuple[str, int]]) -> None:
+        """Delete a publication's rules, in one transaction. A rule already
+        gone (deleted by hand, the table flushed) is as good as deleted: the
+        transaction fails for it whole, so then each is deleted on its own.
+        Under the lock."""
+        def delete(chain: str, handle: int) -> dict:
+            return {"delete": {"rule": {"family": FAMILY, "table": self.table, "chain": chain, "handle": handle}}}
+
+        try:
+            self._run([delete(c, h) for c, h in handles], f"unpublish {key}")
+        except NatError as err:
+            if "No such file" not in str(err):
+                raise
+            for c, h in handles:
+                try:
+                    self._run([delete(c, h)], f"unpublish {key}")
+                except NatError as err1:
+                    if "No such file" not in str(err1):
+                        raise
 
     def info(self) -> dict:
         return {"table": f"{FAMILY} {self.table}", "uplink": self.uplink, "published": len(self._handles)}

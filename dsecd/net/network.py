@@ -83,6 +83,7 @@ class _Sandbox:
     refused_names: collections.deque = field(default_factory=lambda: collections.deque(maxlen=REFUSED_NAMES))
     kind: str = "container"                           # container (veth, cgroup programs) | vm (tap, dsec_tap)
     tap_index: int = 0                                # a VM's current tap (0: no QEMU runs)
+    dropped: bool = False                             # policy and counters freed (a detach got that far)
 
     def record(self) -> dict:
         return {"id": self.id, "mode": self.mode, "cgroup_dir": self.cgroup_dir, "cgroup_id": self.cgroup_id,
@@ -518,8 +519,12 @@ class Network:
             steps += [("forget the tap", lambda: self.unplug_vm(sb.id))]
         elif sb.mode == "default":
             steps += [("detach programs", lambda: self.engine.detach(sb.cgroup_dir))]
+        # A port whose DNAT could not be deleted keeps its sandbox's address
+        # leased and its record (with the port): a sandbox given that address
+        # would get the port's connections. A repeated detach deletes it; a
+        # restarted daemon replaces the whole table.
         steps += [("free policy, lease", lambda: self._free(sb)),
-                  ("delete record", lambda: self.records.delete(sb.id))]
+                  ("delete record", lambda: None if sb.ports else self.records.delete(sb.id))]
         first = None
         for what, fn in steps:
             try:
@@ -533,8 +538,15 @@ class Network:
     def _free(self, sb: _Sandbox) -> None:
         with self._lock:
             if sb.mode == "default":
-                self._retire_counts(sb)
-                self._drop_policy(sb)
+                if not sb.dropped:
+                    self._retire_counts(sb)
+                    self._drop_policy(sb)
+                    sb.dropped = True
+                if sb.ports:              # its DNAT stands: see _teardown
+                    log.error("sandbox %s: its address %s stays leased while port(s) %s of it stay published "
+                              "(their DNAT could not be deleted); a repeated detach retries", sb.id, sb.ipv4,
+                              ", ".join(map(str, sb.ports)))
+                    return
                 self.ipam.release(sb.id)
             self._sbs.pop(sb.id, None)
 
@@ -645,10 +657,15 @@ class Network:
         self._host_ports[(pub["bind"], pub["host_port"])] = sb.id
 
     def _unpublish_one(self, sb: _Sandbox, port: int) -> None:
-        pub = sb.ports.pop(port)
-        self._host_ports.pop((pub["bind"], pub["host_port"]), None)
+        """Delete the port's DNAT, then forget it. If the DNAT could not be
+        deleted, the port stays published (shown, recorded, its host port
+        taken): the rule still sends that host port's connections to the
+        sandbox's address."""
+        pub = sb.ports[port]
         if self.nat is not None:
             self.nat.unpublish(f"{sb.id}:{port}", pub["host_port"], sb.ipv4.split("/")[0], port)
+        del sb.ports[port]
+        self._host_ports.pop((pub["bind"], pub["host_port"]), None)
 
     def unpublish(self, sb_id: str, port: int) -> dict:
         with self._lock:
@@ -660,9 +677,16 @@ class Network:
             return {"sandbox": sb_id, "port": port}
 
     def _unpublish_all(self, sb: _Sandbox) -> None:
+        """Each port, whether or not another's failed; the first error is raised."""
+        first = None
         with self._lock:
             for port in list(sb.ports):
-                self._unpublish_one(sb, port)
+                try:
+                    self._unpublish_one(sb, port)
+                except Exception as err:
+                    first = first or err
+        if first is not None:
+            raise first
 
     def _port_view(self, sb: _Sandbox, pub: dict) -> dict:
         host = pub["bind"] or str(self.ipam.gateway4)

@@ -3,6 +3,7 @@ each sandbox an agent process in its own netns + cgroup (see test_net_kit.py).""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -446,3 +447,64 @@ def test_accepted_marks_are_for_connections_from_outside_while_they_last(world, 
     while count() != base and time.monotonic() < deadline:
         time.sleep(0.05)
     assert count() == base                          # closed: its mark went with it
+
+
+def _published_keys(world) -> list[str]:
+    """The comments (`<sandbox>:<port>`) of the DNAT rules in dsecd's table of the world's bridge netns."""
+    from dsecd.net.nat import _nft, run
+
+    items = run(_nft(f"/run/netns/{world.br_ns}"), [{"list": {"table": {"family": "inet", "name": "dsecd"}}}],
+                "list the table")
+    return sorted(it["rule"]["comment"] for it in items if "rule" in it and it["rule"].get("comment"))
+
+
+def _failing_rule_deletes(nat, monkeypatch) -> None:
+    """nftables refuses to delete any rule of dsecd's table from now on (until monkeypatch.undo())."""
+    from dsecd.net.nat import NatError
+
+    real = nat._run
+
+    def run(cmds, what):
+        if any("rule" in c.get("delete", {}) for c in cmds):
+            raise NatError(errno.EIO, f"nftables: {what}: Input/output error (injected)")
+        return real(cmds, what)
+
+    monkeypatch.setattr(nat, "_run", run)
+
+
+def test_a_failed_unpublish_keeps_the_port_until_its_dnat_is_gone(world, sandbox, monkeypatch):
+    """A DNAT rule nftables did not delete still sends the host port's
+    connections to the sandbox's address: the port stays published (shown,
+    recorded, its host port taken) and a retry deletes it. A destroy that
+    cannot delete it keeps the sandbox's address from being leased again,
+    which would hand the port to the next sandbox given it, until a repeated
+    detach deletes the rule."""
+    a = sandbox()
+    net = world.net
+    net.publish(a.name, 8080)
+    key = f"{a.name}:8080"
+    assert _published_keys(world) == [key, key]
+    _failing_rule_deletes(net.nat, monkeypatch)
+    with pytest.raises(OSError, match="injected"):
+        net.unpublish(a.name, 8080)
+    assert _published_keys(world) == [key, key]
+    assert [p["port"] for p in net.show(a.name)["ports"]] == [8080]
+    assert [p["port"] for p in read_records(net.records.path)[a.name]["ports"]] == [8080]
+    monkeypatch.undo()
+    net.unpublish(a.name, 8080)
+    assert _published_keys(world) == [] and net.show(a.name)["ports"] == []
+
+    b = world.agent()
+    net.attach(b.name, f"/run/netns/{b.netns}", b.cgroup)
+    net.publish(b.name, 8080)
+    addr = net.ipam.get(b.name).ipv4
+    _failing_rule_deletes(net.nat, monkeypatch)
+    with pytest.raises(OSError, match="injected"):
+        net.detach(b.name)
+    assert _published_keys(world) == [f"{b.name}:8080"] * 2
+    assert net.ipam.get(b.name).ipv4 == addr          # not free for another sandbox while the DNAT stands
+    assert b.name in read_records(net.records.path)
+    monkeypatch.undo()
+    net.detach(b.name)
+    assert _published_keys(world) == [] and net.ipam.get(b.name) is None
+    assert b.name not in read_records(net.records.path)
