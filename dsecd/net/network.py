@@ -506,25 +506,35 @@ class Network:
             sb.state = "detaching"           # an update racing with this gets Conflict
         self._teardown(sb)
 
-    def _teardown(self, sb: _Sandbox) -> None:
+    def _teardown(self, sb: _Sandbox, live: bool = False) -> None:
         """Every step runs even if an earlier one failed (one stuck resource must not
-        leak the rest); the first error is raised at the end."""
+        leak the rest); the first error is raised at the end.
+
+        live: the sandbox runs on, cut off (a failed readopt): see _cut_off."""
         steps = []
+        link = {"gone": not (sb.mode == "default" and sb.ifname)}
+
+        def delete_link() -> None:
+            self.plumbing.remove_sandbox(sb.ifname)
+            link["gone"] = True
+
         if sb.ports:
             steps += [("unpublish ports", lambda: self._unpublish_all(sb))]
         if sb.mode == "default" and sb.ifname:
-            steps += [("delete veth" if sb.kind == "container" else "delete tap",
-                       lambda: self.plumbing.remove_sandbox(sb.ifname))]
+            steps += [("delete veth" if sb.kind == "container" else "delete tap", delete_link)]
+        cut_off = live and sb.kind == "container" and sb.mode == "default"
         if sb.kind == "vm":
             steps += [("forget the tap", lambda: self.unplug_vm(sb.id))]
-        elif sb.mode == "default":
+        elif sb.mode == "default" and not cut_off:
             steps += [("detach programs", lambda: self.engine.detach(sb.cgroup_dir))]
         # A port whose DNAT could not be deleted keeps its sandbox's address
         # leased and its record (with the port): a sandbox given that address
         # would get the port's connections. A repeated detach deletes it; a
         # restarted daemon replaces the whole table.
-        steps += [("free policy, lease", lambda: self._free(sb)),
-                  ("delete record", lambda: None if sb.ports else self.records.delete(sb.id))]
+        steps += [("free policy, lease", lambda: self._free(sb))]
+        if cut_off:                     # after _free: no `sandboxes` entry names its cgroup now
+            steps += [("cut off its egress", lambda: self._cut_off(sb, link["gone"]))]
+        steps += [("delete record", lambda: None if sb.ports else self.records.delete(sb.id))]
         first = None
         for what, fn in steps:
             try:
@@ -534,6 +544,21 @@ class Network:
                 first = first or err
         if first is not None:
             raise first
+
+    def _cut_off(self, sb: _Sandbox, link_gone: bool) -> None:
+        """A sandbox that runs on without its networking (a failed readopt).
+        With its veth gone it has loopback only, and its programs are
+        detached. A veth that could not be deleted would leave it a link with
+        no programs, i.e. no egress policy at all: then this daemon's
+        programs go on its cgroup (replacing the previous daemon's), and with
+        no `sandboxes` entry for it they refuse its every connect, send and
+        packet, loopback included."""
+        if link_gone:
+            self.engine.detach(sb.cgroup_dir)
+            return
+        self.engine.attach(sb.cgroup_dir)
+        log.error("sandbox %s: its veth %s could not be deleted; its cgroup keeps programs that refuse all "
+                  "of its traffic (loopback too) until it is destroyed", sb.id, sb.ifname)
 
     def _free(self, sb: _Sandbox) -> None:
         with self._lock:
@@ -1111,7 +1136,7 @@ class Network:
                 sb = self._sbs.get(sb_id)
                 try:
                     if sb is not None:
-                        self._teardown(sb)
+                        self._teardown(sb, live=True)
                     else:
                         self._release_leftovers(sb_id)
                 except Exception as err2:

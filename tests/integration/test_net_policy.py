@@ -508,3 +508,42 @@ def test_a_failed_unpublish_keeps_the_port_until_its_dnat_is_gone(world, sandbox
     net.detach(b.name)
     assert _published_keys(world) == [] and net.ipam.get(b.name) is None
     assert b.name not in read_records(net.records.path)
+
+
+def test_a_failed_readopt_cuts_the_sandbox_off_even_if_its_veth_stays(world, tmp_path, monkeypatch):
+    """Networking that a restarted daemon cannot re-adopt is taken away
+    (fail closed). If its veth cannot be deleted either, the sandbox must not
+    keep it with no programs on its cgroup, i.e. with no egress policy at
+    all: this daemon's programs stay on it and refuse everything."""
+    cfg = dict(world.cfg, ipv4_pool=f"10.{world.octet}.8.0/24")
+    state = tmp_path / "state"
+    a = world.agent()
+    script = (
+        "import json, sys\nfrom pathlib import Path\nfrom dsecd.net import Network\n"
+        "cfg, state, root, name, ns, cg = json.loads(sys.argv[1])\n"
+        "net = Network(cfg, Path(state), Path('/sys/fs/cgroup/unified'), root)\n"
+        "net.attach(name, ns, cg, ['pypi'])\n")
+    arg = json.dumps([cfg, str(state), world.cgroup_root, a.name, f"/run/netns/{a.netns}", str(a.cgroup)])
+    out = subprocess.run([sys.executable, "-c", script, arg], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert a.ask(op="connect", host=world.pkg, port=443)["ok"]          # the old daemon's programs
+    from dsecd.net import Network
+
+    net2 = Network(cfg, state, V2, world.cgroup_root)
+    try:
+        def lost(_sb_id):
+            raise OSError(errno.EADDRNOTAVAIL, "its address was lost (injected)")
+
+        def stuck(_ifname):
+            raise OSError(errno.EBUSY, "delete veth: Device or resource busy (injected)")
+
+        monkeypatch.setattr(net2, "ipam_allocate", lost)
+        monkeypatch.setattr(net2.plumbing, "remove_sandbox", stuck)
+        res = net2.readopt({a.name: (f"/run/netns/{a.netns}", str(a.cgroup))})
+        assert list(res["failed"]) == [a.name] and "injected" in res["failed"][a.name]
+        assert a.ask(op="connect", host=world.pkg, port=443) == {"errno": "EPERM"}
+        assert a.ask(op="connect", host=world.ref, port=443) == {"errno": "EPERM"}
+        assert a.ask(op="udp", host=world.pkg, port=53) == {"errno": "EPERM"}
+        monkeypatch.undo()
+    finally:
+        net2.close()
