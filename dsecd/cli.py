@@ -1748,7 +1748,9 @@ async def cmd_ps(c: Client, a) -> int:
     rows = []
     for s in sorted(sbs, key=lambda s: s["created"]):
         lim = s["limits"]
-        rows.append([s["id"], s["image"], s["state"], f"{lim['cpu']:g}", _human_bytes(lim["memory"]),
+        # Networking a restarted daemon could not re-adopt is gone: said where the sandboxes are listed.
+        state = s["state"] + (", net lost" if (s.get("net") or {}).get("lost") else "")
+        rows.append([s["id"], s["image"], state, f"{lim['cpu']:g}", _human_bytes(lim["memory"]),
                      str(s["execs_running"]), str(s.get("procs_running", 0)),
                      time.strftime("%H:%M:%S", time.localtime(s["created"])),
                      # One shell word per label: a value with spaces, commas or quotes reads back whole.

@@ -161,6 +161,7 @@ class Node:
         self.memory = MemoryService(cfg, root, self.registry, self.workers, self.events, self.vms)
         self.net_service = NetworkService(cfg, layout, root, self.limits["max_sandboxes"], self.registry,
                                           self.workers, self.backend)
+        self.net_service.events = self.events
         self.procs = ProcessService(self.registry, self.workers, self.backend, self.memory.ensure_running,
                                     ProcLimits.from_config(cfg), self.policies, self.vms,
                                     self.denials)

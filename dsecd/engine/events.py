@@ -9,7 +9,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-EVENT_KINDS = ("created", "paused", "resumed", "expired", "oom", "died", "destroyed", "denied")
+EVENT_KINDS = ("created", "paused", "resumed", "expired", "oom", "died", "destroyed", "denied",
+               "net_lost")
 
 
 class EventBus:

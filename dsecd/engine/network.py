@@ -30,7 +30,7 @@ import threading
 
 from .. import cgroup, userns
 from ..config import ConfigError
-from ..errors import BadRequest, DsecError, Unsupported, io_error
+from ..errors import BadRequest, Conflict, DsecError, Unsupported, io_error
 from ..fs import files as sbfiles
 from .sandboxes import SandboxRegistry
 from .workers import Workers
@@ -82,6 +82,8 @@ class NetworkService:
         self.dns_error: str | None = None
         self.address_watch = None
         self.address_watch_error: str | None = None
+        self.events = None                  # the node's EventBus: `net_lost` (set by the node)
+        self._lost: dict[str, str] = {}     # what the last build could not re-adopt: sandbox id -> why
         self._net_ready: asyncio.Future | None = None
         self._warmup: asyncio.Task | None = None
         self._bpf_loader: threading.Thread | None = None
@@ -98,6 +100,7 @@ class NetworkService:
                     if _networked(s) and s.handle is not None}
             try:
                 self.net = await self.workers.run(self._build_network, live)
+                self._report_lost()
                 self._watch_host_addresses(self.net)
                 await self._start_resolver(self.net)
                 self._net_ready.set_result(self.net)
@@ -167,7 +170,33 @@ class NetworkService:
         for sb_id, why in res.get("failed", {}).items():
             log.error("sandbox %s lost its networking across the restart (%s); it keeps loopback only",
                       sb_id, why)
+        self._lost = dict(res.get("failed", {}))
         return net
+
+    def _report_lost(self) -> None:
+        """On the loop, after the build: each sandbox whose networking could
+        not be re-adopted runs on cut off (fail closed). Its record says so
+        (`dsec ps`, inspect, net show and set answer with it) and a
+        `net_lost` event tells whoever follows the events."""
+        lost, self._lost = self._lost, {}
+        for sb_id, why in lost.items():
+            sb = self.registry.by_id.get(sb_id)
+            if sb is None:
+                continue
+            sb.net = {"mode": "default", "lease": None,
+                      "lost": f"its networking could not be re-adopted when the daemon restarted ({why}); "
+                              "it has no network but loopback: destroy it and create another"}
+            try:
+                self.registry.save(sb)
+            except OSError as err:
+                log.error("sandbox %s: journal that it lost its networking: %s", sb_id, err)
+            if self.events is not None:
+                self.events.publish("net_lost", sb_id, reason=why)
+
+    def _check_not_lost(self, sb) -> None:
+        """Conflict for a sandbox cut off by a failed readopt: its networking is gone for good."""
+        if sb.net and sb.net.get("lost"):
+            raise Conflict(f"sandbox {sb.id}: {sb.net['lost']}", {"sandbox": sb.id})
 
     def net_mode(self, req) -> str:
         mode = req.net or self.net_cfg["default_mode"]
@@ -479,6 +508,7 @@ class NetworkService:
 
     async def show(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
+        self._check_not_lost(sb)
         if not _networked(sb):
             return {"sandbox": sb.id, "mode": "none"}
         return await self.workers.run((await self.network()).show, sb.id)
@@ -492,6 +522,7 @@ class NetworkService:
 
     async def set(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
+        self._check_not_lost(sb)
         if not _networked(sb):
             raise BadRequest(f"sandbox {sb.id} has --net none: no policy to change")
         if req.replace is not None and (req.add or req.remove):
@@ -522,6 +553,7 @@ class NetworkService:
 
     async def publish(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
+        self._check_not_lost(sb)
         if not _networked(sb):
             raise BadRequest(f"sandbox {sb.id} has --net none: no address to publish a port of; "
                              "create it with --net default")
@@ -529,6 +561,7 @@ class NetworkService:
 
     async def unpublish(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
+        self._check_not_lost(sb)
         if not _networked(sb):
             raise BadRequest(f"sandbox {sb.id} has --net none: no published ports")
         net = await self.network()

@@ -144,6 +144,13 @@ def test_a_sandbox_whose_address_left_the_pool_is_cut_off_at_restart(world, netd
         assert "inet " not in a.exec(["ip", "-4", "addr", "show"]).stdout.decode().replace("inet 127.", ""), \
             "the sandbox kept an address outside net.ipv4_pool"
         assert "lost its networking across the restart" in d.log.read_text()
+        # And whoever lists the sandboxes or follows the events is told too.
+        assert f"{a.id}" in (ps := d.cli("ps").stdout.decode()) and "running, net lost" in ps, ps
+        events = [json.loads(ln) for ln in d.cli("events", "--replay", "--no-follow", "--json").stdout.splitlines()]
+        assert [e["event"] for e in events if e["sandbox"] == a.id] == ["net_lost"], events
+        assert "could not be re-adopted" in json.loads(d.cli("inspect", a.id).stdout)["net"]["lost"]
+        shown = d.cli("net", "show", a.id)
+        assert shown.returncode == 1 and b"could not be re-adopted" in shown.stderr, shown
         b = c.create(image="busybox", memory="64M", net="default", allow=["0.0.0.0/0:7777/tcp"])
         install_probe(b, probe_binary)
         _listen(a, 7777)
