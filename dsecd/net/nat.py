@@ -192,14 +192,47 @@ def forget_connections(ns_path: str | None, host_port: int, sb_addr: str, port: 
     `host_port` and DNATed to `sb_addr`:`port` (the reply comes from there), and
     no other (a connection made to the sandbox's address itself has no DNAT):
     the next packet of such a connection finds no DNAT and is answered with a
-    reset. Returns how many were deleted.
+    reset. Returns how many were deleted."""
+    from pyroute2.netlink.nfnetlink.nfctsocket import IPS_DST_NAT, NFCTAttrTuple
+
+    def ours(entry) -> bool:
+        reply = entry.tuple_reply
+        return bool((entry.status or 0) & IPS_DST_NAT) and reply is not None and reply.saddr == sb_addr \
+            and reply.sport == int(port)
+
+    return _forget(ns_path, [("orig", NFCTAttrTuple(proto=socket.IPPROTO_TCP, dport=int(host_port)))], ours)
+
+
+def forget_address(ns_path: str | None, address: str) -> int:
+    """Delete the conntrack entries of the netns for every connection of a
+    sandbox's IPv4 `address`: what it opened (masqueraded out of the uplink,
+    or to the host side) and what was opened to it directly (those made
+    through a published port go at its unpublish: forget_connections). A
+    destroyed sandbox's entries would otherwise outlive it, a TCP one for
+    days, and the next sandbox leased its address would inherit them:
+    answers to the old connections, which `ct state established` lets into
+    the bridge, and their NAT bindings. Returns how many were deleted.
+
+    IPv4 only: pyroute2 sends its dumps as AF_INET, which the kernel's
+    filter refuses for IPv6 addresses (EINVAL); IPv6 is not NATed, so no
+    binding of the address outlives it there."""
+    from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
+
+    return _forget(ns_path, [("orig", NFCTAttrTuple(saddr=address)), ("orig", NFCTAttrTuple(daddr=address))],
+                   lambda _entry: True)
+
+
+def _forget(ns_path: str | None, filters: list, wanted) -> int:
+    """Delete the entries of the netns' conntrack table that one of
+    `filters` (("orig", NFCTAttrTuple): matched by the kernel, and again
+    by pyroute2) lists and `wanted(entry)` keeps; how many.
 
     pyroute2's ctnetlink client over a socket opened in the netns: the
-    `conntrack` tool is not installed with dsecd, and one process per unpublish
-    would be the only subprocess on this path."""
+    `conntrack` tool is not installed with dsecd (nor on Debian by
+    default), and a process per destroy or unpublish would be the only
+    subprocess on those paths."""
     from pyroute2 import Conntrack
     from pyroute2.netlink.exceptions import NetlinkError
-    from pyroute2.netlink.nfnetlink.nfctsocket import IPS_DST_NAT, NFCTAttrTuple
 
     with _maybe_netns(ns_path):
         s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, NETLINK_NETFILTER)
@@ -217,18 +250,16 @@ def forget_connections(ns_path: str | None, host_port: int, sb_addr: str, port: 
     n = 0
     try:
         with ct:
-            match = NFCTAttrTuple(proto=socket.IPPROTO_TCP, dport=int(host_port))
-            for entry in list(ct.dump_entries(tuple_orig=match)):
-                reply = entry.tuple_reply
-                if (not (entry.status or 0) & IPS_DST_NAT or reply is None or reply.saddr != sb_addr
-                        or reply.sport != int(port)):
-                    continue
-                try:
-                    ct.delete(entry)
-                    n += 1
-                except NetlinkError as err:
-                    if err.code != errno.ENOENT:             # else it ended meanwhile
-                        raise
+            for _which, match in filters:
+                for entry in list(ct.dump_entries(tuple_orig=match)):
+                    if not wanted(entry):
+                        continue
+                    try:
+                        ct.delete(entry)
+                        n += 1
+                    except NetlinkError as err:
+                        if err.code != errno.ENOENT:             # else it ended meanwhile
+                            raise
     except NetlinkError as err:
         raise NatError(err.code, f"conntrack: {os.strerror(err.code)}") from err
     return n

@@ -46,7 +46,7 @@ from ..fds import close_quietly
 from ..journal import RecordLog
 from . import rules as R
 from .ipam import Ipam, Lease
-from .nat import HostNat, NatError, delete_table, table_name
+from .nat import HostNat, NatError, delete_table, forget_address, table_name
 from .plumbing import BridgeSpec, Plumbing, host_ifname, in_netns, netns_path, vm_ifname, vm_mac
 from .policy import Engine
 from .pool import NetnsPool, Ready
@@ -531,6 +531,10 @@ class Network:
         # leased and its record (with the port): a sandbox given that address
         # would get the port's connections. A repeated detach deletes it; a
         # restarted daemon replaces the whole table.
+        if sb.mode == "default" and sb.ipv4:
+            # While the address is still its lease: the next sandbox given it
+            # must not inherit its connections.
+            steps += [("forget its connections", lambda: self._forget_connections(sb.id, sb.ipv4))]
         steps += [("free policy, lease", lambda: self._free(sb))]
         if cut_off:                     # after _free: no `sandboxes` entry names its cgroup now
             steps += [("cut off its egress", lambda: self._cut_off(sb, link["gone"]))]
@@ -544,6 +548,18 @@ class Network:
                 first = first or err
         if first is not None:
             raise first
+
+    def _forget_connections(self, sb_id: str, ipv4: str) -> None:
+        """Delete the host side's conntrack entries of the sandbox's address
+        (nat.forget_address): entries outlive the sandbox (an established TCP
+        one for days), and the next sandbox leased the address would inherit
+        them. Nothing to do on a kernel without conntrack."""
+        if not os.path.exists("/sys/module/nf_conntrack"):
+            return
+        addr = str(ipaddress.ip_interface(ipv4).ip)
+        n = forget_address(self.plumbing.ns_path, addr)
+        if n:
+            log.info("sandbox %s: deleted %d conntrack entries of its address %s", sb_id, n, addr)
 
     def _cut_off(self, sb: _Sandbox, link_gone: bool) -> None:
         """A sandbox that runs on without its networking (a failed readopt).
@@ -579,6 +595,11 @@ class Network:
         rec = self.records.get(sb_id) or {}
         if self.ipam.get(sb_id) is not None or rec.get("ifname"):
             self.plumbing.remove_sandbox(rec.get("ifname") or host_ifname(sb_id))
+            if rec.get("ipv4"):
+                try:
+                    self._forget_connections(sb_id, rec["ipv4"])
+                except OSError as err:
+                    log.error("sandbox %s: forget its connections: %s", sb_id, err)
             with self._lock:
                 self.ipam.release(sb_id)
         self.records.delete(sb_id)

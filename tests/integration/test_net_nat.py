@@ -498,3 +498,36 @@ def test_daemons_sharing_a_netns_keep_their_own_tables(iworld, natd, daemon_fact
     assert wget(sb, f"http://{iworld.inet}/")[0] == 0
     sb.unpublish(8080)
     sb.destroy()
+
+
+def _tracked_from(ns: str, addr: str) -> list:
+    """The conntrack entries of the netns `ns` whose original direction comes from `addr`."""
+    from pyroute2 import Conntrack
+    from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
+
+    def dump() -> list:
+        s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, 12)   # NETLINK_NETFILTER
+        s.bind((0, 0))
+        with Conntrack(fileno=s.detach()) as ct:
+            return [(e.tuple_orig.daddr, e.tuple_orig.dport)
+                    for e in ct.dump_entries(tuple_orig=NFCTAttrTuple(saddr=addr))]
+
+    return World.in_netns(ns, dump)
+
+
+def test_a_destroyed_sandbox_leaves_no_connection_tracked_for_its_address(iworld, natd):
+    """The host side's conntrack entries of a sandbox's connections go with
+    it: they would outlive it (an established TCP connection's, for days),
+    and the next sandbox given its address would inherit them, with the
+    answers `ct state established` lets into the bridge."""
+    d, c = natd
+    sb = c.create(image="busybox", net="default", allow=[f"{iworld.inet}:9000/tcp"])
+    ip = sb.net_show()["lease"]["ipv4"].split("/")[0]
+    # A connection held open through the uplink, to the internet's sink.
+    sb.exec(["sh", "-c", f"setsid sh -c 'sleep 600 | nc {iworld.inet} 9000' </dev/null >/dev/null 2>&1 &"])
+    deadline = time.monotonic() + 10
+    while (iworld.inet, 9000) not in _tracked_from(iworld.br_ns, ip):
+        assert time.monotonic() < deadline, "the sandbox's connection was never tracked"
+        time.sleep(0.1)
+    sb.destroy(force=True)
+    assert _tracked_from(iworld.br_ns, ip) == []
