@@ -603,8 +603,8 @@ async def cmd_net(c: Client, a) -> int:
             print(f"{q['rate_limited']} queries over net.dns_rate_per_s went unanswered (the sandbox saw them "
                   "time out)")
         if q.get("learned_full"):
-            print(f"{q['learned_full']} answers over the learned cap (net.max_rules_per_sandbox): answered "
-                  "SERVFAIL until learned addresses expire")
+            print(f"{q['learned_full']} answers over the learned cap (net.dns_max_learned for the sandbox, a "
+                  "quarter of net.max_prefixes for all of them): answered SERVFAIL until learned addresses expire")
         if q.get("refused_names"):
             print(f"refused names: {' '.join(q['refused_names'])} (no name rule allows them; the sandbox saw a "
                   f"failed lookup: allow one with `dsec net set {sb.id} --add NAME:443/tcp`)")

@@ -476,6 +476,8 @@ class NetworkService:
     def _net_info(self) -> dict:
         if self.net is not None:
             dns = self.resolver.info() if self.resolver else {"error": self.dns_error or "off (net.dns)"}
+            if self.resolver:
+                dns["learned"] = self.net.learned_info()
             return {"available": True, "detail": f"bridge {self.net_cfg['bridge']}, "
                     f"{self.net_cfg['ipv4_subnet']}, eBPF allowlists loaded",
                     "pool": self.net.pool.stats(), "updates": self.net.update_stats(),

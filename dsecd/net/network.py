@@ -100,6 +100,14 @@ class Network:
         self.sets = R.parse_rule_sets(cfg.get("rule_sets", {}))
         self.essentials = tuple(R.canonical_term(t, self.sets) for t in cfg.get("essentials", []))
         self.max_rules = int(cfg["max_rules_per_sandbox"])
+        # Learned addresses (the resolver's answers): at most dns_max_learned a
+        # sandbox, and a quarter of the trie for all of them together. The trie
+        # is every sandbox's, a policy update may need its whole size again
+        # (the flip), and a zone whose names map to any address
+        # (ec2-A-B-C-D.compute-1.amazonaws.com is A.B.C.D) lets a sandbox
+        # learn without end: the rest stays for the policies.
+        self.max_learned = min(int(cfg.get("dns_max_learned", 256)), self.max_rules)
+        self.learned_budget = int(cfg["max_prefixes"]) // 4
         self.dns_enabled = bool(cfg.get("dns", True))
         netdir = Path(state_dir) / "net"
         self.records = RecordLog(netdir / "records.log", fsync=bool(cfg.get("fsync", False)))
@@ -582,6 +590,7 @@ class Network:
                 if not sb.dropped:
                     self._retire_counts(sb)
                     self._drop_policy(sb)
+                    sb.learned = {}           # not in the shared learned budget while its DNAT stays
                     sb.dropped = True
                 if sb.ports:              # its DNAT stands: see _teardown
                     log.error("sandbox %s: its address %s stays leased while port(s) %s of it stay published "
@@ -986,8 +995,8 @@ class Network:
         atomically with the rest of the policy; a known entry's expiry only grows.
         blocking=False (the event loop): None, having done nothing, if the lock is
         busy or the change is not small. On error nothing is added; False, having
-        added nothing, when the sandbox would hold more than
-        net.max_rules_per_sandbox learned entries."""
+        added nothing, when the sandbox would hold more than max_learned
+        learned entries, or all sandboxes together more than learned_budget."""
         if not self._lock.acquire(blocking=blocking):
             return None
         try:
@@ -1000,9 +1009,10 @@ class Network:
                      if r not in sb.learned or sb.learned[r].expires < ln.expires}
             if not fresh:
                 return True
-            if len(sb.learned) + sum(1 for r in fresh if r not in sb.learned) > self.max_rules:
-                # A zone whose names map to any address (ec2-A-B-C-D.compute-1.amazonaws.com)
-                # must not let one sandbox fill the trie every sandbox shares.
+            more = sum(1 for r in fresh if r not in sb.learned)
+            if more and (len(sb.learned) + more > self.max_learned or
+                         self.learned_live() + more > self.learned_budget):
+                # The trie is every sandbox's: see max_learned.
                 sb.dns["learned_full"] += 1
                 return False
             old = sb.learned
@@ -1040,6 +1050,15 @@ class Network:
                 for ln in sb.learned.values():
                     nxt = ln.expires if nxt is None else min(nxt, ln.expires)
         return nxt
+
+    def learned_live(self) -> int:
+        """Learned entries of all sandboxes now (list(): one step under the
+        GIL, so the event loop may ask without the lock)."""
+        return sum(len(sb.learned) for sb in list(self._sbs.values()))
+
+    def learned_info(self) -> dict:
+        """For `dsec info`: learned entries now, and the caps (see max_learned)."""
+        return {"live": self.learned_live(), "budget": self.learned_budget, "per_sandbox": self.max_learned}
 
     def dns_totals(self) -> dict:
         with self._lock:

@@ -114,7 +114,7 @@ def test_learned_addresses_stop_at_max_rules_per_sandbox(world, upstream, daemon
     view = sb.net_show()
     assert len(view["learned"]) == 4 and view["dns"]["learned_full"] >= 1, view
     shown = d.cli("net", "show", sb.id).stdout.decode()
-    assert "answers over the learned cap (net.max_rules_per_sandbox)" in shown, shown
+    assert "answers over the learned cap (net.dns_max_learned for the sandbox" in shown, shown
     c.close()
 
 
@@ -340,3 +340,37 @@ def test_a_query_with_a_sandbox_address_from_another_interface_is_not_the_sandbo
     view = sb.net_show()
     assert view["dns"]["refused_names"] == ["own.test"], view["dns"]
     assert [x["name"] for x in view["learned"]] == ["files.pythonhosted.org"], view["learned"]
+
+
+def test_learned_addresses_cannot_fill_the_trie_every_sandbox_shares(world, daemon_factory, busybox_rootfs):
+    """One sandbox resolving many names of a zone whose names map to any
+    address stops learning well before the BPF trie every sandbox's policy
+    lives in is full: the others' creates and rule changes still fit, and
+    `net show` says why its answers went SERVFAIL."""
+    o = world.octet
+    fill = Dnsmasq(world, records={f"n{i}.fill.test": f"10.{o}.10.{i}" for i in range(1, 151)},
+                   address=f"10.{o}.2.55")
+    try:
+        cfg = dict(world.cfg, ipv4_pool=f"10.{o}.11.0/24", rule_sets={}, dns_upstreams=[fill.address])
+        extra = dns_config(fill) + "max_prefixes = 128\n"
+        d = daemon_factory(_toml_net(cfg).replace("[net.rule_sets]", extra + "[net.rule_sets]"))
+        c = d.client()
+        c.import_image(busybox_rootfs, "busybox")
+        greedy = c.create(image="busybox", net="default", allow=["*.fill.test:443/tcp"])
+        r = greedy.exec(["sh", "-c", "i=1; while [ $i -le 150 ]; do nslookup n$i.fill.test >/dev/null 2>&1; "
+                                     "i=$((i+1)); done"], timeout=300)
+        assert r.exit_code == 0, r
+        view = greedy.net_show()
+        assert view["dns"]["learned_full"] >= 1 and len(view["learned"]) <= 128 // 4, \
+            (len(view["learned"]), view["dns"])
+        shown = d.cli("net", "show", greedy.id).stdout.decode()
+        assert "answers over the learned cap" in shown, shown
+        assert c.info()["net"]["dns"]["learned"] == {"live": len(view["learned"]), "budget": 32,
+                                                     "per_sandbox": 256}
+        others = [c.create(image="busybox", net="default", allow=[f"10.{o}.12.{i}:443/tcp"]) for i in (1, 2)]
+        for sb in others:
+            sb.net_set(add=[f"10.{o}.13.{i}:80/tcp" for i in range(1, 6)])
+        c.destroy_all(force=True)
+        c.close()
+    finally:
+        fill.stop()

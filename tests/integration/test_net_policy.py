@@ -392,14 +392,14 @@ def test_learned_addresses_are_capped_per_sandbox(world, sandbox, monkeypatch):
     """A name rule on a zone whose names map to any address (`*.amazonaws.com`:
     ec2-A-B-C-D.compute-1.amazonaws.com is A.B.C.D) must not let one sandbox
     learn addresses without end: the trie they go to is every sandbox's. At
-    most net.max_rules_per_sandbox; past it the resolver answers SERVFAIL
-    until some expire. A known address is still renewed."""
+    most net.dns_max_learned; past it the resolver answers SERVFAIL until
+    some expire. A known address is still renewed."""
     import ipaddress
 
     from dsecd.net import rules as R
     from dsecd.net.network import Learned
 
-    monkeypatch.setattr(world.net, "max_rules", 8)
+    monkeypatch.setattr(world.net, "max_learned", 8)
     a = sandbox(["*.example.test:443/tcp"])
     rule = R.parse_rule("*.example.test:443/tcp")
     expires = time.monotonic() + 60
