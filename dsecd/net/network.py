@@ -535,18 +535,25 @@ class Network:
             steps += [("forget the tap", lambda: self.unplug_vm(sb.id))]
         elif sb.mode == "default" and not cut_off:
             steps += [("detach programs", lambda: self.engine.detach(sb.cgroup_dir))]
-        # A port whose DNAT could not be deleted keeps its sandbox's address
-        # leased and its record (with the port): a sandbox given that address
-        # would get the port's connections. A repeated detach deletes it; a
-        # restarted daemon replaces the whole table.
         if sb.mode == "default" and sb.ipv4:
             # While the address is still its lease: the next sandbox given it
             # must not inherit its connections.
             steps += [("forget its connections", lambda: self._forget_connections(sb.id, sb.ipv4))]
-        steps += [("free policy, lease", lambda: self._free(sb))]
+
+        # A port whose DNAT could not be deleted, or a veth that could not
+        # be (its other end, in the sandbox, still has the address and
+        # answers ARP for it), keeps the sandbox's address leased and its
+        # record: a sandbox given that address would get the port's
+        # connections, or share it on the bridge. A repeated detach retries;
+        # a restarted daemon replaces the whole table and removes the veths
+        # of records no live sandbox has.
+        def held() -> bool:
+            return bool(sb.ports) or not link["gone"]
+
+        steps += [("free policy, lease", lambda: self._free(sb, held()))]
         if cut_off:                     # after _free: no `sandboxes` entry names its cgroup now
             steps += [("cut off its egress", lambda: self._cut_off(sb, link["gone"]))]
-        steps += [("delete record", lambda: None if sb.ports else self.records.delete(sb.id))]
+        steps += [("delete record", lambda: None if held() else self.records.delete(sb.id))]
         first = None
         for what, fn in steps:
             try:
@@ -584,18 +591,21 @@ class Network:
         log.error("sandbox %s: its veth %s could not be deleted; its cgroup keeps programs that refuse all "
                   "of its traffic (loopback too) until it is destroyed", sb.id, sb.ifname)
 
-    def _free(self, sb: _Sandbox) -> None:
+    def _free(self, sb: _Sandbox, held: bool = False) -> None:
+        """Its policy, counters and slot, then its lease and its entry here,
+        unless `held` (a DNAT to its address or its veth stands: see _teardown)."""
         with self._lock:
             if sb.mode == "default":
                 if not sb.dropped:
                     self._retire_counts(sb)
                     self._drop_policy(sb)
-                    sb.learned = {}           # not in the shared learned budget while its DNAT stays
+                    sb.learned = {}           # not in the shared learned budget while held
                     sb.dropped = True
-                if sb.ports:              # its DNAT stands: see _teardown
-                    log.error("sandbox %s: its address %s stays leased while port(s) %s of it stay published "
-                              "(their DNAT could not be deleted); a repeated detach retries", sb.id, sb.ipv4,
-                              ", ".join(map(str, sb.ports)))
+                if held:
+                    lease = self.ipam.get(sb.id)
+                    log.error("sandbox %s: its address %s stays leased while %s; a repeated detach retries",
+                              sb.id, lease.ipv4 if lease else "(none)", f"port(s) {', '.join(map(str, sb.ports))} of it stay published "
+                              "(their DNAT could not be deleted)" if sb.ports else f"its veth {sb.ifname} stays")
                     return
                 self.ipam.release(sb.id)
             self._sbs.pop(sb.id, None)

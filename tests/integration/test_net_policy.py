@@ -544,6 +544,11 @@ def test_a_failed_readopt_cuts_the_sandbox_off_even_if_its_veth_stays(world, tmp
         assert a.ask(op="connect", host=world.pkg, port=443) == {"errno": "EPERM"}
         assert a.ask(op="connect", host=world.ref, port=443) == {"errno": "EPERM"}
         assert a.ask(op="udp", host=world.pkg, port=53) == {"errno": "EPERM"}
+        # Its eth0 still has its address: no other sandbox is given it meanwhile.
+        lease = read_records(state / "net" / "records.log")[a.name]["ipv4"]
+        assert str(net2.ipam.get(a.name).ipv4) == lease
         monkeypatch.undo()
+        net2.detach(a.name)                 # a destroy: the veth goes, and then the lease
+        assert net2.ipam.get(a.name) is None and a.name not in read_records(state / "net" / "records.log")
     finally:
         net2.close()
