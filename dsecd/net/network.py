@@ -1177,6 +1177,10 @@ class Network:
                 continue
             netns, cgroup_dir = live[sb_id]
             try:
+                if rec.get("lost"):
+                    # An earlier daemon cut it off and said so; what it could not
+                    # remove then (its veth) is removed now, nothing given back.
+                    raise OSError(errno.ENETDOWN, f"cut off by an earlier daemon: {rec['lost']}")
                 self._readopt_one(sb_id, rec, netns, str(cgroup_dir), previous)
                 adopted.append(sb_id)
             except Exception as err:
@@ -1191,6 +1195,12 @@ class Network:
                         self._release_leftovers(sb_id)
                 except Exception as err2:
                     log.error("tear down networking of sandbox %s: %s", sb_id, err2)
+                if self.records.get(sb_id) is not None:
+                    # Held (its veth stays): the next daemon must not adopt it again.
+                    try:
+                        self.records.put(sb_id, {**rec, "lost": rec.get("lost") or str(err)})
+                    except OSError as err3:
+                        log.error("sandbox %s: record that its networking was cut off: %s", sb_id, err3)
         try:
             if previous:
                 # Again, now that no program of the previous daemon marks anything:

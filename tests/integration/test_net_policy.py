@@ -548,7 +548,16 @@ def test_a_failed_readopt_cuts_the_sandbox_off_even_if_its_veth_stays(world, tmp
         lease = read_records(state / "net" / "records.log")[a.name]["ipv4"]
         assert str(net2.ipam.get(a.name).ipv4) == lease
         monkeypatch.undo()
-        net2.detach(a.name)                 # a destroy: the veth goes, and then the lease
-        assert net2.ipam.get(a.name) is None and a.name not in read_records(state / "net" / "records.log")
     finally:
         net2.close()
+    # The next daemon does not give it back the networking this one took
+    # away (the node told everyone it is lost): it removes what is left.
+    net3 = Network(cfg, state, V2, world.cgroup_root)
+    try:
+        res = net3.readopt({a.name: (f"/run/netns/{a.netns}", str(a.cgroup))})
+        assert res["adopted"] == [] and list(res["failed"]) == [a.name], res
+        assert a.ask(op="connect", host=world.pkg, port=443) != {"ok": True, "data": "srv443:hello"}
+        assert net3.ipam.get(a.name) is None and a.name not in read_records(state / "net" / "records.log")
+        net3.detach(a.name)                 # its destroy
+    finally:
+        net3.close()
