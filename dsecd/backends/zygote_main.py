@@ -147,7 +147,7 @@ def worker(link, tmp, uid, rlimits):
                 os.execvpe(prog, req["argv"], env)
             except OSError as e:
                 status, message = cannot_run(prog, e.errno, env.get("PATH", os.defpath))
-                os.write(2, message.encode())
+                os.write(2, os.fsencode(message))     # prog may hold a file name's bytes
                 os._exit(status)
         os.environ.clear()
         os.environ.update(env)

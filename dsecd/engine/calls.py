@@ -699,7 +699,7 @@ def _ended_as_sh_says(err: BaseException | None, prog: str, envl: list[str]) -> 
         return None
     status, message = cannot_run(prog, err.errno, next((e[5:] for e in envl if e.startswith("PATH=")), os.defpath))
     return {"exit_code": status, "signal": None, "timed_out": False, "truncated": False,
-            "cancelled": False, "duration_ms": 0.0, "stdout": b"", "stderr": message.encode(), "path": "exec",
+            "cancelled": False, "duration_ms": 0.0, "stdout": b"", "stderr": os.fsencode(message), "path": "exec",
             "run_ms": 0.0}
 
 

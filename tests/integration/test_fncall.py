@@ -60,6 +60,16 @@ def test_arguments_and_environment_that_are_not_utf8_reach_a_call_as_bytes(clien
         assert (r.exit_code, r.path, r.stdout) == (0, path, b"\xffcaf\xe9"), r
 
 
+def test_a_program_not_found_whose_name_is_not_utf8_is_127_and_not_found(client, py_image):
+    """The not-found message quotes the program's name: one made of a file
+    name's bytes failed the plain call as `internal` and put an encoding
+    error on a zygote call's stderr."""
+    for image, path in ((py_image, "zygote"), ("busybox", "exec")):
+        r = client.call(image, argv=[b"/no-caf\xe9"])
+        assert (r.exit_code, r.path) == (127, path), r
+        assert r.stderr.startswith(b"fncall: /no-caf\xe9") and b"not found" in r.stderr, r.stderr
+
+
 def test_the_zygote_serves_on_a_python_without_pidfd_open(client, py_image, tmp_path):
     """Python 3.8 has no os.pidfd_open (an image's python3 runs the zygote):
     it sees its workers end on SIGCHLD instead. Stood in for by the host's
