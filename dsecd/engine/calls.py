@@ -55,7 +55,7 @@ from ..errors import (
 )
 from ..execio import ChildWatch, Collector, ExecIO, reap
 from ..fs import upper as upperfs
-from ..fs.images import ImageError
+from ..fs.images import Image, ImageError
 from ..fs.layers import overlay_lowerdirs
 from ..mem import pause
 from ..native import NativeError
@@ -288,22 +288,30 @@ class CallService:
             async with lock:
                 box = self.call_boxes.get(image_name)
                 if box is None:
+                    # The image first: a call naming one that is not there
+                    # (or not for this host) must not drop another's box.
+                    image = await self._image_for_box(image_name)
                     self._make_room()
                     self._making += 1
                     try:
-                        box = await self._make_box(image_name)
+                        box = await self._make_box(image_name, image)
                     finally:
                         self._making -= 1
                     self.call_boxes[image_name] = box
         box.claims += 1
         return box
 
-    async def _make_box(self, image_name: str) -> CallBox:
+    async def _image_for_box(self, image_name: str) -> Image:
+        """The image a call sandbox is made of; not_found or bad_request
+        if it is not there or not for this host."""
         try:
             image = await self.workers.run(self.image_service.images.get, image_name)
         except ImageError as err:
             raise image_error(err) from err
         check_platform(image_name, image)
+        return image
+
+    async def _make_box(self, image_name: str, image: Image) -> CallBox:
         fc = self.fn_cfg
         limits = cgroup.Limits(cpu=float(fc["cpu"]), memory_bytes=parse_size(fc["memory"]), pids=fc["pids"],
                                cpu_hard_quota=False, cpu_period_us=self.cpu_period_us)

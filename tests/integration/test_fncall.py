@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dsecd import Client, native
-from dsecd.errors import BadRequest, Busy, DsecError, Unsupported
+from dsecd.errors import BadRequest, Busy, DsecError, NotFound, Unsupported
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -1026,6 +1026,23 @@ def _numbered_images(d, c, busybox_rootfs: str, tmp_path, n: int) -> list[str]:
 
 def _box_images(c) -> list[str]:
     return sorted(b["image"].split(":")[0].rsplit("/", 1)[-1] for b in c.info()["fncall"]["boxes"])
+
+
+def test_a_call_to_an_image_that_is_not_there_drops_no_call_sandbox(daemon_factory, busybox_rootfs):
+    """At fncall.max_boxes, a call naming no image made room first (dropped
+    the idle box used least recently), then failed: any client could churn
+    every warm zygote with made-up names."""
+    d = daemon_factory("[fncall]\nmax_boxes = 1\n")
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        assert c.call("busybox", argv=["true"]).exit_code == 0
+        boxes = [b["id"] for b in c.info()["fncall"]["boxes"]]
+        with pytest.raises(NotFound):
+            c.call("no-such-image", argv=["true"])
+        assert [b["id"] for b in c.info()["fncall"]["boxes"]] == boxes
+    finally:
+        c.close()
 
 
 def test_past_fncall_max_boxes_the_least_recently_used_idle_call_sandbox_goes(daemon_factory, busybox_rootfs,

@@ -452,7 +452,7 @@ def test_a_call_sandbox_made_for_a_cancelled_request_is_destroyed_once_made():
                                           "uid_count": 4}, {}, 100_000, images, CpuHost.__new__(CpuHost), workers,
                                ProcessStarter(workers), limits, -1, ranges)
             node.cpu = SimpleNamespace(plan=lambda qos: None)
-            await _cancel_soon(asyncio.ensure_future(node._make_box("py")))
+            await _cancel_soon(asyncio.ensure_future(node._make_box("py", image)))
             await _until(lambda: seen["given_back"])
 
     asyncio.run(go())
