@@ -127,8 +127,10 @@ def _missing_rows(fleet: Fleet, errors: dict) -> list[dict]:
     {"host", "error": {code, message, detail}} (`unreachable` for a host
     down, as dsec --json prints an error), after the rows: without them a
     script reading the JSON could not tell which hosts its rows leave out."""
+    # A host whose connection dropped during the command is both down and
+    # in `errors`: one row, its own error's.
     down = [{"host": h.target, "error": {"code": "unreachable", "message": f"down: {h.reason}", "detail": {}}}
-            for h in fleet.hosts.values() if not h.up]
+            for h in fleet.hosts.values() if not h.up and h.target not in errors]
     return down + [{"host": target, "error": _error_wire(err)} for target, err in errors.items()]
 
 

@@ -172,6 +172,25 @@ def test_a_merged_listing_missing_a_host_fails_the_status(words, capsys):
                                                "detail": {}}}, rows
 
 
+@pytest.mark.parametrize("words", [["ps"], ["image", "ls"], ["pool", "ls"]])
+def test_a_host_lost_during_a_listing_has_one_error_row(words, capsys):
+    """A connection lost mid-request marks its host down before the request
+    fails: the host was listed twice, as down and as failing to answer."""
+    a = cli.parse_args(["fleet", "--hosts", "x", "--json", *words])
+    fleet = fleet_of_three()
+    h2 = fleet.hosts["/nonexistent/h2"]
+    answer = h2.client._answer
+
+    async def lost_mid_request(value):
+        h2.up, h2.reason = False, "connection lost: EOF"
+        return await answer(value)
+
+    h2.client._answer = lost_mid_request
+    assert asyncio.run(fleet_cli.FLEET_COMMANDS[words[0]](fleet, a)) == 1
+    hosts = [r["host"] for r in json.loads(capsys.readouterr().out) if "error" in r]
+    assert sorted(hosts) == ["/nonexistent/h2", "/nonexistent/h3"], hosts
+
+
 @pytest.mark.parametrize("as_json", [False, True])
 def test_rm_all_on_a_host_that_fails_to_answer_fails_the_status(as_json, capsys):
     """`dsec fleet rm --all`: a host up but failing to answer (its
