@@ -279,9 +279,11 @@ def _paths(result: dict) -> dict:
 
 
 def _sandbox_info(info: dict) -> dict:
-    """A sandbox's create, inspect or list entry with its env as create took
-    it: a name or value that is not UTF-8 comes as bytes, and is
-    os.fsdecode's str again (what os.environ would hold)."""
+    """A sandbox's create, inspect or list entry with its env and cwd as
+    create took them: a name, value or path that is not UTF-8 comes as
+    bytes, and is os.fsdecode's str again (what os.environ would hold)."""
+    if isinstance(info.get("cwd"), bytes):
+        info["cwd"] = os.fsdecode(info["cwd"])
     env = info.get("env")
     if isinstance(env, dict) and any(isinstance(k, bytes) or isinstance(v, bytes) for k, v in env.items()):
         info["env"] = {os.fsdecode(k) if isinstance(k, bytes) else k: os.fsdecode(v) if isinstance(v, bytes) else v

@@ -103,7 +103,21 @@ def print_json(obj) -> None:
             return o.decode("utf-8", "replace")
         raise TypeError(type(o).__name__)
 
-    print(json.dumps(obj, indent=2, sort_keys=True, default=default))
+    print(json.dumps(_str_keys(obj), indent=2, sort_keys=True, default=default))
+
+
+def _str_keys(obj):
+    """`obj` with every map key a str: the daemon sends a key that is not
+    UTF-8 (an environment variable's name) as bytes, and json.dumps takes
+    no bytes key (nor sorts one among str keys). Its bytes that are not
+    UTF-8 are written as \\xNN: two names apart only in those bytes stay
+    two keys."""
+    if isinstance(obj, dict):
+        return {k.decode("utf-8", "backslashreplace") if isinstance(k, (bytes, bytearray)) else k: _str_keys(v)
+                for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_str_keys(v) for v in obj]
+    return obj
 
 
 def human_bytes(n: int) -> str:

@@ -569,3 +569,23 @@ def test_call_stdin_of_the_wrong_type_fails_at_once_as_execs_does():
         asyncio.run(c.call("busybox", ["cat"], stdin="text"))
     with pytest.raises(TypeError, match=r"^call stdin must be bytes, got list$"):
         asyncio.run(c.call("busybox", ["cat"], stdin=[b"a"]))
+
+
+def test_a_sandboxs_cwd_and_env_that_are_not_utf8_come_back_as_str():
+    """The daemon sends a name or path that is not UTF-8 as bytes; a
+    sandbox's info has them as os.fsdecode's str, as create took them."""
+    from dsecd.client import _sandbox_info
+
+    info = _sandbox_info({"cwd": b"/d-\xe9", "env": {b"K\xe9": b"v\xe9", "A": "1"}})
+    assert info == {"cwd": os.fsdecode(b"/d-\xe9"), "env": {os.fsdecode(b"K\xe9"): os.fsdecode(b"v\xe9"), "A": "1"}}
+
+
+def test_the_cli_prints_json_of_an_answer_with_a_key_that_is_not_utf8(capsys):
+    """`dsec inspect` prints the daemon's answer as it came: a bytes key (an
+    environment variable's name) beside str keys failed json.dumps."""
+    import json
+
+    from dsecd.clitext import print_json
+
+    print_json({"env": {b"K\xe9": "v", b"K\xff": "w", "PATH": "/bin"}, "id": "x"})
+    assert json.loads(capsys.readouterr().out) == {"env": {"K\\xe9": "v", "K\\xff": "w", "PATH": "/bin"}, "id": "x"}
