@@ -323,10 +323,11 @@ class MemoryService:
         sb.pause_record = rec
         if journal:
             self.registry.save(sb)
-        freed = 0 if rec.get("vm_stopped") else sb.limits["memory"]
+        freed = rec.get("freed_bytes") or 0
         self.events.publish("paused", sb.id, freed_bytes=freed)
         return {"id": sb.id, "state": "paused", "frozen_s": rec.get("save_s", 0.0), "reclaim_s": rec.get("stop_s", 0.0),
-                "freed_bytes": freed, "methods": ["vm-save"], "image_bytes": rec.get("image_bytes", 0)}
+                "freed_bytes": freed, "methods": ["vm-save"], "image_bytes": rec.get("image_bytes", 0),
+                "held_bytes": rec.get("held_bytes")}
 
     def _mark_paused(self, sb, rec: pause.PauseRecord, journal: bool = True) -> dict:
         """journal False: a job pause's, whose reclaim comes behind the
@@ -538,6 +539,7 @@ class MemoryService:
                     log.warning("job-paused microVM %s: its state could not be saved (%s); it stays stopped "
                                 "in its QEMU", sb.id, err)
                 return
+            metrics.RECLAIMED.inc(rec.get("freed_bytes") or 0)     # the job pause's event said 0: it came after
             sb.pause_record = rec
             try:
                 self._journal_job([sb])

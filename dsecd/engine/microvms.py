@@ -57,6 +57,7 @@ from ..execio import DEFAULT_WINDOW, RunTimer, _decode_status, ended
 from ..fs import files as sbfiles
 from ..fs import uppertar, users
 from ..fs.layers import distinct_layers
+from ..mem import pause as mempause
 from ..protocol import FileMkdir
 from .network import hosts_text
 from .sandboxes import Sandbox
@@ -364,8 +365,10 @@ class MicroVMService:
         return idmap.uid if idmap else self.uid_fallback
 
     async def pause(self, sb: Sandbox) -> dict:
-        """The VM's state to a file in its dir, its QEMU ended: all its memory
-        goes back to the host. The record says where the image is."""
+        """The VM's state to a file in its dir, its QEMU ended: its memory
+        goes back to the host. The record says where the image is, how much
+        the sandbox's cgroups were charged less after it (freed_bytes) and
+        what they still are (held_bytes: None where unreadable)."""
         backend, h = self.require(), sb.handle
         if sb.execs:
             raise Conflict(f"sandbox {sb.id} has {sb.execs} running exec(s); a microVM pauses only idle "
@@ -373,10 +376,11 @@ class MicroVMService:
         await self._requests_settled(sb)
         await self._end_watches(sb)
         image = h.vm_dir / SAVED_STATE
+        before = await self._charged(h)
         t0 = time.monotonic()
         self.workers.loop.remove_reader(h.pidfd)       # its end is ours, not a death
         try:
-            size = await backend.save(h, image)
+            size = await backend.save(h, image, self.workers.run)
         except OSError as err:
             if self.watch is not None and sb.handle is h:     # not taken by a destroy meanwhile
                 self.watch(sb)
@@ -387,8 +391,20 @@ class MicroVMService:
                             f"{h.init_pid}) did not exit after SIGKILL: it is stuck in the kernel (hung "
                             "storage?); destroy the sandbox once the host recovers",
                             {"sandbox": sb.id, "qemu_stuck": h.init_pid}, code="io")
+        stop_s = round(time.monotonic() - saved, 4)
+        # Measured, not assumed: QEMU held only the guest pages ever touched
+        # (less for a VM restored from a template), and what stays charged
+        # (pages of shared files its reads brought in) is not given back.
+        held = await self._charged(h)
+        freed = 0 if before is None or held is None else max(0, before - held)
         return {"vm_image": str(image), "image_bytes": size, "save_s": round(saved - t0, 4),
-                "stop_s": round(time.monotonic() - saved, 4)}
+                "stop_s": stop_s, "freed_bytes": freed, "held_bytes": held}
+
+    async def _charged(self, h: VmHandle) -> int | None:
+        """What the VM's memory cgroup is charged now; None if unreadable."""
+        if h.group is None:
+            return None
+        return (await self.workers.run(mempause.charged, {"vm": h.group})).get("vm")
 
     async def _end_qemu(self, sb: Sandbox, h: VmHandle) -> bool:
         """End the VM's QEMU `h` (its state saved, or its restore failed) and

@@ -148,6 +148,44 @@ def test_job_pause_and_resume_cover_vms(vmd):
         sb.destroy()
 
 
+def _memory(sb) -> tuple[int, int]:
+    """(what the sandbox's memory cgroup is charged, its page cache of
+    files: shmem left out)."""
+    groups = sb.inspect()["cgroups"]
+    d = groups.get("memory") or groups.get("unified")
+    stat = dict(line.split() for line in open(os.path.join(d, "memory.stat")).read().splitlines())
+    if os.path.exists(os.path.join(d, "memory.current")):
+        return int(open(os.path.join(d, "memory.current")).read()), int(stat["file"]) - int(stat["shmem"])
+    return (int(open(os.path.join(d, "memory.usage_in_bytes")).read()),
+            int(stat["cache"]) - int(stat["shmem"]))
+
+
+def test_a_pause_reports_what_the_host_got_back_and_keeps_no_cache_of_its_state(vmd):
+    """A VM's pause said it freed the whole --memory, whatever its QEMU had
+    held, and the state file QEMU wrote stayed in the page cache charged to
+    the sandbox's cgroup: the paused VM held about its state's size of the
+    host's memory. The pause reports how much the cgroup's charge dropped
+    and what it still holds, and the state file's pages are written out
+    and dropped."""
+    d, c = vmd
+    sb = _vm(c)
+    try:
+        sb.write_file("/tmp/f", os.urandom(16 << 20))           # pages of its own to save
+        before, _ = _memory(sb)
+        out = sb.pause()
+        held, cached = _memory(sb)
+        assert out["image_bytes"] > 16 << 20, out
+        assert cached < out["image_bytes"] // 4, (cached, out)
+        assert out["freed_bytes"] <= before + (8 << 20), (before, out)
+        assert abs(out["held_bytes"] - held) <= 8 << 20, (held, out)
+        paused = [e for e in _events(d, sb.id) if e["event"] == "paused"]
+        assert paused[-1]["freed_bytes"] == out["freed_bytes"]
+        sb.resume()
+        assert sb.exec(["sh", "-c", "wc -c < /tmp/f"]).stdout == b"16777216\n"
+    finally:
+        sb.destroy(force=True)
+
+
 def test_a_pause_during_a_file_write_waits_for_it_and_the_vm_resumes(vmd):
     """A pause that ended QEMU while a file_write's frame was still on its
     way to the guest left the agent holding half a frame: the resume's HELLO

@@ -78,7 +78,7 @@ def test_a_pause_whose_qemu_does_not_exit_says_so_and_what_to_do(tmp_path):
     from dsecd.engine.microvms import MicroVMService
 
     class Saving(_Backend):
-        async def save(self, h, image):
+        async def save(self, h, image, run):
             return 1 << 20
 
         def end_process(self, h):
@@ -88,7 +88,7 @@ def test_a_pause_whose_qemu_does_not_exit_says_so_and_what_to_do(tmp_path):
     svc.backend, svc.workers, svc.watch, svc.net = Saving(), _Workers(), None, None
     svc._requests, svc._watches = {}, {}
     svc.workers.loop = SimpleNamespace(remove_reader=lambda fd: None)
-    h = SimpleNamespace(machine=Machine(), vm_dir=tmp_path, pidfd=5, init_pid=4242)
+    h = SimpleNamespace(machine=Machine(), vm_dir=tmp_path, pidfd=5, init_pid=4242, group=None)
     sb = SimpleNamespace(id="v1", handle=h, net=None, vm={}, execs=0)
     with pytest.raises(DsecError, match=r"QEMU \(pid 4242\) did not exit after SIGKILL.*destroy the sandbox"):
         asyncio.run(svc.pause(sb))
@@ -166,7 +166,7 @@ def test_a_pause_whose_save_a_destroy_cut_short_leaves_the_dead_vm_unwatched(tmp
     from dsecd.backends.microvm.qmp import QMPError
 
     class Cut(_Backend):
-        async def save(self, h, image):
+        async def save(self, h, image, run):
             sb.handle = None                 # LifecycleService._teardown
             raise QMPError("microVM v1: QMP monitor closed")
 
@@ -175,7 +175,7 @@ def test_a_pause_whose_save_a_destroy_cut_short_leaves_the_dead_vm_unwatched(tmp
     svc.backend, svc.workers, svc.watch, svc.net = Cut(), _Workers(), watched.append, None
     svc._requests, svc._watches = {}, {}
     svc.workers.loop = SimpleNamespace(remove_reader=lambda fd: None)
-    h = SimpleNamespace(machine=Machine(), vm_dir=tmp_path, pidfd=5, init_pid=4242)
+    h = SimpleNamespace(machine=Machine(), vm_dir=tmp_path, pidfd=5, init_pid=4242, group=None)
     sb = SimpleNamespace(id="v1", handle=h, net=None, vm={}, execs=0)
     with pytest.raises(DsecError, match="monitor closed"):
         asyncio.run(svc.pause(sb))

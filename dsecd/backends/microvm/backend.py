@@ -494,10 +494,11 @@ class MicroVMBackend:
         await h.qmp.migrate_wait(timeout)
         return image.stat().st_size
 
-    async def save(self, h: VmHandle, image: Path, timeout: float = 120.0) -> int:
-        """Pause: stop the vCPUs, write the VM's state (RAM and devices) to
-        `image` through QMP migration to an fd, and end QEMU, so all of its
-        memory goes back to the host. Returns the image's size."""
+    async def save(self, h: VmHandle, image: Path, run, timeout: float = 120.0) -> int:
+        """Pause: stop the vCPUs and write the VM's state (RAM and devices)
+        to `image` through QMP migration to an fd, on disk and out of the
+        page cache (settle_saved, through `run`: a worker); the caller then
+        ends QEMU. Returns the image's size."""
         await h.qmp.command("stop")
         # A VM restored from a template had x-ignore-shared on for its load;
         # its RAM is private, saved either way, but the setting must match at
@@ -507,6 +508,7 @@ class MicroVMBackend:
         # is complete (re-adoption takes a VM with one for paused).
         part = image.with_name(image.name + ".part")
         size = await self._migrate_out(h, part, timeout)
+        await run(settle_saved, part)
         os.rename(part, image)
         return size
 
@@ -691,6 +693,21 @@ class MicroVMBackend:
         """VM dirs without a journal record (their cgroups are found by the
         container backend's sweep: the same cgroup root)."""
         return {e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith(".")} - known
+
+
+def settle_saved(path: Path) -> None:
+    """Blocking: a state file QEMU wrote, on disk and its pages out of the
+    page cache. QEMU wrote it from the sandbox's cgroups, so its page cache
+    is charged there (dirty at first, which reclaim cannot drop until it is
+    written back): a paused VM would hold about its state's size of the
+    host's memory, and be charged for it, until the kernel reclaimed it.
+    Written out first: POSIX_FADV_DONTNEED drops clean pages only."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 async def _unless_exits(h: VmHandle, work) -> None:
