@@ -410,15 +410,16 @@ class LifecycleService:
                  "memory_limit": s.limits["memory"], "vm_balloon": self._balloon_row(s)}
                 for s in shown]
         out = self.cpu.top(rows)
-        # The sampler reads running sandboxes only; a paused container's
-        # memory (what its pause left resident) is read here, once per top.
-        paused = {s.id: s.handle.group for s in shown
-                  if s.state == "paused" and s.backend == "container" and s.handle is not None}
-        if paused:
-            memory = await self.workers.run(pause.charged, paused)
-            for row in out["sandboxes"]:
-                if row["id"] in memory:
-                    row["memory"] = memory[row["id"]]
+        # The sampler reads running sandboxes only: a paused one's memory
+        # (what its pause left charged: a container's resident pages, a
+        # saved VM's what its ended QEMU left) is read here, once per top,
+        # and the CPU figures of its last sample, from before the pause,
+        # are not shown.
+        paused = {s.id: s.handle.group for s in shown if s.state == "paused" and s.handle is not None}
+        memory = await self.workers.run(pause.charged, paused) if paused else {}
+        for row in out["sandboxes"]:
+            if row["id"] in paused:
+                row.update(cpu_pct=None, throttled_pct=None, throttled_ms=None, memory=memory.get(row["id"]))
         return out
 
     def _balloon_row(self, sb: Sandbox) -> dict | None:

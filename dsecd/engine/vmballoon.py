@@ -233,9 +233,21 @@ class BalloonService:
             return 0
         return max(0, st.ram - st.actual)
 
-    def view(self, sb_id: str) -> dict | None:
-        """One VM's balloon for inspect and top (None: not seen yet)."""
+    def _current(self, sb_id: str) -> VmBalloon | None:
+        """The VM's balloon as last seen, if that was of the QEMU it has now:
+        a pause that saved the VM ended that QEMU (and its balloon), and a
+        resume's new one is set up again (resumed)."""
         st = self._vms.get(sb_id)
+        sb = self.registry.by_id.get(sb_id)
+        h = None if sb is None else sb.handle
+        if st is None or h is None or h.qmp is None or h.qmp is not st.qmp:
+            return None
+        return st
+
+    def view(self, sb_id: str) -> dict | None:
+        """One VM's balloon for inspect and top (None: not seen yet, or its
+        QEMU ended by a pause)."""
+        st = self._current(sb_id)
         if st is None:
             return None
         return {"ram": st.ram, "guest_size": st.actual, "target": st.target, "deflate_on_oom": st.deflate_on_oom,
@@ -245,7 +257,7 @@ class BalloonService:
 
     def info(self) -> dict:
         """Totals for the metrics."""
-        seen = list(self._vms.values())
+        seen = [st for sb_id in self._vms if (st := self._current(sb_id)) is not None]
         return {"enabled": self.enabled, "vms": len(seen),
                 "ballooned": sum(1 for s in seen if s.target < s.ram),
                 "skipped": sum(1 for s in seen if s.skipped),

@@ -225,6 +225,28 @@ def test_a_vm_restored_from_a_template_is_not_ballooned_until_resumed(restoring)
         sb.destroy(force=True)
 
 
+def test_top_shows_a_paused_vm_as_it_is_now(restoring):
+    """`dsec top` and inspect showed a paused VM's balloon as it was before
+    the pause, of a QEMU that had ended, and top no memory for it though its
+    cgroup was charged what the pause left (shown for a paused container).
+    A VM whose state is saved has no balloon to show, and its memory is
+    what its cgroup holds now."""
+    sb = _vm(restoring)
+    try:
+        _wait(sb, "seen by the policy", lambda v: True)
+        out = sb.pause()
+        row = next(r for r in restoring.top()["sandboxes"] if r["id"] == sb.id)
+        assert row["state"] == "paused" and row["vm_balloon"] is None, row
+        assert row["cpu_pct"] is None and row["throttled_pct"] is None, row
+        assert row["memory"] is not None and abs(row["memory"] - out["held_bytes"]) <= 8 * MiB, (row, out)
+        assert _top_line(restoring, sb.id).split()[-1] == "-"
+        assert sb.inspect()["vm"]["balloon"] is None
+        sb.resume()
+        assert _wait(sb, "seen again once resumed", lambda v: True)["ram"] == 256 * MiB
+    finally:
+        sb.destroy(force=True)
+
+
 def _template_memfd_digest(pid: int) -> str:
     fd_dir = f"/proc/{pid}/fd"
     for name in os.listdir(fd_dir):
