@@ -14,8 +14,10 @@
  *   4. serves the host over the virtio-serial port named "dsec.agent".
  *
  * Kernel command-line parameters it reads: dsec.layers=N (pmem devices to
- * mount), dsec.disk=BYTES (the upper tmpfs cap), dsec.tmp=BYTES (/tmp cap),
- * dsec.shm=BYTES (/dev/shm cap; 64 MiB without it, as before the parameter).
+ * mount), dsec.disk=BYTES (the upper tmpfs cap), dsec.inodes=N (its inode
+ * cap; the kernel's default, half the RAM's pages, without it),
+ * dsec.tmp=BYTES (/tmp cap), dsec.shm=BYTES (/dev/shm cap; 64 MiB without
+ * it, as before the parameter).
  *
  * The channel: frames of  u32 length (big-endian, of what follows) | u8 type |
  * u32 id | body, where a body is a sequence of fields, each a u64 (big-endian)
@@ -4043,7 +4045,7 @@ static void mount_root(void)
 {
     int nlayers = (int)param_u64("dsec.layers", 0);
     uint64_t disk = param_u64("dsec.disk", 1ull << 30), tmp = param_u64("dsec.tmp", 64ull << 20);
-    uint64_t shm = param_u64("dsec.shm", 64ull << 20);
+    uint64_t shm = param_u64("dsec.shm", 64ull << 20), inodes = param_u64("dsec.inodes", 0);
     char devs[64][16], opt[8192], lower[4096] = "";
     int found = 0;
 
@@ -4074,7 +4076,12 @@ static void mount_root(void)
         snprintf(lower, sizeof(lower), "%s", tmpl);
     }
     mkdir("/rw", 0755);
-    snprintf(opt, sizeof(opt), "size=%llu,mode=0755", (unsigned long long)disk);
+    /* nr_inodes=0 would be no cap at all: without the parameter, the kernel's default */
+    if (inodes)
+        snprintf(opt, sizeof(opt), "size=%llu,nr_inodes=%llu,mode=0755", (unsigned long long)disk,
+                 (unsigned long long)inodes);
+    else
+        snprintf(opt, sizeof(opt), "size=%llu,mode=0755", (unsigned long long)disk);
     if (mount("tmpfs", "/rw", "tmpfs", 0, opt) < 0)
         die("mount the writable tmpfs");
     mkdirs((const char *const[]){"/rw/upper", "/rw/work", "/newroot", NULL});

@@ -51,7 +51,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from .. import cgroup, imageconfig, protocol, userns
 from ..admission import CreateQueue
-from ..backends.microvm.backend import upper_cap
+from ..backends.microvm.backend import upper_cap, upper_inodes
 from ..config import ConfigError, parse_duration, parse_size
 from ..cpu.manager import CpuHost
 from ..errors import (
@@ -985,7 +985,8 @@ class CreateService:
                 raise Unsupported("backend microvm is not set up in this daemon")
             self.vms.check_create(req, limits.memory_bytes)
             net_mode = self.net.net_mode(req)
-            disk = upperfs.Cap(self._vm_disk_for(req, limits.memory_bytes), self.sb_defaults["disk_inodes"])
+            disk = upperfs.Cap(self._vm_disk_for(req, limits.memory_bytes),
+                               upper_inodes(limits.memory_bytes, self.sb_defaults["disk_inodes"]))
         else:
             net_mode = self.net.net_mode(req)
             disk = self._disk_for(req)

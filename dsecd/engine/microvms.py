@@ -1008,10 +1008,12 @@ class MicroVMService:
         most = upper_cap(memory)
         bigger = (f"a larger --disk (up to {most} bytes) or, for /tmp, more --memory"
                   if disk is not None and disk < most else "more --memory")
+        inodes = sb.limits.get("disk_inodes")
+        files = f" and {inodes} files and directories (sandbox.disk_inodes)" if inodes else ""
         return LimitExceeded(
             f"{verb} {where}: no space left in the sandbox. A microVM's files are kept in its RAM: its "
             f"writable layer is capped at {disk} bytes (--disk, and at most half of its --memory of "
-            f"{memory} less {GUEST_FIXED >> 20}M for the guest's kernel), /tmp at {tmp_cap(memory)} bytes "
+            f"{memory} less {GUEST_FIXED >> 20}M for the guest's kernel){files}, /tmp at {tmp_cap(memory)} bytes "
             f"(an eighth of the same); {left}. Remove files in the sandbox, or create it with {bigger}",
             {"path": where, "errno": "ENOSPC"})
 

@@ -18,6 +18,7 @@ from conftest import skip_unless_microvm
 from image_kit import docker_save, layer_of, rootfs_layer
 
 import dsecd
+from dsecd.errors import LimitExceeded
 
 
 @pytest.fixture(scope="module")
@@ -268,6 +269,35 @@ def test_what_a_vm_cannot_enforce_is_refused_before_its_boot(vm_client):
         assert sb.inspect()["limits"]["pids"] is None
     finally:
         sb.destroy(force=True)
+
+
+def test_the_writable_layer_has_the_inodes_its_record_says(daemon_factory, busybox_rootfs):
+    """sandbox.disk_inodes went into a VM's record (inspect's limits) but
+    never to its guest, whose writable layer kept the kernel's default
+    (27827 inodes for a 256M guest): a cap the record claimed and nothing
+    enforced. The guest's tmpfs is mounted with it (nr_inodes); filling it
+    gives ENOSPC inside, as a container's does."""
+    d = daemon_factory("[sandbox]\ndisk_inodes = 2000\n[microvm]\ntemplates = false\nwatchdog_interval_s = 0\n")
+    c = d.client()
+    try:
+        skip_unless_microvm(c, close=False)
+        c.import_image(busybox_rootfs, "busybox")
+        sb = _vm(c)
+        try:
+            assert sb.inspect()["limits"]["disk_inodes"] == 2000
+            total = sb.exec(["sh", "-c", "df -i / | tail -n 1"]).stdout.split()[1]
+            assert total == b"2000", total
+            r = sb.exec(["sh", "-c", "mkdir /many && i=0; while [ $i -lt 3000 ]; do printf '' > /many/f$i || break; "
+                         "i=$((i+1)); done; echo $i"], timeout=300)
+            assert 1900 < int(r.stdout) < 2000 and b"No space left on device" in r.stderr, r
+            with pytest.raises(LimitExceeded, match="2000 files and directories"):
+                sb.write_file("/many/one-more", b"x")
+            assert sb.exec(["rm", "-rf", "/many"]).exit_code == 0
+            assert sb.exec(["touch", "/after"]).exit_code == 0
+        finally:
+            sb.destroy(force=True)
+    finally:
+        c.close()
 
 
 def test_what_the_file_api_makes_in_a_vm_belongs_to_the_owner_named(vm_client, tmp_path):

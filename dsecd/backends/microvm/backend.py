@@ -100,6 +100,16 @@ def upper_cap(guest_memory: int) -> int:
     return guest_room(guest_memory) // 2
 
 
+def upper_inodes(guest_memory: int, configured: int) -> int:
+    """The inodes a VM's writable layer may hold: sandbox.disk_inodes, and
+    at most one for every two pages of its room (guest_room). Each costs the
+    guest's kernel about 1 KiB that the layer's size cap does not count (a
+    tmpfs inode and its dentry, neither reclaimable): so they take at most
+    an eighth of the room, as the kernel's own default (half the RAM's
+    pages) would of its RAM."""
+    return max(1, min(configured, guest_room(guest_memory) // 8192))
+
+
 def tmp_cap(guest_memory: int) -> int:
     """The most a VM's /tmp, and its /dev/shm, (tmpfs each) may hold,
     whatever sandbox.tmp_size and shm_size: an eighth of its room each, so
@@ -275,6 +285,7 @@ class MicroVMBackend:
         self.cfg = cfg
         self.cgroup_root = sandbox_cfg["cgroup_root"]
         self.destroy_timeout = float(sandbox_cfg["destroy_timeout_s"])
+        self.disk_inodes = int(sandbox_cfg["disk_inodes"])
         self.root = Path(state_dir) / "vms"
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o711)       # QEMU's uid reaches its own dir, lists none
@@ -330,6 +341,7 @@ class MicroVMBackend:
                 "-kernel", refs["kernel"], "-initrd", refs["initramfs"],
                 "-append", f"{KERNEL_ARGS} dsec.layers={len(layers)} "
                 f"dsec.disk={min(disk, upper_cap(guest_memory))} "
+                f"dsec.inodes={upper_inodes(guest_memory, self.disk_inodes)} "
                 f"dsec.tmp={min(self.tmp_size, tmp_cap(guest_memory))} "
                 f"dsec.shm={min(self.shm_size, tmp_cap(guest_memory))}",
                 "-serial", f"file:{vm_dir}/serial.log",
