@@ -1758,12 +1758,12 @@ class Sandbox:
         sandbox's memory limit, a lost connection, a failed read of the
         source) leaves the old file or none at `path`, never a part, and
         readers in the sandbox see the old bytes or the new ones. The
-        temporary file is removed when a write fails; in a container, one
-        cut by a lost connection (the client killed) is removed by the
-        daemon when the connection drops, and one cut by the daemon's death
+        temporary file is removed when a write fails; one cut by a lost
+        connection (the client killed) is removed by the daemon when the
+        connection drops, and in a container one cut by the daemon's death
         by the next daemon at its start (it records the file while it is
-        temporary). In a microVM, such a part stays beside the target as
-        `.dsec-<hex>`. A file it replaces passes on its owner, group and
+        temporary; in a microVM, such a part stays beside the target as
+        `.dsec-<hex>`). A file it replaces passes on its owner, group and
         mode; a new file gets `mode`. A symlink at `path` is replaced, not
         written through, and hard links to the old file keep the old bytes.
         With atomic=False the bytes go into the file in place (through a

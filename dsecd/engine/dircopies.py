@@ -112,10 +112,12 @@ class DirCopyService:
 
     def __init__(self, registry: SandboxRegistry, workers: Workers, ensure_running, max_chunk: int,
                  max_entries: int, max_bytes: int, max_puts: int, idle_timeout: float, copy_by_init: CopyByInit,
-                 vms: MicroVMService | None = None, temps: CopyTemps | None = None, hold_temporary=None):
+                 vms: MicroVMService | None = None, temps: CopyTemps | None = None, hold_temporary=None,
+                 hold_vm_temporary=None):
         self.registry = registry
         self.temps = temps              # where a put's temporary directory is recorded while it exists
         self.hold_temporary = hold_temporary
+        self.hold_vm_temporary = hold_vm_temporary      # FileService's, for a microVM's
         self.vms = vms                  # microVM sandboxes' copies run in their guests (MicroVMService)
         self.copy_by_init = copy_by_init
         self.workers = workers
@@ -164,7 +166,13 @@ class DirCopyService:
                 self.hold_temporary(sb.id, req.path, st, ctx)
         try:
             if sb.backend == "microvm":
-                return await self.vms.tar_put(sb, req.path, pipe, self.max_entries, self.max_bytes, owner)
+                out = await self.vms.tar_put(sb, req.path, pipe, self.max_entries, self.max_bytes, owner)
+                # Held once made (a put that fails or is cut leaves nothing,
+                # and a path that existed before fails it): its client gone
+                # before its rename, the directory goes.
+                if req.temporary and self.hold_vm_temporary is not None:
+                    self.hold_vm_temporary(sb.id, req.path, ctx, True)
+                return out
             work = asyncio.ensure_future(self.workers.run(
                 functools.partial(userns.file_op, owner=owner), userns.IdMap.from_record(sb.idmap),
                 tarcopy.put_tree, sb.handle.rootfd, req.path, pipe, self.max_entries, self.max_bytes,

@@ -130,7 +130,16 @@ class FileService:
         sb = self.registry.get(req.sandbox, req)
         if sb.backend == "microvm":
             await self.ensure_running(sb, "a file write")
-            return await self.vms.file_op(sb, req, await owner_ids(sb, req.owner, self.workers, self.vms))
+            owner = await owner_ids(sb, req.owner, self.workers, self.vms)
+            # Held from before its first chunk is sent: a client killed while
+            # it is written (the agent writes it all the same) leaves it too.
+            held = req.temporary and not keep and self.hold_vm_temporary(sb.id, req.path, ctx)
+            try:
+                return await self.vms.file_op(sb, req, owner)
+            except DsecError:
+                if held:            # not made, or the writer removes it itself: no longer ours to remove
+                    self._forget_temp(sb.id, req.path)
+                raise
         # With same_as, nothing is truncated before the file is known to be that one.
         fd = await self._file_op(req, "write", sbfiles.open_for_write, req.path, req.append,
                                  keep or req.same_as is not None, req.mode, req.parents, req.same_as is None,
@@ -252,6 +261,50 @@ class FileService:
             forget = ctx.at_close(functools.partial(self._temp_orphaned, sb_id, path, st.st_dev, st.st_ino))
             self._temp_records[(sb_id, path)] = (rec, forget)
 
+    def hold_vm_temporary(self, sb_id: str, path: str, ctx, tree: bool = False) -> bool:
+        """hold_temporary for a microVM's `path` (a whole directory if
+        `tree`), in memory only: its guest's agent reports no inode numbers
+        to check a path against, so nothing is recorded for a restarted
+        daemon to remove. The path is removed if the connection that made it
+        closes before renaming or removing it. False if already held."""
+        if (sb_id, path) in self._temp_records:
+            return False
+        forget = ctx.at_close(functools.partial(self._vm_temp_orphaned, sb_id, path, tree))
+        self._temp_records[(sb_id, path)] = (None, forget)
+        return True
+
+    def _forget_temp(self, sb_id: str, path: str) -> None:
+        entry = self._temp_records.pop((sb_id, path), None)
+        if entry is not None:
+            rec, forget = entry
+            forget()
+            if rec is not None:
+                self.temps.drop(rec)
+
+    async def _vm_temp_orphaned(self, sb_id: str, path: str, tree: bool) -> None:
+        """The connection that made a microVM's temporary `path` closed
+        before renaming or removing it: removed now, if the VM runs (a pause
+        takes its agent's channel: the sandbox's lock orders them)."""
+        if self._temp_records.pop((sb_id, path), None) is None:
+            return
+        sb = self.registry.by_id.get(sb_id)
+        if sb is None or self.vms is None:
+            return
+        async with sb.lock:
+            if sb.state != "running" or sb.handle is None:
+                log.warning("sandbox %s: %s, the temporary copy of a write its client left unfinished, stays "
+                            "(the sandbox is %s); remove it with dsec rm -r %s:%s", sb_id, path, sb.state,
+                            sb_id, path)
+                return
+            try:
+                await self.vms.file_op(sb, protocol.FileRemove(sandbox=sb_id, path=path, recursive=tree))
+            except DsecError as err:
+                if err.code != "not_found":
+                    log.warning("sandbox %s: cannot remove %s, the temporary copy of a write its client left "
+                                "unfinished: %s; remove it with dsec rm -r %s:%s", sb_id, path, err, sb_id, path)
+                return
+        log.info("sandbox %s: removed %s, the temporary copy of a write its client left unfinished", sb_id, path)
+
     def _drop_temp(self, req, path: str) -> None:
         """A write's temporary `path` renamed or removed by its writer: its
         record goes. (Records are keyed by the sandbox's id, which a request
@@ -262,11 +315,7 @@ class FileService:
             sb_id = self.registry.get(req.sandbox, req).id
         except DsecError:           # destroyed meanwhile (its records went with it), or stopping
             return
-        entry = self._temp_records.pop((sb_id, path), None)
-        if entry is not None:
-            rec, forget = entry
-            forget()
-            self.temps.drop(rec)
+        self._forget_temp(sb_id, path)
 
     def _on_event(self, ev: dict) -> None:
         """A destroyed sandbox's temporary files went with it: their records
@@ -277,7 +326,8 @@ class FileService:
         for key in [k for k in self._temp_records if k[0] == ev["sandbox"]]:
             rec, forget = self._temp_records.pop(key)
             forget()
-            self.workers.behind(self.temps.drop, rec)
+            if rec is not None:
+                self.workers.behind(self.temps.drop, rec)
 
     async def _temp_orphaned(self, sb_id: str, path: str, dev: int, ino: int) -> None:
         """The connection that wrote temporary file `path` closed before

@@ -16,6 +16,7 @@ import hashlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -182,6 +183,52 @@ def test_a_pause_reports_what_the_host_got_back_and_keeps_no_cache_of_its_state(
         assert paused[-1]["freed_bytes"] == out["freed_bytes"]
         sb.resume()
         assert sb.exec(["sh", "-c", "wc -c < /tmp/f"]).stdout == b"16777216\n"
+    finally:
+        sb.destroy(force=True)
+
+
+LEAVER = """
+import io, sys, tarfile, time
+from dsecd import SyncClient
+c = SyncClient(sys.argv[1]); c.connect()
+sb = c.get(sys.argv[2])
+c.request("file_write", sandbox=sb.id, path="/work/.dsec-0123456789ab", data=b"part", temporary=True)
+tar = io.BytesIO()
+with tarfile.open(fileobj=tar, mode="w") as tf:
+    info = tarfile.TarInfo("a"); info.size = 4; tf.addfile(info, io.BytesIO(b"data"))
+sb.upload_tar(tar.getvalue(), "/work/.dsec-cp-0123456789ab", temporary=True)
+print("made", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_temporaries_of_a_client_killed_mid_copy_are_removed(vmd, tmp_path):
+    """A client killed between an atomic write's first chunk and its rename
+    (or between a `cp -r`'s landing directory and its rename) left the
+    temporary in a microVM for good: the daemon removed a container's when
+    the connection closed, and ignored `temporary` for a VM. A VM's are
+    removed too once their client's connection is gone."""
+    d, c = vmd
+    sb = _vm(c)
+    try:
+        sb.mkdir("/work", parents=True)
+        script = tmp_path / "leaver.py"
+        script.write_text(LEAVER)
+        child = subprocess.Popen([sys.executable, str(script), d.socket, sb.id], stdout=subprocess.PIPE,
+                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        try:
+            assert child.stdout.readline() == b"made\n"
+            names = sorted(e["name"] for e in sb.list_files("/work"))
+            assert names == [".dsec-0123456789ab", ".dsec-cp-0123456789ab"], names
+        finally:
+            child.kill()
+            child.wait()
+            child.stdout.close()
+        deadline = time.monotonic() + 60
+        while names and time.monotonic() < deadline:
+            time.sleep(0.2)
+            names = [e["name"] for e in sb.list_files("/work")]
+        assert names == [], names
     finally:
         sb.destroy(force=True)
 
