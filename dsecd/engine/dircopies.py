@@ -15,21 +15,25 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import queue
 import time
 
 from .. import tarsafe, userns
-from ..errors import BadRequest, Conflict, LimitExceeded, NotFound, io_error
+from ..errors import BadRequest, Conflict, DsecError, LimitExceeded, NotFound, io_error
 from ..fs import files as sbfiles
 from ..fs import tarcopy
 from ..fs.copytemps import CopyTemps
 from ..initlink import InitExec
 from . import copier
+from .events import EventBus
 from .execs import owner_ids
 from .files import CopyByInit
 from .microvms import MicroVMService
 from .sandboxes import Sandbox, SandboxRegistry
 from .workers import Workers
+
+log = logging.getLogger(__name__)
 
 
 class Aborted(Exception):
@@ -113,8 +117,11 @@ class DirCopyService:
     def __init__(self, registry: SandboxRegistry, workers: Workers, ensure_running, max_chunk: int,
                  max_entries: int, max_bytes: int, max_puts: int, idle_timeout: float, copy_by_init: CopyByInit,
                  vms: MicroVMService | None = None, temps: CopyTemps | None = None, hold_temporary=None,
-                 hold_vm_temporary=None):
+                 hold_vm_temporary=None, events: EventBus | None = None):
         self.registry = registry
+        self._resuming: set[asyncio.Task] = set()
+        if events is not None:
+            events.listeners.append(self._on_event)
         self.temps = temps              # where a put's temporary directory is recorded while it exists
         self.hold_temporary = hold_temporary
         self.hold_vm_temporary = hold_vm_temporary      # FileService's, for a microVM's
@@ -128,6 +135,26 @@ class DirCopyService:
         self.max_puts = max_puts
         self.idle_timeout = idle_timeout
         self.puts = 0
+
+    def _on_event(self, ev: dict) -> None:
+        """A job pause stops a microVM's vCPUs, and its directory copies
+        under way with them, their clients waiting (a pause of the VM alone
+        is refused while one runs). A copy is an op on the VM, as each chunk
+        of a file write is, which resumes it: so it is resumed for them."""
+        if ev["event"] != "paused":
+            return
+        sb = self.registry.by_id.get(ev["sandbox"])
+        if sb is None or sb.backend != "microvm" or not sb.copies:
+            return
+        task = self.workers.loop.create_task(self._resume_for_copy(sb))
+        self._resuming.add(task)
+        task.add_done_callback(self._resuming.discard)
+
+    async def _resume_for_copy(self, sb: Sandbox) -> None:
+        try:
+            await self.ensure_running(sb, "its directory copy under way")
+        except DsecError as err:     # auto_resume off, or the VM going: the copy waits or ends with it
+            log.warning("sandbox %s: not resumed for its directory copy under way: %s", sb.id, err)
 
     def _error(self, verb: str, where: str, err: BaseException):
         """The protocol error for what a copy raised."""

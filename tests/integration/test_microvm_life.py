@@ -233,6 +233,35 @@ def test_the_temporaries_of_a_client_killed_mid_copy_are_removed(vmd, tmp_path):
         sb.destroy(force=True)
 
 
+def test_a_directory_copy_under_way_resumes_its_job_paused_vm(vmd, tmp_path):
+    """A job pause stops a VM's vCPUs: a directory copy into (or out of) it
+    under way stood still, its client waiting, until someone resumed the
+    job (a single-file write's next chunk resumes the VM, and a container's
+    copy is the sandbox's op as well). The copy resumes the VM and ends."""
+    d, c = vmd
+    sb = _vm(c, memory="512M", disk="128M", labels={"job": "copying"})
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for i in range(24):
+        (tree / f"f{i}").write_bytes(os.urandom(1 << 20))
+    done: list = []
+    copier = threading.Thread(target=lambda: done.append(sb.upload_dir(str(tree), "/tree")))
+    try:
+        copier.start()
+        deadline = time.monotonic() + 60        # the guest's copy makes its directory: it is under way
+        while time.monotonic() < deadline and not any(e["name"].startswith(".dsec-put-") for e in sb.list_files("/")):
+            time.sleep(0.05)
+        assert c.job_pause("copying")["paused"] == [sb.id]
+        copier.join(120)
+        assert done and done[0]["count"] == 25, done
+        assert sb.inspect()["state"] == "running"
+        assert sb.exec(["sh", "-c", "ls /tree | wc -l"]).stdout == b"24\n"
+    finally:
+        c.job_resume("copying")
+        copier.join(120)
+        sb.destroy(force=True)
+
+
 def test_a_pause_during_a_file_write_waits_for_it_and_the_vm_resumes(vmd):
     """A pause that ended QEMU while a file_write's frame was still on its
     way to the guest left the agent holding half a frame: the resume's HELLO
