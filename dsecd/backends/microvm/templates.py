@@ -44,6 +44,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import mmap
 import os
 import shutil
 import threading
@@ -116,6 +117,34 @@ def _extents(fd: int, size: int):
         end = os.lseek(fd, start, os.SEEK_HOLE)
         yield start, end
         off = end
+
+
+MADV_POPULATE_READ = 22     # Linux 5.14+: fault a range in for reading
+
+
+def _holes(fd: int, size: int):
+    """(start, end) of each hole of `fd` below `size`."""
+    at = 0
+    for start, end in _extents(fd, size):
+        if start > at:
+            yield at, start
+        at = end
+    if at < size:
+        yield at, size
+
+
+def _mapped_by(pid: int, st: os.stat_result) -> bool:
+    """Whether process `pid` maps the file of `st` (its /proc/PID/maps)."""
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) > 4 and fields[4] == str(st.st_ino) and fields[3] == dev:
+                    return True
+    except OSError:
+        return False
+    return False
 
 
 def copy_sparse(src: int, dst: int) -> int:
@@ -261,6 +290,32 @@ class TemplateStore:
         for key in sorted(keys, key=lambda k: used.get(k, 0.0))[:len(keys) - self.max_templates]:
             log.info("VM template %s: dropped, least recently used of more than %d", key[:16], self.max_templates)
             self.drop(key)
+
+    def fill_holes(self, key: str, qemu_pid: int) -> int:
+        """Blocking: make the pages of template `key`'s RAM that it never
+        wrote (the memfd's holes), charged to this process's cgroup, if
+        QEMU `qemu_pid` maps that very memfd; the bytes made. A pause of a
+        VM restored from it saves all of its RAM, reading every page of its
+        private mapping of the memfd, and a read of a hole makes the page in
+        the memfd (shmem: it stays there, for every VM of the template, as
+        long as the memfd does). Made by that QEMU, they would be charged
+        to the sandbox paused first, unreclaimable without swap, kept after
+        its resume against its memory limit, and counted as its own."""
+        with self._lock:            # a drop meanwhile would close the fd
+            t = self._loaded.get(key)
+            if t is None or t.ram_fd < 0 or not _mapped_by(qemu_pid, os.fstat(t.ram_fd)):
+                return 0
+            holes = list(_holes(t.ram_fd, t.ram_size))
+            if not holes:
+                return 0
+            with mmap.mmap(t.ram_fd, t.ram_size, mmap.MAP_SHARED, mmap.PROT_READ) as m:
+                for start, end in holes:
+                    try:
+                        m.madvise(MADV_POPULATE_READ, start, end - start)
+                    except OSError:             # before Linux 5.14: a read of each page
+                        for off in range(start, end, mmap.PAGESIZE):
+                            m[off]
+            return sum(end - start for start, end in holes)
 
     # ------------------------------------------------------------ removal
 
