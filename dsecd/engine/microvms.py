@@ -371,8 +371,13 @@ class MicroVMService:
         what they still are (held_bytes: None where unreadable)."""
         backend, h = self.require(), sb.handle
         if sb.execs:
-            raise Conflict(f"sandbox {sb.id} has {sb.execs} running exec(s); a microVM pauses only idle "
-                           "(its agent's channel does not survive the stop)", {"sandbox": sb.id})
+            # A directory copy runs as an exec of the guest agent (_copy): named apart.
+            copies = min(sb.copies, sb.execs)
+            running = [f"{sb.execs - copies} running exec(s)"] if sb.execs > copies else []
+            running += [f"{copies} directory cop{'y' if copies == 1 else 'ies'} under way"] if copies else []
+            raise Conflict(f"sandbox {sb.id} has {' and '.join(running)}; a microVM pauses only idle "
+                           "(its agent's channel does not survive the stop)",
+                           {"sandbox": sb.id, "execs": sb.execs - copies, "copies": copies})
         await self._requests_settled(sb)
         await self._end_watches(sb)
         image = h.vm_dir / SAVED_STATE

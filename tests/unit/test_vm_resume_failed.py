@@ -207,3 +207,20 @@ def test_a_command_on_a_closed_monitor_is_a_qmp_error():
             qemus.close()
 
     uvloop.run(go())
+
+
+@pytest.mark.parametrize("execs,copies,said", [(1, 1, "1 directory copy under way"), (2, 0, "2 running exec(s)"),
+                                                (3, 1, "2 running exec(s) and 1 directory copy under way")])
+def test_a_pause_refused_for_a_copy_under_way_says_so(tmp_path, execs, copies, said):
+    """A directory copy runs as an exec of the guest agent, and a pause it
+    refused said the VM had a running exec, which the user had not
+    started: it names the copies apart."""
+    from dsecd.errors import Conflict
+
+    svc = object.__new__(MicroVMService)
+    svc.backend = _Backend()
+    h = SimpleNamespace(machine=Machine(), vm_dir=tmp_path, pidfd=5, init_pid=4242, group=None)
+    sb = SimpleNamespace(id="v1", handle=h, net=None, vm={}, execs=execs, copies=copies)
+    with pytest.raises(Conflict) as err:
+        asyncio.run(svc.pause(sb))
+    assert f"has {said};" in err.value.message, err.value.message
