@@ -137,14 +137,16 @@ class DirCopyService:
         self.puts = 0
 
     def _on_event(self, ev: dict) -> None:
-        """A job pause stops a microVM's vCPUs, and its directory copies
-        under way with them, their clients waiting (a pause of the VM alone
-        is refused while one runs). A copy is an op on the VM, as each chunk
-        of a file write is, which resumes it: so it is resumed for them."""
+        """A pause stops a sandbox's directory copies under way: a microVM's
+        vCPUs stop (its clients wait; a pause of the VM alone is refused
+        while one runs), a container's copier is frozen (the copy failed
+        once it made no progress for limits.frame_timeout_s). A copy is an
+        op on the sandbox, as each chunk of a file write is, which resumes
+        it: so it is resumed for them."""
         if ev["event"] != "paused":
             return
         sb = self.registry.by_id.get(ev["sandbox"])
-        if sb is None or sb.backend != "microvm" or not sb.copies:
+        if sb is None or not sb.copies:
             return
         task = self.workers.loop.create_task(self._resume_for_copy(sb))
         self._resuming.add(task)

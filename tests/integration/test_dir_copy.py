@@ -103,6 +103,42 @@ def test_a_copy_into_a_paused_sandbox_resumes_it_and_takes_every_chunk(sandbox, 
     assert sandbox.read_file("/work/after-pause/f.bin") == (tmp_path / "src" / "f.bin").read_bytes()
 
 
+def test_a_pause_during_a_copy_resumes_the_sandbox_for_it(daemon_factory, busybox_rootfs, tmp_path):
+    """A pause freezes the sandbox's copier: a directory copy under way made
+    no progress and failed once limits.frame_timeout_s had passed. The copy
+    is the sandbox's op, as a file write's next chunk is: it resumes it and
+    ends whole."""
+    import time
+
+    d = daemon_factory("[limits]\nframe_timeout_s = 3\n")
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        sb = c.create(image="busybox", memory="1G", disk="1G")
+        tree = tmp_path / "tree"
+        tree.mkdir()
+        for i in range(300):
+            (tree / f"f{i}").write_bytes(os.urandom(256 << 10))
+        done: list = []
+        copier = threading.Thread(target=lambda: done.append(sb.upload_dir(str(tree), "/work/tree")))
+        copier.start()
+        try:
+            deadline = time.monotonic() + 60        # its landing dir is made: the copy is under way
+            while time.monotonic() < deadline and not any(e["name"].startswith(".dsec-")
+                                                           for e in sb.list_files("/work")):
+                time.sleep(0.02)
+            assert sb.pause()["state"] == "paused"
+            copier.join(120)
+            assert done and done[0]["count"] == 301, done
+            assert sb.inspect()["state"] == "running"
+            assert sb.exec(["sh", "-c", "ls /work/tree | wc -l"]).stdout == b"300\n"
+        finally:
+            copier.join(120)
+            sb.destroy(force=True)
+    finally:
+        c.close()
+
+
 def tar_of(*members) -> io.BytesIO:
     """A tar of (TarInfo fields, data) pairs, crafted as an attacker would."""
     buf = io.BytesIO()
