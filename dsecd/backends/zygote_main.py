@@ -344,6 +344,13 @@ MAX_OPEN_DIRS = 64
 # in a directory another call left writable): the zygote's one loop must
 # not go on with it for ever.
 MAX_MOVED = 256
+# A freed uid's call dir that was not empty is moved into TRASH (a root-only
+# dir of the zygote's /tmp no call can enter), and removed from there at most
+# SWEEP_STEPS entries per turn of the zygote's loop (Zygote.sweep): a call
+# that left a million files would otherwise stop the loop, and every call it
+# serves and every kill it relays, for seconds.
+TRASH = ".dsec-trash"
+SWEEP_STEPS = 256
 
 
 def remove_owned(top, uid):
@@ -403,6 +410,13 @@ def remove_tree(dirfd, name):
     removed in turn, up to MAX_MOVED of them), nothing followed. True when
     all of it is gone: shutil.rmtree recurses (before Python 3.12) and
     stops at ~1,000 levels."""
+    return _to_the_end(remove_tree_steps(dirfd, name))
+
+
+def remove_tree_steps(dirfd, name):
+    """remove_tree one step at a time: a generator that yields after each
+    entry it removes or directory it opens, and returns remove_tree's
+    answer (the zygote's sweep spreads a large tree over its loop's turns)."""
     try:
         is_dir = stat.S_ISDIR(os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode)
     except FileNotFoundError:
@@ -410,18 +424,32 @@ def remove_tree(dirfd, name):
     except OSError:
         return False
     moved = []
-    ok = _remove_tree(dirfd, name, is_dir, dirfd, moved)
-    return _remove_moved(dirfd, moved) and ok
+    ok = yield from _remove_tree_steps(dirfd, name, is_dir, dirfd, moved)
+    done = yield from _remove_moved_steps(dirfd, moved)
+    return done and ok
+
+
+def _to_the_end(steps):
+    """Run a generator of steps to its end; what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
 
 
 def _remove_moved(top, moved):
+    return _to_the_end(_remove_moved_steps(top, moved))
+
+
+def _remove_moved_steps(top, moved):
     """Remove the parts _remove_tree moved up into `top` (and those their
     removal moves), at most MAX_MOVED in all; False if some stay."""
     ok, done = True, 0
     while moved:
         if done >= MAX_MOVED:
             return False
-        ok = _remove_tree(top, moved.pop(), True, top, moved) and ok
+        ok = (yield from _remove_tree_steps(top, moved.pop(), True, top, moved)) and ok
         done += 1
     return ok
 
@@ -444,6 +472,11 @@ def _remove_tree(parent, name, is_dir, top, moved, owner=None):
     next. With `owner`, a directory opened under `name` that is not that
     uid's (another call renamed one in its place since it was listed) is
     left alone. False when something could not be removed."""
+    return _to_the_end(_remove_tree_steps(parent, name, is_dir, top, moved, owner))
+
+
+def _remove_tree_steps(parent, name, is_dir, top, moved, owner=None):
+    """_remove_tree a step at a time (remove_tree_steps)."""
     if not is_dir:
         return _unlink(parent, name, False)
     first = _open_dir(parent, name)
@@ -455,6 +488,7 @@ def _remove_tree(parent, name, is_dir, top, moved, owner=None):
     try:
         while stack:
             pfd, dname, fd, todo = stack[-1]
+            yield
             if fd < 0:
                 stack.pop()
                 ok = _unlink(pfd, dname, True) and ok
@@ -643,6 +677,9 @@ class Zygote:
         self.lost = set()       # uids whose calls left what could not be removed: never handed out again
         self.unclean = {}       # uid -> (when to try its cleanup again, tries so far)
         self.dirs = {}          # uid -> its call's dir (in `base`) that was not empty, to remove
+        self.trash_fd = -1      # TRASH in `base`, made when first needed
+        self.trashed = 0        # dirs moved there so far (their names there)
+        self.sweeping = []      # remove_tree_steps of what is in TRASH, oldest first
         self.forked = 0
         self.fork_failed = False    # the last spare could not be forked
         # Kept open: read after every call (kill_leftovers). Workers close it.
@@ -932,14 +969,10 @@ class Zygote:
         ok = True
         name = self.dirs.get(uid)
         if name is not None:
-            base = os.open(self.base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                if remove_tree(base, name):
-                    del self.dirs[uid]
-                else:
-                    ok = False
-            finally:
-                os.close(base)
+            if self.to_trash(name):
+                del self.dirs[uid]
+            else:
+                ok = False
         for fd in (self.shm_fd, self.mq_fd):
             if fd >= 0:
                 try:
@@ -952,6 +985,53 @@ class Zygote:
             raise
         except Exception:
             return False
+
+    def to_trash(self, name):
+        """Move the call dir `name` (in base) into TRASH, where no call can
+        reach it (the uid it belonged to may be handed out at once), for
+        sweep() to remove; removed here, whole, if it cannot be moved.
+        True when it is out of every call's reach."""
+        base = os.open(self.base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            try:
+                trash = self._trash(base)
+                there = f"{name}.{self.trashed}"
+                os.rename(name, there, src_dir_fd=base, dst_dir_fd=trash)
+            except FileNotFoundError:
+                return True
+            except OSError:
+                return remove_tree(base, name)
+            self.trashed += 1
+            self.sweeping.append(remove_tree_steps(trash, there))
+            return True
+        finally:
+            os.close(base)
+
+    def _trash(self, base):
+        """The fd of TRASH in base, made (root's alone, 0700) when first
+        needed and kept open. OSError if it is not a dir of root's alone
+        (then nothing is moved there)."""
+        if self.trash_fd < 0:
+            try:
+                os.mkdir(TRASH, 0o700, dir_fd=base)
+            except FileExistsError:
+                pass
+            fd = os.open(TRASH, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=base)
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid() or st.st_mode & 0o077:
+                os.close(fd)
+                raise OSError(errno.EPERM, f"{TRASH} is not root's alone")
+            self.trash_fd = fd
+        return self.trash_fd
+
+    def sweep(self, steps=SWEEP_STEPS):
+        """Remove up to `steps` entries of what is in TRASH."""
+        while self.sweeping and steps > 0:
+            try:
+                next(self.sweeping[0])
+                steps -= 1
+            except StopIteration:
+                self.sweeping.pop(0)
 
     def retry_unclean(self):
         """free_uid again for the unclean uids whose time has come."""
@@ -1008,6 +1088,8 @@ class Zygote:
         # at once when fewer than half are left: a fork blocks this loop for
         # a few ms (page tables), which would delay every call waiting on it.
         while True:
+            if self.sweeping:
+                self.sweep()
             if self.held:
                 self.recheck_held()
             if self.unclean:
@@ -1022,6 +1104,8 @@ class Zygote:
             retry = self.unclean_wait_ms()
             if retry is not None:
                 wait = retry if wait is None else min(wait, retry)
+            if self.sweeping:
+                wait = 0        # more to sweep: the next turn comes once what is ready is handled
             events = self.poll.poll(wait)
             for fd, _ev in events:
                 if fd == self.sock.fileno():

@@ -321,9 +321,39 @@ def test_every_part_of_a_calls_leftovers_is_removed_whatever_another_part_did(tm
     with _zygote(str(base)) as z:
         z.dirs[60001] = "w60001-1"
         assert not z.remove_left(60001)
-        assert ipc_asked == [60001] and os.listdir(base) == [] and z.dirs == {}
+        assert ipc_asked == [60001] and os.listdir(base) == [zygote_main.TRASH] and z.dirs == {}
+        z.sweep()
+        assert os.listdir(base / zygote_main.TRASH) == []
         monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: True)
         assert z.remove_left(60001)
+
+
+def test_a_large_call_dir_goes_out_of_reach_at_once_and_is_removed_a_slice_a_turn(tmp_path, monkeypatch):
+    """A call that left 100,000 files in its dir stopped the zygote's loop
+    while it removed them all, and with it every call and every kill it
+    relays. The dir goes at once into a root-only trash dir no call can
+    enter (its uid is free again), and is removed SWEEP_STEPS entries per
+    turn of the loop."""
+    base = tmp_path / "fncall-x"
+    (base / "w60001-1" / "sub").mkdir(parents=True)
+    for i in range(1000):
+        (base / "w60001-1" / "sub" / str(i)).write_bytes(b"")
+    monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: True)
+    monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid, **_: True)
+    with _zygote(str(base)) as z:
+        z.dirs[60001] = "w60001-1"
+        assert z.remove_left(60001)
+        trash = base / zygote_main.TRASH
+        assert os.listdir(base) == [zygote_main.TRASH] and z.dirs == {}
+        assert os.stat(trash).st_mode & 0o777 == 0o700 and os.stat(trash).st_uid == 0
+        left = [len(os.listdir(trash / "w60001-1.0" / "sub"))]
+        while z.sweeping:
+            z.sweep()
+            if (trash / "w60001-1.0" / "sub").exists():
+                left.append(len(os.listdir(trash / "w60001-1.0" / "sub")))
+        assert left[0] == 1000 and len(left) >= 1000 // zygote_main.SWEEP_STEPS
+        assert all(0 < a - b <= zygote_main.SWEEP_STEPS for a, b in zip(left, left[1:], strict=False))
+        assert os.listdir(trash) == []
 
 
 IPC_PROBE = """
