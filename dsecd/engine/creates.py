@@ -477,21 +477,28 @@ class CreateService:
 
     def _read_drain(self) -> dict | None:
         """Blocking: the drain the state dir holds, None if the host is not
-        drained. A file that cannot be read still drains it: the operator
-        asked for that, and an undrain removes the file."""
+        drained. A file that cannot be read, or holds no start (a number
+        of seconds since 1970), still drains it, since now: the operator
+        asked for that, and an undrain removes the file. A start ahead of
+        now (the clock was set back, or the file damaged) is taken as now:
+        time.gmtime, which says it in every refusal, takes no such number."""
         try:
-            text = self._drain_path.read_text()
+            data = self._drain_path.read_bytes()
         except FileNotFoundError:
             return None
         except OSError as err:
             log.error("cannot read %s: %s; the host stays drained until `dsec undrain`", self._drain_path, err)
             return {"reason": f"{DRAIN_FILE} unreadable: {err.strerror}", "since": time.time()}
+        now = time.time()
         try:
-            d = json.loads(text)
-            return {"reason": str(d.get("reason") or ""), "since": float(d["since"])}
-        except (ValueError, TypeError, KeyError, AttributeError) as err:
+            d = json.loads(data.decode())
+            since = float(d["since"])
+            if not since >= 0:         # NaN too
+                raise ValueError(f"since {since!r} is no time since 1970")
+            return {"reason": str(d.get("reason") or ""), "since": min(since, now)}
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as err:
             log.error("unreadable %s: %s; the host stays drained until `dsec undrain`", self._drain_path, err)
-            return {"reason": f"{DRAIN_FILE} unreadable", "since": time.time()}
+            return {"reason": f"{DRAIN_FILE} unreadable", "since": now}
 
     def _write_drain(self, d: dict | None) -> None:
         """Blocking: record the drain (None: remove it), atomically."""
