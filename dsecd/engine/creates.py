@@ -38,6 +38,7 @@ their share.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import json
@@ -45,6 +46,7 @@ import logging
 import os
 import re
 import secrets
+import tempfile
 import time
 from collections import deque
 from dataclasses import MISSING, dataclass, field, fields
@@ -222,6 +224,7 @@ class CreateService:
     sandbox.disk, the writable layer's cap when a create names none."""
 
     drained: dict | None = None         # {"reason", "since"} while the host is drained
+    _drain_lock: asyncio.Lock | None = None
 
     def __init__(self, cfg, registry: SandboxRegistry, workers: Workers, backend, images: ImageService,
                  net: NetworkService, memory: MemoryService, cpu: CpuHost, id_ranges: IdRanges,
@@ -501,19 +504,39 @@ class CreateService:
             return {"reason": f"{DRAIN_FILE} unreadable", "since": now}
 
     def _write_drain(self, d: dict | None) -> None:
-        """Blocking: record the drain (None: remove it), atomically."""
+        """Blocking: record the drain (None: remove it), atomically and
+        durably: the rename (or removal) is synced with its directory."""
+        directory = self._drain_path.parent
         if d is None:
             try:
                 os.unlink(self._drain_path)
             except FileNotFoundError:
-                pass
-            return
-        tmp = self._drain_path.with_name(f".{DRAIN_FILE}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(d, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._drain_path)
+                return
+        else:
+            fd, tmp = tempfile.mkstemp(prefix=f".{DRAIN_FILE}.", suffix=".tmp", dir=directory)
+            try:
+                with open(fd, "w") as f:
+                    json.dump(d, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self._drain_path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def _drain_lock_now(self) -> asyncio.Lock:
+        """The lock drain and undrain hold across writing the file and
+        setting `drained`, so that they take turns and the file says what
+        the host does. Made at first use, on the loop's thread."""
+        if self._drain_lock is None:
+            self._drain_lock = asyncio.Lock()
+        return self._drain_lock
 
     async def drain(self, req, ctx) -> dict:
         """Refuse new creates and pool refills until undrain; saved first, so
@@ -522,26 +545,29 @@ class CreateService:
         if len(req.reason) > DRAIN_REASON_MAX or not req.reason.isprintable():
             raise BadRequest(f"reason must be at most {DRAIN_REASON_MAX} printable characters (it is said in "
                              f"every create the drain refuses), got {len(req.reason)}", {"reason": req.reason[:64]})
-        d = {"reason": req.reason or (self.drained or {}).get("reason") or "",
-             "since": self.drained["since"] if self.drained else time.time()}
-        try:
-            await self.workers.run(self._write_drain, d)
-        except OSError as err:
-            raise io_error("write", str(self._drain_path), err) from err
-        first = self.drained is None
-        self.drained = d
+        async with self._drain_lock_now():
+            d = {"reason": req.reason or (self.drained or {}).get("reason") or "",
+                 "since": self.drained["since"] if self.drained else time.time()}
+            try:
+                await self.workers.run(self._write_drain, d)
+            except OSError as err:
+                raise io_error("write", str(self._drain_path), err) from err
+            first = self.drained is None
+            self.drained = d
         log.info("host drained: creates refused until `dsec undrain`" + (f" ({d['reason']})" if d["reason"] else ""),
                  extra={"fields": {"event": "drained", "reason": d["reason"], "first": first}})
         return self.drain_info()
 
     async def undrain(self, req, ctx) -> dict:
-        try:
-            await self.workers.run(self._write_drain, None)
-        except OSError as err:
-            raise io_error("remove", str(self._drain_path), err) from err
-        if self.drained is not None:
+        async with self._drain_lock_now():
+            try:
+                await self.workers.run(self._write_drain, None)
+            except OSError as err:
+                raise io_error("remove", str(self._drain_path), err) from err
+            was = self.drained
+            self.drained = None
+        if was is not None:
             log.info("host undrained: creates taken again", extra={"fields": {"event": "undrained"}})
-        self.drained = None
         return self.drain_info()
 
     # ------------------------------------------------------------ warm pools

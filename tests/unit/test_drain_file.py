@@ -67,3 +67,61 @@ def test_a_sound_drain_file_keeps_its_reason_and_start(tmp_path):
     assert svc.drained == {"reason": "kernel update", "since": 1700000000.5}
     with pytest.raises(Busy, match=r"since 2023-11-14T22:13:20Z: kernel update"):
         svc._refuse_if_drained()
+
+
+def test_drains_and_undrains_at_once_write_one_at_a_time_and_agree_with_the_file(tmp_path):
+    """On the daemon's worker threads, drains and undrains at once shared
+    one temp file (one's rename found it gone: answered as not_found) and
+    could leave the file saying other than the host did."""
+    import json
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dsecd import protocol
+
+    svc = _service(tmp_path)
+    write = svc._write_drain
+    active, overlapped, waited = [0], [], []
+    lock = threading.Lock()
+    entered = threading.Event()
+
+    def watched_write(d):
+        with lock:
+            active[0] += 1
+            if active[0] > 1:
+                overlapped.append(d)
+                entered.set()
+        try:
+            # The first write waits for a second to come in beside it: a
+            # second one does unless the writes are one at a time.
+            if not waited:
+                waited.append(d)
+                entered.wait(1)
+            write(d)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    svc._write_drain = watched_write
+
+    async def run():
+        pool = ThreadPoolExecutor(8)
+        loop = asyncio.get_running_loop()
+
+        async def in_thread(fn, *args):
+            return await loop.run_in_executor(pool, fn, *args)
+
+        svc.workers = SimpleNamespace(loop=loop, run=in_thread)
+        reqs = [svc.drain(protocol.Drain(reason=f"r{i}"), None) if i % 3 else svc.undrain(None, None)
+                for i in range(8)]
+        try:
+            return await asyncio.gather(*reqs)
+        finally:
+            pool.shutdown()
+
+    asyncio.run(run())
+    assert overlapped == []
+    path = tmp_path / DRAIN_FILE
+    on_disk = json.loads(path.read_text()) if path.exists() else None
+    assert on_disk == svc.drained
+    assert [p.name for p in tmp_path.iterdir()] in ([], [DRAIN_FILE])
