@@ -706,13 +706,13 @@ class CreateService:
         while True:
             await asyncio.sleep(interval)
             budget = min(budget + self.pool_cfg["refill_per_s"] * interval, self.pool_cfg["refill_per_s"])
-            if self.drained is not None:     # a drained host makes no sandboxes, spares neither
-                for pool in self.pools.values():
-                    if pool.target(self.pool_cfg["demand_window_s"]) > len(pool.ready) + pool.creating:
-                        pool.error, pool.error_is_busy = self._drained_error().message, True
-                continue
             for pool in list(self.pools.values()):
-                self._prune(pool)
+                self._prune(pool)           # drained too: what pool ls counts must be there
+                if self.drained is not None:    # a drained host makes no sandboxes, spares neither
+                    if pool.target(self.pool_cfg["demand_window_s"]) > len(pool.ready) + pool.creating:
+                        pool.error = f"not refilled: {self._drained_error().message}"
+                        pool.error_is_busy = True
+                    continue
                 if pool.retry_at > time.monotonic():       # failing: not 20 failed creates a second
                     continue
                 need = pool.target(self.pool_cfg["demand_window_s"]) - len(pool.ready) - pool.creating

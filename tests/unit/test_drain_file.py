@@ -125,3 +125,33 @@ def test_drains_and_undrains_at_once_write_one_at_a_time_and_agree_with_the_file
     on_disk = json.loads(path.read_text()) if path.exists() else None
     assert on_disk == svc.drained
     assert [p.name for p in tmp_path.iterdir()] in ([], [DRAIN_FILE])
+
+
+def test_a_drained_hosts_pools_drop_spares_that_are_gone_and_say_why_none_come(tmp_path):
+    """`dsec drain; dsec rm --all`: the refiller skipped its pools while
+    drained, so pool ls, info and metrics went on counting spares that no
+    longer existed."""
+    from dsecd.engine.creates import Pool
+
+    pool = Pool(name="p", image="busybox", cpu=1.0, memory=1 << 20, min=2, max=2)
+    pool.ready.extend(["gone", "kept"])
+    svc = _service(tmp_path)
+    svc.drained = {"reason": "kernel update", "since": 1700000000.0}
+    svc.pools = {"p": pool}
+    svc.pool_cfg = {"refill_interval_s": 0.01, "refill_per_s": 10.0, "demand_window_s": 60.0}
+    svc.admission = SimpleNamespace(queued=0, max_queued=100)
+    svc.registry = SimpleNamespace(by_id={"kept": SimpleNamespace(state="running", labels={})}, keys={})
+
+    async def run():
+        svc.workers = SimpleNamespace(loop=asyncio.get_running_loop())
+        loop = asyncio.ensure_future(svc._refill_loop())
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if list(pool.ready) == ["kept"] and pool.error:
+                break
+        loop.cancel()
+
+    asyncio.run(run())
+    assert list(pool.ready) == ["kept"]
+    assert pool.creating == 0
+    assert "not refilled" in pool.error and "host is drained" in pool.error and pool.error_is_busy, pool.error
