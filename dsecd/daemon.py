@@ -97,6 +97,7 @@ def check_services(cfg) -> None:
     from .config import parse_duration
     from .cpu import qos
     from .engine.builds import BuildLimits
+    from .engine.images import check_pager_config
     from .engine.network import _check_config as check_net
     from .engine.vmballoon import settings_from
     from .errors import BadRequest
@@ -138,6 +139,17 @@ def check_services(cfg) -> None:
             seccomp.profile_number(sb["seccomp"])
         except ValueError as err:
             raise ConfigError(f"sandbox.seccomp: {err}") from None
+    # "auto" is a tmpfs wherever the kernel can give one, so its cap is
+    # checked too: on such a host the start would refuse it.
+    if sb["writable_layer"] in ("tmpfs", "auto"):
+        try:
+            upperfs.check_default_cap(cfg.size("sandbox", "disk"), sb["disk_inodes"])
+        except upperfs.UpperError as err:
+            raise ConfigError(str(err)) from None
+    # "auto" pages layers in lazily wherever the store is on a network or
+    # FUSE file system: where it is not, the pager's settings go unused.
+    if cfg.section("images")["mode"] in ("lazy", "auto"):
+        check_pager_config(cfg)
 
 
 def config_key_named(message: str, raw: dict) -> str | None:

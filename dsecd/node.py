@@ -131,9 +131,11 @@ class Node:
         except upperfs.UpperError as err:
             raise ConfigError(str(err)) from err
         disk_default = cfg.size("sandbox", "disk")
-        if upper_mode == "tmpfs" and not (disk_default >= 1 << 20 and sb["disk_inodes"] >= 16):
-            raise ConfigError("sandbox.disk must be at least 1M and sandbox.disk_inodes at least 16 "
-                              "(a tmpfs takes 0 as unlimited)")
+        if upper_mode == "tmpfs":               # checked with the config too (daemon.check_services)
+            try:
+                upperfs.check_default_cap(disk_default, sb["disk_inodes"])
+            except upperfs.UpperError as err:
+                raise ConfigError(str(err)) from err
         execs_by_init = pick_exec_via(sb["exec_via"], features)
 
         self.workers = Workers(cfg.section("daemon")["worker_threads"])

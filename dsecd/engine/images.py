@@ -107,6 +107,13 @@ def check_platform(name: str, image: Image) -> None:
                          {"image": name, "platform": platform, "host_platform": host})
 
 
+def check_pager_config(cfg) -> None:
+    """ConfigError for a pager setting the lazy pager cannot run with."""
+    if cfg.section("images")["verify"] and cfg.size("pager", "chunk_size") % INDEX_BLOCK:
+        raise ConfigError(f"pager.chunk_size must be a multiple of {INDEX_BLOCK // 1024}K while "
+                         "images.verify is on (chunks are checked in blocks of that size)")
+
+
 class ImageService:
     """`images` (the store of names and manifests) and `layers` (their mounts)
     are what sandboxes are made from; `freeze_timeout_s` bounds a snapshot's
@@ -188,9 +195,7 @@ class ImageService:
     def _make_pager(self, cfg) -> Pager:
         p = cfg.section("pager")
         state = cfg.state_dir
-        if cfg.section("images")["verify"] and cfg.size("pager", "chunk_size") % INDEX_BLOCK:
-            raise ConfigError(f"pager.chunk_size must be a multiple of {INDEX_BLOCK // 1024}K while "
-                             "images.verify is on (chunks are checked in blocks of that size)")
+        check_pager_config(cfg)
         group = cgroup.Group(self.layout, f"{self.cgroup_root}/.pager")
         self.pager_group = group
         procs = str(group.dirs[cgroup.V2] / "cgroup.procs") if cgroup.V2 in group.dirs else None

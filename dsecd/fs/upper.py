@@ -58,6 +58,18 @@ def pick_mode(configured: str, features) -> str:
     return "dir"
 
 
+def check_default_cap(disk: int, inodes: int) -> None:
+    """UpperError unless sandbox.disk and sandbox.disk_inodes can cap a
+    tmpfs writable layer: a tmpfs takes 0 as unlimited, and fewer than 16
+    inodes or 1M leave a sandbox no room to write."""
+    if disk < 1 << 20:
+        raise UpperError(f"sandbox.disk must be at least 1M with a tmpfs writable layer (a tmpfs takes 0 "
+                         f"as unlimited), got {disk} bytes")
+    if inodes < 16:
+        raise UpperError(f"sandbox.disk_inodes must be at least 16 with a tmpfs writable layer (a tmpfs "
+                         f"takes 0 as unlimited), got {inodes}")
+
+
 @dataclass(frozen=True)
 class Cap:
     disk_bytes: int

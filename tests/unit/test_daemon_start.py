@@ -201,6 +201,29 @@ def test_check_config_refuses_what_a_service_would_refuse_at_start(tmp_path, cap
             daemon.build_config(daemon.parse_args(["--config", str(conf)]))
 
 
+def test_check_config_refuses_a_writable_layer_cap_and_a_chunk_size_the_start_refuses(tmp_path, capsys):
+    """A tmpfs writable layer's cap and a lazy pager's chunk size under
+    images.verify were checked only as Node and the image service were
+    built: --check-config called such a config valid."""
+    conf = tmp_path / "dsecd.toml"
+    for text, key in (('[sandbox]\nwritable_layer = "tmpfs"\ndisk = "512K"\n', "sandbox.disk"),
+                      ('[sandbox]\nwritable_layer = "auto"\ndisk = 0\n', "sandbox.disk"),
+                      ('[sandbox]\nwritable_layer = "tmpfs"\ndisk_inodes = 8\n', "sandbox.disk_inodes"),
+                      ('[images]\nmode = "lazy"\n[pager]\nchunk_size = "96K"\n', "pager.chunk_size"),
+                      ('[pager]\nchunk_size = "100000"\n', "pager.chunk_size")):
+        conf.write_text(text)
+        status, out, _ = _check([str(conf), "--json"], capsys)
+        said = json.loads(out)
+        assert status == 1 and said["key"] == key, (text, said)
+    # What no start uses is not refused: a dir has no cap, eager and direct no pager.
+    for text in ('[sandbox]\nwritable_layer = "dir"\ndisk = 0\n',
+                 '[images]\nmode = "eager"\n[pager]\nchunk_size = "96K"\n',
+                 '[images]\nverify = false\n[pager]\nchunk_size = "96K"\n'):
+        conf.write_text(text)
+        status, out, _ = _check([str(conf), "--json"], capsys)
+        assert status == 0 and json.loads(out)["ok"] is True, (text, out)
+
+
 def test_check_config_and_config_naming_two_files_is_a_usage_error(tmp_path, capsys):
     status, _, err = _check([str(tmp_path / "a.toml"), "--config", str(tmp_path / "b.toml")], capsys)
     assert status == 2 and "two files" in err
