@@ -198,6 +198,27 @@ def load_config(path: str | None = None, overrides: dict | None = None) -> Confi
     return cfg
 
 
+def keys_of(path: str | None) -> dict:
+    """The tables and keys a config names: the embedded defaults with the
+    file at `path` merged in, unchecked (a file that cannot be read or
+    parsed adds nothing). What an error's key is looked up in."""
+    def merge(base: dict, extra: dict) -> dict:
+        out = dict(base)
+        for key, value in extra.items():
+            out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+                else value
+        return out
+
+    raw = _load_defaults()
+    if not path:
+        return raw
+    try:
+        with open(path, "rb") as f:
+            return merge(raw, tomllib.load(f))
+    except (OSError, ValueError):        # TOMLDecodeError and UnicodeDecodeError are ValueErrors
+        return raw
+
+
 def _validate(cfg: Config) -> None:
     for section, key in (("limits", "max_frame_bytes"), ("limits", "max_file_chunk_bytes"),
                          ("limits", "max_exec_output_bytes"), ("sandbox", "memory"),

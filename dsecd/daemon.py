@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from . import __version__, cgroup, fds, logs, profiling
-from .config import DEFAULT_PATH, ConfigError, load_config
+from .config import DEFAULT_PATH, ConfigError, keys_of, load_config
 from .features import probe_all
 from .looplag import LoopMonitor
 from .metrics import MetricsServer, parse_listen
@@ -187,7 +187,7 @@ def check_config(args: argparse.Namespace) -> int:
     try:
         build_config(args)
     except ConfigError as err:
-        key = config_key_named(str(err), load_config().raw)
+        key = config_key_named(str(err), keys_of(path))
         if args.json:
             print(json.dumps({"ok": False, "config": path, "error": str(err), "key": key}))
         else:

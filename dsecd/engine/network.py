@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import errno
 import functools
+import ipaddress
 import logging
 import os
 import threading
@@ -55,10 +56,19 @@ def _check_config(net: dict) -> None:
             R.canonical_term(term, sets)
         except BadRequest as err:
             raise ConfigError(f"net.essentials: {err.message}") from err
+    # Each network alone first, so that the error names its key; then how
+    # they fit together, which Ipam's errors name.
+    for key, net_of in (("ipv4_subnet", ipaddress.IPv4Network), ("ipv4_pool", ipaddress.IPv4Network),
+                        ("ipv6_subnet", ipaddress.IPv6Network)):
+        if net[key] or key == "ipv4_subnet":
+            try:
+                net_of(net[key])
+            except ValueError as err:
+                raise ConfigError(f"net.{key}: {err}") from err
     try:
         Ipam(net["ipv4_subnet"], net["ipv4_pool"], net["ipv6_subnet"])
     except ValueError as err:
-        raise ConfigError(f"net.ipv4_subnet, ipv4_pool or ipv6_subnet: {err}") from err
+        raise ConfigError(str(err)) from err
 
 
 class NetworkService:

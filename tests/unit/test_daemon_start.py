@@ -224,6 +224,21 @@ def test_check_config_refuses_a_writable_layer_cap_and_a_chunk_size_the_start_re
         assert status == 0 and json.loads(out)["ok"] is True, (text, out)
 
 
+def test_check_config_names_keys_of_the_file_it_checks(tmp_path, capsys):
+    """The key was looked up in the embedded defaults, not in the file:
+    a rule set of the file's own was named by no key, and a bad pool by
+    the subnet beside it."""
+    conf = tmp_path / "dsecd.toml"
+    for text, key in (('[net.rule_sets]\nfoo = ["nonsense rule"]\n', "net.rule_sets.foo"),
+                      ('[net]\nipv4_pool = "bogus"\n', "net.ipv4_pool"),
+                      ('[net]\nipv6_subnet = "bogus"\n', "net.ipv6_subnet"),
+                      ('[net]\nipv4_pool = "192.0.2.0/24"\n', "net.ipv4_pool")):
+        conf.write_text(text)
+        status, out, _ = _check([str(conf), "--json"], capsys)
+        said = json.loads(out)
+        assert status == 1 and said["key"] == key, (text, said)
+
+
 def test_check_config_and_config_naming_two_files_is_a_usage_error(tmp_path, capsys):
     status, _, err = _check([str(tmp_path / "a.toml"), "--config", str(tmp_path / "b.toml")], capsys)
     assert status == 2 and "two files" in err

@@ -81,9 +81,10 @@ def test_rule_sets_from_config():
     ({"rule_sets": {"x": ["bogus rule"]}}, "net.rule_sets.x: bad rule"),
     ({"rule_sets": {"Bad Name": ["10.0.0.0/8"]}}, "net.rule_sets: bad set name"),
     ({"essentials": ["nosuchset"]}, "net.essentials: unknown rule set 'nosuchset'"),
-    ({"ipv4_subnet": "garbage"}, "net.ipv4_subnet, ipv4_pool or ipv6_subnet: .*'garbage'"),
+    ({"ipv4_subnet": "garbage"}, "net.ipv4_subnet: .*'garbage'"),
     ({"ipv4_pool": "10.1.0.0/24"}, "net.ipv4_pool 10.1.0.0/24 is not inside"),
-    ({"ipv6_subnet": "zz"}, "net.ipv4_subnet, ipv4_pool or ipv6_subnet: .*'zz'"),
+    ({"ipv6_subnet": "zz"}, "net.ipv6_subnet: .*'zz'"),
+    ({"ipv4_pool": "bogus"}, "net.ipv4_pool: .*'bogus'"),
 ])
 def test_a_bad_net_setting_stops_the_start(net, says):
     """Not only when the network is first built (the first --net default
