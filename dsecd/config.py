@@ -190,6 +190,9 @@ def load_config(path: str | None = None, overrides: dict | None = None) -> Confi
             raise ConfigError(f"read config {path}: {err.strerror}") from err
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"parse config {path}: {err}") from err
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"parse config {path}: not UTF-8 (byte {err.object[err.start]:#04x} at offset "
+                              f"{err.start}): a TOML file is UTF-8 text") from err
         raw = _overlay(raw, user)
     if overrides:
         raw = _overlay(raw, overrides)

@@ -239,6 +239,18 @@ def test_check_config_names_keys_of_the_file_it_checks(tmp_path, capsys):
         assert status == 1 and said["key"] == key, (text, said)
 
 
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path, capsys):
+    conf = tmp_path / "dsecd.toml"
+    conf.write_bytes(b'[net]\nbridge = "\xff"\n')
+    status, out, _ = _check([str(conf), "--json"], capsys)
+    said = json.loads(out)
+    assert status == 1 and said["ok"] is False and "UTF-8" in said["error"] and said["key"] is None, said
+    status, _, err = _check([str(conf)], capsys)
+    assert status == 1 and f"config {conf}" in err and "UTF-8" in err and "Traceback" not in err, err
+    with pytest.raises(ConfigError, match="UTF-8"):
+        daemon.build_config(daemon.parse_args(["--config", str(conf)]))
+
+
 def test_check_config_and_config_naming_two_files_is_a_usage_error(tmp_path, capsys):
     status, _, err = _check([str(tmp_path / "a.toml"), "--config", str(tmp_path / "b.toml")], capsys)
     assert status == 2 and "two files" in err
