@@ -236,7 +236,8 @@ def pager_mounts(mountpoint: str, mountinfo: str = "/proc/self/mountinfo") -> in
 
 
 class Pager:
-    """One dsec-pager on one mountpoint. Not thread-safe: one owner thread."""
+    """One dsec-pager on one mountpoint. Not thread-safe (one owner thread), but
+    for rotate_log, which the daemon's periodic check calls too."""
 
     def __init__(self, config: PagerConfig, binary: str | None = None):
         self.config = config
@@ -249,6 +250,9 @@ class Pager:
         # "" while the pager's mount is in our mount namespace; "/proc/<pid>/root"
         # for a pager adopted from another one, whose mount we reach through its root.
         self._view = ""
+        # rotate_log runs on the thread that (re)starts the pager and on
+        # the daemon's periodic check: they take turns, one temp copy each.
+        self._log_lock = threading.Lock()
 
     # ---------------------------------------------------------- paths, state
 
@@ -295,6 +299,10 @@ class Pager:
         path, cap = self.config.log_path, self.config.log_max_bytes
         if not path or not cap:
             return False
+        with self._log_lock:
+            return self._rotate_log(path, cap)
+
+    def _rotate_log(self, path: str, cap: int) -> bool:
         try:
             if not stat.S_ISREG((st := os.stat(path)).st_mode) or st.st_size <= cap:
                 return False

@@ -210,3 +210,43 @@ def test_a_pager_log_that_cannot_be_rotated_is_left_and_says_so(tmp_path, caplog
     link.symlink_to(link)
     assert pg.Pager(cfg(log_path=str(link), log_max_bytes=1), binary="/x").rotate_log() is False
     assert "not rotated" in caplog.text
+
+
+def test_two_rotations_of_the_pagers_log_at_once_take_turns(tmp_path, monkeypatch, caplog):
+    """A pager's start and the periodic check may rotate at once, on two
+    threads: they shared one temp copy, so one's rename failed and the
+    other could copy the log just emptied over the kept one."""
+    import threading
+
+    path = tmp_path / "pager.log"
+    path.write_bytes(b"line\n" * 100)
+    p = pg.Pager(cfg(log_path=str(path), log_max_bytes=100), binary="/nonexistent")
+    copy, active, overlapped, waited = pg.shutil.copyfile, [0], [], []
+    count = threading.Lock()
+    second = threading.Event()
+
+    def watched_copy(src, dst):
+        with count:
+            active[0] += 1
+            if active[0] > 1:
+                overlapped.append(dst)
+                second.set()
+        try:
+            if not waited:          # the first copy waits for a second beside it, which comes unless they take turns
+                waited.append(dst)
+                second.wait(1)
+            return copy(src, dst)
+        finally:
+            with count:
+                active[0] -= 1
+
+    monkeypatch.setattr(pg.shutil, "copyfile", watched_copy)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(p.rotate_log())) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert overlapped == [] and sorted(results) == [False, True]
+    assert (tmp_path / "pager.log.1").read_bytes() == b"line\n" * 100 and path.stat().st_size == 0
+    assert "cannot keep a copy" not in caplog.text
