@@ -294,8 +294,10 @@ class Pager:
         A line written between the copy and the truncation is lost. When
         the copy cannot be written (the disk full) the log is truncated all
         the same: it must not be what fills the disk. Whether it rotated;
-        a log that cannot be looked at or truncated is logged and left as it
-        is, never an error: the pager starts and serves without it."""
+        a log that is no regular file (a FIFO, say: nothing a copy could
+        cap) is left as it is, and one that cannot be looked at or
+        truncated is logged and left, never an error: the pager starts and
+        serves without it."""
         path, cap = self.config.log_path, self.config.log_max_bytes
         if not path or not cap:
             return False

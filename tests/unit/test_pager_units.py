@@ -198,18 +198,20 @@ def test_the_pagers_cache_is_capped_by_default_at_a_share_of_its_file_system(tmp
 
 def test_a_pager_log_that_cannot_be_rotated_is_left_and_says_so(tmp_path, caplog):
     """Pager.start rotates the log first: a log path that is no regular file
-    (a directory, a FIFO) or cannot be looked at (a symlink loop) is left as
-    it is and logged, never an error that stops the pager's start."""
+    (a directory, a FIFO: nothing a copy and truncation could cap) is left
+    as it is, and one that cannot be looked at (a symlink loop) is left and
+    logged, never an error that stops the pager's start."""
     odd = tmp_path / "pager.log"
     odd.mkdir()
     assert pg.Pager(cfg(log_path=str(odd), log_max_bytes=1), binary="/x").rotate_log() is False
     fifo = tmp_path / "fifo.log"
     os.mkfifo(fifo)
     assert pg.Pager(cfg(log_path=str(fifo), log_max_bytes=1), binary="/x").rotate_log() is False
+    assert odd.is_dir() and fifo.is_fifo() and sorted(p.name for p in tmp_path.iterdir()) == ["fifo.log", "pager.log"]
     link = tmp_path / "loop.log"
     link.symlink_to(link)
     assert pg.Pager(cfg(log_path=str(link), log_max_bytes=1), binary="/x").rotate_log() is False
-    assert "not rotated" in caplog.text
+    assert f"pager log {link}" in caplog.text and "not rotated" in caplog.text
 
 
 def test_two_rotations_of_the_pagers_log_at_once_take_turns(tmp_path, monkeypatch, caplog):
