@@ -213,11 +213,13 @@ def _print_cpu_info(cpu: dict) -> None:
     print(f"cpu: {cpu['cpus']} cores, default qos {cpu['default_qos']}, LS weight x{cpu['ls_weight_factor']:g}, "
           f"cpu.idle {'yes' if cpu['cpu_idle'] else 'no'}, core scheduling {cpu['core_sched']}")
     if adm["full_on"] == "drain":
-        print("  admission   full (full on drain: the host is drained; no create is admitted)")
+        print("  admission   full (full on drain: the host is drained; no create makes a sandbox or takes "
+              "a pool's)")
     elif adm["full_on"] == "sandboxes":
         n = adm["sandboxes"]
         print(f"  admission   full (full on sandboxes: {n['live']} live and {n['queued']} queued of "
-              f"limits.max_sandboxes {n['max']}; no create is admitted)")
+              f"limits.max_sandboxes {n['max']}; no create makes a sandbox, a warm pool's spare is still "
+              "taken)")
     else:
         print(f"  admission   {adm['state']}" + (f" (full on {adm['full_on']}: a sandbox of the default size no "
                                                 "longer fits; smaller ones may)" if adm["full_on"] else ""))

@@ -87,10 +87,13 @@ def state(cap: Capacity, req: Requested, probe_cpu: float, probe_memory: int, ma
           queued: int = 0, drained: bool = False) -> dict:
     """The admission figures for `dsec info`: "open" while a sandbox of the
     default size still fits, else "full" and why: "drain" while the host is
-    drained (`dsec drain`: it admits no create at all), "sandboxes" when the
+    drained (`dsec drain`: no create makes a sandbox or takes a pool's; a
+    keyed create whose sandbox exists still gets it), "sandboxes" when the
     live sandboxes and the creates queued for a slot reach `max_sandboxes`
-    (limits.max_sandboxes: a create is then refused as the host is full,
-    whatever CPU and memory are left), else "cpu" or "memory"."""
+    (limits.max_sandboxes: a create that would make a sandbox is then
+    refused as the host is full, whatever CPU and memory are left; one a
+    warm pool's spare answers is still taken, as it adds no sandbox), else
+    "cpu" or "memory"."""
     if drained:
         why = {"resource": "drain"}
     elif max_sandboxes is not None and req.sandboxes + queued >= max_sandboxes:

@@ -54,7 +54,7 @@ def test_a_drained_host_refuses_creates_keeps_its_sandboxes_and_survives_a_resta
         assert pool["ready"] == 0 and "host is drained" in (pool["error"] or ""), pool
         info = json.loads(d.cli("info", "--json").stdout)
         assert info["drain"]["drained"] is True and info["drain"]["reason"] == "kernel update", info["drain"]
-        # Admission says no create is admitted (dsecd_admission_open 0, from the same figures).
+        # Admission says no create makes a sandbox (dsecd_admission_open 0, from the same figures).
         assert (info["cpu"]["admission"]["state"], info["cpu"]["admission"]["full_on"]) == ("full", "drain")
         assert b"drain: DRAINED since" in d.cli("info").stdout
         # Drained again (the SDK's way): it keeps its start and, given none, its reason.
