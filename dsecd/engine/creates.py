@@ -498,7 +498,13 @@ class CreateService:
             since = float(d["since"])
             if not since >= 0:         # NaN too
                 raise ValueError(f"since {since!r} is no time since 1970")
-            return {"reason": str(d.get("reason") or ""), "since": min(since, now)}
+            reason = d.get("reason") or ""
+            if not isinstance(reason, str) or len(reason) > DRAIN_REASON_MAX or not reason.isprintable():
+                # Said in dsec info and every refusal: only one a drain could take.
+                log.error("%s: its reason is no line of at most %d printable characters; the host stays "
+                          "drained until `dsec undrain`", self._drain_path, DRAIN_REASON_MAX)
+                reason = f"{DRAIN_FILE} unreadable"
+            return {"reason": reason, "since": min(since, now)}
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as err:
             log.error("unreadable %s: %s; the host stays drained until `dsec undrain`", self._drain_path, err)
             return {"reason": f"{DRAIN_FILE} unreadable", "since": now}

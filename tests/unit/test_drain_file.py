@@ -155,3 +155,16 @@ def test_a_drained_hosts_pools_drop_spares_that_are_gone_and_say_why_none_come(t
     assert list(pool.ready) == ["kept"]
     assert pool.creating == 0
     assert "not refilled" in pool.error and "host is drained" in pool.error and pool.error_is_busy, pool.error
+
+
+@pytest.mark.parametrize("reason", ["x" * 100000, "two\nlines", ["a", "list"], {"a": 1}, 7])
+def test_a_drain_files_reason_a_drain_could_not_take_is_not_repeated(tmp_path, reason):
+    """A reason is said in dsec info and in every refusal: one drain.json
+    edited or damaged to hold a huge one made every info answer too big a
+    frame. Such a reason is not taken; the host stays drained."""
+    import json
+
+    (tmp_path / DRAIN_FILE).write_text(json.dumps({"reason": reason, "since": 1700000000.0}))
+    svc = _service(tmp_path)
+    asyncio.run(_start(svc))
+    assert svc.drained == {"reason": f"{DRAIN_FILE} unreadable", "since": 1700000000.0}
