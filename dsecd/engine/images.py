@@ -109,7 +109,11 @@ def check_platform(name: str, image: Image) -> None:
 
 def check_pager_config(cfg) -> None:
     """ConfigError for a pager setting the lazy pager cannot run with."""
-    if cfg.section("images")["verify"] and cfg.size("pager", "chunk_size") % INDEX_BLOCK:
+    chunk = cfg.size("pager", "chunk_size")
+    if not 4096 <= chunk <= 1 << 30 or chunk & (chunk - 1):        # as dsec-pager checks its --chunk-size
+        raise ConfigError(f"pager.chunk_size must be a power of two from 4K to 1G, got {chunk} bytes: "
+                          "dsec-pager takes no other")
+    if cfg.section("images")["verify"] and chunk % INDEX_BLOCK:
         raise ConfigError(f"pager.chunk_size must be a multiple of {INDEX_BLOCK // 1024}K while "
                          "images.verify is on (chunks are checked in blocks of that size)")
 

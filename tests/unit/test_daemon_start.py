@@ -218,7 +218,7 @@ def test_check_config_refuses_a_writable_layer_cap_and_a_chunk_size_the_start_re
     # What no start uses is not refused: a dir has no cap, eager and direct no pager.
     for text in ('[sandbox]\nwritable_layer = "dir"\ndisk = 0\n',
                  '[images]\nmode = "eager"\n[pager]\nchunk_size = "96K"\n',
-                 '[images]\nverify = false\n[pager]\nchunk_size = "96K"\n'):
+                 '[images]\nverify = false\n[pager]\nchunk_size = "16K"\n'):
         conf.write_text(text)
         status, out, _ = _check([str(conf), "--json"], capsys)
         assert status == 0 and json.loads(out)["ok"] is True, (text, out)
@@ -249,6 +249,23 @@ def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path, capsys):
     assert status == 1 and f"config {conf}" in err and "UTF-8" in err and "Traceback" not in err, err
     with pytest.raises(ConfigError, match="UTF-8"):
         daemon.build_config(daemon.parse_args(["--config", str(conf)]))
+
+
+def test_check_config_refuses_a_chunk_size_the_pager_refuses(tmp_path, capsys):
+    """dsec-pager takes a chunk size that is a power of two from 4K to 1G
+    and exits on any other, so a lazy start cannot start its pager: such a
+    size passed --check-config, under images.verify too (192K is a
+    multiple of its 64K blocks)."""
+    conf = tmp_path / "dsecd.toml"
+    for size in ('"192K"', '"2K"', '"2G"', "0"):
+        for verify in ("true", "false"):
+            conf.write_text(f'[images]\nmode = "lazy"\nverify = {verify}\n[pager]\nchunk_size = {size}\n')
+            status, out, _ = _check([str(conf), "--json"], capsys)
+            said = json.loads(out)
+            assert status == 1 and said["key"] == "pager.chunk_size", (size, verify, said)
+    conf.write_text('[images]\nmode = "lazy"\nverify = false\n[pager]\nchunk_size = "4K"\n')
+    status, out, _ = _check([str(conf), "--json"], capsys)
+    assert status == 0, out
 
 
 def test_check_config_and_config_naming_two_files_is_a_usage_error(tmp_path, capsys):
