@@ -116,6 +116,14 @@ def check_pager_config(cfg) -> None:
     if cfg.section("images")["verify"] and chunk % INDEX_BLOCK:
         raise ConfigError(f"pager.chunk_size must be a multiple of {INDEX_BLOCK // 1024}K while "
                          "images.verify is on (chunks are checked in blocks of that size)")
+    p, state = cfg.section("pager"), cfg.state_dir
+    try:        # the rest as the pager's config takes them (its keys are pager's)
+        PagerConfig(store_dir="/", cache_dir=str(state / "pager-cache"), mountpoint=str(state / "pager"),
+                    chunk_size=chunk, readahead_chunks=p["readahead_chunks"],
+                    bandwidth_bps=cfg.size("pager", "bandwidth_bps"), latency_us=p["latency_us"],
+                    log_max_bytes=cfg.size("pager", "log_max_bytes"))
+    except ValueError as err:
+        raise ConfigError(f"pager.{err}") from None
 
 
 class ImageService:

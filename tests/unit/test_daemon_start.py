@@ -266,6 +266,11 @@ def test_check_config_refuses_a_chunk_size_the_pager_refuses(tmp_path, capsys):
     conf.write_text('[images]\nmode = "lazy"\nverify = false\n[pager]\nchunk_size = "4K"\n')
     status, out, _ = _check([str(conf), "--json"], capsys)
     assert status == 0, out
+    # Its other settings as the pager's config takes them.
+    conf.write_text('[images]\nmode = "lazy"\n[pager]\nreadahead_chunks = 5000\n')
+    status, out, _ = _check([str(conf), "--json"], capsys)
+    said = json.loads(out)
+    assert status == 1 and said["key"] == "pager.readahead_chunks", said
 
 
 def test_check_config_and_config_naming_two_files_is_a_usage_error(tmp_path, capsys):
