@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from . import caps, policy
+from . import caps, policy, unixsock
 from .errors import BadRequest
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
@@ -253,6 +253,11 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{dotted} must be an absolute path, got {value!r}")
         if not value and dotted in ("daemon.socket", "daemon.state_dir"):
             raise ConfigError(f"{dotted} must be an absolute path, got ''")
+    # Served only once the sandboxes are re-adopted, and reached by clients
+    # only at an address a unix socket can take.
+    problem = unixsock.address_problem(cfg.socket)
+    if problem:
+        raise ConfigError(f"daemon.socket {cfg.socket!r} {problem}")
     # At start every group below it that no journal record names is destroyed
     # (orphans of a crash): it must be a subtree of dsecd's own, never a
     # hierarchy's root or above it, whose groups are the host's.

@@ -9,6 +9,28 @@ import socket
 import stat
 import tempfile
 
+# The longest path a socket is reached at: a unix socket's address (sun_path)
+# holds 108 bytes, the last a NUL for clients written in C.
+ADDRESS_MAX = 107
+# bind_private binds in a mkdtemp dir beside the path (this prefix and 8
+# random characters), as "sock".
+_STAGING_PREFIX = ".dsecd-bind-"
+_STAGED_EXTRA = len(f"/{_STAGING_PREFIX}{'x' * 8}/sock")
+
+
+def address_problem(path: str) -> str | None:
+    """Why no server of bind_private's could serve clients at `path` (as
+    a sentence's end), None if one can: past ADDRESS_MAX a rename puts the
+    socket there all the same, but no client can connect to it."""
+    n = len(os.fsencode(path))
+    if n > ADDRESS_MAX:
+        return f"is {n} bytes: a unix socket's address takes at most {ADDRESS_MAX}"
+    staged = len(os.fsencode(os.path.dirname(path) or ".")) + _STAGED_EXTRA
+    if staged > ADDRESS_MAX:
+        return (f"is in a directory whose name is too long: the socket is bound in it first, under a name "
+                f"of {staged} bytes, and a unix socket's address takes at most {ADDRESS_MAX}")
+    return None
+
 
 def remove_dead_socket(path: str) -> None:
     """Remove the socket file a dead server left at `path`. A file that is
@@ -39,7 +61,7 @@ def bind_private(path: str, gid: int) -> socket.socket:
     renamed into place. (Not by setting the umask around the bind: the umask
     is the whole process's, and the daemon's worker threads may be making
     files and dirs at that moment.)"""
-    private = tempfile.mkdtemp(prefix=".dsecd-bind-", dir=os.path.dirname(path) or ".")    # 0700
+    private = tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=os.path.dirname(path) or ".")    # 0700
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         staged = os.path.join(private, "sock")

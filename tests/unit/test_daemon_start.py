@@ -273,6 +273,44 @@ def test_check_config_refuses_a_chunk_size_the_pager_refuses(tmp_path, capsys):
     assert status == 1 and said["key"] == "pager.readahead_chunks", said
 
 
+def test_a_socket_path_no_client_can_connect_to_is_a_config_error(tmp_path, capsys):
+    """A unix socket's address holds 108 bytes: the daemon bound a longer
+    daemon.socket (through a shorter staging name) and renamed it into
+    place, and then no client could connect to it; and a directory too
+    long for the staging name stopped the start only after its sandboxes
+    were re-adopted."""
+    import socket
+
+    from dsecd import unixsock
+
+    conf = tmp_path / "dsecd.toml"
+    for path in ("/run/" + "a" * 110 + ".sock", "/" + "d" * 95 + "/dsecd.sock"):
+        conf.write_text(f'[daemon]\nsocket = "{path}"\n')
+        status, out, _ = _check([str(conf), "--json"], capsys)
+        said = json.loads(out)
+        assert status == 1 and said["key"] == "daemon.socket" and "bytes" in said["error"], said
+        with pytest.raises(ConfigError, match="daemon.socket"):
+            daemon.build_config(daemon.parse_args(["--config", str(conf)]))
+    # The longest it takes is served and reached.
+    import shutil
+    import tempfile
+
+    short = tempfile.mkdtemp(dir="/tmp")
+    try:
+        longest = os.path.join(short, "x" * (unixsock.ADDRESS_MAX - len(short) - 1))
+        assert len(longest.encode()) == unixsock.ADDRESS_MAX and unixsock.address_problem(longest) is None
+        server = unixsock.bind_private(longest, os.getegid())
+        try:
+            server.listen()
+            client = socket.socket(socket.AF_UNIX)
+            client.connect(longest)
+            client.close()
+        finally:
+            server.close()
+    finally:
+        shutil.rmtree(short)
+
+
 def test_check_config_and_config_naming_two_files_is_a_usage_error(tmp_path, capsys):
     status, _, err = _check([str(tmp_path / "a.toml"), "--config", str(tmp_path / "b.toml")], capsys)
     assert status == 2 and "two files" in err
