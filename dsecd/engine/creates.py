@@ -538,8 +538,9 @@ class CreateService:
 
     def _drain_lock_now(self) -> asyncio.Lock:
         """The lock drain and undrain hold across writing the file and
-        setting `drained`, so that they take turns and the file says what
-        the host does. Made at first use, on the loop's thread."""
+        setting `drained` (to_the_end's), so that they take turns and the
+        file says what the host does. Made at first use, on the loop's
+        thread."""
         if self._drain_lock is None:
             self._drain_lock = asyncio.Lock()
         return self._drain_lock
@@ -551,29 +552,34 @@ class CreateService:
         if len(req.reason) > DRAIN_REASON_MAX or not req.reason.isprintable():
             raise BadRequest(f"reason must be at most {DRAIN_REASON_MAX} printable characters (it is said in "
                              f"every create the drain refuses), got {len(req.reason)}", {"reason": req.reason[:64]})
-        async with self._drain_lock_now():
-            d = {"reason": req.reason or (self.drained or {}).get("reason") or "",
-                 "since": self.drained["since"] if self.drained else time.time()}
-            try:
-                await self.workers.run(self._write_drain, d)
-            except OSError as err:
-                raise io_error("write", str(self._drain_path), err) from err
-            first = self.drained is None
-            self.drained = d
+        # To the end once begun, as undrain: a caller gone while the file is
+        # written must not leave the host doing other than the file says.
+        return await to_the_end(self._drain(req.reason), locks=(self._drain_lock_now(),))
+
+    async def _drain(self, reason: str) -> dict:
+        d = {"reason": reason or (self.drained or {}).get("reason") or "",
+             "since": self.drained["since"] if self.drained else time.time()}
+        try:
+            await self.workers.run(self._write_drain, d)
+        except OSError as err:
+            raise io_error("write", str(self._drain_path), err) from err
+        first = self.drained is None
+        self.drained = d
         log.info("host drained: creates refused until `dsec undrain`" + (f" ({d['reason']})" if d["reason"] else ""),
                  extra={"fields": {"event": "drained", "reason": d["reason"], "first": first}})
         return self.drain_info()
 
     async def undrain(self, req, ctx) -> dict:
-        async with self._drain_lock_now():
-            try:
-                await self.workers.run(self._write_drain, None)
-            except OSError as err:
-                raise io_error("remove", str(self._drain_path), err) from err
-            was = self.drained
-            self.drained = None
-        if was is not None:
+        return await to_the_end(self._undrain(), locks=(self._drain_lock_now(),))
+
+    async def _undrain(self) -> dict:
+        try:
+            await self.workers.run(self._write_drain, None)
+        except OSError as err:
+            raise io_error("remove", str(self._drain_path), err) from err
+        if self.drained is not None:
             log.info("host undrained: creates taken again", extra={"fields": {"event": "undrained"}})
+        self.drained = None
         return self.drain_info()
 
     # ------------------------------------------------------------ warm pools

@@ -168,3 +168,54 @@ def test_a_drain_files_reason_a_drain_could_not_take_is_not_repeated(tmp_path, r
     svc = _service(tmp_path)
     asyncio.run(_start(svc))
     assert svc.drained == {"reason": f"{DRAIN_FILE} unreadable", "since": 1700000000.0}
+
+
+@pytest.mark.parametrize("op", ["drain", "undrain"])
+def test_a_drain_cancelled_while_its_file_is_written_still_says_what_the_file_does(tmp_path, op):
+    """A drain's caller gone (its client, a `cancel`) while its worker
+    thread wrote drain.json: the file changed, and the host went on doing
+    what it did before (a drain a restart then found, or an undrain that
+    only half happened)."""
+    import json
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dsecd import protocol
+
+    svc = _service(tmp_path)
+    if op == "undrain":
+        svc.drained = {"reason": "before", "since": 1700000000.0}
+        (tmp_path / DRAIN_FILE).write_text(json.dumps(svc.drained))
+    write = svc._write_drain
+    writing, go = threading.Event(), threading.Event()
+
+    def held_write(d):
+        writing.set()
+        go.wait(10)
+        write(d)
+
+    svc._write_drain = held_write
+
+    async def run():
+        pool = ThreadPoolExecutor(1)
+        loop = asyncio.get_running_loop()
+
+        async def in_thread(fn, *args):
+            return await loop.run_in_executor(pool, fn, *args)
+
+        svc.workers = SimpleNamespace(loop=loop, run=in_thread)
+        task = asyncio.ensure_future(svc.drain(protocol.Drain(reason="now"), None) if op == "drain"
+                                     else svc.undrain(None, None))
+        await loop.run_in_executor(None, writing.wait, 10)
+        task.cancel()
+        await asyncio.sleep(0)
+        go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        pool.shutdown()
+
+    asyncio.run(run())
+    path = tmp_path / DRAIN_FILE
+    on_disk = json.loads(path.read_text()) if path.exists() else None
+    assert on_disk == svc.drained
+    assert (svc.drained is None) == (op == "undrain")
