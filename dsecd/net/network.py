@@ -614,7 +614,7 @@ class Network:
         rec = self.records.get(sb_id) or {}
         if self.ipam.get(sb_id) is not None or rec.get("ifname"):
             self.plumbing.remove_sandbox(rec.get("ifname") or host_ifname(sb_id))
-            if rec.get("ipv4"):
+            if rec.get("ipv4") and self._address_free_or_of(sb_id, rec["ipv4"]):
                 try:
                     self._forget_connections(sb_id, rec["ipv4"])
                 except OSError as err:
@@ -622,6 +622,16 @@ class Network:
             with self._lock:
                 self.ipam.release(sb_id)
         self.records.delete(sb_id)
+
+    def _address_free_or_of(self, sb_id: str, ipv4: str) -> bool:
+        """Whether `ipv4` is leased to `sb_id` or to nobody: a recorded address
+        whose restore failed (net.ipv4_pool changed, or the address was leased
+        twice) may be another live sandbox's lease now, and deleting the
+        conntrack entries of that address would cut that sandbox's
+        connections."""
+        a = int(ipaddress.ip_interface(ipv4).ip)
+        with self._lock:
+            return self.ipam._owner_of.get(a, sb_id) == sb_id
 
     # ------------------------------------------------------------ published ports
 

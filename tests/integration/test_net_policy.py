@@ -561,3 +561,29 @@ def test_a_failed_readopt_cuts_the_sandbox_off_even_if_its_veth_stays(world, tmp
         net3.detach(a.name)                 # its destroy
     finally:
         net3.close()
+
+
+def test_leftovers_of_a_gone_sandbox_spare_the_connections_of_its_address_s_new_owner(world, sandbox,
+                                                                                       monkeypatch):
+    """A record left by a sandbox that is gone names an address that is
+    another live sandbox's lease now (its restore found it taken, or the
+    pool changed): removing that record must not delete the conntrack
+    entries of the address, which are the live sandbox's connections."""
+    a = sandbox([f"{world.pkg}:443/tcp"])
+    net = world.net
+    addr = str(net.ipam.get(a.name).ipv4)
+    gone = f"gone-{a.name}"[:24]
+    net.records.put(gone, {"id": gone, "mode": "default", "cgroup_dir": "", "cgroup_id": 0, "terms": [],
+                           "ifname": host_ifname(gone), "ipv4": addr, "ports": [], "kind": "container"})
+    flushed = []
+    real = net._forget_connections
+    monkeypatch.setattr(net, "_forget_connections", lambda sb_id, ipv4: (flushed.append(ipv4), real(sb_id, ipv4)))
+    net.detach(gone)                                  # a destroy of it, or a restart's clean-up
+    assert gone not in read_records(net.records.path)
+    assert flushed == [] and str(net.ipam.get(a.name).ipv4) == addr
+    # Its own leftovers (its lease, nobody else's) are flushed.
+    net.records.put(gone, {"id": gone, "mode": "default", "cgroup_dir": "", "cgroup_id": 0, "terms": [],
+                           "ifname": host_ifname(gone), "ipv4": f"10.{world.octet}.250.9/16", "ports": [],
+                           "kind": "container"})
+    net.detach(gone)
+    assert flushed == [f"10.{world.octet}.250.9/16"]
