@@ -577,19 +577,30 @@ class Network:
             log.info("sandbox %s: deleted %d conntrack entries of its address %s", sb_id, n, addr)
 
     def _cut_off(self, sb: _Sandbox, link_gone: bool) -> None:
+        self._cut_off_cgroup(sb.id, sb.cgroup_dir, sb.ifname, link_gone)
+
+    def _cut_off_cgroup(self, sb_id: str, cgroup_dir: str, ifname: str, link_gone: bool) -> None:
         """A sandbox that runs on without its networking (a failed readopt).
-        With its veth gone it has loopback only, and its programs are
-        detached. A veth that could not be deleted would leave it a link with
-        no programs, i.e. no egress policy at all: then this daemon's
-        programs go on its cgroup (replacing the previous daemon's), and with
-        no `sandboxes` entry for it they refuse its every connect, send and
-        packet, loopback included."""
+        With its veth gone it has loopback only: no program stays on its
+        cgroup, neither this daemon's nor an earlier one's (whose refuse-all
+        programs, put there when that daemon could not delete the veth,
+        would refuse loopback too): ours replace them, then go. A veth that
+        could not be deleted would leave it a link with no programs, i.e. no
+        egress policy at all: then this daemon's programs go on its cgroup
+        (replacing the previous daemon's), and with no `sandboxes` entry for
+        it they refuse its every connect, send and packet, loopback
+        included."""
+        try:
+            self.engine.attach(cgroup_dir)
+        except OSError as err:
+            if err.errno == errno.ENOENT:     # the cgroup is gone: so are the programs on it
+                return
+            raise
         if link_gone:
-            self.engine.detach(sb.cgroup_dir)
+            self.engine.detach(cgroup_dir)
             return
-        self.engine.attach(sb.cgroup_dir)
         log.error("sandbox %s: its veth %s could not be deleted; its cgroup keeps programs that refuse all "
-                  "of its traffic (loopback too) until it is destroyed", sb.id, sb.ifname)
+                  "of its traffic (loopback too) until it is destroyed", sb_id, ifname)
 
     def _free(self, sb: _Sandbox, held: bool = False) -> None:
         """Its policy, counters and slot, then its lease and its entry here,
@@ -1202,7 +1213,12 @@ class Network:
                     if sb is not None:
                         self._teardown(sb, live=True)
                     else:
-                        self._release_leftovers(sb_id)
+                        try:
+                            self._release_leftovers(sb_id)
+                        except Exception:
+                            self._cut_off_cgroup(sb_id, str(cgroup_dir), rec.get("ifname", ""), link_gone=False)
+                            raise
+                        self._cut_off_cgroup(sb_id, str(cgroup_dir), "", link_gone=True)
                 except Exception as err2:
                     log.error("tear down networking of sandbox %s: %s", sb_id, err2)
                 if self.records.get(sb_id) is not None:

@@ -558,6 +558,10 @@ def test_a_failed_readopt_cuts_the_sandbox_off_even_if_its_veth_stays(world, tmp
         assert res["adopted"] == [] and list(res["failed"]) == [a.name], res
         assert a.ask(op="connect", host=world.pkg, port=443) != {"ok": True, "data": "srv443:hello"}
         assert net3.ipam.get(a.name) is None and a.name not in read_records(state / "net" / "records.log")
+        # With its veth gone it has loopback only, as said: not the refuse-all
+        # programs the previous daemon left on its cgroup.
+        assert a.ask(op="connect", host="127.0.0.1", port=9) == {"errno": "ECONNREFUSED"}
+        assert a.ask(op="udp", host="127.0.0.1", port=9).get("errno") != "EPERM"
         net3.detach(a.name)                 # its destroy
     finally:
         net3.close()
