@@ -105,9 +105,12 @@ class Network:
         # is every sandbox's, a policy update may need its whole size again
         # (the flip), and a zone whose names map to any address
         # (ec2-A-B-C-D.compute-1.amazonaws.com is A.B.C.D) lets a sandbox
-        # learn without end: the rest stays for the policies.
+        # learn without end: the rest stays for the policies. Half of that
+        # quarter is reserved, an equal share per sandbox at max_sandboxes
+        # (learned_shares), so sandboxes at their cap cannot starve the others.
         self.max_learned = min(int(cfg.get("dns_max_learned", 256)), self.max_rules)
         self.learned_budget = int(cfg["max_prefixes"]) // 4
+        self.max_sandboxes = max(1, int(max_sandboxes))
         self.dns_enabled = bool(cfg.get("dns", True))
         netdir = Path(state_dir) / "net"
         self.records = RecordLog(netdir / "records.log", fsync=bool(cfg.get("fsync", False)))
@@ -1027,7 +1030,8 @@ class Network:
         blocking=False (the event loop): None, having done nothing, if the lock is
         busy or the change is not small. On error nothing is added; False, having
         added nothing, when the sandbox would hold more than max_learned
-        learned entries, or all sandboxes together more than learned_budget."""
+        learned entries, or more than its share (learned_shares) when the
+        shared part of learned_budget is full."""
         if not self._lock.acquire(blocking=blocking):
             return None
         try:
@@ -1041,8 +1045,7 @@ class Network:
             if not fresh:
                 return True
             more = sum(1 for r in fresh if r not in sb.learned)
-            if more and (len(sb.learned) + more > self.max_learned or
-                         self.learned_live() + more > self.learned_budget):
+            if more and not self._may_learn(sb, more):
                 # The trie is every sandbox's: see max_learned.
                 sb.dns["learned_full"] += 1
                 return False
@@ -1082,6 +1085,28 @@ class Network:
                     nxt = ln.expires if nxt is None else min(nxt, ln.expires)
         return nxt
 
+    def learned_shares(self) -> tuple[int, int]:
+        """(what each sandbox may always learn, what all of them may learn
+        beyond that together). Half of learned_budget is split evenly over
+        limits.max_sandboxes (at most max_learned each): however many
+        sandboxes sit at max_learned, each of the others can still learn its
+        share. The other half (and what the shares leave) is first come,
+        first served."""
+        reserved = min(self.max_learned, self.learned_budget // (2 * self.max_sandboxes))
+        return reserved, self.learned_budget - reserved * self.max_sandboxes
+
+    def _may_learn(self, sb: _Sandbox, more: int) -> bool:
+        """Whether `sb` may hold `more` learned entries more. Caller holds the lock."""
+        have = len(sb.learned)
+        if have + more > self.max_learned:
+            return False
+        reserved, shared = self.learned_shares()
+        extra = max(0, have + more - reserved) - max(0, have - reserved)
+        if not extra:
+            return True
+        beyond = sum(max(0, len(o.learned) - reserved) for o in self._sbs.values())
+        return beyond + extra <= shared
+
     def learned_live(self) -> int:
         """Learned entries of all sandboxes now (list(): one step under the
         GIL, so the event loop may ask without the lock)."""
@@ -1089,7 +1114,9 @@ class Network:
 
     def learned_info(self) -> dict:
         """For `dsec info`: learned entries now, and the caps (see max_learned)."""
-        return {"live": self.learned_live(), "budget": self.learned_budget, "per_sandbox": self.max_learned}
+        reserved, shared = self.learned_shares()
+        return {"live": self.learned_live(), "budget": self.learned_budget, "per_sandbox": self.max_learned,
+                "reserved_per_sandbox": reserved, "shared": shared}
 
     def dns_totals(self) -> dict:
         with self._lock:

@@ -366,7 +366,8 @@ def test_learned_addresses_cannot_fill_the_trie_every_sandbox_shares(world, daem
         shown = d.cli("net", "show", greedy.id).stdout.decode()
         assert "answers over the learned cap" in shown, shown
         assert c.info()["net"]["dns"]["learned"] == {"live": len(view["learned"]), "budget": 32,
-                                                     "per_sandbox": 256}
+                                                     "per_sandbox": 256, "reserved_per_sandbox": 0,
+                                                     "shared": 32}
         others = [c.create(image="busybox", net="default", allow=[f"10.{o}.12.{i}:443/tcp"]) for i in (1, 2)]
         for sb in others:
             sb.net_set(add=[f"10.{o}.13.{i}:80/tcp" for i in range(1, 6)])

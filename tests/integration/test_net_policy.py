@@ -417,6 +417,39 @@ def test_learned_addresses_are_capped_per_sandbox(world, sandbox, monkeypatch):
                                     for r in entry(3)}) is True
 
 
+def test_sandboxes_at_their_learned_cap_leave_each_other_sandbox_its_share(world, sandbox, monkeypatch):
+    """The learned budget is every sandbox's, but first come, first served:
+    a few sandboxes at net.dns_max_learned would take all of it, and every
+    other sandbox's lookups of allowed names would fail until theirs
+    expire. Half of it is reserved, a share per sandbox at max_sandboxes:
+    here 16 for all, 3 sandboxes at most, so 2 each always, 10 shared."""
+    import ipaddress
+
+    from dsecd.net import rules as R
+    from dsecd.net.network import Learned
+
+    net = world.net
+    monkeypatch.setattr(net, "max_learned", 8)
+    monkeypatch.setattr(net, "learned_budget", 16)
+    monkeypatch.setattr(net, "max_sandboxes", 3, raising=False)
+    rule = R.parse_rule("*.example.test:443/tcp")
+    greedy, late = sandbox(["*.example.test:443/tcp"]), sandbox(["*.example.test:443/tcp"])
+    quiet = sandbox(["*.example.test:443/tcp"])
+    expires = time.monotonic() + 60
+    n = iter(range(1, 250))
+
+    def learn(sb) -> bool:
+        i = next(n)
+        addr = int(ipaddress.IPv4Address(f"198.51.100.{i}"))
+        return net.learn(sb.name, {rule.address_rule(R.FAM_V4, addr): Learned(expires, rule, f"h{i}.example.test")})
+
+    assert [learn(greedy) for _ in range(9)] == [True] * 8 + [False]        # its cap
+    assert [learn(late) for _ in range(7)] == [True] * 6 + [False]          # its share + what is left shared
+    assert [learn(quiet) for _ in range(3)] == [True, True, False]          # its share, whatever they hold
+    assert net.learned_live() == 16
+    assert net.learned_info()["reserved_per_sandbox"] == 2 and net.learned_info()["shared"] == 10
+
+
 def test_accepted_marks_are_for_connections_from_outside_while_they_last(world, sandbox):
     """The map of connections a sandbox accepted (their answers pass its
     allowlist) is every sandbox's, an LRU of MAX_ACCEPTED: a sandbox making
