@@ -71,6 +71,13 @@ def _check_config(net: dict) -> None:
         raise ConfigError(str(err)) from err
 
 
+# A detach that failed is tried again after these many seconds each (the
+# kernel refusing to delete a veth, nftables a rule: often passing). The
+# last retry is ~16 minutes after the destroy; after that the next daemon
+# start removes what is left.
+DETACH_RETRY_S = (1.0, 5.0, 30.0, 120.0, 800.0)
+
+
 class NetworkService:
     """`backend` destroys a sandbox whose create was cancelled mid-spawn
     (spawn_joining); `cgroup_root` and `max_sandboxes` size and place the
@@ -94,6 +101,8 @@ class NetworkService:
         self.address_watch_error: str | None = None
         self.events = None                  # the node's EventBus: `net_lost` (set by the node)
         self._lost: dict[str, str] = {}     # what the last build could not re-adopt: sandbox id -> why
+        self._detach_retries: dict[str, asyncio.Task] = {}     # sandbox id -> its detach, retried
+        self.detach_retry_s = DETACH_RETRY_S
         self._net_ready: asyncio.Future | None = None
         self._warmup: asyncio.Task | None = None
         self._bpf_loader: threading.Thread | None = None
@@ -405,12 +414,40 @@ class NetworkService:
                              {"names": names})
 
     async def detach_net(self, sb) -> None:
+        """The sandbox's networking goes (its destroy or death). A detach
+        that fails may keep its address leased and its record (a veth or a
+        published port's DNAT that could not be deleted: Network._teardown);
+        the sandbox leaves the registry anyway, so nothing would call it
+        again before the next daemon start: it is retried in the background,
+        DETACH_RETRY_S apart."""
         if self.net is None or not _networked(sb):
             return
         try:
             await self.workers.run(self.net.detach, sb.id)
         except (OSError, DsecError) as err:
-            log.error("detach networking of sandbox %s: %s", sb.id, err)
+            log.error("detach networking of sandbox %s: %s; retried in the background", sb.id, err)
+            self._retry_detach(sb.id)
+
+    def _retry_detach(self, sb_id: str) -> None:
+        if sb_id in self._detach_retries:
+            return
+        task = self.workers.loop.create_task(self._detach_later(self.net, sb_id))
+        self._detach_retries[sb_id] = task
+        task.add_done_callback(lambda _t: self._detach_retries.pop(sb_id, None))
+
+    async def _detach_later(self, net, sb_id: str) -> None:
+        tries = len(self.detach_retry_s)
+        for i, delay in enumerate(self.detach_retry_s, 1):
+            await asyncio.sleep(delay)
+            try:
+                await self.workers.run(net.retry_detach, sb_id)
+            except (OSError, DsecError) as err:
+                log.error("sandbox %s: detach its networking again (try %d of %d): %s", sb_id, i, tries, err)
+                continue
+            log.info("sandbox %s: its networking is detached (try %d of %d)", sb_id, i, tries)
+            return
+        log.error("sandbox %s: its networking could not be detached after %d more tries; what is left of it "
+                  "(its address, its record) is removed at the next daemon start", sb_id, tries)
 
     def preload(self) -> None:
         """Daemon start: load (or first compile) the eBPF programs in the background."""
@@ -458,6 +495,10 @@ class NetworkService:
             await self.resolver.close()
         if self.address_watch is not None:
             await self.address_watch.close()
+        retries = list(self._detach_retries.values())
+        for task in retries:
+            task.cancel()         # what they would remove, the next daemon start does
+        await asyncio.gather(*retries, return_exceptions=True)
         if self.net is not None:
             await self.workers.run(self.net.close)
 

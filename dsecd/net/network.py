@@ -517,6 +517,16 @@ class Network:
             sb.state = "detaching"           # an update racing with this gets Conflict
         self._teardown(sb)
 
+    def retry_detach(self, sb_id: str) -> None:
+        """detach() again, for a sandbox whose detach failed: nothing if
+        the id has networking that is not being detached (it was given to
+        a sandbox made since)."""
+        with self._lock:
+            sb = self._sbs.get(sb_id)
+            if sb is not None and sb.state != "detaching":
+                return
+        self.detach(sb_id)
+
     def _teardown(self, sb: _Sandbox, live: bool = False) -> None:
         """Every step runs even if an earlier one failed (one stuck resource must not
         leak the rest); the first error is raised at the end.
@@ -547,7 +557,8 @@ class Network:
         # be (its other end, in the sandbox, still has the address and
         # answers ARP for it), keeps the sandbox's address leased and its
         # record: a sandbox given that address would get the port's
-        # connections, or share it on the bridge. A repeated detach retries;
+        # connections, or share it on the bridge. A repeated detach retries
+        # (NetworkService.detach_net repeats a destroy's in the background);
         # a restarted daemon replaces the whole table and removes the veths
         # of records no live sandbox has.
         def held() -> bool:
@@ -617,7 +628,7 @@ class Network:
                     sb.dropped = True
                 if held:
                     lease = self.ipam.get(sb.id)
-                    log.error("sandbox %s: its address %s stays leased while %s; a repeated detach retries",
+                    log.error("sandbox %s: its address %s stays leased while %s; detach is retried",
                               sb.id, lease.ipv4 if lease else "(none)", f"port(s) {', '.join(map(str, sb.ports))} of it stay published "
                               "(their DNAT could not be deleted)" if sb.ports else f"its veth {sb.ifname} stays")
                     return

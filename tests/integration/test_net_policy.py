@@ -543,6 +543,28 @@ def test_a_failed_unpublish_keeps_the_port_until_its_dnat_is_gone(world, sandbox
     assert b.name not in read_records(net.records.path)
 
 
+def test_a_retried_detach_leaves_a_sandbox_attached_since_alone(world, sandbox, monkeypatch):
+    """The node retries a failed detach in the background, by sandbox id:
+    a retry finishes a held detach, and leaves alone networking attached
+    under that id since (not being detached)."""
+    a = sandbox([f"{world.pkg}:443/tcp"])
+    net = world.net
+    net.retry_detach(a.name)                           # attached, not being detached: nothing
+    assert net.show(a.name)["terms"] == [f"{world.pkg}:443/tcp"]
+    assert a.ask(op="connect", host=world.pkg, port=443) == {"ok": True, "data": "srv443:hello"}
+    b = world.agent()
+    net.attach(b.name, f"/run/netns/{b.netns}", b.cgroup)
+    monkeypatch.setattr(net.plumbing, "remove_sandbox", lambda _ifname: (_ for _ in ()).throw(
+        OSError(errno.EBUSY, "delete veth: Device or resource busy (injected)")))
+    with pytest.raises(OSError, match="injected"):
+        net.detach(b.name)
+    assert net.ipam.get(b.name) is not None and b.name in read_records(net.records.path)    # held
+    monkeypatch.undo()
+    net.retry_detach(b.name)
+    assert net.ipam.get(b.name) is None and b.name not in read_records(net.records.path)
+    b.stop()
+
+
 def test_a_failed_readopt_cuts_the_sandbox_off_even_if_its_veth_stays(world, tmp_path, monkeypatch):
     """Networking that a restarted daemon cannot re-adopt is taken away
     (fail closed). If its veth cannot be deleted either, the sandbox must not
