@@ -29,7 +29,7 @@ LINES = {
     "adopted": (logging.INFO, "sandbox re-adopted"),
     "oom": (logging.WARNING, "sandbox processes killed by its memory limit"),
     "died": (logging.WARNING, "sandbox init exited; the sandbox is dead"),
-    "net_lost": (logging.ERROR, "sandbox networking not re-adopted at start; it has loopback only"),
+    "net_lost": (logging.ERROR, "sandbox networking not re-adopted at start; it is cut off (see reason)"),
 }
 
 

@@ -78,6 +78,10 @@ def _check_config(net: dict) -> None:
 DETACH_RETRY_S = (1.0, 5.0, 30.0, 120.0, 800.0)
 
 
+# What a sandbox cut off at a restart has left when its veth could not be deleted.
+SEALED = "its veth could not be deleted, so all of its traffic is refused, loopback too"
+
+
 class NetworkService:
     """`backend` destroys a sandbox whose create was cancelled mid-spawn
     (spawn_joining); `cgroup_root` and `max_sandboxes` size and place the
@@ -186,10 +190,14 @@ class NetworkService:
         except BaseException:
             net.close()
             raise
+        self._lost = {}
         for sb_id, why in res.get("failed", {}).items():
-            log.error("sandbox %s lost its networking across the restart (%s); it keeps loopback only",
-                      sb_id, why)
-        self._lost = dict(res.get("failed", {}))
+            if sb_id in res.get("sealed", ()):
+                why += f"; {SEALED}"
+            else:
+                why += "; it keeps loopback only"
+            log.error("sandbox %s lost its networking across the restart (%s)", sb_id, why)
+            self._lost[sb_id] = why
         return net
 
     def _report_lost(self) -> None:
@@ -203,8 +211,8 @@ class NetworkService:
             if sb is None:
                 continue
             sb.net = {"mode": "default", "lease": None,
-                      "lost": f"its networking could not be re-adopted when the daemon restarted ({why}); "
-                              "it has no network but loopback: destroy it and create another"}
+                      "lost": f"its networking could not be re-adopted when the daemon restarted ({why}): "
+                              "destroy it and create another"}
             try:
                 self.registry.save(sb)
             except OSError as err:

@@ -1202,6 +1202,10 @@ class Network:
 
     def readopt(self, live: dict[str, tuple[int | str, str]]) -> dict:
         """After a daemon restart. `live` = {sb_id: (netns, cgroup_v2_dir)} of sandboxes still running.
+        Returns {"adopted", "released", "failed": {sb_id: why}, "sealed"}:
+        `failed` sandboxes are cut off with loopback only, except the
+        `sealed` ones among them, whose veth could not be deleted: all of
+        their traffic is refused, loopback too (_cut_off_cgroup).
 
         Rebuilds each live sandbox's policy in this process's maps and re-attaches
         (an atomic replace of the old daemon's programs, which enforced the old
@@ -1209,7 +1213,7 @@ class Network:
         everything else. Counters restart from zero.
         """
         records = dict(self.records.records)
-        adopted, released, failed = [], [], {}
+        adopted, released, failed, sealed = [], [], {}, []
         previous: dict = {}                 # the previous daemon's mark maps, held open (Engine.hold_marks)
         if self.nat is None and any(rec.get("ports") for rec in records.values()):
             # The previous daemon published ports, and if it was killed its table is
@@ -1259,6 +1263,8 @@ class Network:
                         self._cut_off_cgroup(sb_id, str(cgroup_dir), "", link_gone=True)
                 except Exception as err2:
                     log.error("tear down networking of sandbox %s: %s", sb_id, err2)
+                if rec.get("kind") != "vm" and rec.get("ifname") and self._has_link(rec["ifname"]):
+                    sealed.append(sb_id)          # its veth stays: refuse-all programs on its cgroup
                 if self.records.get(sb_id) is not None:
                     # Held (its veth stays): the next daemon must not adopt it again.
                     try:
@@ -1275,7 +1281,15 @@ class Network:
         finally:
             for m in previous.values():
                 m.close()
-        return {"adopted": adopted, "released": sorted(set(released)), "failed": failed}
+        return {"adopted": adopted, "released": sorted(set(released)), "failed": failed, "sealed": sealed}
+
+    def _has_link(self, ifname: str) -> bool:
+        """Whether the veth `ifname` is still there; if that cannot be told, yes."""
+        try:
+            return self.plumbing.has_sandbox(ifname)
+        except OSError as err:
+            log.error("look for the veth %s: %s", ifname, err)
+            return True
 
     def _readopt_one(self, sb_id: str, rec: dict, netns, cgroup_dir: str, previous: dict) -> None:
         if rec.get("kind") == "vm":

@@ -148,7 +148,8 @@ def test_a_sandbox_whose_address_left_the_pool_is_cut_off_at_restart(world, netd
         assert f"{a.id}" in (ps := d.cli("ps").stdout.decode()) and "running, net lost" in ps, ps
         events = [json.loads(ln) for ln in d.cli("events", "--replay", "--no-follow", "--json").stdout.splitlines()]
         assert [e["event"] for e in events if e["sandbox"] == a.id] == ["net_lost"], events
-        assert "could not be re-adopted" in json.loads(d.cli("inspect", a.id).stdout)["net"]["lost"]
+        lost = json.loads(d.cli("inspect", a.id).stdout)["net"]["lost"]
+        assert "could not be re-adopted" in lost and "it keeps loopback only" in lost, lost   # its veth is gone
         shown = d.cli("net", "show", a.id)
         assert shown.returncode == 1 and b"could not be re-adopted" in shown.stderr, shown
         b = c.create(image="busybox", memory="64M", net="default", allow=["0.0.0.0/0:7777/tcp"])

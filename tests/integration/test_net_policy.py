@@ -279,7 +279,7 @@ def test_restart_readopts_policy_and_lease(world, tmp_path):
     net2 = Network(cfg, state, V2, world.cgroup_root)
     try:
         res = net2.readopt({keep.name: (f"/run/netns/{keep.netns}", str(keep.cgroup))})
-        assert res == {"adopted": [keep.name], "released": [gone.name], "failed": {}}
+        assert res == {"adopted": [keep.name], "released": [gone.name], "failed": {}, "sealed": []}
         view = net2.show(keep.name)
         assert view["lease"] == lease and view["terms"] == ["pypi"]
         assert net2.ipam.get(gone.name) is None
@@ -596,6 +596,7 @@ def test_a_failed_readopt_cuts_the_sandbox_off_even_if_its_veth_stays(world, tmp
         monkeypatch.setattr(net2.plumbing, "remove_sandbox", stuck)
         res = net2.readopt({a.name: (f"/run/netns/{a.netns}", str(a.cgroup))})
         assert list(res["failed"]) == [a.name] and "injected" in res["failed"][a.name]
+        assert res["sealed"] == [a.name]                # its veth stays: loopback refused too, and said
         assert a.ask(op="connect", host=world.pkg, port=443) == {"errno": "EPERM"}
         assert a.ask(op="connect", host=world.ref, port=443) == {"errno": "EPERM"}
         assert a.ask(op="udp", host=world.pkg, port=53) == {"errno": "EPERM"}
@@ -610,7 +611,7 @@ def test_a_failed_readopt_cuts_the_sandbox_off_even_if_its_veth_stays(world, tmp
     net3 = Network(cfg, state, V2, world.cgroup_root)
     try:
         res = net3.readopt({a.name: (f"/run/netns/{a.netns}", str(a.cgroup))})
-        assert res["adopted"] == [] and list(res["failed"]) == [a.name], res
+        assert res["adopted"] == [] and list(res["failed"]) == [a.name] and res["sealed"] == [], res
         assert a.ask(op="connect", host=world.pkg, port=443) != {"ok": True, "data": "srv443:hello"}
         assert net3.ipam.get(a.name) is None and a.name not in read_records(state / "net" / "records.log")
         # With its veth gone it has loopback only, as said: not the refuse-all
