@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .. import native
+from ..fs import clientpaths
 from .ignore import IgnoreRules, compile_pattern
 
 GLOB_CHARS = set("*?[")
@@ -55,12 +56,21 @@ class ContextRoot:
     """The build context's top directory, open (by the daemon), and every
     lookup below it: made as `reader` (the client's ids, no capability)
     when one is given, as the calling thread otherwise. Symlinks on the way
-    (and `..`) stay inside the top: RESOLVE_IN_ROOT, no magic links."""
+    (and `..`) stay inside the top: RESOLVE_IN_ROOT, no magic links.
+
+    With a reader, nothing on a kernel file system (proc, sysfs, ...) is
+    opened: the reads run in a thread of the daemon's process, where
+    /proc/<the daemon's pid> files pass the kernel's ptrace check as the
+    process's own whatever the thread's ids, and a client in a mount
+    namespace of its own can bind them into its context
+    (fs/clientpaths.py)."""
 
     def __init__(self, path: str, reader: native.Reader | None = None):
         self.path = os.path.realpath(path)
         self.reader = reader
-        self.fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._refuse_kernel_fs(fd, ".")
+        self.fd = fd
 
     def __del__(self):
         fd, self.fd = getattr(self, "fd", -1), -1
@@ -72,8 +82,27 @@ class ContextRoot:
         return native.reader_ids(self.reader) if self.reader is not None else contextlib.nullcontext()
 
     def open(self, rel: str, flags: int) -> int:
+        """An fd of `rel`, opened inside the context as the reader;
+        ContextError, with a reader, if it is on a kernel file system."""
         with self.reading():
-            return native.openat2(self.fd, rel, flags, 0, native.RESOLVE_IN_ROOT | native.RESOLVE_NO_MAGICLINKS)
+            fd = native.openat2(self.fd, rel, flags, 0, native.RESOLVE_IN_ROOT | native.RESOLVE_NO_MAGICLINKS)
+        self._refuse_kernel_fs(fd, rel)
+        return fd
+
+    def _refuse_kernel_fs(self, fd: int, rel: str) -> None:
+        """Close `fd` and raise ContextError if a reader is set and it is on
+        a kernel file system."""
+        if self.reader is None:
+            return
+        try:
+            clientpaths.refuse_kernel_fs(fd, rel)
+        except clientpaths.KernelFileError as err:
+            os.close(fd)
+            shown = "the build context" if rel == "." else posixpath.normpath(rel)
+            raise ContextError(f"{shown} is on {err.kind}, {clientpaths.KERNEL_FS_REFUSED}") from None
+        except BaseException:
+            os.close(fd)
+            raise
 
     def lstat(self, rel: str) -> os.stat_result:
         """The entry `rel` itself (a symlink's own), its directories resolved inside."""

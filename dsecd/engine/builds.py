@@ -408,7 +408,7 @@ class _Build:
 
         try:
             return await self.svc.workers.run(call)
-        except copyin.CopyError as err:
+        except (copyin.CopyError, buildctx.ContextError) as err:     # ContextError: a source opened again
             raise self._error(step.line, f"{step.instruction.cmd}: {err}") from err
         except OSError as err:
             raise self._error(step.line, f"{step.instruction.cmd}: {err.strerror or err}", "io",

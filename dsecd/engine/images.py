@@ -464,6 +464,8 @@ class ImageService:
                 raise ImageError("permission", f"build source {path}: uid {reader.uid} (the client) may not read "
                                  f"{where}; the daemon reads for a client only what the client could read itself",
                                  {"source": path}) from None
+            except clientpaths.KernelFileError as err:
+                raise ImageError("permission", f"build source {path}: {err.shown(path)}", {"source": path}) from None
             except clientpaths.TreeChanged as err:
                 raise ImageError("conflict", f"build source {path}: {err}; build it again when it holds still",
                                  {"source": path}) from None

@@ -13,7 +13,7 @@ reads it, then detached (csrc/spawn.c dsec_peer_tree). The clone is a bind
 of the same files: nothing is copied.
 
 The daemon reads as root, so a client other than root (a member of
-`daemon.socket_group`) reaches only what it could read itself: its path is
+`daemon.socket_group`) reaches only files it could read itself: its path is
 looked up and opened with the client's ids and no capability (every
 directory on the way searchable, the path readable by it; no magic link of
 /proc taken past a directory it may not search), and everything below it is
@@ -28,6 +28,16 @@ the reads are the client's too: a Dockerfile build reads its context as it
 (build/context.py ContextRoot), and `image_build` of a directory builds
 from a copy made reading the tree as it (`copy_as`): mkfs.erofs reads as
 root, by path.
+
+The client's ids are not all a kernel file system checks: those reads run
+in a thread of the daemon's process, and /proc/<the daemon's pid> files
+pass the ptrace check there as the process's own (fdinfo, maps, ...),
+which the client's own process would fail. A client in a user and mount
+namespace of its own can bind them into its tree. So for a client other
+than root nothing on a kernel file system (native.KERNEL_FS_MAGICS: proc,
+sysfs, cgroup, debugfs, bpf, ...) is read: each descriptor the walk, the
+copy or the context opens, the top too, is checked (`refuse_kernel_fs`),
+and such a file or directory refuses the request, naming it.
 
 Every call blocks (a clone and a mount): run it in a worker thread.
 """
@@ -172,10 +182,15 @@ def _unreachable(path: str, err: OSError, reader: native.Reader | None = None) -
 
 def _check_below(top: int, path: str, reader: native.Reader) -> None:
     """ClientPathError (EACCES) naming the first entry below open `top`
-    (the client's `path`) that the reader cannot read."""
+    (the client's `path`), or top itself, that the reader cannot read or
+    that is on a kernel file system."""
     try:
+        refuse_kernel_fs(top, ".")
         with native.reader_ids(reader):
             bad = unreadable_below(top)
+    except KernelFileError as err:
+        shown = err.shown(path)
+        raise ClientPathError(errno.EACCES, shown if err.rel == "." else f"{path}: {shown}") from None
     except OSError as err:          # ENAMETOOLONG: deeper than a path reaches; EIO, ...
         raise ClientPathError(err.errno or errno.EIO, f"{path}: check, as uid {reader.uid} (the client), what "
                                                       f"is below it: {err.strerror or err}") from err
@@ -184,6 +199,45 @@ def _check_below(top: int, path: str, reader: native.Reader) -> None:
         raise ClientPathError(errno.EACCES, f"{path}: uid {reader.uid} (the client) may not read {where}; the "
                                             "daemon reads for a client only what the client could read "
                                             "itself: make it readable, or leave it out of the path")
+
+
+KERNEL_FS_REFUSED = ("a kernel interface, not an ordinary file: the daemon reads nothing on a kernel file "
+                     "system (proc, sysfs, cgroup, ...) for a client other than root; leave it out")
+
+
+class KernelFileError(Exception):
+    """An entry of a client's tree (`rel`, relative to its top; "." for the
+    top) is on a kernel file system (`kind`: proc, sysfs, ...), which is
+    never read for a client other than root (the module's docstring)."""
+
+    def __init__(self, rel: str, kind: str):
+        super().__init__(f"{rel} is on {kind}, {KERNEL_FS_REFUSED}")
+        self.rel, self.kind = rel, kind
+
+    def shown(self, top: str) -> str:
+        """The message, the entry named below the client's path `top`."""
+        where = top if self.rel == "." else posixpath.join(top, self.rel)
+        return f"{where} is on {self.kind}, {KERNEL_FS_REFUSED}"
+
+
+def refuse_kernel_fs(fd: int, rel: str) -> None:
+    """KernelFileError if open `fd` (entry `rel` of a client's tree) is on
+    a kernel file system."""
+    kind = native.KERNEL_FS_MAGICS.get(native.fs_magic(fd, rel))
+    if kind is not None:
+        raise KernelFileError(rel, kind)
+
+
+def _open_below(dirfd: int, rel: str, flags: int, resolve: int, shown: str | None = None) -> int:
+    """openat2 of `rel` below `dirfd`, refused (KernelFileError naming
+    `shown`, else `rel`) if what it opened is on a kernel file system."""
+    fd = native.openat2(dirfd, rel, flags, resolve=resolve)
+    try:
+        refuse_kernel_fs(fd, shown or rel)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 # Opens of the walk: never through a symlink, never blocking on a FIFO or
@@ -196,8 +250,9 @@ _BELOW = native.RESOLVE_BENEATH | native.RESOLVE_NO_SYMLINKS | native.RESOLVE_NO
 def unreadable_below(top: int) -> str | None:
     """The first entry below the open file or directory `top`, by its
     path relative to top, that the calling thread may not read (a
-    directory: list; a regular file: open), None if there is none.
-    Symlinks are not followed, other entries not opened; an entry that
+    directory: list; a regular file: open), None if there is none;
+    KernelFileError for a directory or file below top on a kernel file
+    system. Symlinks are not followed, other entries not opened; an entry that
     went, or became a symlink, while walked is passed over (the read
     after sees what is there then). Iterative: any depth."""
     if not stat.S_ISDIR(os.fstat(top).st_mode):
@@ -206,7 +261,7 @@ def unreadable_below(top: int) -> str | None:
     while pending:
         rel = pending.pop()
         try:
-            fd = native.openat2(top, rel, _DIR_OPEN, resolve=_BELOW)
+            fd = _open_below(top, rel, _DIR_OPEN, _BELOW)
         except OSError as err:
             if err.errno in (errno.EACCES, errno.EPERM):
                 return rel
@@ -227,7 +282,7 @@ def unreadable_below(top: int) -> str | None:
                     if stat.S_ISDIR(mode):
                         pending.append(name)
                     elif stat.S_ISREG(mode):
-                        if not _can_open(fd, entry.name):
+                        if not _can_open(fd, entry.name, name):
                             return name
         except PermissionError:         # listed, but an entry may not be looked at
             return rel
@@ -236,9 +291,9 @@ def unreadable_below(top: int) -> str | None:
     return None
 
 
-def _can_open(dirfd: int, name: str) -> bool:
+def _can_open(dirfd: int, name: str, rel: str) -> bool:
     try:
-        os.close(native.openat2(dirfd, name, _FILE_OPEN, resolve=_BELOW))
+        os.close(_open_below(dirfd, name, _FILE_OPEN, _BELOW, rel))
     except OSError as err:
         if err.errno in (errno.EACCES, errno.EPERM):
             return False
@@ -278,10 +333,12 @@ def copy_as(top: int, dest: str, reader: native.Reader, stop: Callable[[], bool]
     the client could read at the moment it was read, whatever it renames
     meanwhile. `stop()` is asked between entries (InterruptedError).
     PermissionError (its filename: the entry, relative to top) for what the
-    reader may not read; TreeChanged for what changed under the copy.
+    reader may not read; KernelFileError for a directory or file (top too)
+    on a kernel file system; TreeChanged for what changed under the copy.
     Returns the number of entries copied. Blocking."""
     links: dict[tuple[int, int], str] = {}
     dirs: list[tuple[str, os.stat_result]] = []
+    refuse_kernel_fs(top, ".")
     with native.reader_ids(reader):
         st = os.fstat(top)
         xattrs = _xattrs_of(top)
@@ -293,7 +350,7 @@ def copy_as(top: int, dest: str, reader: native.Reader, stop: Callable[[], bool]
         rel = pending.pop()
         with native.reader_ids(reader):
             try:
-                fd = top if rel == "." else native.openat2(top, rel, _DIR_OPEN | os.O_NOFOLLOW, resolve=_NO_LINKS)
+                fd = top if rel == "." else _open_below(top, rel, _DIR_OPEN | os.O_NOFOLLOW, _NO_LINKS)
             except OSError as err:
                 _raise_read(err, rel)
             try:
@@ -312,7 +369,7 @@ def copy_as(top: int, dest: str, reader: native.Reader, stop: Callable[[], bool]
                 if _copy_entry(fd, name, sub, out, reader, links):
                     with native.reader_ids(reader):
                         try:
-                            dfd = native.openat2(fd, name, _DIR_OPEN | os.O_NOFOLLOW, resolve=_NO_LINKS)
+                            dfd = _open_below(fd, name, _DIR_OPEN | os.O_NOFOLLOW, _NO_LINKS, sub)
                         except OSError as err:
                             _raise_read(err, sub)
                         try:
@@ -371,7 +428,7 @@ def _copy_entry(dirfd: int, name: str, rel: str, out: str, reader: native.Reader
         return False
     with native.reader_ids(reader):
         try:
-            src = native.openat2(dirfd, name, _FILE_OPEN | os.O_NOFOLLOW, resolve=_NO_LINKS)
+            src = _open_below(dirfd, name, _FILE_OPEN | os.O_NOFOLLOW, _NO_LINKS, rel)
         except OSError as err:
             _raise_read(err, rel)
     try:

@@ -479,3 +479,41 @@ def test_a_members_directory_builds_the_layer_roots_build_makes(group_daemon, sh
     assert [la["digest"] for la in member["result"]["layers"]] == [la["digest"] for la in built["layers"]]
     assert d.state.joinpath("scratch").is_dir() and not any(d.state.joinpath("scratch").glob("unpack-*")), \
         "the copy is removed"
+
+
+BIND_THEN = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+
+
+@pytest.mark.parametrize("op", ["image_build", "image_build_dockerfile"])
+def test_a_member_cannot_have_the_daemons_proc_files_read_for_it(group_daemon, shared_dir, busybox_rootfs, op):
+    """The daemon reads a member's tree in a thread of its own process, so
+    /proc/<the daemon's pid> files pass the kernel's ptrace check there as
+    the daemon's own, whatever ids the thread has. A member in a user and
+    mount namespace of its own binds the daemon's fdinfo into its tree and
+    builds from it: refused, naming it; no image is made."""
+    d, gid = group_daemon
+    nobody = 65534
+    probe = subprocess.run(["unshare", "-Urm", "true"], user=nobody, group=gid, capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no user namespace for nobody here: {probe.stderr.strip()}")
+    with d.client() as root:
+        root.import_image(busybox_rootfs, "busybox")
+    ctx = shared_dir / "ctx"
+    (ctx / "fdinfo").mkdir(parents=True)
+    (ctx / "motd").write_text("hello\n")
+    subprocess.run(["chown", "-R", f"{nobody}:{gid}", str(ctx)], check=True)
+    if op == "image_build":
+        args = {"op": op, "source": str(ctx), "name": "leak"}
+    else:
+        args = {"op": op, "context": str(ctx), "name": "leak", "dockerfile": "FROM busybox\nCOPY fdinfo/0 /leak\n"}
+    out = subprocess.run(["unshare", "-Urm", "sh", "-c", BIND_THEN, "sh", f"/proc/{d.proc.pid}/fdinfo",
+                          str(ctx / "fdinfo"), sys.executable, "-c", BUILD_AS, d.socket,
+                          str(Path(__file__).resolve().parents[2]), json.dumps(args)],
+                         user=nobody, group=gid, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    refused = json.loads(out.stdout)
+    assert refused.get("code") == "permission", refused
+    assert f"{ctx}/fdinfo is on proc, a kernel interface" in refused["message"], refused
+    with d.client() as root:
+        assert "leak" not in {i["name"] for i in root.request("image_list")["images"]}
+    assert not any(d.state.joinpath("client-paths").iterdir()), "nothing left attached"

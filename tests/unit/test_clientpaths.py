@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 
 from dsecd import native, server
-from dsecd.fs.clientpaths import ClientPathError, ClientPaths, copy_as, point_name, unreadable_below
+from dsecd.fs.clientpaths import (
+    ClientPathError,
+    ClientPaths,
+    KernelFileError,
+    copy_as,
+    point_name,
+    unreadable_below,
+)
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="attaching a tree needs root")
 
@@ -326,3 +333,49 @@ def test_a_processs_cwd_link_does_not_carry_the_client_past_a_directory_it_may_n
     finally:
         child.kill()
         child.wait()
+
+
+@needs_root
+@pytest.mark.parametrize("name,bound", [("fdinfo", "fdinfo"), ("status", "status")])
+def test_a_kernel_file_system_in_a_clients_tree_is_refused(tmp_path, shared_dir, name, bound):
+    """A client's tree is read in a thread of the daemon's own process, so
+    its /proc/PID files pass the kernel's ptrace check as the daemon's own,
+    whatever ids the thread reads with. A client that binds them into its
+    tree (in a user and mount namespace of its own) is refused by the walk
+    and by the copy, the entry named; root reads its tree as before."""
+    ctx = _tree(shared_dir)
+    target = ctx / "sub" / name
+    if bound == "fdinfo":
+        target.mkdir()
+    else:
+        target.touch()
+    subprocess.run(["mount", "--bind", f"/proc/{os.getpid()}/{bound}", str(target)], check=True)
+    try:
+        with pytest.raises(ClientPathError) as exc:
+            _reach(ClientPaths(tmp_path / "cp"), ctx, NOBODY)
+        assert exc.value.errno == errno.EACCES
+        assert f"{ctx}/sub/{name} is on proc, a kernel interface" in str(exc.value)
+        fd = os.open(ctx, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            out = tmp_path / "copy"
+            out.mkdir()
+            with pytest.raises(KernelFileError) as err:
+                copy_as(fd, str(out), NOBODY)
+            assert (err.value.rel, err.value.kind) == (f"sub/{name}", "proc")
+        finally:
+            os.close(fd)
+        assert _reach(ClientPaths(tmp_path / "cp"), ctx, None) == ["shadow", "sub"]
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+@needs_root
+def test_a_client_naming_a_kernel_file_is_refused(tmp_path):
+    """The top itself too: a file of /proc the client may open is not
+    attached for it (the build would read it as root, by path)."""
+    status = f"/proc/{os.getpid()}/status"
+    with pytest.raises(ClientPathError) as exc:
+        with ClientPaths(tmp_path / "cp").reach(lambda: os.pidfd_open(os.getpid()), status, NOBODY):
+            pass
+    assert exc.value.errno == errno.EACCES and f"{status} is on proc, a kernel interface" in str(exc.value)
+    assert not (tmp_path / "cp").exists() or not any((tmp_path / "cp").iterdir()), "nothing left attached"
