@@ -445,7 +445,9 @@ class ImageService:
         with block. mkfs.erofs and the layout reader read as root, by path,
         and the client may rename in its tree while they do. A file (a
         tarball) is the one inode the client opened, attached: read in place;
-        so is everything for root (no `reader`)."""
+        so is everything for root (no `reader`). The copy's files may add up
+        to images.max_layer_bytes, as an imported tarball's unpacking may:
+        it writes every byte of a sparse file (`limit` past it)."""
         if reader is None or not os.path.isdir(source):
             yield source
             return
@@ -458,11 +460,17 @@ class ImageService:
             os.mkdir(copy, 0o700)
             top = os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
-                clientpaths.copy_as(top, copy, reader, cancelled.is_set)
+                clientpaths.copy_as(top, copy, reader, cancelled.is_set, self.images.max_layer_bytes)
             except PermissionError as err:
                 where = os.path.join(path, err.filename) if err.filename not in (None, ".") else path
                 raise ImageError("permission", f"build source {path}: uid {reader.uid} (the client) may not read "
                                  f"{where}; the daemon reads for a client only what the client could read itself",
+                                 {"source": path}) from None
+            except clientpaths.CopyTooLarge as err:
+                raise ImageError("limit", f"build source {path}: its files add up to more than "
+                                 f"images.max_layer_bytes ({err.max_bytes} bytes; {os.path.join(path, err.rel)} "
+                                 f"alone is {err.size}): a sparse file counts in full, as the layer holds it; "
+                                 "remove large or sparse files, or raise images.max_layer_bytes",
                                  {"source": path}) from None
             except clientpaths.KernelFileError as err:
                 raise ImageError("permission", f"build source {path}: {err.shown(path)}", {"source": path}) from None

@@ -323,7 +323,35 @@ _NO_LINKS = native.RESOLVE_BENEATH | native.RESOLVE_NO_SYMLINKS | native.RESOLVE
 COPY_CHUNK = 1 << 20
 
 
-def copy_as(top: int, dest: str, reader: native.Reader, stop: Callable[[], bool] = lambda: False) -> int:
+class CopyTooLarge(Exception):
+    """copy_as: the files' bytes passed its bound; `rel` is the file the copy
+    was at (relative to top), `size` that file's size."""
+
+    def __init__(self, rel: str, size: int, max_bytes: int):
+        super().__init__(f"its files add up to more than {max_bytes} bytes ({rel} alone is {size})")
+        self.rel, self.size, self.max_bytes = rel, size, max_bytes
+
+
+class _Budget:
+    """The bytes of files copy_as has written, and their bound (max_bytes;
+    0: none): CopyTooLarge for file `rel` (`size` bytes when opened) once
+    its size or its bytes written would pass it."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.used = max_bytes, 0
+
+    def check(self, rel: str, size: int) -> None:
+        if self.max_bytes and self.used + size > self.max_bytes:
+            raise CopyTooLarge(rel, size, self.max_bytes)
+
+    def take(self, n: int, rel: str, size: int) -> None:
+        self.used += n
+        if self.max_bytes and self.used > self.max_bytes:
+            raise CopyTooLarge(rel, size, self.max_bytes)
+
+
+def copy_as(top: int, dest: str, reader: native.Reader, stop: Callable[[], bool] = lambda: False,
+            max_bytes: int = 0) -> int:
     """Copy the tree below the open directory `top` into the empty
     directory `dest` (the daemon's), reading it as `reader`: every lookup,
     listing and open below `top` with the client's ids and no capability,
@@ -335,7 +363,12 @@ def copy_as(top: int, dest: str, reader: native.Reader, stop: Callable[[], bool]
     PermissionError (its filename: the entry, relative to top) for what the
     reader may not read; KernelFileError for a directory or file (top too)
     on a kernel file system; TreeChanged for what changed under the copy.
-    Returns the number of entries copied. Blocking."""
+    `max_bytes` (0: no bound) bounds the bytes of the files copied, a
+    file's size counted before it is copied and its bytes as they are (it
+    may grow meanwhile): a sparse file is copied whole, every byte
+    written, and costs the client nothing to make (`truncate -s 1T`).
+    CopyTooLarge past it. Returns the number of entries copied. Blocking."""
+    budget = _Budget(max_bytes)
     links: dict[tuple[int, int], str] = {}
     dirs: list[tuple[str, os.stat_result]] = []
     refuse_kernel_fs(top, ".")
@@ -366,7 +399,7 @@ def copy_as(top: int, dest: str, reader: native.Reader, stop: Callable[[], bool]
                 sub = name if rel == "." else f"{rel}/{name}"
                 out = os.path.join(dest, sub)
                 count += 1
-                if _copy_entry(fd, name, sub, out, reader, links):
+                if _copy_entry(fd, name, sub, out, reader, links, budget):
                     with native.reader_ids(reader):
                         try:
                             dfd = _open_below(fd, name, _DIR_OPEN | os.O_NOFOLLOW, _NO_LINKS, sub)
@@ -401,7 +434,7 @@ def _raise_read(err: OSError, rel: str):
 
 
 def _copy_entry(dirfd: int, name: str, rel: str, out: str, reader: native.Reader,
-                links: dict[tuple[int, int], str]) -> bool:
+                links: dict[tuple[int, int], str], budget: _Budget) -> bool:
     """Copy entry `name` of open directory `dirfd` (as `reader`) to `out`;
     True if it is a directory (made, left for the caller to fill)."""
     with native.reader_ids(reader):
@@ -439,10 +472,11 @@ def _copy_entry(dirfd: int, name: str, rel: str, out: str, reader: native.Reader
         if st.st_nlink > 1 and key in links:
             os.link(links[key], out)
             return False
+        budget.check(rel, st.st_size)
         dst = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            while os.sendfile(dst, src, None, COPY_CHUNK):
-                pass
+            while n := os.sendfile(dst, src, None, COPY_CHUNK):
+                budget.take(n, rel, st.st_size)
             with native.reader_ids(reader):
                 xattrs = _xattrs_of(src)
             _xattrs_put(dst, xattrs)

@@ -222,13 +222,17 @@ def group_daemon(daemon_factory):
     """A daemon whose socket_group is `nogroup` (gid 65534 on Debian), its
     socket reachable by others (a 0711 dir), the socket itself 0666 as if an
     operator had loosened it: only SO_PEERCRED stands between."""
+    return _group_daemon(daemon_factory)
+
+
+def _group_daemon(daemon_factory, extra_config: str = ""):
     import grp
 
     try:
         gid = grp.getgrnam("nogroup").gr_gid
     except KeyError:
         pytest.skip("no `nogroup` group on this host")
-    d = daemon_factory(start=False)
+    d = daemon_factory(extra_config, start=False)
     d.config.write_text(d.config.read_text().replace("[daemon]\n", '[daemon]\nsocket_group = "nogroup"\n'))
     d.start()
     os.chmod(d.tmp, 0o711)
@@ -517,3 +521,24 @@ def test_a_member_cannot_have_the_daemons_proc_files_read_for_it(group_daemon, s
     with d.client() as root:
         assert "leak" not in {i["name"] for i in root.request("image_list")["images"]}
     assert not any(d.state.joinpath("client-paths").iterdir()), "nothing left attached"
+
+
+def test_a_members_directory_is_copied_only_up_to_the_layer_bound(daemon_factory, shared_dir):
+    """A member's directory is copied before it is built, and a sparse
+    file of any size costs the member nothing (`truncate -s 1T`) but its
+    copy writes every byte: the copy stops at images.max_layer_bytes, as
+    an imported tarball's unpacking does, and nothing of it is left."""
+    d, gid = _group_daemon(daemon_factory, '[images]\nmax_layer_bytes = "1M"\n')
+    nobody = 65534
+    ctx = shared_dir / "tree"
+    ctx.mkdir()
+    (ctx / "small").write_bytes(b"x" * 4096)
+    with open(ctx / "sparse", "wb") as f:
+        f.truncate(64 << 20)
+    subprocess.run(["chown", "-R", f"{nobody}:{gid}", str(ctx)], check=True)
+    refused = _request_as(d, nobody, gid, "image_build", source=str(ctx), name="sparse")
+    assert refused.get("code") == "limit", refused
+    assert "images.max_layer_bytes (1048576 bytes" in refused["message"] and f"{ctx}/sparse" in refused["message"]
+    assert not any(d.state.joinpath("scratch").glob("unpack-*")), "the copy is removed"
+    (ctx / "sparse").unlink()
+    assert "result" in _request_as(d, nobody, gid, "image_build", source=str(ctx), name="small")

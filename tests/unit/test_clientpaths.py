@@ -19,6 +19,7 @@ from dsecd import native, server
 from dsecd.fs.clientpaths import (
     ClientPathError,
     ClientPaths,
+    CopyTooLarge,
     KernelFileError,
     copy_as,
     point_name,
@@ -379,3 +380,27 @@ def test_a_client_naming_a_kernel_file_is_refused(tmp_path):
             pass
     assert exc.value.errno == errno.EACCES and f"{status} is on proc, a kernel interface" in str(exc.value)
     assert not (tmp_path / "cp").exists() or not any((tmp_path / "cp").iterdir()), "nothing left attached"
+
+
+@needs_root
+def test_a_copy_as_the_client_stops_at_its_byte_bound(shared_dir, tmp_path):
+    """A sparse file costs its owner nothing and its copy every byte: the
+    copy refuses once the files' bytes pass `max_bytes`, naming the file."""
+    ctx = _tree(shared_dir)
+    with open(ctx / "sub" / "sparse", "wb") as f:
+        f.truncate(1 << 30)
+    (ctx / "sub" / "sparse").chmod(0o644)
+    fd = os.open(ctx, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        out = tmp_path / "copy"
+        out.mkdir()
+        with pytest.raises(CopyTooLarge) as exc:
+            copy_as(fd, str(out), NOBODY, max_bytes=1 << 20)
+        assert (exc.value.rel, exc.value.size) == ("sub/sparse", 1 << 30)
+        assert not (out / "sub" / "sparse").exists() or os.stat(out / "sub" / "sparse").st_size <= 2 << 20
+        everything = tmp_path / "everything"
+        everything.mkdir()
+        (ctx / "sub" / "sparse").unlink()
+        assert copy_as(fd, str(everything), NOBODY, max_bytes=1) == 3, "1 byte: a.txt alone"
+    finally:
+        os.close(fd)
