@@ -501,9 +501,18 @@ class _Build:
                     with open(src.open(src.entries[0]), "rb") as f:
                         if copyin.is_archive(f):
                             hashed = copyin.HashedReader(f, src.digests.get(""), src.rel)
-                            counts = copyin.extract_archive(rootfd, hashed, src.rel, step.dest, owner,
-                                                            to_host, idmap.count if idmap else None)
-                            hashed.check()
+                            try:
+                                counts = copyin.extract_archive(rootfd, hashed, src.rel, step.dest, owner,
+                                                                to_host, idmap.count if idmap else None)
+                                hashed.check()
+                            except Exception:
+                                # check() reads the archive to its end only after
+                                # the extraction: one that failed first may have
+                                # read other bytes than the step's key hashed,
+                                # under the times the cached digest was kept by.
+                                st = os.fstat(f.fileno())
+                                self.svc.digests.forget((st.st_dev, st.st_ino))
+                                raise
                             total.skipped.extend(counts.skipped)
                 if counts is None:
                     counts = copyin.copy_sources(rootfd, [src], step.dest, owner, step.chmod)

@@ -216,6 +216,53 @@ def test_a_source_changed_after_hashing_never_reaches_the_build_cache(client, tm
         sb.destroy()
 
 
+def test_an_archive_that_fails_to_extract_is_hashed_again_by_the_next_build(client):
+    """The digest cache trusts a file's size and times, which a write
+    through a shared mapping of a tmpfs file leaves as they were once its
+    pages are dirty. An ADD reads its archive to the end, checking it
+    against the step's key, only when the extraction gets there: one that
+    fails first (the archive halfway through such a rewrite) must forget
+    the archive's digest all the same, or the next build keys the archive
+    by its old bytes and takes their layer from the cache."""
+    import mmap
+    import tempfile
+
+    ctx = Path(tempfile.mkdtemp(prefix="dsecd-test-shm-", dir="/dev/shm"))
+    try:
+        tars = {}
+        for key, name, data in (("old", "f", b"old\n"), ("torn", "../f", b"old\n"), ("new", "f", b"new\n")):
+            _tar_of(ctx / "t.tar", name, data)
+            tars[key] = (ctx / "t.tar").read_bytes()
+        assert len({len(t) for t in tars.values()}) == 1
+        (ctx / "f.tar").write_bytes(tars["old"])
+        fd = os.open(ctx / "f.tar", os.O_RDWR)
+        try:
+            m = mmap.mmap(fd, len(tars["old"]))
+            for off in range(0, len(m), mmap.PAGESIZE):       # each page dirty: later writes move no time
+                m[off] = m[off]
+            st = os.stat(ctx / "f.tar")
+            client.build_dockerfile(str(ctx), "archive-old", text="FROM busybox\nADD f.tar /x/\n")
+            m[:] = tars["torn"]
+            with pytest.raises(DsecError) as err:
+                client.build_dockerfile(str(ctx), "archive-torn", text="FROM busybox\nADD f.tar /y/\n")
+            assert "'..' component" in err.value.message, err.value
+            m[:] = tars["new"]
+            after = os.stat(ctx / "f.tar")
+            assert (after.st_size, after.st_mtime_ns, after.st_ctime_ns) == (st.st_size, st.st_mtime_ns,
+                                                                             st.st_ctime_ns)
+            client.build_dockerfile(str(ctx), "archive-new", text="FROM busybox\nADD f.tar /x/\n")
+            m.close()
+        finally:
+            os.close(fd)
+        sb = client.create(image="archive-new")
+        try:
+            assert sh(sb, "cat /x/f") == "new\n"
+        finally:
+            sb.destroy()
+    finally:
+        shutil.rmtree(ctx)
+
+
 def test_a_rebuild_does_not_read_unchanged_context_files_again(client, tmp_path):
     """The service keeps the digests of context files across builds, by
     the file (device, inode, size, times): each build attaches its context
