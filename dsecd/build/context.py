@@ -33,6 +33,9 @@ from .ignore import IgnoreRules, compile_pattern
 
 GLOB_CHARS = set("*?[")
 HASH_CHUNK = 1 << 20
+# The most of a .dockerignore the daemon reads (into memory, whole): a
+# sparse one of any size costs its maker nothing. Real ones are a few KiB.
+MAX_DOCKERIGNORE_BYTES = 1 << 20
 
 
 class ContextError(ValueError):
@@ -154,18 +157,25 @@ def _read_dockerignore(root: ContextRoot, shown: str) -> str:
     it as COPY sources are: a symlink out of the context must not make the
     daemon read a file of the host the client may not read. Opened without
     waiting: a FIFO there must fail the build, not hold the daemon's worker
-    until something writes to it."""
+    until something writes to it. At most MAX_DOCKERIGNORE_BYTES are read:
+    past them (by its size, or by what is read: it may grow meanwhile) the
+    build is refused."""
     try:
         fd = root.open(".dockerignore", os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as err:
         if err.errno in (errno.ENOENT, errno.ENOTDIR):
             return ""
         raise ContextError(f"{shown}/.dockerignore: {err.strerror or err}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise ContextError(f"{shown}/.dockerignore is not a file; remove or rename it")
     with os.fdopen(fd, "rb") as f:
-        return f.read().decode(errors="surrogateescape")
+        data = b"" if st.st_size > MAX_DOCKERIGNORE_BYTES else f.read(MAX_DOCKERIGNORE_BYTES + 1)
+    if st.st_size > MAX_DOCKERIGNORE_BYTES or len(data) > MAX_DOCKERIGNORE_BYTES:
+        raise ContextError(f"{shown}/.dockerignore is larger than {MAX_DOCKERIGNORE_BYTES >> 20} MiB, more "
+                           "than any list of patterns needs; shorten it")
+    return data.decode(errors="surrogateescape")
 
 
 class DigestCache:

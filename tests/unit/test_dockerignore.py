@@ -265,3 +265,20 @@ def test_the_dockerignore_is_read_inside_the_context(tmp_path):
     (ctx_dir / ".dockerignore").mkdir()
     with pytest.raises(ContextError, match=r"\.dockerignore .*is not a file"):
         BuildContext.open(str(ctx_dir))
+
+
+def test_a_dockerignore_past_its_bound_is_refused_unread(tmp_path):
+    """The daemon reads the .dockerignore into memory: a sparse one of any
+    size costs its maker nothing. Past MAX_DOCKERIGNORE_BYTES the build is
+    refused, saying so; one of exactly that size is read."""
+    from dsecd.build import context
+
+    make_tree(tmp_path, {"a.txt": "a"})
+    with open(tmp_path / ".dockerignore", "wb") as f:
+        f.truncate(1 << 40)
+    with pytest.raises(ContextError, match=r"\.dockerignore is larger than 1 MiB"):
+        BuildContext.open(str(tmp_path))
+    with open(tmp_path / ".dockerignore", "wb") as f:
+        f.write(b"# rules\n" + b" " * (context.MAX_DOCKERIGNORE_BYTES - 9) + b"\n")
+    assert os.path.getsize(tmp_path / ".dockerignore") == context.MAX_DOCKERIGNORE_BYTES == 1 << 20
+    assert [s.rel for s in BuildContext.open(str(tmp_path)).sources("*.txt")] == ["a.txt"]
