@@ -92,6 +92,18 @@ class ContextRoot:
         self._refuse_kernel_fs(fd, rel)
         return fd
 
+    def read_link(self, dirfd: int, name: str, rel: str) -> str:
+        """The target of symlink `name` in `dirfd` (entry `rel`), read as the
+        reader; with a reader, ContextError if the link itself is on a
+        kernel file system (clientpaths.read_link)."""
+        if self.reader is None:
+            return os.readlink(name, dir_fd=dirfd)
+        try:
+            return clientpaths.read_link(dirfd, name, rel)
+        except clientpaths.KernelFileError as err:
+            raise ContextError(f"{posixpath.normpath(rel)} is on {err.kind}, {clientpaths.KERNEL_FS_REFUSED}") \
+                from None
+
     def _refuse_kernel_fs(self, fd: int, rel: str) -> None:
         """Close `fd` and raise ContextError if a reader is set and it is on
         a kernel file system."""
@@ -422,7 +434,7 @@ class BuildContext:
                 try:
                     with self.top.reading():
                         st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                        target = os.readlink(name, dir_fd=fd) if stat.S_ISLNK(st.st_mode) else ""
+                        target = self.top.read_link(fd, name, ctx) if stat.S_ISLNK(st.st_mode) else ""
                 except FileNotFoundError:
                     continue        # removed while we walked
                 except OSError as err:

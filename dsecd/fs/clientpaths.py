@@ -228,6 +228,21 @@ def refuse_kernel_fs(fd: int, rel: str) -> None:
         raise KernelFileError(rel, kind)
 
 
+def read_link(dirfd: int, name: str, rel: str) -> str:
+    """The target of symlink `name` in open `dirfd` (entry `rel` of a
+    client's tree), read through an O_PATH fd of the link itself, refused
+    (KernelFileError) if that is on a kernel file system: a proc magic link
+    (/proc/PID/cwd, exe, root, ns/*) mounted onto a symlink of the tree
+    would otherwise be read by the daemon's thread, which proc's ptrace
+    check lets through for the daemon's own process."""
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+    try:
+        refuse_kernel_fs(fd, rel)
+        return os.readlink("", dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
 def _open_below(dirfd: int, rel: str, flags: int, resolve: int, shown: str | None = None) -> int:
     """openat2 of `rel` below `dirfd`, refused (KernelFileError naming
     `shown`, else `rel`) if what it opened is on a kernel file system."""
@@ -440,7 +455,7 @@ def _copy_entry(dirfd: int, name: str, rel: str, out: str, reader: native.Reader
     with native.reader_ids(reader):
         try:
             st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-            target = os.readlink(name, dir_fd=dirfd) if stat.S_ISLNK(st.st_mode) else None
+            target = read_link(dirfd, name, rel) if stat.S_ISLNK(st.st_mode) else None
         except OSError as err:
             if err.errno == errno.EINVAL:       # no longer a symlink
                 err = OSError(errno.ENOENT, "changed")
