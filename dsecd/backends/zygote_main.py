@@ -679,7 +679,12 @@ class Zygote:
         self.dirs = {}          # uid -> its call's dir (in `base`) that was not empty, to remove
         self.trash_fd = -1      # TRASH in `base`, made when first needed
         self.trashed = 0        # dirs moved there so far (their names there)
-        self.sweeping = []      # remove_tree_steps of what is in TRASH, oldest first
+        # What is in TRASH to remove: [remove_tree_steps, its name there,
+        # tries so far, not before (monotonic)], oldest first.
+        self.sweeping = []
+        self.busy_at = time.monotonic()     # when the loop last had an event
+        self.fork_again_at = 0.0            # no spare forked before (after one failed)
+        self.recheck_at = 0.0               # held uids looked at again from then on
         self.forked = 0
         self.fork_failed = False    # the last spare could not be forked
         # Kept open: read after every call (kill_leftovers). Workers close it.
@@ -1002,7 +1007,7 @@ class Zygote:
             except OSError:
                 return remove_tree(base, name)
             self.trashed += 1
-            self.sweeping.append(remove_tree_steps(trash, there))
+            self.sweeping.append([remove_tree_steps(trash, there), there, 0, 0.0])
             return True
         finally:
             os.close(base)
@@ -1025,13 +1030,32 @@ class Zygote:
         return self.trash_fd
 
     def sweep(self, steps=SWEEP_STEPS):
-        """Remove up to `steps` entries of what is in TRASH."""
-        while self.sweeping and steps > 0:
+        """Remove up to `steps` entries of what is in TRASH. A dir not all
+        gone (a call still running wrote into a part of it it held open)
+        is tried again every CLEANUP_RETRY_MS, CLEANUP_TRIES times; then it
+        stays until the call sandbox goes (no call can reach it)."""
+        now = time.monotonic()
+        i = 0
+        while i < len(self.sweeping) and steps > 0:
+            entry = self.sweeping[i]
+            if entry[3] > now:
+                i += 1
+                continue
             try:
-                next(self.sweeping[0])
+                next(entry[0])
                 steps -= 1
-            except StopIteration:
-                self.sweeping.pop(0)
+            except StopIteration as end:
+                del self.sweeping[i]
+                if not end.value and entry[2] + 1 < CLEANUP_TRIES:
+                    self.sweeping.append([remove_tree_steps(self.trash_fd, entry[1]), entry[1], entry[2] + 1,
+                                          now + CLEANUP_RETRY_MS / 1000])
+
+    def sweep_wait_ms(self):
+        """Milliseconds until there is something to sweep (0: now; None: nothing in TRASH)."""
+        if not self.sweeping:
+            return None
+        return max(0, int((min(e[3] for e in self.sweeping) - time.monotonic()) * 1000) + 1) \
+            if all(e[3] > time.monotonic() for e in self.sweeping) else 0
 
     def retry_unclean(self):
         """free_uid again for the unclean uids whose time has come."""
@@ -1087,11 +1111,16 @@ class Zygote:
         # Spares are forked when the zygote had nothing to do for IDLE_MS, or
         # at once when fewer than half are left: a fork blocks this loop for
         # a few ms (page tables), which would delay every call waiting on it.
+        # The paces (IDLE_MS, FORK_RETRY_MS, RECHECK_MS) are kept by the
+        # clock, not only by the poll's timeout: while the trash is swept
+        # the loop polls without waiting.
         while True:
+            now = time.monotonic()
             if self.sweeping:
                 self.sweep()
-            if self.held:
+            if self.held and now >= self.recheck_at:
                 self.recheck_held()
+                self.recheck_at = now + RECHECK_MS / 1000
             if self.unclean:
                 self.retry_unclean()
             low = len(self.idle) < max(1, self.spares // 2)
@@ -1101,11 +1130,9 @@ class Zygote:
                 wait = FORK_RETRY_MS
             if self.held:
                 wait = RECHECK_MS if wait is None else min(wait, RECHECK_MS)
-            retry = self.unclean_wait_ms()
-            if retry is not None:
-                wait = retry if wait is None else min(wait, retry)
-            if self.sweeping:
-                wait = 0        # more to sweep: the next turn comes once what is ready is handled
+            for later in (self.unclean_wait_ms(), self.sweep_wait_ms()):
+                if later is not None:
+                    wait = later if wait is None else min(wait, later)
             events = self.poll.poll(wait)
             for fd, _ev in events:
                 if fd == self.sock.fileno():
@@ -1114,7 +1141,10 @@ class Zygote:
                     self.on_sigchld()
                 elif fd in self.by_fd:
                     self.on_worker(fd, self.by_fd[fd])
-            if not events and want:
+            now = time.monotonic()
+            if events:
+                self.busy_at = now
+            elif want and (low or now - self.busy_at >= IDLE_MS / 1000) and now >= self.fork_again_at:
                 try:
                     self.idle.append(self.fork_worker())
                     self.fork_failed = False
@@ -1122,6 +1152,7 @@ class Zygote:
                     # Tried again after FORK_RETRY_MS; a call meanwhile
                     # gets a worker forked for it, or an error.
                     self.fork_failed = True
+                    self.fork_again_at = time.monotonic() + FORK_RETRY_MS / 1000
 
 
 def main():

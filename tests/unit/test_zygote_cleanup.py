@@ -5,6 +5,7 @@ other uids' directories, trees of any depth, nothing followed."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import time
@@ -423,3 +424,82 @@ def test_a_zygote_in_the_hosts_user_namespace_kills_by_no_uid():
     with _zygote() as z:
         assert z.kill_by_uid is False
         assert z.kill_uid(60000) is True and z.reaper is None
+
+
+def test_a_trashed_dir_not_all_gone_is_swept_again(tmp_path, monkeypatch):
+    """A call still running may write into a part of a trashed dir it held
+    open while the sweep went past: that part was left in TRASH for good.
+    It is swept again, CLEANUP_RETRY_MS later."""
+    base = tmp_path / "fncall-x"
+    (base / "w60001-1" / "shared").mkdir(parents=True)
+    for i in range(10):
+        (base / "w60001-1" / "shared" / str(i)).write_bytes(b"")
+    monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: True)
+    monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid, **_: True)
+    with _zygote(str(base)) as z:
+        z.dirs[60001] = "w60001-1"
+        held = os.open(base / "w60001-1" / "shared", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            assert z.remove_left(60001)
+            z.sweep(steps=3)                    # "shared" listed and under way
+            fd = os.open("late", os.O_CREAT | os.O_WRONLY, 0o600, dir_fd=held)
+            os.close(fd)
+        finally:
+            os.close(held)
+        z.sweep()
+        trash = base / zygote_main.TRASH
+        assert os.listdir(trash / "w60001-1.0" / "shared") == ["late"]
+        assert len(z.sweeping) == 1 and z.sweep_wait_ms() > 0      # again, CLEANUP_RETRY_MS later
+        z.sweeping[0][3] = 0.0
+        z.sweep()
+        assert z.sweeping == [] and os.listdir(trash) == []
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_while_the_trash_is_swept_a_failed_fork_keeps_its_pace(monkeypatch):
+    """The loop polls without waiting while the trash is swept; the pace of
+    a spare's fork after one failed (FORK_RETRY_MS: a call holding the
+    pids limit makes every fork copy the page tables, then fail) was the
+    poll's timeout, so it was tried at every turn."""
+    clock = [1000.0]
+
+    class Clock:
+        @staticmethod
+        def monotonic():
+            return clock[0]
+
+        monotonic_ns = staticmethod(lambda: int(clock[0] * 1e9))
+
+    monkeypatch.setattr(zygote_main, "time", Clock)
+    with _zygote() as z:
+        def forever():
+            while True:
+                yield
+
+        z.spares = 2
+        z.sweeping.append([forever(), "x", 0, 0.0])
+        forks = []
+
+        def fork_fails():
+            forks.append(clock[0])
+            raise OSError(errno.EAGAIN, "pids.max")
+
+        z.fork_worker = fork_fails
+        turns = []
+
+        class Poll:
+            def poll(self, wait):
+                turns.append(wait)
+                if len(turns) > 300:
+                    raise _Stop
+                clock[0] += 0.001           # each turn takes 1 ms
+                return []
+
+        z.poll = Poll()
+        with pytest.raises(_Stop):
+            z.run()
+    assert set(turns) == {0}, "the sweep keeps the loop turning"
+    assert 1 <= len(forks) <= 1 + 300 // zygote_main.FORK_RETRY_MS, forks
