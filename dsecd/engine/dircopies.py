@@ -120,6 +120,7 @@ class DirCopyService:
                  hold_vm_temporary=None, events: EventBus | None = None):
         self.registry = registry
         self._resuming: set[asyncio.Task] = set()
+        self._putting: dict[str, int] = {}      # sandbox id -> its file_tar_puts under way
         if events is not None:
             events.listeners.append(self._on_event)
         self.temps = temps              # where a put's temporary directory is recorded while it exists
@@ -146,7 +147,9 @@ class DirCopyService:
         if ev["event"] != "paused":
             return
         sb = self.registry.by_id.get(ev["sandbox"])
-        if sb is None or not sb.copies:
+        # A container's copy out (file_tar_get) reads its tree from the
+        # host, which no freeze stops: only its copies in need it running.
+        if sb is None or not (sb.copies if sb.backend == "microvm" else self._putting.get(sb.id)):
             return
         task = self.workers.loop.create_task(self._resume_for_copy(sb))
         self._resuming.add(task)
@@ -183,6 +186,7 @@ class DirCopyService:
         where = f"{sb.id}:{req.path}"
         pipe = ChunkPipe(asyncio.get_running_loop(), self.idle_timeout)
         self.puts += 1
+        self._putting[sb.id] = self._putting.get(sb.id, 0) + 1
         ctx.register_input(pipe)
         busy(sb, +1)
         records: list = []
@@ -229,6 +233,10 @@ class DirCopyService:
                 self.temps.drop(rec)
             ctx.unregister_input()
             self.puts -= 1
+            if self._putting[sb.id] > 1:
+                self._putting[sb.id] -= 1
+            else:
+                del self._putting[sb.id]
             busy(sb, -1)
 
     def _recorder(self, sb: Sandbox, records: list, hold=None):
