@@ -447,8 +447,16 @@ class NetworkService:
         tries = len(self.detach_retry_s)
         for i, delay in enumerate(self.detach_retry_s, 1):
             await asyncio.sleep(delay)
+            work = asyncio.ensure_future(self.workers.run(net.retry_detach, sb_id))
             try:
-                await self.workers.run(net.retry_detach, sb_id)
+                await asyncio.shield(work)
+            except asyncio.CancelledError:
+                # The daemon stops: a try under way in its worker ends
+                # before close_net closes what it uses.
+                await asyncio.wait({work})
+                if not work.cancelled():
+                    work.exception()
+                raise
             except (OSError, DsecError) as err:
                 log.error("sandbox %s: detach its networking again (try %d of %d): %s", sb_id, i, tries, err)
                 continue

@@ -66,3 +66,38 @@ def test_a_detach_that_succeeds_is_not_retried():
     net = _Net(failures=0)
     asyncio.run(_detach(net))
     assert net.calls == [("detach", "sb1")]
+
+
+def test_a_stop_waits_for_a_retry_under_way_before_it_closes_the_network():
+    """A stop cancels the retries; one under way in a worker went on
+    beside the network's close, with the fds the close shuts."""
+    import threading
+
+    order: list[str] = []
+    release = threading.Event()
+
+    class Net(_Net):
+        def retry_detach(self, sb_id: str) -> None:
+            order.append("retry begins")
+            release.wait(10)
+            order.append("retry ends")
+
+        def close(self) -> None:
+            order.append("close")
+
+    async def go() -> None:
+        workers = Workers(2)
+        workers.start(asyncio.get_running_loop())
+        cfg = SimpleNamespace(section=load_config().section, state_dir=None)
+        ops = NetworkService(cfg, None, "dsecd-test", 1, None, workers, None)
+        ops.net = Net(failures=1)
+        ops.detach_retry_s = (0.0,)
+        await ops.detach_net(SimpleNamespace(id="sb1", net={"mode": "default"}))
+        while order != ["retry begins"]:
+            await asyncio.sleep(0.01)
+        asyncio.get_running_loop().call_later(0.2, release.set)
+        await ops.close_net()
+        workers.pool.shutdown(wait=True)
+
+    asyncio.run(go())
+    assert order == ["retry begins", "retry ends", "close"]
