@@ -330,3 +330,52 @@ def test_a_cancelled_wait_for_the_guest_ends_its_channel_task():
             os.close(pidfd)
 
     asyncio.run(main())
+
+
+def _restored(store, tmp_path):
+    """A committed template and a private mapping of its memfd in this
+    process, as a restored VM's QEMU has: fill_holes acts for a process
+    that maps that very memfd."""
+    import mmap
+
+    t = store.commit("k1", _ram(), _state(tmp_path), {"layers": ["sha256:aa"]})
+    return t, mmap.mmap(t.ram_fd, t.ram_size, mmap.MAP_PRIVATE, mmap.PROT_READ)
+
+
+def _before_linux_6_7(real_mmap):
+    """mmap as kernels before 6.7 do it: a shared mapping of a memfd sealed
+    against writes is refused (EPERM) even read-only."""
+    import fcntl
+    import mmap
+
+    def refusing(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, *args, **kw):
+        if flags & mmap.MAP_SHARED and fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE:
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        return real_mmap(fd, length, flags, prot, *args, **kw)
+    return refusing
+
+
+def test_fill_holes_fills_a_sealed_memfd_on_kernels_before_6_7(store, tmp_path, monkeypatch):
+    """fill_holes mapped the sealed memfd shared (read-only), which kernels
+    before 6.7 refuse with EPERM: every pause of a VM restored from a
+    template failed there. A private read-only mapping faults the memfd's
+    pages in the same way."""
+    t, qemu = _restored(store, tmp_path)
+    with qemu:
+        monkeypatch.setattr(templates.mmap, "mmap", _before_linux_6_7(templates.mmap.mmap))
+        assert store.fill_holes("k1", os.getpid()) == t.ram_size - 3 * 4096
+        assert list(templates._holes(t.ram_fd, t.ram_size)) == []
+        assert os.pread(t.ram_fd, 4096, 0) == b"A" * 4096
+
+
+def test_a_fill_holes_that_fails_is_logged_and_the_save_goes_on(store, tmp_path, monkeypatch, caplog):
+    """Making the template's pages is an accounting nicety: a failure of it
+    (here: no mapping) is logged and fill_holes returns, the save goes on."""
+    t, qemu = _restored(store, tmp_path)
+
+    def no_mapping(*args, **kw):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+    with qemu:
+        monkeypatch.setattr(templates.mmap, "mmap", no_mapping)
+        assert store.fill_holes("k1", os.getpid()) == 0
+    assert "Cannot allocate memory" in caplog.text

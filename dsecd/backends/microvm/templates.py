@@ -300,7 +300,17 @@ class TemplateStore:
         the memfd (shmem: it stays there, for every VM of the template, as
         long as the memfd does). Made by that QEMU, they would be charged
         to the sandbox paused first, unreclaimable without swap, kept after
-        its resume against its memory limit, and counted as its own."""
+        its resume against its memory limit, and counted as its own.
+        Only that accounting depends on it: a failure is logged and 0
+        returned, and the save goes on."""
+        try:
+            return self._fill_holes(key, qemu_pid)
+        except Exception as err:
+            log.warning("VM template %s: cannot make its unwritten pages before a save (%s); the VM saved "
+                        "makes them, charged to its sandbox", key[:16], err)
+            return 0
+
+    def _fill_holes(self, key: str, qemu_pid: int) -> int:
         with self._lock:            # a drop meanwhile would close the fd
             t = self._loaded.get(key)
             if t is None or t.ram_fd < 0 or not _mapped_by(qemu_pid, os.fstat(t.ram_fd)):
@@ -308,7 +318,11 @@ class TemplateStore:
             holes = list(_holes(t.ram_fd, t.ram_size))
             if not holes:
                 return 0
-            with mmap.mmap(t.ram_fd, t.ram_size, mmap.MAP_SHARED, mmap.PROT_READ) as m:
+            # Private: kernels before 6.7 refuse a shared mapping of a memfd
+            # sealed against writes (EPERM), read-only or not. A read fault
+            # of a private mapping of shmem makes the page in the memfd all
+            # the same (as QEMU's reads do), and maps it until a write.
+            with mmap.mmap(t.ram_fd, t.ram_size, mmap.MAP_PRIVATE, mmap.PROT_READ) as m:
                 for start, end in holes:
                     try:
                         m.madvise(MADV_POPULATE_READ, start, end - start)
