@@ -379,3 +379,49 @@ def test_a_fill_holes_that_fails_is_logged_and_the_save_goes_on(store, tmp_path,
         monkeypatch.setattr(templates.mmap, "mmap", no_mapping)
         assert store.fill_holes("k1", os.getpid()) == 0
     assert "Cannot allocate memory" in caplog.text
+
+
+FILL_ON_A_FULL_TMPFS = """
+import logging, mmap, os, sys
+from pathlib import Path
+from dsecd.backends.microvm.templates import Template, TemplateStore
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
+root = Path(sys.argv[1])
+fd = os.open(root / "ram", os.O_RDWR | os.O_CREAT, 0o600)
+os.ftruncate(fd, 8 << 20)                  # larger than its tmpfs: its holes cannot all be made
+os.pwrite(fd, b"A" * 4096, 0)
+store = TemplateStore(root / "state", "g1", "q1", 2)
+store._loaded["k1"] = Template(key="k1", dir=root, ram_fd=fd, ram_size=8 << 20)
+with mmap.mmap(fd, 8 << 20, mmap.MAP_PRIVATE, mmap.PROT_READ):
+    print("made", store.fill_holes("k1", os.getpid()), flush=True)
+"""
+
+
+def test_a_page_fill_holes_cannot_make_ends_the_fill_not_the_daemon(tmp_path):
+    """MADV_POPULATE_READ fails with EFAULT where a page cannot be made (no
+    room for it), and fill_holes then read each page itself, which the
+    same failure kills with SIGBUS: the daemon died at a pause. It falls
+    back to reading only where the kernel has no MADV_POPULATE_READ
+    (EINVAL); any other failure is logged and the save goes on. Here the
+    template's RAM is a file on a tmpfs smaller than it."""
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to mount a small tmpfs in a mount namespace of its own")
+    script = tmp_path / "fill.py"
+    script.write_text(FILL_ON_A_FULL_TMPFS)
+    root = tmp_path / "small"
+    root.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=1m tmpfs "$1" && exec "$0" "$2" "$1"',
+                          sys.executable, str(root), str(script)], env=env, capture_output=True, text=True,
+                         timeout=120)
+    if out.returncode != 0 and "cannot change root filesystem propagation" in out.stderr:
+        # A chroot (the fresh-host check's root): its / is no mount, so no
+        # mount namespace of its own can be made private, and a tmpfs
+        # mounted without that would show on the host's side too.
+        pytest.skip("no private mount namespace here (/ is not a mount point)")
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr)
+    assert "made 0" in out.stdout and "cannot make its unwritten pages" in out.stdout, out.stdout

@@ -326,7 +326,12 @@ class TemplateStore:
                 for start, end in holes:
                     try:
                         m.madvise(MADV_POPULATE_READ, start, end - start)
-                    except OSError:             # before Linux 5.14: a read of each page
+                    except OSError as err:
+                        # EINVAL: a kernel before 5.14, a read of each page
+                        # instead. Any other (EFAULT: a page that could not
+                        # be made) would kill a reader with SIGBUS.
+                        if err.errno != errno.EINVAL:
+                            raise
                         for off in range(start, end, mmap.PAGESIZE):
                             m[off]
             return sum(end - start for start, end in holes)
