@@ -425,3 +425,42 @@ def test_a_page_fill_holes_cannot_make_ends_the_fill_not_the_daemon(tmp_path):
         pytest.skip("no private mount namespace here (/ is not a mount point)")
     assert out.returncode == 0, (out.returncode, out.stdout, out.stderr)
     assert "made 0" in out.stdout and "cannot make its unwritten pages" in out.stdout, out.stdout
+
+
+def test_fill_holes_makes_the_pages_without_holding_the_store(store, tmp_path, monkeypatch):
+    """Making a template's pages takes ~1 s per GiB; fill_holes held the
+    store's lock meanwhile, so every create restoring a template (get)
+    waited for it. The memfd is mapped under the lock (a drop meanwhile
+    closes its fd; the mapping keeps the memfd), its pages made after."""
+    t, qemu = _restored(store, tmp_path)
+    locked = []
+
+    class Watched(templates.mmap.mmap):
+        def madvise(self, *args):
+            locked.append(store._lock.locked())
+            return super().madvise(*args)
+    with qemu:
+        monkeypatch.setattr(templates.mmap, "mmap", Watched)
+        assert store.fill_holes("k1", os.getpid()) == t.ram_size - 3 * 4096
+    assert locked and not any(locked), locked
+    assert list(templates._holes(t.ram_fd, t.ram_size)) == []
+
+
+def test_a_template_dropped_while_its_pages_are_made_loses_nothing(store, tmp_path, monkeypatch):
+    """A drop while fill_holes makes the pages (outside the store's lock)
+    closes the template's fd; the mapping fill_holes made keeps the memfd."""
+    t, qemu = _restored(store, tmp_path)
+    fd = os.dup(t.ram_fd)
+
+    class Dropping(templates.mmap.mmap):
+        def madvise(self, *args):
+            store.drop("k1")
+            return super().madvise(*args)
+    try:
+        with qemu:
+            monkeypatch.setattr(templates.mmap, "mmap", Dropping)
+            assert store.fill_holes("k1", os.getpid()) == 4 * MIB - 3 * 4096
+        assert store.keys() == []
+        assert list(templates._holes(fd, 4 * MIB)) == []
+    finally:
+        os.close(fd)

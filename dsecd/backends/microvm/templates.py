@@ -311,7 +311,10 @@ class TemplateStore:
             return 0
 
     def _fill_holes(self, key: str, qemu_pid: int) -> int:
-        with self._lock:            # a drop meanwhile would close the fd
+        # Mapped under the lock (a drop meanwhile would close the fd; the
+        # mapping keeps the memfd), its pages made outside it (~1 s per
+        # GiB): creates restoring templates meanwhile do not wait for it.
+        with self._lock:
             t = self._loaded.get(key)
             if t is None or t.ram_fd < 0 or not _mapped_by(qemu_pid, os.fstat(t.ram_fd)):
                 return 0
@@ -322,19 +325,20 @@ class TemplateStore:
             # sealed against writes (EPERM), read-only or not. A read fault
             # of a private mapping of shmem makes the page in the memfd all
             # the same (as QEMU's reads do), and maps it until a write.
-            with mmap.mmap(t.ram_fd, t.ram_size, mmap.MAP_PRIVATE, mmap.PROT_READ) as m:
-                for start, end in holes:
-                    try:
-                        m.madvise(MADV_POPULATE_READ, start, end - start)
-                    except OSError as err:
-                        # EINVAL: a kernel before 5.14, a read of each page
-                        # instead. Any other (EFAULT: a page that could not
-                        # be made) would kill a reader with SIGBUS.
-                        if err.errno != errno.EINVAL:
-                            raise
-                        for off in range(start, end, mmap.PAGESIZE):
-                            m[off]
-            return sum(end - start for start, end in holes)
+            m = mmap.mmap(t.ram_fd, t.ram_size, mmap.MAP_PRIVATE, mmap.PROT_READ)
+        with m:
+            for start, end in holes:
+                try:
+                    m.madvise(MADV_POPULATE_READ, start, end - start)
+                except OSError as err:
+                    # EINVAL: a kernel before 5.14, a read of each page
+                    # instead. Any other (EFAULT: a page that could not be
+                    # made) would kill a reader with SIGBUS.
+                    if err.errno != errno.EINVAL:
+                        raise
+                    for off in range(start, end, mmap.PAGESIZE):
+                        m[off]
+        return sum(end - start for start, end in holes)
 
     # ------------------------------------------------------------ removal
 
