@@ -451,9 +451,14 @@ class MicroVMBackend:
         under way is cancelled (its file is partial, paused.ram.part), and
         the vCPUs run again, as the record says; else the agent never
         answers."""
+        await self._run_again(h, what, "a pause its record does not show")
+
+    async def _run_again(self, h: VmHandle, what: str, why: str) -> None:
+        """Cancel a save under way and run the vCPUs if they are stopped;
+        `why` they were stopped, for the log."""
         migration = (await h.qmp.command("query-migrate")).get("status", "none")
         if migration in MIGRATING:
-            log.warning("%s: cancelling a save its record does not show (%s)", what, migration)
+            log.warning("%s: cancelling the save of %s (%s)", what, why, migration)
             await h.qmp.command("migrate_cancel")
             deadline = time.monotonic() + 30.0
             while migration in MIGRATING:
@@ -463,8 +468,7 @@ class MicroVMBackend:
                 migration = (await h.qmp.command("query-migrate")).get("status", "none")
         status = (await h.qmp.command("query-status")).get("status")
         if status in ("paused", "postmigrate", "finish-migrate"):
-            log.warning("%s: its vCPUs were stopped (%s) by a pause its record does not show; running them",
-                        what, status)
+            log.warning("%s: its vCPUs were stopped (%s) by %s; running them", what, status, why)
             await h.qmp.command("cont")
 
     async def connect_agent(self, h: VmHandle, what: str, hostname: str, timeout: float,
@@ -511,17 +515,30 @@ class MicroVMBackend:
         to `image` through QMP migration to an fd, on disk and out of the
         page cache (settle_saved, through `run`: a worker); the caller then
         ends QEMU. Returns the image's size."""
-        await h.qmp.command("stop")
-        # A VM restored from a template had x-ignore-shared on for its load;
-        # its RAM is private, saved either way, but the setting must match at
-        # resume: off, as a resume sets it.
-        await self._ignore_shared(h, False)
         # Written whole under another name first: a paused.ram that exists
         # is complete (re-adoption takes a VM with one for paused).
         part = image.with_name(image.name + ".part")
-        size = await self._migrate_out(h, part, timeout)
-        await run(settle_saved, part)
-        os.rename(part, image)
+        await h.qmp.command("stop")
+        try:
+            # A VM restored from a template had x-ignore-shared on for its
+            # load; its RAM is private, saved either way, but the setting
+            # must match at resume: off, as a resume sets it.
+            await self._ignore_shared(h, False)
+            size = await self._migrate_out(h, part, timeout)
+            await run(settle_saved, part)
+            os.rename(part, image)
+        except BaseException:
+            # Not saved: the VM is still recorded running, and its agent
+            # answers only if its vCPUs run.
+            try:
+                part.unlink(missing_ok=True)
+            except OSError as err:
+                log.warning("%s: cannot remove the partial state of a failed save: %s", part, err)
+            try:
+                await self._run_again(h, str(h.vm_dir), "a pause that failed")
+            except Exception as err:        # the save's own error says why the pause failed
+                log.error("%s: cannot run the vCPUs again after a failed save: %s", h.vm_dir, err)
+            raise
         return size
 
     async def snapshot(self, h: VmHandle, state: Path, timeout: float = 120.0) -> int:
