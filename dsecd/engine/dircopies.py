@@ -199,13 +199,22 @@ class DirCopyService:
                 self.hold_temporary(sb.id, req.path, st, ctx)
         try:
             if sb.backend == "microvm":
-                out = await self.vms.tar_put(sb, req.path, pipe, self.max_entries, self.max_bytes, owner)
-                # Held once made (a put that fails or is cut leaves nothing,
-                # and a path that existed before fails it): its client gone
-                # before its rename, the directory goes.
+                # Held from before the put starts: a client gone (killed) once
+                # the whole archive reached the guest leaves the directory
+                # made all the same (the request, cancelled, ends once the
+                # guest's copy has), and it goes when the connection closes;
+                # a removal that finds nothing is fine. A put that fails
+                # leaves nothing (and one fails on a path that existed
+                # before): not ours to remove then.
+                release = None
                 if req.temporary and self.hold_vm_temporary is not None:
-                    self.hold_vm_temporary(sb.id, req.path, ctx, True)
-                return out
+                    release = self.hold_vm_temporary(sb.id, req.path, ctx, True)
+                try:
+                    return await self.vms.tar_put(sb, req.path, pipe, self.max_entries, self.max_bytes, owner)
+                except Exception:
+                    if release is not None:
+                        release()
+                    raise
             work = asyncio.ensure_future(self.workers.run(
                 functools.partial(userns.file_op, owner=owner), userns.IdMap.from_record(sb.idmap),
                 tarcopy.put_tree, sb.handle.rootfd, req.path, pipe, self.max_entries, self.max_bytes,

@@ -133,12 +133,12 @@ class FileService:
             owner = await owner_ids(sb, req.owner, self.workers, self.vms)
             # Held from before its first chunk is sent: a client killed while
             # it is written (the agent writes it all the same) leaves it too.
-            held = req.temporary and not keep and self.hold_vm_temporary(sb.id, req.path, ctx)
+            release = self.hold_vm_temporary(sb.id, req.path, ctx) if req.temporary and not keep else None
             try:
                 return await self.vms.file_op(sb, req, owner)
             except DsecError:
-                if held:            # not made, or the writer removes it itself: no longer ours to remove
-                    self._forget_temp(sb.id, req.path)
+                if release is not None:     # not made, or the writer removes it itself: no longer ours to remove
+                    release()
                 raise
         # With same_as, nothing is truncated before the file is known to be that one.
         fd = await self._file_op(req, "write", sbfiles.open_for_write, req.path, req.append,
@@ -261,17 +261,18 @@ class FileService:
             forget = ctx.at_close(functools.partial(self._temp_orphaned, sb_id, path, st.st_dev, st.st_ino))
             self._temp_records[(sb_id, path)] = (rec, forget)
 
-    def hold_vm_temporary(self, sb_id: str, path: str, ctx, tree: bool = False) -> bool:
+    def hold_vm_temporary(self, sb_id: str, path: str, ctx, tree: bool = False):
         """hold_temporary for a microVM's `path` (a whole directory if
         `tree`), in memory only: its guest's agent reports no inode numbers
         to check a path against, so nothing is recorded for a restarted
         daemon to remove. The path is removed if the connection that made it
-        closes before renaming or removing it. False if already held."""
+        closes before renaming or removing it. Returns what lets go of it
+        (the path not made after all), or None if it was already held."""
         if (sb_id, path) in self._temp_records:
-            return False
+            return None
         forget = ctx.at_close(functools.partial(self._vm_temp_orphaned, sb_id, path, tree))
         self._temp_records[(sb_id, path)] = (None, forget)
-        return True
+        return functools.partial(self._forget_temp, sb_id, path)
 
     def _forget_temp(self, sb_id: str, path: str) -> None:
         entry = self._temp_records.pop((sb_id, path), None)

@@ -78,6 +78,7 @@ PUT_CHECK_BYTES = 1 << 20
 # How long a pause waits for the VM's agent requests under way (a file
 # chunk of limits.max_file_chunk_bytes takes about a second under TCG).
 REQUESTS_SETTLE_S = 30.0
+PUT_END_S = 30.0        # a cancelled put's guest child ends by then (it writes what came, or removes it)
 
 
 class VmExec:
@@ -887,6 +888,14 @@ class MicroVMService:
                     run.close_stdin_nowait()
                     if not put:
                         run.kill()
+                if put:
+                    # Its child, its input ended, either renames the whole
+                    # copy into place (all of it came) or removes it: the
+                    # request ends after that, so that what its end triggers
+                    # (a temporary's removal when its client is gone) finds
+                    # the copy where it will stay.
+                    with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                        await asyncio.wait_for(run.over.wait(), PUT_END_S)
             raise
         finally:
             _run_over(sb, link, run)

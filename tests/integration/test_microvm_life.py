@@ -262,6 +262,46 @@ def test_a_directory_copy_under_way_resumes_its_job_paused_vm(vmd, tmp_path):
         sb.destroy(force=True)
 
 
+GONE_ONCE_SENT = """
+import io, os, sys, tarfile
+import dsecd.client
+from dsecd import SyncClient
+feed = dsecd.client.Sandbox._feed_tar
+async def feed_then_die(self, *args, **kw):
+    await feed(self, *args, **kw)
+    os._exit(0)         # the whole archive sent, its put not yet answered
+dsecd.client.Sandbox._feed_tar = feed_then_die
+c = SyncClient(sys.argv[1]); c.connect()
+tar = io.BytesIO()
+with tarfile.open(fileobj=tar, mode="w") as tf:
+    info = tarfile.TarInfo("a"); info.size = 4; tf.addfile(info, io.BytesIO(b"data"))
+c.get(sys.argv[2]).upload_tar(tar.getvalue(), "/work/.dsec-cp-0123456789ab", temporary=True)
+"""
+
+
+def test_a_copy_whose_client_dies_once_it_sent_it_all_is_removed(vmd, tmp_path):
+    """A `cp -r`'s landing directory in a microVM was held for removal only
+    once its put had returned: a client killed after the whole archive had
+    reached the guest (its copy made all the same) left it for good."""
+    d, c = vmd
+    sb = _vm(c)
+    try:
+        sb.mkdir("/work", parents=True)
+        script = tmp_path / "gone.py"
+        script.write_text(GONE_ONCE_SENT)
+        subprocess.run([sys.executable, str(script), d.socket, sb.id], check=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        # Its request ends once the guest's copy has: the removal comes after.
+        deadline = time.monotonic() + 60
+        names = ["?"]
+        while names and time.monotonic() < deadline:
+            time.sleep(0.5)
+            names = [e["name"] for e in sb.list_files("/work")]
+        assert names == [], names
+    finally:
+        sb.destroy(force=True)
+
+
 def test_a_pause_during_a_file_write_waits_for_it_and_the_vm_resumes(vmd):
     """A pause that ended QEMU while a file_write's frame was still on its
     way to the guest left the agent holding half a frame: the resume's HELLO
