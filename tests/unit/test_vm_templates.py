@@ -464,3 +464,19 @@ def test_a_template_dropped_while_its_pages_are_made_loses_nothing(store, tmp_pa
         assert list(templates._holes(fd, 4 * MIB)) == []
     finally:
         os.close(fd)
+
+
+def test_the_listing_says_what_a_loaded_templates_memory_holds_now(store, tmp_path):
+    """A loaded template's memfd holds the pages its boot wrote until the
+    first pause of a VM restored from it, then the whole guest RAM: the
+    listing said only the first (ram_data_bytes, from its build)."""
+    t, qemu = _restored(store, tmp_path)
+    with qemu:
+        [before] = store.info()
+        assert before["ram_data_bytes"] == before["held_bytes"] == 3 * 4096
+        store.fill_holes("k1", os.getpid())
+    [after] = store.info()
+    assert after["ram_data_bytes"] == 3 * 4096 and after["held_bytes"] == t.ram_size
+    store.drop("k1")
+    store.commit("k2", _ram(), _state(tmp_path), {"layers": ["sha256:aa"]})
+    assert TemplateStore(tmp_path / "state", "g1", "q1", 2).info()[0]["held_bytes"] == 0     # not loaded

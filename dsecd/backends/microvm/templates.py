@@ -390,9 +390,13 @@ class TemplateStore:
         return removed
 
     def info(self) -> list[dict]:
+        """Each template on disk. `ram_data_bytes`: the RAM its boot wrote
+        (its file's data); `held_bytes`: what its memfd holds in memory now
+        (0 if not loaded): the whole guest RAM from the first pause of a VM
+        restored from it on (fill_holes)."""
         out = []
         with self._lock:
-            loaded = set(self._loaded)
+            held = {k: os.fstat(t.ram_fd).st_blocks * 512 if t.ram_fd >= 0 else 0 for k, t in self._loaded.items()}
         for key in sorted(self.keys()):
             try:
                 meta = json.loads((self.root / key / "meta.json").read_text())
@@ -400,7 +404,8 @@ class TemplateStore:
                 continue
             out.append({"key": key, "layers": meta.get("layers", []), "memory": meta.get("memory"),
                         "ram_data_bytes": meta.get("ram_data_bytes"), "state_bytes": meta.get("state_bytes"),
-                        "created": meta.get("created"), "loaded": key in loaded})
+                        "created": meta.get("created"), "loaded": key in held,
+                        "held_bytes": held.get(key, 0)})
         return out
 
     def close(self) -> None:
