@@ -351,6 +351,7 @@ MAX_MOVED = 256
 # serves and every kill it relays, for seconds.
 TRASH = ".dsec-trash"
 SWEEP_STEPS = 256
+LIST_STEPS = 64         # entries of a directory listed per step of a sweep (about an unlink's time)
 
 
 def remove_owned(top, uid):
@@ -465,6 +466,21 @@ def _entries(fd, uid=None):
         return None
 
 
+def _entries_steps(fd):
+    """_entries(fd) (no owner), a step per LIST_STEPS entries listed: a flat
+    dir of a million entries is one listing of seconds."""
+    out = []
+    try:
+        with os.scandir(fd) as entries:
+            for e in entries:
+                out.append((e.name, False, e.is_dir(follow_symlinks=False)))
+                if len(out) % LIST_STEPS == 0:
+                    yield
+    except OSError:
+        return None
+    return out
+
+
 def _remove_tree(parent, name, is_dir, top, moved, owner=None):
     """Remove `name` in `parent`, a directory with all it holds, whoever
     owns what is inside. Past MAX_OPEN_DIRS levels a directory is renamed
@@ -494,7 +510,7 @@ def _remove_tree_steps(parent, name, is_dir, top, moved, owner=None):
                 ok = _unlink(pfd, dname, True) and ok
                 continue
             if todo is None:
-                todo = _entries(fd)
+                todo = yield from _entries_steps(fd)
                 if todo is None:
                     todo, ok = [], False
                 stack[-1] = (pfd, dname, fd, todo)

@@ -503,3 +503,28 @@ def test_while_the_trash_is_swept_a_failed_fork_keeps_its_pace(monkeypatch):
             z.run()
     assert set(turns) == {0}, "the sweep keeps the loop turning"
     assert 1 <= len(forks) <= 1 + 300 // zygote_main.FORK_RETRY_MS, forks
+
+
+def test_a_flat_trashed_dir_is_listed_over_several_turns(tmp_path, monkeypatch):
+    """One step of the sweep listed a whole directory: 200,000 entries took
+    ~0.1 s of the loop in one go, millions past fncall.kill_grace_s. The
+    listing is a step per LIST_STEPS entries."""
+    base = tmp_path / "fncall-x"
+    (base / "w60001-1").mkdir(parents=True)
+    n = 5 * zygote_main.LIST_STEPS
+    for i in range(n):
+        (base / "w60001-1" / str(i)).write_bytes(b"")
+    monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: True)
+    monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid, **_: True)
+    with _zygote(str(base)) as z:
+        z.dirs[60001] = "w60001-1"
+        assert z.remove_left(60001)
+        listing = 0
+        while len(os.listdir(base / zygote_main.TRASH / "w60001-1.0")) == n:
+            z.sweep(steps=1)
+            listing += 1
+        assert listing >= n // zygote_main.LIST_STEPS
+        while z.sweeping:
+            z.sweep()
+        assert os.listdir(base / zygote_main.TRASH) == []
+
