@@ -414,18 +414,22 @@ def remove_tree(dirfd, name):
     return _to_the_end(remove_tree_steps(dirfd, name))
 
 
-def remove_tree_steps(dirfd, name):
+def remove_tree_steps(dirfd, name, moved=None):
     """remove_tree one step at a time: a generator that yields after each
     entry it removes or directory it opens, and returns remove_tree's
-    answer (the zygote's sweep spreads a large tree over its loop's turns)."""
+    answer (the zygote's sweep spreads a large tree over its loop's turns).
+    `moved`: the names of parts of it moved up into `dirfd` by an earlier
+    try, removed too; those this try leaves are in it at the end."""
+    moved = [] if moved is None else moved
+    ok = True
     try:
         is_dir = stat.S_ISDIR(os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode)
     except FileNotFoundError:
-        return True
+        is_dir = None
     except OSError:
         return False
-    moved = []
-    ok = yield from _remove_tree_steps(dirfd, name, is_dir, dirfd, moved)
+    if is_dir is not None:
+        ok = yield from _remove_tree_steps(dirfd, name, is_dir, dirfd, moved)
     done = yield from _remove_moved_steps(dirfd, moved)
     return done and ok
 
@@ -445,13 +449,19 @@ def _remove_moved(top, moved):
 
 def _remove_moved_steps(top, moved):
     """Remove the parts _remove_tree moved up into `top` (and those their
-    removal moves), at most MAX_MOVED in all; False if some stay."""
-    ok, done = True, 0
+    removal moves), at most MAX_MOVED in all; False if some stay, their
+    names left in `moved`."""
+    ok, done, failed = True, 0, []
     while moved:
         if done >= MAX_MOVED:
-            return False
-        ok = (yield from _remove_tree_steps(top, moved.pop(), True, top, moved)) and ok
+            ok = False
+            break
+        part = moved.pop()
+        if not (yield from _remove_tree_steps(top, part, True, top, moved)):
+            failed.append(part)
+            ok = False
         done += 1
+    moved.extend(failed)
     return ok
 
 
@@ -696,7 +706,8 @@ class Zygote:
         self.trash_fd = -1      # TRASH in `base`, made when first needed
         self.trashed = 0        # dirs moved there so far (their names there)
         # What is in TRASH to remove: [remove_tree_steps, its name there,
-        # tries so far, not before (monotonic)], oldest first.
+        # tries so far, not before (monotonic), parts of it moved up into
+        # TRASH], oldest first.
         self.sweeping = []
         self.busy_at = time.monotonic()     # when the loop last had an event
         self.fork_again_at = 0.0            # no spare forked before (after one failed)
@@ -1023,7 +1034,8 @@ class Zygote:
             except OSError:
                 return remove_tree(base, name)
             self.trashed += 1
-            self.sweeping.append([remove_tree_steps(trash, there), there, 0, 0.0])
+            moved = []
+            self.sweeping.append([remove_tree_steps(trash, there, moved), there, 0, 0.0, moved])
             return True
         finally:
             os.close(base)
@@ -1063,8 +1075,9 @@ class Zygote:
             except StopIteration as end:
                 del self.sweeping[i]
                 if not end.value and entry[2] + 1 < CLEANUP_TRIES:
-                    self.sweeping.append([remove_tree_steps(self.trash_fd, entry[1]), entry[1], entry[2] + 1,
-                                          now + CLEANUP_RETRY_MS / 1000])
+                    moved = entry[4]        # with the parts of it moved up that stay
+                    self.sweeping.append([remove_tree_steps(self.trash_fd, entry[1], moved), entry[1], entry[2] + 1,
+                                          now + CLEANUP_RETRY_MS / 1000, moved])
 
     def sweep_wait_ms(self):
         """Milliseconds until there is something to sweep (0: now; None: nothing in TRASH)."""

@@ -528,3 +528,27 @@ def test_a_flat_trashed_dir_is_listed_over_several_turns(tmp_path, monkeypatch):
             z.sweep()
         assert os.listdir(base / zygote_main.TRASH) == []
 
+
+def test_parts_of_a_deep_trashed_dir_moved_up_are_swept_again(tmp_path, monkeypatch):
+    """Past MAX_OPEN_DIRS levels a removal moves deeper parts up into the
+    trash, and stops after MAX_MOVED of them: a retry named only the dir
+    itself, gone by then, and the parts stayed for good."""
+    monkeypatch.setattr(zygote_main, "MAX_OPEN_DIRS", 2)
+    monkeypatch.setattr(zygote_main, "MAX_MOVED", 1)
+    monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: True)
+    monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid, **_: True)
+    base = tmp_path / "fncall-x"
+    deep = base / "w60001-1"
+    for _ in range(12):
+        deep = deep / "d"
+    deep.mkdir(parents=True)
+    with _zygote(str(base)) as z:
+        z.dirs[60001] = "w60001-1"
+        assert z.remove_left(60001)
+        for _ in range(200):
+            if not z.sweeping:
+                break
+            for entry in z.sweeping:
+                entry[3] = 0.0              # its retry is due
+            z.sweep()
+        assert z.sweeping == [] and os.listdir(base / zygote_main.TRASH) == []
