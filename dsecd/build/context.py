@@ -24,6 +24,7 @@ import hashlib
 import os
 import posixpath
 import stat
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -40,6 +41,19 @@ MAX_DOCKERIGNORE_BYTES = 1 << 20
 
 class ContextError(ValueError):
     """A source that does not exist, is excluded, or leaves the context."""
+
+
+class SourceTooLarge(ContextError):
+    """A file a step copies that is larger than the step could ever write
+    (`max_bytes`): hashing it would read it all for nothing."""
+
+    def __init__(self, message: str, rel: str, size: int, max_bytes: int):
+        super().__init__(message)
+        self.rel, self.size, self.max_bytes = rel, size, max_bytes
+
+
+class HashStopped(Exception):
+    """The hashing of the context was stopped (its build was cancelled)."""
 
 
 @dataclass(frozen=True)
@@ -202,18 +216,30 @@ class DigestCache:
         self.max_entries = max_entries
         self._cache: dict[tuple[int, int], tuple[tuple[int, ...], str]] = {}
 
-    def file_digest(self, fd: int) -> str:
-        """The digest of the file open at `fd` (read from its start)."""
+    def file_digest(self, fd: int, stop: threading.Event | None = None, max_bytes: int = 0) -> str:
+        """The digest of the file open at `fd` (read from its start).
+        `stop`: checked before each chunk; once set, HashStopped.
+        `max_bytes` (0: no bound): a file larger, by its size or by what is
+        read (it may grow meanwhile), is OverflowError, before it is read."""
         st = os.fstat(fd)
+        if max_bytes and st.st_size > max_bytes:
+            raise OverflowError(st.st_size)
         key = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         hit = self._cache.get((st.st_dev, st.st_ino))
         if hit is not None and hit[0] == key:
             return hit[1]
         h = hashlib.sha256()
         offset = 0
-        while chunk := os.pread(fd, HASH_CHUNK, offset):
+        while True:
+            if stop is not None and stop.is_set():
+                raise HashStopped("the build stopped while it hashed its context")
+            chunk = os.pread(fd, HASH_CHUNK, offset)
+            if not chunk:
+                break
             h.update(chunk)
             offset += len(chunk)
+            if max_bytes and offset > max_bytes:
+                raise OverflowError(offset)
         digest = h.hexdigest()
         if len(self._cache) >= self.max_entries:
             self._cache.clear()
@@ -460,23 +486,33 @@ class BuildContext:
 
     # ------------------------------------------------------------ hashing
 
-    def digest(self, sources: list[Source], cache: DigestCache) -> str:
+    def digest(self, sources: list[Source], cache: DigestCache, stop: threading.Event | None = None,
+               max_file_bytes: int = 0) -> str:
         """sha256 of what a step copies: for each source, each entry's path,
         type, permission bits, and content (files) or target (symlinks).
-        Owners are not in it: COPY sets them (root, or --chown)."""
+        Owners are not in it: COPY sets them (root, or --chown).
+        `stop`: once set, the hashing ends at its next chunk (HashStopped).
+        `max_file_bytes` (0: no bound): what the step's layer may hold; a
+        file larger than it is SourceTooLarge, before any of it is read:
+        the step could never write it, and a sparse file of any size costs
+        its maker nothing."""
         h = hashlib.sha256()
         for src in sources:
             h.update(f"S {src.rel}\0".encode(errors="surrogateescape"))
             for e in src.entries:
                 if e.kind == "file":
                     shown = posixpath.normpath(posixpath.join(src.rel, e.rel))     # e.path: the daemon's
+                    if max_file_bytes and e.size > max_file_bytes:
+                        raise _too_large(shown, e.size, max_file_bytes)
                     try:
                         fd = src.open(e)
                         try:
-                            content = cache.file_digest(fd)
+                            content = cache.file_digest(fd, stop, max_file_bytes)
                         finally:
                             os.close(fd)
                         src.digests[e.rel] = content
+                    except OverflowError as err:
+                        raise _too_large(shown, err.args[0], max_file_bytes) from None
                     except FileNotFoundError:
                         raise ContextError(f"{shown} was removed while the build read the context") from None
                     except OSError as err:
@@ -486,3 +522,9 @@ class BuildContext:
                 h.update(f"{e.rel}\0{e.kind}\0{e.mode:o}\0{e.size}\0{content}\n"
                          .encode(errors="surrogateescape"))
         return "sha256:" + h.hexdigest()
+
+
+def _too_large(shown: str, size: int, max_bytes: int) -> SourceTooLarge:
+    return SourceTooLarge(f"{shown} is {size} bytes, more than a step's layer may hold "
+                          f"(images.max_layer_bytes ({max_bytes} bytes)); remove it from the build context "
+                          "or .dockerignore it, or raise images.max_layer_bytes", shown, size, max_bytes)

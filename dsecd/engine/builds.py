@@ -46,7 +46,7 @@ from ..build import copyin
 from ..build.dockerfile import DockerfileError, parse
 from ..build.plan import COPY, META, RUN, WORKDIR, ImageConfig, Plan, Step, plan
 from ..config import ConfigError, parse_size
-from ..errors import BadRequest, DsecError, image_error, io_error
+from ..errors import BadRequest, DsecError, LimitExceeded, image_error, io_error
 from ..fs import users
 from ..fs.images import Image, ImageError, Pins
 from .creates import BUILD_LABEL, CreateService
@@ -249,6 +249,10 @@ class _Build:
         # looked up, listed and opened with its ids, now and when a COPY
         # reads it (context.ContextRoot).
         reader = native.Reader(*self.ctx.peer_ids) if self.ctx.peer_ids is not None else None
+        # Set when the build is cancelled (its client gone, or a cancel):
+        # the hashing, which may read a lot, ends at its next chunk.
+        stop = threading.Event()
+        max_file_bytes = self.store.max_layer_bytes
 
         def find() -> dict:
             context = buildctx.BuildContext.open(where, shown=req.context, reader=reader)
@@ -262,14 +266,18 @@ class _Build:
                             f"{len(found)} sources ({', '.join(s.rel for s in found[:4])}"
                             f"{', ...' if len(found) > 4 else ''}): the destination must be a directory "
                             f"ending in /, not {step.instruction.args.split()[-1]!r}")
-                    out[step.n] = (found, context.digest(found, self.svc.digests),
+                    out[step.n] = (found, context.digest(found, self.svc.digests, stop, max_file_bytes),
                                    [pattern for pattern, srcs in matched if not srcs])
+                except buildctx.SourceTooLarge as err:
+                    raise LimitExceeded(f"{self.filename}:{step.line}: {step.instruction.cmd} {err}",
+                                        {"line": step.line, "file": self.filename, "path": err.rel,
+                                         "size": err.size, "max_bytes": err.max_bytes}) from err
                 except buildctx.ContextError as err:
                     raise self._error(step.line, f"{step.instruction.cmd} {err}") from err
             return out
 
         try:
-            return await self.svc.workers.run(find)
+            return await self.svc.workers.run_stoppable(stop, find)
         except buildctx.ContextError as err:      # the context itself (not a directory, ...)
             raise BadRequest(str(err), {"context": req.context}) from err
         except OSError as err:

@@ -320,6 +320,30 @@ def test_a_run_killed_by_the_build_memory_limit_says_so(daemon_factory, busybox_
         c.close()
 
 
+def test_a_copy_source_larger_than_a_layer_is_refused_before_it_is_hashed(daemon_factory, busybox_rootfs,
+                                                                          tmp_path):
+    """A sparse file of any size costs its maker nothing (`truncate -s 1T`)
+    but hashing it reads every byte: a source larger than a step's layer
+    may hold (images.max_layer_bytes) is refused, naming it and the bound."""
+    d = daemon_factory('[images]\nmax_layer_bytes = "1M"\n')
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        with open(tmp_path / "big", "wb") as f:
+            f.truncate(1 << 40)
+        with pytest.raises(DsecError) as info:
+            c.build_dockerfile(str(tmp_path), "big", text="FROM busybox\nCOPY big /\n")
+        err = info.value
+        assert err.code == "limit" and err.detail["line"] == 2 and err.detail["path"] == "big", err
+        assert "big is 1099511627776 bytes" in err.message and "images.max_layer_bytes (1048576 bytes" \
+            in err.message, err.message
+        (tmp_path / "big").unlink()
+        (tmp_path / "small").write_bytes(b"x" * 4096)
+        assert c.build_dockerfile(str(tmp_path), "small", text="FROM busybox\nCOPY small /\n")["name"] == "small"
+    finally:
+        c.close()
+
+
 @pytest.mark.parametrize("dockerfile,line,code,words", [
     ("FROM busybox\nRUN true\nONBUILD RUN true\n", 3, "unsupported", "ONBUILD is not supported"),
     ("FROM busybox\nHEALTHCHECK CMD true\n", 2, "unsupported", "HEALTHCHECK is not supported"),

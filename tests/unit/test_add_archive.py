@@ -145,7 +145,7 @@ def test_a_source_that_cannot_be_hashed_is_named_by_its_context_path(tmp_path, m
     ctx = buildctx.BuildContext.open(str(tmp_path))
     sources = ctx.sources("app.py")
 
-    def fail(self, fd):
+    def fail(self, fd, stop=None, max_bytes=0):
         raise error
 
     monkeypatch.setattr(buildctx.DigestCache, "file_digest", fail)
