@@ -151,6 +151,9 @@ class ImageService:
         try:
             self.images = ImageStore(store, cfg.state_dir / "scratch", section["default_registry"])
             self.images.max_layer_bytes = cfg.size("images", "max_layer_bytes")
+            # The most entries a client's directory copy (_read_as_client)
+            # makes: as many as a directory copy into a sandbox may hold.
+            self.max_copy_entries = int(cfg.section("limits")["max_tar_entries"])
         except OSError as err:
             where = f" ({err.filename})" if err.filename else ""
             raise ConfigError(f"images.store {store}: {err.strerror or err}{where}; it must name a directory "
@@ -460,7 +463,8 @@ class ImageService:
             os.mkdir(copy, 0o700)
             top = os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
-                clientpaths.copy_as(top, copy, reader, cancelled.is_set, self.images.max_layer_bytes)
+                clientpaths.copy_as(top, copy, reader, cancelled.is_set, self.images.max_layer_bytes,
+                                    self.max_copy_entries)
             except PermissionError as err:
                 where = os.path.join(path, err.filename) if err.filename not in (None, ".") else path
                 raise ImageError("permission", f"build source {path}: uid {reader.uid} (the client) may not read "
@@ -472,6 +476,12 @@ class ImageService:
                                  f"alone is {err.size}): a sparse file counts in full, as the layer holds it; "
                                  "remove large or sparse files, or raise images.max_layer_bytes",
                                  {"source": path}) from None
+            except clientpaths.CopyTooMany as err:
+                raise ImageError("limit", f"build source {path}: it holds more than limits.max_tar_entries "
+                                 f"({err.max_entries}) files, directories and links (the copy was at "
+                                 f"{os.path.join(path, err.rel)}); build from a smaller tree, or raise "
+                                 "limits.max_tar_entries", {"source": path, "max_entries": err.max_entries}) \
+                    from None
             except clientpaths.KernelFileError as err:
                 raise ImageError("permission", f"build source {path}: {err.shown(path)}", {"source": path}) from None
             except clientpaths.TreeChanged as err:

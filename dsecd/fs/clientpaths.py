@@ -347,6 +347,15 @@ class CopyTooLarge(Exception):
         self.rel, self.size, self.max_bytes = rel, size, max_bytes
 
 
+class CopyTooMany(Exception):
+    """copy_as: the entries copied passed its bound (`max_entries`); `rel`
+    is the entry the copy was at (relative to top)."""
+
+    def __init__(self, rel: str, max_entries: int):
+        super().__init__(f"it holds more than {max_entries} entries (the copy was at {rel})")
+        self.rel, self.max_entries = rel, max_entries
+
+
 class _Budget:
     """The bytes of files copy_as has written, and their bound (max_bytes;
     0: none): CopyTooLarge for file `rel` (`size` bytes when opened) once
@@ -366,7 +375,7 @@ class _Budget:
 
 
 def copy_as(top: int, dest: str, reader: native.Reader, stop: Callable[[], bool] = lambda: False,
-            max_bytes: int = 0) -> int:
+            max_bytes: int = 0, max_entries: int = 0) -> int:
     """Copy the tree below the open directory `top` into the empty
     directory `dest` (the daemon's), reading it as `reader`: every lookup,
     listing and open below `top` with the client's ids and no capability,
@@ -382,7 +391,11 @@ def copy_as(top: int, dest: str, reader: native.Reader, stop: Callable[[], bool]
     file's size counted before it is copied and its bytes as they are (it
     may grow meanwhile): a sparse file is copied whole, every byte
     written, and costs the client nothing to make (`truncate -s 1T`).
-    CopyTooLarge past it. Returns the number of entries copied. Blocking."""
+    CopyTooLarge past it. `max_entries` (0: no bound) bounds the entries
+    copied: empty files, or one directory bind-mounted many times in the
+    tree, cost the client nothing and each takes an inode of the copy's
+    file system (CopyTooMany past it, before the entry is made). Returns
+    the number of entries copied. Blocking."""
     budget = _Budget(max_bytes)
     links: dict[tuple[int, int], str] = {}
     dirs: list[tuple[str, os.stat_result]] = []
@@ -414,6 +427,8 @@ def copy_as(top: int, dest: str, reader: native.Reader, stop: Callable[[], bool]
                 sub = name if rel == "." else f"{rel}/{name}"
                 out = os.path.join(dest, sub)
                 count += 1
+                if max_entries and count > max_entries:
+                    raise CopyTooMany(sub, max_entries)
                 if _copy_entry(fd, name, sub, out, reader, links, budget):
                     with native.reader_ids(reader):
                         try:

@@ -542,3 +542,23 @@ def test_a_members_directory_is_copied_only_up_to_the_layer_bound(daemon_factory
     assert not any(d.state.joinpath("scratch").glob("unpack-*")), "the copy is removed"
     (ctx / "sparse").unlink()
     assert "result" in _request_as(d, nobody, gid, "image_build", source=str(ctx), name="small")
+
+
+def test_a_members_directory_is_copied_only_up_to_the_entry_bound(daemon_factory, shared_dir):
+    """Empty files, or one directory bind-mounted many times, cost a member
+    nothing, and each takes an inode of the scratch dir when its directory
+    is copied before it is built: the copy stops at limits.max_tar_entries
+    entries, naming the bound, and nothing of it is left."""
+    d, gid = _group_daemon(daemon_factory, '[limits]\nmax_tar_entries = 10\n')
+    nobody = 65534
+    ctx = shared_dir / "many"
+    ctx.mkdir()
+    for i in range(11):
+        (ctx / f"f{i:02}").touch()
+    subprocess.run(["chown", "-R", f"{nobody}:{gid}", str(ctx)], check=True)
+    refused = _request_as(d, nobody, gid, "image_build", source=str(ctx), name="many")
+    assert refused.get("code") == "limit", refused
+    assert "more than limits.max_tar_entries (10)" in refused["message"] and str(ctx) in refused["message"], refused
+    assert not any(d.state.joinpath("scratch").glob("unpack-*")), "the copy is removed"
+    (ctx / "f10").unlink()
+    assert "result" in _request_as(d, nobody, gid, "image_build", source=str(ctx), name="ten")
