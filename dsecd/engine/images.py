@@ -482,6 +482,15 @@ class ImageService:
                                  f"{os.path.join(path, err.rel)}); build from a smaller tree, or raise "
                                  "limits.max_tar_entries", {"source": path, "max_entries": err.max_entries}) \
                     from None
+            except clientpaths.CopyFailed as err:
+                # The client's file or the scratch dir failing (ENOSPC, EIO),
+                # not the image store: said as the copy's, naming both.
+                num = err.error.errno or errno.EIO
+                raise ImageError("io", f"build source {path}: copying it into the daemon's scratch dir "
+                                 f"({self.images.scratch}) failed at {os.path.join(path, err.rel)}: "
+                                 f"{err.error.strerror or err.error}",
+                                 {"source": path, "path": os.path.join(path, err.rel),
+                                  "errno": errno.errorcode.get(num, "EIO")}) from None
             except clientpaths.KernelFileError as err:
                 raise ImageError("permission", f"build source {path}: {err.shown(path)}", {"source": path}) from None
             except clientpaths.TreeChanged as err:

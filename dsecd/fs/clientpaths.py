@@ -356,6 +356,17 @@ class CopyTooMany(Exception):
         self.rel, self.max_entries = rel, max_entries
 
 
+class CopyFailed(Exception):
+    """copy_as: an OSError other than the reader's lack of permission (a
+    full or failing file system under the copy, EIO reading the client's
+    file): `rel` is the entry the copy was at (relative to top), `error`
+    the OSError."""
+
+    def __init__(self, rel: str, error: OSError):
+        super().__init__(f"at {rel}: {error.strerror or error}")
+        self.rel, self.error = rel, error
+
+
 class _Budget:
     """The bytes of files copy_as has written, and their bound (max_bytes;
     0: none): CopyTooLarge for file `rel` (`size` bytes when opened) once
@@ -395,7 +406,20 @@ def copy_as(top: int, dest: str, reader: native.Reader, stop: Callable[[], bool]
     copied: empty files, or one directory bind-mounted many times in the
     tree, cost the client nothing and each takes an inode of the copy's
     file system (CopyTooMany past it, before the entry is made). Returns
-    the number of entries copied. Blocking."""
+    the number of entries copied. CopyFailed for any other OSError, with
+    the entry the copy was at. Blocking."""
+    at = ["."]
+    try:
+        return _copy_as(top, dest, reader, stop, max_bytes, max_entries, at)
+    except (PermissionError, InterruptedError):
+        raise
+    except OSError as err:
+        raise CopyFailed(at[0], err) from err
+
+
+def _copy_as(top: int, dest: str, reader: native.Reader, stop: Callable[[], bool], max_bytes: int,
+             max_entries: int, at: list[str]) -> int:
+    """copy_as, setting at[0] to the entry it is at."""
     budget = _Budget(max_bytes)
     links: dict[tuple[int, int], str] = {}
     dirs: list[tuple[str, os.stat_result]] = []
@@ -409,6 +433,7 @@ def copy_as(top: int, dest: str, reader: native.Reader, stop: Callable[[], bool]
     count = 0
     while pending:
         rel = pending.pop()
+        at[0] = rel
         with native.reader_ids(reader):
             try:
                 fd = top if rel == "." else _open_below(top, rel, _DIR_OPEN | os.O_NOFOLLOW, _NO_LINKS)
@@ -425,6 +450,7 @@ def copy_as(top: int, dest: str, reader: native.Reader, stop: Callable[[], bool]
                 if stop():
                     raise InterruptedError("the copy was stopped")
                 sub = name if rel == "." else f"{rel}/{name}"
+                at[0] = sub
                 out = os.path.join(dest, sub)
                 count += 1
                 if max_entries and count > max_entries:
@@ -449,6 +475,7 @@ def copy_as(top: int, dest: str, reader: native.Reader, stop: Callable[[], bool]
     # Owners, then modes (a chown clears set-id bits), deepest first: a
     # read-only directory must not stop what goes in it.
     for sub, dst in sorted(dirs, key=lambda d: -d[0].count("/") - (d[0] != ".")):
+        at[0] = sub
         path = dest if sub == "." else os.path.join(dest, sub)
         os.chown(path, dst.st_uid, dst.st_gid)
         os.chmod(path, stat.S_IMODE(dst.st_mode))

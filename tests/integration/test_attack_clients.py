@@ -562,3 +562,24 @@ def test_a_members_directory_is_copied_only_up_to_the_entry_bound(daemon_factory
     assert not any(d.state.joinpath("scratch").glob("unpack-*")), "the copy is removed"
     (ctx / "f10").unlink()
     assert "result" in _request_as(d, nobody, gid, "image_build", source=str(ctx), name="ten")
+
+
+def test_a_members_directory_copy_that_fills_the_scratch_dir_says_so(daemon_factory, shared_dir):
+    """A member's directory is copied into the daemon's scratch dir before
+    it is built; the scratch dir filling up is said as the copy's failure,
+    naming the file and the scratch dir, not as the image store's."""
+    d, gid = _group_daemon(daemon_factory)
+    nobody = 65534
+    ctx = shared_dir / "tree"
+    ctx.mkdir()
+    (ctx / "big").write_bytes(b"x" * (1 << 20))
+    subprocess.run(["chown", "-R", f"{nobody}:{gid}", str(ctx)], check=True)
+    scratch = d.state / "scratch"
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "dsecd-test-scratch", str(scratch)], check=True)
+    try:
+        refused = _request_as(d, nobody, gid, "image_build", source=str(ctx), name="full")
+    finally:
+        subprocess.run(["umount", str(scratch)], check=True)
+    assert refused.get("code") == "io", refused
+    assert f"copying it into the daemon's scratch dir ({scratch}) failed at {ctx}/big" in refused["message"], refused
+    assert "No space left on device" in refused["message"] and "image store" not in refused["message"], refused
