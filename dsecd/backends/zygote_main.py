@@ -1083,8 +1083,8 @@ class Zygote:
         """Milliseconds until there is something to sweep (0: now; None: nothing in TRASH)."""
         if not self.sweeping:
             return None
-        return max(0, int((min(e[3] for e in self.sweeping) - time.monotonic()) * 1000) + 1) \
-            if all(e[3] > time.monotonic() for e in self.sweeping) else 0
+        left = min(e[3] for e in self.sweeping) - time.monotonic()
+        return 0 if left <= 0 else int(left * 1000) + 1
 
     def retry_unclean(self):
         """free_uid again for the unclean uids whose time has come."""

@@ -56,6 +56,14 @@ def _zygote(base: str = "/nonexistent", uid_count: int = 2):
         theirs.close()
 
 
+@pytest.fixture
+def only_the_dir(monkeypatch):
+    """A freed uid's cleanup left with its call's dir alone: /dev/shm,
+    message queues and SysV IPC found clean."""
+    monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: True)
+    monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid, **_: True)
+
+
 def _owned(path, uid, kind="file"):
     if kind == "dir":
         os.mkdir(path, 0o777)
@@ -329,7 +337,7 @@ def test_every_part_of_a_calls_leftovers_is_removed_whatever_another_part_did(tm
         assert z.remove_left(60001)
 
 
-def test_a_large_call_dir_goes_out_of_reach_at_once_and_is_removed_a_slice_a_turn(tmp_path, monkeypatch):
+def test_a_large_call_dir_goes_out_of_reach_at_once_and_is_removed_a_slice_a_turn(tmp_path, only_the_dir):
     """A call that left 100,000 files in its dir stopped the zygote's loop
     while it removed them all, and with it every call and every kill it
     relays. The dir goes at once into a root-only trash dir no call can
@@ -339,8 +347,6 @@ def test_a_large_call_dir_goes_out_of_reach_at_once_and_is_removed_a_slice_a_tur
     (base / "w60001-1" / "sub").mkdir(parents=True)
     for i in range(1000):
         (base / "w60001-1" / "sub" / str(i)).write_bytes(b"")
-    monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: True)
-    monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid, **_: True)
     with _zygote(str(base)) as z:
         z.dirs[60001] = "w60001-1"
         assert z.remove_left(60001)
@@ -426,7 +432,7 @@ def test_a_zygote_in_the_hosts_user_namespace_kills_by_no_uid():
         assert z.kill_uid(60000) is True and z.reaper is None
 
 
-def test_a_trashed_dir_not_all_gone_is_swept_again(tmp_path, monkeypatch):
+def test_a_trashed_dir_not_all_gone_is_swept_again(tmp_path, only_the_dir):
     """A call still running may write into a part of a trashed dir it held
     open while the sweep went past: that part was left in TRASH for good.
     It is swept again, CLEANUP_RETRY_MS later."""
@@ -434,8 +440,6 @@ def test_a_trashed_dir_not_all_gone_is_swept_again(tmp_path, monkeypatch):
     (base / "w60001-1" / "shared").mkdir(parents=True)
     for i in range(10):
         (base / "w60001-1" / "shared" / str(i)).write_bytes(b"")
-    monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: True)
-    monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid, **_: True)
     with _zygote(str(base)) as z:
         z.dirs[60001] = "w60001-1"
         held = os.open(base / "w60001-1" / "shared", os.O_RDONLY | os.O_DIRECTORY)
@@ -505,7 +509,7 @@ def test_while_the_trash_is_swept_a_failed_fork_keeps_its_pace(monkeypatch):
     assert 1 <= len(forks) <= 1 + 300 // zygote_main.FORK_RETRY_MS, forks
 
 
-def test_a_flat_trashed_dir_is_listed_over_several_turns(tmp_path, monkeypatch):
+def test_a_flat_trashed_dir_is_listed_over_several_turns(tmp_path, only_the_dir):
     """One step of the sweep listed a whole directory: 200,000 entries took
     ~0.1 s of the loop in one go, millions past fncall.kill_grace_s. The
     listing is a step per LIST_STEPS entries."""
@@ -514,8 +518,6 @@ def test_a_flat_trashed_dir_is_listed_over_several_turns(tmp_path, monkeypatch):
     n = 5 * zygote_main.LIST_STEPS
     for i in range(n):
         (base / "w60001-1" / str(i)).write_bytes(b"")
-    monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: True)
-    monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid, **_: True)
     with _zygote(str(base)) as z:
         z.dirs[60001] = "w60001-1"
         assert z.remove_left(60001)
@@ -529,14 +531,12 @@ def test_a_flat_trashed_dir_is_listed_over_several_turns(tmp_path, monkeypatch):
         assert os.listdir(base / zygote_main.TRASH) == []
 
 
-def test_parts_of_a_deep_trashed_dir_moved_up_are_swept_again(tmp_path, monkeypatch):
+def test_parts_of_a_deep_trashed_dir_moved_up_are_swept_again(tmp_path, monkeypatch, only_the_dir):
     """Past MAX_OPEN_DIRS levels a removal moves deeper parts up into the
     trash, and stops after MAX_MOVED of them: a retry named only the dir
     itself, gone by then, and the parts stayed for good."""
     monkeypatch.setattr(zygote_main, "MAX_OPEN_DIRS", 2)
     monkeypatch.setattr(zygote_main, "MAX_MOVED", 1)
-    monkeypatch.setattr(zygote_main, "remove_owned", lambda fd, uid: True)
-    monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid, **_: True)
     base = tmp_path / "fncall-x"
     deep = base / "w60001-1"
     for _ in range(12):
