@@ -53,6 +53,21 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that failed while a daemon of the run had died on its own (not
+    stopped by a test): that daemon's exit status and the end of its log go
+    in the report, since its dir (and log) is removed at its cleanup."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for d in list(Daemon.running):
+            if d.proc is not None and d.proc.poll() is not None and not d.stopped:
+                report.sections.append((f"dsecd {d.proc.pid} exited {d.proc.returncode}",
+                                        d.log.read_text(errors="replace")[-6000:]))
+                Daemon.running.discard(d)
+
+
 @pytest.fixture(scope="session")
 def busybox_rootfs() -> str:
     out = subprocess.run(["bash", str(ROOT / "scripts" / "mkrootfs.sh")], check=True,
@@ -119,6 +134,8 @@ def _test_config(extra: str) -> str:
 class Daemon:
     """A dsecd process on a private socket/state dir/cgroup subtree."""
 
+    running: set[Daemon] = set()      # started and not cleaned up (pytest_runtest_makereport)
+
     def __init__(self, tmp: Path, extra_config: str = "", wrap: list[str] | None = None,
                  log_level: str = "debug", shared_vm_templates: bool = False):
         """wrap: words the daemon's command line goes after (fleet_kit runs
@@ -155,15 +172,21 @@ class Daemon:
         self.env: dict | None = None
         self.preexec = None
         self._settled: int | None = None     # the pid of the daemon open_fds() waited for
+        self.stopped = False                 # by a test (stop), not on its own
 
     def start(self, timeout: float = 20.0) -> None:
         if self.shared_vm_templates and not self.state.exists():
             self._seed_vm_templates()
         logf = open(self.log, "ab")
+        # A crash in native code (a fault, an abort) leaves the Python
+        # tracebacks of every thread in the log, not only an exit status.
+        env = {**(os.environ if self.env is None else self.env), "PYTHONFAULTHANDLER": "1"}
         self.proc = subprocess.Popen([*self.wrapper, str(VENV_BIN / "dsecd"), "--config", str(self.config)],
-                                     stdout=logf, stderr=logf, stdin=subprocess.DEVNULL, env=self.env,
+                                     stdout=logf, stderr=logf, stdin=subprocess.DEVNULL, env=env,
                                      preexec_fn=self.preexec)
         logf.close()
+        self.stopped = False
+        Daemon.running.add(self)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -233,10 +256,19 @@ class Daemon:
             c.connect()
         except BaseException:
             c.close()               # its loop's thread, or each try of start() would leave one
+            self.raise_if_gone()
             raise
         return c
 
+    def raise_if_gone(self) -> None:
+        """A daemon that exited on its own: how, and the end of its log
+        (removed at cleanup, and the only account of what happened)."""
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"dsecd (pid {self.proc.pid}) exited {self.proc.returncode}; "
+                               f"the end of its log:\n{self.log.read_text(errors='replace')[-6000:]}")
+
     def stop(self, sig: int = signal.SIGTERM) -> None:
+        self.stopped = True
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
@@ -264,6 +296,7 @@ class Daemon:
         except Exception as err:   # keep cleaning up; report below
             print(f"cleanup: destroy_all failed: {err}", file=sys.stderr)
         self.stop()
+        Daemon.running.discard(self)
         if self.shared_vm_templates:
             try:
                 self._keep_vm_templates()
