@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 
 from ... import native
+from ...onloop import on_loop
 from . import wire
 
 log = logging.getLogger(__name__)
@@ -208,7 +209,8 @@ class AgentLink:
         # process's output or end (wire.PROC_OUT, PROC_END; id 0), once the
         # host attached to it (dsecd/engine/vmprocs.py); must not raise.
         self.on_proc = None
-        self._task = asyncio.get_running_loop().create_task(self._read_loop())
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._read_loop())
 
     @classmethod
     async def connect(cls, transport: Transport, what: str, hostname: str, timeout: float,
@@ -474,9 +476,15 @@ class AgentLink:
             fut.set_exception(AgentGone(f"{self.what}: unexpected answer type {kind} from the agent"))
 
     def close(self) -> None:
+        """Safe from any thread (a destroy's or a pause's blocking end of
+        QEMU calls it in a worker): `closed` at once, the reader task and
+        transport ended on the loop (onloop.py)."""
+        self.closed = True
+        on_loop(self._loop, self._close_on_loop)
+
+    def _close_on_loop(self) -> None:
         if not self._task.done():
             self._task.cancel()
-        self.closed = True
         try:
             self.writer.close()
         except Exception:

@@ -18,6 +18,8 @@ import json
 import logging
 import os
 
+from ...onloop import on_loop
+
 log = logging.getLogger(__name__)
 
 
@@ -32,6 +34,7 @@ class QMPError(ConnectionError):
 class QMP:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, what: str):
         self.reader, self.writer, self.what = reader, writer, what
+        self._loop = asyncio.get_running_loop()
         self._lock = asyncio.Lock()
         self.events: list[dict] = []
         self._event_waiters: list[tuple[str, asyncio.Future]] = []
@@ -155,6 +158,11 @@ class QMP:
             self._event_waiters.remove((name, fut))
 
     def close(self) -> None:
+        """Safe from any thread (a destroy's or a pause's blocking end of
+        QEMU calls it in a worker): the transport is closed on the loop."""
+        on_loop(self._loop, self._close_on_loop)
+
+    def _close_on_loop(self) -> None:
         try:
             self.writer.close()
         except Exception:
