@@ -347,8 +347,7 @@ class MicroVMService:
             if link is not None:
                 link.close()
         handle.agent = handle.qmp = None
-        fds.close_quietly(handle.pidfd)
-        handle.pidfd = -1
+        handle.close_pidfd()
 
     def inspect(self, sb: Sandbox) -> dict:
         h = sb.handle
@@ -388,7 +387,8 @@ class MicroVMService:
                 log.info("sandbox %s: %d MiB of its template's RAM made before its save", sb.id, made >> 20)
         before = await self._charged(h)
         t0 = time.monotonic()
-        self.workers.loop.remove_reader(h.pidfd)       # its end is ours, not a death
+        if h.pidfd >= 0:                                # (-1: a destroy came meanwhile)
+            self.workers.loop.remove_reader(h.pidfd)   # its end is ours, not a death
         try:
             size = await backend.save(h, image, self.workers.run)
         except OSError as err:

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 
-from .. import native
 from ..backends.microvm import wire
 from ..backends.microvm.agent import AgentError
 from .sandboxes import SandboxRegistry
@@ -95,6 +93,6 @@ class VmWatchdog:
         h.extra["died_because"] = "hung"
         self._last_answer.pop(sb.id, None)
         try:
-            native.pidfd_send_signal(h.pidfd, signal.SIGKILL)
+            h.kill()
         except OSError as err:
             log.error("sandbox %s: kill QEMU %d: %s", sb.id, h.init_pid, err)

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 from dsecd import native
 from dsecd.backends.microvm.agent import AgentError
+from dsecd.backends.microvm.backend import VmHandle
 from dsecd.engine.vmwatchdog import VmWatchdog
 
 
@@ -30,8 +31,8 @@ class Link:
 
 
 def _vm(sb_id: str, answer: str, proc: subprocess.Popen):
-    h = SimpleNamespace(agent=Link(answer), pidfd=native.pidfd_open(proc.pid), extra={}, init_pid=proc.pid,
-                        vm_dir=Path("/nonexistent"))
+    h = VmHandle(init_pid=proc.pid, init_start=0, pidfd=native.pidfd_open(proc.pid), group=None,
+                 vm_dir=Path("/nonexistent"), is_child=False, accel="tcg", agent=Link(answer))
     return SimpleNamespace(id=sb_id, backend="microvm", state="running", lock=asyncio.Lock(), handle=h)
 
 

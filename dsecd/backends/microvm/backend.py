@@ -40,6 +40,7 @@ import select
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,6 +203,36 @@ class VmHandle:
     machine: Machine = field(default_factory=Machine)
     template: str | None = None         # the key of the template it was restored from
     extra: dict = field(default_factory=dict)
+    # Held while the pidfd is used or closed: a destroy and a pause's end
+    # of QEMU run in two worker threads, and a pidfd one of them closed
+    # whose number an open elsewhere took meanwhile would send the other's
+    # SIGKILL to an unrelated process (another sandbox's).
+    pidfd_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def kill(self) -> None:
+        """SIGKILL QEMU through its pidfd; nothing once the pidfd is closed."""
+        with self.pidfd_lock:
+            if self.pidfd >= 0:
+                native.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+
+    def close_pidfd(self) -> None:
+        """Close the pidfd (safe to repeat, from any thread)."""
+        with self.pidfd_lock:
+            fd, self.pidfd = self.pidfd, -1
+        fds.close_quietly(fd)
+
+    def exited(self, timeout: float) -> bool:
+        """Blocking: wait up to `timeout` s for QEMU to exit, on a copy of
+        its pidfd (the pidfd may be closed meanwhile); True if it has no
+        pidfd any more."""
+        with self.pidfd_lock:
+            fd = os.dup(self.pidfd) if self.pidfd >= 0 else -1
+        if fd < 0:
+            return True
+        try:
+            return _exited(fd, timeout)
+        finally:
+            os.close(fd)
 
 
 class QemuFiles:
@@ -486,7 +517,7 @@ class MicroVMBackend:
         h.extra["died_because"] = "agent_protocol"
         h.extra["died_why"] = why
         try:
-            native.pidfd_send_signal(h.pidfd, signal.SIGKILL)
+            h.kill()
         except OSError as err:
             log.error("%s: kill QEMU %d: %s", what, h.init_pid, err)
 
@@ -582,7 +613,7 @@ class MicroVMBackend:
                 link.close()
         h.agent = h.qmp = None
         try:
-            native.pidfd_send_signal(h.pidfd, signal.SIGKILL)
+            h.kill()
         except OSError:
             pass
         # A re-adopted QEMU is not our child: its pidfd says when it is gone.
@@ -596,12 +627,11 @@ class MicroVMBackend:
             except subprocess.TimeoutExpired:
                 exited = False
         else:
-            exited = h.pidfd < 0 or _exited(h.pidfd, self.destroy_timeout)
+            exited = h.exited(self.destroy_timeout)
         if not exited:
             log.error("QEMU %d did not exit %.0fs after SIGKILL (stuck in the kernel: hung storage?)",
                       h.init_pid, self.destroy_timeout)
-        fds.close_quietly(h.pidfd)
-        h.pidfd = -1
+        h.close_pidfd()
         return exited
 
     def respawn(self, h: VmHandle, layers: list[Path], cpu: float, disk: int, uid: int, tap_fd: int = -1) -> None:
@@ -630,8 +660,8 @@ class MicroVMBackend:
                 if link is not None:
                     link.close()
             try:
-                native.pidfd_send_signal(h.pidfd, signal.SIGKILL)
-            except (ProcessLookupError, OSError):
+                h.kill()
+            except OSError:
                 pass
             if h.popen is not None:
                 try:
@@ -646,8 +676,7 @@ class MicroVMBackend:
     def release(self, sb_id: str, h: VmHandle | None) -> None:
         """Closes the handle's fd and removes the VM's dir (logs, a paused RAM image)."""
         if h is not None:
-            fds.close_quietly(h.pidfd)
-            h.pidfd = -1
+            h.close_pidfd()
         shutil.rmtree(self.root / sb_id, ignore_errors=True)
 
     def destroy(self, sb_id: str, h: VmHandle | None) -> None:
