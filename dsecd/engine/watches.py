@@ -81,21 +81,38 @@ class WatchService:
 
     async def _open(self, rootfd: int, path: str, recursive: bool, where: str) -> fswatch.TreeWatch:
         """The watch of `path`, not yet watching anything."""
+        # A copy of the root before the first await: a destroy meanwhile
+        # (it takes no sandbox lock) closes the sandbox's rootfd, and its
+        # number may be another sandbox's root by the time the lookup ends.
         try:
             path = sbfiles.check_path(path)
-            top_id = await self.workers.run(fswatch.top_identity, rootfd, path)
+            own_root = os.dup(rootfd)
         except sbfiles.PathError as err:
             raise BadRequest(f"watch {where}: {err}", {"path": path}) from err
         except OSError as err:
-            raise io_error("watch", where, err) from err
-        own_root = os.dup(rootfd)
+            raise self._open_error(where, err) from err
+        try:
+            # Cancelled: the copy is closed once the lookup is done with it.
+            top_id = await self.workers.run_shielded(lambda _fut: os.close(own_root),
+                                                     fswatch.top_identity, own_root, path)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:
+            os.close(own_root)
+            if isinstance(err, OSError):
+                raise self._open_error(where, err) from err
+            raise
         try:
             return fswatch.TreeWatch(own_root, path, top_id, recursive, self.max_dirs)
         except OSError as err:
             os.close(own_root)
-            if err.errno in (errno.EMFILE, errno.ENFILE):
-                raise LimitExceeded(_no_instance(where, "this host"), {"errno": errno.errorcode[err.errno]}) from err
-            raise io_error("watch", where, err) from err
+            raise self._open_error(where, err) from err
+
+    @staticmethod
+    def _open_error(where: str, err: OSError) -> DsecError:
+        if err.errno in (errno.EMFILE, errno.ENFILE):
+            return LimitExceeded(_no_instance(where, "this host"), {"errno": errno.errorcode[err.errno]})
+        return io_error("watch", where, err)
 
     async def _grow(self, tree: fswatch.TreeWatch, rel: str, report: bool, where: str) -> list[dict]:
         """tree.add_tree in a worker. If the request is cancelled meanwhile,

@@ -1,0 +1,50 @@
+"""A file watch looks up its top directory in a worker, and a destroy
+(which takes no sandbox lock) may close the sandbox's root meanwhile; the
+number it freed may be another sandbox's root by the time the lookup runs.
+The watch works on a copy of the root taken before it waits, so it watches
+the tree it was asked for or fails, never another sandbox's."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from types import SimpleNamespace
+
+from dsecd.engine.watches import WatchService
+
+
+class _RacingWorkers:
+    """Workers whose first job finds the sandbox destroyed and its root's
+    number reused by `other`'s root, as a concurrent destroy and create
+    would leave it."""
+
+    def __init__(self, rootfd: int, other: str):
+        self.rootfd, self.other = rootfd, other
+
+    async def run(self, fn, *args):
+        return self._race(fn, *args)
+
+    async def run_shielded(self, on_abandoned, fn, *args):
+        return self._race(fn, *args)
+
+    def _race(self, fn, *args):
+        os.close(self.rootfd)
+        reused = os.open(self.other, os.O_PATH | os.O_DIRECTORY)
+        assert reused == self.rootfd
+        return fn(*args)
+
+
+def test_a_watch_opened_across_a_destroy_never_watches_another_sandbox(tmp_path):
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    (mine / "work").mkdir(parents=True)
+    (other / "work").mkdir(parents=True)
+    rootfd = os.open(mine, os.O_PATH | os.O_DIRECTORY)
+    svc = WatchService(SimpleNamespace(), _RacingWorkers(rootfd, str(other)), SimpleNamespace(),
+                       None, max_watches=4, max_dirs=16)
+    tree = asyncio.run(svc._open(rootfd, "/work", False, "sb:/work"))
+    try:
+        st = os.stat(mine / "work")
+        assert tree.top_id == (st.st_dev, st.st_ino)
+    finally:
+        tree.close()
+        os.close(rootfd)
