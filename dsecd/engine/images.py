@@ -325,7 +325,10 @@ class ImageService:
 
     def _on_pager_restart(self, generation: int) -> None:
         done = self.layers.remount_all()
-        users = [s.id for s in self.registry.by_id.values() if set(s.layers) & set(done)]
+        # This runs in the pager's supervisor thread: a copy of the registry
+        # in one step (a create or destroy on the loop meanwhile would end
+        # an iteration of the dict itself with RuntimeError).
+        users = [s.id for s in list(self.registry.by_id.values()) if set(s.layers) & set(done)]
         log.error("pager restarted (generation %d): remounted %d layer(s); sandboxes %s may see EIO "
                   "on pages their layers had not cached", generation, len(done), users)
 

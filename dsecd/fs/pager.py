@@ -556,7 +556,13 @@ class Pager:
                                             f"{self.config.restart_window_s} s: giving up")
             self.restart()
             if on_restart is not None:
-                on_restart(self.generation)
+                # Its failure is the daemon's to report; supervision goes on
+                # (a pager that dies again must still be restarted).
+                try:
+                    on_restart(self.generation)
+                except Exception:
+                    log.exception("pager on %s restarted (generation %d): the daemon's follow-up failed",
+                                  self.config.mountpoint, self.generation)
 
 
 def _readable(fd: int, timeout: float) -> bool:

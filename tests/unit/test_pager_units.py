@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
 
@@ -252,3 +253,30 @@ def test_two_rotations_of_the_pagers_log_at_once_take_turns(tmp_path, monkeypatc
     assert overlapped == [] and sorted(results) == [False, True]
     assert (tmp_path / "pager.log.1").read_bytes() == b"line\n" * 100 and path.stat().st_size == 0
     assert "cannot keep a copy" not in caplog.text
+
+
+class _DyingPager(pg.Pager):
+    """A pager whose process 'dies' at every wait, and whose restart only counts."""
+
+    def _wait_exit(self, timeout):
+        return True
+
+    def restart(self):
+        self.generation += 1
+
+
+def test_supervision_goes_on_when_the_daemons_follow_up_of_a_restart_fails(tmp_path):
+    cfg = pg.PagerConfig(store_dir=str(tmp_path / "s"), cache_dir=str(tmp_path / "c"),
+                      mountpoint=str(tmp_path / "m"), max_restarts=100)
+    pager = _DyingPager(cfg, binary="/nonexistent")
+    stop = threading.Event()
+    seen = []
+
+    def on_restart(generation):
+        seen.append(generation)
+        if len(seen) >= 3:
+            stop.set()
+        raise RuntimeError("dictionary changed size during iteration")
+
+    pager.supervise(stop, on_restart, poll_s=0)
+    assert seen == [1, 2, 3]
