@@ -62,6 +62,11 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
 
 
+# How long a worker waits for the loop to take the client's pidfd: the loop
+# answers within its next turn unless it is stalled (see looplag.py).
+PEER_PIDFD_WAIT_S = 30.0
+
+
 def peer_pidfd(sock, pid: int) -> int | None:
     """A pidfd of the process that connected: SO_PEERPIDFD (Linux >= 6.5),
     which names that very process even if its pid was reused since; on an
@@ -141,10 +146,47 @@ class RequestContext:
     def peer_pidfd(self) -> int | None:
         """A pidfd of the client's process (server.peer_pidfd), for reaching
         host paths it names as it sees them (fs/clientpaths.py); any thread
-        may ask. The caller closes it."""
-        if self.conn.sock is None:
+        may ask (a worker waits for the loop to answer). The caller closes
+        it. ProcessLookupError once the connection is closing: the client
+        is gone.
+
+        Asked on the loop, where the socket's fd is known to be this
+        connection's while its transport is open: a worker asking through
+        the fd number itself could find it closed (the transport closes on
+        a read error, or at the connection's end while a cancelled
+        request's worker runs on) and reused by the next client's
+        connection, and would reach that client's files."""
+        loop = self.conn.loop
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            return self._peer_pidfd_now()
+
+        async def asked() -> int | None:
+            return self._peer_pidfd_now()
+
+        try:
+            fut = asyncio.run_coroutine_threadsafe(asked(), loop)
+        except RuntimeError:        # the loop is closed: the daemon is ending
+            raise ProcessLookupError(errno.ESRCH, "the daemon is shutting down") from None
+        try:
+            return fut.result(PEER_PIDFD_WAIT_S)
+        except TimeoutError:
+            # Answered later after all: closed, nobody will.
+            fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() or f.result() is None
+                                  else os.close(f.result()))
+            raise ProcessLookupError(errno.ESRCH, f"no answer from the daemon's loop in "
+                                                  f"{PEER_PIDFD_WAIT_S:.0f} s") from None
+
+    def _peer_pidfd_now(self) -> int | None:
+        conn = self.conn
+        if conn.writer.transport.is_closing():
+            raise ProcessLookupError(errno.ESRCH, "the client went away")
+        if conn.sock is None:
             return None
-        return peer_pidfd(self.conn.sock, self.conn.pid)
+        return peer_pidfd(conn.sock, conn.pid)
 
     @property
     def peer_ids(self) -> tuple[int, int, tuple[int, ...]] | None:
@@ -183,6 +225,7 @@ class Connection:
         self.gates: dict[int, _StartGate] = {}
         self.inputs: dict[int, object] = {}
         self.closing: dict[object, Callable[[], Awaitable[None]]] = {}   # RequestContext.at_close
+        self.loop = asyncio.get_running_loop()
         self.sock = None       # the connection's socket and the peer's pid (SO_PEERCRED), once known
         self.pid = -1
         # (uid, gid, supplementary gids) of a peer other than root, as it
