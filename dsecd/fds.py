@@ -52,6 +52,16 @@ def park(fd: int) -> int:
     return high
 
 
+def call_closing(fd: int, fn, *args):
+    """fn(*args), then close `fd`, which the caller handed over: a worker's
+    own copy of a long-lived fd (a sandbox's root), closed when the worker
+    is done with it, whether or not anyone still waits for its answer."""
+    try:
+        return fn(*args)
+    finally:
+        os.close(fd)
+
+
 def close_quietly(fd: int) -> None:
     """Close fd if it is one (>= 0); an error closing it is nothing to act on."""
     if fd >= 0:

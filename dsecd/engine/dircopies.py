@@ -16,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import queue
 import time
 
-from .. import tarsafe, userns
+from .. import fds, tarsafe, userns
 from ..errors import BadRequest, Conflict, DsecError, LimitExceeded, NotFound, io_error
 from ..fs import files as sbfiles
 from ..fs import tarcopy
@@ -215,10 +216,13 @@ class DirCopyService:
                     if release is not None:
                         release()
                     raise
+            # Its own copy of the root, closed by the worker when it is done
+            # (the shield below keeps the worker going on a cancel).
+            root = sb.root_copy()
             work = asyncio.ensure_future(self.workers.run(
-                functools.partial(userns.file_op, owner=owner), userns.IdMap.from_record(sb.idmap),
-                tarcopy.put_tree, sb.handle.rootfd, req.path, pipe, self.max_entries, self.max_bytes,
-                self._filler(sb, where), self._recorder(sb, records, hold)))
+                fds.call_closing, root, functools.partial(userns.file_op, owner=owner),
+                userns.IdMap.from_record(sb.idmap), tarcopy.put_tree, root, req.path, pipe, self.max_entries,
+                self.max_bytes, self._filler(sb, where), self._recorder(sb, records, hold)))
             try:
                 return await asyncio.shield(work)
             except asyncio.CancelledError:
@@ -314,9 +318,11 @@ class DirCopyService:
             return await self.vms.tar_get(sb, req.path, self.max_entries, self.max_bytes, ctx)
         where = f"{sb.id}:{req.path}"
         idmap = userns.IdMap.from_record(sb.idmap)
+        root = sb.root_copy()       # the tar's: closed once its top is open, or at its close
         try:        # a bad path is refused here, before anything is read
-            tar = tarcopy.TreeTar(sb.handle.rootfd, req.path, self.max_chunk, self.max_entries, self.max_bytes)
+            tar = tarcopy.TreeTar(root, req.path, self.max_chunk, self.max_entries, self.max_bytes)
         except Exception as err:
+            os.close(root)
             mapped = self._error("copy out of", where, err)
             if mapped is None:
                 raise

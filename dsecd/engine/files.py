@@ -19,7 +19,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from .. import protocol, userns
+from .. import fds, protocol, userns
 from ..errors import BadRequest, Conflict, DsecError, LimitExceeded, io_error
 from ..fs import copytemps
 from ..fs import files as sbfiles
@@ -77,15 +77,15 @@ class FileService:
         owner = await owner_ids(sb, getattr(req, "owner", None), self.workers, self.vms)
         if sb.backend == "microvm":
             return await self.vms.file_op(sb, req, owner)
-        op = functools.partial(userns.file_op, owner=owner)
+        root = sb.root_copy()           # the worker closes it when it is done (shielded: it always runs)
+        call = functools.partial(fds.call_closing, root, functools.partial(userns.file_op, owner=owner),
+                                 userns.IdMap.from_record(sb.idmap), fn, root)
         try:
             if opens:
-                return await self.workers.run_shielded(_close_opened, op, userns.IdMap.from_record(sb.idmap), fn,
-                                                       sb.handle.rootfd, *args)
+                return await self.workers.run_shielded(_close_opened, call, *args)
             if stop is not None:
-                return await self.workers.run_stoppable(stop, op, userns.IdMap.from_record(sb.idmap), fn,
-                                                        sb.handle.rootfd, *args)
-            return await self.workers.run(op, userns.IdMap.from_record(sb.idmap), fn, sb.handle.rootfd, *args)
+                return await self.workers.run_stoppable(stop, call, *args)
+            return await self.workers.run_shielded(_nothing, call, *args)
         except sbfiles.PathError as err:
             raise BadRequest(f"{verb} {sb.id}:{_where(req)}: {err}", {"path": _where(req)}) from err
         except RecursionError as err:        # a tree deeper than a walk goes (remove, list)
@@ -344,8 +344,12 @@ class FileService:
     async def _remove_temp(self, sb: Sandbox, path: str, dev: int, ino: int, why: str) -> None:
         """Remove temporary `path` of `sb` if it is still inode (dev, ino); logged."""
         try:
-            removed = await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap),
-                                             copytemps.remove_if_same, sb.handle.rootfd, path, dev, ino)
+            root = sb.root_copy()
+            removed = await self.workers.run_shielded(_nothing, fds.call_closing, root, userns.file_op,
+                                                      userns.IdMap.from_record(sb.idmap), copytemps.remove_if_same,
+                                                      root, path, dev, ino)
+        except Conflict:        # being destroyed: the temporary goes with it
+            return
         except (OSError, sbfiles.PathError) as err:
             log.warning("sandbox %s: cannot remove %s, the temporary copy of a write %s: %s; remove it with "
                         "dsec rm -r %s:%s", sb.id, path, why, err, sb.id, path)
@@ -365,6 +369,10 @@ class FileService:
                 await self._remove_temp(sb, rec["path"], rec["dev"], rec["ino"],
                                         "the daemon before left unfinished")
             await self.workers.run(self.temps.drop, rec_path)
+
+
+def _nothing(_fut: asyncio.Future) -> None:
+    """A shielded worker's clean-up when nothing is left to undo."""
 
 
 def _close_opened(fut: asyncio.Future) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -95,6 +96,17 @@ class Sandbox:
         """Seconds it has spent paused so far, a pause in progress included."""
         now_paused = time.monotonic() - self.paused_at if self.paused_at is not None else 0.0
         return self.paused_total + now_paused
+
+    def root_copy(self) -> int:
+        """A copy of the container's root fd, taken on the loop for a worker
+        that walks under it (handed to fds.call_closing, or closed by its
+        owner). Not the handle's number itself: a destroy meanwhile (it
+        takes no sandbox lock) closes that, and parked fds reuse the lowest
+        free number, so a worker still using it could land in another
+        sandbox's root. Conflict once the sandbox is being destroyed."""
+        if self.handle is None or self.handle.rootfd < 0:
+            raise Conflict(f"sandbox {self.id} is {self.state}", {"sandbox": self.id})
+        return os.dup(self.handle.rootfd)
 
     def end_paused_time(self) -> None:
         """The pause clock stopped (a resume, or a pause that was undone):

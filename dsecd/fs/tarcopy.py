@@ -187,9 +187,11 @@ def _set_dir(topfd: int, rel: str, mode: int, mtime: float) -> None:
 class TreeTar:
     """A tar of directory `path` made a piece at a time: each `read()` returns
     up to `chunk` bytes of it, b"" at the end; `close()` releases its fds.
-    `skipped` lists what was left out and why."""
+    `skipped` lists what was left out and why. `rootfd` is handed over:
+    closed once the top directory is open, or at `close()`."""
 
     def __init__(self, rootfd: int, path: str, chunk: int, max_entries: int, max_bytes: int):
+        self._root = rootfd
         self.path = check_path(path)
         self.chunk = chunk
         self.max_entries = max_entries
@@ -198,7 +200,7 @@ class TreeTar:
         self.bytes = 0
         self.skipped: list[dict] = []
         self._buf = bytearray()
-        self._gen = self._blocks(rootfd)
+        self._gen = self._blocks()
 
     def read(self) -> bytes:
         while len(self._buf) < self.chunk:
@@ -212,12 +214,21 @@ class TreeTar:
 
     def close(self) -> None:
         self._gen.close()
+        self._close_root()
+
+    def _close_root(self) -> None:
+        fd, self._root = self._root, -1
+        if fd >= 0:
+            os.close(fd)
 
     def result(self) -> dict:
         return {"path": self.path, "count": self.entries, "bytes": self.bytes, "skipped": self.skipped}
 
-    def _blocks(self, rootfd: int):
-        top = _open(rootfd, self.path, os.O_RDONLY | os.O_DIRECTORY)
+    def _blocks(self):
+        try:
+            top = _open(self._root, self.path, os.O_RDONLY | os.O_DIRECTORY)
+        finally:
+            self._close_root()
         try:
             self._count("", 0)
             yield self._header("", os.fstat(top), tarfile.DIRTYPE)
