@@ -345,18 +345,18 @@ class Pager:
         if not os.access(self.binary, os.X_OK):
             raise PagerError(errno.ENOENT, f"exec `{self.binary}`: not built "
                                            "(setup.py builds it from csrc/pager/)")
+        logfd = _open_log(cfg.log_path) if cfg.log_path else None
         rfd, wfd = os.pipe2(os.O_CLOEXEC)
-        logf = open(cfg.log_path, "ab") if cfg.log_path else None  # noqa: SIM115
         try:
             # Own session: a signal to the daemon's process group (^C) must not
             # take the pager, and the mounts under it, down too.
             self._proc = subprocess.Popen(cfg.argv(self.binary, wfd), pass_fds=(wfd,),
-                                          stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                                          stdin=subprocess.DEVNULL, stdout=logfd, stderr=logfd,
                                           start_new_session=True)
         finally:
             os.close(wfd)
-            if logf:
-                logf.close()
+            if logfd is not None:
+                os.close(logfd)
         self._pid = self._proc.pid
         try:
             if cfg.cgroup_procs:
@@ -563,6 +563,44 @@ class Pager:
                 except Exception:
                     log.exception("pager on %s restarted (generation %d): the daemon's follow-up failed",
                                   self.config.mountpoint, self.generation)
+
+
+def _open_log(path: str) -> int | None:
+    """An fd appending to the pager's log at `path` (made if missing), or None
+    (the pager then writes to the daemon's stderr) when `path` is no regular
+    file or cannot be opened, which is logged. O_NONBLOCK: the open of a FIFO
+    that nobody reads would block for good (the daemon's start with it). A
+    FIFO, a socket or a device is refused even when it opens: nothing could
+    cap it, and a pipe's reader gone would kill the pager with SIGPIPE at its
+    next line."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY
+                     | os.O_CLOEXEC, 0o640)
+    except OSError as err:
+        if err.errno == errno.ENXIO:        # a FIFO nobody reads (or a socket)
+            kind = "a FIFO" if _is_fifo(path) else "not a regular file"
+            log.error("pager log %s is %s, not a regular file: the pager writes to the daemon's "
+                      "log instead; remove it for the pager's next start to make its own", path, kind)
+        else:
+            log.error("pager log %s: %s; the pager writes to the daemon's log instead",
+                      path, err.strerror or err)
+        return None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "a special file"
+        log.error("pager log %s is %s, not a regular file: the pager writes to the daemon's log "
+                  "instead; remove it for the pager's next start to make its own", path, kind)
+        return None
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _is_fifo(path: str) -> bool:
+    try:
+        return stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _readable(fd: int, timeout: float) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 
 import pytest
@@ -280,3 +281,65 @@ def test_supervision_goes_on_when_the_daemons_follow_up_of_a_restart_fails(tmp_p
 
     pager.supervise(stop, on_restart, poll_s=0)
     assert seen == [1, 2, 3]
+
+
+FAKE_PAGER = """
+import os, sys, time
+# Stands for dsec-pager: says a line on its stderr, then "ready" on --ready-fd.
+print("fake pager says hello", file=sys.stderr, flush=True)
+os.write(int(sys.argv[sys.argv.index("--ready-fd") + 1]), b"ready\\n")
+time.sleep(600)
+"""
+
+
+def _fake_pager(tmp_path, log_path: str) -> pg.Pager:
+    binary = tmp_path / "fake-pager"
+    binary.write_text(f"#!{sys.executable}\n{FAKE_PAGER}")
+    binary.chmod(0o755)
+    return pg.Pager(cfg(mountpoint=str(tmp_path / "m"), cache_dir=str(tmp_path / "c"), store_dir=str(tmp_path),
+                        log_path=log_path, log_max_bytes=1 << 20), binary=str(binary))
+
+
+def test_a_pager_log_that_is_a_fifo_does_not_hang_the_pagers_start(tmp_path, caplog, capfd):
+    """A FIFO at the log's path (nobody reading it) blocked the open of the
+    pager's stderr, and so the daemon's start, for good. The log must be a
+    regular file: anything else is said, left as it is, and the pager's
+    lines go to the daemon's own stderr."""
+    import threading
+
+    fifo = tmp_path / "pager.log"
+    os.mkfifo(fifo)
+    p = _fake_pager(tmp_path, str(fifo))
+    errors = []
+
+    def start():
+        try:
+            p.start()
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    t = threading.Thread(target=start)
+    t.start()
+    t.join(30)                      # a hang guard, not a measure: the start takes milliseconds
+    hung = t.is_alive()
+    if hung:                        # let the blocked open through, to end the thread
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        t.join()
+    try:
+        assert not hung, "the pager's start hung opening a FIFO as its log"
+        assert errors == [] and p.alive()
+        assert fifo.is_fifo()
+        assert f"pager log {fifo} is a FIFO, not a regular file" in caplog.text
+        assert "fake pager says hello" in capfd.readouterr().err
+    finally:
+        p.stop()
+
+
+def test_a_pager_log_that_is_a_regular_file_takes_the_pagers_lines(tmp_path, caplog):
+    log = tmp_path / "pager.log"
+    p = _fake_pager(tmp_path, str(log))
+    try:
+        p.start()
+        assert log.read_text() == "fake pager says hello\n" and "not a regular file" not in caplog.text
+    finally:
+        p.stop()
