@@ -7,6 +7,8 @@
  *
  * Usage: dsec-pager --store DIR --cache DIR [options] MOUNTPOINT (see usage()).
  * Runs in the foreground; SIGTERM/SIGINT unmount and close the cache cleanly.
+ * With --log PATH, SIGUSR1 reopens PATH as its stdout and stderr (the log
+ * was renamed away: rotated).
  * Exit status: 0 after a clean stop, 1 on a start-up error (said on stderr).
  */
 #define _GNU_SOURCE
@@ -15,6 +17,8 @@
 #include <fcntl.h>
 #include <getopt.h>
 #include <inttypes.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -151,9 +155,9 @@ static int stats_snapshot(struct mem_file *m)
     fprintf(f,
             "{\"version\": 1, \"pid\": %d, \"chunk_size\": %" PRIu64 ", \"cache_max\": %" PRIu64
             ", \"cache_used\": %" PRIu64 ", \"readahead\": %u, \"bandwidth\": %" PRIu64
-            ", \"latency_us\": %" PRIu64 ", ",
+            ", \"latency_us\": %" PRIu64 ", \"log_reopen\": %s, ",
             (int)getpid(), g_cfg.chunk_size, g_cfg.cache_max, cache_used(), g_cfg.readahead,
-            g_cfg.bw_bps, g_cfg.latency_us);
+            g_cfg.bw_bps, g_cfg.latency_us, g_cfg.log_path ? "true" : "false");
     json_latency(f, "fetch_latency", &g_fetch_latency);
     fprintf(f, ", \"blobs\": {");
     for (unsigned i = 0; i < n; i++)
@@ -375,6 +379,8 @@ static void usage(FILE *f)
                "  --bandwidth BYTES/S   store throttle, 0 = none (default 0)\n"
                "  --latency-us US       store throttle per fetch (default 0)\n"
                "  --ready-fd FD         write \"ready\\n\" to FD once mounted, then close it\n"
+               "  --log PATH            SIGUSR1 reopens PATH (appending) as stdout and stderr,\n"
+               "                        after the log was renamed away\n"
                "  --direct-io           blob files bypass the page cache of the FUSE inode\n"
                "                        (the EROFS mount above caches); cache file pages are\n"
                "                        dropped after use\n"
@@ -429,6 +435,7 @@ static int parse_args(int argc, char **argv, int *debug)
         {"bandwidth", required_argument, 0, 'b'},
         {"latency-us", required_argument, 0, 'l'},
         {"ready-fd", required_argument, 0, 'f'},
+        {"log", required_argument, 0, 'L'},
         {"debug", no_argument, 0, 'd'},
         {"direct-io", no_argument, 0, 'D'},
         {"help", no_argument, 0, 'h'},
@@ -438,8 +445,10 @@ static int parse_args(int argc, char **argv, int *debug)
     int o;
 
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        if (o == 'd' || o == 'D' || o == 'h' || o == 's' || o == 'c') {
-            if (o == 'D')
+        if (o == 'd' || o == 'D' || o == 'h' || o == 's' || o == 'c' || o == 'L') {
+            if (o == 'L')
+                g_cfg.log_path = optarg;
+            else if (o == 'D')
                 g_cfg.direct_io = 1;
             else if (o == 'd')
                 *debug = 1;
@@ -510,6 +519,64 @@ static void signal_ready(void)
     g_cfg.ready_fd = -1;
 }
 
+/* Reopen --log's path as stdout and stderr: the log was renamed (rotated),
+ * and every line until now went to the renamed file, none lost. A path
+ * that is no regular file now (or cannot be opened) is said and the old
+ * log kept: a FIFO nobody reads would block the open, one read would kill
+ * us with SIGPIPE once its reader went. */
+static void reopen_log(void)
+{
+    struct stat st;
+    int fd = open(g_cfg.log_path, O_WRONLY | O_APPEND | O_CREAT | O_NONBLOCK | O_NOCTTY | O_CLOEXEC, 0640);
+
+    if (fd < 0) {
+        fprintf(stderr, "dsec-pager: reopen log %s: %s (writing on here)\n", g_cfg.log_path, strerror(errno));
+        return;
+    }
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+        fprintf(stderr, "dsec-pager: reopen log %s: not a regular file (writing on here)\n", g_cfg.log_path);
+        close(fd);
+        return;
+    }
+    fcntl(fd, F_SETFL, O_APPEND);
+    /* dup2 swaps the fd atomically: a line being written goes whole to one file. */
+    dup2(fd, STDOUT_FILENO);
+    dup2(fd, STDERR_FILENO);
+    close(fd);
+}
+
+/* SIGUSR1 is blocked in every thread (main blocks it before any starts) and
+ * taken here by sigwait, so that no FUSE or read-ahead thread's syscall is
+ * interrupted by it. */
+static void *log_thread(void *arg)
+{
+    sigset_t *set = arg;
+    int sig;
+
+    for (;;)
+        if (sigwait(set, &sig) == 0 && sig == SIGUSR1)
+            reopen_log();
+    return NULL;
+}
+
+static int start_log_thread(void)
+{
+    static sigset_t set;
+    pthread_t t;
+    int rc;
+
+    sigemptyset(&set);
+    sigaddset(&set, SIGUSR1);
+    if ((rc = pthread_sigmask(SIG_BLOCK, &set, NULL)) != 0)
+        return -rc;
+    if (!g_cfg.log_path)
+        return 0;
+    if ((rc = pthread_create(&t, NULL, log_thread, &set)) != 0)
+        return -rc;
+    pthread_detach(t);
+    return 0;
+}
+
 static int start_session(struct fuse_session **out, int debug)
 {
     struct fuse_args args = FUSE_ARGS_INIT(0, NULL);
@@ -551,6 +618,10 @@ int main(int argc, char **argv)
     clock_gettime(CLOCK_REALTIME, &g_start);
     read_boot_id();
     raise_fd_limit();
+    if ((rc = start_log_thread()) < 0) {
+        fprintf(stderr, "dsec-pager: start the log thread: %s\n", strerror(-rc));
+        return 1;
+    }
     if ((rc = cache_init()) < 0 || (rc = cache_open_existing()) < 0) {
         fprintf(stderr, "dsec-pager: cache %s: %s%s\n", g_cfg.cache_dir, strerror(-rc),
                 rc == -EWOULDBLOCK ? " (another dsec-pager uses this cache)" : "");

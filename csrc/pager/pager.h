@@ -37,6 +37,7 @@ struct pager_cfg {
     unsigned max_threads; /* FUSE worker threads */
     int direct_io;        /* blob files bypass the kernel page cache of the FUSE inode */
     int ready_fd;         /* written "ready\n" and closed once mounted; -1 = none */
+    const char *log_path; /* --log: reopened as stdout and stderr on SIGUSR1; NULL = none */
     char boot_id[40];
 };
 

@@ -145,6 +145,7 @@ class PagerConfig:
             "--latency-us", str(self.latency_us),
             "--ready-fd", str(ready_fd),
             *(["--direct-io"] if self.direct_io else []),
+            *(["--log", self.log_path] if self.log_path else []),
             self.mountpoint,
         ]
 
@@ -203,6 +204,9 @@ class PagerStats:
     # Wall time of each successful fetch (docs/pager.md); None from a pager
     # older than the histogram (one adopted across an upgrade).
     fetch_latency: LatencyHistogram | None = None
+    # It reopens its log (--log) on SIGUSR1; False from a pager older than
+    # that, which SIGUSR1 would kill.
+    log_reopen: bool = False
 
 
 def parse_stats(text: str) -> PagerStats:
@@ -218,7 +222,8 @@ def parse_stats(text: str) -> PagerStats:
     latency = doc.get("fetch_latency")          # so did the histogram
     return PagerStats(int(doc["pid"]), int(doc["chunk_size"]), int(doc["cache_max"]),
                       int(doc["cache_used"]), blobs,
-                      LatencyHistogram.parse(latency) if latency is not None else None)
+                      LatencyHistogram.parse(latency) if latency is not None else None,
+                      bool(doc.get("log_reopen", False)))
 
 
 def pager_mounts(mountpoint: str, mountinfo: str = "/proc/self/mountinfo") -> int:
@@ -251,8 +256,10 @@ class Pager:
         # for a pager adopted from another one, whose mount we reach through its root.
         self._view = ""
         # rotate_log runs on the thread that (re)starts the pager and on
-        # the daemon's periodic check: they take turns, one temp copy each.
-        self._log_lock = threading.Lock()
+        # the daemon's periodic check: they take turns, one temp copy each;
+        # and the process is forgotten (its pidfd closed) only between two
+        # rotations, never under one's signal.
+        self._log_lock = threading.RLock()
 
     # ---------------------------------------------------------- paths, state
 
@@ -285,19 +292,22 @@ class Pager:
     # ---------------------------------------------------------- its log
 
     def rotate_log(self) -> bool:
-        """Blocking: once the log is past `log_max_bytes`, copy it to
-        `<log>.1` (replacing the one before) and truncate it, so that it and
-        its copy together hold at most about twice that. The pager lives
-        for days, across daemon restarts, with the log as its stderr: it
-        cannot be renamed from under it, but it is open O_APPEND, so after
-        the truncation its next line goes at the start of the empty file.
-        A line written between the copy and the truncation is lost. When
-        the copy cannot be written (the disk full) the log is truncated all
-        the same: it must not be what fills the disk. Whether it rotated;
-        a log that is no regular file (a FIFO, say: nothing a copy could
-        cap) is left as it is, and one that cannot be looked at or
-        truncated is logged and left, never an error: the pager starts and
-        serves without it."""
+        """Blocking: once the log is past `log_max_bytes`, move it to
+        `<log>.1` (replacing the one before), so that it and its copy
+        together hold at most about twice that. The pager lives for days,
+        across daemon restarts, with the log as its stderr. One that reopens
+        its log (`--log`, said in its stats) has it renamed and is sent
+        SIGUSR1: its lines go to the renamed file until it has reopened the
+        path, none is lost. Otherwise (no pager known to be running, or one
+        built before the reopen) the log is copied and truncated: its writer
+        is O_APPEND, so its next line goes at the start of the empty file,
+        and a line written between the copy and the truncation is lost.
+        When the rename or the copy cannot be done (the disk full) the log
+        is truncated all the same: it must not be what fills the disk.
+        Whether it rotated; a log that is no regular file (a FIFO, say:
+        nothing a copy could cap) is left as it is, and one that cannot be
+        looked at or truncated is logged and left, never an error: the
+        pager starts and serves without it."""
         path, cap = self.config.log_path, self.config.log_max_bytes
         if not path or not cap:
             return False
@@ -314,6 +324,20 @@ class Pager:
             log.warning("pager log %s: %s; not rotated", path, err.strerror or err)
             return False
         old = path + ".1"
+        if self._reopens_log():
+            try:
+                os.replace(path, old)
+            except OSError as err:
+                log.warning("pager log %s: cannot move it to %s (%s); truncating it instead",
+                            path, old, err.strerror or err)
+            else:
+                try:
+                    self._signal(signal.SIGUSR1)
+                except OSError as err:      # it died meanwhile: the next one opens the path anew
+                    log.warning("pager log %s: tell pager pid %s to reopen it: %s",
+                                path, self._pid, err.strerror or err)
+                return True
+            return self._truncate_log(path)
         tmp = path + ".1.tmp"
         try:
             shutil.copyfile(path, tmp)
@@ -323,6 +347,18 @@ class Pager:
                         path, old, err.strerror or err)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+        return self._truncate_log(path)
+
+    def _reopens_log(self) -> bool:
+        """Whether a pager runs that reopens its log on SIGUSR1."""
+        if not self.alive():
+            return False
+        try:
+            return self.stats().log_reopen
+        except (OSError, ValueError):
+            return False
+
+    def _truncate_log(self, path: str) -> bool:
         try:
             os.truncate(path, 0)
         except OSError as err:
@@ -335,9 +371,10 @@ class Pager:
     def start(self) -> None:
         """Adopt a live pager on the mountpoint or start one; return once mounted."""
         cfg = self.config
-        self.rotate_log()
         if self._try_adopt():
+            self.rotate_log()
             return
+        self.rotate_log()       # none answers: no pager writes the log now
         # Before touching the mountpoint: stat(2) on a dead FUSE mount is ENOTCONN.
         self._clear_dead_mounts()
         os.makedirs(cfg.mountpoint, exist_ok=True)
@@ -497,8 +534,10 @@ class Pager:
         """To our child by pid (reaped only by us), to an adopted pager by its pidfd."""
         if self._pidfd is not None:
             native.pidfd_send_signal(self._pidfd, sig)
-        else:
+        elif self._pid is not None:
             os.kill(self._pid, sig)
+        else:
+            raise ProcessLookupError(errno.ESRCH, "no pager")
 
     def restart(self) -> None:
         """Start again after the pager died (reaped here): clears the dead mount."""
@@ -522,10 +561,11 @@ class Pager:
         return True
 
     def _forget_process(self) -> None:
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-        self._proc = self._pidfd = self._pid = None
-        self._view = ""
+        with self._log_lock:
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+            self._proc = self._pidfd = self._pid = None
+            self._view = ""
 
     # ---------------------------------------------------------- supervision
 

@@ -289,6 +289,49 @@ def test_blob_truncated_in_store_mid_read_is_eio(env):
     assert "ends at" in env.log()
 
 
+
+def test_a_line_written_while_the_log_rotates_is_kept(env, monkeypatch):
+    """The log was copied to <log>.1 and then truncated: a line the pager
+    wrote between the two was in neither. Each failed fetch of a store
+    blob truncated under the pager writes a line naming its offset; one is
+    made right after the log is moved (or copied) to <log>.1, before the
+    rotation ends."""
+    data = os.urandom(2 * MIB)
+    hexd = env.blob(data)
+    p = env.pager(chunk_size=64 * KIB, readahead_chunks=0, log_max_bytes=300)
+    assert pread(env.mnt / hexd, 4096, 0) == data[:4096]      # its size taken: 2 MiB
+    os.truncate(env.store / hexd, 64 * KIB)
+    log, old = env.root / "pager.log", env.root / "pager.log.1"
+
+    def failed_fetch(chunk: int) -> None:
+        with pytest.raises(OSError) as exc:
+            pread(env.mnt / hexd, 4096, chunk * 64 * KIB)
+        assert exc.value.errno == 5
+
+    for chunk in range(2, 6):           # the log past its cap
+        failed_fetch(chunk)
+    assert log.stat().st_size > 300
+    replace = os.replace
+
+    def replace_then_a_line(src, dst):
+        replace(src, dst)
+        if str(dst) == str(old):
+            failed_fetch(9)             # the pager says it before its answer
+
+    monkeypatch.setattr(os, "replace", replace_then_a_line)
+    assert p.rotate_log() is True
+    monkeypatch.undo()
+    deadline = time.monotonic() + 10    # a hang guard: the pager reopens the log at once
+    while not log.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    failed_fetch(10)                    # and writes on in the new log
+    kept, new = old.read_text(), log.read_text()
+    for chunk in (2, 3, 4, 5, 9):
+        assert f"ends at {chunk * 64 * KIB}," in kept + new, (kept, new)
+    assert f"ends at {10 * 64 * KIB}," in new and new.count("ends at") == 1
+    assert p.stats().log_reopen
+
+
 def test_throttle_slows_fetches(env):
     data = os.urandom(2 * MIB)
     hexd = env.blob(data)

@@ -32,6 +32,8 @@ def test_argv_carries_every_setting():
     assert pairs["--latency-us"] == "1000" and pairs["--ready-fd"] == "7"
     assert "--direct-io" in argv
     assert "--direct-io" not in cfg(direct_io=False).argv("/bin/p", 7)
+    with_log = cfg(log_path="/l").argv("/bin/p", 7)
+    assert with_log[with_log.index("--log") + 1] == "/l" and "--log" not in argv
 
 
 @pytest.mark.parametrize("kw", [
@@ -68,6 +70,8 @@ def test_parse_stats():
     s = pg.parse_stats(stats_doc(chunk_hits=5))
     assert s.pid == 42 and s.cache_used == 10
     assert s.blobs[HEX] == pg.BlobStats(10, 1, 1, 10, 1, 10, 1, 5, 1, 0, 0, 0)
+    assert s.log_reopen is False        # a pager built before it reopened its log
+    assert pg.parse_stats(stats_doc().replace('"latency_us": 0', '"latency_us": 0, "log_reopen": true')).log_reopen
 
 
 def test_parse_stats_fetch_latency():
