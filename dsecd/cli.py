@@ -130,6 +130,15 @@ async def cmd_info(c: Client, a) -> int:
         used = f", {_human_bytes(b['used'])} of {_human_bytes(b['size'])} used" if "size" in b else ""
         print(f"swap {name}: {'on' if b['on'] else 'off'} {where}{used}"
               + ("" if b["enabled"] else " (not enabled)") + (f"; error: {b['error']}" if "error" in b else ""))
+    images = info.get("images") or {}
+    if images:
+        print(f"images: {images['mode']}, store {images['store']}")
+        pager = images.get("pager")
+        if pager and "error" in pager:
+            print(f"pager cache: not read ({pager['error']})")
+        elif pager:         # the running pager's own figures: the cap in force
+            cap = _human_bytes(pager["cache_max"]) if pager["cache_max"] else "none"
+            print(f"pager cache: cap {cap}, {_human_bytes(pager['cache_used'])} used; pager pid {pager['pid']}")
     if "admission" in info:
         q = info["admission"]
         print(f"create queue: {q['active']} running of {q['max_active']}, {q['queued']} queued of "

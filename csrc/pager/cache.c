@@ -397,6 +397,26 @@ static void cache_unreserve(uint64_t len)
     pthread_mutex_unlock(&g_cache_lock);
 }
 
+/* A new cap, from now on (SIGUSR2: fuse.c); a lower one evicts down to it
+ * at once, as the start does for the chunks cached before it. */
+void cache_set_max(uint64_t max)
+{
+    pthread_mutex_lock(&g_cache_lock);
+    g_cfg.cache_max = max;
+    evict_for(0);
+    pthread_mutex_unlock(&g_cache_lock);
+}
+
+uint64_t cache_max(void)
+{
+    uint64_t max;
+
+    pthread_mutex_lock(&g_cache_lock);
+    max = g_cfg.cache_max;
+    pthread_mutex_unlock(&g_cache_lock);
+    return max;
+}
+
 uint64_t cache_used(void)
 {
     uint64_t used;

@@ -8,7 +8,9 @@
  * Usage: dsec-pager --store DIR --cache DIR [options] MOUNTPOINT (see usage()).
  * Runs in the foreground; SIGTERM/SIGINT unmount and close the cache cleanly.
  * With --log PATH, SIGUSR1 reopens PATH as its stdout and stderr (the log
- * was renamed away: rotated).
+ * was renamed away: rotated). SIGUSR2 sets the cache cap to the number in
+ * <cache>/.cache-max (the daemon's, when it adopts a pager started with
+ * another).
  * Exit status: 0 after a clean stop, 1 on a start-up error (said on stderr).
  */
 #define _GNU_SOURCE
@@ -155,8 +157,8 @@ static int stats_snapshot(struct mem_file *m)
     fprintf(f,
             "{\"version\": 1, \"pid\": %d, \"chunk_size\": %" PRIu64 ", \"cache_max\": %" PRIu64
             ", \"cache_used\": %" PRIu64 ", \"readahead\": %u, \"bandwidth\": %" PRIu64
-            ", \"latency_us\": %" PRIu64 ", \"log_reopen\": %s, ",
-            (int)getpid(), g_cfg.chunk_size, g_cfg.cache_max, cache_used(), g_cfg.readahead,
+            ", \"latency_us\": %" PRIu64 ", \"log_reopen\": %s, \"cache_max_settable\": true, ",
+            (int)getpid(), g_cfg.chunk_size, cache_max(), cache_used(), g_cfg.readahead,
             g_cfg.bw_bps, g_cfg.latency_us, g_cfg.log_path ? "true" : "false");
     json_latency(f, "fetch_latency", &g_fetch_latency);
     fprintf(f, ", \"blobs\": {");
@@ -381,6 +383,7 @@ static void usage(FILE *f)
                "  --ready-fd FD         write \"ready\\n\" to FD once mounted, then close it\n"
                "  --log PATH            SIGUSR1 reopens PATH (appending) as stdout and stderr,\n"
                "                        after the log was renamed away\n"
+               "  (SIGUSR2 sets the cache cap to the number in DIR/.cache-max of --cache)\n"
                "  --direct-io           blob files bypass the page cache of the FUSE inode\n"
                "                        (the EROFS mount above caches); cache file pages are\n"
                "                        dropped after use\n"
@@ -545,21 +548,57 @@ static void reopen_log(void)
     close(fd);
 }
 
-/* SIGUSR1 is blocked in every thread (main blocks it before any starts) and
- * taken here by sigwait, so that no FUSE or read-ahead thread's syscall is
- * interrupted by it. */
-static void *log_thread(void *arg)
+/* Set the cache cap to the number <cache>/.cache-max holds (a line). */
+static void reload_cache_max(void)
+{
+    char path[4096], buf[32];
+    uint64_t v, was = cache_max();
+    ssize_t n = -1;
+    int fd = -1;
+
+    if (snprintf(path, sizeof(path), "%s/.cache-max", g_cfg.cache_dir) < (int)sizeof(path))
+        fd = open(path, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
+    if (fd >= 0) {
+        n = read(fd, buf, sizeof(buf) - 1);
+        close(fd);
+    }
+    if (n <= 0) {
+        fprintf(stderr, "dsec-pager: SIGUSR2: read %s/.cache-max: %s (cache cap kept at %" PRIu64 ")\n",
+                g_cfg.cache_dir, n < 0 ? strerror(errno) : "empty", was);
+        return;
+    }
+    buf[n] = 0;
+    if (buf[n - 1] == '\n')
+        buf[n - 1] = 0;
+    if (parse_u64(buf, &v) < 0) {
+        fprintf(stderr, "dsec-pager: SIGUSR2: %s/.cache-max holds no number (cache cap kept at %" PRIu64 ")\n",
+                g_cfg.cache_dir, was);
+        return;
+    }
+    cache_set_max(v);
+    fprintf(stderr, "dsec-pager: cache cap set to %" PRIu64 " bytes (was %" PRIu64 "; 0 = none)\n", v, was);
+}
+
+/* SIGUSR1 and SIGUSR2 are blocked in every thread (main blocks them before
+ * any starts) and taken here by sigwait, so that no FUSE or read-ahead
+ * thread's syscall is interrupted by them. */
+static void *control_thread(void *arg)
 {
     sigset_t *set = arg;
     int sig;
 
-    for (;;)
-        if (sigwait(set, &sig) == 0 && sig == SIGUSR1)
+    for (;;) {
+        if (sigwait(set, &sig) != 0)
+            continue;
+        if (sig == SIGUSR1 && g_cfg.log_path)
             reopen_log();
+        else if (sig == SIGUSR2)
+            reload_cache_max();
+    }
     return NULL;
 }
 
-static int start_log_thread(void)
+static int start_control_thread(void)
 {
     static sigset_t set;
     pthread_t t;
@@ -567,11 +606,10 @@ static int start_log_thread(void)
 
     sigemptyset(&set);
     sigaddset(&set, SIGUSR1);
+    sigaddset(&set, SIGUSR2);
     if ((rc = pthread_sigmask(SIG_BLOCK, &set, NULL)) != 0)
         return -rc;
-    if (!g_cfg.log_path)
-        return 0;
-    if ((rc = pthread_create(&t, NULL, log_thread, &set)) != 0)
+    if ((rc = pthread_create(&t, NULL, control_thread, &set)) != 0)
         return -rc;
     pthread_detach(t);
     return 0;
@@ -618,8 +656,8 @@ int main(int argc, char **argv)
     clock_gettime(CLOCK_REALTIME, &g_start);
     read_boot_id();
     raise_fd_limit();
-    if ((rc = start_log_thread()) < 0) {
-        fprintf(stderr, "dsec-pager: start the log thread: %s\n", strerror(-rc));
+    if ((rc = start_control_thread()) < 0) {
+        fprintf(stderr, "dsec-pager: start the signal thread: %s\n", strerror(-rc));
         return 1;
     }
     if ((rc = cache_init()) < 0 || (rc = cache_open_existing()) < 0) {

@@ -128,6 +128,8 @@ int cache_read(struct blob *b, char *dst, uint64_t off, uint64_t len);
 /* pread exactly len bytes at off (EINTR retried; EOF: -EIO). */
 int pread_full(int fd, void *buf, uint64_t len, uint64_t off);
 uint64_t cache_used(void);
+uint64_t cache_max(void);
+void cache_set_max(uint64_t max);
 void cache_close_all(void);
 int valid_hex(const char *s);
 

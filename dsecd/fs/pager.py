@@ -207,6 +207,9 @@ class PagerStats:
     # It reopens its log (--log) on SIGUSR1; False from a pager older than
     # that, which SIGUSR1 would kill.
     log_reopen: bool = False
+    # It takes a new cache cap on SIGUSR2 (Pager.set_cache_max); False from
+    # an older pager, which SIGUSR2 would kill.
+    cache_max_settable: bool = False
 
 
 def parse_stats(text: str) -> PagerStats:
@@ -223,7 +226,7 @@ def parse_stats(text: str) -> PagerStats:
     return PagerStats(int(doc["pid"]), int(doc["chunk_size"]), int(doc["cache_max"]),
                       int(doc["cache_used"]), blobs,
                       LatencyHistogram.parse(latency) if latency is not None else None,
-                      bool(doc.get("log_reopen", False)))
+                      bool(doc.get("log_reopen", False)), bool(doc.get("cache_max_settable", False)))
 
 
 def pager_mounts(mountpoint: str, mountinfo: str = "/proc/self/mountinfo") -> int:
@@ -490,18 +493,56 @@ class Pager:
         if stats.chunk_size != self.config.chunk_size:
             log.warning("adopted pager on %s runs with chunk size %d, not %d: restart it to "
                         "change", self.config.mountpoint, stats.chunk_size, self.config.chunk_size)
-        if stats.cache_max != self.config.cache_max_bytes:
-            # Its cap is an argument of its start: a pager an older daemon (or
-            # another config) started keeps its own, uncapped perhaps, for its life.
-            log.warning("adopted pager on %s caps its cache at %s, not %d (pager.cache_max_bytes): "
-                        "the new cap takes effect when the pager is restarted (a daemon stop with no "
-                        "sandbox left stops it)", self.config.mountpoint,
-                        stats.cache_max or "nothing", self.config.cache_max_bytes)
         self._pidfd, self._pid, self._proc = pidfd, stats.pid, None
         self.generation += 1
         log.info("adopted pager pid %d on %s%s", stats.pid, self.config.mountpoint,
                  f" (its mount seen through {view})" if view else "")
+        if stats.cache_max != self.config.cache_max_bytes:
+            # Its cap was an argument of its start: a pager another daemon (or
+            # another config) started has its own, uncapped perhaps.
+            self._take_cache_max(stats)
         return True
+
+    def _take_cache_max(self, stats: PagerStats) -> None:
+        """Give an adopted pager the configured cache cap in place of the one
+        it was started with; one that cannot take it keeps its own, said."""
+        want, was = self.config.cache_max_bytes, stats.cache_max
+        if not stats.cache_max_settable:
+            log.warning("adopted pager on %s caps its cache at %s, not %d (pager.cache_max_bytes), and "
+                        "was built before a running pager could take another: the new cap takes effect "
+                        "when the pager is restarted (a daemon stop with no sandbox left stops it)",
+                        self.config.mountpoint, was or "nothing", want)
+            return
+        try:
+            self.set_cache_max(want)
+        except (OSError, ValueError) as err:
+            log.warning("adopted pager on %s caps its cache at %s, not %d (pager.cache_max_bytes): "
+                        "setting it failed (%s); it keeps its own until it is restarted",
+                        self.config.mountpoint, was or "nothing", want, err)
+            return
+        log.info("adopted pager on %s capped its cache at %s: now at %d (pager.cache_max_bytes)",
+                 self.config.mountpoint, was or "nothing", want)
+
+    def set_cache_max(self, cap: int, timeout: float = 10.0) -> None:
+        """Blocking: set the running pager's cache cap (0: none): written to
+        <cache_dir>/.cache-max, then SIGUSR2, on which the pager reads it,
+        and, lower than what it holds, evicts down to it at once. Returns
+        once its stats show the cap; TimeoutError if they do not in
+        `timeout` seconds."""
+        if cap < 0:
+            raise ValueError(f"cache cap must be >= 0: {cap}")
+        where = self._view + self.config.cache_dir
+        tmp = os.path.join(where, ".cache-max.tmp")
+        with open(tmp, "w") as f:
+            f.write(f"{cap}\n")
+        os.replace(tmp, os.path.join(where, ".cache-max"))
+        self._signal(signal.SIGUSR2)
+        deadline = time.monotonic() + timeout
+        while self.stats().cache_max != cap:
+            if time.monotonic() > deadline:
+                raise TimeoutError(errno.ETIMEDOUT, f"pager pid {self._pid} did not take cache cap {cap} "
+                                                    f"in {timeout} s")
+            time.sleep(0.01)
 
     def _clear_dead_mounts(self) -> None:
         """Lazy-unmount dead pager mounts: a busy one (layers mounted over its

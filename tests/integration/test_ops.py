@@ -609,10 +609,13 @@ def test_a_restart_in_a_new_mount_namespace_keeps_sandboxes_on_lazy_layers(daemo
         c.close()
         d.stop(signal.SIGTERM)
         assert _alive(pager), "the pager outlives the daemon while sandboxes use it"
+        d.config.write_text(d.config.read_text() + '[pager]\ncache_max_bytes = "123M"\n')
         d.start()
         assert _mount_ns(d.proc.pid) not in (first_ns, _mount_ns(os.getpid()))
         c = d.client()
-        assert c.info()["images"]["pager"]["pid"] == pager, "the same pager, adopted"
+        adopted = c.info()["images"]["pager"]
+        assert adopted["pid"] == pager, "the same pager, adopted"
+        assert adopted["cache_max"] == 123 << 20, "given the new cap through its root"
         old = c.get(sb.id)
         assert old.read_file("/work/f") == b"kept"
         assert old.exec(["md5sum", "/bin/busybox"]).stdout == digest

@@ -446,6 +446,31 @@ def test_daemon_restart_adopts_live_pager(env):
     assert not p.alive() and pg.pager_mounts(str(env.mnt)) == 0
 
 
+
+def test_an_adopted_pager_takes_the_configured_cache_cap(env):
+    """The cap was an argument of the pager's start: a pager adopted by a
+    daemon restarted with another pager.cache_max_bytes kept its own for
+    its life. It now takes the new one, and a lower one evicts at once."""
+    import dataclasses
+
+    data = os.urandom(2 * MIB)
+    hexd = env.blob(data)
+    cs, cap = 64 * KIB, 256 * KIB
+    p = env.pager(chunk_size=cs, readahead_chunks=0)            # no cap
+    assert (env.mnt / hexd).read_bytes() == data
+    assert p.stats().cache_used == 2 * MIB
+    q = pg.Pager(dataclasses.replace(p.config, cache_max_bytes=cap))   # a restart with a cap
+    q.start()
+    assert q.pid == p.pid
+    s = q.stats()
+    assert s.cache_max == cap and s.cache_used <= cap
+    assert (env.cache / f"{hexd}.data").stat().st_blocks * 512 <= cap + 4 * cs    # holes punched
+    assert "cache cap set to 262144 bytes (was 0" in env.log()
+    assert (env.mnt / hexd).read_bytes() == data                # evicted chunks come back, intact
+    assert q.stats().cache_used <= cap + 2 * cs
+    q.set_cache_max(0)                                          # and the cap can be lifted
+    assert q.stats().cache_max == 0
+
 def test_second_pager_on_one_cache_is_refused(env):
     env.blob(b"y" * 100)
     p = env.pager()

@@ -41,10 +41,11 @@ def test_the_pagers_cache_is_capped_by_default(daemon_factory):
         c.close()
 
 
-def test_an_adopted_pager_with_another_cache_cap_is_said(daemon_factory, busybox_rootfs):
-    """The pager outlives a daemon restart while sandboxes use its layers,
-    and keeps the cache cap it was started with: a restart with another
-    pager.cache_max_bytes says the new one waits for the pager's restart."""
+def test_an_adopted_pager_takes_the_configured_cache_cap(daemon_factory, busybox_rootfs):
+    """The pager outlives a daemon restart while sandboxes use its layers:
+    a restart with another pager.cache_max_bytes gives the running pager
+    the new cap (it kept the one it was started with), and `dsec info`
+    shows it."""
     d = daemon_factory('[images]\nmode = "lazy"\n[pager]\ncache_max_bytes = "0"\n')
     c = d.client()
     try:
@@ -59,7 +60,8 @@ def test_an_adopted_pager_with_another_cache_cap_is_said(daemon_factory, busybox
     c = d.client()
     try:
         pager = c.info()["images"]["pager"]
-        assert (pager["pid"], pager["cache_max"]) == (pid, 0)
+        assert (pager["pid"], pager["cache_max"]) == (pid, 1 << 30)
     finally:
         c.close()
-    assert "caps its cache at nothing, not 1073741824 (pager.cache_max_bytes)" in d.log.read_text()
+    assert "capped its cache at nothing: now at 1073741824 (pager.cache_max_bytes)" in d.log.read_text()
+    assert "pager cache: cap 1.0G, " in d.cli("info").stdout.decode()
