@@ -139,6 +139,10 @@ async def cmd_info(c: Client, a) -> int:
         elif pager:         # the running pager's own figures: the cap in force
             cap = _human_bytes(pager["cache_max"]) if pager["cache_max"] else "none"
             print(f"pager cache: cap {cap}, {_human_bytes(pager['cache_used'])} used; pager pid {pager['pid']}")
+        if "eager" in images:
+            e = images["eager"]
+            cap = _human_bytes(e["cache_max"]) if e["cache_max"] else "none"
+            print(f"eager copies: cap {cap}, {_human_bytes(e['cache_used'])} used")
     if "admission" in info:
         q = info["admission"]
         print(f"create queue: {q['active']} running of {q['max_active']}, {q['queued']} queued of "

@@ -175,6 +175,10 @@ class ImageService:
         self.image_mode = self._pick_mode(section["mode"])
         self.pager = self._make_pager(cfg) if self.image_mode == "lazy" else None
         self.eager_dir = cfg.state_dir / "eager"
+        # eager: the local copies are that mode's layer cache, capped as the
+        # pager's is (pager.cache_max_bytes; "auto" on their file system).
+        self.eager_cap = (cache_cap(cfg.section("pager")["cache_max_bytes"], str(self.eager_dir))
+                          if self.image_mode == "eager" else 0)
         self.client_paths = ClientPaths(cfg.state_dir / clientpaths.DIR)
         # The store throttle of [pager] also paces eager copies, so that both
         # modes see the same emulated remote store.
@@ -230,10 +234,15 @@ class ImageService:
 
     def _eager_copy(self, digest: str) -> Path:
         """eager: the whole blob copied to local disk before its first mount,
-        hashed on the way."""
+        hashed on the way, after room was made for it under the cap. Runs
+        with the layer mounts' lock held (LayerMounts.source)."""
         local = self.eager_dir / digest.split(":", 1)[1]
-        if not local.exists():
+        if local.exists():
+            with contextlib.suppress(OSError):
+                os.utime(local)         # its last mount: the copies unused longest go first
+        else:
             self.eager_dir.mkdir(parents=True, exist_ok=True)
+            self._make_room_for_eager(digest)
             tmp = local.with_name(local.name + ".tmp")
             try:
                 self.images.store.copy_out(digest, tmp, *self.store_throttle, verify=self.verify_layers)
@@ -242,6 +251,47 @@ class ImageService:
                 raise OSError(errno.EIO, f"{err}; rebuild the image or repair the store") from err
             os.rename(tmp, local)
         return local
+
+    def _eager_copies(self) -> list[tuple[float, int, str]]:
+        """(mtime, size, name) of each file in the eager dir, half-made copies too."""
+        out = []
+        try:
+            entries = list(os.scandir(self.eager_dir))
+        except FileNotFoundError:
+            return out
+        for e in entries:
+            with contextlib.suppress(FileNotFoundError):
+                st = e.stat(follow_symlinks=False)
+                out.append((st.st_mtime, st.st_size, e.name))
+        return out
+
+    def _make_room_for_eager(self, digest: str) -> None:
+        """Remove the copies of layers no mount holds, least recently mounted
+        first, until `digest`'s copy fits under the cap with the rest. The
+        copies the mounts hold may take it past the cap: said, never refused
+        (a create must get its layers, as the pager serves what is pinned)."""
+        if not self.eager_cap:
+            return
+        try:
+            need = self.images.store.size(digest)
+        except OSError:
+            return                      # the copy fails on it, saying why
+        copies = sorted(self._eager_copies())
+        used = sum(size for _, size, _ in copies)
+        held = {d.split(":", 1)[1] for d in self.layers.held_locked()}
+        for _, size, name in copies:
+            if used + need <= self.eager_cap:
+                break
+            if name in held or name.endswith(".tmp"):
+                continue
+            log.info("removing the eager copy %s (%d bytes), unused longest, to keep the copies under "
+                     "pager.cache_max_bytes (%d)", name, size, self.eager_cap)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.eager_dir / name)
+            used -= size
+        if used + need > self.eager_cap:
+            log.warning("eager copies take %d bytes with the copy of %s, past pager.cache_max_bytes (%d): "
+                        "the layers mounted need the rest", used + need, digest, self.eager_cap)
 
     def _direct_source(self, digest: str) -> Path:
         """direct: the store file itself, hashed whole before its first mount by
@@ -368,6 +418,9 @@ class ImageService:
 
     def info(self) -> dict:
         out = {"mode": self.image_mode, "store": str(self.images.store.root)}
+        if self.image_mode == "eager":
+            out["eager"] = {"cache_max": self.eager_cap,
+                            "cache_used": sum(size for _, size, _ in self._eager_copies())}
         if self.pager is not None:
             try:
                 stats = self.pager.stats()

@@ -47,7 +47,8 @@ class LayerMounts:
         self.root = Path(mount_root)
         self.root.mkdir(parents=True, exist_ok=True)
         # digest -> the file to mount: the store blob (direct), its pager file
-        # (lazy) or a local copy (eager); may block (the eager copy).
+        # (lazy) or a local copy (eager); may block (the eager copy). Called
+        # with the lock held: one source at a time.
         self.source = source
         self.grace_s = grace_s
         self._lock = threading.Lock()
@@ -165,3 +166,8 @@ class LayerMounts:
     def in_use(self) -> dict[str, int]:
         with self._lock:
             return dict(self._refs)
+
+    def held_locked(self) -> set[str]:
+        """The layers counted or mounted (or being mounted): their source
+        files must stay. Only for `source`, which runs with the lock held."""
+        return set(self._refs) | {"sha256:" + e.name for e in os.scandir(self.root) if e.is_dir()}

@@ -116,6 +116,49 @@ def test_gc_removes_the_eager_copies_of_the_layers_it_removes(daemon_factory, bu
     c.close()
 
 
+
+def test_eager_copies_are_capped_by_the_cache_cap(daemon_factory, busybox_rootfs, tmp_path):
+    """images.mode eager copies each layer whole to <state>/eager: the local
+    cache of that mode, as <state>/pager-cache is lazy's. The copies of
+    layers still in the store stayed for good, past pager.cache_max_bytes,
+    which capped only the pager's cache: the layers of every image the host
+    ran, on the state dir's file system. A copy that would take them past
+    the cap now makes room first, dropping the least recently used copies
+    of layers no mount holds."""
+    d = daemon_factory('[images]\nmode = "eager"\n')
+    c = d.client()
+    try:
+        base = c.build_image(busybox_rootfs, "base")["layers"][0]
+        tops = {}
+        for name in ("a", "b"):
+            (tmp_path / name / "data").mkdir(parents=True)
+            (tmp_path / name / "data" / "blob").write_bytes(os.urandom(2 << 20))    # incompressible
+            tops[name] = c.build_image(str(tmp_path / name), name, parent="base")["layers"][-1]
+    finally:
+        c.close()
+    d.stop()
+    # Room for the base and one top layer, not for both tops.
+    cap = base["size"] + max(t["size"] for t in tops.values()) + (64 << 10)
+    assert cap < base["size"] + sum(t["size"] for t in tops.values())
+    d.config.write_text(d.config.read_text() + f'[pager]\ncache_max_bytes = "{cap}"\n')
+    d.start()
+    eager = d.state / "eager"
+    c = d.client()
+    try:
+        c.create(image="a").destroy()
+        assert sorted(os.listdir(eager)) == sorted([base["digest"][7:], tops["a"]["digest"][7:]])
+        c.request("image_gc")                       # unmounts the layers no sandbox uses
+        sb = c.create(image="b")
+        assert sorted(os.listdir(eager)) == sorted([base["digest"][7:], tops["b"]["digest"][7:]])
+        assert sum(f.stat().st_size for f in eager.iterdir()) <= cap
+        assert sb.exec(["cat", "/data/blob"]).exit_code == 0
+        info = c.info()["images"]["eager"]
+        assert info["cache_max"] == cap and 0 < info["cache_used"] <= cap
+        assert c.create(image="a").exec(["true"]).exit_code == 0     # copied again: over the cap, said
+    finally:
+        c.close()
+    assert "eager copies" in d.log.read_text()
+
 def test_a_half_made_eager_copy_goes_at_the_next_start(daemon_factory, busybox_rootfs):
     """A daemon killed while it copied a layer (eager) leaves <hex>.tmp. The
     layer is still in the store, so no gc removes it: the next start does
