@@ -741,6 +741,11 @@ def test_qemu_killed_by_its_memory_limit_is_an_oom_event(daemon_factory, busybox
         else:
             raise AssertionError(f"the guest filled its memory and QEMU lived: {r.exit_code} {r.stderr!r}")
         _wait_dead(c, sb.id)
+        # Reported dead once its exit is seen; reaped by the release that
+        # follows in a worker (a zombie until then, on a loaded host).
+        deadline = time.monotonic() + 60
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert not os.path.exists(f"/proc/{pid}")
         kinds = {e["event"]: e for e in _events(d, sb.id)}
         assert "oom" in kinds and kinds["oom"]["kills"] >= 1, kinds
