@@ -64,14 +64,25 @@ class Handle:
     # groups go to the helper then).
     init_current: bool = True
 
-    def upper_view(self, views: Path) -> tuple[Path, Callable[[], None] | None]:
-        """The writable layer's upper dir at a host path (pack_diff), and what
-        undoes the view (None: nothing to undo). Blocking: it may mount."""
-        if self.upperfd >= 0:
-            return upperfs.attach(self.upperfd, views)
-        if self.dir is None:        # its upper tmpfs fd is closed: destroyed meanwhile
-            raise FileNotFoundError(errno.ENOENT, "the sandbox's writable layer is gone (destroyed meanwhile)")
-        return self.dir / "upper", None
+    def upper_view(self) -> Callable[[Path], tuple[Path, Callable[[], None] | None]]:
+        """On the loop: what puts the writable layer's upper dir at a host
+        path under `views` (pack_diff), run in a worker (blocking: it may
+        mount), returning that path and what undoes the view (None: nothing
+        to undo). A capped upper tmpfs is reached through a copy of its fd
+        taken now: a destroy meanwhile (it takes no sandbox lock) closes
+        the handle's, and a number reused by another sandbox's would pack
+        that sandbox's files."""
+        if self.upperfd < 0:
+            sbdir = self.dir
+
+            def plain(views: Path) -> tuple[Path, Callable[[], None] | None]:
+                if sbdir is None:       # its upper tmpfs fd is closed: destroyed meanwhile
+                    raise FileNotFoundError(errno.ENOENT, "the sandbox's writable layer is gone "
+                                                          "(destroyed meanwhile)")
+                return sbdir / "upper", None
+            return plain
+        own = os.dup(self.upperfd)
+        return lambda views: fds.call_closing(own, upperfs.attach, own, views)
 
 
 def proc_start_time(pid: int) -> int | None:

@@ -765,7 +765,7 @@ class ImageService:
                 # a worker's work not yet started would be dropped by the
                 # cancel, leaving a view mounted or the sandbox frozen while
                 # its state says running.
-                viewing = self.workers.behind(handle.upper_view, self.state_dir / upperfs.VIEWS_DIR)
+                viewing = self.workers.behind(handle.upper_view(), self.state_dir / upperfs.VIEWS_DIR)
                 try:
                     upper, undo = await asyncio.shield(viewing)
                 except OSError as err:

@@ -272,7 +272,7 @@ def test_a_snapshot_cancelled_twice_still_thaws_its_sandbox(monkeypatch, tmp_pat
 
     monkeypatch.setattr(images_mod.pause.Freezer, "of", staticmethod(lambda group: Freezer()))
     sb = _sandbox()
-    sb.handle.upper_view = lambda views: ("/upper", lambda: calls.append("undo"))
+    sb.handle.upper_view = lambda: lambda views: ("/upper", lambda: calls.append("undo"))
     svc = object.__new__(ImageService)
     svc.workers = Workers(1)
     svc.freeze_timeout_s = 1.0
