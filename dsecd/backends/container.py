@@ -593,8 +593,11 @@ def close_handle(h: Handle) -> None:
 
 
 def _close_fd(h: Handle, name: str) -> None:
-    fds.close_quietly(getattr(h, name))
+    # -1 before the close: once closed, the number may be reused (by another
+    # sandbox's parked fd), and a reader must not find it here then.
+    fd = getattr(h, name)
     setattr(h, name, -1)
+    fds.close_quietly(fd)
 
 
 def _pidns(pid: int) -> int | None:
