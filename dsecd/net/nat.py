@@ -200,32 +200,43 @@ def forget_connections(ns_path: str | None, host_port: int, sb_addr: str, port: 
         return bool((entry.status or 0) & IPS_DST_NAT) and reply is not None and reply.saddr == sb_addr \
             and reply.sport == int(port)
 
-    return _forget(ns_path, [("orig", NFCTAttrTuple(proto=socket.IPPROTO_TCP, dport=int(host_port)))], ours)
+    return _forget(ns_path, [NFCTAttrTuple(proto=socket.IPPROTO_TCP, dport=int(host_port))], ours)
 
 
 def forget_address(ns_path: str | None, address: str) -> int:
     """Delete the conntrack entries of the netns for every connection of a
-    sandbox's IPv4 `address`: what it opened (masqueraded out of the uplink,
-    or to the host side) and what was opened to it directly (those made
-    through a published port go at its unpublish: forget_connections). A
-    destroyed sandbox's entries would otherwise outlive it, a TCP one for
-    days, and the next sandbox leased its address would inherit them:
-    answers to the old connections, which `ct state established` lets into
-    the bridge, and their NAT bindings. Returns how many were deleted.
+    sandbox's `address` (IPv4, or its IPv6 one with net.ipv6_subnet): what it
+    opened (masqueraded out of the uplink, or to the host side) and what was
+    opened to it directly (those made through a published port go at its
+    unpublish: forget_connections). A destroyed sandbox's entries would
+    otherwise outlive it, a TCP one for days, and the next sandbox leased its
+    address would inherit them: answers to the old connections, which
+    `ct state established` lets into the bridge (the `inet` table's rule is
+    IPv6's too), and their NAT bindings. Returns how many were deleted.
 
-    IPv4 only: pyroute2 sends its dumps as AF_INET, which the kernel's
-    filter refuses for IPv6 addresses (EINVAL); IPv6 is not NATed, so no
-    binding of the address outlives it there."""
+    IPv6 entries are dumped whole (the kernel keeps to the family) and
+    matched here: the kernel's tuple filter inverts its IPv6 address
+    comparison (ctnetlink_filter_match_tuple tests `!ipv6_addr_cmp`, so it
+    passes every entry but the address's, seen on 6.18), which would find
+    none of them."""
     from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
-    return _forget(ns_path, [("orig", NFCTAttrTuple(saddr=address)), ("orig", NFCTAttrTuple(daddr=address))],
+    addr = ipaddress.ip_address(address)
+    if addr.version == 6:
+        def ours(entry) -> bool:
+            t = entry.tuple_orig
+            return addr in {ipaddress.ip_address(a) for a in (t.saddr, t.daddr) if a}
+
+        return _forget(ns_path, [None], ours, socket.AF_INET6)
+    return _forget(ns_path, [NFCTAttrTuple(saddr=str(addr)), NFCTAttrTuple(daddr=str(addr))],
                    lambda _entry: True)
 
 
-def _forget(ns_path: str | None, filters: list, wanted) -> int:
-    """Delete the entries of the netns' conntrack table that one of
-    `filters` (("orig", NFCTAttrTuple): matched by the kernel, and again
-    by pyroute2) lists and `wanted(entry)` keeps; how many.
+def _forget(ns_path: str | None, filters: list, wanted, family: int = socket.AF_INET) -> int:
+    """Delete the entries of the netns' conntrack table of `family` that one of
+    `filters` (an NFCTAttrTuple of the original direction, matched by the
+    kernel and again by pyroute2; None: every entry of the family) lists and
+    `wanted(entry)` keeps; how many.
 
     pyroute2's ctnetlink client over a socket opened in the netns: the
     `conntrack` tool is not installed with dsecd (nor on Debian by
@@ -243,14 +254,14 @@ def _forget(ns_path: str | None, filters: list, wanted) -> int:
         raise
     fd = s.detach()
     try:
-        ct = Conntrack(fileno=fd)
+        ct = Conntrack(fileno=fd, nfgen_family=family)
     except BaseException:
         os.close(fd)
         raise
     n = 0
     try:
         with ct:
-            for _which, match in filters:
+            for match in filters:
                 for entry in list(ct.dump_entries(tuple_orig=match)):
                     if not wanted(entry):
                         continue

@@ -579,16 +579,29 @@ class Network:
             raise first
 
     def _forget_connections(self, sb_id: str, ipv4: str) -> None:
-        """Delete the host side's conntrack entries of the sandbox's address
+        """Delete the host side's conntrack entries of the sandbox's addresses
         (nat.forget_address): entries outlive the sandbox (an established TCP
         one for days), and the next sandbox leased the address would inherit
-        them. Nothing to do on a kernel without conntrack."""
+        them. With net.ipv6_subnet its IPv6 address (the mirror of the IPv4
+        one, leased again with it) too. Nothing to do on a kernel without
+        conntrack."""
         if not os.path.exists("/sys/module/nf_conntrack"):
             return
-        addr = str(ipaddress.ip_interface(ipv4).ip)
-        n = forget_address(self.plumbing.ns_path, addr)
-        if n:
-            log.info("sandbox %s: deleted %d conntrack entries of its address %s", sb_id, n, addr)
+        own = ipaddress.ip_interface(ipv4).ip
+        addrs = [own]
+        if self.ipam.subnet6 is not None:
+            addrs.append(self.ipam.own_ipv6(own))
+        first = None
+        for addr in addrs:
+            try:
+                n = forget_address(self.plumbing.ns_path, str(addr))
+            except Exception as err:        # the other family's entries still go
+                first = first or err
+                continue
+            if n:
+                log.info("sandbox %s: deleted %d conntrack entries of its address %s", sb_id, n, addr)
+        if first is not None:
+            raise first
 
     def _cut_off(self, sb: _Sandbox, link_gone: bool) -> None:
         self._cut_off_cgroup(sb.id, sb.cgroup_dir, sb.ifname, link_gone)

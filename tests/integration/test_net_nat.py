@@ -6,6 +6,7 @@ traffic, route or rule ever touches the host's own interfaces or ruleset:
 the test checks the host's ruleset is the same before and after.
 """
 
+import ipaddress
 import os
 import re
 import signal
@@ -508,9 +509,15 @@ def _tracked_from(ns: str, addr: str) -> list:
     def dump() -> list:
         s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, 12)   # NETLINK_NETFILTER
         s.bind((0, 0))
-        with Conntrack(fileno=s.detach()) as ct:
-            return [(e.tuple_orig.daddr, e.tuple_orig.dport)
-                    for e in ct.dump_entries(tuple_orig=NFCTAttrTuple(saddr=addr))]
+        if ":" not in addr:
+            with Conntrack(fileno=s.detach()) as ct:
+                return [(e.tuple_orig.daddr, e.tuple_orig.dport)
+                        for e in ct.dump_entries(tuple_orig=NFCTAttrTuple(saddr=addr))]
+        # The kernel's tuple filter inverts its IPv6 address match (nat.forget_address).
+        with Conntrack(fileno=s.detach(), nfgen_family=socket.AF_INET6) as ct:
+            return [(e.tuple_orig.daddr, e.tuple_orig.dport) for e in ct.dump_entries()
+                    if e.tuple_orig.family == socket.AF_INET6
+                    and ipaddress.ip_address(e.tuple_orig.saddr) == ipaddress.ip_address(addr)]
 
     return World.in_netns(ns, dump)
 
@@ -531,3 +538,31 @@ def test_a_destroyed_sandbox_leaves_no_connection_tracked_for_its_address(iworld
         time.sleep(0.1)
     sb.destroy(force=True)
     assert _tracked_from(iworld.br_ns, ip) == []
+
+
+def test_a_destroyed_sandbox_leaves_no_connection_tracked_for_its_ipv6_address(iworld, natd):
+    """With net.ipv6_subnet the sandbox's IPv6 address is leased again too
+    (it mirrors the IPv4 one), and `ct state established` lets answers into
+    the bridge for IPv6 as for IPv4: its entries go with it as well."""
+    d, c = natd
+    gw6 = f"fd00:{iworld.octet}::1"
+
+    def listen() -> socket.socket:
+        s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        s.bind((gw6, 9001))
+        s.listen(4)                 # the kernel completes the handshake: nothing need accept
+        return s
+
+    srv = iworld.in_bridge_netns(listen)
+    try:
+        sb = c.create(image="busybox", net="default", allow=[f"[{gw6}]:9001/tcp"])
+        ip6 = sb.net_show()["lease"]["ipv6"].split("/")[0]
+        sb.exec(["sh", "-c", f"setsid sh -c 'sleep 600 | nc {gw6} 9001' </dev/null >/dev/null 2>&1 &"])
+        deadline = time.monotonic() + 10
+        while (gw6, 9001) not in _tracked_from(iworld.br_ns, ip6):
+            assert time.monotonic() < deadline, "the sandbox's IPv6 connection was never tracked"
+            time.sleep(0.1)
+        sb.destroy(force=True)
+        assert _tracked_from(iworld.br_ns, ip6) == []
+    finally:
+        srv.close()
