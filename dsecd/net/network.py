@@ -72,7 +72,8 @@ class _Sandbox:
     slot: int = -1
     counters: dict = field(default_factory=dict)     # Rule -> counter index
     prefixes: dict = field(default_factory=dict)      # live policy: (fam, addr, plen) -> entries
-    state: str = "attached"                           # attached | detaching
+    state: str = "attached"                           # attached | detaching | lost (a failed readopt's, held)
+    lost: str = ""                                    # why, with state "lost"
     ifname: str = ""                                  # host end of the veth ("" for --net none)
     ipv4: str = ""                                    # the lease, recorded: IPAM is rebuilt from records
     lease_view: dict | None = None                    # the lease as shown, computed once
@@ -946,6 +947,9 @@ class Network:
         sb = self._sbs.get(sb_id)
         if sb is None:
             raise NotFound(f"sandbox {sb_id} has no networking", {"sandbox": sb_id})
+        if sb.state == "lost":
+            raise Conflict(f"sandbox {sb_id}: its networking was cut off when the daemon restarted ({sb.lost}); "
+                           "destroy it and create another", {"sandbox": sb_id})
         if sb.state != "attached":
             raise Conflict(f"sandbox {sb_id} is being destroyed", {"sandbox": sb_id})
         return sb
@@ -1276,6 +1280,13 @@ class Network:
                         self._cut_off_cgroup(sb_id, str(cgroup_dir), "", link_gone=True)
                 except Exception as err2:
                     log.error("tear down networking of sandbox %s: %s", sb_id, err2)
+                with self._lock:
+                    held = self._sbs.get(sb_id)
+                    if held is not None and held.state == "attached":
+                        # Its address stays leased while its veth (or a VM's tap)
+                        # stands; it has no networking for anyone to show,
+                        # change, plug or answer queries of.
+                        held.state, held.lost = "lost", str(err)
                 if rec.get("kind") != "vm" and rec.get("ifname") and self._has_link(rec["ifname"]):
                     sealed.append(sb_id)          # its veth stays: refuse-all programs on its cgroup
                 if self.records.get(sb_id) is not None:

@@ -603,6 +603,13 @@ def test_a_failed_readopt_cuts_the_sandbox_off_even_if_its_veth_stays(world, tmp
         # Its eth0 still has its address: no other sandbox is given it meanwhile.
         lease = read_records(state / "net" / "records.log")[a.name]["ipv4"]
         assert str(net2.ipam.get(a.name).ipv4) == lease
+        # What is held of it is not networking: neither shown nor changed as
+        # an attached sandbox's, and the resolver does not take it for one.
+        for call in (lambda: net2.show(a.name), lambda: net2.update(a.name, add=[f"{world.ref}:443/tcp"])):
+            with pytest.raises(Conflict, match="cut off"):
+                call()
+        assert net2.update_now(a.name, add=[f"{world.ref}:443/tcp"]) is None     # update() says why
+        assert net2.client(lease.split("/")[0]) is None
         monkeypatch.undo()
     finally:
         net2.close()
