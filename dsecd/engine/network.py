@@ -105,6 +105,7 @@ class NetworkService:
         self.address_watch_error: str | None = None
         self.events = None                  # the node's EventBus: `net_lost` (set by the node)
         self._lost: dict[str, str] = {}     # what the last build could not re-adopt: sandbox id -> why
+        self._held: list[str] = []          # gone sandboxes whose leftovers the last build could not remove
         self._detach_retries: dict[str, asyncio.Task] = {}     # sandbox id -> its detach, retried
         self.detach_retry_s = DETACH_RETRY_S
         self._net_ready: asyncio.Future | None = None
@@ -124,6 +125,9 @@ class NetworkService:
             try:
                 self.net = await self.workers.run(self._build_network, live)
                 self._report_lost()
+                held, self._held = self._held, []
+                for sb_id in held:
+                    self._retry_detach(sb_id)
                 self._watch_host_addresses(self.net)
                 await self._start_resolver(self.net)
                 self._net_ready.set_result(self.net)
@@ -191,6 +195,7 @@ class NetworkService:
             net.close()
             raise
         self._lost = {}
+        self._held = list(res.get("held", ()))
         for sb_id, why in res.get("failed", {}).items():
             if sb_id in res.get("sealed", ()):
                 why += f"; {SEALED}"
@@ -427,7 +432,11 @@ class NetworkService:
         published port's DNAT that could not be deleted: Network._teardown);
         the sandbox leaves the registry anyway, so nothing would call it
         again before the next daemon start: it is retried in the background,
-        DETACH_RETRY_S apart."""
+        DETACH_RETRY_S apart. The retries need no journal of their own: the
+        record the failed detach kept is it. A daemon that stops (or dies)
+        between tries leaves that record, and the next start's readopt
+        removes what it names, as for any record no live sandbox has; what
+        it cannot remove then (`held`) is retried the same way (network())."""
         if self.net is None or not _networked(sb):
             return
         try:

@@ -1219,10 +1219,14 @@ class Network:
 
     def readopt(self, live: dict[str, tuple[int | str, str]]) -> dict:
         """After a daemon restart. `live` = {sb_id: (netns, cgroup_v2_dir)} of sandboxes still running.
-        Returns {"adopted", "released", "failed": {sb_id: why}, "sealed"}:
+        Returns {"adopted", "released", "failed": {sb_id: why}, "sealed", "held"}:
         `failed` sandboxes are cut off with loopback only, except the
         `sealed` ones among them, whose veth could not be deleted: all of
-        their traffic is refused, loopback too (_cut_off_cgroup).
+        their traffic is refused, loopback too (_cut_off_cgroup). `held`:
+        sandboxes that are gone (a destroy whose detach failed, retried in
+        the background until the daemon stopped, or one that died while no
+        daemon ran) whose veth could not be deleted now either: their
+        address stays leased and their record kept, for retry_detach.
 
         Rebuilds each live sandbox's policy in this process's maps and re-attaches
         (an atomic replace of the old daemon's programs, which enforced the old
@@ -1230,7 +1234,7 @@ class Network:
         everything else. Counters restart from zero.
         """
         records = dict(self.records.records)
-        adopted, released, failed, sealed = [], [], {}, []
+        adopted, released, failed, sealed, stuck = [], [], {}, [], []
         previous: dict = {}                 # the previous daemon's mark maps, held open (Engine.hold_marks)
         if self.nat is None and any(rec.get("ports") for rec in records.values()):
             # The previous daemon published ports, and if it was killed its table is
@@ -1252,7 +1256,16 @@ class Network:
                 log.error("delete the nftables table a previous daemon left: %s", err)
         for sb_id, rec in records.items():
             if sb_id not in live:
-                self._release_leftovers(sb_id)
+                try:
+                    self._release_leftovers(sb_id)
+                except Exception as err:
+                    # Its veth stands (its other end has the address): the lease
+                    # and record stay. One stuck link must not take every
+                    # sandbox's networking down with it.
+                    log.error("sandbox %s is gone, but what is left of its networking could not be "
+                              "removed: %s; its address stays leased, removal is retried", sb_id, err)
+                    stuck.append(sb_id)
+                    continue
                 released.append(sb_id)
                 continue
             netns, cgroup_dir = live[sb_id]
@@ -1305,7 +1318,8 @@ class Network:
         finally:
             for m in previous.values():
                 m.close()
-        return {"adopted": adopted, "released": sorted(set(released)), "failed": failed, "sealed": sealed}
+        return {"adopted": adopted, "released": sorted(set(released)), "failed": failed, "sealed": sealed,
+                "held": stuck}
 
     def _has_link(self, ifname: str) -> bool:
         """Whether the veth `ifname` is still there; if that cannot be told, yes."""

@@ -279,7 +279,7 @@ def test_restart_readopts_policy_and_lease(world, tmp_path):
     net2 = Network(cfg, state, V2, world.cgroup_root)
     try:
         res = net2.readopt({keep.name: (f"/run/netns/{keep.netns}", str(keep.cgroup))})
-        assert res == {"adopted": [keep.name], "released": [gone.name], "failed": {}, "sealed": []}
+        assert res == {"adopted": [keep.name], "released": [gone.name], "failed": {}, "sealed": [], "held": []}
         view = net2.show(keep.name)
         assert view["lease"] == lease and view["terms"] == ["pypi"]
         assert net2.ipam.get(gone.name) is None
@@ -654,3 +654,39 @@ def test_leftovers_of_a_gone_sandbox_spare_the_connections_of_its_address_s_new_
                            "kind": "container"})
     net.detach(gone)
     assert flushed == [f"10.{world.octet}.250.9/16"]
+
+
+def test_a_gone_sandbox_s_veth_that_cannot_be_deleted_at_start_is_held_not_fatal(world, tmp_path, monkeypatch):
+    """A destroy whose veth could not be deleted keeps the address leased
+    and the record, and retries in the background; a restart meanwhile
+    leaves it to the next start's clean-up of records no live sandbox has.
+    If the veth still cannot be deleted then, that one record must neither
+    take every sandbox's networking down (readopt raising) nor let go of the
+    address its veth's other end still has: it is held, for detach to retry."""
+    cfg = dict(world.cfg, ipv4_pool=f"10.{world.octet}.9.0/24")
+    state = tmp_path / "state"
+    from dsecd.net import Network
+
+    net = Network(cfg, state, V2, world.cgroup_root)
+    try:
+        gone = "gone-held-veth"
+        addr = str(net.ipam.allocate(gone).ipv4)
+        net.records.put(gone, {"id": gone, "mode": "default", "cgroup_dir": "", "cgroup_id": 0, "terms": [],
+                               "ifname": host_ifname(gone), "ipv4": addr, "ports": [], "kind": "container"})
+    finally:
+        net.close()
+    net2 = Network(cfg, state, V2, world.cgroup_root)
+    try:
+        def stuck(_ifname):
+            raise OSError(errno.EBUSY, "delete veth: Device or resource busy (injected)")
+
+        monkeypatch.setattr(net2.plumbing, "remove_sandbox", stuck)
+        res = net2.readopt({})
+        assert res["held"] == [gone] and gone not in res["released"], res
+        assert str(net2.ipam.get(gone).ipv4) == addr
+        assert gone in read_records(state / "net" / "records.log")
+        monkeypatch.undo()
+        net2.retry_detach(gone)                   # the service's retry, in the background
+        assert net2.ipam.get(gone) is None and gone not in read_records(state / "net" / "records.log")
+    finally:
+        net2.close()

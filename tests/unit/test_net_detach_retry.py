@@ -101,3 +101,44 @@ def test_a_stop_waits_for_a_retry_under_way_before_it_closes_the_network():
 
     asyncio.run(go())
     assert order == ["retry begins", "retry ends", "close"]
+
+
+def test_a_gone_sandbox_s_leftovers_a_start_could_not_remove_are_retried(monkeypatch, tmp_path):
+    """A restart between a failed detach's tries: the record it kept names
+    the leftovers, and the start's readopt removes them. What it could not
+    remove then (`held`) is retried in the background as the destroy's
+    detach was, not left until yet another restart."""
+    import dsecd.net
+
+    retried: list[str] = []
+
+    class Net:
+        dns_enabled = False
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def readopt(self, live: dict) -> dict:
+            return {"adopted": [], "released": [], "failed": {}, "sealed": [], "held": ["sb1"]}
+
+        def retry_detach(self, sb_id: str) -> None:
+            retried.append(sb_id)
+
+    class Service(NetworkService):
+        def _watch_host_addresses(self, net) -> None:
+            pass
+
+    monkeypatch.setattr(dsecd.net, "Network", Net)
+
+    async def go() -> None:
+        workers = Workers(1)
+        workers.start(asyncio.get_running_loop())
+        cfg = SimpleNamespace(section=load_config().section, state_dir=tmp_path)
+        ops = Service(cfg, SimpleNamespace(v2=tmp_path), "dsecd-test", 1, SimpleNamespace(by_id={}), workers, None)
+        ops.detach_retry_s = (0.0,)
+        await ops.network()
+        await asyncio.gather(*ops._detach_retries.values())
+        workers.pool.shutdown(wait=True)
+
+    asyncio.run(go())
+    assert retried == ["sb1"]
