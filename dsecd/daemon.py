@@ -105,7 +105,7 @@ def check_services(cfg) -> None:
     from .fs.registry import RegistryConfig
     from .mem import damon, pause, swapfile, zram
 
-    check_net(cfg.section("net"))
+    check_net(cfg.section("net"), int(cfg.section("limits")["max_sandboxes"]))
     sb = cfg.section("sandbox")
     try:
         qos.check_config(cfg.section("cpu"))

@@ -39,13 +39,24 @@ from .workers import Workers
 log = logging.getLogger(__name__)
 
 
-def _check_config(net: dict) -> None:
+def _check_config(net: dict, max_sandboxes: int) -> None:
     """ConfigError for a [net] setting the network could not be built with.
     They are read when it is built, maybe at the first --net default create:
     a bad one must stop the start, not leave networking unavailable with
     the daemon up."""
     from ..net import rules as R
     from ..net.ipam import Ipam
+
+    # Learned addresses get a quarter of the trie, and each sandbox a
+    # reserved share of it (Network.learned_shares), at least one: below
+    # one a sandbox, sandboxes at their cap could starve the others.
+    learns = net.get("dns", True) and min(int(net.get("dns_max_learned", 256)), int(net["max_rules_per_sandbox"])) > 0
+    if learns and int(net["max_prefixes"]) // 4 < max(1, int(max_sandboxes)):
+        raise ConfigError(
+            f"net.max_prefixes = {net['max_prefixes']} leaves {int(net['max_prefixes']) // 4} (a quarter) for the "
+            f"addresses the sandboxes' resolver learns, less than one for each of limits.max_sandboxes = "
+            f"{max_sandboxes}: give net.max_prefixes at least {4 * max(1, int(max_sandboxes))}, or fewer "
+            "limits.max_sandboxes, or net.dns_max_learned = 0 (name rules then allow nothing)")
 
     try:
         sets = R.parse_rule_sets(net.get("rule_sets", {}))
@@ -111,7 +122,7 @@ class NetworkService:
         self._net_ready: asyncio.Future | None = None
         self._warmup: asyncio.Task | None = None
         self._bpf_loader: threading.Thread | None = None
-        _check_config(self.net_cfg)
+        _check_config(self.net_cfg, max_sandboxes)
 
     async def network(self):
         """The Network, built once (in a worker thread) on first use."""

@@ -1119,8 +1119,14 @@ class Network:
         limits.max_sandboxes (at most max_learned each): however many
         sandboxes sit at max_learned, each of the others can still learn its
         share. The other half (and what the shares leave) is first come,
-        first served."""
-        reserved = min(self.max_learned, self.learned_budget // (2 * self.max_sandboxes))
+        first served. A share that would round to 0 (a small net.max_prefixes)
+        is 1 while the quarter holds one a sandbox, which the config check
+        (engine/network.py _check_config) requires: with none reserved,
+        sandboxes at their cap would starve the others again."""
+        per = self.learned_budget // (2 * self.max_sandboxes)
+        if per == 0 and self.learned_budget >= self.max_sandboxes:
+            per = 1
+        reserved = min(self.max_learned, per)
         return reserved, self.learned_budget - reserved * self.max_sandboxes
 
     def _may_learn(self, sb: _Sandbox, more: int) -> bool:

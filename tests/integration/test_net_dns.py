@@ -353,7 +353,10 @@ def test_learned_addresses_cannot_fill_the_trie_every_sandbox_shares(world, daem
     try:
         cfg = dict(world.cfg, ipv4_pool=f"10.{o}.11.0/24", rule_sets={}, dns_upstreams=[fill.address])
         extra = dns_config(fill) + "max_prefixes = 128\n"
-        d = daemon_factory(_toml_net(cfg).replace("[net.rule_sets]", extra + "[net.rule_sets]"))
+        # A trie that small holds a learned address a sandbox for 32 of them
+        # (--check-config refuses it for more): 8 reserve 2 each.
+        d = daemon_factory(_toml_net(cfg).replace("[net.rule_sets]", extra + "[net.rule_sets]")
+                           + "[limits]\nmax_sandboxes = 8\n")
         c = d.client()
         c.import_image(busybox_rootfs, "busybox")
         greedy = c.create(image="busybox", net="default", allow=["*.fill.test:443/tcp"])
@@ -366,8 +369,8 @@ def test_learned_addresses_cannot_fill_the_trie_every_sandbox_shares(world, daem
         shown = d.cli("net", "show", greedy.id).stdout.decode()
         assert "answers over the learned cap" in shown, shown
         assert c.info()["net"]["dns"]["learned"] == {"live": len(view["learned"]), "budget": 32,
-                                                     "per_sandbox": 256, "reserved_per_sandbox": 0,
-                                                     "shared": 32}
+                                                     "per_sandbox": 256, "reserved_per_sandbox": 2,
+                                                     "shared": 16}
         others = [c.create(image="busybox", net="default", allow=[f"10.{o}.12.{i}:443/tcp"]) for i in (1, 2)]
         for sb in others:
             sb.net_set(add=[f"10.{o}.13.{i}:80/tcp" for i in range(1, 6)])
