@@ -37,6 +37,7 @@ import os
 import posixpath
 import stat
 import tarfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -51,6 +52,20 @@ ToHost = Callable[[int, int], tuple[int, int]]
 
 class CopyError(ValueError):
     """What cannot be copied, and where; the builder adds the Dockerfile line."""
+
+
+class CopyStopped(Exception):
+    """The copy was stopped (its build cancelled): checked before each entry
+    and each chunk of a file's bytes, so that a cancelled build's copy ends
+    within one chunk instead of copying on after its client is gone."""
+
+
+Stop = threading.Event | None
+
+
+def _check(stop: Stop) -> None:
+    if stop is not None and stop.is_set():
+        raise CopyStopped("the copy was stopped: its build was cancelled")
 
 
 @dataclass
@@ -221,18 +236,22 @@ def _links_to_dir(rootfd: int, pfd: int, name: str, path: str) -> bool:
 
 
 def _write_file(pfd: int, name: str, data_fd: int | None, chunks, mode: int,
-                owner: tuple[int, int] | None) -> int:
+                owner: tuple[int, int] | None, stop: Stop = None) -> int:
+    """A new file `name` in `pfd` with the bytes of `data_fd` (sent, a chunk
+    at a time) or of `chunks`; `stop` is checked after each chunk is read."""
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=pfd)
     written = 0
     try:
         if data_fd is not None:
             while True:
+                _check(stop)
                 n = os.sendfile(fd, data_fd, None, COPY_CHUNK)
                 if n == 0:
                     break
                 written += n
         else:
             for chunk in chunks:
+                _check(stop)
                 view = memoryview(chunk)
                 while view:
                     n = os.write(fd, view)
@@ -268,7 +287,7 @@ def _hashed(fd: int, h):
 
 
 def _put_entry(rootfd: int, path: str, source: Source, e: Entry, owner: tuple[int, int] | None,
-               chmod: int | None, dir_modes: list[tuple[str, int]]) -> int:
+               chmod: int | None, dir_modes: list[tuple[str, int]], stop: Stop = None) -> int:
     """One context entry of `source` at `path` in the image; returns the bytes written."""
     pfd, name = _parent(rootfd, path)
     try:
@@ -299,9 +318,10 @@ def _put_entry(rootfd: int, path: str, source: Source, e: Entry, owner: tuple[in
         try:
             want = source.digests.get(e.rel)
             if want is None:
-                return _write_file(pfd, name, src, None, chmod if chmod is not None else e.mode, owner)
+                return _write_file(pfd, name, src, None, chmod if chmod is not None else e.mode, owner, stop)
             h = hashlib.sha256()
-            written = _write_file(pfd, name, None, _hashed(src, h), chmod if chmod is not None else e.mode, owner)
+            written = _write_file(pfd, name, None, _hashed(src, h), chmod if chmod is not None else e.mode, owner,
+                                  stop)
             if h.hexdigest() != want:
                 st = os.fstat(src)
                 raise ChangedSinceHashed(shown, (st.st_dev, st.st_ino))
@@ -326,10 +346,12 @@ def _apply_dir_modes(rootfd: int, dir_modes: list[tuple[str, int]]) -> None:
 
 
 def copy_sources(rootfd: int, sources: list[Source], dest: str, owner: tuple[int, int] | None,
-                 chmod: int | None) -> Counts:
+                 chmod: int | None, stop: Stop = None) -> Counts:
     """COPY (and ADD of what is not an archive): each source at `dest`. A
     directory's contents go into `dest`; a file goes to `dest` itself, or
-    into it when `dest` ends with / or is a directory of the image."""
+    into it when `dest` ends with / or is a directory of the image.
+    `stop`: once set, CopyStopped before the next entry or chunk (what was
+    written stays, for the caller's sandbox to go with it)."""
     counts = Counts()
     dir_modes: list[tuple[str, int]] = []
     into = dest.endswith("/") or is_dir(rootfd, dest)
@@ -349,7 +371,8 @@ def copy_sources(rootfd: int, sources: list[Source], dest: str, owner: tuple[int
             entries = [src.entries[0]]
         for e in entries:
             path = posixpath.join(base, e.rel) if e.rel else base
-            counts.bytes += _put_entry(rootfd, path, src, e, owner, chmod, dir_modes)
+            _check(stop)
+            counts.bytes += _put_entry(rootfd, path, src, e, owner, chmod, dir_modes, stop)
             counts.files += 1
     _apply_dir_modes(rootfd, dir_modes)
     return counts
@@ -374,11 +397,12 @@ class HashedReader:
     ChangedSinceHashed unless the whole file hashed to `want` (None: not
     checked). What an ADD extracts is then what its step's key hashed."""
 
-    def __init__(self, f, want: str | None, shown: str):
-        self.f, self.want, self.shown = f, want, shown
+    def __init__(self, f, want: str | None, shown: str, stop: Stop = None):
+        self.f, self.want, self.shown, self.stop = f, want, shown, stop
         self.h = hashlib.sha256()
 
     def read(self, n: int = -1) -> bytes:
+        _check(self.stop)
         data = self.f.read(n)
         self.h.update(data)
         return data
@@ -392,14 +416,14 @@ class HashedReader:
 
 
 def extract_archive(rootfd: int, f, archive: str, dest: str, owner: tuple[int, int] | None,
-                    to_host: ToHost, id_count: int | None) -> Counts:
+                    to_host: ToHost, id_count: int | None, stop: Stop = None) -> Counts:
     """ADD of a local archive (`f`, open for reading; `archive` names it in
     messages): its entries into directory `dest`, owners from the archive
     (mapped by `to_host`; an id the sandbox cannot hold, `id_count` and up,
     is refused) unless --chown gave `owner`. Names are
     checked as a directory copy's (tarsafe: no absolute names, no `..`);
     hard links only to files the archive made before; devices and FIFOs
-    are skipped (listed in the counts)."""
+    are skipped (listed in the counts). `stop`: as copy_sources'."""
     top = "/" + dest.strip("/")
     make_dirs(rootfd, top)
     counts = Counts()
@@ -409,6 +433,7 @@ def extract_archive(rootfd: int, f, archive: str, dest: str, owner: tuple[int, i
         # Stream mode: the archive is read once, forward (HashedReader).
         with tarfile.open(fileobj=f, mode="r|*") as tf:
             for m in tf:
+                _check(stop)
                 try:
                     rel = tarsafe.entry_name(m.name)
                 except tarsafe.Refused as err:
@@ -427,7 +452,7 @@ def extract_archive(rootfd: int, f, archive: str, dest: str, owner: tuple[int, i
                     ids = to_host(m.uid, m.gid)
                 make_dirs(rootfd, posixpath.dirname(path))
                 try:
-                    counts.bytes += _put_member(rootfd, tf, m, path, top, ids, dir_modes, made_files)
+                    counts.bytes += _put_member(rootfd, tf, m, path, top, ids, dir_modes, made_files, stop)
                 except CopyError as err:
                     raise CopyError(f"{archive}: {err}") from None
                 counts.files += 1
@@ -438,7 +463,8 @@ def extract_archive(rootfd: int, f, archive: str, dest: str, owner: tuple[int, i
 
 
 def _put_member(rootfd: int, tf: tarfile.TarFile, m: tarfile.TarInfo, path: str, top: str,
-                owner: tuple[int, int], dir_modes: list[tuple[str, int]], made_files: set[str]) -> int:
+                owner: tuple[int, int], dir_modes: list[tuple[str, int]], made_files: set[str],
+                stop: Stop = None) -> int:
     pfd, name = _parent(rootfd, path)
     try:
         if m.isdir() and _links_to_dir(rootfd, pfd, name, path):
@@ -471,7 +497,7 @@ def _put_member(rootfd: int, tf: tarfile.TarFile, m: tarfile.TarInfo, path: str,
             made_files.add(path)
             return 0
         src = tf.extractfile(m)
-        written = _write_file(pfd, name, None, iter(lambda: src.read(COPY_CHUNK), b""), mode, owner)
+        written = _write_file(pfd, name, None, iter(lambda: src.read(COPY_CHUNK), b""), mode, owner, stop)
         made_files.add(path)
         return written
     except OSError as err:

@@ -406,8 +406,12 @@ class _Build:
                               err.code, **err.detail) from err
         return self.svc.registry.by_id[made["id"]]
 
-    async def _files(self, sb: Sandbox, step: Step, fn, *args):
-        """A copyin function on `sb`'s root, as its root user, in a worker."""
+    async def _files(self, sb: Sandbox, step: Step, fn, *args, stop: threading.Event | None = None):
+        """A copyin function on `sb`'s root, as its root user, in a worker.
+        A cancel (the client gone, `cancel`) sets `stop`, which a copy checks
+        between entries and chunks, and waits for fn to return: the step's
+        sandbox is destroyed (what fn wrote goes with it, its root fd is
+        closed) only once nothing writes through that fd any more."""
         idmap = userns.IdMap.from_record(sb.idmap)
 
         def call():
@@ -415,7 +419,7 @@ class _Build:
                 return fn(*args)
 
         try:
-            return await self.svc.workers.run(call)
+            return await self.svc.workers.run_stoppable(stop or threading.Event(), call)
         except (copyin.CopyError, buildctx.ContextError) as err:     # ContextError: a source opened again
             raise self._error(step.line, f"{step.instruction.cmd}: {err}") from err
         except OSError as err:
@@ -500,6 +504,9 @@ class _Build:
         def to_host(uid: int, gid: int) -> tuple[int, int]:
             return (idmap.uid + uid, idmap.gid + gid) if idmap else (uid, gid)
 
+        # Set by a cancel of the build: the copy stops at its next entry or chunk.
+        stop = threading.Event()
+
         def copy() -> copyin.Counts:
             rootfd = sb.handle.rootfd
             total = copyin.Counts()
@@ -508,11 +515,13 @@ class _Build:
                 if step.add and not src.is_dir:
                     with open(src.open(src.entries[0]), "rb") as f:
                         if copyin.is_archive(f):
-                            hashed = copyin.HashedReader(f, src.digests.get(""), src.rel)
+                            hashed = copyin.HashedReader(f, src.digests.get(""), src.rel, stop)
                             try:
                                 counts = copyin.extract_archive(rootfd, hashed, src.rel, step.dest, owner,
-                                                                to_host, idmap.count if idmap else None)
+                                                                to_host, idmap.count if idmap else None, stop)
                                 hashed.check()
+                            except copyin.CopyStopped:
+                                raise
                             except Exception:
                                 # check() reads the archive to its end only after
                                 # the extraction: one that failed first may have
@@ -523,7 +532,7 @@ class _Build:
                                 raise
                             total.skipped.extend(counts.skipped)
                 if counts is None:
-                    counts = copyin.copy_sources(rootfd, [src], step.dest, owner, step.chmod)
+                    counts = copyin.copy_sources(rootfd, [src], step.dest, owner, step.chmod, stop)
                 total.files += counts.files
                 total.bytes += counts.bytes
             return total
@@ -535,7 +544,7 @@ class _Build:
                 self.svc.digests.forget(err.file)      # the next build hashes it again
                 raise
 
-        counts = await self._files(sb, step, checked_copy)
+        counts = await self._files(sb, step, checked_copy, stop=stop)
         if counts.skipped:
             await self._emit("warning", step=step.n, message=f"line {step.line}: {len(counts.skipped)} archive "
                              f"entries are devices or FIFOs and were not extracted: {', '.join(counts.skipped[:5])}")

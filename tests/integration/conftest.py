@@ -483,6 +483,7 @@ def _enough_fds():
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attack_kit import admin, armed, probe_binary  # noqa: E402,F401
+from fuse_kit import gate_fuse_binary  # noqa: E402,F401
 
 
 @pytest.fixture(scope="module")

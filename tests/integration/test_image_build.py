@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import VENV_BIN
+from fuse_kit import GateFuse
 
 from dsecd import Client
 from dsecd.errors import BadRequest, DsecError
@@ -615,6 +616,46 @@ def test_a_cancelled_build_leaves_no_sandbox_and_no_name(daemon, client, tmp_pat
         time.sleep(0.1)
     assert client.list() == []
     assert "cancelled" not in [i["name"] for i in client.list_images()]
+
+
+def test_a_cancelled_build_stops_its_copy_within_a_chunk(daemon, client, tmp_path, gate_fuse_binary):
+    """A build cancelled while its COPY reads a large file stops reading it
+    at its next chunk (1 MiB), instead of copying the rest for nobody (into
+    a sandbox being destroyed, through a root fd being closed), and its
+    answer says it was cancelled. The file is on a FUSE mount whose reads
+    from 2 MiB on are held until the cancel is through; its first open is
+    the hashing's, its second the copy's."""
+    size, gate = 64 << 20, 2 << 20
+    fs = GateFuse(gate_fuse_binary, tmp_path / "fuse", size=size, gate_open=2, gate_offset=gate)
+    try:
+        async def cancel_mid_copy() -> None:
+            async with Client(daemon.socket) as c:
+                rid = c.new_id()
+                args = {"context": str(tmp_path), "dockerfile": "FROM busybox\nCOPY fuse/big /big\n",
+                        "name": "cancelled-copy", "dockerfile_name": "Dockerfile", "build_args": {},
+                        "no_cache": False}
+
+                async def build() -> None:
+                    async for _ in c.frames_with_id(rid, "image_build_dockerfile", args):
+                        pass
+
+                task = asyncio.ensure_future(build())
+                await asyncio.get_running_loop().run_in_executor(None, fs.wait_for, "held 2")
+                assert await c.request("cancel", target=rid) == {"cancelled": rid}
+                fs.open_gate()
+                with pytest.raises(DsecError) as info:
+                    await task
+                assert (info.value.code, info.value.message) == ("conflict", "request cancelled")
+
+        asyncio.run(cancel_mid_copy())
+        fs.wait_for("release 2")            # the copy's read of the file is over, however it ended
+        copied = fs.offsets(2)
+        # At once, it stops at gate + 1 MiB; the bound leaves room for a slow event loop.
+        assert copied and max(copied) < gate + (8 << 20), f"read on to {max(copied)} of {size} after the cancel"
+        assert client.list() == []
+        assert "cancelled-copy" not in [i["name"] for i in client.list_images()]
+    finally:
+        fs.close()
 
 
 def test_a_build_sandbox_of_a_killed_daemon_goes_at_its_restart(daemon_factory, busybox_rootfs, tmp_path):
