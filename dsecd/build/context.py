@@ -52,6 +52,15 @@ class SourceTooLarge(ContextError):
         self.rel, self.size, self.max_bytes = rel, size, max_bytes
 
 
+class SourcesTooLarge(ContextError):
+    """The files a step copies add up to more than the step's layer may hold
+    (`max_bytes`), each of them under it: refused before any is read."""
+
+    def __init__(self, message: str, files: int, size: int, max_bytes: int):
+        super().__init__(message)
+        self.files, self.size, self.max_bytes = files, size, max_bytes
+
+
 class HashStopped(Exception):
     """The hashing of the context was stopped (its build was cancelled)."""
 
@@ -487,32 +496,39 @@ class BuildContext:
     # ------------------------------------------------------------ hashing
 
     def digest(self, sources: list[Source], cache: DigestCache, stop: threading.Event | None = None,
-               max_file_bytes: int = 0) -> str:
+               max_bytes: int = 0) -> str:
         """sha256 of what a step copies: for each source, each entry's path,
         type, permission bits, and content (files) or target (symlinks).
         Owners are not in it: COPY sets them (root, or --chown).
         `stop`: once set, the hashing ends at its next chunk (HashStopped).
-        `max_file_bytes` (0: no bound): what the step's layer may hold; a
-        file larger than it is SourceTooLarge, before any of it is read:
-        the step could never write it, and a sparse file of any size costs
-        its maker nothing."""
+        `max_bytes` (0: no bound): what the step's layer may hold; a file
+        larger than it is SourceTooLarge, and files that add up to more
+        SourcesTooLarge, before any of it is read: the step could never
+        write them, and a sparse file of any size costs its maker nothing."""
+        files = [e for src in sources for e in src.entries if e.kind == "file"]
+        total = sum(e.size for e in files)
+        if max_bytes and total > max_bytes and all(e.size <= max_bytes for e in files):
+            raise SourcesTooLarge(f"its {len(files)} files add up to {total} bytes, more than a step's layer may "
+                                  f"hold (images.max_layer_bytes ({max_bytes} bytes)); copy fewer or smaller "
+                                  "files (.dockerignore some), split them over several steps, or raise "
+                                  "images.max_layer_bytes", len(files), total, max_bytes)
         h = hashlib.sha256()
         for src in sources:
             h.update(f"S {src.rel}\0".encode(errors="surrogateescape"))
             for e in src.entries:
                 if e.kind == "file":
                     shown = posixpath.normpath(posixpath.join(src.rel, e.rel))     # e.path: the daemon's
-                    if max_file_bytes and e.size > max_file_bytes:
-                        raise _too_large(shown, e.size, max_file_bytes)
+                    if max_bytes and e.size > max_bytes:
+                        raise _too_large(shown, e.size, max_bytes)
                     try:
                         fd = src.open(e)
                         try:
-                            content = cache.file_digest(fd, stop, max_file_bytes)
+                            content = cache.file_digest(fd, stop, max_bytes)
                         finally:
                             os.close(fd)
                         src.digests[e.rel] = content
                     except OverflowError as err:
-                        raise _too_large(shown, err.args[0], max_file_bytes) from None
+                        raise _too_large(shown, err.args[0], max_bytes) from None
                     except FileNotFoundError:
                         raise ContextError(f"{shown} was removed while the build read the context") from None
                     except OSError as err:

@@ -63,6 +63,33 @@ class CopyStopped(Exception):
 Stop = threading.Event | None
 
 
+class CopyTooLarge(CopyError):
+    """A step's copy wrote more than its layer may hold (`max_bytes`)."""
+
+    def __init__(self, message: str, max_bytes: int):
+        super().__init__(message)
+        self.max_bytes = max_bytes
+
+
+class LayerBudget:
+    """What a step's copy may write, over all its files: images.max_layer_bytes
+    (0: no bound). The plan refuses sources that add up to more by their
+    sizes; this holds the copy to it when a source grew since, and for what
+    an ADD's archive unpacks to, which its size does not say."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.used = 0
+
+    def take(self, n: int, path: str) -> None:
+        self.used += n
+        if self.max_bytes and self.used > self.max_bytes:
+            raise CopyTooLarge(f"{path}: what the step writes adds up to more than a step's layer may hold "
+                               f"(images.max_layer_bytes ({self.max_bytes} bytes)): a source grew since the "
+                               "build looked at it, or an archive unpacks to more; copy less, or raise "
+                               "images.max_layer_bytes", self.max_bytes)
+
+
 def _check(stop: Stop) -> None:
     if stop is not None and stop.is_set():
         raise CopyStopped("the copy was stopped: its build was cancelled")
@@ -236,9 +263,11 @@ def _links_to_dir(rootfd: int, pfd: int, name: str, path: str) -> bool:
 
 
 def _write_file(pfd: int, name: str, data_fd: int | None, chunks, mode: int,
-                owner: tuple[int, int] | None, stop: Stop = None) -> int:
-    """A new file `name` in `pfd` with the bytes of `data_fd` (sent, a chunk
-    at a time) or of `chunks`; `stop` is checked after each chunk is read."""
+                owner: tuple[int, int] | None, stop: Stop = None, budget: LayerBudget | None = None,
+                path: str = "") -> int:
+    """A new file `name` in `pfd` (`path` in the image) with the bytes of
+    `data_fd` (sent, a chunk at a time) or of `chunks`; `stop` is checked
+    after each chunk is read, `budget` charged with each chunk written."""
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=pfd)
     written = 0
     try:
@@ -249,6 +278,8 @@ def _write_file(pfd: int, name: str, data_fd: int | None, chunks, mode: int,
                 if n == 0:
                     break
                 written += n
+                if budget is not None:
+                    budget.take(n, path)
         else:
             for chunk in chunks:
                 _check(stop)
@@ -257,6 +288,8 @@ def _write_file(pfd: int, name: str, data_fd: int | None, chunks, mode: int,
                     n = os.write(fd, view)
                     view = view[n:]
                     written += n
+                if budget is not None:
+                    budget.take(len(chunk), path)
         if owner is not None:
             os.fchown(fd, *owner)
         os.fchmod(fd, mode)         # after fchown: a chown clears setuid/setgid bits
@@ -287,7 +320,8 @@ def _hashed(fd: int, h):
 
 
 def _put_entry(rootfd: int, path: str, source: Source, e: Entry, owner: tuple[int, int] | None,
-               chmod: int | None, dir_modes: list[tuple[str, int]], stop: Stop = None) -> int:
+               chmod: int | None, dir_modes: list[tuple[str, int]], stop: Stop = None,
+               budget: LayerBudget | None = None) -> int:
     """One context entry of `source` at `path` in the image; returns the bytes written."""
     pfd, name = _parent(rootfd, path)
     try:
@@ -318,10 +352,11 @@ def _put_entry(rootfd: int, path: str, source: Source, e: Entry, owner: tuple[in
         try:
             want = source.digests.get(e.rel)
             if want is None:
-                return _write_file(pfd, name, src, None, chmod if chmod is not None else e.mode, owner, stop)
+                return _write_file(pfd, name, src, None, chmod if chmod is not None else e.mode, owner, stop,
+                                   budget, path)
             h = hashlib.sha256()
             written = _write_file(pfd, name, None, _hashed(src, h), chmod if chmod is not None else e.mode, owner,
-                                  stop)
+                                  stop, budget, path)
             if h.hexdigest() != want:
                 st = os.fstat(src)
                 raise ChangedSinceHashed(shown, (st.st_dev, st.st_ino))
@@ -346,12 +381,13 @@ def _apply_dir_modes(rootfd: int, dir_modes: list[tuple[str, int]]) -> None:
 
 
 def copy_sources(rootfd: int, sources: list[Source], dest: str, owner: tuple[int, int] | None,
-                 chmod: int | None, stop: Stop = None) -> Counts:
+                 chmod: int | None, stop: Stop = None, budget: LayerBudget | None = None) -> Counts:
     """COPY (and ADD of what is not an archive): each source at `dest`. A
     directory's contents go into `dest`; a file goes to `dest` itself, or
     into it when `dest` ends with / or is a directory of the image.
     `stop`: once set, CopyStopped before the next entry or chunk (what was
-    written stays, for the caller's sandbox to go with it)."""
+    written stays, for the caller's sandbox to go with it). `budget`: what
+    the step may still write (CopyTooLarge past it)."""
     counts = Counts()
     dir_modes: list[tuple[str, int]] = []
     into = dest.endswith("/") or is_dir(rootfd, dest)
@@ -372,7 +408,7 @@ def copy_sources(rootfd: int, sources: list[Source], dest: str, owner: tuple[int
         for e in entries:
             path = posixpath.join(base, e.rel) if e.rel else base
             _check(stop)
-            counts.bytes += _put_entry(rootfd, path, src, e, owner, chmod, dir_modes, stop)
+            counts.bytes += _put_entry(rootfd, path, src, e, owner, chmod, dir_modes, stop, budget)
             counts.files += 1
     _apply_dir_modes(rootfd, dir_modes)
     return counts
@@ -416,14 +452,15 @@ class HashedReader:
 
 
 def extract_archive(rootfd: int, f, archive: str, dest: str, owner: tuple[int, int] | None,
-                    to_host: ToHost, id_count: int | None, stop: Stop = None) -> Counts:
+                    to_host: ToHost, id_count: int | None, stop: Stop = None,
+                    budget: LayerBudget | None = None) -> Counts:
     """ADD of a local archive (`f`, open for reading; `archive` names it in
     messages): its entries into directory `dest`, owners from the archive
     (mapped by `to_host`; an id the sandbox cannot hold, `id_count` and up,
     is refused) unless --chown gave `owner`. Names are
     checked as a directory copy's (tarsafe: no absolute names, no `..`);
     hard links only to files the archive made before; devices and FIFOs
-    are skipped (listed in the counts). `stop`: as copy_sources'."""
+    are skipped (listed in the counts). `stop`, `budget`: as copy_sources'."""
     top = "/" + dest.strip("/")
     make_dirs(rootfd, top)
     counts = Counts()
@@ -452,7 +489,10 @@ def extract_archive(rootfd: int, f, archive: str, dest: str, owner: tuple[int, i
                     ids = to_host(m.uid, m.gid)
                 make_dirs(rootfd, posixpath.dirname(path))
                 try:
-                    counts.bytes += _put_member(rootfd, tf, m, path, top, ids, dir_modes, made_files, stop)
+                    counts.bytes += _put_member(rootfd, tf, m, path, top, ids, dir_modes, made_files, stop,
+                                                budget)
+                except CopyTooLarge as err:
+                    raise CopyTooLarge(f"{archive}: {err}", err.max_bytes) from None
                 except CopyError as err:
                     raise CopyError(f"{archive}: {err}") from None
                 counts.files += 1
@@ -464,7 +504,7 @@ def extract_archive(rootfd: int, f, archive: str, dest: str, owner: tuple[int, i
 
 def _put_member(rootfd: int, tf: tarfile.TarFile, m: tarfile.TarInfo, path: str, top: str,
                 owner: tuple[int, int], dir_modes: list[tuple[str, int]], made_files: set[str],
-                stop: Stop = None) -> int:
+                stop: Stop = None, budget: LayerBudget | None = None) -> int:
     pfd, name = _parent(rootfd, path)
     try:
         if m.isdir() and _links_to_dir(rootfd, pfd, name, path):
@@ -497,7 +537,8 @@ def _put_member(rootfd: int, tf: tarfile.TarFile, m: tarfile.TarInfo, path: str,
             made_files.add(path)
             return 0
         src = tf.extractfile(m)
-        written = _write_file(pfd, name, None, iter(lambda: src.read(COPY_CHUNK), b""), mode, owner, stop)
+        written = _write_file(pfd, name, None, iter(lambda: src.read(COPY_CHUNK), b""), mode, owner, stop,
+                              budget, path)
         made_files.add(path)
         return written
     except OSError as err:

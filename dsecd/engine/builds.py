@@ -252,7 +252,7 @@ class _Build:
         # Set when the build is cancelled (its client gone, or a cancel):
         # the hashing, which may read a lot, ends at its next chunk.
         stop = threading.Event()
-        max_file_bytes = self.store.max_layer_bytes
+        max_layer_bytes = self.store.max_layer_bytes
 
         def find() -> dict:
             context = buildctx.BuildContext.open(where, shown=req.context, reader=reader)
@@ -266,8 +266,12 @@ class _Build:
                             f"{len(found)} sources ({', '.join(s.rel for s in found[:4])}"
                             f"{', ...' if len(found) > 4 else ''}): the destination must be a directory "
                             f"ending in /, not {step.instruction.args.split()[-1]!r}")
-                    out[step.n] = (found, context.digest(found, self.svc.digests, stop, max_file_bytes),
+                    out[step.n] = (found, context.digest(found, self.svc.digests, stop, max_layer_bytes),
                                    [pattern for pattern, srcs in matched if not srcs])
+                except buildctx.SourcesTooLarge as err:
+                    raise LimitExceeded(f"{self.filename}:{step.line}: {step.instruction}: {err}",
+                                        {"line": step.line, "file": self.filename, "files": err.files,
+                                         "size": err.size, "max_bytes": err.max_bytes}) from err
                 except buildctx.SourceTooLarge as err:
                     raise LimitExceeded(f"{self.filename}:{step.line}: {step.instruction.cmd} {err}",
                                         {"line": step.line, "file": self.filename, "path": err.rel,
@@ -420,6 +424,9 @@ class _Build:
 
         try:
             return await self.svc.workers.run_stoppable(stop or threading.Event(), call)
+        except copyin.CopyTooLarge as err:
+            raise LimitExceeded(f"{self.filename}:{step.line}: {step.instruction}: {err}",
+                                {"line": step.line, "file": self.filename, "max_bytes": err.max_bytes}) from err
         except (copyin.CopyError, buildctx.ContextError) as err:     # ContextError: a source opened again
             raise self._error(step.line, f"{step.instruction.cmd}: {err}") from err
         except OSError as err:
@@ -506,6 +513,7 @@ class _Build:
 
         # Set by a cancel of the build: the copy stops at its next entry or chunk.
         stop = threading.Event()
+        budget = copyin.LayerBudget(self.store.max_layer_bytes)
 
         def copy() -> copyin.Counts:
             rootfd = sb.handle.rootfd
@@ -518,7 +526,8 @@ class _Build:
                             hashed = copyin.HashedReader(f, src.digests.get(""), src.rel, stop)
                             try:
                                 counts = copyin.extract_archive(rootfd, hashed, src.rel, step.dest, owner,
-                                                                to_host, idmap.count if idmap else None, stop)
+                                                                to_host, idmap.count if idmap else None, stop,
+                                                                budget)
                                 hashed.check()
                             except copyin.CopyStopped:
                                 raise
@@ -532,7 +541,7 @@ class _Build:
                                 raise
                             total.skipped.extend(counts.skipped)
                 if counts is None:
-                    counts = copyin.copy_sources(rootfd, [src], step.dest, owner, step.chmod, stop)
+                    counts = copyin.copy_sources(rootfd, [src], step.dest, owner, step.chmod, stop, budget)
                 total.files += counts.files
                 total.bytes += counts.bytes
             return total

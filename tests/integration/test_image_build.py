@@ -345,6 +345,33 @@ def test_a_copy_source_larger_than_a_layer_is_refused_before_it_is_hashed(daemon
         c.close()
 
 
+def test_a_copy_whose_files_add_up_past_a_layer_is_refused_before_it_is_hashed(daemon_factory, busybox_rootfs,
+                                                                             tmp_path):
+    """images.max_layer_bytes bounds a step's layer, not each of its files:
+    many files each under it add up to a layer over it, refused before any
+    is read, naming the step, the bound and the key."""
+    d = daemon_factory('[images]\nmax_layer_bytes = "1M"\n')
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        (tmp_path / "src").mkdir()
+        for i in range(3):
+            (tmp_path / "src" / f"part{i}").write_bytes(b"p" * (512 << 10))
+        with pytest.raises(DsecError) as info:
+            c.build_dockerfile(str(tmp_path), "parts", text="FROM busybox\nCOPY src /parts/\n")
+        err = info.value
+        assert err.code == "limit" and err.detail["line"] == 2, err
+        assert (err.detail["size"], err.detail["max_bytes"]) == (3 * (512 << 10), 1 << 20), err
+        assert err.message.startswith("Dockerfile:2: COPY src /parts/: its 3 files add up to 1572864 bytes"), \
+            err.message
+        assert "images.max_layer_bytes (1048576 bytes)" in err.message, err.message
+        (tmp_path / "src" / "part2").unlink()
+        assert c.build_dockerfile(str(tmp_path), "parts", text="FROM busybox\nCOPY src /parts/\n")["name"] \
+            == "parts"
+    finally:
+        c.close()
+
+
 @pytest.mark.parametrize("dockerfile,line,code,words", [
     ("FROM busybox\nRUN true\nONBUILD RUN true\n", 3, "unsupported", "ONBUILD is not supported"),
     ("FROM busybox\nHEALTHCHECK CMD true\n", 2, "unsupported", "HEALTHCHECK is not supported"),

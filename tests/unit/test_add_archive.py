@@ -152,3 +152,45 @@ def test_a_source_that_cannot_be_hashed_is_named_by_its_context_path(tmp_path, m
     with pytest.raises(buildctx.ContextError) as err:
         ctx.digest(sources, buildctx.DigestCache())
     assert str(err.value) == says
+
+
+def test_a_copy_past_the_steps_layer_bound_is_refused_as_it_writes(tmp_path):
+    """The plan bounds a step's sources by their sizes; a source that grew
+    since is held to the bound by the copy itself, over all its files."""
+    from dsecd.build.context import BuildContext
+
+    ctx, root = tmp_path / "ctx", tmp_path / "root"
+    (ctx / "src").mkdir(parents=True)
+    root.mkdir()
+    for name in ("a", "b"):
+        (ctx / "src" / name).write_bytes(b"x" * 600)
+    sources = BuildContext.open(str(ctx)).sources("src")
+    rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(copyin.CopyTooLarge) as err:
+            copyin.copy_sources(rootfd, sources, "/app/", None, None, budget=copyin.LayerBudget(1000))
+    finally:
+        os.close(rootfd)
+    assert err.value.max_bytes == 1000
+    assert str(err.value).startswith("/app/b: what the step writes adds up to more than a step's layer may hold "
+                                     "(images.max_layer_bytes (1000 bytes))")
+
+
+def test_an_archive_that_unpacks_past_the_steps_layer_bound_is_refused(tmp_path):
+    """A few bytes of gzip unpack to far more: ADD's extraction is held to
+    the step's bound as it writes."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        info = tarfile.TarInfo("zeros")
+        info.size = 1 << 20
+        tf.addfile(info, io.BytesIO(bytes(1 << 20)))
+    assert len(buf.getvalue()) < 4096
+    buf.seek(0)
+    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(copyin.CopyTooLarge) as err:
+            copyin.extract_archive(root, buf, "zeros.tgz", "/dst", (os.getuid(), os.getgid()),
+                                   lambda uid, gid: (uid, gid), None, budget=copyin.LayerBudget(64 << 10))
+    finally:
+        os.close(root)
+    assert str(err.value).startswith("zeros.tgz: /dst/zeros: what the step writes adds up to more than")
