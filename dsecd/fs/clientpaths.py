@@ -394,7 +394,9 @@ def copy_as(top: int, dest: str, reader: native.Reader, stop: Callable[[], bool]
     written, as the calling thread (root), with the source's types, modes,
     owners, xattrs the reader can list, and hard links. The copy is what
     the client could read at the moment it was read, whatever it renames
-    meanwhile. `stop()` is asked between entries (InterruptedError).
+    meanwhile. `stop()` is asked between entries and before each chunk of
+    a file's bytes (InterruptedError): a cancelled build's copy of a large
+    file ends within a chunk, not at the file's end.
     PermissionError (its filename: the entry, relative to top) for what the
     reader may not read; KernelFileError for a directory or file (top too)
     on a kernel file system; TreeChanged for what changed under the copy.
@@ -455,7 +457,7 @@ def _copy_as(top: int, dest: str, reader: native.Reader, stop: Callable[[], bool
                 count += 1
                 if max_entries and count > max_entries:
                     raise CopyTooMany(sub, max_entries)
-                if _copy_entry(fd, name, sub, out, reader, links, budget):
+                if _copy_entry(fd, name, sub, out, reader, links, budget, stop):
                     with native.reader_ids(reader):
                         try:
                             dfd = _open_below(fd, name, _DIR_OPEN | os.O_NOFOLLOW, _NO_LINKS, sub)
@@ -491,7 +493,7 @@ def _raise_read(err: OSError, rel: str):
 
 
 def _copy_entry(dirfd: int, name: str, rel: str, out: str, reader: native.Reader,
-                links: dict[tuple[int, int], str], budget: _Budget) -> bool:
+                links: dict[tuple[int, int], str], budget: _Budget, stop: Callable[[], bool]) -> bool:
     """Copy entry `name` of open directory `dirfd` (as `reader`) to `out`;
     True if it is a directory (made, left for the caller to fill)."""
     with native.reader_ids(reader):
@@ -532,7 +534,12 @@ def _copy_entry(dirfd: int, name: str, rel: str, out: str, reader: native.Reader
         budget.check(rel, st.st_size)
         dst = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            while n := os.sendfile(dst, src, None, COPY_CHUNK):
+            while True:
+                if stop():
+                    raise InterruptedError("the copy was stopped")
+                n = os.sendfile(dst, src, None, COPY_CHUNK)
+                if not n:
+                    break
                 budget.take(n, rel, st.st_size)
             with native.reader_ids(reader):
                 xattrs = _xattrs_of(src)

@@ -17,6 +17,7 @@ import pytest
 
 from dsecd import native, server
 from dsecd.fs.clientpaths import (
+    COPY_CHUNK,
     ClientPathError,
     ClientPaths,
     CopyTooLarge,
@@ -279,6 +280,32 @@ def test_a_copy_as_the_client_reads_only_what_it_may(shared_dir, tmp_path):
     finally:
         os.close(fd)
     assert open(ctx / "sub" / "a.txt").read() == "a", "root again"
+
+
+@needs_root
+def test_a_stop_ends_a_copy_as_the_client_within_a_large_file(shared_dir, tmp_path):
+    """A member's `image build DIR` cancelled while its copy is in a large
+    file stops at the next chunk, not at the file's end."""
+    ctx = shared_dir / "ctx"
+    ctx.mkdir(mode=0o755)
+    with open(ctx / "big", "wb") as f:
+        f.truncate(8 * COPY_CHUNK)
+    (ctx / "big").chmod(0o644)
+    asked = []
+
+    def stop() -> bool:
+        asked.append(True)
+        return len(asked) > 3            # once for the entry, then before each chunk: two copied
+
+    fd = os.open(ctx, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        out = tmp_path / "copy"
+        out.mkdir()
+        with pytest.raises(InterruptedError):
+            copy_as(fd, str(out), NOBODY, stop=stop)
+    finally:
+        os.close(fd)
+    assert os.path.getsize(out / "big") == 2 * COPY_CHUNK
 
 
 def test_a_deep_tree_is_walked_without_recursion(tmp_path):
