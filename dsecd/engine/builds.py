@@ -54,7 +54,7 @@ from .execs import ExecService, mapped_groups
 from .images import ImageService, check_platform, count_image_op
 from .network import NET_FILES
 from .sandboxes import Sandbox, SandboxRegistry
-from .workers import Workers
+from .workers import Workers, outcome
 
 log = logging.getLogger(__name__)
 
@@ -384,8 +384,7 @@ class _Build:
             exclude = list(self.svc.images.snapshot_exclude) + (list(NET_FILES) if networked else [])
             try:
                 async with self.svc.images.frozen_upper(sb) as upper:
-                    return await self._store_call(self.store.pack_layer, upper, exclude, self.pins.hold, None,
-                                                  self.svc.images.max_snapshot_bytes)
+                    return await self._pack(upper, exclude)
             except DsecError as err:
                 raise self._error(step.line, f"pack the changes of {step.instruction.cmd}: {err.message}",
                                   err.code) from err
@@ -394,6 +393,19 @@ class _Build:
                 await self.svc.destroy(sb, True, "build")
             except DsecError as err:
                 log.error("build %s: destroy step sandbox %s: %s", self.req.name, sb.id, err)
+
+    async def _pack(self, upper, exclude: list[str]) -> dict | None:
+        """The step's layer, packed from `upper` in a worker. Cancelled, the
+        pack (mkfs.erofs, which cannot be stopped half-way) is waited for,
+        as a snapshot's is: the view of the sandbox's layer it reads is
+        removed, and the sandbox destroyed, only once it has ended."""
+        packing = asyncio.ensure_future(self._store_call(self.store.pack_layer, upper, exclude, self.pins.hold,
+                                                         None, self.svc.images.max_snapshot_bytes))
+        try:
+            return await asyncio.shield(packing)
+        except asyncio.CancelledError:
+            await outcome(packing)
+            raise
 
     async def _sandbox(self, step: Step, image: Image, networked: bool) -> Sandbox:
         limits = self.svc.limits

@@ -685,6 +685,64 @@ def test_a_cancelled_build_stops_its_copy_within_a_chunk(daemon, client, tmp_pat
         fs.close()
 
 
+def _child_named(parent: int, name: str, timeout: float = 120) -> int:
+    """The pid of a child of process `parent` whose command is `name`, as
+    soon as there is one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for task in os.listdir(f"/proc/{parent}/task"):
+            try:
+                children = Path(f"/proc/{parent}/task/{task}/children").read_text().split()
+            except FileNotFoundError:
+                continue
+            for pid in children:
+                try:
+                    if Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                        return int(pid)
+                except FileNotFoundError:
+                    pass
+        time.sleep(0.001)
+    raise TimeoutError(f"no {name} under process {parent} in {timeout} s")
+
+
+def test_a_build_cancelled_while_its_layer_is_packed_answers_after_the_pack(daemon, client, tmp_path):
+    """mkfs.erofs, packing a step's layer, cannot be stopped half-way: a
+    build cancelled meanwhile waits for it, as a snapshot does, before the
+    view it reads is removed, the step's sandbox destroyed and the cancel
+    answered. Here the pack is held (SIGSTOP) while the cancel comes."""
+    (tmp_path / "big").write_bytes(os.urandom(128 << 20))
+
+    async def cancel_mid_pack() -> None:
+        async with Client(daemon.socket) as c:
+            rid = c.new_id()
+            args = {"context": str(tmp_path), "dockerfile": "FROM busybox\nCOPY big /big\n",
+                    "name": "cancelled-pack", "dockerfile_name": "Dockerfile", "build_args": {}, "no_cache": False}
+
+            async def build() -> None:
+                async for _ in c.frames_with_id(rid, "image_build_dockerfile", args):
+                    pass
+
+            task = asyncio.ensure_future(build())
+            mkfs = await asyncio.get_running_loop().run_in_executor(None, _child_named, daemon.proc.pid,
+                                                                    "mkfs.erofs")
+            os.kill(mkfs, signal.SIGSTOP)
+            try:
+                assert await c.request("cancel", target=rid) == {"cancelled": rid}
+                # The answer, if it comes while the pack is held (it must not).
+                answered, _ = await asyncio.wait({task}, timeout=5)
+            finally:
+                os.kill(mkfs, signal.SIGCONT)
+            assert not answered, "the cancel was answered while the step's layer was still being packed"
+            with pytest.raises(DsecError) as info:
+                await task
+            assert info.value.message == "request cancelled"
+            assert not Path(f"/proc/{mkfs}").exists(), "the pack ended before the answer"
+
+    asyncio.run(cancel_mid_pack())
+    assert client.list() == []
+    assert "cancelled-pack" not in [i["name"] for i in client.list_images()]
+
+
 def test_a_build_sandbox_of_a_killed_daemon_goes_at_its_restart(daemon_factory, busybox_rootfs, tmp_path):
     """A daemon killed mid-RUN leaves its build's sandbox running; the
     build is gone with the daemon, so the next one removes the sandbox
