@@ -327,14 +327,18 @@ class ProcessService:
             raise Unsupported(f"sandbox {sb.id} is a microVM: task policies (Landlock in dsec-init) are "
                               "enforced in containers only")
         await self.ensure_running(sb, "starting a process")
-        pid, rec = await self.vm.start(sb, req, env, cwd, ids)
-        proc = self.new_proc(rec)
-        old = table.pop(pid, None)              # an exited record of a pid the guest reused
-        if old is not None:
-            self._drop(old)
-        table[pid] = proc
-        self._save(sb)
-        await asyncio.shield(self.vm.attach(sb, proc))     # followed even if the request goes now
+        # A pause waits for the start and the attach after it as one: counted
+        # apart, it could end QEMU between them, with the attach's request
+        # on its way to the agent.
+        with self.vm.request_running(sb):
+            pid, rec = await self.vm.start(sb, req, env, cwd, ids)
+            proc = self.new_proc(rec)
+            old = table.pop(pid, None)              # an exited record of a pid the guest reused
+            if old is not None:
+                self._drop(old)
+            table[pid] = proc
+            self._save(sb)
+            await asyncio.shield(self.vm.attach(sb, proc))     # followed even if the request goes now
         sb.last_active = time.monotonic()
         return {"pid": pid, "started": rec["started"]}
 

@@ -218,10 +218,16 @@ class VmProcs:
             return
         self._send_quietly(link, wire.PROC_KILL, wire.u64(fut.result().u64()), wire.u64(signal.SIGKILL))
 
+    def request_running(self, sb: Sandbox):
+        """Count agent requests a pause must wait for (MicroVMService.request_running)."""
+        return self.svc.vms.request_running(sb)
+
     async def attach(self, sb: Sandbox, proc) -> None:
-        """Follow a process just started, from its first byte."""
+        """Follow a process just started, from its first byte. A pause waits
+        for it (a request cut on its way would leave the agent half a frame)."""
         try:
-            await self._link(sb).request(wire.PROC_ATTACH, wire.u64(proc.pid), wire.u64(0))
+            with self.request_running(sb):
+                await self._link(sb).request(wire.PROC_ATTACH, wire.u64(proc.pid), wire.u64(0))
         except (AgentError, AgentGone, Conflict) as err:
             # Its channel went (a pause, the VM's end): the next channel attaches.
             log.info("sandbox %s: attach to background process %d: %s", sb.id, proc.pid, err)
