@@ -375,6 +375,7 @@ struct exec {
     int in_eof;          /* close stdin once pend is written */
     int owed;            /* an M_STDIN awaits its A_TAKEN: the host sends the next once it comes */
     int pty;             /* out[1] is a terminal's master (in a dup of it) */
+    unsigned copy;       /* EXEC_TAR_GET, EXEC_TAR_PUT or EXEC_WATCH: one of the agent's own copies */
     /* Output flow control (EXEC_WINDOW; window 0: none, an older host): OUT
      * data sent may run at most `window` bytes ahead of what the host has
      * taken (M_CREDIT); past it the pipes are not read, so the process
@@ -1298,6 +1299,7 @@ static void do_exec(uint32_t id, struct rd *r)
     trace_fd = -1;
     x->in = pi[1];
     x->pty = (flags & EXEC_PTY) != 0;
+    x->copy = c.copy;
     x->window = window;
     fcntl(po[0], F_SETFL, O_NONBLOCK); /* a pty's master: its stdin end shares the open file */
     if (pe[0] >= 0)
@@ -1613,6 +1615,27 @@ static void orphan_execs(void)
  * frames (a daemon killed mid-request leaves half a frame), which the next
  * host's frames must not be read after (read_channel drops it). */
 static int input_stale;
+
+/* A new host that does not follow the running execs (a restarted daemon):
+ * a directory copy's child (EXEC_TAR_PUT) still waiting for records will
+ * get none, as their host is gone. Its input ends, so that it removes the
+ * directory it was making beside the destination (.dsec-put-<hex>), which
+ * nobody else knows to be a copy's; else it would wait, and the directory
+ * stay, for as long as the VM runs. */
+static void end_orphaned_puts(void)
+{
+    for (int i = 0; i < MAX_EXECS; i++) {
+        struct exec *x = &execs[i];
+
+        if (!x->pid || !(x->copy & EXEC_TAR_PUT) || x->in < 0)
+            continue;
+        free(x->pend);
+        x->pend = NULL;
+        x->pend_len = x->pend_off = 0;
+        x->owed = 0; /* its host is gone: no A_TAKEN for it */
+        close_fd(&x->in);
+    }
+}
 
 static void host_gone(void)
 {
@@ -2476,8 +2499,10 @@ static void do_hello(uint32_t id, struct rd *r)
             }
         }
         detach_procs(); /* a new host: it attaches to the background processes it follows */
-        if (!keeps_execs)
+        if (!keeps_execs) {
             orphan_execs();
+            end_orphaned_puts();
+        }
         if (sb && sb[0] && strcmp(sb, sandbox_id)) {
             snprintf(sandbox_id, sizeof(sandbox_id), "%s", sb);
             say("serving sandbox %s", sandbox_id);

@@ -233,6 +233,49 @@ def test_the_temporaries_of_a_client_killed_mid_copy_are_removed(vmd, tmp_path):
         sb.destroy(force=True)
 
 
+def test_a_daemon_killed_mid_copy_leaves_no_copy_directory_in_the_vm(vmd, tmp_path):
+    """A daemon killed while a `cp -r` into a microVM was under way left the
+    guest's copy waiting for the rest of its archive for good, and its
+    directory (.dsec-put-<hex>, beside the destination) with it: nothing
+    else knows that name to be a copy's. The next daemon's HELLO ends the
+    copy's input, and the copy removes what it made."""
+    d, c = vmd
+    sb = _vm(c, memory="512M", disk="128M")
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for i in range(24):
+        (tree / f"f{i}").write_bytes(os.urandom(1 << 20))
+    try:
+        sb.mkdir("/work", parents=True)
+        threading.Thread(target=lambda: _quietly(lambda: sb.upload_dir(str(tree), "/work/tree")),
+                         daemon=True).start()
+        deadline = time.monotonic() + 60        # the guest's copy made its directory: it is under way
+        while time.monotonic() < deadline and not any(e["name"].startswith(".dsec-put-")
+                                                      for e in sb.list_files("/work")):
+            time.sleep(0.05)
+        assert any(e["name"].startswith(".dsec-put-") for e in sb.list_files("/work"))
+        d.stop(signal.SIGKILL)
+        c.close()
+        d.start()
+        c2 = d.client()
+        try:
+            again = c2.get(sb.id)
+            deadline = time.monotonic() + 60
+            names = ["?"]
+            while names and time.monotonic() < deadline:
+                time.sleep(0.2)
+                names = [e["name"] for e in again.list_files("/work")]
+            assert names == [], names
+        finally:
+            c2.close()
+    finally:
+        c3 = d.client()
+        try:
+            c3.get(sb.id).destroy(force=True)
+        finally:
+            c3.close()
+
+
 def test_a_directory_copy_under_way_resumes_its_job_paused_vm(vmd, tmp_path):
     """A job pause stops a VM's vCPUs: a directory copy into (or out of) it
     under way stood still, its client waiting, until someone resumed the
