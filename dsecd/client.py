@@ -1760,12 +1760,13 @@ class Sandbox:
         readers in the sandbox see the old bytes or the new ones. The
         temporary file is removed when a write fails; one cut by a lost
         connection (the client killed) is removed by the daemon when the
-        connection drops, and in a container one cut by the daemon's death
-        by the next daemon at its start (it records the file while it is
-        temporary; in a microVM, such a part stays beside the target as
-        `.dsec-<hex>`). A file it replaces passes on its owner, group and
-        mode; a new file gets `mode`. A symlink at `path` is replaced, not
-        written through, and hard links to the old file keep the old bytes.
+        connection drops, and one cut by the daemon's death by the next
+        daemon at its start (it records the file while it is temporary; in
+        a microVM whose guest agent predates inode numbers, such a part
+        stays beside the target as `.dsec-<hex>`). A file it replaces
+        passes on its owner, group and mode; a new file gets `mode`. A
+        symlink at `path` is replaced, not written through, and hard links
+        to the old file keep the old bytes.
         With atomic=False the bytes go into the file in place (through a
         symlink, keeping the inode), and a failure leaves what was written
         so far. `owner`: who a new file (and the parents it makes) belongs

@@ -2232,6 +2232,11 @@ static void do_stat(uint32_t id, struct rd *r)
     }
     begin(&out, A_OK, id);
     put_stat(&out, &st);
+    /* Then its device and inode numbers: the host records a temporary a
+     * copy made by them, and a restarted daemon removes what a path names
+     * only if it is still that file (an older host reads no further). */
+    put_u64(&out, (uint64_t)st.st_dev);
+    put_u64(&out, (uint64_t)st.st_ino);
     send_msg(&out);
 done:
     if (fd >= 0)

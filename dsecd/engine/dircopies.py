@@ -118,7 +118,7 @@ class DirCopyService:
     def __init__(self, registry: SandboxRegistry, workers: Workers, ensure_running, max_chunk: int,
                  max_entries: int, max_bytes: int, max_puts: int, idle_timeout: float, copy_by_init: CopyByInit,
                  vms: MicroVMService | None = None, temps: CopyTemps | None = None, hold_temporary=None,
-                 hold_vm_temporary=None, events: EventBus | None = None):
+                 hold_vm_temporary=None, events: EventBus | None = None, journal_vm_temporary=None):
         self.registry = registry
         self._resuming: set[asyncio.Task] = set()
         self._putting: dict[str, int] = {}      # sandbox id -> its file_tar_puts under way
@@ -127,6 +127,7 @@ class DirCopyService:
         self.temps = temps              # where a put's temporary directory is recorded while it exists
         self.hold_temporary = hold_temporary
         self.hold_vm_temporary = hold_vm_temporary      # FileService's, for a microVM's
+        self.journal_vm_temporary = journal_vm_temporary    # and what records one made, for the next daemon
         self.vms = vms                  # microVM sandboxes' copies run in their guests (MicroVMService)
         self.copy_by_init = copy_by_init
         self.workers = workers
@@ -211,11 +212,14 @@ class DirCopyService:
                 if req.temporary and self.hold_vm_temporary is not None:
                     release = self.hold_vm_temporary(sb.id, req.path, ctx, True)
                 try:
-                    return await self.vms.tar_put(sb, req.path, pipe, self.max_entries, self.max_bytes, owner)
+                    out = await self.vms.tar_put(sb, req.path, pipe, self.max_entries, self.max_bytes, owner)
                 except Exception:
                     if release is not None:
                         release()
                     raise
+                if release is not None and self.journal_vm_temporary is not None:
+                    await self.journal_vm_temporary(sb, req.path)
+                return out
             # Its own copy of the root, closed by the worker when it is done
             # (the shield below keeps the worker going on a cancel).
             root = sb.root_copy()

@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 # copy_by_init(loop, handle, src, dst): the backend's (dsecd/backends/container.py).
 CopyByInit = Callable[[object, object, int, int], "InitExec | None"]
 
+# How long the start waits on a microVM's guest to remove a temporary the
+# daemon before left (a stat and a remove).
+VM_SWEEP_TIMEOUT_S = 30.0
+
 
 class FileService:
     """`file_read`, `file_write`, `file_list`, `file_stat`, `file_mkdir`,
@@ -135,11 +139,14 @@ class FileService:
             # it is written (the agent writes it all the same) leaves it too.
             release = self.hold_vm_temporary(sb.id, req.path, ctx) if req.temporary and not keep else None
             try:
-                return await self.vms.file_op(sb, req, owner)
+                out = await self.vms.file_op(sb, req, owner)
             except DsecError:
                 if release is not None:     # not made, or the writer removes it itself: no longer ours to remove
                     release()
                 raise
+            if release is not None:
+                await self.journal_vm_temporary(sb, req.path)
+            return out
         # With same_as, nothing is truncated before the file is known to be that one.
         fd = await self._file_op(req, "write", sbfiles.open_for_write, req.path, req.append,
                                  keep or req.same_as is not None, req.mode, req.parents, req.same_as is None,
@@ -263,16 +270,38 @@ class FileService:
 
     def hold_vm_temporary(self, sb_id: str, path: str, ctx, tree: bool = False):
         """hold_temporary for a microVM's `path` (a whole directory if
-        `tree`), in memory only: its guest's agent reports no inode numbers
-        to check a path against, so nothing is recorded for a restarted
-        daemon to remove. The path is removed if the connection that made it
-        closes before renaming or removing it. Returns what lets go of it
-        (the path not made after all), or None if it was already held."""
+        `tree`), from before it is made: removed if the connection that
+        made it closes before renaming or removing it. Once made,
+        journal_vm_temporary records it for a restarted daemon. Returns what
+        lets go of it (the path not made after all), or None if it was
+        already held."""
         if (sb_id, path) in self._temp_records:
             return None
         forget = ctx.at_close(functools.partial(self._vm_temp_orphaned, sb_id, path, tree))
         self._temp_records[(sb_id, path)] = (None, forget)
         return functools.partial(self._forget_temp, sb_id, path)
+
+    async def journal_vm_temporary(self, sb: Sandbox, path: str) -> None:
+        """A microVM's temporary `path`, held (hold_vm_temporary) and now
+        made, recorded by its guest's device and inode numbers (its agent's
+        stat), so that the next daemon removes it if this one dies before
+        its client renames or removes it (sweep_temps). Not recorded when
+        the guest's agent reports no inode numbers (an older one) or the
+        stat fails: the copy goes on, only a crash would leave it."""
+        key = (sb.id, path)
+        entry = self._temp_records.get(key)
+        if self.temps is None or entry is None or entry[0] is not None:
+            return
+        try:
+            ids = await self.vms.identity(sb, path)
+        except DsecError as err:
+            log.debug("sandbox %s: %s, a temporary, not recorded: %s", sb.id, path, err)
+            return
+        if ids is None or self._temp_records.get(key) is not entry:     # let go of meanwhile
+            return
+        rec = self.temps.record_ids(sb.id, path, *ids)
+        if rec is not None:
+            self._temp_records[key] = (rec, entry[1])
 
     def _forget_temp(self, sb_id: str, path: str) -> None:
         entry = self._temp_records.pop((sb_id, path), None)
@@ -286,13 +315,18 @@ class FileService:
         """The connection that made a microVM's temporary `path` closed
         before renaming or removing it: removed now, if the VM runs (a pause
         takes its agent's channel: the sandbox's lock orders them)."""
-        if self._temp_records.pop((sb_id, path), None) is None:
+        entry = self._temp_records.pop((sb_id, path), None)
+        if entry is None:
             return
+        rec = entry[0]
         sb = self.registry.by_id.get(sb_id)
         if sb is None or self.vms is None:
+            if rec is not None:
+                await self.workers.run(self.temps.drop, rec)
             return
         async with sb.lock:
             if sb.state != "running" or sb.handle is None:
+                # Its record (if any) stays: a later start removes it while the VM runs.
                 log.warning("sandbox %s: %s, the temporary copy of a write its client left unfinished, stays "
                             "(the sandbox is %s); remove it with dsec rm -r %s:%s", sb_id, path, sb.state,
                             sb_id, path)
@@ -303,8 +337,12 @@ class FileService:
                 if err.code != "not_found":
                     log.warning("sandbox %s: cannot remove %s, the temporary copy of a write its client left "
                                 "unfinished: %s; remove it with dsec rm -r %s:%s", sb_id, path, err, sb_id, path)
-                return
-        log.info("sandbox %s: removed %s, the temporary copy of a write its client left unfinished", sb_id, path)
+            else:
+                log.info("sandbox %s: removed %s, the temporary copy of a write its client left unfinished",
+                         sb_id, path)
+            finally:
+                if rec is not None:
+                    await self.workers.run(self.temps.drop, rec)
 
     def _drop_temp(self, req, path: str) -> None:
         """A write's temporary `path` renamed or removed by its writer: its
@@ -360,15 +398,41 @@ class FileService:
     async def sweep_temps(self) -> None:
         """At start, once sandboxes are re-adopted: remove the temporary
         files and directories of the copies the daemon before was making
-        when it died (dsecd/fs/copytemps.py), and forget every record."""
+        when it died (dsecd/fs/copytemps.py), and forget their records.
+        A paused microVM's are kept (its guest cannot be asked now): a
+        later start removes them while it runs."""
         if self.temps is None:
             return
         for rec_path, rec in await self.workers.run(self.temps.load):
             sb = self.registry.by_id.get(rec["sandbox"]) if rec else None
-            if sb is not None and sb.backend != "microvm" and sb.handle is not None:
+            if sb is not None and sb.backend == "microvm":
+                if sb.state == "paused":
+                    continue        # kept: a later start removes it while the VM runs
+                if sb.state == "running" and sb.handle is not None:
+                    await self._remove_vm_temp(sb, rec["path"], rec["dev"], rec["ino"])
+            elif sb is not None and sb.handle is not None:
                 await self._remove_temp(sb, rec["path"], rec["dev"], rec["ino"],
                                         "the daemon before left unfinished")
             await self.workers.run(self.temps.drop, rec_path)
+
+    async def _remove_vm_temp(self, sb: Sandbox, path: str, dev: int, ino: int) -> None:
+        """Remove a microVM's temporary `path` (a whole directory) that the
+        daemon before left, if its guest's stat still gives (dev, ino): not
+        a file of the sandbox's own that took the name meanwhile. Bounded
+        (VM_SWEEP_TIMEOUT_S): a guest that does not answer costs the start
+        no more; logged either way."""
+        why = "the daemon before left unfinished"
+        try:
+            async with asyncio.timeout(VM_SWEEP_TIMEOUT_S):
+                if await self.vms.identity(sb, path) != (dev, ino):
+                    return
+                await self.vms.file_op(sb, protocol.FileRemove(sandbox=sb.id, path=path, recursive=True))
+        except (DsecError, TimeoutError) as err:
+            if not isinstance(err, DsecError) or err.code != "not_found":
+                log.warning("sandbox %s: cannot remove %s, the temporary copy of a write %s: %s; remove it "
+                            "with dsec rm -r %s:%s", sb.id, path, why, str(err) or "no answer", sb.id, path)
+            return
+        log.info("sandbox %s: removed %s, the temporary copy of a write %s", sb.id, path, why)
 
 
 def _nothing(_fut: asyncio.Future) -> None:

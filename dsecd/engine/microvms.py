@@ -1051,6 +1051,18 @@ class MicroVMService:
         r = await self._file(sb, "stat", path, wire.STAT, wire.bstr(path))
         return {**r.stat(), "path": path}
 
+    async def identity(self, sb: Sandbox, path: str) -> tuple[int, int] | None:
+        """The guest's (device, inode) numbers of `path` (not followed): what
+        a temporary a copy made is recorded by, so that a restarted daemon
+        removes that path only while it is still the same file. None when
+        the guest's agent predates reporting them. Raises as stat does."""
+        path = _check(path, f"stat {sb.id}:{path}")
+        r = await self._file(sb, "stat", path, wire.STAT, wire.bstr(path))
+        r.stat()
+        if not r.more():
+            return None
+        return r.u64(), r.u64()
+
     async def file_op(self, sb: Sandbox, req, owner: tuple[int, int] | None = None) -> dict:
         """file_read, file_write, file_list, file_stat, file_mkdir,
         file_remove, file_rename (their checks done by FileService);

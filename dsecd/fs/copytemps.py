@@ -9,7 +9,8 @@ in the state dir, naming the sandbox, the path and the inode made) while
 it exists, and the next daemon removes what the records name once it has
 re-adopted their sandboxes. A path is removed only if it still has the
 device and inode number recorded: not a user's file that took the
-(random) name meanwhile, nor one of a similar name. A write's record
+(random) name meanwhile, nor one of a similar name. A microVM's are its
+guest's numbers, which its agent reports (engine/files.py). A write's record
 also serves while the daemon runs: the client that made the temporary
 gone before its rename, the daemon removes it then (engine/files.py).
 """
@@ -39,20 +40,28 @@ class CopyTemps:
         self._made = False          # top made by this process (once, not per record)
 
     def add(self, sb_id: str, path: str, st: os.stat_result) -> Path:
+        return self.add_ids(sb_id, path, st.st_dev, st.st_ino)
+
+    def add_ids(self, sb_id: str, path: str, dev: int, ino: int) -> Path:
+        """add, by the device and inode numbers (a microVM's: its guest's)."""
         if not self._made:
             self.top.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._made = True
         rec = self.top / f"{sb_id}.{secrets.token_hex(8)}.json"
         tmp = rec.with_suffix(".part")
-        tmp.write_text(json.dumps({"sandbox": sb_id, "path": path, "dev": st.st_dev, "ino": st.st_ino}))
+        tmp.write_text(json.dumps({"sandbox": sb_id, "path": path, "dev": dev, "ino": ino}))
         os.replace(tmp, rec)
         return rec
 
     def record(self, sb_id: str, path: str, st: os.stat_result) -> Path | None:
         """add, or None when the record cannot be written (the state dir's
         disk full): the copy goes on, only a crash would leave its temporary."""
+        return self.record_ids(sb_id, path, st.st_dev, st.st_ino)
+
+    def record_ids(self, sb_id: str, path: str, dev: int, ino: int) -> Path | None:
+        """record, by the device and inode numbers."""
         try:
-            return self.add(sb_id, path, st)
+            return self.add_ids(sb_id, path, dev, ino)
         except OSError as err:
             log.warning("cannot record %s:%s, the temporary of a copy, in %s: %s; a daemon killed before the "
                         "copy ends will leave it", sb_id, path, self.top, err)

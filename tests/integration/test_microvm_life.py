@@ -233,6 +233,50 @@ def test_the_temporaries_of_a_client_killed_mid_copy_are_removed(vmd, tmp_path):
         sb.destroy(force=True)
 
 
+def test_the_temporaries_a_killed_daemon_held_are_removed_by_the_next(vmd, tmp_path):
+    """A write's temporary file and a `cp -r`'s landing directory in a
+    microVM were held for removal in the daemon's memory only (the guest's
+    agent reported no inode numbers to check a path against later): a
+    daemon killed before their client renamed or removed them left them in
+    the guest for good. They are recorded by the guest's inode numbers, and
+    the next daemon removes them."""
+    d, c = vmd
+    sb = _vm(c)
+    try:
+        sb.mkdir("/work", parents=True)
+        sb.write_file("/work/kept", b"the user's")
+        script = tmp_path / "leaver.py"
+        script.write_text(LEAVER)
+        child = subprocess.Popen([sys.executable, str(script), d.socket, sb.id], stdout=subprocess.PIPE,
+                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        try:
+            assert child.stdout.readline() == b"made\n"
+            d.stop(signal.SIGKILL)          # its client still connected: nothing of the daemon removes them
+        finally:
+            child.kill()
+            child.wait()
+            child.stdout.close()
+        c.close()
+        d.start()
+        c2 = d.client()
+        try:
+            again = c2.get(sb.id)
+            deadline = time.monotonic() + 60
+            names = ["?"]
+            while names != ["kept"] and time.monotonic() < deadline:
+                time.sleep(0.2)
+                names = sorted(e["name"] for e in again.list_files("/work"))
+            assert names == ["kept"], names
+        finally:
+            c2.close()
+    finally:
+        c3 = d.client()
+        try:
+            c3.get(sb.id).destroy(force=True)
+        finally:
+            c3.close()
+
+
 def test_a_daemon_killed_mid_copy_leaves_no_copy_directory_in_the_vm(vmd, tmp_path):
     """A daemon killed while a `cp -r` into a microVM was under way left the
     guest's copy waiting for the rest of its archive for good, and its
