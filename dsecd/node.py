@@ -203,7 +203,8 @@ class Node:
                                          float(self.limits["frame_timeout_s"]), self.backend.copy_by_init,
                                          self.vms, copy_temps, self.file_service.hold_temporary,
                                          self.file_service.hold_vm_temporary, self.events,
-                                         self.file_service.journal_vm_temporary)
+                                         self.file_service.journal_vm_temporary,
+                                         self.file_service.end_vm_temporary)
         fn_cfg = {**cfg.section("fncall"), "uid_base": call_uid_base(cfg)}      # 0 picked by userns
         self.call_service = CallService(fncall_backend(cfg, layout, self.backend), fn_cfg,
                                         CallService.sizes_from(cfg), sb["cpu_period_us"], self.image_service,

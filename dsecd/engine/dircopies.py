@@ -118,7 +118,8 @@ class DirCopyService:
     def __init__(self, registry: SandboxRegistry, workers: Workers, ensure_running, max_chunk: int,
                  max_entries: int, max_bytes: int, max_puts: int, idle_timeout: float, copy_by_init: CopyByInit,
                  vms: MicroVMService | None = None, temps: CopyTemps | None = None, hold_temporary=None,
-                 hold_vm_temporary=None, events: EventBus | None = None, journal_vm_temporary=None):
+                 hold_vm_temporary=None, events: EventBus | None = None, journal_vm_temporary=None,
+                 end_vm_temporary=None):
         self.registry = registry
         self._resuming: set[asyncio.Task] = set()
         self._putting: dict[str, int] = {}      # sandbox id -> its file_tar_puts under way
@@ -128,6 +129,7 @@ class DirCopyService:
         self.hold_temporary = hold_temporary
         self.hold_vm_temporary = hold_vm_temporary      # FileService's, for a microVM's
         self.journal_vm_temporary = journal_vm_temporary    # and what records one made, for the next daemon
+        self.end_vm_temporary = end_vm_temporary            # and what removes one whose request was cancelled
         self.vms = vms                  # microVM sandboxes' copies run in their guests (MicroVMService)
         self.copy_by_init = copy_by_init
         self.workers = workers
@@ -213,13 +215,22 @@ class DirCopyService:
                     release = self.hold_vm_temporary(sb.id, req.path, ctx, True)
                 try:
                     out = await self.vms.tar_put(sb, req.path, pipe, self.max_entries, self.max_bytes, owner)
+                    if release is not None and self.journal_vm_temporary is not None:
+                        await self.journal_vm_temporary(sb, req.path)
+                    return out
+                except asyncio.CancelledError:
+                    # Cancelled, its client still connected: a copy whose
+                    # whole archive had reached the guest was renamed into
+                    # place all the same (tar_put ends once the guest's copy
+                    # has), and its client, told it was cancelled, will not
+                    # rename or remove it. It goes before the request ends.
+                    if release is not None and self.end_vm_temporary is not None:
+                        await self.end_vm_temporary(sb.id, req.path, True)
+                    raise
                 except Exception:
                     if release is not None:
                         release()
                     raise
-                if release is not None and self.journal_vm_temporary is not None:
-                    await self.journal_vm_temporary(sb, req.path)
-                return out
             # Its own copy of the root, closed by the worker when it is done
             # (the shield below keeps the worker going on a cancel).
             root = sb.root_copy()

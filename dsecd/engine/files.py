@@ -303,6 +303,17 @@ class FileService:
         if rec is not None:
             self._temp_records[key] = (rec, entry[1])
 
+    async def end_vm_temporary(self, sb_id: str, path: str, tree: bool = False) -> None:
+        """A microVM's temporary `path` (held by hold_vm_temporary) whose
+        request was cancelled while its client stays connected: that client
+        was told it failed and will not rename or remove it, so it goes now,
+        not when the connection closes (which may be hours on, for an SDK's)."""
+        entry = self._temp_records.get((sb_id, path))
+        if entry is None:
+            return
+        entry[1]()              # the connection's end has nothing left to remove
+        await self._vm_temp_orphaned(sb_id, path, tree, "its request was cancelled")
+
     def _forget_temp(self, sb_id: str, path: str) -> None:
         entry = self._temp_records.pop((sb_id, path), None)
         if entry is not None:
@@ -311,7 +322,8 @@ class FileService:
             if rec is not None:
                 self.temps.drop(rec)
 
-    async def _vm_temp_orphaned(self, sb_id: str, path: str, tree: bool) -> None:
+    async def _vm_temp_orphaned(self, sb_id: str, path: str, tree: bool,
+                                why: str = "its client left unfinished") -> None:
         """The connection that made a microVM's temporary `path` closed
         before renaming or removing it: removed now, if the VM runs (a pause
         takes its agent's channel: the sandbox's lock orders them)."""
@@ -327,19 +339,17 @@ class FileService:
         async with sb.lock:
             if sb.state != "running" or sb.handle is None:
                 # Its record (if any) stays: a later start removes it while the VM runs.
-                log.warning("sandbox %s: %s, the temporary copy of a write its client left unfinished, stays "
-                            "(the sandbox is %s); remove it with dsec rm -r %s:%s", sb_id, path, sb.state,
-                            sb_id, path)
+                log.warning("sandbox %s: %s, the temporary copy of a write %s, stays (the sandbox is %s); "
+                            "remove it with dsec rm -r %s:%s", sb_id, path, why, sb.state, sb_id, path)
                 return
             try:
                 await self.vms.file_op(sb, protocol.FileRemove(sandbox=sb_id, path=path, recursive=tree))
             except DsecError as err:
                 if err.code != "not_found":
-                    log.warning("sandbox %s: cannot remove %s, the temporary copy of a write its client left "
-                                "unfinished: %s; remove it with dsec rm -r %s:%s", sb_id, path, err, sb_id, path)
+                    log.warning("sandbox %s: cannot remove %s, the temporary copy of a write %s: %s; remove it "
+                                "with dsec rm -r %s:%s", sb_id, path, why, err, sb_id, path)
             else:
-                log.info("sandbox %s: removed %s, the temporary copy of a write its client left unfinished",
-                         sb_id, path)
+                log.info("sandbox %s: removed %s, the temporary copy of a write %s", sb_id, path, why)
             finally:
                 if rec is not None:
                     await self.workers.run(self.temps.drop, rec)
