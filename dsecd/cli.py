@@ -100,6 +100,22 @@ GIVES_A_STATUS = (*RUNS_A_COMMAND, "wait", "attach")
 
 # ---------------------------------------------------------------- commands
 
+def _print_template_store(store: dict) -> None:
+    """`dsec info`'s lines on the microVM templates: what each loaded one
+    holds in the daemon's memory (charged to the daemon, not to a sandbox)."""
+    rows = store["templates"]
+    loaded = [t for t in rows if t["loaded"]]
+    print(f"  vm templates: {len(rows)} of at most {store['max']} on disk, {len(loaded)} loaded, holding "
+          f"{_human_bytes(store['held_bytes'])} of the daemon's memory")
+    for t in rows:
+        held = (f"holds {_human_bytes(t['held_bytes'])}" + (" (all of its guest RAM)"
+                                                            if t["held_bytes"] >= (t["memory"] or 0) else "")
+                if t["loaded"] else "not loaded")
+        wrote = _human_bytes(t["ram_data_bytes"]) if t["ram_data_bytes"] is not None else "?"
+        memory = _human_bytes(t["memory"]) if t["memory"] is not None else "?"
+        print(f"    {t['key'][:16]}  guest RAM {memory}, its boot wrote {wrote}, {held}")
+
+
 async def cmd_info(c: Client, a) -> int:
     info = await c.info()
     if a.json:
@@ -165,6 +181,8 @@ async def cmd_info(c: Client, a) -> int:
               + (f" ({detail})" if detail else "")
               + (f"; why: {b['why']}" if name == "microvm" and b.get("accel") else "")
               + (f"; QEMU's root: {b['root']}" if name == "microvm" and b.get("root") else ""))
+        if b.get("template_store"):
+            _print_template_store(b["template_store"])
     if info.get("daemon"):
         d = info["daemon"]
         lag = d.get("loop_lag") or {}

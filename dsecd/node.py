@@ -340,9 +340,13 @@ class Node:
         # worker stuck (a hung store) or a read hanging, info still answers,
         # saying what it could not read.
         unread: list[str] = []
-        images, memory = await asyncio.gather(
+        images, memory, vm_templates = await asyncio.gather(
             metrics.read_source("images", lambda: self.workers.run(self.image_service.info), unread),
-            metrics.read_source("memory", lambda: self.workers.run(self.memory.info), unread))
+            metrics.read_source("memory", lambda: self.workers.run(self.memory.info), unread),
+            metrics.read_source("vm_templates", lambda: self.workers.run(self.vms.template_info), unread))
+        microvm = self.vms.info()
+        if vm_templates:
+            microvm["template_store"] = vm_templates
         out = {"version": __version__, "protocol": protocol.PROTOCOL_VERSION, "pid": os.getpid(),
                "uptime_s": round(time.time() - self.started, 3), **self.features.to_dict(),
                "limits": self.wire_limits(), "sandboxes": states,
@@ -351,7 +355,7 @@ class Node:
                "net": self.net_service.net_info(),
                "memory": memory,
                "fncall": self.call_service.info(),
-               "backends": {"container": {"available": True}, "microvm": self.vms.info()},
+               "backends": {"container": {"available": True}, "microvm": microvm},
                "admission": self.create_service.info(),
                "drain": self.create_service.drain_info(),
                "userns": self.id_ranges.info(),

@@ -161,6 +161,19 @@ class MicroVMService:
                 "guest_kernel": self.backend.guest.version, "templates": self.templates is not None,
                 "own_mount_namespace": own_root.available, "root": own_root.detail}
 
+    def template_info(self) -> dict:
+        """Blocking (a worker's): info's `template_store`, the templates on
+        disk and what each loaded one holds in the daemon's memory now
+        (`held_bytes`: the guest RAM its boot wrote, and the whole guest RAM
+        from the first pause of a VM restored from it on), with their sum:
+        memory charged to the daemon, not to any sandbox. {} when templates
+        are off."""
+        if self.backend is None or self.templates is None:
+            return {}
+        rows = self.templates.info()
+        return {"templates": rows, "held_bytes": sum(r["held_bytes"] for r in rows),
+                "max": self.templates.store.max_templates}
+
     async def gc_templates(self, live_layers: set[str]) -> list[str]:
         """`image gc`: templates of layers the store no longer has go."""
         if self.templates is None:

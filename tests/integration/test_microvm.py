@@ -339,6 +339,40 @@ def test_a_restored_vms_pause_is_not_charged_its_templates_pages(daemon_factory,
         c.close()
 
 
+def test_info_says_what_each_loaded_template_holds(daemon_factory, busybox_rootfs):
+    """A loaded template's memfd is memory of the daemon's, charged to no
+    sandbox: the guest RAM its boot wrote, and its whole guest RAM from the
+    first pause of a VM restored from it on. Nothing a user could ask said
+    how much; `dsec info` lists each template and what it holds now."""
+    d = daemon_factory("[microvm]\nwatchdog_interval_s = 0\n", shared_vm_templates=True)
+    c = d.client()
+    try:
+        skip_unless_microvm(c, close=False)
+        c.import_image(busybox_rootfs, "busybox")
+        sb = _vm(c)
+        try:
+            assert sb.inspect()["vm"]["ram"] == "private"       # restored from its template
+
+            def loaded() -> tuple[dict, dict]:
+                store = c.info()["backends"]["microvm"]["template_store"]
+                rows = [t for t in store["templates"] if t["loaded"]]
+                assert len(rows) == 1, store
+                return store, rows[0]
+
+            store, row = loaded()
+            assert 0 < row["held_bytes"] < row["memory"], row
+            assert store["held_bytes"] == row["held_bytes"], store
+            sb.pause()
+            store, row = loaded()
+            assert row["held_bytes"] == row["memory"] == store["held_bytes"], store
+            text = d.cli("info").stdout.decode()
+            assert f"{row['key'][:16]}  guest RAM 256.0M" in text and "(all of its guest RAM)" in text, text
+        finally:
+            sb.destroy(force=True)
+    finally:
+        c.close()
+
+
 def test_what_the_file_api_makes_in_a_vm_belongs_to_the_owner_named(vm_client, tmp_path):
     from test_file_api import check_owners
 
