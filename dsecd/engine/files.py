@@ -60,6 +60,11 @@ class FileService:
         # its sandbox is destroyed: (sandbox, path) -> its record, and what
         # forgets its connection's hook.
         self._temp_records: dict[tuple[str, str], tuple[Path, Callable[[], None]]] = {}
+        # MicroVMs that were paused when a temporary of theirs was left
+        # (its client gone, or the daemon before dead): its record waits for
+        # the VM's resume, which removes it (_remove_left).
+        self._vm_left: set[str] = set()
+        self._removing: set[asyncio.Task] = set()
         if events is not None:
             events.listeners.append(self._on_event)
         self.workers = workers
@@ -338,7 +343,11 @@ class FileService:
             return
         async with sb.lock:
             if sb.state != "running" or sb.handle is None:
-                # Its record (if any) stays: a later start removes it while the VM runs.
+                if rec is not None and sb.state == "paused":      # its record stays: the resume removes it
+                    self._vm_left.add(sb_id)
+                    log.info("sandbox %s: %s, the temporary copy of a write %s, goes at its resume",
+                             sb_id, path, why)
+                    return
                 log.warning("sandbox %s: %s, the temporary copy of a write %s, stays (the sandbox is %s); "
                             "remove it with dsec rm -r %s:%s", sb_id, path, why, sb.state, sb_id, path)
                 return
@@ -369,8 +378,17 @@ class FileService:
     def _on_event(self, ev: dict) -> None:
         """A destroyed sandbox's temporary files went with it: their records
         go now, not when their writers' connections close (days, for an
-        SDK's)."""
-        if ev["event"] != "destroyed" or not self._temp_records:
+        SDK's). A resumed microVM's left while it was paused go now too."""
+        if ev["event"] == "resumed" and ev["sandbox"] in self._vm_left:
+            self._vm_left.discard(ev["sandbox"])
+            task = self.workers.loop.create_task(self._remove_left(ev["sandbox"]))
+            self._removing.add(task)
+            task.add_done_callback(self._removing.discard)
+            return
+        if ev["event"] != "destroyed":
+            return
+        self._vm_left.discard(ev["sandbox"])
+        if not self._temp_records:
             return
         for key in [k for k in self._temp_records if k[0] == ev["sandbox"]]:
             rec, forget = self._temp_records.pop(key)
@@ -409,15 +427,16 @@ class FileService:
         """At start, once sandboxes are re-adopted: remove the temporary
         files and directories of the copies the daemon before was making
         when it died (dsecd/fs/copytemps.py), and forget their records.
-        A paused microVM's are kept (its guest cannot be asked now): a
-        later start removes them while it runs."""
+        A paused microVM's are kept (its guest cannot be asked now): its
+        resume removes them."""
         if self.temps is None:
             return
         for rec_path, rec in await self.workers.run(self.temps.load):
             sb = self.registry.by_id.get(rec["sandbox"]) if rec else None
             if sb is not None and sb.backend == "microvm":
                 if sb.state == "paused":
-                    continue        # kept: a later start removes it while the VM runs
+                    self._vm_left.add(sb.id)
+                    continue        # kept: the VM's resume removes it
                 if sb.state == "running" and sb.handle is not None:
                     await self._remove_vm_temp(sb, rec["path"], rec["dev"], rec["ino"])
             elif sb is not None and sb.handle is not None:
@@ -425,13 +444,36 @@ class FileService:
                                         "the daemon before left unfinished")
             await self.workers.run(self.temps.drop, rec_path)
 
-    async def _remove_vm_temp(self, sb: Sandbox, path: str, dev: int, ino: int) -> None:
-        """Remove a microVM's temporary `path` (a whole directory) that the
-        daemon before left, if its guest's stat still gives (dev, ino): not
-        a file of the sandbox's own that took the name meanwhile. Bounded
+    async def _remove_left(self, sb_id: str) -> None:
+        """The temporaries of microVM sb_id recorded while it was paused and
+        held by no connection any more: removed now that it runs (if they
+        are still the files recorded), their records dropped."""
+        held = {entry[0] for entry in self._temp_records.values()}
+        try:
+            recs = await self.workers.run(self.temps.load)
+        except OSError as err:
+            log.warning("sandbox %s: cannot read the records of its temporaries: %s", sb_id, err)
+            return
+        for rec_path, rec in recs:
+            if rec is None or rec["sandbox"] != sb_id or rec_path in held:
+                continue
+            sb = self.registry.by_id.get(sb_id)
+            if sb is None:
+                return
+            async with sb.lock:
+                if sb.state != "running" or sb.handle is None:      # paused again meanwhile: its next resume
+                    self._vm_left.add(sb_id)
+                    return
+                await self._remove_vm_temp(sb, rec["path"], rec["dev"], rec["ino"], "its client left unfinished")
+            await self.workers.run(self.temps.drop, rec_path)
+
+    async def _remove_vm_temp(self, sb: Sandbox, path: str, dev: int, ino: int,
+                              why: str = "the daemon before left unfinished") -> None:
+        """Remove a microVM's temporary `path` (a whole directory) that was
+        left (`why`), if its guest's stat still gives (dev, ino): not a file
+        of the sandbox's own that took the name meanwhile. Bounded
         (VM_SWEEP_TIMEOUT_S): a guest that does not answer costs the start
         no more; logged either way."""
-        why = "the daemon before left unfinished"
         try:
             async with asyncio.timeout(VM_SWEEP_TIMEOUT_S):
                 if await self.vms.identity(sb, path) != (dev, ino):

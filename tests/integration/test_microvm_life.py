@@ -233,6 +233,45 @@ def test_the_temporaries_of_a_client_killed_mid_copy_are_removed(vmd, tmp_path):
         sb.destroy(force=True)
 
 
+def test_the_temporaries_a_client_left_while_its_vm_was_paused_go_at_its_resume(vmd, tmp_path):
+    """A write's temporary file and a `cp -r`'s landing directory whose
+    client went while their microVM was paused stayed in it for good: the
+    daemon could not reach the guest then, and nothing tried again. They
+    go at the VM's resume."""
+    d, c = vmd
+    sb = _vm(c)
+    try:
+        sb.mkdir("/work", parents=True)
+        script = tmp_path / "leaver.py"
+        script.write_text(LEAVER)
+        child = subprocess.Popen([sys.executable, str(script), d.socket, sb.id], stdout=subprocess.PIPE,
+                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        try:
+            assert child.stdout.readline() == b"made\n"
+            sb.pause()
+        finally:
+            child.kill()
+            child.wait()
+            child.stdout.close()
+        # The daemon has taken the client's end (the VM paused): its log says what it did with each.
+        deadline = time.monotonic() + 60
+        told: list = []
+        while len(told) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            told = [line for line in d.log.read_text(errors="replace").splitlines()
+                    if sb.id in line and "the temporary copy of a write its client left unfinished" in line]
+        assert len(told) == 2, told
+        sb.resume()
+        deadline = time.monotonic() + 60
+        names = ["?"]
+        while names and time.monotonic() < deadline:
+            time.sleep(0.2)
+            names = [e["name"] for e in sb.list_files("/work")]
+        assert names == [], names
+    finally:
+        sb.destroy(force=True)
+
+
 def test_the_temporaries_a_killed_daemon_held_are_removed_by_the_next(vmd, tmp_path):
     """A write's temporary file and a `cp -r`'s landing directory in a
     microVM were held for removal in the daemon's memory only (the guest's
