@@ -423,16 +423,23 @@ class _Build:
         return self.svc.registry.by_id[made["id"]]
 
     async def _files(self, sb: Sandbox, step: Step, fn, *args, stop: threading.Event | None = None):
-        """A copyin function on `sb`'s root, as its root user, in a worker.
-        A cancel (the client gone, `cancel`) sets `stop`, which a copy checks
-        between entries and chunks, and waits for fn to return: the step's
-        sandbox is destroyed (what fn wrote goes with it, its root fd is
-        closed) only once nothing writes through that fd any more."""
+        """fn(root, *args), a copyin function on `sb`'s root, as its root
+        user, in a worker. A cancel (the client gone, `cancel`) sets `stop`,
+        which a copy checks between entries and chunks, and waits for fn to
+        return: the step's sandbox is destroyed (what fn wrote goes with it)
+        only once nothing writes any more. `root` is the worker's own copy
+        of the sandbox's root fd (Sandbox.root_copy), closed when fn
+        returns: a destroy from elsewhere (all, a job's) closes the
+        handle's, whose number another sandbox's root may take."""
         idmap = userns.IdMap.from_record(sb.idmap)
+        root = sb.root_copy()
 
         def call():
-            with userns.as_sandbox_root(idmap):
-                return fn(*args)
+            try:
+                with userns.as_sandbox_root(idmap):
+                    return fn(root, *args)
+            finally:
+                os.close(root)
 
         try:
             return await self.svc.workers.run_stoppable(stop or threading.Event(), call)
@@ -459,7 +466,7 @@ class _Build:
         return uid, gid, idmap.uid + uid, idmap.gid + gid
 
     async def _run(self, sb: Sandbox, step: Step) -> None:
-        accounts = await self._files(sb, step, copyin.Accounts.read, sb.handle.rootfd)
+        accounts = await self._files(sb, step, copyin.Accounts.read)
         try:
             named = accounts.process_ids(step.config.user)
             uid, gid = self._ids(sb, step.config.user, (named.uid, named.gid))[:2]
@@ -503,17 +510,17 @@ class _Build:
         makes it; root's when there is none)."""
         owner = None
         if step.config.user.partition(":")[0] not in ("0", "root"):
-            accounts = await self._files(sb, step, copyin.Accounts.read, sb.handle.rootfd)
+            accounts = await self._files(sb, step, copyin.Accounts.read)
             try:
                 owner = self._ids(sb, step.config.user, accounts.owner(step.config.user))[2:]
             except copyin.CopyError as err:
                 raise self._error(step.line, f"WORKDIR as USER {step.config.user}: {err}") from err
-        await self._files(sb, step, copyin.make_dirs, sb.handle.rootfd, step.dest, 0o755, owner)
+        await self._files(sb, step, copyin.make_dirs, step.dest, 0o755, owner)
 
     async def _copy(self, sb: Sandbox, step: Step, sources: list[buildctx.Source]) -> None:
         owner = None
         if step.chown is not None:
-            accounts = await self._files(sb, step, copyin.Accounts.read, sb.handle.rootfd)
+            accounts = await self._files(sb, step, copyin.Accounts.read)
             try:
                 owner = self._ids(sb, step.chown, accounts.owner(step.chown))[2:]
             except copyin.CopyError as err:
@@ -527,8 +534,7 @@ class _Build:
         stop = threading.Event()
         budget = copyin.LayerBudget(self.store.max_layer_bytes)
 
-        def copy() -> copyin.Counts:
-            rootfd = sb.handle.rootfd
+        def copy(rootfd: int) -> copyin.Counts:
             total = copyin.Counts()
             for src in sources:
                 counts = None
@@ -558,9 +564,9 @@ class _Build:
                 total.bytes += counts.bytes
             return total
 
-        def checked_copy() -> copyin.Counts:
+        def checked_copy(rootfd: int) -> copyin.Counts:
             try:
-                return copy()
+                return copy(rootfd)
             except copyin.ChangedSinceHashed as err:
                 self.svc.digests.forget(err.file)      # the next build hashes it again
                 raise
