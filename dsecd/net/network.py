@@ -1152,14 +1152,6 @@ class Network:
         return {"live": self.learned_live(), "budget": self.learned_budget, "per_sandbox": self.max_learned,
                 "reserved_per_sandbox": reserved, "shared": shared}
 
-    def dns_totals(self) -> dict:
-        with self._lock:
-            out: collections.Counter = collections.Counter()
-            for sb in self._sbs.values():
-                out.update(sb.dns)
-                out["learned_live"] += len(sb.learned)
-            return dict(out)
-
     def _retire_counts(self, sb: _Sandbox) -> None:
         self._retired.update({f"dns_{k}": v for k, v in sb.dns.items()})
         if sb.slot >= 0:
