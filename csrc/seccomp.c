@@ -40,7 +40,7 @@
 #include "dsec_native.h"
 #include "missing_defs.h"
 
-#define PROFILES 1
+#define PROFILES 2
 
 /* A built program; `len` is published last (release), read first (acquire). */
 static struct sock_filter programs[PROFILES][DSEC_SECCOMP_MAX_INSNS];
@@ -115,7 +115,7 @@ static const uint64_t denied_ioctls_exact[] = {
  * refuses it too. socket() takes the family as an int: masked as ioctl's. */
 static const uint64_t denied_socket_families[] = {AF_VSOCK};
 
-static int add_rules(scmp_filter_ctx ctx, uint32_t deny)
+static int add_rules(scmp_filter_ctx ctx, uint32_t deny, int profile)
 {
     int rc = 0;
 
@@ -128,8 +128,14 @@ static int add_rules(scmp_filter_ctx ctx, uint32_t deny)
     }
     for (size_t i = 0; i < sizeof(ns_flags) / sizeof(ns_flags[0]); i++) {
         uint64_t f = ns_flags[i];
-        if ((rc = seccomp_rule_add(ctx, deny, SCMP_SYS(unshare), 1,
-                                   SCMP_A0(SCMP_CMP_MASKED_EQ, f, f))) < 0)
+        /* DSEC_SECCOMP_FNCALL lets unshare make an IPC namespace (clone still
+         * may not): the zygote of a call sandbox, which alone there holds
+         * CAP_SYS_ADMIN, gives each call one of its own. Every other process
+         * of the sandbox lacks the capability, and unshare fails with EPERM. */
+        int unshare_allowed = profile == DSEC_SECCOMP_FNCALL && f == CLONE_NEWIPC;
+
+        if (!unshare_allowed && (rc = seccomp_rule_add(ctx, deny, SCMP_SYS(unshare), 1,
+                                                       SCMP_A0(SCMP_CMP_MASKED_EQ, f, f))) < 0)
             return rc;
         if (i < NS_FLAGS_CLONE &&
             (rc = seccomp_rule_add(ctx, deny, SCMP_SYS(clone), 1,
@@ -203,7 +209,7 @@ static scmp_filter_ctx make_filter(int profile, int *rc)
     if (*rc == 0)
         *rc = seccomp_attr_set(ctx, SCMP_FLTATR_CTL_OPTIMIZE, 2);
     if (*rc == 0)
-        *rc = add_rules(ctx, SCMP_ACT_ERRNO(EPERM));
+        *rc = add_rules(ctx, SCMP_ACT_ERRNO(EPERM), profile);
     if (*rc < 0) {
         seccomp_release(ctx);
         return NULL;

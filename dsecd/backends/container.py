@@ -448,10 +448,13 @@ class ContainerBackend:
 
     def spawn(self, h: Handle, argv: list[str], env: list[str], cwd: str, uid: int,
               fds: tuple[int, int, int], ctty: bool = False, gid: int | None = None,
-              policy: bytes | None = None, cap_keep: int | None = None, groups: tuple[int, ...] = ()) -> int:
+              policy: bytes | None = None, cap_keep: int | None = None, groups: tuple[int, ...] = (),
+              extra_caps: int = 0) -> int:
         """Start argv through the daemon's exec helper; its host pid. gid: None
-        is the uid's number; groups: its supplementary gids."""
-        caps = self.exec_caps(uid, cap_keep)
+        is the uid's number; groups: its supplementary gids; extra_caps:
+        capabilities it holds beyond sandbox.capabilities (the call
+        sandbox's zygote: FnCallBackend.spawn_zygote)."""
+        caps = self.exec_caps(uid, cap_keep) | extra_caps
         spec = native.ExecSpec(pidfd=h.pidfd, cgroup_procs=h.group.procs_files(), argv=argv, env=env,
                                cwd=cwd, uid=uid, gid=uid if gid is None else gid, stdin_fd=fds[0], stdout_fd=fds[1],
                                stderr_fd=fds[2], cap_keep=caps, sched_idle=h.sched_idle,

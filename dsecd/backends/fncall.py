@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import cgroup, native, userns
+from .. import seccomp as seccomp_profiles
+from ..caps import cap_mask
 from ..fs import files as sbfiles
 from ..fs import upper as upperfs
 from .container import ContainerBackend, Handle
@@ -268,7 +270,11 @@ class FnCallBackend:
         # execs_by_init: a call sandbox's init forks its plain calls, as
         # sandbox inits fork execs (dsecd/initlink.py); the zygote is started
         # by the helper either way.
-        self.containers = ContainerBackend(layout, {**sandbox_cfg,
+        # Call sandboxes run under the "fncall" seccomp profile in place of
+        # "default": the same, but unshare may make an IPC namespace, which
+        # the zygote alone there can (spawn_zygote).
+        seccomp = "fncall" if sandbox_cfg["seccomp"] == "default" else sandbox_cfg["seccomp"]
+        self.containers = ContainerBackend(layout, {**sandbox_cfg, "seccomp": seccomp,
                                                     "cgroup_root": f"{sandbox_cfg['cgroup_root']}/.fncall"},
                                            Path(state_dir) / "fncall", sizes,
                                            "tmpfs" if disk else "dir", execs_by_init)
@@ -329,9 +335,23 @@ class FnCallBackend:
     def destroy_box(self, box_id: str, h: Handle | None) -> None:
         self.containers.destroy(box_id, h)
 
+    def own_ipc(self, h: Handle) -> bool:
+        """Whether the zygote of call sandbox `h` can give each call an IPC
+        namespace of its own: where the sandbox has a user namespace of its
+        own (CAP_SYS_ADMIN in the host's would be the host's), under the
+        "fncall" seccomp profile or none (any other profile forbids unshare)."""
+        return h.userns and self.containers.seccomp in (-1, seccomp_profiles.PROFILES["fncall"])
+
     def spawn_zygote(self, h: Handle, conf: dict, image_env: dict) -> tuple[socket.socket, int]:
         """Start python3 + the zygote source in the call sandbox, under the
-        image's environment (its PATH finds python3); (our socket end, host pid)."""
+        image's environment (its PATH finds python3); (our socket end, host pid).
+        With conf["own_ipc"] (own_ipc) it holds CAP_SYS_ADMIN over the call
+        sandbox's user namespace, to unshare an IPC namespace in each worker;
+        a worker loses it, with every other capability, when it drops to its
+        call's uid, before the call runs. The zygote runs no call's code, and
+        its seccomp filter (every worker's too) still denies mounts, setns
+        and every other namespace."""
+        extra = cap_mask(["SYS_ADMIN"]) if conf.get("own_ipc") else 0
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         try:
@@ -341,7 +361,7 @@ class FnCallBackend:
             # copy-on-write fault) every libc function it called first: setsid,
             # setuid, setrlimit... Workers get the call's environment instead.
             env = self.containers.exec_env({**image_env, "HOSTNAME": "fncall", "LD_BIND_NOW": "1"}, {})
-            pid = self.containers.spawn(h, argv, env, "/", 0, (theirs.fileno(), null, null))
+            pid = self.containers.spawn(h, argv, env, "/", 0, (theirs.fileno(), null, null), extra_caps=extra)
         except BaseException:
             ours.close()
             raise

@@ -19,7 +19,8 @@ Messages are JSON, one per packet.
                       {"op": "kill", "id": N}
                       {"op": "mqueue"} + SCM_RIGHTS [dir] (first, if at all:
                       the call sandbox's message queues, to clean up)
-    zygote -> daemon  {"op": "ready", "pid": P, "modules": [...], "failed": {...}}
+    zygote -> daemon  {"op": "ready", "pid": P, "modules": [...], "failed": {...},
+                       "own_ipc": bool}
                       {"op": "exit", "id": N, "status": wait-status, "run_ms": F}
                       {"op": "error", "id": N, "errno": E, "message": "..."}
 
@@ -28,9 +29,13 @@ forked ahead of need, each already in its own process group, in its own fresh di
 under /tmp (cwd, HOME, TMPDIR; made by the worker before it drops root,
 removed by the zygote when it exits), under its own uid
 (one per live worker, from [uid_base, uid_base + uid_count): calls cannot
-signal, trace or read one another), with the rlimits set. A call goes to an
-idle worker over that worker's own socketpair, so the fork is off the call's
-path; the worker runs the code (or execs argv), reports its status and exits.
+signal, trace or read one another), with the rlimits set, and with
+"own_ipc" in the config in an IPC namespace of its own (SysV IPC and POSIX
+message queues: no call finds, or squats, a key or queue name another call
+made or expects; "own_ipc" in the ready message says whether it could).
+A call goes to an idle worker over that worker's own socketpair, so the
+fork is off the call's path; the worker runs the code (or execs argv),
+reports its status and exits.
 A worker serves exactly one call. The zygote never runs caller code, so no
 call can leave state for the next one.
 """
@@ -90,9 +95,11 @@ def only_fd_3(sock):
     return socket.socket(fileno=3)
 
 
-def worker(link, tmp, uid, rlimits):
+def worker(link, tmp, uid, rlimits, unshare_ipc=None):
     """A pre-forked worker: set up what does not depend on the call, wait for
-    it, run it, report, exit. Never returns."""
+    it, run it, report, exit. Never returns. unshare_ipc: ipc_unshare's
+    function, to run in an IPC namespace of its own (None: the call
+    sandbox's)."""
     status = 127
     try:
         # The zygote's SIGCHLD wakeup (without pidfds) is not the call's.
@@ -116,6 +123,11 @@ def worker(link, tmp, uid, rlimits):
         # workers and relay kills in time. Nice only weighs tasks within the
         # cgroup, whose share of the host stays; calls keep equal weights.
         os.nice(WORKER_NICE)
+        # Its own SysV IPC and message queues, made while it still holds the
+        # zygote's CAP_SYS_ADMIN (the uid change drops it): gone with the
+        # call's last process, out of every other call's reach meanwhile.
+        if unshare_ipc is not None:
+            unshare_ipc()
         # Its own uid: no other call can signal, trace or read it, or its dir.
         os.setgroups([])
         os.setgid(uid)
@@ -195,6 +207,42 @@ def worker(link, tmp, uid, rlimits):
         except OSError:
             pass
     os._exit(status & 0xFF)
+
+
+CLONE_NEWIPC = 0x08000000
+
+
+def ipc_unshare():
+    """A function that moves the calling process into a new IPC namespace
+    (os.unshare, Python 3.12+; else libc's, through ctypes), or None where
+    this Python has neither."""
+    if hasattr(os, "unshare"):
+        return lambda: os.unshare(os.CLONE_NEWIPC)
+    try:
+        import ctypes
+        fn = ctypes.CDLL(None, use_errno=True).unshare
+    except (ImportError, OSError, AttributeError):
+        return None
+
+    def unshare():
+        if fn(CLONE_NEWIPC) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"unshare(CLONE_NEWIPC): {os.strerror(err)}")
+    return unshare
+
+
+def ipc_unshare_works(unshare):
+    """Whether a child of this process can run `unshare` (the zygote's
+    capabilities and seccomp filter allow it), tried once in a child."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            unshare()
+            os._exit(0)
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    return status == 0
 
 
 def cannot_run(prog, err, path):
@@ -688,8 +736,11 @@ def _close(fd):
 
 
 class Zygote:
-    def __init__(self, sock, base, spares, uid_base, uid_count, rlimits):
+    def __init__(self, sock, base, spares, uid_base, uid_count, rlimits, unshare_ipc=None):
         self.sock = sock
+        # Each worker in an IPC namespace of its own (worker()): nothing of a
+        # call is then in the call sandbox's, to clean up after it.
+        self.unshare_ipc = unshare_ipc
         self.base = base
         self.spares = spares
         self.uids = list(range(uid_base + uid_count - 1, uid_base - 1, -1))   # free uids, lowest last
@@ -778,7 +829,7 @@ class Zygote:
         if pid == 0:
             self.sock.close()
             ours.close()
-            worker(theirs, tmp, uid, self.rlimits)
+            worker(theirs, tmp, uid, self.rlimits, self.unshare_ipc)
         # The worker makes its process group too, but maybe only after a kill
         # of its call (killpg on a group not made yet: ESRCH, the kill lost).
         try:
@@ -1005,12 +1056,14 @@ class Zygote:
                 del self.dirs[uid]
             else:
                 ok = False
-        for fd in (self.shm_fd, self.mq_fd):
+        for fd in (self.shm_fd, self.mq_fd if self.unshare_ipc is None else -1):
             if fd >= 0:
                 try:
                     ok = remove_owned(fd, uid) and ok
                 except Exception:
                     ok = False
+        if self.unshare_ipc is not None:
+            return ok
         try:
             return remove_ipc(uid, fds=self.ipc_fds) and ok
         except OSError:
@@ -1197,16 +1250,20 @@ def main():
             loaded.append(name)
         except BaseException as e:
             failed[name] = f"{type(e).__name__}: {e}"
+    unshare_ipc = ipc_unshare() if conf.get("own_ipc") else None     # ctypes imported here, if at all
     # Objects imported so far are shared by every fork; keep the GC from
     # touching (and so copying) their pages in the workers.
     gc.collect()
     if hasattr(gc, "freeze"):
         gc.freeze()
     gc.disable()
+    if unshare_ipc is not None and not ipc_unshare_works(unshare_ipc):
+        unshare_ipc = None
     base = tempfile.mkdtemp(prefix="fncall-", dir="/tmp")
     os.chmod(base, 0o711)
-    z = Zygote(sock, base, conf["spares"], conf["uid_base"], conf["uid_count"], conf["rlimits"])
-    send(sock, {"op": "ready", "pid": os.getpid(), "modules": loaded, "failed": failed})
+    z = Zygote(sock, base, conf["spares"], conf["uid_base"], conf["uid_count"], conf["rlimits"], unshare_ipc)
+    send(sock, {"op": "ready", "pid": os.getpid(), "modules": loaded, "failed": failed,
+                "own_ipc": unshare_ipc is not None})
     z.run()
 
 

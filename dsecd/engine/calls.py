@@ -407,7 +407,7 @@ class CallService:
     async def _start_zygote(self, box: CallBox) -> Zygote:
         fc = self.fn_cfg
         conf = {"modules": list(fc["modules"]), "spares": fc["spares"], "uid_base": fc["uid_base"],
-                "uid_count": fc["uid_count"],
+                "uid_count": fc["uid_count"], "own_ipc": self.fncall.own_ipc(box.handle),
                 "rlimits": {"as": self._call_sizes["rlimit_as"], "core": 0,
                             "fsize": self._call_sizes["rlimit_fsize"], "nofile": fc["rlimit_nofile"],
                             "nproc": fc["rlimit_nproc"]}}
@@ -433,6 +433,10 @@ class CallService:
             raise IOFailure(f"fncall zygote for {box.image} did not start ({why}); retry") from err
         if info.get("failed"):
             log.warning("zygote for %s could not import %s", box.image, info["failed"])
+        if conf["own_ipc"] and not info.get("own_ipc"):
+            log.warning("zygote for %s cannot give calls an IPC namespace each (its python3 has neither "
+                        "os.unshare nor ctypes, or unshare failed): its calls share SysV IPC and message "
+                        "queues while they run", box.image)
         log.info("zygote %d for image %s ready (modules %s)", pid, box.image, info.get("modules"))
         return zyg
 

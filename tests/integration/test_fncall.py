@@ -343,6 +343,42 @@ def test_concurrent_calls_cannot_reach_each_other(daemon, py_image):
     assert b.stdout.split()[1:] == [b"nolist", b"True"], b.stderr
 
 
+IPC_HOLDER = (
+    "import ctypes, os, time\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "made = [libc.shmget(KEY, 4096, 0o1666), libc.semget(KEY, 1, 0o1666), libc.msgget(KEY, 0o1666),\n"
+    "        libc.mq_open(QUEUE, 0o100 | 2, 0o666, None)]\n"          # O_CREAT | O_RDWR
+    "open(READY, 'w').close()\n"
+    "while not os.path.exists(DONE):\n    time.sleep(0.05)\n"
+    "print(min(made) >= 0)")
+IPC_LOOKER = (
+    "import ctypes, os, time\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "while not os.path.exists(READY):\n    time.sleep(0.05)\n"
+    "found = [libc.shmget(KEY, 0, 0) >= 0, libc.semget(KEY, 0, 0) >= 0, libc.msgget(KEY, 0) >= 0,\n"
+    "         libc.mq_open(QUEUE, 0) >= 0]\n"                           # O_RDONLY
+    "took = libc.shmget(KEY, 4096, 0o3666) >= 0\n"                     # IPC_CREAT | IPC_EXCL
+    "open(DONE, 'w').close()\n"
+    "while os.path.exists(READY):\n    time.sleep(0.05)\n"     # gone with the holder's end, DONE with ours
+    "print(found, took)")
+
+
+def test_a_call_cannot_reach_or_take_what_a_concurrent_call_made_in_ipc(daemon, py_image):
+    """Each call runs in an IPC namespace of its own: SysV shared memory,
+    semaphores, message queues and POSIX message queues one running call
+    made are not found by another running at the same time, which can make
+    the same key itself (no call squats a key or name another expects).
+    The holder says it made them through /dev/shm, and ends once told to;
+    the other waits for the holder's file to go (removed with what the
+    holder left), so neither misses the other's."""
+    tag = secrets.token_hex(4)
+    names = (f"KEY = 0x5ec{int(tag[:4], 16):04x}\nQUEUE = b'/q-{tag}'\n"
+             f"READY = '/dev/shm/ready-{tag}'\nDONE = '/dev/shm/done-{tag}'\n")
+    held, looked = _calls_at_once(daemon, py_image, names + IPC_HOLDER, names + IPC_LOOKER)
+    assert (looked.exit_code, looked.stdout) == (0, b"[False, False, False, False] True\n"), looked
+    assert (held.exit_code, held.stdout) == (0, b"True\n"), held
+
+
 def _argv_calls_at_once(daemon, image: str, *argvs: list[str]) -> list:
     """The results of argv calls sent together on one connection."""
     async def run():
@@ -461,11 +497,12 @@ SYSV_LEFTOVERS = (
 
 
 def check_sysv_leftovers_go(c, image: str, path: str) -> None:
-    """SysV shared memory, semaphores and message queues live in the call
-    sandbox's IPC namespace, past the call that made them: before its uid
-    goes to another call they go too (a later call could read them, and a
-    later call of that uid would own them). Even one given to another uid
-    (IPC_SET) goes: its creator is the call's uid."""
+    """SysV shared memory, semaphores and message queues a call made are not
+    there for a later call: through the zygote they go with the call's own
+    IPC namespace; a plain call's live in the call sandbox's, past the call,
+    and go before its uid goes to another call (a later call could read
+    them, and a later call of that uid would own them). Even one given to
+    another uid (IPC_SET) goes: its creator is the call's uid."""
     r = c.call(image, argv=["sh", "-c", 'exec python3 -c "$0"', SYSV_LEFTOVERS])     # not routed as code
     assert (r.exit_code, r.stdout, r.path) == (0, b"True\n", path), r
     keys = {f"{k}" for k in range(0x5ec21, 0x5ec25)}
@@ -545,10 +582,11 @@ def test_call_workers_run_under_the_seccomp_filter(client, py_image):
         "print(call(250, 0, -3, 0))\n"      # keyctl(KEYCTL_GET_KEYRING_ID, session): denied
         "print(call(425, 1, 0))\n"          # io_uring_setup: denied
         "print(call(39))\n"                 # getpid: allowed
+        "print(call(272, 0x08000000))\n"    # unshare(CLONE_NEWIPC): the filter lets the zygote, no call
     )
     r = client.call(py_image, code=code)
     assert r.exit_code == 0, r.stderr
-    assert r.stdout.decode().split("\n")[:4] == ["2 1", str(errno.EPERM), str(errno.EPERM), "ok"]
+    assert r.stdout.decode().split("\n")[:5] == ["2 1", str(errno.EPERM), str(errno.EPERM), "ok", str(errno.EPERM)]
     # An argv call (forked by the zygote, then exec'ed) keeps the filter too.
     r = client.call(py_image, argv=["sh", "-c", "grep '^Seccomp:' /proc/self/status"])
     assert r.stdout == b"Seccomp:\t2\n", r.stderr

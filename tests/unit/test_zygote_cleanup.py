@@ -263,7 +263,7 @@ def test_a_worker_without_a_pidfd_is_seen_to_end_even_if_it_ended_at_once(monkey
     import signal
     import socket
 
-    monkeypatch.setattr(zygote_main, "worker", lambda link, tmp, uid, rlimits: os._exit(3))
+    monkeypatch.setattr(zygote_main, "worker", lambda link, tmp, uid, rlimits, isolation: os._exit(3))
     monkeypatch.setattr(zygote_main, "remove_ipc", lambda uid, **_: True)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     z = zygote_main.Zygote(theirs, "/nonexistent", 0, 60000, 1, {})   # on a host with pidfds
