@@ -297,7 +297,7 @@ int dsec_swapoff(const char *path);
  * (dsec_seccomp_install: async-signal-safe, no allocation) */
 #define DSEC_SECCOMP_MAX_INSNS 1024
 #define DSEC_SECCOMP_DEFAULT 0
-#define DSEC_SECCOMP_FNCALL 1  /* default + unshare(CLONE_NEWIPC): call sandboxes */
+#define DSEC_SECCOMP_FNCALL 1  /* default + unshare(CLONE_NEWIPC, CLONE_NEWNET): call sandboxes */
 int dsec_seccomp_build(int profile);
 int dsec_seccomp_install(int profile);
 int dsec_seccomp_no_new_privs(void);

@@ -128,11 +128,12 @@ static int add_rules(scmp_filter_ctx ctx, uint32_t deny, int profile)
     }
     for (size_t i = 0; i < sizeof(ns_flags) / sizeof(ns_flags[0]); i++) {
         uint64_t f = ns_flags[i];
-        /* DSEC_SECCOMP_FNCALL lets unshare make an IPC namespace (clone still
-         * may not): the zygote of a call sandbox, which alone there holds
-         * CAP_SYS_ADMIN, gives each call one of its own. Every other process
-         * of the sandbox lacks the capability, and unshare fails with EPERM. */
-        int unshare_allowed = profile == DSEC_SECCOMP_FNCALL && f == CLONE_NEWIPC;
+        /* DSEC_SECCOMP_FNCALL lets unshare make an IPC or a net namespace
+         * (clone still may not): the zygote of a call sandbox, which alone
+         * there holds CAP_SYS_ADMIN, gives each call its own. Every other
+         * process of the sandbox lacks the capability, and unshare fails with
+         * EPERM. */
+        int unshare_allowed = profile == DSEC_SECCOMP_FNCALL && (f == CLONE_NEWIPC || f == CLONE_NEWNET);
 
         if (!unshare_allowed && (rc = seccomp_rule_add(ctx, deny, SCMP_SYS(unshare), 1,
                                                        SCMP_A0(SCMP_CMP_MASKED_EQ, f, f))) < 0)

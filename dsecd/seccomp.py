@@ -21,10 +21,11 @@ import os
 from . import native
 from ._native import lib  # the three seccomp entry points (native.py does not wrap them)
 
-# "fncall" is "default" that lets unshare make an IPC namespace: call
-# sandboxes run under it in place of "default" (FnCallBackend), where their
-# zygote, the one process there with CAP_SYS_ADMIN, gives each call an IPC
-# namespace of its own (docs/burst.md, "What concurrent calls share").
+# "fncall" is "default" that lets unshare make an IPC or a net namespace:
+# call sandboxes run under it in place of "default" (FnCallBackend), where
+# their zygote, the one process there with CAP_SYS_ADMIN, gives each call an
+# IPC namespace (and with fncall.own_net a net namespace) of its own
+# (docs/burst.md, "What concurrent calls share").
 PROFILES: dict[str, int] = {"default": lib.DSEC_SECCOMP_DEFAULT, "fncall": lib.DSEC_SECCOMP_FNCALL}
 MAX_INSNS: int = lib.DSEC_SECCOMP_MAX_INSNS
 

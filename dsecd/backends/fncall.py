@@ -271,8 +271,8 @@ class FnCallBackend:
         # sandbox inits fork execs (dsecd/initlink.py); the zygote is started
         # by the helper either way.
         # Call sandboxes run under the "fncall" seccomp profile in place of
-        # "default": the same, but unshare may make an IPC namespace, which
-        # the zygote alone there can (spawn_zygote).
+        # "default": the same, but unshare may make an IPC or a net
+        # namespace, which the zygote alone there can (spawn_zygote).
         seccomp = "fncall" if sandbox_cfg["seccomp"] == "default" else sandbox_cfg["seccomp"]
         self.containers = ContainerBackend(layout, {**sandbox_cfg, "seccomp": seccomp,
                                                     "cgroup_root": f"{sandbox_cfg['cgroup_root']}/.fncall"},
@@ -337,21 +337,26 @@ class FnCallBackend:
 
     def own_ipc(self, h: Handle) -> bool:
         """Whether the zygote of call sandbox `h` can give each call an IPC
-        namespace of its own: where the sandbox has a user namespace of its
-        own (CAP_SYS_ADMIN in the host's would be the host's), under the
-        "fncall" seccomp profile or none (any other profile forbids unshare)."""
+        (or net) namespace of its own: where the sandbox has a user namespace
+        of its own (CAP_SYS_ADMIN in the host's would be the host's), under
+        the "fncall" seccomp profile or none (any other forbids unshare)."""
         return h.userns and self.containers.seccomp in (-1, seccomp_profiles.PROFILES["fncall"])
 
     def spawn_zygote(self, h: Handle, conf: dict, image_env: dict) -> tuple[socket.socket, int]:
         """Start python3 + the zygote source in the call sandbox, under the
         image's environment (its PATH finds python3); (our socket end, host pid).
         With conf["own_ipc"] (own_ipc) it holds CAP_SYS_ADMIN over the call
-        sandbox's user namespace, to unshare an IPC namespace in each worker;
-        a worker loses it, with every other capability, when it drops to its
-        call's uid, before the call runs. The zygote runs no call's code, and
-        its seccomp filter (every worker's too) still denies mounts, setns
-        and every other namespace."""
+        sandbox's user namespace, to unshare an IPC namespace in each worker,
+        and with conf["own_net"] a net namespace too, and CAP_NET_ADMIN to
+        bring its loopback up (the call sandbox's own net namespace belongs
+        to the host's user namespace: the zygote can change nothing there);
+        a worker loses them, with every other capability, when it drops to
+        its call's uid, before the call runs. The zygote runs no call's code,
+        and its seccomp filter (every worker's too) still denies mounts,
+        setns and every other namespace."""
         extra = cap_mask(["SYS_ADMIN"]) if conf.get("own_ipc") else 0
+        if conf.get("own_net"):
+            extra |= cap_mask(["SYS_ADMIN", "NET_ADMIN"])
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         try:

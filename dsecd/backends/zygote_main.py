@@ -20,7 +20,7 @@ Messages are JSON, one per packet.
                       {"op": "mqueue"} + SCM_RIGHTS [dir] (first, if at all:
                       the call sandbox's message queues, to clean up)
     zygote -> daemon  {"op": "ready", "pid": P, "modules": [...], "failed": {...},
-                       "own_ipc": bool}
+                       "own_ipc": bool, "own_net": bool}
                       {"op": "exit", "id": N, "status": wait-status, "run_ms": F}
                       {"op": "error", "id": N, "errno": E, "message": "..."}
 
@@ -32,7 +32,9 @@ removed by the zygote when it exits), under its own uid
 signal, trace or read one another), with the rlimits set, and with
 "own_ipc" in the config in an IPC namespace of its own (SysV IPC and POSIX
 message queues: no call finds, or squats, a key or queue name another call
-made or expects; "own_ipc" in the ready message says whether it could).
+made or expects), with "own_net" in a net namespace of its own, its
+loopback up (no call reaches, or takes, a port or abstract unix socket of
+another); the ready message says which it could.
 A call goes to an idle worker over that worker's own socketpair, so the
 fork is off the call's path; the worker runs the code (or execs argv),
 reports its status and exits.
@@ -43,6 +45,7 @@ call can leave state for the next one.
 import array
 import atexit
 import errno
+import fcntl
 import gc
 import json
 import os
@@ -51,6 +54,7 @@ import select
 import signal
 import socket
 import stat
+import struct
 import sys
 import tempfile
 import time
@@ -95,11 +99,11 @@ def only_fd_3(sock):
     return socket.socket(fileno=3)
 
 
-def worker(link, tmp, uid, rlimits, unshare_ipc=None):
+def worker(link, tmp, uid, rlimits, isolation=None):
     """A pre-forked worker: set up what does not depend on the call, wait for
-    it, run it, report, exit. Never returns. unshare_ipc: ipc_unshare's
-    function, to run in an IPC namespace of its own (None: the call
-    sandbox's)."""
+    it, run it, report, exit. Never returns. isolation: (unshare_fn's
+    function, CLONE_NEW* flags), the namespaces of its own it runs in (None:
+    the call sandbox's)."""
     status = 127
     try:
         # The zygote's SIGCHLD wakeup (without pidfds) is not the call's.
@@ -123,11 +127,12 @@ def worker(link, tmp, uid, rlimits, unshare_ipc=None):
         # workers and relay kills in time. Nice only weighs tasks within the
         # cgroup, whose share of the host stays; calls keep equal weights.
         os.nice(WORKER_NICE)
-        # Its own SysV IPC and message queues, made while it still holds the
-        # zygote's CAP_SYS_ADMIN (the uid change drops it): gone with the
-        # call's last process, out of every other call's reach meanwhile.
-        if unshare_ipc is not None:
-            unshare_ipc()
+        # Its own SysV IPC and message queues (and network), made while it
+        # still holds the zygote's CAP_SYS_ADMIN (the uid change drops it):
+        # gone with the call's last process, out of every other call's reach
+        # meanwhile.
+        if isolation is not None:
+            isolate(*isolation)
         # Its own uid: no other call can signal, trace or read it, or its dir.
         os.setgroups([])
         os.setgid(uid)
@@ -210,34 +215,47 @@ def worker(link, tmp, uid, rlimits, unshare_ipc=None):
 
 
 CLONE_NEWIPC = 0x08000000
+CLONE_NEWNET = 0x40000000
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 
 
-def ipc_unshare():
-    """A function that moves the calling process into a new IPC namespace
-    (os.unshare, Python 3.12+; else libc's, through ctypes), or None where
-    this Python has neither."""
+def unshare_fn():
+    """unshare(flags) (os.unshare, Python 3.12+; else libc's, through
+    ctypes), or None where this Python has neither."""
     if hasattr(os, "unshare"):
-        return lambda: os.unshare(os.CLONE_NEWIPC)
+        return os.unshare
     try:
         import ctypes
         fn = ctypes.CDLL(None, use_errno=True).unshare
     except (ImportError, OSError, AttributeError):
         return None
 
-    def unshare():
-        if fn(CLONE_NEWIPC) != 0:
+    def unshare(flags):
+        if fn(flags) != 0:
             err = ctypes.get_errno()
-            raise OSError(err, f"unshare(CLONE_NEWIPC): {os.strerror(err)}")
+            raise OSError(err, f"unshare: {os.strerror(err)}")
     return unshare
 
 
-def ipc_unshare_works(unshare):
-    """Whether a child of this process can run `unshare` (the zygote's
-    capabilities and seccomp filter allow it), tried once in a child."""
+def isolate(unshare, flags):
+    """Move this process into new namespaces of `flags` (CLONE_NEWIPC,
+    CLONE_NEWNET); a new net namespace gets its loopback up, as a
+    sandbox's has (servers of a call listen on localhost)."""
+    unshare(flags)
+    if flags & CLONE_NEWNET:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            ifr = fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, struct.pack("16s16x", b"lo"))
+            up = struct.unpack_from("H", ifr, 16)[0] | IFF_UP
+            fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", up))
+
+
+def isolation_works(isolation):
+    """Whether a child of this process can isolate() itself so (the
+    zygote's capabilities and seccomp filter allow it), tried once."""
     pid = os.fork()
     if pid == 0:
         try:
-            unshare()
+            isolate(*isolation)
             os._exit(0)
         finally:
             os._exit(1)
@@ -736,11 +754,13 @@ def _close(fd):
 
 
 class Zygote:
-    def __init__(self, sock, base, spares, uid_base, uid_count, rlimits, unshare_ipc=None):
+    def __init__(self, sock, base, spares, uid_base, uid_count, rlimits, isolation=None):
         self.sock = sock
-        # Each worker in an IPC namespace of its own (worker()): nothing of a
-        # call is then in the call sandbox's, to clean up after it.
-        self.unshare_ipc = unshare_ipc
+        # The namespaces of its own each worker runs in (worker()). With an
+        # IPC namespace nothing of a call is in the call sandbox's, to clean
+        # up after it.
+        self.isolation = isolation
+        self.own_ipc = isolation is not None and bool(isolation[1] & CLONE_NEWIPC)
         self.base = base
         self.spares = spares
         self.uids = list(range(uid_base + uid_count - 1, uid_base - 1, -1))   # free uids, lowest last
@@ -829,7 +849,7 @@ class Zygote:
         if pid == 0:
             self.sock.close()
             ours.close()
-            worker(theirs, tmp, uid, self.rlimits, self.unshare_ipc)
+            worker(theirs, tmp, uid, self.rlimits, self.isolation)
         # The worker makes its process group too, but maybe only after a kill
         # of its call (killpg on a group not made yet: ESRCH, the kill lost).
         try:
@@ -1056,13 +1076,13 @@ class Zygote:
                 del self.dirs[uid]
             else:
                 ok = False
-        for fd in (self.shm_fd, self.mq_fd if self.unshare_ipc is None else -1):
+        for fd in (self.shm_fd, -1 if self.own_ipc else self.mq_fd):
             if fd >= 0:
                 try:
                     ok = remove_owned(fd, uid) and ok
                 except Exception:
                     ok = False
-        if self.unshare_ipc is not None:
+        if self.own_ipc:
             return ok
         try:
             return remove_ipc(uid, fds=self.ipc_fds) and ok
@@ -1250,20 +1270,23 @@ def main():
             loaded.append(name)
         except BaseException as e:
             failed[name] = f"{type(e).__name__}: {e}"
-    unshare_ipc = ipc_unshare() if conf.get("own_ipc") else None     # ctypes imported here, if at all
+    flags = (CLONE_NEWIPC if conf.get("own_ipc") else 0) | (CLONE_NEWNET if conf.get("own_net") else 0)
+    unshare = unshare_fn() if flags else None       # ctypes imported here, if at all
     # Objects imported so far are shared by every fork; keep the GC from
     # touching (and so copying) their pages in the workers.
     gc.collect()
     if hasattr(gc, "freeze"):
         gc.freeze()
     gc.disable()
-    if unshare_ipc is not None and not ipc_unshare_works(unshare_ipc):
-        unshare_ipc = None
+    isolation = (unshare, flags) if unshare is not None else None
+    if isolation is not None and not isolation_works(isolation):
+        isolation = None
+    flags = isolation[1] if isolation else 0
     base = tempfile.mkdtemp(prefix="fncall-", dir="/tmp")
     os.chmod(base, 0o711)
-    z = Zygote(sock, base, conf["spares"], conf["uid_base"], conf["uid_count"], conf["rlimits"], unshare_ipc)
+    z = Zygote(sock, base, conf["spares"], conf["uid_base"], conf["uid_count"], conf["rlimits"], isolation)
     send(sock, {"op": "ready", "pid": os.getpid(), "modules": loaded, "failed": failed,
-                "own_ipc": unshare_ipc is not None})
+                "own_ipc": bool(flags & CLONE_NEWIPC), "own_net": bool(flags & CLONE_NEWNET)})
     z.run()
 
 

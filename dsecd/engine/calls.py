@@ -408,6 +408,7 @@ class CallService:
         fc = self.fn_cfg
         conf = {"modules": list(fc["modules"]), "spares": fc["spares"], "uid_base": fc["uid_base"],
                 "uid_count": fc["uid_count"], "own_ipc": self.fncall.own_ipc(box.handle),
+                "own_net": fc["own_net"] and self.fncall.own_ipc(box.handle),
                 "rlimits": {"as": self._call_sizes["rlimit_as"], "core": 0,
                             "fsize": self._call_sizes["rlimit_fsize"], "nofile": fc["rlimit_nofile"],
                             "nproc": fc["rlimit_nproc"]}}
@@ -437,6 +438,10 @@ class CallService:
             log.warning("zygote for %s cannot give calls an IPC namespace each (its python3 has neither "
                         "os.unshare nor ctypes, or unshare failed): its calls share SysV IPC and message "
                         "queues while they run", box.image)
+        if fc["own_net"] and not info.get("own_net"):
+            log.warning("zygote for %s cannot give calls a net namespace each (fncall.own_net needs "
+                        "sandbox.userns, the default seccomp profile, and os.unshare or ctypes in the image's "
+                        "python3): its calls share the call sandbox's loopback while they run", box.image)
         log.info("zygote %d for image %s ready (modules %s)", pid, box.image, info.get("modules"))
         return zyg
 

@@ -379,6 +379,63 @@ def test_a_call_cannot_reach_or_take_what_a_concurrent_call_made_in_ipc(daemon, 
     assert (held.exit_code, held.stdout) == (0, b"True\n"), held
 
 
+NET_HOLDER = (
+    "import os, socket, time\n"
+    "tcp = socket.socket()\ntcp.bind(('127.0.0.1', PORT))\ntcp.listen()\n"
+    "unix = socket.socket(socket.AF_UNIX)\nunix.bind(ABSTRACT)\nunix.listen()\n"
+    "open(READY, 'w').close()\n"
+    "while not os.path.exists(DONE):\n    time.sleep(0.05)\n"
+    "print('held')")
+NET_LOOKER = (
+    "import os, socket, time\n"
+    "while not os.path.exists(READY):\n    time.sleep(0.05)\n"
+    "def reached(family, addr):\n"
+    "    with socket.socket(family) as s:\n"
+    "        return s.connect_ex(addr) == 0\n"
+    "found = [reached(socket.AF_INET, ('127.0.0.1', PORT)), reached(socket.AF_UNIX, ABSTRACT)]\n"
+    "try:\n    socket.socket().bind(('127.0.0.1', PORT))\n    took = True\n"
+    "except OSError:\n    took = False\n"
+    "open(DONE, 'w').close()\n"
+    "while os.path.exists(READY):\n    time.sleep(0.05)\n"     # gone with the holder's end, DONE with ours
+    "print(found, took)")
+
+
+def calls_on_the_network(daemon, image: str) -> tuple:
+    """A call listening on 127.0.0.1:PORT and on an abstract unix socket,
+    and what another running at the same time saw: (reached each, could
+    bind PORT itself). The holder says it listens through /dev/shm and
+    ends once told to."""
+    tag = secrets.token_hex(4)
+    names = (f"PORT = {20000 + int(tag[:4], 16) % 40000}\nABSTRACT = b'\\0calls-{tag}'\n"
+             f"READY = '/dev/shm/ready-{tag}'\nDONE = '/dev/shm/done-{tag}'\n")
+    held, looked = _calls_at_once(daemon, image, names + NET_HOLDER, names + NET_LOOKER)
+    assert (held.exit_code, held.stdout) == (0, b"held\n"), held
+    assert looked.exit_code == 0, looked
+    return looked.stdout
+
+
+def test_calls_share_the_call_sandboxs_loopback_by_default(daemon, py_image):
+    """What docs/burst.md says stays shared ("What concurrent calls share"):
+    without fncall.own_net a call reaches another's server on localhost
+    and its abstract unix socket, and cannot take its port."""
+    assert calls_on_the_network(daemon, py_image) == b"[True, True] False\n"
+
+
+def test_with_own_net_a_call_cannot_reach_or_take_a_concurrent_calls_server(daemon_factory):
+    """fncall.own_net: each call in a net namespace of its own, its
+    loopback up: another call's server on localhost and its abstract unix
+    socket are out of reach, and the port is free to take."""
+    d = daemon_factory("[fncall]\nown_net = true\n")
+    c = d.client()
+    try:
+        assert calls_on_the_network(d, import_py(c)) == b"[False, False] True\n"
+        r = c.call("py", code="import socket\ns = socket.create_server(('127.0.0.1', 0))\n"
+                              "c = socket.create_connection(s.getsockname())\nprint(s.accept()[0].fileno() > 0)")
+        assert (r.exit_code, r.stdout) == (0, b"True\n"), r      # its own loopback works
+    finally:
+        c.close()
+
+
 def _argv_calls_at_once(daemon, image: str, *argvs: list[str]) -> list:
     """The results of argv calls sent together on one connection."""
     async def run():
