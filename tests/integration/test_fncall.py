@@ -91,6 +91,26 @@ def test_the_zygote_serves_on_a_python_without_pidfd_open(client, py_image, tmp_
     assert (r.exit_code, r.stdout, r.path) == (0, b"after\n", "zygote"), r
 
 
+def test_the_zygote_serves_on_a_python_without_unshare_or_ctypes(daemon, client, py_image, tmp_path):
+    """Neither os.unshare (Python 3.12+) nor ctypes: the zygote cannot give
+    a call an IPC namespace of its own, says so, and serves calls in the
+    call sandbox's, as before. Stood in for by the host's python3 with
+    both taken away before anything runs."""
+    ver = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    (tmp_path / "sitecustomize.py").write_text("import os, sys\nsys.modules['ctypes'] = None\n"
+                                               "if hasattr(os, 'unshare'):\n    del os.unshare\n")
+    client.build_dockerfile(str(tmp_path), "py-noctypes",
+                            text=f"FROM {py_image}\nCOPY sitecustomize.py /usr/lib/{ver}/sitecustomize.py\n")
+    for i in range(12):                 # more than the spares
+        r = client.call("py-noctypes", code=f"import os\nprint({i}, os.readlink('/proc/self/ns/ipc'))")
+        assert r.exit_code == 0 and r.path == "zygote", r
+        assert r.stdout.split()[0] == str(i).encode(), r
+    mine = client.call("py-noctypes", code="import os\nprint(os.readlink('/proc/self/ns/ipc'))").stdout
+    other = client.call("py-noctypes", code="import os\nprint(os.readlink('/proc/self/ns/ipc'))").stdout
+    assert mine == other, (mine, other)         # the call sandbox's
+    assert "zygote for py-noctypes cannot give calls an IPC namespace each" in daemon.log.read_text()
+
+
 def test_python_c_argv_goes_through_the_zygote(client, py_image):
     r = client.call(py_image, argv=["python3", "-c", "import sys; print(sys.argv)", "x"])
     assert (r.exit_code, r.stdout, r.path) == (0, b"['-c', 'x']\n", "zygote")
