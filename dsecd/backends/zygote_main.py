@@ -1278,9 +1278,13 @@ def main():
     if hasattr(gc, "freeze"):
         gc.freeze()
     gc.disable()
-    isolation = (unshare, flags) if unshare is not None else None
-    if isolation is not None and not isolation_works(isolation):
-        isolation = None
+    # What a worker can do, tried once: a net namespace that cannot be had
+    # leaves the IPC one.
+    isolation = None
+    for want in (flags, flags & CLONE_NEWIPC) if unshare is not None else ():
+        if want and isolation_works((unshare, want)):
+            isolation = (unshare, want)
+            break
     flags = isolation[1] if isolation else 0
     base = tempfile.mkdtemp(prefix="fncall-", dir="/tmp")
     os.chmod(base, 0o711)

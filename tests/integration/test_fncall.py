@@ -456,6 +456,31 @@ def test_with_own_net_a_call_cannot_reach_or_take_a_concurrent_calls_server(daem
         c.close()
 
 
+def test_a_net_namespace_the_zygote_cannot_have_leaves_calls_their_ipc_one(daemon_factory, tmp_path):
+    """fncall.own_net where a worker cannot bring its loopback up (stood in
+    for by a python3 whose fcntl.ioctl fails): the zygote says so, and its
+    calls keep an IPC namespace each and share the call sandbox's network."""
+    d = daemon_factory("[fncall]\nown_net = true\n")
+    c = d.client()
+    try:
+        py = import_py(c)
+        ver = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+        (tmp_path / "sitecustomize.py").write_text("import fcntl\n"
+                                                   "def ioctl(*_):\n    raise OSError(1, 'refused')\n"
+                                                   "fcntl.ioctl = ioctl\n")
+        c.build_dockerfile(str(tmp_path), "py-noioctl",
+                           text=f"FROM {py}\nCOPY sitecustomize.py /usr/lib/{ver}/sitecustomize.py\n")
+        assert calls_on_the_network(d, "py-noioctl") == b"[True, True] False\n"
+        assert "zygote for py-noioctl cannot give calls a net namespace each" in d.log.read_text()
+        tag = secrets.token_hex(4)
+        names = (f"KEY = 0x5ec{int(tag[:4], 16):04x}\nQUEUE = b'/q-{tag}'\n"
+                 f"READY = '/dev/shm/ready-{tag}'\nDONE = '/dev/shm/done-{tag}'\n")
+        held, looked = _calls_at_once(d, "py-noioctl", names + IPC_HOLDER, names + IPC_LOOKER)
+        assert (looked.exit_code, looked.stdout) == (0, b"[False, False, False, False] True\n"), looked
+    finally:
+        c.close()
+
+
 def _argv_calls_at_once(daemon, image: str, *argvs: list[str]) -> list:
     """The results of argv calls sent together on one connection."""
     async def run():
