@@ -65,16 +65,27 @@ class VmProcs:
 
     # ------------------------------------------------------------ channel
 
-    def _send_quietly(self, link: AgentLink, kind: int, *fields: bytes) -> None:
-        """A request whose answer nobody waits for; a closed channel or an
-        error answer is ignored."""
+    def _send_quietly(self, sb: Sandbox, link: AgentLink, kind: int, *fields: bytes) -> None:
+        """A request whose answer nobody waits for (a pause does); a closed
+        channel or an error answer is ignored."""
         async def send() -> None:
             with contextlib.suppress(AgentError, AgentGone):
                 await link.request(kind, *fields)
 
-        task = self.svc.workers.loop.create_task(send())
+        task = self._counted_task(sb, send())
         self._quiet.add(task)
         task.add_done_callback(self._sent)
+
+    def _counted_task(self, sb: Sandbox, coro) -> asyncio.Task:
+        """A task of agent requests, counted from now to its end as requests
+        a pause waits for (MicroVMService.request_running): a request cut
+        on its way by the end of QEMU would leave the agent half a frame,
+        and it would take the resumed VM's HELLO for the rest of it."""
+        counted = self.request_running(sb)
+        counted.__enter__()
+        task = self.svc.workers.loop.create_task(coro)
+        task.add_done_callback(lambda _t: counted.__exit__(None, None, None))
+        return task
 
     def _sent(self, task: asyncio.Task) -> None:
         self._quiet.discard(task)
@@ -95,7 +106,7 @@ class VmProcs:
         old = self.attaching.get(sb.id)
         if old is not None and not old.done():
             old.cancel()
-        task = self.svc.workers.loop.create_task(self._attach_all(sb, h.agent))
+        task = self._counted_task(sb, self._attach_all(sb, h.agent))
         self.attaching[sb.id] = task
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         self._changed(sb.id)
@@ -193,7 +204,7 @@ class VmProcs:
         except asyncio.CancelledError:
             # The request went while the agent started it: it is killed, as
             # a container's is (its exited record stays in the agent's table).
-            start.add_done_callback(lambda fut: self._kill_orphan(link, fut))
+            start.add_done_callback(lambda fut: self._kill_orphan(sb, link, fut))
             raise
         except AgentError as err:
             if err.errno == errno.ENOSYS and err.step == "unknown request type":
@@ -211,12 +222,12 @@ class VmProcs:
                "stdin": bool(req.stdin)}
         return pid, rec
 
-    def _kill_orphan(self, link: AgentLink, fut: asyncio.Future) -> None:
+    def _kill_orphan(self, sb: Sandbox, link: AgentLink, fut: asyncio.Future) -> None:
         """A process start whose request was abandoned: the process it started
         (the answer's pid), which nobody will ever name, is killed."""
         if fut.cancelled() or fut.exception() is not None or link.closed:
             return
-        self._send_quietly(link, wire.PROC_KILL, wire.u64(fut.result().u64()), wire.u64(signal.SIGKILL))
+        self._send_quietly(sb, link, wire.PROC_KILL, wire.u64(fut.result().u64()), wire.u64(signal.SIGKILL))
 
     def request_running(self, sb: Sandbox):
         """Count agent requests a pause must wait for (MicroVMService.request_running)."""
@@ -292,7 +303,7 @@ class VmProcs:
         h = sb.handle
         if h is None or h.agent is None or h.agent.closed:
             return
-        self._send_quietly(h.agent, wire.PROC_FORGET, wire.u64(proc.pid))
+        self._send_quietly(sb, h.agent, wire.PROC_FORGET, wire.u64(proc.pid))
 
     def gone(self, sb_id: str) -> None:
         """The sandbox is destroyed or its VM died: inputs waiting for a channel give up."""
