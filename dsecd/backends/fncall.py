@@ -252,6 +252,11 @@ class CallBox:
     env: dict = field(default_factory=dict)     # the image's environment, under each call's
     idmap: userns.IdMap | None = None           # its user namespace's range; None: host ids
     mq_fd: int = -1         # its POSIX message queues' directory (FnCallBackend.mqueue_dir); -1: none
+    # Plain calls' clean-ups under way (CallService._give_back): they use its
+    # handle's fds, its mq_fd and its uid range in workers, so the box is
+    # destroyed only after them; `dropping` tells them to stop.
+    cleanups: set = field(default_factory=set)
+    dropping: bool = False
 
     def host_ids(self, uid: int) -> tuple[int, int]:
         """A call's uid (and gid of the same number) as the host sees them."""

@@ -492,6 +492,12 @@ class CallService:
         if box.zygote:
             box.zygote.fail(why)
             self._close_zygote(box.zygote)
+        # Its plain calls' clean-ups stop at their next step; what one runs
+        # in a worker meanwhile uses the fds closed below, and the ids its
+        # range (given back below) may soon name in another sandbox.
+        box.dropping = True
+        if box.cleanups:
+            await asyncio.gather(*list(box.cleanups), return_exceptions=True)
         h, box.handle = box.handle, None
         if h is None:
             return
@@ -617,7 +623,9 @@ class CallService:
         io, out = self._call_io(stdin)
 
         def release() -> None:
-            self.workers.loop.create_task(self._give_back(box, uid, name))
+            cleanup = self.workers.loop.create_task(self._give_back(box, uid, name))
+            box.cleanups.add(cleanup)
+            cleanup.add_done_callback(box.cleanups.discard)
 
         abandoned = False
         try:
@@ -674,6 +682,8 @@ class CallService:
         as many as plain calls run."""
         host_uid = box.host_ids(uid)[0]
         for _ in range(LEFTOVER_LOOKS):
+            if box.dropping:        # its sandbox goes, and what runs in it
+                return
             if not await self.workers.run(self.fncall.kill_leftovers, box.handle, host_uid, box.idmap is not None):
                 await self._give_back_clean(box, uid, host_uid, private_dir)
                 return
@@ -687,6 +697,8 @@ class CallService:
         file in that call's writable dir, a tree it deepens), and given up
         after CLEANUP_TRIES (as the zygote does)."""
         for _ in range(CLEANUP_TRIES):
+            if box.dropping:
+                return
             if await self.workers.run(self._remove_left, box, host_uid, private_dir):
                 box.free_uids.append(uid)
                 return

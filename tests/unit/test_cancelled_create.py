@@ -511,3 +511,44 @@ def test_a_create_waiting_on_its_keys_create_that_is_cancelled_makes_the_sandbox
     made.clear()
     (first, retry), keys = asyncio.run(go(Busy("the host is full")))
     assert isinstance(first, Busy) and isinstance(retry, Busy) and made == ["first"] and keys == {}
+
+
+def test_a_dropped_call_sandbox_goes_after_its_plain_calls_clean_ups(monkeypatch):
+    """A plain call's clean-up runs in workers on its call sandbox's fds and
+    uid range: a box dropped meanwhile (idle, replaced, its zygote gone) is
+    destroyed, its fds closed and its range given back, only once its
+    clean-ups have stopped, and none runs after."""
+    from types import SimpleNamespace
+
+    from dsecd.backends.fncall import CallBox
+    from dsecd.engine import calls
+
+    monkeypatch.setattr(calls, "CLEANUP_RETRY_S", 0.01)
+    steps = []
+    box = CallBox(id="box1", image="busybox", layers=[], handle=SimpleNamespace(), free_uids=[])
+    box.host_ids = lambda uid: (uid, uid)
+
+    def remove_shm_files(h, uid):
+        steps.append("clean")
+        return False                        # what it left stays: tried again and again
+
+    fncall = SimpleNamespace(kill_leftovers=lambda h, uid, own_range=True: 0, remove_shm_files=remove_shm_files,
+                             remove_ipc=lambda h, uid: True, remove_mqueues=lambda fd, uid: True,
+                             remove_private_dir=lambda h, name: True,
+                             destroy_box=lambda box_id, h: steps.append("destroyed"))
+
+    async def go():
+        with _workers() as workers:
+            node = _call_node(workers, fncall)
+            node.image_service = SimpleNamespace(layers=SimpleNamespace(release=lambda layers: None))
+            cleanup = asyncio.ensure_future(node._give_back(box, 7003, "call-x"))
+            box.cleanups.add(cleanup)
+            cleanup.add_done_callback(box.cleanups.discard)
+            await _until(lambda: steps.count("clean") >= 2)
+            await node._drop_box(box, "test")
+            assert cleanup.done()
+            await asyncio.sleep(0.1)
+
+    asyncio.run(go())
+    assert steps[-1] == "destroyed" and steps.count("destroyed") == 1, steps
+    assert box.free_uids == []
