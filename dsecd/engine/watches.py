@@ -86,11 +86,12 @@ class WatchService:
         # number may be another sandbox's root by the time the lookup ends.
         try:
             path = sbfiles.check_path(path)
-            own_root = os.dup(rootfd)
         except sbfiles.PathError as err:
             raise BadRequest(f"watch {where}: {err}", {"path": path}) from err
+        try:
+            own_root = os.dup(rootfd)
         except OSError as err:
-            raise self._open_error(where, err) from err
+            raise io_error("watch", where, err) from err
         try:
             # Cancelled: the copy is closed once the lookup is done with it.
             top_id = await self.workers.run_shielded(lambda _fut: os.close(own_root),
@@ -99,20 +100,19 @@ class WatchService:
             raise
         except BaseException as err:
             os.close(own_root)
+            if isinstance(err, sbfiles.PathError):
+                raise BadRequest(f"watch {where}: {err}", {"path": path}) from err
             if isinstance(err, OSError):
-                raise self._open_error(where, err) from err
+                raise io_error("watch", where, err) from err
             raise
         try:
             return fswatch.TreeWatch(own_root, path, top_id, recursive, self.max_dirs)
         except OSError as err:
             os.close(own_root)
-            raise self._open_error(where, err) from err
-
-    @staticmethod
-    def _open_error(where: str, err: OSError) -> DsecError:
-        if err.errno in (errno.EMFILE, errno.ENFILE):
-            return LimitExceeded(_no_instance(where, "this host"), {"errno": errno.errorcode[err.errno]})
-        return io_error("watch", where, err)
+            if err.errno in (errno.EMFILE, errno.ENFILE):      # its inotify instance
+                raise LimitExceeded(_no_instance(where, "this host"),
+                                    {"errno": errno.errorcode[err.errno]}) from err
+            raise io_error("watch", where, err) from err
 
     async def _grow(self, tree: fswatch.TreeWatch, rel: str, report: bool, where: str) -> list[dict]:
         """tree.add_tree in a worker. If the request is cancelled meanwhile,

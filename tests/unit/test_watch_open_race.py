@@ -48,3 +48,26 @@ def test_a_watch_opened_across_a_destroy_never_watches_another_sandbox(tmp_path)
     finally:
         tree.close()
         os.close(rootfd)
+
+
+def test_a_watch_of_a_kernel_interface_is_refused_as_a_bad_request():
+    """The lookup in the worker refuses /proc (a PathError): a bad request,
+    and the root's copy is closed."""
+    from dsecd.errors import BadRequest
+
+    class Workers:
+        async def run_shielded(self, on_abandoned, fn, *args):
+            return fn(*args)
+
+    rootfd = os.open("/", os.O_PATH | os.O_DIRECTORY)        # the host's own /proc below it
+    svc = WatchService(SimpleNamespace(), Workers(), SimpleNamespace(), None, max_watches=4, max_dirs=16)
+    before = set(os.listdir("/proc/self/fd"))
+    try:
+        try:
+            asyncio.run(svc._open(rootfd, "/proc", False, "sb:/proc"))
+            raise AssertionError("a watch of /proc was not refused")
+        except BadRequest:
+            pass
+    finally:
+        os.close(rootfd)
+    assert set(os.listdir("/proc/self/fd")) <= before
