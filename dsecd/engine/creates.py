@@ -928,9 +928,12 @@ class CreateService:
             return await self.vms.check_cwd(sb, cwd, make)
         idmap = userns.IdMap.from_record(sb.idmap)
         try:
-            found = await self.workers.run(userns.file_op, idmap, sbfiles.is_directory, sb.handle.rootfd, cwd)
+            # The root's copies: a cancelled create's undo closes the handle's.
+            root = sb.root_copy()
+            found = await self.workers.run_owning(root, userns.file_op, idmap, sbfiles.is_directory, root, cwd)
             if not found and make:
-                await self.workers.run(userns.file_op, idmap, sbfiles.make_dir, sb.handle.rootfd, cwd, True, 0o755)
+                root = sb.root_copy()
+                await self.workers.run_owning(root, userns.file_op, idmap, sbfiles.make_dir, root, cwd, True, 0o755)
                 return
         except sbfiles.PathError as err:
             raise BadRequest(f"cwd: {err}", {"cwd": cwd}) from err

@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from .. import fds, metrics, tracing, userns
+from .. import metrics, tracing, userns
 from ..errors import (
     BadRequest,
     Conflict,
@@ -167,8 +167,8 @@ async def account_file(sb: Sandbox, path: str, workers: Workers, vms: MicroVMSer
         return r["data"].decode("utf-8", "replace")
     try:
         root = sb.root_copy()
-        return await workers.run_shielded(lambda _fut: None, fds.call_closing, root, userns.file_op,
-                                          userns.IdMap.from_record(sb.idmap), users.read_account_file, root, path)
+        return await workers.run_owning(root, userns.file_op, userns.IdMap.from_record(sb.idmap),
+                                        users.read_account_file, root, path)
     except OSError as err:
         raise io_error("read", f"{sb.id}:{path}", err) from err
 

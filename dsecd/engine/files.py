@@ -86,15 +86,16 @@ class FileService:
         owner = await owner_ids(sb, getattr(req, "owner", None), self.workers, self.vms)
         if sb.backend == "microvm":
             return await self.vms.file_op(sb, req, owner)
-        root = sb.root_copy()           # the worker closes it when it is done (shielded: it always runs)
-        call = functools.partial(fds.call_closing, root, functools.partial(userns.file_op, owner=owner),
-                                 userns.IdMap.from_record(sb.idmap), fn, root)
+        root = sb.root_copy()           # the worker's: closed when it is done, or dropped with it
+        op = functools.partial(userns.file_op, owner=owner)
+        idmap = userns.IdMap.from_record(sb.idmap)
         try:
-            if opens:
-                return await self.workers.run_shielded(_close_opened, call, *args)
+            if opens:       # shielded: run to its end, as the fd it opens is closed after it
+                return await self.workers.run_shielded(_close_opened, fds.call_closing, root, op, idmap, fn,
+                                                       root, *args)
             if stop is not None:
-                return await self.workers.run_stoppable(stop, call, *args)
-            return await self.workers.run_shielded(_nothing, call, *args)
+                return await self.workers.run_stoppable(stop, fds.call_closing, root, op, idmap, fn, root, *args)
+            return await self.workers.run_owning(root, op, idmap, fn, root, *args)
         except sbfiles.PathError as err:
             raise BadRequest(f"{verb} {sb.id}:{_where(req)}: {err}", {"path": _where(req)}) from err
         except RecursionError as err:        # a tree deeper than a walk goes (remove, list)
@@ -411,9 +412,8 @@ class FileService:
         """Remove temporary `path` of `sb` if it is still inode (dev, ino); logged."""
         try:
             root = sb.root_copy()
-            removed = await self.workers.run_shielded(_nothing, fds.call_closing, root, userns.file_op,
-                                                      userns.IdMap.from_record(sb.idmap), copytemps.remove_if_same,
-                                                      root, path, dev, ino)
+            removed = await self.workers.run_owning(root, userns.file_op, userns.IdMap.from_record(sb.idmap),
+                                                    copytemps.remove_if_same, root, path, dev, ino)
         except Conflict:        # being destroyed: the temporary goes with it
             return
         except (OSError, sbfiles.PathError) as err:
@@ -485,10 +485,6 @@ class FileService:
                             "with dsec rm -r %s:%s", sb.id, path, why, str(err) or "no answer", sb.id, path)
             return
         log.info("sandbox %s: removed %s, the temporary copy of a write %s", sb.id, path, why)
-
-
-def _nothing(_fut: asyncio.Future) -> None:
-    """A shielded worker's clean-up when nothing is left to undo."""
 
 
 def _close_opened(fut: asyncio.Future) -> None:

@@ -385,8 +385,10 @@ class NetworkService:
         if net.dns_enabled:
             files["/etc/resolv.conf"] = f"nameserver {net.ipam.gateway4}\n"
         try:
-            await self.workers.run(userns.file_op, userns.IdMap.from_record(sb.idmap), write_net_files,
-                                   h.rootfd, files)
+            # On a copy of the root: a cancelled create's undo closes the handle's.
+            root = sb.root_copy()
+            await self.workers.run_owning(root, userns.file_op, userns.IdMap.from_record(sb.idmap),
+                                          write_net_files, root, files)
         except BaseException as err:
             # Attached, but the create fails (or was cancelled) before it
             # registers the detach: its slot, lease and policy go now.

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+
+from .. import fds
 
 log = logging.getLogger(__name__)
 
@@ -23,22 +26,34 @@ class Workers:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
 
-    def _submit(self, fn, *args) -> asyncio.Future:
+    def _submit(self, fn, *args, dropped=None) -> asyncio.Future:
         """fn(*args) in a worker, as a future of the loop: what
         loop.run_in_executor does, without its per-call checks (an
         inspect.iscoroutinefunction of fn) and asyncio.wrap_future's general
         chaining; a burst makes several of these per create. Cancelling the
-        future cancels the work only if it has not started."""
+        future cancels the work only if it has not started; dropped() then
+        runs (what the work would have released)."""
         loop = self.loop
         fut = loop.create_future()
         work = self.pool.submit(fn, *args)
         work.add_done_callback(lambda w: None if loop.is_closed() else loop.call_soon_threadsafe(_settle, fut, w))
-        fut.add_done_callback(lambda f: work.cancel() if f.cancelled() else None)
+
+        def on_cancel(f: asyncio.Future) -> None:
+            if f.cancelled() and work.cancel() and dropped is not None:
+                dropped()
+        fut.add_done_callback(on_cancel)
         return fut
 
     async def run(self, fn, *args):
         """fn(*args) in a worker; cancelling the caller leaves the work running."""
         return await self._submit(fn, *args)
+
+    async def run_owning(self, fd: int, fn, *args):
+        """fn(*args) in a worker that owns `fd` (a copy of a sandbox's root
+        taken on the loop): closed once fn returns, or at once if the
+        caller is cancelled before the work started (then dropped, as
+        run's is). Cancelled later, the work runs on and closes it."""
+        return await self._submit(fds.call_closing, fd, fn, *args, dropped=lambda: os.close(fd))
 
     async def run_shielded(self, on_abandoned, fn, *args):
         """fn(*args) in a worker, for work that makes something (a process, a

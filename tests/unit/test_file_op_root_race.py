@@ -11,6 +11,7 @@ import functools
 import os
 from types import SimpleNamespace
 
+from dsecd import fds
 from dsecd.engine.files import FileService
 from dsecd.engine.sandboxes import Sandbox
 from dsecd.protocol import FileMkdir
@@ -41,6 +42,9 @@ class _RacingWorkers:
     async def run_stoppable(self, stop, fn, *args):
         return self._race(fn, *args)
 
+    async def run_owning(self, fd, fn, *args):
+        return self._race(fds.call_closing, fd, fn, *args)
+
 
 def test_a_file_request_across_a_destroy_never_lands_in_another_sandbox(tmp_path):
     mine, other = tmp_path / "mine", tmp_path / "other"
@@ -64,3 +68,34 @@ def test_a_file_request_across_a_destroy_never_lands_in_another_sandbox(tmp_path
     finally:
         os.close(workers.taken)
     assert set(os.listdir("/proc/self/fd")) <= fds_before | {str(handle.rootfd)}     # the copy is closed
+
+
+def test_a_root_copy_whose_work_was_dropped_before_it_started_is_closed():
+    """A request cancelled while its work waits for a worker drops the work
+    (as Workers.run does): the root's copy it owned is closed then."""
+    import threading
+
+    from dsecd.engine.workers import Workers
+
+    async def run():
+        workers = Workers(1)
+        workers.start(asyncio.get_running_loop())
+        gate = threading.Event()
+        try:
+            busy = asyncio.ensure_future(workers.run(gate.wait))          # the only worker, held
+            copy = os.open("/", os.O_PATH)
+            queued = asyncio.ensure_future(workers.run_owning(copy, lambda: "ran"))
+            await asyncio.sleep(0.05)
+            queued.cancel()
+            await asyncio.sleep(0)
+            gate.set()
+            await busy
+            try:
+                os.fstat(copy)
+                raise AssertionError("the dropped work's copy is still open")
+            except OSError:
+                pass
+        finally:
+            gate.set()
+            workers.pool.shutdown(wait=True)
+    asyncio.run(run())
