@@ -157,6 +157,8 @@ class RequestContext:
         request's worker runs on) and reused by the next client's
         connection, and would reach that client's files."""
         loop = self.conn.loop
+        if not loop.is_running():       # stopped: the daemon is ending, nobody would answer
+            raise ProcessLookupError(errno.ESRCH, "the daemon is shutting down")
         try:
             on_loop = asyncio.get_running_loop() is loop
         except RuntimeError:

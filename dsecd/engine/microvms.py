@@ -400,8 +400,9 @@ class MicroVMService:
                 log.info("sandbox %s: %d MiB of its template's RAM made before its save", sb.id, made >> 20)
         before = await self._charged(h)
         t0 = time.monotonic()
-        if h.pidfd >= 0:                                # (-1: a destroy came meanwhile)
-            self.workers.loop.remove_reader(h.pidfd)   # its end is ours, not a death
+        pidfd = h.pidfd         # (-1: a destroy came meanwhile, from a worker)
+        if pidfd >= 0:
+            self.workers.loop.remove_reader(pidfd)      # its end is ours, not a death
         try:
             size = await backend.save(h, image, self.workers.run)
         except OSError as err:
@@ -446,11 +447,13 @@ class MicroVMService:
         would leave the guest agent half a frame, which it would take the
         resume's HELLO for the rest of: the VM would never answer again. And
         a process start cut there could not be sent again: it may have run."""
-        if not self._requests.get(sb.id):
-            return
-        idle = self._requests_idle.setdefault(sb.id, asyncio.Event())
+        deadline = time.monotonic() + REQUESTS_SETTLE_S
         try:
-            await asyncio.wait_for(idle.wait(), REQUESTS_SETTLE_S)
+            # Again after each wake: one counted meanwhile (before this task
+            # ran on) is waited for too.
+            while self._requests.get(sb.id):
+                idle = self._requests_idle.setdefault(sb.id, asyncio.Event())
+                await asyncio.wait_for(idle.wait(), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             raise Conflict(f"sandbox {sb.id} has file or process requests under way for {REQUESTS_SETTLE_S:.0f}s; "
                            "a microVM pauses only idle (its agent's channel does not survive the stop); retry",

@@ -194,7 +194,9 @@ class VmProcs:
         self._listen(sb, link)
         argv = list(req.argv)
         flags = (wire.EXEC_STDIN if req.stdin else 0) | (wire.EXEC_GROUPS if ids.groups else 0)
-        start = asyncio.ensure_future(link.request(
+        # Counted itself: a cancel of this request ends the counts around
+        # it while the start may still be on its way.
+        start = self._counted_task(sb, link.request(
             wire.PROC_START, wire.u64(self.svc.limits.output_bytes), wire.u64(ids.uid), wire.u64(ids.gid),
             wire.u64(flags), wire.bstr(cwd), wire.u64(len(argv)),
             *map(wire.bstr, argv), wire.u64(len(env)), *map(wire.bstr, env),

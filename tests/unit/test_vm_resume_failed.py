@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -106,7 +107,7 @@ def test_the_wait_for_a_guest_ends_when_a_destroy_ends_its_qemu(tmp_path):
     from dsecd.backends.microvm.backend import _unless_exits
 
     qemu = subprocess.Popen(["sleep", "600"])
-    h = SimpleNamespace(pidfd=os.pidfd_open(qemu.pid))
+    h = SimpleNamespace(pidfd=os.pidfd_open(qemu.pid), pidfd_lock=threading.Lock())
 
     async def destroy_meanwhile():
         await asyncio.sleep(0.1)

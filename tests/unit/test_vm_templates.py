@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
 
 import pytest
 
@@ -319,7 +320,7 @@ def test_a_cancelled_wait_for_the_guest_ends_its_channel_task():
     async def main():
         pidfd = native.pidfd_open(os.getpid())        # a QEMU that runs on
         try:
-            waiting = asyncio.ensure_future(_unless_exits(SimpleNamespace(pidfd=pidfd), channels()))
+            waiting = asyncio.ensure_future(_unless_exits(SimpleNamespace(pidfd=pidfd, pidfd_lock=threading.Lock()), channels()))
             await asyncio.sleep(0.05)
             waiting.cancel()
             with pytest.raises(asyncio.CancelledError):
