@@ -308,6 +308,20 @@ def _shmem(sb) -> int:
     return int(stat["shmem"])
 
 
+def _templated_daemon(daemon_factory, busybox_rootfs):
+    """(daemon, its client): VMs restored from the run's templates, busybox
+    imported; skipped where the microvm backend is unavailable."""
+    d = daemon_factory("[microvm]\nwatchdog_interval_s = 0\n", shared_vm_templates=True)
+    c = d.client()
+    try:
+        skip_unless_microvm(c, close=False)
+        c.import_image(busybox_rootfs, "busybox")
+    except BaseException:
+        c.close()
+        raise
+    return d, c
+
+
 def test_a_restored_vms_pause_is_not_charged_its_templates_pages(daemon_factory, busybox_rootfs):
     """A pause saves all of a restored VM's RAM, reading every page of its
     private mapping of the template's memfd: each read of a page the
@@ -315,11 +329,8 @@ def test_a_restored_vms_pause_is_not_charged_its_templates_pages(daemon_factory,
     the first sandbox paused (~140 MiB for a 256M guest), which kept the
     charge (unreclaimable without swap) after its resume, against its
     memory limit. The daemon makes those pages itself before the save."""
-    d = daemon_factory("[microvm]\nwatchdog_interval_s = 0\n", shared_vm_templates=True)
-    c = d.client()
+    _, c = _templated_daemon(daemon_factory, busybox_rootfs)
     try:
-        skip_unless_microvm(c, close=False)
-        c.import_image(busybox_rootfs, "busybox")
         sb = _vm(c)
         try:
             assert sb.inspect()["vm"]["ram"] == "private"
@@ -344,11 +355,8 @@ def test_info_says_what_each_loaded_template_holds(daemon_factory, busybox_rootf
     sandbox: the guest RAM its boot wrote, and its whole guest RAM from the
     first pause of a VM restored from it on. Nothing a user could ask said
     how much; `dsec info` lists each template and what it holds now."""
-    d = daemon_factory("[microvm]\nwatchdog_interval_s = 0\n", shared_vm_templates=True)
-    c = d.client()
+    d, c = _templated_daemon(daemon_factory, busybox_rootfs)
     try:
-        skip_unless_microvm(c, close=False)
-        c.import_image(busybox_rootfs, "busybox")
         sb = _vm(c)
         try:
             assert sb.inspect()["vm"]["ram"] == "private"       # restored from its template

@@ -296,24 +296,9 @@ def test_the_temporaries_a_killed_daemon_held_are_removed_by_the_next(vmd, tmp_p
             child.wait()
             child.stdout.close()
         c.close()
-        d.start()
-        c2 = d.client()
-        try:
-            again = c2.get(sb.id)
-            deadline = time.monotonic() + 60
-            names = ["?"]
-            while names != ["kept"] and time.monotonic() < deadline:
-                time.sleep(0.2)
-                names = sorted(e["name"] for e in again.list_files("/work"))
-            assert names == ["kept"], names
-        finally:
-            c2.close()
+        _restarted_work_holds(d, sb.id, ["kept"])
     finally:
-        c3 = d.client()
-        try:
-            c3.get(sb.id).destroy(force=True)
-        finally:
-            c3.close()
+        _destroy_after_restart(d, sb.id)
 
 
 def test_a_daemon_killed_mid_copy_leaves_no_copy_directory_in_the_vm(vmd, tmp_path):
@@ -339,24 +324,35 @@ def test_a_daemon_killed_mid_copy_leaves_no_copy_directory_in_the_vm(vmd, tmp_pa
         assert any(e["name"].startswith(".dsec-put-") for e in sb.list_files("/work"))
         d.stop(signal.SIGKILL)
         c.close()
-        d.start()
-        c2 = d.client()
-        try:
-            again = c2.get(sb.id)
-            deadline = time.monotonic() + 60
-            names = ["?"]
-            while names and time.monotonic() < deadline:
-                time.sleep(0.2)
-                names = [e["name"] for e in again.list_files("/work")]
-            assert names == [], names
-        finally:
-            c2.close()
+        _restarted_work_holds(d, sb.id, [])
     finally:
-        c3 = d.client()
-        try:
-            c3.get(sb.id).destroy(force=True)
-        finally:
-            c3.close()
+        _destroy_after_restart(d, sb.id)
+
+
+def _restarted_work_holds(d, sb_id: str, names: list[str]) -> None:
+    """Start the killed daemon again and wait (60 s at most) until the VM's
+    /work holds just `names` (what the new daemon removes goes meanwhile)."""
+    d.start()
+    c = d.client()
+    try:
+        again = c.get(sb_id)
+        deadline = time.monotonic() + 60
+        seen = ["?"]
+        while seen != names and time.monotonic() < deadline:
+            time.sleep(0.2)
+            seen = sorted(e["name"] for e in again.list_files("/work"))
+        assert seen == names, seen
+    finally:
+        c.close()
+
+
+def _destroy_after_restart(d, sb_id: str) -> None:
+    """Destroy the VM on a client of the (restarted) daemon's own."""
+    c = d.client()
+    try:
+        c.get(sb_id).destroy(force=True)
+    finally:
+        c.close()
 
 
 def test_a_directory_copy_under_way_resumes_its_job_paused_vm(vmd, tmp_path):

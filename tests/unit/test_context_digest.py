@@ -4,9 +4,9 @@ its bound on a source's size and its stop."""
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
+from stop_kit import SetAfter
 
 from dsecd.build.context import (
     HASH_CHUNK,
@@ -47,26 +47,12 @@ def test_a_source_within_the_bound_is_hashed(tmp_path):
     assert context.digest(sources, DigestCache(), max_bytes=100) == context.digest(sources, DigestCache())
 
 
-class _SetAfter(threading.Event):
-    """An event that is set once it has been looked at `n` times."""
-
-    def __init__(self, n: int):
-        super().__init__()
-        self.left = n
-
-    def is_set(self) -> bool:
-        self.left -= 1
-        if self.left < 0:
-            self.set()
-        return super().is_set()
-
-
 def test_a_stop_ends_the_hashing_at_its_next_chunk(tmp_path, monkeypatch):
     with open(tmp_path / "big", "wb") as f:
         f.truncate(8 * HASH_CHUNK)
     context = BuildContext.open(str(tmp_path))
     sources = context.sources("big")
-    stop = _SetAfter(2)
+    stop = SetAfter(2)
     reads = []
     real_pread = os.pread
 

@@ -9,23 +9,10 @@ import tarfile
 import threading
 
 import pytest
+from stop_kit import SetAfter
 
 from dsecd.build import copyin
 from dsecd.build.context import BuildContext, DigestCache
-
-
-class _SetAfter(threading.Event):
-    """An event that is set once it has been looked at `n` times."""
-
-    def __init__(self, n: int):
-        super().__init__()
-        self.left = n
-
-    def is_set(self) -> bool:
-        self.left -= 1
-        if self.left < 0:
-            self.set()
-        return super().is_set()
 
 
 @pytest.fixture
@@ -45,7 +32,7 @@ def test_a_stop_ends_a_copy_between_files(dirs):
         (ctx / "src" / f"f{i}").write_bytes(b"x")
     sources = BuildContext.open(str(ctx)).sources("src")
     with pytest.raises(copyin.CopyStopped):
-        copyin.copy_sources(rootfd, sources, "/app/", None, None, _SetAfter(6))
+        copyin.copy_sources(rootfd, sources, "/app/", None, None, SetAfter(6))
     # Each file looks at the stop three times: before it is put, before its
     # one chunk and before the read that finds its end.
     assert sorted(os.listdir(root / "app")) == ["f0", "f1"]
@@ -61,7 +48,7 @@ def test_a_stop_ends_a_copy_within_a_large_file(dirs, hashed):
         context.digest(sources, DigestCache())
     # Looked at before the file (1), then before each of its chunks: two written.
     with pytest.raises(copyin.CopyStopped):
-        copyin.copy_sources(rootfd, sources, "/big", None, None, _SetAfter(3))
+        copyin.copy_sources(rootfd, sources, "/big", None, None, SetAfter(3))
     assert os.path.getsize(root / "big") == 2 * copyin.COPY_CHUNK
 
 
@@ -78,7 +65,7 @@ def test_a_stop_ends_an_archives_extraction(dirs):
     hashed = copyin.HashedReader(buf, None, "a.tar", stop)
     with pytest.raises(copyin.CopyStopped):
         copyin.extract_archive(rootfd, hashed, "a.tar", "/x", (os.getuid(), os.getgid()),
-                               lambda uid, gid: (uid, gid), None, _SetAfter(4))
+                               lambda uid, gid: (uid, gid), None, SetAfter(4))
     assert sorted(os.listdir(root / "x")) == ["f0", "f1"]
     stop.set()
     with pytest.raises(copyin.CopyStopped):
