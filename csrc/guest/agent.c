@@ -40,6 +40,7 @@
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
+#include <limits.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -151,6 +152,10 @@ enum {
 #define STR_(x) #x
 #define STR(x) STR_(x)
 #define MAX_MSG (64u << 20) /* the host never sends more in one frame */
+/* A HELLO's length: type, id, hostname, clock, seed (4 + 32 bytes here), then
+ * an optional sandbox id and flag; what find_hello takes for one. */
+#define HELLO_MIN (5u + 4u + 8u + 4u)
+#define HELLO_MAX 4096u
 #define MAX_EXECS 256
 #define OUT_CHUNK 65536
 /* The version READY names. 3: EXEC_WINDOW and M_CREDIT are understood (an
@@ -1611,9 +1616,14 @@ static void orphan_execs(void)
             execs[i].taken = UINT64_MAX;
 }
 
-/* Set when the host went: what the input buffer holds is the rest of its
- * frames (a daemon killed mid-request leaves half a frame), which the next
- * host's frames must not be read after (read_channel drops it). */
+/* Set when the host went: what comes before the next host's first frame, its
+ * HELLO, is the rest of the frames of the host that went (a daemon killed
+ * mid-request leaves half a frame), which must not be read as frames:
+ * read_channel skips to the first HELLO (find_hello). It is not simply
+ * dropped: the guest may learn that the host went only after the next one
+ * sent its HELLO (the port's open event and the data come on separate
+ * virtqueues; a VM restored from a pause sees both at once), and a HELLO
+ * dropped then is never answered. */
 static int input_stale;
 
 /* A new host that does not follow the running execs (a restarted daemon):
@@ -3902,12 +3912,30 @@ static void dispatch(uint8_t type, uint32_t id, const unsigned char *body, size_
 static unsigned char *inb;
 static size_t in_len, in_cap;
 
+/* Where in p[0..n) a HELLO frame plausibly starts (its length, type, and a
+ * hostname that fits; the host's first frame on a channel is its HELLO): 1
+ * and *off; else 0 and *off the first byte that could still start one once
+ * more has come (what precedes it is not a HELLO). */
+static int find_hello(const unsigned char *p, size_t n, size_t *off)
+{
+    size_t i = 0;
+
+    for (; i + 13 <= n; i++) {
+        uint32_t len = (uint32_t)p[i] << 24 | (uint32_t)p[i + 1] << 16 | (uint32_t)p[i + 2] << 8 | p[i + 3];
+        uint32_t host = (uint32_t)p[i + 9] << 24 | (uint32_t)p[i + 10] << 16 | (uint32_t)p[i + 11] << 8 | p[i + 12];
+
+        if (p[i + 4] == M_HELLO && len >= HELLO_MIN && len <= HELLO_MAX && host <= HOST_NAME_MAX &&
+            host <= len - HELLO_MIN) {
+            *off = i;
+            return 1;
+        }
+    }
+    *off = i;
+    return 0;
+}
+
 static int read_channel(void)
 {
-    if (input_stale) {
-        in_len = 0;
-        input_stale = 0;
-    }
     if (in_cap - in_len < 65536) {
         size_t cap = in_cap ? in_cap * 2 : 1 << 20;
         unsigned char *p = realloc(inb, cap);
@@ -3923,7 +3951,20 @@ static int read_channel(void)
         return 0; /* the host side is not connected: poll says POLLHUP, retry later */
     in_len += (size_t)n;
     size_t at = 0;
-    while (in_len - at >= 9) {
+    for (;;) {
+        if (input_stale) { /* the host went (maybe while it was answered): on to the next one's HELLO */
+            size_t skip;
+            int found = find_hello(inb + at, in_len - at, &skip);
+
+            if (skip)
+                say("skipped %zu bytes the host that went left on the channel", skip);
+            at += skip;
+            if (!found)
+                break;
+            input_stale = 0;
+        }
+        if (in_len - at < 9)
+            break;
         uint32_t len = (uint32_t)inb[at] << 24 | (uint32_t)inb[at + 1] << 16 | (uint32_t)inb[at + 2] << 8 |
                        inb[at + 3];
         if (len < 5 || len > MAX_MSG) {
@@ -3937,35 +3978,10 @@ static int read_channel(void)
                       inb[at + 8];
         dispatch(inb[at + 4], id, inb + at + 9, len - 5);
         at += 4 + (size_t)len;
-        if (input_stale) { /* the host went while it was answered: the rest was its */
-            in_len = 0;
-            input_stale = 0;
-            return 0;
-        }
     }
     memmove(inb, inb + at, in_len - at);
     in_len -= at;
     return 0;
-}
-
-/* With no host connected: what the port still holds came from the host that
- * went (the rest of a frame it was sending), and so does what the buffer
- * holds. Both go, so that the next host's first frame is read as one. */
-static void drop_channel_input(void)
-{
-    static unsigned char scratch[65536];
-
-    for (;;) {
-        /* Only while still hung up: a host that connected meanwhile sent
-         * its own first frame, which must be read, not dropped. */
-        struct pollfd pf = {.fd = chan, .events = POLLIN};
-        if (poll(&pf, 1, 0) < 0 || !(pf.revents & POLLHUP) || !(pf.revents & POLLIN))
-            break;
-        if (read(chan, scratch, sizeof(scratch)) <= 0)
-            break;
-    }
-    in_len = 0;
-    input_stale = 0;
 }
 
 /* ---- boot ------------------------------------------------------------------- */
@@ -4301,9 +4317,9 @@ int main(void)
                 exec_settle(&execs[i]); /* the tracer's end came, or its wait ran out */
         if (p[1].revents & POLLHUP) {
             /* No host connected. What the port still holds is the rest of
-             * what the host that went sent: read and dropped (input_stale). */
+             * what the host that went sent: skipped when the next host's
+             * data is read, up to its HELLO (input_stale). */
             host_gone();
-            drop_channel_input();
             usleep(20000); /* wait for the next host */
         } else if (p[1].revents & POLLIN) {
             if (read_channel() < 0)
