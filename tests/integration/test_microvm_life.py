@@ -212,23 +212,12 @@ def test_the_temporaries_of_a_client_killed_mid_copy_are_removed(vmd, tmp_path):
     sb = _vm(c)
     try:
         sb.mkdir("/work", parents=True)
-        script = tmp_path / "leaver.py"
-        script.write_text(LEAVER)
-        child = subprocess.Popen([sys.executable, str(script), d.socket, sb.id], stdout=subprocess.PIPE,
-                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-        try:
-            assert child.stdout.readline() == b"made\n"
+
+        def made() -> None:
             names = sorted(e["name"] for e in sb.list_files("/work"))
             assert names == [".dsec-0123456789ab", ".dsec-cp-0123456789ab"], names
-        finally:
-            child.kill()
-            child.wait()
-            child.stdout.close()
-        deadline = time.monotonic() + 60
-        while names and time.monotonic() < deadline:
-            time.sleep(0.2)
-            names = [e["name"] for e in sb.list_files("/work")]
-        assert names == [], names
+        _with_a_leaver(d, sb.id, tmp_path, made)
+        _work_holds(sb, [])
     finally:
         sb.destroy(force=True)
 
@@ -242,17 +231,7 @@ def test_the_temporaries_a_client_left_while_its_vm_was_paused_go_at_its_resume(
     sb = _vm(c)
     try:
         sb.mkdir("/work", parents=True)
-        script = tmp_path / "leaver.py"
-        script.write_text(LEAVER)
-        child = subprocess.Popen([sys.executable, str(script), d.socket, sb.id], stdout=subprocess.PIPE,
-                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-        try:
-            assert child.stdout.readline() == b"made\n"
-            sb.pause()
-        finally:
-            child.kill()
-            child.wait()
-            child.stdout.close()
+        _with_a_leaver(d, sb.id, tmp_path, sb.pause)
         # The daemon has taken the client's end (the VM paused): its log says what it did with each.
         deadline = time.monotonic() + 60
         told: list = []
@@ -262,12 +241,7 @@ def test_the_temporaries_a_client_left_while_its_vm_was_paused_go_at_its_resume(
                     if sb.id in line and "the temporary copy of a write its client left unfinished" in line]
         assert len(told) == 2, told
         sb.resume()
-        deadline = time.monotonic() + 60
-        names = ["?"]
-        while names and time.monotonic() < deadline:
-            time.sleep(0.2)
-            names = [e["name"] for e in sb.list_files("/work")]
-        assert names == [], names
+        _work_holds(sb, [])
     finally:
         sb.destroy(force=True)
 
@@ -284,17 +258,8 @@ def test_the_temporaries_a_killed_daemon_held_are_removed_by_the_next(vmd, tmp_p
     try:
         sb.mkdir("/work", parents=True)
         sb.write_file("/work/kept", b"the user's")
-        script = tmp_path / "leaver.py"
-        script.write_text(LEAVER)
-        child = subprocess.Popen([sys.executable, str(script), d.socket, sb.id], stdout=subprocess.PIPE,
-                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-        try:
-            assert child.stdout.readline() == b"made\n"
-            d.stop(signal.SIGKILL)          # its client still connected: nothing of the daemon removes them
-        finally:
-            child.kill()
-            child.wait()
-            child.stdout.close()
+        # Killed with its client still connected: nothing of the daemon removes them.
+        _with_a_leaver(d, sb.id, tmp_path, lambda: d.stop(signal.SIGKILL))
         c.close()
         _restarted_work_holds(d, sb.id, ["kept"])
     finally:
@@ -329,19 +294,41 @@ def test_a_daemon_killed_mid_copy_leaves_no_copy_directory_in_the_vm(vmd, tmp_pa
         _destroy_after_restart(d, sb.id)
 
 
+def _with_a_leaver(d, sb_id: str, tmp_path, then) -> None:
+    """Run LEAVER on VM `sb_id` (a client that makes a write's temporary
+    and a `cp -r` landing directory in /work, then waits), then() once it
+    has, and kill it."""
+    script = tmp_path / "leaver.py"
+    script.write_text(LEAVER)
+    child = subprocess.Popen([sys.executable, str(script), d.socket, sb_id], stdout=subprocess.PIPE,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert child.stdout.readline() == b"made\n"
+        then()
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+
+
+def _work_holds(sb, names: list[str]) -> None:
+    """Wait (60 s at most) until the VM's /work holds just `names` (what
+    the daemon removes goes meanwhile)."""
+    deadline = time.monotonic() + 60
+    seen = ["?"]
+    while seen != names and time.monotonic() < deadline:
+        time.sleep(0.2)
+        seen = sorted(e["name"] for e in sb.list_files("/work"))
+    assert seen == names, seen
+
+
 def _restarted_work_holds(d, sb_id: str, names: list[str]) -> None:
-    """Start the killed daemon again and wait (60 s at most) until the VM's
-    /work holds just `names` (what the new daemon removes goes meanwhile)."""
+    """Start the killed daemon again and wait until the VM's /work holds
+    just `names` (_work_holds)."""
     d.start()
     c = d.client()
     try:
-        again = c.get(sb_id)
-        deadline = time.monotonic() + 60
-        seen = ["?"]
-        while seen != names and time.monotonic() < deadline:
-            time.sleep(0.2)
-            seen = sorted(e["name"] for e in again.list_files("/work"))
-        assert seen == names, seen
+        _work_holds(c.get(sb_id), names)
     finally:
         c.close()
 
