@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import time
 from collections import OrderedDict
@@ -25,7 +26,7 @@ from fractions import Fraction
 
 from ..backends.container import Handle
 from ..cpu.admission import Requested
-from ..errors import BadRequest, Conflict, NotFound, Unsupported
+from ..errors import BadRequest, Conflict, LimitExceeded, NotFound, Unsupported, io_error
 from ..journal import Journal
 
 # The ops a microVM sandbox serves (dsecd/engine/microvms.py); the others are
@@ -103,10 +104,19 @@ class Sandbox:
         owner). Not the handle's number itself: a destroy meanwhile (it
         takes no sandbox lock) closes that, and parked fds reuse the lowest
         free number, so a worker still using it could land in another
-        sandbox's root. Conflict once the sandbox is being destroyed."""
+        sandbox's root. Conflict once the sandbox is being destroyed;
+        LimitExceeded when the daemon is out of fds (its RLIMIT_NOFILE)."""
         if self.handle is None or self.handle.rootfd < 0:
             raise Conflict(f"sandbox {self.id} is {self.state}", {"sandbox": self.id})
-        return os.dup(self.handle.rootfd)
+        try:
+            return os.dup(self.handle.rootfd)
+        except OSError as err:
+            if err.errno in (errno.EMFILE, errno.ENFILE):
+                raise LimitExceeded(f"sandbox {self.id}: the daemon has no fd left for the request "
+                                    f"({err.strerror}); retry once fewer requests are under way, or raise "
+                                    "the daemon's RLIMIT_NOFILE (LimitNOFILE= in its unit)",
+                                    {"sandbox": self.id, "errno": errno.errorcode[err.errno]}) from err
+            raise io_error("reach the root of sandbox", self.id, err) from err
 
     def end_paused_time(self) -> None:
         """The pause clock stopped (a resume, or a pause that was undone):

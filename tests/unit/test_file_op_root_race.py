@@ -99,3 +99,21 @@ def test_a_root_copy_whose_work_was_dropped_before_it_started_is_closed():
             gate.set()
             workers.pool.shutdown(wait=True)
     asyncio.run(run())
+
+
+def test_a_daemon_out_of_fds_says_so_for_a_root_copy(monkeypatch):
+    """No fd left for the root's copy: a limit the client can act on, not
+    an internal error."""
+    import errno as errno_mod
+
+    import pytest
+
+    from dsecd.engine import sandboxes
+    from dsecd.errors import LimitExceeded
+
+    def no_fd(fd):
+        raise OSError(errno_mod.EMFILE, "Too many open files")
+    monkeypatch.setattr(sandboxes.os, "dup", no_fd)
+    sb = SimpleNamespace(id="sb1", state="running", handle=SimpleNamespace(rootfd=3))
+    with pytest.raises(LimitExceeded, match="RLIMIT_NOFILE"):
+        Sandbox.root_copy(sb)
