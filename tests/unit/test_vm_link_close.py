@@ -57,6 +57,23 @@ def test_a_monitor_closed_from_a_worker_closes_on_the_loop():
     asyncio.run(run())
 
 
+def test_a_command_right_after_a_close_from_a_worker_says_the_vm_is_being_ended():
+    """Closed from a worker, the transport closes at the loop's next turn;
+    a command in between is refused as the close means, not written."""
+    import pytest
+
+    from dsecd.backends.microvm.qmp import QMPError
+
+    async def run():
+        writer = _Writer()
+        writer.is_closing = lambda: writer.closed_in is not None
+        qmp = QMP(asyncio.StreamReader(), writer, "test VM")
+        await asyncio.get_running_loop().run_in_executor(None, qmp.close)
+        with pytest.raises(QMPError, match="being ended"):
+            await qmp.command("stop")
+    asyncio.run(run())
+
+
 def test_a_link_closed_on_the_loop_closes_at_once():
     async def run():
         writer = _Writer()

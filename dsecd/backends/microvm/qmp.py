@@ -35,6 +35,7 @@ class QMP:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, what: str):
         self.reader, self.writer, self.what = reader, writer, what
         self._loop = asyncio.get_running_loop()
+        self.closed = False
         self._lock = asyncio.Lock()
         self.events: list[dict] = []
         self._event_waiters: list[tuple[str, asyncio.Future]] = []
@@ -85,9 +86,10 @@ class QMP:
 
     async def _command_now(self, name: str, args: dict | None, timeout: float) -> object:
         msg = {"execute": name, **({"arguments": args} if args else {})}
-        if self.writer.is_closing():
+        if self.closed or self.writer.is_closing():
             # close() was called (a destroy ends the VM under a pause or a
-            # resume): uvloop raises RuntimeError on a write to it.
+            # resume; from a worker, the transport closes at the loop's next
+            # turn): uvloop raises RuntimeError on a write to a closed one.
             raise QMPError(f"{self.what}: QMP monitor closed (its VM is being ended)")
         self.writer.write(json.dumps(msg).encode() + b"\n")
         await self.writer.drain()
@@ -109,7 +111,7 @@ class QMP:
         import socket
 
         async with self._lock:
-            if self.writer.is_closing():
+            if self.closed or self.writer.is_closing():
                 raise QMPError(f"{self.what}: QMP monitor closed (its VM is being ended)")
             await self.writer.drain()
             sock = self.writer.get_extra_info("socket")
@@ -159,7 +161,9 @@ class QMP:
 
     def close(self) -> None:
         """Safe from any thread (a destroy's or a pause's blocking end of
-        QEMU calls it in a worker): the transport is closed on the loop."""
+        QEMU calls it in a worker): `closed` at once, the transport closed
+        on the loop."""
+        self.closed = True
         on_loop(self._loop, self._close_on_loop)
 
     def _close_on_loop(self) -> None:
