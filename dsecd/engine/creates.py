@@ -80,7 +80,7 @@ from .lifecycle import LifecycleService
 from .memory import MemoryService
 from .microvms import MicroVMService
 from .network import NetworkService
-from .sandboxes import Sandbox, SandboxRegistry
+from .sandboxes import Sandbox, SandboxRegistry, in_root
 from .workers import Workers, to_the_end
 
 log = logging.getLogger(__name__)
@@ -926,14 +926,11 @@ class CreateService:
             return
         if sb.backend == "microvm":
             return await self.vms.check_cwd(sb, cwd, make)
-        idmap = userns.IdMap.from_record(sb.idmap)
         try:
-            # The root's copies: a cancelled create's undo closes the handle's.
-            root = sb.root_copy()
-            found = await self.workers.run_owning(root, userns.file_op, idmap, sbfiles.is_directory, root, cwd)
+            # On copies of the root: a cancelled create's undo closes the handle's.
+            found = await in_root(self.workers, sb, sbfiles.is_directory, cwd)
             if not found and make:
-                root = sb.root_copy()
-                await self.workers.run_owning(root, userns.file_op, idmap, sbfiles.make_dir, root, cwd, True, 0o755)
+                await in_root(self.workers, sb, sbfiles.make_dir, cwd, True, 0o755)
                 return
         except sbfiles.PathError as err:
             raise BadRequest(f"cwd: {err}", {"cwd": cwd}) from err

@@ -43,7 +43,7 @@ from ..protocol import FileRead
 from .denials import DenialService, ExecRef
 from .microvms import MicroVMService
 from .policies import Applied, PolicyService
-from .sandboxes import Sandbox, SandboxRegistry
+from .sandboxes import Sandbox, SandboxRegistry, in_root
 from .starts import ProcessStarter
 from .workers import Workers
 
@@ -166,9 +166,7 @@ async def account_file(sb: Sandbox, path: str, workers: Workers, vms: MicroVMSer
             return None
         return r["data"].decode("utf-8", "replace")
     try:
-        root = sb.root_copy()
-        return await workers.run_owning(root, userns.file_op, userns.IdMap.from_record(sb.idmap),
-                                        users.read_account_file, root, path)
+        return await in_root(workers, sb, users.read_account_file, path)
     except OSError as err:
         raise io_error("read", f"{sb.id}:{path}", err) from err
 

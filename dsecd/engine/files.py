@@ -29,7 +29,7 @@ from . import copier
 from .events import EventBus
 from .execs import owner_ids
 from .microvms import MicroVMService
-from .sandboxes import Sandbox, SandboxRegistry
+from .sandboxes import Sandbox, SandboxRegistry, in_root
 from .workers import Workers
 
 log = logging.getLogger(__name__)
@@ -411,9 +411,7 @@ class FileService:
     async def _remove_temp(self, sb: Sandbox, path: str, dev: int, ino: int, why: str) -> None:
         """Remove temporary `path` of `sb` if it is still inode (dev, ino); logged."""
         try:
-            root = sb.root_copy()
-            removed = await self.workers.run_owning(root, userns.file_op, userns.IdMap.from_record(sb.idmap),
-                                                    copytemps.remove_if_same, root, path, dev, ino)
+            removed = await in_root(self.workers, sb, copytemps.remove_if_same, path, dev, ino)
         except Conflict:        # being destroyed: the temporary goes with it
             return
         except (OSError, sbfiles.PathError) as err:

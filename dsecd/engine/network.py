@@ -29,11 +29,11 @@ import logging
 import os
 import threading
 
-from .. import cgroup, userns
+from .. import cgroup
 from ..config import ConfigError
 from ..errors import BadRequest, Conflict, DsecError, Unsupported, io_error
 from ..fs import files as sbfiles
-from .sandboxes import SandboxRegistry
+from .sandboxes import SandboxRegistry, in_root
 from .workers import Workers
 
 log = logging.getLogger(__name__)
@@ -386,9 +386,7 @@ class NetworkService:
             files["/etc/resolv.conf"] = f"nameserver {net.ipam.gateway4}\n"
         try:
             # On a copy of the root: a cancelled create's undo closes the handle's.
-            root = sb.root_copy()
-            await self.workers.run_owning(root, userns.file_op, userns.IdMap.from_record(sb.idmap),
-                                          write_net_files, root, files)
+            await in_root(self.workers, sb, write_net_files, files)
         except BaseException as err:
             # Attached, but the create fails (or was cancelled) before it
             # registers the detach: its slot, lease and policy go now.

@@ -18,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from .. import userns
 from ..backends.container import Handle
 from ..cpu.admission import Requested
 from ..errors import BadRequest, Conflict, LimitExceeded, NotFound, Unsupported, io_error
@@ -362,3 +364,14 @@ class SandboxRegistry:
         if sb.key and self.keys.get(sb.key) == sb.id:
             del self.keys[sb.key]
         self.journal.delete(sb.id)
+
+
+async def in_root(workers, sb: Sandbox, fn, *args, owner: tuple[int, int] | None = None):
+    """fn(root, *args), a host-side file operation, in a worker, as the
+    sandbox's root user (userns.file_op; what it makes belongs to `owner`
+    if given), on the worker's own copy of the sandbox's root
+    (Sandbox.root_copy): closed when fn returns, or dropped with the work
+    if its caller is cancelled before it starts (Workers.run_owning)."""
+    root = sb.root_copy()
+    return await workers.run_owning(root, functools.partial(userns.file_op, owner=owner),
+                                    userns.IdMap.from_record(sb.idmap), fn, root, *args)
