@@ -40,7 +40,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from .. import native, protocol, userns
+from .. import fds, native, protocol, userns
 from ..build import context as buildctx
 from ..build import copyin
 from ..build.dockerfile import DockerfileError, parse
@@ -435,14 +435,11 @@ class _Build:
         root = sb.root_copy()
 
         def call():
-            try:
-                with userns.as_sandbox_root(idmap):
-                    return fn(root, *args)
-            finally:
-                os.close(root)
+            with userns.as_sandbox_root(idmap):
+                return fn(root, *args)
 
         try:
-            return await self.svc.workers.run_stoppable(stop or threading.Event(), call)
+            return await self.svc.workers.run_stoppable(stop or threading.Event(), fds.call_closing, root, call)
         except copyin.CopyTooLarge as err:
             raise LimitExceeded(f"{self.filename}:{step.line}: {step.instruction}: {err}",
                                 {"line": step.line, "file": self.filename, "max_bytes": err.max_bytes}) from err
