@@ -248,7 +248,8 @@ def _print_cpu_info(cpu: dict) -> None:
               "a pool's)")
     elif adm["full_on"] == "sandboxes":
         n = adm["sandboxes"]
-        print(f"  admission   full (full on sandboxes: {n['live']} live and {n['queued']} queued of "
+        calls = f" ({n['call_sandboxes']} of them FnCall's call sandboxes)" if n.get("call_sandboxes") else ""
+        print(f"  admission   full (full on sandboxes: {n['live']} live{calls} and {n['queued']} queued of "
               f"limits.max_sandboxes {n['max']}; no create makes a sandbox, a warm pool's spare is still "
               "taken)")
     else:

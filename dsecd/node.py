@@ -209,7 +209,7 @@ class Node:
         self.call_service = CallService(fncall_backend(cfg, layout, self.backend), fn_cfg,
                                         CallService.sizes_from(cfg), sb["cpu_period_us"], self.image_service,
                                         self.cpu, self.workers, self.starter, exec_limits, self._devnull,
-                                        self.id_ranges)
+                                        self.id_ranges, self.create_service)
         self._cpu_task: asyncio.Task | None = None
         self.started = time.time()
         self.default_memory = parse_size(sb["memory"])

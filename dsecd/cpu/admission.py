@@ -36,11 +36,14 @@ class Capacity:
 
 @dataclass(frozen=True)
 class Requested:
-    """What the live sandboxes ask for (dead ones hold nothing)."""
+    """What the live sandboxes ask for (dead ones hold nothing); call
+    sandboxes (FnCall's, one per image) count as sandboxes and are also
+    counted apart in `call_sandboxes`."""
 
     cpu: float = 0.0
     memory: int = 0
     sandboxes: int = 0
+    call_sandboxes: int = 0
 
 
 def total(limits: list[dict]) -> Requested:
@@ -93,7 +96,8 @@ def state(cap: Capacity, req: Requested, probe_cpu: float, probe_memory: int, ma
     (limits.max_sandboxes: a create that would make a sandbox is then
     refused as the host is full, whatever CPU and memory are left; one a
     warm pool's spare answers is still taken, as it adds no sandbox), else
-    "cpu" or "memory"."""
+    "cpu" or "memory". `live` counts the call sandboxes too
+    (`call_sandboxes` of them)."""
     if drained:
         why = {"resource": "drain"}
     elif max_sandboxes is not None and req.sandboxes + queued >= max_sandboxes:
@@ -101,7 +105,8 @@ def state(cap: Capacity, req: Requested, probe_cpu: float, probe_memory: int, ma
     else:
         why = refusal(cap, req, probe_cpu, probe_memory)
     return {"state": "full" if why else "open", "full_on": why["resource"] if why else None,
-            "sandboxes": {"live": req.sandboxes, "queued": queued, "max": max_sandboxes},
+            "sandboxes": {"live": req.sandboxes, "call_sandboxes": req.call_sandboxes, "queued": queued,
+                          "max": max_sandboxes},
             "cpu": {"requested": round(req.cpu, 3), "capacity": cap.cpu, "ratio": cap.cpu_ratio,
                     "cpus": cap.cpus},
             "memory": {"requested": req.memory, "capacity": cap.memory, "ratio": cap.mem_ratio,

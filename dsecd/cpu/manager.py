@@ -69,13 +69,13 @@ class CpuHost:
             raise BadRequest(f"asks for {asking}, more than this host can ever give a sandbox ({most}); "
                              "ask for less, or place it on a larger host", why)
 
-    def admit(self, used: admission.Requested, cpu: float, memory: int, plan: qos.Plan) -> None:
+    def admit(self, used: admission.Requested, cpu: float, memory: int, ls: bool) -> None:
         """Raise `busy` with the figures if a sandbox of this size does not
-        fit beside what the live sandboxes ask for (`used`)."""
+        fit beside what the live sandboxes ask for (`used`); `ls`: also
+        check the LS rule on the LS sandboxes' recent load."""
         ls_recent = self.sampler.latest.host.get("sandbox_recent_cores", {}).get(qos.LS, 0.0) \
-            if self.sampler.latest.host else 0.0
-        why = admission.refusal(self.capacity, used, cpu, memory,
-                                ls=plan.qos == qos.LS, ls_recent=ls_recent)
+            if ls and self.sampler.latest.host else 0.0
+        why = admission.refusal(self.capacity, used, cpu, memory, ls=ls, ls_recent=ls_recent)
         if why:
             raise Busy(f"host at capacity for {why['resource']}: {why.get('requested', why.get('ls_recent'))} "
                        f"in use + {why['asking']} asked > {why['capacity']} "

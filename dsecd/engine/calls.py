@@ -91,11 +91,13 @@ class CallService:
     """`call`. `fncall` makes call sandboxes and zygotes (fncall_backend);
     `sizes` are the byte limits of [fncall] (CallService.sizes_from);
     `images` gives their layers, `cpu` their QoS plan, `id_ranges` their user
-    namespaces' ranges; `devnull` is the stdin of calls that take none."""
+    namespaces' ranges; `capacity` (CreateService: hold_call_sandbox,
+    release_call_sandbox) admits and counts them as the host's sandboxes;
+    `devnull` is the stdin of calls that take none."""
 
     def __init__(self, fncall: FnCallBackend, fn_cfg: dict, sizes: dict, cpu_period_us: int,
                  images: ImageService, cpu: CpuHost, workers: Workers, starter: ProcessStarter,
-                 exec_limits: ExecLimits, devnull: int, id_ranges: IdRanges):
+                 exec_limits: ExecLimits, devnull: int, id_ranges: IdRanges, capacity):
         self.fncall = fncall
         self.fn_cfg = fn_cfg
         self._call_sizes = sizes
@@ -107,6 +109,7 @@ class CallService:
         self.exec_limits = exec_limits
         self.devnull = devnull
         self.id_ranges = id_ranges
+        self.capacity = capacity
         self.call_boxes: dict[str, CallBox] = {}
         # Retired, dropped when their running calls end: id -> (box, why).
         self._draining: dict[str, tuple[CallBox, str]] = {}
@@ -317,14 +320,19 @@ class CallService:
                                cpu_hard_quota=False, cpu_period_us=self.cpu_period_us)
         plan = self.cpu.plan(fc["qos"])
         box_id = f"fn-{secrets.token_hex(5)}"
+        self.capacity.hold_call_sandbox(box_id, limits.cpu, limits.memory_bytes)   # busy when the host is full
         try:
             mounts = await self.workers.run(self.image_service.layers.acquire, image.layer_digests)
-        except OSError as err:
-            raise io_error("mount layers of image", image_name, err) from err
+        except BaseException as err:
+            self.capacity.release_call_sandbox(box_id)
+            if isinstance(err, OSError):
+                raise io_error("mount layers of image", image_name, err) from err
+            raise
         try:
             idmap = self.id_ranges.take()
         except BaseException:
             self.image_service.layers.release(image.layer_digests)
+            self.capacity.release_call_sandbox(box_id)
             raise
         # In a worker, which a cancelled request cannot stop: what it makes
         # then is undone once it is made (_undo_abandoned_box).
@@ -338,6 +346,7 @@ class CallService:
         except BaseException as err:
             self.id_ranges.give_back(idmap)
             self.image_service.layers.release(image.layer_digests)
+            self.capacity.release_call_sandbox(box_id)
             if isinstance(err, (NativeError, OSError)):
                 raise IOFailure(f"create call sandbox for {image_name}: {err}",
                                 {"errno": getattr(err, "errno", None)}) from err
@@ -364,6 +373,7 @@ class CallService:
         if made.cancelled() or made.exception() is not None:
             self.id_ranges.give_back(idmap)
             self.image_service.layers.release(layers)
+            self.capacity.release_call_sandbox(box_id)
             return
         handle, mq_fd = made.result()
         if mq_fd >= 0:
@@ -377,6 +387,7 @@ class CallService:
                 return
             self.image_service.layers.release(layers)
             self.id_ranges.give_back(idmap)
+            self.capacity.release_call_sandbox(box_id)
 
         log.info("call sandbox %s was made for a cancelled request: destroying it", box_id)
         self.workers.loop.create_task(destroy())
@@ -507,6 +518,7 @@ class CallService:
         await self.workers.run(self.fncall.destroy_box, box.id, h)
         self.image_service.layers.release(box.layers)
         self.id_ranges.give_back(box.idmap)
+        self.capacity.release_call_sandbox(box.id)
 
     # ------------------------------------------------------------ one call
 

@@ -55,6 +55,7 @@ from .. import cgroup, imageconfig, protocol, userns
 from ..admission import CreateQueue
 from ..backends.microvm.backend import upper_cap, upper_inodes
 from ..config import ConfigError, parse_duration, parse_size
+from ..cpu import qos
 from ..cpu.manager import CpuHost
 from ..errors import (
     BadRequest,
@@ -850,6 +851,21 @@ class CreateService:
             raise Busy(f"host is full: {live} sandboxes of max {cap}; retry later or on another host",
                        {"sandboxes": live, "max": cap})
 
+    def hold_call_sandbox(self, box_id: str, cpu: float, memory: int) -> None:
+        """Admit a call sandbox (engine/calls.py) as a create's sandbox is
+        admitted, and count it until release_call_sandbox: busy when the
+        host is full (limits.max_sandboxes) or its CPU or memory would pass
+        the host's capacity with it. Not refused by a drain, nor by the LS
+        rule on recent load (`cpu.ls_max_load`): calls in flight come and go
+        in seconds, and a call sandbox is dropped when idle
+        (fncall.idle_ttl_s)."""
+        self._admit()
+        self.cpu.admit(self.registry.requested(), cpu, memory, ls=False)
+        self.registry.hold(box_id, cpu, memory)
+
+    def release_call_sandbox(self, box_id: str) -> None:
+        self.registry.release(box_id)
+
     def check_process(self, req) -> None:
         """A create's settings of the sandbox's processes, fresh or pooled, as
         far as they can be checked before its image is at hand (a user name
@@ -1044,7 +1060,7 @@ class CreateService:
         if backend == "microvm":
             self.vms.check_layers(req.image, image.layer_digests)
         self._admit()
-        self.cpu.admit(self.registry.requested(), limits.cpu, limits.memory_bytes, plan)
+        self.cpu.admit(self.registry.requested(), limits.cpu, limits.memory_bytes, ls=plan.qos == qos.LS)
         sb_id = secrets.token_hex(6)
         hostname = req.hostname or f"sb-{sb_id}"
         check_hostname(hostname)

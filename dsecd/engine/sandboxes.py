@@ -206,8 +206,9 @@ class SandboxRegistry:
         # the sums, and a scan of thousands of sandboxes there cost the event
         # loop 0.115 ms per create at 2,000. CPU as an exact fraction (every
         # float is one), so that adding and taking away leave no drift.
-        # {id: (CPUs, memory bytes)} of the live ones.
+        # {id: (CPUs, memory bytes)} of the live ones, and of call sandboxes (hold).
         self._counted: dict[str, tuple[Fraction, int]] = {}
+        self._held: set[str] = set()        # keys of _counted that are no sandbox of by_id (hold)
         self._cpu = Fraction(0)
         self._memory = 0
         # The creates under way of each job (label job=...), each with the
@@ -257,15 +258,31 @@ class SandboxRegistry:
             self._count(sb)
 
     def _count(self, sb: Sandbox) -> None:
-        cpu, memory = Fraction(sb.limits["cpu"]), sb.limits["memory"]
-        self._counted[sb.id] = (cpu, memory)
-        self._cpu += cpu
+        self._count_as(sb.id, sb.limits["cpu"], sb.limits["memory"])
+
+    def _count_as(self, key: str, cpu: float, memory: int) -> None:
+        cpu_f = Fraction(cpu)
+        self._counted[key] = (cpu_f, memory)
+        self._cpu += cpu_f
         self._memory += memory
 
     def _uncount(self, sb_id: str) -> None:
         cpu, memory = self._counted.pop(sb_id, (0, 0))
         self._cpu -= cpu
         self._memory -= memory
+
+    def hold(self, key: str, cpu: float, memory: int) -> None:
+        """Count a sandbox this registry does not hold (a call sandbox,
+        engine/calls.py) as a live one, until release(key): it takes a slot
+        of limits.max_sandboxes and the CPU and memory it asks for, as a
+        create's sandbox does."""
+        self._uncount(key)
+        self._count_as(key, cpu, memory)
+        self._held.add(key)
+
+    def release(self, key: str) -> None:
+        self._uncount(key)
+        self._held.discard(key)
 
     @contextlib.asynccontextmanager
     async def job_lock(self, job: str):
@@ -322,7 +339,8 @@ class SandboxRegistry:
 
     def requested(self) -> Requested:
         """What the live sandboxes ask for, summed (no scan)."""
-        return Requested(cpu=float(self._cpu), memory=self._memory, sandboxes=len(self._counted))
+        return Requested(cpu=float(self._cpu), memory=self._memory, sandboxes=len(self._counted),
+                         call_sandboxes=len(self._held))
 
     def save(self, sb: Sandbox) -> None:
         # A record is one line appended to the log (dsecd/journal.py): cheap

@@ -22,7 +22,52 @@ def test_admission_is_full_once_the_host_holds_max_sandboxes(daemon_factory, bus
             c.create(image="busybox", memory="64M")
         adm = c.info()["cpu"]["admission"]
         assert (adm["state"], adm["full_on"]) == ("full", "sandboxes"), adm
-        assert adm["sandboxes"] == {"live": 1, "queued": 0, "max": 1}, adm
+        assert adm["sandboxes"] == {"live": 1, "call_sandboxes": 0, "queued": 0, "max": 1}, adm
         assert b"admission   full (full on sandboxes" in d.cli("info").stdout
+    finally:
+        c.close()
+
+
+def test_a_call_sandbox_takes_a_slot_and_the_capacity_it_asks_for(daemon_factory, busybox_rootfs):
+    """A call sandbox (one per image, made by the image's first call) is a
+    sandbox of the host: it takes a slot of limits.max_sandboxes and counts
+    its [fncall] cpu and memory. On a full host the call that would make
+    one is busy; once it is made, a create past the limit is."""
+    d = daemon_factory("[limits]\nmax_sandboxes = 1\n[fncall]\ncpu = 0.5\nmemory = \"96M\"\n")
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        sb = c.create(image="busybox", memory="64M")
+        with pytest.raises(Busy, match="host is full"):
+            c.call("busybox", argv=["true"])
+        sb.destroy()
+        assert c.call("busybox", argv=["echo", "hi"]).stdout == b"hi\n"
+        adm = c.info()["cpu"]["admission"]
+        assert adm["sandboxes"] == {"live": 1, "call_sandboxes": 1, "queued": 0, "max": 1}, adm
+        assert (adm["cpu"]["requested"], adm["memory"]["requested"]) == (0.5, 96 << 20), adm
+        with pytest.raises(Busy, match="host is full"):
+            c.create(image="busybox", memory="64M")
+    finally:
+        c.close()
+
+
+def test_a_call_sandbox_past_the_hosts_memory_capacity_is_busy(daemon_factory, busybox_rootfs):
+    """With memory oversubscription set, a call sandbox whose [fncall]
+    memory does not fit beside the live sandboxes' is refused, as a create
+    would be; the sandboxes' memory counts against calls and back."""
+    mem_total = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo")
+                     if line.startswith("MemTotal:"))
+    d = daemon_factory(f"[cpu]\nmemory_oversubscription = {(300 << 20) / mem_total!r}\n"
+                       "[fncall]\nmemory = \"200M\"\n")
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        sb = c.create(image="busybox", memory="150M")
+        with pytest.raises(Busy, match="host at capacity for memory"):
+            c.call("busybox", argv=["true"])
+        sb.destroy()
+        assert c.call("busybox", argv=["true"]).exit_code == 0
+        with pytest.raises(Busy, match="host at capacity for memory"):
+            c.create(image="busybox", memory="150M")
     finally:
         c.close()

@@ -363,8 +363,11 @@ class _FakeInitExec:
 def _call_node(workers, fncall) -> CallService:
     """A call service with what _plain_call uses (a fake fncall backend), and nothing else."""
     limits = ExecLimits(max_timeout_s=0, drain_grace_s=0.1, max_output=1 << 20, max_trace=0)
+    from types import SimpleNamespace
+    capacity = SimpleNamespace(hold_call_sandbox=lambda box_id, cpu, memory: None,
+                               release_call_sandbox=lambda box_id: None)
     return CallService(fncall, {}, {}, 100_000, None, None, workers, ProcessStarter(workers), limits, -1,
-                       IdRanges(None))
+                       IdRanges(None), capacity)
 
 
 def _plain_call_fncall():
@@ -444,20 +447,27 @@ def test_a_call_sandbox_made_for_a_cancelled_request_is_destroyed_once_made():
                              layers=SimpleNamespace(acquire=lambda digests: [],
                                                     release=lambda digests: seen["released"].append(digests)))
     ranges = SimpleNamespace(take=lambda: "range-1", give_back=lambda idmap: seen["given_back"].append(idmap))
+    held: dict[str, tuple] = {}
+    capacity = SimpleNamespace(hold_call_sandbox=lambda box_id, cpu, memory: held.setdefault(box_id, (cpu, memory)),
+                               release_call_sandbox=lambda box_id: held.pop(box_id))
 
     async def go():
         with _workers() as workers:
             limits = ExecLimits(max_timeout_s=0, drain_grace_s=0.1, max_output=1 << 20, max_trace=0)
             node = CallService(FnCall(), {"cpu": 1, "memory": "64M", "pids": 64, "qos": "be", "uid_base": 60000,
                                           "uid_count": 4}, {}, 100_000, images, CpuHost.__new__(CpuHost), workers,
-                               ProcessStarter(workers), limits, -1, ranges)
+                               ProcessStarter(workers), limits, -1, ranges, capacity)
             node.cpu = SimpleNamespace(plan=lambda qos: None)
-            await _cancel_soon(asyncio.ensure_future(node._make_box("py", image)))
+            making = asyncio.ensure_future(node._make_box("py", image))
+            await _until(lambda: held)
+            assert list(held.values()) == [(1.0, 64 << 20)]     # counted while it is made
+            await _cancel_soon(making)
             await _until(lambda: seen["given_back"])
 
     asyncio.run(go())
     assert [b for _, b in seen["destroyed"]] == [seen["destroyed"][0][0]] and seen["given_back"] == ["range-1"]
     assert seen["released"] == [["sha256:l1"]]
+    assert not held             # and no longer once it is destroyed
     try:
         os.fstat(mq_fd)
         raise AssertionError("the message queue fd of the abandoned box is still open")

@@ -342,5 +342,5 @@ def test_admission_state_is_full_at_max_sandboxes_whatever_cpu_is_left():
     cap = _cap()
     st = admission.state(cap, admission.Requested(1, GiB, 3), 1.0, GiB, max_sandboxes=4, queued=1)
     assert (st["state"], st["full_on"]) == ("full", "sandboxes")
-    assert st["sandboxes"] == {"live": 3, "queued": 1, "max": 4}
+    assert st["sandboxes"] == {"live": 3, "call_sandboxes": 0, "queued": 1, "max": 4}
     assert admission.state(cap, admission.Requested(1, GiB, 3), 1.0, GiB, max_sandboxes=5, queued=1)["state"] == "open"

@@ -68,6 +68,20 @@ def test_adding_a_sandbox_again_replaces_its_count():
     assert reg.requested() == admission.Requested(cpu=2.0, memory=2 * GiB, sandboxes=1)
 
 
+def test_a_held_call_sandbox_counts_as_a_live_one_until_released():
+    """FnCall's call sandboxes are not in by_id, yet take a slot of
+    max_sandboxes and their CPU and memory, shown apart."""
+    reg = SandboxRegistry(Journal())
+    reg.add(_sb(1, 0.5, GiB))
+    reg.hold("fn-0123456789", 2.0, 2 * GiB)
+    reg.hold("fn-0123456789", 2.0, 2 * GiB)          # again: counted once
+    assert reg.requested() == admission.Requested(cpu=2.5, memory=3 * GiB, sandboxes=2, call_sandboxes=1)
+    assert reg.live_count() == 2 and "fn-0123456789" not in reg.by_id
+    reg.release("fn-0123456789")
+    reg.release("fn-0123456789")                     # twice: counted off once
+    assert reg.requested() == admission.Requested(cpu=0.5, memory=GiB, sandboxes=1)
+
+
 def test_requested_equals_a_scan_after_many_random_changes():
     """Fractional CPUs added and taken away many times leave no drift."""
     rng = random.Random(3)

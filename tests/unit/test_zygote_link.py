@@ -131,7 +131,7 @@ def test_a_zygote_silent_after_a_kill_leaves_no_unretrieved_error():
         box = CallBox(id="box1", image="py", layers=[], handle=None, zygote=zyg)
         limits = ExecLimits(max_timeout_s=0, drain_grace_s=0.05, max_output=1 << 20, max_trace=0)
         node = CallService(None, {"kill_grace_s": 0.1}, {}, 100_000, None, None, workers,
-                           ProcessStarter(workers), limits, devnull, IdRanges(None))
+                           ProcessStarter(workers), limits, devnull, IdRanges(None), None)
         node.call_boxes = {"py": box}
         try:
             await node._zygote_call(box, zyg, ["-c"], "pass", {}, b"", 0.05)
