@@ -74,7 +74,13 @@ class WatchService:
             where = f"{sb.id}:{req.path}"
             if sb.backend == "microvm":
                 return await self._follow_vm(sb, req.path, req.recursive, where, ctx)
-            tree = await self._open(sb.handle.rootfd, req.path, req.recursive, where)
+            # Through root_copy, as a file request: the resume above may have
+            # let a destroy begin, which takes the handle (a Conflict then).
+            root = sb.root_copy()
+            try:
+                tree = await self._open(root, req.path, req.recursive, where)
+            finally:
+                os.close(root)          # _open took its own copy before it waited
             return await self._follow(sb, tree, where, ctx)
         finally:
             self.active -= 1

@@ -71,3 +71,33 @@ def test_a_watch_of_a_kernel_interface_is_refused_as_a_bad_request():
     finally:
         os.close(rootfd)
     assert set(os.listdir("/proc/self/fd")) <= before
+
+
+def test_a_watch_of_a_sandbox_destroyed_while_it_resumed_is_a_conflict(tmp_path):
+    """The resume a watch waits for first (ensure_running) may see the
+    sandbox's destroy begin, which takes its handle: the watch is refused
+    as a file request is then, not failed as an internal error."""
+    import functools
+
+    import pytest
+
+    from dsecd.engine.sandboxes import Sandbox
+    from dsecd.errors import Conflict
+    from dsecd.protocol import FileWatch
+
+    sb = SimpleNamespace(id="sb1", backend="container", state="paused",
+                         handle=SimpleNamespace(rootfd=os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)))
+    sb.root_copy = functools.partial(Sandbox.root_copy, sb)
+    rootfd = sb.handle.rootfd
+
+    async def ensure_running(sb, why):
+        sb.state, sb.handle = "stopping", None       # a destroy's first step, on the loop
+
+    svc = WatchService(SimpleNamespace(get=lambda sb_id, req: sb), SimpleNamespace(),
+                       SimpleNamespace(subscribers=set()), ensure_running, max_watches=4, max_dirs=16)
+    try:
+        with pytest.raises(Conflict, match="stopping"):
+            asyncio.run(svc.watch(FileWatch(sandbox="sb1", path="/"), None))
+    finally:
+        os.close(rootfd)
+    assert svc.active == 0
