@@ -74,14 +74,22 @@ class WatchService:
             where = f"{sb.id}:{req.path}"
             if sb.backend == "microvm":
                 return await self._follow_vm(sb, req.path, req.recursive, where, ctx)
-            # Through root_copy, as a file request: the resume above may have
-            # let a destroy begin, which takes the handle (a Conflict then).
-            root = sb.root_copy()
+            # Heard from before the lookup of the top waits: a destroy that
+            # ends meanwhile would not say so again, and the tree, held by
+            # the watch's copy of the root, stays mounted with no end to hear.
+            gone = _SandboxGone(sb.id, asyncio.Event())
+            self.events.subscribers.add(gone)
             try:
-                tree = await self._open(root, req.path, req.recursive, where)
+                # Through root_copy, as a file request: the resume above may
+                # have let a destroy begin, which takes the handle (a Conflict).
+                root = sb.root_copy()
+                try:
+                    tree = await self._open(root, req.path, req.recursive, where)
+                finally:
+                    os.close(root)          # _open took its own copy before it waited
+                return await self._follow(sb, tree, where, ctx, gone)
             finally:
-                os.close(root)          # _open took its own copy before it waited
-            return await self._follow(sb, tree, where, ctx)
+                self.events.subscribers.discard(gone)
         finally:
             self.active -= 1
 
@@ -139,11 +147,12 @@ class WatchService:
         except OSError as err:
             raise io_error("watch", where, err) from err
 
-    async def _follow(self, sb, tree: fswatch.TreeWatch, where: str, ctx) -> dict:
-        """Stream the tree's events until it stops or the request is cancelled."""
+    async def _follow(self, sb, tree: fswatch.TreeWatch, where: str, ctx, gone: _SandboxGone) -> dict:
+        """Stream the tree's events until it stops or the request is
+        cancelled; `gone` (subscribed by the caller) wakes it at the
+        sandbox's end."""
         loop = asyncio.get_running_loop()
-        wake = asyncio.Event()
-        gone = _SandboxGone(sb.id, wake)
+        wake = gone.wake
 
         def readable() -> None:
             # Off until these events are sent: the loop must not spin on a
@@ -151,7 +160,6 @@ class WatchService:
             loop.remove_reader(tree.ifd)
             wake.set()
 
-        self.events.subscribers.add(gone)
         try:
             await self._grow(tree, "", False, where)
             await ctx.emit({"kind": "ready", "path": tree.top, "is_dir": True, "dirs": len(tree.paths)})
@@ -174,7 +182,6 @@ class WatchService:
                     await ctx.emit({"kind": "stopped", "path": tree.top, "is_dir": True, "reason": tree.stopped})
                     return {"reason": tree.stopped}
         finally:
-            self.events.subscribers.discard(gone)
             if tree.ifd >= 0:
                 # Before the fd is closed: a registration left on a closed fd
                 # would swallow the next add_reader of the same number.

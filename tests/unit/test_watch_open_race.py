@@ -101,3 +101,62 @@ def test_a_watch_of_a_sandbox_destroyed_while_it_resumed_is_a_conflict(tmp_path)
     finally:
         os.close(rootfd)
     assert svc.active == 0
+
+
+def test_a_watch_whose_sandbox_was_destroyed_while_it_looked_up_its_top_ends(tmp_path):
+    """A destroy that ends while the watch looks up its top directory in a
+    worker (its `destroyed` event sent then): the watch ends, saying so,
+    instead of following a tree its own copy of the root keeps mounted
+    until its client gives up."""
+    import functools
+
+    from dsecd.engine.sandboxes import Sandbox
+    from dsecd.protocol import FileWatch
+
+    (tmp_path / "work").mkdir()
+    sb = SimpleNamespace(id="sb1", backend="container", state="running",
+                         handle=SimpleNamespace(rootfd=os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)))
+    sb.root_copy = functools.partial(Sandbox.root_copy, sb)
+    rootfd = sb.handle.rootfd
+    events = SimpleNamespace(subscribers=set())
+
+    class Workers:
+        looked_up = False
+
+        async def run_shielded(self, on_abandoned, fn, *args):
+            if not self.looked_up:        # the top's lookup: the destroy runs to its end meanwhile
+                self.looked_up = True
+                sb.state, sb.handle = "stopping", None
+                for sub in list(events.subscribers):
+                    sub.push({"sandbox": "sb1", "event": "destroyed"})
+            return fn(*args)
+
+    async def ensure_running(sb, why):
+        pass
+
+    sent = []
+
+    class Ctx:
+        async def emit(self, frame):
+            sent.append(frame)
+
+    async def run():
+        svc = WatchService(SimpleNamespace(get=lambda sb_id, req: sb), Workers(), events, ensure_running,
+                           max_watches=4, max_dirs=16)
+        task = asyncio.ensure_future(svc.watch(FileWatch(sandbox="sb1", path="/work"), Ctx()))
+        for _ in range(100):            # loop turns, no clock: a watch that ends needs a few
+            if task.done():
+                break
+            await asyncio.sleep(0)
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise AssertionError(f"the watch of a destroyed sandbox goes on (sent {sent})")
+        return task.result()
+
+    try:
+        assert asyncio.run(run()) == {"reason": "sandbox destroyed"}
+    finally:
+        os.close(rootfd)
+    assert sent[-1]["kind"] == "stopped"
+    assert not events.subscribers
