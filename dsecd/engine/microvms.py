@@ -968,9 +968,13 @@ class MicroVMService:
     # ------------------------------------------------------------ files
 
     async def _file(self, sb: Sandbox, verb: str, where: str, kind: int, *fields: bytes) -> wire.Reader:
+        # Counted, as file_op is: not every file request comes through it
+        # (the stat that records a temporary by its guest's inode, a
+        # create's cwd check), and a pause must not cut one on its way.
         link = self.agent(sb)
         try:
-            return await link.request(kind, *fields)
+            with self.request_running(sb):
+                return await link.request(kind, *fields)
         except AgentError as err:
             if err.errno == errno.EINVAL and err.step == "open" and kind in (wire.READ, wire.WRITE):
                 await self._refuse_irregular(sb, verb, where)     # the agent's require_regular
