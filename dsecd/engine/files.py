@@ -445,15 +445,19 @@ class FileService:
     async def _remove_left(self, sb_id: str) -> None:
         """The temporaries of microVM sb_id recorded while it was paused and
         held by no connection any more: removed now that it runs (if they
-        are still the files recorded), their records dropped."""
-        held = {entry[0] for entry in self._temp_records.values()}
+        are still the files recorded), their records dropped. Which are held
+        is looked at after the records are read: a client's write in the
+        resumed VM may record its temporary meanwhile, and its hold is taken
+        on the loop in the same step as its record is made."""
         try:
             recs = await self.workers.run(self.temps.load)
         except OSError as err:
             log.warning("sandbox %s: cannot read the records of its temporaries: %s", sb_id, err)
             return
         for rec_path, rec in recs:
-            if rec is None or rec["sandbox"] != sb_id or rec_path in held:
+            if rec is None or rec["sandbox"] != sb_id:
+                continue
+            if any(entry[0] == rec_path for entry in self._temp_records.values()):
                 continue
             sb = self.registry.by_id.get(sb_id)
             if sb is None:
