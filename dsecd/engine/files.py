@@ -351,6 +351,8 @@ class FileService:
                     return
                 log.warning("sandbox %s: %s, the temporary copy of a write %s, stays (the sandbox is %s); "
                             "remove it with dsec rm -r %s:%s", sb_id, path, why, sb.state, sb_id, path)
+                if rec is not None:     # its VM never runs again (dead, or going): nothing to remove it by
+                    await self.workers.run(self.temps.drop, rec)
                 return
             try:
                 await self.vms.file_op(sb, protocol.FileRemove(sandbox=sb_id, path=path, recursive=tree))
@@ -388,7 +390,13 @@ class FileService:
             return
         if ev["event"] != "destroyed":
             return
-        self._vm_left.discard(ev["sandbox"])
+        if ev["sandbox"] in self._vm_left:
+            # Its temporaries left while it was paused went with it: their
+            # records (held by no connection, kept for the resume) go too.
+            self._vm_left.discard(ev["sandbox"])
+            task = self.workers.loop.create_task(self._drop_records(ev["sandbox"]))
+            self._removing.add(task)
+            task.add_done_callback(self._removing.discard)
         if not self._temp_records:
             return
         for key in [k for k in self._temp_records if k[0] == ev["sandbox"]]:
@@ -468,6 +476,18 @@ class FileService:
                     return
                 await self._remove_vm_temp(sb, rec["path"], rec["dev"], rec["ino"], "its client left unfinished")
             await self.workers.run(self.temps.drop, rec_path)
+
+    async def _drop_records(self, sb_id: str) -> None:
+        """Drop the records of destroyed sandbox sb_id's temporaries."""
+        def drop() -> None:
+            for rec_path, rec in self.temps.load():
+                if rec is not None and rec["sandbox"] == sb_id:
+                    self.temps.drop(rec_path)
+        try:
+            await self.workers.run(drop)
+        except OSError as err:
+            log.warning("sandbox %s: cannot drop the records of its temporaries: %s (the next start does)",
+                        sb_id, err)
 
     async def _remove_vm_temp(self, sb: Sandbox, path: str, dev: int, ino: int,
                               why: str = "the daemon before left unfinished") -> None:

@@ -56,3 +56,61 @@ def test_a_temporary_recorded_while_a_resume_reads_the_records_stays(tmp_path):
     asyncio.run(run())
     assert guest.removed == [LEFT]
     assert [rec["path"] for _, rec in temps.load()] == [LIVE]
+
+
+def _left_while_paused(tmp_path, state: str):
+    """A FileService whose VM v1 (in `state`) had temporary LEFT made, and
+    its client's connection closed then."""
+    temps = CopyTemps(tmp_path / "temps")
+    guest = Guest()
+    sb = SimpleNamespace(id="v1", backend="microvm", state="running", handle=object(), lock=None)
+
+    class Workers:
+        loop = None
+
+        async def run(self, fn, *args):
+            return fn(*args)
+
+        def behind(self, fn, *args):
+            fn(*args)
+
+    closing = []
+    ctx = SimpleNamespace(at_close=lambda fn: closing.append(fn) or (lambda: None))
+
+    async def make():
+        sb.lock = asyncio.Lock()
+        workers = Workers()
+        workers.loop = asyncio.get_running_loop()
+        svc = FileService(SimpleNamespace(by_id={"v1": sb}), workers, None, 1 << 20, None, vms=guest, temps=temps)
+        svc.hold_vm_temporary("v1", LEFT, ctx)
+        await svc.journal_vm_temporary(sb, LEFT)
+        assert [rec["path"] for _, rec in temps.load()] == [LEFT]
+        sb.state = state
+        await closing[0]()              # its client's connection closes
+        return svc
+
+    return temps, guest, make
+
+
+def test_the_record_of_a_paused_vms_left_temporary_goes_with_the_sandbox(tmp_path):
+    temps, guest, make = _left_while_paused(tmp_path, "paused")
+
+    async def run():
+        svc = await make()
+        assert len(temps.load()) == 1           # kept for its resume
+        svc._on_event({"event": "destroyed", "sandbox": "v1"})
+        for _ in range(20):
+            await asyncio.sleep(0)
+
+    asyncio.run(run())
+    assert guest.removed == []
+    assert temps.load() == []
+
+
+def test_the_record_of_a_dead_vms_left_temporary_goes(tmp_path):
+    """A dead VM never runs again: nothing will remove its temporary, and
+    its record serves nobody."""
+    temps, guest, make = _left_while_paused(tmp_path, "dead")
+    asyncio.run(make())
+    assert guest.removed == []
+    assert temps.load() == []
