@@ -122,6 +122,7 @@ class DirCopyService:
                  end_vm_temporary=None):
         self.registry = registry
         self._resuming: set[asyncio.Task] = set()
+        self._ending: set[asyncio.Future] = set()     # removals of cancelled puts' VM temporaries, left to run
         self._putting: dict[str, int] = {}      # sandbox id -> its file_tar_puts under way
         if events is not None:
             events.listeners.append(self._on_event)
@@ -224,8 +225,18 @@ class DirCopyService:
                     # place all the same (tar_put ends once the guest's copy
                     # has), and its client, told it was cancelled, will not
                     # rename or remove it. It goes before the request ends.
+                    # Shielded: the removal took the path from what the
+                    # connection's end removes, so a second cancel (that end,
+                    # after a `cancel`) must not cut it; the request then
+                    # ends without waiting for it.
                     if release is not None and self.end_vm_temporary is not None:
-                        await self.end_vm_temporary(sb.id, req.path, True)
+                        ending = asyncio.ensure_future(self.end_vm_temporary(sb.id, req.path, True))
+                        try:
+                            await asyncio.shield(ending)
+                        except asyncio.CancelledError:
+                            self._ending.add(ending)
+                            ending.add_done_callback(self._ending.discard)
+                            ending.add_done_callback(_retrieved)
                     raise
                 except Exception:
                     if release is not None:

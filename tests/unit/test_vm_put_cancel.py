@@ -88,3 +88,52 @@ def test_a_cancelled_put_leaves_no_landing_directory_while_its_client_stays():
     paths, closing = asyncio.run(go())
     assert paths == set()           # removed by the request's end, the connection still open
     assert closing == {}            # and nothing is left for the connection's end to do
+
+
+def test_a_put_cancelled_again_while_it_removes_its_landing_directory_still_removes_it():
+    """A `cancel` and then the client's connection closing (its CLI gone
+    at ^C) cancel the put twice: the second comes while the first's
+    removal waits for the sandbox's lock. The removal had already taken
+    the directory from what the connection's end removes, so it must end
+    all the same."""
+    async def go():
+        sb = SimpleNamespace(id="sb1", backend="microvm", state="running", handle=object(), lock=asyncio.Lock(),
+                             copies=0, last_active=0.0)
+        registry = SimpleNamespace(by_id={"sb1": sb}, get=lambda _id, _req: sb,
+                                   destroyed_error=lambda _sb, _what: None)
+
+        async def run(fn, *args):
+            return fn(*args)
+
+        async def ensure_running(_sb, _why):
+            pass
+
+        workers = SimpleNamespace(loop=asyncio.get_running_loop(), run=run)
+        guest = GuestFiles()
+        files = FileService(registry, workers, ensure_running, 1 << 20, None, vms=guest)
+        copies = DirCopyService(registry, workers, ensure_running, 1 << 20, 100, 1 << 20, 4, 30.0, None,
+                                vms=guest, hold_vm_temporary=files.hold_vm_temporary,
+                                journal_vm_temporary=files.journal_vm_temporary,
+                                end_vm_temporary=files.end_vm_temporary)
+        ctx = Ctx()
+        req = SimpleNamespace(sandbox="sb1", path=LANDING, temporary=True, owner=None)
+        put = asyncio.create_task(copies.put(req, ctx))
+        await guest.made.wait()
+        await sb.lock.acquire()             # a pause, say: the removal waits for it
+        put.cancel()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert not put.done()
+        put.cancel()                        # the connection's end
+        for fn in list(ctx.closing.values()):
+            await fn()
+        sb.lock.release()
+        try:
+            await put
+        except asyncio.CancelledError:
+            pass
+        for _ in range(10):
+            await asyncio.sleep(0)
+        return guest.paths
+
+    assert asyncio.run(go()) == set()
