@@ -89,15 +89,15 @@ class Workers:
     async def run_stoppable(self, stop: threading.Event, fn, *args):
         """fn(*args) in a worker that checks `stop` as it goes: cancelling the
         caller sets it and waits for fn to return, so the work has stopped
-        (nothing more of it happens) once the caller's cancel is through."""
+        (nothing more of it happens) once the caller's cancel is through;
+        a second cancel meanwhile (a `cancel`, then the client's connection
+        closing) does not end that wait."""
         fut = self._submit(fn, *args)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             stop.set()
-            await asyncio.wait({fut})
-            if not fut.cancelled():
-                fut.exception()             # the stop's own error: the caller was told of its cancel
+            await outcome(fut)      # the stop's own error taken: the caller was told of its cancel
             raise
 
     def behind(self, fn, *args) -> asyncio.Future:
