@@ -253,7 +253,12 @@ class Pager:
         self.generation = 0      # +1 at every (re)start or adoption; layers remember it
         self.restarts = 0
         self._proc: subprocess.Popen | None = None
-        self._pidfd: int | None = None   # an adopted pager (not our child)
+        # The pager's pidfd, our child's as an adopted one's: every signal
+        # goes through it. It names that one process until closed, reaped or
+        # not, so a signal after its exit fails (ESRCH) rather than reaching
+        # a process that reused the pid; the supervising thread reaps our
+        # child without the log's lock, between a rotation's look and its signal.
+        self._pidfd: int | None = None
         self._pid: int | None = None
         # "" while the pager's mount is in our mount namespace; "/proc/<pid>/root"
         # for a pager adopted from another one, whose mount we reach through its root.
@@ -399,6 +404,8 @@ class Pager:
                 os.close(logfd)
         self._pid = self._proc.pid
         try:
+            # Not reaped yet (only this thread waits for it): the pid is still its.
+            self._pidfd = os.pidfd_open(self._pid)
             if cfg.cgroup_procs:
                 # Before it mounts: the pager allocates little until then.
                 with open(cfg.cgroup_procs, "w") as f:
@@ -572,13 +579,10 @@ class Pager:
             os.unlink(self.config.pid_file)
 
     def _signal(self, sig: int) -> None:
-        """To our child by pid (reaped only by us), to an adopted pager by its pidfd."""
-        if self._pidfd is not None:
-            native.pidfd_send_signal(self._pidfd, sig)
-        elif self._pid is not None:
-            os.kill(self._pid, sig)
-        else:
+        """Through the pager's pidfd (ESRCH once it has exited), never by pid."""
+        if self._pidfd is None:
             raise ProcessLookupError(errno.ESRCH, "no pager")
+        native.pidfd_send_signal(self._pidfd, sig)
 
     def restart(self) -> None:
         """Start again after the pager died (reaped here): clears the dead mount."""

@@ -347,3 +347,43 @@ def test_a_pager_log_that_is_a_regular_file_takes_the_pagers_lines(tmp_path, cap
         assert log.read_text() == "fake pager says hello\n" and "not a regular file" not in caplog.text
     finally:
         p.stop()
+
+
+def test_a_log_rotation_never_signals_the_pid_of_a_pager_reaped_under_it(tmp_path, monkeypatch, caplog):
+    """The supervising thread reaps a dead pager without the log's lock, so
+    a rotation on the daemon's periodic check could find it alive, and then
+    signal its pid once reaped: by then maybe another process's. The pager
+    is signalled through a pidfd held for its life, which names it alone
+    and fails with ESRCH once it has exited."""
+    import dataclasses
+    import signal
+
+    log = tmp_path / "pager.log"
+    p = _fake_pager(tmp_path, str(log))
+    p.start()
+    pid = p.pid
+    real_stats = pg.parse_stats(stats_doc())
+    kills = []
+    real_kill = os.kill
+
+    def stats_as_the_pager_dies():
+        # The pager has just answered that it reopens its log; it dies, and
+        # the supervising thread reaps it, before the rotation signals it.
+        real_kill(pid, signal.SIGKILL)
+        assert p._wait_exit(None)
+        return dataclasses.replace(real_stats, pid=pid, log_reopen=True)
+
+    def recorded_kill(to, sig):
+        kills.append((to, sig))
+        return real_kill(to, sig)
+
+    try:
+        log.write_bytes(b"x" * (p.config.log_max_bytes + 1))
+        monkeypatch.setattr(p, "stats", stats_as_the_pager_dies)
+        monkeypatch.setattr(pg.os, "kill", recorded_kill)
+        assert p.rotate_log() is True
+        assert kills == [], f"signalled reaped pid {pid}"
+        assert f"tell pager pid {pid} to reopen it" in caplog.text
+    finally:
+        monkeypatch.undo()
+        p.stop()
