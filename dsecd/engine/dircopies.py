@@ -99,6 +99,24 @@ def _retrieved(fut: asyncio.Future) -> None:
         fut.exception()
 
 
+async def _wait_through_cancels(fut: asyncio.Future, timeout: float) -> None:
+    """Wait for `fut` for up to `timeout` seconds, whatever cancels the
+    waiter meanwhile (the caller re-raises the cancel it handles)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not fut.done() and (left := deadline - loop.time()) > 0:
+        try:
+            await asyncio.wait([fut], timeout=left)
+        except asyncio.CancelledError:
+            pass
+
+
+def _drop_records(temps: CopyTemps | None, records: list) -> None:
+    """The copy-temps records of a put whose worker is done."""
+    for rec in records:
+        temps.drop(rec)
+
+
 def busy(sb: Sandbox, n: int) -> None:
     """A directory copy of `sb` begins (+1) or ends (-1). One request may
     stream for longer than the sandbox's idle TTL: the reaper waits for it
@@ -195,6 +213,7 @@ class DirCopyService:
         ctx.register_input(pipe)
         busy(sb, +1)
         records: list = []
+        work = None
         # A client's landing place is held from the moment its directory is
         # made (its inode is the one renamed into place): a client killed
         # while the put still runs in its worker leaves it to be removed.
@@ -256,8 +275,10 @@ class DirCopyService:
                 # the partial directory. The request ends after that (within
                 # limits.frame_timeout_s: a frozen copier can hold it up), so
                 # that a client told the copy was cancelled finds nothing of it.
+                # A second cancel (a `cancel`, then the client's connection
+                # closing) does not cut that wait short.
                 pipe.end("the copy request was cancelled")
-                await asyncio.wait([work], timeout=self.idle_timeout)
+                await _wait_through_cancels(work, self.idle_timeout)
                 work.add_done_callback(_retrieved)
                 raise
         except Exception as err:
@@ -268,8 +289,13 @@ class DirCopyService:
         finally:
             # A cancelled put's worker is still reading: this stops it, and it removes what it made.
             pipe.end("the copy request ended")
-            for rec in records:         # renamed into place or removed by now
-                self.temps.drop(rec)
+            # Its temporary renamed into place or removed once the worker is
+            # done, and not before: recorded until then, for the next daemon
+            # to remove should this one die meanwhile.
+            if work is None or work.done():
+                _drop_records(self.temps, records)
+            else:
+                work.add_done_callback(lambda _: _drop_records(self.temps, records))
             ctx.unregister_input()
             self.puts -= 1
             if self._putting[sb.id] > 1:
