@@ -225,3 +225,27 @@ def test_a_pause_refused_for_a_copy_under_way_says_so(tmp_path, execs, copies, s
     with pytest.raises(Conflict) as err:
         asyncio.run(svc.pause(sb))
     assert f"has {said};" in err.value.message, err.value.message
+
+
+def test_the_wait_for_a_guest_whose_qemu_was_already_ended_closes_its_work():
+    """A destroy that ended QEMU before the wait began (its pidfd closed):
+    the wait fails at once, and the work it was given, a coroutine never
+    started, was left unawaited (a RuntimeWarning at its collection). It is
+    closed."""
+    import gc
+    import inspect
+    import warnings
+
+    from dsecd.backends.microvm.backend import _unless_exits
+
+    h = SimpleNamespace(pidfd=-1, pidfd_lock=threading.Lock())
+    work = asyncio.sleep(3600)
+    with pytest.raises(VmError, match="ended meanwhile"):
+        asyncio.run(_unless_exits(h, work))
+    state = inspect.getcoroutinestate(work)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        del work
+        gc.collect()
+    assert state == inspect.CORO_CLOSED
+    assert not [w for w in seen if "never awaited" in str(w.message)]

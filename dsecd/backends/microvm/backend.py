@@ -776,10 +776,15 @@ async def _unless_exits(h: VmHandle, work) -> None:
     # A copy of the pidfd of our own: a destroy meanwhile (which takes no
     # sandbox lock) removes the loop's reader of h.pidfd, closes it and sets
     # it to -1, which would leave this wait to the work's own timeout.
-    with h.pidfd_lock:
-        if h.pidfd < 0:
-            raise VmError(errno.ESRCH, "its QEMU was ended meanwhile")
-        pidfd = os.dup(h.pidfd)
+    try:
+        with h.pidfd_lock:
+            if h.pidfd < 0:
+                raise VmError(errno.ESRCH, "its QEMU was ended meanwhile")
+            pidfd = os.dup(h.pidfd)
+    except BaseException:
+        if asyncio.iscoroutine(work):
+            work.close()    # never started: closed, not left unawaited
+        raise
     loop.add_reader(pidfd, lambda: gone.done() or gone.set_result(None))
     task = asyncio.ensure_future(work)
     try:
