@@ -432,7 +432,15 @@ class _Build:
         returns: a destroy from elsewhere (all, a job's) closes the
         handle's, whose number another sandbox's root may take."""
         idmap = userns.IdMap.from_record(sb.idmap)
-        root = sb.root_copy()
+        try:
+            root = sb.root_copy()
+        except DsecError as err:
+            # A destroy from outside the build (`dsec rm --all`, a job's rm)
+            # took the step's sandbox, or the daemon is out of fds.
+            if self.svc.registry.destroyed_error(sb, "") is not None:
+                raise self._error(step.line, f"{step.instruction.cmd}: the step's sandbox {sb.id} was destroyed "
+                                  "meanwhile", err.code, sandbox=sb.id) from err
+            raise self._error(step.line, f"{step.instruction.cmd}: {err.message}", err.code, **err.detail) from err
 
         def call():
             with userns.as_sandbox_root(idmap):
