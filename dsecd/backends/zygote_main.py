@@ -1211,8 +1211,9 @@ class Zygote:
 
     def run(self):
         # Spares are forked when the zygote had nothing to do for IDLE_MS, or
-        # at once when fewer than half are left: a fork blocks this loop for
-        # a few ms (page tables), which would delay every call waiting on it.
+        # at once (all that are missing) when fewer than half are left: a
+        # fork blocks this loop for a few ms (page tables), which would delay
+        # every call waiting on it.
         # The paces (IDLE_MS, FORK_RETRY_MS, RECHECK_MS) are kept by the
         # clock, not only by the poll's timeout: while the trash is swept
         # the loop polls without waiting.
@@ -1249,6 +1250,14 @@ class Zygote:
             elif want and (low or now - self.busy_at >= IDLE_MS / 1000) and now >= self.fork_again_at:
                 try:
                     self.idle.append(self.fork_worker())
+                    # Once low, the rest back to back: each fork write-
+                    # protects this process's memory again, and the pages
+                    # the loop then writes are copied. Between forks only
+                    # the fork's own path is; the loop's working set is
+                    # copied once per batch, not once per call (half the
+                    # zygote's faults: docs/burst.md, "Spares forked in a batch").
+                    while low and len(self.idle) < self.spares and self.uids:
+                        self.idle.append(self.fork_worker())
                     self.fork_failed = False
                 except OSError:
                     # Tried again after FORK_RETRY_MS; a call meanwhile
