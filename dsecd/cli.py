@@ -1259,6 +1259,7 @@ async def cmd_attach(c: Client, a) -> int:
                 _write_output(chunk, a.pid)
     except asyncio.CancelledError:
         print(f"dsec: detached from process {a.pid}; it keeps running", file=sys.stderr)
+        a.said_how_it_ended = True
         raise
     finally:
         feeder.cancel()
@@ -2957,12 +2958,17 @@ def main(argv: list[str] | None = None) -> None:
         print(f"dsec {a.cmd}: {err}", file=sys.stderr)
         status = fail
     except KeyboardInterrupt:
+        # ^C: the command was cancelled (a copy's with its temporary file);
+        # said as the other ending signals are, not left for a failure.
         _interrupted(a, signal.SIGINT, "interrupted (SIGINT)")
+        if not getattr(a, "said_how_it_ended", False):     # attach: that it detached
+            print(f"dsec {a.cmd}: interrupted (SIGINT)", file=sys.stderr)
         status = 130
     except _EndedBySignal as ended:
         name = signal.Signals(ended.signum).name
         _interrupted(a, ended.signum, f"interrupted ({name})")
-        print(f"dsec {a.cmd}: interrupted ({name})", file=sys.stderr)
+        if not getattr(a, "said_how_it_ended", False):
+            print(f"dsec {a.cmd}: interrupted ({name})", file=sys.stderr)
         status = 128 + ended.signum
     except Exception as err:            # a bug: its traceback as without --json, after the error object
         _print_error(a, _local_error("internal", f"{type(err).__name__}: {err}"))

@@ -388,7 +388,9 @@ def test_cli_logs_follow_and_attach_detach(daemon, any_sandbox):
                          stderr=subprocess.PIPE)
     first = p.stdout.readline()                 # attached: its output comes
     p.send_signal(signal.SIGINT)                # detach: the process runs on
-    out, _ = p.communicate(timeout=10)
+    out, err = p.communicate(timeout=10)
     assert p.returncode == 130 and first == b"t\n"
+    # One line on how it ended, not a second one for the ^C itself.
+    assert err == f"dsec: detached from process {pid}; it keeps running\n".encode(), err
     assert [x.state for x in sandbox.processes() if x.pid == pid] == ["running"]
     sandbox.process(pid).kill()

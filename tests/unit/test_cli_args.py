@@ -846,6 +846,36 @@ def test_a_command_ended_by_sigterm_says_interrupted_and_exits_128_plus(tmp_path
         held.stdout.close()
 
 
+@pytest.mark.parametrize("words", [["exec", "sb1", "--", "true"], ["cp", "/etc/hostname", "sb1:/tmp/x"], ["ps"]])
+def test_a_command_ended_by_ctrl_c_says_interrupted_and_exits_130(tmp_path, words):
+    """^C ended any command with status 130 and not a word on stderr: a
+    user could not tell it from a command that failed on its own. One line
+    says what ended it, and no traceback."""
+    import signal
+    import time
+
+    sock = str(tmp_path / "d.sock")
+    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
+    held = subprocess.Popen([sys.executable, "-c", HELD_DAEMON, sock], stdout=subprocess.PIPE,
+                            env={**env, "PYTHONPATH": os.pathsep.join([env["PYTHONPATH"], str(Path(__file__).parent)])})
+    try:
+        assert held.stdout.readline() == b"ready\n"
+        # As a terminal's ^C finds it: a shell's background job (as pytest may
+        # be) ignores SIGINT, and a Python started so never sees one.
+        p = subprocess.Popen([sys.executable, "-m", "dsecd.cli", "--socket", sock, *words], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        time.sleep(1.0)                    # waiting for its request's answer by now
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=10)
+        assert p.returncode == 130, (p.returncode, err)
+        assert err == f"dsec {words[0]}: interrupted (SIGINT)\n".encode(), err
+    finally:
+        held.kill()
+        held.wait()
+        held.stdout.close()
+
+
 def test_a_timeout_takes_a_duration_as_a_ttl_does():
     """`--ttl 5m` worked and `--timeout 5m` was "invalid float value": a
     command's timeout takes the same seconds or durations."""
