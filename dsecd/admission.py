@@ -117,8 +117,26 @@ class CreateQueue:
             if not q:
                 del self._jobs[job]
 
+    def set_max_active(self, max_active: int) -> None:
+        """A new cap on the creates running at once (a config reload). Raised,
+        the creates waiting take the new slots now; lowered, those running
+        go on, and the slots they free are not handed on until fewer than
+        the new cap run."""
+        if max_active < 1:
+            raise ValueError("admission.max_active_creates must be >= 1")
+        self.max_active = max_active
+        while self.active < self.max_active and self._hand_over():
+            self.active += 1
+
     def _release(self) -> None:
-        """Hand the slot to the head of the next job in round-robin order, or free it."""
+        """Hand the slot to the head of the next job in round-robin order, or
+        free it: freed too while more run than the cap (lowered meanwhile)."""
+        if self.active > self.max_active or not self._hand_over():
+            self.active -= 1
+
+    def _hand_over(self) -> bool:
+        """Give a slot to the head of the next job in round-robin order;
+        False when no create waits for one."""
         while self._jobs:
             job, q = next(iter(self._jobs.items()))
             fut = q.popleft()
@@ -129,5 +147,5 @@ class CreateQueue:
                 del self._jobs[job]
             if not fut.done():
                 fut.set_result(None)
-                return
-        self.active -= 1
+                return True
+        return False

@@ -95,3 +95,65 @@ def test_a_pool_is_named_by_its_exact_shape():
     memories = [95 << 20, (95 << 20) + 1, int(95.9 * (1 << 20))]
     assert len({pool_name("busybox", 1.0, m) for m in memories}) == 3
     assert pool_name("busybox", 0.3333333, 64 << 20) != pool_name("busybox", 0.333333, 64 << 20)
+
+
+def test_a_raised_max_active_starts_waiting_creates_at_once():
+    """A config reload raising admission.max_active_creates: the creates
+    already waiting take the new slots then, not one per create's end."""
+    async def run():
+        q = CreateQueue(max_active=1, max_queued=10)
+        gate = asyncio.Event()
+        running: list[int] = []
+
+        async def create(i: int):
+            async with q.slot("j"):
+                running.append(i)
+                await gate.wait()
+
+        tasks = [asyncio.create_task(create(i)) for i in range(4)]
+        await asyncio.sleep(0)
+        assert (q.active, q.queued, running) == (1, 3, [0])
+        q.set_max_active(3)
+        await asyncio.sleep(0)
+        assert (q.active, q.queued, sorted(running)) == (3, 1, [0, 1, 2])
+        gate.set()
+        await asyncio.gather(*tasks)
+        return q
+
+    q = asyncio.run(run())
+    assert (q.active, q.queued, q.admitted) == (0, 0, 4)
+
+
+def test_a_lowered_max_active_holds_waiting_creates_until_below_it():
+    """Lowered: the creates running go on; a slot freed past the new cap is
+    not handed to a waiting create until fewer than the cap run."""
+    async def run():
+        q = CreateQueue(max_active=3, max_queued=10)
+        gates = [asyncio.Event() for _ in range(5)]
+        running: list[int] = []
+
+        async def create(i: int):
+            async with q.slot("j"):
+                running.append(i)
+                await gates[i].wait()
+
+        tasks = [asyncio.create_task(create(i)) for i in range(5)]
+        await asyncio.sleep(0)
+        assert (q.active, q.queued) == (3, 2)
+        q.set_max_active(1)
+        gates[0].set()
+        await asyncio.sleep(0.01)
+        assert (q.active, q.queued, sorted(running)) == (2, 2, [0, 1, 2])
+        gates[1].set()
+        await asyncio.sleep(0.01)
+        assert (q.active, q.queued, sorted(running)) == (1, 2, [0, 1, 2])
+        gates[2].set()
+        await asyncio.sleep(0.01)
+        assert (q.active, q.queued, sorted(running)) == (1, 1, [0, 1, 2, 3])
+        for g in gates:
+            g.set()
+        await asyncio.gather(*tasks)
+        return q
+
+    q = asyncio.run(run())
+    assert (q.active, q.queued, q.admitted) == (0, 0, 5)
