@@ -100,6 +100,17 @@ GIVES_A_STATUS = (*RUNS_A_COMMAND, "wait", "attach")
 
 # ---------------------------------------------------------------- commands
 
+def _reload_text(r: dict | None) -> str:
+    """`dsec info`: the last config reload (SIGHUP) and its result."""
+    if r is None:
+        return "; not reloaded since the start"
+    if not r["ok"]:
+        return f"; reload {_utc(r['at'])} REFUSED: {r['error']} (the running settings stay)"
+    waiting = r["restart_needed"]
+    return (f"; reload {_utc(r['at'])}: {len(r['applied'])} settings applied"
+            + (f", {len(waiting)} take effect at the next start: {', '.join(waiting)}" if waiting else ""))
+
+
 def _print_template_store(store: dict) -> None:
     """`dsec info`'s lines on the microVM templates: what each loaded one
     holds in the daemon's memory (charged to the daemon, not to a sandbox)."""
@@ -189,6 +200,8 @@ async def cmd_info(c: Client, a) -> int:
         print(f"daemon: config {d['config'] or '(embedded defaults)'}, log {d['log_level']} as {d['log_format']}, "
               f"metrics {d['metrics'] or 'off'}" + (f", event-loop lag p50 {lag['p50_ms']} ms p99 {lag['p99_ms']} ms "
                                                   f"max {lag['max_ms']} ms" if lag.get("samples") else ""))
+        if d.get("config_loaded_at"):
+            print(f"config: loaded {_utc(d['config_loaded_at'])}" + _reload_text(d.get("last_reload")))
     if "policy" in info:
         p = info["policy"]
         print(f"task policies (Landlock ABI {p['landlock_abi'] or 'none'}): " + ", ".join(p["policies"]))

@@ -9,7 +9,8 @@ metrics endpoint (if metrics.listen) -> READY=1 to systemd
 monitor (dsecd/looplag.py) measures the event loop's lag and sends systemd
 WATCHDOG=1 and STATUS=. SIGTERM/SIGINT stop the daemon and leave every
 sandbox running; the next daemon re-adopts them from the journal. SIGHUP
-only logs that nothing is reloaded.
+reloads the config (dsecd/configreload.py): what can change in a running
+daemon changes, the rest is said to take a restart.
 
 A start that fails says why in one log line (level critical) and exits 1.
 """
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from . import __version__, cgroup, fds, logs, profiling
 from .config import DEFAULT_PATH, ConfigError, keys_of, load_config
+from .configreload import Reloader
 from .features import probe_all
 from .looplag import LoopMonitor
 from .metrics import MetricsServer, parse_listen
@@ -306,17 +308,29 @@ def lock_state_dir(state_dir: str) -> int:
     return fd
 
 
-async def serve(cfg) -> None:
+async def serve(cfg, args: argparse.Namespace) -> None:
     notifier = Notifier()
     # From the first step: a start can take minutes (re-adoption), and a
     # signal's default meanwhile would end the daemon without a clean stop
     # (SIGTERM: the next start takes it for a death) or without a word
     # (SIGHUP, which systemd takes for a clean exit). A SIGTERM during the
-    # start stops the daemon as soon as it is up.
+    # start stops the daemon as soon as it is up; a SIGHUP reloads the
+    # config once it is up (the start read the file before the signal).
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    up: list[Reloader] = []     # the node's, once the daemon is ready
+    early: list[int] = []       # a SIGHUP before that
+
+    def sighup() -> None:
+        if up:
+            up[0].request()
+        elif not early:
+            log.info("SIGHUP during the start: the config is read again once the daemon is ready",
+                     extra={"fields": {"event": "sighup"}})
+            early.append(signal.SIGHUP)
+
     loop.add_signal_handler(signal.SIGHUP, sighup)
     feats = probe_all(cfg.section("sandbox")["cgroup_root"], str(cfg.state_dir), cfg.section("microvm"))
     missing = feats.missing_required()
@@ -327,6 +341,7 @@ async def serve(cfg) -> None:
         node = Node(cfg, feats, cgroup.detect_layout())
     except ConfigError as err:      # a setting this host cannot honour (e.g. sandbox.writable_layer)
         raise SystemExit(f"dsecd: {err}") from err
+    node.reloader = Reloader(args, node, build_config, config_path, config_key_named)
     await start_node(node)
     server = Server(node, cfg.socket, cfg.section("daemon")["socket_group"], cfg.section("limits"),
                     cfg.size("limits", "max_frame_bytes"))
@@ -358,6 +373,9 @@ async def serve(cfg) -> None:
                                "config": cfg.path, "socket": cfg.socket,
                                "metrics": exporter.describe() if exporter else None}})
     notifier.ready(node.status_line(0))
+    up.append(node.reloader)
+    if early:
+        node.reloader.request()
     await stop.wait()
     log.info("stopping; sandboxes keep running")
     live = sum(1 for sb in node.registry.by_id.values() if sb.state != "dead")
@@ -389,11 +407,6 @@ async def start_node(node) -> None:
             todo = "fix that and start dsecd again"
         what = (err.strerror or str(err)) + (f" ({err.filename})" if err.filename else "")
         raise SystemExit(f"dsecd: start failed: {what}; {todo} (sandboxes keep running meanwhile)") from err
-
-
-def sighup() -> None:
-    log.warning("SIGHUP: dsecd does not reload its config; restart it to apply a change "
-                "(systemctl restart dsecd: sandboxes keep running)", extra={"fields": {"event": "sighup"}})
 
 
 async def start_metrics(cfg, node: Node, server: Server):
@@ -439,10 +452,10 @@ def main(argv: list[str] | None = None) -> None:
         try:
             import uvloop
 
-            uvloop.run(serve(cfg))
+            uvloop.run(serve(cfg, args))
         except ImportError:
             log.warning("uvloop not installed; using the default asyncio loop")
-            asyncio.run(serve(cfg))
+            asyncio.run(serve(cfg, args))
     except SystemExit as err:
         if isinstance(err.code, str):       # a start that failed, said in words
             fail(err.code)

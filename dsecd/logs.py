@@ -136,9 +136,7 @@ def setup(level: str, fmt: str, stream=None) -> logging.Handler:
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
-    # `level` is dsecd's own; other libraries' debug chatter (pyroute2's every
-    # netlink message, asyncio's selector choice) is noise at it.
-    logging.getLogger("dsecd").setLevel(level.upper())
+    set_level(level)
     # A line carries none of the caller's file, line, thread or process:
     # the logging module then skips looking them up for every record (its
     # documented switches; _srcfile = None skips the stack walk of
@@ -146,13 +144,22 @@ def setup(level: str, fmt: str, stream=None) -> logging.Handler:
     # each record's cost in a burst.
     logging._srcfile = None
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
-    root.setLevel(max(logging.INFO, logging.getLevelName(level.upper())))
     logging.captureWarnings(True)
     sys.excepthook = _log_uncaught
     threading.excepthook = lambda a: _log_uncaught(a.exc_type, a.exc_value, a.exc_traceback,
                                                    f"uncaught exception in thread {a.thread.name if a.thread else '?'}")
     sys.unraisablehook = _log_unraisable
     return handler
+
+
+def set_level(level: str) -> None:
+    """The level of dsecd's records (at start, and at a config reload)."""
+    if level not in LEVELS:
+        raise ValueError(f"daemon.log_level must be one of {', '.join(LEVELS)}, got {level!r}")
+    # `level` is dsecd's own; other libraries' debug chatter (pyroute2's every
+    # netlink message, asyncio's selector choice) is noise at it.
+    logging.getLogger("dsecd").setLevel(level.upper())
+    logging.getLogger().setLevel(max(logging.INFO, logging.getLevelName(level.upper())))
 
 
 def _log_uncaught(kind, value, tb, what: str = "uncaught exception") -> None:

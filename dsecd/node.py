@@ -214,6 +214,7 @@ class Node:
         self.started = time.time()
         self.default_memory = parse_size(sb["memory"])
         self.loop_monitor = None        # dsecd/looplag.py LoopMonitor, set by the daemon
+        self.reloader = None            # dsecd/configreload.py Reloader, set by the daemon
 
     def routes(self) -> dict[str, Callable]:
         """Each request type's handler, by op name, for dsecd/server.py."""
@@ -364,7 +365,9 @@ class Node:
                          "cgroup_dirs": {k: str(v / root) for k, v in self.layout.hierarchies().items()}},
                "daemon": {"config": self.cfg.path, "log_level": d["log_level"], "log_format": d["log_format"],
                           "metrics": self.cfg.section("metrics")["listen"] or None,
-                          "loop_lag": self.loop_monitor.stats() if self.loop_monitor else None}}
+                          "loop_lag": self.loop_monitor.stats() if self.loop_monitor else None,
+                          **(self.reloader.state() if self.reloader else
+                             {"config_loaded_at": None, "last_reload": None})}}
         if unread:
             out["unread"] = unread
         return out

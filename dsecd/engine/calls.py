@@ -131,7 +131,16 @@ class CallService:
         for box_id in await self.workers.run(self.fncall.leftovers):
             log.info("removing call sandbox %s of an earlier daemon", box_id)
             await self.workers.run(self.fncall.destroy_box, box_id, None)
-        if self.fn_cfg["idle_ttl_s"] > 0:
+        self.set_idle_ttl(self.fn_cfg["idle_ttl_s"])
+
+    def set_idle_ttl(self, ttl: float) -> None:
+        """Sweep call sandboxes idle for `ttl` seconds (fncall.idle_ttl_s; 0:
+        none): at start, and anew at a config reload."""
+        self.fn_cfg["idle_ttl_s"] = ttl
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        if ttl > 0:
             self._sweeper = self.workers.loop.create_task(self._sweep_idle())
 
     async def _sweep_idle(self) -> None:
@@ -171,7 +180,8 @@ class CallService:
         await asyncio.gather(*(self._drop_box(b, "daemon shutdown") for b in boxes), return_exceptions=True)
 
     def info(self) -> dict:
-        return {**self.call_stats, "boxes": [
+        return {**self.call_stats, "max_boxes": self.fn_cfg["max_boxes"], "idle_ttl_s": self.fn_cfg["idle_ttl_s"],
+                "boxes": [
             {"image": b.image, "id": b.id, "calls": b.calls, "running": b.running,
              "zygote_pid": b.zygote.pid if b.zygote and b.zygote.alive else None,
              "modules": (b.zygote.info.get("modules") if b.zygote else None),

@@ -30,6 +30,7 @@ import pytest
 from conftest import _kill_and_remove_cgroups
 from prometheus_client.parser import text_string_to_metric_families
 
+from dsecd.config import with_setting
 from dsecd.errors import DsecError, NotFound
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -360,16 +361,103 @@ def test_ready_after_readoption_then_status_watchdog_and_stopping(daemon_factory
     c.close()
 
 
-def test_sighup_leaves_the_daemon_serving_and_says_it_did_not_reload(daemon_factory, busybox_rootfs):
-    """A `kill -HUP` (the habit of asking a daemon to reload) ended dsecd
-    with no log line, and systemd counts a death by SIGHUP as a clean exit:
-    Restart=on-failure did not start it again."""
-    d = daemon_factory()
+def reloaded(d, config: str, count: int = 1) -> dict:
+    """`config` written as the daemon's file, SIGHUP, and the daemon's
+    account of its `count`th reload since the start (info's last_reload)."""
+    d.config.write_text(config)
     d.proc.send_signal(signal.SIGHUP)
-    said = wait_for(lambda: [line for line in log_lines(d) if line.get("event") == "sighup"], timeout=5)
+    done = wait_for(lambda: [line for line in log_lines(d) if line.get("event") in ("reloaded", "reload_refused")]
+                    [count - 1:], timeout=15)
     assert d.proc.poll() is None, "SIGHUP ended the daemon"
-    assert said and said[0]["level"] == "warning" and "restart" in said[0]["msg"], said
+    assert done, f"no reload logged; see {d.log}"
     c = d.client()
+    try:
+        return c.info()["daemon"]["last_reload"]
+    finally:
+        c.close()
+
+
+def test_sighup_applies_the_settings_a_running_daemon_can_take(daemon_factory, busybox_rootfs):
+    """SIGHUP only logged that nothing was reloaded: a change of the log
+    level or of admission's limits took a restart. It reads the file again
+    and applies those at once, one line each."""
+    d = daemon_factory('[daemon]\nlog_level = "info"\n[limits]\nmax_sandboxes = 1\n')
+    before = d.config.read_text()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    c.create(image="busybox")               # the host is full: max_sandboxes 1
+    loaded = c.info()["daemon"]["config_loaded_at"]
+    assert loaded and c.info()["daemon"]["last_reload"] is None
+    c.close()
+    new = before.replace('log_level = "info"', 'log_level = "debug"') + (
+        "\n[admission]\nmax_active_creates = 3\nmax_queued_creates = 5\nfull_retry_after_s = 7.5\n"
+        "\n[fncall]\nmax_boxes = 2\n")
+    r = reloaded(d, new)
+    assert r["ok"] and r["error"] is None and r["config"] == str(d.config), r
+    assert sorted(r["applied"]) == ["admission.full_retry_after_s", "admission.max_active_creates",
+                                    "admission.max_queued_creates", "daemon.log_level", "fncall.max_boxes"], r
+    assert r["restart_needed"] == [], r
+    said = {line["key"]: line for line in log_lines(d) if line.get("event") == "setting_changed"}
+    assert said["admission.max_active_creates"]["msg"] == "admission.max_active_creates changed: now 3 (was 16)"
+    c = d.client()
+    info = c.info()
+    assert info["daemon"]["log_level"] == "debug" and info["daemon"]["config_loaded_at"] > loaded
+    assert (info["admission"]["max_active"], info["admission"]["max_queued"]) == (3, 5)
+    assert info["fncall"]["max_boxes"] == 2
+    with pytest.raises(DsecError) as full:
+        c.create(image="busybox")
+    assert full.value.code == "busy" and full.value.detail["retry_after_s"] == 7.5, full.value
+    c.close()
+    # At debug, each connection is logged: the one above was.
+    assert any(line.get("level") == "debug" and "connection from" in line["msg"] for line in log_lines(d))
+
+
+def test_sighup_sweeps_idle_call_sandboxes_by_the_new_idle_ttl(daemon_factory, busybox_rootfs):
+    """fncall.idle_ttl_s, reloaded from 0 (no sweep) to a second: the call
+    sandbox no call uses goes, as it would have under that setting from the start."""
+    d = daemon_factory("[fncall]\nidle_ttl_s = 0.0\n")
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    assert c.call("busybox", argv=["true"]).exit_code == 0
+    assert len(c.info()["fncall"]["boxes"]) == 1
+    c.close()
+    r = reloaded(d, d.config.read_text().replace("idle_ttl_s = 0.0", "idle_ttl_s = 1.0"))
+    assert r["ok"] and r["applied"] == ["fncall.idle_ttl_s"], r
+    c = d.client()
+    try:
+        assert c.info()["fncall"]["idle_ttl_s"] == 1.0
+        assert wait_for(lambda: not c.info()["fncall"]["boxes"], timeout=15), c.info()["fncall"]
+    finally:
+        c.close()
+
+
+def test_sighup_refuses_a_bad_config_and_says_what_waits_for_a_restart(daemon_factory, busybox_rootfs):
+    """A file that fails the check `dsecd --check-config` makes changes
+    nothing, in one error line; a valid one's settings that a running
+    daemon cannot take are each said to wait for the next start."""
+    d = daemon_factory()
+    good = d.config.read_text()
+    r = reloaded(d, good + "\n[admission]\nmax_active_creates = 2\n[limits]\nmax_sandboxes = 0\n")
+    assert not r["ok"] and r["key"] == "limits.max_sandboxes" and "above zero" in r["error"], r
+    assert r["applied"] == [] and r["restart_needed"] == [], r
+    refused = [line for line in log_lines(d) if line.get("event") == "reload_refused"]
+    assert len(refused) == 1 and refused[0]["level"] == "error", refused
+    assert "max_sandboxes" in refused[0]["msg"] and "the running settings stay" in refused[0]["msg"], refused
+    c = d.client()
+    info = c.info()
+    c.close()
+    assert info["admission"]["max_active"] == 16 and info["limits"]["max_sandboxes"] == 4096
+    assert info["daemon"]["last_reload"]["ok"] is False
+
+    r = reloaded(d, with_setting(good, "sandbox", "memory", "1G") + "\n[limits]\nmax_sandboxes = 9\n", count=2)
+    assert r["ok"] and r["applied"] == [] and r["restart_needed"] == ["limits.max_sandboxes", "sandbox.memory"], r
+    waiting = {line["key"]: line for line in log_lines(d) if line.get("event") == "setting_needs_restart"}
+    assert waiting["limits.max_sandboxes"]["level"] == "warning"
+    assert waiting["limits.max_sandboxes"]["msg"] == \
+        "limits.max_sandboxes changed: takes effect at the next start; still 4096"
+    assert waiting["sandbox.memory"]["msg"] == 'sandbox.memory changed: takes effect at the next start; still "512M"'
+    c = d.client()
+    assert c.info()["limits"]["max_sandboxes"] == 4096
     c.import_image(busybox_rootfs, "busybox")
     assert c.create(image="busybox").exec(["true"]).exit_code == 0
     c.close()

@@ -134,3 +134,13 @@ def test_the_daemon_starts_after_the_hosts_network_file_systems():
     d = directives(UNIT.read_text())
     after = " ".join(d.get("After", [])).split()
     assert "remote-fs.target" in after and "local-fs.target" in after, after
+
+
+def test_systemctl_reload_sends_the_daemon_sighup():
+    """`systemctl reload dsecd` was refused ("Job type reload is not
+    applicable"): the unit had no ExecReload=. SIGHUP is the daemon's
+    reload (dsecd/configreload.py); Type=notify-reload would send it
+    itself, but needs systemd 253 and Debian 12 has 252."""
+    d = directives(UNIT.read_text())
+    assert d.get("ExecReload") == ["/bin/kill -HUP $MAINPID"], d.get("ExecReload")
+    assert d["Type"] == ["notify"]

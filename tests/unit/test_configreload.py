@@ -1,0 +1,30 @@
+"""What a config reload (dsecd/configreload.py) finds changed between the
+running config and the file read again."""
+
+from dsecd.config import load_config
+from dsecd.configreload import RELOADABLE, changes
+
+
+def test_an_unchanged_file_changes_nothing(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[daemon]\nlog_level = "debug"\n')
+    assert changes(load_config(str(f)).raw, load_config(str(f)).raw) == []
+
+
+def test_each_setting_changed_is_named_once_and_a_user_named_entry_whole(tmp_path):
+    old = load_config(None).raw
+    f = tmp_path / "c.toml"
+    f.write_text('[fncall]\nmax_boxes = 8\n[limits]\nmax_sandboxes = 9\n'
+                 '[policy.agent]\nrest = "writable"\n[policy.mine]\nrest = "hidden"\n')
+    got = {key: (was, now) for key, was, now in changes(old, load_config(str(f)).raw)}
+    assert got["fncall.max_boxes"] == (64, 8) and got["limits.max_sandboxes"] == (4096, 9)
+    assert got["policy.mine"] == (None, {"rest": "hidden"})
+    assert got["policy.agent"][1] == {"rest": "writable"} and got["policy.agent"][0]["hidden"] == ["/grader"]
+    assert set(got) == {"fncall.max_boxes", "limits.max_sandboxes", "policy.agent", "policy.mine"}
+
+
+def test_every_reloadable_setting_is_a_config_key():
+    raw = load_config(None).raw
+    for key in RELOADABLE:
+        section, _, name = key.partition(".")
+        assert name in raw[section], key
