@@ -56,8 +56,13 @@ def _fncall_idle_ttl(node, value) -> None:
     node.call_service.set_idle_ttl(float(value))
 
 
+async def _pager_cache_max(node, value) -> None:
+    await node.workers.run(node.image_service.set_cache_max, value)
+
+
 # The settings a reload applies: dotted key -> what makes the running daemon
-# use the new value (after which the running config holds it too).
+# use the new value (after which the running config holds it too); a
+# coroutine function where that blocks, run in a worker.
 RELOADABLE: dict[str, Callable] = {
     "daemon.log_level": _log_level,
     "admission.max_active_creates": _max_active_creates,
@@ -65,6 +70,7 @@ RELOADABLE: dict[str, Callable] = {
     "admission.full_retry_after_s": _full_retry_after,
     "fncall.max_boxes": _fncall_max_boxes,
     "fncall.idle_ttl_s": _fncall_idle_ttl,
+    "pager.cache_max_bytes": _pager_cache_max,
 }
 
 
@@ -144,19 +150,30 @@ class Reloader:
         except ConfigError as err:
             error = str(err)
         else:
-            return self._apply(cfg, path)
+            return await self._apply(cfg, path)
         key = await self.node.workers.run(lambda: self.key_named(error, keys_of(path)))
         log.error("config reload refused: %s: %s; the running settings stay", path or "(embedded defaults)", error,
                   extra={"fields": {"event": "reload_refused", "config": path, "key": key}})
         return self._result(False, path, error, key)
 
-    def _apply(self, cfg, path: str | None) -> dict:
+    async def _apply(self, cfg, path: str | None) -> dict:
         """A checked config's changes: applied where RELOADABLE says how, else said to wait."""
         running = self.node.cfg.raw
         applied, restart = [], []
         for key, old, new in changes(running, cfg.raw):
             if key in RELOADABLE:
-                RELOADABLE[key](self.node, new)
+                try:
+                    done = RELOADABLE[key](self.node, new)
+                    if asyncio.iscoroutine(done):
+                        await done
+                except OSError as err:
+                    # Not taken (the pager's cap): the next start takes it,
+                    # and the next reload tries again.
+                    restart.append(key)
+                    log.warning("%s changed: applying it failed (%s); takes effect at the next start; still %s",
+                                key, err, shown(old),
+                                extra={"fields": {"event": "setting_needs_restart", "key": key}})
+                    continue
                 section, _, name = key.partition(".")
                 running[section][name] = new
                 applied.append(key)

@@ -30,7 +30,7 @@ from ..fs.clientpaths import ClientPathError, ClientPaths
 from ..fs.httpstop import Stop
 from ..fs.images import UNPACK_PREFIX, Image, ImageError, ImageStore
 from ..fs.layers import LayerMounts
-from ..fs.pager import Pager, PagerConfig, cache_cap
+from ..fs.pager import Pager, PagerConfig, PagerError, cache_cap
 from ..fs.pull import Puller, PullSettings, host_os_arch
 from ..fs.registry import RegistryConfig
 from ..fs.store import INDEX_BLOCK, StoreError, check_index, unreachable_hint
@@ -359,6 +359,23 @@ class ImageService:
                 log.exception("pager supervision gave up; lazy layers are unavailable until a restart")
 
         threading.Thread(target=supervise, name="dsecd-pager-supervisor", daemon=True).start()
+
+    def set_cache_max(self, value: int | str) -> None:
+        """pager.cache_max_bytes anew (a config reload; blocking): the running
+        pager takes the new cap as an adopted one does (Pager.set_cache_max:
+        SIGUSR2), and so will its next start; eager copies are capped by it
+        from their next copy. OSError when the pager does not take it, which
+        keeps its cap then."""
+        if self.image_mode == "eager":
+            self.eager_cap = cache_cap(value, str(self.eager_dir))
+        if self.pager is None:
+            return
+        cap = cache_cap(value, self.pager.config.cache_dir)
+        if not self.pager.stats().cache_max_settable:
+            raise PagerError(errno.ENOTSUP, f"pager pid {self.pager.pid} was built before a running pager could "
+                                            "take another cache cap")
+        self.pager.set_cache_max(cap)
+        self.pager.config = dataclasses.replace(self.pager.config, cache_max_bytes=cap)
 
     def _sweep_eager_temps(self) -> None:
         """eager: remove the half-made copies (<hex>.tmp) of a daemon killed

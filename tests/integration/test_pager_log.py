@@ -65,3 +65,30 @@ def test_an_adopted_pager_takes_the_configured_cache_cap(daemon_factory, busybox
         c.close()
     assert "capped its cache at nothing: now at 1073741824 (pager.cache_max_bytes)" in d.log.read_text()
     assert "pager cache: cap 1.0G, " in d.cli("info").stdout.decode()
+
+
+def test_a_config_reload_gives_the_running_pager_the_new_cache_cap(daemon_factory):
+    """pager.cache_max_bytes changed in the file and SIGHUP: the running
+    pager takes the new cap at once (as an adopted one does at a restart),
+    not at its next start."""
+    import json
+    import signal
+    import time
+
+    d = daemon_factory('[images]\nmode = "lazy"\n[pager]\ncache_max_bytes = "0"\n')
+    c = d.client()
+    try:
+        pid = c.info()["images"]["pager"]["pid"]
+        d.config.write_text(d.config.read_text().replace('cache_max_bytes = "0"', 'cache_max_bytes = "1G"'))
+        d.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 15
+        while c.info()["daemon"]["last_reload"] is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        info = c.info()
+    finally:
+        c.close()
+    r = info["daemon"]["last_reload"]
+    assert r["ok"] and r["applied"] == ["pager.cache_max_bytes"] and r["restart_needed"] == [], r
+    assert (info["images"]["pager"]["pid"], info["images"]["pager"]["cache_max"]) == (pid, 1 << 30)
+    said = [json.loads(line) for line in d.log.read_text().splitlines() if '"setting_changed"' in line]
+    assert [line["msg"] for line in said] == ['pager.cache_max_bytes changed: now "1G" (was "0")'], said
