@@ -96,6 +96,11 @@ def changes(running: dict, read: dict) -> list[tuple[str, object, object]]:
     return [(k, old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
 
 
+# Applied once the reload's own lines are logged: a level raised past info
+# would hide those that came after it.
+APPLIED_LAST = ("daemon.log_level",)
+
+
 def shown(value) -> str:
     return "(none)" if value is None else json.dumps(value)
 
@@ -159,9 +164,16 @@ class Reloader:
     async def _apply(self, cfg, path: str | None) -> dict:
         """A checked config's changes: applied where RELOADABLE says how, else said to wait."""
         running = self.node.cfg.raw
-        applied, restart = [], []
+        applied, restart, last = [], [], []
         for key, old, new in changes(running, cfg.raw):
-            if key in RELOADABLE:
+            if key not in RELOADABLE:
+                restart.append(key)
+                log.warning("%s changed: takes effect at the next start; still %s", key, shown(old),
+                            extra={"fields": {"event": "setting_needs_restart", "key": key}})
+                continue
+            if key in APPLIED_LAST:
+                last.append((key, new))
+            else:
                 try:
                     done = RELOADABLE[key](self.node, new)
                     if asyncio.iscoroutine(done):
@@ -174,19 +186,22 @@ class Reloader:
                                 key, err, shown(old),
                                 extra={"fields": {"event": "setting_needs_restart", "key": key}})
                     continue
-                section, _, name = key.partition(".")
-                running[section][name] = new
-                applied.append(key)
-                log.info("%s changed: now %s (was %s)", key, shown(new), shown(old),
-                         extra={"fields": {"event": "setting_changed", "key": key}})
-            else:
-                restart.append(key)
-                log.warning("%s changed: takes effect at the next start; still %s", key, shown(old),
-                            extra={"fields": {"event": "setting_needs_restart", "key": key}})
+                _set(running, key, new)
+            applied.append(key)
+            log.info("%s changed: now %s (was %s)", key, shown(new), shown(old),
+                     extra={"fields": {"event": "setting_changed", "key": key}})
         self.loaded_at = time.time()
         log.info("config reloaded from %s: %d settings applied, %d take effect at the next start",
                  path or "(embedded defaults)", len(applied), len(restart),
                  extra={"fields": {"event": "reloaded", "config": path, "applied": applied,
                                    "restart_needed": restart}})
+        for key, new in last:
+            RELOADABLE[key](self.node, new)
+            _set(running, key, new)
         return self._result(True, path, None, None, applied, restart)
 
+
+def _set(running: dict, key: str, value) -> None:
+    """The running config's `key` (section.name) set to `value`."""
+    section, _, name = key.partition(".")
+    running[section][name] = value

@@ -431,6 +431,22 @@ def test_sighup_sweeps_idle_call_sandboxes_by_the_new_idle_ttl(daemon_factory, b
         c.close()
 
 
+def test_a_reload_that_raises_the_log_level_still_says_what_it_did(daemon_factory):
+    """daemon.log_level reloaded to warning hid the reload's own info lines
+    that came after it: each setting applied, and the summary."""
+    d = daemon_factory()
+    r = reloaded(d, d.config.read_text().replace('log_level = "debug"', 'log_level = "warning"')
+                 + "\n[fncall]\nmax_boxes = 3\n")
+    assert r["ok"] and sorted(r["applied"]) == ["daemon.log_level", "fncall.max_boxes"], r
+    said = [line.get("key") for line in log_lines(d) if line.get("event") == "setting_changed"]
+    assert sorted(said) == ["daemon.log_level", "fncall.max_boxes"], said
+    c = d.client()
+    try:
+        assert c.info()["daemon"]["log_level"] == "warning"
+    finally:
+        c.close()
+
+
 def test_sighup_refuses_a_bad_config_and_says_what_waits_for_a_restart(daemon_factory, busybox_rootfs):
     """A file that fails the check `dsecd --check-config` makes changes
     nothing, in one error line; a valid one's settings that a running
