@@ -2,7 +2,7 @@
 // Egress allowlists for sandboxes, attached to each sandbox's cgroup v2 dir.
 //
 // Compiled once per daemon by bcc (dsecd/net/policy.py passes the -D sizes) and
-// shared by every sandbox; a sandbox costs map entries and six attaches.
+// shared by every sandbox; a sandbox costs map entries and seven attaches.
 //
 //   sandboxes   hash      sandbox cgroup id -> {policy id, stats slot}
 //   rules       lpm_trie  {policy id, family, address prefix} -> port/protocol entries
@@ -11,6 +11,9 @@
 //   accepted    lru_hash  socket cookie of each TCP connection the sandbox accepted (dsec_sockops)
 //   taps        hash      ifindex of a microVM's tap -> {its `sandboxes` key, addresses, MAC} (dsec_tap)
 //   vm_inbound  lru_hash  TCP flows made to a microVM (dsec_tap_in), whose answers dsec_tap lets out
+//   udp_published hash    {sandbox key, UDP port} of each published UDP port (written by the daemon)
+//   udp_peers   lru_hash  who sent a datagram to a published UDP port (dsec_ingress, dsec_tap_in),
+//                         whom the sandbox may answer from that port
 //
 // Atomic updates: user space writes a whole new policy under a fresh policy id,
 // then flips the sandbox's one `sandboxes` entry to it (a single map update),
@@ -149,6 +152,67 @@ struct vm_flow {
 };
 BPF_TABLE("lru_hash", struct vm_flow, u8, vm_inbound, MAX_ACCEPTED);
 
+// Published UDP ports. A datagram has no connection a passive open could
+// mark, so the daemon names the sandbox's published UDP ports here
+// (`publish`: {its `sandboxes` key, the port in network byte order}), and
+// every datagram that arrives on one (dsec_ingress for a container,
+// dsec_tap_in for a microVM) puts its flow, as the sandbox's answer would
+// go, in `udp_peers`: {key, peer address, peer port, published port,
+// family}, the layout of struct vm_flow. The sandbox may then send from
+// that port to that peer whatever its allowlist says (sendmsg, connect,
+// and the packets themselves), and to no one else: a published port does
+// not open the sandbox's egress, it lets it answer whoever wrote to it.
+// The daemon deletes a port's entry and its peers at unpublish; the LRU
+// drops the least recently marked peers.
+#ifndef MAX_UDP_PUBLISHED
+#define MAX_UDP_PUBLISHED 16384
+#endif
+struct udp_port {
+    u64 key;
+    u16 port;       // network byte order
+    u8 pad[6];
+};
+BPF_HASH(udp_published, struct udp_port, u8, MAX_UDP_PUBLISHED);
+BPF_TABLE("lru_hash", struct vm_flow, u8, udp_peers, MAX_ACCEPTED);
+
+// A datagram arrived for the sandbox `key` from `peer`:`peer_port` to its
+// `port` (ports in network byte order): if that port is published, the
+// peer may be answered from it.
+static __always_inline void note_udp_peer(u64 key, u8 family, const u8 *peer, int peer_len, u16 peer_port,
+                                          u16 port)
+{
+    struct udp_port up = {};
+    up.key = key;
+    up.port = port;
+    if (!udp_published.lookup(&up))
+        return;
+    struct vm_flow f = {};
+    f.key = key;
+    if (peer_len == 4)
+        __builtin_memcpy(f.peer, peer, 4);
+    else
+        __builtin_memcpy(f.peer, peer, 16);
+    f.peer_port = peer_port;
+    f.vm_port = port;
+    f.family = family;
+    u8 one = 1;
+    udp_peers.update(&f, &one);
+}
+
+// The sandbox `key` sends a datagram from its `port` to `k`'s address,
+// `peer_port` (network byte order): an answer to a peer that wrote to that
+// port while it is published.
+static __always_inline int answers_udp_peer(u64 key, struct lpm_key *k, u16 peer_port, u16 port)
+{
+    struct vm_flow f = {};
+    f.key = key;
+    __builtin_memcpy(f.peer, k->addr, 16);
+    f.peer_port = peer_port;
+    f.vm_port = port;
+    f.family = k->family;
+    return udp_peers.lookup(&f) != 0;
+}
+
 static __always_inline u32 sandbox_level(void)
 {
     int zero = 0;
@@ -229,8 +293,10 @@ static __always_inline void bump_denied(u32 slot, int sendmsg)
         st->denied_connect += 1;
 }
 
-/* Shared tail of the v4/v6 hooks: loopback passes, else the policy decides. */
-static __always_inline int sock_addr_decide(struct bpf_sock_addr *ctx, struct sb_val *sb,
+/* Shared tail of the v4/v6 hooks: loopback passes, else the policy decides;
+   a datagram (or a UDP connect) from a published UDP port to a peer that
+   wrote to it is an answer, and passes. */
+static __always_inline int sock_addr_decide(struct bpf_sock_addr *ctx, u64 cg, struct sb_val *sb,
                                             struct lpm_key *k, int sendmsg)
 {
     if (is_loopback(k))
@@ -238,6 +304,11 @@ static __always_inline int sock_addr_decide(struct bpf_sock_addr *ctx, struct sb
     u16 port = bpf_ntohs((u16)ctx->user_port);
     if (decide(sb, k, port, proto_bit(ctx->protocol), 1))
         return 1;
+    if (ctx->protocol == IPPROTO_UDP) {
+        struct bpf_sock *sk = ctx->sk;
+        if (sk && sk->src_port && answers_udp_peer(cg, k, (u16)ctx->user_port, bpf_htons((u16)sk->src_port)))
+            return 1;
+    }
     bump_denied(sb->slot, sendmsg);
     return 0;
 }
@@ -252,7 +323,7 @@ static __always_inline int sock_addr_v4(struct bpf_sock_addr *ctx, int sendmsg)
     k.family = FAM_V4;
     u32 ip = ctx->user_ip4;
     __builtin_memcpy(k.addr, &ip, 4);
-    return sock_addr_decide(ctx, sb, &k, sendmsg);
+    return sock_addr_decide(ctx, cg, sb, &k, sendmsg);
 }
 
 static __always_inline int sock_addr_v6(struct bpf_sock_addr *ctx, int sendmsg)
@@ -269,7 +340,7 @@ static __always_inline int sock_addr_v6(struct bpf_sock_addr *ctx, int sendmsg)
         __builtin_memcpy(&k.addr[i * 4], &w, 4);
     }
     fold_v4_mapped(&k);
-    return sock_addr_decide(ctx, sb, &k, sendmsg);
+    return sock_addr_decide(ctx, cg, sb, &k, sendmsg);
 }
 
 int dsec_connect4(struct bpf_sock_addr *ctx) { return sock_addr_v4(ctx, 0); }
@@ -383,15 +454,15 @@ int dsec_egress(struct __sk_buff *skb)
     }
     if (is_loopback(&k))
         return 1;
-    u16 port = 0;
+    u16 ports[2] = {};  // source, destination; network byte order
     u8 bit = proto_bit(proto);
     if (bit != P_OTHER) {
-        u16 ports[2];
         if (bpf_skb_load_bytes(skb, l4, ports, sizeof(ports)) < 0)
             goto drop;
-        port = bpf_ntohs(ports[1]);
     }
-    if (decide(sb, &k, port, bit, 0))
+    if (decide(sb, &k, bpf_ntohs(ports[1]), bit, 0))
+        return 1;
+    if (bit == P_UDP && answers_udp_peer(cg, &k, ports[1], ports[0]))
         return 1;
 drop:;
     u32 slot = sb->slot;
@@ -399,6 +470,36 @@ drop:;
     if (st)
         st->dropped_packets += 1;
     return 0;
+}
+
+// What arrives for the sandbox's sockets: every packet passes (this is no
+// ingress policy). A UDP datagram to a published UDP port marks its sender
+// as a peer the sandbox may answer (note_udp_peer).
+int dsec_ingress(struct __sk_buff *skb)
+{
+    u64 cg = bpf_skb_ancestor_cgroup_id(skb, sandbox_level());
+    u16 ports[2];  // source, destination; network byte order
+    if (skb->protocol == bpf_htons(ETH_P_IP)) {
+        struct iphdr ip;
+        if (bpf_skb_load_bytes(skb, 0, &ip, sizeof(ip)) < 0 || ip.protocol != IPPROTO_UDP ||
+            (ip.frag_off & bpf_htons(0x1fff)))
+            return 1;
+        if (bpf_skb_load_bytes(skb, ip.ihl * 4, ports, sizeof(ports)) < 0)
+            return 1;
+        note_udp_peer(cg, FAM_V4, (const u8 *)&ip.saddr, 4, ports[0], ports[1]);
+    } else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
+        struct ipv6hdr ip6;
+        if (bpf_skb_load_bytes(skb, 0, &ip6, sizeof(ip6)) < 0 || ip6.nexthdr != IPPROTO_UDP)
+            return 1;
+        if (bpf_skb_load_bytes(skb, sizeof(ip6), ports, sizeof(ports)) < 0)
+            return 1;
+        struct lpm_key k = {};
+        k.family = FAM_V6;
+        __builtin_memcpy(k.addr, &ip6.saddr, 16);
+        fold_v4_mapped(&k);   // as dsec_egress sees the answer's destination
+        note_udp_peer(cg, k.family, k.addr, 16, ports[0], ports[1]);
+    }
+    return 1;
 }
 
 // n bytes equal, n <= 16 (no memcmp: a libcall the object cannot carry).
@@ -487,6 +588,8 @@ static __always_inline int tap_decide(struct __sk_buff *skb, struct tap_val *tap
     }
     if (allowed)
         return 1;
+    if (bit == P_UDP && answers_udp_peer(tap->key, k, ports[1], ports[0]))
+        return 1;
     if (count)
         bump_denied(sb->slot, bit != P_TCP);
     return 0;
@@ -551,7 +654,8 @@ static __always_inline int tap_nd(struct __sk_buff *skb, struct tap_val *tap, st
 // VM's own MAC and address: no spoofing another sandbox on the bridge. What
 // is allowed: ARP for its own IPv4 address; IPv6 neighbor discovery for its
 // own IPv6 addresses (tap_nd); IPv4 and IPv6 from its own address that the
-// policy allows; TCP that answers a connection made to the VM (`vm_inbound`).
+// policy allows; TCP that answers a connection made to the VM (`vm_inbound`),
+// UDP that answers a peer that wrote to a published UDP port (`udp_peers`).
 // IPv6 only with an IPv6 lease; from its link-local address only neighbor
 // discovery. No other ethertype. Unknown tap or sandbox: dropped (fail
 // closed).
@@ -673,8 +777,9 @@ static __always_inline void note_inbound(struct __sk_buff *skb, struct tap_val *
 // through. A TCP SYN without ACK to the VM's own address (IPv4, or IPv6 with
 // an IPv6 lease) is a connection made to it: its flow goes into `vm_inbound`
 // so that dsec_tap lets the answers out, until the connection ends
-// (note_inbound). Nothing the guest does can add an entry: these frames come
-// from the bridge.
+// (note_inbound). A UDP datagram to a published UDP port of the VM marks its
+// sender in `udp_peers` (note_udp_peer). Nothing the guest does can add an
+// entry: these frames come from the bridge.
 int dsec_tap_in(struct __sk_buff *skb)
 {
     u32 ifindex = skb->ifindex;
@@ -684,18 +789,27 @@ int dsec_tap_in(struct __sk_buff *skb)
     struct ethhdr eth;
     if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) < 0)
         return TC_ACT_OK;
+    u16 ports[2];  // a datagram's source and destination; network byte order
     if (eth.h_proto == bpf_htons(ETH_P_IP)) {
         struct iphdr ip;
-        if (bpf_skb_load_bytes(skb, sizeof(eth), &ip, sizeof(ip)) < 0 || ip.protocol != IPPROTO_TCP ||
-            ip.daddr != tap->ip4 || (ip.frag_off & bpf_htons(0x1fff)))
+        if (bpf_skb_load_bytes(skb, sizeof(eth), &ip, sizeof(ip)) < 0 || ip.daddr != tap->ip4 ||
+            (ip.frag_off & bpf_htons(0x1fff)))
             return TC_ACT_OK;
-        note_inbound(skb, tap, FAM_V4, (const u8 *)&ip.saddr, 4, sizeof(eth) + ip.ihl * 4);
+        u32 l4 = sizeof(eth) + ip.ihl * 4;
+        if (ip.protocol == IPPROTO_TCP)
+            note_inbound(skb, tap, FAM_V4, (const u8 *)&ip.saddr, 4, l4);
+        else if (ip.protocol == IPPROTO_UDP && bpf_skb_load_bytes(skb, l4, ports, sizeof(ports)) == 0)
+            note_udp_peer(tap->key, FAM_V4, (const u8 *)&ip.saddr, 4, ports[0], ports[1]);
     } else if (eth.h_proto == bpf_htons(ETH_P_IPV6)) {
         struct ipv6hdr ip6;
         if (all_zero16(tap->ip6) || bpf_skb_load_bytes(skb, sizeof(eth), &ip6, sizeof(ip6)) < 0 ||
-            ip6.nexthdr != IPPROTO_TCP || !same_bytes((const u8 *)&ip6.daddr, tap->ip6, 16))
+            !same_bytes((const u8 *)&ip6.daddr, tap->ip6, 16))
             return TC_ACT_OK;
-        note_inbound(skb, tap, FAM_V6, (const u8 *)&ip6.saddr, 16, sizeof(eth) + sizeof(ip6));
+        u32 l4 = sizeof(eth) + sizeof(ip6);
+        if (ip6.nexthdr == IPPROTO_TCP)
+            note_inbound(skb, tap, FAM_V6, (const u8 *)&ip6.saddr, 16, l4);
+        else if (ip6.nexthdr == IPPROTO_UDP && bpf_skb_load_bytes(skb, l4, ports, sizeof(ports)) == 0)
+            note_udp_peer(tap->key, FAM_V6, (const u8 *)&ip6.saddr, 16, ports[0], ports[1]);
     }
     return TC_ACT_OK;
 }

@@ -639,7 +639,8 @@ async def cmd_net(c: Client, a) -> int:
     print(f"default deny: {d.get('denied_connect', 0)} connects, {d.get('denied_sendmsg', 0)} sends, "
           f"{d.get('dropped_packets', 0)} packets refused")
     if view.get("ports"):
-        _table([[f"{p['port']}/tcp", p["host"], p["bind"] or "(all non-loopback)"] for p in view["ports"]],
+        _table([[f"{p['port']}/{p.get('protocol', 'tcp')}", p["host"], p["bind"] or "(all non-loopback)"]
+                for p in view["ports"]],
                ["PORT", "HOST", "BIND"])
     if "dns" in view:
         q = view["dns"]
@@ -668,16 +669,17 @@ async def cmd_port(c: Client, a) -> int:
         if a.json:
             _print_json(ports)
         for p in [] if a.json else ports:
-            print(f"{p['port']}/tcp -> {p['host']}")
+            print(f"{p['port']}/{p.get('protocol', 'tcp')} -> {p['host']}")
         return 0
+    port, proto = a.port
     if a.remove:
-        out = await sb.unpublish(a.port)
+        out = await sb.unpublish(port, proto)
     else:
-        out = await sb.publish(a.port, a.host_port, a.bind or "")
+        out = await sb.publish(port, a.host_port, a.bind or "", proto)
     if a.json:
         _print_json(out)
     elif a.remove:
-        print(f"{sb.id}: port {a.port} unpublished")
+        print(f"{sb.id}: port {port}/{proto} unpublished")
     else:
         print(out["host"])
     return 0
@@ -909,7 +911,8 @@ async def _say_published(sb, a) -> None:
     if not getattr(a, "publish", None):
         return
     for p in (await sb.net_show()).get("ports", []):
-        print(f"dsec run: port {p['port']} of sandbox {sb.id} is published on {p['host']}", file=sys.stderr,
+        name = p["port"] if p.get("protocol", "tcp") == "tcp" else f"{p['port']}/{p['protocol']}"
+        print(f"dsec run: port {name} of sandbox {sb.id} is published on {p['host']}", file=sys.stderr,
               flush=True)
 
 
@@ -2205,29 +2208,40 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def _sandbox_port(text: str) -> int:
-    """--publish PORT: the sandbox's port alone; docker's HOST:PORT and PORT/udp
-    are refused saying what dsec takes instead."""
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    if re.fullmatch(r"(?:[\d.]+:)?\d+:\d+", text):
+def _port_and_protocol(text: str) -> tuple[int, str]:
+    """PORT, PORT/tcp or PORT/udp (docker's forms) -> (port, protocol)."""
+    number, sep, proto = text.partition("/")
+    if not number.isdigit() or not 1 <= int(number) <= 65535:
+        raise argparse.ArgumentTypeError(f"takes a port of the sandbox (1-65535), as PORT, PORT/tcp or PORT/udp, "
+                                         f"got {text!r}")
+    if sep and proto.lower() not in ("tcp", "udp"):
+        raise argparse.ArgumentTypeError(f"takes a TCP or UDP port (PORT, PORT/tcp or PORT/udp), got {text!r}: "
+                                         f"protocol {proto!r} is not tcp or udp")
+    return int(number), (proto.lower() if sep else "tcp")
+
+
+def _sandbox_port(text: str) -> int | str:
+    """--publish PORT[/tcp|/udp]: the sandbox's port alone (a TCP port as its
+    number, what create takes, else "PORT/udp"); docker's HOST:PORT is refused
+    saying what dsec takes instead."""
+    m = re.fullmatch(r"(?:[\d.]+:)?(\d+):(\d+(?:/\w*)?)", text)
+    if m:
         raise argparse.ArgumentTypeError(
             f"takes the sandbox's port alone, got {text!r}: the daemon picks the host port "
-            f"(net.publish_ports); to choose it, `dsec port SB {text.rsplit(':', 1)[1]} --host-port "
-            f"{text.rsplit(':', 2)[-2]}` after the create")
-    raise argparse.ArgumentTypeError(f"takes a TCP port of the sandbox (1-65535; UDP is not published), "
-                                     f"got {text!r}")
+            f"(net.publish_ports); to choose it, `dsec port SB {m.group(2)} --host-port "
+            f"{m.group(1)}` after the create")
+    port, proto = _port_and_protocol(text)
+    return port if proto == "tcp" else f"{port}/{proto}"
 
 
-def _port_to_publish(text: str) -> int:
-    """`dsec port SB PORT`: the sandbox's TCP port; docker's HOST:PORT and
-    PORT/udp are refused saying what to give instead."""
-    if re.fullmatch(r"(?:[\d.]+:)?\d+:\d+", text):
+def _port_to_publish(text: str) -> tuple[int, str]:
+    """`dsec port SB PORT[/tcp|/udp]`: the sandbox's port and its protocol;
+    docker's HOST:PORT is refused saying what to give instead."""
+    m = re.fullmatch(r"(?:[\d.]+:)?(\d+):(\d+(?:/\w*)?)", text)
+    if m:
         raise argparse.ArgumentTypeError(f"takes the sandbox's port alone, got {text!r}: give the host port "
-                                         f"with --host-port {text.rsplit(':', 2)[-2]}")
-    return _sandbox_port(text)
+                                         f"with --host-port {m.group(1)}")
+    return _port_and_protocol(text)
 
 
 def _backend_option(p: argparse.ArgumentParser) -> None:
@@ -2264,9 +2278,9 @@ def _create_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow", action="append", metavar="RULE", help="egress rule (CIDR or host name, "
                    "'*.name' for every name below: ADDR[:port[-port]][/tcp|udp]) "
                    "or rule-set name (repeatable)")
-    p.add_argument("--publish", action="append", type=_sandbox_port, metavar="PORT", help="make this TCP port of the "
-                   "sandbox reachable from the host (on a host port the daemon picks; `dsec net show`, "
-                   "`dsec port`); needs --net default (repeatable)")
+    p.add_argument("--publish", action="append", type=_sandbox_port, metavar="PORT[/udp]", help="make this port "
+                   "of the sandbox (TCP, or PORT/udp) reachable from the host (on a host port the daemon picks; "
+                   "`dsec net show`, `dsec port`); needs --net default (repeatable)")
     p.add_argument("--ttl", help="max lifetime, e.g. 2h")
     p.add_argument("--idle-ttl", help="destroy after this long without requests, e.g. 5m (paused time excluded)")
     p.add_argument("--qos", choices=["be", "ls"], help="best-effort or latency-sensitive (default: cpu.default_qos)")
@@ -2450,11 +2464,12 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--remove", action="append", metavar="RULE",
                    help="drop a rule or rule-set name the policy has, as it was added (repeatable)")
 
-    x = sub.add_parser("port", help="publish a sandbox's TCP port on the host side (prints host:port); "
+    x = sub.add_parser("port", help="publish a sandbox's TCP or UDP port on the host side (prints host:port); "
                        "without a port, list what is published")
     x.add_argument("sandbox")
     x.add_argument("port", type=_port_to_publish, nargs="?",
-                   help="the sandbox's TCP port (none: list its published ports, PORT/tcp -> HOST:PORT)")
+                   help="the sandbox's port: PORT or PORT/tcp, PORT/udp for UDP (none: list its published ports, "
+                   "PORT/PROTOCOL -> HOST:PORT)")
     x.add_argument("--host-port", type=int, help="the host port (default: a free one of net.publish_ports)")
     x.add_argument("--bind", help="a local non-loopback IPv4 address of the daemon's host side "
                    "(default: all of them)")

@@ -278,6 +278,21 @@ def _paths(result: dict) -> dict:
     return result
 
 
+def _protocol_arg(proto: str) -> dict:
+    """net_publish's and net_unpublish's `protocol`, sent only when it is not
+    TCP (the default): a daemon that publishes TCP only knows no such field
+    and would refuse the request for it."""
+    proto = protocol.check_protocol(proto)
+    return {} if proto == "tcp" else {"protocol": proto}
+
+
+def _publish_spec(spec: int | str) -> int | str:
+    """A port of create's `publish` as sent: a TCP port as its number (what
+    every daemon takes), else "PORT/PROTOCOL"."""
+    port, proto = protocol.published_port(spec)
+    return port if proto == "tcp" else f"{port}/{proto}"
+
+
 def _sandbox_info(info: dict) -> dict:
     """A sandbox's create, inspect or list entry with its env and cwd as
     create took them: a name, value or path that is not UTF-8 comes as
@@ -1128,13 +1143,14 @@ class Client:
                      lease: float | str | None = None, qos: str | None = None,
                      cpu_quota: bool | None = None, net: str | None = None,
                      allow: list[str] | None = None, key: str | None = None,
-                     disk: int | str | None = None, publish: list[int] | None = None,
+                     disk: int | str | None = None, publish: list[int | str] | None = None,
                      network_rules: dict[str, bool] | None = None, backend: str | None = None,
                      policy: str | dict | None = None) -> Sandbox:
         """allow: egress rules ("10.1.2.0/24:443/tcp", "pypi.org:443/tcp", "*.example.org:443")
         and rule-set names ("pypi"), with net="default".
         network_rules: the same as a dict, {"pypi": True}: the keys whose value is true join `allow`.
-        publish: TCP ports of the sandbox to make reachable from the host (Sandbox.get_host).
+        publish: ports of the sandbox to make reachable from the host (Sandbox.get_host): 8080
+        (TCP), "8080/tcp" or "5353/udp"; each on a host port the daemon picks.
         key: idempotency key; a retried create with the same key returns the same sandbox.
         disk: size cap of the writable layer ("20G"; default sandbox.disk).
         backend: "container" or "microvm" (a QEMU guest per sandbox; default sandbox.backend).
@@ -1151,7 +1167,7 @@ class Client:
                 raise TypeError(f"network_rules must be a dict of rule -> bool, got {type(network_rules).__name__}")
             allow += [r for r, on in network_rules.items() if on and r not in allow]
         args = _given({"image": image, "env": string_map(env, "env", raw=True), "labels": string_map(labels, "labels"),
-                       "allow": allow, **({"publish": [int(p) for p in publish]} if publish else {})},
+                       "allow": allow, **({"publish": [_publish_spec(p) for p in publish]} if publish else {})},
                       cwd=cwd, user=user, cpu=cpu, memory=memory, pids=pids, hostname=hostname, ttl=ttl,
                       idle_ttl=idle_ttl, lease=lease, qos=qos, cpu_quota=cpu_quota, net=net, key=key, disk=disk,
                       backend=backend, policy=policy)
@@ -2168,23 +2184,28 @@ class Sandbox:
         return await self.client.request("net_set", sandbox=self.id, add=add or [], remove=remove or [],
                                          replace=replace)
 
-    async def publish(self, port: int, host_port: int | None = None, bind: str = "") -> dict:
-        """Make the sandbox's TCP `port` reachable from the host: {port, host_port, bind,
-        host ("addr:port" to connect to), target}. host_port None = one the daemon picks;
-        bind "" = every non-loopback address of the daemon's host side."""
+    async def publish(self, port: int, host_port: int | None = None, bind: str = "",
+                      protocol: str = "tcp") -> dict:
+        """Make the sandbox's `protocol` ("tcp" or "udp") `port` reachable from the host:
+        {port, protocol, host_port, bind, host ("addr:port" to connect or send to),
+        target}. host_port None = one the daemon picks; bind "" = every non-loopback
+        address of the daemon's host side. A TCP and a UDP port of one number are
+        published apart (and may get different host ports)."""
         return await self.client.request("net_publish", sandbox=self.id, port=int(port), host_port=host_port,
-                                         bind=bind)
+                                         bind=bind, **_protocol_arg(protocol))
 
-    async def unpublish(self, port: int) -> dict:
-        return await self.client.request("net_unpublish", sandbox=self.id, port=int(port))
+    async def unpublish(self, port: int, protocol: str = "tcp") -> dict:
+        """The `protocol` `port` no longer published; the flows open through it are cut."""
+        return await self.client.request("net_unpublish", sandbox=self.id, port=int(port), **_protocol_arg(protocol))
 
-    async def get_host(self, port: int) -> str:
-        """"host:port" where the host reaches the sandbox's TCP `port`; publishes it
-        (on a host port the daemon picks) if it is not published yet."""
+    async def get_host(self, port: int, protocol: str = "tcp") -> str:
+        """"host:port" where the host reaches the sandbox's `protocol` ("tcp" or
+        "udp") `port`; publishes it (on a host port the daemon picks) if it is
+        not published yet."""
         for p in (await self.net_show()).get("ports", []):
-            if p["port"] == int(port):
+            if p["port"] == int(port) and p.get("protocol", "tcp") == protocol.lower():
                 return p["host"]
-        return (await self.publish(port))["host"]
+        return (await self.publish(port, protocol=protocol))["host"]
 
     async def pause(self) -> dict:
         """Freeze and reclaim; any later exec or file op resumes it (auto_resume)."""

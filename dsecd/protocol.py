@@ -349,7 +349,8 @@ class Create:
     lease: float | str | None = None      # destroyed unless `renew`ed within this long
     net: str | None = None                # "none" (loopback only) | "default"; None = net.default_mode
     allow: list[str] = field(default_factory=list)   # egress allowlist: rules and rule-set names
-    publish: list[int] = field(default_factory=list)  # sandbox TCP ports to publish (net_publish, host port picked)
+    publish: list[int | str] = field(default_factory=list)  # sandbox ports to publish (net_publish, host port
+    #                                 picked): 8080 (TCP), "8080/tcp", "5353/udp"
     key: str | None = None          # idempotency key: a retried create returns the same sandbox
     disk: int | str | None = None   # size cap of the writable layer ("20G"); None = sandbox.disk
     backend: str | None = None      # "container" | "microvm"; None = sandbox.backend
@@ -621,15 +622,41 @@ class NetSet:
 @request("net_publish", states=ACTIVE)
 class NetPublish:
     sandbox: str
-    port: int                       # the sandbox's TCP port
+    port: int                       # the sandbox's port
     host_port: int | None = None    # None = a free one of net.publish_ports
     bind: str = ""                  # a local IPv4 address of the bridge netns; "" = all non-loopback ones
+    protocol: str = "tcp"           # "tcp" | "udp": a TCP and a UDP port of one number are two publications
+
+
+PUBLISH_PROTOCOLS = ("tcp", "udp")
+
+
+def check_protocol(protocol: str) -> str:
+    """The protocol of a published port: "tcp" or "udp" (any case), lowered;
+    BadRequest for anything else."""
+    p = protocol.lower() if isinstance(protocol, str) else protocol
+    if p not in PUBLISH_PROTOCOLS:
+        raise BadRequest(f"protocol {protocol!r} of a published port is not tcp or udp", {"protocol": protocol})
+    return p
+
+
+def published_port(spec: int | str) -> tuple[int, str]:
+    """A port of create's `publish` (and of `dsec port`): 8080 (TCP), "8080",
+    "8080/tcp" or "5353/udp" -> (port, protocol); BadRequest for anything
+    else (the range is the publish's to check)."""
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        return spec, "tcp"
+    number, sep, protocol = str(spec).strip().partition("/")
+    if not number.isdigit() or (sep and not protocol):
+        raise BadRequest(f"publish: {spec!r} is not a port (8080, 8080/tcp or 5353/udp)", {"publish": spec})
+    return int(number), check_protocol(protocol or "tcp")
 
 
 @request("net_unpublish", states=ACTIVE)
 class NetUnpublish:
     sandbox: str
     port: int
+    protocol: str = "tcp"           # "tcp" | "udp"
 
 
 @request("pool_set")

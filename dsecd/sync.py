@@ -130,15 +130,16 @@ class SyncSandbox:
     def net_set(self, **kw) -> dict:
         return self._run(self._sb.net_set(**kw))
 
-    def publish(self, port: int, host_port: int | None = None, bind: str = "") -> dict:
-        return self._run(self._sb.publish(port, host_port, bind))
+    def publish(self, port: int, host_port: int | None = None, bind: str = "", protocol: str = "tcp") -> dict:
+        return self._run(self._sb.publish(port, host_port, bind, protocol))
 
-    def unpublish(self, port: int) -> dict:
-        return self._run(self._sb.unpublish(port))
+    def unpublish(self, port: int, protocol: str = "tcp") -> dict:
+        return self._run(self._sb.unpublish(port, protocol))
 
-    def get_host(self, port: int) -> str:
-        """"host:port" where the host reaches the sandbox's TCP `port` (published if needed)."""
-        return self._run(self._sb.get_host(port))
+    def get_host(self, port: int, protocol: str = "tcp") -> str:
+        """"host:port" where the host reaches the sandbox's `protocol` ("tcp" or
+        "udp") `port` (published if needed)."""
+        return self._run(self._sb.get_host(port, protocol))
 
     def pause(self) -> dict:
         return self._run(self._sb.pause())

@@ -33,6 +33,7 @@ from .. import cgroup
 from ..config import ConfigError
 from ..errors import BadRequest, Conflict, DsecError, Unsupported, io_error
 from ..fs import files as sbfiles
+from ..protocol import check_protocol, published_port
 from .sandboxes import SandboxRegistry, in_root
 from .workers import Workers
 
@@ -249,6 +250,8 @@ class NetworkService:
             raise BadRequest("--allow needs --net default (--net none is loopback only)")
         if mode == "none" and req.publish:
             raise BadRequest("--publish needs --net default (--net none has no address to publish)")
+        for spec in req.publish or ():
+            published_port(spec)            # a bad one is said before anything is made
         return mode
 
     async def take_netns(self, mode: str):
@@ -628,36 +631,39 @@ class NetworkService:
         except OSError as err:
             raise io_error("update the policy of sandbox", sb.id, err) from err
 
-    async def publish_at_create(self, sb, ports: list[int]) -> None:
+    async def publish_at_create(self, sb, ports: list[int | str]) -> None:
         """`create`'s publish: each port on a host port of net.publish_ports."""
         net = await self.network()
-        for port in dict.fromkeys(ports):          # `--publish 8080 --publish 8080` is one port
-            await self._publish(net, sb.id, port, None, "")
+        for port, protocol in dict.fromkeys(map(published_port, ports)):   # `--publish 8080 --publish 8080`: one
+            await self._publish(net, sb.id, port, None, "", protocol)
 
-    async def _publish(self, net, sb_id: str, port: int, host_port: int | None, bind: str) -> dict:
+    async def _publish(self, net, sb_id: str, port: int, host_port: int | None, bind: str,
+                       protocol: str = "tcp") -> dict:
         try:
-            return await self.workers.run(net.publish, sb_id, port, host_port, bind)
+            return await self.workers.run(net.publish, sb_id, port, host_port, bind, protocol)
         except OSError as err:
-            raise io_error(f"publish port {port} of sandbox", sb_id, err) from err
+            raise io_error(f"publish port {port}/{protocol} of sandbox", sb_id, err) from err
 
     async def publish(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
         self._check_not_lost(sb)
+        protocol = check_protocol(req.protocol)
         if not _networked(sb):
             raise BadRequest(f"sandbox {sb.id} has --net none: no address to publish a port of; "
                              "create it with --net default")
-        return await self._publish(await self.network(), sb.id, req.port, req.host_port, req.bind)
+        return await self._publish(await self.network(), sb.id, req.port, req.host_port, req.bind, protocol)
 
     async def unpublish(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
         self._check_not_lost(sb)
+        protocol = check_protocol(req.protocol)
         if not _networked(sb):
             raise BadRequest(f"sandbox {sb.id} has --net none: no published ports")
         net = await self.network()
         try:
-            return await self.workers.run(net.unpublish, sb.id, req.port)
+            return await self.workers.run(net.unpublish, sb.id, req.port, protocol)
         except OSError as err:
-            raise io_error(f"unpublish port {req.port} of sandbox", sb.id, err) from err
+            raise io_error(f"unpublish port {req.port}/{protocol} of sandbox", sb.id, err) from err
 
 
 def _networked(sb) -> bool:

@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parents[2] / "bpf" / "net_policy.c"
 MAGIC = b"dsecd-bpf-object 1\n"
-MAPS = ("config", "sandboxes", "rules", "rule_hits", "sb_stats", "accepted", "taps", "vm_inbound")
+MAPS = ("config", "sandboxes", "rules", "rule_hits", "sb_stats", "accepted", "taps", "vm_inbound",
+        "udp_published", "udp_peers")
 # (function, program type, attach type): the programs attached to each sandbox's cgroup
 HOOKS = (
     ("dsec_connect4", "CGROUP_SOCK_ADDR", "CGROUP_INET4_CONNECT"),
@@ -52,6 +53,7 @@ HOOKS = (
     ("dsec_sendmsg6", "CGROUP_SOCK_ADDR", "CGROUP_UDP6_SENDMSG"),
     ("dsec_egress", "CGROUP_SKB", "CGROUP_INET_EGRESS"),
     ("dsec_sockops", "SOCK_OPS", "CGROUP_SOCK_OPS"),     # marks accepted connections for dsec_egress
+    ("dsec_ingress", "CGROUP_SKB", "CGROUP_INET_INGRESS"),   # marks peers of published UDP ports
 )
 # ... and to each microVM's tap: tc ingress is what the guest sends, egress
 # what is sent to it (connections made to the VM, whose answers may go out)

@@ -2,7 +2,8 @@
 
     nat = HostNat(ns_path, bridge="dsec0", subnet4="10.88.0.0/16", uplink="eth0")
     nat.start()                        # (re)creates `inet dsecd`; ip_forward on when uplink is set
-    nat.publish(key, 31000, "", "10.88.1.5", 8080)    # DNAT host port -> sandbox port
+    nat.publish(key, 31000, "", "10.88.1.5", 8080)    # DNAT host port -> sandbox port (tcp)
+    nat.publish(key, 31001, "", "10.88.1.5", 5353, "udp")
     nat.unpublish(key)
     nat.close()                        # deletes `inet dsecd`
 
@@ -187,12 +188,15 @@ def link_exists(ns_path: str | None, ifname: str) -> bool:
         return bool(ipr.link_lookup(ifname=ifname))
 
 
-def forget_connections(ns_path: str | None, host_port: int, sb_addr: str, port: int) -> int:
-    """Delete the conntrack entries of the netns for TCP connections made to
-    `host_port` and DNATed to `sb_addr`:`port` (the reply comes from there), and
-    no other (a connection made to the sandbox's address itself has no DNAT):
-    the next packet of such a connection finds no DNAT and is answered with a
-    reset. Returns how many were deleted."""
+PROTOCOLS = {"tcp": socket.IPPROTO_TCP, "udp": socket.IPPROTO_UDP}
+
+
+def forget_connections(ns_path: str | None, host_port: int, sb_addr: str, port: int, proto: str = "tcp") -> int:
+    """Delete the conntrack entries of the netns for `proto` (tcp|udp) flows made
+    to `host_port` and DNATed to `sb_addr`:`port` (the reply comes from there), and
+    no other (a flow made to the sandbox's address itself has no DNAT):
+    the next packet of such a TCP connection finds no DNAT and is answered with a
+    reset; a datagram finds no DNAT to the sandbox. Returns how many were deleted."""
     from pyroute2.netlink.nfnetlink.nfctsocket import IPS_DST_NAT, NFCTAttrTuple
 
     def ours(entry) -> bool:
@@ -200,7 +204,7 @@ def forget_connections(ns_path: str | None, host_port: int, sb_addr: str, port: 
         return bool((entry.status or 0) & IPS_DST_NAT) and reply is not None and reply.saddr == sb_addr \
             and reply.sport == int(port)
 
-    return _forget(ns_path, [NFCTAttrTuple(proto=socket.IPPROTO_TCP, dport=int(host_port))], ours)
+    return _forget(ns_path, [NFCTAttrTuple(proto=PROTOCOLS[proto], dport=int(host_port))], ours)
 
 
 def forget_address(ns_path: str | None, address: str) -> int:
@@ -380,28 +384,35 @@ class HostNat:
 
     # ------------------------------------------------------------ published ports
 
-    def check_host_port(self, host_port: int, bind: str) -> None:
-        """Refuse a host port some process of the bridge netns listens on (the DNAT would
-        hide it): a bind() there says."""
+    def check_host_port(self, host_port: int, bind: str, proto: str = "tcp") -> None:
+        """Refuse a host port some process of the bridge netns listens on with
+        `proto` (tcp|udp; the DNAT would hide it): a bind() there of a socket of
+        that protocol says."""
+        kind = socket.SOCK_DGRAM if proto == "udp" else socket.SOCK_STREAM
         with _maybe_netns(self.ns_path):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s = socket.socket(socket.AF_INET, kind)
         try:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if kind == socket.SOCK_STREAM:
+                # A TCP port's closed connections in TIME_WAIT do not hold it.
+                # Not for UDP: it has no TIME_WAIT, and with SO_REUSEADDR the
+                # bind would pass over a server that set it too.
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((bind or "0.0.0.0", host_port))
         except OSError as err:
-            raise NatError(err.errno, f"host port {host_port} on {bind or 'every address'} of {self._where()}: "
+            shown = f"{host_port}/udp" if proto == "udp" else host_port
+            raise NatError(err.errno, f"host port {shown} on {bind or 'every address'} of {self._where()}: "
                            f"{err.strerror}; pick another --host-port") from err
         finally:
             s.close()
 
-    def dnat_ports_of_others(self) -> set[int]:
-        """The TCP ports other tables of the netns DNAT (another daemon's published
-        ports, a container engine's): a publication of one of them here too would
-        not get its connections (the other table's rule, at the same hook, sees
-        them as well), so they count as taken."""
+    def dnat_ports_of_others(self, proto: str = "tcp") -> set[int]:
+        """The `proto` (tcp|udp) ports other tables of the netns DNAT (another
+        daemon's published ports, a container engine's): a publication of one of
+        them here too would not get its connections (the other table's rule, at
+        the same hook, sees them as well), so they count as taken."""
         with self._lock:
             items = self._run([{"list": {"ruleset": None}}], f"list the ruleset of {self._where()}")
-        tcp_dport = {"payload": {"protocol": "tcp", "field": "dport"}}
+        dport = {"payload": {"protocol": proto, "field": "dport"}}
         ports: set[int] = set()
         for it in items:
             r = it.get("rule") if isinstance(it, dict) else None
@@ -412,12 +423,12 @@ class HostNat:
                 continue
             for e in exprs:
                 m = e.get("match") or {}
-                if m.get("op") == "==" and m.get("left") == tcp_dport and isinstance(m.get("right"), int):
+                if m.get("op") == "==" and m.get("left") == dport and isinstance(m.get("right"), int):
                     ports.add(m["right"])
         return ports
 
-    def publish(self, key: str, host_port: int, bind: str, sb_addr: str, port: int) -> None:
-        """DNAT tcp `bind`:`host_port` (bind "" = every local non-loopback address) to
+    def publish(self, key: str, host_port: int, bind: str, sb_addr: str, port: int, proto: str = "tcp") -> None:
+        """DNAT `proto` (tcp|udp) `bind`:`host_port` (bind "" = every local non-loopback address) to
         `sb_addr`:`port`, for connections from outside (prerouting, not from the
         bridge itself) and from the bridge netns (output)."""
         if bind:
@@ -425,7 +436,7 @@ class HostNat:
         else:
             dst = [_match({"fib": {"result": "type", "flags": ["daddr"]}}, "local"),
                    _match(_payload("ip", "daddr"), {"prefix": {"addr": "127.0.0.0", "len": 8}}, "!=")]
-        tail = dst + [_match(_payload("tcp", "dport"), host_port),
+        tail = dst + [_match(_payload(proto, "dport"), host_port),
                       {"dnat": {"family": "ip", "addr": sb_addr, "port": port}}]
         cmds = [{"add": _rule(self.table, "prerouting", [_match(_meta("iifname"), self.bridge, "!="), *tail], key)},
                 {"add": _rule(self.table, "output", tail, key)}]
@@ -448,11 +459,13 @@ class HostNat:
                 raise NatError(errno.EPROTO, f"nftables: publish {key}: no rule handles in the echo {out!r}")
             self._handles[key] = handles
 
-    def unpublish(self, key: str, host_port: int | None = None, sb_addr: str = "", port: int = 0) -> bool:
+    def unpublish(self, key: str, host_port: int | None = None, sb_addr: str = "", port: int = 0,
+                  proto: str = "tcp") -> bool:
         """Delete the publication's rules, then (given `host_port`, `sb_addr` and
-        `port`) the conntrack entries of the connections made through it: an entry
-        keeps its DNAT for the connection's life, so without this an open
-        connection would go on reaching the sandbox through a port no longer published."""
+        `port`) the conntrack entries of the `proto` flows made through it: an entry
+        keeps its DNAT for the flow's life (a UDP one while datagrams keep coming),
+        so without this an open flow would go on reaching the sandbox through a
+        port no longer published."""
         with self._lock:
             handles = self._handles.get(key)
             if not handles or not self.started:
@@ -464,16 +477,24 @@ class HostNat:
             # known, and a retry deletes it.
             del self._handles[key]
         if host_port is not None:
-            try:
-                cut = forget_connections(self.ns_path, host_port, sb_addr, port)
-            except OSError as err:
-                log.warning("unpublish %s: connections already open through host port %s were not cut "
-                            "(deleting their conntrack entries in %s failed: %s); they go on until they close",
-                            key, host_port, self._where(), err)
-            else:
-                if cut:
-                    log.info("unpublish %s: cut %d open connection(s) through host port %s", key, cut, host_port)
+            self.forget_flows(host_port, sb_addr, port, proto)
         return True
+
+    def forget_flows(self, host_port: int, sb_addr: str, port: int, proto: str = "tcp") -> int:
+        """The conntrack entries of the `proto` flows made through an unpublished
+        port, deleted (forget_connections); a failure is logged: those flows go
+        on until they end. How many were."""
+        try:
+            cut = forget_connections(self.ns_path, host_port, sb_addr, port, proto)
+        except OSError as err:
+            log.warning("unpublish %s:%s: %s flows already open through host port %s were not cut "
+                        "(deleting their conntrack entries in %s failed: %s); they go on until they end",
+                        sb_addr, port, proto, host_port, self._where(), err)
+            return 0
+        if cut:
+            log.info("unpublish %s:%s: cut %d open %s flow(s) through host port %s", sb_addr, port, cut, proto,
+                     host_port)
+        return cut
 
     def _delete_rules(self, key: str, handles: list[tuple[str, int]]) -> None:
         """Delete a publication's rules, in one transaction. A rule already

@@ -10,7 +10,8 @@
     view = net.attach_vm(sb_id, rules)                              # a microVM: policy, lease
     fd, guest = net.plug_vm(sb_id)                                  # its tap, before each QEMU start
     pub = net.publish(sb_id, 8080, host_port=None, bind="")         # DNAT a host port to it (nat.py)
-    net.unpublish(sb_id, 8080)
+    pub = net.publish(sb_id, 5353, protocol="udp")                  # a UDP port (tcp is the default)
+    net.unpublish(sb_id, 8080)                                      # (..., protocol="udp")
 
 Per sandbox: the policy (terms), veth name, address and BPF bookkeeping are one
 record in <state_dir>/net/records.log (dsecd/journal.py: an append-only log, one
@@ -44,6 +45,7 @@ from .. import native
 from ..errors import BadRequest, Conflict, DsecError, LimitExceeded, NotFound
 from ..fds import close_quietly
 from ..journal import RecordLog
+from ..protocol import check_protocol
 from . import rules as R
 from .ipam import Ipam, Lease
 from .nat import HostNat, NatError, delete_table, forget_address, table_name
@@ -77,7 +79,7 @@ class _Sandbox:
     ifname: str = ""                                  # host end of the veth ("" for --net none)
     ipv4: str = ""                                    # the lease, recorded: IPAM is rebuilt from records
     lease_view: dict | None = None                    # the lease as shown, computed once
-    ports: dict = field(default_factory=dict)         # published: sandbox port -> {port, host_port, bind}
+    ports: dict = field(default_factory=dict)         # published: (port, protocol) -> {port, protocol, host_port, bind}
     names: tuple = ()                                 # name rules of the policy (the resolver reads it)
     learned: dict = field(default_factory=dict)       # Rule -> Learned (not recorded)
     dns: collections.Counter = field(default_factory=collections.Counter)   # resolver counters
@@ -172,7 +174,7 @@ class Network:
         self.uplink = str(cfg.get("uplink", "") or "")
         lo, _, hi = str(cfg.get("publish_ports", "30000-32767")).partition("-")
         self.publish_range = (int(lo), int(hi or lo))
-        self._host_ports: dict[tuple[str, int], str] = {}     # (bind, host port) -> sandbox id
+        self._host_ports: dict[tuple[str, str, int], str] = {}     # (protocol, bind, host port) -> sandbox id
         if self.uplink:
             try:
                 self._nat_table()
@@ -643,7 +645,7 @@ class Network:
                 if held:
                     lease = self.ipam.get(sb.id)
                     log.error("sandbox %s: its address %s stays leased while %s; detach is retried",
-                              sb.id, lease.ipv4 if lease else "(none)", f"port(s) {', '.join(map(str, sb.ports))} of it stay published "
+                              sb.id, lease.ipv4 if lease else "(none)", f"port(s) {', '.join(f'{p}/{proto}' for p, proto in sb.ports)} of it stay published "
                               "(their DNAT could not be deleted)" if sb.ports else f"its veth {sb.ifname} stays")
                     return
                 self.ipam.release(sb.id)
@@ -674,16 +676,20 @@ class Network:
 
     # ------------------------------------------------------------ published ports
 
-    def publish(self, sb_id: str, port: int, host_port: int | None = None, bind: str = "") -> dict:
-        """Make tcp `port` of the sandbox reachable on the bridge netns' `bind`:`host_port`
-        (bind "" = its every non-loopback address; host_port None = a free one of
-        net.publish_ports). Journaled: a restarted daemon publishes it again."""
+    def publish(self, sb_id: str, port: int, host_port: int | None = None, bind: str = "",
+                protocol: str = "tcp") -> dict:
+        """Make `protocol` (tcp|udp) `port` of the sandbox reachable on the bridge
+        netns' `bind`:`host_port` (bind "" = its every non-loopback address;
+        host_port None = a free one of net.publish_ports). A TCP and a UDP port
+        of one number are two publications. Journaled: a restarted daemon
+        publishes it again."""
         import ipaddress
 
+        protocol = check_protocol(protocol)
         if not 1 <= int(port) <= 65535:
-            raise BadRequest(f"port {port} is not a TCP port (1-65535)")
+            raise BadRequest(f"port {port} is not a {protocol.upper()} port (1-65535)")
         if host_port is not None and not 1 <= int(host_port) <= 65535:
-            raise BadRequest(f"host port {host_port} is not a TCP port (1-65535)")
+            raise BadRequest(f"host port {host_port} is not a {protocol.upper()} port (1-65535)")
         if bind:
             try:
                 addr = ipaddress.IPv4Address(bind)
@@ -695,27 +701,29 @@ class Network:
                                  "takes all of them)")
             bind = str(addr)
         nat = self._nat_table()
+        port = int(port)
         with self._lock:
             sb = self._get(sb_id)
             if sb.mode != "default":
                 raise Conflict(f"sandbox {sb_id} has --net none: it has no address to publish a port of")
-            if port in sb.ports:
-                pub = sb.ports[port]
+            if (port, protocol) in sb.ports:
+                pub = sb.ports[(port, protocol)]
                 if host_port in (None, pub["host_port"]) and bind in ("", pub["bind"]):
                     return self._port_view(sb, pub)          # asked again: where it is (`dsec port SB 8080`)
-                raise Conflict(f"port {port} of sandbox {sb_id} is published already, on host port "
+                raise Conflict(f"port {port}/{protocol} of sandbox {sb_id} is published already, on host port "
                                f"{pub['host_port']}{' of ' + pub['bind'] if pub['bind'] else ''}; unpublish it "
-                               "first (dsec port --rm) to move it", {"sandbox": sb_id, "port": port})
+                               "first (dsec port --rm) to move it",
+                               {"sandbox": sb_id, "port": port, "protocol": protocol})
             if bind:
                 self._check_local(bind)
-            hp = self._pick_host_port(nat, host_port, bind, sb_id)
-            self._publish_rules(nat, sb, {"port": int(port), "host_port": hp, "bind": bind})
+            hp = self._pick_host_port(nat, host_port, bind, sb_id, protocol)
+            self._publish_rules(nat, sb, {"port": port, "protocol": protocol, "host_port": hp, "bind": bind})
             try:
                 self._write_record(sb)
             except BaseException:
-                self._unpublish_one(sb, int(port))
+                self._unpublish_one(sb, (port, protocol))
                 raise
-            return self._port_view(sb, sb.ports[port])
+            return self._port_view(sb, sb.ports[(port, protocol)])
 
     def _check_local(self, bind: str) -> None:
         """BadRequest unless `bind` is an address of the host side (the
@@ -728,75 +736,105 @@ class Network:
                              f"namespace); give one of {', '.join(sorted(map(str, have))) or '(none)'}, or none "
                              "for all of them", {"bind": bind})
 
-    def _pick_host_port(self, nat: HostNat, host_port: int | None, bind: str, sb_id: str) -> int:
+    def _pick_host_port(self, nat: HostNat, host_port: int | None, bind: str, sb_id: str,
+                        protocol: str = "tcp") -> int:
+        """A host port for a `protocol` publication: one no other publication of
+        that protocol here, no other table's DNAT of it and no socket of it on
+        the host side has (TCP and UDP ports of one number are apart)."""
         def taken(hp: int) -> str | None:
-            for (b, p), owner in self._host_ports.items():
-                if p == hp and (not b or not bind or b == bind):
+            for (proto, b, p), owner in self._host_ports.items():
+                if proto == protocol and p == hp and (not b or not bind or b == bind):
                     return owner
             return None
 
+        shown = f"{host_port}/udp" if protocol == "udp" else host_port
         try:
-            others = nat.dnat_ports_of_others()
+            others = nat.dnat_ports_of_others(protocol)
         except NatError as err:
             log.warning("publish a port of sandbox %s: %s; host ports other tables DNAT are not avoided", sb_id, err)
             others = set()
         if host_port is not None:
             owner = taken(host_port)
             if owner is not None:
-                raise Conflict(f"host port {host_port} is published already (sandbox {owner}); pick another "
-                               "--host-port", {"host_port": host_port})
+                raise Conflict(f"host port {shown} is published already (sandbox {owner}); pick another "
+                               "--host-port", {"host_port": host_port, "protocol": protocol})
             if host_port in others:
-                raise Conflict(f"host port {host_port} is DNATed by another nftables table of the host side "
+                raise Conflict(f"host port {shown} is DNATed by another nftables table of the host side "
                                "(the bridge's network namespace: another daemon's published port, or a "
-                               "container engine's); pick another --host-port", {"host_port": host_port})
+                               "container engine's); pick another --host-port",
+                               {"host_port": host_port, "protocol": protocol})
             try:
-                nat.check_host_port(host_port, bind)
+                nat.check_host_port(host_port, bind, protocol)
             except NatError as err:
-                raise Conflict(err.strerror or str(err), {"host_port": host_port}) from None
+                raise Conflict(err.strerror or str(err), {"host_port": host_port, "protocol": protocol}) from None
             return int(host_port)
         lo, hi = self.publish_range
         for hp in range(lo, hi + 1):
             if taken(hp) is None and hp not in others:
                 try:
-                    nat.check_host_port(hp, bind)
+                    nat.check_host_port(hp, bind, protocol)
                 except NatError:
                     continue
                 return hp
-        raise LimitExceeded(f"no free host port in net.publish_ports {lo}-{hi} for sandbox {sb_id}")
+        raise LimitExceeded(f"no free {protocol.upper()} host port in net.publish_ports {lo}-{hi} "
+                            f"for sandbox {sb_id}")
 
     def _publish_rules(self, nat: HostNat, sb: _Sandbox, pub: dict) -> None:
+        """The publication's DNAT, and for UDP the BPF side's entry that lets
+        the sandbox answer who writes to the port (a TCP connection made to
+        it is marked when accepted): the entry first, so the first datagram
+        the DNAT lets in already marks its sender."""
         addr = sb.ipv4.split("/")[0]
-        nat.publish(f"{sb.id}:{pub['port']}", pub["host_port"], pub["bind"], addr, pub["port"])
-        sb.ports[pub["port"]] = pub
-        self._host_ports[(pub["bind"], pub["host_port"])] = sb.id
+        port, proto = pub["port"], pub["protocol"]
+        if proto == "udp":
+            self.engine.publish_udp(sb.cgroup_id, port)
+        try:
+            nat.publish(_nat_key(sb.id, port, proto), pub["host_port"], pub["bind"], addr, port, proto)
+        except BaseException:
+            if proto == "udp":
+                self.engine.unpublish_udp(sb.cgroup_id, port)
+            raise
+        sb.ports[(port, proto)] = pub
+        self._host_ports[(proto, pub["bind"], pub["host_port"])] = sb.id
 
-    def _unpublish_one(self, sb: _Sandbox, port: int) -> None:
+    def _unpublish_one(self, sb: _Sandbox, key: tuple[int, str]) -> None:
         """Delete the port's DNAT, then forget it. If the DNAT could not be
         deleted, the port stays published (shown, recorded, its host port
         taken): the rule still sends that host port's connections to the
-        sandbox's address."""
-        pub = sb.ports[port]
+        sandbox's address. A UDP port's peers (whom the sandbox may answer)
+        go after its DNAT and before its conntrack entries: no datagram
+        marks a peer once the DNAT is gone, and none goes on through an
+        entry (nat.unpublish deletes those last)."""
+        pub = sb.ports[key]
+        port, proto = key
         if self.nat is not None:
-            self.nat.unpublish(f"{sb.id}:{port}", pub["host_port"], sb.ipv4.split("/")[0], port)
-        del sb.ports[port]
-        self._host_ports.pop((pub["bind"], pub["host_port"]), None)
+            self.nat.unpublish(_nat_key(sb.id, port, proto), None)
+        if proto == "udp":
+            self.engine.unpublish_udp(sb.cgroup_id, port)
+        if self.nat is not None:
+            self.nat.forget_flows(pub["host_port"], sb.ipv4.split("/")[0], port, proto)
+        del sb.ports[key]
+        self._host_ports.pop((proto, pub["bind"], pub["host_port"]), None)
 
-    def unpublish(self, sb_id: str, port: int) -> dict:
+    def unpublish(self, sb_id: str, port: int, protocol: str = "tcp") -> dict:
+        protocol = check_protocol(protocol)
+        port = int(port)
         with self._lock:
             sb = self._get(sb_id)
-            if port not in sb.ports:
-                raise NotFound(f"port {port} of sandbox {sb_id} is not published", {"sandbox": sb_id, "port": port})
-            self._unpublish_one(sb, port)
+            if (port, protocol) not in sb.ports:
+                raise NotFound(f"port {port}/{protocol} of sandbox {sb_id} is not published",
+                               {"sandbox": sb_id, "port": port, "protocol": protocol})
+            self._unpublish_one(sb, (port, protocol))
             self._write_record(sb)
-            return {"sandbox": sb_id, "port": port}
+            return {"sandbox": sb_id, "port": port, "protocol": protocol}
 
     def _unpublish_all(self, sb: _Sandbox) -> None:
         """Each port, whether or not another's failed; the first error is raised."""
         first = None
         with self._lock:
-            for port in list(sb.ports):
+            for key in list(sb.ports):
                 try:
-                    self._unpublish_one(sb, port)
+                    self._unpublish_one(sb, key)
                 except Exception as err:
                     first = first or err
         if first is not None:
@@ -804,8 +842,9 @@ class Network:
 
     def _port_view(self, sb: _Sandbox, pub: dict) -> dict:
         host = pub["bind"] or str(self.ipam.gateway4)
-        return {"port": pub["port"], "host_port": pub["host_port"], "bind": pub["bind"],
-                "host": f"{host}:{pub['host_port']}", "target": f"{sb.ipv4.split('/')[0]}:{pub['port']}"}
+        return {"port": pub["port"], "protocol": pub["protocol"], "host_port": pub["host_port"],
+                "bind": pub["bind"], "host": f"{host}:{pub['host_port']}",
+                "target": f"{sb.ipv4.split('/')[0]}:{pub['port']}"}
 
     # ------------------------------------------------------------ policy
 
@@ -1363,19 +1402,21 @@ class Network:
         """A readopted sandbox's published ports (its record's), again: the
         record written after holds only what sb.ports has."""
         for pub in rec.get("ports", []):
+            # A record of a daemon that published TCP only names no protocol.
+            pub = {**pub, "protocol": pub.get("protocol", "tcp"), "bind": pub.get("bind", "")}
+            name = pub.get("port") if pub["protocol"] == "tcp" else f"{pub.get('port')}/{pub['protocol']}"
             try:
                 nat = self._nat_table()
                 # While no daemon ran (its table goes at stop) a process of the
                 # host side may have taken the port: the DNAT would hide it.
-                nat.check_host_port(int(pub["host_port"]), pub.get("bind", ""))
+                nat.check_host_port(int(pub["host_port"]), pub["bind"], pub["protocol"])
                 with self._lock:
-                    self._publish_rules(nat, sb, dict(pub))
+                    self._publish_rules(nat, sb, pub)
             except (OSError, DsecError) as err:     # the port stays closed; the sandbox keeps the rest
                 why = (err.strerror if isinstance(err, OSError) else None) or str(err)
                 log.error("sandbox %s: port %s not published again after the restart (host port %s): %s; "
-                          "`dsec port %s %s` publishes it on a free one", sb.id, pub.get("port"),
-                          pub.get("host_port"), why.removesuffix("; pick another --host-port"), sb.id,
-                          pub.get("port"))
+                          "`dsec port %s %s` publishes it on a free one", sb.id, name,
+                          pub.get("host_port"), why.removesuffix("; pick another --host-port"), sb.id, name)
 
 
     def _carry_marks(self, cgroup_dir: str, previous: dict) -> None:
@@ -1423,6 +1464,12 @@ class Network:
         # paused VM's resume plugs a new tap; the NAT rules need none).
         self._republish(sb, rec)
         self._write_record(sb)
+
+
+def _nat_key(sb_id: str, port: int, protocol: str) -> str:
+    """A publication's name in the nftables table: `SB:PORT` for TCP (as it
+    always was), `SB:PORT/udp` for UDP."""
+    return f"{sb_id}:{port}" if protocol == "tcp" else f"{sb_id}:{port}/{protocol}"
 
 
 def vm_key(sb_id: str) -> int:

@@ -4,7 +4,7 @@ The programs come from a compiled object cached on disk (bpfobj.py): compiled
 by bcc in a helper process the first time, and loaded with plain bpf(2) calls
 (bpfsys.py) by every daemon start after that; this process never imports bcc.
 `Engine.shared()` loads once per process and every Network shares the programs
-and maps; a sandbox then costs map updates and six BPF_PROG_ATTACH calls.
+and maps; a sandbox then costs map updates and seven BPF_PROG_ATTACH calls.
 `prepare()` runs that load in a background thread at daemon start, so a create
 waits for it only while it is not done. Never call into this module from the
 event loop, except for the map updates of a small policy change (update_now).
@@ -53,6 +53,8 @@ _RULE_HEAD = struct.Struct("=II")               # struct rule_val: n, pad
 _ENTRY = struct.Struct("=HHB3xI")               # struct entry
 _SB_STAT = struct.Struct("=QQQ")                # struct sb_stat
 _TAP_VAL = struct.Struct("=Q4s6s2x16s16s4x")   # struct tap_val (addresses in network byte order)
+_UDP_PORT = struct.Struct("=Q2s6x")             # struct udp_port: sandbox key, port (network byte order)
+_FLOW = struct.Struct("=Q16s2s2sB3x")           # struct vm_flow: key, peer, peer port, its port, family
 
 
 class _Slots:
@@ -134,6 +136,7 @@ class Engine:
         self.marks = {name: m[name] for name in MARK_MAPS}
         self.config, self.sandboxes, self.rules = m["config"], m["sandboxes"], m["rules"]
         self.rule_hits, self.sb_stats, self.taps = m["rule_hits"], m["sb_stats"], m["taps"]
+        self.udp_published, self.udp_peers = m["udp_published"], m["udp_peers"]
         tap_names = {p[0] for p in bpfobj.TAP_PROGS}
         # name -> (prog fd, attach type): what every sandbox cgroup gets
         self.fns = {n: v for n, v in self.loaded.progs.items() if n not in tap_names}
@@ -295,6 +298,27 @@ class Engine:
 
     def unregister_tap(self, ifindex: int) -> None:
         self.taps.delete(_U32.pack(ifindex))
+
+    # ------------------------------------------------------------ published UDP ports
+
+    def publish_udp(self, key: int, port: int) -> None:
+        """Let the sandbox `key` (a cgroup id, or a microVM's vm_key) answer
+        whoever sends a datagram to its UDP `port` from now on (a TCP
+        connection made to it needs no such entry: its socket is marked)."""
+        self.udp_published.update(_UDP_PORT.pack(key, port.to_bytes(2, "big")), b"\1")
+
+    def unpublish_udp(self, key: int, port: int) -> int:
+        """Its UDP `port` no longer marks the peers that write to it, and
+        the peers it marked may no longer be answered; how many there were."""
+        self.udp_published.delete(_UDP_PORT.pack(key, port.to_bytes(2, "big")))
+        raw_port = port.to_bytes(2, "big")
+        # A walk restarts when its key is deleted under it (the LRU
+        # evicting): bounded, so a busy map cannot keep it going.
+        keys = itertools.islice(self.udp_peers.keys(), 2 * self.udp_peers.max_entries)
+        theirs = [k for k in keys if (f := _FLOW.unpack_from(k))[0] == key and f[3] == raw_port]
+        for k in theirs:
+            self.udp_peers.delete(k)
+        return len(theirs)
 
     # ------------------------------------------------------------ maps
 

@@ -368,6 +368,65 @@ static int a_udp(char **v)
     return report(sendto(fd, "probe", 5, 0, (struct sockaddr *)&ss, len));
 }
 
+/* A UDP echo server on PORT of every address, for good: each datagram goes
+ * back to its sender from PORT (unconnected: a sendto per datagram, which the
+ * sandbox's sendmsg hook decides on). Prints the errno of the sendto that
+ * failed, if one did, and goes on. */
+static int a_udp_echo(char **v)
+{
+    struct sockaddr_in me = {.sin_family = AF_INET, .sin_port = htons(atoi(v[0]))};
+    int fd = socket(AF_INET, SOCK_DGRAM, 0), one = 1;
+
+    setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &one, sizeof(one));   /* udp_from may send from PORT too */
+    if (fd < 0 || bind(fd, (struct sockaddr *)&me, sizeof(me)) < 0)
+        return report(-1);
+    for (;;) {
+        char buf[2048];
+        struct sockaddr_storage peer;
+        socklen_t len = sizeof(peer);
+        ssize_t n = recvfrom(fd, buf, sizeof(buf), 0, (struct sockaddr *)&peer, &len);
+
+        if (n >= 0 && sendto(fd, buf, n, 0, (struct sockaddr *)&peer, len) < 0) {
+            printf("%s\n", strerrorname_np(errno));
+            fflush(stdout);
+        }
+    }
+}
+
+/* A UDP server on PORT that answers its first client over a connected
+ * socket (connect() to the client, then send(): what udpsvd and `nc -u -l`
+ * do), once; prints the errno of the connect or send that failed, else ok. */
+static int a_udp_echo_connected(char **v)
+{
+    struct sockaddr_in me = {.sin_family = AF_INET, .sin_port = htons(atoi(v[0]))};
+    int fd = socket(AF_INET, SOCK_DGRAM, 0);
+    char buf[2048];
+    struct sockaddr_storage peer;
+    socklen_t len = sizeof(peer);
+
+    if (fd < 0 || bind(fd, (struct sockaddr *)&me, sizeof(me)) < 0)
+        return report(-1);
+    ssize_t n = recvfrom(fd, buf, sizeof(buf), 0, (struct sockaddr *)&peer, &len);
+    if (n < 0 || connect(fd, (struct sockaddr *)&peer, len) < 0)
+        return report(-1);
+    return report(send(fd, buf, n, 0));
+}
+
+/* One UDP datagram from the sandbox's port SRC (shared with a udp_echo server
+ * there: SO_REUSEPORT) to HOST PORT. */
+static int a_udp_from(char **v)
+{
+    struct sockaddr_storage ss;
+    socklen_t len = inet_addr_of(v[1], v[2], &ss);
+    struct sockaddr_in me = {.sin_family = AF_INET, .sin_port = htons(atoi(v[0]))};
+    int fd = socket(AF_INET, SOCK_DGRAM, 0), one = 1;
+
+    setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &one, sizeof(one));
+    if (bind(fd, (struct sockaddr *)&me, sizeof(me)) < 0)
+        return report(-1);
+    return report(sendto(fd, "probe", 5, 0, (struct sockaddr *)&ss, len));
+}
+
 /* Task policies (test_task_policies.py): the file operations Landlock checks, one
  * syscall each. */
 static int a_list(char **v)
@@ -575,7 +634,7 @@ static const struct { const char *name; int nargs; int (*fn)(char **); } actions
     {"perf_event_open", 0, a_perf}, {"io_uring", 0, a_io_uring}, {"tty_ioctl", 1, a_tty_ioctl},
     {"file_ioctl", 2, a_file_ioctl}, {"open_by_handle_at", 0, a_open_by_handle}, {"fds", 0, a_fds},
     {"forkbomb", 1, a_forkbomb}, {"alloc", 1, a_alloc}, {"files", 2, a_files},
-    {"connect", 2, a_connect}, {"udp", 2, a_udp}, {"listen", 1, a_listen}, {"list", 1, a_list}, {"rename", 2, a_rename},
+    {"connect", 2, a_connect}, {"udp", 2, a_udp}, {"udp_echo", 1, a_udp_echo}, {"udp_from", 3, a_udp_from}, {"udp_echo_connected", 1, a_udp_echo_connected}, {"listen", 1, a_listen}, {"list", 1, a_list}, {"rename", 2, a_rename},
     {"link", 2, a_link}, {"symlink", 2, a_symlink}, {"truncate", 1, a_truncate}, {"mkdir", 1, a_mkdir},
     {"ulisten", 1, a_ulisten}, {"uconnect", 1, a_uconnect}, {"uself", 1, a_uself},
     {"fork_kill", 0, a_fork_kill}, {"fd_inject", 3, a_fd_inject}, {"clone_parent", 3, a_clone_parent},

@@ -325,6 +325,28 @@ def test_published_ports_survive_a_daemon_restart(world, vmnet):
         c.close()
 
 
+def test_a_published_udp_port_of_a_vm_answers_until_it_is_unpublished(world, vmnet, probe_binary):
+    """A UDP port published at create is DNATed to the VM's address; the
+    guest's answers to whoever wrote to it leave through its tap whatever its
+    allowlist says (none here), and only those: unpublished, the port gets
+    no answer."""
+    from test_net_nat import _udp_answered, _udp_echo_server
+
+    d, _ = vmnet
+    c = d.client()
+    sb = _vm(c, net="default", publish=["5353/udp"])
+    try:
+        _udp_echo_server(sb, probe_binary, 5353)
+        host = sb.get_host(5353, protocol="udp")
+        assert _udp_answered(world.br_ns, host, b"ping")
+        sb.unpublish(5353, protocol="udp")
+        assert not _udp_answered(world.br_ns, host, b"ping")
+        assert sb.net_show()["ports"] == []
+    finally:
+        sb.destroy()
+        c.close()
+
+
 def _inet6(sb) -> list[str]:
     """The guest's IPv6 addresses on eth0 (/proc/net/if_inet6: 32 hex digits first)."""
     r = sb.exec(["sh", "-c", "cat /proc/net/if_inet6 2>/dev/null; true"])
@@ -393,3 +415,4 @@ def test_no_ipv6_without_an_ipv6_subnet(world, vmnet_v4only):
         assert connect(sb, world.pkg6, 80)[0] != 0
     finally:
         sb.destroy()
+

@@ -18,6 +18,8 @@ import pytest
 from test_net_daemon import _toml_net
 from test_net_kit import World, bpf_skip_reason
 
+from dsecd.errors import BadRequest
+
 pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None, reason=bpf_skip_reason() or "")
 
 
@@ -566,3 +568,191 @@ def test_a_destroyed_sandbox_leaves_no_connection_tracked_for_its_ipv6_address(i
         assert _tracked_from(iworld.br_ns, ip6) == []
     finally:
         srv.close()
+
+
+def _udp_echo_server(sb, probe: bytes, port: int) -> None:
+    """attack_probe's UDP echo server on `port` of the sandbox, in the background;
+    waits until the port is bound."""
+    from attack_kit import PROBE_IN_SANDBOX, install_probe
+
+    install_probe(sb, probe)
+    sb.exec(["sh", "-c", f"setsid {PROBE_IN_SANDBOX} udp_echo {port} </dev/null >/dev/null 2>&1 &"])
+    deadline = time.monotonic() + 5
+    while sb.exec(["sh", "-c", f"netstat -lun | grep -q ':{port} '"]).exit_code != 0:
+        assert time.monotonic() < deadline, "the UDP echo server did not bind"
+        time.sleep(0.05)
+
+
+def _udp_socket(ns: str, addr: str) -> socket.socket:
+    """A UDP socket of the netns `ns`, connected to `addr` ("host:port"): its
+    datagrams are one flow (one conntrack entry), and an ICMP port unreachable
+    answering one is an error on it."""
+    host, port = addr.rsplit(":", 1)
+
+    def make() -> socket.socket:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.settimeout(3)
+        s.connect((host, int(port)))
+        return s
+
+    return World.in_netns(ns, make)
+
+
+def _udp_echoes(s: socket.socket, data: bytes) -> bool:
+    """`data` sent on `s` comes back (a UDP echo server at the other end); False
+    on silence or an ICMP error."""
+    try:
+        s.send(data)
+        return s.recv(2048) == data
+    except OSError:
+        return False
+
+
+def _udp_answered(ns: str, addr: str, data: bytes) -> bool:
+    """A datagram sent to `addr` from a fresh socket of the netns `ns` is echoed."""
+    s = _udp_socket(ns, addr)
+    try:
+        return _udp_echoes(s, data)
+    finally:
+        s.close()
+
+
+def test_a_published_udp_port_answers_until_it_is_unpublished(iworld, natd, probe_binary):
+    """`--publish 5353/udp`: a datagram to the host port reaches the sandbox's
+    UDP server, which may answer it (its allowlist names no client: the
+    sender of a datagram to a published UDP port may be answered), from the
+    host side and from beyond the uplink. Unpublished, the flows through it
+    are cut (their conntrack entries go, as its peers do) and new ones get
+    no answer."""
+    from attack_kit import outcome
+
+    d, c = natd
+    sb = c.create(image="busybox", net="default", publish=["5353/udp"])
+    _udp_echo_server(sb, probe_binary, 5353)
+    host = sb.get_host(5353, protocol="udp")
+    gateway = f"10.{iworld.octet}.0.1"
+    assert host.startswith(f"{gateway}:")
+    hp = int(host.rsplit(":", 1)[1])
+    listed = d.cli("port", sb.id)
+    assert (listed.returncode, listed.stdout.decode()) == (0, f"5353/udp -> {host}\n"), listed
+    assert [(p["port"], p["protocol"]) for p in sb.net_show()["ports"]] == [(5353, "udp")]
+    assert f"udp dport {hp}" in ruleset(iworld.br_ns)
+    # No TCP port was published with it.
+    assert d.cli("port", sb.id, "5353", "--rm").returncode != 0
+
+    flows = [_udp_socket(iworld.br_ns, host),                                    # the host side's own
+             _udp_socket(iworld.inet_ns, f"{iworld.uplink_addr}:{hp}")]         # from beyond the uplink
+    try:
+        for s in flows:
+            assert _udp_echoes(s, b"before")
+        assert sb.net_show()["default"]["denied_sendmsg"] == 0
+        # The sandbox answers whoever wrote to the port, from that port, and
+        # opens nothing: a datagram of its own to the host side is refused.
+        peer = str(flows[0].getsockname()[1])
+        assert outcome(sb, "udp_from", "5353", gateway, peer) == "ok"
+        assert outcome(sb, "udp_from", "5354", gateway, peer) == "EPERM"
+        assert outcome(sb, "udp", gateway, str(hp)) == "EPERM"
+        assert (iworld.uplink_addr, hp) in _tracked_from(iworld.br_ns, iworld.inet)
+        r = d.cli("port", sb.id, "5353/udp", "--rm")
+        assert (r.returncode, r.stdout.decode()) == (0, f"{sb.id}: port 5353/udp unpublished\n"), r
+        assert f"udp dport {hp}" not in ruleset(iworld.br_ns)
+        assert (iworld.uplink_addr, hp) not in _tracked_from(iworld.br_ns, iworld.inet)    # the flow is cut
+        assert outcome(sb, "udp_from", "5353", gateway, peer) == "EPERM"                 # its peers too
+        for s in flows:
+            assert not _udp_echoes(s, b"after")
+    finally:
+        for s in flows:
+            s.close()
+    assert not _udp_answered(iworld.br_ns, host, b"fresh")
+    assert sb.net_show()["ports"] == []
+    sb.destroy()
+
+
+def test_a_udp_server_that_connects_to_its_client_answers_it(iworld, natd, probe_binary):
+    """A UDP server that answers over a socket connect()ed to its client (the
+    connect hook decides, then the packets' own check) may, as one that
+    answers with sendto: the client wrote to the published port."""
+    from attack_kit import PROBE_IN_SANDBOX, install_probe
+
+    d, c = natd
+    sb = c.create(image="busybox", net="default", publish=["5353/udp"])
+    install_probe(sb, probe_binary)
+    sb.exec(["sh", "-c", f"setsid {PROBE_IN_SANDBOX} udp_echo_connected 5353 </dev/null >/tmp/out 2>&1 &"])
+    deadline = time.monotonic() + 5
+    while sb.exec(["sh", "-c", "netstat -lun | grep -q ':5353 '"]).exit_code != 0:
+        assert time.monotonic() < deadline, "the UDP server did not bind"
+        time.sleep(0.05)
+    s = _udp_socket(iworld.br_ns, sb.get_host(5353, protocol="udp"))
+    try:
+        assert _udp_echoes(s, b"connected")
+    finally:
+        s.close()
+    assert sb.exec(["cat", "/tmp/out"]).stdout == b"ok\n"
+    sb.destroy()
+
+
+def test_a_published_udp_port_answers_after_a_restart(iworld, natd, probe_binary):
+    d, c = natd
+    sb = c.create(image="busybox", net="default")
+    _udp_echo_server(sb, probe_binary, 5353)
+    host = sb.get_host(5353, protocol="udp")
+    assert _udp_answered(iworld.br_ns, host, b"before")
+    c.close()
+    d.stop(signal.SIGTERM)
+    assert _udp_answered(iworld.br_ns, host, b"while stopped")     # kept for the sandbox that runs on
+    d.start()
+    c = d.client()
+    sb = c.get(sb.id)
+    assert sb.get_host(5353, protocol="udp") == host
+    assert _udp_answered(iworld.br_ns, host, b"after")
+    hp = host.rsplit(":", 1)[1]
+    assert _udp_answered(iworld.inet_ns, f"{iworld.uplink_addr}:{hp}", b"after, from outside")
+    sb.destroy()
+    assert f"udp dport {hp}" not in ruleset(iworld.br_ns)
+    assert not _udp_answered(iworld.br_ns, host, b"destroyed")
+    c.close()
+
+
+def test_tcp_and_udp_ports_of_one_number_are_published_apart(iworld, natd, probe_binary):
+    """Port 7000/tcp and 7000/udp of one sandbox are two publications: each
+    answers on its host port, and one goes without the other. A host port a
+    UDP socket of the host side holds is refused for UDP, not for TCP."""
+    d, c = natd
+    sb = c.create(image="busybox", net="default", publish=[7000])
+    _echo_server(sb, 7000)
+    _udp_echo_server(sb, probe_binary, 7000)
+
+    held = iworld.host_udp_service(0)
+    try:
+        busy = held.getsockname()[1]
+        r = d.cli("port", sb.id, "7000/udp", "--host-port", str(busy))
+        err = r.stderr.decode()
+        assert r.returncode != 0 and f"host port {busy}/udp on every address" in err, err
+        assert "Address already in use; pick another --host-port" in err, err
+    finally:
+        held.close()
+
+    # The TCP port's host port is free for UDP: the host's TCP and UDP ports are apart.
+    tcp_host = sb.get_host(7000)
+    r = d.cli("port", sb.id, "7000/udp", "--host-port", tcp_host.rsplit(":", 1)[1])
+    assert r.returncode == 0, r
+    udp_host = r.stdout.decode().strip()
+    assert udp_host == tcp_host
+    listed = d.cli("port", sb.id).stdout.decode().splitlines()
+    assert sorted(listed) == [f"7000/tcp -> {tcp_host}", f"7000/udp -> {udp_host}"], listed
+    conn = _connect_in(iworld.br_ns, tcp_host)
+    try:
+        conn.settimeout(3)
+        assert _echoes(conn, b"tcp\n")
+        assert _udp_answered(iworld.br_ns, udp_host, b"udp")
+        sb.unpublish(7000, protocol="udp")
+        assert not _udp_answered(iworld.br_ns, udp_host, b"udp")
+        assert _echoes(conn, b"tcp still\n")
+    finally:
+        conn.close()
+    assert [(p["port"], p["protocol"]) for p in sb.net_show()["ports"]] == [(7000, "tcp")]
+    bad = d.cli("port", sb.id, "7000/sctp")
+    assert bad.returncode == 2 and "protocol 'sctp' is not tcp or udp" in bad.stderr.decode(), bad
+    with pytest.raises(BadRequest, match="protocol 'sctp' of a published port is not tcp or udp"):
+        sb.publish(7000, protocol="sctp")
+    sb.destroy()

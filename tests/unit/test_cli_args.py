@@ -256,7 +256,11 @@ def test_usage_errors_of_commands_that_run_a_command_exit_125(args):
 @pytest.mark.parametrize("value, says", [
     ("8080:80", "takes the sandbox's port alone, got '8080:80': the daemon picks the host port "
                 "(net.publish_ports); to choose it, `dsec port SB 80 --host-port 8080` after the create"),
-    ("53/udp", "takes a TCP port of the sandbox (1-65535; UDP is not published), got '53/udp'"),
+    ("5353:53/udp", "takes the sandbox's port alone, got '5353:53/udp': the daemon picks the host port "
+                    "(net.publish_ports); to choose it, `dsec port SB 53/udp --host-port 5353` after the create"),
+    ("53/sctp", "takes a TCP or UDP port (PORT, PORT/tcp or PORT/udp), got '53/sctp': protocol 'sctp' is not "
+                "tcp or udp"),
+    ("http", "takes a port of the sandbox (1-65535), as PORT, PORT/tcp or PORT/udp, got 'http'"),
 ])
 def test_publish_takes_the_sandbox_port_and_says_so(value, says):
     r = _dsec("create", "--image", "img", "--net", "default", "--publish", value)
@@ -264,12 +268,42 @@ def test_publish_takes_the_sandbox_port_and_says_so(value, says):
 
 
 @pytest.mark.parametrize("value, says", [
-    ("53/udp", "takes a TCP port of the sandbox (1-65535; UDP is not published), got '53/udp'"),
+    ("53/sctp", "takes a TCP or UDP port (PORT, PORT/tcp or PORT/udp), got '53/sctp': protocol 'sctp' is not "
+                "tcp or udp"),
+    ("53/", "takes a TCP or UDP port (PORT, PORT/tcp or PORT/udp), got '53/': protocol '' is not tcp or udp"),
+    ("70000", "takes a port of the sandbox (1-65535), as PORT, PORT/tcp or PORT/udp, got '70000'"),
     ("8080:80", "takes the sandbox's port alone, got '8080:80': give the host port with --host-port 8080"),
 ])
-def test_port_takes_the_sandbox_tcp_port_and_says_so(value, says):
+def test_port_takes_the_sandbox_port_and_says_so(value, says):
     r = _dsec("port", "SB", value)
     assert r.returncode == 2 and f"argument port: {says}" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("value, want", [("53", 53), ("53/tcp", 53), ("53/TCP", 53), ("53/udp", "53/udp"),
+                                         ("53/UDP", "53/udp")])
+def test_publish_takes_a_tcp_or_udp_port(value, want):
+    """TCP is the default; a UDP port is sent as "PORT/udp" (create's publish)."""
+    from dsecd import cli
+
+    assert cli._sandbox_port(value) == want
+    assert cli._port_to_publish(value) == (53, "tcp" if want == 53 else "udp")
+
+
+@pytest.mark.parametrize("spec, want", [(8080, (8080, "tcp")), ("8080", (8080, "tcp")), ("8080/tcp", (8080, "tcp")),
+                                        ("5353/udp", (5353, "udp")), ("5353/Udp", (5353, "udp"))])
+def test_a_published_port_of_create_names_its_protocol(spec, want):
+    from dsecd import protocol
+
+    assert protocol.published_port(spec) == want
+
+
+@pytest.mark.parametrize("spec", ["5353/sctp", "5353/", "udp", "/udp", True])
+def test_a_published_port_of_another_protocol_is_a_bad_request(spec):
+    from dsecd import protocol
+    from dsecd.errors import BadRequest
+
+    with pytest.raises(BadRequest, match="is not"):
+        protocol.published_port(spec)
 
 
 def test_usage_errors_of_other_commands_exit_2():

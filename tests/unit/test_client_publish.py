@@ -1,0 +1,65 @@
+"""What the SDK sends to publish a port, against a stand-in daemon on a
+unix socket: a TCP port's requests carry no `protocol` (a daemon that
+publishes TCP only refuses a field it does not know), a UDP port's do."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from standin_kit import serving
+
+from dsecd import protocol
+from dsecd.client import Client, Sandbox
+from dsecd.errors import BadRequest
+
+
+def _sent(tmp_path, call) -> list[dict]:
+    """The args of the requests `await call(sandbox)` sends, each answered {}."""
+    sock_path = str(tmp_path / "d.sock")
+    seen: list[dict] = []
+
+    async def answer(f: dict, writer) -> bool:
+        seen.append({"op": f["op"], **f.get("args", {})})
+        result = {"id": "sb1", "ports": []} if f["op"] != "net_publish" else {"host": "10.88.0.1:30000"}
+        writer.write(protocol.encode_frame({"id": f["id"], "result": result}))
+        return False
+
+    async def go():
+        server = await asyncio.start_unix_server(serving(answer), sock_path)
+        async with server:
+            async with Client(sock_path) as c:
+                await asyncio.wait_for(call(Sandbox(c, "sb1", {"id": "sb1"})), 10)
+
+    asyncio.run(go())
+    return seen
+
+
+def test_a_tcp_port_is_asked_for_as_a_daemon_that_publishes_tcp_only_takes_it(tmp_path):
+    async def call(sb):
+        await sb.publish(8080)
+        await sb.unpublish(8080, protocol="TCP")
+        await sb.get_host(8080)
+
+    sent = _sent(tmp_path, call)
+    assert [(f["op"], "protocol" in f) for f in sent] == [("net_publish", False), ("net_unpublish", False),
+                                                          ("net_show", False), ("net_publish", False)]
+
+
+def test_a_udp_port_is_asked_for_with_its_protocol(tmp_path):
+    async def call(sb):
+        await sb.publish(5353, protocol="udp")
+        await sb.unpublish(5353, protocol="UDP")
+        await sb.get_host(5353, protocol="udp")
+
+    sent = _sent(tmp_path, call)
+    assert [(f["op"], f.get("protocol")) for f in sent] == [("net_publish", "udp"), ("net_unpublish", "udp"),
+                                                            ("net_show", None), ("net_publish", "udp")]
+
+
+def test_another_protocol_is_refused_before_anything_is_sent(tmp_path):
+    async def call(sb):
+        with pytest.raises(BadRequest, match="protocol 'sctp' of a published port is not tcp or udp"):
+            await sb.publish(5353, protocol="sctp")
+
+    assert _sent(tmp_path, call) == []
