@@ -437,6 +437,10 @@ class LifecycleService:
     async def inspect(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
         out = sb.public()
+        if out.get("net") and out["net"].get("mode") == "default":
+            # What is published lives in the Network (and its record), not
+            # in the sandbox's: asked for here, as `docker inspect` shows it.
+            out["net"] = {**out["net"], "ports": await self.net.published(sb)}
         if sb.handle and sb.backend == "microvm":
             out["cgroups"] = {k: str(v) for k, v in sb.handle.group.dirs.items()}
             out["vm"] = self.vms.inspect(sb)

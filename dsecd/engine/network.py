@@ -653,6 +653,14 @@ class NetworkService:
                              "create it with --net default")
         return await self._publish(await self.network(), sb.id, req.port, req.host_port, req.bind, protocol)
 
+    async def published(self, sb) -> list[dict]:
+        """The sandbox's published ports as `net_show` lists them (for
+        `inspect`); none while the Network is not built (nothing is
+        published then)."""
+        if not _networked(sb) or self.net is None:
+            return []
+        return await self.workers.run(self.net.ports, sb.id)
+
     async def unpublish(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
         self._check_not_lost(sb)

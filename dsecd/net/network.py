@@ -840,6 +840,15 @@ class Network:
         if first is not None:
             raise first
 
+    def ports(self, sb_id: str) -> list[dict]:
+        """The sandbox's published ports, as `show` lists them (none for one
+        this Network does not have, or whose networking is gone)."""
+        with self._lock:
+            sb = self._sbs.get(sb_id)
+            if sb is None or sb.mode != "default":
+                return []
+            return [self._port_view(sb, p) for p in sb.ports.values()]
+
     def _port_view(self, sb: _Sandbox, pub: dict) -> dict:
         host = pub["bind"] or str(self.ipam.gateway4)
         return {"port": pub["port"], "protocol": pub["protocol"], "host_port": pub["host_port"],

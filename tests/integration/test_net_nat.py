@@ -238,6 +238,7 @@ def test_published_port(iworld, natd):
     assert code != 0 and "sandbox-page" not in out
     assert sb.net_show()["default"]["denied_connect"] >= 1
     assert [p["port"] for p in sb.net_show()["ports"]] == [8080]
+    assert sb.inspect()["net"]["ports"] == sb.net_show()["ports"]         # as `docker inspect` shows them
 
     # Restart: the port is journaled and published again.
     c.close()
@@ -636,6 +637,7 @@ def test_a_published_udp_port_answers_until_it_is_unpublished(iworld, natd, prob
     listed = d.cli("port", sb.id)
     assert (listed.returncode, listed.stdout.decode()) == (0, f"5353/udp -> {host}\n"), listed
     assert [(p["port"], p["protocol"]) for p in sb.net_show()["ports"]] == [(5353, "udp")]
+    assert sb.inspect()["net"]["ports"] == sb.net_show()["ports"]          # as `docker inspect` shows them
     assert f"udp dport {hp}" in ruleset(iworld.br_ns)
     # No TCP port was published with it.
     assert d.cli("port", sb.id, "5353", "--rm").returncode != 0
@@ -664,7 +666,7 @@ def test_a_published_udp_port_answers_until_it_is_unpublished(iworld, natd, prob
         for s in flows:
             s.close()
     assert not _udp_answered(iworld.br_ns, host, b"fresh")
-    assert sb.net_show()["ports"] == []
+    assert sb.net_show()["ports"] == [] and sb.inspect()["net"]["ports"] == []
     sb.destroy()
 
 
