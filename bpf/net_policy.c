@@ -472,36 +472,6 @@ drop:;
     return 0;
 }
 
-// What arrives for the sandbox's sockets: every packet passes (this is no
-// ingress policy). A UDP datagram to a published UDP port marks its sender
-// as a peer the sandbox may answer (note_udp_peer).
-int dsec_ingress(struct __sk_buff *skb)
-{
-    u64 cg = bpf_skb_ancestor_cgroup_id(skb, sandbox_level());
-    u16 ports[2];  // source, destination; network byte order
-    if (skb->protocol == bpf_htons(ETH_P_IP)) {
-        struct iphdr ip;
-        if (bpf_skb_load_bytes(skb, 0, &ip, sizeof(ip)) < 0 || ip.protocol != IPPROTO_UDP ||
-            (ip.frag_off & bpf_htons(0x1fff)))
-            return 1;
-        if (bpf_skb_load_bytes(skb, ip.ihl * 4, ports, sizeof(ports)) < 0)
-            return 1;
-        note_udp_peer(cg, FAM_V4, (const u8 *)&ip.saddr, 4, ports[0], ports[1]);
-    } else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
-        struct ipv6hdr ip6;
-        if (bpf_skb_load_bytes(skb, 0, &ip6, sizeof(ip6)) < 0 || ip6.nexthdr != IPPROTO_UDP)
-            return 1;
-        if (bpf_skb_load_bytes(skb, sizeof(ip6), ports, sizeof(ports)) < 0)
-            return 1;
-        struct lpm_key k = {};
-        k.family = FAM_V6;
-        __builtin_memcpy(k.addr, &ip6.saddr, 16);
-        fold_v4_mapped(&k);   // as dsec_egress sees the answer's destination
-        note_udp_peer(cg, k.family, k.addr, 16, ports[0], ports[1]);
-    }
-    return 1;
-}
-
 // n bytes equal, n <= 16 (no memcmp: a libcall the object cannot carry).
 static __always_inline int same_bytes(const u8 *a, const u8 *b, int n)
 {
@@ -520,6 +490,45 @@ static __always_inline int all_zero16(const u8 *a)
     for (int i = 0; i < 16; i++)
         acc |= a[i];
     return acc == 0;
+}
+
+// What arrives for the sandbox's sockets: every packet passes (this is no
+// ingress policy). A UDP datagram to a published UDP port marks its sender
+// as a peer the sandbox may answer (note_udp_peer), unless the sandbox sent
+// it itself: from loopback or to its own address from that address (always
+// allowed anyway). Marking those let one sandbox churn `udp_peers`, an LRU
+// every sandbox shares, with datagrams to itself from thousands of ports
+// until other sandboxes' peers fell out (as `accepted` once was: from_itself).
+int dsec_ingress(struct __sk_buff *skb)
+{
+    u64 cg = bpf_skb_ancestor_cgroup_id(skb, sandbox_level());
+    u16 ports[2];  // source, destination; network byte order
+    struct lpm_key k = {};
+    if (skb->protocol == bpf_htons(ETH_P_IP)) {
+        struct iphdr ip;
+        if (bpf_skb_load_bytes(skb, 0, &ip, sizeof(ip)) < 0 || ip.protocol != IPPROTO_UDP ||
+            (ip.frag_off & bpf_htons(0x1fff)) || ip.saddr == ip.daddr)
+            return 1;
+        if (bpf_skb_load_bytes(skb, ip.ihl * 4, ports, sizeof(ports)) < 0)
+            return 1;
+        k.family = FAM_V4;
+        __builtin_memcpy(k.addr, &ip.saddr, 4);
+    } else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
+        struct ipv6hdr ip6;
+        if (bpf_skb_load_bytes(skb, 0, &ip6, sizeof(ip6)) < 0 || ip6.nexthdr != IPPROTO_UDP ||
+            same_bytes((const u8 *)&ip6.saddr, (const u8 *)&ip6.daddr, 16))
+            return 1;
+        if (bpf_skb_load_bytes(skb, sizeof(ip6), ports, sizeof(ports)) < 0)
+            return 1;
+        k.family = FAM_V6;
+        __builtin_memcpy(k.addr, &ip6.saddr, 16);
+        fold_v4_mapped(&k);   // as dsec_egress sees the answer's destination
+    } else {
+        return 1;
+    }
+    if (!is_loopback(&k))
+        note_udp_peer(cg, k.family, k.addr, 16, ports[0], ports[1]);
+    return 1;
 }
 
 #ifndef IPPROTO_ICMPV6

@@ -79,6 +79,15 @@ for line in sys.stdin:
             try: r = {"ok": True, "data": s.recvfrom(256)[0].decode()}
             except socket.timeout: r = {"ok": False, "timeout": True}
             s.close()
+        elif op == "udpbind":     # a UDP socket on every address at `port`, kept as "udp<port>"
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("0.0.0.0", q["port"]))
+            held[f"udp{q['port']}"] = s; r = {"ok": True}
+        elif op == "udpself":     # n datagrams to that socket from the sandbox itself, each from a fresh port
+            s = held[f"udp{q['port']}"]; s.settimeout(2)
+            for _ in range(q["n"]):
+                c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); c.sendto(b"self", (q["host"], q["port"]))
+                s.recvfrom(64); c.close()
+            r = {"ok": True}
         elif op == "icmp":
             s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP); s.settimeout(q.get("timeout", 1))
             s.sendto(bytes([8, 0, 0xf7, 0xfe, 0, 1, 0, 0]), (q["host"], 0))

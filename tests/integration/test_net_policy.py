@@ -482,6 +482,42 @@ def test_accepted_marks_are_for_connections_from_outside_while_they_last(world, 
     assert count() == base                          # closed: its mark went with it
 
 
+def test_udp_peers_are_marked_for_datagrams_from_outside_only(world, sandbox):
+    """The peers a sandbox may answer from a published UDP port are in one
+    LRU every sandbox shares: a sandbox sending datagrams to its own port
+    from thousands of ports would push out another sandbox's peers, whose
+    answers would then be refused. Datagrams from itself (loopback, its own
+    address) need no mark; one from outside is marked."""
+    import socket
+
+    peers = world.net.engine.udp_peers
+
+    def count() -> int:
+        return sum(1 for _ in peers.keys())
+
+    net = world.net
+    a = sandbox([])
+    own = net.show(a.name)["lease"]["ipv4"].split("/")[0]
+    assert a.ask(op="udpbind", port=5353) == {"ok": True}
+    net.publish(a.name, 5353, protocol="udp")
+    base = count()
+    for host in ("127.0.0.1", own):
+        assert a.ask(op="udpself", host=host, port=5353, n=20) == {"ok": True}
+    assert count() == base
+
+    def send() -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(b"outside", (own, 5353))
+
+    world.in_bridge_netns(send)
+    deadline = time.monotonic() + 5
+    while count() == base and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert count() == base + 1                      # from outside: marked
+    net.unpublish(a.name, 5353, protocol="udp")
+    assert count() == base                          # unpublished: its peers went with it
+
+
 def _published_keys(world) -> list[str]:
     """The comments (`<sandbox>:<port>`) of the DNAT rules in dsecd's table of the world's bridge netns."""
     from dsecd.net.nat import _nft, run
