@@ -828,28 +828,58 @@ class Zygote:
         return r
 
     def fork_worker(self):
-        """A new worker. Spares do not walk a call's path ahead of it: that
-        took more CPU from the call running beside it (two cores) than it
-        saved the next one (docs/burst.md, 'One call through the zygote')."""
-        if not self.uids:
+        """A new worker (OSError when none can be forked)."""
+        return self.fork_workers(1)[0]
+
+    def fork_workers(self, n):
+        """Up to `n` new workers, forked back to back (at least one, else
+        OSError). Spares do not walk a call's path ahead of it: that took
+        more CPU from the call running beside it (two cores) than it saved
+        the next one (docs/burst.md, 'One call through the zygote').
+
+        Every fork write-protects this process's memory again, and each
+        page it writes after one is then copied: between forks only the
+        fork itself runs, and what lists the workers runs once after the
+        last (docs/burst.md, "Spares forked in a batch")."""
+        made = []
+        for _ in range(min(n, len(self.uids))):
+            uid = self.uids.pop()
+            self.forked += 1
+            tmp = f"{self.base}/w{uid}-{self.forked}"    # unique: the counter never repeats
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            made.append([uid, tmp, ours, theirs, 0])
+        if not made:
             raise OSError(11, "every fncall uid is in use")
-        uid = self.uids.pop()
-        self.forked += 1
-        tmp = f"{self.base}/w{uid}-{self.forked}"    # unique: the counter never repeats
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            pid = os.fork()
-        except OSError:
-            # No pid (a call holds the sandbox's pids limit) or memory: the
-            # uid was never used.
-            self.uids.append(uid)
-            ours.close()
-            theirs.close()
-            raise
-        if pid == 0:
-            self.sock.close()
-            ours.close()
-            worker(theirs, tmp, uid, self.rlimits, self.isolation)
+        fork = os.fork
+        error = None
+        for m in made:
+            try:
+                m[4] = fork()
+            except OSError as e:
+                # No pid (a call holds the sandbox's pids limit) or memory.
+                error = e
+                break
+            if m[4] == 0:
+                self.sock.close()
+                for other in made:
+                    other[2].close()
+                    if other is not m:
+                        other[3].close()
+                worker(m[3], m[1], m[0], self.rlimits, self.isolation)
+        workers = []
+        for uid, tmp, ours, theirs, pid in made:
+            if not pid:             # never forked: its uid was never used
+                self.uids.append(uid)
+                ours.close()
+                theirs.close()
+                continue
+            workers.append(self._listed(uid, tmp, ours, theirs, pid))
+        if not workers:
+            raise error
+        return workers
+
+    def _listed(self, uid, tmp, ours, theirs, pid):
+        """The zygote's record of a worker just forked, watched for its end."""
         # The worker makes its process group too, but maybe only after a kill
         # of its call (killpg on a group not made yet: ESRCH, the kill lost).
         try:
@@ -1249,15 +1279,12 @@ class Zygote:
                 self.busy_at = now
             elif want and (low or now - self.busy_at >= IDLE_MS / 1000) and now >= self.fork_again_at:
                 try:
-                    self.idle.append(self.fork_worker())
-                    # Once low, the rest back to back: each fork write-
-                    # protects this process's memory again, and the pages
-                    # the loop then writes are copied. Between forks only
-                    # the fork's own path is; the loop's working set is
-                    # copied once per batch, not once per call (half the
-                    # zygote's faults: docs/burst.md, "Spares forked in a batch").
-                    while low and len(self.idle) < self.spares and self.uids:
-                        self.idle.append(self.fork_worker())
+                    # Once low, all that are missing, back to back: each
+                    # fork write-protects this process's memory again, and
+                    # the pages the loop then writes are copied, once per
+                    # batch instead of once per call (docs/burst.md,
+                    # "Spares forked in a batch").
+                    self.idle.extend(self.fork_workers(self.spares - len(self.idle) if low else 1))
                     self.fork_failed = False
                 except OSError:
                     # Tried again after FORK_RETRY_MS; a call meanwhile

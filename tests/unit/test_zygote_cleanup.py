@@ -487,11 +487,11 @@ def test_while_the_trash_is_swept_a_failed_fork_keeps_its_pace(monkeypatch):
         z.sweeping.append([forever(), "x", 0, 0.0])
         forks = []
 
-        def fork_fails():
+        def fork_fails(n=1):
             forks.append(clock[0])
             raise OSError(errno.EAGAIN, "pids.max")
 
-        z.fork_worker = fork_fails
+        z.fork_workers = fork_fails
         turns = []
 
         class Poll:
@@ -552,3 +552,65 @@ def test_parts_of_a_deep_trashed_dir_moved_up_are_swept_again(tmp_path, monkeypa
                 entry[3] = 0.0              # its retry is due
             z.sweep()
         assert z.sweeping == [] and os.listdir(base / zygote_main.TRASH) == []
+
+
+def test_a_low_zygote_forks_every_missing_spare_in_one_turn():
+    """Once fewer than half the spares are left, the missing ones are forked
+    back to back in one turn of the loop: each fork write-protects the
+    zygote's memory again, and the loop's own pages are then copied once per
+    batch, not once per call."""
+    with _zygote(uid_count=16) as z:
+        z.spares = 8
+        z.idle = [{"pid": 0}] * 3
+        asked = []
+
+        def fork_workers(n):
+            asked.append(n)
+            return [{"pid": 0}] * n
+
+        z.fork_workers = fork_workers
+
+        class Poll:
+            turns = 0
+
+            def poll(self, wait):
+                Poll.turns += 1
+                if Poll.turns > 1:
+                    raise _Stop
+                return []
+
+        z.poll = Poll()
+        with pytest.raises(_Stop):
+            z.run()
+    assert asked == [5] and len(z.idle) == 8
+
+
+def test_a_batch_whose_fork_fails_keeps_the_workers_forked_before_it(monkeypatch):
+    """A fork that fails in a batch (the pids limit) ends it: the workers
+    forked before it are listed, the uids of the others come back unused,
+    and their socket pairs are closed."""
+    monkeypatch.setattr(zygote_main, "worker", lambda link, tmp, uid, rlimits, isolation: os._exit(0))
+    real_fork = os.fork
+    forks = []
+
+    def fork_twice_then_fail():
+        forks.append(1)
+        if len(forks) > 2:
+            raise OSError(errno.EAGAIN, "pids.max")
+        return real_fork()
+
+    monkeypatch.setattr(zygote_main.os, "fork", fork_twice_then_fail)
+    with _zygote(uid_count=4) as z:
+        before = len(os.listdir("/proc/self/fd"))
+        workers = z.fork_workers(4)
+        try:
+            assert len(workers) == 2 and len(forks) == 3
+            assert sorted(z.uids + [w["uid"] for w in workers]) == [60000, 60001, 60002, 60003]
+            held = [fd for w in workers for fd in (w["link"].fileno(), w["pidfd"]) if fd >= 0]
+            assert len(os.listdir("/proc/self/fd")) - before == len(held)     # no other end left open
+        finally:
+            for w in workers:
+                os.waitpid(w["pid"], 0)
+                w["link"].close()
+                if w["pidfd"] >= 0:
+                    os.close(w["pidfd"])
