@@ -286,6 +286,20 @@ def _protocol_arg(proto: str) -> dict:
     return {} if proto == "tcp" else {"protocol": proto}
 
 
+def _port_arg(port: int | str, proto: str | None) -> tuple[int, str]:
+    """A sandbox's port as the SDK takes it: 5353 with `proto` (TCP when
+    None), or "5353/udp" as create's `publish` and `dsec port` take it, whose
+    protocol `proto` must then not contradict. BadRequest, before anything
+    is sent, for anything else."""
+    number, named = protocol.published_port(port)
+    if proto is None:
+        return number, named
+    proto = protocol.check_protocol(proto)
+    if isinstance(port, str) and "/" in port and named != proto:
+        raise BadRequest(f"port {port!r} is {named}, but protocol {proto!r} was given", {"port": port})
+    return number, proto
+
+
 def _publish_spec(spec: int | str) -> int | str:
     """A port of create's `publish` as sent: a TCP port as its number (what
     every daemon takes), else "PORT/PROTOCOL"."""
@@ -2184,28 +2198,33 @@ class Sandbox:
         return await self.client.request("net_set", sandbox=self.id, add=add or [], remove=remove or [],
                                          replace=replace)
 
-    async def publish(self, port: int, host_port: int | None = None, bind: str = "",
-                      protocol: str = "tcp") -> dict:
-        """Make the sandbox's `protocol` ("tcp" or "udp") `port` reachable from the host:
-        {port, protocol, host_port, bind, host ("addr:port" to connect or send to),
-        target}. host_port None = one the daemon picks; bind "" = every non-loopback
-        address of the daemon's host side. A TCP and a UDP port of one number are
+    async def publish(self, port: int | str, host_port: int | None = None, bind: str = "",
+                      protocol: str | None = None) -> dict:
+        """Make the sandbox's `protocol` ("tcp", the default, or "udp") `port`
+        (or "5353/udp") reachable from the host: {port, protocol, host_port,
+        bind, host ("addr:port" to connect or send to), target}. host_port
+        None = one the daemon picks; bind "" = every non-loopback address of
+        the daemon's host side. A TCP and a UDP port of one number are
         published apart (and may get different host ports)."""
-        return await self.client.request("net_publish", sandbox=self.id, port=int(port), host_port=host_port,
-                                         bind=bind, **_protocol_arg(protocol))
+        number, proto = _port_arg(port, protocol)
+        return await self.client.request("net_publish", sandbox=self.id, port=number, host_port=host_port,
+                                         bind=bind, **_protocol_arg(proto))
 
-    async def unpublish(self, port: int, protocol: str = "tcp") -> dict:
-        """The `protocol` `port` no longer published; the flows open through it are cut."""
-        return await self.client.request("net_unpublish", sandbox=self.id, port=int(port), **_protocol_arg(protocol))
+    async def unpublish(self, port: int | str, protocol: str | None = None) -> dict:
+        """The `protocol` `port` (or "5353/udp") no longer published; the flows
+        open through it are cut."""
+        number, proto = _port_arg(port, protocol)
+        return await self.client.request("net_unpublish", sandbox=self.id, port=number, **_protocol_arg(proto))
 
-    async def get_host(self, port: int, protocol: str = "tcp") -> str:
-        """"host:port" where the host reaches the sandbox's `protocol` ("tcp" or
-        "udp") `port`; publishes it (on a host port the daemon picks) if it is
-        not published yet."""
+    async def get_host(self, port: int | str, protocol: str | None = None) -> str:
+        """"host:port" where the host reaches the sandbox's `protocol` ("tcp",
+        the default, or "udp") `port` (or "5353/udp"); publishes it (on a host
+        port the daemon picks) if it is not published yet."""
+        number, proto = _port_arg(port, protocol)
         for p in (await self.net_show()).get("ports", []):
-            if p["port"] == int(port) and p.get("protocol", "tcp") == protocol.lower():
+            if p["port"] == number and p.get("protocol", "tcp") == proto:
                 return p["host"]
-        return (await self.publish(port, protocol=protocol))["host"]
+        return (await self.publish(number, protocol=proto))["host"]
 
     async def pause(self) -> dict:
         """Freeze and reclaim; any later exec or file op resumes it (auto_resume)."""

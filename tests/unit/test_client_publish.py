@@ -63,3 +63,29 @@ def test_another_protocol_is_refused_before_anything_is_sent(tmp_path):
             await sb.publish(5353, protocol="sctp")
 
     assert _sent(tmp_path, call) == []
+
+
+def test_a_port_named_with_its_protocol_is_asked_for_as_that_protocol(tmp_path):
+    """"5353/udp", as create's publish and `dsec port` take it, is 5353 over
+    UDP; "8080" and "8080/tcp" are TCP ports."""
+    async def call(sb):
+        await sb.publish("5353/udp")
+        await sb.unpublish("5353/UDP")
+        await sb.get_host("5353/udp")
+        await sb.publish("8080")
+        await sb.publish("8080/tcp", protocol="tcp")
+
+    sent = _sent(tmp_path, call)
+    assert [(f["op"], f.get("port"), f.get("protocol")) for f in sent] == [
+        ("net_publish", 5353, "udp"), ("net_unpublish", 5353, "udp"), ("net_show", None, None),
+        ("net_publish", 5353, "udp"), ("net_publish", 8080, None), ("net_publish", 8080, None)]
+
+
+def test_a_port_whose_protocol_contradicts_the_one_given_is_refused(tmp_path):
+    async def call(sb):
+        with pytest.raises(BadRequest, match="port '5353/udp' is udp, but protocol 'tcp' was given"):
+            await sb.publish("5353/udp", protocol="tcp")
+        with pytest.raises(BadRequest, match="is not a port"):
+            await sb.publish("dns")
+
+    assert _sent(tmp_path, call) == []
