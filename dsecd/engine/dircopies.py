@@ -289,20 +289,28 @@ class DirCopyService:
         finally:
             # A cancelled put's worker is still reading: this stops it, and it removes what it made.
             pipe.end("the copy request ended")
+            ctx.unregister_input()
             # Its temporary renamed into place or removed once the worker is
             # done, and not before: recorded until then, for the next daemon
-            # to remove should this one die meanwhile.
+            # to remove should this one die meanwhile. The put counts as
+            # running until then too (limits.max_tar_puts, the sandbox's
+            # idle TTL, its resume on a pause): its worker still writes the
+            # sandbox after a cancelled request's wait ran out.
             if work is None or work.done():
-                _drop_records(self.temps, records)
+                self._put_ended(sb, records)
             else:
-                work.add_done_callback(lambda _: _drop_records(self.temps, records))
-            ctx.unregister_input()
-            self.puts -= 1
-            if self._putting[sb.id] > 1:
-                self._putting[sb.id] -= 1
-            else:
-                del self._putting[sb.id]
-            busy(sb, -1)
+                work.add_done_callback(lambda _: self._put_ended(sb, records))
+
+    def _put_ended(self, sb: Sandbox, records: list) -> None:
+        """A put whose worker (if it had one) is done: its records dropped,
+        it no longer counts as running."""
+        _drop_records(self.temps, records)
+        self.puts -= 1
+        if self._putting[sb.id] > 1:
+            self._putting[sb.id] -= 1
+        else:
+            del self._putting[sb.id]
+        busy(sb, -1)
 
     def _recorder(self, sb: Sandbox, records: list, hold=None):
         """made(path, st) for put_tree: the temporary directory recorded (on

@@ -114,3 +114,31 @@ def test_a_put_whose_worker_outlasts_its_wait_keeps_its_record_until_the_worker_
         return during
 
     assert asyncio.run(go()) == [PARTIAL]
+
+
+def test_a_put_whose_worker_outlasts_its_wait_counts_as_running_until_the_worker_ends(tmp_path):
+    """A cancelled put whose wait for its worker ran out (a frozen copier)
+    still writes the sandbox: it keeps its place in limits.max_tar_puts and
+    keeps the sandbox busy (the idle TTL does not reap it, a pause resumes
+    it) until the worker has ended."""
+    svc, workers, temps, made, gate = _service(tmp_path, 0.0)
+    sb = svc.registry.by_id["sb1"]
+
+    async def go():
+        workers.loop = asyncio.get_running_loop()
+        req = SimpleNamespace(sandbox="sb1", path=PARTIAL, temporary=False, owner=None)
+        put = asyncio.create_task(svc.put(req, Ctx()))
+        try:
+            await _until(lambda: made.is_set() and temps.load())
+            put.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await put
+            during = (svc.puts, dict(svc._putting), sb.copies)
+        finally:
+            gate.set()
+        await _until(lambda: not svc.puts)     # a hang here: the put never counted off
+        return during, (svc.puts, dict(svc._putting), sb.copies)
+
+    during, after = asyncio.run(go())
+    assert during == (1, {"sb1": 1}, 1)
+    assert after == (0, {}, 0)
