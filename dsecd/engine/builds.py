@@ -386,6 +386,12 @@ class _Build:
                 async with self.svc.images.frozen_upper(sb) as upper:
                     return await self._pack(upper, exclude)
             except DsecError as err:
+                # A destroy from outside the build (`dsec rm --all`, a job's
+                # rm) took the step's sandbox before or while it was frozen:
+                # the freeze's or the state check's own words would not say so.
+                if self.svc.registry.destroyed_error(sb, "") is not None:
+                    raise self._error(step.line, f"pack the changes of {step.instruction.cmd}: the step's "
+                                      f"sandbox {sb.id} was destroyed meanwhile", err.code, sandbox=sb.id) from err
                 raise self._error(step.line, f"pack the changes of {step.instruction.cmd}: {err.message}",
                                   err.code) from err
         finally:

@@ -39,3 +39,71 @@ def test_a_step_whose_sandbox_was_destroyed_says_its_dockerfile_line(kind):
     err = caught.value
     assert err.message == f"Dockerfile:4: {instruction.cmd}: the step's sandbox b-1 was destroyed meanwhile"
     assert err.code == "conflict" and err.detail["line"] == 4 and err.detail["file"] == "Dockerfile"
+
+
+class _Handle:
+    group = None
+
+
+@pytest.mark.parametrize("when", ["before its freeze", "while it froze"])
+def test_a_step_whose_sandbox_was_destroyed_before_its_pack_says_so(when, monkeypatch):
+    """A destroy from outside the build once the step's command is done
+    (before the pack, or while the sandbox is frozen for it) fails the
+    build with the step's line and what happened, not with the freeze's
+    "cannot freeze it" or the state check's "is stopping"."""
+    from functools import partial
+
+    from dsecd.engine import images as images_mod
+    from dsecd.engine.images import ImageService
+
+    instruction = STEPS[WORKDIR][0]
+    step = Step(n=2, instruction=instruction, kind=WORKDIR, text=str(instruction), config=ImageConfig(),
+                argv=[], dest="/app")
+    registry = SandboxRegistry(None)
+    sb = Sandbox(id="b-1", image="build:app", state="running", created=0.0, limits={"cpu": 1, "memory": 1 << 20})
+    sb.handle = _Handle()
+    registry.by_id[sb.id] = sb
+
+    def destroy_from_outside() -> None:
+        sb.state = "stopping"
+        del registry.by_id[sb.id]
+
+    def freeze(_timeout) -> None:
+        destroy_from_outside()         # its cgroup is gone
+        raise FileNotFoundError(2, "No such file or directory", "cgroup.freeze")
+
+    monkeypatch.setattr(images_mod.pause.Freezer, "of", classmethod(lambda cls, group: SimpleNamespace(freeze=freeze)))
+
+    def behind(fn, *args):
+        fut = asyncio.get_running_loop().create_future()
+        try:
+            fut.set_result(fn(*args))
+        except Exception as err:        # noqa: BLE001 -- handed to the awaiter, as a worker does
+            fut.set_exception(err)
+        return fut
+
+    fake = SimpleNamespace(workers=SimpleNamespace(behind=behind), freeze_timeout_s=1.0, registry=registry)
+    destroyed = []
+
+    async def destroy(sb_, force, reason):
+        destroyed.append(sb_.id)
+
+    svc = SimpleNamespace(registry=registry, destroy=destroy,
+                          images=SimpleNamespace(images=SimpleNamespace(max_layer_bytes=1 << 30),
+                                                 snapshot_exclude=[],
+                                                 frozen_upper=partial(ImageService.frozen_upper, fake)))
+    build = _Build(svc, SimpleNamespace(name="app", dockerfile_name=None), None)
+
+    async def sandbox(_step, _image, _networked):
+        return sb
+
+    async def workdir(_sb, _step):
+        if when == "before its freeze":
+            destroy_from_outside()
+
+    build._sandbox, build._workdir = sandbox, workdir
+    with pytest.raises(DsecError) as caught:
+        asyncio.run(build._in_sandbox(step, None, []))
+    err = caught.value
+    assert err.message == "Dockerfile:4: pack the changes of WORKDIR: the step's sandbox b-1 was destroyed meanwhile"
+    assert err.code == "conflict" and err.detail["line"] == 4 and err.detail["sandbox"] == "b-1"
