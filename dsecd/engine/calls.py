@@ -155,21 +155,27 @@ class CallService:
                 if not box.claims and now - box.last_used >= ttl:
                     self._retire(box, f"no call for fncall.idle_ttl_s ({ttl:g} s)")
 
-    def _make_room(self) -> None:
+    def _make_room(self) -> list[asyncio.Task]:
         """Room for one more call sandbox under fncall.max_boxes: the idle
         ones used least recently are dropped; Busy when every one has calls.
         Retired ones still draining are not counted: they go as their
         running calls end, and counting them would make every call of a
-        recycled image wait for its longest call."""
+        recycled image wait for its longest call. The drops of those it
+        dropped, for the caller to wait for: each holds its slot of the
+        host's admission until its sandbox is destroyed."""
         cap = self.fn_cfg["max_boxes"]
+        drops = []
         while cap and len(self.call_boxes) + self._making >= cap:
             idle = [b for b in self.call_boxes.values() if not b.claims]
             if not idle:
                 self.call_stats["busy"] += 1
                 raise Busy(f"{cap} call sandboxes (fncall.max_boxes), each with calls running; retry shortly",
                            {"max": cap, "retry_after_s": 0.05})
-            self._retire(min(idle, key=lambda b: b.last_used),
-                         f"the least recently used idle one of fncall.max_boxes ({cap})")
+            drop = self._retire(min(idle, key=lambda b: b.last_used),
+                                f"the least recently used idle one of fncall.max_boxes ({cap})")
+            if drop is not None:
+                drops.append(drop)
+        return drops
 
     async def close(self) -> None:
         if self._sweeper is not None:
@@ -304,9 +310,15 @@ class CallService:
                     # The image first: a call naming one that is not there
                     # (or not for this host) must not drop another's box.
                     image = await self._image_for_box(image_name)
-                    self._make_room()
+                    drops = self._make_room()
                     self._making += 1
                     try:
+                        # The host's admission counts a dropped one until it
+                        # is destroyed: on a host it filled, the new one is
+                        # admitted in the slot it frees, once it is freed.
+                        # asyncio.wait: a cancel of this call stops no drop.
+                        if drops:
+                            await asyncio.wait(drops)
                         box = await self._make_box(image_name, image)
                     finally:
                         self._making -= 1
@@ -494,10 +506,11 @@ class CallService:
             self.workers.loop.remove_reader(zyg.sock.fileno())
             zyg.sock.close()
 
-    def _retire(self, box: CallBox, why: str, drain: bool = False) -> None:
+    def _retire(self, box: CallBox, why: str, drain: bool = False) -> asyncio.Task | None:
         """The next call of its image makes a new call sandbox; this one goes
         now, with the calls running in it, or with `drain` (a recycle: the
-        zygote is sound) once the last of them has ended."""
+        zygote is sound) once the last of them has ended. The task dropping
+        it now, if it does."""
         if self.call_boxes.get(box.image) is box:
             del self.call_boxes[box.image]
             self.call_stats["zygotes_replaced"] += 1 if box.zygote else 0
@@ -505,8 +518,9 @@ class CallService:
                 log.info("call sandbox %s of %s: %s; it goes once its %d running calls end",
                          box.id, box.image, why, box.running)
                 self._draining[box.id] = (box, why)
-                return
-            self.workers.loop.create_task(self._drop_box(box, why))
+                return None
+            return self.workers.loop.create_task(self._drop_box(box, why))
+        return None
 
     async def _drop_box(self, box: CallBox, why: str) -> None:
         log.info("dropping call sandbox %s of %s: %s", box.id, box.image, why)

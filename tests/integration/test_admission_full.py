@@ -71,3 +71,24 @@ def test_a_call_sandbox_past_the_hosts_memory_capacity_is_busy(daemon_factory, b
             c.create(image="busybox", memory="150M")
     finally:
         c.close()
+
+
+def test_a_call_evicting_an_idle_call_sandbox_on_a_full_host_takes_its_slot(daemon_factory, busybox_rootfs):
+    """At fncall.max_boxes a call of another image drops the idle call
+    sandbox used least recently to make room: on a host that sandbox
+    filled, the new one takes the slot it frees, not `busy` (with the idle
+    one dropped all the same)."""
+    d = daemon_factory("[limits]\nmax_sandboxes = 2\n[fncall]\nmax_boxes = 1\nzygote = false\n")
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        c.import_image(busybox_rootfs, "busybox2")
+        c.create(image="busybox", memory="64M")
+        assert c.call("busybox", argv=["echo", "one"]).stdout == b"one\n"
+        assert c.call("busybox2", argv=["echo", "two"]).stdout == b"two\n"
+        boxes = c.info()["fncall"]["boxes"]
+        assert [b["image"] for b in boxes] == ["busybox2"], boxes
+        adm = c.info()["cpu"]["admission"]
+        assert adm["sandboxes"] == {"live": 2, "call_sandboxes": 1, "queued": 0, "max": 2}, adm
+    finally:
+        c.close()
