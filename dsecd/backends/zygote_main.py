@@ -842,16 +842,22 @@ class Zygote:
         fork itself runs, and what lists the workers runs once after the
         last (docs/burst.md, "Spares forked in a batch")."""
         made = []
+        error = None
         for _ in range(min(n, len(self.uids))):
+            try:
+                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            except OSError as e:
+                # Out of fds or memory: the batch is the workers paired so
+                # far, and this one's uid is not taken.
+                error = e
+                break
             uid = self.uids.pop()
             self.forked += 1
             tmp = f"{self.base}/w{uid}-{self.forked}"    # unique: the counter never repeats
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             made.append([uid, tmp, ours, theirs, 0])
         if not made:
-            raise OSError(11, "every fncall uid is in use")
+            raise error or OSError(11, "every fncall uid is in use")
         fork = os.fork
-        error = None
         for m in made:
             try:
                 m[4] = fork()

@@ -614,3 +614,41 @@ def test_a_batch_whose_fork_fails_keeps_the_workers_forked_before_it(monkeypatch
                 w["link"].close()
                 if w["pidfd"] >= 0:
                     os.close(w["pidfd"])
+
+
+
+def test_a_batch_short_of_fds_forks_what_it_could_pair_and_loses_no_uid(monkeypatch):
+    """A socket pair that cannot be made (the zygote out of fds or memory)
+    ends the batch before its forks: the workers paired before it are
+    forked, and no uid is lost, neither its own nor those of the pairs made
+    before it (a lost uid is never handed out again: each failed batch
+    would shrink the zygote's calls for good). With no pair made, the
+    batch fails, every uid still free."""
+    import socket
+
+    monkeypatch.setattr(zygote_main, "worker", lambda link, tmp, uid, rlimits, isolation: os._exit(0))
+    real_pair = socket.socketpair
+    left = [2]          # pairs that can be made
+
+    def pair(*args):
+        if not left[0]:
+            raise OSError(errno.EMFILE, "Too many open files")
+        left[0] -= 1
+        return real_pair(*args)
+
+    with _zygote(uid_count=4) as z:
+        monkeypatch.setattr(zygote_main.socket, "socketpair", pair)
+        workers = z.fork_workers(4)
+        try:
+            assert len(workers) == 2
+            assert sorted(z.uids + [w["uid"] for w in workers]) == [60000, 60001, 60002, 60003]
+            free = sorted(z.uids)
+            with pytest.raises(OSError) as caught:
+                z.fork_workers(2)
+            assert caught.value.errno == errno.EMFILE and sorted(z.uids) == free
+        finally:
+            for w in workers:
+                os.waitpid(w["pid"], 0)
+                w["link"].close()
+                if w["pidfd"] >= 0:
+                    os.close(w["pidfd"])
