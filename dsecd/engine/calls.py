@@ -115,6 +115,9 @@ class CallService:
         self._draining: dict[str, tuple[CallBox, str]] = {}
         self._box_locks: dict[str, asyncio.Lock] = {}
         self._making = 0        # call sandboxes being made
+        # Images whose call sandbox is being made -> whether the name was
+        # rebuilt or removed since (_image_changed).
+        self._rebuilt: dict[str, bool] = {}
         self._sweeper: asyncio.Task | None = None
         if images is not None:
             images.images.changed.append(self._image_changed)
@@ -306,22 +309,35 @@ class CallService:
             lock = self._box_locks.setdefault(image_name, asyncio.Lock())
             async with lock:
                 box = self.call_boxes.get(image_name)
-                if box is None:
-                    # The image first: a call naming one that is not there
-                    # (or not for this host) must not drop another's box.
-                    image = await self._image_for_box(image_name)
-                    drops = self._make_room()
-                    self._making += 1
+                while box is None:
+                    # Set by _image_changed if the name is rebuilt or removed meanwhile.
+                    self._rebuilt[image_name] = False
                     try:
-                        # The host's admission counts a dropped one until it
-                        # is destroyed: on a host it filled, the new one is
-                        # admitted in the slot it frees, once it is freed.
-                        # asyncio.wait: a cancel of this call stops no drop.
-                        if drops:
-                            await asyncio.wait(drops)
-                        box = await self._make_box(image_name, image)
+                        # The image first: a call naming one that is not there
+                        # (or not for this host) must not drop another's box.
+                        image = await self._image_for_box(image_name)
+                        drops = self._make_room()
+                        self._making += 1
+                        try:
+                            # The host's admission counts a dropped one until it
+                            # is destroyed: on a host it filled, the new one is
+                            # admitted in the slot it frees, once it is freed.
+                            # asyncio.wait: a cancel of this call stops no drop.
+                            if drops:
+                                await asyncio.wait(drops)
+                            box = await self._make_box(image_name, image)
+                        finally:
+                            self._making -= 1
                     finally:
-                        self._making -= 1
+                        rebuilt = self._rebuilt.pop(image_name)
+                    if rebuilt:
+                        # Made of what the name stood for before: kept, it
+                        # would serve every later call. Made again of what
+                        # it stands for now (not_found if removed).
+                        self.workers.loop.create_task(
+                            self._drop_box(box, "its image name was rebuilt or removed while it was made"))
+                        box = None
+                        continue
                     self.call_boxes[image_name] = box
         box.claims += 1
         return box
@@ -481,8 +497,11 @@ class CallService:
     def _image_changed(self, key: str) -> None:
         """An image name now stands for another manifest, or for none (from
         the thread that changed it): its next call makes a call sandbox of
-        what it names now; calls running in the old one end there."""
+        what it names now; calls running in the old one end there, and one
+        being made of the old one is made again (_call_box)."""
         def retire() -> None:
+            if key in self._rebuilt:
+                self._rebuilt[key] = True
             box = self.call_boxes.get(key)
             if box is not None:
                 self._retire(box, "its image name was rebuilt or removed", drain=True)

@@ -1,0 +1,85 @@
+"""An image name rebuilt or removed while its call sandbox is made
+(dsecd/engine/calls.py _call_box): the sandbox made of what the name
+stood for before is not kept as the name's, to serve every later call."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from types import SimpleNamespace
+
+from dsecd.engine.calls import CallService
+from dsecd.engine.execs import ExecLimits
+from dsecd.engine.starts import ProcessStarter
+from dsecd.engine.workers import Workers
+
+
+@contextlib.contextmanager
+def _workers():
+    workers = Workers(2)
+    workers.start(asyncio.get_running_loop())
+    try:
+        yield workers
+    finally:
+        workers.pool.shutdown(wait=True)
+
+
+async def _until(cond) -> None:
+    for _ in range(400):
+        if cond():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("never came")
+
+
+def test_a_call_sandbox_made_of_an_image_rebuilt_meanwhile_is_not_kept():
+    old = SimpleNamespace(layer_digests=["sha256:old"], config={}, source=None)
+    new = SimpleNamespace(layer_digests=["sha256:new"], config={}, source=None)
+    named = {"py": old}
+    making, go_on = threading.Event(), threading.Event()
+    seen = {"made": [], "destroyed": [], "released": []}
+
+    class FnCall:
+        def create_box(self, box_id, lowerdirs, limits, plan, idmap):
+            seen["made"].append(box_id)
+            making.set()
+            go_on.wait(10)
+            return SimpleNamespace(box=box_id)
+
+        def mqueue_dir(self, handle):
+            return -1
+
+        def destroy_box(self, box_id, handle):
+            seen["destroyed"].append(box_id)
+
+    store = SimpleNamespace(get=lambda name: named[name], changed=[], key=lambda name: name)
+    images = SimpleNamespace(images=store, layers=SimpleNamespace(acquire=lambda digests: [],
+                                                                  release=seen["released"].append))
+    ranges = SimpleNamespace(take=lambda: "range", give_back=lambda idmap: None)
+    held: dict[str, tuple] = {}
+    capacity = SimpleNamespace(hold_call_sandbox=lambda box_id, cpu, memory: held.setdefault(box_id, (cpu, memory)),
+                               release_call_sandbox=lambda box_id: held.pop(box_id))
+
+    async def go():
+        with _workers() as workers:
+            limits = ExecLimits(max_timeout_s=0, drain_grace_s=0.1, max_output=1 << 20, max_trace=0)
+            node = CallService(FnCall(), {"cpu": 1, "memory": "64M", "pids": 64, "qos": "be", "uid_base": 60000,
+                                          "uid_count": 4, "max_boxes": 0}, {}, 100_000, images,
+                               SimpleNamespace(plan=lambda qos: None), workers, ProcessStarter(workers), limits, -1,
+                               ranges, capacity)
+            calling = asyncio.ensure_future(node._call_box("py"))
+            await asyncio.get_running_loop().run_in_executor(None, making.wait, 10)
+            named["py"] = new                   # rebuilt while its call sandbox is made
+            for hook in store.changed:
+                hook("py")
+            await asyncio.sleep(0.01)           # the hook's retire, on the loop
+            go_on.set()
+            box = await calling
+            await _until(lambda: seen["destroyed"])
+            return box, node.call_boxes
+
+    box, boxes = asyncio.run(go())
+    assert box.layers == ["sha256:new"] and boxes == {"py": box}
+    assert seen["destroyed"] == [seen["made"][0]] and seen["released"] == [["sha256:old"]]
+    assert list(held) == [box.id]
