@@ -327,7 +327,8 @@ class NodeCollector:
         calls.add_metric(["zygote"], f.get("zygote_calls", 0))
         calls.add_metric(["plain"], f.get("plain_calls", 0))
         yield calls
-        for name, key, doc in (("dsecd_call_busy", "busy", "FnCalls refused: fncall.max_inflight reached"),
+        for name, key, doc in (("dsecd_call_busy", "busy", "FnCalls refused busy: fncall.max_inflight or "
+                                "fncall.max_boxes reached, or no call sandbox admitted on a full host"),
                                ("dsecd_zygotes_started", "zygotes_started", "Zygotes started"),
                                ("dsecd_zygotes_replaced", "zygotes_replaced", "Zygotes replaced")):
             c = _counter(name, doc)

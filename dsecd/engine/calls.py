@@ -358,7 +358,11 @@ class CallService:
                                cpu_hard_quota=False, cpu_period_us=self.cpu_period_us)
         plan = self.cpu.plan(fc["qos"])
         box_id = f"fn-{secrets.token_hex(5)}"
-        self.capacity.hold_call_sandbox(box_id, limits.cpu, limits.memory_bytes)   # busy when the host is full
+        try:
+            self.capacity.hold_call_sandbox(box_id, limits.cpu, limits.memory_bytes)
+        except Busy:            # the host is full, or its CPU or memory
+            self.call_stats["busy"] += 1
+            raise
         try:
             mounts = await self.workers.run(self.image_service.layers.acquire, image.layer_digests)
         except BaseException as err:

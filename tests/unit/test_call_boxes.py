@@ -1,6 +1,5 @@
-"""An image name rebuilt or removed while its call sandbox is made
-(dsecd/engine/calls.py _call_box): the sandbox made of what the name
-stood for before is not kept as the name's, to serve every later call."""
+"""Making an image's call sandbox (dsecd/engine/calls.py _call_box), over a
+fake fncall backend: an image rebuilt meanwhile, a host that admits none."""
 
 from __future__ import annotations
 
@@ -83,3 +82,36 @@ def test_a_call_sandbox_made_of_an_image_rebuilt_meanwhile_is_not_kept():
     assert box.layers == ["sha256:new"] and boxes == {"py": box}
     assert seen["destroyed"] == [seen["made"][0]] and seen["released"] == [["sha256:old"]]
     assert list(held) == [box.id]
+
+
+def test_a_call_refused_by_a_full_host_counts_as_busy():
+    """A call whose image needs a call sandbox the host's admission refuses
+    (limits.max_sandboxes, CPU or memory) is `busy`, and counted with the
+    calls refused busy (info's fncall.busy, dsecd_call_busy_total) as one
+    refused at fncall.max_inflight or fncall.max_boxes is."""
+    import pytest
+
+    from dsecd.errors import Busy
+
+    image = SimpleNamespace(layer_digests=["sha256:l1"], config={}, source=None)
+    store = SimpleNamespace(get=lambda name: image, changed=[], key=lambda name: name)
+    images = SimpleNamespace(images=store, layers=SimpleNamespace(acquire=lambda digests: [],
+                                                                  release=lambda digests: None))
+
+    def full(box_id, cpu, memory):
+        raise Busy("host is full: 2 sandboxes of max 2; retry later or on another host")
+
+    capacity = SimpleNamespace(hold_call_sandbox=full, release_call_sandbox=lambda box_id: None)
+
+    async def go():
+        with _workers() as workers:
+            limits = ExecLimits(max_timeout_s=0, drain_grace_s=0.1, max_output=1 << 20, max_trace=0)
+            node = CallService(None, {"cpu": 1, "memory": "64M", "pids": 64, "qos": "be", "uid_base": 60000,
+                                      "uid_count": 4, "max_boxes": 0}, {}, 100_000, images,
+                               SimpleNamespace(plan=lambda qos: None), workers, ProcessStarter(workers), limits, -1,
+                               SimpleNamespace(take=lambda: "range", give_back=lambda idmap: None), capacity)
+            with pytest.raises(Busy, match="host is full"):
+                await node._call_box("py")
+            return node.call_stats["busy"]
+
+    assert asyncio.run(go()) == 1
