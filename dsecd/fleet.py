@@ -150,6 +150,14 @@ def live_sandboxes(info: dict) -> int:
     return sum(n for state, n in info.get("sandboxes", {}).items() if state != "dead")
 
 
+def call_sandboxes(info: dict) -> int:
+    """FnCall's call sandboxes of a host's `info`: not in its `sandboxes`,
+    yet each takes a slot of limits.max_sandboxes (0 from a daemon that
+    did not count them)."""
+    adm = (info.get("cpu") or {}).get("admission") or {}
+    return (adm.get("sandboxes") or {}).get("call_sandboxes") or 0
+
+
 class FleetHost:
     """What the fleet knows of one host, and its Client."""
 
@@ -261,7 +269,7 @@ class FleetHost:
         if userns.get("enabled"):
             slots = min(slots or userns["slots"], userns["slots"])
         if slots:
-            live = live_sandboxes(self.info)
+            live = live_sandboxes(self.info) + call_sandboxes(self.info)
             queued = self.info.get("admission", {}).get("queued", 0)
             shares.append((live + queued + self.extra_n + 1) / slots)
         load = max(shares, default=0.0)

@@ -447,6 +447,22 @@ def test_a_key_that_may_have_a_copy_on_a_down_host_is_kept_past_a_destroy():
     assert run(go()) == ["sb-a"]
 
 
+def test_a_hosts_call_sandboxes_count_against_its_room():
+    """FnCall's call sandboxes take slots of limits.max_sandboxes (info's
+    admission counts them) though `sandboxes` lists none: a host whose
+    slots they fill is not placed on, to answer busy."""
+    async def go():
+        from dsecd.fleet import _Shape
+        f = fleet_of(1)
+        h = list(f.hosts.values())[0]
+        h.info = info(live=2, max_sandboxes=4)
+        h.info["cpu"]["admission"]["sandboxes"] = {"live": 4, "call_sandboxes": 2, "queued": 0, "max": 4}
+        shape = _Shape(0.1, 1 << 20)
+        return h.load_after(shape), f._place("busybox", "", shape, {})
+
+    assert run(go()) == (None, None)
+
+
 def test_creates_since_the_last_info_count_against_the_room():
     async def go():
         from dsecd.fleet import _Shape
