@@ -395,10 +395,14 @@ class _Build:
                 raise self._error(step.line, f"pack the changes of {step.instruction.cmd}: {err.message}",
                                   err.code) from err
         finally:
-            try:
-                await self.svc.destroy(sb, True, "build")
-            except DsecError as err:
-                log.error("build %s: destroy step sandbox %s: %s", self.req.name, sb.id, err)
+            # One destroyed from outside the build meanwhile is not the
+            # build's to destroy: a second destroy is refused ("already being
+            # destroyed"), which is no error of this daemon to log.
+            if self.svc.registry.destroyed_error(sb, "") is None:
+                try:
+                    await self.svc.destroy(sb, True, "build")
+                except DsecError as err:
+                    log.error("build %s: destroy step sandbox %s: %s", self.req.name, sb.id, err)
 
     async def _pack(self, upper, exclude: list[str]) -> dict | None:
         """The step's layer, packed from `upper` in a worker. Cancelled, the

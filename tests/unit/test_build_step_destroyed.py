@@ -107,3 +107,4 @@ def test_a_step_whose_sandbox_was_destroyed_before_its_pack_says_so(when, monkey
     err = caught.value
     assert err.message == "Dockerfile:4: pack the changes of WORKDIR: the step's sandbox b-1 was destroyed meanwhile"
     assert err.code == "conflict" and err.detail["line"] == 4 and err.detail["sandbox"] == "b-1"
+    assert destroyed == []          # not the build's to destroy again (refused, logged as an error)
