@@ -53,7 +53,7 @@ from .creates import BUILD_LABEL, CreateService
 from .execs import ExecService, mapped_groups
 from .images import ImageService, check_platform, count_image_op
 from .network import NET_FILES
-from .sandboxes import Sandbox, SandboxRegistry
+from .sandboxes import DESTROYED_BECAUSE, Sandbox, SandboxRegistry
 from .workers import Workers, outcome
 
 log = logging.getLogger(__name__)
@@ -509,6 +509,13 @@ class _Build:
         if result.get("timed_out"):
             raise self._error(step.line, f"RUN did not finish in {timeout:g} s ([build] run_timeout_s); "
                               "it was killed", "io", output_tail=text)
+        if result.get("killed_by") == "destroy":
+            # By a destroy from outside the build (`dsec rm --all`, a job's
+            # rm, its TTL): no failure of the command's own.
+            by = result.get("destroyed_by")
+            why = f", {DESTROYED_BECAUSE.get(by, by)}" if by else ""
+            raise self._error(step.line, f"RUN: the step's sandbox {sb.id} was destroyed meanwhile{why}", "conflict",
+                              sandbox=sb.id, destroyed=by, output_tail=text)
         if result.get("killed_by") == "oom":
             raise self._error(step.line, "RUN was killed at the step sandbox's memory limit ([build] memory = "
                               f"{self.svc.limits.memory / 2**20:g} MiB; the kernel's OOM killer took it): raise "

@@ -108,3 +108,35 @@ def test_a_step_whose_sandbox_was_destroyed_before_its_pack_says_so(when, monkey
     assert err.message == "Dockerfile:4: pack the changes of WORKDIR: the step's sandbox b-1 was destroyed meanwhile"
     assert err.code == "conflict" and err.detail["line"] == 4 and err.detail["sandbox"] == "b-1"
     assert destroyed == []          # not the build's to destroy again (refused, logged as an error)
+
+
+def test_a_run_killed_by_a_destroy_of_its_sandbox_says_so():
+    """A RUN whose step sandbox a destroy from outside the build took while
+    it ran was killed by that destroy (the exec's killed_by "destroy"): the
+    build says the step's sandbox was destroyed meanwhile, not that the
+    RUN failed with signal 9 as if the command had crashed."""
+    instruction = Instruction(line=4, cmd="RUN", args="make", original="RUN make")
+    step = Step(n=2, instruction=instruction, kind=RUN, text=str(instruction), config=ImageConfig(),
+                argv=["/bin/sh", "-c", "make"], dest="/app")
+    sb = Sandbox(id="b-1", image="build:app", state="stopping", created=0.0, limits={})
+    accounts = SimpleNamespace(process_ids=lambda user: SimpleNamespace(uid=0, gid=0, groups=[]),
+                               home=lambda user: "/root")
+
+    async def run_streamed(sb_, argv, env, cwd, ids, timeout, emit):
+        return {"exit_code": None, "signal": 9, "timed_out": False, "killed_by": "destroy", "destroyed_by": "all"}
+
+    svc = SimpleNamespace(registry=SandboxRegistry(None), execs=SimpleNamespace(run_streamed=run_streamed),
+                          limits=SimpleNamespace(run_timeout_s=0, memory=1 << 30),
+                          images=SimpleNamespace(images=SimpleNamespace(max_layer_bytes=1 << 30)))
+    build = _Build(svc, SimpleNamespace(name="app", dockerfile_name=None), None)
+
+    async def files(_sb, _step, fn, *args, stop=None):
+        return accounts
+
+    build._files = files
+    with pytest.raises(DsecError) as caught:
+        asyncio.run(build._run(sb, step))
+    err = caught.value
+    assert err.message == ("Dockerfile:4: RUN: the step's sandbox b-1 was destroyed meanwhile, "
+                           "by a destroy of all sandboxes")
+    assert err.code == "conflict" and err.detail["line"] == 4 and err.detail["sandbox"] == "b-1"
