@@ -858,9 +858,20 @@ class CreateService:
         the host's capacity with it. Not refused by a drain, nor by the LS
         rule on recent load (`cpu.ls_max_load`): calls in flight come and go
         in seconds, and a call sandbox is dropped when idle
-        (fncall.idle_ttl_s)."""
-        self._admit()
-        self.cpu.admit(self.registry.requested(), cpu, memory, ls=False)
+        (fncall.idle_ttl_s). The creates queued for a slot count against
+        limits.max_sandboxes, as they do for a new create: a call sandbox
+        takes no slot a queued create was let in for."""
+        live, cap, queued = self.registry.live_count(), self.limits["max_sandboxes"], self.admission.queued
+        retry = {"retry_after_s": self.adm_cfg["full_retry_after_s"]}
+        if live + queued >= cap:
+            raise Busy(f"host is full: {live} sandboxes and {queued} queued creates of max {cap}; "
+                       "retry later or on another host",
+                       {"sandboxes": live, "queued": queued, "max": cap, **retry})
+        try:
+            self.cpu.admit(self.registry.requested(), cpu, memory, ls=False)
+        except Busy as err:
+            err.detail.setdefault("retry_after_s", retry["retry_after_s"])
+            raise
         self.registry.hold(box_id, cpu, memory)
 
     def release_call_sandbox(self, box_id: str) -> None:
