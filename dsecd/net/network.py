@@ -89,9 +89,26 @@ class _Sandbox:
     dropped: bool = False                             # policy and counters freed (a detach got that far)
 
     def record(self) -> dict:
+        """The sandbox as its record keeps it. TCP publications are under
+        `ports`, UDP ones under `udp_ports`: a daemon from before UDP ports
+        reads `ports` and publishes each entry as TCP whatever its
+        `protocol`, so a UDP port there would come back from a downgrade as
+        a TCP port of that number; `udp_ports` it does not read at all."""
+        pubs = list(self.ports.values())
         return {"id": self.id, "mode": self.mode, "cgroup_dir": self.cgroup_dir, "cgroup_id": self.cgroup_id,
                 "terms": list(self.terms), "ifname": self.ifname, "ipv4": self.ipv4,
-                "ports": list(self.ports.values()), "kind": self.kind}
+                "ports": [p for p in pubs if p["protocol"] == "tcp"],
+                "udp_ports": [p for p in pubs if p["protocol"] == "udp"], "kind": self.kind}
+
+
+def recorded_ports(rec: dict) -> list[dict]:
+    """The publications of a sandbox's record, each with its `protocol` and
+    `bind`: `ports` (TCP; an entry naming another protocol is from a record
+    that kept UDP ports there too, and is of that one) and `udp_ports`."""
+    out = [{**pub, "protocol": pub.get("protocol", "tcp"), "bind": pub.get("bind", "")}
+           for pub in rec.get("ports") or ()]
+    out += [{**pub, "protocol": "udp", "bind": pub.get("bind", "")} for pub in rec.get("udp_ports") or ()]
+    return out
 
 
 class Network:
@@ -1282,7 +1299,7 @@ class Network:
         records = dict(self.records.records)
         adopted, released, failed, sealed, stuck = [], [], {}, [], []
         previous: dict = {}                 # the previous daemon's mark maps, held open (Engine.hold_marks)
-        if self.nat is None and any(rec.get("ports") for rec in records.values()):
+        if self.nat is None and any(recorded_ports(rec) for rec in records.values()):
             # The previous daemon published ports, and if it was killed its table is
             # still there: replace it now, or the DNAT of a sandbox that is gone
             # would stay, towards an address IPAM leases again.
@@ -1410,9 +1427,7 @@ class Network:
     def _republish(self, sb: _Sandbox, rec: dict) -> None:
         """A readopted sandbox's published ports (its record's), again: the
         record written after holds only what sb.ports has."""
-        for pub in rec.get("ports", []):
-            # A record of a daemon that published TCP only names no protocol.
-            pub = {**pub, "protocol": pub.get("protocol", "tcp"), "bind": pub.get("bind", "")}
+        for pub in recorded_ports(rec):
             name = pub.get("port") if pub["protocol"] == "tcp" else f"{pub.get('port')}/{pub['protocol']}"
             try:
                 nat = self._nat_table()
