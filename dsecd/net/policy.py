@@ -304,8 +304,17 @@ class Engine:
     def publish_udp(self, key: int, port: int) -> None:
         """Let the sandbox `key` (a cgroup id, or a microVM's vm_key) answer
         whoever sends a datagram to its UDP `port` from now on (a TCP
-        connection made to it needs no such entry: its socket is marked)."""
-        self.udp_published.update(_UDP_PORT.pack(key, port.to_bytes(2, "big")), b"\1")
+        connection made to it needs no such entry: its socket is marked).
+        LimitExceeded when `udp_published`, every sandbox's, is full."""
+        try:
+            self.udp_published.update(_UDP_PORT.pack(key, port.to_bytes(2, "big")), b"\1")
+        except BpfError as err:
+            if err.errno != errno.E2BIG:          # what a full hash map answers a new key
+                raise
+            size = self.udp_published.max_entries
+            raise LimitExceeded(f"BPF map udp_published is full: {size} UDP ports are published (every "
+                                "sandbox's together); unpublish one first",
+                                {"limit": "udp_published", "size": size}) from None
 
     def unpublish_udp(self, key: int, port: int) -> int:
         """Its UDP `port` no longer marks the peers that write to it, and

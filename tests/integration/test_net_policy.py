@@ -518,6 +518,34 @@ def test_udp_peers_are_marked_for_datagrams_from_outside_only(world, sandbox):
     assert count() == base                          # unpublished: its peers went with it
 
 
+def test_a_publish_past_the_udp_published_map_s_size_is_a_limit(world, sandbox):
+    """`udp_published` holds every sandbox's published UDP ports; when it
+    is full a UDP publish is refused as the limit it is (the map's name and
+    size), not as an I/O error, and leaves nothing behind: no DNAT, no port
+    shown or recorded. A TCP port needs no entry and is still published."""
+    from dsecd.net.policy import _UDP_PORT
+
+    net = world.net
+    a = sandbox()
+    ports = net.engine.udp_published
+    taken = sum(1 for _ in ports.keys())
+    # Entries of sandbox keys no cgroup has (ids count up from 1), to fill the map.
+    fillers = [_UDP_PORT.pack((1 << 62) + i, b"\0\1") for i in range(ports.max_entries - taken)]
+    ports.update_many([(k, b"\1") for k in fillers])
+    try:
+        with pytest.raises(LimitExceeded, match="udp_published is full") as got:
+            net.publish(a.name, 5353, protocol="udp")
+        assert got.value.detail == {"limit": "udp_published", "size": ports.max_entries}
+        assert net.show(a.name)["ports"] == [] and _published_keys(world) == []
+        assert read_records(net.records.path)[a.name].get("udp_ports", []) == []
+        net.publish(a.name, 8080)
+    finally:
+        for k in fillers:
+            ports.delete(k)
+    net.publish(a.name, 5353, protocol="udp")
+    assert sorted((p["port"], p["protocol"]) for p in net.show(a.name)["ports"]) == [(5353, "udp"), (8080, "tcp")]
+
+
 def _published_keys(world) -> list[str]:
     """The comments (`<sandbox>:<port>`) of the DNAT rules in dsecd's table of the world's bridge netns."""
     from dsecd.net.nat import _nft, run
