@@ -321,13 +321,17 @@ class Engine:
         the peers it marked may no longer be answered; how many there were."""
         self.udp_published.delete(_UDP_PORT.pack(key, port.to_bytes(2, "big")))
         raw_port = port.to_bytes(2, "big")
-        # A walk restarts when its key is deleted under it (the LRU
-        # evicting): bounded, so a busy map cannot keep it going.
-        keys = itertools.islice(self.udp_peers.keys(), 2 * self.udp_peers.max_entries)
-        theirs = [k for k in keys if (f := _FLOW.unpack_from(k))[0] == key and f[3] == raw_port]
-        for k in theirs:
-            self.udp_peers.delete(k)
-        return len(theirs)
+        # Every sandbox's peers, read in batches: a full map in 17 calls and
+        # ~18 ms, where a key a call took ~0.23 s (this runs under the
+        # Network's lock). Only keys that begin with the sandbox's are unpacked.
+        keys, size, own = self.udp_peers.all_keys(), self.udp_peers.key_size, _U64.pack(key)
+        theirs = []
+        at = keys.find(own)
+        while at >= 0:
+            if at % size == 0 and _FLOW.unpack_from(keys, at)[3] == raw_port:
+                theirs.append(keys[at:at + size])
+            at = keys.find(own, at + 1)
+        return self.udp_peers.delete_many(theirs)
 
     # ------------------------------------------------------------ maps
 

@@ -546,6 +546,55 @@ def test_a_publish_past_the_udp_published_map_s_size_is_a_limit(world, sandbox):
     assert sorted((p["port"], p["protocol"]) for p in net.show(a.name)["ports"]) == [(5353, "udp"), (8080, "tcp")]
 
 
+def test_an_unpublish_reads_the_full_udp_peer_map_in_batches(world, sandbox, monkeypatch):
+    """`udp_peers` is every sandbox's (65536 entries): an unpublish of a UDP
+    port finds the port's peers in it while holding the Network's lock, so
+    it reads the map in batches, not one bpf(2) call per key (65536 calls,
+    ~0.25 s with every network request of the daemon waiting), and deletes
+    those peers and no others: not the sandbox's other port's, nor other
+    sandboxes'."""
+    from dsecd.net import bpfsys
+    from dsecd.net.policy import _FLOW
+
+    net = world.net
+    a = sandbox()
+    key = net._sbs[a.name].cgroup_id
+    for port in (5353, 5354):
+        net.publish(a.name, port, protocol="udp")
+    peers = net.engine.udp_peers
+
+    def flow(owner: int, i: int, port: int) -> bytes:
+        return _FLOW.pack(owner, (0x0a000000 + i).to_bytes(4, "big") + bytes(12), (1024 + i % 60000).to_bytes(2, "big"),
+                          port.to_bytes(2, "big"), 1)
+
+    def theirs(port: int) -> int:
+        return sum(1 for k in peers.keys() if (f := _FLOW.unpack_from(k))[0] == key and f[3] == port.to_bytes(2, "big"))
+
+    # Another sandbox's peers fill the map; this one's go in last (an LRU drops the oldest).
+    others = [flow((1 << 62) + i % 5, i, 7000) for i in range(peers.max_entries - 200)]
+    own = [flow(key, i, 5353 + i % 2) for i in range(200)]
+    peers.update_many([(k, b"\1") for k in others + own])
+    try:
+        kept, other_count = theirs(5354), sum(1 for k in peers.keys() if _FLOW.unpack_from(k)[0] != key)
+        assert theirs(5353) > 0 and kept > 0 and other_count > peers.max_entries // 2
+        calls = []
+        real = bpfsys.bpf
+
+        def counting(cmd, attr, what):
+            calls.append(cmd)
+            return real(cmd, attr, what)
+
+        monkeypatch.setattr(bpfsys, "bpf", counting)
+        net.unpublish(a.name, 5353, protocol="udp")
+        monkeypatch.undo()
+        assert len(calls) < 64, f"{len(calls)} bpf(2) calls"
+        assert theirs(5353) == 0 and theirs(5354) == kept
+        assert sum(1 for k in peers.keys() if _FLOW.unpack_from(k)[0] != key) == other_count
+    finally:
+        monkeypatch.undo()
+        peers.delete_many(others + own)
+
+
 def _published_keys(world) -> list[str]:
     """The comments (`<sandbox>:<port>`) of the DNAT rules in dsecd's table of the world's bridge netns."""
     from dsecd.net.nat import _nft, run
