@@ -495,12 +495,21 @@ static __always_inline int all_zero16(const u8 *a)
 // What arrives for the sandbox's sockets: every packet passes (this is no
 // ingress policy). A UDP datagram to a published UDP port marks its sender
 // as a peer the sandbox may answer (note_udp_peer), unless the sandbox sent
-// it itself: from loopback or to its own address from that address (always
-// allowed anyway). Marking those let one sandbox churn `udp_peers`, an LRU
-// every sandbox shares, with datagrams to itself from thousands of ports
-// until other sandboxes' peers fell out (as `accepted` once was: from_itself).
+// it itself: whatever arrives on its loopback device (only its own netns
+// sends there, whatever source address it wrote: one that can forge a
+// source, with IP_TRANSPARENT or a raw socket, would otherwise mark any
+// address and then send to it), from a loopback address, or to its own
+// address from that address (always allowed anyway). Marking those let one
+// sandbox churn `udp_peers`, an LRU every sandbox shares, with datagrams to
+// itself from thousands of ports until other sandboxes' peers fell out (as
+// `accepted` once was: from_itself).
+#ifndef LOOPBACK_IFINDEX
+#define LOOPBACK_IFINDEX 1   // every netns' lo (include/net/flow.h)
+#endif
 int dsec_ingress(struct __sk_buff *skb)
 {
+    if (skb->ifindex == LOOPBACK_IFINDEX)
+        return 1;
     u64 cg = bpf_skb_ancestor_cgroup_id(skb, sandbox_level());
     u16 ports[2];  // source, destination; network byte order
     struct lpm_key k = {};

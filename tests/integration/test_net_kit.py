@@ -88,6 +88,11 @@ for line in sys.stdin:
                 c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); c.sendto(b"self", (q["host"], q["port"]))
                 s.recvfrom(64); c.close()
             r = {"ok": True}
+        elif op == "udpanswer":   # one datagram to that socket, answered from it: its source and how the answer went
+            s = held[f"udp{q['port']}"]; s.settimeout(q.get("timeout", 2))
+            data, src = s.recvfrom(64); r = {"from": list(src)}
+            try: s.sendto(b"answer", src); r["ok"] = True
+            except OSError as e: r.update(err(e))
         elif op == "icmp":
             s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP); s.settimeout(q.get("timeout", 1))
             s.sendto(bytes([8, 0, 0xf7, 0xfe, 0, 1, 0, 0]), (q["host"], 0))

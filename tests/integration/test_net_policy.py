@@ -546,6 +546,39 @@ def test_a_publish_past_the_udp_published_map_s_size_is_a_limit(world, sandbox):
     assert sorted((p["port"], p["protocol"]) for p in net.show(a.name)["ports"]) == [(5353, "udp"), (8080, "tcp")]
 
 
+def test_a_datagram_on_the_sandbox_s_loopback_marks_no_peer_whatever_its_source(world, sandbox):
+    """Only the sandbox itself sends on its loopback: a datagram there to its
+    published UDP port, from whatever source address, is its own and marks
+    no peer. One with a foreign source (a sandbox with CAP_NET_ADMIN or
+    CAP_NET_RAW in its netns can forge one: IP_TRANSPARENT, a raw socket)
+    marked that address, and the sandbox could then send to it from the
+    port whatever its allowlist said. Sent here from the host side, as
+    root, in the sandbox's netns; to its own address (routed over
+    loopback) and to 127.0.0.1."""
+    import socket
+
+    net = world.net
+    a = sandbox([])
+    own = net.show(a.name)["lease"]["ipv4"].split("/")[0]
+    assert a.ask(op="udpbind", port=5353) == {"ok": True}
+    net.publish(a.name, 5353, protocol="udp")
+    ip_transparent = getattr(socket, "IP_TRANSPARENT", 19)
+
+    def forge(src: tuple[str, int], dst: tuple[str, int]) -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.setsockopt(socket.SOL_IP, ip_transparent, 1)
+            s.bind(src)
+            s.sendto(b"forged", dst)
+
+    for src, dst in ((("203.0.113.7", 40000), (own, 5353)), (("198.51.100.9", 40001), ("127.0.0.1", 5353))):
+        world.in_netns(a.netns, forge, src, dst)
+        assert a.ask(op="udpanswer", port=5353) == {"from": list(src), "errno": "EPERM"}
+    # A datagram from outside still marks its sender.
+    world.in_bridge_netns(forge, (f"10.{world.octet}.0.1", 40002), (own, 5353))
+    assert a.ask(op="udpanswer", port=5353) == {"from": [f"10.{world.octet}.0.1", 40002], "ok": True}
+    net.unpublish(a.name, 5353, protocol="udp")
+
+
 def test_an_unpublish_reads_the_full_udp_peer_map_in_batches(world, sandbox, monkeypatch):
     """`udp_peers` is every sandbox's (65536 entries): an unpublish of a UDP
     port finds the port's peers in it while holding the Network's lock, so
