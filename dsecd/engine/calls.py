@@ -73,6 +73,10 @@ INLINE_MAX = 48 * 1024     # a call packet up to this size carries the request i
 LEFTOVER_RECHECK_S = 0.01
 LEFTOVER_LOOKS = 500
 CLEANUP_RETRY_S = CLEANUP_RETRY_MS / 1000      # the zygote's pace for leftovers that stay, on this route too
+# A dropped call sandbox whose destroy failed (a process it could not kill,
+# a cgroup that would not go) is destroyed again: first this many seconds
+# later, then twice as long each time, up to the second figure.
+DESTROY_RETRY_S = (1.0, 60.0)
 
 
 def fncall_backend(cfg, layout: cgroup.Layout, containers) -> FnCallBackend:
@@ -119,6 +123,7 @@ class CallService:
         # rebuilt or removed since (_image_changed).
         self._rebuilt: dict[str, bool] = {}
         self._sweeper: asyncio.Task | None = None
+        self._closing = asyncio.Event()     # set by close(): a destroy that fails is left to the next start
         if images is not None:
             images.images.changed.append(self._image_changed)
         self.call_stats = {"calls": 0, "inflight": 0, "zygote_calls": 0, "plain_calls": 0, "plain_calls_by_init": 0,
@@ -181,6 +186,7 @@ class CallService:
         return drops
 
     async def close(self) -> None:
+        self._closing.set()
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
@@ -421,18 +427,35 @@ class CallService:
         if mq_fd >= 0:
             os.close(mq_fd)
 
-        async def destroy() -> None:
+        log.info("call sandbox %s was made for a cancelled request: destroying it", box_id)
+        self.workers.loop.create_task(self._destroy_and_give_back(box_id, handle, layers, idmap))
+
+    async def _destroy_and_give_back(self, box_id: str, handle: Handle, layers: list[str], idmap) -> None:
+        """Destroy a call sandbox, then give back its layers, id range and
+        slot of the host. A destroy that fails is tried again (DESTROY_RETRY_S)
+        until it succeeds, with all of them held meanwhile: its processes or
+        groups may still be there. One that fails once the daemon is stopping
+        is left, held, to the next start's sweep of earlier call sandboxes."""
+        delay, longest = DESTROY_RETRY_S
+        while True:
             try:
                 await self.workers.run(self.fncall.destroy_box, box_id, handle)
-            except Exception as err:       # noqa: BLE001 -- the next start's sweep removes what stays
-                log.error("call sandbox %s (its request cancelled): destroy: %s", box_id, err)
-                return
-            self.image_service.layers.release(layers)
-            self.id_ranges.give_back(idmap)
-            self.capacity.release_call_sandbox(box_id)
-
-        log.info("call sandbox %s was made for a cancelled request: destroying it", box_id)
-        self.workers.loop.create_task(destroy())
+                break
+            except Exception as err:       # noqa: BLE001 -- retried, or left to the next start
+                if self._closing.is_set():
+                    log.error("call sandbox %s: destroy failed (%s); the daemon is stopping: its next start "
+                              "removes it", box_id, err)
+                    return
+                log.error("call sandbox %s: destroy failed (%s); its slot, layers and id range stay held, "
+                          "trying again in %g s", box_id, err, delay)
+            try:
+                await asyncio.wait_for(self._closing.wait(), delay)
+            except TimeoutError:
+                pass
+            delay = min(delay * 2, longest)
+        self.image_service.layers.release(layers)
+        self.id_ranges.give_back(idmap)
+        self.capacity.release_call_sandbox(box_id)
 
     async def _zygote(self, box: CallBox) -> Zygote | None:
         if box.zygote is not None and box.zygote.alive:
@@ -562,10 +585,7 @@ class CallService:
         if box.mq_fd >= 0:
             os.close(box.mq_fd)
             box.mq_fd = -1
-        await self.workers.run(self.fncall.destroy_box, box.id, h)
-        self.image_service.layers.release(box.layers)
-        self.id_ranges.give_back(box.idmap)
-        self.capacity.release_call_sandbox(box.id)
+        await self._destroy_and_give_back(box.id, h, box.layers, box.idmap)
 
     # ------------------------------------------------------------ one call
 

@@ -562,3 +562,69 @@ def test_a_dropped_call_sandbox_goes_after_its_plain_calls_clean_ups(monkeypatch
     asyncio.run(go())
     assert steps[-1] == "destroyed" and steps.count("destroyed") == 1, steps
     assert box.free_uids == []
+
+
+def _dropping_node(workers, destroy_box, seen: dict) -> CallService:
+    """A call service whose boxes' destroys are `destroy_box`, recording what it gives back."""
+    fncall = SimpleNamespace(destroy_box=destroy_box)
+    node = _call_node(workers, fncall)
+    node.image_service = SimpleNamespace(layers=SimpleNamespace(release=lambda layers: seen["released"].append(layers)))
+    node.id_ranges = SimpleNamespace(give_back=lambda idmap: seen["given_back"].append(idmap))
+    node.capacity = SimpleNamespace(release_call_sandbox=lambda box_id: seen["slots"].append(box_id))
+    return node
+
+
+def test_a_dropped_call_sandbox_whose_destroy_fails_is_destroyed_again(monkeypatch):
+    """A destroy that fails (a process it could not kill) is tried again; the
+    box's layers, id range and slot of the host are given back once it went,
+    never while it may still be there."""
+    from dsecd.backends.fncall import CallBox
+    from dsecd.engine import calls
+
+    monkeypatch.setattr(calls, "DESTROY_RETRY_S", (0.05, 0.1))
+    seen = {"destroys": 0, "released": [], "given_back": [], "slots": []}
+
+    def destroy_box(box_id, h):
+        seen["destroys"] += 1
+        if seen["destroys"] < 3:
+            raise OSError(16, "Device or resource busy")
+
+    box = CallBox(id="fn-1", image="busybox", layers=["sha256:l1"], handle=SimpleNamespace(), free_uids=[],
+                  idmap="range-1")
+
+    async def go():
+        with _workers() as workers:
+            node = _dropping_node(workers, destroy_box, seen)
+            drop = asyncio.ensure_future(node._drop_box(box, "test"))
+            await _until(lambda: seen["destroys"] >= 2)
+            assert seen["slots"] == [] and seen["given_back"] == []     # held while it may be there
+            await asyncio.wait_for(drop, 5)
+
+    asyncio.run(go())
+    assert seen == {"destroys": 3, "released": [["sha256:l1"]], "given_back": ["range-1"], "slots": ["fn-1"]}
+
+
+def test_a_destroy_that_keeps_failing_does_not_hold_the_daemons_stop(monkeypatch):
+    """At close() a call sandbox that cannot be destroyed is left to the next
+    start's sweep, held: the stop does not wait for it."""
+    from dsecd.backends.fncall import CallBox
+    from dsecd.engine import calls
+
+    monkeypatch.setattr(calls, "DESTROY_RETRY_S", (30.0, 60.0))
+    seen = {"destroys": 0, "released": [], "given_back": [], "slots": []}
+
+    def destroy_box(box_id, h):
+        seen["destroys"] += 1
+        raise OSError(16, "Device or resource busy")
+
+    box = CallBox(id="fn-2", image="busybox", layers=["sha256:l1"], handle=SimpleNamespace(), free_uids=[],
+                  idmap="range-2")
+
+    async def go():
+        with _workers() as workers:
+            node = _dropping_node(workers, destroy_box, seen)
+            node.call_boxes = {"busybox": box}
+            await asyncio.wait_for(node.close(), 5)
+
+    asyncio.run(go())
+    assert seen == {"destroys": 1, "released": [], "given_back": [], "slots": []}
