@@ -54,7 +54,7 @@ import time
 import tty
 from collections.abc import AsyncIterator
 
-from . import cpmerge, fleet_cli, imageconfig, pullview, topview
+from . import cpmerge, fleet_cli, imageconfig, pullview, sigint, topview
 from .client import Client, default_socket, named_as
 from .clitext import (
     UsageError,
@@ -2936,7 +2936,32 @@ class _EndedBySignal(BaseException):
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """`dsec ARGV`: exits with the command's status. A ^C is said and exits
+    130 whenever it comes: held (sigint.py) until the command starts, a
+    KeyboardInterrupt while it runs, held again while dsec says how it
+    ended."""
+    found = signal.getsignal(signal.SIGINT)
+    sigint.hold()          # already, if started by the console script (cliboot)
+    try:
+        _main(sys.argv[1:] if argv is None else list(argv))
+    finally:
+        sigint.restore(found)
+
+
+def _interrupted_before_parsing(argv: list[str]) -> None:
+    """A ^C held while dsec started, said before its arguments are read:
+    they might be wrong, and what they ask is not to be done."""
+    words = _dsec_words(argv)
+    at = find_verb(words)
+    a = argparse.Namespace(json="--json" in words, cmd=words[at] if at is not None else None)
+    _interrupted(a, signal.SIGINT, "interrupted (SIGINT)")
+    print(f"dsec{f' {a.cmd}' if a.cmd else ''}: interrupted (SIGINT)", file=sys.stderr)
+    sys.exit(130)
+
+
+def _main(argv: list[str]) -> None:
+    if sigint.held():
+        _interrupted_before_parsing(argv)
     try:
         a = parse_args(argv)
     except BrokenPipeError:             # --help into a closed pipe
@@ -2950,9 +2975,10 @@ def main(argv: list[str] | None = None) -> None:
         raise
     fail = EXIT_DSEC_ERROR if a.cmd in GIVES_A_STATUS else 1
     try:
-        check_usage(a)
-        status = cmd_rpc(a) if a.cmd == "rpc" else asyncio.run(_run(a))
-        sys.stdout.flush()       # a closed pipe shows here, not at the interpreter's exit
+        with sigint.raised():    # a ^C held since the start raises here: the command does not start
+            check_usage(a)
+            status = cmd_rpc(a) if a.cmd == "rpc" else asyncio.run(_run(a))
+            sys.stdout.flush()   # a closed pipe shows here, not at the interpreter's exit
     except BrokenPipeError as err:
         closed = _closed_outputs()
         if not closed:                   # the daemon's socket broke, not our reader
