@@ -57,7 +57,7 @@ def _set_env(env: dict[str, str], item: str, what: str) -> None:
 
 def create_args(a) -> dict:
     """The create's arguments of `dsec create`, `dsec run` and `dsec fleet
-    create` (cli._create_options), but for image, key, lease and backend."""
+    create` (cliargs._create_options), but for image, key, lease and backend."""
     return dict(cpu=a.cpu, memory=a.memory, pids=a.pids, disk=a.disk, env=env_vars(a),
                 labels=kv(a.label, "--label"), hostname=a.hostname, cwd=a.cwd, user=a.user, qos=a.qos,
                 cpu_quota=a.cpu_quota, ttl=a.ttl, idle_ttl=a.idle_ttl, net=a.net, allow=a.allow,

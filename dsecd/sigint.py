@@ -1,16 +1,17 @@
 """A ^C that comes before `dsec`'s command starts: held, then said as any other.
 
-Before its command starts, `dsec` imports the client (asyncio, the
-protocol: most of its first 150 ms) and parses its arguments. Python's own
-SIGINT handler would raise KeyboardInterrupt inside whichever import was
-running: a traceback, and an exit by the signal. So from the first line of
-dsec's entry module (cliboot.py) SIGINT is only held: cli.main says it as
-it says a ^C during a command (`dsec CMD: interrupted (SIGINT)`, the
---json error, exit 130) instead of starting the command. Inside the
-command (`raised`), SIGINT is Python's KeyboardInterrupt again, which the
-commands and asyncio.run expect. A second ^C while one is held ends dsec
-at once, so a start that hangs (an import from a hung file system) can
-still be stopped.
+Before its command starts, `dsec` parses its arguments and imports the
+client (asyncio, the protocol: most of its start). Python's own SIGINT
+handler would raise KeyboardInterrupt inside whichever import was
+running: a traceback, and an exit by the signal. So from the first line
+of dsec's entry module (cliboot.py) SIGINT is only held, and dsec says it
+as it says a ^C during a command (`dsec CMD: interrupted (SIGINT)`, the
+--json error, exit 130) instead of starting the command: before reading
+the arguments (cliargs.parsed) or as the command would start
+(cli.run_command). Inside the command (`raised`), SIGINT is Python's
+KeyboardInterrupt again, which the commands and asyncio.run expect. A
+second ^C while one is held ends dsec at once, so a start that hangs (an
+import from a hung file system) can still be stopped.
 """
 
 from __future__ import annotations

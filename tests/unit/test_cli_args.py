@@ -1028,3 +1028,10 @@ def test_a_copy_from_a_fifo_nobody_writes_ends_at_sigterm(tmp_path, writer_opens
     finally:
         if writer is not None:
             os.close(writer)
+
+
+def test_the_parser_offers_every_order_dsec_top_has():
+    """cliargs names them so that the parser need not import topview (and asyncio)."""
+    from dsecd import cliargs, topview
+
+    assert sorted(cliargs.TOP_SORTS) == sorted(topview.SORTS)

@@ -1,7 +1,9 @@
-"""A ^C at any moment of a `dsec` command, from the first line of its entry
-point on, is said in one line and exits 130: never a traceback, however
-early it comes (while dsec is still importing its client, parsing its
-arguments, or connecting)."""
+"""`dsec`'s start, through its console script as pip writes it: a ^C at
+any moment of a command, from the first line of its entry point on, is
+said in one line and exits 130, never a traceback, however early it comes
+(while dsec is still importing its client, parsing its arguments, or
+connecting); --help and a usage error import neither the client nor
+asyncio."""
 
 from __future__ import annotations
 
@@ -99,3 +101,18 @@ def test_a_sigint_early_in_a_command_is_said_in_one_line_and_exits_130(tmp_path,
                 assert out == "", (delay_ms, out)
     finally:
         listener.close()
+
+
+@pytest.mark.parametrize("args,status", [(["--help"], 0), (["version"], 2), (["ps", "--help"], 0),
+                                         (["exec", "--help"], 0), (["fleet", "--help"], 0),
+                                         (["top", "--sort", "nosuch"], 2)])
+def test_help_and_usage_errors_import_neither_the_client_nor_asyncio(tmp_path, args, status):
+    script, _ = _console_script(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSEC_")}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), *sys.path]), PYTHONPROFILEIMPORTTIME="1")
+    r = subprocess.run([str(script), *args], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == status, r.stderr
+    imported = {_imported(line) for line in r.stderr.splitlines()} - {None}
+    assert "dsecd.cliargs" in imported
+    assert not imported & {"asyncio", "dsecd.client", "dsecd.protocol", "dsecd.cli", "dsecd.fleet"}, \
+        sorted(m for m in imported if m.startswith("dsecd") or m.startswith("asyncio"))
