@@ -19,7 +19,7 @@ import shlex
 import signal
 import sys
 
-from . import sigint
+from . import __version__, sigint
 from .clitext import print_json as _print_json
 
 EXIT_DSEC_ERROR = 125
@@ -333,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "env DSEC_SSH_CONFIG)")
     p.add_argument("--remote-dsec", metavar="COMMAND", help="the dsec command on remote hosts (env "
                    "DSEC_REMOTE_DSEC; default: dsec on their PATH)")
+    p.add_argument("--version", action="version", version=f"dsec {__version__}",
+                   help="this dsec's version (the daemon's: dsec info)")
     p.set_defaults(json=False)
     sub = p.add_subparsers(dest="cmd", required=True)
 

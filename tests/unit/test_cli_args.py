@@ -1035,3 +1035,12 @@ def test_the_parser_offers_every_order_dsec_top_has():
     from dsecd import cliargs, topview
 
     assert sorted(cliargs.TOP_SORTS) == sorted(topview.SORTS)
+
+
+def test_version_says_dsecs_own(capsys):
+    """`dsec --version`, as most commands take it, rather than a usage error."""
+    import dsecd
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse_args(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"dsec {dsecd.__version__}\n"
