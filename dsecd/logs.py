@@ -10,6 +10,12 @@ dsecd/engine/lifelog.py:
     {"ts": "2026-01-02T03:04:05.678Z", "level": "info", "logger": "dsecd.lifecycle",
      "msg": "sandbox created", "event": "created", "sandbox": "3f2a...", "duration_ms": 41.2}
 
+A record whose message names a sandbox as "sandbox %s" (as most lines about
+one do: `log.error("sandbox %s: ...", sb.id, ...)`) carries that argument
+as its `sandbox` field too, unless the record gives one itself, so a log
+reader can pick one sandbox's lines (`jq 'select(.sandbox == "3f2a...")'`)
+without every such call site repeating the id in `extra`.
+
 A record with an exception carries its traceback in `exc` (one JSON string:
 the line stays one line).
 
@@ -28,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -46,6 +53,27 @@ def _timestamp(created: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created)) + f".{int(created % 1 * 1000):03d}Z"
 
 
+# A printf conversion of a log message (%% included, which takes no argument).
+_CONVERSION = re.compile(r"%(?:%|(?:\([^)]*\))?[-#0 +]*(?:\*|\d+)?(?:\.(?:\*|\d+))?[diouxXeEfFgGcrsa])")
+_NAMES_SANDBOX = "sandbox %s"
+
+
+def sandbox_named(record: logging.LogRecord) -> str | None:
+    """The argument a record's message names as "sandbox %s", if it is a
+    string (a sandbox's or a call sandbox's id); else None."""
+    msg, args = record.msg, record.args
+    if not isinstance(msg, str) or not isinstance(args, tuple) or _NAMES_SANDBOX not in msg:
+        return None
+    at = msg.index(_NAMES_SANDBOX) + len(_NAMES_SANDBOX) - 2
+    i = 0
+    for conv in _CONVERSION.finditer(msg):
+        if conv.start() == at:
+            return args[i] if i < len(args) and isinstance(args[i], str) else None
+        if conv.group() != "%%":
+            i += 1
+    return None
+
+
 def record_fields(record: logging.LogRecord) -> dict:
     """A record as the ordered fields of its line."""
     out = {"ts": _timestamp(record.created), "level": _LEVEL_NAME.get(record.levelno, record.levelname.lower()),
@@ -54,6 +82,10 @@ def record_fields(record: logging.LogRecord) -> dict:
     if extra:
         for key, value in extra.items():
             out[key if key not in out else f"field_{key}"] = value
+    if "sandbox" not in out:
+        sb_id = sandbox_named(record)
+        if sb_id is not None:
+            out["sandbox"] = sb_id
     if record.exc_info:
         out["exc"] = "".join(traceback.format_exception(*record.exc_info)).rstrip()
     elif record.stack_info:

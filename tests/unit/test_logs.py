@@ -102,3 +102,27 @@ def test_setup_refuses_an_unknown_format_or_level():
         logs.make_formatter("xml", False)
     with pytest.raises(ValueError, match="log_level"):
         logs.setup("loud", "json", io.StringIO())
+
+
+def _line(msg, args=(), fields=None) -> dict:
+    rec = logging.LogRecord("dsecd", logging.ERROR, __file__, 1, msg, args, None)
+    if fields is not None:
+        rec.fields = fields
+    return json.loads(logs.JsonFormatter().format(rec))
+
+
+@pytest.mark.parametrize("msg, args, sandbox", [
+    ("sandbox %s: destroy failed (%s)", ("3f2a", "EBUSY"), "3f2a"),
+    ("dropping call sandbox %s of %s: %s", ("fn-1", "py", "idle"), "fn-1"),
+    ("%d%% of %s left; sandbox %s goes", (5, "disk", "ab12"), "ab12"),
+    ("%(n)s seen in sandbox %(sb)s", ({"n": 1, "sb": "ab12"},), None),   # a mapping's: not guessed
+    ("sandbox %s went", (7,), None),                      # not an id
+    ("sandbox %s went", (), None),                        # no argument for it
+    ("%s of sandboxes", ("3",), None),
+])
+def test_a_line_naming_a_sandbox_carries_its_id_as_the_sandbox_field(msg, args, sandbox):
+    assert _line(msg, args).get("sandbox") == sandbox
+
+
+def test_a_records_own_sandbox_field_is_kept():
+    assert _line("sandbox %s moved", ("ab12",), fields={"sandbox": "cd34"})["sandbox"] == "cd34"
